@@ -1,0 +1,46 @@
+"""The vocabulary of pipeline schedules: actions, schedules, lowering, validation,
+generators, CSV interop and the Trace timeline format.
+
+Depends on networkx only, so every other part of pipesim (the simulator, the torch
+executor, the charts) can share it without pulling in each other's dependencies.
+"""
+
+from schedules.action import (
+    ALL_KINDS,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    Action,
+    ActionKind,
+    ActionParseError,
+    parse_action,
+)
+from schedules.generators import GENERATORS, ScheduleUnavailableError, UnknownScheduleError, generate
+from schedules.lowering import lower
+from schedules.metrics import RankMetrics, StepMetrics, makespan, peak_inflight, step_metrics
+from schedules.schedule import Schedule, looped_placement, v_shape_placement
+from schedules.trace import Trace, TraceEvent
+
+__all__ = [
+    "ALL_KINDS",
+    "COMM_KINDS",
+    "COMPUTE_KINDS",
+    "GENERATORS",
+    "Action",
+    "ActionKind",
+    "ActionParseError",
+    "RankMetrics",
+    "Schedule",
+    "ScheduleUnavailableError",
+    "StepMetrics",
+    "Trace",
+    "TraceEvent",
+    "UnknownScheduleError",
+    "generate",
+    "parse_action",
+    "looped_placement",
+    "lower",
+    "makespan",
+    "peak_inflight",
+    "step_metrics",
+    "v_shape_placement",
+]

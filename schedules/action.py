@@ -1,0 +1,121 @@
+"""Actions: the words a pipeline schedule is written in.
+
+The text form is the one ``torch.distributed.pipelining`` dumps and loads
+(``{stage}{KIND}{microbatch}``, e.g. ``0F0``, ``5B3``, ``3SEND_F1``), so a schedule
+written here can be read there and the other way round.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+
+class ActionKind:
+    """What an action does, as the short string of the text form.
+
+    Plain strings, not an ``enum.Enum``: ``Enum.__hash__`` is Python code, and the
+    simulator hashes actions hundreds of thousands of times per run. Compute kinds run
+    on a rank's compute stream; communication kinds move one microbatch's activation
+    or gradient between ranks.
+    """
+
+    F = "F"  # forward
+    B = "B"  # full backward (input and weight gradients together)
+    I = "I"  # noqa: E741  input-gradient backward (zero-bubble split)
+    W = "W"  # weight-gradient backward (zero-bubble split)
+    SEND_F = "SEND_F"  # send this stage's forward output to the next stage
+    RECV_F = "RECV_F"  # receive this stage's forward input from the previous stage
+    SEND_B = "SEND_B"  # send this stage's input gradient to the previous stage
+    RECV_B = "RECV_B"  # receive this stage's output gradient from the next stage
+
+
+COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
+BACKWARD_KINDS = frozenset({ActionKind.B, ActionKind.I})  # send a gradient to stage - 1
+SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
+RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
+COMM_KINDS = SEND_KINDS | RECV_KINDS
+ALL_KINDS = COMPUTE_KINDS | COMM_KINDS
+
+_ACTION_TEXT = re.compile(r"^\s*(\d+)([A-Z_]+?)(\d+)\s*$")
+
+
+class ActionParseError(ValueError):
+    """A piece of text is not an action of the form ``{stage}{KIND}{microbatch}``."""
+
+
+class Action(NamedTuple):
+    """One step of a rank's program: ``kind`` applied to ``microbatch`` on global ``stage``.
+
+    A NamedTuple rather than a dataclass: schedules hold hundreds of thousands of
+    actions and the simulator hashes them on its hot path, where tuples are cheapest.
+    """
+
+    stage: int
+    kind: str  # one of ActionKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+    def peer_stage(self) -> int:
+        """The stage on the other end of a communication action."""
+        if self.kind in (ActionKind.SEND_F, ActionKind.RECV_B):
+            return self.stage + 1
+        if self.kind in (ActionKind.RECV_F, ActionKind.SEND_B):
+            return self.stage - 1
+        raise ValueError(f"{self} is a compute action; it has no peer stage")
+
+    def matching(self) -> Action:
+        """The RECV that completes this SEND, or the SEND that feeds this RECV."""
+        partner = {
+            ActionKind.SEND_F: ActionKind.RECV_F,
+            ActionKind.RECV_F: ActionKind.SEND_F,
+            ActionKind.SEND_B: ActionKind.RECV_B,
+            ActionKind.RECV_B: ActionKind.SEND_B,
+        }.get(self.kind)
+        if partner is None:
+            raise ValueError(f"{self} is a compute action; it has no matching transfer")
+        return Action(self.peer_stage(), partner, self.microbatch)
+
+
+def parse_action(text: str) -> Action:
+    """Parse ``"3SEND_F1"`` into ``Action(3, SEND_F, 1)``; raise naming the bad text."""
+    match = _ACTION_TEXT.match(text)
+    if not match:
+        raise ActionParseError(
+            f"{text!r} is not an action: expected {{stage}}{{KIND}}{{microbatch}} such as "
+            f"'0F0', '5B3' or '3SEND_F1'"
+        )
+    stage, kind_text, microbatch = match.groups()
+    if kind_text not in ALL_KINDS:
+        valid = ", ".join(sorted(ALL_KINDS))
+        raise ActionParseError(f"{text!r} has unknown kind {kind_text!r}; valid kinds: {valid}")
+    return Action(int(stage), kind_text, int(microbatch))
+
+
+def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the text form
+    """Forward of ``microbatch`` on ``stage``."""
+    return Action(stage, ActionKind.F, microbatch)
+
+
+def B(stage: int, microbatch: int) -> Action:  # noqa: N802
+    """Full backward of ``microbatch`` on ``stage``."""
+    return Action(stage, ActionKind.B, microbatch)
+
+
+def I(stage: int, microbatch: int) -> Action:  # noqa: N802, E741, E743
+    """Input-gradient backward of ``microbatch`` on ``stage``."""
+    return Action(stage, ActionKind.I, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:  # noqa: N802
+    """Weight-gradient backward of ``microbatch`` on ``stage``."""
+    return Action(stage, ActionKind.W, microbatch)

@@ -1,0 +1,109 @@
+"""Metrics of a step, computed from its Trace alone.
+
+Because they never look inside the simulator or the executor, the same functions
+score a prediction and a measurement, and the two can be compared number for number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from schedules.action import ActionKind
+from schedules.trace import Trace
+
+
+@dataclass(frozen=True)
+class RankMetrics:
+    """What one rank did during the step.
+
+    ``busy``: seconds of compute. ``idle``: makespan minus busy. ``comm``: seconds its
+    outgoing transfers spent between leaving and arriving. ``exposed_comm``: seconds the
+    rank sat blocked on a receive (communication it could not hide).
+    ``peak_inflight_microbatches``: most forward activation stashes held at once, in
+    units of one microbatch on the rank's whole share of the model (a chunk of an
+    interleaved rank counts ``1/v``)."""
+
+    rank: int
+    busy: float
+    idle: float
+    comm: float
+    exposed_comm: float
+    peak_inflight_microbatches: float
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """Whole-step numbers: ``makespan`` (step time, seconds) and ``bubble_fraction``
+    ``1 - sum(compute) / (ranks * makespan)``, plus one ``RankMetrics`` per rank."""
+
+    makespan: float
+    bubble_fraction: float
+    ranks: tuple[RankMetrics, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "makespan": self.makespan,
+            "bubble_fraction": self.bubble_fraction,
+            "ranks": [asdict(rank) for rank in self.ranks],
+        }
+
+
+def makespan(trace: Trace) -> float:
+    """Seconds from the first event's start to the last event's end."""
+    if not trace.events:
+        return 0.0
+    return max(event.end for event in trace.events) - min(event.start for event in trace.events)
+
+
+def peak_inflight(trace: Trace, rank: int, chunks_per_rank: int = 1) -> float:
+    """Most forward stashes held at once on ``rank``: a stash is taken when a forward
+    starts and released when the last backward piece of that stage and microbatch
+    (B, or W when the backward is split) ends. At equal times releases count first."""
+    events = [e for e in trace.of_rank(rank) if e.stream == "compute"]
+    has_weight_pass = {(e.stage, e.microbatch) for e in events if e.kind == ActionKind.W}
+    changes = []
+    for event in events:
+        key = (event.stage, event.microbatch)
+        if event.kind == ActionKind.F:
+            changes.append((event.start, 1))
+        elif event.kind == ActionKind.W or (
+            event.kind in (ActionKind.B, ActionKind.I) and key not in has_weight_pass
+        ):
+            changes.append((event.end, -1))
+    changes.sort()
+    held = peak = 0
+    for _, change in changes:
+        held += change
+        peak = max(peak, held)
+    return peak / chunks_per_rank
+
+
+def step_metrics(trace: Trace, chunks_per_rank: int | None = None) -> StepMetrics:
+    """All metrics of a step. ``chunks_per_rank`` defaults to ``meta["virtual_stages"]``."""
+    chunks = chunks_per_rank or int(trace.meta.get("virtual_stages", 1))
+    span = makespan(trace)
+    ranks = trace.num_ranks
+    busy = [0.0] * ranks
+    comm = [0.0] * ranks
+    exposed = [0.0] * ranks
+    for event in trace.events:
+        if event.stream == "compute":
+            busy[event.rank] += event.duration
+        elif event.stream == "send":
+            comm[event.rank] += event.duration
+        elif event.stream == "recv":
+            exposed[event.rank] += event.duration
+    total_busy = sum(busy)
+    bubble = 1.0 - total_busy / (ranks * span) if span > 0 else 0.0
+    per_rank = tuple(
+        RankMetrics(
+            rank=rank,
+            busy=busy[rank],
+            idle=span - busy[rank],
+            comm=comm[rank],
+            exposed_comm=exposed[rank],
+            peak_inflight_microbatches=peak_inflight(trace, rank, chunks),
+        )
+        for rank in range(ranks)
+    )
+    return StepMetrics(makespan=span, bubble_fraction=bubble, ranks=per_rank)

@@ -1,0 +1,113 @@
+"""The schedule object: per-rank programs plus the placement of stages on ranks.
+
+A ``Schedule`` is plain data. Generators build one, passes (lowering, validation,
+CSV) transform or check one, and the simulator and executor both walk the *same*
+lowered programs, so what is predicted is exactly what is run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from schedules.action import COMM_KINDS, Action
+
+
+def looped_placement(pp: int, virtual_stages: int) -> tuple[int, ...]:
+    """Stage ``s`` on rank ``s % pp`` (Megatron's interleaving): rank r holds r, r+pp, ..."""
+    return tuple(stage % pp for stage in range(pp * virtual_stages))
+
+
+def v_shape_placement(pp: int, virtual_stages: int) -> tuple[int, ...]:
+    """Stages go down the ranks and back up (0..p-1, p-1..0, ...), as zero-bubble V
+    schedules place them, so the last stage sits beside the first."""
+    placement = []
+    for chunk in range(virtual_stages):
+        ranks = range(pp) if chunk % 2 == 0 else range(pp - 1, -1, -1)
+        placement.extend(ranks)
+    return tuple(placement)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: which rank runs which action, in which order.
+
+    ``placement[stage]`` is the rank that holds ``stage``; ``programs[rank]`` is that
+    rank's ordered actions. ``name`` is the generator that built it (or the file it
+    came from) and is carried into results so they say what they measured.
+    """
+
+    pp: int
+    microbatches: int
+    placement: tuple[int, ...]
+    programs: tuple[tuple[Action, ...], ...]
+    name: str = "custom"
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        # Normalise lists handed in by callers so a Schedule is hashable, immutable data.
+        object.__setattr__(self, "placement", tuple(self.placement))
+        object.__setattr__(self, "programs", tuple(tuple(program) for program in self.programs))
+        if self.pp < 1:
+            raise ValueError(f"a schedule needs at least one pipeline rank, got pp={self.pp}")
+        if self.microbatches < 1:
+            raise ValueError(f"a schedule needs at least one microbatch, got {self.microbatches}")
+        if len(self.programs) != self.pp:
+            raise ValueError(f"pp={self.pp} ranks but {len(self.programs)} programs were given")
+        if not self.placement:
+            raise ValueError("a schedule needs at least one stage in its placement")
+        for stage, rank in enumerate(self.placement):
+            if not 0 <= rank < self.pp:
+                raise ValueError(f"stage {stage} is placed on rank {rank}, outside 0..{self.pp - 1}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per rank (model chunks), when every rank holds the same number."""
+        return self.num_stages // self.pp
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages held by ``rank``, ascending."""
+        return tuple(stage for stage, owner in enumerate(self.placement) if owner == rank)
+
+    @property
+    def is_lowered(self) -> bool:
+        """Whether the programs already carry their SEND/RECV actions."""
+        return any(action.kind in COMM_KINDS for program in self.programs for action in program)
+
+    @property
+    def num_actions(self) -> int:
+        return sum(len(program) for program in self.programs)
+
+    def compute_only(self) -> Schedule:
+        """The same schedule with communication actions removed."""
+        programs = tuple(
+            tuple(action for action in program if action.kind not in COMM_KINDS)
+            for program in self.programs
+        )
+        return self.with_programs(programs)
+
+    def with_programs(self, programs: Sequence[Sequence[Action]]) -> Schedule:
+        """A copy of this schedule with other programs (same ranks, stages, placement)."""
+        return Schedule(
+            pp=self.pp,
+            microbatches=self.microbatches,
+            placement=self.placement,
+            programs=tuple(tuple(program) for program in programs),
+            name=self.name,
+            meta=dict(self.meta),
+        )
+
+    def describe(self) -> str:
+        """A readable listing of every rank's program, one rank a line."""
+        width = len(str(self.pp - 1))
+        lines = [
+            f"{self.name}: pp={self.pp}, stages={self.num_stages}, "
+            f"microbatches={self.microbatches}, actions={self.num_actions}"
+        ]
+        for rank, program in enumerate(self.programs):
+            lines.append(f"rank {rank:>{width}}: " + " ".join(str(action) for action in program))
+        return "\n".join(lines)

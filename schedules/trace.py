@@ -1,0 +1,95 @@
+"""Trace: the one timeline format, shared by predicted and measured runs.
+
+``{"meta": {...}, "events": [{"rank", "action", "kind", "stage", "microbatch",
+"start", "end", "stream"}]}`` with times in seconds. Metrics, charts and comparisons
+read Traces only, so the simulator and the executor are interchangeable sources.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from schedules.action import Action
+
+STREAMS = ("compute", "send", "recv")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEvent:
+    """One timed action on one rank. ``stream`` says which engine it occupied:
+    ``compute`` for F/B/I/W, ``send`` for a transfer leaving the rank (start to
+    arrival), ``recv`` for time the rank spent blocked waiting for data."""
+
+    rank: int
+    action: str
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    stream: str
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @classmethod
+    def of(cls, rank: int, action: Action, start: float, end: float, stream: str) -> TraceEvent:
+        """An event for ``action``, filling the derived text fields."""
+        return cls(rank, str(action), action.kind, action.stage, action.microbatch, start, end, stream)
+
+
+@dataclass
+class Trace:
+    """A timeline of one pipeline step. ``meta`` holds at least ``pp`` (ranks) and
+    ``source`` (``simulated`` or ``measured``)."""
+
+    events: list[TraceEvent]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks the step ran on, including any that recorded no event."""
+        recorded = max((event.rank for event in self.events), default=-1) + 1
+        return max(int(self.meta.get("pp", 0)), recorded)
+
+    def of_rank(self, rank: int) -> list[TraceEvent]:
+        return [event for event in self.events if event.rank == rank]
+
+    def to_dict(self) -> dict:
+        return {"meta": self.meta, "events": [asdict(event) for event in self.events]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Trace:
+        try:
+            events = [TraceEvent(**event) for event in data["events"]]
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a pipesim Trace (events need {', '.join(TraceEvent.__slots__)}): {error}") from error
+        return cls(events, dict(data.get("meta", {})))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def shifted(self, offset: float) -> Trace:
+        """The same trace with every time moved by ``offset`` (aligning a step to 0)."""
+        events = [
+            TraceEvent(e.rank, e.action, e.kind, e.stage, e.microbatch, e.start + offset, e.end + offset, e.stream)
+            for e in self.events
+        ]
+        return Trace(events, dict(self.meta))
+
+    @classmethod
+    def merge(cls, parts: Iterable[Trace], meta: dict | None = None) -> Trace:
+        """One trace from the traces each rank recorded."""
+        events: list[TraceEvent] = []
+        for part in parts:
+            events.extend(part.events)
+        events.sort(key=lambda event: (event.start, event.rank))
+        return cls(events, dict(meta or {}))
