@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from schedules.action import ActionKind
-from schedules.trace import Trace
+from schedules.trace import Trace, TraceEvent
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,16 @@ def makespan(trace: Trace) -> float:
 
 
 def peak_inflight(trace: Trace, rank: int, chunks_per_rank: int = 1) -> float:
-    """Most forward stashes held at once on ``rank``: a stash is taken when a forward
-    starts and released when the last backward piece of that stage and microbatch
-    (B, or W when the backward is split) ends. At equal times releases count first."""
-    events = [e for e in trace.of_rank(rank) if e.stream == "compute"]
+    """Most forward stashes held at once on ``rank`` (see ``peak_inflight_of_events``)."""
+    return peak_inflight_of_events(trace.of_rank(rank), chunks_per_rank)
+
+
+def peak_inflight_of_events(rank_events: list[TraceEvent], chunks_per_rank: int = 1) -> float:
+    """A stash is taken when a forward starts and released when the last backward piece
+    of that stage and microbatch (B, or W when the backward is split) ends. At equal
+    times releases count first, as memory freed by a backward is reused by the next
+    forward."""
+    events = [e for e in rank_events if e.stream == "compute"]
     has_weight_pass = {(e.stage, e.microbatch) for e in events if e.kind == ActionKind.W}
     changes = []
     for event in events:
@@ -102,8 +108,8 @@ def step_metrics(trace: Trace, chunks_per_rank: int | None = None) -> StepMetric
             idle=span - busy[rank],
             comm=comm[rank],
             exposed_comm=exposed[rank],
-            peak_inflight_microbatches=peak_inflight(trace, rank, chunks),
+            peak_inflight_microbatches=peak_inflight_of_events(events_of_rank, chunks),
         )
-        for rank in range(ranks)
+        for rank, events_of_rank in enumerate(trace.by_rank())
     )
     return StepMetrics(makespan=span, bubble_fraction=bubble, ranks=per_rank)
