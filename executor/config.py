@@ -1,0 +1,129 @@
+"""What one pipelined run is asked to do: the schedule, the model, the data, the optimizer.
+
+Plain data with no torch import, so the command line can build and check a config (and
+pickle it to every rank) without loading torch until a run really starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schedules.schedule import Schedule
+
+MODELS = ("mlp", "gpt")
+OPTIMIZERS = ("sgd", "adamw")
+BACKENDS = ("auto", "gloo", "nccl")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+FAILURE_MODES = ("raise", "kill")
+
+
+class ConfigError(ValueError):
+    """A run was asked for with values that cannot work; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a rank needs to run its share of a pipelined training step.
+
+    ``layout`` gives the number of model layers on each stage (``pp * virtual_stages``
+    entries, summing to ``layers``); ``None`` splits them as evenly as possible.
+    ``custom_schedule`` runs a given ``Schedule`` (compute-only or lowered, e.g. read
+    from CSV) instead of generating ``schedule``; its pp and microbatches must match.
+    ``inject_failure`` (``"RANK:ACTION:MODE"``, e.g. ``"1:1B0:kill"``) makes that rank
+    raise or die just before that action of the first step: it exists so the failure
+    path can be tested and demonstrated, never set it in a real run.
+    """
+
+    schedule: str = "1f1b"
+    pp: int = 2
+    microbatches: int = 4
+    virtual_stages: int = 1
+    model: str = "mlp"
+    layers: int = 4
+    hidden: int = 64
+    batch_size: int = 8
+    seq_len: int = 16
+    vocab: int = 128
+    heads: int = 4
+    steps: int = 1
+    seed: int = 0
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    dtype: str = "float32"
+    backend: str = "auto"
+    timeout: float = 60.0
+    threads: int = 1
+    layout: tuple[int, ...] | None = None
+    inject_failure: str | None = None
+    return_grads: bool = False
+    custom_schedule: Schedule | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` naming the flag when a value cannot work."""
+        for flag, value in (("--pp", self.pp), ("--microbatches", self.microbatches),
+                            ("--virtual-stages", self.virtual_stages), ("--layers", self.layers),
+                            ("--hidden", self.hidden), ("--batch-size", self.batch_size),
+                            ("--steps", self.steps), ("--threads", self.threads)):
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {value}")
+        for flag, value, valid in (("--model", self.model, MODELS), ("--optimizer", self.optimizer, OPTIMIZERS),
+                                   ("--backend", self.backend, BACKENDS), ("--dtype", self.dtype, DTYPES)):
+            if value not in valid:
+                raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(valid)}")
+        if self.batch_size < self.microbatches:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} cannot be cut into {self.microbatches} microbatches; "
+                f"use --batch-size >= {self.microbatches}"
+            )
+        if self.timeout <= 0:
+            raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout}")
+        if self.model == "gpt" and self.hidden % self.heads:
+            raise ConfigError(f"--hidden {self.hidden} must be a multiple of --heads {self.heads}")
+        if self.layout is not None:
+            if len(self.layout) != self.num_stages or sum(self.layout) != self.layers or min(self.layout) < 0:
+                raise ConfigError(
+                    f"--layout {','.join(map(str, self.layout))} must give {self.num_stages} stage sizes "
+                    f"(pp x virtual stages) that are >= 0 and sum to --layers {self.layers}"
+                )
+        elif self.layers < self.num_stages and self.model == "mlp":
+            raise ConfigError(
+                f"--layers {self.layers} cannot fill {self.num_stages} stages of an mlp; "
+                f"use --layers >= {self.num_stages} or give a --layout"
+            )
+        if self.custom_schedule is not None:
+            custom = self.custom_schedule
+            if (custom.pp, custom.microbatches, custom.num_stages) != (self.pp, self.microbatches, self.num_stages):
+                raise ConfigError(
+                    f"schedule {custom.name!r} has pp={custom.pp}, microbatches={custom.microbatches}, "
+                    f"stages={custom.num_stages}; the run asks for pp={self.pp}, "
+                    f"microbatches={self.microbatches}, stages={self.num_stages}"
+                )
+        if self.inject_failure is not None:
+            parse_failure(self.inject_failure)
+
+
+def parse_failure(text: str) -> tuple[int, str, str]:
+    """``"1:1B0:kill"`` -> ``(1, "1B0", "kill")``; raise naming the expected form."""
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or parts[2] not in FAILURE_MODES:
+        raise ConfigError(
+            f"--inject-failure {text!r} must be RANK:ACTION:MODE with MODE one of "
+            f"{', '.join(FAILURE_MODES)}, e.g. '1:1B0:kill'"
+        )
+    return int(parts[0]), parts[1], parts[2]
+
+
+def even_layout(layers: int, stages: int) -> tuple[int, ...]:
+    """Layers per stage as even as possible; the extra layers go to the middle stages,
+    because the first stage also holds the embedding and the last the head and loss."""
+    base, extra = divmod(layers, stages)
+    sizes = [base] * stages
+    order = sorted(range(stages), key=lambda stage: (stage in (0, stages - 1), abs(stage - (stages - 1) / 2)))
+    for stage in order[:extra]:
+        sizes[stage] += 1
+    return tuple(sizes)

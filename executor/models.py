@@ -1,0 +1,202 @@
+"""Models the executor can pipeline: the built-in MLP and GPT, and the interface a user
+implements to pipeline their own ``nn.Module`` stages.
+
+Every layer is initialised from ``(seed, layer index)`` alone, so a stage built on any
+rank, for any split, holds exactly the weights the one-process reference holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
+from torch import nn
+
+from executor.config import RunConfig, even_layout
+
+
+@contextmanager
+def seeded(seed: int, component: int) -> Iterator[None]:
+    """Build one component from its own seed without disturbing the caller's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + component)
+        yield
+
+
+class PipelineModel:
+    """What the executor needs to know about a model to pipeline it.
+
+    Subclass it (at module level, so it can be pickled to each rank) to run your own
+    stages: ``build_stage`` returns stage ``stage``'s module, ``boundary_shape`` the shape
+    of the activation passed between stages (known ahead, so ranks never exchange
+    shapes), ``make_batch`` one step's inputs and targets, ``loss_sum`` the loss *summed*
+    over the samples of a microbatch (the executor divides by the batch size, so the
+    gradients are those of the mean loss over the whole batch).
+    """
+
+    def build_stage(self, stage: int, num_stages: int) -> nn.Module:
+        raise NotImplementedError
+
+    def boundary_shape(self, microbatch_size: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def make_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Stage(nn.Module):
+    """A contiguous slice of a layered model: optional input layer, blocks, optional head."""
+
+    def __init__(self, embed: nn.Module | None, blocks: list[nn.Module], head: nn.Module | None) -> None:
+        super().__init__()
+        self.embed = embed
+        self.blocks = nn.ModuleList(blocks)
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+
+class LayeredModel(PipelineModel):
+    """A model made of ``config.layers`` blocks, cut into stages by ``config.layout``."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.dtype = getattr(torch, config.dtype)
+        self.layout = config.layout or even_layout(config.layers, config.num_stages)
+
+    def first_block(self, stage: int) -> int:
+        return sum(self.layout[:stage])
+
+    def build_stage(self, stage: int, num_stages: int) -> nn.Module:
+        first = self.first_block(stage)
+        seed = self.config.seed
+        embed = head = None
+        if stage == 0:
+            with seeded(seed, 0):
+                embed = self.make_embed()
+        blocks = []
+        for index in range(first, first + self.layout[stage]):
+            with seeded(seed, 1 + index):
+                blocks.append(self.make_block())
+        if stage == num_stages - 1:
+            with seeded(seed, 1 + self.config.layers):
+                head = self.make_head()
+        return Stage(embed, blocks, head).to(self.dtype)
+
+    def make_embed(self) -> nn.Module | None:
+        return None
+
+    def make_block(self) -> nn.Module:
+        raise NotImplementedError
+
+    def make_head(self) -> nn.Module | None:
+        return None
+
+    def generator(self, step: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.config.seed * 7919 + step)
+
+
+class MlpModel(LayeredModel):
+    """``layers`` blocks of Linear + tanh on ``hidden`` features, mean-squared error
+    against a random target: the smallest model that still has every pipeline edge."""
+
+    def make_block(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(self.config.hidden, self.config.hidden), nn.Tanh())
+
+    def boundary_shape(self, microbatch_size: int) -> tuple[int, ...]:
+        return (microbatch_size, self.config.hidden)
+
+    def make_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = self.generator(step)
+        shape = (batch_size, self.config.hidden)
+        inputs = torch.randn(shape, generator=generator).to(self.dtype)
+        targets = torch.randn(shape, generator=generator).to(self.dtype)
+        return inputs, targets
+
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output - target).pow(2).mean(dim=1).sum()
+
+
+class Block(nn.Module):
+    """A pre-norm decoder block: causal self-attention then a 4x MLP, both residual."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(hidden, dim=2)
+        q, k, v = (t.view(batch, seq, self.heads, hidden // self.heads).transpose(1, 2) for t in (q, k, v))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, seq, hidden))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding: the first stage's input layer."""
+
+    def __init__(self, vocab: int, seq_len: int, hidden: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, hidden)
+        self.positions = nn.Embedding(seq_len, hidden)
+        nn.init.normal_(self.tokens.weight, std=1 / math.sqrt(hidden))
+        nn.init.normal_(self.positions.weight, std=1 / math.sqrt(hidden))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tokens(tokens) + self.positions(positions)
+
+
+class GptModel(LayeredModel):
+    """A small decoder-only transformer: embedding on the first stage, blocks split
+    across stages, final norm + vocabulary head and next-token loss on the last."""
+
+    def make_embed(self) -> nn.Module:
+        return Embedding(self.config.vocab, self.config.seq_len, self.config.hidden)
+
+    def make_block(self) -> nn.Module:
+        return Block(self.config.hidden, self.config.heads)
+
+    def make_head(self) -> nn.Module:
+        return nn.Sequential(nn.LayerNorm(self.config.hidden), nn.Linear(self.config.hidden, self.config.vocab))
+
+    def boundary_shape(self, microbatch_size: int) -> tuple[int, ...]:
+        return (microbatch_size, self.config.seq_len, self.config.hidden)
+
+    def make_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(self.config.vocab, (batch_size, self.config.seq_len + 1), generator=self.generator(step))
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # Mean over tokens of each sequence, summed over sequences: divided by the batch
+        # size this is the mean next-token loss of the whole batch.
+        losses = F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="sum")
+        return losses / self.config.seq_len
+
+
+BUILT_IN = {"mlp": MlpModel, "gpt": GptModel}
+
+
+def build_model(config: RunConfig) -> PipelineModel:
+    """The built-in model named by ``config.model``."""
+    return BUILT_IN[config.model](config)

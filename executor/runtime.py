@@ -1,0 +1,206 @@
+"""The runtime: one rank walks its lowered program, one handler per action kind.
+
+``F`` runs a stage forward and stashes what its backward needs; ``B`` runs the full
+backward; ``I`` computes only the input gradient (keeping the graph for ``W``) and ``W``
+the weight gradients, so zero-bubble schedules run unchanged. Communication actions are
+posted in program order (a run of consecutive ones as one batch); a receive is waited
+on at once, because the next compute action needs its data, while sends complete in the
+background and are timed when they are seen to finish. Stashes are dropped as soon as
+the backward that needed them is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from executor.comm import PeerLinks, Pending
+from executor.models import PipelineModel
+from schedules.action import Action, ActionKind
+from schedules.schedule import Schedule
+from schedules.trace import TraceEvent
+
+SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
+COMM = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
+Key = tuple[int, int]  # (stage, microbatch)
+
+
+def program_items(program: tuple[Action, ...]) -> list[Action | list[Action]]:
+    """The program with each run of consecutive communication actions grouped, since
+    a group is posted as one batch."""
+    items: list[Action | list[Action]] = []
+    for action in program:
+        if action.kind in COMM:
+            if items and isinstance(items[-1], list):
+                items[-1].append(action)
+            else:
+                items.append([action])
+        else:
+            items.append(action)
+    return items
+
+
+class PipelineRuntime:
+    """Runs one rank's share of a training step, action by action, and times each one."""
+
+    def __init__(self, rank: int, schedule: Schedule, stages: dict[int, nn.Module], model: PipelineModel,
+                 links: PeerLinks | None, clock: Any, batch_size: int,
+                 before_action: Callable[[Action], None] | None = None) -> None:
+        self.rank = rank
+        self.schedule = schedule
+        self.stages = stages
+        self.model = model
+        self.links = links
+        self.clock = clock
+        self.batch_size = batch_size
+        self.before_action = before_action
+        self.last_stage = schedule.num_stages - 1
+        self.items = program_items(schedule.programs[rank])
+        self.handlers: dict[str, Callable[[Action], None]] = {
+            ActionKind.F: self.forward,
+            ActionKind.B: self.backward,
+            ActionKind.I: self.input_grad,
+            ActionKind.W: self.weight_grad,
+        }
+        self.current: Action | None = None
+
+    # -- the walk -------------------------------------------------------------------
+
+    def run_step(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[torch.Tensor, list]:
+        """Run the program once over these microbatches; return this rank's share of the
+        loss (non-zero on the last stage only) and the timed events."""
+        self.inputs, self.targets = inputs, targets
+        self.forward_inputs: dict[Key, torch.Tensor] = {}  # input of F(stage, mb)
+        self.output_grads: dict[Key, torch.Tensor] = {}  # gradient of F(stage, mb)'s output
+        self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # what SEND_F / SEND_B will send
+        self.stash: dict[Key, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.weight_work: dict[Key, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.pending: list[Pending] = []
+        self.marks: list[tuple[Action, Any, Any, str]] = []
+        param = next((p for stage in self.stages.values() for p in stage.parameters()), None)
+        self.loss = torch.zeros((), dtype=param.dtype if param is not None else torch.float32,
+                                device=param.device if param is not None else None)
+        self.clock.start_step()
+        for item in self.items:
+            if isinstance(item, list):
+                self.communicate(item)
+            else:
+                self.current = item
+                if self.before_action is not None:
+                    self.before_action(item)
+                start = self.clock.mark()
+                self.handlers[item.kind](item)
+                self.marks.append((item, start, self.clock.mark(), "compute"))
+            if self.pending:
+                self.poll_sends()
+        self.finish_sends()
+        self.current = None
+        leftover = len(self.stash) + len(self.weight_work)
+        if leftover:
+            raise RuntimeError(f"rank {self.rank}: {leftover} forward stashes were never consumed by a backward")
+        events = [TraceEvent.of(self.rank, action, self.clock.seconds(start), self.clock.seconds(end), stream)
+                  for action, start, end, stream in self.marks]
+        return self.loss, events
+
+    # -- compute --------------------------------------------------------------------
+
+    def forward(self, action: Action) -> None:
+        stage, microbatch = action.stage, action.microbatch
+        if stage == 0:
+            x = self.inputs[microbatch]
+        else:
+            x = self.forward_inputs.pop((stage, microbatch)).requires_grad_(True)
+        output = self.stages[stage](x)
+        if stage == self.last_stage:
+            output = self.model.loss_sum(output, self.targets[microbatch]) / self.batch_size
+            self.loss += output.detach()
+        elif self.schedule.placement[stage + 1] == self.rank:
+            self.forward_inputs[(stage + 1, microbatch)] = output.detach()
+        else:
+            self.outbox[(ActionKind.SEND_F, stage, microbatch)] = output.detach()
+        self.stash[(stage, microbatch)] = (x if stage > 0 else None, output)
+
+    def backward(self, action: Action) -> None:
+        x, output = self.stash.pop((action.stage, action.microbatch))
+        torch.autograd.backward(output, self.output_grad(action))
+        if x is not None:
+            self.deliver_input_grad(action, x.grad)
+
+    def input_grad(self, action: Action) -> None:
+        x, output = self.stash.pop((action.stage, action.microbatch))
+        grad = self.output_grad(action)
+        if x is not None:
+            (input_grad,) = torch.autograd.grad(output, [x], grad, retain_graph=True)
+            self.deliver_input_grad(action, input_grad)
+        self.weight_work[(action.stage, action.microbatch)] = (output, grad)
+
+    def weight_grad(self, action: Action) -> None:
+        output, grad = self.weight_work.pop((action.stage, action.microbatch))
+        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
+        torch.autograd.backward(output, grad, inputs=params)
+
+    def output_grad(self, action: Action) -> torch.Tensor | None:
+        """The gradient flowing into this stage's output (none for the loss itself)."""
+        if action.stage == self.last_stage:
+            return None
+        return self.output_grads.pop((action.stage, action.microbatch))
+
+    def deliver_input_grad(self, action: Action, grad: torch.Tensor) -> None:
+        stage, microbatch = action.stage, action.microbatch
+        if self.schedule.placement[stage - 1] == self.rank:
+            self.output_grads[(stage - 1, microbatch)] = grad
+        else:
+            self.outbox[(ActionKind.SEND_B, stage, microbatch)] = grad
+
+    # -- communication --------------------------------------------------------------
+
+    def communicate(self, group: list[Action]) -> None:
+        """Post a run of SEND/RECV actions as one batch, then wait for its receives."""
+        ops = []
+        for action in group:
+            self.current = action
+            if self.before_action is not None:
+                self.before_action(action)
+            if action.kind in SENDS:
+                tensor = self.outbox.pop((action.kind, action.stage, action.microbatch))
+            else:
+                tensor = self.links.buffer(action)
+            ops.append((action, tensor))
+        start = self.clock.mark()
+        works = self.links.post(ops)
+        paired = len(works) == len(ops)
+        for index, (action, tensor) in enumerate(ops):
+            if action.kind in SENDS:
+                self.pending.append(Pending(action, [works[index]] if paired else works, tensor, start))
+        for index, (action, tensor) in enumerate(ops):
+            if action.kind in SENDS:
+                continue
+            self.current = action
+            for work in [works[index]] if paired else works:
+                work.wait()
+            self.marks.append((action, start, self.clock.mark(), "recv"))
+            if action.kind == ActionKind.RECV_F:
+                self.forward_inputs[(action.stage, action.microbatch)] = tensor
+            else:
+                self.output_grads[(action.stage, action.microbatch)] = tensor
+
+    def poll_sends(self) -> None:
+        """Time sends that have completed since the last look."""
+        still = []
+        for pending in self.pending:
+            if all(work.is_completed() for work in pending.work):
+                self.marks.append((pending.action, pending.start, self.clock.mark(), "send"))
+            else:
+                still.append(pending)
+        self.pending = still
+
+    def finish_sends(self) -> None:
+        for pending in self.pending:
+            self.current = pending.action
+            for work in pending.work:
+                work.wait()
+            self.marks.append((pending.action, pending.start, self.clock.mark(), "send"))
+        self.pending = []
