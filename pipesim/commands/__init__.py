@@ -1,0 +1,1 @@
+"""Subcommands of ``pipesim``; each module exposes ``register(subparsers)``."""

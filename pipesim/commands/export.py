@@ -1,0 +1,33 @@
+"""``pipesim export``: write a generated schedule as CSV for torch.distributed.pipelining."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipesim.commands.options import add_schedule_args, schedule_from_args
+from schedules.lowering import lower
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export", help="write a schedule as CSV (torch.distributed.pipelining format)",
+        description="Write a schedule as CSV: one row per rank, one action per cell.",
+    )
+    add_schedule_args(parser, allow_file=False)
+    parser.add_argument("--out", required=True, help="CSV file to write")
+    parser.add_argument("--lowered", action="store_true", help="include the SEND/RECV actions")
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from schedules.csv_io import schedule_to_csv
+    from schedules.validate import validate
+
+    schedule = schedule_from_args(args)
+    if args.lowered:
+        schedule = lower(schedule)
+    validate(schedule)
+    schedule_to_csv(schedule, args.out)
+    print(f"wrote {args.out}: {schedule.name}, pp={schedule.pp}, stages={schedule.num_stages}, "
+          f"microbatches={schedule.microbatches}, {schedule.num_actions} actions")
+    return 0

@@ -1,0 +1,43 @@
+"""``pipesim show``: print a schedule's programs and its timeline in the terminal."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipesim.commands.options import add_schedule_args, schedule_from_args
+from pipesim.costs import uniform_costs
+from pipesim.engine import simulate
+from pipesim.text_timeline import text_timeline
+from pipesim.topology import ideal_topology
+from schedules.lowering import lower
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "show", help="print a schedule's per-rank programs and timeline",
+        description="Print each rank's program and a text timeline with unit costs (F=1, B=2 per rank).",
+    )
+    add_schedule_args(parser)
+    parser.add_argument("--lowered", action="store_true", help="list the programs with their SEND/RECV actions")
+    parser.add_argument("--width", type=int, default=160, help="timeline width in characters (default: 160)")
+    parser.add_argument("--html", help="also write the unit-cost Gantt chart")
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from schedules.validate import validate
+
+    schedule = schedule_from_args(args)
+    lowered = lower(schedule)
+    validate(lowered)
+    print((lowered if args.lowered else schedule).describe())
+    costs = uniform_costs(schedule.num_stages, 1.0, 2.0, virtual_stages=schedule.virtual_stages)
+    trace = simulate(lowered, costs, ideal_topology())
+    print()
+    print(text_timeline(trace, width=args.width))
+    if args.html:
+        from viz.gantt import write_gantt_html
+
+        write_gantt_html([trace], args.html, titles=[f"{schedule.name} (unit costs)"])
+        print(f"wrote {args.html}")
+    return 0

@@ -1,0 +1,169 @@
+"""Per-stage costs: how long each compute action takes and how many bytes cross
+each stage boundary.
+
+Costs come from uniform flags (``--fwd``, ``--bwd``, ``--wgrad``, ``--act-bytes``),
+from a costs file (JSON or YAML: written by hand, by ``pipesim profile``, or derived
+from a model spec), and are looked up once per (stage, kind) before simulation so the
+hot loop does a dict lookup, not arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from schedules.action import ActionKind
+
+
+class CostsError(ValueError):
+    """A costs file or flag value that cannot describe a pipeline."""
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Seconds per microbatch on one stage (one chunk) and the bytes it sends forward.
+
+    ``wgrad`` is the part of ``bwd`` that is weight-gradient work: a split backward runs
+    ``I = bwd - wgrad`` then ``W = wgrad``. ``act_bytes`` is the size of this stage's
+    output activation, which is also the size of the gradient coming back into it.
+    ``stash_bytes`` is what one microbatch's forward keeps alive until its backward.
+    """
+
+    fwd: float
+    bwd: float
+    wgrad: float = 0.0
+    act_bytes: float = 0.0
+    stash_bytes: float = 0.0
+    param_bytes: float = 0.0
+
+    def seconds(self, kind: str) -> float:
+        if kind == ActionKind.F:
+            return self.fwd
+        if kind == ActionKind.B:
+            return self.bwd
+        if kind == ActionKind.I:
+            return self.bwd - self.wgrad
+        if kind == ActionKind.W:
+            return self.wgrad
+        raise ValueError(f"{kind} is not a compute kind")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Costs of every stage, plus fixed per-action overheads of the runtime.
+
+    ``action_overhead`` is charged on the compute stream before every compute action
+    and ``comm_overhead`` before every SEND/RECV (launching a P2P op), so a calibrated
+    model can account for the executor's own Python and launch cost.
+    ``step_overhead`` is charged once after the last action (e.g. the optimizer step).
+    """
+
+    stages: tuple[StageCost, ...]
+    action_overhead: float = 0.0
+    comm_overhead: float = 0.0
+    step_overhead: float = 0.0
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for index, stage in enumerate(self.stages):
+            for name in ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes"):
+                value = getattr(stage, name)
+                if not isinstance(value, (int, float)) or value < 0:
+                    raise CostsError(f"stage {index}: {name} must be a number >= 0, got {value!r}")
+            if stage.wgrad > stage.bwd:
+                raise CostsError(
+                    f"stage {index}: wgrad ({stage.wgrad}) is part of bwd ({stage.bwd}) and cannot exceed it"
+                )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def durations(self) -> dict[tuple[int, str], float]:
+        """Seconds of every (stage, compute kind), for the simulator's lookup table."""
+        table = {}
+        for stage, cost in enumerate(self.stages):
+            for kind in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W):
+                table[stage, kind] = cost.seconds(kind) + self.action_overhead
+        return table
+
+    def to_dict(self) -> dict:
+        return {
+            "action_overhead": self.action_overhead,
+            "comm_overhead": self.comm_overhead,
+            "step_overhead": self.step_overhead,
+            "meta": self.meta,
+            "stages": [asdict(stage) for stage in self.stages],
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+
+def uniform_costs(
+    num_stages: int,
+    fwd: float,
+    bwd: float,
+    wgrad: float = 0.0,
+    act_bytes: float = 0.0,
+    virtual_stages: int = 1,
+) -> Costs:
+    """Every stage alike. ``fwd``/``bwd``/``wgrad`` are per pipeline *rank* (its whole
+    share of the model), so each of a rank's ``v`` chunks costs ``1/v`` of them; that
+    keeps schedules with different ``v`` comparable at the same ``pp``."""
+    if wgrad > bwd:
+        raise CostsError(f"--wgrad ({wgrad}) is part of --bwd ({bwd}) and cannot exceed it")
+    if min(fwd, bwd, wgrad, act_bytes) < 0:
+        raise CostsError("--fwd, --bwd, --wgrad and --act-bytes must be >= 0")
+    stage = StageCost(
+        fwd=fwd / virtual_stages,
+        bwd=bwd / virtual_stages,
+        wgrad=wgrad / virtual_stages,
+        act_bytes=act_bytes,
+    )
+    return Costs(stages=(stage,) * num_stages)
+
+
+def _read_structured(path: Path) -> object:
+    text = path.read_text()
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        return yaml.safe_load(text)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CostsError(f"{path}: not valid JSON ({error})") from error
+
+
+def load_costs(path: str | Path, num_stages: int | None = None) -> Costs:
+    """Read a costs file: ``{"stages": [{"fwd": s, "bwd": s, "wgrad": s, "act_bytes": n}, ...],
+    "action_overhead": s, ...}``. A single stage entry is repeated for every stage; any
+    other count must equal ``num_stages``."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"costs file {path} does not exist")
+    data = _read_structured(path)
+    if not isinstance(data, dict) or not isinstance(data.get("stages"), list) or not data["stages"]:
+        raise CostsError(f"{path}: expected a mapping with a non-empty list 'stages'")
+    known = {"fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "stage"}
+    stages = []
+    for index, entry in enumerate(data["stages"]):
+        if not isinstance(entry, dict):
+            raise CostsError(f"{path}: stages[{index}] must be a mapping, got {entry!r}")
+        unknown = set(entry) - known
+        if unknown:
+            raise CostsError(f"{path}: stages[{index}] has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        missing = {"fwd", "bwd"} - set(entry)
+        if missing:
+            raise CostsError(f"{path}: stages[{index}] is missing {sorted(missing)}")
+        values = {key: float(value) for key, value in entry.items() if key != "stage"}
+        stages.append(StageCost(**values))
+    if num_stages is not None and len(stages) != num_stages:
+        if len(stages) == 1:
+            stages = stages * num_stages
+        else:
+            raise CostsError(f"{path}: has costs for {len(stages)} stages but the schedule has {num_stages}")
+    overheads = {key: float(data.get(key, 0.0)) for key in ("action_overhead", "comm_overhead", "step_overhead")}
+    return Costs(stages=tuple(stages), meta=dict(data.get("meta", {})), **overheads)

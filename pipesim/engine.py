@@ -1,0 +1,177 @@
+"""The SimPy engine: each rank is a process walking its lowered program.
+
+Compute actions hold the rank for their duration. A SEND does not hold the rank: it
+reserves its route's links first-come first-served and computes when the data will
+arrive, ``latency + bytes / bandwidth`` after the links are free. A RECV holds the rank
+until that arrival. Transfers are scheduled directly from their arrival time instead
+of as SimPy processes with resource requests, which keeps the engine several times
+faster on the ~400k-action schedules of large pipelines (see benchmarks/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import simpy
+
+from pipesim.costs import Costs
+from pipesim.topology import Topology
+from schedules.action import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind
+from schedules.lowering import lower
+from schedules.schedule import Schedule
+from schedules.trace import Trace, TraceEvent
+
+
+class SimulationError(RuntimeError):
+    """The programs could not run to completion (a deadlock the validator did not see)."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One SEND's timing: queued at ``posted``, on the wire from ``start``, at the peer
+    at ``arrival``."""
+
+    posted: float
+    start: float
+    arrival: float
+
+
+class LinkScheduler:
+    """First-come first-served use of every link direction.
+
+    A transfer holds every link of its route for ``bytes / bandwidth`` (the slowest link
+    sets the pace) from the moment all of them are free; the route's latency is paid on
+    top. FIFO rather than fair sharing because NCCL and gloo run the P2P operations of a
+    rank pair in the order they are posted: a second send waits for the first rather
+    than splitting the link with it."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.free_at: dict[tuple[str, str], float] = {}
+
+    def transfer(self, src: str, dst: str, num_bytes: float, now: float) -> Transfer:
+        route = self.topology.route(src, dst)
+        if not route.links:
+            return Transfer(now, now, now)
+        free_at = self.free_at
+        start = now
+        for link in route.links:
+            busy_until = free_at.get(link, 0.0)
+            if busy_until > start:
+                start = busy_until
+        done = start + num_bytes / route.bandwidth
+        for link in route.links:
+            free_at[link] = done
+        return Transfer(now, start, done + route.latency)
+
+
+def transfer_bytes(action: Action, costs: Costs) -> float:
+    """Bytes a SEND moves: a stage's output activation forward, or the gradient of the
+    previous stage's output backward (the same size)."""
+    if action.kind == ActionKind.SEND_F:
+        return costs.stages[action.stage].act_bytes
+    return costs.stages[action.stage - 1].act_bytes
+
+
+def simulate(
+    schedule: Schedule,
+    costs: Costs,
+    topology: Topology,
+    rank_devices: Sequence[str] | None = None,
+) -> Trace:
+    """Simulate one step of ``schedule`` (lowered here if it is not) and return its Trace.
+
+    ``rank_devices[r]`` is the device pipeline rank ``r`` runs on; by default the
+    topology's first ``pp`` devices in order.
+    """
+    lowered = lower(schedule)
+    if costs.num_stages != lowered.num_stages:
+        raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {lowered.num_stages}")
+    devices = _rank_devices(lowered, topology, rank_devices)
+    env = simpy.Environment()
+    durations = costs.durations()
+    comm_overhead = costs.comm_overhead
+    links = LinkScheduler(topology)
+    placement = lowered.placement
+    mailbox: dict[Action, object] = {}
+    records: list[tuple] = []
+    record = records.append
+    finished = [False] * lowered.pp
+    position = [0] * lowered.pp
+
+    def rank_process(rank: int, program: Sequence[Action]):
+        timeout = env.timeout
+        for index, action in enumerate(program):
+            position[rank] = index
+            stage, kind, microbatch = action
+            if kind in COMPUTE_KINDS:
+                start = env.now
+                duration = durations[stage, kind]
+                yield timeout(duration)
+                record((rank, action, start, start + duration, "compute"))
+            elif kind in SEND_KINDS:
+                if comm_overhead:
+                    yield timeout(comm_overhead)
+                receiver = action.matching()
+                moved = links.transfer(
+                    devices[rank], devices[placement[receiver.stage]], transfer_bytes(action, costs), env.now
+                )
+                record((rank, action, moved.start, moved.arrival, "send"))
+                waiting = mailbox.pop(receiver, None)
+                if waiting is None:
+                    mailbox[receiver] = moved.arrival
+                else:
+                    waiting.succeed(moved.arrival)
+            elif kind in RECV_KINDS:
+                start = env.now
+                if comm_overhead:
+                    yield timeout(comm_overhead)
+                arrival = mailbox.pop(action, None)
+                if arrival is None:
+                    waiting = env.event()
+                    mailbox[action] = waiting
+                    arrival = yield waiting
+                if arrival > env.now:
+                    yield timeout(arrival - env.now)
+                record((rank, action, start, env.now, "recv"))
+            else:
+                raise SimulationError(f"rank {rank}: cannot simulate action {action} (unknown kind {kind!r})")
+        finished[rank] = True
+
+    for rank, program in enumerate(lowered.programs):
+        env.process(rank_process(rank, program))
+    env.run()
+    if not all(finished):
+        stuck = [
+            f"rank {rank} at {lowered.programs[rank][position[rank]]}"
+            for rank in range(lowered.pp)
+            if not finished[rank]
+        ]
+        raise SimulationError("deadlock: ranks wait forever: " + "; ".join(stuck))
+    events = [
+        TraceEvent(rank, str(action), action[1], action[0], action[2], start, end, stream)
+        for rank, action, start, end, stream in records
+    ]
+    meta = {
+        "source": "simulated",
+        "schedule": lowered.name,
+        "pp": lowered.pp,
+        "microbatches": lowered.microbatches,
+        "virtual_stages": lowered.virtual_stages,
+        "topology": topology.name,
+        "devices": list(devices),
+    }
+    return Trace(events, meta)
+
+
+def _rank_devices(schedule: Schedule, topology: Topology, rank_devices: Sequence[str] | None) -> list[str]:
+    if rank_devices is not None:
+        devices = list(rank_devices)
+        if len(devices) != schedule.pp:
+            raise ValueError(f"{len(devices)} devices given for {schedule.pp} pipeline ranks")
+        return devices
+    if topology.ideal:
+        return [f"gpu{rank}" for rank in range(schedule.pp)]
+    topology.require_devices(schedule.pp, "pipeline ranks")
+    return topology.devices[: schedule.pp]

@@ -1,0 +1,159 @@
+"""Built-in cluster presets, with the figures they rest on.
+
+Bandwidths are per direction (DESIGN.md, "Reference links"); ``efficiency`` is the
+fraction of peak that a measured NCCL send/recv reaches, since no real transfer runs
+at the line rate (e.g. ~195 GB/s of 300 GB/s one way on A100 NVLink: 0.65).
+Latencies are per hop; a GPU-to-GPU path crosses two or more hops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import networkx as nx
+
+from pipesim.topology import Topology, TopologyError, add_link, ideal_topology
+
+GB = 1e9
+US = 1e-6
+
+# Devices
+H100_MEMORY = 80 * GB
+H100_BF16_FLOPS = 989e12  # dense BF16 tensor-core peak, H100 SXM datasheet
+A100_MEMORY = 80 * GB
+A100_BF16_FLOPS = 312e12  # dense BF16 peak, A100 datasheet
+
+# Links (per direction)
+NVLINK4_BW = 450 * GB  # H100/H200 through NVSwitch
+PCIE4_X16_BW = 31.5 * GB
+PCIE5_X16_BW = 63 * GB
+UPI_BW = 62 * GB  # CPU-to-CPU socket link (3 x UPI at ~20.8 GB/s); carries PCIe P2P across sockets
+IB_NDR_BW = 50 * GB  # 400 Gb/s per port
+ETH_100G_BW = 12.5 * GB
+
+NVLINK_EFFICIENCY = 0.8  # NCCL send/recv reaches ~360 GB/s of 450 on H100 NVSwitch systems
+PCIE_EFFICIENCY = 0.8  # P2P over a PCIe switch reaches ~25 GB/s of 31.5 on Gen4 x16
+IB_EFFICIENCY = 0.9  # NDR send/recv reaches ~45 of 50 GB/s in nccl-tests
+ETH_EFFICIENCY = 0.85  # RoCE/TCP on 100 GbE
+
+NVLINK_HOP_LATENCY = 1.5 * US  # GPU <-> NVSwitch; GPU-to-GPU is two hops, ~3 us
+PCIE_HOP_LATENCY = 1.0 * US
+UPI_LATENCY = 1.0 * US
+IB_HOP_LATENCY = 2.5 * US  # NIC <-> switch; GPU-to-GPU across nodes ~8-10 us in all
+ETH_HOP_LATENCY = 7.5 * US
+
+GPUS_PER_NODE = 8
+
+
+def _gpu(graph: nx.DiGraph, name: str, memory: float = H100_MEMORY, flops: float = H100_BF16_FLOPS) -> str:
+    graph.add_node(name, kind="gpu", memory_bytes=memory, peak_flops=flops)
+    return name
+
+
+def _nvswitch_node(graph: nx.DiGraph, node: int, devices: list[str]) -> None:
+    """Eight H100s on one NVSwitch fabric: every GPU a full-bandwidth link to the switch."""
+    switch = f"n{node}.nvswitch"
+    graph.add_node(switch, kind="nvswitch")
+    for local in range(GPUS_PER_NODE):
+        gpu = _gpu(graph, f"n{node}.gpu{local}")
+        devices.append(gpu)
+        add_link(graph, gpu, switch, NVLINK4_BW, NVLINK_HOP_LATENCY, NVLINK_EFFICIENCY, "nvlink")
+
+
+def nvlink(nodes: int = 1) -> Topology:
+    """One node, 8x H100 SXM, NVLink 4 through NVSwitch (450 GB/s per GPU per direction)."""
+    _single_node("nvlink", nodes)
+    graph = nx.DiGraph()
+    devices: list[str] = []
+    _nvswitch_node(graph, 0, devices)
+    return Topology("nvlink", graph, devices, description="1 node, 8x H100, NVLink 4 via NVSwitch")
+
+
+def _pcie_node(name: str, link_bw: float, description: str) -> Topology:
+    """8 GPUs, two per PCIe switch, two switches per CPU socket, sockets joined by UPI.
+
+    GPUs on one switch talk through it; across switches the transfer climbs to the
+    socket's root complex; across sockets it also crosses UPI (the slowest, most shared
+    part of a PCIe box, which is why cross-socket P2P is the bottleneck there)."""
+    graph = nx.DiGraph()
+    devices: list[str] = []
+    for socket in range(2):
+        cpu = f"cpu{socket}"
+        graph.add_node(cpu, kind="host")
+        for switch_index in range(2):
+            switch = f"pcie_switch{socket * 2 + switch_index}"
+            graph.add_node(switch, kind="pcie_switch")
+            add_link(graph, switch, cpu, link_bw, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
+            for _slot in range(2):
+                gpu = _gpu(graph, f"gpu{len(devices)}")
+                devices.append(gpu)
+                add_link(graph, gpu, switch, link_bw, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
+    add_link(graph, "cpu0", "cpu1", UPI_BW, UPI_LATENCY, PCIE_EFFICIENCY, "upi")
+    return Topology(name, graph, devices, description=description)
+
+
+def pcie(nodes: int = 1) -> Topology:
+    """One node, 8 GPUs on PCIe Gen4 x16 (31.5 GB/s) through switches and the host."""
+    _single_node("pcie", nodes)
+    return _pcie_node("pcie", PCIE4_X16_BW, "1 node, 8 GPUs, PCIe Gen4 x16 via 4 switches and 2 sockets")
+
+
+def pcie5(nodes: int = 1) -> Topology:
+    """As ``pcie`` with PCIe Gen5 x16 (63 GB/s)."""
+    _single_node("pcie5", nodes)
+    return _pcie_node("pcie5", PCIE5_X16_BW, "1 node, 8 GPUs, PCIe Gen5 x16 via 4 switches and 2 sockets")
+
+
+def _multi_node(name: str, nodes: int, nic_bw: float, hop_latency: float, efficiency: float, medium: str,
+                description: str) -> Topology:
+    """``nodes`` NVSwitch nodes; each GPU has its own NIC (rail-optimised, as DGX/HGX
+    systems are built) into one non-blocking fabric switch."""
+    if nodes < 1:
+        raise TopologyError(f"--nodes must be >= 1, got {nodes}")
+    graph = nx.DiGraph()
+    devices: list[str] = []
+    fabric = f"{medium}_switch"
+    graph.add_node(fabric, kind=f"{medium}_switch")
+    for node in range(nodes):
+        _nvswitch_node(graph, node, devices)
+        for local in range(GPUS_PER_NODE):
+            nic = f"n{node}.nic{local}"
+            graph.add_node(nic, kind="nic")
+            add_link(graph, f"n{node}.gpu{local}", nic, PCIE5_X16_BW, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
+            add_link(graph, nic, fabric, nic_bw, hop_latency, efficiency, medium)
+    return Topology(name, graph, devices, description=description.format(nodes=nodes))
+
+
+def ib(nodes: int = 2) -> Topology:
+    """``nodes`` x 8 H100, NVLink inside each node, one NDR InfiniBand port (400 Gb/s)
+    per GPU between nodes."""
+    return _multi_node("ib", nodes, IB_NDR_BW, IB_HOP_LATENCY, IB_EFFICIENCY, "ib",
+                       "{nodes} nodes x 8 H100, NVLink 4 inside, NDR InfiniBand 400 Gb/s per GPU between")
+
+
+def ethernet(nodes: int = 2) -> Topology:
+    """``nodes`` x 8 H100, NVLink inside, 100 GbE per GPU between nodes."""
+    return _multi_node("ethernet", nodes, ETH_100G_BW, ETH_HOP_LATENCY, ETH_EFFICIENCY, "ethernet",
+                       "{nodes} nodes x 8 H100, NVLink 4 inside, 100 GbE per GPU between")
+
+
+def _single_node(name: str, nodes: int) -> None:
+    if nodes != 1:
+        raise TopologyError(f"preset {name} is one node; for {nodes} nodes use 'ib' or 'ethernet'")
+
+
+def ideal(nodes: int = 1) -> Topology:
+    """Free, instant links."""
+    return ideal_topology()
+
+
+PRESETS: dict[str, Callable[[int], Topology]] = {
+    "ideal": ideal,
+    "nvlink": nvlink,
+    "pcie": pcie,
+    "pcie5": pcie5,
+    "ib": ib,
+    "ethernet": ethernet,
+}
+
+MULTI_NODE = frozenset({"ib", "ethernet"})

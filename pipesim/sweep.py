@@ -1,0 +1,95 @@
+"""Sweeps: the same cluster and costs across schedules and microbatch counts.
+
+Each point is a full simulation (same path as ``pipesim simulate``); rows are plain
+dicts so they go to CSV, JSON and the sweep chart unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from pipesim.costs import Costs
+from pipesim.simulation import run_simulation
+from pipesim.topology import Topology
+from schedules.generators import MULTI_CHUNK, ScheduleUnavailableError, generate
+
+ROW_FIELDS = (
+    "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
+    "peak_inflight_microbatches", "exposed_comm", "actions", "note",
+)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    schedule: str
+    pp: int
+    microbatches: int
+    virtual_stages: int
+
+
+def sweep_points(schedules: Iterable[str], pps: Iterable[int], microbatch_counts: Iterable[int],
+                 virtual_stages: int) -> list[SweepPoint]:
+    """Every combination; ``virtual_stages`` applies to the multi-chunk schedules only."""
+    return [
+        SweepPoint(name, pp, count, virtual_stages if name in MULTI_CHUNK else 1)
+        for name in schedules
+        for pp in pps
+        for count in microbatch_counts
+    ]
+
+
+def run_sweep(
+    points: list[SweepPoint],
+    costs_for: Callable[[int, int], Costs],
+    topology: Topology,
+    progress: bool = True,
+) -> list[dict]:
+    """Simulate every point; a point whose schedule does not exist becomes a row with a
+    ``note`` instead of stopping the sweep. ``costs_for(num_stages, v)`` builds costs."""
+    rows = []
+    for index, point in enumerate(points, 1):
+        label = f"{point.schedule} pp={point.pp} m={point.microbatches} v={point.virtual_stages}"
+        try:
+            schedule = generate(point.schedule, point.pp, point.microbatches, point.virtual_stages)
+        except ScheduleUnavailableError as error:
+            rows.append({**point.__dict__, "note": str(error)})
+            if progress:
+                print(f"[{index}/{len(points)}] {label}: skipped ({error})", file=sys.stderr)
+            continue
+        result = run_simulation(schedule, costs_for(schedule.num_stages, point.virtual_stages), topology)
+        metrics = result.metrics
+        row = {
+            **point.__dict__,
+            "makespan": metrics.makespan,
+            "bubble_fraction": metrics.bubble_fraction,
+            "peak_inflight_microbatches": max(rank.peak_inflight_microbatches for rank in metrics.ranks),
+            "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks),
+            "actions": result.schedule.num_actions,
+            "note": "",
+        }
+        rows.append(row)
+        if progress:
+            print(
+                f"[{index}/{len(points)}] {label}: step {metrics.makespan:.6g} s, "
+                f"bubble {metrics.bubble_fraction:.1%}",
+                file=sys.stderr,
+            )
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width table of the sweep for the terminal."""
+    header = f"{'schedule':<18} {'pp':>4} {'m':>5} {'v':>3} {'step time (s)':>14} {'bubble':>8} {'peak in-flight':>15}"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        if row.get("note"):
+            lines.append(f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3}  "
+                         f"n/a: {row['note'][:60]}")
+            continue
+        lines.append(
+            f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3} "
+            f"{row['makespan']:>14.6g} {row['bubble_fraction']:>8.2%} {row['peak_inflight_microbatches']:>15g}"
+        )
+    return "\n".join(lines)
