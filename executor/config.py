@@ -14,7 +14,7 @@ MODELS = ("mlp", "gpt")
 OPTIMIZERS = ("sgd", "adamw")
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-FAILURE_MODES = ("raise", "kill")
+FAILURE_MODES = ("raise", "kill", "hang")
 
 
 class ConfigError(ValueError):
@@ -30,7 +30,7 @@ class RunConfig:
     ``custom_schedule`` runs a given ``Schedule`` (compute-only or lowered, e.g. read
     from CSV) instead of generating ``schedule``; its pp and microbatches must match.
     ``inject_failure`` (``"RANK:ACTION:MODE"``, e.g. ``"1:1B0:kill"``) makes that rank
-    raise or die just before that action of the first step: it exists so the failure
+    raise, die or hang just before that action of the first step: it exists so the failure
     path can be tested and demonstrated, never set it in a real run.
     """
 

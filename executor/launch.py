@@ -11,9 +11,11 @@ read here after the failure.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 import uuid
+from pathlib import Path
 from typing import Any
 
 from executor.config import RunConfig
@@ -69,6 +71,8 @@ def launch(configs: RunConfig | list[RunConfig], model: Any = None, log_dir: str
         results = elastic_launch(launch_config, run_worker)(configs, model)
     except ChildFailedError as error:
         raise PipelineRunError(describe_failure(error.failures, progress_dir)) from None
+    finally:
+        shutil.rmtree(progress_dir, ignore_errors=True)
     return merge_rank_results(results)
 
 
@@ -105,7 +109,13 @@ def describe_failure(failures: dict[int, Any], progress_dir: str | None) -> str:
         symptom = any(marker in text for marker in PEER_LOSS)
         return (1 if symptom else 0), f"rank {rank} exited with code {failure.exitcode} at {where}: {text}"
 
-    lines = sorted((line(rank, failure) + (rank,) for rank, failure in failures.items()),
+    lines = [line(rank, failure) + (rank,) for rank, failure in failures.items()]
+    # Ranks the launcher stopped without a failure record still say where they were.
+    for path in sorted(Path(progress_dir).glob("rank*.progress")) if progress_dir else []:
+        rank = int(path.stem.removeprefix("rank"))
+        if rank not in failures and read_progress(progress_dir, rank):
+            lines.append((3, f"rank {rank} was stopped at {read_progress(progress_dir, rank)}", rank))
+    lines = sorted(lines,
                    key=lambda item: (item[0], item[2]))
     first = lines[0][1]
     others = "; ".join(text for _, text, _ in lines[1:])

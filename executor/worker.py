@@ -112,7 +112,11 @@ def run_config(config: RunConfig, model: PipelineModel | None, rank: int, world:
         try:
             loss, events = runtime.run_step(inputs, targets)
         except Exception as error:
-            raise RankFailedError(f"rank {rank} failed in step {step} on action {runtime.current}: "
+            action = runtime.current
+            waiting = ""
+            if action is not None and not action.is_compute:
+                waiting = f" (waiting for rank {links.peer(action)})"
+            raise RankFailedError(f"rank {rank} failed in step {step} on action {action}{waiting}: "
                                   f"{type(error).__name__}: {error}") from error
         if config.return_grads and step == 0:
             grads = {f"{stage}.{name}": p.grad.detach().cpu().clone()
@@ -148,6 +152,8 @@ def action_hook(config: RunConfig, rank: int, progress: ProgressWriter | None):
         if target is not None and str(action) == target[1] and (progress is None or progress.step == 0):
             if target[2] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if target[2] == "hang":
+                time.sleep(24 * 3600)  # its peers must give up after --timeout
             raise RuntimeError(f"failure injected by --inject-failure {config.inject_failure}")
 
     return before

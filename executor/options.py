@@ -1,0 +1,69 @@
+"""The flags of a run, shared by ``pipesim run`` and ``python -m executor``.
+
+Imports no torch, so ``pipesim --help`` stays fast; the config is checked here so a bad
+flag is reported before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from executor.config import BACKENDS, DTYPES, MODELS, OPTIMIZERS, ConfigError, RunConfig
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the schedule, model, training and runtime flags to ``parser``."""
+    schedule = parser.add_argument_group("schedule")
+    schedule.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved-1f1b (default 1f1b)")
+    schedule.add_argument("--pp", type=int, default=2, help="pipeline ranks, one process each (1: no pipeline)")
+    schedule.add_argument("--microbatches", type=int, default=4)
+    schedule.add_argument("--virtual-stages", type=int, default=None,
+                          help="stages per rank (default 2 for interleaved-1f1b, else 1)")
+    model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")
+    model.add_argument("--model", choices=MODELS, default="mlp")
+    model.add_argument("--layers", type=int, default=4)
+    model.add_argument("--hidden", type=int, default=64)
+    model.add_argument("--batch-size", type=int, default=8, help="samples per step, cut into the microbatches")
+    model.add_argument("--seq-len", type=int, default=16, help="gpt: tokens per sample")
+    model.add_argument("--vocab", type=int, default=128, help="gpt: vocabulary size")
+    model.add_argument("--heads", type=int, default=4, help="gpt: attention heads")
+    model.add_argument("--layout", default=None,
+                       help="layers per stage, comma-separated (default: as even as possible), e.g. 1,3,3,1")
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=1)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    train.add_argument("--lr", type=float, default=0.01)
+    train.add_argument("--dtype", choices=DTYPES, default="float32")
+    runtime = parser.add_argument_group("runtime")
+    runtime.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: nccl with CUDA, else gloo")
+    runtime.add_argument("--timeout", type=float, default=60.0,
+                         help="seconds a rank waits on a peer before the job fails (default 60)")
+    runtime.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    runtime.add_argument("--inject-failure", default=None, metavar="RANK:ACTION:MODE",
+                         help="testing aid: make RANK raise|kill|hang before ACTION of step 0, e.g. 1:1B0:kill")
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", default=None, metavar="PATH", help="write the run summary as JSON")
+    output.add_argument("--trace", default=None, metavar="PATH", help="write the measured Trace of the last step")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The checked ``RunConfig`` the flags describe."""
+    virtual = args.virtual_stages
+    if virtual is None:
+        virtual = 2 if args.schedule == "interleaved-1f1b" else 1
+    layout = None
+    if args.layout:
+        try:
+            layout = tuple(int(part) for part in args.layout.split(","))
+        except ValueError:
+            raise ConfigError(f"--layout {args.layout!r} must be comma-separated layer counts, e.g. 1,3,3,1") from None
+    config = RunConfig(
+        schedule=args.schedule, pp=args.pp, microbatches=args.microbatches, virtual_stages=virtual,
+        model=args.model, layers=args.layers, hidden=args.hidden, batch_size=args.batch_size,
+        seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, steps=args.steps, seed=args.seed,
+        optimizer=args.optimizer, lr=args.lr, dtype=args.dtype, backend=args.backend, timeout=args.timeout,
+        threads=args.threads, layout=layout, inject_failure=args.inject_failure,
+    )
+    config.check()
+    return config

@@ -1,0 +1,60 @@
+"""``pipesim run``: run a schedule for real, on local processes, and measure it.
+
+The ranks are started through torch's elastic launcher (the machinery behind
+``torchrun``) on gloo, or NCCL where CUDA is available; ``--pp 1`` runs the same model in
+this process, as the reference. torch is imported only inside the handler, so the rest
+of the command line never loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from executor.options import add_run_arguments, config_from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run", help="run a schedule on real processes (torch.distributed) and measure it",
+        description="Run training steps of a pipeline schedule on local ranks and record the measured timeline. "
+                    "For several machines, start the ranks with: torchrun ... -m executor (same flags).",
+    )
+    add_run_arguments(parser)
+    parser.add_argument("--html", default=None, metavar="PATH", help="write a Gantt chart of the measured step")
+    parser.add_argument("--log-dir", default=None, metavar="DIR", help="keep each rank's stdout/stderr here")
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
+    from executor.report import summary_lines, write_outputs  # noqa: PLC0415
+    from executor.worker import run_worker  # noqa: PLC0415
+
+    validate_schedule(config)
+    try:
+        if config.pp == 1:
+            (result,) = run_worker([config])
+        else:
+            (result,) = launch(config, log_dir=args.log_dir)
+    except PipelineRunError as error:
+        print(f"pipesim run: failed: {error}", file=sys.stderr)
+        return 1
+    write_outputs(result, args.json, args.trace)
+    print("\n".join(summary_lines(result)))
+    if args.html:
+        write_html(result["trace"], args.html)
+    return 0
+
+
+def write_html(trace, path: str) -> None:
+    """Draw the measured step with ``viz`` if it is installed; say so if it is not."""
+    try:
+        from viz.gantt import write_gantt_html  # noqa: PLC0415
+    except ImportError:
+        print(f"--html: the chart module (viz.gantt) is not available; skipped {path}", file=sys.stderr)
+        return
+    meta = trace.meta
+    write_gantt_html([trace], path, titles=[f"measured: {meta['schedule']} pp={meta['pp']}"])
+    print(f"wrote {path}")
