@@ -81,16 +81,9 @@ def _parse_row(label: str, rank: int, row: Iterable[str]) -> list[Action]:
             program.append(parse_action(cell))
         except ActionParseError as error:
             raise ScheduleCsvError(
-                f"{label}: row {rank + 1} (rank {rank}), column {column + 1}: cell {cell!r} is not an action: "
-                f"{_reason(error)}"
+                f"{label}: row {rank + 1} (rank {rank}), column {column + 1}: cell {error}"
             ) from error
     return program
-
-
-def _reason(error: ActionParseError) -> str:
-    """The parse error without its repeat of the cell text (the caller already shows it)."""
-    text = str(error)
-    return text.split(": ", 1)[1] if ": " in text else text
 
 
 def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...]:
