@@ -14,11 +14,14 @@ from schedules.action import (
     ActionParseError,
     parse_action,
 )
+from schedules.csv_io import ScheduleCsvError, schedule_from_csv, schedule_to_csv
 from schedules.generators import GENERATORS, ScheduleUnavailableError, UnknownScheduleError, generate
+from schedules.graph import dependency_graph
 from schedules.lowering import lower
 from schedules.metrics import RankMetrics, StepMetrics, makespan, peak_inflight, step_metrics
 from schedules.schedule import Schedule, looped_placement, v_shape_placement
 from schedules.trace import Trace, TraceEvent
+from schedules.validate import ScheduleValidationError, is_valid, validate
 
 __all__ = [
     "ALL_KINDS",
@@ -30,17 +33,24 @@ __all__ = [
     "ActionParseError",
     "RankMetrics",
     "Schedule",
+    "ScheduleCsvError",
     "ScheduleUnavailableError",
+    "ScheduleValidationError",
     "StepMetrics",
     "Trace",
     "TraceEvent",
     "UnknownScheduleError",
+    "dependency_graph",
     "generate",
+    "is_valid",
     "parse_action",
     "looped_placement",
     "lower",
     "makespan",
     "peak_inflight",
+    "schedule_from_csv",
+    "schedule_to_csv",
     "step_metrics",
     "v_shape_placement",
+    "validate",
 ]

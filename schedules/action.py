@@ -75,15 +75,18 @@ class Action(NamedTuple):
 
     def matching(self) -> Action:
         """The RECV that completes this SEND, or the SEND that feeds this RECV."""
-        partner = {
-            ActionKind.SEND_F: ActionKind.RECV_F,
-            ActionKind.RECV_F: ActionKind.SEND_F,
-            ActionKind.SEND_B: ActionKind.RECV_B,
-            ActionKind.RECV_B: ActionKind.SEND_B,
-        }.get(self.kind)
+        partner = _MATCHING_KIND.get(self.kind)
         if partner is None:
             raise ValueError(f"{self} is a compute action; it has no matching transfer")
         return Action(self.peer_stage(), partner, self.microbatch)
+
+
+_MATCHING_KIND = {
+    ActionKind.SEND_F: ActionKind.RECV_F,
+    ActionKind.RECV_F: ActionKind.SEND_F,
+    ActionKind.SEND_B: ActionKind.RECV_B,
+    ActionKind.RECV_B: ActionKind.SEND_B,
+}
 
 
 def parse_action(text: str) -> Action:

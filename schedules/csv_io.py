@@ -1,0 +1,118 @@
+"""CSV import and export in the format ``torch.distributed.pipelining`` dumps and loads.
+
+One row per rank, one action per cell in program order (``0F0``, ``3SEND_F1``), an
+empty cell for an idle step. There is no header and no placement column: on import the
+placement is inferred from which rank's row holds which stage, the microbatch count
+from the largest microbatch seen, and the rank count from the number of rows. So a
+schedule drawn up in torch (or by hand in a spreadsheet) can be checked and simulated
+here, and one built here can be loaded there.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO
+
+from schedules.action import Action, ActionParseError, parse_action
+from schedules.schedule import Schedule
+
+
+class ScheduleCsvError(ValueError):
+    """A CSV file that does not describe a schedule; the message names file, row and cell."""
+
+
+def schedule_to_csv(schedule: Schedule, path_or_file: str | Path | IO[str]) -> None:
+    """Write one row per rank, one action per cell (no idle cells: programs are dense)."""
+    if isinstance(path_or_file, (str, Path)):
+        with open(path_or_file, "w", newline="") as handle:
+            _write(schedule, handle)
+    else:
+        _write(schedule, path_or_file)
+
+
+def _write(schedule: Schedule, handle: IO[str]) -> None:
+    writer = csv.writer(handle)
+    for program in schedule.programs:
+        writer.writerow([str(action) for action in program])
+
+
+def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Schedule:
+    """Read a schedule; ``name`` defaults to the file's name without its extension.
+
+    Raises ``ScheduleCsvError`` for a cell that is not an action, a stage held by two
+    ranks, or a gap in the stages. The result is not validated: call ``validate`` for
+    completeness, order and deadlocks.
+    """
+    if isinstance(path, (str, Path)):
+        label = str(path)
+        with open(path, newline="") as handle:
+            rows = list(csv.reader(handle))
+        default_name = Path(path).stem
+    else:
+        label = getattr(path, "name", "<csv>")
+        rows = list(csv.reader(path))
+        default_name = Path(label).stem if label != "<csv>" else "csv"
+    programs = [_parse_row(label, rank, row) for rank, row in enumerate(rows)]
+    if not programs:
+        raise ScheduleCsvError(f"{label}: the file is empty; expected one row of actions per rank")
+    placement = _infer_placement(label, programs)
+    microbatches = 1 + max((action.microbatch for program in programs for action in program), default=-1)
+    if microbatches == 0:
+        raise ScheduleCsvError(f"{label}: no row holds any action; expected one row of actions per rank")
+    return Schedule(
+        pp=len(programs),
+        microbatches=microbatches,
+        placement=placement,
+        programs=programs,
+        name=name if name is not None else default_name,
+    )
+
+
+def _parse_row(label: str, rank: int, row: Iterable[str]) -> list[Action]:
+    """Row ``rank`` as a program; empty cells (idle steps) are skipped."""
+    program = []
+    for column, cell in enumerate(row):
+        if not cell.strip():
+            continue
+        try:
+            program.append(parse_action(cell))
+        except ActionParseError as error:
+            raise ScheduleCsvError(
+                f"{label}: row {rank + 1} (rank {rank}), column {column + 1}: cell {error}"
+            ) from error
+    return program
+
+
+def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...]:
+    """Stage -> rank from where each stage's actions sit; every stage 0..max on one rank."""
+    owner: dict[int, tuple[int, int]] = {}  # stage -> (rank, column of first sighting)
+    for rank, program in enumerate(programs):
+        for index, action in enumerate(program):
+            seen = owner.get(action.stage)
+            if seen is None:
+                owner[action.stage] = (rank, index)
+            elif seen[0] != rank:
+                raise ScheduleCsvError(
+                    f"{label}: stage {action.stage} is held by two ranks: rank {seen[0]} (row {seen[0] + 1}) "
+                    f"and rank {rank} (row {rank + 1}, action {action}); each stage lives on exactly one rank"
+                )
+    if not owner:
+        return ()
+    missing = [stage for stage in range(max(owner) + 1) if stage not in owner]
+    if missing:
+        raise ScheduleCsvError(
+            f"{label}: stage {missing[0]} appears in no row, but stages up to {max(owner)} do; "
+            f"every stage from 0 to {max(owner)} needs its actions on some rank"
+            + (f" (also missing: {', '.join(map(str, missing[1:8]))})" if len(missing) > 1 else "")
+        )
+    return tuple(owner[stage][0] for stage in range(len(owner)))
+
+
+def schedule_to_csv_text(schedule: Schedule) -> str:
+    """The CSV as a string, for showing or embedding."""
+    buffer = io.StringIO()
+    _write(schedule, buffer)
+    return buffer.getvalue()

@@ -1,0 +1,63 @@
+"""Colours shared by every pipesim chart.
+
+One place so that a forward is the same blue in a Gantt chart and in any other
+view, and a schedule keeps its colour from one sweep chart to the next.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+# Compute kinds: forward cool, backward warm; the zero-bubble split (I, W) gets its
+# own two colours so a split backward is never mistaken for a full one.
+KIND_COLORS: dict[str, str] = {
+    "F": "#4C78A8",  # forward: blue
+    "B": "#54A24B",  # full backward: green
+    "I": "#F58518",  # input-gradient backward: orange
+    "W": "#B279A2",  # weight-gradient backward: purple
+}
+UNKNOWN_KIND_COLOR = "#9D9D9D"
+
+# Communication: sends are quiet (they overlap compute, so usually harmless);
+# receive waits are loud red, because that is communication the rank could not hide.
+SEND_COLOR = "#5C5C5C"
+RECV_WAIT_COLOR = "#D62728"
+
+# Streams beyond compute/send/recv (collectives such as "dp", "tp" may appear later).
+_EXTRA_STREAM_COLORS = ("#17BECF", "#BCBD22", "#8C564B", "#E377C2", "#7F7F7F")
+
+# Schedules users compare most often keep fixed colours; others hash into a palette.
+SCHEDULE_COLORS: dict[str, str] = {
+    "gpipe": "#4C78A8",
+    "1f1b": "#F58518",
+    "interleaved-1f1b": "#54A24B",
+    "zb-h1": "#E45756",
+    "zb-h2": "#B279A2",
+    "zbv": "#72B7B2",
+}
+_SCHEDULE_PALETTE = ("#FF9DA6", "#9D755D", "#EECA3B", "#BAB0AC", "#1F77B4", "#2CA02C", "#9467BD", "#8C564B")
+
+
+def _stable_pick(name: str, palette: tuple[str, ...]) -> str:
+    """A palette entry chosen by a stable hash, so a name keeps its colour across runs
+    (Python's ``hash`` of a string changes per process)."""
+    return palette[zlib.crc32(name.encode()) % len(palette)]
+
+
+def kind_color(kind: str) -> str:
+    """Colour of a compute action of ``kind``."""
+    return KIND_COLORS.get(kind, UNKNOWN_KIND_COLOR)
+
+
+def stream_color(stream: str) -> str:
+    """Colour of an event on a non-compute ``stream``."""
+    if stream == "send":
+        return SEND_COLOR
+    if stream == "recv":
+        return RECV_WAIT_COLOR
+    return _stable_pick(stream, _EXTRA_STREAM_COLORS)
+
+
+def schedule_color(schedule: str) -> str:
+    """Colour of a schedule's line in sweep charts."""
+    return SCHEDULE_COLORS.get(schedule.lower(), _stable_pick(schedule.lower(), _SCHEDULE_PALETTE))
