@@ -1,8 +1,8 @@
 """Step time of this executor against ``torch.distributed.pipelining`` on the same model,
 split and microbatches: GPipe, 1F1B and interleaved 1F1B, gloo, 4 ranks, one launch.
 
-Both runtimes share one process group and take turns, schedule by schedule, so machine
-noise hits both alike; each step is timed the same way (barrier, step, optimizer step,
+Both runtimes share one process group and take turns step by step, so machine noise
+hits both alike; each step is timed the same way (barrier, step, optimizer step,
 loss all-reduce) and the median of the measured steps is reported.
 
     PYTHONPATH=. python benchmarks/bench_executor.py [--steps 10] [--warmup 3]
@@ -28,8 +28,9 @@ def bench_config(name: str, virtual: int, args: argparse.Namespace):
                      heads=args.heads, batch_size=args.batch_size, steps=args.warmup + args.steps, threads=1)
 
 
-def torch_pipelining_times(config, class_name: str) -> list[float]:
-    """Step times of ``torch.distributed.pipelining`` on the executor's model and split."""
+def torch_pipelining_runner(config, class_name: str):
+    """A function running one step of ``torch.distributed.pipelining`` on the executor's
+    model and split, returning its step time."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
     from torch.distributed import pipelining  # noqa: PLC0415
@@ -64,9 +65,9 @@ def torch_pipelining_times(config, class_name: str) -> list[float]:
     runner = schedule_class(stages if class_name == "ScheduleInterleaved1F1B" else stages[0],
                             n_microbatches=config.microbatches, loss_fn=loss_fn, scale_grads=False)
     first, last = 0 in stage_ids, schedule.num_stages - 1 in stage_ids
-    times = []
-    for step in range(config.steps):
-        inputs, targets = model.make_batch(step, config.batch_size)
+
+    def step(index: int) -> float:
+        inputs, targets = model.make_batch(index, config.batch_size)
         optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros(())
         dist.barrier()
@@ -81,15 +82,16 @@ def torch_pipelining_times(config, class_name: str) -> list[float]:
             runner.step()
         optimizer.step()
         dist.all_reduce(loss)
-        times.append(time.perf_counter() - started)
-    return times
+        return time.perf_counter() - started
+
+    return step
 
 
 def bench_worker(args: argparse.Namespace) -> list[tuple] | None:
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    from executor.worker import run_config  # noqa: PLC0415
+    from executor.worker import RankRun  # noqa: PLC0415
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -97,11 +99,15 @@ def bench_worker(args: argparse.Namespace) -> list[tuple] | None:
     rows = []
     for name, class_name, virtual in SCHEDULES:
         config = bench_config(name, virtual, args)
-        ours = run_config(config, None, rank, dist.get_world_size(), "gloo", torch.device("cpu"), None)
-        theirs = torch_pipelining_times(config, class_name)
+        ours = RankRun(config, None, rank, dist.get_world_size(), "gloo", torch.device("cpu"), None)
+        theirs = torch_pipelining_runner(config, class_name)
+        their_times = []
+        for step in range(config.steps):  # alternate step by step: noise hits both alike
+            ours.step(step)
+            their_times.append(theirs(step))
         if rank == 0:
-            rows.append((name, class_name, statistics.median(ours["step_times"][args.warmup:]),
-                         statistics.median(theirs[args.warmup:])))
+            rows.append((name, class_name, statistics.median(ours.step_times[args.warmup:]),
+                         statistics.median(their_times[args.warmup:])))
     dist.destroy_process_group()
     return rows if rank == 0 else None
 

@@ -78,65 +78,98 @@ def run_worker(configs: list[RunConfig], model: PipelineModel | None = None) -> 
     return results
 
 
+def run_local(config: RunConfig, model: PipelineModel | None = None) -> dict:
+    """Run a config on this process alone (``pp=1``: every stage here, no communication)."""
+    if config.pp != 1:
+        raise ValueError(f"run_local runs pp=1 only; pp={config.pp} needs launch() or torchrun")
+    config.check()
+    (result,) = run_worker([config], model)
+    return result
+
+
 def run_config(config: RunConfig, model: PipelineModel | None, rank: int, world: int, backend: str,
                device: torch.device, progress: ProgressWriter | None) -> dict:
     """Train ``config.steps`` steps of this rank's stages under the config's schedule."""
-    schedule = build_schedule(config)
-    if schedule.pp != world:
-        raise RankFailedError(f"the schedule has pp={schedule.pp} ranks but {world} processes were started; "
-                              f"start exactly --pp processes (torchrun --nproc-per-node {schedule.pp})")
-    model = model or build_model(config)
-    stage_ids = schedule.stages_of(rank)
-    stages = {stage: model.build_stage(stage, schedule.num_stages).to(device) for stage in stage_ids}
-    params = [p for stage in stages.values() for p in stage.parameters()]
-    optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
-    optimizer = optimizer_class(params, lr=config.lr)
-    sizes = [len(part) for part in torch.tensor_split(torch.arange(config.batch_size), config.microbatches)]
-    dtype = getattr(torch, config.dtype)
-    links = PeerLinks(schedule.placement, config.microbatches, device, dtype,
-                      lambda microbatch: model.boundary_shape(sizes[microbatch]))
-    clock = clock_for(device)
-    before = action_hook(config, rank, progress)
-    runtime = PipelineRuntime(rank, schedule, stages, model, links, clock, config.batch_size, before)
-    losses, step_times, events, grads = [], [], [], {}
+    run = RankRun(config, model, rank, world, backend, device, progress)
     for step in range(config.steps):
-        inputs, targets = model.make_batch(step, config.batch_size)
+        run.step(step)
+    return run.result()
+
+
+class RankRun:
+    """This rank's stages, optimizer and runtime for one config, stepped one step at a
+    time (so a benchmark can interleave it with another runtime step by step)."""
+
+    def __init__(self, config: RunConfig, model: PipelineModel | None, rank: int, world: int, backend: str,
+                 device: torch.device, progress: ProgressWriter | None) -> None:
+        schedule = build_schedule(config)
+        if schedule.pp != world:
+            raise RankFailedError(f"the schedule has pp={schedule.pp} ranks but {world} processes were started; "
+                                  f"start exactly --pp processes (torchrun --nproc-per-node {schedule.pp})")
+        self.config, self.schedule, self.rank, self.world = config, schedule, rank, world
+        self.backend, self.device, self.progress = backend, device, progress
+        self.model = model = model or build_model(config)
+        self.stages = {stage: model.build_stage(stage, schedule.num_stages).to(device)
+                       for stage in schedule.stages_of(rank)}
+        params = [p for stage in self.stages.values() for p in stage.parameters()]
+        optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
+        self.optimizer = optimizer_class(params, lr=config.lr)
+        sizes = [len(part) for part in torch.tensor_split(torch.arange(config.batch_size), config.microbatches)]
+        self.links = PeerLinks(schedule.placement, config.microbatches, device, getattr(torch, config.dtype),
+                               lambda microbatch: model.boundary_shape(sizes[microbatch]))
+        self.runtime = PipelineRuntime(rank, schedule, self.stages, model, self.links, clock_for(device),
+                                       config.batch_size, action_hook(config, rank, progress))
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.events: list = []
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def step(self, step: int) -> None:
+        """One training step: the program, the optimizer, the loss made known to all."""
+        config, device = self.config, self.device
+        inputs, targets = self.model.make_batch(step, config.batch_size)
         inputs = list(torch.tensor_split(inputs.to(device), config.microbatches))
         targets = list(torch.tensor_split(targets.to(device), config.microbatches))
-        optimizer.zero_grad(set_to_none=True)
-        if progress is not None:
-            progress.step = step
-        if world > 1:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.progress is not None:
+            self.progress.step = step
+        if self.world > 1:
             dist.barrier()
         started = time.perf_counter()
         try:
-            loss, events = runtime.run_step(inputs, targets)
+            loss, self.events = self.runtime.run_step(inputs, targets)
         except Exception as error:
-            action = runtime.current
+            action = self.runtime.current
             waiting = ""
             if action is not None and not action.is_compute:
-                waiting = f" (waiting for rank {links.peer(action)})"
-            raise RankFailedError(f"rank {rank} failed in step {step} on action {action}{waiting}: "
+                waiting = f" (waiting for rank {self.links.peer(action)})"
+            raise RankFailedError(f"rank {self.rank} failed in step {step} on action {action}{waiting}: "
                                   f"{type(error).__name__}: {error}") from error
         if config.return_grads and step == 0:
-            grads = {f"{stage}.{name}": p.grad.detach().cpu().clone()
-                     for stage, module in stages.items() for name, p in module.named_parameters()}
-        optimizer.step()
-        if world > 1:
+            self.grads = {f"{stage}.{name}": p.grad.detach().cpu().clone()
+                          for stage, module in self.stages.items() for name, p in module.named_parameters()}
+        self.optimizer.step()
+        if self.world > 1:
             dist.all_reduce(loss)  # only the last stage holds a non-zero share
-        losses.append(loss.item())
-        step_times.append(time.perf_counter() - started)
-    meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,
-            "microbatches": schedule.microbatches, "source": "measured", "backend": backend,
-            "world_size": world, "step": config.steps - 1}
-    if world > 1:
-        events = gather_events(schedule, rank, events, device)
-    result = {"rank": rank, "grads": grads}
-    if rank == 0:
-        result.update(schedule=schedule.name, pp=schedule.pp, microbatches=schedule.microbatches,
-                      virtual_stages=schedule.virtual_stages, world_size=world, backend=backend,
-                      losses=losses, step_times=step_times, trace=Trace.merge([Trace(events)], meta))
-    return result
+        self.losses.append(loss.item())
+        self.step_times.append(time.perf_counter() - started)
+
+    def result(self) -> dict:
+        """Rank 0: the run's summary and the last step's Trace from every rank; every
+        rank: its gradients of the first step, when the config asked for them."""
+        schedule, events = self.schedule, self.events
+        meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,
+                "microbatches": schedule.microbatches, "source": "measured", "backend": self.backend,
+                "world_size": self.world, "step": len(self.losses) - 1}
+        if self.world > 1:
+            events = gather_events(schedule, self.rank, events, self.device)
+        result = {"rank": self.rank, "grads": self.grads}
+        if self.rank == 0:
+            result.update(schedule=schedule.name, pp=schedule.pp, microbatches=schedule.microbatches,
+                          virtual_stages=schedule.virtual_stages, world_size=self.world, backend=self.backend,
+                          losses=self.losses, step_times=self.step_times,
+                          trace=Trace.merge([Trace(events)], meta))
+        return result
 
 
 def action_hook(config: RunConfig, rank: int, progress: ProgressWriter | None):

@@ -30,12 +30,12 @@ def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
     from executor.report import summary_lines, write_outputs  # noqa: PLC0415
-    from executor.worker import run_worker  # noqa: PLC0415
+    from executor.worker import run_local  # noqa: PLC0415
 
     validate_schedule(config)
     try:
         if config.pp == 1:
-            (result,) = run_worker([config])
+            result = run_local(config)
         else:
             (result,) = launch(config, log_dir=args.log_dir)
     except PipelineRunError as error:
