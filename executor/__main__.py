@@ -35,4 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``record`` writes the error file torchrun reads, so its summary names the failing
+    # rank's own error (rank and action) rather than a bare exit code.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())

@@ -53,15 +53,19 @@ def test_hung_rank_fails_the_job_within_the_timeout() -> None:
 
 
 def test_pp1_cli_run_is_the_one_process_reference(tmp_path: Path) -> None:
-    out = tmp_path / "run.json"
-    trace = tmp_path / "trace.json"
+    out, trace, html = tmp_path / "run.json", tmp_path / "trace.json", tmp_path / "run.html"
     assert main(["run", "--pp", "1", "--microbatches", "3", "--batch-size", "6", "--hidden", "8", "--steps", "2",
-                 "--json", str(out), "--trace", str(trace)]) == 0
+                 "--json", str(out), "--trace", str(trace), "--html", str(html)]) == 0
     document = json.loads(out.read_text())
     for key in ("schedule", "pp", "microbatches", "virtual_stages", "world_size", "backend", "losses", "step_times"):
         assert key in document
     assert document["pp"] == 1 and len(document["losses"]) == 2 and len(document["step_times"]) == 2
     assert json.loads(trace.read_text())["meta"]["source"] == "measured"
+    try:
+        import viz.gantt  # noqa: F401
+    except ImportError:
+        return  # --html is skipped with a message until the chart module is installed
+    assert html.exists()
 
 
 def test_bad_flags_are_rejected_before_anything_runs() -> None:
