@@ -29,6 +29,8 @@ class RunConfig:
     entries, summing to ``layers``); ``None`` splits them as evenly as possible.
     ``custom_schedule`` runs a given ``Schedule`` (compute-only or lowered, e.g. read
     from CSV) instead of generating ``schedule``; its pp and microbatches must match.
+    ``prefetch_recvs`` posts every receive at the start of a step (default: on gloo,
+    which matches transfers by tag; never on NCCL, which matches them by order).
     ``inject_failure`` (``"RANK:ACTION:MODE"``, e.g. ``"1:1B0:kill"``) makes that rank
     raise, die or hang just before that action of the first step: it exists so the failure
     path can be tested and demonstrated, never set it in a real run.
@@ -57,11 +59,18 @@ class RunConfig:
     inject_failure: str | None = None
     return_grads: bool = False
     custom_schedule: Schedule | None = None
+    prefetch_recvs: bool | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
+
+    def prefetch_receives(self, backend: str) -> bool:
+        """Whether receives are posted ahead on this backend (see ``prefetch_recvs``)."""
+        if backend == "nccl":
+            return False
+        return True if self.prefetch_recvs is None else self.prefetch_recvs
 
     def check(self) -> None:
         """Raise ``ConfigError`` naming the flag when a value cannot work."""

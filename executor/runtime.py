@@ -48,7 +48,7 @@ class PipelineRuntime:
 
     def __init__(self, rank: int, schedule: Schedule, stages: dict[int, nn.Module], model: PipelineModel,
                  links: PeerLinks | None, clock: Any, batch_size: int,
-                 before_action: Callable[[Action], None] | None = None) -> None:
+                 before_action: Callable[[Action], None] | None = None, prefetch_recvs: bool = False) -> None:
         self.rank = rank
         self.schedule = schedule
         self.stages = stages
@@ -57,6 +57,7 @@ class PipelineRuntime:
         self.clock = clock
         self.batch_size = batch_size
         self.before_action = before_action
+        self.prefetch_recvs = prefetch_recvs and links is not None
         self.last_stage = schedule.num_stages - 1
         self.items = program_items(schedule.programs[rank])
         self.handlers: dict[str, Callable[[Action], None]] = {
@@ -84,6 +85,7 @@ class PipelineRuntime:
         self.loss = torch.zeros((), dtype=param.dtype if param is not None else torch.float32,
                                 device=param.device if param is not None else None)
         self.clock.start_step()
+        self.prefetched = self.prefetch_receives() if self.prefetch_recvs else None
         for item in self.items:
             if isinstance(item, list):
                 self.communicate(item)
@@ -158,34 +160,55 @@ class PipelineRuntime:
     # -- communication --------------------------------------------------------------
 
     def communicate(self, group: list[Action]) -> None:
-        """Post a run of SEND/RECV actions as one batch, then wait for its receives."""
-        ops = []
+        """Post a run of SEND/RECV actions as one batch, then wait for its receives.
+        Receives already posted at the start of the step (``prefetch_recvs``) are only
+        waited for here."""
+        ops, prefetched = [], []
         for action in group:
             self.current = action
             if self.before_action is not None:
                 self.before_action(action)
             if action.kind in SENDS:
-                tensor = self.outbox.pop((action.kind, action.stage, action.microbatch))
+                ops.append((action, self.outbox.pop((action.kind, action.stage, action.microbatch))))
+            elif self.prefetched is not None:
+                prefetched.append((action, *self.prefetched.pop(action)))
             else:
-                tensor = self.links.buffer(action)
-            ops.append((action, tensor))
+                ops.append((action, self.links.buffer(action)))
         start = self.clock.mark()
-        works = self.links.post(ops)
+        works = self.links.post(ops) if ops else []
         paired = len(works) == len(ops)
+        receives = []
         for index, (action, tensor) in enumerate(ops):
+            handles = [works[index]] if paired else works
             if action.kind in SENDS:
-                self.pending.append(Pending(action, [works[index]] if paired else works, tensor, start))
-        for index, (action, tensor) in enumerate(ops):
-            if action.kind in SENDS:
-                continue
+                self.pending.append(Pending(action, handles, tensor, start))
+            else:
+                receives.append((action, handles, tensor))
+        receives.extend((action, [work], tensor) for action, work, tensor in prefetched)
+        for action, handles, tensor in receives:
             self.current = action
-            for work in [works[index]] if paired else works:
+            for work in handles:
                 work.wait()
             self.marks.append((action, start, self.clock.mark(), "recv"))
             if action.kind == ActionKind.RECV_F:
                 self.forward_inputs[(action.stage, action.microbatch)] = tensor
             else:
                 self.output_grads[(action.stage, action.microbatch)] = tensor
+
+    def prefetch_receives(self) -> dict[Action, tuple]:
+        """Post every receive of the program now, each into its own buffer.
+
+        gloo moves data only once the receiver has posted its receive (a sender waits
+        for it), so a receive posted early lets the transfer overlap the receiver's
+        compute. gloo matches transfers by tag, so posting receives ahead of their
+        place cannot mismatch them; NCCL matches by order, so it does not prefetch."""
+        prefetched = {}
+        for action in self.schedule.programs[self.rank]:
+            if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                buffer = self.links.buffer(action)
+                (work,) = self.links.post([(action, buffer)])
+                prefetched[action] = (work, buffer)
+        return prefetched
 
     def poll_sends(self) -> None:
         """Time sends that have completed since the last look."""

@@ -118,7 +118,8 @@ class RankRun:
         self.links = PeerLinks(schedule.placement, config.microbatches, device, getattr(torch, config.dtype),
                                lambda microbatch: model.boundary_shape(sizes[microbatch]))
         self.runtime = PipelineRuntime(rank, schedule, self.stages, model, self.links, clock_for(device),
-                                       config.batch_size, action_hook(config, rank, progress))
+                                       config.batch_size, action_hook(config, rank, progress),
+                                       prefetch_recvs=config.prefetch_receives(backend))
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.events: list = []

@@ -31,20 +31,22 @@ def split_backward(schedule):
     return schedule.with_programs(programs)
 
 
-def case_config(pp: int, schedule: str, microbatches: int, model: str = "mlp", zero_bubble: bool = False) -> RunConfig:
-    """A tiny float64 run: odd layer counts (uneven split) and a batch of 2m+1 (uneven microbatches)."""
+def case_config(pp: int, schedule: str, microbatches: int, model: str = "mlp", variant: str = "") -> RunConfig:
+    """A tiny float64 run: odd layer counts (uneven split) and a batch of 2m+1 (uneven
+    microbatches). ``variant``: ``"IW"`` splits every B into I and W, ``"in-order"`` posts
+    receives in program order (as on NCCL) instead of prefetching them."""
     virtual = 2 if schedule == "interleaved-1f1b" else 1
     stages = pp * virtual
     sizes = {"hidden": 8, "layers": stages + 1} if model == "mlp" else \
         {"hidden": 8, "heads": 2, "layers": stages + 1, "seq_len": 4, "vocab": 11}
-    custom = split_backward(generate(schedule, pp, microbatches, virtual)) if zero_bubble else None
+    custom = split_backward(generate(schedule, pp, microbatches, virtual)) if variant == "IW" else None
     return RunConfig(schedule=schedule, pp=pp, microbatches=microbatches, virtual_stages=virtual, model=model,
                      batch_size=2 * microbatches + 1, steps=3, dtype="float64", optimizer="adamw", lr=0.05,
-                     return_grads=True, custom_schedule=custom, **sizes)
+                     return_grads=True, custom_schedule=custom, prefetch_recvs=variant != "in-order", **sizes)
 
 
 def cases(pp: int) -> list[tuple]:
-    """(pp, schedule, m, model, zero_bubble) for every schedule that exists at these sizes."""
+    """(pp, schedule, m, model, variant) for every schedule that exists at these sizes."""
     found = []
     for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
         for microbatches in (1, pp, 2 * pp + 1):
@@ -52,10 +54,11 @@ def cases(pp: int) -> list[tuple]:
                 generate(schedule, pp, microbatches, 2 if schedule == "interleaved-1f1b" else 1)
             except ScheduleUnavailableError:
                 continue
-            found.append((pp, schedule, microbatches, "mlp", False))
-    found.append((pp, "1f1b", pp, "gpt", False))
-    found.append((pp, "interleaved-1f1b", pp, "gpt", False))
-    found.append((pp, "1f1b", pp, "mlp", True))
+            found.append((pp, schedule, microbatches, "mlp", ""))
+    found.append((pp, "1f1b", pp, "gpt", ""))
+    found.append((pp, "interleaved-1f1b", pp, "gpt", ""))
+    found.append((pp, "1f1b", pp, "mlp", "IW"))
+    found.append((pp, "interleaved-1f1b", 2 * pp, "mlp", "in-order"))
     return found
 
 
@@ -74,8 +77,8 @@ def result_of(case: tuple) -> dict:
 
 
 def case_id(case: tuple) -> str:
-    pp, schedule, microbatches, model, zero_bubble = case
-    return f"p{pp}-{schedule}-m{microbatches}-{model}" + ("-IW" if zero_bubble else "")
+    pp, schedule, microbatches, model, variant = case
+    return f"p{pp}-{schedule}-m{microbatches}-{model}" + (f"-{variant}" if variant else "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
