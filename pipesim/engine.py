@@ -6,6 +6,10 @@ arrive, ``latency + bytes / bandwidth`` after the links are free. A RECV holds t
 until that arrival. Transfers are scheduled directly from their arrival time instead
 of as SimPy processes with resource requests, which keeps the engine several times
 faster on the ~400k-action schedules of large pipelines (see benchmarks/).
+
+With a ``CommPlan`` (``pipesim.parallel``) a compute action is followed by its
+tensor-parallel collectives on a ``tp`` event, and the step ends with each stage's
+data-parallel gradient all-reduce (``dp``) and the optimizer step (``step``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import NamedTuple
 import simpy
 
 from pipesim.costs import Costs
+from pipesim.parallel import TP_KIND, CommPlan, step_tail_events
 from pipesim.topology import Topology
 from schedules.action import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.lowering import lower
@@ -78,11 +83,12 @@ def simulate(
     costs: Costs,
     topology: Topology,
     rank_devices: Sequence[str] | None = None,
+    plan: CommPlan | None = None,
 ) -> Trace:
     """Simulate one step of ``schedule`` (lowered here if it is not) and return its Trace.
 
     ``rank_devices[r]`` is the device pipeline rank ``r`` runs on; by default the
-    topology's first ``pp`` devices in order.
+    topology's first ``pp`` devices in order. ``plan`` adds tp and dp collectives.
 
     Each rank keeps its own clock and runs ahead of SimPy's through actions that cannot
     be affected by other ranks (compute, a receive whose data has already been sent, a
@@ -105,6 +111,8 @@ def simulate(
     mailbox: dict[Action, object] = {}
     records: list[tuple] = []
     record = records.append
+    tp_seconds = plan.tp_seconds if plan is not None else {}
+    tp_records: list[tuple] = []
     finished = [False] * lowered.pp
     position = [0] * lowered.pp
 
@@ -118,6 +126,11 @@ def simulate(
                 end = clock + durations[stage, kind]
                 record((rank, action, clock, end, "compute"))
                 clock = end
+                if tp_seconds:
+                    collectives = tp_seconds.get((stage, kind))
+                    if collectives:
+                        tp_records.append((rank, action, clock, clock + collectives))
+                        clock += collectives
             elif kind in SEND_KINDS:
                 clock += comm_overhead
                 receiver = action.matching()
@@ -162,6 +175,12 @@ def simulate(
         TraceEvent(rank, str(action), action[1], action[0], action[2], start, end, stream)
         for rank, action, start, end, stream in records
     ]
+    if tp_records:
+        events += [
+            TraceEvent(rank, f"{TP_KIND}({action})", TP_KIND, action[0], action[2], start, end, "tp")
+            for rank, action, start, end in tp_records
+        ]
+    events += step_tail_events(events, lowered.pp, plan, costs.step_overhead)
     meta = {
         "source": "simulated",
         "schedule": lowered.name,
