@@ -106,11 +106,11 @@ def simulate(
     durations = costs.durations()
     comm_overhead = costs.comm_overhead
     links = LinkScheduler(topology)
-    placement = lowered.placement
     shared_pairs = _pairs_on_shared_links(lowered, topology, devices)
-    mailbox: dict[Action, object] = {}
-    records: list[tuple] = []
-    record = records.append
+    send_info = _send_table(lowered, devices, costs, shared_pairs)
+    mailbox: dict[tuple, object] = {}
+    events: list[TraceEvent] = []
+    record = events.append
     tp_seconds = plan.tp_seconds if plan is not None else {}
     tp_records: list[tuple] = []
     finished = [False] * lowered.pp
@@ -120,26 +120,28 @@ def simulate(
         clock = 0.0
         transfer = links.transfer
         source = devices[rank]
+        compute_kinds, send_kinds = COMPUTE_KINDS, SEND_KINDS
         for index, action in enumerate(program):
             stage, kind, microbatch = action
-            if kind in COMPUTE_KINDS:
+            if kind in compute_kinds:
                 end = clock + durations[stage, kind]
-                record((rank, action, clock, end, "compute"))
+                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end, "compute"))
                 clock = end
                 if tp_seconds:
                     collectives = tp_seconds.get((stage, kind))
                     if collectives:
                         tp_records.append((rank, action, clock, clock + collectives))
                         clock += collectives
-            elif kind in SEND_KINDS:
+            elif kind in send_kinds:
                 clock += comm_overhead
-                receiver = action.matching()
-                peer = placement[receiver.stage]
-                if (rank, peer) in shared_pairs and clock > env.now:
+                receiver_stage, receiver_kind, destination, num_bytes, shared = send_info[stage, kind]
+                if shared and clock > env.now:
                     position[rank] = index
                     yield env.timeout(clock - env.now)
-                _, start, arrival = transfer(source, devices[peer], transfer_bytes(action, costs), clock)
-                record((rank, action, start, arrival, "send"))
+                _, start, arrival = transfer(source, destination, num_bytes, clock)
+                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival, "send"))
+                # plain tuples hash and compare equal to the RECV's Action
+                receiver = (receiver_stage, receiver_kind, microbatch)
                 waiting = mailbox.pop(receiver, None)
                 if waiting is None:
                     mailbox[receiver] = arrival
@@ -156,7 +158,7 @@ def simulate(
                     arrival = yield waiting
                 if arrival > clock:
                     clock = arrival
-                record((rank, action, start, clock, "recv"))
+                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, clock, "recv"))
             else:
                 raise SimulationError(f"rank {rank}: cannot simulate action {action} (unknown kind {kind!r})")
         finished[rank] = True
@@ -171,10 +173,6 @@ def simulate(
             if not finished[rank]
         ]
         raise SimulationError("deadlock: ranks wait forever: " + "; ".join(stuck))
-    events = [
-        TraceEvent(rank, str(action), action[1], action[0], action[2], start, end, stream)
-        for rank, action, start, end, stream in records
-    ]
     if tp_records:
         events += [
             TraceEvent(rank, f"{TP_KIND}({action})", TP_KIND, action[0], action[2], start, end, "tp")
@@ -191,6 +189,29 @@ def simulate(
         "devices": list(devices),
     }
     return Trace(events, meta)
+
+
+def _send_table(
+    schedule: Schedule, devices: Sequence[str], costs: Costs, shared_pairs: set[tuple[int, int]]
+) -> dict[tuple[int, str], tuple[int, str, str, float, bool]]:
+    """For every (stage, SEND kind): the receiving stage and kind, the receiver's device,
+    the bytes moved and whether the route shares links with other senders. Looked up
+    once per send instead of recomputed."""
+    table = {}
+    for stage, rank in enumerate(schedule.placement):
+        for kind in SEND_KINDS:
+            receiver = Action(stage, kind, 0).matching()
+            if not 0 <= receiver.stage < schedule.num_stages:
+                continue
+            peer = schedule.placement[receiver.stage]
+            table[stage, kind] = (
+                receiver.stage,
+                receiver.kind,
+                devices[peer],
+                transfer_bytes(Action(stage, kind, 0), costs),
+                (rank, peer) in shared_pairs,
+            )
+    return table
 
 
 def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequence[str]) -> set[tuple[int, int]]:
