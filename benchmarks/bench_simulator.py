@@ -66,7 +66,7 @@ def bench_case(pp: int, microbatches: int, chunks: int) -> dict:
 
     def ours_end_to_end():
         fresh = generate("interleaved-1f1b", pp, microbatches, chunks)
-        return run_simulation(fresh, costs, ib(max(1, pp // 8)), validate=False)
+        return run_simulation(fresh, costs, ib(max(1, pp // 8)))
 
     def torch_end_to_end():
         compute = torch_generate(pp, microbatches, chunks)

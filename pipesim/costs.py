@@ -15,6 +15,8 @@ from pathlib import Path
 
 from schedules.action import ActionKind
 
+STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "layers", "tp_message_bytes")
+
 
 class CostsError(ValueError):
     """A costs file or flag value that cannot describe a pipeline."""
@@ -28,6 +30,13 @@ class StageCost:
     ``I = bwd - wgrad`` then ``W = wgrad``. ``act_bytes`` is the size of this stage's
     output activation, which is also the size of the gradient coming back into it.
     ``stash_bytes`` is what one microbatch's forward keeps alive until its backward.
+    ``param_bytes`` is this stage's parameters on one device, in the weights' dtype.
+    All figures are per device: with tensor parallelism, one tp shard's share.
+
+    ``layers`` and ``tp_message_bytes`` describe tensor-parallel traffic: each layer's
+    forward does two collectives of ``tp_message_bytes`` (the full ``s*b*h`` activation)
+    across the tp group and its input-gradient backward two more (Megatron-LM). Zero
+    means no tp traffic is charged.
     """
 
     fwd: float
@@ -36,6 +45,8 @@ class StageCost:
     act_bytes: float = 0.0
     stash_bytes: float = 0.0
     param_bytes: float = 0.0
+    layers: float = 0.0
+    tp_message_bytes: float = 0.0
 
     def seconds(self, kind: str) -> float:
         if kind == ActionKind.F:
@@ -56,18 +67,21 @@ class Costs:
     ``action_overhead`` is charged on the compute stream before every compute action
     and ``comm_overhead`` before every SEND/RECV (launching a P2P op), so a calibrated
     model can account for the executor's own Python and launch cost.
-    ``step_overhead`` is charged once after the last action (e.g. the optimizer step).
+    ``step_overhead`` is charged once per rank after its last action and its gradient
+    all-reduce (the optimizer step). ``sequence_parallel`` says the tp collectives are
+    all-gather + reduce-scatter pairs (Korthikanti et al.) rather than all-reduces.
     """
 
     stages: tuple[StageCost, ...]
     action_overhead: float = 0.0
     comm_overhead: float = 0.0
     step_overhead: float = 0.0
+    sequence_parallel: bool = False
     meta: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for index, stage in enumerate(self.stages):
-            for name in ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes"):
+            for name in STAGE_FIELDS:
                 value = getattr(stage, name)
                 if not isinstance(value, (int, float)) or value < 0:
                     raise CostsError(f"stage {index}: {name} must be a number >= 0, got {value!r}")
@@ -93,6 +107,7 @@ class Costs:
             "action_overhead": self.action_overhead,
             "comm_overhead": self.comm_overhead,
             "step_overhead": self.step_overhead,
+            "sequence_parallel": self.sequence_parallel,
             "meta": self.meta,
             "stages": [asdict(stage) for stage in self.stages],
         }
@@ -147,7 +162,7 @@ def load_costs(path: str | Path, num_stages: int | None = None) -> Costs:
     data = _read_structured(path)
     if not isinstance(data, dict) or not isinstance(data.get("stages"), list) or not data["stages"]:
         raise CostsError(f"{path}: expected a mapping with a non-empty list 'stages'")
-    known = {"fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "stage"}
+    known = {*STAGE_FIELDS, "stage"}
     stages = []
     for index, entry in enumerate(data["stages"]):
         if not isinstance(entry, dict):
@@ -166,4 +181,5 @@ def load_costs(path: str | Path, num_stages: int | None = None) -> Costs:
         else:
             raise CostsError(f"{path}: has costs for {len(stages)} stages but the schedule has {num_stages}")
     overheads = {key: float(data.get(key, 0.0)) for key in ("action_overhead", "comm_overhead", "step_overhead")}
-    return Costs(stages=tuple(stages), meta=dict(data.get("meta", {})), **overheads)
+    return Costs(stages=tuple(stages), meta=dict(data.get("meta", {})),
+                 sequence_parallel=bool(data.get("sequence_parallel", False)), **overheads)

@@ -6,6 +6,10 @@ arrive, ``latency + bytes / bandwidth`` after the links are free. A RECV holds t
 until that arrival. Transfers are scheduled directly from their arrival time instead
 of as SimPy processes with resource requests, which keeps the engine several times
 faster on the ~400k-action schedules of large pipelines (see benchmarks/).
+
+With a ``CommPlan`` (``pipesim.parallel``) a compute action is followed by its
+tensor-parallel collectives on a ``tp`` event, and the step ends with each stage's
+data-parallel gradient all-reduce (``dp``) and the optimizer step (``step``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import NamedTuple
 import simpy
 
 from pipesim.costs import Costs
+from pipesim.parallel import TP_KIND, CommPlan, step_tail_events
 from pipesim.topology import Topology
 from schedules.action import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.lowering import lower
@@ -78,11 +83,12 @@ def simulate(
     costs: Costs,
     topology: Topology,
     rank_devices: Sequence[str] | None = None,
+    plan: CommPlan | None = None,
 ) -> Trace:
     """Simulate one step of ``schedule`` (lowered here if it is not) and return its Trace.
 
     ``rank_devices[r]`` is the device pipeline rank ``r`` runs on; by default the
-    topology's first ``pp`` devices in order.
+    topology's first ``pp`` devices in order. ``plan`` adds tp and dp collectives.
 
     Each rank keeps its own clock and runs ahead of SimPy's through actions that cannot
     be affected by other ranks (compute, a receive whose data has already been sent, a
@@ -100,11 +106,13 @@ def simulate(
     durations = costs.durations()
     comm_overhead = costs.comm_overhead
     links = LinkScheduler(topology)
-    placement = lowered.placement
     shared_pairs = _pairs_on_shared_links(lowered, topology, devices)
-    mailbox: dict[Action, object] = {}
-    records: list[tuple] = []
-    record = records.append
+    send_info = _send_table(lowered, devices, costs, shared_pairs)
+    mailbox: dict[tuple, object] = {}
+    events: list[TraceEvent] = []
+    record = events.append
+    tp_seconds = plan.tp_seconds if plan is not None else {}
+    tp_records: list[tuple] = []
     finished = [False] * lowered.pp
     position = [0] * lowered.pp
 
@@ -112,21 +120,28 @@ def simulate(
         clock = 0.0
         transfer = links.transfer
         source = devices[rank]
+        compute_kinds, send_kinds = COMPUTE_KINDS, SEND_KINDS
         for index, action in enumerate(program):
             stage, kind, microbatch = action
-            if kind in COMPUTE_KINDS:
+            if kind in compute_kinds:
                 end = clock + durations[stage, kind]
-                record((rank, action, clock, end, "compute"))
+                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end, "compute"))
                 clock = end
-            elif kind in SEND_KINDS:
+                if tp_seconds:
+                    collectives = tp_seconds.get((stage, kind))
+                    if collectives:
+                        tp_records.append((rank, action, clock, clock + collectives))
+                        clock += collectives
+            elif kind in send_kinds:
                 clock += comm_overhead
-                receiver = action.matching()
-                peer = placement[receiver.stage]
-                if (rank, peer) in shared_pairs and clock > env.now:
+                receiver_stage, receiver_kind, destination, num_bytes, shared = send_info[stage, kind]
+                if shared and clock > env.now:
                     position[rank] = index
                     yield env.timeout(clock - env.now)
-                _, start, arrival = transfer(source, devices[peer], transfer_bytes(action, costs), clock)
-                record((rank, action, start, arrival, "send"))
+                _, start, arrival = transfer(source, destination, num_bytes, clock)
+                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival, "send"))
+                # plain tuples hash and compare equal to the RECV's Action
+                receiver = (receiver_stage, receiver_kind, microbatch)
                 waiting = mailbox.pop(receiver, None)
                 if waiting is None:
                     mailbox[receiver] = arrival
@@ -143,7 +158,7 @@ def simulate(
                     arrival = yield waiting
                 if arrival > clock:
                     clock = arrival
-                record((rank, action, start, clock, "recv"))
+                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, clock, "recv"))
             else:
                 raise SimulationError(f"rank {rank}: cannot simulate action {action} (unknown kind {kind!r})")
         finished[rank] = True
@@ -158,10 +173,12 @@ def simulate(
             if not finished[rank]
         ]
         raise SimulationError("deadlock: ranks wait forever: " + "; ".join(stuck))
-    events = [
-        TraceEvent(rank, str(action), action[1], action[0], action[2], start, end, stream)
-        for rank, action, start, end, stream in records
-    ]
+    if tp_records:
+        events += [
+            TraceEvent(rank, f"{TP_KIND}({action})", TP_KIND, action[0], action[2], start, end, "tp")
+            for rank, action, start, end in tp_records
+        ]
+    events += step_tail_events(events, lowered.pp, plan, costs.step_overhead)
     meta = {
         "source": "simulated",
         "schedule": lowered.name,
@@ -172,6 +189,29 @@ def simulate(
         "devices": list(devices),
     }
     return Trace(events, meta)
+
+
+def _send_table(
+    schedule: Schedule, devices: Sequence[str], costs: Costs, shared_pairs: set[tuple[int, int]]
+) -> dict[tuple[int, str], tuple[int, str, str, float, bool]]:
+    """For every (stage, SEND kind): the receiving stage and kind, the receiver's device,
+    the bytes moved and whether the route shares links with other senders. Looked up
+    once per send instead of recomputed."""
+    table = {}
+    for stage, rank in enumerate(schedule.placement):
+        for kind in SEND_KINDS:
+            receiver = Action(stage, kind, 0).matching()
+            if not 0 <= receiver.stage < schedule.num_stages:
+                continue
+            peer = schedule.placement[receiver.stage]
+            table[stage, kind] = (
+                receiver.stage,
+                receiver.kind,
+                devices[peer],
+                transfer_bytes(Action(stage, kind, 0), costs),
+                (rank, peer) in shared_pairs,
+            )
+    return table
 
 
 def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequence[str]) -> set[tuple[int, int]]:

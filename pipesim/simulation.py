@@ -7,25 +7,56 @@ This is the function the command line, the sweeps and the benchmarks call, so th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from pipesim.costs import Costs
 from pipesim.engine import simulate
+from pipesim.mapping import RankMapping, map_ranks
+from pipesim.memory import RankMemory, memory_report
+from pipesim.parallel import ParallelConfig, comm_plan
 from pipesim.topology import Topology
 from schedules.lowering import lower
-from schedules.metrics import StepMetrics, step_metrics
+from schedules.metrics import StepMetrics, comm_by_kind, step_metrics
 from schedules.schedule import Schedule
 from schedules.trace import Trace
 
 
 @dataclass
 class SimulationResult:
-    """A simulated step: the schedule that ran, its Trace and the metrics of that Trace."""
+    """A simulated step: the schedule that ran, its Trace and the metrics of that Trace.
+    Memory and communication by kind are computed on first use (sweeps and benchmarks
+    that only want the step time do not pay for them)."""
 
     schedule: Schedule
     topology: Topology
     trace: Trace
     metrics: StepMetrics
+    costs: Costs | None = None
+    devices: list[str] = field(default_factory=list)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    mapping: RankMapping | None = None
+
+    @cached_property
+    def memory(self) -> list[RankMemory]:
+        """Per rank: static, buffer and stash bytes, peak and timeline."""
+        if self.costs is None:
+            return []
+        devices = self.devices or [f"gpu{rank}" for rank in range(self.schedule.pp)]
+        return memory_report(
+            self.trace, self.costs, self.schedule.placement, devices,
+            [self.topology.device_memory(device) for device in devices],
+            self.parallel.bytes_per_param, self.parallel.dp, self.parallel.bucket_bytes,
+        )
+
+    @cached_property
+    def comm(self) -> list[dict[str, dict[str, float]]]:
+        """Per rank: ``{"p2p"|"dp"|"tp": {"total": s, "exposed": s}}``."""
+        return comm_by_kind(self.trace)
+
+    @property
+    def oom(self) -> bool:
+        return any(rank.oom for rank in self.memory)
 
     def to_dict(self) -> dict:
         """The ``--json`` document."""
@@ -36,6 +67,10 @@ class SimulationResult:
             "microbatches": self.schedule.microbatches,
             "virtual_stages": self.schedule.virtual_stages,
             "topology": self.topology.name,
+            "dp": self.parallel.dp,
+            "tp": self.parallel.tp,
+            "rank_order": "-".join(self.mapping.order) if self.mapping else None,
+            "devices": list(self.devices),
             "makespan": metrics.makespan,
             "bubble_fraction": metrics.bubble_fraction,
             "actions": self.schedule.num_actions,
@@ -47,9 +82,28 @@ class SimulationResult:
                     "comm": rank.comm,
                     "exposed_comm": rank.exposed_comm,
                     "peak_inflight_microbatches": rank.peak_inflight_microbatches,
+                    **self._memory_fields(rank.rank),
                 }
                 for rank in metrics.ranks
             ],
+            "comm": self.comm,
+            "oom": self.oom,
+        }
+
+    def _memory_fields(self, rank: int) -> dict:
+        if rank >= len(self.memory):
+            return {"peak_memory_bytes": None}
+        memory = self.memory[rank]
+        capacity = memory.capacity_bytes
+        return {
+            "peak_memory_bytes": memory.peak_bytes,
+            "memory": {
+                "static_bytes": memory.static_bytes,
+                "buffer_bytes": memory.buffer_bytes,
+                "peak_stash_bytes": memory.peak_stash_bytes,
+                "capacity_bytes": capacity if capacity != float("inf") else None,
+                "oom": memory.oom,
+            },
         }
 
     def summary(self) -> str:
@@ -76,7 +130,28 @@ class SimulationResult:
                 f"{rank.peak_inflight_microbatches:g}"
             )
         lines.append(f"  (times in {unit}; peak in-flight in microbatches of the rank's whole share of the model)")
+        lines += self._comm_and_memory_lines(unit, scale)
         return "\n".join(lines)
+
+    def _comm_and_memory_lines(self, unit: str, scale: float) -> list[str]:
+        lines = [f"  communication by kind (total / exposed, {unit}); memory (GB)"]
+        lines.append(f"  {'rank':>4}  {'p2p':>19}  {'tp':>19}  {'dp':>19}  {'peak mem':>9}  {'capacity':>9}")
+        for rank, comm in enumerate(self.comm):
+            cells = [f"{comm[kind]['total'] * scale:>9.4g}/{comm[kind]['exposed'] * scale:<9.4g}"
+                     for kind in ("p2p", "tp", "dp")]
+            memory = self.memory[rank] if rank < len(self.memory) else None
+            peak = f"{memory.peak_bytes / 1e9:>9.2f}" if memory else f"{'-':>9}"
+            bounded = memory is not None and memory.capacity_bytes != float("inf")
+            capacity = f"{memory.capacity_bytes / 1e9:>9.2f}" if bounded else f"{'-':>9}"
+            flag = "  OOM" if memory and memory.oom else ""
+            lines.append(f"  {rank:>4}  {'  '.join(cells)}  {peak}  {capacity}{flag}")
+        for memory in self.memory:
+            if memory.oom:
+                lines.append(
+                    f"  warning: rank {memory.rank} on {memory.device} needs {memory.peak_bytes / 1e9:.2f} GB "
+                    f"but the device holds {memory.capacity_bytes / 1e9:.2f} GB (out of memory)"
+                )
+        return lines
 
 
 def _time_unit(seconds: float) -> tuple[str, float]:
@@ -93,12 +168,25 @@ def run_simulation(
     topology: Topology,
     rank_devices: Sequence[str] | None = None,
     validate: bool = True,
+    parallel: ParallelConfig | None = None,
 ) -> SimulationResult:
-    """Lower, validate (naming any bad action), simulate and compute metrics."""
+    """Lower, validate (naming any bad action), map ranks onto devices, simulate and
+    compute metrics. With ``parallel`` (dp, tp > 1) the pipeline simulated is replica 0's
+    and its ranks also pay their tp and dp collectives."""
+    parallel = parallel or ParallelConfig()
     lowered = lower(schedule)
     if validate:
         from schedules.validate import validate as validate_schedule
 
         validate_schedule(lowered)
-    trace = simulate(lowered, costs, topology, rank_devices)
-    return SimulationResult(lowered, topology, trace, step_metrics(trace, lowered.virtual_stages))
+    mapping = None
+    if rank_devices is None:
+        mapping = map_ranks(topology, parallel.dp, lowered.pp, parallel.tp, parallel.rank_order)
+        rank_devices = mapping.pipeline()
+    plan = None
+    if mapping is not None and (parallel.dp > 1 or parallel.tp > 1):
+        plan = comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
+                         parallel.algorithm)
+    trace = simulate(lowered, costs, topology, rank_devices, plan)
+    metrics = step_metrics(trace, lowered.virtual_stages)
+    return SimulationResult(lowered, topology, trace, metrics, costs, list(rank_devices), parallel, mapping)

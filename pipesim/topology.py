@@ -94,9 +94,15 @@ class Topology:
         return route
 
     def device_memory(self, device: str) -> float:
+        """Bytes of memory on ``device``; unbounded when the topology does not say."""
+        if device not in self.graph:
+            return math.inf
         return float(self.graph.nodes[device].get("memory_bytes", math.inf))
 
     def device_peak_flops(self, device: str) -> float:
+        """Peak FLOP/s of ``device``; unbounded (unknown) when the topology does not say."""
+        if device not in self.graph:
+            return math.inf
         return float(self.graph.nodes[device].get("peak_flops", math.inf))
 
     def require_devices(self, count: int, what: str = "ranks") -> None:

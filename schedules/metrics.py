@@ -113,3 +113,50 @@ def step_metrics(trace: Trace, chunks_per_rank: int | None = None) -> StepMetric
         for rank, events_of_rank in enumerate(trace.by_rank())
     )
     return StepMetrics(makespan=span, bubble_fraction=bubble, ranks=per_rank)
+
+
+COMM_KINDS_BY_STREAM = {"send": "p2p", "tp": "tp", "dp": "dp"}
+
+
+def comm_by_kind(trace: Trace) -> list[dict[str, dict[str, float]]]:
+    """Per rank, communication seconds by kind: ``{"p2p"|"dp"|"tp": {"total", "exposed"}}``.
+
+    p2p: total is the time outgoing transfers were in flight, exposed the time the rank
+    sat blocked on receives. tp: collectives on the compute's critical path, so all of
+    it is exposed. dp: gradient all-reduce time, exposed where no compute or tp
+    collective of the rank runs beside it (the part overlap could not hide)."""
+    result = []
+    for rank_events in trace.by_rank():
+        totals = {kind: {"total": 0.0, "exposed": 0.0} for kind in ("p2p", "dp", "tp")}
+        working = []
+        reducing = []
+        for event in rank_events:
+            stream = event.stream
+            if stream == "recv":
+                totals["p2p"]["exposed"] += event.duration
+            elif stream in COMM_KINDS_BY_STREAM:
+                totals[COMM_KINDS_BY_STREAM[stream]]["total"] += event.duration
+            if stream in ("compute", "tp"):
+                working.append((event.start, event.end))
+            elif stream == "dp":
+                reducing.append((event.start, event.end))
+        totals["tp"]["exposed"] = totals["tp"]["total"]
+        totals["dp"]["exposed"] = totals["dp"]["total"] - _overlap(sorted(reducing), sorted(working))
+        result.append(totals)
+    return result
+
+
+def _overlap(first: list[tuple[float, float]], second: list[tuple[float, float]]) -> float:
+    """Seconds where an interval of ``first`` meets one of ``second`` (each list sorted
+    and without overlaps of its own)."""
+    total, i, j = 0.0, 0, 0
+    while i < len(first) and j < len(second):
+        start = max(first[i][0], second[j][0])
+        end = min(first[i][1], second[j][1])
+        if end > start:
+            total += end - start
+        if first[i][1] < second[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total

@@ -63,6 +63,73 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--costs", help="per-stage costs file (JSON or YAML) instead of the flags above")
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    from pipesim.model_spec import PRESETS as MODELS
+
+    group = parser.add_argument_group("model spec (costs from FLOPs and bytes instead of --fwd/--bwd)")
+    group.add_argument("--model", help=f"one of {', '.join(MODELS)}; the flags below override its fields")
+    for flag, what in (("--layers", "transformer layers"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
+                       ("--seq-len", "sequence length"), ("--vocab", "vocabulary size"),
+                       ("--microbatch-size", "sequences per microbatch"),
+                       ("--dtype-bytes", "bytes per activation/weight element (2 for bf16)")):
+        group.add_argument(flag, type=int, default=None, help=what)
+    group.add_argument("--mfu", type=float, default=0.5,
+                       help="fraction of the device's peak FLOP/s that compute reaches (default: 0.5)")
+    group.add_argument("--layers-per-stage", help="layers on each stage, e.g. 3,3,2,2 (default: as even as possible)")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="Megatron sequence parallelism: tp all-gather + reduce-scatter, activations / tp")
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    from pipesim.mapping import DEFAULT_ORDER
+
+    group = parser.add_argument_group("data and tensor parallelism, memory")
+    group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
+    group.add_argument("--tp", type=int, default=1, help="tensor-parallel shards per pipeline rank (default: 1)")
+    group.add_argument("--rank-order", default=DEFAULT_ORDER,
+                       help=f"axes innermost first, e.g. tp-pp-dp (default: {DEFAULT_ORDER}, Megatron's)")
+    group.add_argument("--bucket-mb", type=float, default=25.0,
+                       help="gradient all-reduce bucket in MiB (default: 25, torch DDP's)")
+    group.add_argument("--no-dp-overlap", action="store_true",
+                       help="start the gradient all-reduce after the rank's last action, not each stage's last "
+                       "backward")
+    group.add_argument("--collective", choices=("ring", "tree"), default="ring",
+                       help="all-reduce algorithm (default: ring)")
+    group.add_argument("--bytes-per-param", default="2,2,12",
+                       help="memory per parameter: WEIGHTS,GRADS,OPTIMIZER bytes (default: 2,2,12, bf16 + Adam)")
+
+
+def parallel_from_args(args: argparse.Namespace):
+    """The ``ParallelConfig`` the flags describe."""
+    from pipesim.memory import parse_bytes_per_param
+    from pipesim.parallel import ParallelConfig
+
+    return ParallelConfig(
+        dp=getattr(args, "dp", 1), tp=getattr(args, "tp", 1), rank_order=getattr(args, "rank_order", "tp-dp-pp"),
+        bucket_bytes=getattr(args, "bucket_mb", 25.0) * 2**20, overlap_dp=not getattr(args, "no_dp_overlap", False),
+        algorithm=getattr(args, "collective", "ring"),
+        bytes_per_param=parse_bytes_per_param(getattr(args, "bytes_per_param", "2,2,12")),
+    )
+
+
+def model_costs_from_args(args: argparse.Namespace, schedule: Schedule, topology: Topology) -> Costs:
+    """Costs of ``--model`` on the devices its pipeline ranks are mapped to."""
+    from pipesim.mapping import map_ranks
+    from pipesim.model_spec import model_costs, model_spec
+
+    if args.costs or args.act_bytes or args.wgrad:
+        raise ValueError("--model derives the costs; drop --costs/--act-bytes/--wgrad or drop --model")
+    spec = model_spec(
+        args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
+        vocab=args.vocab, microbatch_size=args.microbatch_size, dtype_bytes=args.dtype_bytes,
+    )
+    devices = map_ranks(topology, args.dp, schedule.pp, args.tp, args.rank_order).pipeline()
+    peaks = [topology.device_peak_flops(devices[schedule.placement[stage]]) for stage in range(schedule.num_stages)]
+    layout = split_list(args.layers_per_stage, int) if args.layers_per_stage else None
+    return model_costs(spec, schedule.num_stages, peaks, tp=args.tp, mfu=args.mfu,
+                       sequence_parallel=args.sequence_parallel, layers_per_stage=layout)
+
+
 def costs_from_args(args: argparse.Namespace, num_stages: int, virtual_stages: int) -> Costs:
     """Uniform costs from the flags, or the costs file; chunk costs are per-rank / v."""
     if args.costs:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from pipesim.commands.options import (
     add_cost_args,
+    add_model_args,
+    add_parallel_args,
     add_schedule_args,
     add_topology_args,
     costs_from_args,
+    model_costs_from_args,
+    parallel_from_args,
     schedule_from_args,
     topology_from_args,
 )
@@ -24,14 +29,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_schedule_args(parser)
     add_cost_args(parser)
+    add_model_args(parser)
     add_topology_args(parser)
+    add_parallel_args(parser)
     add_output_args(parser)
+    parser.add_argument("--fail-on-oom", action="store_true",
+                        help="exit non-zero when a rank's peak memory exceeds its device's")
     parser.set_defaults(handler=handle)
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("outputs")
-    group.add_argument("--json", help="write the result (makespan, bubble fraction, per-rank metrics) as JSON")
+    group.add_argument("--json", help="write the result (makespan, bubble, per-rank metrics, comm, memory) as JSON")
     group.add_argument("--trace", help="write the timeline as a pipesim Trace JSON")
     group.add_argument("--chrome-trace", help="write the timeline as Chrome/Perfetto trace JSON")
     group.add_argument("--html", help="write a Gantt chart (self-contained HTML)")
@@ -61,10 +70,21 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
 
 
 def handle(args: argparse.Namespace) -> int:
+    from pipesim.memory import OutOfMemoryError, check_memory
+
     schedule = schedule_from_args(args)
-    costs = costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
     topology = topology_from_args(args)
-    result = run_simulation(schedule, costs, topology)
+    if args.model:
+        costs = model_costs_from_args(args, schedule, topology)
+    else:
+        costs = costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
+    result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args))
     print(result.summary())
     write_outputs(args, result.to_dict(), [result.trace], [f"predicted: {schedule.name}"])
+    if args.fail_on_oom:
+        try:
+            check_memory(result.memory)
+        except OutOfMemoryError as error:
+            print(f"pipesim simulate: error: {error}", file=sys.stderr)
+            return 3
     return 0

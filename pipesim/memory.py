@@ -1,0 +1,150 @@
+"""Memory per rank over a step: what must fit on each device.
+
+    static   parameters + gradients + optimizer state, by bytes per parameter
+             (default mixed-precision Adam: 2 bf16 weights + 2 bf16 gradients +
+             12 fp32 optimizer: master weights, momentum and variance = 16 bytes)
+    buffers  2 x the boundary activation per P2P peer (one for the activation, one for
+             its gradient) and one DDP bucket when data parallel
+    stash    each stage's ``stash_bytes`` for every microbatch whose forward has started
+             and whose last backward piece (B, or W when split) has not ended: the rule
+             of ``schedules.metrics.peak_inflight``, read from the Trace
+
+The parameter count of a stage is its ``param_bytes`` over the weights' bytes per
+parameter. The timeline is a list of ``(time, bytes)`` points at every change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipesim.costs import Costs
+from schedules.action import ActionKind
+from schedules.trace import Trace
+
+
+class OutOfMemoryError(RuntimeError):
+    """A plan whose peak memory exceeds a device's capacity (raised on request only)."""
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes each parameter costs: weights (the dtype ``param_bytes`` is counted in),
+    gradients and optimizer state."""
+
+    weights: float = 2.0
+    grads: float = 2.0
+    optimizer: float = 12.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def parse_bytes_per_param(text: str) -> BytesPerParam:
+    """``"2,2,12"`` (weights, gradients, optimizer) -> ``BytesPerParam``."""
+    try:
+        parts = [float(part) for part in text.split(",")]
+    except ValueError as error:
+        raise ValueError(f"--bytes-per-param {text!r}: expected three numbers WEIGHTS,GRADS,OPTIMIZER") from error
+    if len(parts) != 3 or parts[0] <= 0 or min(parts) < 0:
+        raise ValueError(f"--bytes-per-param {text!r}: expected WEIGHTS,GRADS,OPTIMIZER with WEIGHTS > 0, e.g. 2,2,12")
+    return BytesPerParam(*parts)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's memory: the parts, the peak and the timeline, against its capacity."""
+
+    rank: int
+    device: str
+    capacity_bytes: float
+    static_bytes: float
+    buffer_bytes: float
+    peak_stash_bytes: float
+    peak_bytes: float
+    timeline: tuple[tuple[float, float], ...]
+
+    @property
+    def oom(self) -> bool:
+        return self.peak_bytes > self.capacity_bytes
+
+
+def memory_report(
+    trace: Trace,
+    costs: Costs,
+    placement: Sequence[int],
+    devices: Sequence[str],
+    capacities: Sequence[float],
+    bytes_per_param: BytesPerParam = BytesPerParam(),
+    dp: int = 1,
+    bucket_bytes: float = 0.0,
+) -> list[RankMemory]:
+    """Memory of every rank of the simulated pipeline, from its Trace."""
+    last_stage = costs.num_stages - 1
+    static = [0.0] * trace.num_ranks
+    buffers = [0.0] * trace.num_ranks
+    for stage, cost in enumerate(costs.stages):
+        rank = placement[stage]
+        static[rank] += cost.param_bytes / bytes_per_param.weights * bytes_per_param.total
+        if stage > 0 and placement[stage - 1] != rank:
+            buffers[rank] += 2 * costs.stages[stage - 1].act_bytes
+        if stage < last_stage and placement[stage + 1] != rank:
+            buffers[rank] += 2 * cost.act_bytes
+    if dp > 1:
+        buffers = [value + bucket_bytes for value in buffers]
+    report = []
+    for rank, rank_events in enumerate(trace.by_rank()):
+        base = static[rank] + buffers[rank]
+        stash_changes = _stash_changes(rank_events, costs)
+        timeline = [(0.0, base)]
+        held = peak_stash = 0.0
+        for time, change in stash_changes:
+            held += change
+            peak_stash = max(peak_stash, held)
+            if timeline[-1][0] == time:
+                timeline[-1] = (time, base + held)
+            else:
+                timeline.append((time, base + held))
+        report.append(RankMemory(
+            rank=rank,
+            device=devices[rank],
+            capacity_bytes=capacities[rank],
+            static_bytes=static[rank],
+            buffer_bytes=buffers[rank],
+            peak_stash_bytes=peak_stash,
+            peak_bytes=base + peak_stash,
+            timeline=tuple(timeline),
+        ))
+    return report
+
+
+def _stash_changes(rank_events, costs: Costs) -> list[tuple[float, float]]:
+    """(time, +/- bytes) of stash taken at each forward's start and freed at the end of
+    its last backward piece; frees sort first at equal times (memory is reused)."""
+    compute = [event for event in rank_events if event.stream == "compute"]
+    split = {(event.stage, event.microbatch) for event in compute if event.kind == ActionKind.W}
+    changes = []
+    for event in compute:
+        stash = costs.stages[event.stage].stash_bytes
+        if event.kind == ActionKind.F:
+            changes.append((event.start, stash))
+        elif event.kind == ActionKind.W or (
+            event.kind in (ActionKind.B, ActionKind.I) and (event.stage, event.microbatch) not in split
+        ):
+            changes.append((event.end, -stash))
+    changes.sort()
+    return changes
+
+
+def check_memory(report: list[RankMemory]) -> None:
+    """Raise ``OutOfMemoryError`` naming the first rank that does not fit."""
+    for rank in report:
+        if rank.oom:
+            raise OutOfMemoryError(
+                f"out of memory: rank {rank.rank} on {rank.device} peaks at {rank.peak_bytes / 1e9:.2f} GB "
+                f"(static {rank.static_bytes / 1e9:.2f} GB params+grads+optimizer, "
+                f"stash {rank.peak_stash_bytes / 1e9:.2f} GB, buffers {rank.buffer_bytes / 1e9:.2f} GB) "
+                f"but the device holds {rank.capacity_bytes / 1e9:.2f} GB; "
+                "add pipeline/tensor ranks, fewer microbatches in flight (1F1B), or sequence parallelism"
+            )

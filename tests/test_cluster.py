@@ -1,0 +1,161 @@
+"""Cluster model end to end: P2P on files, rank mapping, tp/dp collectives in a step,
+the command line's new flags and outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipesim.cli import main
+from pipesim.collectives import all_reduce, bucketed_all_reduce
+from pipesim.costs import Costs, StageCost, uniform_costs
+from pipesim.engine import LinkScheduler
+from pipesim.mapping import map_ranks
+from pipesim.parallel import ParallelConfig
+from pipesim.presets import ib, nvlink
+from pipesim.simulation import run_simulation
+from pipesim.topology import TopologyError, ideal_topology
+from pipesim.topology_file import topology_from_dict
+from schedules import generate
+
+FWD, BWD = 1.0, 2.0
+
+CHAIN = {  # g0 -> sw -> g1, two hops with different figures
+    "devices": [{"name": "g0"}, {"name": "g1"}],
+    "switches": [{"name": "sw"}],
+    "links": [
+        {"src": "g0", "dst": "sw", "bandwidth": 4e9, "latency": 1e-3},
+        {"src": "sw", "dst": "g1", "bandwidth": 2e9, "latency": 2e-3},
+    ],
+}
+
+
+def test_p2p_over_two_hops_pays_both_latencies_and_the_slowest_bandwidth(tmp_path):
+    path = tmp_path / "chain.json"
+    path.write_text(json.dumps(CHAIN))
+    act_bytes = 1e9
+    result = run_simulation(generate("gpipe", 2, 1), uniform_costs(2, FWD, BWD, act_bytes=act_bytes),
+                            topology_from_dict(json.loads(path.read_text())))
+    sends = [event for event in result.trace.events if event.stream == "send"]
+    assert [event.duration for event in sends] == pytest.approx([3e-3 + act_bytes / 2e9] * 2)
+    assert result.metrics.makespan == pytest.approx(FWD + BWD + FWD + BWD + 2 * (3e-3 + 0.5))
+
+
+def test_two_transfers_sharing_a_link_queue_first_come_first_served():
+    topology = topology_from_dict(CHAIN)
+    links = LinkScheduler(topology)
+    first = links.transfer("g0", "g1", 2e9, now=0.0)
+    second = links.transfer("g0", "g1", 2e9, now=0.25)
+    assert first.arrival == pytest.approx(3e-3 + 1.0)
+    assert second.start == pytest.approx(1.0)  # waits for the first to leave the links
+    assert second.arrival == pytest.approx(1.0 + 1.0 + 3e-3)
+
+
+def test_megatron_mapping_keeps_tp_groups_inside_a_node():
+    mapping = map_ranks(ib(4), dp=2, pp=4, tp=4)
+    for dp in range(2):
+        for pp in range(4):
+            group = mapping.tp_group(dp, pp)
+            assert len({device.split(".")[0] for device in group}) == 1
+    assert mapping.tp_group(0, 0) == ["n0.gpu0", "n0.gpu1", "n0.gpu2", "n0.gpu3"]
+    assert mapping.dp_group(0, 0) == ["n0.gpu0", "n0.gpu4"]
+    assert mapping.pipeline() == ["n0.gpu0", "n1.gpu0", "n2.gpu0", "n3.gpu0"]
+    other = map_ranks(ib(4), dp=2, pp=4, tp=4, order="tp-pp-dp")
+    assert other.pipeline() == ["n0.gpu0", "n0.gpu4", "n1.gpu0", "n1.gpu4"]
+    assert other.dp_group(0, 0) == ["n0.gpu0", "n2.gpu0"]
+
+
+def test_bad_mapping_and_too_few_devices_are_clear_errors():
+    with pytest.raises(TopologyError, match="dp=2 x pp=4 x tp=4 needs 32 devices but topology nvlink has 8"):
+        map_ranks(nvlink(), dp=2, pp=4, tp=4)
+    with pytest.raises(ValueError, match="--rank-order 'tp-pp' must name tp, dp and pp once each"):
+        map_ranks(nvlink(), order="tp-pp")
+    with pytest.raises(ValueError, match="--tp must be >= 1"):
+        map_ranks(nvlink(), tp=0)
+    assert len(map_ranks(ideal_topology(), dp=4, pp=4, tp=8).devices) == 128
+
+
+def tp_dp_costs(num_stages: int, layers: int = 2, message: float = 64e6, param_bytes: float = 1e9) -> Costs:
+    stage = StageCost(fwd=FWD, bwd=BWD, param_bytes=param_bytes, layers=layers, tp_message_bytes=message)
+    return Costs(stages=(stage,) * num_stages, step_overhead=0.1)
+
+
+def test_tp_collectives_follow_each_compute_action_on_a_tp_stream():
+    topology = nvlink()
+    config = ParallelConfig(dp=1, tp=2)
+    result = run_simulation(generate("1f1b", 4, 8), tp_dp_costs(4), topology, parallel=config)
+    group = map_ranks(topology, 1, 4, 2).tp_group(0, 0)
+    per_action = 2 * 2 * all_reduce(topology, group, 64e6)
+    tp_events = [event for event in result.trace.events if event.stream == "tp"]
+    assert len(tp_events) == 2 * 4 * 8
+    assert all(event.duration == pytest.approx(per_action) for event in tp_events)
+    # uniform stages, free-ish links: 1F1B's closed form with tp time added to F and B
+    optimizer = 0.1
+    expected = (8 + 4 - 1) * (FWD + BWD + 2 * per_action) + optimizer
+    assert result.metrics.makespan == pytest.approx(expected, rel=1e-3)
+    assert result.comm[0]["tp"]["total"] == pytest.approx(16 * per_action)
+    assert result.comm[0]["tp"]["exposed"] == pytest.approx(16 * per_action)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_dp_all_reduce_ends_the_step(overlap):
+    topology = ib(2)
+    config = ParallelConfig(dp=2, tp=1, overlap_dp=overlap)
+    costs = tp_dp_costs(4, layers=0, message=0.0)
+    result = run_simulation(generate("1f1b", 4, 8), costs, topology, parallel=config)
+    mapping = map_ranks(topology, 2, 4, 1)
+    seconds, _ = bucketed_all_reduce(topology, mapping.dp_group(0, 0), 1e9, 25 * 2**20)
+    dp_events = [event for event in result.trace.events if event.stream == "dp"]
+    assert len(dp_events) == 4 and all(event.duration == pytest.approx(seconds) for event in dp_events)
+    last_compute = {rank: max(e.end for e in result.trace.of_rank(rank) if e.stream == "compute") for rank in range(4)}
+    for event in dp_events:
+        assert event.start >= last_compute[event.rank] - 1e-12
+    step_end = max(event.end for event in dp_events) + 0.1
+    assert result.metrics.makespan == pytest.approx(step_end)
+    # the last rank finishes backward first; with overlap its all-reduce hides under the others' work
+    comm = result.comm
+    if overlap:
+        assert comm[3]["dp"]["exposed"] == pytest.approx(seconds)  # nothing left to overlap on its rank
+    assert comm[0]["dp"]["total"] == pytest.approx(seconds)
+
+
+def test_interleaved_overlap_hides_a_chunk_all_reduce_under_compute():
+    topology = ib(2)
+    costs = tp_dp_costs(8, layers=0, message=0.0)
+    schedule = generate("interleaved-1f1b", 4, 8, 2)
+    on = run_simulation(schedule, costs, topology, parallel=ParallelConfig(dp=2, overlap_dp=True))
+    off = run_simulation(schedule, costs, topology, parallel=ParallelConfig(dp=2, overlap_dp=False))
+    assert on.metrics.makespan < off.metrics.makespan
+    assert on.comm[0]["dp"]["exposed"] < on.comm[0]["dp"]["total"]
+
+
+def test_simulate_model_on_a_cluster_writes_the_new_json_fields(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    code = main(["simulate", "--model", "gpt3-13b", "--seq-len", "2048", "--microbatch-size", "1", "--pp", "4",
+                 "--dp", "2", "--tp", "4", "--topology", "ib", "--nodes", "4", "--json", str(out)])
+    assert code == 0
+    document = json.loads(out.read_text())
+    assert document["dp"] == 2 and document["tp"] == 4 and document["oom"] is False
+    assert len(document["comm"]) == 4
+    assert set(document["comm"][0]) == {"p2p", "dp", "tp"}
+    assert document["comm"][0]["tp"]["total"] > 0 and document["comm"][0]["dp"]["total"] > 0
+    assert all(rank["peak_memory_bytes"] > 0 for rank in document["ranks"])
+    summary = capsys.readouterr().out
+    assert "communication by kind" in summary and "peak mem" in summary
+
+
+def test_simulate_errors_for_impossible_plans(capsys):
+    assert main(["simulate", "--model", "gpt3-13b", "--pp", "4", "--dp", "2", "--tp", "4", "--topology", "nvlink"]) == 2
+    assert "needs 32 devices but topology nvlink has 8" in capsys.readouterr().err
+    assert main(["simulate", "--model", "gpt3-1.3b", "--pp", "4", "--layers-per-stage", "6,6,6,5"]) == 2
+    assert "sums to 23 but the model has 24 layers" in capsys.readouterr().err
+
+
+def test_topology_show_prints_and_draws(tmp_path, capsys):
+    html = tmp_path / "ib.html"
+    assert main(["topology", "show", "ib", "--nodes", "2", "--html", str(html)]) == 0
+    out = capsys.readouterr().out
+    assert "topology ib: 16 devices" in out and "ib_switch" in out
+    text = html.read_text()
+    assert "plotly" in text and "n1.gpu7" in text
