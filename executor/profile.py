@@ -1,0 +1,214 @@
+"""Time each stage's compute on the device it will run on: ``pipesim profile``.
+
+Every rank profiles the stages the schedule places on it, in its own process with the
+thread count ``pipesim run`` gives a rank, so each measurement is taken under the same
+conditions as the run it predicts (on a CPU: one core per rank, the other ranks busy
+next door). For each stage it times, per microbatch and with the executor's own calls:
+``F`` (forward, plus the loss on the last stage), ``B`` (full backward), ``I`` (input
+gradient, graph kept) and ``W`` (weight gradients from the kept graph), after warm-up,
+and takes the mean of the repetitions: a step is a sum of many such actions, and the
+expected value of a sum is the sum of the means. CPU timings are skewed to the right
+(interrupts, the backend's own threads), so a median would predict every step short.
+It also records the bytes that cross the stage boundary, the bytes the forward keeps
+alive for the backward and the parameter bytes, and what the runtime itself costs
+around the compute (``executor.overheads``).
+
+The result is a plain dict in the costs-file format ``pipesim simulate --costs`` reads.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from executor.config import RunConfig
+from executor.models import PipelineModel, build_model
+from executor.overheads import measure_overheads
+from executor.spawn import init_rank, launch_ranks, synchronize
+from executor.worker import build_schedule
+
+RANK_FIELDS = ("rank", "optimizer", "action_gap", "comm_post", "send_post", "recv_wait", "prefetch_post",
+               "loss_reduce")
+
+
+def microbatch_size(config: RunConfig) -> int:
+    """Samples in microbatch 0: the size every microbatch has when the batch divides."""
+    return -(-config.batch_size // config.microbatches)
+
+
+def mean_seconds(run: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+    """Mean wall time of ``run`` over ``repeats`` calls after ``warmup`` untimed ones."""
+    samples = []
+    for index in range(warmup + repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        if index >= warmup:
+            samples.append(time.perf_counter() - start)
+    return statistics.fmean(samples)
+
+
+class StageProbe:
+    """One stage with the inputs, target and output gradient of one microbatch, and the
+    executor's exact calls for each compute kind (``executor.runtime``)."""
+
+    def __init__(self, model: PipelineModel, module: nn.Module, stage: int, num_stages: int, config: RunConfig,
+                 device: torch.device) -> None:
+        self.model, self.module, self.config = model, module, config
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        size = microbatch_size(config)
+        inputs, targets = model.make_batch(0, config.batch_size)
+        self.tokens, self.target = inputs[:size].to(device), targets[:size].to(device)
+        dtype = getattr(torch, config.dtype)
+        shape = model.boundary_shape(size)
+        generator = torch.Generator().manual_seed(stage)
+        self.activation = torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype).to(device)
+        self.output_grad = None if self.last else torch.randn(shape, generator=generator).to(dtype).to(device) * 1e-3
+        self.params = [p for p in module.parameters() if p.requires_grad]
+
+    def input(self) -> torch.Tensor:
+        if self.first:
+            return self.tokens
+        return self.activation.detach().clone().requires_grad_(True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = self.module(x)
+        if self.last:
+            output = self.model.loss_sum(output, self.target) / self.config.batch_size
+        return output
+
+    def time_kinds(self, device: torch.device, warmup: int, repeats: int) -> dict[str, float]:
+        """Mean seconds of F, B, I and W. Each repetition runs a whole forward and
+        backward (as a rank does), timing one part of it, so the caches and allocator
+        are in the state the pipeline leaves them in."""
+        timings: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
+        for index in range(warmup + repeats):
+            x = self.input()
+            marks = [self._now(device)]
+            output = self.forward(x)
+            marks.append(self._now(device))
+            torch.autograd.backward(output, self.output_grad)
+            marks.append(self._now(device))
+            x = self.input()
+            output = self.forward(x)
+            marks.append(self._now(device))
+            if not self.first:
+                torch.autograd.grad(output, [x], self.output_grad, retain_graph=True)
+            marks.append(self._now(device))
+            torch.autograd.backward(output, self.output_grad, inputs=self.params)
+            marks.append(self._now(device))
+            if index >= warmup:
+                for kind, (begin, end) in zip("FBIW", ((0, 1), (1, 2), (3, 4), (4, 5)), strict=True):
+                    timings[kind].append(marks[end] - marks[begin])
+        return {kind: statistics.fmean(samples) for kind, samples in timings.items()}
+
+    @staticmethod
+    def _now(device: torch.device) -> float:
+        synchronize(device)
+        return time.perf_counter()
+
+    def bytes(self) -> dict[str, float]:
+        """Boundary activation, forward stash and parameter bytes of one microbatch.
+
+        The stash is what autograd saves for the backward (parameters excluded: they
+        are counted once, not per microbatch) plus the stage's input and output, which
+        the runtime keeps until the backward."""
+        param_ptrs = {p.data_ptr() for p in self.module.parameters()}
+        saved: dict[tuple[int, int], int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.data_ptr() not in param_ptrs:
+                saved[(tensor.data_ptr(), tensor.numel())] = tensor.numel() * tensor.element_size()
+            return tensor
+
+        x = self.input()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = self.forward(x)
+        held = {(t.data_ptr(), t.numel()): t.numel() * t.element_size() for t in (x, output)}
+        saved.update(held)
+        act = 0.0 if self.last else float(output.numel() * output.element_size())
+        params = float(sum(p.numel() * p.element_size() for p in self.module.parameters()))
+        return {"act_bytes": act, "stash_bytes": float(sum(saved.values())), "param_bytes": params}
+
+
+def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
+    """This rank's measurements: per stage F/B/I/W seconds and bytes, its optimizer step
+    and the runtime's overheads. Runs on every launched rank."""
+    rank, world, device, backend = init_rank(config.backend, config.threads, config.timeout)
+    try:
+        schedule = build_schedule(config)
+        model = build_model(config)
+        stages = {stage: model.build_stage(stage, schedule.num_stages).to(device)
+                  for stage in schedule.stages_of(rank)}
+        measured = {}
+        for stage, module in stages.items():
+            probe = StageProbe(model, module, stage, schedule.num_stages, config, device)
+            measured[stage] = {**probe.time_kinds(device, warmup, repeats), **probe.bytes()}
+        params = [p for module in stages.values() for p in module.parameters()]
+        optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
+        optimizer = optimizer_class(params, lr=0.0)
+        optimizer_seconds = mean_seconds(optimizer.step, device, warmup, repeats)
+        overheads = measure_overheads(config, schedule, rank, world, device, warmup, repeats)
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    return {"rank": rank, "backend": backend, "device": str(device), "stages": measured,
+            "optimizer": optimizer_seconds, **overheads}
+
+
+def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, repeats: int) -> dict:
+    """The costs file: one entry per stage in stage order, the overheads, and how they
+    were measured (``meta``), from every rank's ``profile_rank`` result.
+
+    The optimizer step and the loss all-reduce end every step; the receives the runtime
+    posts ahead (gloo) delay the first rank's first action. Both are in
+    ``step_overhead``, which the simulator charges after each rank's last action: the
+    step ends when the last rank has stepped its optimizer and the loss is known."""
+    stages: dict[int, dict] = {}
+    for result in per_rank.values():
+        for stage, measured in result["stages"].items():
+            stages[int(stage)] = measured
+    entries = []
+    for stage in sorted(stages):
+        m = stages[stage]
+        split = m["I"] + m["W"]
+        # The executor's I and W together may cost more than B (W walks the graph again);
+        # the costs file describes a split backward as parts of B, so keep their ratio.
+        wgrad = m["B"] * m["W"] / split if split > 0 else 0.0
+        entries.append({"stage": stage, "fwd": m["F"], "bwd": m["B"], "wgrad": wgrad, "act_bytes": m["act_bytes"],
+                        "stash_bytes": m["stash_bytes"], "param_bytes": m["param_bytes"]})
+    ranks = [per_rank[rank] for rank in sorted(per_rank)]
+    first = ranks[0]
+    step_overhead = first["prefetch_post"] + max(r["optimizer"] for r in ranks) + max(r["loss_reduce"] for r in ranks)
+    return {
+        "action_overhead": statistics.median(r["action_gap"] for r in ranks),
+        "comm_overhead": statistics.median(r["comm_post"] for r in ranks),
+        "step_overhead": step_overhead,
+        "meta": {
+            "source": "pipesim profile",
+            "backend": first["backend"], "device": first["device"], "threads": config.threads,
+            "model": config.model, "layers": config.layers, "hidden": config.hidden, "batch_size": config.batch_size,
+            "seq_len": config.seq_len, "microbatches": config.microbatches, "pp": config.pp,
+            "virtual_stages": config.virtual_stages, "schedule": config.schedule, "dtype": config.dtype,
+            "optimizer": config.optimizer, "microbatch_size": microbatch_size(config),
+            "warmup": warmup, "repeats": repeats,
+            "measured": {
+                "stages": {str(stage): {kind: stages[stage][kind] for kind in "FBIW"} for stage in sorted(stages)},
+                "ranks": [{key: r[key] for key in RANK_FIELDS} for r in ranks],
+            },
+        },
+        "stages": entries,
+    }
+
+
+def profile(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
+    """Launch ``config.pp`` ranks, profile each one's stages, return the costs document."""
+    config.check()
+    per_rank = launch_ranks(profile_rank, (config, warmup, repeats), config.pp, config.threads)
+    return costs_document(config, per_rank, warmup, repeats)

@@ -1,0 +1,137 @@
+"""From communication timings to a link model: bandwidth figures with the nccl-tests
+definitions, an alpha-beta fit, and the topology file ``simulate --topology`` reads.
+
+Pure Python (no torch), so the simulator side can read and refit benchmark results;
+the timings themselves come from ``executor.bench_comm``.
+
+nccl-tests (doc/PERFORMANCE.md): ``algbw = size / time``; ``busbw = algbw * factor``
+where the factor turns the algorithm's traffic into what each link carries, so busbw
+is comparable with the link's line rate whatever the collective: all-reduce
+``2(n-1)/n`` (it moves the data twice: reduce-scatter then all-gather), all-gather and
+reduce-scatter ``(n-1)/n``, send/recv and broadcast 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# (bus factor, latency hops) per operation on n ranks: the ring formulas of
+# DESIGN.md, ``time = hops * alpha + factor * size / busbw``.
+RING = {
+    "sendrecv": (lambda n: 1.0, lambda n: 1),
+    "broadcast": (lambda n: 1.0, lambda n: 1),
+    "all_reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
+    "all_gather": (lambda n: (n - 1) / n, lambda n: n - 1),
+    "reduce_scatter": (lambda n: (n - 1) / n, lambda n: n - 1),
+}
+
+
+def bus_factor(operation: str, ranks: int) -> float:
+    """nccl-tests' busbw / algbw for ``operation`` on ``ranks`` ranks."""
+    if operation not in RING:
+        raise ValueError(f"unknown operation {operation!r}; known: {', '.join(RING)}")
+    if ranks < 2:
+        raise ValueError(f"a collective needs at least 2 ranks, got {ranks}")
+    return RING[operation][0](ranks)
+
+
+def bandwidths(operation: str, ranks: int, num_bytes: float, seconds: float) -> tuple[float, float]:
+    """``(algbw, busbw)`` in bytes per second."""
+    algbw = num_bytes / seconds
+    return algbw, algbw * bus_factor(operation, ranks)
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """``time = alpha + beta * bytes`` (seconds, seconds per byte)."""
+
+    alpha: float
+    beta: float
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.alpha + self.beta * num_bytes
+
+    @property
+    def bandwidth(self) -> float:
+        return 1.0 / self.beta if self.beta > 0 else float("inf")
+
+
+def fit_alpha_beta(points: list[tuple[float, float]]) -> AlphaBeta:
+    """Least squares of ``time = alpha + beta * bytes`` on relative error.
+
+    Plain least squares on seconds would be decided by the largest messages alone
+    (their times are 10^4 times larger) and could return a negative latency; weighting
+    each point by ``1 / time^2`` fits every size to the same relative accuracy, so the
+    latency comes from the small messages and the bandwidth from the large ones.
+    Points fitted exactly by a line are reproduced exactly."""
+    usable = [(float(size), float(seconds)) for size, seconds in points if seconds and seconds > 0]
+    if len(usable) < 2 or len({size for size, _ in usable}) < 2:
+        raise ValueError("an alpha-beta fit needs timings at two or more message sizes")
+    sw = sx = sy = sxx = sxy = 0.0
+    for size, seconds in usable:
+        weight = 1.0 / (seconds * seconds)
+        sw += weight
+        sx += weight * size
+        sy += weight * seconds
+        sxx += weight * size * size
+        sxy += weight * size * seconds
+    determinant = sw * sxx - sx * sx
+    beta = (sw * sxy - sx * sy) / determinant
+    alpha = (sy - beta * sx) / sw
+    if beta <= 0:  # flat timings: all latency
+        return AlphaBeta(sy / sw, 0.0)
+    if alpha < 0:  # refit through the origin
+        beta = sum(s * t / (t * t) for s, t in usable) / sum(s * s / (t * t) for s, t in usable)
+        alpha = 0.0
+    return AlphaBeta(alpha, beta)
+
+
+def link_fit(operation: str, ranks: int, points: list[tuple[float, float]]) -> dict:
+    """The per-link latency and bandwidth the ring formula of ``operation`` implies:
+    ``alpha_link = alpha / hops``, ``bandwidth_link = factor / beta`` (busbw)."""
+    fit = fit_alpha_beta(points)
+    factor, hops = RING[operation][0](ranks), RING[operation][1](ranks)
+    bandwidth = factor / fit.beta if fit.beta > 0 else float("inf")
+    return {"alpha": fit.alpha, "beta": fit.beta, "latency": fit.alpha / hops, "bandwidth": bandwidth}
+
+
+def bench_table(result: dict) -> list[dict]:
+    """Rows with time, algbw and busbw for every timed (operation, size)."""
+    ranks = int(result["world"])
+    rows = []
+    for row in result["rows"]:
+        if row.get("seconds") is None:
+            continue
+        algbw, busbw = bandwidths(row["operation"], ranks, row["bytes"], row["seconds"])
+        rows.append({**row, "algbw": algbw, "busbw": busbw})
+    return rows
+
+
+def fits_by_operation(result: dict) -> dict[str, dict]:
+    """One alpha-beta link fit per operation that has two or more sizes."""
+    ranks = int(result["world"])
+    points: dict[str, list[tuple[float, float]]] = {}
+    for row in result["rows"]:
+        if row.get("seconds"):
+            points.setdefault(row["operation"], []).append((row["bytes"], row["seconds"]))
+    return {name: link_fit(name, ranks, pts) for name, pts in points.items() if len({s for s, _ in pts}) >= 2}
+
+
+def topology_document(result: dict, fits: dict[str, dict]) -> dict:
+    """A topology file: one device per rank and a link between every pair with the
+    send/recv fit (pipeline traffic is point to point), the other fits kept under
+    ``calibration`` for reference."""
+    if "sendrecv" not in fits:
+        raise ValueError("the topology's links come from the sendrecv fit: benchmark sendrecv at two or more sizes")
+    ranks = int(result["world"])
+    link = fits["sendrecv"]
+    devices = [{"name": f"rank{rank}"} for rank in range(ranks)]
+    links = [{"src": f"rank{a}", "dst": f"rank{b}", "bandwidth": link["bandwidth"], "latency": link["latency"],
+              "medium": f"{result['backend']} measured"}
+             for a in range(ranks) for b in range(a + 1, ranks)]
+    return {
+        "description": f"measured by pipesim bench-comm: {ranks} ranks, {result['backend']} on {result['device']}",
+        "devices": devices,
+        "links": links,
+        "calibration": {"backend": result["backend"], "device": result["device"], "ranks": ranks, "fits": fits},
+    }

@@ -1,0 +1,62 @@
+"""``pipesim profile``: measure each stage's compute and the runtime's overheads on the
+real device and backend, and write the costs file ``simulate --costs`` reads.
+
+Takes the same model and split flags as ``pipesim run``, so the costs are for that
+microbatch size and that split. torch is imported only inside the handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from executor.options import add_run_arguments, config_from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "profile", help="time every stage's F/B/I/W and the runtime overheads; write a costs file",
+        description="Profile the stages of a pipelined model on this machine's device and backend "
+                    "(one process per pipeline rank, as pipesim run starts them) and write a costs file.",
+    )
+    add_run_arguments(parser)
+    add_profile_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="PATH", help="the costs file to write (JSON)")
+    parser.set_defaults(handler=handle)
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("profiling")
+    group.add_argument("--warmup", type=int, default=3, help="untimed repetitions per measurement (default 3)")
+    group.add_argument("--repeats", type=int, default=20, help="timed repetitions, averaged (default 20)")
+
+
+def run_profile(args: argparse.Namespace) -> dict:
+    """The costs document for the config the flags describe."""
+    if args.warmup < 0 or args.repeats < 1:
+        raise ValueError(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
+    config = config_from_args(args)
+    from executor.profile import profile  # noqa: PLC0415 - loads torch
+
+    return profile(config, args.warmup, args.repeats)
+
+
+def describe(document: dict) -> list[str]:
+    """One line per stage and one for the overheads, in milliseconds."""
+    lines = []
+    for entry in document["stages"]:
+        lines.append(f"stage {entry['stage']}: F {entry['fwd'] * 1e3:.3f} ms  B {entry['bwd'] * 1e3:.3f} ms  "
+                     f"W {entry['wgrad'] * 1e3:.3f} ms  act {entry['act_bytes'] / 1e3:.1f} kB  "
+                     f"stash {entry['stash_bytes'] / 1e6:.2f} MB  params {entry['param_bytes'] / 1e6:.2f} MB")
+    lines.append(f"overheads: per action {document['action_overhead'] * 1e6:.1f} us, per send/recv "
+                 f"{document['comm_overhead'] * 1e6:.1f} us, per step {document['step_overhead'] * 1e3:.3f} ms")
+    return lines
+
+
+def handle(args: argparse.Namespace) -> int:
+    document = run_profile(args)
+    Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
+    print("\n".join(describe(document)))
+    print(f"wrote {args.out}")
+    return 0
