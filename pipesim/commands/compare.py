@@ -1,0 +1,111 @@
+"""``pipesim compare``: run a config for real and predict it with calibrated costs and
+links, then report how far apart the two are.
+
+Costs come from ``--costs`` or from profiling the config first (``pipesim profile``);
+links from ``--topology`` or from a short send/recv benchmark (``pipesim bench-comm``).
+The prediction simulates the same lowered programs the executor runs. torch is
+imported only inside the handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from executor.options import add_run_arguments, config_from_args
+from pipesim.commands.profile import add_profile_arguments
+
+LINK_SIZES = "1KB..16MB"  # sendrecv sizes measured when no --topology is given
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "compare", help="run a schedule, predict it with calibrated costs and links, report the error",
+        description="Profile (or take --costs), benchmark the links (or take --topology), run the executor for "
+                    "a few steps and simulate the same programs; print measured vs predicted step time, per-rank "
+                    "busy and idle time and bubble fraction.",
+    )
+    add_run_arguments(parser)
+    add_profile_arguments(parser)
+    group = parser.add_argument_group("calibration and outputs")
+    group.add_argument("--costs", metavar="PATH", help="a costs file (pipesim profile) instead of profiling now")
+    group.add_argument("--topology", metavar="PATH", help="a topology file (pipesim bench-comm) instead of "
+                       "benchmarking send/recv now")
+    group.add_argument("--warmup-steps", type=int, default=1,
+                       help="first steps left out of the measured step time (default 1)")
+    group.add_argument("--html", metavar="PATH", help="write the measured and predicted timelines on one axis")
+    group.add_argument("--predicted-trace", metavar="PATH", help="write the predicted Trace")
+    parser.set_defaults(handler=handle, steps=5)
+
+
+def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
+    """The costs file given, or a fresh profile of this config."""
+    import tempfile  # noqa: PLC0415
+
+    from pipesim.costs import load_costs  # noqa: PLC0415
+
+    if args.costs:
+        return load_costs(args.costs, num_stages)
+    from executor.profile import profile  # noqa: PLC0415 - loads torch
+
+    document = profile(config, args.warmup, args.repeats)
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "costs.json"
+        path.write_text(json.dumps(document))
+        return load_costs(path, num_stages)
+
+
+def calibrated_topology(args: argparse.Namespace, config):
+    """The topology file given, or send/recv measured now on ``pp`` ranks and fitted."""
+    from pipesim.topology_file import load_topology, topology_from_dict  # noqa: PLC0415
+
+    if args.topology:
+        return load_topology(args.topology)
+    from executor.bench_comm import bench_comm  # noqa: PLC0415 - loads torch
+    from pipesim.commands.bench_comm import parse_sizes  # noqa: PLC0415
+    from pipesim.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
+
+    result = bench_comm(config.pp, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads)
+    return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
+
+
+def handle(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if config.pp < 2:
+        raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
+    from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
+    from executor.worker import build_schedule  # noqa: PLC0415
+    from pipesim.comparison import compare, report_lines  # noqa: PLC0415
+    from pipesim.simulation import run_simulation  # noqa: PLC0415
+
+    validate_schedule(config)
+    schedule = build_schedule(config)
+    costs = calibrated_costs(args, config, schedule.num_stages)
+    topology = calibrated_topology(args, config)
+    try:
+        (result,) = launch(config)
+    except PipelineRunError as error:
+        print(f"pipesim compare: run failed: {error}", file=sys.stderr)
+        return 1
+    predicted = run_simulation(schedule, costs, topology)
+    document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
+                       args.warmup_steps)
+    print("\n".join(report_lines(document)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.trace:
+        result["trace"].save(args.trace)
+    if args.predicted_trace:
+        predicted.trace.save(args.predicted_trace)
+    if args.html:
+        from viz.gantt import write_gantt_html  # noqa: PLC0415
+
+        write_gantt_html([result["trace"], predicted.trace], args.html,
+                         titles=[f"measured: {document['measured_step_time'] * 1e3:.2f} ms",
+                                 f"predicted: {document['predicted_step_time'] * 1e3:.2f} ms "
+                                 f"({document['error']:+.1%})"])
+        print(f"wrote {args.html}")
+    return 0

@@ -1,0 +1,83 @@
+"""Measured against predicted: one step's time, per-rank busy and idle, bubble fraction,
+and the signed relative error of the prediction.
+
+Pure functions of Traces and step times, so they hold for any source of either. The
+measured step time is the median over the run's steps after the warm-up ones: a single
+step on a shared CPU can be preempted, and the prediction is of a typical step.
+
+Idle time and bubble fraction are taken against the step time (not against the span of
+the trace's events), so that what the step spends outside the pipeline actions (the
+optimizer step, the loss all-reduce) counts as idle on both sides alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from schedules.metrics import step_metrics
+from schedules.trace import Trace
+
+
+def busy_per_rank(trace: Trace) -> list[float]:
+    """Compute seconds of each rank (the ``compute`` stream)."""
+    return [rank.busy for rank in step_metrics(trace).ranks]
+
+
+def measured_step_time(step_times: list[float], warmup_steps: int) -> float:
+    """Median of the step times after the first ``warmup_steps`` (all of them if fewer)."""
+    if not step_times:
+        raise ValueError("the run recorded no step times")
+    kept = step_times[warmup_steps:] or step_times
+    return statistics.median(kept)
+
+
+def compare(measured: Trace, step_times: list[float], predicted: Trace, predicted_step_time: float,
+            warmup_steps: int = 1) -> dict:
+    """The comparison document (``pipesim compare --json``)."""
+    measured_time = measured_step_time(step_times, warmup_steps)
+    measured_busy = busy_per_rank(measured)
+    predicted_busy = busy_per_rank(predicted)
+    ranks = max(len(measured_busy), len(predicted_busy))
+    measured_busy += [0.0] * (ranks - len(measured_busy))
+    predicted_busy += [0.0] * (ranks - len(predicted_busy))
+    meta = measured.meta
+    return {
+        "schedule": meta.get("schedule"),
+        "pp": meta.get("pp"),
+        "microbatches": meta.get("microbatches"),
+        "virtual_stages": meta.get("virtual_stages"),
+        "measured_step_time": measured_time,
+        "predicted_step_time": predicted_step_time,
+        "error": (predicted_step_time - measured_time) / measured_time,
+        "measured_step_times": list(step_times),
+        "warmup_steps": warmup_steps,
+        "measured_bubble_fraction": 1 - sum(measured_busy) / (ranks * measured_time),
+        "predicted_bubble_fraction": 1 - sum(predicted_busy) / (ranks * predicted_step_time),
+        "ranks": [
+            {
+                "rank": rank,
+                "measured_busy": measured_busy[rank],
+                "predicted_busy": predicted_busy[rank],
+                "measured_idle": measured_time - measured_busy[rank],
+                "predicted_idle": predicted_step_time - predicted_busy[rank],
+            }
+            for rank in range(ranks)
+        ],
+    }
+
+
+def report_lines(document: dict) -> list[str]:
+    """The comparison for the terminal, in milliseconds."""
+    lines = [
+        f"{document['schedule']}: pp={document['pp']} microbatches={document['microbatches']} "
+        f"virtual_stages={document['virtual_stages']}",
+        f"  step time   measured {document['measured_step_time'] * 1e3:9.2f} ms   "
+        f"predicted {document['predicted_step_time'] * 1e3:9.2f} ms   error {document['error']:+.1%}",
+        f"  bubble      measured {document['measured_bubble_fraction']:9.1%}      "
+        f"predicted {document['predicted_bubble_fraction']:9.1%}",
+    ]
+    for rank in document["ranks"]:
+        lines.append(f"  rank {rank['rank']}: busy {rank['measured_busy'] * 1e3:8.2f} / {rank['predicted_busy'] * 1e3:8.2f} ms"
+                     f"   idle {rank['measured_idle'] * 1e3:8.2f} / {rank['predicted_idle'] * 1e3:8.2f} ms"
+                     "  (measured / predicted)")
+    return lines

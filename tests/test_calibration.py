@@ -1,0 +1,129 @@
+"""Calibrated prediction: the alpha-beta fit, nccl-tests bandwidth factors, and the
+profile -> simulate and compare commands end to end on a tiny model (gloo, 2 ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipesim.cli import main
+from pipesim.comm_fit import bandwidths, bus_factor, fit_alpha_beta, link_fit, topology_document
+from pipesim.commands.bench_comm import parse_sizes
+from pipesim.comparison import compare
+from pipesim.costs import load_costs
+from pipesim.topology_file import topology_from_dict
+from schedules.trace import Trace, TraceEvent
+
+SIZES = [2**10, 2**14, 2**18, 2**22, 2**26]
+
+
+def test_alpha_beta_fit_reproduces_the_points_it_was_fitted_to():
+    alpha, bandwidth = 25e-6, 12.5e9
+    points = [(size, alpha + size / bandwidth) for size in SIZES]
+    fit = fit_alpha_beta(points)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-9)
+    assert fit.bandwidth == pytest.approx(bandwidth, rel=1e-9)
+    for size, seconds in points:
+        assert fit.seconds(size) == pytest.approx(seconds, rel=1e-9)
+
+
+def test_alpha_beta_fit_weighs_sizes_by_relative_error():
+    # 10% noise on the largest message must not swamp the latency of the small ones
+    alpha, bandwidth = 50e-6, 1e9
+    points = [(size, alpha + size / bandwidth) for size in SIZES[:-1]]
+    points.append((SIZES[-1], (alpha + SIZES[-1] / bandwidth) * 1.1))
+    fit = fit_alpha_beta(points)
+    assert fit.alpha == pytest.approx(alpha, rel=0.1)
+    assert fit.alpha > 0
+
+
+def test_fit_needs_two_sizes():
+    with pytest.raises(ValueError, match="two or more message sizes"):
+        fit_alpha_beta([(1024, 1e-4), (1024, 2e-4)])
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_bus_bandwidth_factors_follow_nccl_tests(ranks):
+    n = ranks
+    assert bus_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
+    assert bus_factor("all_gather", n) == pytest.approx((n - 1) / n)
+    assert bus_factor("reduce_scatter", n) == pytest.approx((n - 1) / n)
+    assert bus_factor("sendrecv", n) == 1.0
+    algbw, busbw = bandwidths("all_reduce", n, 1e9, 0.5)
+    assert algbw == pytest.approx(2e9) and busbw == pytest.approx(2e9 * 2 * (n - 1) / n)
+
+
+def test_ring_fit_recovers_the_link_behind_a_collective():
+    n, latency, bandwidth = 4, 5e-6, 40e9
+    points = [(size, 2 * (n - 1) * latency + 2 * (n - 1) / n * size / bandwidth) for size in SIZES]
+    fit = link_fit("all_reduce", n, points)
+    assert fit["latency"] == pytest.approx(latency, rel=1e-9)
+    assert fit["bandwidth"] == pytest.approx(bandwidth, rel=1e-9)
+
+
+def test_sizes_parse_as_a_range_or_a_list():
+    assert parse_sizes("1KB..64MB") == [2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26]
+    assert parse_sizes("4KB,1MB") == [4096, 2**20]
+    with pytest.raises(ValueError, match="64XB"):
+        parse_sizes("64XB")
+
+
+def test_topology_document_is_a_topology_the_simulator_reads():
+    result = {"world": 2, "backend": "gloo", "device": "cpu",
+              "rows": [{"operation": "sendrecv", "bytes": size, "seconds": 1e-4 + size / 1e9} for size in SIZES]}
+    fits = {"sendrecv": link_fit("sendrecv", 2, [(row["bytes"], row["seconds"]) for row in result["rows"]])}
+    topology = topology_from_dict(topology_document(result, fits))
+    route = topology.route("rank0", "rank1")
+    assert route.latency == pytest.approx(1e-4) and route.bandwidth == pytest.approx(1e9)
+
+
+def test_compare_document_error_and_idle():
+    def trace(busy: float, source: str) -> Trace:
+        events = [TraceEvent(rank, "0F0", "F", rank, 0, 0.0, busy, "compute") for rank in range(2)]
+        return Trace(events, {"pp": 2, "schedule": "1f1b", "microbatches": 1, "virtual_stages": 1, "source": source})
+
+    document = compare(trace(0.5, "measured"), [9.0, 1.0, 1.0, 1.2], trace(0.5, "simulated"), 1.1)
+    assert document["measured_step_time"] == pytest.approx(1.0)
+    assert document["error"] == pytest.approx(0.1)
+    assert [rank["measured_idle"] for rank in document["ranks"]] == pytest.approx([0.5, 0.5])
+    assert [rank["predicted_idle"] for rank in document["ranks"]] == pytest.approx([0.6, 0.6])
+
+
+TINY = ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--model", "mlp", "--layers", "4",
+        "--hidden", "32", "--batch-size", "8"]
+
+
+@pytest.mark.timeout(180)
+def test_profile_simulate_and_compare_end_to_end(tmp_path, capsys):
+    costs_path = tmp_path / "costs.json"
+    assert main(["profile", *TINY, "--warmup", "1", "--repeats", "3", "--out", str(costs_path)]) == 0
+    costs = load_costs(costs_path, 2)
+    assert all(stage.fwd > 0 and stage.bwd > 0 and stage.param_bytes > 0 for stage in costs.stages)
+    assert costs.stages[0].act_bytes == 2 * 32 * 4  # microbatch of 2 x hidden 32, float32
+    assert costs.step_overhead > 0 and costs.comm_overhead > 0
+
+    links = tmp_path / "links.json"
+    assert main(["bench-comm", "--sizes", "1KB,64KB", "--ops", "sendrecv,all_reduce", "--out", str(links),
+                 "--html", str(tmp_path / "bench.html")]) == 0
+    printed = capsys.readouterr().out
+    assert "busbw" in printed and "fit sendrecv" in printed and (tmp_path / "bench.html").exists()
+
+    predicted_json = tmp_path / "predicted.json"
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--costs", str(costs_path),
+                 "--topology", str(links), "--json", str(predicted_json)]) == 0
+    predicted = json.loads(predicted_json.read_text())
+    assert predicted["makespan"] > costs.step_overhead
+
+    compare_json = tmp_path / "compare.json"
+    assert main(["compare", *TINY, "--steps", "3", "--costs", str(costs_path), "--topology", str(links),
+                 "--json", str(compare_json), "--html", str(tmp_path / "compare.html")]) == 0
+    document = json.loads(compare_json.read_text())
+    for key in ("measured_step_time", "predicted_step_time", "error"):
+        assert isinstance(document[key], float)
+    assert document["predicted_step_time"] == pytest.approx(predicted["makespan"])
+    assert document["error"] == pytest.approx(
+        (document["predicted_step_time"] - document["measured_step_time"]) / document["measured_step_time"])
+    assert [rank["rank"] for rank in document["ranks"]] == [0, 1]
+    assert all({"measured_idle", "predicted_idle"} <= set(rank) for rank in document["ranks"])
+    assert (tmp_path / "compare.html").exists()
