@@ -77,7 +77,8 @@ def report_lines(document: dict) -> list[str]:
         f"predicted {document['predicted_bubble_fraction']:9.1%}",
     ]
     for rank in document["ranks"]:
-        lines.append(f"  rank {rank['rank']}: busy {rank['measured_busy'] * 1e3:8.2f} / {rank['predicted_busy'] * 1e3:8.2f} ms"
+        lines.append(f"  rank {rank['rank']}: busy {rank['measured_busy'] * 1e3:8.2f} / "
+                     f"{rank['predicted_busy'] * 1e3:8.2f} ms"
                      f"   idle {rank['measured_idle'] * 1e3:8.2f} / {rank['predicted_idle'] * 1e3:8.2f} ms"
                      "  (measured / predicted)")
     return lines

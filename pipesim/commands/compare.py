@@ -64,8 +64,8 @@ def calibrated_topology(args: argparse.Namespace, config):
     if args.topology:
         return load_topology(args.topology)
     from executor.bench_comm import bench_comm  # noqa: PLC0415 - loads torch
-    from pipesim.commands.bench_comm import parse_sizes  # noqa: PLC0415
     from pipesim.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
+    from pipesim.commands.bench_comm import parse_sizes  # noqa: PLC0415
 
     result = bench_comm(config.pp, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads)
     return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
