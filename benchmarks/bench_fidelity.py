@@ -1,0 +1,129 @@
+"""How well a calibrated prediction matches a separate run: GPipe, 1F1B and interleaved
+1F1B, two GPT sizes, 4, 8 and 16 microbatches, 2 ranks on gloo, one torch thread each.
+
+Order of work, as a user would do it: benchmark the links once (``bench-comm``); then
+for each config profile it (``profile``, its own processes), run it (``run``, new
+processes, nothing from the profile reused but the costs file) and simulate it with
+its costs file and the links (``simulate --costs --topology``). Each prediction is held
+against the median step time of the run. Prints a table and the median and maximum
+absolute error.
+
+    PYTHONPATH=. python benchmarks/bench_fidelity.py [--steps 6] [--json fidelity.json]
+
+On a CPU machine give each rank its own core (2 ranks on 2 cores): ranks that share a
+core slow each other in a way the cluster model does not describe. Other work on the
+machine does the same, so before each profile and each run the benchmark waits (up to
+``--wait`` seconds) until the CPUs are idle, and records the idle fraction it saw
+(``idle_before``), so a row spoiled by a neighbour can be told from a miss of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
+MICROBATCHES = (4, 8, 16)
+MICROBATCH_SIZE = 4
+MODELS = {  # name: (layers, hidden, seq_len)
+    "gpt-small": (4, 128, 32),
+    "gpt-large": (8, 256, 32),
+}
+
+
+def config_for(model: str, schedule: str, virtual: int, microbatches: int, steps: int):
+    from executor.config import RunConfig  # noqa: PLC0415
+
+    layers, hidden, seq_len = MODELS[model]
+    return RunConfig(schedule=schedule, pp=2, microbatches=microbatches, virtual_stages=virtual, model="gpt",
+                     layers=layers, hidden=hidden, seq_len=seq_len, vocab=256, heads=4,
+                     batch_size=MICROBATCH_SIZE * microbatches, steps=steps, threads=1, backend="gloo")
+
+
+def cpu_times() -> tuple[float, float]:
+    """(idle, total) jiffies of all CPUs since boot (Linux ``/proc/stat``)."""
+    fields = [float(value) for value in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields)
+
+
+def wait_until_idle(limit: float, threshold: float = 0.9) -> float:
+    """Wait until the CPUs were ``threshold`` idle over one second, at most ``limit``
+    seconds; return the idle fraction last seen (1.0 where /proc/stat is missing)."""
+    if not Path("/proc/stat").exists():
+        return 1.0
+    deadline = time.monotonic() + limit
+    while True:
+        idle0, total0 = cpu_times()
+        time.sleep(1.0)
+        idle1, total1 = cpu_times()
+        fraction = (idle1 - idle0) / max(total1 - total0, 1.0)
+        if fraction >= threshold or time.monotonic() > deadline:
+            return fraction
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6, help="steps per run; the first is left out (default 6)")
+    parser.add_argument("--repeats", type=int, default=20, help="profile repetitions (default 20)")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--json", help="write every row as JSON")
+    parser.add_argument("--wait", type=float, default=60.0,
+                        help="seconds to wait for idle CPUs before each profile and run (default 60)")
+    args = parser.parse_args()
+
+    from executor.bench_comm import bench_comm  # noqa: PLC0415
+    from executor.launch import launch  # noqa: PLC0415
+    from executor.profile import profile  # noqa: PLC0415
+    from executor.worker import build_schedule  # noqa: PLC0415
+    from pipesim.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
+    from pipesim.comparison import measured_step_time  # noqa: PLC0415
+    from pipesim.costs import load_costs  # noqa: PLC0415
+    from pipesim.simulation import run_simulation  # noqa: PLC0415
+    from pipesim.topology_file import topology_from_dict  # noqa: PLC0415
+
+    print(f"load average before: {os.getloadavg()}  cores: {os.cpu_count()}")
+    started = time.perf_counter()
+    bench = bench_comm(2, ["sendrecv"], [2**k for k in range(10, 25, 2)], "gloo", 1)
+    topology = topology_from_dict(topology_document(bench, fits_by_operation(bench)), name="bench-comm")
+    configs = [(model, schedule, virtual, m) for model in args.models.split(",")
+               for schedule, virtual in SCHEDULES for m in MICROBATCHES]
+    workdir = Path(tempfile.mkdtemp(prefix="pipesim_fidelity_"))
+    rows = []
+    for model, schedule, virtual, m in configs:
+        config = config_for(model, schedule, virtual, m, args.steps)
+        idle_before_profile = wait_until_idle(args.wait)
+        costs_path = workdir / f"costs-{model}-{schedule}-m{m}.json"
+        costs_path.write_text(json.dumps(profile(config, 3, args.repeats)))
+        idle_before_run = wait_until_idle(args.wait)
+        (result,) = launch(config)
+        measured = measured_step_time(result["step_times"], 1)
+        lowered = build_schedule(config)
+        predicted = run_simulation(lowered, load_costs(costs_path, lowered.num_stages), topology).metrics.makespan
+        rows.append({"model": model, "schedule": schedule, "microbatches": m, "measured": measured,
+                     "predicted": predicted, "error": (predicted - measured) / measured,
+                     "step_times": result["step_times"],
+                     "idle_before": [round(idle_before_profile, 3), round(idle_before_run, 3)]})
+        print(f"{model:<10} {schedule:<17} m={m:<3} measured {measured * 1e3:8.2f} ms  "
+              f"predicted {predicted * 1e3:8.2f} ms  error {rows[-1]['error']:+6.1%}  "
+              f"idle before {rows[-1]['idle_before']}", flush=True)
+    errors = [abs(row["error"]) for row in rows]
+    print()
+    print("| model | schedule | m | measured (ms) | predicted (ms) | error |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['model']} | {row['schedule']} | {row['microbatches']} | {row['measured'] * 1e3:.2f} | "
+              f"{row['predicted'] * 1e3:.2f} | {row['error']:+.1%} |")
+    print(f"\nmedian |error| {statistics.median(errors):.1%}, max |error| {max(errors):.1%} over {len(rows)} configs "
+          f"({time.perf_counter() - started:.0f} s)")
+    print(f"load average after: {os.getloadavg()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "links": fits_by_operation(bench)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
