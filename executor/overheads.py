@@ -19,6 +19,7 @@ from executor.clock import CpuClock
 from executor.config import RunConfig
 from executor.models import build_model
 from executor.runtime import PipelineRuntime
+from executor.spawn import synchronize
 from schedules.action import RECV_KINDS
 from schedules.generators import generate
 from schedules.lowering import lower
@@ -51,39 +52,114 @@ def action_gap(warmup: int, repeats: int) -> float:
 
 def p2p_overheads(shape: tuple[int, ...], dtype: torch.dtype, rank: int, world: int, device: torch.device,
                   warmup: int, repeats: int) -> dict[str, float]:
-    """Host seconds to post one send (``send_post``), to wait on a receive whose data has
-    already arrived (``recv_wait``), and to post one receive (``recv_post``), on the
-    real backend with a boundary-sized tensor. Rank r sends to r+1, receives from r-1."""
+    """Seconds, on the real backend with a boundary-sized tensor, of: posting one send
+    (``send_post``), waiting on a receive whose data has already arrived
+    (``recv_wait``), posting one receive (``recv_post``), and the CPU time the
+    backend's own threads spend per send or receive (``background_cpu``).
+
+    The last one matters on a CPU: gloo moves data on threads of its own, and with one
+    core per rank that time is taken from the ranks' compute. It is the process's CPU
+    time less the calling thread's while transfers are in flight (a blocking wait that
+    spins is the caller's own time and is left out). Rank r sends to r+1 and receives
+    from r-1."""
     if world < 2:
-        return {"send_post": 0.0, "recv_wait": 0.0, "recv_post": 0.0}
+        return {"send_post": 0.0, "recv_wait": 0.0, "recv_post": 0.0, "background_cpu": 0.0}
     after, before = (rank + 1) % world, (rank - 1) % world
     outgoing = torch.zeros(shape, dtype=dtype, device=device)
-    samples: dict[str, list[float]] = {"send_post": [], "recv_wait": [], "recv_post": []}
-    for index in range(warmup + repeats):
-        buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(POSTS)]
-        start = time.perf_counter()
-        receives = [dist.irecv(buffer, before, tag=tag) for tag, buffer in enumerate(buffers)]
-        posted = time.perf_counter()
-        dist.barrier()
-        sends = []
-        send_times = []
+    samples: dict[str, list[float]] = {"send_post": [], "recv_wait": [], "recv_post": [], "background_cpu": []}
+
+    def post_receives() -> list:
+        return [dist.irecv(torch.empty(shape, dtype=dtype, device=device), before, tag=tag) for tag in range(POSTS)]
+
+    def send_all() -> list[float]:
+        times, works = [], []
         for tag in range(POSTS):
             begin = time.perf_counter()
-            sends.append(dist.isend(outgoing, after, tag=tag))
-            send_times.append(time.perf_counter() - begin)
-        for work in sends:
+            works.append(dist.isend(outgoing, after, tag=tag))
+            times.append(time.perf_counter() - begin)
+        for work in works:
             work.wait()
-        dist.barrier()  # every receive has arrived: the peer's sends completed
+        return times
+
+    for index in range(warmup + repeats):
+        # transfers in flight: post cost, and the CPU the backend's threads use
+        cpu = [(time.process_time(), time.thread_time())]
+        start = time.perf_counter()
+        receives = post_receives()
+        posted = time.perf_counter()
+        cpu.append((time.process_time(), time.thread_time()))
+        dist.barrier()
+        cpu.append((time.process_time(), time.thread_time()))
+        send_times = send_all()
+        for work in receives:
+            work.wait()
+        cpu.append((time.process_time(), time.thread_time()))
+        # a receive whose data is already there: what waiting on it costs
+        receives = post_receives()
+        dist.barrier()
+        send_all()
+        dist.barrier()  # the peer's sends completed: every receive has arrived
         wait_times = []
         for work in receives:
             begin = time.perf_counter()
             work.wait()
             wait_times.append(time.perf_counter() - begin)
         if index >= warmup:
+            background = sum((cpu[i + 1][0] - cpu[i][0]) - (cpu[i + 1][1] - cpu[i][1]) for i in (0, 2))
             samples["recv_post"].append((posted - start) / POSTS)
             samples["send_post"].append(statistics.median(send_times))
             samples["recv_wait"].append(statistics.median(wait_times))
-    return {key: statistics.median(values) for key, values in samples.items()}
+            samples["background_cpu"].append(max(background, 0.0) / (2 * POSTS))
+    return {key: statistics.fmean(values) if key == "background_cpu" else statistics.median(values)
+            for key, values in samples.items()}
+
+
+def transfer_interference(shape: tuple[int, ...], dtype: torch.dtype, rank: int, world: int, device: torch.device,
+                          warmup: int, repeats: int) -> float:
+    """Seconds one SEND or RECV adds to a rank that is computing between them, as in a
+    pipeline: every rank repeats [compute, post a send, wait for the receive posted
+    ahead], and the same compute without the transfers; half the difference per
+    iteration is the cost of one communication action.
+
+    On a CPU this is far more than posting the operation: gloo moves the data on
+    threads of its own, and with one core per rank they take their time from the
+    compute of one rank or the other (hundreds of microseconds per transfer on a
+    2-core machine, where the call itself costs tens). On a GPU the compute runs on
+    the device and the difference is the host's launch cost."""
+    if world < 2:
+        return 0.0
+    after, before = (rank + 1) % world, (rank - 1) % world
+    outgoing = torch.zeros(shape, dtype=dtype, device=device)
+    work = torch.randn(192, 192, device=device)
+
+    def compute() -> None:
+        result = work
+        for _ in range(8):
+            result = (result @ work) * 1e-3
+
+    def iterations(with_transfers: bool) -> float:
+        count = warmup + repeats
+        receives = [dist.irecv(torch.empty(shape, dtype=dtype, device=device), before, tag=tag)
+                    for tag in range(count)] if with_transfers else []
+        sends = []
+        dist.barrier()
+        start = time.perf_counter()
+        for tag in range(count):
+            compute()
+            if with_transfers:
+                sends.append(dist.isend(outgoing, after, tag=tag))
+                receives[tag].wait()
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        for send in sends:
+            send.wait()
+        return elapsed / count
+
+    samples = []
+    for _ in range(3):
+        plain = iterations(False)
+        samples.append(max(iterations(True) - plain, 0.0) / 2)
+    return statistics.median(samples)
 
 
 def loss_reduce(world: int, device: torch.device, warmup: int, repeats: int) -> float:
@@ -116,6 +192,9 @@ def measure_overheads(config: RunConfig, schedule: Schedule, rank: int, world: i
         "comm_post": (p2p["send_post"] + p2p["recv_wait"]) / 2,
         "send_post": p2p["send_post"],
         "recv_wait": p2p["recv_wait"],
+        "background_cpu": p2p["background_cpu"] if device.type == "cpu" else 0.0,
+        "transfer_cost": transfer_interference(model.boundary_shape(size), getattr(torch, config.dtype), rank, world,
+                                               device, warmup, repeats),
         "prefetch_post": p2p["recv_post"] * receives if prefetch else 0.0,
         "loss_reduce": loss_reduce(world, device, warmup, repeats),
     }

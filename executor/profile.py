@@ -32,8 +32,8 @@ from executor.overheads import measure_overheads
 from executor.spawn import init_rank, launch_ranks, synchronize
 from executor.worker import build_schedule
 
-RANK_FIELDS = ("rank", "optimizer", "action_gap", "comm_post", "send_post", "recv_wait", "prefetch_post",
-               "loss_reduce")
+RANK_FIELDS = ("rank", "optimizer", "action_gap", "comm_post", "send_post", "recv_wait", "background_cpu",
+               "transfer_cost", "prefetch_post", "loss_reduce")
 
 
 def microbatch_size(config: RunConfig) -> int:
@@ -202,7 +202,8 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
     step_overhead = first["prefetch_post"] + max(r["optimizer"] for r in ranks) + max(r["loss_reduce"] for r in ranks)
     return {
         "action_overhead": statistics.median(r["action_gap"] for r in ranks),
-        "comm_overhead": statistics.median(r["comm_post"] for r in ranks),
+        # what a SEND or RECV costs a computing rank, the backend's threads included
+        "comm_overhead": statistics.median(max(r["transfer_cost"], r["comm_post"]) for r in ranks),
         "step_overhead": step_overhead,
         "meta": {
             "source": "pipesim profile",
