@@ -93,7 +93,8 @@ class RunConfig:
 
     def check(self) -> None:
         """Raise ``ConfigError`` naming the flag when a value cannot work."""
-        for flag, value in (("--pp", self.pp), ("--dp", self.dp), ("--tp", self.tp), ("--microbatches", self.microbatches),
+        for flag, value in (("--pp", self.pp), ("--dp", self.dp), ("--tp", self.tp),
+                            ("--microbatches", self.microbatches),
                             ("--virtual-stages", self.virtual_stages), ("--layers", self.layers),
                             ("--hidden", self.hidden), ("--batch-size", self.batch_size),
                             ("--steps", self.steps), ("--threads", self.threads)):

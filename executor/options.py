@@ -29,7 +29,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", choices=MODELS, default="mlp")
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--hidden", type=int, default=64)
-    model.add_argument("--batch-size", type=int, default=8, help="global samples per step: split across dp replicas, then cut into microbatches")
+    model.add_argument("--batch-size", type=int, default=8,
+                       help="global samples per step: split across dp replicas, then cut into microbatches")
     model.add_argument("--seq-len", type=int, default=16, help="gpt: tokens per sample")
     model.add_argument("--vocab", type=int, default=128, help="gpt: vocabulary size")
     model.add_argument("--heads", type=int, default=4, help="gpt: attention heads")
