@@ -11,13 +11,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pipesim.costs import Costs
+from pipesim.parallel import ParallelConfig
 from pipesim.simulation import run_simulation
 from pipesim.topology import Topology
 from schedules.generators import MULTI_CHUNK, ScheduleUnavailableError, generate
+from schedules.schedule import Schedule
 
 ROW_FIELDS = (
     "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
-    "peak_inflight_microbatches", "exposed_comm", "actions", "note",
+    "peak_inflight_microbatches", "exposed_comm", "peak_memory_bytes", "oom", "actions", "note",
 )
 
 
@@ -42,12 +44,13 @@ def sweep_points(schedules: Iterable[str], pps: Iterable[int], microbatch_counts
 
 def run_sweep(
     points: list[SweepPoint],
-    costs_for: Callable[[int, int], Costs],
+    costs_for: Callable[[Schedule], Costs],
     topology: Topology,
     progress: bool = True,
+    parallel: ParallelConfig | None = None,
 ) -> list[dict]:
     """Simulate every point; a point whose schedule does not exist becomes a row with a
-    ``note`` instead of stopping the sweep. ``costs_for(num_stages, v)`` builds costs."""
+    ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs."""
     rows = []
     for index, point in enumerate(points, 1):
         label = f"{point.schedule} pp={point.pp} m={point.microbatches} v={point.virtual_stages}"
@@ -58,7 +61,7 @@ def run_sweep(
             if progress:
                 print(f"[{index}/{len(points)}] {label}: skipped ({error})", file=sys.stderr)
             continue
-        result = run_simulation(schedule, costs_for(schedule.num_stages, point.virtual_stages), topology)
+        result = run_simulation(schedule, costs_for(schedule), topology, parallel=parallel)
         metrics = result.metrics
         row = {
             **point.__dict__,
@@ -66,6 +69,8 @@ def run_sweep(
             "bubble_fraction": metrics.bubble_fraction,
             "peak_inflight_microbatches": max(rank.peak_inflight_microbatches for rank in metrics.ranks),
             "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks),
+            "peak_memory_bytes": max(rank.peak_bytes for rank in result.memory),
+            "oom": result.oom,
             "actions": result.schedule.num_actions,
             "note": "",
         }
@@ -81,7 +86,8 @@ def run_sweep(
 
 def format_table(rows: list[dict]) -> str:
     """A fixed-width table of the sweep for the terminal."""
-    header = f"{'schedule':<18} {'pp':>4} {'m':>5} {'v':>3} {'step time (s)':>14} {'bubble':>8} {'peak in-flight':>15}"
+    header = (f"{'schedule':<18} {'pp':>4} {'m':>5} {'v':>3} {'step time (s)':>14} {'bubble':>8} "
+              f"{'peak in-flight':>15} {'peak mem GB':>12}")
     lines = [header, "-" * len(header)]
     for row in rows:
         if row.get("note"):
@@ -90,6 +96,7 @@ def format_table(rows: list[dict]) -> str:
             continue
         lines.append(
             f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3} "
-            f"{row['makespan']:>14.6g} {row['bubble_fraction']:>8.2%} {row['peak_inflight_microbatches']:>15g}"
+            f"{row['makespan']:>14.6g} {row['bubble_fraction']:>8.2%} {row['peak_inflight_microbatches']:>15g} "
+            f"{row['peak_memory_bytes'] / 1e9:>12.2f}{'  OOM' if row['oom'] else ''}"
         )
     return "\n".join(lines)

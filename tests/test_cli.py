@@ -106,3 +106,18 @@ def test_demo_writes_charts(tmp_path, capsys):
     for name in ("gantt-gpipe.html", "gantt-1f1b.html", "gantt-interleaved-1f1b.html", "gantt-all.html",
                  "sweep.html"):
         assert (tmp_path / name).stat().st_size > 100_000
+
+
+def test_sweep_with_model_dp_tp_reports_memory(tmp_path):
+    status = run_cli(
+        "sweep", "--schedule", "1f1b,gpipe", "--model", "gpt3-1.3b", "--seq-len", 1024, "--microbatch-size", 1,
+        "--pp", 4, "--dp", 2, "--microbatches", "4,16", "--topology", "nvlink", "--json", tmp_path / "s.json",
+        "--quiet",
+    )
+    assert status == 0
+    rows = json.loads((tmp_path / "s.json").read_text())
+    memory = {(row["schedule"], row["microbatches"]): row["peak_memory_bytes"] for row in rows}
+    # 1F1B holds at most pp stashes, GPipe all m: GPipe's peak grows with m, 1F1B's does not
+    assert memory["gpipe", 16] > memory["gpipe", 4]
+    assert memory["1f1b", 16] == pytest.approx(memory["1f1b", 4])
+    assert all(row["oom"] is False for row in rows)

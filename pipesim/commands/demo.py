@@ -55,7 +55,8 @@ def handle(args: argparse.Namespace) -> int:
     points = sweep_points([name for name, _ in DEMO_SCHEDULES], [args.pp], [4, 8, 16, 32, 64], 2)
     rows = run_sweep(
         points,
-        lambda stages, chunks: uniform_costs(stages, fwd, bwd, act_bytes=act_bytes, virtual_stages=chunks),
+        lambda schedule: uniform_costs(schedule.num_stages, fwd, bwd, act_bytes=act_bytes,
+                                       virtual_stages=schedule.virtual_stages),
         topology,
         progress=False,
     )

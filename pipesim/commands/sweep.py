@@ -7,7 +7,17 @@ import csv
 import json
 from pathlib import Path
 
-from pipesim.commands.options import add_cost_args, add_topology_args, costs_from_args, split_list, topology_from_args
+from pipesim.commands.options import (
+    add_cost_args,
+    add_model_args,
+    add_parallel_args,
+    add_topology_args,
+    costs_from_args,
+    model_costs_from_args,
+    parallel_from_args,
+    split_list,
+    topology_from_args,
+)
 from pipesim.sweep import ROW_FIELDS, format_table, run_sweep, sweep_points
 
 
@@ -21,7 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--microbatches", "-m", default="4,8,16,32", help="microbatch counts, comma-separated")
     parser.add_argument("--virtual-stages", "-v", type=int, default=2, help="chunks per rank for interleaved schedules")
     add_cost_args(parser)
+    add_model_args(parser)
     add_topology_args(parser)
+    add_parallel_args(parser)
     parser.add_argument("--csv", help="write the rows as CSV")
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--html", help="write the sweep chart (self-contained HTML)")
@@ -35,8 +47,12 @@ def handle(args: argparse.Namespace) -> int:
     )
     topology = topology_from_args(args)
 
-    rows = run_sweep(points, lambda stages, chunks: costs_from_args(args, stages, chunks), topology,
-                     progress=not args.quiet)
+    def costs_for(schedule):
+        if args.model:
+            return model_costs_from_args(args, schedule, topology)
+        return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
+
+    rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args))
     print(format_table(rows))
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:
