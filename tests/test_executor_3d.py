@@ -8,6 +8,7 @@ the 4-process job runs (dp=2, pp=2, tp=1) and (dp=1, pp=2, tp=2) configs, the
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -110,3 +111,21 @@ def test_3d_config_errors_name_the_values(changes: dict, message: str) -> None:
     settings = {"model": "gpt", "hidden": 8, "heads": 2, "batch_size": 8, **changes}
     with pytest.raises(ConfigError, match=message.replace("+", r"\+")):
         RunConfig(**settings).check()
+
+
+def test_pipesim_run_3d_prints_the_batch_split_and_draws_dp_and_tp(tmp_path, capsys) -> None:
+    from pipesim.cli import main  # noqa: PLC0415 - the command line on top of the executor
+
+    out, html = tmp_path / "run.json", tmp_path / "run.html"
+    code = main(["run", "--dp", "2", "--pp", "1", "--tp", "2", "--model", "gpt", "--layers", "2", "--hidden", "8",
+                 "--heads", "2", "--seq-len", "4", "--vocab", "11", "--batch-size", "4", "--microbatches", "2",
+                 "--json", str(out), "--html", str(html)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "dp=2 pp=1 tp=2 (world 4)" in printed
+    assert "global batch 4: 2 per dp replica, in 2 microbatches per replica" in printed
+    document = json.loads(out.read_text())
+    assert (document["dp"], document["tp"], document["global_batch_size"], document["world_size"]) == (2, 2, 4, 4)
+    assert document["comm"]["dp"]["total"] > 0 and document["comm"]["tp"]["total"] > 0
+    chart = html.read_text()
+    assert "ALLREDUCE_DP" in chart and "TP(0F0)" in chart
