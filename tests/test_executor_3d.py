@@ -19,13 +19,16 @@ from executor.mesh import MeshPosition
 from executor.reference import reference_run
 from pipesim.mapping import map_ranks
 from pipesim.presets import ideal
+from schedules.generators import generate
+from tests.test_executor import split_backward
 
 pytestmark = pytest.mark.timeout(240)
 
 SCHEDULES = ("1f1b", "interleaved-1f1b")
 # (dp, pp, tp, schedule, variant): "sp" turns on sequence parallelism, "buckets" makes
-# the dp buckets small enough that every stage's gradient takes several.
-CASES = [(2, 2, 1, schedule, "") for schedule in SCHEDULES] + \
+# the dp buckets small enough that every stage's gradient takes several, "IW" splits
+# every backward into I and W (the reduction then follows each stage's last W).
+CASES = [(2, 2, 1, schedule, "") for schedule in SCHEDULES] + [(2, 2, 1, "1f1b", "IW")] + \
         [(1, 2, 2, schedule, "") for schedule in SCHEDULES] + [(1, 2, 2, "1f1b", "sp")] + \
         [(2, 2, 2, "1f1b", ""), (2, 2, 2, "interleaved-1f1b", "buckets")]
 _launched: dict[int, dict] = {}
@@ -35,11 +38,12 @@ def case_config(dp: int, pp: int, tp: int, schedule: str, variant: str) -> RunCo
     """A tiny float64 gpt over a global batch of dp * (2m + 1) (uneven microbatches)."""
     virtual = 2 if schedule == "interleaved-1f1b" else 1
     microbatches = pp
+    custom = split_backward(generate(schedule, pp, microbatches, virtual)) if variant == "IW" else None
     return RunConfig(schedule=schedule, pp=pp, dp=dp, tp=tp, microbatches=microbatches, virtual_stages=virtual,
                      model="gpt", hidden=8, heads=2, layers=pp * virtual + 1, seq_len=4, vocab=11,
                      batch_size=dp * (2 * microbatches + 1), steps=3, dtype="float64", optimizer="adamw", lr=0.05,
                      return_grads=True, sequence_parallel=variant == "sp",
-                     dp_bucket_mb=0.0005 if variant == "buckets" else 25.0)
+                     dp_bucket_mb=0.0005 if variant == "buckets" else 25.0, custom_schedule=custom)
 
 
 def result_of(case: tuple) -> dict:
@@ -77,7 +81,7 @@ def test_3d_trace_shows_dp_and_tp_communication(case: tuple) -> None:
     assert (streams["tp"] > 0) == (tp > 1)
     compute_end = {}
     for event in trace.events:
-        if event.stream == "compute" and event.kind == "B":
+        if event.stream == "compute" and event.kind in ("B", "W"):
             compute_end[event.stage] = max(compute_end.get(event.stage, 0.0), event.end)
     for event in trace.events:
         if event.stream == "dp":
