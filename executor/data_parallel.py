@@ -11,13 +11,16 @@ for the reductions just before the optimizer. This is the overlap rule the simul
 charges (``pipesim.parallel``: a stage's dp all-reduce starts when its last backward
 ends).
 
-Why not ``DistributedDataParallel``: on torch 2.13 it cannot wrap a stage whose
-parameters are DTensors (after ``parallelize_module`` for tp; its constructor's
-``broadcast_`` has no sharding strategy), and its reducer waits for its buckets at the
-end of the backward call that filled them, so a stage's reduction could never overlap
-the rank's other stages. The reduction here is the same bucketed ``all_reduce`` DDP
-issues, on the DTensors' local shards: a tp shard is averaged with the same shard of
-every other replica, which is exactly the dp sub-mesh of the (dp, pp, tp) mesh.
+Why not torch's wrappers: on torch 2.13 ``DistributedDataParallel`` cannot wrap a
+stage whose parameters are DTensors (after ``parallelize_module`` for tp, its
+constructor fails with "aten.cat.default got mixed torch.Tensor and DTensor"). The
+composable ``replicate`` (FSDP2-based, ``replicate_with_fsdp``) does accept a tp-split
+block on a dp sub-mesh on gloo, but like DDP it reduces inside the backward call and
+waits for its buckets at that call's end, so a stage's reduction could not overlap the
+rank's other stages, and its per-forward hooks would have to be steered through every
+microbatch and the I/W split. The reduction here is the same bucketed ``all_reduce``
+DDP issues, on the DTensors' local shards: a tp shard is averaged with the same shard
+of every other replica, which is exactly the dp sub-mesh of the (dp, pp, tp) mesh.
 """
 
 from __future__ import annotations
