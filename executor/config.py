@@ -31,6 +31,11 @@ class RunConfig:
     from CSV) instead of generating ``schedule``; its pp and microbatches must match.
     ``prefetch_recvs`` posts every receive at the start of a step (default: on gloo,
     which matches transfers by tag; never on NCCL, which matches them by order).
+    ``dp`` replicas each run the pipeline on their own slice of the global
+    ``batch_size`` (which ``dp`` must divide), cut into ``microbatches``; ``tp`` splits
+    every gpt block across that many ranks (``sequence_parallel`` adds Megatron's
+    sequence parallelism). World size is ``dp * pp * tp``. ``dp_bucket_mb`` is the size
+    of the gradient all-reduce buckets (DDP's default 25).
     ``inject_failure`` (``"RANK:ACTION:MODE"``, e.g. ``"1:1B0:kill"``) makes that rank
     raise, die or hang just before that action of the first step: it exists so the failure
     path can be tested and demonstrated, never set it in a real run.
@@ -38,6 +43,10 @@ class RunConfig:
 
     schedule: str = "1f1b"
     pp: int = 2
+    dp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    dp_bucket_mb: float = 25.0
     microbatches: int = 4
     virtual_stages: int = 1
     model: str = "mlp"
@@ -66,6 +75,16 @@ class RunConfig:
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
+    @property
+    def world_size(self) -> int:
+        """Processes the run needs: one per (dp, pp, tp) position."""
+        return self.dp * self.pp * self.tp
+
+    @property
+    def replica_batch_size(self) -> int:
+        """Samples each dp replica runs per step (its slice of the global batch)."""
+        return self.batch_size // self.dp
+
     def prefetch_receives(self, backend: str) -> bool:
         """Whether receives are posted ahead on this backend (see ``prefetch_recvs``)."""
         if backend == "nccl":
@@ -74,7 +93,8 @@ class RunConfig:
 
     def check(self) -> None:
         """Raise ``ConfigError`` naming the flag when a value cannot work."""
-        for flag, value in (("--pp", self.pp), ("--microbatches", self.microbatches),
+        for flag, value in (("--pp", self.pp), ("--dp", self.dp), ("--tp", self.tp),
+                            ("--microbatches", self.microbatches),
                             ("--virtual-stages", self.virtual_stages), ("--layers", self.layers),
                             ("--hidden", self.hidden), ("--batch-size", self.batch_size),
                             ("--steps", self.steps), ("--threads", self.threads)):
@@ -84,11 +104,20 @@ class RunConfig:
                                    ("--backend", self.backend, BACKENDS), ("--dtype", self.dtype, DTYPES)):
             if value not in valid:
                 raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(valid)}")
-        if self.batch_size < self.microbatches:
+        if self.batch_size % self.dp:
             raise ConfigError(
-                f"--batch-size {self.batch_size} cannot be cut into {self.microbatches} microbatches; "
-                f"use --batch-size >= {self.microbatches}"
+                f"--batch-size {self.batch_size} cannot be split evenly across --dp {self.dp} replicas; "
+                f"use a multiple of {self.dp}"
             )
+        if self.replica_batch_size < self.microbatches:
+            per = f" per replica ({self.replica_batch_size} of each --dp {self.dp} slice)" if self.dp > 1 else ""
+            raise ConfigError(
+                f"--batch-size {self.batch_size} cannot be cut into {self.microbatches} microbatches{per}; "
+                f"use --batch-size >= {self.microbatches * self.dp}"
+            )
+        if self.dp_bucket_mb <= 0:
+            raise ConfigError(f"--dp-bucket-mb must be positive, got {self.dp_bucket_mb}")
+        check_tensor_parallel(self)
         if self.timeout <= 0:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if self.model == "gpt" and self.hidden % self.heads:
@@ -114,6 +143,23 @@ class RunConfig:
                 )
         if self.inject_failure is not None:
             parse_failure(self.inject_failure)
+
+
+def check_tensor_parallel(config: RunConfig) -> None:
+    """Tensor parallelism splits gpt heads and MLP features: tp must divide both."""
+    if config.tp == 1:
+        if config.sequence_parallel:
+            raise ConfigError("--sequence-parallel needs --tp > 1")
+        return
+    if config.model != "gpt":
+        raise ConfigError(f"--tp {config.tp} splits transformer blocks; use --model gpt (got --model {config.model})")
+    if config.heads % config.tp:
+        raise ConfigError(f"--tp {config.tp} must divide --heads {config.heads} (each tp rank holds whole heads)")
+    if config.hidden % config.tp:
+        raise ConfigError(f"--tp {config.tp} must divide --hidden {config.hidden}")
+    if config.sequence_parallel and config.seq_len % config.tp:
+        raise ConfigError(f"--sequence-parallel: --tp {config.tp} must divide --seq-len {config.seq_len}")
+
 
 
 def parse_failure(text: str) -> tuple[int, str, str]:

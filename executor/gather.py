@@ -3,7 +3,12 @@
 Each rank's program is known to every rank (it comes from the schedule), so a rank only
 has to send, per event, the index of the action in its program, its start and end and
 its stream: one float64 tensor that any backend can all-gather, with no object
-serialisation on the way.
+serialisation on the way. Collective events that are not program actions (a stage's dp
+all-reduce bucket, a tp collective inside a compute action) travel as index -1 with a
+kind code, their stage and microbatch.
+
+With dp or tp > 1 the gather runs along one pipeline (the pp group of the mesh): the
+Trace shows one replica's pipeline, as the simulator does, with its dp and tp streams.
 """
 
 from __future__ import annotations
@@ -11,34 +16,73 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from schedules.action import Action
+from schedules.action import Action, parse_action
 from schedules.schedule import Schedule
 from schedules.trace import STREAMS, TraceEvent
 
+# Streams and kinds beyond a program's actions, named as the simulator names them.
+ALL_STREAMS = (*STREAMS, "dp", "tp")
+DP_KIND, TP_KIND = "ALLREDUCE_DP", "TP"
+COMPUTE_KINDS = ("F", "B", "I", "W")  # a tp event's code is 1 + the index of its action's kind
+COLUMNS = 7  # index, start, end, stream, extra code, stage, microbatch
+
+
+def dp_event(rank: int, stage: int, start: float, end: float) -> TraceEvent:
+    """One bucket of ``stage``'s gradient all-reduce, on the ``dp`` stream."""
+    return TraceEvent(rank, f"{stage}{DP_KIND}", DP_KIND, stage, -1, start, end, "dp")
+
+
+def tp_event(rank: int, action: Action, start: float, end: float) -> TraceEvent:
+    """One tp collective issued inside compute ``action``, on the ``tp`` stream."""
+    return TraceEvent(rank, f"{TP_KIND}({action})", TP_KIND, action.stage, action.microbatch, start, end, "tp")
+
 
 def encode(program: tuple[Action, ...], events: list[TraceEvent]) -> torch.Tensor:
-    """Events as rows ``(index in program, start, end, stream)``."""
+    """Events as rows ``(index in program or -1, start, end, stream, extra code, stage,
+    microbatch)``; extra code 0 is a dp bucket, ``1 + k`` a tp collective inside an
+    action of kind ``COMPUTE_KINDS[k]``."""
     position = {action: index for index, action in enumerate(program)}
-    rows = [(position[Action(e.stage, e.kind, e.microbatch)], e.start, e.end, STREAMS.index(e.stream)) for e in events]
-    return torch.tensor(rows, dtype=torch.float64).reshape(len(rows), 4)
+    rows = []
+    for e in events:
+        stream = ALL_STREAMS.index(e.stream)
+        if e.kind == DP_KIND:
+            rows.append((-1, e.start, e.end, stream, 0, e.stage, e.microbatch))
+        elif e.kind == TP_KIND:
+            inner = e.action[len(TP_KIND) + 1:-1]
+            code = 1 + COMPUTE_KINDS.index(parse_action(inner).kind)
+            rows.append((-1, e.start, e.end, stream, code, e.stage, e.microbatch))
+        else:
+            index = position[Action(e.stage, e.kind, e.microbatch)]
+            rows.append((index, e.start, e.end, stream, -1, e.stage, e.microbatch))
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(rows), COLUMNS)
 
 
 def decode(rank: int, program: tuple[Action, ...], rows: torch.Tensor) -> list[TraceEvent]:
-    return [TraceEvent.of(rank, program[int(index)], start, end, STREAMS[int(stream)])
-            for index, start, end, stream in rows.tolist()]
+    events = []
+    for index, start, end, stream, code, stage, microbatch in rows.tolist():
+        if index >= 0:
+            events.append(TraceEvent.of(rank, program[int(index)], start, end, ALL_STREAMS[int(stream)]))
+        elif code == 0:
+            events.append(dp_event(rank, int(stage), start, end))
+        else:
+            action = Action(int(stage), COMPUTE_KINDS[int(code) - 1], int(microbatch))
+            events.append(tp_event(rank, action, start, end))
+    return events
 
 
-def gather_events(schedule: Schedule, rank: int, events: list[TraceEvent], device: torch.device) -> list[TraceEvent]:
-    """All ranks' events (on every rank; rank 0 is the one that writes them out)."""
-    world = dist.get_world_size()
+def gather_events(schedule: Schedule, rank: int, events: list[TraceEvent], device: torch.device,
+                  group: dist.ProcessGroup | None = None) -> list[TraceEvent]:
+    """All pipeline ranks' events (on every member of ``group``, the pp group; rank 0
+    of the job is the one that writes them out). ``rank`` is the pipeline rank."""
+    world = dist.get_world_size(group)
     rows = encode(schedule.programs[rank], events).to(device)
     counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor([rows.shape[0]], dtype=torch.int64, device=device))
+    dist.all_gather(counts, torch.tensor([rows.shape[0]], dtype=torch.int64, device=device), group=group)
     longest = max(int(count.item()) for count in counts)
-    padded = torch.zeros(longest, 4, dtype=torch.float64, device=device)
+    padded = torch.zeros(longest, COLUMNS, dtype=torch.float64, device=device)
     padded[: rows.shape[0]] = rows
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=group)
     gathered: list[TraceEvent] = []
     for peer, (count, part) in enumerate(zip(counts, parts, strict=True)):
         gathered.extend(decode(peer, schedule.programs[peer], part[: int(count.item())].cpu()))

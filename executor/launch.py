@@ -43,7 +43,7 @@ def validate_schedule(config: RunConfig) -> None:
 
 
 def launch(configs: RunConfig | list[RunConfig], model: Any = None, log_dir: str | None = None) -> list[dict]:
-    """Run the configs (all with the same ``pp``) on ``pp`` local processes; return
+    """Run the configs (all with the same world size ``dp*pp*tp``) on that many local processes; return
     rank 0's results, one per config. Raises ``PipelineRunError`` if a rank fails."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
@@ -55,10 +55,10 @@ def launch(configs: RunConfig | list[RunConfig], model: Any = None, log_dir: str
     for config in configs:
         config.check()
         validate_schedule(config)
-    pp = {config.pp for config in configs}
-    if len(pp) != 1:
-        raise ValueError(f"configs launched together must share one pp, got {sorted(pp)}")
-    nprocs = pp.pop()
+    worlds = {config.world_size for config in configs}
+    if len(worlds) != 1:
+        raise ValueError(f"configs launched together must share one world size (dp*pp*tp), got {sorted(worlds)}")
+    nprocs = worlds.pop()
     progress_dir = tempfile.mkdtemp(prefix="pipesim_progress_")
     os.environ["PIPESIM_PROGRESS_DIR"] = progress_dir  # inherited by the spawned ranks
     os.environ.setdefault("OMP_NUM_THREADS", str(configs[0].threads))

@@ -135,7 +135,7 @@ class Block(nn.Module):
 
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.head_dim = hidden // heads
         self.norm1 = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
@@ -144,11 +144,15 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, hidden = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(hidden, dim=2)
-        q, k, v = (t.view(batch, seq, self.heads, hidden // self.heads).transpose(1, 2) for t in (q, k, v))
+        # The qkv features are laid out head by head ([q k v] of head 0, then head 1, ...)
+        # so that a tensor-parallel column split of ``qkv`` gives each rank whole heads;
+        # the head count and sequence length are read from the (possibly split) output.
+        qkv = self.qkv(self.norm1(x))
+        batch, seq = qkv.shape[:2]
+        heads = qkv.shape[2] // (3 * self.head_dim)
+        q, k, v = qkv.view(batch, seq, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attention.transpose(1, 2).reshape(batch, seq, hidden))
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, seq, heads * self.head_dim))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 

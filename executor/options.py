@@ -16,14 +16,21 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     schedule = parser.add_argument_group("schedule")
     schedule.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved-1f1b (default 1f1b)")
     schedule.add_argument("--pp", type=int, default=2, help="pipeline ranks, one process each (1: no pipeline)")
-    schedule.add_argument("--microbatches", type=int, default=4)
+    schedule.add_argument("--microbatches", type=int, default=4, help="microbatches per dp replica and step")
+    schedule.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp * pp * tp)")
+    schedule.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (gpt only)")
+    schedule.add_argument("--sequence-parallel", action="store_true",
+                          help="with --tp: Megatron sequence parallelism in the blocks")
+    schedule.add_argument("--dp-bucket-mb", type=float, default=25.0,
+                          help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
     schedule.add_argument("--virtual-stages", type=int, default=None,
                           help="stages per rank (default 2 for interleaved-1f1b, else 1)")
     model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")
     model.add_argument("--model", choices=MODELS, default="mlp")
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--hidden", type=int, default=64)
-    model.add_argument("--batch-size", type=int, default=8, help="samples per step, cut into the microbatches")
+    model.add_argument("--batch-size", type=int, default=8,
+                       help="global samples per step: split across dp replicas, then cut into microbatches")
     model.add_argument("--seq-len", type=int, default=16, help="gpt: tokens per sample")
     model.add_argument("--vocab", type=int, default=128, help="gpt: vocabulary size")
     model.add_argument("--heads", type=int, default=4, help="gpt: attention heads")
@@ -59,7 +66,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         except ValueError:
             raise ConfigError(f"--layout {args.layout!r} must be comma-separated layer counts, e.g. 1,3,3,1") from None
     config = RunConfig(
-        schedule=args.schedule, pp=args.pp, microbatches=args.microbatches, virtual_stages=virtual,
+        schedule=args.schedule, pp=args.pp, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel,
+        dp_bucket_mb=args.dp_bucket_mb, microbatches=args.microbatches, virtual_stages=virtual,
         model=args.model, layers=args.layers, hidden=args.hidden, batch_size=args.batch_size,
         seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, steps=args.steps, seed=args.seed,
         optimizer=args.optimizer, lr=args.lr, dtype=args.dtype, backend=args.backend, timeout=args.timeout,

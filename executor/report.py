@@ -5,17 +5,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from schedules.metrics import step_metrics
+from schedules.metrics import comm_by_kind, step_metrics
 
 
 def summary(result: dict) -> dict:
-    """The ``--json`` document: the run's shape, one loss and one step time per step,
-    and the measured makespan and bubble fraction of the last step."""
+    """The ``--json`` document: the run's shape (``microbatches`` per dp replica, the
+    global batch and each replica's slice of it), one loss and one step time per step,
+    and the measured makespan, bubble fraction and communication by kind (seconds summed
+    over one pipeline's ranks) of the last step."""
     metrics = step_metrics(result["trace"])
+    comm = {kind: {"total": 0.0, "exposed": 0.0} for kind in ("p2p", "dp", "tp")}
+    for rank in comm_by_kind(result["trace"]):
+        for kind, seconds in rank.items():
+            comm[kind]["total"] += seconds["total"]
+            comm[kind]["exposed"] += seconds["exposed"]
     return {
         "schedule": result["schedule"],
         "pp": result["pp"],
+        "dp": result.get("dp", 1),
+        "tp": result.get("tp", 1),
         "microbatches": result["microbatches"],
+        "global_batch_size": result.get("global_batch_size"),
+        "replica_batch_size": result.get("replica_batch_size"),
         "virtual_stages": result["virtual_stages"],
         "world_size": result["world_size"],
         "backend": result["backend"],
@@ -23,6 +34,7 @@ def summary(result: dict) -> dict:
         "step_times": result["step_times"],
         "measured_makespan": metrics.makespan,
         "bubble_fraction": metrics.bubble_fraction,
+        "comm": comm,
     }
 
 
@@ -37,11 +49,17 @@ def summary_lines(result: dict) -> list[str]:
     """Human-readable lines: one per step, then the measured step and bubble."""
     document = summary(result)
     lines = [
-        f"{document['schedule']}: pp={document['pp']} microbatches={document['microbatches']} "
-        f"virtual_stages={document['virtual_stages']} backend={document['backend']}"
+        f"{document['schedule']}: dp={document['dp']} pp={document['pp']} tp={document['tp']} "
+        f"(world {document['world_size']}) virtual_stages={document['virtual_stages']} backend={document['backend']}",
+        f"global batch {document['global_batch_size']}: {document['replica_batch_size']} per dp replica, "
+        f"in {document['microbatches']} microbatches per replica",
     ]
     for step, (loss, seconds) in enumerate(zip(document["losses"], document["step_times"], strict=True)):
         lines.append(f"step {step}: loss {loss:.6f}  time {seconds * 1000:.2f} ms")
     lines.append(f"measured step (last): makespan {document['measured_makespan'] * 1000:.2f} ms, "
                  f"bubble fraction {document['bubble_fraction']:.3f}")
+    comm = document["comm"]
+    lines.append("measured comm (last step, summed over one pipeline's ranks): " + ", ".join(
+        f"{kind} {comm[kind]['total'] * 1000:.2f} ms (exposed {comm[kind]['exposed'] * 1000:.2f})"
+        for kind in ("p2p", "dp", "tp")))
     return lines

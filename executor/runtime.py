@@ -48,7 +48,8 @@ class PipelineRuntime:
 
     def __init__(self, rank: int, schedule: Schedule, stages: dict[int, nn.Module], model: PipelineModel,
                  links: PeerLinks | None, clock: Any, batch_size: int,
-                 before_action: Callable[[Action], None] | None = None, prefetch_recvs: bool = False) -> None:
+                 before_action: Callable[[Action], None] | None = None, prefetch_recvs: bool = False,
+                 after_action: Callable[[Action], None] | None = None) -> None:
         self.rank = rank
         self.schedule = schedule
         self.stages = stages
@@ -57,6 +58,7 @@ class PipelineRuntime:
         self.clock = clock
         self.batch_size = batch_size
         self.before_action = before_action
+        self.after_action = after_action  # e.g. start a stage's dp all-reduce after its last backward
         self.prefetch_recvs = prefetch_recvs and links is not None
         self.last_stage = schedule.num_stages - 1
         self.items = program_items(schedule.programs[rank])
@@ -96,6 +98,8 @@ class PipelineRuntime:
                 start = self.clock.mark()
                 self.handlers[item.kind](item)
                 self.marks.append((item, start, self.clock.mark(), "compute"))
+                if self.after_action is not None:
+                    self.after_action(item)
             if self.pending:
                 self.poll_sends()
         self.finish_sends()

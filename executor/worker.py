@@ -16,10 +16,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from executor.clock import clock_for
+from executor.clock import CpuClock, clock_for
 from executor.comm import PeerLinks
 from executor.config import RunConfig, parse_failure
-from executor.gather import gather_events
+from executor.data_parallel import GradientAverager
+from executor.gather import dp_event, gather_events, tp_event
+from executor.mesh import build_mesh
 from executor.models import PipelineModel, build_model
 from executor.progress import ProgressWriter, progress_dir_from_env
 from executor.runtime import PipelineRuntime
@@ -80,8 +82,9 @@ def run_worker(configs: list[RunConfig], model: PipelineModel | None = None) -> 
 
 def run_local(config: RunConfig, model: PipelineModel | None = None) -> dict:
     """Run a config on this process alone (``pp=1``: every stage here, no communication)."""
-    if config.pp != 1:
-        raise ValueError(f"run_local runs pp=1 only; pp={config.pp} needs launch() or torchrun")
+    if config.world_size != 1:
+        raise ValueError(f"run_local runs one process only; dp={config.dp} x pp={config.pp} x tp={config.tp} "
+                         f"needs launch() or torchrun")
     config.check()
     (result,) = run_worker([config], model)
     return result
@@ -103,23 +106,42 @@ class RankRun:
     def __init__(self, config: RunConfig, model: PipelineModel | None, rank: int, world: int, backend: str,
                  device: torch.device, progress: ProgressWriter | None) -> None:
         schedule = build_schedule(config)
-        if schedule.pp != world:
-            raise RankFailedError(f"the schedule has pp={schedule.pp} ranks but {world} processes were started; "
-                                  f"start exactly --pp processes (torchrun --nproc-per-node {schedule.pp})")
+        try:
+            self.mesh = build_mesh(rank, world, config.dp, schedule.pp, config.tp, device.type)
+        except ValueError as error:
+            raise RankFailedError(str(error)) from None
+        position = self.mesh.position
         self.config, self.schedule, self.rank, self.world = config, schedule, rank, world
+        self.pp_rank = pp_rank = position.pp_index  # this process's rank in its pipeline
         self.backend, self.device, self.progress = backend, device, progress
         self.model = model = model or build_model(config)
         self.stages = {stage: model.build_stage(stage, schedule.num_stages).to(device)
-                       for stage in schedule.stages_of(rank)}
+                       for stage in schedule.stages_of(pp_rank)}
+        self.tp_timer = None
+        if config.tp > 1:
+            from executor.tensor_parallel import TpTimer, parallelize_stage  # noqa: PLC0415 - DTensor only for tp
+
+            for stage in self.stages.values():
+                parallelize_stage(stage, self.mesh.submesh("tp"), config.sequence_parallel)
+            self.tp_timer = TpTimer(lambda: self.runtime.current)
         params = [p for stage in self.stages.values() for p in stage.parameters()]
         optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
-        self.optimizer = optimizer_class(params, lr=config.lr)
-        sizes = [len(part) for part in torch.tensor_split(torch.arange(config.batch_size), config.microbatches)]
-        self.links = PeerLinks(schedule.placement, config.microbatches, device, getattr(torch, config.dtype),
+        # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
+        self.optimizer = optimizer_class(params, lr=config.lr, foreach=False if config.tp > 1 else None)
+        self.averager = None
+        if config.dp > 1:
+            self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
+                                             config.dp, config.dp_bucket_mb * 2**20)
+        batch = config.replica_batch_size
+        sizes = [len(part) for part in torch.tensor_split(torch.arange(batch), config.microbatches)]
+        # Pipeline peers are the processes at the same (dp, tp) position of the mesh.
+        placement = tuple(position.global_rank(pipeline_rank) for pipeline_rank in schedule.placement)
+        self.links = PeerLinks(placement, config.microbatches, device, getattr(torch, config.dtype),
                                lambda microbatch: model.boundary_shape(sizes[microbatch]))
-        self.runtime = PipelineRuntime(rank, schedule, self.stages, model, self.links, clock_for(device),
-                                       config.batch_size, action_hook(config, rank, progress),
-                                       prefetch_recvs=config.prefetch_receives(backend))
+        self.runtime = PipelineRuntime(pp_rank, schedule, self.stages, model, self.links, clock_for(device),
+                                       batch, action_hook(config, rank, progress),
+                                       prefetch_recvs=config.prefetch_receives(backend),
+                                       after_action=self.averager.after_action if self.averager else None)
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.events: list = []
@@ -129,6 +151,9 @@ class RankRun:
         """One training step: the program, the optimizer, the loss made known to all."""
         config, device = self.config, self.device
         inputs, targets = self.model.make_batch(step, config.batch_size)
+        replica = self.mesh.position.dp_index  # this replica's slice of the global batch
+        inputs = torch.tensor_split(inputs, config.dp)[replica]
+        targets = torch.tensor_split(targets, config.dp)[replica]
         inputs = list(torch.tensor_split(inputs.to(device), config.microbatches))
         targets = list(torch.tensor_split(targets.to(device), config.microbatches))
         self.optimizer.zero_grad(set_to_none=True)
@@ -138,7 +163,12 @@ class RankRun:
             dist.barrier()
         started = time.perf_counter()
         try:
-            loss, self.events = self.runtime.run_step(inputs, targets)
+            if self.tp_timer is not None:
+                with self.tp_timer.timing():
+                    loss, self.events = self.runtime.run_step(inputs, targets)
+            else:
+                loss, self.events = self.runtime.run_step(inputs, targets)
+            self.events.extend(self.collective_events())  # also waits for the dp all-reduce
         except Exception as error:
             action = self.runtime.current
             waiting = ""
@@ -147,30 +177,54 @@ class RankRun:
             raise RankFailedError(f"rank {self.rank} failed in step {step} on action {action}{waiting}: "
                                   f"{type(error).__name__}: {error}") from error
         if config.return_grads and step == 0:
-            self.grads = {f"{stage}.{name}": p.grad.detach().cpu().clone()
+            self.grads = {f"{stage}.{name}": full_tensor(p.grad).detach().cpu().clone()
                           for stage, module in self.stages.items() for name, p in module.named_parameters()}
         self.optimizer.step()
         if self.world > 1:
-            dist.all_reduce(loss)  # only the last stage holds a non-zero share
+            # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank.
+            dist.all_reduce(loss)
+            loss /= config.dp * config.tp
         self.losses.append(loss.item())
         self.step_times.append(time.perf_counter() - started)
+
+    def collective_events(self) -> list:
+        """This step's dp all-reduce buckets and tp collectives as Trace events (host
+        clock only: on a GPU they would need CUDA events on the communication streams)."""
+        reductions = self.averager.finish() if self.averager is not None else []
+        collectives = self.tp_timer.take() if self.tp_timer is not None else []
+        clock = self.runtime.clock
+        if not isinstance(clock, CpuClock):
+            return []
+        events = [dp_event(self.pp_rank, stage, clock.seconds(start), clock.seconds(end))
+                  for stage, start, end in reductions]
+        events.extend(tp_event(self.pp_rank, action, clock.seconds(start), clock.seconds(end))
+                      for action, start, end in collectives if action is not None)
+        return events
 
     def result(self) -> dict:
         """Rank 0: the run's summary and the last step's Trace from every rank; every
         rank: its gradients of the first step, when the config asked for them."""
         schedule, events = self.schedule, self.events
+        config = self.config
+        shape = {"dp": config.dp, "tp": config.tp, "global_batch_size": config.batch_size,
+                 "replica_batch_size": config.replica_batch_size}
         meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,
                 "microbatches": schedule.microbatches, "source": "measured", "backend": self.backend,
-                "world_size": self.world, "step": len(self.losses) - 1}
+                "world_size": self.world, "step": len(self.losses) - 1, **shape}
         if self.world > 1:
-            events = gather_events(schedule, self.rank, events, self.device)
+            events = gather_events(schedule, self.pp_rank, events, self.device, self.mesh.group("pp"))
         result = {"rank": self.rank, "grads": self.grads}
         if self.rank == 0:
             result.update(schedule=schedule.name, pp=schedule.pp, microbatches=schedule.microbatches,
                           virtual_stages=schedule.virtual_stages, world_size=self.world, backend=self.backend,
-                          losses=self.losses, step_times=self.step_times,
+                          losses=self.losses, step_times=self.step_times, **shape,
                           trace=Trace.merge([Trace(events)], meta))
         return result
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a tp-split DTensor (a collective on its tp group)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def action_hook(config: RunConfig, rank: int, progress: ProgressWriter | None):

@@ -8,12 +8,12 @@ import json
 import pytest
 
 from pipesim.cli import main
-from pipesim.collectives import all_reduce, bucketed_all_reduce
+from pipesim.collectives import all_reduce, bucketed_all_reduce, ring_pace
 from pipesim.costs import Costs, StageCost, uniform_costs
 from pipesim.engine import LinkScheduler
 from pipesim.mapping import map_ranks
 from pipesim.parallel import ParallelConfig
-from pipesim.presets import ib, nvlink
+from pipesim.presets import ib, nvlink, pcie
 from pipesim.simulation import run_simulation
 from pipesim.topology import TopologyError, ideal_topology
 from pipesim.topology_file import topology_from_dict
@@ -128,6 +128,52 @@ def test_interleaved_overlap_hides_a_chunk_all_reduce_under_compute():
     off = run_simulation(schedule, costs, topology, parallel=ParallelConfig(dp=2, overlap_dp=False))
     assert on.metrics.makespan < off.metrics.makespan
     assert on.comm[0]["dp"]["exposed"] < on.comm[0]["dp"]["total"]
+    exposed_on = sum(rank["dp"]["exposed"] for rank in on.comm)
+    exposed_off = sum(rank["dp"]["exposed"] for rank in off.comm)
+    assert exposed_on < exposed_off
+    assert exposed_off == pytest.approx(sum(rank["dp"]["total"] for rank in off.comm))
+
+
+# Replica 0 of pipeline rank 0 is g0 and replica 1 is g1 (tp-dp-pp order); their only
+# shortest route crosses a fast and a slow hop. Pipeline rank 1's replicas g2, g3 share one link.
+DP_PAIRS = {
+    "devices": [{"name": f"g{index}"} for index in range(4)],
+    "switches": [{"name": "sw"}],
+    "links": [
+        {"src": "g0", "dst": "sw", "bandwidth": 4e9, "latency": 1e-3},
+        {"src": "sw", "dst": "g1", "bandwidth": 1e9, "latency": 2e-3},
+        {"src": "g2", "dst": "g3", "bandwidth": 8e9, "latency": 1e-3},
+        {"src": "g0", "dst": "g2", "bandwidth": 100e9, "latency": 5e-3},
+        {"src": "g1", "dst": "g3", "bandwidth": 100e9, "latency": 5e-3},
+    ],
+}
+
+
+def test_dp_all_reduce_of_a_stage_is_the_ring_formula_on_its_groups_slowest_link():
+    param_bytes = 1e8
+    costs = tp_dp_costs(2, layers=0, message=0.0, param_bytes=param_bytes)
+    config = ParallelConfig(dp=2, bucket_bytes=1e9)  # one bucket: one latency term
+    result = run_simulation(generate("1f1b", 2, 2), costs, topology_from_dict(DP_PAIRS), parallel=config)
+    seconds = {event.stage: event.duration for event in result.trace.events if event.stream == "dp"}
+    n = 2
+    # ring all-reduce 2(n-1)/n * S/B + 2(n-1) * alpha; B the slowest hop, alpha the route's latency
+    assert seconds[0] == pytest.approx(2 * (n - 1) / n * param_bytes / 1e9 + 2 * (n - 1) * 3e-3)
+    assert seconds[1] == pytest.approx(2 * (n - 1) / n * param_bytes / 8e9 + 2 * (n - 1) * 1e-3)
+
+
+def test_tp_collectives_on_pcie_cost_more_than_on_nvlink_by_the_bandwidth_ratio():
+    message = 4e9  # large enough that the microsecond latencies do not matter
+    costs = tp_dp_costs(2, layers=1, message=message, param_bytes=0.0)
+    per_topology = {}
+    for topology in (nvlink(), pcie()):
+        result = run_simulation(generate("1f1b", 2, 2), costs, topology, parallel=ParallelConfig(tp=2))
+        durations = {event.duration for event in result.trace.events if event.stream == "tp"}
+        assert len(durations) == 1 or max(durations) == pytest.approx(min(durations))
+        group = map_ranks(topology, 1, 2, 2).tp_group(0, 0)
+        per_topology[topology.name] = (max(durations), ring_pace(topology, group)[0])
+    (nv_seconds, nv_bandwidth), (pcie_seconds, pcie_bandwidth) = per_topology["nvlink"], per_topology["pcie"]
+    assert pcie_seconds > nv_seconds
+    assert pcie_seconds / nv_seconds == pytest.approx(nv_bandwidth / pcie_bandwidth, rel=1e-3)
 
 
 def test_simulate_model_on_a_cluster_writes_the_new_json_fields(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """``pipesim run``: run a schedule for real, on local processes, and measure it.
 
 The ranks are started through torch's elastic launcher (the machinery behind
-``torchrun``) on gloo, or NCCL where CUDA is available; ``--pp 1`` runs the same model in
+``torchrun``) on gloo, or NCCL where CUDA is available; ``--pp 1`` (with dp = tp = 1) runs the same model in
 this process, as the reference. torch is imported only inside the handler, so the rest
 of the command line never loads it.
 """
@@ -34,7 +34,7 @@ def handle(args: argparse.Namespace) -> int:
 
     validate_schedule(config)
     try:
-        if config.pp == 1:
+        if config.world_size == 1:
             result = run_local(config)
         else:
             (result,) = launch(config, log_dir=args.log_dir)
@@ -56,5 +56,6 @@ def write_html(trace, path: str) -> None:
         print(f"--html: the chart module (viz.gantt) is not available; skipped {path}", file=sys.stderr)
         return
     meta = trace.meta
-    write_gantt_html([trace], path, titles=[f"measured: {meta['schedule']} pp={meta['pp']}"])
+    shape = f"dp={meta.get('dp', 1)} pp={meta['pp']} tp={meta.get('tp', 1)}"
+    write_gantt_html([trace], path, titles=[f"measured: {meta['schedule']} {shape} (one pipeline; dp, tp lanes)"])
     print(f"wrote {path}")

@@ -1,0 +1,80 @@
+"""The (dp, pp, tp) device mesh of a 3-D parallel run.
+
+Ranks are numbered as the cluster model numbers them (Megatron's order, tp innermost,
+then dp, then pp): ``global rank = pp_index * (dp * tp) + dp_index * tp + tp_index``.
+Tensor-parallel peers are therefore consecutive ranks (on one node, where their
+per-layer collectives belong), and pipeline peers the farthest apart.
+
+The mesh is ``torch.distributed.device_mesh.init_device_mesh`` over the shape
+``(pp, dp, tp)`` (outermost first), which gives exactly that numbering and one
+process group per axis: point-to-point along pp (to the global rank of the peer in the
+same (dp, tp) position), gradient averaging along dp, DTensor collectives along tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshPosition:
+    """Where one process sits in a ``dp x pp x tp`` job, and how to find its peers."""
+
+    dp: int
+    pp: int
+    tp: int
+    dp_index: int
+    pp_index: int
+    tp_index: int
+
+    @classmethod
+    def of_rank(cls, rank: int, dp: int, pp: int, tp: int) -> MeshPosition:
+        """The position of global ``rank`` (tp innermost, then dp, then pp)."""
+        pp_index, rest = divmod(rank, dp * tp)
+        dp_index, tp_index = divmod(rest, tp)
+        return cls(dp, pp, tp, dp_index, pp_index, tp_index)
+
+    def global_rank(self, pp_index: int, dp_index: int | None = None, tp_index: int | None = None) -> int:
+        """The global rank at pipeline rank ``pp_index`` and, unless given, this
+        process's own dp and tp indices (its pipeline peer)."""
+        dp_index = self.dp_index if dp_index is None else dp_index
+        tp_index = self.tp_index if tp_index is None else tp_index
+        return pp_index * self.dp * self.tp + dp_index * self.tp + tp_index
+
+    def pipeline_ranks(self) -> tuple[int, ...]:
+        """Global ranks of this process's pipeline, in pp order."""
+        return tuple(self.global_rank(index) for index in range(self.pp))
+
+
+@dataclass
+class Mesh3D:
+    """The device mesh and this process's position in it (``mesh`` is ``None`` on a
+    single process, where there is nothing to communicate)."""
+
+    position: MeshPosition
+    mesh: DeviceMesh | None
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """The process group along ``axis`` (``"pp"``, ``"dp"`` or ``"tp"``)."""
+        return None if self.mesh is None else self.mesh.get_group(axis)
+
+    def submesh(self, axis: str) -> DeviceMesh | None:
+        """The 1-D mesh along ``axis`` (what ``parallelize_module`` takes for tp)."""
+        return None if self.mesh is None else self.mesh[axis]
+
+
+def build_mesh(rank: int, world: int, dp: int, pp: int, tp: int, device_type: str) -> Mesh3D:
+    """This process's mesh; raise naming the sizes when the world does not fit them."""
+    if dp * pp * tp != world:
+        raise ValueError(f"dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but {world} processes were "
+                         f"started; start exactly dp*pp*tp processes (torchrun --nproc-per-node {dp * pp * tp})")
+    position = MeshPosition.of_rank(rank, dp, pp, tp)
+    if world == 1:
+        return Mesh3D(position, None)
+    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    return Mesh3D(position, mesh)
