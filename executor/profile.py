@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.config import RunConfig
+from executor.config import ConfigError, RunConfig
 from executor.models import PipelineModel, build_model
 from executor.overheads import measure_overheads
 from executor.spawn import init_rank, launch_ranks, synchronize
@@ -225,5 +225,8 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
 def profile(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
     """Launch ``config.pp`` ranks, profile each one's stages, return the costs document."""
     config.check()
+    if getattr(config, "dp", 1) > 1 or getattr(config, "tp", 1) > 1:
+        raise ConfigError(f"profile measures pipeline stages only (--dp 1 --tp 1); got --dp {config.dp} "
+                          f"--tp {config.tp}. Profile the pp split, then simulate with --dp/--tp")
     per_rank = launch_ranks(profile_rank, (config, warmup, repeats), config.pp, config.threads)
     return costs_document(config, per_rank, warmup, repeats)
