@@ -119,7 +119,9 @@ def transfer_interference(shape: tuple[int, ...], dtype: torch.dtype, rank: int,
     """Seconds one SEND or RECV adds to a rank that is computing between them, as in a
     pipeline: every rank repeats [compute, post a send, wait for the receive posted
     ahead], and the same compute without the transfers; half the difference per
-    iteration is the cost of one communication action.
+    iteration is the cost of one communication action. Each iteration waits for the
+    previous iteration's data, which has had a whole compute to arrive, so the link's
+    latency (modelled by the topology) is not counted a second time here.
 
     On a CPU this is far more than posting the operation: gloo moves the data on
     threads of its own, and with one core per rank they take their time from the
@@ -148,9 +150,12 @@ def transfer_interference(shape: tuple[int, ...], dtype: torch.dtype, rank: int,
             compute()
             if with_transfers:
                 sends.append(dist.isend(outgoing, after, tag=tag))
-                receives[tag].wait()
+                if tag:  # the previous iteration's data: it had a whole compute to arrive
+                    receives[tag - 1].wait()
         synchronize(device)
         elapsed = time.perf_counter() - start
+        if with_transfers:
+            receives[-1].wait()
         for send in sends:
             send.wait()
         return elapsed / count
