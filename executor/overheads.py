@@ -26,6 +26,7 @@ from schedules.lowering import lower
 from schedules.schedule import Schedule
 
 POSTS = 16  # receives posted per measurement of the prefetch cost
+TRANSFER_SAMPLES = 9  # paired with/without-transfer loops; their difference is noisy on a CPU
 
 
 def action_gap(warmup: int, repeats: int) -> float:
@@ -161,7 +162,7 @@ def transfer_interference(shape: tuple[int, ...], dtype: torch.dtype, rank: int,
         return elapsed / count
 
     samples = []
-    for _ in range(3):
+    for _ in range(TRANSFER_SAMPLES):  # alternated, so a slow spell of the machine hits both
         plain = iterations(False)
         samples.append(max(iterations(True) - plain, 0.0) / 2)
     return statistics.median(samples)
