@@ -6,8 +6,8 @@
     buffers  2 x the boundary activation per P2P peer (one for the activation, one for
              its gradient) and one DDP bucket when data parallel
     stash    each stage's ``stash_bytes`` for every microbatch whose forward has started
-             and whose last backward piece (B, or W when split) has not ended: the rule
-             of ``schedules.metrics.peak_inflight``, read from the Trace
+             and whose last backward piece (B, or W when split) has not ended:
+             ``schedules.metrics.stash_changes``, read from the Trace
 
 The parameter count of a stage is its ``param_bytes`` over the weights' bytes per
 parameter. The timeline is a list of ``(time, bytes)`` points at every change.
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipesim.costs import Costs
-from schedules.action import ActionKind
+from schedules.metrics import stash_changes
 from schedules.trace import Trace
 
 
@@ -96,10 +96,10 @@ def memory_report(
     report = []
     for rank, rank_events in enumerate(trace.by_rank()):
         base = static[rank] + buffers[rank]
-        stash_changes = _stash_changes(rank_events, costs)
+        changes = stash_changes(rank_events, lambda stage: costs.stages[stage].stash_bytes)
         timeline = [(0.0, base)]
         held = peak_stash = 0.0
-        for time, change in stash_changes:
+        for time, change in changes:
             held += change
             peak_stash = max(peak_stash, held)
             if timeline[-1][0] == time:
@@ -117,24 +117,6 @@ def memory_report(
             timeline=tuple(timeline),
         ))
     return report
-
-
-def _stash_changes(rank_events, costs: Costs) -> list[tuple[float, float]]:
-    """(time, +/- bytes) of stash taken at each forward's start and freed at the end of
-    its last backward piece; frees sort first at equal times (memory is reused)."""
-    compute = [event for event in rank_events if event.stream == "compute"]
-    split = {(event.stage, event.microbatch) for event in compute if event.kind == ActionKind.W}
-    changes = []
-    for event in compute:
-        stash = costs.stages[event.stage].stash_bytes
-        if event.kind == ActionKind.F:
-            changes.append((event.start, stash))
-        elif event.kind == ActionKind.W or (
-            event.kind in (ActionKind.B, ActionKind.I) and (event.stage, event.microbatch) not in split
-        ):
-            changes.append((event.end, -stash))
-    changes.sort()
-    return changes
 
 
 def check_memory(report: list[RankMemory]) -> None:

@@ -6,6 +6,7 @@ score a prediction and a measurement, and the two can be compared number for num
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from schedules.action import ActionKind
@@ -61,27 +62,34 @@ def peak_inflight(trace: Trace, rank: int, chunks_per_rank: int = 1) -> float:
 
 
 def peak_inflight_of_events(rank_events: list[TraceEvent], chunks_per_rank: int = 1) -> float:
-    """A stash is taken when a forward starts and released when the last backward piece
-    of that stage and microbatch (B, or W when the backward is split) ends. At equal
-    times releases count first, as memory freed by a backward is reused by the next
-    forward."""
+    """Most stashes held at once by one rank's events (the rule of ``stash_changes``)."""
+    held = peak = 0
+    for _, change in stash_changes(rank_events):
+        held += change
+        peak = max(peak, held)
+    return peak / chunks_per_rank
+
+
+def stash_changes(
+    rank_events: list[TraceEvent], size: Callable[[int], float] = lambda stage: 1
+) -> list[tuple[float, float]]:
+    """``(time, +size / -size)`` of one rank's forward stashes, sorted: a stash of
+    ``size(stage)`` is taken when a forward starts and released when the last backward
+    piece of that stage and microbatch (B, or W when the backward is split) ends. At
+    equal times releases sort first, as memory freed by a backward is reused by the next
+    forward. The in-flight count and the memory model both read stashes this way."""
     events = [e for e in rank_events if e.stream == "compute"]
     has_weight_pass = {(e.stage, e.microbatch) for e in events if e.kind == ActionKind.W}
     changes = []
     for event in events:
-        key = (event.stage, event.microbatch)
         if event.kind == ActionKind.F:
-            changes.append((event.start, 1))
+            changes.append((event.start, size(event.stage)))
         elif event.kind == ActionKind.W or (
-            event.kind in (ActionKind.B, ActionKind.I) and key not in has_weight_pass
+            event.kind in (ActionKind.B, ActionKind.I) and (event.stage, event.microbatch) not in has_weight_pass
         ):
-            changes.append((event.end, -1))
+            changes.append((event.end, -size(event.stage)))
     changes.sort()
-    held = peak = 0
-    for _, change in changes:
-        held += change
-        peak = max(peak, held)
-    return peak / chunks_per_rank
+    return changes
 
 
 def step_metrics(trace: Trace, chunks_per_rank: int | None = None) -> StepMetrics:
