@@ -66,7 +66,8 @@ def peak_inflight_of_events(rank_events: list[TraceEvent], chunks_per_rank: int 
     held = peak = 0
     for _, change in stash_changes(rank_events):
         held += change
-        peak = max(peak, held)
+        if held > peak:
+            peak = held
     return peak / chunks_per_rank
 
 
@@ -93,32 +94,40 @@ def stash_changes(
 
 
 def step_metrics(trace: Trace, chunks_per_rank: int | None = None) -> StepMetrics:
-    """All metrics of a step. ``chunks_per_rank`` defaults to ``meta["virtual_stages"]``."""
+    """All metrics of a step, in one pass over each rank's events.
+    ``chunks_per_rank`` defaults to ``meta["virtual_stages"]``."""
     chunks = chunks_per_rank or int(trace.meta.get("virtual_stages", 1))
-    span = makespan(trace)
-    ranks = trace.num_ranks
-    busy = [0.0] * ranks
-    comm = [0.0] * ranks
-    exposed = [0.0] * ranks
-    for event in trace.events:
-        if event.stream == "compute":
-            busy[event.rank] += event.duration
-        elif event.stream == "send":
-            comm[event.rank] += event.duration
-        elif event.stream == "recv":
-            exposed[event.rank] += event.duration
-    total_busy = sum(busy)
-    bubble = 1.0 - total_busy / (ranks * span) if span > 0 else 0.0
+    groups = trace.by_rank()
+    first_start, last_end = float("inf"), float("-inf")
+    sums = []
+    for rank_events in groups:
+        busy = comm = exposed = 0.0
+        for event in rank_events:
+            if event.start < first_start:
+                first_start = event.start
+            if event.end > last_end:
+                last_end = event.end
+            stream = event.stream
+            if stream == "compute":
+                busy += event.end - event.start
+            elif stream == "send":
+                comm += event.end - event.start
+            elif stream == "recv":
+                exposed += event.end - event.start
+        sums.append((busy, comm, exposed))
+    span = last_end - first_start if trace.events else 0.0
+    total_busy = sum(busy for busy, _, _ in sums)
+    bubble = 1.0 - total_busy / (len(groups) * span) if span > 0 else 0.0
     per_rank = tuple(
         RankMetrics(
             rank=rank,
-            busy=busy[rank],
-            idle=span - busy[rank],
-            comm=comm[rank],
-            exposed_comm=exposed[rank],
-            peak_inflight_microbatches=peak_inflight_of_events(events_of_rank, chunks),
+            busy=busy,
+            idle=span - busy,
+            comm=comm,
+            exposed_comm=exposed,
+            peak_inflight_microbatches=peak_inflight_of_events(groups[rank], chunks),
         )
-        for rank, events_of_rank in enumerate(trace.by_rank())
+        for rank, (busy, comm, exposed) in enumerate(sums)
     )
     return StepMetrics(makespan=span, bubble_fraction=bubble, ranks=per_rank)
 
