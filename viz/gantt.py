@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from schedules.metrics import step_metrics
+from schedules.metrics import StepMetrics, step_metrics
 from schedules.trace import Trace, TraceEvent
 from viz.lanes import Layer, layers_of
 
@@ -43,9 +43,10 @@ def default_title(trace: Trace, index: int) -> str:
     return " ".join(parts)
 
 
-def summary(trace: Trace) -> str:
-    """Makespan, bubble fraction and worst exposed communication, for the subplot title."""
-    metrics = step_metrics(trace)
+def summary(trace: Trace, metrics: StepMetrics | None = None) -> str:
+    """Makespan, bubble fraction and worst exposed communication, for the subplot title
+    (from ``metrics`` when the caller already computed them)."""
+    metrics = metrics or step_metrics(trace)
     exposed = max((rank.exposed_comm for rank in metrics.ranks), default=0.0)
     return (
         f"makespan {metrics.makespan * 1e3:.3f} ms · bubble {metrics.bubble_fraction:.1%}"
@@ -124,12 +125,14 @@ def gantt_spec(
     *,
     bar_limit: int = BAR_LIMIT,
     label_limit: int = LABEL_LIMIT,
+    metrics: list[StepMetrics] | None = None,
 ) -> dict:
     """The Gantt chart as a plain plotly figure dict (``{"data", "layout"}``).
 
     Kept as a dict because validating and copying hundreds of thousands of points
     through plotly's figure objects takes longer than everything else together;
-    ``write_gantt_html`` serialises this dict directly.
+    ``write_gantt_html`` serialises this dict directly. ``metrics`` (one per trace),
+    when given, titles the subplots without computing them again.
     """
     if isinstance(traces, Trace):
         traces = [traces]
@@ -138,11 +141,15 @@ def gantt_spec(
     if titles is not None and len(titles) != len(traces):
         raise ValueError(f"got {len(titles)} titles for {len(traces)} traces; give one title per trace")
     titles = titles or [default_title(trace, index) for index, trace in enumerate(traces)]
+    metrics = metrics or [None] * len(traces)
+    if len(metrics) != len(traces):
+        raise ValueError(f"got {len(metrics)} metrics for {len(traces)} traces; give one per trace")
 
     ranks = [max(trace.num_ranks, 1) for trace in traces]
     use_webgl = sum(len(trace.events) for trace in traces) > bar_limit
-    compute_events = sum(1 for trace in traces for event in trace.events if event.stream == "compute")
-    labelled = not use_webgl and compute_events <= label_limit
+    labelled = not use_webgl and (
+        sum(1 for trace in traces for event in trace.events if event.stream == "compute") <= label_limit
+    )
     row_px = _row_px(max(ranks))
 
     frame = make_subplots(
@@ -151,7 +158,9 @@ def gantt_spec(
         shared_xaxes=True,
         row_heights=[float(count) for count in ranks],
         vertical_spacing=min(0.08, 0.4 / len(traces)) if len(traces) > 1 else 0.0,
-        subplot_titles=[f"{title} — {summary(trace)}" for title, trace in zip(titles, traces, strict=True)],
+        subplot_titles=[
+            f"{title} — {summary(trace, known)}" for title, trace, known in zip(titles, traces, metrics, strict=True)
+        ],
     )
     data: list[dict] = []
     shown: set[str] = set()
@@ -224,9 +233,10 @@ def write_gantt_html(
     path: str | Path,
     titles: list[str] | None = None,
     title: str | None = None,
+    metrics: list[StepMetrics] | None = None,
 ) -> Path:
     """Write a self-contained Gantt HTML page (plotly.js embedded, opens offline)."""
-    spec = gantt_spec(traces, titles)
+    spec = gantt_spec(traces, titles, metrics=metrics)
     if title:
         spec["layout"]["title"] = {"text": title, "x": 0.0, "xanchor": "left"}
     path = Path(path)

@@ -37,7 +37,7 @@ def handle(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     topology = load_topology(args.topology)
     fwd, bwd, act_bytes = 10e-3, 20e-3, 256e6  # a mid-size transformer stage; 256 MB activations
-    traces, titles = [], []
+    traces, titles, metrics = [], [], []
     for name, chunks in DEMO_SCHEDULES:
         schedule = generate(name, args.pp, args.microbatches, chunks)
         costs = uniform_costs(schedule.num_stages, fwd, bwd, act_bytes=act_bytes, virtual_stages=chunks)
@@ -45,12 +45,13 @@ def handle(args: argparse.Namespace) -> int:
         print(result.summary())
         print()
         path = out / f"gantt-{name}.html"
-        write_gantt_html([result.trace], path, titles=[f"{name} on {topology.name}"])
+        write_gantt_html([result.trace], path, titles=[f"{name} on {topology.name}"], metrics=[result.metrics])
         print(f"wrote {path}\n")
         traces.append(result.trace)
         titles.append(name)
+        metrics.append(result.metrics)
     path = out / "gantt-all.html"
-    write_gantt_html(traces, path, titles=titles, title="gpipe vs 1f1b vs interleaved-1f1b")
+    write_gantt_html(traces, path, titles=titles, title="gpipe vs 1f1b vs interleaved-1f1b", metrics=metrics)
     print(f"wrote {path}")
     points = sweep_points([name for name, _ in DEMO_SCHEDULES], [args.pp], [4, 8, 16, 32, 64], 2)
     rows = run_sweep(

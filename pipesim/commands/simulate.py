@@ -46,7 +46,8 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--html", help="write a Gantt chart (self-contained HTML)")
 
 
-def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, titles: list[str]) -> None:
+def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, titles: list[str],
+                  metrics: list | None = None) -> None:
     """Write whichever of --json/--trace/--chrome-trace/--html were asked for."""
     written = []
     if args.json:
@@ -63,7 +64,7 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
     if args.html:
         from viz.gantt import write_gantt_html
 
-        write_gantt_html(traces, args.html, titles=titles)
+        write_gantt_html(traces, args.html, titles=titles, metrics=metrics)
         written.append(args.html)
     for path in written:
         print(f"wrote {path}")
@@ -80,7 +81,7 @@ def handle(args: argparse.Namespace) -> int:
         costs = costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
     result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args))
     print(result.summary())
-    write_outputs(args, result.to_dict(), [result.trace], [f"predicted: {schedule.name}"])
+    write_outputs(args, result.to_dict(), [result.trace], [f"predicted: {schedule.name}"], [result.metrics])
     if args.fail_on_oom:
         try:
             check_memory(result.memory)
