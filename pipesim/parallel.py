@@ -29,12 +29,11 @@ from pipesim.costs import Costs
 from pipesim.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.memory import BytesPerParam
 from pipesim.topology import Topology
-from schedules.action import ActionKind
+from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
-BACKWARD_KINDS = (ActionKind.B, ActionKind.W)
 TP_KIND = "TP"
 DP_KIND = "ALLREDUCE_DP"
 OPTIMIZER_KIND = "OPTIMIZER"
@@ -108,7 +107,8 @@ def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | 
     for event in events:
         if event.end > rank_end[event.rank]:
             rank_end[event.rank] = event.end
-        if event.stream == "compute" and event.kind in BACKWARD_KINDS and event.end > ready.get(event.stage, -1.0):
+        finishes_grads = event.stream == "compute" and event.kind in WEIGHT_GRAD_DONE_KINDS
+        if finishes_grads and event.end > ready.get(event.stage, -1.0):
             ready[event.stage] = event.end
             stage_rank[event.stage] = event.rank
     tail: list[TraceEvent] = []

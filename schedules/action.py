@@ -31,7 +31,9 @@ class ActionKind:
 
 
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
-BACKWARD_KINDS = frozenset({ActionKind.B, ActionKind.I})  # send a gradient to stage - 1
+# The piece that completes a stage's weight gradient for a microbatch (B, or W when the
+# backward is split): after the last of them a stage's gradients can be reduced.
+WEIGHT_GRAD_DONE_KINDS = frozenset({ActionKind.B, ActionKind.W})
 SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 COMM_KINDS = SEND_KINDS | RECV_KINDS

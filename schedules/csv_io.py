@@ -11,7 +11,6 @@ here, and one built here can be loaded there.
 from __future__ import annotations
 
 import csv
-import io
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
@@ -109,10 +108,3 @@ def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...
             + (f" (also missing: {', '.join(map(str, missing[1:8]))})" if len(missing) > 1 else "")
         )
     return tuple(owner[stage][0] for stage in range(len(owner)))
-
-
-def schedule_to_csv_text(schedule: Schedule) -> str:
-    """The CSV as a string, for showing or embedding."""
-    buffer = io.StringIO()
-    _write(schedule, buffer)
-    return buffer.getvalue()

@@ -60,10 +60,8 @@ def producers(action: Action, rank: int, schedule: Schedule, lowered: bool) -> l
         return [(Action(stage, _F, microbatch), "data")]
     if kind == _SEND_B:
         return [(Action(stage, _B, microbatch), "data"), (Action(stage, _I, microbatch), "data")]
-    if kind == _RECV_F:
-        return [(Action(stage - 1, _SEND_F, microbatch), "comm")]
-    if kind == _RECV_B:
-        return [(Action(stage + 1, _SEND_B, microbatch), "comm")]
+    if kind == _RECV_F or kind == _RECV_B:
+        return [(action.matching(), "comm")]
     return []
 
 

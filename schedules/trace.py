@@ -88,11 +88,6 @@ class Trace:
     def load(cls, path: str | Path) -> Trace:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
-    def shifted(self, offset: float) -> Trace:
-        """The same trace with every time moved by ``offset`` (aligning a step to 0)."""
-        events = [event._replace(start=event.start + offset, end=event.end + offset) for event in self.events]
-        return Trace(events, dict(self.meta))
-
     @classmethod
     def merge(cls, parts: Iterable[Trace], meta: dict | None = None) -> Trace:
         """One trace from the traces each rank recorded."""
