@@ -216,21 +216,20 @@ def _send_table(
 
 def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequence[str]) -> set[tuple[int, int]]:
     """The (sender, receiver) rank pairs whose route crosses a link that another sender
-    also uses: only their sends must be ordered against other ranks' in time."""
+    also uses: only their sends must be ordered against other ranks' in time. Transfers
+    only cross stage boundaries, so the pairs follow from the placement."""
+    placement = schedule.placement
     pairs = set()
-    for rank, program in enumerate(schedule.programs):
-        for action in program:
-            if action.kind in SEND_KINDS:
-                pairs.add((rank, schedule.placement[action.peer_stage()]))
+    for stage in range(schedule.num_stages - 1):
+        left, right = placement[stage], placement[stage + 1]
+        if left != right:
+            pairs.update(((left, right), (right, left)))
+    links = {pair: topology.route(devices[pair[0]], devices[pair[1]]).links for pair in pairs}
     senders: dict[tuple[str, str], set[int]] = {}
-    for sender, receiver in pairs:
-        for link in topology.route(devices[sender], devices[receiver]).links:
+    for (sender, _), route_links in links.items():
+        for link in route_links:
             senders.setdefault(link, set()).add(sender)
-    return {
-        (sender, receiver)
-        for sender, receiver in pairs
-        if any(len(senders[link]) > 1 for link in topology.route(devices[sender], devices[receiver]).links)
-    }
+    return {pair for pair, route_links in links.items() if any(len(senders[link]) > 1 for link in route_links)}
 
 
 def _rank_devices(schedule: Schedule, topology: Topology, rank_devices: Sequence[str] | None) -> list[str]:
