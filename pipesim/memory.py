@@ -82,8 +82,9 @@ def memory_report(
 ) -> list[RankMemory]:
     """Memory of every rank of the simulated pipeline, from its Trace."""
     last_stage = costs.num_stages - 1
-    static = [0.0] * trace.num_ranks
-    buffers = [0.0] * trace.num_ranks
+    groups = trace.by_rank()
+    static = [0.0] * len(groups)
+    buffers = [0.0] * len(groups)
     for stage, cost in enumerate(costs.stages):
         rank = placement[stage]
         static[rank] += cost.param_bytes / bytes_per_param.weights * bytes_per_param.total
@@ -94,7 +95,7 @@ def memory_report(
     if dp > 1:
         buffers = [value + bucket_bytes for value in buffers]
     report = []
-    for rank, rank_events in enumerate(trace.by_rank()):
+    for rank, rank_events in enumerate(groups):
         base = static[rank] + buffers[rank]
         changes = stash_changes(rank_events, lambda stage: costs.stages[stage].stash_bytes)
         timeline = [(0.0, base)]

@@ -14,10 +14,11 @@ def text_timeline(trace: Trace, width: int = 160) -> str:
         return "(no compute events)"
     origin = min(event.start for event in events)
     span = max(event.end for event in events) - origin
-    label_width = len(f"rank {trace.num_ranks - 1}: ")
+    ranks = trace.num_ranks
+    label_width = len(f"rank {ranks - 1}: ")
     columns = max(10, width - label_width)
     scale = columns / span if span > 0 else 1.0
-    rows = [["."] * columns for _ in range(trace.num_ranks)]
+    rows = [["."] * columns for _ in range(ranks)]
     for event in events:
         first = min(columns - 1, int(round((event.start - origin) * scale)))
         last = max(first + 1, min(columns, int(round((event.end - origin) * scale))))

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from schedules.trace import Trace
+from schedules.trace import STREAMS, Trace
 
-STREAM_ORDER = ("compute", "send", "recv")  # thread ids 0, 1, 2; other streams follow
+STREAM_ORDER = STREAMS  # thread ids 0, 1, 2; other streams follow
 
 
 def _thread_ids(trace: Trace) -> dict[str, int]:

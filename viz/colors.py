@@ -38,7 +38,7 @@ SCHEDULE_COLORS: dict[str, str] = {
 _SCHEDULE_PALETTE = ("#FF9DA6", "#9D755D", "#EECA3B", "#BAB0AC", "#1F77B4", "#2CA02C", "#9467BD", "#8C564B")
 
 
-def _stable_pick(name: str, palette: tuple[str, ...]) -> str:
+def stable_pick(name: str, palette: tuple[str, ...]) -> str:
     """A palette entry chosen by a stable hash, so a name keeps its colour across runs
     (Python's ``hash`` of a string changes per process)."""
     return palette[zlib.crc32(name.encode()) % len(palette)]
@@ -55,9 +55,9 @@ def stream_color(stream: str) -> str:
         return SEND_COLOR
     if stream == "recv":
         return RECV_WAIT_COLOR
-    return _stable_pick(stream, _EXTRA_STREAM_COLORS)
+    return stable_pick(stream, _EXTRA_STREAM_COLORS)
 
 
 def schedule_color(schedule: str) -> str:
     """Colour of a schedule's line in sweep charts."""
-    return SCHEDULE_COLORS.get(schedule.lower(), _stable_pick(schedule.lower(), _SCHEDULE_PALETTE))
+    return SCHEDULE_COLORS.get(schedule.lower(), stable_pick(schedule.lower(), _SCHEDULE_PALETTE))

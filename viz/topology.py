@@ -13,10 +13,10 @@ from pathlib import Path
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from viz.colors import _stable_pick
+from viz.colors import stable_pick
 
 TIERS = {"gpu": 0, "nic": 1, "nvswitch": 1, "pcie_switch": 1, "host": 2}
-KIND_COLORS = {"gpu": "#2e7d32", "nic": "#8d6e63", "nvswitch": "#1565c0", "pcie_switch": "#6a1b9a",
+NODE_COLORS = {"gpu": "#2e7d32", "nic": "#8d6e63", "nvswitch": "#1565c0", "pcie_switch": "#6a1b9a",
                "host": "#455a64"}
 MEDIUM_COLORS = {"nvlink": "#1e88e5", "pcie": "#8e24aa", "upi": "#546e7a", "ib": "#e53935", "ethernet": "#fb8c00"}
 _PALETTE = ("#00897b", "#c0ca33", "#5e35b1", "#d81b60", "#3949ab")
@@ -53,7 +53,7 @@ def topology_figure(nodes: list[dict], edges: list[dict], title: str = "") -> go
             hover_y.append((y0 + y1) / 2)
             hover_text.append(f"{edge['src']} - {edge['dst']}: {edge['bandwidth'] / 1e9:g} GB/s per direction, "
                               f"{edge['latency'] * 1e6:g} us, {medium}")
-        color = MEDIUM_COLORS.get(medium, _stable_pick(medium, _PALETTE))
+        color = MEDIUM_COLORS.get(medium, stable_pick(medium, _PALETTE))
         figure.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line={"color": color, "width": 1.5}, name=medium,
                                     hoverinfo="skip"))
         figure.add_trace(go.Scatter(x=hover_x, y=hover_y, mode="markers", marker={"size": 4, "color": color},
@@ -70,7 +70,7 @@ def topology_figure(nodes: list[dict], edges: list[dict], title: str = "") -> go
             textposition="top center",
             hovertext=[node.get("hover", node["name"]) for node in group],
             hoverinfo="text",
-            marker={"size": 12 if kind == "gpu" else 16, "color": KIND_COLORS.get(kind, _stable_pick(kind, _PALETTE)),
+            marker={"size": 12 if kind == "gpu" else 16, "color": NODE_COLORS.get(kind, stable_pick(kind, _PALETTE)),
                     "symbol": "square" if kind == "gpu" else "diamond"},
             name=kind,
         ))
