@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from executor.data_parallel import GradientAverager
 from executor.gather import dp_event, gather_events, tp_event
 from executor.mesh import build_mesh
 from executor.models import PipelineModel, build_model
+from executor.process import init_rank
 from executor.progress import ProgressWriter, progress_dir_from_env
 from executor.runtime import PipelineRuntime
 from schedules.action import Action
@@ -37,13 +37,6 @@ class RankFailedError(RuntimeError):
     the action it was on, and the launcher passes it on to the user."""
 
 
-def resolve_backend(requested: str) -> str:
-    """``auto`` means NCCL where CUDA is available, gloo everywhere else."""
-    if requested != "auto":
-        return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def build_schedule(config: RunConfig) -> Schedule:
     """The lowered schedule named by the config: the exact programs that will run."""
     if config.custom_schedule is not None:
@@ -55,19 +48,8 @@ def run_worker(configs: list[RunConfig], model: PipelineModel | None = None) -> 
     """Run each config in turn on this rank and return one result per config: the full
     result (losses, step times, gathered Trace) on rank 0, the gradients (when asked
     for) on every rank."""
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     first = configs[0]
-    torch.set_num_threads(first.threads)
-    backend = resolve_backend(first.backend)
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world > 1:
-        dist.init_process_group(backend, timeout=timedelta(seconds=first.timeout),
-                                device_id=device if backend == "nccl" else None)
+    rank, world, device, backend = init_rank(first.backend, first.threads, first.timeout)
     directory = progress_dir_from_env()
     progress = ProgressWriter(directory, rank) if directory else None
     try:
