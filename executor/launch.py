@@ -19,8 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from executor.config import RunConfig
+from executor.config import RunConfig, build_schedule
 from executor.progress import read_progress
+from schedules.schedule import Schedule
+from schedules.validate import validate
 
 # Errors a rank sees because a peer went away; they are consequences, not causes.
 PEER_LOSS = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out",
@@ -31,16 +33,12 @@ class PipelineRunError(RuntimeError):
     """The job failed: the message says which rank failed first and on which action."""
 
 
-def validate_schedule(config: RunConfig) -> None:
-    """Reject a schedule that cannot run before any process starts."""
-    from executor.worker import build_schedule  # noqa: PLC0415 - keeps torch out of config checks
-
+def validate_schedule(config: RunConfig) -> Schedule:
+    """Reject a schedule that cannot run before any process starts; return the lowered
+    schedule that will run."""
     schedule = build_schedule(config)
-    try:
-        from schedules.validate import validate  # noqa: PLC0415 - optional until it lands
-    except ImportError:
-        return
     validate(schedule)
+    return schedule
 
 
 def launch(configs: RunConfig | list[RunConfig], model: Any = None, log_dir: str | None = None) -> list[dict]:

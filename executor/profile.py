@@ -26,12 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.config import ConfigError, RunConfig
+from executor.config import ConfigError, RunConfig, build_schedule
 from executor.models import PipelineModel, build_model
 from executor.overheads import measure_overheads
 from executor.process import init_rank
 from executor.spawn import launch_ranks, synchronize
-from executor.worker import build_schedule
 
 RANK_FIELDS = ("rank", "optimizer", "action_gap", "comm_post", "send_post", "recv_wait", "background_cpu",
                "transfer_cost", "prefetch_post", "loss_reduce")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from executor.clock import CpuClock, clock_for
 from executor.comm import PeerLinks
-from executor.config import RunConfig, parse_failure
+from executor.config import RunConfig, build_schedule, parse_failure
 from executor.data_parallel import GradientAverager
 from executor.gather import dp_event, gather_events, tp_event
 from executor.mesh import build_mesh
@@ -26,22 +26,12 @@ from executor.process import init_rank
 from executor.progress import ProgressWriter, progress_dir_from_env
 from executor.runtime import PipelineRuntime
 from schedules.action import Action
-from schedules.generators import generate
-from schedules.lowering import lower
-from schedules.schedule import Schedule
 from schedules.trace import Trace
 
 
 class RankFailedError(RuntimeError):
     """A rank failed while running its program; the message names the rank, the step and
     the action it was on, and the launcher passes it on to the user."""
-
-
-def build_schedule(config: RunConfig) -> Schedule:
-    """The lowered schedule named by the config: the exact programs that will run."""
-    if config.custom_schedule is not None:
-        return lower(config.custom_schedule)
-    return lower(generate(config.schedule, config.pp, config.microbatches, config.virtual_stages))
 
 
 def run_worker(configs: list[RunConfig], model: PipelineModel | None = None) -> list[dict]:
