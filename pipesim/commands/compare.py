@@ -78,12 +78,10 @@ def handle(args: argparse.Namespace) -> int:
     if getattr(config, "dp", 1) > 1 or getattr(config, "tp", 1) > 1:
         raise ValueError("compare calibrates pipeline runs only for now: use --dp 1 --tp 1")
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
-    from executor.worker import build_schedule  # noqa: PLC0415
     from pipesim.comparison import compare, report_lines  # noqa: PLC0415
     from pipesim.simulation import run_simulation  # noqa: PLC0415
 
-    validate_schedule(config)
-    schedule = build_schedule(config)
+    schedule = validate_schedule(config)
     costs = calibrated_costs(args, config, schedule.num_stages)
     topology = calibrated_topology(args, config)
     try:

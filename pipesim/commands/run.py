@@ -32,9 +32,9 @@ def handle(args: argparse.Namespace) -> int:
     from executor.report import summary_lines, write_outputs  # noqa: PLC0415
     from executor.worker import run_local  # noqa: PLC0415
 
-    validate_schedule(config)
     try:
         if config.world_size == 1:
+            validate_schedule(config)  # launch() checks the schedule itself before starting ranks
             result = run_local(config)
         else:
             (result,) = launch(config, log_dir=args.log_dir)
