@@ -42,19 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
     """The costs file given, or a fresh profile of this config."""
-    import tempfile  # noqa: PLC0415
-
-    from pipesim.costs import load_costs  # noqa: PLC0415
+    from pipesim.costs import costs_from_dict, load_costs  # noqa: PLC0415
 
     if args.costs:
         return load_costs(args.costs, num_stages)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    document = profile(config, args.warmup, args.repeats)
-    with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "costs.json"
-        path.write_text(json.dumps(document))
-        return load_costs(path, num_stages)
+    return costs_from_dict(profile(config, args.warmup, args.repeats), num_stages, name="profile")
 
 
 def calibrated_topology(args: argparse.Namespace, config):
