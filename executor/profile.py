@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from executor.config import ConfigError, RunConfig, build_schedule
-from executor.models import PipelineModel, build_model
+from executor.models import PipelineModel, build_model, build_optimizer
 from executor.overheads import measure_overheads
 from executor.process import init_rank
 from executor.spawn import launch_ranks, synchronize
@@ -165,8 +165,7 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
             probe = StageProbe(model, module, stage, schedule.num_stages, config, device)
             measured[stage] = {**probe.time_kinds(device, warmup, repeats), **probe.bytes()}
         params = [p for module in stages.values() for p in module.parameters()]
-        optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
-        optimizer = optimizer_class(params, lr=0.0)
+        optimizer = build_optimizer(config, params, lr=0.0)
         optimizer_seconds = mean_seconds(optimizer.step, device, warmup, repeats)
         overheads = measure_overheads(config, schedule, rank, world, device, warmup, repeats)
     finally:

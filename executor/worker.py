@@ -21,7 +21,7 @@ from executor.config import RunConfig, build_schedule, parse_failure
 from executor.data_parallel import GradientAverager
 from executor.gather import dp_event, gather_events, tp_event
 from executor.mesh import build_mesh
-from executor.models import PipelineModel, build_model
+from executor.models import PipelineModel, build_model, build_optimizer
 from executor.process import init_rank
 from executor.progress import ProgressWriter, progress_dir_from_env
 from executor.runtime import PipelineRuntime
@@ -97,9 +97,8 @@ class RankRun:
                 parallelize_stage(stage, self.mesh.submesh("tp"), config.sequence_parallel)
             self.tp_timer = TpTimer(lambda: self.runtime.current)
         params = [p for stage in self.stages.values() for p in stage.parameters()]
-        optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
         # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
-        self.optimizer = optimizer_class(params, lr=config.lr, foreach=False if config.tp > 1 else None)
+        self.optimizer = build_optimizer(config, params, foreach=False if config.tp > 1 else None)
         self.averager = None
         if config.dp > 1:
             self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
