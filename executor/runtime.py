@@ -19,12 +19,10 @@ from torch import nn
 
 from executor.comm import PeerLinks, Pending
 from executor.models import PipelineModel
-from schedules.action import Action, ActionKind
+from schedules.action import COMM_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
 
-SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
-COMM = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
 Key = tuple[int, int]  # (stage, microbatch)
 
 
@@ -33,7 +31,7 @@ def program_items(program: tuple[Action, ...]) -> list[Action | list[Action]]:
     a group is posted as one batch."""
     items: list[Action | list[Action]] = []
     for action in program:
-        if action.kind in COMM:
+        if action.kind in COMM_KINDS:
             if items and isinstance(items[-1], list):
                 items[-1].append(action)
             else:
@@ -172,7 +170,7 @@ class PipelineRuntime:
             self.current = action
             if self.before_action is not None:
                 self.before_action(action)
-            if action.kind in SENDS:
+            if action.kind in SEND_KINDS:
                 ops.append((action, self.outbox.pop((action.kind, action.stage, action.microbatch))))
             elif self.prefetched is not None:
                 prefetched.append((action, *self.prefetched.pop(action)))
@@ -184,7 +182,7 @@ class PipelineRuntime:
         receives = []
         for index, (action, tensor) in enumerate(ops):
             handles = [works[index]] if paired else works
-            if action.kind in SENDS:
+            if action.kind in SEND_KINDS:
                 self.pending.append(Pending(action, handles, tensor, start))
             else:
                 receives.append((action, handles, tensor))
@@ -208,7 +206,7 @@ class PipelineRuntime:
         place cannot mismatch them; NCCL matches by order, so it does not prefetch."""
         prefetched = {}
         for action in self.schedule.programs[self.rank]:
-            if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+            if action.kind in RECV_KINDS:
                 buffer = self.links.buffer(action)
                 (work,) = self.links.post([(action, buffer)])
                 prefetched[action] = (work, buffer)
