@@ -67,6 +67,12 @@ class PipelineRuntime:
             ActionKind.W: self.weight_grad,
         }
         self.current: Action | None = None
+        # What W differentiates, and the dtype/device of the loss, fixed once the stages are built.
+        self.trainable = {stage: [p for p in module.parameters() if p.requires_grad]
+                          for stage, module in stages.items()}
+        param = next((p for stage in stages.values() for p in stage.parameters()), None)
+        self.loss_dtype = param.dtype if param is not None else torch.float32
+        self.loss_device = param.device if param is not None else None
 
     # -- the walk -------------------------------------------------------------------
 
@@ -81,9 +87,7 @@ class PipelineRuntime:
         self.weight_work: dict[Key, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.pending: list[Pending] = []
         self.marks: list[tuple[Action, Any, Any, str]] = []
-        param = next((p for stage in self.stages.values() for p in stage.parameters()), None)
-        self.loss = torch.zeros((), dtype=param.dtype if param is not None else torch.float32,
-                                device=param.device if param is not None else None)
+        self.loss = torch.zeros((), dtype=self.loss_dtype, device=self.loss_device)
         self.clock.start_step()
         self.prefetched = self.prefetch_receives() if self.prefetch_recvs else None
         for item in self.items:
@@ -143,8 +147,7 @@ class PipelineRuntime:
 
     def weight_grad(self, action: Action) -> None:
         output, grad = self.weight_work.pop((action.stage, action.microbatch))
-        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
-        torch.autograd.backward(output, grad, inputs=params)
+        torch.autograd.backward(output, grad, inputs=self.trainable[action.stage])
 
     def output_grad(self, action: Action) -> torch.Tensor | None:
         """The gradient flowing into this stage's output (none for the loss itself)."""
