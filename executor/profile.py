@@ -28,17 +28,12 @@ from torch import nn
 
 from executor.config import ConfigError, RunConfig, build_schedule
 from executor.models import PipelineModel, build_model, build_optimizer
-from executor.overheads import measure_overheads
+from executor.overheads import measure_overheads, microbatch_size
 from executor.process import init_rank
 from executor.spawn import launch_ranks, synchronize
 
 RANK_FIELDS = ("rank", "optimizer", "action_gap", "comm_post", "send_post", "recv_wait", "background_cpu",
                "transfer_cost", "prefetch_post", "loss_reduce")
-
-
-def microbatch_size(config: RunConfig) -> int:
-    """Samples in microbatch 0: the size every microbatch has when the batch divides."""
-    return -(-config.batch_size // config.microbatches)
 
 
 def clock_for_compute(device: torch.device) -> Callable[[], float]:
@@ -167,7 +162,7 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
         params = [p for module in stages.values() for p in module.parameters()]
         optimizer = build_optimizer(config, params, lr=0.0)
         optimizer_seconds = mean_seconds(optimizer.step, device, warmup, repeats)
-        overheads = measure_overheads(config, schedule, rank, world, device, warmup, repeats)
+        overheads = measure_overheads(config, model, schedule, rank, world, device, warmup, repeats)
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
