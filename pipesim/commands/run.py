@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
-    from executor.report import summary_lines, write_outputs  # noqa: PLC0415
+    from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
     from executor.worker import run_local  # noqa: PLC0415
 
     try:
@@ -41,8 +41,9 @@ def handle(args: argparse.Namespace) -> int:
     except PipelineRunError as error:
         print(f"pipesim run: failed: {error}", file=sys.stderr)
         return 1
-    write_outputs(result, args.json, args.trace)
-    print("\n".join(summary_lines(result)))
+    document = summary(result)
+    write_outputs(result, args.json, args.trace, document)
+    print("\n".join(summary_lines(result, document)))
     if args.html:
         write_html(result["trace"], args.html)
     return 0
