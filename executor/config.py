@@ -6,7 +6,7 @@ pickle it to every rank) without loading torch until a run really starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from schedules.generators import generate
 from schedules.lowering import lower
@@ -71,7 +71,6 @@ class RunConfig:
     return_grads: bool = False
     custom_schedule: Schedule | None = None
     prefetch_recvs: bool | None = None
-    extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_stages(self) -> int:
