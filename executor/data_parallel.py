@@ -103,7 +103,7 @@ class GradientAverager:
     def finish(self) -> list[tuple[int, float, float]]:
         """Wait for every reduction, write the averaged gradients back, and return
         ``(stage, start, end)`` per bucket (``time.perf_counter`` seconds)."""
-        started = {stage for stage in self.buckets if any(r.stage == stage for r in self.in_flight)}
+        started = {reduction.stage for reduction in self.in_flight}
         for stage in self.buckets:
             if stage not in started:  # a stage with no backward here: still reduce it
                 self.start(stage)

@@ -121,8 +121,8 @@ def describe_failure(failures: dict[int, Any], progress_dir: str | None) -> str:
     # Ranks the launcher stopped without a failure record still say where they were.
     for path in sorted(Path(progress_dir).glob("rank*.progress")) if progress_dir else []:
         rank = int(path.stem.removeprefix("rank"))
-        if rank not in failures and read_progress(progress_dir, rank):
-            lines.append((3, f"rank {rank} was stopped at {read_progress(progress_dir, rank)}", rank))
+        if rank not in failures and (where := read_progress(progress_dir, rank)):
+            lines.append((3, f"rank {rank} was stopped at {where}", rank))
     lines = sorted(lines,
                    key=lambda item: (item[0], item[2]))
     first = lines[0][1]

@@ -219,7 +219,7 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
 def profile(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
     """Launch ``config.pp`` ranks, profile each one's stages, return the costs document."""
     config.check()
-    if getattr(config, "dp", 1) > 1 or getattr(config, "tp", 1) > 1:
+    if config.dp > 1 or config.tp > 1:
         raise ConfigError(f"profile measures pipeline stages only (--dp 1 --tp 1); got --dp {config.dp} "
                           f"--tp {config.tp}. Profile the pp split, then simulate with --dp/--tp")
     per_rank = launch_ranks(profile_rank, (config, warmup, repeats), config.pp, config.threads)

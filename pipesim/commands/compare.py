@@ -69,7 +69,7 @@ def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.pp < 2:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
-    if getattr(config, "dp", 1) > 1 or getattr(config, "tp", 1) > 1:
+    if config.dp > 1 or config.tp > 1:
         raise ValueError("compare calibrates pipeline runs only for now: use --dp 1 --tp 1")
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
     from pipesim.comparison import compare, report_lines  # noqa: PLC0415
