@@ -3,8 +3,8 @@
 
 Order of work, as a user would do it: benchmark the links once (``bench-comm``); then
 for each config profile it (``profile``, its own processes), run it (``run``, new
-processes, nothing from the profile reused but the costs file) and simulate it with
-its costs file and the links (``simulate --costs --topology``). Each prediction is held
+processes, nothing from the profile reused but its costs document) and simulate it with
+those costs and the links (``simulate --costs --topology``). Each prediction is held
 against the median step time of the run. Prints a table and the median and maximum
 absolute error.
 
@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -82,7 +81,7 @@ def main() -> None:
     from executor.worker import build_schedule  # noqa: PLC0415
     from pipesim.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
     from pipesim.comparison import measured_step_time  # noqa: PLC0415
-    from pipesim.costs import load_costs  # noqa: PLC0415
+    from pipesim.costs import costs_from_dict  # noqa: PLC0415
     from pipesim.simulation import run_simulation  # noqa: PLC0415
     from pipesim.topology_file import topology_from_dict  # noqa: PLC0415
 
@@ -92,18 +91,17 @@ def main() -> None:
     topology = topology_from_dict(topology_document(bench, fits_by_operation(bench)), name="bench-comm")
     configs = [(model, schedule, virtual, m) for model in args.models.split(",")
                for schedule, virtual in SCHEDULES for m in MICROBATCHES]
-    workdir = Path(tempfile.mkdtemp(prefix="pipesim_fidelity_"))
     rows = []
     for model, schedule, virtual, m in configs:
         config = config_for(model, schedule, virtual, m, args.steps)
         idle_before_profile = wait_until_idle(args.wait)
-        costs_path = workdir / f"costs-{model}-{schedule}-m{m}.json"
-        costs_path.write_text(json.dumps(profile(config, 3, args.repeats)))
+        document = profile(config, 3, args.repeats)
         idle_before_run = wait_until_idle(args.wait)
         (result,) = launch(config)
         measured = measured_step_time(result["step_times"], 1)
         lowered = build_schedule(config)
-        predicted = run_simulation(lowered, load_costs(costs_path, lowered.num_stages), topology).metrics.makespan
+        costs = costs_from_dict(document, lowered.num_stages, name="profile")
+        predicted = run_simulation(lowered, costs, topology).metrics.makespan
         rows.append({"model": model, "schedule": schedule, "microbatches": m, "measured": measured,
                      "predicted": predicted, "error": (predicted - measured) / measured,
                      "step_times": result["step_times"],

@@ -23,14 +23,15 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     rank = int(os.environ.get("RANK", "0"))
     from executor.launch import validate_schedule  # noqa: PLC0415 - torch loads only once flags are good
-    from executor.report import summary_lines, write_outputs  # noqa: PLC0415
+    from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
     from executor.worker import run_worker  # noqa: PLC0415
 
     validate_schedule(config)
     (result,) = run_worker([config])
     if rank == 0:
-        write_outputs(result, args.json, args.trace)
-        print("\n".join(summary_lines(result)))
+        document = summary(result)
+        write_outputs(result, args.json, args.trace, document)
+        print("\n".join(summary_lines(result, document)))
     return 0
 
 

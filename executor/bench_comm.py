@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from executor.spawn import init_rank, launch_ranks, synchronize
+from executor.process import init_rank
+from executor.spawn import launch_ranks, synchronize
 
 OPERATIONS = ("sendrecv", "all_reduce", "all_gather", "reduce_scatter")
 ITERATION_BYTES = 512 * 2**20  # bytes moved per size and operation, so small sizes repeat more

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from schedules.action import Action, ActionKind
+from schedules.action import SEND_KINDS, Action, ActionKind
 
 
 class Pending(NamedTuple):
@@ -44,7 +44,7 @@ class PeerLinks:
 
     def tag(self, action: Action) -> int:
         """Same number on both ends: the sending stage, the microbatch, the direction."""
-        sender = action.stage if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else action.peer_stage()
+        sender = action.stage if action.kind in SEND_KINDS else action.peer_stage()
         backward = action.kind in (ActionKind.SEND_B, ActionKind.RECV_B)
         return (sender * self.microbatches + action.microbatch) * 2 + int(backward)
 
@@ -55,11 +55,11 @@ class PeerLinks:
         """Post every (action, tensor) as one batch; return the work handles in order."""
         if len(ops) == 1:
             action, tensor = ops[0]
-            is_send = action.kind in (ActionKind.SEND_F, ActionKind.SEND_B)
+            is_send = action.kind in SEND_KINDS
             function = dist.isend if is_send else dist.irecv
             return [function(tensor, self.peer(action), tag=self.tag(action))]
         p2p_ops = [
-            dist.P2POp(dist.isend if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else dist.irecv,
+            dist.P2POp(dist.isend if action.kind in SEND_KINDS else dist.irecv,
                        tensor, self.peer(action), tag=self.tag(action))
             for action, tensor in ops
         ]

@@ -6,8 +6,10 @@ pickle it to every rank) without loading torch until a run really starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from schedules.generators import generate
+from schedules.lowering import lower
 from schedules.schedule import Schedule
 
 MODELS = ("mlp", "gpt")
@@ -69,7 +71,6 @@ class RunConfig:
     return_grads: bool = False
     custom_schedule: Schedule | None = None
     prefetch_recvs: bool | None = None
-    extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_stages(self) -> int:
@@ -160,6 +161,12 @@ def check_tensor_parallel(config: RunConfig) -> None:
     if config.sequence_parallel and config.seq_len % config.tp:
         raise ConfigError(f"--sequence-parallel: --tp {config.tp} must divide --seq-len {config.seq_len}")
 
+
+def build_schedule(config: RunConfig) -> Schedule:
+    """The lowered schedule named by the config: the exact programs that will run."""
+    if config.custom_schedule is not None:
+        return lower(config.custom_schedule)
+    return lower(generate(config.schedule, config.pp, config.microbatches, config.virtual_stages))
 
 
 def parse_failure(text: str) -> tuple[int, str, str]:

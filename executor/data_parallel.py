@@ -35,7 +35,7 @@ from torch import nn
 from schedules.action import Action, ActionKind
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb=25
-BACKWARD_KINDS = (ActionKind.B, ActionKind.W)
+GRAD_FINAL_KINDS = (ActionKind.B, ActionKind.W)  # actions that finish a stage's weight gradients (not I)
 
 
 class BucketReduction(NamedTuple):
@@ -77,7 +77,7 @@ class GradientAverager:
                  replicas: int, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> None:
         self.group = group
         self.replicas = replicas
-        self.last_backward = {action.stage: action for action in program if action.kind in BACKWARD_KINDS}
+        self.last_backward = {action.stage: action for action in program if action.kind in GRAD_FINAL_KINDS}
         self.buckets = {stage: bucket_parameters(module, bucket_bytes) for stage, module in stages.items()}
         self.in_flight: list[BucketReduction] = []
 
@@ -103,7 +103,7 @@ class GradientAverager:
     def finish(self) -> list[tuple[int, float, float]]:
         """Wait for every reduction, write the averaged gradients back, and return
         ``(stage, start, end)`` per bucket (``time.perf_counter`` seconds)."""
-        started = {stage for stage in self.buckets if any(r.stage == stage for r in self.in_flight)}
+        started = {reduction.stage for reduction in self.in_flight}
         for stage in self.buckets:
             if stage not in started:  # a stage with no backward here: still reduce it
                 self.start(stage)

@@ -78,12 +78,13 @@ def gather_events(schedule: Schedule, rank: int, events: list[TraceEvent], devic
     rows = encode(schedule.programs[rank], events).to(device)
     counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(counts, torch.tensor([rows.shape[0]], dtype=torch.int64, device=device), group=group)
-    longest = max(int(count.item()) for count in counts)
+    sizes = torch.cat(counts).tolist()  # one device-to-host copy for every rank's count
+    longest = max(sizes)
     padded = torch.zeros(longest, COLUMNS, dtype=torch.float64, device=device)
     padded[: rows.shape[0]] = rows
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
     gathered: list[TraceEvent] = []
-    for peer, (count, part) in enumerate(zip(counts, parts, strict=True)):
-        gathered.extend(decode(peer, schedule.programs[peer], part[: int(count.item())].cpu()))
+    for peer, (size, part) in enumerate(zip(sizes, parts, strict=True)):
+        gathered.extend(decode(peer, schedule.programs[peer], part[:size].cpu()))
     return gathered

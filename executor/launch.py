@@ -15,11 +15,14 @@ import shutil
 import signal
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from executor.config import RunConfig
+from executor.config import RunConfig, build_schedule
 from executor.progress import read_progress
+from schedules.schedule import Schedule
+from schedules.validate import validate
 
 # Errors a rank sees because a peer went away; they are consequences, not causes.
 PEER_LOSS = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out",
@@ -30,24 +33,18 @@ class PipelineRunError(RuntimeError):
     """The job failed: the message says which rank failed first and on which action."""
 
 
-def validate_schedule(config: RunConfig) -> None:
-    """Reject a schedule that cannot run before any process starts."""
-    from executor.worker import build_schedule  # noqa: PLC0415 - keeps torch out of config checks
-
+def validate_schedule(config: RunConfig) -> Schedule:
+    """Reject a schedule that cannot run before any process starts; return the lowered
+    schedule that will run."""
     schedule = build_schedule(config)
-    try:
-        from schedules.validate import validate  # noqa: PLC0415 - optional until it lands
-    except ImportError:
-        return
     validate(schedule)
+    return schedule
 
 
 def launch(configs: RunConfig | list[RunConfig], model: Any = None, log_dir: str | None = None) -> list[dict]:
     """Run the configs (all with the same world size ``dp*pp*tp``) on that many local processes; return
     rank 0's results, one per config. Raises ``PipelineRunError`` if a rank fails."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
 
     from executor.worker import run_worker  # noqa: PLC0415
 
@@ -61,19 +58,30 @@ def launch(configs: RunConfig | list[RunConfig], model: Any = None, log_dir: str
     nprocs = worlds.pop()
     progress_dir = tempfile.mkdtemp(prefix="pipesim_progress_")
     os.environ["PIPESIM_PROGRESS_DIR"] = progress_dir  # inherited by the spawned ranks
-    os.environ.setdefault("OMP_NUM_THREADS", str(configs[0].threads))
-    launch_config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05,
-        start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=log_dir),
-    )
     try:
-        results = elastic_launch(launch_config, run_worker)(configs, model)
+        results = elastic_run(run_worker, (configs, model), nprocs, configs[0].threads, log_dir)
     except ChildFailedError as error:
         raise PipelineRunError(describe_failure(error.failures, progress_dir)) from None
     finally:
         shutil.rmtree(progress_dir, ignore_errors=True)
     return merge_rank_results(results)
+
+
+def elastic_run(function: Callable[..., Any], args: tuple, nprocs: int, threads: int,
+                log_dir: str | None = None) -> dict[int, Any]:
+    """Run ``function(*args)`` on ``nprocs`` local processes started by torch's elastic
+    launcher (as ``torchrun --standalone`` would); return each rank's result. A failed
+    rank raises ``ChildFailedError``, which each caller turns into its own message."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs  # noqa: PLC0415
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: PLC0415
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05,
+        start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+    )
+    return elastic_launch(config, function)(*args)
 
 
 def merge_rank_results(per_rank: dict[int, list[dict]]) -> list[dict]:
@@ -113,8 +121,8 @@ def describe_failure(failures: dict[int, Any], progress_dir: str | None) -> str:
     # Ranks the launcher stopped without a failure record still say where they were.
     for path in sorted(Path(progress_dir).glob("rank*.progress")) if progress_dir else []:
         rank = int(path.stem.removeprefix("rank"))
-        if rank not in failures and read_progress(progress_dir, rank):
-            lines.append((3, f"rank {rank} was stopped at {read_progress(progress_dir, rank)}", rank))
+        if rank not in failures and (where := read_progress(progress_dir, rank)):
+            lines.append((3, f"rank {rank} was stopped at {where}", rank))
     lines = sorted(lines,
                    key=lambda item: (item[0], item[2]))
     first = lines[0][1]

@@ -39,12 +39,10 @@ class MeshPosition:
         dp_index, tp_index = divmod(rest, tp)
         return cls(dp, pp, tp, dp_index, pp_index, tp_index)
 
-    def global_rank(self, pp_index: int, dp_index: int | None = None, tp_index: int | None = None) -> int:
-        """The global rank at pipeline rank ``pp_index`` and, unless given, this
-        process's own dp and tp indices (its pipeline peer)."""
-        dp_index = self.dp_index if dp_index is None else dp_index
-        tp_index = self.tp_index if tp_index is None else tp_index
-        return pp_index * self.dp * self.tp + dp_index * self.tp + tp_index
+    def global_rank(self, pp_index: int) -> int:
+        """The global rank at pipeline rank ``pp_index`` and this process's own dp and
+        tp indices (its pipeline peer)."""
+        return pp_index * self.dp * self.tp + self.dp_index * self.tp + self.tp_index
 
     def pipeline_ranks(self) -> tuple[int, ...]:
         """Global ranks of this process's pipeline, in pp order."""

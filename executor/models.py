@@ -8,7 +8,7 @@ rank, for any split, holds exactly the weights the one-process reference holds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -204,3 +204,11 @@ BUILT_IN = {"mlp": MlpModel, "gpt": GptModel}
 def build_model(config: RunConfig) -> PipelineModel:
     """The built-in model named by ``config.model``."""
     return BUILT_IN[config.model](config)
+
+
+def build_optimizer(config: RunConfig, params: Iterable[torch.Tensor], lr: float | None = None,
+                    **options) -> torch.optim.Optimizer:
+    """The optimizer named by ``config.optimizer`` over ``params``, at ``lr`` (default
+    ``config.lr``); ``options`` go to its constructor as given."""
+    optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
+    return optimizer_class(params, lr=config.lr if lr is None else lr, **options)

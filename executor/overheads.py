@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from executor.clock import CpuClock
 from executor.config import RunConfig
-from executor.models import build_model
+from executor.models import PipelineModel, build_model
 from executor.runtime import PipelineRuntime
 from executor.spawn import synchronize
 from schedules.action import RECV_KINDS
@@ -184,11 +184,16 @@ def loss_reduce(world: int, device: torch.device, warmup: int, repeats: int) -> 
     return statistics.median(samples)
 
 
-def measure_overheads(config: RunConfig, schedule: Schedule, rank: int, world: int, device: torch.device,
-                      warmup: int, repeats: int) -> dict[str, float]:
-    """Every runtime overhead of this rank, in seconds (see the module docstring)."""
-    model = build_model(config)
-    size = -(-config.batch_size // config.microbatches)
+def microbatch_size(config: RunConfig) -> int:
+    """Samples in microbatch 0: the size every microbatch has when the batch divides."""
+    return -(-config.batch_size // config.microbatches)
+
+
+def measure_overheads(config: RunConfig, model: PipelineModel, schedule: Schedule, rank: int, world: int,
+                      device: torch.device, warmup: int, repeats: int) -> dict[str, float]:
+    """Every runtime overhead of this rank, in seconds (see the module docstring);
+    ``model`` is the config's model, already built."""
+    size = microbatch_size(config)
     p2p = p2p_overheads(model.boundary_shape(size), getattr(torch, config.dtype), rank, world, device,
                         warmup, repeats)
     receives = sum(1 for action in schedule.programs[rank] if action.kind in RECV_KINDS)

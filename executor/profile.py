@@ -26,19 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.config import ConfigError, RunConfig
-from executor.models import PipelineModel, build_model
-from executor.overheads import measure_overheads
-from executor.spawn import init_rank, launch_ranks, synchronize
-from executor.worker import build_schedule
+from executor.config import ConfigError, RunConfig, build_schedule
+from executor.models import PipelineModel, build_model, build_optimizer
+from executor.overheads import measure_overheads, microbatch_size
+from executor.process import init_rank
+from executor.spawn import launch_ranks, synchronize
 
 RANK_FIELDS = ("rank", "optimizer", "action_gap", "comm_post", "send_post", "recv_wait", "background_cpu",
                "transfer_cost", "prefetch_post", "loss_reduce")
-
-
-def microbatch_size(config: RunConfig) -> int:
-    """Samples in microbatch 0: the size every microbatch has when the batch divides."""
-    return -(-config.batch_size // config.microbatches)
 
 
 def clock_for_compute(device: torch.device) -> Callable[[], float]:
@@ -165,10 +160,9 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
             probe = StageProbe(model, module, stage, schedule.num_stages, config, device)
             measured[stage] = {**probe.time_kinds(device, warmup, repeats), **probe.bytes()}
         params = [p for module in stages.values() for p in module.parameters()]
-        optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
-        optimizer = optimizer_class(params, lr=0.0)
+        optimizer = build_optimizer(config, params, lr=0.0)
         optimizer_seconds = mean_seconds(optimizer.step, device, warmup, repeats)
-        overheads = measure_overheads(config, schedule, rank, world, device, warmup, repeats)
+        overheads = measure_overheads(config, model, schedule, rank, world, device, warmup, repeats)
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
@@ -225,7 +219,7 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
 def profile(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
     """Launch ``config.pp`` ranks, profile each one's stages, return the costs document."""
     config.check()
-    if getattr(config, "dp", 1) > 1 or getattr(config, "tp", 1) > 1:
+    if config.dp > 1 or config.tp > 1:
         raise ConfigError(f"profile measures pipeline stages only (--dp 1 --tp 1); got --dp {config.dp} "
                           f"--tp {config.tp}. Profile the pp split, then simulate with --dp/--tp")
     per_rank = launch_ranks(profile_rank, (config, warmup, repeats), config.pp, config.threads)

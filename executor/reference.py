@@ -8,10 +8,8 @@ when its loss curve equals this one's.
 
 from __future__ import annotations
 
-import torch
-
 from executor.config import RunConfig
-from executor.models import PipelineModel, build_model
+from executor.models import PipelineModel, build_model, build_optimizer
 
 
 def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict:
@@ -21,8 +19,7 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
     num_stages = config.num_stages
     stages = [model.build_stage(stage, num_stages) for stage in range(num_stages)]
     params = [p for stage in stages for p in stage.parameters()]
-    optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
-    optimizer = optimizer_class(params, lr=config.lr)
+    optimizer = build_optimizer(config, params)
     losses, grads = [], {}
     for step in range(config.steps):
         inputs, targets = model.make_batch(step, config.batch_size)

@@ -38,16 +38,18 @@ def summary(result: dict) -> dict:
     }
 
 
-def write_outputs(result: dict, json_path: str | None, trace_path: str | None) -> None:
+def write_outputs(result: dict, json_path: str | None, trace_path: str | None, document: dict | None = None) -> None:
+    """Write the ``--json`` summary (``document``, when the caller already has it) and the Trace."""
     if json_path:
-        Path(json_path).write_text(json.dumps(summary(result), indent=2) + "\n")
+        Path(json_path).write_text(json.dumps(document or summary(result), indent=2) + "\n")
     if trace_path:
         result["trace"].save(trace_path)
 
 
-def summary_lines(result: dict) -> list[str]:
-    """Human-readable lines: one per step, then the measured step and bubble."""
-    document = summary(result)
+def summary_lines(result: dict, document: dict | None = None) -> list[str]:
+    """Human-readable lines: one per step, then the measured step and bubble
+    (``document`` is ``summary(result)``, when the caller already has it)."""
+    document = document or summary(result)
     lines = [
         f"{document['schedule']}: dp={document['dp']} pp={document['pp']} tp={document['tp']} "
         f"(world {document['world_size']}) virtual_stages={document['virtual_stages']} backend={document['backend']}",

@@ -19,12 +19,10 @@ from torch import nn
 
 from executor.comm import PeerLinks, Pending
 from executor.models import PipelineModel
-from schedules.action import Action, ActionKind
+from schedules.action import COMM_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
 
-SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
-COMM = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
 Key = tuple[int, int]  # (stage, microbatch)
 
 
@@ -33,7 +31,7 @@ def program_items(program: tuple[Action, ...]) -> list[Action | list[Action]]:
     a group is posted as one batch."""
     items: list[Action | list[Action]] = []
     for action in program:
-        if action.kind in COMM:
+        if action.kind in COMM_KINDS:
             if items and isinstance(items[-1], list):
                 items[-1].append(action)
             else:
@@ -69,6 +67,12 @@ class PipelineRuntime:
             ActionKind.W: self.weight_grad,
         }
         self.current: Action | None = None
+        # What W differentiates, and the dtype/device of the loss, fixed once the stages are built.
+        self.trainable = {stage: [p for p in module.parameters() if p.requires_grad]
+                          for stage, module in stages.items()}
+        param = next((p for stage in stages.values() for p in stage.parameters()), None)
+        self.loss_dtype = param.dtype if param is not None else torch.float32
+        self.loss_device = param.device if param is not None else None
 
     # -- the walk -------------------------------------------------------------------
 
@@ -83,9 +87,7 @@ class PipelineRuntime:
         self.weight_work: dict[Key, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.pending: list[Pending] = []
         self.marks: list[tuple[Action, Any, Any, str]] = []
-        param = next((p for stage in self.stages.values() for p in stage.parameters()), None)
-        self.loss = torch.zeros((), dtype=param.dtype if param is not None else torch.float32,
-                                device=param.device if param is not None else None)
+        self.loss = torch.zeros((), dtype=self.loss_dtype, device=self.loss_device)
         self.clock.start_step()
         self.prefetched = self.prefetch_receives() if self.prefetch_recvs else None
         for item in self.items:
@@ -145,8 +147,7 @@ class PipelineRuntime:
 
     def weight_grad(self, action: Action) -> None:
         output, grad = self.weight_work.pop((action.stage, action.microbatch))
-        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
-        torch.autograd.backward(output, grad, inputs=params)
+        torch.autograd.backward(output, grad, inputs=self.trainable[action.stage])
 
     def output_grad(self, action: Action) -> torch.Tensor | None:
         """The gradient flowing into this stage's output (none for the loss itself)."""
@@ -172,7 +173,7 @@ class PipelineRuntime:
             self.current = action
             if self.before_action is not None:
                 self.before_action(action)
-            if action.kind in SENDS:
+            if action.kind in SEND_KINDS:
                 ops.append((action, self.outbox.pop((action.kind, action.stage, action.microbatch))))
             elif self.prefetched is not None:
                 prefetched.append((action, *self.prefetched.pop(action)))
@@ -184,7 +185,7 @@ class PipelineRuntime:
         receives = []
         for index, (action, tensor) in enumerate(ops):
             handles = [works[index]] if paired else works
-            if action.kind in SENDS:
+            if action.kind in SEND_KINDS:
                 self.pending.append(Pending(action, handles, tensor, start))
             else:
                 receives.append((action, handles, tensor))
@@ -208,7 +209,7 @@ class PipelineRuntime:
         place cannot mismatch them; NCCL matches by order, so it does not prefetch."""
         prefetched = {}
         for action in self.schedule.programs[self.rank]:
-            if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+            if action.kind in RECV_KINDS:
                 buffer = self.links.buffer(action)
                 (work,) = self.links.post([(action, buffer)])
                 prefetched[action] = (work, buffer)

@@ -11,24 +11,21 @@ from __future__ import annotations
 import os
 import signal
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from executor.clock import CpuClock, clock_for
 from executor.comm import PeerLinks
-from executor.config import RunConfig, parse_failure
+from executor.config import RunConfig, build_schedule, parse_failure
 from executor.data_parallel import GradientAverager
 from executor.gather import dp_event, gather_events, tp_event
 from executor.mesh import build_mesh
-from executor.models import PipelineModel, build_model
+from executor.models import PipelineModel, build_model, build_optimizer
+from executor.process import init_rank
 from executor.progress import ProgressWriter, progress_dir_from_env
 from executor.runtime import PipelineRuntime
 from schedules.action import Action
-from schedules.generators import generate
-from schedules.lowering import lower
-from schedules.schedule import Schedule
 from schedules.trace import Trace
 
 
@@ -37,37 +34,12 @@ class RankFailedError(RuntimeError):
     the action it was on, and the launcher passes it on to the user."""
 
 
-def resolve_backend(requested: str) -> str:
-    """``auto`` means NCCL where CUDA is available, gloo everywhere else."""
-    if requested != "auto":
-        return requested
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def build_schedule(config: RunConfig) -> Schedule:
-    """The lowered schedule named by the config: the exact programs that will run."""
-    if config.custom_schedule is not None:
-        return lower(config.custom_schedule)
-    return lower(generate(config.schedule, config.pp, config.microbatches, config.virtual_stages))
-
-
 def run_worker(configs: list[RunConfig], model: PipelineModel | None = None) -> list[dict]:
     """Run each config in turn on this rank and return one result per config: the full
     result (losses, step times, gathered Trace) on rank 0, the gradients (when asked
     for) on every rank."""
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     first = configs[0]
-    torch.set_num_threads(first.threads)
-    backend = resolve_backend(first.backend)
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world > 1:
-        dist.init_process_group(backend, timeout=timedelta(seconds=first.timeout),
-                                device_id=device if backend == "nccl" else None)
+    rank, world, device, backend = init_rank(first.backend, first.threads, first.timeout)
     directory = progress_dir_from_env()
     progress = ProgressWriter(directory, rank) if directory else None
     try:
@@ -125,9 +97,8 @@ class RankRun:
                 parallelize_stage(stage, self.mesh.submesh("tp"), config.sequence_parallel)
             self.tp_timer = TpTimer(lambda: self.runtime.current)
         params = [p for stage in self.stages.values() for p in stage.parameters()]
-        optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
         # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
-        self.optimizer = optimizer_class(params, lr=config.lr, foreach=False if config.tp > 1 else None)
+        self.optimizer = build_optimizer(config, params, foreach=False if config.tp > 1 else None)
         self.averager = None
         if config.dp > 1:
             self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),

@@ -159,27 +159,32 @@ def load_costs(path: str | Path, num_stages: int | None = None) -> Costs:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"costs file {path} does not exist")
-    data = _read_structured(path)
+    return costs_from_dict(_read_structured(path), num_stages, name=str(path))
+
+
+def costs_from_dict(data: object, num_stages: int | None = None, name: str = "costs") -> Costs:
+    """Costs from a costs document already in memory (the form ``load_costs`` reads, e.g.
+    what ``pipesim profile`` returns); error messages start with ``name``."""
     if not isinstance(data, dict) or not isinstance(data.get("stages"), list) or not data["stages"]:
-        raise CostsError(f"{path}: expected a mapping with a non-empty list 'stages'")
+        raise CostsError(f"{name}: expected a mapping with a non-empty list 'stages'")
     known = {*STAGE_FIELDS, "stage"}
     stages = []
     for index, entry in enumerate(data["stages"]):
         if not isinstance(entry, dict):
-            raise CostsError(f"{path}: stages[{index}] must be a mapping, got {entry!r}")
+            raise CostsError(f"{name}: stages[{index}] must be a mapping, got {entry!r}")
         unknown = set(entry) - known
         if unknown:
-            raise CostsError(f"{path}: stages[{index}] has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+            raise CostsError(f"{name}: stages[{index}] has unknown keys {sorted(unknown)}; known: {sorted(known)}")
         missing = {"fwd", "bwd"} - set(entry)
         if missing:
-            raise CostsError(f"{path}: stages[{index}] is missing {sorted(missing)}")
+            raise CostsError(f"{name}: stages[{index}] is missing {sorted(missing)}")
         values = {key: float(value) for key, value in entry.items() if key != "stage"}
         stages.append(StageCost(**values))
     if num_stages is not None and len(stages) != num_stages:
         if len(stages) == 1:
             stages = stages * num_stages
         else:
-            raise CostsError(f"{path}: has costs for {len(stages)} stages but the schedule has {num_stages}")
+            raise CostsError(f"{name}: has costs for {len(stages)} stages but the schedule has {num_stages}")
     overheads = {key: float(data.get(key, 0.0)) for key in ("action_overhead", "comm_overhead", "step_overhead")}
     return Costs(stages=tuple(stages), meta=dict(data.get("meta", {})),
                  sequence_parallel=bool(data.get("sequence_parallel", False)), **overheads)

@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from executor.config import BACKENDS  # plain data, no torch import
 from pipesim.comm_fit import bench_table, fits_by_operation, topology_document
 
 UNITS = {"": 1, "B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}
@@ -29,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--sizes", default="1KB..64MB",
                         help="message sizes: LOW..HIGH doubling by 4 (e.g. 1KB..64MB) or a list 4KB,1MB")
     parser.add_argument("--ops", default=DEFAULT_OPERATIONS, help=f"operations (default {DEFAULT_OPERATIONS})")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--out", metavar="PATH", help="write the topology file (JSON) with the fitted links")
     parser.add_argument("--json", metavar="PATH", help="write every timing, bandwidth and fit as JSON")

@@ -42,19 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
     """The costs file given, or a fresh profile of this config."""
-    import tempfile  # noqa: PLC0415
-
-    from pipesim.costs import load_costs  # noqa: PLC0415
+    from pipesim.costs import costs_from_dict, load_costs  # noqa: PLC0415
 
     if args.costs:
         return load_costs(args.costs, num_stages)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    document = profile(config, args.warmup, args.repeats)
-    with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "costs.json"
-        path.write_text(json.dumps(document))
-        return load_costs(path, num_stages)
+    return costs_from_dict(profile(config, args.warmup, args.repeats), num_stages, name="profile")
 
 
 def calibrated_topology(args: argparse.Namespace, config):
@@ -75,15 +69,13 @@ def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.pp < 2:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
-    if getattr(config, "dp", 1) > 1 or getattr(config, "tp", 1) > 1:
+    if config.dp > 1 or config.tp > 1:
         raise ValueError("compare calibrates pipeline runs only for now: use --dp 1 --tp 1")
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
-    from executor.worker import build_schedule  # noqa: PLC0415
     from pipesim.comparison import compare, report_lines  # noqa: PLC0415
     from pipesim.simulation import run_simulation  # noqa: PLC0415
 
-    validate_schedule(config)
-    schedule = build_schedule(config)
+    schedule = validate_schedule(config)
     costs = calibrated_costs(args, config, schedule.num_stages)
     topology = calibrated_topology(args, config)
     try:

@@ -29,20 +29,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
-    from executor.report import summary_lines, write_outputs  # noqa: PLC0415
+    from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
     from executor.worker import run_local  # noqa: PLC0415
 
-    validate_schedule(config)
     try:
         if config.world_size == 1:
+            validate_schedule(config)  # launch() checks the schedule itself before starting ranks
             result = run_local(config)
         else:
             (result,) = launch(config, log_dir=args.log_dir)
     except PipelineRunError as error:
         print(f"pipesim run: failed: {error}", file=sys.stderr)
         return 1
-    write_outputs(result, args.json, args.trace)
-    print("\n".join(summary_lines(result)))
+    document = summary(result)
+    write_outputs(result, args.json, args.trace, document)
+    print("\n".join(summary_lines(result, document)))
     if args.html:
         write_html(result["trace"], args.html)
     return 0

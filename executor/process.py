@@ -1,0 +1,37 @@
+"""Join the process group the way every rank does: the backend ``auto`` resolves to,
+the torch thread count, the rank's device. Shared by pipeline ranks (``executor.worker``)
+and measuring ranks (``executor.spawn``)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_backend(requested: str) -> str:
+    """``auto`` means NCCL where CUDA is available, gloo everywhere else."""
+    if requested != "auto":
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_rank(backend: str, threads: int, timeout: float = 60.0) -> tuple[int, int, torch.device, str]:
+    """Join the process group as a pipeline rank would: one torch thread per rank on CPU
+    (what ``pipesim run`` uses), the rank's own GPU with NCCL. Returns rank, world
+    size, device and the backend in use."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(threads)
+    backend = resolve_backend(backend)
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout),
+                                device_id=device if backend == "nccl" else None)
+    return rank, world, device, backend
