@@ -32,10 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from schedules.action import Action, ActionKind
+from schedules.action import WEIGHT_GRAD_DONE_KINDS, Action
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb=25
-GRAD_FINAL_KINDS = (ActionKind.B, ActionKind.W)  # actions that finish a stage's weight gradients (not I)
 
 
 class BucketReduction(NamedTuple):
@@ -77,7 +76,7 @@ class GradientAverager:
                  replicas: int, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> None:
         self.group = group
         self.replicas = replicas
-        self.last_backward = {action.stage: action for action in program if action.kind in GRAD_FINAL_KINDS}
+        self.last_backward = {action.stage: action for action in program if action.kind in WEIGHT_GRAD_DONE_KINDS}
         self.buckets = {stage: bucket_parameters(module, bucket_bytes) for stage, module in stages.items()}
         self.in_flight: list[BucketReduction] = []
 
