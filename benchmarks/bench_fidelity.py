@@ -1,14 +1,18 @@
 """How well a calibrated prediction matches a separate run: GPipe, 1F1B and interleaved
 1F1B, two GPT sizes, 4, 8 and 16 microbatches, 2 ranks on gloo, one torch thread each.
 
-Order of work, as a user would do it: benchmark the links once (``bench-comm``); then
-for each config profile it (``profile``, its own processes), run it (``run``, new
+Order of work, as a user would do it, for each config: profile it (``profile``, its own
+processes), benchmark the links (``bench-comm``, send/recv), run it (``run``, new
 processes, nothing from the profile reused but its costs document) and simulate it with
-those costs and the links (``simulate --costs --topology``). Each prediction is held
-against the median step time of the run. Prints a table and the median and maximum
-absolute error.
+those costs and links (``simulate --costs --topology``). Each prediction is held against
+the median step time of the run. Prints a table and the median and maximum absolute
+error.
 
-    PYTHONPATH=. python benchmarks/bench_fidelity.py [--steps 6] [--json fidelity.json]
+    PYTHONPATH=. python benchmarks/bench_fidelity.py [--steps 21] [--json fidelity.json]
+
+The links are measured again for each config (``--links once`` measures them once, up
+front): on a shared VM gloo's latency drifts with the host's load over minutes, and a
+calibration taken minutes before a run describes another machine.
 
 On a CPU machine give each rank its own core (2 ranks on 2 cores): ranks that share a
 core slow each other in a way the cluster model does not describe. Other work on the
@@ -67,8 +71,12 @@ def wait_until_idle(limit: float, threshold: float = 0.9) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6, help="steps per run; the first is left out (default 6)")
+    parser.add_argument("--steps", type=int, default=21, help="steps per run; the first is left out (default 21)")
     parser.add_argument("--repeats", type=int, default=20, help="profile repetitions (default 20)")
+    parser.add_argument("--min-time", type=float, default=2.0,
+                        help="profile each stage and the transfer cost for at least this many seconds (default 2)")
+    parser.add_argument("--links", choices=("per-config", "once"), default="per-config",
+                        help="benchmark send/recv before each run (default) or once up front")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--json", help="write every row as JSON")
     parser.add_argument("--wait", type=float, default=60.0,
@@ -87,15 +95,22 @@ def main() -> None:
 
     print(f"load average before: {os.getloadavg()}  cores: {os.cpu_count()}")
     started = time.perf_counter()
-    bench = bench_comm(2, ["sendrecv"], [2**k for k in range(10, 25, 2)], "gloo", 1)
-    topology = topology_from_dict(topology_document(bench, fits_by_operation(bench)), name="bench-comm")
+
+    def measure_links() -> tuple[object, dict]:
+        bench = bench_comm(2, ["sendrecv"], [2**k for k in range(10, 25, 2)], "gloo", 1)
+        fits = fits_by_operation(bench)
+        return topology_from_dict(topology_document(bench, fits), name="bench-comm"), fits["sendrecv"]
+
+    topology, link_fit = measure_links()
     configs = [(model, schedule, virtual, m) for model in args.models.split(",")
                for schedule, virtual in SCHEDULES for m in MICROBATCHES]
     rows = []
     for model, schedule, virtual, m in configs:
         config = config_for(model, schedule, virtual, m, args.steps)
         idle_before_profile = wait_until_idle(args.wait)
-        document = profile(config, 3, args.repeats)
+        document = profile(config, 3, args.repeats, args.min_time)
+        if args.links == "per-config":
+            topology, link_fit = measure_links()
         idle_before_run = wait_until_idle(args.wait)
         (result,) = launch(config)
         measured = measured_step_time(result["step_times"], 1)
@@ -104,11 +119,13 @@ def main() -> None:
         predicted = run_simulation(lowered, costs, topology).metrics.makespan
         rows.append({"model": model, "schedule": schedule, "microbatches": m, "measured": measured,
                      "predicted": predicted, "error": (predicted - measured) / measured,
-                     "step_times": result["step_times"],
+                     "step_times": result["step_times"], "comm_overhead": document["comm_overhead"],
+                     "link_latency": link_fit["latency"], "link_bandwidth": link_fit["bandwidth"],
                      "idle_before": [round(idle_before_profile, 3), round(idle_before_run, 3)]})
         print(f"{model:<10} {schedule:<17} m={m:<3} measured {measured * 1e3:8.2f} ms  "
               f"predicted {predicted * 1e3:8.2f} ms  error {rows[-1]['error']:+6.1%}  "
-              f"idle before {rows[-1]['idle_before']}", flush=True)
+              f"idle before {rows[-1]['idle_before']}  per transfer {document['comm_overhead'] * 1e6:.0f} us  "
+              f"link latency {link_fit['latency'] * 1e6:.0f} us", flush=True)
     errors = [abs(row["error"]) for row in rows]
     print()
     print("| model | schedule | m | measured (ms) | predicted (ms) | error |")
@@ -120,7 +137,7 @@ def main() -> None:
           f"({time.perf_counter() - started:.0f} s)")
     print(f"load average after: {os.getloadavg()}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "links": fits_by_operation(bench)}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ the measuring half of ``pipesim bench-comm`` (the fitting half, pure Python, is
 Each operation follows nccl-tests: ``sendrecv`` has every rank send ``size`` bytes to
 the next rank while receiving as many from the previous one; ``all_reduce`` reduces a
 ``size``-byte buffer; ``all_gather`` and ``reduce_scatter`` have ``size`` bytes as the
-whole (gathered, or to-be-scattered) buffer, ``size / n`` per rank. A time is the median
-over iterations of the slowest rank's (as nccl-tests reports).
+whole (gathered, or to-be-scattered) buffer, ``size / n`` per rank. A time is the mean
+over iterations of the slowest rank's (nccl-tests reports an average too).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from executor.spawn import launch_ranks, synchronize
 
 OPERATIONS = ("sendrecv", "all_reduce", "all_gather", "reduce_scatter")
 ITERATION_BYTES = 512 * 2**20  # bytes moved per size and operation, so small sizes repeat more
+MIN_ITERATIONS, MAX_ITERATIONS = 30, 400
 
 
 def operation(name: str, size: int, rank: int, world: int, device: torch.device) -> Callable[[], None]:
@@ -55,12 +56,15 @@ def operation(name: str, size: int, rank: int, world: int, device: torch.device)
 
 
 def time_operation(run: Callable[[], None], size: int, device: torch.device, warmup: int) -> float:
-    """Median seconds of one iteration on the slowest rank (a median: small messages on
-    a shared CPU see rare millisecond stalls that would swamp the latency). Each iteration starts from a
-    barrier: gloo run back to back lets one iteration's sends arrive before the next
-    iteration's receives are posted, which costs milliseconds per message and is not
-    how the executor communicates (it posts its receives first)."""
-    iterations = max(3, min(30, ITERATION_BYTES // max(size, 1)))
+    """Mean seconds of one iteration on the slowest rank. A mean, not a median: on a
+    shared CPU about one gloo message in eight stalls for milliseconds, and a pipeline
+    waiting on a transfer pays those stalls, so its expected cost is the mean (the
+    median, used at first, put the fitted latency at a third of it); hence many
+    iterations for small sizes. Each iteration starts from a barrier: gloo run back to
+    back lets one iteration's sends arrive before the next iteration's receives are
+    posted, which costs milliseconds per message and is not how the executor
+    communicates (it posts its receives first)."""
+    iterations = max(MIN_ITERATIONS, min(MAX_ITERATIONS, ITERATION_BYTES // max(size, 1)))
     samples = []
     for index in range(warmup + iterations):
         synchronize(device)
@@ -72,7 +76,7 @@ def time_operation(run: Callable[[], None], size: int, device: torch.device, war
             samples.append(time.perf_counter() - start)
     seconds = torch.tensor(samples, dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(seconds.median().item())
+    return float(seconds.mean().item())
 
 
 def bench_rank(operations: list[str], sizes: list[int], backend: str, threads: int, warmup: int) -> dict:

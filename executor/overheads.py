@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from executor.clock import CpuClock
 from executor.config import RunConfig
+from executor.estimate import ROUNDS, robust_mean
 from executor.models import PipelineModel, build_model
 from executor.runtime import PipelineRuntime
 from executor.spawn import synchronize
@@ -26,7 +27,8 @@ from schedules.lowering import lower
 from schedules.schedule import Schedule
 
 POSTS = 16  # receives posted per measurement of the prefetch cost
-TRANSFER_SAMPLES = 9  # paired with/without-transfer loops; their difference is noisy on a CPU
+STALL_SAMPLES = 100  # samples of a cost with rare millisecond stalls, whose mean needs many
+TRANSFER_BLOCK = 32  # iterations between barriers in the transfer-cost loop (half of them transfer)
 
 
 def action_gap(warmup: int, repeats: int) -> float:
@@ -48,15 +50,15 @@ def action_gap(warmup: int, repeats: int) -> float:
         if index >= warmup:
             events.sort(key=lambda event: event.start)
             gaps.extend(after.start - before.end for before, after in zip(events, events[1:], strict=False))
-    return statistics.median(gaps)
+    return statistics.fmean(gaps)
 
 
 def p2p_overheads(shape: tuple[int, ...], dtype: torch.dtype, rank: int, world: int, device: torch.device,
                   warmup: int, repeats: int) -> dict[str, float]:
     """Seconds, on the real backend with a boundary-sized tensor, of: posting one send
     (``send_post``), waiting on a receive whose data has already arrived
-    (``recv_wait``), posting one receive (``recv_post``), and the CPU time the
-    backend's own threads spend per send or receive (``background_cpu``).
+    (``recv_wait``), and the CPU time the backend's own threads spend per send or
+    receive (``background_cpu``). Means, as for every cost the simulator adds up.
 
     The last one matters on a CPU: gloo moves data on threads of its own, and with one
     core per rank that time is taken from the ranks' compute. It is the process's CPU
@@ -64,10 +66,10 @@ def p2p_overheads(shape: tuple[int, ...], dtype: torch.dtype, rank: int, world: 
     spins is the caller's own time and is left out). Rank r sends to r+1 and receives
     from r-1."""
     if world < 2:
-        return {"send_post": 0.0, "recv_wait": 0.0, "recv_post": 0.0, "background_cpu": 0.0}
+        return {"send_post": 0.0, "recv_wait": 0.0, "background_cpu": 0.0}
     after, before = (rank + 1) % world, (rank - 1) % world
     outgoing = torch.zeros(shape, dtype=dtype, device=device)
-    samples: dict[str, list[float]] = {"send_post": [], "recv_wait": [], "recv_post": [], "background_cpu": []}
+    samples: dict[str, list[float]] = {"send_post": [], "recv_wait": [], "background_cpu": []}
 
     def post_receives() -> list:
         return [dist.irecv(torch.empty(shape, dtype=dtype, device=device), before, tag=tag) for tag in range(POSTS)]
@@ -85,9 +87,7 @@ def p2p_overheads(shape: tuple[int, ...], dtype: torch.dtype, rank: int, world: 
     for index in range(warmup + repeats):
         # transfers in flight: post cost, and the CPU the backend's threads use
         cpu = [(time.process_time(), time.thread_time())]
-        start = time.perf_counter()
         receives = post_receives()
-        posted = time.perf_counter()
         cpu.append((time.process_time(), time.thread_time()))
         dist.barrier()
         cpu.append((time.process_time(), time.thread_time()))
@@ -107,65 +107,83 @@ def p2p_overheads(shape: tuple[int, ...], dtype: torch.dtype, rank: int, world: 
             wait_times.append(time.perf_counter() - begin)
         if index >= warmup:
             background = sum((cpu[i + 1][0] - cpu[i][0]) - (cpu[i + 1][1] - cpu[i][1]) for i in (0, 2))
-            samples["recv_post"].append((posted - start) / POSTS)
-            samples["send_post"].append(statistics.median(send_times))
-            samples["recv_wait"].append(statistics.median(wait_times))
+            samples["send_post"].append(statistics.fmean(send_times))
+            samples["recv_wait"].append(statistics.fmean(wait_times))
             samples["background_cpu"].append(max(background, 0.0) / (2 * POSTS))
-    return {key: statistics.fmean(values) if key == "background_cpu" else statistics.median(values)
-            for key, values in samples.items()}
+    return {key: statistics.fmean(values) for key, values in samples.items()}
 
 
 def transfer_interference(shape: tuple[int, ...], dtype: torch.dtype, rank: int, world: int, device: torch.device,
-                          warmup: int, repeats: int) -> float:
+                          min_time: float) -> float:
     """Seconds one SEND or RECV adds to a rank that is computing between them, as in a
-    pipeline: every rank repeats [compute, post a send, wait for the receive posted
-    ahead], and the same compute without the transfers; half the difference per
-    iteration is the cost of one communication action. Each iteration waits for the
-    previous iteration's data, which has had a whole compute to arrive, so the link's
-    latency (modelled by the topology) is not counted a second time here.
+    pipeline. Every rank runs a loop of short computes in which every other iteration
+    also sends a boundary-sized tensor to the next rank and receives one from the
+    previous; the mean difference between an iteration with the transfers and the
+    iteration before it without, halved, is the cost of one communication action.
+    A receive is waited for two transfer iterations after it was posted, so its data
+    has had time to arrive and the link's latency (modelled by the topology) is not
+    counted a second time here.
 
     On a CPU this is far more than posting the operation: gloo moves the data on
-    threads of its own, and with one core per rank they take their time from the
-    compute of one rank or the other (hundreds of microseconds per transfer on a
-    2-core machine, where the call itself costs tens). On a GPU the compute runs on
-    the device and the difference is the host's launch cost."""
+    threads of its own and the kernel copies it through loopback, and with one core
+    per rank that time is taken from the compute of one rank or the other (hundreds of
+    microseconds per transfer on a 2-core machine, where the call itself costs tens).
+    On a GPU the compute runs on the device and the difference is the host's cost.
+
+    Why adjacent iterations and a mean: a single transfer's cost is heavy-tailed
+    (most cost tens of microseconds, a few a whole scheduler slice), and the pipeline
+    pays the mean. Pairing neighbours cancels the machine's slow drifts, which a
+    difference of two long loops (the first design) did not: it gave 140-410 us for
+    one config from one launch to the next. The loop runs for at least ``min_time``
+    seconds in ``ROUNDS`` rounds, and the estimate is the median of their means
+    (``executor.estimate``); all ranks run the same number of blocks."""
     if world < 2:
         return 0.0
     after, before = (rank + 1) % world, (rank - 1) % world
     outgoing = torch.zeros(shape, dtype=dtype, device=device)
-    work = torch.randn(192, 192, device=device)
+    work = torch.randn(160, 160, device=device)
 
     def compute() -> None:
         result = work
-        for _ in range(8):
+        for _ in range(4):
             result = (result @ work) * 1e-3
 
-    def iterations(with_transfers: bool) -> float:
-        count = warmup + repeats
-        receives = [dist.irecv(torch.empty(shape, dtype=dtype, device=device), before, tag=tag)
-                    for tag in range(count)] if with_transfers else []
-        sends = []
+    def block() -> list[float]:
+        """One block of TRANSFER_BLOCK iterations, ranks aligned by a barrier first;
+        returns the per-iteration differences (with transfers minus without)."""
         dist.barrier()
-        start = time.perf_counter()
-        for tag in range(count):
+        plain, posted, buffers = [], [], []  # buffers: a receive's tensor must outlive it
+        differences = []
+        for index in range(TRANSFER_BLOCK):
+            begin = time.perf_counter()
             compute()
-            if with_transfers:
-                sends.append(dist.isend(outgoing, after, tag=tag))
-                if tag:  # the previous iteration's data: it had a whole compute to arrive
-                    receives[tag - 1].wait()
-        synchronize(device)
-        elapsed = time.perf_counter() - start
-        if with_transfers:
-            receives[-1].wait()
-        for send in sends:
-            send.wait()
-        return elapsed / count
+            if index % 2:
+                receive = torch.empty(shape, dtype=dtype, device=device)
+                buffers.append(receive)
+                tag = len(posted)  # gloo matches by tag; NCCL by order, which is the same on every rank
+                posted.append(dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, after, tag=tag),
+                                                      dist.P2POp(dist.irecv, receive, before, tag=tag)]))
+                if len(posted) > 2:  # the transfer of two transfer-iterations ago
+                    for done in posted[-3]:
+                        done.wait()  # once only: a second wait on a gloo send waits for another send
+                synchronize(device)
+                differences.append((time.perf_counter() - begin) - plain[-1])
+            else:
+                synchronize(device)
+                plain.append(time.perf_counter() - begin)
+        for works in posted[-2:]:  # the ones not yet waited for
+            for done in works:
+                done.wait()
+        return differences
 
-    samples = []
-    for _ in range(TRANSFER_SAMPLES):  # alternated, so a slow spell of the machine hits both
-        plain = iterations(False)
-        samples.append(max(iterations(True) - plain, 0.0) / 2)
-    return statistics.median(samples)
+    block()  # warm-up: connections, allocator, caches
+    started = time.perf_counter()
+    block()
+    per_round = round(min_time / ROUNDS / max(time.perf_counter() - started, 1e-6))
+    blocks = torch.tensor([max(1, per_round)])
+    dist.all_reduce(blocks, op=dist.ReduceOp.MAX)  # every rank must post the same transfers
+    round_means = [statistics.fmean(d for _ in range(int(blocks.item())) for d in block()) for _ in range(ROUNDS)]
+    return max(robust_mean(round_means), 0.0) / 2
 
 
 def loss_reduce(world: int, device: torch.device, warmup: int, repeats: int) -> float:
@@ -174,14 +192,43 @@ def loss_reduce(world: int, device: torch.device, warmup: int, repeats: int) -> 
         return 0.0
     loss = torch.zeros((), device=device)
     samples = []
-    for index in range(warmup + repeats):
+    for index in range(warmup + max(repeats, STALL_SAMPLES)):
         dist.barrier()
         start = time.perf_counter()
         dist.all_reduce(loss)
         loss.item()
         if index >= warmup:
             samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return statistics.fmean(samples)
+
+
+def prefetch_cost(shape: tuple[int, ...], dtype: torch.dtype, receives: int, rank: int, world: int,
+                  device: torch.device, warmup: int, repeats: int) -> float:
+    """Seconds the runtime spends at the start of a step posting its ``receives``
+    receives ahead (gloo): the same posts, right after a barrier as in a step. Rank r
+    receives from r-1 and sends r+1 as many as r+1 posts, so every post completes. A
+    mean over many samples: on a shared 2-core VM most such posts take a hundred
+    microseconds and one in three or four takes milliseconds."""
+    if world < 2:
+        return 0.0
+    after, before = (rank + 1) % world, (rank - 1) % world
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([receives]))
+    to_send = int(counts[after].item())
+    outgoing = torch.zeros(shape, dtype=dtype, device=device)
+    samples = []
+    for index in range(warmup + max(repeats, STALL_SAMPLES)):
+        dist.barrier()
+        start = time.perf_counter()
+        posted = [dist.irecv(torch.empty(shape, dtype=dtype, device=device), before, tag=tag)
+                  for tag in range(receives)]
+        elapsed = time.perf_counter() - start
+        works = [*posted, *(dist.isend(outgoing, after, tag=tag) for tag in range(to_send))]
+        for work in works:
+            work.wait()
+        if index >= warmup:
+            samples.append(elapsed)
+    return statistics.fmean(samples)
 
 
 def microbatch_size(config: RunConfig) -> int:
@@ -190,12 +237,11 @@ def microbatch_size(config: RunConfig) -> int:
 
 
 def measure_overheads(config: RunConfig, model: PipelineModel, schedule: Schedule, rank: int, world: int,
-                      device: torch.device, warmup: int, repeats: int) -> dict[str, float]:
+                      device: torch.device, warmup: int, repeats: int, min_time: float) -> dict[str, float]:
     """Every runtime overhead of this rank, in seconds (see the module docstring);
     ``model`` is the config's model, already built."""
-    size = microbatch_size(config)
-    p2p = p2p_overheads(model.boundary_shape(size), getattr(torch, config.dtype), rank, world, device,
-                        warmup, repeats)
+    shape, dtype = model.boundary_shape(microbatch_size(config)), getattr(torch, config.dtype)
+    p2p = p2p_overheads(shape, dtype, rank, world, device, warmup, repeats)
     receives = sum(1 for action in schedule.programs[rank] if action.kind in RECV_KINDS)
     prefetch = config.prefetch_receives(dist.get_backend() if world > 1 else "gloo")
     return {
@@ -204,8 +250,8 @@ def measure_overheads(config: RunConfig, model: PipelineModel, schedule: Schedul
         "send_post": p2p["send_post"],
         "recv_wait": p2p["recv_wait"],
         "background_cpu": p2p["background_cpu"] if device.type == "cpu" else 0.0,
-        "transfer_cost": transfer_interference(model.boundary_shape(size), getattr(torch, config.dtype), rank, world,
-                                               device, warmup, repeats),
-        "prefetch_post": p2p["recv_post"] * receives if prefetch else 0.0,
+        "transfer_cost": transfer_interference(shape, dtype, rank, world, device, min_time),
+        "prefetch_post": (prefetch_cost(shape, dtype, receives, rank, world, device, warmup, repeats)
+                          if prefetch else 0.0),
         "loss_reduce": loss_reduce(world, device, warmup, repeats),
     }

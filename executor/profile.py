@@ -6,9 +6,12 @@ conditions as the run it predicts (on a CPU: one core per rank, the other ranks 
 next door). For each stage it times, per microbatch and with the executor's own calls:
 ``F`` (forward, plus the loss on the last stage), ``B`` (full backward), ``I`` (input
 gradient, graph kept) and ``W`` (weight gradients from the kept graph), after warm-up,
-and takes the mean of the repetitions: a step is a sum of many such actions, and the
-expected value of a sum is the sum of the means. CPU timings are skewed to the right
-(interrupts, the backend's own threads), so a median would predict every step short.
+and takes means: a step is a sum of many such actions, and the expected value of a sum
+is the sum of the means. CPU timings are skewed to the right (interrupts, the backend's
+own threads), so a median would predict every step short. F and B are timed in rounds
+spread over the profile, and the median of the round means is kept
+(``executor.estimate``), so that a slow spell of a shared machine does not set a
+stage's cost.
 It also records the bytes that cross the stage boundary, the bytes the forward keeps
 alive for the backward and the parameter bytes, and what the runtime itself costs
 around the compute (``executor.overheads``).
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from executor.config import ConfigError, RunConfig, build_schedule
+from executor.estimate import ROUNDS, robust_mean
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.overheads import measure_overheads, microbatch_size
 from executor.process import init_rank
@@ -63,6 +67,10 @@ def mean_seconds(run: Callable[[], None], device: torch.device, warmup: int, rep
     return statistics.fmean(samples)
 
 
+DEFAULT_MIN_TIME = 1.0  # seconds of timed work per stage and for the transfer cost
+MAX_REPEATS = 100_000  # a bound on time-budgeted loops, should a clock not advance
+
+
 class StageProbe:
     """One stage with the inputs, target and output gradient of one microbatch, and the
     executor's exact calls for each compute kind (``executor.runtime``)."""
@@ -92,23 +100,35 @@ class StageProbe:
             output = self.model.loss_sum(output, self.target) / self.config.batch_size
         return output
 
-    def time_kinds(self, device: torch.device, warmup: int, repeats: int) -> dict[str, float]:
-        """Mean seconds of F, B, I and W. F and B are timed in a loop of whole forward +
-        backward passes, as a rank runs them, so caches and the allocator are in the
-        state the pipeline leaves them in; I and W in a loop of their own (a loop that
-        mixes the two kinds of backward leaves F and B a few percent faster than a
-        pipeline ever sees them)."""
+    def time_forward_backward(self, device: torch.device, warmup: int, repeats: int,
+                              min_time: float) -> tuple[float, float]:
+        """Mean seconds of F and B over one round: a loop of whole forward + backward
+        passes, as a rank runs them (caches and the allocator in the state the pipeline
+        leaves them in), for at least ``repeats`` passes and ``min_time`` seconds of
+        timed work after ``warmup`` untimed ones."""
         now = clock_for_compute(device)
-        timings: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
-        for index in range(warmup + repeats):
+        forward, backward, total = [], [], 0.0
+        for index in range(MAX_REPEATS):
+            if index >= warmup + repeats and total >= min_time:
+                break
             x = self.input()
             start = now()
             output = self.forward(x)
             middle = now()
             torch.autograd.backward(output, self.output_grad)
+            end = now()
             if index >= warmup:
-                timings["F"].append(middle - start)
-                timings["B"].append(now() - middle)
+                forward.append(middle - start)
+                backward.append(end - middle)
+                total += end - start
+        return statistics.fmean(forward), statistics.fmean(backward)
+
+    def time_split_backward(self, device: torch.device, warmup: int, repeats: int) -> tuple[float, float]:
+        """Mean seconds of I and W, in a loop of their own (a loop that mixes the two
+        kinds of backward leaves F and B a few percent faster than a pipeline ever sees
+        them). They only set how B splits, so ``repeats`` passes are enough."""
+        now = clock_for_compute(device)
+        input_grad, weight_grad = [], []
         for index in range(warmup + repeats):
             x = self.input()
             output = self.forward(x)
@@ -118,9 +138,9 @@ class StageProbe:
             middle = now()
             torch.autograd.backward(output, self.output_grad, inputs=self.params)
             if index >= warmup:
-                timings["I"].append(middle - start)
-                timings["W"].append(now() - middle)
-        return {kind: statistics.fmean(samples) for kind, samples in timings.items()}
+                input_grad.append(middle - start)
+                weight_grad.append(now() - middle)
+        return statistics.fmean(input_grad), statistics.fmean(weight_grad)
 
     def bytes(self) -> dict[str, float]:
         """Boundary activation, forward stash and parameter bytes of one microbatch.
@@ -146,7 +166,28 @@ class StageProbe:
         return {"act_bytes": act, "stash_bytes": float(sum(saved.values())), "param_bytes": params}
 
 
-def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
+def time_stages(probes: dict[int, StageProbe], device: torch.device, warmup: int, repeats: int,
+                min_time: float) -> dict[int, dict[str, float]]:
+    """F, B, I, W seconds and bytes of each stage. F and B are timed in ``ROUNDS``
+    rounds, taking turns between the rank's stages, so a slow spell of the machine
+    lands in one round of several stages rather than in all of one stage's; each
+    round has its share of ``repeats`` and ``min_time``."""
+    rounds: dict[int, list[tuple[float, float]]] = {stage: [] for stage in probes}
+    per_round = max(1, -(-repeats // ROUNDS))
+    for index in range(ROUNDS):
+        for stage, probe in probes.items():
+            rounds[stage].append(probe.time_forward_backward(device, warmup if index == 0 else 1, per_round,
+                                                             min_time / ROUNDS))
+    measured = {}
+    for stage, probe in probes.items():
+        input_grad, weight_grad = probe.time_split_backward(device, warmup, repeats)
+        measured[stage] = {"F": robust_mean([f for f, _ in rounds[stage]]),
+                           "B": robust_mean([b for _, b in rounds[stage]]),
+                           "I": input_grad, "W": weight_grad, **probe.bytes()}
+    return measured
+
+
+def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: float = 0.0) -> dict:
     """This rank's measurements: per stage F/B/I/W seconds and bytes, its optimizer step
     and the runtime's overheads. Runs on every launched rank."""
     rank, world, device, backend = init_rank(config.backend, config.threads, config.timeout)
@@ -155,14 +196,13 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
         model = build_model(config)
         stages = {stage: model.build_stage(stage, schedule.num_stages).to(device)
                   for stage in schedule.stages_of(rank)}
-        measured = {}
-        for stage, module in stages.items():
-            probe = StageProbe(model, module, stage, schedule.num_stages, config, device)
-            measured[stage] = {**probe.time_kinds(device, warmup, repeats), **probe.bytes()}
+        probes = {stage: StageProbe(model, module, stage, schedule.num_stages, config, device)
+                  for stage, module in stages.items()}
+        measured = time_stages(probes, device, warmup, repeats, min_time)
         params = [p for module in stages.values() for p in module.parameters()]
         optimizer = build_optimizer(config, params, lr=0.0)
         optimizer_seconds = mean_seconds(optimizer.step, device, warmup, repeats)
-        overheads = measure_overheads(config, model, schedule, rank, world, device, warmup, repeats)
+        overheads = measure_overheads(config, model, schedule, rank, world, device, warmup, repeats, min_time)
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
@@ -170,7 +210,8 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
             "optimizer": optimizer_seconds, **overheads}
 
 
-def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, repeats: int) -> dict:
+def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, repeats: int,
+                   min_time: float = 0.0) -> dict:
     """The costs file: one entry per stage in stage order, the overheads, and how they
     were measured (``meta``), from every rank's ``profile_rank`` result.
 
@@ -206,7 +247,7 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
             "seq_len": config.seq_len, "microbatches": config.microbatches, "pp": config.pp,
             "virtual_stages": config.virtual_stages, "schedule": config.schedule, "dtype": config.dtype,
             "optimizer": config.optimizer, "microbatch_size": microbatch_size(config),
-            "warmup": warmup, "repeats": repeats,
+            "warmup": warmup, "repeats": repeats, "min_time": min_time,
             "measured": {
                 "stages": {str(stage): {kind: stages[stage][kind] for kind in "FBIW"} for stage in sorted(stages)},
                 "ranks": [{key: r[key] for key in RANK_FIELDS} for r in ranks],
@@ -216,11 +257,13 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
     }
 
 
-def profile(config: RunConfig, warmup: int = 3, repeats: int = 10) -> dict:
-    """Launch ``config.pp`` ranks, profile each one's stages, return the costs document."""
+def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: float = DEFAULT_MIN_TIME) -> dict:
+    """Launch ``config.pp`` ranks, profile each one's stages, return the costs document.
+    Each stage's forward + backward loop and the transfer-cost loop run for at least
+    ``repeats`` passes and ``min_time`` seconds."""
     config.check()
     if config.dp > 1 or config.tp > 1:
         raise ConfigError(f"profile measures pipeline stages only (--dp 1 --tp 1); got --dp {config.dp} "
                           f"--tp {config.tp}. Profile the pp split, then simulate with --dp/--tp")
-    per_rank = launch_ranks(profile_rank, (config, warmup, repeats), config.pp, config.threads)
-    return costs_document(config, per_rank, warmup, repeats)
+    per_rank = launch_ranks(profile_rank, (config, warmup, repeats, min_time), config.pp, config.threads)
+    return costs_document(config, per_rank, warmup, repeats, min_time)

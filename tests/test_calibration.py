@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from executor.estimate import robust_mean
 from pipesim.cli import main
 from pipesim.comm_fit import bandwidths, bus_factor, fit_alpha_beta, link_fit, topology_document
 from pipesim.commands.bench_comm import parse_sizes
@@ -94,10 +95,33 @@ TINY = ["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--model", "ml
         "--hidden", "32", "--batch-size", "8"]
 
 
+def test_robust_mean_is_the_median_of_round_means_and_sets_a_slow_round_aside():
+    assert robust_mean([2.0, 1.0, 3.0]) == 2.0
+    # one round that a slow spell covered moves the estimate not at all; a plain mean by 30%
+    rounds = [1.00, 1.02, 0.99, 1.01, 2.50]
+    assert robust_mean(rounds) == pytest.approx(1.01)
+    with pytest.raises(ValueError, match="no timing rounds"):
+        robust_mean([])
+
+
+@pytest.mark.parametrize("flags, named", [(["--min-time", "-1"], "--min-time"), (["--repeats", "0"], "--repeats"),
+                                          (["--min-time", "nan"], "--min-time"),
+                                          (["--min-time", "inf"], "--min-time")])
+def test_profile_rejects_bad_measurement_settings(flags, named, tmp_path, capsys):
+    for command in ("profile", "compare"):
+        extra = ["--out", str(tmp_path / "costs.json")] if command == "profile" else []
+        assert main([command, *TINY, *flags, *extra]) == 2
+        error = capsys.readouterr().err
+        assert named in error and f"pipesim {command}: error" in error
+    assert not (tmp_path / "costs.json").exists()
+
+
 @pytest.mark.timeout(180)
 def test_profile_simulate_and_compare_end_to_end(tmp_path, capsys):
     costs_path = tmp_path / "costs.json"
-    assert main(["profile", *TINY, "--warmup", "1", "--repeats", "3", "--out", str(costs_path)]) == 0
+    assert main(["profile", *TINY, "--warmup", "1", "--repeats", "3", "--min-time", "0.2",
+                 "--out", str(costs_path)]) == 0
+    assert json.loads(costs_path.read_text())["meta"]["min_time"] == 0.2
     costs = load_costs(costs_path, 2)
     assert all(stage.fwd > 0 and stage.bwd > 0 and stage.param_bytes > 0 for stage in costs.stages)
     assert costs.stages[0].act_bytes == 2 * 32 * 4  # microbatch of 2 x hidden 32, float32

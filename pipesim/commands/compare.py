@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from executor.options import add_run_arguments, config_from_args
-from pipesim.commands.profile import add_profile_arguments
+from pipesim.commands.profile import add_profile_arguments, check_profile_arguments
 
 LINK_SIZES = "1KB..16MB"  # sendrecv sizes measured when no --topology is given
 
@@ -48,7 +48,7 @@ def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
         return load_costs(args.costs, num_stages)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    return costs_from_dict(profile(config, args.warmup, args.repeats), num_stages, name="profile")
+    return costs_from_dict(profile(config, args.warmup, args.repeats, args.min_time), num_stages, name="profile")
 
 
 def calibrated_topology(args: argparse.Namespace, config):
@@ -66,6 +66,7 @@ def calibrated_topology(args: argparse.Namespace, config):
 
 
 def handle(args: argparse.Namespace) -> int:
+    check_profile_arguments(args)
     config = config_from_args(args)
     if config.pp < 2:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")

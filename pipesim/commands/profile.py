@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from executor.options import add_run_arguments, config_from_args
@@ -30,16 +31,26 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("profiling")
     group.add_argument("--warmup", type=int, default=3, help="untimed repetitions per measurement (default 3)")
     group.add_argument("--repeats", type=int, default=20, help="timed repetitions, averaged (default 20)")
+    group.add_argument("--min-time", type=float, default=1.0, metavar="SECONDS",
+                       help="time each stage's forward + backward, and the cost of a transfer, for at least this "
+                            "long as well (default 1.0): a small stage's mean needs hundreds of passes to settle")
+
+
+def check_profile_arguments(args: argparse.Namespace) -> None:
+    """Refuse measurement settings that cannot give a mean, before any rank starts."""
+    if args.warmup < 0 or args.repeats < 1:
+        raise ValueError(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
+    if not (math.isfinite(args.min_time) and args.min_time >= 0):
+        raise ValueError(f"--min-time must be a finite number of seconds >= 0, got {args.min_time}")
 
 
 def run_profile(args: argparse.Namespace) -> dict:
     """The costs document for the config the flags describe."""
-    if args.warmup < 0 or args.repeats < 1:
-        raise ValueError(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
+    check_profile_arguments(args)
     config = config_from_args(args)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    return profile(config, args.warmup, args.repeats)
+    return profile(config, args.warmup, args.repeats, args.min_time)
 
 
 def describe(document: dict) -> list[str]:
