@@ -69,19 +69,37 @@ def wait_until_idle(limit: float, threshold: float = 0.9) -> float:
             return fraction
 
 
-def main() -> None:
+def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=21, help="steps per run; the first is left out (default 21)")
     parser.add_argument("--repeats", type=int, default=20, help="profile repetitions (default 20)")
     parser.add_argument("--min-time", type=float, default=2.0,
                         help="profile each stage and the transfer cost for at least this many seconds (default 2)")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="profile, benchmark and run every config this many times, a pass over all configs "
+                             "at a time; a row holds the median prediction and the median measurement (default 1)")
     parser.add_argument("--links", choices=("per-config", "once"), default="per-config",
                         help="benchmark send/recv before each run (default) or once up front")
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    parser.add_argument("--schedules", default=",".join(name for name, _ in SCHEDULES),
+                        help="comma list of schedules (default: all three)")
+    parser.add_argument("--microbatches", default=",".join(map(str, MICROBATCHES)),
+                        help="comma list of microbatch counts (default 4,8,16)")
     parser.add_argument("--json", help="write every row as JSON")
     parser.add_argument("--wait", type=float, default=60.0,
                         help="seconds to wait for idle CPUs before each profile and run (default 60)")
     args = parser.parse_args()
+    unknown = set(args.models.split(",")) - set(MODELS)
+    unknown |= set(args.schedules.split(",")) - {name for name, _ in SCHEDULES}
+    if unknown:
+        parser.error(f"unknown model or schedule: {', '.join(sorted(unknown))}")
+    if args.passes < 1 or args.steps < 2:
+        parser.error("--passes must be >= 1 and --steps >= 2 (the first step is left out)")
+    return args
+
+
+def main() -> None:
+    args = parse_arguments()
 
     from executor.bench_comm import bench_comm  # noqa: PLC0415
     from executor.launch import launch  # noqa: PLC0415
@@ -102,39 +120,50 @@ def main() -> None:
         return topology_from_dict(topology_document(bench, fits), name="bench-comm"), fits["sendrecv"]
 
     topology, link_fit = measure_links()
-    configs = [(model, schedule, virtual, m) for model in args.models.split(",")
-               for schedule, virtual in SCHEDULES for m in MICROBATCHES]
-    rows = []
-    for model, schedule, virtual, m in configs:
-        config = config_for(model, schedule, virtual, m, args.steps)
-        idle_before_profile = wait_until_idle(args.wait)
-        document = profile(config, 3, args.repeats, args.min_time)
-        if args.links == "per-config":
-            topology, link_fit = measure_links()
-        idle_before_run = wait_until_idle(args.wait)
-        (result,) = launch(config)
-        measured = measured_step_time(result["step_times"], 1)
-        lowered = build_schedule(config)
-        costs = costs_from_dict(document, lowered.num_stages, name="profile")
-        predicted = run_simulation(lowered, costs, topology).metrics.makespan
-        rows.append({"model": model, "schedule": schedule, "microbatches": m, "measured": measured,
-                     "predicted": predicted, "error": (predicted - measured) / measured,
-                     "step_times": result["step_times"], "comm_overhead": document["comm_overhead"],
+    virtual_of = dict(SCHEDULES)
+    configs = [(model, schedule, virtual_of[schedule], int(m)) for model in args.models.split(",")
+               for schedule in args.schedules.split(",") for m in args.microbatches.split(",")]
+    trials: dict[tuple, list[dict]] = {config: [] for config in configs}
+    for number in range(args.passes):
+        for model, schedule, virtual, m in configs:
+            config = config_for(model, schedule, virtual, m, args.steps)
+            idle_before_profile = wait_until_idle(args.wait)
+            document = profile(config, 3, args.repeats, args.min_time)
+            if args.links == "per-config":
+                topology, link_fit = measure_links()
+            idle_before_run = wait_until_idle(args.wait)
+            (result,) = launch(config)
+            measured = measured_step_time(result["step_times"], 1)
+            lowered = build_schedule(config)
+            costs = costs_from_dict(document, lowered.num_stages, name="profile")
+            predicted = run_simulation(lowered, costs, topology).metrics.makespan
+            trial = {"pass": number, "measured": measured, "predicted": predicted,
+                     "error": (predicted - measured) / measured, "step_times": result["step_times"],
+                     "comm_overhead": document["comm_overhead"], "step_overhead": document["step_overhead"],
                      "link_latency": link_fit["latency"], "link_bandwidth": link_fit["bandwidth"],
-                     "idle_before": [round(idle_before_profile, 3), round(idle_before_run, 3)]})
-        print(f"{model:<10} {schedule:<17} m={m:<3} measured {measured * 1e3:8.2f} ms  "
-              f"predicted {predicted * 1e3:8.2f} ms  error {rows[-1]['error']:+6.1%}  "
-              f"idle before {rows[-1]['idle_before']}  per transfer {document['comm_overhead'] * 1e6:.0f} us  "
-              f"link latency {link_fit['latency'] * 1e6:.0f} us", flush=True)
+                     "idle_before": [round(idle_before_profile, 3), round(idle_before_run, 3)]}
+            trials[(model, schedule, virtual, m)].append(trial)
+            print(f"pass {number + 1}/{args.passes}  {model:<10} {schedule:<17} m={m:<3} "
+                  f"measured {measured * 1e3:8.2f} ms  predicted {predicted * 1e3:8.2f} ms  "
+                  f"error {trial['error']:+6.1%}  idle before {trial['idle_before']}  "
+                  f"per transfer {document['comm_overhead'] * 1e6:.0f} us  "
+                  f"link latency {link_fit['latency'] * 1e6:.0f} us", flush=True)
+    rows = []
+    for (model, schedule, _, m), runs in trials.items():
+        measured = statistics.median(run["measured"] for run in runs)
+        predicted = statistics.median(run["predicted"] for run in runs)
+        rows.append({"model": model, "schedule": schedule, "microbatches": m, "measured": measured,
+                     "predicted": predicted, "error": (predicted - measured) / measured, "passes": runs})
     errors = [abs(row["error"]) for row in rows]
     print()
-    print("| model | schedule | m | measured (ms) | predicted (ms) | error |")
-    print("|---|---|---|---|---|---|")
+    print("| model | schedule | m | measured (ms) | predicted (ms) | error | error of each pass |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
+        each = " ".join(f"{run['error']:+.1%}" for run in row["passes"])
         print(f"| {row['model']} | {row['schedule']} | {row['microbatches']} | {row['measured'] * 1e3:.2f} | "
-              f"{row['predicted'] * 1e3:.2f} | {row['error']:+.1%} |")
-    print(f"\nmedian |error| {statistics.median(errors):.1%}, max |error| {max(errors):.1%} over {len(rows)} configs "
-          f"({time.perf_counter() - started:.0f} s)")
+              f"{row['predicted'] * 1e3:.2f} | {row['error']:+.1%} | {each} |")
+    print(f"\nmedian |error| {statistics.median(errors):.1%}, max |error| {max(errors):.1%} over {len(rows)} configs, "
+          f"{args.passes} pass(es) ({time.perf_counter() - started:.0f} s)")
     print(f"load average after: {os.getloadavg()}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -191,24 +192,37 @@ def loss_reduce(world: int, device: torch.device, warmup: int, repeats: int) -> 
     if world < 2:
         return 0.0
     loss = torch.zeros((), device=device)
-    samples = []
-    for index in range(warmup + max(repeats, STALL_SAMPLES)):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def reduce() -> None:
         dist.all_reduce(loss)
         loss.item()
+
+    return mean_after_barrier(reduce, warmup, max(repeats, STALL_SAMPLES))
+
+
+def mean_after_barrier(timed: Callable[[], Callable[[], None] | None], warmup: int, samples: int) -> float:
+    """Mean seconds of ``timed()`` started right after a barrier, as at the start or
+    end of a step; a callable it returns finishes the sample untimed. Many samples:
+    on a shared 2-core VM most such operations take a hundred microseconds and one in
+    a few takes milliseconds, and a step pays the mean."""
+    seconds = []
+    for index in range(warmup + samples):
+        dist.barrier()
+        start = time.perf_counter()
+        finish = timed()
+        elapsed = time.perf_counter() - start
+        if finish is not None:
+            finish()
         if index >= warmup:
-            samples.append(time.perf_counter() - start)
-    return statistics.fmean(samples)
+            seconds.append(elapsed)
+    return statistics.fmean(seconds)
 
 
 def prefetch_cost(shape: tuple[int, ...], dtype: torch.dtype, receives: int, rank: int, world: int,
                   device: torch.device, warmup: int, repeats: int) -> float:
     """Seconds the runtime spends at the start of a step posting its ``receives``
     receives ahead (gloo): the same posts, right after a barrier as in a step. Rank r
-    receives from r-1 and sends r+1 as many as r+1 posts, so every post completes. A
-    mean over many samples: on a shared 2-core VM most such posts take a hundred
-    microseconds and one in three or four takes milliseconds."""
+    receives from r-1 and sends r+1 as many as r+1 posts, so every post completes."""
     if world < 2:
         return 0.0
     after, before = (rank + 1) % world, (rank - 1) % world
@@ -216,19 +230,18 @@ def prefetch_cost(shape: tuple[int, ...], dtype: torch.dtype, receives: int, ran
     dist.all_gather(counts, torch.tensor([receives]))
     to_send = int(counts[after].item())
     outgoing = torch.zeros(shape, dtype=dtype, device=device)
-    samples = []
-    for index in range(warmup + max(repeats, STALL_SAMPLES)):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def post() -> Callable[[], None]:
         posted = [dist.irecv(torch.empty(shape, dtype=dtype, device=device), before, tag=tag)
                   for tag in range(receives)]
-        elapsed = time.perf_counter() - start
-        works = [*posted, *(dist.isend(outgoing, after, tag=tag) for tag in range(to_send))]
-        for work in works:
-            work.wait()
-        if index >= warmup:
-            samples.append(elapsed)
-    return statistics.fmean(samples)
+
+        def complete() -> None:
+            for work in [*posted, *(dist.isend(outgoing, after, tag=tag) for tag in range(to_send))]:
+                work.wait()
+
+        return complete
+
+    return mean_after_barrier(post, warmup, max(repeats, STALL_SAMPLES))
 
 
 def microbatch_size(config: RunConfig) -> int:
