@@ -8,7 +8,13 @@ those costs and links (``simulate --costs --topology``). Each prediction is held
 the median step time of the run. Prints a table and the median and maximum absolute
 error.
 
-    PYTHONPATH=. python benchmarks/bench_fidelity.py [--steps 21] [--json fidelity.json]
+    PYTHONPATH=. python benchmarks/bench_fidelity.py [--passes 3] [--json fidelity.json]
+
+All of it is done ``--passes`` times (default 3, about 22 minutes on 2 cores; one pass
+takes about 7), a pass over all configs at a time, and a row holds the median
+prediction and the median measurement with each pass's error beside them: on a shared
+VM a slow spell during one run moves a small config's step time by up to 20%, which
+no calibration taken minutes earlier can follow (docs/calibration.md).
 
 The links are measured again for each config (``--links once`` measures them once, up
 front): on a shared VM gloo's latency drifts with the host's load over minutes, and a
@@ -75,9 +81,10 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=20, help="profile repetitions (default 20)")
     parser.add_argument("--min-time", type=float, default=2.0,
                         help="profile each stage and the transfer cost for at least this many seconds (default 2)")
-    parser.add_argument("--passes", type=int, default=1,
+    parser.add_argument("--passes", type=int, default=3,
                         help="profile, benchmark and run every config this many times, a pass over all configs "
-                             "at a time; a row holds the median prediction and the median measurement (default 1)")
+                             "at a time; a row holds the median prediction and the median measurement (default 3; "
+                             "1 for a quick look)")
     parser.add_argument("--links", choices=("per-config", "once"), default="per-config",
                         help="benchmark send/recv before each run (default) or once up front")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
