@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 
 ROUNDS = 5
+DEFAULT_MIN_TIME = 1.0  # seconds of timed work per stage, and for the transfer cost
 
 
 def robust_mean(round_means: list[float]) -> float:

@@ -27,7 +27,7 @@ from schedules.generators import generate
 from schedules.lowering import lower
 from schedules.schedule import Schedule
 
-POSTS = 16  # receives posted per measurement of the prefetch cost
+POSTS = 16  # sends and receives per sample of the post and wait costs
 STALL_SAMPLES = 100  # samples of a cost with rare millisecond stalls, whose mean needs many
 TRANSFER_BLOCK = 32  # iterations between barriers in the transfer-cost loop (half of them transfer)
 
@@ -181,7 +181,7 @@ def transfer_interference(shape: tuple[int, ...], dtype: torch.dtype, rank: int,
     started = time.perf_counter()
     block()
     per_round = round(min_time / ROUNDS / max(time.perf_counter() - started, 1e-6))
-    blocks = torch.tensor([max(1, per_round)])
+    blocks = torch.tensor([max(1, per_round)], device=device)  # NCCL reduces device tensors only
     dist.all_reduce(blocks, op=dist.ReduceOp.MAX)  # every rank must post the same transfers
     round_means = [statistics.fmean(d for _ in range(int(blocks.item())) for d in block()) for _ in range(ROUNDS)]
     return max(robust_mean(round_means), 0.0) / 2

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from executor.config import ConfigError, RunConfig, build_schedule
-from executor.estimate import ROUNDS, robust_mean
+from executor.estimate import DEFAULT_MIN_TIME, ROUNDS, robust_mean
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.overheads import measure_overheads, microbatch_size
 from executor.process import init_rank
@@ -67,7 +67,6 @@ def mean_seconds(run: Callable[[], None], device: torch.device, warmup: int, rep
     return statistics.fmean(samples)
 
 
-DEFAULT_MIN_TIME = 1.0  # seconds of timed work per stage and for the transfer cost
 MAX_REPEATS = 100_000  # a bound on time-budgeted loops, should a clock not advance
 
 

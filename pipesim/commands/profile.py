@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+from executor.estimate import DEFAULT_MIN_TIME
 from executor.options import add_run_arguments, config_from_args
 
 
@@ -31,9 +32,10 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("profiling")
     group.add_argument("--warmup", type=int, default=3, help="untimed repetitions per measurement (default 3)")
     group.add_argument("--repeats", type=int, default=20, help="timed repetitions, averaged (default 20)")
-    group.add_argument("--min-time", type=float, default=1.0, metavar="SECONDS",
+    group.add_argument("--min-time", type=float, default=DEFAULT_MIN_TIME, metavar="SECONDS",
                        help="time each stage's forward + backward, and the cost of a transfer, for at least this "
-                            "long as well (default 1.0): a small stage's mean needs hundreds of passes to settle")
+                            f"long as well (default {DEFAULT_MIN_TIME:g}): a small stage's mean needs hundreds of "
+                            "passes to settle")
 
 
 def check_profile_arguments(args: argparse.Namespace) -> None:
