@@ -126,7 +126,7 @@ def main() -> None:
         fits = fits_by_operation(bench)
         return topology_from_dict(topology_document(bench, fits), name="bench-comm"), fits["sendrecv"]
 
-    topology, link_fit = measure_links()
+    links_once = measure_links() if args.links == "once" else None
     virtual_of = dict(SCHEDULES)
     configs = [(model, schedule, virtual_of[schedule], int(m)) for model in args.models.split(",")
                for schedule in args.schedules.split(",") for m in args.microbatches.split(",")]
@@ -136,8 +136,7 @@ def main() -> None:
             config = config_for(model, schedule, virtual, m, args.steps)
             idle_before_profile = wait_until_idle(args.wait)
             document = profile(config, 3, args.repeats, args.min_time)
-            if args.links == "per-config":
-                topology, link_fit = measure_links()
+            topology, link_fit = links_once or measure_links()
             idle_before_run = wait_until_idle(args.wait)
             (result,) = launch(config)
             measured = measured_step_time(result["step_times"], 1)
