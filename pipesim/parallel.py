@@ -53,6 +53,7 @@ class ParallelConfig:
     overlap_dp: bool = True
     algorithm: str = "ring"
     bytes_per_param: BytesPerParam = BytesPerParam()
+    zero: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
             if per_pass > 0:
                 for kind in (ActionKind.F, ActionKind.B, ActionKind.I):
                     tp_seconds[stage, kind] = per_pass
+                # full recompute re-runs the forward, and its collectives, inside the backward
+                for kind in (ActionKind.B, ActionKind.I):
+                    tp_seconds[stage, kind] += 2 * cost.recompute_layers * one
         if mapping.dp > 1 and cost.param_bytes > 0:
             seconds, buckets = bucketed_all_reduce(
                 topology, mapping.dp_group(rank, 0), cost.param_bytes, bucket_bytes, algorithm)

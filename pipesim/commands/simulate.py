@@ -14,7 +14,9 @@ from pipesim.commands.options import (
     add_schedule_args,
     add_topology_args,
     costs_from_args,
+    fallback_peak_flops,
     model_costs_from_args,
+    model_spec_from_args,
     parallel_from_args,
     schedule_from_args,
     topology_from_args,
@@ -70,6 +72,26 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
         print(f"wrote {path}")
 
 
+def model_figures(args: argparse.Namespace, result) -> dict:
+    """``--json``'s model section: the architecture, the per-stage costs derived from it,
+    and the throughput a training log would report for the simulated step."""
+    import math
+
+    from pipesim.model_costs import training_figures
+
+    spec = model_spec_from_args(args)
+    fallback = fallback_peak_flops(args)
+    peaks = [result.topology.device_peak_flops(device) for device in result.devices]
+    peaks = [peak if math.isfinite(peak) else fallback for peak in peaks] or [fallback]
+    gpus = result.schedule.pp * result.parallel.tp * result.parallel.dp
+    figures = training_figures(spec, args.recompute, result.metrics.makespan, result.schedule.microbatches,
+                               result.parallel.dp, gpus, sum(peaks) / len(peaks))
+    model = spec.describe()
+    model.update(recompute=args.recompute, flash_attention=not args.no_flash_attention,
+                 sequence_parallel=args.sequence_parallel, gpus=gpus, peak_flops_per_gpu=sum(peaks) / len(peaks))
+    return {"model": model, "stage_costs": result.costs.to_dict()["stages"], **figures}
+
+
 def handle(args: argparse.Namespace) -> int:
     from pipesim.memory import OutOfMemoryError, check_memory
 
@@ -80,8 +102,15 @@ def handle(args: argparse.Namespace) -> int:
     else:
         costs = costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
     result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args))
+    document = result.to_dict()
     print(result.summary())
-    write_outputs(args, result.to_dict(), [result.trace], [f"predicted: {schedule.name}"], [result.metrics])
+    if args.model:
+        figures = model_figures(args, result)
+        document.update(figures)
+        print(f"  model {figures['model']['name']}: {figures['model']['params'] / 1e9:.3g} B params; "
+              f"{figures['tokens_per_second']:.4g} tokens/s, {figures['model_tflops_per_gpu']:.4g} TFLOP/s per GPU "
+              f"(Megatron's count), MFU {figures['mfu']:.1%}")
+    write_outputs(args, document, [result.trace], [f"predicted: {schedule.name}"], [result.metrics])
     if args.fail_on_oom:
         try:
             check_memory(result.memory)
