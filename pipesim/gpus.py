@@ -4,7 +4,8 @@ Figures are the vendors' datasheet numbers for the SXM parts in HGX/DGX systems
 (sources in docs/cluster-model.md):
 
 - ``bf16_flops``: dense BF16 tensor-core peak (no 2:4 sparsity), the denominator of MFU;
-- ``memory_bytes``: HBM capacity;
+- ``memory_bytes``: HBM capacity; ``memory_bandwidth``: HBM bandwidth (bytes/s), which
+  sets the pace of the memory-bound kernels (``pipesim.memory_traffic``);
 - ``nvlink_bandwidth``: NVLink bandwidth per GPU per direction through NVSwitch (half of
   the bidirectional figure datasheets quote);
 - ``nic_bandwidth``: the per-GPU InfiniBand port of the vendor's reference system of that
@@ -33,14 +34,15 @@ class GpuSpec:
     nvlink_generation: int
     nvlink_bandwidth: float
     nic_bandwidth: float
+    memory_bandwidth: float
 
 
 GPUS: dict[str, GpuSpec] = {
-    "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GB, 3, 300 * GB, 25 * GB),
-    "a100-80gb": GpuSpec("a100-80gb", 312e12, 80 * GB, 3, 300 * GB, 25 * GB),
-    "h100": GpuSpec("h100", 989e12, 80 * GB, 4, 450 * GB, 50 * GB),
-    "h200": GpuSpec("h200", 989e12, 141 * GB, 4, 450 * GB, 50 * GB),
-    "b200": GpuSpec("b200", 2250e12, 180 * GB, 5, 900 * GB, 50 * GB),
+    "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GB, 3, 300 * GB, 25 * GB, 1555 * GB),
+    "a100-80gb": GpuSpec("a100-80gb", 312e12, 80 * GB, 3, 300 * GB, 25 * GB, 2039 * GB),
+    "h100": GpuSpec("h100", 989e12, 80 * GB, 4, 450 * GB, 50 * GB, 3350 * GB),
+    "h200": GpuSpec("h200", 989e12, 141 * GB, 4, 450 * GB, 50 * GB, 4800 * GB),
+    "b200": GpuSpec("b200", 2250e12, 180 * GB, 5, 900 * GB, 50 * GB, 8000 * GB),
 }
 
 DEFAULT_GPU = "h100"

@@ -1,7 +1,8 @@
 """A ``ModelSpec`` split over pipeline stages, turned into per-stage ``Costs``, and the
 training figures people quote for a simulated step (tokens/s, TFLOP/s per GPU, MFU).
 
-Time of a compute action = its FLOPs on one tp rank / (device peak x efficiency): one
+Time of a compute action = its FLOPs on one tp rank / (device peak x efficiency) + the
+bytes its memory-bound kernels move / HBM bandwidth (``pipesim.memory_traffic``): one
 efficiency number for every GEMM and attention kernel (``--mfu``, calibrated against a
 measured or published step; see benchmarks/published.py).
 
@@ -21,9 +22,17 @@ from __future__ import annotations
 
 from pipesim.activations import first_stage_extra_bytes, last_stage_extra_bytes, layer_stash_bytes
 from pipesim.costs import Costs, StageCost
+from pipesim.memory_traffic import layer_memory_seconds
 from pipesim.model_spec import ModelSpec, ModelSpecError, check_recompute, finite_peak, split_layers
 
 H100_BF16_FLOPS = 989e12  # used when a device has no peak (the ideal topology) and no --gpu
+H100_HBM_BANDWIDTH = 3.35e12
+
+
+def device_memory_bandwidth(topology, device: str) -> float:
+    """HBM bytes/s of ``device`` in ``topology``; 0 (unknown) when the topology does not say."""
+    graph = topology.graph
+    return float(graph.nodes[device].get("memory_bandwidth", 0.0)) if device in graph else 0.0
 
 
 def model_costs(
@@ -37,9 +46,12 @@ def model_costs(
     recompute: str = "none",
     flash_attention: bool = True,
     fallback_peak: float = H100_BF16_FLOPS,
+    stage_memory_bandwidth: list[float] | None = None,
+    fallback_memory_bandwidth: float = H100_HBM_BANDWIDTH,
 ) -> Costs:
     """Per-stage ``Costs`` of ``spec`` split over ``num_stages`` stages, on devices whose
-    peak FLOP/s are ``stage_peak_flops[stage]``, reaching ``mfu`` of peak."""
+    peak FLOP/s are ``stage_peak_flops[stage]``, reaching ``mfu`` of peak, and whose HBM
+    moves ``stage_memory_bandwidth[stage]`` bytes/s (the fallbacks where unknown)."""
     if not 0 < mfu <= 1:
         raise ModelSpecError(f"--mfu is a fraction of peak in (0, 1], got {mfu}")
     if tp < 1:
@@ -52,6 +64,10 @@ def model_costs(
     stages = []
     for stage, count in enumerate(counts):
         rate = finite_peak(stage_peak_flops[stage], fallback_peak) * mfu
+        bandwidth = finite_peak(stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0,
+                                fallback_memory_bandwidth)
+        memory_fwd, memory_bwd = layer_memory_seconds(spec, bandwidth, tp, sequence_parallel, flash_attention,
+                                                      recompute)
         flops = count * spec.layer_flops() / tp
         weight_flops = count * spec.layer_gemm_flops() / tp
         params = count * spec.layer_params() / tp
@@ -66,8 +82,8 @@ def model_costs(
             stash += last_stage_extra_bytes(spec, tp, sequence_parallel)
         fwd = flops / rate
         stages.append(StageCost(
-            fwd=fwd,
-            bwd=2 * fwd + count * recompute_per_layer / tp / rate,
+            fwd=fwd + count * memory_fwd,
+            bwd=2 * fwd + count * recompute_per_layer / tp / rate + count * memory_bwd,
             wgrad=weight_flops / rate,
             act_bytes=spec.boundary_bytes(tp, sequence_parallel) if stage < num_stages - 1 else 0.0,
             stash_bytes=stash,

@@ -47,7 +47,8 @@ GPUS_PER_NODE = 8
 
 
 def _gpu(graph: nx.DiGraph, name: str, gpu: GpuSpec) -> str:
-    graph.add_node(name, kind="gpu", memory_bytes=gpu.memory_bytes, peak_flops=gpu.bf16_flops, gpu=gpu.name)
+    graph.add_node(name, kind="gpu", memory_bytes=gpu.memory_bytes, peak_flops=gpu.bf16_flops,
+                   memory_bandwidth=gpu.memory_bandwidth, gpu=gpu.name)
     return name
 
 

@@ -8,9 +8,9 @@ Minimal form::
 
 Optional: ``switches: [{name: sw0, kind: pcie_switch}]``; per link ``efficiency``
 (default 1), ``medium``, ``directed: true`` (one direction only); per device
-``peak_flops``, or ``gpu: h100`` (a name from ``pipesim.gpus``) for that model's memory and
-peak, which ``memory_bytes``/``peak_flops`` then override; ``mapping: [g1, g0]`` (rank r runs
-on mapping[r]; default: file order). Every number must be finite: NaN, inf, null and
+``peak_flops``, ``memory_bandwidth`` (HBM bytes/s), or ``gpu: h100`` (a name from
+``pipesim.gpus``) for that model's figures, which the explicit fields then override;
+``mapping: [g1, g0]`` (rank r runs on mapping[r]; default: file order). Every number must be finite: NaN, inf, null and
 negative values are errors naming the entry and the field.
 """
 
@@ -63,17 +63,18 @@ def topology_from_dict(data: object, name: str = "custom") -> Topology:
         device_name = str(device["name"])
         if device_name in graph:
             raise TopologyError(f"{where}: device {device_name!r} is listed twice")
-        memory, flops = math.inf, math.inf
+        memory, flops, bandwidth = math.inf, math.inf, math.inf
         if device.get("gpu") is not None:
             gpu = GPUS.get(str(device["gpu"]).lower())
             if gpu is None:
                 raise TopologyError(f"{where}: unknown gpu {device['gpu']!r} (known: {', '.join(GPUS)})")
-            memory, flops = gpu.memory_bytes, gpu.bf16_flops
+            memory, flops, bandwidth = gpu.memory_bytes, gpu.bf16_flops, gpu.memory_bandwidth
         graph.add_node(
             device_name,
             kind="gpu",
             memory_bytes=_number(where, device, "memory_bytes", memory, positive=True),
             peak_flops=_number(where, device, "peak_flops", flops, positive=True),
+            memory_bandwidth=_number(where, device, "memory_bandwidth", bandwidth, positive=True),
         )
         order.append(device_name)
     for index, switch in enumerate(data.get("switches") or []):

@@ -6,22 +6,25 @@ Expected values are the papers' closed forms or counts written out by hand here.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from pipesim.activations import layer_stash_bytes
 from pipesim.cli import main
+from pipesim.memory_traffic import BACKWARD_TRAFFIC, HBM_EFFICIENCY, layer_memory_seconds
 from pipesim.model_costs import training_figures
 from pipesim.model_spec import ModelSpecError, model_costs, model_spec, spec_from_hf_config, split_layers
 
 PEAK = 1e15
 RATE = PEAK * 0.5
+FREE_HBM = {"fallback_memory_bandwidth": math.inf}  # FLOPs only: memory-bound kernels cost nothing
 
 
 def test_gpt_costs_match_the_per_layer_formulas():
     spec = model_spec("gpt3-13b", seq_len=2048, microbatch_size=1)
     s, b, h, a, vocab = 2048, 1, 5120, 40, 50257
-    costs = model_costs(spec, 4, [PEAK] * 4, mfu=0.5)
+    costs = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, **FREE_HBM)
     layer_seconds = s * b * h * (24 * h + 4 * s) / RATE  # Narayanan et al. 2021
     middle = costs.stages[1]
     assert middle.fwd == pytest.approx(10 * layer_seconds)
@@ -38,7 +41,7 @@ def test_gpt_costs_match_the_per_layer_formulas():
     assert last.params == pytest.approx(middle.params + 2 * h)
     assert last.fwd == pytest.approx(10 * layer_seconds + 2 * s * b * h * vocab / RATE)
     assert last.act_bytes == 0.0
-    no_flash = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, flash_attention=False)
+    no_flash = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, flash_attention=False, **FREE_HBM)
     assert no_flash.stages[1].stash_bytes == pytest.approx(10 * s * b * h * (34 + 5 * a * s / h))
 
 
@@ -47,7 +50,7 @@ def test_llama_layer_has_gqa_and_swiglu():
     s, b, h, kv, f = 8192, 1, 4096, 8 * 128, 14336
     assert spec.layer_params() == 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
     assert spec.layer_flops() == 2 * s * b * (h * (h + 2 * kv) + h * h + 3 * h * f) + 4 * s * s * b * h
-    costs = model_costs(spec, 4, [PEAK] * 4, mfu=0.5)
+    costs = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, **FREE_HBM)
     assert costs.stages[1].fwd == pytest.approx(8 * spec.layer_flops() / RATE)
     assert costs.stages[-1].params == pytest.approx(8 * spec.layer_params() + h + 128256 * h)  # untied head
 
@@ -131,16 +134,16 @@ def test_llama_activation_inventory_by_hand():
 def test_recompute_adds_the_forward_to_the_backward():
     spec = model_spec("gpt3-13b")
     s, b, h = 2048, 1, 5120
-    plain = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, tp=2).stages[1]
-    full = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, tp=2, recompute="full").stages[1]
-    selective = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, tp=2, recompute="selective").stages[1]
+    plain = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, tp=2, **FREE_HBM).stages[1]
+    full = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, tp=2, recompute="full", **FREE_HBM).stages[1]
+    selective = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, tp=2, recompute="selective", **FREE_HBM).stages[1]
     assert full.fwd == plain.fwd and full.wgrad == plain.wgrad
     assert full.bwd == pytest.approx(3 * plain.fwd)
     assert full.recompute_layers == 10 and plain.recompute_layers == 0
     assert selective.bwd == pytest.approx(2 * plain.fwd + 10 * 4 * s * s * b * h / 2 / RATE)
     assert full.stash_bytes == pytest.approx(10 * 2 * s * b * h)
     with pytest.raises(ModelSpecError, match="--recompute 'some'"):
-        model_costs(spec, 4, [PEAK] * 4, recompute="some")
+        model_costs(spec, 4, [PEAK] * 4, recompute="some", **FREE_HBM)
 
 
 def test_megatron_flops_with_full_recompute_are_narayanan_equation_3():
@@ -193,6 +196,29 @@ def test_simulate_json_reports_model_throughput_and_mfu(tmp_path):
     assert document["tokens_per_second"] == pytest.approx(4 * 2048 / makespan)
     assert document["mfu"] == pytest.approx(4 * 3 * spec.forward_flops() / makespan / gpus / 312e12)
     assert len(document["stage_costs"]) == 2
-    # on the ideal topology, each rank computes at --mfu of the A100 peak: F+B per microbatch
+    # each rank computes at --mfu of the A100 peak, plus its memory-bound kernels at the
+    # A100's 2.039 TB/s (flash attention: no score traffic): 38h bytes per token per layer
+    # forward, 1.5x that backward
+    hbm = 2.039e12 * HBM_EFFICIENCY
+    memory = 24 * 2048 * 38 * 2048 * (1 + BACKWARD_TRAFFIC) / hbm
     busy = sum(stage["fwd"] + stage["bwd"] for stage in document["stage_costs"])
-    assert busy * 4 * 0.4 * 312e12 == pytest.approx(4 * 3 * spec.forward_flops())
+    assert busy == pytest.approx(3 * spec.forward_flops() / (0.4 * 312e12) + memory)
+
+
+def test_memory_bound_kernels_by_hand():
+    """GPT layer, no flash: norms 4h + residual adds 6h elements (2 bytes) + 2h mask bytes
+    + GeLU 2f elements = 38h bytes per token; scores: softmax 2 + dropout 2 elements + 1
+    mask byte per score = 9as bytes per token."""
+    spec = model_spec("gpt3-1.3b")
+    s, h, a = 2048, 2048, 16
+    bandwidth = 2e12
+    forward, backward = layer_memory_seconds(spec, bandwidth, flash_attention=False)
+    assert forward == pytest.approx(s * (38 * h + 9 * a * s) / (bandwidth * HBM_EFFICIENCY))
+    assert backward == pytest.approx(BACKWARD_TRAFFIC * forward)
+    flash, _ = layer_memory_seconds(spec, bandwidth)
+    assert flash == pytest.approx(s * 38 * h / (bandwidth * HBM_EFFICIENCY))
+    # tp=4 without sequence parallelism splits only the GeLU (16h of the 38h)
+    split, _ = layer_memory_seconds(spec, bandwidth, tp=4)
+    assert split == pytest.approx(s * (22 * h + 16 * h / 4) / (bandwidth * HBM_EFFICIENCY))
+    _, full = layer_memory_seconds(spec, bandwidth, recompute="full")
+    assert full == pytest.approx((1 + BACKWARD_TRAFFIC) * flash)

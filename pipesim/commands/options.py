@@ -159,21 +159,31 @@ def fallback_peak_flops(args: argparse.Namespace) -> float:
     return gpu_spec(getattr(args, "gpu", None)).bf16_flops
 
 
+def fallback_memory_bandwidth(args: argparse.Namespace) -> float:
+    """HBM bytes/s for devices the topology gives none: ``--gpu``'s, else H100's."""
+    from pipesim.gpus import gpu_spec
+
+    return gpu_spec(getattr(args, "gpu", None)).memory_bandwidth
+
+
 def model_costs_from_args(args: argparse.Namespace, schedule: Schedule, topology: Topology) -> Costs:
     """Costs of ``--model`` on the devices its pipeline ranks are mapped to."""
     from pipesim.mapping import map_ranks
-    from pipesim.model_costs import model_costs
+    from pipesim.model_costs import device_memory_bandwidth, model_costs
 
     if args.costs or args.act_bytes or args.wgrad or args.stash_bytes is not None or args.param_bytes is not None:
         raise ValueError("--model derives the costs; drop --costs/--act-bytes/--wgrad/--stash-bytes/--param-bytes "
                          "or drop --model")
     spec = model_spec_from_args(args)
     devices = map_ranks(topology, args.dp, schedule.pp, args.tp, args.rank_order).pipeline()
-    peaks = [topology.device_peak_flops(devices[schedule.placement[stage]]) for stage in range(schedule.num_stages)]
+    stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
+    peaks = [topology.device_peak_flops(device) for device in stage_devices]
+    bandwidths = [device_memory_bandwidth(topology, device) for device in stage_devices]
     layout = split_list(args.layers_per_stage, int) if args.layers_per_stage else None
     return model_costs(spec, schedule.num_stages, peaks, tp=args.tp, mfu=args.mfu,
                        sequence_parallel=args.sequence_parallel, layers_per_stage=layout, recompute=args.recompute,
-                       flash_attention=not args.no_flash_attention, fallback_peak=fallback_peak_flops(args))
+                       flash_attention=not args.no_flash_attention, fallback_peak=fallback_peak_flops(args),
+                       stage_memory_bandwidth=bandwidths, fallback_memory_bandwidth=fallback_memory_bandwidth(args))
 
 
 def costs_from_args(args: argparse.Namespace, num_stages: int, virtual_stages: int) -> Costs:
