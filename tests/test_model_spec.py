@@ -222,3 +222,48 @@ def test_memory_bound_kernels_by_hand():
     assert split == pytest.approx(s * (22 * h + 16 * h / 4) / (bandwidth * HBM_EFFICIENCY))
     _, full = layer_memory_seconds(spec, bandwidth, recompute="full")
     assert full == pytest.approx((1 + BACKWARD_TRAFFIC) * flash)
+
+
+@pytest.mark.parametrize("gpu,peak,memory,nvlink,nic", [
+    ("a100-40gb", 312e12, 40e9, 300e9, 25e9), ("a100-80gb", 312e12, 80e9, 300e9, 25e9),
+    ("h100", 989e12, 80e9, 450e9, 50e9), ("h200", 989e12, 141e9, 450e9, 50e9), ("b200", 2250e12, 180e9, 900e9, 50e9),
+])
+def test_gpu_presets_set_devices_nvlink_and_nics(gpu, peak, memory, nvlink, nic):
+    from pipesim.topology_file import load_topology
+
+    topology = load_topology("ib", 2, gpu)
+    device = topology.devices[9]
+    assert topology.device_peak_flops(device) == peak and topology.device_memory(device) == memory
+    assert topology.graph.edges[device, "n1.nvswitch"]["bandwidth"] == nvlink
+    assert topology.graph.edges["n1.nic1", "ib_switch"]["bandwidth"] == nic
+
+
+def test_gpu_flag_reaches_memory_capacity_and_mfu(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--model", "gpt3-1.3b", "--pp", "2", "-m", "2", "--topology", "nvlink", "--gpu", "h200",
+                 "--json", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert document["ranks"][0]["memory"]["capacity_bytes"] == 141e9
+    assert document["model"]["peak_flops_per_gpu"] == 989e12
+    topology_file = tmp_path / "t.json"
+    topology_file.write_text(json.dumps({"devices": [{"name": "g0"}]}))
+    assert main(["simulate", "--topology", str(topology_file), "--pp", "1", "--gpu", "h100"]) == 2
+    assert "a topology file names its own" in capsys.readouterr().err
+
+
+def test_full_recompute_slows_the_simulated_step_by_the_extra_forward(tmp_path):
+    """Ideal links, one rank: step = m (F + B); full recompute adds one F per microbatch
+    (the layers' part, not the logits'), selective the attention core's."""
+    common = ["simulate", "--model", "gpt3-1.3b", "--pp", "1", "-m", "4", "--mfu", "0.5", "--json"]
+    steps = {}
+    for recompute in ("none", "selective", "full"):
+        out = tmp_path / f"{recompute}.json"
+        assert main([*common, str(out), "--recompute", recompute, "--gpu", "a100-80gb"]) == 0
+        steps[recompute] = json.loads(out.read_text())["makespan"]
+    spec = model_spec("gpt3-1.3b")
+    rate = 0.5 * 312e12
+    hbm = 2.039e12 * HBM_EFFICIENCY
+    layer_memory = 2048 * 38 * 2048 / hbm  # forward bytes of a layer's memory-bound kernels
+    assert steps["full"] - steps["none"] == pytest.approx(
+        4 * 24 * (spec.layer_flops() / rate + layer_memory))
+    assert steps["selective"] - steps["none"] == pytest.approx(4 * 24 * 4 * 2048 * 2048 * 2048 / rate)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -48,12 +49,24 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--html", help="write a Gantt chart (self-contained HTML)")
 
 
+def finite_json(value):
+    """``value`` with every non-finite float (an unbounded capacity, an undefined ratio)
+    written as null, so ``--json`` is strict JSON that any parser reads."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value
+
+
 def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, titles: list[str],
                   metrics: list | None = None) -> None:
     """Write whichever of --json/--trace/--chrome-trace/--html were asked for."""
     written = []
     if args.json:
-        Path(args.json).write_text(json.dumps(result_dict, indent=2))
+        Path(args.json).write_text(json.dumps(finite_json(result_dict), indent=2, allow_nan=False))
         written.append(args.json)
     if args.trace:
         traces[0].save(args.trace)
@@ -75,8 +88,6 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
 def model_figures(args: argparse.Namespace, result) -> dict:
     """``--json``'s model section: the architecture, the per-stage costs derived from it,
     and the throughput a training log would report for the simulated step."""
-    import math
-
     from pipesim.model_costs import training_figures
 
     spec = model_spec_from_args(args)
