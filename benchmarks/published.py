@@ -35,6 +35,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from pipesim import memory_traffic
 from pipesim.mapping import map_ranks
 from pipesim.model_costs import device_memory_bandwidth, model_costs
 from pipesim.model_spec import ModelSpec
@@ -144,7 +145,7 @@ def simulate_step(run: Run, efficiency: float) -> float:
     stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
     costs = model_costs(spec, schedule.num_stages, [topology.device_peak_flops(device) for device in stage_devices],
                         tp=run.tp, mfu=efficiency, sequence_parallel=run.sequence_parallel, recompute=run.recompute,
-                        flash_attention=run.flash_attention,
+                        flash_attention=run.flash_attention, stage_ranks=list(schedule.placement),
                         stage_memory_bandwidth=[device_memory_bandwidth(topology, device) for device in stage_devices])
     parallel = ParallelConfig(dp=run.dp, tp=run.tp, overlap_dp=run.overlap_dp)
     return run_simulation(schedule, costs, topology, parallel=parallel, validate=False).metrics.makespan
@@ -216,7 +217,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--every-anchor", action="store_true",
                         help="also calibrate on each run in turn and report the held-out errors (slow)")
+    parser.add_argument("--backward-traffic", type=float, default=memory_traffic.BACKWARD_TRAFFIC,
+                        help="sensitivity: backward/forward bytes of the memory-bound kernels "
+                        f"(model: {memory_traffic.BACKWARD_TRAFFIC})")
+    parser.add_argument("--hbm-efficiency", type=float, default=memory_traffic.HBM_EFFICIENCY,
+                        help=f"sensitivity: fraction of HBM bandwidth reached (model: {memory_traffic.HBM_EFFICIENCY})")
     args = parser.parse_args()
+    memory_traffic.BACKWARD_TRAFFIC = args.backward_traffic
+    memory_traffic.HBM_EFFICIENCY = args.hbm_efficiency
     started = time.perf_counter()
     all_errors = []
     for title, runs, anchor in STUDIES:

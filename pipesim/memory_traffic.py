@@ -22,6 +22,12 @@ parallelism shards them; the rest is split by tp. The backward moves about 1.5x 
 forward's bytes (each kernel reads its saved input and the incoming gradient and writes
 one gradient), full recompute repeats the forward's, selective recompute the scores'.
 Kernels reach ``HBM_EFFICIENCY`` of the datasheet bandwidth.
+
+The optimizer step is memory-bound too: a fused Adam reads and writes every byte of
+state it keeps per parameter (weights, gradients, optimizer state: 16 bytes in mixed
+precision, the optimizer's share / dp under ZeRO-1), ``2 x 16 = 32`` bytes per parameter
+on the device. It is small next to a large pipeline's step but a few percent of a
+one-stage, one-replica step.
 """
 
 from __future__ import annotations
@@ -62,3 +68,9 @@ def layer_memory_seconds(spec: ModelSpec, bandwidth: float, tp: int = 1, sequenc
     elif recompute == "selective":
         backward += scores / rate
     return forward, backward
+
+
+def optimizer_step_seconds(params: float, state_bytes_per_param: float, bandwidth: float) -> float:
+    """Seconds of one optimizer step over ``params`` parameters that keep
+    ``state_bytes_per_param`` bytes each: read and written once, at ``bandwidth``."""
+    return 2 * params * state_bytes_per_param / (bandwidth * HBM_EFFICIENCY)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pipesim.activations import first_stage_extra_bytes, last_stage_extra_bytes, layer_stash_bytes
 from pipesim.costs import Costs, StageCost
-from pipesim.memory_traffic import layer_memory_seconds
+from pipesim.memory_traffic import layer_memory_seconds, optimizer_step_seconds
 from pipesim.model_spec import ModelSpec, ModelSpecError, check_recompute, finite_peak, split_layers
 
 H100_BF16_FLOPS = 989e12  # used when a device has no peak (the ideal topology) and no --gpu
@@ -48,10 +48,16 @@ def model_costs(
     fallback_peak: float = H100_BF16_FLOPS,
     stage_memory_bandwidth: list[float] | None = None,
     fallback_memory_bandwidth: float = H100_HBM_BANDWIDTH,
+    optimizer_state_bytes: float = 16.0,
+    stage_ranks: list[int] | None = None,
 ) -> Costs:
     """Per-stage ``Costs`` of ``spec`` split over ``num_stages`` stages, on devices whose
     peak FLOP/s are ``stage_peak_flops[stage]``, reaching ``mfu`` of peak, and whose HBM
-    moves ``stage_memory_bandwidth[stage]`` bytes/s (the fallbacks where unknown)."""
+    moves ``stage_memory_bandwidth[stage]`` bytes/s (the fallbacks where unknown).
+
+    The optimizer step (``step_overhead``) reads and writes ``optimizer_state_bytes`` per
+    parameter (weights + gradients + optimizer state on the device); it is the slowest
+    rank's, ranks being ``stage_ranks[stage]`` (default: one stage per rank)."""
     if not 0 < mfu <= 1:
         raise ModelSpecError(f"--mfu is a fraction of peak in (0, 1], got {mfu}")
     if tp < 1:
@@ -62,6 +68,7 @@ def model_costs(
     recompute_per_layer = spec.recompute_flops(recompute) / spec.layers
     full_message = spec.tokens * spec.hidden * spec.dtype_bytes
     stages = []
+    step_seconds: dict[int, float] = {}
     for stage, count in enumerate(counts):
         rate = finite_peak(stage_peak_flops[stage], fallback_peak) * mfu
         bandwidth = finite_peak(stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0,
@@ -81,6 +88,9 @@ def model_costs(
             weight_flops += spec.logits_flops() / tp
             stash += last_stage_extra_bytes(spec, tp, sequence_parallel)
         fwd = flops / rate
+        rank = stage_ranks[stage] if stage_ranks else stage
+        step_seconds[rank] = step_seconds.get(rank, 0.0) + optimizer_step_seconds(params, optimizer_state_bytes,
+                                                                                  bandwidth)
         stages.append(StageCost(
             fwd=fwd + count * memory_fwd,
             bwd=2 * fwd + count * recompute_per_layer / tp / rate + count * memory_bwd,
@@ -97,7 +107,8 @@ def model_costs(
         "model": spec.name, "layers_per_stage": counts, "tp": tp, "mfu": mfu, "total_params": spec.total_params(),
         "recompute": recompute, "flash_attention": flash_attention,
     }
-    return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta)
+    return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta,
+                 step_overhead=max(step_seconds.values()))
 
 
 def training_figures(spec: ModelSpec, recompute: str, makespan: float, microbatches: int, dp: int, gpus: int,

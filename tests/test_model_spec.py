@@ -267,3 +267,16 @@ def test_full_recompute_slows_the_simulated_step_by_the_extra_forward(tmp_path):
     assert steps["full"] - steps["none"] == pytest.approx(
         4 * 24 * (spec.layer_flops() / rate + layer_memory))
     assert steps["selective"] - steps["none"] == pytest.approx(4 * 24 * 4 * 2048 * 2048 * 2048 / rate)
+
+
+def test_optimizer_step_reads_and_writes_the_state_once(tmp_path):
+    """pp=1: the step ends with Adam over every parameter, 16 bytes each read and
+    written at the A100's HBM bandwidth; ZeRO-1 over dp=8 leaves 2 + 2 + 12/8 bytes."""
+    spec = model_spec("gpt3-1.3b")
+    hbm = 2.039e12 * HBM_EFFICIENCY
+    from pipesim.model_costs import model_costs as derive
+
+    costs = derive(spec, 1, [312e12], fallback_memory_bandwidth=2.039e12)
+    assert costs.step_overhead == pytest.approx(2 * spec.total_params() * 16 / hbm)
+    sharded = derive(spec, 1, [312e12], fallback_memory_bandwidth=2.039e12, optimizer_state_bytes=2 + 2 + 12 / 8)
+    assert sharded.step_overhead == pytest.approx(2 * spec.total_params() * 5.5 / hbm)

@@ -169,6 +169,7 @@ def fallback_memory_bandwidth(args: argparse.Namespace) -> float:
 def model_costs_from_args(args: argparse.Namespace, schedule: Schedule, topology: Topology) -> Costs:
     """Costs of ``--model`` on the devices its pipeline ranks are mapped to."""
     from pipesim.mapping import map_ranks
+    from pipesim.memory import static_bytes_per_param
     from pipesim.model_costs import device_memory_bandwidth, model_costs
 
     if args.costs or args.act_bytes or args.wgrad or args.stash_bytes is not None or args.param_bytes is not None:
@@ -180,10 +181,13 @@ def model_costs_from_args(args: argparse.Namespace, schedule: Schedule, topology
     peaks = [topology.device_peak_flops(device) for device in stage_devices]
     bandwidths = [device_memory_bandwidth(topology, device) for device in stage_devices]
     layout = split_list(args.layers_per_stage, int) if args.layers_per_stage else None
+    parallel = parallel_from_args(args)
     return model_costs(spec, schedule.num_stages, peaks, tp=args.tp, mfu=args.mfu,
                        sequence_parallel=args.sequence_parallel, layers_per_stage=layout, recompute=args.recompute,
                        flash_attention=not args.no_flash_attention, fallback_peak=fallback_peak_flops(args),
-                       stage_memory_bandwidth=bandwidths, fallback_memory_bandwidth=fallback_memory_bandwidth(args))
+                       stage_memory_bandwidth=bandwidths, fallback_memory_bandwidth=fallback_memory_bandwidth(args),
+                       optimizer_state_bytes=static_bytes_per_param(parallel.bytes_per_param, args.dp, parallel.zero),
+                       stage_ranks=list(schedule.placement))
 
 
 def costs_from_args(args: argparse.Namespace, num_stages: int, virtual_stages: int) -> Costs:
