@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "demo",
     "simulate",
     "sweep",
+    "plan",
     "show",
     "export",
     "topology",
