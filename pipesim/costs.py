@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from schedules.action import ActionKind
+from schedules.textfile import describe_yaml_error, read_text
 
 STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "layers", "tp_message_bytes")
 
@@ -141,11 +142,14 @@ def uniform_costs(
 
 
 def _read_structured(path: Path) -> object:
-    text = path.read_text()
+    text = read_text(path, "costs file (JSON or YAML)")
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
-        return yaml.safe_load(text)
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise CostsError(f"{path}: not valid YAML ({describe_yaml_error(error)})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
@@ -157,8 +161,6 @@ def load_costs(path: str | Path, num_stages: int | None = None) -> Costs:
     "action_overhead": s, ...}``. A single stage entry is repeated for every stage; any
     other count must equal ``num_stages``."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"costs file {path} does not exist")
     return costs_from_dict(_read_structured(path), num_stages, name=str(path))
 
 
