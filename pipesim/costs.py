@@ -10,6 +10,7 @@ hot loop does a dict lookup, not arithmetic.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -84,8 +85,8 @@ class Costs:
         for index, stage in enumerate(self.stages):
             for name in STAGE_FIELDS:
                 value = getattr(stage, name)
-                if not isinstance(value, (int, float)) or value < 0:
-                    raise CostsError(f"stage {index}: {name} must be a number >= 0, got {value!r}")
+                if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                    raise CostsError(f"stage {index}: {name} must be a finite number >= 0, got {value!r}")
             if stage.wgrad > stage.bwd:
                 raise CostsError(
                     f"stage {index}: wgrad ({stage.wgrad}) is part of bwd ({stage.bwd}) and cannot exceed it"
@@ -130,8 +131,9 @@ def uniform_costs(
     keeps schedules with different ``v`` comparable at the same ``pp``."""
     if wgrad > bwd:
         raise CostsError(f"--wgrad ({wgrad}) is part of --bwd ({bwd}) and cannot exceed it")
-    if min(fwd, bwd, wgrad, act_bytes) < 0:
-        raise CostsError("--fwd, --bwd, --wgrad and --act-bytes must be >= 0")
+    for flag, value in (("--fwd", fwd), ("--bwd", bwd), ("--wgrad", wgrad), ("--act-bytes", act_bytes)):
+        if not math.isfinite(value) or value < 0:
+            raise CostsError(f"{flag} must be a finite number >= 0, got {value}")
     stage = StageCost(
         fwd=fwd / virtual_stages,
         bwd=bwd / virtual_stages,

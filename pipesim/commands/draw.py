@@ -35,7 +35,7 @@ def handle(args: argparse.Namespace) -> int:
     if not (args.html or args.chrome_trace):
         raise ValueError("say what to write: --html PATH (Gantt chart) and/or --chrome-trace PATH")
     traces = [Trace.load(path) for path in args.traces]
-    for path, trace in zip(args.traces, traces):
+    for path, trace in zip(args.traces, traces, strict=True):
         if not trace.events:
             raise ValueError(f"{path}: the trace has no events to draw")
         metrics = step_metrics(trace)
