@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from schedules.action import ActionKind
+from schedules.schedule import Schedule
 from schedules.textfile import describe_yaml_error, read_text
 
 STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "layers", "tp_message_bytes")
@@ -119,16 +120,30 @@ class Costs:
 
 
 def uniform_costs(
-    num_stages: int,
+    num_stages: int | Schedule,
     fwd: float,
     bwd: float,
     wgrad: float = 0.0,
     act_bytes: float = 0.0,
-    virtual_stages: int = 1,
+    virtual_stages: int | None = None,
 ) -> Costs:
     """Every stage alike. ``fwd``/``bwd``/``wgrad`` are per pipeline *rank* (its whole
     share of the model), so each of a rank's ``v`` chunks costs ``1/v`` of them; that
-    keeps schedules with different ``v`` comparable at the same ``pp``."""
+    keeps schedules with different ``v`` comparable at the same ``pp``.
+
+    Pass the schedule itself as the first argument and ``v`` is taken from it: given
+    only a stage count, an interleaved schedule's ``pp * v`` stages would each cost a
+    whole rank's share and the step would come out ``v`` times too long. With a stage
+    count, ``virtual_stages`` defaults to 1 (the figures are per stage)."""
+    if isinstance(num_stages, Schedule):
+        schedule = num_stages
+        if virtual_stages not in (None, schedule.virtual_stages):
+            raise CostsError(
+                f"virtual_stages={virtual_stages} contradicts the schedule {schedule.name!r}, "
+                f"which has {schedule.virtual_stages} per rank; leave it out"
+            )
+        num_stages, virtual_stages = schedule.num_stages, schedule.virtual_stages
+    virtual_stages = virtual_stages or 1
     if wgrad > bwd:
         raise CostsError(f"--wgrad ({wgrad}) is part of --bwd ({bwd}) and cannot exceed it")
     for flag, value in (("--fwd", fwd), ("--bwd", bwd), ("--wgrad", wgrad), ("--act-bytes", act_bytes)):
