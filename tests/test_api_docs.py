@@ -58,3 +58,13 @@ def test_uniform_costs_take_v_from_the_schedule():
         uniform_costs(schedule, 2e-3, 4e-3, virtual_stages=1)
     # closed form m(F+B) + (p-1)(F+B)/v with F+B = 6 ms per rank
     assert pipesim.simulate(schedule, from_schedule).metrics.makespan == pytest.approx(4 * 6e-3 + 6e-3 / 2)
+
+
+def test_readme_python_example_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    readme = DOC.parents[1] / "README.md"
+    blocks = python_blocks(readme.read_text())
+    assert blocks, "the README shows the Python API"
+    for index, block in enumerate(blocks):
+        exec(compile(block, f"README.md block {index + 1}", "exec"), {"__name__": "__readme__"})  # noqa: S102
+    assert (tmp_path / "gantt.html").exists()
