@@ -14,7 +14,7 @@ import pytest
 from pipesim.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-CDN_SCRIPT = '<script src="https://cdn.plot.ly/'
+CDN_SCRIPT = 'src="https://cdn.plot.ly/'
 
 
 def test_draw_a_simulated_trace(tmp_path, capsys):
