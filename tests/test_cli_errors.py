@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipesim import cli
 from pipesim.cli import main
@@ -222,6 +224,28 @@ def test_microbatch_count_of_a_complete_file(tmp_path, name, pp, microbatches, v
     assert schedule_from_csv(path, microbatches=microbatches).microbatches == microbatches
     with pytest.raises(ValueError, match=f"{microbatches - 1} \\(out of range\\)"):
         schedule_from_csv(path, microbatches=microbatches - 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]), pp=st.integers(2, 5),
+       rounds=st.integers(1, 3), shift=st.integers(1, 3), data=st.data())
+def test_a_stage_numbered_off_by_some_is_named(tmp_path_factory, name, pp, rounds, shift, data):
+    """Whatever the schedule, renumbering one stage's microbatches by ``+shift`` keeps
+    the count (distinct microbatches per stage) and names that stage's first index past
+    the end and its first missing one."""
+    virtual = 2 if name == "interleaved-1f1b" else 1
+    microbatches = pp * rounds
+    schedule = generate(name, pp, microbatches, virtual)
+    stage = data.draw(st.integers(0, schedule.num_stages - 1), label="stage")
+    rows = [[str(action) if action.stage != stage else f"{action.stage}{action.kind}{action.microbatch + shift}"
+             for action in program] for program in schedule.programs]
+    path = tmp_path_factory.mktemp("csv") / "shifted.csv"
+    path.write_text("\n".join(",".join(row) for row in rows) + "\n")
+    with pytest.raises(ValueError) as error:
+        schedule_from_csv(path)
+    message = str(error.value)
+    assert f"{microbatches} microbatches" in message
+    assert f"{stage}F{microbatches} (out of range)" in message and f"{stage}F0 (missing)" in message
 
 
 # --- the boundary itself ----------------------------------------------------------------

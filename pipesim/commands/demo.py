@@ -46,7 +46,7 @@ def handle(args: argparse.Namespace) -> int:
     traces, titles, metrics = [], [], []
     for name, chunks in DEMO_SCHEDULES:
         schedule = generate(name, args.pp, args.microbatches, chunks)
-        costs = uniform_costs(schedule.num_stages, fwd, bwd, act_bytes=act_bytes, virtual_stages=chunks)
+        costs = uniform_costs(schedule, fwd, bwd, act_bytes=act_bytes)  # per rank, 1/v per chunk
         result = run_simulation(schedule, costs, topology)
         print(result.summary())
         print()
@@ -64,8 +64,7 @@ def handle(args: argparse.Namespace) -> int:
     points = sweep_points([name for name, _ in DEMO_SCHEDULES], [args.pp], [4, 8, 16, 32, 64], 2)
     rows = run_sweep(
         points,
-        lambda schedule: uniform_costs(schedule.num_stages, fwd, bwd, act_bytes=act_bytes,
-                                       virtual_stages=schedule.virtual_stages),
+        lambda schedule: uniform_costs(schedule, fwd, bwd, act_bytes=act_bytes),
         topology,
         progress=False,
     )
