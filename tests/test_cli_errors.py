@@ -245,7 +245,8 @@ def test_a_stage_numbered_off_by_some_is_named(tmp_path_factory, name, pp, round
         schedule_from_csv(path)
     message = str(error.value)
     assert f"{microbatches} microbatches" in message
-    assert f"{stage}F{microbatches} (out of range)" in message and f"{stage}F0 (missing)" in message
+    first_past_the_end = max(microbatches, shift)  # indices now run shift .. microbatches - 1 + shift
+    assert f"{stage}F{first_past_the_end} (out of range)" in message and f"{stage}F0 (missing)" in message
 
 
 # --- the boundary itself ----------------------------------------------------------------
