@@ -37,11 +37,11 @@ from dataclasses import dataclass
 
 from pipesim import memory_traffic
 from pipesim.mapping import map_ranks
-from pipesim.model_costs import device_memory_bandwidth, model_costs
 from pipesim.model_spec import ModelSpec
 from pipesim.parallel import ParallelConfig
 from pipesim.simulation import run_simulation
 from pipesim.topology_file import load_topology
+from pipesim.transformer_costs import device_memory_bandwidth, model_costs
 from schedules.generators import generate
 
 A100_PEAK = 312e12

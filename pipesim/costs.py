@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from schedules.action import ActionKind
+from schedules.schedule import Schedule
+from schedules.textfile import describe_yaml_error, read_text
 
 STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "params", "layers",
                 "tp_message_bytes", "recompute_layers")
@@ -142,19 +144,33 @@ def check_number(value: object, where: str) -> float:
 
 
 def uniform_costs(
-    num_stages: int,
+    num_stages: int | Schedule,
     fwd: float,
     bwd: float,
     wgrad: float = 0.0,
     act_bytes: float = 0.0,
-    virtual_stages: int = 1,
+    virtual_stages: int | None = None,
     stash_bytes: float | None = None,
     param_bytes: float | None = None,
 ) -> Costs:
     """Every stage alike. ``fwd``/``bwd``/``wgrad``, ``stash_bytes`` and ``param_bytes``
     are per pipeline *rank* (its whole share of the model), so each of a rank's ``v``
     chunks costs ``1/v`` of them; that keeps schedules with different ``v`` comparable at
-    the same ``pp``. Without ``stash_bytes`` and ``param_bytes`` memory is unknown."""
+    the same ``pp``. Without ``stash_bytes`` and ``param_bytes`` memory is unknown.
+
+    Pass the schedule itself as the first argument and ``v`` is taken from it: given
+    only a stage count, an interleaved schedule's ``pp * v`` stages would each cost a
+    whole rank's share and the step would come out ``v`` times too long. With a stage
+    count, ``virtual_stages`` defaults to 1 (the figures are per stage)."""
+    if isinstance(num_stages, Schedule):
+        schedule = num_stages
+        if virtual_stages not in (None, schedule.virtual_stages):
+            raise CostsError(
+                f"virtual_stages={virtual_stages} contradicts the schedule {schedule.name!r}, "
+                f"which has {schedule.virtual_stages} per rank; leave it out"
+            )
+        num_stages, virtual_stages = schedule.num_stages, schedule.virtual_stages
+    virtual_stages = virtual_stages or 1
     values = {"--fwd": fwd, "--bwd": bwd, "--wgrad": wgrad, "--act-bytes": act_bytes,
               "--stash-bytes": stash_bytes or 0.0, "--param-bytes": param_bytes or 0.0}
     for flag, value in values.items():
@@ -173,11 +189,14 @@ def uniform_costs(
 
 
 def _read_structured(path: Path) -> object:
-    text = path.read_text()
+    text = read_text(path, "costs file (JSON or YAML)")
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
-        return yaml.safe_load(text)
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise CostsError(f"{path}: not valid YAML ({describe_yaml_error(error)})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
@@ -188,8 +207,6 @@ def load_costs(path: str | Path, num_stages: int | None = None, virtual_stages: 
     """Read a costs file: ``{"stages": [{"fwd": s, "bwd": s, "wgrad": s, "act_bytes": n}, ...],
     "action_overhead": s, ...}``. See ``costs_from_dict`` for how entries map to stages."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"costs file {path} does not exist")
     return costs_from_dict(_read_structured(path), num_stages, name=str(path), virtual_stages=virtual_stages)
 
 

@@ -18,7 +18,7 @@ MLP width f (a multiply-add counts 2 FLOPs, as the datasheet peaks do):
 - activation stash: ``pipesim.activations`` (Korthikanti et al. 2022).
 
 This module holds the architecture; ``pipesim.activations`` the activation memory,
-``pipesim.model_costs`` the per-stage costs derived from both.
+``pipesim.transformer_costs`` the per-stage costs derived from both.
 """
 
 from __future__ import annotations
@@ -305,8 +305,8 @@ def finite_peak(peak: float, fallback: float) -> float:
 
 
 def model_costs(spec: ModelSpec, num_stages: int, stage_peak_flops: list[float], **options):
-    """Per-stage costs of ``spec``: ``pipesim.model_costs.model_costs`` (kept importable
+    """Per-stage costs of ``spec``: ``pipesim.transformer_costs.model_costs`` (kept importable
     from here, where it used to live)."""
-    from pipesim.model_costs import model_costs as derive
+    from pipesim.transformer_costs import model_costs as derive
 
     return derive(spec, num_stages, stage_peak_flops, **options)

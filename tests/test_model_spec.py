@@ -13,8 +13,8 @@ import pytest
 from pipesim.activations import layer_stash_bytes
 from pipesim.cli import main
 from pipesim.memory_traffic import BACKWARD_TRAFFIC, HBM_EFFICIENCY, layer_memory_seconds
-from pipesim.model_costs import training_figures
 from pipesim.model_spec import ModelSpecError, model_costs, model_spec, spec_from_hf_config, split_layers
+from pipesim.transformer_costs import training_figures
 
 PEAK = 1e15
 RATE = PEAK * 0.5
@@ -274,7 +274,7 @@ def test_optimizer_step_reads_and_writes_the_state_once(tmp_path):
     written at the A100's HBM bandwidth; ZeRO-1 over dp=8 leaves 2 + 2 + 12/8 bytes."""
     spec = model_spec("gpt3-1.3b")
     hbm = 2.039e12 * HBM_EFFICIENCY
-    from pipesim.model_costs import model_costs as derive
+    from pipesim.transformer_costs import model_costs as derive
 
     costs = derive(spec, 1, [312e12], fallback_memory_bandwidth=2.039e12)
     assert costs.step_overhead == pytest.approx(2 * spec.total_params() * 16 / hbm)

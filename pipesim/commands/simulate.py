@@ -11,6 +11,7 @@ from pathlib import Path
 from pipesim.commands.options import (
     add_cost_args,
     add_model_args,
+    add_p2p_arg,
     add_parallel_args,
     add_schedule_args,
     add_topology_args,
@@ -36,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_topology_args(parser)
     add_parallel_args(parser)
     add_output_args(parser)
+    add_p2p_arg(parser, "the predicted backend's: buffered for links measured on gloo, rendezvous otherwise")
     parser.add_argument("--fail-on-oom", action="store_true",
                         help="exit non-zero when a rank's peak memory exceeds its device's")
     parser.set_defaults(handler=handle)
@@ -79,7 +81,7 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
     if args.html:
         from viz.gantt import write_gantt_html
 
-        write_gantt_html(traces, args.html, titles=titles, metrics=metrics)
+        write_gantt_html(traces, args.html, titles=titles, metrics=metrics, plotly=args.plotly)
         written.append(args.html)
     for path in written:
         print(f"wrote {path}")
@@ -88,7 +90,7 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
 def model_figures(args: argparse.Namespace, result) -> dict:
     """``--json``'s model section: the architecture, the per-stage costs derived from it,
     and the throughput a training log would report for the simulated step."""
-    from pipesim.model_costs import training_figures
+    from pipesim.transformer_costs import training_figures
 
     spec = model_spec_from_args(args)
     fallback = fallback_peak_flops(args)
@@ -112,7 +114,7 @@ def handle(args: argparse.Namespace) -> int:
         costs = model_costs_from_args(args, schedule, topology)
     else:
         costs = costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
-    result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args))
+    result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args), p2p=args.p2p)
     document = result.to_dict()
     print(result.summary())
     if args.model:
