@@ -12,8 +12,9 @@ import pytest
 
 from pipesim.activations import layer_stash_bytes
 from pipesim.cli import main
+from pipesim.hf_config import spec_from_hf_config
 from pipesim.memory_traffic import BACKWARD_TRAFFIC, HBM_EFFICIENCY, layer_memory_seconds
-from pipesim.model_spec import ModelSpecError, model_costs, model_spec, spec_from_hf_config, split_layers
+from pipesim.model_spec import ModelSpecError, model_costs, model_spec, split_layers
 from pipesim.transformer_costs import training_figures
 
 PEAK = 1e15
