@@ -2,10 +2,11 @@
 
 Compute actions hold the rank for their duration. A SEND does not hold the rank: it
 reserves its route's links first-come first-served and computes when the data will
-arrive, ``latency + bytes / bandwidth`` after the links are free. A RECV holds the rank
-until that arrival. Transfers are scheduled directly from their arrival time instead
-of as SimPy processes with resource requests, which keeps the engine several times
-faster on the ~400k-action schedules of large pipelines (see benchmarks/).
+arrive, ``latency + bytes / bandwidth`` after the links are free; its event runs
+from posting (the data is ready) to arrival. A RECV holds the rank until that
+arrival. Transfers are scheduled directly from their arrival time instead of as
+SimPy processes with resource requests, which keeps the engine several times faster
+on the ~400k-action schedules of large pipelines (see benchmarks/).
 
 With a ``CommPlan`` (``pipesim.parallel``) a compute action is followed by its
 tensor-parallel collectives on a ``tp`` event, and the step ends with each stage's
@@ -138,8 +139,10 @@ def simulate(
                 if shared and clock > env.now:
                     position[rank] = index
                     yield env.timeout(clock - env.now)
-                _, start, arrival = transfer(source, destination, num_bytes, clock)
-                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival, "send"))
+                # the event starts when the data is ready (posted), as the executor records it:
+                # bubble vs exposed communication is read from that moment (schedules.accounting)
+                _, _, arrival = transfer(source, destination, num_bytes, clock)
+                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, arrival, "send"))
                 # plain tuples hash and compare equal to the RECV's Action
                 receiver = (receiver_stage, receiver_kind, microbatch)
                 waiting = mailbox.pop(receiver, None)
@@ -148,8 +151,8 @@ def simulate(
                 else:
                     waiting.succeed(arrival)
             elif kind in RECV_KINDS:
+                clock += comm_overhead  # posting the receive: overhead, not waiting
                 start = clock
-                clock += comm_overhead
                 arrival = mailbox.pop(action, None)
                 if arrival is None:
                     waiting = env.event()

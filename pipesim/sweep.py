@@ -19,7 +19,7 @@ from schedules.schedule import Schedule
 
 ROW_FIELDS = (
     "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
-    "peak_inflight_microbatches", "exposed_comm", "peak_memory_bytes", "oom", "actions", "note",
+    "peak_inflight_microbatches", "bubble", "exposed_comm", "peak_memory_bytes", "oom", "actions", "note",
 )
 
 
@@ -68,6 +68,7 @@ def run_sweep(
             "makespan": metrics.makespan,
             "bubble_fraction": metrics.bubble_fraction,
             "peak_inflight_microbatches": max(rank.peak_inflight_microbatches for rank in metrics.ranks),
+            "bubble": sum(rank.bubble for rank in metrics.ranks),
             "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks),
             "peak_memory_bytes": max(rank.peak_bytes for rank in result.memory),
             "oom": result.oom,
