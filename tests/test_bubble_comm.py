@@ -188,3 +188,28 @@ def test_issue_example_gpt3_13b_on_ideal_is_all_bubble():
     for rank in metrics.ranks:
         assert rank.exposed_comm == 0.0
         assert rank.bubble == pytest.approx(metrics.makespan - rank.busy)
+
+
+@pytest.mark.timeout(120)
+def test_measured_trace_sends_start_when_the_data_is_ready_and_parts_sum_to_the_makespan():
+    # A real 2-rank gloo run: every send is stamped when it is posted, right after the
+    # compute that produced its data, so the same rule splits measured receive waits.
+    pytest.importorskip("torch")
+    from executor.config import RunConfig
+    from executor.launch import launch
+
+    config = RunConfig(schedule="1f1b", pp=2, microbatches=4, model="mlp", hidden=8, layers=3, batch_size=8,
+                       steps=1, dtype="float64")
+    (result,) = launch(config)
+    trace = result["trace"]
+    events = {(event.rank, event.action): event for event in trace.events}
+    sends = [event for event in trace.events if event.stream == "send"]
+    assert sends
+    for send in sends:
+        producer = events[(send.rank, f"{send.stage}{'F' if send.kind == 'SEND_F' else 'B'}{send.microbatch}")]
+        assert send.start >= producer.end
+    metrics = step_metrics(trace)
+    for rank in metrics.ranks:
+        parts = (rank.busy, rank.bubble, rank.exposed_comm, rank.tp, rank.dp, rank.optimizer, rank.overhead)
+        assert min(parts) >= 0 and sum(parts) == pytest.approx(metrics.makespan, rel=1e-9)
+        assert rank.bubble > 0  # 1F1B on 2 ranks: each waits for the other's first work
