@@ -8,7 +8,6 @@ import json
 import pytest
 
 from pipesim.cli import main
-from pipesim.collectives import all_reduce, bucketed_all_reduce, ring_pace
 from pipesim.costs import Costs, StageCost, uniform_costs
 from pipesim.engine import LinkScheduler
 from pipesim.mapping import map_ranks
@@ -20,6 +19,17 @@ from pipesim.topology_file import topology_from_dict
 from schedules import generate
 
 FWD, BWD = 1.0, 2.0
+
+# Hand figures of the presets' links (pipesim/presets.py; DESIGN.md "Reference links"):
+# two GPUs of one NVSwitch node meet over two NVLink 4 hops, 450 GB/s at 0.8 efficiency,
+# 1.5 us each; two GPUs on one PCIe Gen4 switch over two 31.5 GB/s hops at 0.8.
+NVLINK_PAIR_BW, NVLINK_PAIR_LATENCY = 450e9 * 0.8, 2 * 1.5e-6
+PCIE_PAIR_BW = 31.5e9 * 0.8
+
+
+def ring_all_reduce_by_hand(n: int, num_bytes: float, bandwidth: float, latency: float) -> float:
+    """nccl-tests PERFORMANCE.md: 2(n-1)/n * S/B + 2(n-1) * alpha."""
+    return 2 * (n - 1) / n * num_bytes / bandwidth + 2 * (n - 1) * latency
 
 CHAIN = {  # g0 -> sw -> g1, two hops with different figures
     "devices": [{"name": "g0"}, {"name": "g1"}],
@@ -85,8 +95,8 @@ def test_tp_collectives_follow_each_compute_action_on_a_tp_stream():
     topology = nvlink()
     config = ParallelConfig(dp=1, tp=2)
     result = run_simulation(generate("1f1b", 4, 8), tp_dp_costs(4), topology, parallel=config)
-    group = map_ranks(topology, 1, 4, 2).tp_group(0, 0)
-    per_action = 2 * 2 * all_reduce(topology, group, 64e6)
+    # two all-reduces per layer, two layers, each over the NVLink pair of the tp group
+    per_action = 2 * 2 * ring_all_reduce_by_hand(2, 64e6, NVLINK_PAIR_BW, NVLINK_PAIR_LATENCY)
     tp_events = [event for event in result.trace.events if event.stream == "tp"]
     assert len(tp_events) == 2 * 4 * 8
     assert all(event.duration == pytest.approx(per_action) for event in tp_events)
@@ -104,8 +114,12 @@ def test_dp_all_reduce_ends_the_step(overlap):
     config = ParallelConfig(dp=2, tp=1, overlap_dp=overlap)
     costs = tp_dp_costs(4, layers=0, message=0.0)
     result = run_simulation(generate("1f1b", 4, 8), costs, topology, parallel=config)
-    mapping = map_ranks(topology, 2, 4, 1)
-    seconds, _ = bucketed_all_reduce(topology, mapping.dp_group(0, 0), 1e9, 25 * 2**20)
+    # tp-dp-pp order: each stage's two replicas are neighbours in node 0, an NVLink pair.
+    # 1 GB in 25 MiB buckets: 39 buckets, each paying the ring's 2(n-1) latencies, and
+    # the bandwidth term of one 1 GB message.
+    buckets = 39
+    assert 38 * 25 * 2**20 < 1e9 <= buckets * 25 * 2**20
+    seconds = 2 * (2 - 1) / 2 * 1e9 / NVLINK_PAIR_BW + buckets * 2 * (2 - 1) * NVLINK_PAIR_LATENCY
     dp_events = [event for event in result.trace.events if event.stream == "dp"]
     assert len(dp_events) == 4 and all(event.duration == pytest.approx(seconds) for event in dp_events)
     last_compute = {rank: max(e.end for e in result.trace.of_rank(rank) if e.stream == "compute") for rank in range(4)}
@@ -165,12 +179,12 @@ def test_tp_collectives_on_pcie_cost_more_than_on_nvlink_by_the_bandwidth_ratio(
     message = 4e9  # large enough that the microsecond latencies do not matter
     costs = tp_dp_costs(2, layers=1, message=message, param_bytes=0.0)
     per_topology = {}
-    for topology in (nvlink(), pcie()):
+    # a tp pair is two GPUs on one NVSwitch (nvlink) or on one PCIe switch (pcie)
+    for topology, bandwidth in ((nvlink(), NVLINK_PAIR_BW), (pcie(), PCIE_PAIR_BW)):
         result = run_simulation(generate("1f1b", 2, 2), costs, topology, parallel=ParallelConfig(tp=2))
         durations = {event.duration for event in result.trace.events if event.stream == "tp"}
         assert len(durations) == 1 or max(durations) == pytest.approx(min(durations))
-        group = map_ranks(topology, 1, 2, 2).tp_group(0, 0)
-        per_topology[topology.name] = (max(durations), ring_pace(topology, group)[0])
+        per_topology[topology.name] = (max(durations), bandwidth)
     (nv_seconds, nv_bandwidth), (pcie_seconds, pcie_bandwidth) = per_topology["nvlink"], per_topology["pcie"]
     assert pcie_seconds > nv_seconds
     assert pcie_seconds / nv_seconds == pytest.approx(nv_bandwidth / pcie_bandwidth, rel=1e-3)
