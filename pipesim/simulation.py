@@ -69,6 +69,8 @@ class SimulationResult:
             "topology": self.topology.name,
             "dp": self.parallel.dp,
             "tp": self.parallel.tp,
+            "zero": self.parallel.zero,
+            "dp_overlap": self.parallel.overlap_dp,
             "rank_order": "-".join(self.mapping.order) if self.mapping else None,
             "devices": list(self.devices),
             "makespan": metrics.makespan,
@@ -201,7 +203,7 @@ def run_simulation(
     plan = None
     if mapping is not None and (parallel.dp > 1 or parallel.tp > 1):
         plan = comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
-                         parallel.algorithm)
+                         parallel.algorithm, parallel.zero)
     trace = simulate(lowered, costs, topology, rank_devices, plan)
     metrics = step_metrics(trace, lowered.virtual_stages)
     return SimulationResult(lowered, topology, trace, metrics, costs, list(rank_devices), parallel, mapping)

@@ -109,28 +109,38 @@ def test_tp_collectives_follow_each_compute_action_on_a_tp_stream():
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_dp_all_reduce_ends_the_step(overlap):
+def test_dp_all_reduce_in_buckets_during_or_after_the_last_backward(overlap):
     topology = ib(2)
     config = ParallelConfig(dp=2, tp=1, overlap_dp=overlap)
     costs = tp_dp_costs(4, layers=0, message=0.0)
     result = run_simulation(generate("1f1b", 4, 8), costs, topology, parallel=config)
     # tp-dp-pp order: each stage's two replicas are neighbours in node 0, an NVLink pair.
-    # 1 GB in 25 MiB buckets: 39 buckets, each paying the ring's 2(n-1) latencies, and
-    # the bandwidth term of one 1 GB message.
-    buckets = 39
-    assert 38 * 25 * 2**20 < 1e9 <= buckets * 25 * 2**20
-    seconds = 2 * (2 - 1) / 2 * 1e9 / NVLINK_PAIR_BW + buckets * 2 * (2 - 1) * NVLINK_PAIR_LATENCY
+    # 1 GB in 25 MiB buckets: 38 full ones and a 3.85 MB rest, each paying the ring's
+    # 2(n-1) latencies; together the bandwidth term of one 1 GB message.
+    bucket, rest = 25 * 2**20, 1e9 - 38 * 25 * 2**20
+    assert 0 < rest < bucket
+    seconds = 2 * (2 - 1) / 2 * 1e9 / NVLINK_PAIR_BW + 39 * 2 * (2 - 1) * NVLINK_PAIR_LATENCY
+    last_bucket = rest / NVLINK_PAIR_BW + 2 * NVLINK_PAIR_LATENCY
     dp_events = [event for event in result.trace.events if event.stream == "dp"]
-    assert len(dp_events) == 4 and all(event.duration == pytest.approx(seconds) for event in dp_events)
-    last_compute = {rank: max(e.end for e in result.trace.of_rank(rank) if e.stream == "compute") for rank in range(4)}
-    for event in dp_events:
-        assert event.start >= last_compute[event.rank] - 1e-12
+    assert len(dp_events) == 4 * 39
+    last_backward = {rank: max((e for e in result.trace.of_rank(rank) if e.kind == "B"), key=lambda e: e.end)
+                     for rank in range(4)}
+    for rank in range(4):
+        mine = sorted((event for event in dp_events if event.rank == rank), key=lambda event: event.start)
+        assert sum(event.duration for event in mine) == pytest.approx(seconds)
+        backward = last_backward[rank]
+        if overlap:  # bucket i is full (i+1)/39-ish of the way through the last backward
+            assert mine[0].start == pytest.approx(backward.start + bucket / 1e9 * (backward.end - backward.start))
+            assert mine[-1].start == pytest.approx(backward.end)  # the rest fills at the very end
+        else:
+            assert mine[0].start >= backward.end
     step_end = max(event.end for event in dp_events) + 0.1
     assert result.metrics.makespan == pytest.approx(step_end)
-    # the last rank finishes backward first; with overlap its all-reduce hides under the others' work
     comm = result.comm
-    if overlap:
-        assert comm[3]["dp"]["exposed"] == pytest.approx(seconds)  # nothing left to overlap on its rank
+    # with overlap only the last bucket (full when the backward ends) is left exposed on
+    # the last rank, which finishes first; without it the whole reduction is
+    expected_exposed = last_bucket if overlap else seconds
+    assert comm[3]["dp"]["exposed"] == pytest.approx(expected_exposed)
     assert comm[0]["dp"]["total"] == pytest.approx(seconds)
 
 
