@@ -70,6 +70,18 @@ class LinkScheduler:
             free_at[link] = done
         return Transfer(now, start, done + route.latency)
 
+    def transfer_with_twins(self, src: str, dst: str, num_bytes: float, now: float,
+                            twins: dict[tuple[str, str], list[tuple[str, str]]]) -> Transfer:
+        """``transfer``, also reserving the links for the same send of the pipelines
+        the engine does not simulate (``pipesim.twins``); the data counts as arrived
+        when every twin's has."""
+        result = self.transfer(src, dst, num_bytes, now)
+        for twin_src, twin_dst in twins.get((src, dst), ()):
+            twin = self.transfer(twin_src, twin_dst, num_bytes, now)
+            if twin.arrival > result.arrival:
+                result = Transfer(result.posted, result.start, twin.arrival)
+        return result
+
 
 def transfer_bytes(action: Action, costs: Costs) -> float:
     """Bytes a SEND moves: a stage's output activation forward, or the gradient of the
@@ -107,7 +119,8 @@ def simulate(
     durations = costs.durations()
     comm_overhead = costs.comm_overhead
     links = LinkScheduler(topology)
-    shared_pairs = _pairs_on_shared_links(lowered, topology, devices)
+    twins = plan.twin_transfers if plan is not None else {}
+    shared_pairs = _pairs_on_shared_links(lowered, topology, devices, bool(twins))
     send_info = _send_table(lowered, devices, costs, shared_pairs)
     mailbox: dict[tuple, object] = {}
     events: list[TraceEvent] = []
@@ -119,7 +132,11 @@ def simulate(
 
     def rank_process(rank: int, program: Sequence[Action]):
         clock = 0.0
-        transfer = links.transfer
+        if twins:
+            def transfer(src, dst, num_bytes, now):
+                return links.transfer_with_twins(src, dst, num_bytes, now, twins)
+        else:
+            transfer = links.transfer
         source = devices[rank]
         compute_kinds, send_kinds = COMPUTE_KINDS, SEND_KINDS
         for index, action in enumerate(program):
@@ -217,16 +234,20 @@ def _send_table(
     return table
 
 
-def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequence[str]) -> set[tuple[int, int]]:
+def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequence[str],
+                           with_twins: bool = False) -> set[tuple[int, int]]:
     """The (sender, receiver) rank pairs whose route crosses a link that another sender
     also uses: only their sends must be ordered against other ranks' in time. Transfers
-    only cross stage boundaries, so the pairs follow from the placement."""
+    only cross stage boundaries, so the pairs follow from the placement. With twin
+    transfers (other replicas' and shards') every pair is ordered."""
     placement = schedule.placement
     pairs = set()
     for stage in range(schedule.num_stages - 1):
         left, right = placement[stage], placement[stage + 1]
         if left != right:
             pairs.update(((left, right), (right, left)))
+    if with_twins:
+        return pairs
     links = {pair: topology.route(devices[pair[0]], devices[pair[1]]).links for pair in pairs}
     senders: dict[tuple[str, str], set[int]] = {}
     for (sender, _), route_links in links.items():

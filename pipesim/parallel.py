@@ -28,6 +28,10 @@ pays their collectives:
   the next step can start (the other half), on the same dp stream.
 - the optimizer step (``Costs.step_overhead``) follows the rank's last reduction.
 
+- the other replicas' and shards' P2P transfers (``pipesim.twins``): each simulated
+  send also reserves the links of its twins where their routes meet another
+  pipeline's.
+
 Collectives are analytical durations (see ``pipesim.collectives``): they do not
 reserve links in the engine's link scheduler and so do not contend with P2P traffic.
 """
@@ -42,6 +46,7 @@ from pipesim.costs import Costs
 from pipesim.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.memory import BytesPerParam
 from pipesim.topology import Topology
+from pipesim.twins import twin_transfers
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
@@ -93,6 +98,7 @@ class CommPlan:
     overlap_dp: bool = True
     zero: int = 0
     stage_layers: dict[int, int] = field(default_factory=dict)
+    twin_transfers: dict[tuple[str, str], list[tuple[str, str]]] = field(default_factory=dict)
 
     @property
     def dp_seconds(self) -> dict[int, float]:
@@ -133,7 +139,9 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
                 bucket_bytes_of[stage] = sizes
                 reduce_seconds[stage] = reduce
     layers = {stage: cost.layers for stage, cost in enumerate(costs.stages)}
-    return CommPlan(tp_seconds, bucket_bytes_of, reduce_seconds, gather_seconds, overlap_dp, zero, layers)
+    pipelines = [mapping.pipeline(replica, shard) for replica in range(mapping.dp) for shard in range(mapping.tp)]
+    twins = twin_transfers(schedule, topology, pipelines)
+    return CommPlan(tp_seconds, bucket_bytes_of, reduce_seconds, gather_seconds, overlap_dp, zero, layers, twins)
 
 
 def bucket_ready_fractions(sizes: tuple[float, ...], layers: int) -> list[float]:

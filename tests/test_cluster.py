@@ -229,3 +229,31 @@ def test_topology_show_prints_and_draws(tmp_path, capsys):
     assert "topology ib: 16 devices" in out and "ib_switch" in out
     text = html.read_text()
     assert "plotly" in text and "n1.gpu7" in text
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(1, 2), (2, 1)])
+def test_other_shards_and_replicas_share_a_pcie_switch_with_the_simulated_pipeline(dp, tp):
+    # pcie, tp-dp-pp order: pipeline rank 0 is gpu0 (+ gpu1 as its second shard or
+    # replica), rank 1 is gpu2 (+ gpu3). gpu0 -> gpu2 and gpu1 -> gpu3 both climb
+    # pcie_switch0 -> cpu0 -> pcie_switch1: four 1 us hops at 31.5 GB/s x 0.8. Sent at
+    # the same moment, the second transfer waits for the first on the shared links
+    # (first come, first served), so the stage's data is complete after 2 S / B.
+    act_bytes = 1e9
+    bandwidth, latency = PCIE_PAIR_BW, 4e-6
+    costs = Costs(stages=(StageCost(fwd=FWD, bwd=BWD, act_bytes=act_bytes),) * 2)
+    result = run_simulation(generate("gpipe", 2, 1), costs, pcie(), parallel=ParallelConfig(dp=dp, tp=tp))
+    hop = latency + 2 * act_bytes / bandwidth
+    assert result.metrics.makespan == pytest.approx(2 * (FWD + BWD) + 2 * hop)
+    alone = run_simulation(generate("gpipe", 2, 1), costs, pcie())
+    assert alone.metrics.makespan == pytest.approx(2 * (FWD + BWD) + 2 * (latency + act_bytes / bandwidth))
+    # the wait beyond the simulated pipeline's own transfer is exposed communication
+    assert result.metrics.ranks[1].exposed_comm == pytest.approx(hop)
+
+
+def test_shards_on_nvswitch_have_links_of_their_own():
+    # every GPU has its own link into the NVSwitch: tp=2 changes no P2P time
+    costs = Costs(stages=(StageCost(fwd=FWD, bwd=BWD, act_bytes=1e9),) * 2)
+    shards = run_simulation(generate("gpipe", 2, 1), costs, nvlink(), parallel=ParallelConfig(tp=2))
+    alone = run_simulation(generate("gpipe", 2, 1), costs, nvlink())
+    assert shards.metrics.makespan == pytest.approx(alone.metrics.makespan)
+    assert alone.metrics.makespan == pytest.approx(2 * (FWD + BWD) + 2 * (NVLINK_PAIR_LATENCY + 1e9 / NVLINK_PAIR_BW))
