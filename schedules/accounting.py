@@ -90,43 +90,51 @@ def time_accounting(trace: Trace, groups: list[list[TraceEvent]] | None = None,
 
 
 def _rank_time(rank_events: list[TraceEvent], ready: dict, first: float, last: float) -> RankTime:
-    holding: list[tuple[float, float, int]] = []  # (start, end, index into PARTS)
+    seconds = [0.0] * len(PARTS)
+    holding: list[tuple[float, float]] = []  # what holds the rank: compute, tp, optimizer, receive waits
+    pieces: list[tuple[float, float, int]] = []  # the same, with its part, for the general case
     reducing: list[tuple[float, float]] = []
-    append = holding.append
     sender = _SENDER
     for event in rank_events:
         stream = event.stream
+        start, end = event.start, event.end
+        if end <= start and stream != "recv":
+            continue
         if stream == "compute":
-            append((event.start, event.end, 0))
+            seconds[0] += end - start
+            holding.append((start, end))
+            pieces.append((start, end, 0))
         elif stream == "recv":  # split_receive, inlined: a large step has ~100k waits
-            start, end = event.start, event.end
             step, send_kind = sender[event.kind]
             cut = ready.get((event.stage + step, send_kind, event.microbatch), start)
             cut = start if cut < start else end if cut > end else cut
-            append((start, cut, _BUBBLE))
-            append((cut, end, _EXPOSED))
+            if end > start:
+                seconds[_BUBBLE] += cut - start
+                seconds[_EXPOSED] += end - cut
+                holding.append((start, end))
+                pieces.append((start, cut, _BUBBLE))
+                pieces.append((cut, end, _EXPOSED))
         elif stream in HOLDING_STREAMS:
-            append((event.start, event.end, _PRIORITY[HOLDING_STREAMS[stream]]))
+            part = _PRIORITY[HOLDING_STREAMS[stream]]
+            seconds[part] += end - start
+            holding.append((start, end))
+            pieces.append((start, end, part))
         elif stream == "dp":
-            reducing.append((event.start, event.end))
-    holding = [piece for piece in holding if piece[1] > piece[0]]
-    reducing = sorted(piece for piece in reducing if piece[1] > piece[0])
-    seconds = [0.0] * len(PARTS)
+            reducing.append((start, end))
     if not holding and not reducing:
         seconds[_BUBBLE] = last - first
         return RankTime(*_in_field_order(seconds))
     holding.sort()
+    reducing.sort()
     if _disjoint(holding):
-        for start, end, part in holding:
-            seconds[part] += end - start
-        dp = _measure(reducing) - _overlap(reducing, [(start, end) for start, end, _ in holding])
-        seconds[_PRIORITY["dp"]] = dp
+        seconds[_PRIORITY["dp"]] = _measure(reducing) - _overlap(reducing, holding)
         own_first = min(holding[0][0] if holding else last, reducing[0][0] if reducing else last)
         own_last = max(holding[-1][1] if holding else first, max((end for _, end in reducing), default=first))
-        covered = sum(seconds)
-        seconds[_PRIORITY["overhead"]] = max(0.0, (own_last - own_first) - covered)
+        seconds[_PRIORITY["overhead"]] = max(0.0, (own_last - own_first) - sum(seconds))
     else:
-        own_first, own_last = _sweep(holding + [(start, end, _PRIORITY["dp"]) for start, end in reducing], seconds)
+        seconds = [0.0] * len(PARTS)
+        pieces = [piece for piece in pieces if piece[1] > piece[0]]
+        own_first, own_last = _sweep(pieces + [(start, end, _PRIORITY["dp"]) for start, end in reducing], seconds)
     seconds[_BUBBLE] += (own_first - first) + (last - own_last)
     return RankTime(*_in_field_order(seconds))
 
@@ -140,10 +148,10 @@ def _in_field_order(seconds: list[float]) -> list[float]:
     return [seconds[_PRIORITY[name]] for name in RankTime.__dataclass_fields__]
 
 
-def _disjoint(pieces: list[tuple[float, float, int]]) -> bool:
-    """Whether sorted pieces never overlap (the usual case: one rank does one thing at a
+def _disjoint(spans: list[tuple[float, float]]) -> bool:
+    """Whether sorted spans never overlap (the usual case: one rank does one thing at a
     time; batched receives waited on together are the exception)."""
-    return all(pieces[index][0] >= pieces[index - 1][1] for index in range(1, len(pieces)))
+    return all(spans[index][0] >= spans[index - 1][1] for index in range(1, len(spans)))
 
 
 def _measure(intervals: list[tuple[float, float]]) -> float:
