@@ -18,7 +18,7 @@ from pipesim.simulation import run_simulation
 from pipesim.topology import ideal_topology
 from pipesim.topology_file import topology_from_dict
 from schedules import generate
-from schedules.accounting import time_accounting
+from schedules.accounting import split_waits, time_accounting
 from schedules.action import parse_action
 from schedules.metrics import step_metrics
 from schedules.trace import Trace, TraceEvent
@@ -61,12 +61,21 @@ def test_every_rank_accounts_for_the_whole_makespan(name, chunks, topology, para
 
 
 @pytest.mark.parametrize(("name", "chunks"), SCHEDULES)
-def test_ideal_topology_exposes_no_communication(name, chunks):
+@pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
+def test_ideal_topology_exposes_no_communication(name, chunks, p2p):
     schedule = generate(name, 4, 8, chunks)
-    result = run_simulation(schedule, costs_for(schedule, act_bytes=1e9, comm_overhead=10e-6), ideal_topology())
+    result = run_simulation(schedule, costs_for(schedule, act_bytes=1e9), ideal_topology(), p2p=p2p)
     for rank in result.metrics.ranks:
         assert rank.exposed_comm == 0.0
         assert result.comm[rank.rank]["p2p"]["exposed"] == 0.0
+    # a calibrated posting cost c is the one communication cost left on free links: a
+    # receiver can wait at most for its sender to post a group of two (2c) per receive
+    overhead = 10e-6
+    result = run_simulation(schedule, costs_for(schedule, act_bytes=1e9, comm_overhead=overhead), ideal_topology(),
+                            p2p=p2p)
+    receives = [sum(1 for event in result.trace.of_rank(rank) if event.stream == "recv") for rank in range(4)]
+    for rank in result.metrics.ranks:
+        assert 0.0 <= rank.exposed_comm <= 2 * overhead * receives[rank.rank] + 1e-12
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -79,41 +88,112 @@ def test_bubble_is_the_closed_form_on_free_links(name):
         assert rank.exposed_comm == 0.0 and rank.busy == pytest.approx(m * (FWD + BWD))
 
 
-def test_one_slow_hop_is_exposed_once_per_wait():
+@pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
+def test_one_slow_hop_is_exposed_once_per_wait(p2p):
     # two ranks, one microbatch, 10 GB/s with 1 ms latency: every transfer takes
-    # hop = 1 ms + bytes / 10 GB/s; each rank waits on exactly one receive whose data
-    # is in flight for one hop; the rest of its idle time is bubble.
+    # hop = 1 ms + bytes / 10 GB/s. Rank 0 waits for its gradient: F + B of rank 1 and
+    # the hop out are bubble (its data is not produced yet), the hop back is exposed.
+    # Rank 1 waits F for its input (bubble), then one hop (exposed); under rendezvous
+    # it also cannot end its step before its last send has arrived (one more hop,
+    # exposed), under buffered it idles instead until rank 0 ends (bubble).
     topology = topology_from_dict({
         "devices": [{"name": "g0"}, {"name": "g1"}],
         "links": [{"src": "g0", "dst": "g1", "bandwidth": 10e9, "latency": 1e-3},
                   {"src": "g1", "dst": "g0", "bandwidth": 10e9, "latency": 1e-3}],
     })
     hop = 1e-3 + 1e9 / 10e9
-    result = run_simulation(generate("gpipe", 2, 1), uniform_costs(2, FWD, BWD, act_bytes=1e9), topology)
+    result = run_simulation(generate("gpipe", 2, 1), uniform_costs(2, FWD, BWD, act_bytes=1e9), topology, p2p=p2p)
     makespan = 2 * (FWD + BWD) + 2 * hop
     assert result.metrics.makespan == pytest.approx(makespan)
-    for rank in result.metrics.ranks:
-        assert rank.exposed_comm == pytest.approx(hop)
-        assert rank.bubble == pytest.approx(makespan - (FWD + BWD) - hop)
+    rank0, rank1 = result.metrics.ranks
+    assert rank0.exposed_comm == pytest.approx(hop)
+    assert rank0.bubble == pytest.approx(hop + FWD + BWD)
+    last_send = hop if p2p == "rendezvous" else 0.0
+    assert rank1.exposed_comm == pytest.approx(hop + last_send)
+    assert rank1.bubble == pytest.approx(FWD + (hop - last_send) + BWD)
 
 
 def test_link_queueing_counts_as_exposed_not_bubble():
-    # GPipe on 2 ranks, F = 1 ms, each activation 2 ms on the wire: the second send is
-    # posted at 2 ms but waits for the first to leave the link (until 3 ms) and arrives
-    # at 5 ms. Rank 1 receives it right after F0 (3..4 ms) and sits from 4 to 5 ms: the
+    # Buffered GPipe on 2 ranks, F = 1 ms, each activation 2 ms on the wire: the second
+    # send is posted at 2 ms but waits for the first to leave the link (on the wire
+    # 3..5 ms). Rank 1 receives it right after F0 (3..4 ms) and sits from 4 to 5 ms: the
     # data existed since 2 ms, so that whole wait is exposed communication.
     topology = topology_from_dict({
         "devices": [{"name": "g0"}, {"name": "g1"}],
         "links": [{"src": "g0", "dst": "g1", "bandwidth": 1e9, "latency": 0.0},
                   {"src": "g1", "dst": "g0", "bandwidth": 1e9, "latency": 0.0}],
     })
-    result = run_simulation(generate("gpipe", 2, 2), uniform_costs(2, FWD, BWD, act_bytes=2e6), topology)
+    result = run_simulation(generate("gpipe", 2, 2), uniform_costs(2, FWD, BWD, act_bytes=2e6), topology,
+                            p2p="buffered")
     waits = {event.action: event for event in result.trace.events if event.stream == "recv" and event.rank == 1}
     assert (waits["1RECV_F1"].start, waits["1RECV_F1"].end) == pytest.approx((4e-3, 5e-3))
     sends = {event.action: event for event in result.trace.events if event.stream == "send"}
-    assert sends["0SEND_F1"].start == pytest.approx(2e-3)  # posted when F1 ended: the data's ready time
+    # posted (data ready) at 2 ms, queued behind the first on the link, arrives at 5 ms
+    assert (sends["0SEND_F1"].start, sends["0SEND_F1"].end) == pytest.approx((2e-3, 5e-3))
     # rank 1: 1RECV_F0 waits 0..3 ms (1 ms bubble for F0, 2 ms on the wire), 1RECV_F1 1 ms on the wire
     assert result.metrics.ranks[1].exposed_comm == pytest.approx(2e-3 + 1e-3)
+
+
+def test_rendezvous_waits_split_on_a_hand_timeline():
+    # Rendezvous, pp=2, m=2, F=1, B=2, 1 s on the wire, one-action groups:
+    #   rank 0: 0F0 0SEND_F0 0RECV_B0 0B0 0F1 0SEND_F1 0RECV_B1 0B1
+    #   rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1
+    # 0F0 [0,1]; 0SEND_F0 meets 1RECV_F0 (posted at 0): wire [1,2]. Rank 0 posts 0RECV_B0
+    # at 1; 1F0 [2,3], 1B0 [3,5], 1SEND_B0 posted at 5: wire [5,6]. So rank 0 waits 1..6:
+    # bubble until 5 (the gradient not sent yet), exposed 5..6. At the end rank 1 posts
+    # 1SEND_B1 at 13 (0F1 [8,9], wire [9,10], 1F1 [10,11], 1B1 [11,13]) and cannot end its
+    # step before it arrives at 14: a 1 s wait with the data in flight, exposed.
+    from pipesim.engine import simulate
+    from schedules.schedule import Schedule
+
+    def program(texts):
+        return [parse_action(text) for text in texts.split()]
+
+    schedule = Schedule(2, 2, (0, 1), [
+        program("0F0 0SEND_F0 0RECV_B0 0B0 0F1 0SEND_F1 0RECV_B1 0B1"),
+        program("1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1"),
+    ])
+    topology = topology_from_dict({
+        "devices": [{"name": "g0"}, {"name": "g1"}],
+        "links": [{"src": "g0", "dst": "g1", "bandwidth": 1e9, "latency": 0.0},
+                  {"src": "g1", "dst": "g0", "bandwidth": 1e9, "latency": 0.0}],
+    })
+    trace = simulate(schedule, uniform_costs(2, 1.0, 2.0, act_bytes=1e9), topology, p2p="rendezvous")
+    waits = {event.action: (event.start, event.end) for event in trace.events if event.stream == "recv"}
+    assert waits["0RECV_B0"] == pytest.approx((1.0, 6.0))
+    pieces = {event.action: parts for event, parts in split_waits(trace)}
+    assert [part for _, _, part in pieces["0RECV_B0"]] == ["bubble", "exposed_comm"]
+    assert [moment for start, end, _ in pieces["0RECV_B0"] for moment in (start, end)] == pytest.approx([1, 5, 5, 6])
+    (rank1_wait,) = [event for event in trace.events if event.stream == "wait"]
+    assert (rank1_wait.rank, rank1_wait.start, rank1_wait.end) == (1, pytest.approx(13.0), pytest.approx(14.0))
+    rank0, rank1 = time_accounting(trace)
+    # rank 1: 1RECV_F0 0..2 (1 s bubble, 1 s exposed), 1RECV_F1 5..10 (4 s bubble, 1 s
+    # exposed), the wait 13..14 (exposed), then idle while rank 0 runs 0B1 [14,16] (bubble)
+    assert (rank1.bubble, rank1.exposed_comm) == pytest.approx((1 + 4 + 2, 1 + 1 + 1))
+    assert rank0.total == pytest.approx(rank1.total)
+
+
+@pytest.mark.parametrize(("p2p", "bubble", "exposed"), [("rendezvous", 3.0, 2.0), ("buffered", 1.0, 4.0)])
+def test_an_unmatched_send_of_the_rank_holds_it_under_rendezvous_only(p2p, bubble, exposed):
+    # Rank 0 posts 0SEND_F1 at 2 (its receive is posted only at 5) and waits on 0RECV_B0
+    # from 2 to 7, whose send was posted at 3. 2..3: the gradient is not sent (bubble);
+    # 3..5: under rendezvous the rank is held by its own send, waiting for rank 1 to post
+    # the receive (bubble); under buffered sends do not hold it, the gradient is in
+    # flight (exposed); 5..7 exposed.
+    trace = Trace([
+        event(0, "0F1", 0, 2, "compute"),
+        event(0, "0SEND_F1", 2, 6, "send"),
+        event(0, "0RECV_B0", 2, 7, "recv"),
+        event(1, "1B0", 0, 3, "compute"),
+        event(1, "1SEND_B0", 3, 7, "send"),
+        event(1, "1F9", 3, 5, "compute"),
+        event(1, "1RECV_F1", 5, 6, "recv"),
+        event(1, "1F1", 6, 7, "compute"),
+    ], {"pp": 2, "p2p": p2p})
+    rank0 = time_accounting(trace)[0]
+    assert (rank0.busy, rank0.bubble, rank0.exposed_comm) == pytest.approx((2.0, bubble, exposed))
+    (pieces,) = [parts for event, parts in split_waits(trace) if event.action == "0RECV_B0"]
+    assert sum(end - start for start, end, part in pieces if part == "bubble") == pytest.approx(bubble)
 
 
 def event(rank, text, start, end, stream):

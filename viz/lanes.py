@@ -4,10 +4,10 @@ Each layer becomes one plotly trace holding arrays for all its events. Drawing a
 trace per event would make a 400k-event step unusable, and grouping by colour is also
 what gives the legend one entry per kind.
 
-A receive wait is drawn in two pieces (``schedules.accounting``): the *bubble* before
-its producer had the data ready, and the *exposed communication* after, while the
-data was in flight, so the chart never calls waiting for upstream compute
-communication.
+A wait (``recv``, or the end-of-step ``wait``) is drawn in pieces by the rule of
+``schedules.accounting``: *bubble* while the rank waits for a peer (data not yet
+sent, or a send of its own not yet matched), *exposed communication* while the data
+is in flight, so the chart never calls waiting for upstream compute communication.
 
 Within a rank's row the layers sit in lanes: compute (and receive waits, which can
 only happen while compute is stalled) in the wide middle lane, outgoing transfers in
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schedules.accounting import data_ready_times, receive_ready, split_receive
+from schedules.accounting import WAITING_STREAMS, split_waits
 from schedules.trace import Trace, TraceEvent
 from viz.colors import BUBBLE_COLOR, kind_color, stream_color
 
@@ -57,7 +57,6 @@ def layers_of(trace: Trace) -> list[Layer]:
     bubble part, then the exposed-communication part), compute kinds in F, B, I, W
     order, then sends, then any other stream by name."""
     compute: dict[str, Layer] = {}
-    ready = data_ready_times(trace)
     bubble = Layer(STREAM_LABELS["bubble"], BUBBLE_COLOR, COMPUTE_LANE, hatched=True)
     recv = Layer(STREAM_LABELS["recv"], stream_color("recv"), COMPUTE_LANE)
     send = Layer(STREAM_LABELS["send"], stream_color("send"), SEND_LANE)
@@ -69,12 +68,8 @@ def layers_of(trace: Trace) -> list[Layer]:
                 label = KIND_LABELS.get(event.kind, event.kind)
                 layer = compute[event.kind] = Layer(label, kind_color(event.kind), COMPUTE_LANE, is_compute=True)
             layer.events.append(event)
-        elif event.stream == "recv":
-            (bubble_start, cut), (_, end) = split_receive(event, receive_ready(event, ready))
-            if cut > bubble_start:
-                bubble.events.append(event._replace(end=cut))
-            if end > cut or cut == bubble_start:
-                recv.events.append(event._replace(start=cut))
+        elif event.stream in WAITING_STREAMS:
+            continue  # drawn below, cut into their bubble and exposed pieces
         elif event.stream == "send":
             send.events.append(event)
         else:
@@ -82,6 +77,9 @@ def layers_of(trace: Trace) -> list[Layer]:
             if layer is None:
                 layer = others[event.stream] = Layer(event.stream, stream_color(event.stream), OTHER_LANE)
             layer.events.append(event)
+    for event, pieces in split_waits(trace):
+        for start, end, part in pieces:
+            (bubble if part == "bubble" else recv).events.append(event._replace(start=start, end=end))
     ordered_kinds = sorted(
         compute, key=lambda kind: (_COMPUTE_ORDER.index(kind) if kind in _COMPUTE_ORDER else 99, kind)
     )
