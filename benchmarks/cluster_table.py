@@ -56,8 +56,8 @@ def table(model: str, pp: int, microbatches: int) -> str:
             )
     lines.append("")
     lines.append("bubble (s), exposed p2p / tp / dp and peak memory: the largest over the pipeline's ranks. "
-                 "Bubble: blocked on a receive whose producer had not finished, or idle while the pipeline "
-                 "fills and drains; exposed p2p: blocked while the data was in flight.")
+                 "Bubble: waiting for a peer (data not sent yet, or a send not yet matched by its receive), "
+                 "or idle while the pipeline fills and drains; exposed p2p: waiting while the data was in flight.")
     return "\n".join(lines)
 
 

@@ -133,8 +133,8 @@ class SimulationResult:
             f"  bubble fraction  {metrics.bubble_fraction:.2%}",
             f"  bubble           {waiting * scale:.4g} {unit} (waiting for a producer, fill and drain), "
             "summed over ranks",
-            f"  communication    {total_comm * scale:.4g} {unit} on the wire, "
-            f"{exposed * scale:.4g} {unit} exposed (blocked on data in flight), summed over ranks",
+            f"  communication    {exposed * scale:.4g} {unit} exposed (blocked on data in flight); sends "
+            f"{total_comm * scale:.4g} {unit} from posting to arrival; summed over ranks",
             f"  {'rank':>4}  {'busy':>10}  {'bubble':>10}  {'bubble %':>8}  {'exposed':>10}  "
             + "".join(f"{title:>10}  " for _, title in named) + f"{'comm':>10}  peak in-flight",
         ]
@@ -147,7 +147,7 @@ class SimulationResult:
                 + f"{rank.comm * scale:>10.4g}  {rank.peak_inflight_microbatches:g}"
             )
         lines.append(f"  (busy + bubble + exposed{''.join(' + ' + title for _, title in named)} = step time on "
-                     f"every rank; comm: outgoing transfers from posting to arrival)")
+                     f"every rank; comm: its sends from posting to arrival)")
         lines.append(f"  (times in {unit}; peak in-flight in microbatches of the rank's whole share of the model)")
         lines += self._comm_and_memory_lines(unit, scale)
         return "\n".join(lines)
