@@ -168,6 +168,7 @@ def _rank_time(rank_events: list[TraceEvent], sent: dict[str, float], posted: di
     pieces: list[tuple[float, float, int]] = []  # the same with its part, for the general case
     waits: list[tuple[float, float]] = []
     unmatched: list[tuple[float, float]] = []  # a send of this rank waiting for its receive to be posted
+    own_bubbles: list[tuple[float, float]] = []  # (start, seconds) of each wait before its data was sent
     reducing: list[tuple[float, float]] = []
     for event in rank_events:
         stream = event.stream
@@ -189,6 +190,7 @@ def _rank_time(rank_events: list[TraceEvent], sent: dict[str, float], posted: di
                 pieces.append((start, end, _WAITING))
                 if bubble > 0:
                     pieces.append((start, start + bubble, _PEER))
+                    own_bubbles.append((start, bubble))
         elif stream == "send":
             if posted is not None:
                 accepted = posted.get(_RECEIVER_TEXT[event.kind](event))
@@ -202,9 +204,13 @@ def _rank_time(rank_events: list[TraceEvent], sent: dict[str, float], posted: di
         return RankTime(*_in_field_order(seconds))
     spans.sort()
     reducing.sort()
-    unmatched.sort()
     waits.sort()
-    if _disjoint(spans) and (not unmatched or _overlap(unmatched, waits) == 0.0):
+    if _disjoint(spans):
+        if unmatched:  # a wait is bubble wherever its own data or one of the rank's sends waits for a peer
+            peer = _union(sorted(unmatched + [(start, start + length) for start, length in own_bubbles]))
+            waited = seconds[_BUBBLE] + seconds[_EXPOSED]
+            seconds[_BUBBLE] = _overlap(peer, waits)
+            seconds[_EXPOSED] = waited - seconds[_BUBBLE]
         seconds[_DP] = _measure(reducing) - _overlap(reducing, spans)
         own_first = min(spans[0][0] if spans else last, reducing[0][0] if reducing else last)
         own_last = max(spans[-1][1] if spans else first, max((end for _, end in reducing), default=first))

@@ -293,3 +293,25 @@ def test_measured_trace_sends_start_when_the_data_is_ready_and_parts_sum_to_the_
         parts = (rank.busy, rank.bubble, rank.exposed_comm, rank.tp, rank.dp, rank.optimizer, rank.overhead)
         assert min(parts) >= 0 and sum(parts) == pytest.approx(metrics.makespan, rel=1e-9)
         assert rank.bubble > 0  # 1F1B on 2 ranks: each waits for the other's first work
+
+
+@pytest.mark.parametrize(("name", "chunks"), SCHEDULES)
+@pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
+@pytest.mark.parametrize(("topology", "dp"), [(pcie(), 1), (ib(2), 2)], ids=["pcie-tp2", "ib-dp2-tp2"])
+def test_fast_sums_agree_with_the_moment_by_moment_sweep(monkeypatch, name, chunks, p2p, topology, dp):
+    # The accounting sums parts directly when a rank's events do not overlap, and sweeps
+    # every moment otherwise; the sweep is the reference implementation of the rule.
+    from schedules import accounting
+
+    schedule = generate(name, 4, 8, chunks)
+    costs = costs_for(schedule, act_bytes=256e6, comm_overhead=5e-6, step_overhead=1e-4)
+    costs = replace(costs, stages=tuple(replace(stage, param_bytes=1e9, layers=2, tp_message_bytes=8e6)
+                                        for stage in costs.stages))
+    trace = run_simulation(schedule, costs, topology, parallel=ParallelConfig(dp=dp, tp=2), p2p=p2p).trace
+    fast = accounting.time_accounting(trace)
+    monkeypatch.setattr(accounting, "_disjoint", lambda spans: False)
+    swept = accounting.time_accounting(trace)
+    for ours, reference in zip(fast, swept, strict=True):
+        assert ours.total == pytest.approx(reference.total, rel=1e-9)
+        for part in ("busy", "bubble", "exposed_comm", "tp", "dp", "optimizer", "overhead"):
+            assert getattr(ours, part) == pytest.approx(getattr(reference, part), rel=1e-9, abs=1e-12), part
