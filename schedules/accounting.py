@@ -164,63 +164,73 @@ def time_accounting(trace: Trace, groups: list[list[TraceEvent]] | None = None,
 def _rank_time(rank_events: list[TraceEvent], sent: dict[str, float], posted: dict[str, float] | None,
                first: float, last: float) -> RankTime:
     seconds = [0.0] * len(PARTS)
-    spans: list[tuple[float, float]] = []  # what holds the rank: compute, tp, optimizer, waits
-    pieces: list[tuple[float, float, int]] = []  # the same with its part, for the general case
+    spans: list[tuple[float, float]] = []  # what holds the rank: compute, tp, optimizer (waits added below)
     waits: list[tuple[float, float]] = []
-    unmatched: list[tuple[float, float]] = []  # a send of this rank waiting for its receive to be posted
-    own_bubbles: list[tuple[float, float]] = []  # (start, seconds) of each wait before its data was sent
+    peer: list[tuple[float, float]] = []  # a wait's data not sent yet, or a send of the rank not yet matched
     reducing: list[tuple[float, float]] = []
+    holding = HOLDING_STREAMS
     for event in rank_events:
         stream = event.stream
         start, end = event.start, event.end
-        if stream in HOLDING_STREAMS:
+        if stream == "recv":  # the hot path: inlined, a large step has ~100k of them
             if end > start:
-                part = _PRIORITY[HOLDING_STREAMS[stream]]
-                seconds[part] += end - start
-                spans.append((start, end))
-                pieces.append((start, end, part))
-        elif stream in WAITING_STREAMS:
-            if end > start:
-                ready = data_ready(event, sent) if stream == "recv" else None
-                bubble, exposed = receive_split(event, ready)
-                seconds[_BUBBLE] += bubble
-                seconds[_EXPOSED] += exposed
-                spans.append((start, end))
                 waits.append((start, end))
-                pieces.append((start, end, _WAITING))
-                if bubble > 0:
-                    pieces.append((start, start + bubble, _PEER))
-                    own_bubbles.append((start, bubble))
+                if event.kind == "RECV_F":
+                    ready = sent.get(f"{event.stage - 1}SEND_F{event.microbatch}")
+                else:
+                    ready = sent.get(f"{event.stage + 1}SEND_B{event.microbatch}")
+                if ready is not None and ready > start:
+                    peer.append((start, ready if ready < end else end))
+        elif stream in holding:
+            if end > start:
+                seconds[_PRIORITY[holding[stream]]] += end - start
+                spans.append((start, end))
+        elif stream == "wait":
+            if end > start:
+                waits.append((start, end))
         elif stream == "send":
             if posted is not None:
                 accepted = posted.get(_RECEIVER_TEXT[event.kind](event))
                 if accepted is not None and accepted > start:
-                    unmatched.append((start, min(accepted, end)))
+                    peer.append((start, accepted if accepted < end else end))
         elif stream == "dp":
             if end > start:
                 reducing.append((start, end))
-    if not spans and not reducing:
+    if not spans and not waits and not reducing:
         seconds[_BUBBLE] = last - first
         return RankTime(*_in_field_order(seconds))
+    # receives of one group are waited on together: their waits are one blocked stretch
+    waits = _union(sorted(waits))
+    spans += waits
     spans.sort()
     reducing.sort()
-    waits.sort()
     if _disjoint(spans):
-        if unmatched:  # a wait is bubble wherever its own data or one of the rank's sends waits for a peer
-            peer = _union(sorted(unmatched + [(start, start + length) for start, length in own_bubbles]))
-            waited = seconds[_BUBBLE] + seconds[_EXPOSED]
-            seconds[_BUBBLE] = _overlap(peer, waits)
-            seconds[_EXPOSED] = waited - seconds[_BUBBLE]
+        seconds[_BUBBLE] = _overlap(_union(sorted(peer)), waits)
+        seconds[_EXPOSED] = _measure(waits) - seconds[_BUBBLE]
         seconds[_DP] = _measure(reducing) - _overlap(reducing, spans)
         own_first = min(spans[0][0] if spans else last, reducing[0][0] if reducing else last)
         own_last = max(spans[-1][1] if spans else first, max((end for _, end in reducing), default=first))
         seconds[_OVERHEAD] = max(0.0, (own_last - own_first) - sum(seconds))
     else:
         seconds = [0.0] * len(PARTS)
-        extra = [(start, end, _DP) for start, end in reducing] + [(start, end, _PEER) for start, end in unmatched]
-        own_first, own_last = _sweep(pieces + extra, seconds)
+        own_first, own_last = _sweep(_pieces(rank_events, peer), seconds)
     seconds[_BUBBLE] += (own_first - first) + (last - own_last)
     return RankTime(*_in_field_order(seconds))
+
+
+def _pieces(rank_events: list[TraceEvent], peer: list[tuple[float, float]]) -> list[tuple[float, float, int]]:
+    """``(start, end, part)`` of every event of a rank for the sweep, plus the stretches
+    where it waits for a peer."""
+    pieces = [(start, end, _PEER) for start, end in peer]
+    for event in rank_events:
+        stream = event.stream
+        if stream in HOLDING_STREAMS:
+            pieces.append((event.start, event.end, _PRIORITY[HOLDING_STREAMS[stream]]))
+        elif stream in WAITING_STREAMS:
+            pieces.append((event.start, event.end, _WAITING))
+        elif stream == "dp":
+            pieces.append((event.start, event.end, _DP))
+    return [piece for piece in pieces if piece[1] > piece[0]]
 
 
 # RECV kind -> the text of the send it is matched with (as ``Action.matching`` says)
