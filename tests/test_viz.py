@@ -101,8 +101,8 @@ def test_hover_names_the_action_and_its_details():
 def test_communication_lanes_send_thin_recv_wait_split_into_bubble_and_exposed_comm():
     fig = gantt_figure([two_rank_step()])
     by_name = {t.name: t for t in fig.data}
-    recv = by_name["exposed comm (recv wait, data in flight)"]
-    bubble = by_name["bubble (recv wait, producer not done)"]
+    recv = by_name["exposed comm (wait, data in flight)"]
+    bubble = by_name["bubble (wait for a peer)"]
     send = by_name["send (posted to arrival)"]
     assert recv.marker.color == "#D62728" and bubble.marker.pattern.shape == "/"
     assert bubble.marker.color != recv.marker.color

@@ -34,8 +34,8 @@ KIND_LABELS = {
 }
 STREAM_LABELS = {
     "send": "send (posted to arrival)",
-    "recv": "exposed comm (recv wait, data in flight)",
-    "bubble": "bubble (recv wait, producer not done)",
+    "recv": "exposed comm (wait, data in flight)",
+    "bubble": "bubble (wait for a peer)",
 }
 _COMPUTE_ORDER = ("F", "B", "I", "W")
 
