@@ -131,7 +131,7 @@ class SimulationResult:
             f"p2p={self.trace.meta.get('p2p')}, {schedule.num_actions} actions",
             f"  step time        {metrics.makespan * scale:.4g} {unit}",
             f"  bubble fraction  {metrics.bubble_fraction:.2%}",
-            f"  bubble           {waiting * scale:.4g} {unit} (waiting for a producer, fill and drain), "
+            f"  bubble           {waiting * scale:.4g} {unit} (waiting for a peer, fill and drain), "
             "summed over ranks",
             f"  communication    {exposed * scale:.4g} {unit} exposed (blocked on data in flight); sends "
             f"{total_comm * scale:.4g} {unit} from posting to arrival; summed over ranks",
