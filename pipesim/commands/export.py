@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from pipesim.commands.options import add_schedule_args, schedule_from_args
+from pipesim.commands.options import (
+    add_cost_args,
+    add_schedule_args,
+    add_topology_args,
+    schedule_from_args,
+    topology_from_args,
+)
 from schedules.lowering import lower
 
 
@@ -14,6 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Write a schedule as CSV: one row per rank, one action per cell.",
     )
     add_schedule_args(parser, allow_file=False)
+    add_cost_args(parser)  # zb-auto builds its order from the costs and the cluster's hop time
+    add_topology_args(parser)
     parser.add_argument("--out", required=True, help="CSV file to write")
     parser.add_argument("--lowered", action="store_true", help="include the SEND/RECV actions")
     parser.set_defaults(handler=handle)
@@ -23,7 +31,7 @@ def handle(args: argparse.Namespace) -> int:
     from schedules.csv_io import schedule_to_csv
     from schedules.validate import validate
 
-    schedule = schedule_from_args(args)
+    schedule = schedule_from_args(args, topology_from_args(args))
     if args.lowered:
         schedule = lower(schedule)
     validate(schedule)
