@@ -20,6 +20,7 @@ from schedules import (
     schedule_to_csv,
     validate,
 )
+from schedules.generators import zb_auto
 from schedules.schedule import Schedule
 
 NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -205,3 +206,84 @@ def test_deadlock_verdict_agrees_with_torch_dry_run(schedule):
         # own table printer fails with IndexError on the way to raising it.
         theirs = False
     assert ours == theirs
+
+
+# --- the zero-bubble family and V-shaped pipelines --------------------------------------
+
+ZERO_BUBBLE_NAMES = ("zb-h1", "zb-h2", "zbv", "interleaved-zb", "looped-bfs", "zb-auto")
+
+
+@st.composite
+def zero_bubble_sizes(draw):
+    name = draw(st.sampled_from(ZERO_BUBBLE_NAMES))
+    pp = draw(st.integers(1, 8))
+    microbatches = draw(st.integers(1, 24))
+    if name == "zbv":
+        chunks = 2
+    elif name in ("interleaved-zb", "looped-bfs"):
+        chunks = draw(st.integers(1, 3))
+    else:
+        chunks = 1
+    return name, pp, microbatches, chunks
+
+
+def build(name: str, pp: int, microbatches: int, chunks: int, draw_costs=(1.0, 1.0, 1.0, 0.0)) -> Schedule:
+    if name == "zb-auto":
+        forward, backward_input, backward_weight, hop = draw_costs
+        return zb_auto(pp, microbatches, forward, backward_input, backward_weight, hop, max(1, pp - 1))
+    return generate(name, pp, microbatches, chunks)
+
+
+def program_peak_stash(program, split: bool) -> int:
+    """Most stashes a sequential rank holds: +1 at each F, -1 at the pass that frees it
+    (W when the backward is split, B otherwise)."""
+    held = peak = 0
+    for action in program:
+        if action.kind == "F":
+            held += 1
+            peak = max(peak, held)
+        elif action.kind == ("W" if split else "B"):
+            held -= 1
+    return peak
+
+
+@settings(max_examples=120, deadline=None)
+@given(zero_bubble_sizes(), st.tuples(*(st.sampled_from([0.5, 1.0, 2.0]) for _ in range(3)),
+                                      st.sampled_from([0.0, 0.3])))
+def test_zero_bubble_generators_run_each_pass_once_in_order_within_their_memory(size, costs):
+    name, pp, microbatches, chunks = size
+    try:
+        schedule = build(name, pp, microbatches, chunks, costs)
+    except ScheduleUnavailableError as error:
+        assert name == "interleaved-zb" and "do not split into" in str(error)
+        return
+    split = name != "looped-bfs"
+    kinds = ("F", "I", "W") if split else ("F", "B")
+    for rank, program in enumerate(schedule.programs):
+        expected = sorted((stage, kind, microbatch) for stage in schedule.stages_of(rank) for kind in kinds
+                          for microbatch in range(microbatches))
+        assert sorted(tuple(action) for action in program) == expected
+    validate(schedule)  # dependency order (F before I before W, across stages) and no deadlock
+    lowered = lower(schedule)
+    validate(lowered)
+    assert_same(round_trip(schedule), schedule)
+    assert_same(round_trip(lowered), lowered)
+    stated = schedule.meta["memory_microbatches"]
+    if name == "zb-auto":
+        stated = max(1, pp - 1)
+    for program in schedule.programs:
+        assert program_peak_stash(program, split) / schedule.virtual_stages <= stated + 1e-12
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_zbv_places_stage_s_and_2p_minus_1_minus_s_on_one_rank(pp):
+    schedule = generate("zbv", pp, 2 * pp, 2)
+    for rank in range(pp):
+        assert schedule.stages_of(rank) == (rank, 2 * pp - 1 - rank)
+
+
+@pytest.mark.parametrize("name", ["zbv"])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_v_schedules_refuse_other_chunk_counts_by_name(name, chunks):
+    with pytest.raises(ScheduleUnavailableError, match=f"{name} places exactly 2 stages per rank"):
+        generate(name, 4, 8, chunks)
