@@ -80,8 +80,11 @@ def _hop(placement: Sequence[int], source: int, target: int, comm: float) -> flo
     return comm if placement[source] != placement[target] else 0.0
 
 
-def makespan_of(programs: Sequence[Sequence[Action]], placement: Sequence[int],
-                seconds: Callable[[Action], float], comm: float = 0.0) -> float:
-    """First start (time 0) to last end of the orders, timed as ``order_end_times`` does."""
+def step_and_rank_span(programs: Sequence[Sequence[Action]], placement: Sequence[int],
+                       seconds: Callable[[Action], float], comm: float = 0.0) -> tuple[float, float]:
+    """The step's makespan and the longest time one rank spends from its first action's
+    start to its last action's end (the zero-bubble paper's measure, which counts what
+    a next step overlapping this one could not use)."""
     ends = order_end_times(programs, placement, seconds, comm)
-    return max(ends.values(), default=0.0)
+    spans = [ends[program[-1]] - (ends[program[0]] - seconds(program[0])) for program in programs if program]
+    return max(ends.values(), default=0.0), max(spans, default=0.0)

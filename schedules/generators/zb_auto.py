@@ -8,7 +8,8 @@ under a memory limit, by greedy heuristics that it then refines. We do the same:
 several variants of the greedy list scheduler (``greedy_zero_bubble``: eager or patient
 ``W`` placement, warm-up depths up to the limit) and the handcrafted orders that fit the
 limit (``zb-h1`` holds ``p`` stashes, ``zb-h2`` ``2p - 1``) are timed under the given
-costs (``timing.order_end_times``), and the fastest wins. Because zb-h1 is among the
+costs (``timing.order_end_times``), and the fastest step wins (ties go to the order
+whose longest rank span is shortest, the paper's bubble). Because zb-h1 is among the
 candidates whenever the limit allows 1F1B's memory, zb-auto is never slower than it
 under the costs it was built for.
 
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from schedules.action import Action, ActionKind
 from schedules.generators.common import ScheduleUnavailableError, require_positive
 from schedules.generators.greedy_zero_bubble import greedy_orders
-from schedules.generators.timing import makespan_of
+from schedules.generators.timing import step_and_rank_span
 from schedules.generators.zb_h1 import zb_h1
 from schedules.generators.zb_h2 import zb_h2
 from schedules.schedule import Schedule, looped_placement
@@ -66,7 +67,9 @@ def zb_auto(
         candidates.append(zb_h1(pp, microbatches).programs)
     if limit >= 2 * pp - 1:
         candidates.append(zb_h2(pp, microbatches).programs)
-    best = min(candidates, key=lambda orders: makespan_of(orders, placement, seconds, comm))
+    # fastest step first; among equals, the one whose ranks work in the tightest span
+    # (the paper's bubble: what the next step's warm-up cannot fill)
+    best = min(candidates, key=lambda orders: step_and_rank_span(orders, placement, seconds, comm))
     return Schedule(pp, microbatches, placement, best, name="zb-auto", meta={"memory_microbatches": limit})
 
 
