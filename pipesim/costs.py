@@ -15,7 +15,8 @@ from pathlib import Path
 
 from schedules.action import ActionKind
 
-STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "layers", "tp_message_bytes")
+STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "layers", "tp_message_bytes",
+                "overlap_fb")
 
 
 class CostsError(ValueError):
@@ -37,6 +38,11 @@ class StageCost:
     forward does two collectives of ``tp_message_bytes`` (the full ``s*b*h`` activation)
     across the tp group and its input-gradient backward two more (Megatron-LM). Zero
     means no tp traffic is charged.
+
+    ``overlap_fb`` is the time of an overlapped pair (DualPipe's ``OVERLAP_F_B``) whose
+    forward runs on this stage and whose full backward runs on the rank's other chunk:
+    what overlapping saves is a measured property of the model and the machine, so it is
+    given, not derived. Zero means not given: the pair costs its ``F + B``.
     """
 
     fwd: float
@@ -47,6 +53,7 @@ class StageCost:
     param_bytes: float = 0.0
     layers: float = 0.0
     tp_message_bytes: float = 0.0
+    overlap_fb: float = 0.0
 
     def seconds(self, kind: str) -> float:
         if kind == ActionKind.F:
@@ -101,6 +108,14 @@ class Costs:
             for kind in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W):
                 table[stage, kind] = cost.seconds(kind) + self.action_overhead
         return table
+
+    def overlap_seconds(self, forward_stage: int, backward_stage: int) -> float:
+        """Seconds of an overlapped pair: the forward stage's ``overlap_fb`` where given,
+        otherwise the forward plus the full backward; one launch overhead for the pair."""
+        given = self.stages[forward_stage].overlap_fb
+        if not given:
+            given = self.stages[forward_stage].fwd + self.stages[backward_stage].bwd
+        return given + self.action_overhead
 
     def to_dict(self) -> dict:
         return {

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from schedules.action import Action, ActionParseError, parse_action
+from schedules.action import Action, ActionParseError, format_overlap, parse_action, parse_overlap
 from schedules.schedule import Schedule
 
 
@@ -34,8 +34,21 @@ def schedule_to_csv(schedule: Schedule, path_or_file: str | Path | IO[str]) -> N
 
 def _write(schedule: Schedule, handle: IO[str]) -> None:
     writer = csv.writer(handle)
-    for program in schedule.programs:
-        writer.writerow([str(action) for action in program])
+    for rank, program in enumerate(schedule.programs):
+        writer.writerow(_row_cells(program, schedule.fused[rank]))
+
+
+def _row_cells(program: tuple[Action, ...], fused: frozenset[int]) -> list[str]:
+    """One cell per action, an overlapped pair as torch's ``(F;B)OVERLAP_F_B`` cell."""
+    cells = []
+    for position, action in enumerate(program):
+        if position in fused:
+            continue  # written with its forward
+        if position + 1 in fused:
+            cells.append(format_overlap(action, program[position + 1]))
+        else:
+            cells.append(str(action))
+    return cells
 
 
 def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Schedule:
@@ -54,7 +67,9 @@ def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Sc
         label = getattr(path, "name", "<csv>")
         rows = list(csv.reader(path))
         default_name = Path(label).stem if label != "<csv>" else "csv"
-    programs = [_parse_row(label, rank, row) for rank, row in enumerate(rows)]
+    parsed = [_parse_row(label, rank, row) for rank, row in enumerate(rows)]
+    programs = [program for program, _ in parsed]
+    fused = tuple(frozenset(pairs) for _, pairs in parsed)
     if not programs:
         raise ScheduleCsvError(f"{label}: the file is empty; expected one row of actions per rank")
     placement = _infer_placement(label, programs)
@@ -67,22 +82,31 @@ def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Sc
         placement=placement,
         programs=programs,
         name=name if name is not None else default_name,
+        fused=fused,
     )
 
 
-def _parse_row(label: str, rank: int, row: Iterable[str]) -> list[Action]:
-    """Row ``rank`` as a program; empty cells (idle steps) are skipped."""
-    program = []
+def _parse_row(label: str, rank: int, row: Iterable[str]) -> tuple[list[Action], list[int]]:
+    """Row ``rank`` as a program and the positions of its overlapped backwards; empty
+    cells (idle steps) are skipped."""
+    program: list[Action] = []
+    fused: list[int] = []
     for column, cell in enumerate(row):
         if not cell.strip():
             continue
         try:
-            program.append(parse_action(cell))
+            pair = parse_overlap(cell)
+            if pair is not None:
+                program.append(pair[0])
+                fused.append(len(program))
+                program.append(pair[1])
+            else:
+                program.append(parse_action(cell))
         except ActionParseError as error:
             raise ScheduleCsvError(
                 f"{label}: row {rank + 1} (rank {rank}), column {column + 1}: cell {error}"
             ) from error
-    return program
+    return program, fused
 
 
 def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...]:

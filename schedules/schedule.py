@@ -7,6 +7,7 @@ lowered programs, so what is predicted is exactly what is run.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,9 @@ class Schedule:
     programs: tuple[tuple[Action, ...], ...]
     name: str = "custom"
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    # fused[rank]: positions of a B whose compute is overlapped with the F just before it
+    # (DualPipe's OVERLAP_F_B pair: one step, one cost); empty for other schedules
+    fused: tuple[frozenset[int], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise lists handed in by callers so a Schedule is hashable, immutable data.
@@ -59,6 +63,43 @@ class Schedule:
         for stage, rank in enumerate(self.placement):
             if not 0 <= rank < self.pp:
                 raise ValueError(f"stage {stage} is placed on rank {rank}, outside 0..{self.pp - 1}")
+        self._normalise_fused()
+
+    def _normalise_fused(self) -> None:
+        """One frozenset per rank; each marks a backward right after a forward."""
+        if not any(self.fused):
+            object.__setattr__(self, "fused", tuple(frozenset() for _ in range(self.pp)))
+            return
+        object.__setattr__(self, "fused", tuple(frozenset(positions) for positions in self.fused))
+        if len(self.fused) != self.pp:
+            raise ValueError(f"pp={self.pp} ranks but overlapped pairs were given for {len(self.fused)}")
+        for rank, (program, positions) in enumerate(zip(self.programs, self.fused, strict=True)):
+            for position in positions:
+                if not 1 <= position < len(program) or program[position - 1].kind != "F" or (
+                        program[position].kind not in ("B", "I")):
+                    shown = program[position] if 0 <= position < len(program) else "nothing"
+                    raise ValueError(
+                        f"rank {rank}, position {position}: an overlapped pair is a forward followed directly "
+                        f"by a backward, but position {position} holds {shown}"
+                    )
+
+    def fused_pairs(self, rank: int) -> list[tuple[Action, Action]]:
+        """``rank``'s overlapped (F, B) pairs, in program order."""
+        program = self.programs[rank]
+        return [(program[position - 1], program[position]) for position in sorted(self.fused[rank])]
+
+    def with_fused_from(self, source: Schedule) -> Schedule:
+        """This schedule with ``source``'s overlapped pairs marked at their positions here
+        (found by the backward action, which is unique): how passes that insert or drop
+        actions (lowering, ``compute_only``) carry the pairs along."""
+        if not any(source.fused):
+            return self
+        fused = []
+        for rank in range(self.pp):
+            backwards = {backward for _, backward in source.fused_pairs(rank)}
+            fused.append(frozenset(position for position, action in enumerate(self.programs[rank])
+                                   if action in backwards))
+        return dataclasses.replace(self, fused=tuple(fused), meta=dict(self.meta))
 
     @property
     def num_stages(self) -> int:
@@ -88,7 +129,7 @@ class Schedule:
             tuple(action for action in program if action.kind not in COMM_KINDS)
             for program in self.programs
         )
-        return self.with_programs(programs)
+        return self.with_programs(programs).with_fused_from(self)
 
     def with_programs(self, programs: Sequence[Sequence[Action]]) -> Schedule:
         """A copy of this schedule with other programs (same ranks, stages, placement)."""

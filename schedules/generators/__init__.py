@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from schedules.generators.common import ScheduleUnavailableError, require_positive
+from schedules.generators.dualpipev import dualpipev
 from schedules.generators.gpipe import gpipe
 from schedules.generators.interleaved import interleaved_1f1b
 from schedules.generators.interleaved_zb import interleaved_zb
@@ -31,10 +32,11 @@ GENERATORS: dict[str, Generator] = {
     "zbv": zbv,
     "interleaved-zb": interleaved_zb,
     "looped-bfs": looped_bfs,
+    "dualpipev": dualpipev,
 }
 
 # Schedules that place several stages on a rank and therefore use ``virtual_stages``.
-MULTI_CHUNK = frozenset({"interleaved-1f1b", "zbv", "interleaved-zb", "looped-bfs"})
+MULTI_CHUNK = frozenset({"interleaved-1f1b", "zbv", "interleaved-zb", "looped-bfs", "dualpipev"})
 
 # Schedules whose order depends on the stage costs and a memory limit: they cannot be
 # built from sizes alone, so they have their own signature (see ``zb_auto``) and the
@@ -71,6 +73,7 @@ __all__ = [
     "SCHEDULE_NAMES",
     "ScheduleUnavailableError",
     "UnknownScheduleError",
+    "dualpipev",
     "generate",
     "gpipe",
     "interleaved_1f1b",
