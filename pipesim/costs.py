@@ -109,13 +109,15 @@ class Costs:
                 table[stage, kind] = cost.seconds(kind) + self.action_overhead
         return table
 
-    def overlap_seconds(self, forward_stage: int, backward_stage: int) -> float:
-        """Seconds of an overlapped pair: the forward stage's ``overlap_fb`` where given,
-        otherwise the forward plus the full backward; one launch overhead for the pair."""
+    def overlap_seconds(self, forward_stage: int, backward_stage: int, backward_kind: str = ActionKind.B) -> float:
+        """Seconds of an overlapped pair: the forward stage's ``overlap_fb`` plus one
+        launch overhead where given, otherwise the two actions as if run one after the
+        other (the forward plus the backward, each with its overhead)."""
         given = self.stages[forward_stage].overlap_fb
-        if not given:
-            given = self.stages[forward_stage].fwd + self.stages[backward_stage].bwd
-        return given + self.action_overhead
+        if given:
+            return given + self.action_overhead
+        return (self.stages[forward_stage].fwd + self.stages[backward_stage].seconds(backward_kind)
+                + 2 * self.action_overhead)
 
     def to_dict(self) -> dict:
         return {

@@ -1,7 +1,9 @@
 """CSV import and export in the format ``torch.distributed.pipelining`` dumps and loads.
 
 One row per rank, one action per cell in program order (``0F0``, ``3SEND_F1``), an
-empty cell for an idle step. There is no header and no placement column: on import the
+empty cell for an idle step. In a lowered schedule a cell may hold a P2P group, the
+transfers posted together, joined by ``+`` (``1SEND_F3+1RECV_B1``). There is no header
+and no placement column: on import the
 placement is inferred from which rank's row holds which stage, the microbatch count
 from the largest microbatch seen, and the rank count from the number of rows. So a
 schedule drawn up in torch (or by hand in a spreadsheet) can be checked and simulated
@@ -15,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from schedules.action import Action, ActionParseError, format_overlap, parse_action, parse_overlap
+from schedules.action import Action, ActionParseError, parse_group, parse_overlap
 from schedules.schedule import Schedule
 
 
@@ -34,21 +36,8 @@ def schedule_to_csv(schedule: Schedule, path_or_file: str | Path | IO[str]) -> N
 
 def _write(schedule: Schedule, handle: IO[str]) -> None:
     writer = csv.writer(handle)
-    for rank, program in enumerate(schedule.programs):
-        writer.writerow(_row_cells(program, schedule.fused[rank]))
-
-
-def _row_cells(program: tuple[Action, ...], fused: frozenset[int]) -> list[str]:
-    """One cell per action, an overlapped pair as torch's ``(F;B)OVERLAP_F_B`` cell."""
-    cells = []
-    for position, action in enumerate(program):
-        if position in fused:
-            continue  # written with its forward
-        if position + 1 in fused:
-            cells.append(format_overlap(action, program[position + 1]))
-        else:
-            cells.append(str(action))
-    return cells
+    for rank in range(schedule.pp):
+        writer.writerow(schedule.program_text(rank))
 
 
 def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Schedule:
@@ -68,8 +57,9 @@ def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Sc
         rows = list(csv.reader(path))
         default_name = Path(label).stem if label != "<csv>" else "csv"
     parsed = [_parse_row(label, rank, row) for rank, row in enumerate(rows)]
-    programs = [program for program, _ in parsed]
-    fused = tuple(frozenset(pairs) for _, pairs in parsed)
+    programs = [program for program, _, _ in parsed]
+    joins = [joined for _, joined, _ in parsed]
+    fused = tuple(frozenset(pairs) for _, _, pairs in parsed)
     if not programs:
         raise ScheduleCsvError(f"{label}: the file is empty; expected one row of actions per rank")
     placement = _infer_placement(label, programs)
@@ -82,14 +72,19 @@ def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Sc
         placement=placement,
         programs=programs,
         name=name if name is not None else default_name,
+        joins=joins,
         fused=fused,
     )
 
 
-def _parse_row(label: str, rank: int, row: Iterable[str]) -> tuple[list[Action], list[int]]:
-    """Row ``rank`` as a program and the positions of its overlapped backwards; empty
-    cells (idle steps) are skipped."""
+def _parse_row(label: str, rank: int, row: Iterable[str]) -> tuple[list[Action], frozenset[int], list[int]]:
+    """Row ``rank`` as a program, its P2P groups (the positions joined to the action
+    before them) and its overlapped pairs (the positions of their backwards); empty
+    cells (idle steps) are skipped. A cell is one action, a group of SEND/RECV actions
+    joined by ``+`` (a transfer alone in its cell is posted alone), or torch's
+    ``(F;B)OVERLAP_F_B`` pair."""
     program: list[Action] = []
+    joined: set[int] = set()
     fused: list[int] = []
     for column, cell in enumerate(row):
         if not cell.strip():
@@ -97,16 +92,16 @@ def _parse_row(label: str, rank: int, row: Iterable[str]) -> tuple[list[Action],
         try:
             pair = parse_overlap(cell)
             if pair is not None:
-                program.append(pair[0])
-                fused.append(len(program))
-                program.append(pair[1])
-            else:
-                program.append(parse_action(cell))
+                fused.append(len(program) + 1)
+            group = pair if pair is not None else parse_group(cell)
         except ActionParseError as error:
             raise ScheduleCsvError(
                 f"{label}: row {rank + 1} (rank {rank}), column {column + 1}: cell {error}"
             ) from error
-    return program, fused
+        if pair is None:
+            joined.update(range(len(program) + 1, len(program) + len(group)))
+        program.extend(group)
+    return program, frozenset(joined), fused
 
 
 def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...]:

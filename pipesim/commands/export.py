@@ -6,12 +6,14 @@ import argparse
 
 from pipesim.commands.options import (
     add_cost_args,
+    add_p2p_arg,
     add_schedule_args,
     add_topology_args,
     schedule_from_args,
     topology_from_args,
 )
 from schedules.lowering import lower
+from schedules.p2p import RENDEZVOUS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_cost_args(parser)  # zb-auto builds its order from the costs and the cluster's hop time
     add_topology_args(parser)
     parser.add_argument("--out", required=True, help="CSV file to write")
-    parser.add_argument("--lowered", action="store_true", help="include the SEND/RECV actions")
+    parser.add_argument("--lowered", action="store_true",
+                        help="include the SEND/RECV actions, each P2P group in one cell joined by '+'")
+    add_p2p_arg(parser, "rendezvous (NCCL's rule, which also holds on gloo)")
     parser.set_defaults(handler=handle)
 
 
@@ -34,7 +38,7 @@ def handle(args: argparse.Namespace) -> int:
     schedule = schedule_from_args(args, topology_from_args(args))
     if args.lowered:
         schedule = lower(schedule)
-    validate(schedule)
+    validate(schedule, args.p2p or RENDEZVOUS)
     schedule_to_csv(schedule, args.out)
     print(f"wrote {args.out}: {schedule.name}, pp={schedule.pp}, stages={schedule.num_stages}, "
           f"microbatches={schedule.microbatches}, {schedule.num_actions} actions")

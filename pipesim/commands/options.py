@@ -11,6 +11,7 @@ from pipesim.presets import PRESETS
 from pipesim.topology import Topology
 from pipesim.topology_file import load_topology
 from schedules.generators import COST_AWARE, MULTI_CHUNK, SCHEDULE_NAMES, generate
+from schedules.p2p import P2P_SEMANTICS
 from schedules.schedule import Schedule
 
 DEFAULT_VIRTUAL_STAGES = 2  # for schedules that place several chunks per rank
@@ -36,6 +37,15 @@ def add_memory_limit_arg(group) -> None:
         "--memory-limit", type=int, default=None,
         help=f"for {', '.join(sorted(COST_AWARE))}: most activation stashes a rank may hold, in microbatches "
         "(default: pp, 1F1B's peak)",
+    )
+
+
+def add_p2p_arg(parser: argparse.ArgumentParser, default_help: str) -> None:
+    """``--p2p``: the point-to-point semantics to check and model (``schedules.p2p``)."""
+    parser.add_argument(
+        "--p2p", choices=P2P_SEMANTICS, default=None,
+        help="point-to-point semantics: rendezvous (NCCL: a pair's transfers match in posting order and a send "
+        "waits for its receive) or buffered (gloo: matched by tag, sends never wait); default: " + default_help,
     )
 
 
