@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from schedules.action import Action, ActionParseError, parse_group, parse_overlap
+from schedules.action import Action, ActionParseError, format_overlap, parse_group, parse_overlap
 from schedules.schedule import Schedule
 
 
@@ -25,19 +25,39 @@ class ScheduleCsvError(ValueError):
     """A CSV file that does not describe a schedule; the message names file, row and cell."""
 
 
-def schedule_to_csv(schedule: Schedule, path_or_file: str | Path | IO[str]) -> None:
-    """Write one row per rank, one action per cell (no idle cells: programs are dense)."""
+def schedule_to_csv(schedule: Schedule, path_or_file: str | Path | IO[str], groups: bool = True) -> None:
+    """Write one row per rank, one action per cell (no idle cells: programs are dense).
+
+    ``groups``: each P2P group in one cell, joined by ``+``. torch.distributed.pipelining
+    has no P2P groups and drops such cells, so ``groups=False`` writes one action per
+    cell for it (the grouping is then lost: read back, every transfer is alone)."""
     if isinstance(path_or_file, (str, Path)):
         with open(path_or_file, "w", newline="") as handle:
-            _write(schedule, handle)
+            _write(schedule, handle, groups)
     else:
-        _write(schedule, path_or_file)
+        _write(schedule, path_or_file, groups)
 
 
-def _write(schedule: Schedule, handle: IO[str]) -> None:
+def _write(schedule: Schedule, handle: IO[str], groups: bool) -> None:
     writer = csv.writer(handle)
     for rank in range(schedule.pp):
-        writer.writerow(schedule.program_text(rank))
+        if groups:
+            writer.writerow(schedule.program_text(rank))
+        else:
+            writer.writerow(_flat_cells(schedule, rank))
+
+
+def _flat_cells(schedule: Schedule, rank: int) -> list[str]:
+    """One action per cell, except an overlapped pair, which torch reads as one
+    ``(F;B)OVERLAP_F_B`` cell."""
+    program, fused = schedule.programs[rank], schedule.fused[rank]
+    cells: list[str] = []
+    for position, action in enumerate(program):
+        if position in fused:
+            cells[-1] = format_overlap(program[position - 1], action)
+        else:
+            cells.append(str(action))
+    return cells
 
 
 def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Schedule:

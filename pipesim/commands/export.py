@@ -27,6 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, help="CSV file to write")
     parser.add_argument("--lowered", action="store_true",
                         help="include the SEND/RECV actions, each P2P group in one cell joined by '+'")
+    parser.add_argument("--flat", action="store_true",
+                        help="one action per cell even for P2P groups, as torch.distributed.pipelining's _load_csv "
+                        "reads lowered files (it has no groups: read back, each transfer is posted alone)")
     add_p2p_arg(parser, "rendezvous (NCCL's rule, which also holds on gloo)")
     parser.set_defaults(handler=handle)
 
@@ -39,7 +42,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.lowered:
         schedule = lower(schedule)
     validate(schedule, args.p2p or RENDEZVOUS)
-    schedule_to_csv(schedule, args.out)
+    schedule_to_csv(schedule, args.out, groups=not args.flat)
     print(f"wrote {args.out}: {schedule.name}, pp={schedule.pp}, stages={schedule.num_stages}, "
           f"microbatches={schedule.microbatches}, {schedule.num_actions} actions")
     return 0
