@@ -21,6 +21,7 @@ from schedules import (
     validate,
 )
 from schedules.generators import zb_auto
+from schedules.p2p import P2P_SEMANTICS
 from schedules.schedule import Schedule
 
 NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -270,7 +271,10 @@ def test_zero_bubble_generators_run_each_pass_once_in_order_within_their_memory(
             assert all(kinds == ["F", "I", "W"] for kinds in passes.values())
     validate(schedule)  # dependency order (F before I before W, across stages) and no deadlock
     lowered = lower(schedule)
-    validate(lowered)
+    for semantics in P2P_SEMANTICS:  # gloo's buffered sends and NCCL's rendezvous
+        validate(lowered, semantics)
+    assert [len(pairs) for pairs in lowered.fused] == [
+        len(pairs) for pairs in schedule.fused]  # overlapped pairs survive lowering, still adjacent
     assert_same(round_trip(schedule), schedule)
     assert_same(round_trip(lowered), lowered)
     assert round_trip(schedule).fused == schedule.fused

@@ -14,6 +14,8 @@ makespan additionally contains the lead-in, ``(p-1)`` forwards on the last rank.
 
 from __future__ import annotations
 
+import dataclasses
+
 import networkx as nx
 import pytest
 from hypothesis import given, settings
@@ -23,7 +25,7 @@ from pipesim.costs import uniform_costs
 from pipesim.engine import simulate
 from pipesim.simulation import run_simulation
 from pipesim.topology import Topology, add_link, ideal_topology
-from schedules import generate, lower, schedule_to_csv, step_metrics
+from schedules import generate, lower, schedule_from_csv, schedule_to_csv, step_metrics
 from schedules.generators import ScheduleUnavailableError, zb_auto
 from schedules.lowering import _lower_naively  # the papers' transfer model: post at production, wait at use
 from schedules.overlap import keep_pairs_together
@@ -263,7 +265,7 @@ def torch_runtime_schedule(schedule: Schedule):
 @pytest.mark.parametrize(
     ("name", "pp", "microbatches", "chunks"),
     [("zb-h1", 4, 8, 1), ("zb-h2", 4, 8, 1), ("zbv", 4, 8, 2), ("interleaved-zb", 4, 8, 2), ("looped-bfs", 3, 6, 2),
-     ("zb-auto", 4, 8, 1)],
+     ("zb-auto", 4, 8, 1), ("dualpipev", 4, 8, 2)],
 )
 def test_torch_reads_and_lowers_our_csv(tmp_path, name, pp, microbatches, chunks):
     schedule = (zb_auto(pp, microbatches, 1, 1, 0.5, 0.1, 2 * pp - 1) if name == "zb-auto"
@@ -273,9 +275,9 @@ def test_torch_reads_and_lowers_our_csv(tmp_path, name, pp, microbatches, chunks
     loader = torch_runtime_schedule(schedule)
     loader._n_microbatches = microbatches
     loader._load_csv(str(path))  # parses, validates completeness, infers placement and lowers
-    assert {rank: [str(action) for action in actions] for rank, actions in loader.pipeline_order.items()} == {
-        rank: [str(action) for action in program] for rank, program in enumerate(schedule.programs)
-    }
+    written = {rank: row.split(",") for rank, row in enumerate(path.read_text().splitlines())}
+    assert {rank: [str(action) for action in actions] for rank, actions in loader.pipeline_order.items()} == written
+    assert sum(len(row) for row in written.values()) == schedule.num_actions - sum(map(len, schedule.fused))
     assert [loader.stage_index_to_group_rank[stage] for stage in range(schedule.num_stages)] == list(
         schedule.placement)
     assert loader.pipeline_order_with_comms  # torch's own lowering accepted the order
@@ -297,3 +299,60 @@ def test_zb_auto_from_the_command_line_respects_memory_limit(tmp_path, capsys):
 def test_run_simulation_of_zb_schedules_counts_split_backward_as_busy():
     result = run_simulation(generate("zb-h1", 4, 8), uniform_costs(4, 1.0, 2.0, 1.0), ideal_topology())
     assert all(rank.busy == pytest.approx(8 * 3) for rank in result.metrics.ranks)
+
+
+# --- overlapped pairs (DualPipeV) --------------------------------------------------------
+
+
+def overlapped_program(overlap_fb: float):
+    """One rank holding stages 0 and 1 (F = 1, B = 2 each), with 0F1 and 0B0 overlapped."""
+    from schedules.action import B, F
+
+    program = [F(0, 0), F(1, 0), B(1, 0), F(0, 1), B(0, 0), F(1, 1), B(1, 1), B(0, 1)]
+    schedule = Schedule(1, 2, (0, 0), [program], fused=(frozenset({4}),))
+    costs = uniform_costs(2, 1.0, 2.0)
+    if overlap_fb:
+        stages = list(costs.stages)
+        stages[0] = dataclasses.replace(stages[0], overlap_fb=overlap_fb)
+        costs = dataclasses.replace(costs, stages=tuple(stages))
+    return schedule, costs
+
+
+@pytest.mark.parametrize(("overlap_fb", "expected"), [(0.0, 12.0), (2.2, 12.0 - 3.0 + 2.2), (3.5, 12.5)])
+def test_an_overlapped_pair_costs_its_own_time(overlap_fb, expected):
+    """Four forwards (1 s) and four backwards (2 s) run back to back: 12 s, except that
+    the pair 0F1 + 0B0 costs ``overlap_fb`` when the costs give it (F + B = 3 s if not),
+    shared 1:2 between the two actions in the Trace."""
+    schedule, costs = overlapped_program(overlap_fb)
+    trace = simulate(schedule, costs, ideal_topology())
+    assert makespan(trace) == pytest.approx(expected)
+    by_action = {event.action: event for event in trace.events}
+    pair = overlap_fb or 3.0
+    assert by_action["0F1"].duration == pytest.approx(pair / 3)
+    assert by_action["0B0"].duration == pytest.approx(2 * pair / 3)
+    assert by_action["0B0"].start == pytest.approx(by_action["0F1"].end)
+
+
+def test_overlapped_pairs_in_csv_are_torchs_cells(tmp_path):
+    schedule = generate("dualpipev", 4, 10, 2)
+    path = tmp_path / "dualpipev.csv"
+    schedule_to_csv(schedule, path)
+    cells = [cell for row in path.read_text().splitlines() for cell in row.split(",")]
+    pairs = [cell for cell in cells if cell.endswith("OVERLAP_F_B")]
+    assert len(pairs) == sum(len(positions) for positions in schedule.fused)
+    for cell in pairs:  # torch parses each into the same forward and backward
+        parsed = torch_schedules._Action.from_str(cell)
+        assert parsed.computation_type.value == "OVERLAP_F_B"
+        assert cell == f"({parsed.sub_actions[0]};{parsed.sub_actions[1]})OVERLAP_F_B"
+    loaded = schedule_from_csv(path)
+    assert loaded.programs == schedule.programs and loaded.fused == schedule.fused
+    # and the pairs come back the same way from torch's own DualPipeV order
+    theirs = torch_schedule("dualpipev", 4, 10)
+    assert theirs.programs == schedule.programs and theirs.fused == schedule.fused
+
+
+def test_overlapped_pairs_stay_adjacent_and_marked_through_lowering():
+    schedule = generate("dualpipev", 3, 8, 2)
+    lowered = lower(schedule)
+    for rank in range(schedule.pp):
+        assert lowered.fused_pairs(rank) == schedule.fused_pairs(rank)
