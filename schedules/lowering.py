@@ -30,7 +30,7 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from schedules.action import COMPUTE_KINDS, Action, ActionKind
-from schedules.overlap import keep_pairs_together
+from schedules.overlap import keep_pairs_together, pair_times
 from schedules.schedule import Schedule
 
 _F, _B, _I = ActionKind.F, ActionKind.B, ActionKind.I
@@ -56,7 +56,7 @@ def lower(schedule: Schedule) -> Schedule:
 
 
 def _lower(schedule: Schedule) -> Schedule:
-    times = nominal_times(schedule)
+    times = pair_times(nominal_times(schedule), schedule)
     if times is not None:
         try:
             return _lower_at_meeting_points(schedule, times)
