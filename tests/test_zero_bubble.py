@@ -356,3 +356,14 @@ def test_overlapped_pairs_stay_adjacent_and_marked_through_lowering():
     lowered = lower(schedule)
     for rank in range(schedule.pp):
         assert lowered.fused_pairs(rank) == schedule.fused_pairs(rank)
+
+
+@pytest.mark.parametrize(("pp", "microbatches"), [(2, 4), (4, 8), (4, 16), (8, 32)])
+def test_nccl_lowering_of_overlapped_pairs_costs_nothing_with_free_links(pp, microbatches):
+    """Lowering plans each pair as one step, so with free links the rendezvous-safe
+    groups take no more time than the papers' model (each transfer at its producer and
+    consumer); the same holds for the V schedule without pairs."""
+    for name in ("dualpipev", "zbv"):
+        schedule = generate(name, pp, microbatches, 2)
+        ideal = makespan(run(schedule, 1, 1, 1))
+        assert makespan(run(schedule, 1, 1, 1, production=True)) == pytest.approx(ideal)
