@@ -25,34 +25,38 @@ def order_end_times(
 ) -> dict[Action, float]:
     """End time of every action when each rank runs its program in order, each action
     as soon as its rank and its inputs allow. Raises ``ValueError`` if the orders
-    deadlock (an action waits for one that can never run)."""
+    deadlock (an action waits for one that can never run). Linear in the number of
+    actions: a rank that must wait parks on the producer it needs and is woken by it."""
     last_stage = len(placement) - 1
+    backward_of = {(action[0], action[2]): action for program in programs for action in program
+                   if action[1] in (_B, _I)}
     ends: dict[Action, float] = {}
     clocks = [0.0] * len(programs)
     cursor = [0] * len(programs)
-    remaining = sum(len(program) for program in programs)
-    while remaining:
-        progressed = False
-        for rank, program in enumerate(programs):
-            while cursor[rank] < len(program):
-                action = program[cursor[rank]]
-                ready = _ready_time(action, ends, placement, last_stage, comm)
-                if ready is None:
-                    break
-                start = max(clocks[rank], ready)
-                clocks[rank] = ends[action] = start + seconds(action)
-                cursor[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [str(program[cursor[rank]]) for rank, program in enumerate(programs) if cursor[rank] < len(program)]
-            raise ValueError(f"orders deadlock: no rank can run its next action ({', '.join(stuck)})")
+    waiting: dict[Action, list[int]] = {}
+    runnable = list(range(len(programs)))
+    while runnable:
+        rank = runnable.pop()
+        program = programs[rank]
+        while cursor[rank] < len(program):
+            action = program[cursor[rank]]
+            ready = _ready_time(action, ends, placement, last_stage, comm, backward_of)
+            if isinstance(ready, Action):
+                waiting.setdefault(ready, []).append(rank)
+                break
+            start = max(clocks[rank], ready)
+            clocks[rank] = ends[action] = start + seconds(action)
+            cursor[rank] += 1
+            runnable.extend(waiting.pop(action, ()))
+    stuck = [str(program[cursor[rank]]) for rank, program in enumerate(programs) if cursor[rank] < len(program)]
+    if stuck:
+        raise ValueError(f"orders deadlock: no rank can run its next action ({', '.join(stuck)})")
     return ends
 
 
 def _ready_time(action: Action, ends: dict[Action, float], placement: Sequence[int], last_stage: int,
-                comm: float) -> float | None:
-    """When ``action``'s inputs are there, or None if a producer has not run yet."""
+                comm: float, backward_of: dict[tuple[int, int], Action]) -> float | Action:
+    """When ``action``'s inputs are there, or the producer it still waits for."""
     stage, kind, microbatch = action
     inputs: list[tuple[Action, float]] = []
     if kind == _F:
@@ -61,9 +65,7 @@ def _ready_time(action: Action, ends: dict[Action, float], placement: Sequence[i
     elif kind in (_B, _I):
         inputs.append((Action(stage, _F, microbatch), 0.0))
         if stage < last_stage:
-            above = Action(stage + 1, _I, microbatch)
-            if above not in ends:
-                above = Action(stage + 1, _B, microbatch)
+            above = backward_of.get((stage + 1, microbatch), Action(stage + 1, _B, microbatch))
             inputs.append((above, _hop(placement, stage + 1, stage, comm)))
     elif kind == _W:
         inputs.append((Action(stage, _I, microbatch), 0.0))
@@ -71,7 +73,7 @@ def _ready_time(action: Action, ends: dict[Action, float], placement: Sequence[i
     for producer, delay in inputs:
         end = ends.get(producer)
         if end is None:
-            return None
+            return producer
         ready = max(ready, end + delay)
     return ready
 
