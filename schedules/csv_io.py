@@ -13,12 +13,14 @@ here, and one built here can be loaded there.
 from __future__ import annotations
 
 import csv
+import io
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from schedules.action import Action, ActionParseError, format_overlap, parse_group, parse_overlap
+from schedules.action import Action, ActionKind, ActionParseError, format_overlap, parse_group, parse_overlap
 from schedules.schedule import Schedule
+from schedules.textfile import read_text
 
 
 class ScheduleCsvError(ValueError):
@@ -60,17 +62,20 @@ def _flat_cells(schedule: Schedule, rank: int) -> list[str]:
     return cells
 
 
-def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Schedule:
+def schedule_from_csv(
+    path: str | Path | IO[str], name: str | None = None, microbatches: int | None = None
+) -> Schedule:
     """Read a schedule; ``name`` defaults to the file's name without its extension.
 
-    Raises ``ScheduleCsvError`` for a cell that is not an action, a stage held by two
-    ranks, or a gap in the stages. The result is not validated: call ``validate`` for
-    completeness, order and deadlocks.
+    ``microbatches`` is the step's microbatch count; ``None`` takes the number of
+    distinct microbatches per stage. Raises ``ScheduleCsvError`` for a cell that is not
+    an action, a stage held by two ranks, a gap in the stages, or a microbatch index
+    out of ``0 … microbatches-1`` or missing from a stage. The result is not validated
+    otherwise: call ``validate`` for completeness, order and deadlocks.
     """
     if isinstance(path, (str, Path)):
         label = str(path)
-        with open(path, newline="") as handle:
-            rows = list(csv.reader(handle))
+        rows = list(csv.reader(io.StringIO(read_text(path, "schedule CSV"), newline="")))
         default_name = Path(path).stem
     else:
         label = getattr(path, "name", "<csv>")
@@ -83,9 +88,9 @@ def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Sc
     if not programs:
         raise ScheduleCsvError(f"{label}: the file is empty; expected one row of actions per rank")
     placement = _infer_placement(label, programs)
-    microbatches = 1 + max((action.microbatch for program in programs for action in program), default=-1)
-    if microbatches == 0:
+    if not any(programs):
         raise ScheduleCsvError(f"{label}: no row holds any action; expected one row of actions per rank")
+    microbatches = _check_microbatches(label, programs, microbatches)
     return Schedule(
         pp=len(programs),
         microbatches=microbatches,
@@ -147,3 +152,30 @@ def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...
             + (f" (also missing: {', '.join(map(str, missing[1:8]))})" if len(missing) > 1 else "")
         )
     return tuple(owner[stage][0] for stage in range(len(owner)))
+
+
+def _check_microbatches(label: str, programs: list[list[Action]], given: int | None) -> int:
+    """The microbatch count: ``given``, or the most distinct microbatches any stage holds;
+    then every stage must hold exactly microbatches ``0 … count-1``."""
+    if given is not None and given < 1:
+        raise ScheduleCsvError(f"{label}: the microbatch count must be at least 1, got {given}")
+    seen: dict[int, dict[int, Action]] = {}  # stage -> microbatch -> first action naming it
+    for program in programs:
+        for action in program:
+            seen.setdefault(action.stage, {}).setdefault(action.microbatch, action)
+    count = given if given is not None else max(len(by_microbatch) for by_microbatch in seen.values())
+    source = "as given" if given is not None else "the most distinct microbatches on one stage"
+    problems = []
+    for stage in sorted(seen):
+        out_of_range = [action for microbatch, action in sorted(seen[stage].items()) if microbatch >= count]
+        missing = [microbatch for microbatch in range(count) if microbatch not in seen[stage]]
+        problems += [f"{action} (out of range)" for action in out_of_range[:3]]
+        problems += [f"{Action(stage, ActionKind.F, microbatch)} (missing)" for microbatch in missing[:3]]
+        if len(problems) >= 4:
+            break
+    if problems:
+        raise ScheduleCsvError(
+            f"{label}: {count} microbatches ({source}) must be numbered 0 to {count - 1} on every stage: "
+            f"{', '.join(problems[:4])}"
+        )
+    return count

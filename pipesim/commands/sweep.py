@@ -72,6 +72,6 @@ def handle(args: argparse.Namespace) -> int:
         from viz.sweep import write_sweep_html
 
         write_sweep_html([row for row in rows if not row.get("note")], args.html,
-                         title=f"pipesim sweep on {topology.name}")
+                         title=f"pipesim sweep on {topology.name}", plotly=args.plotly)
         print(f"wrote {args.html}")
     return 0
