@@ -66,6 +66,9 @@ def schedule_from_args(args: argparse.Namespace, topology: Topology | None = Non
         return schedule_from_csv(args.schedule_file)
     if args.schedule in COST_AWARE:
         return cost_aware_schedule_from_args(args, topology)
+    if getattr(args, "memory_limit", None) is not None:
+        print(f"note: --memory-limit applies to {', '.join(sorted(COST_AWARE))}; {args.schedule}'s memory is "
+              "set by its order", file=sys.stderr)
     if args.virtual_stages not in (None, 1) and args.schedule not in MULTI_CHUNK:
         print(
             f"note: --virtual-stages {args.virtual_stages} applies to {', '.join(sorted(MULTI_CHUNK))}; "
