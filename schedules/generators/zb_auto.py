@@ -11,7 +11,8 @@ limit (``zb-h1`` holds ``p`` stashes, ``zb-h2`` ``2p - 1``) are timed under the 
 costs (``timing.order_end_times``), and the fastest step wins (ties go to the order
 whose longest rank span is shortest, the paper's bubble). Because zb-h1 is among the
 candidates whenever the limit allows 1F1B's memory, zb-auto is never slower than it
-under the costs it was built for.
+under the costs it was built for, in that timing (each transfer ``T`` after its producer,
+as the paper models it); ``lower``'s P2P groups for NCCL add their own cost to both.
 
 ``memory_limit`` counts stashes of one microbatch per rank (default ``p``, 1F1B's peak);
 no rank ever holds more, which the simulated memory shows.
