@@ -6,6 +6,7 @@ pickle it to every rank) without loading torch until a run really starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from schedules.generators import generate
@@ -131,6 +132,7 @@ class RunConfig:
 
     def check(self) -> None:
         """Raise ``ConfigError`` naming the flag when a value cannot work."""
+        check_rank_values(self)
         for flag, value in (("--pp", self.pp), ("--dp", self.dp), ("--tp", self.tp),
                             ("--microbatches", self.microbatches),
                             ("--virtual-stages", self.virtual_stages), ("--layers", self.layers),
@@ -181,8 +183,7 @@ class RunConfig:
                     f"stages={custom.num_stages}; the run asks for pp={self.pp}, "
                     f"microbatches={self.microbatches}, stages={self.num_stages}"
                 )
-        if self.inject_failure is not None:
-            parse_failure(self.inject_failure)
+        check_schedule_and_failure(self)
 
 
 def check_optimizer(config: RunConfig) -> None:
@@ -236,3 +237,52 @@ def even_layout(layers: int, stages: int) -> tuple[int, ...]:
     for stage in order[:extra]:
         sizes[stage] += 1
     return tuple(sizes)
+
+
+MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds; torch turns the timeout into an integer count of ms
+
+
+def check_rank_values(config: RunConfig) -> None:
+    """The values only a rank would trip over (a zero-sized vocabulary, a NaN learning
+    rate, an infinite timeout), refused here before any process starts."""
+    for flag, value in (("--heads", config.heads), ("--vocab", config.vocab), ("--seq-len", config.seq_len)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    for flag, value in (("--lr", config.lr), ("--dp-bucket-mb", config.dp_bucket_mb), ("--timeout", config.timeout)):
+        if not math.isfinite(value):
+            raise ConfigError(f"{flag} must be a finite number, got {value}")
+    if config.lr < 0:
+        raise ConfigError(f"--lr must be >= 0, got {config.lr}")
+    if config.model == "mlp" and config.layout is not None and 0 in config.layout:
+        stage = config.layout.index(0)
+        raise ConfigError(
+            f"--layout {','.join(map(str, config.layout))} gives stage {stage} no layers; an mlp stage has "
+            "nothing else to train, so every stage needs at least one layer"
+        )
+    if config.timeout > MAX_TIMEOUT:
+        raise ConfigError(f"--timeout must be at most {MAX_TIMEOUT:g} seconds (7 days), got {config.timeout:g}")
+
+
+def check_schedule_and_failure(config: RunConfig) -> None:
+    """The schedule must be one that can be built (``--virtual-stages 2`` needs a
+    multi-chunk schedule), and ``--inject-failure`` must name a rank that exists and an
+    action in that rank's lowered program, or the injected failure would never fire."""
+    try:
+        schedule = build_schedule(config)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if config.inject_failure is None:
+        return
+    rank, action, _ = parse_failure(config.inject_failure)
+    if rank >= config.world_size:
+        raise ConfigError(
+            f"--inject-failure {config.inject_failure!r}: rank {rank} does not exist; "
+            f"the run has ranks 0 to {config.world_size - 1}"
+        )
+    pipeline_rank = rank // (config.dp * config.tp)  # tp innermost, then dp, then pp (executor.mesh)
+    program = [str(step) for step in schedule.programs[pipeline_rank]]
+    if action not in program:
+        raise ConfigError(
+            f"--inject-failure {config.inject_failure!r}: rank {rank} (pipeline rank {pipeline_rank}) never runs "
+            f"{action}; its program is {' '.join(program[:12])}{' ...' if len(program) > 12 else ''}"
+        )
