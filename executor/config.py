@@ -187,11 +187,10 @@ class RunConfig:
 
 
 def check_optimizer(config: RunConfig) -> None:
-    """A learning rate must be positive and a weight decay not negative."""
-    if config.lr is not None and not config.lr > 0:
-        raise ConfigError(f"--lr must be positive, got {config.lr}")
-    if config.weight_decay is not None and not config.weight_decay >= 0:
-        raise ConfigError(f"--weight-decay must be >= 0, got {config.weight_decay}")
+    """A weight decay must be a finite number >= 0 (the learning rate is checked with
+    the other rank values)."""
+    if config.weight_decay is not None and not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
+        raise ConfigError(f"--weight-decay must be a finite number >= 0, got {config.weight_decay}")
 
 
 def check_tensor_parallel(config: RunConfig) -> None:
@@ -248,11 +247,12 @@ def check_rank_values(config: RunConfig) -> None:
     for flag, value in (("--heads", config.heads), ("--vocab", config.vocab), ("--seq-len", config.seq_len)):
         if value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
-    for flag, value in (("--lr", config.lr), ("--dp-bucket-mb", config.dp_bucket_mb), ("--timeout", config.timeout)):
+    lr = 0.0 if config.lr is None else config.lr  # None: the optimizer's own default, always valid
+    for flag, value in (("--lr", lr), ("--dp-bucket-mb", config.dp_bucket_mb), ("--timeout", config.timeout)):
         if not math.isfinite(value):
             raise ConfigError(f"{flag} must be a finite number, got {value}")
-    if config.lr < 0:
-        raise ConfigError(f"--lr must be >= 0, got {config.lr}")
+    if lr < 0:
+        raise ConfigError(f"--lr must be >= 0, got {lr}")
     if config.model == "mlp" and config.layout is not None and 0 in config.layout:
         stage = config.layout.index(0)
         raise ConfigError(

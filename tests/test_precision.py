@@ -67,7 +67,8 @@ def test_flags_default_to_the_optimizers_own_values_and_help_says_so() -> None:
     assert (config.learning_rate, config.reduce_dtype) == (0.5, "bfloat16")
 
 
-@pytest.mark.parametrize(("field", "value", "flag"), [("lr", 0.0, "--lr"), ("weight_decay", -0.1, "--weight-decay"),
+@pytest.mark.parametrize(("field", "value", "flag"), [("lr", -0.1, "--lr"), ("weight_decay", -0.1, "--weight-decay"),
+                                                      ("weight_decay", math.nan, "--weight-decay"),
                                                       ("grad_reduce_dtype", "int8", "--grad-reduce-dtype")])
 def test_bad_optimizer_or_precision_values_name_the_flag(field: str, value, flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
