@@ -15,6 +15,7 @@ import plotly.io as pio
 from schedules.trace import Trace
 from viz.colors import schedule_color
 from viz.gantt import gantt_spec
+from viz.html import include_plotlyjs
 
 
 def plan_figure(rows: list[dict], front: list[dict], title: str = "") -> go.Figure:
@@ -59,10 +60,11 @@ def plan_figure(rows: list[dict], front: list[dict], title: str = "") -> go.Figu
     return fig
 
 
-def write_plan_html(rows: list[dict], front: list[dict], trace: Trace, path: str | Path, title: str = "") -> Path:
-    """One self-contained page (plotly.js embedded once): the plan chart, then the
+def write_plan_html(rows: list[dict], front: list[dict], trace: Trace, path: str | Path, title: str = "",
+                    plotly: str = "inline") -> Path:
+    """One page (plotly.js embedded once, or from the CDN): the plan chart, then the
     chosen layout's predicted Gantt."""
-    scatter = pio.to_html(plan_figure(rows, front, title), include_plotlyjs=True, full_html=False,
+    scatter = pio.to_html(plan_figure(rows, front, title), include_plotlyjs=include_plotlyjs(plotly), full_html=False,
                           config={"displaylogo": False})
     spec = gantt_spec([trace], [f"predicted: {rows[0]['layout']}"])
     gantt = pio.to_html(spec, include_plotlyjs=False, full_html=False, validate=False,

@@ -92,7 +92,6 @@ def handle(args: argparse.Namespace) -> int:
     if not layouts:
         print(f"no layout to simulate; rejected: {dict(rejected)}", file=sys.stderr)
         return 1
-    _check_outputs(args)
     workers = args.workers or default_workers()
     print(f"plan: {args.model} on {args.gpus} GPUs ({args.topology}), global batch {args.global_batch}: "
           f"{len(layouts)} layouts to consider on {workers} process(es)", file=sys.stderr)
@@ -290,19 +289,6 @@ def format_plan(result, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
-    """Fail before the search, not after it, on an output path that cannot be written."""
-    for flag in ("json", "csv", "html"):
-        path = getattr(args, flag)
-        if path is None:
-            continue
-        target = Path(path)
-        if target.is_dir():
-            raise ValueError(f"--{flag} {path}: is a directory")
-        if not target.parent.is_dir():
-            raise ValueError(f"--{flag} {path}: the folder {target.parent} does not exist")
-
-
 def _write_outputs(args: argparse.Namespace, result) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(args.top), indent=2))
@@ -322,7 +308,8 @@ def _write_outputs(args: argparse.Namespace, result) -> None:
         layout = Layout(**{key: best[key] for key in Layout.__dataclass_fields__})
         trace = _best_trace(layout)
         write_plan_html(result.rows, pareto_front(result.rows), trace, args.html,
-                        title=f"{args.model} on {args.gpus} GPUs ({args.topology}): best {best['layout']}")
+                        title=f"{args.model} on {args.gpus} GPUs ({args.topology}): best {best['layout']}",
+                        plotly=getattr(args, "plotly", "inline"))
         print(f"wrote {args.html}")
 
 
