@@ -140,6 +140,7 @@ def simulate(
     devices = _rank_devices(lowered, topology, rank_devices)
     env = simpy.Environment()
     durations = costs.durations()
+    paired = _overlapped_pair_seconds(lowered, costs, durations)
     comm_overhead = costs.comm_overhead
     links = LinkScheduler(topology)
     twins = plan.twin_transfers if plan is not None else {}
@@ -218,7 +219,7 @@ def simulate(
                 stage, kind, microbatch = item
                 if kind not in compute_kinds:
                     raise SimulationError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
-                end = clock + durations[stage, kind]
+                end = clock + (paired[item] if paired and item in paired else durations[stage, kind])
                 record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end, "compute"))
                 clock = end
                 if tp_seconds:
@@ -321,6 +322,20 @@ def simulate(
 
 def _describe_item(item) -> str:
     return format_group(item) if type(item) is tuple else str(item)
+
+
+def _overlapped_pair_seconds(schedule: Schedule, costs: Costs, durations: dict) -> dict[Action, float]:
+    """Seconds of each action of an overlapped pair (``Schedule.fused``): the pair costs
+    ``costs.overlap_seconds``, shared between its forward and backward in proportion to
+    their own durations, so the Trace keeps both actions and their sum is the pair's."""
+    shares: dict[Action, float] = {}
+    for rank in range(schedule.pp):
+        for forward, backward in schedule.fused_pairs(rank):
+            alone_f, alone_b = durations[forward[0], forward[1]], durations[backward[0], backward[1]]
+            pair = costs.overlap_seconds(forward.stage, backward.stage, backward.kind)
+            share = alone_f / (alone_f + alone_b) if alone_f + alone_b > 0 else 0.5
+            shares[forward], shares[backward] = pair * share, pair * (1 - share)
+    return shares
 
 
 def _send_table(
