@@ -26,14 +26,17 @@ from schedules.trace import Trace, TraceEvent
 FWD, BWD = 1e-3, 2e-3
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
+# with split backward (I, W) and V-shaped placements too
+ALL_SCHEDULES = (*SCHEDULES, ("zb-h1", 1), ("zb-h2", 1), ("zbv", 2), ("dualpipev", 2))
 
 
 def costs_for(schedule, act_bytes=64e6, **overheads):
-    costs = uniform_costs(schedule.num_stages, FWD, BWD, act_bytes=act_bytes, virtual_stages=schedule.virtual_stages)
+    costs = uniform_costs(schedule.num_stages, FWD, BWD, wgrad=BWD / 2, act_bytes=act_bytes,
+                          virtual_stages=schedule.virtual_stages)
     return replace(costs, **overheads) if overheads else costs
 
 
-@pytest.mark.parametrize(("name", "chunks"), SCHEDULES)
+@pytest.mark.parametrize(("name", "chunks"), ALL_SCHEDULES)
 @pytest.mark.parametrize(("topology", "parallel"), [
     (ideal_topology(), ParallelConfig()),
     (nvlink(), ParallelConfig()),
@@ -60,7 +63,7 @@ def test_every_rank_accounts_for_the_whole_makespan(name, chunks, topology, para
         assert sum(rank.exposed_comm for rank in metrics.ranks) > 0
 
 
-@pytest.mark.parametrize(("name", "chunks"), SCHEDULES)
+@pytest.mark.parametrize(("name", "chunks"), ALL_SCHEDULES)
 @pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
 def test_ideal_topology_exposes_no_communication(name, chunks, p2p):
     schedule = generate(name, 4, 8, chunks)
@@ -295,7 +298,7 @@ def test_measured_trace_sends_start_when_the_data_is_ready_and_parts_sum_to_the_
         assert rank.bubble > 0  # 1F1B on 2 ranks: each waits for the other's first work
 
 
-@pytest.mark.parametrize(("name", "chunks"), SCHEDULES)
+@pytest.mark.parametrize(("name", "chunks"), ALL_SCHEDULES)
 @pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
 @pytest.mark.parametrize(("topology", "dp"), [(pcie(), 1), (ib(2), 2)], ids=["pcie-tp2", "ib-dp2-tp2"])
 def test_fast_sums_agree_with_the_moment_by_moment_sweep(monkeypatch, name, chunks, p2p, topology, dp):
