@@ -31,6 +31,8 @@ class RunConfig:
     entries, summing to ``layers``); ``None`` splits them as evenly as possible.
     ``custom_schedule`` runs a given ``Schedule`` (compute-only or lowered, e.g. read
     from CSV) instead of generating ``schedule``; its pp and microbatches must match.
+    ``schedule_file`` is the CSV it was read from (``--schedule-file``), kept so results
+    say what ran.
     ``prefetch_recvs`` posts every receive at the start of a step (default: on gloo,
     which matches transfers by tag; never on NCCL, which matches them by order).
     ``dp`` replicas each run the pipeline on their own slice of the global
@@ -70,6 +72,7 @@ class RunConfig:
     inject_failure: str | None = None
     return_grads: bool = False
     custom_schedule: Schedule | None = None
+    schedule_file: str | None = None
     prefetch_recvs: bool | None = None
 
     @property

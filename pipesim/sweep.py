@@ -48,14 +48,17 @@ def run_sweep(
     topology: Topology,
     progress: bool = True,
     parallel: ParallelConfig | None = None,
+    schedules: dict[SweepPoint, Schedule] | None = None,
 ) -> list[dict]:
     """Simulate every point; a point whose schedule does not exist becomes a row with a
-    ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs."""
+    ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs.
+    ``schedules`` gives the schedule of points that are not generated (read from a file)."""
     rows = []
     for index, point in enumerate(points, 1):
         label = f"{point.schedule} pp={point.pp} m={point.microbatches} v={point.virtual_stages}"
         try:
-            schedule = generate(point.schedule, point.pp, point.microbatches, point.virtual_stages)
+            schedule = (schedules or {}).get(point) or generate(point.schedule, point.pp, point.microbatches,
+                                                                point.virtual_stages)
         except ScheduleUnavailableError as error:
             rows.append({**point.__dict__, "note": str(error)})
             if progress:
