@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import argparse
 
-from executor.config import BACKENDS, DTYPES, MODELS, OPTIMIZERS, ConfigError, RunConfig
+from executor.config import (
+    ADAMW_BETAS,
+    BACKENDS,
+    DTYPES,
+    MODELS,
+    OPTIMIZER_DEFAULTS,
+    OPTIMIZERS,
+    ConfigError,
+    RunConfig,
+)
+from schedules.generators import MULTI_CHUNK
 
 DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 2, 4
 
@@ -31,7 +41,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     schedule.add_argument("--dp-bucket-mb", type=float, default=25.0,
                           help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
     schedule.add_argument("--virtual-stages", "-v", type=int, default=None,
-                          help="stages per rank (default 2 for interleaved-1f1b, else 1)")
+                          help=f"stages per rank (default 2 for {', '.join(sorted(MULTI_CHUNK))}; else 1)")
     model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")
     model.add_argument("--model", choices=MODELS, default="mlp")
     model.add_argument("--layers", type=int, default=4)
@@ -46,9 +56,21 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=int, default=1)
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
-    train.add_argument("--lr", type=float, default=0.01)
-    train.add_argument("--dtype", choices=DTYPES, default="float32")
+    (sgd_lr, sgd_decay), (adamw_lr, adamw_decay) = OPTIMIZER_DEFAULTS["sgd"], OPTIMIZER_DEFAULTS["adamw"]
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                       help=f"sgd (plain) or adamw (betas {ADAMW_BETAS}, as in LLM pretraining) (default sgd)")
+    train.add_argument("--lr", type=float, default=None,
+                       help=f"learning rate (default: the optimizer's own: sgd {sgd_lr:g}, adamw {adamw_lr:g})")
+    train.add_argument("--weight-decay", type=float, default=None,
+                       help=f"decoupled weight decay on matrices, never on biases or norm weights "
+                       f"(default: sgd {sgd_decay:g}, adamw {adamw_decay:g})")
+    train.add_argument("--dtype", choices=DTYPES, default="float32",
+                       help="float32/float64: the whole model in that type; bfloat16/float16: float32 master "
+                       "weights, compute under autocast, loss in float32 (float16 with dynamic loss scaling) "
+                       "(default float32)")
+    train.add_argument("--grad-reduce-dtype", choices=DTYPES, default=None,
+                       help="type of the dp gradient all-reduce on the wire (default: the master weights', "
+                       "float32, or float64 with --dtype float64)")
     runtime = parser.add_argument_group("runtime")
     runtime.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: nccl with CUDA, else gloo")
     runtime.add_argument("--timeout", type=float, default=60.0,
@@ -69,7 +91,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         name = args.schedule or DEFAULT_SCHEDULE
         virtual = args.virtual_stages
         if virtual is None:
-            virtual = 2 if name == "interleaved-1f1b" else 1
+            virtual = 2 if name in MULTI_CHUNK else 1
         shape = {"schedule": name, "pp": DEFAULT_PP if args.pp is None else args.pp,
                  "microbatches": DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches,
                  "virtual_stages": virtual}
@@ -83,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         **shape, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
         model=args.model, layers=args.layers, hidden=args.hidden, batch_size=args.batch_size,
         seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, steps=args.steps, seed=args.seed,
-        optimizer=args.optimizer, lr=args.lr, dtype=args.dtype, backend=args.backend, timeout=args.timeout,
+        optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, dtype=args.dtype,
+        grad_reduce_dtype=args.grad_reduce_dtype, backend=args.backend, timeout=args.timeout,
         threads=args.threads, layout=layout, inject_failure=args.inject_failure,
     )
     config.check()

@@ -17,6 +17,7 @@ from plotly.subplots import make_subplots
 
 from schedules.metrics import StepMetrics, step_metrics
 from schedules.trace import Trace, TraceEvent
+from viz.html import include_plotlyjs
 from viz.lanes import Layer, layers_of
 
 BAR_LIMIT = 20_000  # events per figure; SVG bars beyond this make the page crawl
@@ -234,14 +235,17 @@ def write_gantt_html(
     titles: list[str] | None = None,
     title: str | None = None,
     metrics: list[StepMetrics] | None = None,
+    plotly: str = "inline",
 ) -> Path:
-    """Write a self-contained Gantt HTML page (plotly.js embedded, opens offline)."""
+    """Write a Gantt HTML page; ``plotly="inline"`` embeds plotly.js (opens offline),
+    ``"cdn"`` loads it from the network (see ``viz.html``)."""
     spec = gantt_spec(traces, titles, metrics=metrics)
     if title:
         spec["layout"]["title"] = {"text": title, "x": 0.0, "xanchor": "left"}
     path = Path(path)
     html = pio.to_html(
-        spec, include_plotlyjs=True, full_html=True, validate=False, config={"displaylogo": False, "scrollZoom": True}
+        spec, include_plotlyjs=include_plotlyjs(plotly), full_html=True, validate=False,
+        config={"displaylogo": False, "scrollZoom": True},
     )
     path.write_text(html, encoding="utf-8")
     return path

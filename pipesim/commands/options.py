@@ -10,7 +10,8 @@ from pipesim.costs import Costs, load_costs, uniform_costs
 from pipesim.presets import PRESETS
 from pipesim.topology import Topology
 from pipesim.topology_file import load_topology
-from schedules.generators import GENERATORS, MULTI_CHUNK, generate
+from schedules.generators import COST_AWARE, MULTI_CHUNK, SCHEDULE_NAMES, generate
+from schedules.p2p import P2P_SEMANTICS
 from schedules.schedule import Schedule
 
 DEFAULT_VIRTUAL_STAGES = 2  # for schedules that place several chunks per rank
@@ -22,7 +23,7 @@ DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
 def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) -> None:
     group = parser.add_argument_group("schedule")
     group.add_argument("--schedule", default=None,
-                       help=f"one of {', '.join(GENERATORS)} (default: {DEFAULT_SCHEDULE})")
+                       help=f"one of {', '.join(SCHEDULE_NAMES)} (default: {DEFAULT_SCHEDULE})")
     if allow_file:
         group.add_argument("--schedule-file", help="a schedule CSV (torch.distributed.pipelining format) instead; "
                            "it fixes pp, microbatches and the stages per rank")
@@ -33,6 +34,24 @@ def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) 
         "--virtual-stages", "-v", type=int, default=None,
         help=f"model chunks per rank for {', '.join(sorted(MULTI_CHUNK))} (default: {DEFAULT_VIRTUAL_STAGES}; "
         "others use 1)",
+    )
+    add_memory_limit_arg(group)
+
+
+def add_memory_limit_arg(group) -> None:
+    group.add_argument(
+        "--memory-limit", type=int, default=None,
+        help=f"for {', '.join(sorted(COST_AWARE))}: most activation stashes a rank may hold, in microbatches "
+        "(default: pp, 1F1B's peak)",
+    )
+
+
+def add_p2p_arg(parser: argparse.ArgumentParser, default_help: str) -> None:
+    """``--p2p``: the point-to-point semantics to check and model (``schedules.p2p``)."""
+    parser.add_argument(
+        "--p2p", choices=P2P_SEMANTICS, default=None,
+        help="point-to-point semantics: rendezvous (NCCL: a pair's transfers match in posting order and a send "
+        "waits for its receive) or buffered (gloo: matched by tag, sends never wait); default: " + default_help,
     )
 
 
@@ -53,24 +72,59 @@ def virtual_stages_for(name: str, requested: int | None) -> int:
     return 1
 
 
-def schedule_from_args(args: argparse.Namespace) -> Schedule:
-    """Generate the named schedule, or read the CSV given with ``--schedule-file``."""
+def schedule_from_args(args: argparse.Namespace, topology: Topology | None = None) -> Schedule:
+    """Generate the named schedule, or read the CSV given with ``--schedule-file``.
+    Cost-aware schedules (zb-auto) are built from the command's costs on ``topology``
+    (default: free links)."""
     if getattr(args, "schedule_file", None):
         from schedules.csv_io import schedule_from_csv
 
         reject_with_schedule_file(args, {"--schedule": args.schedule, "--pp": args.pp,
                                          "--microbatches": args.microbatches, "--virtual-stages": args.virtual_stages})
         return schedule_from_csv(args.schedule_file)
-    name = args.schedule or DEFAULT_SCHEDULE
-    if args.virtual_stages not in (None, 1) and name not in MULTI_CHUNK:
+    # No file: the flags left unset take their defaults (None marks "not given", so a
+    # file can refuse them).
+    args.schedule = args.schedule or DEFAULT_SCHEDULE
+    args.pp = DEFAULT_PP if args.pp is None else args.pp
+    args.microbatches = DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches
+    if args.schedule in COST_AWARE:
+        return cost_aware_schedule_from_args(args, topology)
+    if getattr(args, "memory_limit", None) is not None:
+        print(f"note: --memory-limit applies to {', '.join(sorted(COST_AWARE))}; {args.schedule}'s memory is "
+              "set by its order", file=sys.stderr)
+    if args.virtual_stages not in (None, 1) and args.schedule not in MULTI_CHUNK:
         print(
             f"note: --virtual-stages {args.virtual_stages} applies to {', '.join(sorted(MULTI_CHUNK))}; "
-            f"{name} uses one stage per rank",
+            f"{args.schedule} uses one stage per rank",
             file=sys.stderr,
         )
-    pp = DEFAULT_PP if args.pp is None else args.pp
-    microbatches = DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches
-    return generate(name, pp, microbatches, virtual_stages_for(name, args.virtual_stages))
+    return generate(args.schedule, args.pp, args.microbatches, virtual_stages_for(args.schedule, args.virtual_stages))
+
+
+def cost_aware_schedule_from_args(args: argparse.Namespace, topology: Topology | None) -> Schedule:
+    """zb-auto from the command's costs (flags, costs file or model spec; unit costs
+    F = I = W where the command has none) and its cluster's hop time."""
+    from pipesim.cost_aware import build_cost_aware
+    from pipesim.topology import ideal_topology
+
+    topology = topology or ideal_topology()
+    if getattr(args, "model", None):
+        costs = model_costs_from_args(args, generate("1f1b", args.pp, args.microbatches), topology)
+    elif hasattr(args, "fwd"):
+        costs = costs_from_args(args, args.pp, 1)
+        if not any(stage.wgrad for stage in costs.stages):
+            print(f"note: {args.schedule} with no weight-gradient time (--wgrad 0 or none in the costs file) "
+                  "has no W passes to fill bubbles with", file=sys.stderr)
+    else:
+        costs = uniform_costs(args.pp, 1.0, 2.0, 1.0)
+    devices = None
+    if not topology.ideal:
+        from pipesim.mapping import map_ranks
+
+        devices = map_ranks(topology, getattr(args, "dp", 1), args.pp, getattr(args, "tp", 1),
+                            getattr(args, "rank_order", "tp-dp-pp")).pipeline()
+    return build_cost_aware(args.schedule, args.pp, args.microbatches, costs, topology,
+                            getattr(args, "memory_limit", None), devices)
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from pipesim.commands.options import (
     add_cost_args,
+    add_memory_limit_arg,
     add_model_args,
+    add_p2p_arg,
     add_parallel_args,
     add_topology_args,
     costs_from_args,
@@ -37,10 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"microbatch counts, comma-separated (default: {MICROBATCHES})")
     parser.add_argument("--virtual-stages", "-v", type=int, default=None,
                         help=f"chunks per rank for interleaved schedules (default: {VIRTUAL_STAGES})")
+    add_memory_limit_arg(parser)
     add_cost_args(parser)
     add_model_args(parser)
     add_topology_args(parser)
     add_parallel_args(parser)
+    add_p2p_arg(parser, "the predicted backend's: buffered for links measured on gloo, rendezvous otherwise")
     parser.add_argument("--csv", help="write the rows as CSV")
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--html", help="write the sweep chart (self-contained HTML)")
@@ -87,7 +91,7 @@ def handle(args: argparse.Namespace) -> int:
         return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
 
     rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args),
-                     schedules=files)
+                     memory_limit=args.memory_limit, p2p=args.p2p, schedules=files)
     print(format_table(rows))
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:
@@ -102,6 +106,6 @@ def handle(args: argparse.Namespace) -> int:
         from viz.sweep import write_sweep_html
 
         write_sweep_html([row for row in rows if not row.get("note")], args.html,
-                         title=f"pipesim sweep on {topology.name}")
+                         title=f"pipesim sweep on {topology.name}", plotly=args.plotly)
         print(f"wrote {args.html}")
     return 0
