@@ -22,6 +22,7 @@ from executor.models import build_model
 from executor.reference import reference_run
 from executor.runtime import PipelineRuntime
 from executor.split_backward import SplitBackward
+from executor.worker import run_local
 from schedules.action import Action, ActionKind, parse_action
 from schedules.csv_io import schedule_from_csv
 from schedules.schedule import Schedule
@@ -246,3 +247,20 @@ def test_hand_written_split_schedule_matches_reference_on_gloo() -> None:
         assert sorted(result["grads"]) == sorted(reference["grads"])
         for name, grad in reference["grads"].items():
             assert (result["grads"][name] - grad).abs().max().item() < 1e-10, (config.model, name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_split_under_autocast_and_loss_scaling_equals_the_full_backward(dtype: str) -> None:
+    """Mixed precision (autocast over float32 weights; fp16 with its scaled loss): the
+    split computes the same ops as B, so the same losses and gradients come out."""
+    from schedules.generators import generate
+    from tests.test_executor import split_backward
+
+    config = RunConfig(schedule="interleaved-1f1b", pp=1, microbatches=2, virtual_stages=3, model="gpt", layers=4,
+                       hidden=8, heads=2, seq_len=4, vocab=11, batch_size=5, steps=2, dtype=dtype,
+                       return_grads=True, optimizer="adamw")
+    split = RunConfig(**{**config.__dict__, "custom_schedule": split_backward(generate("interleaved-1f1b", 1, 2, 3))})
+    full, parts = run_local(config), run_local(split)
+    assert parts["losses"] == pytest.approx(full["losses"], rel=1e-6, abs=0)
+    for name, grad in full["grads"].items():
+        assert torch.allclose(parts["grads"][name], grad, rtol=1e-5, atol=1e-7), name
