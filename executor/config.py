@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from schedules.generators import generate
+from schedules.generators import COST_AWARE, generate
 from schedules.lowering import lower
 from schedules.schedule import Schedule
 
@@ -177,6 +177,12 @@ class RunConfig:
             raise ConfigError(
                 f"--layers {self.layers} cannot fill {self.num_stages} stages of an mlp; "
                 f"use --layers >= {self.num_stages} or give a --layout"
+            )
+        if self.custom_schedule is None and self.schedule in COST_AWARE:
+            raise ConfigError(
+                f"--schedule {self.schedule} builds its order from stage costs: write it with `pipesim export "
+                f"--schedule {self.schedule} --pp {self.pp} -m {self.microbatches} --costs COSTS.json --out "
+                f"{self.schedule}.csv` (costs from `pipesim profile`) and run that with --schedule-file"
             )
         if self.custom_schedule is not None:
             custom = self.custom_schedule

@@ -123,3 +123,20 @@ def test_simulate_file_equals_the_generated_schedule(tmp_path) -> None:
     assert from_file == pytest.approx(json.loads((tmp_path / "g.json").read_text())["makespan"])
     # interleaved closed form with free links: m(F+B) + (p-1)(F+B)/v, costs per chunk = per rank / v
     assert from_file == pytest.approx(4 * 3 + (2 - 1) * 3 / 2)
+
+
+def test_zb_auto_is_exported_from_costs_then_run_from_its_file(tmp_path, capsys) -> None:
+    """zb-auto needs stage costs: ``run --schedule zb-auto`` says how to get there, and
+    the order ``export`` writes from costs runs exactly."""
+    assert run_cli("run", "--schedule", "zb-auto", "--pp", 2, "-m", 4) == 2
+    assert "pipesim export --schedule zb-auto --pp 2 -m 4 --costs" in capsys.readouterr().err
+    path = tmp_path / "zb-auto.csv"
+    assert run_cli("export", "--schedule", "zb-auto", "--pp", 2, "-m", 4, "--fwd", 1, "--bwd", 2, "--wgrad", 1,
+                   "--out", path) == 0
+    assert {a.kind for program in schedule_from_csv(path).programs for a in program} == {"F", "I", "W"}
+    assert run_cli("run", "--schedule-file", path, "--layers", 3, "--hidden", 8, "--batch-size", 9, "--steps", 2,
+                   "--dtype", "float64", "--optimizer", "adamw", "--lr", 0.05, "--json", tmp_path / "r.json") == 0
+    reference = reference_run(RunConfig(pp=2, microbatches=4, layers=3, hidden=8, batch_size=9, steps=2,
+                                        dtype="float64", optimizer="adamw", lr=0.05))
+    losses = json.loads((tmp_path / "r.json").read_text())["losses"]
+    assert losses == pytest.approx(reference["losses"], abs=1e-10, rel=0)
