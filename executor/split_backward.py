@@ -114,7 +114,7 @@ class SplitBackward:
         edges = [edge for call in calls for edge in call.edges]
         targets: list[torch.Tensor | GradientEdge] = ([x] if x is not None else []) + edges
         grads: tuple[torch.Tensor | None, ...] = ()
-        if targets and output.grad_fn is not None:
+        if targets and output.requires_grad:
             grads = torch.autograd.grad(output, targets, output_grad, retain_graph=True, allow_unused=True)
         input_grad = None
         if x is not None:
@@ -135,7 +135,7 @@ class SplitBackward:
             if pairs:
                 torch.autograd.backward([edge for edge, _ in pairs], [grad for _, grad in pairs],
                                         inputs=self.own[call.module], retain_graph=True)
-        if work.output is not None and work.output.grad_fn is not None:
+        if work.output is not None and work.output.requires_grad:
             torch.autograd.backward(work.output, work.output_grad, inputs=self.uncovered, retain_graph=True)
 
     # -- which parameters the recorded calls cover ------------------------------------

@@ -264,3 +264,19 @@ def test_split_under_autocast_and_loss_scaling_equals_the_full_backward(dtype: s
     assert parts["losses"] == pytest.approx(full["losses"], rel=1e-6, abs=0)
     for name, grad in full["grads"].items():
         assert torch.allclose(parts["grads"][name], grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_a_stage_with_no_layers_passes_the_gradient_through() -> None:
+    """A gpt with ``--layout 1,0,1``: the middle stage holds no block and returns its
+    input, so its I must hand on the gradient it received, unchanged."""
+    from schedules.generators import generate
+    from tests.test_executor import split_backward
+
+    config = RunConfig(pp=1, microbatches=2, virtual_stages=3, model="gpt", layers=2, layout=(1, 0, 1), hidden=8,
+                       heads=2, seq_len=4, vocab=11, batch_size=5,
+                       steps=2, dtype="float64", return_grads=True, optimizer="adamw", lr=0.05,
+                       custom_schedule=split_backward(generate("interleaved-1f1b", 1, 2, 3)))
+    result, reference = run_local(config), reference_run(config)
+    assert result["losses"] == pytest.approx(reference["losses"], abs=1e-10, rel=0)
+    for name, grad in reference["grads"].items():
+        assert (result["grads"][name] - grad).abs().max().item() < 1e-10, name
