@@ -202,16 +202,13 @@ def simulate(
             for action, event in waiting:
                 arrivals[action] = yield event
             free_at = max(start, *arrivals.values())
-            for action in group:
-                if action.kind not in SEND_KINDS:
-                    # the rank waiting on this receive goes on only when the whole group is done
-                    stage, kind, microbatch = action
-                    record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, posted_at,
-                                      free_at, "recv"))
             completed.succeed(free_at)
+
+    recv_of = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B, ActionKind.I: ActionKind.RECV_B}
 
     def rank_process(rank: int, items: list):
         clock = 0.0
+        awaiting: dict[tuple, object] = {}  # rendezvous: posted receive -> its group's completion
         source = devices[rank]
         compute_kinds, send_kinds = COMPUTE_KINDS, SEND_KINDS
         for index, item in enumerate(items):
@@ -219,6 +216,21 @@ def simulate(
                 stage, kind, microbatch = item
                 if kind not in compute_kinds:
                     raise SimulationError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
+                if awaiting:
+                    # rendezvous: a receive is waited for right before the action that needs it
+                    needed = (stage, recv_of.get(kind), microbatch)
+                    pending = awaiting.pop(needed, None)
+                    if pending is not None:
+                        start = clock
+                        if not pending.processed:
+                            position[rank] = index
+                            arrived = yield pending
+                        else:
+                            arrived = pending.value
+                        if arrived > clock:
+                            clock = arrived
+                        record(TraceEvent(rank, f"{stage}{needed[1]}{microbatch}", needed[1], stage, microbatch,
+                                          start, clock, "recv"))
                 end = clock + (paired[item] if paired and item in paired else durations[stage, kind])
                 record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end, "compute"))
                 clock = end
@@ -233,11 +245,9 @@ def simulate(
                 completed = env.event()
                 streams[rank].put((clock, item, completed))
                 last_group[rank] = completed
-                if any(action.kind not in send_kinds for action in item):
-                    position[rank] = index
-                    arrived = yield completed
-                    if arrived > clock:
-                        clock = arrived
+                for action in item:
+                    if action.kind not in send_kinds:
+                        awaiting[action] = completed
                 continue
             # buffered: the group's sends leave as it is posted, then its receives wait
             for action in item:
