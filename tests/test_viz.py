@@ -111,9 +111,10 @@ def test_communication_lanes_send_thin_and_recv_wait_hatched_red():
 
 def test_unknown_stream_gets_its_own_layer():
     trace = two_rank_step()
-    trace.events.append(TraceEvent(0, "0F0", "F", 0, 0, 0.0095, 0.0099, "dp"))
+    trace.events.append(TraceEvent(0, "0F0", "F", 0, 0, 0.0095, 0.0099, "nvtx"))
     fig = gantt_figure([trace])
-    assert "dp" in {t.name for t in fig.data}
+    layer = next(t for t in fig.data if t.name == "nvtx")
+    assert list(layer.y) == [pytest.approx(-0.37)]  # the thin lane above rank 0's compute
 
 
 def test_predicted_and_measured_share_one_time_axis():
@@ -124,7 +125,7 @@ def test_predicted_and_measured_share_one_time_axis():
     assert fig.layout.xaxis.range[1] >= 9.2 * 1.2
     assert fig.layout.xaxis.matches == "x2" or fig.layout.xaxis2.matches == "x"
     titles = [a.text for a in fig.layout.annotations]
-    assert titles[0].startswith("predicted") and titles[1].startswith("measured")
+    assert titles[0].startswith("<b>predicted</b>") and titles[1].startswith("<b>measured</b>")
     bar, index = drawn_events(fig)["0F0"]  # the measured one is drawn last
     assert bar.yaxis == "y2" and bar.base[index] == pytest.approx(0.0, abs=1e-4)
 
