@@ -261,7 +261,8 @@ def gantt_spec(
             shown.add(layer.label)
             data.append(drawn)
         if trace.events:
-            frame.add_vline(x=trace_span, line={"color": "#555555", "width": 1, "dash": "dash"}, row=row, col=1)
+            frame.add_vline(x=trace_span, line={"color": "#555555", "width": 1, "dash": "dash"}, row=row, col=1,
+                           exclude_empty_subplots=False)
         frame.update_yaxes(
             row=row,
             col=1,
