@@ -18,7 +18,8 @@ from schedules.action import ActionKind
 from schedules.schedule import Schedule
 from schedules.textfile import describe_yaml_error, read_text
 
-STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "layers", "tp_message_bytes")
+STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "layers", "tp_message_bytes",
+                "overlap_fb")
 
 
 class CostsError(ValueError):
@@ -40,6 +41,11 @@ class StageCost:
     forward does two collectives of ``tp_message_bytes`` (the full ``s*b*h`` activation)
     across the tp group and its input-gradient backward two more (Megatron-LM). Zero
     means no tp traffic is charged.
+
+    ``overlap_fb`` is the time of an overlapped pair (DualPipe's ``OVERLAP_F_B``) whose
+    forward runs on this stage and whose full backward runs on the rank's other chunk:
+    what overlapping saves is a measured property of the model and the machine, so it is
+    given, not derived. Zero means not given: the pair costs its ``F + B``.
     """
 
     fwd: float
@@ -50,6 +56,7 @@ class StageCost:
     param_bytes: float = 0.0
     layers: float = 0.0
     tp_message_bytes: float = 0.0
+    overlap_fb: float = 0.0
 
     def seconds(self, kind: str) -> float:
         if kind == ActionKind.F:
@@ -104,6 +111,16 @@ class Costs:
             for kind in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W):
                 table[stage, kind] = cost.seconds(kind) + self.action_overhead
         return table
+
+    def overlap_seconds(self, forward_stage: int, backward_stage: int, backward_kind: str = ActionKind.B) -> float:
+        """Seconds of an overlapped pair: the forward stage's ``overlap_fb`` plus one
+        launch overhead where given, otherwise the two actions as if run one after the
+        other (the forward plus the backward, each with its overhead)."""
+        given = self.stages[forward_stage].overlap_fb
+        if given:
+            return given + self.action_overhead
+        return (self.stages[forward_stage].fwd + self.stages[backward_stage].seconds(backward_kind)
+                + 2 * self.action_overhead)
 
     def to_dict(self) -> dict:
         return {

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from schedules.action import Action, ActionKind, ActionParseError, parse_group
+from schedules.action import Action, ActionKind, ActionParseError, format_overlap, parse_group, parse_overlap
 from schedules.schedule import Schedule
 from schedules.textfile import read_text
 
@@ -46,7 +46,20 @@ def _write(schedule: Schedule, handle: IO[str], groups: bool) -> None:
         if groups:
             writer.writerow(schedule.program_text(rank))
         else:
-            writer.writerow([str(action) for action in schedule.programs[rank]])
+            writer.writerow(_flat_cells(schedule, rank))
+
+
+def _flat_cells(schedule: Schedule, rank: int) -> list[str]:
+    """One action per cell, except an overlapped pair, which torch reads as one
+    ``(F;B)OVERLAP_F_B`` cell."""
+    program, fused = schedule.programs[rank], schedule.fused[rank]
+    cells: list[str] = []
+    for position, action in enumerate(program):
+        if position in fused:
+            cells[-1] = format_overlap(program[position - 1], action)
+        else:
+            cells.append(str(action))
+    return cells
 
 
 def schedule_from_csv(
@@ -69,8 +82,9 @@ def schedule_from_csv(
         rows = list(csv.reader(path))
         default_name = Path(label).stem if label != "<csv>" else "csv"
     parsed = [_parse_row(label, rank, row) for rank, row in enumerate(rows)]
-    programs = [program for program, _ in parsed]
-    joins = [joined for _, joined in parsed]
+    programs = [program for program, _, _ in parsed]
+    joins = [joined for _, joined, _ in parsed]
+    fused = tuple(frozenset(pairs) for _, _, pairs in parsed)
     if not programs:
         raise ScheduleCsvError(f"{label}: the file is empty; expected one row of actions per rank")
     placement = _infer_placement(label, programs)
@@ -84,28 +98,35 @@ def schedule_from_csv(
         programs=programs,
         name=name if name is not None else default_name,
         joins=joins,
+        fused=fused,
     )
 
 
-def _parse_row(label: str, rank: int, row: Iterable[str]) -> tuple[list[Action], frozenset[int]]:
-    """Row ``rank`` as a program and its P2P groups (the positions joined to the action
-    before them); empty cells (idle steps) are skipped. A cell is one action, or a
-    group of SEND/RECV actions joined by ``+``; a transfer alone in its cell is posted
-    alone."""
+def _parse_row(label: str, rank: int, row: Iterable[str]) -> tuple[list[Action], frozenset[int], list[int]]:
+    """Row ``rank`` as a program, its P2P groups (the positions joined to the action
+    before them) and its overlapped pairs (the positions of their backwards); empty
+    cells (idle steps) are skipped. A cell is one action, a group of SEND/RECV actions
+    joined by ``+`` (a transfer alone in its cell is posted alone), or torch's
+    ``(F;B)OVERLAP_F_B`` pair."""
     program: list[Action] = []
     joined: set[int] = set()
+    fused: list[int] = []
     for column, cell in enumerate(row):
         if not cell.strip():
             continue
         try:
-            group = parse_group(cell)
+            pair = parse_overlap(cell)
+            if pair is not None:
+                fused.append(len(program) + 1)
+            group = pair if pair is not None else parse_group(cell)
         except ActionParseError as error:
             raise ScheduleCsvError(
                 f"{label}: row {rank + 1} (rank {rank}), column {column + 1}: cell {error}"
             ) from error
-        joined.update(range(len(program) + 1, len(program) + len(group)))
+        if pair is None:
+            joined.update(range(len(program) + 1, len(program) + len(group)))
         program.extend(group)
-    return program, frozenset(joined)
+    return program, frozenset(joined), fused
 
 
 def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...]:

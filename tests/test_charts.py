@@ -16,10 +16,13 @@ from schedules.trace import Trace, TraceEvent
 from tests.test_viz import event, two_rank_step
 from viz.colors import KIND_COLORS, STEP_STREAM_STYLES, chunk_color
 from viz.gantt import gantt_figure
-from viz.lanes import COMPUTE_LANE
+from viz.lanes import COMPUTE_LANE, STREAM_LABELS
 from viz.sweep import OOM_NAME, sweep_figure
 from viz.topology import TITLE_WIDTH, positions, topology_figure
 from viz.transfers import as_transfers
+
+
+BUBBLE, EXPOSED = STREAM_LABELS["bubble"], STREAM_LABELS["recv"]
 
 
 def scaled(trace: Trace, factor: float, **meta) -> Trace:
@@ -134,7 +137,7 @@ def test_show_draws_unit_costs_in_units(tmp_path):
 # -- Gantt: step-level parts in the rank's own lane ---------------------------------------
 
 
-def test_tp_dp_optimizer_and_end_of_step_wait_sit_in_the_compute_lane():
+def test_tp_dp_optimizer_and_waits_sit_in_the_compute_lane():
     trace = two_rank_step()
     ms = 1e-3
     trace.events += [
@@ -145,7 +148,7 @@ def test_tp_dp_optimizer_and_end_of_step_wait_sit_in_the_compute_lane():
     ]
     fig = gantt_figure([trace])
     order = [t.name for t in fig.data]
-    for stream in ("tp", "dp", "step", "wait"):
+    for stream in ("tp", "dp", "step"):
         drawn = layer(fig, STEP_STREAM_STYLES[stream][0])
         assert all(y == pytest.approx(round(y)) for y in drawn.y)  # centred on its rank's row
         assert drawn.width == pytest.approx(COMPUTE_LANE[1])
@@ -153,9 +156,13 @@ def test_tp_dp_optimizer_and_end_of_step_wait_sit_in_the_compute_lane():
     # the all-reduce is drawn under compute (what shows is what compute did not hide)
     assert order.index(STEP_STREAM_STYLES["dp"][0]) < order.index("F forward")
     assert order.index(STEP_STREAM_STYLES["tp"][0]) > order.index("B backward")
-    wait = layer(fig, STEP_STREAM_STYLES["wait"][0])
-    assert wait.base[0] == pytest.approx(7.2) and wait.x[0] == pytest.approx(0.3)
-    assert wait.marker.pattern.shape == "\\"
+    # the end-of-step wait (7.2 to 7.5 ms on rank 1) is drawn in rank 1's compute lane,
+    # in its bubble and exposed-communication pieces, which together cover it
+    pieces = [(t.base[i], t.x[i], t.y[i]) for t in fig.data if t.name in (BUBBLE, EXPOSED)
+              for i, row in enumerate(t.customdata) if row[0] == "1SEND_B0"]
+    assert pieces and all(y == pytest.approx(1 + COMPUTE_LANE[0]) for _, _, y in pieces)
+    assert min(base for base, _, _ in pieces) == pytest.approx(7.2)
+    assert sum(width for _, width, _ in pieces) == pytest.approx(0.3)
 
 
 # -- Gantt: large schedules ------------------------------------------------------------
@@ -171,7 +178,8 @@ def test_webgl_keeps_colours_and_stripes():
     for name, drawn in gl.items():
         assert drawn.line.color == svg[name].marker.color
     assert gl["F forward · chunk 1"].line.dash == "dash" and gl["F forward · chunk 0"].line.dash == "solid"
-    assert gl["recv wait (exposed comm)"].line.dash == "dot"
+    assert gl[BUBBLE].line.dash == "dot" and gl[EXPOSED].line.dash == "solid"
+    assert gl[BUBBLE].line.color != gl[EXPOSED].line.color
 
 
 def test_the_time_axis_is_on_top_of_a_64_rank_chart():
@@ -218,7 +226,7 @@ def test_measured_sends_end_when_their_receiver_had_the_data():
 
 def test_measured_send_bars_in_the_chart_are_transfers():
     fig = gantt_figure([measured_step()])
-    send = layer(fig, "send (transfer in flight)")
+    send = layer(fig, STREAM_LABELS["send"])
     durations = {row[0]: row[6] for row in send.customdata}
     assert durations == {"0SEND_F0": pytest.approx(0.3), "1SEND_B0": pytest.approx(0.0)}
 

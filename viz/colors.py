@@ -18,10 +18,13 @@ KIND_COLORS: dict[str, str] = {
 }
 UNKNOWN_KIND_COLOR = "#9D9D9D"
 
-# Communication: sends are quiet (they overlap compute, so usually harmless);
-# receive waits are loud red, because that is communication the rank could not hide.
+# Communication: sends are quiet (they overlap compute, so usually harmless); the part
+# of a receive wait with data in flight is loud red, because that is communication the
+# rank could not hide; the part before the producer had the data is a pale grey
+# bubble, a cost of the schedule that no faster network would remove.
 SEND_COLOR = "#5C5C5C"
 RECV_WAIT_COLOR = "#D62728"
+BUBBLE_COLOR = "#B0B0B0"
 
 # Step-level parts that occupy the rank itself, drawn in its compute lane:
 # stream -> (legend label, colour, bar pattern). Order is the drawing order.
@@ -30,7 +33,6 @@ STEP_STREAM_STYLES: dict[str, tuple[str, str, str]] = {
     "idle": ("idle (rank done, step not)", "#B8B8B8", "."),
     "tp": ("tp collective (inside compute)", "#17BECF", ""),
     "step": ("optimizer step", "#7F7F7F", ""),
-    "wait": ("wait for last sends (end of step)", "#E377C2", "\\"),
 }
 
 # Chunks of an interleaved or V schedule: chunk 0 in the kind's colour, later chunks

@@ -87,13 +87,16 @@ def default_title(trace: Trace, index: int) -> str:
 
 
 def summary(trace: Trace, metrics: StepMetrics | None = None, unit: str = "ms", scale: float = 1e3) -> str:
-    """Makespan, bubble fraction and worst exposed communication, for the subplot title
-    (from ``metrics`` when the caller already computed them)."""
+    """Makespan, bubble fraction, and the worst rank's bubble and exposed communication
+    time, for the subplot title (from ``metrics`` when the caller already computed them),
+    in the chart's unit."""
     metrics = metrics or step_metrics(trace)
     exposed = max((rank.exposed_comm for rank in metrics.ranks), default=0.0)
+    waiting = max((rank.bubble for rank in metrics.ranks), default=0.0)
     return (
         f"makespan {format_time(metrics.makespan, unit, scale)} · bubble {metrics.bubble_fraction:.1%}"
-        f" · exposed comm (worst rank) {format_time(exposed, unit, scale)}"
+        f" ({format_time(waiting, unit, scale)} worst rank) · exposed comm (worst rank)"
+        f" {format_time(exposed, unit, scale)}"
     )
 
 
@@ -310,9 +313,10 @@ def gantt_figure(
 
     Each subplot's y axis has one tick per rank (rank 0 on top); compute bars are
     coloured by kind (and shaded and textured by model chunk when ``v > 1``), sends sit
-    in a thin lane under them, receive waits, collectives, the optimizer step, the
-    end-of-step wait and the idle tail share the compute lane (see ``viz.lanes``); a
-    dashed line marks each step's end. ``titles`` name the subplots (default: the
+    in a thin lane under them; waits (receive and end-of-step: grey hatched while the
+    peer had not sent, the bubble, red while the data was in flight, the exposed
+    communication), collectives, the optimizer step and the idle tail share the compute
+    lane (see ``viz.lanes``); a dashed line marks each step's end. ``titles`` name the subplots (default: the
     trace's source); schedule, shape, dp/tp, model and topology from ``meta`` follow,
     and the metrics summary (or ``summaries``) goes on a second line. Past
     ``bar_limit`` events the bars become WebGL segments; only up to ``label_limit``

@@ -4,29 +4,36 @@ Each layer becomes one plotly trace holding arrays for all its events. Drawing a
 trace per event would make a 400k-event step unusable, and grouping by colour is also
 what gives the legend one entry per kind.
 
+A wait (``recv``, or the end-of-step ``wait`` a rank spends until its last sends are
+matched) is drawn in pieces by the rule of ``schedules.accounting``: *bubble* while the
+rank waits for a peer (data not yet sent, or a send of its own not yet matched),
+*exposed communication* while the data is in flight, so the chart never calls waiting
+for upstream compute communication.
+
 Within a rank's row the layers sit in lanes: compute (and receive waits, which can
 only happen while compute is stalled) in the wide middle lane, outgoing transfers in
 a thin lane below, any unknown stream in a thin lane above. Whatever occupies the rank
 itself shares the middle lane, so no time the rank spent reads as a white gap: tensor-
-parallel collectives (issued inside a compute action), the optimizer step, the end-of-
-step wait for its last sends, and the gradient all-reduce (drawn *under* compute, so
-what shows of it is the part compute did not hide). After a rank's last event the lane
-is filled to the step's end as "idle", so a rank that finished early is seen to wait.
+parallel collectives (issued inside a compute action), the optimizer step, waits, and
+the gradient all-reduce (drawn *under* compute, so what shows of it is the part compute
+did not hide). After a rank's last event the lane is filled to the step's end as
+"idle", so a rank that finished early is seen to wait.
 
 Chunks: on a schedule with ``v > 1`` model chunks per rank, compute layers are split by
 chunk (``stage // pp``, which is right for looped and V placements alike), each chunk
 a darker shade of its kind's colour with its own texture and legend entry.
 
-A blocked-time kind (receive waits today) is one ``Layer`` built in ``layers_of``; a
-new kind is one more ``Layer`` placed in the drawing order there.
+A blocked-time kind (bubble, exposed communication) is one ``Layer`` built in
+``layers_of``; a new kind is one more ``Layer`` placed in the drawing order there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from schedules.accounting import WAITING_STREAMS, split_waits
 from schedules.trace import Trace, TraceEvent
-from viz.colors import STEP_STREAM_STYLES, chunk_color, chunk_pattern, kind_color, stream_color
+from viz.colors import BUBBLE_COLOR, STEP_STREAM_STYLES, chunk_color, chunk_pattern, kind_color, stream_color
 
 COMPUTE_LANE = (0.0, 0.56)  # (centre offset from the rank's row, thickness), row pitch 1
 SEND_LANE = (0.37, 0.14)  # below the compute bar (the y axis runs top to bottom)
@@ -39,8 +46,9 @@ KIND_LABELS = {
     "W": "W weight-grad backward",
 }
 STREAM_LABELS = {
-    "send": "send (transfer in flight)",
-    "recv": "recv wait (exposed comm)",
+    "send": "send (posted to arrival)",
+    "recv": "exposed comm (wait, data in flight)",
+    "bubble": "bubble (wait for a peer)",
 }
 IDLE_STREAM = "idle"  # drawn only: a rank's time from its last event to the step's end
 _COMPUTE_ORDER = ("F", "B", "I", "W")
@@ -109,14 +117,16 @@ def idle_tails(trace: Trace) -> list[TraceEvent]:
 
 
 def layers_of(trace: Trace) -> list[Layer]:
-    """The layers of ``trace`` in drawing order: receive waits first (underneath), the
-    gradient all-reduce and the idle tail, compute kinds in F, B, I, W order (by chunk),
-    the other in-lane step parts (tp, optimizer, end-of-step wait), sends, then any
+    """The layers of ``trace`` in drawing order: waits first (underneath; the bubble
+    part, then the exposed-communication part), the gradient all-reduce and the idle
+    tail, compute kinds in F, B, I, W order (by chunk),
+    the other in-lane step parts (tp, optimizer), sends, then any
     unknown stream by name."""
     chunks = chunks_in(trace)
     ranks = max(trace.num_ranks, 1)
     compute: dict[tuple[str, int], Layer] = {}
-    recv = Layer(STREAM_LABELS["recv"], stream_color("recv"), COMPUTE_LANE, hatched=True)
+    bubble = Layer(STREAM_LABELS["bubble"], BUBBLE_COLOR, COMPUTE_LANE, hatched=True)
+    recv = Layer(STREAM_LABELS["recv"], stream_color("recv"), COMPUTE_LANE)
     send = Layer(STREAM_LABELS["send"], stream_color("send"), SEND_LANE)
     steps: dict[str, Layer] = {}
     others: dict[str, Layer] = {}
@@ -128,8 +138,8 @@ def layers_of(trace: Trace) -> list[Layer]:
             if layer is None:
                 layer = compute[event.kind, chunk] = _compute_layer(event.kind, chunk, chunks)
             layer.events.append(event)
-        elif stream == "recv":
-            recv.events.append(event)
+        elif stream in WAITING_STREAMS:
+            continue  # drawn below, cut into their bubble and exposed pieces
         elif stream == "send":
             send.events.append(event)
         elif stream in STEP_STREAM_STYLES:
@@ -142,10 +152,13 @@ def layers_of(trace: Trace) -> list[Layer]:
             if layer is None:
                 layer = others[stream] = Layer(stream, stream_color(stream), OTHER_LANE)
             layer.events.append(event)
+    for event, pieces in split_waits(trace):
+        for start, end, part in pieces:
+            (bubble if part == "bubble" else recv).events.append(event._replace(start=start, end=end))
     ordered = sorted(compute, key=lambda key: (_COMPUTE_ORDER.index(key[0]) if key[0] in _COMPUTE_ORDER else 99,
                                                key[0], key[1]))
     under = [steps[name] for name in UNDER_COMPUTE if name in steps]
     over = [steps[name] for name in STEP_STREAM_STYLES if name in steps and name not in UNDER_COMPUTE]
-    layers = [recv, *under, *(compute[key] for key in ordered), *over, send,
+    layers = [bubble, recv, *under, *(compute[key] for key in ordered), *over, send,
               *(others[name] for name in sorted(others))]
     return [layer for layer in layers if layer.events]

@@ -75,8 +75,8 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
 def handle(args: argparse.Namespace) -> int:
     from pipesim.memory import OutOfMemoryError, check_memory
 
-    schedule = schedule_from_args(args)
     topology = topology_from_args(args)
+    schedule = schedule_from_args(args, topology)
     if args.model:
         costs = model_costs_from_args(args, schedule, topology)
     else:
