@@ -21,7 +21,6 @@ from viz.sweep import OOM_NAME, sweep_figure
 from viz.topology import TITLE_WIDTH, positions, topology_figure
 from viz.transfers import as_transfers
 
-
 BUBBLE, EXPOSED = STREAM_LABELS["bubble"], STREAM_LABELS["recv"]
 
 

@@ -215,9 +215,13 @@ def gantt_spec(
     metrics = metrics or [None] * len(traces)
     unit, scale = time_unit(traces)
     digits = max(0, TIME_DIGITS + round(math.log10(1e3 / scale))) if unit != "units" else 2 * TIME_DIGITS
+    drawn = [as_transfers(trace) for trace in traces]
+    # Metrics of what is drawn: given ones hold for a trace only if it was drawn as is.
+    metrics = [known if redrawn is trace else None
+               for trace, redrawn, known in zip(traces, drawn, metrics, strict=True)]
+    traces = drawn
     if summaries is None:
         summaries = [summary(trace, known, unit, scale) for trace, known in zip(traces, metrics, strict=True)]
-    traces = [as_transfers(trace) for trace in traces]
 
     ranks = [max(trace.num_ranks, 1) for trace in traces]
     use_webgl = sum(len(trace.events) for trace in traces) > bar_limit
