@@ -368,3 +368,20 @@ def test_topology_figure_names_machines_and_bandwidths():
     assert len(labels) == 2 and all(a.bgcolor for a in labels)  # one per machine, on a white ground
     assert "<br>" in fig.layout.title.text
     assert all(len(line) <= TITLE_WIDTH for line in fig.layout.title.text.split("<br>"))
+
+
+def test_sweep_with_a_model_charts_tokens_per_second(tmp_path):
+    import json
+
+    from pipesim.cli import main
+    from pipesim.model_spec import model_spec
+
+    out, page = tmp_path / "rows.json", tmp_path / "sweep.html"
+    assert main(["sweep", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2,4", "--model", "gpt3-1.3b",
+                 "--dp", "2", "--topology", "nvlink", "--quiet", "--json", str(out), "--html", str(page),
+                 "--plotly", "cdn"]) == 0
+    spec = model_spec("gpt3-1.3b")
+    rows = json.loads(out.read_text())
+    # a step moves microbatches x dp x microbatch size x sequence length tokens
+    assert all(row["tokens_per_microbatch"] == 2 * spec.microbatch_size * spec.seq_len for row in rows)
+    assert re.search(r"throughput \(tokens\\?/s\)", page.read_text(encoding="utf-8"))  # "/" may be escaped
