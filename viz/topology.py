@@ -8,10 +8,10 @@ Layout: nodes sit in tiers by kind (GPUs at the bottom, then NVSwitch/PCIe switc
 NICs, hosts, then the fabric), empty tiers dropped. GPUs are ordered by machine (the
 ``n0.`` prefix of their name) with a gap between machines, and every node above them
 sits over the mean of the nodes it links to below, so a switch is drawn over its
-GPUs and a NIC over the GPU it serves. Each machine is a shaded box named once, so
-labels inside it drop the prefix. Labels carry a white background, so links never run
-through them; bandwidth is written on one link per (machine, medium, bandwidth) and in
-the legend, and every link answers a hover.
+GPUs and a NIC over the GPU it serves. Each machine is a shaded box named once, beneath
+it, so labels inside it drop the prefix. Labels carry a white background, so links never
+run through them; bandwidth is written on one link per (machine, medium, bandwidth),
+once for the links between machines, and in the legend; every link answers a hover.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _gbps(bandwidth: float) -> str:
 
 
 def _machine_boxes(figure: go.Figure, nodes: list[dict], where: dict[str, tuple[float, float]]) -> None:
-    """A shaded box around each machine's nodes, named at its top left."""
+    """A shaded box around each machine's nodes, named beneath it."""
     members: dict[str, list[tuple[float, float]]] = {}
     for node in nodes:
         machine = machine_of(node["name"])
@@ -110,9 +110,9 @@ def _machine_boxes(figure: go.Figure, nodes: list[dict], where: dict[str, tuple[
         xs, ys = [x for x, _ in points], [y for _, y in points]
         figure.add_shape(type="rect", x0=min(xs) - 0.55, x1=max(xs) + 0.55, y0=min(ys) - 0.45, y1=max(ys) + 0.4,
                          line={"color": "#B0BEC5", "width": 1}, fillcolor="rgba(236, 239, 241, 0.6)", layer="below")
-        figure.add_annotation(x=min(xs) - 0.5, y=max(ys) + 0.4, text=f"<b>node {machine}</b>", showarrow=False,
-                              bgcolor="rgba(255,255,255,0.9)",
-                              xanchor="left", yanchor="bottom", font={"size": 11, "color": "#455A64"})
+        # Named under its box, where no link runs and no other label sits.
+        figure.add_annotation(x=(min(xs) + max(xs)) / 2, y=min(ys) - 0.45, text=f"<b>node {machine}</b>",
+                              showarrow=False, xanchor="center", yanchor="top", font={"size": 11, "color": "#455A64"})
 
 
 def topology_figure(nodes: list[dict], edges: list[dict], title: str = "") -> go.Figure:
@@ -148,14 +148,20 @@ def topology_figure(nodes: list[dict], edges: list[dict], title: str = "") -> go
         # outermost, where fewest other links cross).
         sets: dict[tuple, list[int]] = {}
         for index, edge in enumerate(group):
-            key = (machine_of(edge["src"]) or machine_of(edge["dst"]), edge["bandwidth"])
+            inside = machine_of(edge["src"]) if machine_of(edge["src"]) == machine_of(edge["dst"]) else ""
+            key = (inside, edge["bandwidth"])  # links between machines (the fabric) once in all
             sets.setdefault(key, []).append(index)
         for key, indices in sets.items():
             index = indices[0]
             if (medium, *key) in labelled:
                 continue
             labelled.add((medium, *key))
-            figure.add_annotation(x=hover_x[index], y=hover_y[index], text=_gbps(group[index]["bandwidth"]),
+            (x0, y0), (x1, y1) = where[group[index]["src"]], where[group[index]["dst"]]
+            if y1 < y0:
+                (x0, y0), (x1, y1) = (x1, y1), (x0, y0)
+            share = 0.5 if key[0] else 0.75  # a fabric link's label near the switch, clear of the boxes
+            figure.add_annotation(x=x0 + (x1 - x0) * share, y=y0 + (y1 - y0) * share,
+                                  text=_gbps(group[index]["bandwidth"]),
                                   showarrow=False, font={"size": 10, "color": color},
                                   bgcolor="rgba(255,255,255,0.9)", borderpad=1)
     by_kind: dict[str, list[dict]] = {}
@@ -183,7 +189,7 @@ def topology_figure(nodes: list[dict], edges: list[dict], title: str = "") -> go
     figure.update_layout(title={"text": wrapped, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
                          template="plotly_white", height=int(260 + 120 * levels),
                          margin={"t": 60 + 20 * wrapped.count("<br>"), "l": 20, "r": 20, "b": 20},
-                         xaxis={"visible": False}, yaxis={"visible": False, "range": [-0.8, levels + 0.8]},
+                         xaxis={"visible": False}, yaxis={"visible": False, "range": [-1.0, levels + 0.6]},
                          hovermode="closest")
     return figure
 
