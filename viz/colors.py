@@ -30,7 +30,7 @@ BUBBLE_COLOR = "#B0B0B0"
 # stream -> (legend label, colour, bar pattern). Order is the drawing order.
 STEP_STREAM_STYLES: dict[str, tuple[str, str, str]] = {
     "dp": ("dp gradient all-reduce (shows where compute does not hide it)", "#8C564B", ""),
-    "idle": ("idle (rank done, step not)", "#B8B8B8", "."),
+    "idle": ("idle (rank done, step not)", "#9ECAE1", "."),  # pale blue: not the grey bubble
     "tp": ("tp collective (inside compute)", "#17BECF", ""),
     "step": ("optimizer step", "#7F7F7F", ""),
 }
