@@ -108,6 +108,9 @@ def test_title_names_schedule_shape_parallelism_model_and_topology():
     for part in ("gpipe", "pp=2 m=2 v=2", "dp=2 tp=4", "model gpt3-13b", "on ib"):
         assert part in title
     assert "<br>makespan 9.200 ms" in title  # the metrics on their own line
+    measured = two_rank_step(source="measured")
+    measured.meta.update(backend="gloo", dp=1, tp=1)
+    assert "· on gloo" in gantt_figure([measured]).layout.annotations[0].text
 
 
 def test_simulated_trace_meta_carries_dp_tp_and_the_cli_adds_the_model(tmp_path):

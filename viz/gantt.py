@@ -62,7 +62,8 @@ def format_time(seconds: float, unit: str, scale: float) -> str:
 
 
 def describe(meta: dict, known: str = "") -> str:
-    """What the step is, from its ``meta``: schedule, pp/m/v, dp/tp, model, topology.
+    """What the step is, from its ``meta``: schedule, pp/m/v, dp/tp, model, topology
+    (or, for a measured step, the backend).
     Parts already in ``known`` (a caller's title) are left out."""
     parts = []
     if meta.get("schedule") and str(meta["schedule"]) not in known:
@@ -78,6 +79,8 @@ def describe(meta: dict, known: str = "") -> str:
         parts.append(f"model {meta['model']}")
     if meta.get("topology") and str(meta["topology"]) not in known:
         parts.append(f"on {meta['topology']}")
+    elif meta.get("backend") and not meta.get("topology"):
+        parts.append(f"on {meta['backend']}")  # a measured step: the backend it ran on
     return " · ".join(parts)
 
 
