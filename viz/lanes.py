@@ -107,10 +107,11 @@ def idle_tails(trace: Trace) -> list[TraceEvent]:
     ranks that end the step)."""
     if not trace.events:
         return []
+    step_start = min(event.start for event in trace.events)
     step_end = max(event.end for event in trace.events)
     tails = []
     for rank, rank_events in enumerate(trace.by_rank()):
-        last = max((event.end for event in rank_events), default=min(event.start for event in trace.events))
+        last = max((event.end for event in rank_events), default=step_start)
         if step_end - last > 1e-12 * max(abs(step_end), 1.0):
             tails.append(TraceEvent(rank, "idle (rank done)", IDLE_STREAM, -1, -1, last, step_end, IDLE_STREAM))
     return tails
