@@ -158,6 +158,9 @@ def test_tp_dp_optimizer_and_waits_sit_in_the_compute_lane():
     # the all-reduce is drawn under compute (what shows is what compute did not hide)
     assert order.index(STEP_STREAM_STYLES["dp"][0]) < order.index("F forward")
     assert order.index(STEP_STREAM_STYLES["tp"][0]) > order.index("B backward")
+    # parts of no microbatch do not hover "microbatch -1"
+    assert "microbatch" not in layer(fig, STEP_STREAM_STYLES["dp"][0]).hovertemplate
+    assert "microbatch" in layer(fig, STEP_STREAM_STYLES["tp"][0]).hovertemplate
     # the end-of-step wait (7.2 to 7.5 ms on rank 1) is drawn in rank 1's compute lane,
     # in its bubble and exposed-communication pieces, which together cover it
     pieces = [(t.base[i], t.x[i], t.y[i]) for t in fig.data if t.name in (BUBBLE, EXPOSED)

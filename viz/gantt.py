@@ -34,7 +34,7 @@ HOVER = (
     "start %{{customdata[4]:.3f}} {unit} · end %{{customdata[5]:.3f}} {unit}<br>"
     "duration %{{customdata[6]:.3f}} {unit}"
 )
-HOVER_STEP = (  # events with no stage or microbatch (all-reduce, optimizer, idle)
+HOVER_STEP = (  # events of no microbatch (all-reduce, optimizer, idle)
     "<b>%{{customdata[0]}}</b><br>rank %{{customdata[1]}}<br>"
     "start %{{customdata[4]:.3f}} {unit} · end %{{customdata[5]:.3f}} {unit}<br>"
     "duration %{{customdata[6]:.3f}} {unit}"
@@ -259,7 +259,7 @@ def gantt_spec(
                 drawn = _segments(layer, t0, row_px, scale, digits)
             else:
                 drawn = _bars(layer, t0, labelled, scale, digits)
-            template = HOVER if all(event.stage >= 0 for event in layer.events[:1]) else HOVER_STEP
+            template = HOVER if layer.events[0].microbatch >= 0 else HOVER_STEP
             drawn.update(
                 name=layer.label,
                 legendgroup=layer.label,
