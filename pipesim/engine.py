@@ -37,6 +37,7 @@ import simpy
 from pipesim.costs import Costs
 from pipesim.parallel import TP_KIND, CommPlan, step_tail_events
 from pipesim.topology import Topology
+from pipesim.twins import boundary_rank_pairs
 from schedules.action import COMPUTE_KINDS, SEND_KINDS, Action, ActionKind, format_group
 from schedules.lowering import lower
 from schedules.p2p import RENDEZVOUS, require_semantics
@@ -377,12 +378,7 @@ def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequ
     also uses: only their sends must be ordered against other ranks' in time. Transfers
     only cross stage boundaries, so the pairs follow from the placement. With twin
     transfers (other replicas' and shards') every pair is ordered."""
-    placement = schedule.placement
-    pairs = set()
-    for stage in range(schedule.num_stages - 1):
-        left, right = placement[stage], placement[stage + 1]
-        if left != right:
-            pairs.update(((left, right), (right, left)))
+    pairs = boundary_rank_pairs(schedule)
     if with_twins:
         return pairs
     links = {pair: topology.route(devices[pair[0]], devices[pair[1]]).links for pair in pairs}
