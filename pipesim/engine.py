@@ -11,6 +11,13 @@ and the rank waits for a group that holds receives (``schedules.p2p``); under bu
 rank that ends its program while its last sends are still unmatched or in flight waits
 for them (a ``wait`` event), as the step cannot end before its transfers do.
 
+Events are recorded as the executor records them. A send's runs from the moment its
+group was posted (its data was ready) to its arrival, however long it then waited for
+its receive or for busy links; a receive's from the moment its group was posted to the
+moment the rank can go on (under rendezvous, when its whole group has completed). The
+posting cost (``comm_overhead``) is paid before either starts. Bubble and exposed
+communication are told apart from those moments (``schedules.accounting``).
+
 Transfers are scheduled directly from their arrival time instead
 of as SimPy processes with resource requests, which keeps the engine several times
 faster on the ~400k-action schedules of large pipelines (see benchmarks/).
@@ -30,6 +37,7 @@ import simpy
 from pipesim.costs import Costs
 from pipesim.parallel import TP_KIND, CommPlan, step_tail_events
 from pipesim.topology import Topology
+from pipesim.twins import boundary_rank_pairs
 from schedules.action import COMPUTE_KINDS, SEND_KINDS, Action, ActionKind, format_group
 from schedules.lowering import lower
 from schedules.p2p import RENDEZVOUS, require_semantics
@@ -78,6 +86,18 @@ class LinkScheduler:
             free_at[link] = done
         return Transfer(now, start, done + route.latency)
 
+    def transfer_with_twins(self, src: str, dst: str, num_bytes: float, now: float,
+                            twins: dict[tuple[str, str], list[tuple[str, str]]]) -> Transfer:
+        """``transfer``, also reserving the links for the same send of the pipelines
+        the engine does not simulate (``pipesim.twins``); the data counts as arrived
+        when every twin's has."""
+        result = self.transfer(src, dst, num_bytes, now)
+        for twin_src, twin_dst in twins.get((src, dst), ()):
+            twin = self.transfer(twin_src, twin_dst, num_bytes, now)
+            if twin.arrival > result.arrival:
+                result = Transfer(result.posted, result.start, twin.arrival)
+        return result
+
 
 def transfer_bytes(action: Action, costs: Costs) -> float:
     """Bytes a SEND moves: a stage's output activation forward, or the gradient of the
@@ -124,10 +144,12 @@ def simulate(
     paired = _overlapped_pair_seconds(lowered, costs, durations)
     comm_overhead = costs.comm_overhead
     links = LinkScheduler(topology)
-    shared_pairs = _pairs_on_shared_links(lowered, topology, devices)
+    twins = plan.twin_transfers if plan is not None else {}
+    shared_pairs = _pairs_on_shared_links(lowered, topology, devices, bool(twins))
     send_info = _send_table(lowered, devices, costs, shared_pairs)
     mailbox: dict[tuple, object] = {}
-    offers: dict[tuple, tuple] = {}  # rendezvous: transfer -> (rank, action, event) of the side that posted first
+    # rendezvous: transfer -> (rank, action, event, posted at) of the side that posted first
+    offers: dict[tuple, tuple] = {}
     events: list[TraceEvent] = []
     record = events.append
     tp_seconds = plan.tp_seconds if plan is not None else {}
@@ -135,13 +157,20 @@ def simulate(
     finished = [False] * lowered.pp
     position = [0] * lowered.pp
 
-    def start_transfer(action: Action, sender: int, clock: float) -> float:
-        """Put a SEND on the wire at ``clock``; record it; return its arrival."""
+    def start_transfer(action: Action, sender: int, clock: float, posted_at: float) -> float:
+        """Put a SEND on the wire at ``clock``; record it from ``posted_at`` (when its
+        group was posted); return its arrival."""
         stage, kind, microbatch = action
         _, _, destination, num_bytes, _ = send_info[stage, kind]
-        _, start, arrival = links.transfer(devices[sender], destination, num_bytes, clock)
-        record(TraceEvent(sender, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival, "send"))
+        _, _, arrival = transfer(devices[sender], destination, num_bytes, clock)
+        record(TraceEvent(sender, f"{stage}{kind}{microbatch}", kind, stage, microbatch, posted_at, arrival, "send"))
         return arrival
+
+    if twins:
+        def transfer(src: str, dst: str, num_bytes: float, now: float) -> Transfer:
+            return links.transfer_with_twins(src, dst, num_bytes, now, twins)
+    else:
+        transfer = links.transfer
 
     def stream_process(rank: int, queue: simpy.Store):
         """Rank ``rank``'s communication stream under rendezvous: groups in posting
@@ -163,30 +192,24 @@ def simulate(
                 peer = offers.pop(transfer, None)
                 if peer is None:
                     event = env.event()
-                    offers[transfer] = (rank, action, event)
+                    offers[transfer] = (rank, action, event, posted_at)
                     waiting.append((action, event))
                     continue
-                peer_rank, peer_action, peer_event = peer
-                send, sender = (action, rank) if is_send else (peer_action, peer_rank)
-                arrival = start_transfer(send, sender, start)
+                peer_rank, peer_action, peer_event, peer_posted = peer
+                send, sender, sent_at = (action, rank, posted_at) if is_send else (peer_action, peer_rank, peer_posted)
+                arrival = start_transfer(send, sender, start, sent_at)
                 peer_event.succeed(arrival)
                 arrivals[action] = arrival
             for action, event in waiting:
                 arrivals[action] = yield event
-            free_at = start
-            for action in group:
-                arrival = arrivals[action]
-                if arrival > free_at:
-                    free_at = arrival
-                if action.kind not in SEND_KINDS:
-                    stage, kind, microbatch = action
-                    record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, posted_at,
-                                      arrival, "recv"))
+            free_at = max(start, *arrivals.values())
             completed.succeed(free_at)
+
+    recv_of = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B, ActionKind.I: ActionKind.RECV_B}
 
     def rank_process(rank: int, items: list):
         clock = 0.0
-        transfer = links.transfer
+        awaiting: dict[tuple, object] = {}  # rendezvous: posted receive -> its group's completion
         source = devices[rank]
         compute_kinds, send_kinds = COMPUTE_KINDS, SEND_KINDS
         for index, item in enumerate(items):
@@ -194,6 +217,21 @@ def simulate(
                 stage, kind, microbatch = item
                 if kind not in compute_kinds:
                     raise SimulationError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
+                if awaiting:
+                    # rendezvous: a receive is waited for right before the action that needs it
+                    needed = (stage, recv_of.get(kind), microbatch)
+                    pending = awaiting.pop(needed, None)
+                    if pending is not None:
+                        start = clock
+                        if not pending.processed:
+                            position[rank] = index
+                            arrived = yield pending
+                        else:
+                            arrived = pending.value
+                        if arrived > clock:
+                            clock = arrived
+                        record(TraceEvent(rank, f"{stage}{needed[1]}{microbatch}", needed[1], stage, microbatch,
+                                          start, clock, "recv"))
                 end = clock + (paired[item] if paired and item in paired else durations[stage, kind])
                 record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end, "compute"))
                 clock = end
@@ -208,11 +246,9 @@ def simulate(
                 completed = env.event()
                 streams[rank].put((clock, item, completed))
                 last_group[rank] = completed
-                if any(action.kind not in send_kinds for action in item):
-                    position[rank] = index
-                    arrived = yield completed
-                    if arrived > clock:
-                        clock = arrived
+                for action in item:
+                    if action.kind not in send_kinds:
+                        awaiting[action] = completed
                 continue
             # buffered: the group's sends leave as it is posted, then its receives wait
             for action in item:
@@ -224,8 +260,8 @@ def simulate(
                 if shared and clock > env.now:
                     position[rank] = index
                     yield env.timeout(clock - env.now)
-                _, start, arrival = transfer(source, destination, num_bytes, clock)
-                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival, "send"))
+                _, _, arrival = transfer(source, destination, num_bytes, clock)
+                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, arrival, "send"))
                 # plain tuples hash and compare equal to the RECV's Action
                 receiver = (receiver_stage, receiver_kind, microbatch)
                 waiting = mailbox.pop(receiver, None)
@@ -237,8 +273,8 @@ def simulate(
                 stage, kind, microbatch = action
                 if kind in send_kinds:
                     continue
+                clock += comm_overhead  # posting the receive: overhead, not waiting
                 start = clock
-                clock += comm_overhead
                 arrival = mailbox.pop(action, None)
                 if arrival is None:
                     waiting = env.event()
@@ -336,16 +372,15 @@ def _send_table(
     return table
 
 
-def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequence[str]) -> set[tuple[int, int]]:
+def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequence[str],
+                           with_twins: bool = False) -> set[tuple[int, int]]:
     """The (sender, receiver) rank pairs whose route crosses a link that another sender
     also uses: only their sends must be ordered against other ranks' in time. Transfers
-    only cross stage boundaries, so the pairs follow from the placement."""
-    placement = schedule.placement
-    pairs = set()
-    for stage in range(schedule.num_stages - 1):
-        left, right = placement[stage], placement[stage + 1]
-        if left != right:
-            pairs.update(((left, right), (right, left)))
+    only cross stage boundaries, so the pairs follow from the placement. With twin
+    transfers (other replicas' and shards') every pair is ordered."""
+    pairs = boundary_rank_pairs(schedule)
+    if with_twins:
+        return pairs
     links = {pair: topology.route(devices[pair[0]], devices[pair[1]]).links for pair in pairs}
     senders: dict[tuple[str, str], set[int]] = {}
     for (sender, _), route_links in links.items():

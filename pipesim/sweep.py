@@ -19,7 +19,8 @@ from schedules.schedule import Schedule
 
 ROW_FIELDS = (
     "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
-    "peak_inflight_microbatches", "exposed_comm", "peak_memory_bytes", "oom", "actions", "note",
+    "peak_inflight_microbatches", "bubble", "exposed_comm", "peak_memory_bytes", "oom", "actions", "note",
+    "capacity_bytes",
 )
 
 
@@ -73,9 +74,11 @@ def run_sweep(
             "makespan": metrics.makespan,
             "bubble_fraction": metrics.bubble_fraction,
             "peak_inflight_microbatches": max(rank.peak_inflight_microbatches for rank in metrics.ranks),
+            "bubble": sum(rank.bubble for rank in metrics.ranks),
             "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks),
             "peak_memory_bytes": max(rank.peak_bytes for rank in result.memory),
             "oom": result.oom,
+            "capacity_bytes": _capacity(result),
             "actions": result.schedule.num_actions,
             "note": "",
         }
@@ -87,6 +90,12 @@ def run_sweep(
                 file=sys.stderr,
             )
     return rows
+
+
+def _capacity(result) -> float | None:
+    """The smallest device memory among the pipeline's ranks, or None when unbounded."""
+    capacity = min((rank.capacity_bytes for rank in result.memory), default=float("inf"))
+    return capacity if capacity != float("inf") else None
 
 
 def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: Topology,

@@ -166,8 +166,11 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--bucket-mb", type=float, default=25.0,
                        help="gradient all-reduce bucket in MiB (default: 25, torch DDP's)")
     group.add_argument("--no-dp-overlap", action="store_true",
-                       help="start the gradient all-reduce after the rank's last action, not each stage's last "
-                       "backward")
+                       help="reduce gradients after the rank's last action instead of bucket by bucket during "
+                       "each stage's last backward (DDP's overlap)")
+    group.add_argument("--zero", type=int, choices=(0, 1), default=0,
+                       help="1: distributed optimizer (ZeRO-1): reduce-scatter gradients, all-gather parameters "
+                       "after the optimizer step, optimizer state sharded over dp (default: 0, all-reduce)")
     group.add_argument("--collective", choices=("ring", "tree"), default="ring",
                        help="all-reduce algorithm (default: ring)")
     group.add_argument("--bytes-per-param", default="2,2,12",
@@ -182,7 +185,7 @@ def parallel_from_args(args: argparse.Namespace):
     return ParallelConfig(
         dp=getattr(args, "dp", 1), tp=getattr(args, "tp", 1), rank_order=getattr(args, "rank_order", "tp-dp-pp"),
         bucket_bytes=getattr(args, "bucket_mb", 25.0) * 2**20, overlap_dp=not getattr(args, "no_dp_overlap", False),
-        algorithm=getattr(args, "collective", "ring"),
+        algorithm=getattr(args, "collective", "ring"), zero=getattr(args, "zero", 0),
         bytes_per_param=parse_bytes_per_param(getattr(args, "bytes_per_param", "2,2,12")),
     )
 

@@ -92,6 +92,14 @@ def handle(args: argparse.Namespace) -> int:
 
     rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args),
                      memory_limit=args.memory_limit, p2p=args.p2p, schedules=files)
+    if args.model:
+        # Tokens a microbatch carries across all dp replicas, so the chart draws tokens/s
+        # (as plan does: microbatches x dp x microbatch size x sequence length per step).
+        from pipesim.model_spec import model_spec
+
+        spec = model_spec(args.model, seq_len=args.seq_len, microbatch_size=args.microbatch_size)
+        for row in rows:
+            row["tokens_per_microbatch"] = spec.seq_len * spec.microbatch_size * args.dp
     print(format_table(rows))
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:
