@@ -115,6 +115,8 @@ def handle(args: argparse.Namespace) -> int:
     else:
         costs = costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
     result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args), p2p=args.p2p)
+    if args.model:
+        result.trace.meta["model"] = args.model  # the chart's title names it
     document = result.to_dict()
     print(result.summary())
     if args.model:
