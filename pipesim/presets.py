@@ -4,15 +4,17 @@ Bandwidths are per direction (DESIGN.md, "Reference links"); ``efficiency`` is t
 fraction of peak that a measured NCCL send/recv reaches, since no real transfer runs
 at the line rate (e.g. ~195 GB/s of 300 GB/s one way on A100 NVLink: 0.65).
 Latencies are per hop; a GPU-to-GPU path crosses two or more hops.
+
+Each preset is a ``Hierarchy``: per GPU, the chains of uplinks it climbs (see
+``pipesim.hierarchy``), from which its routes and, on demand, its graph follow.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import networkx as nx
-
-from pipesim.topology import Topology, TopologyError, add_link, ideal_topology
+from pipesim.hierarchy import Chain, Hierarchy, Hop, Link
+from pipesim.topology import Topology, TopologyError, ideal_topology
 
 GB = 1e9
 US = 1e-6
@@ -45,28 +47,29 @@ ETH_HOP_LATENCY = 7.5 * US
 GPUS_PER_NODE = 8
 
 
-def _gpu(graph: nx.DiGraph, name: str, memory: float = H100_MEMORY, flops: float = H100_BF16_FLOPS) -> str:
-    graph.add_node(name, kind="gpu", memory_bytes=memory, peak_flops=flops)
-    return name
+def _gpu(memory: float = H100_MEMORY, flops: float = H100_BF16_FLOPS) -> dict[str, float]:
+    """The figures every device of a preset carries."""
+    return {"memory_bytes": memory, "peak_flops": flops}
 
 
-def _nvswitch_node(graph: nx.DiGraph, node: int, devices: list[str]) -> None:
+NVLINK4 = Link(NVLINK4_BW, NVLINK_HOP_LATENCY, NVLINK_EFFICIENCY, "nvlink")
+NIC_PCIE = Link(PCIE5_X16_BW, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")  # GPU <-> its own NIC
+
+
+def _nvswitch_uplink(node: int) -> Chain:
     """Eight H100s on one NVSwitch fabric: every GPU a full-bandwidth link to the switch."""
-    switch = f"n{node}.nvswitch"
-    graph.add_node(switch, kind="nvswitch")
-    for local in range(GPUS_PER_NODE):
-        gpu = _gpu(graph, f"n{node}.gpu{local}")
-        devices.append(gpu)
-        add_link(graph, gpu, switch, NVLINK4_BW, NVLINK_HOP_LATENCY, NVLINK_EFFICIENCY, "nvlink")
+    return (Hop(f"n{node}.nvswitch", "nvswitch", NVLINK4),)
+
+
+def _node_devices(nodes: int) -> list[str]:
+    return [f"n{node}.gpu{local}" for node in range(nodes) for local in range(GPUS_PER_NODE)]
 
 
 def nvlink(nodes: int = 1) -> Topology:
     """One node, 8x H100 SXM, NVLink 4 through NVSwitch (450 GB/s per GPU per direction)."""
     _single_node("nvlink", nodes)
-    graph = nx.DiGraph()
-    devices: list[str] = []
-    _nvswitch_node(graph, 0, devices)
-    return Topology("nvlink", graph, devices, description="1 node, 8x H100, NVLink 4 via NVSwitch")
+    hierarchy = Hierarchy(_node_devices(1), lambda index: (_nvswitch_uplink(0),), _gpu())
+    return Topology.from_hierarchy("nvlink", hierarchy, description="1 node, 8x H100, NVLink 4 via NVSwitch")
 
 
 def _pcie_node(name: str, link_bw: float, description: str) -> Topology:
@@ -75,21 +78,18 @@ def _pcie_node(name: str, link_bw: float, description: str) -> Topology:
     GPUs on one switch talk through it; across switches the transfer climbs to the
     socket's root complex; across sockets it also crosses UPI (the slowest, most shared
     part of a PCIe box, which is why cross-socket P2P is the bottleneck there)."""
-    graph = nx.DiGraph()
-    devices: list[str] = []
-    for socket in range(2):
-        cpu = f"cpu{socket}"
-        graph.add_node(cpu, kind="host")
-        for switch_index in range(2):
-            switch = f"pcie_switch{socket * 2 + switch_index}"
-            graph.add_node(switch, kind="pcie_switch")
-            add_link(graph, switch, cpu, link_bw, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
-            for _slot in range(2):
-                gpu = _gpu(graph, f"gpu{len(devices)}")
-                devices.append(gpu)
-                add_link(graph, gpu, switch, link_bw, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
-    add_link(graph, "cpu0", "cpu1", UPI_BW, UPI_LATENCY, PCIE_EFFICIENCY, "upi")
-    return Topology(name, graph, devices, description=description)
+    pcie_link = Link(link_bw, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
+    upi = Link(UPI_BW, UPI_LATENCY, PCIE_EFFICIENCY, "upi")
+
+    def uplinks(index: int) -> tuple[Chain, ...]:
+        switch, socket = index // 2, index // 4
+        chain = (Hop(f"pcie_switch{switch}", "pcie_switch", pcie_link), Hop(f"cpu{socket}", "host", pcie_link))
+        if socket == 1:  # socket 1 reaches socket 0 over UPI; chains meet at cpu0 at the latest
+            chain += (Hop("cpu0", "host", upi),)
+        return (chain,)
+
+    hierarchy = Hierarchy([f"gpu{index}" for index in range(GPUS_PER_NODE)], uplinks, _gpu())
+    return Topology.from_hierarchy(name, hierarchy, description=description)
 
 
 def pcie(nodes: int = 1) -> Topology:
@@ -107,21 +107,18 @@ def pcie5(nodes: int = 1) -> Topology:
 def _multi_node(name: str, nodes: int, nic_bw: float, hop_latency: float, efficiency: float, medium: str,
                 description: str) -> Topology:
     """``nodes`` NVSwitch nodes; each GPU has its own NIC (rail-optimised, as DGX/HGX
-    systems are built) into one non-blocking fabric switch."""
+    systems are built) into one non-blocking fabric switch. A GPU climbs either to its
+    node's NVSwitch or through its NIC to the fabric."""
     if nodes < 1:
         raise TopologyError(f"--nodes must be >= 1, got {nodes}")
-    graph = nx.DiGraph()
-    devices: list[str] = []
-    fabric = f"{medium}_switch"
-    graph.add_node(fabric, kind=f"{medium}_switch")
-    for node in range(nodes):
-        _nvswitch_node(graph, node, devices)
-        for local in range(GPUS_PER_NODE):
-            nic = f"n{node}.nic{local}"
-            graph.add_node(nic, kind="nic")
-            add_link(graph, f"n{node}.gpu{local}", nic, PCIE5_X16_BW, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
-            add_link(graph, nic, fabric, nic_bw, hop_latency, efficiency, medium)
-    return Topology(name, graph, devices, description=description.format(nodes=nodes))
+    fabric = Hop(f"{medium}_switch", f"{medium}_switch", Link(nic_bw, hop_latency, efficiency, medium))
+
+    def uplinks(index: int) -> tuple[Chain, ...]:
+        node, local = divmod(index, GPUS_PER_NODE)
+        return _nvswitch_uplink(node), (Hop(f"n{node}.nic{local}", "nic", NIC_PCIE), fabric)
+
+    hierarchy = Hierarchy(_node_devices(nodes), uplinks, _gpu())
+    return Topology.from_hierarchy(name, hierarchy, description=description.format(nodes=nodes))
 
 
 def ib(nodes: int = 2) -> Topology:

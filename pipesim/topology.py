@@ -3,16 +3,21 @@
 Every link is stored once per direction (a directed edge) because NVLink, PCIe and
 InfiniBand are full duplex: traffic one way does not slow traffic the other way, but
 two transfers going the same way over one link share it. Routes follow the graph
-(lowest total latency) and are cached per device pair.
+(lowest total latency) and are cached per device pair. The built-in presets are
+hierarchies (``pipesim.hierarchy``): their routes are read off the structure, and their
+graph is built only when something asks for it, so a 100k-GPU cluster stays cheap.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from typing import TYPE_CHECKING
 
 import networkx as nx
+
+if TYPE_CHECKING:
+    from pipesim.hierarchy import Hierarchy
 
 
 class TopologyError(ValueError):
@@ -44,26 +49,43 @@ class Topology:
     (bytes/s per direction), ``latency`` (s), ``efficiency`` (fraction of bandwidth a
     real transfer reaches) and ``medium`` (nvlink, pcie, ib, ethernet, ...).
     ``devices`` lists the GPUs in the order ranks are mapped onto them. An ``ideal``
-    topology has free, instant links."""
+    topology has free, instant links.
 
-    def __init__(self, name: str, graph: nx.DiGraph, devices: list[str], ideal: bool = False,
-                 description: str = "") -> None:
+    A topology made ``from_hierarchy`` has no graph up front: routes and device figures
+    come from the hierarchy, and ``graph`` is built from it on first use."""
+
+    def __init__(self, name: str, graph: nx.DiGraph | None, devices: list[str], ideal: bool = False,
+                 description: str = "", hierarchy: Hierarchy | None = None) -> None:
+        if graph is None and hierarchy is None:
+            raise ValueError("a Topology needs a graph or a hierarchy")
         self.name = name
-        self.graph = graph
+        self._graph = graph
         self.devices = list(devices)
         self.ideal = ideal
         self.description = description
+        self.hierarchy = hierarchy
         self._routes: dict[tuple[str, str], Route] = {}
+        known = hierarchy if hierarchy is not None else graph
         for device in self.devices:
-            if device not in graph:
+            if device not in known:
                 raise TopologyError(f"topology {name}: device {device!r} is not in the graph")
 
-    def __repr__(self) -> str:
-        return f"Topology({self.name!r}, devices={len(self.devices)}, links={self.graph.number_of_edges()})"
+    @classmethod
+    def from_hierarchy(cls, name: str, hierarchy: Hierarchy, description: str = "") -> Topology:
+        """A preset-style cluster whose routes follow from its structure."""
+        return cls(name, None, hierarchy.devices, description=description, hierarchy=hierarchy)
 
-    @cached_property
-    def _latency_weights(self) -> dict:
-        return {(u, v): data["latency"] for u, v, data in self.graph.edges(data=True)}
+    @property
+    def graph(self) -> nx.DiGraph:
+        """Devices, switches and links as a networkx graph (built on first use for a
+        hierarchy)."""
+        if self._graph is None:
+            assert self.hierarchy is not None
+            self._graph = self.hierarchy.graph()
+        return self._graph
+
+    def __repr__(self) -> str:
+        return f"Topology({self.name!r}, devices={len(self.devices)})"
 
     def effective_bandwidth(self, src: str, dst: str) -> float:
         data = self.graph.edges[src, dst]
@@ -77,6 +99,13 @@ class Topology:
             return cached
         if self.ideal or src == dst:
             route = FREE_ROUTE
+        elif self.hierarchy is not None:
+            for device in (src, dst):
+                if device not in self.hierarchy:
+                    raise TopologyError(f"topology {self.name}: device {device!r} is not in the graph")
+            route = self.hierarchy.route(src, dst)
+            if route is None:
+                raise TopologyError(f"topology {self.name}: no route from {src} to {dst}")
         else:
             try:
                 path = nx.shortest_path(self.graph, src, dst, weight="latency")
@@ -95,12 +124,18 @@ class Topology:
 
     def device_memory(self, device: str) -> float:
         """Bytes of memory on ``device``; unbounded when the topology does not say."""
+        if self.hierarchy is not None:
+            known = device in self.hierarchy
+            return float(self.hierarchy.device_attributes.get("memory_bytes", math.inf)) if known else math.inf
         if device not in self.graph:
             return math.inf
         return float(self.graph.nodes[device].get("memory_bytes", math.inf))
 
     def device_peak_flops(self, device: str) -> float:
         """Peak FLOP/s of ``device``; unbounded (unknown) when the topology does not say."""
+        if self.hierarchy is not None:
+            known = device in self.hierarchy
+            return float(self.hierarchy.device_attributes.get("peak_flops", math.inf)) if known else math.inf
         if device not in self.graph:
             return math.inf
         return float(self.graph.nodes[device].get("peak_flops", math.inf))
