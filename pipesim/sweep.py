@@ -14,7 +14,13 @@ from pipesim.costs import Costs
 from pipesim.parallel import ParallelConfig
 from pipesim.simulation import run_simulation
 from pipesim.topology import Topology
-from schedules.generators import MULTI_CHUNK, ScheduleUnavailableError, generate
+from schedules.generators import (
+    DEFAULT_MAX_ACTIONS,
+    MULTI_CHUNK,
+    ScheduleUnavailableError,
+    generate,
+    require_within_limit,
+)
 from schedules.schedule import Schedule
 
 ROW_FIELDS = (
@@ -48,14 +54,18 @@ def run_sweep(
     topology: Topology,
     progress: bool = True,
     parallel: ParallelConfig | None = None,
+    max_actions: int | None = DEFAULT_MAX_ACTIONS,
 ) -> list[dict]:
     """Simulate every point; a point whose schedule does not exist becomes a row with a
-    ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs."""
+    ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs.
+    A point over ``max_actions`` refuses the whole sweep before anything runs."""
+    for point in points:
+        require_within_limit(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
     rows = []
     for index, point in enumerate(points, 1):
         label = f"{point.schedule} pp={point.pp} m={point.microbatches} v={point.virtual_stages}"
         try:
-            schedule = generate(point.schedule, point.pp, point.microbatches, point.virtual_stages)
+            schedule = generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
         except ScheduleUnavailableError as error:
             rows.append({**point.__dict__, "note": str(error)})
             if progress:

@@ -14,13 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesim import presets
+from pipesim.cli import main
 from pipesim.collectives import all_gather, all_reduce, bucketed_all_reduce, tree_pace
 from pipesim.costs import uniform_costs
 from pipesim.mapping import map_ranks
 from pipesim.parallel import ParallelConfig
 from pipesim.simulation import run_simulation
 from pipesim.topology import Route, Topology, TopologyError, add_link
-from schedules import generate
+from schedules import generate, lower
+from schedules.generators import ScheduleTooLargeError, ScheduleUnavailableError, action_bound
 
 GB, US = 1e9, 1e-6
 H100 = {"kind": "gpu", "memory_bytes": 80 * GB, "peak_flops": 989e12}
@@ -192,3 +194,41 @@ def test_a_hundred_thousand_gpu_cluster_is_built_without_its_graph():
 def test_unknown_device_is_a_clear_error():
     with pytest.raises(TopologyError, match="'n9.gpu0' is not in the graph"):
         presets.ib(2).route("n0.gpu0", "n9.gpu0")
+
+
+# --- the guard against schedules too large to build -------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]), st.integers(1, 8), st.integers(1, 24),
+       st.integers(1, 3))
+def test_action_bound_is_the_lowered_action_count(name, pp, microbatches, chunks):
+    chunks = chunks if name == "interleaved-1f1b" else 1
+    try:
+        schedule = generate(name, pp, microbatches, chunks)
+    except ScheduleUnavailableError:
+        return
+    assert action_bound(name, pp, microbatches, chunks) == lower(schedule).num_actions
+
+
+def test_generate_refuses_a_schedule_over_the_limit_before_building_it():
+    with pytest.raises(ScheduleTooLargeError, match=r"59,999,600,000 actions .* --max-actions 59999600000"):
+        generate("1f1b", 100_000, 100_000)  # would need ~20 TB if it were built
+    count = action_bound("1f1b", 4, 8)  # 2*8*4 compute + 4*8*3 sends and receives
+    assert count == 160
+    assert generate("1f1b", 4, 8, max_actions=160).microbatches == 8
+    with pytest.raises(ScheduleTooLargeError, match="over the limit of 159"):
+        generate("1f1b", 4, 8, max_actions=159)
+
+
+@pytest.mark.parametrize("command", ["simulate", "show", "export", "sweep", "demo"])
+def test_every_schedule_command_refuses_impossible_work_naming_the_flag(command, capsys, tmp_path):
+    status = main([command, "--pp", "100000", "--microbatches", "100000"]
+                  + (["--out", str(tmp_path / "out")] if command in ("demo", "export") else []))
+    assert status == 2
+    error = capsys.readouterr().err
+    assert "actions once lowered, over the limit of 5,000,000" in error and "--max-actions" in error
+
+
+def test_max_actions_raises_the_limit():
+    assert main(["simulate", "--pp", "4", "--microbatches", "8", "--max-actions", "159"]) == 2
+    assert main(["simulate", "--pp", "4", "--microbatches", "8", "--max-actions", "160"]) == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipesim.commands.options import add_max_actions_arg
 from pipesim.costs import uniform_costs
 from pipesim.simulation import run_simulation
 from pipesim.sweep import format_table, run_sweep, sweep_points
@@ -26,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--topology", default="nvlink")
+    add_max_actions_arg(parser)
     parser.set_defaults(handler=handle)
 
 
@@ -39,7 +41,7 @@ def handle(args: argparse.Namespace) -> int:
     fwd, bwd, act_bytes = 10e-3, 20e-3, 256e6  # a mid-size transformer stage; 256 MB activations
     traces, titles, metrics = [], [], []
     for name, chunks in DEMO_SCHEDULES:
-        schedule = generate(name, args.pp, args.microbatches, chunks)
+        schedule = generate(name, args.pp, args.microbatches, chunks, args.max_actions)
         costs = uniform_costs(schedule.num_stages, fwd, bwd, act_bytes=act_bytes, virtual_stages=chunks)
         result = run_simulation(schedule, costs, topology)
         print(result.summary())
@@ -60,6 +62,7 @@ def handle(args: argparse.Namespace) -> int:
                                        virtual_stages=schedule.virtual_stages),
         topology,
         progress=False,
+        max_actions=args.max_actions,
     )
     print(format_table(rows))
     path = out / "sweep.html"

@@ -10,7 +10,7 @@ from pipesim.costs import Costs, load_costs, uniform_costs
 from pipesim.presets import PRESETS
 from pipesim.topology import Topology
 from pipesim.topology_file import load_topology
-from schedules.generators import GENERATORS, MULTI_CHUNK, generate
+from schedules.generators import DEFAULT_MAX_ACTIONS, GENERATORS, MULTI_CHUNK, generate
 from schedules.schedule import Schedule
 
 DEFAULT_VIRTUAL_STAGES = 2  # for schedules that place several chunks per rank
@@ -27,6 +27,27 @@ def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) 
         "--virtual-stages", "-v", type=int, default=None,
         help=f"model chunks per rank for {', '.join(sorted(MULTI_CHUNK))} (default: {DEFAULT_VIRTUAL_STAGES}; "
         "others use 1)",
+    )
+    add_max_actions_arg(group)
+
+
+def max_actions_count(text: str) -> int:
+    """``--max-actions``: a whole number >= 1 (argparse names the flag on failure)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of actions, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_max_actions_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The limit that stops a schedule too large to build before it is built."""
+    parser.add_argument(
+        "--max-actions", type=max_actions_count, default=DEFAULT_MAX_ACTIONS, metavar="N",
+        help=f"refuse schedules of more than N lowered actions before building them (default: "
+        f"{DEFAULT_MAX_ACTIONS:,}, ~2 GB to simulate)",
     )
 
 
@@ -49,7 +70,8 @@ def schedule_from_args(args: argparse.Namespace) -> Schedule:
             f"{args.schedule} uses one stage per rank",
             file=sys.stderr,
         )
-    return generate(args.schedule, args.pp, args.microbatches, virtual_stages_for(args.schedule, args.virtual_stages))
+    return generate(args.schedule, args.pp, args.microbatches, virtual_stages_for(args.schedule, args.virtual_stages),
+                    max_actions=args.max_actions)
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipesim.commands.options import (
     add_cost_args,
+    add_max_actions_arg,
     add_model_args,
     add_parallel_args,
     add_topology_args,
@@ -30,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pp", default="4", help="pipeline ranks, comma-separated (default: 4)")
     parser.add_argument("--microbatches", "-m", default="4,8,16,32", help="microbatch counts, comma-separated")
     parser.add_argument("--virtual-stages", "-v", type=int, default=2, help="chunks per rank for interleaved schedules")
+    add_max_actions_arg(parser)
     add_cost_args(parser)
     add_model_args(parser)
     add_topology_args(parser)
@@ -52,7 +54,8 @@ def handle(args: argparse.Namespace) -> int:
             return model_costs_from_args(args, schedule, topology)
         return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
 
-    rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args))
+    rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args),
+                     max_actions=args.max_actions)
     print(format_table(rows))
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:
