@@ -55,6 +55,7 @@ def run_sweep(
     progress: bool = True,
     parallel: ParallelConfig | None = None,
     max_actions: int | None = DEFAULT_MAX_ACTIONS,
+    p2p: str | None = None,
 ) -> list[dict]:
     """Simulate every point; a point whose schedule does not exist becomes a row with a
     ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs.
@@ -71,7 +72,7 @@ def run_sweep(
             if progress:
                 print(f"[{index}/{len(points)}] {label}: skipped ({error})", file=sys.stderr)
             continue
-        result = run_simulation(schedule, costs_for(schedule), topology, parallel=parallel)
+        result = run_simulation(schedule, costs_for(schedule), topology, parallel=parallel, p2p=p2p)
         metrics = result.metrics
         row = {
             **point.__dict__,

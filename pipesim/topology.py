@@ -49,16 +49,19 @@ class Topology:
     (bytes/s per direction), ``latency`` (s), ``efficiency`` (fraction of bandwidth a
     real transfer reaches) and ``medium`` (nvlink, pcie, ib, ethernet, ...).
     ``devices`` lists the GPUs in the order ranks are mapped onto them. An ``ideal``
-    topology has free, instant links.
+    topology has free, instant links. ``backend`` is the torch.distributed backend whose
+    links were measured (``bench-comm`` files say), None for presets of GPU clusters
+    (NCCL); it sets the P2P semantics a prediction defaults to.
 
     A topology made ``from_hierarchy`` has no graph up front: routes and device figures
     come from the hierarchy, and ``graph`` is built from it on first use."""
 
     def __init__(self, name: str, graph: nx.DiGraph | None, devices: list[str], ideal: bool = False,
-                 description: str = "", hierarchy: Hierarchy | None = None) -> None:
+                 description: str = "", backend: str | None = None, hierarchy: Hierarchy | None = None) -> None:
         if graph is None and hierarchy is None:
             raise ValueError("a Topology needs a graph or a hierarchy")
         self.name = name
+        self.backend = backend
         self._graph = graph
         self.devices = list(devices)
         self.ideal = ideal

@@ -11,6 +11,7 @@ from pipesim.commands.options import (
     add_cost_args,
     add_max_actions_arg,
     add_model_args,
+    add_p2p_arg,
     add_parallel_args,
     add_topology_args,
     costs_from_args,
@@ -36,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(parser)
     add_topology_args(parser)
     add_parallel_args(parser)
+    add_p2p_arg(parser, "the predicted backend's: buffered for links measured on gloo, rendezvous otherwise")
     parser.add_argument("--csv", help="write the rows as CSV")
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--html", help="write the sweep chart (self-contained HTML)")
@@ -55,7 +57,7 @@ def handle(args: argparse.Namespace) -> int:
         return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
 
     rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args),
-                     max_actions=args.max_actions)
+                     max_actions=args.max_actions, p2p=args.p2p)
     print(format_table(rows))
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:
