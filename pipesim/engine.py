@@ -27,14 +27,21 @@ from typing import NamedTuple
 
 import simpy
 
+from pipesim import kernel as kernel_module
 from pipesim.costs import Costs
 from pipesim.parallel import TP_KIND, CommPlan, step_tail_events
 from pipesim.topology import Topology
-from schedules.action import COMPUTE_KINDS, SEND_KINDS, Action, ActionKind, format_group
+from schedules.action import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind, format_group
 from schedules.lowering import lower
 from schedules.p2p import RENDEZVOUS, require_semantics
 from schedules.schedule import Schedule
 from schedules.trace import Trace, TraceEvent
+
+_KERNELS = {"fast": kernel_module, "simpy": simpy}
+
+
+# The SEND that feeds each RECV kind: (stage offset, SEND kind).
+MATCHING_SEND = {ActionKind.RECV_F: (-1, ActionKind.SEND_F), ActionKind.RECV_B: (1, ActionKind.SEND_B)}
 
 
 class SimulationError(RuntimeError):
@@ -94,6 +101,7 @@ def simulate(
     rank_devices: Sequence[str] | None = None,
     plan: CommPlan | None = None,
     p2p: str = RENDEZVOUS,
+    kernel: str = "fast",
 ) -> Trace:
     """Simulate one step of ``schedule`` (lowered here if it is not) and return its Trace.
 
@@ -119,34 +127,55 @@ def simulate(
     if costs.num_stages != lowered.num_stages:
         raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {lowered.num_stages}")
     devices = _rank_devices(lowered, topology, rank_devices)
-    env = simpy.Environment()
+    events_module = _KERNELS.get(kernel)
+    if events_module is None:
+        raise ValueError(f"unknown simulation kernel {kernel!r}: use one of {', '.join(_KERNELS)}")
+    env = events_module.Environment()
     durations = costs.durations()
     comm_overhead = costs.comm_overhead
-    links = LinkScheduler(topology)
     shared_pairs = _pairs_on_shared_links(lowered, topology, devices)
-    send_info = _send_table(lowered, devices, costs, shared_pairs)
+    wires = _wire_table(lowered, devices, costs, topology, shared_pairs)
+    free_at: dict[tuple[str, str], float] = {}  # link -> when its last transfer leaves it (FIFO, LinkScheduler's rule)
     mailbox: dict[tuple, object] = {}
     offers: dict[tuple, tuple] = {}  # rendezvous: transfer -> (rank, action, event) of the side that posted first
     events: list[TraceEvent] = []
     record = events.append
+    new_event = tuple.__new__  # TraceEvent(...) without the NamedTuple's Python-level __new__
     tp_seconds = plan.tp_seconds if plan is not None else {}
     tp_records: list[tuple] = []
     finished = [False] * lowered.pp
     position = [0] * lowered.pp
 
+    def put_on_wire(stage: int, kind: str, now: float) -> tuple[float, float]:
+        """Reserve the route of stage ``stage``'s ``kind`` SEND at ``now`` (first come,
+        first served on every link, as ``LinkScheduler.transfer``); (start, arrival)."""
+        route_links, seconds, latency = wires[stage, kind][2:5]
+        if not route_links:
+            return now, now
+        start = now
+        for link in route_links:
+            busy_until = free_at.get(link, 0.0)
+            if busy_until > start:
+                start = busy_until
+        done = start + seconds
+        for link in route_links:
+            free_at[link] = done
+        return start, done + latency
+
     def start_transfer(action: Action, sender: int, clock: float) -> float:
         """Put a SEND on the wire at ``clock``; record it; return its arrival."""
         stage, kind, microbatch = action
-        _, _, destination, num_bytes, _ = send_info[stage, kind]
-        _, start, arrival = links.transfer(devices[sender], destination, num_bytes, clock)
-        record(TraceEvent(sender, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival, "send"))
+        start, arrival = put_on_wire(stage, kind, clock)
+        record(new_event(TraceEvent, (sender, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival,
+                                      "send")))
         return arrival
 
-    def stream_process(rank: int, queue: simpy.Store):
+    def stream_process(rank: int, queue):
         """Rank ``rank``'s communication stream under rendezvous: groups in posting
         order, each starting once posted and once the previous one completed, each
         operation paired with its peer's as both are started."""
         free_at = 0.0
+        send_kinds = SEND_KINDS
         while True:
             posted_at, group, completed = yield queue.get()
             if group is None:
@@ -157,8 +186,13 @@ def simulate(
             waiting = []
             arrivals: dict[Action, float] = {}
             for action in group:
-                is_send = action.kind in SEND_KINDS
-                transfer = (action[0], action[1], action[2]) if is_send else tuple(action.matching())
+                stage, kind, microbatch = action
+                is_send = kind in send_kinds
+                if is_send:
+                    transfer = (stage, kind, microbatch)
+                else:
+                    sender_stage, sender_kind = MATCHING_SEND[kind]
+                    transfer = (stage + sender_stage, sender_kind, microbatch)
                 peer = offers.pop(transfer, None)
                 if peer is None:
                     event = env.event()
@@ -177,24 +211,24 @@ def simulate(
                 arrival = arrivals[action]
                 if arrival > free_at:
                     free_at = arrival
-                if action.kind not in SEND_KINDS:
-                    stage, kind, microbatch = action
-                    record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, posted_at,
-                                      arrival, "recv"))
+                stage, kind, microbatch = action
+                if kind not in send_kinds:
+                    record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch,
+                                                  posted_at, arrival, "recv")))
             completed.succeed(free_at)
 
-    def rank_process(rank: int, items: list):
+    def rank_process(rank: int, items: list, holds_receive: list[bool]):
         clock = 0.0
-        transfer = links.transfer
-        source = devices[rank]
         compute_kinds, send_kinds = COMPUTE_KINDS, SEND_KINDS
+        stream = streams[rank] if rendezvous else None
         for index, item in enumerate(items):
             if type(item) is not tuple:
                 stage, kind, microbatch = item
                 if kind not in compute_kinds:
                     raise SimulationError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
                 end = clock + durations[stage, kind]
-                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end, "compute"))
+                record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end,
+                                              "compute")))
                 clock = end
                 if tp_seconds:
                     collectives = tp_seconds.get((stage, kind))
@@ -202,12 +236,12 @@ def simulate(
                         tp_records.append((rank, item, clock, clock + collectives))
                         clock += collectives
                 continue
-            if rendezvous:
+            if stream is not None:
                 clock += comm_overhead * len(item)
                 completed = env.event()
-                streams[rank].put((clock, item, completed))
+                stream.put((clock, item, completed))
                 last_group[rank] = completed
-                if any(action.kind not in send_kinds for action in item):
+                if holds_receive[index]:
                     position[rank] = index
                     arrived = yield completed
                     if arrived > clock:
@@ -219,12 +253,13 @@ def simulate(
                 if kind not in send_kinds:
                     continue
                 clock += comm_overhead
-                receiver_stage, receiver_kind, destination, num_bytes, shared = send_info[stage, kind]
+                receiver_stage, receiver_kind, _, _, _, shared = wires[stage, kind]
                 if shared and clock > env.now:
                     position[rank] = index
                     yield env.timeout(clock - env.now)
-                _, start, arrival = transfer(source, destination, num_bytes, clock)
-                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival, "send"))
+                start, arrival = put_on_wire(stage, kind, clock)
+                record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start,
+                                              arrival, "send")))
                 # plain tuples hash and compare equal to the RECV's Action
                 receiver = (receiver_stage, receiver_kind, microbatch)
                 waiting = mailbox.pop(receiver, None)
@@ -246,9 +281,10 @@ def simulate(
                     arrival = yield waiting
                 if arrival > clock:
                     clock = arrival
-                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, clock, "recv"))
-        if rendezvous:
-            streams[rank].put((clock, None, None))
+                record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, clock,
+                                              "recv")))
+        if stream is not None:
+            stream.put((clock, None, None))
             pending = last_group[rank]
             if pending is not None and not pending.processed:
                 position[rank] = len(items) - 1
@@ -261,10 +297,11 @@ def simulate(
         finished[rank] = True
 
     all_items = [lowered.program_items(rank) for rank in range(lowered.pp)]
-    streams = [simpy.Store(env) for _ in range(lowered.pp)]
+    streams = [events_module.Store(env) for _ in range(lowered.pp)]
     last_group: list = [None] * lowered.pp
     for rank, items in enumerate(all_items):
-        env.process(rank_process(rank, items))
+        holds_receive = [type(item) is tuple and any(action[1] in RECV_KINDS for action in item) for item in items]
+        env.process(rank_process(rank, items, holds_receive))
         if rendezvous:
             env.process(stream_process(rank, streams[rank]))
     env.run()
@@ -298,12 +335,13 @@ def _describe_item(item) -> str:
     return format_group(item) if type(item) is tuple else str(item)
 
 
-def _send_table(
-    schedule: Schedule, devices: Sequence[str], costs: Costs, shared_pairs: set[tuple[int, int]]
-) -> dict[tuple[int, str], tuple[int, str, str, float, bool]]:
-    """For every (stage, SEND kind): the receiving stage and kind, the receiver's device,
-    the bytes moved and whether the route shares links with other senders. Looked up
-    once per send instead of recomputed."""
+def _wire_table(
+    schedule: Schedule, devices: Sequence[str], costs: Costs, topology: Topology, shared_pairs: set[tuple[int, int]]
+) -> dict[tuple[int, str], tuple[int, str, tuple, float, float, bool]]:
+    """For every (stage, SEND kind): the receiving stage and kind, the links of the
+    route, the seconds the bytes take on it (``bytes / bandwidth``), its latency, and
+    whether the route shares links with other senders. Looked up once per send instead
+    of recomputed."""
     table = {}
     for stage, rank in enumerate(schedule.placement):
         for kind in SEND_KINDS:
@@ -311,13 +349,10 @@ def _send_table(
             if not 0 <= receiver.stage < schedule.num_stages:
                 continue
             peer = schedule.placement[receiver.stage]
-            table[stage, kind] = (
-                receiver.stage,
-                receiver.kind,
-                devices[peer],
-                transfer_bytes(Action(stage, kind, 0), costs),
-                (rank, peer) in shared_pairs,
-            )
+            route = topology.route(devices[rank], devices[peer])
+            seconds = transfer_bytes(Action(stage, kind, 0), costs) / route.bandwidth if route.links else 0.0
+            table[stage, kind] = (receiver.stage, receiver.kind, route.links, seconds, route.latency,
+                                  (rank, peer) in shared_pairs)
     return table
 
 
