@@ -3,7 +3,9 @@
 For interleaved 1F1B at (p=32, m=128, v=2) and (p=64, m=512, v=2):
 
 1. Like with like: both walk the same lowered programs. pipesim's timed simulation
-   (durations, an InfiniBand cluster's links, a Trace of every action) beside torch's
+   (durations, an InfiniBand cluster's links, NCCL rendezvous semantics, a Trace of
+   every action), on its own event kernel and on SimPy (the reference it is tested
+   against, ``tests/test_engine_fast.py``), beside torch's
    unit-step ``_simulate_comms_compute`` given the very same programs as torch
    ``_Action`` lists (P2P groups flattened in program order). Reported as lowered
    actions per second; the programs and their conversion are built before the clock
@@ -80,6 +82,7 @@ def bench_case(pp: int, microbatches: int, chunks: int, repeats: int) -> dict:
     simulate(lowered, costs, topology)  # routes cached, as a planner reusing the cluster has them
     order = torch_order(lowered)
     ours_sim = best_of(repeats, simulate, lowered, costs, topology)
+    simpy_sim = best_of(repeats, lambda: simulate(lowered, costs, topology, kernel="simpy"))
     torch_sim = best_of(repeats, torch_dry_run, order, pp, lowered.num_stages)
 
     def ours_end_to_end():
@@ -95,6 +98,7 @@ def bench_case(pp: int, microbatches: int, chunks: int, repeats: int) -> dict:
         "case": f"p={pp} m={microbatches} v={chunks}",
         "actions": lowered.num_actions,
         "ours_rate": lowered.num_actions / ours_sim,
+        "simpy_rate": lowered.num_actions / simpy_sim,
         "torch_rate": lowered.num_actions / torch_sim,
         "ours_e2e": best_of(repeats, ours_end_to_end),
         "validate": best_of(repeats, validate, lowered),
@@ -119,15 +123,17 @@ def main() -> None:
     args = parser.parse_args()
     cases = CASES[:1] if args.quick else CASES
     print("1. simulation of the same lowered programs (lowered actions per second)")
-    header = f"{'case':<18} {'actions':>8} {'pipesim act/s':>14} {'torch act/s':>12} {'ratio':>6}"
+    header = (f"{'case':<18} {'actions':>8} {'pipesim act/s':>14} {'on SimPy':>9} {'torch act/s':>12} "
+              f"{'ratio':>6} {'on SimPy':>9}")
     print(header)
     print("-" * len(header))
     rows = []
     for pp, microbatches, chunks in cases:
         row = bench_case(pp, microbatches, chunks, args.repeats)
         rows.append(row)
-        print(f"{row['case']:<18} {row['actions']:>8} {row['ours_rate']:>14,.0f} {row['torch_rate']:>12,.0f} "
-              f"{row['ours_rate'] / row['torch_rate']:>5.1f}x", flush=True)
+        print(f"{row['case']:<18} {row['actions']:>8} {row['ours_rate']:>14,.0f} {row['simpy_rate']:>9,.0f} "
+              f"{row['torch_rate']:>12,.0f} {row['ours_rate'] / row['torch_rate']:>5.1f}x "
+              f"{row['simpy_rate'] / row['torch_rate']:>8.1f}x", flush=True)
     print("\n2. end to end (CPU seconds): pipesim generate + lower + simulate + metrics; "
           "torch generate + lower + dry run")
     header = f"{'case':<18} {'pipesim s':>10} {'+ validate s':>13} {'torch s':>8} {'ratio':>6}"

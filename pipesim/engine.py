@@ -22,7 +22,9 @@ data-parallel gradient all-reduce (``dp``) and the optimizer step (``step``).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import simpy
@@ -304,7 +306,8 @@ def simulate(
         env.process(rank_process(rank, items, holds_receive))
         if rendezvous:
             env.process(stream_process(rank, streams[rank]))
-    env.run()
+    with _collector_paused():
+        env.run()
     if not all(finished):
         stuck = [
             f"rank {rank} at {_describe_item(all_items[rank][position[rank]])}"
@@ -329,6 +332,21 @@ def simulate(
         "p2p": p2p,
     }
     return Trace(events, meta)
+
+
+@contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off while the events run: a large step creates
+    millions of small objects that all stay alive (Trace events) or die by reference
+    count (kernel events), so the collector's passes over the growing heap find nothing
+    yet cost a third of the run at p=64, m=512 (1.48 s instead of 2.26 s)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _describe_item(item) -> str:
