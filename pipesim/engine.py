@@ -298,15 +298,15 @@ def simulate(
                     clock = arrived
         finished[rank] = True
 
-    all_items = [lowered.program_items(rank) for rank in range(lowered.pp)]
-    streams = [events_module.Store(env) for _ in range(lowered.pp)]
-    last_group: list = [None] * lowered.pp
-    for rank, items in enumerate(all_items):
-        holds_receive = [type(item) is tuple and any(action[1] in RECV_KINDS for action in item) for item in items]
-        env.process(rank_process(rank, items, holds_receive))
-        if rendezvous:
-            env.process(stream_process(rank, streams[rank]))
     with _collector_paused():
+        all_items = [lowered.program_items(rank) for rank in range(lowered.pp)]
+        streams = [events_module.Store(env) for _ in range(lowered.pp)]
+        last_group: list = [None] * lowered.pp
+        for rank, items in enumerate(all_items):
+            holds_receive = [type(item) is tuple and any(action[1] in RECV_KINDS for action in item) for item in items]
+            env.process(rank_process(rank, items, holds_receive))
+            if rendezvous:
+                env.process(stream_process(rank, streams[rank]))
         env.run()
     if not all(finished):
         stuck = [
