@@ -19,6 +19,7 @@ from torch import nn
 
 from executor.comm import PeerLinks, Pending
 from executor.models import PipelineModel
+from executor.precision import Precision
 from schedules.action import COMM_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
@@ -47,7 +48,7 @@ class PipelineRuntime:
     def __init__(self, rank: int, schedule: Schedule, stages: dict[int, nn.Module], model: PipelineModel,
                  links: PeerLinks | None, clock: Any, batch_size: int,
                  before_action: Callable[[Action], None] | None = None, prefetch_recvs: bool = False,
-                 after_action: Callable[[Action], None] | None = None) -> None:
+                 after_action: Callable[[Action], None] | None = None, precision: Precision | None = None) -> None:
         self.rank = rank
         self.schedule = schedule
         self.stages = stages
@@ -58,6 +59,8 @@ class PipelineRuntime:
         self.before_action = before_action
         self.after_action = after_action  # e.g. start a stage's dp all-reduce after its last backward
         self.prefetch_recvs = prefetch_recvs and links is not None
+        self.precision = precision or Precision()
+        self.loss_scale = 1.0  # set each step by fp16's dynamic loss scaling
         self.last_stage = schedule.num_stages - 1
         self.items = program_items(schedule.programs[rank])
         self.handlers: dict[str, Callable[[Action], None]] = {
@@ -71,7 +74,8 @@ class PipelineRuntime:
         self.trainable = {stage: [p for p in module.parameters() if p.requires_grad]
                           for stage, module in stages.items()}
         param = next((p for stage in stages.values() for p in stage.parameters()), None)
-        self.loss_dtype = param.dtype if param is not None else torch.float32
+        # The loss adds up in float32 at least, whatever type the stages compute in.
+        self.loss_dtype = torch.float64 if param is not None and param.dtype == torch.float64 else torch.float32
         self.loss_device = param.device if param is not None else None
 
     # -- the walk -------------------------------------------------------------------
@@ -121,25 +125,26 @@ class PipelineRuntime:
             x = self.inputs[microbatch]
         else:
             x = self.forward_inputs.pop((stage, microbatch)).requires_grad_(True)
-        output = self.stages[stage](x)
+        output = self.precision.forward(self.stages[stage], x)
         if stage == self.last_stage:
-            output = self.model.loss_sum(output, self.targets[microbatch]) / self.batch_size
-            self.loss += output.detach()
+            loss = self.model.loss_sum(self.precision.for_loss(output), self.targets[microbatch]) / self.batch_size
+            self.loss += loss.detach().to(self.loss_dtype)
+            output = loss * self.loss_scale if self.loss_scale != 1.0 else loss
         elif self.schedule.placement[stage + 1] == self.rank:
-            self.forward_inputs[(stage + 1, microbatch)] = output.detach()
+            self.forward_inputs[(stage + 1, microbatch)] = self.precision.to_wire(output.detach())
         else:
-            self.outbox[(ActionKind.SEND_F, stage, microbatch)] = output.detach()
+            self.outbox[(ActionKind.SEND_F, stage, microbatch)] = self.precision.to_wire(output.detach())
         self.stash[(stage, microbatch)] = (x if stage > 0 else None, output)
 
     def backward(self, action: Action) -> None:
         x, output = self.stash.pop((action.stage, action.microbatch))
-        torch.autograd.backward(output, self.output_grad(action))
+        torch.autograd.backward(output, self.output_grad(action, output))
         if x is not None:
             self.deliver_input_grad(action, x.grad)
 
     def input_grad(self, action: Action) -> None:
         x, output = self.stash.pop((action.stage, action.microbatch))
-        grad = self.output_grad(action)
+        grad = self.output_grad(action, output)
         if x is not None:
             (input_grad,) = torch.autograd.grad(output, [x], grad, retain_graph=True)
             self.deliver_input_grad(action, input_grad)
@@ -149,11 +154,12 @@ class PipelineRuntime:
         output, grad = self.weight_work.pop((action.stage, action.microbatch))
         torch.autograd.backward(output, grad, inputs=self.trainable[action.stage])
 
-    def output_grad(self, action: Action) -> torch.Tensor | None:
-        """The gradient flowing into this stage's output (none for the loss itself)."""
+    def output_grad(self, action: Action, output: torch.Tensor) -> torch.Tensor | None:
+        """The gradient flowing into this stage's output (none for the loss itself), in
+        the output's type (it crossed the wire in the low-precision one)."""
         if action.stage == self.last_stage:
             return None
-        return self.output_grads.pop((action.stage, action.microbatch))
+        return self.output_grads.pop((action.stage, action.microbatch)).to(output.dtype)
 
     def deliver_input_grad(self, action: Action, grad: torch.Tensor) -> None:
         stage, microbatch = action.stage, action.microbatch

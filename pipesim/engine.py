@@ -11,6 +11,13 @@ and the rank waits for a group that holds receives (``schedules.p2p``); under bu
 rank that ends its program while its last sends are still unmatched or in flight waits
 for them (a ``wait`` event), as the step cannot end before its transfers do.
 
+Events are recorded as the executor records them. A send's runs from the moment its
+group was posted (its data was ready) to its arrival, however long it then waited for
+its receive or for busy links; a receive's from the moment its group was posted to the
+moment the rank can go on (under rendezvous, when its whole group has completed). The
+posting cost (``comm_overhead``) is paid before either starts. Bubble and exposed
+communication are told apart from those moments (``schedules.accounting``).
+
 Transfers are scheduled directly from their arrival time instead
 of as SimPy processes with resource requests, which keeps the engine several times
 faster on the ~400k-action schedules of large pipelines (see benchmarks/).
@@ -40,7 +47,6 @@ from schedules.schedule import Schedule
 from schedules.trace import Trace, TraceEvent
 
 _KERNELS = {"fast": kernel_module, "simpy": simpy}
-
 
 # The SEND that feeds each RECV kind: (stage offset, SEND kind).
 MATCHING_SEND = {ActionKind.RECV_F: (-1, ActionKind.SEND_F), ActionKind.RECV_B: (1, ActionKind.SEND_B)}
@@ -87,6 +93,18 @@ class LinkScheduler:
             free_at[link] = done
         return Transfer(now, start, done + route.latency)
 
+    def transfer_with_twins(self, src: str, dst: str, num_bytes: float, now: float,
+                            twins: dict[tuple[str, str], list[tuple[str, str]]]) -> Transfer:
+        """``transfer``, also reserving the links for the same send of the pipelines
+        the engine does not simulate (``pipesim.twins``); the data counts as arrived
+        when every twin's has."""
+        result = self.transfer(src, dst, num_bytes, now)
+        for twin_src, twin_dst in twins.get((src, dst), ()):
+            twin = self.transfer(twin_src, twin_dst, num_bytes, now)
+            if twin.arrival > result.arrival:
+                result = Transfer(result.posted, result.start, twin.arrival)
+        return result
+
 
 def transfer_bytes(action: Action, costs: Costs) -> float:
     """Bytes a SEND moves: a stage's output activation forward, or the gradient of the
@@ -123,6 +141,10 @@ def simulate(
     yet sent, and at every rendezvous group (whose transfers start when the later side
     starts its group). Every rank's timing is exactly what a process yielding on every action would
     get; the saving is SimPy events, which dominate the cost of large schedules.
+
+    ``kernel`` runs the processes on the engine's own event kernel (``fast``,
+    ``pipesim.kernel``: SimPy's scheduling rules, far less machinery) or on SimPy
+    (``simpy``, the reference the fast kernel is tested against, Trace for Trace).
     """
     rendezvous = require_semantics(p2p) == RENDEZVOUS
     lowered = lower(schedule)
@@ -134,12 +156,17 @@ def simulate(
         raise ValueError(f"unknown simulation kernel {kernel!r}: use one of {', '.join(_KERNELS)}")
     env = events_module.Environment()
     durations = costs.durations()
+    paired = _overlapped_pair_seconds(lowered, costs, durations)
     comm_overhead = costs.comm_overhead
-    shared_pairs = _pairs_on_shared_links(lowered, topology, devices)
-    wires = _wire_table(lowered, devices, costs, topology, shared_pairs)
-    free_at: dict[tuple[str, str], float] = {}  # link -> when its last transfer leaves it (FIFO, LinkScheduler's rule)
+    links = LinkScheduler(topology)
+    twins = plan.twin_transfers if plan is not None else {}
+    shared_pairs = _pairs_on_shared_links(lowered, topology, devices, bool(twins))
+    send_info = _send_table(lowered, devices, costs, shared_pairs)
+    wires = _wire_table(lowered, devices, costs, topology)
+    free_links = links.free_at  # the scheduler's own table: the inlined reservation below shares it
     mailbox: dict[tuple, object] = {}
-    offers: dict[tuple, tuple] = {}  # rendezvous: transfer -> (rank, action, event) of the side that posted first
+    # rendezvous: transfer -> (rank, action, event, posted at) of the side that posted first
+    offers: dict[tuple, tuple] = {}
     events: list[TraceEvent] = []
     record = events.append
     new_event = tuple.__new__  # TraceEvent(...) without the NamedTuple's Python-level __new__
@@ -148,28 +175,33 @@ def simulate(
     finished = [False] * lowered.pp
     position = [0] * lowered.pp
 
-    def put_on_wire(stage: int, kind: str, now: float) -> tuple[float, float]:
-        """Reserve the route of stage ``stage``'s ``kind`` SEND at ``now`` (first come,
-        first served on every link, as ``LinkScheduler.transfer``); (start, arrival)."""
-        route_links, seconds, latency = wires[stage, kind][2:5]
+    def arrival_of(stage: int, kind: str, sender: int, now: float) -> float:
+        """Reserve the links of stage ``stage``'s ``kind`` SEND from rank ``sender`` at
+        ``now`` and return its arrival: ``LinkScheduler.transfer`` with the route and
+        wire time looked up once per run (``_wire_table``)."""
+        if twins:
+            _, _, destination, num_bytes, _ = send_info[stage, kind]
+            return links.transfer_with_twins(devices[sender], destination, num_bytes, now, twins).arrival
+        route_links, seconds, latency = wires[stage, kind]
         if not route_links:
-            return now, now
+            return now
         start = now
         for link in route_links:
-            busy_until = free_at.get(link, 0.0)
+            busy_until = free_links.get(link, 0.0)
             if busy_until > start:
                 start = busy_until
         done = start + seconds
         for link in route_links:
-            free_at[link] = done
-        return start, done + latency
+            free_links[link] = done
+        return done + latency
 
-    def start_transfer(action: Action, sender: int, clock: float) -> float:
-        """Put a SEND on the wire at ``clock``; record it; return its arrival."""
+    def start_transfer(action: Action, sender: int, clock: float, posted_at: float) -> float:
+        """Put a SEND on the wire at ``clock``; record it from ``posted_at`` (when its
+        group was posted); return its arrival."""
         stage, kind, microbatch = action
-        start, arrival = put_on_wire(stage, kind, clock)
-        record(new_event(TraceEvent, (sender, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival,
-                                      "send")))
+        arrival = arrival_of(stage, kind, sender, clock)
+        record(new_event(TraceEvent, (sender, f"{stage}{kind}{microbatch}", kind, stage, microbatch, posted_at,
+                                      arrival, "send")))
         return arrival
 
     def stream_process(rank: int, queue):
@@ -193,30 +225,28 @@ def simulate(
                 if is_send:
                     transfer = (stage, kind, microbatch)
                 else:
-                    sender_stage, sender_kind = MATCHING_SEND[kind]
-                    transfer = (stage + sender_stage, sender_kind, microbatch)
+                    offset, sender_kind = MATCHING_SEND[kind]
+                    transfer = (stage + offset, sender_kind, microbatch)
                 peer = offers.pop(transfer, None)
                 if peer is None:
                     event = env.event()
-                    offers[transfer] = (rank, action, event)
+                    offers[transfer] = (rank, action, event, posted_at)
                     waiting.append((action, event))
                     continue
-                peer_rank, peer_action, peer_event = peer
-                send, sender = (action, rank) if is_send else (peer_action, peer_rank)
-                arrival = start_transfer(send, sender, start)
+                peer_rank, peer_action, peer_event, peer_posted = peer
+                send, sender, sent_at = (action, rank, posted_at) if is_send else (peer_action, peer_rank, peer_posted)
+                arrival = start_transfer(send, sender, start, sent_at)
                 peer_event.succeed(arrival)
                 arrivals[action] = arrival
             for action, event in waiting:
                 arrivals[action] = yield event
-            free_at = start
+            free_at = max(start, *arrivals.values())
             for action in group:
-                arrival = arrivals[action]
-                if arrival > free_at:
-                    free_at = arrival
                 stage, kind, microbatch = action
                 if kind not in send_kinds:
+                    # the rank waiting on this receive goes on only when the whole group is done
                     record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch,
-                                                  posted_at, arrival, "recv")))
+                                                  posted_at, free_at, "recv")))
             completed.succeed(free_at)
 
     def rank_process(rank: int, items: list, holds_receive: list[bool]):
@@ -228,7 +258,7 @@ def simulate(
                 stage, kind, microbatch = item
                 if kind not in compute_kinds:
                     raise SimulationError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
-                end = clock + durations[stage, kind]
+                end = clock + (paired[item] if paired and item in paired else durations[stage, kind])
                 record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end,
                                               "compute")))
                 clock = end
@@ -255,12 +285,12 @@ def simulate(
                 if kind not in send_kinds:
                     continue
                 clock += comm_overhead
-                receiver_stage, receiver_kind, _, _, _, shared = wires[stage, kind]
+                receiver_stage, receiver_kind, _, _, shared = send_info[stage, kind]
                 if shared and clock > env.now:
                     position[rank] = index
                     yield env.timeout(clock - env.now)
-                start, arrival = put_on_wire(stage, kind, clock)
-                record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start,
+                arrival = arrival_of(stage, kind, rank, clock)
+                record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock,
                                               arrival, "send")))
                 # plain tuples hash and compare equal to the RECV's Action
                 receiver = (receiver_stage, receiver_kind, microbatch)
@@ -273,8 +303,8 @@ def simulate(
                 stage, kind, microbatch = action
                 if kind in send_kinds:
                     continue
+                clock += comm_overhead  # posting the receive: overhead, not waiting
                 start = clock
-                clock += comm_overhead
                 arrival = mailbox.pop(action, None)
                 if arrival is None:
                     waiting = env.event()
@@ -349,17 +379,47 @@ def _collector_paused():
             gc.enable()
 
 
+def _wire_table(schedule: Schedule, devices: Sequence[str], costs: Costs,
+                topology: Topology) -> dict[tuple[int, str], tuple[tuple, float, float]]:
+    """For every (stage, SEND kind): the links of its route from the stage's rank to
+    the receiver's, the seconds its bytes take on them (``bytes / bandwidth``, the
+    slowest link's pace) and the route's latency, computed once per run."""
+    table = {}
+    for stage, rank in enumerate(schedule.placement):
+        for kind in SEND_KINDS:
+            receiver = Action(stage, kind, 0).matching()
+            if not 0 <= receiver.stage < schedule.num_stages:
+                continue
+            route = topology.route(devices[rank], devices[schedule.placement[receiver.stage]])
+            seconds = transfer_bytes(Action(stage, kind, 0), costs) / route.bandwidth if route.links else 0.0
+            table[stage, kind] = (route.links, seconds, route.latency)
+    return table
+
+
 def _describe_item(item) -> str:
     return format_group(item) if type(item) is tuple else str(item)
 
 
-def _wire_table(
-    schedule: Schedule, devices: Sequence[str], costs: Costs, topology: Topology, shared_pairs: set[tuple[int, int]]
-) -> dict[tuple[int, str], tuple[int, str, tuple, float, float, bool]]:
-    """For every (stage, SEND kind): the receiving stage and kind, the links of the
-    route, the seconds the bytes take on it (``bytes / bandwidth``), its latency, and
-    whether the route shares links with other senders. Looked up once per send instead
-    of recomputed."""
+def _overlapped_pair_seconds(schedule: Schedule, costs: Costs, durations: dict) -> dict[Action, float]:
+    """Seconds of each action of an overlapped pair (``Schedule.fused``): the pair costs
+    ``costs.overlap_seconds``, shared between its forward and backward in proportion to
+    their own durations, so the Trace keeps both actions and their sum is the pair's."""
+    shares: dict[Action, float] = {}
+    for rank in range(schedule.pp):
+        for forward, backward in schedule.fused_pairs(rank):
+            alone_f, alone_b = durations[forward[0], forward[1]], durations[backward[0], backward[1]]
+            pair = costs.overlap_seconds(forward.stage, backward.stage, backward.kind)
+            share = alone_f / (alone_f + alone_b) if alone_f + alone_b > 0 else 0.5
+            shares[forward], shares[backward] = pair * share, pair * (1 - share)
+    return shares
+
+
+def _send_table(
+    schedule: Schedule, devices: Sequence[str], costs: Costs, shared_pairs: set[tuple[int, int]]
+) -> dict[tuple[int, str], tuple[int, str, str, float, bool]]:
+    """For every (stage, SEND kind): the receiving stage and kind, the receiver's device,
+    the bytes moved and whether the route shares links with other senders. Looked up
+    once per send instead of recomputed."""
     table = {}
     for stage, rank in enumerate(schedule.placement):
         for kind in SEND_KINDS:
@@ -367,23 +427,30 @@ def _wire_table(
             if not 0 <= receiver.stage < schedule.num_stages:
                 continue
             peer = schedule.placement[receiver.stage]
-            route = topology.route(devices[rank], devices[peer])
-            seconds = transfer_bytes(Action(stage, kind, 0), costs) / route.bandwidth if route.links else 0.0
-            table[stage, kind] = (receiver.stage, receiver.kind, route.links, seconds, route.latency,
-                                  (rank, peer) in shared_pairs)
+            table[stage, kind] = (
+                receiver.stage,
+                receiver.kind,
+                devices[peer],
+                transfer_bytes(Action(stage, kind, 0), costs),
+                (rank, peer) in shared_pairs,
+            )
     return table
 
 
-def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequence[str]) -> set[tuple[int, int]]:
+def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequence[str],
+                           with_twins: bool = False) -> set[tuple[int, int]]:
     """The (sender, receiver) rank pairs whose route crosses a link that another sender
     also uses: only their sends must be ordered against other ranks' in time. Transfers
-    only cross stage boundaries, so the pairs follow from the placement."""
+    only cross stage boundaries, so the pairs follow from the placement. With twin
+    transfers (other replicas' and shards') every pair is ordered."""
     placement = schedule.placement
     pairs = set()
     for stage in range(schedule.num_stages - 1):
         left, right = placement[stage], placement[stage + 1]
         if left != right:
             pairs.update(((left, right), (right, left)))
+    if with_twins:
+        return pairs
     links = {pair: topology.route(devices[pair[0]], devices[pair[1]]).links for pair in pairs}
     senders: dict[tuple[str, str], set[int]] = {}
     for (sender, _), route_links in links.items():

@@ -17,7 +17,7 @@ from pipesim.mapping import map_ranks
 from pipesim.parallel import comm_plan
 from schedules import generate, lower
 from schedules.action import Action, ActionKind
-from schedules.generators import ScheduleUnavailableError
+from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
 from schedules.schedule import Schedule
 
 CLUSTERS = {  # name -> (preset, nodes); pcie shares its switch and socket links between rank pairs
@@ -27,10 +27,10 @@ CLUSTERS = {  # name -> (preset, nodes); pcie shares its switch and socket links
 
 @st.composite
 def cases(draw):
-    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]))
+    name = draw(st.sampled_from(sorted(GENERATORS)))  # zero-bubble, V-shaped and overlapped pairs included
     pp = draw(st.integers(1, 8))
     microbatches = draw(st.integers(1, 12))
-    chunks = draw(st.integers(1, 3)) if name == "interleaved-1f1b" else 1
+    chunks = draw(st.integers(1, 3)) if name in MULTI_CHUNK else 1
     try:
         lowered = lower(generate(name, pp, microbatches, chunks))
     except ScheduleUnavailableError:
@@ -41,12 +41,13 @@ def cases(draw):
     if not topology.ideal and draw(st.booleans()):  # ranks on scattered devices: other links shared
         devices = draw(st.permutations(topology.devices))[: lowered.pp]
     if draw(st.booleans()):  # uniform costs: many ties, where the order of equal-time steps decides
-        costs = uniform_costs(lowered.num_stages, 1e-3, 2e-3, act_bytes=draw(st.sampled_from([0, 1e6, 5e7, 1e9])),
-                              virtual_stages=lowered.virtual_stages)
+        costs = uniform_costs(lowered, 1e-3, 2e-3, wgrad=draw(st.sampled_from([0.0, 0.5e-3])),
+                              act_bytes=draw(st.sampled_from([0, 1e6, 5e7, 1e9])))
     else:
         seconds = st.floats(1e-5, 5e-3)
         stages = tuple(
-            StageCost(fwd=draw(seconds), bwd=draw(seconds), act_bytes=draw(st.sampled_from([0.0, 1e5, 3e7, 4e8])),
+            StageCost(fwd=draw(seconds), bwd=draw(st.floats(2e-3, 5e-3)), wgrad=draw(st.floats(0.0, 1e-3)),
+                      act_bytes=draw(st.sampled_from([0.0, 1e5, 3e7, 4e8])),
                       param_bytes=draw(st.sampled_from([0.0, 1e8])), layers=2, tp_message_bytes=1e6)
             for _ in range(lowered.num_stages)
         )
@@ -54,7 +55,7 @@ def cases(draw):
         costs = Costs(stages, action_overhead=draw(overheads), comm_overhead=draw(overheads),
                       step_overhead=draw(st.sampled_from([0.0, 1e-3])))
     plan = None
-    if draw(st.booleans()):  # a dp x tp job around the pipeline: tp events after compute, dp and optimizer tail
+    if draw(st.booleans()):  # a dp x tp job: tp events, dp and optimizer tail, other replicas' transfers (twins)
         topology = presets.ib(4)
         mapping = map_ranks(topology, dp=2, pp=lowered.pp, tp=2)
         devices = mapping.pipeline()

@@ -22,7 +22,13 @@ from pipesim.parallel import ParallelConfig
 from pipesim.simulation import run_simulation
 from pipesim.topology import Route, Topology, TopologyError, add_link
 from schedules import generate, lower
-from schedules.generators import ScheduleTooLargeError, ScheduleUnavailableError, action_bound
+from schedules.generators import (
+    GENERATORS,
+    MULTI_CHUNK,
+    ScheduleTooLargeError,
+    ScheduleUnavailableError,
+    action_bound,
+)
 
 GB, US = 1e9, 1e-6
 H100 = {"kind": "gpu", "memory_bytes": 80 * GB, "peak_flops": 989e12}
@@ -198,16 +204,19 @@ def test_unknown_device_is_a_clear_error():
 
 # --- the guard against schedules too large to build -------------------------------
 
-@settings(max_examples=40, deadline=None)
-@given(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]), st.integers(1, 8), st.integers(1, 24),
-       st.integers(1, 3))
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(sorted(GENERATORS)), st.integers(1, 8), st.integers(1, 24), st.integers(1, 3))
 def test_action_bound_is_the_lowered_action_count(name, pp, microbatches, chunks):
-    chunks = chunks if name == "interleaved-1f1b" else 1
+    chunks = chunks if name in MULTI_CHUNK else 1
     try:
         schedule = generate(name, pp, microbatches, chunks)
     except ScheduleUnavailableError:
         return
-    assert action_bound(name, pp, microbatches, chunks) == lower(schedule).num_actions
+    bound, actual = action_bound(name, pp, microbatches, chunks), lower(schedule).num_actions
+    looped = all(rank == stage % pp for stage, rank in enumerate(schedule.placement))
+    # exact where every stage boundary crosses ranks (looped placements); V shapes keep some on
+    # one rank, and dualpipev runs some backwards whole (B) instead of split (I, W)
+    assert bound == actual if looped and name != "dualpipev" else bound >= actual
 
 
 def test_generate_refuses_a_schedule_over_the_limit_before_building_it():

@@ -9,9 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from schedules.generators.common import ScheduleUnavailableError, require_positive
+from schedules.generators.dualpipev import dualpipev
 from schedules.generators.gpipe import gpipe
 from schedules.generators.interleaved import interleaved_1f1b
+from schedules.generators.interleaved_zb import interleaved_zb
+from schedules.generators.looped_bfs import looped_bfs
 from schedules.generators.one_f_one_b import one_f_one_b
+from schedules.generators.zb_auto import zb_auto
+from schedules.generators.zb_h1 import zb_h1
+from schedules.generators.zb_h2 import zb_h2
+from schedules.generators.zbv import zbv
 from schedules.schedule import Schedule
 
 Generator = Callable[[int, int, int], Schedule]
@@ -20,15 +27,31 @@ GENERATORS: dict[str, Generator] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
+    "zbv": zbv,
+    "interleaved-zb": interleaved_zb,
+    "looped-bfs": looped_bfs,
+    "dualpipev": dualpipev,
 }
 
 # Schedules that place several stages on a rank and therefore use ``virtual_stages``.
-MULTI_CHUNK = frozenset({"interleaved-1f1b"})
+MULTI_CHUNK = frozenset({"interleaved-1f1b", "zbv", "interleaved-zb", "looped-bfs", "dualpipev"})
+
+# Schedules whose order depends on the stage costs and a memory limit: they cannot be
+# built from sizes alone, so they have their own signature (see ``zb_auto``) and the
+# command line builds them from the costs it already has (``build_cost_aware``).
+COST_AWARE = frozenset({"zb-auto"})
+
+SCHEDULE_NAMES = (*GENERATORS, *sorted(COST_AWARE))
 
 
-# Compute actions per (stage, microbatch): F and B; schedules that split the backward
-# into I and W (not listed here) are counted with three.
-COMPUTE_PASSES: dict[str, int] = {"gpipe": 2, "1f1b": 2, "interleaved-1f1b": 2}
+# Compute actions per (stage, microbatch): F and B, or F, I and W for the schedules that
+# split the backward. A name not listed (a new generator) is counted with three, the most.
+COMPUTE_PASSES: dict[str, int] = {
+    "gpipe": 2, "1f1b": 2, "interleaved-1f1b": 2, "looped-bfs": 2,
+    "zb-h1": 3, "zb-h2": 3, "zbv": 3, "interleaved-zb": 3, "zb-auto": 3, "dualpipev": 3,
+}
 
 DEFAULT_MAX_ACTIONS = 5_000_000
 """Lowered actions built without being asked twice. The simulator holds ~350 bytes and
@@ -48,8 +71,9 @@ class ScheduleTooLargeError(ValueError):
 def action_bound(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> int:
     """Actions of the lowered schedule, known before building it: every stage runs each
     compute pass of every microbatch, and each of the ``stages - 1`` boundaries carries
-    a SEND and a RECV forward and backward per microbatch (fewer where neighbouring
-    stages share a rank, so this is an upper bound; exact for looped placements)."""
+    a SEND and a RECV forward and backward per microbatch. An upper bound: exact for
+    looped placements; V-shaped ones keep some boundaries on one rank, and dualpipev runs
+    some backwards whole instead of split."""
     stages = pp * virtual_stages
     boundaries = stages - 1 if pp > 1 else 0
     return COMPUTE_PASSES.get(name, 3) * microbatches * stages + 4 * microbatches * boundaries
@@ -74,9 +98,14 @@ def generate(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
     """Build the named schedule; errors name the bad value and list what is valid.
     Schedules over ``max_actions`` lowered actions are refused before they are built."""
     generator = GENERATORS.get(name)
+    if name in COST_AWARE:
+        raise UnknownScheduleError(
+            f"{name} builds its order from stage costs and a memory limit; call "
+            f"schedules.generators.zb_auto(pp, m, forward, backward_input, backward_weight, comm, memory_limit)"
+        )
     if generator is None:
         raise UnknownScheduleError(
-            f"unknown schedule {name!r}; available: {', '.join(sorted(GENERATORS))}"
+            f"unknown schedule {name!r}; available: {', '.join(sorted(SCHEDULE_NAMES))}"
         )
     require_positive(name, pp, microbatches, virtual_stages)
     require_within_limit(name, pp, microbatches, virtual_stages, max_actions)
@@ -84,16 +113,25 @@ def generate(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
 
 
 __all__ = [
+    "COST_AWARE",
     "DEFAULT_MAX_ACTIONS",
     "GENERATORS",
     "MULTI_CHUNK",
+    "SCHEDULE_NAMES",
     "ScheduleTooLargeError",
     "ScheduleUnavailableError",
     "UnknownScheduleError",
     "action_bound",
+    "dualpipev",
     "generate",
     "gpipe",
     "interleaved_1f1b",
+    "interleaved_zb",
+    "looped_bfs",
     "one_f_one_b",
     "require_within_limit",
+    "zb_auto",
+    "zb_h1",
+    "zb_h2",
+    "zbv",
 ]
