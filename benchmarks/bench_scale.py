@@ -12,9 +12,10 @@ dp collectives on their groups, simulation, metrics and the memory report):
    every route was found before the presets' routes came from their structure).
 2. Microbatches: m grows from 16 to 4,096 on 16,384 GPUs.
 
-Time is the best wall-clock seconds of ``--repeats`` runs without tracing (the machine
-is shared, so the best run is the one least disturbed); memory is the peak of Python
-allocations (tracemalloc) in one more, traced run of the same step.
+Time is the best of ``--repeats`` runs without tracing, in CPU seconds of this process
+(``time.process_time``: the machine is shared, and CPU time is what the step costs on a
+core of its own); memory is the peak of Python allocations (tracemalloc) in one more,
+traced run of the same step.
 
 Run: ``python benchmarks/bench_scale.py`` (``--quick``: the smaller rows only;
 ``--searched-up-to N``: run the search-based peer up to N GPUs, default 4,096).
@@ -44,10 +45,10 @@ def simulate_argv(dp: int, microbatches: int) -> list[str]:
 
 
 def run_step(dp: int, microbatches: int, searched: bool = False) -> float:
-    """Seconds of one simulated step; ``searched`` swaps the preset for the same cluster
+    """CPU seconds of one simulated step; ``searched`` swaps the preset for the same cluster
     as a plain graph (routes by shortest-path search)."""
     argv = simulate_argv(dp, microbatches)
-    start = time.perf_counter()
+    start = time.process_time()
     if searched:
         original = presets.PRESETS["ib"]
 
@@ -61,7 +62,7 @@ def run_step(dp: int, microbatches: int, searched: bool = False) -> float:
         status = _quiet(argv)
     if status != 0:
         raise SystemExit(f"pipesim {' '.join(argv)} failed with status {status}")
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ only when asked for.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -72,21 +71,30 @@ class Hierarchy:
         return device in self.index
 
     def route(self, src: str, dst: str) -> Route | None:
-        """The route from ``src`` to ``dst``, or None when no chains meet."""
-        best: tuple[float, list[tuple[str, str]], list[Link]] | None = None
+        """The route from ``src`` to ``dst``, or None when no chains meet. Latencies
+        are summed in path order, as a search over the graph sums them."""
+        best = None
+        downs = self.uplinks(self.index[dst])
         for up in self.uplinks(self.index[src]):
-            for down in self.uplinks(self.index[dst]):
-                found = _meet(src, up, dst, down)
-                if found is not None and (best is None or found[0] < best[0]):
-                    best = found
+            for down in downs:
+                meeting = _meeting(up, down)
+                if meeting is None:
+                    continue
+                position, peak = meeting
+                latency = 0.0
+                for step in up[: position + 1]:
+                    latency += step.link.latency
+                for step in down[peak::-1]:
+                    latency += step.link.latency
+                if best is None or latency < best[0]:
+                    best = (latency, up[: position + 1], down[peak::-1])
         if best is None:
             return None
-        _, links, figures = best
-        latency = 0.0
-        for figure in figures:  # summed in path order, as a search over the graph sums them
-            latency += figure.latency
-        return Route(links=tuple(links), latency=latency,
-                     bandwidth=min(figure.effective_bandwidth for figure in figures))
+        latency, climb, descent = best  # descent: the meeting node's link first, the destination's last
+        nodes = [src] + [step.node for step in climb] + [step.node for step in descent[1:]] + [dst]
+        figures = [step.link for step in climb] + [step.link for step in descent]
+        return Route(links=tuple(zip(nodes[:-1], nodes[1:], strict=True)), latency=latency,
+                     bandwidth=min([figure.bandwidth * figure.efficiency for figure in figures]))
 
     def graph(self) -> nx.DiGraph:
         """The same cluster as a networkx graph: every device, every node of its chains,
@@ -108,21 +116,12 @@ class Hierarchy:
         return graph
 
 
-def _meet(src: str, up: Chain, dst: str, down: Chain) -> tuple[float, list[tuple[str, str]], list[Link]] | None:
-    """(latency, directed links, their figures) of src up ``up`` to the first node it
-    shares with ``down``, then down ``down`` to dst; None when the chains never meet."""
-    depth = {hop.node: position for position, hop in enumerate(down)}
+def _meeting(up: Chain, down: Chain) -> tuple[int, int] | None:
+    """(position on ``up``, position on ``down``) of the first node of ``up`` that
+    ``down`` also reaches; None when the chains never meet."""
     for position, hop in enumerate(up):
-        peak = depth.get(hop.node)
-        if peak is None:
-            continue
-        nodes = [src] + [step.node for step in up[: position + 1]]
-        figures = [step.link for step in up[: position + 1]]
-        for step in range(peak - 1, -1, -1):
-            nodes.append(down[step].node)
-            figures.append(down[step + 1].link)
-        nodes.append(dst)
-        figures.append(down[0].link)
-        links = list(zip(nodes[:-1], nodes[1:], strict=True))
-        return math.fsum(figure.latency for figure in figures), links, figures
+        node = hop.node
+        for peak, other in enumerate(down):
+            if other.node == node:
+                return position, peak
     return None
