@@ -1,8 +1,9 @@
 """The runtime: one rank walks its lowered program, one handler per action kind.
 
 ``F`` runs a stage forward and stashes what its backward needs; ``B`` runs the full
-backward; ``I`` computes only the input gradient (keeping the graph for ``W``) and ``W``
-the weight gradients, so zero-bubble schedules run unchanged. Communication actions are
+backward; ``I`` computes only the input gradient and ``W`` the weight gradients from
+what ``I`` kept, without running the stage's backward again
+(``executor.split_backward``), so zero-bubble schedules run unchanged. Communication actions are
 posted in program order (a run of consecutive ones as one batch); a receive is waited
 on at once, because the next compute action needs its data, while sends complete in the
 background and are timed when they are seen to finish. Stashes are dropped as soon as
@@ -20,6 +21,7 @@ from torch import nn
 from executor.comm import PeerLinks, Pending
 from executor.models import PipelineModel
 from executor.precision import Precision
+from executor.split_backward import ModuleCall, SplitBackward, WeightWork
 from schedules.action import COMM_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
@@ -69,10 +71,15 @@ class PipelineRuntime:
             ActionKind.I: self.input_grad,
             ActionKind.W: self.weight_grad,
         }
+        # Stages whose backward this rank splits into I and W record, during the F of
+        # those microbatches, where the weight gradients start (executor.split_backward).
+        self.split_keys = {(a.stage, a.microbatch) for a in self.items
+                           if isinstance(a, Action) and a.kind == ActionKind.I}
+        self.splitters = {stage: SplitBackward(stages[stage]) for stage in {stage for stage, _ in self.split_keys}}
+        if self.splitters:
+            self.handlers[ActionKind.F] = self.forward_recording
         self.current: Action | None = None
-        # What W differentiates, and the dtype/device of the loss, fixed once the stages are built.
-        self.trainable = {stage: [p for p in module.parameters() if p.requires_grad]
-                          for stage, module in stages.items()}
+        # The dtype/device of the loss, fixed once the stages are built.
         param = next((p for stage in stages.values() for p in stage.parameters()), None)
         # The loss adds up in float32 at least, whatever type the stages compute in.
         self.loss_dtype = torch.float64 if param is not None and param.dtype == torch.float64 else torch.float32
@@ -88,7 +95,8 @@ class PipelineRuntime:
         self.output_grads: dict[Key, torch.Tensor] = {}  # gradient of F(stage, mb)'s output
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # what SEND_F / SEND_B will send
         self.stash: dict[Key, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self.weight_work: dict[Key, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.module_calls: dict[Key, list[ModuleCall]] = {}  # what F recorded for a split backward
+        self.weight_work: dict[Key, WeightWork] = {}
         self.pending: list[Pending] = []
         self.marks: list[tuple[Action, Any, Any, str]] = []
         self.loss = torch.zeros((), dtype=self.loss_dtype, device=self.loss_device)
@@ -110,7 +118,7 @@ class PipelineRuntime:
                 self.poll_sends()
         self.finish_sends()
         self.current = None
-        leftover = len(self.stash) + len(self.weight_work)
+        leftover = len(self.stash) + len(self.weight_work) + len(self.module_calls)
         if leftover:
             raise RuntimeError(f"rank {self.rank}: {leftover} forward stashes were never consumed by a backward")
         events = [TraceEvent.of(self.rank, action, self.clock.seconds(start), self.clock.seconds(end), stream)
@@ -142,17 +150,28 @@ class PipelineRuntime:
         if x is not None:
             self.deliver_input_grad(action, x.grad)
 
+    def forward_recording(self, action: Action) -> None:
+        """F, recording the stage's parameter-owning module calls when this microbatch's
+        backward is split into I and W."""
+        key = (action.stage, action.microbatch)
+        if key not in self.split_keys:
+            self.forward(action)
+            return
+        with self.splitters[action.stage].recording() as calls:
+            self.forward(action)
+        self.module_calls[key] = calls
+
     def input_grad(self, action: Action) -> None:
-        x, output = self.stash.pop((action.stage, action.microbatch))
-        grad = self.output_grad(action, output)
+        key = (action.stage, action.microbatch)
+        x, output = self.stash.pop(key)
+        input_grad, work = self.splitters[action.stage].input_grad(
+            output, self.output_grad(action, output), x, self.module_calls.pop(key))
         if x is not None:
-            (input_grad,) = torch.autograd.grad(output, [x], grad, retain_graph=True)
             self.deliver_input_grad(action, input_grad)
-        self.weight_work[(action.stage, action.microbatch)] = (output, grad)
+        self.weight_work[key] = work
 
     def weight_grad(self, action: Action) -> None:
-        output, grad = self.weight_work.pop((action.stage, action.microbatch))
-        torch.autograd.backward(output, grad, inputs=self.trainable[action.stage])
+        self.splitters[action.stage].weight_grad(self.weight_work.pop((action.stage, action.microbatch)))
 
     def output_grad(self, action: Action, output: torch.Tensor) -> torch.Tensor | None:
         """The gradient flowing into this stage's output (none for the loss itself), in

@@ -40,7 +40,8 @@ from pipesim import kernel as kernel_module
 from pipesim.costs import Costs
 from pipesim.parallel import TP_KIND, CommPlan, step_tail_events
 from pipesim.topology import Topology
-from schedules.action import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind, format_group
+from pipesim.twins import boundary_rank_pairs
+from schedules.action import COMPUTE_KINDS, SEND_KINDS, Action, ActionKind, format_group
 from schedules.lowering import lower
 from schedules.p2p import RENDEZVOUS, require_semantics
 from schedules.schedule import Schedule
@@ -241,23 +242,34 @@ def simulate(
             for action, event in waiting:
                 arrivals[action] = yield event
             free_at = max(start, *arrivals.values())
-            for action in group:
-                stage, kind, microbatch = action
-                if kind not in send_kinds:
-                    # the rank waiting on this receive goes on only when the whole group is done
-                    record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch,
-                                                  posted_at, free_at, "recv")))
             completed.succeed(free_at)
 
-    def rank_process(rank: int, items: list, holds_receive: list[bool]):
+    recv_of = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B, ActionKind.I: ActionKind.RECV_B}
+
+    def rank_process(rank: int, items: list):
         clock = 0.0
+        awaiting: dict[tuple, object] = {}  # rendezvous: posted receive -> its group's completion
         compute_kinds, send_kinds = COMPUTE_KINDS, SEND_KINDS
-        stream = streams[rank] if rendezvous else None
         for index, item in enumerate(items):
             if type(item) is not tuple:
                 stage, kind, microbatch = item
                 if kind not in compute_kinds:
                     raise SimulationError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
+                if awaiting:
+                    # rendezvous: a receive is waited for right before the action that needs it
+                    needed = (stage, recv_of.get(kind), microbatch)
+                    pending = awaiting.pop(needed, None)
+                    if pending is not None:
+                        start = clock
+                        if not pending.processed:
+                            position[rank] = index
+                            arrived = yield pending
+                        else:
+                            arrived = pending.value
+                        if arrived > clock:
+                            clock = arrived
+                        record(TraceEvent(rank, f"{stage}{needed[1]}{microbatch}", needed[1], stage, microbatch,
+                                          start, clock, "recv"))
                 end = clock + (paired[item] if paired and item in paired else durations[stage, kind])
                 record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end,
                                               "compute")))
@@ -268,16 +280,14 @@ def simulate(
                         tp_records.append((rank, item, clock, clock + collectives))
                         clock += collectives
                 continue
-            if stream is not None:
+            if rendezvous:
                 clock += comm_overhead * len(item)
                 completed = env.event()
-                stream.put((clock, item, completed))
+                streams[rank].put((clock, item, completed))
                 last_group[rank] = completed
-                if holds_receive[index]:
-                    position[rank] = index
-                    arrived = yield completed
-                    if arrived > clock:
-                        clock = arrived
+                for action in item:
+                    if action.kind not in send_kinds:
+                        awaiting[action] = completed
                 continue
             # buffered: the group's sends leave as it is posted, then its receives wait
             for action in item:
@@ -315,8 +325,8 @@ def simulate(
                     clock = arrival
                 record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, clock,
                                               "recv")))
-        if stream is not None:
-            stream.put((clock, None, None))
+        if rendezvous:
+            streams[rank].put((clock, None, None))
             pending = last_group[rank]
             if pending is not None and not pending.processed:
                 position[rank] = len(items) - 1
@@ -333,8 +343,7 @@ def simulate(
         streams = [events_module.Store(env) for _ in range(lowered.pp)]
         last_group: list = [None] * lowered.pp
         for rank, items in enumerate(all_items):
-            holds_receive = [type(item) is tuple and any(action[1] in RECV_KINDS for action in item) for item in items]
-            env.process(rank_process(rank, items, holds_receive))
+            env.process(rank_process(rank, items))
             if rendezvous:
                 env.process(stream_process(rank, streams[rank]))
         env.run()
@@ -443,12 +452,7 @@ def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequ
     also uses: only their sends must be ordered against other ranks' in time. Transfers
     only cross stage boundaries, so the pairs follow from the placement. With twin
     transfers (other replicas' and shards') every pair is ordered."""
-    placement = schedule.placement
-    pairs = set()
-    for stage in range(schedule.num_stages - 1):
-        left, right = placement[stage], placement[stage + 1]
-        if left != right:
-            pairs.update(((left, right), (right, left)))
+    pairs = boundary_rank_pairs(schedule)
     if with_twins:
         return pairs
     links = {pair: topology.route(devices[pair[0]], devices[pair[1]]).links for pair in pairs}

@@ -27,6 +27,7 @@ from schedules.schedule import Schedule
 ROW_FIELDS = (
     "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
     "peak_inflight_microbatches", "bubble", "exposed_comm", "peak_memory_bytes", "oom", "actions", "note",
+    "capacity_bytes",
 )
 
 
@@ -58,18 +59,22 @@ def run_sweep(
     max_actions: int | None = DEFAULT_MAX_ACTIONS,
     memory_limit: int | None = None,
     p2p: str | None = None,
+    schedules: dict[SweepPoint, Schedule] | None = None,
 ) -> list[dict]:
     """Simulate every point; a point whose schedule does not exist becomes a row with a
     ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs;
     cost-aware schedules (zb-auto) are built from those costs, ``memory_limit`` stashes.
-    A point over ``max_actions`` refuses the whole sweep before anything runs."""
+    ``schedules`` gives the schedule of points that are not generated (read from a file).
+    A generated point over ``max_actions`` refuses the whole sweep before anything runs."""
     for point in points:
-        require_within_limit(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
+        if point not in (schedules or {}):
+            require_within_limit(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
     rows = []
     for index, point in enumerate(points, 1):
         label = f"{point.schedule} pp={point.pp} m={point.microbatches} v={point.virtual_stages}"
         try:
-            schedule = _build(point, costs_for, topology, parallel, memory_limit, max_actions)
+            schedule = (schedules or {}).get(point) or _build(point, costs_for, topology, parallel, memory_limit,
+                                                              max_actions)
         except ScheduleUnavailableError as error:
             rows.append({**point.__dict__, "note": str(error)})
             if progress:
@@ -86,6 +91,7 @@ def run_sweep(
             "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks),
             "peak_memory_bytes": max(rank.peak_bytes for rank in result.memory),
             "oom": result.oom,
+            "capacity_bytes": _capacity(result),
             "actions": result.schedule.num_actions,
             "note": "",
         }
@@ -97,6 +103,12 @@ def run_sweep(
                 file=sys.stderr,
             )
     return rows
+
+
+def _capacity(result) -> float | None:
+    """The smallest device memory among the pipeline's ranks, or None when unbounded."""
+    capacity = min((rank.capacity_bytes for rank in result.memory), default=float("inf"))
+    return capacity if capacity != float("inf") else None
 
 
 def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: Topology,
