@@ -108,4 +108,4 @@ def bench_comm(ranks: int, operations: list[str], sizes: list[int], backend: str
     unknown = [name for name in operations if name not in OPERATIONS]
     if unknown:
         raise ValueError(f"unknown operation(s) {', '.join(unknown)}; known: {', '.join(OPERATIONS)}")
-    return launch_ranks(bench_rank, (operations, sizes, backend, threads, warmup), ranks, threads)[0]
+    return launch_ranks(bench_rank, (operations, sizes, backend, threads, warmup), ranks, threads, backend)[0]

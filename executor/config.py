@@ -17,6 +17,7 @@ OPTIMIZERS = ("sgd", "adamw")
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 FAILURE_MODES = ("raise", "kill", "hang")
+P2P_SEMANTICS = ("rendezvous", "buffered")  # as schedules.p2p names them
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,9 @@ class RunConfig:
     every gpt block across that many ranks (``sequence_parallel`` adds Megatron's
     sequence parallelism). World size is ``dp * pp * tp``. ``dp_bucket_mb`` is the size
     of the gradient all-reduce buckets (DDP's default 25).
+    ``p2p`` names the point-to-point semantics the run is checked and run under:
+    ``rendezvous`` (NCCL's rule; on gloo emulated by a handshake, receives never posted
+    ahead) or ``buffered`` (gloo's); ``None`` takes the backend's own.
     ``inject_failure`` (``"RANK:ACTION:MODE"``, e.g. ``"1:1B0:kill"``) makes that rank
     raise, die or hang just before that action of the first step: it exists so the failure
     path can be tested and demonstrated, never set it in a real run.
@@ -71,6 +75,7 @@ class RunConfig:
     return_grads: bool = False
     custom_schedule: Schedule | None = None
     prefetch_recvs: bool | None = None
+    p2p: str | None = None
 
     @property
     def num_stages(self) -> int:
@@ -86,9 +91,17 @@ class RunConfig:
         """Samples each dp replica runs per step (its slice of the global batch)."""
         return self.batch_size // self.dp
 
+    def p2p_semantics(self, backend: str) -> str:
+        """The P2P semantics on ``backend`` (resolved, not ``auto``): ``p2p`` when given,
+        else NCCL's rendezvous on nccl and gloo's buffering on gloo."""
+        if self.p2p is not None:
+            return self.p2p
+        return "rendezvous" if backend == "nccl" else "buffered"
+
     def prefetch_receives(self, backend: str) -> bool:
-        """Whether receives are posted ahead on this backend (see ``prefetch_recvs``)."""
-        if backend == "nccl":
+        """Whether receives are posted ahead on this backend (see ``prefetch_recvs``):
+        never under rendezvous semantics, where a receive is posted at its place."""
+        if backend == "nccl" or self.p2p_semantics(backend) == "rendezvous":
             return False
         return True if self.prefetch_recvs is None else self.prefetch_recvs
 
@@ -144,6 +157,11 @@ class RunConfig:
                 )
         if self.inject_failure is not None:
             parse_failure(self.inject_failure)
+        if self.p2p is not None and self.p2p not in P2P_SEMANTICS:
+            raise ConfigError(f"--p2p {self.p2p!r} is not one of: {', '.join(P2P_SEMANTICS)}")
+        if self.p2p == "buffered" and self.backend == "nccl":
+            raise ConfigError("--p2p buffered describes gloo; NCCL matches in posting order and a send may wait "
+                              "for its receive: use --p2p rendezvous (the default on nccl)")
 
 
 def check_tensor_parallel(config: RunConfig) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from executor.config import BACKENDS, DTYPES, MODELS, OPTIMIZERS, ConfigError, RunConfig
+from executor.config import BACKENDS, DTYPES, MODELS, OPTIMIZERS, P2P_SEMANTICS, ConfigError, RunConfig
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +47,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     runtime.add_argument("--timeout", type=float, default=60.0,
                          help="seconds a rank waits on a peer before the job fails (default 60)")
     runtime.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    runtime.add_argument("--p2p", choices=P2P_SEMANTICS, default=None,
+                         help="point-to-point semantics the schedule is checked and run under: rendezvous "
+                              "(NCCL's rule, emulated on gloo) or buffered (gloo's); default: the backend's")
+    runtime.add_argument("--verbose", action="store_true",
+                         help="show every rank's output and a failed rank's traceback on the console")
     runtime.add_argument("--inject-failure", default=None, metavar="RANK:ACTION:MODE",
                          help="testing aid: make RANK raise|kill|hang before ACTION of step 0, e.g. 1:1B0:kill")
     output = parser.add_argument_group("output")
@@ -71,7 +76,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         model=args.model, layers=args.layers, hidden=args.hidden, batch_size=args.batch_size,
         seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, steps=args.steps, seed=args.seed,
         optimizer=args.optimizer, lr=args.lr, dtype=args.dtype, backend=args.backend, timeout=args.timeout,
-        threads=args.threads, layout=layout, inject_failure=args.inject_failure,
+        threads=args.threads, layout=layout, inject_failure=args.inject_failure, p2p=args.p2p,
     )
     config.check()
     return config

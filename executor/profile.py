@@ -264,5 +264,6 @@ def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: flo
     if config.dp > 1 or config.tp > 1:
         raise ConfigError(f"profile measures pipeline stages only (--dp 1 --tp 1); got --dp {config.dp} "
                           f"--tp {config.tp}. Profile the pp split, then simulate with --dp/--tp")
-    per_rank = launch_ranks(profile_rank, (config, warmup, repeats, min_time), config.pp, config.threads)
+    per_rank = launch_ranks(profile_rank, (config, warmup, repeats, min_time), config.pp, config.threads,
+                            config.backend)
     return costs_document(config, per_rank, warmup, repeats, min_time)

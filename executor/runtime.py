@@ -2,22 +2,26 @@
 
 ``F`` runs a stage forward and stashes what its backward needs; ``B`` runs the full
 backward; ``I`` computes only the input gradient (keeping the graph for ``W``) and ``W``
-the weight gradients, so zero-bubble schedules run unchanged. Communication actions are
-posted in program order (a run of consecutive ones as one batch); a receive is waited
-on at once, because the next compute action needs its data, while sends complete in the
-background and are timed when they are seen to finish. Stashes are dropped as soon as
-the backward that needed them is done.
+the weight gradients, so zero-bubble schedules run unchanged. Each P2P group of the
+program is posted as one batch (``executor.comm``). Under ``rendezvous`` semantics (NCCL,
+or gloo emulating it) the rank then waits for the whole group, as Megatron waits on
+every op of a batch; under ``buffered`` (gloo) only its receives are waited for, since
+the next compute action needs their data, and sends complete in the background and are
+timed when they are seen to finish. Stashes are dropped as soon as the backward that
+needed them is done.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from executor.comm import PeerLinks, Pending
+from executor.comm import PeerLinks, Pending, Posted
 from executor.models import PipelineModel
 from schedules.action import COMM_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.schedule import Schedule
@@ -26,16 +30,15 @@ from schedules.trace import TraceEvent
 Key = tuple[int, int]  # (stage, microbatch)
 
 
-def program_items(program: tuple[Action, ...]) -> list[Action | list[Action]]:
+def program_items(program: tuple[Action, ...]) -> list[Action | tuple[Action, ...]]:
     """The program with each run of consecutive communication actions grouped, since
     a group is posted as one batch."""
-    items: list[Action | list[Action]] = []
+    items: list[Action | tuple[Action, ...]] = []
     for action in program:
-        if action.kind in COMM_KINDS:
-            if items and isinstance(items[-1], list):
-                items[-1].append(action)
-            else:
-                items.append([action])
+        if action.kind in COMM_KINDS and items and not isinstance(items[-1], Action):
+            items[-1] = (*items[-1], action)
+        elif action.kind in COMM_KINDS:
+            items.append((action,))
         else:
             items.append(action)
     return items
@@ -47,7 +50,8 @@ class PipelineRuntime:
     def __init__(self, rank: int, schedule: Schedule, stages: dict[int, nn.Module], model: PipelineModel,
                  links: PeerLinks | None, clock: Any, batch_size: int,
                  before_action: Callable[[Action], None] | None = None, prefetch_recvs: bool = False,
-                 after_action: Callable[[Action], None] | None = None) -> None:
+                 after_action: Callable[[Action], None] | None = None, rendezvous: bool = False,
+                 progress: Any = None) -> None:
         self.rank = rank
         self.schedule = schedule
         self.stages = stages
@@ -57,7 +61,9 @@ class PipelineRuntime:
         self.batch_size = batch_size
         self.before_action = before_action
         self.after_action = after_action  # e.g. start a stage's dp all-reduce after its last backward
-        self.prefetch_recvs = prefetch_recvs and links is not None
+        self.rendezvous = rendezvous  # wait for whole groups; never post a receive ahead
+        self.prefetch_recvs = prefetch_recvs and links is not None and not rendezvous
+        self.progress = progress  # executor.progress.ProgressWriter: where the rank waits
         self.last_stage = schedule.num_stages - 1
         self.items = program_items(schedule.programs[rank])
         self.handlers: dict[str, Callable[[Action], None]] = {
@@ -67,6 +73,8 @@ class PipelineRuntime:
             ActionKind.W: self.weight_grad,
         }
         self.current: Action | None = None
+        self.current_group: tuple[Action, ...] | None = None  # the P2P group being waited for
+        self.device_marks: list[tuple[tuple[Action, ...], Any]] = []  # (group, CUDA event at its end)
         # What W differentiates, and the dtype/device of the loss, fixed once the stages are built.
         self.trainable = {stage: [p for p in module.parameters() if p.requires_grad]
                           for stage, module in stages.items()}
@@ -89,9 +97,12 @@ class PipelineRuntime:
         self.marks: list[tuple[Action, Any, Any, str]] = []
         self.loss = torch.zeros((), dtype=self.loss_dtype, device=self.loss_device)
         self.clock.start_step()
+        self.device_marks = []
+        if self.links is not None:
+            self.links.start_step()
         self.prefetched = self.prefetch_receives() if self.prefetch_recvs else None
         for item in self.items:
-            if isinstance(item, list):
+            if not isinstance(item, Action):  # a P2P group (an Action is a tuple too)
                 self.communicate(item)
             else:
                 self.current = item
@@ -105,7 +116,7 @@ class PipelineRuntime:
             if self.pending:
                 self.poll_sends()
         self.finish_sends()
-        self.current = None
+        self.current = self.current_group = None
         leftover = len(self.stash) + len(self.weight_work)
         if leftover:
             raise RuntimeError(f"rank {self.rank}: {leftover} forward stashes were never consumed by a backward")
@@ -164,10 +175,10 @@ class PipelineRuntime:
 
     # -- communication --------------------------------------------------------------
 
-    def communicate(self, group: list[Action]) -> None:
-        """Post a run of SEND/RECV actions as one batch, then wait for its receives.
-        Receives already posted at the start of the step (``prefetch_recvs``) are only
-        waited for here."""
+    def communicate(self, group: tuple[Action, ...]) -> None:
+        """Post a P2P group as one batch, in the group's order; then wait for the whole
+        group (rendezvous) or for its receives (buffered). Receives already posted at
+        the start of the step (``prefetch_recvs``, buffered only) are only waited for."""
         ops, prefetched = [], []
         for action in group:
             self.current = action
@@ -176,29 +187,69 @@ class PipelineRuntime:
             if action.kind in SEND_KINDS:
                 ops.append((action, self.outbox.pop((action.kind, action.stage, action.microbatch))))
             elif self.prefetched is not None:
-                prefetched.append((action, *self.prefetched.pop(action)))
+                work, buffer = self.prefetched.pop(action)
+                prefetched.append(Posted(action, buffer, [work]))
             else:
                 ops.append((action, self.links.buffer(action)))
         start = self.clock.mark()
-        works = self.links.post(ops) if ops else []
-        paired = len(works) == len(ops)
-        receives = []
-        for index, (action, tensor) in enumerate(ops):
-            handles = [works[index]] if paired else works
-            if action.kind in SEND_KINDS:
-                self.pending.append(Pending(action, handles, tensor, start))
-            else:
-                receives.append((action, handles, tensor))
-        receives.extend((action, [work], tensor) for action, work, tensor in prefetched)
-        for action, handles, tensor in receives:
-            self.current = action
-            for work in handles:
-                work.wait()
-            self.marks.append((action, start, self.clock.mark(), "recv"))
-            if action.kind == ActionKind.RECV_F:
-                self.forward_inputs[(action.stage, action.microbatch)] = tensor
-            else:
-                self.output_grads[(action.stage, action.microbatch)] = tensor
+        posted = self.links.post(ops) if ops else []
+        self.current_group = group
+        if self.progress is not None:
+            self.progress.waiting(f"action {'+'.join(map(str, group))}", tuple(self.links.peer(a) for a in group))
+        if self.rendezvous:
+            waited = posted
+        else:
+            waited = [item for item in posted if item.action.kind not in SEND_KINDS] + prefetched
+            self.pending.extend(Pending(item.action, item.works, item.tensor, start)
+                                for item in posted if item.action.kind in SEND_KINDS)
+        done, ends = set(), []
+        for item in waited:
+            self.current = item.action
+            for work in item.works:
+                if id(work) not in done:  # a coalesced batch has one handle for all; wait once
+                    work.wait()
+                    done.add(id(work))
+            self.links.check_token(item)
+            ends.append(self.clock.mark())
+        end = ends[-1] if ends else self.clock.mark()
+        for item, own_end in zip(waited, ends, strict=True):
+            self.marks.append((item.action, start, end if self.rendezvous else own_end,
+                               "send" if item.action.kind in SEND_KINDS else "recv"))
+            if item.action.kind == ActionKind.RECV_F:
+                self.forward_inputs[(item.action.stage, item.action.microbatch)] = item.tensor
+            elif item.action.kind == ActionKind.RECV_B:
+                self.output_grads[(item.action.stage, item.action.microbatch)] = item.tensor
+        if isinstance(end, torch.cuda.Event):
+            self.device_marks.append((group, end))
+        if self.progress is not None:
+            self.progress.running()
+        self.current_group = None
+
+    def follow_device(self) -> None:
+        """On a GPU the host posts every group and runs ahead; before it blocks at the
+        end of the step it follows the device through the step's groups (their end
+        events), keeping the progress line on the group the device is waiting in, so a
+        hang is reported where the GPU is stuck rather than at the program's end."""
+        if self.progress is None:
+            return
+        for group, end in self.device_marks:
+            if end.query():
+                continue
+            self.progress.waiting(f"action {'+'.join(map(str, group))} (on the device)",
+                                  tuple(self.links.peer(a) for a in group))
+            while not end.query():
+                time.sleep(0.002)
+        self.device_marks = []
+
+    def where(self) -> str:
+        """The action or P2P group the rank is on, with the peers it waits for."""
+        if self.current_group is not None:
+            peers = sorted({self.links.peer(a) for a in self.current_group})
+            return f"group {'+'.join(map(str, self.current_group))} (waiting for rank {', '.join(map(str, peers))})"
+        action = self.current
+        if action is not None and not action.is_compute:
+            return f"action {action} (waiting for rank {self.links.peer(action)})"
+        return f"action {action}"
 
     def prefetch_receives(self) -> dict[Action, tuple]:
         """Post every receive of the program now, each into its own buffer.
@@ -211,8 +262,7 @@ class PipelineRuntime:
         for action in self.schedule.programs[self.rank]:
             if action.kind in RECV_KINDS:
                 buffer = self.links.buffer(action)
-                (work,) = self.links.post([(action, buffer)])
-                prefetched[action] = (work, buffer)
+                prefetched[action] = (dist.irecv(buffer, self.links.peer(action), tag=self.links.tag(action)), buffer)
         return prefetched
 
     def poll_sends(self) -> None:
