@@ -245,11 +245,11 @@ class PipelineRuntime:
         """The action or P2P group the rank is on, with the peers it waits for."""
         if self.current_group is not None:
             peers = sorted({self.links.peer(a) for a in self.current_group})
-            return f"group {'+'.join(map(str, self.current_group))} (waiting for rank {', '.join(map(str, peers))})"
+            return f"on group {'+'.join(map(str, self.current_group))} (waiting for rank {', '.join(map(str, peers))})"
         action = self.current
         if action is not None and not action.is_compute:
-            return f"action {action} (waiting for rank {self.links.peer(action)})"
-        return f"action {action}"
+            return f"on action {action} (waiting for rank {self.links.peer(action)})"
+        return f"on action {action}"
 
     def prefetch_receives(self) -> dict[Action, tuple]:
         """Post every receive of the program now, each into its own buffer.

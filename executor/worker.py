@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -146,7 +147,7 @@ class RankRun:
             self.events.extend(self.collective_events())  # also waits for the dp all-reduce
         except Exception as error:
             where = self.waiting_on or self.runtime.where()
-            raise RankFailedError(f"rank {self.rank} failed in step {step} on {where}: "
+            raise RankFailedError(f"rank {self.rank} failed in step {step} {where}: "
                                   f"{type(error).__name__}: {error}") from error
         if config.return_grads and step == 0:
             self.grads = {f"{stage}.{name}": full_tensor(p.grad).detach().cpu().clone()
@@ -231,6 +232,9 @@ def action_hook(config: RunConfig, rank: int, progress: ProgressWriter | None):
             if target[2] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if target[2] == "hang":
+                # When the hang began, for whoever checks how soon the job ended after it.
+                print(f"rank {rank}: --inject-failure hangs before {action} at {time.time():.3f}", file=sys.stderr,
+                      flush=True)
                 time.sleep(24 * 3600)  # its peers must give up after --timeout
             raise RuntimeError(f"failure injected by --inject-failure {config.inject_failure}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 from executor.config import BACKENDS  # plain data, no torch import
@@ -80,7 +81,13 @@ def measure(ranks: int, sizes: list[int], operations: list[str], backend: str, t
 def handle(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes)
     operations = [name.strip() for name in args.ops.split(",") if name.strip()]
-    result = measure(args.ranks, sizes, operations, args.backend, args.threads)
+    from executor.spawn import SpawnError  # noqa: PLC0415 - loads torch
+
+    try:
+        result = measure(args.ranks, sizes, operations, args.backend, args.threads)
+    except SpawnError as error:
+        print(f"pipesim bench-comm: failed: {error}", file=sys.stderr)
+        return 1
     rows = bench_table(result)
     fits = fits_by_operation(result)
     print(f"{result['world']} ranks, {result['backend']} on {result['device']}")

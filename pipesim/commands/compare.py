@@ -73,15 +73,16 @@ def handle(args: argparse.Namespace) -> int:
     if config.dp > 1 or config.tp > 1:
         raise ValueError("compare calibrates pipeline runs only for now: use --dp 1 --tp 1")
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
+    from executor.spawn import SpawnError  # noqa: PLC0415
     from pipesim.comparison import compare, report_lines  # noqa: PLC0415
     from pipesim.simulation import run_simulation  # noqa: PLC0415
 
     schedule = validate_schedule(config)
-    costs = calibrated_costs(args, config, schedule.num_stages)
-    topology = calibrated_topology(args, config)
     try:
-        (result,) = launch(config)
-    except PipelineRunError as error:
+        costs = calibrated_costs(args, config, schedule.num_stages)
+        topology = calibrated_topology(args, config)
+        (result,) = launch(config, verbose=args.verbose)
+    except (PipelineRunError, SpawnError) as error:
         print(f"pipesim compare: run failed: {error}", file=sys.stderr)
         return 1
     predicted = run_simulation(schedule, costs, topology)
