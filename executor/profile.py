@@ -34,24 +34,36 @@ from executor.estimate import DEFAULT_MIN_TIME, ROUNDS, robust_mean
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.overheads import measure_overheads, microbatch_size
 from executor.process import init_rank
-from executor.spawn import launch_ranks, synchronize
+from executor.spawn import launch_ranks
 
 RANK_FIELDS = ("rank", "optimizer", "action_gap", "comm_post", "send_post", "recv_wait", "background_cpu",
                "transfer_cost", "prefetch_post", "loss_reduce")
 
 
-def clock_for_compute(device: torch.device) -> Callable[[], float]:
-    """Seconds as the cost model means them: on a GPU, wall time after the queued work
-    is done; on a CPU, the CPU time of this rank's thread, which is what its compute
-    takes on a core of its own. Time another process took from the core (a neighbour
-    on a shared machine) is not a cost of the stage, and a rank that shares its core
-    is outside what the cluster model describes (docs/calibration.md)."""
-    if device.type == "cuda":
-        def now() -> float:
-            synchronize(device)
-            return time.perf_counter()
+class EventMark:
+    """A CUDA event on the current stream; ``later - earlier`` is the device time
+    between two marks in seconds (waiting for the later one first)."""
 
-        return now
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record()
+
+    def __sub__(self, earlier: EventMark) -> float:
+        self.event.synchronize()
+        return earlier.event.elapsed_time(self.event) / 1000.0
+
+
+def clock_for_compute(device: torch.device) -> Callable[[], float | EventMark]:
+    """Seconds as the cost model means them: on a GPU, the device time between CUDA
+    events recorded on the compute stream (a difference of marks waits for the later
+    one; nothing synchronises the device in between, so the host's launch time counts
+    only where the device waited for it); on a CPU, the CPU time of this rank's thread,
+    which is what its compute takes on a core of its own. Time another process took
+    from the core (a neighbour on a shared machine) is not a cost of the stage, and a
+    rank that shares its core is outside what the cluster model describes
+    (docs/calibration.md)."""
+    if device.type == "cuda":
+        return EventMark
     return time.thread_time
 
 
