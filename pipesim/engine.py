@@ -1,9 +1,17 @@
-"""The SimPy engine: each rank is a process walking its lowered program.
+"""The SimPy engine: each rank is a process walking its lowered program, compute
+actions and P2P groups as the executor posts them.
 
-Compute actions hold the rank for their duration. A SEND does not hold the rank: it
-reserves its route's links first-come first-served and computes when the data will
-arrive, ``latency + bytes / bandwidth`` after the links are free. A RECV holds the rank
-until that arrival. Transfers are scheduled directly from their arrival time instead
+Compute actions hold the rank for their duration. A transfer reserves its route's
+links first-come first-served and arrives ``latency + bytes / bandwidth`` after the
+links are free. When it leaves, and what it holds, follows the P2P semantics of the
+backend predicted: under rendezvous (NCCL) a rank's groups run in posting order on
+its communication stream, a transfer leaves only once both ends' groups have started,
+and the rank waits for a group that holds receives (``schedules.p2p``); under buffered
+(gloo) a send leaves at once and a receive holds the rank until its data arrives. A
+rank that ends its program while its last sends are still unmatched or in flight waits
+for them (a ``wait`` event), as the step cannot end before its transfers do.
+
+Transfers are scheduled directly from their arrival time instead
 of as SimPy processes with resource requests, which keeps the engine several times
 faster on the ~400k-action schedules of large pipelines (see benchmarks/).
 
@@ -22,8 +30,9 @@ import simpy
 from pipesim.costs import Costs
 from pipesim.parallel import TP_KIND, CommPlan, step_tail_events
 from pipesim.topology import Topology
-from schedules.action import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind
+from schedules.action import COMPUTE_KINDS, SEND_KINDS, Action, ActionKind, format_group
 from schedules.lowering import lower
+from schedules.p2p import RENDEZVOUS, require_semantics
 from schedules.schedule import Schedule
 from schedules.trace import Trace, TraceEvent
 
@@ -84,20 +93,28 @@ def simulate(
     topology: Topology,
     rank_devices: Sequence[str] | None = None,
     plan: CommPlan | None = None,
+    p2p: str = RENDEZVOUS,
 ) -> Trace:
     """Simulate one step of ``schedule`` (lowered here if it is not) and return its Trace.
 
     ``rank_devices[r]`` is the device pipeline rank ``r`` runs on; by default the
     topology's first ``pp`` devices in order. ``plan`` adds tp and dp collectives.
+    ``p2p`` is the point-to-point semantics of the backend predicted
+    (``schedules.p2p``): under ``rendezvous`` (NCCL) each rank's groups run in order on
+    a communication stream (a SimPy process of its own) and a transfer leaves only once
+    both ends' groups have started; under ``buffered`` (gloo) the group's sends leave at
+    once without holding the rank and its receives wait for their data.
 
     Each rank keeps its own clock and runs ahead of SimPy's through actions that cannot
     be affected by other ranks (compute, a receive whose data has already been sent, a
-    send whose links no other rank uses). It hands control back to SimPy only where
-    order across ranks matters: before a send over a link that other ranks also send on
-    (so links are reserved in true time order) and when it must wait for data not yet
-    sent. Every rank's timing is exactly what a process yielding on every action would
+    buffered send whose links no other rank uses). It hands control back to SimPy only
+    where order across ranks matters: before a send over a link that other ranks also
+    send on (so links are reserved in true time order), when it must wait for data not
+    yet sent, and at every rendezvous group (whose transfers start when the later side
+    starts its group). Every rank's timing is exactly what a process yielding on every action would
     get; the saving is SimPy events, which dominate the cost of large schedules.
     """
+    rendezvous = require_semantics(p2p) == RENDEZVOUS
     lowered = lower(schedule)
     if costs.num_stages != lowered.num_stages:
         raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {lowered.num_stages}")
@@ -109,6 +126,7 @@ def simulate(
     shared_pairs = _pairs_on_shared_links(lowered, topology, devices)
     send_info = _send_table(lowered, devices, costs, shared_pairs)
     mailbox: dict[tuple, object] = {}
+    offers: dict[tuple, tuple] = {}  # rendezvous: transfer -> (rank, action, event) of the side that posted first
     events: list[TraceEvent] = []
     record = events.append
     tp_seconds = plan.tp_seconds if plan is not None else {}
@@ -116,23 +134,90 @@ def simulate(
     finished = [False] * lowered.pp
     position = [0] * lowered.pp
 
-    def rank_process(rank: int, program: Sequence[Action]):
+    def start_transfer(action: Action, sender: int, clock: float) -> float:
+        """Put a SEND on the wire at ``clock``; record it; return its arrival."""
+        stage, kind, microbatch = action
+        _, _, destination, num_bytes, _ = send_info[stage, kind]
+        _, start, arrival = links.transfer(devices[sender], destination, num_bytes, clock)
+        record(TraceEvent(sender, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival, "send"))
+        return arrival
+
+    def stream_process(rank: int, queue: simpy.Store):
+        """Rank ``rank``'s communication stream under rendezvous: groups in posting
+        order, each starting once posted and once the previous one completed, each
+        operation paired with its peer's as both are started."""
+        free_at = 0.0
+        while True:
+            posted_at, group, completed = yield queue.get()
+            if group is None:
+                return
+            start = max(posted_at, free_at)
+            if start > env.now:
+                yield env.timeout(start - env.now)
+            waiting = []
+            arrivals: dict[Action, float] = {}
+            for action in group:
+                is_send = action.kind in SEND_KINDS
+                transfer = (action[0], action[1], action[2]) if is_send else tuple(action.matching())
+                peer = offers.pop(transfer, None)
+                if peer is None:
+                    event = env.event()
+                    offers[transfer] = (rank, action, event)
+                    waiting.append((action, event))
+                    continue
+                peer_rank, peer_action, peer_event = peer
+                send, sender = (action, rank) if is_send else (peer_action, peer_rank)
+                arrival = start_transfer(send, sender, start)
+                peer_event.succeed(arrival)
+                arrivals[action] = arrival
+            for action, event in waiting:
+                arrivals[action] = yield event
+            free_at = start
+            for action in group:
+                arrival = arrivals[action]
+                if arrival > free_at:
+                    free_at = arrival
+                if action.kind not in SEND_KINDS:
+                    stage, kind, microbatch = action
+                    record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, posted_at,
+                                      arrival, "recv"))
+            completed.succeed(free_at)
+
+    def rank_process(rank: int, items: list):
         clock = 0.0
         transfer = links.transfer
         source = devices[rank]
         compute_kinds, send_kinds = COMPUTE_KINDS, SEND_KINDS
-        for index, action in enumerate(program):
-            stage, kind, microbatch = action
-            if kind in compute_kinds:
+        for index, item in enumerate(items):
+            if type(item) is not tuple:
+                stage, kind, microbatch = item
+                if kind not in compute_kinds:
+                    raise SimulationError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
                 end = clock + durations[stage, kind]
                 record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end, "compute"))
                 clock = end
                 if tp_seconds:
                     collectives = tp_seconds.get((stage, kind))
                     if collectives:
-                        tp_records.append((rank, action, clock, clock + collectives))
+                        tp_records.append((rank, item, clock, clock + collectives))
                         clock += collectives
-            elif kind in send_kinds:
+                continue
+            if rendezvous:
+                clock += comm_overhead * len(item)
+                completed = env.event()
+                streams[rank].put((clock, item, completed))
+                last_group[rank] = completed
+                if any(action.kind not in send_kinds for action in item):
+                    position[rank] = index
+                    arrived = yield completed
+                    if arrived > clock:
+                        clock = arrived
+                continue
+            # buffered: the group's sends leave as it is posted, then its receives wait
+            for action in item:
+                stage, kind, microbatch = action
+                if kind not in send_kinds:
+                    continue
                 clock += comm_overhead
                 receiver_stage, receiver_kind, destination, num_bytes, shared = send_info[stage, kind]
                 if shared and clock > env.now:
@@ -147,7 +232,10 @@ def simulate(
                     mailbox[receiver] = arrival
                 else:
                     waiting.succeed(arrival)
-            elif kind in RECV_KINDS:
+            for action in item:
+                stage, kind, microbatch = action
+                if kind in send_kinds:
+                    continue
                 start = clock
                 clock += comm_overhead
                 arrival = mailbox.pop(action, None)
@@ -159,20 +247,34 @@ def simulate(
                 if arrival > clock:
                     clock = arrival
                 record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, clock, "recv"))
-            else:
-                raise SimulationError(f"rank {rank}: cannot simulate action {action} (unknown kind {kind!r})")
+        if rendezvous:
+            streams[rank].put((clock, None, None))
+            pending = last_group[rank]
+            if pending is not None and not pending.processed:
+                position[rank] = len(items) - 1
+                arrived = yield pending
+                if arrived > clock:
+                    stage, kind, microbatch = items[-1][-1] if type(items[-1]) is tuple else items[-1]
+                    record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, arrived,
+                                      "wait"))
+                    clock = arrived
         finished[rank] = True
 
-    for rank, program in enumerate(lowered.programs):
-        env.process(rank_process(rank, program))
+    all_items = [lowered.program_items(rank) for rank in range(lowered.pp)]
+    streams = [simpy.Store(env) for _ in range(lowered.pp)]
+    last_group: list = [None] * lowered.pp
+    for rank, items in enumerate(all_items):
+        env.process(rank_process(rank, items))
+        if rendezvous:
+            env.process(stream_process(rank, streams[rank]))
     env.run()
     if not all(finished):
         stuck = [
-            f"rank {rank} at {lowered.programs[rank][position[rank]]}"
+            f"rank {rank} at {_describe_item(all_items[rank][position[rank]])}"
             for rank in range(lowered.pp)
             if not finished[rank]
         ]
-        raise SimulationError("deadlock: ranks wait forever: " + "; ".join(stuck))
+        raise SimulationError(f"deadlock under {p2p} semantics: ranks wait forever: " + "; ".join(stuck))
     if tp_records:
         events += [
             TraceEvent(rank, f"{TP_KIND}({action})", TP_KIND, action[0], action[2], start, end, "tp")
@@ -187,8 +289,13 @@ def simulate(
         "virtual_stages": lowered.virtual_stages,
         "topology": topology.name,
         "devices": list(devices),
+        "p2p": p2p,
     }
     return Trace(events, meta)
+
+
+def _describe_item(item) -> str:
+    return format_group(item) if type(item) is tuple else str(item)
 
 
 def _send_table(

@@ -18,6 +18,7 @@ from pipesim.parallel import ParallelConfig, comm_plan
 from pipesim.topology import Topology
 from schedules.lowering import lower
 from schedules.metrics import StepMetrics, comm_by_kind, step_metrics
+from schedules.p2p import default_semantics
 from schedules.schedule import Schedule
 from schedules.trace import Trace
 
@@ -70,6 +71,7 @@ class SimulationResult:
             "dp": self.parallel.dp,
             "tp": self.parallel.tp,
             "rank_order": "-".join(self.mapping.order) if self.mapping else None,
+            "p2p": self.trace.meta.get("p2p"),
             "devices": list(self.devices),
             "makespan": metrics.makespan,
             "bubble_fraction": metrics.bubble_fraction,
@@ -115,7 +117,7 @@ class SimulationResult:
         lines = [
             f"{schedule.name}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
             f"virtual stages={schedule.virtual_stages}, topology={self.topology.name}, "
-            f"{schedule.num_actions} actions",
+            f"p2p={self.trace.meta.get('p2p')}, {schedule.num_actions} actions",
             f"  step time        {metrics.makespan * scale:.4g} {unit}",
             f"  bubble fraction  {metrics.bubble_fraction:.2%}",
             f"  communication    {total_comm * scale:.4g} {unit} on the wire, "
@@ -162,6 +164,12 @@ def _time_unit(seconds: float) -> tuple[str, float]:
     return "us", 1e6
 
 
+def predicted_semantics(topology: Topology) -> str:
+    """The P2P semantics of the backend a topology describes: NCCL (rendezvous) for GPU
+    clusters, the measuring backend's for ``bench-comm`` files."""
+    return default_semantics(topology.backend or "nccl")
+
+
 def run_simulation(
     schedule: Schedule,
     costs: Costs,
@@ -169,16 +177,20 @@ def run_simulation(
     rank_devices: Sequence[str] | None = None,
     validate: bool = True,
     parallel: ParallelConfig | None = None,
+    p2p: str | None = None,
 ) -> SimulationResult:
     """Lower, validate (naming any bad action), map ranks onto devices, simulate and
     compute metrics. With ``parallel`` (dp, tp > 1) the pipeline simulated is replica 0's
-    and its ranks also pay their tp and dp collectives."""
+    and its ranks also pay their tp and dp collectives. ``p2p`` is the point-to-point
+    semantics (``schedules.p2p``); by default the one of the backend predicted: gloo's
+    for links measured on gloo, NCCL's rendezvous otherwise."""
     parallel = parallel or ParallelConfig()
+    p2p = p2p or predicted_semantics(topology)
     lowered = lower(schedule)
     if validate:
         from schedules.validate import validate as validate_schedule
 
-        validate_schedule(lowered)
+        validate_schedule(lowered, p2p)
     mapping = None
     if rank_devices is None:
         mapping = map_ranks(topology, parallel.dp, lowered.pp, parallel.tp, parallel.rank_order)
@@ -187,6 +199,6 @@ def run_simulation(
     if mapping is not None and (parallel.dp > 1 or parallel.tp > 1):
         plan = comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
                          parallel.algorithm)
-    trace = simulate(lowered, costs, topology, rank_devices, plan)
+    trace = simulate(lowered, costs, topology, rank_devices, plan, p2p)
     metrics = step_metrics(trace, lowered.virtual_stages)
     return SimulationResult(lowered, topology, trace, metrics, costs, list(rank_devices), parallel, mapping)

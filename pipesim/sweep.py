@@ -48,6 +48,7 @@ def run_sweep(
     topology: Topology,
     progress: bool = True,
     parallel: ParallelConfig | None = None,
+    p2p: str | None = None,
 ) -> list[dict]:
     """Simulate every point; a point whose schedule does not exist becomes a row with a
     ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs."""
@@ -61,7 +62,7 @@ def run_sweep(
             if progress:
                 print(f"[{index}/{len(points)}] {label}: skipped ({error})", file=sys.stderr)
             continue
-        result = run_simulation(schedule, costs_for(schedule), topology, parallel=parallel)
+        result = run_simulation(schedule, costs_for(schedule), topology, parallel=parallel, p2p=p2p)
         metrics = result.metrics
         row = {
             **point.__dict__,

@@ -44,11 +44,14 @@ class Topology:
     (bytes/s per direction), ``latency`` (s), ``efficiency`` (fraction of bandwidth a
     real transfer reaches) and ``medium`` (nvlink, pcie, ib, ethernet, ...).
     ``devices`` lists the GPUs in the order ranks are mapped onto them. An ``ideal``
-    topology has free, instant links."""
+    topology has free, instant links. ``backend`` is the torch.distributed backend whose
+    links were measured (``bench-comm`` files say), None for presets of GPU clusters
+    (NCCL); it sets the P2P semantics a prediction defaults to."""
 
     def __init__(self, name: str, graph: nx.DiGraph, devices: list[str], ideal: bool = False,
-                 description: str = "") -> None:
+                 description: str = "", backend: str | None = None) -> None:
         self.name = name
+        self.backend = backend
         self.graph = graph
         self.devices = list(devices)
         self.ideal = ideal

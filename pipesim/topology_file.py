@@ -103,7 +103,10 @@ def topology_from_dict(data: object, name: str = "custom") -> Topology:
             if str(device_name) not in order:
                 raise TopologyError(f"{name}: mapping[{rank}] names unknown device {device_name!r}")
         order = [str(device_name) for device_name in mapping]
-    topology = Topology(name, graph, order, description=str(data.get("description", "")))
+    calibration = data.get("calibration")
+    backend = calibration.get("backend") if isinstance(calibration, dict) else None
+    topology = Topology(name, graph, order, description=str(data.get("description", "")),
+                        backend=str(backend) if backend else None)
     _require_connected(topology)
     return topology
 

@@ -106,6 +106,30 @@ def parse_action(text: str) -> Action:
     return Action(int(stage), kind_text, int(microbatch))
 
 
+GROUP_SEPARATOR = "+"
+
+
+def format_group(actions: tuple[Action, ...] | list[Action]) -> str:
+    """The text form of a P2P group: its actions joined by ``+`` (``1SEND_F3+1RECV_B1``)."""
+    return GROUP_SEPARATOR.join(str(action) for action in actions)
+
+
+def parse_group(text: str) -> tuple[Action, ...]:
+    """Parse one cell of a lowered program: an action, or a P2P group of communication
+    actions joined by ``+``. Raise naming the bad text; a compute action cannot be part of
+    a group (groups are posted as one ``batch_isend_irecv``, which holds only transfers)."""
+    parts = text.split(GROUP_SEPARATOR)
+    actions = tuple(parse_action(part) for part in parts)
+    if len(actions) > 1:
+        for action in actions:
+            if action.kind not in COMM_KINDS:
+                raise ActionParseError(
+                    f"{text!r} groups {action}, a compute action; only SEND/RECV actions are posted "
+                    f"together in a P2P group"
+                )
+    return actions
+
+
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the text form
     """Forward of ``microbatch`` on ``stage``."""
     return Action(stage, ActionKind.F, microbatch)

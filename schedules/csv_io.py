@@ -1,7 +1,9 @@
 """CSV import and export in the format ``torch.distributed.pipelining`` dumps and loads.
 
 One row per rank, one action per cell in program order (``0F0``, ``3SEND_F1``), an
-empty cell for an idle step. There is no header and no placement column: on import the
+empty cell for an idle step. In a lowered schedule a cell may hold a P2P group, the
+transfers posted together, joined by ``+`` (``1SEND_F3+1RECV_B1``). There is no header
+and no placement column: on import the
 placement is inferred from which rank's row holds which stage, the microbatch count
 from the largest microbatch seen, and the rank count from the number of rows. So a
 schedule drawn up in torch (or by hand in a spreadsheet) can be checked and simulated
@@ -15,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from schedules.action import Action, ActionParseError, parse_action
+from schedules.action import Action, ActionParseError, parse_group
 from schedules.schedule import Schedule
 
 
@@ -23,19 +25,26 @@ class ScheduleCsvError(ValueError):
     """A CSV file that does not describe a schedule; the message names file, row and cell."""
 
 
-def schedule_to_csv(schedule: Schedule, path_or_file: str | Path | IO[str]) -> None:
-    """Write one row per rank, one action per cell (no idle cells: programs are dense)."""
+def schedule_to_csv(schedule: Schedule, path_or_file: str | Path | IO[str], groups: bool = True) -> None:
+    """Write one row per rank, one action per cell (no idle cells: programs are dense).
+
+    ``groups``: each P2P group in one cell, joined by ``+``. torch.distributed.pipelining
+    has no P2P groups and drops such cells, so ``groups=False`` writes one action per
+    cell for it (the grouping is then lost: read back, every transfer is alone)."""
     if isinstance(path_or_file, (str, Path)):
         with open(path_or_file, "w", newline="") as handle:
-            _write(schedule, handle)
+            _write(schedule, handle, groups)
     else:
-        _write(schedule, path_or_file)
+        _write(schedule, path_or_file, groups)
 
 
-def _write(schedule: Schedule, handle: IO[str]) -> None:
+def _write(schedule: Schedule, handle: IO[str], groups: bool) -> None:
     writer = csv.writer(handle)
-    for program in schedule.programs:
-        writer.writerow([str(action) for action in program])
+    for rank in range(schedule.pp):
+        if groups:
+            writer.writerow(schedule.program_text(rank))
+        else:
+            writer.writerow([str(action) for action in schedule.programs[rank]])
 
 
 def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Schedule:
@@ -54,7 +63,9 @@ def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Sc
         label = getattr(path, "name", "<csv>")
         rows = list(csv.reader(path))
         default_name = Path(label).stem if label != "<csv>" else "csv"
-    programs = [_parse_row(label, rank, row) for rank, row in enumerate(rows)]
+    parsed = [_parse_row(label, rank, row) for rank, row in enumerate(rows)]
+    programs = [program for program, _ in parsed]
+    joins = [joined for _, joined in parsed]
     if not programs:
         raise ScheduleCsvError(f"{label}: the file is empty; expected one row of actions per rank")
     placement = _infer_placement(label, programs)
@@ -67,22 +78,29 @@ def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Sc
         placement=placement,
         programs=programs,
         name=name if name is not None else default_name,
+        joins=joins,
     )
 
 
-def _parse_row(label: str, rank: int, row: Iterable[str]) -> list[Action]:
-    """Row ``rank`` as a program; empty cells (idle steps) are skipped."""
-    program = []
+def _parse_row(label: str, rank: int, row: Iterable[str]) -> tuple[list[Action], frozenset[int]]:
+    """Row ``rank`` as a program and its P2P groups (the positions joined to the action
+    before them); empty cells (idle steps) are skipped. A cell is one action, or a
+    group of SEND/RECV actions joined by ``+``; a transfer alone in its cell is posted
+    alone."""
+    program: list[Action] = []
+    joined: set[int] = set()
     for column, cell in enumerate(row):
         if not cell.strip():
             continue
         try:
-            program.append(parse_action(cell))
+            group = parse_group(cell)
         except ActionParseError as error:
             raise ScheduleCsvError(
                 f"{label}: row {rank + 1} (rank {rank}), column {column + 1}: cell {error}"
             ) from error
-    return program
+        joined.update(range(len(program) + 1, len(program) + len(group)))
+        program.extend(group)
+    return program, frozenset(joined)
 
 
 def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from schedules.action import COMM_KINDS, Action
+from schedules.action import COMM_KINDS, Action, format_group
 
 
 def looped_placement(pp: int, virtual_stages: int) -> tuple[int, ...]:
@@ -35,6 +35,13 @@ class Schedule:
     ``placement[stage]`` is the rank that holds ``stage``; ``programs[rank]`` is that
     rank's ordered actions. ``name`` is the generator that built it (or the file it
     came from) and is carried into results so they say what they measured.
+
+    ``joins[rank]`` holds the program positions whose communication action is posted in
+    the same P2P group as the action just before it. A group (one ``batch_isend_irecv``,
+    completing together) is a run of communication actions linked by joins; a
+    communication action not joined to its predecessor starts a new group, so a lone
+    SEND or RECV is a group of one. Groups are data, decided once by lowering (or written
+    in a CSV), so the simulator and the executor post exactly the same batches.
     """
 
     pp: int
@@ -43,6 +50,7 @@ class Schedule:
     programs: tuple[tuple[Action, ...], ...]
     name: str = "custom"
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    joins: tuple[frozenset[int], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise lists handed in by callers so a Schedule is hashable, immutable data.
@@ -59,6 +67,26 @@ class Schedule:
         for stage, rank in enumerate(self.placement):
             if not 0 <= rank < self.pp:
                 raise ValueError(f"stage {stage} is placed on rank {rank}, outside 0..{self.pp - 1}")
+        if not self.joins:
+            object.__setattr__(self, "joins", tuple(frozenset() for _ in range(self.pp)))
+        else:
+            object.__setattr__(self, "joins", tuple(frozenset(joined) for joined in self.joins))
+            self._check_joins()
+
+    def _check_joins(self) -> None:
+        """A join links two neighbouring communication actions of one program."""
+        if len(self.joins) != self.pp:
+            raise ValueError(f"pp={self.pp} ranks but P2P groups were given for {len(self.joins)}")
+        for rank, (program, joined) in enumerate(zip(self.programs, self.joins, strict=True)):
+            for position in joined:
+                if not 1 <= position < len(program):
+                    raise ValueError(f"rank {rank}: a P2P group joins position {position}, outside the program")
+                for action in (program[position - 1], program[position]):
+                    if action.kind not in COMM_KINDS:
+                        raise ValueError(
+                            f"rank {rank}, position {position}: {action} is a compute action and cannot be "
+                            f"part of a P2P group; groups hold SEND/RECV actions only"
+                        )
 
     @property
     def num_stages(self) -> int:
@@ -82,6 +110,33 @@ class Schedule:
     def num_actions(self) -> int:
         return sum(len(program) for program in self.programs)
 
+    def program_items(self, rank: int) -> list[Action | tuple[Action, ...]]:
+        """``rank``'s program as the runtime walks it: compute actions as they are, each
+        P2P group as a tuple of its communication actions (a lone transfer is a group of
+        one), in posting order."""
+        joined = self.joins[rank]
+        items: list[Action | tuple[Action, ...]] = []
+        group: list[Action] = []
+        for position, action in enumerate(self.programs[rank]):
+            if action.kind in COMM_KINDS:
+                if group and position not in joined:
+                    items.append(tuple(group))
+                    group = []
+                group.append(action)
+            else:
+                if group:
+                    items.append(tuple(group))
+                    group = []
+                items.append(action)
+        if group:
+            items.append(tuple(group))
+        return items
+
+    def program_text(self, rank: int) -> list[str]:
+        """``rank``'s program in the text form, one cell per compute action or P2P group
+        (``1SEND_F3+1RECV_B1``): the cells of a CSV row."""
+        return [str(item) if isinstance(item, Action) else format_group(item) for item in self.program_items(rank)]
+
     def compute_only(self) -> Schedule:
         """The same schedule with communication actions removed."""
         programs = tuple(
@@ -90,8 +145,11 @@ class Schedule:
         )
         return self.with_programs(programs)
 
-    def with_programs(self, programs: Sequence[Sequence[Action]]) -> Schedule:
-        """A copy of this schedule with other programs (same ranks, stages, placement)."""
+    def with_programs(
+        self, programs: Sequence[Sequence[Action]], joins: Sequence[frozenset[int]] = ()
+    ) -> Schedule:
+        """A copy of this schedule with other programs (same ranks, stages, placement);
+        ``joins`` gives the new programs' P2P groups (none: every transfer alone)."""
         return Schedule(
             pp=self.pp,
             microbatches=self.microbatches,
@@ -99,6 +157,7 @@ class Schedule:
             programs=tuple(tuple(program) for program in programs),
             name=self.name,
             meta=dict(self.meta),
+            joins=tuple(joins),
         )
 
     def describe(self) -> str:
@@ -108,6 +167,6 @@ class Schedule:
             f"{self.name}: pp={self.pp}, stages={self.num_stages}, "
             f"microbatches={self.microbatches}, actions={self.num_actions}"
         ]
-        for rank, program in enumerate(self.programs):
-            lines.append(f"rank {rank:>{width}}: " + " ".join(str(action) for action in program))
+        for rank in range(self.pp):
+            lines.append(f"rank {rank:>{width}}: " + " ".join(self.program_text(rank)))
         return "\n".join(lines)

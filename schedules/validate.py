@@ -9,8 +9,10 @@ user sees is the most basic one:
    one ``I`` plus one ``W``, with the backward after its forward (and ``W`` after ``I``)
    in program order;
 3. in lowered schedules, every dependency that crosses ranks needs its SEND after the
-   producer and its matching RECV before the consumer;
-4. a deadlock: an order in which some ranks wait for each other forever.
+   producer and its matching RECV before the consumer, and under rendezvous (NCCL) each
+   rank pair's sends and receives are posted in the same order;
+4. a deadlock: an order in which some ranks wait for each other forever, under the P2P
+   semantics of the backend (``schedules.p2p``).
 
 Everything is O(number of actions): hundreds of thousands of actions validate in well
 under a second. The deadlock check walks the programs like the runtime would (a rank
@@ -24,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schedules.action import ALL_KINDS, COMM_KINDS, COMPUTE_KINDS, Action, ActionKind
+from schedules.p2p import RENDEZVOUS, P2PError, check_pair_order, check_progress, require_semantics
 from schedules.schedule import Schedule
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
@@ -54,23 +57,39 @@ class ScheduleValidationError(ValueError):
         self.cycle = tuple(cycle)
 
 
-def is_valid(schedule: Schedule) -> bool:
+def is_valid(schedule: Schedule, p2p: str = RENDEZVOUS) -> bool:
     """Whether ``validate`` accepts the schedule."""
     try:
-        validate(schedule)
+        validate(schedule, p2p)
     except ScheduleValidationError:
         return False
     return True
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise ``ScheduleValidationError`` naming the first problem found; return None if
-    the schedule can run. Accepts compute-only and lowered schedules."""
+def validate(schedule: Schedule, p2p: str = RENDEZVOUS) -> Schedule:
+    """Raise ``ScheduleValidationError`` naming the first problem found; return the
+    schedule if it can run. Accepts compute-only and lowered schedules.
+
+    ``p2p`` is the point-to-point semantics of the backend the schedule will run on
+    (``schedules.p2p``): a lowered schedule is checked for matching posting order and
+    for deadlocks under it. The default, rendezvous (NCCL), is the strict one: what
+    passes it runs on gloo too."""
+    require_semantics(p2p)
     position, lowered, split = _check_actions(schedule)
     _check_complete(schedule, position, split)
     if lowered:
         _check_transfers(schedule, position)
-    _check_deadlock(schedule, position, lowered)
+        try:
+            if p2p == RENDEZVOUS:
+                check_pair_order(schedule)
+            check_progress(schedule, p2p)
+        except P2PError as error:
+            raise ScheduleValidationError(
+                str(error), action=error.action, rank=error.rank, position=error.position, cycle=error.cycle
+            ) from None
+    else:
+        _check_deadlock(schedule, position)
+    return schedule
 
 
 # --- 1. malformed actions -------------------------------------------------------------
@@ -338,22 +357,15 @@ def _check_transfer(placement, get, producer: Action, consumer: Action, send_kin
 # --- 4. deadlock ----------------------------------------------------------------------
 
 
-def _check_deadlock(schedule: Schedule, position: dict[Action, int], lowered: bool) -> None:
-    """Run every rank as far as its inputs allow; ranks left unfinished are deadlocked.
-
-    Communication semantics: SEND never blocks, RECV blocks until the matching SEND ran.
-    In a compute-only schedule a cross-rank dependency blocks directly on the producer.
-    Same-stage order (F before B, I before W, RECV before consumer) was checked already,
-    so only waits on another stage remain: the RECVs, and in compute-only schedules or
-    between stages that share a rank, the neighbouring stage's F or B/I.
-    """
+def _check_deadlock(schedule: Schedule, position: dict[Action, int]) -> None:
+    """Run every rank of a compute-only schedule as far as its inputs allow; ranks left
+    unfinished are deadlocked. A cross-rank dependency blocks directly on the producer
+    (lowered schedules are walked by ``schedules.p2p.check_progress`` instead, under the
+    P2P semantics they will run with). Same-stage order (F before B, I before W) was
+    checked already, so only waits on the neighbouring stage's F or B/I remain."""
     programs = schedule.programs
     placement = schedule.placement
     last_stage = schedule.num_stages - 1
-    direct_below = [stage > 0 and (not lowered or placement[stage - 1] == placement[stage])
-                    for stage in range(last_stage + 1)]
-    direct_above = [stage < last_stage and (not lowered or placement[stage + 1] == placement[stage])
-                    for stage in range(last_stage + 1)]
     counters = [0] * schedule.pp  # counters[r]: how many of rank r's actions have run
     blocked_on: dict[int, Action] = {}
     waiters: dict[tuple, list[int]] = {}
@@ -366,15 +378,11 @@ def _check_deadlock(schedule: Schedule, position: dict[Action, int], lowered: bo
         while index < end:
             stage, kind, microbatch = action = program[index]
             needed = None
-            if kind == _RECV_F:
-                needed = (stage - 1, _SEND_F, microbatch)
-            elif kind == _RECV_B:
-                needed = (stage + 1, _SEND_B, microbatch)
-            elif kind == _F:
-                if direct_below[stage]:
+            if kind == _F:
+                if stage > 0:
                     needed = (stage - 1, _F, microbatch)
             elif kind == _B or kind == _I:
-                if direct_above[stage]:
+                if stage < last_stage:
                     needed = (stage + 1, _B, microbatch)
                     if needed not in position:
                         needed = (stage + 1, _I, microbatch)

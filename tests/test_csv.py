@@ -163,7 +163,7 @@ def test_torch_loads_our_compute_only_csv(tmp_path, name, pp, microbatches, virt
 def test_torch_loads_and_simulates_our_lowered_csv(tmp_path, name, pp, microbatches, virtual_stages):
     schedule = lower(generate(name, pp, microbatches, virtual_stages))
     path = tmp_path / "lowered.csv"
-    schedule_to_csv(schedule, path)
+    schedule_to_csv(schedule, path, groups=False)  # torch has no P2P groups
     loader = bare_torch_schedule(torch_schedules._PipelineScheduleRuntime, schedule)
     loader._load_csv(str(path), format="compute_comms")
     order = loader.pipeline_order_with_comms
@@ -178,7 +178,7 @@ def test_torch_simulator_also_finds_our_deadlock(tmp_path, capsys):
     programs = [[parse_action(text) for text in row.split()] for row in ["0F0 0B0 0F1 0B1", "1F0 1F1 1B0 1B1"]]
     schedule = lower(Schedule(2, 2, (0, 1), programs))
     path = tmp_path / "deadlock.csv"
-    schedule_to_csv(schedule, path)
+    schedule_to_csv(schedule, path, groups=False)
     loader = bare_torch_schedule(torch_schedules._PipelineScheduleRuntime, schedule)
     loader._load_csv(str(path), format="compute_comms")
     with pytest.raises(ValueError, match="not progressing"):

@@ -215,22 +215,38 @@ def test_deadlock_compute_only_names_the_cycle():
 
 def test_deadlock_lowered_names_the_send_and_recv():
     schedule = lower(make(DEADLOCK, 2))
-    error = error_of(schedule)
-    text = str(error)
-    assert "rank 0 waits at 0RECV_B0 (position 2) for 1SEND_B0 on rank 1" in text
-    assert "which rank 1 only reaches after 1RECV_F1" in text
-    assert "rank 1 waits at 1RECV_F1" in text and "for 0SEND_F1 on rank 0" in text
-    assert_real_cycle(schedule, error)
-    assert not is_valid(schedule)
+    with pytest.raises(ScheduleValidationError) as caught:
+        validate(schedule, p2p="buffered")
+    text = str(caught.value)
+    assert "under buffered semantics" in text
+    assert "rank 0 waits at 0RECV_B0 (position 2) for rank 1 to send 1SEND_B0 (position 5)" in text
+    assert "which rank 1 only reaches after 1RECV_F1 (position 2)" in text
+    assert "rank 1 waits at 1RECV_F1 (position 2) for rank 0 to send 0SEND_F1" in text
+    assert_real_cycle(schedule, caught.value)
+    assert not is_valid(schedule, p2p="buffered")
+
+
+def test_deadlock_lowered_under_rendezvous_names_the_groups_on_the_cycle():
+    schedule = lower(make(DEADLOCK, 2))
+    text = str(error_of(schedule))
+    assert text.startswith("deadlock under rendezvous semantics")
+    assert ("rank 0's group 0RECV_B0 (position 2) waits for rank 1 to post 1SEND_B0 (in 1SEND_B0, position 5), "
+            "which cannot start before rank 1's earlier group 1RECV_F1 (position 2) completes") in text
+    assert ("rank 1's group 1RECV_F1 (position 2) waits for rank 0 to post 0SEND_F1 (in 0SEND_F1, position 5), "
+            "which cannot start before rank 0's earlier group 0RECV_B0 (position 2) completes") in text
 
 
 def test_deadlock_on_three_ranks_leaves_out_ranks_not_on_the_cycle():
     # Ranks 1 and 2 deadlock with each other; rank 0 is merely stuck behind them.
     schedule = lower(make(["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1", "2F0 2F1 2B0 2B1"], 2))
-    error = error_of(schedule)
+    with pytest.raises(ScheduleValidationError) as caught:
+        validate(schedule, p2p="buffered")
+    error = caught.value
     assert "rank 1 waits at" in str(error) and "rank 2 waits at" in str(error)
     assert "rank 0 waits" not in str(error)
     assert_real_cycle(schedule, error)
+    text = str(error_of(schedule))
+    assert "rank 1's group" in text and "rank 2's group" in text and "rank 0's group" not in text
 
 
 def test_deadlock_within_one_rank_between_two_of_its_stages():

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from pipesim.commands.options import add_schedule_args, schedule_from_args
+from pipesim.commands.options import add_p2p_arg, add_schedule_args, schedule_from_args
 from schedules.lowering import lower
+from schedules.p2p import RENDEZVOUS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -15,7 +16,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_schedule_args(parser, allow_file=False)
     parser.add_argument("--out", required=True, help="CSV file to write")
-    parser.add_argument("--lowered", action="store_true", help="include the SEND/RECV actions")
+    parser.add_argument("--lowered", action="store_true",
+                        help="include the SEND/RECV actions, each P2P group in one cell joined by '+'")
+    parser.add_argument("--flat", action="store_true",
+                        help="one action per cell even for P2P groups, as torch.distributed.pipelining's _load_csv "
+                        "reads lowered files (it has no groups: read back, each transfer is posted alone)")
+    add_p2p_arg(parser, "rendezvous (NCCL's rule, which also holds on gloo)")
     parser.set_defaults(handler=handle)
 
 
@@ -26,8 +32,8 @@ def handle(args: argparse.Namespace) -> int:
     schedule = schedule_from_args(args)
     if args.lowered:
         schedule = lower(schedule)
-    validate(schedule)
-    schedule_to_csv(schedule, args.out)
+    validate(schedule, args.p2p or RENDEZVOUS)
+    schedule_to_csv(schedule, args.out, groups=not args.flat)
     print(f"wrote {args.out}: {schedule.name}, pp={schedule.pp}, stages={schedule.num_stages}, "
           f"microbatches={schedule.microbatches}, {schedule.num_actions} actions")
     return 0

@@ -11,6 +11,7 @@ from pipesim.presets import PRESETS
 from pipesim.topology import Topology
 from pipesim.topology_file import load_topology
 from schedules.generators import GENERATORS, MULTI_CHUNK, generate
+from schedules.p2p import P2P_SEMANTICS
 from schedules.schedule import Schedule
 
 DEFAULT_VIRTUAL_STAGES = 2  # for schedules that place several chunks per rank
@@ -27,6 +28,15 @@ def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) 
         "--virtual-stages", "-v", type=int, default=None,
         help=f"model chunks per rank for {', '.join(sorted(MULTI_CHUNK))} (default: {DEFAULT_VIRTUAL_STAGES}; "
         "others use 1)",
+    )
+
+
+def add_p2p_arg(parser: argparse.ArgumentParser, default_help: str) -> None:
+    """``--p2p``: the point-to-point semantics to check and model (``schedules.p2p``)."""
+    parser.add_argument(
+        "--p2p", choices=P2P_SEMANTICS, default=None,
+        help="point-to-point semantics: rendezvous (NCCL: a pair's transfers match in posting order and a send "
+        "waits for its receive) or buffered (gloo: matched by tag, sends never wait); default: " + default_help,
     )
 
 

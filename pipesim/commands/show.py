@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from pipesim.commands.options import add_schedule_args, schedule_from_args
+from pipesim.commands.options import add_p2p_arg, add_schedule_args, schedule_from_args
 from pipesim.costs import uniform_costs
 from pipesim.engine import simulate
 from pipesim.text_timeline import text_timeline
 from pipesim.topology import ideal_topology
 from schedules.lowering import lower
+from schedules.p2p import RENDEZVOUS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Print each rank's program and a text timeline with unit costs (F=1, B=2 per rank).",
     )
     add_schedule_args(parser)
-    parser.add_argument("--lowered", action="store_true", help="list the programs with their SEND/RECV actions")
+    parser.add_argument("--lowered", action="store_true",
+                        help="list the programs with their SEND/RECV actions, P2P groups joined by '+'")
+    add_p2p_arg(parser, "rendezvous (NCCL's rule, which also holds on gloo)")
     parser.add_argument("--width", type=int, default=160, help="timeline width in characters (default: 160)")
     parser.add_argument("--html", help="also write the unit-cost Gantt chart")
     parser.set_defaults(handler=handle)
@@ -29,10 +32,11 @@ def handle(args: argparse.Namespace) -> int:
 
     schedule = schedule_from_args(args)
     lowered = lower(schedule)
-    validate(lowered)
+    p2p = args.p2p or RENDEZVOUS
+    validate(lowered, p2p)
     print((lowered if args.lowered else schedule).describe())
     costs = uniform_costs(schedule.num_stages, 1.0, 2.0, virtual_stages=schedule.virtual_stages)
-    trace = simulate(lowered, costs, ideal_topology())
+    trace = simulate(lowered, costs, ideal_topology(), p2p=p2p)
     print()
     print(text_timeline(trace, width=args.width))
     if args.html:

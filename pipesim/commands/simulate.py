@@ -10,6 +10,7 @@ from pathlib import Path
 from pipesim.commands.options import (
     add_cost_args,
     add_model_args,
+    add_p2p_arg,
     add_parallel_args,
     add_schedule_args,
     add_topology_args,
@@ -33,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_topology_args(parser)
     add_parallel_args(parser)
     add_output_args(parser)
+    add_p2p_arg(parser, "the predicted backend's: buffered for links measured on gloo, rendezvous otherwise")
     parser.add_argument("--fail-on-oom", action="store_true",
                         help="exit non-zero when a rank's peak memory exceeds its device's")
     parser.set_defaults(handler=handle)
@@ -79,7 +81,7 @@ def handle(args: argparse.Namespace) -> int:
         costs = model_costs_from_args(args, schedule, topology)
     else:
         costs = costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
-    result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args))
+    result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args), p2p=args.p2p)
     print(result.summary())
     write_outputs(args, result.to_dict(), [result.trace], [f"predicted: {schedule.name}"], [result.metrics])
     if args.fail_on_oom:

@@ -10,6 +10,7 @@ from pathlib import Path
 from pipesim.commands.options import (
     add_cost_args,
     add_model_args,
+    add_p2p_arg,
     add_parallel_args,
     add_topology_args,
     costs_from_args,
@@ -34,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(parser)
     add_topology_args(parser)
     add_parallel_args(parser)
+    add_p2p_arg(parser, "the predicted backend's: buffered for links measured on gloo, rendezvous otherwise")
     parser.add_argument("--csv", help="write the rows as CSV")
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--html", help="write the sweep chart (self-contained HTML)")
@@ -52,7 +54,8 @@ def handle(args: argparse.Namespace) -> int:
             return model_costs_from_args(args, schedule, topology)
         return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
 
-    rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args))
+    rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args),
+                     p2p=args.p2p)
     print(format_table(rows))
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:
