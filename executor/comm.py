@@ -34,13 +34,6 @@ from schedules.action import SEND_KINDS, Action, ActionKind
 TOKEN_KINDS = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
 
 
-class Pending(NamedTuple):
-    """A posted send: kept until complete, holding its tensor so it is not freed early."""
-
-    action: Action
-    work: Any
-    tensor: torch.Tensor
-    start: Any
 
 
 class Posted(NamedTuple):
@@ -52,6 +45,15 @@ class Posted(NamedTuple):
     works: list
     token: torch.Tensor | None = None
     number: int = 0  # per-pair send number, for the handshake check
+
+
+class Pending(NamedTuple):
+    """A send in flight: kept until complete, holding its tensor so it is not freed
+    early; ``end`` is its completion mark when the clock can take it ahead (CUDA)."""
+
+    item: Posted
+    start: Any
+    end: Any = None
 
 
 class OrderMismatchError(RuntimeError):

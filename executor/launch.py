@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from executor.config import RunConfig, build_schedule
-from executor.process import check_devices
+from executor.config import ConfigError, RunConfig, build_schedule
+from executor.process import check_devices, resolve_backend
 from executor.progress import Progress, read_progress
 from schedules.schedule import Schedule
-from schedules.validate import validate
+from schedules.validate import ScheduleValidationError, validate
 
 # Errors a rank sees because a peer went away; they are consequences, not causes.
 PEER_LOSS = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out",
@@ -36,21 +36,40 @@ class PipelineRunError(RuntimeError):
     """The job failed: the message says which rank failed first and on which action."""
 
 
+def p2p_semantics(config: RunConfig) -> str:
+    """The P2P semantics the run will have: ``--p2p``, else the backend's own."""
+    return config.p2p_semantics(resolve_backend(config.backend))
+
+
 def validate_schedule(config: RunConfig) -> Schedule:
-    """Reject a schedule that cannot run before any process starts; return the lowered
-    schedule that will run."""
+    """Reject a schedule that cannot run before any process starts, checked under the
+    P2P semantics of the run (an order gloo tolerates can hang on NCCL); return the
+    lowered schedule that will run."""
     schedule = build_schedule(config)
-    validate(schedule)
+    semantics = p2p_semantics(config)
+    if semantics == "buffered" and resolve_backend(config.backend) == "nccl":
+        raise ConfigError("--p2p buffered describes gloo, but this run uses NCCL (CUDA is available): use "
+                          "--p2p rendezvous, or --backend gloo")
+    try:
+        validate(schedule, p2p=semantics)
+    except ScheduleValidationError as error:
+        backend = resolve_backend(config.backend)
+        raise ScheduleValidationError(
+            f"schedule {schedule.name!r} cannot run under {semantics} P2P semantics (--p2p {semantics}, "
+            f"backend {backend}): {error}", action=error.action, rank=error.rank, position=error.position,
+            cycle=error.cycle,
+        ) from None
     return schedule
 
 
 def launch(configs: RunConfig | list[RunConfig], model: Any = None, log_dir: str | None = None,
-           verbose: bool = False) -> list[dict]:
+           verbose: bool = False, unchecked: bool = False) -> list[dict]:
     """Run the configs (all with the same world size ``dp*pp*tp``) on that many local processes; return
     rank 0's results, one per config. Raises ``PipelineRunError`` if a rank fails: its
     message is the one-line summary, then the failing rank's own error line. Each rank's
     output goes to ``log_dir`` (a temporary folder, kept only if the run fails), the
-    console only with ``verbose``."""
+    console only with ``verbose``. ``unchecked`` skips the schedule check: it exists only
+    so tests can show what the runtime does with an order the check would refuse."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
 
     from executor.worker import run_worker  # noqa: PLC0415
@@ -58,7 +77,8 @@ def launch(configs: RunConfig | list[RunConfig], model: Any = None, log_dir: str
     configs = [configs] if isinstance(configs, RunConfig) else list(configs)
     for config in configs:
         config.check()
-        validate_schedule(config)
+        if not unchecked:
+            validate_schedule(config)
     worlds = {config.world_size for config in configs}
     if len(worlds) != 1:
         raise ValueError(f"configs launched together must share one world size (dp*pp*tp), got {sorted(worlds)}")

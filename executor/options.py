@@ -15,6 +15,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the schedule, model, training and runtime flags to ``parser``."""
     schedule = parser.add_argument_group("schedule")
     schedule.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved-1f1b (default 1f1b)")
+    schedule.add_argument("--schedule-file", default=None, metavar="CSV",
+                          help="a schedule CSV (one row per rank; P2P groups joined by '+') instead of --schedule; "
+                               "--pp, --microbatches and --virtual-stages come from the file")
     schedule.add_argument("--pp", type=int, default=2, help="pipeline ranks, one process each (1: no pipeline)")
     schedule.add_argument("--microbatches", type=int, default=4, help="microbatches per dp replica and step")
     schedule.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp * pp * tp)")
@@ -70,6 +73,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             layout = tuple(int(part) for part in args.layout.split(","))
         except ValueError:
             raise ConfigError(f"--layout {args.layout!r} must be comma-separated layer counts, e.g. 1,3,3,1") from None
+    custom = None
+    if getattr(args, "schedule_file", None):
+        from schedules.csv_io import schedule_from_csv  # noqa: PLC0415
+
+        custom = schedule_from_csv(args.schedule_file)
+        args.schedule, args.pp, args.microbatches = custom.name, custom.pp, custom.microbatches
+        virtual = custom.virtual_stages
     config = RunConfig(
         schedule=args.schedule, pp=args.pp, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel,
         dp_bucket_mb=args.dp_bucket_mb, microbatches=args.microbatches, virtual_stages=virtual,
@@ -77,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, steps=args.steps, seed=args.seed,
         optimizer=args.optimizer, lr=args.lr, dtype=args.dtype, backend=args.backend, timeout=args.timeout,
         threads=args.threads, layout=layout, inject_failure=args.inject_failure, p2p=args.p2p,
+        custom_schedule=custom,
     )
     config.check()
     return config

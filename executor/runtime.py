@@ -23,25 +23,11 @@ from torch import nn
 
 from executor.comm import PeerLinks, Pending, Posted
 from executor.models import PipelineModel
-from schedules.action import COMM_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind
+from schedules.action import RECV_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
 
 Key = tuple[int, int]  # (stage, microbatch)
-
-
-def program_items(program: tuple[Action, ...]) -> list[Action | tuple[Action, ...]]:
-    """The program with each run of consecutive communication actions grouped, since
-    a group is posted as one batch."""
-    items: list[Action | tuple[Action, ...]] = []
-    for action in program:
-        if action.kind in COMM_KINDS and items and not isinstance(items[-1], Action):
-            items[-1] = (*items[-1], action)
-        elif action.kind in COMM_KINDS:
-            items.append((action,))
-        else:
-            items.append(action)
-    return items
 
 
 class PipelineRuntime:
@@ -65,7 +51,7 @@ class PipelineRuntime:
         self.prefetch_recvs = prefetch_recvs and links is not None and not rendezvous
         self.progress = progress  # executor.progress.ProgressWriter: where the rank waits
         self.last_stage = schedule.num_stages - 1
-        self.items = program_items(schedule.programs[rank])
+        self.items = schedule.program_items(rank)  # P2P groups as lowering made them
         self.handlers: dict[str, Callable[[Action], None]] = {
             ActionKind.F: self.forward,
             ActionKind.B: self.backward,
@@ -75,6 +61,7 @@ class PipelineRuntime:
         self.current: Action | None = None
         self.current_group: tuple[Action, ...] | None = None  # the P2P group being waited for
         self.device_marks: list[tuple[tuple[Action, ...], Any]] = []  # (group, CUDA event at its end)
+        self.side_stream = None  # CUDA: where the completion of background sends is marked
         # What W differentiates, and the dtype/device of the loss, fixed once the stages are built.
         self.trainable = {stage: [p for p in module.parameters() if p.requires_grad]
                           for stage, module in stages.items()}
@@ -176,9 +163,14 @@ class PipelineRuntime:
     # -- communication --------------------------------------------------------------
 
     def communicate(self, group: tuple[Action, ...]) -> None:
-        """Post a P2P group as one batch, in the group's order; then wait for the whole
-        group (rendezvous) or for its receives (buffered). Receives already posted at
-        the start of the step (``prefetch_recvs``, buffered only) are only waited for."""
+        """Post a P2P group as one batch, in the group's order, then wait as the
+        semantics says (``schedules.p2p``). Rendezvous: a group holding a receive is
+        waited for whole (the next compute needs its data, and its sends complete with
+        it, as Megatron waits on every op of a batch); a group of sends alone completes
+        in the background, and on gloo the next group is posted only once it has (NCCL
+        runs a rank's groups one after another on its communication stream). Buffered:
+        only the receives are waited for. Receives already posted at the start of the
+        step (``prefetch_recvs``, buffered only) are only waited for here."""
         ops, prefetched = [], []
         for action in group:
             self.current = action
@@ -191,17 +183,25 @@ class PipelineRuntime:
                 prefetched.append(Posted(action, buffer, [work]))
             else:
                 ops.append((action, self.links.buffer(action)))
-        start = self.clock.mark()
-        posted = self.links.post(ops) if ops else []
+        if self.rendezvous and self.links.handshake and self.pending:
+            # The stream's previous groups complete before this one starts.
+            if self.progress is not None:
+                self.progress.waiting(f"action {'+'.join(str(p.item.action) for p in self.pending)}",
+                                      tuple(self.links.peer(p.item.action) for p in self.pending))
+            self.finish_sends()
         self.current_group = group
         if self.progress is not None:
             self.progress.waiting(f"action {'+'.join(map(str, group))}", tuple(self.links.peer(a) for a in group))
+        start = self.clock.mark()
+        posted = self.links.post(ops) if ops else []
+        receives = any(action.kind in RECV_KINDS for action in group)
         if self.rendezvous:
-            waited = posted
+            waited = posted if receives else []
+            background = [] if receives else posted
         else:
             waited = [item for item in posted if item.action.kind not in SEND_KINDS] + prefetched
-            self.pending.extend(Pending(item.action, item.works, item.tensor, start)
-                                for item in posted if item.action.kind in SEND_KINDS)
+            background = [item for item in posted if item.action.kind in SEND_KINDS]
+        self.pending.extend(Pending(item, start, self.completion_mark(item.works)) for item in background)
         done, ends = set(), []
         for item in waited:
             self.current = item.action
@@ -211,7 +211,7 @@ class PipelineRuntime:
                     done.add(id(work))
             self.links.check_token(item)
             ends.append(self.clock.mark())
-        end = ends[-1] if ends else self.clock.mark()
+        end = ends[-1] if ends else None
         for item, own_end in zip(waited, ends, strict=True):
             self.marks.append((item.action, start, end if self.rendezvous else own_end,
                                "send" if item.action.kind in SEND_KINDS else "recv"))
@@ -224,6 +224,22 @@ class PipelineRuntime:
         if self.progress is not None:
             self.progress.running()
         self.current_group = None
+
+    def completion_mark(self, works: list) -> Any:
+        """On a GPU, a CUDA event that completes when ``works`` do: recorded on a side
+        stream made to wait for them, so the compute stream does not wait and the
+        event's time is the transfer's end (not when the host happened to notice it).
+        On a CPU, None: the end is taken when the host sees the work complete."""
+        if self.links is None or self.links.device.type != "cuda":
+            return None
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(self.links.device)
+        with torch.cuda.stream(self.side_stream):
+            for work in works:
+                work.wait()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self.side_stream)
+        return event
 
     def follow_device(self) -> None:
         """On a GPU the host posts every group and runs ahead; before it blocks at the
@@ -266,19 +282,30 @@ class PipelineRuntime:
         return prefetched
 
     def poll_sends(self) -> None:
-        """Time sends that have completed since the last look."""
+        """Time sends that have completed since the last look (on a GPU their end is
+        already an event: they are only waited for at the end of the step)."""
+        if self.pending and self.pending[0].end is not None:
+            return
         still = []
         for pending in self.pending:
-            if all(work.is_completed() for work in pending.work):
-                self.marks.append((pending.action, pending.start, self.clock.mark(), "send"))
+            if all(work.is_completed() for work in pending.item.works):
+                self.links.check_token(pending.item)
+                self.marks.append((pending.item.action, pending.start, self.clock.mark(), "send"))
             else:
                 still.append(pending)
         self.pending = still
 
     def finish_sends(self) -> None:
+        """Wait for every send still in flight (the end of the step, or, under the gloo
+        handshake, before the next group starts)."""
+        done = set()
         for pending in self.pending:
-            self.current = pending.action
-            for work in pending.work:
-                work.wait()
-            self.marks.append((pending.action, pending.start, self.clock.mark(), "send"))
+            self.current = pending.item.action
+            for work in pending.item.works:
+                if id(work) not in done:
+                    work.wait()
+                    done.add(id(work))
+            self.links.check_token(pending.item)
+            end = pending.end if pending.end is not None else self.clock.mark()
+            self.marks.append((pending.item.action, pending.start, end, "send"))
         self.pending = []
