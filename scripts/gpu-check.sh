@@ -68,7 +68,8 @@ check() {
     esac
     tail -n 6 "$OUT/$name.log" | sed 's/^/   /'
     local detail
-    detail=$(grep -E "error|spread|gap|difference|MiB|fit |both lower" "$OUT/$name.log" | tail -n 1 | cut -c1-90)
+    detail=$(grep -E "error|spread|gap|difference|MiB|fit sendrecv|both lower|overheads" "$OUT/$name.log" \
+        | tail -n 1 | sed 's/^ *//' | cut -c1-100)
     ROWS+=("$(printf '%-26s %-8s %6s  %s' "$name" "$status" "$(( $(date +%s) - begin ))" "$detail")")
 }
 
@@ -85,14 +86,14 @@ if [ "$GPUS" -ge 2 ]; then
     fi
     MODEL=(--model gpt --layers 8 --hidden 1024 --heads 16 --seq-len 256 --batch-size 32 --microbatches 8)
     [ "$DRY" = 1 ] && MODEL=(--model gpt --layers 4 --hidden 32 --heads 4 --seq-len 16 --batch-size 8 --microbatches 4)
-    check profile-pp2 120 $PYTHON -m pipesim profile --pp 2 "${MODEL[@]}" --backend "$BACKEND" \
+    SCHEDULE=(--schedule interleaved-1f1b --pp 2 --virtual-stages 2)
+    check profile-pp2 120 $PYTHON -m pipesim profile "${SCHEDULE[@]}" "${MODEL[@]}" --backend "$BACKEND" \
         --min-time 1 --out "$OUT/costs.json"
     SIZES=1MB..256MB; [ "$DRY" = 1 ] && SIZES=1KB,64KB
     check bench-comm-2 90 $PYTHON -m pipesim bench-comm --ranks 2 --sizes "$SIZES" --backend "$BACKEND" \
         --out "$OUT/links.json"
     if [ -f "$OUT/costs.json" ] && [ -f "$OUT/links.json" ]; then
-        check compare-pp2 120 $PYTHON -m pipesim compare --schedule interleaved-1f1b --pp 2 --virtual-stages 2 \
-            "${MODEL[@]}" --backend "$BACKEND" --costs "$OUT/costs.json" --topology "$OUT/links.json" \
+        check compare-pp2 120 $PYTHON -m pipesim compare "${SCHEDULE[@]}" "${MODEL[@]}" --backend "$BACKEND" --costs "$OUT/costs.json" --topology "$OUT/links.json" \
             --json "$OUT/compare.json"
     else
         ROWS+=("$(printf '%-26s %-8s %6s  %s' compare-pp2 FAIL - "no costs or links from the checks above")"); FAILED=1

@@ -72,7 +72,7 @@ def handle(args: argparse.Namespace) -> int:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
     if config.dp > 1 or config.tp > 1:
         raise ValueError("compare calibrates pipeline runs only for now: use --dp 1 --tp 1")
-    from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
+    from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
     from executor.spawn import SpawnError  # noqa: PLC0415
     from pipesim.comparison import compare, report_lines  # noqa: PLC0415
     from pipesim.simulation import run_simulation  # noqa: PLC0415
@@ -85,7 +85,8 @@ def handle(args: argparse.Namespace) -> int:
     except (PipelineRunError, SpawnError) as error:
         print(f"pipesim compare: run failed: {error}", file=sys.stderr)
         return 1
-    predicted = run_simulation(schedule, costs, topology)
+    # Predicted under the semantics the run had (--p2p, else its backend's).
+    predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config))
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
                        args.warmup_steps)
     print("\n".join(report_lines(document)))
