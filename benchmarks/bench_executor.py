@@ -63,7 +63,7 @@ def torch_pipelining_runner(config, class_name: str):
                                        output_grads=None if stage == last_stage else activation)
               for stage in stage_ids]
     params = [p for module in modules.values() for p in module.parameters()]
-    optimizer = torch.optim.SGD(params, lr=config.lr)
+    optimizer = torch.optim.SGD(params, lr=config.learning_rate)
 
     def loss_fn(output, target):
         return model.loss_sum(output, target) / config.batch_size

@@ -1,6 +1,7 @@
 """The cluster table in docs/cluster-model.md: one model on nvlink, pcie and ib for
-GPipe, 1F1B and interleaved 1F1B, with step time, bubble, exposed communication by
-kind and peak memory. Every number comes from the same path as ``pipesim simulate``.
+GPipe, 1F1B and interleaved 1F1B, with step time, bubble (fraction, and seconds a
+rank waited for its producers), exposed communication by kind and peak memory.
+Every number comes from the same path as ``pipesim simulate``.
 
 Run: ``PYTHONPATH=. python benchmarks/cluster_table.py`` (prints a Markdown table).
 """
@@ -28,9 +29,9 @@ def table(model: str, pp: int, microbatches: int) -> str:
         f"{spec.name} (seq {spec.seq_len}, microbatch {spec.microbatch_size}), pp={pp}, "
         f"{microbatches} microbatches, MFU 0.5, bf16 + Adam (16 B/param), ring collectives, DDP overlap on",
         "",
-        "| topology | dp x tp | schedule | step time (s) | bubble | exposed p2p (s) | tp (s) | exposed dp (s) "
-        "| peak memory (GB) | fits 80 GB |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| topology | dp x tp | schedule | step time (s) | bubble | bubble (s) | exposed p2p (s) | tp (s) "
+        "| exposed dp (s) | peak memory (GB) | fits 80 GB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, nodes, dp, tp in CLUSTERS:
         topology = load_topology(name, nodes)
@@ -47,13 +48,16 @@ def table(model: str, pp: int, microbatches: int) -> str:
             lines.append(
                 f"| {name}{f' x{nodes}' if nodes > 1 else ''} | {dp} x {tp} | {label} "
                 f"| {result.metrics.makespan:.3f} | {result.metrics.bubble_fraction:.1%} "
+                f"| {max(rank.bubble for rank in result.metrics.ranks):.3f} "
                 f"| {max(rank['p2p']['exposed'] for rank in comm):.3f} "
                 f"| {max(rank['tp']['exposed'] for rank in comm):.3f} "
                 f"| {max(rank['dp']['exposed'] for rank in comm):.3f} "
                 f"| {worst.peak_bytes / 1e9:.1f} (rank {worst.rank}) | {'no' if result.oom else 'yes'} |"
             )
     lines.append("")
-    lines.append("exposed p2p / tp / dp and peak memory: the largest over the pipeline's ranks.")
+    lines.append("bubble (s), exposed p2p / tp / dp and peak memory: the largest over the pipeline's ranks. "
+                 "Bubble: waiting for a peer (data not sent yet, or a send not yet matched by its receive), "
+                 "or idle while the pipeline fills and drains; exposed p2p: waiting while the data was in flight.")
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ pickle it to every rank) without loading torch until a run really starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from schedules.generators import generate
@@ -16,6 +17,14 @@ MODELS = ("mlp", "gpt")
 OPTIMIZERS = ("sgd", "adamw")
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+MIXED_DTYPES = ("bfloat16", "float16")  # compute under autocast over float32 master weights
+
+# Each optimizer's own defaults: (learning rate, weight decay on matrices). AdamW's are the
+# LLM-pretraining values of LLaMA (Touvron et al. 2023, sec. 2.2: AdamW, betas (0.9, 0.95),
+# weight decay 0.1, peak lr 3e-4 for the 7B and 13B models), also GPT-3's betas and decay
+# (Brown et al. 2020, appendix B); SGD keeps the executor's long-standing 0.01 and no decay.
+OPTIMIZER_DEFAULTS = {"sgd": (0.01, 0.0), "adamw": (3e-4, 0.1)}
+ADAMW_BETAS = (0.9, 0.95)
 FAILURE_MODES = ("raise", "kill", "hang")
 P2P_SEMANTICS = ("rendezvous", "buffered")  # as schedules.p2p names them
 
@@ -42,6 +51,13 @@ class RunConfig:
     ``p2p`` names the point-to-point semantics the run is checked and run under:
     ``rendezvous`` (NCCL's rule; on gloo emulated by a handshake, receives never posted
     ahead) or ``buffered`` (gloo's); ``None`` takes the backend's own.
+    ``lr`` and ``weight_decay`` default (``None``) to the optimizer's own values
+    (``OPTIMIZER_DEFAULTS``); weight decay applies to matrices only, never to biases or
+    norm weights. ``dtype`` ``float32``/``float64`` runs the whole model in that type;
+    ``bfloat16``/``float16`` keeps float32 master weights and computes under autocast in
+    that type (activations cross stages in it; ``float16`` adds dynamic loss scaling).
+    ``grad_reduce_dtype`` is the type the dp gradient all-reduce sends (default: the
+    master weights' type).
     ``inject_failure`` (``"RANK:ACTION:MODE"``, e.g. ``"1:1B0:kill"``) makes that rank
     raise, die or hang just before that action of the first step: it exists so the failure
     path can be tested and demonstrated, never set it in a real run.
@@ -65,8 +81,10 @@ class RunConfig:
     steps: int = 1
     seed: int = 0
     optimizer: str = "sgd"
-    lr: float = 0.01
+    lr: float | None = None
+    weight_decay: float | None = None
     dtype: str = "float32"
+    grad_reduce_dtype: str | None = None
     backend: str = "auto"
     timeout: float = 60.0
     threads: int = 1
@@ -98,6 +116,26 @@ class RunConfig:
             return self.p2p
         return "rendezvous" if backend == "nccl" else "buffered"
 
+    @property
+    def learning_rate(self) -> float:
+        """``lr``, or the optimizer's default learning rate."""
+        return OPTIMIZER_DEFAULTS[self.optimizer][0] if self.lr is None else self.lr
+
+    @property
+    def decay(self) -> float:
+        """``weight_decay``, or the optimizer's default (applied to matrices only)."""
+        return OPTIMIZER_DEFAULTS[self.optimizer][1] if self.weight_decay is None else self.weight_decay
+
+    @property
+    def master_dtype(self) -> str:
+        """The type the weights, their gradients and the loss are kept in."""
+        return "float64" if self.dtype == "float64" else "float32"
+
+    @property
+    def reduce_dtype(self) -> str:
+        """The type the dp gradient all-reduce sends."""
+        return self.grad_reduce_dtype or self.master_dtype
+
     def prefetch_receives(self, backend: str) -> bool:
         """Whether receives are posted ahead on this backend (see ``prefetch_recvs``):
         never under rendezvous semantics, where a receive is posted at its place."""
@@ -107,6 +145,7 @@ class RunConfig:
 
     def check(self) -> None:
         """Raise ``ConfigError`` naming the flag when a value cannot work."""
+        check_rank_values(self)
         for flag, value in (("--pp", self.pp), ("--dp", self.dp), ("--tp", self.tp),
                             ("--microbatches", self.microbatches),
                             ("--virtual-stages", self.virtual_stages), ("--layers", self.layers),
@@ -115,9 +154,11 @@ class RunConfig:
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
         for flag, value, valid in (("--model", self.model, MODELS), ("--optimizer", self.optimizer, OPTIMIZERS),
-                                   ("--backend", self.backend, BACKENDS), ("--dtype", self.dtype, DTYPES)):
+                                   ("--backend", self.backend, BACKENDS), ("--dtype", self.dtype, DTYPES),
+                                   ("--grad-reduce-dtype", self.reduce_dtype, DTYPES)):
             if value not in valid:
                 raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(valid)}")
+        check_optimizer(self)
         if self.batch_size % self.dp:
             raise ConfigError(
                 f"--batch-size {self.batch_size} cannot be split evenly across --dp {self.dp} replicas; "
@@ -155,13 +196,19 @@ class RunConfig:
                     f"stages={custom.num_stages}; the run asks for pp={self.pp}, "
                     f"microbatches={self.microbatches}, stages={self.num_stages}"
                 )
-        if self.inject_failure is not None:
-            parse_failure(self.inject_failure)
         if self.p2p is not None and self.p2p not in P2P_SEMANTICS:
             raise ConfigError(f"--p2p {self.p2p!r} is not one of: {', '.join(P2P_SEMANTICS)}")
         if self.p2p == "buffered" and self.backend == "nccl":
             raise ConfigError("--p2p buffered describes gloo; NCCL matches in posting order and a send may wait "
                               "for its receive: use --p2p rendezvous (the default on nccl)")
+        check_schedule_and_failure(self)
+
+
+def check_optimizer(config: RunConfig) -> None:
+    """A weight decay must be a finite number >= 0 (the learning rate is checked with
+    the other rank values)."""
+    if config.weight_decay is not None and not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
+        raise ConfigError(f"--weight-decay must be a finite number >= 0, got {config.weight_decay}")
 
 
 def check_tensor_parallel(config: RunConfig) -> None:
@@ -207,3 +254,53 @@ def even_layout(layers: int, stages: int) -> tuple[int, ...]:
     for stage in order[:extra]:
         sizes[stage] += 1
     return tuple(sizes)
+
+
+MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds; torch turns the timeout into an integer count of ms
+
+
+def check_rank_values(config: RunConfig) -> None:
+    """The values only a rank would trip over (a zero-sized vocabulary, a NaN learning
+    rate, an infinite timeout), refused here before any process starts."""
+    for flag, value in (("--heads", config.heads), ("--vocab", config.vocab), ("--seq-len", config.seq_len)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    lr = 0.0 if config.lr is None else config.lr  # None: the optimizer's own default, always valid
+    for flag, value in (("--lr", lr), ("--dp-bucket-mb", config.dp_bucket_mb), ("--timeout", config.timeout)):
+        if not math.isfinite(value):
+            raise ConfigError(f"{flag} must be a finite number, got {value}")
+    if lr < 0:
+        raise ConfigError(f"--lr must be >= 0, got {lr}")
+    if config.model == "mlp" and config.layout is not None and 0 in config.layout:
+        stage = config.layout.index(0)
+        raise ConfigError(
+            f"--layout {','.join(map(str, config.layout))} gives stage {stage} no layers; an mlp stage has "
+            "nothing else to train, so every stage needs at least one layer"
+        )
+    if config.timeout > MAX_TIMEOUT:
+        raise ConfigError(f"--timeout must be at most {MAX_TIMEOUT:g} seconds (7 days), got {config.timeout:g}")
+
+
+def check_schedule_and_failure(config: RunConfig) -> None:
+    """The schedule must be one that can be built (``--virtual-stages 2`` needs a
+    multi-chunk schedule), and ``--inject-failure`` must name a rank that exists and an
+    action in that rank's lowered program, or the injected failure would never fire."""
+    try:
+        schedule = build_schedule(config)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if config.inject_failure is None:
+        return
+    rank, action, _ = parse_failure(config.inject_failure)
+    if rank >= config.world_size:
+        raise ConfigError(
+            f"--inject-failure {config.inject_failure!r}: rank {rank} does not exist; "
+            f"the run has ranks 0 to {config.world_size - 1}"
+        )
+    pipeline_rank = rank // (config.dp * config.tp)  # tp innermost, then dp, then pp (executor.mesh)
+    program = [str(step) for step in schedule.programs[pipeline_rank]]
+    if action not in program:
+        raise ConfigError(
+            f"--inject-failure {config.inject_failure!r}: rank {rank} (pipeline rank {pipeline_rank}) never runs "
+            f"{action}; its program is {' '.join(program[:12])}{' ...' if len(program) > 12 else ''}"
+        )

@@ -21,6 +21,12 @@ rank's other stages, and its per-forward hooks would have to be steered through 
 microbatch and the I/W split. The reduction here is the same bucketed ``all_reduce``
 DDP issues, on the DTensors' local shards: a tp shard is averaged with the same shard
 of every other replica, which is exactly the dp sub-mesh of the (dp, pp, tp) mesh.
+
+The reduction's type (``--grad-reduce-dtype``) is the master gradients' type by default
+(float32), as DDP reduces in the gradients' own type; ``bfloat16`` halves the bytes on
+the wire at the cost of rounding each replica's gradient and the sum, which is what
+Megatron-LM's ``--grad-reduce-in-bf16`` does. The bucket is cast to that type before the
+all-reduce and the average is written back into the float32 gradients.
 """
 
 from __future__ import annotations
@@ -73,9 +79,11 @@ class GradientAverager:
     finishes them all (divide by dp, copy back) before the optimizer step."""
 
     def __init__(self, stages: dict[int, nn.Module], program: tuple[Action, ...], group: dist.ProcessGroup,
-                 replicas: int, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> None:
+                 replicas: int, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.group = group
         self.replicas = replicas
+        self.reduce_dtype = reduce_dtype  # None: the gradients' own type
         self.last_backward = {action.stage: action for action in program if action.kind in WEIGHT_GRAD_DONE_KINDS}
         self.buckets = {stage: bucket_parameters(module, bucket_bytes) for stage, module in stages.items()}
         self.in_flight: list[BucketReduction] = []
@@ -94,6 +102,8 @@ class GradientAverager:
                     param.grad = torch.zeros_like(param)
                 grads.append(local_tensor(param.grad))
             flat = torch.cat([grad.reshape(-1) for grad in grads])
+            if self.reduce_dtype is not None:
+                flat = flat.to(self.reduce_dtype)
             times = [time.perf_counter()]
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             work.get_future().add_done_callback(lambda _future, times=times: times.append(time.perf_counter()))
@@ -112,11 +122,12 @@ class GradientAverager:
                 reduction.work.wait()
                 if len(reduction.times) < 2:
                     reduction.times.append(time.perf_counter())
-                reduction.flat.div_(self.replicas)
+                # Average in the gradients' own type, whatever type the sum travelled in.
+                flat = reduction.flat.to(reduction.grads[0].dtype).div_(self.replicas)
                 offset = 0
                 for grad in reduction.grads:
                     count = grad.numel()
-                    grad.copy_(reduction.flat[offset:offset + count].view_as(grad))
+                    grad.copy_(flat[offset:offset + count].view_as(grad))
                     offset += count
                 timings.append((reduction.stage, reduction.times[0], reduction.times[1]))
         self.in_flight = []

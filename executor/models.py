@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
 from torch import nn
 
-from executor.config import RunConfig, even_layout
+from executor.config import ADAMW_BETAS, RunConfig, even_layout
 
 
 @contextmanager
@@ -74,7 +74,8 @@ class LayeredModel(PipelineModel):
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
-        self.dtype = getattr(torch, config.dtype)
+        # Weights are built in the master type: float32 under bf16/fp16 autocast.
+        self.dtype = getattr(torch, config.master_dtype)
         self.layout = config.layout or even_layout(config.layers, config.num_stages)
 
     def first_block(self, stage: int) -> int:
@@ -209,6 +210,20 @@ def build_model(config: RunConfig) -> PipelineModel:
 def build_optimizer(config: RunConfig, params: Iterable[torch.Tensor], lr: float | None = None,
                     **options) -> torch.optim.Optimizer:
     """The optimizer named by ``config.optimizer`` over ``params``, at ``lr`` (default
-    ``config.lr``); ``options`` go to its constructor as given."""
-    optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.SGD
-    return optimizer_class(params, lr=config.lr if lr is None else lr, **options)
+    ``config.learning_rate``: the optimizer's own default unless ``--lr`` is given);
+    ``options`` go to its constructor as given.
+
+    Weight decay (``config.decay``) applies to matrices (linear and embedding weights)
+    only: biases and norm weights are one-dimensional and are not decayed, the split
+    Megatron-LM and nanoGPT make (decaying a norm's gain pulls it towards zero, which
+    only shrinks the signal). AdamW uses the betas of LLM pretraining, ``ADAMW_BETAS``.
+    """
+    params = list(params)
+    decay = config.decay
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [group for group in groups if group["params"]] or [{"params": params}]
+    lr = config.learning_rate if lr is None else lr
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=ADAMW_BETAS, **options)
+    return torch.optim.SGD(groups, lr=lr, **options)

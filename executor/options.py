@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import argparse
 
-from executor.config import BACKENDS, DTYPES, MODELS, OPTIMIZERS, P2P_SEMANTICS, ConfigError, RunConfig
+from executor.config import (
+    ADAMW_BETAS,
+    BACKENDS,
+    DTYPES,
+    MODELS,
+    OPTIMIZER_DEFAULTS,
+    OPTIMIZERS,
+    P2P_SEMANTICS,
+    ConfigError,
+    RunConfig,
+)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,9 +52,21 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     train = parser.add_argument_group("training")
     train.add_argument("--steps", type=int, default=1)
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
-    train.add_argument("--lr", type=float, default=0.01)
-    train.add_argument("--dtype", choices=DTYPES, default="float32")
+    (sgd_lr, sgd_decay), (adamw_lr, adamw_decay) = OPTIMIZER_DEFAULTS["sgd"], OPTIMIZER_DEFAULTS["adamw"]
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                       help=f"sgd (plain) or adamw (betas {ADAMW_BETAS}, as in LLM pretraining) (default sgd)")
+    train.add_argument("--lr", type=float, default=None,
+                       help=f"learning rate (default: the optimizer's own: sgd {sgd_lr:g}, adamw {adamw_lr:g})")
+    train.add_argument("--weight-decay", type=float, default=None,
+                       help=f"decoupled weight decay on matrices, never on biases or norm weights "
+                       f"(default: sgd {sgd_decay:g}, adamw {adamw_decay:g})")
+    train.add_argument("--dtype", choices=DTYPES, default="float32",
+                       help="float32/float64: the whole model in that type; bfloat16/float16: float32 master "
+                       "weights, compute under autocast, loss in float32 (float16 with dynamic loss scaling) "
+                       "(default float32)")
+    train.add_argument("--grad-reduce-dtype", choices=DTYPES, default=None,
+                       help="type of the dp gradient all-reduce on the wire (default: the master weights', "
+                       "float32, or float64 with --dtype float64)")
     runtime = parser.add_argument_group("runtime")
     runtime.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: nccl with CUDA, else gloo")
     runtime.add_argument("--timeout", type=float, default=60.0,
@@ -85,7 +107,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         dp_bucket_mb=args.dp_bucket_mb, microbatches=args.microbatches, virtual_stages=virtual,
         model=args.model, layers=args.layers, hidden=args.hidden, batch_size=args.batch_size,
         seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, steps=args.steps, seed=args.seed,
-        optimizer=args.optimizer, lr=args.lr, dtype=args.dtype, backend=args.backend, timeout=args.timeout,
+        optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, dtype=args.dtype,
+        grad_reduce_dtype=args.grad_reduce_dtype, backend=args.backend, timeout=args.timeout,
         threads=args.threads, layout=layout, inject_failure=args.inject_failure, p2p=args.p2p,
         custom_schedule=custom,
     )

@@ -33,6 +33,7 @@ from executor.config import ConfigError, RunConfig, build_schedule
 from executor.estimate import DEFAULT_MIN_TIME, ROUNDS, robust_mean
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.overheads import measure_overheads, microbatch_size
+from executor.precision import Precision
 from executor.process import init_rank
 from executor.spawn import launch_ranks
 
@@ -99,6 +100,7 @@ class StageProbe:
         self.activation = torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype).to(device)
         self.output_grad = None if self.last else torch.randn(shape, generator=generator).to(dtype).to(device) * 1e-3
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.precision = Precision(config, device)  # bf16/fp16: autocast, as the runtime runs it
 
     def input(self) -> torch.Tensor:
         if self.first:
@@ -106,9 +108,9 @@ class StageProbe:
         return self.activation.detach().clone().requires_grad_(True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        output = self.module(x)
+        output = self.precision.forward(self.module, x)
         if self.last:
-            output = self.model.loss_sum(output, self.target) / self.config.batch_size
+            output = self.model.loss_sum(self.precision.for_loss(output), self.target) / self.config.batch_size
         return output
 
     def time_forward_backward(self, device: torch.device, warmup: int, repeats: int,

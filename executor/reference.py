@@ -4,34 +4,53 @@ Every stage is built on one process and the whole batch runs through them in one
 forward and one backward of the mean loss. A pipelined step is correct when its loss and
 every gradient equal this one's (float64: to 1e-10), and a multi-step run is correct
 when its loss curve equals this one's.
+
+bf16/fp16 runs go through the same ``Precision`` casts (autocast per stage, activations
+rounded to the wire type between stages, the loss in float32), and fp16's loss scaling
+is ``torch.amp.GradScaler`` itself: the pipelined runtime's own scaler is checked
+against it.
 """
 
 from __future__ import annotations
 
+import torch
+
 from executor.config import RunConfig
 from executor.models import PipelineModel, build_model, build_optimizer
+from executor.precision import Precision
 
 
 def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict:
     """Losses of ``config.steps`` steps and the first step's gradients, named
-    ``"{stage}.{parameter}"`` like a pipelined run's."""
+    ``"{stage}.{parameter}"`` like a pipelined run's; with fp16, also the steps the
+    ``GradScaler`` skipped and its final scale."""
     model = model or build_model(config)
     num_stages = config.num_stages
     stages = [model.build_stage(stage, num_stages) for stage in range(num_stages)]
     params = [p for stage in stages for p in stage.parameters()]
     optimizer = build_optimizer(config, params)
-    losses, grads = [], {}
+    precision = Precision(config)
+    scaler = torch.amp.GradScaler("cpu", enabled=config.dtype == "float16")
+    losses, grads, skipped = [], {}, []
     for step in range(config.steps):
         inputs, targets = model.make_batch(step, config.batch_size)
         optimizer.zero_grad(set_to_none=True)
         output = inputs
-        for stage in stages:
-            output = stage(output)
-        loss = model.loss_sum(output, targets) / config.batch_size
-        loss.backward()
+        for index, stage in enumerate(stages):
+            output = precision.forward(stage, output)
+            if index < num_stages - 1:
+                output = precision.to_wire(output)
+        loss = model.loss_sum(precision.for_loss(output), targets) / config.batch_size
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
         if step == 0:
             grads = {f"{index}.{name}": p.grad.detach().clone()
                      for index, stage in enumerate(stages) for name, p in stage.named_parameters()}
-        optimizer.step()
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        if scaler.is_enabled() and scaler.get_scale() < scale:  # GradScaler backs off only when it skipped
+            skipped.append(step)
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads}
+    return {"losses": losses, "grads": grads, "skipped_steps": skipped,
+            "loss_scale": scaler.get_scale() if scaler.is_enabled() else 1.0}

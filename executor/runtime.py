@@ -4,10 +4,11 @@
 backward; ``I`` computes only the input gradient (keeping the graph for ``W``) and ``W``
 the weight gradients, so zero-bubble schedules run unchanged. Each P2P group of the
 program is posted as one batch (``executor.comm``). Under ``rendezvous`` semantics (NCCL,
-or gloo emulating it) the rank then waits for the whole group, as Megatron waits on
-every op of a batch; under ``buffered`` (gloo) only its receives are waited for, since
-the next compute action needs their data, and sends complete in the background and are
-timed when they are seen to finish. Stashes are dropped as soon as the backward that
+or gloo emulating it) a group holding a receive is waited for whole, as Megatron waits
+on every op of a batch, and a group of sends alone completes in the background; under
+``buffered`` (gloo) only receives are waited for, since the next compute action needs
+their data. Sends in the background are timed when they are seen to finish (on a GPU,
+by an event that completes with them). Stashes are dropped as soon as the backward that
 needed them is done.
 """
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from executor.comm import PeerLinks, Pending, Posted
 from executor.models import PipelineModel
+from executor.precision import Precision
 from schedules.action import RECV_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
@@ -36,8 +38,8 @@ class PipelineRuntime:
     def __init__(self, rank: int, schedule: Schedule, stages: dict[int, nn.Module], model: PipelineModel,
                  links: PeerLinks | None, clock: Any, batch_size: int,
                  before_action: Callable[[Action], None] | None = None, prefetch_recvs: bool = False,
-                 after_action: Callable[[Action], None] | None = None, rendezvous: bool = False,
-                 progress: Any = None) -> None:
+                 after_action: Callable[[Action], None] | None = None, precision: Precision | None = None,
+                 rendezvous: bool = False, progress: Any = None) -> None:
         self.rank = rank
         self.schedule = schedule
         self.stages = stages
@@ -50,6 +52,8 @@ class PipelineRuntime:
         self.rendezvous = rendezvous  # wait for whole groups; never post a receive ahead
         self.prefetch_recvs = prefetch_recvs and links is not None and not rendezvous
         self.progress = progress  # executor.progress.ProgressWriter: where the rank waits
+        self.precision = precision or Precision()
+        self.loss_scale = 1.0  # set each step by fp16's dynamic loss scaling
         self.last_stage = schedule.num_stages - 1
         self.items = schedule.program_items(rank)  # P2P groups as lowering made them
         self.handlers: dict[str, Callable[[Action], None]] = {
@@ -66,7 +70,8 @@ class PipelineRuntime:
         self.trainable = {stage: [p for p in module.parameters() if p.requires_grad]
                           for stage, module in stages.items()}
         param = next((p for stage in stages.values() for p in stage.parameters()), None)
-        self.loss_dtype = param.dtype if param is not None else torch.float32
+        # The loss adds up in float32 at least, whatever type the stages compute in.
+        self.loss_dtype = torch.float64 if param is not None and param.dtype == torch.float64 else torch.float32
         self.loss_device = param.device if param is not None else None
 
     # -- the walk -------------------------------------------------------------------
@@ -119,25 +124,26 @@ class PipelineRuntime:
             x = self.inputs[microbatch]
         else:
             x = self.forward_inputs.pop((stage, microbatch)).requires_grad_(True)
-        output = self.stages[stage](x)
+        output = self.precision.forward(self.stages[stage], x)
         if stage == self.last_stage:
-            output = self.model.loss_sum(output, self.targets[microbatch]) / self.batch_size
-            self.loss += output.detach()
+            loss = self.model.loss_sum(self.precision.for_loss(output), self.targets[microbatch]) / self.batch_size
+            self.loss += loss.detach().to(self.loss_dtype)
+            output = loss * self.loss_scale if self.loss_scale != 1.0 else loss
         elif self.schedule.placement[stage + 1] == self.rank:
-            self.forward_inputs[(stage + 1, microbatch)] = output.detach()
+            self.forward_inputs[(stage + 1, microbatch)] = self.precision.to_wire(output.detach())
         else:
-            self.outbox[(ActionKind.SEND_F, stage, microbatch)] = output.detach()
+            self.outbox[(ActionKind.SEND_F, stage, microbatch)] = self.precision.to_wire(output.detach())
         self.stash[(stage, microbatch)] = (x if stage > 0 else None, output)
 
     def backward(self, action: Action) -> None:
         x, output = self.stash.pop((action.stage, action.microbatch))
-        torch.autograd.backward(output, self.output_grad(action))
+        torch.autograd.backward(output, self.output_grad(action, output))
         if x is not None:
             self.deliver_input_grad(action, x.grad)
 
     def input_grad(self, action: Action) -> None:
         x, output = self.stash.pop((action.stage, action.microbatch))
-        grad = self.output_grad(action)
+        grad = self.output_grad(action, output)
         if x is not None:
             (input_grad,) = torch.autograd.grad(output, [x], grad, retain_graph=True)
             self.deliver_input_grad(action, input_grad)
@@ -147,11 +153,12 @@ class PipelineRuntime:
         output, grad = self.weight_work.pop((action.stage, action.microbatch))
         torch.autograd.backward(output, grad, inputs=self.trainable[action.stage])
 
-    def output_grad(self, action: Action) -> torch.Tensor | None:
-        """The gradient flowing into this stage's output (none for the loss itself)."""
+    def output_grad(self, action: Action, output: torch.Tensor) -> torch.Tensor | None:
+        """The gradient flowing into this stage's output (none for the loss itself), in
+        the output's type (it crossed the wire in the low-precision one)."""
         if action.stage == self.last_stage:
             return None
-        return self.output_grads.pop((action.stage, action.microbatch))
+        return self.output_grads.pop((action.stage, action.microbatch)).to(output.dtype)
 
     def deliver_input_grad(self, action: Action, grad: torch.Tensor) -> None:
         stage, microbatch = action.stage, action.microbatch

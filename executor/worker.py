@@ -23,6 +23,7 @@ from executor.data_parallel import GradientAverager
 from executor.gather import dp_event, gather_events, tp_event
 from executor.mesh import build_mesh
 from executor.models import PipelineModel, build_model, build_optimizer
+from executor.precision import LossScaler, Precision
 from executor.process import init_rank
 from executor.progress import ProgressWriter, progress_dir_from_env
 from executor.runtime import PipelineRuntime
@@ -98,13 +99,16 @@ class RankRun:
             for stage in self.stages.values():
                 parallelize_stage(stage, self.mesh.submesh("tp"), config.sequence_parallel)
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
-        params = [p for stage in self.stages.values() for p in stage.parameters()]
+        self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
         # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
         self.optimizer = build_optimizer(config, params, foreach=False if config.tp > 1 else None)
+        self.scaler = LossScaler(enabled=config.dtype == "float16")
+        self.skipped_steps: list[int] = []
         self.averager = None
         if config.dp > 1:
             self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
-                                             config.dp, config.dp_bucket_mb * 2**20)
+                                             config.dp, config.dp_bucket_mb * 2**20,
+                                             reduce_dtype=getattr(torch, config.reduce_dtype))
         batch = config.replica_batch_size
         sizes = [len(part) for part in torch.tensor_split(torch.arange(batch), config.microbatches)]
         # Pipeline peers are the processes at the same (dp, tp) position of the mesh.
@@ -116,7 +120,8 @@ class RankRun:
         self.runtime = PipelineRuntime(pp_rank, schedule, self.stages, model, self.links, self.clock,
                                        batch, action_hook(config, rank, progress), progress=progress,
                                        prefetch_recvs=config.prefetch_receives(backend), rendezvous=rendezvous,
-                                       after_action=self.averager.after_action if self.averager else None)
+                                       after_action=self.averager.after_action if self.averager else None,
+                                       precision=Precision(config, device))
         self.waiting_on: str | None = None  # a step-level collective the rank is blocked in
         self.losses: list[float] = []
         self.step_times: list[float] = []
@@ -138,6 +143,7 @@ class RankRun:
         if self.world > 1:
             self.wait_for("in the step's barrier", dist.barrier)
         started = time.perf_counter()
+        self.runtime.loss_scale = self.scaler.scale
         try:
             if self.tp_timer is not None:
                 with self.tp_timer.timing():
@@ -149,10 +155,16 @@ class RankRun:
             where = self.waiting_on or self.runtime.where()
             raise RankFailedError(f"rank {self.rank} failed in step {step} {where}: "
                                   f"{type(error).__name__}: {error}") from error
+        # fp16: every rank of the job skips the step if any gradient anywhere overflowed.
+        overflow = self.scaler.unscale([p.grad for p in self.params])
         if config.return_grads and step == 0:
             self.grads = {f"{stage}.{name}": full_tensor(p.grad).detach().cpu().clone()
                           for stage, module in self.stages.items() for name, p in module.named_parameters()}
-        self.optimizer.step()
+        if overflow:
+            self.skipped_steps.append(step)
+        else:
+            self.optimizer.step()
+        self.scaler.update(overflow)
         if self.world > 1:
             # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank.
             self.wait_for("in the loss all-reduce", lambda: dist.all_reduce(loss))
@@ -204,7 +216,8 @@ class RankRun:
                 "world_size": self.world, "step": len(self.losses) - 1, **shape}
         if self.world > 1:
             events = gather_events(schedule, self.pp_rank, events, self.device, self.mesh.group("pp"))
-        result = {"rank": self.rank, "grads": self.grads}
+        result = {"rank": self.rank, "grads": self.grads, "skipped_steps": self.skipped_steps,
+                  "loss_scale": self.scaler.scale}
         if self.rank == 0:
             result.update(schedule=schedule.name, pp=schedule.pp, microbatches=schedule.microbatches,
                           virtual_stages=schedule.virtual_stages, world_size=self.world, backend=self.backend,

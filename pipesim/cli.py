@@ -3,21 +3,31 @@
 Each subcommand lives in its own module under ``pipesim.commands`` and registers
 itself with ``register(subparsers)``; heavy dependencies (torch, plotly) are imported
 inside the command that needs them, so ``pipesim simulate`` never loads torch.
+
+``main`` is the one error boundary: whatever a command raises becomes one line on
+stderr naming the command, with exit status 2 for a bad input (a flag, a file) and 1
+for anything else; ``--verbose`` shows the traceback instead. Output paths are
+checked before the command starts (``pipesim.commands.files``).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from pipesim.commands.files import PLOTLY_MODES, check_outputs
 
 # Subcommand modules, in the order ``pipesim --help`` lists them.
 COMMAND_MODULES = (
     "demo",
     "simulate",
     "sweep",
+    "plan",
     "show",
     "export",
+    "draw",
     "topology",
     "run",
     "profile",
@@ -25,9 +35,52 @@ COMMAND_MODULES = (
     "compare",
 )
 
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a command killed by SIGPIPE
+
 
 class CommandError(Exception):
     """An error in what the user asked for: printed as one line, exit status 2."""
+
+
+def version() -> str:
+    """The installed distribution's version (the source tree's when run uninstalled)."""
+    from importlib.metadata import PackageNotFoundError  # noqa: PLC0415
+    from importlib.metadata import version as distribution_version  # noqa: PLC0415
+
+    try:
+        return distribution_version("pipesim")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def subparsers_of(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every parser below ``parser`` (``topology show`` included), depth first."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                found += [child, *subparsers_of(child)]
+    return found
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    """What every subcommand takes: ``--verbose``, and ``--plotly`` where it draws charts.
+
+    Added here, once, so a command (or a flag added to one later) cannot miss them;
+    abbreviations are switched off so ``--dtype`` never silently means ``--dtype-bytes``.
+    """
+    parser.allow_abbrev = False
+    options = parser._option_string_actions
+    if "--verbose" not in options:
+        # SUPPRESS: a subcommand's default must not overwrite ``pipesim --verbose CMD``.
+        parser.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                            help="show the Python traceback when the command fails")
+    if "--html" in options and "--plotly" not in options:
+        parser.add_argument("--plotly", choices=PLOTLY_MODES, default="inline",
+                            help="charts embed plotly.js (inline, ~4.8 MB, opens offline; default) "
+                                 "or load it from the plotly CDN (cdn, small files, needs the network)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,9 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipesim",
         description="Simulate, run and compare pipeline-parallel training schedules.",
+        allow_abbrev=False,
     )
+    parser.add_argument("--version", action="version", version=f"pipesim {version()}")
+    parser.add_argument("--verbose", action="store_true", help="show the Python traceback when a command fails")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    subparsers.required = True
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(f"pipesim.commands.{name}")
@@ -46,21 +101,65 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # that command is not part of this build
             raise
         module.register(subparsers)
+    for child in subparsers_of(parser):
+        add_common_flags(child)
     return parser
+
+
+def error_line(command: str, error: BaseException) -> tuple[str, int]:
+    """The one line printed for ``error``, and the exit status."""
+    prefix = f"pipesim {command}: error:"
+    if isinstance(error, OSError) and error.filename is not None:
+        reason = "no such file" if isinstance(error, FileNotFoundError) else (error.strerror or str(error)).lower()
+        message, status = f"{reason}: {error.filename}", EXIT_BAD_INPUT
+    elif isinstance(error, (CommandError, ValueError, OSError)):
+        message, status = str(error), EXIT_BAD_INPUT
+    else:
+        message = f"internal error: {type(error).__name__}: {error} (run with --verbose for the traceback)"
+        status = EXIT_FAILED
+    return f"{prefix} {' '.join(message.split())}", status
+
+
+def silence_stdout() -> None:
+    """After the reader of our stdout went away (``pipesim show | head``), point stdout
+    at /dev/null so the interpreter's final flush does not fail a second time."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass  # stdout is not a real file (a test's capture): nothing to flush at exit
+    finally:
+        os.close(devnull)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pipesim`` console script."""
+    argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
     parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
+    if args.command is None:  # only top-level flags, e.g. ``pipesim --verbose``
+        parser.print_help()
+        return 0
     try:
-        return int(args.handler(args) or 0)
-    except (CommandError, ValueError, FileNotFoundError) as error:
-        print(f"pipesim {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        check_outputs(args)
+        status = int(args.handler(args) or 0)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        silence_stdout()
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        if getattr(args, "verbose", False):
+            raise
+        line, status = error_line(args.command, error)
+        print(line, file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

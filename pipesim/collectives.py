@@ -103,6 +103,16 @@ def broadcast(topology: Topology, group: Sequence[str], num_bytes: float) -> flo
     return _seconds(1.0, n - 1, num_bytes, ring_pace(topology, group))
 
 
+def bucket_sizes(num_bytes: float, bucket_bytes: float) -> tuple[float, ...]:
+    """``num_bytes`` cut into buckets of ``bucket_bytes``, the last one holding the rest."""
+    if num_bytes <= 0:
+        return ()
+    if not bucket_bytes > 0:
+        raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+    full, rest = divmod(num_bytes, bucket_bytes)
+    return (bucket_bytes,) * int(full) + ((rest,) if rest > 0 else ())
+
+
 def bucketed_all_reduce(topology: Topology, group: Sequence[str], num_bytes: float, bucket_bytes: float,
                         algorithm: str = "ring") -> tuple[float, int]:
     """(seconds, buckets) for a gradient all-reduce done as DDP does it: ``num_bytes``

@@ -10,12 +10,16 @@ hot loop does a dict lookup, not arithmetic.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from schedules.action import ActionKind
+from schedules.schedule import Schedule
+from schedules.textfile import describe_yaml_error, read_text
 
-STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "layers", "tp_message_bytes")
+STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "layers", "tp_message_bytes",
+                "overlap_fb")
 
 
 class CostsError(ValueError):
@@ -37,6 +41,11 @@ class StageCost:
     forward does two collectives of ``tp_message_bytes`` (the full ``s*b*h`` activation)
     across the tp group and its input-gradient backward two more (Megatron-LM). Zero
     means no tp traffic is charged.
+
+    ``overlap_fb`` is the time of an overlapped pair (DualPipe's ``OVERLAP_F_B``) whose
+    forward runs on this stage and whose full backward runs on the rank's other chunk:
+    what overlapping saves is a measured property of the model and the machine, so it is
+    given, not derived. Zero means not given: the pair costs its ``F + B``.
     """
 
     fwd: float
@@ -47,6 +56,7 @@ class StageCost:
     param_bytes: float = 0.0
     layers: float = 0.0
     tp_message_bytes: float = 0.0
+    overlap_fb: float = 0.0
 
     def seconds(self, kind: str) -> float:
         if kind == ActionKind.F:
@@ -83,8 +93,8 @@ class Costs:
         for index, stage in enumerate(self.stages):
             for name in STAGE_FIELDS:
                 value = getattr(stage, name)
-                if not isinstance(value, (int, float)) or value < 0:
-                    raise CostsError(f"stage {index}: {name} must be a number >= 0, got {value!r}")
+                if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                    raise CostsError(f"stage {index}: {name} must be a finite number >= 0, got {value!r}")
             if stage.wgrad > stage.bwd:
                 raise CostsError(
                     f"stage {index}: wgrad ({stage.wgrad}) is part of bwd ({stage.bwd}) and cannot exceed it"
@@ -102,6 +112,16 @@ class Costs:
                 table[stage, kind] = cost.seconds(kind) + self.action_overhead
         return table
 
+    def overlap_seconds(self, forward_stage: int, backward_stage: int, backward_kind: str = ActionKind.B) -> float:
+        """Seconds of an overlapped pair: the forward stage's ``overlap_fb`` plus one
+        launch overhead where given, otherwise the two actions as if run one after the
+        other (the forward plus the backward, each with its overhead)."""
+        given = self.stages[forward_stage].overlap_fb
+        if given:
+            return given + self.action_overhead
+        return (self.stages[forward_stage].fwd + self.stages[backward_stage].seconds(backward_kind)
+                + 2 * self.action_overhead)
+
     def to_dict(self) -> dict:
         return {
             "action_overhead": self.action_overhead,
@@ -117,20 +137,35 @@ class Costs:
 
 
 def uniform_costs(
-    num_stages: int,
+    num_stages: int | Schedule,
     fwd: float,
     bwd: float,
     wgrad: float = 0.0,
     act_bytes: float = 0.0,
-    virtual_stages: int = 1,
+    virtual_stages: int | None = None,
 ) -> Costs:
     """Every stage alike. ``fwd``/``bwd``/``wgrad`` are per pipeline *rank* (its whole
     share of the model), so each of a rank's ``v`` chunks costs ``1/v`` of them; that
-    keeps schedules with different ``v`` comparable at the same ``pp``."""
+    keeps schedules with different ``v`` comparable at the same ``pp``.
+
+    Pass the schedule itself as the first argument and ``v`` is taken from it: given
+    only a stage count, an interleaved schedule's ``pp * v`` stages would each cost a
+    whole rank's share and the step would come out ``v`` times too long. With a stage
+    count, ``virtual_stages`` defaults to 1 (the figures are per stage)."""
+    if isinstance(num_stages, Schedule):
+        schedule = num_stages
+        if virtual_stages not in (None, schedule.virtual_stages):
+            raise CostsError(
+                f"virtual_stages={virtual_stages} contradicts the schedule {schedule.name!r}, "
+                f"which has {schedule.virtual_stages} per rank; leave it out"
+            )
+        num_stages, virtual_stages = schedule.num_stages, schedule.virtual_stages
+    virtual_stages = virtual_stages or 1
     if wgrad > bwd:
         raise CostsError(f"--wgrad ({wgrad}) is part of --bwd ({bwd}) and cannot exceed it")
-    if min(fwd, bwd, wgrad, act_bytes) < 0:
-        raise CostsError("--fwd, --bwd, --wgrad and --act-bytes must be >= 0")
+    for flag, value in (("--fwd", fwd), ("--bwd", bwd), ("--wgrad", wgrad), ("--act-bytes", act_bytes)):
+        if not math.isfinite(value) or value < 0:
+            raise CostsError(f"{flag} must be a finite number >= 0, got {value}")
     stage = StageCost(
         fwd=fwd / virtual_stages,
         bwd=bwd / virtual_stages,
@@ -141,11 +176,14 @@ def uniform_costs(
 
 
 def _read_structured(path: Path) -> object:
-    text = path.read_text()
+    text = read_text(path, "costs file (JSON or YAML)")
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
-        return yaml.safe_load(text)
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise CostsError(f"{path}: not valid YAML ({describe_yaml_error(error)})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
@@ -157,8 +195,6 @@ def load_costs(path: str | Path, num_stages: int | None = None) -> Costs:
     "action_overhead": s, ...}``. A single stage entry is repeated for every stage; any
     other count must equal ``num_stages``."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"costs file {path} does not exist")
     return costs_from_dict(_read_structured(path), num_stages, name=str(path))
 
 

@@ -11,6 +11,13 @@ and the rank waits for a group that holds receives (``schedules.p2p``); under bu
 rank that ends its program while its last sends are still unmatched or in flight waits
 for them (a ``wait`` event), as the step cannot end before its transfers do.
 
+Events are recorded as the executor records them. A send's runs from the moment its
+group was posted (its data was ready) to its arrival, however long it then waited for
+its receive or for busy links; a receive's from the moment its group was posted to the
+moment the rank can go on (under rendezvous, when its whole group has completed). The
+posting cost (``comm_overhead``) is paid before either starts. Bubble and exposed
+communication are told apart from those moments (``schedules.accounting``).
+
 Transfers are scheduled directly from their arrival time instead
 of as SimPy processes with resource requests, which keeps the engine several times
 faster on the ~400k-action schedules of large pipelines (see benchmarks/).
@@ -78,6 +85,18 @@ class LinkScheduler:
             free_at[link] = done
         return Transfer(now, start, done + route.latency)
 
+    def transfer_with_twins(self, src: str, dst: str, num_bytes: float, now: float,
+                            twins: dict[tuple[str, str], list[tuple[str, str]]]) -> Transfer:
+        """``transfer``, also reserving the links for the same send of the pipelines
+        the engine does not simulate (``pipesim.twins``); the data counts as arrived
+        when every twin's has."""
+        result = self.transfer(src, dst, num_bytes, now)
+        for twin_src, twin_dst in twins.get((src, dst), ()):
+            twin = self.transfer(twin_src, twin_dst, num_bytes, now)
+            if twin.arrival > result.arrival:
+                result = Transfer(result.posted, result.start, twin.arrival)
+        return result
+
 
 def transfer_bytes(action: Action, costs: Costs) -> float:
     """Bytes a SEND moves: a stage's output activation forward, or the gradient of the
@@ -121,12 +140,15 @@ def simulate(
     devices = _rank_devices(lowered, topology, rank_devices)
     env = simpy.Environment()
     durations = costs.durations()
+    paired = _overlapped_pair_seconds(lowered, costs, durations)
     comm_overhead = costs.comm_overhead
     links = LinkScheduler(topology)
-    shared_pairs = _pairs_on_shared_links(lowered, topology, devices)
+    twins = plan.twin_transfers if plan is not None else {}
+    shared_pairs = _pairs_on_shared_links(lowered, topology, devices, bool(twins))
     send_info = _send_table(lowered, devices, costs, shared_pairs)
     mailbox: dict[tuple, object] = {}
-    offers: dict[tuple, tuple] = {}  # rendezvous: transfer -> (rank, action, event) of the side that posted first
+    # rendezvous: transfer -> (rank, action, event, posted at) of the side that posted first
+    offers: dict[tuple, tuple] = {}
     events: list[TraceEvent] = []
     record = events.append
     tp_seconds = plan.tp_seconds if plan is not None else {}
@@ -134,13 +156,20 @@ def simulate(
     finished = [False] * lowered.pp
     position = [0] * lowered.pp
 
-    def start_transfer(action: Action, sender: int, clock: float) -> float:
-        """Put a SEND on the wire at ``clock``; record it; return its arrival."""
+    def start_transfer(action: Action, sender: int, clock: float, posted_at: float) -> float:
+        """Put a SEND on the wire at ``clock``; record it from ``posted_at`` (when its
+        group was posted); return its arrival."""
         stage, kind, microbatch = action
         _, _, destination, num_bytes, _ = send_info[stage, kind]
-        _, start, arrival = links.transfer(devices[sender], destination, num_bytes, clock)
-        record(TraceEvent(sender, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival, "send"))
+        _, _, arrival = transfer(devices[sender], destination, num_bytes, clock)
+        record(TraceEvent(sender, f"{stage}{kind}{microbatch}", kind, stage, microbatch, posted_at, arrival, "send"))
         return arrival
+
+    if twins:
+        def transfer(src: str, dst: str, num_bytes: float, now: float) -> Transfer:
+            return links.transfer_with_twins(src, dst, num_bytes, now, twins)
+    else:
+        transfer = links.transfer
 
     def stream_process(rank: int, queue: simpy.Store):
         """Rank ``rank``'s communication stream under rendezvous: groups in posting
@@ -162,30 +191,27 @@ def simulate(
                 peer = offers.pop(transfer, None)
                 if peer is None:
                     event = env.event()
-                    offers[transfer] = (rank, action, event)
+                    offers[transfer] = (rank, action, event, posted_at)
                     waiting.append((action, event))
                     continue
-                peer_rank, peer_action, peer_event = peer
-                send, sender = (action, rank) if is_send else (peer_action, peer_rank)
-                arrival = start_transfer(send, sender, start)
+                peer_rank, peer_action, peer_event, peer_posted = peer
+                send, sender, sent_at = (action, rank, posted_at) if is_send else (peer_action, peer_rank, peer_posted)
+                arrival = start_transfer(send, sender, start, sent_at)
                 peer_event.succeed(arrival)
                 arrivals[action] = arrival
             for action, event in waiting:
                 arrivals[action] = yield event
-            free_at = start
+            free_at = max(start, *arrivals.values())
             for action in group:
-                arrival = arrivals[action]
-                if arrival > free_at:
-                    free_at = arrival
                 if action.kind not in SEND_KINDS:
+                    # the rank waiting on this receive goes on only when the whole group is done
                     stage, kind, microbatch = action
                     record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, posted_at,
-                                      arrival, "recv"))
+                                      free_at, "recv"))
             completed.succeed(free_at)
 
     def rank_process(rank: int, items: list):
         clock = 0.0
-        transfer = links.transfer
         source = devices[rank]
         compute_kinds, send_kinds = COMPUTE_KINDS, SEND_KINDS
         for index, item in enumerate(items):
@@ -193,7 +219,7 @@ def simulate(
                 stage, kind, microbatch = item
                 if kind not in compute_kinds:
                     raise SimulationError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
-                end = clock + durations[stage, kind]
+                end = clock + (paired[item] if paired and item in paired else durations[stage, kind])
                 record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end, "compute"))
                 clock = end
                 if tp_seconds:
@@ -223,8 +249,8 @@ def simulate(
                 if shared and clock > env.now:
                     position[rank] = index
                     yield env.timeout(clock - env.now)
-                _, start, arrival = transfer(source, destination, num_bytes, clock)
-                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, start, arrival, "send"))
+                _, _, arrival = transfer(source, destination, num_bytes, clock)
+                record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, arrival, "send"))
                 # plain tuples hash and compare equal to the RECV's Action
                 receiver = (receiver_stage, receiver_kind, microbatch)
                 waiting = mailbox.pop(receiver, None)
@@ -236,8 +262,8 @@ def simulate(
                 stage, kind, microbatch = action
                 if kind in send_kinds:
                     continue
+                clock += comm_overhead  # posting the receive: overhead, not waiting
                 start = clock
-                clock += comm_overhead
                 arrival = mailbox.pop(action, None)
                 if arrival is None:
                     waiting = env.event()
@@ -298,6 +324,20 @@ def _describe_item(item) -> str:
     return format_group(item) if type(item) is tuple else str(item)
 
 
+def _overlapped_pair_seconds(schedule: Schedule, costs: Costs, durations: dict) -> dict[Action, float]:
+    """Seconds of each action of an overlapped pair (``Schedule.fused``): the pair costs
+    ``costs.overlap_seconds``, shared between its forward and backward in proportion to
+    their own durations, so the Trace keeps both actions and their sum is the pair's."""
+    shares: dict[Action, float] = {}
+    for rank in range(schedule.pp):
+        for forward, backward in schedule.fused_pairs(rank):
+            alone_f, alone_b = durations[forward[0], forward[1]], durations[backward[0], backward[1]]
+            pair = costs.overlap_seconds(forward.stage, backward.stage, backward.kind)
+            share = alone_f / (alone_f + alone_b) if alone_f + alone_b > 0 else 0.5
+            shares[forward], shares[backward] = pair * share, pair * (1 - share)
+    return shares
+
+
 def _send_table(
     schedule: Schedule, devices: Sequence[str], costs: Costs, shared_pairs: set[tuple[int, int]]
 ) -> dict[tuple[int, str], tuple[int, str, str, float, bool]]:
@@ -321,16 +361,20 @@ def _send_table(
     return table
 
 
-def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequence[str]) -> set[tuple[int, int]]:
+def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequence[str],
+                           with_twins: bool = False) -> set[tuple[int, int]]:
     """The (sender, receiver) rank pairs whose route crosses a link that another sender
     also uses: only their sends must be ordered against other ranks' in time. Transfers
-    only cross stage boundaries, so the pairs follow from the placement."""
+    only cross stage boundaries, so the pairs follow from the placement. With twin
+    transfers (other replicas' and shards') every pair is ordered."""
     placement = schedule.placement
     pairs = set()
     for stage in range(schedule.num_stages - 1):
         left, right = placement[stage], placement[stage + 1]
         if left != right:
             pairs.update(((left, right), (right, left)))
+    if with_twins:
+        return pairs
     links = {pair: topology.route(devices[pair[0]], devices[pair[1]]).links for pair in pairs}
     senders: dict[tuple[str, str], set[int]] = {}
     for (sender, _), route_links in links.items():

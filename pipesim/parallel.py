@@ -10,11 +10,27 @@ pays their collectives:
   ``tp`` event that holds the rank. Without sequence parallelism each is an
   all-reduce of the layer's ``s*b*h`` activation; with it, an all-gather plus a
   reduce-scatter of the same size (the same ring cost, other memory).
-- dp: each stage's gradient is all-reduced across the stage's dp group in DDP-style
-  buckets, starting when that stage's last backward ends (overlap, the default) or
-  after the rank's last action, one stage after another on the rank's ``dp`` stream.
-  Gradients are taken to be the size of the parameters (same dtype).
-- the optimizer step (``Costs.step_overhead``) follows the rank's last all-reduce.
+- dp: each stage's gradient is reduced across the stage's dp group in buckets of
+  ``bucket_bytes``, as DDP and Megatron-LM do. With overlap (the default) a bucket
+  starts as soon as it is full during the stage's last backward of the step (the one
+  that completes gradient accumulation): gradients appear in reverse layer order, a
+  layer's at the end of its share of that backward, so the bucket that completes with
+  layer k is ready ``k/L`` of the way through it (continuously in bytes when the stage
+  has no layer count). Without overlap (``--no-dp-overlap``) every stage's reduction
+  waits for the rank's last action. Buckets of every stage on a rank queue
+  first-come first-served on the rank's one dp communicator, as NCCL runs the
+  collectives of one communicator in issue order, and as the engine's links serve
+  transfers (FIFO, never split). Gradients are taken to be the size of the
+  parameters (same dtype).
+- ZeRO-1 (``zero=1``, Megatron's distributed optimizer): each bucket is
+  reduce-scattered instead of all-reduced (half the ring traffic), and after the
+  optimizer step the updated parameters are all-gathered in the same buckets before
+  the next step can start (the other half), on the same dp stream.
+- the optimizer step (``Costs.step_overhead``) follows the rank's last reduction.
+
+- the other replicas' and shards' P2P transfers (``pipesim.twins``): each simulated
+  send also reserves the links of its twins where their routes meet another
+  pipeline's.
 
 Collectives are analytical durations (see ``pipesim.collectives``): they do not
 reserve links in the engine's link scheduler and so do not contend with P2P traffic.
@@ -22,13 +38,15 @@ reserve links in the engine's link scheduler and so do not contend with P2P traf
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from pipesim.collectives import all_gather, all_reduce, bucketed_all_reduce, reduce_scatter
+from pipesim.collectives import all_gather, all_reduce, bucket_sizes, reduce_scatter
 from pipesim.costs import Costs
 from pipesim.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.memory import BytesPerParam
 from pipesim.topology import Topology
+from pipesim.twins import twin_transfers
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
@@ -36,7 +54,10 @@ from schedules.trace import TraceEvent
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 TP_KIND = "TP"
 DP_KIND = "ALLREDUCE_DP"
+REDUCE_SCATTER_KIND = "REDUCE_SCATTER_DP"
+PARAM_GATHER_KIND = "ALLGATHER_PARAMS"
 OPTIMIZER_KIND = "OPTIMIZER"
+ZERO_STAGES = (0, 1)
 
 
 @dataclass(frozen=True)
@@ -44,7 +65,10 @@ class ParallelConfig:
     """How the job around the simulated pipeline is laid out and synchronised:
     ``dp`` replicas, ``tp`` shards per pipeline rank, the rank order onto devices,
     DDP bucket size, whether the gradient all-reduce overlaps the last backward, the
-    collective algorithm and the bytes each parameter costs in memory."""
+    collective algorithm, the bytes each parameter costs in memory and the ZeRO stage
+    (0: every replica holds the whole optimizer and all-reduces gradients; 1: the
+    optimizer state is sharded over dp, gradients reduce-scattered and parameters
+    all-gathered)."""
 
     dp: int = 1
     tp: int = 1
@@ -53,26 +77,43 @@ class ParallelConfig:
     overlap_dp: bool = True
     algorithm: str = "ring"
     bytes_per_param: BytesPerParam = BytesPerParam()
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"--zero {self.zero} is not supported: use 0 (all-reduce) or 1 (distributed optimizer)")
 
 
 @dataclass(frozen=True)
 class CommPlan:
     """Seconds the engine charges beyond P2P: ``tp_seconds[stage, kind]`` after each
-    compute action, ``dp_seconds[stage]`` for each stage's bucketed gradient
-    all-reduce (``dp_buckets[stage]`` buckets)."""
+    compute action; per stage, ``dp_bucket_bytes`` (in reduction order, last layer's
+    first), the seconds of each bucket's gradient reduction (``dp_bucket_seconds``) and,
+    under ZeRO-1, of each bucket's parameter all-gather (``gather_bucket_seconds``)."""
 
     tp_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
-    dp_seconds: dict[int, float] = field(default_factory=dict)
-    dp_buckets: dict[int, int] = field(default_factory=dict)
+    dp_bucket_bytes: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    dp_bucket_seconds: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    gather_bucket_seconds: dict[int, tuple[float, ...]] = field(default_factory=dict)
     overlap_dp: bool = True
+    zero: int = 0
+    stage_layers: dict[int, int] = field(default_factory=dict)
+    twin_transfers: dict[tuple[str, str], list[tuple[str, str]]] = field(default_factory=dict)
+
+    @property
+    def dp_seconds(self) -> dict[int, float]:
+        """Each stage's whole gradient reduction, seconds."""
+        return {stage: sum(seconds) for stage, seconds in self.dp_bucket_seconds.items()}
 
 
 def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
-              bucket_bytes: float = DDP_BUCKET_BYTES, overlap_dp: bool = True, algorithm: str = "ring") -> CommPlan:
+              bucket_bytes: float = DDP_BUCKET_BYTES, overlap_dp: bool = True, algorithm: str = "ring",
+              zero: int = 0) -> CommPlan:
     """The tp and dp collective costs of every stage on its rank's groups."""
     tp_seconds: dict[tuple[int, str], float] = {}
-    dp_seconds: dict[int, float] = {}
-    dp_buckets: dict[int, int] = {}
+    bucket_bytes_of: dict[int, tuple[float, ...]] = {}
+    reduce_seconds: dict[int, tuple[float, ...]] = {}
+    gather_seconds: dict[int, tuple[float, ...]] = {}
     for stage, cost in enumerate(costs.stages):
         rank = schedule.placement[stage]
         if mapping.tp > 1 and cost.layers and cost.tp_message_bytes:
@@ -87,43 +128,84 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
                 for kind in (ActionKind.F, ActionKind.B, ActionKind.I):
                     tp_seconds[stage, kind] = per_pass
         if mapping.dp > 1 and cost.param_bytes > 0:
-            seconds, buckets = bucketed_all_reduce(
-                topology, mapping.dp_group(rank, 0), cost.param_bytes, bucket_bytes, algorithm)
-            if seconds > 0:
-                dp_seconds[stage] = seconds
-                dp_buckets[stage] = buckets
-    return CommPlan(tp_seconds, dp_seconds, dp_buckets, overlap_dp)
+            group = mapping.dp_group(rank, 0)
+            sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
+            if zero:
+                reduce = tuple(reduce_scatter(topology, group, size) for size in sizes)
+                gather_seconds[stage] = tuple(all_gather(topology, group, size) for size in sizes)
+            else:
+                reduce = tuple(all_reduce(topology, group, size, algorithm) for size in sizes)
+            if sum(reduce) > 0:
+                bucket_bytes_of[stage] = sizes
+                reduce_seconds[stage] = reduce
+    layers = {stage: cost.layers for stage, cost in enumerate(costs.stages)}
+    pipelines = [mapping.pipeline(replica, shard) for replica in range(mapping.dp) for shard in range(mapping.tp)]
+    twins = twin_transfers(schedule, topology, pipelines)
+    return CommPlan(tp_seconds, bucket_bytes_of, reduce_seconds, gather_seconds, overlap_dp, zero, layers, twins)
+
+
+def bucket_ready_fractions(sizes: tuple[float, ...], layers: int) -> list[float]:
+    """How far through a stage's last backward each bucket is full (0..1). Gradients
+    come out in reverse layer order, each layer's ``1/layers`` of the bytes at the end
+    of its ``1/layers`` of the backward; with no layer count, continuously."""
+    total = sum(sizes)
+    fractions, filled = [], 0.0
+    for size in sizes:
+        filled += size
+        share = min(1.0, filled / total)
+        if layers > 0:
+            share = math.ceil(share * layers - 1e-9) / layers
+        fractions.append(share)
+    return fractions
 
 
 def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | None,
                      step_overhead: float) -> list[TraceEvent]:
-    """The gradient all-reduces (``dp`` stream) and optimizer steps (``step`` stream)
-    that end each rank's step, placed after the pipeline events ``events``."""
-    if (plan is None or not plan.dp_seconds) and step_overhead <= 0:
+    """The gradient reductions (``dp`` stream), optimizer steps (``step`` stream) and,
+    under ZeRO-1, parameter all-gathers (``dp``) of each rank, placed around the
+    pipeline events ``events``."""
+    has_dp = plan is not None and bool(plan.dp_bucket_seconds)
+    if not has_dp and step_overhead <= 0:
         return []
     rank_end = [0.0] * num_ranks
-    ready: dict[int, float] = {}  # stage -> end of its last backward (B or W)
+    last_grad: dict[int, tuple[float, float]] = {}  # stage -> (start, end) of its last B or W
     stage_rank: dict[int, int] = {}
     for event in events:
         if event.end > rank_end[event.rank]:
             rank_end[event.rank] = event.end
         finishes_grads = event.stream == "compute" and event.kind in WEIGHT_GRAD_DONE_KINDS
-        if finishes_grads and event.end > ready.get(event.stage, -1.0):
-            ready[event.stage] = event.end
+        if finishes_grads and event.end > last_grad.get(event.stage, (0.0, -1.0))[1]:
+            last_grad[event.stage] = (event.start, event.end)
             stage_rank[event.stage] = event.rank
     tail: list[TraceEvent] = []
-    dp_free = list(rank_end) if plan is None or not plan.overlap_dp else [0.0] * num_ranks
-    if plan is not None:
-        for stage in sorted(plan.dp_seconds, key=lambda stage: (ready.get(stage, 0.0), stage)):
+    dp_free = list(rank_end) if not has_dp or not plan.overlap_dp else [0.0] * num_ranks
+    if has_dp:
+        kind = REDUCE_SCATTER_KIND if plan.zero else DP_KIND
+        buckets = []  # (ready, stage, index, seconds), reduced first-come first-served per rank
+        for stage, seconds in plan.dp_bucket_seconds.items():
             if stage not in stage_rank:
                 continue
+            start, end = last_grad[stage]
+            if plan.overlap_dp:
+                fractions = bucket_ready_fractions(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0))
+                ready = [start + fraction * (end - start) for fraction in fractions]
+            else:
+                ready = [rank_end[stage_rank[stage]]] * len(seconds)
+            buckets += [(ready[index], stage, index, seconds[index]) for index in range(len(seconds))]
+        for ready, stage, index, seconds in sorted(buckets):
             rank = stage_rank[stage]
-            start = max(dp_free[rank], ready[stage])
-            end = start + plan.dp_seconds[stage]
-            tail.append(TraceEvent(rank, f"{stage}{DP_KIND}", DP_KIND, stage, -1, start, end, "dp"))
-            dp_free[rank] = end
+            start = max(dp_free[rank], ready)
+            tail.append(TraceEvent(rank, f"{stage}{kind}[{index}]", kind, stage, -1, start, start + seconds, "dp"))
+            dp_free[rank] = start + seconds
     for rank in range(num_ranks):
-        done = max(rank_end[rank], dp_free[rank] if plan is not None else 0.0)
+        done = max(rank_end[rank], dp_free[rank])
         if step_overhead > 0:
             tail.append(TraceEvent(rank, OPTIMIZER_KIND, OPTIMIZER_KIND, -1, -1, done, done + step_overhead, "step"))
+            done += step_overhead
+        if has_dp and plan.zero:
+            for stage in sorted(stage for stage, rank_of in stage_rank.items() if rank_of == rank):
+                for index, seconds in enumerate(plan.gather_bucket_seconds.get(stage, ())):
+                    tail.append(TraceEvent(rank, f"{stage}{PARAM_GATHER_KIND}[{index}]", PARAM_GATHER_KIND, stage,
+                                           -1, done, done + seconds, "dp"))
+                    done += seconds
     return tail

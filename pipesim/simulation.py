@@ -53,7 +53,7 @@ class SimulationResult:
     @cached_property
     def comm(self) -> list[dict[str, dict[str, float]]]:
         """Per rank: ``{"p2p"|"dp"|"tp": {"total": s, "exposed": s}}``."""
-        return comm_by_kind(self.trace)
+        return comm_by_kind(self.trace, [rank.time() for rank in self.metrics.ranks])
 
     @property
     def oom(self) -> bool:
@@ -70,6 +70,8 @@ class SimulationResult:
             "topology": self.topology.name,
             "dp": self.parallel.dp,
             "tp": self.parallel.tp,
+            "zero": self.parallel.zero,
+            "dp_overlap": self.parallel.overlap_dp,
             "rank_order": "-".join(self.mapping.order) if self.mapping else None,
             "p2p": self.trace.meta.get("p2p"),
             "devices": list(self.devices),
@@ -82,7 +84,12 @@ class SimulationResult:
                     "busy": rank.busy,
                     "idle": rank.idle,
                     "comm": rank.comm,
+                    "bubble": rank.bubble,
                     "exposed_comm": rank.exposed_comm,
+                    "tp": rank.tp,
+                    "dp": rank.dp,
+                    "optimizer": rank.optimizer,
+                    "overhead": rank.overhead,
                     "peak_inflight_microbatches": rank.peak_inflight_microbatches,
                     **self._memory_fields(rank.rank),
                 }
@@ -114,23 +121,33 @@ class SimulationResult:
         unit, scale = _time_unit(metrics.makespan)
         total_comm = sum(rank.comm for rank in metrics.ranks)
         exposed = sum(rank.exposed_comm for rank in metrics.ranks)
+        waiting = sum(rank.bubble for rank in metrics.ranks)
+        named = [(name, title) for name, title in (("tp", "tp"), ("dp", "dp"), ("optimizer", "optim"),
+                                                   ("overhead", "overhead"))
+                 if any(getattr(rank, name) for rank in metrics.ranks)]
         lines = [
             f"{schedule.name}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
             f"virtual stages={schedule.virtual_stages}, topology={self.topology.name}, "
             f"p2p={self.trace.meta.get('p2p')}, {schedule.num_actions} actions",
             f"  step time        {metrics.makespan * scale:.4g} {unit}",
             f"  bubble fraction  {metrics.bubble_fraction:.2%}",
-            f"  communication    {total_comm * scale:.4g} {unit} on the wire, "
-            f"{exposed * scale:.4g} {unit} exposed (ranks blocked on receives), summed over ranks",
-            f"  {'rank':>4}  {'busy':>10}  {'idle':>10}  {'idle %':>7}  {'comm':>10}  {'exposed':>10}  peak in-flight",
+            f"  bubble           {waiting * scale:.4g} {unit} (waiting for a peer, fill and drain), "
+            "summed over ranks",
+            f"  communication    {exposed * scale:.4g} {unit} exposed (blocked on data in flight); sends "
+            f"{total_comm * scale:.4g} {unit} from posting to arrival; summed over ranks",
+            f"  {'rank':>4}  {'busy':>10}  {'bubble':>10}  {'bubble %':>8}  {'exposed':>10}  "
+            + "".join(f"{title:>10}  " for _, title in named) + f"{'comm':>10}  peak in-flight",
         ]
         for rank in metrics.ranks:
-            idle_share = rank.idle / metrics.makespan if metrics.makespan else 0.0
+            bubble_share = rank.bubble / metrics.makespan if metrics.makespan else 0.0
             lines.append(
-                f"  {rank.rank:>4}  {rank.busy * scale:>10.4g}  {rank.idle * scale:>10.4g}  {idle_share:>7.1%}  "
-                f"{rank.comm * scale:>10.4g}  {rank.exposed_comm * scale:>10.4g}  "
-                f"{rank.peak_inflight_microbatches:g}"
+                f"  {rank.rank:>4}  {rank.busy * scale:>10.4g}  {rank.bubble * scale:>10.4g}  {bubble_share:>8.1%}  "
+                f"{rank.exposed_comm * scale:>10.4g}  "
+                + "".join(f"{getattr(rank, name) * scale:>10.4g}  " for name, _ in named)
+                + f"{rank.comm * scale:>10.4g}  {rank.peak_inflight_microbatches:g}"
             )
+        lines.append(f"  (busy + bubble + exposed{''.join(' + ' + title for _, title in named)} = step time on "
+                     f"every rank; comm: its sends from posting to arrival)")
         lines.append(f"  (times in {unit}; peak in-flight in microbatches of the rank's whole share of the model)")
         lines += self._comm_and_memory_lines(unit, scale)
         return "\n".join(lines)
@@ -198,7 +215,7 @@ def run_simulation(
     plan = None
     if mapping is not None and (parallel.dp > 1 or parallel.tp > 1):
         plan = comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
-                         parallel.algorithm)
+                         parallel.algorithm, parallel.zero)
     trace = simulate(lowered, costs, topology, rank_devices, plan, p2p)
     metrics = step_metrics(trace, lowered.virtual_stages)
     return SimulationResult(lowered, topology, trace, metrics, costs, list(rank_devices), parallel, mapping)

@@ -14,12 +14,12 @@ from pipesim.costs import Costs
 from pipesim.parallel import ParallelConfig
 from pipesim.simulation import run_simulation
 from pipesim.topology import Topology
-from schedules.generators import MULTI_CHUNK, ScheduleUnavailableError, generate
+from schedules.generators import COST_AWARE, MULTI_CHUNK, ScheduleUnavailableError, generate
 from schedules.schedule import Schedule
 
 ROW_FIELDS = (
     "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
-    "peak_inflight_microbatches", "exposed_comm", "peak_memory_bytes", "oom", "actions", "note",
+    "peak_inflight_microbatches", "bubble", "exposed_comm", "peak_memory_bytes", "oom", "actions", "note",
 )
 
 
@@ -48,15 +48,17 @@ def run_sweep(
     topology: Topology,
     progress: bool = True,
     parallel: ParallelConfig | None = None,
+    memory_limit: int | None = None,
     p2p: str | None = None,
 ) -> list[dict]:
     """Simulate every point; a point whose schedule does not exist becomes a row with a
-    ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs."""
+    ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs;
+    cost-aware schedules (zb-auto) are built from those costs, ``memory_limit`` stashes."""
     rows = []
     for index, point in enumerate(points, 1):
         label = f"{point.schedule} pp={point.pp} m={point.microbatches} v={point.virtual_stages}"
         try:
-            schedule = generate(point.schedule, point.pp, point.microbatches, point.virtual_stages)
+            schedule = _build(point, costs_for, topology, parallel, memory_limit)
         except ScheduleUnavailableError as error:
             rows.append({**point.__dict__, "note": str(error)})
             if progress:
@@ -69,6 +71,7 @@ def run_sweep(
             "makespan": metrics.makespan,
             "bubble_fraction": metrics.bubble_fraction,
             "peak_inflight_microbatches": max(rank.peak_inflight_microbatches for rank in metrics.ranks),
+            "bubble": sum(rank.bubble for rank in metrics.ranks),
             "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks),
             "peak_memory_bytes": max(rank.peak_bytes for rank in result.memory),
             "oom": result.oom,
@@ -83,6 +86,20 @@ def run_sweep(
                 file=sys.stderr,
             )
     return rows
+
+
+def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: Topology,
+           parallel: ParallelConfig | None, memory_limit: int | None) -> Schedule:
+    if point.schedule not in COST_AWARE:
+        return generate(point.schedule, point.pp, point.microbatches, point.virtual_stages)
+    from pipesim.cost_aware import build_cost_aware
+    from pipesim.mapping import map_ranks
+
+    template = generate("1f1b", point.pp, point.microbatches)  # same stages and placement
+    parallel = parallel or ParallelConfig()
+    devices = map_ranks(topology, parallel.dp, point.pp, parallel.tp, parallel.rank_order).pipeline()
+    return build_cost_aware(point.schedule, point.pp, point.microbatches, costs_for(template), topology,
+                            memory_limit, devices)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -21,6 +21,7 @@ import networkx as nx
 
 from pipesim.presets import MULTI_NODE, PRESETS
 from pipesim.topology import Topology, TopologyError, add_link
+from schedules.textfile import describe_yaml_error, read_text
 
 
 def _number(where: str, entry: dict, key: str, default: float | None = None, positive: bool = False) -> float:
@@ -123,16 +124,14 @@ def _require_connected(topology: Topology) -> None:
 def load_topology_file(path: str | Path) -> Topology:
     """Read a YAML or JSON topology file."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"topology file {path} does not exist")
-    text = path.read_text()
+    text = read_text(path, "topology file (YAML or JSON)")
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as error:
-            raise TopologyError(f"{path}: not valid YAML ({error})") from error
+            raise TopologyError(f"{path}: not valid YAML ({describe_yaml_error(error)})") from error
     else:
         try:
             data = json.loads(text)

@@ -148,3 +148,30 @@ def I(stage: int, microbatch: int) -> Action:  # noqa: N802, E741, E743
 def W(stage: int, microbatch: int) -> Action:  # noqa: N802
     """Weight-gradient backward of ``microbatch`` on ``stage``."""
     return Action(stage, ActionKind.W, microbatch)
+
+
+# An overlapped forward-and-backward pair (DualPipe): two actions of one rank run as one
+# step, so their compute and communication hide each other. Programs keep both actions,
+# the F then the B (``Schedule.fused`` marks the pair); the text form is torch's
+# ``(F;B)OVERLAP_F_B`` cell, so torch.distributed.pipelining reads our CSVs and we read its.
+OVERLAP_F_B = "OVERLAP_F_B"
+_OVERLAP_TEXT = re.compile(r"^\s*\(([^;()]+);([^;()]+)\)" + OVERLAP_F_B + r"\s*$")
+
+
+def format_overlap(forward: Action, backward: Action) -> str:
+    """``(0F7;7B3)OVERLAP_F_B``: torch's text for an overlapped pair."""
+    return f"({forward};{backward}){OVERLAP_F_B}"
+
+
+def parse_overlap(text: str) -> tuple[Action, Action] | None:
+    """The (F, B) of an ``(F;B)OVERLAP_F_B`` cell, None for any other text; raise naming
+    the text if the pair is not a forward then a backward."""
+    match = _OVERLAP_TEXT.match(text)
+    if match is None:
+        return None
+    forward, backward = parse_action(match.group(1)), parse_action(match.group(2))
+    if forward.kind != ActionKind.F or backward.kind not in (ActionKind.B, ActionKind.I):
+        raise ActionParseError(
+            f"{text!r}: an {OVERLAP_F_B} pair is a forward then a backward, e.g. '(0F7;7B3){OVERLAP_F_B}'"
+        )
+    return forward, backward

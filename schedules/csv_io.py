@@ -13,12 +13,14 @@ here, and one built here can be loaded there.
 from __future__ import annotations
 
 import csv
+import io
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from schedules.action import Action, ActionParseError, parse_group
+from schedules.action import Action, ActionKind, ActionParseError, format_overlap, parse_group, parse_overlap
 from schedules.schedule import Schedule
+from schedules.textfile import read_text
 
 
 class ScheduleCsvError(ValueError):
@@ -44,34 +46,51 @@ def _write(schedule: Schedule, handle: IO[str], groups: bool) -> None:
         if groups:
             writer.writerow(schedule.program_text(rank))
         else:
-            writer.writerow([str(action) for action in schedule.programs[rank]])
+            writer.writerow(_flat_cells(schedule, rank))
 
 
-def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Schedule:
+def _flat_cells(schedule: Schedule, rank: int) -> list[str]:
+    """One action per cell, except an overlapped pair, which torch reads as one
+    ``(F;B)OVERLAP_F_B`` cell."""
+    program, fused = schedule.programs[rank], schedule.fused[rank]
+    cells: list[str] = []
+    for position, action in enumerate(program):
+        if position in fused:
+            cells[-1] = format_overlap(program[position - 1], action)
+        else:
+            cells.append(str(action))
+    return cells
+
+
+def schedule_from_csv(
+    path: str | Path | IO[str], name: str | None = None, microbatches: int | None = None
+) -> Schedule:
     """Read a schedule; ``name`` defaults to the file's name without its extension.
 
-    Raises ``ScheduleCsvError`` for a cell that is not an action, a stage held by two
-    ranks, or a gap in the stages. The result is not validated: call ``validate`` for
-    completeness, order and deadlocks.
+    ``microbatches`` is the step's microbatch count; ``None`` takes the number of
+    distinct microbatches per stage. Raises ``ScheduleCsvError`` for a cell that is not
+    an action, a stage held by two ranks, a gap in the stages, or a microbatch index
+    out of ``0 … microbatches-1`` or missing from a stage. The result is not validated
+    otherwise: call ``validate`` for completeness, order and deadlocks.
     """
     if isinstance(path, (str, Path)):
         label = str(path)
-        with open(path, newline="") as handle:
-            rows = list(csv.reader(handle))
+        rows = list(csv.reader(io.StringIO(read_text(path, "schedule CSV"), newline="")))
         default_name = Path(path).stem
     else:
         label = getattr(path, "name", "<csv>")
         rows = list(csv.reader(path))
         default_name = Path(label).stem if label != "<csv>" else "csv"
     parsed = [_parse_row(label, rank, row) for rank, row in enumerate(rows)]
-    programs = [program for program, _ in parsed]
-    joins = [joined for _, joined in parsed]
+    programs = [program for program, _, _ in parsed]
+    joins = [joined for _, joined, _ in parsed]
+    fused = tuple(frozenset(pairs) for _, _, pairs in parsed)
     if not programs:
         raise ScheduleCsvError(f"{label}: the file is empty; expected one row of actions per rank")
     placement = _infer_placement(label, programs)
-    microbatches = 1 + max((action.microbatch for program in programs for action in program), default=-1)
-    if microbatches == 0:
+    if not any(programs):
         raise ScheduleCsvError(f"{label}: no row holds any action; expected one row of actions per rank")
+    microbatches = _check_microbatches(label, programs, microbatches)
     return Schedule(
         pp=len(programs),
         microbatches=microbatches,
@@ -79,28 +98,35 @@ def schedule_from_csv(path: str | Path | IO[str], name: str | None = None) -> Sc
         programs=programs,
         name=name if name is not None else default_name,
         joins=joins,
+        fused=fused,
     )
 
 
-def _parse_row(label: str, rank: int, row: Iterable[str]) -> tuple[list[Action], frozenset[int]]:
-    """Row ``rank`` as a program and its P2P groups (the positions joined to the action
-    before them); empty cells (idle steps) are skipped. A cell is one action, or a
-    group of SEND/RECV actions joined by ``+``; a transfer alone in its cell is posted
-    alone."""
+def _parse_row(label: str, rank: int, row: Iterable[str]) -> tuple[list[Action], frozenset[int], list[int]]:
+    """Row ``rank`` as a program, its P2P groups (the positions joined to the action
+    before them) and its overlapped pairs (the positions of their backwards); empty
+    cells (idle steps) are skipped. A cell is one action, a group of SEND/RECV actions
+    joined by ``+`` (a transfer alone in its cell is posted alone), or torch's
+    ``(F;B)OVERLAP_F_B`` pair."""
     program: list[Action] = []
     joined: set[int] = set()
+    fused: list[int] = []
     for column, cell in enumerate(row):
         if not cell.strip():
             continue
         try:
-            group = parse_group(cell)
+            pair = parse_overlap(cell)
+            if pair is not None:
+                fused.append(len(program) + 1)
+            group = pair if pair is not None else parse_group(cell)
         except ActionParseError as error:
             raise ScheduleCsvError(
                 f"{label}: row {rank + 1} (rank {rank}), column {column + 1}: cell {error}"
             ) from error
-        joined.update(range(len(program) + 1, len(program) + len(group)))
+        if pair is None:
+            joined.update(range(len(program) + 1, len(program) + len(group)))
         program.extend(group)
-    return program, frozenset(joined)
+    return program, frozenset(joined), fused
 
 
 def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...]:
@@ -126,3 +152,30 @@ def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...
             + (f" (also missing: {', '.join(map(str, missing[1:8]))})" if len(missing) > 1 else "")
         )
     return tuple(owner[stage][0] for stage in range(len(owner)))
+
+
+def _check_microbatches(label: str, programs: list[list[Action]], given: int | None) -> int:
+    """The microbatch count: ``given``, or the most distinct microbatches any stage holds;
+    then every stage must hold exactly microbatches ``0 … count-1``."""
+    if given is not None and given < 1:
+        raise ScheduleCsvError(f"{label}: the microbatch count must be at least 1, got {given}")
+    seen: dict[int, dict[int, Action]] = {}  # stage -> microbatch -> first action naming it
+    for program in programs:
+        for action in program:
+            seen.setdefault(action.stage, {}).setdefault(action.microbatch, action)
+    count = given if given is not None else max(len(by_microbatch) for by_microbatch in seen.values())
+    source = "as given" if given is not None else "the most distinct microbatches on one stage"
+    problems = []
+    for stage in sorted(seen):
+        out_of_range = [action for microbatch, action in sorted(seen[stage].items()) if microbatch >= count]
+        missing = [microbatch for microbatch in range(count) if microbatch not in seen[stage]]
+        problems += [f"{action} (out of range)" for action in out_of_range[:3]]
+        problems += [f"{Action(stage, ActionKind.F, microbatch)} (missing)" for microbatch in missing[:3]]
+        if len(problems) >= 4:
+            break
+    if problems:
+        raise ScheduleCsvError(
+            f"{label}: {count} microbatches ({source}) must be numbered 0 to {count - 1} on every stage: "
+            f"{', '.join(problems[:4])}"
+        )
+    return count

@@ -30,6 +30,7 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from schedules.action import COMPUTE_KINDS, Action, ActionKind
+from schedules.overlap import keep_pairs_together, pair_times
 from schedules.schedule import Schedule
 
 _F, _B, _I = ActionKind.F, ActionKind.B, ActionKind.I
@@ -51,7 +52,11 @@ def lower(schedule: Schedule) -> Schedule:
     ``validate`` reports the problem in the user's terms instead of lowering failing."""
     if schedule.is_lowered:
         return schedule
-    times = nominal_times(schedule)
+    return keep_pairs_together(_lower(schedule), schedule)  # overlapped pairs: schedules/overlap.py
+
+
+def _lower(schedule: Schedule) -> Schedule:
+    times = pair_times(nominal_times(schedule), schedule)
     if times is not None:
         try:
             return _lower_at_meeting_points(schedule, times)

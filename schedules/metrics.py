@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from schedules.accounting import RankTime, time_accounting
 from schedules.action import ActionKind
 from schedules.trace import Trace, TraceEvent
 
@@ -18,8 +19,14 @@ class RankMetrics:
     """What one rank did during the step.
 
     ``busy``: seconds of compute. ``idle``: makespan minus busy. ``comm``: seconds its
-    outgoing transfers spent between leaving and arriving. ``exposed_comm``: seconds the
-    rank sat blocked on a receive (communication it could not hide).
+    outgoing transfers spent between being posted and arriving. The rest of the
+    makespan is split as ``schedules.accounting`` says, so that
+    ``busy + bubble + exposed_comm + tp + dp + optimizer + overhead = makespan``:
+    ``bubble``: waiting for data its producer had not finished yet, or for the
+    pipeline to fill and drain; ``exposed_comm``: blocked on a receive whose data was
+    ready but still in flight; ``tp``, ``dp``, ``optimizer``: tensor-parallel
+    collectives, the part of the gradient reduction nothing hid, the optimizer step;
+    ``overhead``: gaps between the rank's own events.
     ``peak_inflight_microbatches``: most forward activation stashes held at once, in
     units of one microbatch on the rank's whole share of the model (a chunk of an
     interleaved rank counts ``1/v``)."""
@@ -28,8 +35,17 @@ class RankMetrics:
     busy: float
     idle: float
     comm: float
+    bubble: float
     exposed_comm: float
+    tp: float
+    dp: float
+    optimizer: float
+    overhead: float
     peak_inflight_microbatches: float
+
+    def time(self) -> RankTime:
+        """The makespan's split, as ``schedules.accounting`` returns it."""
+        return RankTime(self.busy, self.bubble, self.exposed_comm, self.tp, self.dp, self.optimizer, self.overhead)
 
 
 @dataclass(frozen=True)
@@ -94,40 +110,30 @@ def stash_changes(
 
 
 def step_metrics(trace: Trace, chunks_per_rank: int | None = None) -> StepMetrics:
-    """All metrics of a step, in one pass over each rank's events.
-    ``chunks_per_rank`` defaults to ``meta["virtual_stages"]``."""
+    """All metrics of a step. ``chunks_per_rank`` defaults to ``meta["virtual_stages"]``."""
     chunks = chunks_per_rank or int(trace.meta.get("virtual_stages", 1))
     groups = trace.by_rank()
-    first_start, last_end = float("inf"), float("-inf")
-    sums = []
-    for rank_events in groups:
-        busy = comm = exposed = 0.0
-        for event in rank_events:
-            if event.start < first_start:
-                first_start = event.start
-            if event.end > last_end:
-                last_end = event.end
-            stream = event.stream
-            if stream == "compute":
-                busy += event.end - event.start
-            elif stream == "send":
-                comm += event.end - event.start
-            elif stream == "recv":
-                exposed += event.end - event.start
-        sums.append((busy, comm, exposed))
-    span = last_end - first_start if trace.events else 0.0
-    total_busy = sum(busy for busy, _, _ in sums)
+    first = min((event.start for event in trace.events), default=0.0)
+    span = max((event.end for event in trace.events), default=0.0) - first
+    accounting = time_accounting(trace, groups, (first, first + span))
+    comm = [sum(event.end - event.start for event in rank_events if event.stream == "send") for rank_events in groups]
+    total_busy = sum(part.busy for part in accounting)
     bubble = 1.0 - total_busy / (len(groups) * span) if span > 0 else 0.0
     per_rank = tuple(
         RankMetrics(
             rank=rank,
-            busy=busy,
-            idle=span - busy,
-            comm=comm,
-            exposed_comm=exposed,
+            busy=part.busy,
+            idle=span - part.busy,
+            comm=comm[rank],
+            bubble=part.bubble,
+            exposed_comm=part.exposed_comm,
+            tp=part.tp,
+            dp=part.dp,
+            optimizer=part.optimizer,
+            overhead=part.overhead,
             peak_inflight_microbatches=peak_inflight_of_events(groups[rank], chunks),
         )
-        for rank, (busy, comm, exposed) in enumerate(sums)
+        for rank, part in enumerate(accounting)
     )
     return StepMetrics(makespan=span, bubble_fraction=bubble, ranks=per_rank)
 
@@ -135,45 +141,25 @@ def step_metrics(trace: Trace, chunks_per_rank: int | None = None) -> StepMetric
 COMM_KINDS_BY_STREAM = {"send": "p2p", "tp": "tp", "dp": "dp"}
 
 
-def comm_by_kind(trace: Trace) -> list[dict[str, dict[str, float]]]:
+def comm_by_kind(trace: Trace, accounting: list[RankTime] | None = None) -> list[dict[str, dict[str, float]]]:
     """Per rank, communication seconds by kind: ``{"p2p"|"dp"|"tp": {"total", "exposed"}}``.
 
     p2p: total is the time outgoing transfers were in flight, exposed the time the rank
-    sat blocked on receives. tp: collectives on the compute's critical path, so all of
-    it is exposed. dp: gradient all-reduce time, exposed where no compute or tp
-    collective of the rank runs beside it (the part overlap could not hide)."""
+    sat blocked on receives whose data was already sent (``exposed_comm``; waiting for
+    the producer is bubble, not communication). tp: collectives on the compute's
+    critical path, so all of it is exposed. dp: gradient reduction time, exposed where
+    nothing holding the rank (compute, tp, a receive wait) runs beside it.
+    ``accounting`` (from ``time_accounting``) saves computing it again."""
+    accounting = accounting if accounting is not None else time_accounting(trace)
     result = []
-    for rank_events in trace.by_rank():
+    for rank_events, parts in zip(trace.by_rank(), accounting, strict=True):
         totals = {kind: {"total": 0.0, "exposed": 0.0} for kind in ("p2p", "dp", "tp")}
-        working = []
-        reducing = []
         for event in rank_events:
-            stream = event.stream
-            if stream == "recv":
-                totals["p2p"]["exposed"] += event.duration
-            elif stream in COMM_KINDS_BY_STREAM:
-                totals[COMM_KINDS_BY_STREAM[stream]]["total"] += event.duration
-            if stream in ("compute", "tp"):
-                working.append((event.start, event.end))
-            elif stream == "dp":
-                reducing.append((event.start, event.end))
+            kind = COMM_KINDS_BY_STREAM.get(event.stream)
+            if kind is not None:
+                totals[kind]["total"] += event.duration
+        totals["p2p"]["exposed"] = parts.exposed_comm
         totals["tp"]["exposed"] = totals["tp"]["total"]
-        totals["dp"]["exposed"] = totals["dp"]["total"] - _overlap(sorted(reducing), sorted(working))
+        totals["dp"]["exposed"] = parts.dp
         result.append(totals)
     return result
-
-
-def _overlap(first: list[tuple[float, float]], second: list[tuple[float, float]]) -> float:
-    """Seconds where an interval of ``first`` meets one of ``second`` (each list sorted
-    and without overlaps of its own)."""
-    total, i, j = 0.0, 0, 0
-    while i < len(first) and j < len(second):
-        start = max(first[i][0], second[j][0])
-        end = min(first[i][1], second[j][1])
-        if end > start:
-            total += end - start
-        if first[i][1] < second[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total

@@ -7,10 +7,11 @@ lowered programs, so what is predicted is exactly what is run.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from schedules.action import COMM_KINDS, Action, format_group
+from schedules.action import COMM_KINDS, Action, format_group, format_overlap
 
 
 def looped_placement(pp: int, virtual_stages: int) -> tuple[int, ...]:
@@ -51,6 +52,9 @@ class Schedule:
     name: str = "custom"
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     joins: tuple[frozenset[int], ...] = ()
+    # fused[rank]: positions of a B whose compute is overlapped with the F just before it
+    # (DualPipe's OVERLAP_F_B pair: one step, one cost); empty for other schedules
+    fused: tuple[frozenset[int], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise lists handed in by callers so a Schedule is hashable, immutable data.
@@ -72,6 +76,7 @@ class Schedule:
         else:
             object.__setattr__(self, "joins", tuple(frozenset(joined) for joined in self.joins))
             self._check_joins()
+        self._normalise_fused()
 
     def _check_joins(self) -> None:
         """A join links two neighbouring communication actions of one program."""
@@ -87,6 +92,42 @@ class Schedule:
                             f"rank {rank}, position {position}: {action} is a compute action and cannot be "
                             f"part of a P2P group; groups hold SEND/RECV actions only"
                         )
+
+    def _normalise_fused(self) -> None:
+        """One frozenset per rank; each marks a backward right after a forward."""
+        if not any(self.fused):
+            object.__setattr__(self, "fused", tuple(frozenset() for _ in range(self.pp)))
+            return
+        object.__setattr__(self, "fused", tuple(frozenset(positions) for positions in self.fused))
+        if len(self.fused) != self.pp:
+            raise ValueError(f"pp={self.pp} ranks but overlapped pairs were given for {len(self.fused)}")
+        for rank, (program, positions) in enumerate(zip(self.programs, self.fused, strict=True)):
+            for position in positions:
+                if not 1 <= position < len(program) or program[position - 1].kind != "F" or (
+                        program[position].kind not in ("B", "I")):
+                    shown = program[position] if 0 <= position < len(program) else "nothing"
+                    raise ValueError(
+                        f"rank {rank}, position {position}: an overlapped pair is a forward followed directly "
+                        f"by a backward, but position {position} holds {shown}"
+                    )
+
+    def fused_pairs(self, rank: int) -> list[tuple[Action, Action]]:
+        """``rank``'s overlapped (F, B) pairs, in program order."""
+        program = self.programs[rank]
+        return [(program[position - 1], program[position]) for position in sorted(self.fused[rank])]
+
+    def with_fused_from(self, source: Schedule) -> Schedule:
+        """This schedule with ``source``'s overlapped pairs marked at their positions here
+        (found by the backward action, which is unique): how passes that insert or drop
+        actions (lowering, ``compute_only``) carry the pairs along."""
+        if not any(source.fused):
+            return self
+        fused = []
+        for rank in range(self.pp):
+            backwards = {backward for _, backward in source.fused_pairs(rank)}
+            fused.append(frozenset(position for position, action in enumerate(self.programs[rank])
+                                   if action in backwards))
+        return dataclasses.replace(self, fused=tuple(fused), meta=dict(self.meta))
 
     @property
     def num_stages(self) -> int:
@@ -134,8 +175,22 @@ class Schedule:
 
     def program_text(self, rank: int) -> list[str]:
         """``rank``'s program in the text form, one cell per compute action or P2P group
-        (``1SEND_F3+1RECV_B1``): the cells of a CSV row."""
-        return [str(item) if isinstance(item, Action) else format_group(item) for item in self.program_items(rank)]
+        (``1SEND_F3+1RECV_B1``), an overlapped pair as one ``(F;B)OVERLAP_F_B`` cell: the
+        cells of a CSV row."""
+        fused = self.fused[rank]
+        cells: list[str] = []
+        position = 0
+        for item in self.program_items(rank):
+            if not isinstance(item, Action):
+                cells.append(format_group(item))
+                position += len(item)
+                continue
+            if position in fused:  # the forward just before it is the last cell
+                cells[-1] = format_overlap(self.programs[rank][position - 1], item)
+            else:
+                cells.append(str(item))
+            position += 1
+        return cells
 
     def compute_only(self) -> Schedule:
         """The same schedule with communication actions removed."""
@@ -143,7 +198,7 @@ class Schedule:
             tuple(action for action in program if action.kind not in COMM_KINDS)
             for program in self.programs
         )
-        return self.with_programs(programs)
+        return self.with_programs(programs).with_fused_from(self)
 
     def with_programs(
         self, programs: Sequence[Sequence[Action]], joins: Sequence[frozenset[int]] = ()

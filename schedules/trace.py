@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from schedules.action import Action
+from schedules.textfile import read_text
 
 STREAMS = ("compute", "send", "recv")
 
@@ -86,7 +87,17 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        text = read_text(path, "trace (pipesim Trace JSON)")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: not a pipesim Trace (expected a mapping with 'meta' and 'events')")
+        try:
+            return cls.from_dict(data)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
 
     @classmethod
     def merge(cls, parts: Iterable[Trace], meta: dict | None = None) -> Trace:

@@ -90,7 +90,7 @@ def test_show_prints_programs_and_timeline(capsys):
         (["simulate", "--topology", "nvlinc"], "unknown topology 'nvlinc'"),
         (["simulate", "--schedule", "interleaved-1f1b", "--pp", "4", "--microbatches", "9"], "do not split into"),
         (["simulate", "--pp", "16", "--topology", "nvlink"], "needs 16 devices but topology nvlink has 8"),
-        (["simulate", "--costs", "/nonexistent/costs.json"], "does not exist"),
+        (["simulate", "--costs", "/nonexistent/costs.json"], "no such file: /nonexistent/costs.json"),
         (["sweep", "--microbatches", "8,x"], "'x' in '8,x' is not a valid int"),
     ],
 )

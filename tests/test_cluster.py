@@ -8,7 +8,6 @@ import json
 import pytest
 
 from pipesim.cli import main
-from pipesim.collectives import all_reduce, bucketed_all_reduce, ring_pace
 from pipesim.costs import Costs, StageCost, uniform_costs
 from pipesim.engine import LinkScheduler
 from pipesim.mapping import map_ranks
@@ -20,6 +19,17 @@ from pipesim.topology_file import topology_from_dict
 from schedules import generate
 
 FWD, BWD = 1.0, 2.0
+
+# Hand figures of the presets' links (pipesim/presets.py; DESIGN.md "Reference links"):
+# two GPUs of one NVSwitch node meet over two NVLink 4 hops, 450 GB/s at 0.8 efficiency,
+# 1.5 us each; two GPUs on one PCIe Gen4 switch over two 31.5 GB/s hops at 0.8.
+NVLINK_PAIR_BW, NVLINK_PAIR_LATENCY = 450e9 * 0.8, 2 * 1.5e-6
+PCIE_PAIR_BW = 31.5e9 * 0.8
+
+
+def ring_all_reduce_by_hand(n: int, num_bytes: float, bandwidth: float, latency: float) -> float:
+    """nccl-tests PERFORMANCE.md: 2(n-1)/n * S/B + 2(n-1) * alpha."""
+    return 2 * (n - 1) / n * num_bytes / bandwidth + 2 * (n - 1) * latency
 
 CHAIN = {  # g0 -> sw -> g1, two hops with different figures
     "devices": [{"name": "g0"}, {"name": "g1"}],
@@ -85,8 +95,8 @@ def test_tp_collectives_follow_each_compute_action_on_a_tp_stream():
     topology = nvlink()
     config = ParallelConfig(dp=1, tp=2)
     result = run_simulation(generate("1f1b", 4, 8), tp_dp_costs(4), topology, parallel=config)
-    group = map_ranks(topology, 1, 4, 2).tp_group(0, 0)
-    per_action = 2 * 2 * all_reduce(topology, group, 64e6)
+    # two all-reduces per layer, two layers, each over the NVLink pair of the tp group
+    per_action = 2 * 2 * ring_all_reduce_by_hand(2, 64e6, NVLINK_PAIR_BW, NVLINK_PAIR_LATENCY)
     tp_events = [event for event in result.trace.events if event.stream == "tp"]
     assert len(tp_events) == 2 * 4 * 8
     assert all(event.duration == pytest.approx(per_action) for event in tp_events)
@@ -99,24 +109,39 @@ def test_tp_collectives_follow_each_compute_action_on_a_tp_stream():
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_dp_all_reduce_ends_the_step(overlap):
+def test_dp_all_reduce_in_buckets_during_or_after_the_last_backward(overlap):
     topology = ib(2)
     config = ParallelConfig(dp=2, tp=1, overlap_dp=overlap)
     costs = tp_dp_costs(4, layers=0, message=0.0)
     result = run_simulation(generate("1f1b", 4, 8), costs, topology, parallel=config)
-    mapping = map_ranks(topology, 2, 4, 1)
-    seconds, _ = bucketed_all_reduce(topology, mapping.dp_group(0, 0), 1e9, 25 * 2**20)
+    # tp-dp-pp order: each stage's two replicas are neighbours in node 0, an NVLink pair.
+    # 1 GB in 25 MiB buckets: 38 full ones and a 3.85 MB rest, each paying the ring's
+    # 2(n-1) latencies; together the bandwidth term of one 1 GB message.
+    bucket, rest = 25 * 2**20, 1e9 - 38 * 25 * 2**20
+    assert 0 < rest < bucket
+    seconds = 2 * (2 - 1) / 2 * 1e9 / NVLINK_PAIR_BW + 39 * 2 * (2 - 1) * NVLINK_PAIR_LATENCY
+    last_bucket = rest / NVLINK_PAIR_BW + 2 * NVLINK_PAIR_LATENCY
     dp_events = [event for event in result.trace.events if event.stream == "dp"]
-    assert len(dp_events) == 4 and all(event.duration == pytest.approx(seconds) for event in dp_events)
-    last_compute = {rank: max(e.end for e in result.trace.of_rank(rank) if e.stream == "compute") for rank in range(4)}
-    for event in dp_events:
-        assert event.start >= last_compute[event.rank] - 1e-12
+    assert len(dp_events) == 4 * 39
+    last_backward = {rank: max((e for e in result.trace.of_rank(rank) if e.kind == "B"), key=lambda e: e.end)
+                     for rank in range(4)}
+    for rank in range(4):
+        mine = sorted((event for event in dp_events if event.rank == rank), key=lambda event: event.start)
+        assert sum(event.duration for event in mine) == pytest.approx(seconds)
+        backward = last_backward[rank]
+        if overlap:  # bucket i is full (i+1)/39-ish of the way through the last backward
+            assert mine[0].start == pytest.approx(backward.start + bucket / 1e9 * (backward.end - backward.start))
+            assert mine[-1].start == pytest.approx(backward.end)  # the rest fills at the very end
+        else:
+            assert mine[0].start >= backward.end
     step_end = max(event.end for event in dp_events) + 0.1
     assert result.metrics.makespan == pytest.approx(step_end)
-    # the last rank finishes backward first; with overlap its all-reduce hides under the others' work
     comm = result.comm
-    if overlap:
-        assert comm[3]["dp"]["exposed"] == pytest.approx(seconds)  # nothing left to overlap on its rank
+    # with overlap only the last bucket (full when the backward ends) is left exposed on
+    # the last rank, which finishes first, less the 3 us its last (empty) send holds the
+    # rank until it arrives (rendezvous); without overlap the whole reduction is exposed
+    expected_exposed = last_bucket - NVLINK_PAIR_LATENCY if overlap else seconds
+    assert comm[3]["dp"]["exposed"] == pytest.approx(expected_exposed)
     assert comm[0]["dp"]["total"] == pytest.approx(seconds)
 
 
@@ -165,12 +190,12 @@ def test_tp_collectives_on_pcie_cost_more_than_on_nvlink_by_the_bandwidth_ratio(
     message = 4e9  # large enough that the microsecond latencies do not matter
     costs = tp_dp_costs(2, layers=1, message=message, param_bytes=0.0)
     per_topology = {}
-    for topology in (nvlink(), pcie()):
+    # a tp pair is two GPUs on one NVSwitch (nvlink) or on one PCIe switch (pcie)
+    for topology, bandwidth in ((nvlink(), NVLINK_PAIR_BW), (pcie(), PCIE_PAIR_BW)):
         result = run_simulation(generate("1f1b", 2, 2), costs, topology, parallel=ParallelConfig(tp=2))
         durations = {event.duration for event in result.trace.events if event.stream == "tp"}
         assert len(durations) == 1 or max(durations) == pytest.approx(min(durations))
-        group = map_ranks(topology, 1, 2, 2).tp_group(0, 0)
-        per_topology[topology.name] = (max(durations), ring_pace(topology, group)[0])
+        per_topology[topology.name] = (max(durations), bandwidth)
     (nv_seconds, nv_bandwidth), (pcie_seconds, pcie_bandwidth) = per_topology["nvlink"], per_topology["pcie"]
     assert pcie_seconds > nv_seconds
     assert pcie_seconds / nv_seconds == pytest.approx(nv_bandwidth / pcie_bandwidth, rel=1e-3)
@@ -205,3 +230,31 @@ def test_topology_show_prints_and_draws(tmp_path, capsys):
     assert "topology ib: 16 devices" in out and "ib_switch" in out
     text = html.read_text()
     assert "plotly" in text and "n1.gpu7" in text
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(1, 2), (2, 1)])
+def test_other_shards_and_replicas_share_a_pcie_switch_with_the_simulated_pipeline(dp, tp):
+    # pcie, tp-dp-pp order: pipeline rank 0 is gpu0 (+ gpu1 as its second shard or
+    # replica), rank 1 is gpu2 (+ gpu3). gpu0 -> gpu2 and gpu1 -> gpu3 both climb
+    # pcie_switch0 -> cpu0 -> pcie_switch1: four 1 us hops at 31.5 GB/s x 0.8. Sent at
+    # the same moment, the second transfer waits for the first on the shared links
+    # (first come, first served), so the stage's data is complete after 2 S / B.
+    act_bytes = 1e9
+    bandwidth, latency = PCIE_PAIR_BW, 4e-6
+    costs = Costs(stages=(StageCost(fwd=FWD, bwd=BWD, act_bytes=act_bytes),) * 2)
+    result = run_simulation(generate("gpipe", 2, 1), costs, pcie(), parallel=ParallelConfig(dp=dp, tp=tp))
+    hop = latency + 2 * act_bytes / bandwidth
+    assert result.metrics.makespan == pytest.approx(2 * (FWD + BWD) + 2 * hop)
+    alone = run_simulation(generate("gpipe", 2, 1), costs, pcie())
+    assert alone.metrics.makespan == pytest.approx(2 * (FWD + BWD) + 2 * (latency + act_bytes / bandwidth))
+    # the wait beyond the simulated pipeline's own transfer is exposed communication
+    assert result.metrics.ranks[0].exposed_comm == pytest.approx(hop)
+
+
+def test_shards_on_nvswitch_have_links_of_their_own():
+    # every GPU has its own link into the NVSwitch: tp=2 changes no P2P time
+    costs = Costs(stages=(StageCost(fwd=FWD, bwd=BWD, act_bytes=1e9),) * 2)
+    shards = run_simulation(generate("gpipe", 2, 1), costs, nvlink(), parallel=ParallelConfig(tp=2))
+    alone = run_simulation(generate("gpipe", 2, 1), costs, nvlink())
+    assert shards.metrics.makespan == pytest.approx(alone.metrics.makespan)
+    assert alone.metrics.makespan == pytest.approx(2 * (FWD + BWD) + 2 * (NVLINK_PAIR_LATENCY + 1e9 / NVLINK_PAIR_BW))

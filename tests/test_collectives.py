@@ -82,3 +82,13 @@ def test_bucketed_all_reduce_pays_latency_per_bucket():
     assert buckets == 3
     assert seconds == pytest.approx(2 * (n - 1) / n * 10e6 / BW + 3 * 2 * (n - 1) * LAT)
     assert bucketed_all_reduce(topology, group[:1], 10e6, 4e6) == (0.0, 0)
+
+
+def test_bucket_sizes_cut_full_buckets_and_a_rest():
+    from pipesim.collectives import bucket_sizes
+
+    assert bucket_sizes(100.0, 40.0) == (40.0, 40.0, 20.0)
+    assert bucket_sizes(80.0, 40.0) == (40.0, 40.0)
+    assert bucket_sizes(0.0, 40.0) == ()
+    with pytest.raises(ValueError, match="bucket size must be > 0 bytes, got nan"):
+        bucket_sizes(100.0, float("nan"))

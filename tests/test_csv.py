@@ -124,7 +124,11 @@ def test_empty_file(tmp_path):
 
 # --- torch.distributed.pipelining reads what we write ----------------------------------
 
-torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+@pytest.fixture
+def torch_schedules():
+    """torch's pipelining schedules, or a skip of only the tests that ask for them (a
+    module-level importorskip would skip the torch-free tests above too)."""
+    return pytest.importorskip("torch.distributed.pipelining.schedules")
 
 
 def bare_torch_schedule(cls, schedule: Schedule):
@@ -143,7 +147,7 @@ def bare_torch_schedule(cls, schedule: Schedule):
     ("name", "pp", "microbatches", "virtual_stages"),
     [("gpipe", 3, 5, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 3, 2, 2)],
 )
-def test_torch_loads_our_compute_only_csv(tmp_path, name, pp, microbatches, virtual_stages):
+def test_torch_loads_our_compute_only_csv(tmp_path, torch_schedules, name, pp, microbatches, virtual_stages):
     schedule = generate(name, pp, microbatches, virtual_stages)
     path = tmp_path / "order.csv"
     schedule_to_csv(schedule, path)
@@ -160,7 +164,8 @@ def test_torch_loads_our_compute_only_csv(tmp_path, name, pp, microbatches, virt
 
 @pytest.mark.parametrize(("name", "pp", "microbatches", "virtual_stages"),
                          [("1f1b", 4, 6, 1), ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 4, 2, 3)])
-def test_torch_loads_and_simulates_our_lowered_csv(tmp_path, name, pp, microbatches, virtual_stages):
+def test_torch_loads_and_simulates_our_lowered_csv(tmp_path, torch_schedules, name, pp, microbatches,
+                                                  virtual_stages):
     schedule = lower(generate(name, pp, microbatches, virtual_stages))
     path = tmp_path / "lowered.csv"
     schedule_to_csv(schedule, path, groups=False)  # torch has no P2P groups
@@ -174,7 +179,7 @@ def test_torch_loads_and_simulates_our_lowered_csv(tmp_path, name, pp, microbatc
     torch_schedules._simulate_comms_compute(order, lambda stage: schedule.placement[stage], schedule.num_stages)
 
 
-def test_torch_simulator_also_finds_our_deadlock(tmp_path, capsys):
+def test_torch_simulator_also_finds_our_deadlock(tmp_path, capsys, torch_schedules):
     programs = [[parse_action(text) for text in row.split()] for row in ["0F0 0B0 0F1 0B1", "1F0 1F1 1B0 1B1"]]
     schedule = lower(Schedule(2, 2, (0, 1), programs))
     path = tmp_path / "deadlock.csv"

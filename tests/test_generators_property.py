@@ -20,6 +20,8 @@ from schedules import (
     schedule_to_csv,
     validate,
 )
+from schedules.generators import zb_auto
+from schedules.p2p import P2P_SEMANTICS
 from schedules.schedule import Schedule
 
 NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -137,19 +139,36 @@ def test_gpipe_runs_every_forward_before_any_backward(pp, microbatches):
         assert peak_inflight(program) == microbatches
 
 
-@pytest.mark.parametrize(("pp", "microbatches", "virtual_stages"), [(4, 8, 2), (4, 4, 3), (2, 6, 2), (4, 2, 2)])
-def test_interleaved_warmup_follows_megatron(pp, microbatches, virtual_stages):
+def torch_pipelining():
+    """torch's pipelining schedules, or skip only the test that needs them (a
+    module-level importorskip would skip the torch-free tests of this file too)."""
+    return pytest.importorskip("torch.distributed.pipelining.schedules")
+
+
+def torch_interleaved_order(pp: int, microbatches: int, virtual_stages: int) -> list[list[str]]:
+    """torch's own interleaved 1F1B compute order per rank (idle slots dropped), built
+    without process groups or model stages: its order calculation is what is compared."""
+    generator_class = torch_pipelining().ScheduleInterleaved1F1B
+    generator = generator_class.__new__(generator_class)
+    generator.pp_group_size = pp
+    generator.n_local_stages = virtual_stages
+    generator._n_microbatches = microbatches
+    generator.number_of_rounds = max(1, microbatches // pp)
+    generator.microbatches_per_round = microbatches // generator.number_of_rounds
+    return [[str(action) for action in generator._calculate_single_rank_operations(rank) if action is not None]
+            for rank in range(pp)]
+
+
+@pytest.mark.parametrize(("pp", "microbatches", "virtual_stages"),
+                         [(4, 8, 2), (4, 4, 3), (2, 6, 2), (4, 2, 2), (3, 6, 2), (4, 12, 2)])
+def test_interleaved_warmup_and_order_match_torch(pp, microbatches, virtual_stages):
     schedule = generate("interleaved-1f1b", pp, microbatches, virtual_stages)
-    group = microbatches // max(1, microbatches // pp)
-    total = microbatches * virtual_stages
+    theirs = torch_interleaved_order(pp, microbatches, virtual_stages)
     for rank, program in enumerate(schedule.programs):
-        warmup = min((virtual_stages - 1) * group + 2 * (pp - 1 - rank), total)
-        assert leading_forwards(program) == min(warmup + 1, total)
-        # the first round of forwards goes through chunk 0 (stage rank) in microbatch order
-        first_round = program[: min(group, total)]
-        assert [(action.stage, action.microbatch) for action in first_round] == [
-            (rank, microbatch) for microbatch in range(len(first_round))
-        ]
+        ours = [str(action) for action in program]
+        their_warmup = next((index for index, text in enumerate(theirs[rank]) if "F" not in text), len(theirs[rank]))
+        assert leading_forwards(program) == their_warmup
+        assert ours == theirs[rank]
 
 
 def test_interleaved_refusal_names_the_sizes_and_suggests_counts():
@@ -158,9 +177,6 @@ def test_interleaved_refusal_names_the_sizes_and_suggests_counts():
     text = str(caught.value)
     assert "33 microbatches on pp=16 do not split into 2 equal rounds" in text
     assert "nearby counts that work: 17, 18, 19" in text
-
-
-torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
 
 @st.composite
@@ -190,6 +206,7 @@ def shuffled_orders(draw):
 @settings(max_examples=100, deadline=None)
 @given(shuffled_orders())
 def test_deadlock_verdict_agrees_with_torch_dry_run(schedule):
+    torch_schedules = torch_pipelining()
     lowered = lower(schedule)
     ours = is_valid(lowered)
     assert is_valid(schedule) == ours  # compute-only and lowered forms deadlock alike
@@ -205,3 +222,93 @@ def test_deadlock_verdict_agrees_with_torch_dry_run(schedule):
         # own table printer fails with IndexError on the way to raising it.
         theirs = False
     assert ours == theirs
+
+
+# --- the zero-bubble family and V-shaped pipelines --------------------------------------
+
+ZERO_BUBBLE_NAMES = ("zb-h1", "zb-h2", "zbv", "interleaved-zb", "looped-bfs", "zb-auto", "dualpipev")
+
+
+@st.composite
+def zero_bubble_sizes(draw):
+    name = draw(st.sampled_from(ZERO_BUBBLE_NAMES))
+    pp = draw(st.integers(1, 8))
+    microbatches = draw(st.integers(1, 24))
+    if name in ("zbv", "dualpipev"):
+        chunks = 2
+    elif name in ("interleaved-zb", "looped-bfs"):
+        chunks = draw(st.integers(1, 3))
+    else:
+        chunks = 1
+    return name, pp, microbatches, chunks
+
+
+def build(name: str, pp: int, microbatches: int, chunks: int, draw_costs=(1.0, 1.0, 1.0, 0.0)) -> Schedule:
+    if name == "zb-auto":
+        forward, backward_input, backward_weight, hop = draw_costs
+        return zb_auto(pp, microbatches, forward, backward_input, backward_weight, hop, max(1, pp - 1))
+    return generate(name, pp, microbatches, chunks)
+
+
+def program_peak_stash(program) -> int:
+    """Most stashes a sequential rank holds: +1 at each F, -1 at the pass that frees it
+    (B, or W when that microbatch's backward is split)."""
+    held = peak = 0
+    for action in program:
+        if action.kind == "F":
+            held += 1
+            peak = max(peak, held)
+        elif action.kind in ("B", "W"):
+            held -= 1
+    return peak
+
+
+@settings(max_examples=120, deadline=None)
+@given(zero_bubble_sizes(), st.tuples(*(st.sampled_from([0.5, 1.0, 2.0]) for _ in range(3)),
+                                      st.sampled_from([0.0, 0.3])))
+def test_zero_bubble_generators_run_each_pass_once_in_order_within_their_memory(size, costs):
+    name, pp, microbatches, chunks = size
+    try:
+        schedule = build(name, pp, microbatches, chunks, costs)
+    except ScheduleUnavailableError as error:
+        assert (name == "interleaved-zb" and "do not split into" in str(error)) or (
+            name == "dualpipev" and microbatches < 2 * pp and f"use m >= {2 * pp}" in str(error))
+        return
+    for rank, program in enumerate(schedule.programs):
+        passes: dict[tuple[int, int], list[str]] = {}
+        for stage, kind, microbatch in program:
+            passes.setdefault((stage, microbatch), []).append(kind)
+        assert sorted(passes) == [(stage, microbatch) for stage in schedule.stages_of(rank)
+                                  for microbatch in range(microbatches)]
+        for kinds in passes.values():  # F once, then B once or I then W
+            assert kinds in (["F", "B"], ["F", "I", "W"]) if name != "looped-bfs" else kinds == ["F", "B"]
+        if name not in ("looped-bfs", "dualpipev"):
+            assert all(kinds == ["F", "I", "W"] for kinds in passes.values())
+    validate(schedule)  # dependency order (F before I before W, across stages) and no deadlock
+    lowered = lower(schedule)
+    for semantics in P2P_SEMANTICS:  # gloo's buffered sends and NCCL's rendezvous
+        validate(lowered, semantics)
+    assert [len(pairs) for pairs in lowered.fused] == [
+        len(pairs) for pairs in schedule.fused]  # overlapped pairs survive lowering, still adjacent
+    assert_same(round_trip(schedule), schedule)
+    assert_same(round_trip(lowered), lowered)
+    assert round_trip(schedule).fused == schedule.fused
+    stated = schedule.meta["memory_microbatches"]
+    if name == "zb-auto":
+        stated = max(1, pp - 1)
+    for program in schedule.programs:
+        assert program_peak_stash(program) / schedule.virtual_stages <= stated + 1e-12
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+def test_zbv_places_stage_s_and_2p_minus_1_minus_s_on_one_rank(pp):
+    schedule = generate("zbv", pp, 2 * pp, 2)
+    for rank in range(pp):
+        assert schedule.stages_of(rank) == (rank, 2 * pp - 1 - rank)
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_v_schedules_refuse_other_chunk_counts_by_name(name, chunks):
+    with pytest.raises(ScheduleUnavailableError, match=f"{name} places exactly 2 stages per rank"):
+        generate(name, 4, 8, chunks)

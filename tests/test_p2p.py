@@ -231,7 +231,8 @@ def test_under_rendezvous_a_send_leaves_only_when_its_receive_is_posted():
     traces = {mode: simulate(schedule, costs, one_link(), p2p=mode) for mode in (RENDEZVOUS, BUFFERED)}
     sends = {mode: {e.action: (e.start, e.end) for e in trace.events if e.stream == "send"}
              for mode, trace in traces.items()}
-    assert sends[RENDEZVOUS]["0SEND_F1"] == pytest.approx((3.0, 4.0))
+    # a send's event runs from posting (its data ready) to arrival: 0SEND_F1 posted at 2
+    assert sends[RENDEZVOUS]["0SEND_F1"] == pytest.approx((2.0, 4.0))
     assert sends[RENDEZVOUS]["1SEND_B0"] == pytest.approx((6.0, 7.0))
     assert sends[RENDEZVOUS]["1SEND_B1"] == pytest.approx((9.0, 10.0))
     waits = [(e.rank, e.start, e.end) for e in traces[RENDEZVOUS].events if e.stream == "wait"]
@@ -253,8 +254,9 @@ def test_a_ranks_groups_run_one_after_another_on_its_stream():
     sends = {e.action: (e.start, e.end) for e in trace.events if e.stream == "send"}
     # 0F0 [0,1], 0F1 [1,2]; 0SEND_F0 pairs with 1RECV_F0 at 2 -> [2,3]; 1F0 [3,4]; rank 1 posts
     # 1RECV_F1 at 4; 0SEND_F1's group started at 3 (after the first completed) -> [4,5].
+    # (send events run from posting, both at 2, to arrival)
     assert sends["0SEND_F0"] == pytest.approx((2.0, 3.0))
-    assert sends["0SEND_F1"] == pytest.approx((4.0, 5.0))
+    assert sends["0SEND_F1"] == pytest.approx((2.0, 5.0))
 
 
 @pytest.mark.parametrize("name,pp,microbatches,chunks", [

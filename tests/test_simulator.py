@@ -120,14 +120,19 @@ def test_1f1b_on_pcie_is_slower_than_nvlink_with_large_activations_and_equal_wit
     assert step_time(pcie(), 1.0) == pytest.approx(step_time(nvlink(), 1.0), rel=1e-3)
 
 
-def test_exposed_communication_is_blocked_receive_time():
+def test_receive_wait_splits_into_bubble_then_exposed_communication():
     topology = topology_from_dict(TWO_DEVICES)
     trace = simulate(generate("gpipe", 2, 1), uniform_costs(2, FWD, BWD, act_bytes=5e9), topology)
     metrics = step_metrics(trace)
     hop = 1e-3 + 0.5
-    # rank 1 waits F + one hop for its input; rank 0 waits for rank 1's F and B and both hops
-    assert metrics.ranks[1].exposed_comm == pytest.approx(FWD + hop)
-    assert metrics.ranks[0].exposed_comm == pytest.approx(hop + FWD + BWD + hop)
+    # rank 1 waits F for rank 0's forward (bubble), then one hop with the data in flight;
+    # after its backward it cannot end its step before its gradient has arrived (one
+    # more hop in flight, rendezvous), then idles while rank 0 runs B.
+    assert metrics.ranks[1].exposed_comm == pytest.approx(2 * hop)
+    assert metrics.ranks[1].bubble == pytest.approx(FWD + BWD)
+    # rank 0 waits for the hop out, rank 1's F and B (bubble), then the hop back (exposed)
+    assert metrics.ranks[0].bubble == pytest.approx(hop + FWD + BWD)
+    assert metrics.ranks[0].exposed_comm == pytest.approx(hop)
 
 
 @pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])

@@ -98,13 +98,20 @@ def test_hover_names_the_action_and_its_details():
     assert (start, end, duration) == pytest.approx((5.1, 7.1, 2.0), abs=1e-4)
 
 
-def test_communication_lanes_send_thin_and_recv_wait_hatched_red():
+def test_communication_lanes_send_thin_recv_wait_split_into_bubble_and_exposed_comm():
     fig = gantt_figure([two_rank_step()])
     by_name = {t.name: t for t in fig.data}
-    recv = by_name["recv wait (exposed comm)"]
-    send = by_name["send (transfer in flight)"]
-    assert recv.marker.pattern.shape == "/" and recv.marker.color == "#D62728"
-    assert sorted(row[0] for row in recv.customdata) == ["0RECV_B1", "1RECV_F0"]
+    recv = by_name["exposed comm (wait, data in flight)"]
+    bubble = by_name["bubble (wait for a peer)"]
+    send = by_name["send (posted to arrival)"]
+    assert recv.marker.color == "#D62728" and bubble.marker.pattern.shape == "/"
+    assert bubble.marker.color != recv.marker.color
+    # 1RECV_F0 waits 0..1.1 ms, its send is posted at 1 ms: 1 ms bubble, 0.1 ms in flight;
+    # 0RECV_B1 waits 2..5.2 ms, its send is posted at 5.1 ms: 3.1 ms bubble, 0.1 ms in flight.
+    exposed = {row[0]: (row[4], row[5]) for row in recv.customdata}
+    waited = {row[0]: (row[4], row[5]) for row in bubble.customdata}
+    assert exposed["1RECV_F0"] == pytest.approx((1.0, 1.1)) and exposed["0RECV_B1"] == pytest.approx((5.1, 5.2))
+    assert waited["1RECV_F0"] == pytest.approx((0.0, 1.0)) and waited["0RECV_B1"] == pytest.approx((2.0, 5.1))
     assert len(send.x) == 4 and send.width < by_name["F forward"].width
     assert all(abs(y - round(y)) > 0.2 for y in send.y)  # in its own lane, off the rank's centre
 

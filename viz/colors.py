@@ -18,10 +18,13 @@ KIND_COLORS: dict[str, str] = {
 }
 UNKNOWN_KIND_COLOR = "#9D9D9D"
 
-# Communication: sends are quiet (they overlap compute, so usually harmless);
-# receive waits are loud red, because that is communication the rank could not hide.
+# Communication: sends are quiet (they overlap compute, so usually harmless); the part
+# of a receive wait with data in flight is loud red, because that is communication the
+# rank could not hide; the part before the producer had the data is a pale grey
+# bubble, a cost of the schedule that no faster network would remove.
 SEND_COLOR = "#5C5C5C"
 RECV_WAIT_COLOR = "#D62728"
+BUBBLE_COLOR = "#B0B0B0"
 
 # Streams beyond compute/send/recv (collectives such as "dp", "tp" may appear later).
 _EXTRA_STREAM_COLORS = ("#17BECF", "#BCBD22", "#8C564B", "#E377C2", "#7F7F7F")

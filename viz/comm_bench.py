@@ -9,6 +9,8 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from viz.html import include_plotlyjs
+
 COLORS = {"sendrecv": "#1f77b4", "all_reduce": "#d62728", "all_gather": "#2ca02c", "reduce_scatter": "#9467bd"}
 
 
@@ -35,11 +37,12 @@ def comm_bench_figure(rows: list[dict], fits: dict[str, dict]) -> go.Figure:
     return fig
 
 
-def write_comm_bench_html(rows: list[dict], fits: dict[str, dict], path: str | Path, title: str = "") -> Path:
+def write_comm_bench_html(rows: list[dict], fits: dict[str, dict], path: str | Path, title: str = "",
+                          plotly: str = "inline") -> Path:
     """Write the chart as a self-contained page (plotly.js embedded)."""
     fig = comm_bench_figure(rows, fits)
     if title:
         fig.update_layout(title={"text": title, "x": 0.0, "xanchor": "left"})
     path = Path(path)
-    fig.write_html(path, include_plotlyjs=True, full_html=True, config={"displaylogo": False})
+    fig.write_html(path, include_plotlyjs=include_plotlyjs(plotly), full_html=True, config={"displaylogo": False})
     return path

@@ -17,6 +17,7 @@ from plotly.subplots import make_subplots
 
 from schedules.metrics import StepMetrics, step_metrics
 from schedules.trace import Trace, TraceEvent
+from viz.html import include_plotlyjs
 from viz.lanes import Layer, layers_of
 
 BAR_LIMIT = 20_000  # events per figure; SVG bars beyond this make the page crawl
@@ -44,13 +45,14 @@ def default_title(trace: Trace, index: int) -> str:
 
 
 def summary(trace: Trace, metrics: StepMetrics | None = None) -> str:
-    """Makespan, bubble fraction and worst exposed communication, for the subplot title
-    (from ``metrics`` when the caller already computed them)."""
+    """Makespan, bubble fraction, and the worst rank's bubble and exposed communication
+    seconds, for the subplot title (from ``metrics`` when the caller already computed them)."""
     metrics = metrics or step_metrics(trace)
     exposed = max((rank.exposed_comm for rank in metrics.ranks), default=0.0)
+    waiting = max((rank.bubble for rank in metrics.ranks), default=0.0)
     return (
         f"makespan {metrics.makespan * 1e3:.3f} ms · bubble {metrics.bubble_fraction:.1%}"
-        f" · exposed comm (worst rank) {exposed * 1e3:.3f} ms"
+        f" ({waiting * 1e3:.3f} ms worst rank) · exposed comm (worst rank) {exposed * 1e3:.3f} ms"
     )
 
 
@@ -213,8 +215,9 @@ def gantt_figure(
     """One Gantt subplot per trace, stacked on a shared time axis in milliseconds.
 
     Each subplot's y axis has one tick per rank (rank 0 on top); compute bars are
-    coloured by kind, sends sit in a thin lane under them, receive waits are hatched
-    red in the compute lane. ``titles`` name the subplots (default: source, schedule
+    coloured by kind, sends sit in a thin lane under them, receive waits sit in the
+    compute lane: hatched grey while the producer had not finished (bubble), red while
+    the data was in flight (exposed communication). ``titles`` name the subplots (default: source, schedule
     and shape from ``meta``); the metrics summary is appended to each. Past
     ``bar_limit`` events the bars become WebGL segments; only up to ``label_limit``
     compute bars are labelled with their microbatch.
@@ -234,14 +237,17 @@ def write_gantt_html(
     titles: list[str] | None = None,
     title: str | None = None,
     metrics: list[StepMetrics] | None = None,
+    plotly: str = "inline",
 ) -> Path:
-    """Write a self-contained Gantt HTML page (plotly.js embedded, opens offline)."""
+    """Write a Gantt HTML page; ``plotly="inline"`` embeds plotly.js (opens offline),
+    ``"cdn"`` loads it from the network (see ``viz.html``)."""
     spec = gantt_spec(traces, titles, metrics=metrics)
     if title:
         spec["layout"]["title"] = {"text": title, "x": 0.0, "xanchor": "left"}
     path = Path(path)
     html = pio.to_html(
-        spec, include_plotlyjs=True, full_html=True, validate=False, config={"displaylogo": False, "scrollZoom": True}
+        spec, include_plotlyjs=include_plotlyjs(plotly), full_html=True, validate=False,
+        config={"displaylogo": False, "scrollZoom": True},
     )
     path.write_text(html, encoding="utf-8")
     return path

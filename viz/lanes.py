@@ -4,6 +4,11 @@ Each layer becomes one plotly trace holding arrays for all its events. Drawing a
 trace per event would make a 400k-event step unusable, and grouping by colour is also
 what gives the legend one entry per kind.
 
+A wait (``recv``, or the end-of-step ``wait``) is drawn in pieces by the rule of
+``schedules.accounting``: *bubble* while the rank waits for a peer (data not yet
+sent, or a send of its own not yet matched), *exposed communication* while the data
+is in flight, so the chart never calls waiting for upstream compute communication.
+
 Within a rank's row the layers sit in lanes: compute (and receive waits, which can
 only happen while compute is stalled) in the wide middle lane, outgoing transfers in
 a thin lane below, any other stream (collectives, later) in a thin lane above.
@@ -13,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from schedules.accounting import WAITING_STREAMS, split_waits
 from schedules.trace import Trace, TraceEvent
-from viz.colors import kind_color, stream_color
+from viz.colors import BUBBLE_COLOR, kind_color, stream_color
 
 COMPUTE_LANE = (0.0, 0.56)  # (centre offset from the rank's row, thickness), row pitch 1
 SEND_LANE = (0.37, 0.14)  # below the compute bar (the y axis runs top to bottom)
@@ -27,8 +33,9 @@ KIND_LABELS = {
     "W": "W weight-grad backward",
 }
 STREAM_LABELS = {
-    "send": "send (transfer in flight)",
-    "recv": "recv wait (exposed comm)",
+    "send": "send (posted to arrival)",
+    "recv": "exposed comm (wait, data in flight)",
+    "bubble": "bubble (wait for a peer)",
 }
 _COMPUTE_ORDER = ("F", "B", "I", "W")
 
@@ -46,10 +53,12 @@ class Layer:
 
 
 def layers_of(trace: Trace) -> list[Layer]:
-    """The layers of ``trace`` in drawing order: receive waits first (underneath),
-    compute kinds in F, B, I, W order, then sends, then any other stream by name."""
+    """The layers of ``trace`` in drawing order: receive waits first (underneath; the
+    bubble part, then the exposed-communication part), compute kinds in F, B, I, W
+    order, then sends, then any other stream by name."""
     compute: dict[str, Layer] = {}
-    recv = Layer(STREAM_LABELS["recv"], stream_color("recv"), COMPUTE_LANE, hatched=True)
+    bubble = Layer(STREAM_LABELS["bubble"], BUBBLE_COLOR, COMPUTE_LANE, hatched=True)
+    recv = Layer(STREAM_LABELS["recv"], stream_color("recv"), COMPUTE_LANE)
     send = Layer(STREAM_LABELS["send"], stream_color("send"), SEND_LANE)
     others: dict[str, Layer] = {}
     for event in trace.events:
@@ -59,8 +68,8 @@ def layers_of(trace: Trace) -> list[Layer]:
                 label = KIND_LABELS.get(event.kind, event.kind)
                 layer = compute[event.kind] = Layer(label, kind_color(event.kind), COMPUTE_LANE, is_compute=True)
             layer.events.append(event)
-        elif event.stream == "recv":
-            recv.events.append(event)
+        elif event.stream in WAITING_STREAMS:
+            continue  # drawn below, cut into their bubble and exposed pieces
         elif event.stream == "send":
             send.events.append(event)
         else:
@@ -68,8 +77,12 @@ def layers_of(trace: Trace) -> list[Layer]:
             if layer is None:
                 layer = others[event.stream] = Layer(event.stream, stream_color(event.stream), OTHER_LANE)
             layer.events.append(event)
+    for event, pieces in split_waits(trace):
+        for start, end, part in pieces:
+            (bubble if part == "bubble" else recv).events.append(event._replace(start=start, end=end))
     ordered_kinds = sorted(
         compute, key=lambda kind: (_COMPUTE_ORDER.index(kind) if kind in _COMPUTE_ORDER else 99, kind)
     )
-    layers = [recv, *(compute[kind] for kind in ordered_kinds), send, *(others[name] for name in sorted(others))]
+    layers = [bubble, recv, *(compute[kind] for kind in ordered_kinds), send,
+              *(others[name] for name in sorted(others))]
     return [layer for layer in layers if layer.events]

@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from viz.colors import schedule_color
+from viz.html import include_plotlyjs
 
 REQUIRED = ("schedule", "microbatches", "makespan", "bubble_fraction", "peak_inflight_microbatches")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")  # told apart: same schedule, other v
@@ -91,11 +92,11 @@ def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Fig
     return fig
 
 
-def write_sweep_html(rows: list[dict], path: str | Path, title: str | None = None) -> Path:
+def write_sweep_html(rows: list[dict], path: str | Path, title: str | None = None, plotly: str = "inline") -> Path:
     """Write a self-contained sweep chart page (plotly.js embedded, opens offline)."""
     fig = sweep_figure(rows)
     if title:
         fig.update_layout(title={"text": title, "x": 0.0, "xanchor": "left"})
     path = Path(path)
-    fig.write_html(path, include_plotlyjs=True, full_html=True, config={"displaylogo": False})
+    fig.write_html(path, include_plotlyjs=include_plotlyjs(plotly), full_html=True, config={"displaylogo": False})
     return path

@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from viz.colors import stable_pick
+from viz.html import include_plotlyjs
 
 TIERS = {"gpu": 0, "nic": 1, "nvswitch": 1, "pcie_switch": 1, "host": 2}
 NODE_COLORS = {"gpu": "#2e7d32", "nic": "#8d6e63", "nvswitch": "#1565c0", "pcie_switch": "#6a1b9a",
@@ -79,10 +80,11 @@ def topology_figure(nodes: list[dict], edges: list[dict], title: str = "") -> go
     return figure
 
 
-def write_topology_html(nodes: list[dict], edges: list[dict], path: str | Path, title: str = "") -> Path:
+def write_topology_html(nodes: list[dict], edges: list[dict], path: str | Path, title: str = "",
+                        plotly: str = "inline") -> Path:
     """Write the drawing as one HTML file with plotly.js embedded (opens offline)."""
     path = Path(path)
-    html = pio.to_html(topology_figure(nodes, edges, title), include_plotlyjs=True, full_html=True,
+    html = pio.to_html(topology_figure(nodes, edges, title), include_plotlyjs=include_plotlyjs(plotly), full_html=True,
                        config={"displaylogo": False})
     path.write_text(html, encoding="utf-8")
     return path

@@ -107,6 +107,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.html:
         from viz.comm_bench import write_comm_bench_html  # noqa: PLC0415
 
-        write_comm_bench_html(rows, fits, args.html, f"bench-comm: {result['world']} ranks, {result['backend']}")
+        write_comm_bench_html(rows, fits, args.html, f"bench-comm: {result['world']} ranks, {result['backend']}",
+                              plotly=args.plotly)
         print(f"wrote {args.html}")
     return 0

@@ -103,6 +103,6 @@ def handle(args: argparse.Namespace) -> int:
         write_gantt_html([result["trace"], predicted.trace], args.html,
                          titles=[f"measured: {document['measured_step_time'] * 1e3:.2f} ms",
                                  f"predicted: {document['predicted_step_time'] * 1e3:.2f} ms "
-                                 f"({document['error']:+.1%})"])
+                                 f"({document['error']:+.1%})"], plotly=args.plotly)
         print(f"wrote {args.html}")
     return 0

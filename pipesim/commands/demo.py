@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipesim.commands.files import PLOTLY_MODES
 from pipesim.costs import uniform_costs
 from pipesim.simulation import run_simulation
 from pipesim.sweep import format_table, run_sweep, sweep_points
@@ -22,17 +23,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo", help="simulate gpipe, 1f1b and interleaved-1f1b on defaults and write Gantt charts",
         description="Simulate the three built-in schedules (pp=4, 8 microbatches, NVLink node) and write charts.",
     )
-    parser.add_argument("--out", default="pipesim-demo", help="folder for the charts (default: pipesim-demo)")
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--topology", default="nvlink")
-    parser.set_defaults(handler=handle)
+    parser.add_argument("--out", default="pipesim-demo",
+                        help="folder for the charts, created if missing (default: pipesim-demo)")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default: 4)")
+    parser.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default: 8)")
+    parser.add_argument("--topology", default="nvlink", help="preset or topology file (default: nvlink)")
+    parser.add_argument("--plotly", choices=PLOTLY_MODES, default="inline",
+                        help="embed plotly.js in each chart (inline, opens offline; default) or load it from the CDN")
+    parser.set_defaults(handler=handle, output_dirs=("out",))
 
 
 def handle(args: argparse.Namespace) -> int:
     from viz.gantt import write_gantt_html
     from viz.sweep import write_sweep_html
 
+    if args.pp < 1 or args.microbatches < 1:
+        raise ValueError(f"--pp and --microbatches must be at least 1, got {args.pp} and {args.microbatches}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     topology = load_topology(args.topology)
@@ -40,29 +46,31 @@ def handle(args: argparse.Namespace) -> int:
     traces, titles, metrics = [], [], []
     for name, chunks in DEMO_SCHEDULES:
         schedule = generate(name, args.pp, args.microbatches, chunks)
-        costs = uniform_costs(schedule.num_stages, fwd, bwd, act_bytes=act_bytes, virtual_stages=chunks)
+        costs = uniform_costs(schedule, fwd, bwd, act_bytes=act_bytes)  # per rank, 1/v per chunk
         result = run_simulation(schedule, costs, topology)
         print(result.summary())
         print()
         path = out / f"gantt-{name}.html"
-        write_gantt_html([result.trace], path, titles=[f"{name} on {topology.name}"], metrics=[result.metrics])
+        write_gantt_html([result.trace], path, titles=[f"{name} on {topology.name}"], metrics=[result.metrics],
+                         plotly=args.plotly)
         print(f"wrote {path}\n")
         traces.append(result.trace)
         titles.append(name)
         metrics.append(result.metrics)
     path = out / "gantt-all.html"
-    write_gantt_html(traces, path, titles=titles, title="gpipe vs 1f1b vs interleaved-1f1b", metrics=metrics)
+    write_gantt_html(traces, path, titles=titles, title="gpipe vs 1f1b vs interleaved-1f1b", metrics=metrics,
+                     plotly=args.plotly)
     print(f"wrote {path}")
     points = sweep_points([name for name, _ in DEMO_SCHEDULES], [args.pp], [4, 8, 16, 32, 64], 2)
     rows = run_sweep(
         points,
-        lambda schedule: uniform_costs(schedule.num_stages, fwd, bwd, act_bytes=act_bytes,
-                                       virtual_stages=schedule.virtual_stages),
+        lambda schedule: uniform_costs(schedule, fwd, bwd, act_bytes=act_bytes),
         topology,
         progress=False,
     )
     print(format_table(rows))
     path = out / "sweep.html"
-    write_sweep_html([row for row in rows if not row.get("note")], path, title=f"sweep on {topology.name}")
+    write_sweep_html([row for row in rows if not row.get("note")], path, title=f"sweep on {topology.name}",
+                     plotly=args.plotly)
     print(f"wrote {path}")
     return 0

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from pipesim.commands.options import add_p2p_arg, add_schedule_args, schedule_from_args
+from pipesim.commands.options import (
+    add_cost_args,
+    add_p2p_arg,
+    add_schedule_args,
+    add_topology_args,
+    schedule_from_args,
+    topology_from_args,
+)
 from schedules.lowering import lower
 from schedules.p2p import RENDEZVOUS
 
@@ -15,6 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Write a schedule as CSV: one row per rank, one action per cell.",
     )
     add_schedule_args(parser, allow_file=False)
+    add_cost_args(parser)  # zb-auto builds its order from the costs and the cluster's hop time
+    add_topology_args(parser)
     parser.add_argument("--out", required=True, help="CSV file to write")
     parser.add_argument("--lowered", action="store_true",
                         help="include the SEND/RECV actions, each P2P group in one cell joined by '+'")
@@ -29,7 +38,7 @@ def handle(args: argparse.Namespace) -> int:
     from schedules.csv_io import schedule_to_csv
     from schedules.validate import validate
 
-    schedule = schedule_from_args(args)
+    schedule = schedule_from_args(args, topology_from_args(args))
     if args.lowered:
         schedule = lower(schedule)
     validate(schedule, args.p2p or RENDEZVOUS)

@@ -10,7 +10,7 @@ from pipesim.costs import Costs, load_costs, uniform_costs
 from pipesim.presets import PRESETS
 from pipesim.topology import Topology
 from pipesim.topology_file import load_topology
-from schedules.generators import GENERATORS, MULTI_CHUNK, generate
+from schedules.generators import COST_AWARE, MULTI_CHUNK, SCHEDULE_NAMES, generate
 from schedules.p2p import P2P_SEMANTICS
 from schedules.schedule import Schedule
 
@@ -19,7 +19,7 @@ DEFAULT_VIRTUAL_STAGES = 2  # for schedules that place several chunks per rank
 
 def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) -> None:
     group = parser.add_argument_group("schedule")
-    group.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(GENERATORS)} (default: 1f1b)")
+    group.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)} (default: 1f1b)")
     if allow_file:
         group.add_argument("--schedule-file", help="a schedule CSV (torch.distributed.pipelining format) instead")
     group.add_argument("--pp", type=int, default=4, help="pipeline-parallel ranks (default: 4)")
@@ -28,6 +28,15 @@ def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) 
         "--virtual-stages", "-v", type=int, default=None,
         help=f"model chunks per rank for {', '.join(sorted(MULTI_CHUNK))} (default: {DEFAULT_VIRTUAL_STAGES}; "
         "others use 1)",
+    )
+    add_memory_limit_arg(group)
+
+
+def add_memory_limit_arg(group) -> None:
+    group.add_argument(
+        "--memory-limit", type=int, default=None,
+        help=f"for {', '.join(sorted(COST_AWARE))}: most activation stashes a rank may hold, in microbatches "
+        "(default: pp, 1F1B's peak)",
     )
 
 
@@ -47,12 +56,19 @@ def virtual_stages_for(name: str, requested: int | None) -> int:
     return 1
 
 
-def schedule_from_args(args: argparse.Namespace) -> Schedule:
-    """Generate the named schedule, or read the CSV given with ``--schedule-file``."""
+def schedule_from_args(args: argparse.Namespace, topology: Topology | None = None) -> Schedule:
+    """Generate the named schedule, or read the CSV given with ``--schedule-file``.
+    Cost-aware schedules (zb-auto) are built from the command's costs on ``topology``
+    (default: free links)."""
     if getattr(args, "schedule_file", None):
         from schedules.csv_io import schedule_from_csv
 
         return schedule_from_csv(args.schedule_file)
+    if args.schedule in COST_AWARE:
+        return cost_aware_schedule_from_args(args, topology)
+    if getattr(args, "memory_limit", None) is not None:
+        print(f"note: --memory-limit applies to {', '.join(sorted(COST_AWARE))}; {args.schedule}'s memory is "
+              "set by its order", file=sys.stderr)
     if args.virtual_stages not in (None, 1) and args.schedule not in MULTI_CHUNK:
         print(
             f"note: --virtual-stages {args.virtual_stages} applies to {', '.join(sorted(MULTI_CHUNK))}; "
@@ -60,6 +76,32 @@ def schedule_from_args(args: argparse.Namespace) -> Schedule:
             file=sys.stderr,
         )
     return generate(args.schedule, args.pp, args.microbatches, virtual_stages_for(args.schedule, args.virtual_stages))
+
+
+def cost_aware_schedule_from_args(args: argparse.Namespace, topology: Topology | None) -> Schedule:
+    """zb-auto from the command's costs (flags, costs file or model spec; unit costs
+    F = I = W where the command has none) and its cluster's hop time."""
+    from pipesim.cost_aware import build_cost_aware
+    from pipesim.topology import ideal_topology
+
+    topology = topology or ideal_topology()
+    if getattr(args, "model", None):
+        costs = model_costs_from_args(args, generate("1f1b", args.pp, args.microbatches), topology)
+    elif hasattr(args, "fwd"):
+        costs = costs_from_args(args, args.pp, 1)
+        if not any(stage.wgrad for stage in costs.stages):
+            print(f"note: {args.schedule} with no weight-gradient time (--wgrad 0 or none in the costs file) "
+                  "has no W passes to fill bubbles with", file=sys.stderr)
+    else:
+        costs = uniform_costs(args.pp, 1.0, 2.0, 1.0)
+    devices = None
+    if not topology.ideal:
+        from pipesim.mapping import map_ranks
+
+        devices = map_ranks(topology, getattr(args, "dp", 1), args.pp, getattr(args, "tp", 1),
+                            getattr(args, "rank_order", "tp-dp-pp")).pipeline()
+    return build_cost_aware(args.schedule, args.pp, args.microbatches, costs, topology,
+                            getattr(args, "memory_limit", None), devices)
 
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:
@@ -101,8 +143,11 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--bucket-mb", type=float, default=25.0,
                        help="gradient all-reduce bucket in MiB (default: 25, torch DDP's)")
     group.add_argument("--no-dp-overlap", action="store_true",
-                       help="start the gradient all-reduce after the rank's last action, not each stage's last "
-                       "backward")
+                       help="reduce gradients after the rank's last action instead of bucket by bucket during "
+                       "each stage's last backward (DDP's overlap)")
+    group.add_argument("--zero", type=int, choices=(0, 1), default=0,
+                       help="1: distributed optimizer (ZeRO-1): reduce-scatter gradients, all-gather parameters "
+                       "after the optimizer step, optimizer state sharded over dp (default: 0, all-reduce)")
     group.add_argument("--collective", choices=("ring", "tree"), default="ring",
                        help="all-reduce algorithm (default: ring)")
     group.add_argument("--bytes-per-param", default="2,2,12",
@@ -117,7 +162,7 @@ def parallel_from_args(args: argparse.Namespace):
     return ParallelConfig(
         dp=getattr(args, "dp", 1), tp=getattr(args, "tp", 1), rank_order=getattr(args, "rank_order", "tp-dp-pp"),
         bucket_bytes=getattr(args, "bucket_mb", 25.0) * 2**20, overlap_dp=not getattr(args, "no_dp_overlap", False),
-        algorithm=getattr(args, "collective", "ring"),
+        algorithm=getattr(args, "collective", "ring"), zero=getattr(args, "zero", 0),
         bytes_per_param=parse_bytes_per_param(getattr(args, "bytes_per_param", "2,2,12")),
     )
 

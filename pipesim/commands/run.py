@@ -47,11 +47,11 @@ def handle(args: argparse.Namespace) -> int:
     write_outputs(result, args.json, args.trace, document)
     print("\n".join(summary_lines(result, document)))
     if args.html:
-        write_html(result["trace"], args.html)
+        write_html(result["trace"], args.html, args.plotly)
     return 0
 
 
-def write_html(trace, path: str) -> None:
+def write_html(trace, path: str, plotly: str = "inline") -> None:
     """Draw the measured step with ``viz`` if it is installed; say so if it is not."""
     try:
         from viz.gantt import write_gantt_html  # noqa: PLC0415
@@ -60,5 +60,6 @@ def write_html(trace, path: str) -> None:
         return
     meta = trace.meta
     shape = f"dp={meta.get('dp', 1)} pp={meta['pp']} tp={meta.get('tp', 1)}"
-    write_gantt_html([trace], path, titles=[f"measured: {meta['schedule']} {shape} (one pipeline; dp, tp lanes)"])
+    write_gantt_html([trace], path, titles=[f"measured: {meta['schedule']} {shape} (one pipeline; dp, tp lanes)"],
+                     plotly=plotly)
     print(f"wrote {path}")

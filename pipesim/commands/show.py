@@ -42,6 +42,6 @@ def handle(args: argparse.Namespace) -> int:
     if args.html:
         from viz.gantt import write_gantt_html
 
-        write_gantt_html([trace], args.html, titles=[f"{schedule.name} (unit costs)"])
+        write_gantt_html([trace], args.html, titles=[f"{schedule.name} (unit costs)"], plotly=args.plotly)
         print(f"wrote {args.html}")
     return 0

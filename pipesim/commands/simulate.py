@@ -66,7 +66,7 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
     if args.html:
         from viz.gantt import write_gantt_html
 
-        write_gantt_html(traces, args.html, titles=titles, metrics=metrics)
+        write_gantt_html(traces, args.html, titles=titles, metrics=metrics, plotly=args.plotly)
         written.append(args.html)
     for path in written:
         print(f"wrote {path}")
@@ -75,8 +75,8 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
 def handle(args: argparse.Namespace) -> int:
     from pipesim.memory import OutOfMemoryError, check_memory
 
-    schedule = schedule_from_args(args)
     topology = topology_from_args(args)
+    schedule = schedule_from_args(args, topology)
     if args.model:
         costs = model_costs_from_args(args, schedule, topology)
     else:

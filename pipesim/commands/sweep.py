@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipesim.commands.options import (
     add_cost_args,
+    add_memory_limit_arg,
     add_model_args,
     add_p2p_arg,
     add_parallel_args,
@@ -31,6 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--pp", default="4", help="pipeline ranks, comma-separated (default: 4)")
     parser.add_argument("--microbatches", "-m", default="4,8,16,32", help="microbatch counts, comma-separated")
     parser.add_argument("--virtual-stages", "-v", type=int, default=2, help="chunks per rank for interleaved schedules")
+    add_memory_limit_arg(parser)
     add_cost_args(parser)
     add_model_args(parser)
     add_topology_args(parser)
@@ -55,7 +57,7 @@ def handle(args: argparse.Namespace) -> int:
         return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
 
     rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args),
-                     p2p=args.p2p)
+                     memory_limit=args.memory_limit, p2p=args.p2p)
     print(format_table(rows))
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:
@@ -70,6 +72,6 @@ def handle(args: argparse.Namespace) -> int:
         from viz.sweep import write_sweep_html
 
         write_sweep_html([row for row in rows if not row.get("note")], args.html,
-                         title=f"pipesim sweep on {topology.name}")
+                         title=f"pipesim sweep on {topology.name}", plotly=args.plotly)
         print(f"wrote {args.html}")
     return 0

@@ -55,6 +55,7 @@ def handle_show(args: argparse.Namespace) -> int:
         from viz.topology import write_topology_html
 
         nodes, edges = graph_lists(topology)
-        write_topology_html(nodes, edges, args.html, title=f"topology {topology.name}: {topology.description}")
+        write_topology_html(nodes, edges, args.html, title=f"topology {topology.name}: {topology.description}",
+                            plotly=args.plotly)
         print(f"wrote {args.html}")
     return 0

@@ -20,5 +20,5 @@ def require_single_chunk(name: str, virtual_stages: int) -> None:
     if virtual_stages != 1:
         raise ScheduleUnavailableError(
             f"{name} places one stage per rank; virtual stages={virtual_stages} needs "
-            f"'interleaved-1f1b'"
+            f"a multi-chunk schedule ('interleaved-1f1b', 'interleaved-zb', 'looped-bfs', 'zbv')"
         )

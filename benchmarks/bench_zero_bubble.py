@@ -1,0 +1,134 @@
+"""Zero-bubble and V-shaped schedules side by side: simulated bubbles, ours against the
+orders torch.distributed.pipelining builds for the same schedule class.
+
+For each case (F, I, W, T_comm per rank, p, m) every schedule is simulated with the
+same costs on a cluster whose hops take exactly T_comm (unlimited bandwidth, so transfers
+never queue). Columns:
+  step bubble  1 - compute / (p x makespan): the number pipesim reports for one step
+  rank bubble  the zero-bubble paper's rate: (longest per-rank span - m(F+I+W)) / span,
+               i.e. with the step's lead-in hidden by the next step (optimizer
+               post-validation, Qi et al. 2024)
+  peak         most microbatch stashes held by a rank (its whole share of the model)
+  makespan     step time in the papers' transfer model (sent when produced, awaited when
+               needed, sends never wait)
+  nccl         step time as ``pipesim simulate`` predicts it for NCCL: ``lower``'s P2P
+               groups under rendezvous semantics (the cost of posting transfers in
+               groups placed with nominal durations shows as the gap to ``makespan``)
+  vs torch     our makespan / the makespan of torch's own order for the class
+               (ScheduleInterleavedZeroBubble for zb-h1, zb-auto and interleaved-zb,
+               ScheduleZBVZeroBubble, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
+               ScheduleDualPipeV), built from torch's schedule classes in this run.
+
+Measured step times: the executor's runs (gloo, 4 ranks) are written by
+``pipesim run ... --json``; pass their step times with ``--measured FILE`` (JSON list of
+``{"schedule", "pp", "microbatches", "step_time"}``) and each matching row shows the
+measured time beside the predicted one.
+
+Run: ``python benchmarks/bench_zero_bubble.py`` (``--quick`` for the first cases only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from schedules import generate, step_metrics  # noqa: E402
+from schedules.generators import GENERATORS, ScheduleUnavailableError, zb_auto  # noqa: E402
+from tests.test_zero_bubble import longest_rank_span, run  # noqa: E402
+from tests.torch_orders import TORCH_CLASSES, torch_schedule  # noqa: E402
+
+# (F, I, W, T_comm) in ms per rank, p, m
+CASES = (
+    ((1.0, 1.0, 1.0, 0.0), 4, 8),
+    ((1.0, 1.0, 1.0, 0.0), 4, 16),
+    ((1.0, 1.0, 1.0, 0.0), 8, 32),
+    ((1.0, 1.0, 0.5, 0.05), 4, 16),
+    ((1.0, 1.1, 0.7, 0.1), 8, 32),
+    ((1.0, 1.0, 1.0, 0.5), 4, 16),
+    ((1.0, 1.0, 0.4, 0.3), 8, 24),
+)
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto p", "zb-auto 2p-1", "zbv", "interleaved-zb",
+             "looped-bfs", "dualpipev")
+TORCH_CLASS_OF = {"zb-auto p": "zb-h1", "zb-auto 2p-1": "zb-h1"}
+
+
+def build(label: str, pp: int, microbatches: int, costs: tuple[float, float, float, float]):
+    forward, backward_input, backward_weight, hop = costs
+    if label.startswith("zb-auto"):
+        limit = pp if label == "zb-auto p" else 2 * pp - 1
+        return zb_auto(pp, microbatches, forward, backward_input, backward_weight, hop, limit)
+    if label not in GENERATORS:
+        raise ScheduleUnavailableError(f"{label} is not generated here")
+    chunks = 2 if label in ("interleaved-1f1b", "zbv", "interleaved-zb", "looped-bfs", "dualpipev") else 1
+    return generate(label, pp, microbatches, chunks)
+
+
+def measure(schedule, costs: tuple[float, float, float, float]) -> dict:
+    forward, backward_input, backward_weight, hop = costs
+    trace = run(schedule, forward, backward_input, backward_weight, hop)
+    nccl = step_metrics(run(schedule, forward, backward_input, backward_weight, hop, production=True))
+    metrics = step_metrics(trace, schedule.virtual_stages)
+    span = longest_rank_span(trace)
+    work = schedule.microbatches * (forward + backward_input + backward_weight)
+    return {
+        "makespan": metrics.makespan,
+        "step_bubble": metrics.bubble_fraction,
+        "rank_bubble": (span - work) / span,
+        "peak": max(rank.peak_inflight_microbatches for rank in metrics.ranks),
+        "nccl": nccl.makespan,
+    }
+
+
+def torch_row(label: str, pp: int, microbatches: int, costs) -> dict | None:
+    name = TORCH_CLASS_OF.get(label, label)
+    if name not in TORCH_CLASSES:
+        return None
+    try:
+        return measure(torch_schedule(name, pp, microbatches), costs)
+    except (ValueError, RuntimeError):  # torch refuses these sizes too
+        return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the first three cases only")
+    parser.add_argument("--measured", help="JSON list of measured step times to print beside the predictions")
+    args = parser.parse_args()
+    measured = {}
+    if args.measured:
+        for row in json.loads(Path(args.measured).read_text()):
+            measured[row["schedule"], row["pp"], row["microbatches"]] = row["step_time"]
+    header = (f"{'F/I/W/T':<16} {'p':>2} {'m':>3}  {'schedule':<14} {'step bubble':>11} {'rank bubble':>11} "
+              f"{'peak':>5} {'makespan':>9} {'nccl':>7} {'torch':>9} {'vs torch':>8}"
+              + ("  measured" if measured else ""))
+    print(header)
+    print("-" * len(header))
+    for costs, pp, microbatches in CASES[:3] if args.quick else CASES:
+        label_costs = "/".join(f"{value:g}" for value in costs)
+        for label in SCHEDULES:
+            try:
+                schedule = build(label, pp, microbatches, costs)
+            except ScheduleUnavailableError as error:
+                print(f"{label_costs:<16} {pp:>2} {microbatches:>3}  {label:<14} n/a: {str(error)[:60]}")
+                continue
+            ours = measure(schedule, costs)
+            theirs = torch_row(label, pp, microbatches, costs)
+            torch_cells = (f"{theirs['makespan']:>9.2f} {ours['makespan'] / theirs['makespan']:>8.3f}" if theirs
+                           else f"{'-':>9} {'-':>8}")
+            line = (f"{label_costs:<16} {pp:>2} {microbatches:>3}  {label:<14} {ours['step_bubble']:>11.2%} "
+                    f"{ours['rank_bubble']:>11.2%} {ours['peak']:>5g} {ours['makespan']:>9.2f} {ours['nccl']:>7.2f} "
+                    f"{torch_cells}")
+            seconds = measured.get((label, pp, microbatches))
+            if seconds is not None:
+                line += f"  {seconds:.4g} s"
+            print(line)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

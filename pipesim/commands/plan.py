@@ -1,0 +1,324 @@
+"""``pipesim plan``: the best layout for a model on a cluster, searched by simulation.
+
+Each layout is simulated exactly as ``pipesim simulate`` would with the same flags (the
+arguments are built and parsed by the ``simulate`` parser), so the table's numbers are
+the ones ``simulate`` prints for the chosen layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import json
+import sys
+from pathlib import Path
+
+from pipesim.planner import (
+    Layout,
+    SearchSpace,
+    default_workers,
+    enumerate_layouts,
+    layout_fields,
+    pareto_front,
+    parse_constraints,
+    search,
+    terminal_progress,
+)
+from schedules.generators import GENERATORS
+
+# Set per worker process by ``_init_worker``: the simulate arguments every layout shares,
+# and the topology, loaded once so its routes are computed once per process.
+_BASE: dict = {}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="search pp x tp x dp, schedule, microbatch size, ... for the fastest layout that fits",
+        description="Enumerate the layouts of a model on a cluster at a fixed global batch, drop those that cannot "
+        "work (counting why), simulate the rest (best lower bound first) and rank them by tokens per second.",
+    )
+    parser.add_argument("--model", required=True, help="model preset (see `pipesim simulate --help`)")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays within one (default: 8)")
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    parser.add_argument("--topology", default="ib", help="cluster preset or topology file (default: ib)")
+    parser.add_argument("--gpu", default=None, help="GPU preset for the topology's devices, where supported")
+    parser.add_argument("--schedules", default=",".join(GENERATORS),
+                        help="schedules to try, comma-separated (default: all)")
+    parser.add_argument("--microbatch-sizes", default="1,2,4", help="microbatch sizes to try (default: 1,2,4)")
+    parser.add_argument("--virtual-stages", default="2,4",
+                        help="chunks per rank to try for multi-chunk schedules (default: 2,4)")
+    parser.add_argument("--recompute", default=None,
+                        help="recompute modes to try, comma-separated (default: every mode simulate knows)")
+    parser.add_argument("--zero", default=None, help="optimizer sharding levels to try (default: 0,1 where known)")
+    parser.add_argument("--mfu", type=float, default=None, help="compute efficiency passed to simulate")
+    parser.add_argument("--constraint", action="append", default=[],
+                        help="keep only layouts with FIELD=VALUE[,VALUE] (e.g. pp=8, schedule=1f1b); repeatable")
+    parser.add_argument("--top", type=int, default=10, help="rows in the table (default: 10)")
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: the CPUs available)")
+    parser.add_argument("--json", help="write the ranked layouts, counts and rejections as JSON")
+    parser.add_argument("--csv", help="write the ranked layouts as CSV")
+    parser.add_argument("--html", help="write throughput vs peak memory (Pareto front) and the best layout's Gantt")
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from pipesim.cli import build_parser
+    from pipesim.model_spec import model_spec
+
+    if args.gpus < 1 or args.global_batch < 1 or args.gpus_per_node < 1 or args.top < 1:
+        raise ValueError("--gpus, --global-batch, --gpus-per-node and --top must be >= 1")
+    if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
+        raise ValueError(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
+    spec = model_spec(args.model)
+    simulate_flags = _simulate_flags(build_parser())
+    schedules = [name.strip() for name in args.schedules.split(",") if name.strip()]
+    unknown = [name for name in schedules if name not in GENERATORS]
+    if unknown:
+        raise ValueError(f"--schedules: unknown {', '.join(unknown)}; available: {', '.join(GENERATORS)}")
+    space = SearchSpace(
+        gpus=args.gpus, gpus_per_node=min(args.gpus_per_node, args.gpus), global_batch=args.global_batch,
+        layers=spec.layers, heads=spec.heads, kv_heads=getattr(spec, "kv_heads", None) or spec.heads,
+        schedules=schedules, microbatch_sizes=_ints(args.microbatch_sizes, "--microbatch-sizes"),
+        virtual_stages=_ints(args.virtual_stages, "--virtual-stages"),
+        recompute=_choices(args.recompute, simulate_flags.get("--recompute"), "none"),
+        zero=[int(level) for level in _choices(args.zero, simulate_flags.get("--zero"), "0")],
+        constraints=parse_constraints(args.constraint),
+    )
+    base = _base_argv(args, simulate_flags)
+    layouts, rejected = enumerate_layouts(space)
+    if not layouts:
+        print(f"no layout to simulate; rejected: {dict(rejected)}", file=sys.stderr)
+        return 1
+    workers = args.workers or default_workers()
+    print(f"plan: {args.model} on {args.gpus} GPUs ({args.topology}), global batch {args.global_batch}: "
+          f"{len(layouts)} layouts to consider on {workers} process(es)", file=sys.stderr)
+    _init_worker(base)
+    progress = terminal_progress("simulating")
+    if workers > 1:
+        import multiprocessing
+
+        # fork: the workers inherit _BASE and the loaded topology instead of re-reading them
+        multiprocessing.set_start_method("fork", force=True)
+    result = search(layouts, evaluate_layout, lower_bound, args.top, workers, progress, rejected)
+    if progress is not None and result.pruned:
+        sys.stderr.write("\n")
+    print(format_plan(result, args))
+    _write_outputs(args, result)
+    return 0 if result.rows else 1
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise ValueError(f"{flag} {text!r}: expected integers separated by commas") from error
+    if not values or any(value < 1 for value in values):
+        raise ValueError(f"{flag} {text!r}: expected integers >= 1")
+    return values
+
+
+def _choices(requested: str | None, action: argparse.Action | None, fixed: str) -> list[str]:
+    """The values to try for a simulate flag: as requested (checked against the flag's
+    choices), or every choice the flag has; ``fixed`` when simulate has no such flag."""
+    known = list(action.choices) if action is not None and action.choices else [fixed]
+    if requested is None:
+        return known
+    values = [part.strip() for part in requested.split(",") if part.strip()]
+    bad = [value for value in values if value not in known]
+    if bad or not values:
+        raise ValueError(f"{requested!r}: choose from {', '.join(known)}")
+    return values
+
+
+def _simulate_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The ``simulate`` subcommand's flags by option string."""
+    subparsers = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    simulate = subparsers.choices["simulate"]
+    return {option: action for action in simulate._actions for option in action.option_strings}
+
+
+def _base_argv(args: argparse.Namespace, flags: dict) -> list[str]:
+    argv = ["simulate", "--model", args.model, "--topology", args.topology]
+    nodes = max(1, args.gpus // args.gpus_per_node)
+    argv += ["--nodes", str(nodes)]
+    if args.seq_len is not None:
+        argv += ["--seq-len", str(args.seq_len)]
+    if args.mfu is not None:
+        argv += ["--mfu", str(args.mfu)]
+    if args.gpu is not None:
+        if "--gpu" not in flags:
+            raise ValueError("--gpu: this build's simulate has no GPU presets")
+        argv += ["--gpu", args.gpu]
+    return argv
+
+
+def _layout_argv(layout: Layout) -> list[str]:
+    argv = ["--schedule", layout.schedule, "--pp", str(layout.pp), "--tp", str(layout.tp), "--dp", str(layout.dp),
+            "--microbatches", str(layout.microbatches), "--microbatch-size", str(layout.microbatch_size),
+            "--virtual-stages", str(layout.virtual_stages)]
+    if layout.recompute != "none":
+        argv += ["--recompute", layout.recompute]
+    if layout.zero:
+        argv += ["--zero", str(layout.zero)]
+    return argv
+
+
+def _init_worker(base: list[str]) -> None:
+    from pipesim.cli import build_parser
+    from pipesim.commands.options import topology_from_args
+
+    parser = build_parser()
+    _BASE["parser"] = parser
+    _BASE["argv"] = base
+    _BASE["topology"] = topology_from_args(parser.parse_args(base))
+
+
+def _parse(layout: Layout) -> argparse.Namespace:
+    return _BASE["parser"].parse_args(_BASE["argv"] + _layout_argv(layout))
+
+
+def _costs(args: argparse.Namespace, schedule) -> object:
+    from pipesim.commands.options import model_costs_from_args
+
+    return model_costs_from_args(args, schedule, _BASE["topology"])
+
+
+def lower_bound(layout: Layout) -> float:
+    """A step time no schedule of this layout can beat: the busiest pipeline rank's
+    compute, plus the forward of microbatch 0 reaching the rank's first stage before it
+    can start and the input gradient of its last microbatch travelling back from there."""
+    from schedules.schedule import Schedule, looped_placement
+
+    args = _parse(layout)
+    stages = layout.pp * layout.virtual_stages
+    shell = Schedule(layout.pp, layout.microbatches, looped_placement(layout.pp, layout.virtual_stages),
+                     [()] * layout.pp, name=layout.schedule)
+    try:
+        costs = _costs(args, shell)
+    except ValueError:
+        return float("inf")  # the evaluation reports why
+    best = 0.0
+    for rank in range(layout.pp):
+        own = range(rank, stages, layout.pp)
+        busy = layout.microbatches * sum(costs.stages[s].fwd + costs.stages[s].bwd for s in own)
+        before = range(rank)
+        fill = sum(costs.stages[s].fwd for s in before) + sum(costs.stages[s].bwd - costs.stages[s].wgrad
+                                                               for s in before)
+        best = max(best, busy + fill)
+    return best
+
+
+def evaluate_layout(layout: Layout) -> dict:
+    """Simulate one layout as ``pipesim simulate`` would; a row for the table, or
+    ``{"error": cause}`` for a layout that cannot be built."""
+    from pipesim.commands.options import parallel_from_args
+    from pipesim.simulation import run_simulation
+    from schedules.generators import ScheduleUnavailableError
+
+    args = _parse(layout)
+    try:
+        schedule = _lowered(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+        costs = _costs(args, schedule)
+        # Generated and lowered here, so valid by construction (tests/test_p2p.py proves it
+        # for every generator); validating each of thousands of layouts again would double the search.
+        result = run_simulation(schedule, costs, _BASE["topology"], parallel=parallel_from_args(args), p2p=args.p2p,
+                                validate=False)
+    except ScheduleUnavailableError:
+        return {"error": f"{layout.schedule} cannot run {layout.microbatches} microbatches on {layout.pp} ranks"}
+    except ValueError as error:
+        return {"error": f"{type(error).__name__}: {str(error).split(';')[0]}"}
+    metrics = result.metrics
+    tokens = layout.microbatches * layout.dp * layout.microbatch_size * args_seq_len(args)
+    data = result.to_dict()
+    peak = max((memory.peak_bytes for memory in result.memory), default=0.0)
+    capacity = min((memory.capacity_bytes for memory in result.memory), default=float("inf"))
+    row = {
+        **layout_fields(layout),
+        "step_time": metrics.makespan,
+        "tokens_per_second": tokens / metrics.makespan if metrics.makespan else 0.0,
+        "bubble_fraction": metrics.bubble_fraction,
+        "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks) / len(metrics.ranks),
+        "peak_memory_bytes": peak,
+        "capacity_bytes": capacity if capacity != float("inf") else None,
+        "oom": result.oom,
+    }
+    for key in ("mfu", "model_tflops_per_gpu"):
+        if key in data:
+            row[key] = data[key]
+    return row
+
+
+@functools.lru_cache(maxsize=256)
+def _lowered(name: str, pp: int, microbatches: int, virtual_stages: int):
+    """The lowered schedule, shared by every layout with the same order: lowering does
+    not depend on costs, and tp, dp, microbatch size, recompute and sharding leave it alone."""
+    from schedules.generators import generate
+    from schedules.lowering import lower
+
+    return lower(generate(name, pp, microbatches, virtual_stages))
+
+
+def args_seq_len(args: argparse.Namespace) -> int:
+    from pipesim.model_spec import model_spec
+
+    return args.seq_len or model_spec(args.model).seq_len
+
+
+def format_plan(result, args: argparse.Namespace) -> str:
+    """The ranked table and the search's counts."""
+    lines = [f"{'#':>3}  {'layout':<48} {'step':>9} {'tokens/s':>11} {'MFU':>6} {'bubble':>7} "
+             f"{'exp.comm':>9} {'peak mem':>9} {'capacity':>9}"]
+    for index, row in enumerate(result.rows[:args.top], 1):
+        mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "-"
+        capacity = f"{row['capacity_bytes'] / 1e9:.1f} GB" if row.get("capacity_bytes") else "-"
+        lines.append(f"{index:>3}  {row['layout']:<48} {row['step_time']:>8.3f}s {row['tokens_per_second']:>11,.0f} "
+                     f"{mfu:>6} {row['bubble_fraction']:>7.1%} {row['exposed_comm'] * 1e3:>7.1f}ms "
+                     f"{row['peak_memory_bytes'] / 1e9:>6.1f} GB {capacity:>9}")
+    rate = result.simulated / result.seconds if result.seconds else 0.0
+    lines.append(f"considered {result.considered} layouts: simulated {result.simulated}, "
+                 f"{result.pruned} pruned by lower bound (cannot reach the top {args.top}); "
+                 f"{result.seconds:.1f} s, {rate:.0f} simulated/s")
+    if result.rejected:
+        causes = "; ".join(f"{cause}: {count}" for cause, count in result.rejected.most_common())
+        lines.append(f"rejected: {causes}")
+    if not result.rows:
+        lines.append("no layout fits: see the rejections above")
+    return "\n".join(lines)
+
+
+def _write_outputs(args: argparse.Namespace, result) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_dict(args.top), indent=2))
+        print(f"wrote {args.json}")
+    if args.csv:
+        rows = result.rows[:args.top]
+        with open(args.csv, "w", newline="") as handle:
+            if rows:
+                writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+        print(f"wrote {args.csv}")
+    if args.html and result.rows:
+        from viz.plan import write_plan_html
+
+        best = result.rows[0]
+        layout = Layout(**{key: best[key] for key in Layout.__dataclass_fields__})
+        trace = _best_trace(layout)
+        write_plan_html(result.rows, pareto_front(result.rows), trace, args.html,
+                        title=f"{args.model} on {args.gpus} GPUs ({args.topology}): best {best['layout']}",
+                        plotly=getattr(args, "plotly", "inline"))
+        print(f"wrote {args.html}")
+
+
+def _best_trace(layout: Layout):
+    from pipesim.commands.options import parallel_from_args, schedule_from_args
+    from pipesim.simulation import run_simulation
+
+    args = _parse(layout)
+    schedule = schedule_from_args(args)
+    result = run_simulation(schedule, _costs(args, schedule), _BASE["topology"], parallel=parallel_from_args(args),
+                            p2p=args.p2p)
+    return result.trace

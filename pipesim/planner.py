@@ -1,0 +1,238 @@
+"""The layout search behind ``pipesim plan``: enumerate the ways to train a model on N
+GPUs, drop the ones that cannot work (counting why), and simulate the rest in order of a
+lower bound on their step time, so layouts that provably cannot reach the top are never
+simulated.
+
+A layout is a schedule, pp × tp × dp, virtual stages, microbatch size (the microbatch
+count follows from the global batch), recompute and optimizer sharding. Simulating one
+is the same call as ``pipesim simulate`` with those flags (the caller passes it in as
+``evaluate``), so a plan's numbers are exactly what ``simulate`` prints for the chosen
+layout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from schedules.generators import GENERATORS, MULTI_CHUNK
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """One way to run the job. ``microbatches`` per step follows from the global batch."""
+
+    schedule: str
+    pp: int
+    tp: int
+    dp: int
+    virtual_stages: int
+    microbatch_size: int
+    microbatches: int
+    recompute: str = "none"
+    zero: int = 0
+
+    def label(self) -> str:
+        chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        extras = "".join([f" recompute={self.recompute}" if self.recompute != "none" else "",
+                          f" zero{self.zero}" if self.zero else ""])
+        return (f"{self.schedule}{chunks} pp{self.pp} tp{self.tp} dp{self.dp} "
+                f"mbs{self.microbatch_size} m{self.microbatches}{extras}")
+
+
+@dataclass
+class SearchSpace:
+    """What the search may vary, and the fixed facts of the job."""
+
+    gpus: int
+    gpus_per_node: int
+    global_batch: int
+    layers: int
+    heads: int
+    kv_heads: int
+    schedules: Sequence[str] = tuple(GENERATORS)
+    microbatch_sizes: Sequence[int] = (1, 2, 4)
+    virtual_stages: Sequence[int] = (2, 4)
+    recompute: Sequence[str] = ("none",)
+    zero: Sequence[int] = (0,)
+    constraints: dict[str, set[str]] = field(default_factory=dict)
+
+
+def parse_constraints(texts: Iterable[str]) -> dict[str, set[str]]:
+    """``["pp=8", "schedule=1f1b,zb-h1"]`` -> ``{"pp": {"8"}, "schedule": {"1f1b", "zb-h1"}}``;
+    errors name the bad text and the fields that exist."""
+    names = set(Layout.__dataclass_fields__)
+    constraints: dict[str, set[str]] = {}
+    for text in texts:
+        key, sep, value = text.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not value.strip():
+            raise ValueError(f"--constraint {text!r}: expected FIELD=VALUE[,VALUE...], e.g. pp=8")
+        if key not in names:
+            raise ValueError(f"--constraint {text!r}: unknown field {key!r}; fields: {', '.join(sorted(names))}")
+        constraints.setdefault(key, set()).update(part.strip() for part in value.split(",") if part.strip())
+    return constraints
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**power for power in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
+    """Every layout the space allows, and how many were dropped for each cause."""
+    rejected: Counter = Counter()
+    layouts = []
+    for tp in _powers_of_two(space.gpus_per_node):
+        if space.heads % tp or space.kv_heads % tp:
+            rejected["tp does not divide the attention (or key-value) heads"] += 1
+            continue
+        for pp in range(1, space.layers + 1):
+            if space.gpus % (tp * pp):
+                continue  # not a split of the GPUs at all: not a layout, not counted
+            dp = space.gpus // (tp * pp)
+            for microbatch_size in space.microbatch_sizes:
+                if space.global_batch % (dp * microbatch_size):
+                    rejected["global batch not divisible by dp x microbatch size"] += 1
+                    continue
+                microbatches = space.global_batch // (dp * microbatch_size)
+                for schedule in space.schedules:
+                    chunk_options = space.virtual_stages if schedule in MULTI_CHUNK else (1,)
+                    for chunks in chunk_options:
+                        if space.layers % (pp * chunks):
+                            rejected["layers not divisible by pp x virtual stages"] += 1
+                            continue
+                        for recompute in space.recompute:
+                            for zero in space.zero:
+                                if zero and dp == 1:
+                                    continue  # nothing to shard over: the same layout as zero 0
+                                layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
+                                                recompute, zero)
+                                if not _allowed(layout, space.constraints):
+                                    rejected["excluded by --constraint"] += 1
+                                    continue
+                                layouts.append(layout)
+    return layouts, rejected
+
+
+def _allowed(layout: Layout, constraints: dict[str, set[str]]) -> bool:
+    return all(str(getattr(layout, key)) in values for key, values in constraints.items())
+
+
+@dataclass
+class PlanResult:
+    """Ranked rows (best first), what was rejected and why, and the search's counts."""
+
+    rows: list[dict]
+    rejected: Counter
+    considered: int
+    simulated: int
+    pruned: int
+    seconds: float
+
+    def to_dict(self, top: int) -> dict:
+        return {
+            "ranked": self.rows[:top] if top else self.rows,
+            "considered": self.considered,
+            "simulated": self.simulated,
+            "pruned_by_bound": self.pruned,
+            "rejected": dict(self.rejected),
+            "seconds": self.seconds,
+            "simulated_per_second": self.simulated / self.seconds if self.seconds else None,
+        }
+
+
+def search(
+    layouts: list[Layout],
+    evaluate: Callable[[Layout], dict],
+    bound: Callable[[Layout], float],
+    top: int,
+    workers: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+    rejected: Counter | None = None,
+) -> PlanResult:
+    """Simulate layouts in order of their lower bound, in batches over ``workers``
+    processes, and stop simulating once the next bound cannot beat the ``top``-th best
+    step time found that fits in memory. ``evaluate`` returns a row with ``step_time``
+    and ``oom`` (or ``error``); rows are ranked by step time, ties by layout."""
+    started = time.perf_counter()
+    rejected = Counter(rejected or {})
+    bounds = {layout: bound(layout) for layout in layouts}
+    order = sorted(layouts, key=lambda layout: (bounds[layout], layout))
+    rows: list[dict] = []
+    fitting: list[float] = []
+    simulated = 0
+    batch = max(4 * workers, 8)
+    position = 0
+    pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
+    try:
+        while position < len(order):
+            if len(fitting) >= top and bounds[order[position]] >= sorted(fitting)[top - 1]:
+                break
+            chunk = order[position:position + batch]
+            position += len(chunk)
+            results = list(pool.map(evaluate, chunk, chunksize=max(1, len(chunk) // workers))) if pool else [
+                evaluate(layout) for layout in chunk]
+            for layout, row in zip(chunk, results, strict=True):
+                simulated += 1
+                if "error" in row:
+                    rejected[row["error"]] += 1
+                    continue
+                row["lower_bound"] = bounds[layout]
+                if row.get("oom"):
+                    rejected["out of memory"] += 1
+                    continue
+                rows.append(row)
+                fitting.append(row["step_time"])
+            if progress is not None:
+                progress(position, len(order))
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    rows.sort(key=lambda row: (row["step_time"], row["layout"]))
+    pruned = len(order) - position
+    return PlanResult(rows, rejected, len(layouts), simulated, pruned, time.perf_counter() - started)
+
+
+def pareto_front(rows: list[dict], x: str = "peak_memory_bytes", y: str = "tokens_per_second") -> list[dict]:
+    """Rows no other row beats on both less memory and more throughput, by memory."""
+    front, best = [], -math.inf
+    for row in sorted(rows, key=lambda row: (row[x], -row[y])):
+        if row[y] > best:
+            front.append(row)
+            best = row[y]
+    return front
+
+
+def layout_fields(layout: Layout) -> dict:
+    """The layout as plain JSON fields, plus its one-line label."""
+    return {**asdict(layout), "layout": layout.label()}
+
+
+def default_workers() -> int:
+    """Worker processes: the CPUs this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def terminal_progress(label: str) -> Callable[[int, int], None] | None:
+    """A one-line progress bar on stderr when it is a terminal, else nothing."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        width = 30
+        filled = int(width * done / total) if total else width
+        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show

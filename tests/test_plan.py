@@ -1,0 +1,138 @@
+"""pipesim plan: the layouts enumerated (counted by hand), the lower bound never above
+the simulated step, pruning that never drops a layout of the top, the Pareto front, and
+the command's output files and errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipesim.cli import main
+from pipesim.commands import plan as plan_command
+from pipesim.planner import Layout, SearchSpace, enumerate_layouts, pareto_front, parse_constraints, search
+
+
+def small_space(**changes) -> SearchSpace:
+    fields = dict(gpus=8, gpus_per_node=4, global_batch=16, layers=8, heads=8, kv_heads=8,
+                  schedules=("1f1b", "interleaved-1f1b"), microbatch_sizes=(1, 2), virtual_stages=(2,))
+    fields.update(changes)
+    return SearchSpace(**fields)
+
+
+def test_enumeration_matches_a_hand_count():
+    # tp in {1, 2, 4}; pp | 8 GPUs / tp and pp <= 8 layers: tp1 -> pp 1,2,4,8; tp2 -> 1,2,4; tp4 -> 1,2.
+    # 9 (tp, pp) pairs; dp = 8 / (tp pp); mbs in {1, 2} always divides 16 / dp here (dp <= 8).
+    # 1f1b: 9 x 2 = 18 layouts; interleaved v2 needs 8 % (2 pp) == 0: pp in {1, 2, 4} -> 7 pairs
+    # (tp1: 1,2,4; tp2: 1,2,4; tp4: 1,2) = 8 pairs x 2 = 16 layouts, and pp 8 rejected twice (mbs 1, 2).
+    layouts, rejected = enumerate_layouts(small_space())
+    assert len([layout for layout in layouts if layout.schedule == "1f1b"]) == 18
+    assert len([layout for layout in layouts if layout.schedule == "interleaved-1f1b"]) == 16
+    assert rejected["layers not divisible by pp x virtual stages"] == 2
+    for layout in layouts:
+        assert layout.pp * layout.tp * layout.dp == 8
+        assert layout.microbatches * layout.dp * layout.microbatch_size == 16
+
+
+def test_tp_must_divide_kv_heads_and_batch_must_divide():
+    layouts, rejected = enumerate_layouts(small_space(kv_heads=2, global_batch=4))
+    assert all(layout.tp <= 2 for layout in layouts)
+    assert rejected["tp does not divide the attention (or key-value) heads"] == 1
+    # dp = 8 with mbs 1 needs 4 % 8 == 0: rejected
+    assert rejected["global batch not divisible by dp x microbatch size"] > 0
+    assert all(4 % (layout.dp * layout.microbatch_size) == 0 for layout in layouts)
+
+
+def test_constraints_filter_and_errors():
+    layouts, rejected = enumerate_layouts(small_space(constraints=parse_constraints(["pp=2", "tp=2,4"])))
+    assert {(layout.pp, layout.tp) for layout in layouts} == {(2, 2), (2, 4)}
+    assert rejected["excluded by --constraint"] > 0
+    with pytest.raises(ValueError, match="unknown field 'ppp'"):
+        parse_constraints(["ppp=2"])
+    with pytest.raises(ValueError, match="expected FIELD=VALUE"):
+        parse_constraints(["pp"])
+
+
+def test_pareto_front_by_hand():
+    rows = [{"peak_memory_bytes": 10, "tokens_per_second": 5}, {"peak_memory_bytes": 20, "tokens_per_second": 4},
+            {"peak_memory_bytes": 30, "tokens_per_second": 9}, {"peak_memory_bytes": 5, "tokens_per_second": 1}]
+    assert [(row["peak_memory_bytes"], row["tokens_per_second"]) for row in pareto_front(rows)] == [
+        (5, 1), (10, 5), (30, 9)]
+
+
+@pytest.fixture(scope="module")
+def small_model_worker():
+    plan_command._init_worker(["simulate", "--model", "gpt3-1.3b", "--topology", "nvlink", "--nodes", "1"])
+    return plan_command
+
+
+def test_lower_bound_never_exceeds_the_simulated_step(small_model_worker):
+    layouts, _ = enumerate_layouts(SearchSpace(
+        gpus=8, gpus_per_node=8, global_batch=16, layers=24, heads=16, kv_heads=16,
+        schedules=("gpipe", "1f1b", "interleaved-1f1b"), microbatch_sizes=(1, 2), virtual_stages=(2,)))
+    assert len(layouts) > 20
+    for layout in layouts[::3]:
+        row = small_model_worker.evaluate_layout(layout)
+        if "error" in row:
+            continue
+        assert small_model_worker.lower_bound(layout) <= row["step_time"] * (1 + 1e-9), layout.label()
+
+
+def test_pruning_keeps_the_same_top(small_model_worker):
+    layouts, _ = enumerate_layouts(SearchSpace(
+        gpus=8, gpus_per_node=8, global_batch=16, layers=24, heads=16, kv_heads=16,
+        schedules=("1f1b", "interleaved-1f1b"), microbatch_sizes=(1, 2), virtual_stages=(2,)))
+    pruned = search(layouts, small_model_worker.evaluate_layout, small_model_worker.lower_bound, top=3)
+    exhaustive = search(layouts, small_model_worker.evaluate_layout, lambda layout: 0.0, top=3)
+    assert exhaustive.pruned == 0
+    assert [row["layout"] for row in pruned.rows[:3]] == [row["layout"] for row in exhaustive.rows[:3]]
+    assert pruned.simulated + pruned.pruned == pruned.considered
+
+
+def test_plan_command_writes_its_files(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--global-batch", "16", "--topology", "nvlink",
+                 "--schedules", "1f1b,gpipe", "--microbatch-sizes", "1", "--top", "3", "--workers", "1",
+                 "--json", str(out), "--csv", str(tmp_path / "plan.csv"), "--html", str(tmp_path / "plan.html")])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "considered" in text and "simulated" in text
+    data = json.loads(out.read_text())
+    assert 1 <= len(data["ranked"]) <= 3
+    steps = [row["step_time"] for row in data["ranked"]]
+    assert steps == sorted(steps)
+    assert data["simulated"] + data["pruned_by_bound"] == data["considered"]
+    best = data["ranked"][0]
+    layout = Layout(**{key: best[key] for key in Layout.__dataclass_fields__})
+    assert layout.pp * layout.tp * layout.dp == 8
+    assert (tmp_path / "plan.csv").read_text().startswith("schedule,")
+    assert "Pareto front" in (tmp_path / "plan.html").read_text()
+
+
+def test_plan_matches_simulate_for_the_chosen_layout(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt3-1.3b", "--gpus", "4", "--global-batch", "8", "--topology", "nvlink",
+                 "--schedules", "1f1b", "--microbatch-sizes", "1", "--top", "1", "--workers", "1",
+                 "--json", str(out)]) == 0
+    best = json.loads(out.read_text())["ranked"][0]
+    result = tmp_path / "simulate.json"
+    assert main(["simulate", "--model", "gpt3-1.3b", "--topology", "nvlink", "--nodes", "1",
+                 "--schedule", "1f1b", "--pp", str(best["pp"]), "--tp", str(best["tp"]), "--dp", str(best["dp"]),
+                 "-m", str(best["microbatches"]), "--microbatch-size", "1", "--json", str(result)]) == 0
+    assert json.loads(result.read_text())["makespan"] == pytest.approx(best["step_time"], rel=1e-12)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "0"], "must be >= 1"),
+    (["--gpus", "12", "--gpus-per-node", "8"], "not a whole number of 8-GPU nodes"),
+    (["--schedules", "nope"], "unknown nope"),
+    (["--microbatch-sizes", "x"], "expected integers"),
+    (["--constraint", "pp"], "expected FIELD=VALUE"),
+    (["--json", "/nonexistent/dir/plan.json"], "does not exist"),
+])
+def test_plan_bad_input_is_one_line(argv, message, capsys):
+    base = ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--global-batch", "16", "--topology", "nvlink",
+            "--workers", "1"]
+    assert main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -1,0 +1,76 @@
+"""The plan chart: every simulated layout's throughput against its peak memory, the
+Pareto front of the two, the device capacity, and the chosen layout's Gantt below.
+
+A planner's answer is a trade: the fastest layout may sit close to the memory limit,
+and the front shows what each gigabyte buys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import plotly.graph_objects as go
+import plotly.io as pio
+
+from schedules.trace import Trace
+from viz.colors import schedule_color
+from viz.gantt import gantt_spec
+from viz.html import include_plotlyjs
+
+
+def plan_figure(rows: list[dict], front: list[dict], title: str = "") -> go.Figure:
+    """Tokens/s against peak memory (GB), one colour per schedule, the front as a line,
+    the best row ringed and the smallest device capacity as a dashed vertical line."""
+    if not rows:
+        raise ValueError("a plan chart needs at least one simulated layout")
+    fig = go.Figure()
+    by_schedule: dict[str, list[dict]] = {}
+    for row in rows:
+        by_schedule.setdefault(str(row["schedule"]), []).append(row)
+    for schedule, points in sorted(by_schedule.items()):
+        fig.add_trace(go.Scatter(
+            x=[row["peak_memory_bytes"] / 1e9 for row in points],
+            y=[row["tokens_per_second"] for row in points],
+            mode="markers", name=schedule, marker={"color": schedule_color(schedule), "size": 8, "opacity": 0.8},
+            text=[row["layout"] for row in points],
+            hovertemplate="%{text}<br>%{y:,.0f} tokens/s<br>%{x:.1f} GB<extra></extra>",
+        ))
+    fig.add_trace(go.Scatter(
+        x=[row["peak_memory_bytes"] / 1e9 for row in front], y=[row["tokens_per_second"] for row in front],
+        mode="lines", name="Pareto front", line={"color": "black", "width": 1.5, "shape": "hv"},
+        hoverinfo="skip",
+    ))
+    best = rows[0]
+    fig.add_trace(go.Scatter(
+        x=[best["peak_memory_bytes"] / 1e9], y=[best["tokens_per_second"]], mode="markers",
+        name=f"chosen: {best['layout']}",
+        marker={"symbol": "circle-open", "size": 18, "color": "black", "line": {"width": 2}},
+        hoverinfo="skip",
+    ))
+    capacities = [row["capacity_bytes"] for row in rows if row.get("capacity_bytes")]
+    if capacities:
+        fig.add_vline(x=min(capacities) / 1e9, line_dash="dash", line_color="#c0392b",
+                      annotation_text="device memory", annotation_position="top left")
+    fig.update_layout(
+        title={"text": title, "x": 0.0, "xanchor": "left"}, height=520, plot_bgcolor="white",
+        xaxis={"title": "peak memory per GPU (GB)", "gridcolor": "#eee", "rangemode": "tozero"},
+        yaxis={"title": "tokens per second", "gridcolor": "#eee", "rangemode": "tozero"},
+        legend={"orientation": "v"}, margin={"l": 80, "r": 20, "t": 70, "b": 60},
+    )
+    return fig
+
+
+def write_plan_html(rows: list[dict], front: list[dict], trace: Trace, path: str | Path, title: str = "",
+                    plotly: str = "inline") -> Path:
+    """One page (plotly.js embedded once, or from the CDN): the plan chart, then the
+    chosen layout's predicted Gantt."""
+    scatter = pio.to_html(plan_figure(rows, front, title), include_plotlyjs=include_plotlyjs(plotly), full_html=False,
+                          config={"displaylogo": False})
+    spec = gantt_spec([trace], [f"predicted: {rows[0]['layout']}"])
+    gantt = pio.to_html(spec, include_plotlyjs=False, full_html=False, validate=False,
+                        config={"displaylogo": False, "scrollZoom": True})
+    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title></head>"
+            f"<body>{scatter}{gantt}</body></html>")
+    path = Path(path)
+    path.write_text(page, encoding="utf-8")
+    return path
