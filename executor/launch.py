@@ -119,6 +119,7 @@ class RankLogs:
         if not verbose and self.directory is not None:
             Path(self.directory).mkdir(parents=True, exist_ok=True)
             self.handler = logging.FileHandler(Path(self.directory) / "launcher.log")
+            self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
             for name in self.LOGGERS:
                 logger = logging.getLogger(name)
                 self.saved.append((logger, logger.level, logger.propagate))
