@@ -102,11 +102,12 @@ def bench_rank(operations: list[str], sizes: list[int], backend: str, threads: i
 
 
 def bench_comm(ranks: int, operations: list[str], sizes: list[int], backend: str = "auto", threads: int = 1,
-               warmup: int = 2) -> dict:
+               warmup: int = 2, verbose: bool = False) -> dict:
     """Launch ``ranks`` local processes and time every operation at every size."""
     if ranks < 2:
         raise ValueError(f"--ranks must be at least 2 to communicate, got {ranks}")
     unknown = [name for name in operations if name not in OPERATIONS]
     if unknown:
         raise ValueError(f"unknown operation(s) {', '.join(unknown)}; known: {', '.join(OPERATIONS)}")
-    return launch_ranks(bench_rank, (operations, sizes, backend, threads, warmup), ranks, threads, backend)[0]
+    return launch_ranks(bench_rank, (operations, sizes, backend, threads, warmup), ranks, threads, backend,
+                        verbose)[0]

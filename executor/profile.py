@@ -270,7 +270,8 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
     }
 
 
-def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: float = DEFAULT_MIN_TIME) -> dict:
+def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: float = DEFAULT_MIN_TIME,
+            verbose: bool = False) -> dict:
     """Launch ``config.pp`` ranks, profile each one's stages, return the costs document.
     Each stage's forward + backward loop and the transfer-cost loop run for at least
     ``repeats`` passes and ``min_time`` seconds."""
@@ -279,5 +280,5 @@ def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: flo
         raise ConfigError(f"profile measures pipeline stages only (--dp 1 --tp 1); got --dp {config.dp} "
                           f"--tp {config.tp}. Profile the pp split, then simulate with --dp/--tp")
     per_rank = launch_ranks(profile_rank, (config, warmup, repeats, min_time), config.pp, config.threads,
-                            config.backend)
+                            config.backend, verbose)
     return costs_document(config, per_rank, warmup, repeats, min_time)

@@ -48,7 +48,8 @@ def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
         return load_costs(args.costs, num_stages)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    return costs_from_dict(profile(config, args.warmup, args.repeats, args.min_time), num_stages, name="profile")
+    document = profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
+    return costs_from_dict(document, num_stages, name="profile")
 
 
 def calibrated_topology(args: argparse.Namespace, config):
@@ -61,7 +62,8 @@ def calibrated_topology(args: argparse.Namespace, config):
     from pipesim.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
     from pipesim.commands.bench_comm import parse_sizes  # noqa: PLC0415
 
-    result = bench_comm(config.pp, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads)
+    result = bench_comm(config.pp, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads,
+                        verbose=args.verbose)
     return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
 
 

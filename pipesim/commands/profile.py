@@ -53,7 +53,7 @@ def run_profile(args: argparse.Namespace) -> dict:
     config = config_from_args(args)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    return profile(config, args.warmup, args.repeats, args.min_time)
+    return profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
 
 
 def describe(document: dict) -> list[str]:
