@@ -76,7 +76,8 @@ def precision(args: argparse.Namespace) -> int:
                            seq_len=64 if not args.dry_run else 16, vocab=256, batch_size=16, steps=10,
                            dtype=dtype, optimizer="adamw", backend=backend(args))
         curves[dtype] = run_local(config)["losses"]
-        print(f"{dtype:>9} (AdamW, default lr {config.lr}): " + " ".join(f"{loss:.4f}" for loss in curves[dtype]))
+        losses = " ".join(f"{loss:.4f}" for loss in curves[dtype])
+        print(f"{dtype:>9} (AdamW, default lr {config.learning_rate:g}): {losses}")
     fp32, bf16 = curves["float32"], curves["bfloat16"]
     gap = max(abs(b - f) / abs(f) for b, f in zip(bf16, fp32, strict=True))
     learns = fp32[-1] < fp32[0] and bf16[-1] < bf16[0]
