@@ -45,6 +45,7 @@ class Posted(NamedTuple):
     works: list
     token: torch.Tensor | None = None
     number: int = 0  # per-pair send number, for the handshake check
+    token_works: list | None = None  # the token's transfer (the handshake only)
 
 
 class Pending(NamedTuple):
@@ -106,12 +107,12 @@ class PeerLinks:
     def post(self, ops: list[tuple[Action, torch.Tensor]]) -> list[Posted]:
         """Post every (action, tensor) as one batch, in the given order; return one
         ``Posted`` per op. With the handshake, each op also posts its token."""
-        p2p_ops, owners, posted = [], [], []
+        p2p_ops, owners, posted = [], [], []  # owners: (index in posted, whether the op is the token's)
         for action, tensor in ops:
             peer = self.peer(action)
             is_send = action.kind in SEND_KINDS
             p2p_ops.append(dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer, tag=self.tag(action)))
-            owners.append(len(posted))
+            owners.append((len(posted), False))
             token, number = None, 0
             if self.handshake:
                 if is_send:
@@ -124,20 +125,27 @@ class PeerLinks:
                     self.received[peer] += 1
                     token = torch.tensor([number, *encode_action(action)], dtype=torch.int64)
                     p2p_ops.append(dist.P2POp(dist.isend, token, peer, tag=self.token_base + number))
-                owners.append(len(posted))
-            posted.append(Posted(action, tensor, [], token, number))
+                owners.append((len(posted), True))
+            posted.append(Posted(action, tensor, [], token, number, [] if self.handshake else None))
         works = dist.batch_isend_irecv(p2p_ops)
         if len(works) == len(p2p_ops):
-            for owner, work in zip(owners, works, strict=True):
-                posted[owner].works.append(work)
+            for (owner, is_token), work in zip(owners, works, strict=True):
+                (posted[owner].token_works if is_token else posted[owner].works).append(work)
         else:  # one handle for the whole batch (NCCL coalesces a batch)
             for item in posted:
                 item.works.extend(works)
         return posted
 
+    @staticmethod
+    def all_works(item: Posted) -> list:
+        """Every handle of a posted action, its token's first: a send's token says which
+        receive the peer posted, and must be read before waiting for the data (which,
+        when the orders differ, would never be taken)."""
+        return [*(item.token_works or []), *item.works]
+
     def check_token(self, item: Posted) -> None:
-        """After a send's group completed under the handshake: the receive the peer
-        posted as its matching one must be this send's own receive."""
+        """Once a send's token has arrived (handshake): the receive the peer posted as
+        its matching one must be this send's own receive."""
         if item.token is None or item.action.kind not in SEND_KINDS:
             return
         number, *code = item.token.tolist()

@@ -209,18 +209,15 @@ class PipelineRuntime:
             waited = [item for item in posted if item.action.kind not in SEND_KINDS] + prefetched
             background = [item for item in posted if item.action.kind in SEND_KINDS]
         self.pending.extend(Pending(item, start, self.completion_mark(item.works)) for item in background)
-        done, ends = set(), []
-        for item in waited:
-            self.current = item.action
-            for work in item.works:
-                if id(work) not in done:  # a coalesced batch has one handle for all; wait once
-                    work.wait()
-                    done.add(id(work))
-            self.links.check_token(item)
-            ends.append(self.clock.mark())
-        end = ends[-1] if ends else None
-        for item, own_end in zip(waited, ends, strict=True):
-            self.marks.append((item.action, start, end if self.rendezvous else own_end,
+        done, end_of = set(), {}
+        order = sorted(range(len(waited)), key=lambda i: waited[i].action.kind not in SEND_KINDS)  # sends' tokens first
+        for index in order:
+            self.current = waited[index].action
+            self.complete(waited[index], done)
+            end_of[index] = self.clock.mark()
+        end = end_of[order[-1]] if order else None
+        for index, item in enumerate(waited):
+            self.marks.append((item.action, start, end if self.rendezvous else end_of[index],
                                "send" if item.action.kind in SEND_KINDS else "recv"))
             if item.action.kind == ActionKind.RECV_F:
                 self.forward_inputs[(item.action.stage, item.action.microbatch)] = item.tensor
@@ -231,6 +228,17 @@ class PipelineRuntime:
         if self.progress is not None:
             self.progress.running()
         self.current_group = None
+
+    def complete(self, item: Posted, done: set[int]) -> None:
+        """Wait for one posted action, its handshake token first (checked as soon as it
+        arrives); a coalesced batch's one handle is waited for once."""
+        for work in item.token_works or []:
+            work.wait()
+        self.links.check_token(item)
+        for work in item.works:
+            if id(work) not in done:
+                work.wait()
+                done.add(id(work))
 
     def completion_mark(self, works: list) -> Any:
         """On a GPU, a CUDA event that completes when ``works`` do: recorded on a side
@@ -295,7 +303,7 @@ class PipelineRuntime:
             return
         still = []
         for pending in self.pending:
-            if all(work.is_completed() for work in pending.item.works):
+            if all(work.is_completed() for work in self.links.all_works(pending.item)):
                 self.links.check_token(pending.item)
                 self.marks.append((pending.item.action, pending.start, self.clock.mark(), "send"))
             else:
@@ -308,11 +316,7 @@ class PipelineRuntime:
         done = set()
         for pending in self.pending:
             self.current = pending.item.action
-            for work in pending.item.works:
-                if id(work) not in done:
-                    work.wait()
-                    done.add(id(work))
-            self.links.check_token(pending.item)
+            self.complete(pending.item, done)
             end = pending.end if pending.end is not None else self.clock.mark()
             self.marks.append((pending.item.action, pending.start, end, "send"))
         self.pending = []

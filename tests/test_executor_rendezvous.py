@@ -147,3 +147,23 @@ def test_hanging_order_forced_through_hangs_and_is_caught_by_the_timeout() -> No
     # the rank and the transfer it was stuck on are named: one of the two sends of the cycle
     assert any(f"on action {send} (waiting for rank {peer})" in message for send, peer in
                (("0SEND_F1", 1), ("1SEND_B0", 0))), message
+
+
+def mismatched_order() -> Schedule:
+    """gpipe, pp=2, m=2, rank 1 receiving F1 before F0: gloo matches by tag and runs it;
+    NCCL would fill 1RECV_F1's buffer with 0SEND_F0's activation."""
+    rows = ["0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+            "1RECV_F1 1RECV_F0 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1"]
+    return Schedule(pp=2, microbatches=2, placement=(0, 1), name="mismatched",
+                    programs=[[parse_action(cell) for cell in row.split()] for row in rows])
+
+
+def test_pair_order_mismatch_is_refused_and_forced_through_fails_naming_both_actions() -> None:
+    config = RunConfig(schedule="mismatched", pp=2, microbatches=2, hidden=8, layers=2, batch_size=2,
+                       custom_schedule=mismatched_order(), p2p="rendezvous", timeout=20)
+    with pytest.raises(ScheduleValidationError, match=r"0SEND_F0.*1RECV_F1"):
+        launch(config)
+    with pytest.raises(PipelineRunError) as failure:
+        launch(config, unchecked=True)
+    assert "rendezvous order mismatch: rank 0's 0SEND_F0 is its send #1 to rank 1, but rank 1's receive #1 " \
+           "from rank 0 is 1RECV_F1" in str(failure.value)
