@@ -19,10 +19,10 @@ never queue). Columns:
                ScheduleZBVZeroBubble, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
                ScheduleDualPipeV), built from torch's schedule classes in this run.
 
-Measured step times: the executor's runs (gloo, 4 ranks) are written by
-``pipesim run ... --json``; pass their step times with ``--measured FILE`` (JSON list of
-``{"schedule", "pp", "microbatches", "step_time"}``) and each matching row shows the
-measured time beside the predicted one.
+Measured step times: ``bench_zero_bubble_measured.py`` profiles, runs (gloo, 4 ranks)
+and predicts zb-h1, zbv and 1f1b on a gpt and prints measured beside predicted; its
+``--json`` (a list of ``{"schedule", "pp", "microbatches", "step_time", ...}``), or any
+such list, passed with ``--measured FILE`` shows each matching measured time here too.
 
 Run: ``python benchmarks/bench_zero_bubble.py`` (``--quick`` for the first cases only).
 """

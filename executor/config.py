@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from schedules.generators import generate
+from schedules.generators import COST_AWARE, generate
 from schedules.lowering import lower
 from schedules.schedule import Schedule
 
@@ -41,6 +41,8 @@ class RunConfig:
     entries, summing to ``layers``); ``None`` splits them as evenly as possible.
     ``custom_schedule`` runs a given ``Schedule`` (compute-only or lowered, e.g. read
     from CSV) instead of generating ``schedule``; its pp and microbatches must match.
+    ``schedule_file`` is the CSV it was read from (``--schedule-file``), kept so results
+    say what ran.
     ``prefetch_recvs`` posts every receive at the start of a step (default: on gloo,
     which matches transfers by tag; never on NCCL, which matches them by order).
     ``dp`` replicas each run the pipeline on their own slice of the global
@@ -92,6 +94,7 @@ class RunConfig:
     inject_failure: str | None = None
     return_grads: bool = False
     custom_schedule: Schedule | None = None
+    schedule_file: str | None = None
     prefetch_recvs: bool | None = None
     p2p: str | None = None
 
@@ -187,6 +190,12 @@ class RunConfig:
             raise ConfigError(
                 f"--layers {self.layers} cannot fill {self.num_stages} stages of an mlp; "
                 f"use --layers >= {self.num_stages} or give a --layout"
+            )
+        if self.custom_schedule is None and self.schedule in COST_AWARE:
+            raise ConfigError(
+                f"--schedule {self.schedule} builds its order from stage costs: write it with `pipesim export "
+                f"--schedule {self.schedule} --pp {self.pp} -m {self.microbatches} --costs COSTS.json --out "
+                f"{self.schedule}.csv` (costs from `pipesim profile`) and run that with --schedule-file"
             )
         if self.custom_schedule is not None:
             custom = self.custom_schedule

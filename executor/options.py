@@ -19,25 +19,30 @@ from executor.config import (
     ConfigError,
     RunConfig,
 )
+from schedules.generators import MULTI_CHUNK
+
+DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 2, 4
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the schedule, model, training and runtime flags to ``parser``."""
     schedule = parser.add_argument_group("schedule")
-    schedule.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved-1f1b (default 1f1b)")
+    schedule.add_argument("--schedule", default=None, help=f"a generated schedule (default {DEFAULT_SCHEDULE})")
     schedule.add_argument("--schedule-file", default=None, metavar="CSV",
-                          help="a schedule CSV (one row per rank; P2P groups joined by '+') instead of --schedule; "
-                               "--pp, --microbatches and --virtual-stages come from the file")
-    schedule.add_argument("--pp", type=int, default=2, help="pipeline ranks, one process each (1: no pipeline)")
-    schedule.add_argument("--microbatches", type=int, default=4, help="microbatches per dp replica and step")
+                          help="run the order in this schedule CSV (torch.distributed.pipelining format) instead; "
+                               "it fixes pp, microbatches and the stages per rank")
+    schedule.add_argument("--pp", type=int, default=None,
+                          help=f"pipeline ranks, one process each (default {DEFAULT_PP}; 1: no pipeline)")
+    schedule.add_argument("--microbatches", "-m", type=int, default=None,
+                          help=f"microbatches per dp replica and step (default {DEFAULT_MICROBATCHES})")
     schedule.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp * pp * tp)")
     schedule.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (gpt only)")
     schedule.add_argument("--sequence-parallel", action="store_true",
                           help="with --tp: Megatron sequence parallelism in the blocks")
     schedule.add_argument("--dp-bucket-mb", type=float, default=25.0,
                           help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
-    schedule.add_argument("--virtual-stages", type=int, default=None,
-                          help="stages per rank (default 2 for interleaved-1f1b, else 1)")
+    schedule.add_argument("--virtual-stages", "-v", type=int, default=None,
+                          help=f"stages per rank (default 2 for {', '.join(sorted(MULTI_CHUNK))}; else 1)")
     model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")
     model.add_argument("--model", choices=MODELS, default="mlp")
     model.add_argument("--layers", type=int, default=4)
@@ -86,31 +91,50 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The checked ``RunConfig`` the flags describe."""
-    virtual = args.virtual_stages
-    if virtual is None:
-        virtual = 2 if args.schedule == "interleaved-1f1b" else 1
+    if args.schedule_file:
+        shape = schedule_file_shape(args)
+    else:
+        name = args.schedule or DEFAULT_SCHEDULE
+        virtual = args.virtual_stages
+        if virtual is None:
+            virtual = 2 if name in MULTI_CHUNK else 1
+        shape = {"schedule": name, "pp": DEFAULT_PP if args.pp is None else args.pp,
+                 "microbatches": DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches,
+                 "virtual_stages": virtual}
     layout = None
     if args.layout:
         try:
             layout = tuple(int(part) for part in args.layout.split(","))
         except ValueError:
             raise ConfigError(f"--layout {args.layout!r} must be comma-separated layer counts, e.g. 1,3,3,1") from None
-    custom = None
-    if getattr(args, "schedule_file", None):
-        from schedules.csv_io import schedule_from_csv  # noqa: PLC0415
-
-        custom = schedule_from_csv(args.schedule_file)
-        args.schedule, args.pp, args.microbatches = custom.name, custom.pp, custom.microbatches
-        virtual = custom.virtual_stages
     config = RunConfig(
-        schedule=args.schedule, pp=args.pp, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel,
-        dp_bucket_mb=args.dp_bucket_mb, microbatches=args.microbatches, virtual_stages=virtual,
+        **shape, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
         model=args.model, layers=args.layers, hidden=args.hidden, batch_size=args.batch_size,
         seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, steps=args.steps, seed=args.seed,
         optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, dtype=args.dtype,
         grad_reduce_dtype=args.grad_reduce_dtype, backend=args.backend, timeout=args.timeout,
         threads=args.threads, layout=layout, inject_failure=args.inject_failure, p2p=args.p2p,
-        custom_schedule=custom,
     )
     config.check()
     return config
+
+
+def schedule_file_shape(args: argparse.Namespace) -> dict:
+    """The config fields a ``--schedule-file`` fixes: the schedule itself, its pp, its
+    microbatch count and its stages per rank. Flags that would say otherwise are refused
+    rather than silently overridden."""
+    from schedules.csv_io import schedule_from_csv  # noqa: PLC0415
+
+    for flag, value in (("--schedule", args.schedule), ("--pp", args.pp), ("--microbatches", args.microbatches),
+                        ("--virtual-stages", args.virtual_stages)):
+        if value is not None:
+            raise ConfigError(f"{flag} conflicts with --schedule-file {args.schedule_file}: the file fixes the "
+                              f"schedule, pp, microbatches and stages per rank; drop {flag}")
+    schedule = schedule_from_csv(args.schedule_file)
+    counts = {rank: len(schedule.stages_of(rank)) for rank in range(schedule.pp)}
+    if len(set(counts.values())) != 1:
+        raise ConfigError(f"--schedule-file {args.schedule_file}: the executor needs the same number of stages on "
+                          f"every rank; stages per rank are {counts}")
+    return {"schedule": schedule.name, "pp": schedule.pp, "microbatches": schedule.microbatches,
+            "virtual_stages": schedule.virtual_stages, "custom_schedule": schedule,
+            "schedule_file": str(args.schedule_file)}

@@ -5,7 +5,7 @@ thread count ``pipesim run`` gives a rank, so each measurement is taken under th
 conditions as the run it predicts (on a CPU: one core per rank, the other ranks busy
 next door). For each stage it times, per microbatch and with the executor's own calls:
 ``F`` (forward, plus the loss on the last stage), ``B`` (full backward), ``I`` (input
-gradient, graph kept) and ``W`` (weight gradients from the kept graph), after warm-up,
+gradient) and ``W`` (weight gradients from what I kept), after warm-up,
 and takes means: a step is a sum of many such actions, and the expected value of a sum
 is the sum of the means. CPU timings are skewed to the right (interrupts, the backend's
 own threads), so a median would predict every step short. F and B are timed in rounds
@@ -36,6 +36,7 @@ from executor.overheads import measure_overheads, microbatch_size
 from executor.precision import Precision
 from executor.process import init_rank
 from executor.spawn import launch_ranks
+from executor.split_backward import SplitBackward
 
 RANK_FIELDS = ("rank", "optimizer", "action_gap", "comm_post", "send_post", "recv_wait", "background_cpu",
                "transfer_cost", "prefetch_post", "loss_reduce")
@@ -137,22 +138,27 @@ class StageProbe:
         return statistics.fmean(forward), statistics.fmean(backward)
 
     def time_split_backward(self, device: torch.device, warmup: int, repeats: int) -> tuple[float, float]:
-        """Mean seconds of I and W, in a loop of their own (a loop that mixes the two
-        kinds of backward leaves F and B a few percent faster than a pipeline ever sees
-        them). They only set how B splits, so ``repeats`` passes are enough."""
+        """Mean seconds of I and W, with the runtime's split (``executor.split_backward``),
+        in a loop of their own (a loop that mixes the two kinds of backward leaves F and B
+        a few percent faster than a pipeline ever sees them). They only set how B splits,
+        so ``repeats`` passes are enough."""
         now = clock_for_compute(device)
+        splitter = SplitBackward(self.module)
         input_grad, weight_grad = [], []
-        for index in range(warmup + repeats):
-            x = self.input()
-            output = self.forward(x)
-            start = now()
-            if not self.first:
-                torch.autograd.grad(output, [x], self.output_grad, retain_graph=True)
-            middle = now()
-            torch.autograd.backward(output, self.output_grad, inputs=self.params)
-            if index >= warmup:
-                input_grad.append(middle - start)
-                weight_grad.append(now() - middle)
+        try:
+            for index in range(warmup + repeats):
+                x = self.input()
+                with splitter.recording() as calls:
+                    output = self.forward(x)
+                start = now()
+                _, work = splitter.input_grad(output, self.output_grad, None if self.first else x, calls)
+                middle = now()
+                splitter.weight_grad(work)
+                if index >= warmup:
+                    input_grad.append(middle - start)
+                    weight_grad.append(now() - middle)
+        finally:
+            splitter.close()
         return statistics.fmean(input_grad), statistics.fmean(weight_grad)
 
     def bytes(self) -> dict[str, float]:
@@ -240,8 +246,8 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
     for stage in sorted(stages):
         m = stages[stage]
         split = m["I"] + m["W"]
-        # The executor's I and W together may cost more than B (W walks the graph again);
-        # the costs file describes a split backward as parts of B, so keep their ratio.
+        # The costs file describes a split backward as parts of B; I + W measured apart
+        # come within a few percent of B (executor.split_backward), so keep their ratio.
         wgrad = m["B"] * m["W"] / split if split > 0 else 0.0
         entries.append({"stage": stage, "fwd": m["F"], "bwd": m["B"], "wgrad": wgrad, "act_bytes": m["act_bytes"],
                         "stash_bytes": m["stash_bytes"], "param_bytes": m["param_bytes"]})

@@ -1,21 +1,24 @@
 """The runtime: one rank walks its lowered program, one handler per action kind.
 
 ``F`` runs a stage forward and stashes what its backward needs; ``B`` runs the full
-backward; ``I`` computes only the input gradient (keeping the graph for ``W``) and ``W``
-the weight gradients, so zero-bubble schedules run unchanged. Each P2P group of the
-program is posted as one batch (``executor.comm``). Under ``rendezvous`` semantics (NCCL,
-or gloo emulating it) a group holding a receive is waited for whole, as Megatron waits
-on every op of a batch, and a group of sends alone completes in the background; under
-``buffered`` (gloo) only receives are waited for, since the next compute action needs
-their data. Sends in the background are timed when they are seen to finish (on a GPU,
-by an event that completes with them). Stashes are dropped as soon as the backward that
-needed them is done.
+backward; ``I`` computes only the input gradient and ``W`` the weight gradients from
+what ``I`` kept, without running the stage's backward again
+(``executor.split_backward``), so zero-bubble schedules run unchanged. Each P2P group of
+the program is posted as one batch (``executor.comm``). Under ``rendezvous`` semantics
+(NCCL, or gloo emulating it) posting never blocks: a group is waited for (whole, as
+Megatron waits on every op of a batch) right before the compute action that needs one
+of its receives, and every group by the end of the step; on gloo the groups are
+started one after another, as NCCL runs them on its stream. Under ``buffered`` (gloo)
+receives are waited for at their place and sends complete in the background, timed
+when they are seen to finish. Stashes are dropped as soon as the backward that needed
+them is done.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,11 +28,25 @@ from torch import nn
 from executor.comm import PeerLinks, Pending, Posted
 from executor.models import PipelineModel
 from executor.precision import Precision
+from executor.split_backward import ModuleCall, SplitBackward, WeightWork
 from schedules.action import RECV_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
 
 Key = tuple[int, int]  # (stage, microbatch)
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One P2P group on a rank's stream (rendezvous): its ops, and once started its
+    posted actions, start mark and (on a GPU) the event that completes with it."""
+
+    group: tuple[Action, ...]
+    ops: list
+    posted: list[Posted] | None = None
+    start: Any = None
+    end_mark: Any = None
+    done: bool = False
 
 
 class PipelineRuntime:
@@ -62,13 +79,18 @@ class PipelineRuntime:
             ActionKind.I: self.input_grad,
             ActionKind.W: self.weight_grad,
         }
+        # Stages whose backward this rank splits into I and W record, during the F of
+        # those microbatches, where the weight gradients start (executor.split_backward).
+        self.split_keys = {(a.stage, a.microbatch) for a in self.items
+                           if isinstance(a, Action) and a.kind == ActionKind.I}
+        self.splitters = {stage: SplitBackward(stages[stage]) for stage in {stage for stage, _ in self.split_keys}}
+        if self.splitters:
+            self.handlers[ActionKind.F] = self.forward_recording
         self.current: Action | None = None
         self.current_group: tuple[Action, ...] | None = None  # the P2P group being waited for
         self.device_marks: list[tuple[tuple[Action, ...], Any]] = []  # (group, CUDA event at its end)
-        self.side_stream = None  # CUDA: where the completion of background sends is marked
-        # What W differentiates, and the dtype/device of the loss, fixed once the stages are built.
-        self.trainable = {stage: [p for p in module.parameters() if p.requires_grad]
-                          for stage, module in stages.items()}
+        self.side_stream = None  # CUDA: where the completion of communication is marked
+        # The dtype/device of the loss, fixed once the stages are built.
         param = next((p for stage in stages.values() for p in stage.parameters()), None)
         # The loss adds up in float32 at least, whatever type the stages compute in.
         self.loss_dtype = torch.float64 if param is not None and param.dtype == torch.float64 else torch.float32
@@ -84,8 +106,11 @@ class PipelineRuntime:
         self.output_grads: dict[Key, torch.Tensor] = {}  # gradient of F(stage, mb)'s output
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # what SEND_F / SEND_B will send
         self.stash: dict[Key, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self.weight_work: dict[Key, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.module_calls: dict[Key, list[ModuleCall]] = {}  # what F recorded for a split backward
+        self.weight_work: dict[Key, WeightWork] = {}
         self.pending: list[Pending] = []
+        self.stream: list[InFlight] = []  # rendezvous: groups not yet completed, in posting order
+        self.awaited: dict[tuple[str, int, int], InFlight] = {}  # receive -> its group, until waited for
         self.marks: list[tuple[Action, Any, Any, str]] = []
         self.loss = torch.zeros((), dtype=self.loss_dtype, device=self.loss_device)
         self.clock.start_step()
@@ -100,6 +125,8 @@ class PipelineRuntime:
                 self.current = item
                 if self.before_action is not None:
                     self.before_action(item)
+                if self.awaited:
+                    self.await_input(item)
                 start = self.clock.mark()
                 self.handlers[item.kind](item)
                 self.marks.append((item, start, self.clock.mark(), "compute"))
@@ -107,9 +134,12 @@ class PipelineRuntime:
                     self.after_action(item)
             if self.pending:
                 self.poll_sends()
+            if self.stream:
+                self.advance_stream()
+        self.finish_groups()
         self.finish_sends()
         self.current = self.current_group = None
-        leftover = len(self.stash) + len(self.weight_work)
+        leftover = len(self.stash) + len(self.weight_work) + len(self.module_calls)
         if leftover:
             raise RuntimeError(f"rank {self.rank}: {leftover} forward stashes were never consumed by a backward")
         events = [TraceEvent.of(self.rank, action, self.clock.seconds(start), self.clock.seconds(end), stream)
@@ -141,17 +171,28 @@ class PipelineRuntime:
         if x is not None:
             self.deliver_input_grad(action, x.grad)
 
+    def forward_recording(self, action: Action) -> None:
+        """F, recording the stage's parameter-owning module calls when this microbatch's
+        backward is split into I and W."""
+        key = (action.stage, action.microbatch)
+        if key not in self.split_keys:
+            self.forward(action)
+            return
+        with self.splitters[action.stage].recording() as calls:
+            self.forward(action)
+        self.module_calls[key] = calls
+
     def input_grad(self, action: Action) -> None:
-        x, output = self.stash.pop((action.stage, action.microbatch))
-        grad = self.output_grad(action, output)
+        key = (action.stage, action.microbatch)
+        x, output = self.stash.pop(key)
+        input_grad, work = self.splitters[action.stage].input_grad(
+            output, self.output_grad(action, output), x, self.module_calls.pop(key))
         if x is not None:
-            (input_grad,) = torch.autograd.grad(output, [x], grad, retain_graph=True)
             self.deliver_input_grad(action, input_grad)
-        self.weight_work[(action.stage, action.microbatch)] = (output, grad)
+        self.weight_work[key] = work
 
     def weight_grad(self, action: Action) -> None:
-        output, grad = self.weight_work.pop((action.stage, action.microbatch))
-        torch.autograd.backward(output, grad, inputs=self.trainable[action.stage])
+        self.splitters[action.stage].weight_grad(self.weight_work.pop((action.stage, action.microbatch)))
 
     def output_grad(self, action: Action, output: torch.Tensor) -> torch.Tensor | None:
         """The gradient flowing into this stage's output (none for the loss itself), in
@@ -170,14 +211,111 @@ class PipelineRuntime:
     # -- communication --------------------------------------------------------------
 
     def communicate(self, group: tuple[Action, ...]) -> None:
-        """Post a P2P group as one batch, in the group's order, then wait as the
-        semantics says (``schedules.p2p``). Rendezvous: a group holding a receive is
-        waited for whole (the next compute needs its data, and its sends complete with
-        it, as Megatron waits on every op of a batch); a group of sends alone completes
-        in the background, and on gloo the next group is posted only once it has (NCCL
-        runs a rank's groups one after another on its communication stream). Buffered:
-        only the receives are waited for. Receives already posted at the start of the
-        step (``prefetch_recvs``, buffered only) are only waited for here."""
+        """Post a P2P group as one batch, in the group's order, and wait as the
+        semantics says (``schedules.p2p``)."""
+        if self.rendezvous:
+            self.post_rendezvous(group)
+        else:
+            self.communicate_buffered(group)
+
+    def post_rendezvous(self, group: tuple[Action, ...]) -> None:
+        """Rendezvous: posting never blocks. The group joins the rank's stream; each of
+        its receives is waited for (with the whole group) right before the compute
+        action that needs it (``await_input``). NCCL runs the stream itself; on gloo
+        (the handshake) the next group is started only once the previous one has
+        completed, as NCCL's stream would."""
+        ops = []
+        for action in group:
+            self.current = action
+            if self.before_action is not None:
+                self.before_action(action)
+            if action.kind in SEND_KINDS:
+                ops.append((action, self.outbox.pop((action.kind, action.stage, action.microbatch))))
+            else:
+                ops.append((action, self.links.buffer(action)))
+        flight = InFlight(group, ops)
+        self.stream.append(flight)
+        for action in group:
+            if action.kind in RECV_KINDS:
+                self.awaited[(action.kind, action.stage, action.microbatch)] = flight
+        if not self.links.handshake:
+            self.start_group(flight)
+        self.advance_stream()
+
+    def start_group(self, flight: InFlight) -> None:
+        flight.start = self.clock.mark()
+        flight.posted = self.links.post(flight.ops)
+        flight.end_mark = self.completion_mark([work for item in flight.posted for work in item.works])
+
+    def advance_stream(self) -> None:
+        """Without blocking: finish the groups that have completed and (gloo) start the
+        next one once the one before it is done."""
+        while self.stream:
+            head = self.stream[0]
+            if head.posted is None:
+                self.start_group(head)
+            if not all(work.is_completed() for item in head.posted for work in self.links.all_works(item)):
+                return
+            self.finish_group(head)
+
+    def await_input(self, action: Action) -> None:
+        """Before a compute action: wait for the group that brings its input, if any."""
+        kind = ActionKind.RECV_F if action.kind == ActionKind.F else ActionKind.RECV_B
+        flight = self.awaited.get((kind, action.stage, action.microbatch))
+        if flight is not None:
+            self.wait_group(flight)
+            self.current = action
+
+    def wait_group(self, flight: InFlight) -> None:
+        """Block until ``flight`` has completed, finishing the groups before it on the
+        stream first (on gloo they must complete before it can start)."""
+        peers = tuple(self.links.peer(action) for action in flight.group)
+        self.current_group = flight.group
+        if self.progress is not None:
+            self.progress.waiting(f"action {'+'.join(map(str, flight.group))}", peers)
+        while not flight.done:
+            head = self.stream[0] if self.links.handshake else flight
+            if head.posted is None:
+                self.start_group(head)
+            self.current_group = head.group
+            done: set[int] = set()
+            for item in sorted(head.posted, key=lambda item: item.action.kind not in SEND_KINDS):  # tokens first
+                self.current = item.action
+                self.complete(item, done)
+            self.finish_group(head)
+        if self.progress is not None:
+            self.progress.running()
+        self.current_group = None
+
+    def finish_group(self, flight: InFlight) -> None:
+        """A completed group: check its tokens, hand its receives on, time it."""
+        for item in flight.posted:
+            self.links.check_token(item)
+        flight.done = True
+        self.stream.remove(flight)
+        end = flight.end_mark if flight.end_mark is not None else self.clock.mark()
+        for item in flight.posted:
+            action = item.action
+            self.marks.append((action, flight.start, end, "send" if action.kind in SEND_KINDS else "recv"))
+            if action.kind in RECV_KINDS:
+                self.awaited.pop((action.kind, action.stage, action.microbatch), None)
+                if self.links.device.type == "cuda":  # the compute stream waits for the data before using it
+                    for work in item.works:
+                        work.wait()
+                inbox = self.forward_inputs if action.kind == ActionKind.RECV_F else self.output_grads
+                inbox[(action.stage, action.microbatch)] = item.tensor
+        if isinstance(end, torch.cuda.Event):
+            self.device_marks.append((flight.group, end))
+
+    def finish_groups(self) -> None:
+        """The end of the step: every group on the stream completes."""
+        while self.stream:
+            self.wait_group(self.stream[-1])
+
+    def communicate_buffered(self, group: tuple[Action, ...]) -> None:
+        """Buffered (gloo): receives are waited for here, sends complete in the
+        background. Receives already posted at the start of the step
+        (``prefetch_recvs``) are only waited for here."""
         ops, prefetched = [], []
         for action in group:
             self.current = action
@@ -190,35 +328,20 @@ class PipelineRuntime:
                 prefetched.append(Posted(action, buffer, [work]))
             else:
                 ops.append((action, self.links.buffer(action)))
-        if self.rendezvous and self.links.handshake and self.pending:
-            # The stream's previous groups complete before this one starts.
-            if self.progress is not None:
-                self.progress.waiting(f"action {'+'.join(str(p.item.action) for p in self.pending)}",
-                                      tuple(self.links.peer(p.item.action) for p in self.pending))
-            self.finish_sends()
         self.current_group = group
         if self.progress is not None:
             self.progress.waiting(f"action {'+'.join(map(str, group))}", tuple(self.links.peer(a) for a in group))
         start = self.clock.mark()
         posted = self.links.post(ops) if ops else []
-        receives = any(action.kind in RECV_KINDS for action in group)
-        if self.rendezvous:
-            waited = posted if receives else []
-            background = [] if receives else posted
-        else:
-            waited = [item for item in posted if item.action.kind not in SEND_KINDS] + prefetched
-            background = [item for item in posted if item.action.kind in SEND_KINDS]
-        self.pending.extend(Pending(item, start, self.completion_mark(item.works)) for item in background)
-        done, end_of = set(), {}
-        order = sorted(range(len(waited)), key=lambda i: waited[i].action.kind not in SEND_KINDS)  # sends' tokens first
-        for index in order:
-            self.current = waited[index].action
-            self.complete(waited[index], done)
-            end_of[index] = self.clock.mark()
-        end = end_of[order[-1]] if order else None
-        for index, item in enumerate(waited):
-            self.marks.append((item.action, start, end if self.rendezvous else end_of[index],
-                               "send" if item.action.kind in SEND_KINDS else "recv"))
+        waited = [item for item in posted if item.action.kind not in SEND_KINDS] + prefetched
+        self.pending.extend(Pending(item, start, self.completion_mark(item.works))
+                            for item in posted if item.action.kind in SEND_KINDS)
+        done, end = set(), None
+        for item in waited:
+            self.current = item.action
+            self.complete(item, done)
+            end = self.clock.mark()
+            self.marks.append((item.action, start, end, "recv"))
             if item.action.kind == ActionKind.RECV_F:
                 self.forward_inputs[(item.action.stage, item.action.microbatch)] = item.tensor
             elif item.action.kind == ActionKind.RECV_B:
@@ -275,8 +398,10 @@ class PipelineRuntime:
     def where(self) -> str:
         """The action or P2P group the rank is on, with the peers it waits for."""
         if self.current_group is not None:
-            peers = sorted({self.links.peer(a) for a in self.current_group})
-            return f"on group {'+'.join(map(str, self.current_group))} (waiting for rank {', '.join(map(str, peers))})"
+            peers = ", ".join(map(str, sorted({self.links.peer(a) for a in self.current_group})))
+            if len(self.current_group) == 1:
+                return f"on action {self.current_group[0]} (waiting for rank {peers})"
+            return f"on group {'+'.join(map(str, self.current_group))} (waiting for rank {peers})"
         action = self.current
         if action is not None and not action.is_compute:
             return f"on action {action} (waiting for rank {self.links.peer(action)})"

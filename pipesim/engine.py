@@ -37,6 +37,7 @@ import simpy
 from pipesim.costs import Costs
 from pipesim.parallel import TP_KIND, CommPlan, step_tail_events
 from pipesim.topology import Topology
+from pipesim.twins import boundary_rank_pairs
 from schedules.action import COMPUTE_KINDS, SEND_KINDS, Action, ActionKind, format_group
 from schedules.lowering import lower
 from schedules.p2p import RENDEZVOUS, require_semantics
@@ -202,16 +203,13 @@ def simulate(
             for action, event in waiting:
                 arrivals[action] = yield event
             free_at = max(start, *arrivals.values())
-            for action in group:
-                if action.kind not in SEND_KINDS:
-                    # the rank waiting on this receive goes on only when the whole group is done
-                    stage, kind, microbatch = action
-                    record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, posted_at,
-                                      free_at, "recv"))
             completed.succeed(free_at)
+
+    recv_of = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B, ActionKind.I: ActionKind.RECV_B}
 
     def rank_process(rank: int, items: list):
         clock = 0.0
+        awaiting: dict[tuple, object] = {}  # rendezvous: posted receive -> its group's completion
         source = devices[rank]
         compute_kinds, send_kinds = COMPUTE_KINDS, SEND_KINDS
         for index, item in enumerate(items):
@@ -219,6 +217,21 @@ def simulate(
                 stage, kind, microbatch = item
                 if kind not in compute_kinds:
                     raise SimulationError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
+                if awaiting:
+                    # rendezvous: a receive is waited for right before the action that needs it
+                    needed = (stage, recv_of.get(kind), microbatch)
+                    pending = awaiting.pop(needed, None)
+                    if pending is not None:
+                        start = clock
+                        if not pending.processed:
+                            position[rank] = index
+                            arrived = yield pending
+                        else:
+                            arrived = pending.value
+                        if arrived > clock:
+                            clock = arrived
+                        record(TraceEvent(rank, f"{stage}{needed[1]}{microbatch}", needed[1], stage, microbatch,
+                                          start, clock, "recv"))
                 end = clock + (paired[item] if paired and item in paired else durations[stage, kind])
                 record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end, "compute"))
                 clock = end
@@ -233,11 +246,9 @@ def simulate(
                 completed = env.event()
                 streams[rank].put((clock, item, completed))
                 last_group[rank] = completed
-                if any(action.kind not in send_kinds for action in item):
-                    position[rank] = index
-                    arrived = yield completed
-                    if arrived > clock:
-                        clock = arrived
+                for action in item:
+                    if action.kind not in send_kinds:
+                        awaiting[action] = completed
                 continue
             # buffered: the group's sends leave as it is posted, then its receives wait
             for action in item:
@@ -367,12 +378,7 @@ def _pairs_on_shared_links(schedule: Schedule, topology: Topology, devices: Sequ
     also uses: only their sends must be ordered against other ranks' in time. Transfers
     only cross stage boundaries, so the pairs follow from the placement. With twin
     transfers (other replicas' and shards') every pair is ordered."""
-    placement = schedule.placement
-    pairs = set()
-    for stage in range(schedule.num_stages - 1):
-        left, right = placement[stage], placement[stage + 1]
-        if left != right:
-            pairs.update(((left, right), (right, left)))
+    pairs = boundary_rank_pairs(schedule)
     if with_twins:
         return pairs
     links = {pair: topology.route(devices[pair[0]], devices[pair[1]]).links for pair in pairs}

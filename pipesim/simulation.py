@@ -217,5 +217,6 @@ def run_simulation(
         plan = comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
                          parallel.algorithm, parallel.zero)
     trace = simulate(lowered, costs, topology, rank_devices, plan, p2p)
+    trace.meta.update(dp=parallel.dp, tp=parallel.tp)  # charts and reports name the whole layout
     metrics = step_metrics(trace, lowered.virtual_stages)
     return SimulationResult(lowered, topology, trace, metrics, costs, list(rank_devices), parallel, mapping)

@@ -20,6 +20,7 @@ from schedules.schedule import Schedule
 ROW_FIELDS = (
     "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
     "peak_inflight_microbatches", "bubble", "exposed_comm", "peak_memory_bytes", "oom", "actions", "note",
+    "capacity_bytes",
 )
 
 
@@ -50,15 +51,17 @@ def run_sweep(
     parallel: ParallelConfig | None = None,
     memory_limit: int | None = None,
     p2p: str | None = None,
+    schedules: dict[SweepPoint, Schedule] | None = None,
 ) -> list[dict]:
     """Simulate every point; a point whose schedule does not exist becomes a row with a
     ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs;
-    cost-aware schedules (zb-auto) are built from those costs, ``memory_limit`` stashes."""
+    cost-aware schedules (zb-auto) are built from those costs, ``memory_limit`` stashes.
+    ``schedules`` gives the schedule of points that are not generated (read from a file)."""
     rows = []
     for index, point in enumerate(points, 1):
         label = f"{point.schedule} pp={point.pp} m={point.microbatches} v={point.virtual_stages}"
         try:
-            schedule = _build(point, costs_for, topology, parallel, memory_limit)
+            schedule = (schedules or {}).get(point) or _build(point, costs_for, topology, parallel, memory_limit)
         except ScheduleUnavailableError as error:
             rows.append({**point.__dict__, "note": str(error)})
             if progress:
@@ -75,6 +78,7 @@ def run_sweep(
             "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks),
             "peak_memory_bytes": max(rank.peak_bytes for rank in result.memory),
             "oom": result.oom,
+            "capacity_bytes": _capacity(result),
             "actions": result.schedule.num_actions,
             "note": "",
         }
@@ -86,6 +90,12 @@ def run_sweep(
                 file=sys.stderr,
             )
     return rows
+
+
+def _capacity(result) -> float | None:
+    """The smallest device memory among the pipeline's ranks, or None when unbounded."""
+    capacity = min((rank.capacity_bytes for rank in result.memory), default=float("inf"))
+    return capacity if capacity != float("inf") else None
 
 
 def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: Topology,

@@ -45,6 +45,7 @@ _BUBBLE = _PRIORITY["bubble"]
 _EXPOSED = _PRIORITY["exposed_comm"]
 _DP = _PRIORITY["dp"]
 _OVERHEAD = _PRIORITY["overhead"]
+_ROUNDING = 1e-12  # of the step: below it, a difference of two sums is float rounding
 _WAITING = len(PARTS)  # sweep-only: a wait, bubble or exposed by what is open beside it
 _PEER = len(PARTS) + 1  # sweep-only: something the rank waits for is not ready on the other side
 
@@ -207,6 +208,9 @@ def _rank_time(rank_events: list[TraceEvent], sent: dict[str, float], posted: di
     if _disjoint(spans):
         seconds[_BUBBLE] = _overlap(_union(sorted(peer)), waits)
         seconds[_EXPOSED] = _measure(waits) - seconds[_BUBBLE]
+        if seconds[_EXPOSED] < _ROUNDING * (last - first):  # a difference of equal sums, not a wait
+            seconds[_BUBBLE] += seconds[_EXPOSED]
+            seconds[_EXPOSED] = 0.0
         seconds[_DP] = _measure(reducing) - _overlap(reducing, spans)
         own_first = min(spans[0][0] if spans else last, reducing[0][0] if reducing else last)
         own_last = max(spans[-1][1] if spans else first, max((end for _, end in reducing), default=first))

@@ -5,8 +5,8 @@ lowered schedule cannot hang under them.
   are posted, and a send may wait until its receive is posted. A rank's groups run one
   after another on its communication stream: a group starts once it is posted and the
   previous group has completed, and completes once every peer's group holding a
-  matching operation has started. The host waits for a group that holds receives (the
-  next compute needs them); a group of sends alone completes in the background.
+  matching operation has started. Posting does not block the host: it waits for a
+  group right before the compute action that consumes one of its receives.
 - ``buffered`` (gloo): transfers match by tag and a send never waits; a receive blocks
   until its send has been posted.
 
@@ -187,24 +187,21 @@ def _progress_on_streams(schedule: Schedule, items: list[list]) -> None:
     communication stream, where they run one after another (NCCL's P2P kernels of one
     communicator are serialised). A group *starts* once the host has posted it and the
     rank's previous group has completed; it *completes* once every peer's group holding
-    a matching operation has started. The host waits for a group only when the group
-    holds receives (the next compute action needs their data); a group of sends alone
-    is left to complete in the background while the host computes on."""
+    a matching operation has started. Posting never blocks the host: it waits for a
+    group only right before a compute action whose input one of the group's receives
+    brings (and for every group at the end of the step)."""
     placement = schedule.placement
     last_stage = schedule.num_stages - 1
     group_items: list[list[int]] = []  # per rank: the item index of each of its groups
-    has_recv: list[list[bool]] = []
     matches: list[list[list[tuple]]] = []  # per rank and group: the matching actions it waits for
     group_of: dict[tuple, tuple[int, int]] = {}  # comm action -> (rank, group number)
-    number_at: list[dict[int, int]] = []  # per rank: item index -> group number
     local_position: dict[Action, int] = {}
     for rank, rank_items in enumerate(items):
-        indices, receives, waits = [], [], []
+        indices, waits = [], []
         for index, item in enumerate(rank_items):
             if type(item) is tuple:
                 number = len(indices)
                 indices.append(index)
-                receives.append(any(action[1] not in SEND_KINDS for action in item))
                 group_waits = []
                 for action in item:
                     group_of[action] = (rank, number)
@@ -214,8 +211,6 @@ def _progress_on_streams(schedule: Schedule, items: list[list]) -> None:
             else:
                 local_position[item] = index
         group_items.append(indices)
-        number_at.append({index: number for number, index in enumerate(indices)})
-        has_recv.append(receives)
         matches.append(waits)
     done = [0] * schedule.pp  # groups completed on rank r's stream
     host = [0] * schedule.pp  # the host's item index on rank r (a group there is posted)
@@ -251,17 +246,17 @@ def _progress_on_streams(schedule: Schedule, items: list[list]) -> None:
             rank_items = items[rank]
             while host[rank] < len(rank_items):
                 item = rank_items[host[rank]]
-                if type(item) is tuple:
-                    number = number_at[rank][host[rank]]
-                    if has_recv[rank][number] and done[rank] <= number:
-                        break  # posted; the host waits for its stream
-                    host[rank] += 1
-                else:
+                if type(item) is not tuple:
+                    receive = _receive_of(item, placement, last_stage)
+                    if receive is not None:
+                        number = group_of[receive][1]
+                        if done[rank] <= number:
+                            break  # the host waits for the group holding this action's input
                     same_rank = _same_rank_input(item, placement, last_stage, local_position)
                     if same_rank is not None and local_position[same_rank] > host[rank]:
                         host_wait[rank] = same_rank
                         break
-                    host[rank] += 1
+                host[rank] += 1  # a group is posted and the host goes on
                 moved = progressed = True
         if progressed:
             runnable.extend(watchers[rank])
@@ -325,6 +320,17 @@ def _explain_streams(schedule, items, group_items, done, host, stream_wait, host
         action=cycle[0], rank=first, position=starts[first][host[first] if host[first] < len(items[first]) else 0],
         cycle=cycle,
     )
+
+
+def _receive_of(action: Action, placement: Sequence[int], last_stage: int) -> tuple | None:
+    """The RECV that brings ``action`` its input from another rank, if any."""
+    stage, kind, microbatch = action
+    rank = placement[stage]
+    if kind == _F and stage > 0 and placement[stage - 1] != rank:
+        return (stage, ActionKind.RECV_F, microbatch)
+    if (kind == _B or kind == _I) and stage < last_stage and placement[stage + 1] != rank:
+        return (stage, ActionKind.RECV_B, microbatch)
+    return None
 
 
 def _same_rank_input(action: Action, placement: Sequence[int], last_stage: int, known) -> tuple | None:

@@ -29,7 +29,7 @@ SCHEDULES = ("1f1b", "interleaved-1f1b")
 # the dp buckets small enough that every stage's gradient takes several, "IW" splits
 # every backward into I and W (the reduction then follows each stage's last W).
 CASES = [(2, 2, 1, schedule, "") for schedule in SCHEDULES] + [(2, 2, 1, "1f1b", "IW")] + \
-        [(1, 2, 2, schedule, "") for schedule in SCHEDULES] + [(1, 2, 2, "1f1b", "sp")] + \
+        [(1, 2, 2, schedule, "") for schedule in SCHEDULES] + [(1, 2, 2, "1f1b", "sp"), (1, 2, 2, "1f1b", "IW")] + \
         [(2, 2, 2, "1f1b", ""), (2, 2, 2, "interleaved-1f1b", "buckets")]
 _launched: dict[int, dict] = {}
 

@@ -215,14 +215,15 @@ def one_link(latency: float = 0.0, bandwidth: float = 1e9) -> object:
     })
 
 
-def test_under_rendezvous_a_send_leaves_only_when_its_receive_is_posted():
+def test_under_rendezvous_a_send_leaves_only_when_its_receive_is_posted_and_receives_wait_late():
     # Lowered 1F1B pp=2 m=2, F=1, B=2, one second on the wire per transfer, no latency:
     #   rank 0: 0F0 0SEND_F0 0F1 0SEND_F1+0RECV_B0 0B0 0RECV_B1 0B1
     #   rank 1: 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1
     # Rendezvous: 0SEND_F0 [1,2]; rank 0 posts 0SEND_F1+0RECV_B0 at 2, but 0SEND_F1 leaves
-    # only when rank 1 posts 1RECV_F1 after 1F0 [2,3]: [3,4]. 1B0 [4,6]; 1SEND_B0 [6,7];
-    # 0B0 [7,9]. Rank 1's send-only group does not hold it: 1F1 [6,7], 1B1 [7,9]; 1SEND_B1
-    # [9,10] and rank 1 waits for it before the step ends; 0B1 [10,12].
+    # only when rank 1 posts 1RECV_F1 after 1F0 [2,3]: [3,4]. Rank 1 waits for a receive only
+    # before the action that needs it, so 1B0 runs at once [3,5]; 1SEND_B0 [5,6] (rank 1's
+    # stream finished 1RECV_F1 at 4), which completes rank 0's group: 0B0 [6,8]. 1F1 [5,6],
+    # 1B1 [6,8]; 1SEND_B1 [8,9], for which rank 1 waits before the step ends; 0B1 [9,11].
     # Buffered: 0SEND_F1 leaves at once [2,3]; 1B0 [3,5], 1SEND_B0 [5,6], 1F1 [5,6],
     # 1B1 [6,8], 1SEND_B1 [8,9]; 0B0 [6,8], 0B1 [9,11].
     schedule = lower(generate("1f1b", 2, 2))
@@ -233,11 +234,13 @@ def test_under_rendezvous_a_send_leaves_only_when_its_receive_is_posted():
              for mode, trace in traces.items()}
     # a send's event runs from posting (its data ready) to arrival: 0SEND_F1 posted at 2
     assert sends[RENDEZVOUS]["0SEND_F1"] == pytest.approx((2.0, 4.0))
-    assert sends[RENDEZVOUS]["1SEND_B0"] == pytest.approx((6.0, 7.0))
-    assert sends[RENDEZVOUS]["1SEND_B1"] == pytest.approx((9.0, 10.0))
+    assert sends[RENDEZVOUS]["1SEND_B0"] == pytest.approx((5.0, 6.0))
+    assert sends[RENDEZVOUS]["1SEND_B1"] == pytest.approx((8.0, 9.0))
     waits = [(e.rank, e.start, e.end) for e in traces[RENDEZVOUS].events if e.stream == "wait"]
-    assert waits == [(1, 9.0, 10.0)]
-    assert makespan(traces[RENDEZVOUS]) == pytest.approx(12.0)
+    assert waits == [(1, 8.0, 9.0)]
+    computes = {e.action: (e.start, e.end) for e in traces[RENDEZVOUS].events if e.stream == "compute"}
+    assert computes["1B0"] == pytest.approx((3.0, 5.0)) and computes["0B0"] == pytest.approx((6.0, 8.0))
+    assert makespan(traces[RENDEZVOUS]) == pytest.approx(11.0)
     assert sends[BUFFERED]["0SEND_F1"] == pytest.approx((2.0, 3.0))
     assert sends[BUFFERED]["1SEND_B1"] == pytest.approx((8.0, 9.0))
     assert makespan(traces[BUFFERED]) == pytest.approx(11.0)
@@ -245,7 +248,7 @@ def test_under_rendezvous_a_send_leaves_only_when_its_receive_is_posted():
 
 def test_a_ranks_groups_run_one_after_another_on_its_stream():
     # Rank 0 posts two send-only groups; the second cannot start before the first completes,
-    # which waits for rank 1 to post its receive after a 5-second forward.
+    # and then waits for rank 1 to post its receive after its forward.
     schedule = rows(["0F0 0F1 0SEND_F0 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
                      "1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1"], 2, (0, 1))
     validate(schedule, RENDEZVOUS)

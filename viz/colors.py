@@ -26,7 +26,22 @@ SEND_COLOR = "#5C5C5C"
 RECV_WAIT_COLOR = "#D62728"
 BUBBLE_COLOR = "#B0B0B0"
 
-# Streams beyond compute/send/recv (collectives such as "dp", "tp" may appear later).
+# Step-level parts that occupy the rank itself, drawn in its compute lane:
+# stream -> (legend label, colour, bar pattern). Order is the drawing order.
+STEP_STREAM_STYLES: dict[str, tuple[str, str, str]] = {
+    "dp": ("dp gradient all-reduce (shows where compute does not hide it)", "#8C564B", ""),
+    "idle": ("idle (rank done, step not)", "#9ECAE1", "."),  # pale blue: not the grey bubble
+    "tp": ("tp collective (inside compute)", "#17BECF", ""),
+    "step": ("optimizer step", "#7F7F7F", ""),
+}
+
+# Chunks of an interleaved or V schedule: chunk 0 in the kind's colour, later chunks
+# darker (white labels stay legible) and textured, so they differ in shade *and* in
+# texture (the texture survives greyscale printing; the shade survives WebGL).
+CHUNK_PATTERNS = ("", "x", ".", "+", "-", "|")
+_CHUNK_DARKEN = 0.32  # fraction towards black per chunk, capped
+
+# Streams beyond these (an unknown stream a measurement may add).
 _EXTRA_STREAM_COLORS = ("#17BECF", "#BCBD22", "#8C564B", "#E377C2", "#7F7F7F")
 
 # Schedules users compare most often keep fixed colours; others hash into a palette.
@@ -59,6 +74,23 @@ def stream_color(stream: str) -> str:
     if stream == "recv":
         return RECV_WAIT_COLOR
     return stable_pick(stream, _EXTRA_STREAM_COLORS)
+
+
+def _mix(color: str, target: tuple[int, int, int], amount: float) -> str:
+    channels = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    mixed = [round(c + (t - c) * amount) for c, t in zip(channels, target, strict=True)]
+    return "#" + "".join(f"{c:02X}" for c in mixed)
+
+
+def chunk_color(kind: str, chunk: int) -> str:
+    """Colour of ``kind`` on model chunk ``chunk``: chunk 0 is the kind's own colour,
+    each later chunk a step darker."""
+    return _mix(kind_color(kind), (0, 0, 0), min(_CHUNK_DARKEN * chunk, 0.75))
+
+
+def chunk_pattern(chunk: int) -> str:
+    """Bar texture of model chunk ``chunk`` ('' = solid for chunk 0)."""
+    return CHUNK_PATTERNS[chunk % len(CHUNK_PATTERNS)]
 
 
 def schedule_color(schedule: str) -> str:

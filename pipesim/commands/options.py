@@ -17,13 +17,19 @@ from schedules.schedule import Schedule
 DEFAULT_VIRTUAL_STAGES = 2  # for schedules that place several chunks per rank
 
 
+DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
+
+
 def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) -> None:
     group = parser.add_argument_group("schedule")
-    group.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)} (default: 1f1b)")
+    group.add_argument("--schedule", default=None,
+                       help=f"one of {', '.join(SCHEDULE_NAMES)} (default: {DEFAULT_SCHEDULE})")
     if allow_file:
-        group.add_argument("--schedule-file", help="a schedule CSV (torch.distributed.pipelining format) instead")
-    group.add_argument("--pp", type=int, default=4, help="pipeline-parallel ranks (default: 4)")
-    group.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default: 8)")
+        group.add_argument("--schedule-file", help="a schedule CSV (torch.distributed.pipelining format) instead; "
+                           "it fixes pp, microbatches and the stages per rank")
+    group.add_argument("--pp", type=int, default=None, help=f"pipeline-parallel ranks (default: {DEFAULT_PP})")
+    group.add_argument("--microbatches", "-m", type=int, default=None,
+                       help=f"microbatches per step (default: {DEFAULT_MICROBATCHES})")
     group.add_argument(
         "--virtual-stages", "-v", type=int, default=None,
         help=f"model chunks per rank for {', '.join(sorted(MULTI_CHUNK))} (default: {DEFAULT_VIRTUAL_STAGES}; "
@@ -49,6 +55,16 @@ def add_p2p_arg(parser: argparse.ArgumentParser, default_help: str) -> None:
     )
 
 
+def reject_with_schedule_file(args: argparse.Namespace, flags: dict[str, object]) -> None:
+    """A schedule file fixes the schedule, pp, microbatches and chunks per rank: a flag
+    that would say otherwise is an error, not silently ignored."""
+    files = args.schedule_file if isinstance(args.schedule_file, str) else ",".join(args.schedule_file)
+    for flag, value in flags.items():
+        if value is not None:
+            raise ValueError(f"{flag} conflicts with --schedule-file {files}: the file fixes the "
+                             f"schedule, pp, microbatches and stages per rank; drop {flag}")
+
+
 def virtual_stages_for(name: str, requested: int | None) -> int:
     """Chunks per rank: as requested for multi-chunk schedules, 1 for the others."""
     if name in MULTI_CHUNK:
@@ -63,7 +79,14 @@ def schedule_from_args(args: argparse.Namespace, topology: Topology | None = Non
     if getattr(args, "schedule_file", None):
         from schedules.csv_io import schedule_from_csv
 
+        reject_with_schedule_file(args, {"--schedule": args.schedule, "--pp": args.pp,
+                                         "--microbatches": args.microbatches, "--virtual-stages": args.virtual_stages})
         return schedule_from_csv(args.schedule_file)
+    # No file: the flags left unset take their defaults (None marks "not given", so a
+    # file can refuse them).
+    args.schedule = args.schedule or DEFAULT_SCHEDULE
+    args.pp = DEFAULT_PP if args.pp is None else args.pp
+    args.microbatches = DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches
     if args.schedule in COST_AWARE:
         return cost_aware_schedule_from_args(args, topology)
     if getattr(args, "memory_limit", None) is not None:

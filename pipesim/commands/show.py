@@ -37,6 +37,7 @@ def handle(args: argparse.Namespace) -> int:
     print((lowered if args.lowered else schedule).describe())
     costs = uniform_costs(schedule.num_stages, 1.0, 2.0, virtual_stages=schedule.virtual_stages)
     trace = simulate(lowered, costs, ideal_topology(), p2p=p2p)
+    trace.meta["time_unit"] = "units"  # F = 1, B = 2: charts say "units", not seconds
     print()
     print(text_timeline(trace, width=args.width))
     if args.html:

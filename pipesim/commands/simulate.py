@@ -82,6 +82,8 @@ def handle(args: argparse.Namespace) -> int:
     else:
         costs = costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
     result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args), p2p=args.p2p)
+    if args.model:
+        result.trace.meta["model"] = args.model  # the chart's title names it
     print(result.summary())
     write_outputs(args, result.to_dict(), [result.trace], [f"predicted: {schedule.name}"], [result.metrics])
     if args.fail_on_oom:

@@ -17,10 +17,12 @@ from pipesim.commands.options import (
     costs_from_args,
     model_costs_from_args,
     parallel_from_args,
+    reject_with_schedule_file,
     split_list,
     topology_from_args,
 )
-from pipesim.sweep import ROW_FIELDS, format_table, run_sweep, sweep_points
+from pipesim.sweep import ROW_FIELDS, SweepPoint, format_table, run_sweep, sweep_points
+from schedules.schedule import Schedule
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,10 +30,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "sweep", help="compare schedules across microbatch counts",
         description="Simulate every combination of schedules, pipeline sizes and microbatch counts.",
     )
-    parser.add_argument("--schedule", default="gpipe,1f1b,interleaved-1f1b", help="comma-separated schedule names")
-    parser.add_argument("--pp", default="4", help="pipeline ranks, comma-separated (default: 4)")
-    parser.add_argument("--microbatches", "-m", default="4,8,16,32", help="microbatch counts, comma-separated")
-    parser.add_argument("--virtual-stages", "-v", type=int, default=2, help="chunks per rank for interleaved schedules")
+    parser.add_argument("--schedule", default=None, help=f"comma-separated schedule names (default: {SCHEDULES})")
+    parser.add_argument("--schedule-file", action="append", default=None, metavar="CSV",
+                        help="a schedule CSV (torch.distributed.pipelining format) instead of --schedule; repeat "
+                             "the flag (or separate with commas) to compare several, one row each")
+    parser.add_argument("--pp", default=None, help=f"pipeline ranks, comma-separated (default: {PP})")
+    parser.add_argument("--microbatches", "-m", default=None,
+                        help=f"microbatch counts, comma-separated (default: {MICROBATCHES})")
+    parser.add_argument("--virtual-stages", "-v", type=int, default=None,
+                        help=f"chunks per rank for interleaved schedules (default: {VIRTUAL_STAGES})")
     add_memory_limit_arg(parser)
     add_cost_args(parser)
     add_model_args(parser)
@@ -45,10 +52,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=handle)
 
 
+SCHEDULES, PP, MICROBATCHES, VIRTUAL_STAGES = "gpipe,1f1b,interleaved-1f1b", "4", "4,8,16,32", 2
+
+
+def file_points(args: argparse.Namespace) -> tuple[list[SweepPoint], dict[SweepPoint, Schedule]]:
+    """One point per ``--schedule-file``, at the pp, microbatches and chunks its file fixes."""
+    from schedules.csv_io import schedule_from_csv
+
+    reject_with_schedule_file(args, {"--schedule": args.schedule, "--pp": args.pp,
+                                     "--microbatches": args.microbatches, "--virtual-stages": args.virtual_stages})
+    points, schedules = [], {}
+    for path in (path for text in args.schedule_file for path in split_list(text)):
+        schedule = schedule_from_csv(path)
+        point = SweepPoint(schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages)
+        if point in schedules:
+            raise ValueError(f"--schedule-file {path}: a file named {schedule.name!r} with the same pp, microbatches "
+                             "and stages is already in the sweep; rename one so their rows can be told apart")
+        points.append(point)
+        schedules[point] = schedule
+    return points, schedules
+
+
 def handle(args: argparse.Namespace) -> int:
-    points = sweep_points(
-        split_list(args.schedule), split_list(args.pp, int), split_list(args.microbatches, int), args.virtual_stages
-    )
+    files: dict[SweepPoint, Schedule] = {}
+    if args.schedule_file:
+        points, files = file_points(args)
+    else:
+        points = sweep_points(
+            split_list(args.schedule or SCHEDULES), split_list(args.pp or PP, int),
+            split_list(args.microbatches or MICROBATCHES, int),
+            VIRTUAL_STAGES if args.virtual_stages is None else args.virtual_stages,
+        )
     topology = topology_from_args(args)
 
     def costs_for(schedule):
@@ -57,7 +91,15 @@ def handle(args: argparse.Namespace) -> int:
         return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
 
     rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args),
-                     memory_limit=args.memory_limit, p2p=args.p2p)
+                     memory_limit=args.memory_limit, p2p=args.p2p, schedules=files)
+    if args.model:
+        # Tokens a microbatch carries across all dp replicas, so the chart draws tokens/s
+        # (as plan does: microbatches x dp x microbatch size x sequence length per step).
+        from pipesim.model_spec import model_spec
+
+        spec = model_spec(args.model, seq_len=args.seq_len, microbatch_size=args.microbatch_size)
+        for row in rows:
+            row["tokens_per_microbatch"] = spec.seq_len * spec.microbatch_size * args.dp
     print(format_table(rows))
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:

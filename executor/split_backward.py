@@ -1,0 +1,190 @@
+"""Split backward for zero-bubble schedules: ``I`` computes only the input gradient, ``W``
+the weight gradients from what ``I`` kept, each op's backward run once between them.
+
+Why not simply ``autograd.grad(output, [x])`` then ``autograd.backward(output, inputs=params)``:
+the second call walks the stage's whole graph again, recomputing every input-gradient
+GEMM on its way to the parameters, so I + W cost about 1.6 B. The split here cuts the
+graph where the weight gradients start instead:
+
+- during ``F``, a forward hook on every submodule that directly owns trainable
+  parameters (``parameters(recurse=False)``: a Linear, a LayerNorm, an Embedding, a
+  user's own layer) records the *gradient edge* of each tensor it returns (the autograd
+  node that made it, taken at once, so a later in-place op on the output cannot move it);
+- ``I`` asks autograd, in one ``autograd.grad`` call, for the gradient of the stage
+  input *and* of every recorded edge. Autograd then runs each op's backward only for the
+  outputs it needs (``should_compute_output``): a Linear's backward computes its input
+  gradient and skips its weight GEMM; ``.grad`` is not touched;
+- ``W``, for each recorded module call, runs ``autograd.backward`` from that call's
+  edges with that call's gradients and ``inputs=`` the module's own parameters: a local
+  backward of one op (the weight GEMM, the norm's affine gradients), nothing upstream.
+
+This is generic (no knowledge of the stage's layers) and costs nothing per microbatch
+but the hooks. It is exact when every path from the stage output to a parameter passes
+through exactly one recorded output of a module that owns it. That holds for layers
+that use their own weights (every torch layer), but not for a parameter also used
+outside its module (a head tied to the embedding weight through ``F.linear``) or a
+module applied twice in a row (its second call's edge reaches its first call's weights
+again). Those parameters are found once per stage, on the first microbatch's graph,
+and their gradients are computed in ``W`` the old way (a backward from the stage
+output restricted to them): slower, never wrong. ``torch.distributed.pipelining``
+finds the cut by walking the whole graph on every microbatch instead
+(``stage_backward_input``); the hooks avoid that walk.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.utils._pytree import tree_leaves
+
+
+class ModuleCall(NamedTuple):
+    """One forward call of a parameter-owning module: the edges of its outputs."""
+
+    module: nn.Module
+    edges: tuple[GradientEdge, ...]
+
+
+class WeightWork(NamedTuple):
+    """What ``W`` needs for one microbatch: each module call's edges with the gradients
+    ``I`` found for them, and (only where some parameters are not covered by the
+    recorded calls) the stage output and its gradient for the fallback backward."""
+
+    calls: list[tuple[ModuleCall, list[torch.Tensor]]]
+    output: torch.Tensor | None
+    output_grad: torch.Tensor | None
+
+
+class SplitBackward:
+    """The split backward of one stage module: records its parameter-owning submodules'
+    outputs during ``recording()`` and runs ``input_grad`` (I) and ``weight_grad`` (W)."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        self.stage = stage
+        self.trainable = [p for p in stage.parameters() if p.requires_grad]
+        self.own: dict[nn.Module, list[nn.Parameter]] = {}
+        for module in stage.modules():
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if params:
+                self.own[module] = params
+        self.active: list[ModuleCall] | None = None
+        self.handles = [module.register_forward_hook(self.record) for module in self.own]
+        # Parameters the recorded calls do not cover exactly; decided on the first graph.
+        self.uncovered: list[nn.Parameter] | None = None
+        self.local: set[nn.Module] = set()
+
+    def record(self, module: nn.Module, _inputs: object, output: object) -> None:
+        if self.active is None:
+            return
+        edges = tuple(get_gradient_edge(t) for t in tree_leaves(output)
+                      if isinstance(t, torch.Tensor) and t.requires_grad)
+        if edges:
+            self.active.append(ModuleCall(module, edges))
+
+    @contextmanager
+    def recording(self) -> Iterator[list[ModuleCall]]:
+        """Record the module calls of the forward run inside the block."""
+        calls: list[ModuleCall] = []
+        self.active = calls
+        try:
+            yield calls
+        finally:
+            self.active = None
+
+    def close(self) -> None:
+        """Remove the hooks (the module runs as before)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def input_grad(self, output: torch.Tensor, output_grad: torch.Tensor | None, x: torch.Tensor | None,
+                   calls: list[ModuleCall]) -> tuple[torch.Tensor | None, WeightWork]:
+        """I: the gradient of ``x`` (``None`` when ``x`` is ``None``, the first stage's
+        data) and the gradients of the recorded edges, in one pass that computes no
+        weight gradient; returns it with the ``WeightWork`` for W."""
+        if self.uncovered is None:
+            self.plan(output, calls)
+        calls = [call for call in calls if call.module in self.local]
+        edges = [edge for call in calls for edge in call.edges]
+        targets: list[torch.Tensor | GradientEdge] = ([x] if x is not None else []) + edges
+        grads: tuple[torch.Tensor | None, ...] = ()
+        if targets and output.requires_grad:
+            grads = torch.autograd.grad(output, targets, output_grad, retain_graph=True, allow_unused=True)
+        input_grad = None
+        if x is not None:
+            input_grad = grads[0] if grads and grads[0] is not None else torch.zeros_like(x)
+            grads = grads[1:]
+        kept, offset = [], 0
+        for call in calls:
+            call_grads = list(grads[offset:offset + len(call.edges)])
+            offset += len(call.edges)
+            kept.append((call, call_grads))
+        fallback = bool(self.uncovered)
+        return input_grad, WeightWork(kept, output if fallback else None, output_grad if fallback else None)
+
+    def weight_grad(self, work: WeightWork) -> None:
+        """W: accumulate every parameter's gradient for this microbatch into ``.grad``."""
+        for call, grads in work.calls:
+            pairs = [(edge, grad) for edge, grad in zip(call.edges, grads, strict=True) if grad is not None]
+            if pairs:
+                torch.autograd.backward([edge for edge, _ in pairs], [grad for _, grad in pairs],
+                                        inputs=self.own[call.module], retain_graph=True)
+        if work.output is not None and work.output.requires_grad:
+            torch.autograd.backward(work.output, work.output_grad, inputs=self.uncovered, retain_graph=True)
+
+    # -- which parameters the recorded calls cover ------------------------------------
+
+    def plan(self, output: torch.Tensor, calls: list[ModuleCall]) -> None:
+        """Find, on this microbatch's graph, the modules whose parameters the recorded
+        calls cover exactly (every path from the output to each of their parameters
+        through exactly one recorded edge of an owner); the rest go to the fallback."""
+        nodes_of: dict[nn.Module, set[Node]] = collections.defaultdict(set)
+        for call in calls:
+            nodes_of[call.module].update(edge.node for edge in call.edges)
+        owners: dict[nn.Parameter, list[nn.Module]] = collections.defaultdict(list)
+        for module, params in self.own.items():
+            for param in params:
+                owners[param].append(module)
+        root = output.grad_fn
+        uncovered: set[nn.Parameter] = set()
+        by_owners: dict[tuple[nn.Module, ...], list[nn.Parameter]] = collections.defaultdict(list)
+        for param in self.trainable:
+            by_owners[tuple(owners[param])].append(param)
+        for owner_modules, params in by_owners.items():
+            blocked = set().union(*(nodes_of[module] for module in owner_modules))
+            outside = reachable([root], blocked) if root is not None else set()
+            # One recorded call reaching another would count the second one's share twice.
+            chained = len(blocked) > 1 and any(blocked & reachable([node], set()) for node in blocked)
+            for param in params:
+                if chained or get_gradient_edge(param).node in outside:
+                    uncovered.add(param)
+        self.uncovered = [p for p in self.trainable if p in uncovered]
+        self.local = {module for module, params in self.own.items() if not uncovered.intersection(params)}
+        # A module with some uncovered parameters has all of them computed by the fallback.
+        for module, params in self.own.items():
+            if module not in self.local:
+                for param in params:
+                    if param not in uncovered:
+                        uncovered.add(param)
+                        self.uncovered.append(param)
+
+
+def reachable(starts: list[Node], blocked: set[Node]) -> set[Node]:
+    """Nodes reached from ``starts`` along ``next_functions`` without passing through a
+    node of ``blocked`` (a start in ``blocked`` leads nowhere)."""
+    seen: set[Node] = set()
+    queue = collections.deque(node for node in starts if node not in blocked)
+    while queue:
+        node = queue.popleft()
+        for next_node, _ in node.next_functions:
+            if next_node is None or next_node in seen or next_node in blocked:
+                continue
+            seen.add(next_node)
+            queue.append(next_node)
+    return seen
