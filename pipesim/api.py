@@ -58,12 +58,14 @@ def save_schedule(schedule: Schedule, path: str | Path, lowered: bool = False) -
     return Path(path)
 
 
-def load_topology(spec: str | Path = "ideal", nodes: int | None = None) -> Topology:
+def load_topology(spec: str | Path = "ideal", nodes: int | None = None, gpu: str | None = None) -> Topology:
     """A cluster: a preset (``ideal``, ``nvlink``, ``pcie``, ``pcie5``, ``ib``,
-    ``ethernet``; ``nodes`` sizes the multi-node ones) or a YAML/JSON topology file."""
+    ``ethernet``; ``nodes`` sizes the multi-node ones; ``gpu`` picks their devices:
+    ``a100-40gb``, ``a100-80gb``, ``h100`` (default), ``h200``, ``b200``) or a YAML/JSON
+    topology file."""
     from pipesim.topology_file import load_topology as read_topology  # noqa: PLC0415
 
-    return read_topology(str(spec), nodes)
+    return read_topology(str(spec), nodes, gpu)
 
 
 def uniform_costs(

@@ -18,8 +18,12 @@ from schedules.action import ActionKind
 from schedules.schedule import Schedule
 from schedules.textfile import describe_yaml_error, read_text
 
-STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "layers", "tp_message_bytes",
-                "overlap_fb")
+STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "params", "layers",
+                "tp_message_bytes", "recompute_layers", "overlap_fb")
+OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead")
+# what a rank's share of the model is split into when it holds v chunks (the rest is per chunk)
+PER_RANK_FIELDS = ("fwd", "bwd", "wgrad", "stash_bytes", "param_bytes", "params", "layers", "recompute_layers",
+                   "overlap_fb")
 
 
 class CostsError(ValueError):
@@ -37,10 +41,14 @@ class StageCost:
     ``param_bytes`` is this stage's parameters on one device, in the weights' dtype.
     All figures are per device: with tensor parallelism, one tp shard's share.
 
+    ``params`` is the parameter count on one device when known (a model spec knows it);
+    otherwise memory counts ``param_bytes`` over the weights' bytes per parameter.
+
     ``layers`` and ``tp_message_bytes`` describe tensor-parallel traffic: each layer's
     forward does two collectives of ``tp_message_bytes`` (the full ``s*b*h`` activation)
     across the tp group and its input-gradient backward two more (Megatron-LM). Zero
-    means no tp traffic is charged.
+    means no tp traffic is charged. ``recompute_layers`` of them re-run their forward
+    inside the backward (full activation recomputation) and pay its two collectives again.
 
     ``overlap_fb`` is the time of an overlapped pair (DualPipe's ``OVERLAP_F_B``) whose
     forward runs on this stage and whose full backward runs on the rank's other chunk:
@@ -54,8 +62,10 @@ class StageCost:
     act_bytes: float = 0.0
     stash_bytes: float = 0.0
     param_bytes: float = 0.0
+    params: float = 0.0
     layers: float = 0.0
     tp_message_bytes: float = 0.0
+    recompute_layers: float = 0.0
     overlap_fb: float = 0.0
 
     def seconds(self, kind: str) -> float:
@@ -80,6 +90,8 @@ class Costs:
     ``step_overhead`` is charged once per rank after its last action and its gradient
     all-reduce (the optimizer step). ``sequence_parallel`` says the tp collectives are
     all-gather + reduce-scatter pairs (Korthikanti et al.) rather than all-reduces.
+    ``memory_known`` is false when nothing said what a stage keeps or holds (flag costs
+    without ``--stash-bytes``/``--param-bytes``): memory is then reported as n/a, not 0.
     """
 
     stages: tuple[StageCost, ...]
@@ -88,13 +100,14 @@ class Costs:
     step_overhead: float = 0.0
     sequence_parallel: bool = False
     meta: dict = field(default_factory=dict, compare=False)
+    memory_known: bool = True
 
     def __post_init__(self) -> None:
+        for name in OVERHEADS:
+            check_number(getattr(self, name), name)
         for index, stage in enumerate(self.stages):
             for name in STAGE_FIELDS:
-                value = getattr(stage, name)
-                if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                    raise CostsError(f"stage {index}: {name} must be a finite number >= 0, got {value!r}")
+                check_number(getattr(stage, name), f"stage {index}: {name}")
             if stage.wgrad > stage.bwd:
                 raise CostsError(
                     f"stage {index}: wgrad ({stage.wgrad}) is part of bwd ({stage.bwd}) and cannot exceed it"
@@ -124,6 +137,7 @@ class Costs:
 
     def to_dict(self) -> dict:
         return {
+            "memory_known": self.memory_known,
             "action_overhead": self.action_overhead,
             "comm_overhead": self.comm_overhead,
             "step_overhead": self.step_overhead,
@@ -136,6 +150,16 @@ class Costs:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
 
+def check_number(value: object, where: str) -> float:
+    """``value`` as a float if it is a finite number >= 0; otherwise a ``CostsError``
+    naming ``where`` and the value (NaN, inf, null, negative, text)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CostsError(f"{where} must be a number >= 0, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise CostsError(f"{where} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
 def uniform_costs(
     num_stages: int | Schedule,
     fwd: float,
@@ -143,10 +167,13 @@ def uniform_costs(
     wgrad: float = 0.0,
     act_bytes: float = 0.0,
     virtual_stages: int | None = None,
+    stash_bytes: float | None = None,
+    param_bytes: float | None = None,
 ) -> Costs:
-    """Every stage alike. ``fwd``/``bwd``/``wgrad`` are per pipeline *rank* (its whole
-    share of the model), so each of a rank's ``v`` chunks costs ``1/v`` of them; that
-    keeps schedules with different ``v`` comparable at the same ``pp``.
+    """Every stage alike. ``fwd``/``bwd``/``wgrad``, ``stash_bytes`` and ``param_bytes``
+    are per pipeline *rank* (its whole share of the model), so each of a rank's ``v``
+    chunks costs ``1/v`` of them; that keeps schedules with different ``v`` comparable at
+    the same ``pp``. Without ``stash_bytes`` and ``param_bytes`` memory is unknown.
 
     Pass the schedule itself as the first argument and ``v`` is taken from it: given
     only a stage count, an interleaved schedule's ``pp * v`` stages would each cost a
@@ -161,18 +188,21 @@ def uniform_costs(
             )
         num_stages, virtual_stages = schedule.num_stages, schedule.virtual_stages
     virtual_stages = virtual_stages or 1
+    values = {"--fwd": fwd, "--bwd": bwd, "--wgrad": wgrad, "--act-bytes": act_bytes,
+              "--stash-bytes": stash_bytes or 0.0, "--param-bytes": param_bytes or 0.0}
+    for flag, value in values.items():
+        check_number(value, flag)
     if wgrad > bwd:
         raise CostsError(f"--wgrad ({wgrad}) is part of --bwd ({bwd}) and cannot exceed it")
-    for flag, value in (("--fwd", fwd), ("--bwd", bwd), ("--wgrad", wgrad), ("--act-bytes", act_bytes)):
-        if not math.isfinite(value) or value < 0:
-            raise CostsError(f"{flag} must be a finite number >= 0, got {value}")
     stage = StageCost(
         fwd=fwd / virtual_stages,
         bwd=bwd / virtual_stages,
         wgrad=wgrad / virtual_stages,
         act_bytes=act_bytes,
+        stash_bytes=(stash_bytes or 0.0) / virtual_stages,
+        param_bytes=(param_bytes or 0.0) / virtual_stages,
     )
-    return Costs(stages=(stage,) * num_stages)
+    return Costs(stages=(stage,) * num_stages, memory_known=stash_bytes is not None or param_bytes is not None)
 
 
 def _read_structured(path: Path) -> object:
@@ -190,37 +220,85 @@ def _read_structured(path: Path) -> object:
         raise CostsError(f"{path}: not valid JSON ({error})") from error
 
 
-def load_costs(path: str | Path, num_stages: int | None = None) -> Costs:
+def load_costs(path: str | Path, num_stages: int | None = None, virtual_stages: int = 1) -> Costs:
     """Read a costs file: ``{"stages": [{"fwd": s, "bwd": s, "wgrad": s, "act_bytes": n}, ...],
-    "action_overhead": s, ...}``. A single stage entry is repeated for every stage; any
-    other count must equal ``num_stages``."""
+    "action_overhead": s, ...}``. See ``costs_from_dict`` for how entries map to stages."""
     path = Path(path)
-    return costs_from_dict(_read_structured(path), num_stages, name=str(path))
+    return costs_from_dict(_read_structured(path), num_stages, name=str(path), virtual_stages=virtual_stages)
 
 
-def costs_from_dict(data: object, num_stages: int | None = None, name: str = "costs") -> Costs:
+def costs_from_dict(data: object, num_stages: int | None = None, name: str = "costs",
+                    virtual_stages: int = 1) -> Costs:
     """Costs from a costs document already in memory (the form ``load_costs`` reads, e.g.
-    what ``pipesim profile`` returns); error messages start with ``name``."""
+    what ``pipesim profile`` returns); error messages start with ``name``.
+
+    Entries are per stage (per model chunk), in order, or placed by their ``stage`` key
+    (then every stage must be given exactly once). A single entry without ``stage`` is
+    every pipeline rank alike, as the flags are: with ``v`` chunks per rank its times,
+    stash and parameters are split over them (``/v``), its ``act_bytes`` kept."""
     if not isinstance(data, dict) or not isinstance(data.get("stages"), list) or not data["stages"]:
         raise CostsError(f"{name}: expected a mapping with a non-empty list 'stages'")
     known = {*STAGE_FIELDS, "stage"}
-    stages = []
+    entries: list[tuple[int | None, StageCost]] = []
     for index, entry in enumerate(data["stages"]):
+        where = f"{name}: stages[{index}]"
         if not isinstance(entry, dict):
-            raise CostsError(f"{name}: stages[{index}] must be a mapping, got {entry!r}")
+            raise CostsError(f"{where} must be a mapping, got {entry!r}")
         unknown = set(entry) - known
         if unknown:
-            raise CostsError(f"{name}: stages[{index}] has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+            raise CostsError(f"{where} has unknown keys {sorted(unknown)}; known: {sorted(known)}")
         missing = {"fwd", "bwd"} - set(entry)
         if missing:
-            raise CostsError(f"{name}: stages[{index}] is missing {sorted(missing)}")
-        values = {key: float(value) for key, value in entry.items() if key != "stage"}
-        stages.append(StageCost(**values))
-    if num_stages is not None and len(stages) != num_stages:
-        if len(stages) == 1:
-            stages = stages * num_stages
-        else:
-            raise CostsError(f"{name}: has costs for {len(stages)} stages but the schedule has {num_stages}")
-    overheads = {key: float(data.get(key, 0.0)) for key in ("action_overhead", "comm_overhead", "step_overhead")}
-    return Costs(stages=tuple(stages), meta=dict(data.get("meta", {})),
-                 sequence_parallel=bool(data.get("sequence_parallel", False)), **overheads)
+            raise CostsError(f"{where} is missing {sorted(missing)}")
+        values = {key: check_number(value, f"{where}.{key}") for key, value in entry.items() if key != "stage"}
+        if values.get("wgrad", 0.0) > values["bwd"]:
+            raise CostsError(
+                f"{where}: wgrad ({values['wgrad']}) is part of bwd ({values['bwd']}) and cannot exceed it")
+        entries.append((_stage_key(entry, where), StageCost(**values)))
+    stages = _place_stages(entries, num_stages, name, virtual_stages)
+    overheads = {key: check_number(data.get(key, 0.0), f"{name}: {key}") for key in OVERHEADS}
+    memory_known = any(key in entry for entry in data["stages"] for key in ("stash_bytes", "param_bytes", "params"))
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise CostsError(f"{name}: 'meta' must be a mapping, got {meta!r}")
+    return Costs(stages=tuple(stages), meta=dict(meta), sequence_parallel=bool(data.get("sequence_parallel", False)),
+                 memory_known=memory_known, **overheads)
+
+
+def _stage_key(entry: dict, where: str) -> int | None:
+    if "stage" not in entry:
+        return None
+    stage = entry["stage"]
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+        raise CostsError(f"{where}: 'stage' must be an integer >= 0, got {stage!r}")
+    return stage
+
+
+def _place_stages(entries: list[tuple[int | None, StageCost]], num_stages: int | None, name: str,
+                  virtual_stages: int) -> list[StageCost]:
+    """Stage costs in stage order, from entries in order or keyed by ``stage``."""
+    keyed = [stage for stage, _ in entries if stage is not None]
+    if keyed and len(keyed) != len(entries):
+        raise CostsError(f"{name}: give 'stage' on every entry or on none")
+    if not keyed:
+        stages = [cost for _, cost in entries]
+        if num_stages is not None and len(stages) != num_stages:
+            if len(stages) != 1:
+                raise CostsError(f"{name}: has costs for {len(stages)} stages but the schedule has {num_stages}")
+            rank = stages[0]
+            chunk = StageCost(**{key: value / virtual_stages if key in PER_RANK_FIELDS else value
+                                 for key, value in asdict(rank).items()})
+            stages = [chunk] * num_stages
+        return stages
+    count = num_stages if num_stages is not None else max(keyed) + 1
+    placed: dict[int, StageCost] = {}
+    for stage, cost in entries:
+        if stage >= count:
+            raise CostsError(f"{name}: stage {stage} is out of range; the schedule has stages 0..{count - 1}")
+        if stage in placed:
+            raise CostsError(f"{name}: stage {stage} is given twice")
+        placed[stage] = cost
+    absent = [stage for stage in range(count) if stage not in placed]
+    if absent:
+        raise CostsError(f"{name}: no costs for stage(s) {absent}; the schedule has {count} stages")
+    return [placed[stage] for stage in range(count)]

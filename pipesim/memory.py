@@ -2,19 +2,25 @@
 
     static   parameters + gradients + optimizer state, by bytes per parameter
              (default mixed-precision Adam: 2 bf16 weights + 2 bf16 gradients +
-             12 fp32 optimizer: master weights, momentum and variance = 16 bytes)
+             12 fp32 optimizer: master weights, momentum and variance = 16 bytes);
+             with ZeRO-1 (the distributed optimizer) the optimizer bytes, fp32 master
+             weights included, are sharded over the dp replicas: / dp
     buffers  2 x the boundary activation per P2P peer (one for the activation, one for
              its gradient) and one DDP bucket when data parallel
     stash    each stage's ``stash_bytes`` for every microbatch whose forward has started
              and whose last backward piece (B, or W when split) has not ended:
              ``schedules.metrics.stash_changes``, read from the Trace
 
-The parameter count of a stage is its ``param_bytes`` over the weights' bytes per
-parameter. The timeline is a list of ``(time, bytes)`` points at every change.
+The parameter count of a stage is its ``params`` when the costs know it (a model spec),
+else its ``param_bytes`` over the weights' bytes per parameter (flags and costs files
+give bytes in the weights' dtype). The timeline is a list of ``(time, bytes)`` points
+at every change. Costs that say nothing about memory (``Costs.memory_known`` false) get
+no report: the memory columns read n/a rather than a made-up 0.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +53,8 @@ def parse_bytes_per_param(text: str) -> BytesPerParam:
         parts = [float(part) for part in text.split(",")]
     except ValueError as error:
         raise ValueError(f"--bytes-per-param {text!r}: expected three numbers WEIGHTS,GRADS,OPTIMIZER") from error
+    if not all(math.isfinite(part) for part in parts):
+        raise ValueError(f"--bytes-per-param {text!r}: every part must be a finite number")
     if len(parts) != 3 or parts[0] <= 0 or min(parts) < 0:
         raise ValueError(f"--bytes-per-param {text!r}: expected WEIGHTS,GRADS,OPTIMIZER with WEIGHTS > 0, e.g. 2,2,12")
     return BytesPerParam(*parts)
@@ -79,15 +87,23 @@ def memory_report(
     bytes_per_param: BytesPerParam = BytesPerParam(),
     dp: int = 1,
     bucket_bytes: float = 0.0,
+    zero: int = 0,
 ) -> list[RankMemory]:
-    """Memory of every rank of the simulated pipeline, from its Trace."""
+    """Memory of every rank of the simulated pipeline, from its Trace; ``zero=1`` shards
+    the optimizer state over the ``dp`` replicas. Empty when the costs say nothing about
+    memory."""
+    if not costs.memory_known:
+        return []
+    if zero not in (0, 1):
+        raise ValueError(f"--zero {zero}: pipesim models ZeRO stage 0 (none) or 1 (sharded optimizer state)")
     last_stage = costs.num_stages - 1
     groups = trace.by_rank()
     static = [0.0] * len(groups)
     buffers = [0.0] * len(groups)
+    per_param = static_bytes_per_param(bytes_per_param, dp, zero)
     for stage, cost in enumerate(costs.stages):
         rank = placement[stage]
-        static[rank] += cost.param_bytes / bytes_per_param.weights * bytes_per_param.total
+        static[rank] += stage_params(cost.params, cost.param_bytes, bytes_per_param) * per_param
         if stage > 0 and placement[stage - 1] != rank:
             buffers[rank] += 2 * costs.stages[stage - 1].act_bytes
         if stage < last_stage and placement[stage + 1] != rank:
@@ -118,6 +134,19 @@ def memory_report(
             timeline=tuple(timeline),
         ))
     return report
+
+
+def stage_params(params: float, param_bytes: float, bytes_per_param: BytesPerParam) -> float:
+    """Parameters of a stage on one device: its count if known, else its weight bytes over
+    the weights' bytes per parameter."""
+    return params if params > 0 else param_bytes / bytes_per_param.weights
+
+
+def static_bytes_per_param(bytes_per_param: BytesPerParam, dp: int = 1, zero: int = 0) -> float:
+    """Bytes each parameter holds on a device: weights + gradients + optimizer state,
+    the optimizer's share / dp under ZeRO-1 (Rajbhandari et al. 2020, P_os)."""
+    optimizer = bytes_per_param.optimizer / dp if zero >= 1 else bytes_per_param.optimizer
+    return bytes_per_param.weights + bytes_per_param.grads + optimizer
 
 
 def check_memory(report: list[RankMemory]) -> None:

@@ -127,6 +127,9 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
             if per_pass > 0:
                 for kind in (ActionKind.F, ActionKind.B, ActionKind.I):
                     tp_seconds[stage, kind] = per_pass
+                # full recompute re-runs the forward, and its collectives, inside the backward
+                for kind in (ActionKind.B, ActionKind.I):
+                    tp_seconds[stage, kind] += 2 * cost.recompute_layers * one
         if mapping.dp > 1 and cost.param_bytes > 0:
             group = mapping.dp_group(rank, 0)
             sizes = bucket_sizes(cost.param_bytes, bucket_bytes)

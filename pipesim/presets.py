@@ -12,19 +12,20 @@ from collections.abc import Callable
 
 import networkx as nx
 
+from pipesim.gpus import GPUS, GpuSpec, gpu_spec
 from pipesim.topology import Topology, TopologyError, add_link, ideal_topology
 
 GB = 1e9
 US = 1e-6
 
-# Devices
-H100_MEMORY = 80 * GB
-H100_BF16_FLOPS = 989e12  # dense BF16 tensor-core peak, H100 SXM datasheet
-A100_MEMORY = 80 * GB
-A100_BF16_FLOPS = 312e12  # dense BF16 peak, A100 datasheet
+# Devices (pipesim.gpus has every GPU model; these two remain for callers that name them)
+H100_MEMORY = GPUS["h100"].memory_bytes
+H100_BF16_FLOPS = GPUS["h100"].bf16_flops  # dense BF16 tensor-core peak, H100 SXM datasheet
+A100_MEMORY = GPUS["a100-80gb"].memory_bytes
+A100_BF16_FLOPS = GPUS["a100-80gb"].bf16_flops  # dense BF16 peak, A100 datasheet
 
 # Links (per direction)
-NVLINK4_BW = 450 * GB  # H100/H200 through NVSwitch
+NVLINK4_BW = GPUS["h100"].nvlink_bandwidth  # H100/H200 through NVSwitch
 PCIE4_X16_BW = 31.5 * GB
 PCIE5_X16_BW = 63 * GB
 UPI_BW = 62 * GB  # CPU-to-CPU socket link (3 x UPI at ~20.8 GB/s); carries PCIe P2P across sockets
@@ -45,31 +46,38 @@ ETH_HOP_LATENCY = 7.5 * US
 GPUS_PER_NODE = 8
 
 
-def _gpu(graph: nx.DiGraph, name: str, memory: float = H100_MEMORY, flops: float = H100_BF16_FLOPS) -> str:
-    graph.add_node(name, kind="gpu", memory_bytes=memory, peak_flops=flops)
+def _gpu(graph: nx.DiGraph, name: str, gpu: GpuSpec) -> str:
+    graph.add_node(name, kind="gpu", memory_bytes=gpu.memory_bytes, peak_flops=gpu.bf16_flops,
+                   memory_bandwidth=gpu.memory_bandwidth, gpu=gpu.name)
     return name
 
 
-def _nvswitch_node(graph: nx.DiGraph, node: int, devices: list[str]) -> None:
-    """Eight H100s on one NVSwitch fabric: every GPU a full-bandwidth link to the switch."""
+def _nvswitch_node(graph: nx.DiGraph, node: int, devices: list[str], gpu: GpuSpec) -> None:
+    """Eight GPUs on one NVSwitch fabric: every GPU a full-bandwidth link to the switch."""
     switch = f"n{node}.nvswitch"
     graph.add_node(switch, kind="nvswitch")
     for local in range(GPUS_PER_NODE):
-        gpu = _gpu(graph, f"n{node}.gpu{local}")
-        devices.append(gpu)
-        add_link(graph, gpu, switch, NVLINK4_BW, NVLINK_HOP_LATENCY, NVLINK_EFFICIENCY, "nvlink")
+        name = _gpu(graph, f"n{node}.gpu{local}", gpu)
+        devices.append(name)
+        add_link(graph, name, switch, gpu.nvlink_bandwidth, NVLINK_HOP_LATENCY, NVLINK_EFFICIENCY, "nvlink")
 
 
-def nvlink(nodes: int = 1) -> Topology:
-    """One node, 8x H100 SXM, NVLink 4 through NVSwitch (450 GB/s per GPU per direction)."""
+def _nvlink_words(gpu: GpuSpec) -> str:
+    return f"{gpu.name.upper()}, NVLink {gpu.nvlink_generation} via NVSwitch"
+
+
+def nvlink(nodes: int = 1, gpu: str | None = None) -> Topology:
+    """One node, 8 GPUs (default H100 SXM) through NVSwitch at the GPU's NVLink bandwidth
+    (NVLink 4: 450 GB/s per GPU per direction)."""
     _single_node("nvlink", nodes)
+    spec = gpu_spec(gpu)
     graph = nx.DiGraph()
     devices: list[str] = []
-    _nvswitch_node(graph, 0, devices)
-    return Topology("nvlink", graph, devices, description="1 node, 8x H100, NVLink 4 via NVSwitch")
+    _nvswitch_node(graph, 0, devices, spec)
+    return Topology("nvlink", graph, devices, description=f"1 node, 8x {_nvlink_words(spec)}")
 
 
-def _pcie_node(name: str, link_bw: float, description: str) -> Topology:
+def _pcie_node(name: str, link_bw: float, description: str, gpu: GpuSpec) -> Topology:
     """8 GPUs, two per PCIe switch, two switches per CPU socket, sockets joined by UPI.
 
     GPUs on one switch talk through it; across switches the transfer climbs to the
@@ -85,27 +93,31 @@ def _pcie_node(name: str, link_bw: float, description: str) -> Topology:
             graph.add_node(switch, kind="pcie_switch")
             add_link(graph, switch, cpu, link_bw, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
             for _slot in range(2):
-                gpu = _gpu(graph, f"gpu{len(devices)}")
-                devices.append(gpu)
-                add_link(graph, gpu, switch, link_bw, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
+                device = _gpu(graph, f"gpu{len(devices)}", gpu)
+                devices.append(device)
+                add_link(graph, device, switch, link_bw, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
     add_link(graph, "cpu0", "cpu1", UPI_BW, UPI_LATENCY, PCIE_EFFICIENCY, "upi")
     return Topology(name, graph, devices, description=description)
 
 
-def pcie(nodes: int = 1) -> Topology:
+def pcie(nodes: int = 1, gpu: str | None = None) -> Topology:
     """One node, 8 GPUs on PCIe Gen4 x16 (31.5 GB/s) through switches and the host."""
     _single_node("pcie", nodes)
-    return _pcie_node("pcie", PCIE4_X16_BW, "1 node, 8 GPUs, PCIe Gen4 x16 via 4 switches and 2 sockets")
+    spec = gpu_spec(gpu)
+    return _pcie_node("pcie", PCIE4_X16_BW,
+                      f"1 node, 8x {spec.name.upper()}, PCIe Gen4 x16 via 4 switches and 2 sockets", spec)
 
 
-def pcie5(nodes: int = 1) -> Topology:
+def pcie5(nodes: int = 1, gpu: str | None = None) -> Topology:
     """As ``pcie`` with PCIe Gen5 x16 (63 GB/s)."""
     _single_node("pcie5", nodes)
-    return _pcie_node("pcie5", PCIE5_X16_BW, "1 node, 8 GPUs, PCIe Gen5 x16 via 4 switches and 2 sockets")
+    spec = gpu_spec(gpu)
+    return _pcie_node("pcie5", PCIE5_X16_BW,
+                      f"1 node, 8x {spec.name.upper()}, PCIe Gen5 x16 via 4 switches and 2 sockets", spec)
 
 
 def _multi_node(name: str, nodes: int, nic_bw: float, hop_latency: float, efficiency: float, medium: str,
-                description: str) -> Topology:
+                description: str, gpu: GpuSpec) -> Topology:
     """``nodes`` NVSwitch nodes; each GPU has its own NIC (rail-optimised, as DGX/HGX
     systems are built) into one non-blocking fabric switch."""
     if nodes < 1:
@@ -115,7 +127,7 @@ def _multi_node(name: str, nodes: int, nic_bw: float, hop_latency: float, effici
     fabric = f"{medium}_switch"
     graph.add_node(fabric, kind=f"{medium}_switch")
     for node in range(nodes):
-        _nvswitch_node(graph, node, devices)
+        _nvswitch_node(graph, node, devices, gpu)
         for local in range(GPUS_PER_NODE):
             nic = f"n{node}.nic{local}"
             graph.add_node(nic, kind="nic")
@@ -124,17 +136,21 @@ def _multi_node(name: str, nodes: int, nic_bw: float, hop_latency: float, effici
     return Topology(name, graph, devices, description=description.format(nodes=nodes))
 
 
-def ib(nodes: int = 2) -> Topology:
-    """``nodes`` x 8 H100, NVLink inside each node, one NDR InfiniBand port (400 Gb/s)
-    per GPU between nodes."""
-    return _multi_node("ib", nodes, IB_NDR_BW, IB_HOP_LATENCY, IB_EFFICIENCY, "ib",
-                       "{nodes} nodes x 8 H100, NVLink 4 inside, NDR InfiniBand 400 Gb/s per GPU between")
+def ib(nodes: int = 2, gpu: str | None = None) -> Topology:
+    """``nodes`` x 8 GPUs (default H100), NVLink inside each node, one InfiniBand port per
+    GPU between nodes at the speed of that GPU's reference system (NDR 400 Gb/s for
+    H100/H200/B200, HDR 200 Gb/s for A100)."""
+    spec = gpu_spec(gpu)
+    rate = f"{spec.nic_bandwidth * 8 / GB:g} Gb/s"
+    return _multi_node("ib", nodes, spec.nic_bandwidth, IB_HOP_LATENCY, IB_EFFICIENCY, "ib",
+                       f"{{nodes}} nodes x 8 {_nvlink_words(spec)} inside, InfiniBand {rate} per GPU between", spec)
 
 
-def ethernet(nodes: int = 2) -> Topology:
-    """``nodes`` x 8 H100, NVLink inside, 100 GbE per GPU between nodes."""
+def ethernet(nodes: int = 2, gpu: str | None = None) -> Topology:
+    """``nodes`` x 8 GPUs (default H100), NVLink inside, 100 GbE per GPU between nodes."""
+    spec = gpu_spec(gpu)
     return _multi_node("ethernet", nodes, ETH_100G_BW, ETH_HOP_LATENCY, ETH_EFFICIENCY, "ethernet",
-                       "{nodes} nodes x 8 H100, NVLink 4 inside, 100 GbE per GPU between")
+                       f"{{nodes}} nodes x 8 {_nvlink_words(spec)} inside, 100 GbE per GPU between", spec)
 
 
 def _single_node(name: str, nodes: int) -> None:
@@ -142,12 +158,14 @@ def _single_node(name: str, nodes: int) -> None:
         raise TopologyError(f"preset {name} is one node; for {nodes} nodes use 'ib' or 'ethernet'")
 
 
-def ideal(nodes: int = 1) -> Topology:
-    """Free, instant links."""
+def ideal(nodes: int = 1, gpu: str | None = None) -> Topology:
+    """Free, instant links and devices without a capacity (``gpu`` is checked but the
+    ideal devices stay unbounded; model costs take the peak from ``--gpu``)."""
+    gpu_spec(gpu)
     return ideal_topology()
 
 
-PRESETS: dict[str, Callable[[int], Topology]] = {
+PRESETS: dict[str, Callable[..., Topology]] = {
     "ideal": ideal,
     "nvlink": nvlink,
     "pcie": pcie,

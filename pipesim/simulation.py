@@ -47,7 +47,7 @@ class SimulationResult:
         return memory_report(
             self.trace, self.costs, self.schedule.placement, devices,
             [self.topology.device_memory(device) for device in devices],
-            self.parallel.bytes_per_param, self.parallel.dp, self.parallel.bucket_bytes,
+            self.parallel.bytes_per_param, self.parallel.dp, self.parallel.bucket_bytes, self.parallel.zero,
         )
 
     @cached_property
@@ -159,7 +159,7 @@ class SimulationResult:
             cells = [f"{comm[kind]['total'] * scale:>9.4g}/{comm[kind]['exposed'] * scale:<9.4g}"
                      for kind in ("p2p", "tp", "dp")]
             memory = self.memory[rank] if rank < len(self.memory) else None
-            peak = f"{memory.peak_bytes / 1e9:>9.2f}" if memory else f"{'-':>9}"
+            peak = f"{memory.peak_bytes / 1e9:>9.2f}" if memory else f"{'n/a':>9}"
             bounded = memory is not None and memory.capacity_bytes != float("inf")
             capacity = f"{memory.capacity_bytes / 1e9:>9.2f}" if bounded else f"{'-':>9}"
             flag = "  OOM" if memory and memory.oom else ""

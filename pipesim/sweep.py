@@ -76,7 +76,7 @@ def run_sweep(
             "peak_inflight_microbatches": max(rank.peak_inflight_microbatches for rank in metrics.ranks),
             "bubble": sum(rank.bubble for rank in metrics.ranks),
             "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks),
-            "peak_memory_bytes": max(rank.peak_bytes for rank in result.memory),
+            "peak_memory_bytes": max((rank.peak_bytes for rank in result.memory), default=None),
             "oom": result.oom,
             "capacity_bytes": _capacity(result),
             "actions": result.schedule.num_actions,
@@ -125,6 +125,11 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3} "
             f"{row['makespan']:>14.6g} {row['bubble_fraction']:>8.2%} {row['peak_inflight_microbatches']:>15g} "
-            f"{row['peak_memory_bytes'] / 1e9:>12.2f}{'  OOM' if row['oom'] else ''}"
+            f"{_gigabytes(row['peak_memory_bytes']):>12}{'  OOM' if row['oom'] else ''}"
         )
     return "\n".join(lines)
+
+
+def _gigabytes(num_bytes: float | None) -> str:
+    """GB with two decimals, or n/a when the costs said nothing about memory."""
+    return "n/a" if num_bytes is None else f"{num_bytes / 1e9:.2f}"

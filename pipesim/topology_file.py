@@ -8,7 +8,10 @@ Minimal form::
 
 Optional: ``switches: [{name: sw0, kind: pcie_switch}]``; per link ``efficiency``
 (default 1), ``medium``, ``directed: true`` (one direction only); per device
-``peak_flops``; ``mapping: [g1, g0]`` (rank r runs on mapping[r]; default: file order).
+``peak_flops``, ``memory_bandwidth`` (HBM bytes/s), or ``gpu: h100`` (a name from
+``pipesim.gpus``) for that model's figures, which the explicit fields then override;
+``mapping: [g1, g0]`` (rank r runs on mapping[r]; default: file order). Every number must be finite: NaN, inf, null and
+negative values are errors naming the entry and the field.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import networkx as nx
 
+from pipesim.gpus import GPUS
 from pipesim.presets import MULTI_NODE, PRESETS
 from pipesim.topology import Topology, TopologyError, add_link
 from schedules.textfile import describe_yaml_error, read_text
@@ -29,11 +33,16 @@ def _number(where: str, entry: dict, key: str, default: float | None = None, pos
         if default is None:
             raise TopologyError(f"{where} is missing '{key}'")
         return default
+    raw = entry[key]
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise TopologyError(f"{where}: '{key}' must be a number, got {raw!r}")
     try:
-        value = float(entry[key])
+        value = float(raw)
     except (TypeError, ValueError) as error:
-        raise TopologyError(f"{where}: '{key}' must be a number, got {entry[key]!r}") from error
-    if math.isnan(value) or value < 0 or (positive and value == 0):
+        raise TopologyError(f"{where}: '{key}' must be a number, got {raw!r}") from error
+    if not math.isfinite(value):
+        raise TopologyError(f"{where}: '{key}' must be a finite number, got {raw!r}")
+    if value < 0 or (positive and value == 0):
         bound = "> 0" if positive else ">= 0"
         raise TopologyError(f"{where}: '{key}' must be {bound}, got {entry[key]!r}")
     return value
@@ -55,11 +64,18 @@ def topology_from_dict(data: object, name: str = "custom") -> Topology:
         device_name = str(device["name"])
         if device_name in graph:
             raise TopologyError(f"{where}: device {device_name!r} is listed twice")
+        memory, flops, bandwidth = math.inf, math.inf, math.inf
+        if device.get("gpu") is not None:
+            gpu = GPUS.get(str(device["gpu"]).lower())
+            if gpu is None:
+                raise TopologyError(f"{where}: unknown gpu {device['gpu']!r} (known: {', '.join(GPUS)})")
+            memory, flops, bandwidth = gpu.memory_bytes, gpu.bf16_flops, gpu.memory_bandwidth
         graph.add_node(
             device_name,
             kind="gpu",
-            memory_bytes=_number(where, device, "memory_bytes", math.inf, positive=True),
-            peak_flops=_number(where, device, "peak_flops", math.inf, positive=True),
+            memory_bytes=_number(where, device, "memory_bytes", memory, positive=True),
+            peak_flops=_number(where, device, "peak_flops", flops, positive=True),
+            memory_bandwidth=_number(where, device, "memory_bandwidth", bandwidth, positive=True),
         )
         order.append(device_name)
     for index, switch in enumerate(data.get("switches") or []):
@@ -140,17 +156,21 @@ def load_topology_file(path: str | Path) -> Topology:
     return topology_from_dict(data, name=str(path))
 
 
-def load_topology(spec: str, nodes: int | None = None) -> Topology:
+def load_topology(spec: str, nodes: int | None = None, gpu: str | None = None) -> Topology:
     """``spec`` is a preset name (``ideal``, ``nvlink``, ``pcie``, ``pcie5``, ``ib``,
-    ``ethernet``) or a path to a YAML/JSON file. ``nodes`` sizes multi-node presets."""
+    ``ethernet``) or a path to a YAML/JSON file. ``nodes`` sizes multi-node presets;
+    ``gpu`` (a ``pipesim.gpus`` name) picks the presets' devices (default H100)."""
     preset = PRESETS.get(spec)
     if preset is not None:
         if nodes is None:
             nodes = 2 if spec in MULTI_NODE else 1
-        return preset(nodes)
+        return preset(nodes, gpu=gpu)
     path = Path(spec)
     if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
         if nodes not in (None, 1):
             raise TopologyError("--nodes sizes the built-in multi-node presets, not a topology file")
+        if gpu is not None:
+            raise TopologyError("--gpu picks the devices of the built-in presets; a topology file names its own "
+                                "(devices[i].gpu)")
         return load_topology_file(path)
     raise TopologyError(f"unknown topology {spec!r}: use one of {', '.join(PRESETS)} or a .yaml/.json file")

@@ -75,3 +75,92 @@ def test_simulate_fail_on_oom_exits_non_zero_naming_the_rank(tmp_path, capsys):
     assert main([*argv, "--fail-on-oom"]) == 3
     error = capsys.readouterr().err
     assert "out of memory: rank 0 on n0.gpu0 peaks at" in error and "holds 80.00 GB" in error
+
+
+def run_json(tmp_path, *argv) -> dict:
+    out = tmp_path / "r.json"
+    assert main(["simulate", *map(str, argv), "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("microbatches", [4, 64])
+def test_flag_costs_with_stash_bytes_track_gpipe_in_flight(tmp_path, microbatches):
+    """GPipe keeps every microbatch's stash on rank 0: m x --stash-bytes, plus 16 bytes per
+    parameter of --param-bytes / 2 (bf16 weights)."""
+    document = run_json(tmp_path, "--schedule", "gpipe", "--pp", 4, "-m", microbatches, "--fwd", 1, "--bwd", 2,
+                        "--stash-bytes", 1e8, "--param-bytes", 2e9)
+    rank = document["ranks"][0]
+    assert rank["memory"]["peak_stash_bytes"] == pytest.approx(microbatches * 1e8)
+    assert rank["memory"]["static_bytes"] == pytest.approx(16 * 1e9)
+
+
+def test_without_memory_flags_memory_is_na_not_zero(tmp_path, capsys):
+    document = run_json(tmp_path, "--pp", 2, "-m", 4)
+    assert all(rank["peak_memory_bytes"] is None for rank in document["ranks"])
+    assert "n/a" in capsys.readouterr().out
+    assert main(["sweep", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.split()[-1] == "n/a"
+
+
+def test_bytes_per_param_keeps_the_model_parameter_count(tmp_path):
+    """4,4,8 (fp32 weights and grads) is 16 bytes per parameter as 2,2,12 is: same static
+    memory, not half (the count comes from the model, not from bf16 bytes / 4)."""
+    base = ["--model", "gpt3-1.3b", "--pp", 2, "-m", 2]
+    bf16 = run_json(tmp_path, *base)["ranks"][0]["memory"]["static_bytes"]
+    fp32 = run_json(tmp_path, *base, "--bytes-per-param", "4,4,8")["ranks"][0]["memory"]["static_bytes"]
+    h, vocab, seq = 2048, 50257, 2048
+    params = 12 * (12 * h * h + 13 * h) + vocab * h + seq * h
+    assert bf16 == pytest.approx(16 * params) and fp32 == pytest.approx(16 * params)
+    flags = run_json(tmp_path, "--pp", 2, "-m", 2, "--param-bytes", 4e9, "--bytes-per-param", "4,4,8")
+    assert flags["ranks"][0]["memory"]["static_bytes"] == pytest.approx(1e9 * 16)  # 4e9 bytes of fp32 = 1e9
+
+
+def test_zero1_shards_the_optimizer_state_over_dp(tmp_path):
+    base = ["--pp", 2, "-m", 2, "--param-bytes", 2e9, "--dp", 4, "--topology", "nvlink"]
+    plain = run_json(tmp_path, *base)["ranks"][0]["memory"]["static_bytes"]
+    zero = run_json(tmp_path, *base, "--zero", 1)["ranks"][0]["memory"]["static_bytes"]
+    assert plain == pytest.approx(1e9 * (2 + 2 + 12))
+    assert zero == pytest.approx(1e9 * (2 + 2 + 12 / 4))
+
+
+def test_llama3_8b_rank0_memory_by_hand(tmp_path):
+    """1F1B pp=4: rank 0 holds 8 layers + the embedding (16 B/param) and the stash of p=4
+    microbatches of 8 layers (flash attention: 34h... here GQA/SwiGLU, per token
+    2(2h+h+h) + 2(2h+2k) + 2*3f bytes), plus one peer's activation and gradient buffers."""
+    document = run_json(tmp_path, "--model", "llama3-8b", "--pp", 4, "-m", 8)
+    s, h, kv, f, vocab = 8192, 4096, 1024, 14336, 128256
+    layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    static = 16 * (8 * layer + vocab * h)
+    stash = 4 * 8 * s * (2 * (2 * h + h + h) + 2 * (2 * h + 2 * kv) + 2 * 3 * f)
+    buffers = 2 * s * h * 2
+    assert document["ranks"][0]["peak_memory_bytes"] == pytest.approx(static + stash + buffers)
+    assert document["ranks"][0]["peak_memory_bytes"] < 80e9  # the 414 GB of the GPT formula without flash is gone
+
+
+def test_one_entry_costs_file_is_per_rank_like_the_flags(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"stages": [{"fwd": 1.0, "bwd": 2.0, "stash_bytes": 1e9, "param_bytes": 2e9}]}))
+    common = ["--schedule", "interleaved-1f1b", "--pp", 2, "-m", 4, "-v", 2]
+    from_file = run_json(tmp_path, *common, "--costs", path)
+    from_flags = run_json(tmp_path, *common, "--fwd", 1, "--bwd", 2, "--stash-bytes", 1e9, "--param-bytes", 2e9)
+    assert from_file["makespan"] == pytest.approx(from_flags["makespan"])
+    assert from_file["ranks"][0]["memory"] == from_flags["ranks"][0]["memory"]
+    # interleaved, uniform costs, free links: m(F+B) + (p-1)(F+B)/v with F+B per rank = 3
+    assert from_file["makespan"] == pytest.approx(4 * 3 + (2 - 1) * 3 / 2)
+
+
+def test_costs_entries_are_placed_by_their_stage_key(tmp_path):
+    from pipesim.costs import CostsError, costs_from_dict
+
+    costs = costs_from_dict({"stages": [{"stage": 1, "fwd": 2.0, "bwd": 4.0}, {"stage": 0, "fwd": 1.0, "bwd": 2.0}]},
+                            2)
+    assert [stage.fwd for stage in costs.stages] == [1.0, 2.0]
+    with pytest.raises(CostsError, match="stage 1 is given twice"):
+        costs_from_dict({"stages": [{"stage": 1, "fwd": 1, "bwd": 2}, {"stage": 1, "fwd": 1, "bwd": 2}]}, 2)
+    with pytest.raises(CostsError, match=r"no costs for stage\(s\) \[1\]"):
+        costs_from_dict({"stages": [{"stage": 0, "fwd": 1, "bwd": 2}]}, 2)
+    with pytest.raises(CostsError, match="stage 5 is out of range"):
+        costs_from_dict({"stages": [{"stage": 5, "fwd": 1, "bwd": 2}, {"stage": 0, "fwd": 1, "bwd": 2}]}, 2)
+    with pytest.raises(CostsError, match="give 'stage' on every entry or on none"):
+        costs_from_dict({"stages": [{"stage": 0, "fwd": 1, "bwd": 2}, {"fwd": 1, "bwd": 2}]}, 2)

@@ -118,7 +118,8 @@ def test_plan_matches_simulate_for_the_chosen_layout(tmp_path, capsys):
     result = tmp_path / "simulate.json"
     assert main(["simulate", "--model", "gpt3-1.3b", "--topology", "nvlink", "--nodes", "1",
                  "--schedule", "1f1b", "--pp", str(best["pp"]), "--tp", str(best["tp"]), "--dp", str(best["dp"]),
-                 "-m", str(best["microbatches"]), "--microbatch-size", "1", "--json", str(result)]) == 0
+                 "-m", str(best["microbatches"]), "--microbatch-size", "1", "--recompute", best["recompute"],
+                 "--zero", str(best["zero"]), "--json", str(result)]) == 0
     assert json.loads(result.read_text())["makespan"] == pytest.approx(best["step_time"], rel=1e-12)
 
 

@@ -4,6 +4,7 @@ topologies, so ``simulate``, ``sweep``, ``show`` and ``export`` read them identi
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from pipesim.costs import Costs, load_costs, uniform_costs
@@ -135,15 +136,24 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
                        help="weight-gradient part of --bwd, for split backward (I = bwd - wgrad, W = wgrad)")
     group.add_argument("--act-bytes", type=float, default=0.0,
                        help="bytes one microbatch sends between consecutive stages (default: 0)")
+    group.add_argument("--stash-bytes", type=float, default=None,
+                       help="activation bytes one microbatch's forward keeps until its backward, on one rank's share "
+                       "(default: unknown; memory reads n/a without this or --param-bytes)")
+    group.add_argument("--param-bytes", type=float, default=None,
+                       help="bytes of one rank's share of the weights, in the weights' dtype (see --bytes-per-param)")
     group.add_argument("--costs", help="per-stage costs file (JSON or YAML) instead of the flags above")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     from pipesim.model_spec import PRESETS as MODELS
+    from pipesim.model_spec import RECOMPUTE
 
     group = parser.add_argument_group("model spec (costs from FLOPs and bytes instead of --fwd/--bwd)")
-    group.add_argument("--model", help=f"one of {', '.join(MODELS)}; the flags below override its fields")
+    group.add_argument("--model", help=f"one of {', '.join(MODELS)}, or a Hugging Face style config.json; "
+                       "the flags below override its fields")
     for flag, what in (("--layers", "transformer layers"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
+                       ("--kv-heads", "key/value heads (grouped-query attention)"),
+                       ("--ffn-hidden", "MLP intermediate size"),
                        ("--seq-len", "sequence length"), ("--vocab", "vocabulary size"),
                        ("--microbatch-size", "sequences per microbatch"),
                        ("--dtype-bytes", "bytes per activation/weight element (2 for bf16)")):
@@ -153,6 +163,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--layers-per-stage", help="layers on each stage, e.g. 3,3,2,2 (default: as even as possible)")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="Megatron sequence parallelism: tp all-gather + reduce-scatter, activations / tp")
+    group.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                       help="activation recomputation: full re-runs each layer's forward in its backward, selective "
+                       "the attention core only (default: none)")
+    group.add_argument("--no-flash-attention", action="store_true",
+                       help="keep the s x s attention scores for the backward (Korthikanti et al.'s 5as/h term)")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -177,54 +192,100 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                        help="memory per parameter: WEIGHTS,GRADS,OPTIMIZER bytes (default: 2,2,12, bf16 + Adam)")
 
 
+def finite_flag(value: float, flag: str, positive: bool = False) -> float:
+    """``value`` if it is a finite number >= 0 (> 0 with ``positive``); else a one-line
+    error naming the flag and the value."""
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{flag} must be a finite number {bound}, got {value!r}")
+    return value
+
+
 def parallel_from_args(args: argparse.Namespace):
     """The ``ParallelConfig`` the flags describe."""
     from pipesim.memory import parse_bytes_per_param
     from pipesim.parallel import ParallelConfig
 
+    bucket_mb = finite_flag(getattr(args, "bucket_mb", 25.0), "--bucket-mb", positive=True)
     return ParallelConfig(
         dp=getattr(args, "dp", 1), tp=getattr(args, "tp", 1), rank_order=getattr(args, "rank_order", "tp-dp-pp"),
-        bucket_bytes=getattr(args, "bucket_mb", 25.0) * 2**20, overlap_dp=not getattr(args, "no_dp_overlap", False),
+        bucket_bytes=bucket_mb * 2**20, overlap_dp=not getattr(args, "no_dp_overlap", False),
         algorithm=getattr(args, "collective", "ring"), zero=getattr(args, "zero", 0),
         bytes_per_param=parse_bytes_per_param(getattr(args, "bytes_per_param", "2,2,12")),
     )
 
 
+def model_spec_from_args(args: argparse.Namespace):
+    """The ``ModelSpec`` of ``--model`` with the field flags applied."""
+    from pipesim.model_spec import model_spec
+
+    return model_spec(
+        args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+        ffn_hidden=args.ffn_hidden, seq_len=args.seq_len, vocab=args.vocab, microbatch_size=args.microbatch_size,
+        dtype_bytes=args.dtype_bytes,
+    )
+
+
+def fallback_peak_flops(args: argparse.Namespace) -> float:
+    """Peak FLOP/s for devices the topology gives none (ideal): ``--gpu``'s, else H100's."""
+    from pipesim.gpus import gpu_spec
+
+    return gpu_spec(getattr(args, "gpu", None)).bf16_flops
+
+
+def fallback_memory_bandwidth(args: argparse.Namespace) -> float:
+    """HBM bytes/s for devices the topology gives none: ``--gpu``'s, else H100's."""
+    from pipesim.gpus import gpu_spec
+
+    return gpu_spec(getattr(args, "gpu", None)).memory_bandwidth
+
+
 def model_costs_from_args(args: argparse.Namespace, schedule: Schedule, topology: Topology) -> Costs:
     """Costs of ``--model`` on the devices its pipeline ranks are mapped to."""
     from pipesim.mapping import map_ranks
-    from pipesim.model_spec import model_costs, model_spec
+    from pipesim.memory import static_bytes_per_param
+    from pipesim.transformer_costs import device_memory_bandwidth, model_costs
 
-    if args.costs or args.act_bytes or args.wgrad:
-        raise ValueError("--model derives the costs; drop --costs/--act-bytes/--wgrad or drop --model")
-    spec = model_spec(
-        args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
-        vocab=args.vocab, microbatch_size=args.microbatch_size, dtype_bytes=args.dtype_bytes,
-    )
+    if args.costs or args.act_bytes or args.wgrad or args.stash_bytes is not None or args.param_bytes is not None:
+        raise ValueError("--model derives the costs; drop --costs/--act-bytes/--wgrad/--stash-bytes/--param-bytes "
+                         "or drop --model")
+    spec = model_spec_from_args(args)
     devices = map_ranks(topology, args.dp, schedule.pp, args.tp, args.rank_order).pipeline()
-    peaks = [topology.device_peak_flops(devices[schedule.placement[stage]]) for stage in range(schedule.num_stages)]
+    stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
+    peaks = [topology.device_peak_flops(device) for device in stage_devices]
+    bandwidths = [device_memory_bandwidth(topology, device) for device in stage_devices]
     layout = split_list(args.layers_per_stage, int) if args.layers_per_stage else None
+    parallel = parallel_from_args(args)
     return model_costs(spec, schedule.num_stages, peaks, tp=args.tp, mfu=args.mfu,
-                       sequence_parallel=args.sequence_parallel, layers_per_stage=layout)
+                       sequence_parallel=args.sequence_parallel, layers_per_stage=layout, recompute=args.recompute,
+                       flash_attention=not args.no_flash_attention, fallback_peak=fallback_peak_flops(args),
+                       stage_memory_bandwidth=bandwidths, fallback_memory_bandwidth=fallback_memory_bandwidth(args),
+                       optimizer_state_bytes=static_bytes_per_param(parallel.bytes_per_param, args.dp, parallel.zero),
+                       stage_ranks=list(schedule.placement))
 
 
 def costs_from_args(args: argparse.Namespace, num_stages: int, virtual_stages: int) -> Costs:
     """Uniform costs from the flags, or the costs file; chunk costs are per-rank / v."""
     if args.costs:
-        return load_costs(args.costs, num_stages)
+        return load_costs(args.costs, num_stages, virtual_stages)
     bwd = 2 * args.fwd if args.bwd is None else args.bwd
-    return uniform_costs(num_stages, args.fwd, bwd, args.wgrad, args.act_bytes, virtual_stages)
+    return uniform_costs(num_stages, args.fwd, bwd, args.wgrad, args.act_bytes, virtual_stages,
+                         stash_bytes=getattr(args, "stash_bytes", None), param_bytes=getattr(args, "param_bytes", None))
 
 
 def add_topology_args(parser: argparse.ArgumentParser) -> None:
+    from pipesim.gpus import GPUS
+
     group = parser.add_argument_group("cluster")
     group.add_argument("--topology", default="ideal",
                        help=f"preset ({', '.join(PRESETS)}) or a YAML/JSON topology file (default: ideal)")
     group.add_argument("--nodes", type=int, default=None, help="nodes for the multi-node presets (ib, ethernet)")
+    group.add_argument("--gpu", choices=tuple(GPUS), default=None,
+                       help="GPU model of the presets' devices: peak, memory, NVLink (default: h100)")
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
-    return load_topology(args.topology, args.nodes)
+    return load_topology(args.topology, args.nodes, getattr(args, "gpu", None))
 
 
 def split_list(text: str, cast=str) -> list:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from pipesim.commands.options import (
     add_schedule_args,
     add_topology_args,
     costs_from_args,
+    fallback_peak_flops,
     model_costs_from_args,
+    model_spec_from_args,
     parallel_from_args,
     schedule_from_args,
     topology_from_args,
@@ -48,12 +51,24 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--html", help="write a Gantt chart (self-contained HTML)")
 
 
+def finite_json(value):
+    """``value`` with every non-finite float (an unbounded capacity, an undefined ratio)
+    written as null, so ``--json`` is strict JSON that any parser reads."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value
+
+
 def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, titles: list[str],
                   metrics: list | None = None) -> None:
     """Write whichever of --json/--trace/--chrome-trace/--html were asked for."""
     written = []
     if args.json:
-        Path(args.json).write_text(json.dumps(result_dict, indent=2))
+        Path(args.json).write_text(json.dumps(finite_json(result_dict), indent=2, allow_nan=False))
         written.append(args.json)
     if args.trace:
         traces[0].save(args.trace)
@@ -72,6 +87,24 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
         print(f"wrote {path}")
 
 
+def model_figures(args: argparse.Namespace, result) -> dict:
+    """``--json``'s model section: the architecture, the per-stage costs derived from it,
+    and the throughput a training log would report for the simulated step."""
+    from pipesim.transformer_costs import training_figures
+
+    spec = model_spec_from_args(args)
+    fallback = fallback_peak_flops(args)
+    peaks = [result.topology.device_peak_flops(device) for device in result.devices]
+    peaks = [peak if math.isfinite(peak) else fallback for peak in peaks] or [fallback]
+    gpus = result.schedule.pp * result.parallel.tp * result.parallel.dp
+    figures = training_figures(spec, args.recompute, result.metrics.makespan, result.schedule.microbatches,
+                               result.parallel.dp, gpus, sum(peaks) / len(peaks))
+    model = spec.describe()
+    model.update(recompute=args.recompute, flash_attention=not args.no_flash_attention,
+                 sequence_parallel=args.sequence_parallel, gpus=gpus, peak_flops_per_gpu=sum(peaks) / len(peaks))
+    return {"model": model, "stage_costs": result.costs.to_dict()["stages"], **figures}
+
+
 def handle(args: argparse.Namespace) -> int:
     from pipesim.memory import OutOfMemoryError, check_memory
 
@@ -84,8 +117,15 @@ def handle(args: argparse.Namespace) -> int:
     result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args), p2p=args.p2p)
     if args.model:
         result.trace.meta["model"] = args.model  # the chart's title names it
+    document = result.to_dict()
     print(result.summary())
-    write_outputs(args, result.to_dict(), [result.trace], [f"predicted: {schedule.name}"], [result.metrics])
+    if args.model:
+        figures = model_figures(args, result)
+        document.update(figures)
+        print(f"  model {figures['model']['name']}: {figures['model']['params'] / 1e9:.3g} B params; "
+              f"{figures['tokens_per_second']:.4g} tokens/s, {figures['model_tflops_per_gpu']:.4g} TFLOP/s per GPU "
+              f"(Megatron's count), MFU {figures['mfu']:.1%}")
+    write_outputs(args, document, [result.trace], [f"predicted: {schedule.name}"], [result.metrics])
     if args.fail_on_oom:
         try:
             check_memory(result.memory)

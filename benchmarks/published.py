@@ -1,0 +1,243 @@
+"""Predicted against published step times of large training runs.
+
+For each study: one compute-efficiency number (the fraction of the GPU's dense BF16 peak
+that every GEMM and attention kernel reaches, ``--mfu``) is calibrated so that
+``pipesim simulate`` reproduces the step time of ONE configuration of the study (marked
+``calibrated``); every other configuration is predicted with that same number and
+compared (``held out``). Everything else comes from the model: FLOPs of the architecture,
+tensor-parallel collectives on NVLink, pipeline bubble and P2P over InfiniBand, the
+data-parallel gradient all-reduce, recompute.
+
+Sources (figures transcribed from the papers' tables):
+
+- Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM", SC'21 (arXiv:2104.04473), Table 1: weak scaling of GPT models 1.7B-1T on
+  up to 3072 A100s (Selene: DGX A100, 8 HDR InfiniBand ports per node), sequence 2048,
+  vocabulary 51,200, full activation recomputation, achieved TFLOP/s per GPU counted by
+  their eq. 3. The step time is that FLOP count over (GPUs x achieved FLOP/s). Not in the
+  table, assumed here: microbatch size 1, the non-interleaved 1F1B schedule, and the
+  gradient all-reduce after the pipeline flush (Megatron-LM of 2021 did not overlap it).
+- Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+  MLSys 2023 (arXiv:2205.05198), Tables 3 and 5: GPT 22B/175B/530B/1T on 8/64/280/512
+  A100s (tp 8; pp 1/8/35/64; one data-parallel replica), end-to-end iteration time with
+  full recompute and with selective recompute + sequence parallelism. Assumed: microbatch
+  size 1 (for 22B, pp=1, the global batch of 4 as 4 accumulated microbatches), 1F1B.
+
+Run: ``PYTHONPATH=. python benchmarks/published.py`` (prints a table per study and the
+median / worst error over the held-out rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+from pipesim import memory_traffic
+from pipesim.mapping import map_ranks
+from pipesim.model_spec import ModelSpec
+from pipesim.parallel import ParallelConfig
+from pipesim.simulation import run_simulation
+from pipesim.topology_file import load_topology
+from pipesim.transformer_costs import device_memory_bandwidth, model_costs
+from schedules.generators import generate
+
+A100_PEAK = 312e12
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published configuration and its step time."""
+
+    label: str
+    spec: ModelSpec
+    tp: int
+    pp: int
+    dp: int
+    global_batch: int
+    step_seconds: float
+    recompute: str = "full"
+    sequence_parallel: bool = False
+    microbatch_size: int = 1
+    gpu: str = "a100-80gb"
+    schedule: str = "1f1b"
+    overlap_dp: bool = True
+    flash_attention: bool = False  # neither paper used it (2021, 2022)
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.microbatch_size)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def gpt(name: str, layers: int, hidden: int, heads: int, microbatch_size: int = 1) -> ModelSpec:
+    """Megatron's GPT of the papers: vocabulary 51,200, sequence 2048, tied embeddings."""
+    return ModelSpec(name, layers=layers, hidden=hidden, heads=heads, seq_len=2048, vocab=51200,
+                     microbatch_size=microbatch_size)
+
+
+def narayanan_eq3_flops(spec: ModelSpec, batch: int) -> float:
+    """FLOPs per iteration with full recompute, Narayanan et al. eq. 3."""
+    s, layers, h, vocab = spec.seq_len, spec.layers, spec.hidden, spec.vocab
+    return 96 * batch * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
+
+
+def narayanan_2021() -> list[Run]:
+    # (params B, heads, hidden, layers, tp, pp, GPUs, batch, achieved TFLOP/s per GPU)
+    table = [
+        (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+        (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+        (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+        (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+        (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+        (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+        (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+        (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+        (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+        (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    ]
+    runs = []
+    for params, heads, hidden, layers, tp, pp, gpus, batch, tflops in table:
+        spec = gpt(f"gpt-{params}b", layers, hidden, heads)
+        seconds = narayanan_eq3_flops(spec, batch) / (gpus * tflops * 1e12)
+        runs.append(Run(f"{params}B t{tp} p{pp} d{gpus // (tp * pp)} B{batch}", spec, tp, pp, gpus // (tp * pp),
+                        batch, seconds, overlap_dp=False))
+    return runs
+
+
+def korthikanti_2022() -> list[Run]:
+    # (name, heads, hidden, layers, pp, global batch, full-recompute s, selective + sp s)
+    table = [
+        ("22B", 64, 6144, 48, 1, 4, 1.42, 1.10),
+        ("175B", 96, 12288, 96, 8, 64, 18.13, 13.75),
+        ("530B", 128, 20480, 105, 35, 280, 49.05, 37.83),
+        ("1T", 160, 25600, 128, 64, 512, 94.42, 71.49),
+    ]
+    runs = []
+    for name, heads, hidden, layers, pp, batch, full, selective in table:
+        spec = gpt(f"gpt-{name}", layers, hidden, heads)
+        runs.append(Run(f"{name} full", spec, 8, pp, 1, batch, full, recompute="full"))
+        runs.append(Run(f"{name} selective+sp", spec, 8, pp, 1, batch, selective, recompute="selective",
+                        sequence_parallel=True))
+    return runs
+
+
+# (study, runs, label of the calibrated run)
+STUDIES = (
+    ("Narayanan et al. 2021, Table 1 (A100, full recompute)", narayanan_2021, "145.6B"),
+    ("Korthikanti et al. 2022, Table 5 (A100, tp 8)", korthikanti_2022, "175B selective+sp"),
+)
+
+
+def simulate_step(run: Run, efficiency: float) -> float:
+    """The step time ``pipesim simulate`` predicts for ``run`` at ``efficiency``."""
+    from dataclasses import replace
+
+    spec = replace(run.spec, microbatch_size=run.microbatch_size)
+    topology = load_topology("ib", max(1, math.ceil(run.gpus / 8)), run.gpu)
+    schedule = generate(run.schedule, run.pp, run.microbatches)
+    devices = map_ranks(topology, run.dp, run.pp, run.tp).pipeline()
+    stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
+    costs = model_costs(spec, schedule.num_stages, [topology.device_peak_flops(device) for device in stage_devices],
+                        tp=run.tp, mfu=efficiency, sequence_parallel=run.sequence_parallel, recompute=run.recompute,
+                        flash_attention=run.flash_attention, stage_ranks=list(schedule.placement),
+                        stage_memory_bandwidth=[device_memory_bandwidth(topology, device) for device in stage_devices])
+    parallel = ParallelConfig(dp=run.dp, tp=run.tp, overlap_dp=run.overlap_dp)
+    return run_simulation(schedule, costs, topology, parallel=parallel, validate=False).metrics.makespan
+
+
+def calibrate(run: Run, low: float = 0.05, high: float = 1.0, tolerance: float = 1e-4) -> float:
+    """The efficiency at which the simulated step equals the published one (bisection:
+    the step time falls as efficiency rises)."""
+    if simulate_step(run, high) > run.step_seconds:
+        return high
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        if simulate_step(run, middle) > run.step_seconds:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def command_line(run: Run, efficiency: float) -> str:
+    """The ``pipesim simulate`` call that gives the same prediction."""
+    spec = run.spec
+    flags = [
+        f"--model gpt3-175b --layers {spec.layers} --hidden {spec.hidden} --heads {spec.heads} --vocab {spec.vocab}",
+        f"--seq-len {spec.seq_len} --microbatch-size {run.microbatch_size}",
+        f"--schedule {run.schedule} --pp {run.pp} -m {run.microbatches} --tp {run.tp} --dp {run.dp}",
+        f"--topology ib --nodes {max(1, math.ceil(run.gpus / 8))} --gpu {run.gpu}",
+        f"--recompute {run.recompute} --mfu {efficiency:.4f}",
+    ]
+    if not run.flash_attention:
+        flags.append("--no-flash-attention")
+    if run.sequence_parallel:
+        flags.append("--sequence-parallel")
+    if not run.overlap_dp:
+        flags.append("--no-dp-overlap")
+    return "pipesim simulate " + " ".join(flags)
+
+
+def study_table(title: str, runs: list[Run], calibrated_label: str) -> tuple[list[str], list[float]]:
+    anchor = next(run for run in runs if run.label.startswith(calibrated_label))
+    efficiency = calibrate(anchor)
+    lines = [f"{title}: efficiency {efficiency:.3f} of peak, calibrated on {anchor.label}", "",
+             "| run | GPUs | m | published step (s) | predicted (s) | error | |", "|---|---:|---:|---:|---:|---:|---|"]
+    errors = []
+    for run in runs:
+        predicted = simulate_step(run, efficiency)
+        error = predicted / run.step_seconds - 1
+        role = "calibrated" if run is anchor else "held out"
+        if run is not anchor:
+            errors.append(abs(error))
+        lines.append(f"| {run.label} | {run.gpus} | {run.microbatches} | {run.step_seconds:.3f} | {predicted:.3f} "
+                     f"| {error:+.1%} | {role} |")
+    lines += ["", f"equivalent command (calibrated run): `{command_line(anchor, efficiency)}`", ""]
+    return lines, errors
+
+
+def every_anchor(runs: list[Run]) -> list[str]:
+    """Held-out median and worst error with each run of a study as the calibration point:
+    how much the result depends on which run was chosen."""
+    lines = ["| calibrated on | efficiency | held-out median | worst |", "|---|---:|---:|---:|"]
+    for anchor in runs:
+        efficiency = calibrate(anchor)
+        errors = [abs(simulate_step(run, efficiency) / run.step_seconds - 1) for run in runs if run is not anchor]
+        lines.append(f"| {anchor.label} | {efficiency:.3f} | {statistics.median(errors):.1%} | {max(errors):.1%} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--every-anchor", action="store_true",
+                        help="also calibrate on each run in turn and report the held-out errors (slow)")
+    parser.add_argument("--backward-traffic", type=float, default=memory_traffic.BACKWARD_TRAFFIC,
+                        help="sensitivity: backward/forward bytes of the memory-bound kernels "
+                        f"(model: {memory_traffic.BACKWARD_TRAFFIC})")
+    parser.add_argument("--hbm-efficiency", type=float, default=memory_traffic.HBM_EFFICIENCY,
+                        help=f"sensitivity: fraction of HBM bandwidth reached (model: {memory_traffic.HBM_EFFICIENCY})")
+    args = parser.parse_args()
+    memory_traffic.BACKWARD_TRAFFIC = args.backward_traffic
+    memory_traffic.HBM_EFFICIENCY = args.hbm_efficiency
+    started = time.perf_counter()
+    all_errors = []
+    for title, runs, anchor in STUDIES:
+        lines, errors = study_table(title, runs(), anchor)
+        print("\n".join(lines))
+        print(f"held out: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} "
+              f"over {len(errors)} runs\n")
+        all_errors += errors
+        if args.every_anchor:
+            print("\n".join(every_anchor(runs())) + "\n")
+    print(f"all held-out runs: median |error| {statistics.median(all_errors):.1%}, worst {max(all_errors):.1%} "
+          f"over {len(all_errors)} runs ({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
