@@ -89,7 +89,7 @@ if [ "$GPUS" -ge 2 ]; then
     SCHEDULE=(--schedule interleaved-1f1b --pp 2 --virtual-stages 2)
     check profile-pp2 120 $PYTHON -m pipesim profile "${SCHEDULE[@]}" "${MODEL[@]}" --backend "$BACKEND" \
         --min-time 1 --out "$OUT/costs.json"
-    SIZES=1MB..256MB; [ "$DRY" = 1 ] && SIZES=1KB,64KB
+    SIZES=1MB..256MB; [ "$DRY" = 1 ] && SIZES=1KB..4MB
     check bench-comm-2 90 $PYTHON -m pipesim bench-comm --ranks 2 --sizes "$SIZES" --backend "$BACKEND" \
         --out "$OUT/links.json"
     if [ -f "$OUT/costs.json" ] && [ -f "$OUT/links.json" ]; then
