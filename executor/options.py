@@ -15,6 +15,7 @@ from executor.config import (
     MODELS,
     OPTIMIZER_DEFAULTS,
     OPTIMIZERS,
+    P2P_SEMANTICS,
     ConfigError,
     RunConfig,
 )
@@ -76,6 +77,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     runtime.add_argument("--timeout", type=float, default=60.0,
                          help="seconds a rank waits on a peer before the job fails (default 60)")
     runtime.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    runtime.add_argument("--p2p", choices=P2P_SEMANTICS, default=None,
+                         help="point-to-point semantics the schedule is checked and run under: rendezvous "
+                              "(NCCL's rule, emulated on gloo) or buffered (gloo's); default: the backend's")
+    runtime.add_argument("--verbose", action="store_true",
+                         help="show every rank's output and a failed rank's traceback on the console")
     runtime.add_argument("--inject-failure", default=None, metavar="RANK:ACTION:MODE",
                          help="testing aid: make RANK raise|kill|hang before ACTION of step 0, e.g. 1:1B0:kill")
     output = parser.add_argument_group("output")
@@ -107,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, steps=args.steps, seed=args.seed,
         optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, dtype=args.dtype,
         grad_reduce_dtype=args.grad_reduce_dtype, backend=args.backend, timeout=args.timeout,
-        threads=args.threads, layout=layout, inject_failure=args.inject_failure,
+        threads=args.threads, layout=layout, inject_failure=args.inject_failure, p2p=args.p2p,
     )
     config.check()
     return config

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 from executor.config import BACKENDS  # plain data, no torch import
@@ -32,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ops", default=DEFAULT_OPERATIONS, help=f"operations (default {DEFAULT_OPERATIONS})")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--verbose", action="store_true", help="show every rank's output and tracebacks")
     parser.add_argument("--out", metavar="PATH", help="write the topology file (JSON) with the fitted links")
     parser.add_argument("--json", metavar="PATH", help="write every timing, bandwidth and fit as JSON")
     parser.add_argument("--html", metavar="PATH", help="write a chart of time and bus bandwidth against size")
@@ -70,17 +72,24 @@ def format_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def measure(ranks: int, sizes: list[int], operations: list[str], backend: str, threads: int) -> dict:
+def measure(ranks: int, sizes: list[int], operations: list[str], backend: str, threads: int,
+            verbose: bool = False) -> dict:
     """Run the benchmark (torch) and return the raw result."""
     from executor.bench_comm import bench_comm  # noqa: PLC0415 - loads torch
 
-    return bench_comm(ranks, operations, sizes, backend, threads)
+    return bench_comm(ranks, operations, sizes, backend, threads, verbose=verbose)
 
 
 def handle(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes)
     operations = [name.strip() for name in args.ops.split(",") if name.strip()]
-    result = measure(args.ranks, sizes, operations, args.backend, args.threads)
+    from executor.spawn import SpawnError  # noqa: PLC0415 - loads torch
+
+    try:
+        result = measure(args.ranks, sizes, operations, args.backend, args.threads, args.verbose)
+    except SpawnError as error:
+        print(f"pipesim bench-comm: failed: {error}", file=sys.stderr)
+        return 1
     rows = bench_table(result)
     fits = fits_by_operation(result)
     print(f"{result['world']} ranks, {result['backend']} on {result['device']}")

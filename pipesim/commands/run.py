@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_run_arguments(parser)
     parser.add_argument("--html", default=None, metavar="PATH", help="write a Gantt chart of the measured step")
-    parser.add_argument("--log-dir", default=None, metavar="DIR", help="keep each rank's stdout/stderr here")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="keep each rank's stdout/stderr and the launcher's log here (default: a temporary "
+                             "folder, kept only when the run fails)")
     parser.set_defaults(handler=handle)
 
 
@@ -37,7 +39,7 @@ def handle(args: argparse.Namespace) -> int:
             validate_schedule(config)  # launch() checks the schedule itself before starting ranks
             result = run_local(config)
         else:
-            (result,) = launch(config, log_dir=args.log_dir)
+            (result,) = launch(config, log_dir=args.log_dir, verbose=args.verbose)
     except PipelineRunError as error:
         print(f"pipesim run: failed: {error}", file=sys.stderr)
         return 1
