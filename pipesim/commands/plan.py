@@ -102,7 +102,8 @@ def handle(args: argparse.Namespace) -> int:
 
         # fork: the workers inherit _BASE and the loaded topology instead of re-reading them
         multiprocessing.set_start_method("fork", force=True)
-    result = search(layouts, evaluate_layout, lower_bound, args.top, workers, progress, rejected)
+    result = search(layouts, evaluate_layout, lower_bound, args.top, workers, progress, rejected,
+                    reject=memory_floor_cause)
     if progress is not None and result.pruned:
         sys.stderr.write("\n")
     print(format_plan(result, args))
@@ -186,20 +187,27 @@ def _costs(args: argparse.Namespace, schedule) -> object:
     return model_costs_from_args(args, schedule, _BASE["topology"])
 
 
-def lower_bound(layout: Layout) -> float:
-    """A step time no schedule of this layout can beat: the busiest pipeline rank's
-    compute, plus the forward of microbatch 0 reaching the rank's first stage before it
-    can start and the input gradient of its last microbatch travelling back from there."""
+def _layout_costs(layout: Layout):
+    """The layout's parsed flags and per-stage costs, without generating its schedule
+    (a shell with the looped placement: costs depend only on the stages)."""
     from schedules.schedule import Schedule, looped_placement
 
     args = _parse(layout)
-    stages = layout.pp * layout.virtual_stages
     shell = Schedule(layout.pp, layout.microbatches, looped_placement(layout.pp, layout.virtual_stages),
                      [()] * layout.pp, name=layout.schedule)
+    return args, _costs(args, shell)
+
+
+def lower_bound(layout: Layout) -> float:
+    """A step time no schedule of this layout can beat: the busiest pipeline rank's
+    compute, plus the forward of microbatch 0 reaching the rank's first stage before it
+    can start and the input gradient of its last microbatch travelling back from there,
+    plus the optimizer step that follows it."""
     try:
-        costs = _costs(args, shell)
+        _, costs = _layout_costs(layout)
     except ValueError:
         return float("inf")  # the evaluation reports why
+    stages = layout.pp * layout.virtual_stages
     best = 0.0
     for rank in range(layout.pp):
         own = range(rank, stages, layout.pp)
@@ -208,7 +216,35 @@ def lower_bound(layout: Layout) -> float:
         fill = sum(costs.stages[s].fwd for s in before) + sum(costs.stages[s].bwd - costs.stages[s].wgrad
                                                                for s in before)
         best = max(best, busy + fill)
-    return best
+    return best + costs.step_overhead
+
+
+def memory_floor_cause(layout: Layout) -> str | None:
+    """"out of memory" when even the least any schedule can hold — parameters, gradients
+    and optimizer state, P2P buffers, and one microbatch's stash of the rank's largest
+    stage — exceeds the device; None otherwise (the simulation decides)."""
+    from pipesim.commands.options import parallel_from_args
+    from pipesim.mapping import map_ranks
+    from pipesim.memory import stage_params, static_bytes_per_param
+
+    try:
+        args, costs = _layout_costs(layout)
+        parallel = parallel_from_args(args)
+    except ValueError:
+        return None
+    if not costs.memory_known:
+        return None
+    topology = _BASE["topology"]
+    devices = map_ranks(topology, layout.dp, layout.pp, layout.tp, parallel.rank_order).pipeline()
+    per_param = static_bytes_per_param(parallel.bytes_per_param, layout.dp, parallel.zero)
+    stages = layout.pp * layout.virtual_stages
+    for rank in range(layout.pp):
+        own = [costs.stages[s] for s in range(rank, stages, layout.pp)]
+        floor = sum(stage_params(cost.params, cost.param_bytes, parallel.bytes_per_param) * per_param for cost in own)
+        floor += max(cost.stash_bytes for cost in own)
+        if floor > topology.device_memory(devices[rank]):
+            return "out of memory (parameters, optimizer state and one stash alone)"
+    return None
 
 
 def evaluate_layout(layout: Layout) -> dict:
@@ -276,7 +312,8 @@ def format_plan(result, args: argparse.Namespace) -> str:
                      f"{row['exposed_comm'] * 1e3:>7.1f}ms "
                      f"{row['peak_memory_bytes'] / 1e9:>6.1f} GB {capacity:>9}")
     rate = result.simulated / result.seconds if result.seconds else 0.0
-    lines.append(f"considered {result.considered} layouts: simulated {result.simulated}, "
+    lines.append(f"considered {result.considered} layouts: {result.screened} rejected before simulation, "
+                 f"simulated {result.simulated}, "
                  f"{result.pruned} pruned by lower bound (cannot reach the top {args.top}); "
                  f"{result.seconds:.1f} s, {rate:.0f} simulated/s")
     if result.rejected:
