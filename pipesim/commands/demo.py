@@ -45,6 +45,9 @@ def handle(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     topology = load_topology(args.topology)
     fwd, bwd, act_bytes = 10e-3, 20e-3, 256e6  # a mid-size transformer stage; 256 MB activations
+    print(f"demo costs, per pipeline rank and microbatch: forward {fwd * 1e3:g} ms, backward {bwd * 1e3:g} ms, "
+          f"{act_bytes / 1e6:g} MB sent between stages (each of v chunks: 1/v of the compute); "
+          f"{args.pp} ranks, {args.microbatches} microbatches on {topology.name} ({topology.description})\n")
     traces, titles, metrics = [], [], []
     for name, chunks in DEMO_SCHEDULES:
         schedule = generate(name, args.pp, args.microbatches, chunks, args.max_actions)
