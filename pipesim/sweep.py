@@ -107,7 +107,8 @@ def run_sweep(
 
 def _capacity(result) -> float | None:
     """The smallest device memory among the pipeline's ranks, or None when unbounded."""
-    capacity = min((rank.capacity_bytes for rank in result.memory), default=float("inf"))
+    # a fact of the devices, known even when the costs say nothing about memory
+    capacity = min((result.topology.device_memory(device) for device in result.devices), default=float("inf"))
     return capacity if capacity != float("inf") else None
 
 

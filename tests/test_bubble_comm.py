@@ -270,7 +270,8 @@ def test_issue_example_gpt3_13b_on_ideal_is_all_bubble():
     metrics = step_metrics(run_simulation(schedule, costs, ideal_topology()).trace, 1)
     for rank in metrics.ranks:
         assert rank.exposed_comm == 0.0
-        assert rank.bubble == pytest.approx(metrics.makespan - rank.busy)
+        # the model's optimizer step ends the step; everything else that is not compute is bubble
+        assert rank.bubble == pytest.approx(metrics.makespan - rank.busy - rank.optimizer)
 
 
 @pytest.mark.timeout(120)
