@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Profile the stages of a pipelined model on this machine's device and backend "
                     "(one process per pipeline rank, as pipesim run starts them) and write a costs file.",
     )
-    add_run_arguments(parser)
+    add_run_arguments(parser, outputs=False)
     add_profile_arguments(parser)
     parser.add_argument("--out", required=True, metavar="PATH", help="the costs file to write (JSON)")
     parser.set_defaults(handler=handle)
