@@ -16,6 +16,7 @@ from pathlib import Path
 
 from executor.options import add_run_arguments, config_from_args
 from pipesim.commands.profile import add_profile_arguments, check_profile_arguments
+from pipesim.commands.progress import StepWatcher, add_quiet_arg, progress_from_args
 
 LINK_SIZES = "1KB..16MB"  # sendrecv sizes measured when no --topology is given
 
@@ -37,6 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="first steps left out of the measured step time (default 1)")
     group.add_argument("--html", metavar="PATH", help="write the measured and predicted timelines on one axis")
     group.add_argument("--predicted-trace", metavar="PATH", help="write the predicted Trace")
+    add_quiet_arg(parser)
     parser.set_defaults(handler=handle, steps=5)
 
 
@@ -95,14 +97,20 @@ def handle(args: argparse.Namespace) -> int:
     from pipesim.simulation import run_simulation  # noqa: PLC0415
 
     schedule = validate_schedule(config)
-    costs = calibrated_costs(args, config, schedule.num_stages)
-    topology = calibrated_topology(args, config)
+    progress = progress_from_args("compare", args)
+    with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
+        costs = calibrated_costs(args, config, schedule.num_stages)
+    with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
+        topology = calibrated_topology(args, config)
     try:
-        (result,) = launch(config)
+        progress.line(f"3/4 running {config.steps} steps on {config.world_size} ranks")
+        with StepWatcher(progress, config.pp, config.steps):
+            (result,) = launch(config)
     except PipelineRunError as error:
         print(f"pipesim compare: run failed: {error}", file=sys.stderr)
         return 1
-    predicted = run_simulation(schedule, costs, topology)
+    with progress.phase("4/4 simulating the same programs"):
+        predicted = run_simulation(schedule, costs, topology)
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
                        args.warmup_steps)
     print("\n".join(report_lines(document)))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from executor.estimate import DEFAULT_MIN_TIME
 from executor.options import add_run_arguments, config_from_args
+from pipesim.commands.progress import add_quiet_arg, progress_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_run_arguments(parser, outputs=False)
     add_profile_arguments(parser)
     parser.add_argument("--out", required=True, metavar="PATH", help="the costs file to write (JSON)")
+    add_quiet_arg(parser)
     parser.set_defaults(handler=handle)
 
 
@@ -52,7 +54,8 @@ def run_profile(args: argparse.Namespace) -> dict:
     config = config_from_args(args)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    return profile(config, args.warmup, args.repeats, args.min_time)
+    with progress_from_args("profile", args).phase(f"profiling {config.pp} stages on {config.world_size} ranks"):
+        return profile(config, args.warmup, args.repeats, args.min_time)
 
 
 def describe(document: dict) -> list[str]:
