@@ -49,13 +49,14 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     schedule.add_argument("--schedule", default=None, help=f"a generated schedule (default {DEFAULT_SCHEDULE})")
     schedule.add_argument("--schedule-file", default=None, metavar="CSV",
                           help="run the order in this schedule CSV (torch.distributed.pipelining format) instead; "
-                               "it fixes pp, microbatches and the stages per rank")
+                               "it fixes pp, microbatches and the stages per rank (default: none, generate --schedule)")
     schedule.add_argument("--pp", type=int, default=None,
                           help=f"pipeline ranks, one process each (default {DEFAULT_PP}; 1: no pipeline)")
     schedule.add_argument("--microbatches", "-m", type=int, default=None,
                           help=f"microbatches per dp replica and step (default {DEFAULT_MICROBATCHES})")
-    schedule.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp * pp * tp)")
-    schedule.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (gpt only)")
+    schedule.add_argument("--dp", type=int, default=1,
+                          help="data-parallel replicas (world size = dp * pp * tp) (default 1)")
+    schedule.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (gpt only) (default 1)")
     schedule.add_argument("--sequence-parallel", action="store_true",
                           help="with --tp: Megatron sequence parallelism in the blocks")
     schedule.add_argument("--bucket-mb", dest="dp_bucket_mb", type=float, metavar="MB", default=25.0,
@@ -68,7 +69,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     model.add_argument("--layers", type=int, default=4, help="layers in the whole model (default 4)")
     model.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
     model.add_argument("--batch-size", type=int, default=8,
-                       help="global samples per step: split across dp replicas, then cut into microbatches")
+                       help="global samples per step: split across dp replicas, then cut into microbatches "
+                       "(default 8)")
     model.add_argument("--seq-len", type=int, default=16, help="gpt: tokens per sample (default 16)")
     model.add_argument("--vocab", type=int, default=128, help="gpt: vocabulary size (default 128)")
     model.add_argument("--heads", type=int, default=4, help="gpt: attention heads (default 4)")

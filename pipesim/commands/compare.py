@@ -47,10 +47,37 @@ def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
     from pipesim.costs import costs_from_dict, load_costs  # noqa: PLC0415
 
     if args.costs:
-        return load_costs(args.costs, num_stages)
+        costs = load_costs(args.costs, num_stages)
+        check_costs_match(costs.meta, config, args.costs)
+        return costs
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
     return costs_from_dict(profile(config, args.warmup, args.repeats, args.min_time), num_stages, name="profile")
+
+
+def profiled_shape(config) -> dict:
+    """What a profile's stage times depend on, as ``pipesim profile`` writes it in the
+    costs file's ``meta``: the model and its sizes, the pipeline split, the microbatch
+    size and the dtype (the schedule and the microbatch count change no stage's time)."""
+    shape = {"model": config.model, "layers": config.layers, "hidden": config.hidden, "pp": config.pp,
+             "virtual_stages": config.virtual_stages, "dtype": config.dtype,
+             "microbatch_size": -(-config.batch_size // config.microbatches)}
+    if config.model == "gpt":
+        shape["seq_len"] = config.seq_len
+    return shape
+
+
+def check_costs_match(meta: dict, config, path: str) -> None:
+    """Refuse a costs file profiled on another model or shape: its stage times would be
+    another model's (a costs file of a 4x wider model once gave a +5583.8% "error").
+    Files without ``meta`` (written by hand) are taken as they are."""
+    if not meta:
+        return
+    differences = [f"{key} {meta[key]} (this run: {value})" for key, value in profiled_shape(config).items()
+                   if key in meta and meta[key] != value]
+    if differences:
+        raise ValueError(f"--costs {path} was profiled on another model or shape: {'; '.join(differences)}; "
+                         "profile this config (drop --costs) or pass the flags it was profiled with")
 
 
 def calibrated_topology(args: argparse.Namespace, config):

@@ -28,7 +28,7 @@ def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) 
                        help=f"one of {', '.join(SCHEDULE_NAMES)} (default: {DEFAULT_SCHEDULE})")
     if allow_file:
         group.add_argument("--schedule-file", help="a schedule CSV (torch.distributed.pipelining format) instead; "
-                           "it fixes pp, microbatches and the stages per rank")
+                           "it fixes pp, microbatches and the stages per rank (default: none, generate --schedule)")
     group.add_argument("--pp", type=int, default=None, help=f"pipeline-parallel ranks (default: {DEFAULT_PP})")
     group.add_argument("--microbatches", "-m", type=int, default=None,
                        help=f"microbatches per step (default: {DEFAULT_MICROBATCHES})")
@@ -84,7 +84,7 @@ def check_cost_flags(args: argparse.Namespace) -> None:
             if getattr(args, dest, None) is not None:
                 raise conflict(flag, f"--costs {args.costs}", f"the costs file gives every stage's costs; drop {flag}")
     if hasattr(args, "mfu") and args.mfu is not None and not getattr(args, "model", None):
-        raise conflict("--mfu", "--fwd/--costs", "--mfu scales the FLOPs of a --model; give --model or drop --mfu")
+        raise ValueError("--mfu needs --model: it scales the FLOPs of a model spec; give --model or drop --mfu")
 
 
 def virtual_stages_for(name: str, requested: int | None) -> int:

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--schedule", default=None, help=f"comma-separated schedule names (default: {SCHEDULES})")
     parser.add_argument("--schedule-file", action="append", default=None, metavar="CSV",
                         help="a schedule CSV (torch.distributed.pipelining format) instead of --schedule; repeat "
-                             "the flag (or separate with commas) to compare several, one row each")
+                             "the flag (or separate with commas) to compare several, one row each (default: none)")
     parser.add_argument("--pp", default=None, help=f"pipeline ranks, comma-separated (default: {PP})")
     parser.add_argument("--microbatches", "-m", default=None,
                         help=f"microbatch counts, comma-separated (default: {MICROBATCHES})")
