@@ -4,16 +4,18 @@ Bandwidths are per direction (DESIGN.md, "Reference links"); ``efficiency`` is t
 fraction of peak that a measured NCCL send/recv reaches, since no real transfer runs
 at the line rate (e.g. ~195 GB/s of 300 GB/s one way on A100 NVLink: 0.65).
 Latencies are per hop; a GPU-to-GPU path crosses two or more hops.
+
+Each preset is a ``Hierarchy``: per GPU, the chains of uplinks it climbs (see
+``pipesim.hierarchy``), from which its routes and, on demand, its graph follow.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import networkx as nx
-
 from pipesim.gpus import GPUS, GpuSpec, gpu_spec
-from pipesim.topology import Topology, TopologyError, add_link, ideal_topology
+from pipesim.hierarchy import Chain, Hierarchy, Hop, Link
+from pipesim.topology import Topology, TopologyError, ideal_topology
 
 GB = 1e9
 US = 1e-6
@@ -46,24 +48,27 @@ ETH_HOP_LATENCY = 7.5 * US
 GPUS_PER_NODE = 8
 
 
-def _gpu(graph: nx.DiGraph, name: str, gpu: GpuSpec) -> str:
-    graph.add_node(name, kind="gpu", memory_bytes=gpu.memory_bytes, peak_flops=gpu.bf16_flops,
-                   memory_bandwidth=gpu.memory_bandwidth, gpu=gpu.name)
-    return name
+def _gpu(gpu: GpuSpec) -> dict[str, object]:
+    """The figures every device of a preset carries."""
+    return {"memory_bytes": gpu.memory_bytes, "peak_flops": gpu.bf16_flops,
+            "memory_bandwidth": gpu.memory_bandwidth, "gpu": gpu.name}
 
 
-def _nvswitch_node(graph: nx.DiGraph, node: int, devices: list[str], gpu: GpuSpec) -> None:
+NIC_PCIE = Link(PCIE5_X16_BW, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")  # GPU <-> its own NIC
+
+
+def _nvswitch_uplink(node: int, gpu: GpuSpec) -> Chain:
     """Eight GPUs on one NVSwitch fabric: every GPU a full-bandwidth link to the switch."""
-    switch = f"n{node}.nvswitch"
-    graph.add_node(switch, kind="nvswitch")
-    for local in range(GPUS_PER_NODE):
-        name = _gpu(graph, f"n{node}.gpu{local}", gpu)
-        devices.append(name)
-        add_link(graph, name, switch, gpu.nvlink_bandwidth, NVLINK_HOP_LATENCY, NVLINK_EFFICIENCY, "nvlink")
+    return (Hop(f"n{node}.nvswitch", "nvswitch",
+                Link(gpu.nvlink_bandwidth, NVLINK_HOP_LATENCY, NVLINK_EFFICIENCY, "nvlink")),)
 
 
 def _nvlink_words(gpu: GpuSpec) -> str:
     return f"{gpu.name.upper()}, NVLink {gpu.nvlink_generation} via NVSwitch"
+
+
+def _node_devices(nodes: int) -> list[str]:
+    return [f"n{node}.gpu{local}" for node in range(nodes) for local in range(GPUS_PER_NODE)]
 
 
 def nvlink(nodes: int = 1, gpu: str | None = None) -> Topology:
@@ -71,10 +76,9 @@ def nvlink(nodes: int = 1, gpu: str | None = None) -> Topology:
     (NVLink 4: 450 GB/s per GPU per direction)."""
     _single_node("nvlink", nodes)
     spec = gpu_spec(gpu)
-    graph = nx.DiGraph()
-    devices: list[str] = []
-    _nvswitch_node(graph, 0, devices, spec)
-    return Topology("nvlink", graph, devices, description=f"1 node, 8x {_nvlink_words(spec)}")
+    uplink = _nvswitch_uplink(0, spec)
+    hierarchy = Hierarchy(_node_devices(1), lambda index: (uplink,), _gpu(spec))
+    return Topology.from_hierarchy("nvlink", hierarchy, description=f"1 node, 8x {_nvlink_words(spec)}")
 
 
 def _pcie_node(name: str, link_bw: float, description: str, gpu: GpuSpec) -> Topology:
@@ -83,21 +87,18 @@ def _pcie_node(name: str, link_bw: float, description: str, gpu: GpuSpec) -> Top
     GPUs on one switch talk through it; across switches the transfer climbs to the
     socket's root complex; across sockets it also crosses UPI (the slowest, most shared
     part of a PCIe box, which is why cross-socket P2P is the bottleneck there)."""
-    graph = nx.DiGraph()
-    devices: list[str] = []
-    for socket in range(2):
-        cpu = f"cpu{socket}"
-        graph.add_node(cpu, kind="host")
-        for switch_index in range(2):
-            switch = f"pcie_switch{socket * 2 + switch_index}"
-            graph.add_node(switch, kind="pcie_switch")
-            add_link(graph, switch, cpu, link_bw, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
-            for _slot in range(2):
-                device = _gpu(graph, f"gpu{len(devices)}", gpu)
-                devices.append(device)
-                add_link(graph, device, switch, link_bw, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
-    add_link(graph, "cpu0", "cpu1", UPI_BW, UPI_LATENCY, PCIE_EFFICIENCY, "upi")
-    return Topology(name, graph, devices, description=description)
+    pcie_link = Link(link_bw, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
+    upi = Link(UPI_BW, UPI_LATENCY, PCIE_EFFICIENCY, "upi")
+
+    def uplinks(index: int) -> tuple[Chain, ...]:
+        switch, socket = index // 2, index // 4
+        chain = (Hop(f"pcie_switch{switch}", "pcie_switch", pcie_link), Hop(f"cpu{socket}", "host", pcie_link))
+        if socket == 1:  # socket 1 reaches socket 0 over UPI; chains meet at cpu0 at the latest
+            chain += (Hop("cpu0", "host", upi),)
+        return (chain,)
+
+    hierarchy = Hierarchy([f"gpu{index}" for index in range(GPUS_PER_NODE)], uplinks, _gpu(gpu))
+    return Topology.from_hierarchy(name, hierarchy, description=description)
 
 
 def pcie(nodes: int = 1, gpu: str | None = None) -> Topology:
@@ -119,21 +120,18 @@ def pcie5(nodes: int = 1, gpu: str | None = None) -> Topology:
 def _multi_node(name: str, nodes: int, nic_bw: float, hop_latency: float, efficiency: float, medium: str,
                 description: str, gpu: GpuSpec) -> Topology:
     """``nodes`` NVSwitch nodes; each GPU has its own NIC (rail-optimised, as DGX/HGX
-    systems are built) into one non-blocking fabric switch."""
+    systems are built) into one non-blocking fabric switch. A GPU climbs either to its
+    node's NVSwitch or through its NIC to the fabric."""
     if nodes < 1:
         raise TopologyError(f"--nodes must be >= 1, got {nodes}")
-    graph = nx.DiGraph()
-    devices: list[str] = []
-    fabric = f"{medium}_switch"
-    graph.add_node(fabric, kind=f"{medium}_switch")
-    for node in range(nodes):
-        _nvswitch_node(graph, node, devices, gpu)
-        for local in range(GPUS_PER_NODE):
-            nic = f"n{node}.nic{local}"
-            graph.add_node(nic, kind="nic")
-            add_link(graph, f"n{node}.gpu{local}", nic, PCIE5_X16_BW, PCIE_HOP_LATENCY, PCIE_EFFICIENCY, "pcie")
-            add_link(graph, nic, fabric, nic_bw, hop_latency, efficiency, medium)
-    return Topology(name, graph, devices, description=description.format(nodes=nodes))
+    fabric = Hop(f"{medium}_switch", f"{medium}_switch", Link(nic_bw, hop_latency, efficiency, medium))
+
+    def uplinks(index: int) -> tuple[Chain, ...]:
+        node, local = divmod(index, GPUS_PER_NODE)
+        return _nvswitch_uplink(node, gpu), (Hop(f"n{node}.nic{local}", "nic", NIC_PCIE), fabric)
+
+    hierarchy = Hierarchy(_node_devices(nodes), uplinks, _gpu(gpu))
+    return Topology.from_hierarchy(name, hierarchy, description=description.format(nodes=nodes))
 
 
 def ib(nodes: int = 2, gpu: str | None = None) -> Topology:

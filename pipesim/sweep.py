@@ -14,7 +14,14 @@ from pipesim.costs import Costs
 from pipesim.parallel import ParallelConfig
 from pipesim.simulation import run_simulation
 from pipesim.topology import Topology
-from schedules.generators import COST_AWARE, MULTI_CHUNK, ScheduleUnavailableError, generate
+from schedules.generators import (
+    COST_AWARE,
+    DEFAULT_MAX_ACTIONS,
+    MULTI_CHUNK,
+    ScheduleUnavailableError,
+    generate,
+    require_within_limit,
+)
 from schedules.schedule import Schedule
 
 ROW_FIELDS = (
@@ -49,6 +56,7 @@ def run_sweep(
     topology: Topology,
     progress: bool = True,
     parallel: ParallelConfig | None = None,
+    max_actions: int | None = DEFAULT_MAX_ACTIONS,
     memory_limit: int | None = None,
     p2p: str | None = None,
     schedules: dict[SweepPoint, Schedule] | None = None,
@@ -56,12 +64,17 @@ def run_sweep(
     """Simulate every point; a point whose schedule does not exist becomes a row with a
     ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs;
     cost-aware schedules (zb-auto) are built from those costs, ``memory_limit`` stashes.
-    ``schedules`` gives the schedule of points that are not generated (read from a file)."""
+    ``schedules`` gives the schedule of points that are not generated (read from a file).
+    A generated point over ``max_actions`` refuses the whole sweep before anything runs."""
+    for point in points:
+        if point not in (schedules or {}):
+            require_within_limit(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
     rows = []
     for index, point in enumerate(points, 1):
         label = f"{point.schedule} pp={point.pp} m={point.microbatches} v={point.virtual_stages}"
         try:
-            schedule = (schedules or {}).get(point) or _build(point, costs_for, topology, parallel, memory_limit)
+            schedule = (schedules or {}).get(point) or _build(point, costs_for, topology, parallel, memory_limit,
+                                                              max_actions)
         except ScheduleUnavailableError as error:
             rows.append({**point.__dict__, "note": str(error)})
             if progress:
@@ -99,9 +112,10 @@ def _capacity(result) -> float | None:
 
 
 def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: Topology,
-           parallel: ParallelConfig | None, memory_limit: int | None) -> Schedule:
+           parallel: ParallelConfig | None, memory_limit: int | None,
+           max_actions: int | None = DEFAULT_MAX_ACTIONS) -> Schedule:
     if point.schedule not in COST_AWARE:
-        return generate(point.schedule, point.pp, point.microbatches, point.virtual_stages)
+        return generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
     from pipesim.cost_aware import build_cost_aware
     from pipesim.mapping import map_ranks
 

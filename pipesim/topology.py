@@ -3,16 +3,21 @@
 Every link is stored once per direction (a directed edge) because NVLink, PCIe and
 InfiniBand are full duplex: traffic one way does not slow traffic the other way, but
 two transfers going the same way over one link share it. Routes follow the graph
-(lowest total latency) and are cached per device pair.
+(lowest total latency) and are cached per device pair. The built-in presets are
+hierarchies (``pipesim.hierarchy``): their routes are read off the structure, and their
+graph is built only when something asks for it, so a 100k-GPU cluster stays cheap.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from typing import TYPE_CHECKING
 
 import networkx as nx
+
+if TYPE_CHECKING:
+    from pipesim.hierarchy import Hierarchy
 
 
 class TopologyError(ValueError):
@@ -46,27 +51,44 @@ class Topology:
     ``devices`` lists the GPUs in the order ranks are mapped onto them. An ``ideal``
     topology has free, instant links. ``backend`` is the torch.distributed backend whose
     links were measured (``bench-comm`` files say), None for presets of GPU clusters
-    (NCCL); it sets the P2P semantics a prediction defaults to."""
+    (NCCL); it sets the P2P semantics a prediction defaults to.
 
-    def __init__(self, name: str, graph: nx.DiGraph, devices: list[str], ideal: bool = False,
-                 description: str = "", backend: str | None = None) -> None:
+    A topology made ``from_hierarchy`` has no graph up front: routes and device figures
+    come from the hierarchy, and ``graph`` is built from it on first use."""
+
+    def __init__(self, name: str, graph: nx.DiGraph | None, devices: list[str], ideal: bool = False,
+                 description: str = "", backend: str | None = None, hierarchy: Hierarchy | None = None) -> None:
+        if graph is None and hierarchy is None:
+            raise ValueError("a Topology needs a graph or a hierarchy")
         self.name = name
         self.backend = backend
-        self.graph = graph
+        self._graph = graph
         self.devices = list(devices)
         self.ideal = ideal
         self.description = description
+        self.hierarchy = hierarchy
         self._routes: dict[tuple[str, str], Route] = {}
+        known = hierarchy if hierarchy is not None else graph
         for device in self.devices:
-            if device not in graph:
+            if device not in known:
                 raise TopologyError(f"topology {name}: device {device!r} is not in the graph")
 
-    def __repr__(self) -> str:
-        return f"Topology({self.name!r}, devices={len(self.devices)}, links={self.graph.number_of_edges()})"
+    @classmethod
+    def from_hierarchy(cls, name: str, hierarchy: Hierarchy, description: str = "") -> Topology:
+        """A preset-style cluster whose routes follow from its structure."""
+        return cls(name, None, hierarchy.devices, description=description, hierarchy=hierarchy)
 
-    @cached_property
-    def _latency_weights(self) -> dict:
-        return {(u, v): data["latency"] for u, v, data in self.graph.edges(data=True)}
+    @property
+    def graph(self) -> nx.DiGraph:
+        """Devices, switches and links as a networkx graph (built on first use for a
+        hierarchy)."""
+        if self._graph is None:
+            assert self.hierarchy is not None
+            self._graph = self.hierarchy.graph()
+        return self._graph
+
+    def __repr__(self) -> str:
+        return f"Topology({self.name!r}, devices={len(self.devices)})"
 
     def effective_bandwidth(self, src: str, dst: str) -> float:
         data = self.graph.edges[src, dst]
@@ -80,6 +102,13 @@ class Topology:
             return cached
         if self.ideal or src == dst:
             route = FREE_ROUTE
+        elif self.hierarchy is not None:
+            for device in (src, dst):
+                if device not in self.hierarchy:
+                    raise TopologyError(f"topology {self.name}: device {device!r} is not in the graph")
+            route = self.hierarchy.route(src, dst)
+            if route is None:
+                raise TopologyError(f"topology {self.name}: no route from {src} to {dst}")
         else:
             try:
                 path = nx.shortest_path(self.graph, src, dst, weight="latency")
@@ -96,17 +125,23 @@ class Topology:
         self._routes[key] = route
         return route
 
+    def device_figure(self, device: str, key: str, default: float = math.inf) -> float:
+        """A figure of ``device`` (``memory_bytes``, ``peak_flops``, ``memory_bandwidth``),
+        ``default`` when the topology does not say; a hierarchy answers without its graph."""
+        if self.hierarchy is not None:
+            known = device in self.hierarchy
+            return float(self.hierarchy.device_attributes.get(key, default)) if known else default
+        if device not in self.graph:
+            return default
+        return float(self.graph.nodes[device].get(key, default))
+
     def device_memory(self, device: str) -> float:
         """Bytes of memory on ``device``; unbounded when the topology does not say."""
-        if device not in self.graph:
-            return math.inf
-        return float(self.graph.nodes[device].get("memory_bytes", math.inf))
+        return self.device_figure(device, "memory_bytes")
 
     def device_peak_flops(self, device: str) -> float:
         """Peak FLOP/s of ``device``; unbounded (unknown) when the topology does not say."""
-        if device not in self.graph:
-            return math.inf
-        return float(self.graph.nodes[device].get("peak_flops", math.inf))
+        return self.device_figure(device, "peak_flops")
 
     def require_devices(self, count: int, what: str = "ranks") -> None:
         """Fail clearly when the plan needs more devices than the cluster has."""

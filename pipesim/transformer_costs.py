@@ -31,8 +31,7 @@ H100_HBM_BANDWIDTH = 3.35e12
 
 def device_memory_bandwidth(topology, device: str) -> float:
     """HBM bytes/s of ``device`` in ``topology``; 0 (unknown) when the topology does not say."""
-    graph = topology.graph
-    return float(graph.nodes[device].get("memory_bandwidth", 0.0)) if device in graph else 0.0
+    return topology.device_figure(device, "memory_bandwidth", 0.0)
 
 
 def model_costs(

@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from pipesim.commands.files import PLOTLY_MODES
+from pipesim.commands.options import add_max_actions_arg
 from pipesim.costs import uniform_costs
 from pipesim.simulation import run_simulation
 from pipesim.sweep import format_table, run_sweep, sweep_points
@@ -30,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--topology", default="nvlink", help="preset or topology file (default: nvlink)")
     parser.add_argument("--plotly", choices=PLOTLY_MODES, default="inline",
                         help="embed plotly.js in each chart (inline, opens offline; default) or load it from the CDN")
+    add_max_actions_arg(parser)
     parser.set_defaults(handler=handle, output_dirs=("out",))
 
 
@@ -45,7 +47,7 @@ def handle(args: argparse.Namespace) -> int:
     fwd, bwd, act_bytes = 10e-3, 20e-3, 256e6  # a mid-size transformer stage; 256 MB activations
     traces, titles, metrics = [], [], []
     for name, chunks in DEMO_SCHEDULES:
-        schedule = generate(name, args.pp, args.microbatches, chunks)
+        schedule = generate(name, args.pp, args.microbatches, chunks, args.max_actions)
         costs = uniform_costs(schedule, fwd, bwd, act_bytes=act_bytes)  # per rank, 1/v per chunk
         result = run_simulation(schedule, costs, topology)
         print(result.summary())
@@ -67,6 +69,7 @@ def handle(args: argparse.Namespace) -> int:
         lambda schedule: uniform_costs(schedule, fwd, bwd, act_bytes=act_bytes),
         topology,
         progress=False,
+        max_actions=args.max_actions,
     )
     print(format_table(rows))
     path = out / "sweep.html"

@@ -12,7 +12,14 @@ from pipesim.costs import Costs, load_costs, uniform_costs
 from pipesim.presets import PRESETS
 from pipesim.topology import Topology
 from pipesim.topology_file import load_topology
-from schedules.generators import COST_AWARE, MULTI_CHUNK, SCHEDULE_NAMES, generate
+from schedules.generators import (
+    COST_AWARE,
+    DEFAULT_MAX_ACTIONS,
+    MULTI_CHUNK,
+    SCHEDULE_NAMES,
+    generate,
+    require_within_limit,
+)
 from schedules.p2p import P2P_SEMANTICS
 from schedules.schedule import Schedule
 
@@ -38,6 +45,27 @@ def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) 
         "others use 1)",
     )
     add_memory_limit_arg(group)
+    add_max_actions_arg(group)
+
+
+def max_actions_count(text: str) -> int:
+    """``--max-actions``: a whole number >= 1 (argparse names the flag on failure)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of actions, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_max_actions_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The limit that stops a schedule too large to build before it is built."""
+    parser.add_argument(
+        "--max-actions", type=max_actions_count, default=DEFAULT_MAX_ACTIONS, metavar="N",
+        help=f"refuse schedules of more than N lowered actions before building them (default: "
+        f"{DEFAULT_MAX_ACTIONS:,}, ~2 GB to simulate)",
+    )
 
 
 def add_memory_limit_arg(group) -> None:
@@ -110,6 +138,7 @@ def schedule_from_args(args: argparse.Namespace, topology: Topology | None = Non
     args.pp = DEFAULT_PP if args.pp is None else args.pp
     args.microbatches = DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches
     if args.schedule in COST_AWARE:
+        require_within_limit(args.schedule, args.pp, args.microbatches, 1, args.max_actions)
         return cost_aware_schedule_from_args(args, topology)
     if getattr(args, "memory_limit", None) is not None:
         print(f"note: --memory-limit applies to {', '.join(sorted(COST_AWARE))}; {args.schedule}'s memory is "
@@ -118,7 +147,8 @@ def schedule_from_args(args: argparse.Namespace, topology: Topology | None = Non
         raise conflict(f"--virtual-stages {args.virtual_stages}", f"--schedule {args.schedule}",
                        f"{args.schedule} places one stage per rank; multi-chunk schedules are "
                        f"{', '.join(sorted(MULTI_CHUNK))}")
-    return generate(args.schedule, args.pp, args.microbatches, virtual_stages_for(args.schedule, args.virtual_stages))
+    return generate(args.schedule, args.pp, args.microbatches, virtual_stages_for(args.schedule, args.virtual_stages),
+                    max_actions=args.max_actions)
 
 
 def cost_aware_schedule_from_args(args: argparse.Namespace, topology: Topology | None) -> Schedule:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipesim.commands.options import (
     add_cost_args,
+    add_max_actions_arg,
     add_memory_limit_arg,
     add_model_args,
     add_p2p_arg,
@@ -39,6 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"microbatch counts, comma-separated (default: {MICROBATCHES})")
     parser.add_argument("--virtual-stages", "-v", type=int, default=None,
                         help=f"chunks per rank for interleaved schedules (default: {VIRTUAL_STAGES})")
+    add_max_actions_arg(parser)
     add_memory_limit_arg(parser)
     add_cost_args(parser)
     add_model_args(parser)
@@ -91,7 +93,8 @@ def handle(args: argparse.Namespace) -> int:
         return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
 
     rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args),
-                     memory_limit=args.memory_limit, p2p=args.p2p, schedules=files)
+                     max_actions=args.max_actions, memory_limit=args.memory_limit, p2p=args.p2p,
+                     schedules=files)
     if args.model:
         # Tokens a microbatch carries across all dp replicas, so the chart draws tokens/s
         # (as plan does: microbatches x dp x microbatch size x sequence length per step).

@@ -46,12 +46,57 @@ COST_AWARE = frozenset({"zb-auto"})
 SCHEDULE_NAMES = (*GENERATORS, *sorted(COST_AWARE))
 
 
+# Compute actions per (stage, microbatch): F and B, or F, I and W for the schedules that
+# split the backward. A name not listed (a new generator) is counted with three, the most.
+COMPUTE_PASSES: dict[str, int] = {
+    "gpipe": 2, "1f1b": 2, "interleaved-1f1b": 2, "looped-bfs": 2,
+    "zb-h1": 3, "zb-h2": 3, "zbv": 3, "interleaved-zb": 3, "zb-auto": 3, "dualpipev": 3,
+}
+
+DEFAULT_MAX_ACTIONS = 5_000_000
+"""Lowered actions built without being asked twice. The simulator holds ~350 bytes and
+spends ~5 us per lowered action (p=64, m=512, v=2: 391,168 actions, ~140 MB), so the
+limit is ~2 GB and tens of seconds; ``--pp 100000 --microbatches 100000`` (~6e10 actions)
+would otherwise grow until memory runs out."""
+
+
 class UnknownScheduleError(ValueError):
     """The schedule name is not one this tool can generate."""
 
 
-def generate(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Build the named schedule; errors name the bad value and list what is valid."""
+class ScheduleTooLargeError(ValueError):
+    """The schedule would hold more actions than the limit the user allowed."""
+
+
+def action_bound(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> int:
+    """Actions of the lowered schedule, known before building it: every stage runs each
+    compute pass of every microbatch, and each of the ``stages - 1`` boundaries carries
+    a SEND and a RECV forward and backward per microbatch. An upper bound: exact for
+    looped placements; V-shaped ones keep some boundaries on one rank, and dualpipev runs
+    some backwards whole instead of split."""
+    stages = pp * virtual_stages
+    boundaries = stages - 1 if pp > 1 else 0
+    return COMPUTE_PASSES.get(name, 3) * microbatches * stages + 4 * microbatches * boundaries
+
+
+def require_within_limit(name: str, pp: int, microbatches: int, virtual_stages: int,
+                         max_actions: int | None, flag: str = "--max-actions") -> None:
+    """Refuse, before any work, a schedule larger than ``max_actions`` (None: no limit)."""
+    if max_actions is None:
+        return
+    count = action_bound(name, pp, microbatches, virtual_stages)
+    if count > max_actions:
+        raise ScheduleTooLargeError(
+            f"{name} with pp={pp}, microbatches={microbatches}, virtual stages={virtual_stages} has "
+            f"{count:,} actions once lowered, over the limit of {max_actions:,} (about 350 bytes each to "
+            f"simulate); raise it with {flag} {count} if you mean it"
+        )
+
+
+def generate(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
+             max_actions: int | None = DEFAULT_MAX_ACTIONS) -> Schedule:
+    """Build the named schedule; errors name the bad value and list what is valid.
+    Schedules over ``max_actions`` lowered actions are refused before they are built."""
     generator = GENERATORS.get(name)
     if name in COST_AWARE:
         raise UnknownScheduleError(
@@ -63,16 +108,20 @@ def generate(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> 
             f"unknown schedule {name!r}; available: {', '.join(sorted(SCHEDULE_NAMES))}"
         )
     require_positive(name, pp, microbatches, virtual_stages)
+    require_within_limit(name, pp, microbatches, virtual_stages, max_actions)
     return generator(pp, microbatches, virtual_stages)
 
 
 __all__ = [
     "COST_AWARE",
+    "DEFAULT_MAX_ACTIONS",
     "GENERATORS",
     "MULTI_CHUNK",
     "SCHEDULE_NAMES",
+    "ScheduleTooLargeError",
     "ScheduleUnavailableError",
     "UnknownScheduleError",
+    "action_bound",
     "dualpipev",
     "generate",
     "gpipe",
@@ -80,6 +129,7 @@ __all__ = [
     "interleaved_zb",
     "looped_bfs",
     "one_f_one_b",
+    "require_within_limit",
     "zb_auto",
     "zb_h1",
     "zb_h2",

@@ -1,0 +1,106 @@
+"""The engine's own event kernel (``pipesim.kernel``) against SimPy: the same programs,
+costs, cluster and placement must give the same Trace, event for event and in the
+same order, under both P2P semantics, on random cases. SimPy is the reference: the
+engine's rank and stream processes are the same code under either kernel, so any
+difference would come from the order in which the kernel runs them."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesim import presets
+from pipesim.costs import Costs, StageCost, uniform_costs
+from pipesim.engine import SimulationError, simulate
+from pipesim.mapping import map_ranks
+from pipesim.parallel import comm_plan
+from schedules import generate, lower
+from schedules.action import Action, ActionKind
+from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
+from schedules.schedule import Schedule
+
+CLUSTERS = {  # name -> (preset, nodes); pcie shares its switch and socket links between rank pairs
+    "ideal": ("ideal", 1), "nvlink": ("nvlink", 1), "pcie": ("pcie", 1), "ib": ("ib", 2), "ethernet": ("ethernet", 2),
+}
+
+
+@st.composite
+def cases(draw):
+    name = draw(st.sampled_from(sorted(GENERATORS)))  # zero-bubble, V-shaped and overlapped pairs included
+    pp = draw(st.integers(1, 8))
+    microbatches = draw(st.integers(1, 12))
+    chunks = draw(st.integers(1, 3)) if name in MULTI_CHUNK else 1
+    try:
+        lowered = lower(generate(name, pp, microbatches, chunks))
+    except ScheduleUnavailableError:
+        lowered = lower(generate("1f1b", pp, microbatches))
+    preset, nodes = CLUSTERS[draw(st.sampled_from(sorted(CLUSTERS)))]
+    topology = presets.PRESETS[preset](nodes)
+    devices = None
+    if not topology.ideal and draw(st.booleans()):  # ranks on scattered devices: other links shared
+        devices = draw(st.permutations(topology.devices))[: lowered.pp]
+    if draw(st.booleans()):  # uniform costs: many ties, where the order of equal-time steps decides
+        costs = uniform_costs(lowered, 1e-3, 2e-3, wgrad=draw(st.sampled_from([0.0, 0.5e-3])),
+                              act_bytes=draw(st.sampled_from([0, 1e6, 5e7, 1e9])))
+    else:
+        seconds = st.floats(1e-5, 5e-3)
+        stages = tuple(
+            StageCost(fwd=draw(seconds), bwd=draw(st.floats(2e-3, 5e-3)), wgrad=draw(st.floats(0.0, 1e-3)),
+                      act_bytes=draw(st.sampled_from([0.0, 1e5, 3e7, 4e8])),
+                      param_bytes=draw(st.sampled_from([0.0, 1e8])), layers=2, tp_message_bytes=1e6)
+            for _ in range(lowered.num_stages)
+        )
+        overheads = st.sampled_from([0.0, 2e-6, 1e-5])
+        costs = Costs(stages, action_overhead=draw(overheads), comm_overhead=draw(overheads),
+                      step_overhead=draw(st.sampled_from([0.0, 1e-3])))
+    plan = None
+    if draw(st.booleans()):  # a dp x tp job: tp events, dp and optimizer tail, other replicas' transfers (twins)
+        topology = presets.ib(4)
+        mapping = map_ranks(topology, dp=2, pp=lowered.pp, tp=2)
+        devices = mapping.pipeline()
+        plan = comm_plan(lowered, costs, topology, mapping, overlap_dp=draw(st.booleans()))
+    return lowered, costs, topology, devices, plan, draw(st.sampled_from(["rendezvous", "buffered"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_the_fast_kernel_gives_simpys_trace_event_for_event(case):
+    lowered, costs, topology, devices, plan, p2p = case
+    reference = simulate(lowered, costs, topology, devices, plan, p2p, kernel="simpy")
+    fast = simulate(lowered, costs, topology, devices, plan, p2p, kernel="fast")
+    assert fast.events == reference.events
+    assert fast.meta == reference.meta
+
+
+@pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
+def test_a_large_interleaved_step_is_the_same_under_both_kernels(p2p):
+    lowered = lower(generate("interleaved-1f1b", 16, 64, 2))
+    costs = uniform_costs(lowered.num_stages, 10e-3, 20e-3, act_bytes=64e6, virtual_stages=2)
+    topology = presets.ib(2)
+    assert (simulate(lowered, costs, topology, p2p=p2p).events
+            == simulate(lowered, costs, topology, p2p=p2p, kernel="simpy").events)
+
+
+@pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
+def test_a_deadlock_is_named_the_same_under_both_kernels(p2p):
+    # both ranks receive before they send: neither receive can ever be served
+    recv_f, send_b = Action(1, ActionKind.RECV_F, 0), Action(1, ActionKind.SEND_B, 0)
+    recv_b, send_f = Action(0, ActionKind.RECV_B, 0), Action(0, ActionKind.SEND_F, 0)
+    schedule = Schedule(
+        pp=2, microbatches=1, placement=(0, 1),
+        programs=((recv_b, Action(0, "F", 0), send_f, Action(0, "B", 0)),
+                  (recv_f, Action(1, "F", 0), Action(1, "B", 0), send_b)),
+    )
+    costs = uniform_costs(2, 1.0, 2.0, act_bytes=1e6)
+    messages = []
+    for kernel in ("simpy", "fast"):
+        with pytest.raises(SimulationError, match="deadlock") as error:
+            simulate(schedule, costs, presets.nvlink(1), p2p=p2p, kernel=kernel)
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
+
+
+def test_an_unknown_kernel_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown simulation kernel 'fastest'"):
+        simulate(generate("1f1b", 2, 2), uniform_costs(2, 1.0, 2.0), presets.nvlink(1), kernel="fastest")
