@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from executor.progress import ProgressWriter
 from pipesim.commands.progress import Progress, StepWatcher, completed_steps
 
