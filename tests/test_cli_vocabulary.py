@@ -155,3 +155,32 @@ def test_compare_costs_check_reads_the_profile_shape():
     check_costs_match({}, config, "hand-written.json")  # no meta: taken as it is
     with pytest.raises(ValueError, match="layers 8 \\(this run: 4\\)"):
         check_costs_match({**shape, "layers": 8}, config, "other.json")
+
+
+def test_gpt_names_the_same_model_in_simulate_and_run():
+    """``--model gpt`` in simulate is the transformer run trains: its parameter count
+    matches torch's count of the executor's model, but for the head's bias (the spec,
+    like Megatron's count, takes the head as its matrix only: ``vocab`` fewer)."""
+    from executor.config import RunConfig
+    from executor.models import build_model
+    from pipesim.commands.options import model_spec_from_args
+
+    sizes = ["--layers", "3", "--hidden", "32", "--heads", "4", "--seq-len", "8", "--vocab", "50"]
+    spec = model_spec_from_args(build_parser().parse_args(["simulate", "--model", "gpt", *sizes]))
+    run_args = build_parser().parse_args(["run", "--model", "gpt", *sizes])
+    config = RunConfig(schedule="1f1b", pp=1, microbatches=1, model="gpt", layers=run_args.layers,
+                       hidden=run_args.hidden, heads=run_args.heads, seq_len=run_args.seq_len, vocab=run_args.vocab,
+                       batch_size=1)
+    stage = build_model(config).build_stage(0, 1)
+    torch_count = sum(parameter.numel() for parameter in stage.parameters())
+    assert spec.total_params() + 50 == torch_count
+    # with no size flags both take run's defaults
+    default_spec = model_spec_from_args(build_parser().parse_args(["simulate", "--model", "gpt"]))
+    defaults = build_parser().parse_args(["run"])
+    assert (default_spec.layers, default_spec.hidden, default_spec.heads, default_spec.seq_len, default_spec.vocab) == (
+        defaults.layers, defaults.hidden, defaults.heads, defaults.seq_len, defaults.vocab)
+
+
+def test_mlp_is_refused_by_the_simulator_with_what_to_use(capsys):
+    line = one_line_error(capsys, ["simulate", "--model", "mlp"])
+    assert "--model mlp" in line and "--model gpt" in line

@@ -200,8 +200,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     from pipesim.model_spec import RECOMPUTE
 
     group = parser.add_argument_group("model spec (costs from FLOPs and bytes instead of --fwd/--bwd)")
-    group.add_argument("--model", help=f"one of {', '.join(MODELS)}, or a Hugging Face style config.json; "
-                       "the flags below override its fields")
+    group.add_argument("--model", help=f"one of {', '.join(MODELS)}; gpt (the transformer pipesim run trains, "
+                       "with run's sizes: layers 4, hidden 64, heads 4, seq-len 16, vocab 128, float32); or a "
+                       "Hugging Face style config.json; the flags below override its fields (default: none, "
+                       "costs from --fwd/--bwd)")
     for flag, what in (("--layers", "transformer layers"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
                        ("--kv-heads", "key/value heads (grouped-query attention)"),
                        ("--ffn-hidden", "MLP intermediate size"),
@@ -269,15 +271,35 @@ def parallel_from_args(args: argparse.Namespace):
     )
 
 
+# The executor's built-in transformer (``pipesim run --model gpt``) as a model spec, so
+# one name means one model in both: its defaults are run's (LayerNorm, biases, learned
+# positions, an untied head, no dropout, MLP 4 x hidden, float32), so ``simulate
+# --model gpt --layers 4 --hidden 64`` predicts the model that ``run --model gpt
+# --layers 4 --hidden 64`` trains.
+EXECUTOR_GPT = {"layers": 4, "hidden": 64, "heads": 4, "seq_len": 16, "vocab": 128, "dtype_bytes": 4}
+
+
+def executor_gpt_spec(**fields: int | None):
+    from dataclasses import replace
+
+    from pipesim.model_spec import ModelSpec
+
+    spec = ModelSpec(name="gpt", **EXECUTOR_GPT, tied_embeddings=False, dropout=False)
+    return replace(spec, **{key: value for key, value in fields.items() if value is not None})
+
+
 def model_spec_from_args(args: argparse.Namespace):
-    """The ``ModelSpec`` of ``--model`` with the field flags applied."""
+    """The ``ModelSpec`` of ``--model`` with the field flags applied: a preset, a
+    config.json, or the executor's ``gpt`` (``mlp`` has no transformer FLOP model)."""
     from pipesim.model_spec import model_spec
 
-    return model_spec(
-        args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-        ffn_hidden=args.ffn_hidden, seq_len=args.seq_len, vocab=args.vocab, microbatch_size=args.microbatch_size,
-        dtype_bytes=args.dtype_bytes,
-    )
+    if args.model == "mlp":
+        raise ValueError("--model mlp is the executor's toy MLP; the simulator models transformers: use "
+                         "--model gpt (the executor's transformer), a preset, or --fwd/--bwd")
+    build = executor_gpt_spec if args.model == "gpt" else lambda **fields: model_spec(args.model, **fields)
+    return build(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                 ffn_hidden=args.ffn_hidden, seq_len=args.seq_len, vocab=args.vocab,
+                 microbatch_size=args.microbatch_size, dtype_bytes=args.dtype_bytes)
 
 
 def fallback_peak_flops(args: argparse.Namespace) -> float:

@@ -17,6 +17,7 @@ from pipesim.commands.options import (
     add_topology_args,
     costs_from_args,
     model_costs_from_args,
+    model_spec_from_args,
     parallel_from_args,
     reject_with_schedule_file,
     split_list,
@@ -98,9 +99,7 @@ def handle(args: argparse.Namespace) -> int:
     if args.model:
         # Tokens a microbatch carries across all dp replicas, so the chart draws tokens/s
         # (as plan does: microbatches x dp x microbatch size x sequence length per step).
-        from pipesim.model_spec import model_spec
-
-        spec = model_spec(args.model, seq_len=args.seq_len, microbatch_size=args.microbatch_size)
+        spec = model_spec_from_args(args)
         for row in rows:
             row["tokens_per_microbatch"] = spec.seq_len * spec.microbatch_size * args.dp
     print(format_table(rows))
