@@ -20,7 +20,11 @@ from executor.config import (
 )
 from schedules.generators import MULTI_CHUNK
 
-DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 2, 4
+# The same schedule defaults as the simulator (pipesim.commands.options): pp 4 with
+# m = 2 pp, the project's standard example, so `simulate` and `run` with no flags describe
+# the same pipeline and `compare` needs none. Four CPU processes run the default tiny
+# mlp (one layer per stage) in seconds.
+DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
 # Three steps by default: the first is cold (allocator, autograd graph, gloo buffers:
 # a 190 ms first forward against ~20 ms warm), and the chart and --trace show the last.
 DEFAULT_STEPS = 3

@@ -184,3 +184,15 @@ def test_gpt_names_the_same_model_in_simulate_and_run():
 def test_mlp_is_refused_by_the_simulator_with_what_to_use(capsys):
     line = one_line_error(capsys, ["simulate", "--model", "mlp"])
     assert "--model mlp" in line and "--model gpt" in line
+
+
+@pytest.mark.parametrize("executor_command", ["run", "profile", "compare"])
+def test_simulator_and_executor_default_to_the_same_pipeline(executor_command):
+    from executor.options import config_from_args
+    from pipesim.commands.options import schedule_from_args
+
+    simulated = schedule_from_args(build_parser().parse_args(["simulate"]))
+    extra = ["--out", "c.json"] if executor_command == "profile" else []
+    config = config_from_args(build_parser().parse_args([executor_command, *extra]))
+    assert (config.schedule, config.pp, config.microbatches, config.virtual_stages) == (
+        simulated.name, simulated.pp, simulated.microbatches, simulated.virtual_stages) == ("1f1b", 4, 8, 1)
