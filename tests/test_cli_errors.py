@@ -185,13 +185,14 @@ def test_bad_flag_is_refused_before_launch(capsys, files, argv, expected):
 
 
 def test_abbreviations_are_not_accepted(capsys):
-    """``--dtype`` is a prefix of ``--dtype-bytes``: with abbreviations on, argparse took
-    ``simulate --dtype bfloat16`` as ``--dtype-bytes bfloat16``."""
+    """With abbreviations on, argparse took ``simulate --dtype bfloat16`` as
+    ``--dtype-bytes bfloat16``; now ``--dtype`` is simulate's own flag (as in run) and a
+    prefix of a flag is never taken for it."""
     with pytest.raises(SystemExit) as exit_info:
-        main(["simulate", "--dtype", "bfloat16"])
+        main(["simulate", "--dtyp", "bfloat16"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "unrecognized arguments: --dtype bfloat16" in err and "--dtype-bytes" not in err
+    assert "unrecognized arguments: --dtyp bfloat16" in err
     with pytest.raises(SystemExit):
         main(["simulate", "--fw", "1"])  # not --fwd
     assert "unrecognized arguments: --fw" in capsys.readouterr().err

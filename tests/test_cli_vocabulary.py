@@ -196,3 +196,19 @@ def test_simulator_and_executor_default_to_the_same_pipeline(executor_command):
     config = config_from_args(build_parser().parse_args([executor_command, *extra]))
     assert (config.schedule, config.pp, config.microbatches, config.virtual_stages) == (
         simulated.name, simulated.pp, simulated.microbatches, simulated.virtual_stages) == ("1f1b", 4, 8, 1)
+
+
+def test_dtype_is_one_flag_in_simulate_and_run(capsys):
+    """``--dtype NAME`` in simulate as in run; the old ``--dtype-bytes N`` still works,
+    is not listed, and both together are a conflict."""
+    from pipesim.commands.options import model_spec_from_args
+
+    parser = build_parser()
+    assert "--dtype" in visible(parsers()["pipesim simulate"]) and "--dtype" in visible(parsers()["pipesim run"])
+    assert "--dtype-bytes" not in visible(parsers()["pipesim simulate"])
+    for dtype, size in (("float32", 4), ("bfloat16", 2), ("float64", 8)):
+        by_name = model_spec_from_args(parser.parse_args(["simulate", "--model", "gpt", "--dtype", dtype]))
+        by_size = model_spec_from_args(parser.parse_args(["simulate", "--model", "gpt", "--dtype-bytes", str(size)]))
+        assert by_name.dtype_bytes == by_size.dtype_bytes == size
+    line = one_line_error(capsys, ["simulate", "--model", "gpt", "--dtype", "float32", "--dtype-bytes", "2"])
+    assert "--dtype-bytes conflicts with --dtype float32" in line

@@ -208,9 +208,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        ("--kv-heads", "key/value heads (grouped-query attention)"),
                        ("--ffn-hidden", "MLP intermediate size"),
                        ("--seq-len", "sequence length"), ("--vocab", "vocabulary size"),
-                       ("--microbatch-size", "sequences per microbatch"),
-                       ("--dtype-bytes", "bytes per activation/weight element (2 for bf16)")):
-        group.add_argument(flag, type=int, default=None, help=what)
+                       ("--microbatch-size", "sequences per microbatch")):
+        group.add_argument(flag, type=int, default=None, help=f"{what} (default: the model's)")
+    group.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=None,
+                       help="element type of activations and weights, as pipesim run's --dtype "
+                       "(default: the model's; bfloat16 for the presets, float32 for gpt)")
+    add_hidden_alias(group, "--dtype-bytes", "dtype_bytes", type=int)
     group.add_argument("--mfu", type=float, default=None,
                        help=f"with --model: fraction of the device's peak FLOP/s that compute reaches "
                        f"(default: {DEFAULT_MFU})")
@@ -288,6 +291,17 @@ def executor_gpt_spec(**fields: int | None):
     return replace(spec, **{key: value for key, value in fields.items() if value is not None})
 
 
+# --dtype NAME -> bytes per element; --dtype-bytes N is the old spelling, kept working
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes_from_args(args: argparse.Namespace) -> int | None:
+    dtype, size = getattr(args, "dtype", None), getattr(args, "dtype_bytes", None)
+    if dtype is not None and size is not None:
+        raise conflict("--dtype-bytes", f"--dtype {dtype}", "give one of them")
+    return DTYPE_BYTES[dtype] if dtype is not None else size
+
+
 def model_spec_from_args(args: argparse.Namespace):
     """The ``ModelSpec`` of ``--model`` with the field flags applied: a preset, a
     config.json, or the executor's ``gpt`` (``mlp`` has no transformer FLOP model)."""
@@ -299,7 +313,7 @@ def model_spec_from_args(args: argparse.Namespace):
     build = executor_gpt_spec if args.model == "gpt" else lambda **fields: model_spec(args.model, **fields)
     return build(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                  ffn_hidden=args.ffn_hidden, seq_len=args.seq_len, vocab=args.vocab,
-                 microbatch_size=args.microbatch_size, dtype_bytes=args.dtype_bytes)
+                 microbatch_size=args.microbatch_size, dtype_bytes=dtype_bytes_from_args(args))
 
 
 def fallback_peak_flops(args: argparse.Namespace) -> float:
