@@ -114,3 +114,14 @@ def test_quiet_silences_progress_on_a_terminal():
     status, shown = run_on_terminal([*TINY_RUN, "--steps", "1", "--quiet"])
     assert status == 0, shown
     assert "[pipesim" not in shown and "step 0: loss" in shown
+
+
+def test_bench_comm_shows_its_phase_on_a_terminal_and_not_when_piped():
+    argv = ["bench-comm", "--sizes", "1KB..2KB", "--ops", "sendrecv"]
+    status, shown = run_on_terminal(argv)
+    assert status == 0, shown
+    assert "[pipesim bench-comm] measuring sendrecv at 2 sizes on 2 ranks ..." in shown
+    assert "[pipesim bench-comm] measuring sendrecv at 2 sizes on 2 ranks done" in shown
+    piped = run_piped(argv)
+    assert piped.returncode == 0, piped.stderr
+    assert "[pipesim" not in piped.stdout + piped.stderr and "fit sendrecv" in piped.stdout
