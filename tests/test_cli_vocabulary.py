@@ -62,6 +62,16 @@ def test_retired_spellings_still_parse_to_the_same_value(prog, retired):
     assert str(getattr(new, dest)) == value
 
 
+def test_every_listed_flag_that_takes_a_value_states_its_default():
+    for prog, parser in parsers().items():
+        for action in parser._actions:
+            if (not action.option_strings or action.required or action.help == argparse.SUPPRESS
+                    or action.nargs == 0):
+                continue
+            assert "default" in action.help, (prog, action.option_strings, action.help)
+        parser.format_help()  # every help string still formats (no stray %)
+
+
 def test_profile_lists_no_output_flags_it_would_ignore():
     options = visible(parsers()["pipesim profile"])
     for flag in ("--json", "--trace", "--steps"):
