@@ -125,3 +125,15 @@ def test_bench_comm_shows_its_phase_on_a_terminal_and_not_when_piped():
     piped = run_piped(argv)
     assert piped.returncode == 0, piped.stderr
     assert "[pipesim" not in piped.stdout + piped.stderr and "fit sendrecv" in piped.stdout
+
+
+def test_sweep_lines_per_point_on_a_terminal_only():
+    argv = ["sweep", "--schedule", "gpipe,1f1b", "--pp", "2", "-m", "2,4"]
+    status, shown = run_on_terminal(argv)
+    assert status == 0, shown
+    for index in range(1, 5):
+        assert f"[{index}/4]" in shown, shown
+    piped = run_piped(argv)
+    assert piped.returncode == 0 and "[1/4]" not in piped.stderr + piped.stdout
+    # gpipe pp=2 m=2 with the default F = 1 ms, B = 2 ms: (m + pp - 1)(F + B) = 9 ms
+    assert "[1/4] gpipe pp=2 m=2 v=1: step 0.009 s" in shown

@@ -131,7 +131,7 @@ def handle(args: argparse.Namespace) -> int:
         topology = calibrated_topology(args, config)
     try:
         progress.line(f"3/4 running {config.steps} steps on {config.world_size} ranks")
-        with StepWatcher(progress, config.pp, config.steps):
+        with StepWatcher(progress, config.world_size, config.steps):
             (result,) = launch(config)
     except PipelineRunError as error:
         print(f"pipesim compare: run failed: {error}", file=sys.stderr)

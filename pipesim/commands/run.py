@@ -42,7 +42,7 @@ def handle(args: argparse.Namespace) -> int:
                 result = run_local(config)
         else:
             progress.line(f"starting {config.world_size} ranks for {config.steps} steps")
-            with StepWatcher(progress, config.pp, config.steps):
+            with StepWatcher(progress, config.world_size, config.steps):
                 (result,) = launch(config, log_dir=args.log_dir)
     except PipelineRunError as error:
         print(f"pipesim run: failed: {error}", file=sys.stderr)

@@ -23,6 +23,7 @@ from pipesim.commands.options import (
     split_list,
     topology_from_args,
 )
+from pipesim.commands.progress import progress_from_args
 from pipesim.sweep import ROW_FIELDS, SweepPoint, format_table, run_sweep, sweep_points
 from schedules.schedule import Schedule
 
@@ -51,7 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--csv", help="write the rows as CSV")
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--html", help="write the sweep chart (self-contained HTML)")
-    parser.add_argument("--quiet", action="store_true", help="no per-point progress lines")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no per-point progress lines (they are shown only when stderr is a terminal)")
     parser.set_defaults(handler=handle)
 
 
@@ -93,7 +95,8 @@ def handle(args: argparse.Namespace) -> int:
             return model_costs_from_args(args, schedule, topology)
         return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
 
-    rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args),
+    progress = progress_from_args("sweep", args).enabled  # per-point lines on a terminal only
+    rows = run_sweep(points, costs_for, topology, progress=progress, parallel=parallel_from_args(args),
                      max_actions=args.max_actions, memory_limit=args.memory_limit, p2p=args.p2p,
                      schedules=files)
     if args.model:
