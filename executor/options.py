@@ -48,7 +48,9 @@ def add_hidden_alias(group, alias: str, dest: str, **kwargs) -> None:
 
 def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> None:
     """Add the schedule, model, training and runtime flags to ``parser``; ``outputs``:
-    also ``--steps``, ``--json`` and ``--trace`` (profile takes none of them)."""
+    also what only a training run uses: ``--steps``, ``--lr``, ``--weight-decay``,
+    ``--inject-failure``, ``--json`` and ``--trace`` (profile times passes and an
+    optimizer step at learning rate 0, so it takes none of them)."""
     schedule = parser.add_argument_group("schedule")
     schedule.add_argument("--schedule", default=None, help=f"a generated schedule (default {DEFAULT_SCHEDULE})")
     schedule.add_argument("--schedule-file", default=None, metavar="CSV",
@@ -89,11 +91,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     (sgd_lr, sgd_decay), (adamw_lr, adamw_decay) = OPTIMIZER_DEFAULTS["sgd"], OPTIMIZER_DEFAULTS["adamw"]
     train.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                        help=f"sgd (plain) or adamw (betas {ADAMW_BETAS}, as in LLM pretraining) (default sgd)")
-    train.add_argument("--lr", type=float, default=None,
-                       help=f"learning rate (default: the optimizer's own: sgd {sgd_lr:g}, adamw {adamw_lr:g})")
-    train.add_argument("--weight-decay", type=float, default=None,
-                       help=f"decoupled weight decay on matrices, never on biases or norm weights "
-                       f"(default: sgd {sgd_decay:g}, adamw {adamw_decay:g})")
+    if outputs:
+        train.add_argument("--lr", type=float, default=None,
+                           help=f"learning rate (default: the optimizer's own: sgd {sgd_lr:g}, adamw {adamw_lr:g})")
+        train.add_argument("--weight-decay", type=float, default=None,
+                           help=f"decoupled weight decay on matrices, never on biases or norm weights "
+                           f"(default: sgd {sgd_decay:g}, adamw {adamw_decay:g})")
     train.add_argument("--dtype", choices=DTYPES, default="float32",
                        help="float32/float64: the whole model in that type; bfloat16/float16: float32 master "
                        "weights, compute under autocast, loss in float32 (float16 with dynamic loss scaling) "
@@ -107,10 +110,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     runtime.add_argument("--timeout", type=float, default=60.0,
                          help="seconds a rank waits on a peer before the job fails (default 60)")
     runtime.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    runtime.add_argument("--inject-failure", default=None, metavar="RANK:ACTION:MODE",
-                         help="testing aid: make RANK raise|kill|hang before ACTION of step 0, e.g. 1:1B0:kill")
     if not outputs:
         return
+    runtime.add_argument("--inject-failure", default=None, metavar="RANK:ACTION:MODE",
+                         help="testing aid: make RANK raise|kill|hang before ACTION of step 0, e.g. 1:1B0:kill "
+                         "(default: none)")
     output = parser.add_argument_group("output")
     output.add_argument("--json", default=None, metavar="PATH", help="write the run summary as JSON")
     output.add_argument("--trace", default=None, metavar="PATH", help="write the measured Trace of the last step")
@@ -143,9 +147,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         model=args.model, layers=args.layers, hidden=args.hidden, batch_size=args.batch_size,
         seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, seed=args.seed,
         steps=getattr(args, "steps", DEFAULT_STEPS),
-        optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, dtype=args.dtype,
+        optimizer=args.optimizer, lr=getattr(args, "lr", None),
+        weight_decay=getattr(args, "weight_decay", None), dtype=args.dtype,
         grad_reduce_dtype=args.grad_reduce_dtype, backend=args.backend, timeout=args.timeout,
-        threads=args.threads, layout=layout, inject_failure=args.inject_failure,
+        threads=args.threads, layout=layout, inject_failure=getattr(args, "inject_failure", None),
     )
     config.check()
     return config

@@ -74,7 +74,7 @@ def test_every_listed_flag_that_takes_a_value_states_its_default():
 
 def test_profile_lists_no_output_flags_it_would_ignore():
     options = visible(parsers()["pipesim profile"])
-    for flag in ("--json", "--trace", "--steps"):
+    for flag in ("--json", "--trace", "--steps", "--lr", "--weight-decay", "--inject-failure"):
         assert flag not in options
     assert "--out" in options
 
