@@ -1,9 +1,14 @@
 """Step time of this executor against ``torch.distributed.pipelining`` on the same model,
 split and microbatches: GPipe, 1F1B and interleaved 1F1B, gloo, 4 ranks, one launch.
 
-Both runtimes share one process group and take turns step by step, so machine noise
-hits both alike; each step is timed the same way (barrier, step, optimizer step,
-loss all-reduce) and the median of the measured steps is reported.
+The headline is the executor as it runs on NCCL: ``--p2p rendezvous`` (receives posted
+at their place in the program, never ahead; each P2P group waits for the peer's
+matching group through the gloo handshake). Beside it, gloo's buffered semantics in
+program order (no prefetch and no handshake tokens: what the handshake itself costs),
+and the gloo-only variant that posts every receive at the start of the step, which
+NCCL cannot do. All runtimes share one process group and take turns step by step, so
+machine noise hits them alike; each step is timed the same way (barrier, step,
+optimizer step, loss all-reduce) and the median of the measured steps is reported.
 
     PYTHONPATH=. python benchmarks/bench_executor.py [--steps 10] [--warmup 3]
 """
@@ -20,12 +25,16 @@ SCHEDULES = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
              ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2))
 
 
-def bench_config(name: str, virtual: int, args: argparse.Namespace):
+def bench_config(name: str, virtual: int, args: argparse.Namespace, p2p: str = "rendezvous",
+                 prefetch: bool = False):
+    """The benchmark's config: ``rendezvous`` as on NCCL (emulated on gloo), or gloo's
+    ``buffered`` semantics with or without every receive posted at the start of the step."""
     from executor.config import RunConfig  # noqa: PLC0415
 
     return RunConfig(schedule=name, pp=4, microbatches=args.microbatches, virtual_stages=virtual, model="gpt",
                      layers=args.layers, hidden=args.hidden, seq_len=args.seq_len, vocab=args.vocab,
-                     heads=args.heads, batch_size=args.batch_size, steps=args.warmup + args.steps, threads=1)
+                     heads=args.heads, batch_size=args.batch_size, steps=args.warmup + args.steps, threads=1,
+                     p2p=p2p, prefetch_recvs=prefetch)
 
 
 def torch_pipelining_runner(config, class_name: str):
@@ -100,14 +109,22 @@ def bench_worker(args: argparse.Namespace) -> list[tuple] | None:
     for name, class_name, virtual in SCHEDULES:
         config = bench_config(name, virtual, args)
         ours = RankRun(config, None, rank, dist.get_world_size(), "gloo", torch.device("cpu"), None)
+        in_order = RankRun(bench_config(name, virtual, args, "buffered"), None, rank, dist.get_world_size(),
+                           "gloo", torch.device("cpu"), None)
+        prefetching = RankRun(bench_config(name, virtual, args, "buffered", prefetch=True), None, rank,
+                              dist.get_world_size(), "gloo", torch.device("cpu"), None)
         theirs = torch_pipelining_runner(config, class_name)
         their_times = []
-        for step in range(config.steps):  # alternate step by step: noise hits both alike
+        for step in range(config.steps):  # alternate step by step: noise hits all alike
             ours.step(step)
+            in_order.step(step)
+            prefetching.step(step)
             their_times.append(theirs(step))
         if rank == 0:
             rows.append((name, class_name, statistics.median(ours.step_times[args.warmup:]),
-                         statistics.median(their_times[args.warmup:])))
+                         statistics.median(their_times[args.warmup:]),
+                         statistics.median(in_order.step_times[args.warmup:]),
+                         statistics.median(prefetching.step_times[args.warmup:])))
     dist.destroy_process_group()
     return rows if rank == 0 else None
 
@@ -132,10 +149,16 @@ def main() -> None:
     rows = elastic_launch(launch_config, bench_worker)(args)[0]
     print(f"gpt layers={args.layers} hidden={args.hidden} seq={args.seq_len} batch={args.batch_size} "
           f"microbatches={args.microbatches}, gloo, 4 ranks, median of {args.steps} steps")
-    print(f"{'schedule':<18} {'executor ms':>12} {'torch.pipelining ms':>20} {'ratio':>7}")
-    for name, class_name, ours, theirs in rows:
-        print(f"{name:<18} {ours * 1000:>12.2f} {theirs * 1000:>20.2f} {ours / theirs:>7.2f}   ({class_name})")
-
+    print("executor, headline: --p2p rendezvous (NCCL's rule, emulated on gloo: receives at their place, each group "
+          "waiting for the peer's through a handshake token);")
+    print("beside it: buffered in program order (no prefetch, no handshake tokens) and buffered with every receive "
+          "prefetched (gloo only)")
+    print(f"{'schedule':<18} {'torch.pipelining ms':>20} {'rendezvous ms':>14} {'ratio':>6} "
+          f"{'in order ms':>12} {'ratio':>6} {'prefetch ms':>12} {'ratio':>6}")
+    for name, class_name, ours, theirs, in_order, prefetching in rows:
+        print(f"{name:<18} {theirs * 1000:>20.2f} {ours * 1000:>14.2f} {ours / theirs:>6.2f} "
+              f"{in_order * 1000:>12.2f} {in_order / theirs:>6.2f} {prefetching * 1000:>12.2f} "
+              f"{prefetching / theirs:>6.2f}   ({class_name})")
 
 if __name__ == "__main__":
     main()

@@ -34,11 +34,12 @@ def operation(name: str, size: int, rank: int, world: int, device: torch.device)
         after, before = (rank + 1) % world, (rank - 1) % world
 
         def sendrecv() -> None:
-            # the receive first, as the executor posts it ahead of the peer's send
-            receive = dist.irecv(incoming, before)
-            send = dist.isend(outgoing, after)
-            receive.wait()
-            send.wait()
+            # One batch of the send and the receive, as the executor posts a P2P group:
+            # an unbatched receive posted before the send on every rank deadlocks on
+            # NCCL (the receive waits for a send the peer queues behind its own receive).
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, after),
+                                                dist.P2POp(dist.irecv, incoming, before)]):
+                work.wait()
 
         return sendrecv
     if name == "all_reduce":
@@ -63,7 +64,7 @@ def time_operation(run: Callable[[], None], size: int, device: torch.device, war
     iterations for small sizes. Each iteration starts from a barrier: gloo run back to
     back lets one iteration's sends arrive before the next iteration's receives are
     posted, which costs milliseconds per message and is not how the executor
-    communicates (it posts its receives first)."""
+    communicates (both ends of a transfer are posted in one group)."""
     iterations = max(MIN_ITERATIONS, min(MAX_ITERATIONS, ITERATION_BYTES // max(size, 1)))
     samples = []
     for index in range(warmup + iterations):
@@ -101,11 +102,12 @@ def bench_rank(operations: list[str], sizes: list[int], backend: str, threads: i
 
 
 def bench_comm(ranks: int, operations: list[str], sizes: list[int], backend: str = "auto", threads: int = 1,
-               warmup: int = 2) -> dict:
+               warmup: int = 2, verbose: bool = False) -> dict:
     """Launch ``ranks`` local processes and time every operation at every size."""
     if ranks < 2:
         raise ValueError(f"--ranks must be at least 2 to communicate, got {ranks}")
     unknown = [name for name in operations if name not in OPERATIONS]
     if unknown:
         raise ValueError(f"unknown operation(s) {', '.join(unknown)}; known: {', '.join(OPERATIONS)}")
-    return launch_ranks(bench_rank, (operations, sizes, backend, threads, warmup), ranks, threads)[0]
+    return launch_ranks(bench_rank, (operations, sizes, backend, threads, warmup), ranks, threads, backend,
+                        verbose)[0]

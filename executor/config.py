@@ -26,6 +26,7 @@ MIXED_DTYPES = ("bfloat16", "float16")  # compute under autocast over float32 ma
 OPTIMIZER_DEFAULTS = {"sgd": (0.01, 0.0), "adamw": (3e-4, 0.1)}
 ADAMW_BETAS = (0.9, 0.95)
 FAILURE_MODES = ("raise", "kill", "hang")
+P2P_SEMANTICS = ("rendezvous", "buffered")  # as schedules.p2p names them
 
 
 class ConfigError(ValueError):
@@ -49,6 +50,9 @@ class RunConfig:
     every gpt block across that many ranks (``sequence_parallel`` adds Megatron's
     sequence parallelism). World size is ``dp * pp * tp``. ``dp_bucket_mb`` is the size
     of the gradient all-reduce buckets (DDP's default 25).
+    ``p2p`` names the point-to-point semantics the run is checked and run under:
+    ``rendezvous`` (NCCL's rule; on gloo emulated by a handshake, receives never posted
+    ahead) or ``buffered`` (gloo's); ``None`` takes the backend's own.
     ``lr`` and ``weight_decay`` default (``None``) to the optimizer's own values
     (``OPTIMIZER_DEFAULTS``); weight decay applies to matrices only, never to biases or
     norm weights. ``dtype`` ``float32``/``float64`` runs the whole model in that type;
@@ -92,6 +96,7 @@ class RunConfig:
     custom_schedule: Schedule | None = None
     schedule_file: str | None = None
     prefetch_recvs: bool | None = None
+    p2p: str | None = None
 
     @property
     def num_stages(self) -> int:
@@ -106,6 +111,13 @@ class RunConfig:
     def replica_batch_size(self) -> int:
         """Samples each dp replica runs per step (its slice of the global batch)."""
         return self.batch_size // self.dp
+
+    def p2p_semantics(self, backend: str) -> str:
+        """The P2P semantics on ``backend`` (resolved, not ``auto``): ``p2p`` when given,
+        else NCCL's rendezvous on nccl and gloo's buffering on gloo."""
+        if self.p2p is not None:
+            return self.p2p
+        return "rendezvous" if backend == "nccl" else "buffered"
 
     @property
     def learning_rate(self) -> float:
@@ -128,8 +140,9 @@ class RunConfig:
         return self.grad_reduce_dtype or self.master_dtype
 
     def prefetch_receives(self, backend: str) -> bool:
-        """Whether receives are posted ahead on this backend (see ``prefetch_recvs``)."""
-        if backend == "nccl":
+        """Whether receives are posted ahead on this backend (see ``prefetch_recvs``):
+        never under rendezvous semantics, where a receive is posted at its place."""
+        if backend == "nccl" or self.p2p_semantics(backend) == "rendezvous":
             return False
         return True if self.prefetch_recvs is None else self.prefetch_recvs
 
@@ -192,6 +205,11 @@ class RunConfig:
                     f"stages={custom.num_stages}; the run asks for pp={self.pp}, "
                     f"microbatches={self.microbatches}, stages={self.num_stages}"
                 )
+        if self.p2p is not None and self.p2p not in P2P_SEMANTICS:
+            raise ConfigError(f"--p2p {self.p2p!r} is not one of: {', '.join(P2P_SEMANTICS)}")
+        if self.p2p == "buffered" and self.backend == "nccl":
+            raise ConfigError("--p2p buffered describes gloo; NCCL matches in posting order and a send may wait "
+                              "for its receive: use --p2p rendezvous (the default on nccl)")
         check_schedule_and_failure(self)
 
 

@@ -9,11 +9,17 @@ The mesh is ``torch.distributed.device_mesh.init_device_mesh`` over the shape
 ``(pp, dp, tp)`` (outermost first), which gives exactly that numbering and one
 process group per axis: point-to-point along pp (to the global rank of the peer in the
 same (dp, tp) position), gradient averaging along dp, DTensor collectives along tp.
+
+Every axis group gets the run's ``--timeout``: ``init_device_mesh`` takes no timeout and
+creates its sub-groups with the backend's default (30 minutes on gloo, 10 on NCCL), so a
+rank hung inside a tp collective would hold its peers that long. The timeout travels
+in the backend options of ``backend_override``, which the mesh hands to ``new_group``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -66,13 +72,27 @@ class Mesh3D:
         return None if self.mesh is None else self.mesh[axis]
 
 
-def build_mesh(rank: int, world: int, dp: int, pp: int, tp: int, device_type: str) -> Mesh3D:
-    """This process's mesh; raise naming the sizes when the world does not fit them."""
+def axis_options(backend: str, timeout: float) -> tuple[str, object]:
+    """The ``(backend, options)`` pair that gives a mesh axis group ``timeout`` seconds."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout)
+    return backend, options
+
+
+def build_mesh(rank: int, world: int, dp: int, pp: int, tp: int, device_type: str,
+               timeout: float = 60.0) -> Mesh3D:
+    """This process's mesh, every axis group with ``timeout`` seconds; raise naming the
+    sizes when the world does not fit them."""
     if dp * pp * tp != world:
         raise ValueError(f"dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but {world} processes were "
                          f"started; start exactly dp*pp*tp processes (torchrun --nproc-per-node {dp * pp * tp})")
     position = MeshPosition.of_rank(rank, dp, pp, tp)
     if world == 1:
         return Mesh3D(position, None)
-    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+    backend = dist.get_backend()
+    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIMS,
+                            backend_override={axis: axis_options(backend, timeout) for axis in MESH_DIMS})
     return Mesh3D(position, mesh)

@@ -15,6 +15,7 @@ from executor.config import (
     MODELS,
     OPTIMIZER_DEFAULTS,
     OPTIMIZERS,
+    P2P_SEMANTICS,
     ConfigError,
     RunConfig,
 )
@@ -110,6 +111,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     runtime.add_argument("--timeout", type=float, default=60.0,
                          help="seconds a rank waits on a peer before the job fails (default 60)")
     runtime.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    runtime.add_argument("--p2p", choices=P2P_SEMANTICS, default=None,
+                         help="point-to-point semantics the schedule is checked and run under: rendezvous "
+                              "(NCCL's rule, emulated on gloo) or buffered (gloo's); default: the backend's")
+    runtime.add_argument("--verbose", action="store_true",
+                         help="show every rank's output and a failed rank's traceback on the console")
     if not outputs:
         return
     runtime.add_argument("--inject-failure", default=None, metavar="RANK:ACTION:MODE",
@@ -150,7 +156,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         optimizer=args.optimizer, lr=getattr(args, "lr", None),
         weight_decay=getattr(args, "weight_decay", None), dtype=args.dtype,
         grad_reduce_dtype=args.grad_reduce_dtype, backend=args.backend, timeout=args.timeout,
-        threads=args.threads, layout=layout, inject_failure=getattr(args, "inject_failure", None),
+        threads=args.threads, layout=layout, inject_failure=getattr(args, "inject_failure", None), p2p=args.p2p,
     )
     config.check()
     return config

@@ -56,59 +56,68 @@ def action_gap(warmup: int, repeats: int) -> float:
 
 def p2p_overheads(shape: tuple[int, ...], dtype: torch.dtype, rank: int, world: int, device: torch.device,
                   warmup: int, repeats: int) -> dict[str, float]:
-    """Seconds, on the real backend with a boundary-sized tensor, of: posting one send
-    (``send_post``), waiting on a receive whose data has already arrived
+    """Seconds, on the real backend with a boundary-sized tensor, of: posting one P2P
+    operation as the runtime posts it, in a batch (``send_post``: half of posting a
+    send+receive pair), waiting on a receive whose data has already arrived
     (``recv_wait``), and the CPU time the backend's own threads spend per send or
     receive (``background_cpu``). Means, as for every cost the simulator adds up.
+
+    Every transfer is posted as one ``batch_isend_irecv`` of a send to r+1 and a
+    receive from r-1, the same on every rank, as the runtime's P2P groups are: safe
+    under NCCL's rule (operations between a pair match in posting order and a send may
+    wait for its receive). Posting many unbatched receives before any send, as this
+    loop once did, deadlocks on NCCL.
 
     The last one matters on a CPU: gloo moves data on threads of its own, and with one
     core per rank that time is taken from the ranks' compute. It is the process's CPU
     time less the calling thread's while transfers are in flight (a blocking wait that
-    spins is the caller's own time and is left out). Rank r sends to r+1 and receives
-    from r-1."""
+    spins is the caller's own time and is left out)."""
     if world < 2:
         return {"send_post": 0.0, "recv_wait": 0.0, "background_cpu": 0.0}
     after, before = (rank + 1) % world, (rank - 1) % world
     outgoing = torch.zeros(shape, dtype=dtype, device=device)
     samples: dict[str, list[float]] = {"send_post": [], "recv_wait": [], "background_cpu": []}
 
-    def post_receives() -> list:
-        return [dist.irecv(torch.empty(shape, dtype=dtype, device=device), before, tag=tag) for tag in range(POSTS)]
-
-    def send_all() -> list[float]:
-        times, works = [], []
+    def post_pairs() -> tuple[list[float], list[tuple[list, list]]]:
+        """POSTS paired batches; per batch its post time and (send works, receive works)."""
+        times, batches = [], []
         for tag in range(POSTS):
+            receive = torch.empty(shape, dtype=dtype, device=device)
             begin = time.perf_counter()
-            works.append(dist.isend(outgoing, after, tag=tag))
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, after, tag=tag),
+                                            dist.P2POp(dist.irecv, receive, before, tag=tag)])
             times.append(time.perf_counter() - begin)
-        for work in works:
-            work.wait()
-        return times
+            # gloo: one handle per op; NCCL coalesces the batch into one handle
+            batches.append((works[:1], works[1:]) if len(works) == 2 else ([], works))
+        return times, batches
 
     for index in range(warmup + repeats):
         # transfers in flight: post cost, and the CPU the backend's threads use
-        cpu = [(time.process_time(), time.thread_time())]
-        receives = post_receives()
-        cpu.append((time.process_time(), time.thread_time()))
         dist.barrier()
+        cpu = [(time.process_time(), time.thread_time())]
+        post_times, batches = post_pairs()
         cpu.append((time.process_time(), time.thread_time()))
-        send_times = send_all()
-        for work in receives:
-            work.wait()
+        for sends, receives in batches:
+            for work in [*sends, *receives]:
+                work.wait()
+        synchronize(device)
         cpu.append((time.process_time(), time.thread_time()))
         # a receive whose data is already there: what waiting on it costs
-        receives = post_receives()
-        dist.barrier()
-        send_all()
-        dist.barrier()  # the peer's sends completed: every receive has arrived
+        _, batches = post_pairs()
+        for sends, _ in batches:
+            for work in sends:
+                work.wait()
+        synchronize(device)  # NCCL: every transfer of the batch done on the device
+        dist.barrier()  # the peer's sends completed too: every receive has arrived
         wait_times = []
-        for work in receives:
+        for _, receives in batches:
             begin = time.perf_counter()
-            work.wait()
+            for work in receives:
+                work.wait()
             wait_times.append(time.perf_counter() - begin)
         if index >= warmup:
-            background = sum((cpu[i + 1][0] - cpu[i][0]) - (cpu[i + 1][1] - cpu[i][1]) for i in (0, 2))
-            samples["send_post"].append(statistics.fmean(send_times))
+            background = sum((cpu[i + 1][0] - cpu[i][0]) - (cpu[i + 1][1] - cpu[i][1]) for i in (0, 1))
+            samples["send_post"].append(statistics.fmean(post_times) / 2)
             samples["recv_wait"].append(statistics.fmean(wait_times))
             samples["background_cpu"].append(max(background, 0.0) / (2 * POSTS))
     return {key: statistics.fmean(values) for key, values in samples.items()}
@@ -123,7 +132,8 @@ def transfer_interference(shape: tuple[int, ...], dtype: torch.dtype, rank: int,
     iteration before it without, halved, is the cost of one communication action.
     A receive is waited for two transfer iterations after it was posted, so its data
     has had time to arrive and the link's latency (modelled by the topology) is not
-    counted a second time here.
+    counted a second time here; on a GPU the iterations are timed with CUDA events and
+    nothing synchronises inside a block, for the same reason.
 
     On a CPU this is far more than posting the operation: gloo moves the data on
     threads of its own and the kernel copies it through loopback, and with one core
@@ -149,14 +159,32 @@ def transfer_interference(shape: tuple[int, ...], dtype: torch.dtype, rank: int,
         for _ in range(4):
             result = (result @ work) * 1e-3
 
+    # On a GPU each iteration is timed by CUDA events on the compute stream, resolved
+    # after the block: no synchronisation inside it, so the transfer's time on the link
+    # (counted by the topology) is not counted here again; what shows is what posting
+    # and waiting cost the compute stream. On a CPU, host time.
+    if device.type == "cuda":
+        def stamp() -> torch.cuda.Event:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+
+        def elapsed(begin: torch.cuda.Event, end: torch.cuda.Event) -> float:
+            end.synchronize()
+            return begin.elapsed_time(end) / 1000.0
+    else:
+        stamp = time.perf_counter
+
+        def elapsed(begin: float, end: float) -> float:
+            return end - begin
+
     def block() -> list[float]:
         """One block of TRANSFER_BLOCK iterations, ranks aligned by a barrier first;
         returns the per-iteration differences (with transfers minus without)."""
         dist.barrier()
-        plain, posted, buffers = [], [], []  # buffers: a receive's tensor must outlive it
-        differences = []
+        marks, posted, buffers = [], [], []  # buffers: a receive's tensor must outlive it
         for index in range(TRANSFER_BLOCK):
-            begin = time.perf_counter()
+            begin = stamp()
             compute()
             if index % 2:
                 receive = torch.empty(shape, dtype=dtype, device=device)
@@ -167,15 +195,12 @@ def transfer_interference(shape: tuple[int, ...], dtype: torch.dtype, rank: int,
                 if len(posted) > 2:  # the transfer of two transfer-iterations ago
                     for done in posted[-3]:
                         done.wait()  # once only: a second wait on a gloo send waits for another send
-                synchronize(device)
-                differences.append((time.perf_counter() - begin) - plain[-1])
-            else:
-                synchronize(device)
-                plain.append(time.perf_counter() - begin)
+            marks.append((begin, stamp()))
         for works in posted[-2:]:  # the ones not yet waited for
             for done in works:
                 done.wait()
-        return differences
+        durations = [elapsed(begin, end) for begin, end in marks]
+        return [durations[index] - durations[index - 1] for index in range(1, TRANSFER_BLOCK, 2)]
 
     block()  # warm-up: connections, allocator, caches
     started = time.perf_counter()

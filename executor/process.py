@@ -35,3 +35,22 @@ def init_rank(backend: str, threads: int, timeout: float = 60.0) -> tuple[int, i
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout),
                                 device_id=device if backend == "nccl" else None)
     return rank, world, device, backend
+
+
+def check_devices(backend: str, ranks: int) -> None:
+    """Refuse, before any process starts, more local NCCL ranks than visible GPUs: rank
+    r takes ``cuda:r``, and NCCL refuses two ranks on one GPU ("Duplicate GPU detected"),
+    so such a run could only die in start-up."""
+    if resolve_backend(backend) != "nccl":
+        return
+    from executor.config import ConfigError  # noqa: PLC0415
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ranks > visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+        raise ConfigError(
+            f"{ranks} ranks on this node need {ranks} GPUs with NCCL (one GPU per rank), but "
+            f"{visible} {'is' if visible == 1 else 'are'} visible{where}; run fewer ranks, or add "
+            f"--backend gloo to run on CPU"
+        )

@@ -35,25 +35,37 @@ from executor.models import PipelineModel, build_model, build_optimizer
 from executor.overheads import measure_overheads, microbatch_size
 from executor.precision import Precision
 from executor.process import init_rank
-from executor.spawn import launch_ranks, synchronize
+from executor.spawn import launch_ranks
 from executor.split_backward import SplitBackward
 
 RANK_FIELDS = ("rank", "optimizer", "action_gap", "comm_post", "send_post", "recv_wait", "background_cpu",
                "transfer_cost", "prefetch_post", "loss_reduce")
 
 
-def clock_for_compute(device: torch.device) -> Callable[[], float]:
-    """Seconds as the cost model means them: on a GPU, wall time after the queued work
-    is done; on a CPU, the CPU time of this rank's thread, which is what its compute
-    takes on a core of its own. Time another process took from the core (a neighbour
-    on a shared machine) is not a cost of the stage, and a rank that shares its core
-    is outside what the cluster model describes (docs/calibration.md)."""
-    if device.type == "cuda":
-        def now() -> float:
-            synchronize(device)
-            return time.perf_counter()
+class EventMark:
+    """A CUDA event on the current stream; ``later - earlier`` is the device time
+    between two marks in seconds (waiting for the later one first)."""
 
-        return now
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record()
+
+    def __sub__(self, earlier: EventMark) -> float:
+        self.event.synchronize()
+        return earlier.event.elapsed_time(self.event) / 1000.0
+
+
+def clock_for_compute(device: torch.device) -> Callable[[], float | EventMark]:
+    """Seconds as the cost model means them: on a GPU, the device time between CUDA
+    events recorded on the compute stream (a difference of marks waits for the later
+    one; nothing synchronises the device in between, so the host's launch time counts
+    only where the device waited for it); on a CPU, the CPU time of this rank's thread,
+    which is what its compute takes on a core of its own. Time another process took
+    from the core (a neighbour on a shared machine) is not a cost of the stage, and a
+    rank that shares its core is outside what the cluster model describes
+    (docs/calibration.md)."""
+    if device.type == "cuda":
+        return EventMark
     return time.thread_time
 
 
@@ -264,7 +276,8 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
     }
 
 
-def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: float = DEFAULT_MIN_TIME) -> dict:
+def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: float = DEFAULT_MIN_TIME,
+            verbose: bool = False) -> dict:
     """Launch ``config.pp`` ranks, profile each one's stages, return the costs document.
     Each stage's forward + backward loop and the transfer-cost loop run for at least
     ``repeats`` passes and ``min_time`` seconds."""
@@ -272,5 +285,6 @@ def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: flo
     if config.dp > 1 or config.tp > 1:
         raise ConfigError(f"profile measures pipeline stages only (--dp 1 --tp 1); got --dp {config.dp} "
                           f"--tp {config.tp}. Profile the pp split, then simulate with --dp/--tp")
-    per_rank = launch_ranks(profile_rank, (config, warmup, repeats, min_time), config.pp, config.threads)
+    per_rank = launch_ranks(profile_rank, (config, warmup, repeats, min_time), config.pp, config.threads,
+                            config.backend, verbose)
     return costs_document(config, per_rank, warmup, repeats, min_time)

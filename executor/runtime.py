@@ -3,45 +3,50 @@
 ``F`` runs a stage forward and stashes what its backward needs; ``B`` runs the full
 backward; ``I`` computes only the input gradient and ``W`` the weight gradients from
 what ``I`` kept, without running the stage's backward again
-(``executor.split_backward``), so zero-bubble schedules run unchanged. Communication actions are
-posted in program order (a run of consecutive ones as one batch); a receive is waited
-on at once, because the next compute action needs its data, while sends complete in the
-background and are timed when they are seen to finish. Stashes are dropped as soon as
-the backward that needed them is done.
+(``executor.split_backward``), so zero-bubble schedules run unchanged. Each P2P group of
+the program is posted as one batch (``executor.comm``). Under ``rendezvous`` semantics
+(NCCL, or gloo emulating it) posting never blocks: a group is waited for (whole, as
+Megatron waits on every op of a batch) right before the compute action that needs one
+of its receives, and every group by the end of the step; on gloo the groups are
+started one after another, as NCCL runs them on its stream. Under ``buffered`` (gloo)
+receives are waited for at their place and sends complete in the background, timed
+when they are seen to finish. Stashes are dropped as soon as the backward that needed
+them is done.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from executor.comm import PeerLinks, Pending
+from executor.comm import PeerLinks, Pending, Posted
 from executor.models import PipelineModel
 from executor.precision import Precision
 from executor.split_backward import ModuleCall, SplitBackward, WeightWork
-from schedules.action import COMM_KINDS, RECV_KINDS, SEND_KINDS, Action, ActionKind
+from schedules.action import RECV_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
 
 Key = tuple[int, int]  # (stage, microbatch)
 
 
-def program_items(program: tuple[Action, ...]) -> list[Action | list[Action]]:
-    """The program with each run of consecutive communication actions grouped, since
-    a group is posted as one batch."""
-    items: list[Action | list[Action]] = []
-    for action in program:
-        if action.kind in COMM_KINDS:
-            if items and isinstance(items[-1], list):
-                items[-1].append(action)
-            else:
-                items.append([action])
-        else:
-            items.append(action)
-    return items
+@dataclass(eq=False)
+class InFlight:
+    """One P2P group on a rank's stream (rendezvous): its ops, and once started its
+    posted actions, start mark and (on a GPU) the event that completes with it."""
+
+    group: tuple[Action, ...]
+    ops: list
+    posted: list[Posted] | None = None
+    start: Any = None
+    end_mark: Any = None
+    done: bool = False
 
 
 class PipelineRuntime:
@@ -50,7 +55,8 @@ class PipelineRuntime:
     def __init__(self, rank: int, schedule: Schedule, stages: dict[int, nn.Module], model: PipelineModel,
                  links: PeerLinks | None, clock: Any, batch_size: int,
                  before_action: Callable[[Action], None] | None = None, prefetch_recvs: bool = False,
-                 after_action: Callable[[Action], None] | None = None, precision: Precision | None = None) -> None:
+                 after_action: Callable[[Action], None] | None = None, precision: Precision | None = None,
+                 rendezvous: bool = False, progress: Any = None) -> None:
         self.rank = rank
         self.schedule = schedule
         self.stages = stages
@@ -60,11 +66,13 @@ class PipelineRuntime:
         self.batch_size = batch_size
         self.before_action = before_action
         self.after_action = after_action  # e.g. start a stage's dp all-reduce after its last backward
-        self.prefetch_recvs = prefetch_recvs and links is not None
+        self.rendezvous = rendezvous  # wait for whole groups; never post a receive ahead
+        self.prefetch_recvs = prefetch_recvs and links is not None and not rendezvous
+        self.progress = progress  # executor.progress.ProgressWriter: where the rank waits
         self.precision = precision or Precision()
         self.loss_scale = 1.0  # set each step by fp16's dynamic loss scaling
         self.last_stage = schedule.num_stages - 1
-        self.items = program_items(schedule.programs[rank])
+        self.items = schedule.program_items(rank)  # P2P groups as lowering made them
         self.handlers: dict[str, Callable[[Action], None]] = {
             ActionKind.F: self.forward,
             ActionKind.B: self.backward,
@@ -79,6 +87,9 @@ class PipelineRuntime:
         if self.splitters:
             self.handlers[ActionKind.F] = self.forward_recording
         self.current: Action | None = None
+        self.current_group: tuple[Action, ...] | None = None  # the P2P group being waited for
+        self.device_marks: list[tuple[tuple[Action, ...], Any]] = []  # (group, CUDA event at its end)
+        self.side_stream = None  # CUDA: where the completion of communication is marked
         # The dtype/device of the loss, fixed once the stages are built.
         param = next((p for stage in stages.values() for p in stage.parameters()), None)
         # The loss adds up in float32 at least, whatever type the stages compute in.
@@ -98,17 +109,24 @@ class PipelineRuntime:
         self.module_calls: dict[Key, list[ModuleCall]] = {}  # what F recorded for a split backward
         self.weight_work: dict[Key, WeightWork] = {}
         self.pending: list[Pending] = []
+        self.stream: list[InFlight] = []  # rendezvous: groups not yet completed, in posting order
+        self.awaited: dict[tuple[str, int, int], InFlight] = {}  # receive -> its group, until waited for
         self.marks: list[tuple[Action, Any, Any, str]] = []
         self.loss = torch.zeros((), dtype=self.loss_dtype, device=self.loss_device)
         self.clock.start_step()
+        self.device_marks = []
+        if self.links is not None:
+            self.links.start_step()
         self.prefetched = self.prefetch_receives() if self.prefetch_recvs else None
         for item in self.items:
-            if isinstance(item, list):
+            if not isinstance(item, Action):  # a P2P group (an Action is a tuple too)
                 self.communicate(item)
             else:
                 self.current = item
                 if self.before_action is not None:
                     self.before_action(item)
+                if self.awaited:
+                    self.await_input(item)
                 start = self.clock.mark()
                 self.handlers[item.kind](item)
                 self.marks.append((item, start, self.clock.mark(), "compute"))
@@ -116,8 +134,11 @@ class PipelineRuntime:
                     self.after_action(item)
             if self.pending:
                 self.poll_sends()
+            if self.stream:
+                self.advance_stream()
+        self.finish_groups()
         self.finish_sends()
-        self.current = None
+        self.current = self.current_group = None
         leftover = len(self.stash) + len(self.weight_work) + len(self.module_calls)
         if leftover:
             raise RuntimeError(f"rank {self.rank}: {leftover} forward stashes were never consumed by a backward")
@@ -189,10 +210,112 @@ class PipelineRuntime:
 
     # -- communication --------------------------------------------------------------
 
-    def communicate(self, group: list[Action]) -> None:
-        """Post a run of SEND/RECV actions as one batch, then wait for its receives.
-        Receives already posted at the start of the step (``prefetch_recvs``) are only
-        waited for here."""
+    def communicate(self, group: tuple[Action, ...]) -> None:
+        """Post a P2P group as one batch, in the group's order, and wait as the
+        semantics says (``schedules.p2p``)."""
+        if self.rendezvous:
+            self.post_rendezvous(group)
+        else:
+            self.communicate_buffered(group)
+
+    def post_rendezvous(self, group: tuple[Action, ...]) -> None:
+        """Rendezvous: posting never blocks. The group joins the rank's stream; each of
+        its receives is waited for (with the whole group) right before the compute
+        action that needs it (``await_input``). NCCL runs the stream itself; on gloo
+        (the handshake) the next group is started only once the previous one has
+        completed, as NCCL's stream would."""
+        ops = []
+        for action in group:
+            self.current = action
+            if self.before_action is not None:
+                self.before_action(action)
+            if action.kind in SEND_KINDS:
+                ops.append((action, self.outbox.pop((action.kind, action.stage, action.microbatch))))
+            else:
+                ops.append((action, self.links.buffer(action)))
+        flight = InFlight(group, ops)
+        self.stream.append(flight)
+        for action in group:
+            if action.kind in RECV_KINDS:
+                self.awaited[(action.kind, action.stage, action.microbatch)] = flight
+        if not self.links.handshake:
+            self.start_group(flight)
+        self.advance_stream()
+
+    def start_group(self, flight: InFlight) -> None:
+        flight.start = self.clock.mark()
+        flight.posted = self.links.post(flight.ops)
+        flight.end_mark = self.completion_mark([work for item in flight.posted for work in item.works])
+
+    def advance_stream(self) -> None:
+        """Without blocking: finish the groups that have completed and (gloo) start the
+        next one once the one before it is done."""
+        while self.stream:
+            head = self.stream[0]
+            if head.posted is None:
+                self.start_group(head)
+            if not all(work.is_completed() for item in head.posted for work in self.links.all_works(item)):
+                return
+            self.finish_group(head)
+
+    def await_input(self, action: Action) -> None:
+        """Before a compute action: wait for the group that brings its input, if any."""
+        kind = ActionKind.RECV_F if action.kind == ActionKind.F else ActionKind.RECV_B
+        flight = self.awaited.get((kind, action.stage, action.microbatch))
+        if flight is not None:
+            self.wait_group(flight)
+            self.current = action
+
+    def wait_group(self, flight: InFlight) -> None:
+        """Block until ``flight`` has completed, finishing the groups before it on the
+        stream first (on gloo they must complete before it can start)."""
+        peers = tuple(self.links.peer(action) for action in flight.group)
+        self.current_group = flight.group
+        if self.progress is not None:
+            self.progress.waiting(f"action {'+'.join(map(str, flight.group))}", peers)
+        while not flight.done:
+            head = self.stream[0] if self.links.handshake else flight
+            if head.posted is None:
+                self.start_group(head)
+            self.current_group = head.group
+            done: set[int] = set()
+            for item in sorted(head.posted, key=lambda item: item.action.kind not in SEND_KINDS):  # tokens first
+                self.current = item.action
+                self.complete(item, done)
+            self.finish_group(head)
+        if self.progress is not None:
+            self.progress.running()
+        self.current_group = None
+
+    def finish_group(self, flight: InFlight) -> None:
+        """A completed group: check its tokens, hand its receives on, time it."""
+        for item in flight.posted:
+            self.links.check_token(item)
+        flight.done = True
+        self.stream.remove(flight)
+        end = flight.end_mark if flight.end_mark is not None else self.clock.mark()
+        for item in flight.posted:
+            action = item.action
+            self.marks.append((action, flight.start, end, "send" if action.kind in SEND_KINDS else "recv"))
+            if action.kind in RECV_KINDS:
+                self.awaited.pop((action.kind, action.stage, action.microbatch), None)
+                if self.links.device.type == "cuda":  # the compute stream waits for the data before using it
+                    for work in item.works:
+                        work.wait()
+                inbox = self.forward_inputs if action.kind == ActionKind.RECV_F else self.output_grads
+                inbox[(action.stage, action.microbatch)] = item.tensor
+        if isinstance(end, torch.cuda.Event):
+            self.device_marks.append((flight.group, end))
+
+    def finish_groups(self) -> None:
+        """The end of the step: every group on the stream completes."""
+        while self.stream:
+            self.wait_group(self.stream[-1])
+
+    def communicate_buffered(self, group: tuple[Action, ...]) -> None:
+        """Buffered (gloo): receives are waited for here, sends complete in the
+        background. Receives already posted at the start of the step
+        (``prefetch_recvs``) are only waited for here."""
         ops, prefetched = [], []
         for action in group:
             self.current = action
@@ -201,29 +324,88 @@ class PipelineRuntime:
             if action.kind in SEND_KINDS:
                 ops.append((action, self.outbox.pop((action.kind, action.stage, action.microbatch))))
             elif self.prefetched is not None:
-                prefetched.append((action, *self.prefetched.pop(action)))
+                work, buffer = self.prefetched.pop(action)
+                prefetched.append(Posted(action, buffer, [work]))
             else:
                 ops.append((action, self.links.buffer(action)))
+        self.current_group = group
+        if self.progress is not None:
+            self.progress.waiting(f"action {'+'.join(map(str, group))}", tuple(self.links.peer(a) for a in group))
         start = self.clock.mark()
-        works = self.links.post(ops) if ops else []
-        paired = len(works) == len(ops)
-        receives = []
-        for index, (action, tensor) in enumerate(ops):
-            handles = [works[index]] if paired else works
-            if action.kind in SEND_KINDS:
-                self.pending.append(Pending(action, handles, tensor, start))
-            else:
-                receives.append((action, handles, tensor))
-        receives.extend((action, [work], tensor) for action, work, tensor in prefetched)
-        for action, handles, tensor in receives:
-            self.current = action
-            for work in handles:
+        posted = self.links.post(ops) if ops else []
+        waited = [item for item in posted if item.action.kind not in SEND_KINDS] + prefetched
+        self.pending.extend(Pending(item, start, self.completion_mark(item.works))
+                            for item in posted if item.action.kind in SEND_KINDS)
+        done, end = set(), None
+        for item in waited:
+            self.current = item.action
+            self.complete(item, done)
+            end = self.clock.mark()
+            self.marks.append((item.action, start, end, "recv"))
+            if item.action.kind == ActionKind.RECV_F:
+                self.forward_inputs[(item.action.stage, item.action.microbatch)] = item.tensor
+            elif item.action.kind == ActionKind.RECV_B:
+                self.output_grads[(item.action.stage, item.action.microbatch)] = item.tensor
+        if isinstance(end, torch.cuda.Event):
+            self.device_marks.append((group, end))
+        if self.progress is not None:
+            self.progress.running()
+        self.current_group = None
+
+    def complete(self, item: Posted, done: set[int]) -> None:
+        """Wait for one posted action, its handshake token first (checked as soon as it
+        arrives); a coalesced batch's one handle is waited for once."""
+        for work in item.token_works or []:
+            work.wait()
+        self.links.check_token(item)
+        for work in item.works:
+            if id(work) not in done:
                 work.wait()
-            self.marks.append((action, start, self.clock.mark(), "recv"))
-            if action.kind == ActionKind.RECV_F:
-                self.forward_inputs[(action.stage, action.microbatch)] = tensor
-            else:
-                self.output_grads[(action.stage, action.microbatch)] = tensor
+                done.add(id(work))
+
+    def completion_mark(self, works: list) -> Any:
+        """On a GPU, a CUDA event that completes when ``works`` do: recorded on a side
+        stream made to wait for them, so the compute stream does not wait and the
+        event's time is the transfer's end (not when the host happened to notice it).
+        On a CPU, None: the end is taken when the host sees the work complete."""
+        if self.links is None or self.links.device.type != "cuda":
+            return None
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(self.links.device)
+        with torch.cuda.stream(self.side_stream):
+            for work in works:
+                work.wait()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self.side_stream)
+        return event
+
+    def follow_device(self) -> None:
+        """On a GPU the host posts every group and runs ahead; before it blocks at the
+        end of the step it follows the device through the step's groups (their end
+        events), keeping the progress line on the group the device is waiting in, so a
+        hang is reported where the GPU is stuck rather than at the program's end."""
+        if self.progress is None:
+            return
+        for group, end in self.device_marks:
+            if end.query():
+                continue
+            self.progress.waiting(f"action {'+'.join(map(str, group))} (on the device)",
+                                  tuple(self.links.peer(a) for a in group))
+            while not end.query():
+                time.sleep(0.002)
+        self.device_marks = []
+
+    def where(self) -> str:
+        """The action or P2P group the rank is on, with the peers it waits for."""
+        if self.current_group is not None:
+            peers = ", ".join(map(str, sorted({self.links.peer(a) for a in self.current_group})))
+            if len(self.current_group) == 1:
+                return f"on action {self.current_group[0]} (waiting for rank {peers})"
+            return f"on group {'+'.join(map(str, self.current_group))} (waiting for rank {peers})"
+        action = self.current
+        if action is not None and not action.is_compute:
+            return f"on action {action} (waiting for rank {self.links.peer(action)})"
+        return f"on action {action}"
 
     def prefetch_receives(self) -> dict[Action, tuple]:
         """Post every receive of the program now, each into its own buffer.
@@ -236,24 +418,30 @@ class PipelineRuntime:
         for action in self.schedule.programs[self.rank]:
             if action.kind in RECV_KINDS:
                 buffer = self.links.buffer(action)
-                (work,) = self.links.post([(action, buffer)])
-                prefetched[action] = (work, buffer)
+                prefetched[action] = (dist.irecv(buffer, self.links.peer(action), tag=self.links.tag(action)), buffer)
         return prefetched
 
     def poll_sends(self) -> None:
-        """Time sends that have completed since the last look."""
+        """Time sends that have completed since the last look (on a GPU their end is
+        already an event: they are only waited for at the end of the step)."""
+        if self.pending and self.pending[0].end is not None:
+            return
         still = []
         for pending in self.pending:
-            if all(work.is_completed() for work in pending.work):
-                self.marks.append((pending.action, pending.start, self.clock.mark(), "send"))
+            if all(work.is_completed() for work in self.links.all_works(pending.item)):
+                self.links.check_token(pending.item)
+                self.marks.append((pending.item.action, pending.start, self.clock.mark(), "send"))
             else:
                 still.append(pending)
         self.pending = still
 
     def finish_sends(self) -> None:
+        """Wait for every send still in flight (the end of the step, or, under the gloo
+        handshake, before the next group starts)."""
+        done = set()
         for pending in self.pending:
-            self.current = pending.action
-            for work in pending.work:
-                work.wait()
-            self.marks.append((pending.action, pending.start, self.clock.mark(), "send"))
+            self.current = pending.item.action
+            self.complete(pending.item, done)
+            end = pending.end if pending.end is not None else self.clock.mark()
+            self.marks.append((pending.item.action, pending.start, end, "send"))
         self.pending = []

@@ -13,23 +13,31 @@ from typing import Any
 
 import torch
 
-from executor.launch import elastic_run, failure_text
+from executor.launch import RankLogs, elastic_run, failure_text
+from executor.process import check_devices
 
 
 class SpawnError(RuntimeError):
     """A measuring rank failed; the message names the rank and its error."""
 
 
-def launch_ranks(function: Callable[..., Any], args: tuple, nprocs: int, threads: int = 1) -> dict[int, Any]:
-    """Run ``function(*args)`` on ``nprocs`` local processes; return each rank's result."""
+def launch_ranks(function: Callable[..., Any], args: tuple, nprocs: int, threads: int = 1, backend: str = "auto",
+                 verbose: bool = False) -> dict[int, Any]:
+    """Run ``function(*args)`` on ``nprocs`` local processes; return each rank's result.
+    Refused before start when NCCL would put two ranks on one GPU; the ranks' output
+    goes to a log folder unless ``verbose`` (see ``executor.launch.RankLogs``)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
 
+    check_devices(backend, nprocs)
+    logs = RankLogs(None, verbose)
     try:
-        return elastic_run(function, args, nprocs, threads)
+        return elastic_run(function, args, nprocs, threads, logs)
     except ChildFailedError as error:
         lines = [f"rank {rank}: {failure_text(failure) or f'exit code {failure.exitcode}'}"
                  for rank, failure in sorted(error.failures.items())]
-        raise SpawnError("; ".join(lines)) from None
+        raise SpawnError("; ".join(lines) + logs.hint()) from None
+    finally:
+        logs.close()
 
 
 def synchronize(device: torch.device) -> None:

@@ -17,8 +17,9 @@ after each row-parallel one; the stage still takes and returns full activations.
 
 The collectives run inside DTensor redistributions; ``TpTimer`` times them by wrapping
 the functional collectives DTensor calls (``all_reduce``, ``all_gather_single``,
-``reduce_scatter_single``) for the duration of a step, waiting for each at once so its
-measured interval is the collective itself.
+``reduce_scatter_single``) and their ``wait_tensor`` for the duration of a step, so each
+collective is timed from its issue to the wait DTensor does anyway: it is never made to
+wait earlier than it would.
 """
 
 from __future__ import annotations
@@ -77,38 +78,77 @@ def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
     return stage
 
 
-class TpTimer:
-    """Records ``(start, end)`` (``time.perf_counter``) of every tp collective issued
-    while ``timing()`` is active, with the action the runtime was on."""
+def storage_key(tensor) -> int:
+    """The address of a tensor's storage: the same for the result of a collective and
+    every view of it."""
+    return tensor.untyped_storage().data_ptr()
 
-    def __init__(self, current_action: Callable[[], object]) -> None:
+
+class TpTimer:
+    """Records ``(action, start, end)`` of every tp collective issued while ``timing()``
+    is active, in the marks of the runtime's clock (``executor.clock``).
+
+    It never makes a collective wait: the start is marked when DTensor issues the
+    collective, the end when DTensor itself first waits for the result (the
+    ``wait_tensor`` that ``AsyncCollectiveTensor`` calls at first use), right after
+    that wait. On a GPU both marks are CUDA events on the compute stream: the
+    collective's stream starts after the first (NCCL orders it after the work queued
+    before it) and the second completes only once the compute stream has waited for the
+    collective, so the interval is the collective unless the compute stream had other
+    work before its use. On a CPU they are host times around gloo's wait. While the
+    rank waits, its progress line says so (``executor.progress``)."""
+
+    def __init__(self, current_action: Callable[[], object], mark: Callable[[], object] = time.perf_counter,
+                 progress: object | None = None) -> None:
         self.current_action = current_action
-        self.intervals: list[tuple[object, float, float]] = []
+        self.mark = mark
+        self.progress = progress
+        self.intervals: list[tuple[object, object, object]] = []
+        self.in_flight: dict[int, tuple[object, object, object]] = {}  # storage -> (action, start, result)
 
     def wrap(self, original: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
+        def issued(*args, **kwargs):
+            action, start = self.current_action(), self.mark()
             result = original(*args, **kwargs)
             if isinstance(result, funcol.AsyncCollectiveTensor):
-                result = result.wait()
-            self.intervals.append((self.current_action(), start, time.perf_counter()))
+                self.in_flight[storage_key(result.elem)] = (action, start, result.elem)
+            else:  # already waited for (e.g. while tracing)
+                self.intervals.append((action, start, self.mark()))
             return result
 
-        return timed
+        return issued
+
+    def wrap_wait(self, original: Callable) -> Callable:
+        def waited(tensor):
+            # A view of the result (DTensor reshapes it before use) shares its storage.
+            issued = self.in_flight.pop(storage_key(tensor), None)
+            if issued is None:
+                return original(tensor)
+            if self.progress is not None:
+                self.progress.waiting(f"action {issued[0]} (in a tp collective)")
+            result = original(tensor)
+            self.intervals.append((issued[0], issued[1], self.mark()))
+            if self.progress is not None:
+                self.progress.running()
+            return result
+
+        return waited
 
     @contextmanager
     def timing(self) -> Iterator[None]:
-        """Wrap the functional collectives for the duration of the block."""
-        originals = {name: getattr(funcol, name) for name in TIMED_COLLECTIVES}
+        """Wrap the functional collectives and their wait for the duration of the block."""
+        originals = {name: getattr(funcol, name) for name in (*TIMED_COLLECTIVES, "wait_tensor")}
         for name, function in originals.items():
-            setattr(funcol, name, self.wrap(function))
+            setattr(funcol, name, self.wrap_wait(function) if name == "wait_tensor" else self.wrap(function))
         try:
             yield
         finally:
             for name, function in originals.items():
                 setattr(funcol, name, function)
 
-    def take(self) -> list[tuple[object, float, float]]:
-        """The intervals recorded since the last call."""
+    def take(self) -> list[tuple[object, object, object]]:
+        """The intervals recorded since the last call (collectives never waited for
+        through ``wait_tensor`` are left out: their end is unknown)."""
         intervals, self.intervals = self.intervals, []
+        self.in_flight.clear()
         return intervals

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -80,7 +81,7 @@ class RankRun:
                  device: torch.device, progress: ProgressWriter | None) -> None:
         schedule = build_schedule(config)
         try:
-            self.mesh = build_mesh(rank, world, config.dp, schedule.pp, config.tp, device.type)
+            self.mesh = build_mesh(rank, world, config.dp, schedule.pp, config.tp, device.type, config.timeout)
         except ValueError as error:
             raise RankFailedError(str(error)) from None
         position = self.mesh.position
@@ -91,12 +92,13 @@ class RankRun:
         self.stages = {stage: model.build_stage(stage, schedule.num_stages).to(device)
                        for stage in schedule.stages_of(pp_rank)}
         self.tp_timer = None
+        self.clock = clock_for(device)
         if config.tp > 1:
             from executor.tensor_parallel import TpTimer, parallelize_stage  # noqa: PLC0415 - DTensor only for tp
 
             for stage in self.stages.values():
                 parallelize_stage(stage, self.mesh.submesh("tp"), config.sequence_parallel)
-            self.tp_timer = TpTimer(lambda: self.runtime.current)
+            self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
         # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
         self.optimizer = build_optimizer(config, params, foreach=False if config.tp > 1 else None)
@@ -111,13 +113,16 @@ class RankRun:
         sizes = [len(part) for part in torch.tensor_split(torch.arange(batch), config.microbatches)]
         # Pipeline peers are the processes at the same (dp, tp) position of the mesh.
         placement = tuple(position.global_rank(pipeline_rank) for pipeline_rank in schedule.placement)
+        rendezvous = config.p2p_semantics(backend) == "rendezvous"
         self.links = PeerLinks(placement, config.microbatches, device, getattr(torch, config.dtype),
-                               lambda microbatch: model.boundary_shape(sizes[microbatch]))
-        self.runtime = PipelineRuntime(pp_rank, schedule, self.stages, model, self.links, clock_for(device),
-                                       batch, action_hook(config, rank, progress),
-                                       prefetch_recvs=config.prefetch_receives(backend),
+                               lambda microbatch: model.boundary_shape(sizes[microbatch]),
+                               handshake=rendezvous and backend != "nccl", rank=rank)
+        self.runtime = PipelineRuntime(pp_rank, schedule, self.stages, model, self.links, self.clock,
+                                       batch, action_hook(config, rank, progress), progress=progress,
+                                       prefetch_recvs=config.prefetch_receives(backend), rendezvous=rendezvous,
                                        after_action=self.averager.after_action if self.averager else None,
                                        precision=Precision(config, device))
+        self.waiting_on: str | None = None  # a step-level collective the rank is blocked in
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.events: list = []
@@ -136,7 +141,7 @@ class RankRun:
         if self.progress is not None:
             self.progress.step = step
         if self.world > 1:
-            dist.barrier()
+            self.wait_for("in the step's barrier", dist.barrier)
         started = time.perf_counter()
         self.runtime.loss_scale = self.scaler.scale
         try:
@@ -147,11 +152,8 @@ class RankRun:
                 loss, self.events = self.runtime.run_step(inputs, targets)
             self.events.extend(self.collective_events())  # also waits for the dp all-reduce
         except Exception as error:
-            action = self.runtime.current
-            waiting = ""
-            if action is not None and not action.is_compute:
-                waiting = f" (waiting for rank {self.links.peer(action)})"
-            raise RankFailedError(f"rank {self.rank} failed in step {step} on action {action}{waiting}: "
+            where = self.waiting_on or self.runtime.where()
+            raise RankFailedError(f"rank {self.rank} failed in step {step} {where}: "
                                   f"{type(error).__name__}: {error}") from error
         # fp16: every rank of the job skips the step if any gradient anywhere overflowed.
         overflow = self.scaler.unscale([p.grad for p in self.params])
@@ -165,23 +167,41 @@ class RankRun:
         self.scaler.update(overflow)
         if self.world > 1:
             # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank.
-            dist.all_reduce(loss)
+            self.wait_for("in the loss all-reduce", lambda: dist.all_reduce(loss))
             loss /= config.dp * config.tp
-        self.losses.append(loss.item())
+        self.losses.append(self.wait_for("in the loss all-reduce", loss.item))
         self.step_times.append(time.perf_counter() - started)
 
+    def wait_for(self, what: str, call):
+        """``call()`` marked in the progress file as a wait for peers, so that a rank
+        that times out here is not taken for the one that stopped first. On a GPU the
+        host reaches these points ahead of the device: it first follows the device
+        through the step's P2P groups (``PipelineRuntime.follow_device``)."""
+        self.waiting_on = what
+        if self.progress is None:
+            result = call()
+            self.waiting_on = None
+            return result
+        self.runtime.follow_device()
+        self.progress.waiting(what)
+        result = call()  # on an error the line keeps saying that the rank was waiting here
+        self.progress.running()
+        self.waiting_on = None
+        return result
+
     def collective_events(self) -> list:
-        """This step's dp all-reduce buckets and tp collectives as Trace events (host
-        clock only: on a GPU they would need CUDA events on the communication streams)."""
-        reductions = self.averager.finish() if self.averager is not None else []
+        """This step's dp all-reduce buckets and tp collectives as Trace events. tp
+        collectives are timed in the runtime clock's marks (CUDA events on a GPU); the
+        dp buckets in host time, so on a GPU they are left out (they would need events
+        on the dp stream)."""
+        reductions = self.wait_for("in the dp all-reduce", self.averager.finish) if self.averager is not None else []
         collectives = self.tp_timer.take() if self.tp_timer is not None else []
         clock = self.runtime.clock
-        if not isinstance(clock, CpuClock):
-            return []
-        events = [dp_event(self.pp_rank, stage, clock.seconds(start), clock.seconds(end))
-                  for stage, start, end in reductions]
-        events.extend(tp_event(self.pp_rank, action, clock.seconds(start), clock.seconds(end))
-                      for action, start, end in collectives if action is not None)
+        events = [tp_event(self.pp_rank, action, clock.seconds(start), clock.seconds(end))
+                  for action, start, end in collectives if action is not None]
+        if isinstance(clock, CpuClock):
+            events.extend(dp_event(self.pp_rank, stage, clock.seconds(start), clock.seconds(end))
+                          for stage, start, end in reductions)
         return events
 
     def result(self) -> dict:
@@ -225,6 +245,9 @@ def action_hook(config: RunConfig, rank: int, progress: ProgressWriter | None):
             if target[2] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if target[2] == "hang":
+                # When the hang began, for whoever checks how soon the job ended after it.
+                print(f"rank {rank}: --inject-failure hangs before {action} at {time.time():.3f}", file=sys.stderr,
+                      flush=True)
                 time.sleep(24 * 3600)  # its peers must give up after --timeout
             raise RuntimeError(f"failure injected by --inject-failure {config.inject_failure}")
 

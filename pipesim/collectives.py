@@ -48,19 +48,28 @@ def _pace(topology: Topology, pairs: Sequence[tuple[str, str]]) -> tuple[float, 
 
 
 def ring_pace(topology: Topology, group: Sequence[str]) -> tuple[float, float]:
-    """Bandwidth and latency of one ring step: the slowest neighbour route sets both."""
-    n = len(group)
-    return _pace(topology, [(group[i], group[(i + 1) % n]) for i in range(n)])
+    """Bandwidth and latency of one ring step: the slowest neighbour route sets both.
+    Kept per topology and group: a step charges the same group once per bucket and layer."""
+    key = ("ring", tuple(group))
+    cached = topology.pace_cache.get(key)
+    if cached is None:
+        n = len(group)
+        cached = topology.pace_cache[key] = _pace(topology, [(group[i], group[(i + 1) % n]) for i in range(n)])
+    return cached
 
 
 def tree_pace(topology: Topology, group: Sequence[str]) -> tuple[float, float]:
     """Slowest bandwidth and largest latency over the edges (both ways) of a binary tree
     laid over ``group`` in order (parent of i is (i-1)//2)."""
-    pairs = []
-    for child in range(1, len(group)):
-        parent = (child - 1) // 2
-        pairs += [(group[child], group[parent]), (group[parent], group[child])]
-    return _pace(topology, pairs)
+    key = ("tree", tuple(group))
+    cached = topology.pace_cache.get(key)
+    if cached is None:
+        pairs = []
+        for child in range(1, len(group)):
+            parent = (child - 1) // 2
+            pairs += [(group[child], group[parent]), (group[parent], group[child])]
+        cached = topology.pace_cache[key] = _pace(topology, pairs)
+    return cached
 
 
 def _seconds(bytes_factor: float, latency_steps: float, num_bytes: float, pace: tuple[float, float]) -> float:

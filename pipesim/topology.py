@@ -68,6 +68,8 @@ class Topology:
         self.description = description
         self.hierarchy = hierarchy
         self._routes: dict[tuple[str, str], Route] = {}
+        # (algorithm, device group) -> (bandwidth, latency) of a collective step (pipesim.collectives)
+        self.pace_cache: dict[tuple, tuple[float, float]] = {}
         known = hierarchy if hierarchy is not None else graph
         for device in self.devices:
             if device not in known:

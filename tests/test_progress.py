@@ -71,7 +71,7 @@ def test_completed_steps_is_the_slowest_ranks_step(tmp_path):
     assert completed_steps(tmp_path, 3) is None  # no rank has written yet
     for rank, step in enumerate((2, 1, 3)):
         writers[rank].step = step
-        writers[rank].write(f"step {step} action {rank}F0")
+        writers[rank].waiting("barrier", (0,))
     assert completed_steps(tmp_path, 3) == 1
     assert completed_steps(tmp_path, 4) is None  # rank 3 never wrote
     for writer in writers:
@@ -87,7 +87,8 @@ def test_step_watcher_reports_each_step_once_as_the_ranks_move(tmp_path, monkeyp
         monkeypatch.setenv("PIPESIM_PROGRESS_DIR", str(tmp_path))  # as the launcher does
         for step in (0, 1, 2):
             for writer in writers:
-                writer.write(f"step {step} action 0F0")
+                writer.step = step
+                writer.waiting("barrier")
             deadline = time.monotonic() + 5
             while stream.getvalue().count("done") < step and time.monotonic() < deadline:
                 time.sleep(0.01)

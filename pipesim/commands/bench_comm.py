@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 from executor.config import BACKENDS  # plain data, no torch import
@@ -33,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto: nccl with CUDA, else gloo (default auto)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--verbose", action="store_true", help="show every rank's output and tracebacks")
     parser.add_argument("--out", metavar="PATH", help="write the topology file (JSON) with the fitted links")
     parser.add_argument("--json", metavar="PATH", help="write every timing, bandwidth and fit as JSON")
     parser.add_argument("--html", metavar="PATH", help="write a chart of time and bus bandwidth against size")
@@ -73,21 +75,27 @@ def format_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def measure(ranks: int, sizes: list[int], operations: list[str], backend: str, threads: int) -> dict:
+def measure(ranks: int, sizes: list[int], operations: list[str], backend: str, threads: int,
+            verbose: bool = False) -> dict:
     """Run the benchmark (torch) and return the raw result."""
     from executor.bench_comm import bench_comm  # noqa: PLC0415 - loads torch
 
-    return bench_comm(ranks, operations, sizes, backend, threads)
+    return bench_comm(ranks, operations, sizes, backend, threads, verbose=verbose)
 
 
 def handle(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes)
     operations = [name.strip() for name in args.ops.split(",") if name.strip()]
+    from executor.spawn import SpawnError  # noqa: PLC0415 - loads torch
     from pipesim.commands.progress import progress_from_args  # noqa: PLC0415
 
-    with progress_from_args("bench-comm", args).phase(
-            f"measuring {', '.join(operations)} at {len(sizes)} sizes on {args.ranks} ranks"):
-        result = measure(args.ranks, sizes, operations, args.backend, args.threads)
+    try:
+        with progress_from_args("bench-comm", args).phase(
+                f"measuring {', '.join(operations)} at {len(sizes)} sizes on {args.ranks} ranks"):
+            result = measure(args.ranks, sizes, operations, args.backend, args.threads, args.verbose)
+    except SpawnError as error:
+        print(f"pipesim bench-comm: failed: {error}", file=sys.stderr)
+        return 1
     rows = bench_table(result)
     fits = fits_by_operation(result)
     print(f"{result['world']} ranks, {result['backend']} on {result['device']}")

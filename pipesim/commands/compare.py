@@ -52,7 +52,8 @@ def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
         return costs
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    return costs_from_dict(profile(config, args.warmup, args.repeats, args.min_time), num_stages, name="profile")
+    document = profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
+    return costs_from_dict(document, num_stages, name="profile")
 
 
 def profiled_shape(config) -> dict:
@@ -90,7 +91,8 @@ def calibrated_topology(args: argparse.Namespace, config):
     from pipesim.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
     from pipesim.commands.bench_comm import parse_sizes  # noqa: PLC0415
 
-    result = bench_comm(config.pp, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads)
+    result = bench_comm(config.pp, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads,
+                        verbose=args.verbose)
     return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
 
 
@@ -119,25 +121,27 @@ def handle(args: argparse.Namespace) -> int:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
     if config.dp > 1 or config.tp > 1:
         raise ValueError("compare calibrates pipeline runs only for now: use --dp 1 --tp 1")
-    from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
+    from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
+    from executor.spawn import SpawnError  # noqa: PLC0415
     from pipesim.comparison import compare, report_lines  # noqa: PLC0415
     from pipesim.simulation import run_simulation  # noqa: PLC0415
 
     schedule = validate_schedule(config)
     progress = progress_from_args("compare", args)
-    with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
-        costs = calibrated_costs(args, config, schedule.num_stages)
-    with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
-        topology = calibrated_topology(args, config)
     try:
+        with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
+            costs = calibrated_costs(args, config, schedule.num_stages)
+        with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
+            topology = calibrated_topology(args, config)
         progress.line(f"3/4 running {config.steps} steps on {config.world_size} ranks")
         with StepWatcher(progress, config.world_size, config.steps):
-            (result,) = launch(config)
-    except PipelineRunError as error:
+            (result,) = launch(config, verbose=args.verbose)
+    except (PipelineRunError, SpawnError) as error:
         print(f"pipesim compare: run failed: {error}", file=sys.stderr)
         return 1
+    # Predicted under the semantics the run had (--p2p, else its backend's).
     with progress.phase("4/4 simulating the same programs"):
-        predicted = run_simulation(schedule, costs, topology)
+        predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config))
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
                        args.warmup_steps)
     print("\n".join(report_lines(document)))

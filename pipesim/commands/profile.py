@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from executor.estimate import DEFAULT_MIN_TIME
@@ -55,7 +56,7 @@ def run_profile(args: argparse.Namespace) -> dict:
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
     with progress_from_args("profile", args).phase(f"profiling {config.pp} stages on {config.world_size} ranks"):
-        return profile(config, args.warmup, args.repeats, args.min_time)
+        return profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
 
 
 def describe(document: dict) -> list[str]:
@@ -71,7 +72,13 @@ def describe(document: dict) -> list[str]:
 
 
 def handle(args: argparse.Namespace) -> int:
-    document = run_profile(args)
+    from executor.spawn import SpawnError  # noqa: PLC0415 - loads torch
+
+    try:
+        document = run_profile(args)
+    except SpawnError as error:
+        print(f"pipesim profile: failed: {error}", file=sys.stderr)
+        return 1
     Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
     print("\n".join(describe(document)))
     print(f"wrote {args.out}")

@@ -67,8 +67,9 @@ def completed_steps(directory: str | Path, ranks: int) -> int | None:
 
     steps = []
     for rank in range(ranks):
-        text = read_progress(directory, rank)
-        if not text or not text.startswith("step "):
+        line = read_progress(directory, rank)
+        text = line.where if line is not None else ""
+        if not text.startswith("step "):
             return None
         try:
             steps.append(int(text.split()[1]))

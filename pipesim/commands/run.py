@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_run_arguments(parser)
     parser.add_argument("--html", default=None, metavar="PATH", help="write a Gantt chart of the measured step")
-    parser.add_argument("--log-dir", default=None, metavar="DIR", help="keep each rank's stdout/stderr here")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="keep each rank's stdout/stderr and the launcher's log here (default: a temporary "
+                             "folder, kept only when the run fails)")
     add_quiet_arg(parser)
     parser.set_defaults(handler=handle)
 
@@ -43,7 +45,7 @@ def handle(args: argparse.Namespace) -> int:
         else:
             progress.line(f"starting {config.world_size} ranks for {config.steps} steps")
             with StepWatcher(progress, config.world_size, config.steps):
-                (result,) = launch(config, log_dir=args.log_dir)
+                (result,) = launch(config, log_dir=args.log_dir, verbose=args.verbose)
     except PipelineRunError as error:
         print(f"pipesim run: failed: {error}", file=sys.stderr)
         return 1

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The checks CI cannot run: the executor's CUDA and NCCL paths, on a machine with GPUs.
+# At most 8 minutes (every check runs under `timeout`, inside one overall budget).
+#
+#   scripts/gpu-check.sh              # on a machine with >= 1 GPU
+#   GPU_CHECK_DRY_RUN=1 scripts/gpu-check.sh   # the same flow on CPU/gloo, tiny sizes
+#
+# One GPU:   CUDA numerics against the CPU float64 reference; profile -> simulate ->
+#            run (step-time error); bf16 against fp32 loss curves.
+# >= 2 GPUs: also every generated schedule on NCCL with transfers >= 64 MiB (and
+#            pp=4 with >= 4 GPUs); pipesim profile, bench-comm and compare at pp=2.
+# Ends with a table of every check; exits non-zero if any check failed, timed out or was
+# cut by the budget, and at once if no GPU is visible (it never passes by skipping).
+#
+# Needs torch with CUDA, networkx, pyyaml and simpy. simpy is installed from the wheel
+# carried in scripts/wheels/ when it is missing (no network needed). plotly is not
+# needed (no chart is drawn); to add it, `pip download plotly narwhals -d scripts/wheels`
+# on a machine with network first. Logs of every check: $GPU_CHECK_OUT (gpu-check-out/).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python3}
+OUT=${GPU_CHECK_OUT:-gpu-check-out}
+BUDGET=${GPU_CHECK_BUDGET:-480}
+DRY=${GPU_CHECK_DRY_RUN:-0}
+mkdir -p "$OUT"
+STARTED=$(date +%s)
+ROWS=()
+FAILED=0
+
+die() { echo "gpu-check: FAILED: $*" >&2; exit 1; }
+
+# --- what this machine has ---------------------------------------------------------------
+if ! $PYTHON -c "import simpy" 2>/dev/null; then
+    echo "simpy is missing: installing it from scripts/wheels/"
+    $PYTHON -m pip install -q --no-index --find-links scripts/wheels simpy \
+        || die "simpy is not installed and scripts/wheels/ holds no usable wheel for it"
+fi
+$PYTHON -c "import torch, networkx, yaml, simpy" || die "torch, networkx, pyyaml or simpy does not import"
+if [ "$DRY" = 1 ]; then
+    GPUS=2; BACKEND=gloo; PYFLAGS=(--dry-run)
+    echo "DRY RUN: CPU and gloo, tiny sizes; checks the script's flow, its numbers mean nothing"
+else
+    GPUS=$($PYTHON -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)") \
+        || die "torch does not import"
+    [ "$GPUS" -ge 1 ] || die "no CUDA device is visible (torch.cuda.is_available() is False); this script checks the GPU paths"
+    BACKEND=nccl; PYFLAGS=()
+    $PYTHON -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'NCCL', torch.cuda.nccl.version(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
+fi
+echo "$GPUS GPU(s); budget ${BUDGET}s; logs in $OUT/"
+
+# check NAME SECONDS COMMAND...: run under `timeout`, within what is left of the budget.
+check() {
+    local name=$1 limit=$2; shift 2
+    local left=$((BUDGET - ($(date +%s) - STARTED)))
+    if [ "$left" -le 5 ]; then
+        ROWS+=("$(printf '%-26s %-8s %6s  %s' "$name" CUT - "no time left in the ${BUDGET}s budget")"); FAILED=1; return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "== $name (timeout ${limit}s)"
+    local begin=$(date +%s) rc status
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    case $rc in
+        0) status=PASS ;;
+        124|137) status=TIMEOUT; FAILED=1 ;;
+        *) status="FAIL($rc)"; FAILED=1 ;;
+    esac
+    tail -n 6 "$OUT/$name.log" | sed 's/^/   /'
+    local detail
+    detail=$(grep -E "error|spread|gap|difference|MiB|fit sendrecv|both lower|overheads" "$OUT/$name.log" \
+        | tail -n 1 | sed 's/^ *//' | cut -c1-100)
+    ROWS+=("$(printf '%-26s %-8s %6s  %s' "$name" "$status" "$(( $(date +%s) - begin ))" "$detail")")
+}
+
+# --- one GPU ------------------------------------------------------------------------------
+check numerics-cuda-vs-cpu 90 $PYTHON scripts/gpu_check.py numerics "${PYFLAGS[@]}"
+check profile-simulate-run 150 $PYTHON scripts/gpu_check.py predict "${PYFLAGS[@]}"
+check bf16-vs-fp32 90 $PYTHON scripts/gpu_check.py precision "${PYFLAGS[@]}"
+
+# --- two GPUs and more --------------------------------------------------------------------
+if [ "$GPUS" -ge 2 ]; then
+    check nccl-schedules-pp2 120 $PYTHON scripts/gpu_check.py nccl-schedules --pp 2 "${PYFLAGS[@]}"
+    if [ "$GPUS" -ge 4 ]; then
+        check nccl-schedules-pp4 120 $PYTHON scripts/gpu_check.py nccl-schedules --pp 4 "${PYFLAGS[@]}"
+    fi
+    MODEL=(--model gpt --layers 8 --hidden 1024 --heads 16 --seq-len 256 --batch-size 32 --microbatches 8)
+    [ "$DRY" = 1 ] && MODEL=(--model gpt --layers 4 --hidden 32 --heads 4 --seq-len 16 --batch-size 8 --microbatches 4)
+    SCHEDULE=(--schedule interleaved-1f1b --pp 2 --virtual-stages 2)
+    check profile-pp2 120 $PYTHON -m pipesim profile "${SCHEDULE[@]}" "${MODEL[@]}" --backend "$BACKEND" \
+        --min-time 1 --out "$OUT/costs.json"
+    SIZES=1MB..256MB; [ "$DRY" = 1 ] && SIZES=1KB..4MB
+    check bench-comm-2 90 $PYTHON -m pipesim bench-comm --ranks 2 --sizes "$SIZES" --backend "$BACKEND" \
+        --out "$OUT/links.json"
+    if [ -f "$OUT/costs.json" ] && [ -f "$OUT/links.json" ]; then
+        check compare-pp2 120 $PYTHON -m pipesim compare "${SCHEDULE[@]}" "${MODEL[@]}" --backend "$BACKEND" --costs "$OUT/costs.json" --topology "$OUT/links.json" \
+            --json "$OUT/compare.json"
+    else
+        ROWS+=("$(printf '%-26s %-8s %6s  %s' compare-pp2 FAIL - "no costs or links from the checks above")"); FAILED=1
+    fi
+else
+    ROWS+=("$(printf '%-26s %-8s %6s  %s' multi-gpu "n/a" - "one GPU: NCCL between ranks needs >= 2 (NCCL refuses two ranks on one GPU)")")
+fi
+
+# --- the table ----------------------------------------------------------------------------
+echo
+printf '%-26s %-8s %6s  %s\n' check status seconds detail
+for row in "${ROWS[@]}"; do echo "$row"; done
+echo "total $(( $(date +%s) - STARTED ))s of ${BUDGET}s"
+if [ "$FAILED" != 0 ]; then
+    echo "gpu-check: FAILED (logs in $OUT/)" >&2
+    exit 1
+fi
+echo "gpu-check: all checks passed"
