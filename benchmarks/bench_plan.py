@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=1024)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--topology", default="ib")
+    parser.add_argument("--gpu", default="h100")
     parser.add_argument("--workers", type=int, default=default_workers())
     parser.add_argument("--top", type=int, default=10)
     args = parser.parse_args()
@@ -44,29 +45,38 @@ def main() -> None:
                         schedules=tuple(GENERATORS), recompute=recompute, zero=zero)
     layouts, rejected = enumerate_layouts(space)
     base = ["simulate", "--model", args.model, "--topology", args.topology, "--nodes", str(max(1, args.gpus // 8)),
-            "--seq-len", str(args.seq_len)]
+            "--seq-len", str(args.seq_len), "--gpu", args.gpu]
     plan_command._init_worker(base)
     print(f"{args.model}, {args.gpus} GPUs, global batch {args.global_batch}, seq {args.seq_len}, {args.topology}: "
-          f"{len(layouts)} layouts ({sum(rejected.values())} rejected before simulation), {args.workers} workers")
+          f"{len(layouts)} layouts ({sum(rejected.values())} dropped by divisibility), {args.workers} workers")
 
     started = time.perf_counter()
     bounds = [plan_command.lower_bound(layout) for layout in layouts]
     analytic = time.perf_counter() - started
     assert len(bounds) == len(layouts)
 
-    exhaustive = search(layouts, plan_command.evaluate_layout, lambda layout: 0.0, args.top, args.workers)
-    searched = search(layouts, plan_command.evaluate_layout, plan_command.lower_bound, args.top, args.workers)
+    if args.workers > 1:
+        import multiprocessing
+
+        multiprocessing.set_start_method("fork", force=True)  # workers inherit the loaded topology
+    reject = plan_command.memory_floor_cause
+    exhaustive = search(layouts, plan_command.evaluate_layout, lambda layout: 0.0, args.top, args.workers,
+                        reject=reject)
+    searched = search(layouts, plan_command.evaluate_layout, plan_command.lower_bound, args.top, args.workers,
+                      reject=reject)
 
     print()
     print("| side | layouts | seconds | layouts/s | ratio to analytic |")
     print("|---|---|---|---|---|")
     rate_analytic = len(layouts) / analytic
     for name, count, seconds in (("analytic bound only", len(layouts), analytic),
-                                 ("simulated, exhaustive", exhaustive.simulated, exhaustive.seconds),
-                                 ("plan search (simulated + pruned)", searched.considered, searched.seconds)):
+                                 ("simulated, exhaustive (after the memory floor)", exhaustive.simulated,
+                                  exhaustive.seconds),
+                                 ("plan search (floor + simulated + pruned)", searched.considered, searched.seconds)):
         rate = count / seconds if seconds else float("inf")
         print(f"| {name} | {count} | {seconds:.2f} | {rate:.0f} | {rate / rate_analytic:.2f}x |")
-    print(f"\nplan search simulated {searched.simulated} and pruned {searched.pruned}; "
+    print(f"\nplan search rejected {searched.screened} by the memory floor, simulated {searched.simulated} "
+          f"and pruned {searched.pruned}; "
           f"its top {args.top} equals the exhaustive top {args.top}: "
           f"{[r['layout'] for r in searched.rows[:args.top]] == [r['layout'] for r in exhaustive.rows[:args.top]]}")
     print()

@@ -134,6 +134,7 @@ class PlanResult:
     simulated: int
     pruned: int
     seconds: float
+    screened: int = 0  # rejected before simulation by ``reject``
 
     def to_dict(self, top: int) -> dict:
         return {
@@ -141,6 +142,7 @@ class PlanResult:
             "considered": self.considered,
             "simulated": self.simulated,
             "pruned_by_bound": self.pruned,
+            "rejected_before_simulation": self.screened,
             "rejected": dict(self.rejected),
             "seconds": self.seconds,
             "simulated_per_second": self.simulated / self.seconds if self.seconds else None,
@@ -155,13 +157,26 @@ def search(
     workers: int = 1,
     progress: Callable[[int, int], None] | None = None,
     rejected: Counter | None = None,
+    reject: Callable[[Layout], str | None] | None = None,
 ) -> PlanResult:
     """Simulate layouts in order of their lower bound, in batches over ``workers``
     processes, and stop simulating once the next bound cannot beat the ``top``-th best
     step time found that fits in memory. ``evaluate`` returns a row with ``step_time``
-    and ``oom`` (or ``error``); rows are ranked by step time, ties by layout."""
+    and ``oom`` (or ``error``); rows are ranked by step time, ties by layout. ``reject``
+    names a cause for layouts that provably cannot work (checked before anything is
+    simulated)."""
     started = time.perf_counter()
     rejected = Counter(rejected or {})
+    considered = len(layouts)
+    if reject is not None:
+        kept = []
+        for layout in layouts:
+            cause = reject(layout)
+            if cause is None:
+                kept.append(layout)
+            else:
+                rejected[cause] += 1
+        layouts = kept
     bounds = {layout: bound(layout) for layout in layouts}
     order = sorted(layouts, key=lambda layout: (bounds[layout], layout))
     rows: list[dict] = []
@@ -196,7 +211,8 @@ def search(
             pool.shutdown()
     rows.sort(key=lambda row: (row["step_time"], row["layout"]))
     pruned = len(order) - position
-    return PlanResult(rows, rejected, len(layouts), simulated, pruned, time.perf_counter() - started)
+    return PlanResult(rows, rejected, considered, simulated, pruned, time.perf_counter() - started,
+                      considered - len(layouts))
 
 
 def pareto_front(rows: list[dict], x: str = "peak_memory_bytes", y: str = "tokens_per_second") -> list[dict]:

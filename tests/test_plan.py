@@ -86,7 +86,7 @@ def test_pruning_keeps_the_same_top(small_model_worker):
     exhaustive = search(layouts, small_model_worker.evaluate_layout, lambda layout: 0.0, top=3)
     assert exhaustive.pruned == 0
     assert [row["layout"] for row in pruned.rows[:3]] == [row["layout"] for row in exhaustive.rows[:3]]
-    assert pruned.simulated + pruned.pruned == pruned.considered
+    assert pruned.simulated + pruned.pruned + pruned.screened == pruned.considered
 
 
 def test_plan_command_writes_its_files(tmp_path, capsys):
@@ -101,7 +101,7 @@ def test_plan_command_writes_its_files(tmp_path, capsys):
     assert 1 <= len(data["ranked"]) <= 3
     steps = [row["step_time"] for row in data["ranked"]]
     assert steps == sorted(steps)
-    assert data["simulated"] + data["pruned_by_bound"] == data["considered"]
+    assert data["simulated"] + data["pruned_by_bound"] + data["rejected_before_simulation"] == data["considered"]
     best = data["ranked"][0]
     layout = Layout(**{key: best[key] for key in Layout.__dataclass_fields__})
     assert layout.pp * layout.tp * layout.dp == 8
@@ -137,3 +137,15 @@ def test_plan_bad_input_is_one_line(argv, message, capsys):
     assert main(base + argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_memory_floor_only_rejects_layouts_the_simulation_finds_out_of_memory():
+    plan_command._init_worker(["simulate", "--model", "gpt3-13b", "--topology", "nvlink", "--nodes", "1",
+                               "--gpu", "a100-40gb"])
+    layouts, _ = enumerate_layouts(SearchSpace(
+        gpus=8, gpus_per_node=8, global_batch=16, layers=40, heads=40, kv_heads=40,
+        schedules=("gpipe", "1f1b"), microbatch_sizes=(1,), zero=(0, 1)))
+    screened = [layout for layout in layouts if plan_command.memory_floor_cause(layout)]
+    assert screened, "the case must exercise the floor (gpt3-13b does not fit one 40 GB GPU)"
+    for layout in screened:
+        assert plan_command.evaluate_layout(layout)["oom"], layout.label()

@@ -104,7 +104,8 @@ def handle(args: argparse.Namespace) -> int:
 
         # fork: the workers inherit _BASE and the loaded topology instead of re-reading them
         multiprocessing.set_start_method("fork", force=True)
-    result = search(layouts, evaluate_layout, lower_bound, args.top, workers, progress, rejected)
+    result = search(layouts, evaluate_layout, lower_bound, args.top, workers, progress, rejected,
+                    reject=memory_floor_cause)
     if progress is not None and result.pruned:
         sys.stderr.write("\n")
     print(format_plan(result, args))
@@ -188,20 +189,27 @@ def _costs(args: argparse.Namespace, schedule) -> object:
     return model_costs_from_args(args, schedule, _BASE["topology"])
 
 
-def lower_bound(layout: Layout) -> float:
-    """A step time no schedule of this layout can beat: the busiest pipeline rank's
-    compute, plus the forward of microbatch 0 reaching the rank's first stage before it
-    can start and the input gradient of its last microbatch travelling back from there."""
+def _layout_costs(layout: Layout):
+    """The layout's parsed flags and per-stage costs, without generating its schedule
+    (a shell with the looped placement: costs depend only on the stages)."""
     from schedules.schedule import Schedule, looped_placement
 
     args = _parse(layout)
-    stages = layout.pp * layout.virtual_stages
     shell = Schedule(layout.pp, layout.microbatches, looped_placement(layout.pp, layout.virtual_stages),
                      [()] * layout.pp, name=layout.schedule)
+    return args, _costs(args, shell)
+
+
+def lower_bound(layout: Layout) -> float:
+    """A step time no schedule of this layout can beat: the busiest pipeline rank's
+    compute, plus the forward of microbatch 0 reaching the rank's first stage before it
+    can start and the input gradient of its last microbatch travelling back from there,
+    plus the optimizer step that follows it."""
     try:
-        costs = _costs(args, shell)
+        _, costs = _layout_costs(layout)
     except ValueError:
         return float("inf")  # the evaluation reports why
+    stages = layout.pp * layout.virtual_stages
     best = 0.0
     for rank in range(layout.pp):
         own = range(rank, stages, layout.pp)
@@ -210,47 +218,77 @@ def lower_bound(layout: Layout) -> float:
         fill = sum(costs.stages[s].fwd for s in before) + sum(costs.stages[s].bwd - costs.stages[s].wgrad
                                                                for s in before)
         best = max(best, busy + fill)
-    return best
+    return best + costs.step_overhead
+
+
+def memory_floor_cause(layout: Layout) -> str | None:
+    """"out of memory" when even the least any schedule can hold — parameters, gradients
+    and optimizer state, P2P buffers, and one microbatch's stash of the rank's largest
+    stage — exceeds the device; None otherwise (the simulation decides)."""
+    from pipesim.commands.options import parallel_from_args
+    from pipesim.mapping import map_ranks
+    from pipesim.memory import stage_params, static_bytes_per_param
+
+    try:
+        args, costs = _layout_costs(layout)
+        parallel = parallel_from_args(args)
+    except ValueError:
+        return None
+    if not costs.memory_known:
+        return None
+    topology = _BASE["topology"]
+    devices = map_ranks(topology, layout.dp, layout.pp, layout.tp, parallel.rank_order).pipeline()
+    per_param = static_bytes_per_param(parallel.bytes_per_param, layout.dp, parallel.zero)
+    stages = layout.pp * layout.virtual_stages
+    for rank in range(layout.pp):
+        own = [costs.stages[s] for s in range(rank, stages, layout.pp)]
+        floor = sum(stage_params(cost.params, cost.param_bytes, parallel.bytes_per_param) * per_param for cost in own)
+        floor += max(cost.stash_bytes for cost in own)
+        if floor > topology.device_memory(devices[rank]):
+            return "out of memory (parameters, optimizer state and one stash alone)"
+    return None
 
 
 def evaluate_layout(layout: Layout) -> dict:
     """Simulate one layout as ``pipesim simulate`` would; a row for the table, or
     ``{"error": cause}`` for a layout that cannot be built."""
-    from pipesim.commands.options import parallel_from_args
+    from pipesim.commands.options import parallel_from_args, schedule_from_args
+    from pipesim.commands.simulate import model_figures
     from pipesim.simulation import run_simulation
-    from schedules.generators import ScheduleUnavailableError
+    from schedules.generators import COST_AWARE, ScheduleUnavailableError
 
     args = _parse(layout)
+    topology = _BASE["topology"]
     try:
-        schedule = _lowered(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+        if layout.schedule in COST_AWARE:  # its order follows from this layout's costs
+            schedule = schedule_from_args(args, topology)
+        else:
+            schedule = _lowered(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
         costs = _costs(args, schedule)
         # Generated and lowered here, so valid by construction (tests/test_p2p.py proves it
         # for every generator); validating each of thousands of layouts again would double the search.
-        result = run_simulation(schedule, costs, _BASE["topology"], parallel=parallel_from_args(args), p2p=args.p2p,
+        result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args), p2p=args.p2p,
                                 validate=False)
     except ScheduleUnavailableError:
-        return {"error": f"{layout.schedule} cannot run {layout.microbatches} microbatches on {layout.pp} ranks"}
+        return {"error": f"{layout.schedule} does not exist for that microbatch count and pp"}
     except ValueError as error:
         return {"error": f"{type(error).__name__}: {str(error).split(';')[0]}"}
     metrics = result.metrics
-    tokens = layout.microbatches * layout.dp * layout.microbatch_size * args_seq_len(args)
-    data = result.to_dict()
+    figures = model_figures(args, result)
     peak = max((memory.peak_bytes for memory in result.memory), default=0.0)
     capacity = min((memory.capacity_bytes for memory in result.memory), default=float("inf"))
-    row = {
+    return {
         **layout_fields(layout),
         "step_time": metrics.makespan,
-        "tokens_per_second": tokens / metrics.makespan if metrics.makespan else 0.0,
+        "tokens_per_second": figures["tokens_per_second"] or 0.0,
+        "mfu": figures["mfu"],
+        "model_tflops_per_gpu": figures["model_tflops_per_gpu"],
         "bubble_fraction": metrics.bubble_fraction,
         "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks) / len(metrics.ranks),
         "peak_memory_bytes": peak,
         "capacity_bytes": capacity if capacity != float("inf") else None,
         "oom": result.oom,
     }
-    for key in ("mfu", "model_tflops_per_gpu"):
-        if key in data:
-            row[key] = data[key]
-    return row
 
 
 @functools.lru_cache(maxsize=256)
@@ -263,24 +301,21 @@ def _lowered(name: str, pp: int, microbatches: int, virtual_stages: int):
     return lower(generate(name, pp, microbatches, virtual_stages))
 
 
-def args_seq_len(args: argparse.Namespace) -> int:
-    from pipesim.model_spec import model_spec
-
-    return args.seq_len or model_spec(args.model).seq_len
-
-
 def format_plan(result, args: argparse.Namespace) -> str:
     """The ranked table and the search's counts."""
-    lines = [f"{'#':>3}  {'layout':<48} {'step':>9} {'tokens/s':>11} {'MFU':>6} {'bubble':>7} "
+    width = max([48] + [len(row["layout"]) for row in result.rows[:args.top]])
+    lines = [f"{'#':>3}  {'layout':<{width}} {'step':>9} {'tokens/s':>11} {'MFU':>6} {'bubble':>7} "
              f"{'exp.comm':>9} {'peak mem':>9} {'capacity':>9}"]
     for index, row in enumerate(result.rows[:args.top], 1):
         mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "-"
         capacity = f"{row['capacity_bytes'] / 1e9:.1f} GB" if row.get("capacity_bytes") else "-"
-        lines.append(f"{index:>3}  {row['layout']:<48} {row['step_time']:>8.3f}s {row['tokens_per_second']:>11,.0f} "
-                     f"{mfu:>6} {row['bubble_fraction']:>7.1%} {row['exposed_comm'] * 1e3:>7.1f}ms "
+        lines.append(f"{index:>3}  {row['layout']:<{width}} {row['step_time']:>8.3f}s "
+                     f"{row['tokens_per_second']:>11,.0f} {mfu:>6} {row['bubble_fraction']:>7.1%} "
+                     f"{row['exposed_comm'] * 1e3:>7.1f}ms "
                      f"{row['peak_memory_bytes'] / 1e9:>6.1f} GB {capacity:>9}")
     rate = result.simulated / result.seconds if result.seconds else 0.0
-    lines.append(f"considered {result.considered} layouts: simulated {result.simulated}, "
+    lines.append(f"considered {result.considered} layouts: {result.screened} rejected before simulation, "
+                 f"simulated {result.simulated}, "
                  f"{result.pruned} pruned by lower bound (cannot reach the top {args.top}); "
                  f"{result.seconds:.1f} s, {rate:.0f} simulated/s")
     if result.rejected:
