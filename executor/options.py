@@ -21,50 +21,83 @@ from executor.config import (
 )
 from schedules.generators import MULTI_CHUNK
 
-DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 2, 4
+# The same schedule defaults as the simulator (pipesim.commands.options): pp 4 with
+# m = 2 pp, the project's standard example, so `simulate` and `run` with no flags describe
+# the same pipeline and `compare` needs none. Four CPU processes run the default tiny
+# mlp (one layer per stage) in seconds.
+DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
+# Three steps by default: the first is cold (allocator, autograd graph, gloo buffers:
+# a 190 ms first forward against ~20 ms warm), and the chart and --trace show the last.
+DEFAULT_STEPS = 3
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the schedule, model, training and runtime flags to ``parser``."""
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be >= 1 (``-v 0`` is an error, not a default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_hidden_alias(group, alias: str, dest: str, **kwargs) -> None:
+    """An old spelling kept working but left out of ``--help`` (one name per thing)."""
+    group.add_argument(alias, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> None:
+    """Add the schedule, model, training and runtime flags to ``parser``; ``outputs``:
+    also what only a training run uses: ``--steps``, ``--lr``, ``--weight-decay``,
+    ``--inject-failure``, ``--json`` and ``--trace`` (profile times passes and an
+    optimizer step at learning rate 0, so it takes none of them)."""
     schedule = parser.add_argument_group("schedule")
     schedule.add_argument("--schedule", default=None, help=f"a generated schedule (default {DEFAULT_SCHEDULE})")
     schedule.add_argument("--schedule-file", default=None, metavar="CSV",
                           help="run the order in this schedule CSV (torch.distributed.pipelining format) instead; "
-                               "it fixes pp, microbatches and the stages per rank")
+                               "it fixes pp, microbatches and the stages per rank (default: none, generate --schedule)")
     schedule.add_argument("--pp", type=int, default=None,
                           help=f"pipeline ranks, one process each (default {DEFAULT_PP}; 1: no pipeline)")
     schedule.add_argument("--microbatches", "-m", type=int, default=None,
                           help=f"microbatches per dp replica and step (default {DEFAULT_MICROBATCHES})")
-    schedule.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world size = dp * pp * tp)")
-    schedule.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (gpt only)")
+    schedule.add_argument("--dp", type=int, default=1,
+                          help="data-parallel replicas (world size = dp * pp * tp) (default 1)")
+    schedule.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (gpt only) (default 1)")
     schedule.add_argument("--sequence-parallel", action="store_true",
                           help="with --tp: Megatron sequence parallelism in the blocks")
-    schedule.add_argument("--dp-bucket-mb", type=float, default=25.0,
+    schedule.add_argument("--bucket-mb", dest="dp_bucket_mb", type=float, metavar="MB", default=25.0,
                           help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
-    schedule.add_argument("--virtual-stages", "-v", type=int, default=None,
+    add_hidden_alias(schedule, "--dp-bucket-mb", "dp_bucket_mb", type=float)
+    schedule.add_argument("--virtual-stages", "-v", type=positive_int, default=None,
                           help=f"stages per rank (default 2 for {', '.join(sorted(MULTI_CHUNK))}; else 1)")
     model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")
-    model.add_argument("--model", choices=MODELS, default="mlp")
-    model.add_argument("--layers", type=int, default=4)
-    model.add_argument("--hidden", type=int, default=64)
+    model.add_argument("--model", choices=MODELS, default="mlp", help="executable model (default mlp)")
+    model.add_argument("--layers", type=int, default=4, help="layers in the whole model (default 4)")
+    model.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
     model.add_argument("--batch-size", type=int, default=8,
-                       help="global samples per step: split across dp replicas, then cut into microbatches")
-    model.add_argument("--seq-len", type=int, default=16, help="gpt: tokens per sample")
-    model.add_argument("--vocab", type=int, default=128, help="gpt: vocabulary size")
-    model.add_argument("--heads", type=int, default=4, help="gpt: attention heads")
-    model.add_argument("--layout", default=None,
+                       help="global samples per step: split across dp replicas, then cut into microbatches "
+                       "(default 8)")
+    model.add_argument("--seq-len", type=int, default=16, help="gpt: tokens per sample (default 16)")
+    model.add_argument("--vocab", type=int, default=128, help="gpt: vocabulary size (default 128)")
+    model.add_argument("--heads", type=int, default=4, help="gpt: attention heads (default 4)")
+    model.add_argument("--layers-per-stage", dest="layout", default=None, metavar="LIST",
                        help="layers per stage, comma-separated (default: as even as possible), e.g. 1,3,3,1")
+    add_hidden_alias(model, "--layout", "layout")
     train = parser.add_argument_group("training")
-    train.add_argument("--steps", type=int, default=1)
-    train.add_argument("--seed", type=int, default=0)
+    if outputs:
+        train.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                           help="training steps (default %(default)s; the chart and --trace show the last, warm one)")
+    train.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     (sgd_lr, sgd_decay), (adamw_lr, adamw_decay) = OPTIMIZER_DEFAULTS["sgd"], OPTIMIZER_DEFAULTS["adamw"]
     train.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                        help=f"sgd (plain) or adamw (betas {ADAMW_BETAS}, as in LLM pretraining) (default sgd)")
-    train.add_argument("--lr", type=float, default=None,
-                       help=f"learning rate (default: the optimizer's own: sgd {sgd_lr:g}, adamw {adamw_lr:g})")
-    train.add_argument("--weight-decay", type=float, default=None,
-                       help=f"decoupled weight decay on matrices, never on biases or norm weights "
-                       f"(default: sgd {sgd_decay:g}, adamw {adamw_decay:g})")
+    if outputs:
+        train.add_argument("--lr", type=float, default=None,
+                           help=f"learning rate (default: the optimizer's own: sgd {sgd_lr:g}, adamw {adamw_lr:g})")
+        train.add_argument("--weight-decay", type=float, default=None,
+                           help=f"decoupled weight decay on matrices, never on biases or norm weights "
+                           f"(default: sgd {sgd_decay:g}, adamw {adamw_decay:g})")
     train.add_argument("--dtype", choices=DTYPES, default="float32",
                        help="float32/float64: the whole model in that type; bfloat16/float16: float32 master "
                        "weights, compute under autocast, loss in float32 (float16 with dynamic loss scaling) "
@@ -73,7 +106,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                        help="type of the dp gradient all-reduce on the wire (default: the master weights', "
                        "float32, or float64 with --dtype float64)")
     runtime = parser.add_argument_group("runtime")
-    runtime.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: nccl with CUDA, else gloo")
+    runtime.add_argument("--backend", choices=BACKENDS, default="auto",
+                         help="auto: nccl with CUDA, else gloo (default auto)")
     runtime.add_argument("--timeout", type=float, default=60.0,
                          help="seconds a rank waits on a peer before the job fails (default 60)")
     runtime.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
@@ -82,8 +116,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                               "(NCCL's rule, emulated on gloo) or buffered (gloo's); default: the backend's")
     runtime.add_argument("--verbose", action="store_true",
                          help="show every rank's output and a failed rank's traceback on the console")
+    if not outputs:
+        return
     runtime.add_argument("--inject-failure", default=None, metavar="RANK:ACTION:MODE",
-                         help="testing aid: make RANK raise|kill|hang before ACTION of step 0, e.g. 1:1B0:kill")
+                         help="testing aid: make RANK raise|kill|hang before ACTION of step 0, e.g. 1:1B0:kill "
+                         "(default: none)")
     output = parser.add_argument_group("output")
     output.add_argument("--json", default=None, metavar="PATH", help="write the run summary as JSON")
     output.add_argument("--trace", default=None, metavar="PATH", help="write the measured Trace of the last step")
@@ -98,6 +135,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         virtual = args.virtual_stages
         if virtual is None:
             virtual = 2 if name in MULTI_CHUNK else 1
+        elif virtual != 1 and name not in MULTI_CHUNK:
+            raise ConfigError(f"--virtual-stages {virtual} conflicts with --schedule {name}: {name} places one "
+                              f"stage per rank; multi-chunk schedules are {', '.join(sorted(MULTI_CHUNK))}")
         shape = {"schedule": name, "pp": DEFAULT_PP if args.pp is None else args.pp,
                  "microbatches": DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches,
                  "virtual_stages": virtual}
@@ -106,14 +146,17 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         try:
             layout = tuple(int(part) for part in args.layout.split(","))
         except ValueError:
-            raise ConfigError(f"--layout {args.layout!r} must be comma-separated layer counts, e.g. 1,3,3,1") from None
+            raise ConfigError(f"--layers-per-stage {args.layout!r} must be comma-separated layer counts, "
+                              "e.g. 1,3,3,1") from None
     config = RunConfig(
         **shape, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
         model=args.model, layers=args.layers, hidden=args.hidden, batch_size=args.batch_size,
-        seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, steps=args.steps, seed=args.seed,
-        optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay, dtype=args.dtype,
+        seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, seed=args.seed,
+        steps=getattr(args, "steps", DEFAULT_STEPS),
+        optimizer=args.optimizer, lr=getattr(args, "lr", None),
+        weight_decay=getattr(args, "weight_decay", None), dtype=args.dtype,
         grad_reduce_dtype=args.grad_reduce_dtype, backend=args.backend, timeout=args.timeout,
-        threads=args.threads, layout=layout, inject_failure=args.inject_failure, p2p=args.p2p,
+        threads=args.threads, layout=layout, inject_failure=getattr(args, "inject_failure", None), p2p=args.p2p,
     )
     config.check()
     return config

@@ -83,6 +83,27 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
                                  "or load it from the plotly CDN (cdn, small files, needs the network)")
 
 
+NO_VALUE_ACTIONS = (argparse._HelpAction, argparse._VersionAction, argparse._StoreTrueAction,
+                    argparse._StoreFalseAction, argparse._CountAction, argparse._StoreConstAction)
+
+
+def state_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every listed flag that takes a value says its default in ``--help``: where its
+    own help does not, ``(default: X)`` is added, ``none`` for a flag that is off
+    unless given (an output path, an optional input)."""
+    for action in parser._actions:
+        if (not action.option_strings or action.required or action.help == argparse.SUPPRESS
+                or isinstance(action, NO_VALUE_ACTIONS) or "default" in (action.help or "")):
+            continue
+        default = action.default
+        if default is None or default == [] or default is argparse.SUPPRESS:
+            stated = "none"
+        else:
+            stated = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        stated = stated.replace("%", "%%")
+        action.help = f"{action.help} (default: {stated})" if action.help else f"default: {stated}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser, with every subcommand that is installed."""
     parser = argparse.ArgumentParser(
@@ -103,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(subparsers)
     for child in subparsers_of(parser):
         add_common_flags(child)
+        state_defaults(child)
     return parser
 
 

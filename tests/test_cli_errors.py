@@ -164,14 +164,15 @@ def test_compare_checks_html_path_before_profiling():
         (["run", "--timeout", "inf"], "--timeout must be a finite number, got inf"),
         (["run", "--timeout", "1e12"], "--timeout must be at most"),
         (["run", "--dp-bucket-mb", "nan"], "--dp-bucket-mb must be a finite number"),
-        (["run", "--layout", "a,b"], "--layout 'a,b' must be comma-separated layer counts"),
+        (["run", "--layout", "a,b"], "--layers-per-stage 'a,b' must be comma-separated layer counts"),
         (["run", "--layout", "0,4"], "--layout 0,4 gives stage 0 no layers"),
-        (["run", "--layout", "1,2"], "must give 2 stage sizes"),
-        (["run", "--inject-failure", "5:1B0:kill"], "rank 5 does not exist; the run has ranks 0 to 1"),
+        (["run", "--layout", "1,2"], "must give 4 stage sizes"),
+        (["run", "--inject-failure", "5:1B0:kill"], "rank 5 does not exist; the run has ranks 0 to 3"),
         (["run", "--inject-failure", "1:0F0:raise"], "rank 1 (pipeline rank 1) never runs 0F0"),
         (["run", "--inject-failure", "1:1B9:raise"], "never runs 1B9"),
         (["run", "--inject-failure", "one:1B0:kill"], "must be RANK:ACTION:MODE"),
-        (["profile", "--virtual-stages", "2", "--out", "{tmp}/costs.json"], "virtual stages=2 needs"),
+        (["profile", "--virtual-stages", "2", "--out", "{tmp}/costs.json"],
+         "--virtual-stages 2 conflicts with --schedule 1f1b"),
         (["simulate", "--fwd", "nan"], "--fwd must be a finite number >= 0, got nan"),
         (["simulate", "--bwd", "inf"], "--bwd must be a finite number >= 0, got inf"),
     ],
@@ -184,13 +185,14 @@ def test_bad_flag_is_refused_before_launch(capsys, files, argv, expected):
 
 
 def test_abbreviations_are_not_accepted(capsys):
-    """``--dtype`` is a prefix of ``--dtype-bytes``: with abbreviations on, argparse took
-    ``simulate --dtype bfloat16`` as ``--dtype-bytes bfloat16``."""
+    """With abbreviations on, argparse took ``simulate --dtype bfloat16`` as
+    ``--dtype-bytes bfloat16``; now ``--dtype`` is simulate's own flag (as in run) and a
+    prefix of a flag is never taken for it."""
     with pytest.raises(SystemExit) as exit_info:
-        main(["simulate", "--dtype", "bfloat16"])
+        main(["simulate", "--dtyp", "bfloat16"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "unrecognized arguments: --dtype bfloat16" in err and "--dtype-bytes" not in err
+    assert "unrecognized arguments: --dtyp bfloat16" in err
     with pytest.raises(SystemExit):
         main(["simulate", "--fw", "1"])  # not --fwd
     assert "unrecognized arguments: --fw" in capsys.readouterr().err

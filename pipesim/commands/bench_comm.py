@@ -31,12 +31,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--sizes", default="1KB..64MB",
                         help="message sizes: LOW..HIGH doubling by 4 (e.g. 1KB..64MB) or a list 4KB,1MB")
     parser.add_argument("--ops", default=DEFAULT_OPERATIONS, help=f"operations (default {DEFAULT_OPERATIONS})")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="auto: nccl with CUDA, else gloo (default auto)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--verbose", action="store_true", help="show every rank's output and tracebacks")
     parser.add_argument("--out", metavar="PATH", help="write the topology file (JSON) with the fitted links")
     parser.add_argument("--json", metavar="PATH", help="write every timing, bandwidth and fit as JSON")
     parser.add_argument("--html", metavar="PATH", help="write a chart of time and bus bandwidth against size")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress lines (they are shown only when stderr is a terminal)")
     parser.set_defaults(handler=handle)
 
 
@@ -84,9 +87,12 @@ def handle(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes)
     operations = [name.strip() for name in args.ops.split(",") if name.strip()]
     from executor.spawn import SpawnError  # noqa: PLC0415 - loads torch
+    from pipesim.commands.progress import progress_from_args  # noqa: PLC0415
 
     try:
-        result = measure(args.ranks, sizes, operations, args.backend, args.threads, args.verbose)
+        with progress_from_args("bench-comm", args).phase(
+                f"measuring {', '.join(operations)} at {len(sizes)} sizes on {args.ranks} ranks"):
+            result = measure(args.ranks, sizes, operations, args.backend, args.threads, args.verbose)
     except SpawnError as error:
         print(f"pipesim bench-comm: failed: {error}", file=sys.stderr)
         return 1

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from executor.options import add_run_arguments, config_from_args
 from pipesim.commands.profile import add_profile_arguments, check_profile_arguments
+from pipesim.commands.progress import StepWatcher, add_quiet_arg, progress_from_args
 
 LINK_SIZES = "1KB..16MB"  # sendrecv sizes measured when no --topology is given
 
@@ -37,6 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="first steps left out of the measured step time (default 1)")
     group.add_argument("--html", metavar="PATH", help="write the measured and predicted timelines on one axis")
     group.add_argument("--predicted-trace", metavar="PATH", help="write the predicted Trace")
+    add_quiet_arg(parser)
     parser.set_defaults(handler=handle, steps=5)
 
 
@@ -45,11 +47,38 @@ def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
     from pipesim.costs import costs_from_dict, load_costs  # noqa: PLC0415
 
     if args.costs:
-        return load_costs(args.costs, num_stages)
+        costs = load_costs(args.costs, num_stages)
+        check_costs_match(costs.meta, config, args.costs)
+        return costs
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
     document = profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
     return costs_from_dict(document, num_stages, name="profile")
+
+
+def profiled_shape(config) -> dict:
+    """What a profile's stage times depend on, as ``pipesim profile`` writes it in the
+    costs file's ``meta``: the model and its sizes, the pipeline split, the microbatch
+    size and the dtype (the schedule and the microbatch count change no stage's time)."""
+    shape = {"model": config.model, "layers": config.layers, "hidden": config.hidden, "pp": config.pp,
+             "virtual_stages": config.virtual_stages, "dtype": config.dtype,
+             "microbatch_size": -(-config.batch_size // config.microbatches)}
+    if config.model == "gpt":
+        shape["seq_len"] = config.seq_len
+    return shape
+
+
+def check_costs_match(meta: dict, config, path: str) -> None:
+    """Refuse a costs file profiled on another model or shape: its stage times would be
+    another model's (a costs file of a 4x wider model once gave a +5583.8% "error").
+    Files without ``meta`` (written by hand) are taken as they are."""
+    if not meta:
+        return
+    differences = [f"{key} {meta[key]} (this run: {value})" for key, value in profiled_shape(config).items()
+                   if key in meta and meta[key] != value]
+    if differences:
+        raise ValueError(f"--costs {path} was profiled on another model or shape: {'; '.join(differences)}; "
+                         "profile this config (drop --costs) or pass the flags it was profiled with")
 
 
 def calibrated_topology(args: argparse.Namespace, config):
@@ -98,15 +127,21 @@ def handle(args: argparse.Namespace) -> int:
     from pipesim.simulation import run_simulation  # noqa: PLC0415
 
     schedule = validate_schedule(config)
+    progress = progress_from_args("compare", args)
     try:
-        costs = calibrated_costs(args, config, schedule.num_stages)
-        topology = calibrated_topology(args, config)
-        (result,) = launch(config, verbose=args.verbose)
+        with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
+            costs = calibrated_costs(args, config, schedule.num_stages)
+        with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
+            topology = calibrated_topology(args, config)
+        progress.line(f"3/4 running {config.steps} steps on {config.world_size} ranks")
+        with StepWatcher(progress, config.world_size, config.steps):
+            (result,) = launch(config, verbose=args.verbose)
     except (PipelineRunError, SpawnError) as error:
         print(f"pipesim compare: run failed: {error}", file=sys.stderr)
         return 1
     # Predicted under the semantics the run had (--p2p, else its backend's).
-    predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config))
+    with progress.phase("4/4 simulating the same programs"):
+        predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config))
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
                        args.warmup_steps)
     print("\n".join(report_lines(document)))

@@ -7,6 +7,7 @@ import argparse
 import math
 import sys
 
+from executor.options import add_hidden_alias, positive_int
 from pipesim.costs import Costs, load_costs, uniform_costs
 from pipesim.presets import PRESETS
 from pipesim.topology import Topology
@@ -34,12 +35,12 @@ def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) 
                        help=f"one of {', '.join(SCHEDULE_NAMES)} (default: {DEFAULT_SCHEDULE})")
     if allow_file:
         group.add_argument("--schedule-file", help="a schedule CSV (torch.distributed.pipelining format) instead; "
-                           "it fixes pp, microbatches and the stages per rank")
+                           "it fixes pp, microbatches and the stages per rank (default: none, generate --schedule)")
     group.add_argument("--pp", type=int, default=None, help=f"pipeline-parallel ranks (default: {DEFAULT_PP})")
     group.add_argument("--microbatches", "-m", type=int, default=None,
                        help=f"microbatches per step (default: {DEFAULT_MICROBATCHES})")
     group.add_argument(
-        "--virtual-stages", "-v", type=int, default=None,
+        "--virtual-stages", "-v", type=positive_int, default=None,
         help=f"model chunks per rank for {', '.join(sorted(MULTI_CHUNK))} (default: {DEFAULT_VIRTUAL_STAGES}; "
         "others use 1)",
     )
@@ -94,6 +95,26 @@ def reject_with_schedule_file(args: argparse.Namespace, flags: dict[str, object]
                              f"schedule, pp, microbatches and stages per rank; drop {flag}")
 
 
+def conflict(flag: str, other: str, why: str) -> ValueError:
+    """The one form of every conflicting-flags error: both flags named, then why."""
+    return ValueError(f"{flag} conflicts with {other}: {why}")
+
+
+COST_FLAGS = (("--fwd", "fwd"), ("--bwd", "bwd"), ("--wgrad", "wgrad"), ("--act-bytes", "act_bytes"))
+DEFAULT_FWD, DEFAULT_MFU = 1e-3, 0.5
+
+
+def check_cost_flags(args: argparse.Namespace) -> None:
+    """``--costs`` fixes every per-stage cost, so a cost flag beside it is refused, and
+    ``--mfu`` only scales a ``--model``'s FLOPs; the defaults are filled in after."""
+    if getattr(args, "costs", None):
+        for flag, dest in COST_FLAGS:
+            if getattr(args, dest, None) is not None:
+                raise conflict(flag, f"--costs {args.costs}", f"the costs file gives every stage's costs; drop {flag}")
+    if hasattr(args, "mfu") and args.mfu is not None and not getattr(args, "model", None):
+        raise ValueError("--mfu needs --model: it scales the FLOPs of a model spec; give --model or drop --mfu")
+
+
 def virtual_stages_for(name: str, requested: int | None) -> int:
     """Chunks per rank: as requested for multi-chunk schedules, 1 for the others."""
     if name in MULTI_CHUNK:
@@ -123,11 +144,9 @@ def schedule_from_args(args: argparse.Namespace, topology: Topology | None = Non
         print(f"note: --memory-limit applies to {', '.join(sorted(COST_AWARE))}; {args.schedule}'s memory is "
               "set by its order", file=sys.stderr)
     if args.virtual_stages not in (None, 1) and args.schedule not in MULTI_CHUNK:
-        print(
-            f"note: --virtual-stages {args.virtual_stages} applies to {', '.join(sorted(MULTI_CHUNK))}; "
-            f"{args.schedule} uses one stage per rank",
-            file=sys.stderr,
-        )
+        raise conflict(f"--virtual-stages {args.virtual_stages}", f"--schedule {args.schedule}",
+                       f"{args.schedule} places one stage per rank; multi-chunk schedules are "
+                       f"{', '.join(sorted(MULTI_CHUNK))}")
     return generate(args.schedule, args.pp, args.microbatches, virtual_stages_for(args.schedule, args.virtual_stages),
                     max_actions=args.max_actions)
 
@@ -160,11 +179,13 @@ def cost_aware_schedule_from_args(args: argparse.Namespace, topology: Topology |
 
 def add_cost_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("costs (per microbatch, on one pipeline rank's share of the model)")
-    group.add_argument("--fwd", type=float, default=1e-3, help="forward seconds per microbatch (default: 1e-3)")
+    group.add_argument("--fwd", type=float, default=None,
+                       help=f"forward seconds per microbatch (default: {DEFAULT_FWD:g})")
     group.add_argument("--bwd", type=float, default=None, help="full backward seconds (default: 2 x --fwd)")
-    group.add_argument("--wgrad", type=float, default=0.0,
-                       help="weight-gradient part of --bwd, for split backward (I = bwd - wgrad, W = wgrad)")
-    group.add_argument("--act-bytes", type=float, default=0.0,
+    group.add_argument("--wgrad", type=float, default=None,
+                       help="weight-gradient part of --bwd, for split backward (I = bwd - wgrad, W = wgrad) "
+                       "(default: 0)")
+    group.add_argument("--act-bytes", type=float, default=None,
                        help="bytes one microbatch sends between consecutive stages (default: 0)")
     group.add_argument("--stash-bytes", type=float, default=None,
                        help="activation bytes one microbatch's forward keeps until its backward, on one rank's share "
@@ -179,18 +200,25 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     from pipesim.model_spec import RECOMPUTE
 
     group = parser.add_argument_group("model spec (costs from FLOPs and bytes instead of --fwd/--bwd)")
-    group.add_argument("--model", help=f"one of {', '.join(MODELS)}, or a Hugging Face style config.json; "
-                       "the flags below override its fields")
+    group.add_argument("--model", help=f"one of {', '.join(MODELS)}; gpt (the transformer pipesim run trains, "
+                       "with run's sizes: layers 4, hidden 64, heads 4, seq-len 16, vocab 128, float32); or a "
+                       "Hugging Face style config.json; the flags below override its fields (default: none, "
+                       "costs from --fwd/--bwd)")
     for flag, what in (("--layers", "transformer layers"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
                        ("--kv-heads", "key/value heads (grouped-query attention)"),
                        ("--ffn-hidden", "MLP intermediate size"),
                        ("--seq-len", "sequence length"), ("--vocab", "vocabulary size"),
-                       ("--microbatch-size", "sequences per microbatch"),
-                       ("--dtype-bytes", "bytes per activation/weight element (2 for bf16)")):
-        group.add_argument(flag, type=int, default=None, help=what)
-    group.add_argument("--mfu", type=float, default=0.5,
-                       help="fraction of the device's peak FLOP/s that compute reaches (default: 0.5)")
+                       ("--microbatch-size", "sequences per microbatch")):
+        group.add_argument(flag, type=int, default=None, help=f"{what} (default: the model's)")
+    group.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=None,
+                       help="element type of activations and weights, as pipesim run's --dtype "
+                       "(default: the model's; bfloat16 for the presets, float32 for gpt)")
+    add_hidden_alias(group, "--dtype-bytes", "dtype_bytes", type=int)
+    group.add_argument("--mfu", type=float, default=None,
+                       help=f"with --model: fraction of the device's peak FLOP/s that compute reaches "
+                       f"(default: {DEFAULT_MFU})")
     group.add_argument("--layers-per-stage", help="layers on each stage, e.g. 3,3,2,2 (default: as even as possible)")
+    add_hidden_alias(group, "--layout", "layers_per_stage")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="Megatron sequence parallelism: tp all-gather + reduce-scatter, activations / tp")
     group.add_argument("--recompute", choices=RECOMPUTE, default="none",
@@ -210,6 +238,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                        help=f"axes innermost first, e.g. tp-pp-dp (default: {DEFAULT_ORDER}, Megatron's)")
     group.add_argument("--bucket-mb", type=float, default=25.0,
                        help="gradient all-reduce bucket in MiB (default: 25, torch DDP's)")
+    add_hidden_alias(group, "--dp-bucket-mb", "bucket_mb", type=float)
     group.add_argument("--no-dp-overlap", action="store_true",
                        help="reduce gradients after the rank's last action instead of bucket by bucket during "
                        "each stage's last backward (DDP's overlap)")
@@ -245,15 +274,46 @@ def parallel_from_args(args: argparse.Namespace):
     )
 
 
+# The executor's built-in transformer (``pipesim run --model gpt``) as a model spec, so
+# one name means one model in both: its defaults are run's (LayerNorm, biases, learned
+# positions, an untied head, no dropout, MLP 4 x hidden, float32), so ``simulate
+# --model gpt --layers 4 --hidden 64`` predicts the model that ``run --model gpt
+# --layers 4 --hidden 64`` trains.
+EXECUTOR_GPT = {"layers": 4, "hidden": 64, "heads": 4, "seq_len": 16, "vocab": 128, "dtype_bytes": 4}
+
+
+def executor_gpt_spec(**fields: int | None):
+    from dataclasses import replace
+
+    from pipesim.model_spec import ModelSpec
+
+    spec = ModelSpec(name="gpt", **EXECUTOR_GPT, tied_embeddings=False, dropout=False)
+    return replace(spec, **{key: value for key, value in fields.items() if value is not None})
+
+
+# --dtype NAME -> bytes per element; --dtype-bytes N is the old spelling, kept working
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes_from_args(args: argparse.Namespace) -> int | None:
+    dtype, size = getattr(args, "dtype", None), getattr(args, "dtype_bytes", None)
+    if dtype is not None and size is not None:
+        raise conflict("--dtype-bytes", f"--dtype {dtype}", "give one of them")
+    return DTYPE_BYTES[dtype] if dtype is not None else size
+
+
 def model_spec_from_args(args: argparse.Namespace):
-    """The ``ModelSpec`` of ``--model`` with the field flags applied."""
+    """The ``ModelSpec`` of ``--model`` with the field flags applied: a preset, a
+    config.json, or the executor's ``gpt`` (``mlp`` has no transformer FLOP model)."""
     from pipesim.model_spec import model_spec
 
-    return model_spec(
-        args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-        ffn_hidden=args.ffn_hidden, seq_len=args.seq_len, vocab=args.vocab, microbatch_size=args.microbatch_size,
-        dtype_bytes=args.dtype_bytes,
-    )
+    if args.model == "mlp":
+        raise ValueError("--model mlp is the executor's toy MLP; the simulator models transformers: use "
+                         "--model gpt (the executor's transformer), a preset, or --fwd/--bwd")
+    build = executor_gpt_spec if args.model == "gpt" else lambda **fields: model_spec(args.model, **fields)
+    return build(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                 ffn_hidden=args.ffn_hidden, seq_len=args.seq_len, vocab=args.vocab,
+                 microbatch_size=args.microbatch_size, dtype_bytes=dtype_bytes_from_args(args))
 
 
 def fallback_peak_flops(args: argparse.Namespace) -> float:
@@ -276,9 +336,10 @@ def model_costs_from_args(args: argparse.Namespace, schedule: Schedule, topology
     from pipesim.memory import static_bytes_per_param
     from pipesim.transformer_costs import device_memory_bandwidth, model_costs
 
-    if args.costs or args.act_bytes or args.wgrad or args.stash_bytes is not None or args.param_bytes is not None:
-        raise ValueError("--model derives the costs; drop --costs/--act-bytes/--wgrad/--stash-bytes/--param-bytes "
-                         "or drop --model")
+    given = [flag for flag, dest in (*COST_FLAGS, ("--costs", "costs"), ("--stash-bytes", "stash_bytes"),
+                                      ("--param-bytes", "param_bytes")) if getattr(args, dest, None) is not None]
+    if given:
+        raise conflict(given[0], f"--model {args.model}", f"the model spec derives the costs; drop {given[0]}")
     spec = model_spec_from_args(args)
     devices = map_ranks(topology, args.dp, schedule.pp, args.tp, args.rank_order).pipeline()
     stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
@@ -286,7 +347,7 @@ def model_costs_from_args(args: argparse.Namespace, schedule: Schedule, topology
     bandwidths = [device_memory_bandwidth(topology, device) for device in stage_devices]
     layout = split_list(args.layers_per_stage, int) if args.layers_per_stage else None
     parallel = parallel_from_args(args)
-    return model_costs(spec, schedule.num_stages, peaks, tp=args.tp, mfu=args.mfu,
+    return model_costs(spec, schedule.num_stages, peaks, tp=args.tp, mfu=DEFAULT_MFU if args.mfu is None else args.mfu,
                        sequence_parallel=args.sequence_parallel, layers_per_stage=layout, recompute=args.recompute,
                        flash_attention=not args.no_flash_attention, fallback_peak=fallback_peak_flops(args),
                        stage_memory_bandwidth=bandwidths, fallback_memory_bandwidth=fallback_memory_bandwidth(args),
@@ -296,10 +357,12 @@ def model_costs_from_args(args: argparse.Namespace, schedule: Schedule, topology
 
 def costs_from_args(args: argparse.Namespace, num_stages: int, virtual_stages: int) -> Costs:
     """Uniform costs from the flags, or the costs file; chunk costs are per-rank / v."""
+    check_cost_flags(args)
     if args.costs:
         return load_costs(args.costs, num_stages, virtual_stages)
-    bwd = 2 * args.fwd if args.bwd is None else args.bwd
-    return uniform_costs(num_stages, args.fwd, bwd, args.wgrad, args.act_bytes, virtual_stages,
+    fwd = DEFAULT_FWD if args.fwd is None else args.fwd
+    bwd = 2 * fwd if args.bwd is None else args.bwd
+    return uniform_costs(num_stages, fwd, bwd, args.wgrad or 0.0, args.act_bytes or 0.0, virtual_stages,
                          stash_bytes=getattr(args, "stash_bytes", None), param_bytes=getattr(args, "param_bytes", None))
 
 

@@ -61,6 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", help="write the ranked layouts, counts and rejections as JSON")
     parser.add_argument("--csv", help="write the ranked layouts as CSV")
     parser.add_argument("--html", help="write throughput vs peak memory (Pareto front) and the best layout's Gantt")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar (it is shown only when stderr is a terminal)")
     parser.set_defaults(handler=handle)
 
 
@@ -96,7 +98,7 @@ def handle(args: argparse.Namespace) -> int:
     print(f"plan: {args.model} on {args.gpus} GPUs ({args.topology}), global batch {args.global_batch}: "
           f"{len(layouts)} layouts to consider on {workers} process(es)", file=sys.stderr)
     _init_worker(base)
-    progress = terminal_progress("simulating")
+    progress = None if args.quiet else terminal_progress("simulating")
     if workers > 1:
         import multiprocessing
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from executor.estimate import DEFAULT_MIN_TIME
 from executor.options import add_run_arguments, config_from_args
+from pipesim.commands.progress import add_quiet_arg, progress_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,9 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Profile the stages of a pipelined model on this machine's device and backend "
                     "(one process per pipeline rank, as pipesim run starts them) and write a costs file.",
     )
-    add_run_arguments(parser)
+    add_run_arguments(parser, outputs=False)
     add_profile_arguments(parser)
     parser.add_argument("--out", required=True, metavar="PATH", help="the costs file to write (JSON)")
+    add_quiet_arg(parser)
     parser.set_defaults(handler=handle)
 
 
@@ -53,7 +55,8 @@ def run_profile(args: argparse.Namespace) -> dict:
     config = config_from_args(args)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    return profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
+    with progress_from_args("profile", args).phase(f"profiling {config.pp} stages on {config.world_size} ranks"):
+        return profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
 
 
 def describe(document: dict) -> list[str]:

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from executor.options import add_run_arguments, config_from_args
+from pipesim.commands.progress import StepWatcher, add_quiet_arg, progress_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,11 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="keep each rank's stdout/stderr and the launcher's log here (default: a temporary "
                              "folder, kept only when the run fails)")
+    add_quiet_arg(parser)
     parser.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    progress = progress_from_args("run", args)
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
     from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
     from executor.worker import run_local  # noqa: PLC0415
@@ -37,9 +40,12 @@ def handle(args: argparse.Namespace) -> int:
     try:
         if config.world_size == 1:
             validate_schedule(config)  # launch() checks the schedule itself before starting ranks
-            result = run_local(config)
+            with progress.phase(f"{config.steps} steps in this process"):
+                result = run_local(config)
         else:
-            (result,) = launch(config, log_dir=args.log_dir, verbose=args.verbose)
+            progress.line(f"starting {config.world_size} ranks for {config.steps} steps")
+            with StepWatcher(progress, config.world_size, config.steps):
+                (result,) = launch(config, log_dir=args.log_dir, verbose=args.verbose)
     except PipelineRunError as error:
         print(f"pipesim run: failed: {error}", file=sys.stderr)
         return 1

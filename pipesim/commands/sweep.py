@@ -17,11 +17,13 @@ from pipesim.commands.options import (
     add_topology_args,
     costs_from_args,
     model_costs_from_args,
+    model_spec_from_args,
     parallel_from_args,
     reject_with_schedule_file,
     split_list,
     topology_from_args,
 )
+from pipesim.commands.progress import progress_from_args
 from pipesim.sweep import ROW_FIELDS, SweepPoint, format_table, run_sweep, sweep_points
 from schedules.schedule import Schedule
 
@@ -34,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--schedule", default=None, help=f"comma-separated schedule names (default: {SCHEDULES})")
     parser.add_argument("--schedule-file", action="append", default=None, metavar="CSV",
                         help="a schedule CSV (torch.distributed.pipelining format) instead of --schedule; repeat "
-                             "the flag (or separate with commas) to compare several, one row each")
+                             "the flag (or separate with commas) to compare several, one row each (default: none)")
     parser.add_argument("--pp", default=None, help=f"pipeline ranks, comma-separated (default: {PP})")
     parser.add_argument("--microbatches", "-m", default=None,
                         help=f"microbatch counts, comma-separated (default: {MICROBATCHES})")
@@ -50,7 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--csv", help="write the rows as CSV")
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--html", help="write the sweep chart (self-contained HTML)")
-    parser.add_argument("--quiet", action="store_true", help="no per-point progress lines")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no per-point progress lines (they are shown only when stderr is a terminal)")
     parser.set_defaults(handler=handle)
 
 
@@ -92,15 +95,14 @@ def handle(args: argparse.Namespace) -> int:
             return model_costs_from_args(args, schedule, topology)
         return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
 
-    rows = run_sweep(points, costs_for, topology, progress=not args.quiet, parallel=parallel_from_args(args),
+    progress = progress_from_args("sweep", args).enabled  # per-point lines on a terminal only
+    rows = run_sweep(points, costs_for, topology, progress=progress, parallel=parallel_from_args(args),
                      max_actions=args.max_actions, memory_limit=args.memory_limit, p2p=args.p2p,
                      schedules=files)
     if args.model:
         # Tokens a microbatch carries across all dp replicas, so the chart draws tokens/s
         # (as plan does: microbatches x dp x microbatch size x sequence length per step).
-        from pipesim.model_spec import model_spec
-
-        spec = model_spec(args.model, seq_len=args.seq_len, microbatch_size=args.microbatch_size)
+        spec = model_spec_from_args(args)
         for row in rows:
             row["tokens_per_microbatch"] = spec.seq_len * spec.microbatch_size * args.dp
     print(format_table(rows))
