@@ -78,8 +78,15 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> AlphaBeta:
     determinant = sw * sxx - sx * sx
     beta = (sw * sxy - sx * sy) / determinant
     alpha = (sy - beta * sx) / sw
-    if beta <= 0:  # flat timings: all latency
-        return AlphaBeta(sy / sw, 0.0)
+    if beta <= 0:
+        # Timings that do not grow with size (noise on a busy machine, or sizes too small
+        # to see the wire): the latency is the fastest timing, and the bandwidth the
+        # slowest that still explains every point; if none grows at all, the largest
+        # message in one latency (finite, so the topology file stays loadable).
+        alpha = min(seconds for _, seconds in usable)
+        largest = max(size for size, _ in usable)
+        beta = max((seconds - alpha) / size for size, seconds in usable if size > 0)
+        return AlphaBeta(alpha, beta if beta > 0 else alpha / largest)
     if alpha < 0:  # refit through the origin
         beta = sum(s * t / (t * t) for s, t in usable) / sum(s * s / (t * t) for s, t in usable)
         alpha = 0.0

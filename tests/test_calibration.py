@@ -39,6 +39,17 @@ def test_alpha_beta_fit_weighs_sizes_by_relative_error():
     assert fit.alpha > 0
 
 
+def test_timings_that_do_not_grow_with_size_still_fit_a_finite_link():
+    # A noisy machine timed 64 KB faster than 1 KB: the latency is the fastest timing (80 us)
+    # and the bandwidth the slowest that explains both: (100 - 80) us for 1 KB -> 51.2 MB/s.
+    fit = fit_alpha_beta([(1024, 100e-6), (65536, 80e-6)])
+    assert fit.alpha == pytest.approx(80e-6)
+    assert fit.bandwidth == pytest.approx(1024 / 20e-6)
+    flat = fit_alpha_beta([(1024, 50e-6), (65536, 50e-6)])
+    assert flat.alpha == pytest.approx(50e-6)
+    assert flat.bandwidth == pytest.approx(65536 / 50e-6)  # the largest message in one latency
+
+
 def test_fit_needs_two_sizes():
     with pytest.raises(ValueError, match="two or more message sizes"):
         fit_alpha_beta([(1024, 1e-4), (1024, 2e-4)])
