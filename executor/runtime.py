@@ -224,15 +224,7 @@ class PipelineRuntime:
         action that needs it (``await_input``). NCCL runs the stream itself; on gloo
         (the handshake) the next group is started only once the previous one has
         completed, as NCCL's stream would."""
-        ops = []
-        for action in group:
-            self.current = action
-            if self.before_action is not None:
-                self.before_action(action)
-            if action.kind in SEND_KINDS:
-                ops.append((action, self.outbox.pop((action.kind, action.stage, action.microbatch))))
-            else:
-                ops.append((action, self.links.buffer(action)))
+        ops, _ = self.group_ops(group, prefetched=None)
         flight = InFlight(group, ops)
         self.stream.append(flight)
         for action in group:
@@ -241,6 +233,24 @@ class PipelineRuntime:
         if not self.links.handshake:
             self.start_group(flight)
         self.advance_stream()
+
+    def group_ops(self, group: tuple[Action, ...], prefetched: dict | None) -> tuple[list, list]:
+        """The (action, tensor) pairs to post for ``group`` — each send's output, a fresh
+        buffer for each receive — running the per-action hook; receives found in
+        ``prefetched`` (posted at the start of the step) come back apart, already posted."""
+        ops, already = [], []
+        for action in group:
+            self.current = action
+            if self.before_action is not None:
+                self.before_action(action)
+            if action.kind in SEND_KINDS:
+                ops.append((action, self.outbox.pop((action.kind, action.stage, action.microbatch))))
+            elif prefetched is not None:
+                work, buffer = prefetched.pop(action)
+                already.append(Posted(action, buffer, [work]))
+            else:
+                ops.append((action, self.links.buffer(action)))
+        return ops, already
 
     def start_group(self, flight: InFlight) -> None:
         flight.start = self.clock.mark()
@@ -316,18 +326,7 @@ class PipelineRuntime:
         """Buffered (gloo): receives are waited for here, sends complete in the
         background. Receives already posted at the start of the step
         (``prefetch_recvs``) are only waited for here."""
-        ops, prefetched = [], []
-        for action in group:
-            self.current = action
-            if self.before_action is not None:
-                self.before_action(action)
-            if action.kind in SEND_KINDS:
-                ops.append((action, self.outbox.pop((action.kind, action.stage, action.microbatch))))
-            elif self.prefetched is not None:
-                work, buffer = self.prefetched.pop(action)
-                prefetched.append(Posted(action, buffer, [work]))
-            else:
-                ops.append((action, self.links.buffer(action)))
+        ops, prefetched = self.group_ops(group, self.prefetched)
         self.current_group = group
         if self.progress is not None:
             self.progress.waiting(f"action {'+'.join(map(str, group))}", tuple(self.links.peer(a) for a in group))

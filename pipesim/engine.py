@@ -388,20 +388,26 @@ def _collector_paused():
             gc.enable()
 
 
+def _sends(schedule: Schedule):
+    """Every (stage, SEND kind) that exists, with its receiving action (microbatch 0),
+    the sending rank and the receiving rank: the transfers the placement implies."""
+    for stage, rank in enumerate(schedule.placement):
+        for kind in SEND_KINDS:
+            receiver = Action(stage, kind, 0).matching()
+            if 0 <= receiver.stage < schedule.num_stages:
+                yield stage, kind, receiver, rank, schedule.placement[receiver.stage]
+
+
 def _wire_table(schedule: Schedule, devices: Sequence[str], costs: Costs,
                 topology: Topology) -> dict[tuple[int, str], tuple[tuple, float, float]]:
     """For every (stage, SEND kind): the links of its route from the stage's rank to
     the receiver's, the seconds its bytes take on them (``bytes / bandwidth``, the
     slowest link's pace) and the route's latency, computed once per run."""
     table = {}
-    for stage, rank in enumerate(schedule.placement):
-        for kind in SEND_KINDS:
-            receiver = Action(stage, kind, 0).matching()
-            if not 0 <= receiver.stage < schedule.num_stages:
-                continue
-            route = topology.route(devices[rank], devices[schedule.placement[receiver.stage]])
-            seconds = transfer_bytes(Action(stage, kind, 0), costs) / route.bandwidth if route.links else 0.0
-            table[stage, kind] = (route.links, seconds, route.latency)
+    for stage, kind, _, rank, peer in _sends(schedule):
+        route = topology.route(devices[rank], devices[peer])
+        seconds = transfer_bytes(Action(stage, kind, 0), costs) / route.bandwidth if route.links else 0.0
+        table[stage, kind] = (route.links, seconds, route.latency)
     return table
 
 
@@ -430,19 +436,14 @@ def _send_table(
     the bytes moved and whether the route shares links with other senders. Looked up
     once per send instead of recomputed."""
     table = {}
-    for stage, rank in enumerate(schedule.placement):
-        for kind in SEND_KINDS:
-            receiver = Action(stage, kind, 0).matching()
-            if not 0 <= receiver.stage < schedule.num_stages:
-                continue
-            peer = schedule.placement[receiver.stage]
-            table[stage, kind] = (
-                receiver.stage,
-                receiver.kind,
-                devices[peer],
-                transfer_bytes(Action(stage, kind, 0), costs),
-                (rank, peer) in shared_pairs,
-            )
+    for stage, kind, receiver, rank, peer in _sends(schedule):
+        table[stage, kind] = (
+            receiver.stage,
+            receiver.kind,
+            devices[peer],
+            transfer_bytes(Action(stage, kind, 0), costs),
+            (rank, peer) in shared_pairs,
+        )
     return table
 
 
