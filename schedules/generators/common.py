@@ -3,6 +3,11 @@ with the same words."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Callable
+
+from schedules.action import Action
+
 
 class ScheduleUnavailableError(ValueError):
     """No schedule of this family exists for the sizes asked for."""
@@ -22,3 +27,18 @@ def require_single_chunk(name: str, virtual_stages: int) -> None:
             f"{name} places one stage per rank; virtual stages={virtual_stages} needs "
             f"a multi-chunk schedule ('interleaved-1f1b', 'interleaved-zb', 'looped-bfs', 'zbv')"
         )
+
+
+def chunk_visitor(pp: int, rank: int) -> Callable[[str, int], Action]:
+    """``visit(kind, chunk)``: the next microbatch's ``kind`` action on ``rank``'s chunk
+    ``chunk`` (stage ``chunk * pp + rank``), counting microbatches per kind and stage —
+    how looped multi-chunk schedules walk their chunks."""
+    next_microbatch: dict[tuple[str, int], int] = defaultdict(int)
+
+    def visit(kind: str, chunk: int) -> Action:
+        stage = chunk * pp + rank
+        microbatch = next_microbatch[kind, stage]
+        next_microbatch[kind, stage] = microbatch + 1
+        return Action(stage, kind, microbatch)
+
+    return visit

@@ -12,10 +12,8 @@ the same microbatch counts.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from schedules.action import Action, ActionKind
-from schedules.generators.common import ScheduleUnavailableError
+from schedules.generators.common import ScheduleUnavailableError, chunk_visitor
 from schedules.schedule import Schedule, looped_placement
 
 
@@ -49,13 +47,7 @@ def _rank_program(rank: int, pp: int, microbatches: int, virtual_stages: int, gr
     each on that chunk's next microbatch."""
     total = microbatches * virtual_stages
     warmup = min((virtual_stages - 1) * group + 2 * (pp - 1 - rank), total)
-    next_microbatch: dict[tuple[str, int], int] = defaultdict(int)
-
-    def visit(kind: str, chunk: int) -> Action:
-        stage = chunk * pp + rank
-        microbatch = next_microbatch[kind, stage]
-        next_microbatch[kind, stage] = microbatch + 1
-        return Action(stage, kind, microbatch)
+    visit = chunk_visitor(pp, rank)
 
     def forward(step: int) -> Action:
         return visit(ActionKind.F, (step // group) % virtual_stages)

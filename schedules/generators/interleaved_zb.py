@@ -11,10 +11,8 @@ Rounds follow torch: ``max(1, m // p)`` rounds must divide ``m``.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from schedules.action import Action, ActionKind
-from schedules.generators.common import ScheduleUnavailableError
+from schedules.generators.common import ScheduleUnavailableError, chunk_visitor
 from schedules.generators.interleaved import round_size
 from schedules.schedule import Schedule, looped_placement
 
@@ -35,13 +33,7 @@ def interleaved_zb(pp: int, microbatches: int, virtual_stages: int = 2) -> Sched
 def _rank_program(rank: int, pp: int, microbatches: int, virtual_stages: int, group: int) -> list[Action]:
     total = microbatches * virtual_stages
     warmup = min((virtual_stages - 1) * group + pp - 1 - rank, total)
-    next_microbatch: dict[tuple[str, int], int] = defaultdict(int)
-
-    def visit(kind: str, chunk: int) -> Action:
-        stage = chunk * pp + rank
-        microbatch = next_microbatch[kind, stage]
-        next_microbatch[kind, stage] = microbatch + 1
-        return Action(stage, kind, microbatch)
+    visit = chunk_visitor(pp, rank)
 
     def backward_chunk(step: int) -> int:
         return virtual_stages - 1 - (step // group) % virtual_stages
