@@ -121,6 +121,8 @@ def _meeting_point(ready: float, needed: float, sender: list, receiver: list) ->
     compute action, so neither waits for the other. Failing that, the moment at which
     one rank is free and the other finishes its running action soonest (the shortest
     wait). ``sender``/``receiver`` are a rank's sorted (start, end) pairs."""
+    if _busy_until(receiver, ready) is None and _busy_until(sender, ready) is None:
+        return ready  # the common case: the receiver is free when the data is ready
     best, best_wait = ready, float("inf")
     candidates = [ready, needed]
     for intervals in (sender, receiver):
@@ -163,31 +165,34 @@ def _lower_at_meeting_points(schedule: Schedule, times: dict[Action, tuple[float
                    if action[1] == _B or action[1] == _I}
     # Per rank: (moment, sending stage, direction, microbatch, action) of every transfer end.
     ops: list[list[tuple[float, int, int, int, Action]]] = [[] for _ in range(schedule.pp)]
+    new = tuple.__new__  # Actions built directly: NamedTuple's own constructor is several times slower
     for rank, program in enumerate(schedule.programs):
+        rank_ops, rank_intervals = ops[rank], intervals[rank]
         for action in program:
             stage, kind, microbatch = action
             if kind == _F:
                 if stage < last_stage and placement[stage + 1] != rank:
                     peer = placement[stage + 1]
-                    moment = _meeting_point(times[action][1], times[Action(stage + 1, _F, microbatch)][0],
-                                            intervals[rank], intervals[peer])
-                    ops[rank].append((moment, stage, 0, microbatch, Action(stage, _SEND_F, microbatch)))
-                    ops[peer].append((moment, stage, 0, microbatch, Action(stage + 1, _RECV_F, microbatch)))
+                    moment = _meeting_point(times[action][1], times[(stage + 1, _F, microbatch)][0],
+                                            rank_intervals, intervals[peer])
+                    rank_ops.append((moment, stage, 0, microbatch, new(Action, (stage, _SEND_F, microbatch))))
+                    ops[peer].append((moment, stage, 0, microbatch, new(Action, (stage + 1, _RECV_F, microbatch))))
             elif kind == _B or kind == _I:
                 if stage > 0 and placement[stage - 1] != rank:
                     peer = placement[stage - 1]
                     moment = _meeting_point(times[action][1], times[backward_of[stage - 1, microbatch]][0],
-                                            intervals[rank], intervals[peer])
-                    ops[rank].append((moment, stage, 1, microbatch, Action(stage, _SEND_B, microbatch)))
-                    ops[peer].append((moment, stage, 1, microbatch, Action(stage - 1, _RECV_B, microbatch)))
+                                            rank_intervals, intervals[peer])
+                    rank_ops.append((moment, stage, 1, microbatch, new(Action, (stage, _SEND_B, microbatch))))
+                    ops[peer].append((moment, stage, 1, microbatch, new(Action, (stage - 1, _RECV_B, microbatch))))
     programs, joins = [], []
     for rank, program in enumerate(schedule.programs):
         transfers = sorted(ops[rank])
         lowered: list[Action] = []
         joined: set[int] = set()
         taken, count = 0, len(transfers)
+        compute = COMPUTE_KINDS
         for action in program:
-            if action.kind in COMPUTE_KINDS:
+            if action[1] in compute:
                 limit = times[action][0]
                 first = len(lowered)
                 while taken < count and transfers[taken][0] <= limit:
