@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from bisect import insort
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -187,7 +188,7 @@ def search(
     pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
     try:
         while position < len(order):
-            if len(fitting) >= top and bounds[order[position]] >= sorted(fitting)[top - 1]:
+            if len(fitting) >= top and bounds[order[position]] >= fitting[top - 1]:
                 break
             chunk = order[position:position + batch]
             position += len(chunk)
@@ -203,7 +204,7 @@ def search(
                     rejected["out of memory"] += 1
                     continue
                 rows.append(row)
-                fitting.append(row["step_time"])
+                insort(fitting, row["step_time"])  # kept sorted: the top-th best is fitting[top - 1]
             if progress is not None:
                 progress(position, len(order))
     finally:

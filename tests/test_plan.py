@@ -125,6 +125,8 @@ def test_plan_matches_simulate_for_the_chosen_layout(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--gpus", "0"], "must be >= 1"),
+    (["--workers", "0"], "--workers must be >= 1"),
+    (["--mfu", "nan"], "mfu"),
     (["--gpus", "12", "--gpus-per-node", "8"], "not a whole number of 8-GPU nodes"),
     (["--schedules", "nope"], "unknown nope"),
     (["--microbatch-sizes", "x"], "expected integers"),

@@ -72,6 +72,10 @@ def handle(args: argparse.Namespace) -> int:
 
     if args.gpus < 1 or args.global_batch < 1 or args.gpus_per_node < 1 or args.top < 1:
         raise ValueError("--gpus, --global-batch, --gpus-per-node and --top must be >= 1")
+    if args.mfu is not None and not 0 < args.mfu <= 1:  # NaN fails this too
+        raise ValueError(f"--mfu is a fraction of peak in (0, 1], got {args.mfu}")
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         raise ValueError(f"--gpus {args.gpus} is not a whole number of {args.gpus_per_node}-GPU nodes")
     spec = model_spec(args.model)
@@ -177,6 +181,7 @@ def _init_worker(base: list[str]) -> None:
     _BASE["parser"] = parser
     _BASE["argv"] = base
     _BASE["topology"] = topology_from_args(parser.parse_args(base))
+    _layout_costs.cache_clear()  # its costs belong to the job set up before
 
 
 def _parse(layout: Layout) -> argparse.Namespace:
@@ -189,9 +194,11 @@ def _costs(args: argparse.Namespace, schedule) -> object:
     return model_costs_from_args(args, schedule, _BASE["topology"])
 
 
+@functools.cache
 def _layout_costs(layout: Layout):
     """The layout's parsed flags and per-stage costs, without generating its schedule
-    (a shell with the looped placement: costs depend only on the stages)."""
+    (a shell with the looped placement: costs depend only on the stages). Kept per
+    layout: the memory floor and the lower bound both read them."""
     from schedules.schedule import Schedule, looped_placement
 
     args = _parse(layout)
