@@ -59,8 +59,11 @@ def main() -> None:
 
         multiprocessing.set_start_method("fork", force=True)  # workers inherit the loaded topology
     reject = plan_command.memory_floor_cause
+    # each pass starts as `plan` does: a fresh worker state (topology routes, per-layout costs) that it pays for
+    plan_command._init_worker(base)
     exhaustive = search(layouts, plan_command.evaluate_layout, lambda layout: 0.0, args.top, args.workers,
                         reject=reject)
+    plan_command._init_worker(base)
     searched = search(layouts, plan_command.evaluate_layout, plan_command.lower_bound, args.top, args.workers,
                       reject=reject)
 

@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 from pipesim.collectives import all_gather, all_reduce, bucket_sizes, reduce_scatter
 from pipesim.costs import Costs
 from pipesim.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.memory import BytesPerParam
 from pipesim.topology import Topology
-from pipesim.twins import twin_transfers
+from pipesim.twins import boundary_rank_pairs, twin_transfers
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
@@ -133,18 +134,40 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
         if mapping.dp > 1 and cost.param_bytes > 0:
             group = mapping.dp_group(rank, 0)
             sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
+            # a stage has thousands of buckets but at most two sizes (full, and the rest): price each size once
             if zero:
-                reduce = tuple(reduce_scatter(topology, group, size) for size in sizes)
-                gather_seconds[stage] = tuple(all_gather(topology, group, size) for size in sizes)
+                reduce = _per_bucket(sizes, partial(reduce_scatter, topology, group))
+                gather_seconds[stage] = _per_bucket(sizes, partial(all_gather, topology, group))
             else:
-                reduce = tuple(all_reduce(topology, group, size, algorithm) for size in sizes)
+                reduce = _per_bucket(sizes, partial(all_reduce, topology, group, algorithm=algorithm))
             if sum(reduce) > 0:
                 bucket_bytes_of[stage] = sizes
                 reduce_seconds[stage] = reduce
     layers = {stage: cost.layers for stage, cost in enumerate(costs.stages)}
-    pipelines = [mapping.pipeline(replica, shard) for replica in range(mapping.dp) for shard in range(mapping.tp)]
-    twins = twin_transfers(schedule, topology, pipelines)
-    return CommPlan(tp_seconds, bucket_bytes_of, reduce_seconds, gather_seconds, overlap_dp, zero, layers, twins)
+    return CommPlan(tp_seconds, bucket_bytes_of, reduce_seconds, gather_seconds, overlap_dp, zero, layers,
+                    _twins(schedule, topology, mapping))
+
+
+def _per_bucket(sizes: tuple[float, ...], seconds_of) -> tuple[float, ...]:
+    """``tuple(seconds_of(size) for size in sizes)``, calling ``seconds_of`` once per distinct size."""
+    priced: dict[float, float] = {}
+    for size in sizes:
+        if size not in priced:
+            priced[size] = seconds_of(size)
+    return tuple(priced[size] for size in sizes)
+
+
+def _twins(schedule: Schedule, topology: Topology, mapping: RankMapping) -> dict:
+    """``twin_transfers`` of every (replica, shard) pipeline, kept on the topology per
+    mapping and set of rank pairs: it routes every pipeline's transfers, the same work
+    for every schedule with the same stage boundaries (a plan simulates thousands)."""
+    key = ("twins", mapping.dp, mapping.pp, mapping.tp, mapping.order, mapping.devices,
+           tuple(sorted(boundary_rank_pairs(schedule))))
+    cached = topology.pace_cache.get(key)
+    if cached is None:
+        pipelines = [mapping.pipeline(replica, shard) for replica in range(mapping.dp) for shard in range(mapping.tp)]
+        cached = topology.pace_cache[key] = twin_transfers(schedule, topology, pipelines)
+    return cached
 
 
 def bucket_ready_fractions(sizes: tuple[float, ...], layers: int) -> list[float]:
@@ -173,13 +196,13 @@ def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | 
     rank_end = [0.0] * num_ranks
     last_grad: dict[int, tuple[float, float]] = {}  # stage -> (start, end) of its last B or W
     stage_rank: dict[int, int] = {}
-    for event in events:
-        if event.end > rank_end[event.rank]:
-            rank_end[event.rank] = event.end
-        finishes_grads = event.stream == "compute" and event.kind in WEIGHT_GRAD_DONE_KINDS
-        if finishes_grads and event.end > last_grad.get(event.stage, (0.0, -1.0))[1]:
-            last_grad[event.stage] = (event.start, event.end)
-            stage_rank[event.stage] = event.rank
+    grad_kinds = WEIGHT_GRAD_DONE_KINDS
+    for rank, _, kind, stage, _, start, end, stream in events:  # unpacked: this runs once per event of the step
+        if end > rank_end[rank]:
+            rank_end[rank] = end
+        if stream == "compute" and kind in grad_kinds and end > last_grad.get(stage, (0.0, -1.0))[1]:
+            last_grad[stage] = (start, end)
+            stage_rank[stage] = rank
     tail: list[TraceEvent] = []
     dp_free = list(rank_end) if not has_dp or not plan.overlap_dp else [0.0] * num_ranks
     if has_dp:

@@ -68,8 +68,10 @@ class Topology:
         self.description = description
         self.hierarchy = hierarchy
         self._routes: dict[tuple[str, str], Route] = {}
-        # (algorithm, device group) -> (bandwidth, latency) of a collective step (pipesim.collectives)
-        self.pace_cache: dict[tuple, tuple[float, float]] = {}
+        # what follows from the routes alone, computed once per topology: (algorithm, device group) ->
+        # (bandwidth, latency) of a collective step (pipesim.collectives), and the twin transfers of a
+        # rank mapping (pipesim.parallel)
+        self.pace_cache: dict[tuple, object] = {}
         known = hierarchy if hierarchy is not None else graph
         for device in self.devices:
             if device not in known:

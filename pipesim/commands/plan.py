@@ -196,36 +196,100 @@ def _costs(args: argparse.Namespace, schedule) -> object:
 
 @functools.cache
 def _layout_costs(layout: Layout):
-    """The layout's parsed flags and per-stage costs, without generating its schedule
-    (a shell with the looped placement: costs depend only on the stages). Kept per
-    layout: the memory floor and the lower bound both read them."""
-    from schedules.schedule import Schedule, looped_placement
+    """The layout's parsed flags, per-stage costs and a shell schedule with the layout's
+    placement (no programs: costs depend only on the stages), without generating its
+    order. Kept per layout: the memory floor and the lower bound both read them."""
+    from schedules.generators import placement_of
+    from schedules.schedule import Schedule
 
     args = _parse(layout)
-    shell = Schedule(layout.pp, layout.microbatches, looped_placement(layout.pp, layout.virtual_stages),
+    shell = Schedule(layout.pp, layout.microbatches, placement_of(layout.schedule, layout.pp, layout.virtual_stages),
                      [()] * layout.pp, name=layout.schedule)
-    return args, _costs(args, shell)
+    return args, _costs(args, shell), shell
 
 
 def lower_bound(layout: Layout) -> float:
-    """A step time no schedule of this layout can beat: the busiest pipeline rank's
-    compute, plus the forward of microbatch 0 reaching the rank's first stage before it
-    can start and the input gradient of its last microbatch travelling back from there,
-    plus the optimizer step that follows it."""
+    """A step time no order of this layout's schedule can beat, so that layouts whose
+    bound cannot reach the top need not be simulated (``tests/test_plan.py`` checks it
+    against the simulation of every schedule, with tp, dp and ZeRO).
+
+    For each pipeline rank r (whose lowest stage is stage r under both the looped and
+    the V placement):
+    - it cannot start before microbatch 0's forward has crossed stages 0..r-1: their
+      forwards, tensor-parallel collectives and the unloaded transfer of each boundary
+      (latency + bytes / bandwidth);
+    - it then runs all its work: every microbatch's forward and backward of its stages,
+      each with its tp collectives;
+    - without a split backward its last action is a backward of stage r (any later
+      backward of a higher stage would feed one of stage r after it), which then still
+      has to cross stages r-1..0; with a split backward the weight gradients may come
+      last, so nothing is added;
+    - then the optimizer step and, under ZeRO-1, the parameter all-gathers of the rank
+      that ends the step."""
+    from schedules.generators import V_SHAPED, splits_backward
+
     try:
-        _, costs = _layout_costs(layout)
+        args, costs, shell = _layout_costs(layout)
+        tp_seconds, gather_seconds, hop = _bound_parts(layout, args, costs, shell)
     except ValueError:
         return float("inf")  # the evaluation reports why
-    stages = layout.pp * layout.virtual_stages
+    stages = costs.stages
+    fused = layout.schedule in V_SHAPED and any(stage.overlap_fb for stage in stages)
+    if fused:  # a given overlapped-pair cost may undercut F + B: only the step's tail is certain
+        return costs.step_overhead
+
+    def forward(stage: int) -> float:
+        return stages[stage].fwd + tp_seconds.get((stage, "F"), 0.0)
+
+    def backward(stage: int) -> float:
+        return stages[stage].bwd + tp_seconds.get((stage, "B"), 0.0)
+
+    split = splits_backward(layout.schedule)
+    tail = [costs.step_overhead + sum(gather_seconds.get(stage, 0.0) for stage, rank in enumerate(shell.placement)
+                                      if rank == own) for own in range(layout.pp)]
     best = 0.0
     for rank in range(layout.pp):
-        own = range(rank, stages, layout.pp)
-        busy = layout.microbatches * sum(costs.stages[s].fwd + costs.stages[s].bwd for s in own)
-        before = range(rank)
-        fill = sum(costs.stages[s].fwd for s in before) + sum(costs.stages[s].bwd - costs.stages[s].wgrad
-                                                               for s in before)
-        best = max(best, busy + fill)
-    return best + costs.step_overhead
+        own = [stage for stage, owner in enumerate(shell.placement) if owner == rank]
+        busy = layout.microbatches * sum(forward(stage) + backward(stage) for stage in own)
+        fill = sum(forward(stage) + hop(stage, stage + 1) for stage in range(rank))
+        best = max(best, fill + busy + tail[rank])
+        if not split and rank > 0:
+            drain = sum(backward(stage) + hop(stage + 1, stage) for stage in range(rank))
+            best = max(best, fill + busy + drain + tail[0])
+    return best
+
+
+def _bound_parts(layout: Layout, args: argparse.Namespace, costs, shell):
+    """What the bound needs beyond the stage costs: tp seconds per (stage, kind), the
+    ZeRO-1 parameter gathers per stage, and the unloaded transfer time between two
+    stages' ranks, all as the simulation computes them."""
+    from pipesim.commands.options import parallel_from_args
+    from pipesim.mapping import map_ranks
+    from pipesim.parallel import comm_plan
+
+    topology = _BASE["topology"]
+    parallel = parallel_from_args(args)
+    mapping = map_ranks(topology, layout.dp, layout.pp, layout.tp, parallel.rank_order)
+    devices = mapping.pipeline()
+    tp_seconds: dict = {}
+    gather_seconds: dict = {}
+    if layout.dp > 1 or layout.tp > 1:
+        plan = comm_plan(shell, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
+                         parallel.algorithm, parallel.zero)
+        tp_seconds = plan.tp_seconds
+        gather_seconds = {stage: sum(seconds) for stage, seconds in plan.gather_bucket_seconds.items()}
+    placement = shell.placement
+
+    def hop(source: int, target: int) -> float:
+        """Unloaded seconds of the activation (or its gradient) between two neighbouring stages."""
+        if placement[source] == placement[target]:
+            return 0.0
+        route = topology.route(devices[placement[source]], devices[placement[target]])
+        if not route.links:
+            return 0.0
+        return route.latency + costs.stages[min(source, target)].act_bytes / route.bandwidth
+
+    return tp_seconds, gather_seconds, hop
 
 
 def memory_floor_cause(layout: Layout) -> str | None:
@@ -237,7 +301,7 @@ def memory_floor_cause(layout: Layout) -> str | None:
     from pipesim.memory import stage_params, static_bytes_per_param
 
     try:
-        args, costs = _layout_costs(layout)
+        args, costs, shell = _layout_costs(layout)
         parallel = parallel_from_args(args)
     except ValueError:
         return None
@@ -246,9 +310,8 @@ def memory_floor_cause(layout: Layout) -> str | None:
     topology = _BASE["topology"]
     devices = map_ranks(topology, layout.dp, layout.pp, layout.tp, parallel.rank_order).pipeline()
     per_param = static_bytes_per_param(parallel.bytes_per_param, layout.dp, parallel.zero)
-    stages = layout.pp * layout.virtual_stages
     for rank in range(layout.pp):
-        own = [costs.stages[s] for s in range(rank, stages, layout.pp)]
+        own = [costs.stages[stage] for stage, owner in enumerate(shell.placement) if owner == rank]
         floor = sum(stage_params(cost.params, cost.param_bytes, parallel.bytes_per_param) * per_param for cost in own)
         floor += max(cost.stash_bytes for cost in own)
         if floor > topology.device_memory(devices[rank]):

@@ -19,7 +19,7 @@ from schedules.generators.zb_auto import zb_auto
 from schedules.generators.zb_h1 import zb_h1
 from schedules.generators.zb_h2 import zb_h2
 from schedules.generators.zbv import zbv
-from schedules.schedule import Schedule
+from schedules.schedule import Schedule, looped_placement, v_shape_placement
 
 Generator = Callable[[int, int, int], Schedule]
 
@@ -42,6 +42,8 @@ MULTI_CHUNK = frozenset({"interleaved-1f1b", "zbv", "interleaved-zb", "looped-bf
 # built from sizes alone, so they have their own signature (see ``zb_auto``) and the
 # command line builds them from the costs it already has (``build_cost_aware``).
 COST_AWARE = frozenset({"zb-auto"})
+# Schedules that place stage s and 2p - 1 - s on one rank (the V); the others loop.
+V_SHAPED = frozenset({"zbv", "dualpipev"})
 
 SCHEDULE_NAMES = (*GENERATORS, *sorted(COST_AWARE))
 
@@ -52,6 +54,20 @@ COMPUTE_PASSES: dict[str, int] = {
     "gpipe": 2, "1f1b": 2, "interleaved-1f1b": 2, "looped-bfs": 2,
     "zb-h1": 3, "zb-h2": 3, "zbv": 3, "interleaved-zb": 3, "zb-auto": 3, "dualpipev": 3,
 }
+
+
+
+def placement_of(name: str, pp: int, virtual_stages: int) -> tuple[int, ...]:
+    """The rank of every stage under the named schedule, without generating it."""
+    if name in V_SHAPED:
+        return v_shape_placement(pp, virtual_stages)
+    return looped_placement(pp, virtual_stages)
+
+
+def splits_backward(name: str) -> bool:
+    """Whether the named schedule runs the backward as I and W (the weight gradient may
+    then come last on a rank, after the input gradient has moved on)."""
+    return COMPUTE_PASSES.get(name, 3) == 3
 
 DEFAULT_MAX_ACTIONS = 5_000_000
 """Lowered actions built without being asked twice. The simulator holds ~350 bytes and
@@ -117,6 +133,9 @@ __all__ = [
     "DEFAULT_MAX_ACTIONS",
     "GENERATORS",
     "MULTI_CHUNK",
+    "V_SHAPED",
+    "placement_of",
+    "splits_backward",
     "SCHEDULE_NAMES",
     "ScheduleTooLargeError",
     "ScheduleUnavailableError",
