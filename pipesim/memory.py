@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipesim.costs import Costs
+from schedules.collector import without_collector
 from schedules.metrics import stash_changes
 from schedules.trace import Trace
 
@@ -78,6 +79,7 @@ class RankMemory:
         return self.peak_bytes > self.capacity_bytes
 
 
+@without_collector
 def memory_report(
     trace: Trace,
     costs: Costs,

@@ -16,6 +16,7 @@ from pipesim.mapping import RankMapping, map_ranks
 from pipesim.memory import RankMemory, memory_report
 from pipesim.parallel import ParallelConfig, comm_plan
 from pipesim.topology import Topology
+from schedules.collector import without_collector
 from schedules.lowering import lower
 from schedules.metrics import StepMetrics, comm_by_kind, step_metrics
 from schedules.p2p import default_semantics
@@ -77,6 +78,7 @@ class SimulationResult:
             "devices": list(self.devices),
             "makespan": metrics.makespan,
             "bubble_fraction": metrics.bubble_fraction,
+            "idle_fraction": metrics.idle_fraction,
             "actions": self.schedule.num_actions,
             "ranks": [
                 {
@@ -130,7 +132,9 @@ class SimulationResult:
             f"virtual stages={schedule.virtual_stages}, topology={self.topology.name}, "
             f"p2p={self.trace.meta.get('p2p')}, {schedule.num_actions} actions",
             f"  step time        {metrics.makespan * scale:.4g} {unit}",
-            f"  bubble fraction  {metrics.bubble_fraction:.2%}",
+            f"  bubble fraction  {metrics.bubble_fraction:.2%} (pipeline bubble over ranks x step time)",
+            f"  idle fraction    {metrics.idle_fraction:.2%} (not computing: bubble, exposed communication, "
+            "tp, dp, optimizer)",
             f"  bubble           {waiting * scale:.4g} {unit} (waiting for a peer, fill and drain), "
             "summed over ranks",
             f"  communication    {exposed * scale:.4g} {unit} exposed (blocked on data in flight); sends "
@@ -187,6 +191,7 @@ def predicted_semantics(topology: Topology) -> str:
     return default_semantics(topology.backend or "nccl")
 
 
+@without_collector
 def run_simulation(
     schedule: Schedule,
     costs: Costs,

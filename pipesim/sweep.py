@@ -26,8 +26,8 @@ from schedules.schedule import Schedule
 
 ROW_FIELDS = (
     "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
-    "peak_inflight_microbatches", "bubble", "exposed_comm", "peak_memory_bytes", "oom", "actions", "note",
-    "capacity_bytes",
+    "idle_fraction", "peak_inflight_microbatches", "bubble", "exposed_comm", "peak_memory_bytes", "oom",
+    "actions", "note", "capacity_bytes",
 )
 
 
@@ -86,6 +86,7 @@ def run_sweep(
             **point.__dict__,
             "makespan": metrics.makespan,
             "bubble_fraction": metrics.bubble_fraction,
+            "idle_fraction": metrics.idle_fraction,
             "peak_inflight_microbatches": max(rank.peak_inflight_microbatches for rank in metrics.ranks),
             "bubble": sum(rank.bubble for rank in metrics.ranks),
             "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks),

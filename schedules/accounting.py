@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schedules.collector import without_collector
 from schedules.trace import Trace, TraceEvent
 
 # Parts in the order they claim a moment where several events overlap.
@@ -147,6 +148,7 @@ def _cut(start: float, end: float, bubbles: list[tuple[float, float]]) -> list[t
     return pieces
 
 
+@without_collector
 def time_accounting(trace: Trace, groups: list[list[TraceEvent]] | None = None,
                     bounds: tuple[float, float] | None = None) -> list[RankTime]:
     """Per rank, the step's time split into the parts of ``RankTime`` (see the module).

@@ -30,6 +30,7 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from schedules.action import COMPUTE_KINDS, Action, ActionKind
+from schedules.collector import without_collector
 from schedules.overlap import keep_pairs_together, pair_times
 from schedules.schedule import Schedule
 
@@ -39,9 +40,11 @@ _SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, Actio
 # The durations the lowering plans with (a backward is about twice a forward, split in
 # two equal halves by zero-bubble schedules). Lowering must not depend on a run's costs:
 # the lowered programs are the one artifact that is simulated, validated and executed.
+_INFINITY = float("inf")
 NOMINAL_SECONDS = {ActionKind.F: 1.0, ActionKind.B: 2.0, ActionKind.I: 1.0, ActionKind.W: 1.0}
 
 
+@without_collector
 def lower(schedule: Schedule) -> Schedule:
     """The schedule with communication actions inserted and grouped; already-lowered
     schedules (for instance a CSV written by hand with its own SEND/RECV order) come back
@@ -121,8 +124,13 @@ def _meeting_point(ready: float, needed: float, sender: list, receiver: list) ->
     compute action, so neither waits for the other. Failing that, the moment at which
     one rank is free and the other finishes its running action soonest (the shortest
     wait). ``sender``/``receiver`` are a rank's sorted (start, end) pairs."""
-    if _busy_until(receiver, ready) is None and _busy_until(sender, ready) is None:
-        return ready  # the common case: the receiver is free when the data is ready
+    # the common case, inlined (it runs once per transfer): neither rank is inside an action at ``ready``
+    key = (ready, _INFINITY)
+    at = bisect_right(receiver, key) - 1
+    if at < 0 or not receiver[at][0] < ready < receiver[at][1]:
+        at = bisect_right(sender, key) - 1
+        if at < 0 or not sender[at][0] < ready < sender[at][1]:
+            return ready
     best, best_wait = ready, float("inf")
     candidates = [ready, needed]
     for intervals in (sender, receiver):

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schedules.action import ALL_KINDS, COMM_KINDS, COMPUTE_KINDS, Action, ActionKind
+from schedules.collector import without_collector
 from schedules.p2p import RENDEZVOUS, P2PError, check_pair_order, check_progress, require_semantics
 from schedules.schedule import Schedule
 
@@ -66,6 +67,7 @@ def is_valid(schedule: Schedule, p2p: str = RENDEZVOUS) -> bool:
     return True
 
 
+@without_collector
 def validate(schedule: Schedule, p2p: str = RENDEZVOUS) -> Schedule:
     """Raise ``ScheduleValidationError`` naming the first problem found; return the
     schedule if it can run. Accepts compute-only and lowered schedules.

@@ -319,3 +319,34 @@ def test_fast_sums_agree_with_the_moment_by_moment_sweep(monkeypatch, name, chun
         assert ours.total == pytest.approx(reference.total, rel=1e-9)
         for part in ("busy", "bubble", "exposed_comm", "tp", "dp", "optimizer", "overhead"):
             assert getattr(ours, part) == pytest.approx(getattr(reference, part), rel=1e-9, abs=1e-12), part
+
+
+def test_bubble_fraction_leaves_out_tp_time_and_idle_fraction_keeps_it():
+    # Hand-built step, span 2 s. Rank 0: F [0, 1], its send leaves at 1, then a tp
+    # all-reduce [1, 2]. Rank 1: waits [0, 1] for data not sent before 1 (bubble), F [1, 2].
+    # Bubble 1 s of 4 rank-seconds: 0.25. Not computing: 2 of 4: 0.5 (the tp second too).
+    events = [
+        TraceEvent(0, "0F0", "F", 0, 0, 0.0, 1.0, "compute"),
+        TraceEvent(0, "0SEND_F0", "SEND_F", 0, 0, 1.0, 1.0, "send"),
+        TraceEvent(0, "TP(0F0)", "TP", 0, 0, 1.0, 2.0, "tp"),
+        TraceEvent(1, "1RECV_F0", "RECV_F", 1, 0, 0.0, 1.0, "recv"),
+        TraceEvent(1, "1F0", "F", 1, 0, 1.0, 2.0, "compute"),
+    ]
+    metrics = step_metrics(Trace(events, {"pp": 2}))
+    assert metrics.makespan == pytest.approx(2.0)
+    assert metrics.bubble_fraction == pytest.approx(0.25)
+    assert metrics.idle_fraction == pytest.approx(0.5)
+    assert [rank.tp for rank in metrics.ranks] == pytest.approx([1.0, 0.0])
+
+
+@pytest.mark.parametrize(("name", "chunks"), SCHEDULES)
+def test_without_communication_bubble_and_idle_fractions_agree_with_the_closed_form(name, chunks):
+    # Ideal links, no tp/dp: (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1)
+    # for interleaved (F, B uniform), and nothing else keeps a rank from computing.
+    pp, microbatches = 4, 8
+    schedule = generate(name, pp, microbatches, chunks)
+    costs = uniform_costs(schedule.num_stages, FWD, BWD, virtual_stages=chunks)
+    metrics = run_simulation(schedule, costs, ideal_topology()).metrics
+    expected = (pp - 1) / (chunks * microbatches + pp - 1)
+    assert metrics.bubble_fraction == pytest.approx(expected)
+    assert metrics.idle_fraction == pytest.approx(expected)

@@ -354,6 +354,7 @@ def evaluate_layout(layout: Layout) -> dict:
         "mfu": figures["mfu"],
         "model_tflops_per_gpu": figures["model_tflops_per_gpu"],
         "bubble_fraction": metrics.bubble_fraction,
+        "idle_fraction": metrics.idle_fraction,
         "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks) / len(metrics.ranks),
         "peak_memory_bytes": peak,
         "capacity_bytes": capacity if capacity != float("inf") else None,

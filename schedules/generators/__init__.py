@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from schedules.collector import without_collector
 from schedules.generators.common import ScheduleUnavailableError, require_positive
 from schedules.generators.dualpipev import dualpipev
 from schedules.generators.gpipe import gpipe
@@ -109,6 +110,7 @@ def require_within_limit(name: str, pp: int, microbatches: int, virtual_stages: 
         )
 
 
+@without_collector
 def generate(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
              max_actions: int | None = DEFAULT_MAX_ACTIONS) -> Schedule:
     """Build the named schedule; errors name the bad value and list what is valid.
