@@ -36,6 +36,7 @@ import simpy
 
 from pipesim import kernel as kernel_module
 from pipesim.costs import Costs
+from pipesim.direct import UnknownActionError, run_rendezvous
 from pipesim.parallel import TP_KIND, CommPlan, step_tail_events
 from pipesim.topology import Topology
 from pipesim.twins import boundary_rank_pairs
@@ -47,9 +48,32 @@ from schedules.schedule import Schedule
 from schedules.trace import Trace, TraceEvent
 
 _KERNELS = {"fast": kernel_module, "simpy": simpy}
+KERNELS = ("direct", *_KERNELS)
 
 # The SEND that feeds each RECV kind: (stage offset, SEND kind).
 MATCHING_SEND = {ActionKind.RECV_F: (-1, ActionKind.SEND_F), ActionKind.RECV_B: (1, ActionKind.SEND_B)}
+
+
+# Priority of a P2P group's start among the events of its moment, plus the rank: after
+# SimPy's URGENT (0) and NORMAL (1) events, in rank order.
+GROUP_START_PRIORITY = 2
+
+
+class _SimpyGroupStart(simpy.events.Event):
+    """SimPy's ``Timeout`` with a priority of its own (SimPy gives timeouts NORMAL)."""
+
+    def __init__(self, env: simpy.Environment, delay: float, priority: int) -> None:
+        super().__init__(env)
+        self._ok = True
+        self._value = None
+        env.schedule(self, priority, delay)
+
+
+def start_at(env, delay: float, priority: int):
+    """A timeout of ``delay`` at ``priority`` on either kernel."""
+    if isinstance(env, kernel_module.Environment):
+        return env.timeout_at_priority(delay, priority)
+    return _SimpyGroupStart(env, delay, priority)
 
 
 class SimulationError(RuntimeError):
@@ -121,7 +145,7 @@ def simulate(
     rank_devices: Sequence[str] | None = None,
     plan: CommPlan | None = None,
     p2p: str = RENDEZVOUS,
-    kernel: str = "fast",
+    kernel: str = "direct",
 ) -> Trace:
     """Simulate one step of ``schedule`` (lowered here if it is not) and return its Trace.
 
@@ -144,16 +168,19 @@ def simulate(
 
     ``kernel`` runs the processes on the engine's own event kernel (``fast``,
     ``pipesim.kernel``: SimPy's scheduling rules, far less machinery) or on SimPy
-    (``simpy``, the reference the fast kernel is tested against, Trace for Trace).
+    (``simpy``, the reference the others are tested against); ``direct`` (the default)
+    computes a rendezvous step without processes (``pipesim.direct``) and runs a
+    buffered one on the fast kernel.
     """
     rendezvous = require_semantics(p2p) == RENDEZVOUS
     lowered = lower(schedule)
     if costs.num_stages != lowered.num_stages:
         raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {lowered.num_stages}")
     devices = _rank_devices(lowered, topology, rank_devices)
-    events_module = _KERNELS.get(kernel)
-    if events_module is None:
-        raise ValueError(f"unknown simulation kernel {kernel!r}: use one of {', '.join(_KERNELS)}")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown simulation kernel {kernel!r}: use one of {', '.join(KERNELS)}")
+    direct = kernel == "direct" and rendezvous
+    events_module = _KERNELS.get(kernel, kernel_module)
     env = events_module.Environment()
     durations = costs.durations()
     paired = _overlapped_pair_seconds(lowered, costs, durations)
@@ -215,8 +242,10 @@ def simulate(
             if group is None:
                 return
             start = max(posted_at, free_at)
-            if start > env.now:
-                yield env.timeout(start - env.now)
+            # groups that start at one moment start in rank order, after everything else of
+            # that moment: which of two transfers on one link goes first never depends on the
+            # order the kernel happened to learn of them (``pipesim.direct`` does the same)
+            yield start_at(env, start - env.now, GROUP_START_PRIORITY + rank)
             waiting = []
             arrivals: dict[Action, float] = {}
             for action in group:
@@ -339,20 +368,24 @@ def simulate(
 
     with collector_paused():  # schedules.collector: a large step builds millions of acyclic objects
         all_items = [lowered.program_items(rank) for rank in range(lowered.pp)]
-        streams = [events_module.Store(env) for _ in range(lowered.pp)]
-        last_group: list = [None] * lowered.pp
-        for rank, items in enumerate(all_items):
-            env.process(rank_process(rank, items))
-            if rendezvous:
-                env.process(stream_process(rank, streams[rank]))
-        env.run()
-    if not all(finished):
-        stuck = [
-            f"rank {rank} at {_describe_item(all_items[rank][position[rank]])}"
-            for rank in range(lowered.pp)
-            if not finished[rank]
-        ]
-        raise SimulationError(f"deadlock under {p2p} semantics: ranks wait forever: " + "; ".join(stuck))
+        if direct:
+            try:
+                stuck = dict(run_rendezvous(all_items, durations, paired, tp_seconds, comm_overhead, arrival_of,
+                                            record, tp_records))
+            except UnknownActionError as error:
+                raise SimulationError(str(error)) from None
+        else:
+            streams = [events_module.Store(env) for _ in range(lowered.pp)]
+            last_group: list = [None] * lowered.pp
+            for rank, items in enumerate(all_items):
+                env.process(rank_process(rank, items))
+                if rendezvous:
+                    env.process(stream_process(rank, streams[rank]))
+            env.run()
+            stuck = {rank: position[rank] for rank in range(lowered.pp) if not finished[rank]}
+    if stuck:
+        where = [f"rank {rank} at {_describe_item(all_items[rank][index])}" for rank, index in sorted(stuck.items())]
+        raise SimulationError(f"deadlock under {p2p} semantics: ranks wait forever: " + "; ".join(where))
     if tp_records:
         events += [
             TraceEvent(rank, f"{TP_KIND}({action})", TP_KIND, action[0], action[2], start, end, "tp")

@@ -79,6 +79,17 @@ class Environment:
         heappush(self._queue, (self.now + delay, NORMAL, self._eid, event))
         return event
 
+    def timeout_at_priority(self, delay: float, priority: int) -> Event:
+        """A timeout that, among the events of its moment, comes after every event of a
+        lower ``priority`` (SimPy: ``Environment.schedule(event, priority, delay)``)."""
+        if delay < 0:
+            raise ValueError(f"Negative delay {delay}")
+        event = Event(self)
+        event._value = None
+        self._eid += 1
+        heappush(self._queue, (self.now + delay, priority, self._eid, event))
+        return event
+
     def process(self, generator: Generator) -> None:
         """Start ``generator`` as a process (at the current time, before other events)."""
         Process(self, generator)

@@ -1,8 +1,15 @@
-"""The engine's own event kernel (``pipesim.kernel``) against SimPy: the same programs,
-costs, cluster and placement must give the same Trace, event for event and in the
-same order, under both P2P semantics, on random cases. SimPy is the reference: the
-engine's rank and stream processes are the same code under either kernel, so any
-difference would come from the order in which the kernel runs them."""
+"""The engine's fast paths against SimPy, on random cases: the same programs, costs,
+cluster and placement must give the same Trace.
+
+- The engine's own event kernel (``pipesim.kernel``, ``kernel="fast"``): event for event
+  and in the same order, under both P2P semantics. The engine's rank and stream processes
+  are the same code under either kernel, so any difference would come from the order in
+  which the kernel runs them.
+- The direct rendezvous step (``pipesim.direct``, the default ``kernel="direct"``), which
+  computes a step without processes: the same events (the same actions, ranks and
+  times), recorded in another order. Uniform costs make many transfers leave at the
+  same moment over a shared link; both engines then start groups in rank order.
+"""
 
 from __future__ import annotations
 
@@ -73,17 +80,28 @@ def test_the_fast_kernel_gives_simpys_trace_event_for_event(case):
     assert fast.meta == reference.meta
 
 
+@settings(max_examples=200, deadline=None)
+@given(cases())
+def test_the_direct_rendezvous_step_gives_simpys_events(case):
+    lowered, costs, topology, devices, plan, p2p = case
+    reference = simulate(lowered, costs, topology, devices, plan, p2p, kernel="simpy")
+    direct = simulate(lowered, costs, topology, devices, plan, p2p, kernel="direct")
+    assert sorted(direct.events) == sorted(reference.events)
+    assert direct.meta == reference.meta
+
+
 @pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
-def test_a_large_interleaved_step_is_the_same_under_both_kernels(p2p):
+def test_a_large_interleaved_step_is_the_same_under_every_kernel(p2p):
     lowered = lower(generate("interleaved-1f1b", 16, 64, 2))
     costs = uniform_costs(lowered.num_stages, 10e-3, 20e-3, act_bytes=64e6, virtual_stages=2)
     topology = presets.ib(2)
-    assert (simulate(lowered, costs, topology, p2p=p2p).events
-            == simulate(lowered, costs, topology, p2p=p2p, kernel="simpy").events)
+    reference = simulate(lowered, costs, topology, p2p=p2p, kernel="simpy").events
+    assert simulate(lowered, costs, topology, p2p=p2p, kernel="fast").events == reference
+    assert sorted(simulate(lowered, costs, topology, p2p=p2p, kernel="direct").events) == sorted(reference)
 
 
 @pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
-def test_a_deadlock_is_named_the_same_under_both_kernels(p2p):
+def test_a_deadlock_is_named_the_same_under_every_kernel(p2p):
     # both ranks receive before they send: neither receive can ever be served
     recv_f, send_b = Action(1, ActionKind.RECV_F, 0), Action(1, ActionKind.SEND_B, 0)
     recv_b, send_f = Action(0, ActionKind.RECV_B, 0), Action(0, ActionKind.SEND_F, 0)
@@ -94,11 +112,11 @@ def test_a_deadlock_is_named_the_same_under_both_kernels(p2p):
     )
     costs = uniform_costs(2, 1.0, 2.0, act_bytes=1e6)
     messages = []
-    for kernel in ("simpy", "fast"):
+    for kernel in ("simpy", "fast", "direct"):
         with pytest.raises(SimulationError, match="deadlock") as error:
             simulate(schedule, costs, presets.nvlink(1), p2p=p2p, kernel=kernel)
         messages.append(str(error.value))
-    assert messages[0] == messages[1]
+    assert messages[0] == messages[1] == messages[2]
 
 
 def test_an_unknown_kernel_is_a_clear_error():
