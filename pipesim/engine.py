@@ -356,9 +356,12 @@ def simulate(
         if rendezvous:
             streams[rank].put((clock, None, None))
             pending = last_group[rank]
-            if pending is not None and not pending.processed:
-                position[rank] = len(items) - 1
-                arrived = yield pending
+            if pending is not None:
+                if pending.processed:  # completed already, possibly later than this rank's clock
+                    arrived = pending.value
+                else:
+                    position[rank] = len(items) - 1
+                    arrived = yield pending
                 if arrived > clock:
                     stage, kind, microbatch = items[-1][-1] if type(items[-1]) is tuple else items[-1]
                     record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, arrived,
