@@ -27,10 +27,11 @@ the same one goes first, whatever order the moments were discovered in.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from heapq import heappop, heappush
 
-from schedules.action import COMPUTE_KINDS, SEND_KINDS, ActionKind
+from schedules.action import SEND_KINDS, ActionKind
+from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
 
 # The SEND that feeds each RECV kind: (stage offset, SEND kind).
@@ -45,11 +46,11 @@ class UnknownActionError(ValueError):
 class _Group:
     """One posted P2P group: its transfers still to arrive, its start, its completion."""
 
-    __slots__ = ("rank", "actions", "posted", "start", "outstanding", "latest", "done")
+    __slots__ = ("rank", "transfers", "posted", "start", "outstanding", "latest", "done")
 
-    def __init__(self, rank: int, actions: tuple, posted: float) -> None:
+    def __init__(self, rank: int, transfers: tuple, posted: float) -> None:
         self.rank = rank
-        self.actions = actions
+        self.transfers = transfers
         self.posted = posted
         self.start = 0.0
         self.outstanding = 0
@@ -57,8 +58,57 @@ class _Group:
         self.done: float | None = None  # the completion moment, once known
 
 
+# What a compiled program entry is: a compute action or a P2P group.
+_COMPUTE, _GROUP = 0, 1
+
+
+def compiled_programs(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
+    """Each rank's program as the direct engine walks it, with everything that follows
+    from the schedule alone worked out once (and kept with the schedule, see
+    ``Schedule.derived``): the Trace text of every action, and for each compute action
+    which earlier group holds the receive it needs.
+
+    Compute: ``(_COMPUTE, action, stage, kind, microbatch, text, group ordinal or -1,
+    receive kind, receive text)``. Group: ``(_GROUP, ordinal, size, transfers)`` with one
+    ``(transfer, is_send, stage, kind, microbatch, text)`` per action, ``transfer`` the
+    (stage, kind, microbatch) of the SEND both ends name."""
+    return schedule.derived("direct_programs", _compile)
+
+
+def _compile(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
+    programs = []
+    for rank in range(schedule.pp):
+        entries: list[tuple] = []
+        posted: dict[tuple, int] = {}  # receive action -> ordinal of the group that posts it
+        ordinal = 0
+        for item in schedule.program_items(rank):
+            if type(item) is not tuple:
+                stage, kind, microbatch = item
+                receive_kind = _RECV_OF.get(kind)
+                needed = (stage, receive_kind, microbatch)
+                source = posted.pop(needed, -1)
+                entries.append((_COMPUTE, item, stage, kind, microbatch, f"{stage}{kind}{microbatch}", source,
+                                receive_kind, f"{stage}{receive_kind}{microbatch}"))
+                continue
+            transfers = []
+            for action in item:
+                stage, kind, microbatch = action
+                is_send = kind in SEND_KINDS
+                if is_send:
+                    transfer = (stage, kind, microbatch)
+                else:
+                    offset, sender_kind = _MATCHING_SEND[kind]
+                    transfer = (stage + offset, sender_kind, microbatch)
+                    posted[(stage, kind, microbatch)] = ordinal
+                transfers.append((transfer, is_send, stage, kind, microbatch, f"{stage}{kind}{microbatch}"))
+            entries.append((_GROUP, ordinal, len(item), tuple(transfers)))
+            ordinal += 1
+        programs.append(tuple(entries))
+    return tuple(programs)
+
+
 def run_rendezvous(
-    all_items: Sequence[list],
+    schedule: Schedule,
     durations: dict,
     paired: dict,
     tp_seconds: dict,
@@ -72,20 +122,19 @@ def run_rendezvous(
     ``tp_records`` as the process engine does. ``arrival_of(stage, kind, sender, now)``
     reserves a send's links at ``now`` and returns its arrival. Returns (rank, item
     index) of every rank that can never finish (empty unless the programs deadlock)."""
-    ranks = len(all_items)
+    programs = compiled_programs(schedule)
+    ranks = len(programs)
     new_event = tuple.__new__
-    compute_kinds, send_kinds = COMPUTE_KINDS, SEND_KINDS
     starts: list = []  # heap of (start moment, rank, group)
     queues: list[deque] = [deque() for _ in range(ranks)]  # posted groups not started, per stream
     stream_busy = [False] * ranks  # a group of the stream has started and not completed
     stream_free = [0.0] * ranks  # when the stream's last group completed
-    offers: dict[tuple, tuple] = {}  # transfer -> (group, action) of the side that started first
-    # per rank: where it stands (item index, clock), the receives posted and not yet waited
-    # for (action -> group), its last group, and the group it waits for
+    offers: dict[tuple, tuple] = {}  # transfer -> (group, transfer entry) of the side that started first
+    # per rank: where it stands (entry index, clock), the groups it posted (by ordinal), its
+    # last group, and the group it waits for
     position = [0] * ranks
     clocks = [0.0] * ranks
-    awaiting: list[dict] = [{} for _ in range(ranks)]
-    last_group: list[_Group | None] = [None] * ranks
+    posted_groups: list[list[_Group]] = [[] for _ in range(ranks)]
     blocked_on: list[_Group | None] = [None] * ranks
     finished = [False] * ranks
 
@@ -114,33 +163,33 @@ def run_rendezvous(
 
     def advance(rank: int) -> None:
         """Run rank ``rank`` until it needs a group that has not completed, or to its end."""
-        items = all_items[rank]
+        entries = programs[rank]
         index, clock = position[rank], clocks[rank]
-        waiting = awaiting[rank]
-        count = len(items)
+        groups = posted_groups[rank]
+        count = len(entries)
         while index < count:
-            item = items[index]
-            if type(item) is not tuple:
-                stage, kind, microbatch = item
-                if kind not in compute_kinds:
-                    raise UnknownActionError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
-                if waiting:
-                    needed = (stage, _RECV_OF.get(kind), microbatch)
-                    group = waiting.get(needed)
-                    if group is not None:
-                        if group.done is None:
-                            position[rank], clocks[rank] = index, clock
-                            blocked_on[rank] = group
-                            return
-                        del waiting[needed]
-                        start = clock
-                        if group.done > clock:
-                            clock = group.done
-                        record(TraceEvent(rank, f"{stage}{needed[1]}{microbatch}", needed[1], stage, microbatch,
-                                          start, clock, "recv"))
-                end = clock + (paired[item] if paired and item in paired else durations[stage, kind])
-                record(new_event(TraceEvent, (rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, end,
-                                              "compute")))
+            entry = entries[index]
+            if entry[0] == _COMPUTE:
+                _, item, stage, kind, microbatch, text, source, receive_kind, receive_text = entry
+                if source >= 0:
+                    done = groups[source].done
+                    if done is None:
+                        position[rank], clocks[rank] = index, clock
+                        blocked_on[rank] = groups[source]
+                        return
+                    start = clock
+                    if done > clock:
+                        clock = done
+                    record(new_event(TraceEvent, (rank, receive_text, receive_kind, stage, microbatch, start, clock,
+                                                  "recv")))
+                if paired and item in paired:
+                    end = clock + paired[item]
+                else:
+                    seconds = durations.get((stage, kind))
+                    if seconds is None:  # not a compute kind: the only check, on the way out
+                        raise UnknownActionError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
+                    end = clock + seconds
+                record(new_event(TraceEvent, (rank, text, kind, stage, microbatch, clock, end, "compute")))
                 clock = end
                 if tp_seconds:
                     collectives = tp_seconds.get((stage, kind))
@@ -149,57 +198,48 @@ def run_rendezvous(
                         clock += collectives
                 index += 1
                 continue
-            clock += comm_overhead * len(item)
-            group = _Group(rank, item, clock)
+            clock += comm_overhead * entry[2]
+            group = _Group(rank, entry[3], clock)
+            groups.append(group)
             queues[rank].append(group)
-            last_group[rank] = group
-            for action in item:
-                if action[1] not in send_kinds:
-                    waiting[action] = group
             if not stream_busy[rank]:
                 schedule_next(rank)
             index += 1
         position[rank], clocks[rank] = index, clock
-        group = last_group[rank]
-        if group is not None and group.done is None:
-            blocked_on[rank] = group  # the step cannot end before the rank's last transfers
+        if groups and groups[-1].done is None:
+            blocked_on[rank] = groups[-1]  # the step cannot end before the rank's last transfers
             return
         _finish(rank)
 
     def _finish(rank: int) -> None:
-        items = all_items[rank]
         clock = clocks[rank]
-        group = last_group[rank]
-        if group is not None and group.done > clock:
-            stage, kind, microbatch = items[-1][-1] if type(items[-1]) is tuple else items[-1]
-            record(TraceEvent(rank, f"{stage}{kind}{microbatch}", kind, stage, microbatch, clock, group.done, "wait"))
-            clocks[rank] = group.done
+        groups = posted_groups[rank]
+        if groups and groups[-1].done > clock:
+            last = programs[rank][-1]
+            stage, kind, microbatch, text = last[3][-1][2:] if last[0] == _GROUP else last[2:6]
+            record(TraceEvent(rank, text, kind, stage, microbatch, clock, groups[-1].done, "wait"))
+            clocks[rank] = groups[-1].done
         finished[rank] = True
 
     def begin(group: _Group) -> None:
         """The group starts: pair each transfer with a peer group that already started."""
         start = group.start
-        for action in group.actions:
-            stage, kind, microbatch = action
-            if kind in send_kinds:
-                transfer = (stage, kind, microbatch)
-            else:
-                offset, sender_kind = _MATCHING_SEND[kind]
-                transfer = (stage + offset, sender_kind, microbatch)
+        for entry in group.transfers:
+            transfer = entry[0]
             peer = offers.pop(transfer, None)
             if peer is None:
-                offers[transfer] = (group, action)
+                offers[transfer] = (group, entry)
                 group.outstanding += 1
                 continue
-            peer_group, peer_action = peer
-            if kind in send_kinds:
-                send, sender, sent_at = action, group.rank, group.posted
+            peer_group, peer_entry = peer
+            if entry[1]:
+                sender, sent_at, send = group.rank, group.posted, entry
             else:
-                send, sender, sent_at = peer_action, peer_group.rank, peer_group.posted
-            send_stage, send_kind, send_microbatch = send
+                sender, sent_at, send = peer_group.rank, peer_group.posted, peer_entry
+            _, _, send_stage, send_kind, send_microbatch, send_text = send
             arrival = arrival_of(send_stage, send_kind, sender, start)
-            record(new_event(TraceEvent, (sender, f"{send_stage}{send_kind}{send_microbatch}", send_kind, send_stage,
-                                          send_microbatch, sent_at, arrival, "send")))
+            record(new_event(TraceEvent, (sender, send_text, send_kind, send_stage, send_microbatch, sent_at, arrival,
+                                          "send")))
             if arrival > group.latest:
                 group.latest = arrival
             if arrival > peer_group.latest:
@@ -215,9 +255,6 @@ def run_rendezvous(
     while starts:
         _, _, group = heappop(starts)
         begin(group)
-    for rank in range(ranks):  # ranks that waited for their last group, now complete
-        if not finished[rank] and blocked_on[rank] is None and position[rank] >= len(all_items[rank]):
-            _finish(rank)
-    return [(rank, min(position[rank], len(all_items[rank]) - 1)) for rank in range(ranks) if not finished[rank]]
+    return [(rank, min(position[rank], len(programs[rank]) - 1)) for rank in range(ranks) if not finished[rank]]
 
 

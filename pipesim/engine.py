@@ -373,7 +373,7 @@ def simulate(
         all_items = [lowered.program_items(rank) for rank in range(lowered.pp)]
         if direct:
             try:
-                stuck = dict(run_rendezvous(all_items, durations, paired, tp_seconds, comm_overhead, arrival_of,
+                stuck = dict(run_rendezvous(lowered, durations, paired, tp_seconds, comm_overhead, arrival_of,
                                             record, tp_records))
             except UnknownActionError as error:
                 raise SimulationError(str(error)) from None

@@ -8,10 +8,13 @@ lowered programs, so what is predicted is exactly what is run.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from schedules.action import COMM_KINDS, Action, format_group, format_overlap
+
+T = TypeVar("T")
 
 
 def looped_placement(pp: int, virtual_stages: int) -> tuple[int, ...]:
@@ -154,7 +157,27 @@ class Schedule:
     def program_items(self, rank: int) -> list[Action | tuple[Action, ...]]:
         """``rank``'s program as the runtime walks it: compute actions as they are, each
         P2P group as a tuple of its communication actions (a lone transfer is a group of
-        one), in posting order."""
+        one), in posting order. Built once per rank and kept: a schedule is immutable, and
+        a planner simulates one lowered schedule for many layouts."""
+        items = self.derived(f"program_items:{rank}", lambda schedule: tuple(schedule._build_program_items(rank)))
+        return list(items)
+
+    def derived(self, key: str, build: Callable[[Schedule], T]) -> T:
+        """``build(self)``, computed once and kept with this schedule under ``key``.
+
+        A schedule never changes after it is made, so what follows from it alone (its
+        programs' groups, an engine's compiled form of them) can be kept; a planner
+        simulates one lowered schedule for many layouts. Kept outside the dataclass
+        fields: equality, hashing and ``replace`` ignore it."""
+        cache = self.__dict__.get("_derived")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_derived", cache)
+        if key not in cache:
+            cache[key] = build(self)
+        return cache[key]
+
+    def _build_program_items(self, rank: int) -> list[Action | tuple[Action, ...]]:
         joined = self.joins[rank]
         items: list[Action | tuple[Action, ...]] = []
         group: list[Action] = []
