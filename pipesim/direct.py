@@ -69,7 +69,7 @@ def compiled_programs(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
     which earlier group holds the receive it needs.
 
     Compute: ``(_COMPUTE, action, stage, kind, microbatch, text, group ordinal or -1,
-    receive kind, receive text)``. Group: ``(_GROUP, ordinal, size, transfers)`` with one
+    receive kind, receive text, (stage, kind))``. Group: ``(_GROUP, ordinal, size, transfers)`` with one
     ``(transfer, is_send, stage, kind, microbatch, text)`` per action, ``transfer`` the
     (stage, kind, microbatch) of the SEND both ends name."""
     return schedule.derived("direct_programs", _compile)
@@ -88,7 +88,7 @@ def _compile(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
                 needed = (stage, receive_kind, microbatch)
                 source = posted.pop(needed, -1)
                 entries.append((_COMPUTE, item, stage, kind, microbatch, f"{stage}{kind}{microbatch}", source,
-                                receive_kind, f"{stage}{receive_kind}{microbatch}"))
+                                receive_kind, f"{stage}{receive_kind}{microbatch}", (stage, kind)))
                 continue
             transfers = []
             for action in item:
@@ -124,7 +124,7 @@ def run_rendezvous(
     index) of every rank that can never finish (empty unless the programs deadlock)."""
     programs = compiled_programs(schedule)
     ranks = len(programs)
-    new_event = tuple.__new__
+    new_event, event_type = tuple.__new__, TraceEvent  # locals: looked up once per event otherwise
     starts: list = []  # heap of (start moment, rank, group)
     queues: list[deque] = [deque() for _ in range(ranks)]  # posted groups not started, per stream
     stream_busy = [False] * ranks  # a group of the stream has started and not completed
@@ -169,8 +169,8 @@ def run_rendezvous(
         count = len(entries)
         while index < count:
             entry = entries[index]
-            if entry[0] == _COMPUTE:
-                _, item, stage, kind, microbatch, text, source, receive_kind, receive_text = entry
+            if not entry[0]:  # _COMPUTE
+                _, item, stage, kind, microbatch, text, source, receive_kind, receive_text, cost_key = entry
                 if source >= 0:
                     done = groups[source].done
                     if done is None:
@@ -180,19 +180,19 @@ def run_rendezvous(
                     start = clock
                     if done > clock:
                         clock = done
-                    record(new_event(TraceEvent, (rank, receive_text, receive_kind, stage, microbatch, start, clock,
+                    record(new_event(event_type, (rank, receive_text, receive_kind, stage, microbatch, start, clock,
                                                   "recv")))
                 if paired and item in paired:
                     end = clock + paired[item]
                 else:
-                    seconds = durations.get((stage, kind))
+                    seconds = durations.get(cost_key)
                     if seconds is None:  # not a compute kind: the only check, on the way out
                         raise UnknownActionError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
                     end = clock + seconds
-                record(new_event(TraceEvent, (rank, text, kind, stage, microbatch, clock, end, "compute")))
+                record(new_event(event_type, (rank, text, kind, stage, microbatch, clock, end, "compute")))
                 clock = end
                 if tp_seconds:
-                    collectives = tp_seconds.get((stage, kind))
+                    collectives = tp_seconds.get(cost_key)
                     if collectives:
                         tp_records.append((rank, item, clock, clock + collectives))
                         clock += collectives
@@ -238,7 +238,7 @@ def run_rendezvous(
                 sender, sent_at, send = peer_group.rank, peer_group.posted, peer_entry
             _, _, send_stage, send_kind, send_microbatch, send_text = send
             arrival = arrival_of(send_stage, send_kind, sender, start)
-            record(new_event(TraceEvent, (sender, send_text, send_kind, send_stage, send_microbatch, sent_at, arrival,
+            record(new_event(event_type, (sender, send_text, send_kind, send_stage, send_microbatch, sent_at, arrival,
                                           "send")))
             if arrival > group.latest:
                 group.latest = arrival
