@@ -24,6 +24,11 @@ from pipesim.planner import SearchSpace, default_workers, enumerate_layouts, sea
 from schedules.generators import GENERATORS
 
 
+def no_bound(layout) -> float:
+    """A bound that prunes nothing (module level: the workers receive it by name)."""
+    return 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-70b")
@@ -61,8 +66,7 @@ def main() -> None:
     reject = plan_command.memory_floor_cause
     # each pass starts as `plan` does: a fresh worker state (topology routes, per-layout costs) that it pays for
     plan_command._init_worker(base)
-    exhaustive = search(layouts, plan_command.evaluate_layout, lambda layout: 0.0, args.top, args.workers,
-                        reject=reject)
+    exhaustive = search(layouts, plan_command.evaluate_layout, no_bound, args.top, args.workers, reject=reject)
     plan_command._init_worker(base)
     searched = search(layouts, plan_command.evaluate_layout, plan_command.lower_bound, args.top, args.workers,
                       reject=reject)

@@ -165,28 +165,35 @@ def search(
     step time found that fits in memory. ``evaluate`` returns a row with ``step_time``
     and ``oom`` (or ``error``); rows are ranked by step time, ties by layout. ``reject``
     names a cause for layouts that provably cannot work (checked before anything is
-    simulated)."""
+    simulated). With several workers, ``evaluate``, ``bound`` and ``reject`` run in them
+    and must be module-level functions."""
     started = time.perf_counter()
     rejected = Counter(rejected or {})
     considered = len(layouts)
-    if reject is not None:
-        kept = []
-        for layout in layouts:
-            cause = reject(layout)
-            if cause is None:
-                kept.append(layout)
-            else:
-                rejected[cause] += 1
-        layouts = kept
-    bounds = {layout: bound(layout) for layout in layouts}
-    order = sorted(layouts, key=lambda layout: (bounds[layout], layout))
     rows: list[dict] = []
     fitting: list[float] = []
     simulated = 0
     batch = max(4 * workers, 8)
     position = 0
     pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
+
+    def each(function: Callable, items: list) -> list:
+        """``function`` of every item, over the workers when there are several (in order)."""
+        if pool is None:
+            return [function(item) for item in items]
+        return list(pool.map(function, items, chunksize=max(1, len(items) // (8 * workers))))
+
     try:
+        if reject is not None:  # the memory floor and the bounds are per-layout work too: spread it
+            kept = []
+            for layout, cause in zip(layouts, each(reject, layouts), strict=True):
+                if cause is None:
+                    kept.append(layout)
+                else:
+                    rejected[cause] += 1
+            layouts = kept
+        bounds = dict(zip(layouts, each(bound, layouts), strict=True))
+        order = sorted(layouts, key=lambda layout: (bounds[layout], layout))
         while position < len(order):
             if len(fitting) >= top and bounds[order[position]] >= fitting[top - 1]:
                 break
