@@ -185,6 +185,19 @@ def bucket_ready_fractions(sizes: tuple[float, ...], layers: int) -> list[float]
     return fractions
 
 
+def _add_buckets(tail: list[TraceEvent], rank: int, stage: int, kind: str, first: int, seconds: tuple[float, ...],
+                 start: float) -> float:
+    """One event for buckets ``first``, ``first + 1``, ... of a stage run back to back from
+    ``start`` (each starts as the one before ends); returns when the last one ends."""
+    end = start
+    for bucket in seconds:
+        end += bucket
+    last = first + len(seconds) - 1
+    name = f"{stage}{kind}[{first}]" if last == first else f"{stage}{kind}[{first}-{last}]"
+    tail.append(TraceEvent(rank, name, kind, stage, -1, start, end, "dp"))
+    return end
+
+
 def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | None,
                      step_overhead: float) -> list[TraceEvent]:
     """The gradient reductions (``dp`` stream), optimizer steps (``step`` stream) and,
@@ -207,7 +220,13 @@ def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | 
     dp_free = list(rank_end) if not has_dp or not plan.overlap_dp else [0.0] * num_ranks
     if has_dp:
         kind = REDUCE_SCATTER_KIND if plan.zero else DP_KIND
-        buckets = []  # (ready, stage, index, seconds), reduced first-come first-served per rank
+        # Buckets are reduced first come, first served per rank. Those of a stage that fill
+        # at the same moment (one layer's gradients, or all of them without overlap) run back
+        # to back and are one event (``3ALLREDUCE_DP[4-21]``), as the executor records one
+        # per stage: a 70B-parameter stage has thousands of 25 MB buckets and a few layers,
+        # and an event per bucket made the tail, and every pass over the Trace after it,
+        # cost more than the pipeline.
+        runs = []  # (ready, stage, first bucket, seconds of each bucket of the run)
         for stage, seconds in plan.dp_bucket_seconds.items():
             if stage not in stage_rank:
                 continue
@@ -217,21 +236,23 @@ def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | 
                 ready = [start + fraction * (end - start) for fraction in fractions]
             else:
                 ready = [rank_end[stage_rank[stage]]] * len(seconds)
-            buckets += [(ready[index], stage, index, seconds[index]) for index in range(len(seconds))]
-        for ready, stage, index, seconds in sorted(buckets):
+            first = 0
+            for index in range(1, len(seconds) + 1):  # ready times only grow with the bucket index
+                if index == len(seconds) or ready[index] != ready[first]:
+                    runs.append((ready[first], stage, first, seconds[first:index]))
+                    first = index
+        for ready, stage, first, seconds in sorted(runs):
             rank = stage_rank[stage]
             start = max(dp_free[rank], ready)
-            tail.append(TraceEvent(rank, f"{stage}{kind}[{index}]", kind, stage, -1, start, start + seconds, "dp"))
-            dp_free[rank] = start + seconds
+            dp_free[rank] = _add_buckets(tail, rank, stage, kind, first, seconds, start)
     for rank in range(num_ranks):
         done = max(rank_end[rank], dp_free[rank])
         if step_overhead > 0:
             tail.append(TraceEvent(rank, OPTIMIZER_KIND, OPTIMIZER_KIND, -1, -1, done, done + step_overhead, "step"))
             done += step_overhead
-        if has_dp and plan.zero:
+        if has_dp and plan.zero:  # every parameter bucket can be gathered once the optimizer step is done
             for stage in sorted(stage for stage, rank_of in stage_rank.items() if rank_of == rank):
-                for index, seconds in enumerate(plan.gather_bucket_seconds.get(stage, ())):
-                    tail.append(TraceEvent(rank, f"{stage}{PARAM_GATHER_KIND}[{index}]", PARAM_GATHER_KIND, stage,
-                                           -1, done, done + seconds, "dp"))
-                    done += seconds
+                seconds = plan.gather_bucket_seconds.get(stage, ())
+                if seconds:
+                    done = _add_buckets(tail, rank, stage, PARAM_GATHER_KIND, 0, seconds, done)
     return tail
