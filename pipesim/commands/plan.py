@@ -25,6 +25,7 @@ from pipesim.planner import (
     search,
     terminal_progress,
 )
+from schedules.collector import without_collector
 from schedules.generators import GENERATORS
 
 # Set per worker process by ``_init_worker``: the simulate arguments every layout shares,
@@ -319,6 +320,7 @@ def memory_floor_cause(layout: Layout) -> str | None:
     return None
 
 
+@without_collector  # paused for the whole layout: its Trace is freed before the collector runs again
 def evaluate_layout(layout: Layout) -> dict:
     """Simulate one layout as ``pipesim simulate`` would; a row for the table, or
     ``{"error": cause}`` for a layout that cannot be built."""
