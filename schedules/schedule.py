@@ -162,6 +162,13 @@ class Schedule:
         items = self.derived(f"program_items:{rank}", lambda schedule: tuple(schedule._build_program_items(rank)))
         return list(items)
 
+    def __getstate__(self) -> dict:
+        """Pickled without what ``derived`` kept: it is rebuilt where needed, and for a large
+        schedule it is bigger than the schedule (the executor sends schedules to its ranks)."""
+        state = dict(self.__dict__)
+        state.pop("_derived", None)
+        return state
+
     def derived(self, key: str, build: Callable[[Schedule], T]) -> T:
         """``build(self)``, computed once and kept with this schedule under ``key``.
 
