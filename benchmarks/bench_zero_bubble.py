@@ -76,7 +76,7 @@ def measure(schedule, costs: tuple[float, float, float, float]) -> dict:
     work = schedule.microbatches * (forward + backward_input + backward_weight)
     return {
         "makespan": metrics.makespan,
-        "step_bubble": metrics.bubble_fraction,
+        "step_bubble": metrics.idle_fraction,  # 1 - compute / (p x makespan): transfers waited on count
         "rank_bubble": (span - work) / span,
         "peak": max(rank.peak_inflight_microbatches for rank in metrics.ranks),
         "nccl": nccl.makespan,
