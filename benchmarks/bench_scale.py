@@ -52,8 +52,8 @@ def run_step(dp: int, microbatches: int, searched: bool = False) -> float:
     if searched:
         original = presets.PRESETS["ib"]
 
-        def ib_as_graph(nodes: int) -> Topology:
-            structural = original(nodes)
+        def ib_as_graph(nodes: int, **options) -> Topology:
+            structural = original(nodes, **options)
             return Topology("ib", structural.graph, structural.devices, description=structural.description)
 
         with _preset("ib", ib_as_graph):
