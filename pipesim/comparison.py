@@ -5,9 +5,11 @@ Pure functions of Traces and step times, so they hold for any source of either. 
 measured step time is the median over the run's steps after the warm-up ones: a single
 step on a shared CPU can be preempted, and the prediction is of a typical step.
 
-Idle time and bubble fraction are taken against the step time (not against the span of
-the trace's events), so that what the step spends outside the pipeline actions (the
-optimizer step, the loss all-reduce) counts as idle on both sides alike.
+Idle time and the bubble and idle fractions are taken against the step time (not against
+the span of the trace's events), so that what the step spends outside the pipeline
+actions (the optimizer step, the loss all-reduce) counts as idle on both sides alike. The
+bubble fraction is the pipeline bubble of the time accounting (``schedules.accounting``),
+as ``pipesim simulate`` reports it; the idle fraction every moment not computing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ def busy_per_rank(trace: Trace) -> list[float]:
     return [rank.busy for rank in step_metrics(trace).ranks]
 
 
+def _busy_and_bubble(trace: Trace) -> tuple[list[float], float]:
+    """Each rank's compute seconds, and the ranks' pipeline bubble summed (waiting for a
+    peer's data, fill and drain: ``schedules.accounting``)."""
+    ranks = step_metrics(trace).ranks
+    return [rank.busy for rank in ranks], sum(rank.bubble for rank in ranks)
+
+
 def measured_step_time(step_times: list[float], warmup_steps: int) -> float:
     """Median of the step times after the first ``warmup_steps`` (all of them if fewer)."""
     if not step_times:
@@ -35,8 +44,8 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
             warmup_steps: int = 1) -> dict:
     """The comparison document (``pipesim compare --json``)."""
     measured_time = measured_step_time(step_times, warmup_steps)
-    measured_busy = busy_per_rank(measured)
-    predicted_busy = busy_per_rank(predicted)
+    measured_busy, measured_bubble = _busy_and_bubble(measured)
+    predicted_busy, predicted_bubble = _busy_and_bubble(predicted)
     ranks = max(len(measured_busy), len(predicted_busy))
     measured_busy += [0.0] * (ranks - len(measured_busy))
     predicted_busy += [0.0] * (ranks - len(predicted_busy))
@@ -51,8 +60,10 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
         "error": (predicted_step_time - measured_time) / measured_time,
         "measured_step_times": list(step_times),
         "warmup_steps": warmup_steps,
-        "measured_bubble_fraction": 1 - sum(measured_busy) / (ranks * measured_time),
-        "predicted_bubble_fraction": 1 - sum(predicted_busy) / (ranks * predicted_step_time),
+        "measured_bubble_fraction": measured_bubble / (ranks * measured_time),
+        "predicted_bubble_fraction": predicted_bubble / (ranks * predicted_step_time),
+        "measured_idle_fraction": 1 - sum(measured_busy) / (ranks * measured_time),
+        "predicted_idle_fraction": 1 - sum(predicted_busy) / (ranks * predicted_step_time),
         "ranks": [
             {
                 "rank": rank,
@@ -74,7 +85,9 @@ def report_lines(document: dict) -> list[str]:
         f"  step time   measured {document['measured_step_time'] * 1e3:9.2f} ms   "
         f"predicted {document['predicted_step_time'] * 1e3:9.2f} ms   error {document['error']:+.1%}",
         f"  bubble      measured {document['measured_bubble_fraction']:9.1%}      "
-        f"predicted {document['predicted_bubble_fraction']:9.1%}",
+        f"predicted {document['predicted_bubble_fraction']:9.1%}   (waiting for a peer, fill and drain)",
+        f"  idle        measured {document['measured_idle_fraction']:9.1%}      "
+        f"predicted {document['predicted_idle_fraction']:9.1%}   (not computing)",
     ]
     for rank in document["ranks"]:
         lines.append(f"  rank {rank['rank']}: busy {rank['measured_busy'] * 1e3:8.2f} / "

@@ -108,9 +108,9 @@ def chart_summaries(document: dict, drawn_step: int | None = None) -> list[str]:
     drawn = f" · drawn: step {drawn_step}" if drawn_step is not None else ""
     return [
         f"step time {document['measured_step_time'] * 1e3:.2f} ms (median of {kept} steps) · "
-        f"bubble {document['measured_bubble_fraction']:.1%}{drawn}",
+        f"bubble {document['measured_bubble_fraction']:.1%} · idle {document['measured_idle_fraction']:.1%}{drawn}",
         f"step time {document['predicted_step_time'] * 1e3:.2f} ms (error {document['error']:+.1%}) · "
-        f"bubble {document['predicted_bubble_fraction']:.1%}",
+        f"bubble {document['predicted_bubble_fraction']:.1%} · idle {document['predicted_idle_fraction']:.1%}",
     ]
 
 
