@@ -34,9 +34,8 @@ from schedules.action import SEND_KINDS, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
 
-# The SEND that feeds each RECV kind: (stage offset, SEND kind).
-_MATCHING_SEND = {ActionKind.RECV_F: (-1, ActionKind.SEND_F), ActionKind.RECV_B: (1, ActionKind.SEND_B)}
-_RECV_OF = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B, ActionKind.I: ActionKind.RECV_B}
+# The receive a compute kind may need from another rank.
+RECEIVE_OF = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B, ActionKind.I: ActionKind.RECV_B}
 
 
 class UnknownActionError(ValueError):
@@ -84,7 +83,7 @@ def _compile(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
         for item in schedule.program_items(rank):
             if type(item) is not tuple:
                 stage, kind, microbatch = item
-                receive_kind = _RECV_OF.get(kind)
+                receive_kind = RECEIVE_OF.get(kind)
                 needed = (stage, receive_kind, microbatch)
                 source = posted.pop(needed, -1)
                 entries.append((_COMPUTE, item, stage, kind, microbatch, f"{stage}{kind}{microbatch}", source,
@@ -94,12 +93,9 @@ def _compile(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
             for action in item:
                 stage, kind, microbatch = action
                 is_send = kind in SEND_KINDS
-                if is_send:
-                    transfer = (stage, kind, microbatch)
-                else:
-                    offset, sender_kind = _MATCHING_SEND[kind]
-                    transfer = (stage + offset, sender_kind, microbatch)
-                    posted[(stage, kind, microbatch)] = ordinal
+                transfer = action if is_send else action.matching()  # both ends name the SEND
+                if not is_send:
+                    posted[action] = ordinal
                 transfers.append((transfer, is_send, stage, kind, microbatch, f"{stage}{kind}{microbatch}"))
             entries.append((_GROUP, ordinal, len(item), tuple(transfers)))
             ordinal += 1

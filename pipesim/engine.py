@@ -36,7 +36,7 @@ import simpy
 
 from pipesim import kernel as kernel_module
 from pipesim.costs import Costs
-from pipesim.direct import UnknownActionError, run_rendezvous
+from pipesim.direct import RECEIVE_OF, UnknownActionError, run_rendezvous
 from pipesim.parallel import TP_KIND, CommPlan, step_tail_events
 from pipesim.topology import Topology
 from pipesim.twins import boundary_rank_pairs
@@ -272,7 +272,6 @@ def simulate(
             free_at = max(start, *arrivals.values())
             completed.succeed(free_at)
 
-    recv_of = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B, ActionKind.I: ActionKind.RECV_B}
 
     def rank_process(rank: int, items: list):
         clock = 0.0
@@ -285,7 +284,7 @@ def simulate(
                     raise SimulationError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
                 if awaiting:
                     # rendezvous: a receive is waited for right before the action that needs it
-                    needed = (stage, recv_of.get(kind), microbatch)
+                    needed = (stage, RECEIVE_OF.get(kind), microbatch)
                     pending = awaiting.pop(needed, None)
                     if pending is not None:
                         start = clock

@@ -321,18 +321,21 @@ def test_fast_sums_agree_with_the_moment_by_moment_sweep(monkeypatch, name, chun
             assert getattr(ours, part) == pytest.approx(getattr(reference, part), rel=1e-9, abs=1e-12), part
 
 
-def test_bubble_fraction_leaves_out_tp_time_and_idle_fraction_keeps_it():
-    # Hand-built step, span 2 s. Rank 0: F [0, 1], its send leaves at 1, then a tp
-    # all-reduce [1, 2]. Rank 1: waits [0, 1] for data not sent before 1 (bubble), F [1, 2].
-    # Bubble 1 s of 4 rank-seconds: 0.25. Not computing: 2 of 4: 0.5 (the tp second too).
-    events = [
+def tp_after_forward_events() -> list[TraceEvent]:
+    """A hand-built 2 s step. Rank 0: F [0, 1], its send leaves at 1, then a tp all-reduce
+    [1, 2]. Rank 1: waits [0, 1] for data not sent before 1 (bubble), then F [1, 2].
+    Bubble 1 s of 4 rank-seconds: 0.25. Not computing: 2 of 4, 0.5 (the tp second too)."""
+    return [
         TraceEvent(0, "0F0", "F", 0, 0, 0.0, 1.0, "compute"),
         TraceEvent(0, "0SEND_F0", "SEND_F", 0, 0, 1.0, 1.0, "send"),
         TraceEvent(0, "TP(0F0)", "TP", 0, 0, 1.0, 2.0, "tp"),
         TraceEvent(1, "1RECV_F0", "RECV_F", 1, 0, 0.0, 1.0, "recv"),
         TraceEvent(1, "1F0", "F", 1, 0, 1.0, 2.0, "compute"),
     ]
-    metrics = step_metrics(Trace(events, {"pp": 2}))
+
+
+def test_bubble_fraction_leaves_out_tp_time_and_idle_fraction_keeps_it():
+    metrics = step_metrics(Trace(tp_after_forward_events(), {"pp": 2}))
     assert metrics.makespan == pytest.approx(2.0)
     assert metrics.bubble_fraction == pytest.approx(0.25)
     assert metrics.idle_fraction == pytest.approx(0.5)

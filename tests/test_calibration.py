@@ -15,6 +15,7 @@ from pipesim.comparison import compare
 from pipesim.costs import load_costs
 from pipesim.topology_file import topology_from_dict
 from schedules.trace import Trace, TraceEvent
+from tests.test_bubble_comm import tp_after_forward_events
 
 SIZES = [2**10, 2**14, 2**18, 2**22, 2**26]
 
@@ -165,16 +166,9 @@ def test_profile_simulate_and_compare_end_to_end(tmp_path, capsys):
 
 
 def test_compare_tells_the_pipeline_bubble_from_idle_time():
-    # Rank 0: F [0, 1] then a tp all-reduce [1, 2]; rank 1 waits [0, 1] for data sent at 1,
-    # then F [1, 2]. Step time 2 s on both sides. Bubble: rank 1's wait, 1 of 4 rank-seconds;
-    # idle (not computing): 2 of 4, the tp second too.
-    events = [
-        TraceEvent(0, "0F0", "F", 0, 0, 0.0, 1.0, "compute"),
-        TraceEvent(0, "0SEND_F0", "SEND_F", 0, 0, 1.0, 1.0, "send"),
-        TraceEvent(0, "TP(0F0)", "TP", 0, 0, 1.0, 2.0, "tp"),
-        TraceEvent(1, "1RECV_F0", "RECV_F", 1, 0, 0.0, 1.0, "recv"),
-        TraceEvent(1, "1F0", "F", 1, 0, 1.0, 2.0, "compute"),
-    ]
+    # the step of tests/test_bubble_comm.py: bubble 0.25 and idle 0.5 of 2 ranks x 2 s,
+    # here with a step time of 2 s on both sides
+    events = tp_after_forward_events()
     meta = {"pp": 2, "schedule": "1f1b", "microbatches": 1, "virtual_stages": 1}
     document = compare(Trace(events, {**meta, "source": "measured"}), [2.0, 2.0],
                        Trace(events, {**meta, "source": "simulated"}), 2.0)
