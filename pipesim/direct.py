@@ -69,13 +69,14 @@ def compiled_programs(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
 
     Compute: ``(_COMPUTE, action, stage, kind, microbatch, text, group ordinal or -1,
     receive kind, receive text, (stage, kind))``. Group: ``(_GROUP, ordinal, size, transfers)`` with one
-    ``(transfer, is_send, stage, kind, microbatch, text)`` per action, ``transfer`` the
-    (stage, kind, microbatch) of the SEND both ends name."""
+    ``(transfer, is_send, stage, kind, microbatch, text)`` per action, ``transfer`` a number
+    both ends of the transfer share (0, 1, ... over the schedule)."""
     return schedule.derived("direct_programs", _compile)
 
 
 def _compile(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
     programs = []
+    numbers: dict[tuple, int] = {}  # SEND -> its number, shared by both ends of the transfer
     for rank in range(schedule.pp):
         entries: list[tuple] = []
         posted: dict[tuple, int] = {}  # receive action -> ordinal of the group that posts it
@@ -93,14 +94,22 @@ def _compile(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
             for action in item:
                 stage, kind, microbatch = action
                 is_send = kind in SEND_KINDS
-                transfer = action if is_send else action.matching()  # both ends name the SEND
+                send = action if is_send else action.matching()  # both ends name the SEND
+                number = numbers.setdefault(send, len(numbers))
                 if not is_send:
                     posted[action] = ordinal
-                transfers.append((transfer, is_send, stage, kind, microbatch, f"{stage}{kind}{microbatch}"))
+                transfers.append((number, is_send, stage, kind, microbatch, f"{stage}{kind}{microbatch}"))
             entries.append((_GROUP, ordinal, len(item), tuple(transfers)))
             ordinal += 1
         programs.append(tuple(entries))
     return tuple(programs)
+
+
+def _count_transfers(schedule: Schedule) -> int:
+    """How many transfers the compiled programs number (one per SEND, both ends sharing it)."""
+    numbers = [transfer[0] for program in compiled_programs(schedule) for entry in program if entry[0] == _GROUP
+               for transfer in entry[3]]
+    return 1 + max(numbers, default=-1)
 
 
 def run_rendezvous(
@@ -125,7 +134,8 @@ def run_rendezvous(
     queues: list[deque] = [deque() for _ in range(ranks)]  # posted groups not started, per stream
     stream_busy = [False] * ranks  # a group of the stream has started and not completed
     stream_free = [0.0] * ranks  # when the stream's last group completed
-    offers: dict[tuple, tuple] = {}  # transfer -> (group, transfer entry) of the side that started first
+    # transfer number -> (group, transfer entry) of the side that started first
+    offers: list[tuple | None] = [None] * schedule.derived("direct_transfer_count", _count_transfers)
     # per rank: where it stands (entry index, clock), the groups it posted (by ordinal), its
     # last group, and the group it waits for
     position = [0] * ranks
@@ -222,7 +232,7 @@ def run_rendezvous(
         start = group.start
         for entry in group.transfers:
             transfer = entry[0]
-            peer = offers.pop(transfer, None)
+            peer = offers[transfer]
             if peer is None:
                 offers[transfer] = (group, entry)
                 group.outstanding += 1

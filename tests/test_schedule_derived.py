@@ -36,7 +36,10 @@ def test_compiled_programs_name_each_receives_group():
     computes = [entry for entry in rank1 if entry[0] == 0]
     assert [entry[1] for entry in computes] == [Action(1, ActionKind.F, 0), Action(1, ActionKind.B, 0)]
     assert [entry[6] for entry in computes] == [0, -1]  # the forward waits for group 0
-    first_group = groups[0][3]
-    assert [(transfer[0], transfer[1], transfer[5]) for transfer in first_group] == [((0, "SEND_F", 0), False,
-                                                                                       "1RECV_F0")]
+    (receive,) = groups[0][3]
+    assert (receive[1], receive[5]) == (False, "1RECV_F0")
+    # both ends of a transfer carry its number: rank 0's 0SEND_F0 and rank 1's 1RECV_F0
+    sends = [transfer for entry in compiled_programs(schedule)[0] if entry[0] == 1 for transfer in entry[3]
+             if transfer[5] == "0SEND_F0"]
+    assert [send[0] for send in sends] == [receive[0]]
     assert compiled_programs(schedule) is compiled_programs(schedule)
