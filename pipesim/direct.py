@@ -59,6 +59,8 @@ class _Group:
 
 # What a compiled program entry is: a compute action or a P2P group.
 _COMPUTE, _GROUP = 0, 1
+# The compute kinds a stage has a cost for, in the order of their cost slots.
+_COST_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
 
 
 def compiled_programs(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
@@ -68,9 +70,11 @@ def compiled_programs(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
     which earlier group holds the receive it needs.
 
     Compute: ``(_COMPUTE, action, stage, kind, microbatch, text, group ordinal or -1,
-    receive kind, receive text, (stage, kind))``. Group: ``(_GROUP, ordinal, size, transfers)`` with one
-    ``(transfer, is_send, stage, kind, microbatch, text)`` per action, ``transfer`` a number
-    both ends of the transfer share (0, 1, ... over the schedule)."""
+    receive kind, receive text, cost slot)``, the slot indexing per-run cost lists
+    (``stage * 4 + position of the kind in _COST_KINDS``, -1 for a kind with no cost).
+    Group: ``(_GROUP, ordinal, size, transfers)`` with one ``(transfer, is_send, stage,
+    kind, microbatch, text)`` per action, ``transfer`` a number both ends of the transfer
+    share (0, 1, ... over the schedule)."""
     return schedule.derived("direct_programs", _compile)
 
 
@@ -87,8 +91,9 @@ def _compile(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
                 receive_kind = RECEIVE_OF.get(kind)
                 needed = (stage, receive_kind, microbatch)
                 source = posted.pop(needed, -1)
+                slot = stage * len(_COST_KINDS) + _COST_KINDS.index(kind) if kind in _COST_KINDS else -1
                 entries.append((_COMPUTE, item, stage, kind, microbatch, f"{stage}{kind}{microbatch}", source,
-                                receive_kind, f"{stage}{receive_kind}{microbatch}", (stage, kind)))
+                                receive_kind, f"{stage}{receive_kind}{microbatch}", slot))
                 continue
             transfers = []
             for action in item:
@@ -129,6 +134,9 @@ def run_rendezvous(
     index) of every rank that can never finish (empty unless the programs deadlock)."""
     programs = compiled_programs(schedule)
     ranks = len(programs)
+    # seconds and tp seconds by cost slot (see ``compiled_programs``): list lookups per action
+    slot_seconds = [durations.get((stage, kind)) for stage in range(schedule.num_stages) for kind in _COST_KINDS]
+    slot_tp = [tp_seconds.get((stage, kind), 0.0) for stage in range(schedule.num_stages) for kind in _COST_KINDS]
     new_event, event_type = tuple.__new__, TraceEvent  # locals: looked up once per event otherwise
     starts: list = []  # heap of (start moment, rank, group)
     queues: list[deque] = [deque() for _ in range(ranks)]  # posted groups not started, per stream
@@ -176,7 +184,7 @@ def run_rendezvous(
         while index < count:
             entry = entries[index]
             if not entry[0]:  # _COMPUTE
-                _, item, stage, kind, microbatch, text, source, receive_kind, receive_text, cost_key = entry
+                _, item, stage, kind, microbatch, text, source, receive_kind, receive_text, slot = entry
                 if source >= 0:
                     done = groups[source].done
                     if done is None:
@@ -191,14 +199,14 @@ def run_rendezvous(
                 if paired and item in paired:
                     end = clock + paired[item]
                 else:
-                    seconds = durations.get(cost_key)
+                    seconds = slot_seconds[slot] if slot >= 0 else None
                     if seconds is None:  # not a compute kind: the only check, on the way out
                         raise UnknownActionError(f"rank {rank}: cannot simulate action {item} (unknown kind {kind!r})")
                     end = clock + seconds
                 record(new_event(event_type, (rank, text, kind, stage, microbatch, clock, end, "compute")))
                 clock = end
                 if tp_seconds:
-                    collectives = tp_seconds.get(cost_key)
+                    collectives = slot_tp[slot]
                     if collectives:
                         tp_records.append((rank, item, clock, clock + collectives))
                         clock += collectives
