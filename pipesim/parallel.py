@@ -38,6 +38,7 @@ reserve links in the engine's link scheduler and so do not contend with P2P traf
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -185,13 +186,26 @@ def bucket_ready_fractions(sizes: tuple[float, ...], layers: int) -> list[float]
     return fractions
 
 
+@functools.lru_cache(maxsize=4096)
+def _bucket_runs(sizes: tuple[float, ...], layers: int) -> tuple[tuple[float, int, int], ...]:
+    """``(fraction, first, stop)`` for each run of buckets ``first..stop-1`` that fill at
+    the same fraction of the last backward (``bucket_ready_fractions``). The same for
+    every layout whose stages hold as many bytes in as many layers, so kept: a plan
+    prices thousands of layouts with a few stage sizes."""
+    fractions = bucket_ready_fractions(sizes, layers)
+    runs, first = [], 0
+    for index in range(1, len(fractions) + 1):  # fractions only grow with the bucket index
+        if index == len(fractions) or fractions[index] != fractions[first]:
+            runs.append((fractions[first], first, index))
+            first = index
+    return tuple(runs)
+
+
 def _add_buckets(tail: list[TraceEvent], rank: int, stage: int, kind: str, first: int, seconds: tuple[float, ...],
                  start: float) -> float:
     """One event for buckets ``first``, ``first + 1``, ... of a stage run back to back from
     ``start`` (each starts as the one before ends); returns when the last one ends."""
-    end = start
-    for bucket in seconds:
-        end += bucket
+    end = start + sum(seconds)
     last = first + len(seconds) - 1
     name = f"{stage}{kind}[{first}]" if last == first else f"{stage}{kind}[{first}-{last}]"
     tail.append(TraceEvent(rank, name, kind, stage, -1, start, end, "dp"))
@@ -232,15 +246,10 @@ def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | 
                 continue
             start, end = last_grad[stage]
             if plan.overlap_dp:
-                fractions = bucket_ready_fractions(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0))
-                ready = [start + fraction * (end - start) for fraction in fractions]
+                for fraction, first, stop in _bucket_runs(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0)):
+                    runs.append((start + fraction * (end - start), stage, first, seconds[first:stop]))
             else:
-                ready = [rank_end[stage_rank[stage]]] * len(seconds)
-            first = 0
-            for index in range(1, len(seconds) + 1):  # ready times only grow with the bucket index
-                if index == len(seconds) or ready[index] != ready[first]:
-                    runs.append((ready[first], stage, first, seconds[first:index]))
-                    first = index
+                runs.append((rank_end[stage_rank[stage]], stage, 0, seconds))
         for ready, stage, first, seconds in sorted(runs):
             rank = stage_rank[stage]
             start = max(dp_free[rank], ready)
