@@ -389,9 +389,10 @@ def simulate(
         where = [f"rank {rank} at {_describe_item(all_items[rank][index])}" for rank, index in sorted(stuck.items())]
         raise SimulationError(f"deadlock under {p2p} semantics: ranks wait forever: " + "; ".join(where))
     if tp_records:
-        events += [
-            TraceEvent(rank, f"{TP_KIND}({action})", TP_KIND, action[0], action[2], start, end, "tp")
-            for rank, action, start, end in tp_records
+        events += [  # one tp event per compute action with tp collectives
+            new_event(TraceEvent, (rank, f"{TP_KIND}({stage}{kind}{microbatch})", TP_KIND, stage, microbatch, start,
+                                   end, "tp"))
+            for rank, (stage, kind, microbatch), start, end in tp_records
         ]
     events += step_tail_events(events, lowered.pp, plan, costs.step_overhead)
     meta = {
