@@ -41,14 +41,18 @@ class RankMapping:
 
     def global_rank(self, dp: int, pp: int, tp: int) -> int:
         """The global rank at position (dp, pp, tp)."""
-        index = {"dp": dp, "pp": pp, "tp": tp}
-        size = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
         rank, stride = 0, 1
-        for axis in self.order:
-            if not 0 <= index[axis] < size[axis]:
-                raise IndexError(f"{axis} index {index[axis]} is outside 0..{size[axis] - 1}")
-            rank += index[axis] * stride
-            stride *= size[axis]
+        for axis in self.order:  # innermost first; a branch per axis, no dictionaries: called per device
+            if axis == "dp":
+                index, size = dp, self.dp
+            elif axis == "pp":
+                index, size = pp, self.pp
+            else:
+                index, size = tp, self.tp
+            if not 0 <= index < size:
+                raise IndexError(f"{axis} index {index} is outside 0..{size - 1}")
+            rank += index * stride
+            stride *= size
         return rank
 
     def device(self, dp: int, pp: int, tp: int) -> str:

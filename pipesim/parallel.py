@@ -150,12 +150,16 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
 
 
 def _per_bucket(sizes: tuple[float, ...], seconds_of) -> tuple[float, ...]:
-    """``tuple(seconds_of(size) for size in sizes)``, calling ``seconds_of`` once per distinct size."""
-    priced: dict[float, float] = {}
-    for size in sizes:
-        if size not in priced:
-            priced[size] = seconds_of(size)
-    return tuple(priced[size] for size in sizes)
+    """``tuple(seconds_of(size) for size in sizes)``, calling ``seconds_of`` once per run of
+    equal sizes (``bucket_sizes`` gives full buckets and one rest) and building the tuple
+    by runs, not element by element: a stage has thousands of buckets."""
+    seconds: tuple[float, ...] = ()
+    first = 0
+    for index in range(1, len(sizes) + 1):
+        if index == len(sizes) or sizes[index] != sizes[first]:
+            seconds += (seconds_of(sizes[first]),) * (index - first)
+            first = index
+    return seconds
 
 
 def _twins(schedule: Schedule, topology: Topology, mapping: RankMapping) -> dict:
