@@ -26,7 +26,6 @@ the same one goes first, whatever order the moments were discovered in.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from heapq import heappop, heappush
 
@@ -139,8 +138,10 @@ def run_rendezvous(
     slot_tp = [tp_seconds.get((stage, kind), 0.0) for stage in range(schedule.num_stages) for kind in _COST_KINDS]
     new_event, event_type = tuple.__new__, TraceEvent  # locals: looked up once per event otherwise
     starts: list = []  # heap of (start moment, rank, group)
-    queues: list[deque] = [deque() for _ in range(ranks)]  # posted groups not started, per stream
-    stream_busy = [False] * ranks  # a group of the stream has started and not completed
+    # per stream: the next of its posted groups to start (they start in posting order), and
+    # whether one has started and not completed
+    next_start = [0] * ranks
+    stream_busy = [False] * ranks
     stream_free = [0.0] * ranks  # when the stream's last group completed
     # transfer number -> (group, transfer entry) of the side that started first
     offers: list[tuple | None] = [None] * schedule.derived("direct_transfer_count", _count_transfers)
@@ -154,11 +155,13 @@ def run_rendezvous(
 
     def schedule_next(rank: int) -> None:
         """Start the stream's next posted group once the previous one has completed."""
-        queue = queues[rank]
-        if not queue:
+        groups = posted_groups[rank]
+        index = next_start[rank]
+        if index == len(groups):
             stream_busy[rank] = False
             return
-        group = queue.popleft()
+        group = groups[index]
+        next_start[rank] = index + 1
         stream_busy[rank] = True
         group.start = group.posted if group.posted > stream_free[rank] else stream_free[rank]
         # (moment, rank): a stream has one group waiting to start at most, and groups that
@@ -215,7 +218,6 @@ def run_rendezvous(
             clock += comm_overhead * entry[2]
             group = _Group(rank, entry[3], clock)
             groups.append(group)
-            queues[rank].append(group)
             if not stream_busy[rank]:
                 schedule_next(rank)
             index += 1
