@@ -72,7 +72,7 @@ class _SimpyGroupStart(simpy.events.Event):
 def start_at(env, delay: float, priority: int):
     """A timeout of ``delay`` at ``priority`` on either kernel."""
     if isinstance(env, kernel_module.Environment):
-        return env.timeout_at_priority(delay, priority)
+        return env.timeout(delay, None, priority)
     return _SimpyGroupStart(env, delay, priority)
 
 

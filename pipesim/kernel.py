@@ -70,22 +70,14 @@ class Environment:
     def event(self) -> Event:
         return Event(self)
 
-    def timeout(self, delay: float, value: Any = None) -> Event:
+    def timeout(self, delay: float, value: Any = None, priority: int = NORMAL) -> Event:
+        """An event ``delay`` from now; among the events of its moment it comes after every
+        event of a lower ``priority`` (SimPy: ``Environment.schedule(event, priority, delay)``;
+        SimPy's own timeouts are NORMAL)."""
         if delay < 0:
             raise ValueError(f"Negative delay {delay}")
         event = Event(self)
         event._value = value
-        self._eid += 1
-        heappush(self._queue, (self.now + delay, NORMAL, self._eid, event))
-        return event
-
-    def timeout_at_priority(self, delay: float, priority: int) -> Event:
-        """A timeout that, among the events of its moment, comes after every event of a
-        lower ``priority`` (SimPy: ``Environment.schedule(event, priority, delay)``)."""
-        if delay < 0:
-            raise ValueError(f"Negative delay {delay}")
-        event = Event(self)
-        event._value = None
         self._eid += 1
         heappush(self._queue, (self.now + delay, priority, self._eid, event))
         return event
