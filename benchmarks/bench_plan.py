@@ -21,7 +21,7 @@ from pipesim.cli import build_parser
 from pipesim.commands import plan as plan_command
 from pipesim.model_spec import model_spec
 from pipesim.planner import SearchSpace, default_workers, enumerate_layouts, search
-from schedules.generators import GENERATORS
+from schedules.generators import SCHEDULE_NAMES
 
 
 def no_bound(layout) -> float:
@@ -47,7 +47,7 @@ def main() -> None:
     zero = [int(z) for z in simulate_flags["--zero"].choices] if "--zero" in simulate_flags else [0]
     space = SearchSpace(gpus=args.gpus, gpus_per_node=8, global_batch=args.global_batch, layers=spec.layers,
                         heads=spec.heads, kv_heads=getattr(spec, "kv_heads", None) or spec.heads,
-                        schedules=tuple(GENERATORS), recompute=recompute, zero=zero)
+                        schedules=SCHEDULE_NAMES, recompute=recompute, zero=zero)
     layouts, rejected = enumerate_layouts(space)
     base = ["simulate", "--model", args.model, "--topology", args.topology, "--nodes", str(max(1, args.gpus // 8)),
             "--seq-len", str(args.seq_len), "--gpu", args.gpu]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from schedules.generators import GENERATORS, MULTI_CHUNK
+from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES
 
 
 @dataclass(frozen=True, order=True)
@@ -57,7 +57,7 @@ class SearchSpace:
     layers: int
     heads: int
     kv_heads: int
-    schedules: Sequence[str] = tuple(GENERATORS)
+    schedules: Sequence[str] = SCHEDULE_NAMES
     microbatch_sizes: Sequence[int] = (1, 2, 4)
     virtual_stages: Sequence[int] = (2, 4)
     recompute: Sequence[str] = ("none",)

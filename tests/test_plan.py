@@ -143,6 +143,24 @@ def test_plan_matches_simulate_for_the_chosen_layout(tmp_path, capsys):
     assert json.loads(result.read_text())["makespan"] == pytest.approx(best["step_time"], rel=1e-12)
 
 
+def test_plan_searches_zb_auto_and_it_equals_simulate(tmp_path):
+    # the cost-aware generator is generated per layout from that layout's costs; its row is
+    # what `simulate --schedule zb-auto` prints for the layout
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt3-1.3b", "--gpus", "4", "--global-batch", "8", "--topology", "nvlink",
+                 "--schedules", "zb-auto", "--microbatch-sizes", "1", "--top", "2", "--workers", "1",
+                 "--constraint", "pp=4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["ranked"]
+    assert rows and all(row["schedule"] == "zb-auto" and row["pp"] == 4 for row in rows)
+    best = rows[0]
+    result = tmp_path / "simulate.json"
+    assert main(["simulate", "--model", "gpt3-1.3b", "--topology", "nvlink", "--nodes", "1",
+                 "--schedule", "zb-auto", "--pp", "4", "--tp", str(best["tp"]), "--dp", str(best["dp"]),
+                 "-m", str(best["microbatches"]), "--microbatch-size", "1", "--recompute", best["recompute"],
+                 "--zero", str(best["zero"]), "--json", str(result)]) == 0
+    assert json.loads(result.read_text())["makespan"] == pytest.approx(best["step_time"], rel=1e-12)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--gpus", "0"], "must be >= 1"),
     (["--workers", "0"], "--workers must be >= 1"),

@@ -26,7 +26,7 @@ from pipesim.planner import (
     terminal_progress,
 )
 from schedules.collector import without_collector
-from schedules.generators import GENERATORS
+from schedules.generators import SCHEDULE_NAMES
 
 # Set per worker process by ``_init_worker``: the simulate arguments every layout shares,
 # and the topology, loaded once so its routes are computed once per process.
@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
     parser.add_argument("--topology", default="ib", help="cluster preset or topology file (default: ib)")
     parser.add_argument("--gpu", default=None, help="GPU preset for the topology's devices, where supported")
-    parser.add_argument("--schedules", default=",".join(GENERATORS),
+    parser.add_argument("--schedules", default=",".join(SCHEDULE_NAMES),
                         help="schedules to try, comma-separated (default: all)")
     parser.add_argument("--microbatch-sizes", default="1,2,4", help="microbatch sizes to try (default: 1,2,4)")
     parser.add_argument("--virtual-stages", default="2,4",
@@ -82,9 +82,9 @@ def handle(args: argparse.Namespace) -> int:
     spec = model_spec(args.model)
     simulate_flags = _simulate_flags(build_parser())
     schedules = [name.strip() for name in args.schedules.split(",") if name.strip()]
-    unknown = [name for name in schedules if name not in GENERATORS]
+    unknown = [name for name in schedules if name not in SCHEDULE_NAMES]
     if unknown:
-        raise ValueError(f"--schedules: unknown {', '.join(unknown)}; available: {', '.join(GENERATORS)}")
+        raise ValueError(f"--schedules: unknown {', '.join(unknown)}; available: {', '.join(SCHEDULE_NAMES)}")
     space = SearchSpace(
         gpus=args.gpus, gpus_per_node=min(args.gpus_per_node, args.gpus), global_batch=args.global_batch,
         layers=spec.layers, heads=spec.heads, kv_heads=getattr(spec, "kv_heads", None) or spec.heads,
