@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from bisect import insort
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -160,8 +160,8 @@ def search(
     rejected: Counter | None = None,
     reject: Callable[[Layout], str | None] | None = None,
 ) -> PlanResult:
-    """Simulate layouts in order of their lower bound, in batches over ``workers``
-    processes, and stop simulating once the next bound cannot beat the ``top``-th best
+    """Simulate layouts in order of their lower bound, a few at a time on each of
+    ``workers`` processes, and stop simulating once the next bound cannot beat the ``top``-th best
     step time found that fits in memory. ``evaluate`` returns a row with ``step_time``
     and ``oom`` (or ``error``); rows are ranked by step time, ties by layout. ``reject``
     names a cause for layouts that provably cannot work (checked before anything is
@@ -173,7 +173,7 @@ def search(
     rows: list[dict] = []
     fitting: list[float] = []
     simulated = 0
-    batch = max(4 * workers, 8)
+    window = 4 * workers if workers > 1 else 1  # layouts submitted and not yet taken
     position = 0
     pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
 
@@ -194,26 +194,34 @@ def search(
             layouts = kept
         bounds = dict(zip(layouts, each(bound, layouts), strict=True))
         order = sorted(layouts, key=lambda layout: (bounds[layout], layout))
-        while position < len(order):
-            if len(fitting) >= top and bounds[order[position]] >= fitting[top - 1]:
+        # A window of layouts in flight over the workers, submitted in bound order; results
+        # are taken in that order too, so what is simulated does not depend on timing. No
+        # submission once the next bound cannot reach the top: every later one is larger.
+        in_flight: deque = deque()
+        exhausted = False
+        while in_flight or (position < len(order) and not exhausted):
+            while position < len(order) and len(in_flight) < window:
+                if len(fitting) >= top and bounds[order[position]] >= fitting[top - 1]:
+                    exhausted = True
+                    break
+                layout = order[position]
+                in_flight.append((layout, pool.submit(evaluate, layout) if pool else None))
+                position += 1
+            if not in_flight:
                 break
-            chunk = order[position:position + batch]
-            position += len(chunk)
-            results = list(pool.map(evaluate, chunk, chunksize=max(1, len(chunk) // workers))) if pool else [
-                evaluate(layout) for layout in chunk]
-            for layout, row in zip(chunk, results, strict=True):
-                simulated += 1
-                if "error" in row:
-                    rejected[row["error"]] += 1
-                    continue
+            layout, future = in_flight.popleft()
+            row = future.result() if future is not None else evaluate(layout)
+            simulated += 1
+            if "error" in row:
+                rejected[row["error"]] += 1
+            elif row.get("oom"):
+                rejected["out of memory"] += 1
+            else:
                 row["lower_bound"] = bounds[layout]
-                if row.get("oom"):
-                    rejected["out of memory"] += 1
-                    continue
                 rows.append(row)
                 insort(fitting, row["step_time"])  # kept sorted: the top-th best is fitting[top - 1]
             if progress is not None:
-                progress(position, len(order))
+                progress(position - len(in_flight), len(order))
     finally:
         if pool is not None:
             pool.shutdown()
