@@ -196,3 +196,22 @@ def test_memory_floor_only_rejects_layouts_the_simulation_finds_out_of_memory():
         assert row["oom"], layout.label()
         checked.add(layout.schedule)
     assert checked >= {"1f1b", "zbv"}
+
+
+def test_the_search_over_two_workers_is_deterministic_and_keeps_the_top(small_model_worker):
+    # what is simulated, pruned and ranked follows from the bounds and the window of layouts
+    # in flight, not from which worker finishes first; more in flight may simulate a few more
+    # layouts than one process does, never a different top
+    layouts, _ = enumerate_layouts(SearchSpace(
+        gpus=8, gpus_per_node=8, global_batch=16, layers=24, heads=16, kv_heads=16,
+        schedules=("1f1b", "interleaved-1f1b", "zb-h1"), microbatch_sizes=(1, 2), virtual_stages=(2,)))
+    one = search(layouts, small_model_worker.evaluate_layout, small_model_worker.lower_bound, top=3, workers=1)
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)  # the workers inherit the plan's job
+    runs = [search(layouts, small_model_worker.evaluate_layout, small_model_worker.lower_bound, top=3, workers=2)
+            for _ in range(2)]
+    assert [row["layout"] for row in runs[0].rows] == [row["layout"] for row in runs[1].rows]
+    assert (runs[0].simulated, runs[0].pruned) == (runs[1].simulated, runs[1].pruned)
+    assert [row["layout"] for row in runs[0].rows[:3]] == [row["layout"] for row in one.rows[:3]]
+    assert runs[0].simulated >= one.simulated
