@@ -59,10 +59,6 @@ def main() -> None:
     bounds = {layout.label(): plan_command.lower_bound(layout) for layout in layouts}
     analytic = time.perf_counter() - started
 
-    if args.workers > 1:
-        import multiprocessing
-
-        multiprocessing.set_start_method("fork", force=True)  # workers inherit the loaded topology
     reject = plan_command.memory_floor_cause
     # each pass starts as `plan` does: a fresh worker state (topology routes, per-layout costs) that it pays for
     plan_command._init_worker(base)

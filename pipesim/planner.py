@@ -13,6 +13,7 @@ layout.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -175,7 +176,7 @@ def search(
     simulated = 0
     window = 4 * workers if workers > 1 else 1  # layouts submitted and not yet taken
     position = 0
-    pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_worker_context()) if workers > 1 else None
 
     def each(function: Callable, items: list) -> list:
         """``function`` of every item, over the workers when there are several (in order)."""
@@ -229,6 +230,15 @@ def search(
     pruned = len(order) - position
     return PlanResult(rows, rejected, considered, simulated, pruned, time.perf_counter() - started,
                       considered - len(layouts))
+
+
+def _worker_context():
+    """Forked workers where the platform has fork: they inherit the caller's loaded job
+    (``plan``'s parsed flags, topology and routes) instead of re-reading it, and functions
+    are found by name. Elsewhere the platform's default."""
+    if "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context()
 
 
 def pareto_front(rows: list[dict], x: str = "peak_memory_bytes", y: str = "tokens_per_second") -> list[dict]:

@@ -206,9 +206,6 @@ def test_the_search_over_two_workers_is_deterministic_and_keeps_the_top(small_mo
         gpus=8, gpus_per_node=8, global_batch=16, layers=24, heads=16, kv_heads=16,
         schedules=("1f1b", "interleaved-1f1b", "zb-h1"), microbatch_sizes=(1, 2), virtual_stages=(2,)))
     one = search(layouts, small_model_worker.evaluate_layout, small_model_worker.lower_bound, top=3, workers=1)
-    import multiprocessing
-
-    multiprocessing.set_start_method("fork", force=True)  # the workers inherit the plan's job
     runs = [search(layouts, small_model_worker.evaluate_layout, small_model_worker.lower_bound, top=3, workers=2)
             for _ in range(2)]
     assert [row["layout"] for row in runs[0].rows] == [row["layout"] for row in runs[1].rows]

@@ -104,11 +104,6 @@ def handle(args: argparse.Namespace) -> int:
           f"{len(layouts)} layouts to consider on {workers} process(es)", file=sys.stderr)
     _init_worker(base)
     progress = None if args.quiet else terminal_progress("simulating")
-    if workers > 1:
-        import multiprocessing
-
-        # fork: the workers inherit _BASE and the loaded topology instead of re-reading them
-        multiprocessing.set_start_method("fork", force=True)
     result = search(layouts, evaluate_layout, lower_bound, args.top, workers, progress, rejected,
                     reject=memory_floor_cause)
     if progress is not None and result.pruned:
