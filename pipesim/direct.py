@@ -145,8 +145,8 @@ def run_rendezvous(
     stream_free = [0.0] * ranks  # when the stream's last group completed
     # transfer number -> (group, transfer entry) of the side that started first
     offers: list[tuple | None] = [None] * schedule.derived("direct_transfer_count", _count_transfers)
-    # per rank: where it stands (entry index, clock), the groups it posted (by ordinal), its
-    # last group, and the group it waits for
+    # per rank: where it stands (entry index, clock), the groups it posted (by ordinal; the
+    # step cannot end before the last one completes), and the group it waits for
     position = [0] * ranks
     clocks = [0.0] * ranks
     posted_groups: list[list[_Group]] = [[] for _ in range(ranks)]
