@@ -22,6 +22,10 @@ Transfers are scheduled directly from their arrival time instead
 of as SimPy processes with resource requests, which keeps the engine several times
 faster on the ~400k-action schedules of large pipelines (see benchmarks/).
 
+Under rendezvous the default (``kernel="direct"``) computes the step without processes
+(``pipesim.direct``), with the same rules; the processes here stay as the reference it is
+tested against and run every buffered step.
+
 With a ``CommPlan`` (``pipesim.parallel``) a compute action is followed by its
 tensor-parallel collectives on a ``tp`` event, and the step ends with each stage's
 data-parallel gradient all-reduce (``dp``) and the optimizer step (``step``).
@@ -271,7 +275,6 @@ def simulate(
                 arrivals[action] = yield event
             free_at = max(start, *arrivals.values())
             completed.succeed(free_at)
-
 
     def rank_process(rank: int, items: list):
         clock = 0.0
