@@ -117,8 +117,9 @@ def simulate(
 ) -> SimulationResult:
     """Predict one step of ``schedule`` on ``topology`` (a ``Topology`` or a preset
     name / file path). ``costs`` defaults to ``uniform_costs(schedule)`` (F = 1 ms, B = 2 ms per
-    rank). The result has ``.trace``, ``.metrics`` (``makespan``, ``bubble_fraction``,
-    ``ranks``), ``.memory``, ``.summary()`` and ``.to_dict()``."""
+    rank). The result has ``.trace``, ``.metrics`` (``makespan``, ``bubble_fraction`` — the
+    pipeline bubble —, ``idle_fraction`` — every moment not computing —, ``ranks``),
+    ``.memory``, ``.summary()`` and ``.to_dict()``."""
     from pipesim.parallel import ParallelConfig  # noqa: PLC0415
     from pipesim.simulation import run_simulation  # noqa: PLC0415
 
