@@ -15,7 +15,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from schedules.csv_io import schedule_to_csv
 from schedules.generators import ScheduleUnavailableError, generate
 from schedules.schedule import Schedule
 from schedules.validate import ScheduleValidationError
+from tests.program_checks import assert_each_rank_ran_its_program
 from tests.test_executor import case_config
 
 pytestmark = pytest.mark.timeout(400)
@@ -96,11 +96,7 @@ def test_rendezvous_run_matches_one_process_reference(case) -> None:
         assert (result["grads"][name] - grad).abs().max().item() < 1e-10, name
     # every action of every rank's program ran and was timed, in program order for compute
     schedule, trace = build_schedule(config), result["trace"]
-    for rank, program in enumerate(schedule.programs):
-        events = trace.of_rank(rank)
-        assert Counter(event.action for event in events) == Counter(str(action) for action in program)
-        compute = [e.action for e in sorted(events, key=lambda e: e.start) if e.stream == "compute"]
-        assert compute == [str(a) for a in program if a.is_compute]
+    assert_each_rank_ran_its_program(schedule, trace)
 
 
 def hanging_order() -> Schedule:

@@ -7,14 +7,13 @@ program. One launch per pipeline size runs all of its schedules.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
 from executor.config import RunConfig, build_schedule
 from executor.launch import launch
 from executor.reference import reference_run
 from schedules.generators import MULTI_CHUNK, generate, zb_auto
+from tests.program_checks import assert_each_rank_ran_its_program
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,11 +61,7 @@ def test_schedule_matches_one_process_reference(case: tuple[int, str]) -> None:
 def test_each_rank_runs_exactly_its_program(case: tuple[int, str]) -> None:
     config = case_config(*case)
     trace, schedule = result_of(case)["trace"], build_schedule(config)
-    for rank, program in enumerate(schedule.programs):
-        events = trace.of_rank(rank)
-        assert Counter(event.action for event in events) == Counter(str(action) for action in program)
-        compute = [e.action for e in sorted(events, key=lambda e: e.start) if e.stream == "compute"]
-        assert compute == [str(a) for a in program if a.is_compute]
+    assert_each_rank_ran_its_program(schedule, trace)
 
 
 def test_dualpipev_pairs_and_split_backward_are_both_exercised() -> None:
