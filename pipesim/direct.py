@@ -74,10 +74,11 @@ def compiled_programs(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
     Group: ``(_GROUP, ordinal, size, transfers)`` with one ``(transfer, is_send, stage,
     kind, microbatch, text)`` per action, ``transfer`` a number both ends of the transfer
     share (0, 1, ... over the schedule)."""
-    return schedule.derived("direct_programs", _compile)
+    return schedule.derived("direct_programs", _compile)[0]
 
 
-def _compile(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
+def _compile(schedule: Schedule) -> tuple[tuple[tuple[tuple, ...], ...], int]:
+    """The compiled programs (see ``compiled_programs``) and how many transfers they number."""
     programs = []
     numbers: dict[tuple, int] = {}  # SEND -> its number, shared by both ends of the transfer
     for rank in range(schedule.pp):
@@ -106,14 +107,7 @@ def _compile(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
             entries.append((_GROUP, ordinal, len(item), tuple(transfers)))
             ordinal += 1
         programs.append(tuple(entries))
-    return tuple(programs)
-
-
-def _count_transfers(schedule: Schedule) -> int:
-    """How many transfers the compiled programs number (one per SEND, both ends sharing it)."""
-    numbers = [transfer[0] for program in compiled_programs(schedule) for entry in program if entry[0] == _GROUP
-               for transfer in entry[3]]
-    return 1 + max(numbers, default=-1)
+    return tuple(programs), len(numbers)
 
 
 def run_rendezvous(
@@ -131,7 +125,7 @@ def run_rendezvous(
     ``tp_records`` as the process engine does. ``arrival_of(stage, kind, sender, now)``
     reserves a send's links at ``now`` and returns its arrival. Returns (rank, item
     index) of every rank that can never finish (empty unless the programs deadlock)."""
-    programs = compiled_programs(schedule)
+    programs, transfer_count = schedule.derived("direct_programs", _compile)
     ranks = len(programs)
     # seconds and tp seconds by cost slot (see ``compiled_programs``): list lookups per action
     slot_seconds = [durations.get((stage, kind)) for stage in range(schedule.num_stages) for kind in _COST_KINDS]
@@ -144,7 +138,7 @@ def run_rendezvous(
     stream_busy = [False] * ranks
     stream_free = [0.0] * ranks  # when the stream's last group completed
     # transfer number -> (group, transfer entry) of the side that started first
-    offers: list[tuple | None] = [None] * schedule.derived("direct_transfer_count", _count_transfers)
+    offers: list[tuple | None] = [None] * transfer_count
     # per rank: where it stands (entry index, clock), the groups it posted (by ordinal; the
     # step cannot end before the last one completes), and the group it waits for
     position = [0] * ranks

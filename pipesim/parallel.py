@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -154,12 +155,19 @@ def _per_bucket(sizes: tuple[float, ...], seconds_of) -> tuple[float, ...]:
     equal sizes (``bucket_sizes`` gives full buckets and one rest) and building the tuple
     by runs, not element by element: a stage has thousands of buckets."""
     seconds: tuple[float, ...] = ()
-    first = 0
-    for index in range(1, len(sizes) + 1):
-        if index == len(sizes) or sizes[index] != sizes[first]:
-            seconds += (seconds_of(sizes[first]),) * (index - first)
-            first = index
+    for first, stop in _runs(sizes):
+        seconds += (seconds_of(sizes[first]),) * (stop - first)
     return seconds
+
+
+def _runs(values: Sequence) -> list[tuple[int, int]]:
+    """``(first, stop)`` of each run of equal consecutive values."""
+    runs, first = [], 0
+    for index in range(1, len(values) + 1):
+        if index == len(values) or values[index] != values[first]:
+            runs.append((first, index))
+            first = index
+    return runs
 
 
 def _twins(schedule: Schedule, topology: Topology, mapping: RankMapping) -> dict:
@@ -196,13 +204,8 @@ def _bucket_runs(sizes: tuple[float, ...], layers: int) -> tuple[tuple[float, in
     the same fraction of the last backward (``bucket_ready_fractions``). The same for
     every layout whose stages hold as many bytes in as many layers, so kept: a plan
     prices thousands of layouts with a few stage sizes."""
-    fractions = bucket_ready_fractions(sizes, layers)
-    runs, first = [], 0
-    for index in range(1, len(fractions) + 1):  # fractions only grow with the bucket index
-        if index == len(fractions) or fractions[index] != fractions[first]:
-            runs.append((fractions[first], first, index))
-            first = index
-    return tuple(runs)
+    fractions = bucket_ready_fractions(sizes, layers)  # they only grow with the bucket index
+    return tuple((fractions[first], first, stop) for first, stop in _runs(fractions))
 
 
 def _add_buckets(tail: list[TraceEvent], rank: int, stage: int, kind: str, first: int, seconds: tuple[float, ...],
