@@ -26,12 +26,22 @@ the same one goes first, whatever order the moments were discovered in.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from heapq import heappop, heappush
 
 from schedules.action import SEND_KINDS, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
+
+try:  # the same engine's inner loop in C, built by setup.py where a compiler is found
+    from pipesim import _rendezvous as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
+
+# Whether ``run_rendezvous`` runs the C inner loop by default: built, and not switched
+# off with PIPESIM_PURE_PYTHON=1 (to compare, or to debug in Python).
+ACCELERATED = _native is not None and os.environ.get("PIPESIM_PURE_PYTHON", "") in ("", "0")
 
 # The receive a compute kind may need from another rank.
 RECEIVE_OF = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B, ActionKind.I: ActionKind.RECV_B}
@@ -60,6 +70,10 @@ class _Group:
 _COMPUTE, _GROUP = 0, 1
 # The compute kinds a stage has a cost for, in the order of their cost slots.
 _COST_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+# Every kind, in the order the C compile reads them.
+_KINDS = (*_COST_KINDS, ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
+# The send kinds, in the order of their wire slots (``stage * 2 + position``).
+_WIRE_KINDS = (ActionKind.SEND_F, ActionKind.SEND_B)
 
 
 def compiled_programs(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
@@ -72,13 +86,21 @@ def compiled_programs(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
     receive kind, receive text, cost slot)``, the slot indexing per-run cost lists
     (``stage * 4 + position of the kind in _COST_KINDS``, -1 for a kind with no cost).
     Group: ``(_GROUP, ordinal, size, transfers)`` with one ``(transfer, is_send, stage,
-    kind, microbatch, text)`` per action, ``transfer`` a number both ends of the transfer
-    share (0, 1, ... over the schedule)."""
+    kind, microbatch, text, wire)`` per action, ``transfer`` a number both ends of the
+    transfer share (0, 1, ... over the schedule), ``wire`` the slot of its SEND's route
+    (``wire_slots``)."""
     return schedule.derived("direct_programs", _compile)[0]
 
 
 def _compile(schedule: Schedule) -> tuple[tuple[tuple[tuple, ...], ...], int]:
-    """The compiled programs (see ``compiled_programs``) and how many transfers they number."""
+    """The compiled programs (see ``compiled_programs``) and how many transfers they number
+    (in C where it is built: the same tuples, tested equal)."""
+    if ACCELERATED:
+        return _native.compile([schedule.program_items(rank) for rank in range(schedule.pp)], _KINDS)
+    return _compile_in_python(schedule)
+
+
+def _compile_in_python(schedule: Schedule) -> tuple[tuple[tuple[tuple, ...], ...], int]:
     programs = []
     numbers: dict[tuple, int] = {}  # SEND -> its number, shared by both ends of the transfer
     for rank in range(schedule.pp):
@@ -103,11 +125,25 @@ def _compile(schedule: Schedule) -> tuple[tuple[tuple[tuple, ...], ...], int]:
                 number = numbers.setdefault(send, len(numbers))
                 if not is_send:
                     posted[action] = ordinal
-                transfers.append((number, is_send, stage, kind, microbatch, f"{stage}{kind}{microbatch}"))
+                wire = send[0] * len(_WIRE_KINDS) + _WIRE_KINDS.index(send[1])
+                transfers.append((number, is_send, stage, kind, microbatch, f"{stage}{kind}{microbatch}", wire))
             entries.append((_GROUP, ordinal, len(item), tuple(transfers)))
             ordinal += 1
         programs.append(tuple(entries))
     return tuple(programs), len(numbers)
+
+
+def wire_slots(wires: dict[tuple[int, str], tuple[tuple, float, float]],
+               num_stages: int) -> tuple[list[tuple[tuple[int, ...], float, float] | None], int]:
+    """The routes of ``wires`` ((stage, SEND kind) -> (links, seconds, latency)) by wire
+    slot (``stage * 2 + position of the kind``), their links numbered 0, 1, ...; and how
+    many links there are. What the C loop reads instead of the dict of link names."""
+    numbers: dict = {}
+    slots: list = [None] * (num_stages * len(_WIRE_KINDS))
+    for (stage, kind), (links, seconds, latency) in wires.items():
+        slots[stage * len(_WIRE_KINDS) + _WIRE_KINDS.index(kind)] = (
+            tuple(numbers.setdefault(link, len(numbers)) for link in links), float(seconds), float(latency))
+    return slots, len(numbers)
 
 
 def run_rendezvous(
@@ -117,19 +153,32 @@ def run_rendezvous(
     tp_seconds: dict,
     comm_overhead: float,
     arrival_of: Callable[[int, str, int, float], float],
-    record: Callable[[TraceEvent], None],
+    events: list[TraceEvent],
     tp_records: list,
+    wires: dict[tuple[int, str], tuple[tuple, float, float]] | None = None,
+    native: bool | None = None,
 ) -> list[tuple[int, int]]:
     """Run every rank's lowered program (``Schedule.program_items``) under rendezvous
-    semantics, recording Trace events with ``record`` and tp collectives in
+    semantics, appending Trace events to ``events`` and tp collectives to
     ``tp_records`` as the process engine does. ``arrival_of(stage, kind, sender, now)``
-    reserves a send's links at ``now`` and returns its arrival. Returns (rank, item
-    index) of every rank that can never finish (empty unless the programs deadlock)."""
+    reserves a send's links at ``now`` and returns its arrival; ``wires`` (the route's
+    links, seconds and latency of every (stage, SEND kind), when the transfers reserve
+    their links one after another and nothing else) lets the C loop reserve them itself
+    instead of calling back. ``native`` picks the C loop (True) or Python (False);
+    None: ``ACCELERATED``. Returns (rank, item index) of every rank that can never
+    finish (empty unless the programs deadlock)."""
     programs, transfer_count = schedule.derived("direct_programs", _compile)
     ranks = len(programs)
     # seconds and tp seconds by cost slot (see ``compiled_programs``): list lookups per action
     slot_seconds = [durations.get((stage, kind)) for stage in range(schedule.num_stages) for kind in _COST_KINDS]
     slot_tp = [tp_seconds.get((stage, kind), 0.0) for stage in range(schedule.num_stages) for kind in _COST_KINDS]
+    if ACCELERATED if native is None else native:
+        if _native is None:
+            raise RuntimeError("pipesim._rendezvous is not built (no C compiler at install): use native=False")
+        table, link_count = wire_slots(wires, schedule.num_stages) if wires is not None else (None, 0)
+        return _native.run(programs, transfer_count, slot_seconds, slot_tp, dict(paired), float(comm_overhead),
+                           table, link_count, arrival_of, events, tp_records, TraceEvent, UnknownActionError)
+    record = events.append
     new_event, event_type = tuple.__new__, TraceEvent  # locals: looked up once per event otherwise
     starts: list = []  # heap of (start moment, rank, group)
     # per stream: the next of its posted groups to start (they start in posting order), and
@@ -226,7 +275,7 @@ def run_rendezvous(
         groups = posted_groups[rank]
         if groups and groups[-1].done > clock:
             last = programs[rank][-1]
-            stage, kind, microbatch, text = last[3][-1][2:] if last[0] == _GROUP else last[2:6]
+            stage, kind, microbatch, text = last[3][-1][2:6] if last[0] == _GROUP else last[2:6]
             record(TraceEvent(rank, text, kind, stage, microbatch, clock, groups[-1].done, "wait"))
             clocks[rank] = groups[-1].done
         finished[rank] = True
@@ -246,7 +295,7 @@ def run_rendezvous(
                 sender, sent_at, send = group.rank, group.posted, entry
             else:
                 sender, sent_at, send = peer_group.rank, peer_group.posted, peer_entry
-            _, _, send_stage, send_kind, send_microbatch, send_text = send
+            _, _, send_stage, send_kind, send_microbatch, send_text, _ = send
             arrival = arrival_of(send_stage, send_kind, sender, start)
             record(new_event(event_type, (sender, send_text, send_kind, send_stage, send_microbatch, sent_at, arrival,
                                           "send")))

@@ -376,7 +376,7 @@ def simulate(
         if direct:
             try:
                 stuck = dict(run_rendezvous(lowered, durations, paired, tp_seconds, comm_overhead, arrival_of,
-                                            record, tp_records))
+                                            events, tp_records, wires=None if twins else wires))
             except UnknownActionError as error:
                 raise SimulationError(str(error)) from None
         else:

@@ -32,10 +32,19 @@ nothing else hides). Time before a rank's first event or after its last is ``bub
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from schedules.collector import without_collector
 from schedules.trace import Trace, TraceEvent
+
+try:  # the usual case of the accounting in C, built by setup.py where a compiler is found
+    from schedules import _accounting as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
+
+# Whether ``time_accounting`` asks the C version first (PIPESIM_PURE_PYTHON=1: Python only).
+ACCELERATED = _native is not None and os.environ.get("PIPESIM_PURE_PYTHON", "") in ("", "0")
 
 # Parts in the order they claim a moment where several events overlap.
 HOLDING_STREAMS = {"compute": "busy", "tp": "tp", "step": "optimizer"}
@@ -157,15 +166,24 @@ def time_accounting(trace: Trace, groups: list[list[TraceEvent]] | None = None,
     if not trace.events:
         return [RankTime() for _ in range(trace.num_ranks)]
     first, last = bounds or (min(event.start for event in trace.events), max(event.end for event in trace.events))
-    sent = data_ready_times(trace)
-    posted = {event.action: event.start for event in trace.events if event.stream == "recv"}
+    groups = groups or trace.by_rank()
     sends_hold = holds_on_sends(trace)
-    return [_rank_time(rank_events, sent, posted if sends_hold else None, first, last)
-            for rank_events in groups or trace.by_rank()]
+    # the usual case in C (the same operations; ranks where what holds them overlaps come back None)
+    native = _native.accounting(groups, list(trace.events), sends_hold, first, last) if ACCELERATED \
+        else [None] * len(groups)
+    if all(seconds is not None for seconds in native):
+        return [RankTime(*_in_field_order(seconds)) for seconds in native]
+    sent = data_ready_times(trace)
+    posted = {event.action: event.start for event in trace.events if event.stream == "recv"} if sends_hold else None
+    return [RankTime(*_in_field_order(seconds)) if seconds is not None
+            else _rank_time_in_python(rank_events, sent, posted, first, last)
+            for rank_events, seconds in zip(groups, native, strict=True)]
 
 
-def _rank_time(rank_events: list[TraceEvent], sent: dict[str, float], posted: dict[str, float] | None,
-               first: float, last: float) -> RankTime:
+def _rank_time_in_python(rank_events: list[TraceEvent], sent: dict[str, float], posted: dict[str, float] | None,
+                         first: float, last: float) -> RankTime:
+    """One rank's ``RankTime`` (``schedules/_accounting.c`` computes the disjoint case the
+    same way, operation for operation)."""
     seconds = [0.0] * len(PARTS)
     spans: list[tuple[float, float]] = []  # what holds the rank: compute, tp, optimizer (waits added below)
     waits: list[tuple[float, float]] = []
@@ -216,7 +234,10 @@ def _rank_time(rank_events: list[TraceEvent], sent: dict[str, float], posted: di
         seconds[_DP] = _measure(reducing) - _overlap(reducing, spans)
         own_first = min(spans[0][0] if spans else last, reducing[0][0] if reducing else last)
         own_last = max(spans[-1][1] if spans else first, max((end for _, end in reducing), default=first))
-        seconds[_OVERHEAD] = max(0.0, (own_last - own_first) - sum(seconds))
+        total = 0.0
+        for part_seconds in seconds:  # left to right, as in C (Python 3.12's sum() compensates)
+            total += part_seconds
+        seconds[_OVERHEAD] = max(0.0, (own_last - own_first) - total)
     else:
         seconds = [0.0] * len(PARTS)
         own_first, own_last = _sweep(_pieces(rank_events, peer), seconds)

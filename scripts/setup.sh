@@ -10,7 +10,8 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.pipesim-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+        || [ pipesim/_rendezvous.c -nt "$stamp" ] || [ schedules/_accounting.c -nt "$stamp" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
     .venv/bin/python -m pip install --quiet "$TORCH_SPEC"
     .venv/bin/python -m pip install --quiet -e ".[test]"

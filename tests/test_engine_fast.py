@@ -9,14 +9,21 @@ cluster and placement must give the same Trace.
   computes a step without processes: the same events (the same actions, ranks and
   times), recorded in another order. Uniform costs make many transfers leave at the
   same moment over a shared link; both engines then start groups in rank order.
+- The direct step's C inner loop (``pipesim/_rendezvous.c``) against its Python
+  version: the same algorithm, so the same events in the same order, bit for bit.
 """
 
 from __future__ import annotations
+
+import shutil
+import sysconfig
+from contextlib import contextmanager
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipesim import direct as direct_engine
 from pipesim import presets
 from pipesim.costs import Costs, StageCost, uniform_costs
 from pipesim.engine import SimulationError, simulate
@@ -30,6 +37,30 @@ from schedules.schedule import Schedule
 CLUSTERS = {  # name -> (preset, nodes); pcie shares its switch and socket links between rank pairs
     "ideal": ("ideal", 1), "nvlink": ("nvlink", 1), "pcie": ("pcie", 1), "ib": ("ib", 2), "ethernet": ("ethernet", 2),
 }
+
+
+NATIVE_BUILT = direct_engine._native is not None
+
+
+@contextmanager
+def direct_loop(native: bool):
+    """The direct step run by its C loop (True) or its Python one (False) inside the block."""
+    saved = direct_engine.ACCELERATED
+    direct_engine.ACCELERATED = native
+    try:
+        yield
+    finally:
+        direct_engine.ACCELERATED = saved
+
+
+def python_and_native_direct(*args, **kwargs):
+    """The direct step's Trace from the Python loop, and from the C loop (None if not built)."""
+    with direct_loop(False):
+        python = simulate(*args, kernel="direct", **kwargs)
+    if not NATIVE_BUILT:
+        return python, None
+    with direct_loop(True):
+        return python, simulate(*args, kernel="direct", **kwargs)
 
 
 @st.composite
@@ -77,9 +108,12 @@ def test_the_fast_kernel_and_the_direct_step_give_simpys_trace(case):
     reference = simulate(lowered, costs, topology, devices, plan, p2p, kernel="simpy")
     fast = simulate(lowered, costs, topology, devices, plan, p2p, kernel="fast")
     assert fast.events == reference.events  # event for event, in the same order
-    direct = simulate(lowered, costs, topology, devices, plan, p2p, kernel="direct")
+    direct, native = python_and_native_direct(lowered, costs, topology, devices, plan, p2p)
     assert sorted(direct.events) == sorted(reference.events)  # recorded in another order
     assert fast.meta == direct.meta == reference.meta
+    if native is not None:
+        assert native.events == direct.events  # the C loop: the same events in the same order
+        assert native.meta == direct.meta
 
 
 @pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
@@ -89,7 +123,10 @@ def test_a_large_interleaved_step_is_the_same_under_every_kernel(p2p):
     topology = presets.ib(2)
     reference = simulate(lowered, costs, topology, p2p=p2p, kernel="simpy").events
     assert simulate(lowered, costs, topology, p2p=p2p, kernel="fast").events == reference
-    assert sorted(simulate(lowered, costs, topology, p2p=p2p, kernel="direct").events) == sorted(reference)
+    direct, native = python_and_native_direct(lowered, costs, topology, p2p=p2p)
+    assert sorted(direct.events) == sorted(reference)
+    if native is not None:
+        assert native.events == direct.events
 
 
 @pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
@@ -104,11 +141,30 @@ def test_a_deadlock_is_named_the_same_under_every_kernel(p2p):
     )
     costs = uniform_costs(2, 1.0, 2.0, act_bytes=1e6)
     messages = []
-    for kernel in ("simpy", "fast", "direct"):
-        with pytest.raises(SimulationError, match="deadlock") as error:
+    for kernel, native in (("simpy", False), ("fast", False), ("direct", False), ("direct", NATIVE_BUILT)):
+        with direct_loop(native), pytest.raises(SimulationError, match="deadlock") as error:
             simulate(schedule, costs, presets.nvlink(1), p2p=p2p, kernel=kernel)
         messages.append(str(error.value))
-    assert messages[0] == messages[1] == messages[2]
+    assert len(set(messages)) == 1
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_an_action_the_direct_step_cannot_time_is_named(native):
+    if native and not NATIVE_BUILT:
+        pytest.skip("the C loop is not built")
+    # a RECV where a compute action belongs: no cost slot, so the step names it
+    schedule = Schedule(pp=1, microbatches=1, placement=(0,), programs=((Action(0, "F", 0), Action(0, "Q", 0)),))
+    with direct_loop(native), pytest.raises(SimulationError, match=r"rank 0: cannot simulate action 0Q0 "
+                                                                   r"\(unknown kind 'Q'\)"):
+        simulate(schedule, uniform_costs(1, 1.0, 2.0), presets.nvlink(1), kernel="direct")
+
+
+@pytest.mark.skipif(not (shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC")
+                                      else "cc")), reason="no C compiler: pipesim runs the Python loop")
+def test_the_c_loop_is_built_where_a_compiler_is():
+    # setup.py builds it as an optional extension; a silent failure would cost 3-4x in speed
+    assert NATIVE_BUILT, "pipesim._rendezvous did not build: see the install log (pip install -e . -v)"
+    assert direct_engine.ACCELERATED or direct_engine.os.environ.get("PIPESIM_PURE_PYTHON")
 
 
 def test_an_unknown_kernel_is_a_clear_error():

@@ -1,14 +1,21 @@
 """What a schedule keeps of itself (``Schedule.derived``): built once, outside equality,
 left out of pickles; and the direct engine's compiled programs read off the lowered
-programs (checked against them by hand)."""
+programs (checked against them by hand), the same from C as from Python."""
 
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesim import direct
 from pipesim.direct import compiled_programs
 from schedules import generate, lower
-from schedules.action import Action, ActionKind
+from schedules.action import Action, ActionKind, parse_action
+from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
 
 
 def test_derived_data_is_built_once_and_not_pickled():
@@ -43,3 +50,28 @@ def test_compiled_programs_name_each_receives_group():
              if transfer[5] == "0SEND_F0"]
     assert [send[0] for send in sends] == [receive[0]]
     assert compiled_programs(schedule) is compiled_programs(schedule)
+
+
+def test_a_sends_wire_slot_names_its_route_on_both_ends():
+    # 1F1B, pp=2, m=1: 0SEND_F0 and 1RECV_F0 share wire slot 0 * 2 + 0 (stage 0's SEND_F);
+    # 1SEND_B0 and 0RECV_B0 share 1 * 2 + 1 (stage 1's SEND_B)
+    programs = compiled_programs(lower(generate("1f1b", 2, 1)))
+    wires = {transfer[5]: transfer[6] for program in programs for entry in program if entry[0] == 1
+             for transfer in entry[3]}
+    assert wires == {"0SEND_F0": 0, "1RECV_F0": 0, "1SEND_B0": 3, "0RECV_B0": 3}
+
+
+@pytest.mark.skipif(not direct._native, reason="the C loop is not built")
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(GENERATORS)), pp=st.integers(1, 6), microbatches=st.integers(1, 9),
+       chunks=st.integers(1, 3), from_text=st.booleans())
+def test_the_c_compile_gives_the_python_compile(name, pp, microbatches, chunks, from_text):
+    try:
+        schedule = lower(generate(name, pp, microbatches, chunks if name in MULTI_CHUNK else 1))
+    except ScheduleUnavailableError:
+        schedule = lower(generate("1f1b", pp, microbatches))
+    if from_text:  # kinds parsed from text are equal strings, not the same objects
+        schedule = replace(schedule, programs=tuple(tuple(parse_action(str(action)) for action in program)
+                                                    for program in schedule.programs))
+    items = [schedule.program_items(rank) for rank in range(schedule.pp)]
+    assert direct._native.compile(items, direct._KINDS) == direct._compile_in_python(schedule)

@@ -1,0 +1,915 @@
+/*
+ * pipesim._rendezvous: the direct rendezvous engine (pipesim/direct.py) in C.
+ *
+ * Same algorithm, same inputs (the compiled programs of ``direct.compiled_programs``),
+ * same floating-point operations in the same order, same Trace events in the same
+ * order: tests/test_engine_fast.py holds it to the Python version and to the SimPy
+ * process engine on random schedules, costs, clusters and placements. What it saves is
+ * the interpreter's work per action (a large step has ~400k of them), which is most of
+ * a step's simulation time in Python.
+ *
+ * Built by setup.py as an optional extension: without a C compiler pipesim installs
+ * and runs the Python version (``pipesim.direct.ACCELERATED`` says which is in use).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Compiled entry layouts (pipesim/direct.py, compiled_programs). */
+enum { E_TYPE = 0, C_ITEM = 1, C_STAGE = 2, C_KIND = 3, C_MICROBATCH = 4, C_TEXT = 5, C_SOURCE = 6,
+       C_RECEIVE_KIND = 7, C_RECEIVE_TEXT = 8, C_SLOT = 9, G_ORDINAL = 1, G_SIZE = 2, G_TRANSFERS = 3 };
+enum { T_NUMBER = 0, T_IS_SEND = 1, T_STAGE = 2, T_KIND = 3, T_MICROBATCH = 4, T_TEXT = 5, T_WIRE = 6 };
+
+typedef struct {
+    PyObject *transfers; /* borrowed from the programs */
+    double posted, start, latest, done;
+    int rank;
+    int outstanding;
+    int completed;
+} Group;
+
+typedef struct {
+    double start;
+    int rank;
+    Py_ssize_t group;
+} Start;
+
+typedef struct {
+    PyObject *programs;
+    int ranks;
+    double *slot_seconds;
+    char *slot_known;
+    double *slot_tp;
+    Py_ssize_t slot_count;
+    int has_tp;
+    PyObject *paired;
+    int has_paired;
+    double comm_overhead;
+    /* wires: per wire slot, its links (ids into free_at), seconds and latency */
+    int use_wires;
+    Py_ssize_t wire_count;
+    Py_ssize_t *wire_offset; /* wire_count + 1 offsets into wire_links */
+    Py_ssize_t *wire_links;
+    double *wire_seconds;
+    double *wire_latency;
+    char *wire_known;
+    double *free_at;
+    PyObject *arrival_of;
+    PyObject *events;
+    PyObject *tp_records;
+    PyTypeObject *event_type;
+    PyObject *unknown_error;
+    PyObject *s_compute, *s_send, *s_recv, *s_wait;
+    PyObject **rank_objects;
+    /* state */
+    Group *groups;
+    Py_ssize_t *group_base;
+    Py_ssize_t *posted_count;
+    Py_ssize_t *next_start;
+    char *stream_busy;
+    double *stream_free;
+    Py_ssize_t *offer_group;
+    PyObject **offer_entry;
+    Py_ssize_t *position;
+    double *clocks;
+    Py_ssize_t *blocked_on;
+    char *finished;
+    Start *heap;
+    Py_ssize_t heap_len, heap_cap;
+} State;
+
+static int start_before(const Start *a, const Start *b) {
+    return a->start < b->start || (a->start == b->start && a->rank < b->rank);
+}
+
+static int heap_push(State *st, double start, int rank, Py_ssize_t group) {
+    if (st->heap_len == st->heap_cap) {
+        Py_ssize_t cap = st->heap_cap ? st->heap_cap * 2 : 64;
+        Start *grown = PyMem_Realloc(st->heap, cap * sizeof(Start));
+        if (!grown) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        st->heap = grown;
+        st->heap_cap = cap;
+    }
+    Py_ssize_t i = st->heap_len++;
+    Start item = {start, rank, group};
+    while (i > 0) {
+        Py_ssize_t parent = (i - 1) / 2;
+        if (!start_before(&item, &st->heap[parent]))
+            break;
+        st->heap[i] = st->heap[parent];
+        i = parent;
+    }
+    st->heap[i] = item;
+    return 0;
+}
+
+static Start heap_pop(State *st) {
+    Start top = st->heap[0];
+    Start last = st->heap[--st->heap_len];
+    Py_ssize_t i = 0, n = st->heap_len;
+    for (;;) {
+        Py_ssize_t child = 2 * i + 1;
+        if (child >= n)
+            break;
+        if (child + 1 < n && start_before(&st->heap[child + 1], &st->heap[child]))
+            child++;
+        if (!start_before(&st->heap[child], &last))
+            break;
+        st->heap[i] = st->heap[child];
+        i = child;
+    }
+    if (n > 0)
+        st->heap[i] = last;
+    return top;
+}
+
+/* Append TraceEvent(rank, text, kind, stage, microbatch, start, end, stream). */
+static int record(State *st, int rank, PyObject *text, PyObject *kind, PyObject *stage, PyObject *microbatch,
+                  double start, double end, PyObject *stream) {
+    PyObject *event = st->event_type->tp_alloc(st->event_type, 8);
+    if (!event)
+        return -1;
+    PyObject *start_object = PyFloat_FromDouble(start);
+    PyObject *end_object = PyFloat_FromDouble(end);
+    if (!start_object || !end_object) {
+        Py_XDECREF(start_object);
+        Py_XDECREF(end_object);
+        Py_DECREF(event);
+        return -1;
+    }
+    PyObject *rank_object = st->rank_objects[rank];
+    Py_INCREF(rank_object);
+    Py_INCREF(text);
+    Py_INCREF(kind);
+    Py_INCREF(stage);
+    Py_INCREF(microbatch);
+    Py_INCREF(stream);
+    PyTuple_SET_ITEM(event, 0, rank_object);
+    PyTuple_SET_ITEM(event, 1, text);
+    PyTuple_SET_ITEM(event, 2, kind);
+    PyTuple_SET_ITEM(event, 3, stage);
+    PyTuple_SET_ITEM(event, 4, microbatch);
+    PyTuple_SET_ITEM(event, 5, start_object);
+    PyTuple_SET_ITEM(event, 6, end_object);
+    PyTuple_SET_ITEM(event, 7, stream);
+    /* Every item is atomic (ints, floats, strings), so no cycle can pass through the
+     * event: CPython itself untracks such tuples at its next collection. Untracked now,
+     * the ~400k events of a large step cost the collector nothing. */
+    PyObject_GC_UnTrack(event);
+    int failed = PyList_Append(st->events, event);
+    Py_DECREF(event);
+    return failed;
+}
+
+static Py_ssize_t as_index(PyObject *tuple, Py_ssize_t position) {
+    return PyLong_AsSsize_t(PyTuple_GET_ITEM(tuple, position));
+}
+
+static int advance(State *st, int rank);
+
+static int schedule_next(State *st, int rank) {
+    Py_ssize_t index = st->next_start[rank];
+    if (index == st->posted_count[rank]) {
+        st->stream_busy[rank] = 0;
+        return 0;
+    }
+    Py_ssize_t group_index = st->group_base[rank] + index;
+    Group *group = &st->groups[group_index];
+    st->next_start[rank] = index + 1;
+    st->stream_busy[rank] = 1;
+    group->start = group->posted > st->stream_free[rank] ? group->posted : st->stream_free[rank];
+    return heap_push(st, group->start, rank, group_index);
+}
+
+static int complete(State *st, Py_ssize_t group_index) {
+    Group *group = &st->groups[group_index];
+    double done = group->start > group->latest ? group->start : group->latest;
+    group->done = done;
+    group->completed = 1;
+    int rank = group->rank;
+    st->stream_free[rank] = done;
+    if (schedule_next(st, rank) < 0)
+        return -1;
+    if (st->blocked_on[rank] == group_index) {
+        st->blocked_on[rank] = -1;
+        return advance(st, rank);
+    }
+    return 0;
+}
+
+static int finish(State *st, int rank) {
+    double clock = st->clocks[rank];
+    Py_ssize_t posted = st->posted_count[rank];
+    if (posted) {
+        Group *last_group = &st->groups[st->group_base[rank] + posted - 1];
+        if (last_group->done > clock) {
+            PyObject *entries = PyTuple_GET_ITEM(st->programs, rank);
+            PyObject *last = PyTuple_GET_ITEM(entries, PyTuple_GET_SIZE(entries) - 1);
+            PyObject *source;
+            Py_ssize_t base;
+            if (as_index(last, E_TYPE) == 1) {
+                PyObject *transfers = PyTuple_GET_ITEM(last, G_TRANSFERS);
+                source = PyTuple_GET_ITEM(transfers, PyTuple_GET_SIZE(transfers) - 1);
+                base = T_STAGE;
+            } else {
+                source = last;
+                base = C_STAGE;
+            }
+            /* (stage, kind, microbatch, text) at base .. base + 3 in both layouts */
+            if (record(st, rank, PyTuple_GET_ITEM(source, base + 3), PyTuple_GET_ITEM(source, base + 1),
+                       PyTuple_GET_ITEM(source, base), PyTuple_GET_ITEM(source, base + 2), clock, last_group->done,
+                       st->s_wait) < 0)
+                return -1;
+            st->clocks[rank] = last_group->done;
+        }
+    }
+    st->finished[rank] = 1;
+    return 0;
+}
+
+static int advance(State *st, int rank) {
+    PyObject *entries = PyTuple_GET_ITEM(st->programs, rank);
+    Py_ssize_t count = PyTuple_GET_SIZE(entries);
+    Py_ssize_t index = st->position[rank];
+    double clock = st->clocks[rank];
+    Py_ssize_t base = st->group_base[rank];
+    while (index < count) {
+        PyObject *entry = PyTuple_GET_ITEM(entries, index);
+        if (as_index(entry, E_TYPE) == 0) {
+            PyObject *item = PyTuple_GET_ITEM(entry, C_ITEM);
+            PyObject *stage = PyTuple_GET_ITEM(entry, C_STAGE);
+            PyObject *kind = PyTuple_GET_ITEM(entry, C_KIND);
+            PyObject *microbatch = PyTuple_GET_ITEM(entry, C_MICROBATCH);
+            Py_ssize_t source = as_index(entry, C_SOURCE);
+            Py_ssize_t slot = as_index(entry, C_SLOT);
+            if (source >= 0) {
+                Group *needed = &st->groups[base + source];
+                if (!needed->completed) {
+                    st->position[rank] = index;
+                    st->clocks[rank] = clock;
+                    st->blocked_on[rank] = base + source;
+                    return 0;
+                }
+                double start = clock;
+                if (needed->done > clock)
+                    clock = needed->done;
+                if (record(st, rank, PyTuple_GET_ITEM(entry, C_RECEIVE_TEXT), PyTuple_GET_ITEM(entry, C_RECEIVE_KIND),
+                           stage, microbatch, start, clock, st->s_recv) < 0)
+                    return -1;
+            }
+            double end;
+            PyObject *pair_seconds = NULL;
+            if (st->has_paired) {
+                pair_seconds = PyDict_GetItemWithError(st->paired, item);
+                if (!pair_seconds && PyErr_Occurred())
+                    return -1;
+            }
+            if (pair_seconds) {
+                double seconds = PyFloat_AsDouble(pair_seconds);
+                if (seconds == -1.0 && PyErr_Occurred())
+                    return -1;
+                end = clock + seconds;
+            } else {
+                if (slot < 0 || slot >= st->slot_count || !st->slot_known[slot]) {
+                    PyErr_Format(st->unknown_error, "rank %d: cannot simulate action %S (unknown kind %R)", rank,
+                                 item, kind);
+                    return -1;
+                }
+                end = clock + st->slot_seconds[slot];
+            }
+            if (record(st, rank, PyTuple_GET_ITEM(entry, C_TEXT), kind, stage, microbatch, clock, end,
+                       st->s_compute) < 0)
+                return -1;
+            clock = end;
+            if (st->has_tp && slot >= 0 && slot < st->slot_count) {
+                double collectives = st->slot_tp[slot];
+                if (collectives != 0.0) {
+                    PyObject *tp = Py_BuildValue("(OOdd)", st->rank_objects[rank], item, clock, clock + collectives);
+                    if (!tp)
+                        return -1;
+                    int failed = PyList_Append(st->tp_records, tp);
+                    Py_DECREF(tp);
+                    if (failed)
+                        return -1;
+                    clock += collectives;
+                }
+            }
+            index++;
+            continue;
+        }
+        clock += st->comm_overhead * (double)as_index(entry, G_SIZE);
+        Py_ssize_t ordinal = st->posted_count[rank]++;
+        Group *group = &st->groups[base + ordinal];
+        group->transfers = PyTuple_GET_ITEM(entry, G_TRANSFERS);
+        group->posted = clock;
+        group->start = 0.0;
+        group->latest = 0.0;
+        group->outstanding = 0;
+        group->completed = 0;
+        group->rank = rank;
+        if (!st->stream_busy[rank] && schedule_next(st, rank) < 0)
+            return -1;
+        index++;
+    }
+    st->position[rank] = index;
+    st->clocks[rank] = clock;
+    Py_ssize_t posted = st->posted_count[rank];
+    if (posted && !st->groups[base + posted - 1].completed) {
+        st->blocked_on[rank] = base + posted - 1; /* the step cannot end before the rank's last transfers */
+        return 0;
+    }
+    return finish(st, rank);
+}
+
+static int arrival_of(State *st, PyObject *send, int sender, double now, double *arrival) {
+    if (!st->use_wires) {
+        PyObject *result = PyObject_CallFunction(st->arrival_of, "OOOd", PyTuple_GET_ITEM(send, T_STAGE),
+                                                 PyTuple_GET_ITEM(send, T_KIND), st->rank_objects[sender], now);
+        if (!result)
+            return -1;
+        *arrival = PyFloat_AsDouble(result);
+        Py_DECREF(result);
+        return (*arrival == -1.0 && PyErr_Occurred()) ? -1 : 0;
+    }
+    Py_ssize_t wire = as_index(send, T_WIRE);
+    if (wire < 0 || wire >= st->wire_count || !st->wire_known[wire]) {
+        PyErr_Format(PyExc_KeyError, "no route for send %S", PyTuple_GET_ITEM(send, T_TEXT));
+        return -1;
+    }
+    Py_ssize_t first = st->wire_offset[wire], last = st->wire_offset[wire + 1];
+    if (first == last) {
+        *arrival = now;
+        return 0;
+    }
+    double start = now;
+    for (Py_ssize_t i = first; i < last; i++) {
+        double busy_until = st->free_at[st->wire_links[i]];
+        if (busy_until > start)
+            start = busy_until;
+    }
+    double done = start + st->wire_seconds[wire];
+    for (Py_ssize_t i = first; i < last; i++)
+        st->free_at[st->wire_links[i]] = done;
+    *arrival = done + st->wire_latency[wire];
+    return 0;
+}
+
+static int begin(State *st, Py_ssize_t group_index) {
+    Group *group = &st->groups[group_index];
+    double start = group->start;
+    PyObject *transfers = group->transfers;
+    Py_ssize_t size = PyTuple_GET_SIZE(transfers);
+    for (Py_ssize_t i = 0; i < size; i++) {
+        PyObject *entry = PyTuple_GET_ITEM(transfers, i);
+        Py_ssize_t transfer = as_index(entry, T_NUMBER);
+        if (st->offer_group[transfer] < 0) {
+            st->offer_group[transfer] = group_index;
+            st->offer_entry[transfer] = entry;
+            group->outstanding++;
+            continue;
+        }
+        Py_ssize_t peer_index = st->offer_group[transfer];
+        Group *peer = &st->groups[peer_index];
+        int sender;
+        double sent_at;
+        PyObject *send;
+        if (PyTuple_GET_ITEM(entry, T_IS_SEND) == Py_True) {
+            sender = group->rank;
+            sent_at = group->posted;
+            send = entry;
+        } else {
+            sender = peer->rank;
+            sent_at = peer->posted;
+            send = st->offer_entry[transfer];
+        }
+        double arrival;
+        if (arrival_of(st, send, sender, start, &arrival) < 0)
+            return -1;
+        if (record(st, sender, PyTuple_GET_ITEM(send, T_TEXT), PyTuple_GET_ITEM(send, T_KIND),
+                   PyTuple_GET_ITEM(send, T_STAGE), PyTuple_GET_ITEM(send, T_MICROBATCH), sent_at, arrival,
+                   st->s_send) < 0)
+            return -1;
+        /* st->groups does not move while the step runs: the pointers stay valid */
+        if (arrival > group->latest)
+            group->latest = arrival;
+        if (arrival > peer->latest)
+            peer->latest = arrival;
+        if (--peer->outstanding == 0 && complete(st, peer_index) < 0)
+            return -1;
+    }
+    if (group->outstanding == 0)
+        return complete(st, group_index);
+    return 0;
+}
+
+static void release(State *st) {
+    Py_XDECREF(st->s_compute);
+    Py_XDECREF(st->s_send);
+    Py_XDECREF(st->s_recv);
+    Py_XDECREF(st->s_wait);
+    PyMem_Free(st->slot_seconds);
+    PyMem_Free(st->slot_known);
+    PyMem_Free(st->slot_tp);
+    PyMem_Free(st->wire_offset);
+    PyMem_Free(st->wire_links);
+    PyMem_Free(st->wire_seconds);
+    PyMem_Free(st->wire_latency);
+    PyMem_Free(st->wire_known);
+    PyMem_Free(st->free_at);
+    if (st->rank_objects) {
+        for (int rank = 0; rank < st->ranks; rank++)
+            Py_XDECREF(st->rank_objects[rank]);
+        PyMem_Free(st->rank_objects);
+    }
+    PyMem_Free(st->groups);
+    PyMem_Free(st->group_base);
+    PyMem_Free(st->posted_count);
+    PyMem_Free(st->next_start);
+    PyMem_Free(st->stream_busy);
+    PyMem_Free(st->stream_free);
+    PyMem_Free(st->offer_group);
+    PyMem_Free(st->offer_entry);
+    PyMem_Free(st->position);
+    PyMem_Free(st->clocks);
+    PyMem_Free(st->blocked_on);
+    PyMem_Free(st->finished);
+    PyMem_Free(st->heap);
+}
+
+#define ALLOCATE(pointer, count)                                                                                      \
+    do {                                                                                                              \
+        (pointer) = PyMem_Calloc((count) > 0 ? (size_t)(count) : 1, sizeof(*(pointer)));                              \
+        if (!(pointer)) {                                                                                             \
+            PyErr_NoMemory();                                                                                         \
+            goto fail;                                                                                                \
+        }                                                                                                             \
+    } while (0)
+
+/* Per cost slot: its seconds (None: a kind without a cost) and tp seconds. */
+static int read_slots(State *st, PyObject *slot_seconds, PyObject *slot_tp) {
+    st->slot_count = PyList_GET_SIZE(slot_seconds);
+    if (PyList_GET_SIZE(slot_tp) != st->slot_count) {
+        PyErr_SetString(PyExc_ValueError, "slot_seconds and slot_tp differ in length");
+        return -1;
+    }
+    ALLOCATE(st->slot_seconds, st->slot_count);
+    ALLOCATE(st->slot_known, st->slot_count);
+    ALLOCATE(st->slot_tp, st->slot_count);
+    for (Py_ssize_t i = 0; i < st->slot_count; i++) {
+        PyObject *seconds = PyList_GET_ITEM(slot_seconds, i);
+        if (seconds != Py_None) {
+            st->slot_seconds[i] = PyFloat_AsDouble(seconds);
+            if (st->slot_seconds[i] == -1.0 && PyErr_Occurred())
+                return -1;
+            st->slot_known[i] = 1;
+        }
+        st->slot_tp[i] = PyFloat_AsDouble(PyList_GET_ITEM(slot_tp, i));
+        if (st->slot_tp[i] == -1.0 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+fail:
+    return -1;
+}
+
+/* Per wire slot: None, or (link ids, seconds, latency); ``link_count`` ids in all. */
+static int read_wires(State *st, PyObject *wires, Py_ssize_t link_count) {
+    st->wire_count = PyList_GET_SIZE(wires);
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < st->wire_count; i++) {
+        PyObject *wire = PyList_GET_ITEM(wires, i);
+        if (wire == Py_None)
+            continue;
+        if (!PyTuple_Check(wire) || PyTuple_GET_SIZE(wire) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(wire, 0))) {
+            PyErr_SetString(PyExc_TypeError, "a wire is (link ids, seconds, latency)");
+            return -1;
+        }
+        total += PyTuple_GET_SIZE(PyTuple_GET_ITEM(wire, 0));
+    }
+    ALLOCATE(st->wire_offset, st->wire_count + 1);
+    ALLOCATE(st->wire_links, total);
+    ALLOCATE(st->wire_seconds, st->wire_count);
+    ALLOCATE(st->wire_latency, st->wire_count);
+    ALLOCATE(st->wire_known, st->wire_count);
+    ALLOCATE(st->free_at, link_count);
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < st->wire_count; i++) {
+        st->wire_offset[i] = at;
+        PyObject *wire = PyList_GET_ITEM(wires, i);
+        if (wire == Py_None)
+            continue;
+        PyObject *links = PyTuple_GET_ITEM(wire, 0);
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(links); j++) {
+            Py_ssize_t link = PyLong_AsSsize_t(PyTuple_GET_ITEM(links, j));
+            if (link < 0 || link >= link_count) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_ValueError, "link id %zd outside 0..%zd", link, link_count - 1);
+                return -1;
+            }
+            st->wire_links[at++] = link;
+        }
+        st->wire_seconds[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(wire, 1));
+        st->wire_latency[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(wire, 2));
+        if (PyErr_Occurred())
+            return -1;
+        st->wire_known[i] = 1;
+    }
+    st->wire_offset[st->wire_count] = at;
+    return 0;
+fail:
+    return -1;
+}
+
+PyDoc_STRVAR(run_doc,
+             "run(programs, transfer_count, slot_seconds, slot_tp, paired, comm_overhead, wires, link_count,\n"
+             "    arrival_of, events, tp_records, event_type, unknown_error) -> stuck\n\n"
+             "One rendezvous step over compiled programs, as pipesim.direct.run_rendezvous: Trace events\n"
+             "appended to ``events``, tp collectives to ``tp_records``; returns (rank, index) of every\n"
+             "rank that can never finish. ``wires`` (None: call ``arrival_of(stage, kind, sender, now)``\n"
+             "for every send) lists per wire slot None or (link ids, seconds, latency).");
+
+static PyObject *run(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *programs, *slot_seconds, *slot_tp, *paired, *wires, *arrival_of_function, *events, *tp_records;
+    PyObject *event_type, *unknown_error;
+    Py_ssize_t transfer_count, link_count;
+    double comm_overhead;
+    if (!PyArg_ParseTuple(args, "O!nO!O!O!dOnOO!O!OO", &PyTuple_Type, &programs, &transfer_count, &PyList_Type,
+                          &slot_seconds, &PyList_Type, &slot_tp, &PyDict_Type, &paired, &comm_overhead, &wires,
+                          &link_count, &arrival_of_function, &PyList_Type, &events, &PyList_Type, &tp_records,
+                          &event_type, &unknown_error))
+        return NULL;
+    if (!PyType_Check(event_type) || !PyType_IsSubtype((PyTypeObject *)event_type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "event_type must be a tuple type");
+        return NULL;
+    }
+    if (wires != Py_None && !PyList_Check(wires)) {
+        PyErr_SetString(PyExc_TypeError, "wires must be a list or None");
+        return NULL;
+    }
+    State state;
+    memset(&state, 0, sizeof state);
+    State *st = &state;
+    PyObject *stuck = NULL;
+    st->programs = programs;
+    st->ranks = (int)PyTuple_GET_SIZE(programs);
+    st->paired = paired;
+    st->has_paired = PyDict_GET_SIZE(paired) > 0;
+    st->comm_overhead = comm_overhead;
+    st->arrival_of = arrival_of_function;
+    st->events = events;
+    st->tp_records = tp_records;
+    st->event_type = (PyTypeObject *)event_type;
+    st->unknown_error = unknown_error;
+    st->s_compute = PyUnicode_InternFromString("compute");
+    st->s_send = PyUnicode_InternFromString("send");
+    st->s_recv = PyUnicode_InternFromString("recv");
+    st->s_wait = PyUnicode_InternFromString("wait");
+    if (!st->s_compute || !st->s_send || !st->s_recv || !st->s_wait)
+        goto fail;
+    if (read_slots(st, slot_seconds, slot_tp) < 0)
+        goto fail;
+    for (Py_ssize_t i = 0; i < st->slot_count; i++)
+        if (st->slot_tp[i] != 0.0)
+            st->has_tp = 1;
+    st->use_wires = wires != Py_None;
+    if (st->use_wires && read_wires(st, wires, link_count) < 0)
+        goto fail;
+    ALLOCATE(st->rank_objects, st->ranks);
+    ALLOCATE(st->group_base, st->ranks);
+    Py_ssize_t group_total = 0;
+    for (int rank = 0; rank < st->ranks; rank++) {
+        st->rank_objects[rank] = PyLong_FromLong(rank);
+        if (!st->rank_objects[rank])
+            goto fail;
+        PyObject *entries = PyTuple_GET_ITEM(programs, rank);
+        if (!PyTuple_Check(entries)) {
+            PyErr_SetString(PyExc_TypeError, "each program must be a tuple of compiled entries");
+            goto fail;
+        }
+        st->group_base[rank] = group_total;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(entries); i++) {
+            PyObject *entry = PyTuple_GET_ITEM(entries, i);
+            if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) < 4) {
+                PyErr_SetString(PyExc_TypeError, "a compiled entry must be a tuple");
+                goto fail;
+            }
+            if (as_index(entry, E_TYPE) == 1)
+                group_total++;
+        }
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    ALLOCATE(st->groups, group_total);
+    ALLOCATE(st->posted_count, st->ranks);
+    ALLOCATE(st->next_start, st->ranks);
+    ALLOCATE(st->stream_busy, st->ranks);
+    ALLOCATE(st->stream_free, st->ranks);
+    ALLOCATE(st->offer_group, transfer_count);
+    ALLOCATE(st->offer_entry, transfer_count);
+    for (Py_ssize_t i = 0; i < transfer_count; i++)
+        st->offer_group[i] = -1;
+    ALLOCATE(st->position, st->ranks);
+    ALLOCATE(st->clocks, st->ranks);
+    ALLOCATE(st->blocked_on, st->ranks);
+    for (int rank = 0; rank < st->ranks; rank++)
+        st->blocked_on[rank] = -1;
+    ALLOCATE(st->finished, st->ranks);
+
+    for (int rank = 0; rank < st->ranks; rank++)
+        if (advance(st, rank) < 0)
+            goto fail;
+    while (st->heap_len) {
+        Start next = heap_pop(st);
+        if (begin(st, next.group) < 0)
+            goto fail;
+    }
+    stuck = PyList_New(0);
+    if (!stuck)
+        goto fail;
+    for (int rank = 0; rank < st->ranks; rank++) {
+        if (st->finished[rank])
+            continue;
+        Py_ssize_t last = PyTuple_GET_SIZE(PyTuple_GET_ITEM(programs, rank)) - 1;
+        PyObject *where = Py_BuildValue("(in)", rank, st->position[rank] < last ? st->position[rank] : last);
+        if (!where || PyList_Append(stuck, where) < 0) {
+            Py_XDECREF(where);
+            Py_CLEAR(stuck);
+            goto fail;
+        }
+        Py_DECREF(where);
+    }
+fail:
+    release(st);
+    return stuck;
+}
+
+/* ---- compile: the programs as the loop walks them (pipesim/direct.py, _compile) ---- */
+
+/* ``kinds``: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, in that order. */
+enum { K_F = 0, K_B, K_I, K_W, K_SEND_F, K_RECV_F, K_SEND_B, K_RECV_B, K_COUNT };
+
+static int kind_index(PyObject *kinds, PyObject *kind) {
+    for (int i = 0; i < K_COUNT; i++)
+        if (PyTuple_GET_ITEM(kinds, i) == kind)
+            return i;
+    if (!PyUnicode_Check(kind))
+        return -1;
+    for (int i = 0; i < K_COUNT; i++)
+        if (PyUnicode_Compare(PyTuple_GET_ITEM(kinds, i), kind) == 0)
+            return i;
+    return -1;
+}
+
+/* str(stage) + str(kind) + str(microbatch), as the f-string of the Python version;
+ * written directly for int numbers and an ASCII kind (every real action), else by str(). */
+static PyObject *action_text(PyObject *stage, PyObject *kind, PyObject *microbatch) {
+    if (PyLong_CheckExact(stage) && PyLong_CheckExact(microbatch) && PyUnicode_Check(kind)) {
+        Py_ssize_t kind_length;
+        const char *kind_text = PyUnicode_AsUTF8AndSize(kind, &kind_length);
+        long stage_value = PyLong_AsLong(stage), microbatch_value = PyLong_AsLong(microbatch);
+        if (kind_text && !PyErr_Occurred() && PyUnicode_IS_ASCII(kind) && kind_length < 64) {
+            char buffer[128];
+            int length = snprintf(buffer, sizeof buffer, "%ld%s%ld", stage_value, kind_text, microbatch_value);
+            return PyUnicode_FromStringAndSize(buffer, length);
+        }
+        PyErr_Clear();
+    }
+    return PyUnicode_FromFormat("%S%S%S", stage, kind, microbatch);
+}
+
+static int unpack_action(PyObject *action, PyObject **stage, PyObject **kind, PyObject **microbatch) {
+    if (!PyTuple_Check(action) || PyTuple_GET_SIZE(action) != 3) {
+        PyErr_Format(PyExc_TypeError, "not an action (stage, kind, microbatch): %R", action);
+        return -1;
+    }
+    *stage = PyTuple_GET_ITEM(action, 0);
+    *kind = PyTuple_GET_ITEM(action, 1);
+    *microbatch = PyTuple_GET_ITEM(action, 2);
+    return 0;
+}
+
+static PyObject *compile_compute(PyObject *kinds, PyObject *item, PyObject *posted) {
+    PyObject *stage, *kind, *microbatch;
+    if (unpack_action(item, &stage, &kind, &microbatch) < 0)
+        return NULL;
+    int k = kind_index(kinds, kind);
+    PyObject *receive_kind = k == K_F ? PyTuple_GET_ITEM(kinds, K_RECV_F)
+                             : (k == K_B || k == K_I) ? PyTuple_GET_ITEM(kinds, K_RECV_B) : Py_None;
+    PyObject *needed = PyTuple_Pack(3, stage, receive_kind, microbatch);
+    if (!needed)
+        return NULL;
+    Py_ssize_t source = -1;
+    PyObject *ordinal = PyDict_GetItemWithError(posted, needed);
+    if (ordinal) {
+        source = PyLong_AsSsize_t(ordinal);
+        if (PyDict_DelItem(posted, needed) < 0) {
+            Py_DECREF(needed);
+            return NULL;
+        }
+    }
+    Py_DECREF(needed);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t slot = -1;
+    if (k >= K_F && k <= K_W) {
+        Py_ssize_t stage_index = PyLong_AsSsize_t(stage);
+        if (stage_index == -1 && PyErr_Occurred())
+            return NULL;
+        slot = stage_index * 4 + k;
+    }
+    PyObject *entry = PyTuple_New(10);
+    if (!entry)
+        return NULL;
+    PyObject *type = PyLong_FromLong(0), *source_object = PyLong_FromSsize_t(source);
+    PyObject *slot_object = PyLong_FromSsize_t(slot);
+    PyObject *text = action_text(stage, kind, microbatch);
+    PyObject *receive_text = action_text(stage, receive_kind, microbatch);
+    PyObject *items[10] = {type, item, stage, kind, microbatch, text, source_object, receive_kind, receive_text,
+                           slot_object};
+    Py_INCREF(item);
+    Py_INCREF(stage);
+    Py_INCREF(kind);
+    Py_INCREF(microbatch);
+    Py_INCREF(receive_kind);
+    int failed = 0;
+    for (int i = 0; i < 10; i++) {
+        if (!items[i])
+            failed = 1;
+        PyTuple_SET_ITEM(entry, i, items[i]); /* NULL items are skipped when the tuple is freed */
+    }
+    if (failed) {
+        Py_DECREF(entry);
+        return NULL;
+    }
+    return entry;
+}
+
+static PyObject *compile_group(PyObject *kinds, PyObject *item, Py_ssize_t ordinal, PyObject *posted,
+                               PyObject *numbers) {
+    Py_ssize_t size = PyTuple_GET_SIZE(item);
+    PyObject *transfers = PyTuple_New(size);
+    if (!transfers)
+        return NULL;
+    PyObject *ordinal_object = PyLong_FromSsize_t(ordinal);
+    if (!ordinal_object)
+        goto fail;
+    for (Py_ssize_t i = 0; i < size; i++) {
+        PyObject *action = PyTuple_GET_ITEM(item, i);
+        PyObject *stage, *kind, *microbatch;
+        if (unpack_action(action, &stage, &kind, &microbatch) < 0)
+            goto fail;
+        int k = kind_index(kinds, kind);
+        if (k < K_SEND_F) {
+            PyErr_Format(PyExc_ValueError, "%R in a P2P group is not a transfer", action);
+            goto fail;
+        }
+        int is_send = k == K_SEND_F || k == K_SEND_B;
+        long stage_value = PyLong_AsLong(stage);
+        if (stage_value == -1 && PyErr_Occurred())
+            goto fail;
+        /* the SEND both ends name (Action.matching) */
+        long send_stage = is_send ? stage_value : (k == K_RECV_F ? stage_value - 1 : stage_value + 1);
+        int send_kind = is_send ? k : (k == K_RECV_F ? K_SEND_F : K_SEND_B);
+        PyObject *send_key;
+        if (is_send) {
+            send_key = action;
+            Py_INCREF(send_key);
+        } else {
+            PyObject *send_stage_object = PyLong_FromLong(send_stage);
+            send_key = send_stage_object ? PyTuple_Pack(3, send_stage_object, PyTuple_GET_ITEM(kinds, send_kind),
+                                                        microbatch)
+                                         : NULL;
+            Py_XDECREF(send_stage_object);
+        }
+        if (!send_key)
+            goto fail;
+        PyObject *number = PyDict_GetItemWithError(numbers, send_key);
+        if (number) {
+            Py_INCREF(number);
+        } else if (!PyErr_Occurred()) {
+            number = PyLong_FromSsize_t(PyDict_GET_SIZE(numbers));
+            if (number && PyDict_SetItem(numbers, send_key, number) < 0)
+                Py_CLEAR(number);
+        }
+        Py_DECREF(send_key);
+        if (!number)
+            goto fail;
+        if (!is_send && PyDict_SetItem(posted, action, ordinal_object) < 0) {
+            Py_DECREF(number);
+            goto fail;
+        }
+        PyObject *transfer = PyTuple_New(7);
+        if (!transfer) {
+            Py_DECREF(number);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(transfers, i, transfer);
+        PyObject *flag = is_send ? Py_True : Py_False;
+        PyObject *text = action_text(stage, kind, microbatch);
+        PyObject *wire = PyLong_FromLong(send_stage * 2 + (send_kind == K_SEND_B));
+        PyObject *fields[7] = {number, flag, stage, kind, microbatch, text, wire};
+        Py_INCREF(flag);
+        Py_INCREF(stage);
+        Py_INCREF(kind);
+        Py_INCREF(microbatch);
+        for (int f = 0; f < 7; f++)
+            PyTuple_SET_ITEM(transfer, f, fields[f]); /* NULL items are skipped when the tuple is freed */
+        if (!text || !wire)
+            goto fail;
+    }
+    PyObject *entry = PyTuple_New(4);
+    PyObject *type = PyLong_FromLong(1), *size_object = PyLong_FromSsize_t(size);
+    if (!entry || !type || !size_object) {
+        Py_XDECREF(entry);
+        Py_XDECREF(type);
+        Py_XDECREF(size_object);
+        goto fail;
+    }
+    PyTuple_SET_ITEM(entry, 0, type);
+    PyTuple_SET_ITEM(entry, 1, ordinal_object);
+    PyTuple_SET_ITEM(entry, 2, size_object);
+    PyTuple_SET_ITEM(entry, 3, transfers);
+    return entry;
+fail:
+    Py_XDECREF(ordinal_object);
+    Py_DECREF(transfers);
+    return NULL;
+}
+
+PyDoc_STRVAR(compile_doc,
+             "compile(items, kinds) -> (programs, transfer_count)\n\n"
+             "pipesim.direct._compile over every rank's program items (Schedule.program_items),\n"
+             "``kinds`` being F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.");
+
+static PyObject *compile_programs(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *items, *kinds;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &items, &PyTuple_Type, &kinds))
+        return NULL;
+    if (PyTuple_GET_SIZE(kinds) != K_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "kinds must name the 8 action kinds");
+        return NULL;
+    }
+    Py_ssize_t ranks = PyList_GET_SIZE(items);
+    PyObject *numbers = PyDict_New();
+    PyObject *programs = PyTuple_New(ranks);
+    PyObject *posted = NULL;
+    if (!numbers || !programs)
+        goto fail;
+    for (Py_ssize_t rank = 0; rank < ranks; rank++) {
+        PyObject *program = PySequence_Fast(PyList_GET_ITEM(items, rank), "program items must be a sequence");
+        if (!program)
+            goto fail;
+        Py_ssize_t count = PySequence_Fast_GET_SIZE(program);
+        PyObject *entries = PyTuple_New(count);
+        posted = PyDict_New();
+        if (!entries || !posted) {
+            Py_XDECREF(entries);
+            Py_DECREF(program);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(programs, rank, entries);
+        Py_ssize_t ordinal = 0;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(program, i);
+            PyObject *entry = Py_TYPE(item) != &PyTuple_Type ? compile_compute(kinds, item, posted)
+                                                             : compile_group(kinds, item, ordinal++, posted, numbers);
+            if (!entry) {
+                Py_DECREF(program);
+                goto fail;
+            }
+            PyTuple_SET_ITEM(entries, i, entry);
+        }
+        Py_DECREF(program);
+        Py_CLEAR(posted);
+    }
+    PyObject *result = Py_BuildValue("(Nn)", programs, PyDict_GET_SIZE(numbers));
+    Py_DECREF(numbers);
+    return result;
+fail:
+    Py_XDECREF(posted);
+    Py_XDECREF(numbers);
+    Py_XDECREF(programs);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"run", run, METH_VARARGS, run_doc},
+    {"compile", compile_programs, METH_VARARGS, compile_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "pipesim._rendezvous",
+    "The direct rendezvous engine's inner loop in C (see pipesim/direct.py).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__rendezvous(void) {
+    return PyModule_Create(&module);
+}

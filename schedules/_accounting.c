@@ -1,0 +1,458 @@
+/*
+ * schedules._accounting: one rank's time accounting (schedules/accounting.py,
+ * ``_rank_time``) in C, for the usual case where what holds the rank never overlaps.
+ *
+ * The same rule, the same floating-point operations in the same order, so the same
+ * seconds to the last bit: tests/test_accounting_native.py holds it to the Python
+ * version on simulated and hand-made traces. A large step has ~400k events, and this
+ * is the loop that reads every one of them; the general case (overlapping waits, sends
+ * that hold the rank) returns None and stays in Python.
+ *
+ * Built by setup.py as an optional extension; without it the Python version runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Parts, indexed as PARTS in accounting.py. */
+enum { P_BUSY = 0, P_TP, P_OPTIMIZER, P_BUBBLE, P_EXPOSED, P_DP, P_OVERHEAD, P_COUNT };
+/* TraceEvent fields. */
+enum { F_ACTION = 1, F_KIND = 2, F_STAGE = 3, F_MICROBATCH = 4, F_START = 5, F_END = 6, F_STREAM = 7 };
+static const double ROUNDING = 1e-12;
+
+typedef struct {
+    double start, end;
+} Span;
+
+typedef struct {
+    Span *items;
+    Py_ssize_t length, capacity;
+} Spans;
+
+static int push(Spans *spans, double start, double end) {
+    if (spans->length == spans->capacity) {
+        Py_ssize_t capacity = spans->capacity ? spans->capacity * 2 : 64;
+        Span *grown = PyMem_Realloc(spans->items, capacity * sizeof(Span));
+        if (!grown) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        spans->items = grown;
+        spans->capacity = capacity;
+    }
+    spans->items[spans->length].start = start;
+    spans->items[spans->length].end = end;
+    spans->length++;
+    return 0;
+}
+
+static int by_start_then_end(const void *a, const void *b) {
+    const Span *x = a, *y = b;
+    if (x->start != y->start)
+        return x->start < y->start ? -1 : 1;
+    if (x->end != y->end)
+        return x->end < y->end ? -1 : 1;
+    return 0;
+}
+
+static void sort(Spans *spans) {
+    qsort(spans->items, (size_t)spans->length, sizeof(Span), by_start_then_end);
+}
+
+/* _union: sorted spans merged where they touch or overlap (in place). */
+static void unite(Spans *spans) {
+    Py_ssize_t merged = 0;
+    for (Py_ssize_t i = 0; i < spans->length; i++) {
+        Span span = spans->items[i];
+        if (merged && span.start <= spans->items[merged - 1].end) {
+            if (span.end > spans->items[merged - 1].end)
+                spans->items[merged - 1].end = span.end;
+        } else {
+            spans->items[merged++] = span;
+        }
+    }
+    spans->length = merged;
+}
+
+/* _measure: length of the union of sorted spans. */
+static double measure(const Spans *spans) {
+    double total = 0.0, reach = -INFINITY;
+    for (Py_ssize_t i = 0; i < spans->length; i++) {
+        double start = spans->items[i].start, end = spans->items[i].end;
+        if (end > reach) {
+            total += end - (reach > start ? reach : start);
+            reach = end;
+        }
+    }
+    return total;
+}
+
+/* _overlap: length of (union of first) meeting (union of second); both sorted. */
+static double overlap(const Spans *first, const Spans *second) {
+    double total = 0.0, reach = -INFINITY;
+    Py_ssize_t j = 0;
+    for (Py_ssize_t i = 0; i < first->length; i++) {
+        double start = first->items[i].start, end = first->items[i].end;
+        if (reach > start)
+            start = reach;
+        if (end <= start)
+            continue;
+        reach = end;
+        while (j < second->length && second->items[j].end <= start)
+            j++;
+        for (Py_ssize_t k = j; k < second->length && second->items[k].start < end; k++) {
+            double high = second->items[k].end < end ? second->items[k].end : end;
+            double low = second->items[k].start > start ? second->items[k].start : start;
+            double piece = high - low;
+            total += piece > 0.0 ? piece : 0.0;
+        }
+    }
+    return total;
+}
+
+static int disjoint(const Spans *spans) {
+    for (Py_ssize_t i = 1; i < spans->length; i++)
+        if (!(spans->items[i].start >= spans->items[i - 1].end))
+            return 0;
+    return 1;
+}
+
+/* The stream of an event: 0 recv, 1 compute, 2 tp, 3 step, 4 wait, 5 send, 6 dp, -1 other. */
+static PyObject *stream_names[7];
+static const char *const stream_text[7] = {"recv", "compute", "tp", "step", "wait", "send", "dp"};
+
+static int stream_of(PyObject *stream) {
+    for (int i = 0; i < 7; i++)
+        if (stream == stream_names[i])
+            return i;
+    if (!PyUnicode_Check(stream))
+        return -1;
+    for (int i = 0; i < 7; i++)
+        if (PyUnicode_CompareWithASCIIString(stream, stream_text[i]) == 0)
+            return i;
+    return -1;
+}
+
+/* Action text -> moment: ``{event.action: event.start}`` of one stream's events, as
+ * accounting.py's dicts (a later event of the same text replaces an earlier one),
+ * keyed by the text's bytes. The strings stay alive in the events while it is used. */
+#define INLINE_TEXT 30
+typedef struct {
+    uint64_t hash;
+    double moment;
+    const char *text; /* the event's own text where it does not fit inline */
+    unsigned char used, length;
+    char inline_text[INLINE_TEXT]; /* the text itself: one cache line holds the whole entry */
+} Entry;
+
+typedef struct {
+    Entry *entries;
+    size_t mask;
+} Table;
+
+static uint64_t hash_text(const char *text, Py_ssize_t length) {
+    uint64_t hash = 1469598103934665603ULL; /* FNV-1a */
+    for (Py_ssize_t i = 0; i < length; i++) {
+        hash ^= (unsigned char)text[i];
+        hash *= 1099511628211ULL;
+    }
+    hash ^= hash >> 33; /* spread FNV's weak low bits, which pick the slot */
+    hash *= 0xff51afd7ed558ccdULL;
+    hash ^= hash >> 33;
+    return hash;
+}
+
+static const char *text_of(const Entry *entry) {
+    return entry->length <= INLINE_TEXT ? entry->inline_text : entry->text;
+}
+
+static Entry *slot_of(const Table *table, const char *text, Py_ssize_t length, uint64_t hash) {
+    size_t at = (size_t)hash & table->mask;
+    for (;;) {
+        Entry *entry = &table->entries[at];
+        if (!entry->used || (entry->hash == hash && entry->length == length && !memcmp(text_of(entry), text, length)))
+            return entry;
+        at = (at + 1) & table->mask;
+    }
+}
+
+/* The table of every event of ``stream`` in ``events``. */
+static int build_table(Table *table, PyObject *events, int stream) {
+    Py_ssize_t count = 0, n = PyList_GET_SIZE(events);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (stream_of(PyTuple_GET_ITEM(PyList_GET_ITEM(events, i), F_STREAM)) == stream)
+            count++;
+    size_t capacity = 16;
+    while (capacity < (size_t)count * 2 + 1)
+        capacity *= 2;
+    table->entries = PyMem_Calloc(capacity, sizeof(Entry));
+    if (!table->entries) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    table->mask = capacity - 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        if (stream_of(PyTuple_GET_ITEM(event, F_STREAM)) != stream)
+            continue;
+        Py_ssize_t length;
+        const char *text = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(event, F_ACTION), &length);
+        if (!text)
+            return -1;
+        double moment = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_START));
+        if (moment == -1.0 && PyErr_Occurred())
+            return -1;
+        if (length > 255) {
+            PyErr_Format(PyExc_ValueError, "action text too long: %R", PyTuple_GET_ITEM(event, F_ACTION));
+            return -1;
+        }
+        uint64_t hash = hash_text(text, length);
+        Entry *entry = slot_of(table, text, length, hash);
+        entry->used = 1;
+        entry->length = (unsigned char)length;
+        entry->hash = hash;
+        entry->moment = moment;
+        if (length <= INLINE_TEXT)
+            memcpy(entry->inline_text, text, length);
+        else
+            entry->text = text;
+    }
+    return 0;
+}
+
+static char *write_number(char *at, long value) {
+    char digits[24];
+    int count = 0;
+    unsigned long magnitude = value < 0 ? 0UL - (unsigned long)value : (unsigned long)value;
+    do {
+        digits[count++] = (char)('0' + magnitude % 10);
+        magnitude /= 10;
+    } while (magnitude);
+    if (value < 0)
+        *at++ = '-';
+    while (count)
+        *at++ = digits[--count];
+    return at;
+}
+
+/* ``table.get(f"{stage}{kind}{microbatch}")``: 1 and the moment if found, 0 if not, -1 on error. */
+static int time_of(const Table *table, long stage, const char *kind, PyObject *microbatch, double *found) {
+    long microbatch_value = PyLong_AsLong(microbatch);
+    if (microbatch_value == -1 && PyErr_Occurred())
+        return -1;
+    char buffer[96];
+    char *at = write_number(buffer, stage);
+    size_t kind_length = strlen(kind);
+    memcpy(at, kind, kind_length);
+    at = write_number(at + kind_length, microbatch_value);
+    Py_ssize_t length = at - buffer;
+    Entry *entry = slot_of(table, buffer, length, hash_text(buffer, length));
+    if (!entry->used)
+        return 0;
+    *found = entry->moment;
+    return 1;
+}
+
+static int kind_is(PyObject *kind, const char *text) {
+    return PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, text) == 0;
+}
+
+/* accounting._rank_time's seconds (indexed like PARTS) for one rank's events, a new
+ * list; None where what holds the rank overlaps (the general sweep, left to Python). */
+static PyObject *rank_seconds(PyObject *events, const Table *sent, const Table *posted, double first, double last) {
+    double seconds[P_COUNT] = {0.0};
+    Spans spans = {0}, waits = {0}, peer = {0}, reducing = {0};
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        if (!PyTuple_Check(event) || PyTuple_GET_SIZE(event) < 8) {
+            PyErr_SetString(PyExc_TypeError, "events must be TraceEvents");
+            goto done;
+        }
+        int stream = stream_of(PyTuple_GET_ITEM(event, F_STREAM));
+        if (stream < 0)
+            continue;
+        double start = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_START));
+        double end = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_END));
+        if (PyErr_Occurred())
+            goto done;
+        if (stream == 0) { /* recv */
+            if (end > start) {
+                if (push(&waits, start, end) < 0)
+                    goto done;
+                long stage = PyLong_AsLong(PyTuple_GET_ITEM(event, F_STAGE));
+                if (stage == -1 && PyErr_Occurred())
+                    goto done;
+                double ready;
+                int found = kind_is(PyTuple_GET_ITEM(event, F_KIND), "RECV_F")
+                                ? time_of(sent, stage - 1, "SEND_F", PyTuple_GET_ITEM(event, F_MICROBATCH), &ready)
+                                : time_of(sent, stage + 1, "SEND_B", PyTuple_GET_ITEM(event, F_MICROBATCH), &ready);
+                if (found < 0)
+                    goto done;
+                if (found && ready > start && push(&peer, start, ready < end ? ready : end) < 0)
+                    goto done;
+            }
+        } else if (stream >= 1 && stream <= 3) { /* compute, tp, step: they hold the rank */
+            if (end > start) {
+                seconds[stream - 1] += end - start;
+                if (push(&spans, start, end) < 0)
+                    goto done;
+            }
+        } else if (stream == 4) { /* wait */
+            if (end > start && push(&waits, start, end) < 0)
+                goto done;
+        } else if (stream == 5) { /* send */
+            if (posted) {
+                PyObject *kind = PyTuple_GET_ITEM(event, F_KIND);
+                long stage = PyLong_AsLong(PyTuple_GET_ITEM(event, F_STAGE));
+                if (stage == -1 && PyErr_Occurred())
+                    goto done;
+                double accepted;
+                int found;
+                if (kind_is(kind, "SEND_F"))
+                    found = time_of(posted, stage + 1, "RECV_F", PyTuple_GET_ITEM(event, F_MICROBATCH), &accepted);
+                else if (kind_is(kind, "SEND_B"))
+                    found = time_of(posted, stage - 1, "RECV_B", PyTuple_GET_ITEM(event, F_MICROBATCH), &accepted);
+                else {
+                    PyErr_SetObject(PyExc_KeyError, kind);
+                    goto done;
+                }
+                if (found < 0)
+                    goto done;
+                if (found && accepted > start && push(&peer, start, accepted < end ? accepted : end) < 0)
+                    goto done;
+            }
+        } else if (stream == 6) { /* dp */
+            if (end > start && push(&reducing, start, end) < 0)
+                goto done;
+        }
+    }
+    if (!spans.length && !waits.length && !reducing.length) {
+        seconds[P_BUBBLE] = last - first;
+    } else {
+        sort(&waits);
+        unite(&waits);
+        for (Py_ssize_t i = 0; i < waits.length; i++)
+            if (push(&spans, waits.items[i].start, waits.items[i].end) < 0)
+                goto done;
+        sort(&spans);
+        sort(&reducing);
+        if (!disjoint(&spans)) {
+            Py_INCREF(Py_None);
+            result = Py_None;
+            goto done;
+        }
+        sort(&peer);
+        unite(&peer);
+        seconds[P_BUBBLE] = overlap(&peer, &waits);
+        seconds[P_EXPOSED] = measure(&waits) - seconds[P_BUBBLE];
+        if (seconds[P_EXPOSED] < ROUNDING * (last - first)) {
+            seconds[P_BUBBLE] += seconds[P_EXPOSED];
+            seconds[P_EXPOSED] = 0.0;
+        }
+        seconds[P_DP] = measure(&reducing) - overlap(&reducing, &spans);
+        double spans_first = spans.length ? spans.items[0].start : last;
+        double reducing_first = reducing.length ? reducing.items[0].start : last;
+        double own_first = reducing_first < spans_first ? reducing_first : spans_first;
+        double reducing_last = first;
+        for (Py_ssize_t i = 0; i < reducing.length; i++)
+            if (reducing.items[i].end > reducing_last)
+                reducing_last = reducing.items[i].end;
+        double spans_last = spans.length ? spans.items[spans.length - 1].end : first;
+        double own_last = reducing_last > spans_last ? reducing_last : spans_last;
+        double total = 0.0;
+        for (int part = 0; part < P_COUNT; part++)
+            total += seconds[part];
+        double overhead = (own_last - own_first) - total;
+        seconds[P_OVERHEAD] = overhead > 0.0 ? overhead : 0.0;
+        seconds[P_BUBBLE] += (own_first - first) + (last - own_last);
+    }
+    result = PyList_New(P_COUNT);
+    if (!result)
+        goto done;
+    for (int part = 0; part < P_COUNT; part++) {
+        PyObject *value = PyFloat_FromDouble(seconds[part]);
+        if (!value) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, part, value);
+    }
+done:
+    PyMem_Free(spans.items);
+    PyMem_Free(waits.items);
+    PyMem_Free(peer.items);
+    PyMem_Free(reducing.items);
+    return result;
+}
+
+PyDoc_STRVAR(accounting_doc,
+             "accounting(groups, events, sends_hold, first, last) -> list\n\n"
+             "Per rank of ``groups`` (Trace.by_rank), accounting._rank_time's seconds indexed like\n"
+             "PARTS, or None where the general sweep must decide; ``events`` is the whole trace\n"
+             "(its sends and receives say when data was ready and when receives were posted).");
+
+static PyObject *accounting(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *groups, *events;
+    int sends_hold;
+    double first, last;
+    if (!PyArg_ParseTuple(args, "O!O!pdd", &PyList_Type, &groups, &PyList_Type, &events, &sends_hold, &first,
+                          &last))
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        if (!PyTuple_Check(event) || PyTuple_GET_SIZE(event) < 8) {
+            PyErr_SetString(PyExc_TypeError, "events must be TraceEvents");
+            return NULL;
+        }
+    }
+    Table sent = {0}, posted = {0};
+    PyObject *result = NULL;
+    if (build_table(&sent, events, 5) < 0 || (sends_hold && build_table(&posted, events, 0) < 0))
+        goto done;
+    result = PyList_New(PyList_GET_SIZE(groups));
+    if (!result)
+        goto done;
+    for (Py_ssize_t rank = 0; rank < PyList_GET_SIZE(groups); rank++) {
+        PyObject *rank_events = PyList_GET_ITEM(groups, rank);
+        if (!PyList_Check(rank_events)) {
+            PyErr_SetString(PyExc_TypeError, "groups must be lists of events");
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyObject *seconds = rank_seconds(rank_events, &sent, sends_hold ? &posted : NULL, first, last);
+        if (!seconds) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, rank, seconds);
+    }
+done:
+    PyMem_Free(sent.entries);
+    PyMem_Free(posted.entries);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"accounting", accounting, METH_VARARGS, accounting_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "schedules._accounting",
+    "One rank's time accounting in C (see schedules/accounting.py).", -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__accounting(void) {
+    for (int i = 0; i < 7; i++) {
+        stream_names[i] = PyUnicode_InternFromString(stream_text[i]);
+        if (!stream_names[i])
+            return NULL;
+    }
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,103 @@
+"""The time accounting's C loop (``schedules/_accounting.c``) against its Python version
+(``schedules.accounting``): the same rule and the same floating-point operations, so
+the same seconds to the last bit, on simulated steps of every kind (tp, dp, ZeRO,
+both P2P semantics, zero-bubble and V schedules) and on hand-made traces (overlapping
+waits, sends that hold the rank, a trace of one rank, text-only events)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+from hypothesis import given, settings
+
+from pipesim.engine import simulate
+from schedules import accounting
+from schedules.accounting import RankTime, time_accounting
+from schedules.trace import Trace, TraceEvent
+from tests.test_engine_fast import cases
+
+pytestmark = pytest.mark.skipif(accounting._native is None, reason="the C accounting is not built")
+
+
+@contextmanager
+def accounting_loop(native: bool):
+    saved = accounting.ACCELERATED
+    accounting.ACCELERATED = native
+    try:
+        yield
+    finally:
+        accounting.ACCELERATED = saved
+
+
+def both(trace: Trace) -> tuple[list[RankTime], list[RankTime]]:
+    with accounting_loop(False):
+        python = time_accounting(trace)
+    with accounting_loop(True):
+        native = time_accounting(trace)
+    return python, native
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases())
+def test_the_c_accounting_equals_python_on_simulated_steps(case):
+    lowered, costs, topology, devices, plan, p2p = case
+    python, native = both(simulate(lowered, costs, topology, devices, plan, p2p))
+    assert native == python  # float for float
+
+
+def event(rank, action, kind, stage, microbatch, start, end, stream):
+    return TraceEvent(rank, action, kind, stage, microbatch, start, end, stream)
+
+
+def test_overlapping_waits_and_held_sends_go_to_the_sweep_with_the_same_result():
+    # rank 1 waits on two receives at once (overlapping), rank 0's send is held until
+    # rank 1 posts its receive; tp overlaps compute on rank 0: both the C and the Python
+    # path must agree, whichever decides
+    events = [
+        event(0, "0F0", "F", 0, 0, 0.0, 1.0, "compute"),
+        event(0, "tp(0F0)", "tp", 0, 0, 0.5, 1.5, "tp"),
+        event(0, "0SEND_F0", "SEND_F", 0, 0, 1.5, 3.0, "send"),
+        event(1, "1RECV_F0", "RECV_F", 1, 0, 0.0, 3.0, "recv"),
+        event(1, "1RECV_F1", "RECV_F", 1, 1, 1.0, 3.5, "recv"),
+        event(1, "1F0", "F", 1, 0, 3.5, 4.5, "compute"),
+        event(1, "dp", "dp", 1, 0, 4.0, 6.0, "dp"),
+        event(0, "step", "step", 0, 0, 5.0, 5.5, "step"),
+    ]
+    trace = Trace(events, {"pp": 2, "p2p": "rendezvous"})
+    python, native = both(trace)
+    assert native == python
+    assert sum(python[0].__dict__.values()) == pytest.approx(6.0)  # parts sum to the makespan
+
+
+@pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
+def test_a_one_rank_trace_and_unmatched_transfers_agree(p2p):
+    # sends with no matching receive in the trace and receives with no send (one rank's own trace)
+    events = [
+        event(0, "1RECV_F0", "RECV_F", 1, 0, 0.0, 2.0, "recv"),
+        event(0, "1F0", "F", 1, 0, 2.0, 3.0, "compute"),
+        event(0, "1SEND_F0", "SEND_F", 1, 0, 3.0, 3.5, "send"),
+        event(0, "1RECV_B0", "RECV_B", 1, 0, 3.5, 6.0, "recv"),
+        event(0, "1B0", "B", 1, 0, 6.0, 8.0, "compute"),
+        event(0, "1SEND_B0", "SEND_B", 1, 0, 8.0, 8.2, "send"),
+        event(0, "end", "wait", 1, 0, 8.2, 9.0, "wait"),
+    ]
+    python, native = both(Trace(events, {"pp": 1, "p2p": p2p}))
+    assert native == python
+    # waits 0-2, 3.5-6 and 8.2-9 (no send in the trace: ready at once, so exposed); the
+    # sends' 0.5 and 0.2 s between the rank's own events are overhead
+    assert python[0].busy == 3.0 and python[0].exposed_comm == pytest.approx(2.0 + 2.5 + 0.8)
+    assert python[0].overhead == pytest.approx(0.7)
+
+
+def test_a_later_event_of_the_same_text_wins_in_both():
+    # two sends of one text (a measured trace can repeat one): the dict keeps the later
+    events = [
+        event(0, "0SEND_F0", "SEND_F", 0, 0, 1.0, 1.2, "send"),
+        event(0, "0SEND_F0", "SEND_F", 0, 0, 2.0, 2.2, "send"),
+        event(1, "1RECV_F0", "RECV_F", 1, 0, 0.0, 3.0, "recv"),
+        event(1, "1F0", "F", 1, 0, 3.0, 4.0, "compute"),
+    ]
+    python, native = both(Trace(events, {"pp": 2}))
+    assert native == python
+    assert python[1].bubble == pytest.approx(2.0)  # data ready at 2.0 (the later send), not 1.0
