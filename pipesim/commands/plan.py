@@ -320,7 +320,7 @@ def evaluate_layout(layout: Layout) -> dict:
     """Simulate one layout as ``pipesim simulate`` would; a row for the table, or
     ``{"error": cause}`` for a layout that cannot be built."""
     from pipesim.commands.options import parallel_from_args, schedule_from_args
-    from pipesim.commands.simulate import model_figures
+    from pipesim.commands.simulate import throughput_figures
     from pipesim.simulation import run_simulation
     from schedules.generators import COST_AWARE, ScheduleUnavailableError
 
@@ -341,7 +341,7 @@ def evaluate_layout(layout: Layout) -> dict:
     except ValueError as error:
         return {"error": f"{type(error).__name__}: {str(error).split(';')[0]}"}
     metrics = result.metrics
-    figures = model_figures(args, result)
+    figures = throughput_figures(args, result)
     peak = max((memory.peak_bytes for memory in result.memory), default=0.0)
     capacity = min((memory.capacity_bytes for memory in result.memory), default=float("inf"))
     return {

@@ -90,19 +90,32 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
 def model_figures(args: argparse.Namespace, result) -> dict:
     """``--json``'s model section: the architecture, the per-stage costs derived from it,
     and the throughput a training log would report for the simulated step."""
+    spec = model_spec_from_args(args)
+    figures, gpus, peak = _throughput(args, result, spec)
+    model = spec.describe()
+    model.update(recompute=args.recompute, flash_attention=not args.no_flash_attention,
+                 sequence_parallel=args.sequence_parallel, gpus=gpus, peak_flops_per_gpu=peak)
+    return {"model": model, "stage_costs": result.costs.to_dict()["stages"], **figures}
+
+
+def throughput_figures(args: argparse.Namespace, result) -> dict:
+    """Only the throughput of ``model_figures`` (tokens/s, MFU, model TFLOP/s per GPU):
+    what a planner ranks thousands of layouts by, without the rest of the section."""
+    return _throughput(args, result, model_spec_from_args(args))[0]
+
+
+def _throughput(args: argparse.Namespace, result, spec) -> tuple[dict, int, float]:
+    """The training figures, the GPU count and the mean peak FLOP/s per GPU."""
     from pipesim.transformer_costs import training_figures
 
-    spec = model_spec_from_args(args)
     fallback = fallback_peak_flops(args)
     peaks = [result.topology.device_peak_flops(device) for device in result.devices]
     peaks = [peak if math.isfinite(peak) else fallback for peak in peaks] or [fallback]
     gpus = result.schedule.pp * result.parallel.tp * result.parallel.dp
+    peak = sum(peaks) / len(peaks)
     figures = training_figures(spec, args.recompute, result.metrics.makespan, result.schedule.microbatches,
-                               result.parallel.dp, gpus, sum(peaks) / len(peaks))
-    model = spec.describe()
-    model.update(recompute=args.recompute, flash_attention=not args.no_flash_attention,
-                 sequence_parallel=args.sequence_parallel, gpus=gpus, peak_flops_per_gpu=sum(peaks) / len(peaks))
-    return {"model": model, "stage_costs": result.costs.to_dict()["stages"], **figures}
+                               result.parallel.dp, gpus, peak)
+    return figures, gpus, peak
 
 
 def handle(args: argparse.Namespace) -> int:

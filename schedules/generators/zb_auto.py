@@ -20,6 +20,7 @@ no rank ever holds more, which the simulated memory shows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from schedules.action import Action, ActionKind
@@ -53,6 +54,18 @@ def zb_auto(
         (ActionKind.W, "weight-gradient", backward_weight))}
     if comm < 0:
         raise ScheduleUnavailableError(f"zb-auto: communication time must be >= 0, got {comm!r}")
+    return _fastest_order(pp, microbatches, tuple(costs["F"]), tuple(costs["I"]), tuple(costs["W"]), float(comm),
+                          limit)
+
+
+@functools.lru_cache(maxsize=256)
+def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backward_input: tuple[float, ...],
+                   backward_weight: tuple[float, ...], comm: float, limit: int) -> Schedule:
+    """The search itself, kept per distinct input: it is a pure function of them and a
+    schedule never changes, so a planner whose layouts differ only in what the order does
+    not depend on (optimizer sharding, say) searches once and shares the schedule, with
+    its lowering and compiled programs (``Schedule.derived``)."""
+    costs = {ActionKind.F: forward, ActionKind.I: backward_input, ActionKind.W: backward_weight}
     placement = looped_placement(pp, 1)
 
     def seconds(action: Action) -> float:
@@ -61,7 +74,7 @@ def zb_auto(
     candidates = []
     for patient in (False, True):
         for cap in sorted({None, *(c for c in (pp, 2 * pp - 1, limit // 2) if 1 <= c < limit)}, key=str):
-            orders = greedy_orders(pp, microbatches, costs["F"], costs["I"], costs["W"], comm, limit,
+            orders = greedy_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limit,
                                    patient_weights=patient, warmup_cap=cap)
             candidates.append(orders)
     if limit >= pp:
