@@ -1,6 +1,6 @@
-"""Build configuration beyond pyproject.toml: two optional C loops, the direct
-rendezvous engine's (pipesim/_rendezvous.c) and the time accounting's
-(schedules/_accounting.c). Each has a Python twin it is tested equal to; with
+"""Build configuration beyond pyproject.toml: three optional C loops, the direct
+rendezvous engine's (pipesim/_rendezvous.c), the time accounting's
+(schedules/_accounting.c) and lowering's (schedules/_lowering.c). Each has a Python twin it is tested equal to; with
 ``optional=True`` an install without a C compiler goes on and runs those."""
 
 from setuptools import Extension, setup
@@ -8,5 +8,6 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension(name, [source], optional=True, extra_compile_args=["-O2"])
     for name, source in (("pipesim._rendezvous", "pipesim/_rendezvous.c"),
-                         ("schedules._accounting", "schedules/_accounting.c"))
+                         ("schedules._accounting", "schedules/_accounting.c"),
+                         ("schedules._lowering", "schedules/_lowering.c"))
 ])

@@ -682,220 +682,249 @@ static PyObject *action_text(PyObject *stage, PyObject *kind, PyObject *microbat
     return PyUnicode_FromFormat("%S%S%S", stage, kind, microbatch);
 }
 
-static int unpack_action(PyObject *action, PyObject **stage, PyObject **kind, PyObject **microbatch) {
-    if (!PyTuple_Check(action) || PyTuple_GET_SIZE(action) != 3) {
-        PyErr_Format(PyExc_TypeError, "not an action (stage, kind, microbatch): %R", action);
-        return -1;
-    }
-    *stage = PyTuple_GET_ITEM(action, 0);
-    *kind = PyTuple_GET_ITEM(action, 1);
-    *microbatch = PyTuple_GET_ITEM(action, 2);
-    return 0;
-}
-
-static PyObject *compile_compute(PyObject *kinds, PyObject *item, PyObject *posted) {
-    PyObject *stage, *kind, *microbatch;
-    if (unpack_action(item, &stage, &kind, &microbatch) < 0)
-        return NULL;
-    int k = kind_index(kinds, kind);
-    PyObject *receive_kind = k == K_F ? PyTuple_GET_ITEM(kinds, K_RECV_F)
-                             : (k == K_B || k == K_I) ? PyTuple_GET_ITEM(kinds, K_RECV_B) : Py_None;
-    PyObject *needed = PyTuple_Pack(3, stage, receive_kind, microbatch);
-    if (!needed)
-        return NULL;
-    Py_ssize_t source = -1;
-    PyObject *ordinal = PyDict_GetItemWithError(posted, needed);
-    if (ordinal) {
-        source = PyLong_AsSsize_t(ordinal);
-        if (PyDict_DelItem(posted, needed) < 0) {
-            Py_DECREF(needed);
-            return NULL;
-        }
-    }
-    Py_DECREF(needed);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_ssize_t slot = -1;
-    if (k >= K_F && k <= K_W) {
-        Py_ssize_t stage_index = PyLong_AsSsize_t(stage);
-        if (stage_index == -1 && PyErr_Occurred())
-            return NULL;
-        slot = stage_index * 4 + k;
-    }
-    PyObject *entry = PyTuple_New(10);
-    if (!entry)
-        return NULL;
-    PyObject *type = PyLong_FromLong(0), *source_object = PyLong_FromSsize_t(source);
-    PyObject *slot_object = PyLong_FromSsize_t(slot);
-    PyObject *text = action_text(stage, kind, microbatch);
-    PyObject *receive_text = action_text(stage, receive_kind, microbatch);
-    PyObject *items[10] = {type, item, stage, kind, microbatch, text, source_object, receive_kind, receive_text,
-                           slot_object};
-    Py_INCREF(item);
-    Py_INCREF(stage);
-    Py_INCREF(kind);
-    Py_INCREF(microbatch);
-    Py_INCREF(receive_kind);
-    int failed = 0;
-    for (int i = 0; i < 10; i++) {
+/* A tuple of ``count`` new references; on any NULL, all of them released and NULL. */
+static PyObject *pack_new(PyObject **items, Py_ssize_t count) {
+    PyObject *tuple = PyTuple_New(count);
+    int failed = !tuple;
+    for (Py_ssize_t i = 0; i < count; i++)
         if (!items[i])
             failed = 1;
-        PyTuple_SET_ITEM(entry, i, items[i]); /* NULL items are skipped when the tuple is freed */
-    }
     if (failed) {
-        Py_DECREF(entry);
+        for (Py_ssize_t i = 0; i < count; i++)
+            Py_XDECREF(items[i]);
+        Py_XDECREF(tuple);
         return NULL;
     }
-    return entry;
+    for (Py_ssize_t i = 0; i < count; i++)
+        PyTuple_SET_ITEM(tuple, i, items[i]);
+    return tuple;
 }
 
-static PyObject *compile_group(PyObject *kinds, PyObject *item, Py_ssize_t ordinal, PyObject *posted,
-                               PyObject *numbers) {
-    Py_ssize_t size = PyTuple_GET_SIZE(item);
-    PyObject *transfers = PyTuple_New(size);
+static PyObject *new_reference(PyObject *object) {
+    Py_INCREF(object);
+    return object;
+}
+
+typedef struct {
+    PyObject *kinds;
+    long stages, microbatches;
+    Py_ssize_t *number;  /* per (send stage * 2 + kind) * microbatches + microbatch: its transfer number */
+    Py_ssize_t numbered; /* transfers numbered so far, in the order first seen (as dict.setdefault) */
+    Py_ssize_t *posted_ordinal; /* per (stage * 2 + kind) * microbatches + microbatch of a receive */
+    Py_ssize_t *posted_rank;    /* the rank that posted it, -1 once its consumer took it (dict.pop) */
+} Compiler;
+
+/* The action's numbers, or 0 where they fall outside the schedule (Python then compiles). */
+static int numbers_of(const Compiler *c, PyObject *action, long *stage, long *microbatch) {
+    if (!PyTuple_Check(action) || PyTuple_GET_SIZE(action) != 3)
+        return 0;
+    *stage = PyLong_AsLong(PyTuple_GET_ITEM(action, 0));
+    *microbatch = PyLong_AsLong(PyTuple_GET_ITEM(action, 2));
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return *stage >= 0 && *stage < c->stages && *microbatch >= 0 && *microbatch < c->microbatches;
+}
+
+static Py_ssize_t transfer_slot(const Compiler *c, long stage, int second, long microbatch) {
+    return ((Py_ssize_t)stage * 2 + second) * c->microbatches + microbatch;
+}
+
+/* The compute entry of ``item`` on ``rank`` (see compiled_programs); NULL with no error: unusual. */
+static PyObject *compile_compute(Compiler *c, PyObject *item, int kind, long stage, long microbatch,
+                                 Py_ssize_t rank) {
+    PyObject *kinds = c->kinds;
+    PyObject *receive_kind = kind == K_F ? PyTuple_GET_ITEM(kinds, K_RECV_F)
+                             : (kind == K_B || kind == K_I) ? PyTuple_GET_ITEM(kinds, K_RECV_B) : Py_None;
+    Py_ssize_t source = -1;
+    if (receive_kind != Py_None) {
+        Py_ssize_t at = transfer_slot(c, stage, kind != K_F, microbatch);
+        if (c->posted_rank[at] == rank) { /* posted.pop(needed, -1) */
+            source = c->posted_ordinal[at];
+            c->posted_rank[at] = -1;
+        }
+    }
+    PyObject *stage_object = PyTuple_GET_ITEM(item, 0), *kind_object = PyTuple_GET_ITEM(item, 1);
+    PyObject *microbatch_object = PyTuple_GET_ITEM(item, 2);
+    PyObject *fields[10] = {
+        PyLong_FromLong(0), new_reference(item), new_reference(stage_object), new_reference(kind_object),
+        new_reference(microbatch_object), action_text(stage_object, kind_object, microbatch_object),
+        PyLong_FromSsize_t(source), new_reference(receive_kind),
+        action_text(stage_object, receive_kind, microbatch_object),
+        PyLong_FromLong(kind <= K_W ? stage * 4 + kind : -1),
+    };
+    return pack_new(fields, 10);
+}
+
+/* The group entry of ``program[first:stop]`` (its ``ordinal``-th group on ``rank``). */
+static PyObject *compile_group(Compiler *c, PyObject *program, Py_ssize_t first, Py_ssize_t stop, const int *kind_of,
+                               const long *stage_of, const long *microbatch_of, Py_ssize_t ordinal, Py_ssize_t rank) {
+    PyObject *transfers = PyTuple_New(stop - first);
     if (!transfers)
         return NULL;
-    PyObject *ordinal_object = PyLong_FromSsize_t(ordinal);
-    if (!ordinal_object)
-        goto fail;
-    for (Py_ssize_t i = 0; i < size; i++) {
-        PyObject *action = PyTuple_GET_ITEM(item, i);
-        PyObject *stage, *kind, *microbatch;
-        if (unpack_action(action, &stage, &kind, &microbatch) < 0)
-            goto fail;
-        int k = kind_index(kinds, kind);
-        if (k < K_SEND_F) {
-            PyErr_Format(PyExc_ValueError, "%R in a P2P group is not a transfer", action);
-            goto fail;
-        }
-        int is_send = k == K_SEND_F || k == K_SEND_B;
-        long stage_value = PyLong_AsLong(stage);
-        if (stage_value == -1 && PyErr_Occurred())
-            goto fail;
+    for (Py_ssize_t i = first; i < stop; i++) {
+        PyObject *action = PyTuple_GET_ITEM(program, i);
+        int kind = kind_of[i];
+        long stage = stage_of[i], microbatch = microbatch_of[i];
+        int is_send = kind == K_SEND_F || kind == K_SEND_B;
         /* the SEND both ends name (Action.matching) */
-        long send_stage = is_send ? stage_value : (k == K_RECV_F ? stage_value - 1 : stage_value + 1);
-        int send_kind = is_send ? k : (k == K_RECV_F ? K_SEND_F : K_SEND_B);
-        PyObject *send_key;
-        if (is_send) {
-            send_key = action;
-            Py_INCREF(send_key);
-        } else {
-            PyObject *send_stage_object = PyLong_FromLong(send_stage);
-            send_key = send_stage_object ? PyTuple_Pack(3, send_stage_object, PyTuple_GET_ITEM(kinds, send_kind),
-                                                        microbatch)
-                                         : NULL;
-            Py_XDECREF(send_stage_object);
+        long send_stage = is_send ? stage : (kind == K_RECV_F ? stage - 1 : stage + 1);
+        int backward = kind == K_SEND_B || kind == K_RECV_B;
+        if (send_stage < 0 || send_stage >= c->stages) {
+            Py_DECREF(transfers);
+            return NULL; /* unusual: no such sender */
         }
-        if (!send_key)
-            goto fail;
-        PyObject *number = PyDict_GetItemWithError(numbers, send_key);
-        if (number) {
-            Py_INCREF(number);
-        } else if (!PyErr_Occurred()) {
-            number = PyLong_FromSsize_t(PyDict_GET_SIZE(numbers));
-            if (number && PyDict_SetItem(numbers, send_key, number) < 0)
-                Py_CLEAR(number);
+        Py_ssize_t at = transfer_slot(c, send_stage, backward, microbatch);
+        if (c->number[at] < 0)
+            c->number[at] = c->numbered++;
+        if (!is_send) { /* posted[action] = ordinal */
+            Py_ssize_t own = transfer_slot(c, stage, backward, microbatch);
+            c->posted_ordinal[own] = ordinal;
+            c->posted_rank[own] = rank;
         }
-        Py_DECREF(send_key);
-        if (!number)
-            goto fail;
-        if (!is_send && PyDict_SetItem(posted, action, ordinal_object) < 0) {
-            Py_DECREF(number);
-            goto fail;
-        }
-        PyObject *transfer = PyTuple_New(7);
-        if (!transfer) {
-            Py_DECREF(number);
-            goto fail;
-        }
-        PyTuple_SET_ITEM(transfers, i, transfer);
         PyObject *flag = is_send ? Py_True : Py_False;
-        PyObject *text = action_text(stage, kind, microbatch);
-        PyObject *wire = PyLong_FromLong(send_stage * 2 + (send_kind == K_SEND_B));
-        PyObject *fields[7] = {number, flag, stage, kind, microbatch, text, wire};
-        Py_INCREF(flag);
-        Py_INCREF(stage);
-        Py_INCREF(kind);
-        Py_INCREF(microbatch);
-        for (int f = 0; f < 7; f++)
-            PyTuple_SET_ITEM(transfer, f, fields[f]); /* NULL items are skipped when the tuple is freed */
-        if (!text || !wire)
-            goto fail;
+        PyObject *stage_object = PyTuple_GET_ITEM(action, 0), *kind_object = PyTuple_GET_ITEM(action, 1);
+        PyObject *microbatch_object = PyTuple_GET_ITEM(action, 2);
+        PyObject *fields[7] = {
+            PyLong_FromSsize_t(c->number[at]), new_reference(flag), new_reference(stage_object),
+            new_reference(kind_object), new_reference(microbatch_object),
+            action_text(stage_object, kind_object, microbatch_object), PyLong_FromLong(send_stage * 2 + backward),
+        };
+        PyObject *transfer = pack_new(fields, 7);
+        if (!transfer) {
+            Py_DECREF(transfers);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(transfers, i - first, transfer);
     }
-    PyObject *entry = PyTuple_New(4);
-    PyObject *type = PyLong_FromLong(1), *size_object = PyLong_FromSsize_t(size);
-    if (!entry || !type || !size_object) {
-        Py_XDECREF(entry);
-        Py_XDECREF(type);
-        Py_XDECREF(size_object);
-        goto fail;
-    }
-    PyTuple_SET_ITEM(entry, 0, type);
-    PyTuple_SET_ITEM(entry, 1, ordinal_object);
-    PyTuple_SET_ITEM(entry, 2, size_object);
-    PyTuple_SET_ITEM(entry, 3, transfers);
-    return entry;
-fail:
-    Py_XDECREF(ordinal_object);
-    Py_DECREF(transfers);
-    return NULL;
+    PyObject *fields[4] = {PyLong_FromLong(1), PyLong_FromSsize_t(ordinal), PyLong_FromSsize_t(stop - first),
+                           transfers};
+    return pack_new(fields, 4);
 }
 
 PyDoc_STRVAR(compile_doc,
-             "compile(items, kinds) -> (programs, transfer_count)\n\n"
-             "pipesim.direct._compile over every rank's program items (Schedule.program_items),\n"
-             "``kinds`` being F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B.");
+             "compile(programs, joins, num_stages, microbatches, kinds) -> (programs, transfer_count) or None\n\n"
+             "pipesim.direct._compile: every rank's lowered program grouped as Schedule.program_items\n"
+             "groups it (``joins``: per rank, the positions joined to the one before) and compiled;\n"
+             "``kinds`` being F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B. None where an action falls\n"
+             "outside the schedule's stages, microbatches or kinds (Python then compiles).");
 
 static PyObject *compile_programs(PyObject *module, PyObject *args) {
     (void)module;
-    PyObject *items, *kinds;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &items, &PyTuple_Type, &kinds))
+    PyObject *programs, *joins, *kinds;
+    long stages, microbatches;
+    if (!PyArg_ParseTuple(args, "O!O!llO!", &PyTuple_Type, &programs, &PyTuple_Type, &joins, &stages, &microbatches,
+                          &PyTuple_Type, &kinds))
         return NULL;
-    if (PyTuple_GET_SIZE(kinds) != K_COUNT) {
-        PyErr_SetString(PyExc_ValueError, "kinds must name the 8 action kinds");
+    Py_ssize_t ranks = PyTuple_GET_SIZE(programs);
+    if (PyTuple_GET_SIZE(kinds) != K_COUNT || PyTuple_GET_SIZE(joins) != ranks) {
+        PyErr_SetString(PyExc_ValueError, "kinds must name the 8 action kinds and joins hold one set per rank");
         return NULL;
     }
-    Py_ssize_t ranks = PyList_GET_SIZE(items);
-    PyObject *numbers = PyDict_New();
-    PyObject *programs = PyTuple_New(ranks);
-    PyObject *posted = NULL;
-    if (!numbers || !programs)
-        goto fail;
+    if (stages < 1 || microbatches < 1 || (double)stages * 2 * microbatches > (double)((Py_ssize_t)1 << 28))
+        Py_RETURN_NONE;
+    Py_ssize_t slots = (Py_ssize_t)stages * 2 * microbatches;
+    Compiler c = {kinds, stages, microbatches, PyMem_Malloc(slots * sizeof(Py_ssize_t)), 0,
+                  PyMem_Calloc(slots, sizeof(Py_ssize_t)), PyMem_Malloc(slots * sizeof(Py_ssize_t))};
+    PyObject *compiled = PyTuple_New(ranks), *result = NULL;
+    int *kind_of = NULL;
+    long *stage_of = NULL, *microbatch_of = NULL;
+    char *joined = NULL;
+    if (!c.number || !c.posted_ordinal || !c.posted_rank || !compiled) {
+        if (compiled)
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < slots; i++)
+        c.number[i] = c.posted_rank[i] = -1;
     for (Py_ssize_t rank = 0; rank < ranks; rank++) {
-        PyObject *program = PySequence_Fast(PyList_GET_ITEM(items, rank), "program items must be a sequence");
-        if (!program)
-            goto fail;
-        Py_ssize_t count = PySequence_Fast_GET_SIZE(program);
-        PyObject *entries = PyTuple_New(count);
-        posted = PyDict_New();
-        if (!entries || !posted) {
-            Py_XDECREF(entries);
-            Py_DECREF(program);
-            goto fail;
+        PyObject *program = PyTuple_GET_ITEM(programs, rank);
+        if (!PyTuple_Check(program))
+            goto unusual;
+        Py_ssize_t count = PyTuple_GET_SIZE(program);
+        PyMem_Free(kind_of);
+        PyMem_Free(stage_of);
+        PyMem_Free(microbatch_of);
+        PyMem_Free(joined);
+        kind_of = PyMem_Malloc((count + 1) * sizeof(int));
+        stage_of = PyMem_Malloc((count + 1) * sizeof(long));
+        microbatch_of = PyMem_Malloc((count + 1) * sizeof(long));
+        joined = PyMem_Calloc(count + 1, 1);
+        if (!kind_of || !stage_of || !microbatch_of || !joined) {
+            PyErr_NoMemory();
+            goto done;
         }
-        PyTuple_SET_ITEM(programs, rank, entries);
-        Py_ssize_t ordinal = 0;
         for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *item = PySequence_Fast_GET_ITEM(program, i);
-            PyObject *entry = Py_TYPE(item) != &PyTuple_Type ? compile_compute(kinds, item, posted)
-                                                             : compile_group(kinds, item, ordinal++, posted, numbers);
-            if (!entry) {
-                Py_DECREF(program);
-                goto fail;
-            }
-            PyTuple_SET_ITEM(entries, i, entry);
+            PyObject *action = PyTuple_GET_ITEM(program, i);
+            if (!numbers_of(&c, action, &stage_of[i], &microbatch_of[i]))
+                goto unusual;
+            kind_of[i] = kind_index(kinds, PyTuple_GET_ITEM(action, 1));
+            if (kind_of[i] < 0)
+                goto unusual;
         }
-        Py_DECREF(program);
-        Py_CLEAR(posted);
+        PyObject *iterator = PyObject_GetIter(PyTuple_GET_ITEM(joins, rank));
+        if (!iterator)
+            goto done;
+        PyObject *position;
+        while ((position = PyIter_Next(iterator))) {
+            Py_ssize_t at = PyLong_AsSsize_t(position);
+            Py_DECREF(position);
+            if (at >= 0 && at < count)
+                joined[at] = 1;
+        }
+        Py_DECREF(iterator);
+        if (PyErr_Occurred())
+            goto done;
+        /* Schedule.program_items: transfers joined to the one before share its group */
+        PyObject *entries = PyList_New(0);
+        if (!entries)
+            goto done;
+        PyTuple_SET_ITEM(compiled, rank, entries);
+        Py_ssize_t ordinal = 0, i = 0;
+        while (i < count) {
+            PyObject *entry;
+            if (kind_of[i] <= K_W) {
+                entry = compile_compute(&c, PyTuple_GET_ITEM(program, i), kind_of[i], stage_of[i], microbatch_of[i],
+                                        rank);
+                i++;
+            } else {
+                Py_ssize_t stop = i + 1;
+                while (stop < count && kind_of[stop] > K_W && joined[stop])
+                    stop++;
+                entry = compile_group(&c, program, i, stop, kind_of, stage_of, microbatch_of, ordinal++, rank);
+                i = stop;
+            }
+            if (!entry)
+                goto unusual;
+            int failed = PyList_Append(entries, entry);
+            Py_DECREF(entry);
+            if (failed)
+                goto done;
+        }
+        PyObject *frozen = PyList_AsTuple(entries);
+        if (!frozen)
+            goto done;
+        PyTuple_SET_ITEM(compiled, rank, frozen);
+        Py_DECREF(entries);
     }
-    PyObject *result = Py_BuildValue("(Nn)", programs, PyDict_GET_SIZE(numbers));
-    Py_DECREF(numbers);
+    result = Py_BuildValue("(On)", compiled, c.numbered);
+    goto done;
+unusual:
+    if (!PyErr_Occurred()) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    Py_XDECREF(compiled);
+    PyMem_Free(c.number);
+    PyMem_Free(c.posted_ordinal);
+    PyMem_Free(c.posted_rank);
+    PyMem_Free(kind_of);
+    PyMem_Free(stage_of);
+    PyMem_Free(microbatch_of);
+    PyMem_Free(joined);
     return result;
-fail:
-    Py_XDECREF(posted);
-    Py_XDECREF(numbers);
-    Py_XDECREF(programs);
-    return NULL;
 }
 
 static PyMethodDef methods[] = {

@@ -95,8 +95,11 @@ def compiled_programs(schedule: Schedule) -> tuple[tuple[tuple, ...], ...]:
 def _compile(schedule: Schedule) -> tuple[tuple[tuple[tuple, ...], ...], int]:
     """The compiled programs (see ``compiled_programs``) and how many transfers they number
     (in C where it is built: the same tuples, tested equal)."""
-    if ACCELERATED:
-        return _native.compile([schedule.program_items(rank) for rank in range(schedule.pp)], _KINDS)
+    if ACCELERATED:  # None: an action outside the schedule's stages or microbatches, Python decides
+        compiled = _native.compile(schedule.programs, tuple(schedule.joins), schedule.num_stages,
+                                   schedule.microbatches, _KINDS)
+        if compiled is not None:
+            return compiled
     return _compile_in_python(schedule)
 
 

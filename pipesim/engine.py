@@ -372,7 +372,6 @@ def simulate(
         finished[rank] = True
 
     with collector_paused():  # schedules.collector: a large step builds millions of acyclic objects
-        all_items = [lowered.program_items(rank) for rank in range(lowered.pp)]
         if direct:
             try:
                 stuck = dict(run_rendezvous(lowered, durations, paired, tp_seconds, comm_overhead, arrival_of,
@@ -382,14 +381,16 @@ def simulate(
         else:
             streams = [events_module.Store(env) for _ in range(lowered.pp)]
             last_group: list = [None] * lowered.pp
-            for rank, items in enumerate(all_items):
+            for rank in range(lowered.pp):
+                items = lowered.program_items(rank)
                 env.process(rank_process(rank, items))
                 if rendezvous:
                     env.process(stream_process(rank, streams[rank]))
             env.run()
             stuck = {rank: position[rank] for rank in range(lowered.pp) if not finished[rank]}
     if stuck:
-        where = [f"rank {rank} at {_describe_item(all_items[rank][index])}" for rank, index in sorted(stuck.items())]
+        where = [f"rank {rank} at {_describe_item(lowered.program_items(rank)[index])}"
+                 for rank, index in sorted(stuck.items())]
         raise SimulationError(f"deadlock under {p2p} semantics: ranks wait forever: " + "; ".join(where))
     if tp_records:
         events += [  # one tp event per compute action with tp collectives

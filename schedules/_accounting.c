@@ -263,12 +263,13 @@ static int kind_is(PyObject *kind, const char *text) {
 
 /* accounting._rank_time's seconds (indexed like PARTS) for one rank's events, a new
  * list; None where what holds the rank overlaps (the general sweep, left to Python). */
-static PyObject *rank_seconds(PyObject *events, const Table *sent, const Table *posted, double first, double last) {
+static PyObject *rank_seconds(PyObject **events, Py_ssize_t count, const Table *sent, const Table *posted,
+                              double first, double last) {
     double seconds[P_COUNT] = {0.0};
     Spans spans = {0}, waits = {0}, peer = {0}, reducing = {0};
     PyObject *result = NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
-        PyObject *event = PyList_GET_ITEM(events, i);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *event = events[i];
         if (!PyTuple_Check(event) || PyTuple_GET_SIZE(event) < 8) {
             PyErr_SetString(PyExc_TypeError, "events must be TraceEvents");
             goto done;
@@ -425,7 +426,8 @@ static PyObject *accounting(PyObject *module, PyObject *args) {
             Py_CLEAR(result);
             goto done;
         }
-        PyObject *seconds = rank_seconds(rank_events, &sent, sends_hold ? &posted : NULL, first, last);
+        PyObject *seconds = rank_seconds(PySequence_Fast_ITEMS(rank_events), PyList_GET_SIZE(rank_events), &sent,
+                                         sends_hold ? &posted : NULL, first, last);
         if (!seconds) {
             Py_CLEAR(result);
             goto done;
@@ -438,8 +440,209 @@ done:
     return result;
 }
 
+/* ---- the whole step's summary (schedules/metrics.py, step_metrics) ---- */
+
+typedef struct {
+    double moment;
+    int change;
+} Change;
+
+static int by_moment_then_change(const void *a, const void *b) {
+    const Change *x = a, *y = b;
+    if (x->moment != y->moment)
+        return x->moment < y->moment ? -1 : 1;
+    return (x->change > y->change) - (x->change < y->change);
+}
+
+/* (stage, microbatch) pairs of one rank's W passes: a small open-addressing set. */
+typedef struct {
+    long *keys; /* pairs, stage then microbatch */
+    char *used;
+    size_t mask;
+} PairSet;
+
+static size_t pair_slot(const PairSet *set, long stage, long microbatch) {
+    uint64_t hash = (uint64_t)stage * 0x9E3779B97F4A7C15ULL ^ ((uint64_t)microbatch + 0x632BE59BD9B4E019ULL);
+    hash ^= hash >> 29;
+    size_t at = (size_t)hash & set->mask;
+    while (set->used[at] && !(set->keys[2 * at] == stage && set->keys[2 * at + 1] == microbatch))
+        at = (at + 1) & set->mask;
+    return at;
+}
+
+/* peak_inflight_of_events's peak stash count (before dividing by the chunks); -1 on error. */
+static long peak_stashes(PyObject **events, Py_ssize_t count, PyObject *kinds) {
+    PyObject *forward = PyTuple_GET_ITEM(kinds, 0), *backward = PyTuple_GET_ITEM(kinds, 1);
+    PyObject *input = PyTuple_GET_ITEM(kinds, 2), *weight = PyTuple_GET_ITEM(kinds, 3);
+    size_t capacity = 16;
+    while (capacity < (size_t)count * 2 + 1)
+        capacity *= 2;
+    PairSet weights = {PyMem_Calloc(capacity * 2, sizeof(long)), PyMem_Calloc(capacity, 1), capacity - 1};
+    Change *changes = PyMem_Malloc(((size_t)count + 1) * sizeof(Change));
+    long peak = -1;
+    if (!weights.keys || !weights.used || !changes) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) { /* has_weight_pass */
+        PyObject *event = events[i];
+        if (stream_of(PyTuple_GET_ITEM(event, F_STREAM)) != 1 ||
+            PyObject_RichCompareBool(PyTuple_GET_ITEM(event, F_KIND), weight, Py_EQ) != 1)
+            continue;
+        long stage = PyLong_AsLong(PyTuple_GET_ITEM(event, F_STAGE));
+        long microbatch = PyLong_AsLong(PyTuple_GET_ITEM(event, F_MICROBATCH));
+        if (PyErr_Occurred())
+            goto done;
+        size_t at = pair_slot(&weights, stage, microbatch);
+        weights.used[at] = 1;
+        weights.keys[2 * at] = stage;
+        weights.keys[2 * at + 1] = microbatch;
+    }
+    Py_ssize_t changed = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *event = events[i];
+        if (stream_of(PyTuple_GET_ITEM(event, F_STREAM)) != 1)
+            continue;
+        PyObject *kind = PyTuple_GET_ITEM(event, F_KIND);
+        int is_forward = PyObject_RichCompareBool(kind, forward, Py_EQ);
+        int is_weight = is_forward ? 0 : PyObject_RichCompareBool(kind, weight, Py_EQ);
+        int is_backward = (is_forward || is_weight) ? 0
+                          : (PyObject_RichCompareBool(kind, backward, Py_EQ) == 1 ||
+                             PyObject_RichCompareBool(kind, input, Py_EQ) == 1);
+        if (PyErr_Occurred())
+            goto done;
+        if (is_forward) {
+            changes[changed].moment = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_START));
+            changes[changed++].change = 1;
+        } else if (is_weight || is_backward) {
+            if (is_backward) {
+                long stage = PyLong_AsLong(PyTuple_GET_ITEM(event, F_STAGE));
+                long microbatch = PyLong_AsLong(PyTuple_GET_ITEM(event, F_MICROBATCH));
+                if (PyErr_Occurred())
+                    goto done;
+                if (weights.used[pair_slot(&weights, stage, microbatch)])
+                    continue; /* its stash is released by the W */
+            }
+            changes[changed].moment = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_END));
+            changes[changed++].change = -1;
+        }
+        if (PyErr_Occurred())
+            goto done;
+    }
+    qsort(changes, (size_t)changed, sizeof(Change), by_moment_then_change);
+    long held = 0;
+    peak = 0;
+    for (Py_ssize_t i = 0; i < changed; i++) {
+        held += changes[i].change;
+        if (held > peak)
+            peak = held;
+    }
+done:
+    PyMem_Free(weights.keys);
+    PyMem_Free(weights.used);
+    PyMem_Free(changes);
+    return peak;
+}
+
+PyDoc_STRVAR(summary_doc,
+             "summary(events, num_ranks, sends_hold, kinds) -> (first, span, ranks) or None\n\n"
+             "What step_metrics reads off a Trace in one pass: the first start, the span to the last\n"
+             "end, and per rank (accounting seconds indexed like PARTS or None for the sweep, seconds\n"
+             "its sends were in flight, peak forward stashes). ``kinds``: F, B, I, W. None where a\n"
+             "rank number is outside 0..num_ranks-1 (Python decides).");
+
+static PyObject *summary(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *events, *kinds;
+    Py_ssize_t num_ranks;
+    int sends_hold;
+    if (!PyArg_ParseTuple(args, "O!npO!", &PyList_Type, &events, &num_ranks, &sends_hold, &PyTuple_Type, &kinds))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    if (!n || num_ranks < 1 || PyTuple_GET_SIZE(kinds) < 4)
+        Py_RETURN_NONE;
+    double first = INFINITY, last = -INFINITY;
+    Py_ssize_t *counts = PyMem_Calloc((size_t)num_ranks + 1, sizeof(Py_ssize_t));
+    Py_ssize_t *offsets = PyMem_Calloc((size_t)num_ranks + 1, sizeof(Py_ssize_t));
+    PyObject **grouped = PyMem_Malloc((size_t)n * sizeof(PyObject *));
+    Table sent = {0}, posted = {0};
+    PyObject *result = NULL, *ranks = NULL;
+    if (!counts || !offsets || !grouped) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        if (!PyTuple_Check(event) || PyTuple_GET_SIZE(event) < 8) {
+            PyErr_SetString(PyExc_TypeError, "events must be TraceEvents");
+            goto done;
+        }
+        Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(event, 0));
+        double start = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_START));
+        double end = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_END));
+        if (PyErr_Occurred())
+            goto done;
+        if (rank < 0 || rank >= num_ranks) {
+            Py_INCREF(Py_None);
+            result = Py_None;
+            goto done;
+        }
+        counts[rank]++;
+        if (start < first) /* min() and max() keep the first of equals: the same number */
+            first = start;
+        if (end > last)
+            last = end;
+    }
+    for (Py_ssize_t rank = 1; rank < num_ranks; rank++)
+        offsets[rank] = offsets[rank - 1] + counts[rank - 1];
+    for (Py_ssize_t rank = 0; rank < num_ranks; rank++)
+        counts[rank] = 0;
+    for (Py_ssize_t i = 0; i < n; i++) { /* Trace.by_rank: each rank's events in trace order */
+        PyObject *event = PyList_GET_ITEM(events, i);
+        Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(event, 0));
+        grouped[offsets[rank] + counts[rank]++] = event;
+    }
+    double span = last - first;
+    double bound = first + span; /* step_metrics passes (first, first + span) to the accounting */
+    if (build_table(&sent, events, 5) < 0 || (sends_hold && build_table(&posted, events, 0) < 0))
+        goto done;
+    ranks = PyList_New(num_ranks);
+    if (!ranks)
+        goto done;
+    for (Py_ssize_t rank = 0; rank < num_ranks; rank++) {
+        PyObject **rank_events = grouped + offsets[rank];
+        Py_ssize_t count = counts[rank];
+        PyObject *seconds = rank_seconds(rank_events, count, &sent, sends_hold ? &posted : NULL, first, bound);
+        if (!seconds)
+            goto done;
+        double comm = 0.0;
+        for (Py_ssize_t i = 0; i < count; i++)
+            if (stream_of(PyTuple_GET_ITEM(rank_events[i], F_STREAM)) == 5)
+                comm += PyFloat_AsDouble(PyTuple_GET_ITEM(rank_events[i], F_END)) -
+                        PyFloat_AsDouble(PyTuple_GET_ITEM(rank_events[i], F_START));
+        long peak = peak_stashes(rank_events, count, kinds);
+        PyObject *row = peak < 0 ? NULL : Py_BuildValue("(Ndl)", seconds, comm, peak);
+        if (!row) {
+            if (peak < 0)
+                Py_DECREF(seconds);
+            goto done;
+        }
+        PyList_SET_ITEM(ranks, rank, row);
+    }
+    result = Py_BuildValue("(ddO)", first, span, ranks);
+done:
+    Py_XDECREF(ranks);
+    PyMem_Free(counts);
+    PyMem_Free(offsets);
+    PyMem_Free(grouped);
+    PyMem_Free(sent.entries);
+    PyMem_Free(posted.entries);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"accounting", accounting, METH_VARARGS, accounting_doc},
+    {"summary", summary, METH_VARARGS, summary_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,6 +27,7 @@ validator checks it for any schedule).
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_right
 
 from schedules.action import COMPUTE_KINDS, Action, ActionKind
@@ -41,6 +42,15 @@ _SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, Actio
 # two equal halves by zero-bubble schedules). Lowering must not depend on a run's costs:
 # the lowered programs are the one artifact that is simulated, validated and executed.
 _INFINITY = float("inf")
+try:  # the meeting-point construction in C, built by setup.py where a compiler is found
+    from schedules import _lowering as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
+
+# Whether ``lower`` asks the C version first (PIPESIM_PURE_PYTHON=1: Python only).
+ACCELERATED = _native is not None and os.environ.get("PIPESIM_PURE_PYTHON", "") in ("", "0")
+# Every kind, in the order the C version reads them.
+_KINDS = (_F, _B, _I, ActionKind.W, _SEND_F, _RECV_F, _SEND_B, _RECV_B)
 NOMINAL_SECONDS = {ActionKind.F: 1.0, ActionKind.B: 2.0, ActionKind.I: 1.0, ActionKind.W: 1.0}
 
 
@@ -59,6 +69,17 @@ def lower(schedule: Schedule) -> Schedule:
 
 
 def _lower(schedule: Schedule) -> Schedule:
+    if ACCELERATED and not any(schedule.fused):
+        # the same construction in C; None where something is unusual and Python decides
+        native = _native.lower(schedule.programs, tuple(schedule.placement), schedule.num_stages,
+                               schedule.microbatches, _KINDS, Action)
+        if native is not None:
+            programs, joins = native
+            return schedule.with_programs(programs, [frozenset(joined) for joined in joins])
+    return _lower_in_python(schedule)
+
+
+def _lower_in_python(schedule: Schedule) -> Schedule:
     times = pair_times(nominal_times(schedule), schedule)
     if times is not None:
         try:

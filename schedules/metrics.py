@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from schedules.accounting import RankTime, time_accounting
+from schedules import accounting as accounting_module
+from schedules.accounting import RankTime, _in_field_order, holds_on_sends, time_accounting
 from schedules.action import ActionKind
 from schedules.collector import without_collector
 from schedules.trace import Trace, TraceEvent
@@ -122,14 +123,29 @@ def stash_changes(
 def step_metrics(trace: Trace, chunks_per_rank: int | None = None) -> StepMetrics:
     """All metrics of a step. ``chunks_per_rank`` defaults to ``meta["virtual_stages"]``."""
     chunks = chunks_per_rank or int(trace.meta.get("virtual_stages", 1))
-    groups = trace.by_rank()
-    first = min((event.start for event in trace.events), default=0.0)
-    span = max((event.end for event in trace.events), default=0.0) - first
-    accounting = time_accounting(trace, groups, (first, first + span))
-    comm = [sum(event.end - event.start for event in rank_events if event.stream == "send") for rank_events in groups]
+    native = _native_summary(trace)
+    if native is not None:  # one pass in C: the same numbers (tests/test_accounting_native.py)
+        first, span, rows = native
+        if any(seconds is None for seconds, _, _ in rows):  # a rank for the general sweep
+            python = time_accounting(trace, trace.by_rank(), (first, first + span))
+            accounting = [RankTime(*_in_field_order(seconds)) if seconds is not None else python[rank]
+                          for rank, (seconds, _, _) in enumerate(rows)]
+        else:
+            accounting = [RankTime(*_in_field_order(seconds)) for seconds, _, _ in rows]
+        comm = [row[1] for row in rows]
+        peaks = [row[2] / chunks for row in rows]
+    else:
+        groups = trace.by_rank()
+        first = min((event.start for event in trace.events), default=0.0)
+        span = max((event.end for event in trace.events), default=0.0) - first
+        accounting = time_accounting(trace, groups, (first, first + span))
+        comm = [_plain_sum(event.end - event.start for event in rank_events if event.stream == "send")
+                for rank_events in groups]
+        peaks = [peak_inflight_of_events(rank_events, chunks) for rank_events in groups]
+    ranks = len(accounting)
     total_busy = sum(part.busy for part in accounting)
-    idle = 1.0 - total_busy / (len(groups) * span) if span > 0 else 0.0
-    bubble = sum(part.bubble for part in accounting) / (len(groups) * span) if span > 0 else 0.0
+    idle = 1.0 - total_busy / (ranks * span) if span > 0 else 0.0
+    bubble = sum(part.bubble for part in accounting) / (ranks * span) if span > 0 else 0.0
     per_rank = tuple(
         RankMetrics(
             rank=rank,
@@ -142,11 +158,28 @@ def step_metrics(trace: Trace, chunks_per_rank: int | None = None) -> StepMetric
             dp=part.dp,
             optimizer=part.optimizer,
             overhead=part.overhead,
-            peak_inflight_microbatches=peak_inflight_of_events(groups[rank], chunks),
+            peak_inflight_microbatches=peaks[rank],
         )
         for rank, part in enumerate(accounting)
     )
     return StepMetrics(makespan=span, bubble_fraction=bubble, ranks=per_rank, idle_fraction=idle)
+
+
+def _native_summary(trace: Trace) -> tuple[float, float, list] | None:
+    """``schedules._accounting.summary`` of the trace, or None where it is not built,
+    switched off, or hands the trace back (no events, a rank number out of range)."""
+    if not accounting_module.ACCELERATED or not trace.events:
+        return None
+    kinds = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+    return accounting_module._native.summary(list(trace.events), trace.num_ranks, holds_on_sends(trace), kinds)
+
+
+def _plain_sum(values) -> float:
+    """Left to right from 0.0, as the C summary adds (Python 3.12's sum() compensates)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 
 COMM_KINDS_BY_STREAM = {"send": "p2p", "tp": "tp", "dp": "dp"}

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from pipesim.engine import simulate
 from schedules import accounting
 from schedules.accounting import RankTime, time_accounting
+from schedules.metrics import StepMetrics, step_metrics
 from schedules.trace import Trace, TraceEvent
 from tests.test_engine_fast import cases
 
@@ -38,12 +39,23 @@ def both(trace: Trace) -> tuple[list[RankTime], list[RankTime]]:
     return python, native
 
 
+def both_metrics(trace: Trace) -> tuple[StepMetrics, StepMetrics]:
+    with accounting_loop(False):
+        python = step_metrics(trace)
+    with accounting_loop(True):
+        native = step_metrics(trace)
+    return python, native
+
+
 @settings(max_examples=150, deadline=None)
 @given(cases())
 def test_the_c_accounting_equals_python_on_simulated_steps(case):
     lowered, costs, topology, devices, plan, p2p = case
-    python, native = both(simulate(lowered, costs, topology, devices, plan, p2p))
+    trace = simulate(lowered, costs, topology, devices, plan, p2p)
+    python, native = both(trace)
     assert native == python  # float for float
+    python_metrics, native_metrics = both_metrics(trace)  # the one-pass summary: spans, comm, stashes too
+    assert native_metrics == python_metrics
 
 
 def event(rank, action, kind, stage, microbatch, start, end, stream):
@@ -67,6 +79,7 @@ def test_overlapping_waits_and_held_sends_go_to_the_sweep_with_the_same_result()
     trace = Trace(events, {"pp": 2, "p2p": "rendezvous"})
     python, native = both(trace)
     assert native == python
+    assert both_metrics(trace)[0] == both_metrics(trace)[1]
     assert sum(python[0].__dict__.values()) == pytest.approx(6.0)  # parts sum to the makespan
 
 
@@ -84,6 +97,8 @@ def test_a_one_rank_trace_and_unmatched_transfers_agree(p2p):
     ]
     python, native = both(Trace(events, {"pp": 1, "p2p": p2p}))
     assert native == python
+    python_metrics, native_metrics = both_metrics(Trace(events, {"pp": 1, "p2p": p2p}))
+    assert native_metrics == python_metrics and native_metrics.ranks[0].comm == pytest.approx(0.7)
     # waits 0-2, 3.5-6 and 8.2-9 (no send in the trace: ready at once, so exposed); the
     # sends' 0.5 and 0.2 s between the rank's own events are overhead
     assert python[0].busy == 3.0 and python[0].exposed_comm == pytest.approx(2.0 + 2.5 + 0.8)
@@ -101,3 +116,27 @@ def test_a_later_event_of_the_same_text_wins_in_both():
     python, native = both(Trace(events, {"pp": 2}))
     assert native == python
     assert python[1].bubble == pytest.approx(2.0)  # data ready at 2.0 (the later send), not 1.0
+
+
+def test_stashes_held_and_a_rank_without_events_agree():
+    # rank 0: F0, F1, then B0 (no W: releases at its end), W-split microbatch 1: I1 then
+    # W1 (released by the W); rank 2 recorded nothing: 3 ranks in meta
+    events = [
+        event(0, "0F0", "F", 0, 0, 0.0, 1.0, "compute"),
+        event(0, "0F1", "F", 0, 1, 1.0, 2.0, "compute"),
+        event(0, "0B0", "B", 0, 0, 2.0, 4.0, "compute"),
+        event(0, "0I1", "I", 0, 1, 4.0, 5.0, "compute"),
+        event(0, "0W1", "W", 0, 1, 5.0, 6.0, "compute"),
+        event(1, "1F0", "F", 1, 0, 0.5, 1.5, "compute"),
+    ]
+    trace = Trace(events, {"pp": 3})
+    python, native = both_metrics(trace)
+    assert native == python
+    assert [rank.peak_inflight_microbatches for rank in python.ranks] == [2.0, 1.0, 0.0]
+    assert python.ranks[2].bubble == python.makespan == 6.0  # nothing recorded: all of it waiting
+
+
+def test_a_rank_number_outside_the_trace_is_left_to_python():
+    events = [event(-1, "0F0", "F", 0, 0, 0.0, 1.0, "compute"), event(0, "0F1", "F", 0, 1, 1.0, 2.0, "compute")]
+    python, native = both_metrics(Trace(events, {"pp": 1}))
+    assert native == python

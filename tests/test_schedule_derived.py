@@ -16,6 +16,7 @@ from pipesim.direct import compiled_programs
 from schedules import generate, lower
 from schedules.action import Action, ActionKind, parse_action
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
+from schedules.schedule import Schedule
 
 
 def test_derived_data_is_built_once_and_not_pickled():
@@ -73,5 +74,15 @@ def test_the_c_compile_gives_the_python_compile(name, pp, microbatches, chunks, 
     if from_text:  # kinds parsed from text are equal strings, not the same objects
         schedule = replace(schedule, programs=tuple(tuple(parse_action(str(action)) for action in program)
                                                     for program in schedule.programs))
-    items = [schedule.program_items(rank) for rank in range(schedule.pp)]
-    assert direct._native.compile(items, direct._KINDS) == direct._compile_in_python(schedule)
+    native = direct._native.compile(schedule.programs, tuple(schedule.joins), schedule.num_stages,
+                                    schedule.microbatches, direct._KINDS)
+    assert native == direct._compile_in_python(schedule)
+
+
+@pytest.mark.skipif(not direct._native, reason="the C loop is not built")
+def test_an_action_outside_the_schedule_is_compiled_in_python():
+    # a receive from stage -1 (no such sender): C hands the schedule back, Python compiles it
+    schedule = Schedule(pp=1, microbatches=1, placement=(0,),
+                        programs=((Action(0, ActionKind.RECV_F, 0), Action(0, ActionKind.F, 0)),))
+    assert direct._native.compile(schedule.programs, tuple(schedule.joins), 1, 1, direct._KINDS) is None
+    assert compiled_programs(schedule) == direct._compile_in_python(schedule)[0]
