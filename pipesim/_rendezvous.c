@@ -57,10 +57,11 @@ typedef struct {
     double *free_at;
     PyObject *arrival_of;
     PyObject *events;
-    PyObject *tp_records;
+    PyObject *tp_events;
     PyTypeObject *event_type;
     PyObject *unknown_error;
-    PyObject *s_compute, *s_send, *s_recv, *s_wait;
+    PyObject *s_compute, *s_send, *s_recv, *s_wait, *s_tp;
+    PyObject *tp_kind;
     PyObject **rank_objects;
     /* state */
     Group *groups;
@@ -127,9 +128,9 @@ static Start heap_pop(State *st) {
     return top;
 }
 
-/* Append TraceEvent(rank, text, kind, stage, microbatch, start, end, stream). */
-static int record(State *st, int rank, PyObject *text, PyObject *kind, PyObject *stage, PyObject *microbatch,
-                  double start, double end, PyObject *stream) {
+/* Append TraceEvent(rank, text, kind, stage, microbatch, start, end, stream) to ``target``. */
+static int record_to(State *st, PyObject *target, int rank, PyObject *text, PyObject *kind, PyObject *stage,
+                     PyObject *microbatch, double start, double end, PyObject *stream) {
     PyObject *event = st->event_type->tp_alloc(st->event_type, 8);
     if (!event)
         return -1;
@@ -160,9 +161,14 @@ static int record(State *st, int rank, PyObject *text, PyObject *kind, PyObject 
      * event: CPython itself untracks such tuples at its next collection. Untracked now,
      * the ~400k events of a large step cost the collector nothing. */
     PyObject_GC_UnTrack(event);
-    int failed = PyList_Append(st->events, event);
+    int failed = PyList_Append(target, event);
     Py_DECREF(event);
     return failed;
+}
+
+static int record(State *st, int rank, PyObject *text, PyObject *kind, PyObject *stage, PyObject *microbatch,
+                  double start, double end, PyObject *stream) {
+    return record_to(st, st->events, rank, text, kind, stage, microbatch, start, end, stream);
 }
 
 static Py_ssize_t as_index(PyObject *tuple, Py_ssize_t position) {
@@ -288,11 +294,13 @@ static int advance(State *st, int rank) {
             if (st->has_tp && slot >= 0 && slot < st->slot_count) {
                 double collectives = st->slot_tp[slot];
                 if (collectives != 0.0) {
-                    PyObject *tp = Py_BuildValue("(OOdd)", st->rank_objects[rank], item, clock, clock + collectives);
-                    if (!tp)
+                    /* TraceEvent(rank, f"{tp_kind}({text})", tp_kind, stage, microbatch, ..., "tp") */
+                    PyObject *text = PyUnicode_FromFormat("%U(%U)", st->tp_kind, PyTuple_GET_ITEM(entry, C_TEXT));
+                    if (!text)
                         return -1;
-                    int failed = PyList_Append(st->tp_records, tp);
-                    Py_DECREF(tp);
+                    int failed = record_to(st, st->tp_events, rank, text, st->tp_kind, stage, microbatch, clock,
+                                           clock + collectives, st->s_tp);
+                    Py_DECREF(text);
                     if (failed)
                         return -1;
                     clock += collectives;
@@ -411,6 +419,7 @@ static void release(State *st) {
     Py_XDECREF(st->s_send);
     Py_XDECREF(st->s_recv);
     Py_XDECREF(st->s_wait);
+    Py_XDECREF(st->s_tp);
     PyMem_Free(st->slot_seconds);
     PyMem_Free(st->slot_known);
     PyMem_Free(st->slot_tp);
@@ -526,22 +535,22 @@ fail:
 
 PyDoc_STRVAR(run_doc,
              "run(programs, transfer_count, slot_seconds, slot_tp, paired, comm_overhead, wires, link_count,\n"
-             "    arrival_of, events, tp_records, event_type, unknown_error) -> stuck\n\n"
+             "    arrival_of, events, tp_events, event_type, unknown_error, tp_kind) -> stuck\n\n"
              "One rendezvous step over compiled programs, as pipesim.direct.run_rendezvous: Trace events\n"
-             "appended to ``events``, tp collectives to ``tp_records``; returns (rank, index) of every\n"
+             "appended to ``events``, tp collectives' events to ``tp_events``; returns (rank, index) of every\n"
              "rank that can never finish. ``wires`` (None: call ``arrival_of(stage, kind, sender, now)``\n"
              "for every send) lists per wire slot None or (link ids, seconds, latency).");
 
 static PyObject *run(PyObject *module, PyObject *args) {
     (void)module;
-    PyObject *programs, *slot_seconds, *slot_tp, *paired, *wires, *arrival_of_function, *events, *tp_records;
-    PyObject *event_type, *unknown_error;
+    PyObject *programs, *slot_seconds, *slot_tp, *paired, *wires, *arrival_of_function, *events, *tp_events;
+    PyObject *event_type, *unknown_error, *tp_kind;
     Py_ssize_t transfer_count, link_count;
     double comm_overhead;
-    if (!PyArg_ParseTuple(args, "O!nO!O!O!dOnOO!O!OO", &PyTuple_Type, &programs, &transfer_count, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "O!nO!O!O!dOnOO!O!OOU", &PyTuple_Type, &programs, &transfer_count, &PyList_Type,
                           &slot_seconds, &PyList_Type, &slot_tp, &PyDict_Type, &paired, &comm_overhead, &wires,
-                          &link_count, &arrival_of_function, &PyList_Type, &events, &PyList_Type, &tp_records,
-                          &event_type, &unknown_error))
+                          &link_count, &arrival_of_function, &PyList_Type, &events, &PyList_Type, &tp_events,
+                          &event_type, &unknown_error, &tp_kind))
         return NULL;
     if (!PyType_Check(event_type) || !PyType_IsSubtype((PyTypeObject *)event_type, &PyTuple_Type)) {
         PyErr_SetString(PyExc_TypeError, "event_type must be a tuple type");
@@ -562,14 +571,16 @@ static PyObject *run(PyObject *module, PyObject *args) {
     st->comm_overhead = comm_overhead;
     st->arrival_of = arrival_of_function;
     st->events = events;
-    st->tp_records = tp_records;
+    st->tp_events = tp_events;
     st->event_type = (PyTypeObject *)event_type;
     st->unknown_error = unknown_error;
+    st->tp_kind = tp_kind;
     st->s_compute = PyUnicode_InternFromString("compute");
     st->s_send = PyUnicode_InternFromString("send");
     st->s_recv = PyUnicode_InternFromString("recv");
     st->s_wait = PyUnicode_InternFromString("wait");
-    if (!st->s_compute || !st->s_send || !st->s_recv || !st->s_wait)
+    st->s_tp = PyUnicode_InternFromString("tp");
+    if (!st->s_compute || !st->s_send || !st->s_recv || !st->s_wait || !st->s_tp)
         goto fail;
     if (read_slots(st, slot_seconds, slot_tp) < 0)
         goto fail;
@@ -927,9 +938,244 @@ done:
     return result;
 }
 
+/* ---- the dp tail's pass over the step (pipesim/parallel.py, step_tail_events) ---- */
+
+PyDoc_STRVAR(tail_scan_doc,
+             "tail_scan(events, num_ranks, grad_kinds) -> (rank_end, last_grad, stage_rank) or None\n\n"
+             "Each rank's last end, and per stage the (start, end) of its latest-ending compute event\n"
+             "of a kind in ``grad_kinds`` and the rank that ran it, as step_tail_events reads them;\n"
+             "None where a rank number falls outside 0..num_ranks-1 (Python decides).");
+
+static PyObject *tail_scan(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *events, *grad_kinds;
+    Py_ssize_t num_ranks;
+    if (!PyArg_ParseTuple(args, "O!nO", &PyList_Type, &events, &num_ranks, &grad_kinds))
+        return NULL;
+    if (!PyAnySet_Check(grad_kinds)) {
+        PyErr_SetString(PyExc_TypeError, "grad_kinds must be a set");
+        return NULL;
+    }
+    double *rank_end = PyMem_Calloc((size_t)num_ranks + 1, sizeof(double));
+    PyObject *last_grad = PyDict_New(), *stage_rank = PyDict_New(), *result = NULL;
+    PyObject *compute = PyUnicode_InternFromString("compute");
+    if (!rank_end || !last_grad || !stage_rank || !compute) {
+        if (!rank_end)
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        if (!PyTuple_Check(event) || PyTuple_GET_SIZE(event) < 8) {
+            PyErr_SetString(PyExc_TypeError, "events must be TraceEvents");
+            goto done;
+        }
+        Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(event, 0));
+        double end = PyFloat_AsDouble(PyTuple_GET_ITEM(event, 6));
+        if (PyErr_Occurred())
+            goto done;
+        if (rank < 0 || rank >= num_ranks) {
+            Py_INCREF(Py_None);
+            result = Py_None;
+            goto done;
+        }
+        if (end > rank_end[rank])
+            rank_end[rank] = end;
+        PyObject *stream = PyTuple_GET_ITEM(event, 7);
+        if (stream != compute && !(PyUnicode_Check(stream) && PyUnicode_Compare(stream, compute) == 0))
+            continue;
+        int is_grad = PySet_Contains(grad_kinds, PyTuple_GET_ITEM(event, 2));
+        if (is_grad < 0)
+            goto done;
+        if (!is_grad)
+            continue;
+        PyObject *stage = PyTuple_GET_ITEM(event, 3);
+        PyObject *previous = PyDict_GetItemWithError(last_grad, stage);
+        double previous_end = -1.0;
+        if (previous) {
+            previous_end = PyFloat_AsDouble(PyTuple_GET_ITEM(previous, 1));
+        }
+        if (PyErr_Occurred())
+            goto done;
+        if (!(end > previous_end))
+            continue;
+        PyObject *span = PyTuple_Pack(2, PyTuple_GET_ITEM(event, 5), PyTuple_GET_ITEM(event, 6));
+        int failed = !span || PyDict_SetItem(last_grad, stage, span) < 0 ||
+                     PyDict_SetItem(stage_rank, stage, PyTuple_GET_ITEM(event, 0)) < 0;
+        Py_XDECREF(span);
+        if (failed)
+            goto done;
+    }
+    PyObject *ends = PyList_New(num_ranks);
+    if (!ends)
+        goto done;
+    for (Py_ssize_t rank = 0; rank < num_ranks; rank++) {
+        PyObject *value = PyFloat_FromDouble(rank_end[rank]);
+        if (!value) {
+            Py_DECREF(ends);
+            goto done;
+        }
+        PyList_SET_ITEM(ends, rank, value);
+    }
+    result = Py_BuildValue("(NOO)", ends, last_grad, stage_rank);
+done:
+    PyMem_Free(rank_end);
+    Py_XDECREF(last_grad);
+    Py_XDECREF(stage_rank);
+    Py_XDECREF(compute);
+    return result;
+}
+
+/* ---- the dp tail's bucket runs (pipesim/parallel.py, step_tail_events) ---- */
+
+typedef struct {
+    double ready;
+    long stage;
+    Py_ssize_t first, stop, row;
+} Run;
+
+static int run_order(const void *a, const void *b) {
+    const Run *x = a, *y = b;
+    if (x->ready != y->ready)
+        return x->ready < y->ready ? -1 : 1;
+    if (x->stage != y->stage)
+        return x->stage < y->stage ? -1 : 1;
+    return (x->first > y->first) - (x->first < y->first);
+}
+
+PyDoc_STRVAR(dp_tail_doc,
+             "dp_tail(stages, dp_free, kind, event_type) -> list of events\n\n"
+             "step_tail_events' gradient reductions: ``stages`` holds per stage (stage, rank, grad start,\n"
+             "grad end, runs, bucket seconds, ready) where ``runs`` is _bucket_runs' (fraction, first,\n"
+             "stop) tuple, or None for one run of every bucket ready at ``ready``. Runs are placed first\n"
+             "come first served per rank (by ready moment, stage, first bucket) from ``dp_free``,\n"
+             "which is updated, and each becomes one ``dp`` event named as _add_buckets names it.");
+
+static PyObject *dp_tail(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *stages, *dp_free, *kind, *event_type_object;
+    if (!PyArg_ParseTuple(args, "O!O!UO", &PyList_Type, &stages, &PyList_Type, &dp_free, &kind, &event_type_object))
+        return NULL;
+    if (!PyType_Check(event_type_object) || !PyType_IsSubtype((PyTypeObject *)event_type_object, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "event_type must be a tuple type");
+        return NULL;
+    }
+    PyTypeObject *event_type = (PyTypeObject *)event_type_object;
+    Py_ssize_t count = 0, rows = PyList_GET_SIZE(stages), ranks = PyList_GET_SIZE(dp_free);
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        PyObject *row = PyList_GET_ITEM(stages, i);
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 7 || !PyTuple_Check(PyTuple_GET_ITEM(row, 5))) {
+            PyErr_SetString(PyExc_TypeError, "a stage row is (stage, rank, start, end, runs, seconds, ready)");
+            return NULL;
+        }
+        PyObject *runs = PyTuple_GET_ITEM(row, 4);
+        count += runs == Py_None ? 1 : PyTuple_Size(runs);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    Run *placed = PyMem_Malloc(((size_t)count + 1) * sizeof(Run));
+    PyObject *tail = PyList_New(0), *dp = PyUnicode_InternFromString("dp"), *minus_one = PyLong_FromLong(-1);
+    if (!placed || !tail || !dp || !minus_one) {
+        if (!placed)
+            PyErr_NoMemory();
+        goto fail;
+    }
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        PyObject *row = PyList_GET_ITEM(stages, i);
+        long stage = PyLong_AsLong(PyTuple_GET_ITEM(row, 0));
+        double start = PyFloat_AsDouble(PyTuple_GET_ITEM(row, 2)), end = PyFloat_AsDouble(PyTuple_GET_ITEM(row, 3));
+        PyObject *runs = PyTuple_GET_ITEM(row, 4);
+        Py_ssize_t buckets = PyTuple_GET_SIZE(PyTuple_GET_ITEM(row, 5));
+        if (PyErr_Occurred())
+            goto fail;
+        if (runs == Py_None) {
+            Run run = {PyFloat_AsDouble(PyTuple_GET_ITEM(row, 6)), stage, 0, buckets, i};
+            placed[at++] = run;
+        } else {
+            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(runs); j++) {
+                PyObject *item = PyTuple_GET_ITEM(runs, j);
+                double fraction = PyFloat_AsDouble(PyTuple_GET_ITEM(item, 0));
+                Py_ssize_t first = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 1));
+                Py_ssize_t stop = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 2));
+                if (PyErr_Occurred())
+                    goto fail;
+                if (first < 0 || stop > buckets || first >= stop) {
+                    PyErr_SetString(PyExc_ValueError, "a run outside the stage's buckets");
+                    goto fail;
+                }
+                Run run = {start + fraction * (end - start), stage, first, stop, i};
+                placed[at++] = run;
+            }
+        }
+        if (PyErr_Occurred())
+            goto fail;
+    }
+    qsort(placed, (size_t)count, sizeof(Run), run_order);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Run *run = &placed[i];
+        PyObject *row = PyList_GET_ITEM(stages, run->row);
+        PyObject *rank_object = PyTuple_GET_ITEM(row, 1), *seconds = PyTuple_GET_ITEM(row, 5);
+        Py_ssize_t rank = PyLong_AsSsize_t(rank_object);
+        if (rank == -1 && PyErr_Occurred())
+            goto fail;
+        if (rank < 0 || rank >= ranks) {
+            PyErr_Format(PyExc_IndexError, "rank %zd has no dp stream", rank);
+            goto fail;
+        }
+        double free_at = PyFloat_AsDouble(PyList_GET_ITEM(dp_free, rank));
+        double start = run->ready > free_at ? run->ready : free_at;
+        double total = 0.0;
+        for (Py_ssize_t b = run->first; b < run->stop; b++)
+            total += PyFloat_AsDouble(PyTuple_GET_ITEM(seconds, b));
+        if (PyErr_Occurred())
+            goto fail;
+        double end = start + total;
+        PyObject *name = run->stop - 1 == run->first
+                             ? PyUnicode_FromFormat("%ld%U[%zd]", run->stage, kind, run->first)
+                             : PyUnicode_FromFormat("%ld%U[%zd-%zd]", run->stage, kind, run->first, run->stop - 1);
+        PyObject *event = name ? event_type->tp_alloc(event_type, 8) : NULL;
+        PyObject *start_object = PyFloat_FromDouble(start), *end_object = PyFloat_FromDouble(end);
+        if (!event || !start_object || !end_object) {
+            Py_XDECREF(name);
+            Py_XDECREF(event);
+            Py_XDECREF(start_object);
+            Py_XDECREF(end_object);
+            goto fail;
+        }
+        PyObject *fields[8] = {rank_object, name, kind, PyTuple_GET_ITEM(row, 0), minus_one, start_object, end_object,
+                               dp};
+        for (int f = 0; f < 8; f++) {
+            if (f != 1 && f != 5 && f != 6)
+                Py_INCREF(fields[f]);
+            PyTuple_SET_ITEM(event, f, fields[f]);
+        }
+        PyObject *free_object = PyFloat_FromDouble(end);
+        int failed = !free_object || PyList_Append(tail, event) < 0;
+        Py_DECREF(event);
+        if (failed) {
+            Py_XDECREF(free_object);
+            goto fail;
+        }
+        PyList_SetItem(dp_free, rank, free_object); /* steals it, releases the old value */
+    }
+    PyMem_Free(placed);
+    Py_DECREF(dp);
+    Py_DECREF(minus_one);
+    return tail;
+fail:
+    PyMem_Free(placed);
+    Py_XDECREF(tail);
+    Py_XDECREF(dp);
+    Py_XDECREF(minus_one);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"run", run, METH_VARARGS, run_doc},
     {"compile", compile_programs, METH_VARARGS, compile_doc},
+    {"tail_scan", tail_scan, METH_VARARGS, tail_scan_doc},
+    {"dp_tail", dp_tail, METH_VARARGS, dp_tail_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -157,13 +157,15 @@ def run_rendezvous(
     comm_overhead: float,
     arrival_of: Callable[[int, str, int, float], float],
     events: list[TraceEvent],
-    tp_records: list,
+    tp_events: list[TraceEvent],
     wires: dict[tuple[int, str], tuple[tuple, float, float]] | None = None,
     native: bool | None = None,
+    tp_kind: str = "TP",
 ) -> list[tuple[int, int]]:
     """Run every rank's lowered program (``Schedule.program_items``) under rendezvous
-    semantics, appending Trace events to ``events`` and tp collectives to
-    ``tp_records`` as the process engine does. ``arrival_of(stage, kind, sender, now)``
+    semantics, appending Trace events to ``events`` and each compute action's tp
+    collectives as an event to ``tp_events`` (``{tp_kind}({action})``, stream
+    ``tp``). ``arrival_of(stage, kind, sender, now)``
     reserves a send's links at ``now`` and returns its arrival; ``wires`` (the route's
     links, seconds and latency of every (stage, SEND kind), when the transfers reserve
     their links one after another and nothing else) lets the C loop reserve them itself
@@ -180,7 +182,8 @@ def run_rendezvous(
             raise RuntimeError("pipesim._rendezvous is not built (no C compiler at install): use native=False")
         table, link_count = wire_slots(wires, schedule.num_stages) if wires is not None else (None, 0)
         return _native.run(programs, transfer_count, slot_seconds, slot_tp, dict(paired), float(comm_overhead),
-                           table, link_count, arrival_of, events, tp_records, TraceEvent, UnknownActionError)
+                           table, link_count, arrival_of, events, tp_events, TraceEvent, UnknownActionError,
+                           tp_kind)
     record = events.append
     new_event, event_type = tuple.__new__, TraceEvent  # locals: looked up once per event otherwise
     starts: list = []  # heap of (start moment, rank, group)
@@ -257,7 +260,8 @@ def run_rendezvous(
                 if tp_seconds:
                     collectives = slot_tp[slot]
                     if collectives:
-                        tp_records.append((rank, item, clock, clock + collectives))
+                        tp_events.append(new_event(event_type, (rank, f"{tp_kind}({text})", tp_kind, stage, microbatch,
+                                                                clock, clock + collectives, "tp")))
                         clock += collectives
                 index += 1
                 continue

@@ -374,8 +374,10 @@ def simulate(
     with collector_paused():  # schedules.collector: a large step builds millions of acyclic objects
         if direct:
             try:
+                tp_events: list[TraceEvent] = []
                 stuck = dict(run_rendezvous(lowered, durations, paired, tp_seconds, comm_overhead, arrival_of,
-                                            events, tp_records, wires=None if twins else wires))
+                                            events, tp_events, wires=None if twins else wires, tp_kind=TP_KIND))
+                events += tp_events  # after the pipeline's events, as the process engine's below
             except UnknownActionError as error:
                 raise SimulationError(str(error)) from None
         else:

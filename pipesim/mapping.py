@@ -68,8 +68,19 @@ class RankMapping:
 
     def dp_group(self, pp: int, tp: int) -> list[str]:
         """Devices that hold the same shard (pp, tp) in every replica: they all-reduce
-        its gradients."""
-        return [self.device(replica, pp, tp) for replica in range(self.dp)]
+        its gradients. Read off with the dp axis's stride (a planner asks for thousands
+        of replicas' groups per layout)."""
+        first, stride = self.global_rank(0, pp, tp), self._stride("dp")
+        return list(self.devices[first:first + stride * self.dp:stride])
+
+    def _stride(self, axis: str) -> int:
+        """How far apart in global rank two neighbours along ``axis`` are."""
+        stride = 1
+        for name in self.order:  # innermost first
+            if name == axis:
+                return stride
+            stride *= {"dp": self.dp, "pp": self.pp, "tp": self.tp}[name]
+        raise ValueError(f"unknown axis {axis!r}")
 
 
 def map_ranks(topology: Topology, dp: int = 1, pp: int = 1, tp: int = 1, order: str = DEFAULT_ORDER) -> RankMapping:

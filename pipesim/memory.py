@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipesim.costs import Costs
+from schedules import accounting
+from schedules.action import ActionKind
 from schedules.collector import without_collector
 from schedules.metrics import stash_changes
 from schedules.trace import Trace
@@ -99,9 +101,9 @@ def memory_report(
     if zero not in (0, 1):
         raise ValueError(f"--zero {zero}: pipesim models ZeRO stage 0 (none) or 1 (sharded optimizer state)")
     last_stage = costs.num_stages - 1
-    groups = trace.by_rank()
-    static = [0.0] * len(groups)
-    buffers = [0.0] * len(groups)
+    num_ranks = trace.num_ranks
+    static = [0.0] * num_ranks
+    buffers = [0.0] * num_ranks
     per_param = static_bytes_per_param(bytes_per_param, dp, zero)
     for stage, cost in enumerate(costs.stages):
         rank = placement[stage]
@@ -112,19 +114,14 @@ def memory_report(
             buffers[rank] += 2 * cost.act_bytes
     if dp > 1:
         buffers = [value + bucket_bytes for value in buffers]
+    bases = [static[rank] + buffers[rank] for rank in range(num_ranks)]
+    timelines = _native_timelines(trace, num_ranks, costs, bases)
+    if timelines is None:
+        timelines = [_stash_timeline(rank_events, costs, bases[rank])
+                     for rank, rank_events in enumerate(trace.by_rank())]
     report = []
-    for rank, rank_events in enumerate(groups):
-        base = static[rank] + buffers[rank]
-        changes = stash_changes(rank_events, lambda stage: costs.stages[stage].stash_bytes)
-        timeline = [(0.0, base)]
-        held = peak_stash = 0.0
-        for time, change in changes:
-            held += change
-            peak_stash = max(peak_stash, held)
-            if timeline[-1][0] == time:
-                timeline[-1] = (time, base + held)
-            else:
-                timeline.append((time, base + held))
+    for rank, (peak_stash, timeline) in enumerate(timelines):
+        base = bases[rank]
         report.append(RankMemory(
             rank=rank,
             device=devices[rank],
@@ -136,6 +133,33 @@ def memory_report(
             timeline=tuple(timeline),
         ))
     return report
+
+
+def _stash_timeline(rank_events: list, costs: Costs, base: float) -> tuple[float, list[tuple[float, float]]]:
+    """One rank's peak stash bytes and its memory timeline: ``(0.0, base)``, then a point
+    at every stash change (changes at one moment merged). ``schedules/_accounting.c``'s
+    ``stash_timelines`` does the same, addition for addition."""
+    changes = stash_changes(rank_events, lambda stage: costs.stages[stage].stash_bytes)
+    timeline = [(0.0, base)]
+    held = peak_stash = 0.0
+    for time, change in changes:
+        held += change
+        peak_stash = max(peak_stash, held)
+        if timeline[-1][0] == time:
+            timeline[-1] = (time, base + held)
+        else:
+            timeline.append((time, base + held))
+    return peak_stash, timeline
+
+
+def _native_timelines(trace: Trace, num_ranks: int, costs: Costs, bases: list[float]) -> list | None:
+    """Every rank's ``_stash_timeline`` in one C pass, or None (not built, switched off,
+    or a rank number outside the trace's ranks: Python decides)."""
+    if not accounting.ACCELERATED or not trace.events:
+        return None
+    kinds = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+    return accounting._native.stash_timelines(list(trace.events), num_ranks,
+                                              [stage.stash_bytes for stage in costs.stages], bases, kinds)
 
 
 def stage_params(params: float, param_bytes: float, bytes_per_param: BytesPerParam) -> float:

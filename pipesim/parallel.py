@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+from pipesim import direct
 from pipesim.collectives import all_gather, all_reduce, bucket_sizes, reduce_scatter
 from pipesim.costs import Costs
 from pipesim.mapping import DEFAULT_ORDER, RankMapping
@@ -155,9 +156,16 @@ def _per_bucket(sizes: tuple[float, ...], seconds_of) -> tuple[float, ...]:
     equal sizes (``bucket_sizes`` gives full buckets and one rest) and building the tuple
     by runs, not element by element: a stage has thousands of buckets."""
     seconds: tuple[float, ...] = ()
-    for first, stop in _runs(sizes):
+    for first, stop in _size_runs(sizes):
         seconds += (seconds_of(sizes[first]),) * (stop - first)
     return seconds
+
+
+@functools.lru_cache(maxsize=1024)
+def _size_runs(sizes: tuple[float, ...]) -> list[tuple[int, int]]:
+    """``_runs`` of a stage's bucket sizes, kept: the same few stage sizes recur in every
+    layout of a plan, and a stage has thousands of buckets to walk."""
+    return _runs(sizes)
 
 
 def _runs(values: Sequence) -> list[tuple[int, int]]:
@@ -212,21 +220,37 @@ def _add_buckets(tail: list[TraceEvent], rank: int, stage: int, kind: str, first
                  start: float) -> float:
     """One event for buckets ``first``, ``first + 1``, ... of a stage run back to back from
     ``start`` (each starts as the one before ends); returns when the last one ends."""
-    end = start + sum(seconds)
+    total = 0.0
+    for bucket in seconds:  # left to right, as the C ``dp_tail`` adds (Python 3.12's sum() compensates)
+        total += bucket
+    end = start + total
     last = first + len(seconds) - 1
     name = f"{stage}{kind}[{first}]" if last == first else f"{stage}{kind}[{first}-{last}]"
-    tail.append(TraceEvent(rank, name, kind, stage, -1, start, end, "dp"))
+    tail.append(_new_event(TraceEvent, (rank, name, kind, stage, -1, start, end, "dp")))  # TraceEvent(...), faster
     return end
 
 
-def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | None,
-                     step_overhead: float) -> list[TraceEvent]:
-    """The gradient reductions (``dp`` stream), optimizer steps (``step`` stream) and,
-    under ZeRO-1, parameter all-gathers (``dp``) of each rank, placed around the
-    pipeline events ``events``."""
-    has_dp = plan is not None and bool(plan.dp_bucket_seconds)
-    if not has_dp and step_overhead <= 0:
-        return []
+_new_event = tuple.__new__  # a plan records ~500 bucket events per layout
+
+
+def _place_runs(tail: list[TraceEvent], stages: list[tuple], dp_free: list[float], kind: str) -> None:
+    """Each stage's bucket runs (every bucket as one run without overlap), reduced first
+    come, first served per rank from ``dp_free`` (updated), one event per run."""
+    runs = []  # (ready, stage, first bucket, seconds of each bucket of the run, rank)
+    for stage, rank, start, end, bucket_runs, seconds, rank_end in stages:
+        if bucket_runs is not None:
+            for fraction, first, stop in bucket_runs:
+                runs.append((start + fraction * (end - start), stage, first, seconds[first:stop], rank))
+        else:
+            runs.append((rank_end, stage, 0, seconds, rank))
+    for ready, stage, first, seconds, rank in sorted(runs):
+        start = max(dp_free[rank], ready)
+        dp_free[rank] = _add_buckets(tail, rank, stage, kind, first, seconds, start)
+
+
+def _tail_scan(events: list[TraceEvent], num_ranks: int) -> tuple[list[float], dict, dict]:
+    """Each rank's last end; per stage the (start, end) of its last-ending B or W and the
+    rank that ran it. (``pipesim/_rendezvous.c``'s ``tail_scan`` is the same pass in C.)"""
     rank_end = [0.0] * num_ranks
     last_grad: dict[int, tuple[float, float]] = {}  # stage -> (start, end) of its last B or W
     stage_rank: dict[int, int] = {}
@@ -237,6 +261,26 @@ def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | 
         if stream == "compute" and kind in grad_kinds and end > last_grad.get(stage, (0.0, -1.0))[1]:
             last_grad[stage] = (start, end)
             stage_rank[stage] = rank
+    return rank_end, last_grad, stage_rank
+
+
+def _native_tail_scan(events: list[TraceEvent], num_ranks: int) -> tuple[list[float], dict, dict] | None:
+    """``_tail_scan`` in C where it is built and switched on (the direct engine's switch)."""
+    if not direct.ACCELERATED:
+        return None
+    return direct._native.tail_scan(events, num_ranks, WEIGHT_GRAD_DONE_KINDS)
+
+
+def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | None,
+                     step_overhead: float) -> list[TraceEvent]:
+    """The gradient reductions (``dp`` stream), optimizer steps (``step`` stream) and,
+    under ZeRO-1, parameter all-gathers (``dp``) of each rank, placed around the
+    pipeline events ``events``."""
+    has_dp = plan is not None and bool(plan.dp_bucket_seconds)
+    if not has_dp and step_overhead <= 0:
+        return []
+    scanned = _native_tail_scan(events, num_ranks)
+    rank_end, last_grad, stage_rank = scanned if scanned is not None else _tail_scan(events, num_ranks)
     tail: list[TraceEvent] = []
     dp_free = list(rank_end) if not has_dp or not plan.overlap_dp else [0.0] * num_ranks
     if has_dp:
@@ -247,20 +291,16 @@ def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | 
         # per stage: a 70B-parameter stage has thousands of 25 MB buckets and a few layers,
         # and an event per bucket made the tail, and every pass over the Trace after it,
         # cost more than the pipeline.
-        runs = []  # (ready, stage, first bucket, seconds of each bucket of the run)
-        for stage, seconds in plan.dp_bucket_seconds.items():
-            if stage not in stage_rank:
-                continue
-            start, end = last_grad[stage]
-            if plan.overlap_dp:
-                for fraction, first, stop in _bucket_runs(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0)):
-                    runs.append((start + fraction * (end - start), stage, first, seconds[first:stop]))
-            else:
-                runs.append((rank_end[stage_rank[stage]], stage, 0, seconds))
-        for ready, stage, first, seconds in sorted(runs):
-            rank = stage_rank[stage]
-            start = max(dp_free[rank], ready)
-            dp_free[rank] = _add_buckets(tail, rank, stage, kind, first, seconds, start)
+        stages = [  # (stage, rank, its last B/W's start and end, its bucket runs, bucket seconds, rank end)
+            (stage, stage_rank[stage], *last_grad[stage],
+             _bucket_runs(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0)) if plan.overlap_dp else None,
+             seconds, rank_end[stage_rank[stage]])
+            for stage, seconds in plan.dp_bucket_seconds.items() if stage in stage_rank
+        ]
+        if direct.ACCELERATED:  # the same placement in C (``dp_tail``)
+            tail += direct._native.dp_tail(stages, dp_free, kind, TraceEvent)
+        else:
+            _place_runs(tail, stages, dp_free, kind)
     for rank in range(num_ranks):
         done = max(rank_end[rank], dp_free[rank])
         if step_overhead > 0:

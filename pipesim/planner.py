@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import sys
 import time
+import zlib
 from bisect import insort
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -174,15 +175,33 @@ def search(
     rows: list[dict] = []
     fitting: list[float] = []
     simulated = 0
-    window = 4 * workers if workers > 1 else 1  # layouts submitted and not yet taken
+    window = 32 * workers if workers > 1 else 1  # layouts submitted and not yet taken
     position = 0
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_worker_context()) if workers > 1 else None
+    # One process per worker, each layout always sent to the same one (``worker_of``): what
+    # layouts share (the lowered order, zb-auto's search, the costs the memory floor built)
+    # is then built once, not once per worker (with one shared pool, 2 workers did 40%
+    # more work than 1).
+    pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context()) for _ in range(workers)] \
+        if workers > 1 else None
 
     def each(function: Callable, items: list) -> list:
-        """``function`` of every item, over the workers when there are several (in order)."""
-        if pool is None:
+        """``function`` of every item, each on its worker when there are several (in order)."""
+        if pools is None:
             return [function(item) for item in items]
-        return list(pool.map(function, items, chunksize=max(1, len(items) // (8 * workers))))
+        mine: list[list[int]] = [[] for _ in pools]
+        for index, item in enumerate(items):
+            mine[worker_of(item, len(pools))].append(index)
+        results: list = [None] * len(items)
+        batches = [(indices, pools[worker].map(function, [items[index] for index in indices],
+                                                chunksize=max(1, len(indices) // 8)))
+                   for worker, indices in enumerate(mine)]
+        for indices, values in batches:
+            for index, value in zip(indices, values, strict=True):
+                results[index] = value
+        return results
+
+    def submit(layout: Layout):
+        return pools[worker_of(layout, len(pools))].submit(evaluate, layout) if pools else None
 
     try:
         if reject is not None:  # the memory floor and the bounds are per-layout work too: spread it
@@ -206,7 +225,7 @@ def search(
                     exhausted = True
                     break
                 layout = order[position]
-                in_flight.append((layout, pool.submit(evaluate, layout) if pool else None))
+                in_flight.append((layout, submit(layout)))
                 position += 1
             if not in_flight:
                 break
@@ -224,12 +243,20 @@ def search(
             if progress is not None:
                 progress(position - len(in_flight), len(order))
     finally:
-        if pool is not None:
+        for pool in pools or ():
             pool.shutdown()
     rows.sort(key=lambda row: (row["step_time"], row["layout"]))
     pruned = len(order) - position
     return PlanResult(rows, rejected, considered, simulated, pruned, time.perf_counter() - started,
                       considered - len(layouts))
+
+
+def worker_of(layout: Layout, workers: int) -> int:
+    """The worker that evaluates ``layout``: layouts with one order (schedule, pp,
+    microbatches, virtual stages) go to the same one, by a hash that is the same in every
+    run (Python's own string hash is not)."""
+    key = f"{layout.schedule}|{layout.pp}|{layout.microbatches}|{layout.virtual_stages}"
+    return zlib.crc32(key.encode()) % workers
 
 
 def _worker_context():

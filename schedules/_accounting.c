@@ -442,18 +442,6 @@ done:
 
 /* ---- the whole step's summary (schedules/metrics.py, step_metrics) ---- */
 
-typedef struct {
-    double moment;
-    int change;
-} Change;
-
-static int by_moment_then_change(const void *a, const void *b) {
-    const Change *x = a, *y = b;
-    if (x->moment != y->moment)
-        return x->moment < y->moment ? -1 : 1;
-    return (x->change > y->change) - (x->change < y->change);
-}
-
 /* (stage, microbatch) pairs of one rank's W passes: a small open-addressing set. */
 typedef struct {
     long *keys; /* pairs, stage then microbatch */
@@ -470,17 +458,32 @@ static size_t pair_slot(const PairSet *set, long stage, long microbatch) {
     return at;
 }
 
-/* peak_inflight_of_events's peak stash count (before dividing by the chunks); -1 on error. */
-static long peak_stashes(PyObject **events, Py_ssize_t count, PyObject *kinds) {
+/* stash_changes of one rank's events: (moment, +size / -size) sorted, a forward taking its
+ * stage's size at its start, the last backward piece of its stage and microbatch (B, or W
+ * when the backward is split) releasing it at its end. ``sizes``: per stage (NULL: 1 each).
+ * Returns how many changes were written to ``changes`` (room for ``count``), -1 on error. */
+typedef struct {
+    double moment;
+    double change;
+} SizedChange;
+
+static int by_moment_then_size(const void *a, const void *b) {
+    const SizedChange *x = a, *y = b;
+    if (x->moment != y->moment)
+        return x->moment < y->moment ? -1 : 1;
+    return (x->change > y->change) - (x->change < y->change);
+}
+
+static Py_ssize_t stash_changes(PyObject **events, Py_ssize_t count, PyObject *kinds, const double *sizes,
+                                Py_ssize_t size_count, SizedChange *changes) {
     PyObject *forward = PyTuple_GET_ITEM(kinds, 0), *backward = PyTuple_GET_ITEM(kinds, 1);
     PyObject *input = PyTuple_GET_ITEM(kinds, 2), *weight = PyTuple_GET_ITEM(kinds, 3);
     size_t capacity = 16;
     while (capacity < (size_t)count * 2 + 1)
         capacity *= 2;
     PairSet weights = {PyMem_Calloc(capacity * 2, sizeof(long)), PyMem_Calloc(capacity, 1), capacity - 1};
-    Change *changes = PyMem_Malloc(((size_t)count + 1) * sizeof(Change));
-    long peak = -1;
-    if (!weights.keys || !weights.used || !changes) {
+    Py_ssize_t changed = -1;
+    if (!weights.keys || !weights.used) {
         PyErr_NoMemory();
         goto done;
     }
@@ -498,7 +501,7 @@ static long peak_stashes(PyObject **events, Py_ssize_t count, PyObject *kinds) {
         weights.keys[2 * at] = stage;
         weights.keys[2 * at + 1] = microbatch;
     }
-    Py_ssize_t changed = 0;
+    Py_ssize_t written = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *event = events[i];
         if (stream_of(PyTuple_GET_ITEM(event, F_STREAM)) != 1)
@@ -511,37 +514,187 @@ static long peak_stashes(PyObject **events, Py_ssize_t count, PyObject *kinds) {
                              PyObject_RichCompareBool(kind, input, Py_EQ) == 1);
         if (PyErr_Occurred())
             goto done;
-        if (is_forward) {
-            changes[changed].moment = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_START));
-            changes[changed++].change = 1;
-        } else if (is_weight || is_backward) {
-            if (is_backward) {
-                long stage = PyLong_AsLong(PyTuple_GET_ITEM(event, F_STAGE));
-                long microbatch = PyLong_AsLong(PyTuple_GET_ITEM(event, F_MICROBATCH));
-                if (PyErr_Occurred())
-                    goto done;
-                if (weights.used[pair_slot(&weights, stage, microbatch)])
-                    continue; /* its stash is released by the W */
-            }
-            changes[changed].moment = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_END));
-            changes[changed++].change = -1;
+        if (!is_forward && !is_weight && !is_backward)
+            continue;
+        long stage = PyLong_AsLong(PyTuple_GET_ITEM(event, F_STAGE));
+        if (stage == -1 && PyErr_Occurred())
+            goto done;
+        if (is_backward) {
+            long microbatch = PyLong_AsLong(PyTuple_GET_ITEM(event, F_MICROBATCH));
+            if (microbatch == -1 && PyErr_Occurred())
+                goto done;
+            if (weights.used[pair_slot(&weights, stage, microbatch)])
+                continue; /* its stash is released by the W */
         }
+        double size = 1.0;
+        if (sizes) {
+            if (stage < 0 || stage >= size_count) {
+                PyErr_Format(PyExc_IndexError, "stage %ld has no stash size", stage);
+                goto done;
+            }
+            size = sizes[stage];
+        }
+        changes[written].moment = PyFloat_AsDouble(PyTuple_GET_ITEM(event, is_forward ? F_START : F_END));
+        changes[written++].change = is_forward ? size : -size;
         if (PyErr_Occurred())
             goto done;
     }
-    qsort(changes, (size_t)changed, sizeof(Change), by_moment_then_change);
-    long held = 0;
-    peak = 0;
-    for (Py_ssize_t i = 0; i < changed; i++) {
-        held += changes[i].change;
-        if (held > peak)
-            peak = held;
-    }
+    qsort(changes, (size_t)written, sizeof(SizedChange), by_moment_then_size);
+    changed = written;
 done:
     PyMem_Free(weights.keys);
     PyMem_Free(weights.used);
+    return changed;
+}
+
+/* peak_inflight_of_events's peak stash count (before dividing by the chunks); -1 on error. */
+static long peak_stashes(PyObject **events, Py_ssize_t count, PyObject *kinds) {
+    SizedChange *changes = PyMem_Malloc(((size_t)count + 1) * sizeof(SizedChange));
+    if (!changes) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t changed = stash_changes(events, count, kinds, NULL, 0, changes);
+    long held = 0, peak = changed < 0 ? -1 : 0;
+    for (Py_ssize_t i = 0; i < changed; i++) {
+        held += (long)changes[i].change;
+        if (held > peak)
+            peak = held;
+    }
     PyMem_Free(changes);
     return peak;
+}
+
+/* Each rank's events of ``events``, in trace order: ``grouped[offsets[r] .. + counts[r]]``.
+ * 0, or 1 where a rank number is outside 0..num_ranks-1, -1 on error. */
+static int group_by_rank(PyObject *events, Py_ssize_t num_ranks, Py_ssize_t *counts, Py_ssize_t *offsets,
+                         PyObject **grouped) {
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        if (!PyTuple_Check(event) || PyTuple_GET_SIZE(event) < 8) {
+            PyErr_SetString(PyExc_TypeError, "events must be TraceEvents");
+            return -1;
+        }
+        Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(event, 0));
+        if (rank == -1 && PyErr_Occurred())
+            return -1;
+        if (rank < 0 || rank >= num_ranks)
+            return 1;
+        counts[rank]++;
+    }
+    for (Py_ssize_t rank = 1; rank < num_ranks; rank++)
+        offsets[rank] = offsets[rank - 1] + counts[rank - 1];
+    for (Py_ssize_t rank = 0; rank < num_ranks; rank++)
+        counts[rank] = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(event, 0));
+        grouped[offsets[rank] + counts[rank]++] = event;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(stash_timelines_doc,
+             "stash_timelines(events, num_ranks, stash_bytes, bases, kinds) -> list or None\n\n"
+             "memory_report's loop: per rank (peak stash bytes, timeline) where the timeline starts at\n"
+             "(0.0, base) and steps at every stash change (changes at one moment merged), with\n"
+             "``stash_bytes`` per stage and ``bases`` per rank. None where a rank number is outside\n"
+             "0..num_ranks-1 (Python decides).");
+
+static PyObject *stash_timelines(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *events, *stash_bytes, *bases, *kinds;
+    Py_ssize_t num_ranks;
+    if (!PyArg_ParseTuple(args, "O!nO!O!O!", &PyList_Type, &events, &num_ranks, &PyList_Type, &stash_bytes,
+                          &PyList_Type, &bases, &PyTuple_Type, &kinds))
+        return NULL;
+    if (num_ranks < 0 || PyList_GET_SIZE(bases) != num_ranks || PyTuple_GET_SIZE(kinds) < 4) {
+        PyErr_SetString(PyExc_ValueError, "one base per rank and the kinds F, B, I, W are needed");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(events), stages = PyList_GET_SIZE(stash_bytes);
+    Py_ssize_t *counts = PyMem_Calloc((size_t)num_ranks + 1, sizeof(Py_ssize_t));
+    Py_ssize_t *offsets = PyMem_Calloc((size_t)num_ranks + 1, sizeof(Py_ssize_t));
+    PyObject **grouped = PyMem_Malloc(((size_t)n + 1) * sizeof(PyObject *));
+    double *sizes = PyMem_Malloc(((size_t)stages + 1) * sizeof(double));
+    SizedChange *changes = PyMem_Malloc(((size_t)n + 1) * sizeof(SizedChange));
+    PyObject *result = NULL;
+    if (!counts || !offsets || !grouped || !sizes || !changes) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t stage = 0; stage < stages; stage++) {
+        sizes[stage] = PyFloat_AsDouble(PyList_GET_ITEM(stash_bytes, stage));
+        if (sizes[stage] == -1.0 && PyErr_Occurred())
+            goto done;
+    }
+    int grouping = group_by_rank(events, num_ranks, counts, offsets, grouped);
+    if (grouping < 0)
+        goto done;
+    if (grouping > 0) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+        goto done;
+    }
+    result = PyList_New(num_ranks);
+    if (!result)
+        goto done;
+    for (Py_ssize_t rank = 0; rank < num_ranks; rank++) {
+        double base = PyFloat_AsDouble(PyList_GET_ITEM(bases, rank));
+        if (base == -1.0 && PyErr_Occurred())
+            goto fail;
+        Py_ssize_t changed = stash_changes(grouped + offsets[rank], counts[rank], kinds, sizes, stages, changes);
+        if (changed < 0)
+            goto fail;
+        PyObject *timeline = PyList_New(0);
+        if (!timeline)
+            goto fail;
+        double last_time = 0.0, last_value = base, held = 0.0, peak_stash = 0.0;
+        Py_ssize_t points = 1; /* (0.0, base), pending in last_time / last_value */
+        for (Py_ssize_t i = 0; i < changed; i++) {
+            double time = changes[i].moment;
+            held += changes[i].change;
+            if (held > peak_stash)
+                peak_stash = held;
+            if (last_time == time) {
+                last_value = base + held;
+                continue;
+            }
+            PyObject *point = Py_BuildValue("(dd)", last_time, last_value);
+            if (!point || PyList_Append(timeline, point) < 0) {
+                Py_XDECREF(point);
+                Py_DECREF(timeline);
+                goto fail;
+            }
+            Py_DECREF(point);
+            last_time = time;
+            last_value = base + held;
+            points++;
+        }
+        PyObject *point = Py_BuildValue("(dd)", last_time, last_value);
+        PyObject *row = NULL;
+        if (point && PyList_Append(timeline, point) == 0) {
+            PyObject *frozen = PyList_AsTuple(timeline);
+            row = frozen ? Py_BuildValue("(dN)", peak_stash, frozen) : NULL;
+        }
+        Py_XDECREF(point);
+        Py_DECREF(timeline);
+        if (!row)
+            goto fail;
+        PyList_SET_ITEM(result, rank, row);
+        (void)points;
+    }
+    goto done;
+fail:
+    Py_CLEAR(result);
+done:
+    PyMem_Free(counts);
+    PyMem_Free(offsets);
+    PyMem_Free(grouped);
+    PyMem_Free(sizes);
+    PyMem_Free(changes);
+    return result;
 }
 
 PyDoc_STRVAR(summary_doc,
@@ -571,36 +724,24 @@ static PyObject *summary(PyObject *module, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
+    int grouping = group_by_rank(events, num_ranks, counts, offsets, grouped);
+    if (grouping < 0)
+        goto done;
+    if (grouping > 0) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *event = PyList_GET_ITEM(events, i);
-        if (!PyTuple_Check(event) || PyTuple_GET_SIZE(event) < 8) {
-            PyErr_SetString(PyExc_TypeError, "events must be TraceEvents");
-            goto done;
-        }
-        Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(event, 0));
         double start = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_START));
         double end = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_END));
         if (PyErr_Occurred())
             goto done;
-        if (rank < 0 || rank >= num_ranks) {
-            Py_INCREF(Py_None);
-            result = Py_None;
-            goto done;
-        }
-        counts[rank]++;
         if (start < first) /* min() and max() keep the first of equals: the same number */
             first = start;
         if (end > last)
             last = end;
-    }
-    for (Py_ssize_t rank = 1; rank < num_ranks; rank++)
-        offsets[rank] = offsets[rank - 1] + counts[rank - 1];
-    for (Py_ssize_t rank = 0; rank < num_ranks; rank++)
-        counts[rank] = 0;
-    for (Py_ssize_t i = 0; i < n; i++) { /* Trace.by_rank: each rank's events in trace order */
-        PyObject *event = PyList_GET_ITEM(events, i);
-        Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(event, 0));
-        grouped[offsets[rank] + counts[rank]++] = event;
     }
     double span = last - first;
     double bound = first + span; /* step_metrics passes (first, first + span) to the accounting */
@@ -643,6 +784,7 @@ done:
 static PyMethodDef methods[] = {
     {"accounting", accounting, METH_VARARGS, accounting_doc},
     {"summary", summary, METH_VARARGS, summary_doc},
+    {"stash_timelines", stash_timelines, METH_VARARGS, stash_timelines_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -130,24 +130,27 @@ def parse_group(text: str) -> tuple[Action, ...]:
     return actions
 
 
+_new_action = tuple.__new__  # Action(...) without NamedTuple's Python-level __new__: generators build many
+
+
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the text form
     """Forward of ``microbatch`` on ``stage``."""
-    return Action(stage, ActionKind.F, microbatch)
+    return _new_action(Action, (stage, ActionKind.F, microbatch))
 
 
 def B(stage: int, microbatch: int) -> Action:  # noqa: N802
     """Full backward of ``microbatch`` on ``stage``."""
-    return Action(stage, ActionKind.B, microbatch)
+    return _new_action(Action, (stage, ActionKind.B, microbatch))
 
 
 def I(stage: int, microbatch: int) -> Action:  # noqa: N802, E741, E743
     """Input-gradient backward of ``microbatch`` on ``stage``."""
-    return Action(stage, ActionKind.I, microbatch)
+    return _new_action(Action, (stage, ActionKind.I, microbatch))
 
 
 def W(stage: int, microbatch: int) -> Action:  # noqa: N802
     """Weight-gradient backward of ``microbatch`` on ``stage``."""
-    return Action(stage, ActionKind.W, microbatch)
+    return _new_action(Action, (stage, ActionKind.W, microbatch))
 
 
 # An overlapped forward-and-backward pair (DualPipe): two actions of one rank run as one

@@ -11,7 +11,9 @@ from contextlib import contextmanager
 import pytest
 from hypothesis import given, settings
 
+from pipesim.costs import uniform_costs
 from pipesim.engine import simulate
+from pipesim.memory import memory_report
 from schedules import accounting
 from schedules.accounting import RankTime, time_accounting
 from schedules.metrics import StepMetrics, step_metrics
@@ -56,6 +58,14 @@ def test_the_c_accounting_equals_python_on_simulated_steps(case):
     assert native == python  # float for float
     python_metrics, native_metrics = both_metrics(trace)  # the one-pass summary: spans, comm, stashes too
     assert native_metrics == python_metrics
+    if costs.memory_known:  # the memory timelines: stash bytes per stage, merged moments
+        devices = [f"d{rank}" for rank in range(lowered.pp)]
+        capacities = [80e9] * lowered.pp
+        with accounting_loop(False):
+            python_memory = memory_report(trace, costs, lowered.placement, devices, capacities, dp=2, zero=1)
+        with accounting_loop(True):
+            native_memory = memory_report(trace, costs, lowered.placement, devices, capacities, dp=2, zero=1)
+        assert native_memory == python_memory
 
 
 def event(rank, action, kind, stage, microbatch, start, end, stream):
@@ -133,6 +143,16 @@ def test_stashes_held_and_a_rank_without_events_agree():
     python, native = both_metrics(trace)
     assert native == python
     assert [rank.peak_inflight_microbatches for rank in python.ranks] == [2.0, 1.0, 0.0]
+    # rank 0's memory timeline with 10 B per stash: F0 at 0.0 (merged into the starting
+    # point), F1 at 1.0, B0 releases at 4.0, W1 at 6.0
+    costs = uniform_costs(2, 1.0, 2.0, stash_bytes=10.0, param_bytes=0.0)
+    reports = []
+    for native_loop in (False, True):
+        with accounting_loop(native_loop):
+            reports.append(memory_report(trace, costs, (0, 1, 1), ["a", "b", "c"], [1e3] * 3))
+    assert reports[0] == reports[1]
+    assert reports[0][0].timeline == ((0.0, 10.0), (1.0, 20.0), (4.0, 10.0), (6.0, 0.0))
+    assert reports[0][0].peak_stash_bytes == 20.0
     assert python.ranks[2].bubble == python.makespan == 6.0  # nothing recorded: all of it waiting
 
 

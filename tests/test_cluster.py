@@ -260,3 +260,12 @@ def test_shards_on_nvswitch_have_links_of_their_own():
     alone = run_simulation(generate("gpipe", 2, 1), costs, nvlink())
     assert shards.metrics.makespan == pytest.approx(alone.metrics.makespan)
     assert alone.metrics.makespan == pytest.approx(2 * (FWD + BWD) + 2 * (NVLINK_PAIR_LATENCY + 1e9 / NVLINK_PAIR_BW))
+
+
+@pytest.mark.parametrize("order", ["tp-dp-pp", "tp-pp-dp", "dp-tp-pp", "pp-dp-tp", "dp-pp-tp", "pp-tp-dp"])
+def test_a_dp_group_is_every_replicas_device_of_that_shard(order):
+    # read off with the dp stride: the same as asking each replica (dp 3, pp 2, tp 2 on 12 GPUs)
+    mapping = map_ranks(ib(2), dp=3, pp=2, tp=2, order=order)
+    for stage in range(2):
+        for shard in range(2):
+            assert mapping.dp_group(stage, shard) == [mapping.device(replica, stage, shard) for replica in range(3)]

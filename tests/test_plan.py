@@ -212,3 +212,18 @@ def test_the_search_over_two_workers_is_deterministic_and_keeps_the_top(small_mo
     assert (runs[0].simulated, runs[0].pruned) == (runs[1].simulated, runs[1].pruned)
     assert [row["layout"] for row in runs[0].rows[:3]] == [row["layout"] for row in one.rows[:3]]
     assert runs[0].simulated >= one.simulated
+
+
+def test_a_layouts_flags_parsed_onto_the_jobs_equal_the_whole_command_line():
+    # plan parses only each layout's own flags onto a copy of the job's Namespace
+    plan_command._init_worker(["simulate", "--model", "gpt3-1.3b", "--topology", "ib", "--nodes", "2",
+                               "--seq-len", "1024", "--gpu", "a100-80gb", "--p2p", "buffered"])
+    layouts, _ = enumerate_layouts(SearchSpace(
+        gpus=16, gpus_per_node=8, global_batch=32, layers=24, heads=16, kv_heads=16,
+        schedules=("1f1b", "interleaved-1f1b", "zbv", "zb-auto"), microbatch_sizes=(1, 2), virtual_stages=(1, 2),
+        recompute=("none", "selective", "full"), zero=(0, 1)))
+    assert len(layouts) > 100
+    for layout in layouts:
+        fast, whole = plan_command._parse(layout), plan_command._parse_whole(layout)
+        assert vars(fast) == vars(whole), layout.label()
+    assert plan_command._parse(layouts[0]) is not plan_command._parse(layouts[0])  # each layout its own copy

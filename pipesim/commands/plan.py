@@ -8,6 +8,7 @@ the ones ``simulate`` prints for the chosen layout.
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import functools
 import json
@@ -138,9 +139,13 @@ def _choices(requested: str | None, action: argparse.Action | None, fixed: str) 
 
 def _simulate_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """The ``simulate`` subcommand's flags by option string."""
+    return {option: action for action in _simulate_parser(parser)._actions for option in action.option_strings}
+
+
+def _simulate_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``simulate`` subcommand's own parser."""
     subparsers = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
-    simulate = subparsers.choices["simulate"]
-    return {option: action for action in simulate._actions for option in action.option_strings}
+    return subparsers.choices["simulate"]
 
 
 def _base_argv(args: argparse.Namespace, flags: dict) -> list[str]:
@@ -174,13 +179,25 @@ def _init_worker(base: list[str]) -> None:
     from pipesim.commands.options import topology_from_args
 
     parser = build_parser()
+    base_args = parser.parse_args(base)
     _BASE["parser"] = parser
     _BASE["argv"] = base
-    _BASE["topology"] = topology_from_args(parser.parse_args(base))
+    _BASE["base_args"] = base_args
+    _BASE["simulate_parser"] = _simulate_parser(parser)
+    _BASE["topology"] = topology_from_args(base_args)
     _layout_costs.cache_clear()  # its costs belong to the job set up before
 
 
 def _parse(layout: Layout) -> argparse.Namespace:
+    """The layout's ``pipesim simulate`` flags, parsed onto a copy of the job's own: only
+    the layout's flags are read (argparse leaves values already in the namespace alone),
+    which gives the Namespace of the whole command line (``tests/test_plan.py`` holds it
+    to that) for a fraction of the cost; a plan parses thousands of layouts."""
+    return _BASE["simulate_parser"].parse_args(_layout_argv(layout), namespace=copy.copy(_BASE["base_args"]))
+
+
+def _parse_whole(layout: Layout) -> argparse.Namespace:
+    """The layout's whole ``pipesim simulate`` command line, parsed from scratch."""
     return _BASE["parser"].parse_args(_BASE["argv"] + _layout_argv(layout))
 
 
@@ -324,14 +341,19 @@ def evaluate_layout(layout: Layout) -> dict:
     from pipesim.simulation import run_simulation
     from schedules.generators import COST_AWARE, ScheduleUnavailableError
 
-    args = _parse(layout)
+    try:  # the memory floor built them already (in this process, for most layouts)
+        args, layout_costs, shell = _layout_costs(layout)
+    except ValueError:  # raised again below, where it becomes the layout's error row
+        args, layout_costs, shell = _parse(layout), None, None
     topology = _BASE["topology"]
     try:
         if layout.schedule in COST_AWARE:  # its order follows from this layout's costs
             schedule = schedule_from_args(args, topology)
         else:
             schedule = _lowered(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
-        costs = _costs(args, schedule)
+        # costs depend on the stages and their placement only (``_layout_costs``)
+        same_stages = shell is not None and schedule.placement == shell.placement
+        costs = layout_costs if same_stages else _costs(args, schedule)
         # Generated and lowered here, so valid by construction (tests/test_p2p.py proves it
         # for every generator); validating each of thousands of layouts again would double the search.
         result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args), p2p=args.p2p,

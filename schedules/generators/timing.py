@@ -41,7 +41,7 @@ def order_end_times(
         while cursor[rank] < len(program):
             action = program[cursor[rank]]
             ready = _ready_time(action, ends, placement, last_stage, comm, backward_of)
-            if isinstance(ready, Action):
+            if type(ready) is tuple:  # the producer it waits for
                 waiting.setdefault(ready, []).append(rank)
                 break
             start = max(clocks[rank], ready)
@@ -55,20 +55,22 @@ def order_end_times(
 
 
 def _ready_time(action: Action, ends: dict[Action, float], placement: Sequence[int], last_stage: int,
-                comm: float, backward_of: dict[tuple[int, int], Action]) -> float | Action:
-    """When ``action``'s inputs are there, or the producer it still waits for."""
+                comm: float, backward_of: dict[tuple[int, int], Action]) -> float | tuple:
+    """When ``action``'s inputs are there, or the producer it still waits for (as a plain
+    ``(stage, kind, microbatch)`` tuple: it hashes and compares as the Action does, and
+    zb-auto times hundreds of thousands of them)."""
     stage, kind, microbatch = action
-    inputs: list[tuple[Action, float]] = []
+    inputs: list[tuple[tuple, float]] = []
     if kind == _F:
         if stage > 0:
-            inputs.append((Action(stage - 1, _F, microbatch), _hop(placement, stage - 1, stage, comm)))
+            inputs.append(((stage - 1, _F, microbatch), _hop(placement, stage - 1, stage, comm)))
     elif kind in (_B, _I):
-        inputs.append((Action(stage, _F, microbatch), 0.0))
+        inputs.append(((stage, _F, microbatch), 0.0))
         if stage < last_stage:
-            above = backward_of.get((stage + 1, microbatch), Action(stage + 1, _B, microbatch))
-            inputs.append((above, _hop(placement, stage + 1, stage, comm)))
+            above = backward_of.get((stage + 1, microbatch), (stage + 1, _B, microbatch))
+            inputs.append((tuple(above), _hop(placement, stage + 1, stage, comm)))
     elif kind == _W:
-        inputs.append((Action(stage, _I, microbatch), 0.0))
+        inputs.append(((stage, _I, microbatch), 0.0))
     ready = 0.0
     for producer, delay in inputs:
         end = ends.get(producer)
