@@ -1,7 +1,8 @@
-"""Build configuration beyond pyproject.toml: three optional C loops, the direct
-rendezvous engine's (pipesim/_rendezvous.c), the time accounting's
-(schedules/_accounting.c) and lowering's (schedules/_lowering.c). Each has a Python twin it is tested equal to; with
-``optional=True`` an install without a C compiler goes on and runs those."""
+"""Build configuration beyond pyproject.toml: optional C loops, the direct rendezvous
+engine's (pipesim/_rendezvous.c), the time accounting's (schedules/_accounting.c),
+lowering's (schedules/_lowering.c) and zb-auto's timing (schedules/_timing.c). Each
+has a Python twin it is tested equal to; with ``optional=True`` an install without a C
+compiler goes on and runs those."""
 
 from setuptools import Extension, setup
 
@@ -9,5 +10,6 @@ setup(ext_modules=[
     Extension(name, [source], optional=True, extra_compile_args=["-O2"])
     for name, source in (("pipesim._rendezvous", "pipesim/_rendezvous.c"),
                          ("schedules._accounting", "schedules/_accounting.c"),
-                         ("schedules._lowering", "schedules/_lowering.c"))
+                         ("schedules._lowering", "schedules/_lowering.c"),
+                         ("schedules._timing", "schedules/_timing.c"))
 ])

@@ -106,8 +106,13 @@ class Costs:
         for name in OVERHEADS:
             check_number(getattr(self, name), name)
         for index, stage in enumerate(self.stages):
-            for name in STAGE_FIELDS:
-                check_number(getattr(stage, name), f"stage {index}: {name}")
+            values = [getattr(stage, name) for name in STAGE_FIELDS]
+            # the usual case at once (a plan builds thousands of costs); else each value is
+            # checked and the bad one named
+            if not (all(type(value) is float or type(value) is int for value in values) and min(values) >= 0
+                    and math.isfinite(math.fsum(values))):
+                for name, value in zip(STAGE_FIELDS, values, strict=True):
+                    check_number(value, f"stage {index}: {name}")
             if stage.wgrad > stage.bwd:
                 raise CostsError(
                     f"stage {index}: wgrad ({stage.wgrad}) is part of bwd ({stage.bwd}) and cannot exceed it"

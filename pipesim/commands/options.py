@@ -4,6 +4,7 @@ topologies, so ``simulate``, ``sweep``, ``show`` and ``export`` read them identi
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 
@@ -334,7 +335,7 @@ def model_costs_from_args(args: argparse.Namespace, schedule: Schedule, topology
     """Costs of ``--model`` on the devices its pipeline ranks are mapped to."""
     from pipesim.mapping import map_ranks
     from pipesim.memory import static_bytes_per_param
-    from pipesim.transformer_costs import device_memory_bandwidth, model_costs
+    from pipesim.transformer_costs import device_memory_bandwidth
 
     given = [flag for flag, dest in (*COST_FLAGS, ("--costs", "costs"), ("--stash-bytes", "stash_bytes"),
                                       ("--param-bytes", "param_bytes")) if getattr(args, dest, None) is not None]
@@ -347,12 +348,30 @@ def model_costs_from_args(args: argparse.Namespace, schedule: Schedule, topology
     bandwidths = [device_memory_bandwidth(topology, device) for device in stage_devices]
     layout = split_list(args.layers_per_stage, int) if args.layers_per_stage else None
     parallel = parallel_from_args(args)
-    return model_costs(spec, schedule.num_stages, peaks, tp=args.tp, mfu=DEFAULT_MFU if args.mfu is None else args.mfu,
-                       sequence_parallel=args.sequence_parallel, layers_per_stage=layout, recompute=args.recompute,
-                       flash_attention=not args.no_flash_attention, fallback_peak=fallback_peak_flops(args),
-                       stage_memory_bandwidth=bandwidths, fallback_memory_bandwidth=fallback_memory_bandwidth(args),
-                       optimizer_state_bytes=static_bytes_per_param(parallel.bytes_per_param, args.dp, parallel.zero),
-                       stage_ranks=list(schedule.placement))
+    return _model_costs(spec, schedule.num_stages, tuple(peaks), args.tp, DEFAULT_MFU if args.mfu is None else args.mfu,
+                        args.sequence_parallel, tuple(layout) if layout else None, args.recompute,
+                        not args.no_flash_attention, fallback_peak_flops(args), tuple(bandwidths),
+                        fallback_memory_bandwidth(args),
+                        static_bytes_per_param(parallel.bytes_per_param, args.dp, parallel.zero),
+                        tuple(schedule.placement))
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float, sequence_parallel: bool,
+                 layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
+                 bandwidths: tuple, fallback_bandwidth: float, optimizer_state_bytes: float,
+                 stage_ranks: tuple) -> Costs:
+    """``transformer_costs.model_costs``, kept per distinct input: it is a pure function of
+    them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
+    layouts (every dp width on one kind of GPU, with and without ZeRO where it does not
+    change the optimizer's bytes)."""
+    from pipesim.transformer_costs import model_costs
+
+    return model_costs(spec, num_stages, list(peaks), tp=tp, mfu=mfu, sequence_parallel=sequence_parallel,
+                       layers_per_stage=list(layout) if layout else None, recompute=recompute,
+                       flash_attention=flash_attention, fallback_peak=fallback_peak,
+                       stage_memory_bandwidth=list(bandwidths), fallback_memory_bandwidth=fallback_bandwidth,
+                       optimizer_state_bytes=optimizer_state_bytes, stage_ranks=list(stage_ranks))
 
 
 def costs_from_args(args: argparse.Namespace, num_stages: int, virtual_stages: int) -> Costs:

@@ -10,11 +10,20 @@ compare candidate orders without importing the simulator (``schedules`` sits bel
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 from schedules.action import Action, ActionKind
 
+try:  # ``step_and_rank_span`` in C, built by setup.py where a compiler is found
+    from schedules import _timing as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
+
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
+_KINDS = (_F, _B, _I, _W)  # in the order the C version reads them
+# Whether ``step_and_rank_span`` asks the C version first (PIPESIM_PURE_PYTHON=1: Python only).
+ACCELERATED = _native is not None and os.environ.get("PIPESIM_PURE_PYTHON", "") in ("", "0")
 
 
 def order_end_times(
@@ -85,10 +94,18 @@ def _hop(placement: Sequence[int], source: int, target: int, comm: float) -> flo
 
 
 def step_and_rank_span(programs: Sequence[Sequence[Action]], placement: Sequence[int],
-                       seconds: Callable[[Action], float], comm: float = 0.0) -> tuple[float, float]:
+                       seconds: Callable[[Action], float], comm: float = 0.0,
+                       per_stage: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
+                       ) -> tuple[float, float]:
     """The step's makespan and the longest time one rank spends from its first action's
     start to its last action's end (the zero-bubble paper's measure, which counts what
-    a next step overlapping this one could not use)."""
+    a next step overlapping this one could not use). ``per_stage``: the F, I and W
+    seconds of each stage when ``seconds`` reads them there, which lets the C version
+    (``schedules/_timing.c``, the same arithmetic) time the orders."""
+    if per_stage is not None and ACCELERATED:
+        timed = _native.step_and_rank_span(programs, placement, *per_stage, comm, _KINDS)
+        if timed is not None:  # None: an action it does not time (Python decides)
+            return timed
     ends = order_end_times(programs, placement, seconds, comm)
     spans = [ends[program[-1]] - (ends[program[0]] - seconds(program[0])) for program in programs if program]
     return max(ends.values(), default=0.0), max(spans, default=0.0)

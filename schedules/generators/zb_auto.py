@@ -83,7 +83,8 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
         candidates.append(zb_h2(pp, microbatches).programs)
     # fastest step first; among equals, the one whose ranks work in the tightest span
     # (the paper's bubble: what the next step's warm-up cannot fill)
-    best = min(candidates, key=lambda orders: step_and_rank_span(orders, placement, seconds, comm))
+    per_stage = (forward, backward_input, backward_weight)
+    best = min(candidates, key=lambda orders: step_and_rank_span(orders, placement, seconds, comm, per_stage))
     return Schedule(pp, microbatches, placement, best, name="zb-auto", meta={"memory_microbatches": limit})
 
 
