@@ -693,6 +693,20 @@ static PyObject *action_text(PyObject *stage, PyObject *kind, PyObject *microbat
     return PyUnicode_FromFormat("%S%S%S", stage, kind, microbatch);
 }
 
+/* Untrack a tuple none of whose items the collector tracks (numbers, strings, such
+ * tuples): no cycle can pass through it, and CPython untracks such tuples itself at its
+ * next collection; done now, the ~500k tuples of a large step's compiled programs cost
+ * the collector nothing when it resumes. */
+static void untrack_if_atomic(PyObject *tuple) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
+        PyObject *item = PyTuple_GET_ITEM(tuple, i);
+        if (PyObject_IS_GC(item) && PyObject_GC_IsTracked(item))
+            return;
+    }
+    if (PyObject_GC_IsTracked(tuple))
+        PyObject_GC_UnTrack(tuple);
+}
+
 /* A tuple of ``count`` new references; on any NULL, all of them released and NULL. */
 static PyObject *pack_new(PyObject **items, Py_ssize_t count) {
     PyObject *tuple = PyTuple_New(count);
@@ -708,6 +722,7 @@ static PyObject *pack_new(PyObject **items, Py_ssize_t count) {
     }
     for (Py_ssize_t i = 0; i < count; i++)
         PyTuple_SET_ITEM(tuple, i, items[i]);
+    untrack_if_atomic(tuple);
     return tuple;
 }
 
@@ -758,6 +773,7 @@ static PyObject *compile_compute(Compiler *c, PyObject *item, int kind, long sta
     }
     PyObject *stage_object = PyTuple_GET_ITEM(item, 0), *kind_object = PyTuple_GET_ITEM(item, 1);
     PyObject *microbatch_object = PyTuple_GET_ITEM(item, 2);
+    untrack_if_atomic(item); /* the action: two ints and a string */
     PyObject *fields[10] = {
         PyLong_FromLong(0), new_reference(item), new_reference(stage_object), new_reference(kind_object),
         new_reference(microbatch_object), action_text(stage_object, kind_object, microbatch_object),
@@ -809,6 +825,7 @@ static PyObject *compile_group(Compiler *c, PyObject *program, Py_ssize_t first,
         }
         PyTuple_SET_ITEM(transfers, i - first, transfer);
     }
+    untrack_if_atomic(transfers);
     PyObject *fields[4] = {PyLong_FromLong(1), PyLong_FromSsize_t(ordinal), PyLong_FromSsize_t(stop - first),
                            transfers};
     return pack_new(fields, 4);
@@ -916,6 +933,7 @@ static PyObject *compile_programs(PyObject *module, PyObject *args) {
         PyObject *frozen = PyList_AsTuple(entries);
         if (!frozen)
             goto done;
+        untrack_if_atomic(frozen);
         PyTuple_SET_ITEM(compiled, rank, frozen);
         Py_DECREF(entries);
     }

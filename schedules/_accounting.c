@@ -149,10 +149,57 @@ typedef struct {
     char inline_text[INLINE_TEXT]; /* the text itself: one cache line holds the whole entry */
 } Entry;
 
+/* Dense mode: every text of the table that reads canonically as
+ * f"{stage}{kind}{microbatch}" with one of its two kinds, at (stage, kind, microbatch).
+ * The lookups are such texts, so a text that does not read that way can never be found
+ * and is left out: the same answers as the dict of texts, without hashing a string per
+ * lookup (a large step has ~130k). */
 typedef struct {
     Entry *entries;
     size_t mask;
+    int dense;
+    const char *kinds[2];
+    long stage_low, stages, microbatch_low, microbatches;
+    double *moments;
+    char *known;
 } Table;
+
+/* A canonical decimal int (as str(int) writes it) at ``*at``, up to ``end`` or a non-digit. */
+static int parse_int(const char **at, const char *end, long *value) {
+    const char *p = *at;
+    int negative = p < end && *p == '-';
+    if (negative)
+        p++;
+    if (p >= end || *p < '0' || *p > '9')
+        return 0;
+    if (*p == '0' && (negative || (p + 1 < end && p[1] >= '0' && p[1] <= '9')))
+        return 0; /* "-0" and leading zeros are not how str() writes a number */
+    long number = 0;
+    while (p < end && *p >= '0' && *p <= '9') {
+        if (number > 100000000000000L)
+            return 0;
+        number = number * 10 + (*p++ - '0');
+    }
+    *value = negative ? -number : number;
+    *at = p;
+    return 1;
+}
+
+/* Which of the table's kinds ``text`` reads as (0 or 1) with its numbers, or -1. */
+static int parse_action_text(const Table *table, const char *text, Py_ssize_t length, long *stage, long *microbatch) {
+    const char *at = text, *end = text + length;
+    if (!parse_int(&at, end, stage))
+        return -1;
+    for (int k = 0; k < 2; k++) {
+        size_t kind_length = strlen(table->kinds[k]);
+        if ((size_t)(end - at) > kind_length && !memcmp(at, table->kinds[k], kind_length)) {
+            const char *rest = at + kind_length;
+            if (parse_int(&rest, end, microbatch) && rest == end)
+                return k;
+        }
+    }
+    return -1;
+}
 
 static uint64_t hash_text(const char *text, Py_ssize_t length) {
     uint64_t hash = 1469598103934665603ULL; /* FNV-1a */
@@ -180,8 +227,78 @@ static Entry *slot_of(const Table *table, const char *text, Py_ssize_t length, u
     }
 }
 
-/* The table of every event of ``stream`` in ``events``. */
-static int build_table(Table *table, PyObject *events, int stream) {
+/* The dense table (see Table) of every event of ``stream``: 1 if built, 0 if its numbers
+ * span too much for a dense array (the hash table then), -1 on error. */
+static int build_dense(Table *table, PyObject *events, int stream) {
+    Py_ssize_t n = PyList_GET_SIZE(events), count = 0;
+    long stage_low = 0, stage_high = -1, microbatch_low = 0, microbatch_high = -1;
+    for (int pass = 0; pass < 2; pass++) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *event = PyList_GET_ITEM(events, i);
+            if (stream_of(PyTuple_GET_ITEM(event, F_STREAM)) != stream)
+                continue;
+            Py_ssize_t length;
+            const char *text = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(event, F_ACTION), &length);
+            if (!text)
+                return -1;
+            long stage, microbatch;
+            int kind = parse_action_text(table, text, length, &stage, &microbatch);
+            if (kind < 0)
+                continue; /* no lookup can ever ask for it */
+            if (pass == 0) {
+                if (!count || stage < stage_low)
+                    stage_low = stage;
+                if (!count || stage > stage_high)
+                    stage_high = stage;
+                if (!count || microbatch < microbatch_low)
+                    microbatch_low = microbatch;
+                if (!count || microbatch > microbatch_high)
+                    microbatch_high = microbatch;
+                count++;
+                continue;
+            }
+            double moment = PyFloat_AsDouble(PyTuple_GET_ITEM(event, F_START));
+            if (moment == -1.0 && PyErr_Occurred())
+                return -1;
+            Py_ssize_t at = ((stage - stage_low) * 2 + kind) * table->microbatches + (microbatch - microbatch_low);
+            table->moments[at] = moment; /* a later event of the same text replaces it, as in the dict */
+            table->known[at] = 1;
+        }
+        if (pass == 0) {
+            double cells = ((double)(stage_high - stage_low) + 1) * 2 * ((double)(microbatch_high - microbatch_low) + 1);
+            if (count && cells > 4.0 * (double)count + 4096.0)
+                return 0;
+            table->dense = 1;
+            table->stage_low = stage_low;
+            table->stages = count ? stage_high - stage_low + 1 : 0;
+            table->microbatch_low = microbatch_low;
+            table->microbatches = count ? microbatch_high - microbatch_low + 1 : 0;
+            Py_ssize_t size = (Py_ssize_t)table->stages * 2 * table->microbatches;
+            table->moments = PyMem_Malloc(((size_t)size + 1) * sizeof(double));
+            table->known = PyMem_Calloc((size_t)size + 1, 1);
+            if (!table->moments || !table->known) {
+                PyErr_NoMemory();
+                return -1;
+            }
+        }
+    }
+    return 1;
+}
+
+static void free_table(Table *table) {
+    PyMem_Free(table->entries);
+    PyMem_Free(table->moments);
+    PyMem_Free(table->known);
+}
+
+/* The table of every event of ``stream`` in ``events``, whose texts lookups build with
+ * ``kind0`` or ``kind1``. */
+static int build_table(Table *table, PyObject *events, int stream, const char *kind0, const char *kind1) {
+    table->kinds[0] = kind0;
+    table->kinds[1] = kind1;
+    int dense = build_dense(table, events, stream);
+    if (dense != 0)
+        return dense < 0 ? -1 : 0;
     Py_ssize_t count = 0, n = PyList_GET_SIZE(events);
     for (Py_ssize_t i = 0; i < n; i++)
         if (stream_of(PyTuple_GET_ITEM(PyList_GET_ITEM(events, i), F_STREAM)) == stream)
@@ -244,6 +361,17 @@ static int time_of(const Table *table, long stage, const char *kind, PyObject *m
     long microbatch_value = PyLong_AsLong(microbatch);
     if (microbatch_value == -1 && PyErr_Occurred())
         return -1;
+    if (table->dense) {
+        int k = strcmp(kind, table->kinds[0]) == 0 ? 0 : strcmp(kind, table->kinds[1]) == 0 ? 1 : -1;
+        long row = stage - table->stage_low, column = microbatch_value - table->microbatch_low;
+        if (k < 0 || row < 0 || row >= table->stages || column < 0 || column >= table->microbatches)
+            return 0;
+        Py_ssize_t at = ((Py_ssize_t)row * 2 + k) * table->microbatches + column;
+        if (!table->known[at])
+            return 0;
+        *found = table->moments[at];
+        return 1;
+    }
     char buffer[96];
     char *at = write_number(buffer, stage);
     size_t kind_length = strlen(kind);
@@ -414,7 +542,8 @@ static PyObject *accounting(PyObject *module, PyObject *args) {
     }
     Table sent = {0}, posted = {0};
     PyObject *result = NULL;
-    if (build_table(&sent, events, 5) < 0 || (sends_hold && build_table(&posted, events, 0) < 0))
+    if (build_table(&sent, events, 5, "SEND_F", "SEND_B") < 0 ||
+        (sends_hold && build_table(&posted, events, 0, "RECV_F", "RECV_B") < 0))
         goto done;
     result = PyList_New(PyList_GET_SIZE(groups));
     if (!result)
@@ -435,8 +564,8 @@ static PyObject *accounting(PyObject *module, PyObject *args) {
         PyList_SET_ITEM(result, rank, seconds);
     }
 done:
-    PyMem_Free(sent.entries);
-    PyMem_Free(posted.entries);
+    free_table(&sent);
+    free_table(&posted);
     return result;
 }
 
@@ -745,7 +874,8 @@ static PyObject *summary(PyObject *module, PyObject *args) {
     }
     double span = last - first;
     double bound = first + span; /* step_metrics passes (first, first + span) to the accounting */
-    if (build_table(&sent, events, 5) < 0 || (sends_hold && build_table(&posted, events, 0) < 0))
+    if (build_table(&sent, events, 5, "SEND_F", "SEND_B") < 0 ||
+        (sends_hold && build_table(&posted, events, 0, "RECV_F", "RECV_B") < 0))
         goto done;
     ranks = PyList_New(num_ranks);
     if (!ranks)
@@ -776,8 +906,8 @@ done:
     PyMem_Free(counts);
     PyMem_Free(offsets);
     PyMem_Free(grouped);
-    PyMem_Free(sent.entries);
-    PyMem_Free(posted.entries);
+    free_table(&sent);
+    free_table(&posted);
     return result;
 }
 
