@@ -11,8 +11,7 @@
  * Built by setup.py as an optional extension: without a C compiler pipesim installs
  * and runs the Python version (``pipesim.direct.ACCELERATED`` says which is in use).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "pipesim_native.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,11 +28,6 @@ typedef struct {
     int completed;
 } Group;
 
-typedef struct {
-    double start;
-    int rank;
-    Py_ssize_t group;
-} Start;
 
 typedef struct {
     PyObject *programs;
@@ -76,57 +70,8 @@ typedef struct {
     double *clocks;
     Py_ssize_t *blocked_on;
     char *finished;
-    Start *heap;
-    Py_ssize_t heap_len, heap_cap;
+    PipesimHeap starts; /* group starts by (moment, rank), the group index as payload */
 } State;
-
-static int start_before(const Start *a, const Start *b) {
-    return a->start < b->start || (a->start == b->start && a->rank < b->rank);
-}
-
-static int heap_push(State *st, double start, int rank, Py_ssize_t group) {
-    if (st->heap_len == st->heap_cap) {
-        Py_ssize_t cap = st->heap_cap ? st->heap_cap * 2 : 64;
-        Start *grown = PyMem_Realloc(st->heap, cap * sizeof(Start));
-        if (!grown) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        st->heap = grown;
-        st->heap_cap = cap;
-    }
-    Py_ssize_t i = st->heap_len++;
-    Start item = {start, rank, group};
-    while (i > 0) {
-        Py_ssize_t parent = (i - 1) / 2;
-        if (!start_before(&item, &st->heap[parent]))
-            break;
-        st->heap[i] = st->heap[parent];
-        i = parent;
-    }
-    st->heap[i] = item;
-    return 0;
-}
-
-static Start heap_pop(State *st) {
-    Start top = st->heap[0];
-    Start last = st->heap[--st->heap_len];
-    Py_ssize_t i = 0, n = st->heap_len;
-    for (;;) {
-        Py_ssize_t child = 2 * i + 1;
-        if (child >= n)
-            break;
-        if (child + 1 < n && start_before(&st->heap[child + 1], &st->heap[child]))
-            child++;
-        if (!start_before(&st->heap[child], &last))
-            break;
-        st->heap[i] = st->heap[child];
-        i = child;
-    }
-    if (n > 0)
-        st->heap[i] = last;
-    return top;
-}
 
 /* Append TraceEvent(rank, text, kind, stage, microbatch, start, end, stream) to ``target``. */
 static int record_to(State *st, PyObject *target, int rank, PyObject *text, PyObject *kind, PyObject *stage,
@@ -188,7 +133,7 @@ static int schedule_next(State *st, int rank) {
     st->next_start[rank] = index + 1;
     st->stream_busy[rank] = 1;
     group->start = group->posted > st->stream_free[rank] ? group->posted : st->stream_free[rank];
-    return heap_push(st, group->start, rank, group_index);
+    return pipesim_heap_push(&st->starts, group->start, rank, group_index);
 }
 
 static int complete(State *st, Py_ssize_t group_index) {
@@ -446,7 +391,7 @@ static void release(State *st) {
     PyMem_Free(st->clocks);
     PyMem_Free(st->blocked_on);
     PyMem_Free(st->finished);
-    PyMem_Free(st->heap);
+    PyMem_Free(st->starts.items);
 }
 
 #define ALLOCATE(pointer, count)                                                                                      \
@@ -634,9 +579,9 @@ static PyObject *run(PyObject *module, PyObject *args) {
     for (int rank = 0; rank < st->ranks; rank++)
         if (advance(st, rank) < 0)
             goto fail;
-    while (st->heap_len) {
-        Start next = heap_pop(st);
-        if (begin(st, next.group) < 0)
+    while (st->starts.length) {
+        PipesimMoment next = pipesim_heap_pop(&st->starts);
+        if (begin(st, next.payload) < 0)
             goto fail;
     }
     stuck = PyList_New(0);
@@ -664,17 +609,6 @@ fail:
 /* ``kinds``: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, in that order. */
 enum { K_F = 0, K_B, K_I, K_W, K_SEND_F, K_RECV_F, K_SEND_B, K_RECV_B, K_COUNT };
 
-static int kind_index(PyObject *kinds, PyObject *kind) {
-    for (int i = 0; i < K_COUNT; i++)
-        if (PyTuple_GET_ITEM(kinds, i) == kind)
-            return i;
-    if (!PyUnicode_Check(kind))
-        return -1;
-    for (int i = 0; i < K_COUNT; i++)
-        if (PyUnicode_Compare(PyTuple_GET_ITEM(kinds, i), kind) == 0)
-            return i;
-    return -1;
-}
 
 /* str(stage) + str(kind) + str(microbatch), as the f-string of the Python version;
  * written directly for int numbers and an ASCII kind (every real action), else by str(). */
@@ -887,7 +821,7 @@ static PyObject *compile_programs(PyObject *module, PyObject *args) {
             PyObject *action = PyTuple_GET_ITEM(program, i);
             if (!numbers_of(&c, action, &stage_of[i], &microbatch_of[i]))
                 goto unusual;
-            kind_of[i] = kind_index(kinds, PyTuple_GET_ITEM(action, 1));
+            kind_of[i] = pipesim_kind_index(kinds, PyTuple_GET_ITEM(action, 1));
             if (kind_of[i] < 0)
                 goto unusual;
         }

@@ -12,8 +12,7 @@
  *
  * Built by setup.py as an optional extension; without it the Python version runs.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "pipesim_native.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,17 +40,6 @@ typedef struct {
     Py_ssize_t length, capacity;
 } Ops;
 
-static int kind_index(PyObject *kinds, PyObject *kind) {
-    for (int i = 0; i < K_COUNT; i++)
-        if (PyTuple_GET_ITEM(kinds, i) == kind)
-            return i;
-    if (!PyUnicode_Check(kind))
-        return -1;
-    for (int i = 0; i < K_COUNT; i++)
-        if (PyUnicode_Compare(PyTuple_GET_ITEM(kinds, i), kind) == 0)
-            return i;
-    return -1;
-}
 
 static int by_start_then_end(const void *a, const void *b) {
     const Span *x = a, *y = b;
@@ -361,7 +349,7 @@ static PyObject *lower(PyObject *module, PyObject *args) {
             PyObject *action = PyTuple_GET_ITEM(program, i);
             if (!PyTuple_Check(action) || PyTuple_GET_SIZE(action) != 3)
                 goto unusual;
-            int kind = kind_index(kinds, PyTuple_GET_ITEM(action, 1));
+            int kind = pipesim_kind_index(kinds, PyTuple_GET_ITEM(action, 1));
             long stage = PyLong_AsLong(PyTuple_GET_ITEM(action, 0));
             long microbatch = PyLong_AsLong(PyTuple_GET_ITEM(action, 2));
             if (PyErr_Occurred()) {

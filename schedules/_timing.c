@@ -13,25 +13,13 @@
  *
  * Built by setup.py as an optional extension; without it the Python version runs.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "pipesim_native.h"
 #include <math.h>
 #include <string.h>
 
 /* ``kinds``: F, B, I, W, in that order. */
 enum { K_F = 0, K_B, K_I, K_W, K_COUNT };
 
-static int kind_index(PyObject *kinds, PyObject *kind) {
-    for (int i = 0; i < K_COUNT; i++)
-        if (PyTuple_GET_ITEM(kinds, i) == kind)
-            return i;
-    if (!PyUnicode_Check(kind))
-        return -1;
-    for (int i = 0; i < K_COUNT; i++)
-        if (PyUnicode_Compare(PyTuple_GET_ITEM(kinds, i), kind) == 0)
-            return i;
-    return -1;
-}
 
 static int read_seconds(PyObject *values, Py_ssize_t stages, double *out) {
     PyObject *fast = PySequence_Fast(values, "per-stage seconds must be a sequence");
@@ -124,7 +112,7 @@ static PyObject *step_and_rank_span(PyObject *module, PyObject *args) {
             PyObject *action = PySequence_Fast_GET_ITEM(program, i);
             if (!PyTuple_Check(action) || PyTuple_GET_SIZE(action) != 3)
                 goto unusual;
-            int kind = kind_index(kinds, PyTuple_GET_ITEM(action, 1));
+            int kind = pipesim_kind_index(kinds, PyTuple_GET_ITEM(action, 1));
             long stage = PyLong_AsLong(PyTuple_GET_ITEM(action, 0));
             long microbatch = PyLong_AsLong(PyTuple_GET_ITEM(action, 2));
             if (PyErr_Occurred()) {
@@ -308,63 +296,6 @@ done:
 /* ---- greedy_orders (schedules/generators/greedy_zero_bubble.py) ---- */
 
 typedef struct {
-    double moment;
-    long stage;
-} Wakeup;
-
-typedef struct {
-    Wakeup *items;
-    Py_ssize_t length, capacity;
-} Wakeups;
-
-static int wakeup_before(const Wakeup *a, const Wakeup *b) {
-    return a->moment < b->moment || (a->moment == b->moment && a->stage < b->stage);
-}
-
-static int wake(Wakeups *heap, double moment, long stage) {
-    if (heap->length == heap->capacity) {
-        Py_ssize_t capacity = heap->capacity ? heap->capacity * 2 : 64;
-        Wakeup *grown = PyMem_Realloc(heap->items, capacity * sizeof(Wakeup));
-        if (!grown) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        heap->items = grown;
-        heap->capacity = capacity;
-    }
-    Py_ssize_t i = heap->length++;
-    Wakeup item = {moment, stage};
-    while (i > 0) {
-        Py_ssize_t parent = (i - 1) / 2;
-        if (!wakeup_before(&item, &heap->items[parent]))
-            break;
-        heap->items[i] = heap->items[parent];
-        i = parent;
-    }
-    heap->items[i] = item;
-    return 0;
-}
-
-static Wakeup next_wakeup(Wakeups *heap) {
-    Wakeup top = heap->items[0], last = heap->items[--heap->length];
-    Py_ssize_t i = 0, n = heap->length;
-    for (;;) {
-        Py_ssize_t child = 2 * i + 1;
-        if (child >= n)
-            break;
-        if (child + 1 < n && wakeup_before(&heap->items[child + 1], &heap->items[child]))
-            child++;
-        if (!wakeup_before(&heap->items[child], &last))
-            break;
-        heap->items[i] = heap->items[child];
-        i = child;
-    }
-    if (n > 0)
-        heap->items[i] = last;
-    return top;
-}
-
-typedef struct {
     long pp, microbatches;
     double comm;
     double *costs[3]; /* F, I, W per stage */
@@ -374,7 +305,7 @@ typedef struct {
     PyObject **orders; /* per stage: a list of actions */
     PyObject *kinds;   /* F, I, W strings */
     PyTypeObject *action_type;
-    Wakeups heap;
+    PipesimHeap heap; /* wake-ups by (moment, stage) */
 } Greedy;
 
 /* forward_ready / input_ready: NAN where Python returns None */
@@ -419,16 +350,16 @@ static int run_action(Greedy *g, long stage, int kind, double now) {
         return -1;
     if (kind == 0) {
         g->forward_end[stage * g->microbatches + microbatch] = end;
-        if (stage + 1 < g->pp && wake(&g->heap, end + g->comm, stage + 1) < 0)
+        if (stage + 1 < g->pp && pipesim_heap_push(&g->heap, end + g->comm, stage + 1, 0) < 0)
             return -1;
     } else if (kind == 1) {
         g->input_end[stage * g->microbatches + microbatch] = end;
-        if (stage > 0 && wake(&g->heap, end + g->comm, stage - 1) < 0)
+        if (stage > 0 && pipesim_heap_push(&g->heap, end + g->comm, stage - 1, 0) < 0)
             return -1;
     }
     g->done[kind][stage]++;
     g->clock[stage] = end;
-    return wake(&g->heap, end, stage);
+    return pipesim_heap_push(&g->heap, end, stage, 0);
 }
 
 PyDoc_STRVAR(greedy_orders_doc,
@@ -497,13 +428,13 @@ static PyObject *greedy_orders(PyObject *module, PyObject *args) {
         g.forward_end[i] = g.input_end[i] = NAN;
     for (long stage = 0; stage < pp; stage++) {
         g.orders[stage] = PyList_New(0);
-        if (!g.orders[stage] || wake(&g.heap, 0.0, stage) < 0)
+        if (!g.orders[stage] || pipesim_heap_push(&g.heap, 0.0, stage, 0) < 0)
             goto done;
     }
     while (g.heap.length) {
-        Wakeup next = next_wakeup(&g.heap);
+        PipesimMoment next = pipesim_heap_pop(&g.heap);
         double now = next.moment;
-        long stage = next.stage;
+        long stage = next.key;
         if (g.clock[stage] > now)
             continue; /* busy; it has its own wake-up when it is free */
         long forwards = g.done[0][stage], inputs = g.done[1][stage], weights = g.done[2][stage];
@@ -537,7 +468,8 @@ static PyObject *greedy_orders(PyObject *module, PyObject *args) {
                 continue;
             }
         }
-        if (patient && !isnan(next_input) && next_input > now && wake(&g.heap, next_input, stage) < 0)
+        if (patient && !isnan(next_input) && next_input > now &&
+            pipesim_heap_push(&g.heap, next_input, stage, 0) < 0)
             goto done;
     }
     for (long stage = 0; stage < pp; stage++)

@@ -6,8 +6,6 @@ waits, sends that hold the rank, a trace of one rank, text-only events)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 from hypothesis import given, settings
 
@@ -18,19 +16,14 @@ from schedules import accounting
 from schedules.accounting import RankTime, time_accounting
 from schedules.metrics import StepMetrics, step_metrics
 from schedules.trace import Trace, TraceEvent
+from tests.native_switch import accelerated
 from tests.test_engine_fast import cases
 
 pytestmark = pytest.mark.skipif(accounting._native is None, reason="the C accounting is not built")
 
 
-@contextmanager
 def accounting_loop(native: bool):
-    saved = accounting.ACCELERATED
-    accounting.ACCELERATED = native
-    try:
-        yield
-    finally:
-        accounting.ACCELERATED = saved
+    return accelerated(accounting, native)
 
 
 def both(trace: Trace) -> tuple[list[RankTime], list[RankTime]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import shutil
 import sysconfig
-from contextlib import contextmanager
 
 import pytest
 from hypothesis import given, settings
@@ -33,6 +32,7 @@ from schedules import generate, lower
 from schedules.action import Action, ActionKind
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
 from schedules.schedule import Schedule
+from tests.native_switch import accelerated
 
 CLUSTERS = {  # name -> (preset, nodes); pcie shares its switch and socket links between rank pairs
     "ideal": ("ideal", 1), "nvlink": ("nvlink", 1), "pcie": ("pcie", 1), "ib": ("ib", 2), "ethernet": ("ethernet", 2),
@@ -42,15 +42,8 @@ CLUSTERS = {  # name -> (preset, nodes); pcie shares its switch and socket links
 NATIVE_BUILT = direct_engine._native is not None
 
 
-@contextmanager
 def direct_loop(native: bool):
-    """The direct step run by its C loop (True) or its Python one (False) inside the block."""
-    saved = direct_engine.ACCELERATED
-    direct_engine.ACCELERATED = native
-    try:
-        yield
-    finally:
-        direct_engine.ACCELERATED = saved
+    return accelerated(direct_engine, native)
 
 
 def python_and_native_direct(*args, **kwargs):

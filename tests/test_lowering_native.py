@@ -6,7 +6,6 @@ a producer; the C version then hands over to Python, which explains)."""
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
 
 import pytest
 from hypothesis import given, settings
@@ -16,18 +15,13 @@ from schedules import generate, lowering
 from schedules.action import Action
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
 from schedules.schedule import Schedule
+from tests.native_switch import accelerated
 
 pytestmark = pytest.mark.skipif(lowering._native is None, reason="the C lowering is not built")
 
 
-@contextmanager
 def lowering_loop(native: bool):
-    saved = lowering.ACCELERATED
-    lowering.ACCELERATED = native
-    try:
-        yield
-    finally:
-        lowering.ACCELERATED = saved
+    return accelerated(lowering, native)
 
 
 def both(schedule: Schedule) -> tuple[Schedule, Schedule]:
