@@ -1,6 +1,6 @@
 /*
  * What pipesim's C loops share (pipesim/_rendezvous.c, schedules/_lowering.c,
- * schedules/_timing.c): an action kind's position in a tuple of kinds, and a min-heap of
+ * schedules/_timing.c): reading an action's numbers and kind, and a min-heap of
  * moments. Static inline: each module compiles its own copy, none exports a symbol.
  */
 #ifndef PIPESIM_NATIVE_H
@@ -22,6 +22,22 @@ static inline int pipesim_kind_index(PyObject *kinds, PyObject *kind) {
         if (PyUnicode_Compare(PyTuple_GET_ITEM(kinds, i), kind) == 0)
             return (int)i;
     return -1;
+}
+
+/* An action ``(stage, kind, microbatch)`` as numbers: 1 where it is a 3-tuple of an int,
+ * one of ``kinds`` and an int; 0 otherwise, with no error set (the caller hands such
+ * input back to Python, which explains it). */
+static inline int pipesim_read_action(PyObject *action, PyObject *kinds, int *kind, long *stage, long *microbatch) {
+    if (!PyTuple_Check(action) || PyTuple_GET_SIZE(action) != 3)
+        return 0;
+    *kind = pipesim_kind_index(kinds, PyTuple_GET_ITEM(action, 1));
+    *stage = PyLong_AsLong(PyTuple_GET_ITEM(action, 0));
+    *microbatch = PyLong_AsLong(PyTuple_GET_ITEM(action, 2));
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return *kind >= 0;
 }
 
 /* A moment with a key that orders equal moments (a rank, a stage), and a payload. */

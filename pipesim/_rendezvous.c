@@ -674,19 +674,6 @@ typedef struct {
     Py_ssize_t *posted_rank;    /* the rank that posted it, -1 once its consumer took it (dict.pop) */
 } Compiler;
 
-/* The action's numbers, or 0 where they fall outside the schedule (Python then compiles). */
-static int numbers_of(const Compiler *c, PyObject *action, long *stage, long *microbatch) {
-    if (!PyTuple_Check(action) || PyTuple_GET_SIZE(action) != 3)
-        return 0;
-    *stage = PyLong_AsLong(PyTuple_GET_ITEM(action, 0));
-    *microbatch = PyLong_AsLong(PyTuple_GET_ITEM(action, 2));
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    return *stage >= 0 && *stage < c->stages && *microbatch >= 0 && *microbatch < c->microbatches;
-}
-
 static Py_ssize_t transfer_slot(const Compiler *c, long stage, int second, long microbatch) {
     return ((Py_ssize_t)stage * 2 + second) * c->microbatches + microbatch;
 }
@@ -819,10 +806,10 @@ static PyObject *compile_programs(PyObject *module, PyObject *args) {
         }
         for (Py_ssize_t i = 0; i < count; i++) {
             PyObject *action = PyTuple_GET_ITEM(program, i);
-            if (!numbers_of(&c, action, &stage_of[i], &microbatch_of[i]))
-                goto unusual;
-            kind_of[i] = pipesim_kind_index(kinds, PyTuple_GET_ITEM(action, 1));
-            if (kind_of[i] < 0)
+            /* outside the schedule's stages and microbatches: Python compiles it */
+            if (!pipesim_read_action(action, kinds, &kind_of[i], &stage_of[i], &microbatch_of[i]) ||
+                stage_of[i] < 0 || stage_of[i] >= c.stages || microbatch_of[i] < 0 ||
+                microbatch_of[i] >= c.microbatches)
                 goto unusual;
         }
         PyObject *iterator = PyObject_GetIter(PyTuple_GET_ITEM(joins, rank));

@@ -159,27 +159,23 @@ def run_rendezvous(
     events: list[TraceEvent],
     tp_events: list[TraceEvent],
     wires: dict[tuple[int, str], tuple[tuple, float, float]] | None = None,
-    native: bool | None = None,
     tp_kind: str = "TP",
 ) -> list[tuple[int, int]]:
     """Run every rank's lowered program (``Schedule.program_items``) under rendezvous
     semantics, appending Trace events to ``events`` and each compute action's tp
-    collectives as an event to ``tp_events`` (``{tp_kind}({action})``, stream
-    ``tp``). ``arrival_of(stage, kind, sender, now)``
-    reserves a send's links at ``now`` and returns its arrival; ``wires`` (the route's
-    links, seconds and latency of every (stage, SEND kind), when the transfers reserve
-    their links one after another and nothing else) lets the C loop reserve them itself
-    instead of calling back. ``native`` picks the C loop (True) or Python (False);
-    None: ``ACCELERATED``. Returns (rank, item index) of every rank that can never
-    finish (empty unless the programs deadlock)."""
+    collectives as an event to ``tp_events`` (``{tp_kind}({action})``, stream ``tp``).
+    ``arrival_of(stage, kind, sender, now)`` reserves a send's links at ``now`` and
+    returns its arrival; ``wires`` (the route's links, seconds and latency of every
+    (stage, SEND kind), when the transfers reserve their links one after another and
+    nothing else) lets the C loop reserve them itself instead of calling back. The C loop
+    runs where ``ACCELERATED`` says. Returns (rank, item index) of every rank that can
+    never finish (empty unless the programs deadlock)."""
     programs, transfer_count = schedule.derived("direct_programs", _compile)
     ranks = len(programs)
     # seconds and tp seconds by cost slot (see ``compiled_programs``): list lookups per action
     slot_seconds = [durations.get((stage, kind)) for stage in range(schedule.num_stages) for kind in _COST_KINDS]
     slot_tp = [tp_seconds.get((stage, kind), 0.0) for stage in range(schedule.num_stages) for kind in _COST_KINDS]
-    if ACCELERATED if native is None else native:
-        if _native is None:
-            raise RuntimeError("pipesim._rendezvous is not built (no C compiler at install): use native=False")
+    if ACCELERATED:
         table, link_count = wire_slots(wires, schedule.num_stages) if wires is not None else (None, 0)
         return _native.run(programs, transfer_count, slot_seconds, slot_tp, dict(paired), float(comm_overhead),
                            table, link_count, arrival_of, events, tp_events, TraceEvent, UnknownActionError,

@@ -158,7 +158,7 @@ def _native_timelines(trace: Trace, num_ranks: int, costs: Costs, bases: list[fl
     if not accounting.ACCELERATED or not trace.events:
         return None
     kinds = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
-    return accounting._native.stash_timelines(list(trace.events), num_ranks,
+    return accounting._native.stash_timelines(trace.event_list(), num_ranks,
                                               [stage.stash_bytes for stage in costs.stages], bases, kinds)
 
 

@@ -694,11 +694,30 @@ static long peak_stashes(PyObject **events, Py_ssize_t count, PyObject *kinds) {
     return peak;
 }
 
-/* Each rank's events of ``events``, in trace order: ``grouped[offsets[r] .. + counts[r]]``.
- * 0, or 1 where a rank number is outside 0..num_ranks-1, -1 on error. */
-static int group_by_rank(PyObject *events, Py_ssize_t num_ranks, Py_ssize_t *counts, Py_ssize_t *offsets,
-                         PyObject **grouped) {
+/* Each rank's events, in trace order: ``events[offsets[r] .. offsets[r] + counts[r]]``. */
+typedef struct {
+    Py_ssize_t *counts, *offsets;
+    PyObject **events;
+} Groups;
+
+static void free_groups(Groups *groups) {
+    PyMem_Free(groups->counts);
+    PyMem_Free(groups->offsets);
+    PyMem_Free(groups->events);
+}
+
+/* Trace.by_rank of ``events`` into ``groups`` (freed by free_groups whatever the result):
+ * 0, or 1 where a rank number is outside 0..num_ranks-1 (Python decides), -1 on error. */
+static int group_by_rank(PyObject *events, Py_ssize_t num_ranks, Groups *groups) {
     Py_ssize_t n = PyList_GET_SIZE(events);
+    groups->counts = PyMem_Calloc((size_t)num_ranks + 1, sizeof(Py_ssize_t));
+    groups->offsets = PyMem_Calloc((size_t)num_ranks + 1, sizeof(Py_ssize_t));
+    groups->events = PyMem_Malloc(((size_t)n + 1) * sizeof(PyObject *));
+    if (!groups->counts || !groups->offsets || !groups->events) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t *counts = groups->counts, *offsets = groups->offsets;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *event = PyList_GET_ITEM(events, i);
         if (!PyTuple_Check(event) || PyTuple_GET_SIZE(event) < 8) {
@@ -719,7 +738,7 @@ static int group_by_rank(PyObject *events, Py_ssize_t num_ranks, Py_ssize_t *cou
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *event = PyList_GET_ITEM(events, i);
         Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(event, 0));
-        grouped[offsets[rank] + counts[rank]++] = event;
+        groups->events[offsets[rank] + counts[rank]++] = event;
     }
     return 0;
 }
@@ -743,13 +762,11 @@ static PyObject *stash_timelines(PyObject *module, PyObject *args) {
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(events), stages = PyList_GET_SIZE(stash_bytes);
-    Py_ssize_t *counts = PyMem_Calloc((size_t)num_ranks + 1, sizeof(Py_ssize_t));
-    Py_ssize_t *offsets = PyMem_Calloc((size_t)num_ranks + 1, sizeof(Py_ssize_t));
-    PyObject **grouped = PyMem_Malloc(((size_t)n + 1) * sizeof(PyObject *));
+    Groups groups = {0};
     double *sizes = PyMem_Malloc(((size_t)stages + 1) * sizeof(double));
     SizedChange *changes = PyMem_Malloc(((size_t)n + 1) * sizeof(SizedChange));
     PyObject *result = NULL;
-    if (!counts || !offsets || !grouped || !sizes || !changes) {
+    if (!sizes || !changes) {
         PyErr_NoMemory();
         goto done;
     }
@@ -758,12 +775,10 @@ static PyObject *stash_timelines(PyObject *module, PyObject *args) {
         if (sizes[stage] == -1.0 && PyErr_Occurred())
             goto done;
     }
-    int grouping = group_by_rank(events, num_ranks, counts, offsets, grouped);
-    if (grouping < 0)
-        goto done;
-    if (grouping > 0) {
-        Py_INCREF(Py_None);
-        result = Py_None;
+    int grouping = group_by_rank(events, num_ranks, &groups);
+    if (grouping != 0) {
+        if (grouping > 0)
+            result = Py_NewRef(Py_None);
         goto done;
     }
     result = PyList_New(num_ranks);
@@ -773,14 +788,15 @@ static PyObject *stash_timelines(PyObject *module, PyObject *args) {
         double base = PyFloat_AsDouble(PyList_GET_ITEM(bases, rank));
         if (base == -1.0 && PyErr_Occurred())
             goto fail;
-        Py_ssize_t changed = stash_changes(grouped + offsets[rank], counts[rank], kinds, sizes, stages, changes);
+        Py_ssize_t changed = stash_changes(groups.events + groups.offsets[rank], groups.counts[rank], kinds, sizes,
+                                           stages, changes);
         if (changed < 0)
             goto fail;
         PyObject *timeline = PyList_New(0);
         if (!timeline)
             goto fail;
         double last_time = 0.0, last_value = base, held = 0.0, peak_stash = 0.0;
-        Py_ssize_t points = 1; /* (0.0, base), pending in last_time / last_value */
+        /* the point not yet appended: (0.0, base) to begin with */
         for (Py_ssize_t i = 0; i < changed; i++) {
             double time = changes[i].moment;
             held += changes[i].change;
@@ -799,7 +815,6 @@ static PyObject *stash_timelines(PyObject *module, PyObject *args) {
             Py_DECREF(point);
             last_time = time;
             last_value = base + held;
-            points++;
         }
         PyObject *point = Py_BuildValue("(dd)", last_time, last_value);
         PyObject *row = NULL;
@@ -812,15 +827,12 @@ static PyObject *stash_timelines(PyObject *module, PyObject *args) {
         if (!row)
             goto fail;
         PyList_SET_ITEM(result, rank, row);
-        (void)points;
     }
     goto done;
 fail:
     Py_CLEAR(result);
 done:
-    PyMem_Free(counts);
-    PyMem_Free(offsets);
-    PyMem_Free(grouped);
+    free_groups(&groups);
     PyMem_Free(sizes);
     PyMem_Free(changes);
     return result;
@@ -844,21 +856,13 @@ static PyObject *summary(PyObject *module, PyObject *args) {
     if (!n || num_ranks < 1 || PyTuple_GET_SIZE(kinds) < 4)
         Py_RETURN_NONE;
     double first = INFINITY, last = -INFINITY;
-    Py_ssize_t *counts = PyMem_Calloc((size_t)num_ranks + 1, sizeof(Py_ssize_t));
-    Py_ssize_t *offsets = PyMem_Calloc((size_t)num_ranks + 1, sizeof(Py_ssize_t));
-    PyObject **grouped = PyMem_Malloc((size_t)n * sizeof(PyObject *));
+    Groups groups = {0};
     Table sent = {0}, posted = {0};
     PyObject *result = NULL, *ranks = NULL;
-    if (!counts || !offsets || !grouped) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    int grouping = group_by_rank(events, num_ranks, counts, offsets, grouped);
-    if (grouping < 0)
-        goto done;
-    if (grouping > 0) {
-        Py_INCREF(Py_None);
-        result = Py_None;
+    int grouping = group_by_rank(events, num_ranks, &groups);
+    if (grouping != 0) {
+        if (grouping > 0)
+            result = Py_NewRef(Py_None);
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -881,8 +885,8 @@ static PyObject *summary(PyObject *module, PyObject *args) {
     if (!ranks)
         goto done;
     for (Py_ssize_t rank = 0; rank < num_ranks; rank++) {
-        PyObject **rank_events = grouped + offsets[rank];
-        Py_ssize_t count = counts[rank];
+        PyObject **rank_events = groups.events + groups.offsets[rank];
+        Py_ssize_t count = groups.counts[rank];
         PyObject *seconds = rank_seconds(rank_events, count, &sent, sends_hold ? &posted : NULL, first, bound);
         if (!seconds)
             goto done;
@@ -903,9 +907,7 @@ static PyObject *summary(PyObject *module, PyObject *args) {
     result = Py_BuildValue("(ddO)", first, span, ranks);
 done:
     Py_XDECREF(ranks);
-    PyMem_Free(counts);
-    PyMem_Free(offsets);
-    PyMem_Free(grouped);
+    free_groups(&groups);
     free_table(&sent);
     free_table(&posted);
     return result;

@@ -346,17 +346,11 @@ static PyObject *lower(PyObject *module, PyObject *args) {
             goto done;
         }
         for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *action = PyTuple_GET_ITEM(program, i);
-            if (!PyTuple_Check(action) || PyTuple_GET_SIZE(action) != 3)
+            int kind;
+            long stage, microbatch;
+            if (!pipesim_read_action(PyTuple_GET_ITEM(program, i), kinds, &kind, &stage, &microbatch))
                 goto unusual;
-            int kind = pipesim_kind_index(kinds, PyTuple_GET_ITEM(action, 1));
-            long stage = PyLong_AsLong(PyTuple_GET_ITEM(action, 0));
-            long microbatch = PyLong_AsLong(PyTuple_GET_ITEM(action, 2));
-            if (PyErr_Occurred()) {
-                PyErr_Clear();
-                goto unusual;
-            }
-            if (kind < 0 || kind > K_W || stage < 0 || stage >= stages || microbatch < 0 ||
+            if (kind > K_W || stage < 0 || stage >= stages || microbatch < 0 ||
                 microbatch >= microbatches)
                 goto unusual;
             kind_of[rank][i] = kind;

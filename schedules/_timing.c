@@ -109,18 +109,12 @@ static PyObject *step_and_rank_span(PyObject *module, PyObject *args) {
             goto done;
         }
         for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *action = PySequence_Fast_GET_ITEM(program, i);
-            if (!PyTuple_Check(action) || PyTuple_GET_SIZE(action) != 3)
+            int kind;
+            long stage, microbatch;
+            if (!pipesim_read_action(PySequence_Fast_GET_ITEM(program, i), kinds, &kind, &stage, &microbatch))
                 goto unusual;
-            int kind = pipesim_kind_index(kinds, PyTuple_GET_ITEM(action, 1));
-            long stage = PyLong_AsLong(PyTuple_GET_ITEM(action, 0));
-            long microbatch = PyLong_AsLong(PyTuple_GET_ITEM(action, 2));
-            if (PyErr_Occurred()) {
-                PyErr_Clear();
-                goto unusual;
-            }
             /* seconds(action) knows F, I and W only (a B raises KeyError in Python) */
-            if (kind < 0 || kind == K_B || stage < 0 || stage >= stages || microbatch < 0 || microbatch > (1L << 24))
+            if (kind == K_B || stage < 0 || stage >= stages || microbatch < 0 || microbatch > (1L << 24))
                 goto unusual;
             kind_of[rank][i] = kind;
             stage_of[rank][i] = stage;

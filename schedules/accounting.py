@@ -169,7 +169,7 @@ def time_accounting(trace: Trace, groups: list[list[TraceEvent]] | None = None,
     groups = groups or trace.by_rank()
     sends_hold = holds_on_sends(trace)
     # the usual case in C (the same operations; ranks where what holds them overlaps come back None)
-    native = _native.accounting(groups, list(trace.events), sends_hold, first, last) if ACCELERATED \
+    native = _native.accounting(groups, trace.event_list(), sends_hold, first, last) if ACCELERATED \
         else [None] * len(groups)
     if all(seconds is not None for seconds in native):
         return [RankTime(*_in_field_order(seconds)) for seconds in native]

@@ -171,7 +171,7 @@ def _native_summary(trace: Trace) -> tuple[float, float, list] | None:
     if not accounting_module.ACCELERATED or not trace.events:
         return None
     kinds = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
-    return accounting_module._native.summary(list(trace.events), trace.num_ranks, holds_on_sends(trace), kinds)
+    return accounting_module._native.summary(trace.event_list(), trace.num_ranks, holds_on_sends(trace), kinds)
 
 
 def _plain_sum(values) -> float:

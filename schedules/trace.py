@@ -61,6 +61,11 @@ class Trace:
         recorded = max(map(itemgetter(0), self.events), default=-1) + 1  # itemgetter: ~400k events at scale
         return max(int(self.meta.get("pp", 0)), recorded)
 
+    def event_list(self) -> list[TraceEvent]:
+        """``events`` as a list, itself when it is one (the C passes over a Trace read a
+        list; copying ~400k events for each of them would be work done for nothing)."""
+        return self.events if type(self.events) is list else list(self.events)
+
     def of_rank(self, rank: int) -> list[TraceEvent]:
         return [event for event in self.events if event.rank == rank]
 
