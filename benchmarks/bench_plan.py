@@ -18,9 +18,9 @@ import argparse
 import time
 
 from pipesim.cli import build_parser
-from pipesim.commands import plan as plan_command
-from pipesim.model_spec import model_spec
-from pipesim.planner import SearchSpace, default_workers, enumerate_layouts, search
+from pipesim.cli import plan as plan_command
+from pipesim.model.spec import model_spec
+from pipesim.plan.search import SearchSpace, default_workers, enumerate_layouts, search
 from schedules.generators import SCHEDULE_NAMES
 
 

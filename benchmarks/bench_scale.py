@@ -30,9 +30,9 @@ import io
 import time
 import tracemalloc
 
-from pipesim import presets
 from pipesim.cli import main as pipesim_main
-from pipesim.topology import Topology
+from pipesim.cluster import presets
+from pipesim.cluster.topology import Topology
 
 TP, PP = 8, 8
 DPS = (16, 64, 256, 1024, 2048)

@@ -32,9 +32,9 @@ import time
 
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from pipesim.costs import uniform_costs
-from pipesim.engine import simulate
-from pipesim.presets import ib
+from pipesim.cluster.presets import ib
+from pipesim.model.costs import uniform_costs
+from pipesim.sim.engine import simulate
 from schedules import generate, lower
 from schedules.metrics import step_metrics
 from schedules.validate import validate

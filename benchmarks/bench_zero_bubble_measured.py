@@ -88,11 +88,11 @@ def main() -> None:
     from executor.launch import launch  # noqa: PLC0415
     from executor.profile import profile  # noqa: PLC0415
     from executor.worker import build_schedule  # noqa: PLC0415
-    from pipesim.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
-    from pipesim.comparison import measured_step_time  # noqa: PLC0415
-    from pipesim.costs import costs_from_dict  # noqa: PLC0415
-    from pipesim.simulation import run_simulation  # noqa: PLC0415
-    from pipesim.topology_file import topology_from_dict  # noqa: PLC0415
+    from pipesim.cluster.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
+    from pipesim.cluster.files import topology_from_dict  # noqa: PLC0415
+    from pipesim.model.costs import costs_from_dict  # noqa: PLC0415
+    from pipesim.sim.comparison import measured_step_time  # noqa: PLC0415
+    from pipesim.sim.step import run_simulation  # noqa: PLC0415
 
     cores = os.cpu_count() or 1
     print(f"load average before: {os.getloadavg()}  cores: {cores}  ranks: {RANKS}")

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 
-from pipesim.mapping import map_ranks
-from pipesim.model_spec import model_costs, model_spec
-from pipesim.parallel import ParallelConfig
-from pipesim.simulation import run_simulation
-from pipesim.topology_file import load_topology
+from pipesim.cluster.files import load_topology
+from pipesim.cluster.mapping import map_ranks
+from pipesim.model.spec import model_costs, model_spec
+from pipesim.sim.parallel import ParallelConfig
+from pipesim.sim.step import run_simulation
 from schedules.generators import generate
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))

@@ -35,13 +35,13 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from pipesim import memory_traffic
-from pipesim.mapping import map_ranks
-from pipesim.model_spec import ModelSpec
-from pipesim.parallel import ParallelConfig
-from pipesim.simulation import run_simulation
-from pipesim.topology_file import load_topology
-from pipesim.transformer_costs import device_memory_bandwidth, model_costs
+from pipesim.cluster.files import load_topology
+from pipesim.cluster.mapping import map_ranks
+from pipesim.model import memory_traffic
+from pipesim.model.spec import ModelSpec
+from pipesim.model.transformer_costs import device_memory_bandwidth, model_costs
+from pipesim.sim.parallel import ParallelConfig
+from pipesim.sim.step import run_simulation
 from schedules.generators import generate
 
 A100_PEAK = 312e12

@@ -1,6 +1,6 @@
 """Time point-to-point and collective communication on the backend the executor uses:
 the measuring half of ``pipesim bench-comm`` (the fitting half, pure Python, is
-``pipesim.comm_fit``).
+``pipesim.cluster.comm_fit``).
 
 Each operation follows nccl-tests: ``sendrecv`` has every rank send ``size`` bytes to
 the next rank while receiving as many from the previous one; ``all_reduce`` reduces a

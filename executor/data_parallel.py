@@ -8,7 +8,7 @@ default, in reverse parameter order, as DDP orders them) and each bucket is all-
 asynchronously on the dp group of the mesh while the rank goes on with the rest of its
 program (on an interleaved schedule, the backward of its other stages). The step waits
 for the reductions just before the optimizer. This is the overlap rule the simulator
-charges (``pipesim.parallel``: a stage's dp all-reduce starts when its last backward
+charges (``pipesim.sim.parallel``: a stage's dp all-reduce starts when its last backward
 ends).
 
 Why not torch's wrappers: on torch 2.13 ``DistributedDataParallel`` cannot wrap a

@@ -21,7 +21,7 @@ from executor.config import (
 )
 from schedules.generators import MULTI_CHUNK
 
-# The same schedule defaults as the simulator (pipesim.commands.options): pp 4 with
+# The same schedule defaults as the simulator (pipesim.cli.options): pp 4 with
 # m = 2 pp, the project's standard example, so `simulate` and `run` with no flags describe
 # the same pipeline and `compare` needs none. Four CPU processes run the default tiny
 # mlp (one layer per stage) in seconds.

@@ -1,5 +1,5 @@
 /*
- * What pipesim's C loops share (pipesim/_rendezvous.c, schedules/_lowering.c,
+ * What pipesim's C loops share (pipesim/sim/_rendezvous.c, schedules/_lowering.c,
  * schedules/_timing.c): reading an action's numbers and kind, and a min-heap of
  * moments. Static inline: each module compiles its own copy, none exports a symbol.
  */

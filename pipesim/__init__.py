@@ -17,7 +17,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-# Not ``costs``/``topology``: those are submodules (``pipesim.costs``), which an import
+# Not ``costs``/``topology``: those are submodules (``pipesim.model.costs``), which an import
 # of them would bind over a function of the same name.
 API = ("schedule", "load_schedule", "save_schedule", "load_topology", "uniform_costs", "load_costs", "model_costs",
        "simulate", "plot", "load_trace", "run")

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipesim.costs import Costs
-    from pipesim.simulation import SimulationResult
-    from pipesim.topology import Topology
+    from pipesim.cluster.topology import Topology
+    from pipesim.model.costs import Costs
+    from pipesim.sim.step import SimulationResult
     from schedules.schedule import Schedule
     from schedules.trace import Trace
 
@@ -63,7 +63,7 @@ def load_topology(spec: str | Path = "ideal", nodes: int | None = None, gpu: str
     ``ethernet``; ``nodes`` sizes the multi-node ones; ``gpu`` picks their devices:
     ``a100-40gb``, ``a100-80gb``, ``h100`` (default), ``h200``, ``b200``) or a YAML/JSON
     topology file."""
-    from pipesim.topology_file import load_topology as read_topology  # noqa: PLC0415
+    from pipesim.cluster.files import load_topology as read_topology  # noqa: PLC0415
 
     return read_topology(str(spec), nodes, gpu)
 
@@ -80,7 +80,7 @@ def uniform_costs(
     and each of an interleaved schedule's ``v`` chunks per rank costs ``1/v`` of that,
     with ``v`` read from the schedule. ``wgrad`` is the weight-gradient part of ``bwd``;
     ``act_bytes`` what one microbatch sends between stages."""
-    from pipesim.costs import uniform_costs as per_stage_costs  # noqa: PLC0415
+    from pipesim.model.costs import uniform_costs as per_stage_costs  # noqa: PLC0415
 
     return per_stage_costs(schedule, fwd, 2 * fwd if bwd is None else bwd, wgrad, act_bytes)
 
@@ -88,7 +88,7 @@ def uniform_costs(
 def load_costs(path: str | Path, schedule: Schedule) -> Costs:
     """Per-stage costs from a file (``pipesim profile`` writes one; JSON or YAML). A
     single stage entry is repeated for every stage of ``schedule``."""
-    from pipesim.costs import load_costs as read_costs  # noqa: PLC0415
+    from pipesim.model.costs import load_costs as read_costs  # noqa: PLC0415
 
     return read_costs(path, schedule.num_stages)
 
@@ -98,9 +98,9 @@ def model_costs(schedule: Schedule, model: str, topology: Topology | str = "idea
     """Costs derived from a model preset (``gpt3-1.3b``, ``llama3-8b``, …; ``fields``
     override ``layers``, ``hidden``, ``heads``, ``seq_len``, ``vocab``,
     ``microbatch_size``, ``dtype_bytes``) at ``mfu`` of each device's peak FLOP/s."""
-    from pipesim.mapping import DEFAULT_ORDER, map_ranks  # noqa: PLC0415
-    from pipesim.model_spec import model_costs as derive_costs  # noqa: PLC0415
-    from pipesim.model_spec import model_spec  # noqa: PLC0415
+    from pipesim.cluster.mapping import DEFAULT_ORDER, map_ranks  # noqa: PLC0415
+    from pipesim.model.spec import model_costs as derive_costs  # noqa: PLC0415
+    from pipesim.model.spec import model_spec  # noqa: PLC0415
 
     cluster = _as_topology(topology)
     devices = map_ranks(cluster, 1, schedule.pp, tp, DEFAULT_ORDER).pipeline()
@@ -120,8 +120,8 @@ def simulate(
     rank). The result has ``.trace``, ``.metrics`` (``makespan``, ``bubble_fraction`` — the
     pipeline bubble —, ``idle_fraction`` — every moment not computing —, ``ranks``),
     ``.memory``, ``.summary()`` and ``.to_dict()``."""
-    from pipesim.parallel import ParallelConfig  # noqa: PLC0415
-    from pipesim.simulation import run_simulation  # noqa: PLC0415
+    from pipesim.sim.parallel import ParallelConfig  # noqa: PLC0415
+    from pipesim.sim.step import run_simulation  # noqa: PLC0415
 
     if costs is None:
         costs = uniform_costs(schedule)

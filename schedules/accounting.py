@@ -11,7 +11,7 @@ The split is read from the Trace alone, so a prediction and a measurement are sp
 the same rule. A receive is matched with the send of the same transfer (the SEND
 ``Action.matching`` names), and the send event's ``start`` is the moment the producer
 posted it — its data was ready and handed over. Both the simulator
-(``pipesim.engine``) and the executor (``executor.runtime``) record sends from that
+(``pipesim.sim.engine``) and the executor (``executor.runtime``) record sends from that
 moment. Under rendezvous semantics (NCCL; ``meta["p2p"]``, or any backend but gloo) a
 rank can also be held by its own send, whose transfer cannot leave before the peer
 posts the matching receive: while a send the rank has posted waits for a receive not

@@ -46,10 +46,10 @@ def predict(args: argparse.Namespace) -> int:
     from executor.config import RunConfig, build_schedule
     from executor.profile import profile
     from executor.worker import run_local
-    from pipesim.comparison import compare, report_lines
-    from pipesim.costs import costs_from_dict
-    from pipesim.presets import ideal
-    from pipesim.simulation import run_simulation
+    from pipesim.cluster.presets import ideal
+    from pipesim.model.costs import costs_from_dict
+    from pipesim.sim.comparison import compare, report_lines
+    from pipesim.sim.step import run_simulation
 
     sizes = dict(layers=2, hidden=32, heads=4, seq_len=16, batch_size=8) if args.dry_run else \
         dict(layers=8, hidden=1024, heads=16, seq_len=256, batch_size=32)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
-from pipesim.costs import uniform_costs
-from pipesim.engine import simulate
-from pipesim.memory import memory_report
+from pipesim.model.costs import uniform_costs
+from pipesim.sim.engine import simulate
+from pipesim.sim.memory import memory_report
 from schedules import accounting
 from schedules.accounting import RankTime, time_accounting
 from schedules.metrics import StepMetrics, step_metrics

@@ -48,7 +48,7 @@ def test_uniform_costs_take_v_from_the_schedule():
     """The trap the API closes: per-rank costs given as a stage count on an interleaved
     schedule charge every chunk a whole rank's share, doubling the step at v=2."""
     import pipesim
-    from pipesim.costs import uniform_costs
+    from pipesim.model.costs import uniform_costs
 
     schedule = pipesim.schedule("interleaved-1f1b", pp=2, microbatches=4, virtual_stages=2)
     from_schedule = uniform_costs(schedule, 2e-3, 4e-3)

@@ -11,12 +11,12 @@ from dataclasses import replace
 import pytest
 
 from pipesim.cli import main
-from pipesim.costs import uniform_costs
-from pipesim.parallel import ParallelConfig
-from pipesim.presets import ib, nvlink, pcie
-from pipesim.simulation import run_simulation
-from pipesim.topology import ideal_topology
-from pipesim.topology_file import topology_from_dict
+from pipesim.cluster.files import topology_from_dict
+from pipesim.cluster.presets import ib, nvlink, pcie
+from pipesim.cluster.topology import ideal_topology
+from pipesim.model.costs import uniform_costs
+from pipesim.sim.parallel import ParallelConfig
+from pipesim.sim.step import run_simulation
 from schedules import generate
 from schedules.accounting import split_waits, time_accounting
 from schedules.action import parse_action
@@ -146,7 +146,7 @@ def test_rendezvous_waits_split_on_a_hand_timeline():
     # bubble until 5 (the gradient not sent yet), exposed 5..6. At the end rank 1 posts
     # 1SEND_B1 at 13 (0F1 [8,9], wire [9,10], 1F1 [10,11], 1B1 [11,13]) and cannot end its
     # step before it arrives at 14: a 1 s wait with the data in flight, exposed.
-    from pipesim.engine import simulate
+    from pipesim.sim.engine import simulate
     from schedules.schedule import Schedule
 
     def program(texts):
@@ -263,7 +263,7 @@ def test_json_summary_and_sweep_use_the_two_names(tmp_path, capsys):
 def test_issue_example_gpt3_13b_on_ideal_is_all_bubble():
     # the issue's case: gpt3-13b, 1F1B, pp=4, m=16 on ideal links. Before the split,
     # rank 0 reported 0.3524 s of "exposed comm"; all of it is bubble.
-    from pipesim.model_spec import model_costs, model_spec
+    from pipesim.model.spec import model_costs, model_spec
 
     schedule = generate("1f1b", 4, 16)
     costs = model_costs(model_spec("gpt3-13b"), schedule.num_stages, [989e12] * 4)

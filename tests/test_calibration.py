@@ -9,11 +9,11 @@ import pytest
 
 from executor.estimate import robust_mean
 from pipesim.cli import main
-from pipesim.comm_fit import bandwidths, bus_factor, fit_alpha_beta, link_fit, topology_document
-from pipesim.commands.bench_comm import parse_sizes
-from pipesim.comparison import compare
-from pipesim.costs import load_costs
-from pipesim.topology_file import topology_from_dict
+from pipesim.cli.bench_comm import parse_sizes
+from pipesim.cluster.comm_fit import bandwidths, bus_factor, fit_alpha_beta, link_fit, topology_document
+from pipesim.cluster.files import topology_from_dict
+from pipesim.model.costs import load_costs
+from pipesim.sim.comparison import compare
 from schedules.trace import Trace, TraceEvent
 from tests.test_bubble_comm import tp_after_forward_events
 

@@ -9,9 +9,9 @@ import re
 import pytest
 
 from pipesim import api
-from pipesim.commands.compare import chart_summaries
-from pipesim.commands.topology import graph_lists
-from pipesim.comparison import compare, report_lines
+from pipesim.cli.compare import chart_summaries
+from pipesim.cli.topology import graph_lists
+from pipesim.sim.comparison import compare, report_lines
 from schedules.trace import Trace, TraceEvent
 from tests.test_viz import event, two_rank_step
 from viz.colors import KIND_COLORS, STEP_STREAM_STYLES, chunk_color
@@ -327,9 +327,9 @@ def test_sweep_step_time_in_seconds_for_long_steps():
 
 
 def test_sweep_rows_carry_capacity():
-    from pipesim.costs import uniform_costs
-    from pipesim.sweep import run_sweep, sweep_points
-    from pipesim.topology_file import load_topology
+    from pipesim.cluster.files import load_topology
+    from pipesim.model.costs import uniform_costs
+    from pipesim.plan.sweep import run_sweep, sweep_points
 
     topology = load_topology("nvlink")
     rows = run_sweep(sweep_points(["1f1b"], [2], [2], 1), lambda s: uniform_costs(s, 1e-3, 2e-3), topology,
@@ -342,7 +342,7 @@ def test_sweep_rows_carry_capacity():
 
 
 def test_topology_groups_machines_and_places_switches_over_their_gpus():
-    from pipesim.topology_file import load_topology
+    from pipesim.cluster.files import load_topology
 
     nodes, edges = graph_lists(load_topology("ib", 2))
     where = positions(nodes, edges)
@@ -360,7 +360,7 @@ def test_topology_groups_machines_and_places_switches_over_their_gpus():
 
 
 def test_topology_figure_names_machines_and_bandwidths():
-    from pipesim.topology_file import load_topology
+    from pipesim.cluster.files import load_topology
 
     nodes, edges = graph_lists(load_topology("ib", 2))
     title = "topology ib: " + "a long description " * 10
@@ -381,7 +381,7 @@ def test_sweep_with_a_model_charts_tokens_per_second(tmp_path):
     import json
 
     from pipesim.cli import main
-    from pipesim.model_spec import model_spec
+    from pipesim.model.spec import model_spec
 
     out, page = tmp_path / "rows.json", tmp_path / "sweep.html"
     assert main(["sweep", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2,4", "--model", "gpt3-1.3b",

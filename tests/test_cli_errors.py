@@ -254,7 +254,7 @@ def test_a_stage_numbered_off_by_some_is_named(tmp_path_factory, name, pp, round
 # --- the boundary itself ----------------------------------------------------------------
 
 def test_unexpected_error_is_one_line_and_verbose_shows_it(capsys, monkeypatch):
-    import pipesim.commands.show as show
+    import pipesim.cli.show as show
 
     def broken(args):
         return 1 // 0

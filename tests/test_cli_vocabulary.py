@@ -155,7 +155,7 @@ def test_compare_refuses_costs_profiled_on_another_model(capsys, tmp_path):
 
 def test_compare_costs_check_reads_the_profile_shape():
     from executor.options import config_from_args
-    from pipesim.commands.compare import check_costs_match, profiled_shape
+    from pipesim.cli.compare import check_costs_match, profiled_shape
 
     args = build_parser().parse_args(["compare", "--pp", "2", "-m", "4", "--batch-size", "8", "--hidden", "32"])
     config = config_from_args(args)
@@ -173,7 +173,7 @@ def test_gpt_names_the_same_model_in_simulate_and_run():
     like Megatron's count, takes the head as its matrix only: ``vocab`` fewer)."""
     from executor.config import RunConfig
     from executor.models import build_model
-    from pipesim.commands.options import model_spec_from_args
+    from pipesim.cli.options import model_spec_from_args
 
     sizes = ["--layers", "3", "--hidden", "32", "--heads", "4", "--seq-len", "8", "--vocab", "50"]
     spec = model_spec_from_args(build_parser().parse_args(["simulate", "--model", "gpt", *sizes]))
@@ -199,7 +199,7 @@ def test_mlp_is_refused_by_the_simulator_with_what_to_use(capsys):
 @pytest.mark.parametrize("executor_command", ["run", "profile", "compare"])
 def test_simulator_and_executor_default_to_the_same_pipeline(executor_command):
     from executor.options import config_from_args
-    from pipesim.commands.options import schedule_from_args
+    from pipesim.cli.options import schedule_from_args
 
     simulated = schedule_from_args(build_parser().parse_args(["simulate"]))
     extra = ["--out", "c.json"] if executor_command == "profile" else []
@@ -211,7 +211,7 @@ def test_simulator_and_executor_default_to_the_same_pipeline(executor_command):
 def test_dtype_is_one_flag_in_simulate_and_run(capsys):
     """``--dtype NAME`` in simulate as in run; the old ``--dtype-bytes N`` still works,
     is not listed, and both together are a conflict."""
-    from pipesim.commands.options import model_spec_from_args
+    from pipesim.cli.options import model_spec_from_args
 
     parser = build_parser()
     assert "--dtype" in visible(parsers()["pipesim simulate"]) and "--dtype" in visible(parsers()["pipesim run"])

@@ -8,19 +8,19 @@ import json
 import pytest
 
 from pipesim.cli import main
-from pipesim.costs import Costs, StageCost, uniform_costs
-from pipesim.engine import LinkScheduler
-from pipesim.mapping import map_ranks
-from pipesim.parallel import ParallelConfig
-from pipesim.presets import ib, nvlink, pcie
-from pipesim.simulation import run_simulation
-from pipesim.topology import TopologyError, ideal_topology
-from pipesim.topology_file import topology_from_dict
+from pipesim.cluster.files import topology_from_dict
+from pipesim.cluster.mapping import map_ranks
+from pipesim.cluster.presets import ib, nvlink, pcie
+from pipesim.cluster.topology import TopologyError, ideal_topology
+from pipesim.model.costs import Costs, StageCost, uniform_costs
+from pipesim.sim.engine import LinkScheduler
+from pipesim.sim.parallel import ParallelConfig
+from pipesim.sim.step import run_simulation
 from schedules import generate
 
 FWD, BWD = 1.0, 2.0
 
-# Hand figures of the presets' links (pipesim/presets.py; DESIGN.md "Reference links"):
+# Hand figures of the presets' links (pipesim/cluster/presets.py; DESIGN.md "Reference links"):
 # two GPUs of one NVSwitch node meet over two NVLink 4 hops, 450 GB/s at 0.8 efficiency,
 # 1.5 us each; two GPUs on one PCIe Gen4 switch over two 31.5 GB/s hops at 0.8.
 NVLINK_PAIR_BW, NVLINK_PAIR_LATENCY = 450e9 * 0.8, 2 * 1.5e-6

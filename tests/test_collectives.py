@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipesim.collectives import (
+from pipesim.cluster.collectives import (
     all_gather,
     all_reduce,
     broadcast,
@@ -14,9 +14,9 @@ from pipesim.collectives import (
     reduce_scatter,
     ring_pace,
 )
-from pipesim.presets import nvlink
-from pipesim.topology import ideal_topology
-from pipesim.topology_file import topology_from_dict
+from pipesim.cluster.files import topology_from_dict
+from pipesim.cluster.presets import nvlink
+from pipesim.cluster.topology import ideal_topology
 
 BW, LAT = 10e9, 2e-6
 
@@ -85,7 +85,7 @@ def test_bucketed_all_reduce_pays_latency_per_bucket():
 
 
 def test_bucket_sizes_cut_full_buckets_and_a_rest():
-    from pipesim.collectives import bucket_sizes
+    from pipesim.cluster.collectives import bucket_sizes
 
     assert bucket_sizes(100.0, 40.0) == (40.0, 40.0, 20.0)
     assert bucket_sizes(80.0, 40.0) == (40.0, 40.0)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pipesim.cli import main
-from pipesim.costs import Costs, StageCost
-from pipesim.parallel import ParallelConfig
-from pipesim.simulation import run_simulation
-from pipesim.topology_file import topology_from_dict
+from pipesim.cluster.files import topology_from_dict
+from pipesim.model.costs import Costs, StageCost
+from pipesim.sim.parallel import ParallelConfig
+from pipesim.sim.step import run_simulation
 from schedules import generate
 
 # Two replicas joined by a 10 GB/s link each way, no latency: a ring all-reduce over

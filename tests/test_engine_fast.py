@@ -1,15 +1,15 @@
 """The engine's fast paths against SimPy, on random cases: the same programs, costs,
 cluster and placement must give the same Trace.
 
-- The engine's own event kernel (``pipesim.kernel``, ``kernel="fast"``): event for event
+- The engine's own event kernel (``pipesim.sim.kernel``, ``kernel="fast"``): event for event
   and in the same order, under both P2P semantics. The engine's rank and stream processes
   are the same code under either kernel, so any difference would come from the order in
   which the kernel runs them.
-- The direct rendezvous step (``pipesim.direct``, the default ``kernel="direct"``), which
+- The direct rendezvous step (``pipesim.sim.direct``, the default ``kernel="direct"``), which
   computes a step without processes: the same events (the same actions, ranks and
   times), recorded in another order. Uniform costs make many transfers leave at the
   same moment over a shared link; both engines then start groups in rank order.
-- The direct step's C inner loop (``pipesim/_rendezvous.c``) against its Python
+- The direct step's C inner loop (``pipesim/sim/_rendezvous.c``) against its Python
   version: the same algorithm, so the same events in the same order, bit for bit.
 """
 
@@ -22,12 +22,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim import direct as direct_engine
-from pipesim import presets
-from pipesim.costs import Costs, StageCost, uniform_costs
-from pipesim.engine import SimulationError, simulate
-from pipesim.mapping import map_ranks
-from pipesim.parallel import comm_plan
+from pipesim.cluster import presets
+from pipesim.cluster.mapping import map_ranks
+from pipesim.model.costs import Costs, StageCost, uniform_costs
+from pipesim.sim import direct as direct_engine
+from pipesim.sim.engine import SimulationError, simulate
+from pipesim.sim.parallel import comm_plan
 from schedules import generate, lower
 from schedules.action import Action, ActionKind
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError

@@ -17,8 +17,8 @@ from executor.config import ConfigError, RunConfig
 from executor.launch import launch
 from executor.mesh import MeshPosition
 from executor.reference import reference_run
-from pipesim.mapping import map_ranks
-from pipesim.presets import ideal
+from pipesim.cluster.mapping import map_ranks
+from pipesim.cluster.presets import ideal
 from schedules.generators import generate
 from tests.test_executor import split_backward
 

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from pipesim.cli import main
-from pipesim.costs import Costs, StageCost
-from pipesim.memory import BytesPerParam, OutOfMemoryError, check_memory, parse_bytes_per_param
-from pipesim.simulation import run_simulation
-from pipesim.topology import ideal_topology
-from pipesim.topology_file import topology_from_dict
+from pipesim.cluster.files import topology_from_dict
+from pipesim.cluster.topology import ideal_topology
+from pipesim.model.costs import Costs, StageCost
+from pipesim.sim.memory import BytesPerParam, OutOfMemoryError, check_memory, parse_bytes_per_param
+from pipesim.sim.step import run_simulation
 from schedules import generate
 
 STASH = 1e9
@@ -151,7 +151,7 @@ def test_one_entry_costs_file_is_per_rank_like_the_flags(tmp_path):
 
 
 def test_costs_entries_are_placed_by_their_stage_key(tmp_path):
-    from pipesim.costs import CostsError, costs_from_dict
+    from pipesim.model.costs import CostsError, costs_from_dict
 
     costs = costs_from_dict({"stages": [{"stage": 1, "fwd": 2.0, "bwd": 4.0}, {"stage": 0, "fwd": 1.0, "bwd": 2.0}]},
                             2)

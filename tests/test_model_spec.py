@@ -10,12 +10,12 @@ import math
 
 import pytest
 
-from pipesim.activations import layer_stash_bytes
 from pipesim.cli import main
-from pipesim.hf_config import spec_from_hf_config
-from pipesim.memory_traffic import BACKWARD_TRAFFIC, HBM_EFFICIENCY, layer_memory_seconds
-from pipesim.model_spec import ModelSpecError, model_costs, model_spec, split_layers
-from pipesim.transformer_costs import training_figures
+from pipesim.model.activations import layer_stash_bytes
+from pipesim.model.hf_config import spec_from_hf_config
+from pipesim.model.memory_traffic import BACKWARD_TRAFFIC, HBM_EFFICIENCY, layer_memory_seconds
+from pipesim.model.spec import ModelSpecError, model_costs, model_spec, split_layers
+from pipesim.model.transformer_costs import training_figures
 
 PEAK = 1e15
 RATE = PEAK * 0.5
@@ -230,7 +230,7 @@ def test_memory_bound_kernels_by_hand():
     ("h100", 989e12, 80e9, 450e9, 50e9), ("h200", 989e12, 141e9, 450e9, 50e9), ("b200", 2250e12, 180e9, 900e9, 50e9),
 ])
 def test_gpu_presets_set_devices_nvlink_and_nics(gpu, peak, memory, nvlink, nic):
-    from pipesim.topology_file import load_topology
+    from pipesim.cluster.files import load_topology
 
     topology = load_topology("ib", 2, gpu)
     device = topology.devices[9]
@@ -275,7 +275,7 @@ def test_optimizer_step_reads_and_writes_the_state_once(tmp_path):
     written at the A100's HBM bandwidth; ZeRO-1 over dp=8 leaves 2 + 2 + 12/8 bytes."""
     spec = model_spec("gpt3-1.3b")
     hbm = 2.039e12 * HBM_EFFICIENCY
-    from pipesim.transformer_costs import model_costs as derive
+    from pipesim.model.transformer_costs import model_costs as derive
 
     costs = derive(spec, 1, [312e12], fallback_memory_bandwidth=2.039e12)
     assert costs.step_overhead == pytest.approx(2 * spec.total_params() * 16 / hbm)

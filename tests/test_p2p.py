@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.costs import uniform_costs
-from pipesim.engine import simulate
-from pipesim.topology import ideal_topology
-from pipesim.topology_file import topology_from_dict
+from pipesim.cluster.files import topology_from_dict
+from pipesim.cluster.topology import ideal_topology
+from pipesim.model.costs import uniform_costs
+from pipesim.sim.engine import simulate
 from schedules import (
     Action,
     Schedule,

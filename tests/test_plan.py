@@ -9,8 +9,8 @@ import json
 import pytest
 
 from pipesim.cli import main
-from pipesim.commands import plan as plan_command
-from pipesim.planner import Layout, SearchSpace, enumerate_layouts, pareto_front, parse_constraints, search
+from pipesim.cli import plan as plan_command
+from pipesim.plan.search import Layout, SearchSpace, enumerate_layouts, pareto_front, parse_constraints, search
 from schedules.generators import GENERATORS, MULTI_CHUNK
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from executor.progress import ProgressWriter
-from pipesim.commands.progress import Progress, StepWatcher, completed_steps
+from pipesim.cli.progress import Progress, StepWatcher, completed_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["run", "--pp", "2", "-m", "2", "--batch-size", "4", "--hidden", "8", "--layers", "2", "--steps", "3",

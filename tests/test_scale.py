@@ -13,14 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim import presets
 from pipesim.cli import main
-from pipesim.collectives import all_gather, all_reduce, bucketed_all_reduce, tree_pace
-from pipesim.costs import uniform_costs
-from pipesim.mapping import map_ranks
-from pipesim.parallel import ParallelConfig
-from pipesim.simulation import run_simulation
-from pipesim.topology import Route, Topology, TopologyError, add_link
+from pipesim.cluster import presets
+from pipesim.cluster.collectives import all_gather, all_reduce, bucketed_all_reduce, tree_pace
+from pipesim.cluster.mapping import map_ranks
+from pipesim.cluster.topology import Route, Topology, TopologyError, add_link
+from pipesim.model.costs import uniform_costs
+from pipesim.sim.parallel import ParallelConfig
+from pipesim.sim.step import run_simulation
 from schedules import generate, lower
 from schedules.generators import (
     GENERATORS,

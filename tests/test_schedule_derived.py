@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim import direct
-from pipesim.direct import compiled_programs
+from pipesim.sim import direct
+from pipesim.sim.direct import compiled_programs
 from schedules import generate, lower
 from schedules.action import Action, ActionKind, parse_action
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from pipesim.costs import CostsError, load_costs, uniform_costs
-from pipesim.engine import LinkScheduler, simulate
-from pipesim.presets import ib, nvlink, pcie
-from pipesim.simulation import run_simulation
-from pipesim.topology import ideal_topology
-from pipesim.topology_file import TopologyError, load_topology, topology_from_dict
+from pipesim.cluster.files import TopologyError, load_topology, topology_from_dict
+from pipesim.cluster.presets import ib, nvlink, pcie
+from pipesim.cluster.topology import ideal_topology
+from pipesim.model.costs import CostsError, load_costs, uniform_costs
+from pipesim.sim.engine import LinkScheduler, simulate
+from pipesim.sim.step import run_simulation
 from schedules import generate, lower, step_metrics
 
 FWD, BWD = 1.0, 2.0

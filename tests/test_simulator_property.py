@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.costs import uniform_costs
-from pipesim.engine import simulate
-from pipesim.topology_file import topology_from_dict
+from pipesim.cluster.files import topology_from_dict
+from pipesim.model.costs import uniform_costs
+from pipesim.sim.engine import simulate
 from schedules import ScheduleUnavailableError, generate, lower, step_metrics
 
 

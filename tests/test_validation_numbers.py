@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipesim.cli import main
-from pipesim.costs import CostsError, check_number, costs_from_dict
-from pipesim.topology_file import TopologyError, topology_from_dict
+from pipesim.cluster.files import TopologyError, topology_from_dict
+from pipesim.model.costs import CostsError, check_number, costs_from_dict
 
 
 def error_of(capsys, *argv) -> str:

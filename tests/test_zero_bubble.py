@@ -21,10 +21,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.costs import uniform_costs
-from pipesim.engine import simulate
-from pipesim.simulation import run_simulation
-from pipesim.topology import Topology, add_link, ideal_topology
+from pipesim.cluster.topology import Topology, add_link, ideal_topology
+from pipesim.model.costs import uniform_costs
+from pipesim.sim.engine import simulate
+from pipesim.sim.step import run_simulation
 from schedules import generate, lower, schedule_from_csv, schedule_to_csv, step_metrics
 from schedules.generators import ScheduleUnavailableError, zb_auto
 from schedules.lowering import _lower_naively  # the papers' transfer model: post at production, wait at use

@@ -1,0 +1,162 @@
+"""``pipesim compare``: run a config for real and predict it with calibrated costs and
+links, then report how far apart the two are.
+
+Costs come from ``--costs`` or from profiling the config first (``pipesim profile``);
+links from ``--topology`` or from a short send/recv benchmark (``pipesim bench-comm``).
+The prediction simulates the same lowered programs the executor runs. torch is
+imported only inside the handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from executor.options import add_run_arguments, config_from_args
+from pipesim.cli.profile import add_profile_arguments, check_profile_arguments
+from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
+
+LINK_SIZES = "1KB..16MB"  # sendrecv sizes measured when no --topology is given
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "compare", help="run a schedule, predict it with calibrated costs and links, report the error",
+        description="Profile (or take --costs), benchmark the links (or take --topology), run the executor for "
+                    "a few steps and simulate the same programs; print measured vs predicted step time, per-rank "
+                    "busy and idle time and bubble fraction.",
+    )
+    add_run_arguments(parser)
+    add_profile_arguments(parser)
+    group = parser.add_argument_group("calibration and outputs")
+    group.add_argument("--costs", metavar="PATH", help="a costs file (pipesim profile) instead of profiling now")
+    group.add_argument("--topology", metavar="PATH", help="a topology file (pipesim bench-comm) instead of "
+                       "benchmarking send/recv now")
+    group.add_argument("--warmup-steps", type=int, default=1,
+                       help="first steps left out of the measured step time (default 1)")
+    group.add_argument("--html", metavar="PATH", help="write the measured and predicted timelines on one axis")
+    group.add_argument("--predicted-trace", metavar="PATH", help="write the predicted Trace")
+    add_quiet_arg(parser)
+    parser.set_defaults(handler=handle, steps=5)
+
+
+def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
+    """The costs file given, or a fresh profile of this config."""
+    from pipesim.model.costs import costs_from_dict, load_costs  # noqa: PLC0415
+
+    if args.costs:
+        costs = load_costs(args.costs, num_stages)
+        check_costs_match(costs.meta, config, args.costs)
+        return costs
+    from executor.profile import profile  # noqa: PLC0415 - loads torch
+
+    document = profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
+    return costs_from_dict(document, num_stages, name="profile")
+
+
+def profiled_shape(config) -> dict:
+    """What a profile's stage times depend on, as ``pipesim profile`` writes it in the
+    costs file's ``meta``: the model and its sizes, the pipeline split, the microbatch
+    size and the dtype (the schedule and the microbatch count change no stage's time)."""
+    shape = {"model": config.model, "layers": config.layers, "hidden": config.hidden, "pp": config.pp,
+             "virtual_stages": config.virtual_stages, "dtype": config.dtype,
+             "microbatch_size": -(-config.batch_size // config.microbatches)}
+    if config.model == "gpt":
+        shape["seq_len"] = config.seq_len
+    return shape
+
+
+def check_costs_match(meta: dict, config, path: str) -> None:
+    """Refuse a costs file profiled on another model or shape: its stage times would be
+    another model's (a costs file of a 4x wider model once gave a +5583.8% "error").
+    Files without ``meta`` (written by hand) are taken as they are."""
+    if not meta:
+        return
+    differences = [f"{key} {meta[key]} (this run: {value})" for key, value in profiled_shape(config).items()
+                   if key in meta and meta[key] != value]
+    if differences:
+        raise ValueError(f"--costs {path} was profiled on another model or shape: {'; '.join(differences)}; "
+                         "profile this config (drop --costs) or pass the flags it was profiled with")
+
+
+def calibrated_topology(args: argparse.Namespace, config):
+    """The topology file given, or send/recv measured now on ``pp`` ranks and fitted."""
+    from pipesim.cluster.files import load_topology, topology_from_dict  # noqa: PLC0415
+
+    if args.topology:
+        return load_topology(args.topology)
+    from executor.bench_comm import bench_comm  # noqa: PLC0415 - loads torch
+    from pipesim.cli.bench_comm import parse_sizes  # noqa: PLC0415
+    from pipesim.cluster.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
+
+    result = bench_comm(config.pp, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads,
+                        verbose=args.verbose)
+    return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
+
+
+def chart_summaries(document: dict, drawn_step: int | None = None) -> list[str]:
+    """The Gantt's measured and predicted title lines, from the comparison document the
+    terminal report prints (``report_lines``), in the same units and precision, so the
+    chart and the terminal never disagree. Both are taken against the step time (the
+    median over the kept steps when measured), not the span of the drawn step's
+    events: that span leaves out the optimizer step and the loss all-reduce, and once
+    gave a chart bubble of 13.9% beside a reported 21.0%."""
+    kept = max(len(document["measured_step_times"]) - document["warmup_steps"], 0) or len(
+        document["measured_step_times"])
+    drawn = f" · drawn: step {drawn_step}" if drawn_step is not None else ""
+    return [
+        f"step time {document['measured_step_time'] * 1e3:.2f} ms (median of {kept} steps) · "
+        f"bubble {document['measured_bubble_fraction']:.1%} · idle {document['measured_idle_fraction']:.1%}{drawn}",
+        f"step time {document['predicted_step_time'] * 1e3:.2f} ms (error {document['error']:+.1%}) · "
+        f"bubble {document['predicted_bubble_fraction']:.1%} · idle {document['predicted_idle_fraction']:.1%}",
+    ]
+
+
+def handle(args: argparse.Namespace) -> int:
+    check_profile_arguments(args)
+    config = config_from_args(args)
+    if config.pp < 2:
+        raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
+    if config.dp > 1 or config.tp > 1:
+        raise ValueError("compare calibrates pipeline runs only for now: use --dp 1 --tp 1")
+    from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
+    from executor.spawn import SpawnError  # noqa: PLC0415
+    from pipesim.sim.comparison import compare, report_lines  # noqa: PLC0415
+    from pipesim.sim.step import run_simulation  # noqa: PLC0415
+
+    schedule = validate_schedule(config)
+    progress = progress_from_args("compare", args)
+    try:
+        with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
+            costs = calibrated_costs(args, config, schedule.num_stages)
+        with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
+            topology = calibrated_topology(args, config)
+        progress.line(f"3/4 running {config.steps} steps on {config.world_size} ranks")
+        with StepWatcher(progress, config.world_size, config.steps):
+            (result,) = launch(config, verbose=args.verbose)
+    except (PipelineRunError, SpawnError) as error:
+        print(f"pipesim compare: run failed: {error}", file=sys.stderr)
+        return 1
+    # Predicted under the semantics the run had (--p2p, else its backend's).
+    with progress.phase("4/4 simulating the same programs"):
+        predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config))
+    document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
+                       args.warmup_steps)
+    print("\n".join(report_lines(document)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.trace:
+        result["trace"].save(args.trace)
+    if args.predicted_trace:
+        predicted.trace.save(args.predicted_trace)
+    if args.html:
+        from viz.gantt import write_gantt_html  # noqa: PLC0415
+
+        traces = [result["trace"], predicted.trace]
+        write_gantt_html(traces, args.html, titles=["measured", "predicted"],
+                         summaries=chart_summaries(document, result["trace"].meta.get("step")), plotly=args.plotly)
+        print(f"wrote {args.html}")
+    return 0

@@ -1,0 +1,85 @@
+"""``pipesim profile``: measure each stage's compute and the runtime's overheads on the
+real device and backend, and write the costs file ``simulate --costs`` reads.
+
+Takes the same model and split flags as ``pipesim run``, so the costs are for that
+microbatch size and that split. torch is imported only inside the handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from executor.estimate import DEFAULT_MIN_TIME
+from executor.options import add_run_arguments, config_from_args
+from pipesim.cli.progress import add_quiet_arg, progress_from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "profile", help="time every stage's F/B/I/W and the runtime overheads; write a costs file",
+        description="Profile the stages of a pipelined model on this machine's device and backend "
+                    "(one process per pipeline rank, as pipesim run starts them) and write a costs file.",
+    )
+    add_run_arguments(parser, outputs=False)
+    add_profile_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="PATH", help="the costs file to write (JSON)")
+    add_quiet_arg(parser)
+    parser.set_defaults(handler=handle)
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("profiling")
+    group.add_argument("--warmup", type=int, default=3, help="untimed repetitions per measurement (default 3)")
+    group.add_argument("--repeats", type=int, default=20, help="timed repetitions, averaged (default 20)")
+    group.add_argument("--min-time", type=float, default=DEFAULT_MIN_TIME, metavar="SECONDS",
+                       help="time each stage's forward + backward, and the cost of a transfer, for at least this "
+                            f"long as well (default {DEFAULT_MIN_TIME:g}): a small stage's mean needs hundreds of "
+                            "passes to settle")
+
+
+def check_profile_arguments(args: argparse.Namespace) -> None:
+    """Refuse measurement settings that cannot give a mean, before any rank starts."""
+    if args.warmup < 0 or args.repeats < 1:
+        raise ValueError(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
+    if not (math.isfinite(args.min_time) and args.min_time >= 0):
+        raise ValueError(f"--min-time must be a finite number of seconds >= 0, got {args.min_time}")
+
+
+def run_profile(args: argparse.Namespace) -> dict:
+    """The costs document for the config the flags describe."""
+    check_profile_arguments(args)
+    config = config_from_args(args)
+    from executor.profile import profile  # noqa: PLC0415 - loads torch
+
+    with progress_from_args("profile", args).phase(f"profiling {config.pp} stages on {config.world_size} ranks"):
+        return profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
+
+
+def describe(document: dict) -> list[str]:
+    """One line per stage and one for the overheads, in milliseconds."""
+    lines = []
+    for entry in document["stages"]:
+        lines.append(f"stage {entry['stage']}: F {entry['fwd'] * 1e3:.3f} ms  B {entry['bwd'] * 1e3:.3f} ms  "
+                     f"W {entry['wgrad'] * 1e3:.3f} ms  act {entry['act_bytes'] / 1e3:.1f} kB  "
+                     f"stash {entry['stash_bytes'] / 1e6:.2f} MB  params {entry['param_bytes'] / 1e6:.2f} MB")
+    lines.append(f"overheads: per action {document['action_overhead'] * 1e6:.1f} us, per send/recv "
+                 f"{document['comm_overhead'] * 1e6:.1f} us, per step {document['step_overhead'] * 1e3:.3f} ms")
+    return lines
+
+
+def handle(args: argparse.Namespace) -> int:
+    from executor.spawn import SpawnError  # noqa: PLC0415 - loads torch
+
+    try:
+        document = run_profile(args)
+    except SpawnError as error:
+        print(f"pipesim profile: failed: {error}", file=sys.stderr)
+        return 1
+    Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
+    print("\n".join(describe(document)))
+    print(f"wrote {args.out}")
+    return 0

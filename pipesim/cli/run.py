@@ -1,0 +1,71 @@
+"""``pipesim run``: run a schedule for real, on local processes, and measure it.
+
+The ranks are started through torch's elastic launcher (the machinery behind
+``torchrun``) on gloo, or NCCL where CUDA is available; ``--pp 1`` (with dp = tp = 1) runs the same model in
+this process, as the reference. torch is imported only inside the handler, so the rest
+of the command line never loads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from executor.options import add_run_arguments, config_from_args
+from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run", help="run a schedule on real processes (torch.distributed) and measure it",
+        description="Run training steps of a pipeline schedule on local ranks and record the measured timeline. "
+                    "For several machines, start the ranks with: torchrun ... -m executor (same flags).",
+    )
+    add_run_arguments(parser)
+    parser.add_argument("--html", default=None, metavar="PATH", help="write a Gantt chart of the measured step")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="keep each rank's stdout/stderr and the launcher's log here (default: a temporary "
+                             "folder, kept only when the run fails)")
+    add_quiet_arg(parser)
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    progress = progress_from_args("run", args)
+    from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
+    from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
+    from executor.worker import run_local  # noqa: PLC0415
+
+    try:
+        if config.world_size == 1:
+            validate_schedule(config)  # launch() checks the schedule itself before starting ranks
+            with progress.phase(f"{config.steps} steps in this process"):
+                result = run_local(config)
+        else:
+            progress.line(f"starting {config.world_size} ranks for {config.steps} steps")
+            with StepWatcher(progress, config.world_size, config.steps):
+                (result,) = launch(config, log_dir=args.log_dir, verbose=args.verbose)
+    except PipelineRunError as error:
+        print(f"pipesim run: failed: {error}", file=sys.stderr)
+        return 1
+    document = summary(result)
+    write_outputs(result, args.json, args.trace, document)
+    print("\n".join(summary_lines(result, document)))
+    if args.html:
+        write_html(result["trace"], args.html, args.plotly)
+    return 0
+
+
+def write_html(trace, path: str, plotly: str = "inline") -> None:
+    """Draw the measured step with ``viz`` if it is installed; say so if it is not."""
+    try:
+        from viz.gantt import write_gantt_html  # noqa: PLC0415
+    except ImportError:
+        print(f"--html: the chart module (viz.gantt) is not available; skipped {path}", file=sys.stderr)
+        return
+    meta = trace.meta
+    shape = f"dp={meta.get('dp', 1)} pp={meta['pp']} tp={meta.get('tp', 1)}"
+    write_gantt_html([trace], path, titles=[f"measured: {meta['schedule']} {shape} (one pipeline; dp, tp lanes)"],
+                     plotly=plotly)
+    print(f"wrote {path}")

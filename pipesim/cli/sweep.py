@@ -1,0 +1,124 @@
+"""``pipesim sweep``: compare schedules across microbatch counts (and pp sizes)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+from pipesim.cli.options import (
+    add_cost_args,
+    add_max_actions_arg,
+    add_memory_limit_arg,
+    add_model_args,
+    add_p2p_arg,
+    add_parallel_args,
+    add_topology_args,
+    costs_from_args,
+    model_costs_from_args,
+    model_spec_from_args,
+    parallel_from_args,
+    reject_with_schedule_file,
+    split_list,
+    topology_from_args,
+)
+from pipesim.cli.progress import progress_from_args
+from pipesim.plan.sweep import ROW_FIELDS, SweepPoint, format_table, run_sweep, sweep_points
+from schedules.schedule import Schedule
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "sweep", help="compare schedules across microbatch counts",
+        description="Simulate every combination of schedules, pipeline sizes and microbatch counts.",
+    )
+    parser.add_argument("--schedule", default=None, help=f"comma-separated schedule names (default: {SCHEDULES})")
+    parser.add_argument("--schedule-file", action="append", default=None, metavar="CSV",
+                        help="a schedule CSV (torch.distributed.pipelining format) instead of --schedule; repeat "
+                             "the flag (or separate with commas) to compare several, one row each (default: none)")
+    parser.add_argument("--pp", default=None, help=f"pipeline ranks, comma-separated (default: {PP})")
+    parser.add_argument("--microbatches", "-m", default=None,
+                        help=f"microbatch counts, comma-separated (default: {MICROBATCHES})")
+    parser.add_argument("--virtual-stages", "-v", type=int, default=None,
+                        help=f"chunks per rank for interleaved schedules (default: {VIRTUAL_STAGES})")
+    add_max_actions_arg(parser)
+    add_memory_limit_arg(parser)
+    add_cost_args(parser)
+    add_model_args(parser)
+    add_topology_args(parser)
+    add_parallel_args(parser)
+    add_p2p_arg(parser, "the predicted backend's: buffered for links measured on gloo, rendezvous otherwise")
+    parser.add_argument("--csv", help="write the rows as CSV")
+    parser.add_argument("--json", help="write the rows as JSON")
+    parser.add_argument("--html", help="write the sweep chart (self-contained HTML)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no per-point progress lines (they are shown only when stderr is a terminal)")
+    parser.set_defaults(handler=handle)
+
+
+SCHEDULES, PP, MICROBATCHES, VIRTUAL_STAGES = "gpipe,1f1b,interleaved-1f1b", "4", "4,8,16,32", 2
+
+
+def file_points(args: argparse.Namespace) -> tuple[list[SweepPoint], dict[SweepPoint, Schedule]]:
+    """One point per ``--schedule-file``, at the pp, microbatches and chunks its file fixes."""
+    from schedules.csv_io import schedule_from_csv
+
+    reject_with_schedule_file(args, {"--schedule": args.schedule, "--pp": args.pp,
+                                     "--microbatches": args.microbatches, "--virtual-stages": args.virtual_stages})
+    points, schedules = [], {}
+    for path in (path for text in args.schedule_file for path in split_list(text)):
+        schedule = schedule_from_csv(path)
+        point = SweepPoint(schedule.name, schedule.pp, schedule.microbatches, schedule.virtual_stages)
+        if point in schedules:
+            raise ValueError(f"--schedule-file {path}: a file named {schedule.name!r} with the same pp, microbatches "
+                             "and stages is already in the sweep; rename one so their rows can be told apart")
+        points.append(point)
+        schedules[point] = schedule
+    return points, schedules
+
+
+def handle(args: argparse.Namespace) -> int:
+    files: dict[SweepPoint, Schedule] = {}
+    if args.schedule_file:
+        points, files = file_points(args)
+    else:
+        points = sweep_points(
+            split_list(args.schedule or SCHEDULES), split_list(args.pp or PP, int),
+            split_list(args.microbatches or MICROBATCHES, int),
+            VIRTUAL_STAGES if args.virtual_stages is None else args.virtual_stages,
+        )
+    topology = topology_from_args(args)
+
+    def costs_for(schedule):
+        if args.model:
+            return model_costs_from_args(args, schedule, topology)
+        return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
+
+    progress = progress_from_args("sweep", args).enabled  # per-point lines on a terminal only
+    rows = run_sweep(points, costs_for, topology, progress=progress, parallel=parallel_from_args(args),
+                     max_actions=args.max_actions, memory_limit=args.memory_limit, p2p=args.p2p,
+                     schedules=files)
+    if args.model:
+        # Tokens a microbatch carries across all dp replicas, so the chart draws tokens/s
+        # (as plan does: microbatches x dp x microbatch size x sequence length per step).
+        spec = model_spec_from_args(args)
+        for row in rows:
+            row["tokens_per_microbatch"] = spec.seq_len * spec.microbatch_size * args.dp
+    print(format_table(rows))
+    if args.csv:
+        with open(args.csv, "w", newline="") as handle_out:
+            writer = csv.DictWriter(handle_out, fieldnames=ROW_FIELDS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {args.csv}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+        print(f"wrote {args.json}")
+    if args.html:
+        from viz.sweep import write_sweep_html
+
+        write_sweep_html([row for row in rows if not row.get("note")], args.html,
+                         title=f"pipesim sweep on {topology.name}", plotly=args.plotly)
+        print(f"wrote {args.html}")
+    return 0

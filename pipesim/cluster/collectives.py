@@ -1,0 +1,139 @@
+"""Collective communication as closed-form costs on a group of devices.
+
+Ring algorithms (nccl-tests PERFORMANCE.md): over n ranks a message of S bytes costs
+
+    all-reduce       2(n-1)/n * S/B + 2(n-1) * alpha
+    all-gather       (n-1)/n * S/B  + (n-1) * alpha      (S: the gathered, full size)
+    reduce-scatter   (n-1)/n * S/B  + (n-1) * alpha      (S: the full input size)
+    broadcast        S/B + (n-1) * alpha                 (pipelined along the ring)
+
+Every step of a ring moves one chunk between each pair of neighbours at once, so a
+step lasts as long as the slowest neighbour route: B is the lowest effective bandwidth
+and alpha the highest latency among the routes ``group[i] -> group[i+1]``.
+
+Tree all-reduce (NCCL's double binary tree): the message is reduced up a binary tree
+and broadcast back down, pipelined in chunks. Each direction carries S over the
+slowest tree edge and pays one latency per level:
+
+    tree all-reduce  2 * S/B + 2 * ceil(log2 n) * alpha
+
+(NCCL splits S over two complementary trees so each node's links carry ~S each way;
+this is the bandwidth of one tree at full S, a slight overestimate for large n, and
+the log-depth latency that makes trees win for small messages on many ranks.)
+
+These are analytical durations: they do not reserve links in the engine's
+``LinkScheduler``, so a collective and a pipeline P2P transfer on the same link do not
+delay each other. n = 1 costs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from pipesim.cluster.topology import Topology
+
+ALGORITHMS = ("ring", "tree")
+
+
+def _pace(topology: Topology, pairs: Sequence[tuple[str, str]]) -> tuple[float, float]:
+    """(slowest bandwidth, largest latency) over the routes of ``pairs``."""
+    bandwidth, latency = math.inf, 0.0
+    for src, dst in pairs:
+        route = topology.route(src, dst)
+        if route.links:
+            bandwidth = min(bandwidth, route.bandwidth)
+            latency = max(latency, route.latency)
+    return bandwidth, latency
+
+
+def ring_pace(topology: Topology, group: Sequence[str]) -> tuple[float, float]:
+    """Bandwidth and latency of one ring step: the slowest neighbour route sets both.
+    Kept per topology and group: a step charges the same group once per bucket and layer."""
+    key = ("ring", tuple(group))
+    cached = topology.pace_cache.get(key)
+    if cached is None:
+        n = len(group)
+        cached = topology.pace_cache[key] = _pace(topology, [(group[i], group[(i + 1) % n]) for i in range(n)])
+    return cached
+
+
+def tree_pace(topology: Topology, group: Sequence[str]) -> tuple[float, float]:
+    """Slowest bandwidth and largest latency over the edges (both ways) of a binary tree
+    laid over ``group`` in order (parent of i is (i-1)//2)."""
+    key = ("tree", tuple(group))
+    cached = topology.pace_cache.get(key)
+    if cached is None:
+        pairs = []
+        for child in range(1, len(group)):
+            parent = (child - 1) // 2
+            pairs += [(group[child], group[parent]), (group[parent], group[child])]
+        cached = topology.pace_cache[key] = _pace(topology, pairs)
+    return cached
+
+
+def _seconds(bytes_factor: float, latency_steps: float, num_bytes: float, pace: tuple[float, float]) -> float:
+    bandwidth, latency = pace
+    if bandwidth == math.inf:
+        return latency_steps * latency
+    return bytes_factor * num_bytes / bandwidth + latency_steps * latency
+
+
+def all_reduce(topology: Topology, group: Sequence[str], num_bytes: float, algorithm: str = "ring") -> float:
+    """Seconds to all-reduce ``num_bytes`` across ``group`` (``ring`` or ``tree``)."""
+    n = len(group)
+    if n <= 1:
+        return 0.0
+    if algorithm == "ring":
+        return _seconds(2 * (n - 1) / n, 2 * (n - 1), num_bytes, ring_pace(topology, group))
+    if algorithm == "tree":
+        return _seconds(2.0, 2 * math.ceil(math.log2(n)), num_bytes, tree_pace(topology, group))
+    raise ValueError(f"unknown collective algorithm {algorithm!r}: use one of {', '.join(ALGORITHMS)}")
+
+
+def all_gather(topology: Topology, group: Sequence[str], num_bytes: float) -> float:
+    """Seconds for a ring all-gather whose result is ``num_bytes`` on every rank."""
+    n = len(group)
+    if n <= 1:
+        return 0.0
+    return _seconds((n - 1) / n, n - 1, num_bytes, ring_pace(topology, group))
+
+
+def reduce_scatter(topology: Topology, group: Sequence[str], num_bytes: float) -> float:
+    """Seconds for a ring reduce-scatter of a ``num_bytes`` input per rank."""
+    return all_gather(topology, group, num_bytes)
+
+
+def broadcast(topology: Topology, group: Sequence[str], num_bytes: float) -> float:
+    """Seconds for a pipelined ring broadcast of ``num_bytes`` from ``group[0]``."""
+    n = len(group)
+    if n <= 1:
+        return 0.0
+    return _seconds(1.0, n - 1, num_bytes, ring_pace(topology, group))
+
+
+def bucket_sizes(num_bytes: float, bucket_bytes: float) -> tuple[float, ...]:
+    """``num_bytes`` cut into buckets of ``bucket_bytes``, the last one holding the rest."""
+    if num_bytes <= 0:
+        return ()
+    if not bucket_bytes > 0:
+        raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+    full, rest = divmod(num_bytes, bucket_bytes)
+    return (bucket_bytes,) * int(full) + ((rest,) if rest > 0 else ())
+
+
+def bucketed_all_reduce(topology: Topology, group: Sequence[str], num_bytes: float, bucket_bytes: float,
+                        algorithm: str = "ring") -> tuple[float, int]:
+    """(seconds, buckets) for a gradient all-reduce done as DDP does it: ``num_bytes``
+    cut into buckets of ``bucket_bytes`` reduced one after another, so the latency term
+    is paid per bucket while the bandwidth term is the same as one big message."""
+    if len(group) <= 1 or num_bytes <= 0:
+        return 0.0, 0
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+    full, rest = divmod(num_bytes, bucket_bytes)
+    buckets = int(full) + (1 if rest > 0 else 0)
+    seconds = full * all_reduce(topology, group, bucket_bytes, algorithm)
+    if rest > 0:
+        seconds += all_reduce(topology, group, rest, algorithm)
+    return seconds, buckets

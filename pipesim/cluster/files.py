@@ -1,0 +1,176 @@
+"""User topology files (YAML or JSON), and the one function that turns a
+``--topology`` value (a preset name or a file) into a ``Topology``.
+
+Minimal form::
+
+    devices: [{name: g0, memory_bytes: 80e9}, {name: g1, memory_bytes: 80e9}]
+    links:   [{src: g0, dst: g1, bandwidth: 10e9, latency: 1e-3}]
+
+Optional: ``switches: [{name: sw0, kind: pcie_switch}]``; per link ``efficiency``
+(default 1), ``medium``, ``directed: true`` (one direction only); per device
+``peak_flops``, ``memory_bandwidth`` (HBM bytes/s), or ``gpu: h100`` (a name from
+``pipesim.cluster.gpus``) for that model's figures, which the explicit fields then override;
+``mapping: [g1, g0]`` (rank r runs on mapping[r]; default: file order). Every number must be finite: NaN, inf, null and
+negative values are errors naming the entry and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import networkx as nx
+
+from pipesim.cluster.gpus import GPUS
+from pipesim.cluster.presets import MULTI_NODE, PRESETS
+from pipesim.cluster.topology import Topology, TopologyError, add_link
+from schedules.textfile import describe_yaml_error, read_text
+
+
+def _number(where: str, entry: dict, key: str, default: float | None = None, positive: bool = False) -> float:
+    if key not in entry:
+        if default is None:
+            raise TopologyError(f"{where} is missing '{key}'")
+        return default
+    raw = entry[key]
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise TopologyError(f"{where}: '{key}' must be a number, got {raw!r}")
+    try:
+        value = float(raw)
+    except (TypeError, ValueError) as error:
+        raise TopologyError(f"{where}: '{key}' must be a number, got {raw!r}") from error
+    if not math.isfinite(value):
+        raise TopologyError(f"{where}: '{key}' must be a finite number, got {raw!r}")
+    if value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise TopologyError(f"{where}: '{key}' must be {bound}, got {entry[key]!r}")
+    return value
+
+
+def topology_from_dict(data: object, name: str = "custom") -> Topology:
+    """Build a topology from parsed YAML/JSON; errors name the entry and the field."""
+    if not isinstance(data, dict):
+        raise TopologyError(f"{name}: expected a mapping with 'devices' and 'links'")
+    devices = data.get("devices")
+    if not isinstance(devices, list) or not devices:
+        raise TopologyError(f"{name}: 'devices' must be a non-empty list")
+    graph = nx.DiGraph()
+    order = []
+    for index, device in enumerate(devices):
+        where = f"{name}: devices[{index}]"
+        if not isinstance(device, dict) or "name" not in device:
+            raise TopologyError(f"{where} needs a 'name'")
+        device_name = str(device["name"])
+        if device_name in graph:
+            raise TopologyError(f"{where}: device {device_name!r} is listed twice")
+        memory, flops, bandwidth = math.inf, math.inf, math.inf
+        if device.get("gpu") is not None:
+            gpu = GPUS.get(str(device["gpu"]).lower())
+            if gpu is None:
+                raise TopologyError(f"{where}: unknown gpu {device['gpu']!r} (known: {', '.join(GPUS)})")
+            memory, flops, bandwidth = gpu.memory_bytes, gpu.bf16_flops, gpu.memory_bandwidth
+        graph.add_node(
+            device_name,
+            kind="gpu",
+            memory_bytes=_number(where, device, "memory_bytes", memory, positive=True),
+            peak_flops=_number(where, device, "peak_flops", flops, positive=True),
+            memory_bandwidth=_number(where, device, "memory_bandwidth", bandwidth, positive=True),
+        )
+        order.append(device_name)
+    for index, switch in enumerate(data.get("switches") or []):
+        if not isinstance(switch, dict) or "name" not in switch:
+            raise TopologyError(f"{name}: switches[{index}] needs a 'name'")
+        if str(switch["name"]) in graph:
+            raise TopologyError(f"{name}: switches[{index}]: name {switch['name']!r} is already used")
+        graph.add_node(str(switch["name"]), kind=str(switch.get("kind", "switch")))
+    links = data.get("links")
+    if not isinstance(links, list) or not links:
+        if len(order) > 1:
+            raise TopologyError(f"{name}: 'links' must be a non-empty list when there are several devices")
+        links = []
+    for index, link in enumerate(links):
+        where = f"{name}: links[{index}]"
+        if not isinstance(link, dict):
+            raise TopologyError(f"{where} must be a mapping with src, dst, bandwidth, latency")
+        for end in ("src", "dst"):
+            if end not in link:
+                raise TopologyError(f"{where} is missing '{end}'")
+            if str(link[end]) not in graph:
+                known = ", ".join(list(graph.nodes)[:12])
+                raise TopologyError(f"{where}: unknown device or switch {link[end]!r} (known: {known})")
+        efficiency = _number(where, link, "efficiency", 1.0, positive=True)
+        if efficiency > 1:
+            raise TopologyError(f"{where}: 'efficiency' is a fraction of bandwidth in (0, 1], got {efficiency}")
+        add_link(
+            graph,
+            str(link["src"]),
+            str(link["dst"]),
+            bandwidth=_number(where, link, "bandwidth", positive=True),
+            latency=_number(where, link, "latency"),
+            efficiency=efficiency,
+            medium=str(link.get("medium", "")),
+            directed=bool(link.get("directed", False)),
+        )
+    mapping = data.get("mapping")
+    if mapping is not None:
+        if not isinstance(mapping, list) or not mapping:
+            raise TopologyError(f"{name}: 'mapping' must be a list of device names, one per rank")
+        for rank, device_name in enumerate(mapping):
+            if str(device_name) not in order:
+                raise TopologyError(f"{name}: mapping[{rank}] names unknown device {device_name!r}")
+        order = [str(device_name) for device_name in mapping]
+    calibration = data.get("calibration")
+    backend = calibration.get("backend") if isinstance(calibration, dict) else None
+    topology = Topology(name, graph, order, description=str(data.get("description", "")),
+                        backend=str(backend) if backend else None)
+    _require_connected(topology)
+    return topology
+
+
+def _require_connected(topology: Topology) -> None:
+    """Every device must reach every other, or ranks on them could never exchange data."""
+    first = topology.devices[0]
+    reachable = nx.descendants(topology.graph, first) | {first}
+    for device in topology.devices[1:]:
+        if device not in reachable or first not in nx.descendants(topology.graph, device):
+            raise TopologyError(f"{topology.name}: device {device!r} is not connected to {first!r} in both directions")
+
+
+def load_topology_file(path: str | Path) -> Topology:
+    """Read a YAML or JSON topology file."""
+    path = Path(path)
+    text = read_text(path, "topology file (YAML or JSON)")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise TopologyError(f"{path}: not valid YAML ({describe_yaml_error(error)})") from error
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise TopologyError(f"{path}: not valid JSON ({error})") from error
+    return topology_from_dict(data, name=str(path))
+
+
+def load_topology(spec: str, nodes: int | None = None, gpu: str | None = None) -> Topology:
+    """``spec`` is a preset name (``ideal``, ``nvlink``, ``pcie``, ``pcie5``, ``ib``,
+    ``ethernet``) or a path to a YAML/JSON file. ``nodes`` sizes multi-node presets;
+    ``gpu`` (a ``pipesim.cluster.gpus`` name) picks the presets' devices (default H100)."""
+    preset = PRESETS.get(spec)
+    if preset is not None:
+        if nodes is None:
+            nodes = 2 if spec in MULTI_NODE else 1
+        return preset(nodes, gpu=gpu)
+    path = Path(spec)
+    if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
+        if nodes not in (None, 1):
+            raise TopologyError("--nodes sizes the built-in multi-node presets, not a topology file")
+        if gpu is not None:
+            raise TopologyError("--gpu picks the devices of the built-in presets; a topology file names its own "
+                                "(devices[i].gpu)")
+        return load_topology_file(path)
+    raise TopologyError(f"unknown topology {spec!r}: use one of {', '.join(PRESETS)} or a .yaml/.json file")

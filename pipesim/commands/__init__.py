@@ -1,1 +1,0 @@
-"""Subcommands of ``pipesim``; each module exposes ``register(subparsers)``."""

@@ -1,0 +1,82 @@
+"""Activation memory of one transformer layer: what a microbatch's forward keeps for its
+backward, on one tensor-parallel rank (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", section 4, Table 2).
+
+The paper's count for a GPT layer in 16-bit (s sequence, b microbatch, h hidden, a
+heads, t tensor-parallel ranks), per layer:
+
+    no parallelism                      sbh (34 + 5as/h)
+    tensor parallel                     sbh (10 + 24/t + 5as/(ht))
+    tensor + sequence parallel          sbh (34/t + 5as/(ht))
+    tensor parallel, selective          sbh (10 + 24/t)
+    tensor + sequence, selective        sbh (34/t)
+    full recompute                      2 sbh            (the layer's input only)
+
+where the 34 is, per token, in bytes: the two LayerNorm inputs (4h), the QKV input (2h),
+Q and K (4h), V (2h), the output projection's input (2h) and its dropout mask (h); the MLP
+input (2h), GeLU input and output (8h + 8h) and dropout mask (h). The ``10`` of those that
+tensor parallelism does not split are the norm inputs, the QKV and MLP inputs and the two
+masks; sequence parallelism splits them too. ``5as/h`` is the attention scores: softmax
+output (2as), its dropout mask (as) and dropout output (2as).
+
+Here the same inventory is written per architecture, so that GQA (K and V of width
+``kv_width``), a SwiGLU MLP (gate and up outputs and the product: ``3f`` elements instead
+of GeLU's ``2f``), no dropout (no masks) and other dtypes come out right; for GPT-3 it is
+the paper's formula term for term.
+
+**Flash attention** (the default) never materialises the ``s x s`` scores: its backward
+recomputes them from Q, K, V and the output, so the ``5as/h`` term is gone (the
+per-row softmax statistics it keeps, ``4a`` bytes per token, are left out: under 0.1% of
+the rest). Selective recompute then saves nothing more, since what it recomputes is
+exactly that term. With sequence parallelism, full recompute keeps the sequence-sharded
+input, ``2sbh/t`` (the paper's table lists ``2sbh`` for tensor parallelism without it).
+"""
+
+from __future__ import annotations
+
+from pipesim.model.spec import ModelSpec, check_recompute
+
+MASK_BYTES = 1  # a dropout mask is one byte per element
+
+
+def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
+                      flash_attention: bool = True) -> float:
+    """Bytes one microbatch keeps per layer until its backward, on one tp rank."""
+    check_recompute(recompute)
+    h, d = spec.hidden, spec.dtype_bytes
+    if recompute == "full":
+        return spec.tokens * h * d / (tp if sequence_parallel else 1)
+    mask = MASK_BYTES if spec.dropout else 0
+    # per token: the part tensor parallelism leaves whole (norm inputs, QKV and MLP inputs, masks)
+    replicated = 2 * h * d + h * d + h * d + 2 * h * mask
+    attention = (2 * h + 2 * spec.kv_width) * d  # Q, K, V and the output projection's input
+    mlp = (spec.mlp_matrices * spec.ffn) * d  # GeLU in/out, or SwiGLU gate, up and product
+    sharded = attention + mlp
+    per_token = replicated / (tp if sequence_parallel else 1) + sharded / tp
+    if not flash_attention and recompute == "none":
+        per_token += attention_scores_bytes(spec) / tp
+    return spec.tokens * per_token
+
+
+def attention_scores_bytes(spec: ModelSpec) -> float:
+    """Per token, whole: the ``s x s`` scores kept without flash attention: softmax
+    output, and with dropout its mask and output (``5as`` bytes in 16-bit)."""
+    d = spec.dtype_bytes
+    per_element = d + ((MASK_BYTES + d) if spec.dropout else 0)
+    return spec.heads * spec.seq_len * per_element
+
+
+def first_stage_extra_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """The embedding's dropout mask (``sbh`` bytes with dropout), on the first stage."""
+    if not spec.dropout:
+        return 0.0
+    return spec.tokens * spec.hidden * MASK_BYTES / (tp if sequence_parallel else 1)
+
+
+def last_stage_extra_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """The final norm's and output layer's inputs and the fp32 logits the loss keeps:
+    ``4sbh/t (1 + V/h)`` with sequence parallelism (Korthikanti et al., section 4.3);
+    the two inputs are whole on every rank without it."""
+    inputs = 2 * spec.tokens * spec.hidden * spec.dtype_bytes / (tp if sequence_parallel else 1)
+    logits = 4 * spec.tokens * spec.vocab / tp
+    return inputs + logits

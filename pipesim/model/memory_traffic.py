@@ -1,0 +1,76 @@
+"""Time a transformer layer spends in memory-bound kernels, which FLOPs do not see.
+
+Besides its GEMMs, a layer runs element-wise kernels (norms, bias + dropout + residual
+adds, the MLP activation, rotary embeddings) and, without flash attention, a softmax and
+a dropout over the ``a x s x s`` attention scores. Their time is set by the bytes they
+move through HBM, not by FLOPs: for a GPT layer it is a few percent of the step at
+h = 25600 and tens of percent at h = 2304 (the score tensors grow with ``a*s`` per token
+while the GEMMs grow with ``h``). Charging them at the GPU's memory bandwidth is what
+lets one compute-efficiency number hold across model sizes (benchmarks/published.py).
+
+Forward traffic per token, in elements of the activation dtype (reads + writes, fused
+kernels as Megatron-LM fuses them), plus one byte per dropout-mask element:
+
+    norms                 2 x (read h + write h)                        = 4h
+    residual adds         2 x (read 2h + write h)                       = 6h   (+ 2h mask bytes)
+    MLP activation        GeLU: read f + write f; SwiGLU: read 2f + write f
+    rotary (no learned positions)  read + write Q and K                 = 2(h + k)
+    scores, no flash      softmax: read + write a*s; dropout: read + write a*s (+ a*s mask)
+
+Norms and residual adds are whole on every tensor-parallel rank unless sequence
+parallelism shards them; the rest is split by tp. The backward moves about 1.5x the
+forward's bytes (each kernel reads its saved input and the incoming gradient and writes
+one gradient), full recompute repeats the forward's, selective recompute the scores'.
+Kernels reach ``HBM_EFFICIENCY`` of the datasheet bandwidth.
+
+The optimizer step is memory-bound too: a fused Adam reads and writes every byte of
+state it keeps per parameter (weights, gradients, optimizer state: 16 bytes in mixed
+precision, the optimizer's share / dp under ZeRO-1), ``2 x 16 = 32`` bytes per parameter
+on the device. It is small next to a large pipeline's step but a few percent of a
+one-stage, one-replica step.
+"""
+
+from __future__ import annotations
+
+from pipesim.model.spec import ModelSpec
+
+BACKWARD_TRAFFIC = 1.5
+HBM_EFFICIENCY = 0.85  # streaming element-wise kernels reach ~80-90% of HBM peak
+
+
+def layer_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
+                        flash_attention: bool = True) -> tuple[float, float]:
+    """(forward bytes of the element-wise kernels outside attention, forward bytes of the
+    score softmax and dropout) for one layer and one microbatch on one tp rank."""
+    h, d = spec.hidden, spec.dtype_bytes
+    mask = 1 if spec.dropout else 0
+    replicated = (4 * h + 6 * h) * d + 2 * h * mask
+    activation = (3 if spec.gated_mlp else 2) * spec.ffn * d
+    rotary = 0 if spec.learned_positions else 2 * (h + spec.kv_width) * d
+    per_token = replicated / (tp if sequence_parallel else 1) + (activation + rotary) / tp
+    scores = 0.0
+    if not flash_attention:
+        per_element = 2 * d + ((2 * d + 1) if spec.dropout else 0)
+        scores = spec.heads * spec.seq_len * per_element / tp
+    return spec.tokens * per_token, spec.tokens * scores
+
+
+def layer_memory_seconds(spec: ModelSpec, bandwidth: float, tp: int = 1, sequence_parallel: bool = False,
+                         flash_attention: bool = True, recompute: str = "none") -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's memory-bound kernels at ``bandwidth``
+    bytes/s of HBM; the backward includes what recompute re-runs."""
+    rate = bandwidth * HBM_EFFICIENCY
+    plain, scores = layer_traffic_bytes(spec, tp, sequence_parallel, flash_attention)
+    forward = (plain + scores) / rate
+    backward = BACKWARD_TRAFFIC * forward
+    if recompute == "full":
+        backward += forward
+    elif recompute == "selective":
+        backward += scores / rate
+    return forward, backward
+
+
+def optimizer_step_seconds(params: float, state_bytes_per_param: float, bandwidth: float) -> float:
+    """Seconds of one optimizer step over ``params`` parameters that keep
+    ``state_bytes_per_param`` bytes each: read and written once, at ``bandwidth``."""
+    return 2 * params * state_bytes_per_param / (bandwidth * HBM_EFFICIENCY)

@@ -1,0 +1,151 @@
+"""Sweeps: the same cluster and costs across schedules and microbatch counts.
+
+Each point is a full simulation (same path as ``pipesim simulate``); rows are plain
+dicts so they go to CSV, JSON and the sweep chart unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from pipesim.cluster.topology import Topology
+from pipesim.model.costs import Costs
+from pipesim.sim.parallel import ParallelConfig
+from pipesim.sim.step import run_simulation
+from schedules.generators import (
+    COST_AWARE,
+    DEFAULT_MAX_ACTIONS,
+    MULTI_CHUNK,
+    ScheduleUnavailableError,
+    generate,
+    require_within_limit,
+)
+from schedules.schedule import Schedule
+
+ROW_FIELDS = (
+    "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
+    "idle_fraction", "peak_inflight_microbatches", "bubble", "exposed_comm", "peak_memory_bytes", "oom",
+    "actions", "note", "capacity_bytes",
+)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    schedule: str
+    pp: int
+    microbatches: int
+    virtual_stages: int
+
+
+def sweep_points(schedules: Iterable[str], pps: Iterable[int], microbatch_counts: Iterable[int],
+                 virtual_stages: int) -> list[SweepPoint]:
+    """Every combination; ``virtual_stages`` applies to the multi-chunk schedules only."""
+    return [
+        SweepPoint(name, pp, count, virtual_stages if name in MULTI_CHUNK else 1)
+        for name in schedules
+        for pp in pps
+        for count in microbatch_counts
+    ]
+
+
+def run_sweep(
+    points: list[SweepPoint],
+    costs_for: Callable[[Schedule], Costs],
+    topology: Topology,
+    progress: bool = True,
+    parallel: ParallelConfig | None = None,
+    max_actions: int | None = DEFAULT_MAX_ACTIONS,
+    memory_limit: int | None = None,
+    p2p: str | None = None,
+    schedules: dict[SweepPoint, Schedule] | None = None,
+) -> list[dict]:
+    """Simulate every point; a point whose schedule does not exist becomes a row with a
+    ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs;
+    cost-aware schedules (zb-auto) are built from those costs, ``memory_limit`` stashes.
+    ``schedules`` gives the schedule of points that are not generated (read from a file).
+    A generated point over ``max_actions`` refuses the whole sweep before anything runs."""
+    for point in points:
+        if point not in (schedules or {}):
+            require_within_limit(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
+    rows = []
+    for index, point in enumerate(points, 1):
+        label = f"{point.schedule} pp={point.pp} m={point.microbatches} v={point.virtual_stages}"
+        try:
+            schedule = (schedules or {}).get(point) or _build(point, costs_for, topology, parallel, memory_limit,
+                                                              max_actions)
+        except ScheduleUnavailableError as error:
+            rows.append({**point.__dict__, "note": str(error)})
+            if progress:
+                print(f"[{index}/{len(points)}] {label}: skipped ({error})", file=sys.stderr)
+            continue
+        result = run_simulation(schedule, costs_for(schedule), topology, parallel=parallel, p2p=p2p)
+        metrics = result.metrics
+        row = {
+            **point.__dict__,
+            "makespan": metrics.makespan,
+            "bubble_fraction": metrics.bubble_fraction,
+            "idle_fraction": metrics.idle_fraction,
+            "peak_inflight_microbatches": max(rank.peak_inflight_microbatches for rank in metrics.ranks),
+            "bubble": sum(rank.bubble for rank in metrics.ranks),
+            "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks),
+            "peak_memory_bytes": max((rank.peak_bytes for rank in result.memory), default=None),
+            "oom": result.oom,
+            "capacity_bytes": _capacity(result),
+            "actions": result.schedule.num_actions,
+            "note": "",
+        }
+        rows.append(row)
+        if progress:
+            print(
+                f"[{index}/{len(points)}] {label}: step {metrics.makespan:.6g} s, "
+                f"bubble {metrics.bubble_fraction:.1%}",
+                file=sys.stderr,
+            )
+    return rows
+
+
+def _capacity(result) -> float | None:
+    """The smallest device memory among the pipeline's ranks, or None when unbounded."""
+    # a fact of the devices, known even when the costs say nothing about memory
+    capacity = min((result.topology.device_memory(device) for device in result.devices), default=float("inf"))
+    return capacity if capacity != float("inf") else None
+
+
+def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: Topology,
+           parallel: ParallelConfig | None, memory_limit: int | None,
+           max_actions: int | None = DEFAULT_MAX_ACTIONS) -> Schedule:
+    if point.schedule not in COST_AWARE:
+        return generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
+    from pipesim.cluster.mapping import map_ranks
+    from pipesim.sim.cost_aware import build_cost_aware
+
+    template = generate("1f1b", point.pp, point.microbatches)  # same stages and placement
+    parallel = parallel or ParallelConfig()
+    devices = map_ranks(topology, parallel.dp, point.pp, parallel.tp, parallel.rank_order).pipeline()
+    return build_cost_aware(point.schedule, point.pp, point.microbatches, costs_for(template), topology,
+                            memory_limit, devices)
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width table of the sweep for the terminal."""
+    header = (f"{'schedule':<18} {'pp':>4} {'m':>5} {'v':>3} {'step time (s)':>14} {'bubble':>8} "
+              f"{'peak in-flight':>15} {'peak mem GB':>12}")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        if row.get("note"):
+            lines.append(f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3}  "
+                         f"n/a: {row['note'][:60]}")
+            continue
+        lines.append(
+            f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3} "
+            f"{row['makespan']:>14.6g} {row['bubble_fraction']:>8.2%} {row['peak_inflight_microbatches']:>15g} "
+            f"{_gigabytes(row['peak_memory_bytes']):>12}{'  OOM' if row['oom'] else ''}"
+        )
+    return "\n".join(lines)
+
+
+def _gigabytes(num_bytes: float | None) -> str:
+    """GB with two decimals, or n/a when the costs said nothing about memory."""
+    return "n/a" if num_bytes is None else f"{num_bytes / 1e9:.2f}"

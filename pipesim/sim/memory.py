@@ -1,0 +1,188 @@
+"""Memory per rank over a step: what must fit on each device.
+
+    static   parameters + gradients + optimizer state, by bytes per parameter
+             (default mixed-precision Adam: 2 bf16 weights + 2 bf16 gradients +
+             12 fp32 optimizer: master weights, momentum and variance = 16 bytes);
+             with ZeRO-1 (the distributed optimizer) the optimizer bytes, fp32 master
+             weights included, are sharded over the dp replicas: / dp
+    buffers  2 x the boundary activation per P2P peer (one for the activation, one for
+             its gradient) and one DDP bucket when data parallel
+    stash    each stage's ``stash_bytes`` for every microbatch whose forward has started
+             and whose last backward piece (B, or W when split) has not ended:
+             ``schedules.metrics.stash_changes``, read from the Trace
+
+The parameter count of a stage is its ``params`` when the costs know it (a model spec),
+else its ``param_bytes`` over the weights' bytes per parameter (flags and costs files
+give bytes in the weights' dtype). The timeline is a list of ``(time, bytes)`` points
+at every change. Costs that say nothing about memory (``Costs.memory_known`` false) get
+no report: the memory columns read n/a rather than a made-up 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipesim.model.costs import Costs
+from schedules import accounting
+from schedules.action import ActionKind
+from schedules.collector import without_collector
+from schedules.metrics import stash_changes
+from schedules.trace import Trace
+
+
+class OutOfMemoryError(RuntimeError):
+    """A plan whose peak memory exceeds a device's capacity (raised on request only)."""
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes each parameter costs: weights (the dtype ``param_bytes`` is counted in),
+    gradients and optimizer state."""
+
+    weights: float = 2.0
+    grads: float = 2.0
+    optimizer: float = 12.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def parse_bytes_per_param(text: str) -> BytesPerParam:
+    """``"2,2,12"`` (weights, gradients, optimizer) -> ``BytesPerParam``."""
+    try:
+        parts = [float(part) for part in text.split(",")]
+    except ValueError as error:
+        raise ValueError(f"--bytes-per-param {text!r}: expected three numbers WEIGHTS,GRADS,OPTIMIZER") from error
+    if not all(math.isfinite(part) for part in parts):
+        raise ValueError(f"--bytes-per-param {text!r}: every part must be a finite number")
+    if len(parts) != 3 or parts[0] <= 0 or min(parts) < 0:
+        raise ValueError(f"--bytes-per-param {text!r}: expected WEIGHTS,GRADS,OPTIMIZER with WEIGHTS > 0, e.g. 2,2,12")
+    return BytesPerParam(*parts)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's memory: the parts, the peak and the timeline, against its capacity."""
+
+    rank: int
+    device: str
+    capacity_bytes: float
+    static_bytes: float
+    buffer_bytes: float
+    peak_stash_bytes: float
+    peak_bytes: float
+    timeline: tuple[tuple[float, float], ...]
+
+    @property
+    def oom(self) -> bool:
+        return self.peak_bytes > self.capacity_bytes
+
+
+@without_collector
+def memory_report(
+    trace: Trace,
+    costs: Costs,
+    placement: Sequence[int],
+    devices: Sequence[str],
+    capacities: Sequence[float],
+    bytes_per_param: BytesPerParam = BytesPerParam(),
+    dp: int = 1,
+    bucket_bytes: float = 0.0,
+    zero: int = 0,
+) -> list[RankMemory]:
+    """Memory of every rank of the simulated pipeline, from its Trace; ``zero=1`` shards
+    the optimizer state over the ``dp`` replicas. Empty when the costs say nothing about
+    memory."""
+    if not costs.memory_known:
+        return []
+    if zero not in (0, 1):
+        raise ValueError(f"--zero {zero}: pipesim models ZeRO stage 0 (none) or 1 (sharded optimizer state)")
+    last_stage = costs.num_stages - 1
+    num_ranks = trace.num_ranks
+    static = [0.0] * num_ranks
+    buffers = [0.0] * num_ranks
+    per_param = static_bytes_per_param(bytes_per_param, dp, zero)
+    for stage, cost in enumerate(costs.stages):
+        rank = placement[stage]
+        static[rank] += stage_params(cost.params, cost.param_bytes, bytes_per_param) * per_param
+        if stage > 0 and placement[stage - 1] != rank:
+            buffers[rank] += 2 * costs.stages[stage - 1].act_bytes
+        if stage < last_stage and placement[stage + 1] != rank:
+            buffers[rank] += 2 * cost.act_bytes
+    if dp > 1:
+        buffers = [value + bucket_bytes for value in buffers]
+    bases = [static[rank] + buffers[rank] for rank in range(num_ranks)]
+    timelines = _native_timelines(trace, num_ranks, costs, bases)
+    if timelines is None:
+        timelines = [_stash_timeline(rank_events, costs, bases[rank])
+                     for rank, rank_events in enumerate(trace.by_rank())]
+    report = []
+    for rank, (peak_stash, timeline) in enumerate(timelines):
+        base = bases[rank]
+        report.append(RankMemory(
+            rank=rank,
+            device=devices[rank],
+            capacity_bytes=capacities[rank],
+            static_bytes=static[rank],
+            buffer_bytes=buffers[rank],
+            peak_stash_bytes=peak_stash,
+            peak_bytes=base + peak_stash,
+            timeline=tuple(timeline),
+        ))
+    return report
+
+
+def _stash_timeline(rank_events: list, costs: Costs, base: float) -> tuple[float, list[tuple[float, float]]]:
+    """One rank's peak stash bytes and its memory timeline: ``(0.0, base)``, then a point
+    at every stash change (changes at one moment merged). ``schedules/_accounting.c``'s
+    ``stash_timelines`` does the same, addition for addition."""
+    changes = stash_changes(rank_events, lambda stage: costs.stages[stage].stash_bytes)
+    timeline = [(0.0, base)]
+    held = peak_stash = 0.0
+    for time, change in changes:
+        held += change
+        peak_stash = max(peak_stash, held)
+        if timeline[-1][0] == time:
+            timeline[-1] = (time, base + held)
+        else:
+            timeline.append((time, base + held))
+    return peak_stash, timeline
+
+
+def _native_timelines(trace: Trace, num_ranks: int, costs: Costs, bases: list[float]) -> list | None:
+    """Every rank's ``_stash_timeline`` in one C pass, or None (not built, switched off,
+    or a rank number outside the trace's ranks: Python decides)."""
+    if not accounting.ACCELERATED or not trace.events:
+        return None
+    kinds = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+    return accounting._native.stash_timelines(trace.event_list(), num_ranks,
+                                              [stage.stash_bytes for stage in costs.stages], bases, kinds)
+
+
+def stage_params(params: float, param_bytes: float, bytes_per_param: BytesPerParam) -> float:
+    """Parameters of a stage on one device: its count if known, else its weight bytes over
+    the weights' bytes per parameter."""
+    return params if params > 0 else param_bytes / bytes_per_param.weights
+
+
+def static_bytes_per_param(bytes_per_param: BytesPerParam, dp: int = 1, zero: int = 0) -> float:
+    """Bytes each parameter holds on a device: weights + gradients + optimizer state,
+    the optimizer's share / dp under ZeRO-1 (Rajbhandari et al. 2020, P_os)."""
+    optimizer = bytes_per_param.optimizer / dp if zero >= 1 else bytes_per_param.optimizer
+    return bytes_per_param.weights + bytes_per_param.grads + optimizer
+
+
+def check_memory(report: list[RankMemory]) -> None:
+    """Raise ``OutOfMemoryError`` naming the first rank that does not fit."""
+    for rank in report:
+        if rank.oom:
+            raise OutOfMemoryError(
+                f"out of memory: rank {rank.rank} on {rank.device} peaks at {rank.peak_bytes / 1e9:.2f} GB "
+                f"(static {rank.static_bytes / 1e9:.2f} GB params+grads+optimizer, "
+                f"stash {rank.peak_stash_bytes / 1e9:.2f} GB, buffers {rank.buffer_bytes / 1e9:.2f} GB) "
+                f"but the device holds {rank.capacity_bytes / 1e9:.2f} GB; "
+                "add pipeline/tensor ranks, fewer microbatches in flight (1F1B), or sequence parallelism"
+            )

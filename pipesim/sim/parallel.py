@@ -1,0 +1,314 @@
+"""Data- and tensor-parallel communication around the simulated pipeline.
+
+The engine simulates one data-parallel replica's pipeline (pp ranks). Each of its
+ranks stands for a tensor-parallel group and a data-parallel group it belongs to, and
+pays their collectives:
+
+- tp: Megatron-LM's tensor parallelism does two collectives per layer in the forward
+  and two in the input-gradient backward, on the critical path of the compute (the
+  next GEMM needs the result). They are charged right after each compute action as a
+  ``tp`` event that holds the rank. Without sequence parallelism each is an
+  all-reduce of the layer's ``s*b*h`` activation; with it, an all-gather plus a
+  reduce-scatter of the same size (the same ring cost, other memory).
+- dp: each stage's gradient is reduced across the stage's dp group in buckets of
+  ``bucket_bytes``, as DDP and Megatron-LM do. With overlap (the default) a bucket
+  starts as soon as it is full during the stage's last backward of the step (the one
+  that completes gradient accumulation): gradients appear in reverse layer order, a
+  layer's at the end of its share of that backward, so the bucket that completes with
+  layer k is ready ``k/L`` of the way through it (continuously in bytes when the stage
+  has no layer count). Without overlap (``--no-dp-overlap``) every stage's reduction
+  waits for the rank's last action. Buckets of every stage on a rank queue
+  first-come first-served on the rank's one dp communicator, as NCCL runs the
+  collectives of one communicator in issue order, and as the engine's links serve
+  transfers (FIFO, never split). Gradients are taken to be the size of the
+  parameters (same dtype).
+- ZeRO-1 (``zero=1``, Megatron's distributed optimizer): each bucket is
+  reduce-scattered instead of all-reduced (half the ring traffic), and after the
+  optimizer step the updated parameters are all-gathered in the same buckets before
+  the next step can start (the other half), on the same dp stream.
+- the optimizer step (``Costs.step_overhead``) follows the rank's last reduction.
+
+- the other replicas' and shards' P2P transfers (``pipesim.cluster.twins``): each simulated
+  send also reserves the links of its twins where their routes meet another
+  pipeline's.
+
+Collectives are analytical durations (see ``pipesim.cluster.collectives``): they do not
+reserve links in the engine's link scheduler and so do not contend with P2P traffic.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+from pipesim.cluster.collectives import all_gather, all_reduce, bucket_sizes, reduce_scatter
+from pipesim.cluster.mapping import DEFAULT_ORDER, RankMapping
+from pipesim.cluster.topology import Topology
+from pipesim.cluster.twins import boundary_rank_pairs, twin_transfers
+from pipesim.model.costs import Costs
+from pipesim.sim import direct
+from pipesim.sim.memory import BytesPerParam
+from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
+from schedules.schedule import Schedule
+from schedules.trace import TraceEvent
+
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
+TP_KIND = "TP"
+DP_KIND = "ALLREDUCE_DP"
+REDUCE_SCATTER_KIND = "REDUCE_SCATTER_DP"
+PARAM_GATHER_KIND = "ALLGATHER_PARAMS"
+OPTIMIZER_KIND = "OPTIMIZER"
+ZERO_STAGES = (0, 1)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the job around the simulated pipeline is laid out and synchronised:
+    ``dp`` replicas, ``tp`` shards per pipeline rank, the rank order onto devices,
+    DDP bucket size, whether the gradient all-reduce overlaps the last backward, the
+    collective algorithm, the bytes each parameter costs in memory and the ZeRO stage
+    (0: every replica holds the whole optimizer and all-reduces gradients; 1: the
+    optimizer state is sharded over dp, gradients reduce-scattered and parameters
+    all-gathered)."""
+
+    dp: int = 1
+    tp: int = 1
+    rank_order: str = DEFAULT_ORDER
+    bucket_bytes: float = DDP_BUCKET_BYTES
+    overlap_dp: bool = True
+    algorithm: str = "ring"
+    bytes_per_param: BytesPerParam = BytesPerParam()
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"--zero {self.zero} is not supported: use 0 (all-reduce) or 1 (distributed optimizer)")
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """Seconds the engine charges beyond P2P: ``tp_seconds[stage, kind]`` after each
+    compute action; per stage, ``dp_bucket_bytes`` (in reduction order, last layer's
+    first), the seconds of each bucket's gradient reduction (``dp_bucket_seconds``) and,
+    under ZeRO-1, of each bucket's parameter all-gather (``gather_bucket_seconds``)."""
+
+    tp_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
+    dp_bucket_bytes: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    dp_bucket_seconds: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    gather_bucket_seconds: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    overlap_dp: bool = True
+    zero: int = 0
+    stage_layers: dict[int, int] = field(default_factory=dict)
+    twin_transfers: dict[tuple[str, str], list[tuple[str, str]]] = field(default_factory=dict)
+
+    @property
+    def dp_seconds(self) -> dict[int, float]:
+        """Each stage's whole gradient reduction, seconds."""
+        return {stage: sum(seconds) for stage, seconds in self.dp_bucket_seconds.items()}
+
+
+def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
+              bucket_bytes: float = DDP_BUCKET_BYTES, overlap_dp: bool = True, algorithm: str = "ring",
+              zero: int = 0) -> CommPlan:
+    """The tp and dp collective costs of every stage on its rank's groups."""
+    tp_seconds: dict[tuple[int, str], float] = {}
+    bucket_bytes_of: dict[int, tuple[float, ...]] = {}
+    reduce_seconds: dict[int, tuple[float, ...]] = {}
+    gather_seconds: dict[int, tuple[float, ...]] = {}
+    for stage, cost in enumerate(costs.stages):
+        rank = schedule.placement[stage]
+        if mapping.tp > 1 and cost.layers and cost.tp_message_bytes:
+            group = mapping.tp_group(0, rank)
+            if costs.sequence_parallel:
+                one = all_gather(topology, group, cost.tp_message_bytes) + reduce_scatter(
+                    topology, group, cost.tp_message_bytes)
+            else:
+                one = all_reduce(topology, group, cost.tp_message_bytes, algorithm)
+            per_pass = 2 * cost.layers * one
+            if per_pass > 0:
+                for kind in (ActionKind.F, ActionKind.B, ActionKind.I):
+                    tp_seconds[stage, kind] = per_pass
+                # full recompute re-runs the forward, and its collectives, inside the backward
+                for kind in (ActionKind.B, ActionKind.I):
+                    tp_seconds[stage, kind] += 2 * cost.recompute_layers * one
+        if mapping.dp > 1 and cost.param_bytes > 0:
+            group = mapping.dp_group(rank, 0)
+            sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
+            # a stage has thousands of buckets but at most two sizes (full, and the rest): price each size once
+            if zero:
+                reduce = _per_bucket(sizes, partial(reduce_scatter, topology, group))
+                gather_seconds[stage] = _per_bucket(sizes, partial(all_gather, topology, group))
+            else:
+                reduce = _per_bucket(sizes, partial(all_reduce, topology, group, algorithm=algorithm))
+            if sum(reduce) > 0:
+                bucket_bytes_of[stage] = sizes
+                reduce_seconds[stage] = reduce
+    layers = {stage: cost.layers for stage, cost in enumerate(costs.stages)}
+    return CommPlan(tp_seconds, bucket_bytes_of, reduce_seconds, gather_seconds, overlap_dp, zero, layers,
+                    _twins(schedule, topology, mapping))
+
+
+def _per_bucket(sizes: tuple[float, ...], seconds_of) -> tuple[float, ...]:
+    """``tuple(seconds_of(size) for size in sizes)``, calling ``seconds_of`` once per run of
+    equal sizes (``bucket_sizes`` gives full buckets and one rest) and building the tuple
+    by runs, not element by element: a stage has thousands of buckets."""
+    seconds: tuple[float, ...] = ()
+    for first, stop in _size_runs(sizes):
+        seconds += (seconds_of(sizes[first]),) * (stop - first)
+    return seconds
+
+
+@functools.lru_cache(maxsize=1024)
+def _size_runs(sizes: tuple[float, ...]) -> list[tuple[int, int]]:
+    """``_runs`` of a stage's bucket sizes, kept: the same few stage sizes recur in every
+    layout of a plan, and a stage has thousands of buckets to walk."""
+    return _runs(sizes)
+
+
+def _runs(values: Sequence) -> list[tuple[int, int]]:
+    """``(first, stop)`` of each run of equal consecutive values."""
+    runs, first = [], 0
+    for index in range(1, len(values) + 1):
+        if index == len(values) or values[index] != values[first]:
+            runs.append((first, index))
+            first = index
+    return runs
+
+
+def _twins(schedule: Schedule, topology: Topology, mapping: RankMapping) -> dict:
+    """``twin_transfers`` of every (replica, shard) pipeline, kept on the topology per
+    mapping and set of rank pairs: it routes every pipeline's transfers, the same work
+    for every schedule with the same stage boundaries (a plan simulates thousands)."""
+    key = ("twins", mapping.dp, mapping.pp, mapping.tp, mapping.order, mapping.devices,
+           tuple(sorted(boundary_rank_pairs(schedule))))
+    cached = topology.pace_cache.get(key)
+    if cached is None:
+        pipelines = [mapping.pipeline(replica, shard) for replica in range(mapping.dp) for shard in range(mapping.tp)]
+        cached = topology.pace_cache[key] = twin_transfers(schedule, topology, pipelines)
+    return cached
+
+
+def bucket_ready_fractions(sizes: tuple[float, ...], layers: int) -> list[float]:
+    """How far through a stage's last backward each bucket is full (0..1). Gradients
+    come out in reverse layer order, each layer's ``1/layers`` of the bytes at the end
+    of its ``1/layers`` of the backward; with no layer count, continuously."""
+    total = sum(sizes)
+    fractions, filled = [], 0.0
+    for size in sizes:
+        filled += size
+        share = min(1.0, filled / total)
+        if layers > 0:
+            share = math.ceil(share * layers - 1e-9) / layers
+        fractions.append(share)
+    return fractions
+
+
+@functools.lru_cache(maxsize=4096)
+def _bucket_runs(sizes: tuple[float, ...], layers: int) -> tuple[tuple[float, int, int], ...]:
+    """``(fraction, first, stop)`` for each run of buckets ``first..stop-1`` that fill at
+    the same fraction of the last backward (``bucket_ready_fractions``). The same for
+    every layout whose stages hold as many bytes in as many layers, so kept: a plan
+    prices thousands of layouts with a few stage sizes."""
+    fractions = bucket_ready_fractions(sizes, layers)  # they only grow with the bucket index
+    return tuple((fractions[first], first, stop) for first, stop in _runs(fractions))
+
+
+def _add_buckets(tail: list[TraceEvent], rank: int, stage: int, kind: str, first: int, seconds: tuple[float, ...],
+                 start: float) -> float:
+    """One event for buckets ``first``, ``first + 1``, ... of a stage run back to back from
+    ``start`` (each starts as the one before ends); returns when the last one ends."""
+    total = 0.0
+    for bucket in seconds:  # left to right, as the C ``dp_tail`` adds (Python 3.12's sum() compensates)
+        total += bucket
+    end = start + total
+    last = first + len(seconds) - 1
+    name = f"{stage}{kind}[{first}]" if last == first else f"{stage}{kind}[{first}-{last}]"
+    tail.append(_new_event(TraceEvent, (rank, name, kind, stage, -1, start, end, "dp")))  # TraceEvent(...), faster
+    return end
+
+
+_new_event = tuple.__new__  # a plan records ~500 bucket events per layout
+
+
+def _place_runs(tail: list[TraceEvent], stages: list[tuple], dp_free: list[float], kind: str) -> None:
+    """Each stage's bucket runs (every bucket as one run without overlap), reduced first
+    come, first served per rank from ``dp_free`` (updated), one event per run."""
+    runs = []  # (ready, stage, first bucket, seconds of each bucket of the run, rank)
+    for stage, rank, start, end, bucket_runs, seconds, rank_end in stages:
+        if bucket_runs is not None:
+            for fraction, first, stop in bucket_runs:
+                runs.append((start + fraction * (end - start), stage, first, seconds[first:stop], rank))
+        else:
+            runs.append((rank_end, stage, 0, seconds, rank))
+    for ready, stage, first, seconds, rank in sorted(runs):
+        start = max(dp_free[rank], ready)
+        dp_free[rank] = _add_buckets(tail, rank, stage, kind, first, seconds, start)
+
+
+def _tail_scan(events: list[TraceEvent], num_ranks: int) -> tuple[list[float], dict, dict]:
+    """Each rank's last end; per stage the (start, end) of its last-ending B or W and the
+    rank that ran it. (``pipesim/sim/_rendezvous.c``'s ``tail_scan`` is the same pass in C.)"""
+    rank_end = [0.0] * num_ranks
+    last_grad: dict[int, tuple[float, float]] = {}  # stage -> (start, end) of its last B or W
+    stage_rank: dict[int, int] = {}
+    grad_kinds = WEIGHT_GRAD_DONE_KINDS
+    for rank, _, kind, stage, _, start, end, stream in events:  # unpacked: this runs once per event of the step
+        if end > rank_end[rank]:
+            rank_end[rank] = end
+        if stream == "compute" and kind in grad_kinds and end > last_grad.get(stage, (0.0, -1.0))[1]:
+            last_grad[stage] = (start, end)
+            stage_rank[stage] = rank
+    return rank_end, last_grad, stage_rank
+
+
+def _native_tail_scan(events: list[TraceEvent], num_ranks: int) -> tuple[list[float], dict, dict] | None:
+    """``_tail_scan`` in C where it is built and switched on (the direct engine's switch)."""
+    if not direct.ACCELERATED:
+        return None
+    return direct._native.tail_scan(events, num_ranks, WEIGHT_GRAD_DONE_KINDS)
+
+
+def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | None,
+                     step_overhead: float) -> list[TraceEvent]:
+    """The gradient reductions (``dp`` stream), optimizer steps (``step`` stream) and,
+    under ZeRO-1, parameter all-gathers (``dp``) of each rank, placed around the
+    pipeline events ``events``."""
+    has_dp = plan is not None and bool(plan.dp_bucket_seconds)
+    if not has_dp and step_overhead <= 0:
+        return []
+    scanned = _native_tail_scan(events, num_ranks)
+    rank_end, last_grad, stage_rank = scanned if scanned is not None else _tail_scan(events, num_ranks)
+    tail: list[TraceEvent] = []
+    dp_free = list(rank_end) if not has_dp or not plan.overlap_dp else [0.0] * num_ranks
+    if has_dp:
+        kind = REDUCE_SCATTER_KIND if plan.zero else DP_KIND
+        # Buckets are reduced first come, first served per rank. Those of a stage that fill
+        # at the same moment (one layer's gradients, or all of them without overlap) run back
+        # to back and are one event (``3ALLREDUCE_DP[4-21]``), as the executor records one
+        # per stage: a 70B-parameter stage has thousands of 25 MB buckets and a few layers,
+        # and an event per bucket made the tail, and every pass over the Trace after it,
+        # cost more than the pipeline.
+        stages = [  # (stage, rank, its last B/W's start and end, its bucket runs, bucket seconds, rank end)
+            (stage, stage_rank[stage], *last_grad[stage],
+             _bucket_runs(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0)) if plan.overlap_dp else None,
+             seconds, rank_end[stage_rank[stage]])
+            for stage, seconds in plan.dp_bucket_seconds.items() if stage in stage_rank
+        ]
+        if direct.ACCELERATED:  # the same placement in C (``dp_tail``)
+            tail += direct._native.dp_tail(stages, dp_free, kind, TraceEvent)
+        else:
+            _place_runs(tail, stages, dp_free, kind)
+    for rank in range(num_ranks):
+        done = max(rank_end[rank], dp_free[rank])
+        if step_overhead > 0:
+            tail.append(TraceEvent(rank, OPTIMIZER_KIND, OPTIMIZER_KIND, -1, -1, done, done + step_overhead, "step"))
+            done += step_overhead
+        if has_dp and plan.zero:  # every parameter bucket can be gathered once the optimizer step is done
+            for stage in sorted(stage for stage, rank_of in stage_rank.items() if rank_of == rank):
+                seconds = plan.gather_bucket_seconds.get(stage, ())
+                if seconds:
+                    done = _add_buckets(tail, rank, stage, PARAM_GATHER_KIND, 0, seconds, done)
+    return tail

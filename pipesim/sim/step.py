@@ -1,0 +1,227 @@
+"""One simulated step, end to end: lower, validate, simulate, score.
+
+This is the function the command line, the sweeps and the benchmarks call, so that
+"what ``pipesim simulate`` does" has one definition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from pipesim.cluster.mapping import RankMapping, map_ranks
+from pipesim.cluster.topology import Topology
+from pipesim.model.costs import Costs
+from pipesim.sim.engine import simulate
+from pipesim.sim.memory import RankMemory, memory_report
+from pipesim.sim.parallel import ParallelConfig, comm_plan
+from schedules.collector import without_collector
+from schedules.lowering import lower
+from schedules.metrics import StepMetrics, comm_by_kind, step_metrics
+from schedules.p2p import default_semantics
+from schedules.schedule import Schedule
+from schedules.trace import Trace
+
+
+@dataclass
+class SimulationResult:
+    """A simulated step: the schedule that ran, its Trace and the metrics of that Trace.
+    Memory and communication by kind are computed on first use (sweeps and benchmarks
+    that only want the step time do not pay for them)."""
+
+    schedule: Schedule
+    topology: Topology
+    trace: Trace
+    metrics: StepMetrics
+    costs: Costs | None = None
+    devices: list[str] = field(default_factory=list)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    mapping: RankMapping | None = None
+
+    @cached_property
+    def memory(self) -> list[RankMemory]:
+        """Per rank: static, buffer and stash bytes, peak and timeline."""
+        if self.costs is None:
+            return []
+        devices = self.devices or [f"gpu{rank}" for rank in range(self.schedule.pp)]
+        return memory_report(
+            self.trace, self.costs, self.schedule.placement, devices,
+            [self.topology.device_memory(device) for device in devices],
+            self.parallel.bytes_per_param, self.parallel.dp, self.parallel.bucket_bytes, self.parallel.zero,
+        )
+
+    @cached_property
+    def comm(self) -> list[dict[str, dict[str, float]]]:
+        """Per rank: ``{"p2p"|"dp"|"tp": {"total": s, "exposed": s}}``."""
+        return comm_by_kind(self.trace, [rank.time() for rank in self.metrics.ranks])
+
+    @property
+    def oom(self) -> bool:
+        return any(rank.oom for rank in self.memory)
+
+    def to_dict(self) -> dict:
+        """The ``--json`` document."""
+        metrics = self.metrics
+        return {
+            "schedule": self.schedule.name,
+            "pp": self.schedule.pp,
+            "microbatches": self.schedule.microbatches,
+            "virtual_stages": self.schedule.virtual_stages,
+            "topology": self.topology.name,
+            "dp": self.parallel.dp,
+            "tp": self.parallel.tp,
+            "zero": self.parallel.zero,
+            "dp_overlap": self.parallel.overlap_dp,
+            "rank_order": "-".join(self.mapping.order) if self.mapping else None,
+            "p2p": self.trace.meta.get("p2p"),
+            "devices": list(self.devices),
+            "makespan": metrics.makespan,
+            "bubble_fraction": metrics.bubble_fraction,
+            "idle_fraction": metrics.idle_fraction,
+            "actions": self.schedule.num_actions,
+            "ranks": [
+                {
+                    "rank": rank.rank,
+                    "busy": rank.busy,
+                    "idle": rank.idle,
+                    "comm": rank.comm,
+                    "bubble": rank.bubble,
+                    "exposed_comm": rank.exposed_comm,
+                    "tp": rank.tp,
+                    "dp": rank.dp,
+                    "optimizer": rank.optimizer,
+                    "overhead": rank.overhead,
+                    "peak_inflight_microbatches": rank.peak_inflight_microbatches,
+                    **self._memory_fields(rank.rank),
+                }
+                for rank in metrics.ranks
+            ],
+            "comm": self.comm,
+            "oom": self.oom,
+        }
+
+    def _memory_fields(self, rank: int) -> dict:
+        if rank >= len(self.memory):
+            return {"peak_memory_bytes": None}
+        memory = self.memory[rank]
+        capacity = memory.capacity_bytes
+        return {
+            "peak_memory_bytes": memory.peak_bytes,
+            "memory": {
+                "static_bytes": memory.static_bytes,
+                "buffer_bytes": memory.buffer_bytes,
+                "peak_stash_bytes": memory.peak_stash_bytes,
+                "capacity_bytes": capacity if capacity != float("inf") else None,
+                "oom": memory.oom,
+            },
+        }
+
+    def summary(self) -> str:
+        """A readable report for the terminal."""
+        schedule, metrics = self.schedule, self.metrics
+        unit, scale = _time_unit(metrics.makespan)
+        total_comm = sum(rank.comm for rank in metrics.ranks)
+        exposed = sum(rank.exposed_comm for rank in metrics.ranks)
+        waiting = sum(rank.bubble for rank in metrics.ranks)
+        named = [(name, title) for name, title in (("tp", "tp"), ("dp", "dp"), ("optimizer", "optim"),
+                                                   ("overhead", "overhead"))
+                 if any(getattr(rank, name) for rank in metrics.ranks)]
+        lines = [
+            f"{schedule.name}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
+            f"virtual stages={schedule.virtual_stages}, topology={self.topology.name}, "
+            f"p2p={self.trace.meta.get('p2p')}, {schedule.num_actions} actions",
+            f"  step time        {metrics.makespan * scale:.4g} {unit}",
+            f"  bubble fraction  {metrics.bubble_fraction:.2%} (pipeline bubble over ranks x step time)",
+            f"  idle fraction    {metrics.idle_fraction:.2%} (not computing: bubble, exposed communication, "
+            "tp, dp, optimizer)",
+            f"  bubble           {waiting * scale:.4g} {unit} (waiting for a peer, fill and drain), "
+            "summed over ranks",
+            f"  communication    {exposed * scale:.4g} {unit} exposed (blocked on data in flight); sends "
+            f"{total_comm * scale:.4g} {unit} from posting to arrival; summed over ranks",
+            f"  {'rank':>4}  {'busy':>10}  {'bubble':>10}  {'bubble %':>8}  {'exposed':>10}  "
+            + "".join(f"{title:>10}  " for _, title in named) + f"{'comm':>10}  peak in-flight",
+        ]
+        for rank in metrics.ranks:
+            bubble_share = rank.bubble / metrics.makespan if metrics.makespan else 0.0
+            lines.append(
+                f"  {rank.rank:>4}  {rank.busy * scale:>10.4g}  {rank.bubble * scale:>10.4g}  {bubble_share:>8.1%}  "
+                f"{rank.exposed_comm * scale:>10.4g}  "
+                + "".join(f"{getattr(rank, name) * scale:>10.4g}  " for name, _ in named)
+                + f"{rank.comm * scale:>10.4g}  {rank.peak_inflight_microbatches:g}"
+            )
+        lines.append(f"  (busy + bubble + exposed{''.join(' + ' + title for _, title in named)} = step time on "
+                     f"every rank; comm: its sends from posting to arrival)")
+        lines.append(f"  (times in {unit}; peak in-flight in microbatches of the rank's whole share of the model)")
+        lines += self._comm_and_memory_lines(unit, scale)
+        return "\n".join(lines)
+
+    def _comm_and_memory_lines(self, unit: str, scale: float) -> list[str]:
+        lines = [f"  communication by kind (total / exposed, {unit}); memory (GB)"]
+        lines.append(f"  {'rank':>4}  {'p2p':>19}  {'tp':>19}  {'dp':>19}  {'peak mem':>9}  {'capacity':>9}")
+        for rank, comm in enumerate(self.comm):
+            cells = [f"{comm[kind]['total'] * scale:>9.4g}/{comm[kind]['exposed'] * scale:<9.4g}"
+                     for kind in ("p2p", "tp", "dp")]
+            memory = self.memory[rank] if rank < len(self.memory) else None
+            peak = f"{memory.peak_bytes / 1e9:>9.2f}" if memory else f"{'n/a':>9}"
+            bounded = memory is not None and memory.capacity_bytes != float("inf")
+            capacity = f"{memory.capacity_bytes / 1e9:>9.2f}" if bounded else f"{'-':>9}"
+            flag = "  OOM" if memory and memory.oom else ""
+            lines.append(f"  {rank:>4}  {'  '.join(cells)}  {peak}  {capacity}{flag}")
+        for memory in self.memory:
+            if memory.oom:
+                lines.append(
+                    f"  warning: rank {memory.rank} on {memory.device} needs {memory.peak_bytes / 1e9:.2f} GB "
+                    f"but the device holds {memory.capacity_bytes / 1e9:.2f} GB (out of memory)"
+                )
+        return lines
+
+
+def _time_unit(seconds: float) -> tuple[str, float]:
+    if seconds >= 1:
+        return "s", 1.0
+    if seconds >= 1e-3:
+        return "ms", 1e3
+    return "us", 1e6
+
+
+def predicted_semantics(topology: Topology) -> str:
+    """The P2P semantics of the backend a topology describes: NCCL (rendezvous) for GPU
+    clusters, the measuring backend's for ``bench-comm`` files."""
+    return default_semantics(topology.backend or "nccl")
+
+
+@without_collector
+def run_simulation(
+    schedule: Schedule,
+    costs: Costs,
+    topology: Topology,
+    rank_devices: Sequence[str] | None = None,
+    validate: bool = True,
+    parallel: ParallelConfig | None = None,
+    p2p: str | None = None,
+) -> SimulationResult:
+    """Lower, validate (naming any bad action), map ranks onto devices, simulate and
+    compute metrics. With ``parallel`` (dp, tp > 1) the pipeline simulated is replica 0's
+    and its ranks also pay their tp and dp collectives. ``p2p`` is the point-to-point
+    semantics (``schedules.p2p``); by default the one of the backend predicted: gloo's
+    for links measured on gloo, NCCL's rendezvous otherwise."""
+    parallel = parallel or ParallelConfig()
+    p2p = p2p or predicted_semantics(topology)
+    lowered = lower(schedule)
+    if validate:
+        from schedules.validate import validate as validate_schedule
+
+        validate_schedule(lowered, p2p)
+    mapping = None
+    if rank_devices is None:
+        mapping = map_ranks(topology, parallel.dp, lowered.pp, parallel.tp, parallel.rank_order)
+        rank_devices = mapping.pipeline()
+    plan = None
+    if mapping is not None and (parallel.dp > 1 or parallel.tp > 1):
+        plan = comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
+                         parallel.algorithm, parallel.zero)
+    trace = simulate(lowered, costs, topology, rank_devices, plan, p2p)
+    trace.meta.update(dp=parallel.dp, tp=parallel.tp)  # charts and reports name the whole layout
+    metrics = step_metrics(trace, lowered.virtual_stages)
+    return SimulationResult(lowered, topology, trace, metrics, costs, list(rank_devices), parallel, mapping)
