@@ -1,16 +1,11 @@
-"""Build configuration beyond pyproject.toml: optional C loops, the direct rendezvous
-engine's (pipesim/sim/_rendezvous.c), the time accounting's (schedules/_accounting.c),
-lowering's (schedules/_lowering.c) and zb-auto's timing (schedules/_timing.c). Each
-has a Python twin it is tested equal to; with ``optional=True`` an install without a C
-compiler goes on and runs those. native/pipesim_native.h holds what they share."""
+"""Build configuration beyond pyproject.toml: the timing engine's walk in C
+(schedules/_engine.c, the only copy of the engine's rules that runs in product code).
+It is optional: an install without a C compiler goes on, and the engine then runs the
+SimPy model of the same rules (pipesim/sim/reference.py), the specification the C walk
+is tested against."""
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension(name, [source], optional=True, extra_compile_args=["-O2"], include_dirs=["native"],
-              depends=["native/pipesim_native.h"])
-    for name, source in (("pipesim._rendezvous", "pipesim/sim/_rendezvous.c"),
-                         ("schedules._accounting", "schedules/_accounting.c"),
-                         ("schedules._lowering", "schedules/_lowering.c"),
-                         ("schedules._timing", "schedules/_timing.c"))
+    Extension("schedules._engine", ["schedules/_engine.c"], optional=True, extra_compile_args=["-O2"]),
 ])

@@ -1,8 +1,10 @@
 """The vocabulary of pipeline schedules: actions, schedules, lowering, validation,
 generators, CSV interop and the Trace timeline format.
 
-Depends on networkx only, so every other part of pipesim (the simulator, the torch
-executor, the charts) can share it without pulling in each other's dependencies.
+Depends on networkx and numpy only (programs and timelines are read as arrays), so every
+other part of pipesim (the simulator, the torch executor, the charts) can share it
+without pulling in each other's dependencies. The timing engine every part asks
+(``schedules.engine``) lives here for that reason: lowering and validation need it.
 """
 
 from schedules.action import (

@@ -10,13 +10,12 @@ overlap would remove.
 The split is read from the Trace alone, so a prediction and a measurement are split by
 the same rule. A receive is matched with the send of the same transfer (the SEND
 ``Action.matching`` names), and the send event's ``start`` is the moment the producer
-posted it — its data was ready and handed over. Both the simulator
-(``pipesim.sim.engine``) and the executor (``executor.runtime``) record sends from that
-moment. Under rendezvous semantics (NCCL; ``meta["p2p"]``, or any backend but gloo) a
-rank can also be held by its own send, whose transfer cannot leave before the peer
-posts the matching receive: while a send the rank has posted waits for a receive not
-yet posted, the rank's wait is bubble too (the peer is still busy with earlier work).
-Buffered sends (gloo) never hold the rank.
+posted it — its data was ready and handed over. Both the simulator and the executor
+record sends from that moment. Under rendezvous semantics (NCCL; ``meta["p2p"]``, or any
+backend but gloo) a rank can also be held by its own send, whose transfer cannot leave
+before the peer posts the matching receive: while a send the rank has posted waits for a
+receive not yet posted, the rank's wait is bubble too (the peer is still busy with
+earlier work). Buffered sends (gloo) never hold the rank.
 
 Every second of a rank's step, from the step's first event to its last, goes to exactly
 one part, so ``busy + bubble + exposed_comm + tp + dp + optimizer + overhead =
@@ -28,36 +27,30 @@ data the rank needs is not sent yet or some send of the rank is not yet matched,
 nothing else hides). Time before a rank's first event or after its last is ``bubble``
 (the pipeline filling and draining); gaps between its own events are ``overhead``
 (posting communication, host work between actions).
+
+The rule is applied to every rank at once, as one sweep over the sorted moments at which
+an event begins or ends (``_sweep``): between two moments, the parts open decide who
+owns the time.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from schedules.collector import without_collector
-from schedules.trace import Trace, TraceEvent
+import numpy as np
 
-try:  # the usual case of the accounting in C, built by setup.py where a compiler is found
-    from schedules import _accounting as _native
-except ImportError:  # pragma: no cover - depends on the install
-    _native = None
-
-# Whether ``time_accounting`` asks the C version first (PIPESIM_PURE_PYTHON=1: Python only).
-ACCELERATED = _native is not None and os.environ.get("PIPESIM_PURE_PYTHON", "") in ("", "0")
+from schedules.trace import Trace, TraceColumns, TraceEvent
 
 # Parts in the order they claim a moment where several events overlap.
 HOLDING_STREAMS = {"compute": "busy", "tp": "tp", "step": "optimizer"}
 WAITING_STREAMS = frozenset({"recv", "wait"})
 PARTS = ("busy", "tp", "optimizer", "bubble", "exposed_comm", "dp", "overhead")
-_PRIORITY = {part: index for index, part in enumerate(PARTS)}
-_BUBBLE = _PRIORITY["bubble"]
-_EXPOSED = _PRIORITY["exposed_comm"]
-_DP = _PRIORITY["dp"]
-_OVERHEAD = _PRIORITY["overhead"]
-_ROUNDING = 1e-12  # of the step: below it, a difference of two sums is float rounding
-_WAITING = len(PARTS)  # sweep-only: a wait, bubble or exposed by what is open beside it
-_PEER = len(PARTS) + 1  # sweep-only: something the rank waits for is not ready on the other side
+_PART = {part: index for index, part in enumerate(PARTS)}
+# what an event contributes to the sweep: the parts that hold, a wait, dp, and "peer"
+# (something the rank waits for is not ready on the other side)
+_BUSY, _TP, _OPTIMIZER, _WAITING, _DP, _PEER = range(6)
+_SWEEP_STREAMS = {"compute": _BUSY, "tp": _TP, "step": _OPTIMIZER, "recv": _WAITING, "wait": _WAITING, "dp": _DP}
+_ROUNDING = 1e-12  # of the step: below it, a wait is float rounding, not time
 
 
 @dataclass(frozen=True)
@@ -77,25 +70,6 @@ class RankTime:
         return self.busy + self.bubble + self.exposed_comm + self.tp + self.dp + self.optimizer + self.overhead
 
 
-def data_ready_times(trace: Trace) -> dict[str, float]:
-    """Action text of every SEND -> when it was posted (its event's start)."""
-    return {event.action: event.start for event in trace.events if event.stream == "send"}
-
-
-def data_ready(event: TraceEvent, sent: dict[str, float]) -> float | None:
-    """When the data of a RECV was ready: the start of its send, or None if the trace
-    does not hold that send."""
-    return sent.get(_SENDER_TEXT[event.kind](event))
-
-
-def receive_split(event: TraceEvent, ready: float | None) -> tuple[float, float]:
-    """``(bubble, exposed)`` seconds of one receive wait on its own: before its data was
-    ready, and after. A receive whose send is not in the trace (a trace of one rank
-    only) counts as ready at once: nothing shows a producer to wait for."""
-    cut = event.start if ready is None else min(max(ready, event.start), event.end)
-    return cut - event.start, event.end - cut
-
-
 def holds_on_sends(trace: Trace) -> bool:
     """Whether a rank's own sends can hold it (rendezvous semantics)."""
     p2p = trace.meta.get("p2p")
@@ -104,30 +78,127 @@ def holds_on_sends(trace: Trace) -> bool:
     return p2p != "buffered"
 
 
+def transfer_keys(columns: TraceColumns) -> tuple[np.ndarray, np.ndarray]:
+    """For every event, the number of the transfer it is an end of (both ends of a
+    transfer get the same number: that of its SEND), and whether it is one."""
+    kind = columns.kind
+    send_f, recv_f, send_b, recv_b = (kind == columns.kind_code(name)
+                                      for name in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"))
+    offset = np.select([recv_f, recv_b], [-1, 1], 0)
+    backward = send_b | recv_b
+    is_transfer = backward | send_f | recv_f
+    microbatches = int(columns.microbatch.max()) + 1 if len(columns) else 1
+    key = ((columns.stage + offset) * 2 + backward) * microbatches + columns.microbatch
+    return np.where(is_transfer, key, -1), is_transfer
+
+
+def peer_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(rank, start, end)`` of every stretch in which a rank waits for its peer: a
+    receive before its data was sent (the matching send's start), and under rendezvous a
+    send of the rank before its receive was posted (the matching receive's start). A
+    receive whose send is not in the trace (a trace of one rank) counts as ready at once."""
+    columns = trace.columns
+    key, is_transfer = transfer_keys(columns)
+    recv = columns.on_stream("recv") & is_transfer
+    send = columns.on_stream("send") & is_transfer
+    size = int(key.max()) + 1 if len(key) and key.max() >= 0 else 0
+    sent_at = np.full(size, np.nan)
+    sent_at[key[send]] = columns.start[send]
+    ranks, starts, ends = [], [], []
+    ready = sent_at[key[recv]]
+    late = ready > columns.start[recv]  # NaN (no send in the trace) compares false
+    ranks.append(columns.rank[recv][late])
+    starts.append(columns.start[recv][late])
+    ends.append(np.minimum(ready[late], columns.end[recv][late]))
+    if holds_on_sends(trace):
+        received_at = np.full(size, np.nan)
+        received_at[key[recv]] = columns.start[recv]
+        accepted = received_at[key[send]]
+        late = accepted > columns.start[send]
+        ranks.append(columns.rank[send][late])
+        starts.append(columns.start[send][late])
+        ends.append(np.minimum(accepted[late], columns.end[send][late]))
+    return np.concatenate(ranks), np.concatenate(starts), np.concatenate(ends)
+
+
+def time_accounting(trace: Trace) -> list[RankTime]:
+    """Per rank, the step's time split into the parts of ``RankTime`` (see the module)."""
+    seconds = part_seconds(trace)
+    return [RankTime(**{part: float(seconds[rank, _PART[part]]) for part in PARTS}) for rank in range(len(seconds))]
+
+
+def part_seconds(trace: Trace) -> np.ndarray:
+    """(ranks, parts) seconds: the sweep of every rank at once."""
+    columns = trace.columns
+    ranks = trace.num_ranks
+    seconds = np.zeros((ranks, len(PARTS)))
+    if not len(columns):
+        return seconds
+    first, last = float(columns.start.min()), float(columns.end.max())
+    category = np.full(len(columns), -1)
+    for stream, part in _SWEEP_STREAMS.items():
+        category[columns.on_stream(stream)] = part
+    peer_rank, peer_start, peer_end = peer_intervals(trace)
+    rank = np.concatenate([columns.rank, peer_rank])
+    start = np.concatenate([columns.start, peer_start])
+    end = np.concatenate([columns.end, peer_end])
+    category = np.concatenate([category, np.full(len(peer_rank), _PEER)])
+    keep = (category >= 0) & (end > start)
+    rank, start, end, category = rank[keep], start[keep], end[keep], category[keep]
+    # each rank's own span: from its first event to its last (what it waits for on a peer aside)
+    own = category != _PEER
+    own_first = np.full(ranks, np.inf)
+    own_last = np.full(ranks, -np.inf)
+    np.minimum.at(own_first, rank[own], start[own])
+    np.maximum.at(own_last, rank[own], end[own])
+    seconds[:, :] = _sweep(rank, start, end, category, own_first, own_last, ranks)
+    active = np.isfinite(own_first)
+    seconds[:, _PART["bubble"]] += np.where(active, (own_first - first) + (last - own_last), last - first)
+    # a difference of equal sums is not a wait: exposed dust below the rounding goes to the bubble
+    dust = seconds[:, _PART["exposed_comm"]] < _ROUNDING * (last - first)
+    seconds[dust, _PART["bubble"]] += seconds[dust, _PART["exposed_comm"]]
+    seconds[dust, _PART["exposed_comm"]] = 0.0
+    return seconds
+
+
+def _sweep(rank: np.ndarray, start: np.ndarray, end: np.ndarray, category: np.ndarray, own_first: np.ndarray,
+           own_last: np.ndarray, ranks: int) -> np.ndarray:
+    """Give each stretch between consecutive moments of a rank to the part that holds
+    the rank then, within the rank's own span."""
+    moments = np.concatenate([start, end])
+    change = np.concatenate([np.ones(len(start), dtype=np.int64), -np.ones(len(end), dtype=np.int64)])
+    owner_rank = np.concatenate([rank, rank])
+    kinds = np.concatenate([category, category])
+    order = np.lexsort((moments, owner_rank))
+    moments, change, owner_rank, kinds = moments[order], change[order], owner_rank[order], kinds[order]
+    # pieces open after each moment, per kind (a rank's pieces all close within its moments)
+    open_count = [np.cumsum(np.where(kinds == kind, change, 0)) for kind in range(6)]
+    owner = np.select(
+        [open_count[_BUSY] > 0, open_count[_TP] > 0, open_count[_OPTIMIZER] > 0,
+         (open_count[_WAITING] > 0) & (open_count[_PEER] > 0), open_count[_WAITING] > 0, open_count[_DP] > 0],
+        [_PART["busy"], _PART["tp"], _PART["optimizer"], _PART["bubble"], _PART["exposed_comm"], _PART["dp"]],
+        _PART["overhead"],
+    )[:-1]
+    same_rank = owner_rank[1:] == owner_rank[:-1]
+    segment_rank = owner_rank[:-1]
+    low, high = own_first[segment_rank], own_last[segment_rank]
+    length = np.clip(moments[1:], low, high) - np.clip(moments[:-1], low, high)
+    length = np.where(same_rank, length, 0.0)
+    return np.bincount(segment_rank * len(PARTS) + owner, weights=length,
+                       minlength=ranks * len(PARTS)).reshape(ranks, len(PARTS))
+
+
 def split_waits(trace: Trace) -> list[tuple[TraceEvent, list[tuple[float, float, str]]]]:
     """Every wait (``recv``, ``wait``) event with its pieces ``(start, end, part)``,
     ``part`` being ``bubble`` or ``exposed_comm`` by the rule of ``time_accounting``
     (for charts that draw the two apart)."""
-    sent = data_ready_times(trace)
-    posted = {event.action: event.start for event in trace.events if event.stream == "recv"} \
-        if holds_on_sends(trace) else None
-    result = []
-    for rank_events in trace.by_rank():
-        peer = []
-        for event in rank_events:
-            if event.stream == "recv":
-                bubble, _ = receive_split(event, data_ready(event, sent))
-                if bubble > 0:
-                    peer.append((event.start, event.start + bubble))
-            elif event.stream == "send" and posted is not None:
-                accepted = posted.get(_RECEIVER_TEXT[event.kind](event))
-                if accepted is not None and accepted > event.start:
-                    peer.append((event.start, min(accepted, event.end)))
-        peer = _union(sorted(peer))
-        for event in rank_events:
-            if event.stream in WAITING_STREAMS:
-                result.append((event, _cut(event.start, event.end, peer)))
-    return result
+    peer_rank, peer_start, peer_end = peer_intervals(trace)
+    by_rank: dict[int, list[tuple[float, float]]] = {}
+    for rank, start, end in zip(peer_rank.tolist(), peer_start.tolist(), peer_end.tolist(), strict=True):
+        by_rank.setdefault(rank, []).append((start, end))
+    merged = {rank: _union(sorted(intervals)) for rank, intervals in by_rank.items()}
+    return [(event, _cut(event.start, event.end, merged.get(event.rank, [])))
+            for event in trace.events if event.stream in WAITING_STREAMS]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -155,190 +226,3 @@ def _cut(start: float, end: float, bubbles: list[tuple[float, float]]) -> list[t
     if end > moment or not pieces:
         pieces.append((moment, end, "exposed_comm"))
     return pieces
-
-
-@without_collector
-def time_accounting(trace: Trace, groups: list[list[TraceEvent]] | None = None,
-                    bounds: tuple[float, float] | None = None) -> list[RankTime]:
-    """Per rank, the step's time split into the parts of ``RankTime`` (see the module).
-    ``groups`` (``trace.by_rank()``) and ``bounds`` (the step's first start and last
-    end) save computing them again."""
-    if not trace.events:
-        return [RankTime() for _ in range(trace.num_ranks)]
-    first, last = bounds or (min(event.start for event in trace.events), max(event.end for event in trace.events))
-    groups = groups or trace.by_rank()
-    sends_hold = holds_on_sends(trace)
-    # the usual case in C (the same operations; ranks where what holds them overlaps come back None)
-    native = _native.accounting(groups, trace.event_list(), sends_hold, first, last) if ACCELERATED \
-        else [None] * len(groups)
-    if all(seconds is not None for seconds in native):
-        return [RankTime(*_in_field_order(seconds)) for seconds in native]
-    sent = data_ready_times(trace)
-    posted = {event.action: event.start for event in trace.events if event.stream == "recv"} if sends_hold else None
-    return [RankTime(*_in_field_order(seconds)) if seconds is not None
-            else _rank_time_in_python(rank_events, sent, posted, first, last)
-            for rank_events, seconds in zip(groups, native, strict=True)]
-
-
-def _rank_time_in_python(rank_events: list[TraceEvent], sent: dict[str, float], posted: dict[str, float] | None,
-                         first: float, last: float) -> RankTime:
-    """One rank's ``RankTime`` (``schedules/_accounting.c`` computes the disjoint case the
-    same way, operation for operation)."""
-    seconds = [0.0] * len(PARTS)
-    spans: list[tuple[float, float]] = []  # what holds the rank: compute, tp, optimizer (waits added below)
-    waits: list[tuple[float, float]] = []
-    peer: list[tuple[float, float]] = []  # a wait's data not sent yet, or a send of the rank not yet matched
-    reducing: list[tuple[float, float]] = []
-    holding = HOLDING_STREAMS
-    for event in rank_events:
-        stream = event.stream
-        start, end = event.start, event.end
-        if stream == "recv":  # the hot path: inlined, a large step has ~100k of them
-            if end > start:
-                waits.append((start, end))
-                if event.kind == "RECV_F":
-                    ready = sent.get(f"{event.stage - 1}SEND_F{event.microbatch}")
-                else:
-                    ready = sent.get(f"{event.stage + 1}SEND_B{event.microbatch}")
-                if ready is not None and ready > start:
-                    peer.append((start, ready if ready < end else end))
-        elif stream in holding:
-            if end > start:
-                seconds[_PRIORITY[holding[stream]]] += end - start
-                spans.append((start, end))
-        elif stream == "wait":
-            if end > start:
-                waits.append((start, end))
-        elif stream == "send":
-            if posted is not None:
-                accepted = posted.get(_RECEIVER_TEXT[event.kind](event))
-                if accepted is not None and accepted > start:
-                    peer.append((start, accepted if accepted < end else end))
-        elif stream == "dp":
-            if end > start:
-                reducing.append((start, end))
-    if not spans and not waits and not reducing:
-        seconds[_BUBBLE] = last - first
-        return RankTime(*_in_field_order(seconds))
-    # receives of one group are waited on together: their waits are one blocked stretch
-    waits = _union(sorted(waits))
-    spans += waits
-    spans.sort()
-    reducing.sort()
-    if _disjoint(spans):
-        seconds[_BUBBLE] = _overlap(_union(sorted(peer)), waits)
-        seconds[_EXPOSED] = _measure(waits) - seconds[_BUBBLE]
-        if seconds[_EXPOSED] < _ROUNDING * (last - first):  # a difference of equal sums, not a wait
-            seconds[_BUBBLE] += seconds[_EXPOSED]
-            seconds[_EXPOSED] = 0.0
-        seconds[_DP] = _measure(reducing) - _overlap(reducing, spans)
-        own_first = min(spans[0][0] if spans else last, reducing[0][0] if reducing else last)
-        own_last = max(spans[-1][1] if spans else first, max((end for _, end in reducing), default=first))
-        total = 0.0
-        for part_seconds in seconds:  # left to right, as in C (Python 3.12's sum() compensates)
-            total += part_seconds
-        seconds[_OVERHEAD] = max(0.0, (own_last - own_first) - total)
-    else:
-        seconds = [0.0] * len(PARTS)
-        own_first, own_last = _sweep(_pieces(rank_events, peer), seconds)
-    seconds[_BUBBLE] += (own_first - first) + (last - own_last)
-    return RankTime(*_in_field_order(seconds))
-
-
-def _pieces(rank_events: list[TraceEvent], peer: list[tuple[float, float]]) -> list[tuple[float, float, int]]:
-    """``(start, end, part)`` of every event of a rank for the sweep, plus the stretches
-    where it waits for a peer."""
-    pieces = [(start, end, _PEER) for start, end in peer]
-    for event in rank_events:
-        stream = event.stream
-        if stream in HOLDING_STREAMS:
-            pieces.append((event.start, event.end, _PRIORITY[HOLDING_STREAMS[stream]]))
-        elif stream in WAITING_STREAMS:
-            pieces.append((event.start, event.end, _WAITING))
-        elif stream == "dp":
-            pieces.append((event.start, event.end, _DP))
-    return [piece for piece in pieces if piece[1] > piece[0]]
-
-
-# RECV kind -> the text of the send it is matched with (as ``Action.matching`` says)
-_SENDER_TEXT = {
-    "RECV_F": lambda event: f"{event.stage - 1}SEND_F{event.microbatch}",
-    "RECV_B": lambda event: f"{event.stage + 1}SEND_B{event.microbatch}",
-}
-# SEND kind -> the text of the receive it is matched with
-_RECEIVER_TEXT = {
-    "SEND_F": lambda event: f"{event.stage + 1}RECV_F{event.microbatch}",
-    "SEND_B": lambda event: f"{event.stage - 1}RECV_B{event.microbatch}",
-}
-
-
-def _in_field_order(seconds: list[float]) -> list[float]:
-    """``seconds`` (indexed like ``PARTS``) in ``RankTime``'s field order."""
-    return [seconds[_PRIORITY[name]] for name in RankTime.__dataclass_fields__]
-
-
-def _disjoint(spans: list[tuple[float, float]]) -> bool:
-    """Whether sorted spans never overlap (the usual case: one rank does one thing at a
-    time; receives batched together and waited on together are the exception)."""
-    return all(spans[index][0] >= spans[index - 1][1] for index in range(1, len(spans)))
-
-
-def _measure(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of sorted intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in intervals:
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def _overlap(first: list[tuple[float, float]], second: list[tuple[float, float]]) -> float:
-    """Length of (union of ``first``) meeting (union of ``second``); both sorted by start,
-    ``second`` without overlaps of its own."""
-    total, j, reach = 0.0, 0, float("-inf")
-    for start, end in first:
-        start = max(start, reach)  # what an earlier interval of ``first`` already covered
-        if end <= start:
-            continue
-        reach = end
-        while j < len(second) and second[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(second) and second[k][0] < end:
-            total += max(0.0, min(end, second[k][1]) - max(start, second[k][0]))
-            k += 1
-    return total
-
-
-def _sweep(pieces: list[tuple[float, float, int]], seconds: list[float]) -> tuple[float, float]:
-    """Give each stretch of time to the part that holds the rank then (the general
-    case: overlapping waits, or sends that hold the rank); return the first and last
-    moment a part other than a send's wait covers."""
-    boundaries = sorted([(start, 1, part) for start, end, part in pieces if end > start]
-                        + [(end, -1, part) for start, end, part in pieces if end > start])
-    covering = [piece for piece in pieces if piece[2] != _PEER and piece[1] > piece[0]]
-    own_first = min(start for start, _, _ in covering)
-    own_last = max(end for _, end, _ in covering)
-    open_count = [0] * (len(PARTS) + 2)
-    previous = boundaries[0][0]
-    for moment, change, part in boundaries:
-        if moment > previous:
-            lo, hi = max(previous, own_first), min(moment, own_last)
-            if hi > lo:
-                seconds[_owner(open_count)] += hi - lo
-            previous = moment
-        open_count[part] += change
-    return own_first, own_last
-
-
-def _owner(open_count: list[int]) -> int:
-    """The part a moment belongs to, given how many pieces of each kind are open."""
-    for part in (0, 1, 2):  # busy, tp, optimizer
-        if open_count[part]:
-            return part
-    if open_count[_WAITING]:
-        return _BUBBLE if open_count[_PEER] else _EXPOSED
-    if open_count[_DP]:
-        return _DP
-    return _OVERHEAD

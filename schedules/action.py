@@ -38,12 +38,31 @@ SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 COMM_KINDS = SEND_KINDS | RECV_KINDS
 ALL_KINDS = COMPUTE_KINDS | COMM_KINDS
+# Every kind in a fixed order: ``KIND_CODES[kind]`` is the small number that stands for
+# it where programs are read as arrays (``schedules.program_arrays``); compute kinds first.
+KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W,
+         ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
+KIND_CODES = {kind: code for code, kind in enumerate(KINDS)}
+
+# Which neighbouring stage a compute kind reads its input from and hands its output to
+# (forward: from the stage before, to the stage after; a backward the other way; W
+# consumes only its own stage's I). The one place these rules are written: lowering,
+# validation, the engine and the accounting all read them from here.
+INPUT_OFFSET = {ActionKind.F: -1, ActionKind.B: 1, ActionKind.I: 1}
+OUTPUT_OFFSET = {ActionKind.F: 1, ActionKind.B: -1, ActionKind.I: -1}
+# The transfer kinds that carry a compute kind's output (on its rank) and input (on the consumer's).
+SEND_OF = {ActionKind.F: ActionKind.SEND_F, ActionKind.B: ActionKind.SEND_B, ActionKind.I: ActionKind.SEND_B}
+RECV_OF = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B, ActionKind.I: ActionKind.RECV_B}
 
 _ACTION_TEXT = re.compile(r"^\s*(\d+)([A-Z_]+?)(\d+)\s*$")
 
 
 class ActionParseError(ValueError):
     """A piece of text is not an action of the form ``{stage}{KIND}{microbatch}``."""
+
+
+class UnknownKindError(ValueError):
+    """An action whose kind is none of ``KINDS``."""
 
 
 class Action(NamedTuple):

@@ -9,11 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from schedules import accounting as accounting_module
-from schedules.accounting import RankTime, _in_field_order, holds_on_sends, time_accounting
-from schedules.action import ActionKind
-from schedules.collector import without_collector
-from schedules.trace import Trace, TraceEvent
+import numpy as np
+
+from schedules.accounting import PARTS, RankTime, part_seconds, time_accounting
+from schedules.trace import Trace, TraceColumns
 
 
 @dataclass(frozen=True)
@@ -77,109 +76,81 @@ class StepMetrics:
 
 def makespan(trace: Trace) -> float:
     """Seconds from the first event's start to the last event's end."""
-    if not trace.events:
+    columns = trace.columns
+    if not len(columns):
         return 0.0
-    return max(event.end for event in trace.events) - min(event.start for event in trace.events)
+    return float(columns.end.max() - columns.start.min())
 
 
 def peak_inflight(trace: Trace, rank: int, chunks_per_rank: int = 1) -> float:
-    """Most forward stashes held at once on ``rank`` (see ``peak_inflight_of_events``)."""
-    return peak_inflight_of_events(trace.of_rank(rank), chunks_per_rank)
+    """Most forward stashes held at once on ``rank`` (see ``stash_changes``)."""
+    return float(peak_stashes(trace.columns, trace.num_ranks)[rank]) / chunks_per_rank
 
 
-def peak_inflight_of_events(rank_events: list[TraceEvent], chunks_per_rank: int = 1) -> float:
-    """Most stashes held at once by one rank's events (the rule of ``stash_changes``)."""
-    held = peak = 0
-    for _, change in stash_changes(rank_events):
-        held += change
-        if held > peak:
-            peak = held
-    return peak / chunks_per_rank
+def stash_changes(columns: TraceColumns, size: Callable[[np.ndarray], np.ndarray] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(rank, time, change)`` of every forward stash taken (+size) and released (-size),
+    sorted by rank then time: a stash of ``size(stage)`` (default 1) is taken when a
+    forward starts and released when the last backward piece of that stage and
+    microbatch (B, or W when the backward is split) ends. At equal times releases come
+    first, as memory freed by a backward is reused by the next forward. The in-flight
+    count and the memory model both read stashes this way."""
+    compute = columns.on_stream("compute")
+    kind, stage, microbatch = columns.kind[compute], columns.stage[compute], columns.microbatch[compute]
+    forward = kind == columns.kind_code("F")
+    weight = kind == columns.kind_code("W")
+    backward = (kind == columns.kind_code("B")) | (kind == columns.kind_code("I"))
+    key = stage * (int(microbatch.max()) + 1 if len(microbatch) else 1) + microbatch
+    split = np.isin(key, key[weight])
+    release = weight | (backward & ~split)
+    taken = forward | release
+    amount = np.ones(int(taken.sum())) if size is None else np.asarray(size(stage[taken]), dtype=float)
+    change = np.where(forward[taken], amount, -amount)
+    time = np.where(forward, columns.start[compute], columns.end[compute])[taken]
+    rank = columns.rank[compute][taken]
+    order = np.lexsort((change, time, rank))
+    return rank[order], time[order], change[order]
 
 
-def stash_changes(
-    rank_events: list[TraceEvent], size: Callable[[int], float] = lambda stage: 1
-) -> list[tuple[float, float]]:
-    """``(time, +size / -size)`` of one rank's forward stashes, sorted: a stash of
-    ``size(stage)`` is taken when a forward starts and released when the last backward
-    piece of that stage and microbatch (B, or W when the backward is split) ends. At
-    equal times releases sort first, as memory freed by a backward is reused by the next
-    forward. The in-flight count and the memory model both read stashes this way."""
-    events = [e for e in rank_events if e.stream == "compute"]
-    has_weight_pass = {(e.stage, e.microbatch) for e in events if e.kind == ActionKind.W}
-    changes = []
-    for event in events:
-        if event.kind == ActionKind.F:
-            changes.append((event.start, size(event.stage)))
-        elif event.kind == ActionKind.W or (
-            event.kind in (ActionKind.B, ActionKind.I) and (event.stage, event.microbatch) not in has_weight_pass
-        ):
-            changes.append((event.end, -size(event.stage)))
-    changes.sort()
-    return changes
+def peak_stashes(columns: TraceColumns, ranks: int, size: Callable[[np.ndarray], np.ndarray] | None = None
+                 ) -> np.ndarray:
+    """Per rank, the most stash held at once (``stash_changes``)."""
+    rank, _, change = stash_changes(columns, size)
+    peaks = np.zeros(ranks)
+    if len(change):
+        held = running_totals(rank, change)
+        np.maximum.at(peaks, rank, held)
+    return peaks
 
 
-@without_collector
+def running_totals(rank: np.ndarray, change: np.ndarray) -> np.ndarray:
+    """The running total of ``change`` within each rank (rows sorted by rank)."""
+    running = np.cumsum(change)
+    first = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])
+    before = np.r_[0.0, running][first]  # the total before each rank's first row
+    return running - np.repeat(before, np.diff(np.r_[first, len(rank)]))
+
+
 def step_metrics(trace: Trace, chunks_per_rank: int | None = None) -> StepMetrics:
     """All metrics of a step. ``chunks_per_rank`` defaults to ``meta["virtual_stages"]``."""
     chunks = chunks_per_rank or int(trace.meta.get("virtual_stages", 1))
-    native = _native_summary(trace)
-    if native is not None:  # one pass in C: the same numbers (tests/test_accounting_native.py)
-        first, span, rows = native
-        if any(seconds is None for seconds, _, _ in rows):  # a rank for the general sweep
-            python = time_accounting(trace, trace.by_rank(), (first, first + span))
-            accounting = [RankTime(*_in_field_order(seconds)) if seconds is not None else python[rank]
-                          for rank, (seconds, _, _) in enumerate(rows)]
-        else:
-            accounting = [RankTime(*_in_field_order(seconds)) for seconds, _, _ in rows]
-        comm = [row[1] for row in rows]
-        peaks = [row[2] / chunks for row in rows]
-    else:
-        groups = trace.by_rank()
-        first = min((event.start for event in trace.events), default=0.0)
-        span = max((event.end for event in trace.events), default=0.0) - first
-        accounting = time_accounting(trace, groups, (first, first + span))
-        comm = [_plain_sum(event.end - event.start for event in rank_events if event.stream == "send")
-                for rank_events in groups]
-        peaks = [peak_inflight_of_events(rank_events, chunks) for rank_events in groups]
-    ranks = len(accounting)
-    total_busy = sum(part.busy for part in accounting)
-    idle = 1.0 - total_busy / (ranks * span) if span > 0 else 0.0
-    bubble = sum(part.bubble for part in accounting) / (ranks * span) if span > 0 else 0.0
+    columns = trace.columns
+    ranks = trace.num_ranks
+    span = makespan(trace)
+    parts = part_seconds(trace)
+    duration = columns.end - columns.start
+    comm = np.bincount(columns.rank, weights=np.where(columns.on_stream("send"), duration, 0.0), minlength=ranks)
+    peaks = peak_stashes(columns, ranks) / chunks
+    busy = parts[:, PARTS.index("busy")]
+    idle = 1.0 - busy.sum() / (ranks * span) if span > 0 else 0.0
+    bubble = parts[:, PARTS.index("bubble")].sum() / (ranks * span) if span > 0 else 0.0
     per_rank = tuple(
-        RankMetrics(
-            rank=rank,
-            busy=part.busy,
-            idle=span - part.busy,
-            comm=comm[rank],
-            bubble=part.bubble,
-            exposed_comm=part.exposed_comm,
-            tp=part.tp,
-            dp=part.dp,
-            optimizer=part.optimizer,
-            overhead=part.overhead,
-            peak_inflight_microbatches=peaks[rank],
-        )
-        for rank, part in enumerate(accounting)
+        RankMetrics(rank=rank, busy=float(busy[rank]), idle=span - float(busy[rank]), comm=float(comm[rank]),
+                    **{part: float(parts[rank, PARTS.index(part)]) for part in PARTS if part != "busy"},
+                    peak_inflight_microbatches=float(peaks[rank]))
+        for rank in range(ranks)
     )
     return StepMetrics(makespan=span, bubble_fraction=bubble, ranks=per_rank, idle_fraction=idle)
-
-
-def _native_summary(trace: Trace) -> tuple[float, float, list] | None:
-    """``schedules._accounting.summary`` of the trace, or None where it is not built,
-    switched off, or hands the trace back (no events, a rank number out of range)."""
-    if not accounting_module.ACCELERATED or not trace.events:
-        return None
-    kinds = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
-    return accounting_module._native.summary(trace.event_list(), trace.num_ranks, holds_on_sends(trace), kinds)
-
-
-def _plain_sum(values) -> float:
-    """Left to right from 0.0, as the C summary adds (Python 3.12's sum() compensates)."""
-    total = 0.0
-    for value in values:
-        total += value
-    return total
 
 
 COMM_KINDS_BY_STREAM = {"send": "p2p", "tp": "tp", "dp": "dp"}
@@ -195,15 +166,12 @@ def comm_by_kind(trace: Trace, accounting: list[RankTime] | None = None) -> list
     nothing holding the rank (compute, tp, a receive wait) runs beside it.
     ``accounting`` (from ``time_accounting``) saves computing it again."""
     accounting = accounting if accounting is not None else time_accounting(trace)
-    result = []
-    for rank_events, parts in zip(trace.by_rank(), accounting, strict=True):
-        totals = {kind: {"total": 0.0, "exposed": 0.0} for kind in ("p2p", "dp", "tp")}
-        for event in rank_events:
-            kind = COMM_KINDS_BY_STREAM.get(event.stream)
-            if kind is not None:
-                totals[kind]["total"] += event.duration
-        totals["p2p"]["exposed"] = parts.exposed_comm
-        totals["tp"]["exposed"] = totals["tp"]["total"]
-        totals["dp"]["exposed"] = parts.dp
-        result.append(totals)
-    return result
+    columns = trace.columns
+    duration = columns.end - columns.start
+    totals = {kind: np.bincount(columns.rank, weights=np.where(columns.on_stream(stream), duration, 0.0),
+                                minlength=len(accounting))
+              for stream, kind in COMM_KINDS_BY_STREAM.items()}
+    return [{"p2p": {"total": float(totals["p2p"][rank]), "exposed": parts.exposed_comm},
+             "dp": {"total": float(totals["dp"][rank]), "exposed": parts.dp},
+             "tp": {"total": float(totals["tp"][rank]), "exposed": float(totals["tp"][rank])}}
+            for rank, parts in enumerate(accounting)]

@@ -14,24 +14,41 @@ user sees is the most basic one:
 4. a deadlock: an order in which some ranks wait for each other forever, under the P2P
    semantics of the backend (``schedules.p2p``).
 
-Everything is O(number of actions): hundreds of thousands of actions validate in well
-under a second. The deadlock check walks the programs like the runtime would (a rank
-runs until it reaches an action whose input is not there yet, and is woken when it is),
-so it needs no graph; when ranks are left stuck it follows who waits for whom to name
-the cycle.
+The first three are checks over the programs as arrays (``schedules.program_arrays``):
+hundreds of thousands of actions validate in a few tens of milliseconds, and only a
+schedule that fails is walked action by action, to name what is wrong. The fourth asks
+the timing engine (``schedules.engine``) to run the programs: a rank it leaves stuck can
+never finish, whatever the costs, and following who waits for whom from the engine's
+stuck state names the cycle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schedules.action import ALL_KINDS, COMM_KINDS, COMPUTE_KINDS, Action, ActionKind
+import numpy as np
+
+from schedules import engine
+from schedules.action import ALL_KINDS, COMM_KINDS, KIND_CODES, KINDS, Action, ActionKind, format_group
 from schedules.collector import without_collector
-from schedules.p2p import RENDEZVOUS, P2PError, check_pair_order, check_progress, require_semantics
+from schedules.p2p import RENDEZVOUS, P2PError, check_pair_order, require_semantics
+from schedules.program_arrays import (
+    B_CODE,
+    F_CODE,
+    I_CODE,
+    RECV_B_CODE,
+    RECV_F_CODE,
+    SEND_B_CODE,
+    SEND_F_CODE,
+    W_CODE,
+    ProgramArrays,
+    program_arrays,
+)
 from schedules.schedule import Schedule
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
+_MISSING = -1
 
 
 class ScheduleValidationError(ValueError):
@@ -68,78 +85,86 @@ def is_valid(schedule: Schedule, p2p: str = RENDEZVOUS) -> bool:
 
 
 @without_collector
-def validate(schedule: Schedule, p2p: str = RENDEZVOUS) -> Schedule:
+def validate(schedule: Schedule, p2p: str = RENDEZVOUS, finishes: bool = True) -> Schedule:
     """Raise ``ScheduleValidationError`` naming the first problem found; return the
     schedule if it can run. Accepts compute-only and lowered schedules.
 
     ``p2p`` is the point-to-point semantics of the backend the schedule will run on
     (``schedules.p2p``): a lowered schedule is checked for matching posting order and
     for deadlocks under it. The default, rendezvous (NCCL), is the strict one: what
-    passes it runs on gloo too."""
+    passes it runs on gloo too. ``finishes=False`` leaves out the deadlock check, for a
+    caller about to run the engine itself (a rank it leaves stuck is then explained by
+    ``explain_stuck``)."""
     require_semantics(p2p)
-    position, lowered, split = _check_actions(schedule)
-    _check_complete(schedule, position, split)
+    arrays = _check_actions(schedule)
+    _check_complete(schedule, arrays)
+    lowered = not arrays.is_compute.all()
     if lowered:
-        _check_transfers(schedule, position)
-        try:
-            if p2p == RENDEZVOUS:
+        _check_transfers(schedule, arrays)
+        if p2p == RENDEZVOUS:
+            try:
                 check_pair_order(schedule)
-            check_progress(schedule, p2p)
-        except P2PError as error:
-            raise ScheduleValidationError(
-                str(error), action=error.action, rank=error.rank, position=error.position, cycle=error.cycle
-            ) from None
-    else:
-        _check_deadlock(schedule, position)
+            except P2PError as error:
+                raise _as_validation_error(error) from None
+    if finishes:
+        check_finishes(schedule, p2p)
     return schedule
+
+
+def check_finishes(schedule: Schedule, p2p: str = RENDEZVOUS) -> None:
+    """Run the programs on the engine (unit durations, free transfers: whether a step
+    can finish does not depend on what its actions cost) and explain any rank left stuck."""
+    lowered = not program_arrays(schedule).is_compute.all()
+    semantics = p2p if lowered else engine.FREE
+    timing = engine.StepTiming.uniform(schedule.num_stages, 1.0, 2.0, 1.0)
+    step = engine.run(schedule, timing, semantics)
+    if step.stuck:
+        explain_stuck(step)
+
+
+def _as_validation_error(error: P2PError) -> ScheduleValidationError:
+    return ScheduleValidationError(str(error), action=error.action, rank=error.rank, position=error.position,
+                                   cycle=error.cycle)
 
 
 # --- 1. malformed actions -------------------------------------------------------------
 
 
-def _cross(placement: Sequence[int], stage: int, other: int) -> bool:
-    """Whether ``other`` is a real stage held by a different rank than ``stage``."""
-    return 0 <= other < len(placement) and placement[other] != placement[stage]
+def _check_actions(schedule: Schedule) -> ProgramArrays:
+    """Check every action on its own and return the programs as arrays. The checks run
+    over whole arrays; the rank with the first failure is walked for the message."""
+    try:
+        arrays = program_arrays(schedule)
+    except (ValueError, TypeError):  # a kind that does not exist, or a stage that is no number
+        for rank, program in enumerate(schedule.programs):
+            _explain_bad_action(schedule, rank, program, all_checks=True)
+        raise
+    num_stages, microbatches = schedule.num_stages, schedule.microbatches
+    placement = np.asarray(schedule.placement, dtype=np.int64)
+    stage, kind, microbatch, rank = arrays.stage, arrays.kind, arrays.microbatch, arrays.rank
+    in_range = (stage >= 0) & (stage < num_stages) & (microbatch >= 0) & (microbatch < microbatches)
+    placed = in_range & (placement[np.clip(stage, 0, num_stages - 1)] == rank)
+    upward = (kind == SEND_F_CODE) | (kind == RECV_B_CODE)
+    downward = (kind == RECV_F_CODE) | (kind == SEND_B_CODE)
+    peer = stage + np.select([upward, downward], [1, -1], 0)
+    peer_exists = (peer >= 0) & (peer < num_stages)
+    peer_elsewhere = peer_exists & (placement[np.clip(peer, 0, num_stages - 1)] != rank)
+    good = placed & (arrays.is_compute | peer_elsewhere)
+    bad_rank = int(rank[np.argmin(good)]) if not good.all() else schedule.pp
+    key = (np.where(in_range, stage, 0) * 8 + kind) * microbatches + np.where(in_range, microbatch, 0)
+    order = np.argsort(key, kind="stable")
+    repeated = np.flatnonzero(key[order][1:] == key[order][:-1])
+    duplicate_rank = int(rank[order][repeated + 1].min()) if len(repeated) else schedule.pp
+    if bad_rank <= duplicate_rank and bad_rank < schedule.pp:
+        _explain_bad_action(schedule, bad_rank, schedule.programs[bad_rank])
+    if duplicate_rank < schedule.pp:
+        _explain_duplicate(duplicate_rank, schedule.programs[duplicate_rank])
+    return arrays
 
 
-def _allowed(schedule: Schedule, rank: int) -> set[tuple[int, str]]:
-    """The (stage, kind) pairs that may appear in ``rank``'s program."""
-    placement = schedule.placement
-    allowed = set()
-    for stage in schedule.stages_of(rank):
-        allowed.update((stage, kind) for kind in COMPUTE_KINDS)
-        if _cross(placement, stage, stage + 1):
-            allowed.update({(stage, _SEND_F), (stage, _RECV_B)})
-        if _cross(placement, stage, stage - 1):
-            allowed.update({(stage, _RECV_F), (stage, _SEND_B)})
-    return allowed
-
-
-def _check_actions(schedule: Schedule) -> tuple[dict[Action, int], bool, bool]:
-    """Check every action on its own; return each action's program position, whether
-    the schedule is lowered and whether it splits backwards into I and W. Uses
-    whole-program set checks and only scans action by action (for the message) when
-    one fails."""
-    microbatches = set(range(schedule.microbatches))
-    position: dict[Action, int] = {}
-    lowered = split = False
-    for rank, program in enumerate(schedule.programs):
-        allowed = _allowed(schedule, rank)
-        pairs = {(action[0], action[1]) for action in program}
-        if not pairs <= allowed or not {action[2] for action in program} <= microbatches:
-            _explain_bad_action(schedule, rank, program)
-        kinds = {kind for _, kind in pairs}
-        lowered = lowered or not kinds.isdisjoint(COMM_KINDS)
-        split = split or _I in kinds or _W in kinds
-        before = len(position)
-        position.update(zip(program, range(len(program)), strict=True))
-        if len(position) - before != len(program):
-            _explain_duplicate(rank, program)
-    return position, lowered, split
-
-
-def _explain_bad_action(schedule: Schedule, rank: int, program: Sequence[Action]) -> None:
-    """Raise for the first action of ``program`` that is malformed on its own."""
+def _explain_bad_action(schedule: Schedule, rank: int, program: Sequence[Action], all_checks: bool = False) -> None:
+    """Raise for the first action of ``program`` that is malformed on its own (with
+    ``all_checks``, return if none is: the caller looks at the next rank)."""
     stages = schedule.num_stages
     placement = schedule.placement
     for position, action in enumerate(program):
@@ -178,7 +203,8 @@ def _explain_bad_action(schedule: Schedule, rank: int, program: Sequence[Action]
                     f"{verb} stage {peer}, which is on the same rank {rank}; a dependency within a rank "
                     f"needs no transfer, remove it"
                 )
-    raise AssertionError("whole-program check failed but no single action is malformed")  # pragma: no cover
+    if not all_checks:
+        raise AssertionError("whole-program check failed but no single action is malformed")  # pragma: no cover
 
 
 def _explain_duplicate(rank: int, program: Sequence[Action]) -> None:
@@ -200,19 +226,39 @@ def _explain_duplicate(rank: int, program: Sequence[Action]) -> None:
 # --- 2. a complete step, backwards after forwards -----------------------------------
 
 
-def _check_complete(schedule: Schedule, position: dict[Action, int], split: bool) -> None:
-    """Every (stage, microbatch) has F and B, or F, I and W, each in a valid order.
+def _positions(schedule: Schedule, arrays: ProgramArrays) -> np.ndarray:
+    """(kind code, stage * microbatches + microbatch) -> program position, -1 where the
+    schedule has no such action (actions are known valid and unique by now)."""
+    microbatches = schedule.microbatches
+    table = np.full((8, schedule.num_stages * microbatches), _MISSING, dtype=np.int64)
+    table[arrays.kind, arrays.stage * microbatches + arrays.microbatch] = arrays.position
+    return table
 
-    ``split``: whether the schedule has any I or W; without them the common case
-    (F then B) is two lookups per pair."""
-    get = position.get
-    for stage, rank in enumerate(schedule.placement):
-        for microbatch in range(schedule.microbatches):
-            at_forward = get((stage, _F, microbatch))
-            at_b = get((stage, _B, microbatch))
-            if not split and at_forward is not None and at_b is not None and at_forward < at_b:
-                continue
-            _check_pair(get, stage, rank, microbatch)
+
+def _getter(schedule: Schedule, table: np.ndarray):
+    """``get((stage, kind, microbatch))`` -> position or None, over ``_positions``."""
+    def get(action) -> int | None:
+        stage, kind, microbatch = action
+        position = int(table[KIND_CODES[kind], stage * schedule.microbatches + microbatch])
+        return None if position == _MISSING else position
+
+    return get
+
+
+def _check_complete(schedule: Schedule, arrays: ProgramArrays) -> None:
+    """Every (stage, microbatch) has F and B, or F, I and W, each in a valid order; the
+    first (stage, microbatch) that has not is walked for the message."""
+    table = _positions(schedule, arrays)
+    forward, full, split, weight = table[F_CODE], table[B_CODE], table[I_CODE], table[W_CODE]
+    whole = (full >= 0) & (split < 0) & (weight < 0) & (forward < full)
+    halves = (full < 0) & (split >= 0) & (weight >= 0) & (forward < split) & (split < weight)
+    good = (forward >= 0) & (whole | halves)
+    if good.all():
+        return
+    first = int(np.argmin(good))
+    stage, microbatch = divmod(first, schedule.microbatches)
+    _check_pair(_getter(schedule, table), stage, schedule.placement[stage], microbatch)
+    raise AssertionError("completeness check failed but the pair is complete")  # pragma: no cover
 
 
 def _check_pair(get, stage: int, rank: int, microbatch: int) -> None:
@@ -283,37 +329,34 @@ def _require_after(rank: int, action: Action, at: int, earlier: Action, at_earli
 # --- 3. transfers in lowered schedules -----------------------------------------------
 
 
-def _check_transfers(schedule: Schedule, position: dict[Action, int]) -> None:
-    """Each cross-rank dependency has SEND after its producer and RECV before its consumer.
-
-    The loop looks up plain tuples (equal to Actions, and much cheaper to build) and only
-    hands a boundary to ``_check_transfer`` for the message when something is off."""
+def _check_transfers(schedule: Schedule, arrays: ProgramArrays) -> None:
+    """Each cross-rank dependency has SEND after its producer and RECV before its
+    consumer; the first boundary and microbatch that has not is walked for the message."""
     placement = schedule.placement
-    get = position.get
+    microbatches = schedule.microbatches
+    table = _positions(schedule, arrays)
+    get = _getter(schedule, table)
     for stage in range(schedule.num_stages - 1):
         if placement[stage] == placement[stage + 1]:
             continue
         above = stage + 1
-        for microbatch in range(schedule.microbatches):
-            at_send = get((stage, _SEND_F, microbatch))
-            at_recv = get((above, _RECV_F, microbatch))
-            if (at_send is None or at_recv is None or at_send < get((stage, _F, microbatch))
-                    or at_recv > get((above, _F, microbatch))):
-                _check_transfer(
-                    placement, get, Action(stage, _F, microbatch), Action(above, _F, microbatch), _SEND_F, _RECV_F
-                )
-            at_send = get((above, _SEND_B, microbatch))
-            at_recv = get((stage, _RECV_B, microbatch))
-            at_producer = get((above, _B, microbatch))
-            if at_producer is None:
-                at_producer = get((above, _I, microbatch))
-            at_consumer = get((stage, _B, microbatch))
-            if at_consumer is None:
-                at_consumer = get((stage, _I, microbatch))
-            if at_send is None or at_recv is None or at_send < at_producer or at_recv > at_consumer:
-                later = _backward_of(get, above, microbatch)
-                earlier = _backward_of(get, stage, microbatch)
-                _check_transfer(placement, get, later, earlier, _SEND_B, _RECV_B)
+        here, there = slice(stage * microbatches, above * microbatches), slice(above * microbatches,
+                                                                                (above + 1) * microbatches)
+        send, recv = table[SEND_F_CODE, here], table[RECV_F_CODE, there]
+        forward_good = (send >= 0) & (recv >= 0) & (send > table[F_CODE, here]) & (recv < table[F_CODE, there])
+        producer = np.maximum(table[B_CODE, there], table[I_CODE, there])
+        consumer = np.maximum(table[B_CODE, here], table[I_CODE, here])
+        send, recv = table[SEND_B_CODE, there], table[RECV_B_CODE, here]
+        backward_good = (send >= 0) & (recv >= 0) & (send > producer) & (recv < consumer)
+        if forward_good.all() and backward_good.all():
+            continue
+        for microbatch in range(microbatches):
+            if not forward_good[microbatch]:
+                _check_transfer(placement, get, Action(stage, _F, microbatch), Action(above, _F, microbatch),
+                                _SEND_F, _RECV_F)
+            if not backward_good[microbatch]:
+                _check_transfer(placement, get, _backward_of(get, above, microbatch),
+                                _backward_of(get, stage, microbatch), _SEND_B, _RECV_B)
 
 
 def _backward_of(get, stage: int, microbatch: int) -> Action:
@@ -359,49 +402,127 @@ def _check_transfer(placement, get, producer: Action, consumer: Action, send_kin
 # --- 4. deadlock ----------------------------------------------------------------------
 
 
-def _check_deadlock(schedule: Schedule, position: dict[Action, int]) -> None:
-    """Run every rank of a compute-only schedule as far as its inputs allow; ranks left
-    unfinished are deadlocked. A cross-rank dependency blocks directly on the producer
-    (lowered schedules are walked by ``schedules.p2p.check_progress`` instead, under the
-    P2P semantics they will run with). Same-stage order (F before B, I before W) was
-    checked already, so only waits on the neighbouring stage's F or B/I remain."""
-    programs = schedule.programs
-    placement = schedule.placement
-    last_stage = schedule.num_stages - 1
-    counters = [0] * schedule.pp  # counters[r]: how many of rank r's actions have run
+def explain_stuck(step: engine.StepRun) -> None:
+    """Raise ``ScheduleValidationError`` naming the cycle of waits that leaves the
+    engine's stuck ranks where they are."""
+    program = step.program
+    schedule = program.arrays.schedule
+    try:
+        if program.semantics == engine.FREE:
+            _explain_compute_only(step)
+        elif program.semantics == RENDEZVOUS:
+            _explain_rendezvous(step)
+        else:
+            _explain_buffered(step)
+    except P2PError as error:
+        raise _as_validation_error(error) from None
+    stuck = step.stuck  # every explainer raises; this is for a state none of them recognises
+    raise ScheduleValidationError(f"deadlock: ranks {stuck} of {schedule.name} wait forever",
+                                  rank=stuck[0] if stuck else None)
+
+
+def _input_of(schedule: Schedule, action: Action, known) -> Action:
+    """The action whose output ``action`` consumes (the forward of the stage before, or
+    the backward piece, B or I, of the stage after)."""
+    stage, kind, microbatch = action
+    if kind == _F:
+        return Action(stage - 1, _F, microbatch)
+    full = Action(stage + 1, _B, microbatch)
+    return full if full in known else Action(stage + 1, _I, microbatch)
+
+
+def _stuck_compute(step: engine.StepRun, rank: int) -> tuple[int, Action] | None:
+    """The compute row and action ``rank`` is stuck at, None if it waits at its end."""
+    program = step.program
+    item = int(program.rank_item_start[rank] + step.stuck_item[rank])
+    if item >= program.rank_item_start[rank + 1] or program.item_is_group[item]:
+        return None
+    row = int(program.compute_row[program.item_ref[item]])
+    arrays = program.arrays
+    return row, Action(int(arrays.stage[row]), KINDS[arrays.kind[row]], int(arrays.microbatch[row]))
+
+
+def _explain_compute_only(step: engine.StepRun) -> None:
+    """A compute-only schedule: each stuck rank waits for the producer of its input."""
+    schedule = step.program.arrays.schedule
+    arrays = step.program.arrays
+    known = {action for program in schedule.programs for action in program}
+    counters = [len(program) for program in schedule.programs]
     blocked_on: dict[int, Action] = {}
-    waiters: dict[tuple, list[int]] = {}
-    runnable = list(range(schedule.pp))
-    while runnable:
-        rank = runnable.pop()
-        program = programs[rank]
-        index = counters[rank]
-        end = len(program)
-        while index < end:
-            stage, kind, microbatch = action = program[index]
-            needed = None
-            if kind == _F:
-                if stage > 0:
-                    needed = (stage - 1, _F, microbatch)
-            elif kind == _B or kind == _I:
-                if stage < last_stage:
-                    needed = (stage + 1, _B, microbatch)
-                    if needed not in position:
-                        needed = (stage + 1, _I, microbatch)
-            if needed is not None:
-                owner = placement[needed[0]]
-                at = position[needed]
-                if (at > index) if owner == rank else (counters[owner] <= at):
-                    blocked_on[rank] = Action(*needed)
-                    waiters.setdefault(needed, []).append(rank)
+    for rank in step.stuck:
+        row, action = _stuck_compute(step, rank)
+        counters[rank] = int(arrays.position[row])
+        blocked_on[rank] = _input_of(schedule, action, known)
+    _explain_deadlock(schedule, counters, blocked_on, step.stuck[0])
+
+
+def _explain_buffered(step: engine.StepRun) -> None:
+    """Buffered: each stuck rank waits, at the compute action that needs it, for a send
+    its peer never posts (or for an input its own program produces later)."""
+    schedule = step.program.arrays.schedule
+    items = [schedule.program_items(rank) for rank in range(schedule.pp)]
+    known = {action for program in schedule.programs for action in program}
+    item_of: dict[tuple, tuple[int, int]] = {}
+    for rank, rank_items in enumerate(items):
+        for index, item in enumerate(rank_items):
+            for action in (item if type(item) is tuple else (item,)):
+                item_of[action] = (rank, index)
+    counters = [len(rank_items) for rank_items in items]
+    blocked_on: dict[int, Action] = {}
+    for rank in step.stuck:
+        counters[rank] = int(step.stuck_item[rank])
+        _, action = _stuck_compute(step, rank)
+        producer = _input_of(schedule, action, known)
+        if schedule.placement[producer.stage] == rank:
+            blocked_on[rank] = producer
+            continue
+        # the rank waits on the receive that brings the input: named at its group
+        receive = Action(action.stage, _RECV_F if action.kind == _F else _RECV_B, action.microbatch)
+        counters[rank] = item_of[receive][1]
+        blocked_on[rank] = receive.matching()
+    _explain(schedule, items, [_item_starts(rank_items) for rank_items in items], counters, blocked_on, item_of,
+             step.stuck[0])
+
+
+def _explain_rendezvous(step: engine.StepRun) -> None:
+    """Rendezvous: the engine's stuck state as the stream walk's (groups done per rank,
+    where each host stands, what each stream's head group waits for)."""
+    program = step.program
+    schedule = program.arrays.schedule
+    items = [schedule.program_items(rank) for rank in range(schedule.pp)]
+    known = {action for rank_program in schedule.programs for action in rank_program}
+    group_items = [[index for index, item in enumerate(rank_items) if type(item) is tuple] for rank_items in items]
+    first_group = np.searchsorted(program.group_rank, np.arange(schedule.pp))
+    group_of: dict[tuple, tuple[int, int]] = {}
+    for rank in range(schedule.pp):
+        for number, index in enumerate(group_items[rank]):
+            for action in items[rank][index]:
+                group_of[action] = (rank, number)
+
+    def started(rank: int, number: int) -> bool:
+        return not np.isnan(step.group_start[first_group[rank] + number])
+
+    done = [int((~np.isnan(step.group_done[first_group[rank]:first_group[rank] + len(group_items[rank])])).sum())
+            for rank in range(schedule.pp)]
+    host = [len(rank_items) for rank_items in items]
+    stream_wait: dict[int, tuple] = {}
+    host_wait: dict[int, tuple] = {}
+    for rank in step.stuck:
+        host[rank] = int(step.stuck_item[rank])
+        stuck = _stuck_compute(step, rank)
+        if stuck is not None and program.compute_blocked[program.item_ref[program.rank_item_start[rank] + host[rank]]]:
+            host_wait[rank] = tuple(_input_of(schedule, stuck[1], known))
+            continue
+        if done[rank] < len(group_items[rank]):
+            head = items[rank][group_items[rank][done[rank]]]
+            for action in head:
+                matching = action.matching()
+                if not started(*group_of[matching]):
+                    stream_wait[rank] = tuple(matching)
                     break
-            index += 1
-            if waiters and action in waiters:
-                runnable.extend(waiters.pop(action))
-        counters[rank] = index
-    stuck = [rank for rank in range(schedule.pp) if counters[rank] < len(programs[rank])]
-    if stuck:
-        _explain_deadlock(schedule, counters, blocked_on, stuck[0])
+    if not all(rank in stream_wait or rank in host_wait for rank in step.stuck):
+        return  # not a state the stream walk knows: explain_stuck names the ranks
+    _explain_streams(schedule, items, group_items, done, host, stream_wait, host_wait, group_of, step.stuck[0])
 
 
 def _explain_deadlock(schedule: Schedule, counters: list[int], blocked_on: dict[int, Action], start: int) -> None:
@@ -437,4 +558,106 @@ def _explain_deadlock(schedule: Schedule, counters: list[int], blocked_on: dict[
         "deadlock: " + "; ".join(clauses) + ". None of these ranks can move; reorder a program so that an "
         "awaited action comes before that rank's own wait",
         action=cycle[0], rank=first, position=counters[first], cycle=cycle,
+    )
+
+
+def _explain_streams(schedule, items, group_items, done, host, stream_wait, host_wait, group_of, start) -> None:
+    """Follow "rank r's stream waits for rank r' to start a group" from ``start`` until a
+    rank repeats, and raise naming each wait on that cycle."""
+    placement = schedule.placement
+    starts = [_item_starts(rank_items) for rank_items in items]
+
+    def waits_for(rank: int) -> int:
+        if rank in stream_wait:
+            return group_of[stream_wait[rank]][0]
+        return placement[host_wait[rank][0]]
+
+    order: list[int] = []
+    rank = start
+    while rank not in order:
+        order.append(rank)
+        rank = waits_for(rank)
+    cycle_ranks = order[order.index(rank):]
+    clauses, cycle = [], []
+    for rank in cycle_ranks:
+        if rank not in stream_wait:
+            needed = Action(*host_wait[rank])
+            head = items[rank][host[rank]]
+            cycle.extend((head, needed))
+            clauses.append(f"rank {rank} waits at {head} (position {starts[rank][host[rank]]}) for {needed}, which "
+                           f"comes later in its own program")
+            continue
+        needed = Action(*stream_wait[rank])
+        group_index = group_items[rank][done[rank]]
+        head = items[rank][group_index]
+        owner, number = group_of[needed]
+        owner_group = group_items[owner][number]
+        cycle.extend((*head, needed))
+        clause = (f"rank {rank}'s group {format_group(head)} (position {starts[rank][group_index]}) waits for rank "
+                  f"{owner} to post {needed} (in {format_group(items[owner][owner_group])}, position "
+                  f"{starts[owner][owner_group]}), ")
+        if done[owner] < number and host[owner] >= group_items[owner][done[owner]]:
+            earlier = group_items[owner][done[owner]]
+            clause += (f"which cannot start before rank {owner}'s earlier group {format_group(items[owner][earlier])} "
+                       f"(position {starts[owner][earlier]}) completes")
+        else:
+            at = min(host[owner], len(items[owner]) - 1)
+            clause += (f"which rank {owner} only reaches after {_describe(items[owner][at])} "
+                       f"(position {starts[owner][at]})")
+        clauses.append(clause)
+    first = cycle_ranks[0]
+    raise P2PError(
+        "deadlock under rendezvous semantics (NCCL: transfers of a rank pair match in posting order, a group "
+        "completes only once each peer has posted the matching operations, and a rank's groups run one after "
+        "another): " + "; ".join(clauses) + ". Post the transfers of each pair together (one group on each "
+        "side), as lower() does",
+        action=cycle[0], rank=first, position=starts[first][host[first] if host[first] < len(items[first]) else 0],
+        cycle=cycle,
+    )
+
+
+def _item_starts(rank_items: list) -> list[int]:
+    """The program position where each item begins."""
+    starts, position = [], 0
+    for item in rank_items:
+        starts.append(position)
+        position += len(item) if type(item) is tuple else 1
+    return starts
+
+
+def _describe(item) -> str:
+    return format_group(item) if type(item) is tuple else str(item)
+
+
+def _explain(schedule, items, starts, counters, blocked_on, item_of, start: int) -> None:
+    """Follow "rank r waits for an action of rank r'" from ``start`` until a rank repeats,
+    and raise naming each wait on that cycle."""
+    order: list[int] = []
+    rank = start
+    while rank not in order:
+        order.append(rank)
+        rank = item_of[blocked_on[rank]][0]
+    cycle_ranks = order[order.index(rank):]
+    clauses, cycle = [], []
+    for rank in cycle_ranks:
+        head = items[rank][counters[rank]]
+        needed = blocked_on[rank]
+        owner, at_needed = item_of[needed]
+        owner_head = items[owner][counters[owner]]
+        cycle.extend((*(head if type(head) is tuple else (head,)), needed))
+        verb = "to send"
+        clause = f"rank {rank} waits at {_describe(head)} (position {starts[rank][counters[rank]]}) for {needed}"
+        if owner == rank:
+            clause += f", which comes later in its own program (position {starts[owner][at_needed]})"
+        else:
+            clause = (f"rank {rank} waits at {_describe(head)} (position {starts[rank][counters[rank]]}) for rank "
+                      f"{owner} {verb} {needed} (position {starts[owner][at_needed]}), which rank {owner} only "
+                      f"reaches after {_describe(owner_head)} (position {starts[owner][counters[owner]]})")
+        clauses.append(clause)
+    first = cycle_ranks[0]
+    rule = "under buffered semantics (gloo: a receive waits until its send is posted)"
+    raise P2PError(
+        f"deadlock {rule}: " + "; ".join(clauses) + ". None of these ranks can move; post the transfers of "
+        "each pair together (one group on each side), as lower() does",
+        action=cycle[0], rank=first, position=starts[first][counters[first]], cycle=cycle,
     )

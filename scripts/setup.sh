@@ -11,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.pipesim-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-        || [ -n "$(find pipesim schedules native -name '*.[ch]' -newer "$stamp")" ]; then
+        || [ -n "$(find schedules -name '*.c' -newer "$stamp")" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
     .venv/bin/python -m pip install --quiet "$TORCH_SPEC"
     .venv/bin/python -m pip install --quiet -e ".[test]"

@@ -13,7 +13,7 @@ from pipesim.cluster.mapping import map_ranks
 from pipesim.cluster.presets import ib, nvlink, pcie
 from pipesim.cluster.topology import TopologyError, ideal_topology
 from pipesim.model.costs import Costs, StageCost, uniform_costs
-from pipesim.sim.engine import LinkScheduler
+from pipesim.sim.engine import simulate
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
 from schedules import generate
@@ -53,13 +53,14 @@ def test_p2p_over_two_hops_pays_both_latencies_and_the_slowest_bandwidth(tmp_pat
 
 
 def test_two_transfers_sharing_a_link_queue_first_come_first_served():
-    topology = topology_from_dict(CHAIN)
-    links = LinkScheduler(topology)
-    first = links.transfer("g0", "g1", 2e9, now=0.0)
-    second = links.transfer("g0", "g1", 2e9, now=0.25)
-    assert first.arrival == pytest.approx(3e-3 + 1.0)
-    assert second.start == pytest.approx(1.0)  # waits for the first to leave the links
-    assert second.arrival == pytest.approx(1.0 + 1.0 + 3e-3)
+    # stage 0's forwards end at 0.25 and 0.5; each activation holds g0->sw->g1 for 2e9 / 2e9 = 1 s
+    costs = uniform_costs(2, 0.25, 0.5, act_bytes=2e9)
+    trace = simulate(generate("gpipe", 2, 2), costs, topology_from_dict(CHAIN), rank_devices=["g0", "g1"],
+                     p2p="buffered")
+    forwards = sorted((event.start, event.end) for event in trace.events if event.kind == "SEND_F")
+    assert forwards[0] == pytest.approx((0.25, 0.25 + 1.0 + 3e-3))
+    # the second leaves at 0.5 but waits for the first to leave the links at 1.25
+    assert forwards[1] == pytest.approx((0.5, 1.25 + 1.0 + 3e-3))
 
 
 def test_megatron_mapping_keeps_tp_groups_inside_a_node():

@@ -10,7 +10,8 @@ from pipesim.cluster.files import TopologyError, load_topology, topology_from_di
 from pipesim.cluster.presets import ib, nvlink, pcie
 from pipesim.cluster.topology import ideal_topology
 from pipesim.model.costs import CostsError, load_costs, uniform_costs
-from pipesim.sim.engine import LinkScheduler, simulate
+from pipesim.sim.engine import simulate, transfer_wires
+from pipesim.sim.parallel import CommPlan
 from pipesim.sim.step import run_simulation
 from schedules import generate, lower, step_metrics
 
@@ -99,15 +100,22 @@ def test_two_transfers_over_one_link_are_served_first_come_first_served():
             {"src": "sw", "dst": "c", "bandwidth": 1e9, "latency": 1e-6},
         ],
     })
-    links = LinkScheduler(topology)
-    first = links.transfer("a", "c", 1e9, now=0.0)
-    second = links.transfer("b", "c", 1e9, now=0.0)  # shares sw->c with the first
-    assert first.arrival == pytest.approx(1.0 + 2e-6)
-    assert second.start == pytest.approx(1.0)
-    assert second.arrival == pytest.approx(2.0 + 2e-6)
-    # the opposite direction is a separate resource: no waiting
-    back = links.transfer("c", "a", 1e9, now=0.0)
-    assert back.start == 0.0
+    # free compute: both microbatches' activations leave a at 0 and queue on a->sw->c
+    costs = uniform_costs(2, 0.0, 0.0, act_bytes=1e9)
+    trace = simulate(generate("gpipe", 2, 2), costs, topology, rank_devices=["a", "c"], p2p="buffered")
+    forwards = {event.microbatch: event.start for event in trace.events if event.action in ("1F0", "1F1")}
+    assert forwards[0] == pytest.approx(1.0 + 2e-6)
+    assert forwards[1] == pytest.approx(2.0 + 2e-6)  # the second waited for the link
+    # the gradients go back c->sw->a, links of their own: each only waits for its own data
+    sends = sorted((event.start, event.end) for event in trace.events if event.kind == "SEND_B")
+    assert sends[0][1] - sends[0][0] == pytest.approx(1.0 + 2e-6)
+    # the same send of another pipeline (b -> c) shares sw->c: the data is there when both are
+    wires = transfer_wires(lower(generate("gpipe", 2, 1)), costs, topology, ["a", "c"], {("a", "c"): [("b", "c")]})
+    (own_links, _, _), (twin_links, _, _) = wires[0]
+    assert set(own_links) & set(twin_links)  # sw->c, numbered once
+    shared = simulate(generate("gpipe", 2, 1), costs, topology, rank_devices=["a", "c"], p2p="buffered",
+                      plan=CommPlan(twin_transfers={("a", "c"): [("b", "c")]}))
+    assert next(event.start for event in shared.events if event.action == "1F0") == pytest.approx(2.0 + 2e-6)
 
 
 def test_1f1b_on_pcie_is_slower_than_nvlink_with_large_activations_and_equal_with_tiny():

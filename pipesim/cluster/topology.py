@@ -33,11 +33,20 @@ class Route:
     latency: float
     bandwidth: float
 
-    def seconds(self, num_bytes: float) -> float:
-        """Unloaded transfer time: ``latency + bytes / bandwidth``."""
+    def wire(self, num_bytes: float) -> tuple[float, float]:
+        """How a transfer of ``num_bytes`` uses this route, the one rule of its time: the
+        seconds its bytes hold every link (``bytes / bandwidth``, the slowest link's pace)
+        and the latency it arrives after that. The engine queues transfers on the links
+        for the first and adds the second; a route with no links (one device, an ideal
+        cluster) costs nothing."""
         if not self.links:
-            return 0.0
-        return self.latency + num_bytes / self.bandwidth
+            return 0.0, 0.0
+        return num_bytes / self.bandwidth, self.latency
+
+    def seconds(self, num_bytes: float) -> float:
+        """Unloaded transfer time: the two parts of ``wire`` one after the other."""
+        occupancy, latency = self.wire(num_bytes)
+        return occupancy + latency
 
 
 FREE_ROUTE = Route(links=(), latency=0.0, bandwidth=math.inf)

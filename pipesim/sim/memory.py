@@ -24,11 +24,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from pipesim.model.costs import Costs
-from schedules import accounting
-from schedules.action import ActionKind
 from schedules.collector import without_collector
-from schedules.metrics import stash_changes
+from schedules.metrics import running_totals, stash_changes
 from schedules.trace import Trace
 
 
@@ -115,51 +115,39 @@ def memory_report(
     if dp > 1:
         buffers = [value + bucket_bytes for value in buffers]
     bases = [static[rank] + buffers[rank] for rank in range(num_ranks)]
-    timelines = _native_timelines(trace, num_ranks, costs, bases)
-    if timelines is None:
-        timelines = [_stash_timeline(rank_events, costs, bases[rank])
-                     for rank, rank_events in enumerate(trace.by_rank())]
-    report = []
-    for rank, (peak_stash, timeline) in enumerate(timelines):
-        base = bases[rank]
-        report.append(RankMemory(
-            rank=rank,
-            device=devices[rank],
-            capacity_bytes=capacities[rank],
-            static_bytes=static[rank],
-            buffer_bytes=buffers[rank],
-            peak_stash_bytes=peak_stash,
-            peak_bytes=base + peak_stash,
-            timeline=tuple(timeline),
-        ))
-    return report
+    timelines = stash_timelines(trace, costs, bases)
+    return [
+        RankMemory(rank=rank, device=devices[rank], capacity_bytes=capacities[rank], static_bytes=static[rank],
+                   buffer_bytes=buffers[rank], peak_stash_bytes=peak_stash, peak_bytes=bases[rank] + peak_stash,
+                   timeline=timeline)
+        for rank, (peak_stash, timeline) in enumerate(timelines)
+    ]
 
 
-def _stash_timeline(rank_events: list, costs: Costs, base: float) -> tuple[float, list[tuple[float, float]]]:
-    """One rank's peak stash bytes and its memory timeline: ``(0.0, base)``, then a point
-    at every stash change (changes at one moment merged). ``schedules/_accounting.c``'s
-    ``stash_timelines`` does the same, addition for addition."""
-    changes = stash_changes(rank_events, lambda stage: costs.stages[stage].stash_bytes)
-    timeline = [(0.0, base)]
-    held = peak_stash = 0.0
-    for time, change in changes:
-        held += change
-        peak_stash = max(peak_stash, held)
-        if timeline[-1][0] == time:
-            timeline[-1] = (time, base + held)
-        else:
-            timeline.append((time, base + held))
-    return peak_stash, timeline
-
-
-def _native_timelines(trace: Trace, num_ranks: int, costs: Costs, bases: list[float]) -> list | None:
-    """Every rank's ``_stash_timeline`` in one C pass, or None (not built, switched off,
-    or a rank number outside the trace's ranks: Python decides)."""
-    if not accounting.ACCELERATED or not trace.events:
-        return None
-    kinds = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
-    return accounting._native.stash_timelines(trace.event_list(), num_ranks,
-                                              [stage.stash_bytes for stage in costs.stages], bases, kinds)
+def stash_timelines(trace: Trace, costs: Costs, bases: list[float]) -> list[tuple[float, tuple]]:
+    """Per rank: its peak stash bytes and its memory timeline, ``(0.0, base)`` then a
+    point at every stash change (changes at one moment merged into the last)."""
+    stash = np.array([stage.stash_bytes for stage in costs.stages])
+    rank, time, change = stash_changes(trace.columns, lambda stages: stash[stages])
+    held = running_totals(rank, change)
+    ranks = len(bases)
+    peaks = np.zeros(ranks)
+    if len(held):
+        np.maximum.at(peaks, rank, held)
+    # the last change of each moment of a rank stands for the moment
+    last_of_moment = np.r_[(rank[1:] != rank[:-1]) | (time[1:] != time[:-1]), True] if len(rank) else rank
+    bounds = np.searchsorted(rank[last_of_moment], np.arange(ranks + 1))
+    times, totals = time[last_of_moment].tolist(), held[last_of_moment].tolist()
+    timelines = []
+    for owner in range(ranks):
+        base = bases[owner]
+        points = [(0.0, base)] + [(moment, base + total) for moment, total in
+                                  zip(times[bounds[owner]:bounds[owner + 1]], totals[bounds[owner]:bounds[owner + 1]],
+                                      strict=True)]
+        if len(points) > 1 and points[1][0] == 0.0:  # a change at 0 replaces the starting point
+            points.pop(0)
+        timelines.append((float(peaks[owner]), tuple(points)))
+    return timelines
 
 
 def stage_params(params: float, param_bytes: float, bytes_per_param: BytesPerParam) -> float:

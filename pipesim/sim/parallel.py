@@ -44,16 +44,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
+
 from pipesim.cluster.collectives import all_gather, all_reduce, bucket_sizes, reduce_scatter
 from pipesim.cluster.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.cluster.twins import boundary_rank_pairs, twin_transfers
 from pipesim.model.costs import Costs
-from pipesim.sim import direct
 from pipesim.sim.memory import BytesPerParam
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
 from schedules.schedule import Schedule
-from schedules.trace import TraceEvent
+from schedules.trace import TraceColumns, TraceEvent
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 TP_KIND = "TP"
@@ -220,17 +221,11 @@ def _add_buckets(tail: list[TraceEvent], rank: int, stage: int, kind: str, first
                  start: float) -> float:
     """One event for buckets ``first``, ``first + 1``, ... of a stage run back to back from
     ``start`` (each starts as the one before ends); returns when the last one ends."""
-    total = 0.0
-    for bucket in seconds:  # left to right, as the C ``dp_tail`` adds (Python 3.12's sum() compensates)
-        total += bucket
-    end = start + total
+    end = start + math.fsum(seconds)
     last = first + len(seconds) - 1
     name = f"{stage}{kind}[{first}]" if last == first else f"{stage}{kind}[{first}-{last}]"
-    tail.append(_new_event(TraceEvent, (rank, name, kind, stage, -1, start, end, "dp")))  # TraceEvent(...), faster
+    tail.append(TraceEvent(rank, name, kind, stage, -1, start, end, "dp"))
     return end
-
-
-_new_event = tuple.__new__  # a plan records ~500 bucket events per layout
 
 
 def _place_runs(tail: list[TraceEvent], stages: list[tuple], dp_free: list[float], kind: str) -> None:
@@ -248,61 +243,46 @@ def _place_runs(tail: list[TraceEvent], stages: list[tuple], dp_free: list[float
         dp_free[rank] = _add_buckets(tail, rank, stage, kind, first, seconds, start)
 
 
-def _tail_scan(events: list[TraceEvent], num_ranks: int) -> tuple[list[float], dict, dict]:
+def _tail_scan(columns: TraceColumns, num_ranks: int) -> tuple[np.ndarray, dict, dict]:
     """Each rank's last end; per stage the (start, end) of its last-ending B or W and the
-    rank that ran it. (``pipesim/sim/_rendezvous.c``'s ``tail_scan`` is the same pass in C.)"""
-    rank_end = [0.0] * num_ranks
-    last_grad: dict[int, tuple[float, float]] = {}  # stage -> (start, end) of its last B or W
-    stage_rank: dict[int, int] = {}
-    grad_kinds = WEIGHT_GRAD_DONE_KINDS
-    for rank, _, kind, stage, _, start, end, stream in events:  # unpacked: this runs once per event of the step
-        if end > rank_end[rank]:
-            rank_end[rank] = end
-        if stream == "compute" and kind in grad_kinds and end > last_grad.get(stage, (0.0, -1.0))[1]:
-            last_grad[stage] = (start, end)
-            stage_rank[stage] = rank
+    rank that ran it."""
+    rank_end = np.zeros(num_ranks)
+    np.maximum.at(rank_end, columns.rank, columns.end)
+    grads = np.flatnonzero(columns.on_stream("compute") & np.isin(
+        columns.kind, [columns.kind_code(kind) for kind in WEIGHT_GRAD_DONE_KINDS]))
+    order = grads[np.lexsort((columns.end[grads], columns.stage[grads]))]
+    last = order[np.r_[columns.stage[order][1:] != columns.stage[order][:-1], True]] if len(order) else order
+    last_grad = {int(columns.stage[row]): (float(columns.start[row]), float(columns.end[row])) for row in last}
+    stage_rank = {int(columns.stage[row]): int(columns.rank[row]) for row in last}
     return rank_end, last_grad, stage_rank
 
 
-def _native_tail_scan(events: list[TraceEvent], num_ranks: int) -> tuple[list[float], dict, dict] | None:
-    """``_tail_scan`` in C where it is built and switched on (the direct engine's switch)."""
-    if not direct.ACCELERATED:
-        return None
-    return direct._native.tail_scan(events, num_ranks, WEIGHT_GRAD_DONE_KINDS)
-
-
-def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | None,
-                     step_overhead: float) -> list[TraceEvent]:
+def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | None,
+                      step_overhead: float) -> TraceColumns | None:
     """The gradient reductions (``dp`` stream), optimizer steps (``step`` stream) and,
-    under ZeRO-1, parameter all-gathers (``dp``) of each rank, placed around the
-    pipeline events ``events``."""
+    under ZeRO-1, parameter all-gathers (``dp``) of each rank, placed after the pipeline
+    events ``pipeline``; None when the step has none."""
     has_dp = plan is not None and bool(plan.dp_bucket_seconds)
     if not has_dp and step_overhead <= 0:
-        return []
-    scanned = _native_tail_scan(events, num_ranks)
-    rank_end, last_grad, stage_rank = scanned if scanned is not None else _tail_scan(events, num_ranks)
+        return None
+    rank_end, last_grad, stage_rank = _tail_scan(pipeline, num_ranks)
     tail: list[TraceEvent] = []
-    dp_free = list(rank_end) if not has_dp or not plan.overlap_dp else [0.0] * num_ranks
+    dp_free = rank_end.tolist() if not has_dp or not plan.overlap_dp else [0.0] * num_ranks
     if has_dp:
         kind = REDUCE_SCATTER_KIND if plan.zero else DP_KIND
         # Buckets are reduced first come, first served per rank. Those of a stage that fill
         # at the same moment (one layer's gradients, or all of them without overlap) run back
         # to back and are one event (``3ALLREDUCE_DP[4-21]``), as the executor records one
-        # per stage: a 70B-parameter stage has thousands of 25 MB buckets and a few layers,
-        # and an event per bucket made the tail, and every pass over the Trace after it,
-        # cost more than the pipeline.
+        # per stage: a 70B-parameter stage has thousands of 25 MB buckets and a few layers.
         stages = [  # (stage, rank, its last B/W's start and end, its bucket runs, bucket seconds, rank end)
             (stage, stage_rank[stage], *last_grad[stage],
              _bucket_runs(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0)) if plan.overlap_dp else None,
-             seconds, rank_end[stage_rank[stage]])
+             seconds, float(rank_end[stage_rank[stage]]))
             for stage, seconds in plan.dp_bucket_seconds.items() if stage in stage_rank
         ]
-        if direct.ACCELERATED:  # the same placement in C (``dp_tail``)
-            tail += direct._native.dp_tail(stages, dp_free, kind, TraceEvent)
-        else:
-            _place_runs(tail, stages, dp_free, kind)
+        _place_runs(tail, stages, dp_free, kind)
     for rank in range(num_ranks):
-        done = max(rank_end[rank], dp_free[rank])
+        done = max(float(rank_end[rank]), dp_free[rank])
         if step_overhead > 0:
             tail.append(TraceEvent(rank, OPTIMIZER_KIND, OPTIMIZER_KIND, -1, -1, done, done + step_overhead, "step"))
             done += step_overhead
@@ -311,4 +291,4 @@ def step_tail_events(events: list[TraceEvent], num_ranks: int, plan: CommPlan | 
                 seconds = plan.gather_bucket_seconds.get(stage, ())
                 if seconds:
                     done = _add_buckets(tail, rank, stage, PARAM_GATHER_KIND, 0, seconds, done)
-    return tail
+    return TraceColumns.from_events(tail) if tail else None

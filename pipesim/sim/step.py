@@ -13,7 +13,7 @@ from functools import cached_property
 from pipesim.cluster.mapping import RankMapping, map_ranks
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
-from pipesim.sim.engine import simulate
+from pipesim.sim.engine import run_step, step_trace
 from pipesim.sim.memory import RankMemory, memory_report
 from pipesim.sim.parallel import ParallelConfig, comm_plan
 from schedules.collector import without_collector
@@ -22,6 +22,8 @@ from schedules.metrics import StepMetrics, comm_by_kind, step_metrics
 from schedules.p2p import default_semantics
 from schedules.schedule import Schedule
 from schedules.trace import Trace
+from schedules.validate import explain_stuck
+from schedules.validate import validate as validate_schedule
 
 
 @dataclass
@@ -201,27 +203,34 @@ def run_simulation(
     parallel: ParallelConfig | None = None,
     p2p: str | None = None,
 ) -> SimulationResult:
-    """Lower, validate (naming any bad action), map ranks onto devices, simulate and
+    """Map ranks onto devices, lower, validate (naming any bad action), simulate and
     compute metrics. With ``parallel`` (dp, tp > 1) the pipeline simulated is replica 0's
     and its ranks also pay their tp and dp collectives. ``p2p`` is the point-to-point
     semantics (``schedules.p2p``); by default the one of the backend predicted: gloo's
-    for links measured on gloo, NCCL's rendezvous otherwise."""
+    for links measured on gloo, NCCL's rendezvous otherwise.
+
+    What costs nothing is checked first (the cluster holds the layout, the costs describe
+    the schedule's stages), then the programs' structure; whether they can finish is the
+    engine's verdict on the step itself, so a schedule is not run twice."""
     parallel = parallel or ParallelConfig()
     p2p = p2p or predicted_semantics(topology)
-    lowered = lower(schedule)
-    if validate:
-        from schedules.validate import validate as validate_schedule
-
-        validate_schedule(lowered, p2p)
+    if costs.num_stages != schedule.num_stages:
+        raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {schedule.num_stages}")
     mapping = None
     if rank_devices is None:
-        mapping = map_ranks(topology, parallel.dp, lowered.pp, parallel.tp, parallel.rank_order)
+        mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order)
         rank_devices = mapping.pipeline()
+    lowered = lower(schedule)
+    if validate:
+        validate_schedule(lowered, p2p, finishes=False)
     plan = None
     if mapping is not None and (parallel.dp > 1 or parallel.tp > 1):
         plan = comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
                          parallel.algorithm, parallel.zero)
-    trace = simulate(lowered, costs, topology, rank_devices, plan, p2p)
+    step = run_step(lowered, costs, topology, rank_devices, plan, p2p)
+    if step.stuck:
+        explain_stuck(step)
+    trace = step_trace(step, costs, topology, rank_devices, plan, p2p)
     trace.meta.update(dp=parallel.dp, tp=parallel.tp)  # charts and reports name the whole layout
     metrics = step_metrics(trace, lowered.virtual_stages)
     return SimulationResult(lowered, topology, trace, metrics, costs, list(rank_devices), parallel, mapping)

@@ -14,7 +14,7 @@ Otherwise it waits for the next arrival. With ``patient_weights`` a ``W`` (or an
 is only started if it ends before the ``I`` that is known to be on its way, which keeps
 the critical path free when ``W`` is long (the paper's "no bubble before B" rule).
 Times are computed with the costs given, so the order is the one that runs as soon as
-possible under them: the same timing ``schedules.generators.timing`` gives a fixed order.
+possible under them: the engine's ``free`` timing of a fixed order (``schedules.engine``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from schedules.action import Action, ActionKind, F, I, W
-from schedules.generators import timing
+from schedules.action import Action, F, I, W
 
 
 def greedy_orders(
@@ -43,17 +42,6 @@ def greedy_orders(
     limits = [memory_limit] * pp if isinstance(memory_limit, int) else list(memory_limit)
     if min(limits) < 1:
         raise ValueError(f"memory limit must allow at least one stash per rank, got {memory_limit}")
-    if timing.ACCELERATED:  # the same scheduler in C (schedules/_timing.c), tested equal
-        return timing._native.greedy_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limits,
-                                            patient_weights, warmup_cap, (ActionKind.F, ActionKind.I, ActionKind.W),
-                                            Action)
-    return _greedy_orders_in_python(pp, microbatches, forward, backward_input, backward_weight, comm, limits,
-                                    patient_weights, warmup_cap)
-
-
-def _greedy_orders_in_python(pp: int, microbatches: int, forward: Sequence[float], backward_input: Sequence[float],
-                             backward_weight: Sequence[float], comm: float, limits: list[int],
-                             patient_weights: bool, warmup_cap: int | None) -> list[list[Action]]:
     costs = {"F": forward, "I": backward_input, "W": backward_weight}
     forward_end = [[None] * microbatches for _ in range(pp)]
     input_end = [[None] * microbatches for _ in range(pp)]

@@ -8,7 +8,7 @@ under a memory limit, by greedy heuristics that it then refines. We do the same:
 several variants of the greedy list scheduler (``greedy_zero_bubble``: eager or patient
 ``W`` placement, warm-up depths up to the limit) and the handcrafted orders that fit the
 limit (``zb-h1`` holds ``p`` stashes, ``zb-h2`` ``2p - 1``) are timed under the given
-costs (``timing.order_end_times``), and the fastest step wins (ties go to the order
+costs (the engine's ``free`` timing, ``schedules.engine``), and the fastest step wins (ties go to the order
 whose longest rank span is shortest, the paper's bubble). Because zb-h1 is among the
 candidates whenever the limit allows 1F1B's memory, zb-auto is never slower than it
 under the costs it was built for, in that timing (each transfer ``T`` after its producer,
@@ -23,10 +23,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from schedules.action import Action, ActionKind
+import numpy as np
+
+from schedules import engine
+from schedules.action import ActionKind
 from schedules.generators.common import ScheduleUnavailableError, require_positive
 from schedules.generators.greedy_zero_bubble import greedy_orders
-from schedules.generators.timing import step_and_rank_span
 from schedules.generators.zb_h1 import zb_h1
 from schedules.generators.zb_h2 import zb_h2
 from schedules.schedule import Schedule, looped_placement
@@ -65,11 +67,15 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
     schedule never changes, so a planner whose layouts differ only in what the order does
     not depend on (optimizer sharding, say) searches once and shares the schedule, with
     its lowering and compiled programs (``Schedule.derived``)."""
-    costs = {ActionKind.F: forward, ActionKind.I: backward_input, ActionKind.W: backward_weight}
     placement = looped_placement(pp, 1)
+    # per stage: F, B (= I + W, unused: the orders split every backward), I, W
+    timing = engine.StepTiming(
+        np.array([[f, i + w, i, w] for f, i, w in zip(forward, backward_input, backward_weight, strict=True)]),
+        wires=engine.hop_wires(pp, comm))
 
-    def seconds(action: Action) -> float:
-        return costs[action.kind][action.stage]
+    def step_and_rank_span(programs) -> tuple[float, float]:
+        step = engine.run(Schedule(pp, microbatches, placement, programs), timing, engine.FREE)
+        return step.makespan, float(step.rank_spans().max())
 
     candidates = []
     for patient in (False, True):
@@ -83,8 +89,7 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
         candidates.append(zb_h2(pp, microbatches).programs)
     # fastest step first; among equals, the one whose ranks work in the tightest span
     # (the paper's bubble: what the next step's warm-up cannot fill)
-    per_stage = (forward, backward_input, backward_weight)
-    best = min(candidates, key=lambda orders: step_and_rank_span(orders, placement, seconds, comm, per_stage))
+    best = min(candidates, key=step_and_rank_span)
     return Schedule(pp, microbatches, placement, best, name="zb-auto", meta={"memory_microbatches": limit})
 
 

@@ -1,0 +1,271 @@
+"""The engine's rules as SimPy processes: the readable specification of a step's timing.
+
+``schedules.engine`` states the rules and runs them compiled; this module runs the same
+rules the way one would first write them down. Each rank is a process that walks its
+program in true time; under rendezvous each rank's P2P stream is a process of its own;
+a buffered or free transfer is a process that leaves at its moment. Links are a calendar
+(``LinkCalendar``): a transfer takes every link of its route from the moment all are
+free, for its occupancy, and arrives its latency later.
+
+It serves three purposes:
+
+- the oracle the compiled engine is tested against (``tests/test_engine_reference.py``:
+  the same moments on random schedules, costs, clusters, placements, tp/dp plans and
+  every semantics);
+- the fallback where nothing was compiled (``schedules.engine.run`` calls
+  ``run_reference``): slower, the same numbers;
+- the place to extend a simulation: subclass ``SimpyStep`` to change a rule (a rank that
+  straggles, ``compute_seconds``), or add a process to its ``env`` before ``run`` (a
+  link that fails for a while, ``LinkCalendar.block``). ``docs/simulator.md`` shows both.
+
+Moments that tie are taken as the compiled engine takes them: a group start or a
+departure at the same time as another goes in rank order (a SimPy priority per rank,
+after SimPy's own urgent and normal events), then in the order it was posted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from heapq import heappush
+
+import numpy as np
+import simpy
+from simpy.core import NORMAL
+
+from schedules.action import KINDS, SEND_KINDS, Action
+from schedules.engine import BUFFERED, FREE, RENDEZVOUS, EngineProgram, StepRun, WireArrays, empty_run
+
+FIRST_RANK_PRIORITY = 2  # after SimPy's URGENT (0) and NORMAL (1) events of the same moment
+
+
+class Environment(simpy.Environment):
+    """SimPy's environment, able to schedule an event at an exact moment: a timeout of
+    ``moment - now`` lands on ``now + (moment - now)``, which can differ from ``moment`` in
+    its last bit, and moments that tie must tie here as they do in the compiled engine."""
+
+    def at(self, moment: float, priority: int = NORMAL) -> simpy.Event:
+        event = simpy.Event(self)
+        event._ok, event._value = True, None
+        heappush(self._queue, (moment, priority, next(self._eid), event))
+        return event
+
+
+class LinkCalendar:
+    """When each link is next free. ``reserve`` is the one rule: a route's transfer
+    starts once all its links are free and holds them all for its occupancy."""
+
+    def __init__(self, count: int) -> None:
+        self.free_at = [0.0] * count
+
+    def reserve(self, links: Sequence[int], occupancy: float, latency: float, now: float) -> float:
+        """Reserve ``links`` from ``now``; the arrival. A route with no links arrives at once."""
+        if not links:
+            return now
+        begin = max([now] + [self.free_at[link] for link in links])
+        for link in links:
+            self.free_at[link] = begin + occupancy
+        return begin + occupancy + latency
+
+    def block(self, link: int, until: float) -> None:
+        """Take ``link`` out of service until ``until`` (a failing link): transfers that
+        reserve it later wait."""
+        self.free_at[link] = max(self.free_at[link], until)
+
+
+class SimpyStep:
+    """One step of ``program`` as SimPy processes; ``run()`` returns its ``StepRun``."""
+
+    def __init__(self, program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,
+                 comm_overhead: float) -> None:
+        self.program, self.seconds, self.hold, self.wires = program, seconds, hold, wires
+        self.comm_overhead = comm_overhead
+        self.schedule = program.arrays.schedule
+        self.env = Environment()
+        self.links = LinkCalendar(wires.link_count)
+        self.result = empty_run(program)
+        arrays = program.arrays
+        # what the moments are recorded against: compute actions by their row, transfers by key
+        self.compute_of_row = {int(row): index for index, row in enumerate(program.compute_row)}
+        self.first_row = [int(row) for row in arrays.rank_start[:-1]]
+        self.microbatches = arrays.microbatches
+        self.arrived: dict[int, simpy.Event] = {}  # transfer key -> its arrival (the value)
+        self.group_done: dict[tuple[int, int], simpy.Event] = {}  # (rank, group number) -> completion
+        self.offers: dict[int, tuple[int, simpy.Event]] = {}  # rendezvous: transfer key -> (rank, paired event)
+
+    # -- the rules ----------------------------------------------------------------------
+
+    def compute_seconds(self, rank: int, action: Action, seconds: float) -> float:
+        """How long ``action`` runs on ``rank`` (override to make a rank straggle)."""
+        return seconds
+
+    def transfer(self, key: int, now: float) -> float:
+        """Put transfer ``key`` on its wire at ``now``; its arrival (the latest route's)."""
+        wires = self.wires
+        wire = key // self.microbatches
+        arrival = now
+        for route in range(wires.route_start[wire], wires.route_start[wire + 1]):
+            links = wires.links[wires.link_start[route]:wires.link_start[route + 1]].tolist()
+            arrival = max(arrival, self.links.reserve(links, wires.occupancy[route], wires.latency[route], now))
+        return arrival
+
+    def in_rank_order(self, moment: float, rank: int) -> simpy.Event:
+        """An event at ``moment`` taken after everything else of that moment, in rank order."""
+        return self.env.at(moment, FIRST_RANK_PRIORITY + rank)
+
+    def until(self, moment: float) -> simpy.Event:
+        """Wait until ``moment`` (at once if it has passed)."""
+        return self.env.at(max(moment, self.env.now))
+
+    # -- the processes ------------------------------------------------------------------
+
+    def rank_process(self, rank: int):
+        """Walk ``rank``'s program in true time (see ``schedules.engine`` for the rules)."""
+        semantics = self.program.semantics
+        env, result = self.env, self.result
+        groups_posted = 0
+        stream = simpy.Store(env) if semantics == RENDEZVOUS else None
+        if stream is not None:
+            env.process(self.stream_process(rank, stream))
+        for row, item in self.walk(rank):
+            if type(item) is not tuple:  # a compute action
+                index = self.compute_of_row[row]
+                result.ready[index] = env.now
+                if self.program.compute_blocked[index]:
+                    yield env.event()  # its same-rank input comes later: it never runs
+                needed = int(self.program.compute_need[index])
+                if needed >= 0:
+                    waited = self.group_done[rank, needed] if semantics == RENDEZVOUS else self.arrived_event(needed)
+                    yield self.until((yield waited))
+                result.start[index] = env.now
+                yield env.timeout(self.compute_seconds(rank, item, float(self.seconds[index])))
+                result.end[index] = env.now
+                yield env.timeout(float(self.hold[index]))
+                send = int(self.program.compute_send[index])
+                if send >= 0:
+                    env.process(self.departure(rank, send))
+                continue
+            group = self.group_number(rank, groups_posted)
+            groups_posted += 1
+            if semantics == RENDEZVOUS:
+                yield env.timeout(self.comm_overhead * len(item))
+                result.group_posted[group] = env.now
+                self.group_done[rank, group] = env.event()
+                stream.put((group, item))
+                continue
+            for action in item:  # buffered: sends leave as they are posted, then receives are posted
+                if action.kind in SEND_KINDS:
+                    yield env.timeout(self.comm_overhead)
+                    env.process(self.departure(rank, self.key_of(action)))
+            for action in item:
+                if action.kind not in SEND_KINDS:
+                    yield env.timeout(self.comm_overhead)
+            result.group_posted[group] = env.now
+        result.rank_clock[rank] = env.now
+        if semantics == RENDEZVOUS and groups_posted:
+            last = self.group_number(rank, groups_posted - 1)
+            yield self.until((yield self.group_done[rank, last]))
+        result.rank_done[rank] = env.now
+
+    def stream_process(self, rank: int, stream: simpy.Store):
+        """Rendezvous: ``rank``'s groups one after another, each starting once posted and
+        once the one before completed; a transfer leaves when the later of its two groups
+        starts; a group completes when all its transfers have arrived."""
+        env, result = self.env, self.result
+        free_at = 0.0
+        while True:
+            group, actions = yield stream.get()
+            start = max(float(result.group_posted[group]), free_at)
+            result.group_start[group] = start
+            yield self.in_rank_order(start, rank)
+            arrivals = []
+            waiting = []
+            for action in actions:
+                key = self.key_of(action)
+                peer = self.offers.pop(key, None)
+                if peer is None:
+                    paired = env.event()
+                    self.offers[key] = (group, paired)
+                    waiting.append(paired)
+                    continue
+                peer_group, peer_paired = peer
+                arrival = self.transfer(key, start)
+                sender = group if action.kind in SEND_KINDS else peer_group
+                result.posted[key] = result.group_posted[sender]
+                result.departed[key], result.arrival[key] = start, arrival
+                peer_paired.succeed(arrival)
+                arrivals.append(arrival)
+            for paired in waiting:
+                arrivals.append((yield paired))
+            free_at = max([start, *arrivals])
+            result.group_done[group] = free_at
+            self.group_done[rank, group].succeed(free_at)
+
+    def departure(self, rank: int, key: int):
+        """Buffered or free: transfer ``key`` leaves now (in rank order among the moment's)."""
+        self.result.posted[key] = self.env.now
+        yield self.in_rank_order(self.env.now, rank)
+        arrival = self.transfer(key, self.env.now)
+        self.result.departed[key], self.result.arrival[key] = self.env.now, arrival
+        self.arrived_event(key).succeed(arrival)
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def walk(self, rank: int):
+        """``(row, item)`` of each item ``rank`` walks: its compute actions and P2P groups
+        (``free``: its compute actions only), with the program row where each begins."""
+        row = self.first_row[rank]
+        if self.program.semantics == FREE:
+            for action in self.schedule.programs[rank]:
+                if action.is_compute:
+                    yield row, action
+                row += 1
+            return
+        for item in self.schedule.program_items(rank):
+            yield row, item
+            row += len(item) if type(item) is tuple else 1
+
+    def arrived_event(self, key: int) -> simpy.Event:
+        if key not in self.arrived:
+            self.arrived[key] = self.env.event()
+        return self.arrived[key]
+
+    def key_of(self, action: Action) -> int:
+        arrays = self.program.arrays
+        code = np.array([KINDS.index(action.kind)])
+        return int(arrays.transfer_key(np.array([action.stage]), code, np.array([action.microbatch]))[0])
+
+    def group_number(self, rank: int, ordinal: int) -> int:
+        """The global number of ``rank``'s ``ordinal``-th group."""
+        first = int(np.searchsorted(self.program.group_rank, rank))
+        return first + ordinal
+
+    def run(self) -> StepRun:
+        for rank in range(self.schedule.pp):
+            self.env.process(self.rank_process(rank))
+        self.env.run()
+        result = self.result
+        finished = ~np.isnan(result.rank_done)
+        items = np.diff(self.program.rank_item_start)
+        result.stuck_item = np.where(finished, -1, self._stuck_items(items)).astype(np.int64)
+        return result
+
+    def _stuck_items(self, items: np.ndarray) -> np.ndarray:
+        """The item each unfinished rank stands at: the first compute action it never
+        started, else its end (it waits for its last transfers)."""
+        program = self.program
+        where = items.copy()
+        for rank in range(program.ranks):
+            first, stop = program.rank_item_start[rank], program.rank_item_start[rank + 1]
+            for item in range(first, stop):
+                if not program.item_is_group[item] and np.isnan(self.result.start[program.item_ref[item]]):
+                    where[rank] = item - first
+                    break
+        return where
+
+
+def run_reference(program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,
+                  comm_overhead: float) -> StepRun:
+    """``schedules.engine.run``'s result, computed by the SimPy processes."""
+    if program.semantics not in (RENDEZVOUS, BUFFERED, FREE):
+        raise ValueError(f"unknown semantics {program.semantics!r}")
+    return SimpyStep(program, seconds, hold, wires, comm_overhead).run()

@@ -1,0 +1,446 @@
+/* The timing engine's walk (schedules/engine.py says what it computes and why).
+
+   Inputs and outputs are flat arrays (buffers of int64, int8 or float64) that
+   schedules/engine.py builds from a schedule and a StepTiming; nothing here knows an
+   action's text. The walk: each rank runs through its items as far as what is known
+   allows; the moments at which the order across ranks matters (a rendezvous group
+   starts, a buffered or free transfer leaves: both reserve links) go through one heap
+   and are taken in time order, ties in rank order, then in the order they were posted.
+   Every such moment is at or after the one being taken, so links are reserved in true
+   time order. A rank that needs what has not happened yet stops and is resumed by the
+   moment that provides it. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { RENDEZVOUS = 0, BUFFERED = 1, FREE = 2 };
+enum { GROUP_START = 0, DEPARTURE = 1 };
+
+typedef struct {
+    double time;
+    int64_t rank;
+    int64_t order; /* posting order: ties after time and rank */
+    int64_t what;  /* GROUP_START or DEPARTURE */
+    int64_t id;    /* the group or the transfer */
+} Moment;
+
+typedef struct {
+    Moment *items;
+    Py_ssize_t size, capacity;
+} Heap;
+
+static int moment_before(const Moment *a, const Moment *b) {
+    if (a->time != b->time) return a->time < b->time;
+    if (a->rank != b->rank) return a->rank < b->rank;
+    return a->order < b->order;
+}
+
+static int heap_push(Heap *heap, Moment moment) {
+    if (heap->size == heap->capacity) {
+        Py_ssize_t capacity = heap->capacity ? 2 * heap->capacity : 256;
+        Moment *grown = realloc(heap->items, (size_t)capacity * sizeof(Moment));
+        if (!grown) return -1;
+        heap->items = grown;
+        heap->capacity = capacity;
+    }
+    Py_ssize_t at = heap->size++;
+    while (at > 0) {
+        Py_ssize_t parent = (at - 1) / 2;
+        if (!moment_before(&moment, &heap->items[parent])) break;
+        heap->items[at] = heap->items[parent];
+        at = parent;
+    }
+    heap->items[at] = moment;
+    return 0;
+}
+
+static Moment heap_pop(Heap *heap) {
+    Moment top = heap->items[0];
+    Moment last = heap->items[--heap->size];
+    Py_ssize_t at = 0;
+    for (;;) {
+        Py_ssize_t child = 2 * at + 1;
+        if (child >= heap->size) break;
+        if (child + 1 < heap->size && moment_before(&heap->items[child + 1], &heap->items[child])) child++;
+        if (!moment_before(&heap->items[child], &last)) break;
+        heap->items[at] = heap->items[child];
+        at = child;
+    }
+    if (heap->size > 0) heap->items[at] = last;
+    return top;
+}
+
+/* The inputs, in the order schedules/engine.py passes them. */
+enum {
+    IN_RANK_ITEM_START, IN_ITEM_IS_GROUP, IN_ITEM_REF, IN_SECONDS, IN_HOLD, IN_NEED, IN_SEND, IN_BLOCKED,
+    IN_GROUP_ENDPOINT_START, IN_GROUP_RANK, IN_ENDPOINT_TRANSFER, IN_ENDPOINT_IS_SEND, IN_TRANSFER_WIRE,
+    IN_ROUTE_START, IN_LINK_START, IN_LINKS, IN_OCCUPANCY, IN_LATENCY, IN_COUNT
+};
+enum {
+    OUT_READY, OUT_START, OUT_END, OUT_POSTED, OUT_DEPARTED, OUT_ARRIVAL, OUT_GROUP_POSTED, OUT_GROUP_START,
+    OUT_GROUP_DONE, OUT_RANK_CLOCK, OUT_RANK_DONE, OUT_STUCK_ITEM, OUT_COUNT
+};
+
+typedef struct {
+    int semantics;
+    double overhead;
+    Py_ssize_t ranks, transfers;
+    /* inputs */
+    const int64_t *rank_item_start, *item_ref, *need, *send, *group_endpoint_start, *group_rank, *endpoint_transfer,
+        *transfer_wire, *route_start, *link_start, *links;
+    const int8_t *item_is_group, *blocked, *endpoint_is_send;
+    const double *seconds, *hold, *occupancy, *latency;
+    /* outputs */
+    double *ready, *start, *end, *posted, *departed, *arrival, *group_posted, *group_start, *group_done, *rank_clock,
+        *rank_done;
+    int64_t *stuck_item;
+    /* state */
+    double *link_free;
+    int64_t *position;       /* per rank: the item it stands at */
+    double *clock;           /* per rank: the host's clock */
+    int64_t *waits_group;    /* per rank: the group it waits for, -1 */
+    int64_t *waits_transfer; /* per rank: the transfer it waits for, -1 */
+    int64_t *first_group;    /* per rank: its first group's number (its groups are numbered in order) */
+    int64_t *posted_groups;  /* per rank: how many of its groups it has posted */
+    int64_t *started_groups; /* per rank: how many of them its stream has started */
+    int8_t *stream_busy;
+    double *stream_free;     /* per rank: when its stream's last group completed */
+    int64_t *offer;          /* per transfer: the endpoint whose group started first, -1 */
+    int64_t *waiter;         /* per transfer: the rank waiting for its arrival, -1 */
+    int64_t *outstanding;    /* per group: transfers not yet paired */
+    double *latest;          /* per group: its latest arrival so far */
+    int64_t *endpoint_group; /* per endpoint: its group */
+    Heap heap;
+    int64_t order;
+} Engine;
+
+static int push(Engine *e, double time, int64_t rank, int64_t what, int64_t id) {
+    Moment moment = {time, rank, e->order++, what, id};
+    return heap_push(&e->heap, moment);
+}
+
+/* Reserve the links of every route of ``wire`` at ``now``; the arrival (the last route's). */
+static double reserve(Engine *e, int64_t wire, double now) {
+    double arrival = now;
+    for (int64_t route = e->route_start[wire]; route < e->route_start[wire + 1]; route++) {
+        int64_t first = e->link_start[route], stop = e->link_start[route + 1];
+        if (first == stop) continue; /* no links: there at once */
+        double begin = now;
+        for (int64_t at = first; at < stop; at++)
+            if (e->link_free[e->links[at]] > begin) begin = e->link_free[e->links[at]];
+        double done = begin + e->occupancy[route];
+        for (int64_t at = first; at < stop; at++) e->link_free[e->links[at]] = done;
+        if (done + e->latency[route] > arrival) arrival = done + e->latency[route];
+    }
+    return arrival;
+}
+
+static int advance(Engine *e, int64_t rank);
+
+static int schedule_next(Engine *e, int64_t rank) {
+    if (e->started_groups[rank] == e->posted_groups[rank]) {
+        e->stream_busy[rank] = 0;
+        return 0;
+    }
+    int64_t group = e->first_group[rank] + e->started_groups[rank]++;
+    e->stream_busy[rank] = 1;
+    double begin = e->group_posted[group] > e->stream_free[rank] ? e->group_posted[group] : e->stream_free[rank];
+    e->group_start[group] = begin;
+    return push(e, begin, rank, GROUP_START, group);
+}
+
+static int complete(Engine *e, int64_t group) {
+    double done = e->group_start[group] > e->latest[group] ? e->group_start[group] : e->latest[group];
+    int64_t rank = e->group_rank[group];
+    e->group_done[group] = done;
+    e->stream_free[rank] = done;
+    if (schedule_next(e, rank) < 0) return -1;
+    if (e->waits_group[rank] == group) {
+        e->waits_group[rank] = -1;
+        return advance(e, rank);
+    }
+    return 0;
+}
+
+/* A rendezvous group starts: pair each of its transfers with a peer group that already
+   started (the later start sends it), or leave it on offer. */
+static int begin_group(Engine *e, int64_t group) {
+    double now = e->group_start[group];
+    for (int64_t endpoint = e->group_endpoint_start[group]; endpoint < e->group_endpoint_start[group + 1];
+         endpoint++) {
+        int64_t transfer = e->endpoint_transfer[endpoint];
+        int64_t peer = e->offer[transfer];
+        if (peer < 0) {
+            e->offer[transfer] = endpoint;
+            e->outstanding[group]++;
+            continue;
+        }
+        int64_t peer_group = e->endpoint_group[peer];
+        int64_t sender = e->endpoint_is_send[endpoint] ? group : peer_group;
+        double arrival = reserve(e, e->transfer_wire[transfer], now);
+        e->posted[transfer] = e->group_posted[sender];
+        e->departed[transfer] = now;
+        e->arrival[transfer] = arrival;
+        if (arrival > e->latest[group]) e->latest[group] = arrival;
+        if (arrival > e->latest[peer_group]) e->latest[peer_group] = arrival;
+        if (--e->outstanding[peer_group] == 0 && complete(e, peer_group) < 0) return -1;
+    }
+    if (e->outstanding[group] == 0) return complete(e, group);
+    return 0;
+}
+
+static int depart(Engine *e, int64_t transfer, double now) {
+    e->departed[transfer] = now;
+    e->arrival[transfer] = reserve(e, e->transfer_wire[transfer], now);
+    int64_t rank = e->waiter[transfer];
+    if (rank >= 0) {
+        e->waiter[transfer] = -1;
+        e->waits_transfer[rank] = -1;
+        return advance(e, rank);
+    }
+    return 0;
+}
+
+static int post_transfer(Engine *e, int64_t rank, int64_t transfer, double now) {
+    e->posted[transfer] = now;
+    return push(e, now, rank, DEPARTURE, transfer);
+}
+
+/* Whether compute action ``compute`` of ``rank`` has its input; if not, the rank now
+   waits for it. Moves the clock past it when it is there. */
+static int input_there(Engine *e, int64_t rank, int64_t compute, double *clock) {
+    int64_t needed = e->need[compute];
+    if (needed < 0) return 1;
+    double moment = e->semantics == RENDEZVOUS ? e->group_done[needed] : e->arrival[needed];
+    if (isnan(moment)) {
+        if (e->semantics == RENDEZVOUS) {
+            e->waits_group[rank] = needed;
+        } else {
+            e->waits_transfer[rank] = needed;
+            e->waiter[needed] = rank;
+        }
+        return 0;
+    }
+    if (moment > *clock) *clock = moment;
+    return 1;
+}
+
+/* Run ``rank`` until it needs something that has not happened, or to its end. */
+static int advance(Engine *e, int64_t rank) {
+    int64_t item = e->position[rank], stop = e->rank_item_start[rank + 1];
+    double clock = e->clock[rank];
+    for (; item < stop; item++) {
+        int64_t ref = e->item_ref[item];
+        if (!e->item_is_group[item]) {
+            if (isnan(e->ready[ref])) e->ready[ref] = clock;
+            if (e->blocked[ref]) break; /* its same-rank input comes later: never */
+            if (!input_there(e, rank, ref, &clock)) break;
+            e->start[ref] = clock;
+            clock += e->seconds[ref];
+            e->end[ref] = clock;
+            clock += e->hold[ref];
+            if (e->send[ref] >= 0 && post_transfer(e, rank, e->send[ref], clock) < 0) return -1;
+            continue;
+        }
+        int64_t first = e->group_endpoint_start[ref], last = e->group_endpoint_start[ref + 1];
+        if (e->semantics == RENDEZVOUS) {
+            clock += e->overhead * (double)(last - first);
+            e->group_posted[ref] = clock;
+            e->posted_groups[rank]++;
+            if (!e->stream_busy[rank] && schedule_next(e, rank) < 0) return -1;
+            continue;
+        }
+        for (int64_t endpoint = first; endpoint < last; endpoint++) { /* sends leave as they are posted */
+            if (!e->endpoint_is_send[endpoint]) continue;
+            clock += e->overhead;
+            if (post_transfer(e, rank, e->endpoint_transfer[endpoint], clock) < 0) return -1;
+        }
+        for (int64_t endpoint = first; endpoint < last; endpoint++)
+            if (!e->endpoint_is_send[endpoint]) clock += e->overhead;
+        e->group_posted[ref] = clock;
+    }
+    e->position[rank] = item;
+    e->clock[rank] = clock;
+    if (item < stop) return 0;
+    e->rank_clock[rank] = clock;
+    if (e->semantics == RENDEZVOUS && e->posted_groups[rank] > 0) {
+        int64_t last_group = e->first_group[rank] + e->posted_groups[rank] - 1;
+        if (isnan(e->group_done[last_group])) { /* the step ends with its last transfers */
+            e->waits_group[rank] = last_group;
+            return 0;
+        }
+        e->rank_done[rank] = clock > e->group_done[last_group] ? clock : e->group_done[last_group];
+        return 0;
+    }
+    e->rank_done[rank] = clock;
+    return 0;
+}
+
+/* Buffer helpers: every array is checked for its element size and read as flat. */
+static int get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, int writable, const char *what) {
+    if (PyObject_GetBuffer(object, view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "engine: %s has items of %zd bytes, expected %zd", what, view->itemsize,
+                     itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static const Py_ssize_t INPUT_SIZES[IN_COUNT] = {8, 1, 8, 8, 8, 8, 8, 1, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8};
+
+static void *alloc_filled(Py_ssize_t count, size_t size, int value) {
+    void *memory = malloc((size_t)(count > 0 ? count : 1) * size);
+    if (memory) memset(memory, value, (size_t)(count > 0 ? count : 1) * size);
+    return memory;
+}
+
+static PyObject *engine_run(PyObject *self, PyObject *args) {
+    int semantics;
+    double overhead;
+    PyObject *inputs, *outputs;
+    Py_ssize_t link_count;
+    if (!PyArg_ParseTuple(args, "idO!nO!", &semantics, &overhead, &PyTuple_Type, &inputs, &link_count, &PyTuple_Type,
+                          &outputs))
+        return NULL;
+    if (PyTuple_GET_SIZE(inputs) != IN_COUNT || PyTuple_GET_SIZE(outputs) != OUT_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "engine: wrong number of arrays");
+        return NULL;
+    }
+    Py_buffer in[IN_COUNT], out[OUT_COUNT];
+    int taken_in = 0, taken_out = 0;
+    PyObject *result = NULL;
+    Engine e;
+    memset(&e, 0, sizeof(e));
+    for (; taken_in < IN_COUNT; taken_in++)
+        if (get_buffer(PyTuple_GET_ITEM(inputs, taken_in), &in[taken_in], INPUT_SIZES[taken_in], 0, "an input") < 0)
+            goto done;
+    for (; taken_out < OUT_COUNT; taken_out++)
+        if (get_buffer(PyTuple_GET_ITEM(outputs, taken_out), &out[taken_out], 8, 1, "an output") < 0) goto done;
+
+    e.semantics = semantics;
+    e.overhead = overhead;
+    e.ranks = in[IN_RANK_ITEM_START].len / 8 - 1;
+    e.transfers = out[OUT_POSTED].len / 8;
+    Py_ssize_t groups = in[IN_GROUP_RANK].len / 8, endpoints = in[IN_ENDPOINT_TRANSFER].len / 8;
+    e.rank_item_start = in[IN_RANK_ITEM_START].buf;
+    e.item_is_group = in[IN_ITEM_IS_GROUP].buf;
+    e.item_ref = in[IN_ITEM_REF].buf;
+    e.seconds = in[IN_SECONDS].buf;
+    e.hold = in[IN_HOLD].buf;
+    e.need = in[IN_NEED].buf;
+    e.send = in[IN_SEND].buf;
+    e.blocked = in[IN_BLOCKED].buf;
+    e.group_endpoint_start = in[IN_GROUP_ENDPOINT_START].buf;
+    e.group_rank = in[IN_GROUP_RANK].buf;
+    e.endpoint_transfer = in[IN_ENDPOINT_TRANSFER].buf;
+    e.endpoint_is_send = in[IN_ENDPOINT_IS_SEND].buf;
+    e.transfer_wire = in[IN_TRANSFER_WIRE].buf;
+    e.route_start = in[IN_ROUTE_START].buf;
+    e.link_start = in[IN_LINK_START].buf;
+    e.links = in[IN_LINKS].buf;
+    e.occupancy = in[IN_OCCUPANCY].buf;
+    e.latency = in[IN_LATENCY].buf;
+    e.ready = out[OUT_READY].buf;
+    e.start = out[OUT_START].buf;
+    e.end = out[OUT_END].buf;
+    e.posted = out[OUT_POSTED].buf;
+    e.departed = out[OUT_DEPARTED].buf;
+    e.arrival = out[OUT_ARRIVAL].buf;
+    e.group_posted = out[OUT_GROUP_POSTED].buf;
+    e.group_start = out[OUT_GROUP_START].buf;
+    e.group_done = out[OUT_GROUP_DONE].buf;
+    e.rank_clock = out[OUT_RANK_CLOCK].buf;
+    e.rank_done = out[OUT_RANK_DONE].buf;
+    e.stuck_item = out[OUT_STUCK_ITEM].buf;
+
+    e.link_free = alloc_filled(link_count, sizeof(double), 0);
+    e.position = alloc_filled(e.ranks, sizeof(int64_t), 0);
+    e.clock = alloc_filled(e.ranks, sizeof(double), 0);
+    e.waits_group = alloc_filled(e.ranks, sizeof(int64_t), 0xff);
+    e.waits_transfer = alloc_filled(e.ranks, sizeof(int64_t), 0xff);
+    e.first_group = alloc_filled(e.ranks + 1, sizeof(int64_t), 0);
+    e.posted_groups = alloc_filled(e.ranks, sizeof(int64_t), 0);
+    e.started_groups = alloc_filled(e.ranks, sizeof(int64_t), 0);
+    e.stream_busy = alloc_filled(e.ranks, sizeof(int8_t), 0);
+    e.stream_free = alloc_filled(e.ranks, sizeof(double), 0);
+    e.offer = alloc_filled(e.transfers, sizeof(int64_t), 0xff);
+    e.waiter = alloc_filled(e.transfers, sizeof(int64_t), 0xff);
+    e.outstanding = alloc_filled(groups, sizeof(int64_t), 0);
+    e.latest = alloc_filled(groups, sizeof(double), 0);
+    e.endpoint_group = alloc_filled(endpoints, sizeof(int64_t), 0);
+    if (!e.link_free || !e.position || !e.clock || !e.waits_group || !e.waits_transfer || !e.first_group ||
+        !e.posted_groups || !e.started_groups || !e.stream_busy || !e.stream_free || !e.offer || !e.waiter ||
+        !e.outstanding || !e.latest || !e.endpoint_group) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < e.ranks; i++) e.clock[i] = 0.0;
+    for (Py_ssize_t i = 0; i < link_count; i++) e.link_free[i] = 0.0;
+    for (Py_ssize_t i = 0; i < groups; i++) e.latest[i] = 0.0;
+    for (Py_ssize_t group = 0; group < groups; group++) {
+        for (int64_t at = e.group_endpoint_start[group]; at < e.group_endpoint_start[group + 1]; at++)
+            e.endpoint_group[at] = group;
+        e.first_group[e.group_rank[group] + 1]++;
+    }
+    for (Py_ssize_t rank = 0; rank < e.ranks; rank++) {
+        e.first_group[rank + 1] += e.first_group[rank];
+        e.position[rank] = e.rank_item_start[rank];
+    }
+
+    int failed = 0;
+    for (Py_ssize_t rank = 0; rank < e.ranks && !failed; rank++) failed = advance(&e, rank) < 0;
+    while (!failed && e.heap.size > 0) {
+        Moment moment = heap_pop(&e.heap);
+        if (moment.what == GROUP_START)
+            failed = begin_group(&e, moment.id) < 0;
+        else
+            failed = depart(&e, moment.id, moment.time) < 0;
+    }
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t rank = 0; rank < e.ranks; rank++)
+        e.stuck_item[rank] = isnan(e.rank_done[rank]) ? e.position[rank] - e.rank_item_start[rank] : -1;
+    result = Py_None;
+    Py_INCREF(result);
+
+done:
+    for (int i = 0; i < taken_in; i++) PyBuffer_Release(&in[i]);
+    for (int i = 0; i < taken_out; i++) PyBuffer_Release(&out[i]);
+    free(e.link_free);
+    free(e.position);
+    free(e.clock);
+    free(e.waits_group);
+    free(e.waits_transfer);
+    free(e.first_group);
+    free(e.posted_groups);
+    free(e.started_groups);
+    free(e.stream_busy);
+    free(e.stream_free);
+    free(e.offer);
+    free(e.waiter);
+    free(e.outstanding);
+    free(e.latest);
+    free(e.endpoint_group);
+    free(e.heap.items);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"run", engine_run, METH_VARARGS,
+     "run(semantics, comm_overhead, inputs, link_count, outputs): time one step (see schedules/engine.py)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_engine", "The timing engine's compiled walk.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__engine(void) { return PyModule_Create(&module); }

@@ -1,0 +1,413 @@
+"""The timing engine: every rank walks its program, and the step's moments follow.
+
+One engine answers every timing question pipesim asks: a simulated step's Trace
+(``pipesim.sim.engine`` hands it a cluster's links and collectives), lowering's planned
+times, the timing of zero-bubble candidate orders, and whether a schedule can finish at
+all (a rank left stuck is the validator's deadlock verdict). It knows nothing of clusters
+or models: it is given each compute action's seconds, what holds a rank after it (tensor
+parallel collectives), and each transfer's *wire*: the links it crosses, how long its
+bytes occupy them and the latency on top.
+
+The rules, under the P2P semantics named in ``schedules.p2p``:
+
+- a rank runs its items in program order. A compute action starts once the rank is free
+  and its input is there (below), runs for its seconds, then holds the rank for its hold;
+- ``rendezvous`` (NCCL): posting a group costs ``comm_overhead`` per operation and never
+  blocks; a rank's groups run one after another on its stream, a group starting once
+  posted and once the previous one completed; a transfer leaves when the later of its two
+  groups starts; a group completes when all of its transfers have arrived. A compute
+  action whose input comes from another rank waits for the group holding that receive to
+  complete, and a rank's step ends once its last group has completed;
+- ``buffered`` (gloo): a group's sends leave as they are posted (``comm_overhead`` each,
+  then its receives are posted); a compute action waits for its input's arrival, where
+  it needs it (as ``irecv`` and a wait right before the consumer);
+- ``free`` (compute-only programs): each output leaves when its producer ends and the
+  consumer waits for its arrival: the step as if transfers flowed freely.
+
+A transfer reserves every link of its route first come, first served: it starts when
+all of them are free, holds them for its occupancy, and arrives its latency later.
+Transfers that leave at the same moment reserve in rank order, then in posting order.
+A route with no links (the ideal cluster, one device) arrives at once.
+
+The walk is compiled (``schedules/_engine.c``, built by setup.py) and is the only product
+copy of these rules; it reads the programs as arrays (``schedules.program_arrays``).
+Where no C compiler was available, the SimPy model of the same rules
+(``pipesim.sim.reference``, the specification the compiled walk is tested against)
+runs instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from schedules.action import KIND_CODES
+from schedules.p2p import BUFFERED, RENDEZVOUS
+from schedules.program_arrays import (
+    B_CODE,
+    BACKWARD,
+    F_CODE,
+    FORWARD,
+    I_CODE,
+    ProgramArrays,
+    program_arrays,
+)
+from schedules.schedule import Schedule
+
+try:  # built by setup.py where a C compiler is found
+    from schedules import _engine as _compiled
+except ImportError:  # pragma: no cover - depends on the install
+    _compiled = None
+
+FREE = "free"  # compute-only programs: every output flows to its consumer as soon as it exists
+SEMANTICS_CODES = {RENDEZVOUS: 0, BUFFERED: 1, FREE: 2}
+COMPUTE_KINDS = ("F", "B", "I", "W")  # the columns of ``StepTiming.seconds``
+
+# One route of a wire: the link numbers it crosses, seconds its bytes occupy them, latency.
+Route = tuple[tuple[int, ...], float, float]
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """What a step's actions cost, as the engine reads it.
+
+    ``seconds[stage, k]`` is the duration of compute kind ``COMPUTE_KINDS[k]`` on
+    ``stage``; ``hold[stage, k]`` what holds the rank right after it (tensor-parallel
+    collectives; None: nothing). ``pair_seconds`` overrides single actions (the two halves
+    of an overlapped pair). ``wires[stage * 2 + direction]`` are the routes of the
+    transfer that leaves ``stage`` forward (direction 0) or backward (1): one route, or
+    several when the same send of other pipelines shares links with it (the data counts
+    as arrived when every route's has); empty or None: it arrives at once."""
+
+    seconds: np.ndarray
+    hold: np.ndarray | None = None
+    pair_seconds: Mapping[tuple, float] = field(default_factory=dict)
+    wires: Sequence[Sequence[Route] | None] = ()
+    comm_overhead: float = 0.0
+
+    @classmethod
+    def uniform(cls, num_stages: int, fwd: float, bwd: float, wgrad: float = 0.0, hop: float = 0.0) -> StepTiming:
+        """Every stage alike (``I = bwd - wgrad``, ``W = wgrad``), every transfer ``hop``
+        seconds of latency on a link of its own."""
+        seconds = np.tile(np.array([fwd, bwd, bwd - wgrad, wgrad], dtype=float), (num_stages, 1))
+        return cls(seconds, wires=hop_wires(num_stages, hop))
+
+
+def hop_wires(num_stages: int, hop: float | Sequence[float]) -> list[list[Route]]:
+    """Wires of ``hop`` seconds of latency each (one number, or one per stage boundary:
+    ``hop[s]`` between stages ``s`` and ``s + 1``), each on a link of its own so that
+    transfers never queue: the zero-bubble paper's ``T_comm`` model."""
+    hops = [float(hop)] * max(num_stages - 1, 0) if isinstance(hop, (int, float)) else [float(h) for h in hop]
+    wires: list[list[Route]] = []
+    for stage in range(num_stages):
+        forward = [((2 * stage,), 0.0, hops[stage])] if stage < num_stages - 1 else []
+        backward = [((2 * stage + 1,), 0.0, hops[stage - 1])] if stage > 0 else []
+        wires += [forward, backward]
+    return wires
+
+
+class EngineError(RuntimeError):
+    """The engine was handed something it cannot time (not a validation problem: the
+    caller passed inconsistent inputs)."""
+
+
+@dataclass
+class StepRun:
+    """What the engine computed for one step: per compute row (in program order, rank
+    after rank) the moment its rank reached it (``ready``), its ``start`` and ``end``
+    (its ``hold`` follows); per transfer key when its SEND was posted, left and arrived; per
+    P2P group when it was posted, started and completed (rendezvous); per rank the host's
+    clock at the end of its program and when its step is done (its last transfers
+    included). Moments never reached are NaN. ``stuck_item[r]`` is the item rank ``r``
+    stopped at, -1 if it finished."""
+
+    program: EngineProgram
+    ready: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    posted: np.ndarray
+    departed: np.ndarray
+    arrival: np.ndarray
+    group_posted: np.ndarray
+    group_start: np.ndarray
+    group_done: np.ndarray
+    rank_clock: np.ndarray
+    rank_done: np.ndarray
+    stuck_item: np.ndarray
+    hold: np.ndarray | None = None  # per compute row: the seconds that held its rank after it
+
+    @property
+    def stuck(self) -> list[int]:
+        """The ranks that can never finish their program (empty unless it deadlocks)."""
+        return [int(rank) for rank in np.flatnonzero(self.stuck_item >= 0)]
+
+    @property
+    def makespan(self) -> float:
+        """From the first moment (0) to the last rank's end."""
+        return float(self.rank_done.max()) if len(self.rank_done) else 0.0
+
+    def rank_spans(self) -> np.ndarray:
+        """Per rank, its first compute action's start to its last one's end (the
+        zero-bubble paper's measure of a stage's time)."""
+        program = self.program
+        spans = np.zeros(program.ranks)
+        if len(self.start):
+            first = np.full(program.ranks, np.inf)
+            last = np.zeros(program.ranks)
+            np.minimum.at(first, program.compute_rank, self.start)
+            np.maximum.at(last, program.compute_rank, self.end)
+            spans = np.where(np.isfinite(first), last - first, 0.0)
+        return spans
+
+
+@dataclass
+class EngineProgram:
+    """A schedule compiled for one semantics: the items each rank walks, with everything
+    that follows from the schedule alone (which receive or transfer each compute action
+    waits for, which transfer it sends in ``free`` mode, which group holds each P2P
+    operation). Kept with the schedule per semantics (``Schedule.derived``)."""
+
+    arrays: ProgramArrays
+    semantics: str
+    ranks: int
+    rank_item_start: np.ndarray
+    item_is_group: np.ndarray
+    item_ref: np.ndarray
+    compute_row: np.ndarray  # the program row of each compute action
+    compute_rank: np.ndarray
+    compute_need: np.ndarray  # the group (rendezvous) or transfer (else) each waits for, -1 none
+    compute_send: np.ndarray  # free mode: the transfer each compute action sends, -1 none
+    compute_blocked: np.ndarray  # its same-rank input comes later in the program: never runs
+    group_endpoint_start: np.ndarray
+    group_rank: np.ndarray
+    endpoint_row: np.ndarray
+    endpoint_transfer: np.ndarray
+    endpoint_is_send: np.ndarray
+    transfer_wire: np.ndarray
+
+    @property
+    def computes(self) -> int:
+        return len(self.compute_row)
+
+    @property
+    def groups(self) -> int:
+        return len(self.group_rank)
+
+    @cached_property
+    def compute_stage(self) -> np.ndarray:
+        return self.arrays.stage[self.compute_row]
+
+    @cached_property
+    def compute_kind(self) -> np.ndarray:
+        return self.arrays.kind[self.compute_row]
+
+    @cached_property
+    def compute_microbatch(self) -> np.ndarray:
+        return self.arrays.microbatch[self.compute_row]
+
+
+def compile_program(schedule: Schedule, semantics: str) -> EngineProgram:
+    """The schedule's programs as the engine walks them under ``semantics`` (kept with
+    the schedule). ``free`` reads only the compute actions; the others need a lowered
+    schedule."""
+    if semantics not in SEMANTICS_CODES:
+        raise ValueError(f"unknown P2P semantics {semantics!r}: use one of {', '.join(SEMANTICS_CODES)}")
+    return schedule.derived(f"engine_program:{semantics}", lambda owner: _compile(program_arrays(owner), semantics))
+
+
+def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
+    schedule = arrays.schedule
+    placement = np.asarray(schedule.placement, dtype=np.int64)
+    num_stages, microbatches = schedule.num_stages, arrays.microbatches
+    free = semantics == FREE
+    is_compute = arrays.is_compute
+    # items: each compute row, and the first row of each P2P group (free: compute rows only)
+    if free:
+        item_first = np.flatnonzero(is_compute)
+    else:
+        item_first = np.flatnonzero(is_compute | ~arrays.joined)
+    item_is_group = ~is_compute[item_first]
+    compute_row = item_first[~item_is_group]
+    item_ref = np.empty(len(item_first), dtype=np.int64)
+    item_ref[~item_is_group] = np.arange(len(compute_row))
+    group_first = item_first[item_is_group]
+    item_ref[item_is_group] = np.arange(len(group_first))
+    per_rank = np.bincount(arrays.rank[item_first], minlength=schedule.pp)
+    rank_item_start = np.zeros(schedule.pp + 1, dtype=np.int64)
+    np.cumsum(per_rank, out=rank_item_start[1:])
+    # P2P operations (endpoints) and the group each belongs to
+    if free:
+        endpoint_row = np.zeros(0, dtype=np.int64)
+        endpoint_group = endpoint_row
+    else:
+        endpoint_row = np.flatnonzero(~is_compute)
+        group_of_item = np.cumsum(item_is_group) - 1
+        endpoint_group = group_of_item[arrays.item[endpoint_row]]
+    group_endpoint_start = np.searchsorted(endpoint_group, np.arange(len(group_first) + 1)).astype(np.int64)
+    endpoint_transfer = arrays.transfer_key(arrays.stage[endpoint_row], arrays.kind[endpoint_row],
+                                            arrays.microbatch[endpoint_row])
+    endpoint_is_send = arrays.is_send[endpoint_row]
+    # what each compute action waits for from another rank, and sends to one
+    stage, kind, microbatch = (arrays.stage[compute_row], arrays.kind[compute_row],
+                               arrays.microbatch[compute_row])
+    rank = arrays.rank[compute_row]
+    is_forward = kind == F_CODE
+    is_backward = (kind == B_CODE) | (kind == I_CODE)
+    source = np.where(is_forward, stage - 1, np.where(is_backward, stage + 1, -1))
+    has_input = (is_forward | is_backward) & (source >= 0) & (source < num_stages)
+    source_rank = placement[np.clip(source, 0, num_stages - 1)]
+    crosses = has_input & (source_rank != rank)
+    direction = np.where(is_forward, FORWARD, BACKWARD)
+    input_key = np.where(crosses, (source * 2 + direction) * microbatches + microbatch, -1)
+    if semantics == RENDEZVOUS:
+        receives = np.flatnonzero(~endpoint_is_send)
+        group_holding = np.full(arrays.transfers, -1, dtype=np.int64)
+        group_holding[endpoint_transfer[receives]] = endpoint_group[receives]
+        need = np.where(crosses, group_holding[np.maximum(input_key, 0)], -1)
+    else:
+        need = input_key
+    if free:
+        target = np.where(is_forward, stage + 1, np.where(is_backward, stage - 1, -1))
+        has_output = (is_forward | is_backward) & (target >= 0) & (target < num_stages)
+        sends = has_output & (placement[np.clip(target, 0, num_stages - 1)] != rank)
+        compute_send = np.where(sends, (stage * 2 + direction) * microbatches + microbatch, -1)
+    else:
+        compute_send = np.full(len(compute_row), -1, dtype=np.int64)
+    blocked = _later_same_rank_input(arrays, compute_row, has_input & ~crosses, source)
+    return EngineProgram(
+        arrays=arrays, semantics=semantics, ranks=schedule.pp, rank_item_start=rank_item_start,
+        item_is_group=item_is_group.astype(np.int8), item_ref=item_ref, compute_row=compute_row, compute_rank=rank,
+        compute_need=need, compute_send=compute_send, compute_blocked=blocked.astype(np.int8),
+        group_endpoint_start=group_endpoint_start, group_rank=arrays.rank[group_first], endpoint_row=endpoint_row,
+        endpoint_transfer=endpoint_transfer, endpoint_is_send=endpoint_is_send.astype(np.int8),
+        transfer_wire=np.arange(arrays.transfers, dtype=np.int64) // microbatches,
+    )
+
+
+def _later_same_rank_input(arrays: ProgramArrays, compute_row: np.ndarray, local: np.ndarray,
+                           source: np.ndarray) -> np.ndarray:
+    """Compute actions whose input comes from a stage on the same rank (a V-shaped
+    placement) but whose producer comes later in the program, or not at all: they can
+    never run."""
+    blocked = np.zeros(len(compute_row), dtype=bool)
+    if not local.any():
+        return blocked
+    microbatches = arrays.microbatches
+    kind = arrays.kind[compute_row]
+    position = arrays.position[compute_row]
+    key = arrays.stage[compute_row] * microbatches + arrays.microbatch[compute_row]
+    size = arrays.schedule.num_stages * microbatches
+    forward_at = np.full(size, np.iinfo(np.int64).max)
+    backward_at = np.full(size, np.iinfo(np.int64).max)
+    is_forward = kind == F_CODE
+    is_backward = (kind == B_CODE) | (kind == I_CODE)
+    forward_at[key[is_forward]] = position[is_forward]
+    backward_at[key[is_backward]] = position[is_backward]
+    wanted = local.nonzero()[0]
+    producer_key = source[wanted] * microbatches + arrays.microbatch[compute_row][wanted]
+    producer_at = np.where(is_forward[wanted], forward_at[producer_key], backward_at[producer_key])
+    blocked[wanted] = producer_at > position[wanted]
+    return blocked
+
+
+def run(schedule: Schedule, timing: StepTiming, semantics: str) -> StepRun:
+    """Time one step of ``schedule`` under ``semantics`` (see the module)."""
+    program = compile_program(schedule, semantics)
+    seconds, hold = _compute_costs(program, timing)
+    wires = _wire_arrays(timing.wires, program.arrays)
+    if _compiled is None:  # pragma: no cover - an install without a C compiler
+        from pipesim.sim.reference import run_reference
+
+        step = run_reference(program, seconds, hold, wires, timing.comm_overhead)
+    else:
+        step = _run_compiled(program, seconds, hold, wires, float(timing.comm_overhead))
+    step.hold = hold
+    return step
+
+
+def _compute_costs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds and hold of each compute action, looked up by (stage, kind)."""
+    stage, kind = program.compute_stage, program.compute_kind
+    table = np.asarray(timing.seconds, dtype=float)
+    if table.shape != (program.arrays.schedule.num_stages, len(COMPUTE_KINDS)):
+        raise EngineError(f"timing gives seconds for {table.shape[0]} stages; the schedule has "
+                          f"{program.arrays.schedule.num_stages}")
+    seconds = table[stage, kind]
+    hold = np.zeros(len(seconds)) if timing.hold is None else np.asarray(timing.hold, dtype=float)[stage, kind]
+    if timing.pair_seconds:
+        microbatch = program.compute_microbatch
+        for (pair_stage, pair_kind, pair_microbatch), value in timing.pair_seconds.items():
+            match = np.flatnonzero((stage == pair_stage) & (kind == KIND_CODES[pair_kind])
+                                   & (microbatch == pair_microbatch))
+            seconds[match] = value
+    return np.ascontiguousarray(seconds), np.ascontiguousarray(hold)
+
+
+@dataclass(frozen=True)
+class WireArrays:
+    """``StepTiming.wires`` flattened: per wire its routes, per route its links,
+    occupancy and latency."""
+
+    route_start: np.ndarray
+    link_start: np.ndarray
+    links: np.ndarray
+    occupancy: np.ndarray
+    latency: np.ndarray
+    link_count: int
+
+
+def _wire_arrays(wires: Sequence[Sequence[Route] | None], arrays: ProgramArrays) -> WireArrays:
+    count = arrays.schedule.num_stages * 2
+    if wires and len(wires) != count:
+        raise EngineError(f"timing gives {len(wires)} wires; the schedule has {count} (two per stage)")
+    route_start, link_start, links, occupancy, latency = [0], [0], [], [], []
+    for wire in (wires or [None] * count):
+        for route_links, seconds, route_latency in (wire or ()):
+            links += route_links
+            link_start.append(len(links))
+            occupancy.append(seconds)
+            latency.append(route_latency)
+        route_start.append(len(occupancy))
+    links_array = np.array(links, dtype=np.int64)
+    return WireArrays(np.array(route_start, dtype=np.int64), np.array(link_start, dtype=np.int64), links_array,
+                      np.array(occupancy, dtype=float), np.array(latency, dtype=float),
+                      int(links_array.max()) + 1 if len(links_array) else 0)
+
+
+def empty_run(program: EngineProgram) -> StepRun:
+    """A ``StepRun`` of NaN moments, the shape of ``program``'s outputs."""
+    computes, transfers, groups = program.computes, program.arrays.transfers, program.groups
+
+    def nan(size: int) -> np.ndarray:
+        return np.full(size, np.nan)
+
+    return StepRun(program, nan(computes), nan(computes), nan(computes), nan(transfers), nan(transfers),
+                   nan(transfers), nan(groups), nan(groups), nan(groups), nan(program.ranks), nan(program.ranks),
+                   np.full(program.ranks, -1, dtype=np.int64))
+
+
+def _run_compiled(program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,
+                  comm_overhead: float) -> StepRun:
+    result = empty_run(program)
+    _compiled.run(
+        SEMANTICS_CODES[program.semantics], comm_overhead,
+        (program.rank_item_start, program.item_is_group, program.item_ref, seconds, hold, program.compute_need,
+         program.compute_send, program.compute_blocked, program.group_endpoint_start, program.group_rank,
+         program.endpoint_transfer, program.endpoint_is_send, program.transfer_wire, wires.route_start,
+         wires.link_start, wires.links, wires.occupancy, wires.latency),
+        wires.link_count,
+        (result.ready, result.start, result.end, result.posted, result.departed, result.arrival, result.group_posted,
+         result.group_start, result.group_done, result.rank_clock, result.rank_done, result.stuck_item),
+    )
+    return result
+
+
+def transfer_sender(program: EngineProgram) -> np.ndarray:
+    """The rank that sends each transfer key (the rank of its sending stage)."""
+    arrays = program.arrays
+    placement = np.asarray(arrays.schedule.placement, dtype=np.int64)
+    return placement[np.arange(arrays.transfers) // (2 * arrays.microbatches)]
+

@@ -1,0 +1,123 @@
+"""A schedule's programs as flat arrays: what validation, lowering and the timing engine
+read instead of walking hundreds of thousands of ``Action`` tuples one by one.
+
+Every action of every rank, in program order, rank after rank, becomes one row:
+``rank``, ``stage``, ``kind`` (a small code, ``KINDS[code]``), ``microbatch`` and its
+``position`` in its rank's program. P2P groups become an item number per row: a compute
+action is an item of its own, a run of communication actions joined into one group is
+one item (``Schedule.joins``). Transfers are numbered by the SEND both of their ends
+name (``transfer_key``), so the two ends of a transfer find each other by index.
+
+The rules of which stage feeds which live in ``schedules.action`` (``INPUT_OFFSET``,
+``OUTPUT_OFFSET``); this module applies them to whole arrays at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import chain
+from operator import itemgetter
+
+import numpy as np
+
+from schedules.action import KIND_CODES, KINDS, UnknownKindError
+from schedules.schedule import Schedule
+
+F_CODE, B_CODE, I_CODE, W_CODE = (KIND_CODES[kind] for kind in ("F", "B", "I", "W"))
+SEND_F_CODE, RECV_F_CODE, SEND_B_CODE, RECV_B_CODE = (KIND_CODES[kind]
+                                                      for kind in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"))
+COMPUTE_CODES = (F_CODE, B_CODE, I_CODE, W_CODE)
+FORWARD, BACKWARD = 0, 1  # a transfer's direction: activations forward, gradients back
+
+
+@dataclass(frozen=True)
+class ProgramArrays:
+    """The flat rows of a schedule's programs (see the module). ``rank_start[r]`` is the
+    first row of rank ``r``'s program; rows ``rank_start[r] .. rank_start[r + 1] - 1``
+    are its actions in order."""
+
+    schedule: Schedule
+    rank: np.ndarray
+    stage: np.ndarray
+    kind: np.ndarray
+    microbatch: np.ndarray
+    position: np.ndarray
+    rank_start: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return len(self.kind)
+
+    @cached_property
+    def is_compute(self) -> np.ndarray:
+        return self.kind < len(COMPUTE_CODES)
+
+    @cached_property
+    def is_send(self) -> np.ndarray:
+        return (self.kind == SEND_F_CODE) | (self.kind == SEND_B_CODE)
+
+    @cached_property
+    def is_recv(self) -> np.ndarray:
+        return (self.kind == RECV_F_CODE) | (self.kind == RECV_B_CODE)
+
+    @cached_property
+    def joined(self) -> np.ndarray:
+        """Rows whose communication action is posted in the same group as the row before."""
+        joined = np.zeros(self.size, dtype=bool)
+        for rank, positions in enumerate(self.schedule.joins):
+            if positions:
+                joined[self.rank_start[rank] + np.fromiter(positions, np.int64, len(positions))] = True
+        return joined
+
+    @cached_property
+    def item(self) -> np.ndarray:
+        """Each row's item number (global, in rank then program order): a compute action
+        is an item, a P2P group one item for all of its rows."""
+        starts = ~(~self.is_compute & self.joined)
+        return np.cumsum(starts) - 1
+
+    @cached_property
+    def microbatches(self) -> int:
+        """The microbatch index space the transfer keys use: the schedule's count, or more
+        when a malformed program names a larger microbatch."""
+        largest = int(self.microbatch.max()) + 1 if self.size else 0
+        return max(self.schedule.microbatches, largest)
+
+    def transfer_key(self, stage: np.ndarray, kind: np.ndarray, microbatch: np.ndarray) -> np.ndarray:
+        """The number of the transfer each communication row belongs to: that of its SEND,
+        ``(sending stage * 2 + direction) * microbatches + microbatch``; both ends agree."""
+        sending_stage = stage + np.select([kind == RECV_F_CODE, kind == RECV_B_CODE], [-1, 1], 0)
+        direction = np.where((kind == SEND_B_CODE) | (kind == RECV_B_CODE), BACKWARD, FORWARD)
+        return (sending_stage * 2 + direction) * self.microbatches + microbatch
+
+    @cached_property
+    def transfers(self) -> int:
+        """How many transfer keys there are (most of them unused)."""
+        return self.schedule.num_stages * 2 * self.microbatches
+
+
+def program_arrays(schedule: Schedule) -> ProgramArrays:
+    """The schedule's programs as arrays, built once and kept with the schedule
+    (``Schedule.derived``). Raises ``UnknownKindError`` naming an action of a kind that
+    does not exist."""
+    return schedule.derived("program_arrays", _build)
+
+
+def _build(schedule: Schedule) -> ProgramArrays:
+    programs = schedule.programs
+    lengths = np.fromiter(map(len, programs), np.int64, len(programs))
+    rank_start = np.zeros(len(programs) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=rank_start[1:])
+    flat = list(chain.from_iterable(programs))
+    count = len(flat)
+    try:
+        kind = np.fromiter(map(KIND_CODES.__getitem__, map(itemgetter(1), flat)), np.int8, count)
+    except KeyError:
+        bad = next(action for action in flat if action[1] not in KIND_CODES)
+        raise UnknownKindError(f"{bad} has unknown kind {bad[1]!r}; valid kinds: {', '.join(KINDS)}") from None
+    stage = np.fromiter(map(itemgetter(0), flat), np.int64, count)
+    microbatch = np.fromiter(map(itemgetter(2), flat), np.int64, count)
+    rank = np.repeat(np.arange(len(programs), dtype=np.int64), lengths)
+    position = np.arange(count, dtype=np.int64) - rank_start[rank]
+    return ProgramArrays(schedule, rank, stage, kind, microbatch, position, rank_start)

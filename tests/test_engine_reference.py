@@ -1,0 +1,147 @@
+"""The compiled engine against its specification, the SimPy model (``pipesim.sim.reference``):
+on random schedules, costs, clusters, placements, tp/dp plans and every semantics, the
+same moments, bit for bit, and the same stuck ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesim.cluster import presets
+from pipesim.cluster.mapping import map_ranks
+from pipesim.model.costs import Costs, StageCost, uniform_costs
+from pipesim.sim import reference
+from pipesim.sim.engine import rank_devices_of, step_timing
+from pipesim.sim.parallel import comm_plan
+from schedules import engine, generate, lower
+from schedules.action import Action, ActionKind
+from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
+from schedules.schedule import Schedule
+
+CLUSTERS = {  # name -> (preset, nodes); pcie shares its switch and socket links between rank pairs
+    "ideal": ("ideal", 1), "nvlink": ("nvlink", 1), "pcie": ("pcie", 1), "ib": ("ib", 2), "ethernet": ("ethernet", 2),
+}
+MOMENTS = ("ready", "start", "end", "posted", "departed", "arrival", "group_posted", "group_start", "group_done",
+           "rank_clock", "rank_done", "stuck_item")
+
+pytestmark = pytest.mark.skipif(engine._compiled is None, reason="the compiled engine is not built")
+
+
+def both(schedule: Schedule, timing: engine.StepTiming, semantics: str) -> tuple[engine.StepRun, engine.StepRun]:
+    """The compiled engine's run and the SimPy model's, on the same inputs."""
+    program = engine.compile_program(schedule, semantics)
+    seconds, hold = engine._compute_costs(program, timing)
+    wires = engine._wire_arrays(timing.wires, program.arrays)
+    compiled = engine._run_compiled(program, seconds, hold, wires, timing.comm_overhead)
+    return compiled, reference.run_reference(program, seconds, hold, wires, timing.comm_overhead)
+
+
+def assert_same_moments(compiled: engine.StepRun, specified: engine.StepRun) -> None:
+    for name in MOMENTS:
+        assert np.array_equal(getattr(compiled, name), getattr(specified, name), equal_nan=True), name
+
+
+@st.composite
+def cases(draw):
+    name = draw(st.sampled_from(sorted(set(GENERATORS) - {"zb-auto"})))  # V-shaped and overlapped pairs included
+    pp = draw(st.integers(1, 8))
+    microbatches = draw(st.integers(1, 12))
+    chunks = draw(st.integers(1, 3)) if name in MULTI_CHUNK else 1
+    try:
+        lowered = lower(generate(name, pp, microbatches, chunks))
+    except ScheduleUnavailableError:
+        lowered = lower(generate("1f1b", pp, microbatches))
+    preset, nodes = CLUSTERS[draw(st.sampled_from(sorted(CLUSTERS)))]
+    topology = presets.PRESETS[preset](nodes)
+    devices = None
+    if not topology.ideal and draw(st.booleans()):  # ranks on scattered devices: other links shared
+        devices = draw(st.permutations(topology.devices))[: lowered.pp]
+    if draw(st.booleans()):  # uniform costs: many ties, where the order of equal-time moments decides
+        costs = uniform_costs(lowered, 1e-3, 2e-3, wgrad=draw(st.sampled_from([0.0, 0.5e-3])),
+                              act_bytes=draw(st.sampled_from([0, 1e6, 5e7, 1e9])))
+    else:
+        seconds = st.floats(1e-5, 5e-3)
+        stages = tuple(
+            StageCost(fwd=draw(seconds), bwd=draw(st.floats(2e-3, 5e-3)), wgrad=draw(st.floats(0.0, 1e-3)),
+                      act_bytes=draw(st.sampled_from([0.0, 1e5, 3e7, 4e8])),
+                      param_bytes=draw(st.sampled_from([0.0, 1e8])), layers=2, tp_message_bytes=1e6)
+            for _ in range(lowered.num_stages)
+        )
+        overheads = st.sampled_from([0.0, 2e-6, 1e-5])
+        costs = Costs(stages, action_overhead=draw(overheads), comm_overhead=draw(overheads))
+    plan = None
+    if draw(st.booleans()):  # a dp x tp job: tp holds and the other replicas' transfers on shared links (twins)
+        topology = presets.ib(4)
+        mapping = map_ranks(topology, dp=2, pp=lowered.pp, tp=2)
+        devices = mapping.pipeline()
+        plan = comm_plan(lowered, costs, topology, mapping)
+    timing = step_timing(lowered, costs, topology, rank_devices_of(lowered, topology, devices), plan)
+    semantics = draw(st.sampled_from(["rendezvous", "buffered", "free"]))
+    return (lowered.compute_only() if semantics == "free" else lowered), timing, semantics
+
+
+@settings(max_examples=250, deadline=None)
+@given(cases())
+def test_the_compiled_engine_computes_what_the_simpy_model_specifies(case):
+    schedule, timing, semantics = case
+    compiled, specified = both(schedule, timing, semantics)
+    assert not compiled.stuck
+    assert_same_moments(compiled, specified)
+
+
+@pytest.mark.parametrize("semantics", ["rendezvous", "buffered"])
+def test_a_large_interleaved_step_is_the_same_in_both(semantics):
+    lowered = lower(generate("interleaved-1f1b", 16, 64, 2))
+    costs = uniform_costs(lowered.num_stages, 10e-3, 20e-3, act_bytes=64e6, virtual_stages=2)
+    topology = presets.ib(2)
+    timing = step_timing(lowered, costs, topology, rank_devices_of(lowered, topology, None))
+    assert_same_moments(*both(lowered, timing, semantics))
+
+
+@pytest.mark.parametrize("semantics", ["rendezvous", "buffered"])
+def test_a_deadlock_leaves_the_same_ranks_stuck_in_both(semantics):
+    # both ranks receive before they compute what the other needs: under rendezvous neither
+    # group can complete; under buffered the sends are never posted
+    recv_f, send_b = Action(1, ActionKind.RECV_F, 0), Action(1, ActionKind.SEND_B, 0)
+    recv_b, send_f = Action(0, ActionKind.RECV_B, 0), Action(0, ActionKind.SEND_F, 0)
+    schedule = Schedule(
+        pp=2, microbatches=1, placement=(0, 1),
+        programs=((recv_b, Action(0, "B", 0), Action(0, "F", 0), send_f),
+                  (recv_f, Action(1, "B", 0), Action(1, "F", 0), send_b)),
+    )
+    compiled, specified = both(schedule, engine.StepTiming.uniform(2, 1.0, 2.0), semantics)
+    assert compiled.stuck == [0, 1]
+    assert_same_moments(compiled, specified)
+
+
+def test_a_same_rank_input_that_comes_later_never_runs_in_either():
+    # V placement: stage 1 sits on rank 0 with stage 0, and its forward comes first
+    schedule = Schedule(pp=1, microbatches=1, placement=(0, 0),
+                        programs=((Action(1, "F", 0), Action(0, "F", 0), Action(1, "B", 0), Action(0, "B", 0)),))
+    compiled, specified = both(schedule, engine.StepTiming.uniform(2, 1.0, 2.0), "free")
+    assert compiled.stuck == [0] and compiled.stuck_item.tolist() == [0]
+    assert_same_moments(compiled, specified)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases())
+def test_buffered_is_never_slower_than_rendezvous_on_the_same_program(case):
+    schedule, timing, semantics = case
+    if semantics == "free":
+        return
+    rendezvous = engine.run(schedule, timing, "rendezvous")
+    buffered = engine.run(schedule, timing, "buffered")
+    # a less constrained rule cannot end later: sends never wait for their receive,
+    # receives wait only where their data is needed
+    assert buffered.makespan <= rendezvous.makespan * (1 + 1e-12)
+
+
+def test_without_the_compiled_walk_the_engine_runs_the_simpy_model(monkeypatch):
+    lowered = lower(generate("zbv", 4, 8, 2))
+    timing = engine.StepTiming.uniform(lowered.num_stages, 1.0, 2.0, 0.8, hop=0.3)
+    compiled = engine.run(lowered, timing, "rendezvous")
+    monkeypatch.setattr(engine, "_compiled", None)
+    fallback = engine.run(lowered, timing, "rendezvous")
+    assert_same_moments(compiled, fallback)
