@@ -55,22 +55,28 @@ def layer_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = 
     return spec.tokens * per_token, spec.tokens * scores
 
 
+def memory_seconds(num_bytes: float, bandwidth: float) -> float:
+    """Seconds to stream ``num_bytes`` through HBM of ``bandwidth`` bytes/s at the
+    efficiency streaming kernels reach: the one price of memory-bound work (element-wise
+    kernels, the optimizer, a GEMM's own reads and writes)."""
+    return num_bytes / (bandwidth * HBM_EFFICIENCY)
+
+
 def layer_memory_seconds(spec: ModelSpec, bandwidth: float, tp: int = 1, sequence_parallel: bool = False,
                          flash_attention: bool = True, recompute: str = "none") -> tuple[float, float]:
     """(forward, backward) seconds of one layer's memory-bound kernels at ``bandwidth``
     bytes/s of HBM; the backward includes what recompute re-runs."""
-    rate = bandwidth * HBM_EFFICIENCY
     plain, scores = layer_traffic_bytes(spec, tp, sequence_parallel, flash_attention)
-    forward = (plain + scores) / rate
+    forward = memory_seconds(plain + scores, bandwidth)
     backward = BACKWARD_TRAFFIC * forward
     if recompute == "full":
         backward += forward
     elif recompute == "selective":
-        backward += scores / rate
+        backward += memory_seconds(scores, bandwidth)
     return forward, backward
 
 
 def optimizer_step_seconds(params: float, state_bytes_per_param: float, bandwidth: float) -> float:
     """Seconds of one optimizer step over ``params`` parameters that keep
     ``state_bytes_per_param`` bytes each: read and written once, at ``bandwidth``."""
-    return 2 * params * state_bytes_per_param / (bandwidth * HBM_EFFICIENCY)
+    return memory_seconds(2 * params * state_bytes_per_param, bandwidth)
