@@ -118,9 +118,6 @@ def check_cost_flags(args: argparse.Namespace) -> None:
     if getattr(args, "compute_model", None) and not getattr(args, "model", None):
         raise ValueError(f"--compute-model {args.compute_model} needs --model: it times a model spec's operations; "
                          "give --model or drop --compute-model")
-    if getattr(args, "mfu", None) is not None and getattr(args, "compute_model", None):
-        raise conflict(f"--mfu {args.mfu:g}", f"--compute-model {args.compute_model}",
-                       "one efficiency for every kernel or a profiled model of them; give one")
 
 
 def virtual_stages_for(name: str, requested: int | None) -> int:
@@ -374,6 +371,9 @@ def compute_model_from_args(args: argparse.Namespace):
     path = getattr(args, "compute_model", None)
     if not path:
         return None
+    if getattr(args, "mfu", None) is not None:
+        raise conflict(f"--mfu {args.mfu:g}", f"--compute-model {path}",
+                       "one efficiency for every kernel or a profiled model of them; give one")
     return _load_compute_model(path)
 
 

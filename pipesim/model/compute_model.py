@@ -22,7 +22,7 @@ Where the kernel figures come from (never from a training run):
   efficiency carried over in proportion to their maximum achievable matmul throughput
   (``GpuSpec.matmul_flops``, published measurements): a sustained full-wave GEMM reaches
   the same fraction of the best matmul measured on each part as the H200's did
-  (0.725 x 989 / 794.5 = 0.90). Attention throughput is the H200's scaled by the same
+  (0.7234 x 989 / 794.5 = 0.90). Attention throughput is the H200's scaled by the same
   ratio of matmul throughputs (A100: 0.34x; at 8192 tokens and 16 heads that is 166
   TFLOP/s forward + backward, 53% of peak, inside the 50-73% of peak that Dao 2023,
   "FlashAttention-2", reports for its kernels on an A100).
@@ -46,12 +46,13 @@ from pipesim.cluster.gpus import DEFAULT_GPU, GPUS, gpu_spec
 from pipesim.model import memory_traffic
 from pipesim.model.attention_model import AttentionTable, AttentionTableError, AttentionTiming, read_attention_csv
 from pipesim.model.gemm_model import GemmModel
-from pipesim.model.operations import FlashAttention, Gemm, MemoryBound, Operation
+from pipesim.model.operations import FlashAttention, Gemm, MemoryBound, Operation, memory_bound_kernels
+from pipesim.model.spec import ModelSpec
 
 FILE_FORMAT = 1
 # fit_gemm_model over data/h200_gemm_bf16.csv (forward and backward of every row), on the H200's
 # 989 TFLOP/s, 4.8 TB/s, 132 SMs; tests/test_compute_model.py re-fits the file and checks these
-H200_GEMM_FIT = {"efficiency": 0.725, "k_overhead": 288.0, "launch_seconds": 25.1e-6}
+H200_GEMM_FIT = {"efficiency": 0.7234, "k_overhead": 272.0, "launch_seconds": 25.1e-6}
 MEASURED_GPU = "h200"
 
 
@@ -220,6 +221,16 @@ def block_time(operations: tuple[Operation, ...], model: ComputeModel, recompute
         if recompute == "full" or (recompute == "selective" and operation.attention_core):
             recomputed += time.forward
     return BlockTime(forward, input_grad, weight_grad, recomputed)
+
+
+def layer_memory_seconds(spec: ModelSpec, bandwidth: float, tp: int = 1, sequence_parallel: bool = False,
+                         flash_attention: bool = True, recompute: str = "none") -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's memory-bound kernels at ``bandwidth``
+    bytes/s of HBM, the backward with what recompute re-runs: the part of a layer's time
+    that is the same under every compute model."""
+    kernels = memory_bound_kernels(spec, tp, sequence_parallel, flash_attention)
+    time = block_time(kernels, FixedEfficiency(math.inf, 1.0, bandwidth), recompute, spec.dtype_bytes)
+    return time.forward, time.input_grad + time.recompute
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from pipesim.model import memory_traffic
 TILES = ((256, 128), (128, 256), (128, 128), (256, 64), (64, 256), (128, 64), (64, 128), (64, 64))
 KERNEL_BOUND = 3.0  # timings at least this many launch floors long say something about the kernel
 K_OVERHEAD_GRID = tuple(range(0, 1025, 16))
-EFFICIENCY_GRID = tuple(step / 1000 for step in range(50, 1001, 5))
+EFFICIENCY_RANGE = (0.001, 1.0)
 
 
 class GemmFitError(ValueError):
@@ -99,7 +99,7 @@ def fit_gemm_model(timings: Sequence[GemmTiming], peak_flops: float, memory_band
     ``launch_seconds`` is the shortest time per GEMM measured (what the smallest shapes
     show is the host, not the GPU). ``k_overhead`` and ``efficiency`` minimise the mean
     squared log error over the timings at least ``KERNEL_BOUND`` launch floors long,
-    searched on a grid (steps of 16 elements and 0.005) wide enough for every GPU."""
+    searched on a grid (steps of 16 elements, and of 0.1% in efficiency from 0.001 to 1)."""
     import numpy as np
 
     if not timings:
@@ -123,16 +123,23 @@ def fit_gemm_model(timings: Sequence[GemmTiming], peak_flops: float, memory_band
     owner_array, unit_array = np.array(owner), np.array(unit)
     k_array, memory_array = np.array(k_values, dtype=float), np.array(memory)
     measured = np.log([timing.seconds for timing in kept])
-    efficiencies = np.array(EFFICIENCY_GRID)[:, None]
-    best = (math.inf, 0.0, 0.0)
-    for k_overhead in K_OVERHEAD_GRID:
-        compute = unit_array * (k_array + k_overhead) / efficiencies  # (efficiencies, shapes)
-        per_shape = np.maximum(np.maximum(compute, memory_array), launch)
-        predicted = np.zeros((len(EFFICIENCY_GRID), len(kept)))
-        np.add.at(predicted.T, owner_array, per_shape.T)
-        errors = np.mean((np.log(predicted) - measured) ** 2, axis=1)
-        row = int(np.argmin(errors))
-        if errors[row] < best[0]:
-            best = (float(errors[row]), EFFICIENCY_GRID[row], float(k_overhead))
+
+    def search(efficiencies: np.ndarray, k_overheads: Sequence[float]) -> tuple[float, float, float]:
+        best = (math.inf, 0.0, 0.0)
+        for k_overhead in k_overheads:
+            compute = unit_array * (k_array + k_overhead) / efficiencies[:, None]  # (efficiencies, shapes)
+            per_shape = np.maximum(np.maximum(compute, memory_array), launch)
+            predicted = np.zeros((len(efficiencies), len(kept)))
+            np.add.at(predicted.T, owner_array, per_shape.T)
+            errors = np.mean((np.log(predicted) - measured) ** 2, axis=1)
+            row = int(np.argmin(errors))
+            if errors[row] < best[0]:
+                best = (float(errors[row]), float(efficiencies[row]), float(k_overhead))
+        return best
+
+    # coarse (5% steps from 0.1% of peak, for a device far from its datasheet figure), then fine (0.1%)
+    _, coarse, _ = search(np.geomspace(EFFICIENCY_RANGE[0], EFFICIENCY_RANGE[1], 142), K_OVERHEAD_GRID)
+    fine = np.clip(coarse * np.geomspace(1 / 1.06, 1.06, 117), EFFICIENCY_RANGE[0], EFFICIENCY_RANGE[1])
+    best = search(fine, K_OVERHEAD_GRID)
     _, efficiency, k_overhead = best
     return GemmModel(peak_flops, memory_bandwidth, sms, efficiency, k_overhead, launch)

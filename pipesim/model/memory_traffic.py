@@ -62,20 +62,6 @@ def memory_seconds(num_bytes: float, bandwidth: float) -> float:
     return num_bytes / (bandwidth * HBM_EFFICIENCY)
 
 
-def layer_memory_seconds(spec: ModelSpec, bandwidth: float, tp: int = 1, sequence_parallel: bool = False,
-                         flash_attention: bool = True, recompute: str = "none") -> tuple[float, float]:
-    """(forward, backward) seconds of one layer's memory-bound kernels at ``bandwidth``
-    bytes/s of HBM; the backward includes what recompute re-runs."""
-    plain, scores = layer_traffic_bytes(spec, tp, sequence_parallel, flash_attention)
-    forward = memory_seconds(plain + scores, bandwidth)
-    backward = BACKWARD_TRAFFIC * forward
-    if recompute == "full":
-        backward += forward
-    elif recompute == "selective":
-        backward += memory_seconds(scores, bandwidth)
-    return forward, backward
-
-
 def optimizer_step_seconds(params: float, state_bytes_per_param: float, bandwidth: float) -> float:
     """Seconds of one optimizer step over ``params`` parameters that keep
     ``state_bytes_per_param`` bytes each: read and written once, at ``bandwidth``."""
