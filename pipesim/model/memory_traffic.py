@@ -5,8 +5,9 @@ adds, the MLP activation, rotary embeddings) and, without flash attention, a sof
 a dropout over the ``a x s x s`` attention scores. Their time is set by the bytes they
 move through HBM, not by FLOPs: for a GPT layer it is a few percent of the step at
 h = 25600 and tens of percent at h = 2304 (the score tensors grow with ``a*s`` per token
-while the GEMMs grow with ``h``). Charging them at the GPU's memory bandwidth is what
-lets one compute-efficiency number hold across model sizes (benchmarks/published.py).
+while the GEMMs grow with ``h``). Every compute model charges them at the GPU's memory
+bandwidth (``pipesim.model.compute_model``): without them neither one efficiency nor the
+GEMMs' own speed explains small and large models alike (benchmarks/published.py).
 
 Forward traffic per token, in elements of the activation dtype (reads + writes, fused
 kernels as Megatron-LM fuses them), plus one byte per dropout-mask element:
@@ -20,8 +21,9 @@ kernels as Megatron-LM fuses them), plus one byte per dropout-mask element:
 Norms and residual adds are whole on every tensor-parallel rank unless sequence
 parallelism shards them; the rest is split by tp. The backward moves about 1.5x the
 forward's bytes (each kernel reads its saved input and the incoming gradient and writes
-one gradient), full recompute repeats the forward's, selective recompute the scores'.
-Kernels reach ``HBM_EFFICIENCY`` of the datasheet bandwidth.
+one gradient), full recompute repeats the forward's, selective recompute the scores'
+(applied per operation by ``pipesim.model.compute_model.block_time``). Kernels reach
+``HBM_EFFICIENCY`` of the datasheet bandwidth (``memory_seconds``).
 
 The optimizer step is memory-bound too: a fused Adam reads and writes every byte of
 state it keeps per parameter (weights, gradients, optimizer state: 16 bytes in mixed
