@@ -126,6 +126,7 @@ def handle_compute_model(args: argparse.Namespace) -> int:
     """Profile this machine's GPU and write ``args.compute_model``."""
     import torch  # noqa: PLC0415
 
+    from executor.options import DEFAULT_MICROBATCHES  # noqa: PLC0415
     from pipesim.cli.options import executor_gpt_spec  # noqa: PLC0415
     from pipesim.cluster.gpus import gpu_spec  # noqa: PLC0415
 
@@ -139,7 +140,7 @@ def handle_compute_model(args: argparse.Namespace) -> int:
         raise ValueError(f"--compute-model: cannot tell which GPU {properties.name!r} is; name the nearest with --gpu "
                          "(its datasheet peak and HBM bandwidth are the model's units)")
     figures = gpu_spec(gpu)
-    microbatches = args.microbatches or 1
+    microbatches = args.microbatches or DEFAULT_MICROBATCHES  # run's default, as the stage profile's
     spec = executor_gpt_spec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
                              vocab=args.vocab, microbatch_size=max(1, -(-args.batch_size // microbatches)),
                              dtype_bytes=2)
