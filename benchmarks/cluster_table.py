@@ -40,7 +40,7 @@ def table(model: str, pp: int, microbatches: int) -> str:
             devices = map_ranks(topology, dp, pp, tp).pipeline()
             peaks = [topology.device_peak_flops(devices[schedule.placement[stage]])
                      for stage in range(schedule.num_stages)]
-            costs = model_costs(spec, schedule.num_stages, peaks, tp=tp)
+            costs = model_costs(spec, schedule.num_stages, peaks, tp=tp, mfu=0.5)
             result = run_simulation(schedule, costs, topology, parallel=ParallelConfig(dp=dp, tp=tp))
             comm = result.comm
             worst = max(result.memory, key=lambda rank: rank.peak_bytes)

@@ -12,8 +12,9 @@ import pytest
 
 from pipesim.cli import main
 from pipesim.model.activations import layer_stash_bytes
+from pipesim.model.compute_model import layer_memory_seconds
 from pipesim.model.hf_config import spec_from_hf_config
-from pipesim.model.memory_traffic import BACKWARD_TRAFFIC, HBM_EFFICIENCY, layer_memory_seconds
+from pipesim.model.memory_traffic import BACKWARD_TRAFFIC, HBM_EFFICIENCY
 from pipesim.model.spec import ModelSpecError, model_costs, model_spec, split_layers
 from pipesim.model.transformer_costs import training_figures
 

@@ -102,18 +102,22 @@ def conflict(flag: str, other: str, why: str) -> ValueError:
 
 
 COST_FLAGS = (("--fwd", "fwd"), ("--bwd", "bwd"), ("--wgrad", "wgrad"), ("--act-bytes", "act_bytes"))
-DEFAULT_FWD, DEFAULT_MFU = 1e-3, 0.5
+DEFAULT_FWD = 1e-3
 
 
 def check_cost_flags(args: argparse.Namespace) -> None:
     """``--costs`` fixes every per-stage cost, so a cost flag beside it is refused, and
-    ``--mfu`` only scales a ``--model``'s FLOPs; the defaults are filled in after."""
+    ``--mfu`` and ``--compute-model`` only time a ``--model``'s operations; the defaults
+    are filled in after."""
     if getattr(args, "costs", None):
         for flag, dest in COST_FLAGS:
             if getattr(args, dest, None) is not None:
                 raise conflict(flag, f"--costs {args.costs}", f"the costs file gives every stage's costs; drop {flag}")
     if hasattr(args, "mfu") and args.mfu is not None and not getattr(args, "model", None):
         raise ValueError("--mfu needs --model: it scales the FLOPs of a model spec; give --model or drop --mfu")
+    if getattr(args, "compute_model", None) and not getattr(args, "model", None):
+        raise ValueError(f"--compute-model {args.compute_model} needs --model: it times a model spec's operations; "
+                         "give --model or drop --compute-model")
 
 
 def virtual_stages_for(name: str, requested: int | None) -> int:
@@ -216,8 +220,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "(default: the model's; bfloat16 for the presets, float32 for gpt)")
     add_hidden_alias(group, "--dtype-bytes", "dtype_bytes", type=int)
     group.add_argument("--mfu", type=float, default=None,
-                       help=f"with --model: fraction of the device's peak FLOP/s that compute reaches "
-                       f"(default: {DEFAULT_MFU})")
+                       help="with --model: one fraction of the device's peak FLOP/s that every GEMM and attention "
+                       "kernel reaches, to calibrate on a measured step (default: none, the GPU's compute model "
+                       "times each kernel by its shape)")
+    group.add_argument("--compute-model", default=None, metavar="FILE",
+                       help="with --model: a compute model fitted on your GPU by pipesim profile --compute-model, "
+                       "for every device (default: the built-in model of each device's GPU)")
     group.add_argument("--layers-per-stage", help="layers on each stage, e.g. 3,3,2,2 (default: as even as possible)")
     add_hidden_alias(group, "--layout", "layers_per_stage")
     group.add_argument("--sequence-parallel", action="store_true",
@@ -346,21 +354,41 @@ def model_costs_from_args(args: argparse.Namespace, schedule: Schedule, topology
     stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
     peaks = [topology.device_peak_flops(device) for device in stage_devices]
     bandwidths = [device_memory_bandwidth(topology, device) for device in stage_devices]
+    gpus = [topology.device_gpu(device) for device in stage_devices]
     layout = split_list(args.layers_per_stage, int) if args.layers_per_stage else None
     parallel = parallel_from_args(args)
-    return _model_costs(spec, schedule.num_stages, tuple(peaks), args.tp, DEFAULT_MFU if args.mfu is None else args.mfu,
+    profiled = compute_model_from_args(args)
+    return _model_costs(spec, schedule.num_stages, tuple(peaks), args.tp, args.mfu,
                         args.sequence_parallel, tuple(layout) if layout else None, args.recompute,
                         not args.no_flash_attention, fallback_peak_flops(args), tuple(bandwidths),
                         fallback_memory_bandwidth(args),
                         static_bytes_per_param(parallel.bytes_per_param, args.dp, parallel.zero),
-                        tuple(schedule.placement))
+                        tuple(schedule.placement), tuple(gpus), getattr(args, "gpu", None), profiled)
+
+
+def compute_model_from_args(args: argparse.Namespace):
+    """The profiled compute model of ``--compute-model FILE``, or None (read once per file)."""
+    path = getattr(args, "compute_model", None)
+    if not path:
+        return None
+    if getattr(args, "mfu", None) is not None:
+        raise conflict(f"--mfu {args.mfu:g}", f"--compute-model {path}",
+                       "one efficiency for every kernel or a profiled model of them; give one")
+    return _load_compute_model(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_compute_model(path: str):
+    from pipesim.model.compute_model import load_compute_model
+
+    return load_compute_model(path)
 
 
 @functools.lru_cache(maxsize=1024)
-def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float, sequence_parallel: bool,
+def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None, sequence_parallel: bool,
                  layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
                  bandwidths: tuple, fallback_bandwidth: float, optimizer_state_bytes: float,
-                 stage_ranks: tuple) -> Costs:
+                 stage_ranks: tuple, gpus: tuple, fallback_gpu: str | None, profiled) -> Costs:
     """``transformer_costs.model_costs``, kept per distinct input: it is a pure function of
     them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
     layouts (every dp width on one kind of GPU, with and without ZeRO where it does not
@@ -371,7 +399,8 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float, seque
                        layers_per_stage=list(layout) if layout else None, recompute=recompute,
                        flash_attention=flash_attention, fallback_peak=fallback_peak,
                        stage_memory_bandwidth=list(bandwidths), fallback_memory_bandwidth=fallback_bandwidth,
-                       optimizer_state_bytes=optimizer_state_bytes, stage_ranks=list(stage_ranks))
+                       optimizer_state_bytes=optimizer_state_bytes, stage_ranks=list(stage_ranks),
+                       stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled)
 
 
 def costs_from_args(args: argparse.Namespace, num_stages: int, virtual_stages: int) -> Costs:

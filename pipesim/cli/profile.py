@@ -2,7 +2,9 @@
 real device and backend, and write the costs file ``simulate --costs`` reads.
 
 Takes the same model and split flags as ``pipesim run``, so the costs are for that
-microbatch size and that split. torch is imported only inside the handler.
+microbatch size and that split. With ``--compute-model FILE`` it fits the compute model
+of this machine's GPU instead (``pipesim.cli.profile_kernels``). torch is imported only
+inside the handler.
 """
 
 from __future__ import annotations
@@ -26,9 +28,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_run_arguments(parser, outputs=False)
     add_profile_arguments(parser)
-    parser.add_argument("--out", required=True, metavar="PATH", help="the costs file to write (JSON)")
+    parser.add_argument("--out", metavar="PATH", help="the costs file to write (JSON)")
+    add_compute_model_arguments(parser)
     add_quiet_arg(parser)
-    parser.set_defaults(handler=handle)
+    parser.set_defaults(handler=handle, output_files=("compute_model",))
+
+
+def add_compute_model_arguments(parser: argparse.ArgumentParser) -> None:
+    from pipesim.cluster.gpus import GPUS  # noqa: PLC0415
+
+    group = parser.add_argument_group("compute model (instead of --out)")
+    group.add_argument("--compute-model", metavar="PATH",
+                       help="time this GPU's GEMMs and attention (the gpt layer of --hidden, --heads, --seq-len, "
+                       "--batch-size / --microbatches sequences, at --tp; and a spread of shapes), fit the compute "
+                       "model and write it for simulate --compute-model (needs a CUDA GPU)")
+    group.add_argument("--gpu", choices=tuple(GPUS), default=None,
+                       help="the GPU whose datasheet peak and HBM bandwidth the model is in units of (default: "
+                       "recognised from the device's name)")
 
 
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +88,17 @@ def describe(document: dict) -> list[str]:
 
 
 def handle(args: argparse.Namespace) -> int:
+    if bool(args.out) == bool(args.compute_model):
+        raise ValueError("pipesim profile writes stage costs (--out PATH) or a compute model (--compute-model PATH): "
+                         "give one of them")
+    if args.compute_model:
+        check_profile_arguments(args)
+        from pipesim.cli.profile_kernels import handle_compute_model  # noqa: PLC0415
+
+        return handle_compute_model(args)
+    if args.gpu:
+        raise ValueError("--gpu names the GPU of a --compute-model profile; stage costs (--out) are measured as they "
+                         "are; drop --gpu")
     from executor.spawn import SpawnError  # noqa: PLC0415 - loads torch
 
     try:

@@ -94,7 +94,8 @@ def model_figures(args: argparse.Namespace, result) -> dict:
     figures, gpus, peak = _throughput(args, result, spec)
     model = spec.describe()
     model.update(recompute=args.recompute, flash_attention=not args.no_flash_attention,
-                 sequence_parallel=args.sequence_parallel, gpus=gpus, peak_flops_per_gpu=peak)
+                 sequence_parallel=args.sequence_parallel, gpus=gpus, peak_flops_per_gpu=peak,
+                 compute_model=result.costs.meta.get("compute_model"))
     return {"model": model, "stage_costs": result.costs.to_dict()["stages"], **figures}
 
 
@@ -138,6 +139,7 @@ def handle(args: argparse.Namespace) -> int:
         print(f"  model {figures['model']['name']}: {figures['model']['params'] / 1e9:.3g} B params; "
               f"{figures['tokens_per_second']:.4g} tokens/s, {figures['model_tflops_per_gpu']:.4g} TFLOP/s per GPU "
               f"(Megatron's count), MFU {figures['mfu']:.1%}")
+        print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
     write_outputs(args, document, [result.trace], [f"predicted: {schedule.name}"], [result.metrics])
     if args.fail_on_oom:
         try:

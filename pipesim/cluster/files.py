@@ -65,14 +65,17 @@ def topology_from_dict(data: object, name: str = "custom") -> Topology:
         if device_name in graph:
             raise TopologyError(f"{where}: device {device_name!r} is listed twice")
         memory, flops, bandwidth = math.inf, math.inf, math.inf
+        named = {}
         if device.get("gpu") is not None:
             gpu = GPUS.get(str(device["gpu"]).lower())
             if gpu is None:
                 raise TopologyError(f"{where}: unknown gpu {device['gpu']!r} (known: {', '.join(GPUS)})")
             memory, flops, bandwidth = gpu.memory_bytes, gpu.bf16_flops, gpu.memory_bandwidth
+            named = {"gpu": gpu.name}  # its kernels time a model's compute (pipesim.model.compute_model)
         graph.add_node(
             device_name,
             kind="gpu",
+            **named,
             memory_bytes=_number(where, device, "memory_bytes", memory, positive=True),
             peak_flops=_number(where, device, "peak_flops", flops, positive=True),
             memory_bandwidth=_number(where, device, "memory_bandwidth", bandwidth, positive=True),

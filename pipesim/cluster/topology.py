@@ -148,6 +148,15 @@ class Topology:
             return default
         return float(self.graph.nodes[device].get(key, default))
 
+    def device_gpu(self, device: str) -> str | None:
+        """The ``pipesim.cluster.gpus`` name of ``device``'s GPU, None when the topology
+        does not name one (ideal devices, a file giving only figures)."""
+        if self.hierarchy is not None:
+            return self.hierarchy.device_attributes.get("gpu") if device in self.hierarchy else None
+        if device not in self.graph:
+            return None
+        return self.graph.nodes[device].get("gpu")
+
     def device_memory(self, device: str) -> float:
         """Bytes of memory on ``device``; unbounded when the topology does not say."""
         return self.device_figure(device, "memory_bytes")

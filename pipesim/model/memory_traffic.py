@@ -5,8 +5,9 @@ adds, the MLP activation, rotary embeddings) and, without flash attention, a sof
 a dropout over the ``a x s x s`` attention scores. Their time is set by the bytes they
 move through HBM, not by FLOPs: for a GPT layer it is a few percent of the step at
 h = 25600 and tens of percent at h = 2304 (the score tensors grow with ``a*s`` per token
-while the GEMMs grow with ``h``). Charging them at the GPU's memory bandwidth is what
-lets one compute-efficiency number hold across model sizes (benchmarks/published.py).
+while the GEMMs grow with ``h``). Every compute model charges them at the GPU's memory
+bandwidth (``pipesim.model.compute_model``): without them neither one efficiency nor the
+GEMMs' own speed explains small and large models alike (benchmarks/published.py).
 
 Forward traffic per token, in elements of the activation dtype (reads + writes, fused
 kernels as Megatron-LM fuses them), plus one byte per dropout-mask element:
@@ -20,8 +21,9 @@ kernels as Megatron-LM fuses them), plus one byte per dropout-mask element:
 Norms and residual adds are whole on every tensor-parallel rank unless sequence
 parallelism shards them; the rest is split by tp. The backward moves about 1.5x the
 forward's bytes (each kernel reads its saved input and the incoming gradient and writes
-one gradient), full recompute repeats the forward's, selective recompute the scores'.
-Kernels reach ``HBM_EFFICIENCY`` of the datasheet bandwidth.
+one gradient), full recompute repeats the forward's, selective recompute the scores'
+(applied per operation by ``pipesim.model.compute_model.block_time``). Kernels reach
+``HBM_EFFICIENCY`` of the datasheet bandwidth (``memory_seconds``).
 
 The optimizer step is memory-bound too: a fused Adam reads and writes every byte of
 state it keeps per parameter (weights, gradients, optimizer state: 16 bytes in mixed
@@ -55,22 +57,14 @@ def layer_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = 
     return spec.tokens * per_token, spec.tokens * scores
 
 
-def layer_memory_seconds(spec: ModelSpec, bandwidth: float, tp: int = 1, sequence_parallel: bool = False,
-                         flash_attention: bool = True, recompute: str = "none") -> tuple[float, float]:
-    """(forward, backward) seconds of one layer's memory-bound kernels at ``bandwidth``
-    bytes/s of HBM; the backward includes what recompute re-runs."""
-    rate = bandwidth * HBM_EFFICIENCY
-    plain, scores = layer_traffic_bytes(spec, tp, sequence_parallel, flash_attention)
-    forward = (plain + scores) / rate
-    backward = BACKWARD_TRAFFIC * forward
-    if recompute == "full":
-        backward += forward
-    elif recompute == "selective":
-        backward += scores / rate
-    return forward, backward
+def memory_seconds(num_bytes: float, bandwidth: float) -> float:
+    """Seconds to stream ``num_bytes`` through HBM of ``bandwidth`` bytes/s at the
+    efficiency streaming kernels reach: the one price of memory-bound work (element-wise
+    kernels, the optimizer, a GEMM's own reads and writes)."""
+    return num_bytes / (bandwidth * HBM_EFFICIENCY)
 
 
 def optimizer_step_seconds(params: float, state_bytes_per_param: float, bandwidth: float) -> float:
     """Seconds of one optimizer step over ``params`` parameters that keep
     ``state_bytes_per_param`` bytes each: read and written once, at ``bandwidth``."""
-    return 2 * params * state_bytes_per_param / (bandwidth * HBM_EFFICIENCY)
+    return memory_seconds(2 * params * state_bytes_per_param, bandwidth)

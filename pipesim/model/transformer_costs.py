@@ -1,28 +1,32 @@
 """A ``ModelSpec`` split over pipeline stages, turned into per-stage ``Costs``, and the
 training figures people quote for a simulated step (tokens/s, TFLOP/s per GPU, MFU).
 
-Time of a compute action = its FLOPs on one tp rank / (device peak x efficiency) + the
-bytes its memory-bound kernels move / HBM bandwidth (``pipesim.model.memory_traffic``): one
-efficiency number for every GEMM and attention kernel (``--mfu``, calibrated against a
-measured or published step; see benchmarks/published.py).
+A layer is the operations it runs (``pipesim.model.operations``: its GEMMs, attention,
+element-wise kernels, with their shapes on one tp rank), and each stage's device prices
+them with a compute model (``pipesim.model.compute_model``): by default the kernels of
+its GPU by shape; with ``--mfu``, one efficiency for every GEMM and attention kernel.
 
-Per stage of ``n`` layers on one of ``t`` tensor-parallel ranks:
+Per stage of ``n`` layers (the output layer's operations added on the last stage):
 
-    F = n * layer_flops / t                    (+ logits on the last stage)
-    B = 2F + recompute                          full: n * layer_flops / t,
-                                                selective: n * attention core / t
-    W = n * layer GEMM FLOPs / t               (+ logits: the head has weights)
+    F = n * layer forward
+    B = n * (layer input gradient + weight gradient + what recompute re-runs)
+    W = n * layer weight gradient              (the weighted GEMMs' second backward GEMM)
 
-so a split backward puts the recomputed forward and the attention core's backward in
-``I = B - W``. With full recompute the re-run forward also repeats its two tensor-parallel
-collectives per layer (``recompute_layers``).
+Full recompute re-runs every forward operation, selective the attention core (its GEMMs
+or kernel, softmax and dropout), so a split backward puts the recomputed forward and the
+attention core's backward in ``I = B - W``. With full recompute the re-run forward also
+repeats its two tensor-parallel collectives per layer (``recompute_layers``).
 """
 
 from __future__ import annotations
 
+import functools
+
 from pipesim.model.activations import first_stage_extra_bytes, last_stage_extra_bytes, layer_stash_bytes
+from pipesim.model.compute_model import BlockTime, ComputeModel, KernelModel, block_time, stage_compute_model
 from pipesim.model.costs import Costs, StageCost
-from pipesim.model.memory_traffic import layer_memory_seconds, optimizer_step_seconds
+from pipesim.model.memory_traffic import optimizer_step_seconds
+from pipesim.model.operations import head_operations, layer_operations
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak, split_layers
 
 H100_BF16_FLOPS = 989e12  # used when a device has no peak (the ideal topology) and no --gpu
@@ -39,7 +43,7 @@ def model_costs(
     num_stages: int,
     stage_peak_flops: list[float],
     tp: int = 1,
-    mfu: float = 0.5,
+    mfu: float | None = None,
     sequence_parallel: bool = False,
     layers_per_stage: list[int] | None = None,
     recompute: str = "none",
@@ -49,51 +53,66 @@ def model_costs(
     fallback_memory_bandwidth: float = H100_HBM_BANDWIDTH,
     optimizer_state_bytes: float = 16.0,
     stage_ranks: list[int] | None = None,
+    stage_gpus: list[str | None] | None = None,
+    fallback_gpu: str | None = None,
+    compute_model: KernelModel | None = None,
 ) -> Costs:
     """Per-stage ``Costs`` of ``spec`` split over ``num_stages`` stages, on devices whose
-    peak FLOP/s are ``stage_peak_flops[stage]``, reaching ``mfu`` of peak, and whose HBM
-    moves ``stage_memory_bandwidth[stage]`` bytes/s (the fallbacks where unknown).
+    peak FLOP/s are ``stage_peak_flops[stage]`` and whose HBM moves
+    ``stage_memory_bandwidth[stage]`` bytes/s (the fallbacks where unknown).
+
+    Compute is timed by the kernel model of each stage's GPU, ``stage_gpus[stage]``
+    (``fallback_gpu`` where unnamed), or by ``compute_model`` (a profiled one) for every
+    stage; given ``mfu``, every GEMM and attention kernel reaches that fraction of peak
+    instead.
 
     The optimizer step (``step_overhead``) reads and writes ``optimizer_state_bytes`` per
     parameter (weights + gradients + optimizer state on the device); it is the slowest
     rank's, ranks being ``stage_ranks[stage]`` (default: one stage per rank)."""
-    if not 0 < mfu <= 1:
+    if mfu is not None and not 0 < mfu <= 1:  # NaN fails this too
         raise ModelSpecError(f"--mfu is a fraction of peak in (0, 1], got {mfu}")
+    if mfu is not None and compute_model is not None:
+        raise ModelSpecError("--mfu conflicts with --compute-model: give one efficiency for every kernel or a "
+                             "profiled model, not both")
     if tp < 1:
         raise ModelSpecError(f"--tp must be >= 1, got {tp}")
     check_recompute(recompute)
     counts = split_layers(spec.layers, num_stages, layers_per_stage)
     layer_stash = layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention)
-    recompute_per_layer = spec.recompute_flops(recompute) / spec.layers
     full_message = spec.tokens * spec.hidden * spec.dtype_bytes
     stages = []
+    models = set()
     step_seconds: dict[int, float] = {}
     for stage, count in enumerate(counts):
-        rate = finite_peak(stage_peak_flops[stage], fallback_peak) * mfu
+        peak = finite_peak(stage_peak_flops[stage], fallback_peak)
         bandwidth = finite_peak(stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0,
                                 fallback_memory_bandwidth)
-        memory_fwd, memory_bwd = layer_memory_seconds(spec, bandwidth, tp, sequence_parallel, flash_attention,
-                                                      recompute)
-        flops = count * spec.layer_flops() / tp
-        weight_flops = count * spec.layer_gemm_flops() / tp
+        compute = stage_compute_model(peak, bandwidth, (stage_gpus[stage] if stage_gpus else None) or fallback_gpu,
+                                      mfu, compute_model)
+        models.add(compute.name)
+        layer = layer_time(spec, tp, sequence_parallel, flash_attention, recompute, compute)
         params = count * spec.layer_params() / tp
         stash = count * layer_stash
+        fwd = count * layer.forward
+        bwd = count * (layer.input_grad + layer.weight_grad + layer.recompute)
+        wgrad = count * layer.weight_grad
         if stage == 0:
             params += spec.embedding_params() / tp
             stash += first_stage_extra_bytes(spec, tp, sequence_parallel)
         if stage == num_stages - 1:
+            head = head_time(spec, tp, compute)
             params += spec.head_params() / tp
-            flops += spec.logits_flops() / tp
-            weight_flops += spec.logits_flops() / tp
+            fwd += head.forward
+            bwd += head.input_grad + head.weight_grad
+            wgrad += head.weight_grad
             stash += last_stage_extra_bytes(spec, tp, sequence_parallel)
-        fwd = flops / rate
         rank = stage_ranks[stage] if stage_ranks else stage
         step_seconds[rank] = step_seconds.get(rank, 0.0) + optimizer_step_seconds(params, optimizer_state_bytes,
                                                                                   bandwidth)
         stages.append(StageCost(
-            fwd=fwd + count * memory_fwd,
-            bwd=2 * fwd + count * recompute_per_layer / tp / rate + count * memory_bwd,
-            wgrad=weight_flops / rate,
+            fwd=fwd,
+            bwd=bwd,
+            wgrad=wgrad,
             act_bytes=spec.boundary_bytes(tp, sequence_parallel) if stage < num_stages - 1 else 0.0,
             stash_bytes=stash,
             param_bytes=params * spec.dtype_bytes,
@@ -104,10 +123,24 @@ def model_costs(
         ))
     meta = {
         "model": spec.name, "layers_per_stage": counts, "tp": tp, "mfu": mfu, "total_params": spec.total_params(),
-        "recompute": recompute, "flash_attention": flash_attention,
+        "recompute": recompute, "flash_attention": flash_attention, "compute_model": sorted(models),
     }
     return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta,
                  step_overhead=max(step_seconds.values()))
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_time(spec: ModelSpec, tp: int, sequence_parallel: bool, flash_attention: bool, recompute: str,
+               compute: ComputeModel) -> BlockTime:
+    """One layer's seconds for one microbatch on one tp rank (kept per distinct input: a plan
+    asks for the same layer on the same GPU for thousands of layouts)."""
+    return block_time(layer_operations(spec, tp, sequence_parallel, flash_attention), compute, recompute,
+                      spec.dtype_bytes)
+
+
+def head_time(spec: ModelSpec, tp: int, compute: ComputeModel) -> BlockTime:
+    """The output layer's seconds (never recomputed: Megatron's rule)."""
+    return block_time(head_operations(spec, tp), compute, "none", spec.dtype_bytes)
 
 
 def training_figures(spec: ModelSpec, recompute: str, makespan: float, microbatches: int, dp: int, gpus: int,
