@@ -1,32 +1,49 @@
-"""How fast `pipesim plan` searches, against an analytic pass over the same layouts.
+"""How fast `pipesim plan` searches, against an exhaustive simulation and an analytic
+pass over the same layouts, all on the same number of worker processes.
 
-Both sides get the same layouts of the same job. The analytic side computes, per layout,
-the per-stage costs and a lower bound on the step time (the busiest pipeline rank's
-compute plus its fill and drain), as analytic planners do; it models no schedule order,
-no links, no contention and no memory. The simulated side runs the event simulation of
-each layout (schedule order, P2P semantics, links, tp/dp collectives, memory), first
-exhaustively (every layout simulated), then as `plan` searches (best bound first,
-stopping once no remaining bound can reach the top 10).
+All sides get the same layouts of the same job (``plan``'s own flags and search space):
 
-    python benchmarks/bench_plan.py                  # the issue's example: llama3-70b, 1024 GPUs
+- ``plan``: the whole command as a user runs it, in a new process (Python's start,
+  imports, the cluster, enumeration, memory floors, bounds, the pruned search, the
+  table): wall seconds.
+- exhaustive: every layout that passes the memory floor simulated, no pruning; its top 10
+  is the reference the pruned search must reproduce.
+- analytic: per layout, its per-stage costs and the lower bound on its step time (the
+  busiest pipeline rank's compute plus its fill and drain), as analytic planners compute;
+  it models no schedule order, no links, no contention and no memory.
+
+The last two run in this process's search with ``--workers`` processes each, so the
+rates compare like with like.
+
+    python benchmarks/bench_plan.py                  # llama3-70b on 1024 H100s, global batch 1024
     python benchmarks/bench_plan.py --gpus 64 --model gpt3-13b --global-batch 256
+
+Target: the `plan` command <= 3 s with the exhaustive search's top 10.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from pipesim.cli import build_parser
 from pipesim.cli import plan as plan_command
-from pipesim.model.spec import model_spec
-from pipesim.plan.search import SearchSpace, default_workers, enumerate_layouts, search
-from schedules.generators import SCHEDULE_NAMES
+from pipesim.plan.search import default_workers, enumerate_layouts, layout_fields, search
 
 
 def no_bound(layout) -> float:
     """A bound that prunes nothing (module level: the workers receive it by name)."""
     return 0.0
+
+
+def analytic_row(layout) -> dict:
+    """The analytic planner's row: the lower bound as the step time."""
+    return {**layout_fields(layout), "step_time": plan_command.lower_bound(layout), "oom": False}
 
 
 def main() -> None:
@@ -40,54 +57,46 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=default_workers())
     parser.add_argument("--top", type=int, default=10)
     args = parser.parse_args()
+    argv = ["plan", "--model", args.model, "--gpus", str(args.gpus), "--global-batch", str(args.global_batch),
+            "--seq-len", str(args.seq_len), "--topology", args.topology, "--gpu", args.gpu, "--top", str(args.top),
+            "--workers", str(args.workers), "--quiet"]
 
-    spec = model_spec(args.model)
-    simulate_flags = plan_command._simulate_flags(build_parser())
-    recompute = list(simulate_flags["--recompute"].choices) if "--recompute" in simulate_flags else ["none"]
-    zero = [int(z) for z in simulate_flags["--zero"].choices] if "--zero" in simulate_flags else [0]
-    space = SearchSpace(gpus=args.gpus, gpus_per_node=8, global_batch=args.global_batch, layers=spec.layers,
-                        heads=spec.heads, kv_heads=getattr(spec, "kv_heads", None) or spec.heads,
-                        schedules=SCHEDULE_NAMES, recompute=recompute, zero=zero)
-    layouts, rejected = enumerate_layouts(space)
-    base = ["simulate", "--model", args.model, "--topology", args.topology, "--nodes", str(max(1, args.gpus // 8)),
-            "--seq-len", str(args.seq_len), "--gpu", args.gpu]
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "plan.json"
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "pipesim", *argv, "--json", str(out)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        command = time.perf_counter() - started
+        planned = json.loads(out.read_text())
+
+    base, space = plan_command._checked_job(build_parser().parse_args(argv))
+    layouts, ruled_out = enumerate_layouts(space)
     plan_command._init_worker(base)
     print(f"{args.model}, {args.gpus} GPUs, global batch {args.global_batch}, seq {args.seq_len}, {args.topology}: "
-          f"{len(layouts)} layouts ({sum(rejected.values())} dropped by divisibility), {args.workers} workers")
+          f"{len(layouts) + sum(ruled_out.values())} layouts considered, {len(layouts)} after divisibility, "
+          f"{args.workers} worker process(es) on every side")
 
     started = time.perf_counter()
-    bounds = {layout.label(): plan_command.lower_bound(layout) for layout in layouts}
-    analytic = time.perf_counter() - started
+    exhaustive = search(layouts, plan_command.evaluate_layout, no_bound, args.top, args.workers,
+                        reject=plan_command.reject_cause)
+    exhaustive_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    analytic = search(layouts, analytic_row, no_bound, args.top, args.workers, reject=plan_command.reject_cause)
+    analytic_seconds = time.perf_counter() - started
 
-    reject = plan_command.memory_floor_cause
-    # each pass starts as `plan` does: a fresh worker state (topology routes, per-layout costs) that it pays for
-    plan_command._init_worker(base)
-    exhaustive = search(layouts, plan_command.evaluate_layout, no_bound, args.top, args.workers, reject=reject)
-    plan_command._init_worker(base)
-    searched = search(layouts, plan_command.evaluate_layout, plan_command.lower_bound, args.top, args.workers,
-                      reject=reject)
-
-    print()
-    print("| side | layouts | seconds | layouts/s | ratio to analytic |")
-    print("|---|---|---|---|---|")
-    rate_analytic = len(layouts) / analytic
-    for name, count, seconds in (("analytic bound only", len(layouts), analytic),
-                                 ("simulated, exhaustive (after the memory floor)", exhaustive.simulated,
-                                  exhaustive.seconds),
-                                 ("plan search (floor + simulated + pruned)", searched.considered, searched.seconds)):
-        rate = count / seconds if seconds else float("inf")
-        print(f"| {name} | {count} | {seconds:.2f} | {rate:.0f} | {rate / rate_analytic:.2f}x |")
-    print(f"\nplan search rejected {searched.screened} by the memory floor, simulated {searched.simulated} "
-          f"and pruned {searched.pruned}; "
-          f"its top {args.top} equals the exhaustive top {args.top}: "
-          f"{[r['layout'] for r in searched.rows[:args.top]] == [r['layout'] for r in exhaustive.rows[:args.top]]}")
-    print()
-    print("| # | layout | analytic bound (s) | simulated step (s) | simulated / bound |")
-    print("|---|---|---|---|---|")
-    for index, row in enumerate(exhaustive.rows[:args.top], 1):
-        layout_bound = bounds[row["layout"]]
-        print(f"| {index} | {row['layout']} | {layout_bound:.3f} | {row['step_time']:.3f} | "
-              f"{row['step_time'] / layout_bound:.2f} |")
+    top = [row["layout"] for row in exhaustive.rows[:args.top]]
+    same = [row["layout"] for row in planned["ranked"]] == top
+    print(f"{'side':<36} {'layouts':>8} {'seconds':>8} {'layouts/s':>10}  top {args.top}")
+    print(f"{'plan (whole command, pruned)':<36} {planned['simulated']:>8} {command:>8.2f} "
+          f"{planned['simulated'] / command:>10.1f}  {'same as exhaustive' if same else 'DIFFERS'}")
+    print(f"{'exhaustive simulation':<36} {exhaustive.simulated:>8} {exhaustive_seconds:>8.2f} "
+          f"{exhaustive.simulated / exhaustive_seconds:>10.1f}  (reference)")
+    analytic_top = [row["layout"] for row in analytic.rows[:args.top]]
+    overlap = len(set(analytic_top) & set(top))
+    print(f"{'analytic bound (no simulation)':<36} {analytic.simulated:>8} {analytic_seconds:>8.2f} "
+          f"{analytic.simulated / analytic_seconds:>10.1f}  {overlap} of {args.top} in common")
+    print(f"plan simulated {planned['simulated']} layouts and pruned {planned['pruned_by_bound']}; target: the "
+          f"command <= 3 s with the exhaustive top {args.top}")
 
 
 if __name__ == "__main__":

@@ -173,10 +173,10 @@ def test_gpt_names_the_same_model_in_simulate_and_run():
     like Megatron's count, takes the head as its matrix only: ``vocab`` fewer)."""
     from executor.config import RunConfig
     from executor.models import build_model
-    from pipesim.cli.options import model_spec_from_args
+    from pipesim.job import Job, model_spec_of
 
     sizes = ["--layers", "3", "--hidden", "32", "--heads", "4", "--seq-len", "8", "--vocab", "50"]
-    spec = model_spec_from_args(build_parser().parse_args(["simulate", "--model", "gpt", *sizes]))
+    spec = model_spec_of(Job.from_namespace(build_parser().parse_args(["simulate", "--model", "gpt", *sizes])))
     run_args = build_parser().parse_args(["run", "--model", "gpt", *sizes])
     config = RunConfig(schedule="1f1b", pp=1, microbatches=1, model="gpt", layers=run_args.layers,
                        hidden=run_args.hidden, heads=run_args.heads, seq_len=run_args.seq_len, vocab=run_args.vocab,
@@ -185,7 +185,7 @@ def test_gpt_names_the_same_model_in_simulate_and_run():
     torch_count = sum(parameter.numel() for parameter in stage.parameters())
     assert spec.total_params() + 50 == torch_count
     # with no size flags both take run's defaults
-    default_spec = model_spec_from_args(build_parser().parse_args(["simulate", "--model", "gpt"]))
+    default_spec = model_spec_of(Job.from_namespace(build_parser().parse_args(["simulate", "--model", "gpt"])))
     defaults = build_parser().parse_args(["run"])
     assert (default_spec.layers, default_spec.hidden, default_spec.heads, default_spec.seq_len, default_spec.vocab) == (
         defaults.layers, defaults.hidden, defaults.heads, defaults.seq_len, defaults.vocab)
@@ -199,9 +199,9 @@ def test_mlp_is_refused_by_the_simulator_with_what_to_use(capsys):
 @pytest.mark.parametrize("executor_command", ["run", "profile", "compare"])
 def test_simulator_and_executor_default_to_the_same_pipeline(executor_command):
     from executor.options import config_from_args
-    from pipesim.cli.options import schedule_from_args
+    from pipesim.job import Job, schedule_of
 
-    simulated = schedule_from_args(build_parser().parse_args(["simulate"]))
+    simulated = schedule_of(Job.from_namespace(build_parser().parse_args(["simulate"])))
     extra = ["--out", "c.json"] if executor_command == "profile" else []
     config = config_from_args(build_parser().parse_args([executor_command, *extra]))
     assert (config.schedule, config.pp, config.microbatches, config.virtual_stages) == (
@@ -211,14 +211,16 @@ def test_simulator_and_executor_default_to_the_same_pipeline(executor_command):
 def test_dtype_is_one_flag_in_simulate_and_run(capsys):
     """``--dtype NAME`` in simulate as in run; the old ``--dtype-bytes N`` still works,
     is not listed, and both together are a conflict."""
-    from pipesim.cli.options import model_spec_from_args
+    from pipesim.job import Job, model_spec_of
 
     parser = build_parser()
     assert "--dtype" in visible(parsers()["pipesim simulate"]) and "--dtype" in visible(parsers()["pipesim run"])
     assert "--dtype-bytes" not in visible(parsers()["pipesim simulate"])
     for dtype, size in (("float32", 4), ("bfloat16", 2), ("float64", 8)):
-        by_name = model_spec_from_args(parser.parse_args(["simulate", "--model", "gpt", "--dtype", dtype]))
-        by_size = model_spec_from_args(parser.parse_args(["simulate", "--model", "gpt", "--dtype-bytes", str(size)]))
+        by_name = model_spec_of(Job.from_namespace(parser.parse_args(["simulate", "--model", "gpt",
+                                                                      "--dtype", dtype])))
+        by_size = model_spec_of(Job.from_namespace(parser.parse_args(["simulate", "--model", "gpt",
+                                                                      "--dtype-bytes", str(size)])))
         assert by_name.dtype_bytes == by_size.dtype_bytes == size
     line = one_line_error(capsys, ["simulate", "--model", "gpt", "--dtype", "float32", "--dtype-bytes", "2"])
     assert "--dtype-bytes conflicts with --dtype float32" in line

@@ -5,11 +5,13 @@ the command's output files and errors."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from pipesim.cli import main
 from pipesim.cli import plan as plan_command
+from pipesim.job import Job
 from pipesim.plan.search import Layout, SearchSpace, enumerate_layouts, pareto_front, parse_constraints, search
 from schedules.generators import GENERATORS, MULTI_CHUNK
 
@@ -38,7 +40,8 @@ def test_enumeration_matches_a_hand_count():
 def test_tp_must_divide_kv_heads_and_batch_must_divide():
     layouts, rejected = enumerate_layouts(small_space(kv_heads=2, global_batch=4))
     assert all(layout.tp <= 2 for layout in layouts)
-    assert rejected["tp does not divide the attention (or key-value) heads"] == 1
+    # every tp=4 candidate: pp in {1, 2} (tp x pp divides 8) x mbs in {1, 2} x {1f1b, interleaved v2}
+    assert rejected["tp does not divide the attention (or key-value) heads"] == 8
     # dp = 8 with mbs 1 needs 4 % 8 == 0: rejected
     assert rejected["global batch not divisible by dp x microbatch size"] > 0
     assert all(4 % (layout.dp * layout.microbatch_size) == 0 for layout in layouts)
@@ -63,7 +66,7 @@ def test_pareto_front_by_hand():
 
 @pytest.fixture
 def small_model_worker():  # per test: the plan worker's job is process-wide state that other tests change
-    plan_command._init_worker(["simulate", "--model", "gpt3-1.3b", "--topology", "nvlink", "--nodes", "1"])
+    plan_command._init_worker(Job(model="gpt3-1.3b", topology="nvlink", nodes=1))
     return plan_command
 
 
@@ -84,7 +87,7 @@ def test_lower_bound_holds_for_every_schedule_across_nodes(schedule):
     # Two 8-GPU InfiniBand nodes, so transfers cross links with latency; tp, dp, ZeRO-1 and
     # recompute vary. A split backward (zb-*, zbv, dualpipev) may end a rank on weight
     # gradients: a bound that still adds the input gradients' trip back would exceed the step.
-    plan_command._init_worker(["simulate", "--model", "gpt3-1.3b", "--topology", "ib", "--nodes", "2"])
+    plan_command._init_worker(Job(model="gpt3-1.3b", topology="ib", nodes=2))
     chunks = 2 if schedule in MULTI_CHUNK else 1
     checked = 0
     for pp, tp, dp, microbatches in ((4, 2, 2, 8), (8, 1, 2, 16), (4, 1, 4, 4), (2, 4, 2, 8)):
@@ -106,7 +109,8 @@ def test_pruning_keeps_the_same_top(small_model_worker):
     exhaustive = search(layouts, small_model_worker.evaluate_layout, lambda layout: 0.0, top=3)
     assert exhaustive.pruned == 0
     assert [row["layout"] for row in pruned.rows[:3]] == [row["layout"] for row in exhaustive.rows[:3]]
-    assert pruned.simulated + pruned.pruned + pruned.screened == pruned.considered
+    assert pruned.simulated + pruned.pruned + sum(pruned.screened.values()) == pruned.considered == len(layouts)
+    assert pruned.ranked + sum(pruned.failed.values()) == pruned.simulated
 
 
 def test_plan_command_writes_its_files(tmp_path, capsys):
@@ -121,7 +125,9 @@ def test_plan_command_writes_its_files(tmp_path, capsys):
     assert 1 <= len(data["ranked"]) <= 3
     steps = [row["step_time"] for row in data["ranked"]]
     assert steps == sorted(steps)
-    assert data["simulated"] + data["pruned_by_bound"] + data["rejected_before_simulation"] == data["considered"]
+    assert (data["ruled_out"] + data["rejected_before_simulation"] + data["simulated"] + data["pruned_by_bound"]
+            == data["considered"])
+    assert data["simulated_and_ranked"] + data["simulated_and_failed"] == data["simulated"]
     best = data["ranked"][0]
     layout = Layout(**{key: best[key] for key in Layout.__dataclass_fields__})
     assert layout.pp * layout.tp * layout.dp == 8
@@ -139,7 +145,8 @@ def test_plan_matches_simulate_for_the_chosen_layout(tmp_path, capsys):
     assert main(["simulate", "--model", "gpt3-1.3b", "--topology", "nvlink", "--nodes", "1",
                  "--schedule", "1f1b", "--pp", str(best["pp"]), "--tp", str(best["tp"]), "--dp", str(best["dp"]),
                  "-m", str(best["microbatches"]), "--microbatch-size", "1", "--recompute", best["recompute"],
-                 "--zero", str(best["zero"]), "--json", str(result)]) == 0
+                 "--zero", str(best["zero"]), *(["--sequence-parallel"] if best["sequence_parallel"] else []),
+                 "--json", str(result)]) == 0
     assert json.loads(result.read_text())["makespan"] == pytest.approx(best["step_time"], rel=1e-12)
 
 
@@ -157,7 +164,8 @@ def test_plan_searches_zb_auto_and_it_equals_simulate(tmp_path):
     assert main(["simulate", "--model", "gpt3-1.3b", "--topology", "nvlink", "--nodes", "1",
                  "--schedule", "zb-auto", "--pp", "4", "--tp", str(best["tp"]), "--dp", str(best["dp"]),
                  "-m", str(best["microbatches"]), "--microbatch-size", "1", "--recompute", best["recompute"],
-                 "--zero", str(best["zero"]), "--json", str(result)]) == 0
+                 "--zero", str(best["zero"]), *(["--sequence-parallel"] if best["sequence_parallel"] else []),
+                 "--json", str(result)]) == 0
     assert json.loads(result.read_text())["makespan"] == pytest.approx(best["step_time"], rel=1e-12)
 
 
@@ -170,22 +178,36 @@ def test_plan_searches_zb_auto_and_it_equals_simulate(tmp_path):
     (["--microbatch-sizes", "x"], "expected integers"),
     (["--constraint", "pp"], "expected FIELD=VALUE"),
     (["--json", "/nonexistent/dir/plan.json"], "does not exist"),
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--gpu", "a100"], "argument --gpu: invalid choice: 'a100'"),
+    (["--recompute", "some"], "--recompute: unknown some"),
+    (["--sequence-parallel", "maybe"], "--sequence-parallel: unknown maybe"),
+    (["--model", "nope"], "nope"),
+    (["--topology", "nope"], "nope"),
+    (["--gpus", "64"], "preset nvlink is one node"),
+    (["--gpus", "10000000", "--global-batch", "10000000"], "--gpus 10,000,000: plan models the cluster"),
 ])
 def test_plan_bad_input_is_one_line(argv, message, capsys):
     base = ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--global-batch", "16", "--topology", "nvlink",
             "--workers", "1"]
-    assert main(base + argv) == 2
+    started = time.perf_counter()
+    try:
+        code = main(base + argv)
+    except SystemExit as exit:  # argparse's own refusals exit
+        code = exit.code
+    assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert "simulate" not in err  # plan's own usage and error, not simulate's
+    assert time.perf_counter() - started < 10  # refused before the search, not after it
 
 
 def test_memory_floor_only_rejects_layouts_the_simulation_finds_out_of_memory():
-    plan_command._init_worker(["simulate", "--model", "gpt3-13b", "--topology", "nvlink", "--nodes", "1",
-                               "--gpu", "a100-40gb"])
+    plan_command._init_worker(Job(model="gpt3-13b", topology="nvlink", nodes=1, gpu="a100-40gb"))
     layouts, _ = enumerate_layouts(SearchSpace(
         gpus=8, gpus_per_node=8, global_batch=16, layers=40, heads=40, kv_heads=40,
         schedules=("gpipe", "1f1b", "zbv", "dualpipev", "interleaved-1f1b"), microbatch_sizes=(1,), zero=(0, 1)))
-    screened = [layout for layout in layouts if plan_command.memory_floor_cause(layout)]
+    screened = [layout for layout in layouts if plan_command.reject_cause(layout)]
     assert {layout.schedule for layout in screened} >= {"1f1b", "zbv"}  # looped and V placements
     assert screened, "the case must exercise the floor (gpt3-13b does not fit one 40 GB GPU)"
     checked = set()
@@ -214,16 +236,21 @@ def test_the_search_over_two_workers_is_deterministic_and_keeps_the_top(small_mo
     assert runs[0].simulated >= one.simulated
 
 
-def test_a_layouts_flags_parsed_onto_the_jobs_equal_the_whole_command_line():
-    # plan parses only each layout's own flags onto a copy of the job's Namespace
-    plan_command._init_worker(["simulate", "--model", "gpt3-1.3b", "--topology", "ib", "--nodes", "2",
-                               "--seq-len", "1024", "--gpu", "a100-80gb", "--p2p", "buffered"])
+def test_a_layouts_job_is_the_job_of_its_simulate_command_line():
+    # plan fills each layout into its base job; simulate parses the same settings from flags
+    from pipesim.cli import build_parser
+
+    plan_command._init_worker(Job(model="gpt3-1.3b", topology="ib", nodes=2, seq_len=1024, gpu="a100-80gb"))
     layouts, _ = enumerate_layouts(SearchSpace(
         gpus=16, gpus_per_node=8, global_batch=32, layers=24, heads=16, kv_heads=16,
         schedules=("1f1b", "interleaved-1f1b", "zbv", "zb-auto"), microbatch_sizes=(1, 2), virtual_stages=(1, 2),
-        recompute=("none", "selective", "full"), zero=(0, 1)))
+        recompute=("none", "selective", "full"), zero=(0, 1), sequence_parallel=(False, True)))
     assert len(layouts) > 100
+    parser = build_parser()
     for layout in layouts:
-        fast, whole = plan_command._parse(layout), plan_command._parse_whole(layout)
-        assert vars(fast) == vars(whole), layout.label()
-    assert plan_command._parse(layouts[0]) is not plan_command._parse(layouts[0])  # each layout its own copy
+        argv = ["simulate", "--model", "gpt3-1.3b", "--topology", "ib", "--nodes", "2", "--seq-len", "1024",
+                "--gpu", "a100-80gb", "--schedule", layout.schedule, "--pp", str(layout.pp), "--tp", str(layout.tp),
+                "--dp", str(layout.dp), "-m", str(layout.microbatches), "--microbatch-size",
+                str(layout.microbatch_size), "-v", str(layout.virtual_stages), "--recompute", layout.recompute,
+                "--zero", str(layout.zero), *(["--sequence-parallel"] if layout.sequence_parallel else [])]
+        assert plan_command.layout_job(layout) == Job.from_namespace(parser.parse_args(argv)), layout.label()

@@ -9,9 +9,8 @@ from pipesim.cli.options import (
     add_p2p_arg,
     add_schedule_args,
     add_topology_args,
-    schedule_from_args,
-    topology_from_args,
 )
+from pipesim.job import Job, schedule_of, topology_of
 from schedules.lowering import lower
 from schedules.p2p import RENDEZVOUS
 
@@ -38,7 +37,8 @@ def handle(args: argparse.Namespace) -> int:
     from schedules.csv_io import schedule_to_csv
     from schedules.validate import validate
 
-    schedule = schedule_from_args(args, topology_from_args(args))
+    job = Job.from_namespace(args)
+    schedule = schedule_of(job, topology_of(job))
     if args.lowered:
         schedule = lower(schedule)
     validate(schedule, args.p2p or RENDEZVOUS)

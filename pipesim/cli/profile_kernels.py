@@ -127,8 +127,8 @@ def handle_compute_model(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
     from executor.options import DEFAULT_MICROBATCHES  # noqa: PLC0415
-    from pipesim.cli.options import executor_gpt_spec  # noqa: PLC0415
     from pipesim.cluster.gpus import gpu_spec  # noqa: PLC0415
+    from pipesim.job import executor_gpt_spec  # noqa: PLC0415
 
     if not torch.cuda.is_available():
         raise ValueError("--compute-model needs a CUDA GPU: it fits the kernels of the GPU it runs on and torch sees "

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from pipesim.cli.options import add_p2p_arg, add_schedule_args, schedule_from_args
+from pipesim.cli.options import add_p2p_arg, add_schedule_args
 from pipesim.cli.text_timeline import text_timeline
 from pipesim.cluster.topology import ideal_topology
+from pipesim.job import Job, schedule_of
 from pipesim.model.costs import uniform_costs
 from pipesim.sim.engine import simulate
 from schedules.lowering import lower
@@ -30,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     from schedules.validate import validate
 
-    schedule = schedule_from_args(args)
+    schedule = schedule_of(Job.from_namespace(args))
     lowered = lower(schedule)
     p2p = args.p2p or RENDEZVOUS
     validate(lowered, p2p)

@@ -15,15 +15,8 @@ from pipesim.cli.options import (
     add_parallel_args,
     add_schedule_args,
     add_topology_args,
-    costs_from_args,
-    fallback_peak_flops,
-    model_costs_from_args,
-    model_spec_from_args,
-    parallel_from_args,
-    schedule_from_args,
-    topology_from_args,
 )
-from pipesim.sim.step import run_simulation
+from pipesim.job import Job, model_figures, simulate_job
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -87,60 +80,21 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
         print(f"wrote {path}")
 
 
-def model_figures(args: argparse.Namespace, result) -> dict:
-    """``--json``'s model section: the architecture, the per-stage costs derived from it,
-    and the throughput a training log would report for the simulated step."""
-    spec = model_spec_from_args(args)
-    figures, gpus, peak = _throughput(args, result, spec)
-    model = spec.describe()
-    model.update(recompute=args.recompute, flash_attention=not args.no_flash_attention,
-                 sequence_parallel=args.sequence_parallel, gpus=gpus, peak_flops_per_gpu=peak,
-                 compute_model=result.costs.meta.get("compute_model"))
-    return {"model": model, "stage_costs": result.costs.to_dict()["stages"], **figures}
-
-
-def throughput_figures(args: argparse.Namespace, result) -> dict:
-    """Only the throughput of ``model_figures`` (tokens/s, MFU, model TFLOP/s per GPU):
-    what a planner ranks thousands of layouts by, without the rest of the section."""
-    return _throughput(args, result, model_spec_from_args(args))[0]
-
-
-def _throughput(args: argparse.Namespace, result, spec) -> tuple[dict, int, float]:
-    """The training figures, the GPU count and the mean peak FLOP/s per GPU."""
-    from pipesim.model.transformer_costs import training_figures
-
-    fallback = fallback_peak_flops(args)
-    peaks = [result.topology.device_peak_flops(device) for device in result.devices]
-    peaks = [peak if math.isfinite(peak) else fallback for peak in peaks] or [fallback]
-    gpus = result.schedule.pp * result.parallel.tp * result.parallel.dp
-    peak = sum(peaks) / len(peaks)
-    figures = training_figures(spec, args.recompute, result.metrics.makespan, result.schedule.microbatches,
-                               result.parallel.dp, gpus, peak)
-    return figures, gpus, peak
-
-
 def handle(args: argparse.Namespace) -> int:
     from pipesim.sim.memory import OutOfMemoryError, check_memory
 
-    topology = topology_from_args(args)
-    schedule = schedule_from_args(args, topology)
-    if args.model:
-        costs = model_costs_from_args(args, schedule, topology)
-    else:
-        costs = costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
-    result = run_simulation(schedule, costs, topology, parallel=parallel_from_args(args), p2p=args.p2p)
-    if args.model:
-        result.trace.meta["model"] = args.model  # the chart's title names it
+    job = Job.from_namespace(args)
+    result = simulate_job(job)
     document = result.to_dict()
     print(result.summary())
-    if args.model:
-        figures = model_figures(args, result)
+    if job.model:
+        figures = model_figures(job, result)
         document.update(figures)
         print(f"  model {figures['model']['name']}: {figures['model']['params'] / 1e9:.3g} B params; "
               f"{figures['tokens_per_second']:.4g} tokens/s, {figures['model_tflops_per_gpu']:.4g} TFLOP/s per GPU "
               f"(Megatron's count), MFU {figures['mfu']:.1%}")
         print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
-    write_outputs(args, document, [result.trace], [f"predicted: {schedule.name}"], [result.metrics])
+    write_outputs(args, document, [result.trace], [f"predicted: {result.schedule.name}"], [result.metrics])
     if args.fail_on_oom:
         try:
             check_memory(result.memory)

@@ -15,15 +15,9 @@ from pipesim.cli.options import (
     add_p2p_arg,
     add_parallel_args,
     add_topology_args,
-    costs_from_args,
-    model_costs_from_args,
-    model_spec_from_args,
-    parallel_from_args,
-    reject_with_schedule_file,
-    split_list,
-    topology_from_args,
 )
 from pipesim.cli.progress import progress_from_args
+from pipesim.job import Job, costs_of, model_spec_of, parallel_of, reject_with_schedule_file, split_list, topology_of
 from pipesim.plan.sweep import ROW_FIELDS, SweepPoint, format_table, run_sweep, sweep_points
 from schedules.schedule import Schedule
 
@@ -88,21 +82,20 @@ def handle(args: argparse.Namespace) -> int:
             split_list(args.microbatches or MICROBATCHES, int),
             VIRTUAL_STAGES if args.virtual_stages is None else args.virtual_stages,
         )
-    topology = topology_from_args(args)
+    job = Job.from_namespace(args)
+    topology = topology_of(job)
 
     def costs_for(schedule):
-        if args.model:
-            return model_costs_from_args(args, schedule, topology)
-        return costs_from_args(args, schedule.num_stages, schedule.virtual_stages)
+        return costs_of(job, schedule, topology)
 
     progress = progress_from_args("sweep", args).enabled  # per-point lines on a terminal only
-    rows = run_sweep(points, costs_for, topology, progress=progress, parallel=parallel_from_args(args),
+    rows = run_sweep(points, costs_for, topology, progress=progress, parallel=parallel_of(job),
                      max_actions=args.max_actions, memory_limit=args.memory_limit, p2p=args.p2p,
                      schedules=files)
     if args.model:
         # Tokens a microbatch carries across all dp replicas, so the chart draws tokens/s
         # (as plan does: microbatches x dp x microbatch size x sequence length per step).
-        spec = model_spec_from_args(args)
+        spec = model_spec_of(job)
         for row in rows:
             row["tokens_per_microbatch"] = spec.seq_len * spec.microbatch_size * args.dp
     print(format_table(rows))

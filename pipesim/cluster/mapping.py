@@ -87,7 +87,16 @@ def map_ranks(topology: Topology, dp: int = 1, pp: int = 1, tp: int = 1, order: 
     """Place a ``dp x pp x tp`` job on ``topology``'s devices (file/preset order).
 
     An ideal topology has as many free devices as asked for; any other must have at
-    least ``dp * pp * tp``."""
+    least ``dp * pp * tp``. Kept on the topology per shape: a plan maps thousands of
+    layouts onto one cluster."""
+    key = ("mapping", dp, pp, tp, order)
+    cached = topology.pace_cache.get(key)
+    if cached is None:
+        cached = topology.pace_cache[key] = _map_ranks(topology, dp, pp, tp, order)
+    return cached
+
+
+def _map_ranks(topology: Topology, dp: int, pp: int, tp: int, order: str) -> RankMapping:
     for name, size in (("--dp", dp), ("--pp", pp), ("--tp", tp)):
         if size < 1:
             raise ValueError(f"{name} must be >= 1, got {size}")

@@ -4,10 +4,15 @@ lower bound on their step time, so layouts that provably cannot reach the top ar
 simulated.
 
 A layout is a schedule, pp × tp × dp, virtual stages, microbatch size (the microbatch
-count follows from the global batch), recompute and optimizer sharding. Simulating one
-is the same call as ``pipesim simulate`` with those flags (the caller passes it in as
-``evaluate``), so a plan's numbers are exactly what ``simulate`` prints for the chosen
-layout.
+count follows from the global batch), recompute, optimizer sharding and sequence
+parallelism. Simulating one is the same call as ``pipesim simulate`` with those flags
+(the caller passes it in as ``evaluate``), so a plan's numbers are exactly what
+``simulate`` prints for the chosen layout.
+
+Every considered layout lands in exactly one bucket, and the buckets add up: ruled out
+by a divisibility rule or a constraint while enumerating, rejected before simulation (it
+provably cannot fit), simulated (then ranked, out of memory, or not buildable), or
+pruned (its lower bound cannot reach the top).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from bisect import insort
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES
 
@@ -40,11 +45,12 @@ class Layout:
     microbatches: int
     recompute: str = "none"
     zero: int = 0
+    sequence_parallel: bool = False
 
     def label(self) -> str:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         extras = "".join([f" recompute={self.recompute}" if self.recompute != "none" else "",
-                          f" zero{self.zero}" if self.zero else ""])
+                          f" zero{self.zero}" if self.zero else "", " sp" if self.sequence_parallel else ""])
         return (f"{self.schedule}{chunks} pp{self.pp} tp{self.tp} dp{self.dp} "
                 f"mbs{self.microbatch_size} m{self.microbatches}{extras}")
 
@@ -64,6 +70,7 @@ class SearchSpace:
     virtual_stages: Sequence[int] = (2, 4)
     recompute: Sequence[str] = ("none",)
     zero: Sequence[int] = (0,)
+    sequence_parallel: Sequence[bool] = (False,)
     constraints: dict[str, set[str]] = field(default_factory=dict)
 
 
@@ -88,39 +95,49 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
-    """Every layout the space allows, and how many were dropped for each cause."""
+    """Every layout the space allows, and how many candidates each rule ruled out. A
+    candidate is one choice of every dimension on a split of the GPUs (tp x pp dividing
+    them); choices that only repeat another layout (ZeRO or sequence parallelism with
+    nothing to shard over) are not candidates."""
     rejected: Counter = Counter()
     layouts = []
     for tp in _powers_of_two(space.gpus_per_node):
-        if space.heads % tp or space.kv_heads % tp:
-            rejected["tp does not divide the attention (or key-value) heads"] += 1
-            continue
         for pp in range(1, space.layers + 1):
             if space.gpus % (tp * pp):
                 continue  # not a split of the GPUs at all: not a layout, not counted
             dp = space.gpus // (tp * pp)
             for microbatch_size in space.microbatch_sizes:
-                if space.global_batch % (dp * microbatch_size):
-                    rejected["global batch not divisible by dp x microbatch size"] += 1
-                    continue
                 microbatches = space.global_batch // (dp * microbatch_size)
                 for schedule in space.schedules:
-                    chunk_options = space.virtual_stages if schedule in MULTI_CHUNK else (1,)
-                    for chunks in chunk_options:
-                        if space.layers % (pp * chunks):
-                            rejected["layers not divisible by pp x virtual stages"] += 1
-                            continue
+                    for chunks in (space.virtual_stages if schedule in MULTI_CHUNK else (1,)):
                         for recompute in space.recompute:
                             for zero in space.zero:
                                 if zero and dp == 1:
                                     continue  # nothing to shard over: the same layout as zero 0
-                                layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
-                                                recompute, zero)
-                                if not _allowed(layout, space.constraints):
-                                    rejected["excluded by --constraint"] += 1
-                                    continue
-                                layouts.append(layout)
+                                for sequence_parallel in space.sequence_parallel:
+                                    if sequence_parallel and tp == 1:
+                                        continue  # no tensor-parallel group: the same layout
+                                    layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
+                                                    recompute, zero, sequence_parallel)
+                                    cause = _ruled_out(layout, space)
+                                    if cause is None:
+                                        layouts.append(layout)
+                                    else:
+                                        rejected[cause] += 1
     return layouts, rejected
+
+
+def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
+    """The first rule a candidate breaks, None if it keeps them all."""
+    if space.heads % layout.tp or space.kv_heads % layout.tp:
+        return "tp does not divide the attention (or key-value) heads"
+    if space.global_batch % (layout.dp * layout.microbatch_size):
+        return "global batch not divisible by dp x microbatch size"
+    if space.layers % (layout.pp * layout.virtual_stages):
+        return "layers not divisible by pp x virtual stages"
+    if not _allowed(layout, space.constraints):
+        return "excluded by --constraint"
+    return None
 
 
 def _allowed(layout: Layout, constraints: dict[str, set[str]]) -> bool:
@@ -129,24 +146,39 @@ def _allowed(layout: Layout, constraints: dict[str, set[str]]) -> bool:
 
 @dataclass
 class PlanResult:
-    """Ranked rows (best first), what was rejected and why, and the search's counts."""
+    """Ranked rows (best first) and every other considered layout's bucket and cause.
+
+    ``considered = ruled out + screened + simulated + pruned`` and ``simulated = ranked +
+    failed``; each Counter holds its bucket's causes. ``others`` are the layouts that were
+    not ranked but were looked at (screened, simulated and failed, pruned), each with its
+    bucket, cause and what is known of it (its lower bound, for a chart)."""
 
     rows: list[dict]
-    rejected: Counter
     considered: int
+    ruled_out: Counter
+    screened: Counter
+    failed: Counter
     simulated: int
     pruned: int
     seconds: float
-    screened: int = 0  # rejected before simulation by ``reject``
+    others: list[dict] = field(default_factory=list)
+
+    @property
+    def ranked(self) -> int:
+        return len(self.rows)
 
     def to_dict(self, top: int) -> dict:
         return {
             "ranked": self.rows[:top] if top else self.rows,
             "considered": self.considered,
+            "ruled_out": sum(self.ruled_out.values()),
+            "rejected_before_simulation": sum(self.screened.values()),
             "simulated": self.simulated,
+            "simulated_and_ranked": self.ranked,
+            "simulated_and_failed": sum(self.failed.values()),
             "pruned_by_bound": self.pruned,
-            "rejected_before_simulation": self.screened,
-            "rejected": dict(self.rejected),
+            "causes": {"ruled_out": dict(self.ruled_out), "rejected_before_simulation": dict(self.screened),
+                       "simulated_and_failed": dict(self.failed)},
             "seconds": self.seconds,
             "simulated_per_second": self.simulated / self.seconds if self.seconds else None,
         }
@@ -161,17 +193,23 @@ def search(
     progress: Callable[[int, int], None] | None = None,
     rejected: Counter | None = None,
     reject: Callable[[Layout], str | None] | None = None,
+    describe: Callable[[Layout], dict] | None = None,
 ) -> PlanResult:
     """Simulate layouts in order of their lower bound, a few at a time on each of
     ``workers`` processes, and stop simulating once the next bound cannot beat the ``top``-th best
     step time found that fits in memory. ``evaluate`` returns a row with ``step_time``
     and ``oom`` (or ``error``); rows are ranked by step time, ties by layout. ``reject``
     names a cause for layouts that provably cannot work (checked before anything is
-    simulated). With several workers, ``evaluate``, ``bound`` and ``reject`` run in them
-    and must be module-level functions."""
+    simulated); ``rejected`` counts, by cause, the layouts ruled out before the search.
+    ``describe`` adds what is known of a layout that is not simulated (its memory floor,
+    say) to its entry in ``PlanResult.others``. With several workers, ``evaluate``,
+    ``bound`` and ``reject`` run in them and must be module-level functions."""
     started = time.perf_counter()
-    rejected = Counter(rejected or {})
-    considered = len(layouts)
+    ruled_out = Counter(rejected or {})
+    screened: Counter = Counter()
+    failed: Counter = Counter()
+    others: list[dict] = []
+    considered = len(layouts) + sum(ruled_out.values())
     rows: list[dict] = []
     fitting: list[float] = []
     simulated = 0
@@ -210,7 +248,8 @@ def search(
                 if cause is None:
                     kept.append(layout)
                 else:
-                    rejected[cause] += 1
+                    screened[cause] += 1
+                    others.append({**layout_fields(layout), "bucket": "rejected before simulation", "cause": cause})
             layouts = kept
         bounds = dict(zip(layouts, each(bound, layouts), strict=True))
         order = sorted(layouts, key=lambda layout: (bounds[layout], layout))
@@ -232,10 +271,12 @@ def search(
             layout, future = in_flight.popleft()
             row = future.result() if future is not None else evaluate(layout)
             simulated += 1
-            if "error" in row:
-                rejected[row["error"]] += 1
-            elif row.get("oom"):
-                rejected["out of memory"] += 1
+            if "error" in row or row.get("oom"):
+                cause = row.get("error") or "out of memory"
+                failed[cause] += 1
+                others.append({**{key: value for key, value in row.items() if key != "error"},
+                               **layout_fields(layout), "bucket": "simulated", "cause": cause,
+                               "lower_bound": bounds[layout]})
             else:
                 row["lower_bound"] = bounds[layout]
                 rows.append(row)
@@ -246,9 +287,14 @@ def search(
         for pool in pools or ():
             pool.shutdown()
     rows.sort(key=lambda row: (row["step_time"], row["layout"]))
-    pruned = len(order) - position
-    return PlanResult(rows, rejected, considered, simulated, pruned, time.perf_counter() - started,
-                      considered - len(layouts))
+    others += [{**layout_fields(layout), "bucket": "pruned", "cause": "its lower bound cannot reach the top",
+                "lower_bound": bounds[layout]} for layout in order[position:]]
+    if describe is not None:  # what is known of the layouts never simulated
+        for other in others:
+            if other["bucket"] != "simulated":
+                other.update(describe(Layout(**{key: other[key] for key in Layout.__dataclass_fields__})))
+    return PlanResult(rows, considered, ruled_out, screened, failed, simulated, len(order) - position,
+                      time.perf_counter() - started, others)
 
 
 def worker_of(layout: Layout, workers: int) -> int:
@@ -280,7 +326,10 @@ def pareto_front(rows: list[dict], x: str = "peak_memory_bytes", y: str = "token
 
 def layout_fields(layout: Layout) -> dict:
     """The layout as plain JSON fields, plus its one-line label."""
-    return {**asdict(layout), "layout": layout.label()}
+    return {**{name: getattr(layout, name) for name in LAYOUT_FIELDS}, "layout": layout.label()}
+
+
+LAYOUT_FIELDS = tuple(Layout.__dataclass_fields__)
 
 
 def default_workers() -> int:

@@ -115,41 +115,72 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
               bucket_bytes: float = DDP_BUCKET_BYTES, overlap_dp: bool = True, algorithm: str = "ring",
               zero: int = 0) -> CommPlan:
     """The tp and dp collective costs of every stage on its rank's groups."""
-    tp_seconds: dict[tuple[int, str], float] = {}
     bucket_bytes_of: dict[int, tuple[float, ...]] = {}
     reduce_seconds: dict[int, tuple[float, ...]] = {}
     gather_seconds: dict[int, tuple[float, ...]] = {}
     for stage, cost in enumerate(costs.stages):
-        rank = schedule.placement[stage]
-        if mapping.tp > 1 and cost.layers and cost.tp_message_bytes:
-            group = mapping.tp_group(0, rank)
-            if costs.sequence_parallel:
-                one = all_gather(topology, group, cost.tp_message_bytes) + reduce_scatter(
-                    topology, group, cost.tp_message_bytes)
-            else:
-                one = all_reduce(topology, group, cost.tp_message_bytes, algorithm)
-            per_pass = 2 * cost.layers * one
-            if per_pass > 0:
-                for kind in (ActionKind.F, ActionKind.B, ActionKind.I):
-                    tp_seconds[stage, kind] = per_pass
-                # full recompute re-runs the forward, and its collectives, inside the backward
-                for kind in (ActionKind.B, ActionKind.I):
-                    tp_seconds[stage, kind] += 2 * cost.recompute_layers * one
-        if mapping.dp > 1 and cost.param_bytes > 0:
-            group = mapping.dp_group(rank, 0)
-            sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
-            # a stage has thousands of buckets but at most two sizes (full, and the rest): price each size once
-            if zero:
-                reduce = _per_bucket(sizes, partial(reduce_scatter, topology, group))
-                gather_seconds[stage] = _per_bucket(sizes, partial(all_gather, topology, group))
-            else:
-                reduce = _per_bucket(sizes, partial(all_reduce, topology, group, algorithm=algorithm))
-            if sum(reduce) > 0:
-                bucket_bytes_of[stage] = sizes
-                reduce_seconds[stage] = reduce
+        group = _dp_group(schedule, stage, mapping)
+        if group is None or cost.param_bytes <= 0:
+            continue
+        sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
+        # a stage has thousands of buckets but at most two sizes (full, and the rest): price each size once
+        if zero:
+            reduce = _per_bucket(sizes, partial(reduce_scatter, topology, group))
+            gather_seconds[stage] = _per_bucket(sizes, partial(all_gather, topology, group))
+        else:
+            reduce = _per_bucket(sizes, partial(all_reduce, topology, group, algorithm=algorithm))
+        if sum(reduce) > 0:
+            bucket_bytes_of[stage] = sizes
+            reduce_seconds[stage] = reduce
     layers = {stage: cost.layers for stage, cost in enumerate(costs.stages)}
-    return CommPlan(tp_seconds, bucket_bytes_of, reduce_seconds, gather_seconds, overlap_dp, zero, layers,
-                    _twins(schedule, topology, mapping))
+    return CommPlan(tp_collective_seconds(schedule, costs, topology, mapping, algorithm), bucket_bytes_of,
+                    reduce_seconds, gather_seconds, overlap_dp, zero, layers, _twins(schedule, topology, mapping))
+
+
+def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
+                          algorithm: str = "ring") -> dict[tuple[int, str], float]:
+    """Seconds of tensor-parallel collectives after each (stage, compute kind)."""
+    seconds: dict[tuple[int, str], float] = {}
+    if mapping.tp == 1:
+        return seconds
+    for stage, cost in enumerate(costs.stages):
+        if not (cost.layers and cost.tp_message_bytes):
+            continue
+        group = mapping.tp_group(0, schedule.placement[stage])
+        if costs.sequence_parallel:
+            one = all_gather(topology, group, cost.tp_message_bytes) + reduce_scatter(
+                topology, group, cost.tp_message_bytes)
+        else:
+            one = all_reduce(topology, group, cost.tp_message_bytes, algorithm)
+        per_pass = 2 * cost.layers * one
+        if per_pass > 0:
+            for kind in (ActionKind.F, ActionKind.B, ActionKind.I):
+                seconds[stage, kind] = per_pass
+            # full recompute re-runs the forward, and its collectives, inside the backward
+            for kind in (ActionKind.B, ActionKind.I):
+                seconds[stage, kind] += 2 * cost.recompute_layers * one
+    return seconds
+
+
+def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
+                             bucket_bytes: float = DDP_BUCKET_BYTES) -> dict[int, float]:
+    """Under ZeRO, each stage's whole parameter all-gather after the optimizer step
+    (``comm_plan``'s per bucket, summed)."""
+    totals = {}
+    for stage, cost in enumerate(costs.stages):
+        group = _dp_group(schedule, stage, mapping)
+        if group is not None and cost.param_bytes > 0:
+            sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
+            totals[stage] = sum(all_gather(topology, group, sizes[first]) * (stop - first)
+                                for first, stop in _size_runs(sizes))
+    return totals
+
+
+def _dp_group(schedule: Schedule, stage: int, mapping: RankMapping) -> list[str] | None:
+    """The devices that reduce ``stage``'s gradients, None when there is nothing to reduce."""
+    if mapping.dp == 1 or schedule.num_stages <= stage:
+        return None
+    return mapping.dp_group(schedule.placement[stage], 0)
 
 
 def _per_bucket(sizes: tuple[float, ...], seconds_of) -> tuple[float, ...]:

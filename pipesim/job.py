@@ -1,0 +1,414 @@
+"""A simulation asked for as one object: what ``pipesim simulate`` is given, as data.
+
+The command line parses its flags into a ``Job``; a notebook or the planner builds one
+directly (``dataclasses.replace`` for each layout it tries) and hands it to the same
+functions: ``schedule_of``, ``costs_of``, ``parallel_of``, ``topology_of``, and
+``simulate_job`` for the whole step. The fields are the flags' names, with the same
+defaults and the same ``None`` for "not given" (a schedule file refuses a ``--pp`` that was
+given, not one left at its default), so a Job is a command line written as data and
+``simulate --json`` reports what the flags meant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+from dataclasses import dataclass, fields, replace
+
+from pipesim.cluster.files import load_topology
+from pipesim.cluster.topology import Topology
+from pipesim.model.costs import Costs, load_costs, uniform_costs
+from schedules.generators import COST_AWARE, DEFAULT_MAX_ACTIONS, MULTI_CHUNK, generate, require_within_limit
+from schedules.schedule import Schedule
+
+DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
+DEFAULT_VIRTUAL_STAGES = 2  # for schedules that place several chunks per rank
+DEFAULT_FWD = 1e-3
+COST_FLAGS = (("--fwd", "fwd"), ("--bwd", "bwd"), ("--wgrad", "wgrad"), ("--act-bytes", "act_bytes"))
+# --dtype NAME -> bytes per element; --dtype-bytes N is the old spelling, kept working
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One simulated step, as ``pipesim simulate``'s flags describe it (see the module).
+
+    Schedule: a generated ``schedule`` (or a ``schedule_file``), ``pp``, ``microbatches``,
+    ``virtual_stages``. Costs: uniform flags (``fwd``...), a ``costs`` file, or a ``model``
+    with its sizes and training options. Cluster: ``topology`` (preset or file), ``nodes``,
+    ``gpu``. Around the pipeline: ``dp``, ``tp``, how ranks map onto devices, gradient
+    buckets, ZeRO. ``p2p``: the P2P semantics (None: the backend predicted)."""
+
+    schedule: str | None = None
+    schedule_file: str | None = None
+    pp: int | None = None
+    microbatches: int | None = None
+    virtual_stages: int | None = None
+    memory_limit: int | None = None
+    max_actions: int = DEFAULT_MAX_ACTIONS
+    fwd: float | None = None
+    bwd: float | None = None
+    wgrad: float | None = None
+    act_bytes: float | None = None
+    stash_bytes: float | None = None
+    param_bytes: float | None = None
+    costs: str | None = None
+    model: str | None = None
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    seq_len: int | None = None
+    vocab: int | None = None
+    microbatch_size: int | None = None
+    dtype: str | None = None
+    dtype_bytes: int | None = None
+    mfu: float | None = None
+    compute_model: str | None = None
+    layers_per_stage: str | None = None
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    no_flash_attention: bool = False
+    topology: str = "ideal"
+    nodes: int | None = None
+    gpu: str | None = None
+    dp: int = 1
+    tp: int = 1
+    rank_order: str = "tp-dp-pp"
+    bucket_mb: float = 25.0
+    no_dp_overlap: bool = False
+    zero: int = 0
+    collective: str = "ring"
+    bytes_per_param: str = "2,2,12"
+    p2p: str | None = None
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> Job:
+        """The Job of a parsed command line (flags a command does not have keep their defaults)."""
+        return cls(**{field.name: getattr(args, field.name) for field in fields(cls) if hasattr(args, field.name)})
+
+    def generated(self) -> Job:
+        """With the schedule flags a generated schedule leaves unset at their defaults."""
+        return replace(self, schedule=self.schedule or DEFAULT_SCHEDULE,
+                       pp=DEFAULT_PP if self.pp is None else self.pp,
+                       microbatches=DEFAULT_MICROBATCHES if self.microbatches is None else self.microbatches)
+
+
+def conflict(flag: str, other: str, why: str) -> ValueError:
+    """The one form of every conflicting-flags error: both flags named, then why."""
+    return ValueError(f"{flag} conflicts with {other}: {why}")
+
+
+def reject_with_schedule_file(job, flags: dict[str, object]) -> None:
+    """A schedule file fixes the schedule, pp, microbatches and chunks per rank: a flag
+    that would say otherwise is an error, not silently ignored."""
+    files = job.schedule_file if isinstance(job.schedule_file, str) else ",".join(job.schedule_file)
+    for flag, value in flags.items():
+        if value is not None:
+            raise ValueError(f"{flag} conflicts with --schedule-file {files}: the file fixes the "
+                             f"schedule, pp, microbatches and stages per rank; drop {flag}")
+
+
+def virtual_stages_for(name: str, requested: int | None) -> int:
+    """Chunks per rank: as requested for multi-chunk schedules, 1 for the others."""
+    if name in MULTI_CHUNK:
+        return requested or DEFAULT_VIRTUAL_STAGES
+    return 1
+
+
+def schedule_of(job: Job, topology: Topology | None = None) -> Schedule:
+    """Generate the named schedule, or read the CSV given as ``schedule_file``.
+    Cost-aware schedules (zb-auto) are built from the job's costs on ``topology``
+    (default: free links)."""
+    if job.schedule_file:
+        from schedules.csv_io import schedule_from_csv
+
+        reject_with_schedule_file(job, {"--schedule": job.schedule, "--pp": job.pp,
+                                        "--microbatches": job.microbatches, "--virtual-stages": job.virtual_stages})
+        return schedule_from_csv(job.schedule_file)
+    job = job.generated()
+    if job.schedule in COST_AWARE:
+        require_within_limit(job.schedule, job.pp, job.microbatches, 1, job.max_actions)
+        return cost_aware_schedule_of(job, topology)
+    if job.memory_limit is not None:
+        print(f"note: --memory-limit applies to {', '.join(sorted(COST_AWARE))}; {job.schedule}'s memory is "
+              "set by its order", file=sys.stderr)
+    if job.virtual_stages not in (None, 1) and job.schedule not in MULTI_CHUNK:
+        raise conflict(f"--virtual-stages {job.virtual_stages}", f"--schedule {job.schedule}",
+                       f"{job.schedule} places one stage per rank; multi-chunk schedules are "
+                       f"{', '.join(sorted(MULTI_CHUNK))}")
+    return generate(job.schedule, job.pp, job.microbatches, virtual_stages_for(job.schedule, job.virtual_stages),
+                    max_actions=job.max_actions)
+
+
+def cost_aware_schedule_of(job: Job, topology: Topology | None) -> Schedule:
+    """zb-auto from the job's costs (flags, costs file or model spec; unit costs
+    F = I = W where it has none) and its cluster's hop time."""
+    from pipesim.cluster.mapping import map_ranks
+    from pipesim.cluster.topology import ideal_topology
+    from pipesim.sim.cost_aware import build_cost_aware
+
+    topology = topology or ideal_topology()
+    if job.model:
+        costs = model_costs_of(job, generate("1f1b", job.pp, job.microbatches), topology)
+    else:
+        costs = flag_costs_of(job, job.pp, 1)
+        if not any(stage.wgrad for stage in costs.stages):
+            print(f"note: {job.schedule} with no weight-gradient time (--wgrad 0 or none in the costs file) "
+                  "has no W passes to fill bubbles with", file=sys.stderr)
+    devices = None
+    if not topology.ideal:
+        devices = map_ranks(topology, job.dp, job.pp, job.tp, job.rank_order).pipeline()
+    return build_cost_aware(job.schedule, job.pp, job.microbatches, costs, topology, job.memory_limit, devices)
+
+
+def check_cost_flags(job) -> None:
+    """``--costs`` fixes every per-stage cost, so a cost flag beside it is refused, and
+    ``--mfu`` and ``--compute-model`` only time a ``--model``'s operations."""
+    if job.costs:
+        for flag, dest in COST_FLAGS:
+            if getattr(job, dest, None) is not None:
+                raise conflict(flag, f"--costs {job.costs}", f"the costs file gives every stage's costs; drop {flag}")
+    if getattr(job, "mfu", None) is not None and not getattr(job, "model", None):
+        raise ValueError("--mfu needs --model: it scales the FLOPs of a model spec; give --model or drop --mfu")
+    if getattr(job, "compute_model", None) and not getattr(job, "model", None):
+        raise ValueError(f"--compute-model {job.compute_model} needs --model: it times a model spec's operations; "
+                         "give --model or drop --compute-model")
+
+
+def costs_of(job: Job, schedule: Schedule, topology: Topology) -> Costs:
+    """The job's per-stage costs for ``schedule``: from its model spec, else its flags or costs file."""
+    if job.model:
+        return model_costs_of(job, schedule, topology)
+    return flag_costs_of(job, schedule.num_stages, schedule.virtual_stages)
+
+
+def flag_costs_of(job, num_stages: int, virtual_stages: int) -> Costs:
+    """Uniform costs from the flags, or the costs file; chunk costs are per-rank / v."""
+    check_cost_flags(job)
+    if job.costs:
+        return load_costs(job.costs, num_stages, virtual_stages)
+    fwd = DEFAULT_FWD if job.fwd is None else job.fwd
+    bwd = 2 * fwd if job.bwd is None else job.bwd
+    return uniform_costs(num_stages, fwd, bwd, job.wgrad or 0.0, job.act_bytes or 0.0, virtual_stages,
+                         stash_bytes=job.stash_bytes, param_bytes=job.param_bytes)
+
+
+def finite_flag(value: float, flag: str, positive: bool = False) -> float:
+    """``value`` if it is a finite number >= 0 (> 0 with ``positive``); else a one-line
+    error naming the flag and the value."""
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{flag} must be a finite number {bound}, got {value!r}")
+    return value
+
+
+def parallel_of(job):
+    """The ``ParallelConfig`` of the job."""
+    return _parallel(job.dp, job.tp, job.rank_order, job.bucket_mb, job.no_dp_overlap, job.collective, job.zero,
+                     job.bytes_per_param)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap: bool, collective: str, zero: int,
+              bytes_per_param: str):
+    from pipesim.sim.memory import parse_bytes_per_param
+    from pipesim.sim.parallel import ParallelConfig
+
+    bucket_mb = finite_flag(bucket_mb, "--bucket-mb", positive=True)
+    return ParallelConfig(dp=dp, tp=tp, rank_order=rank_order, bucket_bytes=bucket_mb * 2**20,
+                          overlap_dp=not no_dp_overlap, algorithm=collective, zero=zero,
+                          bytes_per_param=parse_bytes_per_param(bytes_per_param))
+
+
+def split_list(text: str, cast=str) -> list:
+    """``"8,16,32"`` -> ``[8, 16, 32]``; errors name the bad item."""
+    items = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            items.append(cast(item))
+        except ValueError as error:
+            raise ValueError(f"{item!r} in {text!r} is not a valid {cast.__name__}") from error
+    if not items:
+        raise ValueError(f"empty list: {text!r}")
+    return items
+
+
+def topology_of(job) -> Topology:
+    return load_topology(job.topology, job.nodes, getattr(job, "gpu", None))
+
+
+# The executor's built-in transformer (``pipesim run --model gpt``) as a model spec, so
+# one name means one model in both: its defaults are run's (LayerNorm, biases, learned
+# positions, an untied head, no dropout, MLP 4 x hidden, float32), so ``simulate
+# --model gpt --layers 4 --hidden 64`` predicts the model that ``run --model gpt
+# --layers 4 --hidden 64`` trains.
+EXECUTOR_GPT = {"layers": 4, "hidden": 64, "heads": 4, "seq_len": 16, "vocab": 128, "dtype_bytes": 4}
+
+
+def executor_gpt_spec(**fields: int | None):
+    from dataclasses import replace
+
+    from pipesim.model.spec import ModelSpec
+
+    spec = ModelSpec(name="gpt", **EXECUTOR_GPT, tied_embeddings=False, dropout=False)
+    return replace(spec, **{key: value for key, value in fields.items() if value is not None})
+
+
+def dtype_bytes_of(job) -> int | None:
+    dtype, size = getattr(job, "dtype", None), getattr(job, "dtype_bytes", None)
+    if dtype is not None and size is not None:
+        raise conflict("--dtype-bytes", f"--dtype {dtype}", "give one of them")
+    return DTYPE_BYTES[dtype] if dtype is not None else size
+
+
+def model_spec_of(job):
+    """The ``ModelSpec`` of ``--model`` with the field flags applied: a preset, a
+    config.json, or the executor's ``gpt`` (``mlp`` has no transformer FLOP model)."""
+    return _model_spec(job.model, job.layers, job.hidden, job.heads, job.kv_heads, job.ffn_hidden, job.seq_len,
+                       job.vocab, job.microbatch_size, dtype_bytes_of(job))
+
+
+@functools.lru_cache(maxsize=256)
+def _model_spec(model: str, layers, hidden, heads, kv_heads, ffn_hidden, seq_len, vocab, microbatch_size,
+                dtype_bytes):
+    """``model_spec_of``, kept per distinct input: a spec never changes, and a plan asks
+    for the same model at a few microbatch sizes thousands of times."""
+    from pipesim.model.spec import model_spec
+
+    if model == "mlp":
+        raise ValueError("--model mlp is the executor's toy MLP; the simulator models transformers: use "
+                         "--model gpt (the executor's transformer), a preset, or --fwd/--bwd")
+    build = executor_gpt_spec if model == "gpt" else lambda **fields: model_spec(model, **fields)
+    return build(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
+                 seq_len=seq_len, vocab=vocab, microbatch_size=microbatch_size, dtype_bytes=dtype_bytes)
+
+
+def fallback_peak_flops(job) -> float:
+    """Peak FLOP/s for devices the topology gives none (ideal): ``--gpu``'s, else H100's."""
+    from pipesim.cluster.gpus import gpu_spec
+
+    return gpu_spec(getattr(job, "gpu", None)).bf16_flops
+
+
+def fallback_memory_bandwidth(job) -> float:
+    """HBM bytes/s for devices the topology gives none: ``--gpu``'s, else H100's."""
+    from pipesim.cluster.gpus import gpu_spec
+
+    return gpu_spec(getattr(job, "gpu", None)).memory_bandwidth
+
+
+def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
+    """Costs of ``--model`` on the devices its pipeline ranks are mapped to."""
+    from pipesim.cluster.mapping import map_ranks
+    from pipesim.model.transformer_costs import device_memory_bandwidth
+    from pipesim.sim.memory import static_bytes_per_param
+
+    given = [flag for flag, dest in (*COST_FLAGS, ("--costs", "costs"), ("--stash-bytes", "stash_bytes"),
+                                      ("--param-bytes", "param_bytes")) if getattr(job, dest, None) is not None]
+    if given:
+        raise conflict(given[0], f"--model {job.model}", f"the model spec derives the costs; drop {given[0]}")
+    spec = model_spec_of(job)
+    devices = map_ranks(topology, job.dp, schedule.pp, job.tp, job.rank_order).pipeline()
+    stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
+    peaks = [topology.device_peak_flops(device) for device in stage_devices]
+    bandwidths = [device_memory_bandwidth(topology, device) for device in stage_devices]
+    gpus = [topology.device_gpu(device) for device in stage_devices]
+    layout = split_list(job.layers_per_stage, int) if job.layers_per_stage else None
+    parallel = parallel_of(job)
+    profiled = compute_model_of(job)
+    return _model_costs(spec, schedule.num_stages, tuple(peaks), job.tp, job.mfu,
+                        job.sequence_parallel, tuple(layout) if layout else None, job.recompute,
+                        not job.no_flash_attention, fallback_peak_flops(job), tuple(bandwidths),
+                        fallback_memory_bandwidth(job),
+                        static_bytes_per_param(parallel.bytes_per_param, job.dp, parallel.zero),
+                        tuple(schedule.placement), tuple(gpus), getattr(job, "gpu", None), profiled)
+
+
+def compute_model_of(job):
+    """The profiled compute model of ``--compute-model FILE``, or None (read once per file)."""
+    path = getattr(job, "compute_model", None)
+    if not path:
+        return None
+    if getattr(job, "mfu", None) is not None:
+        raise conflict(f"--mfu {job.mfu:g}", f"--compute-model {path}",
+                       "one efficiency for every kernel or a profiled model of them; give one")
+    return _load_compute_model(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_compute_model(path: str):
+    from pipesim.model.compute_model import load_compute_model
+
+    return load_compute_model(path)
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None, sequence_parallel: bool,
+                 layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
+                 bandwidths: tuple, fallback_bandwidth: float, optimizer_state_bytes: float,
+                 stage_ranks: tuple, gpus: tuple, fallback_gpu: str | None, profiled) -> Costs:
+    """``transformer_costs.model_costs``, kept per distinct input: it is a pure function of
+    them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
+    layouts (every dp width on one kind of GPU, with and without ZeRO where it does not
+    change the optimizer's bytes)."""
+    from pipesim.model.transformer_costs import model_costs
+
+    return model_costs(spec, num_stages, list(peaks), tp=tp, mfu=mfu, sequence_parallel=sequence_parallel,
+                       layers_per_stage=list(layout) if layout else None, recompute=recompute,
+                       flash_attention=flash_attention, fallback_peak=fallback_peak,
+                       stage_memory_bandwidth=list(bandwidths), fallback_memory_bandwidth=fallback_bandwidth,
+                       optimizer_state_bytes=optimizer_state_bytes, stage_ranks=list(stage_ranks),
+                       stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled)
+
+
+def simulate_job(job: Job):
+    """Simulate the job's step (``pipesim simulate`` without the printing): the
+    ``SimulationResult``; for a model, its trace names the model."""
+    from pipesim.sim.step import run_simulation
+
+    topology = topology_of(job)
+    schedule = schedule_of(job, topology)
+    result = run_simulation(schedule, costs_of(job, schedule, topology), topology, parallel=parallel_of(job),
+                            p2p=job.p2p)
+    if job.model:
+        result.trace.meta["model"] = job.model  # the chart's title names it
+    return result
+
+
+def model_figures(job: Job, result) -> dict:
+    """``--json``'s model section: the architecture, the per-stage costs derived from it,
+    and the throughput a training log would report for the simulated step."""
+    spec = model_spec_of(job)
+    figures, gpus, peak = _throughput(job, result, spec)
+    model = spec.describe()
+    model.update(recompute=job.recompute, flash_attention=not job.no_flash_attention,
+                 sequence_parallel=job.sequence_parallel, gpus=gpus, peak_flops_per_gpu=peak,
+                 compute_model=result.costs.meta.get("compute_model"))
+    return {"model": model, "stage_costs": result.costs.to_dict()["stages"], **figures}
+
+
+def throughput_figures(job: Job, result) -> dict:
+    """Only the throughput of ``model_figures`` (tokens/s, MFU, model TFLOP/s per GPU):
+    what a planner ranks thousands of layouts by, without the rest of the section."""
+    return _throughput(job, result, model_spec_of(job))[0]
+
+
+def _throughput(job: Job, result, spec) -> tuple[dict, int, float]:
+    """The training figures, the GPU count and the mean peak FLOP/s per GPU."""
+    from pipesim.model.transformer_costs import training_figures
+
+    fallback = fallback_peak_flops(job)
+    peaks = [result.topology.device_peak_flops(device) for device in result.devices]
+    peaks = [peak if math.isfinite(peak) else fallback for peak in peaks] or [fallback]
+    gpus = result.schedule.pp * result.parallel.tp * result.parallel.dp
+    peak = sum(peaks) / len(peaks)
+    figures = training_figures(spec, job.recompute, result.metrics.makespan, result.schedule.microbatches,
+                               result.parallel.dp, gpus, peak)
+    return figures, gpus, peak

@@ -1,0 +1,69 @@
+"""What a layout provably cannot beat, before it is simulated: a lower bound on its step
+time, and the least memory any schedule of it holds. The search simulates layouts best
+bound first and stops once no bound left can reach the top; layouts whose floor exceeds
+the device are rejected without a simulation (``tests/test_plan.py`` holds both to the
+simulation of every schedule, with tp, dp and ZeRO).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pipesim.model.costs import Costs
+
+
+def step_lower_bound(costs: Costs, placement: Sequence[int], microbatches: int, split_backward: bool,
+                     tp_seconds: dict[tuple[int, str], float], gather_seconds: dict[int, float],
+                     hop: Callable[[int, int], float], overlapped_pairs: bool = False) -> float:
+    """A step time no order of a schedule with this ``placement`` can beat.
+
+    For each pipeline rank r (whose lowest stage is stage r under both the looped and the
+    V placement):
+    - it cannot start before microbatch 0's forward has crossed stages 0..r-1: their
+      forwards, tensor-parallel collectives and the unloaded transfer of each boundary
+      (``hop(source, target)``);
+    - it then runs all its work: every microbatch's forward and backward of its stages,
+      each with its tp collectives;
+    - without a split backward its last action is a backward of stage r (any later
+      backward of a higher stage would feed one of stage r after it), which then still
+      has to cross stages r-1..0; with a split backward the weight gradients may come
+      last, so nothing is added;
+    - then the optimizer step and, under ZeRO, the parameter all-gathers of the rank that
+      ends the step.
+    With overlapped forward-backward pairs of a given cost (``overlap_fb``) the pair may
+    undercut F + B: only the step's tail is certain."""
+    stages = costs.stages
+    if overlapped_pairs:
+        return costs.step_overhead
+    pp = max(placement) + 1
+
+    def forward(stage: int) -> float:
+        return stages[stage].fwd + tp_seconds.get((stage, "F"), 0.0)
+
+    def backward(stage: int) -> float:
+        return stages[stage].bwd + tp_seconds.get((stage, "B"), 0.0)
+
+    tail = [costs.step_overhead + sum(gather_seconds.get(stage, 0.0) for stage, rank in enumerate(placement)
+                                      if rank == own) for own in range(pp)]
+    best = 0.0
+    for rank in range(pp):
+        own = [stage for stage, owner in enumerate(placement) if owner == rank]
+        busy = microbatches * sum(forward(stage) + backward(stage) for stage in own)
+        fill = sum(forward(stage) + hop(stage, stage + 1) for stage in range(rank))
+        best = max(best, fill + busy + tail[rank])
+        if not split_backward and rank > 0:
+            drain = sum(backward(stage) + hop(stage + 1, stage) for stage in range(rank))
+            best = max(best, fill + busy + drain + tail[0])
+    return best
+
+
+def memory_floor(costs: Costs, placement: Sequence[int], static_bytes: Callable[[int], float]) -> list[float]:
+    """Per rank, the least memory any schedule holds: its stages' parameters, gradients
+    and optimizer state (``static_bytes(stage)``) and one microbatch's stash of its
+    largest stage."""
+    ranks = max(placement) + 1
+    floors = []
+    for rank in range(ranks):
+        own = [stage for stage, owner in enumerate(placement) if owner == rank]
+        floors.append(sum(static_bytes(stage) for stage in own) + max(costs.stages[stage].stash_bytes for stage in own))
+    return floors
