@@ -54,8 +54,6 @@ checked under torch's rule.
 
 from __future__ import annotations
 
-from collections import deque
-
 from schedules.action import COMM_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.lowering import lower
 from schedules.p2p import BUFFERED, P2PError, check_pair_order
@@ -126,71 +124,86 @@ def wait_cycle(schedule: Schedule, per_peer: bool = True) -> list[Node]:
     transfers run on one stream per peer rank (torch's runtime on NCCL); otherwise on one
     stream per rank (pipesim's rendezvous semantics). The schedule must have passed
     ``validate(..., "buffered")`` and the pair-order check."""
-    waits = _wait_graph(schedule, per_peer)
-    pending = {node: len(before) for node, before in waits.items()}
-    followers: dict[Node, list[Node]] = {}
-    for node, before in waits.items():
+    base = [0]
+    for program in schedule.programs:
+        base.append(base[-1] + len(program))
+    waits = _wait_graph(schedule, per_peer, base)  # node -> the nodes it waits for
+    pending = [len(before) for before in waits]
+    followers: list[list[int]] = [[] for _ in waits]
+    for node, before in enumerate(waits):
         for earlier in before:
-            followers.setdefault(earlier, []).append(node)
-    ready = deque(node for node, count in pending.items() if count == 0)
+            followers[earlier].append(node)
+    ready = [node for node, count in enumerate(pending) if count == 0]
     while ready:
-        node = ready.popleft()
-        del pending[node]
-        for later in followers.get(node, ()):
+        node = ready.pop()
+        for later in followers[node]:
             pending[later] -= 1
             if pending[later] == 0:
                 ready.append(later)
-    if not pending:
+    left = [node for node, count in enumerate(pending) if count > 0]
+    if not left:
         return []
     # Every node left waits for another node left: follow such waits until one repeats.
-    node = min(pending)
-    path: list[Node] = []
-    seen: dict[Node, int] = {}
+    node = left[0]
+    path: list[int] = []
+    seen: dict[int, int] = {}
     while node not in seen:
         seen[node] = len(path)
         path.append(node)
-        node = next(earlier for earlier in waits[node] if earlier in pending)
-    return path[seen[node]:]
+        node = next(earlier for earlier in waits[node] if pending[earlier] > 0)
+    ranks = len(schedule.programs)
+
+    def named(node: int) -> Node:
+        position = node // 2
+        rank = next(rank for rank in range(ranks) if base[rank] <= position < base[rank + 1])
+        return (_START if node % 2 else _DONE, rank, position - base[rank])
+
+    return [named(node) for node in path[seen[node]:]]
 
 
-def _wait_graph(schedule: Schedule, per_peer: bool) -> dict[Node, list[Node]]:
+def _wait_graph(schedule: Schedule, per_peer: bool, base: list[int]) -> list[list[int]]:
     """Each event and the events it waits for (all of them: there are no alternatives,
-    so the step finishes exactly when this graph has no cycle)."""
+    so the step finishes exactly when this graph has no cycle). The action at
+    ``position`` of ``rank`` is event ``2 * (base[rank] + position)`` when it is done and,
+    for a transfer, ``+ 1`` when it has started."""
     placement = schedule.placement
     last_stage = schedule.num_stages - 1
-    position = [{action: at for at, action in enumerate(program)} for program in schedule.programs]
-    waits: dict[Node, list[Node]] = {}
-    sends: dict[tuple[int, int], list[int]] = {}  # (sender, receiver) -> sender's positions
-    recvs: dict[tuple[int, int], list[int]] = {}  # (sender, receiver) -> receiver's positions
+    waits: list[list[int]] = [[] for _ in range(2 * base[-1])]
+    sends: dict[tuple[int, int], list[int]] = {}  # (sender, receiver) -> the sends' events
+    recvs: dict[tuple[int, int], list[int]] = {}  # (sender, receiver) -> the receives' events
     for rank, program in enumerate(schedule.programs):
-        last_compute = None
-        stream_tail: dict[int, int] = {}  # stream (peer, or -1 for the rank's one) -> last op's position
+        position = {action: at for at, action in enumerate(program)}
+        first = base[rank]
+        last_compute = -1  # event of the rank's last compute action so far
+        stream_tail: dict[int, int] = {}  # stream (peer, or -1 for the rank's one) -> its last op's event
         for at, action in enumerate(program):
-            stage, kind, microbatch = action
+            done = 2 * (first + at)
+            stage, kind, _ = action
             if kind in COMM_KINDS:
                 peer = placement[stage + _PEER_OFFSET[kind]]
                 stream = peer if per_peer else -1
-                before = [(_DONE, rank, last_compute)] if last_compute is not None else []
+                started = waits[done + 1]
+                if last_compute >= 0:
+                    started.append(last_compute)
                 if stream in stream_tail:
-                    before.append((_DONE, rank, stream_tail[stream]))
-                stream_tail[stream] = at
-                waits[(_START, rank, at)] = before
-                waits[(_DONE, rank, at)] = [(_START, rank, at)]  # and the match, below
+                    started.append(stream_tail[stream])
+                stream_tail[stream] = done
+                waits[done].append(done + 1)  # and the peer's matching op, below
                 if kind in SEND_KINDS:
-                    sends.setdefault((rank, peer), []).append(at)
+                    sends.setdefault((rank, peer), []).append(done)
                 else:
-                    recvs.setdefault((peer, rank), []).append(at)
+                    recvs.setdefault((peer, rank), []).append(done)
                 continue
-            before = [(_DONE, rank, last_compute)] if last_compute is not None else []
+            if last_compute >= 0:
+                waits[done].append(last_compute)
             receive = _receive_of(action, placement, last_stage)
             if receive is not None:
-                before.append((_DONE, rank, position[rank][receive]))
-            waits[(_DONE, rank, at)] = before
-            last_compute = at
-    for (sender, receiver), send_positions in sends.items():
-        for send_at, recv_at in zip(send_positions, recvs.get((sender, receiver), ()), strict=False):
-            waits[(_DONE, sender, send_at)].append((_START, receiver, recv_at))
-            waits[(_DONE, receiver, recv_at)].append((_START, sender, send_at))
+                waits[done].append(2 * (first + position[receive]))
+            last_compute = done
+    for pair, send_events in sends.items():
+        for send, recv in zip(send_events, recvs.get(pair, ()), strict=False):
+            waits[send].append(recv + 1)
+            waits[recv].append(send + 1)
     return waits
 
 

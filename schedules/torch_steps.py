@@ -107,12 +107,15 @@ def _next_stages(count: int, items: Sequence[ComputeItem]) -> list[int]:
     return seen
 
 
+StepActions = list[tuple[int, str]]  # (stage, kind) in order
+
+
 def unshard_reshard(items: Sequence[ComputeItem],
-                    active_limit: int = FSDP_ACTIVE_STAGES) -> tuple[list[list[tuple[int, str]]], list[tuple[int, str]]]:
+                    active_limit: int = FSDP_ACTIVE_STAGES) -> tuple[list[StepActions], StepActions]:
     """torch's ``_add_unshard_reshard``: per item, the (stage, RESHARD|UNSHARD) actions
     placed before it, and those after the last item (every stage still gathered)."""
     active: set[int] = set()  # a set, as torch's: its iteration order is the eviction order
-    before: list[list[tuple[int, str]]] = []
+    before: list[StepActions] = []
     for index in range(len(items)):
         upcoming = _next_stages(active_limit, items[index:])
         fetch = [stage for stage in upcoming if stage not in active]

@@ -201,5 +201,6 @@ def test_torch_simulator_also_finds_our_deadlock(tmp_path, capsys, torch_schedul
     loader._load_csv(str(path), format="compute_comms")
     with pytest.raises(ValueError, match="not progressing"):
         torch_schedules._simulate_comms_compute(
-            without_step_actions(torch_schedules, loader.pipeline_order_with_comms), lambda stage: schedule.placement[stage], schedule.num_stages
+            without_step_actions(torch_schedules, loader.pipeline_order_with_comms),
+            lambda stage: schedule.placement[stage], schedule.num_stages,
         )
