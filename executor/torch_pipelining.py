@@ -34,6 +34,8 @@ from schedules.torch_runtime import as_torch_posts, check_torch_runtime
 from schedules.validate import validate
 
 COMPUTE_ONLY, COMPUTE_COMMS = "compute_only", "compute_comms"  # torch's names of the two formats
+# torch's own loader, kept before ``executor.torchtitan_launch`` puts ``load_schedule_csv`` in its place
+_TORCH_LOAD_CSV = _PipelineScheduleRuntime._load_csv
 
 
 def torch_format(schedule: Schedule) -> str:
@@ -64,7 +66,7 @@ def load_schedule_csv(runtime: _PipelineScheduleRuntime, path: str) -> Schedule:
     schedule = schedule_from_csv(path)
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     check_for_runtime(schedule, runtime, str(path), backend)
-    runtime._load_csv(str(path), format=torch_format(schedule))
+    _TORCH_LOAD_CSV(runtime, str(path), format=torch_format(schedule))
     return schedule
 
 
@@ -73,13 +75,15 @@ class TorchCase:
     """One file to run in torch's runtime: ``label`` names the result, ``scale_grads`` is
     the runtime's setting (True: losses are per-microbatch means and torch divides the
     gradients by the microbatch count; False: the loss function already divides).
-    ``checked=False`` hands the file to torch's ``_load_csv`` without pipesim's checks:
-    it exists so tests can show what the checks prevent."""
+    ``loader``: ``"checked"`` (``load_schedule_csv``), ``"torchtitan"`` (as torchtitan
+    calls it, ``runtime._load_csv(path)``, under ``executor.torchtitan_launch``) or
+    ``"torch"`` (torch's loader without pipesim's checks: it exists so tests can show what
+    the checks prevent)."""
 
     label: str
     path: str
     scale_grads: bool
-    checked: bool = True
+    loader: str = "checked"
 
 
 def run_cases(jobs: list[tuple[RunConfig, list[TorchCase]]]) -> dict[str, dict]:
@@ -120,10 +124,15 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, rank: in
 
     runtime = _PipelineScheduleRuntime(stages, n_microbatches=schedule.microbatches, loss_fn=loss_fn,
                                        scale_grads=case.scale_grads)
-    if case.checked:
-        load_schedule_csv(runtime, case.path)
+    if case.loader == "torchtitan":
+        from executor.torchtitan_launch import install
+
+        install()
+        runtime._load_csv(case.path)
+    elif case.loader == "torch":
+        _TORCH_LOAD_CSV(runtime, case.path, format=torch_format(schedule))
     else:
-        runtime._load_csv(case.path, format=torch_format(schedule))
+        load_schedule_csv(runtime, case.path)
     optimizer = build_optimizer(config, [p for module in modules.values() for p in module.parameters()])
     first, last = 0 in modules, num_stages - 1 in modules
     losses, grads = [], {}

@@ -6,7 +6,9 @@ torchtitan sets it). gloo on CPU, float64, an MLP of one block per stage, two SG
 the loss of both steps and every gradient of the first equal the one-process reference
 (``executor.reference``) to 1e-10.
 
-One launch of 4 processes runs every case (pp 2 on a group of the first two ranks);
+Both files are also loaded as torchtitan loads a schedule CSV (``_load_csv(path)``,
+``scale_grads=False``) under ``executor.torchtitan_launch``, which loads each in its own
+format. One launch of 4 processes runs every case (pp 2 on a group of the first two ranks);
 the gloo timeout (30 s) and the test timeout make a hang fail rather than wait. A lowered
 file without its REDUCE_GRAD cells, loaded past pipesim's check, shows what the check
 prevents: gradients exactly m times too large.
@@ -27,7 +29,11 @@ pytestmark = pytest.mark.timeout(900)
 
 NAMES = (*GENERATORS, "zb-auto")
 PIPELINES = (2, 4)
-FORMS = ("compute-only", "lowered")
+# (file, loader, scale_grads): each file in torch's runtime under both settings, and as
+# torchtitan loads it (``runtime._load_csv(path)``, scale_grads=False) under
+# ``executor.torchtitan_launch``
+VARIANTS = [(form, "checked", scale) for form in ("compute-only", "lowered") for scale in (True, False)] + [
+    (form, "torchtitan", False) for form in ("compute-only", "lowered")]
 WORLD = max(PIPELINES)
 TOLERANCE = 1e-10
 
@@ -53,8 +59,8 @@ def config_for(name: str, pp: int) -> RunConfig:
                      dtype="float64", optimizer="sgd", lr=0.1, backend="gloo", timeout=30.0)
 
 
-def label(name: str, pp: int, form: str, scale_grads: bool) -> str:
-    return f"p{pp}-{name}-{form}-scale_grads={scale_grads}"
+def label(name: str, pp: int, form: str, loader: str, scale_grads: bool) -> str:
+    return f"p{pp}-{name}-{form}-{loader}-scale_grads={scale_grads}"
 
 
 _results: dict[str, dict] = {}
@@ -78,18 +84,17 @@ def launched(tmp_path_factory) -> dict[str, dict]:
                 _unavailable[(name, pp)] = str(error)
                 continue
             files = {"compute-only": schedule, "lowered": lower_for_torch_runtime(schedule)}
-            cases = []
             for form, written in files.items():
-                path = folder / f"{name}-p{pp}-{form}.csv"
-                schedule_to_csv(written, path, groups=False)
-                cases += [TorchCase(label(name, pp, form, scale), str(path), scale) for scale in (True, False)]
+                schedule_to_csv(written, folder / f"{name}-p{pp}-{form}.csv", groups=False)
+            cases = [TorchCase(label(name, pp, form, loader, scale), str(folder / f"{name}-p{pp}-{form}.csv"),
+                               scale, loader) for form, loader, scale in VARIANTS]
             jobs.append((config_for(name, pp), cases))
     # the same lowered 1F1B file without its REDUCE_GRAD cells, past pipesim's check
     lowered = (folder / "1f1b-p4-lowered.csv").read_text()
     stripped = folder / "1f1b-p4-no-reduce-grad.csv"
     stripped.write_text(lowered.replace(",0REDUCE_GRAD", "").replace(",1REDUCE_GRAD", "")
                         .replace(",2REDUCE_GRAD", "").replace(",3REDUCE_GRAD", ""))
-    jobs.append((config_for("1f1b", 4), [TorchCase("no-reduce-grad", str(stripped), True, checked=False)]))
+    jobs.append((config_for("1f1b", 4), [TorchCase("no-reduce-grad", str(stripped), True, loader="torch")]))
     per_rank = launch_ranks(run_cases, (jobs,), WORLD)
     for results in per_rank.values():
         for case_label, result in results.items():
@@ -110,15 +115,16 @@ def reference(name: str, pp: int) -> dict:
     return _references[(name, pp)]
 
 
-@pytest.mark.parametrize("scale_grads", [True, False], ids=["scale_grads", "loss_divided"])
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(("form", "loader", "scale_grads"), VARIANTS,
+                         ids=[f"{form}-{loader}-{'scale_grads' if scale else 'loss_divided'}"
+                              for form, loader, scale in VARIANTS])
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("pp", PIPELINES, ids=lambda pp: f"p{pp}")
-def test_torch_runtime_matches_one_process_reference(tmp_path_factory, pp, name, form, scale_grads):
+def test_torch_runtime_matches_one_process_reference(tmp_path_factory, pp, name, form, loader, scale_grads):
     results = launched(tmp_path_factory)
     if (name, pp) in _unavailable:
         pytest.skip(f"{name} does not exist for pp={pp}, m={microbatches(pp)}: {_unavailable[(name, pp)]}")
-    result, expected = results[label(name, pp, form, scale_grads)], reference(name, pp)
+    result, expected = results[label(name, pp, form, loader, scale_grads)], reference(name, pp)
     assert result["losses"] == pytest.approx(expected["losses"], abs=TOLERANCE, rel=0)
     assert sorted(result["grads"]) == sorted(expected["grads"])
     for parameter, grad in expected["grads"].items():
