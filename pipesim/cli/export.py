@@ -17,6 +17,7 @@ from ``--model`` costs is the one ``simulate`` and ``plan`` predicted). Forms:
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pipesim.cli.options import (
     add_cost_args,
@@ -62,6 +63,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="write DIR/schedule.csv (compute-only, what torchtitan loads), "
                         "DIR/schedule-lowered.csv, DIR/torchtitan.toml (merge into the job's TOML, torchtitan <= "
                         "0.2.x) and DIR/torchtitan.args (the same as command-line overrides) (default: none)")
+    output.add_argument("--from-plan", metavar="PLAN.json",
+                        help="take the layout (schedule, pp, tp, dp, virtual stages, microbatch size and count, "
+                        "recompute, zero) from a `pipesim plan --json` file; give the plan's --model, --topology, "
+                        "--nodes and --seq-len too, so the order is the one it simulated (default: none)")
+    output.add_argument("--plan-rank", type=int, default=1,
+                        help="which of the plan's ranked layouts --from-plan takes, 1 = the best (default: 1)")
     output.add_argument("--torch-class", metavar="NAME",
                         help="the torch schedule class torchtitan builds the stages with (default: the one matching "
                         "the schedule's placement); one that places them otherwise is refused")
@@ -95,7 +102,7 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.torchtitan and (args.lowered or args.groups):
         raise conflict("--lowered" if args.lowered else "--groups", f"--torchtitan {args.torchtitan}",
                        "--torchtitan writes both the compute-only and the lowered CSV")
-    if args.torchtitan and args.zero:
+    if args.torchtitan and args.zero and not args.fsdp:
         raise conflict(f"--zero {args.zero}", f"--torchtitan {args.torchtitan}",
                        "torchtitan has no distributed optimizer (ZeRO-1); its sharded data parallelism is FSDP, "
                        "which also shards parameters and gradients: pass --fsdp, or drop --zero")
@@ -111,7 +118,13 @@ def handle(args: argparse.Namespace) -> int:
     from schedules.torch_runtime import lower_for_torch_runtime
     from schedules.validate import validate
 
+    if args.from_plan:
+        apply_plan_layout(args)
     check_flags(args)
+    if args.torchtitan and args.zero:
+        print(f"note: zero{args.zero} (a distributed optimizer) becomes FSDP in torchtitan (--fsdp), which also "
+              "shards parameters and gradients; the simulated step did not include its parameter all-gathers",
+              file=sys.stderr)
     schedule = schedule_from_args(args, topology_from_args(args))
     if args.torchtitan:
         return write_layout(args, schedule)
@@ -127,6 +140,39 @@ def handle(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: {schedule.name}, pp={schedule.pp}, stages={schedule.num_stages}, "
           f"microbatches={schedule.microbatches}, {schedule.num_actions} actions ({form})")
     return 0
+
+
+# plan's layout fields -> (export's flag, its argparse destination, the value meaning "not given")
+PLAN_FIELDS = {"schedule": ("--schedule", "schedule", None), "pp": ("--pp", "pp", None),
+               "microbatches": ("--microbatches", "microbatches", None),
+               "virtual_stages": ("--virtual-stages", "virtual_stages", None), "tp": ("--tp", "tp", 1),
+               "dp": ("--dp", "dp", 1), "microbatch_size": ("--microbatch-size", "microbatch_size", None),
+               "recompute": ("--recompute", "recompute", "none"), "zero": ("--zero", "zero", 0)}
+
+
+def apply_plan_layout(args: argparse.Namespace) -> None:
+    """Set the layout flags from ``--from-plan``'s ranked layout ``--plan-rank``; a layout
+    flag given as well is refused (the plan already decides it)."""
+    import json
+
+    from pipesim.cli.files import read_text
+
+    try:
+        ranked = json.loads(read_text(args.from_plan, "plan JSON")).get("ranked")
+    except (json.JSONDecodeError, AttributeError):
+        ranked = None
+    if not isinstance(ranked, list) or not ranked:
+        raise ValueError(f"--from-plan {args.from_plan}: not a `pipesim plan --json` file with ranked layouts")
+    if not 1 <= args.plan_rank <= len(ranked):
+        raise ValueError(f"--plan-rank {args.plan_rank}: {args.from_plan} ranks {len(ranked)} layouts (1 to "
+                         f"{len(ranked)})")
+    row = ranked[args.plan_rank - 1]
+    for field, (flag, dest, unset) in PLAN_FIELDS.items():
+        if getattr(args, dest) != unset:
+            raise conflict(flag, f"--from-plan {args.from_plan}", f"the plan's layout sets {field}; drop {flag}")
+        if field not in row:
+            raise ValueError(f"--from-plan {args.from_plan}: layout {args.plan_rank} has no {field!r}")
+        setattr(args, dest, row[field])
 
 
 def write_layout(args: argparse.Namespace, schedule) -> int:

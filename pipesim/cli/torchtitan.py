@@ -131,7 +131,8 @@ def toml_text(schedule: Schedule, cls: TorchClass, fields: dict[str, dict[str, o
              f"# {cls.name} only places the stages ({cls.describe()}); the CSV's order is what runs.",
              "[parallelism]"]
     lines += [f"{key} = {_toml_value(value)}" for key, value in parallelism.items()]
-    lines += ["", "[training]", f"# {count} microbatches x {size} sequences per data-parallel rank"]
+    sequences = f"{size} sequence{'s' if size > 1 else ''}"
+    lines += ["", "[training]", f"# {count} microbatches x {sequences} per data-parallel rank"]
     lines += [f"{key} = {_toml_value(value)}" for key, value in training.items()]
     return "\n".join(lines) + "\n"
 
