@@ -2,7 +2,9 @@
 
 One row per rank, one action per cell in program order (``0F0``, ``3SEND_F1``), an
 empty cell for an idle step. In a lowered schedule a cell may hold a P2P group, the
-transfers posted together, joined by ``+`` (``1SEND_F3+1RECV_B1``). There is no header
+transfers posted together, joined by ``+`` (``1SEND_F3+1RECV_B1``): pipesim's own form.
+torch's form has no groups and holds torch's step-level cells (``0REDUCE_GRAD``,
+``0UNSHARD``, ``0RESHARD``, ``schedules.torch_steps``), which the reader keeps aside. There is no header
 and no placement column: on import the
 placement is inferred from which rank's row holds which stage, the microbatch count
 from the largest microbatch seen, and the rank count from the number of rows. So a

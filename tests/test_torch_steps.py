@@ -98,3 +98,18 @@ def test_torch_form_reads_back_with_its_step_cells(tmp_path, name):
 def test_groups_and_fsdp_cannot_be_combined(tmp_path):
     with pytest.raises(ValueError, match="only the torch form"):
         schedule_to_csv(lower(generate("1f1b", 2, 2)), tmp_path / "x.csv", groups=True, fsdp=True)
+
+
+def test_the_torch_facing_schedule_modules_import_no_torch():
+    """They describe torch's rules as data, so the simulator and the CLI use them without
+    loading torch (schedules depends on networkx only)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, schedules.torch_steps, schedules.torch_compat, schedules.torch_runtime; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'simpy', 'pipesim', 'executor'}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
