@@ -10,9 +10,10 @@ placement, stage count or microbatch count differs from the runtime's stages
 pipesim's ``+`` groups (torch reads a group as its first action), and, on NCCL, an order
 that can hang torch's runtime (``schedules.torch_runtime``).
 
-``run_cases`` runs files through that path on one rank with the executor's models, for
-the numerics tests: the loss and gradients of a step in torch's runtime against
-``executor.reference``.
+``run_cases`` runs files through that path on one rank with the executor's models (and,
+with data parallelism, FSDP2's ``fully_shard`` over the replicas, which is what the
+lowered file's ``UNSHARD``/``RESHARD``/``REDUCE_GRAD`` drive), for the numerics tests: the
+loss and gradients of a step in torch's runtime against ``executor.reference``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+from torch.distributed.tensor import DTensor
 
 from executor.config import RunConfig
 from executor.models import PipelineModel, build_model, build_optimizer
@@ -86,38 +90,77 @@ class TorchCase:
     loader: str = "checked"
 
 
+@dataclass(frozen=True)
+class _Position:
+    """Where this process sits in a job's pp x dp grid, and what it talks over: the
+    pipeline group, and with dp > 1 the mesh FSDP shards each stage over."""
+
+    pp_rank: int
+    dp_rank: int
+    dp: int
+    pp_group: dist.ProcessGroup | None
+    dp_mesh: DeviceMesh | None
+
+
+def _positions(jobs: list[tuple[RunConfig, list[TorchCase]]], rank: int, world: int,
+               device: torch.device) -> dict[tuple[int, int], _Position | None]:
+    """Each job's (pp, dp) grid: pp x dp must fill the world when dp > 1 (FSDP over a
+    device mesh); a pipeline alone may take the first ``pp`` ranks. Every rank creates
+    every group, in the same order, as torch requires; None where this rank has no part."""
+    positions: dict[tuple[int, int], _Position | None] = {}
+    for config, _ in jobs:
+        shape = (config.pp, config.dp)
+        if shape in positions:
+            continue
+        if config.dp > 1:
+            if config.pp * config.dp != world:
+                raise ValueError(f"pp {config.pp} x dp {config.dp} must use all {world} ranks")
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp"))
+            positions[shape] = _Position(mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), config.dp,
+                                         mesh["pp"].get_group(), mesh["dp"])
+        else:
+            group = dist.new_group(list(range(config.pp))) if config.pp < world else None
+            positions[shape] = _Position(rank, 0, 1, group, None) if rank < config.pp else None
+    return positions
+
+
 def run_cases(jobs: list[tuple[RunConfig, list[TorchCase]]]) -> dict[str, dict]:
     """On this rank (started by ``executor.spawn.launch_ranks``): run every case of every
-    job with the job's config (model, batch, ``steps`` steps of its optimizer) on pipeline
-    ranks ``0 .. config.pp - 1`` (a smaller pipeline than the world gets a group of its
-    own, so one launch serves several sizes; the first config's backend and timeout join
-    the process group). Returns, per label, the batch loss of every step (on the rank that
-    holds the last stage) and this rank's stages' gradients of the first step, named
-    ``"{stage}.{parameter}"`` as ``reference_run`` names them."""
+    job with the job's config (model, batch, ``steps`` steps of its optimizer; with
+    ``dp`` > 1 each replica takes its slice of the batch and FSDP shards the stages over
+    the replicas; a pipeline smaller than the world runs on its first ranks, so one launch
+    serves several sizes; the first config's backend and timeout join the process group).
+    Returns, per label, the batch loss of every step (on the ranks that hold the last
+    stage, averaged over the replicas) and this rank's stages' full gradients of the first
+    step, named ``"{stage}.{parameter}"`` as ``reference_run`` names them."""
     first = jobs[0][0]
     rank, world, device, _ = init_rank("gloo" if first.backend == "auto" else first.backend, first.threads,
                                        first.timeout)
-    groups = {}
-    for config, _ in jobs:  # every rank creates every group, in the same order, as torch requires
-        if config.pp not in groups:
-            groups[config.pp] = dist.new_group(list(range(config.pp))) if config.pp < world else None
+    positions = _positions(jobs, rank, world, device)
     results = {}
     for config, cases in jobs:
-        if rank >= config.pp:
+        position = positions[(config.pp, config.dp)]
+        if position is None:
             continue
         model = build_model(config)
         for case in cases:
-            results[case.label] = _run_case(case, config, model, rank, device, groups[config.pp])
+            results[case.label] = _run_case(case, config, model, position, device)
     return results
 
 
-def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, rank: int, device: torch.device,
-              group: dist.ProcessGroup | None) -> dict:
+def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position: _Position,
+              device: torch.device) -> dict:
     schedule = schedule_from_csv(case.path)
     num_stages = schedule.num_stages
-    modules = {stage: model.build_stage(stage, num_stages).to(device) for stage in schedule.stages_of(rank)}
-    stages = [PipelineStage(module, stage, num_stages, device, group=group) for stage, module in modules.items()]
-    divisor = None if case.scale_grads else config.batch_size
+    modules = {stage: model.build_stage(stage, num_stages).to(device)
+               for stage in schedule.stages_of(position.pp_rank)}
+    if position.dp_mesh is not None:
+        for module in modules.values():
+            fully_shard(module, mesh=position.dp_mesh)
+    stages = [PipelineStage(module, stage, num_stages, device, group=position.pp_group)
+              for stage, module in modules.items()]
+    replica = config.batch_size // position.dp
+    divisor = None if case.scale_grads else replica  # FSDP averages the replicas' gradients
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return model.loss_sum(output, target) / (divisor or output.shape[0])
@@ -135,19 +178,29 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, rank: in
         load_schedule_csv(runtime, case.path)
     optimizer = build_optimizer(config, [p for module in modules.values() for p in module.parameters()])
     first, last = 0 in modules, num_stages - 1 in modules
+    own = slice(position.dp_rank * replica, (position.dp_rank + 1) * replica)
     losses, grads = [], {}
     for step in range(config.steps):
-        inputs, targets = (tensor.to(device) for tensor in model.make_batch(step, config.batch_size))
+        inputs, targets = (tensor[own].to(device) for tensor in model.make_batch(step, config.batch_size))
         microbatch_losses: list[torch.Tensor] = []
         args = (inputs,) if first else ()
         extra = {"target": targets, "losses": microbatch_losses} if last else {}
         runtime.step(*args, **extra)
         if step == 0:
-            grads = {f"{stage}.{name}": parameter.grad.detach().clone()
+            grads = {f"{stage}.{name}": _full(parameter.grad)
                      for stage, module in modules.items() for name, parameter in module.named_parameters()}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if last:
-            total = torch.stack(microbatch_losses).sum()
-            losses.append((total / len(microbatch_losses) if case.scale_grads else total).item())
+            total = torch.stack(microbatch_losses).sum().detach()
+            loss = total / len(microbatch_losses) if case.scale_grads else total
+            if position.dp_mesh is not None:
+                dist.all_reduce(loss, group=position.dp_mesh.get_group())
+                loss = loss / position.dp
+            losses.append(loss.item())
     return {"losses": losses, "grads": grads}
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as one tensor: an FSDP-sharded one gathered from every replica."""
+    return (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()

@@ -4,7 +4,8 @@ generator at pp 2 and 4, the compute-only file (torch lowers it) and the lowered
 the gradients by the microbatch count) and ``False`` (the loss already divides, as
 torchtitan sets it). gloo on CPU, float64, an MLP of one block per stage, two SGD steps:
 the loss of both steps and every gradient of the first equal the one-process reference
-(``executor.reference``) to 1e-10.
+(``executor.reference``) to 1e-10. And pp 2 x dp 2 with every stage sharded by FSDP2
+over the replicas, torch's UNSHARD/RESHARD/REDUCE_GRAD in the lowered file.
 
 Both files are also loaded as torchtitan loads a schedule CSV (``_load_csv(path)``,
 ``scale_grads=False``) under ``executor.torchtitan_launch``, which loads each in its own
@@ -35,6 +36,7 @@ PIPELINES = (2, 4)
 VARIANTS = [(form, "checked", scale) for form in ("compute-only", "lowered") for scale in (True, False)] + [
     (form, "torchtitan", False) for form in ("compute-only", "lowered")]
 WORLD = max(PIPELINES)
+FSDP_PIPELINE, FSDP_REPLICAS = 2, 2  # pp x dp = WORLD
 TOLERANCE = 1e-10
 
 
@@ -53,14 +55,14 @@ def build(name: str, pp: int) -> Schedule:
     return generate(name, pp, microbatches(pp), chunks(name))
 
 
-def config_for(name: str, pp: int) -> RunConfig:
-    return RunConfig(pp=pp, microbatches=microbatches(pp), virtual_stages=chunks(name), model="mlp",
-                     layers=pp * chunks(name), hidden=4, batch_size=2 * microbatches(pp), steps=2, seed=3,
+def config_for(name: str, pp: int, dp: int = 1) -> RunConfig:
+    return RunConfig(pp=pp, dp=dp, microbatches=microbatches(pp), virtual_stages=chunks(name), model="mlp",
+                     layers=pp * chunks(name), hidden=4, batch_size=2 * dp * microbatches(pp), steps=2, seed=3,
                      dtype="float64", optimizer="sgd", lr=0.1, backend="gloo", timeout=30.0)
 
 
-def label(name: str, pp: int, form: str, loader: str, scale_grads: bool) -> str:
-    return f"p{pp}-{name}-{form}-{loader}-scale_grads={scale_grads}"
+def label(name: str, pp: int, form: str, loader: str, scale_grads: bool, dp: int = 1) -> str:
+    return f"p{pp}-dp{dp}-{name}-{form}-{loader}-scale_grads={scale_grads}"
 
 
 _results: dict[str, dict] = {}
@@ -89,6 +91,17 @@ def launched(tmp_path_factory) -> dict[str, dict]:
             cases = [TorchCase(label(name, pp, form, loader, scale), str(folder / f"{name}-p{pp}-{form}.csv"),
                                scale, loader) for form, loader, scale in VARIANTS]
             jobs.append((config_for(name, pp), cases))
+    # FSDP over 2 replicas of a 2-rank pipeline: torch's own UNSHARD/RESHARD in the
+    # compute-only file, pipesim's (`export --lowered --fsdp`) in the lowered one
+    for name in NAMES:
+        schedule = build(name, FSDP_PIPELINE)
+        files = {"compute-only": (schedule, False), "lowered": (lower_for_torch_runtime(schedule), True)}
+        for form, (written, fsdp) in files.items():
+            schedule_to_csv(written, folder / f"{name}-fsdp-{form}.csv", groups=False, fsdp=fsdp)
+        jobs.append((config_for(name, FSDP_PIPELINE, FSDP_REPLICAS), [
+            TorchCase(label(name, FSDP_PIPELINE, form, "checked", scale, FSDP_REPLICAS),
+                      str(folder / f"{name}-fsdp-{form}.csv"), scale)
+            for form in files for scale in (True, False)]))
     # the same lowered 1F1B file without its REDUCE_GRAD cells, past pipesim's check
     lowered = (folder / "1f1b-p4-lowered.csv").read_text()
     stripped = folder / "1f1b-p4-no-reduce-grad.csv"
@@ -104,15 +117,23 @@ def launched(tmp_path_factory) -> dict[str, dict]:
     return _results
 
 
-_references: dict[tuple[str, int], dict] = {}
+_references: dict[tuple[str, int, int], dict] = {}
 
 
-def reference(name: str, pp: int) -> dict:
+def reference(name: str, pp: int, dp: int = 1) -> dict:
+    """The one-process run of the whole batch (all replicas' slices)."""
     from executor.reference import reference_run
 
-    if (name, pp) not in _references:
-        _references[(name, pp)] = reference_run(config_for(name, pp))
-    return _references[(name, pp)]
+    if (name, pp, dp) not in _references:
+        _references[(name, pp, dp)] = reference_run(config_for(name, pp, dp))
+    return _references[(name, pp, dp)]
+
+
+def assert_matches(result: dict, expected: dict) -> None:
+    assert result["losses"] == pytest.approx(expected["losses"], abs=TOLERANCE, rel=0)
+    assert sorted(result["grads"]) == sorted(expected["grads"])
+    for parameter, grad in expected["grads"].items():
+        assert (result["grads"][parameter] - grad).abs().max().item() < TOLERANCE, parameter
 
 
 @pytest.mark.parametrize(("form", "loader", "scale_grads"), VARIANTS,
@@ -124,11 +145,19 @@ def test_torch_runtime_matches_one_process_reference(tmp_path_factory, pp, name,
     results = launched(tmp_path_factory)
     if (name, pp) in _unavailable:
         pytest.skip(f"{name} does not exist for pp={pp}, m={microbatches(pp)}: {_unavailable[(name, pp)]}")
-    result, expected = results[label(name, pp, form, loader, scale_grads)], reference(name, pp)
-    assert result["losses"] == pytest.approx(expected["losses"], abs=TOLERANCE, rel=0)
-    assert sorted(result["grads"]) == sorted(expected["grads"])
-    for parameter, grad in expected["grads"].items():
-        assert (result["grads"][parameter] - grad).abs().max().item() < TOLERANCE, parameter
+    assert_matches(results[label(name, pp, form, loader, scale_grads)], reference(name, pp))
+
+
+@pytest.mark.parametrize("scale_grads", [True, False], ids=["scale_grads", "loss_divided"])
+@pytest.mark.parametrize("form", ["compute-only", "lowered"])
+@pytest.mark.parametrize("name", NAMES)
+def test_fsdp_replicas_match_one_process_reference(tmp_path_factory, name, form, scale_grads):
+    """pp 2 x dp 2, each stage sharded with FSDP2 over the replicas: the lowered file's
+    UNSHARD/RESHARD gather the parameters where torch's own lowering would, and its
+    REDUCE_GRAD reduces the gradients across the replicas."""
+    results = launched(tmp_path_factory)
+    assert_matches(results[label(name, FSDP_PIPELINE, form, "checked", scale_grads, FSDP_REPLICAS)],
+                   reference(name, FSDP_PIPELINE, FSDP_REPLICAS))
 
 
 def test_every_schedule_is_exercised_as_intended(tmp_path_factory):
