@@ -58,7 +58,6 @@ from schedules.action import COMM_KINDS, SEND_KINDS, Action, ActionKind
 from schedules.lowering import lower
 from schedules.p2p import BUFFERED, P2PError, check_pair_order
 from schedules.schedule import Schedule
-from schedules.validate import ScheduleValidationError, validate
 
 TORCH_RUNTIME = "torch-runtime"
 
@@ -77,28 +76,41 @@ def as_torch_posts(schedule: Schedule) -> Schedule:
     return posted
 
 
+def check_torch_runtime_progress(schedule: Schedule) -> None:
+    """Raise ``P2PError`` naming the waits on a cycle if torch's runtime running
+    ``schedule``'s flat file could hang on NCCL. Like ``schedules.p2p.check_progress``, it
+    expects a lowered schedule that passed the structural and pair-order checks; P2P
+    groups are ignored, as torch ignores them."""
+    posted = as_torch_posts(schedule)
+    cycle = wait_cycle(posted)
+    if cycle:
+        raise _deadlock_error(posted, cycle)
+
+
 def check_torch_runtime(schedule: Schedule) -> Schedule:
     """Raise ``ScheduleValidationError`` if torch's ``_PipelineScheduleRuntime`` running
     ``schedule``'s flat file could hang on NCCL (naming the waits on the cycle), or if the
     file is malformed for it; return the schedule as torch posts it otherwise. P2P groups
     in ``schedule`` are ignored, as torch ignores them."""
+    from schedules.validate import ScheduleValidationError, validate  # validate may dispatch to this module
+
     posted = as_torch_posts(schedule)
     validate(posted, BUFFERED)  # actions, completeness, transfers before their consumers
     if not posted.is_lowered:
         return posted
     try:
         check_pair_order(posted)
+        check_torch_runtime_progress(posted)
     except P2PError as error:
-        raise ScheduleValidationError(str(error), action=error.action, rank=error.rank,
-                                      position=error.position) from None
-    cycle = wait_cycle(posted)
-    if cycle:
-        raise _deadlock_error(posted, cycle)
+        raise ScheduleValidationError(str(error), action=error.action, rank=error.rank, position=error.position,
+                                      cycle=error.cycle) from None
     return posted
 
 
 def is_torch_runtime_safe(schedule: Schedule) -> bool:
     """Whether ``check_torch_runtime`` accepts the schedule."""
+    from schedules.validate import ScheduleValidationError
+
     try:
         check_torch_runtime(schedule)
     except ScheduleValidationError:
@@ -218,7 +230,7 @@ def _receive_of(action: Action, placement, last_stage: int) -> Action | None:
     return None
 
 
-def _deadlock_error(schedule: Schedule, cycle: list[Node]) -> ScheduleValidationError:
+def _deadlock_error(schedule: Schedule, cycle: list[Node]) -> P2PError:
     """The cycle as the waits a reader can follow, one clause per wait."""
     programs = schedule.programs
 
@@ -247,7 +259,7 @@ def _deadlock_error(schedule: Schedule, cycle: list[Node]) -> ScheduleValidation
             clauses.append(f"{named(node)} runs after {programs[waited[1]][waited[2]]} (position {waited[2]})")
     first = cycle[0]
     actions = [programs[rank][at] for _, rank, at in cycle]
-    return ScheduleValidationError(
+    return P2PError(
         "can hang torch's _PipelineScheduleRuntime on NCCL (each SEND/RECV posted alone in file order, one stream "
         "per rank pair, a transfer completes only once its peer has started the matching one): "
         + "; ".join(clauses) + ". Write the file with `pipesim export --lowered`, whose transfers cannot hang it",

@@ -20,6 +20,7 @@ from schedules.schedule import Schedule
 from schedules.torch_runtime import (
     as_torch_posts,
     check_torch_runtime,
+    check_torch_runtime_progress,
     is_torch_runtime_safe,
     lower_for_torch_runtime,
     wait_cycle,
@@ -57,6 +58,15 @@ def test_an_order_that_hangs_torchs_runtime_on_nccl_is_refused_naming_the_cycle(
         assert waits in message
     assert set(caught.value.cycle) == {parse_action(text) for text in ("0SEND_F1", "1RECV_F1", "1SEND_B0", "0RECV_B0")}
     assert not is_torch_runtime_safe(HANGS)
+
+
+def test_the_progress_check_alone_raises_as_pipesims_p2p_checks_do():
+    """``check_torch_runtime_progress`` is the piece a validator dispatching on a semantics
+    name calls after its structural and pair-order checks, like ``p2p.check_progress``."""
+    with pytest.raises(P2PError, match="can hang torch's") as caught:
+        check_torch_runtime_progress(HANGS)
+    assert (caught.value.rank, caught.value.position) in {(0, 3), (0, 4), (1, 3), (1, 4)}
+    check_torch_runtime_progress(RUNS)
 
 
 def test_an_order_that_does_not_hang_passes():
