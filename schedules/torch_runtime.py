@@ -48,8 +48,11 @@ every rank exchanges with one peer (pp = 2), and stricter elsewhere: it can refu
 whose only cycle runs through two streams of one rank, which torch runs (the tests show
 one). ``check_torch_runtime`` has torch's rule exactly; with ``per_peer=False`` it is
 pipesim's rendezvous walk again (tested equal on generated and shuffled orders).
-``lower_for_torch_runtime`` is the lowering target: ``lower`` with every transfer alone,
-checked under torch's rule.
+``check_torch_runtime_progress`` is that rule alone (``P2PError``, as
+``schedules.p2p.check_progress`` raises), for a validator that dispatches on the
+semantics name ``TORCH_RUNTIME``; ``check_torch_runtime`` adds the structural and
+pair-order checks. ``lower_for_torch_runtime`` is the lowering target: ``lower`` with
+every transfer alone, checked under torch's rule.
 """
 
 from __future__ import annotations
