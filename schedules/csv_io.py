@@ -2,7 +2,9 @@
 
 One row per rank, one action per cell in program order (``0F0``, ``3SEND_F1``), an
 empty cell for an idle step. In a lowered schedule a cell may hold a P2P group, the
-transfers posted together, joined by ``+`` (``1SEND_F3+1RECV_B1``). There is no header
+transfers posted together, joined by ``+`` (``1SEND_F3+1RECV_B1``): pipesim's own form.
+torch's form has no groups and holds torch's step-level cells (``0REDUCE_GRAD``,
+``0UNSHARD``, ``0RESHARD``, ``schedules.torch_steps``), which the reader keeps aside. There is no header
 and no placement column: on import the
 placement is inferred from which rank's row holds which stage, the microbatch count
 from the largest microbatch seen, and the rank count from the number of rows. So a
@@ -18,48 +20,42 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-from schedules.action import Action, ActionKind, ActionParseError, format_overlap, parse_group, parse_overlap
+from schedules.action import Action, ActionKind, ActionParseError, parse_group, parse_overlap
 from schedules.schedule import Schedule
 from schedules.textfile import read_text
+from schedules.torch_steps import STEP_CELLS, parse_step_cell, torch_cells
 
 
 class ScheduleCsvError(ValueError):
     """A CSV file that does not describe a schedule; the message names file, row and cell."""
 
 
-def schedule_to_csv(schedule: Schedule, path_or_file: str | Path | IO[str], groups: bool = True) -> None:
+def schedule_to_csv(schedule: Schedule, path_or_file: str | Path | IO[str], groups: bool = True,
+                    fsdp: bool = False) -> None:
     """Write one row per rank, one action per cell (no idle cells: programs are dense).
 
-    ``groups``: each P2P group in one cell, joined by ``+``. torch.distributed.pipelining
-    has no P2P groups and drops such cells, so ``groups=False`` writes one action per
-    cell for it (the grouping is then lost: read back, every transfer is alone)."""
+    ``groups``: each P2P group in one cell, joined by ``+`` (pipesim's own form).
+    ``groups=False`` writes the form torch.distributed.pipelining's runtime runs as
+    written: it has no P2P groups (read back, every transfer is alone), and a lowered
+    schedule gets torch's ``REDUCE_GRAD`` after each stage's last backward (and with
+    ``fsdp`` its ``UNSHARD``/``RESHARD``), where torch's own lowering puts them
+    (``schedules.torch_steps``)."""
+    if fsdp and groups:
+        raise ValueError("fsdp=True writes torch's UNSHARD/RESHARD, which only the torch form (groups=False) holds")
     if isinstance(path_or_file, (str, Path)):
         with open(path_or_file, "w", newline="") as handle:
-            _write(schedule, handle, groups)
+            _write(schedule, handle, groups, fsdp)
     else:
-        _write(schedule, path_or_file, groups)
+        _write(schedule, path_or_file, groups, fsdp)
 
 
-def _write(schedule: Schedule, handle: IO[str], groups: bool) -> None:
+def _write(schedule: Schedule, handle: IO[str], groups: bool, fsdp: bool) -> None:
     writer = csv.writer(handle)
     for rank in range(schedule.pp):
         if groups:
             writer.writerow(schedule.program_text(rank))
         else:
-            writer.writerow(_flat_cells(schedule, rank))
-
-
-def _flat_cells(schedule: Schedule, rank: int) -> list[str]:
-    """One action per cell, except an overlapped pair, which torch reads as one
-    ``(F;B)OVERLAP_F_B`` cell."""
-    program, fused = schedule.programs[rank], schedule.fused[rank]
-    cells: list[str] = []
-    for position, action in enumerate(program):
-        if position in fused:
-            cells[-1] = format_overlap(program[position - 1], action)
-        else:
-            cells.append(str(action))
-    return cells
+            writer.writerow(torch_cells(schedule, rank, fsdp))
 
 
 def schedule_from_csv(
@@ -82,9 +78,10 @@ def schedule_from_csv(
         rows = list(csv.reader(path))
         default_name = Path(label).stem if label != "<csv>" else "csv"
     parsed = [_parse_row(label, rank, row) for rank, row in enumerate(rows)]
-    programs = [program for program, _, _ in parsed]
-    joins = [joined for _, joined, _ in parsed]
-    fused = tuple(frozenset(pairs) for _, _, pairs in parsed)
+    programs = [program for program, _, _, _ in parsed]
+    joins = [joined for _, joined, _, _ in parsed]
+    fused = tuple(frozenset(pairs) for _, _, pairs, _ in parsed)
+    step_cells = tuple(tuple(steps) for _, _, _, steps in parsed)
     if not programs:
         raise ScheduleCsvError(f"{label}: the file is empty; expected one row of actions per rank")
     placement = _infer_placement(label, programs)
@@ -99,20 +96,28 @@ def schedule_from_csv(
         name=name if name is not None else default_name,
         joins=joins,
         fused=fused,
+        meta={STEP_CELLS: step_cells} if any(step_cells) else {},
     )
 
 
-def _parse_row(label: str, rank: int, row: Iterable[str]) -> tuple[list[Action], frozenset[int], list[int]]:
+def _parse_row(label: str, rank: int, row: Iterable[str]
+               ) -> tuple[list[Action], frozenset[int], list[int], list[tuple[int, str]]]:
     """Row ``rank`` as a program, its P2P groups (the positions joined to the action
-    before them) and its overlapped pairs (the positions of their backwards); empty
+    before them), its overlapped pairs (the positions of their backwards) and torch's
+    step-level cells (``REDUCE_GRAD``, ``UNSHARD``, ``RESHARD``: kept aside with the
+    program position they precede, since they move no data between ranks); empty
     cells (idle steps) are skipped. A cell is one action, a group of SEND/RECV actions
     joined by ``+`` (a transfer alone in its cell is posted alone), or torch's
     ``(F;B)OVERLAP_F_B`` pair."""
     program: list[Action] = []
     joined: set[int] = set()
     fused: list[int] = []
+    steps: list[tuple[int, str]] = []
     for column, cell in enumerate(row):
         if not cell.strip():
+            continue
+        if parse_step_cell(cell) is not None:
+            steps.append((len(program), cell.strip()))
             continue
         try:
             pair = parse_overlap(cell)
@@ -126,7 +131,7 @@ def _parse_row(label: str, rank: int, row: Iterable[str]) -> tuple[list[Action],
         if pair is None:
             joined.update(range(len(program) + 1, len(program) + len(group)))
         program.extend(group)
-    return program, frozenset(joined), fused
+    return program, frozenset(joined), fused, steps
 
 
 def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...]:

@@ -172,11 +172,24 @@ def test_torch_loads_and_simulates_our_lowered_csv(tmp_path, torch_schedules, na
     loader = bare_torch_schedule(torch_schedules._PipelineScheduleRuntime, schedule)
     loader._load_csv(str(path), format="compute_comms")
     order = loader.pipeline_order_with_comms
-    assert [[str(action) for action in order[rank]] for rank in range(pp)] == [
+    loaded = [[str(action) for action in order[rank]] for rank in range(pp)]
+    assert loaded == [row.split(",") for row in path.read_text().splitlines()]
+    # every action of ours, in our order, plus torch's step-level REDUCE_GRAD of each stage
+    assert [[cell for cell in row if not cell.endswith("REDUCE_GRAD")] for row in loaded] == [
         [str(action) for action in program] for program in schedule.programs
     ]
+    assert sorted(cell for row in loaded for cell in row if cell.endswith("REDUCE_GRAD")) == sorted(
+        f"{stage}REDUCE_GRAD" for stage in range(schedule.num_stages))
     # torch's dry-run raises "Schedule is not progressing" on a deadlock; it agrees ours has none.
-    torch_schedules._simulate_comms_compute(order, lambda stage: schedule.placement[stage], schedule.num_stages)
+    torch_schedules._simulate_comms_compute(without_step_actions(torch_schedules, order),
+                                            lambda stage: schedule.placement[stage], schedule.num_stages)
+
+
+def without_step_actions(torch_schedules, order: dict) -> dict:
+    """``order`` without REDUCE_GRAD: torch's dry run moves only data and knows no
+    step-level action (it refuses the REDUCE_GRAD of its own lowering too)."""
+    return {rank: [action for action in actions if action.computation_type != torch_schedules.REDUCE_GRAD]
+            for rank, actions in order.items()}
 
 
 def test_torch_simulator_also_finds_our_deadlock(tmp_path, capsys, torch_schedules):
@@ -188,5 +201,6 @@ def test_torch_simulator_also_finds_our_deadlock(tmp_path, capsys, torch_schedul
     loader._load_csv(str(path), format="compute_comms")
     with pytest.raises(ValueError, match="not progressing"):
         torch_schedules._simulate_comms_compute(
-            loader.pipeline_order_with_comms, lambda stage: schedule.placement[stage], schedule.num_stages
+            without_step_actions(torch_schedules, loader.pipeline_order_with_comms),
+            lambda stage: schedule.placement[stage], schedule.num_stages,
         )

@@ -70,6 +70,34 @@ def torch_schedule(name: str, pp: int, microbatches: int, chunks: int | None = N
     return Schedule(pp, microbatches, placement, programs, name=f"torch {class_name}", **extra)
 
 
+def torch_lowered_schedule(name: str, pp: int, microbatches: int) -> Schedule:
+    """torch's own lowered order (its ``_add_send_recv`` over the class's compute order)
+    for the class matching ``name``, as our ``Schedule``; the step-level actions
+    (REDUCE_GRAD, UNSHARD, RESHARD) move no data and are left out, an overlapped pair
+    becomes our F then B, marked fused."""
+    class_name, style, chunks = TORCH_CLASSES[name]
+    num_stages = pp * chunks
+    stages = ([StandInStage(stage, num_stages, pp, 0) for stage in (0, num_stages - 1)] if style == "v"
+              else [StandInStage(chunk * pp, num_stages, pp, 0) for chunk in range(chunks)])
+    schedule = getattr(torch_schedules, class_name)(stages, microbatches)
+    programs, fused = [], []
+    for rank in range(pp):
+        program, overlapped = [], set()
+        for action in schedule.pipeline_order_with_comms[rank]:
+            if action.sub_actions is not None:
+                forward, backward = action.sub_actions
+                program.append(parse_action(str(forward)))
+                overlapped.add(len(program))
+                program.append(parse_action(str(backward)))
+            elif action.computation_type.value not in ("REDUCE_GRAD", "UNSHARD", "RESHARD"):
+                program.append(parse_action(str(action)))
+        programs.append(program)
+        fused.append(frozenset(overlapped))
+    extra = {"fused": tuple(fused)} if any(fused) else {}
+    return Schedule(pp, microbatches, _placement(schedule, num_stages, pp, style), programs,
+                    name=f"torch {class_name} lowered", **extra)
+
+
 def _placement(schedule, num_stages: int, pp: int, style: str) -> tuple[int, ...]:
     mapping = getattr(schedule, "stage_index_to_group_rank", None)
     if mapping:

@@ -1,0 +1,206 @@
+"""Schedule files in torch.distributed.pipelining's own runtime: loaded only after pipesim
+has checked them against the torch schedule they go into, and run on a model pipesim
+also runs as a one-process reference.
+
+``load_schedule_csv`` is the check-then-load a user (or ``executor.torchtitan_launch``)
+calls instead of ``_PipelineScheduleRuntime._load_csv``: it tells torch the file's format
+(compute-only or lowered, which torch cannot tell itself), refuses a file whose
+placement, stage count or microbatch count differs from the runtime's stages
+(``schedules.torch_compat``), a lowered file without its ``REDUCE_GRAD`` cells, one with
+pipesim's ``+`` groups (torch reads a group as its first action), and, on NCCL, an order
+that can hang torch's runtime (``schedules.torch_runtime``).
+
+``run_cases`` runs files through that path on one rank with the executor's models (and,
+with data parallelism, FSDP2's ``fully_shard`` over the replicas, which is what the
+lowered file's ``UNSHARD``/``RESHARD``/``REDUCE_GRAD`` drive), for the numerics tests: the
+loss and gradients of a step in torch's runtime against ``executor.reference``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+from torch.distributed.tensor import DTensor
+
+from executor.config import RunConfig
+from executor.models import PipelineModel, build_model, build_optimizer
+from executor.process import init_rank
+from schedules.csv_io import schedule_from_csv
+from schedules.schedule import Schedule
+from schedules.torch_compat import TorchMismatchError, check_reduce_grad, check_torch_stages
+from schedules.torch_runtime import as_torch_posts, check_torch_runtime
+from schedules.validate import validate
+
+COMPUTE_ONLY, COMPUTE_COMMS = "compute_only", "compute_comms"  # torch's names of the two formats
+# torch's own loader, kept before ``executor.torchtitan_launch`` puts ``load_schedule_csv`` in its place
+_TORCH_LOAD_CSV = _PipelineScheduleRuntime._load_csv
+
+
+def torch_format(schedule: Schedule) -> str:
+    """The ``format`` torch's ``_load_csv`` must be given for this file."""
+    return COMPUTE_COMMS if schedule.is_lowered else COMPUTE_ONLY
+
+
+def check_for_runtime(schedule: Schedule, runtime: _PipelineScheduleRuntime, label: str, backend: str) -> None:
+    """Everything ``load_schedule_csv`` refuses, on a schedule already read."""
+    if any(schedule.joins):
+        rank = next(rank for rank, joined in enumerate(schedule.joins) if joined)
+        raise TorchMismatchError(
+            f"{label}: rank {rank}'s row holds P2P groups joined by '+' (pipesim's own form, `export --groups`), "
+            f"which torch reads as each group's first action; write it with `pipesim export --lowered` instead")
+    check_torch_stages(schedule, runtime.rank, [stage.stage_index for stage in runtime._stages], runtime._num_stages,
+                       runtime.pp_group_size, runtime._n_microbatches, label)
+    check_reduce_grad(schedule, label)
+    if schedule.is_lowered and backend == "nccl":
+        check_torch_runtime(schedule)
+    else:
+        validate(as_torch_posts(schedule), "buffered")
+
+
+def load_schedule_csv(runtime: _PipelineScheduleRuntime, path: str) -> Schedule:
+    """Load the CSV at ``path`` into torch's ``runtime`` in the format it is written in,
+    once it is known to fit the runtime's stages (see the module docstring); return the
+    schedule as pipesim read it. Errors are one line naming the file and what differs."""
+    schedule = schedule_from_csv(path)
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    check_for_runtime(schedule, runtime, str(path), backend)
+    _TORCH_LOAD_CSV(runtime, str(path), format=torch_format(schedule))
+    return schedule
+
+
+@dataclass(frozen=True)
+class TorchCase:
+    """One file to run in torch's runtime: ``label`` names the result, ``scale_grads`` is
+    the runtime's setting (True: losses are per-microbatch means and torch divides the
+    gradients by the microbatch count; False: the loss function already divides).
+    ``loader``: ``"checked"`` (``load_schedule_csv``), ``"torchtitan"`` (as torchtitan
+    calls it, ``runtime._load_csv(path)``, under ``executor.torchtitan_launch``) or
+    ``"torch"`` (torch's loader without pipesim's checks: it exists so tests can show what
+    the checks prevent)."""
+
+    label: str
+    path: str
+    scale_grads: bool
+    loader: str = "checked"
+
+
+@dataclass(frozen=True)
+class _Position:
+    """Where this process sits in a job's pp x dp grid, and what it talks over: the
+    pipeline group, and with dp > 1 the mesh FSDP shards each stage over."""
+
+    pp_rank: int
+    dp_rank: int
+    dp: int
+    pp_group: dist.ProcessGroup | None
+    dp_mesh: DeviceMesh | None
+
+
+def _positions(jobs: list[tuple[RunConfig, list[TorchCase]]], rank: int, world: int,
+               device: torch.device) -> dict[tuple[int, int], _Position | None]:
+    """Each job's (pp, dp) grid: pp x dp must fill the world when dp > 1 (FSDP over a
+    device mesh); a pipeline alone may take the first ``pp`` ranks. Every rank creates
+    every group, in the same order, as torch requires; None where this rank has no part."""
+    positions: dict[tuple[int, int], _Position | None] = {}
+    for config, _ in jobs:
+        shape = (config.pp, config.dp)
+        if shape in positions:
+            continue
+        if config.dp > 1:
+            if config.pp * config.dp != world:
+                raise ValueError(f"pp {config.pp} x dp {config.dp} must use all {world} ranks")
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp"))
+            positions[shape] = _Position(mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), config.dp,
+                                         mesh["pp"].get_group(), mesh["dp"])
+        else:
+            group = dist.new_group(list(range(config.pp))) if config.pp < world else None
+            positions[shape] = _Position(rank, 0, 1, group, None) if rank < config.pp else None
+    return positions
+
+
+def run_cases(jobs: list[tuple[RunConfig, list[TorchCase]]]) -> dict[str, dict]:
+    """On this rank (started by ``executor.spawn.launch_ranks``): run every case of every
+    job with the job's config (model, batch, ``steps`` steps of its optimizer; with
+    ``dp`` > 1 each replica takes its slice of the batch and FSDP shards the stages over
+    the replicas; a pipeline smaller than the world runs on its first ranks, so one launch
+    serves several sizes; the first config's backend and timeout join the process group).
+    Returns, per label, the batch loss of every step (on the ranks that hold the last
+    stage, averaged over the replicas) and this rank's stages' full gradients of the first
+    step, named ``"{stage}.{parameter}"`` as ``reference_run`` names them."""
+    first = jobs[0][0]
+    rank, world, device, _ = init_rank("gloo" if first.backend == "auto" else first.backend, first.threads,
+                                       first.timeout)
+    positions = _positions(jobs, rank, world, device)
+    results = {}
+    for config, cases in jobs:
+        position = positions[(config.pp, config.dp)]
+        if position is None:
+            continue
+        model = build_model(config)
+        for case in cases:
+            results[case.label] = _run_case(case, config, model, position, device)
+    return results
+
+
+def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position: _Position,
+              device: torch.device) -> dict:
+    schedule = schedule_from_csv(case.path)
+    num_stages = schedule.num_stages
+    modules = {stage: model.build_stage(stage, num_stages).to(device)
+               for stage in schedule.stages_of(position.pp_rank)}
+    if position.dp_mesh is not None:
+        for module in modules.values():
+            fully_shard(module, mesh=position.dp_mesh)
+    stages = [PipelineStage(module, stage, num_stages, device, group=position.pp_group)
+              for stage, module in modules.items()]
+    replica = config.batch_size // position.dp
+    divisor = None if case.scale_grads else replica  # FSDP averages the replicas' gradients
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return model.loss_sum(output, target) / (divisor or output.shape[0])
+
+    runtime = _PipelineScheduleRuntime(stages, n_microbatches=schedule.microbatches, loss_fn=loss_fn,
+                                       scale_grads=case.scale_grads)
+    if case.loader == "torchtitan":
+        from executor.torchtitan_launch import install
+
+        install()
+        runtime._load_csv(case.path)
+    elif case.loader == "torch":
+        _TORCH_LOAD_CSV(runtime, case.path, format=torch_format(schedule))
+    else:
+        load_schedule_csv(runtime, case.path)
+    optimizer = build_optimizer(config, [p for module in modules.values() for p in module.parameters()])
+    first, last = 0 in modules, num_stages - 1 in modules
+    own = slice(position.dp_rank * replica, (position.dp_rank + 1) * replica)
+    losses, grads = [], {}
+    for step in range(config.steps):
+        inputs, targets = (tensor[own].to(device) for tensor in model.make_batch(step, config.batch_size))
+        microbatch_losses: list[torch.Tensor] = []
+        args = (inputs,) if first else ()
+        extra = {"target": targets, "losses": microbatch_losses} if last else {}
+        runtime.step(*args, **extra)
+        if step == 0:
+            grads = {f"{stage}.{name}": _full(parameter.grad)
+                     for stage, module in modules.items() for name, parameter in module.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if last:
+            total = torch.stack(microbatch_losses).sum().detach()
+            loss = total / len(microbatch_losses) if case.scale_grads else total
+            if position.dp_mesh is not None:
+                dist.all_reduce(loss, group=position.dp_mesh.get_group())
+                loss = loss / position.dp
+            losses.append(loss.item())
+    return {"losses": losses, "grads": grads}
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as one tensor: an FSDP-sharded one gathered from every replica."""
+    return (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
