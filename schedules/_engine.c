@@ -19,6 +19,7 @@
 
 enum { RENDEZVOUS = 0, BUFFERED = 1, FREE = 2 };
 enum { GROUP_START = 0, DEPARTURE = 1 };
+enum { ALL_GROUPS = -2 }; /* what a rank at the end of its program waits for: every group it posted */
 
 typedef struct {
     double time;
@@ -77,8 +78,9 @@ static Moment heap_pop(Heap *heap) {
 /* The inputs, in the order schedules/engine.py passes them. */
 enum {
     IN_RANK_ITEM_START, IN_ITEM_IS_GROUP, IN_ITEM_REF, IN_SECONDS, IN_HOLD, IN_NEED, IN_SEND, IN_BLOCKED,
-    IN_GROUP_ENDPOINT_START, IN_GROUP_RANK, IN_ENDPOINT_TRANSFER, IN_ENDPOINT_IS_SEND, IN_TRANSFER_WIRE,
-    IN_ROUTE_START, IN_LINK_START, IN_LINKS, IN_OCCUPANCY, IN_LATENCY, IN_COUNT
+    IN_GROUP_ENDPOINT_START, IN_GROUP_RANK, IN_GROUP_STREAM, IN_STREAM_GROUP_START, IN_STREAM_GROUPS,
+    IN_ENDPOINT_TRANSFER, IN_ENDPOINT_IS_SEND, IN_TRANSFER_WIRE, IN_ROUTE_START, IN_LINK_START, IN_LINKS,
+    IN_OCCUPANCY, IN_LATENCY, IN_COUNT
 };
 enum {
     OUT_READY, OUT_START, OUT_END, OUT_POSTED, OUT_DEPARTED, OUT_ARRIVAL, OUT_GROUP_POSTED, OUT_GROUP_START,
@@ -90,8 +92,8 @@ typedef struct {
     double overhead;
     Py_ssize_t ranks, transfers;
     /* inputs */
-    const int64_t *rank_item_start, *item_ref, *need, *send, *group_endpoint_start, *group_rank, *endpoint_transfer,
-        *transfer_wire, *route_start, *link_start, *links;
+    const int64_t *rank_item_start, *item_ref, *need, *send, *group_endpoint_start, *group_rank, *group_stream,
+        *stream_group_start, *stream_groups, *endpoint_transfer, *transfer_wire, *route_start, *link_start, *links;
     const int8_t *item_is_group, *blocked, *endpoint_is_send;
     const double *seconds, *hold, *occupancy, *latency;
     /* outputs */
@@ -104,11 +106,13 @@ typedef struct {
     double *clock;           /* per rank: the host's clock */
     int64_t *waits_group;    /* per rank: the group it waits for, -1 */
     int64_t *waits_transfer; /* per rank: the transfer it waits for, -1 */
-    int64_t *first_group;    /* per rank: its first group's number (its groups are numbered in order) */
-    int64_t *posted_groups;  /* per rank: how many of its groups it has posted */
-    int64_t *started_groups; /* per rank: how many of them its stream has started */
+    /* a P2P stream runs its groups (stream_groups[stream_group_start[s]..]) in posting order */
+    int64_t *posted_groups;  /* per stream: how many of its groups were posted */
+    int64_t *started_groups; /* per stream: how many of them it has started */
     int8_t *stream_busy;
-    double *stream_free;     /* per rank: when its stream's last group completed */
+    double *stream_free;     /* per stream: when its last group completed */
+    int64_t *open_groups;    /* per rank: groups posted and not completed */
+    double *last_done;       /* per rank: its latest group completion */
     int64_t *offer;          /* per transfer: the endpoint whose group started first, -1 */
     int64_t *waiter;         /* per transfer: the rank waiting for its arrival, -1 */
     int64_t *outstanding;    /* per group: transfers not yet paired */
@@ -141,25 +145,28 @@ static double reserve(Engine *e, int64_t wire, double now) {
 
 static int advance(Engine *e, int64_t rank);
 
-static int schedule_next(Engine *e, int64_t rank) {
-    if (e->started_groups[rank] == e->posted_groups[rank]) {
-        e->stream_busy[rank] = 0;
+/* Start the stream's next posted group once the one before it has completed. */
+static int schedule_next(Engine *e, int64_t stream) {
+    if (e->started_groups[stream] == e->posted_groups[stream]) {
+        e->stream_busy[stream] = 0;
         return 0;
     }
-    int64_t group = e->first_group[rank] + e->started_groups[rank]++;
-    e->stream_busy[rank] = 1;
-    double begin = e->group_posted[group] > e->stream_free[rank] ? e->group_posted[group] : e->stream_free[rank];
+    int64_t group = e->stream_groups[e->stream_group_start[stream] + e->started_groups[stream]++];
+    e->stream_busy[stream] = 1;
+    double begin = e->group_posted[group] > e->stream_free[stream] ? e->group_posted[group] : e->stream_free[stream];
     e->group_start[group] = begin;
-    return push(e, begin, rank, GROUP_START, group);
+    return push(e, begin, e->group_rank[group], GROUP_START, group);
 }
 
 static int complete(Engine *e, int64_t group) {
     double done = e->group_start[group] > e->latest[group] ? e->group_start[group] : e->latest[group];
-    int64_t rank = e->group_rank[group];
+    int64_t rank = e->group_rank[group], stream = e->group_stream[group];
     e->group_done[group] = done;
-    e->stream_free[rank] = done;
-    if (schedule_next(e, rank) < 0) return -1;
-    if (e->waits_group[rank] == group) {
+    e->stream_free[stream] = done;
+    e->open_groups[rank]--;
+    if (done > e->last_done[rank]) e->last_done[rank] = done;
+    if (schedule_next(e, stream) < 0) return -1;
+    if (e->waits_group[rank] == group || (e->waits_group[rank] == ALL_GROUPS && e->open_groups[rank] == 0)) {
         e->waits_group[rank] = -1;
         return advance(e, rank);
     }
@@ -248,10 +255,12 @@ static int advance(Engine *e, int64_t rank) {
         }
         int64_t first = e->group_endpoint_start[ref], last = e->group_endpoint_start[ref + 1];
         if (e->semantics == RENDEZVOUS) {
+            int64_t stream = e->group_stream[ref];
             clock += e->overhead * (double)(last - first);
             e->group_posted[ref] = clock;
-            e->posted_groups[rank]++;
-            if (!e->stream_busy[rank] && schedule_next(e, rank) < 0) return -1;
+            e->posted_groups[stream]++;
+            e->open_groups[rank]++;
+            if (!e->stream_busy[stream] && schedule_next(e, stream) < 0) return -1;
             continue;
         }
         for (int64_t endpoint = first; endpoint < last; endpoint++) { /* sends leave as they are posted */
@@ -267,13 +276,12 @@ static int advance(Engine *e, int64_t rank) {
     e->clock[rank] = clock;
     if (item < stop) return 0;
     e->rank_clock[rank] = clock;
-    if (e->semantics == RENDEZVOUS && e->posted_groups[rank] > 0) {
-        int64_t last_group = e->first_group[rank] + e->posted_groups[rank] - 1;
-        if (isnan(e->group_done[last_group])) { /* the step ends with its last transfers */
-            e->waits_group[rank] = last_group;
+    if (e->semantics == RENDEZVOUS) {
+        if (e->open_groups[rank] > 0) { /* the step ends with its last transfers */
+            e->waits_group[rank] = ALL_GROUPS;
             return 0;
         }
-        e->rank_done[rank] = clock > e->group_done[last_group] ? clock : e->group_done[last_group];
+        e->rank_done[rank] = clock > e->last_done[rank] ? clock : e->last_done[rank];
         return 0;
     }
     e->rank_done[rank] = clock;
@@ -293,7 +301,7 @@ static int get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, in
     return 0;
 }
 
-static const Py_ssize_t INPUT_SIZES[IN_COUNT] = {8, 1, 8, 8, 8, 8, 8, 1, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8};
+static const Py_ssize_t INPUT_SIZES[IN_COUNT] = {8, 1, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8};
 
 static void *alloc_filled(Py_ssize_t count, size_t size, int value) {
     void *memory = malloc((size_t)(count > 0 ? count : 1) * size);
@@ -329,6 +337,7 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.ranks = in[IN_RANK_ITEM_START].len / 8 - 1;
     e.transfers = out[OUT_POSTED].len / 8;
     Py_ssize_t groups = in[IN_GROUP_RANK].len / 8, endpoints = in[IN_ENDPOINT_TRANSFER].len / 8;
+    Py_ssize_t streams = in[IN_STREAM_GROUP_START].len / 8 - 1;
     e.rank_item_start = in[IN_RANK_ITEM_START].buf;
     e.item_is_group = in[IN_ITEM_IS_GROUP].buf;
     e.item_ref = in[IN_ITEM_REF].buf;
@@ -339,6 +348,9 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.blocked = in[IN_BLOCKED].buf;
     e.group_endpoint_start = in[IN_GROUP_ENDPOINT_START].buf;
     e.group_rank = in[IN_GROUP_RANK].buf;
+    e.group_stream = in[IN_GROUP_STREAM].buf;
+    e.stream_group_start = in[IN_STREAM_GROUP_START].buf;
+    e.stream_groups = in[IN_STREAM_GROUPS].buf;
     e.endpoint_transfer = in[IN_ENDPOINT_TRANSFER].buf;
     e.endpoint_is_send = in[IN_ENDPOINT_IS_SEND].buf;
     e.transfer_wire = in[IN_TRANSFER_WIRE].buf;
@@ -365,33 +377,33 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.clock = alloc_filled(e.ranks, sizeof(double), 0);
     e.waits_group = alloc_filled(e.ranks, sizeof(int64_t), 0xff);
     e.waits_transfer = alloc_filled(e.ranks, sizeof(int64_t), 0xff);
-    e.first_group = alloc_filled(e.ranks + 1, sizeof(int64_t), 0);
-    e.posted_groups = alloc_filled(e.ranks, sizeof(int64_t), 0);
-    e.started_groups = alloc_filled(e.ranks, sizeof(int64_t), 0);
-    e.stream_busy = alloc_filled(e.ranks, sizeof(int8_t), 0);
-    e.stream_free = alloc_filled(e.ranks, sizeof(double), 0);
+    e.posted_groups = alloc_filled(streams, sizeof(int64_t), 0);
+    e.started_groups = alloc_filled(streams, sizeof(int64_t), 0);
+    e.stream_busy = alloc_filled(streams, sizeof(int8_t), 0);
+    e.stream_free = alloc_filled(streams, sizeof(double), 0);
+    e.open_groups = alloc_filled(e.ranks, sizeof(int64_t), 0);
+    e.last_done = alloc_filled(e.ranks, sizeof(double), 0);
     e.offer = alloc_filled(e.transfers, sizeof(int64_t), 0xff);
     e.waiter = alloc_filled(e.transfers, sizeof(int64_t), 0xff);
     e.outstanding = alloc_filled(groups, sizeof(int64_t), 0);
     e.latest = alloc_filled(groups, sizeof(double), 0);
     e.endpoint_group = alloc_filled(endpoints, sizeof(int64_t), 0);
-    if (!e.link_free || !e.position || !e.clock || !e.waits_group || !e.waits_transfer || !e.first_group ||
-        !e.posted_groups || !e.started_groups || !e.stream_busy || !e.stream_free || !e.offer || !e.waiter ||
-        !e.outstanding || !e.latest || !e.endpoint_group) {
+    if (!e.link_free || !e.position || !e.clock || !e.waits_group || !e.waits_transfer || !e.posted_groups ||
+        !e.started_groups || !e.stream_busy || !e.stream_free || !e.open_groups || !e.last_done || !e.offer ||
+        !e.waiter || !e.outstanding || !e.latest || !e.endpoint_group) {
         PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < e.ranks; i++) e.clock[i] = 0.0;
     for (Py_ssize_t i = 0; i < link_count; i++) e.link_free[i] = 0.0;
     for (Py_ssize_t i = 0; i < groups; i++) e.latest[i] = 0.0;
-    for (Py_ssize_t group = 0; group < groups; group++) {
+    for (Py_ssize_t i = 0; i < streams; i++) e.stream_free[i] = 0.0;
+    for (Py_ssize_t group = 0; group < groups; group++)
         for (int64_t at = e.group_endpoint_start[group]; at < e.group_endpoint_start[group + 1]; at++)
             e.endpoint_group[at] = group;
-        e.first_group[e.group_rank[group] + 1]++;
-    }
     for (Py_ssize_t rank = 0; rank < e.ranks; rank++) {
-        e.first_group[rank + 1] += e.first_group[rank];
         e.position[rank] = e.rank_item_start[rank];
+        e.last_done[rank] = 0.0;
     }
 
     int failed = 0;
@@ -420,7 +432,8 @@ done:
     free(e.clock);
     free(e.waits_group);
     free(e.waits_transfer);
-    free(e.first_group);
+    free(e.open_groups);
+    free(e.last_done);
     free(e.posted_groups);
     free(e.started_groups);
     free(e.stream_busy);

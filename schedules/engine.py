@@ -22,7 +22,9 @@ The rules, under the P2P semantics named in ``schedules.p2p``:
   then its receives are posted); a compute action waits for its input's arrival, where
   it needs it (as ``irecv`` and a wait right before the consumer);
 - ``free`` (compute-only programs): each output leaves when its producer ends and the
-  consumer waits for its arrival: the step as if transfers flowed freely.
+  consumer waits for its arrival: the step as if transfers flowed freely;
+- ``torch-runtime``: rendezvous with every transfer posted alone, a rank's transfers to
+  each peer on a stream of their own (torch's runtime on NCCL, ``schedules.p2p``).
 
 A transfer reserves every link of its route first come, first served: it starts when
 all of them are free, holds them for its occupancy, and arrives its latency later.
@@ -45,13 +47,15 @@ from functools import cached_property
 import numpy as np
 
 from schedules.action import KIND_CODES
-from schedules.p2p import BUFFERED, RENDEZVOUS
+from schedules.p2p import BUFFERED, RENDEZVOUS, TORCH_RUNTIME
 from schedules.program_arrays import (
     B_CODE,
     BACKWARD,
     F_CODE,
     FORWARD,
     I_CODE,
+    RECV_B_CODE,
+    SEND_F_CODE,
     ProgramArrays,
     program_arrays,
 )
@@ -63,7 +67,8 @@ except ImportError:  # pragma: no cover - depends on the install
     _compiled = None
 
 FREE = "free"  # compute-only programs: every output flows to its consumer as soon as it exists
-SEMANTICS_CODES = {RENDEZVOUS: 0, BUFFERED: 1, FREE: 2}
+# the walk's rules; torch's runtime is rendezvous on other streams (``EngineProgram.group_stream``)
+SEMANTICS_CODES = {RENDEZVOUS: 0, BUFFERED: 1, FREE: 2, TORCH_RUNTIME: 0}
 COMPUTE_KINDS = ("F", "B", "I", "W")  # the columns of ``StepTiming.seconds``
 
 # One route of a wire: the link numbers it crosses, seconds its bytes occupy them, latency.
@@ -183,6 +188,9 @@ class EngineProgram:
     compute_blocked: np.ndarray  # its same-rank input comes later in the program: never runs
     group_endpoint_start: np.ndarray
     group_rank: np.ndarray
+    group_stream: np.ndarray  # the P2P stream each group runs on: its rank's, or (torch) its rank pair's
+    stream_group_start: np.ndarray  # stream s runs groups stream_groups[stream_group_start[s]:...] in order
+    stream_groups: np.ndarray
     endpoint_row: np.ndarray
     endpoint_transfer: np.ndarray
     endpoint_is_send: np.ndarray
@@ -227,6 +235,8 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
     # items: each compute row, and the first row of each P2P group (free: compute rows only)
     if free:
         item_first = np.flatnonzero(is_compute)
+    elif semantics == TORCH_RUNTIME:  # every transfer posted alone, whatever groups the file has
+        item_first = np.arange(arrays.size)
     else:
         item_first = np.flatnonzero(is_compute | ~arrays.joined)
     item_is_group = ~is_compute[item_first]
@@ -245,7 +255,8 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
     else:
         endpoint_row = np.flatnonzero(~is_compute)
         group_of_item = np.cumsum(item_is_group) - 1
-        endpoint_group = group_of_item[arrays.item[endpoint_row]]
+        item_of_row = np.searchsorted(item_first, endpoint_row, side="right") - 1
+        endpoint_group = group_of_item[item_of_row]
     group_endpoint_start = np.searchsorted(endpoint_group, np.arange(len(group_first) + 1)).astype(np.int64)
     endpoint_transfer = arrays.transfer_key(arrays.stage[endpoint_row], arrays.kind[endpoint_row],
                                             arrays.microbatch[endpoint_row])
@@ -262,7 +273,7 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
     crosses = has_input & (source_rank != rank)
     direction = np.where(is_forward, FORWARD, BACKWARD)
     input_key = np.where(crosses, (source * 2 + direction) * microbatches + microbatch, -1)
-    if semantics == RENDEZVOUS:
+    if semantics in (RENDEZVOUS, TORCH_RUNTIME):
         receives = np.flatnonzero(~endpoint_is_send)
         group_holding = np.full(arrays.transfers, -1, dtype=np.int64)
         group_holding[endpoint_transfer[receives]] = endpoint_group[receives]
@@ -277,14 +288,30 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
     else:
         compute_send = np.full(len(compute_row), -1, dtype=np.int64)
     blocked = _later_same_rank_input(arrays, compute_row, has_input & ~crosses, source)
+    group_rank = arrays.rank[group_first]
+    group_stream = group_rank
+    if semantics == TORCH_RUNTIME:  # one stream per rank pair: the peer of the group's one transfer
+        first_endpoint = endpoint_row[group_endpoint_start[:-1]]
+        group_stream = group_rank * schedule.pp + _peer_rank(arrays, placement, first_endpoint)
+    stream_count = schedule.pp * (schedule.pp if semantics == TORCH_RUNTIME else 1)
+    stream_groups = np.argsort(group_stream, kind="stable")
+    stream_group_start = np.searchsorted(group_stream[stream_groups], np.arange(stream_count + 1)).astype(np.int64)
     return EngineProgram(
         arrays=arrays, semantics=semantics, ranks=schedule.pp, rank_item_start=rank_item_start,
         item_is_group=item_is_group.astype(np.int8), item_ref=item_ref, compute_row=compute_row, compute_rank=rank,
         compute_need=need, compute_send=compute_send, compute_blocked=blocked.astype(np.int8),
-        group_endpoint_start=group_endpoint_start, group_rank=arrays.rank[group_first], endpoint_row=endpoint_row,
+        group_endpoint_start=group_endpoint_start, group_rank=group_rank, group_stream=group_stream,
+        stream_group_start=stream_group_start, stream_groups=stream_groups, endpoint_row=endpoint_row,
         endpoint_transfer=endpoint_transfer, endpoint_is_send=endpoint_is_send.astype(np.int8),
         transfer_wire=np.arange(arrays.transfers, dtype=np.int64) // microbatches,
     )
+
+
+def _peer_rank(arrays: ProgramArrays, placement: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The rank on the other end of each communication row."""
+    kind = arrays.kind[rows]
+    upward = (kind == SEND_F_CODE) | (kind == RECV_B_CODE)
+    return placement[arrays.stage[rows] + np.where(upward, 1, -1)]
 
 
 def _later_same_rank_input(arrays: ProgramArrays, compute_row: np.ndarray, local: np.ndarray,
@@ -396,7 +423,8 @@ def _run_compiled(program: EngineProgram, seconds: np.ndarray, hold: np.ndarray,
         SEMANTICS_CODES[program.semantics], comm_overhead,
         (program.rank_item_start, program.item_is_group, program.item_ref, seconds, hold, program.compute_need,
          program.compute_send, program.compute_blocked, program.group_endpoint_start, program.group_rank,
-         program.endpoint_transfer, program.endpoint_is_send, program.transfer_wire, wires.route_start,
+         program.group_stream, program.stream_group_start, program.stream_groups, program.endpoint_transfer,
+         program.endpoint_is_send, program.transfer_wire, wires.route_start,
          wires.link_start, wires.links, wires.occupancy, wires.latency),
         wires.link_count,
         (result.ready, result.start, result.end, result.posted, result.departed, result.arrival, result.group_posted,

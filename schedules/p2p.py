@@ -9,6 +9,10 @@
 - ``buffered`` (gloo): transfers match by tag and a send never waits; a receive is
   posted without blocking (``irecv``) and the rank waits for its data right before the
   compute action that needs it.
+- ``torch-runtime``: NCCL as torch.distributed.pipelining's ``_PipelineScheduleRuntime``
+  drives it from a flat file: every transfer posted alone (no groups), on one stream
+  per rank pair rather than one per rank (a two-rank communicator per pair), otherwise
+  rendezvous (``schedules.torch_runtime`` says where each rule is read in torch).
 
 A schedule that runs under rendezvous runs under buffered too, not the other way round:
 gloo hides orders that hang on GPUs, so a schedule is checked under the semantics of the
@@ -30,7 +34,8 @@ from schedules.schedule import Schedule
 
 RENDEZVOUS = "rendezvous"
 BUFFERED = "buffered"
-P2P_SEMANTICS = (RENDEZVOUS, BUFFERED)
+TORCH_RUNTIME = "torch-runtime"
+P2P_SEMANTICS = (RENDEZVOUS, BUFFERED, TORCH_RUNTIME)
 
 
 class P2PError(ValueError):

@@ -31,7 +31,7 @@ import numpy as np
 from schedules import engine
 from schedules.action import ALL_KINDS, COMM_KINDS, KIND_CODES, KINDS, Action, ActionKind, format_group
 from schedules.collector import without_collector
-from schedules.p2p import RENDEZVOUS, P2PError, check_pair_order, require_semantics
+from schedules.p2p import RENDEZVOUS, TORCH_RUNTIME, P2PError, check_pair_order, require_semantics
 from schedules.program_arrays import (
     B_CODE,
     F_CODE,
@@ -101,7 +101,7 @@ def validate(schedule: Schedule, p2p: str = RENDEZVOUS, finishes: bool = True) -
     lowered = not arrays.is_compute.all()
     if lowered:
         _check_transfers(schedule, arrays)
-        if p2p == RENDEZVOUS:
+        if p2p in (RENDEZVOUS, TORCH_RUNTIME):
             try:
                 check_pair_order(schedule)
             except P2PError as error:
@@ -410,8 +410,8 @@ def explain_stuck(step: engine.StepRun) -> None:
     try:
         if program.semantics == engine.FREE:
             _explain_compute_only(step)
-        elif program.semantics == RENDEZVOUS:
-            _explain_rendezvous(step)
+        elif program.semantics in (RENDEZVOUS, TORCH_RUNTIME):
+            _explain_streams(step)
         else:
             _explain_buffered(step)
     except P2PError as error:
@@ -484,47 +484,6 @@ def _explain_buffered(step: engine.StepRun) -> None:
              step.stuck[0])
 
 
-def _explain_rendezvous(step: engine.StepRun) -> None:
-    """Rendezvous: the engine's stuck state as the stream walk's (groups done per rank,
-    where each host stands, what each stream's head group waits for)."""
-    program = step.program
-    schedule = program.arrays.schedule
-    items = [schedule.program_items(rank) for rank in range(schedule.pp)]
-    known = {action for rank_program in schedule.programs for action in rank_program}
-    group_items = [[index for index, item in enumerate(rank_items) if type(item) is tuple] for rank_items in items]
-    first_group = np.searchsorted(program.group_rank, np.arange(schedule.pp))
-    group_of: dict[tuple, tuple[int, int]] = {}
-    for rank in range(schedule.pp):
-        for number, index in enumerate(group_items[rank]):
-            for action in items[rank][index]:
-                group_of[action] = (rank, number)
-
-    def started(rank: int, number: int) -> bool:
-        return not np.isnan(step.group_start[first_group[rank] + number])
-
-    done = [int((~np.isnan(step.group_done[first_group[rank]:first_group[rank] + len(group_items[rank])])).sum())
-            for rank in range(schedule.pp)]
-    host = [len(rank_items) for rank_items in items]
-    stream_wait: dict[int, tuple] = {}
-    host_wait: dict[int, tuple] = {}
-    for rank in step.stuck:
-        host[rank] = int(step.stuck_item[rank])
-        stuck = _stuck_compute(step, rank)
-        if stuck is not None and program.compute_blocked[program.item_ref[program.rank_item_start[rank] + host[rank]]]:
-            host_wait[rank] = tuple(_input_of(schedule, stuck[1], known))
-            continue
-        if done[rank] < len(group_items[rank]):
-            head = items[rank][group_items[rank][done[rank]]]
-            for action in head:
-                matching = action.matching()
-                if not started(*group_of[matching]):
-                    stream_wait[rank] = tuple(matching)
-                    break
-    if not all(rank in stream_wait or rank in host_wait for rank in step.stuck):
-        return  # not a state the stream walk knows: explain_stuck names the ranks
-    _explain_streams(schedule, items, group_items, done, host, stream_wait, host_wait, group_of, step.stuck[0])
-
-
 def _explain_deadlock(schedule: Schedule, counters: list[int], blocked_on: dict[int, Action], start: int) -> None:
     """Follow "rank r waits for an action of rank r'" from ``start`` until a rank repeats,
     and raise naming each wait on that cycle."""
@@ -561,59 +520,94 @@ def _explain_deadlock(schedule: Schedule, counters: list[int], blocked_on: dict[
     )
 
 
-def _explain_streams(schedule, items, group_items, done, host, stream_wait, host_wait, group_of, start) -> None:
-    """Follow "rank r's stream waits for rank r' to start a group" from ``start`` until a
-    rank repeats, and raise naming each wait on that cycle."""
-    placement = schedule.placement
-    starts = [_item_starts(rank_items) for rank_items in items]
+def _explain_streams(step: engine.StepRun) -> None:
+    """Rendezvous (and torch's runtime): follow who waits for whom from the engine's stuck
+    state until a rank repeats, and raise naming each wait on that cycle. A stuck rank's
+    host waits for a group (its input's, or at its end all of them); the head of that
+    group's stream has started and waits for a peer to start the group holding the
+    matching operation, which cannot start before that peer's earlier group on its stream
+    completes, or which the peer's host has not posted yet."""
+    program = step.program
+    arrays = program.arrays
+    schedule = arrays.schedule
+    programs = schedule.programs
+    known = {action for rank_program in programs for action in rank_program}
+    rows = [program.endpoint_row[program.group_endpoint_start[group]:program.group_endpoint_start[group + 1]]
+            for group in range(program.groups)]
 
-    def waits_for(rank: int) -> int:
-        if rank in stream_wait:
-            return group_of[stream_wait[rank]][0]
-        return placement[host_wait[rank][0]]
+    def actions(group: int) -> list[Action]:
+        rank, first = int(program.group_rank[group]), int(arrays.rank_start[program.group_rank[group]])
+        return [programs[rank][row - first] for row in rows[group].tolist()]
+
+    def position(group: int) -> int:
+        return int(arrays.position[rows[group][0]])
+
+    def head(stream: int) -> int | None:
+        """The stream's first group not completed."""
+        for group in program.stream_groups[program.stream_group_start[stream]:program.stream_group_start[stream + 1]]:
+            if np.isnan(step.group_done[group]):
+                return int(group)
+        return None
+
+    group_of = {tuple(action): group for group in range(program.groups) for action in actions(group)}
+
+    def wait_of(rank: int) -> tuple[str, int, list[Action]]:
+        """One rank's wait: the clause, the rank it waits for, the actions on the cycle."""
+        stuck = _stuck_compute(step, rank)
+        if stuck is not None:
+            compute = int(program.item_ref[program.rank_item_start[rank] + step.stuck_item[rank]])
+            if program.compute_blocked[compute]:
+                needed = _input_of(schedule, stuck[1], known)
+                later = programs[rank].index(needed)
+                return (f"rank {rank} waits at {stuck[1]} (position {arrays.position[stuck[0]]}) for {needed}, which "
+                        f"comes later in its own program (position {later})", rank, [stuck[1], needed])
+            waited = int(program.compute_need[compute])
+        else:  # at its end, waiting for every group it posted
+            waited = next(group for group in np.flatnonzero(program.group_rank == rank).tolist()
+                          if np.isnan(step.group_done[group]))
+        group = head(int(program.group_stream[waited]))
+        for action in actions(group):
+            matching = action.matching()
+            peer_group = group_of[tuple(matching)]
+            if np.isnan(step.group_start[peer_group]):
+                break
+        owner = int(program.group_rank[peer_group])
+        clause = (f"rank {rank}'s group {format_group(actions(group))} (position {position(group)}) waits for rank "
+                  f"{owner} to post {matching} (in {format_group(actions(peer_group))}, position "
+                  f"{position(peer_group)}), ")
+        earlier = head(int(program.group_stream[peer_group]))
+        if earlier is not None and earlier != peer_group and not np.isnan(step.group_posted[earlier]):
+            clause += (f"which cannot start before rank {owner}'s earlier group {format_group(actions(earlier))} "
+                       f"(position {position(earlier)}) completes")
+        else:
+            items = schedule.program_items(owner)
+            at = min(int(step.stuck_item[owner]), len(items) - 1)
+            clause += f"which rank {owner} only reaches after {_describe(items[at])} (position " \
+                      f"{_item_starts(items)[at]})"
+        return clause, owner, [*actions(group), matching]
 
     order: list[int] = []
-    rank = start
+    rank = step.stuck[0]
+    waits: dict[int, tuple[str, int, list[Action]]] = {}
     while rank not in order:
         order.append(rank)
-        rank = waits_for(rank)
+        waits[rank] = wait_of(rank)
+        rank = waits[rank][1]
     cycle_ranks = order[order.index(rank):]
-    clauses, cycle = [], []
-    for rank in cycle_ranks:
-        if rank not in stream_wait:
-            needed = Action(*host_wait[rank])
-            head = items[rank][host[rank]]
-            cycle.extend((head, needed))
-            clauses.append(f"rank {rank} waits at {head} (position {starts[rank][host[rank]]}) for {needed}, which "
-                           f"comes later in its own program")
-            continue
-        needed = Action(*stream_wait[rank])
-        group_index = group_items[rank][done[rank]]
-        head = items[rank][group_index]
-        owner, number = group_of[needed]
-        owner_group = group_items[owner][number]
-        cycle.extend((*head, needed))
-        clause = (f"rank {rank}'s group {format_group(head)} (position {starts[rank][group_index]}) waits for rank "
-                  f"{owner} to post {needed} (in {format_group(items[owner][owner_group])}, position "
-                  f"{starts[owner][owner_group]}), ")
-        if done[owner] < number and host[owner] >= group_items[owner][done[owner]]:
-            earlier = group_items[owner][done[owner]]
-            clause += (f"which cannot start before rank {owner}'s earlier group {format_group(items[owner][earlier])} "
-                       f"(position {starts[owner][earlier]}) completes")
-        else:
-            at = min(host[owner], len(items[owner]) - 1)
-            clause += (f"which rank {owner} only reaches after {_describe(items[owner][at])} "
-                       f"(position {starts[owner][at]})")
-        clauses.append(clause)
+    clauses = [waits[rank][0] for rank in cycle_ranks]
+    cycle = [action for rank in cycle_ranks for action in waits[rank][2]]
     first = cycle_ranks[0]
-    raise P2PError(
-        "deadlock under rendezvous semantics (NCCL: transfers of a rank pair match in posting order, a group "
-        "completes only once each peer has posted the matching operations, and a rank's groups run one after "
-        "another): " + "; ".join(clauses) + ". Post the transfers of each pair together (one group on each "
-        "side), as lower() does",
-        action=cycle[0], rank=first, position=starts[first][host[first] if host[first] < len(items[first]) else 0],
-        cycle=cycle,
-    )
+    if program.semantics == TORCH_RUNTIME:
+        rule = ("can hang torch's _PipelineScheduleRuntime on NCCL (each SEND/RECV posted alone in file order, one "
+                "stream per rank pair, a transfer completes only once its peer has started the matching one): ")
+        remedy = ". Write the file with `pipesim export --lowered`, whose transfers cannot hang it"
+    else:
+        rule = ("deadlock under rendezvous semantics (NCCL: transfers of a rank pair match in posting order, a group "
+                "completes only once each peer has posted the matching operations, and a rank's groups run one after "
+                "another): ")
+        remedy = ". Post the transfers of each pair together (one group on each side), as lower() does"
+    raise P2PError(rule + "; ".join(clauses) + remedy, action=cycle[0], rank=first,
+                   position=programs[first].index(cycle[0]), cycle=cycle)
 
 
 def _item_starts(rank_items: list) -> list[int]:

@@ -78,7 +78,7 @@ def cases(draw):
         devices = mapping.pipeline()
         plan = comm_plan(lowered, costs, topology, mapping)
     timing = step_timing(lowered, costs, topology, rank_devices_of(lowered, topology, devices), plan)
-    semantics = draw(st.sampled_from(["rendezvous", "buffered", "free"]))
+    semantics = draw(st.sampled_from(["rendezvous", "buffered", "free", "torch-runtime"]))
     return (lowered.compute_only() if semantics == "free" else lowered), timing, semantics
 
 
@@ -129,7 +129,7 @@ def test_a_same_rank_input_that_comes_later_never_runs_in_either():
 @given(cases())
 def test_buffered_is_never_slower_than_rendezvous_on_the_same_program(case):
     schedule, timing, semantics = case
-    if semantics == "free":
+    if semantics in ("free", "torch-runtime"):
         return
     rendezvous = engine.run(schedule, timing, "rendezvous")
     buffered = engine.run(schedule, timing, "buffered")
@@ -145,3 +145,17 @@ def test_without_the_compiled_walk_the_engine_runs_the_simpy_model(monkeypatch):
     monkeypatch.setattr(engine, "_compiled", None)
     fallback = engine.run(lowered, timing, "rendezvous")
     assert_same_moments(compiled, fallback)
+
+
+def test_the_documented_extension_runs_and_slows_the_step():
+    # docs/simulator.md, "Extending a simulation": a straggling rank and a failing link
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "simulator.md").read_text()
+    section = text[text.index("### Extending a simulation"):]
+    code = section[section.index("```python") + len("```python"):section.index("```", section.index("```python") + 9)]
+    namespace: dict = {}
+    exec(compile(code.replace("print(slow.makespan)", "makespan = slow.makespan"), "simulator.md", "exec"),
+         namespace)
+    plain = engine.run(namespace["schedule"], namespace["timing"], "rendezvous")
+    assert namespace["makespan"] > plain.makespan * 1.1  # rank 2 alone is 30% slower on its share

@@ -1,8 +1,9 @@
 """Whether a flat lowered file can hang torch's ``_PipelineScheduleRuntime`` on NCCL
 (schedules.torch_runtime): an order that hangs and one that does not, the one difference
 from pipesim's rendezvous semantics (torch's streams are per peer, pipesim's per rank),
-the wait graph agreeing with pipesim's rendezvous walk when given one stream per rank,
-and the lowering target never producing a file that hangs."""
+the engine's verdict agreeing with an independent wait-graph search (tests/torch_wait_graph.py)
+on generated and shuffled orders, with per-peer streams and with one stream per rank, and
+the lowering target never producing a file that hangs."""
 
 from __future__ import annotations
 
@@ -17,15 +18,9 @@ from schedules.generators import GENERATORS, MULTI_CHUNK, generate, zb_auto
 from schedules.lowering import lower
 from schedules.p2p import P2PError, check_pair_order
 from schedules.schedule import Schedule
-from schedules.torch_runtime import (
-    as_torch_posts,
-    check_torch_runtime,
-    check_torch_runtime_progress,
-    is_torch_runtime_safe,
-    lower_for_torch_runtime,
-    wait_cycle,
-)
+from schedules.torch_runtime import as_torch_posts, check_torch_runtime, is_torch_runtime_safe, lower_for_torch_runtime
 from schedules.validate import ScheduleValidationError, is_valid, validate
+from tests.torch_wait_graph import wait_cycle
 
 
 def flat(*rows: str, microbatches: int = 2) -> Schedule:
@@ -51,22 +46,22 @@ def test_an_order_that_hangs_torchs_runtime_on_nccl_is_refused_naming_the_cycle(
     with pytest.raises(ScheduleValidationError, match="can hang torch's _PipelineScheduleRuntime") as caught:
         check_torch_runtime(HANGS)
     message = str(caught.value)
-    for waits in ("rank 0's 0SEND_F1 (position 3) completes only once rank 1's 1RECV_F1 (position 4) has started",
-                  "rank 1's 1RECV_F1 (position 4) starts only after rank 1's 1SEND_B0 (position 3)",
-                  "rank 1's 1SEND_B0 (position 3) completes only once rank 0's 0RECV_B0 (position 4) has started",
-                  "rank 0's 0RECV_B0 (position 4) starts only after rank 0's 0SEND_F1 (position 3)"):
-        assert waits in message
+    # rank 0's 0SEND_F1 waits for 1RECV_F1, behind 1SEND_B0 on the pair's stream, which
+    # waits for 0RECV_B0, behind 0SEND_F1
+    assert ("rank 0's group 0SEND_F1 (position 3) waits for rank 1 to post 1RECV_F1 (in 1RECV_F1, position 4), "
+            "which cannot start before rank 1's earlier group 1SEND_B0 (position 3) completes") in message
+    assert ("rank 1's group 1SEND_B0 (position 3) waits for rank 0 to post 0RECV_B0 (in 0RECV_B0, position 4), "
+            "which cannot start before rank 0's earlier group 0SEND_F1 (position 3) completes") in message
     assert set(caught.value.cycle) == {parse_action(text) for text in ("0SEND_F1", "1RECV_F1", "1SEND_B0", "0RECV_B0")}
     assert not is_torch_runtime_safe(HANGS)
 
 
-def test_the_progress_check_alone_raises_as_pipesims_p2p_checks_do():
-    """``check_torch_runtime_progress`` is the piece a validator dispatching on a semantics
-    name calls after its structural and pair-order checks, like ``p2p.check_progress``."""
-    with pytest.raises(P2PError, match="can hang torch's") as caught:
-        check_torch_runtime_progress(HANGS)
-    assert (caught.value.rank, caught.value.position) in {(0, 3), (0, 4), (1, 3), (1, 4)}
-    check_torch_runtime_progress(RUNS)
+def test_the_torch_runtime_semantics_is_a_validation_semantics():
+    """``validate(..., p2p="torch-runtime")`` is the check: its errors name the rule."""
+    with pytest.raises(ScheduleValidationError, match="can hang torch's") as caught:
+        validate(as_torch_posts(HANGS), "torch-runtime")
+    assert (caught.value.rank, caught.value.position) in {(0, 3), (1, 3)}
+    validate(as_torch_posts(RUNS), "torch-runtime")
 
 
 def test_an_order_that_does_not_hang_passes():
@@ -125,10 +120,11 @@ def shuffled(schedule: Schedule, rng: random.Random, swaps: int) -> Schedule:
     return schedule.with_programs(programs)
 
 
-def test_wait_graph_with_one_stream_per_rank_is_pipesims_rendezvous_walk():
-    """Two implementations of the rendezvous rule, a walk (schedules.p2p) and a graph
-    search (schedules.torch_runtime), agree on every shuffled order that is well formed;
-    the sample holds both orders that hang and orders that run."""
+def test_the_engine_agrees_with_the_wait_graph_on_shuffled_orders():
+    """Two formulations of the rule, the engine running the programs and a graph search
+    (tests/torch_wait_graph.py), agree on every shuffled order that is well formed, with
+    one stream per rank (rendezvous) and one per rank pair (torch's runtime); the sample
+    holds both orders that hang and orders that run."""
     rng = random.Random(7)
     outcomes = {True: 0, False: 0}
     for _ in range(1500):
@@ -143,6 +139,7 @@ def test_wait_graph_with_one_stream_per_rank_is_pipesims_rendezvous_walk():
             continue
         runs = is_valid(order, "rendezvous")
         assert (not wait_cycle(order, per_peer=False)) == runs, order.describe()
+        assert (not wait_cycle(order)) == is_valid(order, "torch-runtime"), order.describe()
         outcomes[runs] += 1
     assert outcomes[True] > 50 and outcomes[False] > 10, outcomes
 

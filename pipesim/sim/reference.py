@@ -34,6 +34,7 @@ from simpy.core import NORMAL
 
 from schedules.action import KINDS, SEND_KINDS, Action
 from schedules.engine import BUFFERED, FREE, RENDEZVOUS, EngineProgram, StepRun, WireArrays, empty_run
+from schedules.p2p import TORCH_RUNTIME
 
 FIRST_RANK_PRIORITY = 2  # after SimPy's URGENT (0) and NORMAL (1) events of the same moment
 
@@ -91,6 +92,7 @@ class SimpyStep:
         self.arrived: dict[int, simpy.Event] = {}  # transfer key -> its arrival (the value)
         self.group_done: dict[tuple[int, int], simpy.Event] = {}  # (rank, group number) -> completion
         self.offers: dict[int, tuple[int, simpy.Event]] = {}  # rendezvous: transfer key -> (rank, paired event)
+        self.streams: dict[int, simpy.Store] = {}
 
     # -- the rules ----------------------------------------------------------------------
 
@@ -123,9 +125,6 @@ class SimpyStep:
         semantics = self.program.semantics
         env, result = self.env, self.result
         groups_posted = 0
-        stream = simpy.Store(env) if semantics == RENDEZVOUS else None
-        if stream is not None:
-            env.process(self.stream_process(rank, stream))
         for row, item in self.walk(rank):
             if type(item) is not tuple:  # a compute action
                 index = self.compute_of_row[row]
@@ -134,7 +133,8 @@ class SimpyStep:
                     yield env.event()  # its same-rank input comes later: it never runs
                 needed = int(self.program.compute_need[index])
                 if needed >= 0:
-                    waited = self.group_done[rank, needed] if semantics == RENDEZVOUS else self.arrived_event(needed)
+                    waited = (self.group_done[rank, needed] if semantics in (RENDEZVOUS, TORCH_RUNTIME)
+                              else self.arrived_event(needed))
                     yield self.until((yield waited))
                 result.start[index] = env.now
                 yield env.timeout(self.compute_seconds(rank, item, float(self.seconds[index])))
@@ -146,11 +146,11 @@ class SimpyStep:
                 continue
             group = self.group_number(rank, groups_posted)
             groups_posted += 1
-            if semantics == RENDEZVOUS:
+            if semantics in (RENDEZVOUS, TORCH_RUNTIME):
                 yield env.timeout(self.comm_overhead * len(item))
                 result.group_posted[group] = env.now
                 self.group_done[rank, group] = env.event()
-                stream.put((group, item))
+                self.stream_of(group).put((group, item))
                 continue
             for action in item:  # buffered: sends leave as they are posted, then receives are posted
                 if action.kind in SEND_KINDS:
@@ -161,13 +161,25 @@ class SimpyStep:
                     yield env.timeout(self.comm_overhead)
             result.group_posted[group] = env.now
         result.rank_clock[rank] = env.now
-        if semantics == RENDEZVOUS and groups_posted:
-            last = self.group_number(rank, groups_posted - 1)
-            yield self.until((yield self.group_done[rank, last]))
+        if groups_posted and semantics in (RENDEZVOUS, TORCH_RUNTIME):  # the step ends with its last transfers
+            first = self.group_number(rank, 0)
+            last_done = 0.0
+            for group in range(first, first + groups_posted):
+                last_done = max(last_done, (yield self.group_done[rank, group]))
+            yield self.until(last_done)
         result.rank_done[rank] = env.now
 
+    def stream_of(self, group: int) -> simpy.Store:
+        """The P2P stream ``group`` runs on (its rank's; torch's runtime: its rank pair's),
+        its process started with its first group."""
+        stream = int(self.program.group_stream[group])
+        if stream not in self.streams:
+            self.streams[stream] = simpy.Store(self.env)
+            self.env.process(self.stream_process(int(self.program.group_rank[group]), self.streams[stream]))
+        return self.streams[stream]
+
     def stream_process(self, rank: int, stream: simpy.Store):
-        """Rendezvous: ``rank``'s groups one after another, each starting once posted and
+        """Rendezvous: a stream's groups one after another, each starting once posted and
         once the one before completed; a transfer leaves when the later of its two groups
         starts; a group completes when all its transfers have arrived."""
         env, result = self.env, self.result
@@ -220,6 +232,11 @@ class SimpyStep:
                     yield row, action
                 row += 1
             return
+        if self.program.semantics == TORCH_RUNTIME:  # every transfer alone
+            for action in self.schedule.programs[rank]:
+                yield row, action if action.is_compute else (action,)
+                row += 1
+            return
         for item in self.schedule.program_items(rank):
             yield row, item
             row += len(item) if type(item) is tuple else 1
@@ -266,6 +283,6 @@ class SimpyStep:
 def run_reference(program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,
                   comm_overhead: float) -> StepRun:
     """``schedules.engine.run``'s result, computed by the SimPy processes."""
-    if program.semantics not in (RENDEZVOUS, BUFFERED, FREE):
+    if program.semantics not in (RENDEZVOUS, BUFFERED, FREE, TORCH_RUNTIME):
         raise ValueError(f"unknown semantics {program.semantics!r}")
     return SimpyStep(program, seconds, hold, wires, comm_overhead).run()
