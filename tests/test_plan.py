@@ -254,3 +254,15 @@ def test_a_layouts_job_is_the_job_of_its_simulate_command_line():
                 str(layout.microbatch_size), "-v", str(layout.virtual_stages), "--recompute", layout.recompute,
                 "--zero", str(layout.zero), *(["--sequence-parallel"] if layout.sequence_parallel else [])]
         assert plan_command.layout_job(layout) == Job.from_namespace(parser.parse_args(argv)), layout.label()
+
+
+def test_plan_writes_the_best_layout_for_torchtitan_as_export_does(tmp_path, capsys):
+    common = ["--model", "gpt3-1.3b", "--topology", "nvlink"]
+    assert main(["plan", *common, "--gpus", "8", "--global-batch", "16", "--schedules", "1f1b,zbv",
+                 "--constraint", "pp=2", "--microbatch-sizes", "1", "--top", "1", "--workers", "1",
+                 "--json", str(tmp_path / "plan.json"), "--torchtitan", str(tmp_path / "planned"), "--fsdp"]) == 0
+    assert main(["export", *common, "--nodes", "1", "--from-plan", str(tmp_path / "plan.json"), "--fsdp",
+                 "--torchtitan", str(tmp_path / "exported")]) == 0
+    for name in ("schedule.csv", "schedule-lowered.csv", "torchtitan.toml"):  # the config names its own folder
+        planned = (tmp_path / "planned" / name).read_text().replace(str(tmp_path / "planned"), "DIR")
+        assert planned == (tmp_path / "exported" / name).read_text().replace(str(tmp_path / "exported"), "DIR"), name

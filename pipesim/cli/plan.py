@@ -87,8 +87,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--csv", help="write the ranked layouts as CSV")
     parser.add_argument("--html", help="write every considered layout's throughput vs peak memory (Pareto front) "
                         "and the best layout's Gantt")
+    parser.add_argument("--torchtitan", metavar="DIR",
+                        help="write the best layout for torchtitan: its schedule CSVs and config fragment, as "
+                        "`pipesim export --torchtitan` does (default: none)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="with --torchtitan: the data-parallel replicas shard parameters with FSDP (torchtitan's "
+                        "default); a ZeRO layout needs it")
     parser.add_argument("--quiet", action="store_true", help="no progress (shown on stderr while the search runs)")
-    parser.set_defaults(handler=handle)
+    parser.set_defaults(handler=handle, output_dirs=("torchtitan",))
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -121,6 +127,8 @@ def _checked_job(args: argparse.Namespace) -> tuple[Job, SearchSpace]:
         raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.mfu is not None and not 0 < args.mfu <= 1:  # NaN fails this too
         raise ValueError(f"--mfu is a fraction of peak in (0, 1], got {args.mfu}")
+    if args.fsdp and not args.torchtitan:
+        raise ValueError("--fsdp says how torchtitan shards the data-parallel replicas; add --torchtitan DIR")
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if args.max_actions is not None and args.max_actions < 1:
@@ -405,6 +413,8 @@ def _write_outputs(args: argparse.Namespace, result) -> None:
                 writer.writeheader()
                 writer.writerows(rows)
         print(f"wrote {args.csv}")
+    if args.torchtitan and result.rows:
+        _write_torchtitan(args, result.rows[0])
     if args.html and result.rows:
         from viz.plan import write_plan_html
 
@@ -426,6 +436,24 @@ def _charted_others(result) -> list[dict]:
         if bound:
             charted.append({**other, "tokens_per_second": tokens_per_step / bound})
     return charted
+
+
+def _write_torchtitan(args: argparse.Namespace, best: dict) -> None:
+    """The best layout's schedule CSVs and torchtitan config (``pipesim.cli.torchtitan``),
+    the order being the one simulated."""
+    from pipesim.cli.torchtitan import TorchtitanLayout, write_torchtitan
+    from pipesim.job import model_spec_of
+
+    layout = Layout(**{key: best[key] for key in Layout.__dataclass_fields__})
+    if layout.zero and not args.fsdp:
+        raise ValueError(f"--torchtitan {args.torchtitan}: the best layout shards the optimizer (zero{layout.zero}), "
+                         "which torchtitan does as FSDP: add --fsdp, or --constraint zero=0")
+    job = layout_job(layout)
+    spec = model_spec_of(job)
+    written = write_torchtitan(args.torchtitan, schedule_of(job, _BASE["topology"]), TorchtitanLayout(
+        dp=layout.dp, tp=layout.tp, fsdp=args.fsdp, microbatch_size=layout.microbatch_size, layers=spec.layers,
+        seq_len=spec.seq_len))
+    print(f"wrote {', '.join(str(path) for path in written)}: {best['layout']}")
 
 
 def _best_trace(layout: Layout):
