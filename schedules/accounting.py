@@ -169,7 +169,10 @@ def _sweep(rank: np.ndarray, start: np.ndarray, end: np.ndarray, category: np.nd
     change = np.concatenate([np.ones(len(start), dtype=np.int64), -np.ones(len(end), dtype=np.int64)])
     owner_rank = np.concatenate([rank, rank])
     kinds = np.concatenate([category, category])
-    order = np.lexsort((moments, owner_rank))
+    # by rank, then by moment; moments that tie bound empty stretches, so their order does not
+    # matter: a quick sort of the moments, then a stable (radix) sort of the small rank numbers
+    by_moment = np.argsort(moments)
+    order = by_moment[np.argsort(owner_rank[by_moment].astype(np.int16 if ranks < 2**15 else np.int64), kind="stable")]
     moments, change, owner_rank, kinds = moments[order], change[order], owner_rank[order], kinds[order]
     # pieces open after each moment, per kind (a rank's pieces all close within its moments)
     open_count = [np.cumsum(np.where(kinds == kind, change, 0)) for kind in range(6)]

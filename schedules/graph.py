@@ -20,10 +20,13 @@ want to look at the structure, e.g. ``networkx.find_cycle`` or critical paths.
 
 from __future__ import annotations
 
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from schedules.action import Action, ActionKind
 from schedules.schedule import Schedule
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
@@ -73,6 +76,8 @@ def dependency_graph(schedule: Schedule) -> nx.DiGraph:
     schedule contains: a producer that is missing simply has no edge (``validate``
     reports it).
     """
+    import networkx as nx
+
     graph = nx.DiGraph()
     lowered = schedule.is_lowered
     for rank, program in enumerate(schedule.programs):

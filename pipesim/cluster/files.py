@@ -20,8 +20,6 @@ import json
 import math
 from pathlib import Path
 
-import networkx as nx
-
 from pipesim.cluster.gpus import GPUS
 from pipesim.cluster.presets import MULTI_NODE, PRESETS
 from pipesim.cluster.topology import Topology, TopologyError, add_link
@@ -55,6 +53,8 @@ def topology_from_dict(data: object, name: str = "custom") -> Topology:
     devices = data.get("devices")
     if not isinstance(devices, list) or not devices:
         raise TopologyError(f"{name}: 'devices' must be a non-empty list")
+    import networkx as nx
+
     graph = nx.DiGraph()
     order = []
     for index, device in enumerate(devices):
@@ -133,6 +133,8 @@ def topology_from_dict(data: object, name: str = "custom") -> Topology:
 
 def _require_connected(topology: Topology) -> None:
     """Every device must reach every other, or ranks on them could never exchange data."""
+    import networkx as nx  # only where a graph is built or walked (pipesim.cluster.topology says why)
+
     first = topology.devices[0]
     reachable = nx.descendants(topology.graph, first) | {first}
     for device in topology.devices[1:]:

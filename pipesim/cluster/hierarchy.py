@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
-
-import networkx as nx
+from typing import TYPE_CHECKING, NamedTuple
 
 from pipesim.cluster.topology import Route
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class Hierarchy:
     def graph(self) -> nx.DiGraph:
         """The same cluster as a networkx graph: every device, every node of its chains,
         every link both ways."""
+        import networkx as nx
+
         graph = nx.DiGraph()
         for index, device in enumerate(self.devices):
             graph.add_node(device, kind="gpu", **self.device_attributes)

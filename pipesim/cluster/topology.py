@@ -3,7 +3,9 @@
 Every link is stored once per direction (a directed edge) because NVLink, PCIe and
 InfiniBand are full duplex: traffic one way does not slow traffic the other way, but
 two transfers going the same way over one link share it. Routes follow the graph
-(lowest total latency) and are cached per device pair. The built-in presets are
+(lowest total latency) and are cached per device pair. networkx is imported only where a
+graph is built or walked: preset clusters and the simulation need none, and importing it
+took a third of the command line's start. The built-in presets are
 hierarchies (``pipesim.cluster.hierarchy``): their routes are read off the structure, and their
 graph is built only when something asks for it, so a 100k-GPU cluster stays cheap.
 """
@@ -14,9 +16,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import networkx as nx
-
 if TYPE_CHECKING:
+    import networkx as nx
+
     from pipesim.cluster.hierarchy import Hierarchy
 
 
@@ -123,6 +125,8 @@ class Topology:
             if route is None:
                 raise TopologyError(f"topology {self.name}: no route from {src} to {dst}")
         else:
+            import networkx as nx
+
             try:
                 path = nx.shortest_path(self.graph, src, dst, weight="latency")
             except nx.NetworkXNoPath as error:
@@ -208,6 +212,8 @@ def add_link(graph: nx.DiGraph, src: str, dst: str, bandwidth: float, latency: f
 
 def ideal_topology(num_devices: int = 0) -> Topology:
     """Free, instant links: what the closed-form schedule analyses assume."""
+    import networkx as nx
+
     graph = nx.DiGraph()
     devices = [f"gpu{index}" for index in range(num_devices)]
     for device in devices:
