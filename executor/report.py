@@ -61,7 +61,14 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
     lines.append(f"measured step (last): makespan {document['measured_makespan'] * 1000:.2f} ms, "
                  f"bubble fraction {document['bubble_fraction']:.3f}")
     comm = document["comm"]
-    lines.append("measured comm (last step, summed over one pipeline's ranks): " + ", ".join(
-        f"{kind} {comm[kind]['total'] * 1000:.2f} ms (exposed {comm[kind]['exposed'] * 1000:.2f})"
-        for kind in ("p2p", "dp", "tp")))
+    span = document["measured_makespan"]
+
+    def ms(seconds: float) -> str:  # a difference of equal sums is not a measured time
+        return f"{0.0 if abs(seconds) < 1e-12 * span else seconds * 1000:.2f} ms"
+
+    lines.append("measured communication (last step, summed over one pipeline's ranks): "
+                 f"p2p blocked on data in flight {ms(comm['p2p']['exposed'])} (sends in flight "
+                 f"{ms(comm['p2p']['total'])}, from posting to completion, waiting for the peer included); "
+                 f"dp {ms(comm['dp']['total'])} (exposed {ms(comm['dp']['exposed'])}); "
+                 f"tp {ms(comm['tp']['total'])}")
     return lines

@@ -159,9 +159,12 @@ COMM_KINDS_BY_STREAM = {"send": "p2p", "tp": "tp", "dp": "dp"}
 def comm_by_kind(trace: Trace, accounting: list[RankTime] | None = None) -> list[dict[str, dict[str, float]]]:
     """Per rank, communication seconds by kind: ``{"p2p"|"dp"|"tp": {"total", "exposed"}}``.
 
-    p2p: total is the time outgoing transfers were in flight, exposed the time the rank
-    sat blocked on receives whose data was already sent (``exposed_comm``; waiting for
-    the producer is bubble, not communication). tp: collectives on the compute's
+    p2p: total is the time outgoing transfers were in flight, from posting to arrival (a
+    send waiting for its peer's receive included), exposed the time the rank sat blocked
+    on receives whose data was already sent (``exposed_comm``; waiting for the producer is
+    bubble, not communication); where the trace knows them (a simulated one's meta),
+    ``wire``: the seconds the rank's sends spent on the links, and ``bytes`` they carried.
+    tp: collectives on the compute's
     critical path, so all of it is exposed. dp: gradient reduction time, exposed where
     nothing holding the rank (compute, tp, a receive wait) runs beside it.
     ``accounting`` (from ``time_accounting``) saves computing it again."""
@@ -171,7 +174,9 @@ def comm_by_kind(trace: Trace, accounting: list[RankTime] | None = None) -> list
     totals = {kind: np.bincount(columns.rank, weights=np.where(columns.on_stream(stream), duration, 0.0),
                                 minlength=len(accounting))
               for stream, kind in COMM_KINDS_BY_STREAM.items()}
-    return [{"p2p": {"total": float(totals["p2p"][rank]), "exposed": parts.exposed_comm},
+    wire, sent = trace.meta.get("p2p_wire_seconds"), trace.meta.get("p2p_bytes")
+    return [{"p2p": {"total": float(totals["p2p"][rank]), "exposed": parts.exposed_comm,
+                     "wire": wire[rank] if wire else None, "bytes": sent[rank] if sent else None},
              "dp": {"total": float(totals["dp"][rank]), "exposed": parts.dp},
              "tp": {"total": float(totals["tp"][rank]), "exposed": float(totals["tp"][rank])}}
             for rank, parts in enumerate(accounting)]

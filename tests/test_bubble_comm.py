@@ -246,8 +246,13 @@ def test_json_summary_and_sweep_use_the_two_names(tmp_path, capsys):
     assert main(["simulate", "--schedule", "1f1b", "--pp", "4", "-m", "8", "--act-bytes", "256e6",
                  "--topology", "pcie", "--json", str(document)]) == 0
     printed = capsys.readouterr().out
-    assert "bubble" in printed and "exposed (blocked on data in flight)" in printed
+    assert "bubble" in printed and "blocked on data in flight (exposed)" in printed
     ranks = json.loads(document.read_text())["ranks"]
+    # bytes each rank sends, by hand: rank 0 eight activations, ranks 1 and 2 eight activations
+    # and eight gradients, rank 3 eight gradients, 256 MB each
+    sent = [rank["p2p"]["bytes"] for rank in json.loads(document.read_text())["comm"]]
+    assert sent == pytest.approx([8 * 256e6, 16 * 256e6, 16 * 256e6, 8 * 256e6])
+    assert f"{48 * 256e6 / 1e9:.4g} GB sent" in printed
     makespan = json.loads(document.read_text())["makespan"]
     for rank in ranks:
         assert rank["busy"] + rank["bubble"] + rank["exposed_comm"] + rank["overhead"] == pytest.approx(makespan)
@@ -401,3 +406,14 @@ def test_without_communication_bubble_and_idle_fractions_agree_with_the_closed_f
     expected = (pp - 1) / (chunks * microbatches + pp - 1)
     assert metrics.bubble_fraction == pytest.approx(expected)
     assert metrics.idle_fraction == pytest.approx(expected)
+
+
+def test_the_summary_prints_float_dust_as_zero(capsys):
+    # on free links nothing is on the wire and no rank waits on data in flight: every such
+    # figure is 0, not 8.674e-16 (a difference of equal sums)
+    assert main(["simulate", "--schedule", "interleaved-1f1b", "--pp", "4", "-m", "8", "--fwd", "1e-3",
+                 "--act-bytes", "1e6", "--topology", "ideal"]) == 0
+    printed = capsys.readouterr().out
+    assert "e-1" not in printed and "e-2" not in printed
+    rows = [line.split() for line in printed.splitlines() if line.strip().split()[:1] in (["0"], ["1"], ["2"], ["3"])]
+    assert rows and all(row[4] == "0" and row[5] == "0" for row in rows[:4])  # exposed, on wire

@@ -156,6 +156,7 @@ def step_trace(step: engine.StepRun, costs: Costs, topology: Topology, devices: 
     schedule = step.program.arrays.schedule
     pipeline = pipeline_columns(step)
     tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead)
+    wire, sent_bytes = p2p_wire_and_bytes(step, costs)
     meta = {
         "source": "simulated",
         "schedule": schedule.name,
@@ -165,8 +166,27 @@ def step_trace(step: engine.StepRun, costs: Costs, topology: Topology, devices: 
         "topology": topology.name,
         "devices": list(devices),
         "p2p": p2p,
+        "p2p_wire_seconds": wire,
+        "p2p_bytes": sent_bytes,
     }
     return Trace(columns=TraceColumns.concatenate([pipeline, tail]) if tail is not None else pipeline, meta=meta)
+
+
+def p2p_wire_and_bytes(step: engine.StepRun, costs: Costs) -> tuple[list[float], list[float]]:
+    """Per rank, the seconds its sends spent on the wire (from leaving, when the peer had
+    posted its receive under rendezvous, to arriving: queueing behind other transfers on
+    the links included, waiting for the peer not) and the bytes they carried: what a
+    faster link or a smaller activation would change, apart from the time a send waits
+    for its peer (which the Trace's send events include)."""
+    arrays = step.program.arrays
+    sent = np.flatnonzero(~np.isnan(step.arrival) & ~np.isnan(step.departed))
+    stage, direction = np.divmod(sent // arrays.microbatches, 2)
+    sender = np.asarray(arrays.schedule.placement)[stage]
+    act_bytes = np.array([cost.act_bytes for cost in costs.stages])
+    carried = act_bytes[np.where(direction == 0, stage, stage - 1)] if len(sent) else np.zeros(0)
+    ranks = arrays.schedule.pp
+    wire = np.bincount(sender, weights=step.arrival[sent] - step.departed[sent], minlength=ranks)
+    return wire.tolist(), np.bincount(sender, weights=carried, minlength=ranks).tolist()
 
 
 def pipeline_columns(step: engine.StepRun) -> TraceColumns:

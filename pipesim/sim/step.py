@@ -120,12 +120,20 @@ class SimulationResult:
         }
 
     def summary(self) -> str:
-        """A readable report for the terminal."""
+        """A readable report for the terminal. Differences of equal sums (a wait of
+        1e-16 s) print as 0."""
         schedule, metrics = self.schedule, self.metrics
         unit, scale = _time_unit(metrics.makespan)
-        total_comm = sum(rank.comm for rank in metrics.ranks)
+        dust = _ROUNDING * metrics.makespan
+
+        def shown(seconds: float, width: int = 10) -> str:
+            return f"{(0.0 if abs(seconds) < dust else seconds) * scale:>{width}.4g}"
+
+        comm = self.comm
         exposed = sum(rank.exposed_comm for rank in metrics.ranks)
         waiting = sum(rank.bubble for rank in metrics.ranks)
+        wire = [rank["p2p"]["wire"] for rank in comm]
+        sent = sum(rank["p2p"]["bytes"] or 0.0 for rank in comm)
         named = [(name, title) for name, title in (("tp", "tp"), ("dp", "dp"), ("optimizer", "optim"),
                                                    ("overhead", "overhead"))
                  if any(getattr(rank, name) for rank in metrics.ranks)]
@@ -137,33 +145,32 @@ class SimulationResult:
             f"  bubble fraction  {metrics.bubble_fraction:.2%} (pipeline bubble over ranks x step time)",
             f"  idle fraction    {metrics.idle_fraction:.2%} (not computing: bubble, exposed communication, "
             "tp, dp, optimizer)",
-            f"  bubble           {waiting * scale:.4g} {unit} (waiting for a peer, fill and drain), "
+            f"  bubble           {shown(waiting, 0)} {unit} (waiting for a peer, fill and drain), summed over ranks",
+            f"  p2p              {shown(exposed, 0)} {unit} blocked on data in flight (exposed); "
+            f"{shown(sum(value or 0.0 for value in wire), 0)} {unit} on the wire; {sent / 1e9:.4g} GB sent; "
             "summed over ranks",
-            f"  communication    {exposed * scale:.4g} {unit} exposed (blocked on data in flight); sends "
-            f"{total_comm * scale:.4g} {unit} from posting to arrival; summed over ranks",
             f"  {'rank':>4}  {'busy':>10}  {'bubble':>10}  {'bubble %':>8}  {'exposed':>10}  "
-            + "".join(f"{title:>10}  " for _, title in named) + f"{'comm':>10}  peak in-flight",
+            + "".join(f"{title:>10}  " for _, title in named) + f"{'on wire':>10}  peak in-flight",
         ]
         for rank in metrics.ranks:
             bubble_share = rank.bubble / metrics.makespan if metrics.makespan else 0.0
+            on_wire = shown(wire[rank.rank]) if wire[rank.rank] is not None else f"{'n/a':>10}"
             lines.append(
-                f"  {rank.rank:>4}  {rank.busy * scale:>10.4g}  {rank.bubble * scale:>10.4g}  {bubble_share:>8.1%}  "
-                f"{rank.exposed_comm * scale:>10.4g}  "
-                + "".join(f"{getattr(rank, name) * scale:>10.4g}  " for name, _ in named)
-                + f"{rank.comm * scale:>10.4g}  {rank.peak_inflight_microbatches:g}"
+                f"  {rank.rank:>4}  {shown(rank.busy)}  {shown(rank.bubble)}  {bubble_share:>8.1%}  "
+                f"{shown(rank.exposed_comm)}  " + "".join(f"{shown(getattr(rank, name))}  " for name, _ in named)
+                + f"{on_wire}  {rank.peak_inflight_microbatches:g}"
             )
         lines.append(f"  (busy + bubble + exposed{''.join(' + ' + title for _, title in named)} = step time on "
-                     f"every rank; comm: its sends from posting to arrival)")
+                     f"every rank; on wire: its sends' time on the links, from leaving to arriving)")
         lines.append(f"  (times in {unit}; peak in-flight in microbatches of the rank's whole share of the model)")
-        lines += self._comm_and_memory_lines(unit, scale)
+        lines += self._comm_and_memory_lines(unit, scale, shown)
         return "\n".join(lines)
 
-    def _comm_and_memory_lines(self, unit: str, scale: float) -> list[str]:
-        lines = [f"  communication by kind (total / exposed, {unit}); memory (GB)"]
-        lines.append(f"  {'rank':>4}  {'p2p':>19}  {'tp':>19}  {'dp':>19}  {'peak mem':>9}  {'capacity':>9}")
+    def _comm_and_memory_lines(self, unit: str, scale: float, shown) -> list[str]:
+        lines = [f"  collectives (total / exposed, {unit}); memory (GB)"]
+        lines.append(f"  {'rank':>4}  {'tp':>19}  {'dp':>19}  {'peak mem':>9}  {'capacity':>9}")
         for rank, comm in enumerate(self.comm):
-            cells = [f"{comm[kind]['total'] * scale:>9.4g}/{comm[kind]['exposed'] * scale:<9.4g}"
-                     for kind in ("p2p", "tp", "dp")]
+            cells = [f"{shown(comm[kind]['total'], 9)}/{shown(comm[kind]['exposed'], 0):<9}" for kind in ("tp", "dp")]
             memory = self.memory[rank] if rank < len(self.memory) else None
             peak = f"{memory.peak_bytes / 1e9:>9.2f}" if memory else f"{'n/a':>9}"
             bounded = memory is not None and memory.capacity_bytes != float("inf")
@@ -177,6 +184,9 @@ class SimulationResult:
                     f"but the device holds {memory.capacity_bytes / 1e9:.2f} GB (out of memory)"
                 )
         return lines
+
+
+_ROUNDING = 1e-12  # of the step: below it a printed time is float rounding, shown as 0
 
 
 def _time_unit(seconds: float) -> tuple[str, float]:
