@@ -39,14 +39,16 @@ HBM_EFFICIENCY = 0.85  # streaming element-wise kernels reach ~80-90% of HBM pea
 
 
 def layer_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
-                        flash_attention: bool = True) -> tuple[float, float]:
+                        flash_attention: bool = True, layer: int = 0) -> tuple[float, float]:
     """(forward bytes of the element-wise kernels outside attention, forward bytes of the
-    score softmax and dropout) for one layer and one microbatch on one tp rank."""
+    score softmax and dropout) for layer ``layer`` and one microbatch on one tp rank: the
+    MLP activation over the columns a token passes through (its routed experts' in a
+    mixture-of-experts layer), rotary over the query and key columns that carry it."""
     h, d = spec.hidden, spec.dtype_bytes
     mask = 1 if spec.dropout else 0
     replicated = (4 * h + 6 * h) * d + 2 * h * mask
-    activation = (3 if spec.gated_mlp else 2) * spec.ffn * d
-    rotary = 0 if spec.learned_positions else 2 * (h + spec.kv_width) * d
+    activation = (3 if spec.gated_mlp else 2) * spec.mlp_width(layer) * d
+    rotary = 0 if spec.learned_positions else 2 * rotary_columns(spec) * d
     per_token = replicated / (tp if sequence_parallel else 1) + (activation + rotary) / tp
     scores = 0.0
     if not flash_attention:
@@ -55,12 +57,20 @@ def layer_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = 
     return spec.tokens * per_token, spec.tokens * scores
 
 
+def rotary_columns(spec: ModelSpec) -> int:
+    """Query and key columns rotary embeddings rotate: all of Q and K (``h + k`` for GPT
+    shapes), or MLA's rotary parts (``a d_rope`` of the queries, one shared ``d_rope`` key)."""
+    if spec.mla is not None:
+        return (spec.heads + 1) * spec.mla.qk_rope_head_dim
+    return spec.q_width + spec.kv_width
+
+
 def layer_memory_seconds(spec: ModelSpec, bandwidth: float, tp: int = 1, sequence_parallel: bool = False,
-                         flash_attention: bool = True, recompute: str = "none") -> tuple[float, float]:
-    """(forward, backward) seconds of one layer's memory-bound kernels at ``bandwidth``
+                         flash_attention: bool = True, recompute: str = "none", layer: int = 0) -> tuple[float, float]:
+    """(forward, backward) seconds of layer ``layer``'s memory-bound kernels at ``bandwidth``
     bytes/s of HBM; the backward includes what recompute re-runs."""
     rate = bandwidth * HBM_EFFICIENCY
-    plain, scores = layer_traffic_bytes(spec, tp, sequence_parallel, flash_attention)
+    plain, scores = layer_traffic_bytes(spec, tp, sequence_parallel, flash_attention, layer)
     forward = (plain + scores) / rate
     backward = BACKWARD_TRAFFIC * forward
     if recompute == "full":

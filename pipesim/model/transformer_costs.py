@@ -6,12 +6,18 @@ bytes its memory-bound kernels move / HBM bandwidth (``pipesim.model.memory_traf
 efficiency number for every GEMM and attention kernel (``--mfu``, calibrated against a
 measured or published step; see benchmarks/published.py).
 
-Per stage of ``n`` layers on one of ``t`` tensor-parallel ranks:
+Per stage holding layers ``[first, stop)``, on one of ``t`` tensor-parallel ranks (layers
+differ: dense or mixture-of-experts MLP, so each figure is a sum over the stage's layers,
+``ModelSpec.sum_over_layers``; ``/ t`` below is each layer's share on one tp rank,
+``pipesim.model.weights``):
 
-    F = n * layer_flops / t                    (+ logits on the last stage)
-    B = 2F + recompute                          full: n * layer_flops / t,
-                                                selective: n * attention core / t
-    W = n * layer GEMM FLOPs / t               (+ logits: the head has weights)
+    F = sum of layer_flops / t                 (+ logits on the last stage)
+    B = 2F + recompute                          full: sum of layer_flops / t,
+                                                selective: sum of attention cores / t
+    W = sum of layer GEMM FLOPs / t            (+ logits: the head has weights)
+    params = sum of the layers' parameters on one tp rank (whole numbers: norms and
+             row-parallel biases whole on every rank, replicated key-value heads counted
+             on each rank that holds them), every expert included
 
 so a split backward puts the recomputed forward and the attention core's backward in
 ``I = B - W``. With full recompute the re-run forward also repeats its two tensor-parallel
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 from pipesim.model.activations import first_stage_extra_bytes, last_stage_extra_bytes, layer_stash_bytes
 from pipesim.model.costs import Costs, StageCost
+from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import layer_memory_seconds, optimizer_step_seconds
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak, split_layers
 
@@ -62,27 +69,34 @@ def model_costs(
     if tp < 1:
         raise ModelSpecError(f"--tp must be >= 1, got {tp}")
     check_recompute(recompute)
+    check_layout(spec, tp, sequence_parallel=sequence_parallel)
     counts = split_layers(spec.layers, num_stages, layers_per_stage)
-    layer_stash = layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention)
-    recompute_per_layer = spec.recompute_flops(recompute) / spec.layers
     full_message = spec.tokens * spec.hidden * spec.dtype_bytes
     stages = []
     step_seconds: dict[int, float] = {}
+    stop = 0
     for stage, count in enumerate(counts):
+        first, stop = stop, stop + count
         rate = finite_peak(stage_peak_flops[stage], fallback_peak) * mfu
         bandwidth = finite_peak(stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0,
                                 fallback_memory_bandwidth)
-        memory_fwd, memory_bwd = layer_memory_seconds(spec, bandwidth, tp, sequence_parallel, flash_attention,
-                                                      recompute)
-        flops = count * spec.layer_flops() / tp
-        weight_flops = count * spec.layer_gemm_flops() / tp
-        params = count * spec.layer_params() / tp
-        stash = count * layer_stash
+        flops = weight_flops = recompute_flops = memory_fwd = memory_bwd = stash = 0.0
+        params = 0
+        for layer, alike in spec.layer_groups(first, stop):
+            flops += alike * spec.layer_flops(layer, tp, sequence_parallel)
+            weight_flops += alike * spec.layer_gemm_flops(layer, tp, sequence_parallel)
+            recompute_flops += alike * spec.layer_recompute_flops(layer, recompute, tp, sequence_parallel)
+            params += alike * spec.layer_params(layer, tp)
+            stash += alike * layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention, layer)
+            forward, backward = layer_memory_seconds(spec, bandwidth, tp, sequence_parallel, flash_attention,
+                                                     recompute, layer)
+            memory_fwd += alike * forward
+            memory_bwd += alike * backward
         if stage == 0:
-            params += spec.embedding_params() / tp
+            params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(spec, tp, sequence_parallel)
         if stage == num_stages - 1:
-            params += spec.head_params() / tp
+            params += spec.head_params(tp)
             flops += spec.logits_flops() / tp
             weight_flops += spec.logits_flops() / tp
             stash += last_stage_extra_bytes(spec, tp, sequence_parallel)
@@ -91,8 +105,8 @@ def model_costs(
         step_seconds[rank] = step_seconds.get(rank, 0.0) + optimizer_step_seconds(params, optimizer_state_bytes,
                                                                                   bandwidth)
         stages.append(StageCost(
-            fwd=fwd + count * memory_fwd,
-            bwd=2 * fwd + count * recompute_per_layer / tp / rate + count * memory_bwd,
+            fwd=fwd + memory_fwd,
+            bwd=2 * fwd + recompute_flops / rate + memory_bwd,
             wgrad=weight_flops / rate,
             act_bytes=spec.boundary_bytes(tp, sequence_parallel) if stage < num_stages - 1 else 0.0,
             stash_bytes=stash,
@@ -104,6 +118,7 @@ def model_costs(
         ))
     meta = {
         "model": spec.name, "layers_per_stage": counts, "tp": tp, "mfu": mfu, "total_params": spec.total_params(),
+        "active_params": spec.active_params(),
         "recompute": recompute, "flash_attention": flash_attention,
     }
     return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta,
