@@ -74,24 +74,31 @@ def model_costs(
     full_message = spec.tokens * spec.hidden * spec.dtype_bytes
     stages = []
     step_seconds: dict[int, float] = {}
+    per_kind: dict[tuple[bool, float], tuple] = {}
+
+    def layer_figures(layer: int, bandwidth: float) -> tuple:
+        """(FLOPs, weight-GEMM FLOPs, recomputed FLOPs, params, stash bytes, memory-bound
+        forward and backward seconds) of one layer on one tp rank, once per kind of layer."""
+        key = (spec.is_moe_layer(layer), bandwidth)
+        if key not in per_kind:
+            per_kind[key] = (
+                spec.layer_flops(layer, tp, sequence_parallel), spec.layer_gemm_flops(layer, tp, sequence_parallel),
+                spec.layer_recompute_flops(layer, recompute, tp, sequence_parallel), spec.layer_params(layer, tp),
+                layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention, layer),
+                *layer_memory_seconds(spec, bandwidth, tp, sequence_parallel, flash_attention, recompute, layer))
+        return per_kind[key]
+
     stop = 0
     for stage, count in enumerate(counts):
         first, stop = stop, stop + count
         rate = finite_peak(stage_peak_flops[stage], fallback_peak) * mfu
         bandwidth = finite_peak(stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0,
                                 fallback_memory_bandwidth)
-        flops = weight_flops = recompute_flops = memory_fwd = memory_bwd = stash = 0.0
-        params = 0
+        sums = [0] * 7  # params stay a whole number
         for layer, alike in spec.layer_groups(first, stop):
-            flops += alike * spec.layer_flops(layer, tp, sequence_parallel)
-            weight_flops += alike * spec.layer_gemm_flops(layer, tp, sequence_parallel)
-            recompute_flops += alike * spec.layer_recompute_flops(layer, recompute, tp, sequence_parallel)
-            params += alike * spec.layer_params(layer, tp)
-            stash += alike * layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention, layer)
-            forward, backward = layer_memory_seconds(spec, bandwidth, tp, sequence_parallel, flash_attention,
-                                                     recompute, layer)
-            memory_fwd += alike * forward
-            memory_bwd += alike * backward
+            for index, value in enumerate(layer_figures(layer, bandwidth)):
+                sums[index] += alike * value
+        flops, weight_flops, recompute_flops, params, stash, memory_fwd, memory_bwd = sums
         if stage == 0:
             params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(spec, tp, sequence_parallel)
