@@ -103,3 +103,11 @@ def test_simulate_checks_tp_before_work_and_prints_whole_parameter_counts(tmp_pa
         assert isinstance(stage["params"], int)
     for rank in document["ranks"]:
         assert (rank["memory"]["static_bytes"] / 16).is_integer()  # 16 bytes per whole parameter
+
+
+def test_replicated_kv_heads_are_stated(capsys):
+    assert main(["simulate", "--model", "llama3-8b", "--tp", "16", "--pp", "2", "-m", "2"]) == 0
+    assert ("note: --tp 16 exceeds the 8 key-value heads of llama3-8b: each is replicated on 2 ranks"
+            in capsys.readouterr().out)
+    assert main(["simulate", "--model", "llama3-8b", "--tp", "8", "--pp", "2", "-m", "2"]) == 0
+    assert "note:" not in capsys.readouterr().out

@@ -194,3 +194,19 @@ def test_moe_and_mla_descriptions_refuse_bad_values():
     mla = LatentAttention(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
     with pytest.raises(ModelSpecError, match="latent attention gives every head its own key and value"):
         ModelSpec("m", layers=2, hidden=64, heads=4, seq_len=16, vocab=32, kv_heads=2, mla=mla)
+
+
+def test_capacity_factor_flag(tmp_path, capsys):
+    """--capacity-factor pads the routed experts' time; the model FLOPs per token (MFU's
+    numerator) stay the tokens' work; a dense model has no experts to pad."""
+    steps = {}
+    for factor in (None, "1.25"):
+        out = tmp_path / f"{factor}.json"
+        extra = ["--capacity-factor", factor] if factor else []
+        assert main(["simulate", "--model", "mixtral-8x7b", "--pp", "2", "-m", "2", "--json", str(out), *extra]) == 0
+        document = json.loads(out.read_text())
+        steps[factor] = document["makespan"], document["model"]["flops_per_token"], document["model"]["moe"]
+    assert steps["1.25"][0] > steps[None][0] and steps["1.25"][1] == steps[None][1]
+    assert steps["1.25"][2]["capacity_factor"] == 1.25 and steps[None][2]["capacity_factor"] is None
+    assert main(["simulate", "--model", "llama3-8b", "--capacity-factor", "1.25", "--pp", "2", "-m", "2"]) == 2
+    assert "--capacity-factor 1.25: llama3-8b has no routed experts" in capsys.readouterr().err

@@ -147,6 +147,10 @@ def handle(args: argparse.Namespace) -> int:
         print(f"  model {figures['model']['name']}: {parameter_counts(figures['model'])}; "
               f"{figures['tokens_per_second']:.4g} tokens/s, {figures['model_tflops_per_gpu']:.4g} TFLOP/s per GPU "
               f"(Megatron's count), MFU {figures['mfu']:.1%}")
+        from pipesim.model.layout import layout_notes
+
+        for note in layout_notes(model_spec_from_args(args), args.tp):
+            print(f"  note: {note}")
     write_outputs(args, document, [result.trace], [f"predicted: {schedule.name}"], [result.metrics])
     if args.fail_on_oom:
         try:

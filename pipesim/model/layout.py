@@ -74,3 +74,13 @@ def mlp_widths(spec: ModelSpec) -> list[tuple[int, str]]:
         if spec.moe.shared_ffn:
             widths.append((spec.moe.shared_ffn, "shared expert MLP width"))
     return widths
+
+
+def layout_notes(spec: ModelSpec, tp: int = 1) -> list[str]:
+    """What a valid layout does that a user may not expect: key-value heads replicated
+    when tp is a multiple of them."""
+    kv_heads = spec.num_kv_heads
+    if spec.mla is None and tp > kv_heads and tp % kv_heads == 0:
+        return [f"--tp {tp} exceeds the {kv_heads} key-value heads of {spec.name}: each is replicated on "
+                f"{tp // kv_heads} ranks (Megatron-LM's rule), its K and V weights counted on each"]
+    return []

@@ -261,6 +261,14 @@ class ModelSpec:
         full = self.tokens * self.hidden * self.dtype_bytes
         return full / tp if sequence_parallel else full
 
+    def with_capacity_factor(self, factor: float | None) -> ModelSpec:
+        """This model with each routed expert computing ``factor`` times its balanced share
+        of token slots (``None``: dropless)."""
+        if self.moe is None:
+            raise ModelSpecError(f"--capacity-factor {factor}: {self.name} has no routed experts (the capacity "
+                                 f"factor applies to mixture-of-experts models)")
+        return replace(self, moe=replace(self.moe, capacity_factor=factor))
+
     def describe(self) -> dict:
         """The architecture and its derived sizes, for ``--json``."""
         document = {field.name: getattr(self, field.name) for field in fields(self)}
