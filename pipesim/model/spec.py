@@ -256,6 +256,13 @@ class ModelSpec:
         check_recompute(recompute)
         return self.sum_over_layers(lambda layer: self.layer_recompute_flops(layer, recompute, padded=False))
 
+    def tp_message_bytes(self, layer: int = 0) -> float:
+        """Bytes of each of layer ``layer``'s tensor-parallel collectives (two in its
+        forward, two in its input-gradient backward): the whole ``s b h`` activation, in a
+        mixture-of-experts layer too (its experts' output is reduced over tp as a dense
+        MLP's is)."""
+        return self.tokens * self.hidden * self.dtype_bytes
+
     def boundary_bytes(self, tp: int = 1, sequence_parallel: bool = False) -> float:
         """Bytes of the activation passed between pipeline stages (and of its gradient)."""
         full = self.tokens * self.hidden * self.dtype_bytes

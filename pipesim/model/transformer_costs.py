@@ -71,7 +71,6 @@ def model_costs(
     check_recompute(recompute)
     check_layout(spec, tp, sequence_parallel=sequence_parallel)
     counts = split_layers(spec.layers, num_stages, layers_per_stage)
-    full_message = spec.tokens * spec.hidden * spec.dtype_bytes
     stages = []
     step_seconds: dict[int, float] = {}
     per_kind: dict[tuple[bool, float], tuple] = {}
@@ -120,7 +119,7 @@ def model_costs(
             param_bytes=params * spec.dtype_bytes,
             params=params,
             layers=count if tp > 1 else 0,
-            tp_message_bytes=full_message if tp > 1 else 0.0,
+            tp_message_bytes=spec.tp_message_bytes(first) if tp > 1 else 0.0,  # alike in every layer
             recompute_layers=count if tp > 1 and recompute == "full" else 0,
         ))
     meta = {
