@@ -235,6 +235,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "the attention core only (default: none)")
     group.add_argument("--no-flash-attention", action="store_true",
                        help="keep the s x s attention scores for the backward (Korthikanti et al.'s 5as/h term)")
+    group.add_argument("--capacity-factor", type=float, default=None,
+                       help="mixture of experts: token slots each routed expert computes, as a multiple of its "
+                       "balanced share; empty slots cost time, not model FLOPs (default: dropless)")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -320,9 +323,13 @@ def model_spec_from_args(args: argparse.Namespace):
         raise ValueError("--model mlp is the executor's toy MLP; the simulator models transformers: use "
                          "--model gpt (the executor's transformer), a preset, or --fwd/--bwd")
     build = executor_gpt_spec if args.model == "gpt" else lambda **fields: model_spec(args.model, **fields)
-    return build(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+    spec = build(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                  ffn_hidden=args.ffn_hidden, seq_len=args.seq_len, vocab=args.vocab,
                  microbatch_size=args.microbatch_size, dtype_bytes=dtype_bytes_from_args(args))
+    factor = getattr(args, "capacity_factor", None)
+    if factor is not None:
+        spec = spec.with_capacity_factor(finite_flag(factor, "--capacity-factor", positive=True))
+    return spec
 
 
 def fallback_peak_flops(args: argparse.Namespace) -> float:

@@ -99,6 +99,15 @@ def model_figures(args: argparse.Namespace, result) -> dict:
     return {"model": model, "stage_costs": result.costs.to_dict()["stages"], **figures}
 
 
+def parameter_counts(model: dict) -> str:
+    """``8.03 B params``, or for a mixture of experts ``46.7 B params (12.9 B active)``:
+    memory holds the total, each token computes with the active ones."""
+    text = f"{model['params'] / 1e9:.3g} B params"
+    if model["active_params"] != model["params"]:
+        text += f" ({model['active_params'] / 1e9:.3g} B active)"
+    return text
+
+
 def throughput_figures(args: argparse.Namespace, result) -> dict:
     """Only the throughput of ``model_figures`` (tokens/s, MFU, model TFLOP/s per GPU):
     what a planner ranks thousands of layouts by, without the rest of the section."""
@@ -136,10 +145,14 @@ def handle(args: argparse.Namespace) -> int:
     if args.model:
         figures = model_figures(args, result)
         document.update(figures)
-        print(f"  model {figures['model']['name']}: {figures['model']['params'] / 1e9:.3g} B params; "
+        print(f"  model {figures['model']['name']}: {parameter_counts(figures['model'])}; "
               f"{figures['tokens_per_second']:.4g} tokens/s, {figures['model_tflops_per_gpu']:.4g} TFLOP/s per GPU "
               f"(Megatron's count), MFU {figures['mfu']:.1%}")
         print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
+        from pipesim.model.layout import layout_notes
+
+        for note in layout_notes(model_spec_from_args(args), args.tp):
+            print(f"  note: {note}")
     write_outputs(args, document, [result.trace], [f"predicted: {schedule.name}"], [result.metrics])
     if args.fail_on_oom:
         try:
