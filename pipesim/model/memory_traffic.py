@@ -15,7 +15,9 @@ kernels as Megatron-LM fuses them), plus one byte per dropout-mask element:
     norms                 2 x (read h + write h)                        = 4h
     residual adds         2 x (read 2h + write h)                       = 6h   (+ 2h mask bytes)
     MLP activation        GeLU: read f + write f; SwiGLU: read 2f + write f
-    rotary (no learned positions)  read + write Q and K                 = 2(h + k)
+                          (a mixture of experts: f = its routed slots' C k f_e + shared width)
+    rotary (no learned positions)  read + write Q and K                 = 2(a d + k)
+                          (latent attention: only the rotary parts, 2 (a + 1) d_rope)
     scores, no flash      softmax: read + write a*s; dropout: read + write a*s (+ a*s mask)
 
 Norms and residual adds are whole on every tensor-parallel rank unless sequence
