@@ -161,6 +161,7 @@ def layer_time(spec: ModelSpec, tp: int, sequence_parallel: bool, flash_attentio
                       spec.dtype_bytes)
 
 
+@functools.lru_cache(maxsize=4096)
 def head_time(spec: ModelSpec, tp: int, compute: ComputeModel) -> BlockTime:
     """The output layer's seconds (never recomputed: Megatron's rule)."""
     return block_time(head_operations(spec, tp), compute, "none", spec.dtype_bytes)

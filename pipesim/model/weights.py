@@ -164,12 +164,14 @@ def shard_params(weight: Weight, spec: ModelSpec, tp: int) -> int:
     return rows * columns + (columns if weight.bias else 0)
 
 
+@functools.lru_cache(maxsize=1024)
 def layer_params(spec: ModelSpec, moe_layer: bool, tp: int = 1) -> int:
     """Parameters of a layer on one of ``tp`` ranks (all of it at ``tp=1``): every expert."""
     return sum(weight.stack * shard_params(weight, spec, tp) for weight in layer_weights(spec, moe_layer)) \
         + norm_params(spec)
 
 
+@functools.lru_cache(maxsize=1024)
 def layer_active_params(spec: ModelSpec, moe_layer: bool) -> int:
     """Parameters a token's forward pass uses: the top-k routed experts of the stack."""
     top_k = spec.moe.experts_per_token if moe_layer else 0
