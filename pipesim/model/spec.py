@@ -10,7 +10,8 @@ hidden size of 3584). Mixture-of-experts MLPs (``pipesim.model.experts``) and mu
 latent attention (``pipesim.model.latent_attention``) make layers unlike each other, so
 every per-layer quantity takes the layer's index and a stage's cost is the sum over the
 layers it holds (``sum_over_layers``); the weight matrices behind them are listed once in
-``pipesim.model.weights``.
+``pipesim.model.weights``, and the FLOPs here are those of the operations read off that
+list (``pipesim.model.operations``), the ones the compute model times.
 
 Per layer, sequence s, microbatch b, hidden h (a multiply-add counts 2 FLOPs, as the
 datasheet peaks do):
