@@ -72,6 +72,7 @@ class Job:
     sequence_parallel: bool = False
     recompute: str = "none"
     no_flash_attention: bool = False
+    capacity_factor: float | None = None
     topology: str = "ideal"
     nodes: int | None = None
     gpu: str | None = None
@@ -271,8 +272,12 @@ def dtype_bytes_of(job) -> int | None:
 def model_spec_of(job):
     """The ``ModelSpec`` of ``--model`` with the field flags applied: a preset, a
     config.json, or the executor's ``gpt`` (``mlp`` has no transformer FLOP model)."""
-    return _model_spec(job.model, job.layers, job.hidden, job.heads, job.kv_heads, job.ffn_hidden, job.seq_len,
+    spec = _model_spec(job.model, job.layers, job.hidden, job.heads, job.kv_heads, job.ffn_hidden, job.seq_len,
                        job.vocab, job.microbatch_size, dtype_bytes_of(job))
+    factor = getattr(job, "capacity_factor", None)
+    if factor is not None:
+        spec = spec.with_capacity_factor(finite_flag(factor, "--capacity-factor", positive=True))
+    return spec
 
 
 @functools.lru_cache(maxsize=256)

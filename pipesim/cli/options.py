@@ -134,6 +134,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "the attention core only (default: none)")
     group.add_argument("--no-flash-attention", action="store_true",
                        help="keep the s x s attention scores for the backward (Korthikanti et al.'s 5as/h term)")
+    group.add_argument("--capacity-factor", type=float, default=None,
+                       help="mixture of experts: token slots each routed expert computes, as a multiple of its "
+                       "balanced share; empty slots cost time, not model FLOPs (default: dropless)")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:

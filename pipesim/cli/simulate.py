@@ -16,7 +16,7 @@ from pipesim.cli.options import (
     add_schedule_args,
     add_topology_args,
 )
-from pipesim.job import Job, model_figures, simulate_job
+from pipesim.job import Job, model_figures, model_spec_of, simulate_job
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -80,6 +80,15 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
         print(f"wrote {path}")
 
 
+def parameter_counts(model: dict) -> str:
+    """``8.03 B params``, or for a mixture of experts ``46.7 B params (12.9 B active)``:
+    memory holds the total, each token computes with the active ones."""
+    text = f"{model['params'] / 1e9:.3g} B params"
+    if model["active_params"] != model["params"]:
+        text += f" ({model['active_params'] / 1e9:.3g} B active)"
+    return text
+
+
 def handle(args: argparse.Namespace) -> int:
     from pipesim.sim.memory import OutOfMemoryError, check_memory
 
@@ -90,10 +99,14 @@ def handle(args: argparse.Namespace) -> int:
     if job.model:
         figures = model_figures(job, result)
         document.update(figures)
-        print(f"  model {figures['model']['name']}: {figures['model']['params'] / 1e9:.3g} B params; "
+        print(f"  model {figures['model']['name']}: {parameter_counts(figures['model'])}; "
               f"{figures['tokens_per_second']:.4g} tokens/s, {figures['model_tflops_per_gpu']:.4g} TFLOP/s per GPU "
               f"(Megatron's count), MFU {figures['mfu']:.1%}")
         print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
+        from pipesim.model.layout import layout_notes
+
+        for note in layout_notes(model_spec_of(job), job.tp):
+            print(f"  note: {note}")
     write_outputs(args, document, [result.trace], [f"predicted: {result.schedule.name}"], [result.metrics])
     if args.fail_on_oom:
         try:

@@ -22,7 +22,21 @@ output (2as), its dropout mask (as) and dropout output (2as).
 Here the same inventory is written per architecture, so that GQA (K and V of width
 ``kv_width``), a SwiGLU MLP (gate and up outputs and the product: ``3f`` elements instead
 of GeLU's ``2f``), no dropout (no masks) and other dtypes come out right; for GPT-3 it is
-the paper's formula term for term.
+the paper's formula term for term. Per layer, since layers differ:
+
+- **Norms**: one input kept per norm (``norms_per_layer``: gemma-2 has four).
+- **Grouped-query attention on more tp ranks than key-value heads**: a rank keeps the K
+  and V of the one head it holds (``kv_heads_per_shard``).
+- **Latent attention (MLA)**: the compressed query and key-value latents before and after
+  their norms (``2 q_lora_rank + 2 kv_lora_rank + qk_rope_head_dim``), left whole by tp
+  like the other norm inputs, then per head Q and K (``a (d_nope + d_rope)`` each), V and
+  the attention output (``a d_v`` each), split by tp.
+- **Mixture of experts**: per routed slot (``k``, times the capacity factor), a copy of
+  the token going in (``h``, the dispatcher's permuted input) and the expert's output
+  coming back (``h``, which the probability-weighted combine needs for its gradient),
+  kept whole on every tp rank since the dispatcher gathers the tp group's tokens, plus
+  the expert's MLP intermediates (``3 f_expert`` gated) split by tp; the shared experts'
+  intermediates as a dense MLP's; the router's scores in fp32 (``4E`` bytes).
 
 **Flash attention** (the default) never materialises the ``s x s`` scores: its backward
 recomputes them from Q, K, V and the output, so the ``5as/h`` term is gone (the
@@ -35,27 +49,47 @@ input, ``2sbh/t`` (the paper's table lists ``2sbh`` for tensor parallelism witho
 from __future__ import annotations
 
 from pipesim.model.spec import ModelSpec, check_recompute
+from pipesim.model.weights import kv_heads_per_shard
 
 MASK_BYTES = 1  # a dropout mask is one byte per element
+ROUTER_SCORE_BYTES = 4  # router scores are kept in fp32
 
 
 def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
-                      flash_attention: bool = True) -> float:
-    """Bytes one microbatch keeps per layer until its backward, on one tp rank."""
+                      flash_attention: bool = True, layer: int = 0) -> float:
+    """Bytes one microbatch keeps for layer ``layer`` until its backward, on one tp rank."""
     check_recompute(recompute)
     h, d = spec.hidden, spec.dtype_bytes
     if recompute == "full":
         return spec.tokens * h * d / (tp if sequence_parallel else 1)
     mask = MASK_BYTES if spec.dropout else 0
     # per token: the part tensor parallelism leaves whole (norm inputs, QKV and MLP inputs, masks)
-    replicated = 2 * h * d + h * d + h * d + 2 * h * mask
-    attention = (2 * h + 2 * spec.kv_width) * d  # Q, K, V and the output projection's input
-    mlp = (spec.mlp_matrices * spec.ffn) * d  # GeLU in/out, or SwiGLU gate, up and product
-    sharded = attention + mlp
-    per_token = replicated / (tp if sequence_parallel else 1) + sharded / tp
+    replicated = spec.norms_per_layer * h * d + h * d + h * d + 2 * h * mask + latent_bytes(spec)
+    sharded = attention_bytes(spec, tp) + spec.mlp_matrices * spec.mlp_width(layer) * d / tp
+    whole = 0.0
+    if spec.is_moe_layer(layer):
+        whole = 2 * spec.moe.routed_slots() * h * d + ROUTER_SCORE_BYTES * spec.moe.experts
+    per_token = replicated / (tp if sequence_parallel else 1) + sharded + whole
     if not flash_attention and recompute == "none":
         per_token += attention_scores_bytes(spec) / tp
     return spec.tokens * per_token
+
+
+def attention_bytes(spec: ModelSpec, tp: int) -> float:
+    """Per token on one tp rank: Q, K, V and the output projection's input (GPT: ``2h +
+    2k`` elements, / tp)."""
+    d = spec.dtype_bytes
+    if spec.mla is not None:
+        return (2 * spec.q_width + 2 * spec.v_width) * d / tp
+    return (spec.q_width / tp + 2 * spec.head_size * kv_heads_per_shard(spec, tp) + spec.v_width / tp) * d
+
+
+def latent_bytes(spec: ModelSpec) -> float:
+    """Per token, whole: MLA's latents before and after their norms, and the rotary key."""
+    if spec.mla is None:
+        return 0.0
+    mla = spec.mla
+    return (2 * (mla.q_lora_rank or 0) + 2 * mla.kv_lora_rank + mla.qk_rope_head_dim) * spec.dtype_bytes
 
 
 def attention_scores_bytes(spec: ModelSpec) -> float:

@@ -224,11 +224,12 @@ def block_time(operations: tuple[Operation, ...], model: ComputeModel, recompute
 
 
 def layer_memory_seconds(spec: ModelSpec, bandwidth: float, tp: int = 1, sequence_parallel: bool = False,
-                         flash_attention: bool = True, recompute: str = "none") -> tuple[float, float]:
-    """(forward, backward) seconds of one layer's memory-bound kernels at ``bandwidth``
-    bytes/s of HBM, the backward with what recompute re-runs: the part of a layer's time
-    that is the same under every compute model."""
-    kernels = memory_bound_kernels(spec, tp, sequence_parallel, flash_attention)
+                         flash_attention: bool = True, recompute: str = "none",
+                         layer: int = 0) -> tuple[float, float]:
+    """(forward, backward) seconds of layer ``layer``'s memory-bound kernels at
+    ``bandwidth`` bytes/s of HBM, the backward with what recompute re-runs: the part of a
+    layer's time that is the same under every compute model."""
+    kernels = memory_bound_kernels(spec, tp, sequence_parallel, flash_attention, layer)
     time = block_time(kernels, FixedEfficiency(math.inf, 1.0, bandwidth), recompute, spec.dtype_bytes)
     return time.forward, time.input_grad + time.recompute
 

@@ -15,7 +15,9 @@ kernels as Megatron-LM fuses them), plus one byte per dropout-mask element:
     norms                 2 x (read h + write h)                        = 4h
     residual adds         2 x (read 2h + write h)                       = 6h   (+ 2h mask bytes)
     MLP activation        GeLU: read f + write f; SwiGLU: read 2f + write f
-    rotary (no learned positions)  read + write Q and K                 = 2(h + k)
+                          (a mixture of experts: f = its routed slots' C k f_e + shared width)
+    rotary (no learned positions)  read + write Q and K                 = 2(a d + k)
+                          (latent attention: only the rotary parts, 2 (a + 1) d_rope)
     scores, no flash      softmax: read + write a*s; dropout: read + write a*s (+ a*s mask)
 
 Norms and residual adds are whole on every tensor-parallel rank unless sequence
@@ -34,27 +36,40 @@ one-stage, one-replica step.
 
 from __future__ import annotations
 
-from pipesim.model.spec import ModelSpec
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipesim.model.spec import ModelSpec
 
 BACKWARD_TRAFFIC = 1.5
 HBM_EFFICIENCY = 0.85  # streaming element-wise kernels reach ~80-90% of HBM peak
 
 
 def layer_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
-                        flash_attention: bool = True) -> tuple[float, float]:
+                        flash_attention: bool = True, layer: int = 0) -> tuple[float, float]:
     """(forward bytes of the element-wise kernels outside attention, forward bytes of the
-    score softmax and dropout) for one layer and one microbatch on one tp rank."""
+    score softmax and dropout) for layer ``layer`` and one microbatch on one tp rank: the
+    MLP activation over the columns a token passes through (its routed experts' in a
+    mixture-of-experts layer), rotary over the query and key columns that carry it."""
     h, d = spec.hidden, spec.dtype_bytes
     mask = 1 if spec.dropout else 0
     replicated = (4 * h + 6 * h) * d + 2 * h * mask
-    activation = (3 if spec.gated_mlp else 2) * spec.ffn * d
-    rotary = 0 if spec.learned_positions else 2 * (h + spec.kv_width) * d
+    activation = (3 if spec.gated_mlp else 2) * spec.mlp_width(layer) * d
+    rotary = 0 if spec.learned_positions else 2 * rotary_columns(spec) * d
     per_token = replicated / (tp if sequence_parallel else 1) + (activation + rotary) / tp
     scores = 0.0
     if not flash_attention:
         per_element = 2 * d + ((2 * d + 1) if spec.dropout else 0)
         scores = spec.heads * spec.seq_len * per_element / tp
     return spec.tokens * per_token, spec.tokens * scores
+
+
+def rotary_columns(spec: ModelSpec) -> int:
+    """Query and key columns rotary embeddings rotate: all of Q and K (``h + k`` for GPT
+    shapes), or MLA's rotary parts (``a d_rope`` of the queries, one shared ``d_rope`` key)."""
+    if spec.mla is not None:
+        return (spec.heads + 1) * spec.mla.qk_rope_head_dim
+    return spec.q_width + spec.kv_width
 
 
 def memory_seconds(num_bytes: float, bandwidth: float) -> float:

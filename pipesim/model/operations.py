@@ -21,17 +21,37 @@ Three kinds of operation:
 ``attention_core`` marks what selective recompute re-runs (Korthikanti et al. 2022): the
 attention scores' GEMMs or kernel and their softmax and dropout.
 
-A layer is its attention block and its MLP block, each listed by one function below, so a
-new layer type replaces one block (a mixture-of-experts MLP, multi-head latent attention)
-and keeps the other.
+The weighted GEMMs are not written here: they are read off the layer's list of weight
+matrices (``pipesim.model.weights``), one GEMM per group of matrices fused into one kernel,
+its ``k x n`` their shard on a tp rank, so what is timed is what is counted as parameters.
+Their rows ``m`` are the tokens the matrix sees on a rank:
+
+- the microbatch's ``b s`` tokens for column- and row-parallel matrices (sequence
+  parallelism gathers them first);
+- ``b s / tp`` for matrices held whole on every rank (the router, MLA's down-projections)
+  under sequence parallelism, which run on the rank's own shard of the sequence;
+- for a mixture of experts' routed experts, a batch of ``E`` GEMMs (one per expert, a
+  grouped GEMM) of ``C k T / E`` rows each: ``T`` tokens sent to ``k`` experts each,
+  spread evenly over the ``E`` experts and padded to the capacity factor ``C`` (dropless:
+  ``C = 1``; ``pipesim.model.experts``). Each expert's GEMM is a small one, so its tiles
+  and waves fill the GPU worse than a dense MLP of the same FLOPs: DeepSeek-V3 at 4096
+  tokens gives each of its 256 experts 128 rows.
+
+A layer is its attention block (the projections around the attention core: Megatron's
+fused QKV, or multi-head latent attention's low-rank projections with its own head
+widths) and its MLP block (dense, or router, routed experts and shared experts).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipesim.model.memory_traffic import layer_traffic_bytes
-from pipesim.model.spec import ModelSpec
+from pipesim.model.weights import WHOLE, Weight, attention_weights, mlp_weights, shard
+
+if TYPE_CHECKING:
+    from pipesim.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -55,9 +75,11 @@ class Gemm:
 @dataclass(frozen=True)
 class FlashAttention:
     """A fused causal attention kernel over ``batch`` sequences of ``seq`` tokens and
-    ``heads`` query heads of ``head_dim`` on one tp rank. ``flops`` is QK^T and PV counted
-    whole, as Megatron and the FLOP counts here count them; the kernel skips the masked
-    half, which is the compute model's business."""
+    ``heads`` query heads on one tp rank, each with queries and keys of ``head_dim`` and
+    values of ``value_dim`` (``None``: ``head_dim``; multi-head latent attention's values
+    are narrower). ``flops`` is QK^T and PV counted whole, as Megatron and the FLOP counts
+    here count them; the kernel skips the masked half, which is the compute model's
+    business."""
 
     name: str
     batch: int
@@ -66,10 +88,12 @@ class FlashAttention:
     head_dim: float
     causal: bool = True
     attention_core: bool = True
+    value_dim: float | None = None
 
     @property
     def flops(self) -> float:
-        return 4.0 * self.batch * self.heads * self.seq * self.seq * self.head_dim
+        value_dim = self.head_dim if self.value_dim is None else self.value_dim
+        return 2.0 * self.batch * self.heads * self.seq * self.seq * (self.head_dim + value_dim)
 
 
 @dataclass(frozen=True)
@@ -86,38 +110,70 @@ class MemoryBound:
 Operation = Gemm | FlashAttention | MemoryBound
 
 
-def attention_block(spec: ModelSpec, tp: int, flash_attention: bool) -> tuple[Operation, ...]:
-    """Multi-head (or grouped-query) self-attention, Megatron's tensor-parallel split: the
-    QKV projection column-parallel, the output projection row-parallel."""
-    h, tokens = spec.hidden, spec.tokens
-    head_dim = h / spec.heads
+def gemm_rows(weight: Weight, spec: ModelSpec, tp: int, sequence_parallel: bool, padded: bool) -> float:
+    """Rows of the GEMMs that multiply by ``weight`` on one tp rank: the tokens each matrix
+    of its stack sees (see the module docstring)."""
+    if weight.routed:
+        return spec.moe.tokens_per_expert(spec.tokens, padded)
+    if weight.split == WHOLE and sequence_parallel:
+        return spec.tokens / tp
+    return spec.tokens
+
+
+def weight_gemms(weights: tuple[Weight, ...], spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
+                 padded: bool = True) -> tuple[Gemm, ...]:
+    """One GEMM per ``gemm`` named in ``weights``: the matrices fused into it side by side
+    (their columns on a tp rank added up), over the rows ``gemm_rows`` gives; ``padded``:
+    routed experts compute their whole capacity."""
+    fused: dict[str, list[Weight]] = {}
+    for weight in weights:
+        fused.setdefault(weight.gemm, []).append(weight)
+    gemms = []
+    for name, members in fused.items():
+        first = members[0]
+        rows, _ = shard(first, spec, tp)  # fused matrices read the same input
+        columns = sum(shard(weight, spec, tp)[1] for weight in members)
+        gemms.append(Gemm(name, gemm_rows(first, spec, tp, sequence_parallel, padded), rows, columns, first.stack))
+    return tuple(gemms)
+
+
+def attention_core(spec: ModelSpec, tp: int = 1, flash_attention: bool = True) -> tuple[Operation, ...]:
+    """QK^T and PV of a tp rank's ``heads / tp`` heads: one flash kernel, or two batched
+    GEMMs over the whole ``s x s`` square (masked after)."""
     heads = spec.heads / tp
-    qkv = Gemm("qkv", tokens, h, (h + 2 * spec.kv_width) / tp)
-    output = Gemm("attention_out", tokens, h / tp, h)
+    query_dim, value_dim = spec.q_width / spec.heads, spec.v_width / spec.heads
     if flash_attention:
-        core: tuple[Operation, ...] = (FlashAttention("attention", spec.microbatch_size, heads, spec.seq_len,
-                                                      head_dim),)
-    else:
-        # batched over the microbatch's sequences and the rank's heads, the whole s x s square (masked after)
-        batches = spec.microbatch_size * heads
-        core = (Gemm("scores", spec.seq_len, head_dim, spec.seq_len, batches, weighted=False, attention_core=True),
-                Gemm("context", spec.seq_len, spec.seq_len, head_dim, batches, weighted=False, attention_core=True))
-    return (qkv, *core, output)
+        return (FlashAttention("attention", spec.microbatch_size, heads, spec.seq_len, query_dim,
+                               value_dim=None if value_dim == query_dim else value_dim),)
+    batches = spec.microbatch_size * heads
+    return (Gemm("scores", spec.seq_len, query_dim, spec.seq_len, batches, weighted=False, attention_core=True),
+            Gemm("context", spec.seq_len, spec.seq_len, value_dim, batches, weighted=False, attention_core=True))
 
 
-def mlp_block(spec: ModelSpec, tp: int) -> tuple[Operation, ...]:
-    """The MLP: up (with the gate fused beside it for SwiGLU) column-parallel, down
-    row-parallel."""
-    h, f, tokens = spec.hidden, spec.ffn, spec.tokens
-    up_width = (spec.mlp_matrices - 1) * f
-    return (Gemm("mlp_in", tokens, h, up_width / tp), Gemm("mlp_out", tokens, f / tp, h))
+def attention_block(spec: ModelSpec, tp: int = 1, flash_attention: bool = True,
+                    sequence_parallel: bool = False) -> tuple[Operation, ...]:
+    """Self-attention: the projections of ``weights.attention_weights`` (Megatron's
+    split: QKV column-parallel, the output row-parallel; latent attention's
+    down-projections whole) around the attention core."""
+    projections = weight_gemms(attention_weights(spec), spec, tp, sequence_parallel)
+    inputs = tuple(gemm for gemm in projections if gemm.name != "attention_out")
+    outputs = tuple(gemm for gemm in projections if gemm.name == "attention_out")
+    return (*inputs, *attention_core(spec, tp, flash_attention), *outputs)
 
 
-def memory_bound_kernels(spec: ModelSpec, tp: int, sequence_parallel: bool,
-                         flash_attention: bool) -> tuple[Operation, ...]:
+def mlp_block(spec: ModelSpec, tp: int = 1, layer: int = 0, sequence_parallel: bool = False,
+              padded: bool = True) -> tuple[Operation, ...]:
+    """Layer ``layer``'s MLP, from ``weights.mlp_weights``: up (with the gate fused beside
+    it when gated) column-parallel and down row-parallel; in a mixture-of-experts layer the
+    router, the routed experts as grouped GEMMs and the shared experts."""
+    return weight_gemms(mlp_weights(spec, spec.is_moe_layer(layer)), spec, tp, sequence_parallel, padded)
+
+
+def memory_bound_kernels(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
+                         flash_attention: bool = True, layer: int = 0) -> tuple[Operation, ...]:
     """Norms, residual adds, activations, rotary; and the scores' softmax and dropout when
     attention is not fused."""
-    plain, scores = layer_traffic_bytes(spec, tp, sequence_parallel, flash_attention)
+    plain, scores = layer_traffic_bytes(spec, tp, sequence_parallel, flash_attention, layer)
     kernels: tuple[Operation, ...] = (MemoryBound("elementwise", plain),)
     if scores:
         kernels += (MemoryBound("softmax_dropout", scores, attention_core=True),)
@@ -125,12 +181,16 @@ def memory_bound_kernels(spec: ModelSpec, tp: int, sequence_parallel: bool,
 
 
 def layer_operations(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
-                     flash_attention: bool = True) -> tuple[Operation, ...]:
-    """Every operation of one transformer layer's forward, for one microbatch on one tp rank."""
-    return (*attention_block(spec, tp, flash_attention), *mlp_block(spec, tp),
-            *memory_bound_kernels(spec, tp, sequence_parallel, flash_attention))
+                     flash_attention: bool = True, layer: int = 0, padded: bool = True) -> tuple[Operation, ...]:
+    """Every operation of layer ``layer``'s forward, for one microbatch on one tp rank;
+    ``padded``: routed experts compute their whole capacity (what takes time; the model
+    FLOPs MFU counts are the unpadded ones)."""
+    return (*attention_block(spec, tp, flash_attention, sequence_parallel),
+            *mlp_block(spec, tp, layer, sequence_parallel, padded),
+            *memory_bound_kernels(spec, tp, sequence_parallel, flash_attention, layer))
 
 
 def head_operations(spec: ModelSpec, tp: int = 1) -> tuple[Operation, ...]:
     """The output layer on the last stage: logits over the vocabulary (vocab-parallel)."""
     return (Gemm("logits", spec.tokens, spec.hidden, spec.vocab / tp),)
+

@@ -1,36 +1,49 @@
-"""Transformer architectures: parameters, FLOPs and activation bytes of one layer.
+"""Transformer architectures: parameters, FLOPs and activation bytes, layer by layer.
 
 A ``ModelSpec`` is a decoder-only transformer with its architecture spelled out, because
 Llama-style models differ from GPT-3 in ways that move every number by several percent:
 grouped-query attention (``kv_heads`` < ``heads``: K and V projections of
-``kv_heads * head_dim`` columns), a gated SwiGLU MLP (three ``h x ffn`` matrices instead of
-two), untied input and output embeddings, RMSNorm, no biases, rotary instead of learned
-positions, no dropout.
+``kv_heads * head_dim`` columns), a gated MLP (SwiGLU, GeGLU: three ``h x ffn`` matrices
+instead of two), untied input and output embeddings, RMSNorm, no biases, rotary instead
+of learned positions, no dropout; a ``head_dim`` of its own (gemma: 16 heads of 256 on a
+hidden size of 3584). Mixture-of-experts MLPs (``pipesim.model.experts``) and multi-head
+latent attention (``pipesim.model.latent_attention``) make layers unlike each other, so
+every per-layer quantity takes the layer's index and a stage's cost is the sum over the
+layers it holds (``sum_over_layers``); the weight matrices behind them are listed once in
+``pipesim.model.weights``, and the FLOPs here are those of the operations read off that
+list (``pipesim.model.operations``), the ones the compute model times.
 
-Per layer, sequence s, microbatch b, hidden h, heads a, kv width k = kv_heads * h / a,
-MLP width f (a multiply-add counts 2 FLOPs, as the datasheet peaks do):
+Per layer, sequence s, microbatch b, hidden h (a multiply-add counts 2 FLOPs, as the
+datasheet peaks do):
 
-- forward FLOPs: QKV ``2sbh(h + 2k)``, attention core ``4s^2bh`` (QK^T and PV, counted
-  whole as Megatron does), output projection ``2sbh^2``, MLP ``2sbhf`` per matrix. GPT-3
-  (k = h, f = 4h, 2 matrices) gives ``sbh(24h + 4s)`` (Narayanan et al. 2021).
+- forward FLOPs: 2 per multiply-add of every weight matrix a token passes through (a
+  mixture-of-experts layer: the router, its top-k routed experts and the shared ones),
+  and the attention core ``2 s b s a (d_qk + d_v)`` (QK^T and PV, counted whole as
+  Megatron does; ``4 s^2 b h`` with ``a`` heads of ``h / a``). GPT-3 (2 MLP matrices of
+  4h) gives ``sbh(24h + 4s)`` (Narayanan et al. 2021).
 - backward: input gradient and weight gradient each cost the forward's GEMMs; the
   attention core has no weights, so its backward (2x its forward) is all input gradient.
+- parameters: total (every expert: what memory holds) and active (what a token uses:
+  what FLOPs count); per tensor-parallel rank, whole numbers (``pipesim.model.weights``).
 - activation stash: ``pipesim.model.activations`` (Korthikanti et al. 2022).
 
 This module holds the architecture; ``pipesim.model.activations`` the activation memory,
-``pipesim.model.transformer_costs`` the per-stage costs derived from both.
+``pipesim.model.transformer_costs`` the per-stage costs derived from both,
+``pipesim.model.layout`` what tensor, expert and context parallelism may split.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-
-class ModelSpecError(ValueError):
-    """A model spec or layer split that cannot describe a pipeline."""
+from pipesim.model import operations, weights
+from pipesim.model.errors import ModelSpecError, require_count
+from pipesim.model.experts import MixtureOfExperts
+from pipesim.model.latent_attention import LatentAttention
 
 
 @dataclass(frozen=True)
@@ -45,41 +58,67 @@ class ModelSpec:
     vocab: int
     kv_heads: int | None = None  # None: multi-head attention (kv_heads = heads)
     ffn_hidden: int | None = None  # None: 4 * hidden
-    gated_mlp: bool = False  # SwiGLU: gate, up and down matrices
+    gated_mlp: bool = False  # SwiGLU / GeGLU: gate, up and down matrices
     tied_embeddings: bool = True
-    learned_positions: bool = True  # a seq_len x hidden position table (GPT); rotary has none
-    bias: bool = True
+    learned_positions: bool = True  # a positions x hidden table (GPT); rotary has none
+    bias: bool = True  # every linear layer has a bias (GPT-2); attention_bias / mlp_bias refine it
     rms_norm: bool = False  # RMSNorm: a scale only; LayerNorm: scale and shift
     dropout: bool = True  # dropout masks kept for the backward (1 byte per element)
     microbatch_size: int = 1
     dtype_bytes: int = 2
+    head_dim: int | None = None  # None: hidden / heads
+    attention_bias: bool | None = None  # Q, K, V and output biases; None: as ``bias``
+    mlp_bias: bool | None = None  # MLP (and expert) biases; None: as ``bias``
+    qkv_bias: bool = False  # Q, K and V biased even where the output projection is not (Qwen2)
+    norms_per_layer: int = 2  # gemma-2: 4 (pre and post norms); Falcon-7B: 1 (parallel attention)
+    positions: int | None = None  # rows of the learned position table; None: seq_len
+    moe: MixtureOfExperts | None = None
+    mla: LatentAttention | None = None
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "seq_len", "vocab", "microbatch_size", "dtype_bytes"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ModelSpecError(f"model {self.name}: {key} must be an integer >= 1, got {value!r}")
-        for key in ("kv_heads", "ffn_hidden"):
-            value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ModelSpecError(f"model {self.name}: {key} must be an integer >= 1, got {value!r}")
-        if self.hidden % self.heads:
-            raise ModelSpecError(f"model {self.name}: hidden {self.hidden} is not a multiple of heads {self.heads}")
+            require_count(getattr(self, key), f"model {self.name}: {key}")
+        for key in ("kv_heads", "ffn_hidden", "head_dim", "positions"):
+            if getattr(self, key) is not None:
+                require_count(getattr(self, key), f"model {self.name}: {key}")
+        require_count(self.norms_per_layer, f"model {self.name}: norms_per_layer", minimum=0)
+        if self.head_dim is None and self.mla is None and self.hidden % self.heads:
+            raise ModelSpecError(f"model {self.name}: hidden {self.hidden} is not a multiple of heads {self.heads} "
+                                 f"(give head_dim)")
         if self.heads % self.num_kv_heads:
             raise ModelSpecError(
                 f"model {self.name}: heads {self.heads} is not a multiple of kv_heads {self.num_kv_heads}")
+        if self.mla is not None and self.kv_heads not in (None, self.heads):
+            raise ModelSpecError(f"model {self.name}: latent attention gives every head its own key and value; "
+                                 f"kv_heads {self.kv_heads} must be left out")
 
     @property
     def num_kv_heads(self) -> int:
         return self.kv_heads or self.heads
 
     @property
+    def head_size(self) -> int:
+        """Width of one head: ``head_dim``, else ``hidden / heads``."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Columns of the Q projection: heads x the query head width."""
+        return self.heads * (self.mla.qk_head_dim if self.mla else self.head_size)
+
+    @property
     def kv_width(self) -> int:
         """Columns of the K projection (and of V): ``kv_heads * head_dim``."""
-        return self.num_kv_heads * (self.hidden // self.heads)
+        return self.num_kv_heads * self.head_size
+
+    @property
+    def v_width(self) -> int:
+        """Width of the attention's output (the output projection's input): heads x value width."""
+        return self.heads * (self.mla.v_head_dim if self.mla else self.head_size)
 
     @property
     def ffn(self) -> int:
+        """Width of the dense MLP (of the dense layers of a mixture-of-experts model)."""
         return self.ffn_hidden or 4 * self.hidden
 
     @property
@@ -87,54 +126,116 @@ class ModelSpec:
         return 3 if self.gated_mlp else 2
 
     @property
+    def attention_has_bias(self) -> bool:
+        return self.bias if self.attention_bias is None else self.attention_bias
+
+    @property
+    def mlp_has_bias(self) -> bool:
+        return self.bias if self.mlp_bias is None else self.mlp_bias
+
+    @property
     def tokens(self) -> int:
         """Tokens in one microbatch: ``b * s``."""
         return self.microbatch_size * self.seq_len
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) routes its tokens to experts."""
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    def mlp_width(self, layer: int = 0, padded: bool = True) -> float:
+        """MLP columns a token's activations pass through in ``layer``: the dense width, or
+        its routed experts' (``k`` of them, times the capacity factor when ``padded``) plus
+        the shared ones'."""
+        if not self.is_moe_layer(layer):
+            return self.ffn
+        return self.moe.routed_slots(padded) * self.moe.expert_ffn + self.moe.shared_ffn
+
+    def layer_groups(self, first: int = 0, stop: int | None = None) -> list[tuple[int, int]]:
+        """Layers ``[first, stop)`` grouped by kind (dense, mixture of experts): ``(a layer of
+        the kind, how many)`` pairs. Layers of one kind are alike, so a stage's cost is one
+        evaluation per kind times its count, however many layers it holds (a plan asks
+        for thousands of stages)."""
+        stop = self.layers if stop is None else stop
+        if stop <= first:
+            return []
+        if self.moe is None:
+            return [(first, stop - first)]
+        kinds: dict[bool, list[int]] = {}
+        for layer in range(first, stop):
+            kinds.setdefault(self.is_moe_layer(layer), []).append(layer)
+        return [(members[0], len(members)) for members in kinds.values()]
+
+    def sum_over_layers(self, quantity: Callable[[int], float], first: int = 0, stop: int | None = None) -> float:
+        """``sum(quantity(layer) for layer in range(first, stop))``, one evaluation per kind."""
+        return sum(count * quantity(layer) for layer, count in self.layer_groups(first, stop))
+
     # parameters -------------------------------------------------------------------
-    def layer_params(self) -> float:
-        """Parameters of one transformer layer, whole (before tensor parallelism)."""
-        h, k, f = self.hidden, self.kv_width, self.ffn
-        attention = 2 * h * h + 2 * h * k + (2 * h + 2 * k if self.bias else 0)
-        mlp = self.mlp_matrices * h * f + ((self.mlp_matrices - 1) * f + h if self.bias else 0)
-        return attention + mlp + 2 * self.norm_params()
+    def layer_params(self, layer: int = 0, tp: int = 1) -> int:
+        """Parameters of layer ``layer`` on one of ``tp`` tensor-parallel ranks (the whole
+        layer at ``tp=1``), every expert included: what memory holds."""
+        return weights.layer_params(self, self.is_moe_layer(layer), tp)
+
+    def layer_active_params(self, layer: int = 0) -> int:
+        """Parameters of layer ``layer`` one token uses: its top-k routed experts only."""
+        return weights.layer_active_params(self, self.is_moe_layer(layer))
 
     def norm_params(self) -> int:
+        """One norm's weights: ``h`` (RMSNorm) or ``2h`` (LayerNorm)."""
         return self.hidden if self.rms_norm else 2 * self.hidden
 
-    def embedding_params(self) -> float:
-        """Token (and learned position) embedding, on the first stage."""
-        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
+    def embedding_params(self, tp: int = 1) -> int:
+        """Token (and learned position) embedding on one of ``tp`` ranks, on the first
+        stage: the token table split by vocabulary rows (``ceil(V / tp)`` each, the last
+        padded), the position table whole on every rank."""
+        rows = self.positions or self.seq_len
+        return -(-self.vocab // tp) * self.hidden + (rows * self.hidden if self.learned_positions else 0)
 
-    def head_params(self) -> float:
-        """Final norm and, when untied, the output projection, on the last stage."""
-        return self.norm_params() + (0 if self.tied_embeddings else self.vocab * self.hidden)
+    def head_params(self, tp: int = 1) -> int:
+        """Final norm and, when untied, the output projection (split by vocabulary rows),
+        on the last stage."""
+        return self.norm_params() + (0 if self.tied_embeddings else -(-self.vocab // tp) * self.hidden)
 
-    def total_params(self) -> float:
-        """Every parameter of the model (a tied output head counted once)."""
-        return self.layers * self.layer_params() + self.embedding_params() + self.head_params()
+    def total_params(self) -> int:
+        """Every parameter of the model, every expert included (a tied output head counted once)."""
+        return self.sum_over_layers(self.layer_params) + self.embedding_params() + self.head_params()
 
-    # FLOPs, per microbatch, forward, whole -------------------------------------
+    def active_params(self) -> int:
+        """Parameters one token uses: the total less the routed experts it is not sent to.
+        The embedding table counts whole, as the published figures count it (Mixtral's
+        12.9B; DeepSeek-V3's 36.7B "including 0.9B for Embedding and 0.9B for the output
+        Head"); FLOPs count only the matrices a token is multiplied by."""
+        return self.sum_over_layers(self.layer_active_params) + self.embedding_params() + self.head_params()
+
+    # FLOPs, per microbatch, forward ---------------------------------------------
     def attention_core_flops(self) -> float:
-        """QK^T and PV: ``4 s^2 b h`` (the whole square, as Megatron counts)."""
-        return 4 * self.seq_len * self.tokens * self.hidden
+        """QK^T and PV of one layer, whole: ``2 s b s a (d_qk + d_v)`` (``4 s^2 b h`` with
+        heads of ``h / a``; the whole square, as Megatron counts): the attention core's
+        operations' FLOPs (``pipesim.model.operations``)."""
+        return sum(operation.flops for operation in operations.attention_core(self))
 
-    def layer_gemm_flops(self) -> float:
-        """Forward FLOPs of a layer's weight GEMMs (QKV, output projection, MLP)."""
-        h, k, f = self.hidden, self.kv_width, self.ffn
-        return 2 * self.tokens * (h * (h + 2 * k) + h * h + self.mlp_matrices * h * f)
+    def layer_gemm_flops(self, layer: int = 0, tp: int = 1, sequence_parallel: bool = False,
+                         padded: bool = True) -> float:
+        """Forward FLOPs of layer ``layer``'s weight GEMMs on one of ``tp`` ranks (all of
+        them at ``tp=1``): 2 per multiply-add of each matrix a token passes through (``k``
+        routed experts, times the capacity factor when ``padded``), summed over the GEMMs
+        the compute model times (``pipesim.model.operations.weight_gemms``)."""
+        matrices = weights.layer_weights(self, self.is_moe_layer(layer))
+        return sum(gemm.flops for gemm in operations.weight_gemms(matrices, self, tp, sequence_parallel, padded))
 
-    def layer_flops(self) -> float:
-        """Forward FLOPs of one layer, whole (before tensor parallelism)."""
-        return self.layer_gemm_flops() + self.attention_core_flops()
+    def layer_flops(self, layer: int = 0, tp: int = 1, sequence_parallel: bool = False,
+                    padded: bool = True) -> float:
+        """Forward FLOPs of layer ``layer`` on one of ``tp`` ranks: its GEMMs and its
+        attention core (split by heads)."""
+        return self.layer_gemm_flops(layer, tp, sequence_parallel, padded) + self.attention_core_flops() / tp
 
     def logits_flops(self) -> float:
         """Forward FLOPs of the output projection: ``2 s b h V``."""
-        return 2 * self.tokens * self.hidden * self.vocab
+        return sum(operation.flops for operation in operations.head_operations(self))
 
     def forward_flops(self) -> float:
-        """Forward FLOPs of the whole model for one microbatch."""
-        return self.layers * self.layer_flops() + self.logits_flops()
+        """Model FLOPs of the whole forward for one microbatch: what the tokens need,
+        not the padding of expert capacity."""
+        return self.sum_over_layers(lambda layer: self.layer_flops(layer, padded=False)) + self.logits_flops()
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward = 3x forward, no recompute): the
@@ -142,27 +243,50 @@ class ModelSpec:
         term counted as Megatron counts it)."""
         return 3 * self.forward_flops() / self.tokens
 
-    def recompute_flops(self, recompute: str) -> float:
-        """Forward FLOPs re-run in the backward of one microbatch: every layer's forward
-        (full) or every layer's attention core (selective); the output layer never."""
+    def layer_recompute_flops(self, layer: int, recompute: str, tp: int = 1, sequence_parallel: bool = False,
+                              padded: bool = True) -> float:
+        """Forward FLOPs re-run in the backward of layer ``layer`` on one of ``tp`` ranks:
+        the layer's forward (full) or its attention core (selective)."""
         check_recompute(recompute)
         if recompute == "full":
-            return self.layers * self.layer_flops()
+            return self.layer_flops(layer, tp, sequence_parallel, padded)
         if recompute == "selective":
-            return self.layers * self.attention_core_flops()
+            return self.attention_core_flops() / tp
         return 0.0
+
+    def recompute_flops(self, recompute: str) -> float:
+        """Forward FLOPs re-run in the backward of one microbatch, whole model: every
+        layer's forward (full) or attention core (selective); the output layer never."""
+        check_recompute(recompute)
+        return self.sum_over_layers(lambda layer: self.layer_recompute_flops(layer, recompute, padded=False))
+
+    def tp_message_bytes(self, layer: int = 0) -> float:
+        """Bytes of each of layer ``layer``'s tensor-parallel collectives (two in its
+        forward, two in its input-gradient backward): the whole ``s b h`` activation, in a
+        mixture-of-experts layer too (its experts' output is reduced over tp as a dense
+        MLP's is)."""
+        return self.tokens * self.hidden * self.dtype_bytes
 
     def boundary_bytes(self, tp: int = 1, sequence_parallel: bool = False) -> float:
         """Bytes of the activation passed between pipeline stages (and of its gradient)."""
         full = self.tokens * self.hidden * self.dtype_bytes
         return full / tp if sequence_parallel else full
 
+    def with_capacity_factor(self, factor: float | None) -> ModelSpec:
+        """This model with each routed expert computing ``factor`` times its balanced share
+        of token slots (``None``: dropless)."""
+        if self.moe is None:
+            raise ModelSpecError(f"--capacity-factor {factor}: {self.name} has no routed experts (the capacity "
+                                 f"factor applies to mixture-of-experts models)")
+        return replace(self, moe=replace(self.moe, capacity_factor=factor))
+
     def describe(self) -> dict:
         """The architecture and its derived sizes, for ``--json``."""
         document = {field.name: getattr(self, field.name) for field in fields(self)}
         document.update(
-            kv_heads=self.num_kv_heads, ffn_hidden=self.ffn, params=self.total_params(),
-            flops_per_token=self.flops_per_token(),
+            kv_heads=self.num_kv_heads, ffn_hidden=self.ffn, head_dim=self.head_size,
+            moe=asdict(self.moe) if self.moe else None, mla=asdict(self.mla) if self.mla else None,
+            params=self.total_params(), active_params=self.active_params(), flops_per_token=self.flops_per_token(),
         )
         return document
 
@@ -185,9 +309,22 @@ def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelS
                      rms_norm=True, dropout=False)
 
 
+def _deepseek(name: str, layers: int, hidden: int, heads: int, vocab: int, ffn: int, mla: LatentAttention,
+              moe: MixtureOfExperts) -> ModelSpec:
+    return ModelSpec(name, layers=layers, hidden=hidden, heads=heads, seq_len=4096, vocab=vocab, ffn_hidden=ffn,
+                     gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False, rms_norm=True,
+                     dropout=False, mla=mla, moe=moe)
+
+
 # GPT-3: Brown et al. 2020, Table 2.1 (1.3B with 16 heads of 128, as Megatron-LM's configs;
 # GPT-2 lineage: tied embeddings, learned positions, biases, LayerNorm, dropout).
 # Llama 3: Meta's model cards / config.json (GQA with 8 KV heads, SwiGLU, untied, RMSNorm).
+# Mixtral-8x7B: Jiang et al. 2024 and its config.json (Mistral-7B's attention, every MLP 8
+# SwiGLU experts of 14336, top 2; 32k context, trained here on 8192 as the Llama presets).
+# DeepSeek-V3 and V2-Lite: the technical reports and config.json (MLA; the first 3 / 1
+# layers dense, the rest 256 experts top 8 + 1 shared / 64 top 6 + 2 shared; pre-trained on
+# 4K-token sequences). DeepSeek-V3's multi-token-prediction module (14B more) is not part of
+# the 671B main model, nor of this preset (nor of the model Hugging Face builds).
 PRESETS: dict[str, ModelSpec] = {
     "gpt3-1.3b": _gpt3("gpt3-1.3b", 24, 2048, 16),
     "gpt3-13b": _gpt3("gpt3-13b", 40, 5120, 40),
@@ -195,7 +332,18 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": _llama3("llama3-8b", 32, 4096, 32, 14336),
     "llama3-70b": _llama3("llama3-70b", 80, 8192, 64, 28672),
     "llama3-405b": _llama3("llama3-405b", 126, 16384, 128, 53248),
+    "mixtral-8x7b": replace(_llama3("mixtral-8x7b", 32, 4096, 32, 14336), vocab=32000,
+                            moe=MixtureOfExperts(experts=8, experts_per_token=2, expert_ffn=14336)),
+    "deepseek-v3": _deepseek(
+        "deepseek-v3", 61, 7168, 128, 129280, 18432,
+        LatentAttention(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        MixtureOfExperts(experts=256, experts_per_token=8, expert_ffn=2048, shared_experts=1, dense_layers=(0, 1, 2))),
+    "deepseek-v2-lite": _deepseek(
+        "deepseek-v2-lite", 27, 2048, 16, 102400, 10944,
+        LatentAttention(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        MixtureOfExperts(experts=64, experts_per_token=6, expert_ffn=1408, shared_experts=2, dense_layers=(0,))),
 }
+
 
 def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
     """A preset by name, or a Hugging Face style ``config.json``."""
@@ -221,8 +369,7 @@ def model_spec(name: str, **overrides: int | None) -> ModelSpec:
     spec = load_model(name, overrides.get("seq_len"))
     changes = {key: value for key, value in overrides.items() if value is not None}
     for key, value in changes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ModelSpecError(f"model field {key} must be an integer >= 1, got {value!r}")
+        require_count(value, f"model field {key}")
     return replace(spec, **changes)
 
 

@@ -6,11 +6,20 @@ element-wise kernels, with their shapes on one tp rank), and each stage's device
 them with a compute model (``pipesim.model.compute_model``): by default the kernels of
 its GPU by shape; with ``--mfu``, one efficiency for every GEMM and attention kernel.
 
-Per stage of ``n`` layers (the output layer's operations added on the last stage):
+Per stage holding layers ``[first, stop)`` (layers differ: a dense or a mixture-of-experts
+MLP, so each figure is a sum over the stage's layers, one evaluation per kind of layer;
+the output layer's operations added on the last stage):
 
-    F = n * layer forward
-    B = n * (layer input gradient + weight gradient + what recompute re-runs)
-    W = n * layer weight gradient              (the weighted GEMMs' second backward GEMM)
+    F = sum of layer forwards
+    B = sum of (layer input gradient + weight gradient + what recompute re-runs)
+    W = sum of layer weight gradients          (the weighted GEMMs' second backward GEMM)
+    params = sum of the layers' parameters on one tp rank (whole numbers: norms and
+             row-parallel biases whole on every rank, replicated key-value heads counted
+             on each rank that holds them), every expert included: memory holds them all
+
+A mixture-of-experts layer is timed by what its experts compute, padded to the capacity
+factor (``pipesim.model.operations``); the model FLOPs behind MFU count the tokens' work
+on their top-k experts, unpadded (``ModelSpec.forward_flops``).
 
 Full recompute re-runs every forward operation, selective the attention core (its GEMMs
 or kernel, softmax and dropout), so a split backward puts the recomputed forward and the
@@ -25,6 +34,7 @@ import functools
 from pipesim.model.activations import first_stage_extra_bytes, last_stage_extra_bytes, layer_stash_bytes
 from pipesim.model.compute_model import BlockTime, ComputeModel, KernelModel, block_time, stage_compute_model
 from pipesim.model.costs import Costs, StageCost
+from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import optimizer_step_seconds
 from pipesim.model.operations import head_operations, layer_operations
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak, split_layers
@@ -77,31 +87,42 @@ def model_costs(
     if tp < 1:
         raise ModelSpecError(f"--tp must be >= 1, got {tp}")
     check_recompute(recompute)
+    check_layout(spec, tp, sequence_parallel=sequence_parallel)
     counts = split_layers(spec.layers, num_stages, layers_per_stage)
-    layer_stash = layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention)
-    full_message = spec.tokens * spec.hidden * spec.dtype_bytes
     stages = []
     models = set()
     step_seconds: dict[int, float] = {}
+    # the first layer of each kind (dense, mixture of experts) stands for its kind: layers of
+    # a kind are alike, and every stage then asks layer_time's cache for the same few layers
+    kind_layer = {spec.is_moe_layer(layer): layer for layer, _ in reversed(spec.layer_groups())}
+    per_kind = {layer: (spec.layer_params(layer, tp),
+                        layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention, layer))
+                for layer in kind_layer.values()}
+    stop = 0
     for stage, count in enumerate(counts):
+        first, stop = stop, stop + count
         peak = finite_peak(stage_peak_flops[stage], fallback_peak)
         bandwidth = finite_peak(stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0,
                                 fallback_memory_bandwidth)
         compute = stage_compute_model(peak, bandwidth, (stage_gpus[stage] if stage_gpus else None) or fallback_gpu,
                                       mfu, compute_model)
         models.add(compute.name)
-        layer = layer_time(spec, tp, sequence_parallel, flash_attention, recompute, compute)
-        params = count * spec.layer_params() / tp
-        stash = count * layer_stash
-        fwd = count * layer.forward
-        bwd = count * (layer.input_grad + layer.weight_grad + layer.recompute)
-        wgrad = count * layer.weight_grad
+        fwd = bwd = wgrad = stash = 0.0
+        params = 0  # a whole number
+        for layer, alike in spec.layer_groups(first, stop):
+            kind = kind_layer[spec.is_moe_layer(layer)]
+            time = layer_time(spec, tp, sequence_parallel, flash_attention, recompute, compute, kind)
+            fwd += alike * time.forward
+            bwd += alike * (time.input_grad + time.weight_grad + time.recompute)
+            wgrad += alike * time.weight_grad
+            params += alike * per_kind[kind][0]
+            stash += alike * per_kind[kind][1]
         if stage == 0:
-            params += spec.embedding_params() / tp
+            params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(spec, tp, sequence_parallel)
         if stage == num_stages - 1:
             head = head_time(spec, tp, compute)
-            params += spec.head_params() / tp
+            params += spec.head_params(tp)
             fwd += head.forward
             bwd += head.input_grad + head.weight_grad
             wgrad += head.weight_grad
@@ -118,11 +139,12 @@ def model_costs(
             param_bytes=params * spec.dtype_bytes,
             params=params,
             layers=count if tp > 1 else 0,
-            tp_message_bytes=full_message if tp > 1 else 0.0,
+            tp_message_bytes=spec.tp_message_bytes(first) if tp > 1 else 0.0,  # alike in every layer
             recompute_layers=count if tp > 1 and recompute == "full" else 0,
         ))
     meta = {
         "model": spec.name, "layers_per_stage": counts, "tp": tp, "mfu": mfu, "total_params": spec.total_params(),
+        "active_params": spec.active_params(),
         "recompute": recompute, "flash_attention": flash_attention, "compute_model": sorted(models),
     }
     return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta,
@@ -131,13 +153,15 @@ def model_costs(
 
 @functools.lru_cache(maxsize=4096)
 def layer_time(spec: ModelSpec, tp: int, sequence_parallel: bool, flash_attention: bool, recompute: str,
-               compute: ComputeModel) -> BlockTime:
-    """One layer's seconds for one microbatch on one tp rank (kept per distinct input: a plan
-    asks for the same layer on the same GPU for thousands of layouts)."""
-    return block_time(layer_operations(spec, tp, sequence_parallel, flash_attention), compute, recompute,
+               compute: ComputeModel, layer: int = 0) -> BlockTime:
+    """Layer ``layer``'s seconds for one microbatch on one tp rank, routed experts padded to
+    their capacity (kept per distinct input: a plan asks for the same layer on the same
+    GPU for thousands of layouts)."""
+    return block_time(layer_operations(spec, tp, sequence_parallel, flash_attention, layer), compute, recompute,
                       spec.dtype_bytes)
 
 
+@functools.lru_cache(maxsize=4096)
 def head_time(spec: ModelSpec, tp: int, compute: ComputeModel) -> BlockTime:
     """The output layer's seconds (never recomputed: Megatron's rule)."""
     return block_time(head_operations(spec, tp), compute, "none", spec.dtype_bytes)

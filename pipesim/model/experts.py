@@ -1,0 +1,92 @@
+"""Mixture-of-experts MLPs: which layers route their tokens to experts, and how.
+
+A mixture-of-experts layer replaces the dense MLP by a router (an ``h x E`` matrix
+scoring each token against the ``E`` routed experts), ``E`` routed experts of which each
+token uses the ``k`` best scoring (top-k), and optionally shared experts that every
+token goes through (DeepSeekMoE, Qwen-MoE). Every expert is a gated MLP of width
+``expert_ffn`` (Mixtral: 8 experts of 14336, top 2; DeepSeek-V3: 256 of 2048, top 8,
+plus one shared).
+
+Layers are not all alike: DeepSeek keeps the first ``first_k_dense_replace`` layers
+dense, Qwen-MoE lists dense layers in ``mlp_only_layers`` or makes only every
+``decoder_sparse_step``-th layer sparse. ``dense_layers`` names them by index, so every
+per-layer quantity asks ``is_moe_layer(layer)``.
+
+What a layer *holds* is every expert (memory: total parameters); what a token
+*computes* is its ``k`` routed experts and the shared ones (FLOPs: active parameters).
+With a ``capacity_factor`` C each expert computes ``C * k * T / E`` token slots of a
+microbatch's ``T`` tokens whatever the routing (GShard, Switch Transformer: slots left
+empty are padding, tokens beyond the capacity are dropped), so the routed experts' time
+is C times the routed tokens' FLOPs; without one (dropless, as Megatron-LM and
+DeepSeek-V3 train) it is the routed tokens' FLOPs, balanced over the experts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipesim.model.errors import ModelSpecError, require_count
+
+
+@dataclass(frozen=True)
+class MixtureOfExperts:
+    """The routed MLP of a transformer's sparse layers."""
+
+    experts: int  # routed experts per MoE layer
+    experts_per_token: int  # top-k
+    expert_ffn: int  # intermediate width of one routed expert
+    shared_experts: int = 0  # experts every token goes through
+    shared_expert_ffn: int | None = None  # width of one shared expert; None: expert_ffn
+    shared_expert_gate: bool = False  # Qwen-MoE: a sigmoid gate (h x 1) on the shared expert's output
+    dense_layers: tuple[int, ...] = ()  # indices of the layers that keep a dense MLP
+    capacity_factor: float | None = None  # token slots per expert / its balanced share; None: dropless
+
+    def __post_init__(self) -> None:
+        for key in ("experts", "experts_per_token", "expert_ffn"):
+            require_count(getattr(self, key), f"mixture of experts: {key}")
+        require_count(self.shared_experts, "mixture of experts: shared_experts", minimum=0)
+        if self.shared_expert_ffn is not None:
+            require_count(self.shared_expert_ffn, "mixture of experts: shared_expert_ffn")
+        for layer in self.dense_layers:
+            require_count(layer, "mixture of experts: each of dense_layers", minimum=0)
+        if self.experts_per_token > self.experts:
+            raise ModelSpecError(f"mixture of experts: experts_per_token {self.experts_per_token} exceeds the "
+                                 f"{self.experts} routed experts")
+        factor = self.capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                   or not math.isfinite(factor) or factor <= 0):
+            raise ModelSpecError(f"mixture of experts: capacity_factor must be a number > 0 (or none for dropless), "
+                                 f"got {factor!r}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @property
+    def shared_ffn(self) -> int:
+        """Width of the shared experts taken together (DeepSeek runs them as one MLP)."""
+        return self.shared_experts * (self.shared_expert_ffn or self.expert_ffn)
+
+    def routed_slots(self, padded: bool = True) -> float:
+        """Routed-expert computations per token: ``k``, times the capacity factor when
+        ``padded`` (the time an expert spends on its whole capacity, empty slots included)."""
+        factor = self.capacity_factor if padded and self.capacity_factor is not None else 1.0
+        return self.experts_per_token * factor
+
+    def tokens_per_expert(self, tokens: float, padded: bool = True) -> float:
+        """Token slots each routed expert computes for ``tokens`` tokens: ``C k T / E``, the
+        ``k T`` routed tokens spread evenly (a balanced router, which the auxiliary losses
+        aim for) times the capacity factor when ``padded``."""
+        return self.routed_slots(padded) * tokens / self.experts
+
+
+def dense_layer_indices(layers: int, first_dense: int = 0, moe_every: int = 1, moe_offset: int = 0,
+                        listed: tuple[int, ...] | list[int] = ()) -> tuple[int, ...]:
+    """Indices of the dense layers of a ``layers``-layer model: the first ``first_dense``,
+    every layer ``i`` with ``(i + moe_offset) % moe_every != 0`` and the ``listed`` ones.
+
+    DeepSeek (``first_k_dense_replace``, ``moe_layer_freq``): ``first_dense=k,
+    moe_every=freq``; Qwen-MoE (``decoder_sparse_step``, ``mlp_only_layers``):
+    ``moe_every=step, moe_offset=1, listed=mlp_only_layers``."""
+    return tuple(layer for layer in range(layers)
+                 if layer < first_dense or (layer + moe_offset) % moe_every or layer in listed)

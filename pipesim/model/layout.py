@@ -1,0 +1,86 @@
+"""Can the model be split so? Checked before any work, one rule per parallelism.
+
+- **Tensor parallelism** (``--tp``) splits attention by heads and the MLP by columns
+  (Megatron-LM): tp must divide the attention heads and every MLP width (dense, routed
+  expert, shared expert). Key-value heads are split too when tp divides them; when tp is
+  a multiple of them (GQA with fewer key-value heads than tp ranks, e.g. 8 of them on
+  tp 16) each key-value head is *replicated* on ``tp / kv_heads`` ranks, as Megatron-LM
+  does, and a rank holds one whole head's K and V weights
+  (``pipesim.model.weights.kv_heads_per_shard``). Any other tp is refused.
+  With sequence parallelism tp must also divide the (per context-parallel rank) sequence.
+- **Expert parallelism** (``ep``) places whole routed experts on ranks: ep must divide
+  them, and a dense model has none to place.
+- **Context parallelism** (``cp``) splits the sequence: cp must divide it.
+
+Every error names the flag, the model's number it clashes with and values that work.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipesim.model.errors import ModelSpecError
+
+if TYPE_CHECKING:
+    from pipesim.model.spec import ModelSpec
+
+
+def check_layout(spec: ModelSpec, tp: int = 1, ep: int = 1, cp: int = 1, sequence_parallel: bool = False) -> None:
+    """Raise ``ModelSpecError`` (one line) unless ``spec`` can be split over ``tp``
+    tensor-parallel, ``ep`` expert-parallel and ``cp`` context-parallel ranks."""
+    for flag, value in (("--tp", tp), ("--ep", ep), ("--cp", cp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelSpecError(f"{flag} must be an integer >= 1, got {value!r}")
+    problem = tp_problem(spec, tp)
+    if problem:
+        valid = [size for size in range(1, spec.heads + 1) if not tp_problem(spec, size)]
+        raise ModelSpecError(f"--tp {tp} {problem}: use one of {', '.join(map(str, valid))}")
+    if cp > 1 and spec.seq_len % cp:
+        raise ModelSpecError(f"--cp {cp} does not divide the {spec.seq_len}-token sequence of {spec.name}: "
+                             f"use a divisor of {spec.seq_len}")
+    if sequence_parallel and tp > 1 and (spec.seq_len // cp) % tp:
+        raise ModelSpecError(f"--sequence-parallel splits each {spec.seq_len // cp}-token sequence"
+                             f"{' shard' if cp > 1 else ''} over --tp {tp}, which does not divide it")
+    if ep > 1:
+        if spec.moe is None:
+            raise ModelSpecError(f"--ep {ep}: {spec.name} has no routed experts to place (expert parallelism "
+                                 f"needs a mixture-of-experts model); use --ep 1")
+        experts = spec.moe.experts
+        if experts % ep:
+            valid = [size for size in range(1, experts + 1) if experts % size == 0]
+            raise ModelSpecError(f"--ep {ep} does not divide the {experts} routed experts of {spec.name}: "
+                                 f"use one of {', '.join(map(str, valid))}")
+
+
+def tp_problem(spec: ModelSpec, tp: int) -> str:
+    """Why ``spec`` cannot be split over ``tp`` tensor-parallel ranks ('' when it can)."""
+    if spec.heads % tp:
+        return f"does not divide the {spec.heads} attention heads of {spec.name}"
+    kv_heads = spec.num_kv_heads
+    if spec.mla is None and kv_heads % tp and tp % kv_heads:
+        return (f"neither divides the {kv_heads} key-value heads of {spec.name} nor is a multiple of them "
+                f"(a multiple replicates each key-value head on tp / {kv_heads} ranks)")
+    for width, what in mlp_widths(spec):
+        if width % tp:
+            return f"does not divide the {what} {width} of {spec.name}"
+    return ""
+
+
+def mlp_widths(spec: ModelSpec) -> list[tuple[int, str]]:
+    """Every MLP width tensor parallelism splits, with its name."""
+    widths = [] if spec.moe is not None and not spec.moe.dense_layers else [(spec.ffn, "MLP width")]
+    if spec.moe is not None:
+        widths.append((spec.moe.expert_ffn, "expert MLP width"))
+        if spec.moe.shared_ffn:
+            widths.append((spec.moe.shared_ffn, "shared expert MLP width"))
+    return widths
+
+
+def layout_notes(spec: ModelSpec, tp: int = 1) -> list[str]:
+    """What a valid layout does that a user may not expect: key-value heads replicated
+    when tp is a multiple of them."""
+    kv_heads = spec.num_kv_heads
+    if spec.mla is None and tp > kv_heads and tp % kv_heads == 0:
+        return [f"--tp {tp} exceeds the {kv_heads} key-value heads of {spec.name}: each is replicated on "
+                f"{tp // kv_heads} ranks (Megatron-LM's rule), its K and V weights counted on each"]
+    return []
