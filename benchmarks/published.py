@@ -62,7 +62,7 @@ from pipesim.cluster.mapping import DEFAULT_ORDER, map_ranks
 from pipesim.model import memory_traffic
 from pipesim.model.spec import PRESETS, ModelSpec
 from pipesim.model.transformer_costs import device_memory_bandwidth, model_costs, training_figures
-from pipesim.sim.memory import BytesPerParam, static_bytes_per_param
+from pipesim.sim.memory import BytesPerParam, optimizer_step_bytes_per_param
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
 from schedules.generators import generate
@@ -210,7 +210,7 @@ def predict(run: Run, efficiency: float | None) -> Prediction:
                         stage_memory_bandwidth=[device_memory_bandwidth(topology, device) for device in stage_devices],
                         stage_gpus=[topology.device_gpu(device) for device in stage_devices],
                         layers_per_stage=list(run.layers_per_stage) if run.layers_per_stage else None,
-                        optimizer_state_bytes=static_bytes_per_param(BytesPerParam(), run.dp, run.zero))
+                        optimizer_state_bytes=optimizer_step_bytes_per_param(BytesPerParam(), run.dp, run.zero))
     parallel = ParallelConfig(dp=run.dp, tp=run.tp, overlap_dp=run.overlap_dp, zero=run.zero,
                               rank_order=run.rank_order)
     makespan = run_simulation(schedule, costs, topology, parallel=parallel, validate=False).metrics.makespan

@@ -84,6 +84,7 @@ class Job:
     zero: int = 0
     collective: str = "ring"
     bytes_per_param: str = "2,2,12"
+    memory_headroom: str = "10%"  # pipesim.sim.memory.DEFAULT_HEADROOM: what each device keeps back
     p2p: str | None = None
 
     @classmethod
@@ -210,19 +211,20 @@ def finite_flag(value: float, flag: str, positive: bool = False) -> float:
 def parallel_of(job):
     """The ``ParallelConfig`` of the job."""
     return _parallel(job.dp, job.tp, job.rank_order, job.bucket_mb, job.no_dp_overlap, job.collective, job.zero,
-                     job.bytes_per_param)
+                     job.bytes_per_param, job.memory_headroom)
 
 
 @functools.lru_cache(maxsize=1024)
 def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap: bool, collective: str, zero: int,
-              bytes_per_param: str):
-    from pipesim.sim.memory import parse_bytes_per_param
+              bytes_per_param: str, memory_headroom: str):
+    from pipesim.sim.memory import parse_bytes_per_param, parse_headroom
     from pipesim.sim.parallel import ParallelConfig
 
     bucket_mb = finite_flag(bucket_mb, "--bucket-mb", positive=True)
     return ParallelConfig(dp=dp, tp=tp, rank_order=rank_order, bucket_bytes=bucket_mb * 2**20,
                           overlap_dp=not no_dp_overlap, algorithm=collective, zero=zero,
-                          bytes_per_param=parse_bytes_per_param(bytes_per_param))
+                          bytes_per_param=parse_bytes_per_param(bytes_per_param),
+                          memory_headroom=parse_headroom(memory_headroom))
 
 
 def split_list(text: str, cast=str) -> list:
@@ -313,14 +315,15 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
     """Costs of ``--model`` on the devices its pipeline ranks are mapped to."""
     from pipesim.cluster.mapping import map_ranks
     from pipesim.model.transformer_costs import device_memory_bandwidth
-    from pipesim.sim.memory import static_bytes_per_param
+    from pipesim.sim.memory import optimizer_step_bytes_per_param
 
     given = [flag for flag, dest in (*COST_FLAGS, ("--costs", "costs"), ("--stash-bytes", "stash_bytes"),
                                       ("--param-bytes", "param_bytes")) if getattr(job, dest, None) is not None]
     if given:
         raise conflict(given[0], f"--model {job.model}", f"the model spec derives the costs; drop {given[0]}")
     spec = model_spec_of(job)
-    devices = map_ranks(topology, job.dp, schedule.pp, job.tp, job.rank_order).pipeline()
+    mapping = map_ranks(topology, job.dp, schedule.pp, job.tp, job.rank_order)
+    devices = mapping.pipeline()
     stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
     peaks = [topology.device_peak_flops(device) for device in stage_devices]
     bandwidths = [device_memory_bandwidth(topology, device) for device in stage_devices]
@@ -328,12 +331,18 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
     layout = split_list(job.layers_per_stage, int) if job.layers_per_stage else None
     parallel = parallel_of(job)
     profiled = compute_model_of(job)
+    layer_hold = 0.0
+    if job.tp > 1 and layout is None:  # the tp collectives a layer holds its rank for weigh in the split
+        from pipesim.sim.parallel import layer_tp_seconds
+
+        layer_hold = layer_tp_seconds(topology, mapping.tp_group(0, schedule.placement[-1]), spec.tp_message_bytes(),
+                                      job.sequence_parallel, job.recompute == "full", parallel.algorithm)
     return _model_costs(spec, schedule.num_stages, tuple(peaks), job.tp, job.mfu,
                         job.sequence_parallel, tuple(layout) if layout else None, job.recompute,
                         not job.no_flash_attention, fallback_peak_flops(job), tuple(bandwidths),
                         fallback_memory_bandwidth(job),
-                        static_bytes_per_param(parallel.bytes_per_param, job.dp, parallel.zero),
-                        tuple(schedule.placement), tuple(gpus), getattr(job, "gpu", None), profiled)
+                        optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp, parallel.zero),
+                        tuple(schedule.placement), tuple(gpus), getattr(job, "gpu", None), profiled, layer_hold)
 
 
 def compute_model_of(job):
@@ -358,7 +367,8 @@ def _load_compute_model(path: str):
 def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None, sequence_parallel: bool,
                  layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
                  bandwidths: tuple, fallback_bandwidth: float, optimizer_state_bytes: float,
-                 stage_ranks: tuple, gpus: tuple, fallback_gpu: str | None, profiled) -> Costs:
+                 stage_ranks: tuple, gpus: tuple, fallback_gpu: str | None, profiled,
+                 layer_hold_seconds: float = 0.0) -> Costs:
     """``transformer_costs.model_costs``, kept per distinct input: it is a pure function of
     them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
     layouts (every dp width on one kind of GPU, with and without ZeRO where it does not
@@ -370,7 +380,8 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
                        flash_attention=flash_attention, fallback_peak=fallback_peak,
                        stage_memory_bandwidth=list(bandwidths), fallback_memory_bandwidth=fallback_bandwidth,
                        optimizer_state_bytes=optimizer_state_bytes, stage_ranks=list(stage_ranks),
-                       stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled)
+                       stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled,
+                       layer_hold_seconds=layer_hold_seconds)
 
 
 def simulate_job(job: Job):
@@ -378,10 +389,10 @@ def simulate_job(job: Job):
     ``SimulationResult``; for a model, its trace names the model."""
     from pipesim.sim.step import run_simulation
 
+    parallel = parallel_of(job)  # its flags checked before any work
     topology = topology_of(job)
     schedule = schedule_of(job, topology)
-    result = run_simulation(schedule, costs_of(job, schedule, topology), topology, parallel=parallel_of(job),
-                            p2p=job.p2p)
+    result = run_simulation(schedule, costs_of(job, schedule, topology), topology, parallel=parallel, p2p=job.p2p)
     if job.model:
         result.trace.meta["model"] = job.model  # the chart's title names it
     return result

@@ -106,7 +106,7 @@ def test_without_memory_flags_memory_is_na_not_zero(tmp_path, capsys):
 def test_bytes_per_param_keeps_the_model_parameter_count(tmp_path):
     """4,4,8 (fp32 weights and grads) is 16 bytes per parameter as 2,2,12 is: same static
     memory, not half (the count comes from the model, not from bf16 bytes / 4)."""
-    base = ["--model", "gpt3-1.3b", "--pp", 2, "-m", 2]
+    base = ["--model", "gpt3-1.3b", "--pp", 2, "-m", 2, "--layers-per-stage", "12,12"]
     bf16 = run_json(tmp_path, *base)["ranks"][0]["memory"]["static_bytes"]
     fp32 = run_json(tmp_path, *base, "--bytes-per-param", "4,4,8")["ranks"][0]["memory"]["static_bytes"]
     h, vocab, seq = 2048, 50257, 2048

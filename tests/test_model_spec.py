@@ -15,7 +15,8 @@ from pipesim.model.activations import layer_stash_bytes
 from pipesim.model.compute_model import layer_memory_seconds
 from pipesim.model.hf_config import spec_from_hf_config
 from pipesim.model.memory_traffic import BACKWARD_TRAFFIC, HBM_EFFICIENCY
-from pipesim.model.spec import ModelSpecError, model_costs, model_spec, split_layers
+from pipesim.model.spec import ModelSpecError, model_costs, model_spec
+from pipesim.model.stage_split import split_layers
 from pipesim.model.transformer_costs import training_figures
 
 PEAK = 1e15
@@ -52,7 +53,7 @@ def test_llama_layer_has_gqa_and_swiglu():
     s, b, h, kv, f = 8192, 1, 4096, 8 * 128, 14336
     assert spec.layer_params() == 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
     assert spec.layer_flops() == 2 * s * b * (h * (h + 2 * kv) + h * h + 3 * h * f) + 4 * s * s * b * h
-    costs = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, **FREE_HBM)
+    costs = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, layers_per_stage=[8, 8, 8, 8], **FREE_HBM)
     assert costs.stages[1].fwd == pytest.approx(8 * spec.layer_flops() / RATE)
     assert costs.stages[-1].params == pytest.approx(8 * spec.layer_params() + h + 128256 * h)  # untied head
 
@@ -81,8 +82,8 @@ def test_layer_splits():
     assert split_layers(8, 4) == [2, 2, 2, 2]
     assert split_layers(10, 4) == [2, 3, 3, 2]
     assert split_layers(10, 4, [4, 2, 2, 2]) == [4, 2, 2, 2]
-    with pytest.raises(ModelSpecError, match="3 layers, fewer than the 4 stages"):
-        split_layers(3, 4)
+    with pytest.raises(ModelSpecError, match="1 layers, too few for 4 stages"):
+        split_layers(1, 4)
     with pytest.raises(ModelSpecError, match="sums to 9 but the model has 10 layers"):
         split_layers(10, 4, [3, 2, 2, 2])
     with pytest.raises(ModelSpecError, match="lists 3 stages but the schedule has 4"):

@@ -147,7 +147,7 @@ def test_stage_costs_sum_the_layers_they_hold():
     MoE layers, the others 9 MoE layers; params (memory) count every expert, FLOPs the
     active ones."""
     spec = model_spec("deepseek-v2-lite")
-    costs = model_costs(spec, 3, [PEAK] * 3, mfu=0.5, **FREE_HBM)
+    costs = model_costs(spec, 3, [PEAK] * 3, mfu=0.5, layers_per_stage=[9, 9, 9], **FREE_HBM)
     dense, moe = spec.layer_params(0), spec.layer_params(1)
     assert moe == spec.layer_params(26) and dense != moe
     vocab_rows = 102400 * 2048

@@ -153,13 +153,27 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-dp-overlap", action="store_true",
                        help="reduce gradients after the rank's last action instead of bucket by bucket during "
                        "each stage's last backward (DDP's overlap)")
-    group.add_argument("--zero", type=int, choices=(0, 1), default=0,
-                       help="1: distributed optimizer (ZeRO-1): reduce-scatter gradients, all-gather parameters "
-                       "after the optimizer step, optimizer state sharded over dp (default: 0, all-reduce)")
+    group.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                       help="ZeRO stage: 1 optimizer state sharded over dp (reduce-scatter gradients, all-gather "
+                       "parameters after the optimizer step); 2 gradients too (reduce-scattered after every "
+                       "backward); 3 parameters too (FSDP: each layer gathered before its forward and backward, "
+                       "prefetched one ahead) (default: 0, all-reduce)")
     group.add_argument("--collective", choices=("ring", "tree"), default="ring",
                        help="all-reduce algorithm (default: ring)")
     group.add_argument("--bytes-per-param", default="2,2,12",
                        help="memory per parameter: WEIGHTS,GRADS,OPTIMIZER bytes (default: 2,2,12, bf16 + Adam)")
+    add_memory_headroom_arg(group)
+
+
+def add_memory_headroom_arg(parser) -> None:
+    """``--memory-headroom``: what each device keeps back from the model (``simulate``'s
+    out-of-memory verdict and ``plan``'s, the same)."""
+    from pipesim.sim.memory import DEFAULT_HEADROOM
+
+    parser.add_argument("--memory-headroom", default=DEFAULT_HEADROOM, metavar="SHARE|GB",
+                        help="memory each device keeps back for the CUDA context, NCCL's buffers and the allocator's "
+                        "fragmentation: a share of it (10%%) or gigabytes (6); a rank is out of memory above the rest "
+                        f"(default: {DEFAULT_HEADROOM.replace('%', '%%')}; docs/cluster-model.md says why)")
 
 
 def add_topology_args(parser: argparse.ArgumentParser) -> None:

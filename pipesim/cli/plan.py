@@ -17,6 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from pipesim.cli.options import add_memory_headroom_arg
 from pipesim.cluster.gpus import GPUS
 from pipesim.job import Job, costs_of, parallel_of, schedule_of, throughput_figures, topology_of
 from pipesim.plan.bounds import memory_floor, step_lower_bound
@@ -31,11 +32,11 @@ from pipesim.plan.search import (
     search,
     terminal_progress,
 )
+from pipesim.sim.zero import ZERO_STAGES
 from schedules.collector import without_collector
 from schedules.generators import SCHEDULE_NAMES
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-ZERO_STAGES = (0, 1)
 SEQUENCE_PARALLEL = {"off": False, "on": True}
 PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
 # The plan builds the cluster device by device and prices each layout's data-parallel
@@ -70,7 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--recompute", default=",".join(RECOMPUTE_MODES),
                         help=f"recompute modes to try, comma-separated (default: {','.join(RECOMPUTE_MODES)})")
     parser.add_argument("--zero", default=",".join(map(str, ZERO_STAGES)),
-                        help=f"optimizer sharding levels to try (default: {','.join(map(str, ZERO_STAGES))})")
+                        help="ZeRO stages to try with dp > 1: 1 optimizer state, 2 and gradients, 3 and parameters "
+                        f"(FSDP) sharded over dp (default: {','.join(map(str, ZERO_STAGES))})")
+    add_memory_headroom_arg(parser)
     parser.add_argument("--sequence-parallel", default="off,on",
                         help="sequence parallelism to try with tp > 1: off, on or both (default: off,on)")
     parser.add_argument("--mfu", type=float, default=None,
@@ -142,7 +145,9 @@ def _checked_job(args: argparse.Namespace) -> tuple[Job, SearchSpace]:
     schedules = _names(args.schedules, "--schedules", SCHEDULE_NAMES)
     base = Job(model=args.model, seq_len=args.seq_len, topology=args.topology,
                nodes=max(1, args.gpus // args.gpus_per_node), gpu=args.gpu, mfu=args.mfu,
-               compute_model=args.compute_model, **({"max_actions": args.max_actions} if args.max_actions else {}))
+               compute_model=args.compute_model, memory_headroom=args.memory_headroom,
+               **({"max_actions": args.max_actions} if args.max_actions else {}))
+    parallel_of(base)  # a bad --memory-headroom fails here
     spec = model_spec_of(base)  # an unknown model or config, or a bad field, fails here
     topology_of(base).require_devices(args.gpus, "GPUs")  # and an unknown cluster
     space = SearchSpace(
@@ -246,7 +251,8 @@ def _bound(costs, placement: tuple[int, ...], microbatches: int, split: bool, fu
     """The bound of what it depends on, kept: layouts of several schedules share their
     stages, placement and mapping (1F1B and GPipe; every split-backward order)."""
     from pipesim.cluster.mapping import map_ranks
-    from pipesim.sim.parallel import parameter_gather_seconds, tp_collective_seconds
+    from pipesim.sim.parallel import layer_gathers, parameter_gather_seconds, tp_collective_seconds
+    from pipesim.sim.zero import gathers_after_optimizer, gathers_per_layer
     from schedules.schedule import Schedule
 
     topology = _BASE["topology"]
@@ -254,9 +260,12 @@ def _bound(costs, placement: tuple[int, ...], microbatches: int, split: bool, fu
     shell = Schedule(pp, microbatches, placement, [()] * pp)
     mapping = map_ranks(topology, dp, pp, tp, parallel.rank_order)
     devices = mapping.pipeline()
-    tp_seconds = tp_collective_seconds(shell, costs, topology, mapping, parallel.algorithm)
+    holds = tp_collective_seconds(shell, costs, topology, mapping, parallel.algorithm)
+    if gathers_per_layer(parallel.zero):  # the layers' gathers hold a rank as the tp collectives do
+        held = layer_gathers(shell, costs, topology, mapping)[0]
+        holds = {key: holds.get(key, 0.0) + held.get(key, 0.0) for key in holds.keys() | held.keys()}
     gather_seconds = parameter_gather_seconds(shell, costs, topology, mapping, parallel.bucket_bytes) \
-        if parallel.zero else {}
+        if gathers_after_optimizer(parallel.zero) else {}
 
     def hop(source: int, target: int) -> float:
         if placement[source] == placement[target]:
@@ -264,7 +273,7 @@ def _bound(costs, placement: tuple[int, ...], microbatches: int, split: bool, fu
         route = topology.route(devices[placement[source]], devices[placement[target]])
         return route.seconds(costs.stages[min(source, target)].act_bytes)
 
-    return step_lower_bound(costs, placement, microbatches, split, tp_seconds, gather_seconds, hop,
+    return step_lower_bound(costs, placement, microbatches, split, holds, gather_seconds, hop,
                             overlapped_pairs=fused)
 
 
@@ -274,8 +283,8 @@ def reject_cause(layout: Layout) -> str | None:
     floors = _memory_floors(layout)
     if floors is None:
         return None
-    if any(floor > capacity for floor, capacity in floors):
-        return "out of memory (parameters, optimizer state and one stash alone)"
+    if any(floor > usable for floor, usable in floors):
+        return "out of memory (parameters, optimizer state and one stash alone, with the headroom)"
     return None
 
 
@@ -303,18 +312,15 @@ def _memory_floors(layout: Layout) -> list[tuple[float, float]] | None:
 def _floors(costs, placement: tuple[int, ...], parallel, dp: int, tp: int) -> list[tuple[float, float]]:
     """``_memory_floors`` of what it depends on, kept (layouts of several schedules share it)."""
     from pipesim.cluster.mapping import map_ranks
-    from pipesim.sim.memory import stage_params, static_bytes_per_param
+    from pipesim.sim.memory import static_bytes
 
     topology = _BASE["topology"]
     devices = map_ranks(topology, dp, max(placement) + 1, tp, parallel.rank_order).pipeline()
-    per_param = static_bytes_per_param(parallel.bytes_per_param, dp, parallel.zero)
-
-    def static_bytes(stage: int) -> float:
-        cost = costs.stages[stage]
-        return stage_params(cost.params, cost.param_bytes, parallel.bytes_per_param) * per_param
-
-    floors = memory_floor(costs, placement, static_bytes)
-    return [(floor, topology.device_memory(devices[rank])) for rank, floor in enumerate(floors)]
+    floors = memory_floor(costs, placement, lambda stage: static_bytes(costs.stages[stage], parallel.bytes_per_param,
+                                                                       dp, parallel.zero))
+    capacities = [topology.device_memory(device) for device in devices]
+    return [(floor, capacity - parallel.memory_headroom.of(capacity))
+            for floor, capacity in zip(floors, capacities, strict=True)]
 
 
 @without_collector  # paused for the whole layout: its Trace is freed before the collector runs again

@@ -44,11 +44,14 @@ class StageCost:
     ``params`` is the parameter count on one device when known (a model spec knows it);
     otherwise memory counts ``param_bytes`` over the weights' bytes per parameter.
 
-    ``layers`` and ``tp_message_bytes`` describe tensor-parallel traffic: each layer's
-    forward does two collectives of ``tp_message_bytes`` (the full ``s*b*h`` activation)
-    across the tp group and its input-gradient backward two more (Megatron-LM). Zero
-    means no tp traffic is charged. ``recompute_layers`` of them re-run their forward
-    inside the backward (full activation recomputation) and pay its two collectives again.
+    ``layers`` is how many transformer layers the stage holds (zero: not known, or an
+    embedding-only or head-only chunk): gradients come out and are reduced layer by
+    layer, and ZeRO-3 gathers parameters per layer. With ``tp_message_bytes`` it also
+    describes tensor-parallel traffic: each layer's forward does two collectives of
+    ``tp_message_bytes`` (the full ``s*b*h`` activation) across the tp group and its
+    input-gradient backward two more (Megatron-LM); zero bytes means no tp traffic is
+    charged. ``recompute_layers`` of them re-run their forward inside the backward (full
+    activation recomputation) and pay its two collectives again.
 
     ``overlap_fb`` is the time of an overlapped pair (DualPipe's ``OVERLAP_F_B``) whose
     forward runs on this stage and whose full backward runs on the rank's other chunk:

@@ -373,36 +373,6 @@ def model_spec(name: str, **overrides: int | None) -> ModelSpec:
     return replace(spec, **changes)
 
 
-def split_layers(layers: int, num_stages: int, layers_per_stage: list[int] | None = None) -> list[int]:
-    """Layers on each stage: as given, or as even as possible with the extra layers on
-    the middle stages (the first and last already carry the embedding and the head)."""
-    if layers_per_stage is not None:
-        if len(layers_per_stage) != num_stages:
-            raise ModelSpecError(
-                f"--layers-per-stage lists {len(layers_per_stage)} stages but the schedule has {num_stages} "
-                f"(pp x virtual stages)"
-            )
-        if any(count < 1 for count in layers_per_stage):
-            raise ModelSpecError(f"--layers-per-stage {layers_per_stage}: every stage needs at least one layer")
-        if sum(layers_per_stage) != layers:
-            raise ModelSpecError(
-                f"--layers-per-stage {','.join(map(str, layers_per_stage))} sums to {sum(layers_per_stage)} "
-                f"but the model has {layers} layers"
-            )
-        return list(layers_per_stage)
-    if layers < num_stages:
-        raise ModelSpecError(
-            f"the model has {layers} layers, fewer than the {num_stages} stages (pp x virtual stages); "
-            f"every stage needs at least one layer"
-        )
-    base, extra = divmod(layers, num_stages)
-    counts = [base] * num_stages
-    first = (num_stages - extra) // 2
-    for stage in range(first, first + extra):
-        counts[stage] += 1
-    return counts
-
-
 def finite_peak(peak: float, fallback: float) -> float:
     """A device's peak FLOP/s, or ``fallback`` where the topology does not say (ideal)."""
     return peak if math.isfinite(peak) and peak > 0 else fallback

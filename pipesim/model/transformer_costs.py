@@ -37,7 +37,8 @@ from pipesim.model.costs import Costs, StageCost
 from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import optimizer_step_seconds
 from pipesim.model.operations import head_operations, layer_operations
-from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak, split_layers
+from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak
+from pipesim.model.stage_split import split_layers
 
 H100_BF16_FLOPS = 989e12  # used when a device has no peak (the ideal topology) and no --gpu
 H100_HBM_BANDWIDTH = 3.35e12
@@ -66,6 +67,7 @@ def model_costs(
     stage_gpus: list[str | None] | None = None,
     fallback_gpu: str | None = None,
     compute_model: KernelModel | None = None,
+    layer_hold_seconds: float = 0.0,
 ) -> Costs:
     """Per-stage ``Costs`` of ``spec`` split over ``num_stages`` stages, on devices whose
     peak FLOP/s are ``stage_peak_flops[stage]`` and whose HBM moves
@@ -78,7 +80,12 @@ def model_costs(
 
     The optimizer step (``step_overhead``) reads and writes ``optimizer_state_bytes`` per
     parameter (weights + gradients + optimizer state on the device); it is the slowest
-    rank's, ranks being ``stage_ranks[stage]`` (default: one stage per rank)."""
+    rank's, ranks being ``stage_ranks[stage]`` (default: one stage per rank).
+
+    Without ``layers_per_stage`` the layers are split so that each stage's time is as even
+    as it can be (``pipesim.model.stage_split``): a layer's forward and backward, plus
+    ``layer_hold_seconds`` of tensor-parallel collectives that hold its rank, against the
+    output layer's forward and backward on the last stage."""
     if mfu is not None and not 0 < mfu <= 1:  # NaN fails this too
         raise ModelSpecError(f"--mfu is a fraction of peak in (0, 1], got {mfu}")
     if mfu is not None and compute_model is not None:
@@ -88,24 +95,36 @@ def model_costs(
         raise ModelSpecError(f"--tp must be >= 1, got {tp}")
     check_recompute(recompute)
     check_layout(spec, tp, sequence_parallel=sequence_parallel)
-    counts = split_layers(spec.layers, num_stages, layers_per_stage)
-    stages = []
-    models = set()
-    step_seconds: dict[int, float] = {}
     # the first layer of each kind (dense, mixture of experts) stands for its kind: layers of
     # a kind are alike, and every stage then asks layer_time's cache for the same few layers
     kind_layer = {spec.is_moe_layer(layer): layer for layer, _ in reversed(spec.layer_groups())}
+
+    def bandwidth_of(stage: int) -> float:
+        return finite_peak(stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0,
+                           fallback_memory_bandwidth)
+
+    def compute_of(stage: int) -> ComputeModel:
+        return stage_compute_model(finite_peak(stage_peak_flops[stage], fallback_peak), bandwidth_of(stage),
+                                   (stage_gpus[stage] if stage_gpus else None) or fallback_gpu, mfu, compute_model)
+
+    head_extra = 0.0
+    if layers_per_stage is None and num_stages > 1:  # the output layer's time in layers, to balance the split
+        compute = compute_of(num_stages - 1)
+        layer_seconds = spec.sum_over_layers(lambda layer: _pass_seconds(layer_time(
+            spec, tp, sequence_parallel, flash_attention, recompute, compute, kind_layer[spec.is_moe_layer(layer)]))
+        ) / spec.layers + layer_hold_seconds
+        head_extra = _pass_seconds(head_time(spec, tp, compute)) / layer_seconds if layer_seconds > 0 else 0.0
+    counts = split_layers(spec.layers, num_stages, layers_per_stage, last_extra=head_extra)
+    stages = []
+    models = set()
+    step_seconds: dict[int, float] = {}
     per_kind = {layer: (spec.layer_params(layer, tp),
                         layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention, layer))
                 for layer in kind_layer.values()}
     stop = 0
     for stage, count in enumerate(counts):
         first, stop = stop, stop + count
-        peak = finite_peak(stage_peak_flops[stage], fallback_peak)
-        bandwidth = finite_peak(stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0,
-                                fallback_memory_bandwidth)
-        compute = stage_compute_model(peak, bandwidth, (stage_gpus[stage] if stage_gpus else None) or fallback_gpu,
-                                      mfu, compute_model)
+        compute, bandwidth = compute_of(stage), bandwidth_of(stage)
         models.add(compute.name)
         fwd = bwd = wgrad = stash = 0.0
         params = 0  # a whole number
@@ -138,7 +157,7 @@ def model_costs(
             stash_bytes=stash,
             param_bytes=params * spec.dtype_bytes,
             params=params,
-            layers=count if tp > 1 else 0,
+            layers=count,
             tp_message_bytes=spec.tp_message_bytes(first) if tp > 1 else 0.0,  # alike in every layer
             recompute_layers=count if tp > 1 and recompute == "full" else 0,
         ))
@@ -149,6 +168,11 @@ def model_costs(
     }
     return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta,
                  step_overhead=max(step_seconds.values()))
+
+
+def _pass_seconds(time: BlockTime) -> float:
+    """A block's forward and whole backward (recompute included)."""
+    return time.forward + time.input_grad + time.weight_grad + time.recompute
 
 
 @functools.lru_cache(maxsize=4096)

@@ -13,23 +13,25 @@ from pipesim.model.costs import Costs
 
 
 def step_lower_bound(costs: Costs, placement: Sequence[int], microbatches: int, split_backward: bool,
-                     tp_seconds: dict[tuple[int, str], float], gather_seconds: dict[int, float],
+                     holds: dict[tuple[int, str], float], gather_seconds: dict[int, float],
                      hop: Callable[[int, int], float], overlapped_pairs: bool = False) -> float:
     """A step time no order of a schedule with this ``placement`` can beat.
 
     For each pipeline rank r (whose lowest stage is stage r under both the looped and the
     V placement):
     - it cannot start before microbatch 0's forward has crossed stages 0..r-1: their
-      forwards, tensor-parallel collectives and the unloaded transfer of each boundary
-      (``hop(source, target)``);
+      forwards, what holds a rank after each (``holds[stage, kind]``: tensor-parallel
+      collectives, ZeRO-3's unhidden parameter gathers) and the unloaded transfer of each
+      boundary (``hop(source, target)``);
     - it then runs all its work: every microbatch's forward and backward of its stages,
-      each with its tp collectives;
+      each with its holds (a split backward's are the full backward's or more: its input
+      gradient hides less of the gathers and ends with the same tp collectives);
     - without a split backward its last action is a backward of stage r (any later
       backward of a higher stage would feed one of stage r after it), which then still
       has to cross stages r-1..0; with a split backward the weight gradients may come
       last, so nothing is added;
-    - then the optimizer step and, under ZeRO, the parameter all-gathers of the rank that
-      ends the step.
+    - then the optimizer step and, under ZeRO-1 and 2, the parameter all-gathers
+      (``gather_seconds``) of the rank that ends the step.
     With overlapped forward-backward pairs of a given cost (``overlap_fb``) the pair may
     undercut F + B: only the step's tail is certain."""
     stages = costs.stages
@@ -38,10 +40,10 @@ def step_lower_bound(costs: Costs, placement: Sequence[int], microbatches: int, 
     pp = max(placement) + 1
 
     def forward(stage: int) -> float:
-        return stages[stage].fwd + tp_seconds.get((stage, "F"), 0.0)
+        return stages[stage].fwd + holds.get((stage, "F"), 0.0)
 
     def backward(stage: int) -> float:
-        return stages[stage].bwd + tp_seconds.get((stage, "B"), 0.0)
+        return stages[stage].bwd + holds.get((stage, "B"), 0.0)
 
     tail = [costs.step_overhead + sum(gather_seconds.get(stage, 0.0) for stage, rank in enumerate(placement)
                                       if rank == own) for own in range(pp)]

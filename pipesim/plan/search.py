@@ -4,8 +4,10 @@ lower bound on their step time, so layouts that provably cannot reach the top ar
 simulated.
 
 A layout is a schedule, pp × tp × dp, virtual stages, microbatch size (the microbatch
-count follows from the global batch), recompute, optimizer sharding and sequence
-parallelism. Simulating one is the same call as ``pipesim simulate`` with those flags
+count follows from the global batch), recompute, the ZeRO stage and sequence
+parallelism. Layers need not divide over the pp × v stages: each layout's split is the
+balanced one ``pipesim simulate`` makes (``pipesim.model.stage_split``), chosen per
+layout rather than searched. Simulating one is the same call as ``pipesim simulate`` with those flags
 (the caller passes it in as ``evaluate``), so a plan's numbers are exactly what
 ``simulate`` prints for the chosen layout.
 
@@ -133,8 +135,8 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
         return "tp does not divide the attention (or key-value) heads"
     if space.global_batch % (layout.dp * layout.microbatch_size):
         return "global batch not divisible by dp x microbatch size"
-    if space.layers % (layout.pp * layout.virtual_stages):
-        return "layers not divisible by pp x virtual stages"
+    if layout.pp * layout.virtual_stages > space.layers + 2:
+        return "more stages (pp x virtual stages) than layers + 2 (an embedding-only and a head-only chunk)"
     if not _allowed(layout, space.constraints):
         return "excluded by --constraint"
     return None

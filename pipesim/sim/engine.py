@@ -27,7 +27,7 @@ import numpy as np
 
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
-from pipesim.sim.parallel import TP_KIND, CommPlan, step_tail_columns
+from pipesim.sim.parallel import PARAM_GATHER_KIND, TP_KIND, CommPlan, step_tail_columns
 from schedules import engine
 from schedules.action import KINDS, ActionKind, format_group
 from schedules.lowering import lower
@@ -36,9 +36,9 @@ from schedules.program_arrays import F_CODE
 from schedules.schedule import Schedule
 from schedules.trace import Trace, TraceColumns
 
-COMPUTE, SEND, RECV, WAIT, TP = "compute", "send", "recv", "wait", "tp"
-_STREAMS = (COMPUTE, SEND, RECV, WAIT, TP)
-_KINDS = (*KINDS, TP_KIND)
+COMPUTE, SEND, RECV, WAIT, TP, DP = "compute", "send", "recv", "wait", "tp", "dp"
+_STREAMS = (COMPUTE, SEND, RECV, WAIT, TP, DP)
+_KINDS = (*KINDS, TP_KIND, PARAM_GATHER_KIND)
 
 
 class SimulationError(RuntimeError):
@@ -85,9 +85,9 @@ def step_timing(schedule: Schedule, costs: Costs, topology: Topology, devices: S
     kinds = engine.COMPUTE_KINDS
     seconds = np.array([[durations[stage, kind] for kind in kinds] for stage in range(schedule.num_stages)])
     hold = None
-    if plan is not None and plan.tp_seconds:
-        hold = np.array([[plan.tp_seconds.get((stage, kind), 0.0) for kind in kinds]
-                         for stage in range(schedule.num_stages)])
+    holds = plan.holds() if plan is not None else {}
+    if holds:
+        hold = np.array([[holds.get((stage, kind), 0.0) for kind in kinds] for stage in range(schedule.num_stages)])
     twins = plan.twin_transfers if plan is not None else {}
     return engine.StepTiming(seconds, hold, overlapped_pair_seconds(schedule, costs, durations),
                              transfer_wires(schedule, costs, topology, devices, twins), costs.comm_overhead)
@@ -154,7 +154,8 @@ def step_trace(step: engine.StepRun, costs: Costs, topology: Topology, devices: 
     """The Trace of a step the engine ran to its end: pipeline events, then each rank's
     step-level tail (gradient reduction, optimizer)."""
     schedule = step.program.arrays.schedule
-    pipeline = pipeline_columns(step)
+    pipeline = pipeline_columns(step, plan.gather_hold if plan is not None else None,
+                                plan.gather_seconds if plan is not None else None)
     tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead)
     wire, sent_bytes = p2p_wire_and_bytes(step, costs)
     meta = {
@@ -189,10 +190,14 @@ def p2p_wire_and_bytes(step: engine.StepRun, costs: Costs) -> tuple[list[float],
     return wire.tolist(), np.bincount(sender, weights=carried, minlength=ranks).tolist()
 
 
-def pipeline_columns(step: engine.StepRun) -> TraceColumns:
+def pipeline_columns(step: engine.StepRun, gather_hold: dict | None = None,
+                     gather_seconds: dict | None = None) -> TraceColumns:
     """The pipeline's events as Trace columns: compute actions, the tp collectives that
     follow them, receives waited for, sends from posting to arrival, and end-of-step
-    waits."""
+    waits. Under ZeRO-3 a compute action's hold ends with the parameter gathers its
+    compute did not hide (``gather_hold[stage, kind]``): its gathers
+    (``gather_seconds[stage, kind]`` in all) are one ``dp`` event ending with the hold,
+    so the part under the compute is hidden and the rest exposed."""
     program = step.program
     arrays = program.arrays
     parts: list[tuple] = []  # (rank, kind, stage, microbatch, start, end, stream)
@@ -200,10 +205,21 @@ def pipeline_columns(step: engine.StepRun) -> TraceColumns:
                                      program.compute_microbatch)
     parts.append((rank, kind, stage, microbatch, step.start, step.end, _STREAMS.index(COMPUTE)))
     names: list[str | None] = [None] * len(rank)
-    held = np.flatnonzero(step.hold > 0)
+    hold_end = step.end + step.hold
+    tp_hold = step.hold
+    if gather_hold:
+        exposed, gathers = _per_action(gather_hold, stage, kind), _per_action(gather_seconds or {}, stage, kind)
+        tp_hold = step.hold - exposed
+        gathered = np.flatnonzero(gathers > 0)
+        parts.append((rank[gathered], np.full(len(gathered), _KINDS.index(PARAM_GATHER_KIND)), stage[gathered],
+                      microbatch[gathered], hold_end[gathered] - gathers[gathered], hold_end[gathered],
+                      _STREAMS.index(DP)))
+        names += [f"{PARAM_GATHER_KIND}({s}{KINDS[k]}{m})" for s, k, m in zip(
+            stage[gathered].tolist(), kind[gathered].tolist(), microbatch[gathered].tolist(), strict=True)]
+    held = np.flatnonzero(tp_hold > (1e-12 * hold_end if gather_hold else 0.0))  # not float dust of the subtraction
     if len(held):
         parts.append((rank[held], np.full(len(held), _KINDS.index(TP_KIND)), stage[held], microbatch[held],
-                      step.end[held], step.end[held] + step.hold[held], _STREAMS.index(TP)))
+                      step.end[held], step.end[held] + tp_hold[held], _STREAMS.index(TP)))
         names += [f"{TP_KIND}({s}{KINDS[k]}{m})" for s, k, m in zip(stage[held].tolist(), kind[held].tolist(),
                                                                      microbatch[held].tolist(), strict=True)]
     if program.semantics != engine.FREE:
@@ -233,6 +249,17 @@ def pipeline_columns(step: engine.StepRun) -> TraceColumns:
                         columns[3].astype(np.int64), columns[4].astype(float), columns[5].astype(float),
                         columns[6].astype(np.int64), _KINDS, _STREAMS,
                         names if any(name is not None for name in names) else None)
+
+
+def _per_action(table: dict[tuple[int, str], float], stage: np.ndarray, kind: np.ndarray) -> np.ndarray:
+    """``table[stage, kind]`` of every compute action (0 where absent)."""
+    if not len(stage):
+        return np.zeros(0)
+    grid = np.zeros((int(stage.max()) + 1, len(KINDS)))
+    for (row, name), value in table.items():
+        if row < len(grid):
+            grid[row, KINDS.index(name)] = value
+    return grid[stage, kind]
 
 
 def rank_devices_of(schedule: Schedule, topology: Topology, rank_devices: Sequence[str] | None) -> list[str]:

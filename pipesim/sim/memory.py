@@ -2,20 +2,36 @@
 
     static   parameters + gradients + optimizer state, by bytes per parameter
              (default mixed-precision Adam: 2 bf16 weights + 2 bf16 gradients +
-             12 fp32 optimizer: master weights, momentum and variance = 16 bytes);
-             with ZeRO-1 (the distributed optimizer) the optimizer bytes, fp32 master
-             weights included, are sharded over the dp replicas: / dp
+             12 fp32 optimizer: master weights, momentum and variance = 16 bytes),
+             sharded over the dp replicas as the ZeRO stage says (``pipesim.sim.zero``:
+             stage 1 the optimizer bytes, fp32 master weights included; stage 2 the
+             gradients too; stage 3 the weights too)
     buffers  2 x the boundary activation per P2P peer (one for the activation, one for
-             its gradient) and one DDP bucket when data parallel
+             its gradient) and, when data parallel, one gradient bucket (stages 0-2) or
+             ZeRO-3's gathered working set: two layers' parameters (the one computing
+             and the one prefetched) and one layer's whole gradient
     stash    each stage's ``stash_bytes`` for every microbatch whose forward has started
              and whose last backward piece (B, or W when split) has not ended:
              ``schedules.metrics.stash_changes``, read from the Trace
 
 The parameter count of a stage is its ``params`` when the costs know it (a model spec),
 else its ``param_bytes`` over the weights' bytes per parameter (flags and costs files
-give bytes in the weights' dtype). The timeline is a list of ``(time, bytes)`` points
-at every change. Costs that say nothing about memory (``Costs.memory_known`` false) get
-no report: the memory columns read n/a rather than a made-up 0.
+give bytes in the weights' dtype).
+
+A rank is out of memory when its peak exceeds its device's capacity less the
+**headroom** (``--memory-headroom``, default 10% of the device): memory the model never
+gets. The CUDA context takes ~0.3-0.5 GB per process (since CUDA 11.7 loads kernels
+lazily; over 1 GB before: pytorch/pytorch issue 107667); NCCL keeps buffers per
+communicator, channel and peer (``NCCL_BUFFSIZE``, 4 MiB by default, for each of the
+tp, pp and dp communicators a rank joins), a GB or more on a 3-D layout; and the caching
+allocator's blocks are never packed perfectly: Rajbhandari et al. 2020 (section 3.2)
+saw more than 30% of memory free but unusable to fragmentation in extreme cases. 10%
+(8 GB of an 80 GB H100) is a judgement that leaves ~2 GB for the first two and ~6 GB
+(7.5%) for fragmentation; ``--memory-headroom 0`` compares against the whole device.
+
+The timeline is a list of ``(time, bytes)`` points at every change. Costs that say
+nothing about memory (``Costs.memory_known`` false) get no report: the memory columns
+read n/a rather than a made-up 0.
 """
 
 from __future__ import annotations
@@ -27,6 +43,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipesim.model.costs import Costs
+from pipesim.sim.zero import (
+    bytes_per_param_on_device,
+    check_zero,
+    gather_units,
+    gathers_per_layer,
+    optimizer_bytes_per_param,
+    working_bytes,
+)
 from schedules.collector import without_collector
 from schedules.metrics import running_totals, stash_changes
 from schedules.trace import Trace
@@ -48,6 +72,41 @@ class BytesPerParam:
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """Memory a device keeps back from the model (see the module): ``fraction`` of its
+    capacity plus ``fixed_bytes``."""
+
+    fraction: float = 0.0
+    fixed_bytes: float = 0.0
+    text: str = "0"
+
+    def of(self, capacity: float) -> float:
+        """Bytes kept back on a device of ``capacity`` bytes (none on an unbounded one)."""
+        if not math.isfinite(capacity):
+            return 0.0
+        return capacity * self.fraction + self.fixed_bytes
+
+
+DEFAULT_HEADROOM = "10%"
+
+
+def parse_headroom(text: str) -> Headroom:
+    """``"10%"`` (a share of each device's memory) or ``"6"`` (gigabytes) -> ``Headroom``;
+    a one-line error naming the flag otherwise."""
+    value = str(text).strip()
+    percent = value.endswith("%")
+    number = value[:-1] if percent else value.removesuffix("GB").removesuffix("gb")
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = math.nan
+    if not math.isfinite(amount) or amount < 0 or (percent and amount >= 100):
+        raise ValueError(f"--memory-headroom {text!r}: expected a share of each device's memory below 100% "
+                         "(e.g. 10%) or gigabytes >= 0 (e.g. 6)")
+    return Headroom(amount / 100, 0.0, value) if percent else Headroom(0.0, amount * 1e9, value)
 
 
 def parse_bytes_per_param(text: str) -> BytesPerParam:
@@ -75,10 +134,16 @@ class RankMemory:
     peak_stash_bytes: float
     peak_bytes: float
     timeline: tuple[tuple[float, float], ...]
+    headroom_bytes: float = 0.0
+
+    @property
+    def usable_bytes(self) -> float:
+        """What the model may use: the capacity less the headroom."""
+        return self.capacity_bytes - self.headroom_bytes
 
     @property
     def oom(self) -> bool:
-        return self.peak_bytes > self.capacity_bytes
+        return self.peak_bytes > self.usable_bytes
 
 
 @without_collector
@@ -92,36 +157,53 @@ def memory_report(
     dp: int = 1,
     bucket_bytes: float = 0.0,
     zero: int = 0,
+    headroom: Headroom = Headroom(),
 ) -> list[RankMemory]:
-    """Memory of every rank of the simulated pipeline, from its Trace; ``zero=1`` shards
-    the optimizer state over the ``dp`` replicas. Empty when the costs say nothing about
-    memory."""
+    """Memory of every rank of the simulated pipeline, from its Trace, sharded over the
+    ``dp`` replicas as ZeRO stage ``zero`` says, against each device's capacity less
+    ``headroom``. Empty when the costs say nothing about memory."""
     if not costs.memory_known:
         return []
-    if zero not in (0, 1):
-        raise ValueError(f"--zero {zero}: pipesim models ZeRO stage 0 (none) or 1 (sharded optimizer state)")
+    check_zero(zero)
     last_stage = costs.num_stages - 1
     num_ranks = trace.num_ranks
     static = [0.0] * num_ranks
     buffers = [0.0] * num_ranks
-    per_param = static_bytes_per_param(bytes_per_param, dp, zero)
     for stage, cost in enumerate(costs.stages):
         rank = placement[stage]
-        static[rank] += stage_params(cost.params, cost.param_bytes, bytes_per_param) * per_param
+        static[rank] += static_bytes(cost, bytes_per_param, dp, zero)
         if stage > 0 and placement[stage - 1] != rank:
             buffers[rank] += 2 * costs.stages[stage - 1].act_bytes
         if stage < last_stage and placement[stage + 1] != rank:
             buffers[rank] += 2 * cost.act_bytes
     if dp > 1:
-        buffers = [value + bucket_bytes for value in buffers]
+        buffers = [value + reduction_buffer_bytes(costs, placement, rank, bytes_per_param, bucket_bytes, zero)
+                   for rank, value in enumerate(buffers)]
     bases = [static[rank] + buffers[rank] for rank in range(num_ranks)]
     timelines = stash_timelines(trace, costs, bases)
     return [
         RankMemory(rank=rank, device=devices[rank], capacity_bytes=capacities[rank], static_bytes=static[rank],
                    buffer_bytes=buffers[rank], peak_stash_bytes=peak_stash, peak_bytes=bases[rank] + peak_stash,
-                   timeline=timeline)
+                   timeline=timeline, headroom_bytes=headroom.of(capacities[rank]))
         for rank, (peak_stash, timeline) in enumerate(timelines)
     ]
+
+
+def static_bytes(cost, bytes_per_param: BytesPerParam, dp: int, zero: int) -> float:
+    """A stage's parameters, gradients and optimizer state on one device."""
+    return stage_params(cost.params, cost.param_bytes, bytes_per_param) * static_bytes_per_param(
+        bytes_per_param, dp, zero)
+
+
+def reduction_buffer_bytes(costs: Costs, placement: Sequence[int], rank: int, bytes_per_param: BytesPerParam,
+                           bucket_bytes: float, zero: int) -> float:
+    """What a data-parallel rank holds for its collectives: one gradient bucket, or under
+    ZeRO-3 the working set of its largest layer (``pipesim.sim.zero.working_bytes``)."""
+    if not gathers_per_layer(zero):
+        return bucket_bytes
+    units = [stage_params(cost.params, cost.param_bytes, bytes_per_param) / gather_units(cost.layers)
+             for stage, cost in enumerate(costs.stages) if placement[stage] == rank]
+    return working_bytes(max(units, default=0.0), bytes_per_param.weights, bytes_per_param.grads)
 
 
 def stash_timelines(trace: Trace, costs: Costs, bases: list[float]) -> list[tuple[float, tuple]]:
@@ -158,9 +240,17 @@ def stage_params(params: float, param_bytes: float, bytes_per_param: BytesPerPar
 
 def static_bytes_per_param(bytes_per_param: BytesPerParam, dp: int = 1, zero: int = 0) -> float:
     """Bytes each parameter holds on a device: weights + gradients + optimizer state,
-    the optimizer's share / dp under ZeRO-1 (Rajbhandari et al. 2020, P_os)."""
-    optimizer = bytes_per_param.optimizer / dp if zero >= 1 else bytes_per_param.optimizer
-    return bytes_per_param.weights + bytes_per_param.grads + optimizer
+    sharded over ``dp`` as ZeRO stage ``zero`` says (Rajbhandari et al. 2020, Table 1:
+    ``pipesim.sim.zero.bytes_per_param_on_device``)."""
+    return bytes_per_param_on_device(bytes_per_param.weights, bytes_per_param.grads, bytes_per_param.optimizer,
+                                     dp, zero)
+
+
+def optimizer_step_bytes_per_param(bytes_per_param: BytesPerParam, dp: int = 1, zero: int = 0) -> float:
+    """Bytes per parameter the optimizer step passes over on a device
+    (``pipesim.sim.zero.optimizer_bytes_per_param``: the replica's shard under ZeRO)."""
+    return optimizer_bytes_per_param(bytes_per_param.weights, bytes_per_param.grads, bytes_per_param.optimizer,
+                                     dp, zero)
 
 
 def check_memory(report: list[RankMemory]) -> None:
@@ -171,6 +261,8 @@ def check_memory(report: list[RankMemory]) -> None:
                 f"out of memory: rank {rank.rank} on {rank.device} peaks at {rank.peak_bytes / 1e9:.2f} GB "
                 f"(static {rank.static_bytes / 1e9:.2f} GB params+grads+optimizer, "
                 f"stash {rank.peak_stash_bytes / 1e9:.2f} GB, buffers {rank.buffer_bytes / 1e9:.2f} GB) "
-                f"but the device holds {rank.capacity_bytes / 1e9:.2f} GB; "
-                "add pipeline/tensor ranks, fewer microbatches in flight (1F1B), or sequence parallelism"
+                f"but the device holds {rank.capacity_bytes / 1e9:.2f} GB"
+                + (f", {rank.usable_bytes / 1e9:.2f} GB of it usable after the {rank.headroom_bytes / 1e9:.2f} GB "
+                   "headroom (--memory-headroom)" if rank.headroom_bytes else "") + "; "
+                "add pipeline/tensor ranks, fewer microbatches in flight (1F1B), sequence parallelism or --zero"
             )

@@ -26,6 +26,16 @@ pays their collectives:
   reduce-scattered instead of all-reduced (half the ring traffic), and after the
   optimizer step the updated parameters are all-gathered in the same buckets before
   the next step can start (the other half), on the same dp stream.
+- ZeRO-2 (``zero=2``): as ZeRO-1, but every backward's buckets are reduce-scattered, each
+  microbatch's, since a replica keeps only its shard of the gradient
+  (``pipesim.sim.zero``).
+- ZeRO-3 / FSDP (``zero=3``): each layer's parameters are all-gathered before its
+  forward and again before its backward (B, or I when split), the next layer's during
+  this layer's compute; what does not fit under the compute holds the rank after the
+  action, as the tp collectives do (``pipesim.sim.zero.exposed_gather_seconds``), and
+  the gathers are drawn on the dp stream. Each layer's gradient is reduce-scattered
+  on the dp stream as its backward (B, or W) produces it, every microbatch; nothing is
+  gathered after the optimizer step.
 - the optimizer step (``Costs.step_overhead``) follows the rank's last reduction.
 
 - the other replicas' and shards' P2P transfers (``pipesim.cluster.twins``): each simulated
@@ -51,7 +61,15 @@ from pipesim.cluster.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.cluster.twins import boundary_rank_pairs, twin_transfers
 from pipesim.model.costs import Costs
-from pipesim.sim.memory import BytesPerParam
+from pipesim.sim.memory import DEFAULT_HEADROOM, BytesPerParam, Headroom, parse_headroom
+from pipesim.sim.zero import (
+    check_zero,
+    exposed_gather_seconds,
+    gather_units,
+    gathers_after_optimizer,
+    gathers_per_layer,
+    reduces_every_backward,
+)
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceColumns, TraceEvent
@@ -62,7 +80,6 @@ DP_KIND = "ALLREDUCE_DP"
 REDUCE_SCATTER_KIND = "REDUCE_SCATTER_DP"
 PARAM_GATHER_KIND = "ALLGATHER_PARAMS"
 OPTIMIZER_KIND = "OPTIMIZER"
-ZERO_STAGES = (0, 1)
 
 
 @dataclass(frozen=True)
@@ -70,10 +87,9 @@ class ParallelConfig:
     """How the job around the simulated pipeline is laid out and synchronised:
     ``dp`` replicas, ``tp`` shards per pipeline rank, the rank order onto devices,
     DDP bucket size, whether the gradient all-reduce overlaps the last backward, the
-    collective algorithm, the bytes each parameter costs in memory and the ZeRO stage
-    (0: every replica holds the whole optimizer and all-reduces gradients; 1: the
-    optimizer state is sharded over dp, gradients reduce-scattered and parameters
-    all-gathered)."""
+    collective algorithm, the bytes each parameter costs in memory, the ZeRO stage
+    (``pipesim.sim.zero``: 0 all-reduce, 1 optimizer state sharded over dp, 2 gradients
+    too, 3 parameters too) and the memory each device keeps back (``memory_headroom``)."""
 
     dp: int = 1
     tp: int = 1
@@ -83,18 +99,21 @@ class ParallelConfig:
     algorithm: str = "ring"
     bytes_per_param: BytesPerParam = BytesPerParam()
     zero: int = 0
+    memory_headroom: Headroom = parse_headroom(DEFAULT_HEADROOM)
 
     def __post_init__(self) -> None:
-        if self.zero not in ZERO_STAGES:
-            raise ValueError(f"--zero {self.zero} is not supported: use 0 (all-reduce) or 1 (distributed optimizer)")
+        check_zero(self.zero)
 
 
 @dataclass(frozen=True)
 class CommPlan:
     """Seconds the engine charges beyond P2P: ``tp_seconds[stage, kind]`` after each
     compute action; per stage, ``dp_bucket_bytes`` (in reduction order, last layer's
-    first), the seconds of each bucket's gradient reduction (``dp_bucket_seconds``) and,
-    under ZeRO-1, of each bucket's parameter all-gather (``gather_bucket_seconds``)."""
+    first; under ZeRO-3 one per layer), the seconds of each bucket's gradient reduction
+    (``dp_bucket_seconds``) and, under ZeRO-1 and 2, of each bucket's parameter
+    all-gather after the optimizer (``gather_bucket_seconds``). Under ZeRO-3,
+    ``gather_hold[stage, kind]`` is what a compute action waits for its layers'
+    parameter gathers and ``gather_seconds[stage, kind]`` the gathers' whole time."""
 
     tp_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
     dp_bucket_bytes: dict[int, tuple[float, ...]] = field(default_factory=dict)
@@ -104,29 +123,47 @@ class CommPlan:
     zero: int = 0
     stage_layers: dict[int, int] = field(default_factory=dict)
     twin_transfers: dict[tuple[str, str], list[tuple[str, str]]] = field(default_factory=dict)
+    gather_hold: dict[tuple[int, str], float] = field(default_factory=dict)
+    gather_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
 
     @property
     def dp_seconds(self) -> dict[int, float]:
-        """Each stage's whole gradient reduction, seconds."""
+        """Each stage's whole gradient reduction (of one backward under ZeRO-2 and 3), seconds."""
         return {stage: sum(seconds) for stage, seconds in self.dp_bucket_seconds.items()}
+
+    def holds(self) -> dict[tuple[int, str], float]:
+        """What holds a rank after each (stage, compute kind): its tp collectives and,
+        under ZeRO-3, the parameter gathers its compute did not hide."""
+        if not self.gather_hold:
+            return self.tp_seconds
+        return {key: self.tp_seconds.get(key, 0.0) + self.gather_hold.get(key, 0.0)
+                for key in self.tp_seconds.keys() | self.gather_hold.keys()}
 
 
 def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
               bucket_bytes: float = DDP_BUCKET_BYTES, overlap_dp: bool = True, algorithm: str = "ring",
               zero: int = 0) -> CommPlan:
     """The tp and dp collective costs of every stage on its rank's groups."""
+    check_zero(zero)
     bucket_bytes_of: dict[int, tuple[float, ...]] = {}
     reduce_seconds: dict[int, tuple[float, ...]] = {}
     gather_seconds: dict[int, tuple[float, ...]] = {}
+    gather_hold, action_gathers = layer_gathers(schedule, costs, topology, mapping) if gathers_per_layer(zero) \
+        else ({}, {})
     for stage, cost in enumerate(costs.stages):
         group = _dp_group(schedule, stage, mapping)
         if group is None or cost.param_bytes <= 0:
             continue
-        sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
+        if gathers_per_layer(zero):  # one reduce-scatter per layer
+            units = gather_units(cost.layers)
+            sizes = (cost.param_bytes / units,) * units
+        else:
+            sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
         # a stage has thousands of buckets but at most two sizes (full, and the rest): price each size once
         if zero:
             reduce = _per_bucket(sizes, partial(reduce_scatter, topology, group))
-            gather_seconds[stage] = _per_bucket(sizes, partial(all_gather, topology, group))
+            if gathers_after_optimizer(zero):
+                gather_seconds[stage] = _per_bucket(sizes, partial(all_gather, topology, group))
         else:
             reduce = _per_bucket(sizes, partial(all_reduce, topology, group, algorithm=algorithm))
         if sum(reduce) > 0:
@@ -134,7 +171,28 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
             reduce_seconds[stage] = reduce
     layers = {stage: cost.layers for stage, cost in enumerate(costs.stages)}
     return CommPlan(tp_collective_seconds(schedule, costs, topology, mapping, algorithm), bucket_bytes_of,
-                    reduce_seconds, gather_seconds, overlap_dp, zero, layers, _twins(schedule, topology, mapping))
+                    reduce_seconds, gather_seconds, overlap_dp, zero, layers, _twins(schedule, topology, mapping),
+                    gather_hold, action_gathers)
+
+
+def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping
+                  ) -> tuple[dict[tuple[int, str], float], dict[tuple[int, str], float]]:
+    """ZeRO-3: per (stage, compute kind), the seconds its layers' parameter gathers hold
+    the rank after it (``pipesim.sim.zero.exposed_gather_seconds``) and the gathers' whole
+    time. A forward gathers every layer, a backward (B, or I when split) again; W none."""
+    exposed: dict[tuple[int, str], float] = {}
+    whole: dict[tuple[int, str], float] = {}
+    for stage, cost in enumerate(costs.stages):
+        group = _dp_group(schedule, stage, mapping)
+        if group is None or cost.param_bytes <= 0:
+            continue
+        units = gather_units(cost.layers)
+        gather = all_gather(topology, group, cost.param_bytes / units)
+        for kind, compute in ((ActionKind.F, cost.fwd), (ActionKind.B, cost.bwd),
+                              (ActionKind.I, cost.bwd - cost.wgrad)):
+            exposed[stage, kind] = exposed_gather_seconds(units, gather, compute / units)
+            whole[stage, kind] = units * gather
+    return exposed, whole
 
 
 def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
@@ -147,11 +205,7 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         if not (cost.layers and cost.tp_message_bytes):
             continue
         group = mapping.tp_group(0, schedule.placement[stage])
-        if costs.sequence_parallel:
-            one = all_gather(topology, group, cost.tp_message_bytes) + reduce_scatter(
-                topology, group, cost.tp_message_bytes)
-        else:
-            one = all_reduce(topology, group, cost.tp_message_bytes, algorithm)
+        one = tp_collective(topology, group, cost.tp_message_bytes, costs.sequence_parallel, algorithm)
         per_pass = 2 * cost.layers * one
         if per_pass > 0:
             for kind in (ActionKind.F, ActionKind.B, ActionKind.I):
@@ -162,11 +216,28 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
     return seconds
 
 
+def tp_collective(topology: Topology, group: Sequence[str], message_bytes: float, sequence_parallel: bool,
+                  algorithm: str = "ring") -> float:
+    """Seconds of one of a layer's tensor-parallel collectives: an all-reduce of the
+    activation, or with sequence parallelism an all-gather plus a reduce-scatter."""
+    if sequence_parallel:
+        return all_gather(topology, group, message_bytes) + reduce_scatter(topology, group, message_bytes)
+    return all_reduce(topology, group, message_bytes, algorithm)
+
+
+def layer_tp_seconds(topology: Topology, group: Sequence[str], message_bytes: float, sequence_parallel: bool,
+                     full_recompute: bool, algorithm: str = "ring") -> float:
+    """Seconds of tensor-parallel collectives one layer's forward and backward hold a rank
+    for (two in each, two more when full recompute re-runs the forward): what the
+    balanced stage split adds to a layer's compute."""
+    return (6 if full_recompute else 4) * tp_collective(topology, group, message_bytes, sequence_parallel, algorithm)
+
+
 def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
                              bucket_bytes: float = DDP_BUCKET_BYTES) -> dict[int, float]:
-    """Under ZeRO, each stage's whole parameter all-gather after the optimizer step
-    (``comm_plan``'s per bucket, summed)."""
-    totals = {}
+    """Under ZeRO-1 and 2, each stage's whole parameter all-gather after the optimizer
+    step (``comm_plan``'s per bucket, summed)."""
+    totals: dict[int, float] = {}
     for stage, cost in enumerate(costs.stages):
         group = _dp_group(schedule, stage, mapping)
         if group is not None and cost.param_bytes > 0:
@@ -249,75 +320,82 @@ def _bucket_runs(sizes: tuple[float, ...], layers: int) -> tuple[tuple[float, in
 
 
 def _add_buckets(tail: list[TraceEvent], rank: int, stage: int, kind: str, first: int, seconds: tuple[float, ...],
-                 start: float) -> float:
+                 start: float, microbatch: int = -1) -> float:
     """One event for buckets ``first``, ``first + 1``, ... of a stage run back to back from
     ``start`` (each starts as the one before ends); returns when the last one ends."""
     end = start + math.fsum(seconds)
     last = first + len(seconds) - 1
     name = f"{stage}{kind}[{first}]" if last == first else f"{stage}{kind}[{first}-{last}]"
-    tail.append(TraceEvent(rank, name, kind, stage, -1, start, end, "dp"))
+    tail.append(TraceEvent(rank, name, kind, stage, microbatch, start, end, "dp"))
     return end
 
 
-def _place_runs(tail: list[TraceEvent], stages: list[tuple], dp_free: list[float], kind: str) -> None:
-    """Each stage's bucket runs (every bucket as one run without overlap), reduced first
-    come, first served per rank from ``dp_free`` (updated), one event per run."""
-    runs = []  # (ready, stage, first bucket, seconds of each bucket of the run, rank)
-    for stage, rank, start, end, bucket_runs, seconds, rank_end in stages:
+def _place_runs(tail: list[TraceEvent], backwards: list[tuple], dp_free: list[float], kind: str) -> None:
+    """The bucket runs of each backward that releases gradients (every bucket as one run
+    without overlap, ready at ``ready_all``), reduced first come, first served per rank
+    from ``dp_free`` (updated), one event per run."""
+    runs = []  # (ready, stage, first bucket, microbatch, seconds of each bucket of the run, rank)
+    for stage, rank, start, end, microbatch, bucket_runs, seconds, ready_all in backwards:
         if bucket_runs is not None:
             for fraction, first, stop in bucket_runs:
-                runs.append((start + fraction * (end - start), stage, first, seconds[first:stop], rank))
+                runs.append((start + fraction * (end - start), stage, first, microbatch, seconds[first:stop], rank))
         else:
-            runs.append((rank_end, stage, 0, seconds, rank))
-    for ready, stage, first, seconds, rank in sorted(runs):
+            runs.append((ready_all, stage, 0, microbatch, seconds, rank))
+    for ready, stage, first, microbatch, seconds, rank in sorted(runs):
         start = max(dp_free[rank], ready)
-        dp_free[rank] = _add_buckets(tail, rank, stage, kind, first, seconds, start)
+        dp_free[rank] = _add_buckets(tail, rank, stage, kind, first, seconds, start, microbatch)
 
 
-def _tail_scan(columns: TraceColumns, num_ranks: int) -> tuple[np.ndarray, dict, dict]:
-    """Each rank's last end; per stage the (start, end) of its last-ending B or W and the
-    rank that ran it."""
+def _tail_scan(columns: TraceColumns, num_ranks: int, every_backward: bool) -> tuple[np.ndarray, list[tuple]]:
+    """Each rank's last end, and the backwards whose gradients are reduced:
+    ``(stage, rank, start, end, microbatch)`` of each stage's last-ending B or W, or of
+    every one of them (``every_backward``, ZeRO-2 and 3)."""
     rank_end = np.zeros(num_ranks)
     np.maximum.at(rank_end, columns.rank, columns.end)
     grads = np.flatnonzero(columns.on_stream("compute") & np.isin(
         columns.kind, [columns.kind_code(kind) for kind in WEIGHT_GRAD_DONE_KINDS]))
     order = grads[np.lexsort((columns.end[grads], columns.stage[grads]))]
-    last = order[np.r_[columns.stage[order][1:] != columns.stage[order][:-1], True]] if len(order) else order
-    last_grad = {int(columns.stage[row]): (float(columns.start[row]), float(columns.end[row])) for row in last}
-    stage_rank = {int(columns.stage[row]): int(columns.rank[row]) for row in last}
-    return rank_end, last_grad, stage_rank
+    if not every_backward and len(order):
+        order = order[np.r_[columns.stage[order][1:] != columns.stage[order][:-1], True]]
+    backwards = list(zip(columns.stage[order].tolist(), columns.rank[order].tolist(), columns.start[order].tolist(),
+                         columns.end[order].tolist(), columns.microbatch[order].tolist(), strict=True))
+    return rank_end, backwards
 
 
 def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | None,
                       step_overhead: float) -> TraceColumns | None:
     """The gradient reductions (``dp`` stream), optimizer steps (``step`` stream) and,
-    under ZeRO-1, parameter all-gathers (``dp``) of each rank, placed after the pipeline
-    events ``pipeline``; None when the step has none."""
+    under ZeRO-1 and 2, parameter all-gathers (``dp``) of each rank, placed after the
+    pipeline events ``pipeline``; None when the step has none."""
     has_dp = plan is not None and bool(plan.dp_bucket_seconds)
     if not has_dp and step_overhead <= 0:
         return None
-    rank_end, last_grad, stage_rank = _tail_scan(pipeline, num_ranks)
+    every = has_dp and reduces_every_backward(plan.zero)
+    rank_end, backwards = _tail_scan(pipeline, num_ranks, every)
     tail: list[TraceEvent] = []
     dp_free = rank_end.tolist() if not has_dp or not plan.overlap_dp else [0.0] * num_ranks
     if has_dp:
+        if not plan.overlap_dp and every:
+            dp_free = [0.0] * num_ranks  # each backward's gradient goes once that backward is done
         kind = REDUCE_SCATTER_KIND if plan.zero else DP_KIND
         # Buckets are reduced first come, first served per rank. Those of a stage that fill
         # at the same moment (one layer's gradients, or all of them without overlap) run back
         # to back and are one event (``3ALLREDUCE_DP[4-21]``), as the executor records one
         # per stage: a 70B-parameter stage has thousands of 25 MB buckets and a few layers.
-        stages = [  # (stage, rank, its last B/W's start and end, its bucket runs, bucket seconds, rank end)
-            (stage, stage_rank[stage], *last_grad[stage],
-             _bucket_runs(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0)) if plan.overlap_dp else None,
-             seconds, float(rank_end[stage_rank[stage]]))
-            for stage, seconds in plan.dp_bucket_seconds.items() if stage in stage_rank
-        ]
-        _place_runs(tail, stages, dp_free, kind)
+        runs = {stage: _bucket_runs(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0))
+                for stage in plan.dp_bucket_seconds} if plan.overlap_dp else {}
+        _place_runs(tail, [
+            (stage, rank, start, end, microbatch, runs.get(stage), plan.dp_bucket_seconds[stage],
+             end if every else float(rank_end[rank]))
+            for stage, rank, start, end, microbatch in backwards if stage in plan.dp_bucket_seconds
+        ], dp_free, kind)
+    stage_rank = {stage: rank for stage, rank, *_ in backwards}
     for rank in range(num_ranks):
         done = max(float(rank_end[rank]), dp_free[rank])
         if step_overhead > 0:
             tail.append(TraceEvent(rank, OPTIMIZER_KIND, OPTIMIZER_KIND, -1, -1, done, done + step_overhead, "step"))
             done += step_overhead
-        if has_dp and plan.zero:  # every parameter bucket can be gathered once the optimizer step is done
+        if has_dp and plan.gather_bucket_seconds:  # every parameter bucket can be gathered once the optimizer is done
             for stage in sorted(stage for stage, rank_of in stage_rank.items() if rank_of == rank):
                 seconds = plan.gather_bucket_seconds.get(stage, ())
                 if seconds:

@@ -51,6 +51,7 @@ class SimulationResult:
             self.trace, self.costs, self.schedule.placement, devices,
             [self.topology.device_memory(device) for device in devices],
             self.parallel.bytes_per_param, self.parallel.dp, self.parallel.bucket_bytes, self.parallel.zero,
+            self.parallel.memory_headroom,
         )
 
     @cached_property
@@ -115,6 +116,7 @@ class SimulationResult:
                 "buffer_bytes": memory.buffer_bytes,
                 "peak_stash_bytes": memory.peak_stash_bytes,
                 "capacity_bytes": capacity if capacity != float("inf") else None,
+                "headroom_bytes": memory.headroom_bytes,
                 "oom": memory.oom,
             },
         }
@@ -177,11 +179,16 @@ class SimulationResult:
             capacity = f"{memory.capacity_bytes / 1e9:>9.2f}" if bounded else f"{'-':>9}"
             flag = "  OOM" if memory and memory.oom else ""
             lines.append(f"  {rank:>4}  {'  '.join(cells)}  {peak}  {capacity}{flag}")
+        headroom = max((memory.headroom_bytes for memory in self.memory), default=0.0)
+        if headroom > 0:
+            lines.append(f"  (a rank may use its capacity less {headroom / 1e9:.2f} GB of headroom: "
+                         f"--memory-headroom {self.parallel.memory_headroom.text})")
         for memory in self.memory:
             if memory.oom:
                 lines.append(
                     f"  warning: rank {memory.rank} on {memory.device} needs {memory.peak_bytes / 1e9:.2f} GB "
-                    f"but the device holds {memory.capacity_bytes / 1e9:.2f} GB (out of memory)"
+                    f"but the device holds {memory.capacity_bytes / 1e9:.2f} GB, {memory.usable_bytes / 1e9:.2f} GB "
+                    "of it usable (out of memory)"
                 )
         return lines
 
