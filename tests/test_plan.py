@@ -23,18 +23,32 @@ def small_space(**changes) -> SearchSpace:
     return SearchSpace(**fields)
 
 
+TOO_MANY_STAGES = "more stages (pp x virtual stages) than layers + 2 (an embedding-only and a head-only chunk)"
+
+
 def test_enumeration_matches_a_hand_count():
     # tp in {1, 2, 4}; pp | 8 GPUs / tp and pp <= 8 layers: tp1 -> pp 1,2,4,8; tp2 -> 1,2,4; tp4 -> 1,2.
     # 9 (tp, pp) pairs; dp = 8 / (tp pp); mbs in {1, 2} always divides 16 / dp here (dp <= 8).
-    # 1f1b: 9 x 2 = 18 layouts; interleaved v2 needs 8 % (2 pp) == 0: pp in {1, 2, 4} -> 7 pairs
-    # (tp1: 1,2,4; tp2: 1,2,4; tp4: 1,2) = 8 pairs x 2 = 16 layouts, and pp 8 rejected twice (mbs 1, 2).
+    # 1f1b: 9 x 2 = 18 layouts; interleaved v2 needs 2 pp <= 8 layers + 2: pp in {1, 2, 4}
+    # (tp1: 1,2,4; tp2: 1,2,4; tp4: 1,2) = 8 pairs x 2 = 16 layouts, and pp 8 ruled out twice (mbs 1, 2).
     layouts, rejected = enumerate_layouts(small_space())
     assert len([layout for layout in layouts if layout.schedule == "1f1b"]) == 18
     assert len([layout for layout in layouts if layout.schedule == "interleaved-1f1b"]) == 16
-    assert rejected["layers not divisible by pp x virtual stages"] == 2
+    assert rejected[TOO_MANY_STAGES] == 2
     for layout in layouts:
         assert layout.pp * layout.tp * layout.dp == 8
         assert layout.microbatches * layout.dp * layout.microbatch_size == 16
+
+
+def test_layers_need_not_divide_the_stages_and_each_split_is_chosen_not_enumerated():
+    # 7 layers: no pp > 1 divides them, yet every (pp, v) with pp v <= 9 stays a layout, one
+    # per (pp, v), as with 8: interleaved pp 4 v 2 (8 stages, one split of 7 layers) is one
+    # layout, not one per split. pp 8 x v 2 = 16 > 9 stays ruled out.
+    seven, rejected = enumerate_layouts(small_space(layers=7))
+    eight, _ = enumerate_layouts(small_space(layers=8))
+    assert [layout.label() for layout in seven] == [layout.label() for layout in eight]
+    assert rejected[TOO_MANY_STAGES] == 2
+    assert any(layout.pp * layout.virtual_stages == 8 for layout in seven)
 
 
 def test_tp_must_divide_kv_heads_and_batch_must_divide():
@@ -84,21 +98,22 @@ def test_lower_bound_never_exceeds_the_simulated_step(small_model_worker):
 
 @pytest.mark.parametrize("schedule", [*GENERATORS, "zb-auto"])
 def test_lower_bound_holds_for_every_schedule_across_nodes(schedule):
-    # Two 8-GPU InfiniBand nodes, so transfers cross links with latency; tp, dp, ZeRO-1 and
-    # recompute vary. A split backward (zb-*, zbv, dualpipev) may end a rank on weight
-    # gradients: a bound that still adds the input gradients' trip back would exceed the step.
+    # Two 8-GPU InfiniBand nodes, so transfers cross links with latency; tp, dp, ZeRO 0-3 and
+    # recompute vary (ZeRO-3's gathers hold ranks after their compute, as tp collectives do).
+    # A split backward (zb-*, zbv, dualpipev) may end a rank on weight gradients: a bound
+    # that still adds the input gradients' trip back would exceed the step.
     plan_command._init_worker(Job(model="gpt3-1.3b", topology="ib", nodes=2))
     chunks = 2 if schedule in MULTI_CHUNK else 1
     checked = 0
     for pp, tp, dp, microbatches in ((4, 2, 2, 8), (8, 1, 2, 16), (4, 1, 4, 4), (2, 4, 2, 8)):
-        for zero, recompute in ((0, "none"), (1, "full")):
+        for zero, recompute in ((0, "none"), (1, "full"), (2, "none"), (3, "selective")):
             layout = Layout(schedule, pp, tp, dp, chunks, 1, microbatches, recompute, zero)
             row = plan_command.evaluate_layout(layout)
             if "error" in row:
                 continue
             checked += 1
             assert plan_command.lower_bound(layout) <= row["step_time"] * (1 + 1e-9), layout.label()
-    assert checked >= 4
+    assert checked >= 8
 
 
 def test_pruning_keeps_the_same_top(small_model_worker):
@@ -206,7 +221,8 @@ def test_memory_floor_only_rejects_layouts_the_simulation_finds_out_of_memory():
     plan_command._init_worker(Job(model="gpt3-13b", topology="nvlink", nodes=1, gpu="a100-40gb"))
     layouts, _ = enumerate_layouts(SearchSpace(
         gpus=8, gpus_per_node=8, global_batch=16, layers=40, heads=40, kv_heads=40,
-        schedules=("gpipe", "1f1b", "zbv", "dualpipev", "interleaved-1f1b"), microbatch_sizes=(1,), zero=(0, 1)))
+        schedules=("gpipe", "1f1b", "zbv", "dualpipev", "interleaved-1f1b"), microbatch_sizes=(1,),
+        zero=(0, 1, 2, 3)))
     screened = [layout for layout in layouts if plan_command.reject_cause(layout)]
     assert {layout.schedule for layout in screened} >= {"1f1b", "zbv"}  # looped and V placements
     assert screened, "the case must exercise the floor (gpt3-13b does not fit one 40 GB GPU)"
@@ -266,3 +282,66 @@ def test_plan_writes_the_best_layout_for_torchtitan_as_export_does(tmp_path, cap
     for name in ("schedule.csv", "schedule-lowered.csv", "torchtitan.toml"):  # the config names its own folder
         planned = (tmp_path / "planned" / name).read_text().replace(str(tmp_path / "planned"), "DIR")
         assert planned == (tmp_path / "exported" / name).read_text().replace(str(tmp_path / "exported"), "DIR"), name
+
+
+def test_the_headroom_is_kept_back_alike_by_the_floor_and_by_simulate():
+    # gpt3-13b, 1F1B pp 4 dp 2 ZeRO-1 on 40 GB A100s: parameters, optimizer state and one
+    # stash alone need 37.7 GB on some rank. Without headroom the floor lets it through; with
+    # the default 10% (36 GB usable) it is rejected, and simulate calls the same layout out of
+    # memory with that headroom (its peak is above the floor) and not with 0 when it fits.
+    layout = Layout("1f1b", 4, 1, 2, 1, 1, 8, "none", 1)
+    verdicts = {}
+    for headroom in ("0", "10%"):
+        plan_command._init_worker(Job(model="gpt3-13b", topology="nvlink", nodes=1, gpu="a100-40gb",
+                                      memory_headroom=headroom))
+        floor = max(floor for floor, _ in plan_command._memory_floors(layout))
+        assert 36e9 < floor < 40e9
+        verdicts[headroom] = (plan_command.reject_cause(layout), plan_command.evaluate_layout(layout))
+    assert verdicts["0"][0] is None
+    assert verdicts["10%"][0] == "out of memory (parameters, optimizer state and one stash alone, with the headroom)"
+    row = verdicts["0"][1]
+    assert row["oom"] == (row["peak_memory_bytes"] > 40e9)
+    job = plan_command.layout_job(layout)
+    from pipesim.job import simulate_job
+
+    result = simulate_job(job)  # the 10% job set up last: out of memory, as the floor said
+    assert result.oom and all(memory.usable_bytes == pytest.approx(36e9) for memory in result.memory)
+
+
+def test_every_considered_layout_lands_in_exactly_one_bucket_with_zero_stages_and_uneven_splits(small_model_worker):
+    # gpt3-1.3b's 24 layers over pp x v up to 8 x 4 = 32 stages: most splits are uneven.
+    layouts, ruled_out = enumerate_layouts(SearchSpace(
+        gpus=8, gpus_per_node=8, global_batch=16, layers=24, heads=16, kv_heads=16,
+        schedules=("1f1b", "interleaved-1f1b", "zbv"), microbatch_sizes=(1, 2), virtual_stages=(2, 4),
+        zero=(0, 1, 2, 3), recompute=("none", "full")))
+    assert {layout.zero for layout in layouts} == {0, 1, 2, 3}
+    assert any(24 % (layout.pp * layout.virtual_stages) for layout in layouts)
+    result = search(layouts, small_model_worker.evaluate_layout, small_model_worker.lower_bound, top=3,
+                    rejected=ruled_out, reject=small_model_worker.reject_cause)
+    seen = [row["layout"] for row in result.rows] + [other["layout"] for other in result.others]
+    assert sorted(seen) == sorted(layout.label() for layout in layouts)  # each once
+    buckets = sum(result.ruled_out.values()) + sum(result.screened.values()) + result.simulated + result.pruned
+    assert buckets == result.considered == len(layouts) + sum(ruled_out.values())
+    assert result.ranked + sum(result.failed.values()) == result.simulated
+
+
+def test_plan_matches_simulate_for_a_zero3_layout_with_an_uneven_split(tmp_path):
+    # 24 layers over 4 ranks x 4 chunks = 16 stages: the balanced split, chosen alike by both
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--global-batch", "16", "--topology", "nvlink",
+                 "--schedules", "interleaved-1f1b", "--virtual-stages", "4", "--microbatch-sizes", "1",
+                 "--constraint", "pp=4", "--constraint", "zero=3", "--top", "1", "--workers", "1",
+                 "--json", str(out)]) == 0
+    best = json.loads(out.read_text())["ranked"][0]
+    assert (best["zero"], best["pp"], best["virtual_stages"]) == (3, 4, 4)
+    result = tmp_path / "simulate.json"
+    assert main(["simulate", "--model", "gpt3-1.3b", "--topology", "nvlink", "--nodes", "1",
+                 "--schedule", "interleaved-1f1b", "-v", "4", "--pp", "4", "--tp", str(best["tp"]),
+                 "--dp", str(best["dp"]), "-m", str(best["microbatches"]), "--microbatch-size", "1",
+                 "--recompute", best["recompute"], "--zero", "3",
+                 *(["--sequence-parallel"] if best["sequence_parallel"] else []), "--json", str(result)]) == 0
+    simulated = json.loads(result.read_text())
+    assert simulated["makespan"] == pytest.approx(best["step_time"], rel=1e-12)
+    # 24 layers over 16 stages, the output layer weighing 1.7 layers: the last stage holds it alone
+    layers = [stage["layers"] for stage in simulated["stage_costs"]]
+    assert layers[-1] == 0 and set(layers[:-1]) == {1, 2} and sum(layers) == 24

@@ -104,7 +104,7 @@ def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
     rejected: Counter = Counter()
     layouts = []
     for tp in _powers_of_two(space.gpus_per_node):
-        for pp in range(1, space.layers + 1):
+        for pp in range(1, space.layers + 3):  # a first and a last stage may hold no layer
             if space.gpus % (tp * pp):
                 continue  # not a split of the GPUs at all: not a layout, not counted
             dp = space.gpus // (tp * pp)

@@ -1,0 +1,95 @@
+"""Uneven stages: the default split balances each stage's compute, the output layer on the
+last stage included (Meta's Llama 3 405B split falls out of it), and a stage given by hand
+may hold no layer only at either end."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pipesim.cli import main
+from pipesim.model.spec import ModelSpecError, model_costs, model_spec
+from pipesim.model.stage_split import check_layers_per_stage, split_layers
+
+PEAK = 1e15
+FREE_HBM = {"fallback_memory_bandwidth": math.inf}  # FLOPs only: memory-bound kernels cost nothing
+
+
+def llama_ratio(h: int, kv: int, f: int, s: int, vocab: int) -> float:
+    """The output layer's forward FLOPs per token over one Llama layer's, by hand: the
+    layer's GEMMs 2(h(h + 2kv) + h^2 + 3hf) and attention 4sh, the logits 2hV (the
+    backward is twice the forward for both, so the ratio holds for F + B)."""
+    layer = 2 * (h * (h + 2 * kv) + h * h + 3 * h * f) + 4 * s * h
+    return 2 * h * vocab / layer
+
+
+def test_llama3_405b_splits_as_meta_did():
+    # 126 layers; the output layer costs 0.61 of a layer (by hand: 4.20 / 6.91 GFLOP per token).
+    # 16 stages: a slowest stage of 8 layers holds 15 x 8 + 7 (7 + 0.61 <= 8) = 127 >= 126,
+    # one of 7.61 only 112: one layer too many, taken off the heaviest and outermost: the
+    # first stage. 128 stages (16 ranks x 8 chunks): 1 layer each holds 127 (the last stage
+    # only its output layer), one too many again: the first stage holds the embedding alone.
+    ratio = llama_ratio(16384, 8 * 128, 53248, 8192, 128256)
+    assert ratio == pytest.approx(4_202_692_608 / 6_912_212_992)
+    assert split_layers(126, 16, last_extra=ratio) == [7] + [8] * 14 + [7]
+    assert split_layers(126, 128, last_extra=ratio) == [0] + [1] * 126 + [0]
+    spec = model_spec("llama3-405b")
+    for stages, expected in ((16, [7] + [8] * 14 + [7]), (128, [0] + [1] * 126 + [0])):
+        costs = model_costs(spec, stages, [PEAK] * stages, mfu=0.5, **FREE_HBM)
+        assert costs.meta["layers_per_stage"] == expected
+
+
+def test_llama3_8b_gives_the_last_stage_fewer_layers_for_its_output_layer():
+    # The 128,256-row output layer costs 1.84 layers (1.05 / 0.57 GFLOP per token). On 4
+    # stages a slowest stage of 9 layers holds 9 + 9 + 9 + 7 = 34 >= 32 (8.84 holds 31):
+    # two too many, off the heaviest and outermost: stage 0, then stage 1 (the last stage,
+    # at 7 + 1.84, is not among the heaviest). Slowest stage 9 layers' time against 9.84
+    # for the even split.
+    ratio = llama_ratio(4096, 8 * 128, 14336, 8192, 128256)
+    assert ratio == pytest.approx(1_050_673_152 / 570_425_344)
+    assert split_layers(32, 4, last_extra=ratio) == [8, 8, 9, 7]
+    spec = model_spec("llama3-8b")
+    costs = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, **FREE_HBM)
+    assert costs.meta["layers_per_stage"] == [8, 8, 9, 7]
+    layer = spec.layer_flops() / (PEAK * 0.5)
+    assert costs.stages[2].fwd == pytest.approx(9 * layer)
+    assert costs.stages[3].fwd == pytest.approx((7 + ratio) * layer)
+    assert max(stage.fwd for stage in costs.stages) == pytest.approx(9 * layer)
+    even = model_costs(spec, 4, [PEAK] * 4, mfu=0.5, layers_per_stage=[8] * 4, **FREE_HBM)
+    assert max(stage.fwd for stage in even.stages) == pytest.approx((8 + ratio) * layer)
+
+
+def test_without_an_output_layer_the_split_is_even_with_the_extra_layers_in_the_middle():
+    assert split_layers(8, 4) == [2, 2, 2, 2]
+    assert split_layers(10, 4) == [2, 3, 3, 2]
+    assert split_layers(9, 4) == [2, 2, 3, 2]
+    assert split_layers(3, 4) == [0, 1, 1, 1]  # the first stage: the embedding alone
+    assert split_layers(2, 4) == [0, 1, 1, 0]
+    with pytest.raises(ModelSpecError, match="1 layers, too few for 4 stages .*at most 3"):
+        split_layers(1, 4)
+
+
+def test_layers_per_stage_may_leave_only_the_ends_without_a_layer():
+    assert check_layers_per_stage([0, 16, 16, 0], 32, 4) == [0, 16, 16, 0]
+    with pytest.raises(ModelSpecError, match="stage 1 holds no layer; only the first stage"):
+        check_layers_per_stage([16, 0, 16, 0], 32, 4)
+    with pytest.raises(ModelSpecError, match="a stage holds 0 layers or more"):
+        check_layers_per_stage([17, -1, 16, 0], 32, 4)
+    with pytest.raises(ModelSpecError, match="sums to 31 but the model has 32 layers"):
+        check_layers_per_stage([0, 16, 15, 0], 32, 4)
+
+
+def test_embedding_only_and_head_only_chunks_on_the_command_line(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["simulate", "--model", "llama3-8b", "--schedule", "interleaved-1f1b", "--pp", "2", "-v", "2",
+                 "-m", "4", "--layers-per-stage", "0,16,16,0", "--json", str(out)]) == 0
+    stages = json.loads(out.read_text())["stage_costs"]
+    assert [stage["layers"] for stage in stages] == [0, 16, 16, 0]
+    assert stages[0]["params"] == 128256 * 4096  # the embedding alone
+    assert stages[3]["params"] == 4096 + 128256 * 4096  # the final norm and the output layer
+    code = main(["simulate", "--model", "llama3-8b", "--schedule", "interleaved-1f1b", "--pp", "2", "-v", "2",
+                 "-m", "4", "--layers-per-stage", "16,0,16,0"])
+    assert code == 2
+    assert "--layers-per-stage 16,0,16,0: stage 1 holds no layer" in capsys.readouterr().err

@@ -1,0 +1,151 @@
+"""ZeRO stages 0-3: memory per parameter against Rajbhandari et al. 2020 (Table 1), and
+each stage's collectives in a step against hand calculations on a two-replica pair."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipesim.cli import main
+from pipesim.cluster.files import topology_from_dict
+from pipesim.model.costs import Costs, StageCost
+from pipesim.sim.memory import BytesPerParam, static_bytes_per_param
+from pipesim.sim.parallel import ParallelConfig
+from pipesim.sim.step import run_simulation
+from pipesim.sim.zero import exposed_gather_seconds
+from schedules import generate
+
+# Two replicas joined by a 10 GB/s link each way, no latency: reduce-scatter and
+# all-gather over n = 2 move (n-1)/n * S = S/2 bytes.
+PAIR = {
+    "devices": [{"name": "g0", "memory_bytes": 80e9}, {"name": "g1", "memory_bytes": 80e9}],
+    "links": [{"src": "g0", "dst": "g1", "bandwidth": 10e9, "latency": 0.0}],
+}
+MB = 1e6
+
+
+# Rajbhandari et al. 2020, Table 1: memory per device (GB) of a 7.5B- and a 128B-parameter
+# model with mixed-precision Adam (K = 12) on N_d data-parallel devices, for P_os (stage 1),
+# P_os+g (stage 2) and P_os+g+p (stage 3).
+TABLE_1 = {
+    (7.5e9, 1): (120, 120, 120),
+    (7.5e9, 4): (52.5, 41.3, 30),
+    (7.5e9, 16): (35.6, 21.6, 7.5),
+    (7.5e9, 64): (31.4, 16.6, 1.88),
+    (7.5e9, 256): (30.4, 15.4, 0.47),
+    (7.5e9, 1024): (30.1, 15.1, 0.12),
+    (128e9, 64): (536, 284, 32),
+    (128e9, 1024): (513, 257, 2),
+}
+
+
+@pytest.mark.parametrize("params,devices", list(TABLE_1))
+def test_memory_per_device_is_the_papers_table_1(params, devices):
+    published = TABLE_1[params, devices]
+    for stage, figure in zip((1, 2, 3), published, strict=True):
+        ours = params * static_bytes_per_param(BytesPerParam(2, 2, 12), devices, stage) / 1e9
+        assert ours == pytest.approx(figure, rel=0.01, abs=0.006), (params, devices, stage)
+    assert params * static_bytes_per_param(BytesPerParam(), devices, 0) / 1e9 == pytest.approx(16 * params / 1e9)
+
+
+def test_a_simulated_step_holds_the_sharded_static_memory_and_the_zero3_working_set():
+    # One stage of 1e9 parameters in 4 layers on dp 2: static 16, 2+2+6, 2+7, 8 bytes per
+    # parameter. Buffers: one 25 MiB bucket for stages 0-2; under ZeRO-3 two layers'
+    # weights (2 x 0.25e9 x 2 bytes) and one layer's gradient (0.25e9 x 2) = 1.5e9 bytes.
+    costs = Costs(stages=(StageCost(fwd=4e-3, bwd=10e-3, param_bytes=2e9, params=1e9, layers=4),))
+    expected = {0: 16e9, 1: 10e9, 2: 9e9, 3: 8e9}
+    for zero, static in expected.items():
+        result = run_simulation(generate("1f1b", 1, 2), costs, topology_from_dict(PAIR),
+                                parallel=ParallelConfig(dp=2, zero=zero))
+        (memory,) = result.memory
+        assert memory.static_bytes == pytest.approx(static)
+        assert memory.buffer_bytes == pytest.approx(1.5e9 if zero == 3 else 25 * 2**20)
+
+
+def one_stage(param_bytes: float = 100 * MB, layers: int = 0, optimizer: float = 1e-3) -> Costs:
+    """pp = 1: one stage of F = 4 ms, B = 10 ms, two microbatches (F0 B0 F1 B1 in 1F1B)."""
+    return Costs(stages=(StageCost(fwd=4e-3, bwd=10e-3, param_bytes=param_bytes, layers=layers),),
+                 step_overhead=optimizer)
+
+
+def spans(result, kind: str) -> list[float]:
+    events = sorted((event for event in result.trace.events if event.kind == kind), key=lambda event: event.start)
+    return [moment for event in events for moment in (event.start, event.end)]
+
+
+def test_zero2_reduce_scatters_every_backward_then_gathers_after_the_optimizer():
+    # 100 MB in 40 MB buckets reduce-scatter in 2, 2, 1 ms (S/2 at 10 GB/s), as they fill:
+    # at 40%, 80% and 100% of each backward. B0 runs 4..14 ms: 8..10, 12..14, 14..15;
+    # B1 18..28 ms: 22..24, 26..28, 28..29. Optimizer 29..30 ms, then the parameters'
+    # all-gather in the same buckets, 2 + 2 + 1 ms: 30..35 ms.
+    result = run_simulation(generate("1f1b", 1, 2), one_stage(), topology_from_dict(PAIR),
+                            parallel=ParallelConfig(dp=2, bucket_bytes=40 * MB, zero=2))
+    assert spans(result, "REDUCE_SCATTER_DP") == pytest.approx(
+        [8e-3, 10e-3, 12e-3, 14e-3, 14e-3, 15e-3, 22e-3, 24e-3, 26e-3, 28e-3, 28e-3, 29e-3])
+    assert spans(result, "ALLGATHER_PARAMS") == pytest.approx([30e-3, 35e-3])
+    assert result.metrics.makespan == pytest.approx(35e-3)
+    (rank,) = result.metrics.ranks
+    # exposed: 14..15 is hidden by F1, 28..29 and the gather 30..35 are not
+    assert (rank.dp, rank.optimizer) == pytest.approx((6e-3, 1e-3))
+    (comm,) = result.comm
+    assert comm["dp"]["total"] == pytest.approx(15e-3)
+
+
+def test_zero3_gathers_every_layer_before_forward_and_backward_with_prefetch():
+    # 100 MB in 4 layers of 25 MB: a layer's gather takes 25 MB / 2 / 10 GB/s = 1.25 ms and
+    # so does its reduce-scatter. Forward: 1 ms per layer, so the first gather is waited
+    # for whole and each later one 0.25 ms beyond the layer before it: 1.25 + 3 x 0.25 =
+    # 2 ms held after each F. Backward: 2.5 ms per layer hides every gather but the first:
+    # 1.25 ms held after each B.
+    # F0 0..4 + 2, B0 6..16 + 1.25, F1 17.25..21.25 + 2, B1 23.25..33.25 + 1.25 = 34.5 ms;
+    # each layer's gradient is reduce-scattered as its quarter of a backward ends: B0's at
+    # 8.5, 11, 13.5, 16 ms, B1's at 25.75, 28.25, 30.75, 33.25 ms. Optimizer 34.5..35.5 ms;
+    # nothing is gathered after it.
+    result = run_simulation(generate("1f1b", 1, 2), one_stage(layers=4), topology_from_dict(PAIR),
+                            parallel=ParallelConfig(dp=2, zero=3))
+    compute = sorted((event.start, event.end) for event in result.trace.events if event.stream == "compute")
+    assert [moment for span in compute for moment in span] == pytest.approx(
+        [0, 4e-3, 6e-3, 16e-3, 17.25e-3, 21.25e-3, 23.25e-3, 33.25e-3])
+    starts = [8.5e-3, 11e-3, 13.5e-3, 16e-3, 25.75e-3, 28.25e-3, 30.75e-3, 33.25e-3]
+    assert spans(result, "REDUCE_SCATTER_DP") == pytest.approx(
+        [moment for start in starts for moment in (start, start + 1.25e-3)])
+    # each action's four gathers (5 ms) drawn as one event ending when its hold ends
+    assert spans(result, "ALLGATHER_PARAMS") == pytest.approx(
+        [1e-3, 6e-3, 12.25e-3, 17.25e-3, 18.25e-3, 23.25e-3, 29.5e-3, 34.5e-3])
+    assert result.metrics.makespan == pytest.approx(35.5e-3)
+    (rank,) = result.metrics.ranks
+    # exposed: the four holds, 2 + 1.25 + 2 + 1.25 ms (B0's last reduce-scatter runs in B0's hold)
+    assert (rank.busy, rank.dp, rank.optimizer) == pytest.approx((28e-3, 6.5e-3, 1e-3))
+    (comm,) = result.comm
+    assert comm["dp"]["total"] == pytest.approx(4 * 5e-3 + 8 * 1.25e-3)
+
+
+def test_zero3_split_backward_gathers_before_the_input_gradient_and_reduces_after_the_weight_gradient():
+    # ZB-H1 on one stage splits B = 10 ms into I = 6 ms and W = 4 ms: I hides 1.5 ms a
+    # layer (gathers 1.25 ms: only the first is waited for), W needs no parameters.
+    costs = Costs(stages=(StageCost(fwd=4e-3, bwd=10e-3, wgrad=4e-3, param_bytes=100 * MB, layers=4),))
+    result = run_simulation(generate("zb-h1", 1, 2), costs, topology_from_dict(PAIR),
+                            parallel=ParallelConfig(dp=2, zero=3))
+    holds = {event.action: event.end - event.start for event in result.trace.events if event.stream == "dp"
+             and event.kind == "ALLGATHER_PARAMS"}
+    assert sorted(name[name.index("(") + 1:-1][1] for name in holds) == ["F", "F", "I", "I"]
+    scatter = [event for event in result.trace.events if event.kind == "REDUCE_SCATTER_DP"]
+    weight = [event for event in result.trace.events if event.stream == "compute" and event.kind == "W"]
+    assert len(scatter) == 8 and {event.microbatch for event in scatter} == {0, 1}
+    for event in scatter:  # each after a quarter of its microbatch's W
+        (w,) = [action for action in weight if action.microbatch == event.microbatch]
+        assert event.start >= w.start + 1e-3 - 1e-12
+
+
+def test_exposed_gather_seconds_by_hand():
+    assert exposed_gather_seconds(4, 1.25, 1.0) == pytest.approx(2.0)
+    assert exposed_gather_seconds(4, 1.25, 2.5) == pytest.approx(1.25)
+    assert exposed_gather_seconds(1, 3.0, 0.5) == pytest.approx(3.0)
+    assert exposed_gather_seconds(8, 0.0, 1.0) == 0.0
+
+
+def test_zero_stages_on_the_command_line(tmp_path, capsys):
+    for zero in (2, 3):
+        out = tmp_path / f"zero{zero}.json"
+        assert main(["simulate", "--pp", "2", "-m", "4", "--dp", "2", "--zero", str(zero), "--topology", "nvlink",
+                     "--param-bytes", "2e9", "--json", str(out)]) == 0
+        assert f'"zero": {zero}' in out.read_text()
