@@ -205,7 +205,7 @@ def _progress(args: argparse.Namespace):
 def _init_worker(base: Job) -> None:
     _BASE["job"] = base
     _BASE["topology"] = topology_of(base)
-    for cache in (_layout_costs, _bound, _floors):  # what they kept belongs to the job set up before
+    for cache in (_layout_costs, _bound, _floors, _pipeline_devices):  # they kept the job set up before
         cache.cache_clear()
 
 
@@ -259,7 +259,7 @@ def _bound(costs, placement: tuple[int, ...], microbatches: int, split: bool, fu
     pp = max(placement) + 1
     shell = Schedule(pp, microbatches, placement, [()] * pp)
     mapping = map_ranks(topology, dp, pp, tp, parallel.rank_order)
-    devices = mapping.pipeline()
+    devices = _pipeline_devices(dp, pp, tp, parallel.rank_order)
     holds = tp_collective_seconds(shell, costs, topology, mapping, parallel.algorithm)
     if gathers_per_layer(parallel.zero):  # the layers' gathers hold a rank as the tp collectives do
         held = layer_gathers(shell, costs, topology, mapping)[0]
@@ -311,16 +311,24 @@ def _memory_floors(layout: Layout) -> list[tuple[float, float]] | None:
 @functools.lru_cache(maxsize=4096)
 def _floors(costs, placement: tuple[int, ...], parallel, dp: int, tp: int) -> list[tuple[float, float]]:
     """``_memory_floors`` of what it depends on, kept (layouts of several schedules share it)."""
-    from pipesim.cluster.mapping import map_ranks
     from pipesim.sim.memory import static_bytes
 
     topology = _BASE["topology"]
-    devices = map_ranks(topology, dp, max(placement) + 1, tp, parallel.rank_order).pipeline()
+    devices = _pipeline_devices(dp, max(placement) + 1, tp, parallel.rank_order)
     floors = memory_floor(costs, placement, lambda stage: static_bytes(costs.stages[stage], parallel.bytes_per_param,
                                                                        dp, parallel.zero))
     capacities = [topology.device_memory(device) for device in devices]
     return [(floor, capacity - parallel.memory_headroom.of(capacity))
             for floor, capacity in zip(floors, capacities, strict=True)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _pipeline_devices(dp: int, pp: int, tp: int, rank_order: str) -> list[str]:
+    """The simulated pipeline's devices of a layout's mapping, kept: floors and bounds of
+    many layouts share a mapping."""
+    from pipesim.cluster.mapping import map_ranks
+
+    return map_ranks(_BASE["topology"], dp, pp, tp, rank_order).pipeline()
 
 
 @without_collector  # paused for the whole layout: its Trace is freed before the collector runs again

@@ -92,15 +92,24 @@ def _capacity(slowest: float, extra: float) -> int:
 
 def _least_slowest_stage(layers: int, extras: list[float]) -> float:
     """The least slowest-stage time (in layers) under which the stages hold every layer,
-    each middle stage at least one."""
+    each middle stage at least one: the least ``count + extra`` (a candidate per distinct
+    extra) that holds them, each found by a binary search over ``count``."""
     floor = max(1.0, *extras)  # a middle stage holds a layer; an end stage its extra
-    candidates = sorted({count + extra for count in range(layers + 2) for extra in set(extras)
-                         if count + extra >= floor - 1e-12})
-    low, high = 0, len(candidates) - 1  # the largest candidate holds every layer on one stage
-    while low < high:
-        middle = (low + high) // 2
-        if sum(_capacity(candidates[middle], extra) for extra in extras) >= layers:
-            high = middle
-        else:
-            low = middle + 1
-    return candidates[low]
+    stages_of = {extra: extras.count(extra) for extra in set(extras)}
+
+    def holds(slowest: float) -> bool:
+        return sum(count * _capacity(slowest, extra) for extra, count in stages_of.items()) >= layers
+
+    best = math.inf
+    for extra in stages_of:
+        low = max(0, math.ceil(floor - extra - 1e-12))
+        high = layers + 1  # every layer on one stage fits
+        while low < high:
+            middle = (low + high) // 2
+            if holds(middle + extra):
+                high = middle
+            else:
+                low = middle + 1
+        if holds(low + extra):
+            best = min(best, low + extra)
+    return best

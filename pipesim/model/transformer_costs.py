@@ -103,9 +103,14 @@ def model_costs(
         return finite_peak(stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0,
                            fallback_memory_bandwidth)
 
+    models_of: dict[tuple, ComputeModel] = {}  # stages on alike devices share one
+
     def compute_of(stage: int) -> ComputeModel:
-        return stage_compute_model(finite_peak(stage_peak_flops[stage], fallback_peak), bandwidth_of(stage),
-                                   (stage_gpus[stage] if stage_gpus else None) or fallback_gpu, mfu, compute_model)
+        device = (finite_peak(stage_peak_flops[stage], fallback_peak), bandwidth_of(stage),
+                  (stage_gpus[stage] if stage_gpus else None) or fallback_gpu)
+        if device not in models_of:
+            models_of[device] = stage_compute_model(*device, mfu, compute_model)
+        return models_of[device]
 
     head_extra = 0.0
     if layers_per_stage is None and num_stages > 1:  # the output layer's time in layers, to balance the split

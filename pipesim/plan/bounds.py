@@ -38,23 +38,22 @@ def step_lower_bound(costs: Costs, placement: Sequence[int], microbatches: int, 
     if overlapped_pairs:
         return costs.step_overhead
     pp = max(placement) + 1
-
-    def forward(stage: int) -> float:
-        return stages[stage].fwd + holds.get((stage, "F"), 0.0)
-
-    def backward(stage: int) -> float:
-        return stages[stage].bwd + holds.get((stage, "B"), 0.0)
-
-    tail = [costs.step_overhead + sum(gather_seconds.get(stage, 0.0) for stage, rank in enumerate(placement)
-                                      if rank == own) for own in range(pp)]
-    best = 0.0
+    forward = [stage.fwd + holds.get((index, "F"), 0.0) for index, stage in enumerate(stages)]
+    backward = [stage.bwd + holds.get((index, "B"), 0.0) for index, stage in enumerate(stages)]
+    work = [0.0] * pp  # each rank's forwards and backwards of one microbatch, its stages in order
+    tail = [0.0] * pp
+    for stage, rank in enumerate(placement):
+        work[rank] += forward[stage] + backward[stage]
+        tail[rank] += gather_seconds.get(stage, 0.0)
+    tail = [costs.step_overhead + seconds for seconds in tail]
+    best = fill = drain = 0.0  # fill and drain: across stages 0..rank-1, running sums
     for rank in range(pp):
-        own = [stage for stage, owner in enumerate(placement) if owner == rank]
-        busy = microbatches * sum(forward(stage) + backward(stage) for stage in own)
-        fill = sum(forward(stage) + hop(stage, stage + 1) for stage in range(rank))
+        if rank > 0:
+            fill += forward[rank - 1] + hop(rank - 1, rank)
+            drain += backward[rank - 1] + hop(rank, rank - 1)
+        busy = microbatches * work[rank]
         best = max(best, fill + busy + tail[rank])
         if not split_backward and rank > 0:
-            drain = sum(backward(stage) + hop(stage + 1, stage) for stage in range(rank))
             best = max(best, fill + busy + drain + tail[0])
     return best
 
@@ -64,8 +63,8 @@ def memory_floor(costs: Costs, placement: Sequence[int], static_bytes: Callable[
     and optimizer state (``static_bytes(stage)``) and one microbatch's stash of its
     largest stage."""
     ranks = max(placement) + 1
-    floors = []
-    for rank in range(ranks):
-        own = [stage for stage, owner in enumerate(placement) if owner == rank]
-        floors.append(sum(static_bytes(stage) for stage in own) + max(costs.stages[stage].stash_bytes for stage in own))
-    return floors
+    static, stash = [0.0] * ranks, [0.0] * ranks
+    for stage, rank in enumerate(placement):  # a rank's stages in order, as a sum over them would add
+        static[rank] += static_bytes(stage)
+        stash[rank] = max(stash[rank], costs.stages[stage].stash_bytes)
+    return [static[rank] + stash[rank] for rank in range(ranks)]

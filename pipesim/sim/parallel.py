@@ -183,11 +183,10 @@ def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping:
     exposed: dict[tuple[int, str], float] = {}
     whole: dict[tuple[int, str], float] = {}
     for stage, cost in enumerate(costs.stages):
-        group = _dp_group(schedule, stage, mapping)
-        if group is None or cost.param_bytes <= 0:
+        if mapping.dp == 1 or cost.param_bytes <= 0:
             continue
         units = gather_units(cost.layers)
-        gather = all_gather(topology, group, cost.param_bytes / units)
+        gather = _dp_collective(all_gather, topology, mapping, schedule.placement[stage], cost.param_bytes / units)
         for kind, compute in ((ActionKind.F, cost.fwd), (ActionKind.B, cost.bwd),
                               (ActionKind.I, cost.bwd - cost.wgrad)):
             exposed[stage, kind] = exposed_gather_seconds(units, gather, compute / units)
@@ -204,8 +203,14 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
     for stage, cost in enumerate(costs.stages):
         if not (cost.layers and cost.tp_message_bytes):
             continue
-        group = mapping.tp_group(0, schedule.placement[stage])
-        one = tp_collective(topology, group, cost.tp_message_bytes, costs.sequence_parallel, algorithm)
+        rank = schedule.placement[stage]
+        # kept per mapping, rank and message: a rank's stages share its group, and so do many layouts
+        key = ("tp-collective", mapping.dp, mapping.pp, mapping.tp, mapping.order, rank, cost.tp_message_bytes,
+               costs.sequence_parallel, algorithm)
+        one = topology.pace_cache.get(key)
+        if one is None:
+            one = topology.pace_cache[key] = tp_collective(topology, mapping.tp_group(0, rank), cost.tp_message_bytes,
+                                                           costs.sequence_parallel, algorithm)
         per_pass = 2 * cost.layers * one
         if per_pass > 0:
             for kind in (ActionKind.F, ActionKind.B, ActionKind.I):
@@ -239,12 +244,28 @@ def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topolog
     step (``comm_plan``'s per bucket, summed)."""
     totals: dict[int, float] = {}
     for stage, cost in enumerate(costs.stages):
-        group = _dp_group(schedule, stage, mapping)
-        if group is not None and cost.param_bytes > 0:
-            sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
-            totals[stage] = sum(all_gather(topology, group, sizes[first]) * (stop - first)
-                                for first, stop in _size_runs(sizes))
+        if mapping.dp > 1 and cost.param_bytes > 0:
+            if not bucket_bytes > 0:
+                raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+            rank = schedule.placement[stage]
+            full, rest = divmod(cost.param_bytes, bucket_bytes)  # bucket_sizes' buckets, without listing them
+            totals[stage] = _dp_collective(all_gather, topology, mapping, rank, bucket_bytes) * int(full) \
+                if full else 0.0
+            if rest > 0:
+                totals[stage] += _dp_collective(all_gather, topology, mapping, rank, rest)
     return totals
+
+
+def _dp_collective(collective, topology: Topology, mapping: RankMapping, rank: int, num_bytes: float) -> float:
+    """``collective(topology, group, num_bytes)`` over pipeline rank ``rank``'s dp group,
+    kept on the topology per mapping, rank and size: a rank's stages share its group,
+    many layouts of a plan share a mapping and sizes, and a group of thousands of
+    replicas is long to list and to look up."""
+    key = ("dp-collective", collective.__name__, mapping.dp, mapping.pp, mapping.tp, mapping.order, rank, num_bytes)
+    seconds = topology.pace_cache.get(key)
+    if seconds is None:
+        seconds = topology.pace_cache[key] = collective(topology, mapping.dp_group(rank, 0), num_bytes)
+    return seconds
 
 
 def _dp_group(schedule: Schedule, stage: int, mapping: RankMapping) -> list[str] | None:
