@@ -323,7 +323,8 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
         raise conflict(given[0], f"--model {job.model}", f"the model spec derives the costs; drop {given[0]}")
     spec = model_spec_of(job)
     mapping = map_ranks(topology, job.dp, schedule.pp, job.tp, job.rank_order)
-    devices = mapping.pipeline()
+    key = ("pipeline", job.dp, schedule.pp, job.tp, job.rank_order)  # kept: a plan asks for thousands of layouts
+    devices = topology.pace_cache.get(key) or topology.pace_cache.setdefault(key, mapping.pipeline())
     stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
     peaks = [topology.device_peak_flops(device) for device in stage_devices]
     bandwidths = [device_memory_bandwidth(topology, device) for device in stage_devices]

@@ -205,7 +205,7 @@ def _progress(args: argparse.Namespace):
 def _init_worker(base: Job) -> None:
     _BASE["job"] = base
     _BASE["topology"] = topology_of(base)
-    for cache in (_layout_costs, _bound, _floors, _pipeline_devices):  # they kept the job set up before
+    for cache in (_layout_costs, _placed_costs, _bound, _floors, _pipeline_devices):  # they kept the job set up before
         cache.cache_clear()
 
 
@@ -226,9 +226,23 @@ def _layout_costs(layout: Layout):
     from schedules.schedule import Schedule
 
     job = layout_job(layout)
-    shell = Schedule(layout.pp, layout.microbatches, placement_of(layout.schedule, layout.pp, layout.virtual_stages),
-                     [()] * layout.pp, name=layout.schedule)
-    return job, costs_of(job, shell, _BASE["topology"]), shell
+    placement = tuple(placement_of(layout.schedule, layout.pp, layout.virtual_stages))
+    shell = Schedule(layout.pp, layout.microbatches, placement, [()] * layout.pp, name=layout.schedule)
+    return job, _placed_costs(placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
+                              layout.zero, layout.sequence_parallel), shell
+
+
+@functools.lru_cache(maxsize=8192)
+def _placed_costs(placement: tuple[int, ...], pp: int, tp: int, dp: int, microbatch_size: int, recompute: str,
+                  zero: int, sequence_parallel: bool):
+    """The per-stage costs of every layout with these stages on these ranks: the schedule
+    and the microbatch count do not change them (1F1B, GPipe and the zero-bubble orders
+    share them), so they are derived once."""
+    from schedules.schedule import Schedule
+
+    job = replace(_BASE["job"], pp=pp, tp=tp, dp=dp, microbatch_size=microbatch_size, recompute=recompute, zero=zero,
+                  sequence_parallel=sequence_parallel)
+    return costs_of(job, Schedule(pp, 1, placement, [()] * pp), _BASE["topology"])
 
 
 def lower_bound(layout: Layout) -> float:

@@ -351,20 +351,47 @@ def _add_buckets(tail: list[TraceEvent], rank: int, stage: int, kind: str, first
     return end
 
 
-def _place_runs(tail: list[TraceEvent], backwards: list[tuple], dp_free: list[float], kind: str) -> None:
-    """The bucket runs of each backward that releases gradients (every bucket as one run
-    without overlap, ready at ``ready_all``), reduced first come, first served per rank
-    from ``dp_free`` (updated), one event per run."""
-    runs = []  # (ready, stage, first bucket, microbatch, seconds of each bucket of the run, rank)
-    for stage, rank, start, end, microbatch, bucket_runs, seconds, ready_all in backwards:
-        if bucket_runs is not None:
-            for fraction, first, stop in bucket_runs:
-                runs.append((start + fraction * (end - start), stage, first, microbatch, seconds[first:stop], rank))
-        else:
-            runs.append((ready_all, stage, 0, microbatch, seconds, rank))
-    for ready, stage, first, microbatch, seconds, rank in sorted(runs):
-        start = max(dp_free[rank], ready)
-        dp_free[rank] = _add_buckets(tail, rank, stage, kind, first, seconds, start, microbatch)
+def _place_runs(backwards: list[tuple], dp_free: list[float], kind: str) -> TraceColumns | None:
+    """The bucket runs of each backward that releases gradients, reduced first come,
+    first served per rank from ``dp_free`` (updated), one ``dp`` event per run. A
+    backward is ``(stage, rank, start, end, microbatch, runs)``, each run ``(ready
+    moment or fraction of the backward, first bucket, last bucket, seconds)``. Runs are
+    taken by the moment they are ready (then stage, first bucket, microbatch); a run
+    starts once it is ready and the rank's previous reduction is done."""
+    ready, stage, first, last, microbatch, rank, seconds = [], [], [], [], [], [], []
+    for owner_stage, owner, start, end, mb, runs, fractions in backwards:
+        for moment, run_first, run_last, run_seconds in runs:
+            ready.append(start + moment * (end - start) if fractions else moment)
+            stage.append(owner_stage)
+            first.append(run_first)
+            last.append(run_last)
+            microbatch.append(mb)
+            rank.append(owner)
+            seconds.append(run_seconds)
+    if not ready:
+        return None
+    starts, ends = [0.0] * len(ready), [0.0] * len(ready)
+    for index in np.lexsort((microbatch, first, stage, ready)).tolist():
+        begin = max(dp_free[rank[index]], ready[index])
+        starts[index], ends[index] = begin, begin + seconds[index]
+        dp_free[rank[index]] = ends[index]
+    names = [f"{at}{kind}[{a}]" if a == b else f"{at}{kind}[{a}-{b}]"
+             for at, a, b in zip(stage, first, last, strict=True)]
+    codes = np.zeros(len(ready), dtype=np.int64)  # the one kind and the one stream
+    return TraceColumns(np.array(rank, dtype=np.int64), codes, np.array(stage, dtype=np.int64),
+                        np.array(microbatch, dtype=np.int64), np.array(starts), np.array(ends), codes, (kind,), ("dp",),
+                        names)
+
+
+def _stage_runs(plan: CommPlan, stage: int) -> list[tuple[float, int, int, float]]:
+    """``(fraction of the backward, first bucket, last bucket, seconds)`` of each run of a
+    stage's buckets that fill together (``_bucket_runs``), or, without overlap, all of
+    them as one run (its fraction unused)."""
+    seconds = plan.dp_bucket_seconds[stage]
+    if not plan.overlap_dp:
+        return [(1.0, 0, len(seconds) - 1, math.fsum(seconds))]
+    return [(fraction, first, stop - 1, math.fsum(seconds[first:stop]))
+            for fraction, first, stop in _bucket_runs(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0))]
 
 
 def _tail_scan(columns: TraceColumns, num_ranks: int, every_backward: bool) -> tuple[np.ndarray, list[tuple]]:
@@ -394,6 +421,7 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
     every = has_dp and reduces_every_backward(plan.zero)
     rank_end, backwards = _tail_scan(pipeline, num_ranks, every)
     tail: list[TraceEvent] = []
+    reductions = None
     dp_free = rank_end.tolist() if not has_dp or not plan.overlap_dp else [0.0] * num_ranks
     if has_dp:
         if not plan.overlap_dp and every:
@@ -403,13 +431,15 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
         # at the same moment (one layer's gradients, or all of them without overlap) run back
         # to back and are one event (``3ALLREDUCE_DP[4-21]``), as the executor records one
         # per stage: a 70B-parameter stage has thousands of 25 MB buckets and a few layers.
-        runs = {stage: _bucket_runs(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0))
-                for stage in plan.dp_bucket_seconds} if plan.overlap_dp else {}
-        _place_runs(tail, [
-            (stage, rank, start, end, microbatch, runs.get(stage), plan.dp_bucket_seconds[stage],
-             end if every else float(rank_end[rank]))
-            for stage, rank, start, end, microbatch in backwards if stage in plan.dp_bucket_seconds
-        ], dp_free, kind)
+        runs = {stage: _stage_runs(plan, stage) for stage in plan.dp_bucket_seconds}
+        if plan.overlap_dp:  # each run ready at its fraction of the backward
+            backward_runs = [(stage, rank, start, end, microbatch, runs[stage], True)
+                             for stage, rank, start, end, microbatch in backwards if stage in runs]
+        else:  # all of a stage's buckets ready at once: after that backward, or after the rank's last action
+            backward_runs = [(stage, rank, start, end, microbatch,
+                              [(end if every else float(rank_end[rank]), *runs[stage][0][1:])], False)
+                             for stage, rank, start, end, microbatch in backwards if stage in runs]
+        reductions = _place_runs(backward_runs, dp_free, kind)
     stage_rank = {stage: rank for stage, rank, *_ in backwards}
     for rank in range(num_ranks):
         done = max(float(rank_end[rank]), dp_free[rank])
@@ -421,4 +451,5 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
                 seconds = plan.gather_bucket_seconds.get(stage, ())
                 if seconds:
                     done = _add_buckets(tail, rank, stage, PARAM_GATHER_KIND, 0, seconds, done)
-    return TraceColumns.from_events(tail) if tail else None
+    parts = [part for part in (reductions, TraceColumns.from_events(tail) if tail else None) if part is not None]
+    return TraceColumns.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None)
