@@ -10,9 +10,18 @@ from pipesim.cli import main
 from pipesim.cluster.files import topology_from_dict
 from pipesim.cluster.topology import ideal_topology
 from pipesim.model.costs import Costs, StageCost
-from pipesim.sim.memory import BytesPerParam, OutOfMemoryError, check_memory, parse_bytes_per_param
+from pipesim.sim.memory import (
+    BytesPerParam,
+    OutOfMemoryError,
+    check_memory,
+    memory_report,
+    parse_bytes_per_param,
+    program_order_trace,
+)
 from pipesim.sim.step import run_simulation
 from schedules import generate
+from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
+from schedules.lowering import lower
 
 STASH = 1e9
 
@@ -164,3 +173,54 @@ def test_costs_entries_are_placed_by_their_stage_key(tmp_path):
         costs_from_dict({"stages": [{"stage": 5, "fwd": 1, "bwd": 2}, {"stage": 0, "fwd": 1, "bwd": 2}]}, 2)
     with pytest.raises(CostsError, match="give 'stage' on every entry or on none"):
         costs_from_dict({"stages": [{"stage": 0, "fwd": 1, "bwd": 2}, {"fwd": 1, "bwd": 2}]}, 2)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_the_programs_order_gives_the_simulated_peak_of_every_rank(name):
+    # Uneven stages (stash and times differ per stage) on links that take time: each rank's
+    # peak read off its program order equals the simulated one, for every generator.
+    chunks = 2 if name in MULTI_CHUNK else 1
+    try:
+        schedule = lower(generate(name, 4, 8, chunks))
+    except ScheduleUnavailableError:
+        pytest.skip(f"{name} has no order for pp 4, m 8")
+    stages = tuple(StageCost(fwd=1e-3 * (1 + stage % 3), bwd=2.5e-3 * (1 + stage % 2), wgrad=1e-3,
+                             stash_bytes=STASH * (1 + stage), param_bytes=2e9, act_bytes=5e7)
+                   for stage in range(schedule.num_stages))
+    result = run_simulation(schedule, Costs(stages=stages), topology_from_dict(PAIRS_OF_FOUR))
+    ordered = memory_report(program_order_trace(schedule), Costs(stages=stages), schedule.placement,
+                            result.devices, [80e9] * 4, timelines=False)
+    assert [rank.peak_bytes for rank in ordered] == [rank.peak_bytes for rank in result.memory]
+    assert [rank.peak_stash_bytes for rank in ordered] == [rank.peak_stash_bytes for rank in result.memory]
+
+
+# Four devices in a line at 10 GB/s with 5 us latency: transfers take time and queue.
+PAIRS_OF_FOUR = {
+    "devices": [{"name": f"g{index}", "memory_bytes": 80e9} for index in range(4)],
+    "links": [{"src": f"g{index}", "dst": f"g{index + 1}", "bandwidth": 10e9, "latency": 5e-6} for index in range(3)],
+}
+
+
+def test_the_headroom_is_kept_back_from_every_device(tmp_path, capsys):
+    # One rank on an 80 GB H100: 8.75e9 bf16 bytes of weights = 4.375e9 parameters x 16 bytes
+    # = 70 GB static, and a 4 GB stash: a 74 GB peak. The default headroom (10%: 8 GB) leaves
+    # 72 GB: out of memory; 0 and 5 GB leave 80 and 75: it fits; 7 GB leaves 73: it does not.
+    base = ["--pp", 1, "-m", 1, "--topology", "nvlink", "--param-bytes", 8.75e9, "--stash-bytes", 4e9]
+    default = run_json(tmp_path, *base)
+    rank = default["ranks"][0]
+    assert rank["peak_memory_bytes"] == pytest.approx(74e9)
+    assert rank["memory"]["headroom_bytes"] == pytest.approx(8e9) and default["oom"] is True
+    for headroom, oom in (("0", False), ("5", False), ("7", True), ("8%", True), ("5%", False)):
+        assert run_json(tmp_path, *base, "--memory-headroom", headroom)["oom"] is oom, headroom
+    capsys.readouterr()
+    assert main(["simulate", *map(str, base), "--fail-on-oom"]) == 3
+    error = capsys.readouterr().err
+    assert "peaks at 74.00 GB" in error and "holds 80.00 GB, 72.00 GB of it usable after the 8.00 GB headroom" in error
+
+
+@pytest.mark.parametrize("value", ["-1", "100%", "abc", "nan", "inf"])
+def test_a_bad_memory_headroom_is_one_line_before_any_work(value, capsys):
+    assert main(["simulate", "--pp", "2", "--memory-headroom", value]) == 2
+    error = capsys.readouterr().err
+    assert f"--memory-headroom {value!r}: expected a share of each device's memory below 100%" in error
+    assert "Traceback" not in error and "step time" not in error

@@ -11,7 +11,7 @@ import pytest
 
 from pipesim.cli import main
 from pipesim.cli import plan as plan_command
-from pipesim.job import Job
+from pipesim.job import Job, simulate_job
 from pipesim.plan.search import Layout, SearchSpace, enumerate_layouts, pareto_front, parse_constraints, search
 from schedules.generators import GENERATORS, MULTI_CHUNK
 
@@ -231,9 +231,36 @@ def test_memory_floor_only_rejects_layouts_the_simulation_finds_out_of_memory():
         row = plan_command.evaluate_layout(layout)
         if "error" in row:  # no such schedule for that pp and m: nothing to compare
             continue
-        assert row["oom"], layout.label()
+        assert row.get("rejected") == plan_command.ORDER_OUT_OF_MEMORY or row["oom"], layout.label()
+        assert simulate_job(plan_command.layout_job(layout)).oom, layout.label()
         checked.add(layout.schedule)
     assert checked >= {"1f1b", "zbv"}
+
+
+def test_a_layout_rejected_by_its_programs_order_is_one_the_simulation_finds_out_of_memory():
+    # gpt3-13b on 8 A100-40GB: the plan reads each built schedule's peak memory off its
+    # programs' order and rejects it unsimulated; the simulation must agree on every one,
+    # and on every layout it lets through.
+    plan_command._init_worker(Job(model="gpt3-13b", topology="nvlink", nodes=1, gpu="a100-40gb"))
+    layouts, _ = enumerate_layouts(SearchSpace(
+        gpus=8, gpus_per_node=8, global_batch=16, layers=40, heads=40, kv_heads=40,
+        schedules=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"), microbatch_sizes=(1, 2),
+        zero=(0, 1, 2, 3), recompute=("none", "full")))
+    verdicts = {"rejected": 0, "simulated": 0}
+    for layout in layouts:
+        if plan_command.reject_cause(layout):
+            continue
+        row = plan_command.evaluate_layout(layout)
+        if "error" in row:
+            continue
+        oom = simulate_job(plan_command.layout_job(layout)).oom
+        if "rejected" in row:
+            assert oom, layout.label()
+            verdicts["rejected"] += 1
+        else:
+            assert row["oom"] == oom, layout.label()
+            verdicts["simulated"] += 1
+    assert verdicts["rejected"] >= 5 and verdicts["simulated"] >= 5, verdicts
 
 
 def test_the_search_over_two_workers_is_deterministic_and_keeps_the_top(small_model_worker):
@@ -300,10 +327,8 @@ def test_the_headroom_is_kept_back_alike_by_the_floor_and_by_simulate():
     assert verdicts["0"][0] is None
     assert verdicts["10%"][0] == "out of memory (parameters, optimizer state and one stash alone, with the headroom)"
     row = verdicts["0"][1]
-    assert row["oom"] == (row["peak_memory_bytes"] > 40e9)
+    assert "rejected" in row or row["oom"] == (row["peak_memory_bytes"] > 40e9)
     job = plan_command.layout_job(layout)
-    from pipesim.job import simulate_job
-
     result = simulate_job(job)  # the 10% job set up last: out of memory, as the floor said
     assert result.oom and all(memory.usable_bytes == pytest.approx(36e9) for memory in result.memory)
 

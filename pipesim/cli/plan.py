@@ -228,8 +228,10 @@ def _layout_costs(layout: Layout):
     job = layout_job(layout)
     placement = tuple(placement_of(layout.schedule, layout.pp, layout.virtual_stages))
     shell = Schedule(layout.pp, layout.microbatches, placement, [()] * layout.pp, name=layout.schedule)
+    # the costs see ZeRO only through the optimizer step's bytes, alike for stages 1 to 3
+    # (``pipesim.sim.zero.optimizer_bytes_per_param``): those layouts share them
     return job, _placed_costs(placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
-                              layout.zero, layout.sequence_parallel), shell
+                              min(layout.zero, 1), layout.sequence_parallel), shell
 
 
 @functools.lru_cache(maxsize=8192)
@@ -254,32 +256,36 @@ def lower_bound(layout: Layout) -> float:
         job, costs, shell = _layout_costs(layout)
     except ValueError:
         return float("inf")  # the evaluation reports why
+    from pipesim.sim.zero import gathers_after_optimizer, gathers_per_layer
+
     fused = layout.schedule in V_SHAPED and any(stage.overlap_fb for stage in costs.stages)
+    parallel = parallel_of(job)
+    # ZeRO enters the bound only through these two: stages 1 and 2 share their bounds
+    zero = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
     return _bound(costs, shell.placement, layout.microbatches, splits_backward(layout.schedule), fused,
-                  parallel_of(job), layout.dp, layout.tp)
+                  parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, zero, layout.dp, layout.tp)
 
 
 @functools.lru_cache(maxsize=4096)
-def _bound(costs, placement: tuple[int, ...], microbatches: int, split: bool, fused: bool, parallel, dp: int,
-           tp: int) -> float:
+def _bound(costs, placement: tuple[int, ...], microbatches: int, split: bool, fused: bool, rank_order: str,
+           algorithm: str, bucket_bytes: float, zero: tuple[bool, bool], dp: int, tp: int) -> float:
     """The bound of what it depends on, kept: layouts of several schedules share their
     stages, placement and mapping (1F1B and GPipe; every split-backward order)."""
     from pipesim.cluster.mapping import map_ranks
     from pipesim.sim.parallel import layer_gathers, parameter_gather_seconds, tp_collective_seconds
-    from pipesim.sim.zero import gathers_after_optimizer, gathers_per_layer
     from schedules.schedule import Schedule
 
     topology = _BASE["topology"]
     pp = max(placement) + 1
     shell = Schedule(pp, microbatches, placement, [()] * pp)
-    mapping = map_ranks(topology, dp, pp, tp, parallel.rank_order)
-    devices = _pipeline_devices(dp, pp, tp, parallel.rank_order)
-    holds = tp_collective_seconds(shell, costs, topology, mapping, parallel.algorithm)
-    if gathers_per_layer(parallel.zero):  # the layers' gathers hold a rank as the tp collectives do
+    mapping = map_ranks(topology, dp, pp, tp, rank_order)
+    devices = _pipeline_devices(dp, pp, tp, rank_order)
+    per_layer, after_optimizer = zero
+    holds = tp_collective_seconds(shell, costs, topology, mapping, algorithm)
+    if per_layer:  # the layers' gathers hold a rank as the tp collectives do
         held = layer_gathers(shell, costs, topology, mapping)[0]
         holds = {key: holds.get(key, 0.0) + held.get(key, 0.0) for key in holds.keys() | held.keys()}
-    gather_seconds = parameter_gather_seconds(shell, costs, topology, mapping, parallel.bucket_bytes) \
-        if gathers_after_optimizer(parallel.zero) else {}
+    gather_seconds = parameter_gather_seconds(shell, costs, topology, mapping, bucket_bytes) if after_optimizer else {}
 
     def hop(source: int, target: int) -> float:
         if placement[source] == placement[target]:
@@ -362,6 +368,9 @@ def evaluate_layout(layout: Layout) -> dict:
                                 job.max_actions)
         # costs depend on the stages and their placement only (``_layout_costs``)
         costs = layout_costs if schedule.placement == shell.placement else costs_of(job, schedule, topology)
+        cause = _order_memory_cause(schedule, costs, parallel_of(job), layout)
+        if cause is not None:
+            return {"rejected": cause}
         # Generated and lowered here, so valid by construction (tests/test_p2p.py proves it
         # for every generator); the engine's run is the deadlock check that remains.
         result = run_simulation(schedule, costs, topology, parallel=parallel_of(job), p2p=job.p2p, validate=False)
@@ -386,6 +395,26 @@ def evaluate_layout(layout: Layout) -> dict:
         "capacity_bytes": capacity if capacity != float("inf") else None,
         "oom": result.oom,
     }
+
+
+ORDER_OUT_OF_MEMORY = "out of memory (its schedule's stashes in program order, parameters and optimizer state)"
+
+
+def _order_memory_cause(schedule, costs, parallel, layout: Layout) -> str | None:
+    """The layout's simulated peak memory, read off its programs' order before simulating
+    (``pipesim.sim.memory.program_order_trace``: exact when every compute action takes
+    time): a cause when some rank does not fit its device less the headroom, else None."""
+    from pipesim.sim.memory import memory_report, program_order_trace
+
+    if not costs.memory_known or not all(stage.fwd > 0 and stage.bwd > stage.wgrad > 0 for stage in costs.stages):
+        return None  # a compute action of no time (an embedding-only chunk): the simulation decides
+    topology = _BASE["topology"]
+    devices = _pipeline_devices(layout.dp, layout.pp, layout.tp, parallel.rank_order)
+    report = memory_report(program_order_trace(schedule), costs, schedule.placement, devices,
+                           [topology.device_memory(device) for device in devices], parallel.bytes_per_param,
+                           parallel.dp, parallel.bucket_bytes, parallel.zero, parallel.memory_headroom,
+                           timelines=False)
+    return ORDER_OUT_OF_MEMORY if any(rank.oom for rank in report) else None
 
 
 @functools.lru_cache(maxsize=256)

@@ -200,7 +200,9 @@ def search(
     """Simulate layouts in order of their lower bound, a few at a time on each of
     ``workers`` processes, and stop simulating once the next bound cannot beat the ``top``-th best
     step time found that fits in memory. ``evaluate`` returns a row with ``step_time``
-    and ``oom`` (or ``error``); rows are ranked by step time, ties by layout. ``reject``
+    and ``oom`` (or ``error``, or ``rejected``: a cause it found before simulating, the
+    layout then counted as rejected before simulation); rows are ranked by step time,
+    ties by layout. ``reject``
     names a cause for layouts that provably cannot work (checked before anything is
     simulated); ``rejected`` counts, by cause, the layouts ruled out before the search.
     ``describe`` adds what is known of a layout that is not simulated (its memory floor,
@@ -272,14 +274,19 @@ def search(
                 break
             layout, future = in_flight.popleft()
             row = future.result() if future is not None else evaluate(layout)
-            simulated += 1
-            if "error" in row or row.get("oom"):
+            if "rejected" in row:  # provably out of memory once its schedule was built: never simulated
+                screened[row["rejected"]] += 1
+                others.append({**layout_fields(layout), "bucket": "rejected before simulation",
+                               "cause": row["rejected"], "lower_bound": bounds[layout]})
+            elif "error" in row or row.get("oom"):
+                simulated += 1
                 cause = row.get("error") or "out of memory"
                 failed[cause] += 1
                 others.append({**{key: value for key, value in row.items() if key != "error"},
                                **layout_fields(layout), "bucket": "simulated", "cause": cause,
                                "lower_bound": bounds[layout]})
             else:
+                simulated += 1
                 row["lower_bound"] = bounds[layout]
                 rows.append(row)
                 insort(fitting, row["step_time"])  # kept sorted: the top-th best is fitting[top - 1]

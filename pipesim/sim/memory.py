@@ -51,9 +51,10 @@ from pipesim.sim.zero import (
     optimizer_bytes_per_param,
     working_bytes,
 )
+from schedules.action import KINDS
 from schedules.collector import without_collector
-from schedules.metrics import running_totals, stash_changes
-from schedules.trace import Trace
+from schedules.metrics import peak_stashes, running_totals, stash_changes
+from schedules.trace import Trace, TraceColumns
 
 
 class OutOfMemoryError(RuntimeError):
@@ -158,10 +159,12 @@ def memory_report(
     bucket_bytes: float = 0.0,
     zero: int = 0,
     headroom: Headroom = Headroom(),
+    timelines: bool = True,
 ) -> list[RankMemory]:
     """Memory of every rank of the simulated pipeline, from its Trace, sharded over the
     ``dp`` replicas as ZeRO stage ``zero`` says, against each device's capacity less
-    ``headroom``. Empty when the costs say nothing about memory."""
+    ``headroom``; without ``timelines`` only the peaks (a planner's verdict). Empty when
+    the costs say nothing about memory."""
     if not costs.memory_known:
         return []
     check_zero(zero)
@@ -180,12 +183,16 @@ def memory_report(
         buffers = [value + reduction_buffer_bytes(costs, placement, rank, bytes_per_param, bucket_bytes, zero)
                    for rank, value in enumerate(buffers)]
     bases = [static[rank] + buffers[rank] for rank in range(num_ranks)]
-    timelines = stash_timelines(trace, costs, bases)
+    if timelines:
+        parts = stash_timelines(trace, costs, bases)
+    else:
+        stash = np.array([stage.stash_bytes for stage in costs.stages])
+        parts = [(float(peak), ()) for peak in peak_stashes(trace.columns, num_ranks, lambda stages: stash[stages])]
     return [
         RankMemory(rank=rank, device=devices[rank], capacity_bytes=capacities[rank], static_bytes=static[rank],
                    buffer_bytes=buffers[rank], peak_stash_bytes=peak_stash, peak_bytes=bases[rank] + peak_stash,
                    timeline=timeline, headroom_bytes=headroom.of(capacities[rank]))
-        for rank, (peak_stash, timeline) in enumerate(timelines)
+        for rank, (peak_stash, timeline) in enumerate(parts)
     ]
 
 
@@ -204,6 +211,30 @@ def reduction_buffer_bytes(costs: Costs, placement: Sequence[int], rank: int, by
     units = [stage_params(cost.params, cost.param_bytes, bytes_per_param) / gather_units(cost.layers)
              for stage, cost in enumerate(costs.stages) if placement[stage] == rank]
     return working_bytes(max(units, default=0.0), bytes_per_param.weights, bytes_per_param.grads)
+
+
+def program_order_trace(schedule) -> Trace:
+    """The compute actions of ``schedule``'s programs, each rank's one after another in
+    program order (action ``i`` of a rank from ``2i`` to ``2i + 1``): a Trace whose stash
+    timeline has the simulated step's order without its timing.
+
+    A rank runs its compute actions one after another in program order whatever the
+    timing, so the stashes it takes (at a forward's start) and releases (at the last
+    backward piece's end) follow that order too, and ``memory_report`` of this Trace
+    gives the simulated peak of every rank without simulating: exactly, when every
+    compute action takes time (with a zero-length action, a release the simulation sees
+    at the same moment as the take before it would come first there, and the peak here
+    can only be higher). ``tests/test_memory.py`` holds it equal to the simulation for
+    every generator."""
+    from schedules.program_arrays import COMPUTE_CODES, program_arrays
+
+    arrays = program_arrays(schedule)
+    compute = arrays.kind < len(COMPUTE_CODES)
+    start = 2.0 * arrays.position[compute]
+    columns = TraceColumns(arrays.rank[compute].astype(np.int64), arrays.kind[compute].astype(np.int64),
+                           arrays.stage[compute].astype(np.int64), arrays.microbatch[compute].astype(np.int64),
+                           start, start + 1.0, np.zeros(int(compute.sum()), dtype=np.int64), KINDS, ("compute",))
+    return Trace(columns=columns, meta={"pp": schedule.pp})
 
 
 def stash_timelines(trace: Trace, costs: Costs, bases: list[float]) -> list[tuple[float, tuple]]:
