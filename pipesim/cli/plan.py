@@ -402,12 +402,13 @@ ORDER_OUT_OF_MEMORY = "out of memory (its schedule's stashes in program order, p
 
 def _order_memory_cause(schedule, costs, parallel, layout: Layout) -> str | None:
     """The layout's simulated peak memory, read off its programs' order before simulating
-    (``pipesim.sim.memory.program_order_trace``: exact when every compute action takes
-    time): a cause when some rank does not fit its device less the headroom, else None."""
+    (``pipesim.sim.memory.program_order_trace``: exact when every forward that takes a
+    stash takes time): a cause when some rank does not fit its device less the headroom,
+    else None."""
     from pipesim.sim.memory import memory_report, program_order_trace
 
-    if not costs.memory_known or not all(stage.fwd > 0 and stage.bwd > stage.wgrad > 0 for stage in costs.stages):
-        return None  # a compute action of no time (an embedding-only chunk): the simulation decides
+    if not costs.memory_known or any(stage.stash_bytes > 0 and stage.fwd <= 0 for stage in costs.stages):
+        return None  # a stash taken by a forward of no time: the simulation decides
     topology = _BASE["topology"]
     devices = _pipeline_devices(layout.dp, layout.pp, layout.tp, parallel.rank_order)
     report = memory_report(program_order_trace(schedule), costs, schedule.placement, devices,

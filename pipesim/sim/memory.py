@@ -222,10 +222,10 @@ def program_order_trace(schedule) -> Trace:
     timing, so the stashes it takes (at a forward's start) and releases (at the last
     backward piece's end) follow that order too, and ``memory_report`` of this Trace
     gives the simulated peak of every rank without simulating: exactly, when every
-    compute action takes time (with a zero-length action, a release the simulation sees
-    at the same moment as the take before it would come first there, and the peak here
-    can only be higher). ``tests/test_memory.py`` holds it equal to the simulation for
-    every generator."""
+    forward that takes a stash takes time. (The simulation orders a release before a take
+    at the same moment; a release can share its moment with an earlier take only if that
+    forward and every action between them took no time. Then the peak here is the higher
+    one.) ``tests/test_memory.py`` holds it equal to the simulation for every generator."""
     from schedules.program_arrays import COMPUTE_CODES, program_arrays
 
     arrays = program_arrays(schedule)
