@@ -29,12 +29,15 @@ TOO_MANY_STAGES = "more stages (pp x virtual stages) than layers + 2 (an embeddi
 def test_enumeration_matches_a_hand_count():
     # tp in {1, 2, 4}; pp | 8 GPUs / tp and pp <= 8 layers: tp1 -> pp 1,2,4,8; tp2 -> 1,2,4; tp4 -> 1,2.
     # 9 (tp, pp) pairs; dp = 8 / (tp pp); mbs in {1, 2} always divides 16 / dp here (dp <= 8).
-    # 1f1b: 9 x 2 = 18 layouts; interleaved v2 needs 2 pp <= 8 layers + 2: pp in {1, 2, 4}
-    # (tp1: 1,2,4; tp2: 1,2,4; tp4: 1,2) = 8 pairs x 2 = 16 layouts, and pp 8 ruled out twice (mbs 1, 2).
+    # 1f1b: 9 x 2 = 18 layouts; interleaved v2 needs 2 pp <= 8 layers + 2: pp in {2, 4}
+    # (tp1: 2,4; tp2: 2,4; tp4: 2) = 5 pairs x 2 = 10 layouts (at pp 1 there is no pipeline:
+    # 1f1b stands for every schedule), and pp 8 ruled out twice (mbs 1, 2).
     layouts, rejected = enumerate_layouts(small_space())
     assert len([layout for layout in layouts if layout.schedule == "1f1b"]) == 18
-    assert len([layout for layout in layouts if layout.schedule == "interleaved-1f1b"]) == 16
+    assert len([layout for layout in layouts if layout.schedule == "interleaved-1f1b"]) == 10
     assert rejected[TOO_MANY_STAGES] == 2
+    only_interleaved, _ = enumerate_layouts(small_space(schedules=("interleaved-1f1b",)))
+    assert len(only_interleaved) == 16  # searched alone, it stands for itself at pp 1
     for layout in layouts:
         assert layout.pp * layout.tp * layout.dp == 8
         assert layout.microbatches * layout.dp * layout.microbatch_size == 16
@@ -54,8 +57,9 @@ def test_layers_need_not_divide_the_stages_and_each_split_is_chosen_not_enumerat
 def test_tp_must_divide_kv_heads_and_batch_must_divide():
     layouts, rejected = enumerate_layouts(small_space(kv_heads=2, global_batch=4))
     assert all(layout.tp <= 2 for layout in layouts)
-    # every tp=4 candidate: pp in {1, 2} (tp x pp divides 8) x mbs in {1, 2} x {1f1b, interleaved v2}
-    assert rejected["tp does not divide the attention (or key-value) heads"] == 8
+    # every tp=4 candidate: pp in {1, 2} (tp x pp divides 8) x mbs in {1, 2} x {1f1b, interleaved v2},
+    # but at pp 1 only 1f1b: 2 + 4
+    assert rejected["tp does not divide the attention (or key-value) heads"] == 6
     # dp = 8 with mbs 1 needs 4 % 8 == 0: rejected
     assert rejected["global batch not divisible by dp x microbatch size"] > 0
     assert all(4 % (layout.dp * layout.microbatch_size) == 0 for layout in layouts)

@@ -205,8 +205,8 @@ def _progress(args: argparse.Namespace):
 def _init_worker(base: Job) -> None:
     _BASE["job"] = base
     _BASE["topology"] = topology_of(base)
-    for cache in (_layout_costs, _placed_costs, _bound, _floors, _pipeline_devices):  # they kept the job set up before
-        cache.cache_clear()
+    for cache in (_layout_costs, _placed_costs, _shell, _layout_parallel, _bound, _floors, _pipeline_devices):
+        cache.cache_clear()  # they kept the job set up before
 
 
 def layout_job(layout: Layout) -> Job:
@@ -219,19 +219,31 @@ def layout_job(layout: Layout) -> Job:
 
 @functools.cache
 def _layout_costs(layout: Layout):
-    """The layout's job, per-stage costs and a shell schedule with its placement (no
-    programs: costs depend only on the stages), without generating its order. Kept per
-    layout: the memory floor and the lower bound both read them."""
+    """The layout's parallel settings, per-stage costs and a shell schedule with its
+    placement (no programs: costs depend only on the stages), without generating its
+    order. Kept per layout: the memory floor and the lower bound both read them."""
+    shell = _shell(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches)
+    # the costs see ZeRO only through the optimizer step's bytes, alike for stages 1 to 3
+    # (``pipesim.sim.zero.optimizer_bytes_per_param``): those layouts share them
+    return (_layout_parallel(layout.dp, layout.tp, layout.zero),
+            _placed_costs(shell.placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
+                          min(layout.zero, 1), layout.sequence_parallel), shell)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shell(schedule: str, pp: int, virtual_stages: int, microbatches: int):
+    """A schedule with ``schedule``'s placement and no programs: what costs and bounds read."""
     from schedules.generators import placement_of
     from schedules.schedule import Schedule
 
-    job = layout_job(layout)
-    placement = tuple(placement_of(layout.schedule, layout.pp, layout.virtual_stages))
-    shell = Schedule(layout.pp, layout.microbatches, placement, [()] * layout.pp, name=layout.schedule)
-    # the costs see ZeRO only through the optimizer step's bytes, alike for stages 1 to 3
-    # (``pipesim.sim.zero.optimizer_bytes_per_param``): those layouts share them
-    return job, _placed_costs(placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
-                              min(layout.zero, 1), layout.sequence_parallel), shell
+    placement = tuple(placement_of(schedule, pp, virtual_stages))
+    return Schedule(pp, microbatches, placement, [()] * pp, name=schedule)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_parallel(dp: int, tp: int, zero: int):
+    """``parallel_of`` the layout's job: only dp, tp and ZeRO differ between layouts."""
+    return parallel_of(replace(_BASE["job"], dp=dp, tp=tp, zero=zero))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -250,16 +262,14 @@ def _placed_costs(placement: tuple[int, ...], pp: int, tp: int, dp: int, microba
 def lower_bound(layout: Layout) -> float:
     """``pipesim.plan.bounds.step_lower_bound`` of the layout, with its tp collectives,
     ZeRO gathers and hops priced as the simulation prices them."""
+    from pipesim.sim.zero import gathers_after_optimizer, gathers_per_layer
     from schedules.generators import V_SHAPED, splits_backward
 
     try:
-        job, costs, shell = _layout_costs(layout)
+        parallel, costs, shell = _layout_costs(layout)
     except ValueError:
         return float("inf")  # the evaluation reports why
-    from pipesim.sim.zero import gathers_after_optimizer, gathers_per_layer
-
     fused = layout.schedule in V_SHAPED and any(stage.overlap_fb for stage in costs.stages)
-    parallel = parallel_of(job)
     # ZeRO enters the bound only through these two: stages 1 and 2 share their bounds
     zero = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
     return _bound(costs, shell.placement, layout.microbatches, splits_backward(layout.schedule), fused,
@@ -320,12 +330,12 @@ def _memory_floors(layout: Layout) -> list[tuple[float, float]] | None:
     """Per rank, (``pipesim.plan.bounds.memory_floor``, the device's memory); None where
     the costs say nothing of memory."""
     try:
-        job, costs, shell = _layout_costs(layout)
+        parallel, costs, shell = _layout_costs(layout)
     except ValueError:
         return None
     if not costs.memory_known:
         return None
-    return _floors(costs, shell.placement, parallel_of(job), layout.dp, layout.tp)
+    return _floors(costs, shell.placement, parallel, layout.dp, layout.tp)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -360,7 +370,8 @@ def evaluate_layout(layout: Layout) -> dict:
 
     topology = _BASE["topology"]
     try:
-        job, layout_costs, shell = _layout_costs(layout)
+        job = layout_job(layout)
+        _, layout_costs, shell = _layout_costs(layout)
         if layout.schedule in COST_AWARE:  # its order follows from this layout's costs
             schedule = schedule_of(job, topology)
         else:

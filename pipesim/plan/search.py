@@ -99,10 +99,12 @@ def _powers_of_two(limit: int) -> list[int]:
 def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
     """Every layout the space allows, and how many candidates each rule ruled out. A
     candidate is one choice of every dimension on a split of the GPUs (tp x pp dividing
-    them); choices that only repeat another layout (ZeRO or sequence parallelism with
-    nothing to shard over) are not candidates."""
+    them); choices that only repeat another layout are not candidates: ZeRO or sequence
+    parallelism with nothing to shard over, and at pp 1 (no pipeline: one rank runs
+    every forward and backward) any schedule but one, 1F1B where it is searched."""
     rejected: Counter = Counter()
     layouts = []
+    alone = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the one schedule at pp 1
     for tp in _powers_of_two(space.gpus_per_node):
         for pp in range(1, space.layers + 3):  # a first and a last stage may hold no layer
             if space.gpus % (tp * pp):
@@ -110,7 +112,7 @@ def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
             dp = space.gpus // (tp * pp)
             for microbatch_size in space.microbatch_sizes:
                 microbatches = space.global_batch // (dp * microbatch_size)
-                for schedule in space.schedules:
+                for schedule in (space.schedules if pp > 1 else (alone,)):
                     for chunks in (space.virtual_stages if schedule in MULTI_CHUNK else (1,)):
                         for recompute in space.recompute:
                             for zero in space.zero:
