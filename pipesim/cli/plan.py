@@ -225,9 +225,9 @@ def _layout_costs(layout: Layout):
     shell = _shell(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches)
     # the costs see ZeRO only through the optimizer step's bytes, alike for stages 1 to 3
     # (``pipesim.sim.zero.optimizer_bytes_per_param``): those layouts share them
-    return (_layout_parallel(layout.dp, layout.tp, layout.zero),
-            _placed_costs(shell.placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
-                          min(layout.zero, 1), layout.sequence_parallel), shell)
+    key = (shell.placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
+           min(layout.zero, 1), layout.sequence_parallel)
+    return _layout_parallel(layout.dp, layout.tp, layout.zero), _placed_costs(*key), shell, key
 
 
 @functools.lru_cache(maxsize=4096)
@@ -266,26 +266,29 @@ def lower_bound(layout: Layout) -> float:
     from schedules.generators import V_SHAPED, splits_backward
 
     try:
-        parallel, costs, shell = _layout_costs(layout)
+        parallel, costs, shell, key = _layout_costs(layout)
     except ValueError:
         return float("inf")  # the evaluation reports why
     fused = layout.schedule in V_SHAPED and any(stage.overlap_fb for stage in costs.stages)
     # ZeRO enters the bound only through these two: stages 1 and 2 share their bounds
     zero = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
-    return _bound(costs, shell.placement, layout.microbatches, splits_backward(layout.schedule), fused,
+    return _bound(key, shell.placement, layout.microbatches, splits_backward(layout.schedule), fused,
                   parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, zero, layout.dp, layout.tp)
 
 
 @functools.lru_cache(maxsize=4096)
-def _bound(costs, placement: tuple[int, ...], microbatches: int, split: bool, fused: bool, rank_order: str,
-           algorithm: str, bucket_bytes: float, zero: tuple[bool, bool], dp: int, tp: int) -> float:
+def _bound(costs_key: tuple, placement: tuple[int, ...], microbatches: int, split: bool, fused: bool,
+           rank_order: str, algorithm: str, bucket_bytes: float, zero: tuple[bool, bool], dp: int, tp: int) -> float:
     """The bound of what it depends on, kept: layouts of several schedules share their
-    stages, placement and mapping (1F1B and GPipe; every split-backward order)."""
+    stages, placement and mapping (1F1B and GPipe; every split-backward order). The costs
+    are named by their key in ``_placed_costs`` (a Costs of a hundred stages is slow to
+    hash for every lookup)."""
     from pipesim.cluster.mapping import map_ranks
     from pipesim.sim.parallel import layer_gathers, parameter_gather_seconds, tp_collective_seconds
     from schedules.schedule import Schedule
 
     topology = _BASE["topology"]
+    costs = _placed_costs(*costs_key)
     pp = max(placement) + 1
     shell = Schedule(pp, microbatches, placement, [()] * pp)
     mapping = map_ranks(topology, dp, pp, tp, rank_order)
@@ -330,20 +333,22 @@ def _memory_floors(layout: Layout) -> list[tuple[float, float]] | None:
     """Per rank, (``pipesim.plan.bounds.memory_floor``, the device's memory); None where
     the costs say nothing of memory."""
     try:
-        parallel, costs, shell = _layout_costs(layout)
+        parallel, costs, shell, key = _layout_costs(layout)
     except ValueError:
         return None
     if not costs.memory_known:
         return None
-    return _floors(costs, shell.placement, parallel, layout.dp, layout.tp)
+    return _floors(key, shell.placement, parallel, layout.dp, layout.tp)
 
 
 @functools.lru_cache(maxsize=4096)
-def _floors(costs, placement: tuple[int, ...], parallel, dp: int, tp: int) -> list[tuple[float, float]]:
-    """``_memory_floors`` of what it depends on, kept (layouts of several schedules share it)."""
+def _floors(costs_key: tuple, placement: tuple[int, ...], parallel, dp: int, tp: int) -> list[tuple[float, float]]:
+    """``_memory_floors`` of what it depends on, kept (layouts of several schedules share
+    it); the costs named by their key in ``_placed_costs``, as for ``_bound``."""
     from pipesim.sim.memory import static_bytes
 
     topology = _BASE["topology"]
+    costs = _placed_costs(*costs_key)
     devices = _pipeline_devices(dp, max(placement) + 1, tp, parallel.rank_order)
     floors = memory_floor(costs, placement, lambda stage: static_bytes(costs.stages[stage], parallel.bytes_per_param,
                                                                        dp, parallel.zero))
@@ -371,7 +376,7 @@ def evaluate_layout(layout: Layout) -> dict:
     topology = _BASE["topology"]
     try:
         job = layout_job(layout)
-        _, layout_costs, shell = _layout_costs(layout)
+        _, layout_costs, shell, _ = _layout_costs(layout)
         if layout.schedule in COST_AWARE:  # its order follows from this layout's costs
             schedule = schedule_of(job, topology)
         else:

@@ -112,13 +112,22 @@ def model_costs(
             models_of[device] = stage_compute_model(*device, mfu, compute_model)
         return models_of[device]
 
+    times: dict[tuple[int, int], BlockTime] = {}  # per compute model and kind of layer (-1: the output layer)
+
+    def time_of(compute: ComputeModel, kind: int) -> BlockTime:
+        key = (id(compute), kind)  # the models are kept in models_of for the whole call
+        if key not in times:
+            times[key] = head_time(spec, tp, compute) if kind < 0 else layer_time(
+                spec, tp, sequence_parallel, flash_attention, recompute, compute, kind)
+        return times[key]
+
     head_extra = 0.0
     if layers_per_stage is None and num_stages > 1:  # the output layer's time in layers, to balance the split
         compute = compute_of(num_stages - 1)
-        layer_seconds = spec.sum_over_layers(lambda layer: _pass_seconds(layer_time(
-            spec, tp, sequence_parallel, flash_attention, recompute, compute, kind_layer[spec.is_moe_layer(layer)]))
+        layer_seconds = spec.sum_over_layers(
+            lambda layer: _pass_seconds(time_of(compute, kind_layer[spec.is_moe_layer(layer)]))
         ) / spec.layers + layer_hold_seconds
-        head_extra = _pass_seconds(head_time(spec, tp, compute)) / layer_seconds if layer_seconds > 0 else 0.0
+        head_extra = _pass_seconds(time_of(compute, -1)) / layer_seconds if layer_seconds > 0 else 0.0
     counts = split_layers(spec.layers, num_stages, layers_per_stage, last_extra=head_extra)
     stages = []
     models = set()
@@ -126,6 +135,8 @@ def model_costs(
     per_kind = {layer: (spec.layer_params(layer, tp),
                         layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention, layer))
                 for layer in kind_layer.values()}
+    boundary = spec.boundary_bytes(tp, sequence_parallel)
+    message = spec.tp_message_bytes() if tp > 1 else 0.0  # alike in every layer
     stop = 0
     for stage, count in enumerate(counts):
         first, stop = stop, stop + count
@@ -135,7 +146,7 @@ def model_costs(
         params = 0  # a whole number
         for layer, alike in spec.layer_groups(first, stop):
             kind = kind_layer[spec.is_moe_layer(layer)]
-            time = layer_time(spec, tp, sequence_parallel, flash_attention, recompute, compute, kind)
+            time = time_of(compute, kind)
             fwd += alike * time.forward
             bwd += alike * (time.input_grad + time.weight_grad + time.recompute)
             wgrad += alike * time.weight_grad
@@ -145,7 +156,7 @@ def model_costs(
             params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(spec, tp, sequence_parallel)
         if stage == num_stages - 1:
-            head = head_time(spec, tp, compute)
+            head = time_of(compute, -1)
             params += spec.head_params(tp)
             fwd += head.forward
             bwd += head.input_grad + head.weight_grad
@@ -158,21 +169,26 @@ def model_costs(
             fwd=fwd,
             bwd=bwd,
             wgrad=wgrad,
-            act_bytes=spec.boundary_bytes(tp, sequence_parallel) if stage < num_stages - 1 else 0.0,
+            act_bytes=boundary if stage < num_stages - 1 else 0.0,
             stash_bytes=stash,
             param_bytes=params * spec.dtype_bytes,
             params=params,
             layers=count,
-            tp_message_bytes=spec.tp_message_bytes(first) if tp > 1 else 0.0,  # alike in every layer
+            tp_message_bytes=message,
             recompute_layers=count if tp > 1 and recompute == "full" else 0,
         ))
     meta = {
-        "model": spec.name, "layers_per_stage": counts, "tp": tp, "mfu": mfu, "total_params": spec.total_params(),
-        "active_params": spec.active_params(),
+        "model": spec.name, "layers_per_stage": counts, "tp": tp, "mfu": mfu, **_parameter_totals(spec),
         "recompute": recompute, "flash_attention": flash_attention, "compute_model": sorted(models),
     }
     return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta,
                  step_overhead=max(step_seconds.values()))
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter_totals(spec: ModelSpec) -> dict[str, int]:
+    """The model's total and active parameters (kept: a plan derives thousands of costs)."""
+    return {"total_params": spec.total_params(), "active_params": spec.active_params()}
 
 
 def _pass_seconds(time: BlockTime) -> float:
