@@ -55,7 +55,7 @@ def test_replicated_kv_heads_are_counted_on_every_rank_that_holds_them():
     assert spec.layer_params(0, tp=16) == per_rank
     replicated_kv = (16 - 8) * 2 * h * head
     assert 16 * per_rank == spec.layer_params(0) + replicated_kv + 15 * 2 * h
-    costs = model_costs(spec, 2, [1e15] * 2, tp=16)
+    costs = model_costs(spec, 2, [1e15] * 2, tp=16, layers_per_stage=[16, 16])
     assert costs.stages[0].params == 16 * per_rank + 128256 * h // 16
 
 

@@ -93,7 +93,7 @@ def test_fsdp_adds_torchs_unshard_and_reshard(tmp_path):
     ([], "give --out FILE (a schedule CSV) or --torchtitan DIR"),
     (["--out", "{out}", "--torchtitan", "{dir}"], "--out conflicts with --torchtitan"),
     (["--lowered", "--torchtitan", "{dir}"], "--lowered conflicts with --torchtitan"),
-    (["--zero", "1", "--torchtitan", "{dir}"], "torchtitan has no distributed optimizer (ZeRO-1)"),
+    (["--zero", "1", "--torchtitan", "{dir}"], "torchtitan's sharded data parallelism is FSDP (ZeRO-3"),
     (["--torch-class", "1F1B", "--out", "{out}"], "--torch-class names the class torchtitan builds"),
     (["--layers-per-stage", "2,2,1,1", "--torchtitan", "{dir}"], "give --layers instead"),
 ])
@@ -217,7 +217,7 @@ def test_from_plan_writes_what_the_explicit_flags_write(tmp_path):
 @pytest.mark.parametrize(("extra", "fields", "expected"), [
     (["--pp", "4"], {}, "--pp conflicts with --from-plan"),
     (["--plan-rank", "2"], {}, "--plan-rank 2: {plan} ranks 1 layouts"),
-    ([], {"zero": 1}, "torchtitan has no distributed optimizer (ZeRO-1)"),
+    ([], {"zero": 1}, "torchtitan's sharded data parallelism is FSDP (ZeRO-3"),
 ])
 def test_from_plan_errors(tmp_path, capsys, extra, fields, expected):
     plan = plan_file(tmp_path, **fields)

@@ -102,8 +102,8 @@ def check_flags(args: argparse.Namespace) -> None:
                        "--torchtitan writes both the compute-only and the lowered CSV")
     if args.torchtitan and args.zero and not args.fsdp:
         raise conflict(f"--zero {args.zero}", f"--torchtitan {args.torchtitan}",
-                       "torchtitan has no distributed optimizer (ZeRO-1); its sharded data parallelism is FSDP, "
-                       "which also shards parameters and gradients: pass --fsdp, or drop --zero")
+                       "torchtitan's sharded data parallelism is FSDP (ZeRO-3: parameters, gradients and "
+                       "optimizer state sharded): pass --fsdp, or drop --zero")
     if args.torchtitan and args.layers_per_stage:
         raise conflict(f"--layers-per-stage {args.layers_per_stage}", f"--torchtitan {args.torchtitan}",
                        "torchtitan gives every stage the same layers (pipeline_parallel_layers_per_stage); "
@@ -119,10 +119,10 @@ def handle(args: argparse.Namespace) -> int:
     if args.from_plan:
         apply_plan_layout(args)
     check_flags(args)
-    if args.torchtitan and args.zero:
-        print(f"note: zero{args.zero} (a distributed optimizer) becomes FSDP in torchtitan (--fsdp), which also "
-              "shards parameters and gradients; the simulated step did not include its parameter all-gathers",
-              file=sys.stderr)
+    if args.torchtitan and args.zero in (1, 2):
+        print(f"note: zero{args.zero} (the optimizer state{' and gradients' if args.zero == 2 else ''} sharded) "
+              "becomes FSDP in torchtitan (--fsdp), which shards parameters too; the simulated step did not "
+              "include FSDP's per-layer parameter all-gathers (--zero 3 does)", file=sys.stderr)
     job = Job.from_namespace(args)
     schedule = schedule_of(job, topology_of(job))
     if args.torchtitan:
