@@ -20,7 +20,7 @@ from pathlib import Path
 from pipesim.cli.options import add_memory_headroom_arg
 from pipesim.cluster.gpus import GPUS
 from pipesim.job import Job, costs_of, parallel_of, schedule_of, throughput_figures, topology_of
-from pipesim.plan.bounds import memory_floor, step_lower_bound
+from pipesim.plan.bounds import bound_of, bound_terms, memory_floor
 from pipesim.plan.search import (
     Layout,
     SearchSpace,
@@ -205,7 +205,7 @@ def _progress(args: argparse.Namespace):
 def _init_worker(base: Job) -> None:
     _BASE["job"] = base
     _BASE["topology"] = topology_of(base)
-    for cache in (_layout_costs, _placed_costs, _shell, _layout_parallel, _bound, _floors, _pipeline_devices):
+    for cache in (_layout_costs, _placed_costs, _shell, _layout_parallel, _bound_terms, _floors, _pipeline_devices):
         cache.cache_clear()  # they kept the job set up before
 
 
@@ -272,17 +272,20 @@ def lower_bound(layout: Layout) -> float:
     fused = layout.schedule in V_SHAPED and any(stage.overlap_fb for stage in costs.stages)
     # ZeRO enters the bound only through these two: stages 1 and 2 share their bounds
     zero = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
-    return _bound(key, shell.placement, layout.microbatches, splits_backward(layout.schedule), fused,
-                  parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, zero, layout.dp, layout.tp)
+    if fused:  # overlapped pairs of a given cost may undercut F + B: only the tail is certain
+        return costs.step_overhead
+    terms = _bound_terms(key, shell.placement, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, zero,
+                         layout.dp, layout.tp)
+    return bound_of(terms, layout.microbatches, splits_backward(layout.schedule))
 
 
 @functools.lru_cache(maxsize=4096)
-def _bound(costs_key: tuple, placement: tuple[int, ...], microbatches: int, split: bool, fused: bool,
-           rank_order: str, algorithm: str, bucket_bytes: float, zero: tuple[bool, bool], dp: int, tp: int) -> float:
-    """The bound of what it depends on, kept: layouts of several schedules share their
-    stages, placement and mapping (1F1B and GPipe; every split-backward order). The costs
-    are named by their key in ``_placed_costs`` (a Costs of a hundred stages is slow to
-    hash for every lookup)."""
+def _bound_terms(costs_key: tuple, placement: tuple[int, ...], rank_order: str, algorithm: str, bucket_bytes: float,
+                 zero: tuple[bool, bool], dp: int, tp: int):
+    """``pipesim.plan.bounds.bound_terms`` of what they depend on, kept: every schedule of
+    a placement and every microbatch count share them (1F1B and GPipe; every
+    split-backward order). The costs are named by their key in ``_placed_costs`` (a Costs
+    of a hundred stages is slow to hash for every lookup)."""
     from pipesim.cluster.mapping import map_ranks
     from pipesim.sim.parallel import layer_gathers, parameter_gather_seconds, tp_collective_seconds
     from schedules.schedule import Schedule
@@ -290,7 +293,7 @@ def _bound(costs_key: tuple, placement: tuple[int, ...], microbatches: int, spli
     topology = _BASE["topology"]
     costs = _placed_costs(*costs_key)
     pp = max(placement) + 1
-    shell = Schedule(pp, microbatches, placement, [()] * pp)
+    shell = Schedule(pp, 1, placement, [()] * pp)
     mapping = map_ranks(topology, dp, pp, tp, rank_order)
     devices = _pipeline_devices(dp, pp, tp, rank_order)
     per_layer, after_optimizer = zero
@@ -306,8 +309,7 @@ def _bound(costs_key: tuple, placement: tuple[int, ...], microbatches: int, spli
         route = topology.route(devices[placement[source]], devices[placement[target]])
         return route.seconds(costs.stages[min(source, target)].act_bytes)
 
-    return step_lower_bound(costs, placement, microbatches, split, holds, gather_seconds, hop,
-                            overlapped_pairs=fused)
+    return bound_terms(costs, placement, holds, gather_seconds, hop)
 
 
 def reject_cause(layout: Layout) -> str | None:

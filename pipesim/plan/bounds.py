@@ -8,6 +8,7 @@ simulation of every schedule, with tp, dp and ZeRO).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from pipesim.model.costs import Costs
 
@@ -34,9 +35,29 @@ def step_lower_bound(costs: Costs, placement: Sequence[int], microbatches: int, 
       (``gather_seconds``) of the rank that ends the step.
     With overlapped forward-backward pairs of a given cost (``overlap_fb``) the pair may
     undercut F + B: only the step's tail is certain."""
-    stages = costs.stages
     if overlapped_pairs:
         return costs.step_overhead
+    return bound_of(bound_terms(costs, placement, holds, gather_seconds, hop), microbatches, split_backward)
+
+
+@dataclass(frozen=True)
+class BoundTerms:
+    """What ``step_lower_bound`` adds up, per pipeline rank: one microbatch's forwards and
+    backwards of its stages with their holds (``work``), microbatch 0's forward across
+    the stages below it (``fill``), the backward's trip back across them (``drain``), and
+    the optimizer step with the rank's parameter gathers (``tail``). The same for every
+    schedule of a placement and every microbatch count, so a planner keeps them."""
+
+    work: tuple[float, ...]
+    fill: tuple[float, ...]
+    drain: tuple[float, ...]
+    tail: tuple[float, ...]
+
+
+def bound_terms(costs: Costs, placement: Sequence[int], holds: dict[tuple[int, str], float],
+                gather_seconds: dict[int, float], hop: Callable[[int, int], float]) -> BoundTerms:
+    """The terms of ``step_lower_bound`` (see there), one pass over the stages."""
+    stages = costs.stages
     pp = max(placement) + 1
     forward = [stage.fwd + holds.get((index, "F"), 0.0) for index, stage in enumerate(stages)]
     backward = [stage.bwd + holds.get((index, "B"), 0.0) for index, stage in enumerate(stages)]
@@ -45,16 +66,24 @@ def step_lower_bound(costs: Costs, placement: Sequence[int], microbatches: int, 
     for stage, rank in enumerate(placement):
         work[rank] += forward[stage] + backward[stage]
         tail[rank] += gather_seconds.get(stage, 0.0)
-    tail = [costs.step_overhead + seconds for seconds in tail]
-    best = fill = drain = 0.0  # fill and drain: across stages 0..rank-1, running sums
-    for rank in range(pp):
-        if rank > 0:
-            fill += forward[rank - 1] + hop(rank - 1, rank)
-            drain += backward[rank - 1] + hop(rank, rank - 1)
-        busy = microbatches * work[rank]
-        best = max(best, fill + busy + tail[rank])
+    fill, drain = [0.0] * pp, [0.0] * pp  # across stages 0..rank-1, running sums
+    for rank in range(1, pp):
+        fill[rank] = fill[rank - 1] + (forward[rank - 1] + hop(rank - 1, rank))
+        drain[rank] = drain[rank - 1] + (backward[rank - 1] + hop(rank, rank - 1))
+    return BoundTerms(tuple(work), tuple(fill), tuple(drain), tuple(costs.step_overhead + seconds for seconds in tail))
+
+
+def bound_of(terms: BoundTerms, microbatches: int, split_backward: bool) -> float:
+    """``step_lower_bound`` from its terms: the largest over ranks of fill + every
+    microbatch's work + tail, and without a split backward the drain back to stage 0
+    before rank 0's tail."""
+    best = 0.0
+    for rank, (work, fill, drain, tail) in enumerate(zip(terms.work, terms.fill, terms.drain, terms.tail,
+                                                         strict=True)):
+        busy = microbatches * work
+        best = max(best, fill + busy + tail)
         if not split_backward and rank > 0:
-            best = max(best, fill + busy + drain + tail[0])
+            best = max(best, fill + busy + drain + terms.tail[0])
     return best
 
 

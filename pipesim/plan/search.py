@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
-from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES
+from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES, V_SHAPED
 
 
 @dataclass(frozen=True, order=True)
@@ -309,10 +309,12 @@ def search(
 
 
 def worker_of(layout: Layout, workers: int) -> int:
-    """The worker that evaluates ``layout``: layouts with one order (schedule, pp,
-    microbatches, virtual stages) go to the same one, by a hash that is the same in every
-    run (Python's own string hash is not)."""
-    key = f"{layout.schedule}|{layout.pp}|{layout.microbatches}|{layout.virtual_stages}"
+    """The worker that evaluates ``layout``: layouts whose stages sit alike on the ranks
+    (the placement's shape, pp, virtual stages) go to the same one, so each worker
+    derives the stages' costs, floors and bounds they share once, and builds each order
+    (schedule, pp, microbatches, chunks) once; by a hash that is the same in every run
+    (Python's own string hash is not)."""
+    key = f"{'v' if layout.schedule in V_SHAPED else 'looped'}|{layout.pp}|{layout.virtual_stages}"
     return zlib.crc32(key.encode()) % workers
 
 
