@@ -81,15 +81,18 @@ class StepTiming:
 
     ``seconds[stage, k]`` is the duration of compute kind ``COMPUTE_KINDS[k]`` on
     ``stage``; ``hold[stage, k]`` what holds the rank right after it (tensor-parallel
-    collectives; None: nothing). ``pair_seconds`` overrides single actions (the two halves
-    of an overlapped pair). ``wires[stage * 2 + direction]`` are the routes of the
-    transfer that leaves ``stage`` forward (direction 0) or backward (1): one route, or
-    several when the same send of other pipelines shares links with it (the data counts
-    as arrived when every route's has); empty or None: it arrives at once."""
+    collectives, expert-parallel all-to-alls; None: nothing). ``pair_seconds`` and
+    ``pair_hold``, keyed ``(stage, kind, microbatch)``, override single actions (the two
+    halves of an overlapped pair, whose communication can hide under each other's
+    compute). ``wires[stage * 2 + direction]`` are the routes of the transfer that leaves
+    ``stage`` forward (direction 0) or backward (1): one route, or several when the same
+    send of other pipelines shares links with it (the data counts as arrived when every
+    route's has); empty or None: it arrives at once."""
 
     seconds: np.ndarray
     hold: np.ndarray | None = None
     pair_seconds: Mapping[tuple, float] = field(default_factory=dict)
+    pair_hold: Mapping[tuple, float] = field(default_factory=dict)
     wires: Sequence[Sequence[Route] | None] = ()
     comm_overhead: float = 0.0
 
@@ -364,13 +367,16 @@ def _compute_costs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarr
                           f"{program.arrays.schedule.num_stages}")
     seconds = table[stage, kind]
     hold = np.zeros(len(seconds)) if timing.hold is None else np.asarray(timing.hold, dtype=float)[stage, kind]
-    if timing.pair_seconds:
-        microbatch = program.compute_microbatch
-        for (pair_stage, pair_kind, pair_microbatch), value in timing.pair_seconds.items():
-            match = np.flatnonzero((stage == pair_stage) & (kind == KIND_CODES[pair_kind])
-                                   & (microbatch == pair_microbatch))
-            seconds[match] = value
+    for overrides, values in ((timing.pair_seconds, seconds), (timing.pair_hold, hold)):
+        for (pair_stage, pair_kind, pair_microbatch), value in overrides.items():
+            values[action_rows(program, pair_stage, pair_kind, pair_microbatch)] = value
     return np.ascontiguousarray(seconds), np.ascontiguousarray(hold)
+
+
+def action_rows(program: EngineProgram, stage: int, kind: str, microbatch: int) -> np.ndarray:
+    """The compute rows of ``program`` that run action ``(stage, kind, microbatch)``."""
+    return np.flatnonzero((program.compute_stage == stage) & (program.compute_kind == KIND_CODES[kind])
+                          & (program.compute_microbatch == microbatch))
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,8 @@ def searched_route(graph: nx.DiGraph, src: str, dst: str) -> Route:
     """The route by networkx's shortest path (lowest total latency) on ``graph``."""
     path = nx.shortest_path(graph, src, dst, weight="latency")
     links = tuple(zip(path[:-1], path[1:], strict=True))
-    return Route(links, sum(graph.edges[link]["latency"] for link in links),
-                 min(graph.edges[link]["bandwidth"] * graph.edges[link]["efficiency"] for link in links))
+    bandwidths = tuple(graph.edges[link]["bandwidth"] * graph.edges[link]["efficiency"] for link in links)
+    return Route(links, sum(graph.edges[link]["latency"] for link in links), min(bandwidths), bandwidths)
 
 
 def searched_topology(name: str, nodes: int) -> Topology:

@@ -27,6 +27,9 @@ import numpy as np
 
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
+from pipesim.sim.context_parallel import CP_KIND
+from pipesim.sim.expert_parallel import EP_KIND
+from pipesim.sim.overlap import HOLD_PARTS, overlapped_pairs
 from pipesim.sim.parallel import TP_KIND, CommPlan, step_tail_columns
 from schedules import engine
 from schedules.action import KINDS, ActionKind, format_group
@@ -36,9 +39,10 @@ from schedules.program_arrays import F_CODE
 from schedules.schedule import Schedule
 from schedules.trace import Trace, TraceColumns
 
-COMPUTE, SEND, RECV, WAIT, TP = "compute", "send", "recv", "wait", "tp"
-_STREAMS = (COMPUTE, SEND, RECV, WAIT, TP)
-_KINDS = (*KINDS, TP_KIND)
+COMPUTE, SEND, RECV, WAIT, TP, EP, CP = "compute", "send", "recv", "wait", "tp", "ep", "cp"
+_STREAMS = (COMPUTE, SEND, RECV, WAIT, TP, EP, CP)
+_KINDS = (*KINDS, TP_KIND, EP_KIND, CP_KIND)
+_HOLD_KINDS = dict(zip(HOLD_PARTS, (TP_KIND, EP_KIND, CP_KIND), strict=True))  # part (= its stream) -> event kind
 
 
 class SimulationError(RuntimeError):
@@ -84,13 +88,29 @@ def step_timing(schedule: Schedule, costs: Costs, topology: Topology, devices: S
     durations = costs.durations()
     kinds = engine.COMPUTE_KINDS
     seconds = np.array([[durations[stage, kind] for kind in kinds] for stage in range(schedule.num_stages)])
-    hold = None
-    if plan is not None and plan.tp_seconds:
-        hold = np.array([[plan.tp_seconds.get((stage, kind), 0.0) for kind in kinds]
-                         for stage in range(schedule.num_stages)])
+    parts = hold_tables(schedule, plan)
+    hold = parts.sum(axis=0) if parts is not None else None
+    pair_seconds, pair_parts = overlapped_pairs(schedule, costs, durations, holds_of(plan))
     twins = plan.twin_transfers if plan is not None else {}
-    return engine.StepTiming(seconds, hold, overlapped_pair_seconds(schedule, costs, durations),
+    return engine.StepTiming(seconds, hold, pair_seconds, {action: sum(held) for action, held in pair_parts.items()},
                              transfer_wires(schedule, costs, topology, devices, twins), costs.comm_overhead)
+
+
+def holds_of(plan: CommPlan | None) -> dict[str, dict[tuple[int, str], float]]:
+    """Per part of ``HOLD_PARTS``, the seconds that hold a rank after each (stage, kind)."""
+    if plan is None:
+        return {}
+    return {"tp": plan.tp_seconds, "ep": plan.ep_seconds, "cp": plan.cp_seconds}
+
+
+def hold_tables(schedule: Schedule, plan: CommPlan | None) -> np.ndarray | None:
+    """``[part, stage, kind]``: what holds a rank after each compute action, by part
+    (tp collectives, ep all-to-alls, cp K/V exchanges); None when nothing does."""
+    holds = holds_of(plan)
+    if not any(holds.values()):
+        return None
+    return np.array([[[holds[part].get((stage, kind), 0.0) for kind in engine.COMPUTE_KINDS]
+                      for stage in range(schedule.num_stages)] for part in HOLD_PARTS])
 
 
 def transfer_wires(schedule: Schedule, costs: Costs, topology: Topology, devices: Sequence[str],
@@ -123,20 +143,6 @@ def transfer_bytes(costs: Costs, stage: int, target: int) -> float:
     return costs.stages[min(stage, target)].act_bytes
 
 
-def overlapped_pair_seconds(schedule: Schedule, costs: Costs, durations: dict) -> dict[tuple, float]:
-    """Seconds of each action of an overlapped pair (``Schedule.fused``): the pair costs
-    ``costs.overlap_seconds``, shared between its forward and backward in proportion to
-    their own durations, so the Trace keeps both actions and their sum is the pair's."""
-    shares: dict[tuple, float] = {}
-    for rank in range(schedule.pp):
-        for forward, backward in schedule.fused_pairs(rank):
-            alone_f, alone_b = durations[forward[0], forward[1]], durations[backward[0], backward[1]]
-            pair = costs.overlap_seconds(forward.stage, backward.stage, backward.kind)
-            share = alone_f / (alone_f + alone_b) if alone_f + alone_b > 0 else 0.5
-            shares[tuple(forward)], shares[tuple(backward)] = pair * share, pair * (1 - share)
-    return shares
-
-
 def stuck_places(step: engine.StepRun) -> str:
     """Where each stuck rank stands, for a one-line message."""
     schedule = step.program.arrays.schedule
@@ -154,7 +160,7 @@ def step_trace(step: engine.StepRun, costs: Costs, topology: Topology, devices: 
     """The Trace of a step the engine ran to its end: pipeline events, then each rank's
     step-level tail (gradient reduction, optimizer)."""
     schedule = step.program.arrays.schedule
-    pipeline = pipeline_columns(step)
+    pipeline = pipeline_columns(step, held_parts(step, costs, plan))
     tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead)
     wire, sent_bytes = p2p_wire_and_bytes(step, costs)
     meta = {
@@ -189,10 +195,27 @@ def p2p_wire_and_bytes(step: engine.StepRun, costs: Costs) -> tuple[list[float],
     return wire.tolist(), np.bincount(sender, weights=carried, minlength=ranks).tolist()
 
 
-def pipeline_columns(step: engine.StepRun) -> TraceColumns:
-    """The pipeline's events as Trace columns: compute actions, the tp collectives that
-    follow them, receives waited for, sends from posting to arrival, and end-of-step
-    waits."""
+def held_parts(step: engine.StepRun, costs: Costs, plan: CommPlan | None) -> np.ndarray | None:
+    """``[row, part]``: the seconds of each part of ``HOLD_PARTS`` that held the rank after
+    each compute row (they add up to the engine's hold); None when nothing held any."""
+    program = step.program
+    schedule = program.arrays.schedule
+    tables = hold_tables(schedule, plan)
+    if tables is None:
+        return None
+    # compute kinds' codes are the columns of the tables (F, B, I, W first in KINDS, as the engine reads them)
+    parts = tables[:, program.compute_stage, program.compute_kind].T.copy()
+    _, pair_parts = overlapped_pairs(schedule, costs, costs.durations(), holds_of(plan))
+    for (stage, kind, microbatch), held in pair_parts.items():
+        parts[engine.action_rows(program, stage, kind, microbatch)] = held
+    return parts
+
+
+def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None) -> TraceColumns:
+    """The pipeline's events as Trace columns: compute actions, what holds the rank after
+    them (``held[row, part]``: tp collectives, ep all-to-alls, cp K/V exchanges, one event
+    each, one after the other; without it the whole hold as tp), receives waited for,
+    sends from posting to arrival, and end-of-step waits."""
     program = step.program
     arrays = program.arrays
     parts: list[tuple] = []  # (rank, kind, stage, microbatch, start, end, stream)
@@ -200,12 +223,20 @@ def pipeline_columns(step: engine.StepRun) -> TraceColumns:
                                      program.compute_microbatch)
     parts.append((rank, kind, stage, microbatch, step.start, step.end, _STREAMS.index(COMPUTE)))
     names: list[str | None] = [None] * len(rank)
-    held = np.flatnonzero(step.hold > 0)
-    if len(held):
-        parts.append((rank[held], np.full(len(held), _KINDS.index(TP_KIND)), stage[held], microbatch[held],
-                      step.end[held], step.end[held] + step.hold[held], _STREAMS.index(TP)))
-        names += [f"{TP_KIND}({s}{KINDS[k]}{m})" for s, k, m in zip(stage[held].tolist(), kind[held].tolist(),
-                                                                     microbatch[held].tolist(), strict=True)]
+    if held is None:
+        held = np.zeros((len(rank), len(HOLD_PARTS)))
+        held[:, 0] = step.hold if step.hold is not None else 0.0
+    start = step.end
+    for index, part in enumerate(HOLD_PARTS):
+        end = start + held[:, index]
+        rows = np.flatnonzero(held[:, index] > 0)
+        if len(rows):
+            hold_kind = _HOLD_KINDS[part]
+            parts.append((rank[rows], np.full(len(rows), _KINDS.index(hold_kind)), stage[rows], microbatch[rows],
+                          start[rows], end[rows], _STREAMS.index(part)))
+            names += [f"{hold_kind}({s}{KINDS[k]}{m})" for s, k, m in zip(stage[rows].tolist(), kind[rows].tolist(),
+                                                                          microbatch[rows].tolist(), strict=True)]
+        start = end
     if program.semantics != engine.FREE:
         waited = np.flatnonzero(program.compute_need >= 0)
         receive = np.where(kind[waited] == F_CODE, KINDS.index(ActionKind.RECV_F), KINDS.index(ActionKind.RECV_B))

@@ -4,7 +4,9 @@
              (default mixed-precision Adam: 2 bf16 weights + 2 bf16 gradients +
              12 fp32 optimizer: master weights, momentum and variance = 16 bytes);
              with ZeRO-1 (the distributed optimizer) the optimizer bytes, fp32 master
-             weights included, are sharded over the dp replicas: / dp
+             weights included, are sharded over the dp replicas: / dp (over dp x cp
+             with context parallelism, and a stage's routed experts over their expert
+             data-parallel group, dp x cp / ep, with expert parallelism)
     buffers  2 x the boundary activation per P2P peer (one for the activation, one for
              its gradient) and one DDP bucket when data parallel
     stash    each stage's ``stash_bytes`` for every microbatch whose forward has started
@@ -92,9 +94,11 @@ def memory_report(
     dp: int = 1,
     bucket_bytes: float = 0.0,
     zero: int = 0,
+    expert_dp: int | None = None,
 ) -> list[RankMemory]:
     """Memory of every rank of the simulated pipeline, from its Trace; ``zero=1`` shards
-    the optimizer state over the ``dp`` replicas. Empty when the costs say nothing about
+    the optimizer state over the ``dp`` ranks that hold each parameter (the routed
+    experts' over ``expert_dp``, default ``dp``). Empty when the costs say nothing about
     memory."""
     if not costs.memory_known:
         return []
@@ -105,9 +109,11 @@ def memory_report(
     static = [0.0] * num_ranks
     buffers = [0.0] * num_ranks
     per_param = static_bytes_per_param(bytes_per_param, dp, zero)
+    per_expert_param = static_bytes_per_param(bytes_per_param, dp if expert_dp is None else expert_dp, zero)
     for stage, cost in enumerate(costs.stages):
         rank = placement[stage]
-        static[rank] += stage_params(cost.params, cost.param_bytes, bytes_per_param) * per_param
+        params = stage_params(cost.params, cost.param_bytes, bytes_per_param)
+        static[rank] += (params - cost.expert_params) * per_param + cost.expert_params * per_expert_param
         if stage > 0 and placement[stage - 1] != rank:
             buffers[rank] += 2 * costs.stages[stage - 1].act_bytes
         if stage < last_stage and placement[stage + 1] != rank:

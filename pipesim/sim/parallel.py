@@ -31,6 +31,12 @@ pays their collectives:
 - the other replicas' and shards' P2P transfers (``pipesim.cluster.twins``): each simulated
   send also reserves the links of its twins where their routes meet another
   pipeline's.
+- ep and cp: expert parallelism's all-to-alls (``pipesim.sim.expert_parallel``) and
+  context parallelism's K/V exchanges (``pipesim.sim.context_parallel``) hold the rank
+  after its compute actions, beside the tp collectives. With context parallelism the
+  gradients are reduced over dp x cp (every rank holding the same dense shard); with
+  expert parallelism the routed experts' share of them over the expert data-parallel
+  group (``pipesim.cluster.mapping``), each bucket carrying both shares.
 
 Collectives are analytical durations (see ``pipesim.cluster.collectives``): they do not
 reserve links in the engine's link scheduler and so do not contend with P2P traffic.
@@ -50,7 +56,9 @@ from pipesim.cluster.collectives import all_gather, all_reduce, bucket_sizes, re
 from pipesim.cluster.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.cluster.twins import boundary_rank_pairs, twin_transfers
-from pipesim.model.costs import Costs
+from pipesim.model.costs import Costs, StageCost
+from pipesim.sim.context_parallel import check_cp_comm, cp_collective_seconds
+from pipesim.sim.expert_parallel import ep_collective_seconds
 from pipesim.sim.memory import BytesPerParam
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
 from schedules.schedule import Schedule
@@ -73,7 +81,8 @@ class ParallelConfig:
     collective algorithm, the bytes each parameter costs in memory and the ZeRO stage
     (0: every replica holds the whole optimizer and all-reduces gradients; 1: the
     optimizer state is sharded over dp, gradients reduce-scattered and parameters
-    all-gathered)."""
+    all-gathered); ``cp`` context-parallel ranks per replica and how they exchange keys
+    and values (``cp_comm``), ``ep`` expert-parallel ranks cut from the dp x cp ranks."""
 
     dp: int = 1
     tp: int = 1
@@ -83,10 +92,19 @@ class ParallelConfig:
     algorithm: str = "ring"
     bytes_per_param: BytesPerParam = BytesPerParam()
     zero: int = 0
+    cp: int = 1
+    ep: int = 1
+    cp_comm: str = "p2p"
 
     def __post_init__(self) -> None:
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"--zero {self.zero} is not supported: use 0 (all-reduce) or 1 (distributed optimizer)")
+        check_cp_comm(self.cp_comm)
+
+    @property
+    def gpus(self) -> int:
+        """Devices per pipeline rank: every replica's tp shards and cp ranks (ep adds none)."""
+        return self.dp * self.cp * self.tp
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,8 @@ class CommPlan:
     zero: int = 0
     stage_layers: dict[int, int] = field(default_factory=dict)
     twin_transfers: dict[tuple[str, str], list[tuple[str, str]]] = field(default_factory=dict)
+    ep_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
+    cp_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
 
     @property
     def dp_seconds(self) -> dict[int, float]:
@@ -113,8 +133,8 @@ class CommPlan:
 
 def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
               bucket_bytes: float = DDP_BUCKET_BYTES, overlap_dp: bool = True, algorithm: str = "ring",
-              zero: int = 0) -> CommPlan:
-    """The tp and dp collective costs of every stage on its rank's groups."""
+              zero: int = 0, cp_comm: str = "p2p") -> CommPlan:
+    """The tp, ep, cp and dp collective costs of every stage on its rank's groups."""
     bucket_bytes_of: dict[int, tuple[float, ...]] = {}
     reduce_seconds: dict[int, tuple[float, ...]] = {}
     gather_seconds: dict[int, tuple[float, ...]] = {}
@@ -123,18 +143,41 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
         if group is None or cost.param_bytes <= 0:
             continue
         sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
+        experts = _expert_gradients(schedule, stage, cost, mapping)
         # a stage has thousands of buckets but at most two sizes (full, and the rest): price each size once
         if zero:
-            reduce = _per_bucket(sizes, partial(reduce_scatter, topology, group))
-            gather_seconds[stage] = _per_bucket(sizes, partial(all_gather, topology, group))
+            reduce = _per_bucket(sizes, _split_over(experts, partial(reduce_scatter, topology), group))
+            gather_seconds[stage] = _per_bucket(sizes, _split_over(experts, partial(all_gather, topology), group))
         else:
-            reduce = _per_bucket(sizes, partial(all_reduce, topology, group, algorithm=algorithm))
+            reduce = _per_bucket(sizes, _split_over(experts, partial(all_reduce, topology, algorithm=algorithm),
+                                                    group))
         if sum(reduce) > 0:
             bucket_bytes_of[stage] = sizes
             reduce_seconds[stage] = reduce
     layers = {stage: cost.layers for stage, cost in enumerate(costs.stages)}
     return CommPlan(tp_collective_seconds(schedule, costs, topology, mapping, algorithm), bucket_bytes_of,
-                    reduce_seconds, gather_seconds, overlap_dp, zero, layers, _twins(schedule, topology, mapping))
+                    reduce_seconds, gather_seconds, overlap_dp, zero, layers, _twins(schedule, topology, mapping),
+                    ep_collective_seconds(schedule, costs, topology, mapping),
+                    cp_collective_seconds(schedule, costs, topology, mapping, cp_comm))
+
+
+def _expert_gradients(schedule: Schedule, stage: int, cost: StageCost,
+                      mapping: RankMapping) -> tuple[float, list[str]] | None:
+    """(share of the stage's gradient bytes, devices) of its routed experts' gradients
+    when expert parallelism reduces them over a group of their own; None otherwise."""
+    if mapping.ep == 1 or not cost.expert_params or not cost.params:
+        return None
+    return cost.expert_params / cost.params, mapping.expert_dp_group(schedule.placement[stage], 0)
+
+
+def _split_over(experts: tuple[float, list[str]] | None, collective, group: list[str]):
+    """``size -> seconds`` of a bucket's collective: over ``group``, or with expert
+    parallelism the dense share over ``group`` and the experts' share over theirs (a
+    bucket holds both, as the layers' gradients come out mixed)."""
+    if experts is None:
+        return partial(collective, group)
+    share, expert_group = experts
+    return lambda size: collective(group, size * (1 - share)) + collective(expert_group, size * share)
 
 
 def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
@@ -147,19 +190,30 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         if not (cost.layers and cost.tp_message_bytes):
             continue
         group = mapping.tp_group(0, schedule.placement[stage])
-        if costs.sequence_parallel:
-            one = all_gather(topology, group, cost.tp_message_bytes) + reduce_scatter(
-                topology, group, cost.tp_message_bytes)
-        else:
-            one = all_reduce(topology, group, cost.tp_message_bytes, algorithm)
-        per_pass = 2 * cost.layers * one
+        one_pair = partial(_tp_pair, topology, group, costs.sequence_parallel, algorithm)
+        one = one_pair(cost.tp_message_bytes)
+        experts = 0.0
+        if mapping.ep > 1 and cost.moe_layers and cost.dispatch_bytes:
+            # Megatron-Core's all-to-all dispatcher: around the experts the tp group gathers and
+            # scatters the routed copies its ranks received (tp x one rank's dispatch) instead
+            # of the dense MLP's activation
+            experts = cost.moe_layers * (one_pair(mapping.tp * cost.dispatch_bytes) - one)
+        per_pass = 2 * cost.layers * one + experts
         if per_pass > 0:
             for kind in (ActionKind.F, ActionKind.B, ActionKind.I):
                 seconds[stage, kind] = per_pass
             # full recompute re-runs the forward, and its collectives, inside the backward
             for kind in (ActionKind.B, ActionKind.I):
-                seconds[stage, kind] += 2 * cost.recompute_layers * one
+                seconds[stage, kind] += 2 * cost.recompute_layers * one + experts * cost.recompute_layers / cost.layers
     return seconds
+
+
+def _tp_pair(topology: Topology, group: list[str], sequence_parallel: bool, algorithm: str, message: float) -> float:
+    """One of a layer's tp collectives of ``message`` bytes: an all-reduce, or with sequence
+    parallelism an all-gather and a reduce-scatter (the same ring cost)."""
+    if sequence_parallel:
+        return all_gather(topology, group, message) + reduce_scatter(topology, group, message)
+    return all_reduce(topology, group, message, algorithm)
 
 
 def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
@@ -178,9 +232,9 @@ def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topolog
 
 def _dp_group(schedule: Schedule, stage: int, mapping: RankMapping) -> list[str] | None:
     """The devices that reduce ``stage``'s gradients, None when there is nothing to reduce."""
-    if mapping.dp == 1 or schedule.num_stages <= stage:
+    if mapping.dp * mapping.cp == 1 or schedule.num_stages <= stage:
         return None
-    return mapping.dp_group(schedule.placement[stage], 0)
+    return mapping.dp_cp_group(schedule.placement[stage], 0)
 
 
 def _per_bucket(sizes: tuple[float, ...], seconds_of) -> tuple[float, ...]:
@@ -214,12 +268,11 @@ def _twins(schedule: Schedule, topology: Topology, mapping: RankMapping) -> dict
     """``twin_transfers`` of every (replica, shard) pipeline, kept on the topology per
     mapping and set of rank pairs: it routes every pipeline's transfers, the same work
     for every schedule with the same stage boundaries (a plan simulates thousands)."""
-    key = ("twins", mapping.dp, mapping.pp, mapping.tp, mapping.order, mapping.devices,
+    key = ("twins", mapping.dp, mapping.cp, mapping.pp, mapping.tp, mapping.order, mapping.devices,
            tuple(sorted(boundary_rank_pairs(schedule))))
     cached = topology.pace_cache.get(key)
     if cached is None:
-        pipelines = [mapping.pipeline(replica, shard) for replica in range(mapping.dp) for shard in range(mapping.tp)]
-        cached = topology.pace_cache[key] = twin_transfers(schedule, topology, pipelines)
+        cached = topology.pace_cache[key] = twin_transfers(schedule, topology, mapping.pipelines())
     return cached
 
 
