@@ -226,9 +226,11 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None) -> Tr
     if held is None:
         held = np.zeros((len(rank), len(HOLD_PARTS)))
         held[:, 0] = step.hold if step.hold is not None else 0.0
-    start = step.end
+    # each part ends at the compute's end plus the parts so far, added as the engine adds the
+    # hold: the last one ends exactly where the engine lets the rank go on
+    ends = step.end[:, None] + np.cumsum(held, axis=1)
     for index, part in enumerate(HOLD_PARTS):
-        end = start + held[:, index]
+        start, end = (step.end if index == 0 else ends[:, index - 1]), ends[:, index]
         rows = np.flatnonzero(held[:, index] > 0)
         if len(rows):
             hold_kind = _HOLD_KINDS[part]
@@ -236,7 +238,6 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None) -> Tr
                           start[rows], end[rows], _STREAMS.index(part)))
             names += [f"{hold_kind}({s}{KINDS[k]}{m})" for s, k, m in zip(stage[rows].tolist(), kind[rows].tolist(),
                                                                           microbatch[rows].tolist(), strict=True)]
-        start = end
     if program.semantics != engine.FREE:
         waited = np.flatnonzero(program.compute_need >= 0)
         receive = np.where(kind[waited] == F_CODE, KINDS.index(ActionKind.RECV_F), KINDS.index(ActionKind.RECV_B))
