@@ -158,7 +158,7 @@ def all_to_all_pace(topology: Topology, groups: tuple[tuple[str, ...], ...]) -> 
     member sends ``1/n`` of S to every other member of its group, so a link carries, per
     byte of S, ``1/n`` for every piece routed over it. Kept per topology and groups: a step
     prices each stage's group once per layer."""
-    key = ("alltoall", groups)
+    key = _all_to_all_key(topology, groups)
     cached = topology.pace_cache.get(key)
     if cached is None:
         load: dict[tuple[str, str], float] = {}
@@ -180,6 +180,26 @@ def all_to_all_pace(topology: Topology, groups: tuple[tuple[str, ...], ...]) -> 
         per_byte = max((load[link] / bandwidth[link] for link in load), default=0.0)
         cached = topology.pace_cache[key] = (per_byte, latency)
     return cached
+
+
+def _all_to_all_key(topology: Topology, groups: tuple[tuple[str, ...], ...]) -> tuple:
+    """What an all-to-all's pace depends on. On a preset (a hierarchy) that is the shape
+    of the groups, not the devices' names: every device's chains of uplinks with their
+    nodes numbered in order of first appearance, so groups laid out alike on other nodes
+    (each pipeline rank's, each layout's of a plan) share one computation of the
+    ``n^2`` routes. Elsewhere, the devices themselves."""
+    hierarchy = topology.hierarchy
+    if hierarchy is None:
+        return ("alltoall", groups)
+    labels: dict[str, int] = {}
+    shape = []
+    for members in groups:
+        for device in members:
+            chains = hierarchy.uplinks(hierarchy.index[device])
+            shape.append((labels.setdefault(device, len(labels)),
+                          tuple(tuple((labels.setdefault(hop.node, len(labels)), hop.link) for hop in chain)
+                                for chain in chains)))
+    return ("alltoall-shape", tuple(len(members) for members in groups), tuple(shape))
 
 
 def _link_bandwidths(route) -> tuple[float, ...]:
