@@ -245,7 +245,10 @@ def check_parallel_layout(job) -> None:
     for flag, value in (("--dp", dp), ("--tp", tp), ("--cp", cp), ("--ep", ep)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
-    check_cp_comm(getattr(job, "cp_comm", "p2p"))
+    comm = check_cp_comm(getattr(job, "cp_comm", "p2p"))
+    if comm != "p2p" and cp == 1:
+        raise ValueError(f"--cp-comm {comm} needs --cp > 1: it says how context-parallel ranks exchange keys and "
+                         f"values; give --cp or drop --cp-comm")
     problem = expert_group_problem(dp, cp, ep)
     if problem:
         raise ValueError(problem)

@@ -141,6 +141,7 @@ def _simulate_json(args: list[str]) -> dict:
      "--cp 2 conflicts with --no-flash-attention: ring attention is built on the fused attention kernel"),
     (["--fwd", "1e-3", "--cp", "2"], "--cp 2 needs --model"),
     (["--model", "llama3-8b", "--cp", "0"], "--cp must be a whole number >= 1, got 0"),
+    (["--model", "llama3-8b", "--cp-comm", "all-gather"], "--cp-comm all-gather needs --cp > 1"),
 ])
 def test_bad_context_layouts_are_one_line_errors_before_any_work(capsys, args, message):
     assert main(["simulate", "--pp", "2", "-m", "2", *args]) == 2
