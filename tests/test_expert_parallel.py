@@ -307,3 +307,19 @@ def test_with_tp_the_expert_block_gathers_the_routed_copies_over_tp():
     tp = [event.duration for event in result.trace.events if event.stream == "tp"]
     per_layer = gather_and_scatter(message) + gather_and_scatter(2 * dispatch)  # attention's, then the experts'
     assert tp == pytest.approx([2 * per_layer] * 4)
+
+
+def test_the_simpy_model_times_overlapped_pairs_with_all_to_alls_as_the_engine_does():
+    """The hold of a pair's halves (``StepTiming.pair_hold``) reaches both walks alike."""
+    from pipesim.sim.engine import step_timing
+    from pipesim.sim.parallel import comm_plan
+    from schedules.lowering import lower
+    from tests.test_engine_reference import assert_same_moments, both
+
+    topology = nvlink()
+    schedule = lower(generate("dualpipev", 2, 4, 2))
+    costs = _moe_costs(4, 0.2e-3, 0.4e-3)
+    mapping = map_ranks(topology, dp=4, pp=2, ep=4)
+    timing = step_timing(schedule, costs, topology, mapping.pipeline(), comm_plan(schedule, costs, topology, mapping))
+    assert timing.pair_hold and any(held > 0 for held in timing.pair_hold.values())
+    assert_same_moments(*both(schedule, timing, "rendezvous"))
