@@ -368,15 +368,24 @@ def _compute_costs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarr
     seconds = table[stage, kind]
     hold = np.zeros(len(seconds)) if timing.hold is None else np.asarray(timing.hold, dtype=float)[stage, kind]
     for overrides, values in ((timing.pair_seconds, seconds), (timing.pair_hold, hold)):
-        for (pair_stage, pair_kind, pair_microbatch), value in overrides.items():
-            values[action_rows(program, pair_stage, pair_kind, pair_microbatch)] = value
+        if overrides:
+            rows = action_rows(program, list(overrides))
+            values[rows[rows >= 0]] = np.fromiter(overrides.values(), float, len(overrides))[rows >= 0]
     return np.ascontiguousarray(seconds), np.ascontiguousarray(hold)
 
 
-def action_rows(program: EngineProgram, stage: int, kind: str, microbatch: int) -> np.ndarray:
-    """The compute rows of ``program`` that run action ``(stage, kind, microbatch)``."""
-    return np.flatnonzero((program.compute_stage == stage) & (program.compute_kind == KIND_CODES[kind])
-                          & (program.compute_microbatch == microbatch))
+def action_rows(program: EngineProgram, actions: Sequence[tuple]) -> np.ndarray:
+    """The compute row of ``program`` that runs each ``(stage, kind, microbatch)``, -1 where
+    none does (a compute action appears once in a valid schedule)."""
+    microbatches = program.arrays.microbatches
+    key = (program.compute_stage * len(COMPUTE_KINDS) + program.compute_kind) * microbatches \
+        + program.compute_microbatch
+    order = np.argsort(key, kind="stable")
+    wanted = np.array([(stage * len(COMPUTE_KINDS) + KIND_CODES[kind]) * microbatches + microbatch
+                       for stage, kind, microbatch in actions], dtype=np.int64)
+    at = np.clip(np.searchsorted(key[order], wanted), 0, max(len(key) - 1, 0))
+    found = (len(key) > 0) & (key[order][at] == wanted) if len(key) else np.zeros(len(wanted), dtype=bool)
+    return np.where(found, order[at] if len(key) else -1, -1)
 
 
 @dataclass(frozen=True)

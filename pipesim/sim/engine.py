@@ -206,8 +206,11 @@ def held_parts(step: engine.StepRun, costs: Costs, plan: CommPlan | None) -> np.
     # compute kinds' codes are the columns of the tables (F, B, I, W first in KINDS, as the engine reads them)
     parts = tables[:, program.compute_stage, program.compute_kind].T.copy()
     _, pair_parts = overlapped_pairs(schedule, costs, costs.durations(), holds_of(plan))
-    for (stage, kind, microbatch), held in pair_parts.items():
-        parts[engine.action_rows(program, stage, kind, microbatch)] = held
+    if pair_parts:
+        rows = engine.action_rows(program, list(pair_parts))
+        for row, held in zip(rows.tolist(), pair_parts.values(), strict=True):
+            if row >= 0:
+                parts[row] = held
     return parts
 
 
