@@ -49,7 +49,7 @@ from schedules.schedule import Schedule, looped_placement
 
 # The optimising pass's budget by default, in CP-SAT's deterministic seconds (2-4 s of
 # wall time at p = 8, m = 24-64 on a 2-core machine, model building included).
-DEFAULT_SEARCH_SECONDS = 0.5
+DEFAULT_SEARCH_SECONDS = 0.2
 # Above this many (stage, microbatch) pairs the model takes longer to build than the
 # pass is likely to win: heuristics only.
 SEARCH_PASSES = 512
