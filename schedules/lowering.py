@@ -9,18 +9,15 @@ P2P operations of a rank pair in posting order, and a send may wait until its re
 is posted (rendezvous). gloo, which matches by tag and buffers sends, forgives orders
 that NCCL does not.
 
-The construction generalises Megatron's lock-step pairing to any compute order. The
-engine times the compute-only schedule (``schedules.engine``, free transfers; nominal
-durations unless the caller gives the step's own). Each transfer is ready when its
-producer ends and needed when its consumer starts, and is exchanged at its *meeting
-point*: the earliest moment in that window at which neither rank is inside a compute
-action (failing that, the moment with the shortest wait). Both ends place it at that
-moment of their own timeline, and everything a rank posts between two compute actions is
-one group, ordered by (meeting point, sending stage, direction, microbatch) on both ends
-of every pair. Every rank meets the meeting points in increasing order, so a group never
-waits for a peer that is itself waiting for a later one: every generated schedule is
-deadlock-free under rendezvous semantics, and the posting order of every pair matches
-(``docs/schedules.md`` has the argument; the validator checks it for any schedule).
+Where they go is decided with the step's costs (``lower(schedule, timing)``; nominal
+durations and free transfers when none are given). The engine times the compute-only
+order with free-flowing transfers; every transfer gets a departure moment between its
+producer's end and its consumer's start, both ends post it at their last compute
+boundary before that moment, and what a rank posts at one boundary is cut into groups
+(``schedules.transfer_placement``: why every such placement is deadlock-free under
+rendezvous). Which moments and cuts is chosen by timing whole lowered steps on the engine
+(``schedules.placement_search``). ``docs/schedules.md`` has the argument and the
+numbers; the validator checks any schedule.
 """
 
 from __future__ import annotations
