@@ -73,6 +73,8 @@ def lower(schedule: Schedule, timing: engine.StepTiming | None = None, repair_ru
         return _lower_naively(schedule)
     step, free_start = planned
     search = Search(schedule, transfers_of(step, timing), timing, free_start)
+    if arrays.size > CHOICE_ACTIONS and repair_runs is None:
+        return keep_pairs_together(search.default_rule(), schedule)
     best = search.best_rule()
     budget = repair_budget(arrays.size) if repair_runs is None else repair_runs
     if budget > search.runs:
@@ -91,6 +93,9 @@ def repair_budget(actions: int) -> int:
 
 REPAIR_RUNS = 120
 REPAIR_ACTIONS = 20_000
+# Above this many compute actions one rule is placed without timing the others: each
+# candidate costs a lowering and an engine run of the whole step.
+CHOICE_ACTIONS = 100_000
 
 
 def planning_timing(timing: engine.StepTiming) -> engine.StepTiming:
