@@ -75,11 +75,24 @@ def run_step(schedule: Schedule, costs: Costs, topology: Topology, rank_devices:
              plan: CommPlan | None = None, p2p: str = RENDEZVOUS) -> engine.StepRun:
     """The engine's moments of one step (``simulate`` without the Trace)."""
     require_semantics(p2p)
-    lowered = lower(schedule)
-    if costs.num_stages != lowered.num_stages:
-        raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {lowered.num_stages}")
+    if costs.num_stages != schedule.num_stages:
+        raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {schedule.num_stages}")
+    lowered = lower_for(schedule, costs, topology, rank_devices)
     devices = rank_devices_of(lowered, topology, rank_devices)
     return engine.run(lowered, step_timing(lowered, costs, topology, devices, plan), p2p)
+
+
+def lower_for(schedule: Schedule, costs: Costs, topology: Topology,
+              rank_devices: Sequence[str] | None = None) -> Schedule:
+    """``schedule`` lowered for the step it will be simulated as: its transfers placed
+    and grouped with these stage costs and these links (``schedules.lowering.lower``
+    with the step's timing). Lowering depends on nothing else, so the executor gets the
+    same programs by lowering with the same ``StepTiming``. Already-lowered schedules
+    come back as they are."""
+    if schedule.is_lowered:
+        return schedule
+    devices = rank_devices_of(schedule, topology, rank_devices)
+    return lower(schedule, step_timing(schedule, costs, topology, devices))
 
 
 def step_timing(schedule: Schedule, costs: Costs, topology: Topology, devices: Sequence[str],

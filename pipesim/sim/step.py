@@ -13,11 +13,10 @@ from functools import cached_property
 from pipesim.cluster.mapping import RankMapping, map_ranks
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
-from pipesim.sim.engine import run_step, step_trace
+from pipesim.sim.engine import lower_for, run_step, step_trace
 from pipesim.sim.memory import RankMemory, memory_report
 from pipesim.sim.parallel import ParallelConfig, comm_plan
 from schedules.collector import without_collector
-from schedules.lowering import lower
 from schedules.metrics import StepMetrics, comm_by_kind, step_metrics
 from schedules.p2p import default_semantics
 from schedules.schedule import Schedule
@@ -242,7 +241,7 @@ def run_simulation(
         mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
                             parallel.ep)
         rank_devices = mapping.pipeline()
-    lowered = lower(schedule)
+    lowered = lower_for(schedule, costs, topology, rank_devices)
     if validate:
         validate_schedule(lowered, p2p, finishes=False)
     plan = None
