@@ -82,7 +82,7 @@ class Transfers:
     def microbatch(self) -> np.ndarray:
         return self.key % self.step.program.arrays.microbatches
 
-    @property
+    @cached_property
     def latest(self) -> np.ndarray:
         """The last departure that still arrives when its consumer starts."""
         return np.maximum(self.needed - self.flight, self.ready)
@@ -150,27 +150,58 @@ def _least_waiting(transfers: Transfers, which: np.ndarray) -> np.ndarray:
     """For transfers whose two ranks are never both between compute actions in time: the
     moment in ``[ready, latest]`` (when ready, or a boundary of either rank) at which the
     two ranks together wait least for the compute action they are inside, each having
-    posted the group at its boundary before."""
+    posted the group at its boundary before (the earliest such moment on a tie).
+
+    All candidates of all transfers are scored at once: a large step has tens of
+    thousands of such transfers."""
     step, first = transfers.step, transfers.first_compute
-    ends = [step.end[first[rank]:first[rank + 1]] for rank in range(step.program.ranks)]
-    starts = [step.start[first[rank]:first[rank + 1]] for rank in range(step.program.ranks)]
-
-    def waiting(rank: int, moment: float) -> float:
-        at = int(np.searchsorted(ends[rank], moment, side="right"))
-        if at < len(ends[rank]) and starts[rank][at] < moment:
-            return moment - (ends[rank][at - 1] if at else 0.0)
-        return 0.0
-
+    ready, latest = transfers.ready[which], transfers.latest[which]
+    sides = (transfers.sender[which], transfers.receiver[which])
+    # candidates: (position in ``which``, moment); first every ready moment, then the
+    # boundaries of either rank in (ready, latest]
+    owner, moment = [np.arange(len(which))], [ready]
+    for rank_of in sides:
+        low = _rank_search(step.end, first, rank_of, ready)
+        high = _rank_search(step.end, first, rank_of, latest)
+        counts = high - low
+        positions = np.repeat(np.arange(len(which)), counts)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        owner.append(positions)
+        moment.append(step.end[np.repeat(low, counts) + offsets])
+    owner, moment = np.concatenate(owner), np.concatenate(moment)
+    waiting = sum(_waiting(step, first, rank_of[owner], moment) for rank_of in sides)
+    order = np.lexsort((moment, owner))
+    owner, moment, waiting = owner[order], moment[order], waiting[order]
+    group_start = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+    least = np.minimum.reduceat(waiting, group_start)
+    best = np.flatnonzero(waiting == least[owner])
     chosen = np.empty(len(which))
-    for index, transfer in enumerate(which.tolist()):
-        ranks = (int(transfers.sender[transfer]), int(transfers.receiver[transfer]))
-        ready, latest = float(transfers.ready[transfer]), float(transfers.latest[transfer])
-        candidates = {ready}
-        for rank in ranks:
-            low, high = np.searchsorted(ends[rank], [ready, latest], side="right")
-            candidates.update(ends[rank][low:high].tolist())
-        chosen[index] = min(sorted(candidates), key=lambda moment: sum(waiting(rank, moment) for rank in ranks))
+    chosen[owner[best[::-1]]] = moment[best[::-1]]  # the earliest best moment written last
     return chosen
+
+
+def _rank_search(end: np.ndarray, first: np.ndarray, rank: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """Per query, the global index of the first compute action of ``rank`` that ends
+    after ``moment`` (one past the rank's last if none)."""
+    found = np.empty(len(rank), dtype=np.int64)
+    by_rank = np.argsort(rank, kind="stable")
+    cuts = np.searchsorted(rank[by_rank], np.arange(len(first)))
+    for owner in range(len(first) - 1):
+        members = by_rank[cuts[owner]:cuts[owner + 1]]
+        if len(members):
+            found[members] = first[owner] + np.searchsorted(end[first[owner]:first[owner + 1]], moment[members],
+                                                            side="right")
+    return found
+
+
+def _waiting(step: engine.StepRun, first: np.ndarray, rank: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """Per query, how long ``rank`` has waited at ``moment`` for the compute action it is
+    inside, having posted at the boundary before it (zero between actions)."""
+    at = _rank_search(step.end, first, rank, moment)
+    inside = at < first[rank + 1]
+    inside[inside] = step.start[at[inside]] < moment[inside]
+    before = np.where(at > first[rank], step.end[np.maximum(at - 1, 0)], 0.0)
+    return np.where(inside, moment - before, 0.0)
 
 
 def _busy_union(first: tuple[np.ndarray, np.ndarray], second: tuple[np.ndarray, np.ndarray]
@@ -255,42 +286,47 @@ def group_starts(ends: Ends, mind_the_consumer: bool, breaks: np.ndarray | None 
     later for their consumers than it makes this end late on its own. ``breaks`` and
     ``joins`` (per end, by end index) force the choice (``placement_search``'s repairs)."""
     order = ends.order
-    rank, slot, moment = ends.rank[order].tolist(), ends.slot[order].tolist(), ends.moment[order].tolist()
-    arrival, needed = ends.arrival[order].tolist(), ends.needed[order].tolist()
-    receives = (~ends.is_send[order]).tolist()
-    forced_break = breaks[order].tolist() if breaks is not None else [False] * len(order)
-    forced_join = joins[order].tolist() if joins is not None else [False] * len(order)
-    starts = [True] * len(order)
-    if not starts:
+    if not len(order):
         return np.zeros(0, dtype=bool)
-    complete, first_need = arrival[0], needed[0] if receives[0] else np.inf
-    for index in range(1, len(order)):
-        if rank[index] != rank[index - 1] or slot[index] != slot[index - 1]:
-            new = True
-        elif forced_break[index]:
-            new = True
-        elif forced_join[index]:
-            new = False
-        elif moment[index] >= complete:
-            # the group before has arrived by the time this one leaves; with nothing on the
-            # wire, joining it costs no time, so what falls between two compute actions is
-            # posted as one batch (Megatron's pairing) unless a receive of the group would wait
-            new = arrival[index] > moment[index] or max(complete, arrival[index]) > first_need
-        elif mind_the_consumer:
-            joined = max(complete, arrival[index])
-            late_joined = max(0.0, joined - first_need, joined - needed[index] if receives[index] else 0.0)
-            late_alone = max(0.0, complete + arrival[index] - moment[index] - needed[index])
-            new = late_alone < late_joined
+    rank, slot = ends.rank[order], ends.slot[order]
+    starts = np.r_[True, (rank[1:] != rank[:-1]) | (slot[1:] != slot[:-1])]
+    if breaks is not None:
+        starts |= breaks[order]
+    # The choice runs along each run of ends that share a boundary (a new group resets
+    # what the next end joins); runs are short, so all runs take their k-th step at once.
+    first = np.flatnonzero(starts)
+    length = np.diff(np.r_[first, len(order)])
+    moment, arrival = ends.moment[order], ends.arrival[order]
+    own_need = ends.needed[order]
+    receives = ~ends.is_send[order]
+    need = np.where(receives, own_need, np.inf)
+    forced_join = joins[order] if joins is not None else None
+    complete, first_need = arrival[first], need[first]
+    decided = starts.copy()
+    for step in range(1, int(length.max())):
+        live = np.flatnonzero(length > step)
+        index = first[live] + step
+        was_complete, was_need = complete[live], first_need[live]
+        here, arrives = moment[index], arrival[index]
+        joined = np.maximum(was_complete, arrives)
+        # the group before has arrived by the time this one leaves; with nothing on the
+        # wire, joining it costs no time, so what falls between two compute actions is
+        # posted as one batch (Megatron's pairing) unless a receive of the group would wait
+        after = (arrives > here) | (joined > was_need)
+        if mind_the_consumer:
+            late_joined = np.maximum(np.maximum(0.0, joined - was_need),
+                                     np.where(receives[index], joined - own_need[index], 0.0))
+            late_alone = np.maximum(0.0, was_complete + arrives - here - own_need[index])
+            overlapping = late_alone < late_joined
         else:
-            new = False
-        starts[index] = new
-        if new:
-            complete, first_need = arrival[index], needed[index] if receives[index] else np.inf
-        else:
-            complete = max(complete, arrival[index])
-            if receives[index]:
-                first_need = min(first_need, needed[index])
-    return np.array(starts, dtype=bool)
+            overlapping = np.zeros(len(index), dtype=bool)
+        new = np.where(here >= was_complete, after, overlapping)
+        if forced_join is not None:
+            new &= ~forced_join[index]
+        decided[index] = new
+        complete[live] = np.where(new, arrives, joined)
+        first_need[live] = np.where(new, need[index], np.minimum(was_need, need[index]))
+    return decided
 
 
 _TRANSFER_KINDS = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
