@@ -21,6 +21,7 @@ from pipesim.cluster.files import load_topology
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, load_costs, uniform_costs
 from schedules.generators import COST_AWARE, DEFAULT_MAX_ACTIONS, MULTI_CHUNK, generate, require_within_limit
+from schedules.generators.adaptive import ADAPTABLE
 from schedules.schedule import Schedule
 
 DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
@@ -147,14 +148,37 @@ def schedule_of(job: Job, topology: Topology | None = None) -> Schedule:
         raise conflict(f"--virtual-stages {job.virtual_stages}", f"--schedule {job.schedule}",
                        f"{job.schedule} places one stage per rank; multi-chunk schedules are "
                        f"{', '.join(sorted(MULTI_CHUNK))}")
-    return generate(job.schedule, job.pp, job.microbatches, virtual_stages_for(job.schedule, job.virtual_stages),
-                    max_actions=job.max_actions)
+    schedule = generate(job.schedule, job.pp, job.microbatches, virtual_stages_for(job.schedule, job.virtual_stages),
+                        max_actions=job.max_actions)
+    if job.schedule in ADAPTABLE:
+        return adapted_schedule_of(job, schedule, topology)
+    return schedule
+
+
+def adapted_schedule_of(job: Job, schedule: Schedule, topology: Topology | None) -> Schedule:
+    """zb-h1 and zb-h2 in the order that runs fastest on the job's costs and links (the
+    textbook one, ``W`` placed for these costs, or 1F1B's; ``meta["order"]`` says which),
+    so that a handcrafted zero-bubble order is never slower than 1F1B where the user runs it."""
+    from pipesim.cluster.topology import ideal_topology
+    from pipesim.sim.cost_aware import adapt_to_costs
+
+    topology = topology or ideal_topology()
+    return adapt_to_costs(schedule, costs_of(job, schedule, topology), topology, _pipeline_devices(job, topology))
+
+
+def _pipeline_devices(job: Job, topology: Topology) -> list[str] | None:
+    """The devices of the job's first pipeline on ``topology`` (None on free links:
+    the default mapping)."""
+    if topology.ideal:
+        return None
+    from pipesim.cluster.mapping import map_ranks
+
+    return map_ranks(topology, job.dp, job.pp, job.tp, job.rank_order, job.cp, job.ep).pipeline()
 
 
 def cost_aware_schedule_of(job: Job, topology: Topology | None) -> Schedule:
     """zb-auto from the job's costs (flags, costs file or model spec; unit costs
     F = I = W where it has none) and its cluster's hop time."""
-    from pipesim.cluster.mapping import map_ranks
     from pipesim.cluster.topology import ideal_topology
     from pipesim.sim.cost_aware import build_cost_aware
 
@@ -166,10 +190,8 @@ def cost_aware_schedule_of(job: Job, topology: Topology | None) -> Schedule:
         if not any(stage.wgrad for stage in costs.stages):
             print(f"note: {job.schedule} with no weight-gradient time (--wgrad 0 or none in the costs file) "
                   "has no W passes to fill bubbles with", file=sys.stderr)
-    devices = None
-    if not topology.ideal:
-        devices = map_ranks(topology, job.dp, job.pp, job.tp, job.rank_order, job.cp, job.ep).pipeline()
-    return build_cost_aware(job.schedule, job.pp, job.microbatches, costs, topology, job.memory_limit, devices)
+    return build_cost_aware(job.schedule, job.pp, job.microbatches, costs, topology, job.memory_limit,
+                            _pipeline_devices(job, topology))
 
 
 def check_cost_flags(job) -> None:

@@ -55,3 +55,19 @@ def test_w_is_placed_for_the_costs_where_the_textbook_place_leaves_a_gap():
     adapted = adapt(textbook, step_timing)
     assert adapted.meta["order"] == "W placed for these costs"
     assert makespan(adapted, step_timing) < makespan(textbook, step_timing) - 0.1
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_the_commands_run_the_order_adapted_to_the_jobs_costs(name):
+    # a long W: what pipesim simulate (and plan, and compare) runs is the order adapt picks
+    # for the job's costs, never slower than 1F1B with the same flags, and the summary names it
+    from pipesim.job import Job, simulate_job
+
+    flags = dict(pp=4, microbatches=4, fwd=0.2, bwd=3.2, wgrad=3.0)
+    result = simulate_job(Job(schedule=name, **flags))
+    expected = adapt(generate(name, 4, 4), timing(4, 0.2, 0.2, 3.0, 0.0))
+    assert result.schedule.compute_only().programs == expected.programs
+    assert result.schedule.meta["order"] == expected.meta["order"]
+    assert f"{name} (order: {expected.meta['order']})" in result.summary().splitlines()[0]
+    one_f_one_b = simulate_job(Job(schedule="1f1b", **flags)).metrics.makespan
+    assert result.metrics.makespan <= one_f_one_b * (1 + 1e-9)

@@ -125,6 +125,7 @@ def handle(args: argparse.Namespace) -> int:
     from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
     from executor.spawn import SpawnError  # noqa: PLC0415
     from pipesim.sim.comparison import compare, report_lines  # noqa: PLC0415
+    from pipesim.sim.cost_aware import adapt_to_costs  # noqa: PLC0415
     from pipesim.sim.engine import lower_for  # noqa: PLC0415
     from pipesim.sim.step import run_simulation  # noqa: PLC0415
 
@@ -136,8 +137,10 @@ def handle(args: argparse.Namespace) -> int:
         with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
             topology = calibrated_topology(args, config)
         # the run posts the transfers where lowering places them for these costs and links,
-        # as the prediction does (pipesim simulate lowers the same way)
-        config = dataclasses.replace(config, custom_schedule=lower_for(schedule.compute_only(), costs, topology))
+        # in the order zb-h1 and zb-h2 take on them, as the prediction does (pipesim
+        # simulate builds and lowers the same way)
+        ordered = adapt_to_costs(schedule.compute_only(), costs, topology)
+        config = dataclasses.replace(config, custom_schedule=lower_for(ordered, costs, topology))
         schedule = validate_schedule(config)
         progress.line(f"3/4 running {config.steps} steps on {config.world_size} ranks")
         with StepWatcher(progress, config.world_size, config.steps):

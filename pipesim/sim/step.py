@@ -145,8 +145,9 @@ class SimulationResult:
         named = [(name, title) for name, title in (("tp", "tp"), ("ep", "ep"), ("cp", "cp"), ("dp", "dp"),
                                                    ("optimizer", "optim"), ("overhead", "overhead"))
                  if any(getattr(rank, name) for rank in metrics.ranks)]
+        order = f" (order: {schedule.meta['order']})" if "order" in schedule.meta else ""  # adapted zb-h1/zb-h2
         lines = [
-            f"{schedule.name}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
+            f"{schedule.name}{order}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
             f"virtual stages={schedule.virtual_stages}, topology={self.topology.name}, "
             f"p2p={self.trace.meta.get('p2p')}, {schedule.num_actions} actions",
             f"  step time        {metrics.makespan * scale:.4g} {unit}",
