@@ -135,19 +135,26 @@ class SimpyStep:
                 result.ready[index] = env.now
                 if self.program.compute_blocked[index]:
                     yield env.event()  # its same-rank input comes later: it never runs
-                needed = int(self.program.compute_need[index])
-                if needed >= 0:
-                    waited = (self.group_done[rank, needed] if semantics in (RENDEZVOUS, TORCH_RUNTIME)
-                              else self.arrived_event(needed))
-                    yield self.until((yield waited))
+                partner = int(self.program.compute_pair[index])
+                # an overlapped pair's forward waits for both halves' inputs
+                for waiter in (index, partner) if partner > index else (index,):
+                    needed = int(self.program.compute_need[waiter])
+                    if needed >= 0:
+                        waited = (self.group_done[rank, needed] if semantics in (RENDEZVOUS, TORCH_RUNTIME)
+                                  else self.arrived_event(needed))
+                        yield self.until((yield waited))
                 result.start[index] = env.now
                 yield env.timeout(self.compute_seconds(rank, item, float(self.seconds[index])))
                 result.end[index] = env.now
                 if self.hold[index]:  # tensor-parallel collectives hold the rank after it
                     yield env.timeout(float(self.hold[index]))
-                send = int(self.program.compute_send[index])
-                if send >= 0:
-                    env.process(self.departure(rank, send))
+                # a pair's outputs both leave when it ends, its forward's first
+                sends = [int(self.program.compute_send[partner])] if 0 <= partner < index else []
+                if not partner > index:
+                    sends.append(int(self.program.compute_send[index]))
+                for send in sends:
+                    if send >= 0:
+                        env.process(self.departure(rank, send))
                 continue
             group = self.group_number(rank, groups_posted)
             groups_posted += 1
