@@ -169,6 +169,54 @@ def ratio_table() -> None:
     print()
 
 
+# small cases, where CP-SAT bounds every rendezvous-safe lowering (schedules.rendezvous_bound)
+BOUND_COSTS = (("F1 I.9 W.5 T.1", (1.0, 0.9, 0.5, 0.1), 4, 8),
+               ("F1 I.9 W.5 T.3", (1.0, 0.9, 0.5, 0.3), 4, 8),
+               ("F1 I.9 W.5 T.3", (1.0, 0.9, 0.5, 0.3), 3, 6))
+
+
+def bound_cells(label: str, costs, pp: int, microbatches: int, seconds: float = 20.0) -> list[tuple]:
+    """Per generator on one small case: (name, rendezvous step / free-flowing step with
+    ``lower``, the bound on the best rendezvous-safe program / free-flowing step, whether
+    CP-SAT proved the bound optimal for its model); None where the generator has no order."""
+    from benchmarks.paper_rows import Row  # noqa: PLC0415
+    from schedules.rendezvous_bound import rendezvous_bound  # noqa: PLC0415
+
+    forward, backward_input, backward_weight, hop = costs
+    row = Row(label, pp, microbatches, forward, backward_input, backward_weight, hop, {})
+    cells = []
+    for name in [name for name in GENERATORS if name != "zb-auto"]:
+        try:
+            schedule = generate(name, pp, microbatches, 2 if name in MULTI_CHUNK else 1)
+        except ScheduleUnavailableError:
+            cells.append((name, None, None, None))
+            continue
+        step_timing = timing(row, schedule)
+        free = engine.run(schedule, step_timing, engine.FREE).makespan
+        nccl = engine.run(lower(schedule, step_timing), step_timing, RENDEZVOUS).makespan
+        bound = rendezvous_bound(schedule, step_timing, seconds=seconds)
+        cells.append((name, nccl / free, bound.bound / free, bound.optimal))
+    return cells
+
+
+def bound_table() -> None:
+    """Small cases: lowering against the best rendezvous-safe program (a CP-SAT bound)."""
+    print("Small cases: rendezvous step / free-flowing step with lower, and best rendezvous-safe / free "
+          "(CP-SAT lower bound; a cell whose bound is above 1.01 is a gap NCCL's rule forces)")
+    for label, costs, pp, microbatches in BOUND_COSTS:
+        cells = bound_cells(label, costs, pp, microbatches)
+        print(f"{label:<18} p {pp} m {microbatches}")
+        for name, ratio, bound, optimal in cells:
+            if ratio is None:
+                print(f"    {name:<17} n/a")
+                continue
+            verdict = ("forced by NCCL's rule" if bound > 1.01 else
+                       "within 1% of the best" if ratio <= 1.01 * bound else "above the bound by more than 1%")
+            print(f"    {name:<17} lower/free {ratio:.4f}  best rendezvous-safe/free >= {bound:.4f}"
+                  f"{'' if optimal else ' (not proven)'}  {verdict}")
+    print()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first three cases only")
@@ -177,6 +225,7 @@ def main() -> int:
     args = parser.parse_args()
     paper_table()
     ratio_table()
+    bound_table()
     if args.paper:
         return 0
     measured = {}

@@ -74,6 +74,8 @@ class PipelineRuntime:
         self.loss_scale = 1.0  # set each step by fp16's dynamic loss scaling
         self.last_stage = schedule.num_stages - 1
         self.items = schedule.program_items(rank)  # P2P groups as lowering made them
+        # an overlapped pair is one step: its forward waits for the backward's input too
+        self.pair_of = {forward: backward for forward, backward in schedule.fused_pairs(rank)}
         self.handlers: dict[str, Callable[[Action], None]] = {
             ActionKind.F: self.forward,
             ActionKind.B: self.backward,
@@ -129,6 +131,9 @@ class PipelineRuntime:
                     self.before_action(item)
                 if self.awaited or self.arriving:
                     self.await_input(item)
+                    if item in self.pair_of:
+                        self.await_input(self.pair_of[item])
+                        self.current = item
                 start = self.clock.mark()
                 self.handlers[item.kind](item)
                 self.marks.append((item, start, self.clock.mark(), "compute"))
