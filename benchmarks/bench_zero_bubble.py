@@ -12,8 +12,9 @@ never queue). Columns:
   makespan     step time in the papers' transfer model (sent when produced, awaited when
                needed, sends never wait)
   nccl         step time as ``pipesim simulate`` predicts it for NCCL: ``lower``'s P2P
-               groups under rendezvous semantics (the cost of posting transfers in
-               groups placed with nominal durations shows as the gap to ``makespan``)
+               groups, placed with the step's own costs (``lower(schedule, timing)``),
+               under rendezvous semantics (what posting transfers in groups costs shows
+               as the gap to ``makespan``)
   vs torch     our makespan / the makespan of torch's own order for the class
                (ScheduleInterleavedZeroBubble for zb-h1, zb-auto and interleaved-zb,
                ScheduleZBVZeroBubble, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
@@ -30,7 +31,10 @@ under rendezvous (NCCL's rule, transfers placed by the cost-aware lowering), our
 free-flowing transfers (the same order), torch's order for the class with free-flowing
 transfers, and the rendezvous / free-flowing step ratio; the 14.6B and 28.3B rows are
 held out (no published rate here). Then the ratio for every generator on the rows and on
-harder costs (hop time close to a chunk's compute).
+harder costs (hop time close to a chunk's compute), and on small cases (p <= 4, m <= 8)
+that ratio beside a CP-SAT lower bound on the best rendezvous-safe program of the same
+order over the free-flowing step (``schedules.rendezvous_bound``): a bound above 1.01 is a
+gap NCCL's rule forces whatever the placement.
 
 Run: ``python benchmarks/bench_zero_bubble.py`` (``--quick`` for the first cases only,
 ``--paper`` for the paper's rows only).
