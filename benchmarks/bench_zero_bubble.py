@@ -12,8 +12,9 @@ never queue). Columns:
   makespan     step time in the papers' transfer model (sent when produced, awaited when
                needed, sends never wait)
   nccl         step time as ``pipesim simulate`` predicts it for NCCL: ``lower``'s P2P
-               groups under rendezvous semantics (the cost of posting transfers in
-               groups placed with nominal durations shows as the gap to ``makespan``)
+               groups, placed with the step's own costs (``lower(schedule, timing)``),
+               under rendezvous semantics (what posting transfers in groups costs shows
+               as the gap to ``makespan``)
   vs torch     our makespan / the makespan of torch's own order for the class
                (ScheduleInterleavedZeroBubble for zb-h1, zb-auto and interleaved-zb,
                ScheduleZBVZeroBubble, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
@@ -24,7 +25,19 @@ and predicts zb-h1, zbv and 1f1b on a gpt and prints measured beside predicted; 
 ``--json`` (a list of ``{"schedule", "pp", "microbatches", "step_time", ...}``), or any
 such list, passed with ``--measured FILE`` shows each matching measured time here too.
 
-Run: ``python benchmarks/bench_zero_bubble.py`` (``--quick`` for the first cases only).
+Before those cases, the zero-bubble paper's own rows (``benchmarks/data/zero_bubble``,
+``paper_rows.py``): per row and column of its Table 5, the paper's bubble rate, ours
+under rendezvous (NCCL's rule, transfers placed by the cost-aware lowering), ours with
+free-flowing transfers (the same order), torch's order for the class with free-flowing
+transfers, and the rendezvous / free-flowing step ratio; the 14.6B and 28.3B rows are
+held out (no published rate here). Then the ratio for every generator on the rows and on
+harder costs (hop time close to a chunk's compute), and on small cases (p <= 4, m <= 8)
+that ratio beside a CP-SAT lower bound on the best rendezvous-safe program of the same
+order over the free-flowing step (``schedules.rendezvous_bound``): a bound above 1.01 is a
+gap NCCL's rule forces whatever the placement.
+
+Run: ``python benchmarks/bench_zero_bubble.py`` (``--quick`` for the first cases only,
+``--paper`` for the paper's rows only).
 """
 
 from __future__ import annotations
@@ -32,12 +45,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from schedules import generate, step_metrics  # noqa: E402
-from schedules.generators import GENERATORS, ScheduleUnavailableError, zb_auto  # noqa: E402
+from benchmarks.paper_rows import COLUMNS, INTERLEAVED_CHUNKS, rates, rows, schedule_for, timing  # noqa: E402
+from schedules import engine, generate, step_metrics  # noqa: E402
+from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError, zb_auto  # noqa: E402
+from schedules.lowering import lower  # noqa: E402
+from schedules.p2p import RENDEZVOUS  # noqa: E402
 from tests.test_zero_bubble import longest_rank_span, run  # noqa: E402
 from tests.torch_orders import TORCH_CLASSES, torch_schedule  # noqa: E402
 
@@ -93,11 +110,128 @@ def torch_row(label: str, pp: int, microbatches: int, costs) -> dict | None:
         return None
 
 
+# the paper's columns against torch's order of the same class, where torch has one
+TORCH_OF_COLUMN = {"1F1B-I": ("interleaved-1f1b", INTERLEAVED_CHUNKS), "ZB-H1": ("zb-h1", 1)}
+
+
+def paper_table() -> None:
+    """The paper's rows side by side (see the module)."""
+    from benchmarks.paper_rows import bubble_rate  # noqa: PLC0415
+
+    header = (f"{'row':<17} {'column':<7} {'paper':>7} {'nccl':>7} {'free':>7} {'torch':>7} {'nccl/free':>9}"
+              f" {'order':<26} {'seconds':>7}")
+    print("The zero-bubble paper's rows (bubble rate as the paper computes it; 14.6B and 28.3B held out)")
+    print(header)
+    print("-" * len(header))
+    for row in rows():
+        for column in COLUMNS:
+            started = time.perf_counter()
+            schedule = schedule_for(row, column)
+            built = time.perf_counter() - started
+            nccl, free, ratio = rates(row, schedule)
+            torch_cell = "-"
+            if column in TORCH_OF_COLUMN:
+                name, chunks = TORCH_OF_COLUMN[column]
+                theirs = torch_schedule(name, row.pp, row.microbatches, chunks)
+                torch_cell = f"{bubble_rate(engine.run(theirs, timing(row, theirs), engine.FREE), row):.4f}"
+            paper = f"{row.paper[column]:.4f}" if column in row.paper else "held"
+            order = schedule.meta.get("order", "")
+            print(f"{row.label:<17} {column:<7} {paper:>7} {nccl:>7.4f} {free:>7.4f} {torch_cell:>7} {ratio:>9.4f}"
+                  f" {order:<26} {built:>7.2f}")
+        print()
+
+
+GENERATOR_COSTS = (("paper 1.5B p8 m24", (18.522, 18.086, 9.337, 0.601), 8, 24),
+                   ("F1 I.9 W.5 T.1", (1.0, 0.9, 0.5, 0.1), 8, 24),
+                   ("F1 I.9 W.5 T.3", (1.0, 0.9, 0.5, 0.3), 4, 8),
+                   ("F1 I.9 W.5 T.3", (1.0, 0.9, 0.5, 0.3), 8, 24))
+
+
+def ratio_table() -> None:
+    """Rendezvous step / free-flowing step of the same order, every generator."""
+    from benchmarks.paper_rows import Row  # noqa: PLC0415
+
+    names = [name for name in GENERATORS if name != "gpipe"] + ["gpipe"]
+    print("Rendezvous (NCCL) step / free-flowing step, same order, cost-aware lowering (v = 2 unless named)")
+    header = f"{'costs':<18} {'p':>2} {'m':>3}  " + " ".join(f"{name:>16}" for name in names)
+    print(header)
+    print("-" * len(header))
+    for label, (forward, backward_input, backward_weight, hop), pp, microbatches in GENERATOR_COSTS:
+        row = Row(label, pp, microbatches, forward, backward_input, backward_weight, hop, {})
+        cells = []
+        for name in names:
+            try:
+                schedule = generate(name, pp, microbatches, 2 if name in MULTI_CHUNK else 1)
+            except ScheduleUnavailableError:
+                cells.append(f"{'n/a':>16}")
+                continue
+            step_timing = timing(row, schedule)
+            free = engine.run(schedule, step_timing, engine.FREE).makespan
+            nccl = engine.run(lower(schedule, step_timing), step_timing, RENDEZVOUS).makespan
+            cells.append(f"{nccl / free:>16.4f}")
+        print(f"{label:<18} {pp:>2} {microbatches:>3}  " + " ".join(cells))
+    print()
+
+
+# small cases, where CP-SAT bounds every rendezvous-safe lowering (schedules.rendezvous_bound)
+BOUND_COSTS = (("F1 I.9 W.5 T.1", (1.0, 0.9, 0.5, 0.1), 4, 8),
+               ("F1 I.9 W.5 T.3", (1.0, 0.9, 0.5, 0.3), 4, 8),
+               ("F1 I.9 W.5 T.3", (1.0, 0.9, 0.5, 0.3), 3, 6))
+
+
+def bound_cells(label: str, costs, pp: int, microbatches: int, seconds: float = 20.0) -> list[tuple]:
+    """Per generator on one small case: (name, rendezvous step / free-flowing step with
+    ``lower``, the bound on the best rendezvous-safe program / free-flowing step, whether
+    CP-SAT proved the bound optimal for its model); None where the generator has no order."""
+    from benchmarks.paper_rows import Row  # noqa: PLC0415
+    from schedules.rendezvous_bound import rendezvous_bound  # noqa: PLC0415
+
+    forward, backward_input, backward_weight, hop = costs
+    row = Row(label, pp, microbatches, forward, backward_input, backward_weight, hop, {})
+    cells = []
+    for name in [name for name in GENERATORS if name != "zb-auto"]:
+        try:
+            schedule = generate(name, pp, microbatches, 2 if name in MULTI_CHUNK else 1)
+        except ScheduleUnavailableError:
+            cells.append((name, None, None, None))
+            continue
+        step_timing = timing(row, schedule)
+        free = engine.run(schedule, step_timing, engine.FREE).makespan
+        nccl = engine.run(lower(schedule, step_timing), step_timing, RENDEZVOUS).makespan
+        bound = rendezvous_bound(schedule, step_timing, seconds=seconds)
+        cells.append((name, nccl / free, bound.bound / free, bound.optimal))
+    return cells
+
+
+def bound_table() -> None:
+    """Small cases: lowering against the best rendezvous-safe program (a CP-SAT bound)."""
+    print("Small cases: rendezvous step / free-flowing step with lower, and best rendezvous-safe / free "
+          "(CP-SAT lower bound; a cell whose bound is above 1.01 is a gap NCCL's rule forces)")
+    for label, costs, pp, microbatches in BOUND_COSTS:
+        cells = bound_cells(label, costs, pp, microbatches)
+        print(f"{label:<18} p {pp} m {microbatches}")
+        for name, ratio, bound, optimal in cells:
+            if ratio is None:
+                print(f"    {name:<17} n/a")
+                continue
+            verdict = ("forced by NCCL's rule" if bound > 1.01 else
+                       "within 1% of the best" if ratio <= 1.01 * bound else "above the bound by more than 1%")
+            print(f"    {name:<17} lower/free {ratio:.4f}  best rendezvous-safe/free >= {bound:.4f}"
+                  f"{'' if optimal else ' (not proven)'}  {verdict}")
+    print()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first three cases only")
+    parser.add_argument("--paper", action="store_true", help="the zero-bubble paper's rows only")
     parser.add_argument("--measured", help="JSON list of measured step times to print beside the predictions")
     args = parser.parse_args()
+    paper_table()
+    ratio_table()
+    bound_table()
+    if args.paper:
+        return 0
     measured = {}
     if args.measured:
         for row in json.loads(Path(args.measured).read_text()):

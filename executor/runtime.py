@@ -9,8 +9,9 @@ the program is posted as one batch (``executor.comm``). Under ``rendezvous`` sem
 Megatron waits on every op of a batch) right before the compute action that needs one
 of its receives, and every group by the end of the step; on gloo the groups are
 started one after another, as NCCL runs them on its stream. Under ``buffered`` (gloo)
-receives are waited for at their place and sends complete in the background, timed
-when they are seen to finish. Stashes are dropped as soon as the backward that needed
+a group is posted at its place and never waited for there: each receive is waited for
+right before the compute action that needs it (``irecv`` now, ``wait`` then), and sends
+complete in the background, timed when they are seen to finish. Stashes are dropped as soon as the backward that needed
 them is done.
 """
 
@@ -73,6 +74,8 @@ class PipelineRuntime:
         self.loss_scale = 1.0  # set each step by fp16's dynamic loss scaling
         self.last_stage = schedule.num_stages - 1
         self.items = schedule.program_items(rank)  # P2P groups as lowering made them
+        # an overlapped pair is one step: its forward waits for the backward's input too
+        self.pair_of = {forward: backward for forward, backward in schedule.fused_pairs(rank)}
         self.handlers: dict[str, Callable[[Action], None]] = {
             ActionKind.F: self.forward,
             ActionKind.B: self.backward,
@@ -111,6 +114,7 @@ class PipelineRuntime:
         self.pending: list[Pending] = []
         self.stream: list[InFlight] = []  # rendezvous: groups not yet completed, in posting order
         self.awaited: dict[tuple[str, int, int], InFlight] = {}  # receive -> its group, until waited for
+        self.arriving: dict[tuple[str, int, int], Posted] = {}  # buffered: receives posted, not yet waited for
         self.marks: list[tuple[Action, Any, Any, str]] = []
         self.loss = torch.zeros((), dtype=self.loss_dtype, device=self.loss_device)
         self.clock.start_step()
@@ -125,8 +129,11 @@ class PipelineRuntime:
                 self.current = item
                 if self.before_action is not None:
                     self.before_action(item)
-                if self.awaited:
+                if self.awaited or self.arriving:
                     self.await_input(item)
+                    if item in self.pair_of:
+                        self.await_input(self.pair_of[item])
+                        self.current = item
                 start = self.clock.mark()
                 self.handlers[item.kind](item)
                 self.marks.append((item, start, self.clock.mark(), "compute"))
@@ -137,6 +144,7 @@ class PipelineRuntime:
             if self.stream:
                 self.advance_stream()
         self.finish_groups()
+        self.finish_arrivals()
         self.finish_sends()
         self.current = self.current_group = None
         leftover = len(self.stash) + len(self.weight_work) + len(self.module_calls)
@@ -269,11 +277,16 @@ class PipelineRuntime:
             self.finish_group(head)
 
     def await_input(self, action: Action) -> None:
-        """Before a compute action: wait for the group that brings its input, if any."""
+        """Before a compute action: wait for what brings its input, if anything: its
+        group (rendezvous) or its receive (buffered)."""
         kind = ActionKind.RECV_F if action.kind == ActionKind.F else ActionKind.RECV_B
-        flight = self.awaited.get((kind, action.stage, action.microbatch))
+        key = (kind, action.stage, action.microbatch)
+        flight = self.awaited.get(key)
         if flight is not None:
             self.wait_group(flight)
+            self.current = action
+        elif key in self.arriving:
+            self.await_arrival(key)
             self.current = action
 
     def wait_group(self, flight: InFlight) -> None:
@@ -323,33 +336,44 @@ class PipelineRuntime:
             self.wait_group(self.stream[-1])
 
     def communicate_buffered(self, group: tuple[Action, ...]) -> None:
-        """Buffered (gloo): receives are waited for here, sends complete in the
-        background. Receives already posted at the start of the step
-        (``prefetch_recvs``) are only waited for here."""
+        """Buffered (gloo): the group is posted here and nothing waits here. Sends complete
+        in the background; each receive is waited for right before the compute action
+        that needs its data (``await_input``), as ``irecv`` and a later ``wait``, so a rank
+        keeps computing while its data is on the way. Receives already posted at the start
+        of the step (``prefetch_recvs``) are only registered here."""
         ops, prefetched = self.group_ops(group, self.prefetched)
-        self.current_group = group
-        if self.progress is not None:
-            self.progress.waiting(f"action {'+'.join(map(str, group))}", tuple(self.links.peer(a) for a in group))
         start = self.clock.mark()
         posted = self.links.post(ops) if ops else []
-        waited = [item for item in posted if item.action.kind not in SEND_KINDS] + prefetched
         self.pending.extend(Pending(item, start, self.completion_mark(item.works))
                             for item in posted if item.action.kind in SEND_KINDS)
-        done, end = set(), None
-        for item in waited:
-            self.current = item.action
-            self.complete(item, done)
-            end = self.clock.mark()
-            self.marks.append((item.action, start, end, "recv"))
-            if item.action.kind == ActionKind.RECV_F:
-                self.forward_inputs[(item.action.stage, item.action.microbatch)] = item.tensor
-            elif item.action.kind == ActionKind.RECV_B:
-                self.output_grads[(item.action.stage, item.action.microbatch)] = item.tensor
+        for item in [item for item in posted if item.action.kind not in SEND_KINDS] + prefetched:
+            self.arriving[(item.action.kind, item.action.stage, item.action.microbatch)] = item
+
+    def await_arrival(self, key: tuple[str, int, int]) -> None:
+        """Buffered: block until the receive ``key`` (posted earlier) has its data, and
+        hand it to the compute action about to run. The wait is the receive's event."""
+        item = self.arriving.pop(key)
+        self.current_group = (item.action,)
+        if self.progress is not None:
+            self.progress.waiting(f"action {item.action}", (self.links.peer(item.action),))
+        start = self.clock.mark()
+        self.current = item.action
+        self.complete(item, set())
+        end = self.clock.mark()
+        self.marks.append((item.action, start, end, "recv"))
+        inbox = self.forward_inputs if item.action.kind == ActionKind.RECV_F else self.output_grads
+        inbox[(item.action.stage, item.action.microbatch)] = item.tensor
         if isinstance(end, torch.cuda.Event):
-            self.device_marks.append((group, end))
+            self.device_marks.append(((item.action,), end))
         if self.progress is not None:
             self.progress.running()
         self.current_group = None
+
+    def finish_arrivals(self) -> None:
+        """The end of the step: receives whose data no compute action used are waited for
+        all the same (a program that receives what it never uses)."""
+        for key in list(self.arriving):
+            self.await_arrival(key)
 
     def complete(self, item: Posted, done: set[int]) -> None:
         """Wait for one posted action, its handshake token first (checked as soon as it

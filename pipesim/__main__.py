@@ -1,7 +1,5 @@
 """``python -m pipesim`` is the ``pipesim`` command."""
 
-import sys
+from pipesim.cli import entry
 
-from pipesim.cli import main
-
-sys.exit(main())
+entry()

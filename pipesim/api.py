@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipesim.cluster.topology import Topology
+    from pipesim.job import Job
     from pipesim.model.costs import Costs
     from pipesim.sim.step import SimulationResult
     from schedules.schedule import Schedule
@@ -182,6 +183,24 @@ def run(schedule: Schedule | str = "1f1b", **config: Any) -> dict:
         return run_local(run_config)
     (result,) = launch(run_config)
     return result
+
+
+def simulate_job(job: Job) -> SimulationResult:
+    """Simulate what a ``Job`` describes: everything ``pipesim simulate`` takes as flags
+    (a model with its sizes, a cluster preset, dp x tp x pp, ZeRO, ...) as one object, the
+    form the planner fills in for each layout it tries. ``pipesim.Job(model="llama3-8b",
+    pp=4, tp=2, topology="nvlink")``; fields are the flags' names."""
+    from pipesim.job import simulate_job as run_job  # noqa: PLC0415
+
+    return run_job(job)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Job":  # the class itself, loaded on first use like everything here
+        from pipesim.job import Job  # noqa: PLC0415
+
+        return Job
+    raise AttributeError(f"module 'pipesim.api' has no attribute {name!r}")
 
 
 def _as_topology(topology: Topology | str | Path) -> Topology:

@@ -21,6 +21,7 @@ from pipesim.cluster.files import load_topology
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, load_costs, uniform_costs
 from schedules.generators import COST_AWARE, DEFAULT_MAX_ACTIONS, MULTI_CHUNK, generate, require_within_limit
+from schedules.generators.adaptive import ADAPTABLE
 from schedules.schedule import Schedule
 
 DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
@@ -38,8 +39,10 @@ class Job:
     Schedule: a generated ``schedule`` (or a ``schedule_file``), ``pp``, ``microbatches``,
     ``virtual_stages``. Costs: uniform flags (``fwd``...), a ``costs`` file, or a ``model``
     with its sizes and training options. Cluster: ``topology`` (preset or file), ``nodes``,
-    ``gpu``. Around the pipeline: ``dp``, ``tp``, how ranks map onto devices, gradient
-    buckets, ZeRO. ``p2p``: the P2P semantics (None: the backend predicted)."""
+    ``gpu``. Around the pipeline: ``dp``, ``tp``, ``cp`` (context parallelism, and
+    ``cp_comm``, how its ranks exchange keys and values), ``ep`` (expert parallelism, cut
+    from the dp x cp ranks), how ranks map onto devices, gradient buckets, ZeRO. ``p2p``:
+    the P2P semantics (None: the backend predicted)."""
 
     schedule: str | None = None
     schedule_file: str | None = None
@@ -78,6 +81,10 @@ class Job:
     gpu: str | None = None
     dp: int = 1
     tp: int = 1
+    # context and expert parallelism (pipesim.sim.context_parallel, pipesim.sim.expert_parallel)
+    cp: int = 1
+    ep: int = 1
+    cp_comm: str = "p2p"
     rank_order: str = "tp-dp-pp"
     bucket_mb: float = 25.0
     no_dp_overlap: bool = False
@@ -142,14 +149,37 @@ def schedule_of(job: Job, topology: Topology | None = None) -> Schedule:
         raise conflict(f"--virtual-stages {job.virtual_stages}", f"--schedule {job.schedule}",
                        f"{job.schedule} places one stage per rank; multi-chunk schedules are "
                        f"{', '.join(sorted(MULTI_CHUNK))}")
-    return generate(job.schedule, job.pp, job.microbatches, virtual_stages_for(job.schedule, job.virtual_stages),
-                    max_actions=job.max_actions)
+    schedule = generate(job.schedule, job.pp, job.microbatches, virtual_stages_for(job.schedule, job.virtual_stages),
+                        max_actions=job.max_actions)
+    if job.schedule in ADAPTABLE:
+        return adapted_schedule_of(job, schedule, topology)
+    return schedule
+
+
+def adapted_schedule_of(job: Job, schedule: Schedule, topology: Topology | None) -> Schedule:
+    """zb-h1 and zb-h2 in the order that runs fastest on the job's costs and links (the
+    textbook one, ``W`` placed for these costs, or 1F1B's; ``meta["order"]`` says which),
+    so that a handcrafted zero-bubble order is never slower than 1F1B where the user runs it."""
+    from pipesim.cluster.topology import ideal_topology
+    from pipesim.sim.cost_aware import adapt_to_costs
+
+    topology = topology or ideal_topology()
+    return adapt_to_costs(schedule, costs_of(job, schedule, topology), topology, _pipeline_devices(job, topology))
+
+
+def _pipeline_devices(job: Job, topology: Topology) -> list[str] | None:
+    """The devices of the job's first pipeline on ``topology`` (None on free links:
+    the default mapping)."""
+    if topology.ideal:
+        return None
+    from pipesim.cluster.mapping import map_ranks
+
+    return map_ranks(topology, job.dp, job.pp, job.tp, job.rank_order, job.cp, job.ep).pipeline()
 
 
 def cost_aware_schedule_of(job: Job, topology: Topology | None) -> Schedule:
     """zb-auto from the job's costs (flags, costs file or model spec; unit costs
     F = I = W where it has none) and its cluster's hop time."""
-    from pipesim.cluster.mapping import map_ranks
     from pipesim.cluster.topology import ideal_topology
     from pipesim.sim.cost_aware import build_cost_aware
 
@@ -161,10 +191,8 @@ def cost_aware_schedule_of(job: Job, topology: Topology | None) -> Schedule:
         if not any(stage.wgrad for stage in costs.stages):
             print(f"note: {job.schedule} with no weight-gradient time (--wgrad 0 or none in the costs file) "
                   "has no W passes to fill bubbles with", file=sys.stderr)
-    devices = None
-    if not topology.ideal:
-        devices = map_ranks(topology, job.dp, job.pp, job.tp, job.rank_order).pipeline()
-    return build_cost_aware(job.schedule, job.pp, job.microbatches, costs, topology, job.memory_limit, devices)
+    return build_cost_aware(job.schedule, job.pp, job.microbatches, costs, topology, job.memory_limit,
+                            _pipeline_devices(job, topology))
 
 
 def check_cost_flags(job) -> None:
@@ -211,20 +239,57 @@ def finite_flag(value: float, flag: str, positive: bool = False) -> float:
 def parallel_of(job):
     """The ``ParallelConfig`` of the job."""
     return _parallel(job.dp, job.tp, job.rank_order, job.bucket_mb, job.no_dp_overlap, job.collective, job.zero,
-                     job.bytes_per_param, job.memory_headroom)
+                     job.bytes_per_param, job.cp, job.ep, job.cp_comm, job.memory_headroom)
 
 
 @functools.lru_cache(maxsize=1024)
 def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap: bool, collective: str, zero: int,
-              bytes_per_param: str, memory_headroom: str):
+              bytes_per_param: str, cp: int = 1, ep: int = 1, cp_comm: str = "p2p", memory_headroom: str = "10%"):
     from pipesim.sim.memory import parse_bytes_per_param, parse_headroom
     from pipesim.sim.parallel import ParallelConfig
 
     bucket_mb = finite_flag(bucket_mb, "--bucket-mb", positive=True)
     return ParallelConfig(dp=dp, tp=tp, rank_order=rank_order, bucket_bytes=bucket_mb * 2**20,
                           overlap_dp=not no_dp_overlap, algorithm=collective, zero=zero,
-                          bytes_per_param=parse_bytes_per_param(bytes_per_param),
+                          bytes_per_param=parse_bytes_per_param(bytes_per_param), cp=cp, ep=ep, cp_comm=cp_comm,
                           memory_headroom=parse_headroom(memory_headroom))
+
+
+def check_parallel_layout(job) -> None:
+    """Refuse, before any work, a layout the job cannot be split into, with a one-line
+    error naming the flag: sizes below 1; an ``ep`` that does not cut the dp x cp ranks
+    into groups; ``ep`` or ``cp`` without a model (they split a model's experts and
+    sequence); and, with a model, what ``pipesim.model.layout.check_layout`` refuses (tp
+    against the heads, ep against the routed experts, cp against the sequence) and ring
+    attention without flash attention. What a planner asks of each layout it tries."""
+    from pipesim.cluster.mapping import expert_group_problem
+    from pipesim.sim.context_parallel import check_cp_comm
+
+    dp, tp, cp, ep = job.dp, job.tp, getattr(job, "cp", 1), getattr(job, "ep", 1)
+    for flag, value in (("--dp", dp), ("--tp", tp), ("--cp", cp), ("--ep", ep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
+    comm = check_cp_comm(getattr(job, "cp_comm", "p2p"))
+    if comm != "p2p" and cp == 1:
+        raise ValueError(f"--cp-comm {comm} needs --cp > 1: it says how context-parallel ranks exchange keys and "
+                         f"values; give --cp or drop --cp-comm")
+    problem = expert_group_problem(dp, cp, ep)
+    if problem:
+        raise ValueError(problem)
+    if not getattr(job, "model", None):
+        for flag, value, what in (("--ep", ep, "a mixture of experts' routed experts"),
+                                  ("--cp", cp, "a model's sequence")):
+            if value > 1:
+                raise ValueError(f"{flag} {value} needs --model: it splits {what}, which flag or file costs do not "
+                                 f"describe; give --model or drop {flag}")
+        return
+    from pipesim.model.layout import check_layout
+
+    check_layout(model_spec_of(job), tp, ep, cp, sequence_parallel=job.sequence_parallel)
+    if cp > 1 and job.no_flash_attention:
+        raise conflict(f"--cp {cp}", "--no-flash-attention", "ring attention is built on the fused attention "
+                       "kernel (Megatron-Core runs context parallelism in Transformer Engine's); drop "
+                       "--no-flash-attention")
 
 
 def split_list(text: str, cast=str) -> list:
@@ -321,9 +386,11 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
                                       ("--param-bytes", "param_bytes")) if getattr(job, dest, None) is not None]
     if given:
         raise conflict(given[0], f"--model {job.model}", f"the model spec derives the costs; drop {given[0]}")
+    check_parallel_layout(job)
     spec = model_spec_of(job)
-    mapping = map_ranks(topology, job.dp, schedule.pp, job.tp, job.rank_order)
-    key = ("pipeline", job.dp, schedule.pp, job.tp, job.rank_order)  # kept: a plan asks for thousands of layouts
+    mapping = map_ranks(topology, job.dp, schedule.pp, job.tp, job.rank_order, job.cp, job.ep)
+    # kept: a plan asks for thousands of layouts
+    key = ("pipeline", job.dp, schedule.pp, job.tp, job.rank_order, job.cp, job.ep)
     devices = topology.pace_cache.get(key) or topology.pace_cache.setdefault(key, mapping.pipeline())
     stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
     peaks = [topology.device_peak_flops(device) for device in stage_devices]
@@ -342,8 +409,9 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
                         job.sequence_parallel, tuple(layout) if layout else None, job.recompute,
                         not job.no_flash_attention, fallback_peak_flops(job), tuple(bandwidths),
                         fallback_memory_bandwidth(job),
-                        optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp, parallel.zero),
-                        tuple(schedule.placement), tuple(gpus), getattr(job, "gpu", None), profiled, layer_hold)
+                        optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp, parallel.zero),
+                        tuple(schedule.placement), tuple(gpus), getattr(job, "gpu", None), profiled, job.ep, job.cp,
+                        layer_hold)
 
 
 def compute_model_of(job):
@@ -368,8 +436,8 @@ def _load_compute_model(path: str):
 def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None, sequence_parallel: bool,
                  layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
                  bandwidths: tuple, fallback_bandwidth: float, optimizer_state_bytes: float,
-                 stage_ranks: tuple, gpus: tuple, fallback_gpu: str | None, profiled,
-                 layer_hold_seconds: float = 0.0) -> Costs:
+                 stage_ranks: tuple, gpus: tuple, fallback_gpu: str | None, profiled, ep: int = 1,
+                 cp: int = 1, layer_hold_seconds: float = 0.0) -> Costs:
     """``transformer_costs.model_costs``, kept per distinct input: it is a pure function of
     them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
     layouts (every dp width on one kind of GPU, with and without ZeRO where it does not
@@ -381,7 +449,7 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
                        flash_attention=flash_attention, fallback_peak=fallback_peak,
                        stage_memory_bandwidth=list(bandwidths), fallback_memory_bandwidth=fallback_bandwidth,
                        optimizer_state_bytes=optimizer_state_bytes, stage_ranks=list(stage_ranks),
-                       stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled,
+                       stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled, ep=ep, cp=cp,
                        layer_hold_seconds=layer_hold_seconds)
 
 
@@ -390,6 +458,7 @@ def simulate_job(job: Job):
     ``SimulationResult``; for a model, its trace names the model."""
     from pipesim.sim.step import run_simulation
 
+    check_parallel_layout(job)
     parallel = parallel_of(job)  # its flags checked before any work
     topology = topology_of(job)
     schedule = schedule_of(job, topology)
@@ -424,7 +493,7 @@ def _throughput(job: Job, result, spec) -> tuple[dict, int, float]:
     fallback = fallback_peak_flops(job)
     peaks = [result.topology.device_peak_flops(device) for device in result.devices]
     peaks = [peak if math.isfinite(peak) else fallback for peak in peaks] or [fallback]
-    gpus = result.schedule.pp * result.parallel.tp * result.parallel.dp
+    gpus = result.schedule.pp * result.parallel.gpus
     peak = sum(peaks) / len(peaks)
     figures = training_figures(spec, job.recompute, result.metrics.makespan, result.schedule.microbatches,
                                result.parallel.dp, gpus, peak)

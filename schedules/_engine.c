@@ -77,7 +77,7 @@ static Moment heap_pop(Heap *heap) {
 
 /* The inputs, in the order schedules/engine.py passes them. */
 enum {
-    IN_RANK_ITEM_START, IN_ITEM_IS_GROUP, IN_ITEM_REF, IN_SECONDS, IN_HOLD, IN_NEED, IN_SEND, IN_BLOCKED,
+    IN_RANK_ITEM_START, IN_ITEM_IS_GROUP, IN_ITEM_REF, IN_SECONDS, IN_HOLD, IN_NEED, IN_SEND, IN_BLOCKED, IN_PAIR,
     IN_GROUP_ENDPOINT_START, IN_GROUP_RANK, IN_GROUP_STREAM, IN_STREAM_GROUP_START, IN_STREAM_GROUPS,
     IN_ENDPOINT_TRANSFER, IN_ENDPOINT_IS_SEND, IN_TRANSFER_WIRE, IN_ROUTE_START, IN_LINK_START, IN_LINKS,
     IN_OCCUPANCY, IN_LATENCY, IN_COUNT
@@ -92,7 +92,7 @@ typedef struct {
     double overhead;
     Py_ssize_t ranks, transfers;
     /* inputs */
-    const int64_t *rank_item_start, *item_ref, *need, *send, *group_endpoint_start, *group_rank, *group_stream,
+    const int64_t *rank_item_start, *item_ref, *need, *send, *pair, *group_endpoint_start, *group_rank, *group_stream,
         *stream_group_start, *stream_groups, *endpoint_transfer, *transfer_wire, *route_start, *link_start, *links;
     const int8_t *item_is_group, *blocked, *endpoint_is_send;
     const double *seconds, *hold, *occupancy, *latency;
@@ -246,11 +246,18 @@ static int advance(Engine *e, int64_t rank) {
             if (isnan(e->ready[ref])) e->ready[ref] = clock;
             if (e->blocked[ref]) break; /* its same-rank input comes later: never */
             if (!input_there(e, rank, ref, &clock)) break;
+            /* the forward half of an overlapped pair starts with both halves' inputs there */
+            int64_t partner = e->pair[ref];
+            if (partner > ref && !input_there(e, rank, partner, &clock)) break;
             e->start[ref] = clock;
             clock += e->seconds[ref];
             e->end[ref] = clock;
             clock += e->hold[ref];
-            if (e->send[ref] >= 0 && post_transfer(e, rank, e->send[ref], clock) < 0) return -1;
+            /* and both halves' outputs leave when the pair ends */
+            if (partner >= 0 && partner < ref && e->send[partner] >= 0 &&
+                post_transfer(e, rank, e->send[partner], clock) < 0)
+                return -1;
+            if (e->send[ref] >= 0 && !(partner > ref) && post_transfer(e, rank, e->send[ref], clock) < 0) return -1;
             continue;
         }
         int64_t first = e->group_endpoint_start[ref], last = e->group_endpoint_start[ref + 1];
@@ -301,7 +308,7 @@ static int get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, in
     return 0;
 }
 
-static const Py_ssize_t INPUT_SIZES[IN_COUNT] = {8, 1, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8};
+static const Py_ssize_t INPUT_SIZES[IN_COUNT] = {8, 1, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8};
 
 static void *alloc_filled(Py_ssize_t count, size_t size, int value) {
     void *memory = malloc((size_t)(count > 0 ? count : 1) * size);
@@ -346,6 +353,7 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.need = in[IN_NEED].buf;
     e.send = in[IN_SEND].buf;
     e.blocked = in[IN_BLOCKED].buf;
+    e.pair = in[IN_PAIR].buf;
     e.group_endpoint_start = in[IN_GROUP_ENDPOINT_START].buf;
     e.group_rank = in[IN_GROUP_RANK].buf;
     e.group_stream = in[IN_GROUP_STREAM].buf;

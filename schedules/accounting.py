@@ -18,9 +18,10 @@ receive not yet posted, the rank's wait is bubble too (the peer is still busy wi
 earlier work). Buffered sends (gloo) never hold the rank.
 
 Every second of a rank's step, from the step's first event to its last, goes to exactly
-one part, so ``busy + bubble + exposed_comm + tp + dp + optimizer + overhead =
-makespan`` by construction. Where events overlap, the part that holds the rank wins:
-compute (``busy``), then tensor-parallel collectives (``tp``), the optimizer step
+one part, so ``busy + bubble + exposed_comm + tp + ep + cp + dp + optimizer + overhead
+= makespan`` by construction. Where events overlap, the part that holds the rank wins:
+compute (``busy``), then tensor-parallel collectives (``tp``), expert-parallel
+all-to-alls (``ep``), context-parallel K/V exchanges (``cp``), the optimizer step
 (``optimizer``), waits (``recv`` and end-of-step ``wait`` events: ``bubble`` while some
 data the rank needs is not sent yet or some send of the rank is not yet matched,
 ``exposed_comm`` otherwise), and last the gradient reduction (``dp``: only the part
@@ -42,14 +43,15 @@ import numpy as np
 from schedules.trace import Trace, TraceColumns, TraceEvent
 
 # Parts in the order they claim a moment where several events overlap.
-HOLDING_STREAMS = {"compute": "busy", "tp": "tp", "step": "optimizer"}
+HOLDING_STREAMS = {"compute": "busy", "tp": "tp", "ep": "ep", "cp": "cp", "step": "optimizer"}
 WAITING_STREAMS = frozenset({"recv", "wait"})
-PARTS = ("busy", "tp", "optimizer", "bubble", "exposed_comm", "dp", "overhead")
+PARTS = ("busy", "tp", "ep", "cp", "optimizer", "bubble", "exposed_comm", "dp", "overhead")
 _PART = {part: index for index, part in enumerate(PARTS)}
 # what an event contributes to the sweep: the parts that hold, a wait, dp, and "peer"
 # (something the rank waits for is not ready on the other side)
-_BUSY, _TP, _OPTIMIZER, _WAITING, _DP, _PEER = range(6)
-_SWEEP_STREAMS = {"compute": _BUSY, "tp": _TP, "step": _OPTIMIZER, "recv": _WAITING, "wait": _WAITING, "dp": _DP}
+_BUSY, _TP, _EP, _CP, _OPTIMIZER, _WAITING, _DP, _PEER = range(8)
+_SWEEP_STREAMS = {"compute": _BUSY, "tp": _TP, "ep": _EP, "cp": _CP, "step": _OPTIMIZER, "recv": _WAITING,
+                  "wait": _WAITING, "dp": _DP}
 _ROUNDING = 1e-12  # of the step: below it, a wait is float rounding, not time
 
 
@@ -64,10 +66,13 @@ class RankTime:
     dp: float = 0.0
     optimizer: float = 0.0
     overhead: float = 0.0
+    ep: float = 0.0
+    cp: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.busy + self.bubble + self.exposed_comm + self.tp + self.dp + self.optimizer + self.overhead
+        return (self.busy + self.bubble + self.exposed_comm + self.tp + self.ep + self.cp + self.dp + self.optimizer
+                + self.overhead)
 
 
 def holds_on_sends(trace: Trace) -> bool:
@@ -175,11 +180,13 @@ def _sweep(rank: np.ndarray, start: np.ndarray, end: np.ndarray, category: np.nd
     order = by_moment[np.argsort(owner_rank[by_moment].astype(np.int16 if ranks < 2**15 else np.int64), kind="stable")]
     moments, change, owner_rank, kinds = moments[order], change[order], owner_rank[order], kinds[order]
     # pieces open after each moment, per kind (a rank's pieces all close within its moments)
-    open_count = [np.cumsum(np.where(kinds == kind, change, 0)) for kind in range(6)]
+    open_count = [np.cumsum(np.where(kinds == kind, change, 0)) for kind in range(_PEER + 1)]
     owner = np.select(
-        [open_count[_BUSY] > 0, open_count[_TP] > 0, open_count[_OPTIMIZER] > 0,
-         (open_count[_WAITING] > 0) & (open_count[_PEER] > 0), open_count[_WAITING] > 0, open_count[_DP] > 0],
-        [_PART["busy"], _PART["tp"], _PART["optimizer"], _PART["bubble"], _PART["exposed_comm"], _PART["dp"]],
+        [open_count[_BUSY] > 0, open_count[_TP] > 0, open_count[_EP] > 0, open_count[_CP] > 0,
+         open_count[_OPTIMIZER] > 0, (open_count[_WAITING] > 0) & (open_count[_PEER] > 0), open_count[_WAITING] > 0,
+         open_count[_DP] > 0],
+        [_PART["busy"], _PART["tp"], _PART["ep"], _PART["cp"], _PART["optimizer"], _PART["bubble"],
+         _PART["exposed_comm"], _PART["dp"]],
         _PART["overhead"],
     )[:-1]
     same_rank = owner_rank[1:] == owner_rank[:-1]

@@ -12,6 +12,11 @@ The rules, under the P2P semantics named in ``schedules.p2p``:
 
 - a rank runs its items in program order. A compute action starts once the rank is free
   and its input is there (below), runs for its seconds, then holds the rank for its hold;
+- an overlapped pair (``Schedule.fused``: DualPipe's ``OVERLAP_F_B``, a forward and the
+  backward right after it) is one step: its forward starts once both halves' inputs are
+  there, and both halves' outputs exist when its backward ends (under ``free``, both leave
+  then; lowered programs post the sends after the pair). ``torch-runtime`` runs the two
+  halves one after the other, each waiting for its own input, as torch's runtime does;
 - ``rendezvous`` (NCCL): posting a group costs ``comm_overhead`` per operation and never
   blocks; a rank's groups run one after another on its stream, a group starting once
   posted and once the previous one completed; a transfer leaves when the later of its two
@@ -81,15 +86,18 @@ class StepTiming:
 
     ``seconds[stage, k]`` is the duration of compute kind ``COMPUTE_KINDS[k]`` on
     ``stage``; ``hold[stage, k]`` what holds the rank right after it (tensor-parallel
-    collectives; None: nothing). ``pair_seconds`` overrides single actions (the two halves
-    of an overlapped pair). ``wires[stage * 2 + direction]`` are the routes of the
-    transfer that leaves ``stage`` forward (direction 0) or backward (1): one route, or
-    several when the same send of other pipelines shares links with it (the data counts
-    as arrived when every route's has); empty or None: it arrives at once."""
+    collectives, expert-parallel all-to-alls; None: nothing). ``pair_seconds`` and
+    ``pair_hold``, keyed ``(stage, kind, microbatch)``, override single actions (the two
+    halves of an overlapped pair, whose communication can hide under each other's
+    compute). ``wires[stage * 2 + direction]`` are the routes of the transfer that leaves
+    ``stage`` forward (direction 0) or backward (1): one route, or several when the same
+    send of other pipelines shares links with it (the data counts as arrived when every
+    route's has); empty or None: it arrives at once."""
 
     seconds: np.ndarray
     hold: np.ndarray | None = None
     pair_seconds: Mapping[tuple, float] = field(default_factory=dict)
+    pair_hold: Mapping[tuple, float] = field(default_factory=dict)
     wires: Sequence[Sequence[Route] | None] = ()
     comm_overhead: float = 0.0
 
@@ -186,6 +194,7 @@ class EngineProgram:
     compute_need: np.ndarray  # the group (rendezvous) or transfer (else) each waits for, -1 none
     compute_send: np.ndarray  # free mode: the transfer each compute action sends, -1 none
     compute_blocked: np.ndarray  # its same-rank input comes later in the program: never runs
+    compute_pair: np.ndarray  # an overlapped pair's other half (its forward's, its backward's), -1 none
     group_endpoint_start: np.ndarray
     group_rank: np.ndarray
     group_stream: np.ndarray  # the P2P stream each group runs on: its rank's, or (torch) its rank pair's
@@ -288,6 +297,7 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
     else:
         compute_send = np.full(len(compute_row), -1, dtype=np.int64)
     blocked = _later_same_rank_input(arrays, compute_row, has_input & ~crosses, source)
+    pair = _overlapped_pairs(arrays, compute_row) if semantics != TORCH_RUNTIME else np.full(len(compute_row), -1)
     group_rank = arrays.rank[group_first]
     group_stream = group_rank
     if semantics == TORCH_RUNTIME:  # one stream per rank pair: the peer of the group's one transfer
@@ -300,11 +310,27 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
         arrays=arrays, semantics=semantics, ranks=schedule.pp, rank_item_start=rank_item_start,
         item_is_group=item_is_group.astype(np.int8), item_ref=item_ref, compute_row=compute_row, compute_rank=rank,
         compute_need=need, compute_send=compute_send, compute_blocked=blocked.astype(np.int8),
+        compute_pair=pair.astype(np.int64),
         group_endpoint_start=group_endpoint_start, group_rank=group_rank, group_stream=group_stream,
         stream_group_start=stream_group_start, stream_groups=stream_groups, endpoint_row=endpoint_row,
         endpoint_transfer=endpoint_transfer, endpoint_is_send=endpoint_is_send.astype(np.int8),
         transfer_wire=np.arange(arrays.transfers, dtype=np.int64) // microbatches,
     )
+
+
+def _overlapped_pairs(arrays: ProgramArrays, compute_row: np.ndarray) -> np.ndarray:
+    """Per compute action, the other half of its overlapped pair (``Schedule.fused``:
+    the backward at a listed position, the forward just before it), -1 if it has none."""
+    pair = np.full(len(compute_row), -1, dtype=np.int64)
+    schedule = arrays.schedule
+    if not any(schedule.fused):
+        return pair
+    backward_rows = np.array([int(arrays.rank_start[rank]) + position for rank in range(schedule.pp)
+                              for position in sorted(schedule.fused[rank])], dtype=np.int64)
+    backward = np.searchsorted(compute_row, backward_rows)
+    forward = np.searchsorted(compute_row, backward_rows - 1)
+    pair[forward], pair[backward] = backward, forward
+    return pair
 
 
 def _peer_rank(arrays: ProgramArrays, placement: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -364,13 +390,25 @@ def _compute_costs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarr
                           f"{program.arrays.schedule.num_stages}")
     seconds = table[stage, kind]
     hold = np.zeros(len(seconds)) if timing.hold is None else np.asarray(timing.hold, dtype=float)[stage, kind]
-    if timing.pair_seconds:
-        microbatch = program.compute_microbatch
-        for (pair_stage, pair_kind, pair_microbatch), value in timing.pair_seconds.items():
-            match = np.flatnonzero((stage == pair_stage) & (kind == KIND_CODES[pair_kind])
-                                   & (microbatch == pair_microbatch))
-            seconds[match] = value
+    for overrides, values in ((timing.pair_seconds, seconds), (timing.pair_hold, hold)):
+        if overrides:
+            rows = action_rows(program, list(overrides))
+            values[rows[rows >= 0]] = np.fromiter(overrides.values(), float, len(overrides))[rows >= 0]
     return np.ascontiguousarray(seconds), np.ascontiguousarray(hold)
+
+
+def action_rows(program: EngineProgram, actions: Sequence[tuple]) -> np.ndarray:
+    """The compute row of ``program`` that runs each ``(stage, kind, microbatch)``, -1 where
+    none does (a compute action appears once in a valid schedule)."""
+    microbatches = program.arrays.microbatches
+    key = (program.compute_stage * len(COMPUTE_KINDS) + program.compute_kind) * microbatches \
+        + program.compute_microbatch
+    order = np.argsort(key, kind="stable")
+    wanted = np.array([(stage * len(COMPUTE_KINDS) + KIND_CODES[kind]) * microbatches + microbatch
+                       for stage, kind, microbatch in actions], dtype=np.int64)
+    at = np.clip(np.searchsorted(key[order], wanted), 0, max(len(key) - 1, 0))
+    found = (len(key) > 0) & (key[order][at] == wanted) if len(key) else np.zeros(len(wanted), dtype=bool)
+    return np.where(found, order[at] if len(key) else -1, -1)
 
 
 @dataclass(frozen=True)
@@ -422,7 +460,8 @@ def _run_compiled(program: EngineProgram, seconds: np.ndarray, hold: np.ndarray,
     _compiled.run(
         SEMANTICS_CODES[program.semantics], comm_overhead,
         (program.rank_item_start, program.item_is_group, program.item_ref, seconds, hold, program.compute_need,
-         program.compute_send, program.compute_blocked, program.group_endpoint_start, program.group_rank,
+         program.compute_send, program.compute_blocked, program.compute_pair, program.group_endpoint_start,
+         program.group_rank,
          program.group_stream, program.stream_group_start, program.stream_groups, program.endpoint_transfer,
          program.endpoint_is_send, program.transfer_wire, wires.route_start,
          wires.link_start, wires.links, wires.occupancy, wires.latency),

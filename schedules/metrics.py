@@ -22,11 +22,13 @@ class RankMetrics:
     ``busy``: seconds of compute. ``idle``: makespan minus busy. ``comm``: seconds its
     outgoing transfers spent between being posted and arriving. The rest of the
     makespan is split as ``schedules.accounting`` says, so that
-    ``busy + bubble + exposed_comm + tp + dp + optimizer + overhead = makespan``:
-    ``bubble``: waiting for data its producer had not finished yet, or for the
+    ``busy + bubble + exposed_comm + tp + ep + cp + dp + optimizer + overhead =
+    makespan``: ``bubble``: waiting for data its producer had not finished yet, or for the
     pipeline to fill and drain; ``exposed_comm``: blocked on a receive whose data was
-    ready but still in flight; ``tp``, ``dp``, ``optimizer``: tensor-parallel
-    collectives, the part of the gradient reduction nothing hid, the optimizer step;
+    ready but still in flight; ``tp``, ``ep``, ``cp``, ``dp``, ``optimizer``:
+    tensor-parallel collectives, expert-parallel all-to-alls, context-parallel K/V
+    exchanges (what the attention did not hide), the part of the gradient reduction
+    nothing hid, the optimizer step;
     ``overhead``: gaps between the rank's own events.
     ``peak_inflight_microbatches``: most forward activation stashes held at once, in
     units of one microbatch on the rank's whole share of the model (a chunk of an
@@ -43,10 +45,13 @@ class RankMetrics:
     optimizer: float
     overhead: float
     peak_inflight_microbatches: float
+    ep: float = 0.0
+    cp: float = 0.0
 
     def time(self) -> RankTime:
         """The makespan's split, as ``schedules.accounting`` returns it."""
-        return RankTime(self.busy, self.bubble, self.exposed_comm, self.tp, self.dp, self.optimizer, self.overhead)
+        return RankTime(self.busy, self.bubble, self.exposed_comm, self.tp, self.dp, self.optimizer, self.overhead,
+                        self.ep, self.cp)
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,7 @@ def step_metrics(trace: Trace, chunks_per_rank: int | None = None) -> StepMetric
     return StepMetrics(makespan=span, bubble_fraction=bubble, ranks=per_rank, idle_fraction=idle)
 
 
-COMM_KINDS_BY_STREAM = {"send": "p2p", "tp": "tp", "dp": "dp"}
+COMM_KINDS_BY_STREAM = {"send": "p2p", "tp": "tp", "ep": "ep", "cp": "cp", "dp": "dp"}
 
 
 def comm_by_kind(trace: Trace, accounting: list[RankTime] | None = None) -> list[dict[str, dict[str, float]]]:
@@ -164,8 +169,9 @@ def comm_by_kind(trace: Trace, accounting: list[RankTime] | None = None) -> list
     on receives whose data was already sent (``exposed_comm``; waiting for the producer is
     bubble, not communication); where the trace knows them (a simulated one's meta),
     ``wire``: the seconds the rank's sends spent on the links, and ``bytes`` they carried.
-    tp: collectives on the compute's
-    critical path, so all of it is exposed. dp: gradient reduction time, exposed where
+    tp, ep, cp: collectives on the compute's critical path (what holds the rank after it:
+    for cp, the part of the K/V exchange the attention did not hide), so all of it is
+    exposed; ep and cp appear only where the trace has them. dp: gradient reduction time, exposed where
     nothing holding the rank (compute, tp, a receive wait) runs beside it.
     ``accounting`` (from ``time_accounting``) saves computing it again."""
     accounting = accounting if accounting is not None else time_accounting(trace)
@@ -175,8 +181,10 @@ def comm_by_kind(trace: Trace, accounting: list[RankTime] | None = None) -> list
                                 minlength=len(accounting))
               for stream, kind in COMM_KINDS_BY_STREAM.items()}
     wire, sent = trace.meta.get("p2p_wire_seconds"), trace.meta.get("p2p_bytes")
+    held = [kind for kind in ("ep", "cp") if totals[kind].any()]
     return [{"p2p": {"total": float(totals["p2p"][rank]), "exposed": parts.exposed_comm,
                      "wire": wire[rank] if wire else None, "bytes": sent[rank] if sent else None},
              "dp": {"total": float(totals["dp"][rank]), "exposed": parts.dp},
-             "tp": {"total": float(totals["tp"][rank]), "exposed": float(totals["tp"][rank])}}
+             "tp": {"total": float(totals["tp"][rank]), "exposed": float(totals["tp"][rank])},
+             **{kind: {"total": float(totals[kind][rank]), "exposed": float(totals[kind][rank])} for kind in held}}
             for rank, parts in enumerate(accounting)]

@@ -89,10 +89,11 @@ class Schedule:
             if not joined:
                 continue
             # the usual case at once (lowering joins ~100k positions of a large step), else each named
-            if (min(joined) >= 1 and max(joined) < len(program)
-                    and all(program[position][1] in COMM_KINDS and program[position - 1][1] in COMM_KINDS
-                            for position in joined)):
-                continue
+            if min(joined) >= 1 and max(joined) < len(program):
+                kinds = {action[1] for action in map(program.__getitem__, joined)}
+                kinds.update(action[1] for action in map(program.__getitem__, [position - 1 for position in joined]))
+                if kinds <= COMM_KINDS:
+                    continue
             for position in sorted(joined):
                 if not 1 <= position < len(program):
                     raise ValueError(f"rank {rank}: a P2P group joins position {position}, outside the program")

@@ -216,7 +216,7 @@ def test_simulate_model_on_a_cluster_writes_the_new_json_fields(tmp_path, capsys
     assert document["comm"][0]["tp"]["total"] > 0 and document["comm"][0]["dp"]["total"] > 0
     assert all(rank["peak_memory_bytes"] > 0 for rank in document["ranks"])
     summary = capsys.readouterr().out
-    assert "communication by kind" in summary and "peak mem" in summary
+    assert "collectives (total / exposed" in summary and "peak mem" in summary
 
 
 def test_simulate_errors_for_impossible_plans(capsys):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipesim.cluster import presets
@@ -125,12 +125,26 @@ def test_a_same_rank_input_that_comes_later_never_runs_in_either():
     assert_same_moments(compiled, specified)
 
 
+def links_shared_between_transfers(timing: engine.StepTiming) -> bool:
+    """Whether two of the step's wires (stage boundaries and directions) cross one link."""
+    owners: dict[int, int] = {}
+    for wire, routes in enumerate(timing.wires):
+        for links, _, _ in routes or ():
+            for link in links:
+                if owners.setdefault(link, wire) != wire:
+                    return True
+    return False
+
+
 @settings(max_examples=60, deadline=None)
 @given(cases())
 def test_buffered_is_never_slower_than_rendezvous_on_the_same_program(case):
     schedule, timing, semantics = case
-    if semantics in ("free", "torch-runtime"):
-        return
+    # Where transfers of different boundaries share a link, leaving earlier can take the
+    # link ahead of a transfer the step needed sooner (first come, first served): a
+    # buffered step can then end later by a hair (seen: 0.002% on 1F1B over PCIe), so the
+    # rule is held where links are not shared.
+    assume(semantics not in ("free", "torch-runtime") and not links_shared_between_transfers(timing))
     rendezvous = engine.run(schedule, timing, "rendezvous")
     buffered = engine.run(schedule, timing, "buffered")
     # a less constrained rule cannot end later: sends never wait for their receive,

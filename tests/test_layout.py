@@ -83,8 +83,13 @@ def test_expert_parallelism_must_divide_the_routed_experts():
 
 def test_context_parallelism_must_divide_the_sequence():
     check_layout(model_spec("llama3-8b"), tp=8, cp=16, sequence_parallel=True)  # 8192 / 16 = 512 = 8 x 64
-    with pytest.raises(ModelSpecError, match="--cp 3 does not divide the 8192-token sequence of llama3-8b"):
+    with pytest.raises(ModelSpecError, match=r"^--cp 3: 2 x cp = 6 chunks \(causal load balancing, as "
+                                             r"Megatron-Core cuts the sequence\) do not divide the 8192-token "
+                                             r"sequence of llama3-8b: use one of 1, 2, 4, 8, 16, 32"):
         check_layout(model_spec("llama3-8b"), cp=3)
+    # 6 divides 4098 but 12 does not: cp 3 splits the tokens yet cannot balance the causal work
+    with pytest.raises(ModelSpecError, match="--cp 6: 2 x cp = 12 chunks"):
+        check_layout(model_spec("llama3-8b", seq_len=4098), cp=6)
     with pytest.raises(ModelSpecError, match="--sequence-parallel splits each 4100-token sequence over --tp 8"):
         check_layout(model_spec("llama3-8b", seq_len=4100), tp=8, sequence_parallel=True)
     with pytest.raises(ModelSpecError, match="--cp must be an integer >= 1, got 0"):

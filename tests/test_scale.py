@@ -99,8 +99,8 @@ def searched_route(graph: nx.DiGraph, src: str, dst: str) -> Route:
     """The route by networkx's shortest path (lowest total latency) on ``graph``."""
     path = nx.shortest_path(graph, src, dst, weight="latency")
     links = tuple(zip(path[:-1], path[1:], strict=True))
-    return Route(links, sum(graph.edges[link]["latency"] for link in links),
-                 min(graph.edges[link]["bandwidth"] * graph.edges[link]["efficiency"] for link in links))
+    bandwidths = tuple(graph.edges[link]["bandwidth"] * graph.edges[link]["efficiency"] for link in links)
+    return Route(links, sum(graph.edges[link]["latency"] for link in links), min(bandwidths), bandwidths)
 
 
 def searched_topology(name: str, nodes: int) -> Topology:
@@ -241,3 +241,25 @@ def test_every_schedule_command_refuses_impossible_work_naming_the_flag(command,
 def test_max_actions_raises_the_limit():
     assert main(["simulate", "--pp", "4", "--microbatches", "8", "--max-actions", "159"]) == 2
     assert main(["simulate", "--pp", "4", "--microbatches", "8", "--max-actions", "160"]) == 0
+
+
+@pytest.mark.parametrize("name", ["ib", "pcie"])
+def test_all_to_all_by_the_shape_of_its_groups_equals_the_graph_search(name):
+    """A preset prices an all-to-all once per shape of its groups (the devices' uplinks with
+    their nodes renumbered): groups laid out alike on other nodes share it. Every answer
+    must equal the general search's on the graph of the same cluster, which keys by device."""
+    from pipesim.cluster.collectives import all_to_all
+
+    nodes = SMALL_NODES[name]
+    structural, searched = presets.PRESETS[name](nodes), searched_topology(name, nodes)
+    devices = structural.devices
+    rng = random.Random(7)
+    cases = [([devices[0], devices[2]], [[devices[1], devices[3]]]), (devices[:4], [devices[4:8]])]
+    if name == "ib":
+        cases += [([f"n{node}.gpu{gpu}" for node in range(3) for gpu in (0, 1)], []),
+                  ([f"n{node}.gpu{gpu}" for node in (1, 2, 0) for gpu in (5, 6)], []),  # the same shape, elsewhere
+                  ([f"n0.gpu{gpu}" for gpu in range(8)], [[f"n1.gpu{gpu}" for gpu in range(8)]])]
+    cases += [(rng.sample(devices, 4), [rng.sample(devices, 3)]) for _ in range(6)]
+    for group, concurrent in cases:
+        assert all_to_all(structural, group, 1e9, concurrent) == pytest.approx(
+            all_to_all(searched, group, 1e9, concurrent), rel=1e-12), (group, concurrent)

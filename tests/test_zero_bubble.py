@@ -62,7 +62,7 @@ def run(schedule: Schedule, forward: float, backward_input: float, backward_weig
     costs = uniform_costs(schedule.num_stages, forward, backward_input + backward_weight, backward_weight,
                           virtual_stages=schedule.virtual_stages)
     if production:
-        return simulate(lower(schedule), costs, latency_topology(schedule.pp, hop), p2p=RENDEZVOUS)
+        return simulate(schedule, costs, latency_topology(schedule.pp, hop), p2p=RENDEZVOUS)  # lowered for these costs
     lowered = keep_pairs_together(_lower_naively(schedule), schedule)
     return simulate(lowered, costs, latency_topology(schedule.pp, hop), p2p=BUFFERED)
 

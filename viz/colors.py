@@ -32,6 +32,8 @@ STEP_STREAM_STYLES: dict[str, tuple[str, str, str]] = {
     "dp": ("dp gradient all-reduce (shows where compute does not hide it)", "#8C564B", ""),
     "idle": ("idle (rank done, step not)", "#9ECAE1", "."),  # pale blue: not the grey bubble
     "tp": ("tp collective (inside compute)", "#17BECF", ""),
+    "ep": ("ep all-to-all (expert dispatch and combine)", "#BCBD22", ""),
+    "cp": ("cp K/V exchange the attention did not hide", "#E377C2", ""),
     "step": ("optimizer step", "#7F7F7F", ""),
 }
 

@@ -10,6 +10,7 @@ imported only inside the handler.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -124,6 +125,8 @@ def handle(args: argparse.Namespace) -> int:
     from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
     from executor.spawn import SpawnError  # noqa: PLC0415
     from pipesim.sim.comparison import compare, report_lines  # noqa: PLC0415
+    from pipesim.sim.cost_aware import adapt_to_costs  # noqa: PLC0415
+    from pipesim.sim.engine import lower_for  # noqa: PLC0415
     from pipesim.sim.step import run_simulation  # noqa: PLC0415
 
     schedule = validate_schedule(config)
@@ -133,6 +136,12 @@ def handle(args: argparse.Namespace) -> int:
             costs = calibrated_costs(args, config, schedule.num_stages)
         with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
             topology = calibrated_topology(args, config)
+        # the run posts the transfers where lowering places them for these costs and links,
+        # in the order zb-h1 and zb-h2 take on them, as the prediction does (pipesim
+        # simulate builds and lowers the same way)
+        ordered = adapt_to_costs(schedule.compute_only(), costs, topology)
+        config = dataclasses.replace(config, custom_schedule=lower_for(ordered, costs, topology))
+        schedule = validate_schedule(config)
         progress.line(f"3/4 running {config.steps} steps on {config.world_size} ranks")
         with StepWatcher(progress, config.world_size, config.steps):
             (result,) = launch(config, verbose=args.verbose)

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_schedule_args(parser, allow_file=False)
     add_cost_args(parser)  # zb-auto builds its order from the costs and the cluster's hop time
     add_model_args(parser)
-    add_parallel_args(parser)
+    add_parallel_args(parser, context_and_experts=False)
     add_topology_args(parser)
     output = parser.add_argument_group("output")
     output.add_argument("--out", help="CSV file to write (default: none; give --out or --torchtitan)")

@@ -139,14 +139,19 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "balanced share; empty slots cost time, not model FLOPs (default: dropless)")
 
 
-def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool = True) -> None:
+    """dp, tp (and, unless ``context_and_experts`` is false, cp and ep: the commands that
+    simulate a step), rank order, gradient buckets, ZeRO, collectives, bytes per parameter."""
     from pipesim.cluster.mapping import DEFAULT_ORDER
 
-    group = parser.add_argument_group("data and tensor parallelism, memory")
+    group = parser.add_argument_group("data, tensor, context and expert parallelism, memory")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel shards per pipeline rank (default: 1)")
+    if context_and_experts:
+        add_context_and_expert_args(group)
     group.add_argument("--rank-order", default=DEFAULT_ORDER,
-                       help=f"axes innermost first, e.g. tp-pp-dp (default: {DEFAULT_ORDER}, Megatron's)")
+                       help=f"axes innermost first, e.g. tp-pp-dp; cp, unnamed, sits right outside tp (default: "
+                       f"{DEFAULT_ORDER}, Megatron's)")
     group.add_argument("--bucket-mb", type=float, default=25.0,
                        help="gradient all-reduce bucket in MiB (default: 25, torch DDP's)")
     add_hidden_alias(group, "--dp-bucket-mb", "bucket_mb", type=float)
@@ -174,6 +179,19 @@ def add_memory_headroom_arg(parser) -> None:
                         help="memory each device keeps back for the CUDA context, NCCL's buffers and the allocator's "
                         "fragmentation: a share of it (10%%) or gigabytes (6); a rank is out of memory above the rest "
                         f"(default: {DEFAULT_HEADROOM.replace('%', '%%')}; docs/cluster-model.md says why)")
+
+
+def add_context_and_expert_args(group) -> None:
+    """``--cp``, ``--cp-comm`` and ``--ep`` (``pipesim.job.Job``'s ``cp``, ``cp_comm``, ``ep``)."""
+    group.add_argument("--cp", type=int, default=1,
+                       help="context-parallel ranks per replica: each holds 1/cp of every sequence (2 x cp must "
+                       "divide it: causal load balancing) and exchanges attention's keys and values (default: 1)")
+    group.add_argument("--cp-comm", choices=("p2p", "all-gather"), default="p2p",
+                       help="how context-parallel ranks exchange keys and values: p2p, a ring overlapped with the "
+                       "attention (ring attention), or all-gather before it (Llama 3) (default: p2p)")
+    group.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel ranks: each holds 1/ep of every MoE layer's routed experts and trades "
+                       "tokens by all-to-all; cut from the dp x cp ranks, so ep must divide dp x cp (default: 1)")
 
 
 def add_topology_args(parser: argparse.ArgumentParser) -> None:

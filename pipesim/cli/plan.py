@@ -205,7 +205,8 @@ def _progress(args: argparse.Namespace):
 def _init_worker(base: Job) -> None:
     _BASE["job"] = base
     _BASE["topology"] = topology_of(base)
-    for cache in (_layout_costs, _placed_costs, _shell, _layout_parallel, _bound_terms, _floors, _pipeline_devices):
+    for cache in (_layout_costs, _placed_costs, _shell, _layout_parallel, _bound_terms, _floors, _pipeline_devices,
+                  _lowered_for):
         cache.cache_clear()  # they kept the job set up before
 
 
@@ -352,8 +353,9 @@ def _floors(costs_key: tuple, placement: tuple[int, ...], parallel, dp: int, tp:
     topology = _BASE["topology"]
     costs = _placed_costs(*costs_key)
     devices = _pipeline_devices(dp, max(placement) + 1, tp, parallel.rank_order)
+    holders = dp * parallel.cp  # the ranks that hold each parameter, as simulate's memory counts them
     floors = memory_floor(costs, placement, lambda stage: static_bytes(costs.stages[stage], parallel.bytes_per_param,
-                                                                       dp, parallel.zero))
+                                                                       holders, parallel.zero, holders // parallel.ep))
     capacities = [topology.device_memory(device) for device in devices]
     return [(floor, capacity - parallel.memory_headroom.of(capacity))
             for floor, capacity in zip(floors, capacities, strict=True)]
@@ -374,23 +376,29 @@ def evaluate_layout(layout: Layout) -> dict:
     ``{"error": cause}`` for a layout that cannot be built."""
     from pipesim.sim.step import run_simulation
     from schedules.generators import COST_AWARE, ScheduleUnavailableError
+    from schedules.generators.adaptive import ADAPTABLE
 
     topology = _BASE["topology"]
     try:
         job = layout_job(layout)
-        _, layout_costs, shell, _ = _layout_costs(layout)
-        if layout.schedule in COST_AWARE:  # its order follows from this layout's costs
+        _, layout_costs, shell, costs_key = _layout_costs(layout)
+        ordered_by_costs = layout.schedule in COST_AWARE or layout.schedule in ADAPTABLE
+        if ordered_by_costs:  # its order follows from this layout's costs, as simulate builds it
             schedule = schedule_of(job, topology)
         else:
-            schedule = _lowered(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
-                                job.max_actions)
+            schedule = _generated(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
+                                  job.max_actions)
         # costs depend on the stages and their placement only (``_layout_costs``)
         costs = layout_costs if schedule.placement == shell.placement else costs_of(job, schedule, topology)
         cause = _order_memory_cause(schedule, costs, parallel_of(job), layout)
         if cause is not None:
             return {"rejected": cause}
-        # Generated and lowered here, so valid by construction (tests/test_p2p.py proves it
-        # for every generator); the engine's run is the deadlock check that remains.
+        if not ordered_by_costs and costs is layout_costs:
+            schedule = _lowered_for(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
+                                    job.max_actions, costs_key, job.rank_order)
+        # Generated here and lowered for this layout's costs and links as simulate lowers it, so
+        # valid by construction (tests/test_p2p.py proves it for every generator); the engine's
+        # run is the deadlock check that remains.
         result = run_simulation(schedule, costs, topology, parallel=parallel_of(job), p2p=job.p2p, validate=False)
     except ScheduleUnavailableError:
         return {"error": f"{layout.schedule} does not exist for that microbatch count and pp"}
@@ -431,19 +439,33 @@ def _order_memory_cause(schedule, costs, parallel, layout: Layout) -> str | None
     devices = _pipeline_devices(layout.dp, layout.pp, layout.tp, parallel.rank_order)
     report = memory_report(program_order_trace(schedule), costs, schedule.placement, devices,
                            [topology.device_memory(device) for device in devices], parallel.bytes_per_param,
-                           parallel.dp, parallel.bucket_bytes, parallel.zero, parallel.memory_headroom,
+                           parallel.dp * parallel.cp, parallel.bucket_bytes, parallel.zero,
+                           parallel.dp * parallel.cp // parallel.ep, headroom=parallel.memory_headroom,
                            timelines=False)
     return ORDER_OUT_OF_MEMORY if any(rank.oom for rank in report) else None
 
 
 @functools.lru_cache(maxsize=256)
-def _lowered(name: str, pp: int, microbatches: int, virtual_stages: int, max_actions: int):
-    """The lowered schedule, shared by every layout with the same order: tp, dp,
-    microbatch size, recompute and sharding leave it alone."""
+def _generated(name: str, pp: int, microbatches: int, virtual_stages: int, max_actions: int):
+    """The schedule's order, shared by every layout with the same one: tp, dp, microbatch
+    size, recompute and sharding leave it alone (its transfers are placed for each
+    layout's costs when it is simulated, as ``simulate`` places them)."""
     from schedules.generators import generate
-    from schedules.lowering import lower
 
-    return lower(generate(name, pp, microbatches, virtual_stages, max_actions=max_actions))
+    return generate(name, pp, microbatches, virtual_stages, max_actions=max_actions)
+
+
+@functools.lru_cache(maxsize=256)
+def _lowered_for(name: str, pp: int, microbatches: int, virtual_stages: int, max_actions: int, costs_key: tuple,
+                 rank_order: str):
+    """The order lowered for the costs named ``costs_key`` on their pipeline's devices, as
+    ``simulate`` lowers it (``pipesim.sim.engine.lower_for``), kept: layouts that differ
+    only in what lowering does not read (the ZeRO stage, say) share it."""
+    from pipesim.sim.engine import lower_for
+
+    placement, _, tp, dp = costs_key[:4]
+    return lower_for(_generated(name, pp, microbatches, virtual_stages, max_actions), _placed_costs(*costs_key),
+                     _BASE["topology"], _pipeline_devices(dp, pp, tp, rank_order))
 
 
 def format_causes(bucket: str, causes) -> str:

@@ -36,6 +36,8 @@ def handle(args: argparse.Namespace) -> int:
     p2p = args.p2p or RENDEZVOUS
     validate(lowered, p2p)
     print((lowered if args.lowered else schedule).describe())
+    if "order" in schedule.meta:  # a handcrafted order adapted to costs says which it runs
+        print(f"order: {schedule.meta['order']}")
     costs = uniform_costs(schedule.num_stages, 1.0, 2.0, virtual_stages=schedule.virtual_stages)
     trace = simulate(lowered, costs, ideal_topology(), p2p=p2p)
     trace.meta["time_unit"] = "units"  # F = 1, B = 2: charts say "units", not seconds

@@ -17,7 +17,16 @@ from pipesim.cli.options import (
     add_topology_args,
 )
 from pipesim.cli.progress import progress_from_args
-from pipesim.job import Job, costs_of, model_spec_of, parallel_of, reject_with_schedule_file, split_list, topology_of
+from pipesim.job import (
+    Job,
+    check_parallel_layout,
+    costs_of,
+    model_spec_of,
+    parallel_of,
+    reject_with_schedule_file,
+    split_list,
+    topology_of,
+)
 from pipesim.plan.sweep import ROW_FIELDS, SweepPoint, format_table, run_sweep, sweep_points
 from schedules.schedule import Schedule
 
@@ -83,6 +92,7 @@ def handle(args: argparse.Namespace) -> int:
             VIRTUAL_STAGES if args.virtual_stages is None else args.virtual_stages,
         )
     job = Job.from_namespace(args)
+    check_parallel_layout(job)
     topology = topology_of(job)
 
     def costs_for(schedule):

@@ -21,6 +21,27 @@ slowest tree edge and pays one latency per level:
 this is the bandwidth of one tree at full S, a slight overestimate for large n, and
 the log-depth latency that makes trees win for small messages on many ranks.)
 
+All-to-all (expert parallelism's token dispatch and combine): each of n ranks holds S
+bytes, S/n for every member, and sends the n-1 pieces meant for the others at once
+(NCCL posts them as one group of sends and receives). Every piece crosses the links of
+its route, so a link's time is the bytes of every piece crossing it over its bandwidth,
+and the slowest link sets the pace:
+
+    all-to-all       max over links l of (pieces crossing l) * (S/n) / B_l  +  alpha
+
+alpha the largest latency of the routes used. With every rank on a link of its own into
+one switch (NVSwitch, a rail of InfiniBand) each link carries the (n-1) pieces of its
+rank: ``(n-1)/n * S/B + alpha``, the ``(n-1)/n`` bus-bandwidth factor of nccl-tests'
+``AlltoAllGetBw`` (src/alltoall.cu). Across nodes, a GPU's network port carries every
+piece to the other nodes, which is why an all-to-all over two 8-GPU nodes runs at the
+port's pace, half of S through it. Groups that exchange at the same moment (the other
+tensor-parallel shards' and replicas' ep groups) add their pieces to the links they
+share (``concurrent``).
+
+A ring exchange (context parallelism's K/V ring): every rank sends S bytes to its
+successor at once, ``S/B + alpha`` over the ring's slowest neighbour route, as one step
+of the ring collectives above.
+
 These are analytical durations: they do not reserve links in the engine's
 ``LinkScheduler``, so a collective and a pipeline P2P transfer on the same link do not
 delay each other. n = 1 costs nothing.
@@ -110,6 +131,81 @@ def broadcast(topology: Topology, group: Sequence[str], num_bytes: float) -> flo
     if n <= 1:
         return 0.0
     return _seconds(1.0, n - 1, num_bytes, ring_pace(topology, group))
+
+
+def ring_exchange(topology: Topology, group: Sequence[str], num_bytes: float) -> float:
+    """Seconds for every rank of ``group`` to send ``num_bytes`` to its successor in the
+    ring at once (one step of ring attention): ``S/B + alpha`` at the ring's pace."""
+    if len(group) <= 1:
+        return 0.0
+    return _seconds(1.0, 1, num_bytes, ring_pace(topology, group))
+
+
+def all_to_all(topology: Topology, group: Sequence[str], num_bytes: float,
+               concurrent: Sequence[Sequence[str]] = ()) -> float:
+    """Seconds for an all-to-all in which each rank of ``group`` holds ``num_bytes``, an
+    equal piece for every member (see the module): the most loaded link's bytes over its
+    bandwidth, plus the largest route latency; ``concurrent`` groups exchanging at the
+    same moment load the links they share."""
+    if len(group) <= 1:
+        return 0.0
+    seconds_per_byte, latency = all_to_all_pace(topology, (tuple(group), *(tuple(other) for other in concurrent)))
+    return num_bytes * seconds_per_byte + latency
+
+
+def all_to_all_pace(topology: Topology, groups: tuple[tuple[str, ...], ...]) -> tuple[float, float]:
+    """(seconds per byte of S, latency) of an all-to-all over ``groups`` at once: each
+    member sends ``1/n`` of S to every other member of its group, so a link carries, per
+    byte of S, ``1/n`` for every piece routed over it. Kept per topology and groups: a step
+    prices each stage's group once per layer."""
+    key = _all_to_all_key(topology, groups)
+    cached = topology.pace_cache.get(key)
+    if cached is None:
+        load: dict[tuple[str, str], float] = {}
+        bandwidth: dict[tuple[str, str], float] = {}
+        latency = 0.0
+        for members in groups:
+            piece = 1.0 / len(members)
+            for src in members:
+                for dst in members:
+                    if src == dst:
+                        continue
+                    route = topology.route(src, dst)
+                    if not route.links:
+                        continue
+                    latency = max(latency, route.latency)
+                    for link, link_bandwidth in zip(route.links, _link_bandwidths(route), strict=True):
+                        load[link] = load.get(link, 0.0) + piece
+                        bandwidth[link] = link_bandwidth
+        per_byte = max((load[link] / bandwidth[link] for link in load), default=0.0)
+        cached = topology.pace_cache[key] = (per_byte, latency)
+    return cached
+
+
+def _all_to_all_key(topology: Topology, groups: tuple[tuple[str, ...], ...]) -> tuple:
+    """What an all-to-all's pace depends on. On a preset (a hierarchy) that is the shape
+    of the groups, not the devices' names: every device's chains of uplinks with their
+    nodes numbered in order of first appearance, so groups laid out alike on other nodes
+    (each pipeline rank's, each layout's of a plan) share one computation of the
+    ``n^2`` routes. Elsewhere, the devices themselves."""
+    hierarchy = topology.hierarchy
+    if hierarchy is None:
+        return ("alltoall", groups)
+    labels: dict[str, int] = {}
+    shape = []
+    for members in groups:
+        for device in members:
+            chains = hierarchy.uplinks(hierarchy.index[device])
+            shape.append((labels.setdefault(device, len(labels)),
+                          tuple(tuple((labels.setdefault(hop.node, len(labels)), hop.link) for hop in chain)
+                                for chain in chains)))
+    return ("alltoall-shape", tuple(len(members) for members in groups), tuple(shape))
+
+
+def _link_bandwidths(route) -> tuple[float, ...]:
+    """Each link's effective bandwidth on ``route`` (a route built without them: the
+    route's pace on every link)."""
+    return route.link_bandwidths or (route.bandwidth,) * len(route.links)
 
 
 def bucket_sizes(num_bytes: float, bucket_bytes: float) -> tuple[float, ...]:

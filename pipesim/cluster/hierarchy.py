@@ -94,8 +94,9 @@ class Hierarchy:
         latency, climb, descent = best  # descent: the meeting node's link first, the destination's last
         nodes = [src] + [step.node for step in climb] + [step.node for step in descent[1:]] + [dst]
         figures = [step.link for step in climb] + [step.link for step in descent]
+        bandwidths = tuple(figure.bandwidth * figure.efficiency for figure in figures)
         return Route(links=tuple(zip(nodes[:-1], nodes[1:], strict=True)), latency=latency,
-                     bandwidth=min([figure.bandwidth * figure.efficiency for figure in figures]))
+                     bandwidth=min(bandwidths), link_bandwidths=bandwidths)
 
     def graph(self) -> nx.DiGraph:
         """The same cluster as a networkx graph: every device, every node of its chains,

@@ -29,11 +29,14 @@ class TopologyError(ValueError):
 @dataclass(frozen=True)
 class Route:
     """The path a transfer takes: directed links in order, their summed latency and the
-    slowest effective bandwidth on the way (which sets the pace of the whole transfer)."""
+    slowest effective bandwidth on the way (which sets the pace of the whole transfer);
+    ``link_bandwidths``: each link's effective bandwidth, in the order of ``links`` (what
+    a collective whose transfers share some of the links asks: an all-to-all)."""
 
     links: tuple[tuple[str, str], ...]
     latency: float
     bandwidth: float
+    link_bandwidths: tuple[float, ...] = ()
 
     def wire(self, num_bytes: float) -> tuple[float, float]:
         """How a transfer of ``num_bytes`` uses this route, the one rule of its time: the
@@ -134,10 +137,12 @@ class Topology:
             except nx.NodeNotFound as error:
                 raise TopologyError(f"topology {self.name}: {error}") from error
             links = tuple(zip(path[:-1], path[1:], strict=True))
+            bandwidths = tuple(self.effective_bandwidth(*link) for link in links)
             route = Route(
                 links=links,
                 latency=sum(self.graph.edges[link]["latency"] for link in links),
-                bandwidth=min(self.effective_bandwidth(*link) for link in links),
+                bandwidth=min(bandwidths),
+                link_bandwidths=bandwidths,
             )
         self._routes[key] = route
         return route

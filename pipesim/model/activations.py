@@ -84,6 +84,17 @@ def attention_bytes(spec: ModelSpec, tp: int) -> float:
     return (spec.q_width / tp + 2 * spec.head_size * kv_heads_per_shard(spec, tp) + spec.v_width / tp) * d
 
 
+def key_value_bytes(spec: ModelSpec, tp: int = 1) -> float:
+    """Per token on one tp rank, the keys and values attention reads: what ring
+    attention passes from rank to rank under context parallelism. Grouped-query attention:
+    the rank's key-value heads (one replicated head when tp exceeds them); latent
+    attention: every head's key (``d_nope + d_rope``) and value (``d_v``), up-projected."""
+    d = spec.dtype_bytes
+    if spec.mla is not None:
+        return spec.heads / tp * (spec.mla.qk_head_dim + spec.mla.v_head_dim) * d
+    return 2 * spec.head_size * kv_heads_per_shard(spec, tp) * d
+
+
 def latent_bytes(spec: ModelSpec) -> float:
     """Per token, whole: MLA's latents before and after their norms, and the rotary key."""
     if spec.mla is None:

@@ -19,11 +19,14 @@ from schedules.schedule import Schedule
 from schedules.textfile import describe_yaml_error, read_text
 
 STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "params", "layers",
-                "tp_message_bytes", "recompute_layers", "overlap_fb")
+                "tp_message_bytes", "recompute_layers", "overlap_fb",
+                # expert and context parallelism (pipesim.sim.expert_parallel, pipesim.sim.context_parallel)
+                "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
+                "attention_bwd")
 OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead")
 # what a rank's share of the model is split into when it holds v chunks (the rest is per chunk)
 PER_RANK_FIELDS = ("fwd", "bwd", "wgrad", "stash_bytes", "param_bytes", "params", "layers", "recompute_layers",
-                   "overlap_fb")
+                   "overlap_fb", "expert_params", "moe_layers", "attention_layers")
 
 
 class CostsError(ValueError):
@@ -55,8 +58,18 @@ class StageCost:
 
     ``overlap_fb`` is the time of an overlapped pair (DualPipe's ``OVERLAP_F_B``) whose
     forward runs on this stage and whose full backward runs on the rank's other chunk:
-    what overlapping saves is a measured property of the model and the machine, so it is
-    given, not derived. Zero means not given: the pair costs its ``F + B``.
+    what overlapping saves is a measured property of the model and the machine. Zero
+    means not given: the pair costs its ``F + B``, and with expert parallelism each half's
+    all-to-alls hide under the other half's compute (``pipesim.sim.overlap``).
+
+    Expert parallelism: ``moe_layers`` of the stage's layers route their tokens to
+    experts, each with two all-to-alls of ``dispatch_bytes`` (one rank's routed token
+    copies) in its forward and two in its input-gradient backward; ``expert_params`` of
+    ``params`` are routed experts, whose gradients are reduced over the expert
+    data-parallel group. Context parallelism: each of the ``attention_layers`` passes its
+    ``kv_bytes`` (the rank's keys and values) around the ring, overlapped with the
+    attention core's ``attention_fwd`` / ``attention_bwd`` seconds (per layer, on this
+    rank); full recompute (``recompute_layers``) repeats the forward's exchanges.
     """
 
     fwd: float
@@ -70,6 +83,13 @@ class StageCost:
     tp_message_bytes: float = 0.0
     recompute_layers: float = 0.0
     overlap_fb: float = 0.0
+    expert_params: float = 0.0
+    moe_layers: float = 0.0
+    dispatch_bytes: float = 0.0
+    attention_layers: float = 0.0
+    kv_bytes: float = 0.0
+    attention_fwd: float = 0.0
+    attention_bwd: float = 0.0
 
     def seconds(self, kind: str) -> float:
         if kind == ActionKind.F:

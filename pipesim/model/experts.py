@@ -79,6 +79,13 @@ class MixtureOfExperts:
         aim for) times the capacity factor when ``padded``."""
         return self.routed_slots(padded) * tokens / self.experts
 
+    def dispatch_bytes(self, tokens: float, hidden: int, dtype_bytes: int) -> float:
+        """Bytes of one rank's routed token copies: what each of expert parallelism's
+        all-to-alls moves for ``tokens`` tokens (dispatch sends them to the experts' ranks,
+        combine brings the experts' outputs back, the backward does both in reverse): a
+        copy of the ``hidden``-wide token per routed slot, padded to the capacity."""
+        return self.routed_slots() * tokens * hidden * dtype_bytes
+
 
 def dense_layer_indices(layers: int, first_dense: int = 0, moe_every: int = 1, moe_offset: int = 0,
                         listed: tuple[int, ...] | list[int] = ()) -> tuple[int, ...]:

@@ -9,8 +9,12 @@
   (``pipesim.model.weights.kv_heads_per_shard``). Any other tp is refused.
   With sequence parallelism tp must also divide the (per context-parallel rank) sequence.
 - **Expert parallelism** (``ep``) places whole routed experts on ranks: ep must divide
-  them, and a dense model has none to place.
-- **Context parallelism** (``cp``) splits the sequence: cp must divide it.
+  them, and a dense model has none to place. With tensor parallelism it needs sequence
+  parallelism, as Megatron-LM requires of a mixture of experts with tp > 1: its
+  all-to-all dispatcher sends each tp rank's shard of the sequence.
+- **Context parallelism** (``cp``) splits the sequence into ``2 cp`` chunks, rank ``i``
+  holding chunks ``i`` and ``2 cp - 1 - i`` so that every rank does the same share of the
+  causal attention (Megatron-Core's load balancing): ``2 cp`` must divide the sequence.
 
 Every error names the flag, the model's number it clashes with and values that work.
 """
@@ -35,9 +39,11 @@ def check_layout(spec: ModelSpec, tp: int = 1, ep: int = 1, cp: int = 1, sequenc
     if problem:
         valid = [size for size in range(1, spec.heads + 1) if not tp_problem(spec, size)]
         raise ModelSpecError(f"--tp {tp} {problem}: use one of {', '.join(map(str, valid))}")
-    if cp > 1 and spec.seq_len % cp:
-        raise ModelSpecError(f"--cp {cp} does not divide the {spec.seq_len}-token sequence of {spec.name}: "
-                             f"use a divisor of {spec.seq_len}")
+    if cp > 1 and spec.seq_len % (2 * cp):
+        valid = [size for size in range(1, spec.seq_len // 2 + 1) if spec.seq_len % (2 * size) == 0][:12]
+        raise ModelSpecError(f"--cp {cp}: 2 x cp = {2 * cp} chunks (causal load balancing, as Megatron-Core cuts "
+                             f"the sequence) do not divide the {spec.seq_len}-token sequence of {spec.name}: use "
+                             f"one of {', '.join(map(str, valid))}, ...")
     if sequence_parallel and tp > 1 and (spec.seq_len // cp) % tp:
         raise ModelSpecError(f"--sequence-parallel splits each {spec.seq_len // cp}-token sequence"
                              f"{' shard' if cp > 1 else ''} over --tp {tp}, which does not divide it")
@@ -50,6 +56,10 @@ def check_layout(spec: ModelSpec, tp: int = 1, ep: int = 1, cp: int = 1, sequenc
             valid = [size for size in range(1, experts + 1) if experts % size == 0]
             raise ModelSpecError(f"--ep {ep} does not divide the {experts} routed experts of {spec.name}: "
                                  f"use one of {', '.join(map(str, valid))}")
+        if tp > 1 and not sequence_parallel:
+            raise ModelSpecError(f"--ep {ep} with --tp {tp} needs --sequence-parallel: Megatron-LM requires it for a "
+                                 f"mixture of experts with tensor parallelism (its all-to-all dispatcher sends each "
+                                 f"tp rank's shard of the sequence)")
 
 
 def tp_problem(spec: ModelSpec, tp: int) -> str:

@@ -40,6 +40,21 @@ Their rows ``m`` are the tokens the matrix sees on a rank:
 A layer is its attention block (the projections around the attention core: Megatron's
 fused QKV, or multi-head latent attention's low-rank projections with its own head
 widths) and its MLP block (dense, or router, routed experts and shared experts).
+
+Expert and context parallelism change what one rank runs:
+
+- over ``ep`` expert-parallel ranks a rank holds ``E / ep`` whole experts and receives,
+  from the ``ep`` ranks of its group, the tokens routed to them: with a balanced router
+  ``E / ep`` GEMMs of ``C k (ep T) / E`` rows each, the same routed rows as without
+  expert parallelism in fewer, taller GEMMs (which fill the GPU better);
+- over ``cp`` context-parallel ranks a rank holds ``s / cp`` tokens of each sequence
+  (``ModelSpec.context_shard``): every GEMM and element-wise kernel runs on them, and its
+  attention is ring attention's ``cp`` steps, its queries against one ``s / cp`` block of
+  keys and values each. With Megatron-Core's causal load balancing (the sequence cut in
+  ``2 cp`` chunks, rank ``i`` holding chunks ``i`` and ``2 cp - 1 - i``) every step does
+  the same work, ``(s / cp)^2 / 2`` query-key pairs, the work of a causal kernel over
+  ``s / cp`` tokens: so a step is timed as one, and the ``cp`` steps add up to the causal
+  work of the whole sequence over ``cp``.
 """
 
 from __future__ import annotations
@@ -48,7 +63,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipesim.model.memory_traffic import layer_traffic_bytes
-from pipesim.model.weights import WHOLE, Weight, attention_weights, mlp_weights, shard
+from pipesim.model.weights import WHOLE, Weight, attention_weights, mlp_weights, shard, stack_on_rank
 
 if TYPE_CHECKING:
     from pipesim.model.spec import ModelSpec
@@ -77,9 +92,10 @@ class FlashAttention:
     """A fused causal attention kernel over ``batch`` sequences of ``seq`` tokens and
     ``heads`` query heads on one tp rank, each with queries and keys of ``head_dim`` and
     values of ``value_dim`` (``None``: ``head_dim``; multi-head latent attention's values
-    are narrower). ``flops`` is QK^T and PV counted whole, as Megatron and the FLOP counts
-    here count them; the kernel skips the masked half, which is the compute model's
-    business."""
+    are narrower), run ``steps`` times one after another (ring attention's steps under
+    context parallelism, each the same work: see the module). ``flops`` is QK^T and PV
+    counted whole, as Megatron and the FLOP counts here count them; the kernel skips the
+    masked half, which is the compute model's business."""
 
     name: str
     batch: int
@@ -89,11 +105,12 @@ class FlashAttention:
     causal: bool = True
     attention_core: bool = True
     value_dim: float | None = None
+    steps: int = 1
 
     @property
     def flops(self) -> float:
         value_dim = self.head_dim if self.value_dim is None else self.value_dim
-        return 2.0 * self.batch * self.heads * self.seq * self.seq * (self.head_dim + value_dim)
+        return 2.0 * self.batch * self.heads * self.seq * self.seq * (self.head_dim + value_dim) * self.steps
 
 
 @dataclass(frozen=True)
@@ -110,21 +127,24 @@ class MemoryBound:
 Operation = Gemm | FlashAttention | MemoryBound
 
 
-def gemm_rows(weight: Weight, spec: ModelSpec, tp: int, sequence_parallel: bool, padded: bool) -> float:
+def gemm_rows(weight: Weight, spec: ModelSpec, tp: int, sequence_parallel: bool, padded: bool,
+              ep: int = 1) -> float:
     """Rows of the GEMMs that multiply by ``weight`` on one tp rank: the tokens each matrix
-    of its stack sees (see the module docstring)."""
+    of its stack sees (see the module docstring); a routed expert sees the tokens of the
+    ``ep`` ranks of its expert-parallel group."""
     if weight.routed:
-        return spec.moe.tokens_per_expert(spec.tokens, padded)
+        return spec.moe.tokens_per_expert(spec.tokens * ep, padded)
     if weight.split == WHOLE and sequence_parallel:
         return spec.tokens / tp
     return spec.tokens
 
 
 def weight_gemms(weights: tuple[Weight, ...], spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
-                 padded: bool = True) -> tuple[Gemm, ...]:
+                 padded: bool = True, ep: int = 1) -> tuple[Gemm, ...]:
     """One GEMM per ``gemm`` named in ``weights``: the matrices fused into it side by side
-    (their columns on a tp rank added up), over the rows ``gemm_rows`` gives; ``padded``:
-    routed experts compute their whole capacity."""
+    (their columns on a tp rank added up), over the rows ``gemm_rows`` gives, one per
+    matrix of the stack a rank holds (``E / ep`` routed experts); ``padded``: routed
+    experts compute their whole capacity."""
     fused: dict[str, list[Weight]] = {}
     for weight in weights:
         fused.setdefault(weight.gemm, []).append(weight)
@@ -133,40 +153,44 @@ def weight_gemms(weights: tuple[Weight, ...], spec: ModelSpec, tp: int = 1, sequ
         first = members[0]
         rows, _ = shard(first, spec, tp)  # fused matrices read the same input
         columns = sum(shard(weight, spec, tp)[1] for weight in members)
-        gemms.append(Gemm(name, gemm_rows(first, spec, tp, sequence_parallel, padded), rows, columns, first.stack))
+        gemms.append(Gemm(name, gemm_rows(first, spec, tp, sequence_parallel, padded, ep), rows, columns,
+                          stack_on_rank(first, ep)))
     return tuple(gemms)
 
 
-def attention_core(spec: ModelSpec, tp: int = 1, flash_attention: bool = True) -> tuple[Operation, ...]:
-    """QK^T and PV of a tp rank's ``heads / tp`` heads: one flash kernel, or two batched
-    GEMMs over the whole ``s x s`` square (masked after)."""
+def attention_core(spec: ModelSpec, tp: int = 1, flash_attention: bool = True, steps: int = 1) -> tuple[Operation, ...]:
+    """QK^T and PV of a tp rank's ``heads / tp`` heads: one flash kernel (``steps`` of them
+    for ring attention over a context shard: see the module), or two batched GEMMs over
+    the whole ``s x s`` square (masked after)."""
     heads = spec.heads / tp
     query_dim, value_dim = spec.q_width / spec.heads, spec.v_width / spec.heads
     if flash_attention:
         return (FlashAttention("attention", spec.microbatch_size, heads, spec.seq_len, query_dim,
-                               value_dim=None if value_dim == query_dim else value_dim),)
+                               value_dim=None if value_dim == query_dim else value_dim, steps=steps),)
+    if steps != 1:
+        raise ValueError("ring attention is built on the fused (flash) attention kernel")
     batches = spec.microbatch_size * heads
     return (Gemm("scores", spec.seq_len, query_dim, spec.seq_len, batches, weighted=False, attention_core=True),
             Gemm("context", spec.seq_len, spec.seq_len, value_dim, batches, weighted=False, attention_core=True))
 
 
 def attention_block(spec: ModelSpec, tp: int = 1, flash_attention: bool = True,
-                    sequence_parallel: bool = False) -> tuple[Operation, ...]:
+                    sequence_parallel: bool = False, steps: int = 1) -> tuple[Operation, ...]:
     """Self-attention: the projections of ``weights.attention_weights`` (Megatron's
     split: QKV column-parallel, the output row-parallel; latent attention's
-    down-projections whole) around the attention core."""
+    down-projections whole) around the attention core (of ``steps`` ring steps)."""
     projections = weight_gemms(attention_weights(spec), spec, tp, sequence_parallel)
     inputs = tuple(gemm for gemm in projections if gemm.name != "attention_out")
     outputs = tuple(gemm for gemm in projections if gemm.name == "attention_out")
-    return (*inputs, *attention_core(spec, tp, flash_attention), *outputs)
+    return (*inputs, *attention_core(spec, tp, flash_attention, steps), *outputs)
 
 
 def mlp_block(spec: ModelSpec, tp: int = 1, layer: int = 0, sequence_parallel: bool = False,
-              padded: bool = True) -> tuple[Operation, ...]:
+              padded: bool = True, ep: int = 1) -> tuple[Operation, ...]:
     """Layer ``layer``'s MLP, from ``weights.mlp_weights``: up (with the gate fused beside
     it when gated) column-parallel and down row-parallel; in a mixture-of-experts layer the
-    router, the routed experts as grouped GEMMs and the shared experts."""
-    return weight_gemms(mlp_weights(spec, spec.is_moe_layer(layer)), spec, tp, sequence_parallel, padded)
+    router, the routed experts as grouped GEMMs (``E / ep`` of them) and the shared experts."""
+    return weight_gemms(mlp_weights(spec, spec.is_moe_layer(layer)), spec, tp, sequence_parallel, padded, ep)
 
 
 def memory_bound_kernels(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
@@ -181,16 +205,20 @@ def memory_bound_kernels(spec: ModelSpec, tp: int = 1, sequence_parallel: bool =
 
 
 def layer_operations(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
-                     flash_attention: bool = True, layer: int = 0, padded: bool = True) -> tuple[Operation, ...]:
-    """Every operation of layer ``layer``'s forward, for one microbatch on one tp rank;
+                     flash_attention: bool = True, layer: int = 0, padded: bool = True, ep: int = 1,
+                     cp: int = 1) -> tuple[Operation, ...]:
+    """Every operation of layer ``layer``'s forward, for one microbatch on one rank of
+    ``tp`` tensor-, ``ep`` expert- and ``cp`` context-parallel ranks (see the module);
     ``padded``: routed experts compute their whole capacity (what takes time; the model
     FLOPs MFU counts are the unpadded ones)."""
-    return (*attention_block(spec, tp, flash_attention, sequence_parallel),
-            *mlp_block(spec, tp, layer, sequence_parallel, padded),
-            *memory_bound_kernels(spec, tp, sequence_parallel, flash_attention, layer))
+    local = spec.context_shard(cp)
+    return (*attention_block(local, tp, flash_attention, sequence_parallel, cp),
+            *mlp_block(local, tp, layer, sequence_parallel, padded, ep),
+            *memory_bound_kernels(local, tp, sequence_parallel, flash_attention, layer))
 
 
-def head_operations(spec: ModelSpec, tp: int = 1) -> tuple[Operation, ...]:
-    """The output layer on the last stage: logits over the vocabulary (vocab-parallel)."""
-    return (Gemm("logits", spec.tokens, spec.hidden, spec.vocab / tp),)
+def head_operations(spec: ModelSpec, tp: int = 1, cp: int = 1) -> tuple[Operation, ...]:
+    """The output layer on the last stage: logits over the vocabulary (vocab-parallel) for
+    the rank's ``s / cp`` tokens."""
+    return (Gemm("logits", spec.context_shard(cp).tokens, spec.hidden, spec.vocab / tp),)
 

@@ -170,10 +170,11 @@ class ModelSpec:
         return sum(count * quantity(layer) for layer, count in self.layer_groups(first, stop))
 
     # parameters -------------------------------------------------------------------
-    def layer_params(self, layer: int = 0, tp: int = 1) -> int:
+    def layer_params(self, layer: int = 0, tp: int = 1, ep: int = 1) -> int:
         """Parameters of layer ``layer`` on one of ``tp`` tensor-parallel ranks (the whole
-        layer at ``tp=1``), every expert included: what memory holds."""
-        return weights.layer_params(self, self.is_moe_layer(layer), tp)
+        layer at ``tp=1``), its share of every expert (all of them at ``ep=1``): what
+        memory holds."""
+        return weights.layer_params(self, self.is_moe_layer(layer), tp, ep)
 
     def layer_active_params(self, layer: int = 0) -> int:
         """Parameters of layer ``layer`` one token uses: its top-k routed experts only."""
@@ -271,6 +272,15 @@ class ModelSpec:
         """Bytes of the activation passed between pipeline stages (and of its gradient)."""
         full = self.tokens * self.hidden * self.dtype_bytes
         return full / tp if sequence_parallel else full
+
+    def context_shard(self, cp: int) -> ModelSpec:
+        """What one of ``cp`` context-parallel ranks computes on: ``s / cp`` tokens of each
+        sequence (the learned position table keeps its rows; ``cp`` divides the sequence:
+        ``pipesim.model.layout``). Its attention runs ``cp`` ring steps against the whole
+        sequence's keys and values (``pipesim.model.operations.attention_core``)."""
+        if cp == 1:
+            return self
+        return replace(self, seq_len=self.seq_len // cp, positions=self.positions or self.seq_len)
 
     def with_capacity_factor(self, factor: float | None) -> ModelSpec:
         """This model with each routed expert computing ``factor`` times its balanced share

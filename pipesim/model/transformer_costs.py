@@ -25,20 +25,34 @@ Full recompute re-runs every forward operation, selective the attention core (it
 or kernel, softmax and dropout), so a split backward puts the recomputed forward and the
 attention core's backward in ``I = B - W``. With full recompute the re-run forward also
 repeats its two tensor-parallel collectives per layer (``recompute_layers``).
+
+Over ``ep`` expert-parallel ranks a rank holds ``E / ep`` of each MoE layer's experts and
+computes the tokens its group routes to them; over ``cp`` context-parallel ranks it
+computes ``s / cp`` tokens of each sequence, its attention in ``cp`` ring steps
+(``pipesim.model.operations``). The communication both add (all-to-all, the K/V ring)
+depends on the cluster, so the stage costs carry what prices it (``moe_layers``,
+``dispatch_bytes``, ``attention_layers``, ``kv_bytes``, the attention core's seconds) and
+``pipesim.sim`` charges it.
 """
 
 from __future__ import annotations
 
 import functools
 
-from pipesim.model.activations import first_stage_extra_bytes, last_stage_extra_bytes, layer_stash_bytes
+from pipesim.model.activations import (
+    first_stage_extra_bytes,
+    key_value_bytes,
+    last_stage_extra_bytes,
+    layer_stash_bytes,
+)
 from pipesim.model.compute_model import BlockTime, ComputeModel, KernelModel, block_time, stage_compute_model
 from pipesim.model.costs import Costs, StageCost
 from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import optimizer_step_seconds
-from pipesim.model.operations import head_operations, layer_operations
+from pipesim.model.operations import attention_core, head_operations, layer_operations
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak
 from pipesim.model.stage_split import split_layers
+from pipesim.model.weights import routed_params
 
 H100_BF16_FLOPS = 989e12  # used when a device has no peak (the ideal topology) and no --gpu
 H100_HBM_BANDWIDTH = 3.35e12
@@ -67,6 +81,8 @@ def model_costs(
     stage_gpus: list[str | None] | None = None,
     fallback_gpu: str | None = None,
     compute_model: KernelModel | None = None,
+    ep: int = 1,
+    cp: int = 1,
     layer_hold_seconds: float = 0.0,
 ) -> Costs:
     """Per-stage ``Costs`` of ``spec`` split over ``num_stages`` stages, on devices whose
@@ -82,6 +98,8 @@ def model_costs(
     parameter (weights + gradients + optimizer state on the device); it is the slowest
     rank's, ranks being ``stage_ranks[stage]`` (default: one stage per rank).
 
+    ``ep`` expert-parallel and ``cp`` context-parallel ranks: see the module.
+
     Without ``layers_per_stage`` the layers are split so that each stage's time is as even
     as it can be (``pipesim.model.stage_split``): a layer's forward and backward, plus
     ``layer_hold_seconds`` of tensor-parallel collectives that hold its rank, against the
@@ -94,7 +112,12 @@ def model_costs(
     if tp < 1:
         raise ModelSpecError(f"--tp must be >= 1, got {tp}")
     check_recompute(recompute)
-    check_layout(spec, tp, sequence_parallel=sequence_parallel)
+    check_layout(spec, tp, ep, cp, sequence_parallel=sequence_parallel)
+    if cp > 1 and not flash_attention:
+        raise ModelSpecError(f"--cp {cp} conflicts with --no-flash-attention: ring attention is built on the fused "
+                             "attention kernel (Megatron-Core runs context parallelism in Transformer Engine's); "
+                             "drop --no-flash-attention")
+    local = spec.context_shard(cp)
     # the first layer of each kind (dense, mixture of experts) stands for its kind: layers of
     # a kind are alike, and every stage then asks layer_time's cache for the same few layers
     kind_layer = {spec.is_moe_layer(layer): layer for layer, _ in reversed(spec.layer_groups())}
@@ -117,8 +140,8 @@ def model_costs(
     def time_of(compute: ComputeModel, kind: int) -> BlockTime:
         key = (id(compute), kind)  # the models are kept in models_of for the whole call
         if key not in times:
-            times[key] = head_time(spec, tp, compute) if kind < 0 else layer_time(
-                spec, tp, sequence_parallel, flash_attention, recompute, compute, kind)
+            times[key] = head_time(spec, tp, compute, cp) if kind < 0 else layer_time(
+                spec, tp, sequence_parallel, flash_attention, recompute, compute, kind, ep, cp)
         return times[key]
 
     head_extra = 0.0
@@ -132,20 +155,21 @@ def model_costs(
     stages = []
     models = set()
     step_seconds: dict[int, float] = {}
-    per_kind = {layer: (spec.layer_params(layer, tp),
-                        layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention, layer))
+    per_kind = {layer: (spec.layer_params(layer, tp, ep),
+                        layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, layer))
                 for layer in kind_layer.values()}
-    boundary = spec.boundary_bytes(tp, sequence_parallel)
-    message = spec.tp_message_bytes() if tp > 1 else 0.0  # alike in every layer
+    routed = routed_params(spec, tp, ep)
+    dispatch = spec.moe.dispatch_bytes(local.tokens / tp, spec.hidden, spec.dtype_bytes) if spec.moe else 0.0
     stop = 0
     for stage, count in enumerate(counts):
         first, stop = stop, stop + count
         compute, bandwidth = compute_of(stage), bandwidth_of(stage)
         models.add(compute.name)
         fwd = bwd = wgrad = stash = 0.0
-        params = 0  # a whole number
+        params = moe_layers = 0  # whole numbers
         for layer, alike in spec.layer_groups(first, stop):
             kind = kind_layer[spec.is_moe_layer(layer)]
+            moe_layers += alike if spec.is_moe_layer(layer) else 0
             time = time_of(compute, kind)
             fwd += alike * time.forward
             bwd += alike * (time.input_grad + time.weight_grad + time.recompute)
@@ -154,14 +178,15 @@ def model_costs(
             stash += alike * per_kind[kind][1]
         if stage == 0:
             params += spec.embedding_params(tp)
-            stash += first_stage_extra_bytes(spec, tp, sequence_parallel)
+            stash += first_stage_extra_bytes(local, tp, sequence_parallel)
         if stage == num_stages - 1:
             head = time_of(compute, -1)
             params += spec.head_params(tp)
             fwd += head.forward
             bwd += head.input_grad + head.weight_grad
             wgrad += head.weight_grad
-            stash += last_stage_extra_bytes(spec, tp, sequence_parallel)
+            stash += last_stage_extra_bytes(local, tp, sequence_parallel)
+        attention = attention_time(spec, tp, flash_attention, compute, cp)
         rank = stage_ranks[stage] if stage_ranks else stage
         step_seconds[rank] = step_seconds.get(rank, 0.0) + optimizer_step_seconds(params, optimizer_state_bytes,
                                                                                   bandwidth)
@@ -169,16 +194,24 @@ def model_costs(
             fwd=fwd,
             bwd=bwd,
             wgrad=wgrad,
-            act_bytes=boundary if stage < num_stages - 1 else 0.0,
+            act_bytes=local.boundary_bytes(tp, sequence_parallel) if stage < num_stages - 1 else 0.0,
             stash_bytes=stash,
             param_bytes=params * spec.dtype_bytes,
             params=params,
             layers=count,
-            tp_message_bytes=message,
-            recompute_layers=count if tp > 1 and recompute == "full" else 0,
+            tp_message_bytes=local.tp_message_bytes(first) if tp > 1 else 0.0,  # alike in every layer
+            recompute_layers=count if recompute == "full" else 0,
+            expert_params=moe_layers * routed,
+            moe_layers=moe_layers,
+            dispatch_bytes=dispatch if moe_layers else 0.0,
+            attention_layers=count,
+            kv_bytes=local.tokens * key_value_bytes(spec, tp),
+            attention_fwd=attention.forward,
+            attention_bwd=attention.input_grad,
         ))
     meta = {
-        "model": spec.name, "layers_per_stage": counts, "tp": tp, "mfu": mfu, **_parameter_totals(spec),
+        "model": spec.name, "layers_per_stage": counts, "tp": tp, "ep": ep, "cp": cp, "mfu": mfu,
+        **_parameter_totals(spec),
         "recompute": recompute, "flash_attention": flash_attention, "compute_model": sorted(models),
     }
     return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta,
@@ -198,18 +231,27 @@ def _pass_seconds(time: BlockTime) -> float:
 
 @functools.lru_cache(maxsize=4096)
 def layer_time(spec: ModelSpec, tp: int, sequence_parallel: bool, flash_attention: bool, recompute: str,
-               compute: ComputeModel, layer: int = 0) -> BlockTime:
-    """Layer ``layer``'s seconds for one microbatch on one tp rank, routed experts padded to
-    their capacity (kept per distinct input: a plan asks for the same layer on the same
-    GPU for thousands of layouts)."""
-    return block_time(layer_operations(spec, tp, sequence_parallel, flash_attention, layer), compute, recompute,
-                      spec.dtype_bytes)
+               compute: ComputeModel, layer: int = 0, ep: int = 1, cp: int = 1) -> BlockTime:
+    """Layer ``layer``'s seconds for one microbatch on one rank of ``tp`` tensor-, ``ep``
+    expert- and ``cp`` context-parallel ranks, routed experts padded to their capacity
+    (kept per distinct input: a plan asks for the same layer on the same GPU for thousands
+    of layouts)."""
+    return block_time(layer_operations(spec, tp, sequence_parallel, flash_attention, layer, ep=ep, cp=cp), compute,
+                      recompute, spec.dtype_bytes)
 
 
 @functools.lru_cache(maxsize=4096)
-def head_time(spec: ModelSpec, tp: int, compute: ComputeModel) -> BlockTime:
+def head_time(spec: ModelSpec, tp: int, compute: ComputeModel, cp: int = 1) -> BlockTime:
     """The output layer's seconds (never recomputed: Megatron's rule)."""
-    return block_time(head_operations(spec, tp), compute, "none", spec.dtype_bytes)
+    return block_time(head_operations(spec, tp, cp), compute, "none", spec.dtype_bytes)
+
+
+@functools.lru_cache(maxsize=4096)
+def attention_time(spec: ModelSpec, tp: int, flash_attention: bool, compute: ComputeModel, cp: int = 1) -> BlockTime:
+    """One layer's attention core on one rank, all its ring steps (part of ``layer_time``):
+    the compute that ring attention's transfers hide under."""
+    return block_time(attention_core(spec.context_shard(cp), tp, flash_attention, cp), compute, "none",
+                      spec.dtype_bytes)
 
 
 def training_figures(spec: ModelSpec, recompute: str, makespan: float, microbatches: int, dp: int, gpus: int,

@@ -27,7 +27,10 @@ Norm weights are held whole on every rank. A mixture-of-experts layer's routed e
 are a *stack* of alike matrices: the layer holds all of them (memory counts every
 parameter) and a token runs ``k`` of them (FLOPs and active parameters count ``k``),
 ``k`` times the capacity factor for the time an expert spends on its padded capacity
-(``pipesim.model.experts``).
+(``pipesim.model.experts``). Expert parallelism places whole experts: over ``ep``
+ranks each holds ``E / ep`` of the stack (``pipesim.cluster.mapping`` says which ranks
+form a group), and splits them over tp as a dense MLP (expert tensor parallelism
+equal to tp, Megatron-Core's default).
 """
 
 from __future__ import annotations
@@ -164,11 +167,29 @@ def shard_params(weight: Weight, spec: ModelSpec, tp: int) -> int:
     return rows * columns + (columns if weight.bias else 0)
 
 
+def stack_on_rank(weight: Weight, ep: int = 1) -> int:
+    """Matrices of ``weight``'s stack one rank holds: a routed stack split over ``ep``
+    expert-parallel ranks (``ep`` divides it: ``pipesim.model.layout``), anything else whole."""
+    return weight.stack // ep if weight.routed else weight.stack
+
+
 @functools.lru_cache(maxsize=1024)
-def layer_params(spec: ModelSpec, moe_layer: bool, tp: int = 1) -> int:
-    """Parameters of a layer on one of ``tp`` ranks (all of it at ``tp=1``): every expert."""
-    return sum(weight.stack * shard_params(weight, spec, tp) for weight in layer_weights(spec, moe_layer)) \
-        + norm_params(spec)
+def layer_params(spec: ModelSpec, moe_layer: bool, tp: int = 1, ep: int = 1) -> int:
+    """Parameters of a layer on one of ``tp`` tensor-parallel and ``ep`` expert-parallel
+    ranks (all of it at ``tp = ep = 1``): its share of every expert."""
+    return sum(stack_on_rank(weight, ep) * shard_params(weight, spec, tp)
+               for weight in layer_weights(spec, moe_layer)) + norm_params(spec)
+
+
+@functools.lru_cache(maxsize=1024)
+def routed_params(spec: ModelSpec, tp: int = 1, ep: int = 1) -> int:
+    """Parameters of one mixture-of-experts layer's routed experts on one rank: the part of
+    ``layer_params`` whose gradients are reduced over the expert data-parallel group
+    rather than over every replica (``pipesim.cluster.mapping``)."""
+    if spec.moe is None:
+        return 0
+    return sum(stack_on_rank(weight, ep) * shard_params(weight, spec, tp)
+               for weight in layer_weights(spec, True) if weight.routed)
 
 
 @functools.lru_cache(maxsize=1024)

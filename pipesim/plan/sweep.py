@@ -22,6 +22,7 @@ from schedules.generators import (
     generate,
     require_within_limit,
 )
+from schedules.generators.adaptive import ADAPTABLE
 from schedules.schedule import Schedule
 
 ROW_FIELDS = (
@@ -116,14 +117,20 @@ def _capacity(result) -> float | None:
 def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: Topology,
            parallel: ParallelConfig | None, memory_limit: int | None,
            max_actions: int | None = DEFAULT_MAX_ACTIONS) -> Schedule:
-    if point.schedule not in COST_AWARE:
+    """The point's schedule as ``pipesim simulate`` builds it: zb-auto from the costs,
+    zb-h1 and zb-h2 in the order fastest on them, the others as generated."""
+    if point.schedule not in COST_AWARE and point.schedule not in ADAPTABLE:
         return generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
     from pipesim.cluster.mapping import map_ranks
-    from pipesim.sim.cost_aware import build_cost_aware
+    from pipesim.sim.cost_aware import adapt_to_costs, build_cost_aware
 
-    template = generate("1f1b", point.pp, point.microbatches)  # same stages and placement
     parallel = parallel or ParallelConfig()
-    devices = map_ranks(topology, parallel.dp, point.pp, parallel.tp, parallel.rank_order).pipeline()
+    devices = map_ranks(topology, parallel.dp, point.pp, parallel.tp, parallel.rank_order, parallel.cp,
+                        parallel.ep).pipeline()
+    if point.schedule in ADAPTABLE:
+        schedule = generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
+        return adapt_to_costs(schedule, costs_for(schedule), topology, devices)
+    template = generate("1f1b", point.pp, point.microbatches)  # same stages and placement
     return build_cost_aware(point.schedule, point.pp, point.microbatches, costs_for(template), topology,
                             memory_limit, devices)
 

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from pipesim.cluster.mapping import map_ranks
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
+from pipesim.sim.engine import step_timing
 from schedules.generators import COST_AWARE, UnknownScheduleError, zb_auto
+from schedules.generators.adaptive import adapt
 from schedules.schedule import Schedule
 
 
@@ -54,3 +56,13 @@ def build_cost_aware(
         comm=hop_seconds(costs, topology, devices) + 2 * costs.comm_overhead,
         memory_limit=memory_limit,
     )
+
+
+def adapt_to_costs(schedule: Schedule, costs: Costs, topology: Topology,
+                   devices: Sequence[str] | None = None) -> Schedule:
+    """zb-h1 and zb-h2 with the order that runs fastest on these costs and links
+    (``schedules.generators.adaptive``: the textbook order, ``W`` placed for the costs,
+    or 1F1B's), named in ``meta["order"]``; any other schedule as it is."""
+    if devices is None:
+        devices = map_ranks(topology, 1, schedule.pp, 1).pipeline()
+    return adapt(schedule, step_timing(schedule, costs, topology, devices))

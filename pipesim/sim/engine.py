@@ -27,6 +27,9 @@ import numpy as np
 
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
+from pipesim.sim.context_parallel import CP_KIND
+from pipesim.sim.expert_parallel import EP_KIND
+from pipesim.sim.overlap import HOLD_PARTS, overlapped_pairs
 from pipesim.sim.parallel import PARAM_GATHER_KIND, TP_KIND, CommPlan, step_tail_columns
 from schedules import engine
 from schedules.action import KINDS, ActionKind, format_group
@@ -36,9 +39,11 @@ from schedules.program_arrays import F_CODE
 from schedules.schedule import Schedule
 from schedules.trace import Trace, TraceColumns
 
-COMPUTE, SEND, RECV, WAIT, TP, DP = "compute", "send", "recv", "wait", "tp", "dp"
-_STREAMS = (COMPUTE, SEND, RECV, WAIT, TP, DP)
-_KINDS = (*KINDS, TP_KIND, PARAM_GATHER_KIND)
+COMPUTE, SEND, RECV, WAIT, TP, EP, CP, DP = "compute", "send", "recv", "wait", "tp", "ep", "cp", "dp"
+_STREAMS = (COMPUTE, SEND, RECV, WAIT, TP, EP, CP, DP)
+_KINDS = (*KINDS, TP_KIND, EP_KIND, CP_KIND, PARAM_GATHER_KIND)
+# part (= its stream) -> event kind; dp: ZeRO-3's parameter gathers that compute did not hide
+_HOLD_KINDS = dict(zip(HOLD_PARTS, (TP_KIND, EP_KIND, CP_KIND, PARAM_GATHER_KIND), strict=True))
 
 
 class SimulationError(RuntimeError):
@@ -71,11 +76,24 @@ def run_step(schedule: Schedule, costs: Costs, topology: Topology, rank_devices:
              plan: CommPlan | None = None, p2p: str = RENDEZVOUS) -> engine.StepRun:
     """The engine's moments of one step (``simulate`` without the Trace)."""
     require_semantics(p2p)
-    lowered = lower(schedule)
-    if costs.num_stages != lowered.num_stages:
-        raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {lowered.num_stages}")
+    if costs.num_stages != schedule.num_stages:
+        raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {schedule.num_stages}")
+    lowered = lower_for(schedule, costs, topology, rank_devices)
     devices = rank_devices_of(lowered, topology, rank_devices)
     return engine.run(lowered, step_timing(lowered, costs, topology, devices, plan), p2p)
+
+
+def lower_for(schedule: Schedule, costs: Costs, topology: Topology,
+              rank_devices: Sequence[str] | None = None) -> Schedule:
+    """``schedule`` lowered for the step it will be simulated as: its transfers placed
+    and grouped with these stage costs and these links (``schedules.lowering.lower``
+    with the step's timing). Lowering depends on nothing else, so the executor gets the
+    same programs by lowering with the same ``StepTiming``. Already-lowered schedules
+    come back as they are."""
+    if schedule.is_lowered:
+        return schedule
+    devices = rank_devices_of(schedule, topology, rank_devices)
+    return lower(schedule, step_timing(schedule, costs, topology, devices))
 
 
 def step_timing(schedule: Schedule, costs: Costs, topology: Topology, devices: Sequence[str],
@@ -84,13 +102,29 @@ def step_timing(schedule: Schedule, costs: Costs, topology: Topology, devices: S
     durations = costs.durations()
     kinds = engine.COMPUTE_KINDS
     seconds = np.array([[durations[stage, kind] for kind in kinds] for stage in range(schedule.num_stages)])
-    hold = None
-    holds = plan.holds() if plan is not None else {}
-    if holds:
-        hold = np.array([[holds.get((stage, kind), 0.0) for kind in kinds] for stage in range(schedule.num_stages)])
+    parts = hold_tables(schedule, plan)
+    hold = parts.sum(axis=0) if parts is not None else None
+    pair_seconds, pair_parts = overlapped_pairs(schedule, costs, durations, holds_of(plan))
     twins = plan.twin_transfers if plan is not None else {}
-    return engine.StepTiming(seconds, hold, overlapped_pair_seconds(schedule, costs, durations),
+    return engine.StepTiming(seconds, hold, pair_seconds, {action: sum(held) for action, held in pair_parts.items()},
                              transfer_wires(schedule, costs, topology, devices, twins), costs.comm_overhead)
+
+
+def holds_of(plan: CommPlan | None) -> dict[str, dict[tuple[int, str], float]]:
+    """Per part of ``HOLD_PARTS``, the seconds that hold a rank after each (stage, kind)."""
+    if plan is None:
+        return {}
+    return {"tp": plan.tp_seconds, "ep": plan.ep_seconds, "cp": plan.cp_seconds, "dp": plan.gather_hold}
+
+
+def hold_tables(schedule: Schedule, plan: CommPlan | None) -> np.ndarray | None:
+    """``[part, stage, kind]``: what holds a rank after each compute action, by part
+    (tp collectives, ep all-to-alls, cp K/V exchanges); None when nothing does."""
+    holds = holds_of(plan)
+    if not any(holds.values()):
+        return None
+    return np.array([[[holds[part].get((stage, kind), 0.0) for kind in engine.COMPUTE_KINDS]
+                      for stage in range(schedule.num_stages)] for part in HOLD_PARTS])
 
 
 def transfer_wires(schedule: Schedule, costs: Costs, topology: Topology, devices: Sequence[str],
@@ -123,20 +157,6 @@ def transfer_bytes(costs: Costs, stage: int, target: int) -> float:
     return costs.stages[min(stage, target)].act_bytes
 
 
-def overlapped_pair_seconds(schedule: Schedule, costs: Costs, durations: dict) -> dict[tuple, float]:
-    """Seconds of each action of an overlapped pair (``Schedule.fused``): the pair costs
-    ``costs.overlap_seconds``, shared between its forward and backward in proportion to
-    their own durations, so the Trace keeps both actions and their sum is the pair's."""
-    shares: dict[tuple, float] = {}
-    for rank in range(schedule.pp):
-        for forward, backward in schedule.fused_pairs(rank):
-            alone_f, alone_b = durations[forward[0], forward[1]], durations[backward[0], backward[1]]
-            pair = costs.overlap_seconds(forward.stage, backward.stage, backward.kind)
-            share = alone_f / (alone_f + alone_b) if alone_f + alone_b > 0 else 0.5
-            shares[tuple(forward)], shares[tuple(backward)] = pair * share, pair * (1 - share)
-    return shares
-
-
 def stuck_places(step: engine.StepRun) -> str:
     """Where each stuck rank stands, for a one-line message."""
     schedule = step.program.arrays.schedule
@@ -154,8 +174,7 @@ def step_trace(step: engine.StepRun, costs: Costs, topology: Topology, devices: 
     """The Trace of a step the engine ran to its end: pipeline events, then each rank's
     step-level tail (gradient reduction, optimizer)."""
     schedule = step.program.arrays.schedule
-    pipeline = pipeline_columns(step, plan.gather_hold if plan is not None else None,
-                                plan.gather_seconds if plan is not None else None)
+    pipeline = pipeline_columns(step, held_parts(step, costs, plan), gather_spans(step, plan))
     tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead)
     wire, sent_bytes = p2p_wire_and_bytes(step, costs)
     meta = {
@@ -190,14 +209,44 @@ def p2p_wire_and_bytes(step: engine.StepRun, costs: Costs) -> tuple[list[float],
     return wire.tolist(), np.bincount(sender, weights=carried, minlength=ranks).tolist()
 
 
-def pipeline_columns(step: engine.StepRun, gather_hold: dict | None = None,
-                     gather_seconds: dict | None = None) -> TraceColumns:
-    """The pipeline's events as Trace columns: compute actions, the tp collectives that
-    follow them, receives waited for, sends from posting to arrival, and end-of-step
-    waits. Under ZeRO-3 a compute action's hold ends with the parameter gathers its
-    compute did not hide (``gather_hold[stage, kind]``): its gathers
-    (``gather_seconds[stage, kind]`` in all) are one ``dp`` event ending with the hold,
-    so the part under the compute is hidden and the rest exposed."""
+def held_parts(step: engine.StepRun, costs: Costs, plan: CommPlan | None) -> np.ndarray | None:
+    """``[row, part]``: the seconds of each part of ``HOLD_PARTS`` that held the rank after
+    each compute row (they add up to the engine's hold); None when nothing held any."""
+    program = step.program
+    schedule = program.arrays.schedule
+    tables = hold_tables(schedule, plan)
+    if tables is None:
+        return None
+    # compute kinds' codes are the columns of the tables (F, B, I, W first in KINDS, as the engine reads them)
+    parts = tables[:, program.compute_stage, program.compute_kind].T.copy()
+    _, pair_parts = overlapped_pairs(schedule, costs, costs.durations(), holds_of(plan))
+    if pair_parts:
+        rows = engine.action_rows(program, list(pair_parts))
+        for row, held in zip(rows.tolist(), pair_parts.values(), strict=True):
+            if row >= 0:
+                parts[row] = held
+    return parts
+
+
+def gather_spans(step: engine.StepRun, plan: CommPlan | None) -> np.ndarray | None:
+    """Per compute row, the whole time of ZeRO-3's parameter gathers for it
+    (``CommPlan.gather_seconds``); None without ZeRO-3."""
+    if plan is None or not plan.gather_seconds:
+        return None
+    program = step.program
+    table = np.array([[plan.gather_seconds.get((stage, kind), 0.0) for kind in engine.COMPUTE_KINDS]
+                      for stage in range(program.arrays.schedule.num_stages)])
+    return table[program.compute_stage, program.compute_kind]
+
+
+def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
+                     gathers: np.ndarray | None = None) -> TraceColumns:
+    """The pipeline's events as Trace columns: compute actions, what holds the rank after
+    them (``held[row, part]``: tp collectives, ep all-to-alls, cp K/V exchanges, ZeRO-3's
+    unhidden parameter gathers, one event each, one after the other; without it the whole
+    hold as tp), receives waited for, sends from posting to arrival, and end-of-step
+    waits. A ZeRO-3 action's gathers (``gathers[row]`` in all) are one ``dp`` event ending
+    with its hold, so the part under the compute is hidden and the rest exposed."""
     program = step.program
     arrays = program.arrays
     parts: list[tuple] = []  # (rank, kind, stage, microbatch, start, end, stream)
@@ -205,23 +254,23 @@ def pipeline_columns(step: engine.StepRun, gather_hold: dict | None = None,
                                      program.compute_microbatch)
     parts.append((rank, kind, stage, microbatch, step.start, step.end, _STREAMS.index(COMPUTE)))
     names: list[str | None] = [None] * len(rank)
-    hold_end = step.end + step.hold
-    tp_hold = step.hold
-    if gather_hold:
-        exposed, gathers = _per_action(gather_hold, stage, kind), _per_action(gather_seconds or {}, stage, kind)
-        tp_hold = step.hold - exposed
-        gathered = np.flatnonzero(gathers > 0)
-        parts.append((rank[gathered], np.full(len(gathered), _KINDS.index(PARAM_GATHER_KIND)), stage[gathered],
-                      microbatch[gathered], hold_end[gathered] - gathers[gathered], hold_end[gathered],
-                      _STREAMS.index(DP)))
-        names += [f"{PARAM_GATHER_KIND}({s}{KINDS[k]}{m})" for s, k, m in zip(
-            stage[gathered].tolist(), kind[gathered].tolist(), microbatch[gathered].tolist(), strict=True)]
-    held = np.flatnonzero(tp_hold > (1e-12 * hold_end if gather_hold else 0.0))  # not float dust of the subtraction
-    if len(held):
-        parts.append((rank[held], np.full(len(held), _KINDS.index(TP_KIND)), stage[held], microbatch[held],
-                      step.end[held], step.end[held] + tp_hold[held], _STREAMS.index(TP)))
-        names += [f"{TP_KIND}({s}{KINDS[k]}{m})" for s, k, m in zip(stage[held].tolist(), kind[held].tolist(),
-                                                                     microbatch[held].tolist(), strict=True)]
+    if held is None:
+        held = np.zeros((len(rank), len(HOLD_PARTS)))
+        held[:, 0] = step.hold if step.hold is not None else 0.0
+    # each part ends at the compute's end plus the parts so far, added as the engine adds the
+    # hold: the last one ends exactly where the engine lets the rank go on
+    ends = step.end[:, None] + np.cumsum(held, axis=1)
+    for index, part in enumerate(HOLD_PARTS):
+        start, end = (step.end if index == 0 else ends[:, index - 1]), ends[:, index]
+        if part == DP and gathers is not None:  # the whole gathers, ending where the unhidden part ends
+            start = end - np.maximum(gathers, held[:, index])
+        rows = np.flatnonzero(held[:, index] > 0)
+        if len(rows):
+            hold_kind = _HOLD_KINDS[part]
+            parts.append((rank[rows], np.full(len(rows), _KINDS.index(hold_kind)), stage[rows], microbatch[rows],
+                          start[rows], end[rows], _STREAMS.index(part)))
+            names += [f"{hold_kind}({s}{KINDS[k]}{m})" for s, k, m in zip(stage[rows].tolist(), kind[rows].tolist(),
+                                                                          microbatch[rows].tolist(), strict=True)]
     if program.semantics != engine.FREE:
         waited = np.flatnonzero(program.compute_need >= 0)
         receive = np.where(kind[waited] == F_CODE, KINDS.index(ActionKind.RECV_F), KINDS.index(ActionKind.RECV_B))
@@ -249,17 +298,6 @@ def pipeline_columns(step: engine.StepRun, gather_hold: dict | None = None,
                         columns[3].astype(np.int64), columns[4].astype(float), columns[5].astype(float),
                         columns[6].astype(np.int64), _KINDS, _STREAMS,
                         names if any(name is not None for name in names) else None)
-
-
-def _per_action(table: dict[tuple[int, str], float], stage: np.ndarray, kind: np.ndarray) -> np.ndarray:
-    """``table[stage, kind]`` of every compute action (0 where absent)."""
-    if not len(stage):
-        return np.zeros(0)
-    grid = np.zeros((int(stage.max()) + 1, len(KINDS)))
-    for (row, name), value in table.items():
-        if row < len(grid):
-            grid[row, KINDS.index(name)] = value
-    return grid[stage, kind]
 
 
 def rank_devices_of(schedule: Schedule, topology: Topology, rank_devices: Sequence[str] | None) -> list[str]:

@@ -3,9 +3,11 @@
     static   parameters + gradients + optimizer state, by bytes per parameter
              (default mixed-precision Adam: 2 bf16 weights + 2 bf16 gradients +
              12 fp32 optimizer: master weights, momentum and variance = 16 bytes),
-             sharded over the dp replicas as the ZeRO stage says (``pipesim.sim.zero``:
-             stage 1 the optimizer bytes, fp32 master weights included; stage 2 the
-             gradients too; stage 3 the weights too)
+             sharded over the ranks that hold each parameter as the ZeRO stage says
+             (``pipesim.sim.zero``: stage 1 the optimizer bytes, fp32 master weights
+             included; stage 2 the gradients too; stage 3 the weights too): the dp
+             replicas (dp x cp with context parallelism), and a stage's routed experts
+             over their expert data-parallel group, dp x cp / ep, with expert parallelism
     buffers  2 x the boundary activation per P2P peer (one for the activation, one for
              its gradient) and, when data parallel, one gradient bucket (stages 0-2) or
              ZeRO-3's gathered working set: two layers' parameters (the one computing
@@ -158,11 +160,13 @@ def memory_report(
     dp: int = 1,
     bucket_bytes: float = 0.0,
     zero: int = 0,
+    expert_dp: int | None = None,
     headroom: Headroom = Headroom(),
     timelines: bool = True,
 ) -> list[RankMemory]:
-    """Memory of every rank of the simulated pipeline, from its Trace, sharded over the
-    ``dp`` replicas as ZeRO stage ``zero`` says, against each device's capacity less
+    """Memory of every rank of the simulated pipeline, from its Trace, sharded as ZeRO
+    stage ``zero`` says over the ``dp`` ranks that hold each parameter (the routed
+    experts' over ``expert_dp``, default ``dp``), against each device's capacity less
     ``headroom``; without ``timelines`` only the peaks (a planner's verdict). Empty when
     the costs say nothing about memory."""
     if not costs.memory_known:
@@ -174,7 +178,7 @@ def memory_report(
     buffers = [0.0] * num_ranks
     for stage, cost in enumerate(costs.stages):
         rank = placement[stage]
-        static[rank] += static_bytes(cost, bytes_per_param, dp, zero)
+        static[rank] += static_bytes(cost, bytes_per_param, dp, zero, expert_dp)
         if stage > 0 and placement[stage - 1] != rank:
             buffers[rank] += 2 * costs.stages[stage - 1].act_bytes
         if stage < last_stage and placement[stage + 1] != rank:
@@ -196,10 +200,13 @@ def memory_report(
     ]
 
 
-def static_bytes(cost, bytes_per_param: BytesPerParam, dp: int, zero: int) -> float:
-    """A stage's parameters, gradients and optimizer state on one device."""
-    return stage_params(cost.params, cost.param_bytes, bytes_per_param) * static_bytes_per_param(
-        bytes_per_param, dp, zero)
+def static_bytes(cost, bytes_per_param: BytesPerParam, dp: int, zero: int, expert_dp: int | None = None) -> float:
+    """A stage's parameters, gradients and optimizer state on one device: its dense ones
+    sharded over ``dp``, its routed experts' over ``expert_dp`` (default ``dp``)."""
+    params = stage_params(cost.params, cost.param_bytes, bytes_per_param)
+    experts = cost.expert_params
+    return ((params - experts) * static_bytes_per_param(bytes_per_param, dp, zero)
+            + experts * static_bytes_per_param(bytes_per_param, dp if expert_dp is None else expert_dp, zero))
 
 
 def reduction_buffer_bytes(costs: Costs, placement: Sequence[int], rank: int, bytes_per_param: BytesPerParam,

@@ -41,6 +41,12 @@ pays their collectives:
 - the other replicas' and shards' P2P transfers (``pipesim.cluster.twins``): each simulated
   send also reserves the links of its twins where their routes meet another
   pipeline's.
+- ep and cp: expert parallelism's all-to-alls (``pipesim.sim.expert_parallel``) and
+  context parallelism's K/V exchanges (``pipesim.sim.context_parallel``) hold the rank
+  after its compute actions, beside the tp collectives. With context parallelism the
+  gradients are reduced over dp x cp (every rank holding the same dense shard); with
+  expert parallelism the routed experts' share of them over the expert data-parallel
+  group (``pipesim.cluster.mapping``), each bucket carrying both shares.
 
 Collectives are analytical durations (see ``pipesim.cluster.collectives``): they do not
 reserve links in the engine's link scheduler and so do not contend with P2P traffic.
@@ -60,7 +66,9 @@ from pipesim.cluster.collectives import all_gather, all_reduce, bucket_sizes, re
 from pipesim.cluster.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.cluster.twins import boundary_rank_pairs, twin_transfers
-from pipesim.model.costs import Costs
+from pipesim.model.costs import Costs, StageCost
+from pipesim.sim.context_parallel import check_cp_comm, cp_collective_seconds
+from pipesim.sim.expert_parallel import ep_collective_seconds
 from pipesim.sim.memory import DEFAULT_HEADROOM, BytesPerParam, Headroom, parse_headroom
 from pipesim.sim.zero import (
     check_zero,
@@ -89,7 +97,9 @@ class ParallelConfig:
     DDP bucket size, whether the gradient all-reduce overlaps the last backward, the
     collective algorithm, the bytes each parameter costs in memory, the ZeRO stage
     (``pipesim.sim.zero``: 0 all-reduce, 1 optimizer state sharded over dp, 2 gradients
-    too, 3 parameters too) and the memory each device keeps back (``memory_headroom``)."""
+    too, 3 parameters too), the memory each device keeps back (``memory_headroom``);
+    ``cp`` context-parallel ranks per replica and how they exchange keys and values
+    (``cp_comm``), ``ep`` expert-parallel ranks cut from the dp x cp ranks."""
 
     dp: int = 1
     tp: int = 1
@@ -100,9 +110,18 @@ class ParallelConfig:
     bytes_per_param: BytesPerParam = BytesPerParam()
     zero: int = 0
     memory_headroom: Headroom = parse_headroom(DEFAULT_HEADROOM)
+    cp: int = 1
+    ep: int = 1
+    cp_comm: str = "p2p"
 
     def __post_init__(self) -> None:
         check_zero(self.zero)
+        check_cp_comm(self.cp_comm)
+
+    @property
+    def gpus(self) -> int:
+        """Devices per pipeline rank: every replica's tp shards and cp ranks (ep adds none)."""
+        return self.dp * self.cp * self.tp
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,8 @@ class CommPlan:
     zero: int = 0
     stage_layers: dict[int, int] = field(default_factory=dict)
     twin_transfers: dict[tuple[str, str], list[tuple[str, str]]] = field(default_factory=dict)
+    ep_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
+    cp_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
     gather_hold: dict[tuple[int, str], float] = field(default_factory=dict)
     gather_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
 
@@ -131,19 +152,11 @@ class CommPlan:
         """Each stage's whole gradient reduction (of one backward under ZeRO-2 and 3), seconds."""
         return {stage: sum(seconds) for stage, seconds in self.dp_bucket_seconds.items()}
 
-    def holds(self) -> dict[tuple[int, str], float]:
-        """What holds a rank after each (stage, compute kind): its tp collectives and,
-        under ZeRO-3, the parameter gathers its compute did not hide."""
-        if not self.gather_hold:
-            return self.tp_seconds
-        return {key: self.tp_seconds.get(key, 0.0) + self.gather_hold.get(key, 0.0)
-                for key in self.tp_seconds.keys() | self.gather_hold.keys()}
-
 
 def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
               bucket_bytes: float = DDP_BUCKET_BYTES, overlap_dp: bool = True, algorithm: str = "ring",
-              zero: int = 0) -> CommPlan:
-    """The tp and dp collective costs of every stage on its rank's groups."""
+              zero: int = 0, cp_comm: str = "p2p") -> CommPlan:
+    """The tp, ep, cp and dp collective costs of every stage on its rank's groups."""
     check_zero(zero)
     bucket_bytes_of: dict[int, tuple[float, ...]] = {}
     reduce_seconds: dict[int, tuple[float, ...]] = {}
@@ -154,6 +167,7 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
         group = _dp_group(schedule, stage, mapping)
         if group is None or cost.param_bytes <= 0:
             continue
+        experts = _expert_gradients(schedule, stage, cost, mapping)
         if gathers_per_layer(zero):  # one reduce-scatter per layer
             units = gather_units(cost.layers)
             sizes = (cost.param_bytes / units,) * units
@@ -161,37 +175,60 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
             sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
         # a stage has thousands of buckets but at most two sizes (full, and the rest): price each size once
         if zero:
-            reduce = _per_bucket(sizes, partial(reduce_scatter, topology, group))
+            reduce = _per_bucket(sizes, _split_over(experts, partial(reduce_scatter, topology), group))
             if gathers_after_optimizer(zero):
-                gather_seconds[stage] = _per_bucket(sizes, partial(all_gather, topology, group))
+                gather_seconds[stage] = _per_bucket(sizes, _split_over(experts, partial(all_gather, topology), group))
         else:
-            reduce = _per_bucket(sizes, partial(all_reduce, topology, group, algorithm=algorithm))
+            reduce = _per_bucket(sizes, _split_over(experts, partial(all_reduce, topology, algorithm=algorithm),
+                                                    group))
         if sum(reduce) > 0:
             bucket_bytes_of[stage] = sizes
             reduce_seconds[stage] = reduce
     layers = {stage: cost.layers for stage, cost in enumerate(costs.stages)}
     return CommPlan(tp_collective_seconds(schedule, costs, topology, mapping, algorithm), bucket_bytes_of,
                     reduce_seconds, gather_seconds, overlap_dp, zero, layers, _twins(schedule, topology, mapping),
-                    gather_hold, action_gathers)
+                    ep_collective_seconds(schedule, costs, topology, mapping),
+                    cp_collective_seconds(schedule, costs, topology, mapping, cp_comm), gather_hold=gather_hold,
+                    gather_seconds=action_gathers)
 
 
 def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping
                   ) -> tuple[dict[tuple[int, str], float], dict[tuple[int, str], float]]:
     """ZeRO-3: per (stage, compute kind), the seconds its layers' parameter gathers hold
     the rank after it (``pipesim.sim.zero.exposed_gather_seconds``) and the gathers' whole
-    time. A forward gathers every layer, a backward (B, or I when split) again; W none."""
+    time. A forward gathers every layer, a backward (B, or I when split) again; W none.
+    A layer's routed experts are gathered over their own group under expert parallelism."""
     exposed: dict[tuple[int, str], float] = {}
     whole: dict[tuple[int, str], float] = {}
     for stage, cost in enumerate(costs.stages):
-        if mapping.dp == 1 or cost.param_bytes <= 0:
+        if _dp_group(schedule, stage, mapping) is None or cost.param_bytes <= 0:
             continue
         units = gather_units(cost.layers)
-        gather = _dp_collective(all_gather, topology, mapping, schedule.placement[stage], cost.param_bytes / units)
+        gather = _dp_collective(all_gather, topology, mapping, schedule, stage, cost, cost.param_bytes / units)
         for kind, compute in ((ActionKind.F, cost.fwd), (ActionKind.B, cost.bwd),
                               (ActionKind.I, cost.bwd - cost.wgrad)):
             exposed[stage, kind] = exposed_gather_seconds(units, gather, compute / units)
             whole[stage, kind] = units * gather
     return exposed, whole
+
+
+def _expert_gradients(schedule: Schedule, stage: int, cost: StageCost,
+                      mapping: RankMapping) -> tuple[float, list[str]] | None:
+    """(share of the stage's gradient bytes, devices) of its routed experts' gradients
+    when expert parallelism reduces them over a group of their own; None otherwise."""
+    if mapping.ep == 1 or not cost.expert_params or not cost.params:
+        return None
+    return cost.expert_params / cost.params, mapping.expert_dp_group(schedule.placement[stage], 0)
+
+
+def _split_over(experts: tuple[float, list[str]] | None, collective, group: list[str]):
+    """``size -> seconds`` of a bucket's collective: over ``group``, or with expert
+    parallelism the dense share over ``group`` and the experts' share over theirs (a
+    bucket holds both, as the layers' gradients come out mixed)."""
+    if experts is None:
+        return partial(collective, group)
+    share, expert_group = experts
+    return lambda size: collective(group, size * (1 - share)) + collective(expert_group, size * share)
 
 
 def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
@@ -204,38 +241,52 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         if not (cost.layers and cost.tp_message_bytes):
             continue
         rank = schedule.placement[stage]
-        # kept per mapping, rank and message: a rank's stages share its group, and so do many layouts
-        key = ("tp-collective", mapping.dp, mapping.pp, mapping.tp, mapping.order, rank, cost.tp_message_bytes,
-               costs.sequence_parallel, algorithm)
-        one = topology.pace_cache.get(key)
-        if one is None:
-            one = topology.pace_cache[key] = tp_collective(topology, mapping.tp_group(0, rank), cost.tp_message_bytes,
-                                                           costs.sequence_parallel, algorithm)
-        per_pass = 2 * cost.layers * one
+        one = _tp_collective(topology, mapping, rank, costs.sequence_parallel, algorithm, cost.tp_message_bytes)
+        experts = 0.0
+        if mapping.ep > 1 and cost.moe_layers and cost.dispatch_bytes:
+            # Megatron-Core's all-to-all dispatcher: around the experts the tp group gathers and
+            # scatters the routed copies its ranks received (tp x one rank's dispatch) instead
+            # of the dense MLP's activation
+            experts = cost.moe_layers * (_tp_collective(topology, mapping, rank, costs.sequence_parallel, algorithm,
+                                                        mapping.tp * cost.dispatch_bytes) - one)
+        per_pass = 2 * cost.layers * one + experts
         if per_pass > 0:
             for kind in (ActionKind.F, ActionKind.B, ActionKind.I):
                 seconds[stage, kind] = per_pass
             # full recompute re-runs the forward, and its collectives, inside the backward
             for kind in (ActionKind.B, ActionKind.I):
-                seconds[stage, kind] += 2 * cost.recompute_layers * one
+                seconds[stage, kind] += 2 * cost.recompute_layers * one + experts * cost.recompute_layers / cost.layers
     return seconds
 
 
-def tp_collective(topology: Topology, group: Sequence[str], message_bytes: float, sequence_parallel: bool,
-                  algorithm: str = "ring") -> float:
-    """Seconds of one of a layer's tensor-parallel collectives: an all-reduce of the
-    activation, or with sequence parallelism an all-gather plus a reduce-scatter."""
+def _tp_collective(topology: Topology, mapping: RankMapping, rank: int, sequence_parallel: bool, algorithm: str,
+                   message: float) -> float:
+    """``_tp_pair`` on pipeline rank ``rank``'s tp group, kept on the topology per mapping,
+    rank and message: a rank's stages share its group, and many layouts of a plan a
+    mapping."""
+    key = ("tp-collective", mapping.dp, mapping.pp, mapping.tp, mapping.cp, mapping.ep, mapping.order, rank, message,
+           sequence_parallel, algorithm)
+    seconds = topology.pace_cache.get(key)
+    if seconds is None:
+        seconds = topology.pace_cache[key] = _tp_pair(topology, mapping.tp_group(0, rank), sequence_parallel,
+                                                      algorithm, message)
+    return seconds
+
+
+def _tp_pair(topology: Topology, group: list[str], sequence_parallel: bool, algorithm: str, message: float) -> float:
+    """One of a layer's tp collectives of ``message`` bytes: an all-reduce, or with sequence
+    parallelism an all-gather and a reduce-scatter (the same ring cost)."""
     if sequence_parallel:
-        return all_gather(topology, group, message_bytes) + reduce_scatter(topology, group, message_bytes)
-    return all_reduce(topology, group, message_bytes, algorithm)
+        return all_gather(topology, group, message) + reduce_scatter(topology, group, message)
+    return all_reduce(topology, group, message, algorithm)
 
 
-def layer_tp_seconds(topology: Topology, group: Sequence[str], message_bytes: float, sequence_parallel: bool,
+def layer_tp_seconds(topology: Topology, group: list[str], message_bytes: float, sequence_parallel: bool,
                      full_recompute: bool, algorithm: str = "ring") -> float:
     """Seconds of tensor-parallel collectives one layer's forward and backward hold a rank
     for (two in each, two more when full recompute re-runs the forward): what the
     balanced stage split adds to a layer's compute."""
-    return (6 if full_recompute else 4) * tp_collective(topology, group, message_bytes, sequence_parallel, algorithm)
+    return (6 if full_recompute else 4) * _tp_pair(topology, group, sequence_parallel, algorithm, message_bytes)
 
 
 def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
@@ -244,35 +295,41 @@ def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topolog
     step (``comm_plan``'s per bucket, summed)."""
     totals: dict[int, float] = {}
     for stage, cost in enumerate(costs.stages):
-        if mapping.dp > 1 and cost.param_bytes > 0:
+        if _dp_group(schedule, stage, mapping) is not None and cost.param_bytes > 0:
             if not bucket_bytes > 0:
                 raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
-            rank = schedule.placement[stage]
             full, rest = divmod(cost.param_bytes, bucket_bytes)  # bucket_sizes' buckets, without listing them
-            totals[stage] = _dp_collective(all_gather, topology, mapping, rank, bucket_bytes) * int(full) \
-                if full else 0.0
+            totals[stage] = _dp_collective(all_gather, topology, mapping, schedule, stage, cost,
+                                           bucket_bytes) * int(full) if full else 0.0
             if rest > 0:
-                totals[stage] += _dp_collective(all_gather, topology, mapping, rank, rest)
+                totals[stage] += _dp_collective(all_gather, topology, mapping, schedule, stage, cost, rest)
     return totals
 
 
-def _dp_collective(collective, topology: Topology, mapping: RankMapping, rank: int, num_bytes: float) -> float:
-    """``collective(topology, group, num_bytes)`` over pipeline rank ``rank``'s dp group,
-    kept on the topology per mapping, rank and size: a rank's stages share its group,
-    many layouts of a plan share a mapping and sizes, and a group of thousands of
-    replicas is long to list and to look up."""
-    key = ("dp-collective", collective.__name__, mapping.dp, mapping.pp, mapping.tp, mapping.order, rank, num_bytes)
+def _dp_collective(collective, topology: Topology, mapping: RankMapping, schedule: Schedule, stage: int,
+                   cost: StageCost, num_bytes: float) -> float:
+    """``collective`` of ``num_bytes`` of ``stage``'s parameters over the ranks that hold
+    them (``_dp_group``, its routed experts' share over their own group: ``_split_over``),
+    kept on the topology per mapping, rank, expert share and size: a rank's stages share
+    its groups, many layouts of a plan share a mapping and sizes, and a group of
+    thousands of replicas is long to list and to look up."""
+    rank = schedule.placement[stage]
+    experts = cost.expert_params / cost.params if mapping.ep > 1 and cost.expert_params and cost.params else 0.0
+    key = ("dp-collective", collective.__name__, mapping.dp, mapping.pp, mapping.tp, mapping.cp, mapping.ep,
+           mapping.order, rank, experts, num_bytes)
     seconds = topology.pace_cache.get(key)
     if seconds is None:
-        seconds = topology.pace_cache[key] = collective(topology, mapping.dp_group(rank, 0), num_bytes)
+        share = _split_over(_expert_gradients(schedule, stage, cost, mapping), partial(collective, topology),
+                            _dp_group(schedule, stage, mapping))
+        seconds = topology.pace_cache[key] = share(num_bytes)
     return seconds
 
 
 def _dp_group(schedule: Schedule, stage: int, mapping: RankMapping) -> list[str] | None:
     """The devices that reduce ``stage``'s gradients, None when there is nothing to reduce."""
-    if mapping.dp == 1 or schedule.num_stages <= stage:
+    if mapping.dp * mapping.cp == 1 or schedule.num_stages <= stage:
         return None
-    return mapping.dp_group(schedule.placement[stage], 0)
+    return mapping.dp_cp_group(schedule.placement[stage], 0)
 
 
 def _per_bucket(sizes: tuple[float, ...], seconds_of) -> tuple[float, ...]:
@@ -306,12 +363,11 @@ def _twins(schedule: Schedule, topology: Topology, mapping: RankMapping) -> dict
     """``twin_transfers`` of every (replica, shard) pipeline, kept on the topology per
     mapping and set of rank pairs: it routes every pipeline's transfers, the same work
     for every schedule with the same stage boundaries (a plan simulates thousands)."""
-    key = ("twins", mapping.dp, mapping.pp, mapping.tp, mapping.order, mapping.devices,
+    key = ("twins", mapping.dp, mapping.cp, mapping.pp, mapping.tp, mapping.order, mapping.devices,
            tuple(sorted(boundary_rank_pairs(schedule))))
     cached = topology.pace_cache.get(key)
     if cached is None:
-        pipelines = [mapping.pipeline(replica, shard) for replica in range(mapping.dp) for shard in range(mapping.tp)]
-        cached = topology.pace_cache[key] = twin_transfers(schedule, topology, pipelines)
+        cached = topology.pace_cache[key] = twin_transfers(schedule, topology, mapping.pipelines())
     return cached
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import simpy
 from simpy.core import NORMAL
 
-from schedules.action import KINDS, SEND_KINDS, Action
+from schedules.action import SEND_KINDS, Action
 from schedules.engine import BUFFERED, FREE, RENDEZVOUS, EngineProgram, StepRun, WireArrays, empty_run
 from schedules.p2p import TORCH_RUNTIME
 
@@ -93,6 +93,10 @@ class SimpyStep:
         self.group_done: dict[tuple[int, int], simpy.Event] = {}  # (rank, group number) -> completion
         self.offers: dict[int, tuple[int, simpy.Event]] = {}  # rendezvous: transfer key -> (rank, paired event)
         self.streams: dict[int, simpy.Store] = {}
+        flat = [action for rank_program in self.schedule.programs for action in rank_program]
+        self.transfer_of = {flat[row]: key for row, key in zip(program.endpoint_row.tolist(),
+                                                                program.endpoint_transfer.tolist(), strict=True)}
+        self.first_group = np.searchsorted(program.group_rank, np.arange(self.schedule.pp)).tolist()
 
     # -- the rules ----------------------------------------------------------------------
 
@@ -131,18 +135,26 @@ class SimpyStep:
                 result.ready[index] = env.now
                 if self.program.compute_blocked[index]:
                     yield env.event()  # its same-rank input comes later: it never runs
-                needed = int(self.program.compute_need[index])
-                if needed >= 0:
-                    waited = (self.group_done[rank, needed] if semantics in (RENDEZVOUS, TORCH_RUNTIME)
-                              else self.arrived_event(needed))
-                    yield self.until((yield waited))
+                partner = int(self.program.compute_pair[index])
+                # an overlapped pair's forward waits for both halves' inputs
+                for waiter in (index, partner) if partner > index else (index,):
+                    needed = int(self.program.compute_need[waiter])
+                    if needed >= 0:
+                        waited = (self.group_done[rank, needed] if semantics in (RENDEZVOUS, TORCH_RUNTIME)
+                                  else self.arrived_event(needed))
+                        yield self.until((yield waited))
                 result.start[index] = env.now
                 yield env.timeout(self.compute_seconds(rank, item, float(self.seconds[index])))
                 result.end[index] = env.now
-                yield env.timeout(float(self.hold[index]))
-                send = int(self.program.compute_send[index])
-                if send >= 0:
-                    env.process(self.departure(rank, send))
+                if self.hold[index]:  # tensor-parallel collectives hold the rank after it
+                    yield env.timeout(float(self.hold[index]))
+                # a pair's outputs both leave when it ends, its forward's first
+                sends = [int(self.program.compute_send[partner])] if 0 <= partner < index else []
+                if not partner > index:
+                    sends.append(int(self.program.compute_send[index]))
+                for send in sends:
+                    if send >= 0:
+                        env.process(self.departure(rank, send))
                 continue
             group = self.group_number(rank, groups_posted)
             groups_posted += 1
@@ -247,14 +259,13 @@ class SimpyStep:
         return self.arrived[key]
 
     def key_of(self, action: Action) -> int:
-        arrays = self.program.arrays
-        code = np.array([KINDS.index(action.kind)])
-        return int(arrays.transfer_key(np.array([action.stage]), code, np.array([action.microbatch]))[0])
+        """The number of the transfer a P2P action is an end of (both ends name the same:
+        ``ProgramArrays.transfer_key``, looked up by the action)."""
+        return self.transfer_of[action]
 
     def group_number(self, rank: int, ordinal: int) -> int:
         """The global number of ``rank``'s ``ordinal``-th group."""
-        first = int(np.searchsorted(self.program.group_rank, rank))
-        return first + ordinal
+        return self.first_group[rank] + ordinal
 
     def run(self) -> StepRun:
         for rank in range(self.schedule.pp):

@@ -13,11 +13,10 @@ from functools import cached_property
 from pipesim.cluster.mapping import RankMapping, map_ranks
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
-from pipesim.sim.engine import run_step, step_trace
+from pipesim.sim.engine import lower_for, run_step, step_trace
 from pipesim.sim.memory import RankMemory, memory_report
 from pipesim.sim.parallel import ParallelConfig, comm_plan
 from schedules.collector import without_collector
-from schedules.lowering import lower
 from schedules.metrics import StepMetrics, comm_by_kind, step_metrics
 from schedules.p2p import default_semantics
 from schedules.schedule import Schedule
@@ -47,16 +46,18 @@ class SimulationResult:
         if self.costs is None:
             return []
         devices = self.devices or [f"gpu{rank}" for rank in range(self.schedule.pp)]
+        parallel = self.parallel
         return memory_report(
             self.trace, self.costs, self.schedule.placement, devices,
             [self.topology.device_memory(device) for device in devices],
-            self.parallel.bytes_per_param, self.parallel.dp, self.parallel.bucket_bytes, self.parallel.zero,
-            self.parallel.memory_headroom,
+            parallel.bytes_per_param, parallel.dp * parallel.cp, parallel.bucket_bytes, parallel.zero,
+            parallel.dp * parallel.cp // parallel.ep, headroom=parallel.memory_headroom,
         )
 
     @cached_property
     def comm(self) -> list[dict[str, dict[str, float]]]:
-        """Per rank: ``{"p2p"|"dp"|"tp": {"total": s, "exposed": s}}``."""
+        """Per rank: ``{"p2p"|"dp"|"tp"|"ep"|"cp": {"total": s, "exposed": s}}`` (ep and cp
+        where the step has them)."""
         return comm_by_kind(self.trace, [rank.time() for rank in self.metrics.ranks])
 
     @property
@@ -74,9 +75,13 @@ class SimulationResult:
             "topology": self.topology.name,
             "dp": self.parallel.dp,
             "tp": self.parallel.tp,
+            "cp": self.parallel.cp,
+            "ep": self.parallel.ep,
+            "cp_comm": self.parallel.cp_comm if self.parallel.cp > 1 else None,
             "zero": self.parallel.zero,
             "dp_overlap": self.parallel.overlap_dp,
-            "rank_order": "-".join(self.mapping.order) if self.mapping else None,
+            "rank_order": "-".join(axis for axis in self.mapping.order if axis != "cp" or self.parallel.cp > 1)
+            if self.mapping else None,
             "p2p": self.trace.meta.get("p2p"),
             "devices": list(self.devices),
             "makespan": metrics.makespan,
@@ -92,6 +97,8 @@ class SimulationResult:
                     "bubble": rank.bubble,
                     "exposed_comm": rank.exposed_comm,
                     "tp": rank.tp,
+                    "ep": rank.ep,
+                    "cp": rank.cp,
                     "dp": rank.dp,
                     "optimizer": rank.optimizer,
                     "overhead": rank.overhead,
@@ -136,17 +143,18 @@ class SimulationResult:
         waiting = sum(rank.bubble for rank in metrics.ranks)
         wire = [rank["p2p"]["wire"] for rank in comm]
         sent = sum(rank["p2p"]["bytes"] or 0.0 for rank in comm)
-        named = [(name, title) for name, title in (("tp", "tp"), ("dp", "dp"), ("optimizer", "optim"),
-                                                   ("overhead", "overhead"))
+        named = [(name, title) for name, title in (("tp", "tp"), ("ep", "ep"), ("cp", "cp"), ("dp", "dp"),
+                                                   ("optimizer", "optim"), ("overhead", "overhead"))
                  if any(getattr(rank, name) for rank in metrics.ranks)]
+        order = f" (order: {schedule.meta['order']})" if "order" in schedule.meta else ""  # adapted zb-h1/zb-h2
         lines = [
-            f"{schedule.name}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
+            f"{schedule.name}{order}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
             f"virtual stages={schedule.virtual_stages}, topology={self.topology.name}, "
             f"p2p={self.trace.meta.get('p2p')}, {schedule.num_actions} actions",
             f"  step time        {metrics.makespan * scale:.4g} {unit}",
             f"  bubble fraction  {metrics.bubble_fraction:.2%} (pipeline bubble over ranks x step time)",
             f"  idle fraction    {metrics.idle_fraction:.2%} (not computing: bubble, exposed communication, "
-            "tp, dp, optimizer)",
+            "tp, ep, cp, dp, optimizer)",
             f"  bubble           {shown(waiting, 0)} {unit} (waiting for a peer, fill and drain), summed over ranks",
             f"  p2p              {shown(exposed, 0)} {unit} blocked on data in flight (exposed); "
             f"{shown(sum(value or 0.0 for value in wire), 0)} {unit} on the wire; {sent / 1e9:.4g} GB sent; "
@@ -169,10 +177,12 @@ class SimulationResult:
         return "\n".join(lines)
 
     def _comm_and_memory_lines(self, unit: str, scale: float, shown) -> list[str]:
+        kinds = [kind for kind in ("tp", "ep", "cp", "dp") if all(kind in comm for comm in self.comm)]
         lines = [f"  collectives (total / exposed, {unit}); memory (GB)"]
-        lines.append(f"  {'rank':>4}  {'tp':>19}  {'dp':>19}  {'peak mem':>9}  {'capacity':>9}")
+        header = "".join(f"{kind:>19}  " for kind in kinds)
+        lines.append(f"  {'rank':>4}  {header}{'peak mem':>9}  {'capacity':>9}")
         for rank, comm in enumerate(self.comm):
-            cells = [f"{shown(comm[kind]['total'], 9)}/{shown(comm[kind]['exposed'], 0):<9}" for kind in ("tp", "dp")]
+            cells = [f"{shown(comm[kind]['total'], 9)}/{shown(comm[kind]['exposed'], 0):<9}" for kind in kinds]
             memory = self.memory[rank] if rank < len(self.memory) else None
             peak = f"{memory.peak_bytes / 1e9:>9.2f}" if memory else f"{'n/a':>9}"
             bounded = memory is not None and memory.capacity_bytes != float("inf")
@@ -235,19 +245,21 @@ def run_simulation(
         raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {schedule.num_stages}")
     mapping = None
     if rank_devices is None:
-        mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order)
+        mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
+                            parallel.ep)
         rank_devices = mapping.pipeline()
-    lowered = lower(schedule)
+    lowered = lower_for(schedule, costs, topology, rank_devices)
     if validate:
         validate_schedule(lowered, p2p, finishes=False)
     plan = None
-    if mapping is not None and (parallel.dp > 1 or parallel.tp > 1):
+    if mapping is not None and parallel.gpus > 1:
         plan = comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
-                         parallel.algorithm, parallel.zero)
+                         parallel.algorithm, parallel.zero, parallel.cp_comm)
     step = run_step(lowered, costs, topology, rank_devices, plan, p2p)
     if step.stuck:
         explain_stuck(step)
     trace = step_trace(step, costs, topology, rank_devices, plan, p2p)
     trace.meta.update(dp=parallel.dp, tp=parallel.tp)  # charts and reports name the whole layout
+    trace.meta.update({axis: size for axis, size in (("cp", parallel.cp), ("ep", parallel.ep)) if size > 1})
     metrics = step_metrics(trace, lowered.virtual_stages)
     return SimulationResult(lowered, topology, trace, metrics, costs, list(rank_devices), parallel, mapping)

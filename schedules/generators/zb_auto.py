@@ -5,22 +5,34 @@ The handcrafted orders assume F = I = W and free links. Real stages differ (the 
 one computes the loss, W is often shorter than I) and transfers take time, so the paper
 builds the order from the profiled ``F``, ``I``, ``W`` and communication time ``T``
 under a memory limit, by greedy heuristics that it then refines. We do the same:
-several variants of the greedy list scheduler (``greedy_zero_bubble``: eager or patient
-``W`` placement, warm-up depths up to the limit) and the handcrafted orders that fit the
-limit (``zb-h1`` holds ``p`` stashes, ``zb-h2`` ``2p - 1``) are timed under the given
-costs (the engine's ``free`` timing, ``schedules.engine``), and the fastest step wins (ties go to the order
-whose longest rank span is shortest, the paper's bubble). Because zb-h1 is among the
-candidates whenever the limit allows 1F1B's memory, zb-auto is never slower than it
-under the costs it was built for, in that timing (each transfer ``T`` after its producer,
-as the paper models it); ``lower``'s P2P groups for NCCL add their own cost to both.
 
-``memory_limit`` counts stashes of one microbatch per rank (default ``p``, 1F1B's peak);
-no rank ever holds more, which the simulated memory shows.
+1. heuristics: the paper's own list scheduler under its eight switch settings
+   (``zb_heuristic``), our greedy list scheduler in eager and patient variants with
+   several warm-up depths (``greedy_zero_bubble``), and the handcrafted orders that fit
+   the limit (``zb-h1`` holds ``p`` stashes, ``zb-h2`` ``2p - 1``);
+2. an optimising pass from the best of them: a CP-SAT model of the same problem
+   (``zb_refine``) under a deterministic time budget, kept only if the engine times it
+   better.
+
+Every candidate is timed by the engine with free-flowing transfers (``schedules.engine``,
+each transfer ``T`` after its producer, as the paper models it) and the best wins: the
+shortest longest rank span (the paper's cost, what a step costs once the next step's
+warm-up overlaps this one's drain), then the shortest step. Because zb-h1 is among the
+candidates whenever the limit allows 1F1B's memory, zb-auto's cost never exceeds it.
+
+``memory_limit`` counts microbatches' activations per rank (default ``p``, 1F1B's peak).
+``weight_memory`` says how much of them a microbatch still holds between its ``I`` and
+its ``W``: 1 (the default) is pipesim's stash, held whole until ``W``, so the simulated
+memory never exceeds the limit; the paper counts what a transformer's ``W`` still needs,
+the inputs of its matrix products, ``32h`` of ``34h + 5as`` per token and layer (its
+Table 1). On the paper's rows its ZB-2p rates need that accounting: with whole stashes
+the best order at ``2p`` (CP-SAT proves it optimal on the first row) keeps a 10 % bubble.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,7 +43,16 @@ from schedules.generators.common import ScheduleUnavailableError, require_positi
 from schedules.generators.greedy_zero_bubble import greedy_orders
 from schedules.generators.zb_h1 import zb_h1
 from schedules.generators.zb_h2 import zb_h2
+from schedules.generators.zb_heuristic import heuristic_orders
+from schedules.generators.zb_refine import refine
 from schedules.schedule import Schedule, looped_placement
+
+# The optimising pass's budget by default, in CP-SAT's deterministic seconds (2-4 s of
+# wall time at p = 8, m = 24-64 on a 2-core machine, model building included).
+DEFAULT_SEARCH_SECONDS = 0.2
+# Above this many (stage, microbatch) pairs the model takes longer to build than the
+# pass is likely to win: heuristics only.
+SEARCH_PASSES = 512
 
 
 def zb_auto(
@@ -42,27 +63,36 @@ def zb_auto(
     backward_weight: float | Sequence[float],
     comm: float = 0.0,
     memory_limit: int | None = None,
+    weight_memory: float = 1.0,
+    search_seconds: float = DEFAULT_SEARCH_SECONDS,
 ) -> Schedule:
     """The fastest order found for these per-stage seconds (one number for every stage
-    or one per stage), ``comm`` seconds per hop, at most ``memory_limit`` stashes a rank."""
+    or one per stage), ``comm`` seconds per hop, at most ``memory_limit`` microbatches'
+    activations on a rank. ``weight_memory`` is the share of a microbatch's activations
+    still held between its ``I`` and its ``W`` (1: all of them, pipesim's stash; the
+    paper's transformer keeps the inputs of its matrix products, ``32h / (34h + 5as)``);
+    ``search_seconds`` is the optimising pass's budget (0: heuristics only)."""
     require_positive("zb-auto", pp, microbatches, 1)
     limit = pp if memory_limit is None else memory_limit
     if not isinstance(limit, int) or limit < 1:
         raise ScheduleUnavailableError(
             f"zb-auto: --memory-limit must be a whole number of microbatch stashes >= 1, got {memory_limit!r}"
         )
+    if not 0.0 <= weight_memory <= 1.0:
+        raise ScheduleUnavailableError(f"zb-auto: weight memory must be a share in [0, 1], got {weight_memory!r}")
     costs = {kind: _per_stage(name, value, pp) for kind, name, value in (
         (ActionKind.F, "forward", forward), (ActionKind.I, "input-gradient", backward_input),
         (ActionKind.W, "weight-gradient", backward_weight))}
     if comm < 0:
         raise ScheduleUnavailableError(f"zb-auto: communication time must be >= 0, got {comm!r}")
     return _fastest_order(pp, microbatches, tuple(costs["F"]), tuple(costs["I"]), tuple(costs["W"]), float(comm),
-                          limit)
+                          limit, float(weight_memory), float(search_seconds))
 
 
 @functools.lru_cache(maxsize=256)
 def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backward_input: tuple[float, ...],
-                   backward_weight: tuple[float, ...], comm: float, limit: int) -> Schedule:
+                   backward_weight: tuple[float, ...], comm: float, limit: int, weight_memory: float,
+                   search_seconds: float) -> Schedule:
     """The search itself, kept per distinct input: it is a pure function of them and a
     schedule never changes, so a planner whose layouts differ only in what the order does
     not depend on (optimizer sharding, say) searches once and shares the schedule, with
@@ -73,24 +103,33 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
         np.array([[f, i + w, i, w] for f, i, w in zip(forward, backward_input, backward_weight, strict=True)]),
         wires=engine.hop_wires(pp, comm))
 
-    def step_and_rank_span(programs) -> tuple[float, float]:
+    def cost(programs) -> tuple[float, float]:
+        """The paper's cost (the longest rank span) first, then the step."""
         step = engine.run(Schedule(pp, microbatches, placement, programs), timing, engine.FREE)
-        return step.makespan, float(step.rank_spans().max())
+        return float(step.rank_spans().max()), step.makespan
 
     candidates = []
     for patient in (False, True):
         for cap in sorted({None, *(c for c in (pp, 2 * pp - 1, limit // 2) if 1 <= c < limit)}, key=str):
-            orders = greedy_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limit,
-                                   patient_weights=patient, warmup_cap=cap)
+            candidates.append(greedy_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limit,
+                                            patient_weights=patient, warmup_cap=cap))
+    for switches in itertools.product((True, False), repeat=3):
+        orders = heuristic_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limit,
+                                  weight_memory, *switches)
+        if orders is not None:
             candidates.append(orders)
     if limit >= pp:
         candidates.append(zb_h1(pp, microbatches).programs)
     if limit >= 2 * pp - 1:
         candidates.append(zb_h2(pp, microbatches).programs)
-    # fastest step first; among equals, the one whose ranks work in the tightest span
-    # (the paper's bubble: what the next step's warm-up cannot fill)
-    best = min(candidates, key=step_and_rank_span)
-    return Schedule(pp, microbatches, placement, best, name="zb-auto", meta={"memory_microbatches": limit})
+    best = min(candidates, key=cost)
+    if search_seconds > 0 and pp * microbatches <= SEARCH_PASSES:
+        refined = refine(pp, microbatches, forward, backward_input, backward_weight, comm, limit, weight_memory,
+                         best, search_seconds)
+        if refined is not None and cost(refined) < cost(best):
+            best = refined
+    return Schedule(pp, microbatches, placement, best, name="zb-auto",
+                    meta={"memory_microbatches": limit, "weight_memory": weight_memory})
 
 
 def _per_stage(name: str, value: float | Sequence[float], pp: int) -> list[float]:

@@ -1,0 +1,171 @@
+"""The zero-bubble paper's list-scheduling heuristic (Qi et al., ICLR 2024, Section 3.1;
+its scheduler in github.com/sail-sg/zero-bubble-pipeline-parallelism), written for one
+stage per rank.
+
+Microbatch by microbatch, every stage places its passes at the earliest moment their
+inputs allow, keeping its own clock:
+
+- warm-up: each stage runs as many forwards before its first input gradient ``I`` as
+  keep it busy until that gradient can arrive (never more than memory allows, never
+  more than the stage before it), then the first ``I`` runs from the last stage back;
+- steady state: for each microbatch every stage that still has forwards runs one ``F``
+  (with ``prioritize_inputs``, a stage two or more forwards ahead of the next one skips
+  it when it would delay the next stage's ``I``), and then every stage runs its ``I``
+  from the last stage back. Before each ``F`` or ``I``, pending ``W`` passes go first while
+  memory is over the limit, then while one fits before the input arrives, and one more
+  when the remaining gap is small against the largest bubble so far (always, or only
+  with ``fill_gaps``);
+- the remaining ``W`` passes close every stage.
+
+Memory is counted as the paper does: a forward takes one microbatch's activations, its
+``I`` frees all but ``weight_memory`` of them, its ``W`` the rest. The paper tries the
+eight combinations of its three switches and keeps the best; so does ``zb_auto``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from schedules.action import Action
+
+_F, _I, _W = 0, 1, 2
+_KINDS = "FIW"
+
+
+class _Placer:
+    """One run of the heuristic: per stage its clock, counts, memory and bubble."""
+
+    def __init__(self, pp: int, microbatches: int, costs: Sequence[Sequence[float]], comm: float,
+                 memory: Sequence[float], limit: float) -> None:
+        self.pp, self.microbatches, self.costs, self.comm = pp, microbatches, costs, comm
+        self.memory, self.limit = memory, limit
+        self.clock = [0.0] * pp
+        self.count = [[0, 0, 0] for _ in range(pp)]
+        self.held = [0.0] * pp
+        self.bubble = [0.0] * pp
+        self.end: dict[tuple[int, int, int], float] = {}
+
+    def put(self, stage: int, kind: int) -> None:
+        microbatch = self.count[stage][kind]
+        cost = self.costs[kind][stage]
+        end = self.clock[stage] + cost
+        if kind == _F and stage > 0:
+            end = max(end, self.end[_F, stage - 1, microbatch] + self.comm + cost)
+        if kind == _I and stage < self.pp - 1:
+            end = max(end, self.end[_I, stage + 1, microbatch] + self.comm + cost)
+        if self.count[stage][_F]:
+            self.bubble[stage] += end - (self.clock[stage] + cost)
+        self.clock[stage] = self.end[kind, stage, microbatch] = end
+        self.held[stage] += self.memory[kind]
+        self.count[stage][kind] += 1
+
+    def weights_before(self, stage: int, arrival: float, fill_gaps: bool) -> None:
+        """``W`` passes before a pass whose input arrives at ``arrival``: those that fit,
+        then one more where it shortens a gap the stage can afford less than others."""
+        counts, cost = self.count[stage], self.costs[_W][stage]
+        while counts[_W] < counts[_I] and self.clock[stage] + cost <= arrival:
+            self.put(stage, _W)
+        if counts[_W] < counts[_I] and self.clock[stage] < arrival:
+            if arrival - self.clock[stage] > max(self.bubble) - self.bubble[stage] or fill_gaps:
+                self.put(stage, _W)
+
+    def make_room(self, stage: int, kind: int) -> None:
+        while self.held[stage] + self.memory[kind] > self.limit + 1e-9:
+            if self.count[stage][_W] >= self.count[stage][_I]:
+                raise ValueError("memory limit too small for one more pass")
+            self.put(stage, _W)
+
+
+def heuristic_orders(pp: int, microbatches: int, forward: Sequence[float], backward_input: Sequence[float],
+                     backward_weight: Sequence[float], comm: float, memory_limit: float, weight_memory: float,
+                     bubble_before_first_input: bool, prioritize_inputs: bool, fill_gaps: bool
+                     ) -> list[list[Action]] | None:
+    """Each rank's order under one setting of the three switches; None if the memory
+    limit cannot be kept."""
+    costs = (forward, backward_input, backward_weight)
+    placer = _Placer(pp, microbatches, costs, comm, (1.0, -(1.0 - weight_memory), -weight_memory), memory_limit)
+    try:
+        _warm_up(placer, bubble_before_first_input)
+        for microbatch in range(1, microbatches):
+            _steady_round(placer, microbatch, prioritize_inputs, fill_gaps)
+        for stage in range(pp):
+            while placer.count[stage][_W] < microbatches:
+                placer.put(stage, _W)
+    except (ValueError, KeyError):  # the limit cannot be kept, or a stage runs out of forwards to wait for
+        return None
+    orders = []
+    for stage in range(pp):
+        passes = sorted((placer.end[kind, stage, microbatch], kind, microbatch)
+                        for kind in (_F, _I, _W) for microbatch in range(microbatches))
+        orders.append([Action(stage, _KINDS[kind], microbatch) for _end, kind, microbatch in passes])
+    return orders
+
+
+def _warm_up(placer: _Placer, bubble_before_first_input: bool) -> None:
+    pp, costs = placer.pp, placer.costs
+    for stage in range(pp):
+        placer.put(stage, _F)
+    extra = [0] * pp
+    gradient_ready = 0.0
+    for stage in range(pp - 1, -1, -1):
+        if stage == pp - 1:
+            gradient_ready = placer.end[_F, stage, 0] + costs[_I][stage]
+            continue
+        held, clock = placer.held[stage], placer.clock[stage]
+        while placer.count[stage][_F] + extra[stage] < placer.microbatches and held + 1.0 <= placer.limit + 1e-9:
+            arrival = gradient_ready + placer.comm
+            if (clock + costs[_F][stage] > arrival) if bubble_before_first_input else (clock >= arrival):
+                break
+            held += 1.0
+            clock += costs[_F][stage]
+            extra[stage] += 1
+        gradient_ready = max(clock, gradient_ready + placer.comm) + costs[_I][stage]
+    for stage in range(1, pp):  # a stage never runs more warm-up forwards than the one before
+        while (extra[stage] > 0 and extra[stage] >= extra[stage - 1]
+               and placer.count[stage][_F] + extra[stage] < placer.microbatches):
+            extra[stage] -= 1
+    for stage in range(pp):
+        for _ in range(extra[stage]):
+            placer.put(stage, _F)
+    for stage in range(pp - 1, -1, -1):
+        placer.put(stage, _I)
+
+
+def _steady_round(placer: _Placer, microbatch: int, prioritize_inputs: bool, fill_gaps: bool) -> None:
+    pp, costs, count = placer.pp, placer.costs, placer.count
+    wanted = [0] * pp
+    for stage in range(pp):
+        if count[stage][_F] >= placer.microbatches:
+            continue
+        if prioritize_inputs and stage + 1 < pp and count[stage][_F] >= count[stage + 1][_F] + 2:
+            following = placer.clock[stage + 1] + costs[_F][stage + 1] + costs[_I][stage + 1] + placer.comm
+            if placer.clock[stage] >= following:
+                continue
+            room_cost, held, pending = 0.0, placer.held[stage] + 1.0, count[stage][_W]
+            while held > placer.limit + 1e-9 and pending < count[stage][_I]:
+                room_cost += costs[_W][stage]
+                held += placer.memory[_W]
+                pending += 1
+            if placer.clock[stage] + costs[_F][stage] + room_cost <= following:
+                wanted[stage] = 1
+                continue
+            if following - placer.clock[stage] <= max(placer.bubble) - placer.bubble[stage]:
+                continue
+        wanted[stage] = 1
+    for stage in range(pp - 2, -1, -1):
+        wanted[stage] = min(wanted[stage], wanted[stage + 1])
+    for stage in range(pp):
+        if not wanted[stage]:
+            continue
+        placer.make_room(stage, _F)
+        if stage > 0:
+            placer.weights_before(stage, placer.end[_F, stage - 1, count[stage][_F]] + placer.comm, fill_gaps)
+        placer.put(stage, _F)
+    for stage in range(pp - 1, -1, -1):
+        placer.make_room(stage, _I)
+        if stage + 1 < pp:
+            placer.weights_before(stage, placer.end[_I, stage + 1, microbatch] + placer.comm, fill_gaps)
+        if stage == 0 and count[stage][_F] == placer.microbatches:
+            while count[stage][_W] < count[stage][_I]:
+                placer.put(stage, _W)
+        placer.put(stage, _I)

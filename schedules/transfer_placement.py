@@ -1,0 +1,379 @@
+"""Where each transfer of a compute-only order is posted, and with which others.
+
+Lowering (``schedules.lowering``) reads the compute-only order timed by the engine with
+free-flowing transfers: each transfer is *ready* when its producer ends and *needed* when
+its consumer starts, and its *flight* is the time its data takes on the wire. A
+placement gives every transfer one **departure moment** in ``[ready, needed]``, the
+moment both ends should post it, and from that moment alone each rank derives where:
+
+- an end goes at the rank's last compute boundary at or before the moment (after every
+  compute action that has ended by then), on both ranks;
+- the ends a rank posts at one boundary go in (moment, sending stage, direction,
+  microbatch) order, cut into P2P groups where a group's data would otherwise hold a
+  later transfer up (``group_breaks``).
+
+Why this is deadlock-free under rendezvous, whatever the moments: every rank posts its
+ends in the order of one global key (moment, sending stage, direction, microbatch), since
+"the last boundary at or before the moment" never decreases as the moment grows. So each
+rank pair's sends and receives are posted in the same order, and a group never waits for
+a group of a larger key: a group waits only for its peers' groups of the same
+transfers, for earlier groups on its stream (smaller keys) and for compute actions
+before it, whose inputs came in earlier groups (smaller keys again). By induction on the
+key every transfer departs, as long as a send is posted after its producer and a receive
+before its consumer, which the moments guarantee when every planned compute action takes
+some time (zero durations are planned as a tiny one).
+
+Which moments, and which groups, decide how close the step comes to free-flowing
+transfers; ``schedules.placement_search`` chooses among them with the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property, partial
+from itertools import chain
+
+import numpy as np
+
+from schedules import engine
+from schedules.action import Action, ActionKind
+from schedules.program_arrays import BACKWARD
+from schedules.schedule import Schedule
+
+# Planning durations below this are raised to it, so that every compute action has an
+# inside and "at or before the moment" separates a producer from its consumer.
+MIN_PLANNED_SECONDS = 1e-9
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """Every cross-rank transfer of a compute-only order, as arrays in one order, with
+    the free-flowing timing of that order (``step``, the engine's ``free`` run)."""
+
+    step: engine.StepRun
+    key: np.ndarray  # the engine's transfer number
+    producer: np.ndarray  # compute index (into the step's compute rows) of the producer
+    consumer: np.ndarray
+    sender: np.ndarray
+    receiver: np.ndarray
+    ready: np.ndarray
+    needed: np.ndarray
+    flight: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return len(self.key)
+
+    @cached_property
+    def first_compute(self) -> np.ndarray:
+        """Per rank (and one past the last) the index of its first compute action."""
+        program = self.step.program
+        return np.r_[np.searchsorted(program.compute_rank, np.arange(program.ranks)), len(program.compute_rank)]
+
+    @cached_property
+    def sending_stage(self) -> np.ndarray:
+        return self.key // self.step.program.arrays.microbatches // 2
+
+    @cached_property
+    def direction(self) -> np.ndarray:
+        return (self.key // self.step.program.arrays.microbatches) % 2
+
+    @cached_property
+    def microbatch(self) -> np.ndarray:
+        return self.key % self.step.program.arrays.microbatches
+
+    @cached_property
+    def latest(self) -> np.ndarray:
+        """The last departure that still arrives when its consumer starts."""
+        return np.maximum(self.needed - self.flight, self.ready)
+
+
+def transfers_of(step: engine.StepRun, timing: engine.StepTiming) -> Transfers:
+    """The transfers of ``step`` (an engine run of a compute-only order under ``free``)."""
+    program = step.program
+    arrays = program.arrays
+    producer = np.flatnonzero(program.compute_send >= 0)
+    key = program.compute_send[producer]
+    consumer_of = np.full(arrays.transfers, -1, dtype=np.int64)
+    consumers = np.flatnonzero(program.compute_need >= 0)
+    consumer_of[program.compute_need[consumers]] = consumers
+    consumer = consumer_of[key]
+    flight = _wire_flight(timing, arrays.schedule.num_stages)[key // arrays.microbatches]
+    return Transfers(step, key, producer, consumer, program.compute_rank[producer], program.compute_rank[consumer],
+                     step.end[producer], step.start[consumer], flight)
+
+
+def _wire_flight(timing: engine.StepTiming, num_stages: int) -> np.ndarray:
+    """Per wire (stage * 2 + direction): the seconds from departure to arrival when its
+    links are free (its slowest route)."""
+    flight = np.zeros(2 * num_stages)
+    for wire, routes in enumerate(timing.wires or ()):
+        if routes:
+            flight[wire] = max(occupancy + latency for _links, occupancy, latency in routes)
+    return flight
+
+
+def ready_moments(transfers: Transfers) -> np.ndarray:
+    """Every transfer departs the moment it is ready: the receiver posts it at its last
+    boundary before, the sender right after the producer."""
+    return transfers.ready.copy()
+
+
+def meeting_moments(transfers: Transfers) -> np.ndarray:
+    """Every transfer departs at the earliest moment from ``ready`` at which neither rank
+    is inside a compute action, so that neither posts a group early and holds its stream
+    waiting; if that comes too late for the consumer, at the moment of least waiting."""
+    step = transfers.step
+    first = transfers.first_compute
+    moment = transfers.ready.copy()
+    if not len(moment):
+        return moment
+    ranks = step.program.ranks
+    pair = transfers.sender * ranks + transfers.receiver
+    order = np.argsort(pair, kind="stable")
+    cuts = np.flatnonzero(np.r_[True, pair[order][1:] != pair[order][:-1], True])
+    for begin, stop in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+        members = order[begin:stop]
+        busy = [(step.start[first[rank]:first[rank + 1]], step.end[first[rank]:first[rank + 1]])
+                for rank in (int(transfers.sender[members[0]]), int(transfers.receiver[members[0]]))]
+        starts, ends = _busy_union(*busy)
+        at = np.searchsorted(starts, moment[members], side="left") - 1
+        inside = (at >= 0) & (moment[members] < ends[np.maximum(at, 0)])
+        moment[members[inside]] = ends[at[inside]]
+    too_late = np.flatnonzero(moment > transfers.latest)
+    if len(too_late):
+        moment[too_late] = _least_waiting(transfers, too_late)
+    return moment
+
+
+def _least_waiting(transfers: Transfers, which: np.ndarray) -> np.ndarray:
+    """For transfers whose two ranks are never both between compute actions in time: the
+    moment in ``[ready, latest]`` (when ready, or a boundary of either rank) at which the
+    two ranks together wait least for the compute action they are inside, each having
+    posted the group at its boundary before (the earliest such moment on a tie).
+
+    All candidates of all transfers are scored at once: a large step has tens of
+    thousands of such transfers."""
+    step, first = transfers.step, transfers.first_compute
+    ready, latest = transfers.ready[which], transfers.latest[which]
+    sides = (transfers.sender[which], transfers.receiver[which])
+    # candidates: (position in ``which``, moment); first every ready moment, then the
+    # boundaries of either rank in (ready, latest]
+    owner, moment = [np.arange(len(which))], [ready]
+    for rank_of in sides:
+        low = _rank_search(step.end, first, rank_of, ready)
+        high = _rank_search(step.end, first, rank_of, latest)
+        counts = high - low
+        positions = np.repeat(np.arange(len(which)), counts)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        owner.append(positions)
+        moment.append(step.end[np.repeat(low, counts) + offsets])
+    owner, moment = np.concatenate(owner), np.concatenate(moment)
+    waiting = sum(_waiting(step, first, rank_of[owner], moment) for rank_of in sides)
+    order = np.lexsort((moment, owner))
+    owner, moment, waiting = owner[order], moment[order], waiting[order]
+    group_start = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+    least = np.minimum.reduceat(waiting, group_start)
+    best = np.flatnonzero(waiting == least[owner])
+    chosen = np.empty(len(which))
+    chosen[owner[best[::-1]]] = moment[best[::-1]]  # the earliest best moment written last
+    return chosen
+
+
+def _rank_search(end: np.ndarray, first: np.ndarray, rank: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """Per query, the global index of the first compute action of ``rank`` that ends
+    after ``moment`` (one past the rank's last if none)."""
+    found = np.empty(len(rank), dtype=np.int64)
+    by_rank = np.argsort(rank, kind="stable")
+    cuts = np.searchsorted(rank[by_rank], np.arange(len(first)))
+    for owner in range(len(first) - 1):
+        members = by_rank[cuts[owner]:cuts[owner + 1]]
+        if len(members):
+            found[members] = first[owner] + np.searchsorted(end[first[owner]:first[owner + 1]], moment[members],
+                                                            side="right")
+    return found
+
+
+def _waiting(step: engine.StepRun, first: np.ndarray, rank: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """Per query, how long ``rank`` has waited at ``moment`` for the compute action it is
+    inside, having posted at the boundary before it (zero between actions)."""
+    at = _rank_search(step.end, first, rank, moment)
+    inside = at < first[rank + 1]
+    inside[inside] = step.start[at[inside]] < moment[inside]
+    before = np.where(at > first[rank], step.end[np.maximum(at - 1, 0)], 0.0)
+    return np.where(inside, moment - before, 0.0)
+
+
+def _busy_union(first: tuple[np.ndarray, np.ndarray], second: tuple[np.ndarray, np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The stretches in which one of two ranks is inside a compute action: their actions'
+    open intervals merged where they overlap (not where they only touch: the moment
+    between two actions is free)."""
+    starts = np.concatenate([first[0], second[0]])
+    ends = np.concatenate([first[1], second[1]])
+    busy = ends > starts
+    starts, ends = starts[busy], ends[busy]
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    reach = np.maximum.accumulate(ends) if len(ends) else ends
+    opens = np.r_[True, starts[1:] >= reach[:-1]] if len(starts) else np.zeros(0, dtype=bool)
+    group = np.cumsum(opens) - 1
+    merged_ends = np.full(int(group[-1]) + 1 if len(group) else 0, -np.inf)
+    np.maximum.at(merged_ends, group, ends)
+    return starts[opens], merged_ends
+
+
+@dataclass(frozen=True)
+class Ends:
+    """Both ends of every transfer (sends first, then receives, each in transfer order),
+    placed: per end its rank, its slot (how many of the rank's compute actions come
+    before it) and its position in the rank's posting order (``order``)."""
+
+    rank: np.ndarray
+    slot: np.ndarray
+    is_send: np.ndarray
+    order: np.ndarray  # the ends by (rank, slot, key)
+    moment: np.ndarray
+    arrival: np.ndarray
+    needed: np.ndarray
+
+
+def place_ends(transfers: Transfers, moment: np.ndarray, shift: np.ndarray | None = None) -> Ends | None:
+    """Each end at its rank's last boundary at or before the transfer's moment, moved by
+    ``shift`` boundaries (per end: a receive posted earlier, a send later). None if a
+    shift breaks the rules: a send before its producer, a receive after its consumer,
+    or a rank whose ends are no longer in key order."""
+    step = transfers.step
+    first = transfers.first_compute
+    count = transfers.count
+    rank = np.concatenate([transfers.sender, transfers.receiver])
+    both = np.concatenate([moment, moment])
+    slot = np.empty(2 * count, dtype=np.int64)
+    by_rank = np.argsort(rank, kind="stable")
+    cuts = np.searchsorted(rank[by_rank], np.arange(step.program.ranks + 1))
+    for owner in range(step.program.ranks):
+        members = by_rank[cuts[owner]:cuts[owner + 1]]
+        if len(members):
+            ends = step.end[first[owner]:first[owner + 1]]
+            slot[members] = np.searchsorted(ends, both[members], side="right")
+    stage, direction, microbatch = (np.concatenate([part, part]) for part in
+                                    (transfers.sending_stage, transfers.direction, transfers.microbatch))
+    if shift is not None and shift.any():
+        slot = slot + shift
+        within = np.arange(len(step.program.compute_rank)) - first[step.program.compute_rank]
+        producer_slot, consumer_slot = within[transfers.producer] + 1, within[transfers.consumer]
+        if (slot[:count] < producer_slot).any() or (slot[count:] > consumer_slot).any():
+            return None
+        keyed = np.lexsort((microbatch, direction, stage, both, rank))
+        same_rank = rank[keyed][1:] == rank[keyed][:-1]
+        if (same_rank & (slot[keyed][1:] < slot[keyed][:-1])).any():
+            return None
+    order = np.lexsort((microbatch, direction, stage, both, slot, rank))
+    arrival = both + np.concatenate([transfers.flight, transfers.flight])
+    is_send = np.r_[np.ones(count, dtype=bool), np.zeros(count, dtype=bool)]
+    return Ends(rank, slot, is_send, order, both, arrival, np.concatenate([transfers.needed, transfers.needed]))
+
+
+def group_starts(ends: Ends, mind_the_consumer: bool, breaks: np.ndarray | None = None,
+                 joins: np.ndarray | None = None) -> np.ndarray:
+    """Per end (in ``ends.order``): whether it starts a new P2P group.
+
+    Ends at one boundary of one rank share a group while their flights overlap: a
+    rank's groups run one after another, so a transfer in a later group would wait for
+    the whole earlier group to arrive. Transfers that take no time join the group before
+    them unless a receive there would then wait for them. With ``mind_the_consumer`` an overlapping end
+    still starts a group of its own when joining would make the group's receives arrive
+    later for their consumers than it makes this end late on its own. ``breaks`` and
+    ``joins`` (per end, by end index) force the choice (``placement_search``'s repairs)."""
+    order = ends.order
+    if not len(order):
+        return np.zeros(0, dtype=bool)
+    rank, slot = ends.rank[order], ends.slot[order]
+    starts = np.r_[True, (rank[1:] != rank[:-1]) | (slot[1:] != slot[:-1])]
+    if breaks is not None:
+        starts |= breaks[order]
+    # The choice runs along each run of ends that share a boundary (a new group resets
+    # what the next end joins); runs are short, so all runs take their k-th step at once.
+    first = np.flatnonzero(starts)
+    length = np.diff(np.r_[first, len(order)])
+    moment, arrival = ends.moment[order], ends.arrival[order]
+    own_need = ends.needed[order]
+    receives = ~ends.is_send[order]
+    need = np.where(receives, own_need, np.inf)
+    forced_join = joins[order] if joins is not None else None
+    complete, first_need = arrival[first], need[first]
+    decided = starts.copy()
+    for step in range(1, int(length.max())):
+        live = np.flatnonzero(length > step)
+        index = first[live] + step
+        was_complete, was_need = complete[live], first_need[live]
+        here, arrives = moment[index], arrival[index]
+        joined = np.maximum(was_complete, arrives)
+        # the group before has arrived by the time this one leaves; with nothing on the
+        # wire, joining it costs no time, so what falls between two compute actions is
+        # posted as one batch (Megatron's pairing) unless a receive of the group would wait
+        after = (arrives > here) | (joined > was_need)
+        if mind_the_consumer:
+            late_joined = np.maximum(np.maximum(0.0, joined - was_need),
+                                     np.where(receives[index], joined - own_need[index], 0.0))
+            late_alone = np.maximum(0.0, was_complete + arrives - here - own_need[index])
+            overlapping = late_alone < late_joined
+        else:
+            overlapping = np.zeros(len(index), dtype=bool)
+        new = np.where(here >= was_complete, after, overlapping)
+        if forced_join is not None:
+            new &= ~forced_join[index]
+        decided[index] = new
+        complete[live] = np.where(new, arrives, joined)
+        first_need[live] = np.where(new, need[index], np.minimum(was_need, need[index]))
+    return decided
+
+
+_TRANSFER_KINDS = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
+
+
+def lowered_schedule(schedule: Schedule, transfers: Transfers, ends: Ends, starts: np.ndarray) -> Schedule:
+    """The lowered programs: each rank's compute actions in their order, each end at its
+    slot (before the compute action of that index), ends of one slot in ``ends.order``,
+    grouped where ``starts`` (per end in that order) does not open a new group."""
+    program = transfers.step.program
+    count = len(program.compute_row)
+    first = transfers.first_compute
+    compute_rank = program.compute_rank
+    within = np.arange(count) - first[compute_rank]
+    end_count = len(ends.rank)
+    end_position = np.empty(end_count, dtype=np.int64)
+    end_position[ends.order] = np.arange(end_count)
+    starts_by_end = np.empty(end_count, dtype=bool)
+    starts_by_end[ends.order] = starts
+    is_transfer = np.r_[np.zeros(count, dtype=bool), np.ones(end_count, dtype=bool)]
+    rank_key = np.concatenate([compute_rank, ends.rank])
+    slot_key = np.concatenate([within, ends.slot])
+    order = np.lexsort((np.concatenate([np.zeros(count, dtype=np.int64), end_position]), ~is_transfer, slot_key,
+                        rank_key))
+    # the actions: compute ones as the schedule has them, each end built from its transfer
+    originals = list(chain.from_iterable(schedule.programs))
+    compute_action = list(map(originals.__getitem__, program.compute_row.tolist()))
+    backward = np.concatenate([transfers.direction, transfers.direction]) == BACKWARD
+    sending = np.concatenate([transfers.sending_stage, transfers.sending_stage])
+    stage = np.where(ends.is_send, sending, np.where(backward, sending - 1, sending + 1))
+    kind = np.where(ends.is_send, np.where(backward, 2, 0), np.where(backward, 3, 1))
+    microbatch = np.concatenate([transfers.microbatch, transfers.microbatch])
+    kinds = list(map(_TRANSFER_KINDS.__getitem__, kind.tolist()))
+    # Actions built directly: NamedTuple's own constructor is several times slower
+    transfer = list(map(partial(tuple.__new__, Action), zip(stage.tolist(), kinds, microbatch.tolist(), strict=True)))
+    actions = compute_action + transfer
+    ordered_rank = rank_key[order]
+    ordered_transfer = is_transfer[order]
+    opens = np.concatenate([np.ones(count, dtype=bool), starts_by_end])[order]
+    joined = ordered_transfer[1:] & ordered_transfer[:-1] & (ordered_rank[1:] == ordered_rank[:-1]) & ~opens[1:]
+    rank_start = np.searchsorted(ordered_rank, np.arange(schedule.pp + 1))
+    sequence = list(map(actions.__getitem__, order.tolist()))
+    joined_at = np.flatnonzero(joined) + 1
+    programs, joins = [], []
+    for rank in range(schedule.pp):
+        begin, stop = int(rank_start[rank]), int(rank_start[rank + 1])
+        programs.append(sequence[begin:stop])
+        inside = joined_at[(joined_at > begin) & (joined_at < stop)] - begin
+        joins.append(frozenset(inside.tolist()))
+    return schedule.with_programs(programs, joins)
