@@ -128,10 +128,11 @@ def virtual_stages_for(name: str, requested: int | None) -> int:
     return 1
 
 
-def schedule_of(job: Job, topology: Topology | None = None) -> Schedule:
+def schedule_of(job: Job, topology: Topology | None = None, search_seconds: float | None = None) -> Schedule:
     """Generate the named schedule, or read the CSV given as ``schedule_file``.
     Cost-aware schedules (zb-auto) are built from the job's costs on ``topology``
-    (default: free links)."""
+    (default: free links), their optimising pass under ``search_seconds`` (default:
+    zb-auto's own budget)."""
     if job.schedule_file:
         from schedules.csv_io import schedule_from_csv
 
@@ -141,7 +142,7 @@ def schedule_of(job: Job, topology: Topology | None = None) -> Schedule:
     job = job.generated()
     if job.schedule in COST_AWARE:
         require_within_limit(job.schedule, job.pp, job.microbatches, 1, job.max_actions)
-        return cost_aware_schedule_of(job, topology)
+        return cost_aware_schedule_of(job, topology, search_seconds)
     if job.memory_limit is not None:
         print(f"note: --memory-limit applies to {', '.join(sorted(COST_AWARE))}; {job.schedule}'s memory is "
               "set by its order", file=sys.stderr)
@@ -177,9 +178,10 @@ def _pipeline_devices(job: Job, topology: Topology) -> list[str] | None:
     return map_ranks(topology, job.dp, job.pp, job.tp, job.rank_order, job.cp, job.ep).pipeline()
 
 
-def cost_aware_schedule_of(job: Job, topology: Topology | None) -> Schedule:
+def cost_aware_schedule_of(job: Job, topology: Topology | None, search_seconds: float | None = None) -> Schedule:
     """zb-auto from the job's costs (flags, costs file or model spec; unit costs
-    F = I = W where it has none) and its cluster's hop time."""
+    F = I = W where it has none) and its cluster's hop time; ``search_seconds`` as in
+    ``build_cost_aware``."""
     from pipesim.cluster.topology import ideal_topology
     from pipesim.sim.cost_aware import build_cost_aware
 
@@ -192,7 +194,7 @@ def cost_aware_schedule_of(job: Job, topology: Topology | None) -> Schedule:
             print(f"note: {job.schedule} with no weight-gradient time (--wgrad 0 or none in the costs file) "
                   "has no W passes to fill bubbles with", file=sys.stderr)
     return build_cost_aware(job.schedule, job.pp, job.microbatches, costs, topology, job.memory_limit,
-                            _pipeline_devices(job, topology))
+                            _pipeline_devices(job, topology), search_seconds)
 
 
 def check_cost_flags(job) -> None:

@@ -374,3 +374,48 @@ def test_plan_matches_simulate_for_a_zero3_layout_with_an_uneven_split(tmp_path)
     # 24 layers over 16 stages, the output layer weighing 1.7 layers: the last stage holds it alone
     layers = [stage["layers"] for stage in simulated["stage_costs"]]
     assert layers[-1] == 0 and set(layers[:-1]) == {1, 2} and sum(layers) == 24
+
+
+# Screened steps and exact ones by hand: layouts "a" to "e" screen at 10, 10.1, 10.3,
+# 11 and 12 s; exactly they take 9.9, 10.1, 9.8, 11 and 11.5 s ("e" is faster exactly
+# but screened beyond the 2% margin of the second-best screened step: left screened).
+_SCREENED = {1: 10.0, 2: 10.1, 3: 10.3, 4: 11.0, 5: 12.0}
+_EXACT = {1: 9.9, 2: 10.1, 3: 9.8, 4: 11.0, 5: 11.5}
+
+
+def _toy_layouts() -> list[Layout]:
+    return [Layout("1f1b", pp=1, tp=1, dp=dp, microbatch_size=1, microbatches=1, virtual_stages=1) for dp in _SCREENED]
+
+
+def _toy_row(layout: Layout, step: float) -> dict:
+    return {"layout": layout.label(), **{name: getattr(layout, name) for name in Layout.__dataclass_fields__},
+            "step_time": step, "oom": False}
+
+
+def _toy_screen(layout: Layout) -> dict:
+    return _toy_row(layout, _SCREENED[layout.dp])
+
+
+def _toy_exact(layout: Layout) -> dict:
+    if layout.dp == 4:
+        return {"error": "needs more memory exactly"}
+    return _toy_row(layout, _EXACT[layout.dp])
+
+
+def test_the_finalists_are_simulated_exactly_and_ranked_by_it():
+    result = search(_toy_layouts(), _toy_screen, lambda layout: 0.0, top=2, refine=_toy_exact)
+    # finalists: the top 2 screened (10, 10.1) and every one within 2% of 10.1 (<= 10.302): 10.3 too
+    assert result.refined == 3
+    assert [(row["dp"], row["step_time"], row.get("screened", False)) for row in result.rows] == [
+        (3, 9.8, False), (1, 9.9, False), (2, 10.1, False), (4, 11.0, True), (5, 12.0, True)]
+    assert result.ranked + sum(result.failed.values()) == result.simulated == 5
+
+
+def test_a_finalist_that_fails_exactly_leaves_the_ranking_and_is_counted_once():
+    result = search(_toy_layouts(), _toy_screen, lambda layout: 0.0, top=4, refine=_toy_exact)
+    # top 4 screened are dp 1-4; within 2% of 11.0 (<= 11.22) adds none; dp 4 fails exactly
+    assert result.refined == 4
+    assert [row["dp"] for row in result.rows] == [3, 1, 2, 5]
+    assert result.failed == {"needs more memory exactly": 1}
+    assert result.ranked + sum(result.failed.values()) == result.simulated == 5
+    assert [other["dp"] for other in result.others if other["bucket"] == "simulated"] == [4]

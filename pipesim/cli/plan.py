@@ -110,8 +110,8 @@ def handle(args: argparse.Namespace) -> int:
         print(format_causes("ruled out", ruled_out) or "no layout to consider", file=sys.stderr)
         return 1
     _init_worker(base)
-    result = search(layouts, evaluate_layout, lower_bound, args.top, workers, _progress(args), ruled_out,
-                    reject=reject_cause, describe=describe_layout if args.html else None)
+    result = search(layouts, screen_layout, lower_bound, args.top, workers, _progress(args), ruled_out,
+                    reject=reject_cause, describe=describe_layout if args.html else None, refine=evaluate_layout)
     print(format_plan(result, args))
     _write_outputs(args, result)
     return 0 if result.rows else 1
@@ -372,8 +372,23 @@ def _pipeline_devices(dp: int, pp: int, tp: int, rank_order: str) -> list[str]:
 
 @without_collector  # paused for the whole layout: its Trace is freed before the collector runs again
 def evaluate_layout(layout: Layout) -> dict:
-    """Simulate one layout as ``pipesim simulate`` would; a row for the table, or
+    """Simulate one layout exactly as ``pipesim simulate`` would; a row for the table, or
     ``{"error": cause}`` for a layout that cannot be built."""
+    return _evaluated(layout, exact=True)
+
+
+@without_collector
+def screen_layout(layout: Layout) -> dict:
+    """``evaluate_layout`` with the two searches that cost the most and change the least
+    left out: lowering places the transfers by its best rule without the repair pass, and
+    zb-auto keeps its best heuristic without the solver's pass. Both only ever keep what
+    makes the step shorter, so a screened step is the exact one or a little longer; the
+    planner screens every layout this way and simulates its finalists exactly."""
+    return _evaluated(layout, exact=False)
+
+
+def _evaluated(layout: Layout, exact: bool) -> dict:
+    from pipesim.sim.engine import lower_for
     from pipesim.sim.step import run_simulation
     from schedules.generators import COST_AWARE, ScheduleUnavailableError
     from schedules.generators.adaptive import ADAPTABLE
@@ -384,7 +399,7 @@ def evaluate_layout(layout: Layout) -> dict:
         _, layout_costs, shell, costs_key = _layout_costs(layout)
         ordered_by_costs = layout.schedule in COST_AWARE or layout.schedule in ADAPTABLE
         if ordered_by_costs:  # its order follows from this layout's costs, as simulate builds it
-            schedule = schedule_of(job, topology)
+            schedule = schedule_of(job, topology, search_seconds=None if exact else 0.0)
         else:
             schedule = _generated(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
                                   job.max_actions)
@@ -393,9 +408,13 @@ def evaluate_layout(layout: Layout) -> dict:
         cause = _order_memory_cause(schedule, costs, parallel_of(job), layout)
         if cause is not None:
             return {"rejected": cause}
+        repair_runs = None if exact else 0
         if not ordered_by_costs and costs is layout_costs:
             schedule = _lowered_for(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
-                                    job.max_actions, costs_key, job.rank_order)
+                                    job.max_actions, costs_key, job.rank_order, repair_runs)
+        else:
+            schedule = lower_for(schedule, costs, topology, _pipeline_devices(layout.dp, layout.pp, layout.tp,
+                                                                             job.rank_order), repair_runs)
         # Generated here and lowered for this layout's costs and links as simulate lowers it, so
         # valid by construction (tests/test_p2p.py proves it for every generator); the engine's
         # run is the deadlock check that remains.
@@ -457,15 +476,16 @@ def _generated(name: str, pp: int, microbatches: int, virtual_stages: int, max_a
 
 @functools.lru_cache(maxsize=256)
 def _lowered_for(name: str, pp: int, microbatches: int, virtual_stages: int, max_actions: int, costs_key: tuple,
-                 rank_order: str):
+                 rank_order: str, repair_runs: int | None = None):
     """The order lowered for the costs named ``costs_key`` on their pipeline's devices, as
-    ``simulate`` lowers it (``pipesim.sim.engine.lower_for``), kept: layouts that differ
-    only in what lowering does not read (the ZeRO stage, say) share it."""
+    ``simulate`` lowers it (``pipesim.sim.engine.lower_for``; ``repair_runs`` 0 when
+    screening), kept: layouts that differ only in what lowering does not read (the ZeRO
+    stage, say) share it."""
     from pipesim.sim.engine import lower_for
 
     placement, _, tp, dp = costs_key[:4]
     return lower_for(_generated(name, pp, microbatches, virtual_stages, max_actions), _placed_costs(*costs_key),
-                     _BASE["topology"], _pipeline_devices(dp, pp, tp, rank_order))
+                     _BASE["topology"], _pipeline_devices(dp, pp, tp, rank_order), repair_runs)
 
 
 def format_causes(bucket: str, causes) -> str:
@@ -490,6 +510,9 @@ def format_plan(result, args: argparse.Namespace) -> str:
                  f"{sum(result.screened.values())} rejected before simulation + {result.simulated} simulated "
                  f"({result.ranked} ranked, {failed} did not fit or could not be built) + {result.pruned} pruned "
                  f"by lower bound (cannot reach the top {args.top}); {result.seconds:.1f} s, {rate:.0f} simulated/s")
+    if result.refined:
+        lines.append(f"screened with lowering's best rule and zb-auto's best heuristic; the {result.refined} "
+                     f"finalists simulated again exactly as `pipesim simulate` runs them")
     for bucket, causes in (("ruled out", result.ruled_out), ("rejected before simulation", result.screened),
                            ("simulated, not ranked", result.failed)):
         if causes:

@@ -166,6 +166,7 @@ class PlanResult:
     pruned: int
     seconds: float
     others: list[dict] = field(default_factory=list)
+    refined: int = 0
 
     @property
     def ranked(self) -> int:
@@ -183,6 +184,7 @@ class PlanResult:
             "pruned_by_bound": self.pruned,
             "causes": {"ruled_out": dict(self.ruled_out), "rejected_before_simulation": dict(self.screened),
                        "simulated_and_failed": dict(self.failed)},
+            "simulated_exactly": self.refined,
             "seconds": self.seconds,
             "simulated_per_second": self.simulated / self.seconds if self.seconds else None,
         }
@@ -198,6 +200,7 @@ def search(
     rejected: Counter | None = None,
     reject: Callable[[Layout], str | None] | None = None,
     describe: Callable[[Layout], dict] | None = None,
+    refine: Callable[[Layout], dict] | None = None,
 ) -> PlanResult:
     """Simulate layouts in order of their lower bound, a few at a time on each of
     ``workers`` processes, and stop simulating once the next bound cannot beat the ``top``-th best
@@ -208,8 +211,14 @@ def search(
     names a cause for layouts that provably cannot work (checked before anything is
     simulated); ``rejected`` counts, by cause, the layouts ruled out before the search.
     ``describe`` adds what is known of a layout that is not simulated (its memory floor,
-    say) to its entry in ``PlanResult.others``. With several workers, ``evaluate``,
-    ``bound`` and ``reject`` run in them and must be module-level functions."""
+    say) to its entry in ``PlanResult.others``.
+
+    ``refine`` is the exact evaluation where ``evaluate`` screens (a step the same or a
+    little longer, found faster): the finalists, the ``top`` best screened rows and every
+    row within ``REFINE_MARGIN`` of the ``top``-th, are evaluated again with it and ranked
+    by what it says, ahead of the rows only screened (marked ``"screened": True``). With
+    several workers, ``evaluate``, ``refine``, ``bound`` and ``reject`` run in them and
+    must be module-level functions."""
     started = time.perf_counter()
     ruled_out = Counter(rejected or {})
     screened: Counter = Counter()
@@ -228,13 +237,14 @@ def search(
     pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context()) for _ in range(workers)] \
         if workers > 1 else None
 
-    def each(function: Callable, items: list) -> list:
-        """``function`` of every item, each on its worker when there are several (in order)."""
+    def each(function: Callable, items: list, spread: bool = False) -> list:
+        """``function`` of every item, each on its worker when there are several (in order),
+        or dealt out in turn with ``spread`` (a few heavy items: balance over sharing)."""
         if pools is None:
             return [function(item) for item in items]
         mine: list[list[int]] = [[] for _ in pools]
         for index, item in enumerate(items):
-            mine[worker_of(item, len(pools))].append(index)
+            mine[index % len(pools) if spread else worker_of(item, len(pools))].append(index)
         results: list = [None] * len(items)
         batches = [(indices, pools[worker].map(function, [items[index] for index in indices],
                                                 chunksize=max(1, len(indices) // 8)))
@@ -294,10 +304,13 @@ def search(
                 insort(fitting, row["step_time"])  # kept sorted: the top-th best is fitting[top - 1]
             if progress is not None:
                 progress(position - len(in_flight), len(order))
+        rows.sort(key=lambda row: (row["step_time"], row["layout"]))
+        refined = 0
+        if refine is not None and rows:
+            rows, refined = _refined(rows, top, each, refine, others, failed)
     finally:
         for pool in pools or ():
             pool.shutdown()
-    rows.sort(key=lambda row: (row["step_time"], row["layout"]))
     others += [{**layout_fields(layout), "bucket": "pruned", "cause": "its lower bound cannot reach the top",
                 "lower_bound": bounds[layout]} for layout in order[position:]]
     if describe is not None:  # what is known of the layouts never simulated
@@ -305,7 +318,33 @@ def search(
             if other["bucket"] != "simulated":
                 other.update(describe(Layout(**{key: other[key] for key in Layout.__dataclass_fields__})))
     return PlanResult(rows, considered, ruled_out, screened, failed, simulated, len(order) - position,
-                      time.perf_counter() - started, others)
+                      time.perf_counter() - started, others, refined)
+
+
+# Screened rows this much slower than the top-th are evaluated exactly too: a layout the
+# exact searches speed up by more would be missed (on the 70B plan of the README they
+# changed no step of the top 10; benchmarks/bench_plan.py compares with the exact search).
+REFINE_MARGIN = 0.02
+
+
+def _refined(rows: list[dict], top: int, each: Callable, refine: Callable[[Layout], dict], others: list[dict],
+             failed: Counter) -> tuple[list[dict], int]:
+    """The finalists among the screened ``rows`` (sorted) evaluated with ``refine`` and
+    ranked first, the rest after them marked as screened; how many were refined."""
+    cutoff = rows[min(top, len(rows)) - 1]["step_time"] * (1 + REFINE_MARGIN)
+    count = max(min(top, len(rows)), sum(row["step_time"] <= cutoff for row in rows))
+    finalists = [Layout(**{key: row[key] for key in LAYOUT_FIELDS}) for row in rows[:count]]
+    exact = []
+    for screened_row, row in zip(rows[:count], each(refine, finalists, spread=True), strict=True):
+        if "step_time" not in row or row.get("oom"):  # the exact order needs more memory than the screened one
+            cause = row.get("rejected") or row.get("error") or "out of memory"
+            failed[cause] += 1
+            others.append({**{key: value for key, value in screened_row.items() if key != "error"},
+                           "bucket": "simulated", "cause": cause})
+            continue
+        exact.append({**row, "lower_bound": screened_row["lower_bound"]})
+    exact.sort(key=lambda row: (row["step_time"], row["layout"]))
+    return exact + [{**row, "screened": True} for row in rows[count:]], count
 
 
 def worker_of(layout: Layout, workers: int) -> int:

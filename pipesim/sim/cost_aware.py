@@ -38,9 +38,12 @@ def build_cost_aware(
     topology: Topology,
     memory_limit: int | None = None,
     devices: Sequence[str] | None = None,
+    search_seconds: float | None = None,
 ) -> Schedule:
     """The named cost-aware schedule for one stage per rank with these costs.
-    ``devices`` are the pipeline ranks' devices (default: the topology's mapping)."""
+    ``devices`` are the pipeline ranks' devices (default: the topology's mapping);
+    ``search_seconds`` is zb-auto's optimising pass budget (default: its own; 0:
+    heuristics only, as a planner screening thousands of layouts asks)."""
     if name not in COST_AWARE:
         raise UnknownScheduleError(f"{name!r} is not a cost-aware schedule; those are: {', '.join(sorted(COST_AWARE))}")
     if costs.num_stages != pp:
@@ -55,6 +58,7 @@ def build_cost_aware(
         [stage.wgrad + costs.action_overhead for stage in stages],
         comm=hop_seconds(costs, topology, devices) + 2 * costs.comm_overhead,
         memory_limit=memory_limit,
+        **({} if search_seconds is None else {"search_seconds": search_seconds}),
     )
 
 
