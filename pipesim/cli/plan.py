@@ -206,7 +206,7 @@ def _init_worker(base: Job) -> None:
     _BASE["job"] = base
     _BASE["topology"] = topology_of(base)
     for cache in (_layout_costs, _placed_costs, _shell, _layout_parallel, _bound_terms, _floors, _pipeline_devices,
-                  _lowered_for):
+                  _lowered_for, _ordered_by_costs):
         cache.cache_clear()  # they kept the job set up before
 
 
@@ -398,8 +398,12 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
         job = layout_job(layout)
         _, layout_costs, shell, costs_key = _layout_costs(layout)
         ordered_by_costs = layout.schedule in COST_AWARE or layout.schedule in ADAPTABLE
+        # orders and lowering read the stages' times and transfers, never the optimizer step:
+        # layouts that differ in their ZeRO stage alone share them (built for ZeRO 0)
+        unsharded = replace(layout, zero=0)
+        search_seconds = None if exact else 0.0
         if ordered_by_costs:  # its order follows from this layout's costs, as simulate builds it
-            schedule = schedule_of(job, topology, search_seconds=None if exact else 0.0)
+            schedule = _ordered_by_costs(unsharded, search_seconds)
         else:
             schedule = _generated(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
                                   job.max_actions)
@@ -409,9 +413,8 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
         if cause is not None:
             return {"rejected": cause}
         repair_runs = None if exact else 0
-        if not ordered_by_costs and costs is layout_costs:
-            schedule = _lowered_for(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
-                                    job.max_actions, costs_key, job.rank_order, repair_runs)
+        if costs is layout_costs:
+            schedule = _lowered_for(unsharded, search_seconds, repair_runs)
         else:
             schedule = lower_for(schedule, costs, topology, _pipeline_devices(layout.dp, layout.pp, layout.tp,
                                                                              job.rank_order), repair_runs)
@@ -475,17 +478,30 @@ def _generated(name: str, pp: int, microbatches: int, virtual_stages: int, max_a
 
 
 @functools.lru_cache(maxsize=256)
-def _lowered_for(name: str, pp: int, microbatches: int, virtual_stages: int, max_actions: int, costs_key: tuple,
-                 rank_order: str, repair_runs: int | None = None):
-    """The order lowered for the costs named ``costs_key`` on their pipeline's devices, as
-    ``simulate`` lowers it (``pipesim.sim.engine.lower_for``; ``repair_runs`` 0 when
-    screening), kept: layouts that differ only in what lowering does not read (the ZeRO
-    stage, say) share it."""
-    from pipesim.sim.engine import lower_for
+def _ordered_by_costs(layout: Layout, search_seconds: float | None):
+    """A cost-aware or adapted order (zb-auto, zb-h1, zb-h2) built from the layout's costs
+    as ``simulate`` builds it (``search_seconds`` 0 when screening: zb-auto's heuristics
+    only), kept."""
+    return schedule_of(layout_job(layout), _BASE["topology"], search_seconds=search_seconds)
 
-    placement, _, tp, dp = costs_key[:4]
-    return lower_for(_generated(name, pp, microbatches, virtual_stages, max_actions), _placed_costs(*costs_key),
-                     _BASE["topology"], _pipeline_devices(dp, pp, tp, rank_order), repair_runs)
+
+@functools.lru_cache(maxsize=256)
+def _lowered_for(layout: Layout, search_seconds: float | None, repair_runs: int | None):
+    """The layout's order lowered for its costs on its pipeline's devices, as ``simulate``
+    lowers it (``pipesim.sim.engine.lower_for``; ``repair_runs`` 0 when screening),
+    kept: layouts that differ only in what lowering does not read share it."""
+    from pipesim.sim.engine import lower_for
+    from schedules.generators import COST_AWARE
+    from schedules.generators.adaptive import ADAPTABLE
+
+    job = layout_job(layout)
+    if layout.schedule in COST_AWARE or layout.schedule in ADAPTABLE:
+        order = _ordered_by_costs(layout, search_seconds)
+    else:
+        order = _generated(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages, job.max_actions)
+    _, costs, _, _ = _layout_costs(layout)
+    return lower_for(order, costs, _BASE["topology"], _pipeline_devices(layout.dp, layout.pp, layout.tp,
+                                                                       job.rank_order), repair_runs)
 
 
 def format_causes(bucket: str, causes) -> str:
