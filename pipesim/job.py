@@ -442,15 +442,30 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
                  cp: int = 1, layer_hold_seconds: float = 0.0) -> Costs:
     """``transformer_costs.model_costs``, kept per distinct input: it is a pure function of
     them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
-    layouts (every dp width on one kind of GPU, with and without ZeRO where it does not
-    change the optimizer's bytes)."""
+    layouts (every dp width on one kind of GPU, with and without ZeRO). The optimizer
+    step is the one figure the optimizer's bytes per parameter change, in proportion
+    (each rank reads and writes them once), so the stages are derived once for all of them."""
+    per_byte = _model_costs_per_optimizer_byte(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
+                                               flash_attention, fallback_peak, bandwidths, fallback_bandwidth,
+                                               stage_ranks, gpus, fallback_gpu, profiled, ep, cp, layer_hold_seconds)
+    return per_byte.with_step_overhead(per_byte.step_overhead * optimizer_state_bytes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None,
+                                    sequence_parallel: bool, layout: tuple | None, recompute: str,
+                                    flash_attention: bool, fallback_peak: float, bandwidths: tuple,
+                                    fallback_bandwidth: float, stage_ranks: tuple, gpus: tuple,
+                                    fallback_gpu: str | None, profiled, ep: int, cp: int,
+                                    layer_hold_seconds: float) -> Costs:
+    """``_model_costs`` with an optimizer that passes over one byte per parameter."""
     from pipesim.model.transformer_costs import model_costs
 
     return model_costs(spec, num_stages, list(peaks), tp=tp, mfu=mfu, sequence_parallel=sequence_parallel,
                        layers_per_stage=list(layout) if layout else None, recompute=recompute,
                        flash_attention=flash_attention, fallback_peak=fallback_peak,
                        stage_memory_bandwidth=list(bandwidths), fallback_memory_bandwidth=fallback_bandwidth,
-                       optimizer_state_bytes=optimizer_state_bytes, stage_ranks=list(stage_ranks),
+                       optimizer_state_bytes=1.0, stage_ranks=list(stage_ranks),
                        stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled, ep=ep, cp=cp,
                        layer_hold_seconds=layer_hold_seconds)
 

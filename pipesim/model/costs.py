@@ -145,6 +145,15 @@ class Costs:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    def with_step_overhead(self, seconds: float) -> Costs:
+        """These costs with another optimizer step, the stages not checked again (they
+        were): a planner derives thousands of layouts' costs that differ only there."""
+        check_number(seconds, "step_overhead")
+        copy = object.__new__(Costs)
+        copy.__dict__.update(self.__dict__, meta=dict(self.meta))
+        object.__setattr__(copy, "step_overhead", seconds)
+        return copy
+
     def durations(self) -> dict[tuple[int, str], float]:
         """Seconds of every (stage, compute kind), for the simulator's lookup table."""
         table = {}
