@@ -73,7 +73,7 @@ def lower(schedule: Schedule, timing: engine.StepTiming | None = None, repair_ru
         return _lower_naively(schedule)
     step, free_start = planned
     search = Search(schedule, transfers_of(step, timing), timing, free_start)
-    if arrays.size > CHOICE_ACTIONS and repair_runs is None:
+    if arrays.size > CHOICE_ACTIONS and not repair_runs:
         return keep_pairs_together(search.default_rule(), schedule)
     best = search.best_rule()
     budget = repair_budget(arrays.size) if repair_runs is None else repair_runs

@@ -392,6 +392,7 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
     from pipesim.sim.step import run_simulation
     from schedules.generators import COST_AWARE, ScheduleUnavailableError
     from schedules.generators.adaptive import ADAPTABLE
+    from schedules.lowering import repair_budget
 
     topology = _BASE["topology"]
     try:
@@ -401,7 +402,8 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
         # orders and lowering read the stages' times and transfers, never the optimizer step:
         # layouts that differ in their ZeRO stage alone share them (built for ZeRO 0)
         unsharded = replace(layout, zero=0)
-        search_seconds = None if exact else 0.0
+        # zb-auto's optimising pass is what screening leaves out; the adapted orders have none
+        search_seconds = None if exact or layout.schedule not in COST_AWARE else 0.0
         if ordered_by_costs:  # its order follows from this layout's costs, as simulate builds it
             schedule = _ordered_by_costs(unsharded, search_seconds)
         else:
@@ -412,7 +414,8 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
         cause = _order_memory_cause(schedule, costs, parallel_of(job), layout)
         if cause is not None:
             return {"rejected": cause}
-        repair_runs = None if exact else 0
+        # screening leaves lowering's repair out; where the budget has no runs the two agree
+        repair_runs = None if exact and repair_budget(sum(map(len, schedule.programs))) else 0
         if costs is layout_costs:
             schedule = _lowered_for(unsharded, search_seconds, repair_runs)
         else:

@@ -85,6 +85,8 @@ def zb_auto(
         (ActionKind.W, "weight-gradient", backward_weight))}
     if comm < 0:
         raise ScheduleUnavailableError(f"zb-auto: communication time must be >= 0, got {comm!r}")
+    if pp * microbatches > SEARCH_PASSES:
+        search_seconds = 0.0  # no optimising pass at this size: the same search as heuristics only
     return _fastest_order(pp, microbatches, tuple(costs["F"]), tuple(costs["I"]), tuple(costs["W"]), float(comm),
                           limit, float(weight_memory), float(search_seconds))
 
@@ -98,16 +100,40 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
     not depend on (optimizer sharding, say) searches once and shares the schedule, with
     its lowering and compiled programs (``Schedule.derived``)."""
     placement = looped_placement(pp, 1)
+    cost = _cost_of(pp, microbatches, forward, backward_input, backward_weight, comm)
+    best = _best_heuristic(pp, microbatches, forward, backward_input, backward_weight, comm, limit, weight_memory)
+    if search_seconds > 0 and pp * microbatches <= SEARCH_PASSES:
+        refined = refine(pp, microbatches, forward, backward_input, backward_weight, comm, limit, weight_memory,
+                         best, search_seconds)
+        if refined is not None and cost(refined) < cost(best):
+            best = refined
+    return Schedule(pp, microbatches, placement, best, name="zb-auto",
+                    meta={"memory_microbatches": limit, "weight_memory": weight_memory})
+
+
+def _cost_of(pp: int, microbatches: int, forward: tuple[float, ...], backward_input: tuple[float, ...],
+             backward_weight: tuple[float, ...], comm: float):
+    """The candidates' cost: the paper's (the longest rank span) first, then the step, on
+    the engine with free-flowing transfers ``comm`` after their producer."""
+    placement = looped_placement(pp, 1)
     # per stage: F, B (= I + W, unused: the orders split every backward), I, W
     timing = engine.StepTiming(
         np.array([[f, i + w, i, w] for f, i, w in zip(forward, backward_input, backward_weight, strict=True)]),
         wires=engine.hop_wires(pp, comm))
 
     def cost(programs) -> tuple[float, float]:
-        """The paper's cost (the longest rank span) first, then the step."""
         step = engine.run(Schedule(pp, microbatches, placement, programs), timing, engine.FREE)
         return float(step.rank_spans().max()), step.makespan
 
+    return cost
+
+
+@functools.lru_cache(maxsize=256)
+def _best_heuristic(pp: int, microbatches: int, forward: tuple[float, ...], backward_input: tuple[float, ...],
+                    backward_weight: tuple[float, ...], comm: float, limit: int, weight_memory: float):
+    """The best of the heuristics' orders, kept: a planner screens with it and then asks
+    for the optimising pass from it on its finalists."""
+    cost = _cost_of(pp, microbatches, forward, backward_input, backward_weight, comm)
     candidates = []
     for patient in (False, True):
         for cap in sorted({None, *(c for c in (pp, 2 * pp - 1, limit // 2) if 1 <= c < limit)}, key=str):
@@ -122,14 +148,7 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
         candidates.append(zb_h1(pp, microbatches).programs)
     if limit >= 2 * pp - 1:
         candidates.append(zb_h2(pp, microbatches).programs)
-    best = min(candidates, key=cost)
-    if search_seconds > 0 and pp * microbatches <= SEARCH_PASSES:
-        refined = refine(pp, microbatches, forward, backward_input, backward_weight, comm, limit, weight_memory,
-                         best, search_seconds)
-        if refined is not None and cost(refined) < cost(best):
-            best = refined
-    return Schedule(pp, microbatches, placement, best, name="zb-auto",
-                    meta={"memory_microbatches": limit, "weight_memory": weight_memory})
+    return min(candidates, key=cost)
 
 
 def _per_stage(name: str, value: float | Sequence[float], pp: int) -> list[float]:
