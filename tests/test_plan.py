@@ -8,11 +8,20 @@ import json
 import time
 
 import pytest
+import tomllib
 
 from pipesim.cli import main
 from pipesim.cli import plan as plan_command
 from pipesim.job import Job, simulate_job
-from pipesim.plan.search import Layout, SearchSpace, enumerate_layouts, pareto_front, parse_constraints, search
+from pipesim.plan.search import (
+    Layout,
+    SearchSpace,
+    enumerate_layouts,
+    expert_parallel_sizes,
+    pareto_front,
+    parse_constraints,
+    search,
+)
 from schedules.generators import GENERATORS, MULTI_CHUNK
 
 
@@ -419,3 +428,38 @@ def test_a_finalist_that_fails_exactly_leaves_the_ranking_and_is_counted_once():
     assert result.failed == {"needs more memory exactly": 1}
     assert result.ranked + sum(result.failed.values()) == result.simulated == 5
     assert [other["dp"] for other in result.others if other["bucket"] == "simulated"] == [4]
+
+
+def test_plan_searches_expert_parallelism_and_its_row_equals_simulate(tmp_path):
+    # a mixture of experts: ep is searched (here 2 and 4, cut from the 4 replicas) and the
+    # chosen layout's row is what `simulate --ep` prints for it
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--global-batch", "32", "--seq-len", "4096",
+                 "--topology", "ib", "--gpu", "h100", "--schedules", "1f1b", "--microbatch-sizes", "1",
+                 "--constraint", "pp=2", "--constraint", "tp=2", "--ep", "2,4", "--top", "3", "--workers", "1",
+                 "--quiet", "--json", str(out), "--torchtitan", str(tmp_path / "titan"), "--fsdp"]) == 0
+    plan = json.loads(out.read_text())
+    rows = plan["ranked"]
+    assert rows and {row["ep"] for row in rows} <= {2, 4}
+    config = tomllib.loads((tmp_path / "titan" / "torchtitan.toml").read_text())["parallelism"]
+    assert config["expert_parallel_degree"] == rows[0]["ep"]
+    assert all(f"dp4 ep{row['ep']}" in row["layout"] for row in rows)
+    best = rows[0]
+    result = tmp_path / "simulate.json"
+    assert main(["simulate", "--model", "mixtral-8x7b", "--seq-len", "4096", "--topology", "ib", "--nodes", "2",
+                 "--gpu", "h100", "--schedule", "1f1b", "--pp", "2", "--tp", "2", "--dp", "4", "--ep", str(best["ep"]),
+                 "-m", str(best["microbatches"]), "--microbatch-size", "1", "--zero", str(best["zero"]),
+                 *(["--sequence-parallel"] if best["sequence_parallel"] else []), "--json", str(result)]) == 0
+    assert json.loads(result.read_text())["makespan"] == pytest.approx(best["step_time"], rel=1e-12)
+
+
+def test_plan_refuses_ep_for_a_dense_model(capsys):
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--ep", "2"]) == 2
+    assert "llama3-8b has no experts to split" in capsys.readouterr().err
+
+
+def test_expert_parallel_sizes_are_the_powers_of_two_dividing_the_experts():
+    space = SearchSpace(gpus=8, gpus_per_node=8, global_batch=8, layers=4, heads=8, kv_heads=8, experts=12)
+    assert expert_parallel_sizes(space) == [1, 2, 4]  # 8 does not divide 12
+    assert expert_parallel_sizes(SearchSpace(gpus=8, gpus_per_node=8, global_batch=8, layers=4, heads=8,
+                                             kv_heads=8)) == [1]

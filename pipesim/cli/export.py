@@ -199,4 +199,4 @@ def layout_from_args(args: argparse.Namespace):
         layers, seq_len, microbatch_size = spec.layers, spec.seq_len, spec.microbatch_size
     return TorchtitanLayout(dp=getattr(args, "dp", 1), tp=getattr(args, "tp", 1), fsdp=getattr(args, "fsdp", False),
                             microbatch_size=microbatch_size, layers=layers, seq_len=seq_len,
-                            torch_class=getattr(args, "torch_class", None))
+                            torch_class=getattr(args, "torch_class", None), ep=getattr(args, "ep", 1))

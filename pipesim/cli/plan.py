@@ -74,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="ZeRO stages to try with dp > 1: 1 optimizer state, 2 and gradients, 3 and parameters "
                         f"(FSDP) sharded over dp (default: {','.join(map(str, ZERO_STAGES))})")
     add_memory_headroom_arg(parser)
+    parser.add_argument("--ep", default=None,
+                        help="expert-parallel sizes to try for a mixture-of-experts model, comma-separated (default: "
+                        "every power of two dividing its routed experts; ranks cut from the dp replicas)")
     parser.add_argument("--sequence-parallel", default="off,on",
                         help="sequence parallelism to try with tp > 1: off, on or both (default: off,on)")
     parser.add_argument("--mfu", type=float, default=None,
@@ -160,7 +163,12 @@ def _checked_job(args: argparse.Namespace) -> tuple[Job, SearchSpace]:
         sequence_parallel=[SEQUENCE_PARALLEL[mode] for mode in _names(args.sequence_parallel, "--sequence-parallel",
                                                                        tuple(SEQUENCE_PARALLEL))],
         constraints=parse_constraints(args.constraint),
+        experts=spec.moe.experts if spec.moe else 0,
+        expert_parallel=_ints(args.ep, "--ep") if args.ep else None,
     )
+    if args.ep and not spec.moe:
+        raise ValueError(f"--ep {args.ep}: {args.model} has no experts to split (expert parallelism needs a "
+                         "mixture-of-experts model)")
     return base, space
 
 
@@ -215,7 +223,7 @@ def layout_job(layout: Layout) -> Job:
     return replace(_BASE["job"], schedule=layout.schedule, pp=layout.pp, tp=layout.tp, dp=layout.dp,
                    microbatches=layout.microbatches, microbatch_size=layout.microbatch_size,
                    virtual_stages=layout.virtual_stages, recompute=layout.recompute, zero=layout.zero,
-                   sequence_parallel=layout.sequence_parallel)
+                   sequence_parallel=layout.sequence_parallel, ep=layout.ep)
 
 
 @functools.cache
@@ -227,8 +235,8 @@ def _layout_costs(layout: Layout):
     # the costs see ZeRO only through the optimizer step's bytes, alike for stages 1 to 3
     # (``pipesim.sim.zero.optimizer_bytes_per_param``): those layouts share them
     key = (shell.placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
-           min(layout.zero, 1), layout.sequence_parallel)
-    return _layout_parallel(layout.dp, layout.tp, layout.zero), _placed_costs(*key), shell, key
+           min(layout.zero, 1), layout.sequence_parallel, layout.ep)
+    return _layout_parallel(layout.dp, layout.tp, layout.zero, layout.ep), _placed_costs(*key), shell, key
 
 
 @functools.lru_cache(maxsize=4096)
@@ -242,21 +250,21 @@ def _shell(schedule: str, pp: int, virtual_stages: int, microbatches: int):
 
 
 @functools.lru_cache(maxsize=1024)
-def _layout_parallel(dp: int, tp: int, zero: int):
-    """``parallel_of`` the layout's job: only dp, tp and ZeRO differ between layouts."""
-    return parallel_of(replace(_BASE["job"], dp=dp, tp=tp, zero=zero))
+def _layout_parallel(dp: int, tp: int, zero: int, ep: int = 1):
+    """``parallel_of`` the layout's job: only dp, tp, ZeRO and ep differ between layouts."""
+    return parallel_of(replace(_BASE["job"], dp=dp, tp=tp, zero=zero, ep=ep))
 
 
 @functools.lru_cache(maxsize=8192)
 def _placed_costs(placement: tuple[int, ...], pp: int, tp: int, dp: int, microbatch_size: int, recompute: str,
-                  zero: int, sequence_parallel: bool):
+                  zero: int, sequence_parallel: bool, ep: int = 1):
     """The per-stage costs of every layout with these stages on these ranks: the schedule
     and the microbatch count do not change them (1F1B, GPipe and the zero-bubble orders
     share them), so they are derived once."""
     from schedules.schedule import Schedule
 
     job = replace(_BASE["job"], pp=pp, tp=tp, dp=dp, microbatch_size=microbatch_size, recompute=recompute, zero=zero,
-                  sequence_parallel=sequence_parallel)
+                  sequence_parallel=sequence_parallel, ep=ep)
     return costs_of(job, Schedule(pp, 1, placement, [()] * pp), _BASE["topology"])
 
 
@@ -592,7 +600,7 @@ def _write_torchtitan(args: argparse.Namespace, best: dict) -> None:
     spec = model_spec_of(job)
     written = write_torchtitan(args.torchtitan, schedule_of(job, _BASE["topology"]), TorchtitanLayout(
         dp=layout.dp, tp=layout.tp, fsdp=args.fsdp, microbatch_size=layout.microbatch_size, layers=spec.layers,
-        seq_len=spec.seq_len))
+        seq_len=spec.seq_len, ep=layout.ep))
     print(f"wrote {', '.join(str(path) for path in written)}: {best['layout']}")
 
 

@@ -40,8 +40,9 @@ SCHEDULE_FILE, LOWERED_FILE, TOML_FILE, ARGS_FILE = (
 class TorchtitanLayout:
     """What torchtitan needs beyond the schedule: data-parallel replicas ``dp`` (sharding
     parameters with FSDP when ``fsdp``, else replicating them as DDP), tensor-parallel
-    ranks ``tp``, sequences per microbatch, and where known the model's layers and
-    sequence length; ``torch_class`` overrides the class chosen from the placement."""
+    ranks ``tp``, expert-parallel ranks ``ep``, sequences per microbatch, and where known
+    the model's layers and sequence length; ``torch_class`` overrides the class chosen
+    from the placement."""
 
     dp: int = 1
     tp: int = 1
@@ -50,6 +51,7 @@ class TorchtitanLayout:
     layers: int | None = None
     seq_len: int | None = None
     torch_class: str | None = None
+    ep: int = 1  # expert-parallel ranks, cut from the data-parallel ones
 
 
 def layers_per_stage(schedule: Schedule, layers: int | None, cls: TorchClass) -> int | None:
@@ -110,6 +112,8 @@ def config_fields(schedule: Schedule, layout: TorchtitanLayout, cls: TorchClass,
     parallelism.update(data_parallel_replicate_degree=1 if layout.fsdp else layout.dp,
                        data_parallel_shard_degree=layout.dp if layout.fsdp else 1,
                        tensor_parallel_degree=layout.tp)
+    if layout.ep > 1:
+        parallelism["expert_parallel_degree"] = layout.ep
     training: dict[str, object] = {}
     if layout.seq_len is not None:
         training["seq_len"] = layout.seq_len

@@ -4,8 +4,9 @@ lower bound on their step time, so layouts that provably cannot reach the top ar
 simulated.
 
 A layout is a schedule, pp × tp × dp, virtual stages, microbatch size (the microbatch
-count follows from the global batch), recompute, the ZeRO stage and sequence
-parallelism. Layers need not divide over the pp × v stages: each layout's split is the
+count follows from the global batch), recompute, the ZeRO stage, sequence parallelism
+and, for a mixture of experts, the expert-parallel size (ep ranks cut from the dp
+replicas, as ``simulate --ep`` places them). Layers need not divide over the pp × v stages: each layout's split is the
 balanced one ``pipesim simulate`` makes (``pipesim.model.stage_split``), chosen per
 layout rather than searched. Simulating one is the same call as ``pipesim simulate`` with those flags
 (the caller passes it in as ``evaluate``), so a plan's numbers are exactly what
@@ -48,12 +49,14 @@ class Layout:
     recompute: str = "none"
     zero: int = 0
     sequence_parallel: bool = False
+    ep: int = 1
 
     def label(self) -> str:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        experts = f" ep{self.ep}" if self.ep > 1 else ""
         extras = "".join([f" recompute={self.recompute}" if self.recompute != "none" else "",
                           f" zero{self.zero}" if self.zero else "", " sp" if self.sequence_parallel else ""])
-        return (f"{self.schedule}{chunks} pp{self.pp} tp{self.tp} dp{self.dp} "
+        return (f"{self.schedule}{chunks} pp{self.pp} tp{self.tp} dp{self.dp}{experts} "
                 f"mbs{self.microbatch_size} m{self.microbatches}{extras}")
 
 
@@ -74,6 +77,8 @@ class SearchSpace:
     zero: Sequence[int] = (0,)
     sequence_parallel: Sequence[bool] = (False,)
     constraints: dict[str, set[str]] = field(default_factory=dict)
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    expert_parallel: Sequence[int] | None = None  # ep sizes to try; None: every power of two dividing the experts
 
 
 def parse_constraints(texts: Iterable[str]) -> dict[str, set[str]]:
@@ -105,6 +110,7 @@ def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
     rejected: Counter = Counter()
     layouts = []
     alone = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the one schedule at pp 1
+    expert_sizes = expert_parallel_sizes(space)
     for tp in _powers_of_two(space.gpus_per_node):
         for pp in range(1, space.layers + 3):  # a first and a last stage may hold no layer
             if space.gpus % (tp * pp):
@@ -121,14 +127,27 @@ def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
                                 for sequence_parallel in space.sequence_parallel:
                                     if sequence_parallel and tp == 1:
                                         continue  # no tensor-parallel group: the same layout
-                                    layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
-                                                    recompute, zero, sequence_parallel)
-                                    cause = _ruled_out(layout, space)
-                                    if cause is None:
-                                        layouts.append(layout)
-                                    else:
-                                        rejected[cause] += 1
+                                    for ep in expert_sizes:
+                                        if ep > dp:
+                                            continue  # its ranks are cut from the replicas: not a layout
+                                        layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
+                                                        recompute, zero, sequence_parallel, ep)
+                                        cause = _ruled_out(layout, space)
+                                        if cause is None:
+                                            layouts.append(layout)
+                                        else:
+                                            rejected[cause] += 1
     return layouts, rejected
+
+
+def expert_parallel_sizes(space: SearchSpace) -> list[int]:
+    """The ep sizes to try: 1 for a dense model, else the given ones or every power of two
+    that divides the routed experts."""
+    if not space.experts:
+        return [1]
+    if space.expert_parallel is not None:
+        return sorted(set(space.expert_parallel))
+    return [size for size in _powers_of_two(space.experts) if space.experts % size == 0]
 
 
 def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
@@ -137,6 +156,8 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
         return "tp does not divide the attention (or key-value) heads"
     if space.global_batch % (layout.dp * layout.microbatch_size):
         return "global batch not divisible by dp x microbatch size"
+    if layout.ep > 1 and (layout.dp % layout.ep or space.experts % layout.ep):
+        return "ep does not divide dp (its ranks are cut from the replicas) or the routed experts"
     if layout.pp * layout.virtual_stages > space.layers + 2:
         return "more stages (pp x virtual stages) than layers + 2 (an embedding-only and a head-only chunk)"
     if not _allowed(layout, space.constraints):
