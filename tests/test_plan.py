@@ -16,6 +16,7 @@ from pipesim.job import Job, simulate_job
 from pipesim.plan.search import (
     Layout,
     SearchSpace,
+    context_parallel_sizes,
     enumerate_layouts,
     expert_parallel_sizes,
     pareto_front,
@@ -463,3 +464,36 @@ def test_expert_parallel_sizes_are_the_powers_of_two_dividing_the_experts():
     assert expert_parallel_sizes(space) == [1, 2, 4]  # 8 does not divide 12
     assert expert_parallel_sizes(SearchSpace(gpus=8, gpus_per_node=8, global_batch=8, layers=4, heads=8,
                                              kv_heads=8)) == [1]
+
+
+def test_context_parallel_sizes_leave_each_rank_8k_tokens_and_split_the_sequence_evenly():
+    def space(seq_len: int, **given) -> SearchSpace:
+        return SearchSpace(gpus=8, gpus_per_node=8, global_batch=8, layers=4, heads=8, kv_heads=8, seq_len=seq_len,
+                           **given)
+
+    assert context_parallel_sizes(space(4096)) == [1]
+    assert context_parallel_sizes(space(8192)) == [1]
+    assert context_parallel_sizes(space(32768)) == [1, 2, 4]
+    assert context_parallel_sizes(space(131072)) == [1, 2, 4, 8, 16]
+    assert context_parallel_sizes(space(24576)) == [1, 2]  # cp 4 would leave 6144 tokens a rank
+    assert context_parallel_sizes(space(40000)) == [1, 2, 4]  # 40000 = 2 x 4 x 5000: cp 4 splits it evenly
+    assert context_parallel_sizes(space(49154)) == [1]  # 6 x 8192 + 2: 4 and 8 do not divide it
+    assert context_parallel_sizes(space(4096, context_parallel=[2, 1, 2])) == [1, 2]
+
+
+def test_plan_searches_context_parallelism_on_long_sequences_and_its_row_equals_simulate(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "16", "--seq-len", "32768",
+                 "--topology", "ib", "--gpu", "h100", "--schedules", "1f1b", "--microbatch-sizes", "1",
+                 "--constraint", "pp=2", "--constraint", "tp=1", "--constraint", "zero=1", "--top", "3",
+                 "--workers", "1", "--quiet", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["ranked"]
+    assert rows and all(row["cp"] * row["dp"] * row["pp"] == 16 for row in rows)
+    best = next(row for row in rows if row["cp"] > 1)
+    assert f"cp{best['cp']} dp{best['dp']}" in best["layout"]
+    result = tmp_path / "simulate.json"
+    assert main(["simulate", "--model", "llama3-8b", "--seq-len", "32768", "--topology", "ib", "--nodes", "2",
+                 "--gpu", "h100", "--schedule", "1f1b", "--pp", "2", "--dp", str(best["dp"]), "--cp", str(best["cp"]),
+                 "-m", str(best["microbatches"]), "--microbatch-size", "1", "--zero", "1",
+                 "--recompute", best["recompute"], "--json", str(result)]) == 0
+    assert json.loads(result.read_text())["makespan"] == pytest.approx(best["step_time"], rel=1e-12)

@@ -74,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="ZeRO stages to try with dp > 1: 1 optimizer state, 2 and gradients, 3 and parameters "
                         f"(FSDP) sharded over dp (default: {','.join(map(str, ZERO_STAGES))})")
     add_memory_headroom_arg(parser)
+    parser.add_argument("--cp", default=None,
+                        help="context-parallel sizes to try, comma-separated (default: every power of two leaving each "
+                        "rank at least 8192 tokens of a sequence; none at 8k or shorter)")
     parser.add_argument("--ep", default=None,
                         help="expert-parallel sizes to try for a mixture-of-experts model, comma-separated (default: "
                         "every power of two dividing its routed experts; ranks cut from the dp replicas)")
@@ -165,6 +168,7 @@ def _checked_job(args: argparse.Namespace) -> tuple[Job, SearchSpace]:
         constraints=parse_constraints(args.constraint),
         experts=spec.moe.experts if spec.moe else 0,
         expert_parallel=_ints(args.ep, "--ep") if args.ep else None,
+        seq_len=spec.seq_len, context_parallel=_ints(args.cp, "--cp") if args.cp else None,
     )
     if args.ep and not spec.moe:
         raise ValueError(f"--ep {args.ep}: {args.model} has no experts to split (expert parallelism needs a "
@@ -223,7 +227,7 @@ def layout_job(layout: Layout) -> Job:
     return replace(_BASE["job"], schedule=layout.schedule, pp=layout.pp, tp=layout.tp, dp=layout.dp,
                    microbatches=layout.microbatches, microbatch_size=layout.microbatch_size,
                    virtual_stages=layout.virtual_stages, recompute=layout.recompute, zero=layout.zero,
-                   sequence_parallel=layout.sequence_parallel, ep=layout.ep)
+                   sequence_parallel=layout.sequence_parallel, ep=layout.ep, cp=layout.cp)
 
 
 @functools.cache
@@ -235,8 +239,8 @@ def _layout_costs(layout: Layout):
     # the costs see ZeRO only through the optimizer step's bytes, alike for stages 1 to 3
     # (``pipesim.sim.zero.optimizer_bytes_per_param``): those layouts share them
     key = (shell.placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
-           min(layout.zero, 1), layout.sequence_parallel, layout.ep)
-    return _layout_parallel(layout.dp, layout.tp, layout.zero, layout.ep), _placed_costs(*key), shell, key
+           min(layout.zero, 1), layout.sequence_parallel, layout.ep, layout.cp)
+    return _layout_parallel(layout.dp, layout.tp, layout.zero, layout.ep, layout.cp), _placed_costs(*key), shell, key
 
 
 @functools.lru_cache(maxsize=4096)
@@ -250,21 +254,21 @@ def _shell(schedule: str, pp: int, virtual_stages: int, microbatches: int):
 
 
 @functools.lru_cache(maxsize=1024)
-def _layout_parallel(dp: int, tp: int, zero: int, ep: int = 1):
-    """``parallel_of`` the layout's job: only dp, tp, ZeRO and ep differ between layouts."""
-    return parallel_of(replace(_BASE["job"], dp=dp, tp=tp, zero=zero, ep=ep))
+def _layout_parallel(dp: int, tp: int, zero: int, ep: int = 1, cp: int = 1):
+    """``parallel_of`` the layout's job: only dp, tp, ZeRO, ep and cp differ between layouts."""
+    return parallel_of(replace(_BASE["job"], dp=dp, tp=tp, zero=zero, ep=ep, cp=cp))
 
 
 @functools.lru_cache(maxsize=8192)
 def _placed_costs(placement: tuple[int, ...], pp: int, tp: int, dp: int, microbatch_size: int, recompute: str,
-                  zero: int, sequence_parallel: bool, ep: int = 1):
+                  zero: int, sequence_parallel: bool, ep: int = 1, cp: int = 1):
     """The per-stage costs of every layout with these stages on these ranks: the schedule
     and the microbatch count do not change them (1F1B, GPipe and the zero-bubble orders
     share them), so they are derived once."""
     from schedules.schedule import Schedule
 
     job = replace(_BASE["job"], pp=pp, tp=tp, dp=dp, microbatch_size=microbatch_size, recompute=recompute, zero=zero,
-                  sequence_parallel=sequence_parallel, ep=ep)
+                  sequence_parallel=sequence_parallel, ep=ep, cp=cp)
     return costs_of(job, Schedule(pp, 1, placement, [()] * pp), _BASE["topology"])
 
 
@@ -284,13 +288,13 @@ def lower_bound(layout: Layout) -> float:
     if fused:  # overlapped pairs of a given cost may undercut F + B: only the tail is certain
         return costs.step_overhead
     terms = _bound_terms(key, shell.placement, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, zero,
-                         layout.dp, layout.tp)
+                         layout.dp, layout.tp, layout.cp)
     return bound_of(terms, layout.microbatches, splits_backward(layout.schedule))
 
 
 @functools.lru_cache(maxsize=4096)
 def _bound_terms(costs_key: tuple, placement: tuple[int, ...], rank_order: str, algorithm: str, bucket_bytes: float,
-                 zero: tuple[bool, bool], dp: int, tp: int):
+                 zero: tuple[bool, bool], dp: int, tp: int, cp: int = 1):
     """``pipesim.plan.bounds.bound_terms`` of what they depend on, kept: every schedule of
     a placement and every microbatch count share them (1F1B and GPipe; every
     split-backward order). The costs are named by their key in ``_placed_costs`` (a Costs
@@ -303,8 +307,8 @@ def _bound_terms(costs_key: tuple, placement: tuple[int, ...], rank_order: str, 
     costs = _placed_costs(*costs_key)
     pp = max(placement) + 1
     shell = Schedule(pp, 1, placement, [()] * pp)
-    mapping = map_ranks(topology, dp, pp, tp, rank_order)
-    devices = _pipeline_devices(dp, pp, tp, rank_order)
+    mapping = map_ranks(topology, dp, pp, tp, rank_order, cp)
+    devices = _pipeline_devices(dp, pp, tp, rank_order, cp)
     per_layer, after_optimizer = zero
     holds = tp_collective_seconds(shell, costs, topology, mapping, algorithm)
     if per_layer:  # the layers' gathers hold a rank as the tp collectives do
@@ -360,7 +364,7 @@ def _floors(costs_key: tuple, placement: tuple[int, ...], parallel, dp: int, tp:
 
     topology = _BASE["topology"]
     costs = _placed_costs(*costs_key)
-    devices = _pipeline_devices(dp, max(placement) + 1, tp, parallel.rank_order)
+    devices = _pipeline_devices(dp, max(placement) + 1, tp, parallel.rank_order, parallel.cp)
     holders = dp * parallel.cp  # the ranks that hold each parameter, as simulate's memory counts them
     floors = memory_floor(costs, placement, lambda stage: static_bytes(costs.stages[stage], parallel.bytes_per_param,
                                                                        holders, parallel.zero, holders // parallel.ep))
@@ -370,12 +374,12 @@ def _floors(costs_key: tuple, placement: tuple[int, ...], parallel, dp: int, tp:
 
 
 @functools.lru_cache(maxsize=1024)
-def _pipeline_devices(dp: int, pp: int, tp: int, rank_order: str) -> list[str]:
+def _pipeline_devices(dp: int, pp: int, tp: int, rank_order: str, cp: int = 1) -> list[str]:
     """The simulated pipeline's devices of a layout's mapping, kept: floors and bounds of
     many layouts share a mapping."""
     from pipesim.cluster.mapping import map_ranks
 
-    return map_ranks(_BASE["topology"], dp, pp, tp, rank_order).pipeline()
+    return map_ranks(_BASE["topology"], dp, pp, tp, rank_order, cp).pipeline()
 
 
 @without_collector  # paused for the whole layout: its Trace is freed before the collector runs again
@@ -428,7 +432,7 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
             schedule = _lowered_for(unsharded, search_seconds, repair_runs)
         else:
             schedule = lower_for(schedule, costs, topology, _pipeline_devices(layout.dp, layout.pp, layout.tp,
-                                                                             job.rank_order), repair_runs)
+                                                                             job.rank_order, layout.cp), repair_runs)
         # Generated here and lowered for this layout's costs and links as simulate lowers it, so
         # valid by construction (tests/test_p2p.py proves it for every generator); the engine's
         # run is the deadlock check that remains.
@@ -469,7 +473,7 @@ def _order_memory_cause(schedule, costs, parallel, layout: Layout) -> str | None
     if not costs.memory_known or any(stage.stash_bytes > 0 and stage.fwd <= 0 for stage in costs.stages):
         return None  # a stash taken by a forward of no time: the simulation decides
     topology = _BASE["topology"]
-    devices = _pipeline_devices(layout.dp, layout.pp, layout.tp, parallel.rank_order)
+    devices = _pipeline_devices(layout.dp, layout.pp, layout.tp, parallel.rank_order, layout.cp)
     report = memory_report(program_order_trace(schedule), costs, schedule.placement, devices,
                            [topology.device_memory(device) for device in devices], parallel.bytes_per_param,
                            parallel.dp * parallel.cp, parallel.bucket_bytes, parallel.zero,
@@ -512,7 +516,7 @@ def _lowered_for(layout: Layout, search_seconds: float | None, repair_runs: int 
         order = _generated(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages, job.max_actions)
     _, costs, _, _ = _layout_costs(layout)
     return lower_for(order, costs, _BASE["topology"], _pipeline_devices(layout.dp, layout.pp, layout.tp,
-                                                                       job.rank_order), repair_runs)
+                                                                       job.rank_order, layout.cp), repair_runs)
 
 
 def format_causes(bucket: str, causes) -> str:
@@ -600,7 +604,7 @@ def _write_torchtitan(args: argparse.Namespace, best: dict) -> None:
     spec = model_spec_of(job)
     written = write_torchtitan(args.torchtitan, schedule_of(job, _BASE["topology"]), TorchtitanLayout(
         dp=layout.dp, tp=layout.tp, fsdp=args.fsdp, microbatch_size=layout.microbatch_size, layers=spec.layers,
-        seq_len=spec.seq_len, ep=layout.ep))
+        seq_len=spec.seq_len, ep=layout.ep, cp=layout.cp))
     print(f"wrote {', '.join(str(path) for path in written)}: {best['layout']}")
 
 

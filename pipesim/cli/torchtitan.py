@@ -40,7 +40,7 @@ SCHEDULE_FILE, LOWERED_FILE, TOML_FILE, ARGS_FILE = (
 class TorchtitanLayout:
     """What torchtitan needs beyond the schedule: data-parallel replicas ``dp`` (sharding
     parameters with FSDP when ``fsdp``, else replicating them as DDP), tensor-parallel
-    ranks ``tp``, expert-parallel ranks ``ep``, sequences per microbatch, and where known
+    ranks ``tp``, expert-parallel ranks ``ep``, context-parallel ranks ``cp``, sequences per microbatch, and where known
     the model's layers and sequence length; ``torch_class`` overrides the class chosen
     from the placement."""
 
@@ -52,6 +52,7 @@ class TorchtitanLayout:
     seq_len: int | None = None
     torch_class: str | None = None
     ep: int = 1  # expert-parallel ranks, cut from the data-parallel ones
+    cp: int = 1  # context-parallel ranks, each holding a share of every sequence
 
 
 def layers_per_stage(schedule: Schedule, layers: int | None, cls: TorchClass) -> int | None:
@@ -114,6 +115,8 @@ def config_fields(schedule: Schedule, layout: TorchtitanLayout, cls: TorchClass,
                        tensor_parallel_degree=layout.tp)
     if layout.ep > 1:
         parallelism["expert_parallel_degree"] = layout.ep
+    if layout.cp > 1:
+        parallelism["context_parallel_degree"] = layout.cp
     training: dict[str, object] = {}
     if layout.seq_len is not None:
         training["seq_len"] = layout.seq_len

@@ -4,9 +4,10 @@ lower bound on their step time, so layouts that provably cannot reach the top ar
 simulated.
 
 A layout is a schedule, pp × tp × dp, virtual stages, microbatch size (the microbatch
-count follows from the global batch), recompute, the ZeRO stage, sequence parallelism
-and, for a mixture of experts, the expert-parallel size (ep ranks cut from the dp
-replicas, as ``simulate --ep`` places them). Layers need not divide over the pp × v stages: each layout's split is the
+count follows from the global batch), recompute, the ZeRO stage, sequence parallelism,
+context parallelism (cp ranks splitting each sequence, for long ones) and, for a mixture
+of experts, the expert-parallel size (ep ranks cut from dp x cp, as ``simulate --ep``
+places them). Layers need not divide over the pp × v stages: each layout's split is the
 balanced one ``pipesim simulate`` makes (``pipesim.model.stage_split``), chosen per
 layout rather than searched. Simulating one is the same call as ``pipesim simulate`` with those flags
 (the caller passes it in as ``evaluate``), so a plan's numbers are exactly what
@@ -50,13 +51,15 @@ class Layout:
     zero: int = 0
     sequence_parallel: bool = False
     ep: int = 1
+    cp: int = 1
 
     def label(self) -> str:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        context = f" cp{self.cp}" if self.cp > 1 else ""
         experts = f" ep{self.ep}" if self.ep > 1 else ""
         extras = "".join([f" recompute={self.recompute}" if self.recompute != "none" else "",
                           f" zero{self.zero}" if self.zero else "", " sp" if self.sequence_parallel else ""])
-        return (f"{self.schedule}{chunks} pp{self.pp} tp{self.tp} dp{self.dp}{experts} "
+        return (f"{self.schedule}{chunks} pp{self.pp} tp{self.tp}{context} dp{self.dp}{experts} "
                 f"mbs{self.microbatch_size} m{self.microbatches}{extras}")
 
 
@@ -79,6 +82,8 @@ class SearchSpace:
     constraints: dict[str, set[str]] = field(default_factory=dict)
     experts: int = 0  # routed experts per MoE layer (0: a dense model)
     expert_parallel: Sequence[int] | None = None  # ep sizes to try; None: every power of two dividing the experts
+    seq_len: int = 0  # tokens per sequence (0: unknown, no context parallelism)
+    context_parallel: Sequence[int] | None = None  # cp sizes to try; None: ``context_parallel_sizes``
 
 
 def parse_constraints(texts: Iterable[str]) -> dict[str, set[str]]:
@@ -111,33 +116,52 @@ def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
     layouts = []
     alone = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the one schedule at pp 1
     expert_sizes = expert_parallel_sizes(space)
-    for tp in _powers_of_two(space.gpus_per_node):
-        for pp in range(1, space.layers + 3):  # a first and a last stage may hold no layer
-            if space.gpus % (tp * pp):
-                continue  # not a split of the GPUs at all: not a layout, not counted
-            dp = space.gpus // (tp * pp)
-            for microbatch_size in space.microbatch_sizes:
-                microbatches = space.global_batch // (dp * microbatch_size)
-                for schedule in (space.schedules if pp > 1 else (alone,)):
-                    for chunks in (space.virtual_stages if schedule in MULTI_CHUNK else (1,)):
-                        for recompute in space.recompute:
-                            for zero in space.zero:
-                                if zero and dp == 1:
-                                    continue  # nothing to shard over: the same layout as zero 0
-                                for sequence_parallel in space.sequence_parallel:
-                                    if sequence_parallel and tp == 1:
-                                        continue  # no tensor-parallel group: the same layout
-                                    for ep in expert_sizes:
-                                        if ep > dp:
-                                            continue  # its ranks are cut from the replicas: not a layout
-                                        layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
-                                                        recompute, zero, sequence_parallel, ep)
-                                        cause = _ruled_out(layout, space)
-                                        if cause is None:
-                                            layouts.append(layout)
-                                        else:
-                                            rejected[cause] += 1
+    splits = [(tp, pp, cp) for tp in _powers_of_two(space.gpus_per_node) for cp in context_parallel_sizes(space)
+              for pp in range(1, space.layers + 3)]  # a first and a last stage may hold no layer
+    for tp, pp, cp in splits:
+        if space.gpus % (tp * pp * cp):
+            continue  # not a split of the GPUs at all: not a layout, not counted
+        dp = space.gpus // (tp * pp * cp)
+        for microbatch_size in space.microbatch_sizes:
+            microbatches = space.global_batch // (dp * microbatch_size)
+            for schedule in (space.schedules if pp > 1 else (alone,)):
+                for chunks in (space.virtual_stages if schedule in MULTI_CHUNK else (1,)):
+                    for recompute in space.recompute:
+                        for zero in space.zero:
+                            if zero and dp * cp == 1:
+                                continue  # nothing to shard over (ZeRO shards over dp x cp): as zero 0
+                            for sequence_parallel in space.sequence_parallel:
+                                if sequence_parallel and tp == 1:
+                                    continue  # no tensor-parallel group: the same layout
+                                for ep in expert_sizes:
+                                    if ep > dp * cp:
+                                        continue  # its ranks are cut from dp x cp: not a layout
+                                    layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
+                                                    recompute, zero, sequence_parallel, ep, cp)
+                                    cause = _ruled_out(layout, space)
+                                    if cause is None:
+                                        layouts.append(layout)
+                                    else:
+                                        rejected[cause] += 1
     return layouts, rejected
+
+
+# Context parallelism is tried where each rank keeps at least this many tokens of a
+# sequence: below it the ring's K/V exchange outweighs what splitting the attention saves
+# (Llama 3 trained 8k sequences without it and turned it on for 128k, cp 16).
+CP_MIN_TOKENS = 8192
+
+
+def context_parallel_sizes(space: SearchSpace) -> list[int]:
+    """The cp sizes to try: the given ones, else every power of two that leaves each rank
+    at least ``CP_MIN_TOKENS`` of a sequence and splits it in ``2 cp`` even chunks (the
+    load-balanced causal ring); 1 when the sequence is unknown."""
+    if space.context_parallel is not None:
+        return sorted(set(space.context_parallel))
+    if not space.seq_len:
+        return [1]
+    return [size for size in _powers_of_two(space.seq_len // CP_MIN_TOKENS or 1)
+            if space.seq_len % (2 * size) == 0 or size == 1]
 
 
 def expert_parallel_sizes(space: SearchSpace) -> list[int]:
@@ -156,8 +180,10 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
         return "tp does not divide the attention (or key-value) heads"
     if space.global_batch % (layout.dp * layout.microbatch_size):
         return "global batch not divisible by dp x microbatch size"
-    if layout.ep > 1 and (layout.dp % layout.ep or space.experts % layout.ep):
-        return "ep does not divide dp (its ranks are cut from the replicas) or the routed experts"
+    if layout.ep > 1 and ((layout.dp * layout.cp) % layout.ep or space.experts % layout.ep):
+        return "ep does not divide dp x cp (its ranks are cut from them) or the routed experts"
+    if layout.cp > 1 and space.seq_len % (2 * layout.cp):
+        return "2 x cp does not divide the sequence (the causal ring's even chunks)"
     if layout.pp * layout.virtual_stages > space.layers + 2:
         return "more stages (pp x virtual stages) than layers + 2 (an embedding-only and a head-only chunk)"
     if not _allowed(layout, space.constraints):
