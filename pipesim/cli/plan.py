@@ -438,7 +438,8 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
         # run is the deadlock check that remains.
         result = run_simulation(schedule, costs, topology, parallel=parallel_of(job), p2p=job.p2p, validate=False)
     except ScheduleUnavailableError:
-        return {"error": f"{layout.schedule} does not exist for that microbatch count and pp"}
+        return {"error": f"{layout.schedule} does not exist for that microbatch count and pp"
+                         f"{' (a V needs 2 pp microbatches or more)' if layout.schedule == 'dualpipev' else ''}"}
     except ValueError as error:
         return {"error": f"{type(error).__name__}: {str(error).split(';')[0]}"}
     metrics = result.metrics

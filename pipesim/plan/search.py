@@ -109,9 +109,10 @@ def _powers_of_two(limit: int) -> list[int]:
 def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
     """Every layout the space allows, and how many candidates each rule ruled out. A
     candidate is one choice of every dimension on a split of the GPUs (tp x pp dividing
-    them); choices that only repeat another layout are not candidates: ZeRO or sequence
-    parallelism with nothing to shard over, and at pp 1 (no pipeline: one rank runs
-    every forward and backward) any schedule but one, 1F1B where it is searched."""
+    them); choices that only repeat another layout or describe none are not candidates:
+    ZeRO or sequence parallelism with nothing to shard over, a V with other than two
+    stages per rank, and at pp 1 (no pipeline: one rank runs every forward and backward)
+    any schedule but one, 1F1B where it is searched."""
     rejected: Counter = Counter()
     layouts = []
     alone = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the one schedule at pp 1
@@ -125,7 +126,7 @@ def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
         for microbatch_size in space.microbatch_sizes:
             microbatches = space.global_batch // (dp * microbatch_size)
             for schedule in (space.schedules if pp > 1 else (alone,)):
-                for chunks in (space.virtual_stages if schedule in MULTI_CHUNK else (1,)):
+                for chunks in _chunks(schedule, space):
                     for recompute in space.recompute:
                         for zero in space.zero:
                             if zero and dp * cp == 1:
@@ -144,6 +145,14 @@ def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
                                     else:
                                         rejected[cause] += 1
     return layouts, rejected
+
+
+def _chunks(schedule: str, space: SearchSpace) -> Sequence[int]:
+    """Stages per rank to try for ``schedule``: one for a looped one-chunk order, exactly
+    two for a V (the only V there is), the searched counts for the other multi-chunk ones."""
+    if schedule in V_SHAPED:
+        return (2,)
+    return space.virtual_stages if schedule in MULTI_CHUNK else (1,)
 
 
 # Context parallelism is tried where each rank keeps at least this many tokens of a
