@@ -394,10 +394,15 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
     # kept: a plan asks for thousands of layouts
     key = ("pipeline", job.dp, schedule.pp, job.tp, job.rank_order, job.cp, job.ep)
     devices = topology.pace_cache.get(key) or topology.pace_cache.setdefault(key, mapping.pipeline())
-    stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
-    peaks = [topology.device_peak_flops(device) for device in stage_devices]
-    bandwidths = [device_memory_bandwidth(topology, device) for device in stage_devices]
-    gpus = [topology.device_gpu(device) for device in stage_devices]
+    figures_key = ("stage figures", *key[1:], tuple(schedule.placement))
+    figures = topology.pace_cache.get(figures_key)
+    if figures is None:  # each stage's device's peak, HBM bandwidth and GPU, kept per pipeline and placement
+        stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
+        figures = topology.pace_cache[figures_key] = (
+            tuple(topology.device_peak_flops(device) for device in stage_devices),
+            tuple(device_memory_bandwidth(topology, device) for device in stage_devices),
+            tuple(topology.device_gpu(device) for device in stage_devices))
+    peaks, bandwidths, gpus = figures
     layout = split_list(job.layers_per_stage, int) if job.layers_per_stage else None
     parallel = parallel_of(job)
     profiled = compute_model_of(job)
@@ -407,12 +412,12 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
 
         layer_hold = layer_tp_seconds(topology, mapping.tp_group(0, schedule.placement[-1]), spec.tp_message_bytes(),
                                       job.sequence_parallel, job.recompute == "full", parallel.algorithm)
-    return _model_costs(spec, schedule.num_stages, tuple(peaks), job.tp, job.mfu,
+    return _model_costs(spec, schedule.num_stages, peaks, job.tp, job.mfu,
                         job.sequence_parallel, tuple(layout) if layout else None, job.recompute,
-                        not job.no_flash_attention, fallback_peak_flops(job), tuple(bandwidths),
+                        not job.no_flash_attention, fallback_peak_flops(job), bandwidths,
                         fallback_memory_bandwidth(job),
                         optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp, parallel.zero),
-                        tuple(schedule.placement), tuple(gpus), getattr(job, "gpu", None), profiled, job.ep, job.cp,
+                        tuple(schedule.placement), gpus, getattr(job, "gpu", None), profiled, job.ep, job.cp,
                         layer_hold)
 
 

@@ -160,14 +160,12 @@ def model_costs(
                 for layer in kind_layer.values()}
     routed = routed_params(spec, tp, ep)
     dispatch = spec.moe.dispatch_bytes(local.tokens / tp, spec.hidden, spec.dtype_bytes) if spec.moe else 0.0
-    stop = 0
-    for stage, count in enumerate(counts):
-        first, stop = stop, stop + count
-        compute, bandwidth = compute_of(stage), bandwidth_of(stage)
-        models.add(compute.name)
+
+    def stage_cost(compute: ComputeModel, groups: list[tuple[int, int]], count: int, first_stage: bool,
+                   last_stage: bool) -> StageCost:
         fwd = bwd = wgrad = stash = 0.0
         params = moe_layers = 0  # whole numbers
-        for layer, alike in spec.layer_groups(first, stop):
+        for layer, alike in groups:
             kind = kind_layer[spec.is_moe_layer(layer)]
             moe_layers += alike if spec.is_moe_layer(layer) else 0
             time = time_of(compute, kind)
@@ -176,10 +174,10 @@ def model_costs(
             wgrad += alike * time.weight_grad
             params += alike * per_kind[kind][0]
             stash += alike * per_kind[kind][1]
-        if stage == 0:
+        if first_stage:
             params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(local, tp, sequence_parallel)
-        if stage == num_stages - 1:
+        if last_stage:
             head = time_of(compute, -1)
             params += spec.head_params(tp)
             fwd += head.forward
@@ -187,19 +185,16 @@ def model_costs(
             wgrad += head.weight_grad
             stash += last_stage_extra_bytes(local, tp, sequence_parallel)
         attention = attention_time(spec, tp, flash_attention, compute, cp)
-        rank = stage_ranks[stage] if stage_ranks else stage
-        step_seconds[rank] = step_seconds.get(rank, 0.0) + optimizer_step_seconds(params, optimizer_state_bytes,
-                                                                                  bandwidth)
-        stages.append(StageCost(
+        return StageCost(
             fwd=fwd,
             bwd=bwd,
             wgrad=wgrad,
-            act_bytes=local.boundary_bytes(tp, sequence_parallel) if stage < num_stages - 1 else 0.0,
+            act_bytes=0.0 if last_stage else local.boundary_bytes(tp, sequence_parallel),
             stash_bytes=stash,
             param_bytes=params * spec.dtype_bytes,
             params=params,
             layers=count,
-            tp_message_bytes=local.tp_message_bytes(first) if tp > 1 else 0.0,  # alike in every layer
+            tp_message_bytes=local.tp_message_bytes() if tp > 1 else 0.0,  # alike in every layer
             recompute_layers=count if recompute == "full" else 0,
             expert_params=moe_layers * routed,
             moe_layers=moe_layers,
@@ -208,7 +203,25 @@ def model_costs(
             kv_bytes=local.tokens * key_value_bytes(spec, tp),
             attention_fwd=attention.forward,
             attention_bwd=attention.input_grad,
-        ))
+        )
+
+    # stages on alike devices holding alike layers (most of a deep pipeline) share one cost
+    built: dict[tuple, StageCost] = {}
+    stop = 0
+    for stage, count in enumerate(counts):
+        first, stop = stop, stop + count
+        compute, bandwidth = compute_of(stage), bandwidth_of(stage)
+        models.add(compute.name)
+        groups = spec.layer_groups(first, stop)
+        ends = (stage == 0, stage == num_stages - 1)
+        key = (id(compute), tuple((spec.is_moe_layer(layer), alike) for layer, alike in groups), *ends)
+        cost = built.get(key)
+        if cost is None:
+            cost = built[key] = stage_cost(compute, groups, count, *ends)
+        rank = stage_ranks[stage] if stage_ranks else stage
+        step_seconds[rank] = step_seconds.get(rank, 0.0) + optimizer_step_seconds(cost.params, optimizer_state_bytes,
+                                                                                  bandwidth)
+        stages.append(cost)
     meta = {
         "model": spec.name, "layers_per_stage": counts, "tp": tp, "ep": ep, "cp": cp, "mfu": mfu,
         **_parameter_totals(spec),
