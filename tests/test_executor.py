@@ -34,15 +34,22 @@ def split_backward(schedule):
 def case_config(pp: int, schedule: str, microbatches: int, model: str = "mlp", variant: str = "") -> RunConfig:
     """A tiny float64 run: odd layer counts (uneven split) and a batch of 2m+1 (uneven
     microbatches). ``variant``: ``"IW"`` splits every B into I and W, ``"in-order"`` posts
-    receives in program order (as on NCCL) instead of prefetching them."""
+    receives in program order (as on NCCL) instead of prefetching them, ``"empty-ends"``
+    gives the first stage only the embedding and the last only the head."""
     virtual = 2 if schedule == "interleaved-1f1b" else 1
     stages = pp * virtual
     sizes = {"hidden": 8, "layers": stages + 1} if model == "mlp" else \
         {"hidden": 8, "heads": 2, "layers": stages + 1, "seq_len": 4, "vocab": 11}
     custom = split_backward(generate(schedule, pp, microbatches, virtual)) if variant == "IW" else None
+    layout = None
+    if variant == "empty-ends":  # the first stage holds only the embedding, the last only the head (Meta's split)
+        inner = max(stages - 2, 1)  # the stages between; at two stages the last holds every layer and the head
+        middle = [sizes["layers"] // inner + (index < sizes["layers"] % inner) for index in range(inner)]
+        layout = (0, *middle, 0) if stages > 2 else (0, sizes["layers"])
     return RunConfig(schedule=schedule, pp=pp, microbatches=microbatches, virtual_stages=virtual, model=model,
                      batch_size=2 * microbatches + 1, steps=3, dtype="float64", optimizer="adamw", lr=0.05,
-                     return_grads=True, custom_schedule=custom, prefetch_recvs=variant != "in-order", **sizes)
+                     return_grads=True, custom_schedule=custom, prefetch_recvs=variant != "in-order", layout=layout,
+                     **sizes)
 
 
 def cases(pp: int) -> list[tuple]:
@@ -57,6 +64,7 @@ def cases(pp: int) -> list[tuple]:
             found.append((pp, schedule, microbatches, "mlp", ""))
     found.append((pp, "1f1b", pp, "gpt", ""))
     found.append((pp, "interleaved-1f1b", pp, "gpt", ""))
+    found.append((pp, "1f1b", pp, "gpt", "empty-ends"))
     found.append((pp, "1f1b", pp, "mlp", "IW"))
     found.append((pp, "interleaved-1f1b", 2 * pp, "mlp", "in-order"))
     return found
