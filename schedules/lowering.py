@@ -29,7 +29,6 @@ import numpy as np
 from schedules import engine
 from schedules.action import Action, ActionKind
 from schedules.collector import without_collector
-from schedules.overlap import keep_pairs_together
 from schedules.placement_search import Search
 from schedules.program_arrays import program_arrays
 from schedules.schedule import Schedule
@@ -74,12 +73,12 @@ def lower(schedule: Schedule, timing: engine.StepTiming | None = None, repair_ru
     step, free_start = planned
     search = Search(schedule, transfers_of(step, timing), timing, free_start)
     if arrays.size > CHOICE_ACTIONS and not repair_runs:
-        return keep_pairs_together(search.default_rule(), schedule)
+        return search.default_rule()
     best = search.best_rule()
     budget = repair_budget(arrays.size) if repair_runs is None else repair_runs
     if budget > search.runs:
         best = search.repair(best, budget)
-    return keep_pairs_together(best.lowered, schedule)
+    return best.lowered
 
 
 def repair_budget(actions: int) -> int:

@@ -22,21 +22,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from schedules import engine
+from schedules.overlap import keep_pairs_together
 from schedules.p2p import RENDEZVOUS
 from schedules.schedule import Schedule
 from schedules.transfer_placement import (
     Transfers,
+    crossing_moments,
     group_starts,
     lowered_schedule,
     meeting_moments,
     place_ends,
-    ready_moments,
+    slack_moments,
 )
 
 # (departure moments, whether a group is cut for its receives' consumers)
 RULES: tuple[tuple[Callable[[Transfers], np.ndarray], bool], ...] = (
-    (ready_moments, False), (ready_moments, True), (meeting_moments, False), (meeting_moments, True))
-DEFAULT_RULE = 2  # the most often fastest on the benchmark's cases
+    (crossing_moments, True), (slack_moments, True), (meeting_moments, False), (meeting_moments, True))
+DEFAULT_RULE = 2  # meeting points, placed untimed on huge steps (``lowering.CHOICE_ACTIONS``)
 
 
 @dataclass
@@ -75,7 +77,8 @@ class Search:
         if ends is None:
             return None
         starts = group_starts(ends, mind_the_consumer, breaks, joins)
-        lowered = lowered_schedule(self.schedule, self.transfers, ends, starts)
+        # timed as lowering returns it: an overlapped pair's transfers moved out of the pair
+        lowered = keep_pairs_together(lowered_schedule(self.schedule, self.transfers, ends, starts), self.schedule)
         self.runs += 1
         run = engine.run(lowered, self.timing, RENDEZVOUS)
         if run.stuck or np.isnan(run.start).any():  # pragma: no cover - excluded by construction
@@ -88,7 +91,7 @@ class Search:
         rule, mind_the_consumer = RULES[DEFAULT_RULE]
         ends = place_ends(self.transfers, rule(self.transfers))
         starts = group_starts(ends, mind_the_consumer)
-        return lowered_schedule(self.schedule, self.transfers, ends, starts)
+        return keep_pairs_together(lowered_schedule(self.schedule, self.transfers, ends, starts), self.schedule)
 
     def best_rule(self) -> Attempt:
         attempts = [self.attempt(rule(self.transfers), mind) for rule, mind in RULES]

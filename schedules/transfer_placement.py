@@ -113,10 +113,62 @@ def _wire_flight(timing: engine.StepTiming, num_stages: int) -> np.ndarray:
     return flight
 
 
-def ready_moments(transfers: Transfers) -> np.ndarray:
-    """Every transfer departs the moment it is ready: the receiver posts it at its last
-    boundary before, the sender right after the producer."""
-    return transfers.ready.copy()
+def crossing_moments(transfers: Transfers) -> np.ndarray:
+    """Every transfer departs the moment it is ready (the receiver posts it at its last
+    boundary before, the sender right after the producer), except where that holds up
+    the receiver's own sends more than it gains: see ``_yielding_moments``. Costs are
+    departure delays, so this keeps every transfer as close to free-flowing as it can
+    (orders with no slack to spare: interleaved-zb)."""
+    return _yielding_moments(transfers, by_lateness=False)
+
+
+def slack_moments(transfers: Transfers) -> np.ndarray:
+    """As ``crossing_moments``, with costs counted as lateness at the consumers, so that
+    a receive with slack yields to the sends it would hold up, and one that arrives in
+    time anyway is posted after the compute action it becomes ready in (the V's turn,
+    where a rank's chunks send to both neighbours while receiving from both)."""
+    return _yielding_moments(transfers, by_lateness=True)
+
+
+def _yielding_moments(transfers: Transfers, by_lateness: bool) -> np.ndarray:
+    """Ready moments, but a receive that becomes ready inside a compute action X of its
+    receiver and would still be in flight when X ends departs when X ends instead, if
+    that costs less than keeping it.
+
+    Why: the receiver posts a receive at its last boundary before the moment, so one
+    ready inside X is posted before X and holds the receiver's stream until it arrives;
+    the sends X produces (the gradient X returns to the neighbour whose forward is
+    arriving, where F and B traffic cross) then wait behind it, as a rank's groups run
+    one after another. Departing at X's end posts the receive with those sends at X's
+    boundary, in one group that leaves at once. Costs: keeping it delays X's sends until
+    it arrives, moving it delays it until X ends; counted as departure delays, or with
+    ``by_lateness`` as how late each then arrives for its consumer (a receive that is
+    not late for its consumer either way is then moved: it frees the stream). The moment
+    stays in ``[ready, needed]``: the consumer comes after X on the receiver."""
+    step, first = transfers.step, transfers.first_compute
+    ready, flight, needed = transfers.ready, transfers.flight, transfers.needed
+    moment = ready.copy()
+    if not len(moment):
+        return moment
+    inside_of = _rank_search(step.end, first, transfers.receiver, ready)  # X: the first action ending after ready
+    exists = inside_of < first[transfers.receiver + 1]
+    inside_of = np.minimum(inside_of, len(step.end) - 1)
+    ends = step.end[inside_of]
+    inside = exists & (step.start[inside_of] < ready) & (ready + flight > ends)
+    # per compute action, the send it produces that suffers most from leaving late
+    worst = np.full(len(step.end), -np.inf)
+    np.maximum.at(worst, transfers.producer, (flight - needed) if by_lateness else 0.0)
+    held = worst[inside_of]
+    sends = np.isfinite(held)
+    if by_lateness:
+        keep_cost = np.where(sends, np.maximum(0.0, ready + flight + held), 0.0)
+        move_cost = np.maximum(0.0, ends + flight - needed)
+    else:
+        keep_cost = np.where(sends, ready + flight - ends, 0.0)
+        move_cost = ends - ready
+    move = np.flatnonzero(inside & ((move_cost < keep_cost) | (move_cost <= 0.0)))
+    moment[move] = np.minimum(ends[move], needed[move])
+    return moment
 
 
 def meeting_moments(transfers: Transfers) -> np.ndarray:
