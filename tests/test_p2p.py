@@ -127,7 +127,7 @@ def test_every_cost_aware_schedule_passes_the_rendezvous_check(name, pp, data, c
     if name == "zb-auto":
         schedule = zb_auto(pp, microbatches, *costs, data.draw(st.integers(1, 2 * pp)), search_seconds=0)
     else:
-        schedule = zbv_auto(pp, microbatches, *costs, data.draw(st.sampled_from([1, 1.5, pp / 2, pp, 2 * pp])))
+        schedule = zbv_auto(pp, microbatches, *costs, data.draw(st.sampled_from([1, 1.5, max(1, pp / 2), pp, 2 * pp])))
     lowered = lower(schedule)
     validate(lowered, RENDEZVOUS)
     validate(lowered, BUFFERED)
