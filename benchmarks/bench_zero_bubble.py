@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.paper_rows import COLUMNS, INTERLEAVED_CHUNKS, rates, rows, schedule_for, timing  # noqa: E402
 from schedules import engine, generate, step_metrics  # noqa: E402
-from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError, zb_auto  # noqa: E402
+from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError, zb_auto, zbv_auto  # noqa: E402
 from schedules.lowering import lower  # noqa: E402
 from schedules.p2p import RENDEZVOUS  # noqa: E402
 from tests.test_zero_bubble import longest_rank_span, run  # noqa: E402
@@ -68,9 +68,9 @@ CASES = (
     ((1.0, 1.0, 1.0, 0.5), 4, 16),
     ((1.0, 1.0, 0.4, 0.3), 8, 24),
 )
-SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto p", "zb-auto 2p-1", "zbv", "interleaved-zb",
-             "looped-bfs", "dualpipev")
-TORCH_CLASS_OF = {"zb-auto p": "zb-h1", "zb-auto 2p-1": "zb-h1"}
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto p", "zb-auto 2p-1", "zbv", "zbv-auto",
+             "interleaved-zb", "looped-bfs", "dualpipev")
+TORCH_CLASS_OF = {"zb-auto p": "zb-h1", "zb-auto 2p-1": "zb-h1", "zbv-auto": "zbv"}
 
 
 def build(label: str, pp: int, microbatches: int, costs: tuple[float, float, float, float]):
@@ -78,6 +78,8 @@ def build(label: str, pp: int, microbatches: int, costs: tuple[float, float, flo
     if label.startswith("zb-auto"):
         limit = pp if label == "zb-auto p" else 2 * pp - 1
         return zb_auto(pp, microbatches, forward, backward_input, backward_weight, hop, limit)
+    if label == "zbv-auto":  # each of the rank's two chunks half its costs, as zbv's row here
+        return zbv_auto(pp, microbatches, forward / 2, backward_input / 2, backward_weight / 2, hop)
     if label not in GENERATORS:
         raise ScheduleUnavailableError(f"{label} is not generated here")
     chunks = 2 if label in ("interleaved-1f1b", "zbv", "interleaved-zb", "looped-bfs", "dualpipev") else 1
@@ -221,6 +223,35 @@ def bound_table() -> None:
     print()
 
 
+def zbv_table() -> None:
+    """zbv against zbv-auto at zbv's memory and below it: the paper's rows (each rank's
+    F, I, W split over its two chunks, the paper's bubble rate) and the F1 I.9 W.5 T.3
+    rows, with the seconds zbv-auto took to build its order."""
+    from benchmarks.paper_rows import Row, bubble_rate  # noqa: PLC0415
+
+    print("zbv and zbv-auto (free-flowing transfers; bubble = (longest rank span - m(F+I+W)) / span; "
+          "limit in microbatches per rank)")
+    header = f"{'row':<24} {'zbv':>7} " + " ".join(f"{'auto ' + name:>14}" for name in ("p", "p/2", "p/3")) + \
+        f" {'seconds':>8}"
+    print(header)
+    print("-" * len(header))
+    cases = [*rows(), *(Row(label, pp, microbatches, *costs, {}) for label, costs, pp, microbatches in GENERATOR_COSTS
+                        if label.startswith("F1 I.9 W.5 T.3"))]
+    for row in cases:
+        forward, backward_input, backward_weight = row.forward / 2, row.backward_input / 2, row.backward_weight / 2
+        zbv_order = generate("zbv", row.pp, row.microbatches, 2)
+        cells, seconds = [], 0.0
+        for limit in (row.pp, max(1, row.pp / 2), max(1, row.pp / 3)):
+            started = time.perf_counter()
+            ours = zbv_auto(row.pp, row.microbatches, forward, backward_input, backward_weight, row.comm, limit)
+            seconds = max(seconds, time.perf_counter() - started)
+            cells.append(bubble_rate(engine.run(ours, timing(row, ours), engine.FREE), row))
+        label = row.label
+        zbv_rate = bubble_rate(engine.run(zbv_order, timing(row, zbv_order), engine.FREE), row)
+        print(f"{label:<24} {zbv_rate:>7.4f} " + " ".join(f"{cell:>14.4f}" for cell in cells) + f" {seconds:>8.2f}")
+    print()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first three cases only")
@@ -228,6 +259,7 @@ def main() -> int:
     parser.add_argument("--measured", help="JSON list of measured step times to print beside the predictions")
     args = parser.parse_args()
     paper_table()
+    zbv_table()
     ratio_table()
     bound_table()
     if args.paper:

@@ -49,7 +49,7 @@ class Job:
     pp: int | None = None
     microbatches: int | None = None
     virtual_stages: int | None = None
-    memory_limit: int | None = None
+    memory_limit: float | None = None
     max_actions: int = DEFAULT_MAX_ACTIONS
     fwd: float | None = None
     bwd: float | None = None
@@ -130,7 +130,7 @@ def virtual_stages_for(name: str, requested: int | None) -> int:
 
 def schedule_of(job: Job, topology: Topology | None = None, search_seconds: float | None = None) -> Schedule:
     """Generate the named schedule, or read the CSV given as ``schedule_file``.
-    Cost-aware schedules (zb-auto) are built from the job's costs on ``topology``
+    Cost-aware schedules (zb-auto, zbv-auto) are built from the job's costs on ``topology``
     (default: free links), their optimising pass under ``search_seconds`` (default:
     zb-auto's own budget)."""
     if job.schedule_file:
@@ -141,7 +141,10 @@ def schedule_of(job: Job, topology: Topology | None = None, search_seconds: floa
         return schedule_from_csv(job.schedule_file)
     job = job.generated()
     if job.schedule in COST_AWARE:
-        require_within_limit(job.schedule, job.pp, job.microbatches, 1, job.max_actions)
+        from pipesim.sim.cost_aware import cost_aware_stages
+
+        chunks = cost_aware_stages(job.schedule, job.virtual_stages)
+        require_within_limit(job.schedule, job.pp, job.microbatches, chunks, job.max_actions)
         return cost_aware_schedule_of(job, topology, search_seconds)
     if job.memory_limit is not None:
         print(f"note: --memory-limit applies to {', '.join(sorted(COST_AWARE))}; {job.schedule}'s memory is "
@@ -179,17 +182,19 @@ def _pipeline_devices(job: Job, topology: Topology) -> list[str] | None:
 
 
 def cost_aware_schedule_of(job: Job, topology: Topology | None, search_seconds: float | None = None) -> Schedule:
-    """zb-auto from the job's costs (flags, costs file or model spec; unit costs
-    F = I = W where it has none) and its cluster's hop time; ``search_seconds`` as in
+    """zb-auto or zbv-auto from the job's costs (flags, costs file or model spec; unit
+    costs F = I = W where it has none) for the schedule's stages (zbv-auto's V: each
+    rank's share in two chunks) and its cluster's hop time; ``search_seconds`` as in
     ``build_cost_aware``."""
     from pipesim.cluster.topology import ideal_topology
-    from pipesim.sim.cost_aware import build_cost_aware
+    from pipesim.sim.cost_aware import build_cost_aware, cost_shell
 
     topology = topology or ideal_topology()
+    shell = cost_shell(job.schedule, job.pp, job.microbatches)
     if job.model:
-        costs = model_costs_of(job, generate("1f1b", job.pp, job.microbatches), topology)
+        costs = model_costs_of(job, shell, topology)
     else:
-        costs = flag_costs_of(job, job.pp, 1)
+        costs = flag_costs_of(job, shell.num_stages, shell.virtual_stages)
         if not any(stage.wgrad for stage in costs.stages):
             print(f"note: {job.schedule} with no weight-gradient time (--wgrad 0 or none in the costs file) "
                   "has no W passes to fill bubbles with", file=sys.stderr)

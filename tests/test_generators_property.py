@@ -20,7 +20,7 @@ from schedules import (
     schedule_to_csv,
     validate,
 )
-from schedules.generators import zb_auto
+from schedules.generators import zb_auto, zbv_auto
 from schedules.p2p import P2P_SEMANTICS
 from schedules.schedule import Schedule
 
@@ -226,7 +226,7 @@ def test_deadlock_verdict_agrees_with_torch_dry_run(schedule):
 
 # --- the zero-bubble family and V-shaped pipelines --------------------------------------
 
-ZERO_BUBBLE_NAMES = ("zb-h1", "zb-h2", "zbv", "interleaved-zb", "looped-bfs", "zb-auto", "dualpipev")
+ZERO_BUBBLE_NAMES = ("zb-h1", "zb-h2", "zbv", "interleaved-zb", "looped-bfs", "zb-auto", "dualpipev", "zbv-auto")
 
 
 @st.composite
@@ -234,7 +234,7 @@ def zero_bubble_sizes(draw):
     name = draw(st.sampled_from(ZERO_BUBBLE_NAMES))
     pp = draw(st.integers(1, 8))
     microbatches = draw(st.integers(1, 24))
-    if name in ("zbv", "dualpipev"):
+    if name in ("zbv", "dualpipev", "zbv-auto"):
         chunks = 2
     elif name in ("interleaved-zb", "looped-bfs"):
         chunks = draw(st.integers(1, 3))
@@ -247,6 +247,9 @@ def build(name: str, pp: int, microbatches: int, chunks: int, draw_costs=(1.0, 1
     if name == "zb-auto":
         forward, backward_input, backward_weight, hop = draw_costs
         return zb_auto(pp, microbatches, forward, backward_input, backward_weight, hop, max(1, pp - 1))
+    if name == "zbv-auto":  # below zbv's memory: the greedy orders
+        forward, backward_input, backward_weight, hop = draw_costs
+        return zbv_auto(pp, microbatches, forward, backward_input, backward_weight, hop, max(1, pp / 2))
     return generate(name, pp, microbatches, chunks)
 
 
@@ -296,6 +299,8 @@ def test_zero_bubble_generators_run_each_pass_once_in_order_within_their_memory(
     stated = schedule.meta["memory_microbatches"]
     if name == "zb-auto":
         stated = max(1, pp - 1)
+    if name == "zbv-auto":
+        stated = max(1, pp / 2)
     for program in schedule.programs:
         assert program_peak_stash(program) / schedule.virtual_stages <= stated + 1e-12
 

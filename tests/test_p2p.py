@@ -111,6 +111,28 @@ def test_every_generated_schedule_passes_the_rendezvous_check(name, pp, data, sp
     validate(lowered, BUFFERED)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(("zb-auto", "zbv-auto")),
+    pp=st.integers(1, 6),
+    data=st.data(),
+    costs=st.tuples(*(st.sampled_from([0.5, 1.0, 2.0]) for _ in range(3)), st.sampled_from([0.0, 0.3])),
+)
+def test_every_cost_aware_schedule_passes_the_rendezvous_check(name, pp, data, costs):
+    """The generators that need costs (not in ``GENERATORS``), lowered, at every memory
+    they accept down to their least."""
+    from schedules.generators import zb_auto, zbv_auto
+
+    microbatches = data.draw(st.integers(1, 3 * pp))
+    if name == "zb-auto":
+        schedule = zb_auto(pp, microbatches, *costs, data.draw(st.integers(1, 2 * pp)), search_seconds=0)
+    else:
+        schedule = zbv_auto(pp, microbatches, *costs, data.draw(st.sampled_from([1, 1.5, max(1, pp / 2), pp, 2 * pp])))
+    lowered = lower(schedule)
+    validate(lowered, RENDEZVOUS)
+    validate(lowered, BUFFERED)
+
+
 def test_the_previous_grouping_hangs_on_nccl_but_not_on_gloo():
     # The order the issue found: interleaved pp=2 m=4, rank 0 stuck on 2SEND_B0, rank 1 on
     # 3SEND_B1+1RECV_F2. gloo's buffered sends hide it.

@@ -110,7 +110,7 @@ def test_lower_bound_never_exceeds_the_simulated_step(small_model_worker):
         assert small_model_worker.lower_bound(layout) <= row["step_time"] * (1 + 1e-9), layout.label()
 
 
-@pytest.mark.parametrize("schedule", [*GENERATORS, "zb-auto"])
+@pytest.mark.parametrize("schedule", [*GENERATORS, "zb-auto", "zbv-auto"])
 def test_lower_bound_holds_for_every_schedule_across_nodes(schedule):
     # Two 8-GPU InfiniBand nodes, so transfers cross links with latency; tp, dp, ZeRO 0-3 and
     # recompute vary (ZeRO-3's gathers hold ranks after their compute, as tp collectives do).

@@ -21,14 +21,14 @@ import pytest
 
 from executor.config import RunConfig
 from schedules.csv_io import schedule_to_csv
-from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError, generate, zb_auto
+from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError, generate, zb_auto, zbv_auto
 from schedules.schedule import Schedule
 from schedules.torch_runtime import lower_for_torch_runtime
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(900)
 
-NAMES = (*GENERATORS, "zb-auto")
+NAMES = (*GENERATORS, "zb-auto", "zbv-auto")
 PIPELINES = (2, 4)
 # (file, loader, scale_grads): each file in torch's runtime under both settings, and as
 # torchtitan loads it (``runtime._load_csv(path)``, scale_grads=False) under
@@ -52,6 +52,8 @@ def chunks(name: str) -> int:
 def build(name: str, pp: int) -> Schedule:
     if name == "zb-auto":
         return zb_auto(pp, microbatches(pp), 1.0, 1.0, 0.7, 0.1, pp)
+    if name == "zbv-auto":
+        return zbv_auto(pp, microbatches(pp), 1.0, 1.0, 0.7, 0.1)
     return generate(name, pp, microbatches(pp), chunks(name))
 
 
@@ -167,9 +169,9 @@ def test_every_schedule_is_exercised_as_intended(tmp_path_factory):
     launched(tmp_path_factory)
     assert not _unavailable
     for pp in PIPELINES:
-        assert build("zbv", pp).placement[-1] == 0 and build("dualpipev", pp).placement[-1] == 0
+        assert all(build(name, pp).placement[-1] == 0 for name in ("zbv", "zbv-auto", "dualpipev"))
         assert any(build("dualpipev", pp).fused)
-        for name in ("zb-h1", "zb-h2", "zb-auto", "zbv", "interleaved-zb"):
+        for name in ("zb-h1", "zb-h2", "zb-auto", "zbv", "zbv-auto", "interleaved-zb"):
             assert {"I", "W"} <= {action.kind for program in build(name, pp).programs for action in program}
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from schedules.action import COMM_KINDS, parse_action
 from schedules.csv_io import schedule_from_csv
-from schedules.generators import GENERATORS, MULTI_CHUNK, generate, zb_auto
+from schedules.generators import GENERATORS, MULTI_CHUNK, generate, zb_auto, zbv_auto
 from schedules.lowering import lower
 from schedules.p2p import P2PError, check_pair_order
 from schedules.schedule import Schedule
@@ -144,14 +144,17 @@ def test_the_engine_agrees_with_the_wait_graph_on_shuffled_orders():
     assert outcomes[True] > 50 and outcomes[False] > 10, outcomes
 
 
-@pytest.mark.parametrize("name", [*GENERATORS, "zb-auto"])
+@pytest.mark.parametrize("name", [*GENERATORS, "zb-auto", "zbv-auto"])
 def test_lowering_for_torchs_runtime_never_hangs_it(name):
     virtual = (2, 3) if name in MULTI_CHUNK else (1,)
     for pp in (2, 3, 4, 5):
         for microbatches in (1, 2, 3, 4, 8, 12):
             for chunks in virtual:
                 try:
+                    if name == "zbv-auto" and chunks != 2:
+                        continue  # the V has two chunks per rank
                     schedule = (zb_auto(pp, microbatches, 1.0, 1.2, 0.6, 0.2, pp) if name == "zb-auto"
+                                else zbv_auto(pp, microbatches, 1.0, 1.2, 0.6, 0.2) if name == "zbv-auto"
                                 else generate(name, pp, microbatches, chunks))
                 except ValueError:
                     continue  # the generator does not exist for these sizes

@@ -9,20 +9,22 @@ import pytest
 
 from schedules.action import COMM_KINDS, parse_action
 from schedules.csv_io import schedule_from_csv, schedule_to_csv
-from schedules.generators import GENERATORS, MULTI_CHUNK, generate, zb_auto
+from schedules.generators import GENERATORS, MULTI_CHUNK, generate, zb_auto, zbv_auto
 from schedules.lowering import lower
 from schedules.schedule import Schedule
 from schedules.torch_steps import STEP_CELLS, parse_step_cell, torch_cells
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
-SCHEDULES = [*GENERATORS, "zb-auto"]
+SCHEDULES = [*GENERATORS, "zb-auto", "zbv-auto"]
 _TRANSFERS = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}
 
 
 def build(name: str, pp: int, microbatches: int) -> Schedule:
     if name == "zb-auto":
         return zb_auto(pp, microbatches, 1.0, 1.0, 0.5, 0.1, 2 * pp - 1)
+    if name == "zbv-auto":
+        return zbv_auto(pp, microbatches, 1.0, 1.0, 0.5, 0.1)
     return generate(name, pp, microbatches, 2 if name in MULTI_CHUNK else 1)
 
 

@@ -5,6 +5,7 @@ a parsed command line becomes a ``Job`` (``Job.from_namespace``)."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from executor.options import add_hidden_alias, positive_int
 from pipesim.cluster.presets import PRESETS
@@ -64,11 +65,22 @@ def add_max_actions_arg(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     )
 
 
+def memory_limit_value(text: str) -> int | float:
+    """``--memory-limit``: a whole number, or a fraction where a schedule counts halves."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a number of microbatches, got {text!r}")
+    return int(value) if value.is_integer() else value
+
+
 def add_memory_limit_arg(group) -> None:
     group.add_argument(
-        "--memory-limit", type=int, default=None,
+        "--memory-limit", type=memory_limit_value, default=None,
         help=f"for {', '.join(sorted(COST_AWARE))}: most activation stashes a rank may hold, in microbatches "
-        "(default: pp, 1F1B's peak)",
+        "of the rank's share of the model (default: pp, 1F1B's peak; zbv-auto takes halves: one chunk's stash)",
     )
 
 

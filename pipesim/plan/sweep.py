@@ -58,7 +58,7 @@ def run_sweep(
     progress: bool = True,
     parallel: ParallelConfig | None = None,
     max_actions: int | None = DEFAULT_MAX_ACTIONS,
-    memory_limit: int | None = None,
+    memory_limit: float | None = None,
     p2p: str | None = None,
     schedules: dict[SweepPoint, Schedule] | None = None,
 ) -> list[dict]:
@@ -115,14 +115,14 @@ def _capacity(result) -> float | None:
 
 
 def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: Topology,
-           parallel: ParallelConfig | None, memory_limit: int | None,
+           parallel: ParallelConfig | None, memory_limit: float | None,
            max_actions: int | None = DEFAULT_MAX_ACTIONS) -> Schedule:
-    """The point's schedule as ``pipesim simulate`` builds it: zb-auto from the costs,
+    """The point's schedule as ``pipesim simulate`` builds it: zb-auto and zbv-auto from the costs,
     zb-h1 and zb-h2 in the order fastest on them, the others as generated."""
     if point.schedule not in COST_AWARE and point.schedule not in ADAPTABLE:
         return generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
     from pipesim.cluster.mapping import map_ranks
-    from pipesim.sim.cost_aware import adapt_to_costs, build_cost_aware
+    from pipesim.sim.cost_aware import adapt_to_costs, build_cost_aware, cost_shell
 
     parallel = parallel or ParallelConfig()
     devices = map_ranks(topology, parallel.dp, point.pp, parallel.tp, parallel.rank_order, parallel.cp,
@@ -130,7 +130,7 @@ def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: 
     if point.schedule in ADAPTABLE:
         schedule = generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
         return adapt_to_costs(schedule, costs_for(schedule), topology, devices)
-    template = generate("1f1b", point.pp, point.microbatches)  # same stages and placement
+    template = cost_shell(point.schedule, point.pp, point.microbatches)  # its stages and placement
     return build_cost_aware(point.schedule, point.pp, point.microbatches, costs_for(template), topology,
                             memory_limit, devices)
 

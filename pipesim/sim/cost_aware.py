@@ -1,8 +1,9 @@
-"""Building the schedules whose order depends on costs (``zb-auto``) from what a
-command already has: the per-stage costs and the cluster the pipeline runs on.
+"""Building the schedules whose order depends on costs (``zb-auto``, ``zbv-auto``) from
+what a command already has: the per-stage costs and the cluster the pipeline runs on.
 
-The generator itself (``schedules.generators.zb_auto``) takes plain seconds, so it stays
-below the simulator; this module reads them off a ``Costs`` and a ``Topology``.
+The generators themselves (``schedules.generators.zb_auto``, ``zbv_auto``) take plain
+seconds, so they stay below the simulator; this module reads them off a ``Costs`` and a
+``Topology``.
 """
 
 from __future__ import annotations
@@ -13,20 +14,44 @@ from pipesim.cluster.mapping import map_ranks
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
 from pipesim.sim.engine import step_timing
-from schedules.generators import COST_AWARE, UnknownScheduleError, zb_auto
+from schedules.generators import COST_AWARE, V_SHAPED, UnknownScheduleError, placement_of, zb_auto, zbv_auto
 from schedules.generators.adaptive import adapt
+from schedules.generators.common import ScheduleUnavailableError
 from schedules.schedule import Schedule
 
 
-def hop_seconds(costs: Costs, topology: Topology, devices: Sequence[str]) -> float:
-    """The slowest unloaded transfer between consecutive pipeline ranks: the ``T_comm``
-    the zero-bubble scheduler plans with (one number, as in the paper)."""
+def cost_aware_stages(name: str, virtual_stages: int | None = None) -> int:
+    """Stages per rank of a cost-aware schedule: 1 for zb-auto, the V's 2 for zbv-auto
+    (``virtual_stages``, when given, must say the same)."""
+    chunks = 2 if name in V_SHAPED else 1
+    if virtual_stages not in (None, chunks):
+        raise ScheduleUnavailableError(
+            f"{name} places exactly {chunks} stage{'s' if chunks > 1 else ''} per rank"
+            f"{' in a V' if chunks > 1 else ''}; virtual stages={virtual_stages}")
+    return chunks
+
+
+def cost_shell(name: str, pp: int, microbatches: int) -> Schedule:
+    """A schedule with no programs and the cost-aware schedule's placement: what the
+    stages' costs are derived for before its order exists."""
+    placement = placement_of(name, pp, cost_aware_stages(name))
+    return Schedule(pp, microbatches, placement, [()] * pp, name=name)
+
+
+def hop_seconds(costs: Costs, topology: Topology, devices: Sequence[str],
+                placement: Sequence[int] | None = None) -> float:
+    """The slowest unloaded transfer between stages on different pipeline ranks (by
+    default one stage per rank): the ``T_comm`` the zero-bubble scheduler plans with
+    (one number, as in the paper)."""
     if topology.ideal:
         return 0.0
+    placement = range(len(devices)) if placement is None else placement
     worst = 0.0
-    for stage in range(len(devices) - 1):
-        route = topology.route(devices[stage], devices[stage + 1])
-        worst = max(worst, route.seconds(costs.stages[stage].act_bytes))
+    for stage in range(len(placement) - 1):
+        here, there = placement[stage], placement[stage + 1]
+        if here != there:
+            route = topology.route(devices[here], devices[there])
+            worst = max(worst, route.seconds(costs.stages[stage].act_bytes))
     return worst
 
 
@@ -36,28 +61,37 @@ def build_cost_aware(
     microbatches: int,
     costs: Costs,
     topology: Topology,
-    memory_limit: int | None = None,
+    memory_limit: float | None = None,
     devices: Sequence[str] | None = None,
     search_seconds: float | None = None,
 ) -> Schedule:
-    """The named cost-aware schedule for one stage per rank with these costs.
-    ``devices`` are the pipeline ranks' devices (default: the topology's mapping);
-    ``search_seconds`` is zb-auto's optimising pass budget (default: its own; 0:
-    heuristics only, as a planner screening thousands of layouts asks)."""
+    """The named cost-aware schedule with these costs: zb-auto's one stage per rank, or
+    zbv-auto's ``2 pp`` stages in a V (``cost_shell``'s placement). ``devices`` are the
+    pipeline ranks' devices (default: the topology's mapping); ``search_seconds`` is
+    zb-auto's optimising pass budget (default: its own; 0: heuristics only, as a planner
+    screening thousands of layouts asks; zbv-auto has no such pass)."""
     if name not in COST_AWARE:
         raise UnknownScheduleError(f"{name!r} is not a cost-aware schedule; those are: {', '.join(sorted(COST_AWARE))}")
-    if costs.num_stages != pp:
-        raise ValueError(f"{name}: costs describe {costs.num_stages} stages but pp={pp} (one stage per rank)")
+    placement = cost_shell(name, pp, microbatches).placement
+    if costs.num_stages != len(placement):
+        per_rank = "two stages per rank, in a V" if name in V_SHAPED else "one stage per rank"
+        raise ValueError(f"{name}: costs describe {costs.num_stages} stages but pp={pp} needs {len(placement)} "
+                         f"({per_rank})")
     if devices is None:
         devices = map_ranks(topology, 1, pp, 1).pipeline()
     stages = costs.stages
+    passes = ([stage.fwd + costs.action_overhead for stage in stages],
+              [stage.bwd - stage.wgrad + costs.action_overhead for stage in stages],
+              [stage.wgrad + costs.action_overhead for stage in stages])
+    comm = hop_seconds(costs, topology, devices, placement) + 2 * costs.comm_overhead
+    if name == "zbv-auto":
+        return zbv_auto(pp, microbatches, *passes, comm=comm, memory_limit=memory_limit)
+    if memory_limit is not None and memory_limit != int(memory_limit):
+        raise ScheduleUnavailableError(
+            f"zb-auto: --memory-limit must be a whole number of microbatch stashes >= 1, got {memory_limit!r}")
     return zb_auto(
-        pp, microbatches,
-        [stage.fwd + costs.action_overhead for stage in stages],
-        [stage.bwd - stage.wgrad + costs.action_overhead for stage in stages],
-        [stage.wgrad + costs.action_overhead for stage in stages],
-        comm=hop_seconds(costs, topology, devices) + 2 * costs.comm_overhead,
-        memory_limit=memory_limit,
+        pp, microbatches, *passes, comm=comm,
+        memory_limit=None if memory_limit is None else int(memory_limit),
         **({} if search_seconds is None else {"search_seconds": search_seconds}),
     )
 

@@ -20,6 +20,7 @@ from schedules.generators.zb_auto import zb_auto
 from schedules.generators.zb_h1 import zb_h1
 from schedules.generators.zb_h2 import zb_h2
 from schedules.generators.zbv import zbv
+from schedules.generators.zbv_auto import zbv_auto
 from schedules.schedule import Schedule, looped_placement, v_shape_placement
 
 Generator = Callable[[int, int, int], Schedule]
@@ -37,14 +38,20 @@ GENERATORS: dict[str, Generator] = {
 }
 
 # Schedules that place several stages on a rank and therefore use ``virtual_stages``.
-MULTI_CHUNK = frozenset({"interleaved-1f1b", "zbv", "interleaved-zb", "looped-bfs", "dualpipev"})
+MULTI_CHUNK = frozenset({"interleaved-1f1b", "zbv", "interleaved-zb", "looped-bfs", "dualpipev", "zbv-auto"})
 
 # Schedules whose order depends on the stage costs and a memory limit: they cannot be
-# built from sizes alone, so they have their own signature (see ``zb_auto``) and the
-# command line builds them from the costs it already has (``build_cost_aware``).
-COST_AWARE = frozenset({"zb-auto"})
+# built from sizes alone, so they have their own signature (see ``zb_auto`` and
+# ``zbv_auto``) and the command line builds them from the costs it already has
+# (``build_cost_aware``).
+COST_AWARE = frozenset({"zb-auto", "zbv-auto"})
 # Schedules that place stage s and 2p - 1 - s on one rank (the V); the others loop.
-V_SHAPED = frozenset({"zbv", "dualpipev"})
+V_SHAPED = frozenset({"zbv", "dualpipev", "zbv-auto"})
+# The signature of each cost-aware generator, for the error that points to it.
+COST_AWARE_CALLS = {
+    "zb-auto": "schedules.generators.zb_auto(pp, m, forward, backward_input, backward_weight, comm, memory_limit)",
+    "zbv-auto": "schedules.generators.zbv_auto(pp, m, forward, backward_input, backward_weight, comm, memory_limit)",
+}
 
 SCHEDULE_NAMES = (*GENERATORS, *sorted(COST_AWARE))
 
@@ -53,7 +60,7 @@ SCHEDULE_NAMES = (*GENERATORS, *sorted(COST_AWARE))
 # split the backward. A name not listed (a new generator) is counted with three, the most.
 COMPUTE_PASSES: dict[str, int] = {
     "gpipe": 2, "1f1b": 2, "interleaved-1f1b": 2, "looped-bfs": 2,
-    "zb-h1": 3, "zb-h2": 3, "zbv": 3, "interleaved-zb": 3, "zb-auto": 3, "dualpipev": 3,
+    "zb-h1": 3, "zb-h2": 3, "zbv": 3, "interleaved-zb": 3, "zb-auto": 3, "dualpipev": 3, "zbv-auto": 3,
 }
 
 
@@ -118,8 +125,7 @@ def generate(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
     generator = GENERATORS.get(name)
     if name in COST_AWARE:
         raise UnknownScheduleError(
-            f"{name} builds its order from stage costs and a memory limit; call "
-            f"schedules.generators.zb_auto(pp, m, forward, backward_input, backward_weight, comm, memory_limit)"
+            f"{name} builds its order from stage costs and a memory limit; call {COST_AWARE_CALLS[name]}"
         )
     if generator is None:
         raise UnknownScheduleError(
@@ -132,6 +138,7 @@ def generate(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
 
 __all__ = [
     "COST_AWARE",
+    "COST_AWARE_CALLS",
     "DEFAULT_MAX_ACTIONS",
     "GENERATORS",
     "MULTI_CHUNK",
@@ -155,4 +162,5 @@ __all__ = [
     "zb_h1",
     "zb_h2",
     "zbv",
+    "zbv_auto",
 ]

@@ -80,7 +80,7 @@ def zb_auto(
         )
     if not 0.0 <= weight_memory <= 1.0:
         raise ScheduleUnavailableError(f"zb-auto: weight memory must be a share in [0, 1], got {weight_memory!r}")
-    costs = {kind: _per_stage(name, value, pp) for kind, name, value in (
+    costs = {kind: per_stage(name, value, pp) for kind, name, value in (
         (ActionKind.F, "forward", forward), (ActionKind.I, "input-gradient", backward_input),
         (ActionKind.W, "weight-gradient", backward_weight))}
     if comm < 0:
@@ -115,11 +115,19 @@ def _cost_of(pp: int, microbatches: int, forward: tuple[float, ...], backward_in
              backward_weight: tuple[float, ...], comm: float):
     """The candidates' cost: the paper's (the longest rank span) first, then the step, on
     the engine with free-flowing transfers ``comm`` after their producer."""
-    placement = looped_placement(pp, 1)
+    return order_cost(looped_placement(pp, 1), microbatches, forward, backward_input, backward_weight, comm)
+
+
+def order_cost(placement: tuple[int, ...], microbatches: int, forward: Sequence[float],
+               backward_input: Sequence[float], backward_weight: Sequence[float], comm: float):
+    """``cost(programs)``: (the longest rank span, the step) of an order for stages placed
+    by ``placement``, timed by the engine with free-flowing transfers, each ``comm`` after
+    its producer where it crosses ranks (none between stages on one rank)."""
+    pp = max(placement) + 1
     # per stage: F, B (= I + W, unused: the orders split every backward), I, W
     timing = engine.StepTiming(
         np.array([[f, i + w, i, w] for f, i, w in zip(forward, backward_input, backward_weight, strict=True)]),
-        wires=engine.hop_wires(pp, comm))
+        wires=engine.hop_wires(len(placement), comm))
 
     def cost(programs) -> tuple[float, float]:
         step = engine.run(Schedule(pp, microbatches, placement, programs), timing, engine.FREE)
@@ -151,10 +159,14 @@ def _best_heuristic(pp: int, microbatches: int, forward: tuple[float, ...], back
     return min(candidates, key=cost)
 
 
-def _per_stage(name: str, value: float | Sequence[float], pp: int) -> list[float]:
-    values = [float(value)] * pp if isinstance(value, (int, float)) else [float(item) for item in value]
-    if len(values) != pp:
-        raise ScheduleUnavailableError(f"zb-auto: {len(values)} {name} costs given for pp={pp} stages")
+def per_stage(name: str, value: float | Sequence[float], stages: int, schedule: str = "zb-auto",
+              sizes: str | None = None) -> list[float]:
+    """``value`` for each of ``stages`` stages (one number for all, or one each), checked;
+    ``sizes`` says how the stage count follows from the sizes (default ``pp=stages``)."""
+    values = [float(value)] * stages if isinstance(value, (int, float)) else [float(item) for item in value]
+    if len(values) != stages:
+        raise ScheduleUnavailableError(
+            f"{schedule}: {len(values)} {name} costs given for {sizes or f'pp={stages}'} stages")
     if min(values) < 0:
-        raise ScheduleUnavailableError(f"zb-auto: {name} costs must be >= 0, got {values}")
+        raise ScheduleUnavailableError(f"{schedule}: {name} costs must be >= 0, got {values}")
     return values

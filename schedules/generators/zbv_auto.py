@@ -1,0 +1,137 @@
+"""Automatic V-shaped zero-bubble scheduling (Qi et al., "Pipeline Parallelism with
+Controllable Memory", NeurIPS 2024): the V order chosen for the stage costs at hand and
+a memory limit.
+
+``zbv`` is the paper's handcrafted V-ZB order: two chunks per rank in a V (rank ``r``
+holds stage ``r`` and ``2p - 1 - r``), bubble-free when ``F = I = W`` per chunk, links
+are free and ``m >= 2p``, holding 1F1B's memory (``p`` microbatches per rank). Real
+chunks differ (``W`` is often shorter than ``I``), transfers take time, and the paper's
+point is that the memory is a knob: its V-Half and V-Min hold about 1/2 and 1/3 of
+1F1B's activations for some bubble. ``zbv-auto`` builds the order for the given
+per-stage ``F``, ``I``, ``W`` and hop time ``comm`` under a limit, as ``zb-auto`` does
+for one stage per rank:
+
+1. candidates: the handcrafted ``zbv`` order where its stashes fit the limit, the same
+   order with its ``W`` passes placed for these costs (eager and patient), and the
+   greedy list scheduler on the V placement (``greedy_zero_bubble``) in its variants:
+   eager and patient ``W``, a ``W`` before a ready ``I`` when memory stops the next
+   forward or not, the later or the earlier chunk first when both are ready, room kept
+   for one returning microbatch or for all of them, several warm-up depths;
+2. every candidate timed by the engine with free-flowing transfers (each ``comm`` after
+   its producer, none at the V's turn on the last rank, where stage ``p - 1`` hands its
+   output to stage ``p`` on the same rank), the best kept: the shortest step, then the
+   shortest longest rank span (the order ``adapt`` ranks zb-h1's candidates in; with the
+   first and last stage on rank 0 the two mostly coincide).
+
+Because ``zbv`` is among the candidates whenever it fits, ``zbv-auto``'s step is never
+longer than ``zbv``'s there. There is no optimising pass: the V's ``2p`` stages make the
+constraint model of ``zb_refine`` twice as large, and it would not fit the time a
+planner gives each schedule. Nor are the paper's V-Half and V-Min building blocks here:
+below ``p`` the greedy orders are what ``zbv-auto`` has, and they are slower than the
+paper's (docs/schedules.md gives the numbers).
+
+``memory_limit`` counts microbatches' activations per rank, as ``zbv``'s own count
+does: a microbatch's stash on one of the rank's two chunks is half of it, held from the
+chunk's ``F`` until its ``W`` (pipesim's stash), so a limit of ``L`` allows ``2L``
+chunk stashes (``L`` may be a half). The default is ``p``, what ``zbv`` holds; the least
+is 1, one microbatch on both chunks at a time (the turn needs it).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+
+from schedules.action import Action, ActionKind
+from schedules.generators.common import ScheduleUnavailableError, require_positive
+from schedules.generators.greedy_zero_bubble import placed_greedy_orders
+from schedules.generators.zb_auto import order_cost, per_stage
+from schedules.generators.zbv import zbv
+from schedules.schedule import Schedule, v_shape_placement
+
+NAME = "zbv-auto"
+# Above this many (stage, microbatch) pairs the greedy runs in its variants that win most
+# often only (W before a ready I when memory stops a forward, the later chunk first, room
+# for one returning microbatch, no warm-up cap): the full set takes tens of seconds at
+# p = 32, m = 256, which a planner cannot spend on every layout.
+FULL_SEARCH_PASSES = 1024
+
+
+def zbv_auto(
+    pp: int,
+    microbatches: int,
+    forward: float | Sequence[float],
+    backward_input: float | Sequence[float],
+    backward_weight: float | Sequence[float],
+    comm: float = 0.0,
+    memory_limit: float | None = None,
+) -> Schedule:
+    """The fastest V order found for these per-stage seconds (one number for every one of
+    the ``2p`` stages, or one per stage in pipeline order: stage ``s`` sits on rank ``s``
+    going down and on rank ``2p - 1 - s`` coming back), ``comm`` seconds per hop between
+    ranks, at most ``memory_limit`` microbatches' activations on a rank (default ``p``)."""
+    require_positive(NAME, pp, microbatches, 2)
+    limit = pp if memory_limit is None else memory_limit
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit):
+        raise ScheduleUnavailableError(
+            f"{NAME}: --memory-limit must be a number of microbatches' activations per rank, got {memory_limit!r}")
+    if limit < 1:
+        raise ScheduleUnavailableError(
+            f"{NAME}: --memory-limit {limit:g} is below the least a V order can run with, 1 microbatch per rank "
+            f"(its stash on both of the rank's chunks: a microbatch turns at the last rank and comes back to the "
+            f"rank's second chunk while the first still holds it)")
+    stages = 2 * pp
+    sizes = f"the V's 2 x pp={pp} = {stages}"
+    costs = {kind: per_stage(name, value, stages, NAME, sizes) for kind, name, value in (
+        (ActionKind.F, "forward", forward), (ActionKind.I, "input-gradient", backward_input),
+        (ActionKind.W, "weight-gradient", backward_weight))}
+    if not comm >= 0:
+        raise ScheduleUnavailableError(f"{NAME}: communication time must be >= 0, got {comm!r}")
+    chunk_stashes = math.floor(2 * limit + 1e-9)
+    return _fastest_order(pp, microbatches, tuple(costs["F"]), tuple(costs["I"]), tuple(costs["W"]), float(comm),
+                          chunk_stashes)
+
+
+@functools.lru_cache(maxsize=256)
+def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backward_input: tuple[float, ...],
+                   backward_weight: tuple[float, ...], comm: float, chunk_stashes: int) -> Schedule:
+    """The search, kept per distinct input (a pure function of them; a schedule never
+    changes), so layouts that differ only in what the order does not read share it."""
+    placement = v_shape_placement(pp, 2)
+    cost = order_cost(placement, microbatches, forward, backward_input, backward_weight, comm)
+    candidates = []
+    handcrafted = zbv(pp, microbatches).programs
+    if max(peak_stashes(program) for program in handcrafted) <= chunk_stashes:
+        candidates.append(handcrafted)
+        for patient in (False, True):  # zbv's F and I order, each W placed for these costs
+            candidates.append(placed_greedy_orders(placement, microbatches, forward, backward_input, backward_weight,
+                                                   comm, chunk_stashes, patient_weights=patient, follow=handcrafted))
+    caps = [None, *sorted({cap for cap in (pp, 2 * pp - 1) if 2 <= cap < chunk_stashes})]
+    variants = itertools.product((True, False), (False, True), (True, False), (False, True), caps)
+    if 2 * pp * microbatches > FULL_SEARCH_PASSES:
+        variants = itertools.product((True,), (False,), (True,), (False, True), (None,))
+    for free_first, reserve_all, late_first, patient, cap in variants:
+        candidates.append(placed_greedy_orders(placement, microbatches, forward, backward_input, backward_weight,
+                                               comm, chunk_stashes, patient_weights=patient, warmup_cap=cap,
+                                               reserve_all=reserve_all, late_first=late_first,
+                                               free_first=free_first))
+    # the step first, then the longest rank span (as ``adapt`` ranks zb-h1's orders): with the
+    # first and last stage on rank 0 the two mostly coincide, and the step is what pipesim runs
+    best = min((orders for orders in candidates if orders is not None),
+               key=lambda orders: cost(orders)[::-1])  # the first of equals: zbv where it ties
+    return Schedule(pp, microbatches, placement, best, name=NAME,
+                    meta={"memory_microbatches": chunk_stashes / 2})
+
+
+def peak_stashes(program: Sequence[Action]) -> int:
+    """The most chunk stashes a rank's order holds: one from each ``F`` until its ``W``."""
+    held = peak = 0
+    for action in program:
+        if action.kind == ActionKind.F:
+            held += 1
+            peak = max(peak, held)
+        elif action.kind in (ActionKind.W, ActionKind.B):
+            held -= 1
+    return peak
