@@ -23,13 +23,16 @@ def test_published_rates_are_reproduced_under_nccls_rule(row, column):
     assert nccl <= row.paper[column] + 0.005
 
 
-@pytest.mark.parametrize("row", [row for row in PUBLISHED if row.model == "1.5B"], ids=lambda row: row.label)
-def test_interleaved_with_three_chunks_reaches_the_papers_1f1b_i_on_the_1_5b_rows(row):
-    # the paper does not say its chunk count; with 3 the 1.5B rows are within 0.005 (the
-    # 6.2B rows need 4: see docs/schedules.md)
+@pytest.mark.parametrize("row", PUBLISHED, ids=lambda row: row.label)
+def test_interleaved_with_four_chunks_reaches_the_papers_1f1b_i(row):
+    # the paper does not say its chunk count; with 4 every published row is reached (the
+    # 1.5B rows beaten, the 6.2B rows within 0.002), with 3 the 6.2B rows are not: see
+    # docs/schedules.md. The rates are the paper's Table 5.
     nccl, free, _ratio = rates(row, schedule_for(row, "1F1B-I"))
-    assert nccl == pytest.approx(free, abs=1e-4)
-    assert abs(nccl - row.paper["1F1B-I"]) <= 0.005
+    assert nccl == pytest.approx(free, abs=5e-4)  # NCCL's rule costs at most 0.05 points here
+    assert nccl <= row.paper["1F1B-I"] + 0.005
+    three = rates(row, generate("interleaved-1f1b", row.pp, row.microbatches, 3))[0]
+    assert (three <= row.paper["1F1B-I"] + 0.005) == (row.model == "1.5B")
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "interleaved-zb",
