@@ -163,3 +163,15 @@ def test_from_the_command_line_within_its_memory_limit(tmp_path, capsys):
     assert max(rank["peak_inflight_microbatches"] for rank in result["ranks"]) <= 2.5
     assert main(["simulate", "--schedule", "zbv-auto", "--pp", "4", "-m", "8", "--virtual-stages", "4"]) == 2
     assert "zbv-auto places exactly 2 stages per rank in a V; virtual stages=4" in capsys.readouterr().err
+
+
+@settings(max_examples=25, deadline=None)
+@given(pp=st.integers(2, 5), microbatches=st.integers(2, 10), forward=st.floats(0.2, 2.0),
+       backward_input=st.floats(0.2, 2.0), backward_weight=st.floats(0.05, 2.0), comm=st.floats(0.0, 0.6))
+def test_the_quick_search_a_planner_screens_with_is_never_faster_than_the_full_one(
+        pp, microbatches, forward, backward_input, backward_weight, comm):
+    # the quick variants are a subset of the full search's, so its step can only be longer
+    full = zbv_auto(pp, microbatches, forward, backward_input, backward_weight, comm)
+    quick = zbv_auto(pp, microbatches, forward, backward_input, backward_weight, comm, quick=True)
+    assert step(full, forward, backward_input, backward_weight, comm).makespan <= \
+        step(quick, forward, backward_input, backward_weight, comm).makespan + 1e-9

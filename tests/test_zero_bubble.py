@@ -176,14 +176,18 @@ def auto_cases(draw):
     passes = [draw(st.sampled_from([0.25, 0.5, 1.0, 1.5, 2.0])) for _ in range(3)]
     hop = draw(st.sampled_from([0.0, 0.1, 0.5, 1.0]))
     limit = draw(st.integers(1, 2 * pp))
-    return pp, microbatches, passes, hop, limit
+    # the optimising pass on a quarter of the cases (about a second each); heuristics alone
+    # on the rest, which must keep the same promises
+    search_seconds = draw(st.sampled_from([0.0, 0.0, 0.0, 0.2]))
+    return pp, microbatches, passes, hop, limit, search_seconds
 
 
 @settings(max_examples=60, deadline=None)
 @given(auto_cases())
 def test_zb_auto_respects_its_memory_limit_and_beats_the_handcrafted_orders(case):
-    pp, microbatches, (forward, backward_input, backward_weight), hop, limit = case
-    schedule = zb_auto(pp, microbatches, forward, backward_input, backward_weight, hop, limit)
+    pp, microbatches, (forward, backward_input, backward_weight), hop, limit, search_seconds = case
+    schedule = zb_auto(pp, microbatches, forward, backward_input, backward_weight, hop, limit,
+                       search_seconds=search_seconds)
     trace = run(schedule, forward, backward_input, backward_weight, hop)
     assert peak_stash(trace, 1) <= limit
     ours = makespan(trace)

@@ -391,11 +391,12 @@ def evaluate_layout(layout: Layout) -> dict:
 
 @without_collector
 def screen_layout(layout: Layout) -> dict:
-    """``evaluate_layout`` with the two searches that cost the most and change the least
-    left out: lowering places the transfers by its best rule without the repair pass, and
-    zb-auto keeps its best heuristic without the solver's pass. Both only ever keep what
-    makes the step shorter, so a screened step is the exact one or a little longer; the
-    planner screens every layout this way and simulates its finalists exactly."""
+    """``evaluate_layout`` with the searches that cost the most and change the least cut
+    short: lowering places the transfers by its best rule without the repair pass, zb-auto
+    keeps its best heuristic without the solver's pass, and zbv-auto tries only its most
+    often winning variants. Each only ever keeps what makes the step shorter, so a screened
+    step is the exact one or a little longer; the planner screens every layout this way and
+    simulates its finalists exactly."""
     return _evaluated(layout, exact=False)
 
 
@@ -414,7 +415,8 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
         # orders and lowering read the stages' times and transfers, never the optimizer step:
         # layouts that differ in their ZeRO stage alone share them (built for ZeRO 0)
         unsharded = replace(layout, zero=0)
-        # zb-auto's optimising pass is what screening leaves out; the adapted orders have none
+        # zb-auto's optimising pass and zbv-auto's full search are what screening leaves out; the
+        # adapted orders have neither
         search_seconds = None if exact or layout.schedule not in COST_AWARE else 0.0
         if ordered_by_costs:  # its order follows from this layout's costs, as simulate builds it
             schedule = _ordered_by_costs(unsharded, search_seconds)
@@ -543,8 +545,8 @@ def format_plan(result, args: argparse.Namespace) -> str:
                  f"({result.ranked} ranked, {failed} did not fit or could not be built) + {result.pruned} pruned "
                  f"by lower bound (cannot reach the top {args.top}); {result.seconds:.1f} s, {rate:.0f} simulated/s")
     if result.refined:
-        lines.append(f"screened with lowering's best rule and zb-auto's best heuristic; the {result.refined} "
-                     f"finalists simulated again exactly as `pipesim simulate` runs them")
+        lines.append(f"screened with lowering's best rule and the cost-aware orders' quick searches; the "
+                     f"{result.refined} finalists simulated again exactly as `pipesim simulate` runs them")
     for bucket, causes in (("ruled out", result.ruled_out), ("rejected before simulation", result.screened),
                            ("simulated, not ranked", result.failed)):
         if causes:

@@ -69,7 +69,8 @@ def build_cost_aware(
     zbv-auto's ``2 pp`` stages in a V (``cost_shell``'s placement). ``devices`` are the
     pipeline ranks' devices (default: the topology's mapping); ``search_seconds`` is
     zb-auto's optimising pass budget (default: its own; 0: heuristics only, as a planner
-    screening thousands of layouts asks; zbv-auto has no such pass)."""
+    screening thousands of layouts asks, and then zbv-auto tries only its most often
+    winning variants)."""
     if name not in COST_AWARE:
         raise UnknownScheduleError(f"{name!r} is not a cost-aware schedule; those are: {', '.join(sorted(COST_AWARE))}")
     placement = cost_shell(name, pp, microbatches).placement
@@ -85,7 +86,7 @@ def build_cost_aware(
               [stage.wgrad + costs.action_overhead for stage in stages])
     comm = hop_seconds(costs, topology, devices, placement) + 2 * costs.comm_overhead
     if name == "zbv-auto":
-        return zbv_auto(pp, microbatches, *passes, comm=comm, memory_limit=memory_limit)
+        return zbv_auto(pp, microbatches, *passes, comm=comm, memory_limit=memory_limit, quick=search_seconds == 0)
     if memory_limit is not None and memory_limit != int(memory_limit):
         raise ScheduleUnavailableError(
             f"zb-auto: --memory-limit must be a whole number of microbatch stashes >= 1, got {memory_limit!r}")

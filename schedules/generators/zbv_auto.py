@@ -67,11 +67,15 @@ def zbv_auto(
     backward_weight: float | Sequence[float],
     comm: float = 0.0,
     memory_limit: float | None = None,
+    quick: bool = False,
 ) -> Schedule:
     """The fastest V order found for these per-stage seconds (one number for every one of
     the ``2p`` stages, or one per stage in pipeline order: stage ``s`` sits on rank ``s``
     going down and on rank ``2p - 1 - s`` coming back), ``comm`` seconds per hop between
-    ranks, at most ``memory_limit`` microbatches' activations on a rank (default ``p``)."""
+    ranks, at most ``memory_limit`` microbatches' activations on a rank (default ``p``).
+    ``quick`` tries only the variants that win most often (those of large sizes, a subset
+    of the full set, so the step is the full search's or a little longer): what a planner
+    screens thousands of layouts with before searching its finalists in full."""
     require_positive(NAME, pp, microbatches, 2)
     limit = pp if memory_limit is None else memory_limit
     if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit):
@@ -91,12 +95,12 @@ def zbv_auto(
         raise ScheduleUnavailableError(f"{NAME}: communication time must be >= 0, got {comm!r}")
     chunk_stashes = math.floor(2 * limit + 1e-9)
     return _fastest_order(pp, microbatches, tuple(costs["F"]), tuple(costs["I"]), tuple(costs["W"]), float(comm),
-                          chunk_stashes)
+                          chunk_stashes, quick or 2 * pp * microbatches > FULL_SEARCH_PASSES)
 
 
 @functools.lru_cache(maxsize=256)
 def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backward_input: tuple[float, ...],
-                   backward_weight: tuple[float, ...], comm: float, chunk_stashes: int) -> Schedule:
+                   backward_weight: tuple[float, ...], comm: float, chunk_stashes: int, quick: bool) -> Schedule:
     """The search, kept per distinct input (a pure function of them; a schedule never
     changes), so layouts that differ only in what the order does not read share it."""
     placement = v_shape_placement(pp, 2)
@@ -110,7 +114,7 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
                                                    comm, chunk_stashes, patient_weights=patient, follow=handcrafted))
     caps = [None, *sorted({cap for cap in (pp, 2 * pp - 1) if 2 <= cap < chunk_stashes})]
     variants = itertools.product((True, False), (False, True), (True, False), (False, True), caps)
-    if 2 * pp * microbatches > FULL_SEARCH_PASSES:
+    if quick:
         variants = itertools.product((True,), (False,), (True,), (False, True), (None,))
     for free_first, reserve_all, late_first, patient, cap in variants:
         candidates.append(placed_greedy_orders(placement, microbatches, forward, backward_input, backward_weight,
