@@ -13,7 +13,7 @@ the same microbatch counts.
 from __future__ import annotations
 
 from schedules.action import Action, ActionKind
-from schedules.generators.common import ScheduleUnavailableError, chunk_visitor
+from schedules.generators.common import ScheduleUnavailableError
 from schedules.schedule import Schedule, looped_placement
 
 
@@ -44,16 +44,19 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int = 2) -> Sch
 def _rank_program(rank: int, pp: int, microbatches: int, virtual_stages: int, group: int) -> list[Action]:
     """Warm-up forwards, then F/B pairs, then the remaining backwards; the j-th forward
     runs chunk ``(j // g) % v`` and the j-th backward chunk ``v - 1 - (j // g) % v``,
-    each on that chunk's next microbatch."""
+    each on that chunk's next microbatch: every round of ``g v`` steps gives each chunk
+    ``g`` of them, so it is microbatch ``(j // (g v)) g + j % g`` (``m`` is whole rounds)."""
     total = microbatches * virtual_stages
     warmup = min((virtual_stages - 1) * group + 2 * (pp - 1 - rank), total)
-    visit = chunk_visitor(pp, rank)
+    span = group * virtual_stages
+    forward_kind, backward_kind = ActionKind.F, ActionKind.B
 
     def forward(step: int) -> Action:
-        return visit(ActionKind.F, (step // group) % virtual_stages)
+        return Action((step // group) % virtual_stages * pp + rank, forward_kind, step // span * group + step % group)
 
     def backward(step: int) -> Action:
-        return visit(ActionKind.B, virtual_stages - 1 - (step // group) % virtual_stages)
+        chunk = virtual_stages - 1 - (step // group) % virtual_stages
+        return Action(chunk * pp + rank, backward_kind, step // span * group + step % group)
 
     program = [forward(step) for step in range(warmup)]
     for step in range(total - warmup):
