@@ -26,6 +26,16 @@ NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "interlea
 seconds = st.floats(0.2, 2.0, allow_nan=False, allow_infinity=False)
 
 
+def drawn_schedule(name: str, pp: int, data):
+    """``name`` at ``pp`` with a drawn microbatch count (two chunks for a multi-chunk one);
+    None where that schedule does not exist at those sizes."""
+    microbatches = data.draw(st.integers(1, 3 * pp))
+    try:
+        return generate(name, pp, microbatches, 2 if name in MULTI_CHUNK else 1)
+    except ScheduleUnavailableError:
+        return None
+
+
 def chain_timing(schedule, forward: float, backward_input: float, backward_weight: float,
                  hop: float) -> engine.StepTiming:
     chunks = schedule.num_stages // schedule.pp
@@ -39,13 +49,10 @@ def chain_timing(schedule, forward: float, backward_input: float, backward_weigh
        backward_weight=seconds, hop_share=st.floats(0.0, 0.25, allow_nan=False))
 def test_rendezvous_step_is_within_one_percent_of_free_flowing_transfers(name, pp, data, forward, backward_input,
                                                                          backward_weight, hop_share):
-    microbatches = data.draw(st.integers(1, 3 * pp))
-    chunks = 2 if name in MULTI_CHUNK else 1
-    try:
-        schedule = generate(name, pp, microbatches, chunks)
-    except ScheduleUnavailableError:
+    schedule = drawn_schedule(name, pp, data)
+    if schedule is None:
         return
-    hop = hop_share * min(forward, backward_input, backward_weight) / chunks
+    hop = hop_share * min(forward, backward_input, backward_weight) / (schedule.num_stages // pp)
     step_timing = chain_timing(schedule, forward, backward_input, backward_weight, hop)
     lowered = lower(schedule, step_timing)
     validate(lowered, RENDEZVOUS)
@@ -55,7 +62,7 @@ def test_rendezvous_step_is_within_one_percent_of_free_flowing_transfers(name, p
     assert not nccl.stuck
     assert free * (1 - 1e-9) <= nccl.makespan <= 1.01 * free
     # the same inputs, the same programs: what the executor lowers is what was simulated
-    again = lower(generate(name, pp, microbatches, chunks), step_timing)
+    again = lower(generate(name, pp, schedule.microbatches, schedule.num_stages // pp), step_timing)
     assert (again.programs, again.joins) == (lowered.programs, lowered.joins)
 
 
@@ -64,11 +71,8 @@ def test_rendezvous_step_is_within_one_percent_of_free_flowing_transfers(name, p
        backward_input=seconds, backward_weight=st.one_of(st.just(0.0), seconds),
        hop=st.floats(0.0, 3.0, allow_nan=False))
 def test_any_costs_give_rendezvous_safe_programs(name, pp, data, forward, backward_input, backward_weight, hop):
-    microbatches = data.draw(st.integers(1, 3 * pp))
-    chunks = 2 if name in MULTI_CHUNK else 1
-    try:
-        schedule = generate(name, pp, microbatches, chunks)
-    except ScheduleUnavailableError:
+    schedule = drawn_schedule(name, pp, data)
+    if schedule is None:
         return
     lowered = lower(schedule, chain_timing(schedule, forward, backward_input, backward_weight, hop))
     validate(lowered, RENDEZVOUS)
@@ -82,11 +86,8 @@ def test_every_rule_places_rendezvous_safe_programs(name, pp, data, forward, bac
                                                      rule):
     """Each placement rule on its own, not only the one lowering keeps: its moments lie
     in [ready, needed], so the program is deadlock-free by construction."""
-    microbatches = data.draw(st.integers(1, 3 * pp))
-    chunks = 2 if name in MULTI_CHUNK else 1
-    try:
-        schedule = generate(name, pp, microbatches, chunks)
-    except ScheduleUnavailableError:
+    schedule = drawn_schedule(name, pp, data)
+    if schedule is None:
         return
     step_timing = chain_timing(schedule, forward, backward_input, backward_weight, hop)
     step, free_start = _timed(schedule, planning_timing(step_timing))

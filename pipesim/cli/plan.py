@@ -404,25 +404,19 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
     from pipesim.sim.engine import lower_for
     from pipesim.sim.step import run_simulation
     from schedules.generators import COST_AWARE, ScheduleUnavailableError
-    from schedules.generators.adaptive import ADAPTABLE
     from schedules.lowering import repair_budget
 
     topology = _BASE["topology"]
     try:
         job = layout_job(layout)
         _, layout_costs, shell, costs_key = _layout_costs(layout)
-        ordered_by_costs = layout.schedule in COST_AWARE or layout.schedule in ADAPTABLE
         # orders and lowering read the stages' times and transfers, never the optimizer step:
         # layouts that differ in their ZeRO stage alone share them (built for ZeRO 0)
         unsharded = replace(layout, zero=0)
         # zb-auto's optimising pass and zbv-auto's full search are what screening leaves out; the
         # adapted orders have neither
         search_seconds = None if exact or layout.schedule not in COST_AWARE else 0.0
-        if ordered_by_costs:  # its order follows from this layout's costs, as simulate builds it
-            schedule = _ordered_by_costs(unsharded, search_seconds)
-        else:
-            schedule = _generated(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
-                                  job.max_actions)
+        schedule = _order_of(unsharded, search_seconds)
         # costs depend on the stages and their placement only (``_layout_costs``)
         costs = layout_costs if schedule.placement == shell.placement else costs_of(job, schedule, topology)
         cause = _order_memory_cause(schedule, costs, parallel_of(job), layout)
@@ -440,8 +434,7 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
         # run is the deadlock check that remains.
         result = run_simulation(schedule, costs, topology, parallel=parallel_of(job), p2p=job.p2p, validate=False)
     except ScheduleUnavailableError:
-        return {"error": f"{layout.schedule} does not exist for that microbatch count and pp"
-                         f"{' (a V needs 2 pp microbatches or more)' if layout.schedule == 'dualpipev' else ''}"}
+        return {"error": f"{layout.schedule} does not exist for that microbatch count and pp"}
     except ValueError as error:
         return {"error": f"{type(error).__name__}: {str(error).split(';')[0]}"}
     metrics = result.metrics
@@ -495,11 +488,22 @@ def _generated(name: str, pp: int, microbatches: int, virtual_stages: int, max_a
     return generate(name, pp, microbatches, virtual_stages, max_actions=max_actions)
 
 
+def _order_of(layout: Layout, search_seconds: float | None):
+    """The layout's order as ``simulate`` builds it: generated, or for a cost-aware or
+    adapted one (zb-auto, zbv-auto, zb-h1, zb-h2) built from the layout's costs
+    (``search_seconds`` 0 when screening: their quick searches), kept either way."""
+    from schedules.generators import COST_AWARE
+    from schedules.generators.adaptive import ADAPTABLE
+
+    if layout.schedule in COST_AWARE or layout.schedule in ADAPTABLE:
+        return _ordered_by_costs(layout, search_seconds)
+    return _generated(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
+                      _BASE["job"].max_actions)
+
+
 @functools.lru_cache(maxsize=256)
 def _ordered_by_costs(layout: Layout, search_seconds: float | None):
-    """A cost-aware or adapted order (zb-auto, zb-h1, zb-h2) built from the layout's costs
-    as ``simulate`` builds it (``search_seconds`` 0 when screening: zb-auto's heuristics
-    only), kept."""
+    """``_order_of`` a cost-aware or adapted order, kept per layout and budget."""
     return schedule_of(layout_job(layout), _BASE["topology"], search_seconds=search_seconds)
 
 
@@ -509,17 +513,11 @@ def _lowered_for(layout: Layout, search_seconds: float | None, repair_runs: int 
     lowers it (``pipesim.sim.engine.lower_for``; ``repair_runs`` 0 when screening),
     kept: layouts that differ only in what lowering does not read share it."""
     from pipesim.sim.engine import lower_for
-    from schedules.generators import COST_AWARE
-    from schedules.generators.adaptive import ADAPTABLE
 
-    job = layout_job(layout)
-    if layout.schedule in COST_AWARE or layout.schedule in ADAPTABLE:
-        order = _ordered_by_costs(layout, search_seconds)
-    else:
-        order = _generated(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages, job.max_actions)
     _, costs, _, _ = _layout_costs(layout)
-    return lower_for(order, costs, _BASE["topology"], _pipeline_devices(layout.dp, layout.pp, layout.tp,
-                                                                       job.rank_order, layout.cp), repair_runs)
+    return lower_for(_order_of(layout, search_seconds), costs, _BASE["topology"],
+                     _pipeline_devices(layout.dp, layout.pp, layout.tp, _BASE["job"].rank_order, layout.cp),
+                     repair_runs)
 
 
 def format_causes(bucket: str, causes) -> str:

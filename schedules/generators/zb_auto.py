@@ -99,15 +99,14 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
     schedule never changes, so a planner whose layouts differ only in what the order does
     not depend on (optimizer sharding, say) searches once and shares the schedule, with
     its lowering and compiled programs (``Schedule.derived``)."""
-    placement = looped_placement(pp, 1)
-    cost = _cost_of(pp, microbatches, forward, backward_input, backward_weight, comm)
     best = _best_heuristic(pp, microbatches, forward, backward_input, backward_weight, comm, limit, weight_memory)
-    if search_seconds > 0 and pp * microbatches <= SEARCH_PASSES:
+    if search_seconds > 0:  # ``zb_auto`` passes 0 above ``SEARCH_PASSES``
         refined = refine(pp, microbatches, forward, backward_input, backward_weight, comm, limit, weight_memory,
                          best, search_seconds)
+        cost = _cost_of(pp, microbatches, forward, backward_input, backward_weight, comm)
         if refined is not None and cost(refined) < cost(best):
             best = refined
-    return Schedule(pp, microbatches, placement, best, name="zb-auto",
+    return Schedule(pp, microbatches, looped_placement(pp, 1), best, name="zb-auto",
                     meta={"memory_microbatches": limit, "weight_memory": weight_memory})
 
 
