@@ -21,17 +21,17 @@ pruned (its lower bound cannot reach the top).
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing
 import os
 import sys
 import time
-import zlib
 from bisect import insort
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 
 from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES, V_SHAPED
 
@@ -282,25 +282,28 @@ def search(
     others: list[dict] = []
     considered = len(layouts) + sum(ruled_out.values())
     rows: list[dict] = []
+    seconds: dict[Layout, float] = {}  # what evaluating each layout took: the finalists' weights
     fitting: list[float] = []
     simulated = 0
     window = 32 * workers if workers > 1 else 1  # layouts submitted and not yet taken
     position = 0
-    # One process per worker, each layout always sent to the same one (``worker_of``): what
-    # layouts share (the lowered order, zb-auto's search, the costs the memory floor built)
-    # is then built once, not once per worker (with one shared pool, 2 workers did 40%
-    # more work than 1).
+    # One process per worker. Layouts that share cached work go to the same one: in the
+    # first pass those whose stages sit alike (costs, floors and bounds; shares balanced by
+    # layout count, ``placement_shares``), in the simulations those of one order
+    # (``order_key``: the generated order and its cost-aware search built once, not once per
+    # worker), each new order to the worker given the fewest layouts so far. With one
+    # shared pool, 2 workers did 40% more work than 1.
     pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context()) for _ in range(workers)] \
         if workers > 1 else None
 
-    def each(function: Callable, items: list, spread: bool = False) -> list:
-        """``function`` of every item, each on its worker when there are several (in order),
-        or dealt out in turn with ``spread`` (a few heavy items: balance over sharing)."""
+    def each(function: Callable, items: list, shares: list[int] | None = None) -> list:
+        """``function`` of every item, item ``i`` on worker ``shares[i]`` when there are
+        several (results in order)."""
         if pools is None:
             return [function(item) for item in items]
         mine: list[list[int]] = [[] for _ in pools]
-        for index, item in enumerate(items):
-            mine[index % len(pools) if spread else worker_of(item, len(pools))].append(index)
+        for index, worker in enumerate(shares):
+            mine[worker].append(index)
         results: list = [None] * len(items)
         batches = [(indices, pools[worker].map(function, [items[index] for index in indices],
                                                 chunksize=max(1, len(indices) // 8)))
@@ -310,20 +313,51 @@ def search(
                 results[index] = value
         return results
 
+    def heaviest_first(function: Callable, items: list, weights: list[float]) -> list:
+        """``function`` of every item (results in order), the heaviest first, each to the
+        first worker that is free: a few items of very different cost (the finalists'
+        full searches) balance over the workers this way, whatever their order."""
+        if pools is None:
+            return [function(item) for item in items]
+        queue = deque(sorted(range(len(items)), key=lambda index: -weights[index]))
+        results: list = [None] * len(items)
+        running = {}
+        for pool in pools[:len(queue)]:
+            index = queue.popleft()
+            running[pool.submit(function, items[index])] = (index, pool)
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                index, pool = running.pop(future)
+                results[index] = future.result()
+                if queue:
+                    following = queue.popleft()
+                    running[pool.submit(function, items[following])] = (following, pool)
+        return results
+
+    owners: dict[tuple, int] = {}  # order -> its worker
+    given = [0] * workers
+
     def submit(layout: Layout):
-        return pools[worker_of(layout, len(pools))].submit(evaluate, layout) if pools else None
+        if pools is None:
+            return None
+        worker = owners.setdefault(order_key(layout), given.index(min(given)))
+        given[worker] += 1
+        return pools[worker].submit(timed, evaluate, layout)
 
     try:
-        if reject is not None:  # the memory floor and the bounds are per-layout work too: spread it
-            kept = []
-            for layout, cause in zip(layouts, each(reject, layouts), strict=True):
-                if cause is None:
-                    kept.append(layout)
-                else:
-                    screened[cause] += 1
-                    others.append({**layout_fields(layout), "bucket": "rejected before simulation", "cause": cause})
-            layouts = kept
-        bounds = dict(zip(layouts, each(bound, layouts), strict=True))
+        # the memory floor and the bound of every layout in one pass over the workers
+        judged = each(functools.partial(judge, reject, bound), layouts,
+                      placement_shares(layouts, len(pools)) if pools else None)
+        kept, bounds = [], {}
+        for layout, (cause, layout_bound) in zip(layouts, judged, strict=True):
+            if cause is None:
+                kept.append(layout)
+                bounds[layout] = layout_bound
+            else:
+                screened[cause] += 1
+                others.append({**layout_fields(layout), "bucket": "rejected before simulation", "cause": cause})
+        layouts = kept
         order = sorted(layouts, key=lambda layout: (bounds[layout], layout))
         # A window of layouts in flight over the workers, submitted in bound order; results
         # are taken in that order too, so what is simulated does not depend on timing. No
@@ -341,7 +375,7 @@ def search(
             if not in_flight:
                 break
             layout, future = in_flight.popleft()
-            row = future.result() if future is not None else evaluate(layout)
+            row, seconds[layout] = future.result() if future is not None else timed(evaluate, layout)
             if "rejected" in row:  # provably out of memory once its schedule was built: never simulated
                 screened[row["rejected"]] += 1
                 others.append({**layout_fields(layout), "bucket": "rejected before simulation",
@@ -363,7 +397,7 @@ def search(
         rows.sort(key=lambda row: (row["step_time"], row["layout"]))
         refined = 0
         if refine is not None and rows:
-            rows, refined = _refined(rows, top, each, refine, others, failed)
+            rows, refined = _refined(rows, top, heaviest_first, refine, others, failed, seconds)
     finally:
         for pool in pools or ():
             pool.shutdown()
@@ -384,14 +418,27 @@ REFINE_MARGIN = 0.02
 
 
 def _refined(rows: list[dict], top: int, each: Callable, refine: Callable[[Layout], dict], others: list[dict],
-             failed: Counter) -> tuple[list[dict], int]:
+             failed: Counter, seconds: dict[Layout, float]) -> tuple[list[dict], int]:
     """The finalists among the screened ``rows`` (sorted) evaluated with ``refine`` and
-    ranked first, the rest after them marked as screened; how many were refined."""
+    ranked first, the rest after them marked as screened; how many were refined.
+    ``each(function, items, weights)`` runs them, heavier first by what screening took."""
     cutoff = rows[min(top, len(rows)) - 1]["step_time"] * (1 + REFINE_MARGIN)
     count = max(min(top, len(rows)), sum(row["step_time"] <= cutoff for row in rows))
     finalists = [Layout(**{key: row[key] for key in LAYOUT_FIELDS}) for row in rows[:count]]
+    # finalists that differ only in their ZeRO stage share their order and its lowering:
+    # one worker evaluates them in turn, building those once
+    groups: dict[Layout, list[int]] = {}
+    for index, layout in enumerate(finalists):
+        groups.setdefault(replace(layout, zero=0), []).append(index)
+    units = list(groups.values())
+    evaluated = each(functools.partial(_each_of, refine), [[finalists[index] for index in unit] for unit in units],
+                     [sum(seconds.get(finalists[index], 0.0) for index in unit) for unit in units])
+    found: list = [None] * count
+    for unit, values in zip(units, evaluated, strict=True):
+        for index, value in zip(unit, values, strict=True):
+            found[index] = value
     exact = []
-    for screened_row, row in zip(rows[:count], each(refine, finalists, spread=True), strict=True):
+    for screened_row, row in zip(rows[:count], found, strict=True):
         if "step_time" not in row or row.get("oom"):  # the exact order needs more memory than the screened one
             cause = row.get("rejected") or row.get("error") or "out of memory"
             failed[cause] += 1
@@ -403,14 +450,51 @@ def _refined(rows: list[dict], top: int, each: Callable, refine: Callable[[Layou
     return exact + [{**row, "screened": True} for row in rows[count:]], count
 
 
-def worker_of(layout: Layout, workers: int) -> int:
-    """The worker that evaluates ``layout``: layouts whose stages sit alike on the ranks
-    (the placement's shape, pp, virtual stages) go to the same one, so each worker
-    derives the stages' costs, floors and bounds they share once, and builds each order
-    (schedule, pp, microbatches, chunks) once; by a hash that is the same in every run
-    (Python's own string hash is not)."""
-    key = f"{'v' if layout.schedule in V_SHAPED else 'looped'}|{layout.pp}|{layout.virtual_stages}"
-    return zlib.crc32(key.encode()) % workers
+def order_key(layout: Layout) -> tuple[str, int, int, int]:
+    """What a layout's order is built from besides its costs: schedule, pp, chunks,
+    microbatches. Finer than the placement the first pass shares by: the few hundred
+    layouts simulated crowd into a few placements (pp 8 with two or four chunks), which
+    would leave one worker doing most of them."""
+    return layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches
+
+
+def placement_key(layout: Layout) -> tuple[bool, int, int]:
+    """What the stages' placement on the ranks depends on: V or looped, pp, chunks."""
+    return layout.schedule in V_SHAPED, layout.pp, layout.virtual_stages
+
+
+def placement_shares(layouts: Sequence[Layout], workers: int) -> list[int]:
+    """The worker of each layout in the first pass (memory floors and bounds): layouts of
+    one placement on one worker, which derives their stages' costs, floors and bound terms
+    once; the placements dealt largest first to the worker with the fewest layouts so far,
+    so the shares are even."""
+    sizes = Counter(placement_key(layout) for layout in layouts)
+    loads = [0] * workers
+    owner = {}
+    for key, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        worker = loads.index(min(loads))
+        owner[key] = worker
+        loads[worker] += size
+    return [owner[placement_key(layout)] for layout in layouts]
+
+
+def judge(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout], float],
+          layout: Layout) -> tuple[str | None, float | None]:
+    """The layout's cause to be rejected before simulation, or None and its lower bound."""
+    cause = reject(layout) if reject is not None else None
+    return (cause, None) if cause is not None else (None, bound(layout))
+
+
+def _each_of(function: Callable[[Layout], dict], layouts: list[Layout]) -> list[dict]:
+    """``function`` of each of ``layouts``, in turn (in one worker)."""
+    return [function(layout) for layout in layouts]
+
+
+def timed(function: Callable[[Layout], dict], layout: Layout) -> tuple[dict, float]:
+    """``function(layout)`` and the seconds it took."""
+    started = time.perf_counter()
+    row = function(layout)
+    return row, time.perf_counter() - started
 
 
 def _worker_context():
