@@ -29,7 +29,7 @@ import numpy as np
 from schedules import engine
 from schedules.action import Action, ActionKind
 from schedules.collector import without_collector
-from schedules.placement_search import Search
+from schedules.placement_search import DEFAULT_RULE, Search
 from schedules.program_arrays import program_arrays
 from schedules.schedule import Schedule
 from schedules.transfer_placement import MIN_PLANNED_SECONDS, transfers_of
@@ -49,13 +49,17 @@ def nominal_timing(schedule: Schedule) -> engine.StepTiming:
 
 
 @without_collector
-def lower(schedule: Schedule, timing: engine.StepTiming | None = None, repair_runs: int | None = None) -> Schedule:
+def lower(schedule: Schedule, timing: engine.StepTiming | None = None, repair_runs: int | None = None,
+          rule: int | None = None) -> Schedule:
     """The schedule with communication actions inserted and grouped; already-lowered
     schedules (for instance a CSV written by hand with its own SEND/RECV order) come back
     as they are. ``timing`` is what the step's actions and transfers cost, to place the
     transfers for (default: ``NOMINAL_SECONDS``, free transfers); the result depends on
     nothing else, so whoever lowers with the same timing posts the same groups.
     ``repair_runs`` bounds the engine runs spent on it (default: ``repair_budget``).
+    ``rule`` places the transfers by that one rule of ``placement_search.RULES``, untimed
+    and unrepaired: a step the best rule's or longer, found with no engine run (what a
+    planner screens layouts with, ``SCREEN_RULE``).
 
     A compute-only schedule that cannot run at all (a cycle between ranks, a missing
     producer) is lowered naively, each RECV right before its consumer, so that
@@ -72,8 +76,10 @@ def lower(schedule: Schedule, timing: engine.StepTiming | None = None, repair_ru
         return _lower_naively(schedule)
     step, free_start = planned
     search = Search(schedule, transfers_of(step, timing), timing, free_start)
+    if rule is not None:
+        return search.placed(rule)
     if arrays.size > CHOICE_ACTIONS and not repair_runs:
-        return search.default_rule()
+        return search.placed(DEFAULT_RULE)
     best = search.best_rule()
     budget = repair_budget(arrays.size) if repair_runs is None else repair_runs
     if budget > search.runs:

@@ -39,6 +39,10 @@ from schedules.transfer_placement import (
 RULES: tuple[tuple[Callable[[Transfers], np.ndarray], bool], ...] = (
     (crossing_moments, True), (slack_moments, True), (meeting_moments, False), (meeting_moments, True))
 DEFAULT_RULE = 2  # meeting points, placed untimed on huge steps (``lowering.CHOICE_ACTIONS``)
+# The rule a planner screens layouts with, untimed: crossing moments won 75 of the 78
+# lowerings of the 70B plan's screen (docs/plan.md) and was never 0.05% behind the best;
+# its finalists are lowered again with every rule and the repair.
+SCREEN_RULE = 0
 
 
 @dataclass
@@ -86,9 +90,10 @@ class Search:
         delay = float(np.sum(np.maximum(run.start - self.free_start, 0.0)))
         return Attempt(moment, mind_the_consumer, shift, breaks, joins, lowered, (run.makespan, delay), run)
 
-    def default_rule(self) -> Schedule:
-        """The first rule's placement, not timed: for steps too large to time several."""
-        rule, mind_the_consumer = RULES[DEFAULT_RULE]
+    def placed(self, index: int) -> Schedule:
+        """``RULES[index]``'s placement, not timed: for steps too large to time several,
+        and for a planner's screen."""
+        rule, mind_the_consumer = RULES[index]
         ends = place_ends(self.transfers, rule(self.transfers))
         starts = group_starts(ends, mind_the_consumer)
         return keep_pairs_together(lowered_schedule(self.schedule, self.transfers, ends, starts), self.schedule)

@@ -99,6 +99,29 @@ def test_every_rule_places_rendezvous_safe_programs(name, pp, data, forward, bac
     assert np.isfinite(attempt.score[0])
 
 
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(NAMES), pp=st.integers(2, 5), data=st.data(), forward=seconds,
+       backward_input=seconds, backward_weight=st.one_of(st.just(0.0), seconds),
+       hop=st.floats(0.0, 3.0, allow_nan=False), rule=st.integers(0, len(RULES) - 1))
+def test_one_untimed_rule_is_safe_and_no_faster_than_the_chosen_one(name, pp, data, forward, backward_input,
+                                                                    backward_weight, hop, rule):
+    """``lower(..., rule=r)`` (a planner's screen) places by that rule alone: the same
+    programs as that rule's timed attempt, rendezvous-safe, and a step no shorter than
+    full lowering's, which times every rule and keeps the fastest before repairing it."""
+    schedule = drawn_schedule(name, pp, data)
+    if schedule is None:
+        return
+    step_timing = chain_timing(schedule, forward, backward_input, backward_weight, hop)
+    screened = lower(schedule, step_timing, rule=rule)
+    validate(screened, RENDEZVOUS)
+    step, free_start = _timed(schedule, planning_timing(step_timing))
+    transfers = transfers_of(step, step_timing)
+    attempt = Search(schedule, transfers, step_timing, free_start).attempt(RULES[rule][0](transfers), RULES[rule][1])
+    assert (screened.programs, screened.joins) == (attempt.lowered.programs, attempt.lowered.joins)
+    chosen = engine.run(lower(schedule, step_timing), step_timing, RENDEZVOUS).makespan
+    assert engine.run(screened, step_timing, RENDEZVOUS).makespan >= chosen * (1 - 1e-12)
+
+
 # Where F and B traffic cross (interleaved-zb's chunks, zbv's turn) with hops of 0.3
 # against chunk passes of 0.25-0.5: a receive posted before the compute action it
 # becomes ready in held up that action's sends (6.8 % on interleaved-zb, p 4, m 8, and

@@ -405,6 +405,7 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
     from pipesim.sim.step import run_simulation
     from schedules.generators import COST_AWARE, ScheduleUnavailableError
     from schedules.lowering import repair_budget
+    from schedules.placement_search import SCREEN_RULE
 
     topology = _BASE["topology"]
     try:
@@ -422,13 +423,16 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
         cause = _order_memory_cause(schedule, costs, parallel_of(job), layout)
         if cause is not None:
             return {"rejected": cause}
-        # screening leaves lowering's repair out; where the budget has no runs the two agree
+        # screening places the transfers by one rule, untimed (``SCREEN_RULE``); the exact
+        # lowering times every rule and repairs the best (where the budget has runs)
         repair_runs = None if exact and repair_budget(sum(map(len, schedule.programs))) else 0
+        rule = None if exact else SCREEN_RULE
         if costs is layout_costs:
-            schedule = _lowered_for(unsharded, search_seconds, repair_runs)
+            schedule = _lowered_for(unsharded, search_seconds, repair_runs, rule)
         else:
             schedule = lower_for(schedule, costs, topology, _pipeline_devices(layout.dp, layout.pp, layout.tp,
-                                                                             job.rank_order, layout.cp), repair_runs)
+                                                                             job.rank_order, layout.cp), repair_runs,
+                                 rule)
         # Generated here and lowered for this layout's costs and links as simulate lowers it, so
         # valid by construction (tests/test_p2p.py proves it for every generator); the engine's
         # run is the deadlock check that remains.
@@ -508,16 +512,16 @@ def _ordered_by_costs(layout: Layout, search_seconds: float | None):
 
 
 @functools.lru_cache(maxsize=256)
-def _lowered_for(layout: Layout, search_seconds: float | None, repair_runs: int | None):
+def _lowered_for(layout: Layout, search_seconds: float | None, repair_runs: int | None, rule: int | None):
     """The layout's order lowered for its costs on its pipeline's devices, as ``simulate``
-    lowers it (``pipesim.sim.engine.lower_for``; ``repair_runs`` 0 when screening),
+    lowers it (``pipesim.sim.engine.lower_for``; one untimed ``rule`` when screening),
     kept: layouts that differ only in what lowering does not read share it."""
     from pipesim.sim.engine import lower_for
 
     _, costs, _, _ = _layout_costs(layout)
     return lower_for(_order_of(layout, search_seconds), costs, _BASE["topology"],
                      _pipeline_devices(layout.dp, layout.pp, layout.tp, _BASE["job"].rank_order, layout.cp),
-                     repair_runs)
+                     repair_runs, rule)
 
 
 def format_causes(bucket: str, causes) -> str:
@@ -543,7 +547,7 @@ def format_plan(result, args: argparse.Namespace) -> str:
                  f"({result.ranked} ranked, {failed} did not fit or could not be built) + {result.pruned} pruned "
                  f"by lower bound (cannot reach the top {args.top}); {result.seconds:.1f} s, {rate:.0f} simulated/s")
     if result.refined:
-        lines.append(f"screened with lowering's best rule and the cost-aware orders' quick searches; the "
+        lines.append(f"screened with one transfer-placement rule and the cost-aware orders' quick searches; the "
                      f"{result.refined} finalists simulated again exactly as `pipesim simulate` runs them")
     for bucket, causes in (("ruled out", result.ruled_out), ("rejected before simulation", result.screened),
                            ("simulated, not ranked", result.failed)):

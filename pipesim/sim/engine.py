@@ -84,17 +84,19 @@ def run_step(schedule: Schedule, costs: Costs, topology: Topology, rank_devices:
 
 
 def lower_for(schedule: Schedule, costs: Costs, topology: Topology,
-              rank_devices: Sequence[str] | None = None, repair_runs: int | None = None) -> Schedule:
+              rank_devices: Sequence[str] | None = None, repair_runs: int | None = None,
+              rule: int | None = None) -> Schedule:
     """``schedule`` lowered for the step it will be simulated as: its transfers placed
     and grouped with these stage costs and these links (``schedules.lowering.lower``
     with the step's timing). Lowering depends on nothing else, so the executor gets the
     same programs by lowering with the same ``StepTiming``. Already-lowered schedules
-    come back as they are. ``repair_runs`` as in ``lower`` (default: its own budget; a
-    planner screening thousands of layouts passes 0 and lowers its finalists again)."""
+    come back as they are. ``repair_runs`` and ``rule`` as in ``lower`` (default: its own
+    budget, every rule; a planner screening thousands of layouts passes one rule and
+    lowers its finalists again)."""
     if schedule.is_lowered:
         return schedule
     devices = rank_devices_of(schedule, topology, rank_devices)
-    return lower(schedule, step_timing(schedule, costs, topology, devices), repair_runs)
+    return lower(schedule, step_timing(schedule, costs, topology, devices), repair_runs, rule)
 
 
 def step_timing(schedule: Schedule, costs: Costs, topology: Topology, devices: Sequence[str],
