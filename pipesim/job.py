@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields, replace
 from pipesim.cluster.files import load_topology
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, load_costs, uniform_costs
+from schedules.collector import without_collector
 from schedules.generators import COST_AWARE, DEFAULT_MAX_ACTIONS, MULTI_CHUNK, generate, require_within_limit
 from schedules.generators.adaptive import ADAPTABLE
 from schedules.schedule import Schedule
@@ -480,9 +481,13 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
                        layer_hold_seconds=layer_hold_seconds)
 
 
+@without_collector
 def simulate_job(job: Job):
     """Simulate the job's step (``pipesim simulate`` without the printing): the
-    ``SimulationResult``; for a model, its trace names the model."""
+    ``SimulationResult``; for a model, its trace names the model. The collector is paused
+    for the whole job, generation included, not phase by phase: each phase's objects
+    outlive it, so every resumption would walk all that the phases before it built
+    (``schedules.collector``)."""
     from pipesim.sim.step import run_simulation
 
     check_parallel_layout(job)

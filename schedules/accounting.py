@@ -52,6 +52,10 @@ _PART = {part: index for index, part in enumerate(PARTS)}
 _BUSY, _TP, _EP, _CP, _OPTIMIZER, _WAITING, _DP, _PEER = range(8)
 _SWEEP_STREAMS = {"compute": _BUSY, "tp": _TP, "ep": _EP, "cp": _CP, "step": _OPTIMIZER, "recv": _WAITING,
                   "wait": _WAITING, "dp": _DP}
+# who owns a stretch of a rank's time: the first rule all of whose kinds are open then
+# (overhead where none is)
+_SWEEP_RULES = (((_BUSY,), "busy"), ((_TP,), "tp"), ((_EP,), "ep"), ((_CP,), "cp"), ((_OPTIMIZER,), "optimizer"),
+                ((_WAITING, _PEER), "bubble"), ((_WAITING,), "exposed_comm"), ((_DP,), "dp"))
 _ROUNDING = 1e-12  # of the step: below it, a wait is float rounding, not time
 
 
@@ -179,16 +183,17 @@ def _sweep(rank: np.ndarray, start: np.ndarray, end: np.ndarray, category: np.nd
     by_moment = np.argsort(moments)
     order = by_moment[np.argsort(owner_rank[by_moment].astype(np.int16 if ranks < 2**15 else np.int64), kind="stable")]
     moments, change, owner_rank, kinds = moments[order], change[order], owner_rank[order], kinds[order]
-    # pieces open after each moment, per kind (a rank's pieces all close within its moments)
-    open_count = [np.cumsum(np.where(kinds == kind, change, 0)) for kind in range(_PEER + 1)]
-    owner = np.select(
-        [open_count[_BUSY] > 0, open_count[_TP] > 0, open_count[_EP] > 0, open_count[_CP] > 0,
-         open_count[_OPTIMIZER] > 0, (open_count[_WAITING] > 0) & (open_count[_PEER] > 0), open_count[_WAITING] > 0,
-         open_count[_DP] > 0],
-        [_PART["busy"], _PART["tp"], _PART["ep"], _PART["cp"], _PART["optimizer"], _PART["bubble"],
-         _PART["exposed_comm"], _PART["dp"]],
-        _PART["overhead"],
-    )[:-1]
+    # whether pieces of each kind are open after each moment (a rank's pieces all close
+    # within its moments); the first rule whose kinds are all open owns the stretch, and
+    # a rule with a kind the step does not have never does
+    present = np.bincount(kinds, minlength=_PEER + 1) > 0
+    is_open = {kind: np.cumsum(np.where(kinds == kind, change, 0)) > 0 for kind in np.flatnonzero(present).tolist()}
+    rules = [(needs, part) for needs, part in _SWEEP_RULES if all(present[kind] for kind in needs)]
+    owner = np.full(len(moments), _PART["overhead"])
+    if rules:
+        owner = np.select([np.logical_and.reduce([is_open[kind] for kind in needs]) for needs, _ in rules],
+                          [_PART[part] for _, part in rules], _PART["overhead"])
+    owner = owner[:-1]
     same_rank = owner_rank[1:] == owner_rank[:-1]
     segment_rank = owner_rank[:-1]
     low, high = own_first[segment_rank], own_last[segment_rank]

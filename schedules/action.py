@@ -8,6 +8,8 @@ written here can be read there and the other way round.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from itertools import repeat
 from typing import NamedTuple
 
 
@@ -150,6 +152,12 @@ def parse_group(text: str) -> tuple[Action, ...]:
 
 
 _new_action = tuple.__new__  # Action(...) without NamedTuple's Python-level __new__: generators build many
+
+
+def actions_of(stages: Iterable[int], kinds: Iterable[str], microbatches: Iterable[int]) -> list[Action]:
+    """``Action(stage, kind, microbatch)`` of each position of the three sequences, built
+    in one pass: what a pass that computed whole arrays of actions turns them into."""
+    return list(map(_new_action, repeat(Action), zip(stages, kinds, microbatches, strict=True)))
 
 
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the text form

@@ -123,14 +123,15 @@ def _pair_orders_agree(schedule: Schedule) -> bool:
     """Whether every rank pair's sends and receives carry the same transfers in the same order."""
     arrays = program_arrays(schedule)
     placement = np.asarray(schedule.placement, dtype=np.int64)
-    key = arrays.transfer_key(arrays.stage, arrays.kind, arrays.microbatch)
-    offset = np.select([arrays.kind == code for code in _PEER_CODES], list(_PEER_CODES.values()), 0)
-    peer = placement[np.clip(arrays.stage + offset, 0, schedule.num_stages - 1)]
     orders = []
-    for rows, sender, receiver in ((np.flatnonzero(arrays.is_send), arrays.rank, peer),
-                                   (np.flatnonzero(arrays.is_recv), peer, arrays.rank)):
-        pair = sender[rows] * schedule.pp + receiver[rows]
-        order = np.lexsort((arrays.position[rows], pair))
-        orders.append((pair[order], key[rows][order]))
+    for rows, sending in ((np.flatnonzero(arrays.is_send), True), (np.flatnonzero(arrays.is_recv), False)):
+        stage, kind, rank = arrays.stage[rows], arrays.kind[rows], arrays.rank[rows]
+        offset = np.select([kind == code for code in _PEER_CODES], list(_PEER_CODES.values()), 0)
+        peer = placement[np.clip(stage + offset, 0, schedule.num_stages - 1)]
+        pair = rank * schedule.pp + peer if sending else peer * schedule.pp + rank
+        # rows run in program order within each rank, and a pair has one rank on this side:
+        # grouping them by pair (a stable sort) leaves each pair's in posting order
+        order = np.argsort(pair.astype(np.int16) if schedule.pp**2 <= 2**15 else pair, kind="stable")
+        orders.append((pair[order], arrays.transfer_key(stage, kind, arrays.microbatch[rows])[order]))
     (send_pairs, send_keys), (recv_pairs, recv_keys) = orders
     return bool(np.array_equal(send_pairs, recv_pairs) and np.array_equal(send_keys, recv_keys))

@@ -104,11 +104,18 @@ def program_arrays(schedule: Schedule) -> ProgramArrays:
     return schedule.derived("program_arrays", _build)
 
 
+def keep_program_arrays(schedule: Schedule, rank: np.ndarray, stage: np.ndarray, kind: np.ndarray,
+                        microbatch: np.ndarray) -> ProgramArrays:
+    """Keep with ``schedule`` the arrays of its rows, given by a pass that built its programs
+    from them (a generator, lowering): reading them back from hundreds of thousands of
+    ``Action`` tuples would cost about as much as building the programs did. The rows are the programs' actions in
+    order, rank after rank (``rank`` ascending); ``kind`` holds ``KIND_CODES``."""
+    return schedule.derived("program_arrays", lambda owner: _from_rows(owner, rank, stage, kind, microbatch))
+
+
 def _build(schedule: Schedule) -> ProgramArrays:
     programs = schedule.programs
     lengths = np.fromiter(map(len, programs), np.int64, len(programs))
-    rank_start = np.zeros(len(programs) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=rank_start[1:])
     flat = list(chain.from_iterable(programs))
     count = len(flat)
     try:
@@ -119,5 +126,14 @@ def _build(schedule: Schedule) -> ProgramArrays:
     stage = np.fromiter(map(itemgetter(0), flat), np.int64, count)
     microbatch = np.fromiter(map(itemgetter(2), flat), np.int64, count)
     rank = np.repeat(np.arange(len(programs), dtype=np.int64), lengths)
-    position = np.arange(count, dtype=np.int64) - rank_start[rank]
-    return ProgramArrays(schedule, rank, stage, kind, microbatch, position, rank_start)
+    return _from_rows(schedule, rank, stage, kind, microbatch)
+
+
+def _from_rows(schedule: Schedule, rank: np.ndarray, stage: np.ndarray, kind: np.ndarray,
+               microbatch: np.ndarray) -> ProgramArrays:
+    """The arrays of rows already in program order, rank after rank."""
+    rank_start = np.searchsorted(rank, np.arange(schedule.pp + 1)).astype(np.int64)
+    position = np.arange(len(rank), dtype=np.int64) - rank_start[rank]
+    return ProgramArrays(schedule, rank.astype(np.int64, copy=False), stage.astype(np.int64, copy=False),
+                         kind.astype(np.int8, copy=False), microbatch.astype(np.int64, copy=False), position,
+                         rank_start)

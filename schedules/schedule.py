@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from typing import TypeVar
 
 from schedules.action import COMM_KINDS, Action, format_group, format_overlap
@@ -155,8 +157,9 @@ class Schedule:
 
     @property
     def is_lowered(self) -> bool:
-        """Whether the programs already carry their SEND/RECV actions."""
-        return any(action.kind in COMM_KINDS for program in self.programs for action in program)
+        """Whether the programs already carry their SEND/RECV actions (walked in C: a
+        compute-only schedule has all of its actions looked at)."""
+        return not COMM_KINDS.isdisjoint(map(attrgetter("kind"), chain.from_iterable(self.programs)))
 
     @property
     def num_actions(self) -> int:

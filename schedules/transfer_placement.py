@@ -30,14 +30,14 @@ transfers; ``schedules.placement_search`` chooses among them with the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import cached_property
 from itertools import chain
 
 import numpy as np
 
 from schedules import engine
-from schedules.action import Action, ActionKind
-from schedules.program_arrays import BACKWARD
+from schedules.action import KIND_CODES, ActionKind, actions_of
+from schedules.program_arrays import BACKWARD, keep_program_arrays
 from schedules.schedule import Schedule
 
 # Planning durations below this are raised to it, so that every compute action has an
@@ -222,13 +222,11 @@ def _least_waiting(transfers: Transfers, which: np.ndarray) -> np.ndarray:
         moment.append(step.end[np.repeat(low, counts) + offsets])
     owner, moment = np.concatenate(owner), np.concatenate(moment)
     waiting = sum(_waiting(step, first, rank_of[owner], moment) for rank_of in sides)
-    order = np.lexsort((moment, owner))
-    owner, moment, waiting = owner[order], moment[order], waiting[order]
-    group_start = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
-    least = np.minimum.reduceat(waiting, group_start)
+    least = np.full(len(which), np.inf)
+    np.minimum.at(least, owner, waiting)
     best = np.flatnonzero(waiting == least[owner])
-    chosen = np.empty(len(which))
-    chosen[owner[best[::-1]]] = moment[best[::-1]]  # the earliest best moment written last
+    chosen = np.full(len(which), np.inf)
+    np.minimum.at(chosen, owner[best], moment[best])  # the earliest of the best moments
     return chosen
 
 
@@ -236,7 +234,7 @@ def _rank_search(end: np.ndarray, first: np.ndarray, rank: np.ndarray, moment: n
     """Per query, the global index of the first compute action of ``rank`` that ends
     after ``moment`` (one past the rank's last if none)."""
     found = np.empty(len(rank), dtype=np.int64)
-    by_rank = np.argsort(rank, kind="stable")
+    by_rank = _by_rank(rank)
     cuts = np.searchsorted(rank[by_rank], np.arange(len(first)))
     for owner in range(len(first) - 1):
         members = by_rank[cuts[owner]:cuts[owner + 1]]
@@ -244,6 +242,13 @@ def _rank_search(end: np.ndarray, first: np.ndarray, rank: np.ndarray, moment: n
             found[members] = first[owner] + np.searchsorted(end[first[owner]:first[owner + 1]], moment[members],
                                                             side="right")
     return found
+
+
+def _by_rank(rank: np.ndarray) -> np.ndarray:
+    """The indices of ``rank`` grouped by rank, in order within each: a stable sort of
+    small numbers (a radix sort, where they fit 16 bits)."""
+    small = len(rank) > 0 and 0 <= rank.min() and rank.max() < 2**15
+    return np.argsort(rank.astype(np.int16) if small else rank, kind="stable")
 
 
 def _waiting(step: engine.StepRun, first: np.ndarray, rank: np.ndarray, moment: np.ndarray) -> np.ndarray:
@@ -300,30 +305,34 @@ def place_ends(transfers: Transfers, moment: np.ndarray, shift: np.ndarray | Non
     count = transfers.count
     rank = np.concatenate([transfers.sender, transfers.receiver])
     both = np.concatenate([moment, moment])
-    slot = np.empty(2 * count, dtype=np.int64)
-    by_rank = np.argsort(rank, kind="stable")
-    cuts = np.searchsorted(rank[by_rank], np.arange(step.program.ranks + 1))
-    for owner in range(step.program.ranks):
-        members = by_rank[cuts[owner]:cuts[owner + 1]]
-        if len(members):
-            ends = step.end[first[owner]:first[owner + 1]]
-            slot[members] = np.searchsorted(ends, both[members], side="right")
-    stage, direction, microbatch = (np.concatenate([part, part]) for part in
-                                    (transfers.sending_stage, transfers.direction, transfers.microbatch))
+    slot = _rank_search(step.end, first, rank, both) - first[rank]
+    # by rank and key; the slots of a rank's ends never decrease in that order (a later
+    # moment's boundary is never an earlier one, and a shift that breaks it is refused
+    # below), so it is also their order by (rank, slot, key): each rank's posting order
+    order = _key_order(rank, moment, transfers.key)
     if shift is not None and shift.any():
         slot = slot + shift
         within = np.arange(len(step.program.compute_rank)) - first[step.program.compute_rank]
         producer_slot, consumer_slot = within[transfers.producer] + 1, within[transfers.consumer]
         if (slot[:count] < producer_slot).any() or (slot[count:] > consumer_slot).any():
             return None
-        keyed = np.lexsort((microbatch, direction, stage, both, rank))
-        same_rank = rank[keyed][1:] == rank[keyed][:-1]
-        if (same_rank & (slot[keyed][1:] < slot[keyed][:-1])).any():
+        same_rank = rank[order][1:] == rank[order][:-1]
+        if (same_rank & (slot[order][1:] < slot[order][:-1])).any():
             return None
-    order = np.lexsort((microbatch, direction, stage, both, slot, rank))
     arrival = both + np.concatenate([transfers.flight, transfers.flight])
     is_send = np.r_[np.ones(count, dtype=bool), np.zeros(count, dtype=bool)]
     return Ends(rank, slot, is_send, order, both, arrival, np.concatenate([transfers.needed, transfers.needed]))
+
+
+def _key_order(rank: np.ndarray, moment: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """The ends (``rank`` of each: the transfers' senders, then their receivers) by rank,
+    then by the module's global key (moment, sending stage, direction, microbatch: the
+    transfer's ``key`` orders the last three). The transfers are sorted by the key once and
+    their ends then grouped by rank, a stable sort of small numbers."""
+    count = len(key)
+    by_key = np.lexsort((key, moment))
+    ends = np.stack([by_key, by_key + count], axis=1).ravel()
+    return ends[_by_rank(rank[ends])]
 
 
 def group_starts(ends: Ends, mind_the_consumer: bool, breaks: np.ndarray | None = None,
@@ -382,6 +391,7 @@ def group_starts(ends: Ends, mind_the_consumer: bool, breaks: np.ndarray | None 
 
 
 _TRANSFER_KINDS = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
+_TRANSFER_CODES = tuple(KIND_CODES[kind] for kind in _TRANSFER_KINDS)
 
 
 def lowered_schedule(schedule: Schedule, transfers: Transfers, ends: Ends, starts: np.ndarray) -> Schedule:
@@ -393,39 +403,46 @@ def lowered_schedule(schedule: Schedule, transfers: Transfers, ends: Ends, start
     first = transfers.first_compute
     compute_rank = program.compute_rank
     within = np.arange(count) - first[compute_rank]
-    end_count = len(ends.rank)
-    end_position = np.empty(end_count, dtype=np.int64)
-    end_position[ends.order] = np.arange(end_count)
-    starts_by_end = np.empty(end_count, dtype=bool)
-    starts_by_end[ends.order] = starts
-    is_transfer = np.r_[np.zeros(count, dtype=bool), np.ones(end_count, dtype=bool)]
-    rank_key = np.concatenate([compute_rank, ends.rank])
-    slot_key = np.concatenate([within, ends.slot])
-    order = np.lexsort((np.concatenate([np.zeros(count, dtype=np.int64), end_position]), ~is_transfer, slot_key,
-                        rank_key))
+    posted = ends.order  # the ends in posting order; ``starts`` follows it
+    end_rank, end_slot = ends.rank[posted], ends.slot[posted]
+    # rows: the compute actions, then the ends in posting order; each rank's rows by slot,
+    # an end before the compute action of its slot (a stable sort keeps the rest in order)
+    # (a repair may shift a receive before the rank's first boundary: slots below 0 sort first)
+    low = int(min(0, end_slot.min(initial=0)))
+    slots = int(max(within.max(initial=0), end_slot.max(initial=0))) + 1 - low
+    place = np.concatenate([(compute_rank * slots + within - low) * 2 + 1, (end_rank * slots + end_slot - low) * 2])
+    order = np.argsort(place, kind="stable")
+    is_transfer = np.r_[np.zeros(count, dtype=bool), np.ones(len(posted), dtype=bool)]
     # the actions: compute ones as the schedule has them, each end built from its transfer
-    originals = list(chain.from_iterable(schedule.programs))
-    compute_action = list(map(originals.__getitem__, program.compute_row.tolist()))
-    backward = np.concatenate([transfers.direction, transfers.direction]) == BACKWARD
-    sending = np.concatenate([transfers.sending_stage, transfers.sending_stage])
-    stage = np.where(ends.is_send, sending, np.where(backward, sending - 1, sending + 1))
-    kind = np.where(ends.is_send, np.where(backward, 2, 0), np.where(backward, 3, 1))
-    microbatch = np.concatenate([transfers.microbatch, transfers.microbatch])
-    kinds = list(map(_TRANSFER_KINDS.__getitem__, kind.tolist()))
-    # Actions built directly: NamedTuple's own constructor is several times slower
-    transfer = list(map(partial(tuple.__new__, Action), zip(stage.tolist(), kinds, microbatch.tolist(), strict=True)))
-    actions = compute_action + transfer
-    ordered_rank = rank_key[order]
+    # (held in object arrays: reordering hundreds of thousands of them is then one gather)
+    originals = np.fromiter(chain.from_iterable(schedule.programs), dtype=object, count=program.arrays.size)
+    is_send = ends.is_send[posted]
+    transfer_of = np.where(is_send, posted, posted - transfers.count)  # ends: the sends, then the receives
+    backward = transfers.direction[transfer_of] == BACKWARD
+    sending = transfers.sending_stage[transfer_of]
+    stage = np.where(is_send, sending, np.where(backward, sending - 1, sending + 1))
+    kind = np.where(is_send, np.where(backward, 2, 0), np.where(backward, 3, 1))
+    microbatch = transfers.microbatch[transfer_of]
+    kind_code = np.asarray(_TRANSFER_CODES, dtype=np.int8)[kind]
+    transfer = actions_of(stage.tolist(), np.array(_TRANSFER_KINDS, dtype=object)[kind].tolist(), microbatch.tolist())
+    actions = np.concatenate([originals[program.compute_row], np.fromiter(transfer, dtype=object, count=len(transfer))])
+    ordered_rank = np.concatenate([compute_rank, end_rank])[order]
     ordered_transfer = is_transfer[order]
-    opens = np.concatenate([np.ones(count, dtype=bool), starts_by_end])[order]
+    opens = np.concatenate([np.ones(count, dtype=bool), starts])[order]
     joined = ordered_transfer[1:] & ordered_transfer[:-1] & (ordered_rank[1:] == ordered_rank[:-1]) & ~opens[1:]
     rank_start = np.searchsorted(ordered_rank, np.arange(schedule.pp + 1))
-    sequence = list(map(actions.__getitem__, order.tolist()))
+    sequence = actions[order]
     joined_at = np.flatnonzero(joined) + 1
     programs, joins = [], []
     for rank in range(schedule.pp):
         begin, stop = int(rank_start[rank]), int(rank_start[rank + 1])
-        programs.append(sequence[begin:stop])
+        programs.append(sequence[begin:stop].tolist())
         inside = joined_at[(joined_at > begin) & (joined_at < stop)] - begin
         joins.append(frozenset(inside.tolist()))
-    return schedule.with_programs(programs, joins)
+    lowered = schedule.with_programs(programs, joins)
+    arrays = program.arrays
+    rows = (np.concatenate([compute_part, end_part])[order] for compute_part, end_part in (
+        (arrays.stage[program.compute_row], stage), (arrays.kind[program.compute_row], kind_code),
+        (arrays.microbatch[program.compute_row], microbatch)))
+    keep_program_arrays(lowered, ordered_rank, *rows)
+    return lowered

@@ -152,14 +152,24 @@ def _check_actions(schedule: Schedule) -> ProgramArrays:
     good = placed & (arrays.is_compute | peer_elsewhere)
     bad_rank = int(rank[np.argmin(good)]) if not good.all() else schedule.pp
     key = (np.where(in_range, stage, 0) * 8 + kind) * microbatches + np.where(in_range, microbatch, 0)
-    order = np.argsort(key, kind="stable")
-    repeated = np.flatnonzero(key[order][1:] == key[order][:-1])
-    duplicate_rank = int(rank[order][repeated + 1].min()) if len(repeated) else schedule.pp
+    duplicate_rank = _duplicate_rank(key, rank, schedule.pp)
     if bad_rank <= duplicate_rank and bad_rank < schedule.pp:
         _explain_bad_action(schedule, bad_rank, schedule.programs[bad_rank])
     if duplicate_rank < schedule.pp:
         _explain_duplicate(duplicate_rank, schedule.programs[duplicate_rank])
     return arrays
+
+
+def _duplicate_rank(key: np.ndarray, rank: np.ndarray, ranks: int) -> int:
+    """The first rank whose program repeats an action (``ranks`` if none does): among the
+    rows whose key an earlier row already has, the lowest rank. Whether any repeats is
+    asked of the keys sorted alone first, which is cheaper than sorting their rows."""
+    ordered = np.sort(key)
+    if not (ordered[1:] == ordered[:-1]).any():
+        return ranks
+    order = np.argsort(key, kind="stable")
+    repeated = np.flatnonzero(key[order][1:] == key[order][:-1])
+    return int(rank[order][repeated + 1].min())
 
 
 def _explain_bad_action(schedule: Schedule, rank: int, program: Sequence[Action], all_checks: bool = False) -> None:

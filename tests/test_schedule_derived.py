@@ -4,12 +4,14 @@ checked against them by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import numpy as np
 
 from schedules import generate, lower
-from schedules.engine import compile_program
+from schedules.engine import StepTiming, compile_program
+from schedules.program_arrays import program_arrays
 
 
 def test_derived_data_is_built_once_and_not_pickled():
@@ -56,3 +58,17 @@ def test_free_programs_send_each_output_from_its_producer():
             for rank, position, send in zip(program.compute_rank.tolist(), program.arrays.position[
                 program.compute_row].tolist(), program.compute_send.tolist(), strict=True) if send >= 0}
     assert sent == {"0F0": 0, "0F1": 1, "1B0": 6, "1B1": 7}  # (stage * 2 + direction) * 2 + microbatch
+
+
+def test_arrays_kept_by_generation_and_lowering_are_those_of_their_programs():
+    # interleaved-1f1b and lowering keep the arrays they built the programs from; a copy
+    # (``replace`` keeps nothing) reads them back from the Action tuples
+    for pp, microbatches, chunks, timing in ((2, 4, 2, None), (4, 10, 2, None), (3, 6, 3, None),
+                                             (4, 8, 2, StepTiming.uniform(8, 1.0, 2.5, hop=0.7))):
+        generated = generate("interleaved-1f1b", pp, microbatches, chunks)
+        for schedule in (generated, lower(generated, timing, 20)):
+            kept, read = program_arrays(schedule), program_arrays(dataclasses.replace(schedule))
+            assert kept is not read
+            for name in ("rank", "stage", "kind", "microbatch", "position", "rank_start"):
+                assert getattr(kept, name).dtype == getattr(read, name).dtype
+                assert np.array_equal(getattr(kept, name), getattr(read, name)), name

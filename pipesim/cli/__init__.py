@@ -55,6 +55,20 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+class VersionAction(argparse.Action):
+    """``--version``: the version looked up only when asked for (reading the installed
+    distribution's metadata costs every other command a few hundredths of a second)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str = "show program's version number and exit") -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        parser._print_message(f"pipesim {version()}\n", sys.stdout)
+        parser.exit()
+
+
 def subparsers_of(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     """Every parser below ``parser`` (``topology show`` included), depth first."""
     found = []
@@ -104,17 +118,19 @@ def state_defaults(parser: argparse.ArgumentParser) -> None:
         action.help = f"{action.help} (default: {stated})" if action.help else f"default: {stated}"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser, with every subcommand that is installed."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, with every subcommand that is installed; with ``command``, with
+    that subcommand alone (what parsing its command line needs: the other commands'
+    modules and their imports are not loaded)."""
     parser = argparse.ArgumentParser(
         prog="pipesim",
         description="Simulate, run and compare pipeline-parallel training schedules.",
         allow_abbrev=False,
     )
-    parser.add_argument("--version", action="version", version=f"pipesim {version()}")
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument("--verbose", action="store_true", help="show the Python traceback when a command fails")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in COMMAND_MODULES if command is None else (command,):
         try:
             module = importlib.import_module(f"pipesim.cli.{name}")
         except ModuleNotFoundError as error:
@@ -126,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_common_flags(child)
         state_defaults(child)
     return parser
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is no flag: the top-level flags
+    take no value), or None if that is no subcommand (then the full parser answers)."""
+    word = next((arg for arg in argv if not arg.startswith("-")), None)
+    return word if word in COMMAND_MODULES else None
 
 
 def error_line(command: str, error: BaseException) -> tuple[str, int]:
@@ -157,7 +180,7 @@ def silence_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pipesim`` console script."""
     argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
-    parser = build_parser()
+    parser = build_parser(command_of(argv))
     if not argv:
         parser.print_help()
         return 0

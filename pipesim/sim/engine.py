@@ -257,6 +257,7 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
                                      program.compute_microbatch)
     parts.append((rank, kind, stage, microbatch, step.start, step.end, _STREAMS.index(COMPUTE)))
     names: list[str | None] = [None] * len(rank)
+    named = False  # whether any event has a name of its own (else the Trace keeps none)
     if held is None:
         held = np.zeros((len(rank), len(HOLD_PARTS)))
         held[:, 0] = step.hold if step.hold is not None else 0.0
@@ -274,6 +275,7 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
                           start[rows], end[rows], _STREAMS.index(part)))
             names += [f"{hold_kind}({s}{KINDS[k]}{m})" for s, k, m in zip(stage[rows].tolist(), kind[rows].tolist(),
                                                                           microbatch[rows].tolist(), strict=True)]
+            named = True
     if program.semantics != engine.FREE:
         waited = np.flatnonzero(program.compute_need >= 0)
         receive = np.where(kind[waited] == F_CODE, KINDS.index(ActionKind.RECV_F), KINDS.index(ActionKind.RECV_B))
@@ -300,7 +302,7 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
     return TraceColumns(columns[0].astype(np.int64), columns[1].astype(np.int64), columns[2].astype(np.int64),
                         columns[3].astype(np.int64), columns[4].astype(float), columns[5].astype(float),
                         columns[6].astype(np.int64), _KINDS, _STREAMS,
-                        names if any(name is not None for name in names) else None)
+                        names if named else None)
 
 
 def rank_devices_of(schedule: Schedule, topology: Topology, rank_devices: Sequence[str] | None) -> list[str]:
