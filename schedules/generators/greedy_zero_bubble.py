@@ -45,7 +45,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from schedules.action import Action, F, I, W
+from schedules.action import Action, ActionKind
 
 
 def greedy_orders(
@@ -89,145 +89,228 @@ def placed_greedy_orders(
     each other with no stash left to free (possible only without ``reserve_all``, or
     with ``follow``). ``follow`` (each rank's order) fixes the order of every rank's
     ``F`` and ``I`` passes as it has them, and the scheduler places the ``W`` passes."""
-    stages = len(placement)
     pp = max(placement) + 1
     limits = [memory_limit] * pp if isinstance(memory_limit, int) else list(memory_limit)
     if min(limits) < 1:
         raise ValueError(f"memory limit must allow at least one stash per rank, got {memory_limit}")
-    held_by = [sorted(stage for stage in range(stages) if placement[stage] == rank) for rank in range(pp)]
-    first = [owned[0] for owned in held_by]
-    returning = [owned[1:] for owned in held_by]
-    priority = [sorted(owned, reverse=late_first) for owned in held_by]
-    costs = {"F": forward, "I": backward_input, "W": backward_weight}
-    hop = [0.0 if stage + 1 >= stages or placement[stage] == placement[stage + 1] else comm
-           for stage in range(stages)]  # hop[s]: between stages s and s + 1
-    forward_end = [[None] * microbatches for _ in range(stages)]
-    input_end = [[None] * microbatches for _ in range(stages)]
-    done = {kind: [0] * stages for kind in "FIW"}
+    sequences = None if follow is None else [[(action.stage, action.kind == ActionKind.F) for action in program
+                                              if action.kind != ActionKind.W] for program in follow]
+    run = _Run(tuple(placement), microbatches, comm, limits, warmup_cap, late_first)
+    _schedule(run, (tuple(forward), tuple(backward_input), tuple(backward_weight)), patient_weights, reserve_all,
+              free_first, sequences)
+    if any(count != microbatches for count in run.weights_done):
+        return None
+    return run.orders
+
+
+class _Run:
+    """One greedy run's tables, as plain lists indexed by stage (or by stage and then
+    microbatch, or by rank): the event loop reads them into locals, and a list index is
+    the cheapest lookup Python has (the loop handles hundreds of thousands of events in
+    a planner's zbv-auto searches)."""
+
+    def __init__(self, placement: tuple[int, ...], microbatches: int, comm: float, limits: list[int],
+                 warmup_cap: int | None, late_first: bool) -> None:
+        stages = len(placement)
+        pp = len(limits)
+        self.placement = placement
+        self.microbatches = microbatches
+        self.limits = limits
+        held_by = [tuple(stage for stage in range(stages) if placement[stage] == rank) for rank in range(pp)]
+        self.held_by = held_by
+        self.first = [owned[0] for owned in held_by]
+        self.returning = [len(owned) - 1 for owned in held_by]  # the rank's stages after its first
+        self.priority = [tuple(sorted(owned, reverse=late_first)) for owned in held_by]
+        self.hop = [0.0 if stage + 1 >= stages or placement[stage] == placement[stage + 1] else comm
+                    for stage in range(stages)]  # hop[s]: between stages s and s + 1
+        # The limit a forward on the rank's first stage counts against: the warm-up cap
+        # until the rank's first I, the plain limit after it.
+        self.first_limit = list(limits) if warmup_cap is None else [min(limit, warmup_cap) for limit in limits]
+        # When each pass may start, once known (None until then; one more slot than
+        # microbatches, so a stage that has run all its passes reads None): a forward's
+        # input arrival, an input gradient's own forward and the gradient from the stage
+        # after, both there.
+        self.forward_ready = [[0.0 if stage == 0 else None] * microbatches + [None] for stage in range(stages)]
+        self.input_ready = [[None] * (microbatches + 1) for _ in range(stages)]
+        self.forward_end = [[0.0] * microbatches for _ in range(stages)]
+        self.forwards_done = [0] * stages
+        self.inputs_done = [0] * stages
+        self.weights_done = [0] * stages
+        self.orders: list[list[Action]] = [[] for _ in range(pp)]
+
+
+def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: bool, reserve_all: bool,
+              free_first: bool, sequences: list[list[tuple[int, bool]]] | None) -> None:
+    """The event loop of the module's rules, filling ``run.orders``: each rank steps when
+    it is free or something arrives for it, in (time, rank) order. One function with
+    its tables in locals and the rules written out inline: the scheduler runs some 50
+    times per zbv-auto search and hundreds of times per plan, and a call or a dict
+    lookup per event was most of its time.
+
+    Shortcuts that leave every decision as it was (costs are never negative, so a
+    rank's clock never goes back):
+
+    - no wake-up is queued for a rank busy past it (it would be popped and skipped);
+    - a patient rank queues no wake-up for the input gradient it waits for: the
+      gradient's arrival queued one at that time already;
+    - a rank with no pass whose input has been sent skips looking through its stages
+      for one (``forwards_known``, ``inputs_known``);
+    - a rank's room is kept as counts (``ahead``: the forwards its first stage has run
+      beyond each later stage, summed; ``later_forwards``) instead of sums over its
+      stages at every event.
+    """
+    placement, microbatches, limits, hop = run.placement, run.microbatches, run.limits, run.hop
+    first, returning, priority, held_by = run.first, run.returning, run.priority, run.held_by
+    forward_ready, input_ready, forward_end = run.forward_ready, run.input_ready, run.forward_end
+    forwards_done, inputs_done, weights_done, orders = run.forwards_done, run.inputs_done, run.weights_done, run.orders
+    forward_cost, input_cost, weight_cost = costs
+    pp = len(limits)
+    last = len(placement) - 1
+    # A forward on a rank's first stage fits when the stashes held, its own and the room
+    # kept for the microbatch's return to the rank's later stages (one, or with
+    # ``reserve_all`` every one: ``returning + ahead``) are within the rank's limit
+    # for it (the warm-up cap until its first I).
+    kept = [1 + (count if reserve_all else min(count, 1)) for count in returning]
+    first_room = [limit - count for limit, count in zip(run.first_limit, kept, strict=True)]
+    ahead = [0] * pp  # stays 0 without ``reserve_all``
+    later_forwards = [microbatches * count for count in returning]  # forwards left on a rank's later stages
     held = [0] * pp
-    inputs_done = [0] * pp
+    rank_inputs = [0] * pp
+    all_inputs = [microbatches * len(owned) for owned in held_by]
     weights_due: list[list[tuple[float, int]]] = [[] for _ in range(pp)]  # (I end, stage) per pending W
     clock = [0.0] * pp
-    orders: list[list[Action]] = [[] for _ in range(pp)]
+    position = [0] * pp
+    # passes whose start time is known (their input has been sent) and that have not run,
+    # per rank: a rank with none skips looking through its stages for one
+    forwards_known = [microbatches if rank == placement[0] else 0 for rank in range(pp)]
+    inputs_known = [0] * pp
     wakeups = [(0.0, rank) for rank in range(pp)]
     heapq.heapify(wakeups)
+    heappush, heappop, new = heapq.heappush, heapq.heappop, tuple.__new__
+    kind_f, kind_i, kind_w = ActionKind.F, ActionKind.I, ActionKind.W
 
-    def forward_ready(stage: int, microbatch: int) -> float | None:
-        if stage == 0:
-            return 0.0
-        end = forward_end[stage - 1][microbatch]
-        return None if end is None else end + hop[stage - 1]
-
-    def input_ready(stage: int, microbatch: int) -> float | None:
-        own = forward_end[stage][microbatch]
-        if own is None:
-            return None
-        if stage == stages - 1:
-            return own
-        end = input_end[stage + 1][microbatch]
-        return None if end is None else max(own, end + hop[stage])
-
-    def room(rank: int, stage: int) -> bool:
-        """Whether a forward on ``stage`` fits ``rank``'s memory now."""
-        if stage != first[rank]:
-            return held[rank] < limits[rank]  # the room kept for it
-        limit = limits[rank] if inputs_done[rank] or warmup_cap is None else min(limits[rank], warmup_cap)
-        started = done["F"][stage] + 1
-        coming = sum(started - done["F"][later] for later in returning[rank])
-        return held[rank] + 1 + (coming if reserve_all else min(coming, 1)) <= limit
-
-    def run(rank: int, stage: int, kind: str, now: float) -> None:
-        microbatch = done[kind][stage]
-        end = now + costs[kind][stage]
-        if kind == "F":
-            forward_end[stage][microbatch] = end
-            orders[rank].append(F(stage, microbatch))
-            held[rank] += 1
-            if stage + 1 < stages:
-                heapq.heappush(wakeups, (end + hop[stage], placement[stage + 1]))
-        elif kind == "I":
-            input_end[stage][microbatch] = end
-            orders[rank].append(I(stage, microbatch))
-            inputs_done[rank] += 1
-            heapq.heappush(weights_due[rank], (end, stage))
-            if stage > 0:
-                heapq.heappush(wakeups, (end + hop[stage - 1], placement[stage - 1]))
-        else:
-            orders[rank].append(W(stage, microbatch))
-            held[rank] -= 1
-        done[kind][stage] += 1
-        clock[rank] = end
-        heapq.heappush(wakeups, (end, rank))
-
-    sequences = None if follow is None else [[(action.stage, action.kind) for action in program if action.kind != "W"]
-                                             for program in follow]
-    position = [0] * pp
-
-    def step(rank: int, now: float) -> None:
-        """Run ``rank``'s next pass at ``now``, if it has one to run."""
-        if sequences is not None:
-            follow_step(rank, now)
-            return
-        if free_first and weights_due[rank] and any(
-                done["F"][stage] < microbatches and not room(rank, stage) for stage in held_by[rank]):
-            run(rank, heapq.heappop(weights_due[rank])[1], "W", now)
-            return
-        next_input = None
-        for stage in priority[rank]:
-            if done["I"][stage] < done["F"][stage]:
-                ready = input_ready(stage, done["I"][stage])
-                if ready is not None and ready <= now:
-                    run(rank, stage, "I", now)
-                    return
-                if ready is not None and (next_input is None or ready < next_input):
-                    next_input = ready
-        blocked = False
-        for stage in priority[rank]:
-            if done["F"][stage] >= microbatches:
-                continue
-            if not room(rank, stage):
-                blocked = True
-                continue
-            ready = forward_ready(stage, done["F"][stage])
-            fits = not patient_weights or next_input is None or now + costs["F"][stage] <= next_input
-            if ready is not None and ready <= now and fits:
-                run(rank, stage, "F", now)
-                return
-        weigh(rank, now, next_input, blocked)
-
-    def follow_step(rank: int, now: float) -> None:
-        """``step`` with the rank's ``F`` and ``I`` passes in the order followed."""
-        next_input, blocked = None, False
-        if position[rank] < len(sequences[rank]):
-            stage, kind = sequences[rank][position[rank]]
-            ready = (forward_ready if kind == "F" else input_ready)(stage, done[kind][stage])
-            blocked = kind == "F" and held[rank] >= (limits[rank] if inputs_done[rank] or warmup_cap is None
-                                                     else min(limits[rank], warmup_cap))
-            if ready is not None and ready <= now and not blocked:
-                position[rank] += 1
-                run(rank, stage, kind, now)
-                return
-            next_input = ready
-        weigh(rank, now, next_input, blocked)
-
-    def weigh(rank: int, now: float, next_input: float | None, blocked: bool) -> None:
-        """A pending ``W`` at ``now``, if one is due (see the module), else a wait."""
-        if weights_due[rank]:
-            stage = weights_due[rank][0][1]
-            fits = not patient_weights or next_input is None or now + costs["W"][stage] <= next_input
-            if fits or blocked or inputs_done[rank] == microbatches * len(held_by[rank]):
-                heapq.heappop(weights_due[rank])
-                run(rank, stage, "W", now)
-                return
-        if patient_weights and next_input is not None and next_input > now:
-            heapq.heappush(wakeups, (next_input, rank))
-        # otherwise idle until an arrival wakes this rank
+    def no_room(rank: int) -> bool:
+        """Whether a stage of ``rank`` with forwards left has no room for its next one: its
+        first stage, or any later one (they all fit while the rank's limit does)."""
+        load = held[rank]
+        return (load + ahead[rank] > first_room[rank] and forwards_done[first[rank]] < microbatches
+                or load >= limits[rank] and later_forwards[rank] > 0)
 
     while wakeups:
-        now, rank = heapq.heappop(wakeups)
+        now, rank = heappop(wakeups)
         if clock[rank] > now:
             continue  # busy; it has its own wake-up when it is free
-        step(rank, now)
-    if any(count != microbatches for count in done["W"]):
-        return None
-    return orders
+        next_input = None
+        blocked = False
+        if sequences is not None:  # the followed order's next F or I, if it can run now
+            sequence = sequences[rank]
+            stage = -1
+            if position[rank] < len(sequence):
+                stage, is_forward = sequence[position[rank]]
+                if is_forward:
+                    ready = forward_ready[stage][forwards_done[stage]]
+                    blocked = held[rank] >= first_room[rank] + kept[rank]
+                else:
+                    ready = input_ready[stage][inputs_done[stage]]
+                if ready is not None and ready <= now and not blocked:
+                    position[rank] += 1
+                else:
+                    next_input = ready
+                    stage = -1
+            forward = stage >= 0 and is_forward
+        else:
+            stage = -1
+            if free_first and weights_due[rank]:  # no room for a forward: a W first, freeing a stash
+                load = held[rank]  # (``no_room``, written out: the W runs below)
+                blocked = (load + ahead[rank] > first_room[rank] and forwards_done[first[rank]] < microbatches
+                           or load >= limits[rank] and later_forwards[rank] > 0)
+            if not blocked:
+                if inputs_known[rank]:
+                    for stage in priority[rank]:  # an I whose gradient has arrived
+                        ready = input_ready[stage][inputs_done[stage]]
+                        if ready is not None:
+                            if ready <= now:
+                                forward = False
+                                break
+                            if next_input is None or ready < next_input:
+                                next_input = ready
+                    else:
+                        stage = -1
+                if stage < 0:
+                    # a patient W waits for the I unless a forward has no room (checked below, when it counts)
+                    blocked = None
+                    if forwards_known[rank]:
+                        for stage in priority[rank]:  # a forward whose input has arrived, if it fits
+                            ready = forward_ready[stage][forwards_done[stage]]
+                            if ready is not None and ready <= now and (
+                                    not patient_weights or next_input is None
+                                    or now + forward_cost[stage] <= next_input
+                            ) and (held[rank] + ahead[rank] <= first_room[rank] if stage == first[rank]
+                                   else held[rank] < limits[rank]):
+                                forward = True
+                                break
+                        else:
+                            stage = -1
+        if stage < 0:  # a pending W, if one is due
+            due = weights_due[rank]
+            if due:
+                stage = due[0][1]
+                if (not patient_weights or next_input is None or now + weight_cost[stage] <= next_input
+                        or rank_inputs[rank] == all_inputs[rank] or (no_room(rank) if blocked is None else blocked)):
+                    heappop(due)
+                    microbatch = weights_done[stage]
+                    end = now + weight_cost[stage]
+                    orders[rank].append(new(Action, (stage, kind_w, microbatch)))
+                    held[rank] -= 1
+                    weights_done[stage] = microbatch + 1
+                    clock[rank] = end
+                    heappush(wakeups, (end, rank))
+                    continue
+            # Otherwise idle until an arrival wakes this rank. (A patient rank waits for the
+            # pass that becomes ready at ``next_input``: its input's arrival then, whose
+            # wake-up was queued when it was sent, as this rank was not busy past it.)
+            continue
+        if forward:
+            microbatch = forwards_done[stage]
+            end = now + forward_cost[stage]
+            orders[rank].append(new(Action, (stage, kind_f, microbatch)))
+            held[rank] += 1
+            forwards_done[stage] = microbatch + 1
+            forwards_known[rank] -= 1
+            if stage == first[rank]:
+                if reserve_all:
+                    ahead[rank] += returning[rank]
+            else:
+                later_forwards[rank] -= 1
+                if reserve_all:
+                    ahead[rank] -= 1
+            forward_end[stage][microbatch] = end
+            if stage < last:
+                arrival = end + hop[stage]
+                forward_ready[stage + 1][microbatch] = arrival
+                target = placement[stage + 1]
+                forwards_known[target] += 1
+                if clock[target] <= arrival:
+                    heappush(wakeups, (arrival, target))
+            else:
+                input_ready[stage][microbatch] = end
+                inputs_known[rank] += 1
+        else:
+            microbatch = inputs_done[stage]
+            end = now + input_cost[stage]
+            orders[rank].append(new(Action, (stage, kind_i, microbatch)))
+            rank_inputs[rank] += 1
+            inputs_known[rank] -= 1
+            first_room[rank] = limits[rank] - kept[rank]
+            heappush(weights_due[rank], (end, stage))
+            inputs_done[stage] = microbatch + 1
+            if stage:
+                arrival = end + hop[stage - 1]
+                own = forward_end[stage - 1][microbatch]
+                input_ready[stage - 1][microbatch] = arrival if arrival > own else own
+                target = placement[stage - 1]
+                inputs_known[target] += 1
+                if clock[target] <= arrival:
+                    heappush(wakeups, (arrival, target))
+        clock[rank] = end
+        heappush(wakeups, (end, rank))

@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from schedules.action import Action, ActionKind
 from schedules.generators.common import ScheduleUnavailableError, require_positive
@@ -122,9 +122,9 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
                                                reserve_all=reserve_all, late_first=late_first,
                                                free_first=free_first))
     # the step first, then the longest rank span (as ``adapt`` ranks zb-h1's orders): with the
-    # first and last stage on rank 0 the two mostly coincide, and the step is what pipesim runs
-    best = min((orders for orders in candidates if orders is not None),
-               key=lambda orders: cost(orders)[::-1])  # the first of equals: zbv where it ties
+    # first and last stage on rank 0 the two mostly coincide, and the step is what pipesim runs;
+    # the first of equals: zbv where it ties
+    best = min(_distinct_orders(candidates), key=lambda orders: cost(orders)[::-1])
     return Schedule(pp, microbatches, placement, best, name=NAME,
                     meta={"memory_microbatches": chunk_stashes / 2})
 
@@ -139,3 +139,24 @@ def peak_stashes(program: Sequence[Action]) -> int:
         elif action.kind in (ActionKind.W, ActionKind.B):
             held -= 1
     return peak
+
+
+def _distinct_orders(candidates: Iterable[Sequence[Sequence[Action]] | None]) -> Iterator[Sequence[Sequence[Action]]]:
+    """The candidates that are orders (not None), each order once, the first of equals
+    where several variants build the same one: timing an order is the search's dearest
+    step after the greedy runs, and ``min`` keeps the first of equals anyway. Orders are
+    grouped by each rank's middle action (a few hashes; hashing whole orders would cost
+    a tenth of a timing) and compared whole only within a group."""
+    seen: dict[tuple[Action, ...], list[Sequence[Sequence[Action]]]] = {}
+    for orders in candidates:
+        if orders is None:
+            continue
+        group = seen.setdefault(tuple(program[len(program) // 2] for program in orders if program), [])
+        if not any(_same_order(orders, other) for other in group):
+            group.append(orders)
+            yield orders
+
+
+def _same_order(one: Sequence[Sequence[Action]], other: Sequence[Sequence[Action]]) -> bool:
+    """Whether two orders have the same programs (lists or tuples alike)."""
+    return len(one) == len(other) and all(tuple(a) == tuple(b) for a, b in zip(one, other, strict=True))
