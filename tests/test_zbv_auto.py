@@ -175,3 +175,13 @@ def test_the_quick_search_a_planner_screens_with_is_never_faster_than_the_full_o
     quick = zbv_auto(pp, microbatches, forward, backward_input, backward_weight, comm, quick=True)
     assert step(full, forward, backward_input, backward_weight, comm).makespan <= \
         step(quick, forward, backward_input, backward_weight, comm).makespan + 1e-9
+
+
+@pytest.mark.parametrize(("forward", "backward_input", "backward_weight", "comm", "named"), [
+    ([1.0, -0.1], [1.0, 1.0], [1.0, 1.0], 0.0, "forward"),
+    ([1.0, 1.0], [1.0, 1.0], [-2.0, 1.0], 0.0, "weight-gradient"),
+    ([1.0, 1.0], [1.0, 1.0], [1.0, 1.0], -0.5, "communication"),
+])
+def test_the_greedy_scheduler_refuses_negative_seconds(forward, backward_input, backward_weight, comm, named):
+    with pytest.raises(ValueError, match=f"{named} seconds must be >= 0"):
+        placed_greedy_orders((0, 1), 2, forward, backward_input, backward_weight, comm, 2)

@@ -93,6 +93,11 @@ def placed_greedy_orders(
     limits = [memory_limit] * pp if isinstance(memory_limit, int) else list(memory_limit)
     if min(limits) < 1:
         raise ValueError(f"memory limit must allow at least one stash per rank, got {memory_limit}")
+    # the event loop leaves out wake-ups that only a pass of negative time could need
+    for name, values in (("forward", forward), ("input-gradient", backward_input),
+                         ("weight-gradient", backward_weight), ("communication", (comm,))):
+        if min(values, default=0.0) < 0:
+            raise ValueError(f"greedy scheduler: {name} seconds must be >= 0, got {min(values)}")
     sequences = None if follow is None else [[(action.stage, action.kind == ActionKind.F) for action in program
                                               if action.kind != ActionKind.W] for program in follow]
     run = _Run(tuple(placement), microbatches, comm, limits, warmup_cap, late_first)
