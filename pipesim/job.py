@@ -455,7 +455,8 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
     them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
     layouts (every dp width on one kind of GPU, with and without ZeRO). The optimizer
     step is the one figure the optimizer's bytes per parameter change, in proportion
-    (each rank reads and writes them once), so the stages are derived once for all of them."""
+    (each rank reads and writes them once), so it is derived per placement for one byte
+    per parameter and scaled; the stages, which no placement changes, once for all of them."""
     per_byte = _model_costs_per_optimizer_byte(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
                                                flash_attention, fallback_peak, bandwidths, fallback_bandwidth,
                                                stage_ranks, gpus, fallback_gpu, profiled, ep, cp, layer_hold_seconds)
@@ -470,15 +471,29 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
                                     fallback_gpu: str | None, profiled, ep: int, cp: int,
                                     layer_hold_seconds: float) -> Costs:
     """``_model_costs`` with an optimizer that passes over one byte per parameter."""
-    from pipesim.model.transformer_costs import model_costs
+    from pipesim.model.transformer_costs import with_optimizer_step
 
-    return model_costs(spec, num_stages, list(peaks), tp=tp, mfu=mfu, sequence_parallel=sequence_parallel,
-                       layers_per_stage=list(layout) if layout else None, recompute=recompute,
-                       flash_attention=flash_attention, fallback_peak=fallback_peak,
-                       stage_memory_bandwidth=list(bandwidths), fallback_memory_bandwidth=fallback_bandwidth,
-                       optimizer_state_bytes=1.0, stage_ranks=list(stage_ranks),
-                       stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled, ep=ep, cp=cp,
-                       layer_hold_seconds=layer_hold_seconds)
+    stages = _model_stage_costs(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
+                                flash_attention, fallback_peak, bandwidths, fallback_bandwidth, gpus, fallback_gpu,
+                                profiled, ep, cp, layer_hold_seconds)
+    return with_optimizer_step(stages, 1.0, list(stage_ranks), list(bandwidths), fallback_bandwidth)
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_stage_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None, sequence_parallel: bool,
+                       layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
+                       bandwidths: tuple, fallback_bandwidth: float, gpus: tuple, fallback_gpu: str | None,
+                       profiled, ep: int, cp: int, layer_hold_seconds: float) -> Costs:
+    """``transformer_costs.model_stage_costs``, kept: every placement of as many stages on
+    alike devices (a looped and a V pipeline, pp 8 and pp 4 of two chunks) shares them."""
+    from pipesim.model.transformer_costs import model_stage_costs
+
+    return model_stage_costs(spec, num_stages, list(peaks), tp=tp, mfu=mfu, sequence_parallel=sequence_parallel,
+                             layers_per_stage=list(layout) if layout else None, recompute=recompute,
+                             flash_attention=flash_attention, fallback_peak=fallback_peak,
+                             stage_memory_bandwidth=list(bandwidths), fallback_memory_bandwidth=fallback_bandwidth,
+                             stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled, ep=ep, cp=cp,
+                             layer_hold_seconds=layer_hold_seconds)
 
 
 @without_collector

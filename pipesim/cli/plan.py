@@ -16,11 +16,12 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from pipesim.cli.options import add_memory_headroom_arg
 from pipesim.cluster.gpus import GPUS
 from pipesim.job import Job, costs_of, parallel_of, schedule_of, throughput_figures, topology_of
-from pipesim.plan.bounds import bound_of, bound_terms, memory_floor
+from pipesim.plan.bounds import bound_of, busy_terms, memory_floor, with_tail
 from pipesim.plan.search import (
     Layout,
     SearchSpace,
@@ -34,7 +35,7 @@ from pipesim.plan.search import (
 )
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.collector import without_collector
-from schedules.generators import SCHEDULE_NAMES
+from schedules.generators import SCHEDULE_NAMES, V_SHAPED, splits_backward
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SEQUENCE_PARALLEL = {"off": False, "on": True}
@@ -43,6 +44,24 @@ PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a ter
 # groups over their devices: 131,072 GPUs (16,384 nodes of 8) build in a fifth of a second,
 # 10 million in a minute before the first layout. The largest published runs use 16-32k.
 MAX_PLAN_GPUS = 131_072
+
+
+class CostsKey(NamedTuple):
+    """What a layout's per-stage costs depend on (``_placed_costs``'s arguments): the name
+    the floors and bounds keep them under (a Costs of a hundred stages is slow to hash
+    for every lookup)."""
+
+    placement: tuple[int, ...]
+    pp: int
+    tp: int
+    dp: int
+    microbatch_size: int
+    recompute: str
+    zero: int
+    sequence_parallel: bool
+    ep: int
+    cp: int
+
 
 # Set per worker process by ``_init_worker``: the job every layout starts from and its
 # cluster, loaded once so its routes are computed once per process.
@@ -217,8 +236,9 @@ def _progress(args: argparse.Namespace):
 def _init_worker(base: Job) -> None:
     _BASE["job"] = base
     _BASE["topology"] = topology_of(base)
-    for cache in (_layout_costs, _placed_costs, _shell, _layout_parallel, _bound_terms, _floors, _pipeline_devices,
-                  _lowered_for, _ordered_by_costs):
+    for cache in (_layout_costs, _placed_costs, _placed_job, _placement_shell, _shell, _layout_parallel, _bound,
+                  _bound_terms, _busy_terms, _tp_holds, _route_seconds, _floor_cause, _floors, _pipeline_devices,
+                  _usable_memory, _lowered_for, _ordered_by_costs):
         cache.cache_clear()  # they kept the job set up before
 
 
@@ -238,8 +258,8 @@ def _layout_costs(layout: Layout):
     shell = _shell(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches)
     # the costs see ZeRO only through the optimizer step's bytes, alike for stages 1 to 3
     # (``pipesim.sim.zero.optimizer_bytes_per_param``): those layouts share them
-    key = (shell.placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
-           min(layout.zero, 1), layout.sequence_parallel, layout.ep, layout.cp)
+    key = CostsKey(shell.placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
+                   min(layout.zero, 1), layout.sequence_parallel, layout.ep, layout.cp)
     return _layout_parallel(layout.dp, layout.tp, layout.zero, layout.ep, layout.cp), _placed_costs(*key), shell, key
 
 
@@ -265,73 +285,137 @@ def _placed_costs(placement: tuple[int, ...], pp: int, tp: int, dp: int, microba
     """The per-stage costs of every layout with these stages on these ranks: the schedule
     and the microbatch count do not change them (1F1B, GPipe and the zero-bubble orders
     share them), so they are derived once."""
+    job = _placed_job(pp, tp, dp, microbatch_size, recompute, zero, sequence_parallel, ep, cp)
+    return costs_of(job, _placement_shell(placement), _BASE["topology"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _placed_job(pp: int, tp: int, dp: int, microbatch_size: int, recompute: str, zero: int, sequence_parallel: bool,
+                ep: int, cp: int) -> Job:
+    """The plan's job with ``_placed_costs``'s settings, kept: the placements of one pp
+    (looped, V, every chunk count) share it, and a job is slow to copy."""
+    return replace(_BASE["job"], pp=pp, tp=tp, dp=dp, microbatch_size=microbatch_size, recompute=recompute, zero=zero,
+                   sequence_parallel=sequence_parallel, ep=ep, cp=cp)
+
+
+@functools.lru_cache(maxsize=1024)
+def _placement_shell(placement: tuple[int, ...]):
+    """A one-microbatch schedule of ``placement`` and no programs: what the costs and the
+    bounds' collectives read of a schedule, built once per placement."""
     from schedules.schedule import Schedule
 
-    job = replace(_BASE["job"], pp=pp, tp=tp, dp=dp, microbatch_size=microbatch_size, recompute=recompute, zero=zero,
-                  sequence_parallel=sequence_parallel, ep=ep, cp=cp)
-    return costs_of(job, Schedule(pp, 1, placement, [()] * pp), _BASE["topology"])
+    pp = max(placement) + 1
+    return Schedule(pp, 1, placement, [()] * pp)
 
 
 def lower_bound(layout: Layout) -> float:
     """``pipesim.plan.bounds.step_lower_bound`` of the layout, with its tp collectives,
     ZeRO gathers and hops priced as the simulation prices them."""
-    from pipesim.sim.zero import gathers_after_optimizer, gathers_per_layer
-    from schedules.generators import V_SHAPED, splits_backward
-
     try:
-        parallel, costs, shell, key = _layout_costs(layout)
+        _, costs, _, key = _layout_costs(layout)
     except ValueError:
         return float("inf")  # the evaluation reports why
-    fused = layout.schedule in V_SHAPED and any(stage.overlap_fb for stage in costs.stages)
-    # ZeRO enters the bound only through these two: stages 1 and 2 share their bounds
-    zero = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
-    if fused:  # overlapped pairs of a given cost may undercut F + B: only the tail is certain
-        return costs.step_overhead
-    terms = _bound_terms(key, shell.placement, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, zero,
-                         layout.dp, layout.tp, layout.cp)
-    return bound_of(terms, layout.microbatches, splits_backward(layout.schedule))
+    if layout.schedule in V_SHAPED and any(stage.overlap_fb for stage in costs.stages):
+        return costs.step_overhead  # overlapped pairs of a given cost may undercut F + B: only the tail is certain
+    return _bound(key, layout.zero, layout.microbatches, splits_backward(layout.schedule))
+
+
+@functools.lru_cache(maxsize=16384)
+def _bound(costs_key: CostsKey, zero: int, microbatches: int, split_backward: bool) -> float:
+    """``lower_bound`` of what it depends on, kept: the schedules of a placement that alike
+    split the backward or not share it (the microbatch count follows from the key's dp
+    and microbatch size)."""
+    from pipesim.sim.zero import gathers_after_optimizer, gathers_per_layer
+
+    parallel = _layout_parallel(costs_key.dp, costs_key.tp, zero, costs_key.ep, costs_key.cp)
+    # ZeRO enters the bound only through these two: stages 1 and 2 share their terms
+    flags = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
+    terms = _bound_terms(costs_key, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, flags)
+    return bound_of(terms, microbatches, split_backward)
 
 
 @functools.lru_cache(maxsize=4096)
-def _bound_terms(costs_key: tuple, placement: tuple[int, ...], rank_order: str, algorithm: str, bucket_bytes: float,
-                 zero: tuple[bool, bool], dp: int, tp: int, cp: int = 1):
+def _bound_terms(costs_key: CostsKey, rank_order: str, algorithm: str, bucket_bytes: float, zero: tuple[bool, bool]):
     """``pipesim.plan.bounds.bound_terms`` of what they depend on, kept: every schedule of
     a placement and every microbatch count share them (1F1B and GPipe; every
-    split-backward order). The costs are named by their key in ``_placed_costs`` (a Costs
-    of a hundred stages is slow to hash for every lookup)."""
+    split-backward order). The costs are named by their key in ``_placed_costs``, whose
+    placement, dp, tp and cp are the bound's too."""
     from pipesim.cluster.mapping import map_ranks
-    from pipesim.sim.parallel import layer_gathers, parameter_gather_seconds, tp_collective_seconds
-    from schedules.schedule import Schedule
+    from pipesim.sim.parallel import parameter_gather_seconds
+
+    per_layer, after_optimizer = zero
+    # the key's ZeRO stage changes only the optimizer step, which the busy terms do not read
+    busy = _busy_terms(costs_key._replace(zero=0), rank_order, algorithm, per_layer)
+    costs = _placed_costs(*costs_key)
+    gather_seconds = {}
+    if after_optimizer:
+        topology = _BASE["topology"]
+        mapping = map_ranks(topology, costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp)
+        gather_seconds = parameter_gather_seconds(_placement_shell(costs_key.placement), costs, topology, mapping,
+                                                  bucket_bytes)
+    return with_tail(busy, costs, costs_key.placement, gather_seconds)
+
+
+@functools.lru_cache(maxsize=4096)
+def _busy_terms(costs_key: CostsKey, rank_order: str, algorithm: str, per_layer: bool):
+    """``pipesim.plan.bounds.busy_terms`` of the costs named by ``costs_key`` (ZeRO stage
+    0: the others' stages alike), kept: ZeRO 0, 1 and 2 share them (none gathers per
+    layer), their tails differ."""
+    from pipesim.cluster.mapping import map_ranks
+    from pipesim.sim.parallel import layer_gathers
 
     topology = _BASE["topology"]
     costs = _placed_costs(*costs_key)
-    pp = max(placement) + 1
-    shell = Schedule(pp, 1, placement, [()] * pp)
-    mapping = map_ranks(topology, dp, pp, tp, rank_order, cp)
+    placement, pp, tp, dp, cp = costs_key.placement, costs_key.pp, costs_key.tp, costs_key.dp, costs_key.cp
     devices = _pipeline_devices(dp, pp, tp, rank_order, cp)
-    per_layer, after_optimizer = zero
-    holds = tp_collective_seconds(shell, costs, topology, mapping, algorithm)
+    holds = _tp_holds(costs_key, rank_order, algorithm)
     if per_layer:  # the layers' gathers hold a rank as the tp collectives do
-        held = layer_gathers(shell, costs, topology, mapping)[0]
+        mapping = map_ranks(topology, dp, pp, tp, rank_order, cp)
+        held = layer_gathers(_placement_shell(placement), costs, topology, mapping)[0]
         holds = {key: holds.get(key, 0.0) + held.get(key, 0.0) for key in holds.keys() | held.keys()}
-    gather_seconds = parameter_gather_seconds(shell, costs, topology, mapping, bucket_bytes) if after_optimizer else {}
 
     def hop(source: int, target: int) -> float:
         if placement[source] == placement[target]:
             return 0.0
-        route = topology.route(devices[placement[source]], devices[placement[target]])
-        return route.seconds(costs.stages[min(source, target)].act_bytes)
+        return _route_seconds(devices[placement[source]], devices[placement[target]],
+                              costs.stages[min(source, target)].act_bytes)
 
-    return bound_terms(costs, placement, holds, gather_seconds, hop)
+    return busy_terms(costs, placement, holds, hop)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tp_holds(costs_key: CostsKey, rank_order: str, algorithm: str) -> dict[tuple[int, str], float]:
+    """``pipesim.sim.parallel.tp_collective_seconds`` of the costs named by ``costs_key``
+    on its mapping, kept: the busy terms with and without ZeRO-3's per-layer gathers
+    share them."""
+    from pipesim.cluster.mapping import map_ranks
+    from pipesim.sim.parallel import tp_collective_seconds
+
+    topology = _BASE["topology"]
+    mapping = map_ranks(topology, costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp)
+    return tp_collective_seconds(_placement_shell(costs_key.placement), _placed_costs(*costs_key), topology, mapping,
+                                 algorithm)
+
+
+@functools.lru_cache(maxsize=65536)
+def _route_seconds(source: str, target: str, num_bytes: float) -> float:
+    """An unloaded transfer's seconds from device to device, kept: the bounds of many
+    layouts cross the same boundaries with the same activations."""
+    return _BASE["topology"].route(source, target).seconds(num_bytes)
 
 
 def reject_cause(layout: Layout) -> str | None:
     """Why the layout cannot work without simulating it: out of memory even at the least
     any schedule holds; None otherwise (the simulation decides)."""
-    floors = _memory_floors(layout)
-    if floors is None:
-        return None
-    if any(floor > usable for floor, usable in floors):
+    key = _floors_key(layout)
+    return None if key is None else _floor_cause(key, layout.zero)
+
+
+@functools.lru_cache(maxsize=16384)
+def _floor_cause(costs_key: CostsKey, zero: int) -> str | None:
+    """``reject_cause`` of what it depends on, kept: layouts of several schedules and
+    microbatch counts share their floors and so the verdict."""
+    if any(floor > usable for floor, usable in _floors(costs_key, zero)):
         return "out of memory (parameters, optimizer state and one stash alone, with the headroom)"
     return None
 
@@ -347,30 +431,44 @@ def describe_layout(layout: Layout) -> dict:
 def _memory_floors(layout: Layout) -> list[tuple[float, float]] | None:
     """Per rank, (``pipesim.plan.bounds.memory_floor``, the device's memory); None where
     the costs say nothing of memory."""
+    key = _floors_key(layout)
+    return None if key is None else _floors(key, layout.zero)
+
+
+def _floors_key(layout: Layout) -> CostsKey | None:
+    """The key of the layout's costs, None where they have no memory floor: they cannot be
+    built (the evaluation reports why) or say nothing of memory."""
     try:
-        parallel, costs, shell, key = _layout_costs(layout)
+        _, costs, _, key = _layout_costs(layout)
     except ValueError:
         return None
-    if not costs.memory_known:
-        return None
-    return _floors(key, shell.placement, parallel, layout.dp, layout.tp)
+    return key if costs.memory_known else None
 
 
-@functools.lru_cache(maxsize=4096)
-def _floors(costs_key: tuple, placement: tuple[int, ...], parallel, dp: int, tp: int) -> list[tuple[float, float]]:
+@functools.lru_cache(maxsize=16384)
+def _floors(costs_key: CostsKey, zero: int) -> list[tuple[float, float]]:
     """``_memory_floors`` of what it depends on, kept (layouts of several schedules share
-    it); the costs named by their key in ``_placed_costs``, as for ``_bound``."""
+    it); the costs named by their key in ``_placed_costs``, as for ``_bound_terms``."""
     from pipesim.sim.memory import static_bytes
 
-    topology = _BASE["topology"]
     costs = _placed_costs(*costs_key)
-    devices = _pipeline_devices(dp, max(placement) + 1, tp, parallel.rank_order, parallel.cp)
+    placement, dp = costs_key.placement, costs_key.dp
+    parallel = _layout_parallel(dp, costs_key.tp, zero, costs_key.ep, costs_key.cp)
     holders = dp * parallel.cp  # the ranks that hold each parameter, as simulate's memory counts them
-    floors = memory_floor(costs, placement, lambda stage: static_bytes(costs.stages[stage], parallel.bytes_per_param,
-                                                                       holders, parallel.zero, holders // parallel.ep))
-    capacities = [topology.device_memory(device) for device in devices]
-    return [(floor, capacity - parallel.memory_headroom.of(capacity))
-            for floor, capacity in zip(floors, capacities, strict=True)]
+    distinct = {id(cost): cost for cost in costs.stages}  # a model's alike stages share one object (kept by costs)
+    static_of = {key: static_bytes(cost, parallel.bytes_per_param, holders, parallel.zero, holders // parallel.ep)
+                 for key, cost in distinct.items()}
+    floors = memory_floor(costs, placement, [static_of[id(cost)] for cost in costs.stages])
+    usable = _usable_memory(dp, costs_key.pp, costs_key.tp, parallel.rank_order, parallel.cp, parallel.memory_headroom)
+    return list(zip(floors, usable, strict=True))
+
+
+@functools.lru_cache(maxsize=1024)
+def _usable_memory(dp: int, pp: int, tp: int, rank_order: str, cp: int, headroom) -> tuple[float, ...]:
+    """Each pipeline device's memory less the headroom, kept per mapping (``_pipeline_devices``)."""
+    topology = _BASE["topology"]
+    capacities = [topology.device_memory(device) for device in _pipeline_devices(dp, pp, tp, rank_order, cp)]
+    return tuple(capacity - headroom.of(capacity) for capacity in capacities)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -128,7 +128,11 @@ class Costs:
     def __post_init__(self) -> None:
         for name in OVERHEADS:
             check_number(getattr(self, name), name)
+        checked: set[int] = set()  # a stage object shared by many stages (a model's alike layers) is checked once
         for index, stage in enumerate(self.stages):
+            if id(stage) in checked:
+                continue  # the same values passed at its first index: the first bad index is still the one named
+            checked.add(id(stage))
             values = [getattr(stage, name) for name in STAGE_FIELDS]
             # the usual case at once (a plan builds thousands of costs); else each value is
             # checked and the bad one named

@@ -104,6 +104,37 @@ def model_costs(
     as it can be (``pipesim.model.stage_split``): a layer's forward and backward, plus
     ``layer_hold_seconds`` of tensor-parallel collectives that hold its rank, against the
     output layer's forward and backward on the last stage."""
+    return with_optimizer_step(
+        model_stage_costs(spec, num_stages, stage_peak_flops, tp, mfu, sequence_parallel, layers_per_stage,
+                          recompute, flash_attention, fallback_peak, stage_memory_bandwidth,
+                          fallback_memory_bandwidth, stage_gpus, fallback_gpu, compute_model, ep, cp,
+                          layer_hold_seconds),
+        optimizer_state_bytes, stage_ranks, stage_memory_bandwidth, fallback_memory_bandwidth)
+
+
+def model_stage_costs(
+    spec: ModelSpec,
+    num_stages: int,
+    stage_peak_flops: list[float],
+    tp: int = 1,
+    mfu: float | None = None,
+    sequence_parallel: bool = False,
+    layers_per_stage: list[int] | None = None,
+    recompute: str = "none",
+    flash_attention: bool = True,
+    fallback_peak: float = H100_BF16_FLOPS,
+    stage_memory_bandwidth: list[float] | None = None,
+    fallback_memory_bandwidth: float = H100_HBM_BANDWIDTH,
+    stage_gpus: list[str | None] | None = None,
+    fallback_gpu: str | None = None,
+    compute_model: KernelModel | None = None,
+    ep: int = 1,
+    cp: int = 1,
+    layer_hold_seconds: float = 0.0,
+) -> Costs:
+    """``model_costs`` without the optimizer step (``step_overhead`` 0): the stages alone,
+    which do not depend on which rank holds which stage, so a planner derives them once
+    for every placement of as many stages (``with_optimizer_step`` adds the step)."""
     if mfu is not None and not 0 < mfu <= 1:  # NaN fails this too
         raise ModelSpecError(f"--mfu is a fraction of peak in (0, 1], got {mfu}")
     if mfu is not None and compute_model is not None:
@@ -123,8 +154,7 @@ def model_costs(
     kind_layer = {spec.is_moe_layer(layer): layer for layer, _ in reversed(spec.layer_groups())}
 
     def bandwidth_of(stage: int) -> float:
-        return finite_peak(stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0,
-                           fallback_memory_bandwidth)
+        return stage_bandwidth(stage_memory_bandwidth, fallback_memory_bandwidth, stage)
 
     models_of: dict[tuple, ComputeModel] = {}  # stages on alike devices share one
 
@@ -154,7 +184,6 @@ def model_costs(
     counts = split_layers(spec.layers, num_stages, layers_per_stage, last_extra=head_extra)
     stages = []
     models = set()
-    step_seconds: dict[int, float] = {}
     per_kind = {layer: (spec.layer_params(layer, tp, ep),
                         layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, layer))
                 for layer in kind_layer.values()}
@@ -210,7 +239,7 @@ def model_costs(
     stop = 0
     for stage, count in enumerate(counts):
         first, stop = stop, stop + count
-        compute, bandwidth = compute_of(stage), bandwidth_of(stage)
+        compute = compute_of(stage)
         models.add(compute.name)
         groups = spec.layer_groups(first, stop)
         ends = (stage == 0, stage == num_stages - 1)
@@ -218,17 +247,36 @@ def model_costs(
         cost = built.get(key)
         if cost is None:
             cost = built[key] = stage_cost(compute, groups, count, *ends)
-        rank = stage_ranks[stage] if stage_ranks else stage
-        step_seconds[rank] = step_seconds.get(rank, 0.0) + optimizer_step_seconds(cost.params, optimizer_state_bytes,
-                                                                                  bandwidth)
         stages.append(cost)
     meta = {
         "model": spec.name, "layers_per_stage": counts, "tp": tp, "ep": ep, "cp": cp, "mfu": mfu,
         **_parameter_totals(spec),
         "recompute": recompute, "flash_attention": flash_attention, "compute_model": sorted(models),
     }
-    return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta,
-                 step_overhead=max(step_seconds.values()))
+    return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta)
+
+
+def stage_bandwidth(stage_memory_bandwidth: list[float] | None, fallback: float, stage: int) -> float:
+    """HBM bytes/s of ``stage``'s device: the given figure, ``fallback`` where unknown."""
+    return finite_peak(stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0, fallback)
+
+
+def with_optimizer_step(costs: Costs, optimizer_state_bytes: float, stage_ranks: list[int] | None,
+                        stage_memory_bandwidth: list[float] | None, fallback_memory_bandwidth: float) -> Costs:
+    """``costs`` with the optimizer step of ``model_costs``: each rank (``stage_ranks[stage]``,
+    default one stage per rank) reads and writes ``optimizer_state_bytes`` per parameter
+    of its stages, in stage order, and the slowest rank's step is the step's."""
+    step_seconds: dict[int, float] = {}
+    stage_seconds: dict[tuple[int, float], float] = {}  # per stage object and device figure: alike stages share
+    for stage, cost in enumerate(costs.stages):
+        rank = stage_ranks[stage] if stage_ranks else stage
+        key = (id(cost), stage_memory_bandwidth[stage] if stage_memory_bandwidth else 0.0)
+        seconds = stage_seconds.get(key)
+        if seconds is None:
+            bandwidth = stage_bandwidth(stage_memory_bandwidth, fallback_memory_bandwidth, stage)
+            seconds = stage_seconds[key] = optimizer_step_seconds(cost.params, optimizer_state_bytes, bandwidth)
+        step_seconds[rank] = step_seconds.get(rank, 0.0) + seconds
+    return costs.with_step_overhead(max(step_seconds.values()))
 
 
 @functools.lru_cache(maxsize=256)

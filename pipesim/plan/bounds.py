@@ -8,7 +8,7 @@ simulation of every schedule, with tp, dp and ZeRO).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipesim.model.costs import Costs
 
@@ -56,44 +56,60 @@ class BoundTerms:
 
 def bound_terms(costs: Costs, placement: Sequence[int], holds: dict[tuple[int, str], float],
                 gather_seconds: dict[int, float], hop: Callable[[int, int], float]) -> BoundTerms:
-    """The terms of ``step_lower_bound`` (see there), one pass over the stages."""
+    """The terms of ``step_lower_bound`` (see there): ``busy_terms`` and their tail."""
+    return with_tail(busy_terms(costs, placement, holds, hop), costs, placement, gather_seconds)
+
+
+def busy_terms(costs: Costs, placement: Sequence[int], holds: dict[tuple[int, str], float],
+               hop: Callable[[int, int], float]) -> BoundTerms:
+    """``bound_terms`` without the tail (left empty), one pass over the stages: the same
+    for every optimizer step and parameter gather after it, so a planner keeps them for
+    every ZeRO stage that gathers nothing per layer."""
     stages = costs.stages
     pp = max(placement) + 1
     forward = [stage.fwd + holds.get((index, "F"), 0.0) for index, stage in enumerate(stages)]
     backward = [stage.bwd + holds.get((index, "B"), 0.0) for index, stage in enumerate(stages)]
     work = [0.0] * pp  # each rank's forwards and backwards of one microbatch, its stages in order
-    tail = [0.0] * pp
     for stage, rank in enumerate(placement):
         work[rank] += forward[stage] + backward[stage]
-        tail[rank] += gather_seconds.get(stage, 0.0)
     fill, drain = [0.0] * pp, [0.0] * pp  # across stages 0..rank-1, running sums
     for rank in range(1, pp):
         fill[rank] = fill[rank - 1] + (forward[rank - 1] + hop(rank - 1, rank))
         drain[rank] = drain[rank - 1] + (backward[rank - 1] + hop(rank, rank - 1))
-    return BoundTerms(tuple(work), tuple(fill), tuple(drain), tuple(costs.step_overhead + seconds for seconds in tail))
+    return BoundTerms(tuple(work), tuple(fill), tuple(drain), ())
+
+
+def with_tail(terms: BoundTerms, costs: Costs, placement: Sequence[int],
+              gather_seconds: dict[int, float]) -> BoundTerms:
+    """``terms`` with each rank's tail: the optimizer step and its stages' parameter
+    gathers (``gather_seconds``), added in stage order."""
+    tail = [0.0] * len(terms.work)
+    for stage, rank in enumerate(placement):
+        tail[rank] += gather_seconds.get(stage, 0.0)
+    return replace(terms, tail=tuple(costs.step_overhead + seconds for seconds in tail))
 
 
 def bound_of(terms: BoundTerms, microbatches: int, split_backward: bool) -> float:
     """``step_lower_bound`` from its terms: the largest over ranks of fill + every
     microbatch's work + tail, and without a split backward the drain back to stage 0
     before rank 0's tail."""
-    best = 0.0
-    for rank, (work, fill, drain, tail) in enumerate(zip(terms.work, terms.fill, terms.drain, terms.tail,
-                                                         strict=True)):
-        busy = microbatches * work
-        best = max(best, fill + busy + tail)
-        if not split_backward and rank > 0:
-            best = max(best, fill + busy + drain + terms.tail[0])
-    return best
+    busy = [microbatches * work for work in terms.work]  # one list pass per term: a plan bounds many layouts
+    ends = [0.0] + [fill + work + tail for fill, work, tail in zip(terms.fill, busy, terms.tail, strict=True)]
+    if not split_backward:
+        first_tail = terms.tail[0]
+        ends += [fill + work + drain + first_tail
+                 for fill, work, drain in zip(terms.fill[1:], busy[1:], terms.drain[1:], strict=True)]
+    return max(ends)
 
 
-def memory_floor(costs: Costs, placement: Sequence[int], static_bytes: Callable[[int], float]) -> list[float]:
+def memory_floor(costs: Costs, placement: Sequence[int], static_bytes: Sequence[float]) -> list[float]:
     """Per rank, the least memory any schedule holds: its stages' parameters, gradients
-    and optimizer state (``static_bytes(stage)``) and one microbatch's stash of its
+    and optimizer state (``static_bytes[stage]``) and one microbatch's stash of its
     largest stage."""
     ranks = max(placement) + 1
     static, stash = [0.0] * ranks, [0.0] * ranks
-    for stage, rank in enumerate(placement):  # a rank's stages in order, as a sum over them would add
-        static[rank] += static_bytes(stage)
-        stash[rank] = max(stash[rank], costs.stages[stage].stash_bytes)
-    return [static[rank] + stash[rank] for rank in range(ranks)]
+    for rank, cost, held in zip(placement, costs.stages, static_bytes, strict=True):
+        static[rank] += held  # a rank's stages in order, as a sum over them would add
+        if cost.stash_bytes > stash[rank]:
+            stash[rank] = cost.stash_bytes
+    return [held + largest for held, largest in zip(static, stash, strict=True)]

@@ -56,9 +56,10 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 
@@ -81,6 +82,8 @@ from pipesim.sim.zero import (
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceColumns, TraceEvent
+
+T = TypeVar("T")
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb=25
 TP_KIND = "TP"
@@ -200,16 +203,44 @@ def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping:
     A layer's routed experts are gathered over their own group under expert parallelism."""
     exposed: dict[tuple[int, str], float] = {}
     whole: dict[tuple[int, str], float] = {}
-    for stage, cost in enumerate(costs.stages):
-        if _dp_group(schedule, stage, mapping) is None or cost.param_bytes <= 0:
-            continue
+
+    per_gather: dict[tuple[int, float], list[tuple[str, float, float]]] = {}  # ranks whose groups gather alike
+
+    def gathers(stage: int, cost: StageCost) -> list[tuple[str, float, float]] | None:
+        if not _reduces(schedule, stage, mapping) or cost.param_bytes <= 0:
+            return None
         units = gather_units(cost.layers)
         gather = _dp_collective(all_gather, topology, mapping, schedule, stage, cost, cost.param_bytes / units)
-        for kind, compute in ((ActionKind.F, cost.fwd), (ActionKind.B, cost.bwd),
-                              (ActionKind.I, cost.bwd - cost.wgrad)):
-            exposed[stage, kind] = exposed_gather_seconds(units, gather, compute / units)
-            whole[stage, kind] = units * gather
+        kinds = per_gather.get((id(cost), gather))
+        if kinds is None:
+            kinds = per_gather[id(cost), gather] = [
+                (kind, exposed_gather_seconds(units, gather, compute / units), units * gather)
+                for kind, compute in ((ActionKind.F, cost.fwd), (ActionKind.B, cost.bwd),
+                                      (ActionKind.I, cost.bwd - cost.wgrad))]
+        return kinds
+
+    for stage, kinds in enumerate(_per_alike_stage(schedule, costs, gathers)):
+        for kind, hold, seconds in kinds or ():
+            exposed[stage, kind] = hold
+            whole[stage, kind] = seconds
     return exposed, whole
+
+
+def _per_alike_stage(schedule: Schedule, costs: Costs, value_of: Callable[[int, StageCost], T]) -> list[T]:
+    """``value_of(stage, its cost)`` of every stage, in stage order, called once per stage
+    object and rank: it must read the stage only for its rank. ``model_costs`` shares one
+    object between alike stages, so most of a deep model's stages on a rank are priced
+    once, not each (a plan prices thousands of layouts' stages)."""
+    values: dict[tuple[int, int], T] = {}
+    per_stage = []
+    placement = schedule.placement
+    for stage, cost in enumerate(costs.stages):
+        key = (id(cost), placement[stage])  # ``costs`` keeps every object alive throughout
+        value = values.get(key, values)  # ``values`` itself: not priced yet
+        if value is values:
+            value = values[key] = value_of(stage, cost)
+        per_stage.append(value)
+    return per_stage
 
 
 def _expert_gradients(schedule: Schedule, stage: int, cost: StageCost,
@@ -237,9 +268,11 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
     seconds: dict[tuple[int, str], float] = {}
     if mapping.tp == 1:
         return seconds
-    for stage, cost in enumerate(costs.stages):
+
+    def held(stage: int, cost: StageCost) -> tuple[float, float] | None:
+        """(after the forward, after a backward) of the stage on its rank, None if nothing."""
         if not (cost.layers and cost.tp_message_bytes):
-            continue
+            return None
         rank = schedule.placement[stage]
         one = _tp_collective(topology, mapping, rank, costs.sequence_parallel, algorithm, cost.tp_message_bytes)
         experts = 0.0
@@ -250,12 +283,16 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
             experts = cost.moe_layers * (_tp_collective(topology, mapping, rank, costs.sequence_parallel, algorithm,
                                                         mapping.tp * cost.dispatch_bytes) - one)
         per_pass = 2 * cost.layers * one + experts
-        if per_pass > 0:
-            for kind in (ActionKind.F, ActionKind.B, ActionKind.I):
-                seconds[stage, kind] = per_pass
-            # full recompute re-runs the forward, and its collectives, inside the backward
-            for kind in (ActionKind.B, ActionKind.I):
-                seconds[stage, kind] += 2 * cost.recompute_layers * one + experts * cost.recompute_layers / cost.layers
+        if not per_pass > 0:
+            return None
+        # full recompute re-runs the forward, and its collectives, inside the backward
+        return per_pass, per_pass + (2 * cost.recompute_layers * one + experts * cost.recompute_layers / cost.layers)
+
+    for stage, holds in enumerate(_per_alike_stage(schedule, costs, held)):
+        if holds is not None:
+            forward, backward = holds
+            seconds[stage, ActionKind.F] = forward
+            seconds[stage, ActionKind.B] = seconds[stage, ActionKind.I] = backward
     return seconds
 
 
@@ -293,17 +330,20 @@ def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topolog
                              bucket_bytes: float = DDP_BUCKET_BYTES) -> dict[int, float]:
     """Under ZeRO-1 and 2, each stage's whole parameter all-gather after the optimizer
     step (``comm_plan``'s per bucket, summed)."""
-    totals: dict[int, float] = {}
-    for stage, cost in enumerate(costs.stages):
-        if _dp_group(schedule, stage, mapping) is not None and cost.param_bytes > 0:
-            if not bucket_bytes > 0:
-                raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
-            full, rest = divmod(cost.param_bytes, bucket_bytes)  # bucket_sizes' buckets, without listing them
-            totals[stage] = _dp_collective(all_gather, topology, mapping, schedule, stage, cost,
-                                           bucket_bytes) * int(full) if full else 0.0
-            if rest > 0:
-                totals[stage] += _dp_collective(all_gather, topology, mapping, schedule, stage, cost, rest)
-    return totals
+    def total(stage: int, cost: StageCost) -> float | None:
+        if not _reduces(schedule, stage, mapping) or cost.param_bytes <= 0:
+            return None
+        if not bucket_bytes > 0:
+            raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+        full, rest = divmod(cost.param_bytes, bucket_bytes)  # bucket_sizes' buckets, without listing them
+        seconds = _dp_collective(all_gather, topology, mapping, schedule, stage, cost,
+                                 bucket_bytes) * int(full) if full else 0.0
+        if rest > 0:
+            seconds += _dp_collective(all_gather, topology, mapping, schedule, stage, cost, rest)
+        return seconds
+
+    return {stage: seconds for stage, seconds in enumerate(_per_alike_stage(schedule, costs, total))
+            if seconds is not None}
 
 
 def _dp_collective(collective, topology: Topology, mapping: RankMapping, schedule: Schedule, stage: int,
@@ -327,9 +367,14 @@ def _dp_collective(collective, topology: Topology, mapping: RankMapping, schedul
 
 def _dp_group(schedule: Schedule, stage: int, mapping: RankMapping) -> list[str] | None:
     """The devices that reduce ``stage``'s gradients, None when there is nothing to reduce."""
-    if mapping.dp * mapping.cp == 1 or schedule.num_stages <= stage:
+    if not _reduces(schedule, stage, mapping):
         return None
     return mapping.dp_cp_group(schedule.placement[stage], 0)
+
+
+def _reduces(schedule: Schedule, stage: int, mapping: RankMapping) -> bool:
+    """Whether ``stage`` has a ``_dp_group``, without listing it (thousands of devices)."""
+    return mapping.dp * mapping.cp > 1 and stage < schedule.num_stages
 
 
 def _per_bucket(sizes: tuple[float, ...], seconds_of) -> tuple[float, ...]:
