@@ -5,7 +5,10 @@
    action's text. The walk: each rank runs through its items as far as what is known
    allows; the moments at which the order across ranks matters (a rendezvous group
    starts, a buffered or free transfer leaves: both reserve links) go through one heap
-   and are taken in time order, ties in rank order, then in the order they were posted.
+   and are taken in time order, ties in rank order, then in the order they were posted
+   (a group by its number: a rank's groups are numbered in the order it posts them, and
+   a group reaches the heap only once its stream is free, which can be after a later
+   group of the same rank on another stream did).
    Every such moment is at or after the one being taken, so links are reserved in true
    time order. A rank that needs what has not happened yet stops and is resumed by the
    moment that provides it. */
@@ -24,7 +27,7 @@ enum { ALL_GROUPS = -2 }; /* what a rank at the end of its program waits for: ev
 typedef struct {
     double time;
     int64_t rank;
-    int64_t order; /* posting order: ties after time and rank */
+    int64_t order; /* posting order (a group's number): ties after time and rank */
     int64_t what;  /* GROUP_START or DEPARTURE */
     int64_t id;    /* the group or the transfer */
 } Moment;
@@ -122,8 +125,8 @@ typedef struct {
     int64_t order;
 } Engine;
 
-static int push(Engine *e, double time, int64_t rank, int64_t what, int64_t id) {
-    Moment moment = {time, rank, e->order++, what, id};
+static int push(Engine *e, double time, int64_t rank, int64_t order, int64_t what, int64_t id) {
+    Moment moment = {time, rank, order, what, id};
     return heap_push(&e->heap, moment);
 }
 
@@ -155,7 +158,7 @@ static int schedule_next(Engine *e, int64_t stream) {
     e->stream_busy[stream] = 1;
     double begin = e->group_posted[group] > e->stream_free[stream] ? e->group_posted[group] : e->stream_free[stream];
     e->group_start[group] = begin;
-    return push(e, begin, e->group_rank[group], GROUP_START, group);
+    return push(e, begin, e->group_rank[group], group, GROUP_START, group);
 }
 
 static int complete(Engine *e, int64_t group) {
@@ -214,7 +217,7 @@ static int depart(Engine *e, int64_t transfer, double now) {
 
 static int post_transfer(Engine *e, int64_t rank, int64_t transfer, double now) {
     e->posted[transfer] = now;
-    return push(e, now, rank, DEPARTURE, transfer);
+    return push(e, now, rank, e->order++, DEPARTURE, transfer);
 }
 
 /* Whether compute action ``compute`` of ``rank`` has its input; if not, the rank now

@@ -33,7 +33,9 @@ The rules, under the P2P semantics named in ``schedules.p2p``:
 
 A transfer reserves every link of its route first come, first served: it starts when
 all of them are free, holds them for its occupancy, and arrives its latency later.
-Transfers that leave at the same moment reserve in rank order, then in posting order.
+Transfers that leave at the same moment reserve in rank order, then in posting order: a
+rank's groups in the order it posted them, whichever stream each runs on and whenever
+that stream took it up.
 A route with no links (the ideal cluster, one device) arrives at once.
 
 The walk is compiled (``schedules/_engine.c``, built by setup.py) and is the only product

@@ -16,7 +16,7 @@ from pipesim.sim import reference
 from pipesim.sim.engine import rank_devices_of, step_timing
 from pipesim.sim.parallel import comm_plan
 from schedules import engine, generate, lower
-from schedules.action import Action, ActionKind
+from schedules.action import Action, ActionKind, parse_action
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
 from schedules.schedule import Schedule
 
@@ -98,6 +98,47 @@ def test_a_large_interleaved_step_is_the_same_in_both(semantics):
     topology = presets.ib(2)
     timing = step_timing(lowered, costs, topology, rank_devices_of(lowered, topology, None))
     assert_same_moments(*both(lowered, timing, semantics))
+
+
+def test_an_interleaved_torch_runtime_step_over_nvlink_is_the_same_in_both():
+    # found by the property test above: rank 0 posts a receive from rank 1 and then one
+    # from rank 3 at the same moment, both into its one NVLink port; the first posted
+    # must take the link first though its stream took it up after the second's
+    lowered = lower(generate("interleaved-1f1b", 4, 10, 2))
+    costs = uniform_costs(lowered, 1e-3, 2e-3, act_bytes=1e6)  # F 0.5 ms, B 1 ms a chunk
+    topology = presets.nvlink(1)
+    timing = step_timing(lowered, costs, topology, rank_devices_of(lowered, topology, None))
+    [(links, occupancy, latency)] = timing.wires[0]  # rank 0 to rank 1: its port out, rank 1's in
+    assert links == (0, 1) and occupancy == pytest.approx(2.78e-6, rel=1e-3) and latency == pytest.approx(3e-6)
+    assert_same_moments(*both(lowered, timing, "torch-runtime"))
+
+
+def test_groups_that_start_together_reserve_links_in_posting_order():
+    # Three ranks, one stage each; each rank has one link out and one in, and a transfer
+    # holds both for 1 s and arrives 0.5 s later. Rank 1 posts 1SEND_F0 (to rank 2) at
+    # 12.5, runs 1F1 until 22.5, then posts 1RECV_B0 (from rank 2) and 1RECV_F2 (from
+    # rank 0): their senders are waiting already, so both leave at 22.5 into rank 1's one
+    # link in. Under torch's runtime each runs on its rank pair's stream; the compiled
+    # walk, having run rank 1 ahead, takes up 1RECV_B0 (behind 1SEND_F0) after 1RECV_F2.
+    # The first posted still goes first: 1RECV_B0 arrives at 24, 1RECV_F2 at 25.
+    def program(text: str) -> tuple[Action, ...]:
+        return tuple(parse_action(word) for word in text.split())
+
+    schedule = Schedule(pp=3, microbatches=3, placement=(0, 1, 2), programs=(
+        program("0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0RECV_B0 0B0 0RECV_B1 0B1 0RECV_B2 0B2"),
+        program("1RECV_F0 1RECV_F1 1F0 1SEND_F0 1F1 1RECV_B0 1RECV_F2 1SEND_F1 1B0 1SEND_B0 1RECV_B1 1F2 1SEND_F2 "
+                "1B1 1SEND_B1 1RECV_B2 1B2 1SEND_B2"),
+        program("2RECV_F0 2F0 2B0 2SEND_B0 2RECV_F1 2F1 2B1 2SEND_B1 2RECV_F2 2F2 2B2 2SEND_B2"),
+    ))
+    seconds = np.array([[1.0, 2.0, 2.0, 0.0], [10.0, 20.0, 20.0, 0.0], [1.0, 2.0, 2.0, 0.0]])
+    # per stage, forward then backward: rank r's link out is 2r, its link in 2r + 1
+    wires = [[((0, 3), 1.0, 0.5)], [], [((2, 5), 1.0, 0.5)], [((2, 1), 1.0, 0.5)], [], [((4, 3), 1.0, 0.5)]]
+    compiled, specified = both(schedule, engine.StepTiming(seconds, wires=wires), "torch-runtime")
+    assert not compiled.stuck
+    assert_same_moments(compiled, specified)
+    grad, activation = (2 * 2 + 1) * 3 + 0, (0 * 2 + 0) * 3 + 2  # (sending stage * 2 + direction) * 3 + microbatch
+    assert compiled.departed[grad] == compiled.departed[activation] == 22.5
+    assert (compiled.arrival[grad], compiled.arrival[activation]) == (24.0, 25.0)
 
 
 @pytest.mark.parametrize("semantics", ["rendezvous", "buffered"])

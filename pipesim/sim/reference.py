@@ -19,8 +19,12 @@ It serves three purposes:
   link that fails for a while, ``LinkCalendar.block``). ``docs/simulator.md`` shows both.
 
 Moments that tie are taken as the compiled engine takes them: a group start or a
-departure at the same time as another goes in rank order (a SimPy priority per rank,
-after SimPy's own urgent and normal events), then in the order it was posted.
+departure at the same time as another goes in rank order, then in the order it was
+posted (a SimPy priority per rank and group, after SimPy's own urgent and normal events:
+a rank's groups are numbered in the order it posts them; departures, created as they are
+posted, keep SimPy's order of creation). A group's number, not the moment its stream
+takes it up, decides: under torch's runtime a rank's group can wait for its stream while
+a later one, on another stream, starts at once.
 """
 
 from __future__ import annotations
@@ -114,9 +118,10 @@ class SimpyStep:
             arrival = max(arrival, self.links.reserve(links, wires.occupancy[route], wires.latency[route], now))
         return arrival
 
-    def in_rank_order(self, moment: float, rank: int) -> simpy.Event:
-        """An event at ``moment`` taken after everything else of that moment, in rank order."""
-        return self.env.at(moment, FIRST_RANK_PRIORITY + rank)
+    def in_rank_order(self, moment: float, rank: int, group: int = -1) -> simpy.Event:
+        """An event at ``moment`` taken after everything else of that moment, in rank order,
+        then by ``group``, the number of the group starting (-1: a departure)."""
+        return self.env.at(moment, FIRST_RANK_PRIORITY + rank * (self.program.groups + 1) + group + 1)
 
     def until(self, moment: float) -> simpy.Event:
         """Wait until ``moment`` (at once if it has passed)."""
@@ -200,7 +205,7 @@ class SimpyStep:
             group, actions = yield stream.get()
             start = max(float(result.group_posted[group]), free_at)
             result.group_start[group] = start
-            yield self.in_rank_order(start, rank)
+            yield self.in_rank_order(start, rank, group)
             arrivals = []
             waiting = []
             for action in actions:
