@@ -416,7 +416,7 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
     if job.tp > 1 and layout is None:  # the tp collectives a layer holds its rank for weigh in the split
         from pipesim.sim.parallel import layer_tp_seconds
 
-        layer_hold = layer_tp_seconds(topology, mapping.tp_group(0, schedule.placement[-1]), spec.tp_message_bytes(),
+        layer_hold = layer_tp_seconds(topology, mapping, schedule.placement[-1], spec.tp_message_bytes(),
                                       job.sequence_parallel, job.recompute == "full", parallel.algorithm)
     return _model_costs(spec, schedule.num_stages, peaks, job.tp, job.mfu,
                         job.sequence_parallel, tuple(layout) if layout else None, job.recompute,

@@ -15,13 +15,16 @@ import json
 import sys
 import time
 from dataclasses import replace
+from itertools import repeat
+from operator import add
 from pathlib import Path
 from typing import NamedTuple
 
 from pipesim.cli.options import add_memory_headroom_arg
 from pipesim.cluster.gpus import GPUS
 from pipesim.job import Job, costs_of, parallel_of, schedule_of, throughput_figures, topology_of
-from pipesim.plan.bounds import bound_of, busy_terms, memory_floor, with_tail
+from pipesim.model.costs import parameter_figures
+from pipesim.plan.bounds import bound_of, busy_terms, floor_of, stash_floor, static_floor, with_tail
 from pipesim.plan.search import (
     Layout,
     SearchSpace,
@@ -33,7 +36,7 @@ from pipesim.plan.search import (
     search,
     terminal_progress,
 )
-from pipesim.sim.zero import ZERO_STAGES
+from pipesim.sim.zero import ZERO_STAGES, gathers_after_optimizer, gathers_per_layer
 from schedules.collector import without_collector
 from schedules.generators import SCHEDULE_NAMES, V_SHAPED, splits_backward
 
@@ -66,6 +69,10 @@ class CostsKey(NamedTuple):
 # Set per worker process by ``_init_worker``: the job every layout starts from and its
 # cluster, loaded once so its routes are computed once per process.
 _BASE: dict = {}
+# ``_parameter_gathers`` and ``_static_floor`` under what they read of the costs (a key
+# built from the costs, not their arguments, so no ``functools`` cache): emptied with the job.
+_PARAMETER_GATHERS: dict[tuple, dict[int, float]] = {}
+_STATIC_FLOORS: dict[tuple, list[float]] = {}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -236,9 +243,11 @@ def _progress(args: argparse.Namespace):
 def _init_worker(base: Job) -> None:
     _BASE["job"] = base
     _BASE["topology"] = topology_of(base)
+    _PARAMETER_GATHERS.clear()
+    _STATIC_FLOORS.clear()
     for cache in (_layout_costs, _placed_costs, _placed_job, _placement_shell, _shell, _layout_parallel, _bound,
-                  _bound_terms, _busy_terms, _tp_holds, _route_seconds, _floor_cause, _floors, _pipeline_devices,
-                  _usable_memory, _lowered_for, _ordered_by_costs):
+                  _bound_terms, _busy_terms, _overlaps_pairs, _tp_holds, _route_seconds, _floor_cause, _floors,
+                  _parameter_figures, _stash_floor, _pipeline_devices, _usable_memory, _lowered_for, _ordered_by_costs):
         cache.cache_clear()  # they kept the job set up before
 
 
@@ -315,9 +324,16 @@ def lower_bound(layout: Layout) -> float:
         _, costs, _, key = _layout_costs(layout)
     except ValueError:
         return float("inf")  # the evaluation reports why
-    if layout.schedule in V_SHAPED and any(stage.overlap_fb for stage in costs.stages):
+    if layout.schedule in V_SHAPED and _overlaps_pairs(key):
         return costs.step_overhead  # overlapped pairs of a given cost may undercut F + B: only the tail is certain
     return _bound(key, layout.zero, layout.microbatches, splits_backward(layout.schedule))
+
+
+@functools.lru_cache(maxsize=8192)
+def _overlaps_pairs(costs_key: CostsKey) -> bool:
+    """Whether a stage of the costs named by ``costs_key`` gives its overlapped pair's cost
+    (``overlap_fb``), kept: every V-shaped layout of them asks."""
+    return any(stage.overlap_fb for stage in _placed_costs(*costs_key).stages)
 
 
 @functools.lru_cache(maxsize=16384)
@@ -325,8 +341,6 @@ def _bound(costs_key: CostsKey, zero: int, microbatches: int, split_backward: bo
     """``lower_bound`` of what it depends on, kept: the schedules of a placement that alike
     split the backward or not share it (the microbatch count follows from the key's dp
     and microbatch size)."""
-    from pipesim.sim.zero import gathers_after_optimizer, gathers_per_layer
-
     parallel = _layout_parallel(costs_key.dp, costs_key.tp, zero, costs_key.ep, costs_key.cp)
     # ZeRO enters the bound only through these two: stages 1 and 2 share their terms
     flags = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
@@ -340,20 +354,30 @@ def _bound_terms(costs_key: CostsKey, rank_order: str, algorithm: str, bucket_by
     a placement and every microbatch count share them (1F1B and GPipe; every
     split-backward order). The costs are named by their key in ``_placed_costs``, whose
     placement, dp, tp and cp are the bound's too."""
-    from pipesim.cluster.mapping import map_ranks
-    from pipesim.sim.parallel import parameter_gather_seconds
-
     per_layer, after_optimizer = zero
     # the key's ZeRO stage changes only the optimizer step, which the busy terms do not read
     busy = _busy_terms(costs_key._replace(zero=0), rank_order, algorithm, per_layer)
+    gather_seconds = _parameter_gathers(costs_key, rank_order, bucket_bytes) if after_optimizer else {}
+    return with_tail(busy, _placed_costs(*costs_key), costs_key.placement, gather_seconds)
+
+
+def _parameter_gathers(costs_key: CostsKey, rank_order: str, bucket_bytes: float) -> dict[int, float]:
+    """``pipesim.sim.parallel.parameter_gather_seconds`` of the costs named by ``costs_key``
+    on its mapping, kept under what it reads of them (``parameter_figures``): the
+    layouts of every microbatch size and recompute mode share them."""
     costs = _placed_costs(*costs_key)
-    gather_seconds = {}
-    if after_optimizer:
+    key = (costs_key.placement, costs_key.dp, costs_key.pp, costs_key.tp, costs_key.cp, rank_order, bucket_bytes,
+           _parameter_figures(costs_key))
+    gathers = _PARAMETER_GATHERS.get(key)
+    if gathers is None:
+        from pipesim.cluster.mapping import map_ranks  # only here: an import runs slowly per call
+        from pipesim.sim.parallel import parameter_gather_seconds
+
         topology = _BASE["topology"]
         mapping = map_ranks(topology, costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp)
-        gather_seconds = parameter_gather_seconds(_placement_shell(costs_key.placement), costs, topology, mapping,
-                                                  bucket_bytes)
-    return with_tail(busy, costs, costs_key.placement, gather_seconds)
+        gathers = _PARAMETER_GATHERS[key] = parameter_gather_seconds(_placement_shell(costs_key.placement), costs,
+                                                                     topology, mapping, bucket_bytes)
+    return gathers
 
 
 @functools.lru_cache(maxsize=4096)
@@ -361,18 +385,20 @@ def _busy_terms(costs_key: CostsKey, rank_order: str, algorithm: str, per_layer:
     """``pipesim.plan.bounds.busy_terms`` of the costs named by ``costs_key`` (ZeRO stage
     0: the others' stages alike), kept: ZeRO 0, 1 and 2 share them (none gathers per
     layer), their tails differ."""
-    from pipesim.cluster.mapping import map_ranks
-    from pipesim.sim.parallel import layer_gathers
-
-    topology = _BASE["topology"]
     costs = _placed_costs(*costs_key)
-    placement, pp, tp, dp, cp = costs_key.placement, costs_key.pp, costs_key.tp, costs_key.dp, costs_key.cp
-    devices = _pipeline_devices(dp, pp, tp, rank_order, cp)
     holds = _tp_holds(costs_key, rank_order, algorithm)
     if per_layer:  # the layers' gathers hold a rank as the tp collectives do
-        mapping = map_ranks(topology, dp, pp, tp, rank_order, cp)
-        held = layer_gathers(_placement_shell(placement), costs, topology, mapping)[0]
-        holds = {key: holds.get(key, 0.0) + held.get(key, 0.0) for key in holds.keys() | held.keys()}
+        from pipesim.cluster.mapping import map_ranks  # only here: an import runs slowly per call
+        from pipesim.sim.parallel import layer_gathers
+
+        topology = _BASE["topology"]
+        mapping = map_ranks(topology, costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp)
+        held = layer_gathers(_placement_shell(costs_key.placement), costs, topology, mapping)[0]
+        keys = list(holds.keys() | held.keys())  # each key's two holds added by builtins, not per key
+        sums = map(add, map(holds.get, keys, repeat(0.0)), map(held.get, keys, repeat(0.0)))
+        holds = dict(zip(keys, sums, strict=True))
+    placement = costs_key.placement
+    devices = _pipeline_devices(costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp)
 
     def hop(source: int, target: int) -> float:
         if placement[source] == placement[target]:
@@ -449,18 +475,47 @@ def _floors_key(layout: Layout) -> CostsKey | None:
 def _floors(costs_key: CostsKey, zero: int) -> list[tuple[float, float]]:
     """``_memory_floors`` of what it depends on, kept (layouts of several schedules share
     it); the costs named by their key in ``_placed_costs``, as for ``_bound_terms``."""
-    from pipesim.sim.memory import static_bytes
-
-    costs = _placed_costs(*costs_key)
-    placement, dp = costs_key.placement, costs_key.dp
-    parallel = _layout_parallel(dp, costs_key.tp, zero, costs_key.ep, costs_key.cp)
-    holders = dp * parallel.cp  # the ranks that hold each parameter, as simulate's memory counts them
-    distinct = {id(cost): cost for cost in costs.stages}  # a model's alike stages share one object (kept by costs)
-    static_of = {key: static_bytes(cost, parallel.bytes_per_param, holders, parallel.zero, holders // parallel.ep)
-                 for key, cost in distinct.items()}
-    floors = memory_floor(costs, placement, [static_of[id(cost)] for cost in costs.stages])
-    usable = _usable_memory(dp, costs_key.pp, costs_key.tp, parallel.rank_order, parallel.cp, parallel.memory_headroom)
+    parallel = _layout_parallel(costs_key.dp, costs_key.tp, zero, costs_key.ep, costs_key.cp)
+    # the key's ZeRO stage changes only the optimizer step, which the stash does not read
+    floors = floor_of(_static_floor(costs_key, zero), _stash_floor(costs_key._replace(zero=0)))
+    usable = _usable_memory(costs_key.dp, costs_key.pp, costs_key.tp, parallel.rank_order, parallel.cp,
+                            parallel.memory_headroom)
     return list(zip(floors, usable, strict=True))
+
+
+def _static_floor(costs_key: CostsKey, zero: int) -> list[float]:
+    """``pipesim.plan.bounds.static_floor`` of the costs named by ``costs_key`` under ZeRO
+    stage ``zero``, kept under what it reads of them (``parameter_figures``), the placement
+    and the sharding: the layouts of every microbatch size and recompute mode share it."""
+    costs = _placed_costs(*costs_key)
+    parallel = _layout_parallel(costs_key.dp, costs_key.tp, zero, costs_key.ep, costs_key.cp)
+    holders = costs_key.dp * parallel.cp  # the ranks that hold each parameter, as simulate's memory counts them
+    key = (costs_key.placement, holders, parallel.zero, parallel.ep, parallel.bytes_per_param,
+           _parameter_figures(costs_key))
+    static = _STATIC_FLOORS.get(key)
+    if static is None:
+        from pipesim.sim.memory import static_bytes  # only here: an import runs slowly per call
+
+        distinct = {id(cost): cost for cost in costs.stages}  # a model's alike stages share one object (kept by costs)
+        static_of = {key: static_bytes(cost, parallel.bytes_per_param, holders, parallel.zero, holders // parallel.ep)
+                     for key, cost in distinct.items()}
+        static = _STATIC_FLOORS[key] = static_floor(costs_key.placement,
+                                                    [static_of[id(cost)] for cost in costs.stages])
+    return static
+
+
+@functools.lru_cache(maxsize=8192)
+def _parameter_figures(costs_key: CostsKey) -> tuple[tuple[float, int, int], ...]:
+    """``pipesim.model.costs.parameter_figures`` of the costs named by ``costs_key``, kept:
+    the floors of every ZeRO stage and the gathers after the step read them."""
+    return parameter_figures(_placed_costs(*costs_key))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stash_floor(costs_key: CostsKey) -> list[float]:
+    """``pipesim.plan.bounds.stash_floor`` of the costs named by ``costs_key``, kept: every
+    ZeRO stage shares it."""
+    return stash_floor(_placed_costs(*costs_key), costs_key.placement)
 
 
 @functools.lru_cache(maxsize=1024)

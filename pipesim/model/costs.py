@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from pathlib import Path
 
 from schedules.action import ActionKind
@@ -24,6 +25,8 @@ STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes"
                 "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
                 "attention_bwd")
 OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead")
+# what a stage's parameter memory and its gathers after the optimizer step read of it
+_PARAMETER_FIGURES = attrgetter("param_bytes", "params", "expert_params")
 # what a rank's share of the model is split into when it holds v chunks (the rest is per chunk)
 PER_RANK_FIELDS = ("fwd", "bwd", "wgrad", "stash_bytes", "param_bytes", "params", "layers", "recompute_layers",
                    "overlap_fb", "expert_params", "moe_layers", "attention_layers")
@@ -189,6 +192,15 @@ class Costs:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+
+def parameter_figures(costs: Costs) -> tuple[tuple[float, int, int], ...]:
+    """Each stage's parameter bytes and counts (all, then its routed experts'): all that its
+    parameter memory (``pipesim.sim.memory.static_bytes``) and its parameter gathers after
+    the optimizer step (``pipesim.sim.parallel.parameter_gather_seconds``) read of it. A
+    planner keeps both under them: layouts whose stages differ only in what they compute
+    (microbatch size, recompute) hold and gather the same parameters."""
+    return tuple(map(_PARAMETER_FIGURES, costs.stages))
 
 
 def check_number(value: object, where: str) -> float:

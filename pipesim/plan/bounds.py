@@ -7,8 +7,11 @@ simulation of every schedule, with tp, dp and ZeRO).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from itertools import repeat
+from operator import add, attrgetter
 
 from pipesim.model.costs import Costs
 
@@ -67,11 +70,12 @@ def busy_terms(costs: Costs, placement: Sequence[int], holds: dict[tuple[int, st
     every ZeRO stage that gathers nothing per layer."""
     stages = costs.stages
     pp = max(placement) + 1
-    forward = [stage.fwd + holds.get((index, "F"), 0.0) for index, stage in enumerate(stages)]
-    backward = [stage.bwd + holds.get((index, "B"), 0.0) for index, stage in enumerate(stages)]
+    # each stage's compute plus its holds, by builtins over the stages (a plan bounds thousands)
+    forward = list(map(add, map(_FORWARD, stages), map(holds.get, _held_keys(len(stages), "F"), repeat(0.0))))
+    backward = list(map(add, map(_BACKWARD, stages), map(holds.get, _held_keys(len(stages), "B"), repeat(0.0))))
     work = [0.0] * pp  # each rank's forwards and backwards of one microbatch, its stages in order
-    for stage, rank in enumerate(placement):
-        work[rank] += forward[stage] + backward[stage]
+    for rank, seconds in zip(placement, map(add, forward, backward), strict=True):
+        work[rank] += seconds
     fill, drain = [0.0] * pp, [0.0] * pp  # across stages 0..rank-1, running sums
     for rank in range(1, pp):
         fill[rank] = fill[rank - 1] + (forward[rank - 1] + hop(rank - 1, rank))
@@ -79,14 +83,24 @@ def busy_terms(costs: Costs, placement: Sequence[int], holds: dict[tuple[int, st
     return BoundTerms(tuple(work), tuple(fill), tuple(drain), ())
 
 
+_FORWARD, _BACKWARD = attrgetter("fwd"), attrgetter("bwd")
+
+
+@functools.lru_cache(maxsize=256)
+def _held_keys(stages: int, kind: str) -> tuple[tuple[int, str], ...]:
+    """The ``holds`` keys of ``kind`` of stages 0..stages-1, in order, built once per count."""
+    return tuple((stage, kind) for stage in range(stages))
+
+
 def with_tail(terms: BoundTerms, costs: Costs, placement: Sequence[int],
               gather_seconds: dict[int, float]) -> BoundTerms:
     """``terms`` with each rank's tail: the optimizer step and its stages' parameter
     gathers (``gather_seconds``), added in stage order."""
     tail = [0.0] * len(terms.work)
-    for stage, rank in enumerate(placement):
-        tail[rank] += gather_seconds.get(stage, 0.0)
-    return replace(terms, tail=tuple(costs.step_overhead + seconds for seconds in tail))
+    if gather_seconds:  # else every rank adds only zeros: ZeRO 0 and 3 gather nothing after the step
+        for stage, rank in enumerate(placement):
+            tail[rank] += gather_seconds.get(stage, 0.0)
+    return BoundTerms(terms.work, terms.fill, terms.drain, tuple(costs.step_overhead + seconds for seconds in tail))
 
 
 def bound_of(terms: BoundTerms, microbatches: int, split_backward: bool) -> float:
@@ -106,10 +120,28 @@ def memory_floor(costs: Costs, placement: Sequence[int], static_bytes: Sequence[
     """Per rank, the least memory any schedule holds: its stages' parameters, gradients
     and optimizer state (``static_bytes[stage]``) and one microbatch's stash of its
     largest stage."""
-    ranks = max(placement) + 1
-    static, stash = [0.0] * ranks, [0.0] * ranks
-    for rank, cost, held in zip(placement, costs.stages, static_bytes, strict=True):
-        static[rank] += held  # a rank's stages in order, as a sum over them would add
+    return floor_of(static_floor(placement, static_bytes), stash_floor(costs, placement))
+
+
+def static_floor(placement: Sequence[int], static_bytes: Sequence[float]) -> list[float]:
+    """``memory_floor``'s parameters, gradients and optimizer state per rank, its stages
+    added in order (as a sum over them would add them). Apart from the stash: a planner
+    shares each part among the layouts that hold the same of it."""
+    static = [0.0] * (max(placement) + 1)
+    for rank, held in zip(placement, static_bytes, strict=True):
+        static[rank] += held
+    return static
+
+
+def stash_floor(costs: Costs, placement: Sequence[int]) -> list[float]:
+    """``memory_floor``'s stash per rank: one microbatch's of its largest stage."""
+    stash = [0.0] * (max(placement) + 1)
+    for rank, cost in zip(placement, costs.stages, strict=True):
         if cost.stash_bytes > stash[rank]:
             stash[rank] = cost.stash_bytes
+    return stash
+
+
+def floor_of(static: Sequence[float], stash: Sequence[float]) -> list[float]:
+    """``memory_floor`` from its parts (``static_floor``, ``stash_floor``)."""
     return [held + largest for held, largest in zip(static, stash, strict=True)]

@@ -202,7 +202,9 @@ def memory_report(
 
 def static_bytes(cost, bytes_per_param: BytesPerParam, dp: int, zero: int, expert_dp: int | None = None) -> float:
     """A stage's parameters, gradients and optimizer state on one device: its dense ones
-    sharded over ``dp``, its routed experts' over ``expert_dp`` (default ``dp``)."""
+    sharded over ``dp``, its routed experts' over ``expert_dp`` (default ``dp``). Of the
+    stage it reads only ``pipesim.model.costs.parameter_figures`` (a planner keeps it
+    under them)."""
     params = stage_params(cost.params, cost.param_bytes, bytes_per_param)
     experts = cost.expert_params
     return ((params - experts) * static_bytes_per_param(bytes_per_param, dp, zero)

@@ -201,9 +201,6 @@ def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping:
     the rank after it (``pipesim.sim.zero.exposed_gather_seconds``) and the gathers' whole
     time. A forward gathers every layer, a backward (B, or I when split) again; W none.
     A layer's routed experts are gathered over their own group under expert parallelism."""
-    exposed: dict[tuple[int, str], float] = {}
-    whole: dict[tuple[int, str], float] = {}
-
     per_gather: dict[tuple[int, float], list[tuple[str, float, float]]] = {}  # ranks whose groups gather alike
 
     def gathers(stage: int, cost: StageCost) -> list[tuple[str, float, float]] | None:
@@ -219,10 +216,9 @@ def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping:
                                       (ActionKind.I, cost.bwd - cost.wgrad))]
         return kinds
 
-    for stage, kinds in enumerate(_per_alike_stage(schedule, costs, gathers)):
-        for kind, hold, seconds in kinds or ():
-            exposed[stage, kind] = hold
-            whole[stage, kind] = seconds
+    per_stage = list(enumerate(_per_alike_stage(schedule, costs, gathers)))
+    exposed = {(stage, kind): hold for stage, kinds in per_stage for kind, hold, _ in kinds or ()}
+    whole = {(stage, kind): seconds for stage, kinds in per_stage for kind, _, seconds in kinds or ()}
     return exposed, whole
 
 
@@ -318,18 +314,21 @@ def _tp_pair(topology: Topology, group: list[str], sequence_parallel: bool, algo
     return all_reduce(topology, group, message, algorithm)
 
 
-def layer_tp_seconds(topology: Topology, group: list[str], message_bytes: float, sequence_parallel: bool,
-                     full_recompute: bool, algorithm: str = "ring") -> float:
-    """Seconds of tensor-parallel collectives one layer's forward and backward hold a rank
-    for (two in each, two more when full recompute re-runs the forward): what the
-    balanced stage split adds to a layer's compute."""
-    return (6 if full_recompute else 4) * _tp_pair(topology, group, sequence_parallel, algorithm, message_bytes)
+def layer_tp_seconds(topology: Topology, mapping: RankMapping, rank: int, message_bytes: float,
+                     sequence_parallel: bool, full_recompute: bool, algorithm: str = "ring") -> float:
+    """Seconds of tensor-parallel collectives one layer's forward and backward hold pipeline
+    rank ``rank`` for (two in each, two more when full recompute re-runs the forward): what
+    the balanced stage split adds to a layer's compute. Its tp pair is ``_tp_collective``'s,
+    kept per mapping and rank: a plan asks for it for thousands of layouts."""
+    return (6 if full_recompute else 4) * _tp_collective(topology, mapping, rank, sequence_parallel, algorithm,
+                                                         message_bytes)
 
 
 def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
                              bucket_bytes: float = DDP_BUCKET_BYTES) -> dict[int, float]:
     """Under ZeRO-1 and 2, each stage's whole parameter all-gather after the optimizer
-    step (``comm_plan``'s per bucket, summed)."""
+    step (``comm_plan``'s per bucket, summed). Of the costs it reads only
+    ``pipesim.model.costs.parameter_figures`` (a planner keeps it under them)."""
     def total(stage: int, cost: StageCost) -> float | None:
         if not _reduces(schedule, stage, mapping) or cost.param_bytes <= 0:
             return None
