@@ -292,7 +292,7 @@ def search(
     # first pass those whose stages sit alike (costs, floors and bounds; shares balanced by
     # layout count, ``placement_shares``), in the simulations those of one order
     # (``order_key``: the generated order and its cost-aware search built once, not once per
-    # worker), each new order to the worker given the fewest layouts so far. With one
+    # worker), each new order to the worker with the fewest layouts left to do. With one
     # shared pool, 2 workers did 40% more work than 1.
     pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context()) for _ in range(workers)] \
         if workers > 1 else None
@@ -337,14 +337,21 @@ def search(
         return results
 
     owners: dict[tuple, int] = {}  # order -> its worker
-    given = [0] * workers
+    waiting: list[list] = [[] for _ in range(workers)]  # per worker, its submitted futures not yet seen done
 
     def submit(layout: Layout):
+        """Send ``layout`` to its order's worker; a new order to the worker with the
+        least left to do now (which worker runs a layout changes nothing it computes)."""
         if pools is None:
             return None
-        worker = owners.setdefault(order_key(layout), given.index(min(given)))
-        given[worker] += 1
-        return pools[worker].submit(timed, evaluate, layout)
+        key = order_key(layout)
+        if key not in owners:
+            for futures in waiting:
+                futures[:] = [future for future in futures if not future.done()]
+            owners[key] = min(range(workers), key=lambda worker: len(waiting[worker]))
+        future = pools[owners[key]].submit(timed, evaluate, layout)
+        waiting[owners[key]].append(future)
+        return future
 
     try:
         # the memory floor and the bound of every layout in one pass over the workers
