@@ -59,6 +59,22 @@ _SWEEP_RULES = (((_BUSY,), "busy"), ((_TP,), "tp"), ((_EP,), "ep"), ((_CP,), "cp
 _ROUNDING = 1e-12  # of the step: below it, a wait is float rounding, not time
 
 
+def _owners_of_open() -> np.ndarray:
+    """``[bits]``: the part that owns a stretch in which the kinds whose bits are set are
+    open (bit ``k`` for kind ``k``): the first of ``_SWEEP_RULES`` all of whose kinds are,
+    overhead where none is."""
+    owners = np.full(1 << (_PEER + 1), _PART["overhead"])
+    for bits in range(len(owners)):
+        for needs, part in _SWEEP_RULES:
+            if all(bits >> kind & 1 for kind in needs):
+                owners[bits] = _PART[part]
+                break
+    return owners
+
+
+_OWNER_OF_OPEN = _owners_of_open()
+
+
 @dataclass(frozen=True)
 class RankTime:
     """Seconds of one rank's step by what the rank was doing; they sum to the makespan."""
@@ -186,14 +202,12 @@ def _sweep(rank: np.ndarray, start: np.ndarray, end: np.ndarray, category: np.nd
     # whether pieces of each kind are open after each moment (a rank's pieces all close
     # within its moments); the first rule whose kinds are all open owns the stretch, and
     # a rule with a kind the step does not have never does
+    # (as a bit per kind, read through ``_OWNER_OF_OPEN``)
     present = np.bincount(kinds, minlength=_PEER + 1) > 0
-    is_open = {kind: np.cumsum(np.where(kinds == kind, change, 0)) > 0 for kind in np.flatnonzero(present).tolist()}
-    rules = [(needs, part) for needs, part in _SWEEP_RULES if all(present[kind] for kind in needs)]
-    owner = np.full(len(moments), _PART["overhead"])
-    if rules:
-        owner = np.select([np.logical_and.reduce([is_open[kind] for kind in needs]) for needs, _ in rules],
-                          [_PART[part] for _, part in rules], _PART["overhead"])
-    owner = owner[:-1]
+    open_kinds = np.zeros(len(moments), dtype=np.int64)
+    for kind in np.flatnonzero(present).tolist():
+        open_kinds |= (np.cumsum(np.where(kinds == kind, change, 0)) > 0).astype(np.int64) << kind
+    owner = _OWNER_OF_OPEN[open_kinds[:-1]]
     same_rank = owner_rank[1:] == owner_rank[:-1]
     segment_rank = owner_rank[:-1]
     low, high = own_first[segment_rank], own_last[segment_rank]

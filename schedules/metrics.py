@@ -106,7 +106,7 @@ def stash_changes(columns: TraceColumns, size: Callable[[np.ndarray], np.ndarray
     weight = kind == columns.kind_code("W")
     backward = (kind == columns.kind_code("B")) | (kind == columns.kind_code("I"))
     key = stage * (int(microbatch.max()) + 1 if len(microbatch) else 1) + microbatch
-    split = np.isin(key, key[weight])
+    split = _members(key, key[weight])
     release = weight | (backward & ~split)
     taken = forward | release
     amount = np.ones(int(taken.sum())) if size is None else np.asarray(size(stage[taken]), dtype=float)
@@ -115,6 +115,17 @@ def stash_changes(columns: TraceColumns, size: Callable[[np.ndarray], np.ndarray
     rank = columns.rank[compute][taken]
     order = np.lexsort((change, time, rank))
     return rank[order], time[order], change[order]
+
+
+def _members(values: np.ndarray, among: np.ndarray) -> np.ndarray:
+    """``np.isin(values, among)`` for integers, by a table over their range: a
+    step's (stage, microbatch) keys are few and dense, and ``isin`` sorts both."""
+    if not len(values) or not len(among):
+        return np.zeros(len(values), dtype=bool)
+    low = int(values.min())
+    table = np.zeros(int(values.max()) - low + 1, dtype=bool)
+    table[among - low] = True
+    return table[values - low]
 
 
 def peak_stashes(columns: TraceColumns, ranks: int, size: Callable[[np.ndarray], np.ndarray] | None = None

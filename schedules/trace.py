@@ -14,8 +14,9 @@ Python pass costs a second).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from operator import itemgetter
 from pathlib import Path
 from typing import NamedTuple
@@ -55,6 +56,49 @@ class TraceEvent(NamedTuple):
         return cls(rank, str(action), action.kind, action.stage, action.microbatch, start, end, stream)
 
 
+class LazyNames(Sequence):
+    """Events' names (``TraceColumns.names``) made by ``make`` when first read: a
+    simulated step names thousands of collective events that its metrics never read (a
+    planner simulates hundreds of steps and draws none). Reads, compares and pickles as
+    the list it stands for."""
+
+    __slots__ = ("_length", "_make", "_names")
+
+    def __init__(self, length: int, make: Callable[[], list[str | None]]) -> None:
+        self._length = length
+        self._make: Callable[[], list[str | None]] | None = make
+        self._names: list[str | None] | None = None
+
+    def listed(self) -> list[str | None]:
+        """The names, made now if they were not yet."""
+        if self._names is None:
+            assert self._make is not None
+            self._names, self._make = self._make(), None
+            if len(self._names) != self._length:
+                raise AssertionError(f"{len(self._names)} names made for {self._length} events")
+        return self._names
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):
+        return self.listed()[index]
+
+    def __iter__(self) -> Iterator[str | None]:
+        return iter(self.listed())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (list, LazyNames)) and self.listed() == list(other)
+
+    __hash__ = None  # a sequence that compares equal to a list is no more hashable than one
+
+    def __reduce__(self):
+        return list, (self.listed(),)
+
+    def __repr__(self) -> str:
+        return repr(self.listed())
+
+
 @dataclass(frozen=True)
 class TraceColumns:
     """A Trace's events as arrays, one per field: ``kind`` and ``stream`` are codes into
@@ -70,7 +114,7 @@ class TraceColumns:
     stream: np.ndarray
     kinds: tuple[str, ...]
     streams: tuple[str, ...]
-    names: list[str | None] | None = None
+    names: Sequence[str | None] | None = None
 
     def __len__(self) -> int:
         return len(self.start)
@@ -96,11 +140,10 @@ class TraceColumns:
             table = np.array([into.index(name) for name in names] or [0], dtype=np.int64)
             return table[codes] if len(codes) else codes.astype(np.int64)
 
-        names: list | None = None
+        names: Sequence | None = None
         if any(part.names is not None for part in parts):
-            names = []
-            for part in parts:
-                names += part.names if part.names is not None else [None] * len(part)
+            named = [(part.names, len(part)) for part in parts]
+            names = LazyNames(sum(length for _, length in named), partial(_joined_names, named))
         return cls(
             np.concatenate([part.rank for part in parts]),
             np.concatenate([recode(part.kind, part.kinds, kinds) for part in parts]),
@@ -141,6 +184,14 @@ class TraceColumns:
                 for rank, name, kind, stage, microbatch, start, end, stream in zip(
                     self.rank.tolist(), names, kinds, stages, microbatches, self.start.tolist(), self.end.tolist(),
                     streams, strict=True)]
+
+
+def _joined_names(named: list[tuple[Sequence[str | None] | None, int]]) -> list[str | None]:
+    """The names of parts' events one after the other (None for each of a part without)."""
+    names: list[str | None] = []
+    for part, length in named:
+        names += part if part is not None else [None] * length
+    return names
 
 
 class Trace:

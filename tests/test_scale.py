@@ -18,6 +18,7 @@ from pipesim.cluster import presets
 from pipesim.cluster.collectives import all_gather, all_reduce, bucketed_all_reduce, tree_pace
 from pipesim.cluster.mapping import map_ranks
 from pipesim.cluster.topology import Route, Topology, TopologyError, add_link
+from pipesim.cluster.twins import twin_transfers
 from pipesim.model.costs import uniform_costs
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
@@ -263,3 +264,20 @@ def test_all_to_all_by_the_shape_of_its_groups_equals_the_graph_search(name):
     for group, concurrent in cases:
         assert all_to_all(structural, group, 1e9, concurrent) == pytest.approx(
             all_to_all(searched, group, 1e9, concurrent), rel=1e-12), (group, concurrent)
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_twins_read_off_private_links_equal_those_of_routing_every_pipeline(name):
+    # a preset whose links are each one GPU's answers without routing; the same cluster as
+    # a plain graph routes every pipeline: the two agree for every layout that fits
+    nodes = SMALL_NODES[name]
+    topology, searched = presets.PRESETS[name](nodes), searched_topology(name, nodes)
+    assert topology.private_links() == (name in ("nvlink", "ib", "ethernet"))
+    assert not searched.private_links()
+    gpus = len(topology.devices)
+    for pp, tp, order in ((2, 1, "tp-pp-dp"), (2, 2, "tp-pp-dp"), (4, 2, "tp-pp-dp"), (2, 2, "dp-pp-tp"),
+                          (3, 1, "tp-pp-dp")):
+        dp = gpus // (pp * tp)
+        schedule = generate("1f1b", pp, 4)
+        pipelines = map_ranks(topology, dp, pp, tp, order).pipelines()
+        assert twin_transfers(schedule, topology, pipelines) == twin_transfers(schedule, searched, pipelines)

@@ -16,6 +16,7 @@ only when asked for.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -70,6 +71,22 @@ class Hierarchy:
 
     def __contains__(self, device: str) -> bool:
         return device in self.index
+
+    @functools.cached_property
+    def private_links(self) -> bool:
+        """Whether every link lies on one device's chains only. A route climbs its
+        source's chain and descends its destination's, so then transfers between
+        different devices never meet on a link: what ``twin_transfers`` asks of a whole
+        job's pipelines, answered with one walk of the chains instead of routing them all."""
+        owner: dict[tuple[str, str], int] = {}
+        for index, device in enumerate(self.devices):
+            for chain in self.uplinks(index):
+                below = device
+                for hop in chain:
+                    if owner.setdefault((below, hop.node), index) != index:
+                        return False
+                    below = hop.node
+        return True
 
     def route(self, src: str, dst: str) -> Route | None:
         """The route from ``src`` to ``dst``, or None when no chains meet. Latencies

@@ -147,6 +147,15 @@ class Topology:
         self._routes[key] = route
         return route
 
+    def private_links(self) -> bool:
+        """Whether a link carries the transfers of one device only (as their source or
+        destination), so that transfers between different devices never share one: true
+        of an ideal cluster (no links) and of a hierarchy whose links each lie on one
+        device's chains (``Hierarchy.private_links``); a graph is not asked (false)."""
+        if self.ideal:
+            return True
+        return self.hierarchy is not None and self.hierarchy.private_links
+
     def device_figure(self, device: str, key: str, default: float = math.inf) -> float:
         """A figure of ``device`` (``memory_bytes``, ``peak_flops``, ``memory_bandwidth``),
         ``default`` when the topology does not say; a hierarchy answers without its graph."""

@@ -13,7 +13,8 @@ tensor-parallel collective, and replicas stay in step through the gradient reduc
 
 Twins whose routes share no link with any other pipeline's change nothing and are
 left out, so on NVSwitch and rail-optimised InfiniBand presets (one link per GPU)
-the simulation costs what it did.
+the simulation costs what it did; there, every link being one device's
+(``Topology.private_links``), that is known without routing any pipeline.
 """
 
 from __future__ import annotations
@@ -38,14 +39,19 @@ def boundary_rank_pairs(schedule: Schedule) -> set[tuple[int, int]]:
     return pairs
 
 
+def _disjoint(pipelines: Sequence[Sequence[str]]) -> bool:
+    """Whether no device is in two pipelines (each is on its own GPUs in any mapping)."""
+    return len({device for devices in pipelines for device in devices}) == sum(map(len, pipelines))
+
+
 def twin_transfers(schedule: Schedule, topology: Topology, pipelines: Sequence[Sequence[str]]
                    ) -> dict[DevicePair, list[DevicePair]]:
     """For each (source, destination) device pair of ``pipelines[0]`` (the simulated
     one), the device pairs of the other pipelines' same transfer, for the pipelines
     whose routes use a link that another pipeline's routes also use. Empty when no
     two pipelines share a link."""
-    if len(pipelines) < 2:
-        return {}
+    if len(pipelines) < 2 or (topology.private_links() and _disjoint(pipelines)):
+        return {}  # the second: no route of one pipeline can reach another's links
     pairs = sorted(boundary_rank_pairs(schedule))
     users: dict[tuple[str, str], set[int]] = {}
     for index, devices in enumerate(pipelines):

@@ -22,6 +22,7 @@ exposed communication are told apart from those moments (``schedules.accounting`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 
@@ -37,7 +38,7 @@ from schedules.lowering import lower
 from schedules.p2p import RENDEZVOUS, require_semantics
 from schedules.program_arrays import F_CODE
 from schedules.schedule import Schedule
-from schedules.trace import Trace, TraceColumns
+from schedules.trace import LazyNames, Trace, TraceColumns
 
 COMPUTE, SEND, RECV, WAIT, TP, EP, CP, DP = "compute", "send", "recv", "wait", "tp", "ep", "cp", "dp"
 _STREAMS = (COMPUTE, SEND, RECV, WAIT, TP, EP, CP, DP)
@@ -256,7 +257,8 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
     rank, stage, kind, microbatch = (program.compute_rank, program.compute_stage, program.compute_kind,
                                      program.compute_microbatch)
     parts.append((rank, kind, stage, microbatch, step.start, step.end, _STREAMS.index(COMPUTE)))
-    names: list[str | None] = [None] * len(rank)
+    # per part, its events' count and, for holds, what names them (made only if read: ``LazyNames``)
+    names: list[tuple] = [(len(rank),)]
     named = False  # whether any event has a name of its own (else the Trace keeps none)
     if held is None:
         held = np.zeros((len(rank), len(HOLD_PARTS)))
@@ -273,15 +275,14 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
             hold_kind = _HOLD_KINDS[part]
             parts.append((rank[rows], np.full(len(rows), _KINDS.index(hold_kind)), stage[rows], microbatch[rows],
                           start[rows], end[rows], _STREAMS.index(part)))
-            names += [f"{hold_kind}({s}{KINDS[k]}{m})" for s, k, m in zip(stage[rows].tolist(), kind[rows].tolist(),
-                                                                          microbatch[rows].tolist(), strict=True)]
+            names.append((len(rows), hold_kind, stage[rows], kind[rows], microbatch[rows]))
             named = True
     if program.semantics != engine.FREE:
         waited = np.flatnonzero(program.compute_need >= 0)
         receive = np.where(kind[waited] == F_CODE, KINDS.index(ActionKind.RECV_F), KINDS.index(ActionKind.RECV_B))
         parts.append((rank[waited], receive, stage[waited], microbatch[waited], step.ready[waited],
                       step.start[waited], _STREAMS.index(RECV)))
-        names += [None] * len(waited)
+        names.append((len(waited),))
     sent = np.flatnonzero(~np.isnan(step.arrival) & ~np.isnan(step.posted))
     if len(sent):
         microbatches = arrays.microbatches
@@ -290,19 +291,33 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
         sender = np.asarray(arrays.schedule.placement)[send_stage]
         parts.append((sender, send_kind, send_stage, sent % microbatches, step.posted[sent], step.arrival[sent],
                       _STREAMS.index(SEND)))
-        names += [None] * len(sent)
+        names.append((len(sent),))
     waiting = np.flatnonzero(step.rank_done > step.rank_clock)
     if len(waiting):
         last_rows = arrays.rank_start[waiting + 1] - 1  # the wait is named after the rank's last action
         parts.append((waiting, arrays.kind[last_rows], arrays.stage[last_rows], arrays.microbatch[last_rows],
                       step.rank_clock[waiting], step.rank_done[waiting], _STREAMS.index(WAIT)))
-        names += [None] * len(waiting)
+        names.append((len(waiting),))
     columns = [np.concatenate([np.broadcast_to(part[index], part[0].shape) for part in parts])
                for index in range(7)]
     return TraceColumns(columns[0].astype(np.int64), columns[1].astype(np.int64), columns[2].astype(np.int64),
                         columns[3].astype(np.int64), columns[4].astype(float), columns[5].astype(float),
                         columns[6].astype(np.int64), _KINDS, _STREAMS,
-                        names if named else None)
+                        LazyNames(sum(part[0] for part in names), partial(_hold_names, names)) if named else None)
+
+
+def _hold_names(parts: list[tuple]) -> list[str | None]:
+    """``pipeline_columns``' event names: ``TP(3F5)`` for what holds a rank after ``3F5``,
+    None for the events named by their stage, kind and microbatch."""
+    names: list[str | None] = []
+    for count, *held in parts:
+        if not held:
+            names += [None] * count
+            continue
+        hold_kind, stage, kind, microbatch = held
+        names += [f"{hold_kind}({s}{KINDS[k]}{m})"
+                  for s, k, m in zip(stage.tolist(), kind.tolist(), microbatch.tolist(), strict=True)]
+    return names
 
 
 def rank_devices_of(schedule: Schedule, topology: Topology, rank_devices: Sequence[str] | None) -> list[str]:

@@ -81,7 +81,7 @@ from pipesim.sim.zero import (
 )
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
 from schedules.schedule import Schedule
-from schedules.trace import TraceColumns, TraceEvent
+from schedules.trace import LazyNames, TraceColumns, TraceEvent
 
 T = TypeVar("T")
 
@@ -451,36 +451,70 @@ def _add_buckets(tail: list[TraceEvent], rank: int, stage: int, kind: str, first
     return end
 
 
-def _place_runs(backwards: list[tuple], dp_free: list[float], kind: str) -> TraceColumns | None:
+Backwards = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""``(stage, rank, start, end, microbatch)`` of the backwards whose gradients are
+reduced, one array per field, in stage order (each stage's by end)."""
+
+
+def _place_runs(backwards: Backwards, runs: dict[int, list[tuple[float, int, int, float]]],
+                done: np.ndarray | None, dp_free: list[float], kind: str) -> TraceColumns | None:
     """The bucket runs of each backward that releases gradients, reduced first come,
-    first served per rank from ``dp_free`` (updated), one ``dp`` event per run. A
-    backward is ``(stage, rank, start, end, microbatch, runs)``, each run ``(ready
-    moment or fraction of the backward, first bucket, last bucket, seconds)``. Runs are
-    taken by the moment they are ready (then stage, first bucket, microbatch); a run
-    starts once it is ready and the rank's previous reduction is done."""
-    ready, stage, first, last, microbatch, rank, seconds = [], [], [], [], [], [], []
-    for owner_stage, owner, start, end, mb, runs, fractions in backwards:
-        for moment, run_first, run_last, run_seconds in runs:
-            ready.append(start + moment * (end - start) if fractions else moment)
-            stage.append(owner_stage)
-            first.append(run_first)
-            last.append(run_last)
-            microbatch.append(mb)
-            rank.append(owner)
-            seconds.append(run_seconds)
-    if not ready:
+    first served per rank from ``dp_free`` (updated), one ``dp`` event per run, in the
+    backwards' order and each one's runs in order. A stage's runs (``_stage_runs``:
+    ``(fraction of the backward, first bucket, last bucket, seconds)``) are ready at
+    their fraction of each backward of the stage, or all at ``done[backward]`` (a single
+    run: without overlap). Runs are taken by the moment they are ready (then stage,
+    first bucket, microbatch); a run starts once it is ready and the rank's previous
+    reduction is done. Under ZeRO-2 and 3 a step has thousands of runs, each a row of
+    its stage's table: they are read off it as whole arrays."""
+    stage, rank, start, end, microbatch = backwards
+    table = [(at, *run) for at in sorted(runs) for run in runs[at]]
+    if not table or not len(stage):
         return None
-    starts, ends = [0.0] * len(ready), [0.0] * len(ready)
-    for index in np.lexsort((microbatch, first, stage, ready)).tolist():
-        begin = max(dp_free[rank[index]], ready[index])
-        starts[index], ends[index] = begin, begin + seconds[index]
-        dp_free[rank[index]] = ends[index]
-    names = [f"{at}{kind}[{a}]" if a == b else f"{at}{kind}[{a}-{b}]"
-             for at, a, b in zip(stage, first, last, strict=True)]
+    table_stage, fraction, first, last, seconds = (np.array(column) for column in zip(*table, strict=True))
+    stages = np.arange(max(int(stage.max()), int(table_stage.max())) + 1)
+    per_stage = np.bincount(table_stage, minlength=len(stages))  # runs of each stage
+    offset = np.cumsum(per_stage) - per_stage  # its first row in the table
+    per = per_stage[stage]
+    owner = np.repeat(np.arange(len(stage)), per)  # the backward of each run
+    if not len(owner):
+        return None
+    row = np.repeat(offset[stage] - (np.cumsum(per) - per), per) + np.arange(len(owner))
+    if done is None:  # as ``start + fraction * (end - start)``, one run at a time
+        ready = start[owner] + fraction[row] * (end[owner] - start[owner])
+    else:
+        ready = done[owner]
+    run_stage, run_first, run_microbatch, run_rank = table_stage[row], first[row], microbatch[owner], rank[owner]
+    starts, ends = _first_come_first_served(np.lexsort((run_microbatch, run_first, run_stage, ready)), ready,
+                                            run_rank, seconds[row], dp_free)
     codes = np.zeros(len(ready), dtype=np.int64)  # the one kind and the one stream
-    return TraceColumns(np.array(rank, dtype=np.int64), codes, np.array(stage, dtype=np.int64),
-                        np.array(microbatch, dtype=np.int64), np.array(starts), np.array(ends), codes, (kind,), ("dp",),
-                        names)
+    return TraceColumns(run_rank.astype(np.int64), codes, run_stage.astype(np.int64),
+                        run_microbatch.astype(np.int64), np.array(starts), np.array(ends), codes, (kind,), ("dp",),
+                        LazyNames(len(row), partial(_run_names, table, kind, row)))
+
+
+def _run_names(table: list[tuple], kind: str, rows: np.ndarray) -> list[str]:
+    """Each run's name, ``3ALLREDUCE_DP[4-21]`` (stage, kind, buckets), for the run of
+    each of ``rows`` of the stages' ``table``."""
+    names = [f"{at}{kind}[{a}]" if a == b else f"{at}{kind}[{a}-{b}]" for at, _, a, b, _ in table]
+    return [names[index] for index in rows.tolist()]
+
+
+def _first_come_first_served(order: np.ndarray, ready: np.ndarray, ranks: np.ndarray, seconds: np.ndarray,
+                             free: list[float]) -> tuple[list[float], list[float]]:
+    """Start and end of each run, taken in ``order``: once it is ready and its rank's
+    previous run is done (``free[rank]``, updated). Python floats, one at a time, so each
+    end is the sum the simulator has always made."""
+    ready_at, owners, lengths = ready.tolist(), ranks.tolist(), seconds.tolist()
+    starts, ends = [0.0] * len(ready_at), [0.0] * len(ready_at)
+    for index in order.tolist():
+        owner = owners[index]
+        begin = free[owner]
+        if ready_at[index] > begin:
+            begin = ready_at[index]
+        starts[index] = begin
+        ends[index] = free[owner] = begin + lengths[index]
+    return starts, ends
 
 
 def _stage_runs(plan: CommPlan, stage: int) -> list[tuple[float, int, int, float]]:
@@ -494,20 +528,29 @@ def _stage_runs(plan: CommPlan, stage: int) -> list[tuple[float, int, int, float
             for fraction, first, stop in _bucket_runs(plan.dp_bucket_bytes[stage], plan.stage_layers.get(stage, 0))]
 
 
-def _tail_scan(columns: TraceColumns, num_ranks: int, every_backward: bool) -> tuple[np.ndarray, list[tuple]]:
-    """Each rank's last end, and the backwards whose gradients are reduced:
-    ``(stage, rank, start, end, microbatch)`` of each stage's last-ending B or W, or of
-    every one of them (``every_backward``, ZeRO-2 and 3)."""
+def _rank_ends(columns: TraceColumns, num_ranks: int) -> np.ndarray:
+    """Each rank's last end (0 for a rank with no event): the maximum of its events' ends,
+    by sorting them per rank (``np.maximum.at`` costs half a millisecond a step)."""
     rank_end = np.zeros(num_ranks)
-    np.maximum.at(rank_end, columns.rank, columns.end)
-    grads = np.flatnonzero(columns.on_stream("compute") & np.isin(
-        columns.kind, [columns.kind_code(kind) for kind in WEIGHT_GRAD_DONE_KINDS]))
+    if len(columns):
+        order = np.argsort(columns.rank, kind="stable")
+        ranks = columns.rank[order]
+        firsts = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1]])
+        rank_end[ranks[firsts]] = np.maximum(np.maximum.reduceat(columns.end[order], firsts), 0.0)
+    return rank_end
+
+
+def _tail_scan(columns: TraceColumns, num_ranks: int, every_backward: bool) -> tuple[np.ndarray, Backwards]:
+    """Each rank's last end, and the backwards whose gradients are reduced: each
+    stage's last-ending B or W, or every one of them (``every_backward``, ZeRO-2 and 3)."""
+    rank_end = _rank_ends(columns, num_ranks)
+    releases = np.logical_or.reduce([columns.kind == columns.kind_code(kind) for kind in WEIGHT_GRAD_DONE_KINDS])
+    grads = np.flatnonzero(columns.on_stream("compute") & releases)
     order = grads[np.lexsort((columns.end[grads], columns.stage[grads]))]
     if not every_backward and len(order):
         order = order[np.r_[columns.stage[order][1:] != columns.stage[order][:-1], True]]
-    backwards = list(zip(columns.stage[order].tolist(), columns.rank[order].tolist(), columns.start[order].tolist(),
-                         columns.end[order].tolist(), columns.microbatch[order].tolist(), strict=True))
-    return rank_end, backwards
+    return rank_end, (columns.stage[order], columns.rank[order], columns.start[order], columns.end[order],
+                      columns.microbatch[order])
 
 
 def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | None,
@@ -532,15 +575,11 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
         # to back and are one event (``3ALLREDUCE_DP[4-21]``), as the executor records one
         # per stage: a 70B-parameter stage has thousands of 25 MB buckets and a few layers.
         runs = {stage: _stage_runs(plan, stage) for stage in plan.dp_bucket_seconds}
-        if plan.overlap_dp:  # each run ready at its fraction of the backward
-            backward_runs = [(stage, rank, start, end, microbatch, runs[stage], True)
-                             for stage, rank, start, end, microbatch in backwards if stage in runs]
-        else:  # all of a stage's buckets ready at once: after that backward, or after the rank's last action
-            backward_runs = [(stage, rank, start, end, microbatch,
-                              [(end if every else float(rank_end[rank]), *runs[stage][0][1:])], False)
-                             for stage, rank, start, end, microbatch in backwards if stage in runs]
-        reductions = _place_runs(backward_runs, dp_free, kind)
-    stage_rank = {stage: rank for stage, rank, *_ in backwards}
+        # with overlap each run is ready at its fraction of the backward; without, all of a
+        # stage's buckets at once: after that backward, or after the rank's last action
+        all_ready = None if plan.overlap_dp else backwards[3] if every else rank_end[backwards[1]]
+        reductions = _place_runs(backwards, runs, all_ready, dp_free, kind)
+    stage_rank = dict(zip(backwards[0].tolist(), backwards[1].tolist(), strict=True))
     for rank in range(num_ranks):
         done = max(float(rank_end[rank]), dp_free[rank])
         if step_overhead > 0:
