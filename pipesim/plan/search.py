@@ -289,8 +289,8 @@ def search(
     window = 32 * workers if workers > 1 else 1  # layouts submitted and not yet taken
     position = 0
     # One process per worker. Layouts that share cached work go to the same one: in the
-    # first pass those whose stages sit alike (costs, floors and bounds; shares balanced by
-    # layout count, ``placement_shares``), in the simulations those of one order
+    # first pass those cut into as many stages of one shape (their stages' costs derived
+    # once; shares balanced by layout count, ``stage_shares``), in the simulations those of one order
     # (``order_key``: the generated order and its cost-aware search built once, not once per
     # worker), each new order to the worker with the fewest layouts left to do. With one
     # shared pool, 2 workers did 40% more work than 1.
@@ -355,7 +355,7 @@ def search(
 
     try:
         # the memory floor and the bound of every layout in one pass over the workers
-        batches = _batches(placement_shares(layouts, len(pools)) if pools else [0] * len(layouts))
+        batches = _batches(stage_shares(layouts, len(pools)) if pools else [0] * len(layouts))
         judged: list = [None] * len(layouts)
         for (indices, _), verdicts in zip(batches, each(functools.partial(judge_all, reject, bound), [
                 [layouts[index] for index in indices] for indices, _ in batches], [worker for _, worker in batches]),
@@ -471,24 +471,26 @@ def order_key(layout: Layout) -> tuple[str, int, int, int]:
     return layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches
 
 
-def placement_key(layout: Layout) -> tuple[bool, int, int]:
-    """What the stages' placement on the ranks depends on: V or looped, pp, chunks."""
-    return layout.schedule in V_SHAPED, layout.pp, layout.virtual_stages
+def stages_key(layout: Layout) -> tuple[int, int, int]:
+    """How many stages the model is cut into (pp x chunks), tp and the microbatch size:
+    layouts alike in these share their stages' costs whatever their placement on the
+    ranks (V or looped), and nothing costlier with other layouts."""
+    return layout.pp * layout.virtual_stages, layout.tp, layout.microbatch_size
 
 
-def placement_shares(layouts: Sequence[Layout], workers: int) -> list[int]:
-    """The worker of each layout in the first pass (memory floors and bounds): layouts of
-    one placement on one worker, which derives their stages' costs, floors and bound terms
-    once; the placements dealt largest first to the worker with the fewest layouts so far,
-    so the shares are even."""
-    sizes = Counter(placement_key(layout) for layout in layouts)
+def stage_shares(layouts: Sequence[Layout], workers: int) -> list[int]:
+    """The worker of each layout in the first pass (memory floors and bounds): layouts
+    alike in ``stages_key`` on one worker, which derives their stages' costs once (and the
+    floors and bound terms of each placement of them); the keys dealt largest first to
+    the worker with the fewest layouts so far, so the shares are even."""
+    sizes = Counter(stages_key(layout) for layout in layouts)
     loads = [0] * workers
     owner = {}
     for key, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
         worker = loads.index(min(loads))
         owner[key] = worker
         loads[worker] += size
-    return [owner[placement_key(layout)] for layout in layouts]
+    return [owner[stages_key(layout)] for layout in layouts]
 
 
 def judge(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout], float],
