@@ -212,7 +212,9 @@ class PlanResult:
     ``considered = ruled out + screened + simulated + pruned`` and ``simulated = ranked +
     failed``; each Counter holds its bucket's causes. ``others`` are the layouts that were
     not ranked but were looked at (screened, simulated and failed, pruned), each with its
-    bucket, cause and what is known of it (its lower bound, for a chart)."""
+    bucket, cause and what is known of it (its lower bound, for a chart): kept as found
+    (``found_others``: a row, or a layout and its facts) and spelt out when first read, a
+    chart being the one reader of the thousands a search prunes."""
 
     rows: list[dict]
     considered: int
@@ -222,8 +224,13 @@ class PlanResult:
     simulated: int
     pruned: int
     seconds: float
-    others: list[dict] = field(default_factory=list)
+    found_others: list = field(default_factory=list)
     refined: int = 0
+
+    @functools.cached_property
+    def others(self) -> list[dict]:
+        return [entry if isinstance(entry, dict) else {**layout_fields(entry[0]), **entry[1]}
+                for entry in self.found_others]
 
     @property
     def ranked(self) -> int:
@@ -280,7 +287,7 @@ def search(
     ruled_out = Counter(rejected or {})
     screened: Counter = Counter()
     failed: Counter = Counter()
-    others: list[dict] = []
+    others: list = []  # dicts, or (layout, facts): ``PlanResult.found_others``
     considered = len(layouts) + sum(ruled_out.values())
     rows: list[dict] = []
     seconds: dict[Layout, float] = {}  # what evaluating each layout took: the finalists' weights
@@ -369,7 +376,7 @@ def search(
                 bounds[layout] = layout_bound
             else:
                 screened[cause] += 1
-                others.append({**layout_fields(layout), "bucket": "rejected before simulation", "cause": cause})
+                others.append((layout, {"bucket": "rejected before simulation", "cause": cause}))
         layouts = kept
         order = sorted(layouts, key=lambda layout: (bounds[layout], layout))
         # A window of layouts in flight over the workers, submitted in bound order; results
@@ -391,8 +398,8 @@ def search(
             row, seconds[layout] = future.result() if future is not None else timed(evaluate, layout)
             if "rejected" in row:  # provably out of memory once its schedule was built: never simulated
                 screened[row["rejected"]] += 1
-                others.append({**layout_fields(layout), "bucket": "rejected before simulation",
-                               "cause": row["rejected"], "lower_bound": bounds[layout]})
+                others.append((layout, {"bucket": "rejected before simulation", "cause": row["rejected"],
+                                        "lower_bound": bounds[layout]}))
             elif "error" in row or row.get("oom"):
                 simulated += 1
                 cause = row.get("error") or "out of memory"
@@ -414,14 +421,15 @@ def search(
     finally:
         for pool in pools or ():
             pool.shutdown()
-    others += [{**layout_fields(layout), "bucket": "pruned", "cause": "its lower bound cannot reach the top",
-                "lower_bound": bounds[layout]} for layout in order[position:]]
+    others += [(layout, {"bucket": "pruned", "cause": "its lower bound cannot reach the top",
+                         "lower_bound": bounds[layout]}) for layout in order[position:]]
+    result = PlanResult(rows, considered, ruled_out, screened, failed, simulated, len(order) - position,
+                        time.perf_counter() - started, others, refined)
     if describe is not None:  # what is known of the layouts never simulated
-        for other in others:
+        for other in result.others:
             if other["bucket"] != "simulated":
                 other.update(describe(Layout(**{key: other[key] for key in Layout.__dataclass_fields__})))
-    return PlanResult(rows, considered, ruled_out, screened, failed, simulated, len(order) - position,
-                      time.perf_counter() - started, others, refined)
+    return result
 
 
 # Screened rows this much slower than the top-th are evaluated exactly too: a layout the
