@@ -297,29 +297,12 @@ def search(
     position = 0
     # One process per worker. Layouts that share cached work go to the same one: in the
     # first pass those cut into as many stages of one shape (their stages' costs derived
-    # once; shares balanced by layout count, ``stage_shares``), in the simulations those of one order
+    # once; ``stages_key``), in the simulations those of one order
     # (``order_key``: the generated order and its cost-aware search built once, not once per
     # worker), each new order to the worker with the fewest layouts left to do. With one
     # shared pool, 2 workers did 40% more work than 1.
     pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context()) for _ in range(workers)] \
         if workers > 1 else None
-
-    def each(function: Callable, items: list, shares: list[int] | None = None) -> list:
-        """``function`` of every item, item ``i`` on worker ``shares[i]`` when there are
-        several (results in order)."""
-        if pools is None:
-            return [function(item) for item in items]
-        mine: list[list[int]] = [[] for _ in pools]
-        for index, worker in enumerate(shares):
-            mine[worker].append(index)
-        results: list = [None] * len(items)
-        batches = [(indices, pools[worker].map(function, [items[index] for index in indices],
-                                                chunksize=max(1, len(indices) // 8)))
-                   for worker, indices in enumerate(mine)]
-        for indices, values in batches:
-            for index, value in zip(indices, values, strict=True):
-                results[index] = value
-        return results
 
     def heaviest_first(function: Callable, items: list, weights: list[float]) -> list:
         """``function`` of every item (results in order), the heaviest first, each to the
@@ -361,13 +344,17 @@ def search(
         return future
 
     try:
-        # the memory floor and the bound of every layout in one pass over the workers
-        batches = _batches(stage_shares(layouts, len(pools)) if pools else [0] * len(layouts))
+        # the memory floor and the bound of every layout in one pass over the workers: layouts
+        # alike in ``stages_key`` together (their stages' costs derived once), the largest
+        # groups first, each to whichever worker is free
+        groups: dict[tuple, list[int]] = {}
+        for index, layout in enumerate(layouts):
+            groups.setdefault(stages_key(layout), []).append(index)
+        units = list(groups.values())
         judged: list = [None] * len(layouts)
-        for (indices, _), verdicts in zip(batches, each(functools.partial(judge_all, reject, bound), [
-                [layouts[index] for index in indices] for indices, _ in batches], [worker for _, worker in batches]),
-                strict=True):
-            for index, verdict in zip(indices, verdicts, strict=True):
+        for unit, verdicts in zip(units, heaviest_first(functools.partial(judge_all, reject, bound), [
+                [layouts[index] for index in unit] for unit in units], [len(unit) for unit in units]), strict=True):
+            for index, verdict in zip(unit, verdicts, strict=True):
                 judged[index] = verdict
         kept, bounds = [], {}
         for layout, (cause, layout_bound) in zip(layouts, judged, strict=True):
@@ -486,21 +473,6 @@ def stages_key(layout: Layout) -> tuple[int, int, int]:
     return layout.pp * layout.virtual_stages, layout.tp, layout.microbatch_size
 
 
-def stage_shares(layouts: Sequence[Layout], workers: int) -> list[int]:
-    """The worker of each layout in the first pass (memory floors and bounds): layouts
-    alike in ``stages_key`` on one worker, which derives their stages' costs once (and the
-    floors and bound terms of each placement of them); the keys dealt largest first to
-    the worker with the fewest layouts so far, so the shares are even."""
-    sizes = Counter(stages_key(layout) for layout in layouts)
-    loads = [0] * workers
-    owner = {}
-    for key, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
-        worker = loads.index(min(loads))
-        owner[key] = worker
-        loads[worker] += size
-    return [owner[stages_key(layout)] for layout in layouts]
-
-
 def judge(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout], float],
           layout: Layout) -> tuple[str | None, float | None]:
     """The layout's cause to be rejected before simulation, or None and its lower bound."""
@@ -514,22 +486,6 @@ def judge_all(reject: Callable[[Layout], str | None] | None, bound: Callable[[La
     """``judge`` of each of ``layouts``, in turn (in one worker), with Python's collector
     paused: it took a tenth of this pass finding nothing."""
     return [judge(reject, bound, layout) for layout in layouts]
-
-
-# Batches per worker in the first pass: few enough that sending them costs nothing, enough
-# to start its work before all of it is sent.
-BATCHES_PER_WORKER = 8
-
-
-def _batches(shares: list[int]) -> list[tuple[list[int], int]]:
-    """The indices of each worker's items (``shares[i]`` is item ``i``'s), in order, cut
-    into ``BATCHES_PER_WORKER`` batches, each with its worker."""
-    batches = []
-    for worker in sorted(set(shares)):
-        mine = [index for index, owner in enumerate(shares) if owner == worker]
-        size = -(-len(mine) // BATCHES_PER_WORKER)
-        batches += [(mine[first:first + size], worker) for first in range(0, len(mine), size)]
-    return batches
 
 
 def _each_of(function: Callable[[Layout], dict], layouts: list[Layout]) -> list[dict]:
