@@ -350,7 +350,8 @@ def _bound(costs_key: CostsKey, zero: int, microbatches: int, split_backward: bo
 
 @functools.lru_cache(maxsize=4096)
 def _bound_terms(costs_key: CostsKey, rank_order: str, algorithm: str, bucket_bytes: float, zero: tuple[bool, bool]):
-    """``pipesim.plan.bounds.bound_terms`` of what they depend on, kept: every schedule of
+    """The terms of ``pipesim.plan.bounds.step_lower_bound`` (``busy_terms`` and their
+    tail, ``with_tail``) of what they depend on, kept: every schedule of
     a placement and every microbatch count share them (1F1B and GPipe; every
     split-backward order). The costs are named by their key in ``_placed_costs``, whose
     placement, dp, tp and cp are the bound's too."""
@@ -370,13 +371,11 @@ def _parameter_gathers(costs_key: CostsKey, rank_order: str, bucket_bytes: float
            _parameter_figures(costs_key))
     gathers = _PARAMETER_GATHERS.get(key)
     if gathers is None:
-        from pipesim.cluster.mapping import map_ranks  # only here: an import runs slowly per call
-        from pipesim.sim.parallel import parameter_gather_seconds
+        from pipesim.sim.parallel import parameter_gather_seconds  # only here: an import runs slowly per call
 
-        topology = _BASE["topology"]
-        mapping = map_ranks(topology, costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp)
-        gathers = _PARAMETER_GATHERS[key] = parameter_gather_seconds(_placement_shell(costs_key.placement), costs,
-                                                                     topology, mapping, bucket_bytes)
+        gathers = _PARAMETER_GATHERS[key] = parameter_gather_seconds(
+            _placement_shell(costs_key.placement), costs, _BASE["topology"], _mapping(costs_key, rank_order),
+            bucket_bytes)
     return gathers
 
 
@@ -388,12 +387,10 @@ def _busy_terms(costs_key: CostsKey, rank_order: str, algorithm: str, per_layer:
     costs = _placed_costs(*costs_key)
     holds = _tp_holds(costs_key, rank_order, algorithm)
     if per_layer:  # the layers' gathers hold a rank as the tp collectives do
-        from pipesim.cluster.mapping import map_ranks  # only here: an import runs slowly per call
-        from pipesim.sim.parallel import layer_gathers
+        from pipesim.sim.parallel import layer_gathers  # only here: an import runs slowly per call
 
-        topology = _BASE["topology"]
-        mapping = map_ranks(topology, costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp)
-        held = layer_gathers(_placement_shell(costs_key.placement), costs, topology, mapping)[0]
+        held = layer_gathers(_placement_shell(costs_key.placement), costs, _BASE["topology"],
+                             _mapping(costs_key, rank_order))[0]
         keys = list(holds.keys() | held.keys())  # each key's two holds added by builtins, not per key
         sums = map(add, map(holds.get, keys, repeat(0.0)), map(held.get, keys, repeat(0.0)))
         holds = dict(zip(keys, sums, strict=True))
@@ -414,13 +411,18 @@ def _tp_holds(costs_key: CostsKey, rank_order: str, algorithm: str) -> dict[tupl
     """``pipesim.sim.parallel.tp_collective_seconds`` of the costs named by ``costs_key``
     on its mapping, kept: the busy terms with and without ZeRO-3's per-layer gathers
     share them."""
-    from pipesim.cluster.mapping import map_ranks
     from pipesim.sim.parallel import tp_collective_seconds
 
-    topology = _BASE["topology"]
-    mapping = map_ranks(topology, costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp)
-    return tp_collective_seconds(_placement_shell(costs_key.placement), _placed_costs(*costs_key), topology, mapping,
-                                 algorithm)
+    return tp_collective_seconds(_placement_shell(costs_key.placement), _placed_costs(*costs_key), _BASE["topology"],
+                                 _mapping(costs_key, rank_order), algorithm)
+
+
+def _mapping(costs_key: CostsKey, rank_order: str):
+    """The ranks' mapping onto the cluster of the layouts whose costs ``costs_key`` names:
+    what the bounds' collectives are priced on."""
+    from pipesim.cluster.mapping import map_ranks
+
+    return map_ranks(_BASE["topology"], costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -455,7 +457,7 @@ def describe_layout(layout: Layout) -> dict:
 
 
 def _memory_floors(layout: Layout) -> list[tuple[float, float]] | None:
-    """Per rank, (``pipesim.plan.bounds.memory_floor``, the device's memory); None where
+    """Per rank, (``pipesim.plan.bounds.floor_of``, the device's memory); None where
     the costs say nothing of memory."""
     key = _floors_key(layout)
     return None if key is None else _floors(key, layout.zero)
@@ -545,7 +547,7 @@ def evaluate_layout(layout: Layout) -> dict:
 @without_collector
 def screen_layout(layout: Layout) -> dict:
     """``evaluate_layout`` with the searches that cost the most and change the least cut
-    short: lowering places the transfers by its best rule without the repair pass, zb-auto
+    short: lowering places the transfers by one rule, untimed and unrepaired, zb-auto
     keeps its best heuristic without the solver's pass, and zbv-auto tries only its most
     often winning variants. Each only ever keeps what makes the step shorter, so a screened
     step is the exact one or a little longer; the planner screens every layout this way and

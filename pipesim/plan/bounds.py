@@ -40,7 +40,8 @@ def step_lower_bound(costs: Costs, placement: Sequence[int], microbatches: int, 
     undercut F + B: only the step's tail is certain."""
     if overlapped_pairs:
         return costs.step_overhead
-    return bound_of(bound_terms(costs, placement, holds, gather_seconds, hop), microbatches, split_backward)
+    return bound_of(with_tail(busy_terms(costs, placement, holds, hop), costs, placement, gather_seconds),
+                    microbatches, split_backward)
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,9 @@ class BoundTerms:
     tail: tuple[float, ...]
 
 
-def bound_terms(costs: Costs, placement: Sequence[int], holds: dict[tuple[int, str], float],
-                gather_seconds: dict[int, float], hop: Callable[[int, int], float]) -> BoundTerms:
-    """The terms of ``step_lower_bound`` (see there): ``busy_terms`` and their tail."""
-    return with_tail(busy_terms(costs, placement, holds, hop), costs, placement, gather_seconds)
-
-
 def busy_terms(costs: Costs, placement: Sequence[int], holds: dict[tuple[int, str], float],
                hop: Callable[[int, int], float]) -> BoundTerms:
-    """``bound_terms`` without the tail (left empty), one pass over the stages: the same
+    """The terms of ``step_lower_bound`` without the tail (left empty), one pass over the stages: the same
     for every optimizer step and parameter gather after it, so a planner keeps them for
     every ZeRO stage that gathers nothing per layer."""
     stages = costs.stages
@@ -116,15 +111,8 @@ def bound_of(terms: BoundTerms, microbatches: int, split_backward: bool) -> floa
     return max(ends)
 
 
-def memory_floor(costs: Costs, placement: Sequence[int], static_bytes: Sequence[float]) -> list[float]:
-    """Per rank, the least memory any schedule holds: its stages' parameters, gradients
-    and optimizer state (``static_bytes[stage]``) and one microbatch's stash of its
-    largest stage."""
-    return floor_of(static_floor(placement, static_bytes), stash_floor(costs, placement))
-
-
 def static_floor(placement: Sequence[int], static_bytes: Sequence[float]) -> list[float]:
-    """``memory_floor``'s parameters, gradients and optimizer state per rank, its stages
+    """``floor_of``'s parameters, gradients and optimizer state per rank, its stages
     added in order (as a sum over them would add them). Apart from the stash: a planner
     shares each part among the layouts that hold the same of it."""
     static = [0.0] * (max(placement) + 1)
@@ -134,7 +122,7 @@ def static_floor(placement: Sequence[int], static_bytes: Sequence[float]) -> lis
 
 
 def stash_floor(costs: Costs, placement: Sequence[int]) -> list[float]:
-    """``memory_floor``'s stash per rank: one microbatch's of its largest stage."""
+    """``floor_of``'s stash per rank: one microbatch's of its largest stage."""
     stash = [0.0] * (max(placement) + 1)
     for rank, cost in zip(placement, costs.stages, strict=True):
         if cost.stash_bytes > stash[rank]:
@@ -143,5 +131,8 @@ def stash_floor(costs: Costs, placement: Sequence[int]) -> list[float]:
 
 
 def floor_of(static: Sequence[float], stash: Sequence[float]) -> list[float]:
-    """``memory_floor`` from its parts (``static_floor``, ``stash_floor``)."""
+    """Per rank, the least memory any schedule holds: its stages' parameters, gradients and
+    optimizer state (``static_floor``) and one microbatch's stash of its largest stage
+    (``stash_floor``), kept apart so that a planner shares each part among the layouts
+    that hold the same of it."""
     return [held + largest for held, largest in zip(static, stash, strict=True)]

@@ -304,26 +304,39 @@ def search(
     pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context()) for _ in range(workers)] \
         if workers > 1 else None
 
-    def heaviest_first(function: Callable, items: list, weights: list[float]) -> list:
-        """``function`` of every item (results in order), the heaviest first, each to the
-        first worker that is free: a few items of very different cost (the finalists'
-        full searches) balance over the workers this way, whatever their order."""
-        if pools is None:
-            return [function(item) for item in items]
-        queue = deque(sorted(range(len(items)), key=lambda index: -weights[index]))
+    def by_groups(function: Callable, items: list, key: Callable, weight: Callable) -> list:
+        """``function`` of every item (results in order), the items alike in ``key`` in
+        turn on one worker (what they share is built once there), the groups heaviest
+        first by their items' ``weight``, each to the first worker that is free: groups of
+        very different cost balance over the workers this way, whatever their order."""
+        groups: dict = {}
+        for index, item in enumerate(items):
+            groups.setdefault(key(item), []).append(index)
+        units = sorted(groups.values(), key=lambda unit: -sum(weight(items[index]) for index in unit))
+        run = functools.partial(_each_of, function)
         results: list = [None] * len(items)
+
+        def take(unit: list[int], values: list) -> None:
+            for index, value in zip(unit, values, strict=True):
+                results[index] = value
+
+        if pools is None:
+            for unit in units:
+                take(unit, run([items[index] for index in unit]))
+            return results
+        queue = deque(units)
         running = {}
         for pool in pools[:len(queue)]:
-            index = queue.popleft()
-            running[pool.submit(function, items[index])] = (index, pool)
+            unit = queue.popleft()
+            running[pool.submit(run, [items[index] for index in unit])] = (unit, pool)
         while running:
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in done:
-                index, pool = running.pop(future)
-                results[index] = future.result()
+                unit, pool = running.pop(future)
+                take(unit, future.result())
                 if queue:
                     following = queue.popleft()
-                    running[pool.submit(function, items[following])] = (following, pool)
+                    running[pool.submit(run, [items[index] for index in following])] = (following, pool)
         return results
 
     owners: dict[tuple, int] = {}  # order -> its worker
@@ -344,18 +357,9 @@ def search(
         return future
 
     try:
-        # the memory floor and the bound of every layout in one pass over the workers: layouts
-        # alike in ``stages_key`` together (their stages' costs derived once), the largest
-        # groups first, each to whichever worker is free
-        groups: dict[tuple, list[int]] = {}
-        for index, layout in enumerate(layouts):
-            groups.setdefault(stages_key(layout), []).append(index)
-        units = list(groups.values())
-        judged: list = [None] * len(layouts)
-        for unit, verdicts in zip(units, heaviest_first(functools.partial(judge_all, reject, bound), [
-                [layouts[index] for index in unit] for unit in units], [len(unit) for unit in units]), strict=True):
-            for index, verdict in zip(unit, verdicts, strict=True):
-                judged[index] = verdict
+        # the memory floor and the bound of every layout in one pass over the workers, layouts
+        # alike in ``stages_key`` together (their stages' costs derived once)
+        judged = by_groups(functools.partial(judge, reject, bound), layouts, stages_key, lambda layout: 1.0)
         kept, bounds = [], {}
         for layout, (cause, layout_bound) in zip(layouts, judged, strict=True):
             if cause is None:
@@ -404,7 +408,7 @@ def search(
         rows.sort(key=lambda row: (row["step_time"], row["layout"]))
         refined = 0
         if refine is not None and rows:
-            rows, refined = _refined(rows, top, heaviest_first, refine, others, failed, seconds)
+            rows, refined = _refined(rows, top, by_groups, refine, others, failed, seconds)
     finally:
         for pool in pools or ():
             pool.shutdown()
@@ -425,26 +429,18 @@ def search(
 REFINE_MARGIN = 0.02
 
 
-def _refined(rows: list[dict], top: int, each: Callable, refine: Callable[[Layout], dict], others: list[dict],
+def _refined(rows: list[dict], top: int, by_groups: Callable, refine: Callable[[Layout], dict], others: list[dict],
              failed: Counter, seconds: dict[Layout, float]) -> tuple[list[dict], int]:
     """The finalists among the screened ``rows`` (sorted) evaluated with ``refine`` and
     ranked first, the rest after them marked as screened; how many were refined.
-    ``each(function, items, weights)`` runs them, heavier first by what screening took."""
+    ``by_groups`` (``search``'s) runs them, heavier first by what screening took."""
     cutoff = rows[min(top, len(rows)) - 1]["step_time"] * (1 + REFINE_MARGIN)
     count = max(min(top, len(rows)), sum(row["step_time"] <= cutoff for row in rows))
     finalists = [Layout(**{key: row[key] for key in LAYOUT_FIELDS}) for row in rows[:count]]
     # finalists that differ only in their ZeRO stage share their order and its lowering:
     # one worker evaluates them in turn, building those once
-    groups: dict[Layout, list[int]] = {}
-    for index, layout in enumerate(finalists):
-        groups.setdefault(replace(layout, zero=0), []).append(index)
-    units = list(groups.values())
-    evaluated = each(functools.partial(_each_of, refine), [[finalists[index] for index in unit] for unit in units],
-                     [sum(seconds.get(finalists[index], 0.0) for index in unit) for unit in units])
-    found: list = [None] * count
-    for unit, values in zip(units, evaluated, strict=True):
-        for index, value in zip(unit, values, strict=True):
-            found[index] = value
+    found = by_groups(refine, finalists, lambda layout: replace(layout, zero=0),
+                      lambda layout: seconds.get(layout, 0.0))
     exact = []
     for screened_row, row in zip(rows[:count], found, strict=True):
         if "step_time" not in row or row.get("oom"):  # the exact order needs more memory than the screened one
@@ -460,9 +456,9 @@ def _refined(rows: list[dict], top: int, each: Callable, refine: Callable[[Layou
 
 def order_key(layout: Layout) -> tuple[str, int, int, int]:
     """What a layout's order is built from besides its costs: schedule, pp, chunks,
-    microbatches. Finer than the placement the first pass shares by: the few hundred
-    layouts simulated crowd into a few placements (pp 8 with two or four chunks), which
-    would leave one worker doing most of them."""
+    microbatches. Finer than the placement: the few hundred layouts simulated crowd into a
+    few placements (pp 8 with two or four chunks), which would leave one worker doing
+    most of them."""
     return layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches
 
 
@@ -480,16 +476,10 @@ def judge(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout
     return (cause, None) if cause is not None else (None, bound(layout))
 
 
-@without_collector  # they build acyclic floors, costs and bounds: a collector pass would find nothing
-def judge_all(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout], float],
-              layouts: list[Layout]) -> list[tuple[str | None, float | None]]:
-    """``judge`` of each of ``layouts``, in turn (in one worker), with Python's collector
-    paused: it took a tenth of this pass finding nothing."""
-    return [judge(reject, bound, layout) for layout in layouts]
-
-
-def _each_of(function: Callable[[Layout], dict], layouts: list[Layout]) -> list[dict]:
-    """``function`` of each of ``layouts``, in turn (in one worker)."""
+@without_collector  # they build acyclic costs, floors, bounds and orders: a collector pass would find nothing
+def _each_of(function: Callable[[Layout], object], layouts: list[Layout]) -> list:
+    """``function`` of each of ``layouts``, in turn (in one worker), with Python's collector
+    paused: over the floors and bounds of every layout it took a tenth of the pass."""
     return [function(layout) for layout in layouts]
 
 
