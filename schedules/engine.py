@@ -153,6 +153,8 @@ class StepRun:
     rank_done: np.ndarray
     stuck_item: np.ndarray
     hold: np.ndarray | None = None  # per compute row: the seconds that held its rank after it
+    # the schedule run, held for readers of ``program.arrays.schedule`` (the arrays point to it weakly)
+    schedule: Schedule | None = None
 
     @property
     def stuck(self) -> list[int]:
@@ -453,7 +455,7 @@ def empty_run(program: EngineProgram) -> StepRun:
 
     return StepRun(program, nan(computes), nan(computes), nan(computes), nan(transfers), nan(transfers),
                    nan(transfers), nan(groups), nan(groups), nan(groups), nan(program.ranks), nan(program.ranks),
-                   np.full(program.ranks, -1, dtype=np.int64))
+                   np.full(program.ranks, -1, dtype=np.int64), schedule=program.arrays.schedule)
 
 
 def _run_compiled(program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,

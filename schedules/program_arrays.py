@@ -14,6 +14,7 @@ The rules of which stage feeds which live in ``schedules.action`` (``INPUT_OFFSE
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
@@ -35,15 +36,28 @@ FORWARD, BACKWARD = 0, 1  # a transfer's direction: activations forward, gradien
 class ProgramArrays:
     """The flat rows of a schedule's programs (see the module). ``rank_start[r]`` is the
     first row of rank ``r``'s program; rows ``rank_start[r] .. rank_start[r + 1] - 1``
-    are its actions in order."""
+    are its actions in order.
 
-    schedule: Schedule
+    The arrays are kept with their schedule (``Schedule.derived``) and point back to it
+    weakly: a strong reference both ways would make every schedule a reference cycle that
+    only Python's cyclic collector frees, and a planner's lowering searches drop hundreds
+    of candidate schedules of thousands of actions each. Whoever reads the arrays holds
+    the schedule (an engine's ``StepRun`` keeps it for its readers)."""
+
+    owner: weakref.ReferenceType
     rank: np.ndarray
     stage: np.ndarray
     kind: np.ndarray
     microbatch: np.ndarray
     position: np.ndarray
     rank_start: np.ndarray
+
+    @property
+    def schedule(self) -> Schedule:
+        schedule = self.owner()
+        if schedule is None:  # pragma: no cover - a reader that kept the arrays and dropped the schedule
+            raise ReferenceError("a schedule's program arrays were read after the schedule was freed")
+        return schedule
 
     @property
     def size(self) -> int:
@@ -134,6 +148,6 @@ def _from_rows(schedule: Schedule, rank: np.ndarray, stage: np.ndarray, kind: np
     """The arrays of rows already in program order, rank after rank."""
     rank_start = np.searchsorted(rank, np.arange(schedule.pp + 1)).astype(np.int64)
     position = np.arange(len(rank), dtype=np.int64) - rank_start[rank]
-    return ProgramArrays(schedule, rank.astype(np.int64, copy=False), stage.astype(np.int64, copy=False),
+    return ProgramArrays(weakref.ref(schedule), rank.astype(np.int64, copy=False), stage.astype(np.int64, copy=False),
                          kind.astype(np.int8, copy=False), microbatch.astype(np.int64, copy=False), position,
                          rank_start)

@@ -5,12 +5,14 @@ checked against them by hand."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import pickle
+import weakref
 
 import numpy as np
 
 from schedules import generate, lower
-from schedules.engine import StepTiming, compile_program
+from schedules.engine import StepTiming, compile_program, run
 from schedules.program_arrays import program_arrays
 
 
@@ -72,3 +74,22 @@ def test_arrays_kept_by_generation_and_lowering_are_those_of_their_programs():
             for name in ("rank", "stage", "kind", "microbatch", "position", "rank_start"):
                 assert getattr(kept, name).dtype == getattr(read, name).dtype
                 assert np.array_equal(getattr(kept, name), getattr(read, name)), name
+
+
+def test_a_schedule_and_what_it_keeps_are_freed_by_reference_count():
+    # the kept arrays and compiled programs point back to their schedule weakly: dropping
+    # the schedule frees it at once, with the cyclic collector off (a planner's lowering
+    # searches drop hundreds of candidate schedules); a step run holds its schedule
+    collector_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        schedule = lower(generate("interleaved-1f1b", 4, 8, 2), StepTiming.uniform(8, 1.0, 2.0, hop=0.5))
+        step = run(schedule, StepTiming.uniform(8, 1.0, 2.0, hop=0.5), "rendezvous")
+        freed = weakref.ref(schedule)
+        del schedule
+        assert freed() is not None and step.program.arrays.schedule is freed()  # the run keeps it
+        del step
+        assert freed() is None
+    finally:
+        if collector_was_on:
+            gc.enable()

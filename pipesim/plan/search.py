@@ -22,6 +22,7 @@ pruned (its lower bound cannot reach the top).
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import multiprocessing
 import os
@@ -33,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
-from schedules.collector import without_collector
+from schedules.collector import collector_paused
 from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES, V_SHAPED
 
 
@@ -301,8 +302,12 @@ def search(
     # (``order_key``: the generated order and its cost-aware search built once, not once per
     # worker), each new order to the worker with the fewest layouts left to do. With one
     # shared pool, 2 workers did 40% more work than 1.
-    pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context()) for _ in range(workers)] \
-        if workers > 1 else None
+    # Python's cyclic collector is off in the workers and paused here: the costs, floors,
+    # bounds, orders and traces they build are acyclic and die by reference count (a whole
+    # 70B plan leaves a few hundred objects of cyclic garbage), and with it on, each worker
+    # spent a twentieth of its time walking the caches it keeps.
+    pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context(), initializer=gc.disable)
+             for _ in range(workers)] if workers > 1 else None
 
     def by_groups(function: Callable, items: list, key: Callable, weight: Callable) -> list:
         """``function`` of every item (results in order), the items alike in ``key`` in
@@ -326,7 +331,10 @@ def search(
             return results
         queue = deque(units)
         running = {}
-        for pool in pools[:len(queue)]:
+        # two units on each worker: the next one waits there while one runs, so a worker
+        # never idles through the round trip to this process (on the floors and bounds of
+        # the 70B plan those waits were a seventh of each worker's time)
+        for pool in [*pools, *pools][:len(queue)]:
             unit = queue.popleft()
             running[pool.submit(run, [items[index] for index in unit])] = (unit, pool)
         while running:
@@ -356,62 +364,63 @@ def search(
         waiting[owners[key]].append(future)
         return future
 
-    try:
-        # the memory floor and the bound of every layout in one pass over the workers, layouts
-        # alike in ``stages_key`` together (their stages' costs derived once)
-        judged = by_groups(functools.partial(judge, reject, bound), layouts, stages_key, lambda layout: 1.0)
-        kept, bounds = [], {}
-        for layout, (cause, layout_bound) in zip(layouts, judged, strict=True):
-            if cause is None:
-                kept.append(layout)
-                bounds[layout] = layout_bound
-            else:
-                screened[cause] += 1
-                others.append((layout, {"bucket": "rejected before simulation", "cause": cause}))
-        layouts = kept
-        order = sorted(layouts, key=lambda layout: (bounds[layout], layout))
-        # A window of layouts in flight over the workers, submitted in bound order; results
-        # are taken in that order too, so what is simulated does not depend on timing. No
-        # submission once the next bound cannot reach the top: every later one is larger.
-        in_flight: deque = deque()
-        exhausted = False
-        while in_flight or (position < len(order) and not exhausted):
-            while position < len(order) and len(in_flight) < window:
-                if len(fitting) >= top and bounds[order[position]] >= fitting[top - 1]:
-                    exhausted = True
+    with collector_paused():
+        try:
+            # the memory floor and the bound of every layout in one pass over the workers, layouts
+            # alike in ``stages_key`` together (their stages' costs derived once)
+            judged = by_groups(functools.partial(judge, reject, bound), layouts, stages_key, lambda layout: 1.0)
+            kept, bounds = [], {}
+            for layout, (cause, layout_bound) in zip(layouts, judged, strict=True):
+                if cause is None:
+                    kept.append(layout)
+                    bounds[layout] = layout_bound
+                else:
+                    screened[cause] += 1
+                    others.append((layout, {"bucket": "rejected before simulation", "cause": cause}))
+            layouts = kept
+            order = sorted(layouts, key=lambda layout: (bounds[layout], layout))
+            # A window of layouts in flight over the workers, submitted in bound order; results
+            # are taken in that order too, so what is simulated does not depend on timing. No
+            # submission once the next bound cannot reach the top: every later one is larger.
+            in_flight: deque = deque()
+            exhausted = False
+            while in_flight or (position < len(order) and not exhausted):
+                while position < len(order) and len(in_flight) < window:
+                    if len(fitting) >= top and bounds[order[position]] >= fitting[top - 1]:
+                        exhausted = True
+                        break
+                    layout = order[position]
+                    in_flight.append((layout, submit(layout)))
+                    position += 1
+                if not in_flight:
                     break
-                layout = order[position]
-                in_flight.append((layout, submit(layout)))
-                position += 1
-            if not in_flight:
-                break
-            layout, future = in_flight.popleft()
-            row, seconds[layout] = future.result() if future is not None else timed(evaluate, layout)
-            if "rejected" in row:  # provably out of memory once its schedule was built: never simulated
-                screened[row["rejected"]] += 1
-                others.append((layout, {"bucket": "rejected before simulation", "cause": row["rejected"],
-                                        "lower_bound": bounds[layout]}))
-            elif "error" in row or row.get("oom"):
-                simulated += 1
-                cause = row.get("error") or "out of memory"
-                failed[cause] += 1
-                others.append({**{key: value for key, value in row.items() if key != "error"},
-                               **layout_fields(layout), "bucket": "simulated", "cause": cause,
-                               "lower_bound": bounds[layout]})
-            else:
-                simulated += 1
-                row["lower_bound"] = bounds[layout]
-                rows.append(row)
-                insort(fitting, row["step_time"])  # kept sorted: the top-th best is fitting[top - 1]
-            if progress is not None:
-                progress(position - len(in_flight), len(order))
-        rows.sort(key=lambda row: (row["step_time"], row["layout"]))
-        refined = 0
-        if refine is not None and rows:
-            rows, refined = _refined(rows, top, by_groups, refine, others, failed, seconds)
-    finally:
-        for pool in pools or ():
-            pool.shutdown()
+                layout, future = in_flight.popleft()
+                row, seconds[layout] = future.result() if future is not None else timed(evaluate, layout)
+                if "rejected" in row:  # provably out of memory once its schedule was built: never simulated
+                    screened[row["rejected"]] += 1
+                    others.append((layout, {"bucket": "rejected before simulation", "cause": row["rejected"],
+                                            "lower_bound": bounds[layout]}))
+                elif "error" in row or row.get("oom"):
+                    simulated += 1
+                    cause = row.get("error") or "out of memory"
+                    failed[cause] += 1
+                    others.append({**{key: value for key, value in row.items() if key != "error"},
+                                   **layout_fields(layout), "bucket": "simulated", "cause": cause,
+                                   "lower_bound": bounds[layout]})
+                else:
+                    simulated += 1
+                    row["lower_bound"] = bounds[layout]
+                    rows.append(row)
+                    insort(fitting, row["step_time"])  # kept sorted: the top-th best is fitting[top - 1]
+                if progress is not None:
+                    progress(position - len(in_flight), len(order))
+            rows.sort(key=lambda row: (row["step_time"], row["layout"]))
+            refined = 0
+            if refine is not None and rows:
+                rows, refined = _refined(rows, top, by_groups, refine, others, failed, seconds)
+        finally:
+            for pool in pools or ():
+                pool.shutdown()
     others += [(layout, {"bucket": "pruned", "cause": "its lower bound cannot reach the top",
                          "lower_bound": bounds[layout]}) for layout in order[position:]]
     result = PlanResult(rows, considered, ruled_out, screened, failed, simulated, len(order) - position,
@@ -476,10 +485,8 @@ def judge(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout
     return (cause, None) if cause is not None else (None, bound(layout))
 
 
-@without_collector  # they build acyclic costs, floors, bounds and orders: a collector pass would find nothing
 def _each_of(function: Callable[[Layout], object], layouts: list[Layout]) -> list:
-    """``function`` of each of ``layouts``, in turn (in one worker), with Python's collector
-    paused: over the floors and bounds of every layout it took a tenth of the pass."""
+    """``function`` of each of ``layouts``, in turn (in one worker)."""
     return [function(layout) for layout in layouts]
 
 
