@@ -431,6 +431,42 @@ def test_a_finalist_that_fails_exactly_leaves_the_ranking_and_is_counted_once():
     assert [other["dp"] for other in result.others if other["bucket"] == "simulated"] == [4]
 
 
+# Screened in bound order, the first rows found are finalists that later ones push out:
+# "a" (dp 1) screens at 12 s, "b" at 11.9 s, then "c" to "h" at 10 to 10.5 s.
+_DROPPING = {1: 12.0, 2: 11.9, 3: 10.0, 4: 10.5, 5: 10.1, 6: 10.4, 7: 10.2, 8: 10.3}
+
+
+def _dropping_screen(layout: Layout) -> dict:
+    time.sleep(0.02)  # each in flight a while: the first rows' exact runs start before the last screens end
+    return _toy_row(layout, _DROPPING[layout.dp])
+
+
+def _dropping_bound(layout: Layout) -> float:
+    return float(layout.dp)  # bound order: dp 1 first
+
+
+def _dropping_exact(layout: Layout) -> dict:
+    return _toy_row(layout, _DROPPING[layout.dp] - 0.01 * layout.dp)
+
+
+def test_finalists_started_while_screens_are_in_flight_change_nothing():
+    # two workers hand finalists over as soon as nothing more is to be screened, while
+    # screens are still in flight ("a" and "b" drop out later); what is ranked and
+    # counted is what one process finds, which evaluates exactly only the final ones
+    layouts = [Layout("1f1b", pp=1, tp=1, dp=dp, microbatch_size=1, microbatches=1, virtual_stages=1)
+               for dp in _DROPPING]
+    one = search(layouts, _dropping_screen, _dropping_bound, top=2, refine=_dropping_exact)
+    two = search(layouts, _dropping_screen, _dropping_bound, top=2, workers=2, refine=_dropping_exact)
+    # finalists: 10.0 and 10.1, and 10.2 and 10.3 within 2% of 10.1 (<= 10.302); exactly
+    # 9.97, 10.05, 10.13 and 10.22
+    assert [row["dp"] for row in one.rows[:4]] == [3, 5, 7, 8]
+    assert [row["step_time"] for row in one.rows[:4]] == pytest.approx([9.97, 10.05, 10.13, 10.22], abs=1e-12)
+    assert one.refined == two.refined == 4
+    assert [(row["dp"], row["step_time"], row.get("screened", False)) for row in two.rows] == \
+        [(row["dp"], row["step_time"], row.get("screened", False)) for row in one.rows]
+    assert (two.simulated, two.pruned) == (one.simulated, one.pruned) == (8, 0)
+
+
 def test_plan_searches_expert_parallelism_and_its_row_equals_simulate(tmp_path):
     # a mixture of experts: ep is searched (here 2 and 4, cut from the 4 replicas) and the
     # chosen layout's row is what `simulate --ep` prints for it

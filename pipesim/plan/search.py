@@ -384,6 +384,7 @@ def search(
             # submission once the next bound cannot reach the top: every later one is larger.
             in_flight: deque = deque()
             exhausted = False
+            feeder = _Feeder(refine, pools, waiting, seconds) if refine is not None and pools is not None else None
             while in_flight or (position < len(order) and not exhausted):
                 while position < len(order) and len(in_flight) < window:
                     if len(fitting) >= top and bounds[order[position]] >= fitting[top - 1]:
@@ -394,6 +395,13 @@ def search(
                     position += 1
                 if not in_flight:
                     break
+                if feeder is not None and (exhausted or position == len(order)):
+                    # nothing more to submit: the finalists as they stand go to the workers
+                    # as each runs out of screens, instead of after the last screen is in
+                    # (on the 70B plan they were the final ones, 22 of 22, with 63 screens
+                    # still in flight)
+                    feeder.want(finalists(sorted(rows, key=rank_key), top))
+                    feeder.run_until(in_flight[0][1])
                 layout, future = in_flight.popleft()
                 row, seconds[layout] = future.result() if future is not None else timed(evaluate, layout)
                 if "rejected" in row:  # provably out of memory once its schedule was built: never simulated
@@ -414,10 +422,16 @@ def search(
                     insort(fitting, row["step_time"])  # kept sorted: the top-th best is fitting[top - 1]
                 if progress is not None:
                     progress(position - len(in_flight), len(order))
-            rows.sort(key=lambda row: (row["step_time"], row["layout"]))
+            rows.sort(key=rank_key)
             refined = 0
             if refine is not None and rows:
-                rows, refined = _refined(rows, top, by_groups, refine, others, failed, seconds)
+                chosen = finalists(rows, top)
+                if feeder is None:
+                    found = _each_of(refine, chosen)
+                else:
+                    feeder.want(chosen)
+                    found = feeder.results(chosen)
+                rows, refined = _refined(rows, chosen, found, others, failed)
         finally:
             for pool in pools or ():
                 pool.shutdown()
@@ -438,18 +452,27 @@ def search(
 REFINE_MARGIN = 0.02
 
 
-def _refined(rows: list[dict], top: int, by_groups: Callable, refine: Callable[[Layout], dict], others: list[dict],
-             failed: Counter, seconds: dict[Layout, float]) -> tuple[list[dict], int]:
-    """The finalists among the screened ``rows`` (sorted) evaluated with ``refine`` and
-    ranked first, the rest after them marked as screened; how many were refined.
-    ``by_groups`` (``search``'s) runs them, heavier first by what screening took."""
+def rank_key(row: dict) -> tuple[float, str]:
+    """Rows rank by step time, ties by layout."""
+    return row["step_time"], row["layout"]
+
+
+def finalists(rows: list[dict], top: int) -> list[Layout]:
+    """The layouts of the screened ``rows`` (ranked) that are evaluated exactly: the
+    ``top`` best and every one within ``REFINE_MARGIN`` of the ``top``-th."""
+    if not rows:
+        return []
     cutoff = rows[min(top, len(rows)) - 1]["step_time"] * (1 + REFINE_MARGIN)
     count = max(min(top, len(rows)), sum(row["step_time"] <= cutoff for row in rows))
-    finalists = [Layout(**{key: row[key] for key in LAYOUT_FIELDS}) for row in rows[:count]]
-    # finalists that differ only in their ZeRO stage share their order and its lowering:
-    # one worker evaluates them in turn, building those once
-    found = by_groups(refine, finalists, lambda layout: replace(layout, zero=0),
-                      lambda layout: seconds.get(layout, 0.0))
+    return [Layout(**{key: row[key] for key in LAYOUT_FIELDS}) for row in rows[:count]]
+
+
+def _refined(rows: list[dict], chosen: list[Layout], found: list[dict], others: list,
+             failed: Counter) -> tuple[list[dict], int]:
+    """The ranked screened ``rows`` with the ``chosen`` finalists (their first rows) as
+    their exact evaluation ``found`` them, ranked first, the rest after them marked as
+    screened; how many were refined."""
+    count = len(chosen)
     exact = []
     for screened_row, row in zip(rows[:count], found, strict=True):
         if "step_time" not in row or row.get("oom"):  # the exact order needs more memory than the screened one
@@ -459,8 +482,62 @@ def _refined(rows: list[dict], top: int, by_groups: Callable, refine: Callable[[
                            "bucket": "simulated", "cause": cause})
             continue
         exact.append({**row, "lower_bound": screened_row["lower_bound"]})
-    exact.sort(key=lambda row: (row["step_time"], row["layout"]))
+    exact.sort(key=rank_key)
     return exact + [{**row, "screened": True} for row in rows[count:]], count
+
+
+class _Feeder:
+    """The finalists' exact evaluations, each handed to a worker as it runs out of work.
+
+    What they cost is not known before (a cost-aware order's full search can take ten
+    times its screen), so none is assigned ahead: whenever a worker has nothing left, it
+    gets the next group, the heaviest first by what screening took. Finalists that differ
+    only in their ZeRO stage go together (they share their order and its lowering). The
+    finalists may be asked for while screens are still in flight (``want``, again as
+    rows come in): one that drops out before it is handed over is never evaluated, one
+    that drops out after was evaluated for nothing, which changes no result."""
+
+    def __init__(self, refine: Callable[[Layout], dict], pools: list, waiting: list[list],
+                 seconds: dict[Layout, float]) -> None:
+        self.refine, self.pools, self.waiting, self.seconds = refine, pools, waiting, seconds
+        self.queue: list[list[Layout]] = []  # groups not yet handed over, heaviest first
+        self.handed: dict[Layout, tuple] = {}  # finalist -> (its group's future, its place in it)
+        self.running: list = [None] * len(pools)  # per worker, the future of the group it has
+
+    def want(self, chosen: list[Layout]) -> None:
+        """The finalists are ``chosen`` as far as is known now."""
+        groups: dict[Layout, list[Layout]] = {}
+        for layout in chosen:
+            if layout not in self.handed:
+                groups.setdefault(replace(layout, zero=0), []).append(layout)
+        self.queue = sorted(groups.values(), key=lambda group: -sum(self.seconds.get(layout, 0.0)
+                                                                     for layout in group))
+        self._hand_over()
+
+    def run_until(self, future) -> None:
+        """Hand groups to workers that run out of work until ``future`` is done."""
+        while not future.done():
+            pending = [other for futures in self.waiting for other in futures if not other.done()]
+            wait([*pending, *(group for group in self.running if group is not None)], return_when=FIRST_COMPLETED)
+            self._hand_over()
+
+    def results(self, chosen: list[Layout]) -> list[dict]:
+        """The exact rows of ``chosen`` (all wanted), once every one is in."""
+        while self.queue:
+            wait([group for group in self.running if group is not None], return_when=FIRST_COMPLETED)
+            self._hand_over()
+        return [self.handed[layout][0].result()[self.handed[layout][1]] for layout in chosen]
+
+    def _hand_over(self) -> None:
+        for worker, pool in enumerate(self.pools):
+            if not self.queue:
+                return
+            idle = (self.running[worker] is None or self.running[worker].done()) \
+                and all(future.done() for future in self.waiting[worker])
+            if idle:
+                group = self.queue.pop(0)
+                self.running[worker] = pool.submit(_each_of, self.refine, group)
+                self.handed.update({layout: (self.running[worker], index) for index, layout in enumerate(group)})
 
 
 def order_key(layout: Layout) -> tuple[str, int, int, int]:
