@@ -306,20 +306,21 @@ def search(
     # bounds, orders and traces they build are acyclic and die by reference count (a whole
     # 70B plan leaves a few hundred objects of cyclic garbage), and with it on, each worker
     # spent a twentieth of its time walking the caches it keeps.
-    pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context(), initializer=gc.disable)
-             for _ in range(workers)] if workers > 1 else None
+    pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context(), initializer=_start_worker,
+                                 initargs=(layouts,)) for _ in range(workers)] if workers > 1 else None
 
-    def by_groups(function: Callable, items: list, key: Callable, weight: Callable) -> list:
-        """``function`` of every item (results in order), the items alike in ``key`` in
-        turn on one worker (what they share is built once there), the groups heaviest
-        first by their items' ``weight``, each to the first worker that is free: groups of
-        very different cost balance over the workers this way, whatever their order."""
+    def judge_all() -> list[tuple[str | None, float | None]]:
+        """``judge`` of every layout (in order), the layouts alike in ``stages_key`` in turn
+        on one worker (their stages' costs derived there once), the largest groups first,
+        each to the first worker that is free: groups of very different cost balance over
+        the workers this way. A worker is sent the layouts' places in ``layouts``, which
+        it was given when it started (unpickling 18,000 layouts cost a tenth of the pass)."""
         groups: dict = {}
-        for index, item in enumerate(items):
-            groups.setdefault(key(item), []).append(index)
-        units = sorted(groups.values(), key=lambda unit: -sum(weight(items[index]) for index in unit))
-        run = functools.partial(_each_of, function)
-        results: list = [None] * len(items)
+        for index, layout in enumerate(layouts):
+            groups.setdefault(stages_key(layout), []).append(index)
+        units = sorted(groups.values(), key=len, reverse=True)
+        run = functools.partial(_judge_places, reject, bound)
+        results: list = [None] * len(layouts)
 
         def take(unit: list[int], values: list) -> None:
             for index, value in zip(unit, values, strict=True):
@@ -327,7 +328,7 @@ def search(
 
         if pools is None:
             for unit in units:
-                take(unit, run([items[index] for index in unit]))
+                take(unit, _each_of(functools.partial(judge, reject, bound), [layouts[index] for index in unit]))
             return results
         queue = deque(units)
         running = {}
@@ -336,7 +337,7 @@ def search(
         # the 70B plan those waits were a seventh of each worker's time)
         for pool in [*pools, *pools][:len(queue)]:
             unit = queue.popleft()
-            running[pool.submit(run, [items[index] for index in unit])] = (unit, pool)
+            running[pool.submit(run, unit)] = (unit, pool)
         while running:
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in done:
@@ -344,7 +345,7 @@ def search(
                 take(unit, future.result())
                 if queue:
                     following = queue.popleft()
-                    running[pool.submit(run, [items[index] for index in following])] = (following, pool)
+                    running[pool.submit(run, following)] = (following, pool)
         return results
 
     owners: dict[tuple, int] = {}  # order -> its worker
@@ -368,7 +369,7 @@ def search(
         try:
             # the memory floor and the bound of every layout in one pass over the workers, layouts
             # alike in ``stages_key`` together (their stages' costs derived once)
-            judged = by_groups(functools.partial(judge, reject, bound), layouts, stages_key, lambda layout: 1.0)
+            judged = judge_all()
             kept, bounds = [], {}
             for layout, (cause, layout_bound) in zip(layouts, judged, strict=True):
                 if cause is None:
@@ -560,6 +561,22 @@ def judge(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout
     """The layout's cause to be rejected before simulation, or None and its lower bound."""
     cause = reject(layout) if reject is not None else None
     return (cause, None) if cause is not None else (None, bound(layout))
+
+
+_WORKER_LAYOUTS: list[Layout] = []  # in a worker: the layouts of the search it serves
+
+
+def _start_worker(layouts: list[Layout]) -> None:
+    """A worker's start: the collector off (``search``) and the search's layouts kept, so
+    that the first pass names them by their places (with fork, given without pickling)."""
+    gc.disable()
+    _WORKER_LAYOUTS[:] = layouts
+
+
+def _judge_places(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout], float],
+                  places: list[int]) -> list[tuple[str | None, float | None]]:
+    """``judge`` of the worker's layouts at ``places``, in turn."""
+    return [judge(reject, bound, _WORKER_LAYOUTS[place]) for place in places]
 
 
 def _each_of(function: Callable[[Layout], object], layouts: list[Layout]) -> list:
