@@ -309,6 +309,14 @@ def search(
     pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context(), initializer=_start_worker,
                                  initargs=(layouts,)) for _ in range(workers)] if workers > 1 else None
 
+    natural: list[int] = []  # each layout's place in ``Layout`` order: ties of bounds go by it
+
+    def natural_places() -> None:
+        if not natural:
+            natural[:] = [0] * len(layouts)
+            for place, index in enumerate(sorted(range(len(layouts)), key=layouts.__getitem__)):
+                natural[index] = place
+
     def judge_all() -> list[tuple[str | None, float | None]]:
         """``judge`` of every layout (in order), the layouts alike in ``stages_key`` in turn
         on one worker (their stages' costs derived there once), the largest groups first,
@@ -338,6 +346,7 @@ def search(
         for pool in [*pools, *pools][:len(queue)]:
             unit = queue.popleft()
             running[pool.submit(run, unit)] = (unit, pool)
+        natural_places()  # while the workers judge
         while running:
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in done:
@@ -370,16 +379,18 @@ def search(
             # the memory floor and the bound of every layout in one pass over the workers, layouts
             # alike in ``stages_key`` together (their stages' costs derived once)
             judged = judge_all()
-            kept, bounds = [], {}
-            for layout, (cause, layout_bound) in zip(layouts, judged, strict=True):
+            natural_places()
+            kept = []
+            for index, (cause, _) in enumerate(judged):
                 if cause is None:
-                    kept.append(layout)
-                    bounds[layout] = layout_bound
+                    kept.append(index)
                 else:
                     screened[cause] += 1
-                    others.append((layout, {"bucket": "rejected before simulation", "cause": cause}))
-            layouts = kept
-            order = sorted(layouts, key=lambda layout: (bounds[layout], layout))
+                    others.append((layouts[index], {"bucket": "rejected before simulation", "cause": cause}))
+            # by bound, ties in ``Layout`` order (the places sorted while the workers judged)
+            kept.sort(key=lambda index: (judged[index][1], natural[index]))
+            order = [layouts[index] for index in kept]
+            bounds = {layouts[index]: judged[index][1] for index in kept}
             # A window of layouts in flight over the workers, submitted in bound order; results
             # are taken in that order too, so what is simulated does not depend on timing. No
             # submission once the next bound cannot reach the top: every later one is larger.
