@@ -158,7 +158,7 @@ def test_plan_command_writes_its_files(tmp_path, capsys):
             == data["considered"])
     assert data["simulated_and_ranked"] + data["simulated_and_failed"] == data["simulated"]
     best = data["ranked"][0]
-    layout = Layout(**{key: best[key] for key in Layout.__dataclass_fields__})
+    layout = Layout(**{key: best[key] for key in Layout._fields})
     assert layout.pp * layout.tp * layout.dp == 8
     assert (tmp_path / "plan.csv").read_text().startswith("schedule,")
     assert "Pareto front" in (tmp_path / "plan.html").read_text()
@@ -398,7 +398,7 @@ def _toy_layouts() -> list[Layout]:
 
 
 def _toy_row(layout: Layout, step: float) -> dict:
-    return {"layout": layout.label(), **{name: getattr(layout, name) for name in Layout.__dataclass_fields__},
+    return {"layout": layout.label(), **{name: getattr(layout, name) for name in Layout._fields},
             "step_time": step, "oom": False}
 
 

@@ -568,7 +568,7 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
         _, layout_costs, shell, costs_key = _layout_costs(layout)
         # orders and lowering read the stages' times and transfers, never the optimizer step:
         # layouts that differ in their ZeRO stage alone share them (built for ZeRO 0)
-        unsharded = replace(layout, zero=0)
+        unsharded = layout._replace(zero=0)
         # zb-auto's optimising pass and zbv-auto's full search are what screening leaves out; the
         # adapted orders have neither
         search_seconds = None if exact or layout.schedule not in COST_AWARE else 0.0
@@ -731,7 +731,7 @@ def _write_outputs(args: argparse.Namespace, result) -> None:
         from viz.plan import write_plan_html
 
         best = result.rows[0]
-        layout = Layout(**{key: best[key] for key in Layout.__dataclass_fields__})
+        layout = Layout(**{key: best[key] for key in Layout._fields})
         write_plan_html(result.rows, pareto_front(result.rows), _best_trace(layout), args.html,
                         title=f"{args.model} on {args.gpus} GPUs ({args.topology}): best {best['layout']}",
                         plotly=getattr(args, "plotly", "inline"), others=_charted_others(result))
@@ -756,7 +756,7 @@ def _write_torchtitan(args: argparse.Namespace, best: dict) -> None:
     from pipesim.cli.torchtitan import TorchtitanLayout, write_torchtitan
     from pipesim.job import model_spec_of
 
-    layout = Layout(**{key: best[key] for key in Layout.__dataclass_fields__})
+    layout = Layout(**{key: best[key] for key in Layout._fields})
     if layout.zero and not args.fsdp:
         raise ValueError(f"--torchtitan {args.torchtitan}: the best layout shards the optimizer (zero{layout.zero}), "
                          "which torchtitan does as FSDP: add --fsdp, or --constraint zero=0")

@@ -32,15 +32,19 @@ from bisect import insort
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from schedules.collector import collector_paused
 from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES, V_SHAPED
 
 
-@dataclass(frozen=True, order=True)
-class Layout:
-    """One way to run the job. ``microbatches`` per step follows from the global batch."""
+class Layout(NamedTuple):
+    """One way to run the job. ``microbatches`` per step follows from the global batch.
+
+    A named tuple: a search makes, hashes, compares and sends tens of thousands of
+    them (made and hashed several times faster than a frozen dataclass's), and they
+    order field by field, as the ranking's ties need."""
 
     schedule: str
     pp: int
@@ -91,7 +95,7 @@ class SearchSpace:
 def parse_constraints(texts: Iterable[str]) -> dict[str, set[str]]:
     """``["pp=8", "schedule=1f1b,zb-h1"]`` -> ``{"pp": {"8"}, "schedule": {"1f1b", "zb-h1"}}``;
     errors name the bad text and the fields that exist."""
-    names = set(Layout.__dataclass_fields__)
+    names = set(Layout._fields)
     constraints: dict[str, set[str]] = {}
     for text in texts:
         key, sep, value = text.partition("=")
@@ -454,7 +458,7 @@ def search(
     if describe is not None:  # what is known of the layouts never simulated
         for other in result.others:
             if other["bucket"] != "simulated":
-                other.update(describe(Layout(**{key: other[key] for key in Layout.__dataclass_fields__})))
+                other.update(describe(Layout(**{key: other[key] for key in Layout._fields})))
     return result
 
 
@@ -521,7 +525,7 @@ class _Feeder:
         groups: dict[Layout, list[Layout]] = {}
         for layout in chosen:
             if layout not in self.handed:
-                groups.setdefault(replace(layout, zero=0), []).append(layout)
+                groups.setdefault(layout._replace(zero=0), []).append(layout)
         self.queue = sorted(groups.values(), key=lambda group: -sum(self.seconds.get(layout, 0.0)
                                                                      for layout in group))
         self._hand_over()
@@ -626,7 +630,7 @@ def layout_fields(layout: Layout) -> dict:
     return {**{name: getattr(layout, name) for name in LAYOUT_FIELDS}, "layout": layout.label()}
 
 
-LAYOUT_FIELDS = tuple(Layout.__dataclass_fields__)
+LAYOUT_FIELDS = Layout._fields
 
 
 def default_workers() -> int:
