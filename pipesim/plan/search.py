@@ -451,10 +451,10 @@ def search(
         finally:
             for pool in pools or ():
                 pool.shutdown()
-    others += [(layout, {"bucket": "pruned", "cause": "its lower bound cannot reach the top",
-                         "lower_bound": bounds[layout]}) for layout in order[position:]]
-    result = PlanResult(rows, considered, ruled_out, screened, failed, simulated, len(order) - position,
-                        time.perf_counter() - started, others, refined)
+        others += [(layout, {"bucket": "pruned", "cause": "its lower bound cannot reach the top",
+                             "lower_bound": bounds[layout]}) for layout in order[position:]]
+        result = PlanResult(rows, considered, ruled_out, screened, failed, simulated, len(order) - position,
+                            time.perf_counter() - started, others, refined)
     if describe is not None:  # what is known of the layouts never simulated
         for other in result.others:
             if other["bucket"] != "simulated":
