@@ -372,7 +372,21 @@ def _later_same_rank_input(arrays: ProgramArrays, compute_row: np.ndarray, local
 
 def run(schedule: Schedule, timing: StepTiming, semantics: str) -> StepRun:
     """Time one step of ``schedule`` under ``semantics`` (see the module)."""
-    program = compile_program(schedule, semantics)
+    return run_program(compile_program(schedule, semantics), timing)
+
+
+def compile_arrays(arrays: ProgramArrays, semantics: str) -> EngineProgram:
+    """``arrays`` compiled for ``semantics``, not kept: lowering's candidate placements,
+    timed as rows (``schedules.transfer_placement.LoweredRows``) before the one kept is
+    built as a schedule. Overlapped pairs are read off the owning schedule's positions,
+    so its rows must be that schedule's when it has any."""
+    if semantics not in SEMANTICS_CODES:
+        raise ValueError(f"unknown P2P semantics {semantics!r}: use one of {', '.join(SEMANTICS_CODES)}")
+    return _compile(arrays, semantics)
+
+
+def run_program(program: EngineProgram, timing: StepTiming) -> StepRun:
+    """Time one step of a compiled program (``run``)."""
     seconds, hold = _compute_costs(program, timing)
     wires = _wire_arrays(timing.wires, program.arrays)
     if _compiled is None:  # pragma: no cover - an install without a C compiler

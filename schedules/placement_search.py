@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from schedules.transfer_placement import (
     Transfers,
     crossing_moments,
     group_starts,
+    lowered_rows,
     lowered_schedule,
     meeting_moments,
     place_ends,
@@ -47,16 +49,21 @@ SCREEN_RULE = 0
 
 @dataclass
 class Attempt:
-    """One placement and the engine's verdict on it."""
+    """One placement and the engine's verdict on it. Its lowered schedule is built when
+    first asked for (``build``): of the dozens of placements a lowering times, it keeps one."""
 
     moment: np.ndarray
     mind_the_consumer: bool
     shift: np.ndarray  # per end: boundaries away from its moment's
     breaks: np.ndarray  # per end: forced to open a group
     joins: np.ndarray  # per end: forced to join the group before
-    lowered: Schedule
+    build: Callable[[], Schedule]
     score: tuple[float, float]  # (makespan, total delay of compute against free-flowing transfers)
     run: engine.StepRun | None
+
+    @cached_property
+    def lowered(self) -> Schedule:
+        return self.build()
 
 
 class Search:
@@ -81,14 +88,22 @@ class Search:
         if ends is None:
             return None
         starts = group_starts(ends, mind_the_consumer, breaks, joins)
-        # timed as lowering returns it: an overlapped pair's transfers moved out of the pair
-        lowered = keep_pairs_together(lowered_schedule(self.schedule, self.transfers, ends, starts), self.schedule)
+        rows = lowered_rows(self.transfers, ends, starts)
+
+        def build() -> Schedule:
+            return keep_pairs_together(lowered_schedule(self.schedule, self.transfers, ends, starts, rows),
+                                       self.schedule)
+
         self.runs += 1
-        run = engine.run(lowered, self.timing, RENDEZVOUS)
+        if any(self.schedule.fused):
+            # timed as lowering returns it: an overlapped pair's transfers moved out of the pair
+            run = engine.run(build(), self.timing, RENDEZVOUS)
+        else:  # the rows are what lowering returns: timed without building their Actions
+            run = engine.run_program(engine.compile_arrays(rows.arrays(self.schedule), RENDEZVOUS), self.timing)
         if run.stuck or np.isnan(run.start).any():  # pragma: no cover - excluded by construction
-            return Attempt(moment, mind_the_consumer, shift, breaks, joins, lowered, (np.inf, np.inf), None)
+            return Attempt(moment, mind_the_consumer, shift, breaks, joins, build, (np.inf, np.inf), None)
         delay = float(np.sum(np.maximum(run.start - self.free_start, 0.0)))
-        return Attempt(moment, mind_the_consumer, shift, breaks, joins, lowered, (run.makespan, delay), run)
+        return Attempt(moment, mind_the_consumer, shift, breaks, joins, build, (run.makespan, delay), run)
 
     def placed(self, index: int) -> Schedule:
         """``RULES[index]``'s placement, not timed: for steps too large to time several,

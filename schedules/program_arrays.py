@@ -127,6 +127,14 @@ def keep_program_arrays(schedule: Schedule, rank: np.ndarray, stage: np.ndarray,
     return schedule.derived("program_arrays", lambda owner: _from_rows(owner, rank, stage, kind, microbatch))
 
 
+def program_arrays_of_rows(schedule: Schedule, rank: np.ndarray, stage: np.ndarray, kind: np.ndarray,
+                           microbatch: np.ndarray) -> ProgramArrays:
+    """Arrays of rows (in program order, rank after rank) that ``schedule``'s placement,
+    stages and microbatches describe, not kept with it: what lowering times its candidate
+    placements with before it builds the one it keeps."""
+    return _from_rows(schedule, rank, stage, kind, microbatch)
+
+
 def _build(schedule: Schedule) -> ProgramArrays:
     programs = schedule.programs
     lengths = np.fromiter(map(len, programs), np.int64, len(programs))

@@ -37,7 +37,7 @@ import numpy as np
 
 from schedules import engine
 from schedules.action import KIND_CODES, ActionKind, actions_of
-from schedules.program_arrays import BACKWARD, keep_program_arrays
+from schedules.program_arrays import BACKWARD, ProgramArrays, keep_program_arrays, program_arrays_of_rows
 from schedules.schedule import Schedule
 
 # Planning durations below this are raised to it, so that every compute action has an
@@ -394,10 +394,36 @@ _TRANSFER_KINDS = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, Acti
 _TRANSFER_CODES = tuple(KIND_CODES[kind] for kind in _TRANSFER_KINDS)
 
 
-def lowered_schedule(schedule: Schedule, transfers: Transfers, ends: Ends, starts: np.ndarray) -> Schedule:
-    """The lowered programs: each rank's compute actions in their order, each end at its
-    slot (before the compute action of that index), ends of one slot in ``ends.order``,
-    grouped where ``starts`` (per end in that order) does not open a new group."""
+@dataclass(frozen=True)
+class LoweredRows:
+    """A placement's lowered programs as rows (compute actions and transfer ends in
+    program order, rank after rank): what the engine times, without the ``Action``
+    tuples of a ``Schedule``, which only the placement kept needs (``lowered_schedule``)."""
+
+    count: int  # compute actions: rows below it in ``order`` are compute actions, the rest ends
+    order: np.ndarray  # per row, its compute action (< count) or end (count + its place in ``posted``)
+    rank: np.ndarray
+    stage: np.ndarray
+    kind: np.ndarray  # ``KIND_CODES``
+    microbatch: np.ndarray
+    joined: np.ndarray  # per row: posted in the group of the row before
+    end_stage: np.ndarray  # per end in posting order: its action's stage, kind (index of _TRANSFER_KINDS)
+    end_kind: np.ndarray
+    end_microbatch: np.ndarray
+
+    def arrays(self, schedule: Schedule) -> ProgramArrays:
+        """The rows as ``ProgramArrays`` of the compute-only ``schedule`` they lower (its
+        placement, stages and microbatches are theirs), for timing them without
+        building their ``Schedule``."""
+        arrays = program_arrays_of_rows(schedule, self.rank, self.stage, self.kind, self.microbatch)
+        arrays.__dict__["joined"] = self.joined  # what ``joined`` reads off a lowered schedule's joins
+        return arrays
+
+
+def lowered_rows(transfers: Transfers, ends: Ends, starts: np.ndarray) -> LoweredRows:
+    """The lowered programs' rows: each rank's compute actions in their order, each end
+    at its slot (before the compute action of that index), ends of one slot in
+    ``ends.order``, grouped where ``starts`` (per end in that order) does not open a group."""
     program = transfers.step.program
     count = len(program.compute_row)
     first = transfers.first_compute
@@ -412,10 +438,7 @@ def lowered_schedule(schedule: Schedule, transfers: Transfers, ends: Ends, start
     slots = int(max(within.max(initial=0), end_slot.max(initial=0))) + 1 - low
     place = np.concatenate([(compute_rank * slots + within - low) * 2 + 1, (end_rank * slots + end_slot - low) * 2])
     order = np.argsort(place, kind="stable")
-    is_transfer = np.r_[np.zeros(count, dtype=bool), np.ones(len(posted), dtype=bool)]
-    # the actions: compute ones as the schedule has them, each end built from its transfer
-    # (held in object arrays: reordering hundreds of thousands of them is then one gather)
-    originals = np.fromiter(chain.from_iterable(schedule.programs), dtype=object, count=program.arrays.size)
+    is_transfer = order >= count
     is_send = ends.is_send[posted]
     transfer_of = np.where(is_send, posted, posted - transfers.count)  # ends: the sends, then the receives
     backward = transfers.direction[transfer_of] == BACKWARD
@@ -423,16 +446,33 @@ def lowered_schedule(schedule: Schedule, transfers: Transfers, ends: Ends, start
     stage = np.where(is_send, sending, np.where(backward, sending - 1, sending + 1))
     kind = np.where(is_send, np.where(backward, 2, 0), np.where(backward, 3, 1))
     microbatch = transfers.microbatch[transfer_of]
-    kind_code = np.asarray(_TRANSFER_CODES, dtype=np.int8)[kind]
-    transfer = actions_of(stage.tolist(), np.array(_TRANSFER_KINDS, dtype=object)[kind].tolist(), microbatch.tolist())
-    actions = np.concatenate([originals[program.compute_row], np.fromiter(transfer, dtype=object, count=len(transfer))])
-    ordered_rank = np.concatenate([compute_rank, end_rank])[order]
-    ordered_transfer = is_transfer[order]
+    rank = np.concatenate([compute_rank, end_rank])[order]
     opens = np.concatenate([np.ones(count, dtype=bool), starts])[order]
-    joined = ordered_transfer[1:] & ordered_transfer[:-1] & (ordered_rank[1:] == ordered_rank[:-1]) & ~opens[1:]
-    rank_start = np.searchsorted(ordered_rank, np.arange(schedule.pp + 1))
-    sequence = actions[order]
-    joined_at = np.flatnonzero(joined) + 1
+    joined = np.zeros(len(order), dtype=bool)
+    joined[1:] = is_transfer[1:] & is_transfer[:-1] & (rank[1:] == rank[:-1]) & ~opens[1:]
+    arrays = program.arrays
+    rows = [np.concatenate([compute_part, end_part])[order] for compute_part, end_part in (
+        (arrays.stage[program.compute_row], stage),
+        (arrays.kind[program.compute_row], np.asarray(_TRANSFER_CODES, dtype=np.int8)[kind]),
+        (arrays.microbatch[program.compute_row], microbatch))]
+    return LoweredRows(count, order, rank, *rows, joined, stage, kind, microbatch)
+
+
+def lowered_schedule(schedule: Schedule, transfers: Transfers, ends: Ends, starts: np.ndarray,
+                     rows: LoweredRows | None = None) -> Schedule:
+    """The lowered programs (``lowered_rows``, or ``rows`` already found for them) as a
+    schedule, with its arrays kept."""
+    rows = rows or lowered_rows(transfers, ends, starts)
+    program = transfers.step.program
+    # the actions: compute ones as the schedule has them, each end built from its transfer
+    # (held in object arrays: reordering hundreds of thousands of them is then one gather)
+    originals = np.fromiter(chain.from_iterable(schedule.programs), dtype=object, count=program.arrays.size)
+    transfer = actions_of(rows.end_stage.tolist(), np.array(_TRANSFER_KINDS, dtype=object)[rows.end_kind].tolist(),
+                          rows.end_microbatch.tolist())
+    actions = np.concatenate([originals[program.compute_row], np.fromiter(transfer, dtype=object, count=len(transfer))])
+    rank_start = np.searchsorted(rows.rank, np.arange(schedule.pp + 1))
+    sequence = actions[rows.order]
+    joined_at = np.flatnonzero(rows.joined)
     programs, joins = [], []
     for rank in range(schedule.pp):
         begin, stop = int(rank_start[rank]), int(rank_start[rank + 1])
@@ -440,9 +480,5 @@ def lowered_schedule(schedule: Schedule, transfers: Transfers, ends: Ends, start
         inside = joined_at[(joined_at > begin) & (joined_at < stop)] - begin
         joins.append(frozenset(inside.tolist()))
     lowered = schedule.with_programs(programs, joins)
-    arrays = program.arrays
-    rows = (np.concatenate([compute_part, end_part])[order] for compute_part, end_part in (
-        (arrays.stage[program.compute_row], stage), (arrays.kind[program.compute_row], kind_code),
-        (arrays.microbatch[program.compute_row], microbatch)))
-    keep_program_arrays(lowered, ordered_rank, *rows)
+    keep_program_arrays(lowered, rows.rank, rows.stage, rows.kind, rows.microbatch)
     return lowered

@@ -103,6 +103,28 @@ def test_every_rule_places_rendezvous_safe_programs(name, pp, data, forward, bac
 @given(name=st.sampled_from(NAMES), pp=st.integers(2, 5), data=st.data(), forward=seconds,
        backward_input=seconds, backward_weight=st.one_of(st.just(0.0), seconds),
        hop=st.floats(0.0, 3.0, allow_nan=False), rule=st.integers(0, len(RULES) - 1))
+def test_a_placement_timed_as_rows_is_timed_as_its_schedule(name, pp, data, forward, backward_input,
+                                                            backward_weight, hop, rule):
+    """Lowering times its candidate placements as rows, without building their Actions
+    (``LoweredRows``), and builds only the one it keeps: every moment of that timing is
+    the engine's on the schedule built from them."""
+    schedule = drawn_schedule(name, pp, data)
+    if schedule is None:
+        return
+    step_timing = chain_timing(schedule, forward, backward_input, backward_weight, hop)
+    step, free_start = _timed(schedule, planning_timing(step_timing))
+    transfers = transfers_of(step, step_timing)
+    attempt = Search(schedule, transfers, step_timing, free_start).attempt(RULES[rule][0](transfers), RULES[rule][1])
+    built = engine.run(attempt.lowered, step_timing, RENDEZVOUS)
+    for moments in ("ready", "start", "end", "posted", "departed", "arrival", "group_start", "group_done",
+                    "rank_done"):
+        np.testing.assert_array_equal(getattr(attempt.run, moments), getattr(built, moments), err_msg=moments)
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(NAMES), pp=st.integers(2, 5), data=st.data(), forward=seconds,
+       backward_input=seconds, backward_weight=st.one_of(st.just(0.0), seconds),
+       hop=st.floats(0.0, 3.0, allow_nan=False), rule=st.integers(0, len(RULES) - 1))
 def test_one_untimed_rule_is_safe_and_no_faster_than_the_chosen_one(name, pp, data, forward, backward_input,
                                                                     backward_weight, hop, rule):
     """``lower(..., rule=r)`` (a planner's screen) places by that rule alone: the same
