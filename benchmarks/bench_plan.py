@@ -39,7 +39,8 @@ from installed import installed_env
 
 from pipesim.cli import build_parser
 from pipesim.cli import plan as plan_command
-from pipesim.plan.search import default_workers, enumerate_layouts, layout_fields, search
+from pipesim.plan.search import enumerate_layouts, layout_fields, search
+from pipesim.plan.workers import default_workers
 
 
 def no_bound(layout) -> float:

@@ -28,7 +28,6 @@ from pipesim.plan.bounds import bound_of, busy_terms, floor_of, stash_floor, sta
 from pipesim.plan.search import (
     Layout,
     SearchSpace,
-    default_workers,
     enumerate_layouts,
     layout_fields,
     pareto_front,
@@ -36,6 +35,7 @@ from pipesim.plan.search import (
     search,
     terminal_progress,
 )
+from pipesim.plan.workers import default_workers
 from pipesim.sim.zero import ZERO_STAGES, gathers_after_optimizer, gathers_per_layer
 from schedules.collector import without_collector
 from schedules.generators import SCHEDULE_NAMES, V_SHAPED, splits_backward

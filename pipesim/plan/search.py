@@ -22,10 +22,7 @@ pruned (its lower bound cannot reach the top).
 from __future__ import annotations
 
 import functools
-import gc
 import math
-import multiprocessing
-import os
 import sys
 import time
 from bisect import insort
@@ -35,6 +32,15 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pipesim.plan.workers import (
+    Feeder,
+    each_of,
+    judge,
+    judge_places,
+    start_worker,
+    timed,
+    worker_context,
+)
 from schedules.collector import collector_paused
 from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES, V_SHAPED
 
@@ -310,7 +316,7 @@ def search(
     # bounds, orders and traces they build are acyclic and die by reference count (a whole
     # 70B plan leaves a few hundred objects of cyclic garbage), and with it on, each worker
     # spent a twentieth of its time walking the caches it keeps.
-    pools = [ProcessPoolExecutor(max_workers=1, mp_context=_worker_context(), initializer=_start_worker,
+    pools = [ProcessPoolExecutor(max_workers=1, mp_context=worker_context(), initializer=start_worker,
                                  initargs=(layouts,)) for _ in range(workers)] if workers > 1 else None
 
     natural: list[int] = []  # each layout's place in ``Layout`` order: ties of bounds go by it
@@ -331,7 +337,7 @@ def search(
         for index, layout in enumerate(layouts):
             groups.setdefault(stages_key(layout), []).append(index)
         units = sorted(groups.values(), key=len, reverse=True)
-        run = functools.partial(_judge_places, reject, bound)
+        run = functools.partial(judge_places, reject, bound)
         results: list = [None] * len(layouts)
 
         def take(unit: list[int], values: list) -> None:
@@ -340,7 +346,7 @@ def search(
 
         if pools is None:
             for unit in units:
-                take(unit, _each_of(functools.partial(judge, reject, bound), [layouts[index] for index in unit]))
+                take(unit, each_of(functools.partial(judge, reject, bound), [layouts[index] for index in unit]))
             return results
         queue = deque(units)
         running = {}
@@ -400,7 +406,7 @@ def search(
             # submission once the next bound cannot reach the top: every later one is larger.
             in_flight: deque = deque()
             exhausted = False
-            feeder = _Feeder(refine, pools, waiting, seconds) if refine is not None and pools is not None else None
+            feeder = Feeder(refine, pools, waiting, seconds) if refine is not None and pools is not None else None
             while in_flight or (position < len(order) and not exhausted):
                 while position < len(order) and len(in_flight) < window:
                     if len(fitting) >= top and bounds[order[position]] >= fitting[top - 1]:
@@ -443,7 +449,7 @@ def search(
             if refine is not None and rows:
                 chosen = finalists(rows, top)
                 if feeder is None:
-                    found = _each_of(refine, chosen)
+                    found = each_of(refine, chosen)
                 else:
                     feeder.want(chosen)
                     found = feeder.results(chosen)
@@ -502,60 +508,6 @@ def _refined(rows: list[dict], chosen: list[Layout], found: list[dict], others: 
     return exact + [{**row, "screened": True} for row in rows[count:]], count
 
 
-class _Feeder:
-    """The finalists' exact evaluations, each handed to a worker as it runs out of work.
-
-    What they cost is not known before (a cost-aware order's full search can take ten
-    times its screen), so none is assigned ahead: whenever a worker has nothing left, it
-    gets the next group, the heaviest first by what screening took. Finalists that differ
-    only in their ZeRO stage go together (they share their order and its lowering). The
-    finalists may be asked for while screens are still in flight (``want``, again as
-    rows come in): one that drops out before it is handed over is never evaluated, one
-    that drops out after was evaluated for nothing, which changes no result."""
-
-    def __init__(self, refine: Callable[[Layout], dict], pools: list, waiting: list[list],
-                 seconds: dict[Layout, float]) -> None:
-        self.refine, self.pools, self.waiting, self.seconds = refine, pools, waiting, seconds
-        self.queue: list[list[Layout]] = []  # groups not yet handed over, heaviest first
-        self.handed: dict[Layout, tuple] = {}  # finalist -> (its group's future, its place in it)
-        self.running: list = [None] * len(pools)  # per worker, the future of the group it has
-
-    def want(self, chosen: list[Layout]) -> None:
-        """The finalists are ``chosen`` as far as is known now."""
-        groups: dict[Layout, list[Layout]] = {}
-        for layout in chosen:
-            if layout not in self.handed:
-                groups.setdefault(layout._replace(zero=0), []).append(layout)
-        self.queue = sorted(groups.values(), key=lambda group: -sum(self.seconds.get(layout, 0.0)
-                                                                     for layout in group))
-        self._hand_over()
-
-    def run_until(self, future) -> None:
-        """Hand groups to workers that run out of work until ``future`` is done."""
-        while not future.done():
-            pending = [other for futures in self.waiting for other in futures if not other.done()]
-            wait([*pending, *(group for group in self.running if group is not None)], return_when=FIRST_COMPLETED)
-            self._hand_over()
-
-    def results(self, chosen: list[Layout]) -> list[dict]:
-        """The exact rows of ``chosen`` (all wanted), once every one is in."""
-        while self.queue:
-            wait([group for group in self.running if group is not None], return_when=FIRST_COMPLETED)
-            self._hand_over()
-        return [self.handed[layout][0].result()[self.handed[layout][1]] for layout in chosen]
-
-    def _hand_over(self) -> None:
-        for worker, pool in enumerate(self.pools):
-            if not self.queue:
-                return
-            idle = (self.running[worker] is None or self.running[worker].done()) \
-                and all(future.done() for future in self.waiting[worker])
-            if idle:
-                group = self.queue.pop(0)
-                self.running[worker] = pool.submit(_each_of, self.refine, group)
-                self.handed.update({layout: (self.running[worker], index) for index, layout in enumerate(group)})
-
-
 def order_key(layout: Layout) -> tuple[str, int, int, int]:
     """What a layout's order is built from besides its costs: schedule, pp, chunks,
     microbatches. Finer than the placement: the few hundred layouts simulated crowd into a
@@ -569,50 +521,6 @@ def stages_key(layout: Layout) -> tuple[int, int, int]:
     layouts alike in these share their stages' costs whatever their placement on the
     ranks (V or looped), and nothing costlier with other layouts."""
     return layout.pp * layout.virtual_stages, layout.tp, layout.microbatch_size
-
-
-def judge(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout], float],
-          layout: Layout) -> tuple[str | None, float | None]:
-    """The layout's cause to be rejected before simulation, or None and its lower bound."""
-    cause = reject(layout) if reject is not None else None
-    return (cause, None) if cause is not None else (None, bound(layout))
-
-
-_WORKER_LAYOUTS: list[Layout] = []  # in a worker: the layouts of the search it serves
-
-
-def _start_worker(layouts: list[Layout]) -> None:
-    """A worker's start: the collector off (``search``) and the search's layouts kept, so
-    that the first pass names them by their places (with fork, given without pickling)."""
-    gc.disable()
-    _WORKER_LAYOUTS[:] = layouts
-
-
-def _judge_places(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout], float],
-                  places: list[int]) -> list[tuple[str | None, float | None]]:
-    """``judge`` of the worker's layouts at ``places``, in turn."""
-    return [judge(reject, bound, _WORKER_LAYOUTS[place]) for place in places]
-
-
-def _each_of(function: Callable[[Layout], object], layouts: list[Layout]) -> list:
-    """``function`` of each of ``layouts``, in turn (in one worker)."""
-    return [function(layout) for layout in layouts]
-
-
-def timed(function: Callable[[Layout], dict], layout: Layout) -> tuple[dict, float]:
-    """``function(layout)`` and the seconds it took."""
-    started = time.perf_counter()
-    row = function(layout)
-    return row, time.perf_counter() - started
-
-
-def _worker_context():
-    """Forked workers where the platform has fork: they inherit the caller's loaded job
-    (``plan``'s parsed flags, topology and routes) instead of re-reading it, and functions
-    are found by name. Elsewhere the platform's default."""
-    if "fork" in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("fork")
-    return multiprocessing.get_context()
 
 
 def pareto_front(rows: list[dict], x: str = "peak_memory_bytes", y: str = "tokens_per_second") -> list[dict]:
@@ -631,14 +539,6 @@ def layout_fields(layout: Layout) -> dict:
 
 
 LAYOUT_FIELDS = Layout._fields
-
-
-def default_workers() -> int:
-    """Worker processes: the CPUs this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def terminal_progress(label: str) -> Callable[[int, int], None] | None:
