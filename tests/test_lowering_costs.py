@@ -17,7 +17,7 @@ from schedules.generators import MULTI_CHUNK, ScheduleUnavailableError, generate
 from schedules.lowering import _timed, lower, planning_timing
 from schedules.p2p import BUFFERED, RENDEZVOUS
 from schedules.placement_search import RULES, Search
-from schedules.transfer_placement import transfers_of
+from schedules.transfer_placement import Transfers, transfers_of
 from schedules.validate import validate
 
 # dualpipev included: an overlapped pair is one step in free-flowing timing too (both
@@ -78,10 +78,24 @@ def test_any_costs_give_rendezvous_safe_programs(name, pp, data, forward, backwa
     validate(lowered, RENDEZVOUS)
 
 
-@settings(max_examples=40, deadline=None)
-@given(name=st.sampled_from(NAMES), pp=st.integers(2, 5), data=st.data(), forward=seconds,
-       backward_input=seconds, backward_weight=st.one_of(st.just(0.0), seconds),
-       hop=st.floats(0.0, 3.0, allow_nan=False), rule=st.integers(0, len(RULES) - 1))
+def rule_cases(test):
+    """A drawn schedule (``drawn_schedule``), chain costs, hop and placement rule: the
+    cases of the tests of single rules."""
+    return settings(max_examples=40, deadline=None)(given(
+        name=st.sampled_from(NAMES), pp=st.integers(2, 5), data=st.data(), forward=seconds,
+        backward_input=seconds, backward_weight=st.one_of(st.just(0.0), seconds),
+        hop=st.floats(0.0, 3.0, allow_nan=False), rule=st.integers(0, len(RULES) - 1))(test))
+
+
+def rule_search(schedule, step_timing: engine.StepTiming) -> tuple[Search, Transfers]:
+    """Lowering's search of ``schedule`` under ``step_timing`` and its transfers, built
+    as ``lower`` builds them."""
+    step, free_start = _timed(schedule, planning_timing(step_timing))
+    transfers = transfers_of(step, step_timing)
+    return Search(schedule, transfers, step_timing, free_start), transfers
+
+
+@rule_cases
 def test_every_rule_places_rendezvous_safe_programs(name, pp, data, forward, backward_input, backward_weight, hop,
                                                      rule):
     """Each placement rule on its own, not only the one lowering keeps: its moments lie
@@ -90,19 +104,15 @@ def test_every_rule_places_rendezvous_safe_programs(name, pp, data, forward, bac
     if schedule is None:
         return
     step_timing = chain_timing(schedule, forward, backward_input, backward_weight, hop)
-    step, free_start = _timed(schedule, planning_timing(step_timing))
-    transfers = transfers_of(step, step_timing)
+    search, transfers = rule_search(schedule, step_timing)
     moments, mind_the_consumer = RULES[rule][0](transfers), RULES[rule][1]
     assert (transfers.ready <= moments).all() and (moments <= transfers.needed).all()
-    attempt = Search(schedule, transfers, step_timing, free_start).attempt(moments, mind_the_consumer)
+    attempt = search.attempt(moments, mind_the_consumer)
     validate(attempt.lowered, RENDEZVOUS)
     assert np.isfinite(attempt.score[0])
 
 
-@settings(max_examples=40, deadline=None)
-@given(name=st.sampled_from(NAMES), pp=st.integers(2, 5), data=st.data(), forward=seconds,
-       backward_input=seconds, backward_weight=st.one_of(st.just(0.0), seconds),
-       hop=st.floats(0.0, 3.0, allow_nan=False), rule=st.integers(0, len(RULES) - 1))
+@rule_cases
 def test_a_placement_timed_as_rows_is_timed_as_its_schedule(name, pp, data, forward, backward_input,
                                                             backward_weight, hop, rule):
     """Lowering times its candidate placements as rows, without building their Actions
@@ -111,20 +121,15 @@ def test_a_placement_timed_as_rows_is_timed_as_its_schedule(name, pp, data, forw
     schedule = drawn_schedule(name, pp, data)
     if schedule is None:
         return
-    step_timing = chain_timing(schedule, forward, backward_input, backward_weight, hop)
-    step, free_start = _timed(schedule, planning_timing(step_timing))
-    transfers = transfers_of(step, step_timing)
-    attempt = Search(schedule, transfers, step_timing, free_start).attempt(RULES[rule][0](transfers), RULES[rule][1])
-    built = engine.run(attempt.lowered, step_timing, RENDEZVOUS)
+    search, transfers = rule_search(schedule, chain_timing(schedule, forward, backward_input, backward_weight, hop))
+    attempt = search.attempt(RULES[rule][0](transfers), RULES[rule][1])
+    built = engine.run(attempt.lowered, search.timing, RENDEZVOUS)
     for moments in ("ready", "start", "end", "posted", "departed", "arrival", "group_start", "group_done",
                     "rank_done"):
         np.testing.assert_array_equal(getattr(attempt.run, moments), getattr(built, moments), err_msg=moments)
 
 
-@settings(max_examples=40, deadline=None)
-@given(name=st.sampled_from(NAMES), pp=st.integers(2, 5), data=st.data(), forward=seconds,
-       backward_input=seconds, backward_weight=st.one_of(st.just(0.0), seconds),
-       hop=st.floats(0.0, 3.0, allow_nan=False), rule=st.integers(0, len(RULES) - 1))
+@rule_cases
 def test_one_untimed_rule_is_safe_and_no_faster_than_the_chosen_one(name, pp, data, forward, backward_input,
                                                                     backward_weight, hop, rule):
     """``lower(..., rule=r)`` (a planner's screen) places by that rule alone: the same
@@ -136,9 +141,8 @@ def test_one_untimed_rule_is_safe_and_no_faster_than_the_chosen_one(name, pp, da
     step_timing = chain_timing(schedule, forward, backward_input, backward_weight, hop)
     screened = lower(schedule, step_timing, rule=rule)
     validate(screened, RENDEZVOUS)
-    step, free_start = _timed(schedule, planning_timing(step_timing))
-    transfers = transfers_of(step, step_timing)
-    attempt = Search(schedule, transfers, step_timing, free_start).attempt(RULES[rule][0](transfers), RULES[rule][1])
+    search, transfers = rule_search(schedule, step_timing)
+    attempt = search.attempt(RULES[rule][0](transfers), RULES[rule][1])
     assert (screened.programs, screened.joins) == (attempt.lowered.programs, attempt.lowered.joins)
     chosen = engine.run(lower(schedule, step_timing), step_timing, RENDEZVOUS).makespan
     assert engine.run(screened, step_timing, RENDEZVOUS).makespan >= chosen * (1 - 1e-12)
