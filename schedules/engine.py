@@ -234,8 +234,7 @@ def compile_program(schedule: Schedule, semantics: str) -> EngineProgram:
     """The schedule's programs as the engine walks them under ``semantics`` (kept with
     the schedule). ``free`` reads only the compute actions; the others need a lowered
     schedule."""
-    if semantics not in SEMANTICS_CODES:
-        raise ValueError(f"unknown P2P semantics {semantics!r}: use one of {', '.join(SEMANTICS_CODES)}")
+    _require_semantics(semantics)
     return schedule.derived(f"engine_program:{semantics}", lambda owner: _compile(program_arrays(owner), semantics))
 
 
@@ -380,9 +379,13 @@ def compile_arrays(arrays: ProgramArrays, semantics: str) -> EngineProgram:
     timed as rows (``schedules.transfer_placement.LoweredRows``) before the one kept is
     built as a schedule. Overlapped pairs are read off the owning schedule's positions,
     so its rows must be that schedule's when it has any."""
+    _require_semantics(semantics)
+    return _compile(arrays, semantics)
+
+
+def _require_semantics(semantics: str) -> None:
     if semantics not in SEMANTICS_CODES:
         raise ValueError(f"unknown P2P semantics {semantics!r}: use one of {', '.join(SEMANTICS_CODES)}")
-    return _compile(arrays, semantics)
 
 
 def run_program(program: EngineProgram, timing: StepTiming) -> StepRun:

@@ -16,9 +16,9 @@ deterministic for a given schedule and timing.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
@@ -50,7 +50,7 @@ SCREEN_RULE = 0
 @dataclass
 class Attempt:
     """One placement and the engine's verdict on it. Its lowered schedule is built when
-    first asked for (``build``): of the dozens of placements a lowering times, it keeps one."""
+    first asked for (``build``, once): of the dozens of placements a lowering times, it keeps one."""
 
     moment: np.ndarray
     mind_the_consumer: bool
@@ -61,7 +61,7 @@ class Attempt:
     score: tuple[float, float]  # (makespan, total delay of compute against free-flowing transfers)
     run: engine.StepRun | None
 
-    @cached_property
+    @property
     def lowered(self) -> Schedule:
         return self.build()
 
@@ -90,9 +90,9 @@ class Search:
         starts = group_starts(ends, mind_the_consumer, breaks, joins)
         rows = lowered_rows(self.transfers, ends, starts)
 
+        @functools.cache
         def build() -> Schedule:
-            return keep_pairs_together(lowered_schedule(self.schedule, self.transfers, ends, starts, rows),
-                                       self.schedule)
+            return keep_pairs_together(lowered_schedule(self.schedule, self.transfers, rows), self.schedule)
 
         self.runs += 1
         if any(self.schedule.fused):
@@ -111,7 +111,8 @@ class Search:
         rule, mind_the_consumer = RULES[index]
         ends = place_ends(self.transfers, rule(self.transfers))
         starts = group_starts(ends, mind_the_consumer)
-        return keep_pairs_together(lowered_schedule(self.schedule, self.transfers, ends, starts), self.schedule)
+        rows = lowered_rows(self.transfers, ends, starts)
+        return keep_pairs_together(lowered_schedule(self.schedule, self.transfers, rows), self.schedule)
 
     def best_rule(self) -> Attempt:
         attempts = [self.attempt(rule(self.transfers), mind) for rule, mind in RULES]

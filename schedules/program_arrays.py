@@ -124,15 +124,8 @@ def keep_program_arrays(schedule: Schedule, rank: np.ndarray, stage: np.ndarray,
     from them (a generator, lowering): reading them back from hundreds of thousands of
     ``Action`` tuples would cost about as much as building the programs did. The rows are the programs' actions in
     order, rank after rank (``rank`` ascending); ``kind`` holds ``KIND_CODES``."""
-    return schedule.derived("program_arrays", lambda owner: _from_rows(owner, rank, stage, kind, microbatch))
-
-
-def program_arrays_of_rows(schedule: Schedule, rank: np.ndarray, stage: np.ndarray, kind: np.ndarray,
-                           microbatch: np.ndarray) -> ProgramArrays:
-    """Arrays of rows (in program order, rank after rank) that ``schedule``'s placement,
-    stages and microbatches describe, not kept with it: what lowering times its candidate
-    placements with before it builds the one it keeps."""
-    return _from_rows(schedule, rank, stage, kind, microbatch)
+    return schedule.derived("program_arrays",
+                            lambda owner: program_arrays_of_rows(owner, rank, stage, kind, microbatch))
 
 
 def _build(schedule: Schedule) -> ProgramArrays:
@@ -148,12 +141,15 @@ def _build(schedule: Schedule) -> ProgramArrays:
     stage = np.fromiter(map(itemgetter(0), flat), np.int64, count)
     microbatch = np.fromiter(map(itemgetter(2), flat), np.int64, count)
     rank = np.repeat(np.arange(len(programs), dtype=np.int64), lengths)
-    return _from_rows(schedule, rank, stage, kind, microbatch)
+    return program_arrays_of_rows(schedule, rank, stage, kind, microbatch)
 
 
-def _from_rows(schedule: Schedule, rank: np.ndarray, stage: np.ndarray, kind: np.ndarray,
-               microbatch: np.ndarray) -> ProgramArrays:
-    """The arrays of rows already in program order, rank after rank."""
+def program_arrays_of_rows(schedule: Schedule, rank: np.ndarray, stage: np.ndarray, kind: np.ndarray,
+                           microbatch: np.ndarray) -> ProgramArrays:
+    """The arrays of rows already in program order, rank after rank, that ``schedule``'s
+    placement, stages and microbatches describe; not kept with it (``keep_program_arrays``
+    keeps them): lowering times its candidate placements with them before it builds the
+    one it keeps."""
     rank_start = np.searchsorted(rank, np.arange(schedule.pp + 1)).astype(np.int64)
     position = np.arange(len(rank), dtype=np.int64) - rank_start[rank]
     return ProgramArrays(weakref.ref(schedule), rank.astype(np.int64, copy=False), stage.astype(np.int64, copy=False),

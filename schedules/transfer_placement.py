@@ -458,11 +458,8 @@ def lowered_rows(transfers: Transfers, ends: Ends, starts: np.ndarray) -> Lowere
     return LoweredRows(count, order, rank, *rows, joined, stage, kind, microbatch)
 
 
-def lowered_schedule(schedule: Schedule, transfers: Transfers, ends: Ends, starts: np.ndarray,
-                     rows: LoweredRows | None = None) -> Schedule:
-    """The lowered programs (``lowered_rows``, or ``rows`` already found for them) as a
-    schedule, with its arrays kept."""
-    rows = rows or lowered_rows(transfers, ends, starts)
+def lowered_schedule(schedule: Schedule, transfers: Transfers, rows: LoweredRows) -> Schedule:
+    """The lowered programs of ``rows`` (``lowered_rows``) as a schedule, with its arrays kept."""
     program = transfers.step.program
     # the actions: compute ones as the schedule has them, each end built from its transfer
     # (held in object arrays: reordering hundreds of thousands of them is then one gather)

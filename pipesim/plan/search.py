@@ -319,20 +319,20 @@ def search(
     pools = [ProcessPoolExecutor(max_workers=1, mp_context=worker_context(), initializer=start_worker,
                                  initargs=(layouts,)) for _ in range(workers)] if workers > 1 else None
 
-    natural: list[int] = []  # each layout's place in ``Layout`` order: ties of bounds go by it
+    def natural_places() -> list[int]:
+        """Each layout's place in ``Layout`` order: ties of bounds go by it."""
+        places = [0] * len(layouts)
+        for place, index in enumerate(sorted(range(len(layouts)), key=layouts.__getitem__)):
+            places[index] = place
+        return places
 
-    def natural_places() -> None:
-        if not natural:
-            natural[:] = [0] * len(layouts)
-            for place, index in enumerate(sorted(range(len(layouts)), key=layouts.__getitem__)):
-                natural[index] = place
-
-    def judge_all() -> list[tuple[str | None, float | None]]:
+    def judge_all() -> tuple[list[tuple[str | None, float | None]], list[int]]:
         """``judge`` of every layout (in order), the layouts alike in ``stages_key`` in turn
         on one worker (their stages' costs derived there once), the largest groups first,
         each to the first worker that is free: groups of very different cost balance over
         the workers this way. A worker is sent the layouts' places in ``layouts``, which
-        it was given when it started (unpickling 18,000 layouts cost a tenth of the pass)."""
+        it was given when it started (unpickling 18,000 layouts cost a tenth of the pass).
+        With them, ``natural_places``, sorted while the workers judge."""
         groups: dict = {}
         for index, layout in enumerate(layouts):
             groups.setdefault(stages_key(layout), []).append(index)
@@ -346,8 +346,8 @@ def search(
 
         if pools is None:
             for unit in units:
-                take(unit, each_of(functools.partial(judge, reject, bound), [layouts[index] for index in unit]))
-            return results
+                take(unit, [judge(reject, bound, layouts[index]) for index in unit])
+            return results, natural_places()
         queue = deque(units)
         running = {}
         # two units on each worker: the next one waits there while one runs, so a worker
@@ -356,7 +356,7 @@ def search(
         for pool in [*pools, *pools][:len(queue)]:
             unit = queue.popleft()
             running[pool.submit(run, unit)] = (unit, pool)
-        natural_places()  # while the workers judge
+        natural = natural_places()  # while the workers judge
         while running:
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in done:
@@ -365,7 +365,7 @@ def search(
                 if queue:
                     following = queue.popleft()
                     running[pool.submit(run, following)] = (following, pool)
-        return results
+        return results, natural
 
     owners: dict[tuple, int] = {}  # order -> its worker
     waiting: list[list] = [[] for _ in range(workers)]  # per worker, its submitted futures not yet seen done
@@ -388,8 +388,7 @@ def search(
         try:
             # the memory floor and the bound of every layout in one pass over the workers, layouts
             # alike in ``stages_key`` together (their stages' costs derived once)
-            judged = judge_all()
-            natural_places()
+            judged, natural = judge_all()
             kept = []
             for index, (cause, _) in enumerate(judged):
                 if cause is None:
