@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 import tomllib
 
@@ -128,6 +129,24 @@ def test_lower_bound_holds_for_every_schedule_across_nodes(schedule):
             checked += 1
             assert plan_command.lower_bound(layout) <= row["step_time"] * (1 + 1e-9), layout.label()
     assert checked >= 8
+
+
+def test_under_zero2_the_bound_holds_the_dp_streams_reductions_when_they_decide_the_step():
+    # A 1.3B model on 256-token sequences with its dp groups across two InfiniBand nodes
+    # (tp-pp-dp): under ZeRO-2 every microbatch's gradient is reduce-scattered, one at a
+    # time on a rank's dp stream, and they take longer than the rank's compute. The bound
+    # holds at least the busiest rank's reductions as the simulation runs them, while the
+    # compute terms alone (the ZeRO-1 bound of the same layout) stay below them.
+    plan_command._init_worker(Job(model="gpt3-1.3b", topology="ib", nodes=2, seq_len=256, rank_order="tp-pp-dp"))
+    for schedule, chunks in (("1f1b", 1), ("zb-h1", 1), ("zbv", 2)):
+        layout = Layout(schedule, 2, 1, 8, chunks, 1, 16, "none", 2)
+        step = plan_command.evaluate_layout(layout)["step_time"]
+        columns = simulate_job(plan_command.layout_job(layout)).trace.columns
+        reductions = columns.on_stream("dp") & (columns.kind == columns.kind_code("REDUCE_SCATTER_DP"))
+        busiest = max(np.bincount(columns.rank[reductions], weights=(columns.end - columns.start)[reductions]))
+        bound = plan_command.lower_bound(layout)
+        assert busiest <= bound <= step * (1 + 1e-9), layout.label()
+        assert plan_command.lower_bound(layout._replace(zero=1)) < busiest, layout.label()
 
 
 def test_pruning_keeps_the_same_top(small_model_worker):

@@ -90,6 +90,25 @@ def test_zero2_reduce_scatters_every_backward_then_gathers_after_the_optimizer()
     assert comm["dp"]["total"] == pytest.approx(15e-3)
 
 
+@pytest.mark.parametrize("zero,layers,expected", [
+    (0, 0, 10e-3),  # all-reduced: S at 10 GB/s over two ranks, 4 + 4 + 2 ms
+    (1, 0, 5e-3),  # reduce-scattered: S/2, 2 + 2 + 1 ms
+    (2, 0, 5e-3),  # the same buckets, reduced once per backward
+    (3, 4, 5e-3),  # one per layer: 4 x 25 MB, 1.25 ms each
+])
+def test_one_backwards_gradient_reduction_is_its_buckets_collectives_by_hand(zero, layers, expected):
+    from pipesim.cluster.mapping import map_ranks
+    from pipesim.sim.parallel import comm_plan, gradient_reduction_seconds
+
+    costs, topology = one_stage(layers=layers), topology_from_dict(PAIR)
+    schedule, mapping = generate("1f1b", 1, 2), map_ranks(topology, dp=2)
+    seconds = gradient_reduction_seconds(schedule, costs, topology, mapping, 40 * MB, zero=zero)
+    assert seconds == pytest.approx({0: expected})
+    # what the simulation charges per backward (comm_plan's buckets), summed
+    plan = comm_plan(schedule, costs, topology, mapping, bucket_bytes=40 * MB, zero=zero)
+    assert plan.dp_seconds == pytest.approx(seconds)
+
+
 def test_zero3_gathers_every_layer_before_forward_and_backward_with_prefetch():
     # 100 MB in 4 layers of 25 MB: a layer's gather takes 25 MB / 2 / 10 GB/s = 1.25 ms and
     # so does its reduce-scatter. Forward: 1 ms per layer, so the first gather is waited

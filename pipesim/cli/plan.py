@@ -24,7 +24,16 @@ from pipesim.cli.options import add_memory_headroom_arg
 from pipesim.cluster.gpus import GPUS
 from pipesim.job import Job, costs_of, parallel_of, schedule_of, throughput_figures, topology_of
 from pipesim.model.costs import parameter_figures
-from pipesim.plan.bounds import bound_of, busy_terms, floor_of, stash_floor, static_floor, with_tail
+from pipesim.plan.bounds import (
+    Reductions,
+    bound_of,
+    busy_terms,
+    floor_of,
+    reductions_of,
+    stash_floor,
+    static_floor,
+    with_tail,
+)
 from pipesim.plan.search import (
     Layout,
     SearchSpace,
@@ -36,7 +45,7 @@ from pipesim.plan.search import (
     terminal_progress,
 )
 from pipesim.plan.workers import default_workers
-from pipesim.sim.zero import ZERO_STAGES, gathers_after_optimizer, gathers_per_layer
+from pipesim.sim.zero import ZERO_STAGES, gathers_after_optimizer, gathers_per_layer, reduces_every_backward
 from schedules.collector import without_collector
 from schedules.generators import SCHEDULE_NAMES, V_SHAPED, splits_backward
 
@@ -246,8 +255,9 @@ def _init_worker(base: Job) -> None:
     _PARAMETER_GATHERS.clear()
     _STATIC_FLOORS.clear()
     for cache in (_layout_costs, _placed_costs, _placed_job, _placement_shell, _shell, _layout_parallel, _bound,
-                  _bound_terms, _busy_terms, _overlaps_pairs, _tp_holds, _route_seconds, _floor_cause, _floors,
-                  _parameter_figures, _stash_floor, _pipeline_devices, _usable_memory, _lowered_for, _ordered_by_costs):
+                  _bound_terms, _reductions, _busy_terms, _overlaps_pairs, _tp_holds, _route_seconds, _floor_cause,
+                  _floors, _parameter_figures, _stash_floor, _pipeline_devices, _usable_memory, _lowered_for,
+                  _ordered_by_costs):
         cache.cache_clear()  # they kept the job set up before
 
 
@@ -345,7 +355,27 @@ def _bound(costs_key: CostsKey, zero: int, microbatches: int, split_backward: bo
     # ZeRO enters the bound only through these two: stages 1 and 2 share their terms
     flags = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
     terms = _bound_terms(costs_key, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, flags)
-    return bound_of(terms, microbatches, split_backward)
+    reductions = _reductions(costs_key, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes,
+                             parallel.zero, parallel.overlap_dp)
+    return bound_of(terms, microbatches, split_backward, reductions)
+
+
+@functools.lru_cache(maxsize=8192)
+def _reductions(costs_key: CostsKey, rank_order: str, algorithm: str, bucket_bytes: float, zero: int,
+                overlap_dp: bool) -> Reductions | None:
+    """``pipesim.plan.bounds.Reductions`` of the layouts whose costs ``costs_key`` names
+    under ZeRO ``zero`` (None where the dp stream cannot raise the bound), kept: every
+    schedule of a placement and every microbatch count share them."""
+    every_backward = reduces_every_backward(zero)
+    after_compute = not overlap_dp and not every_backward
+    if not (every_backward or after_compute):
+        return None
+    from pipesim.sim.parallel import gradient_reduction_seconds  # only here: an import runs slowly per call
+
+    seconds = gradient_reduction_seconds(_placement_shell(costs_key.placement), _placed_costs(*costs_key),
+                                         _BASE["topology"], _mapping(costs_key, rank_order), bucket_bytes, algorithm,
+                                         zero)
+    return reductions_of(costs_key.placement, seconds, every_backward, after_compute)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -422,7 +452,8 @@ def _mapping(costs_key: CostsKey, rank_order: str):
     what the bounds' collectives are priced on."""
     from pipesim.cluster.mapping import map_ranks
 
-    return map_ranks(_BASE["topology"], costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp)
+    return map_ranks(_BASE["topology"], costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp,
+                     costs_key.ep)
 
 
 @functools.lru_cache(maxsize=65536)

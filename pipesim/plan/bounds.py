@@ -18,7 +18,8 @@ from pipesim.model.costs import Costs
 
 def step_lower_bound(costs: Costs, placement: Sequence[int], microbatches: int, split_backward: bool,
                      holds: dict[tuple[int, str], float], gather_seconds: dict[int, float],
-                     hop: Callable[[int, int], float], overlapped_pairs: bool = False) -> float:
+                     hop: Callable[[int, int], float], overlapped_pairs: bool = False,
+                     reductions: Reductions | None = None) -> float:
     """A step time no order of a schedule with this ``placement`` can beat.
 
     For each pipeline rank r (whose lowest stage is stage r under both the looped and the
@@ -35,13 +36,45 @@ def step_lower_bound(costs: Costs, placement: Sequence[int], microbatches: int, 
       has to cross stages r-1..0; with a split backward the weight gradients may come
       last, so nothing is added;
     - then the optimizer step and, under ZeRO-1 and 2, the parameter all-gathers
-      (``gather_seconds``) of the rank that ends the step.
+      (``gather_seconds``) of the rank that ends the step;
+    - and the rank's one dp stream (``reductions``): the optimizer step waits for its
+      last gradient reduction, and the reductions run one at a time. Under ZeRO-2 and 3
+      every microbatch's backward is reduced, none before the rank's first forward can
+      start (its fill), so the stream holds ``microbatches`` reductions of the rank's
+      stages after the fill; without overlap a once-per-step reduction waits for the
+      rank's last action.
     With overlapped forward-backward pairs of a given cost (``overlap_fb``) the pair may
     undercut F + B: only the step's tail is certain."""
     if overlapped_pairs:
         return costs.step_overhead
     return bound_of(with_tail(busy_terms(costs, placement, holds, hop), costs, placement, gather_seconds),
-                    microbatches, split_backward)
+                    microbatches, split_backward, reductions)
+
+
+@dataclass(frozen=True)
+class Reductions:
+    """What a rank's dp stream must carry in a step, for ``step_lower_bound``: per pipeline
+    rank, one reduction of its stages' gradients (every bucket,
+    ``pipesim.sim.parallel.gradient_reduction_seconds``), reduced after every
+    microbatch's backward (``every_backward``: ZeRO-2 and 3) or once, and then whether
+    only after the rank's last action (``after_compute``: no overlap with the backward)."""
+
+    per_rank: tuple[float, ...]
+    every_backward: bool
+    after_compute: bool
+
+
+def reductions_of(placement: Sequence[int], stage_seconds: dict[int, float], every_backward: bool,
+                  after_compute: bool) -> Reductions | None:
+    """``Reductions`` of the stages' one-backward reduction seconds, added per rank in stage
+    order; None where they cannot raise the bound (reduced once, overlapping the backward:
+    the stream's work then fits in the step's compute)."""
+    if not stage_seconds or not (every_backward or after_compute):
+        return None
+    per_rank = [0.0] * (max(placement) + 1)
+    for stage, rank in enumerate(placement):
+        per_rank[rank] += stage_seconds.get(stage, 0.0)
+    return Reductions(tuple(per_rank), every_backward, after_compute)
 
 
 @dataclass(frozen=True)
@@ -98,16 +131,25 @@ def with_tail(terms: BoundTerms, costs: Costs, placement: Sequence[int],
     return BoundTerms(terms.work, terms.fill, terms.drain, tuple(costs.step_overhead + seconds for seconds in tail))
 
 
-def bound_of(terms: BoundTerms, microbatches: int, split_backward: bool) -> float:
+def bound_of(terms: BoundTerms, microbatches: int, split_backward: bool,
+             reductions: Reductions | None = None) -> float:
     """``step_lower_bound`` from its terms: the largest over ranks of fill + every
-    microbatch's work + tail, and without a split backward the drain back to stage 0
-    before rank 0's tail."""
+    microbatch's work + tail, without a split backward the drain back to stage 0
+    before rank 0's tail, and the fill + the dp stream's reductions + tail."""
     busy = [microbatches * work for work in terms.work]  # one list pass per term: a plan bounds many layouts
     ends = [0.0] + [fill + work + tail for fill, work, tail in zip(terms.fill, busy, terms.tail, strict=True)]
     if not split_backward:
         first_tail = terms.tail[0]
         ends += [fill + work + drain + first_tail
                  for fill, work, drain in zip(terms.fill[1:], busy[1:], terms.drain[1:], strict=True)]
+    if reductions is not None:
+        if reductions.every_backward:  # every microbatch's, one after another, none before the fill
+            ends += [fill + microbatches * reduce + tail
+                     for fill, reduce, tail in zip(terms.fill, reductions.per_rank, terms.tail, strict=True)]
+        else:  # once, after the rank's last action
+            ends += [fill + work + reduce + tail
+                     for fill, work, reduce, tail in zip(terms.fill, busy, reductions.per_rank, terms.tail,
+                                                         strict=True)]
     return max(ends)
 
 

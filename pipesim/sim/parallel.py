@@ -63,7 +63,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from pipesim.cluster.collectives import all_gather, all_reduce, bucket_sizes, reduce_scatter
+from pipesim.cluster.collectives import all_gather, all_reduce, reduce_scatter
 from pipesim.cluster.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.cluster.twins import boundary_rank_pairs, twin_transfers
@@ -166,24 +166,17 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
     gather_seconds: dict[int, tuple[float, ...]] = {}
     gather_hold, action_gathers = layer_gathers(schedule, costs, topology, mapping) if gathers_per_layer(zero) \
         else ({}, {})
+    reduction = gradient_reduction(zero, algorithm)
     for stage, cost in enumerate(costs.stages):
         group = _dp_group(schedule, stage, mapping)
         if group is None or cost.param_bytes <= 0:
             continue
         experts = _expert_gradients(schedule, stage, cost, mapping)
-        if gathers_per_layer(zero):  # one reduce-scatter per layer
-            units = gather_units(cost.layers)
-            sizes = (cost.param_bytes / units,) * units
-        else:
-            sizes = bucket_sizes(cost.param_bytes, bucket_bytes)
+        sizes = tuple(size for size, count in gradient_buckets(cost, zero, bucket_bytes) for _ in range(count))
         # a stage has thousands of buckets but at most two sizes (full, and the rest): price each size once
-        if zero:
-            reduce = _per_bucket(sizes, _split_over(experts, partial(reduce_scatter, topology), group))
-            if gathers_after_optimizer(zero):
-                gather_seconds[stage] = _per_bucket(sizes, _split_over(experts, partial(all_gather, topology), group))
-        else:
-            reduce = _per_bucket(sizes, _split_over(experts, partial(all_reduce, topology, algorithm=algorithm),
-                                                    group))
+        reduce = _per_bucket(sizes, _split_over(experts, partial(reduction, topology), group))
+        if gathers_after_optimizer(zero):
+            gather_seconds[stage] = _per_bucket(sizes, _split_over(experts, partial(all_gather, topology), group))
         if sum(reduce) > 0:
             bucket_bytes_of[stage] = sizes
             reduce_seconds[stage] = reduce
@@ -193,6 +186,48 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
                     ep_collective_seconds(schedule, costs, topology, mapping),
                     cp_collective_seconds(schedule, costs, topology, mapping, cp_comm), gather_hold=gather_hold,
                     gather_seconds=action_gathers)
+
+
+def gradient_reduction(zero: int, algorithm: str = "ring"):
+    """The collective a bucket of gradients is reduced with, ``(topology, group, bytes) ->
+    seconds``: an all-reduce (by ``algorithm``) without ZeRO, a reduce-scatter under any
+    ZeRO stage (each replica keeps the shard it updates)."""
+    return reduce_scatter if zero else partial(all_reduce, algorithm=algorithm)
+
+
+def gradient_buckets(cost: StageCost, zero: int, bucket_bytes: float) -> tuple[tuple[float, int], ...]:
+    """``(bytes, count)`` of the buckets a stage's gradient is reduced in, in reduction
+    order: one per layer under ZeRO-3 (each layer's gradient as its backward produces
+    it), else full buckets of ``bucket_bytes`` and the rest (``bucket_sizes``, without
+    listing a 70B stage's thousands)."""
+    if cost.param_bytes <= 0:
+        return ()
+    if gathers_per_layer(zero):
+        units = gather_units(cost.layers)
+        return ((cost.param_bytes / units, units),)
+    if not bucket_bytes > 0:
+        raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
+    full, rest = divmod(cost.param_bytes, bucket_bytes)
+    return tuple(run for run in ((bucket_bytes, int(full)), (rest, 1)) if run[0] > 0 and run[1])
+
+
+def gradient_reduction_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
+                               bucket_bytes: float = DDP_BUCKET_BYTES, algorithm: str = "ring",
+                               zero: int = 0) -> dict[int, float]:
+    """Each stage's reduction of one backward's gradients over its dp group, every bucket
+    (``comm_plan``'s ``dp_seconds``, priced per bucket size as it prices them): what a
+    planner's bound charges a rank's one dp stream, once per step or, under ZeRO-2 and
+    3, once per microbatch."""
+    reduction = gradient_reduction(zero, algorithm)
+
+    def total(stage: int, cost: StageCost) -> float | None:
+        if not _reduces(schedule, stage, mapping) or cost.param_bytes <= 0:
+            return None
+        return sum(count * _dp_collective(reduction, topology, mapping, schedule, stage, cost, size)
+                   for size, count in gradient_buckets(cost, zero, bucket_bytes))
+
+    return {stage: seconds for stage, seconds in enumerate(_per_alike_stage(schedule, costs, total))
+            if seconds is not None}
 
 
 def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping
@@ -332,14 +367,8 @@ def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topolog
     def total(stage: int, cost: StageCost) -> float | None:
         if not _reduces(schedule, stage, mapping) or cost.param_bytes <= 0:
             return None
-        if not bucket_bytes > 0:
-            raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
-        full, rest = divmod(cost.param_bytes, bucket_bytes)  # bucket_sizes' buckets, without listing them
-        seconds = _dp_collective(all_gather, topology, mapping, schedule, stage, cost,
-                                 bucket_bytes) * int(full) if full else 0.0
-        if rest > 0:
-            seconds += _dp_collective(all_gather, topology, mapping, schedule, stage, cost, rest)
-        return seconds
+        return sum(_dp_collective(all_gather, topology, mapping, schedule, stage, cost, size) * count
+                   for size, count in gradient_buckets(cost, 1, bucket_bytes))  # the ZeRO-1/2 buckets
 
     return {stage: seconds for stage, seconds in enumerate(_per_alike_stage(schedule, costs, total))
             if seconds is not None}
@@ -354,7 +383,7 @@ def _dp_collective(collective, topology: Topology, mapping: RankMapping, schedul
     thousands of replicas is long to list and to look up."""
     rank = schedule.placement[stage]
     experts = cost.expert_params / cost.params if mapping.ep > 1 and cost.expert_params and cost.params else 0.0
-    key = ("dp-collective", collective.__name__, mapping.dp, mapping.pp, mapping.tp, mapping.cp, mapping.ep,
+    key = ("dp-collective", _collective_name(collective), mapping.dp, mapping.pp, mapping.tp, mapping.cp, mapping.ep,
            mapping.order, rank, experts, num_bytes)
     seconds = topology.pace_cache.get(key)
     if seconds is None:
@@ -362,6 +391,14 @@ def _dp_collective(collective, topology: Topology, mapping: RankMapping, schedul
                             _dp_group(schedule, stage, mapping))
         seconds = topology.pace_cache[key] = share(num_bytes)
     return seconds
+
+
+def _collective_name(collective) -> tuple:
+    """What tells collectives apart in the pace cache: the function's name, and a
+    partial's keywords (the all-reduce's algorithm)."""
+    if isinstance(collective, partial):
+        return (collective.func.__name__, *sorted(collective.keywords.items()))
+    return (collective.__name__,)
 
 
 def _dp_group(schedule: Schedule, stage: int, mapping: RankMapping) -> list[str] | None:
