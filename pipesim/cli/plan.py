@@ -78,9 +78,11 @@ class CostsKey(NamedTuple):
 # Set per worker process by ``_init_worker``: the job every layout starts from and its
 # cluster, loaded once so its routes are computed once per process.
 _BASE: dict = {}
-# ``_parameter_gathers`` and ``_static_floor`` under what they read of the costs (a key
-# built from the costs, not their arguments, so no ``functools`` cache): emptied with the job.
+# ``_parameter_gathers``, ``_reductions`` and ``_static_floor`` under what they read of the
+# costs (a key built from the costs, not their arguments, so no ``functools`` cache): emptied
+# with the job.
 _PARAMETER_GATHERS: dict[tuple, dict[int, float]] = {}
+_REDUCTIONS: dict[tuple, Reductions | None] = {}
 _STATIC_FLOORS: dict[tuple, list[float]] = {}
 
 
@@ -253,6 +255,7 @@ def _init_worker(base: Job) -> None:
     _BASE["job"] = base
     _BASE["topology"] = topology_of(base)
     _PARAMETER_GATHERS.clear()
+    _REDUCTIONS.clear()
     _STATIC_FLOORS.clear()
     for cache in (_layout_costs, _placed_costs, _placed_job, _placement_shell, _shell, _layout_parallel, _bound,
                   _bound_terms, _reductions, _busy_terms, _overlaps_pairs, _tp_holds, _route_seconds, _floor_cause,
@@ -370,12 +373,20 @@ def _reductions(costs_key: CostsKey, rank_order: str, algorithm: str, bucket_byt
     after_compute = not overlap_dp and not every_backward
     if not (every_backward or after_compute):
         return None
-    from pipesim.sim.parallel import gradient_reduction_seconds  # only here: an import runs slowly per call
+    costs = _placed_costs(*costs_key)
+    # what the reductions read of the costs: each stage's parameters and layers (ZeRO-3 reduces
+    # per layer); the layouts of every microbatch size, recompute mode and sequence parallelism share them
+    key = (costs_key.placement, costs_key.dp, costs_key.pp, costs_key.tp, costs_key.cp, costs_key.ep, rank_order,
+           bucket_bytes, algorithm, zero, after_compute, _parameter_figures(costs_key),
+           tuple(stage.layers for stage in costs.stages))
+    reductions = _REDUCTIONS.get(key, _REDUCTIONS)
+    if reductions is _REDUCTIONS:
+        from pipesim.sim.parallel import gradient_reduction_seconds  # only here: an import runs slowly per call
 
-    seconds = gradient_reduction_seconds(_placement_shell(costs_key.placement), _placed_costs(*costs_key),
-                                         _BASE["topology"], _mapping(costs_key, rank_order), bucket_bytes, algorithm,
-                                         zero)
-    return reductions_of(costs_key.placement, seconds, every_backward, after_compute)
+        seconds = gradient_reduction_seconds(_placement_shell(costs_key.placement), costs, _BASE["topology"],
+                                             _mapping(costs_key, rank_order), bucket_bytes, algorithm, zero)
+        reductions = _REDUCTIONS[key] = reductions_of(costs_key.placement, seconds, every_backward, after_compute)
+    return reductions
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,10 +1,12 @@
 """Argument checks shared by the generators, so every generator refuses bad sizes
-with the same words."""
+with the same words, and what the searching ones share."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
+from typing import NamedTuple
 
 from schedules.action import Action
 
@@ -42,3 +44,25 @@ def chunk_visitor(pp: int, rank: int) -> Callable[[str, int], Action]:
         return Action(stage, kind, microbatch)
 
     return visit
+
+
+class Cutoff(NamedTuple):
+    """When a list scheduler's run can stop, in a search that keeps the fastest of several
+    (``greedy_zero_bubble``, ``zb_heuristic``): once its step must exceed ``step``, or a
+    rank's span (its first pass's start to its last pass's end) must exceed ``span``
+    (seconds; infinity: never). The run's times are the engine's free timing of its order,
+    so a rank that ends a pass at ``e`` with ``r`` seconds of passes left cannot end before
+    ``e + r``: past the cutoff, the run's order could not be chosen."""
+
+    step: float = math.inf
+    span: float = math.inf
+
+    def with_margin(self) -> tuple[float, float]:
+        """(step, span) raised by ``CUTOFF_MARGIN``: what a run's bounds are compared with."""
+        return self.step * (1.0 + CUTOFF_MARGIN), self.span * (1.0 + CUTOFF_MARGIN)
+
+
+# A run stops only where its bound exceeds the cutoff by this share: the bound sums a rank's
+# remaining seconds in another order than the engine sums the same passes, which can differ in
+# the last bits.
+CUTOFF_MARGIN = 1e-9

@@ -37,7 +37,14 @@ every rank's ``I`` passes can otherwise keep all stashes held while forwards wai
 with its weight passes moved where these costs leave gaps.
 
 Times are computed with the costs given, so the order is the one that runs as soon as
-possible under them: the engine's ``free`` timing of a fixed order (``schedules.engine``).
+possible under them: the engine's ``free`` timing of a fixed order (``schedules.engine``),
+moment for moment (``tests/test_zbv_auto.py`` holds every action's end to the engine's).
+
+A search that keeps the fastest of several runs can stop a run once it cannot win
+(``cutoff``): when a rank ends an action at ``e`` with ``r`` seconds of its passes still
+to run, its last pass cannot end before ``e + r``, so the step cannot be shorter, nor the
+rank's span (from its first pass's start) shorter than ``e + r`` less that start. A run
+stopped that way returns None, as one that cannot finish does.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import heapq
 from collections.abc import Sequence
 
 from schedules.action import Action, ActionKind
+from schedules.generators.common import Cutoff
 
 
 def greedy_orders(
@@ -58,15 +66,18 @@ def greedy_orders(
     memory_limit: int | Sequence[int],
     patient_weights: bool = False,
     warmup_cap: int | None = None,
-) -> list[list[Action]]:
+    cutoff: Cutoff | None = None,
+) -> list[list[Action]] | None:
     """Each rank's order of F, I and W, one stage per rank (stage = rank).
     ``memory_limit`` is one number for every rank or one per rank; ``warmup_cap``
-    bounds the stashes a rank may take before its first ``I``."""
+    bounds the stashes a rank may take before its first ``I``; None only where
+    ``cutoff`` stopped the run (one stage per rank never waits for room it cannot free)."""
     orders = placed_greedy_orders(tuple(range(pp)), microbatches, forward, backward_input, backward_weight, comm,
-                                  memory_limit, patient_weights=patient_weights, warmup_cap=warmup_cap)
-    if orders is None:  # pragma: no cover - one stage per rank never waits for room it cannot free
+                                  memory_limit, patient_weights=patient_weights, warmup_cap=warmup_cap, cutoff=cutoff)
+    if orders is None and cutoff is None:  # pragma: no cover - one stage per rank always finishes
         raise AssertionError("greedy scheduler left a stage unfinished")
     return orders
+
 
 
 def placed_greedy_orders(
@@ -83,12 +94,14 @@ def placed_greedy_orders(
     late_first: bool = True,
     follow: Sequence[Sequence[Action]] | None = None,
     free_first: bool = False,
+    cutoff: Cutoff | None = None,
 ) -> list[list[Action]] | None:
     """Each rank's order of F, I and W for stages placed on ranks by ``placement``
     (``placement[stage]`` is its rank), per-stage costs; None when the ranks wait on
     each other with no stash left to free (possible only without ``reserve_all``, or
-    with ``follow``). ``follow`` (each rank's order) fixes the order of every rank's
-    ``F`` and ``I`` passes as it has them, and the scheduler places the ``W`` passes."""
+    with ``follow``), or when ``cutoff`` stopped the run. ``follow`` (each rank's order)
+    fixes the order of every rank's ``F`` and ``I`` passes as it has them, and the
+    scheduler places the ``W`` passes."""
     pp = max(placement) + 1
     limits = [memory_limit] * pp if isinstance(memory_limit, int) else list(memory_limit)
     if min(limits) < 1:
@@ -102,7 +115,7 @@ def placed_greedy_orders(
                                               if action.kind != ActionKind.W] for program in follow]
     run = _Run(tuple(placement), microbatches, comm, limits, warmup_cap, late_first)
     _schedule(run, (tuple(forward), tuple(backward_input), tuple(backward_weight)), patient_weights, reserve_all,
-              free_first, sequences)
+              free_first, sequences, (cutoff or Cutoff()).with_margin())
     if any(count != microbatches for count in run.weights_done):
         return None
     return run.orders
@@ -145,7 +158,7 @@ class _Run:
 
 
 def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: bool, reserve_all: bool,
-              free_first: bool, sequences: list[list[tuple[int, bool]]] | None) -> None:
+              free_first: bool, sequences: list[list[tuple[int, bool]]] | None, cutoff: tuple[float, float]) -> None:
     """The event loop of the module's rules, filling ``run.orders``: each rank steps when
     it is free or something arrives for it, in (time, rank) order. One function with
     its tables in locals and the rules written out inline: the scheduler runs some 50
@@ -163,6 +176,11 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
     - a rank's room is kept as counts (``ahead``: the forwards its first stage has run
       beyond each later stage, summed; ``later_forwards``) instead of sums over its
       stages at every event.
+
+    ``cutoff`` is (step, span) with their margins; a rank's pass that ends later than
+    its ``bound`` less its remaining seconds stops the run (the loop returns with
+    stages unfinished): ``bound`` is the step's cutoff, or once the rank has started,
+    the lesser of it and its first start plus the span's.
     """
     placement, microbatches, limits, hop = run.placement, run.microbatches, run.limits, run.hop
     first, returning, priority, held_by = run.first, run.returning, run.priority, run.held_by
@@ -189,6 +207,12 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
     # per rank: a rank with none skips looking through its stages for one
     forwards_known = [microbatches if rank == placement[0] else 0 for rank in range(pp)]
     inputs_known = [0] * pp
+    # the seconds of each rank's passes not yet started (``cutoff``)
+    remaining = [microbatches * sum(forward_cost[stage] + input_cost[stage] + weight_cost[stage] for stage in owned)
+                 for owned in held_by]
+    step_cutoff, span_cutoff = cutoff
+    bound = [step_cutoff] * pp  # the rank's ``cutoff``, its span's once it starts
+    started = [False] * pp
     wakeups = [(0.0, rank) for rank in range(pp)]
     heapq.heapify(wakeups)
     heappush, heappop, new = heapq.heappush, heapq.heappop, tuple.__new__
@@ -265,6 +289,9 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
                     heappop(due)
                     microbatch = weights_done[stage]
                     end = now + weight_cost[stage]
+                    left = remaining[rank] = remaining[rank] - weight_cost[stage]
+                    if end + left > bound[rank]:
+                        return  # this order's step or span cannot beat the cutoff
                     orders[rank].append(new(Action, (stage, kind_w, microbatch)))
                     held[rank] -= 1
                     weights_done[stage] = microbatch + 1
@@ -275,9 +302,16 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
             # pass that becomes ready at ``next_input``: its input's arrival then, whose
             # wake-up was queued when it was sent, as this rank was not busy past it.)
             continue
+        if not started[rank]:  # the rank's first pass: its span counts from here
+            started[rank] = True
+            if now + span_cutoff < bound[rank]:
+                bound[rank] = now + span_cutoff
         if forward:
             microbatch = forwards_done[stage]
             end = now + forward_cost[stage]
+            left = remaining[rank] = remaining[rank] - forward_cost[stage]
+            if end + left > bound[rank]:
+                return  # this order's step or span cannot beat the cutoff
             orders[rank].append(new(Action, (stage, kind_f, microbatch)))
             held[rank] += 1
             forwards_done[stage] = microbatch + 1
@@ -303,6 +337,9 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
         else:
             microbatch = inputs_done[stage]
             end = now + input_cost[stage]
+            left = remaining[rank] = remaining[rank] - input_cost[stage]
+            if end + left > bound[rank]:
+                return  # this order's step or span cannot beat the cutoff
             orders[rank].append(new(Action, (stage, kind_i, microbatch)))
             rank_inputs[rank] += 1
             inputs_known[rank] -= 1

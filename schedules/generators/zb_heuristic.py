@@ -20,6 +20,10 @@ inputs allow, keeping its own clock:
 Memory is counted as the paper does: a forward takes one microbatch's activations, its
 ``I`` frees all but ``weight_memory`` of them, its ``W`` the rest. The paper tries the
 eight combinations of its three switches and keeps the best; so does ``zb_auto``.
+
+Every pass is placed at the earliest moment its stage and its input allow, so the times
+are the engine's free timing of the order, and a run can stop once its order cannot be
+chosen (``schedules.generators.common.Cutoff``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schedules.action import Action
+from schedules.generators.common import Cutoff
 
 _F, _I, _W = 0, 1, 2
 _KINDS = "FIW"
@@ -36,7 +41,7 @@ class _Placer:
     """One run of the heuristic: per stage its clock, counts, memory and bubble."""
 
     def __init__(self, pp: int, microbatches: int, costs: Sequence[Sequence[float]], comm: float,
-                 memory: Sequence[float], limit: float) -> None:
+                 memory: Sequence[float], limit: float, cutoff: Cutoff) -> None:
         self.pp, self.microbatches, self.costs, self.comm = pp, microbatches, costs, comm
         self.memory, self.limit = memory, limit
         self.clock = [0.0] * pp
@@ -44,6 +49,12 @@ class _Placer:
         self.held = [0.0] * pp
         self.bubble = [0.0] * pp
         self.end: dict[tuple[int, int, int], float] = {}
+        # each stage's seconds of passes not yet placed, and what its last pass may not end
+        # after (the step's cutoff, and from its first pass the span's too)
+        self.remaining = [microbatches * (forward + backward_input + backward_weight)
+                          for forward, backward_input, backward_weight in zip(*costs, strict=True)]
+        self.step_cutoff, self.span_cutoff = cutoff.with_margin()
+        self.bound = [self.step_cutoff] * pp
 
     def put(self, stage: int, kind: int) -> None:
         microbatch = self.count[stage][kind]
@@ -55,6 +66,11 @@ class _Placer:
             end = max(end, self.end[_I, stage + 1, microbatch] + self.comm + cost)
         if self.count[stage][_F]:
             self.bubble[stage] += end - (self.clock[stage] + cost)
+        elif kind == _F and microbatch == 0:  # the stage's first pass: its span starts here
+            self.bound[stage] = min(self.step_cutoff, end - cost + self.span_cutoff)
+        self.remaining[stage] -= cost
+        if end + self.remaining[stage] > self.bound[stage]:
+            raise _PastCutoffError
         self.clock[stage] = self.end[kind, stage, microbatch] = end
         self.held[stage] += self.memory[kind]
         self.count[stage][kind] += 1
@@ -76,14 +92,19 @@ class _Placer:
             self.put(stage, _W)
 
 
+class _PastCutoffError(Exception):
+    """A run stopped at its cutoff."""
+
+
 def heuristic_orders(pp: int, microbatches: int, forward: Sequence[float], backward_input: Sequence[float],
                      backward_weight: Sequence[float], comm: float, memory_limit: float, weight_memory: float,
-                     bubble_before_first_input: bool, prioritize_inputs: bool, fill_gaps: bool
-                     ) -> list[list[Action]] | None:
+                     bubble_before_first_input: bool, prioritize_inputs: bool, fill_gaps: bool,
+                     cutoff: Cutoff | None = None) -> list[list[Action]] | None:
     """Each rank's order under one setting of the three switches; None if the memory
-    limit cannot be kept."""
+    limit cannot be kept, or once the order cannot beat ``cutoff``."""
     costs = (forward, backward_input, backward_weight)
-    placer = _Placer(pp, microbatches, costs, comm, (1.0, -(1.0 - weight_memory), -weight_memory), memory_limit)
+    placer = _Placer(pp, microbatches, costs, comm, (1.0, -(1.0 - weight_memory), -weight_memory), memory_limit,
+                     cutoff or Cutoff())
     try:
         _warm_up(placer, bubble_before_first_input)
         for microbatch in range(1, microbatches):
@@ -91,8 +112,8 @@ def heuristic_orders(pp: int, microbatches: int, forward: Sequence[float], backw
         for stage in range(pp):
             while placer.count[stage][_W] < microbatches:
                 placer.put(stage, _W)
-    except (ValueError, KeyError):  # the limit cannot be kept, or a stage runs out of forwards to wait for
-        return None
+    except (ValueError, KeyError, _PastCutoffError):  # the limit cannot be kept, a stage runs out of forwards to wait
+        return None  # for, or the order cannot beat the cutoff
     orders = []
     for stage in range(pp):
         passes = sorted((placer.end[kind, stage, microbatch], kind, microbatch)
