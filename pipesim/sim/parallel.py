@@ -172,7 +172,9 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
         if group is None or cost.param_bytes <= 0:
             continue
         experts = _expert_gradients(schedule, stage, cost, mapping)
-        sizes = tuple(size for size, count in gradient_buckets(cost, zero, bucket_bytes) for _ in range(count))
+        sizes: tuple[float, ...] = ()
+        for size, count in gradient_buckets(cost, zero, bucket_bytes):  # at most two runs: tuples by run
+            sizes += (size,) * count
         # a stage has thousands of buckets but at most two sizes (full, and the rest): price each size once
         reduce = _per_bucket(sizes, _split_over(experts, partial(reduction, topology), group))
         if gathers_after_optimizer(zero):
