@@ -264,16 +264,28 @@ def _per_alike_stage(schedule: Schedule, costs: Costs, value_of: Callable[[int, 
     object and rank: it must read the stage only for its rank. ``model_costs`` shares one
     object between alike stages, so most of a deep model's stages on a rank are priced
     once, not each (a plan prices thousands of layouts' stages)."""
-    values: dict[tuple[int, int], T] = {}
-    per_stage = []
-    placement = schedule.placement
-    for stage, cost in enumerate(costs.stages):
-        key = (id(cost), placement[stage])  # ``costs`` keeps every object alive throughout
-        value = values.get(key, values)  # ``values`` itself: not priced yet
-        if value is values:
-            value = values[key] = value_of(stage, cost)
-        per_stage.append(value)
-    return per_stage
+    stages = costs.stages
+    firsts, index = _alike_stages(tuple(map(id, stages)), tuple(schedule.placement))
+    values = [value_of(stage, stages[stage]) for stage in firsts]
+    return list(map(values.__getitem__, index))
+
+
+@functools.lru_cache(maxsize=4096)
+def _alike_stages(objects: tuple[int, ...], placement: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """``_per_alike_stage``'s grouping, kept per stage objects and placement (a plan prices
+    the same costs on the same placement for several collectives and layouts): the first
+    stage of each (object, rank) pair in stage order, and each stage's pair by its place
+    among them. A pure function of the ids' pattern of equality, so an id that a later
+    object reuses cannot make it wrong."""
+    place: dict[tuple[int, int], int] = {}
+    firsts, index = [], []
+    for stage, key in enumerate(zip(objects, placement, strict=True)):
+        at = place.get(key)
+        if at is None:
+            at = place[key] = len(firsts)
+            firsts.append(stage)
+        index.append(at)
+    return firsts, index
 
 
 def _expert_gradients(schedule: Schedule, stage: int, cost: StageCost,
