@@ -149,6 +149,48 @@ def test_under_zero2_the_bound_holds_the_dp_streams_reductions_when_they_decide_
         assert plan_command.lower_bound(layout._replace(zero=1)) < busiest, layout.label()
 
 
+@pytest.mark.parametrize("schedule", [*GENERATORS, "zb-auto", "zbv-auto"])
+def test_the_bound_of_a_built_order_holds_for_every_schedule_across_nodes(schedule):
+    # The order timed with free-flowing transfers (each its unloaded time), the bound's holds
+    # and tails: never above the simulated step, never below the layout's own lower bound,
+    # across two InfiniBand nodes with tp, dp, ZeRO 0-3 and recompute.
+    plan_command._init_worker(Job(model="gpt3-1.3b", topology="ib", nodes=2))
+    chunks = 2 if schedule in MULTI_CHUNK else 1
+    checked = tighter = 0
+    for pp, tp, dp, microbatches in ((4, 2, 2, 8), (8, 1, 2, 16), (4, 1, 4, 4), (2, 4, 2, 8)):
+        for zero, recompute in ((0, "none"), (1, "full"), (2, "none"), (3, "selective")):
+            layout = Layout(schedule, pp, tp, dp, chunks, 1, microbatches, recompute, zero)
+            row = plan_command.evaluate_layout(layout)
+            if "error" in row:
+                continue
+            order = plan_command._order_of(layout._replace(zero=0), None)
+            bound = plan_command.order_bound(layout, order)
+            assert plan_command.lower_bound(layout) <= bound <= row["step_time"] * (1 + 1e-9), layout.label()
+            checked += 1
+            tighter += bound > plan_command.lower_bound(layout) * (1 + 1e-6)
+    assert checked >= 8
+    assert tighter or schedule in ("dualpipev",), "the order's timing adds nothing to the lower bound"
+
+
+def test_layouts_pruned_by_their_orders_bound_leave_the_top_as_it_was(small_model_worker):
+    # Two 8-GPU InfiniBand nodes: the search that lets each screen stop at its order's bound
+    # ranks the same top 3 as the exhaustive search, prunes some that way, and its buckets add up.
+    plan_command._init_worker(Job(model="gpt3-1.3b", topology="ib", nodes=2))
+    layouts, ruled_out = enumerate_layouts(SearchSpace(
+        gpus=16, gpus_per_node=8, global_batch=32, layers=24, heads=16, kv_heads=16,
+        schedules=("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "gpipe"), microbatch_sizes=(1, 2),
+        virtual_stages=(2,), zero=(0, 2)))
+    cut = search(layouts, plan_command.screen_layout, plan_command.lower_bound, top=3, rejected=ruled_out,
+                 reject=plan_command.reject_cause, evaluate_takes_cutoff=True)
+    exhaustive = search(layouts, plan_command.screen_layout, lambda layout: 0.0, top=3)
+    assert [row["layout"] for row in cut.rows[:3]] == [row["layout"] for row in exhaustive.rows[:3]]
+    assert [row["step_time"] for row in cut.rows[:3]] == [row["step_time"] for row in exhaustive.rows[:3]]
+    by_order = [other for other in cut.others if other["cause"].startswith("its order's bound")]
+    assert by_order and all(other["bucket"] == "pruned" for other in by_order)
+    buckets = sum(cut.ruled_out.values()) + sum(cut.screened.values()) + cut.simulated + cut.pruned
+    assert buckets == cut.considered == len(layouts) + sum(ruled_out.values())
+
+
 def test_pruning_keeps_the_same_top(small_model_worker):
     layouts, _ = enumerate_layouts(SearchSpace(
         gpus=8, gpus_per_node=8, global_batch=16, layers=24, heads=16, kv_heads=16,

@@ -12,6 +12,7 @@ import argparse
 import csv
 import functools
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -154,7 +155,8 @@ def handle(args: argparse.Namespace) -> int:
         return 1
     _init_worker(base)
     result = search(layouts, screen_layout, lower_bound, args.top, workers, _progress(args), ruled_out,
-                    reject=reject_cause, describe=describe_layout if args.html else None, refine=evaluate_layout)
+                    reject=reject_cause, describe=describe_layout if args.html else None, refine=evaluate_layout,
+                    evaluate_takes_cutoff=True)
     print(format_plan(result, args))
     _write_outputs(args, result)
     return 0 if result.rows else 1
@@ -258,7 +260,8 @@ def _init_worker(base: Job) -> None:
     _REDUCTIONS.clear()
     _STATIC_FLOORS.clear()
     for cache in (_layout_costs, _placed_costs, _placed_job, _placement_shell, _shell, _layout_parallel, _bound,
-                  _bound_terms, _reductions, _busy_terms, _overlaps_pairs, _tp_holds, _route_seconds, _floor_cause,
+                  _bound_terms, _reductions, _busy_terms, _holds, _order_timing, _overlaps_pairs, _tp_holds,
+                  _route_seconds, _floor_cause,
                   _floors, _parameter_figures, _stash_floor, _pipeline_devices, _usable_memory, _lowered_for,
                   _ordered_by_costs):
         cache.cache_clear()  # they kept the job set up before
@@ -340,6 +343,52 @@ def lower_bound(layout: Layout) -> float:
     if layout.schedule in V_SHAPED and _overlaps_pairs(key):
         return costs.step_overhead  # overlapped pairs of a given cost may undercut F + B: only the tail is certain
     return _bound(key, layout.zero, layout.microbatches, splits_backward(layout.schedule))
+
+
+def order_bound(layout: Layout, schedule) -> float:
+    """A step no lowering of ``schedule`` (the layout's compute order, as built for it)
+    can beat: the order timed by the engine with free-flowing transfers, each taking its
+    unloaded time (no contention, no rendezvous: every action starts at the earliest its
+    rank and its input allow) and each action holding its rank as in ``lower_bound``;
+    then each rank's tail (the optimizer step and the gathers after it). The simulation
+    only ever waits more. ``lower_bound`` where the order is not the one its costs were
+    derived for, or its overlapped pairs run at a cost of their own."""
+    _, _, shell, key = _layout_costs(layout)
+    if schedule.placement != shell.placement or any(schedule.fused) or (
+            layout.schedule in V_SHAPED and _overlaps_pairs(key)):
+        return lower_bound(layout)
+    from schedules import engine  # only here: an import runs slowly per call
+
+    parallel = _layout_parallel(layout.dp, layout.tp, layout.zero, layout.ep, layout.cp)
+    timing = _order_timing(key._replace(zero=0), parallel.rank_order, parallel.algorithm,
+                           gathers_per_layer(parallel.zero))
+    run = engine.run(schedule, timing, engine.FREE)
+    if run.stuck:
+        return lower_bound(layout)  # the simulation says why
+    flags = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
+    tails = _bound_terms(key, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, flags).tail
+    return max(lower_bound(layout), *map(add, run.rank_done.tolist(), tails))
+
+
+@functools.lru_cache(maxsize=1024)
+def _order_timing(costs_key: CostsKey, rank_order: str, algorithm: str, per_layer: bool):
+    """``order_bound``'s engine timing of the costs named by ``costs_key``: each (stage,
+    kind)'s seconds as the simulation has them, the bounds' holds, and each boundary a
+    wire of its unloaded hop on a link of its own (so that transfers never queue)."""
+    import numpy as np
+
+    from schedules import engine
+
+    costs = _placed_costs(*costs_key)
+    durations = costs.durations()
+    holds = _holds(costs_key, rank_order, algorithm, per_layer)
+    stages = range(costs.num_stages)
+    seconds = np.array([[durations[stage, kind] for kind in engine.COMPUTE_KINDS] for stage in stages])
+    hold = np.array([[holds.get((stage, kind), 0.0) for kind in engine.COMPUTE_KINDS] for stage in stages])
+    hop = _hop(costs_key, rank_order)
+    hops = [hop(stage, stage + 1) for stage in range(costs.num_stages - 1)]
+    return engine.StepTiming(seconds, hold, wires=engine.hop_wires(costs.num_stages, hops),
+                             comm_overhead=costs.comm_overhead)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -425,16 +474,31 @@ def _busy_terms(costs_key: CostsKey, rank_order: str, algorithm: str, per_layer:
     """``pipesim.plan.bounds.busy_terms`` of the costs named by ``costs_key`` (ZeRO stage
     0: the others' stages alike), kept: ZeRO 0, 1 and 2 share them (none gathers per
     layer), their tails differ."""
-    costs = _placed_costs(*costs_key)
+    return busy_terms(_placed_costs(*costs_key), costs_key.placement,
+                      _holds(costs_key, rank_order, algorithm, per_layer), _hop(costs_key, rank_order))
+
+
+@functools.lru_cache(maxsize=4096)
+def _holds(costs_key: CostsKey, rank_order: str, algorithm: str, per_layer: bool) -> dict[tuple[int, str], float]:
+    """What holds a rank after each (stage, compute kind) in the bounds: the tp
+    collectives and, under ZeRO-3, the layers' unhidden parameter gathers (ep and cp
+    exchanges left out: the bounds only need less than the simulation holds), kept."""
     holds = _tp_holds(costs_key, rank_order, algorithm)
     if per_layer:  # the layers' gathers hold a rank as the tp collectives do
         from pipesim.sim.parallel import layer_gathers  # only here: an import runs slowly per call
 
-        held = layer_gathers(_placement_shell(costs_key.placement), costs, _BASE["topology"],
+        held = layer_gathers(_placement_shell(costs_key.placement), _placed_costs(*costs_key), _BASE["topology"],
                              _mapping(costs_key, rank_order))[0]
         keys = list(holds.keys() | held.keys())  # each key's two holds added by builtins, not per key
         sums = map(add, map(holds.get, keys, repeat(0.0)), map(held.get, keys, repeat(0.0)))
         holds = dict(zip(keys, sums, strict=True))
+    return holds
+
+
+def _hop(costs_key: CostsKey, rank_order: str):
+    """``hop(source, target)``: a stage boundary's transfer on an empty route (latency +
+    bytes / bandwidth), 0 between stages on one rank; what the bounds charge a hop."""
+    costs = _placed_costs(*costs_key)
     placement = costs_key.placement
     devices = _pipeline_devices(costs_key.dp, costs_key.pp, costs_key.tp, rank_order, costs_key.cp)
 
@@ -444,7 +508,7 @@ def _busy_terms(costs_key: CostsKey, rank_order: str, algorithm: str, per_layer:
         return _route_seconds(devices[placement[source]], devices[placement[target]],
                               costs.stages[min(source, target)].act_bytes)
 
-    return busy_terms(costs, placement, holds, hop)
+    return hop
 
 
 @functools.lru_cache(maxsize=4096)
@@ -580,24 +644,26 @@ def _pipeline_devices(dp: int, pp: int, tp: int, rank_order: str, cp: int = 1) -
 
 
 @without_collector  # paused for the whole layout: its Trace is freed before the collector runs again
-def evaluate_layout(layout: Layout) -> dict:
+def evaluate_layout(layout: Layout, cutoff: float = math.inf) -> dict:
     """Simulate one layout exactly as ``pipesim simulate`` would; a row for the table, or
-    ``{"error": cause}`` for a layout that cannot be built."""
-    return _evaluated(layout, exact=True)
+    ``{"error": cause}`` for a layout that cannot be built, or ``{"pruned": bound}`` where
+    its order's ``order_bound`` is no better than ``cutoff`` (the search's ``top``-th
+    best step so far: the layout cannot reach the top)."""
+    return _evaluated(layout, exact=True, cutoff=cutoff)
 
 
 @without_collector
-def screen_layout(layout: Layout) -> dict:
+def screen_layout(layout: Layout, cutoff: float = math.inf) -> dict:
     """``evaluate_layout`` with the searches that cost the most and change the least cut
     short: lowering places the transfers by one rule, untimed and unrepaired, zb-auto
     keeps its best heuristic without the solver's pass, and zbv-auto tries only its most
     often winning variants. Each only ever keeps what makes the step shorter, so a screened
     step is the exact one or a little longer; the planner screens every layout this way and
     simulates its finalists exactly."""
-    return _evaluated(layout, exact=False)
+    return _evaluated(layout, exact=False, cutoff=cutoff)
 
 
-def _evaluated(layout: Layout, exact: bool) -> dict:
+def _evaluated(layout: Layout, exact: bool, cutoff: float = math.inf) -> dict:
     from pipesim.sim.engine import lower_for
     from pipesim.sim.step import run_simulation
     from schedules.generators import COST_AWARE, ScheduleUnavailableError
@@ -620,6 +686,10 @@ def _evaluated(layout: Layout, exact: bool) -> dict:
         cause = _order_memory_cause(schedule, costs, parallel_of(job), layout)
         if cause is not None:
             return {"rejected": cause}
+        if cutoff < math.inf:  # an order whose best case cannot reach the top is not lowered or simulated
+            bound = order_bound(layout, schedule)
+            if bound >= cutoff:
+                return {"pruned": bound}
         # screening places the transfers by one rule, untimed (``SCREEN_RULE``); the exact
         # lowering times every rule and repairs the best (where the budget has runs)
         repair_runs = None if exact and repair_budget(sum(map(len, schedule.programs))) else 0

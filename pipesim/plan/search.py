@@ -276,6 +276,7 @@ def search(
     reject: Callable[[Layout], str | None] | None = None,
     describe: Callable[[Layout], dict] | None = None,
     refine: Callable[[Layout], dict] | None = None,
+    evaluate_takes_cutoff: bool = False,
 ) -> PlanResult:
     """Simulate layouts in order of their lower bound, a few at a time on each of
     ``workers`` processes, and stop simulating once the next bound cannot beat the ``top``-th best
@@ -292,6 +293,11 @@ def search(
     little longer, found faster): the finalists, the ``top`` best screened rows and every
     row within ``REFINE_MARGIN`` of the ``top``-th, are evaluated again with it and ranked
     by what it says, ahead of the rows only screened (marked ``"screened": True``). With
+    ``evaluate_takes_cutoff``, ``evaluate`` is also given the ``top``-th best step found
+    when the layout was sent (infinity before there are ``top``) and may answer
+    ``{"pruned": bound}``: a bound of its own, found once it has more of the layout than
+    ``bound`` (its schedule's order, say), that cannot beat it, the layout then counted as
+    pruned (what is sent, and so each cutoff, does not depend on timing). With
     several workers, ``evaluate``, ``refine``, ``bound`` and ``reject`` run in them and
     must be module-level functions."""
     started = time.perf_counter()
@@ -304,6 +310,7 @@ def search(
     seconds: dict[Layout, float] = {}  # what evaluating each layout took: the finalists' weights
     fitting: list[float] = []
     simulated = 0
+    pruned_late = 0  # pruned by ``evaluate``'s own bound (``evaluate_takes_cutoff``)
     window = 32 * workers if workers > 1 else 1  # layouts submitted and not yet taken
     position = 0
     # One process per worker. Layouts that share cached work go to the same one: in the
@@ -370,17 +377,25 @@ def search(
     owners: dict[tuple, int] = {}  # order -> its worker
     waiting: list[list] = [[] for _ in range(workers)]  # per worker, its submitted futures not yet seen done
 
-    def submit(layout: Layout):
-        """Send ``layout`` to its order's worker; a new order to the worker with the
-        least left to do now (which worker runs a layout changes nothing it computes)."""
+    def arguments(layout: Layout) -> tuple:
+        """What ``evaluate`` is given for ``layout`` now: with ``evaluate_takes_cutoff`` the
+        ``top``-th best step so far too."""
+        if not evaluate_takes_cutoff:
+            return (layout,)
+        return layout, fitting[top - 1] if len(fitting) >= top else math.inf
+
+    def submit(given: tuple):
+        """Send ``evaluate``'s ``given`` arguments (the layout first) to the layout's order's
+        worker; a new order to the worker with the least left to do now (which worker runs
+        a layout changes nothing it computes)."""
         if pools is None:
             return None
-        key = order_key(layout)
+        key = order_key(given[0])
         if key not in owners:
             for futures in waiting:
                 futures[:] = [future for future in futures if not future.done()]
             owners[key] = min(range(workers), key=lambda worker: len(waiting[worker]))
-        future = pools[owners[key]].submit(timed, evaluate, layout)
+        future = pools[owners[key]].submit(timed, evaluate, *given)
         waiting[owners[key]].append(future)
         return future
 
@@ -412,7 +427,8 @@ def search(
                         exhausted = True
                         break
                     layout = order[position]
-                    in_flight.append((layout, submit(layout)))
+                    given = arguments(layout)
+                    in_flight.append((layout, given, submit(given)))
                     position += 1
                 if not in_flight:
                     break
@@ -422,10 +438,14 @@ def search(
                     # (on the 70B plan they were the final ones, 22 of 22, with 63 screens
                     # still in flight)
                     feeder.want(finalists(sorted(rows, key=rank_key), top))
-                    feeder.run_until(in_flight[0][1])
-                layout, future = in_flight.popleft()
-                row, seconds[layout] = future.result() if future is not None else timed(evaluate, layout)
-                if "rejected" in row:  # provably out of memory once its schedule was built: never simulated
+                    feeder.run_until(in_flight[0][2])
+                layout, given, future = in_flight.popleft()
+                row, seconds[layout] = future.result() if future is not None else timed(evaluate, *given)
+                if "pruned" in row:  # its own bound, once its order was built, cannot reach the top
+                    pruned_late += 1
+                    others.append((layout, {"bucket": "pruned", "cause": PRUNED_BY_ORDER,
+                                            "lower_bound": row["pruned"]}))
+                elif "rejected" in row:  # provably out of memory once its schedule was built: never simulated
                     screened[row["rejected"]] += 1
                     others.append((layout, {"bucket": "rejected before simulation", "cause": row["rejected"],
                                             "lower_bound": bounds[layout]}))
@@ -458,14 +478,17 @@ def search(
                 pool.shutdown()
         others += [(layout, {"bucket": "pruned", "cause": "its lower bound cannot reach the top",
                              "lower_bound": bounds[layout]}) for layout in order[position:]]
-        result = PlanResult(rows, considered, ruled_out, screened, failed, simulated, len(order) - position,
-                            time.perf_counter() - started, others, refined)
+        result = PlanResult(rows, considered, ruled_out, screened, failed, simulated,
+                            len(order) - position + pruned_late, time.perf_counter() - started, others, refined)
     if describe is not None:  # what is known of the layouts never simulated
         for other in result.others:
             if other["bucket"] != "simulated":
                 other.update(describe(Layout(**{key: other[key] for key in Layout._fields})))
     return result
 
+
+# The cause of a layout pruned by ``evaluate``'s own bound (``evaluate_takes_cutoff``).
+PRUNED_BY_ORDER = "its order's bound, with transfers flowing freely, cannot reach the top"
 
 # Screened rows this much slower than the top-th are evaluated exactly too: a layout the
 # exact searches speed up by more would be missed (on the 70B plan of the README they

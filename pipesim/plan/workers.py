@@ -48,10 +48,10 @@ def each_of(function: Callable[[Layout], object], layouts: list[Layout]) -> list
     return [function(layout) for layout in layouts]
 
 
-def timed(function: Callable[[Layout], dict], layout: Layout) -> tuple[dict, float]:
-    """``function(layout)`` and the seconds it took."""
+def timed(function: Callable[..., dict], *arguments) -> tuple[dict, float]:
+    """``function(*arguments)`` and the seconds it took."""
     started = time.perf_counter()
-    row = function(layout)
+    row = function(*arguments)
     return row, time.perf_counter() - started
 
 
