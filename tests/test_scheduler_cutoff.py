@@ -35,7 +35,7 @@ def free_timing(placement, microbatches, forward, backward_input, backward_weigh
     return run.makespan, float(run.rank_spans().max())
 
 
-seconds = st.floats(0.05, 2.0)
+seconds = st.one_of(st.just(0.0), st.floats(0.05, 2.0))  # a pass of no time ties with its neighbours
 
 
 @st.composite
@@ -69,8 +69,10 @@ def test_a_greedy_run_stops_exactly_past_its_own_step_and_span(case):
 
     assert run(Cutoff(step=step)) == orders
     assert run(Cutoff(span=span)) == orders
-    assert run(Cutoff(step=step * BELOW)) is None
-    assert run(Cutoff(span=span * BELOW)) is None
+    if step > 0:  # (a step of no time has nothing below it)
+        assert run(Cutoff(step=step * BELOW)) is None
+    if span > 0:
+        assert run(Cutoff(span=span * BELOW)) is None
 
 
 @settings(max_examples=120, deadline=None)
@@ -88,8 +90,9 @@ def test_a_heuristic_run_stops_exactly_past_its_own_step_and_span(pp, microbatch
     step, span = free_timing(tuple(range(pp)), microbatches, forward, backward_input, backward_weight, comm, orders)
     assert heuristic_orders(*arguments, cutoff=Cutoff(step=step)) == orders
     assert heuristic_orders(*arguments, cutoff=Cutoff(span=span)) == orders
-    assert heuristic_orders(*arguments, cutoff=Cutoff(step=step * BELOW)) is None
-    assert heuristic_orders(*arguments, cutoff=Cutoff(span=span * BELOW)) is None
+    if min(forward + backward_input + backward_weight) > 0:  # passes of no time: no cutoff (the module says why)
+        assert heuristic_orders(*arguments, cutoff=Cutoff(step=step * BELOW)) is None
+        assert heuristic_orders(*arguments, cutoff=Cutoff(span=span * BELOW)) is None
 
 
 def without_cutoff(function, *arguments, cache):

@@ -23,7 +23,9 @@ eight combinations of its three switches and keeps the best; so does ``zb_auto``
 
 Every pass is placed at the earliest moment its stage and its input allow, so the times
 are the engine's free timing of the order, and a run can stop once its order cannot be
-chosen (``schedules.generators.common.Cutoff``).
+chosen (``schedules.generators.common.Cutoff``). Not where a pass takes no time: the
+order lists a stage's passes by their end, and passes that end together may then be
+listed otherwise than they were placed, so the times are not the order's.
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ def heuristic_orders(pp: int, microbatches: int, forward: Sequence[float], backw
     """Each rank's order under one setting of the three switches; None if the memory
     limit cannot be kept, or once the order cannot beat ``cutoff``."""
     costs = (forward, backward_input, backward_weight)
+    if cutoff is not None and min(min(values) for values in costs) <= 0:
+        cutoff = None  # passes of no time: the order is not listed as placed (the module)
     placer = _Placer(pp, microbatches, costs, comm, (1.0, -(1.0 - weight_memory), -weight_memory), memory_limit,
                      cutoff or Cutoff())
     try:
