@@ -25,6 +25,7 @@ import numpy as np
 
 from schedules import engine
 from schedules.action import Action, ActionKind
+from schedules.generators.common import Cutoff
 from schedules.generators.zb_heuristic import heuristic_orders
 from schedules.schedule import Schedule
 
@@ -40,20 +41,41 @@ def adapt(schedule: Schedule, timing: engine.StepTiming) -> Schedule:
     seconds = np.asarray(timing.seconds, dtype=float)
     forward, backward_input, backward_weight = (seconds[:, column].tolist() for column in (0, 2, 3))
     comm = max((occupancy + latency for routes in timing.wires or () for _links, occupancy, latency in routes or ()),
-               default=0.0)
+               default=0.0)  # the heuristic plans with one hop: the slowest
+    # the quickest any transfer arrives: each used wire's quickest route (stage s's forward
+    # wire is 2s, its backward one 2s + 1; a wire of no route arrives at once)
+    used = [timing.wires[2 * stage] for stage in range(pp - 1)] + [timing.wires[2 * stage + 1]
+                                                                   for stage in range(1, pp)] if timing.wires else []
+    quickest = min((min((occupancy + latency for _links, occupancy, latency in routes or ()), default=0.0)
+                    for routes in used), default=0.0)
     limit = schedule.meta.get("memory_microbatches", pp)
-    candidates = [("textbook", schedule.programs)]
-    placed = [orders for switches in itertools.product((True, False), repeat=3)
-              if (orders := heuristic_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limit,
-                                             1.0, *switches)) is not None]
-    candidates += [("W placed for these costs", orders) for orders in placed]
-    candidates.append(("1F1B order", _one_f_one_b_split(pp, microbatches)))
 
-    def step_time(candidate) -> tuple[float, float]:
-        step = engine.run(schedule.with_programs(candidate[1]), timing, engine.FREE)
+    def candidates(cutoff: list[Cutoff]):
+        """The candidates in turn; a heuristic run stops once its order's step, on hops of
+        the quickest transfer's time and with nothing holding a rank, cannot beat
+        ``cutoff`` (read as it starts): its step under ``timing`` can only be longer."""
+        yield "textbook", schedule.programs
+        for switches in itertools.product((True, False), repeat=3):
+            orders = heuristic_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limit, 1.0,
+                                      *switches, cutoff=cutoff[0], cutoff_comm=quickest)
+            if orders is not None:
+                yield "W placed for these costs", orders
+        yield "1F1B order", _one_f_one_b_split(pp, microbatches)
+
+    def step_time(programs) -> tuple[float, float]:
+        step = engine.run(schedule.with_programs(programs), timing, engine.FREE)
         return step.makespan, float(step.rank_spans().max())
 
-    label, programs = min(candidates, key=step_time)
+    best, best_key = None, None
+    # ties keep the earlier candidate; no cutoff where an overlapped pair may undercut its halves
+    cutoff = [Cutoff()]
+    for label, programs in candidates(cutoff):
+        key = step_time(programs)
+        if best_key is None or key < best_key:
+            best, best_key = (label, programs), key
+            if not timing.pair_seconds:
+                cutoff[0] = Cutoff(step=key[0])
+    label, programs = best
     adapted = schedule.with_programs(programs)
     adapted.meta["order"] = label
     return adapted

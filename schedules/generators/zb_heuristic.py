@@ -43,7 +43,7 @@ class _Placer:
     """One run of the heuristic: per stage its clock, counts, memory and bubble."""
 
     def __init__(self, pp: int, microbatches: int, costs: Sequence[Sequence[float]], comm: float,
-                 memory: Sequence[float], limit: float, cutoff: Cutoff) -> None:
+                 memory: Sequence[float], limit: float, cutoff: Cutoff, cutoff_comm: float) -> None:
         self.pp, self.microbatches, self.costs, self.comm = pp, microbatches, costs, comm
         self.memory, self.limit = memory, limit
         self.clock = [0.0] * pp
@@ -57,6 +57,12 @@ class _Placer:
                           for forward, backward_input, backward_weight in zip(*costs, strict=True)]
         self.step_cutoff, self.span_cutoff = cutoff.with_margin()
         self.bound = [self.step_cutoff] * pp
+        # the cutoff's own clock where its hop is shorter than the run's: the same order, each
+        # pass at the earliest that hop allows (``heuristic_orders``)
+        self.cutoff_comm = cutoff_comm
+        self.shadow = cutoff_comm != comm
+        self.low_clock = [0.0] * pp
+        self.low_end: dict[tuple[int, int, int], float] = {}
 
     def put(self, stage: int, kind: int) -> None:
         microbatch = self.count[stage][kind]
@@ -66,12 +72,20 @@ class _Placer:
             end = max(end, self.end[_F, stage - 1, microbatch] + self.comm + cost)
         if kind == _I and stage < self.pp - 1:
             end = max(end, self.end[_I, stage + 1, microbatch] + self.comm + cost)
+        low = end
+        if self.shadow:
+            low = self.low_clock[stage] + cost
+            if kind == _F and stage > 0:
+                low = max(low, self.low_end[_F, stage - 1, microbatch] + self.cutoff_comm + cost)
+            if kind == _I and stage < self.pp - 1:
+                low = max(low, self.low_end[_I, stage + 1, microbatch] + self.cutoff_comm + cost)
+            self.low_clock[stage] = self.low_end[kind, stage, microbatch] = low
         if self.count[stage][_F]:
             self.bubble[stage] += end - (self.clock[stage] + cost)
         elif kind == _F and microbatch == 0:  # the stage's first pass: its span starts here
-            self.bound[stage] = min(self.step_cutoff, end - cost + self.span_cutoff)
+            self.bound[stage] = min(self.step_cutoff, low - cost + self.span_cutoff)
         self.remaining[stage] -= cost
-        if end + self.remaining[stage] > self.bound[stage]:
+        if low + self.remaining[stage] > self.bound[stage]:
             raise _PastCutoffError
         self.clock[stage] = self.end[kind, stage, microbatch] = end
         self.held[stage] += self.memory[kind]
@@ -101,14 +115,21 @@ class _PastCutoffError(Exception):
 def heuristic_orders(pp: int, microbatches: int, forward: Sequence[float], backward_input: Sequence[float],
                      backward_weight: Sequence[float], comm: float, memory_limit: float, weight_memory: float,
                      bubble_before_first_input: bool, prioritize_inputs: bool, fill_gaps: bool,
-                     cutoff: Cutoff | None = None) -> list[list[Action]] | None:
+                     cutoff: Cutoff | None = None, cutoff_comm: float | None = None) -> list[list[Action]] | None:
     """Each rank's order under one setting of the three switches; None if the memory
-    limit cannot be kept, or once the order cannot beat ``cutoff``."""
+    limit cannot be kept, or once the order cannot beat ``cutoff``. ``cutoff`` is on the
+    order's timing with every hop ``cutoff_comm`` (default ``comm``): where the order will
+    be timed on hops of their own (a cluster's), the least of them, so that the run's
+    bound is below that timing however the hops differ (each pass is then also placed on
+    a clock of that hop, beside the run's own)."""
     costs = (forward, backward_input, backward_weight)
     if cutoff is not None and min(min(values) for values in costs) <= 0:
         cutoff = None  # passes of no time: the order is not listed as placed (the module)
+    cutoff_comm = comm if cutoff is None or cutoff_comm is None else cutoff_comm
+    if not 0 <= cutoff_comm <= comm:
+        raise ValueError(f"the cutoff's hop must be between 0 and the run's {comm}, got {cutoff_comm}")
     placer = _Placer(pp, microbatches, costs, comm, (1.0, -(1.0 - weight_memory), -weight_memory), memory_limit,
-                     cutoff or Cutoff())
+                     cutoff or Cutoff(), cutoff_comm)
     try:
         _warm_up(placer, bubble_before_first_input)
         for microbatch in range(1, microbatches):
