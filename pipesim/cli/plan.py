@@ -261,9 +261,8 @@ def _init_worker(base: Job) -> None:
     _STATIC_FLOORS.clear()
     for cache in (_layout_costs, _placed_costs, _placed_job, _placement_shell, _shell, _layout_parallel, _bound,
                   _bound_terms, _reductions, _busy_terms, _holds, _order_timing, _overlaps_pairs, _tp_holds,
-                  _route_seconds, _floor_cause,
-                  _floors, _parameter_figures, _stash_floor, _pipeline_devices, _usable_memory, _lowered_for,
-                  _ordered_by_costs):
+                  _route_seconds, _floor_cause, _floors, _parameter_figures, _stash_floor, _pipeline_devices,
+                  _usable_memory, _lowered_for, _ordered_by_costs):
         cache.cache_clear()  # they kept the job set up before
 
 
@@ -365,8 +364,7 @@ def order_bound(layout: Layout, schedule) -> float:
     run = engine.run(schedule, timing, engine.FREE)
     if run.stuck:
         return lower_bound(layout)  # the simulation says why
-    flags = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
-    tails = _bound_terms(key, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, flags).tail
+    tails = _terms_of(key, parallel).tail
     return max(lower_bound(layout), *map(add, run.rank_done.tolist(), tails))
 
 
@@ -404,12 +402,17 @@ def _bound(costs_key: CostsKey, zero: int, microbatches: int, split_backward: bo
     split the backward or not share it (the microbatch count follows from the key's dp
     and microbatch size)."""
     parallel = _layout_parallel(costs_key.dp, costs_key.tp, zero, costs_key.ep, costs_key.cp)
-    # ZeRO enters the bound only through these two: stages 1 and 2 share their terms
-    flags = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
-    terms = _bound_terms(costs_key, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, flags)
+    terms = _terms_of(costs_key, parallel)
     reductions = _reductions(costs_key, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes,
                              parallel.zero, parallel.overlap_dp)
     return bound_of(terms, microbatches, split_backward, reductions)
+
+
+def _terms_of(costs_key: CostsKey, parallel):
+    """``_bound_terms`` of the costs named by ``costs_key`` under ``parallel``'s settings.
+    ZeRO enters them only through two flags, so stages 1 and 2 share them."""
+    flags = (gathers_per_layer(parallel.zero), gathers_after_optimizer(parallel.zero))
+    return _bound_terms(costs_key, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes, flags)
 
 
 @functools.lru_cache(maxsize=8192)

@@ -208,14 +208,30 @@ def _link_bandwidths(route) -> tuple[float, ...]:
     return route.link_bandwidths or (route.bandwidth,) * len(route.links)
 
 
-def bucket_sizes(num_bytes: float, bucket_bytes: float) -> tuple[float, ...]:
-    """``num_bytes`` cut into buckets of ``bucket_bytes``, the last one holding the rest."""
+def bucket_runs(num_bytes: float, bucket_bytes: float) -> tuple[tuple[float, int], ...]:
+    """``num_bytes`` cut into buckets of ``bucket_bytes``, the last one holding the rest, as
+    ``(bytes, count)`` runs (full buckets, then the rest): a 70B stage has thousands of
+    buckets of at most two sizes, which callers price once each."""
     if num_bytes <= 0:
         return ()
     if not bucket_bytes > 0:
         raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
     full, rest = divmod(num_bytes, bucket_bytes)
-    return (bucket_bytes,) * int(full) + ((rest,) if rest > 0 else ())
+    return tuple(run for run in ((bucket_bytes, int(full)), (rest, 1)) if run[0] > 0 and run[1])
+
+
+def bucket_sizes(num_bytes: float, bucket_bytes: float) -> tuple[float, ...]:
+    """``bucket_runs`` listed bucket by bucket."""
+    return listed(bucket_runs(num_bytes, bucket_bytes))
+
+
+def listed(runs: tuple[tuple[float, int], ...]) -> tuple[float, ...]:
+    """``(bytes, count)`` runs as one size per bucket, built by run (a tuple product each),
+    not element by element."""
+    sizes: tuple[float, ...] = ()
+    for size, count in runs:
+        sizes += (size,) * count
+    return sizes
 
 
 def bucketed_all_reduce(topology: Topology, group: Sequence[str], num_bytes: float, bucket_bytes: float,
@@ -225,11 +241,6 @@ def bucketed_all_reduce(topology: Topology, group: Sequence[str], num_bytes: flo
     is paid per bucket while the bandwidth term is the same as one big message."""
     if len(group) <= 1 or num_bytes <= 0:
         return 0.0, 0
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
-    full, rest = divmod(num_bytes, bucket_bytes)
-    buckets = int(full) + (1 if rest > 0 else 0)
-    seconds = full * all_reduce(topology, group, bucket_bytes, algorithm)
-    if rest > 0:
-        seconds += all_reduce(topology, group, rest, algorithm)
-    return seconds, buckets
+    runs = bucket_runs(num_bytes, bucket_bytes)
+    seconds = sum(count * all_reduce(topology, group, size, algorithm) for size, count in runs)
+    return seconds, sum(count for _, count in runs)

@@ -63,7 +63,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from pipesim.cluster.collectives import all_gather, all_reduce, reduce_scatter
+from pipesim.cluster.collectives import all_gather, all_reduce, bucket_runs, listed, reduce_scatter
 from pipesim.cluster.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.cluster.twins import boundary_rank_pairs, twin_transfers
@@ -172,9 +172,7 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
         if group is None or cost.param_bytes <= 0:
             continue
         experts = _expert_gradients(schedule, stage, cost, mapping)
-        sizes: tuple[float, ...] = ()
-        for size, count in gradient_buckets(cost, zero, bucket_bytes):  # at most two runs: tuples by run
-            sizes += (size,) * count
+        sizes = listed(gradient_buckets(cost, zero, bucket_bytes))
         # a stage has thousands of buckets but at most two sizes (full, and the rest): price each size once
         reduce = _per_bucket(sizes, _split_over(experts, partial(reduction, topology), group))
         if gathers_after_optimizer(zero):
@@ -200,17 +198,13 @@ def gradient_reduction(zero: int, algorithm: str = "ring"):
 def gradient_buckets(cost: StageCost, zero: int, bucket_bytes: float) -> tuple[tuple[float, int], ...]:
     """``(bytes, count)`` of the buckets a stage's gradient is reduced in, in reduction
     order: one per layer under ZeRO-3 (each layer's gradient as its backward produces
-    it), else full buckets of ``bucket_bytes`` and the rest (``bucket_sizes``, without
-    listing a 70B stage's thousands)."""
+    it), else full buckets of ``bucket_bytes`` and the rest (``bucket_runs``)."""
     if cost.param_bytes <= 0:
         return ()
     if gathers_per_layer(zero):
         units = gather_units(cost.layers)
         return ((cost.param_bytes / units, units),)
-    if not bucket_bytes > 0:
-        raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
-    full, rest = divmod(cost.param_bytes, bucket_bytes)
-    return tuple(run for run in ((bucket_bytes, int(full)), (rest, 1)) if run[0] > 0 and run[1])
+    return bucket_runs(cost.param_bytes, bucket_bytes)
 
 
 def gradient_reduction_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
@@ -429,7 +423,7 @@ def _reduces(schedule: Schedule, stage: int, mapping: RankMapping) -> bool:
 
 def _per_bucket(sizes: tuple[float, ...], seconds_of) -> tuple[float, ...]:
     """``tuple(seconds_of(size) for size in sizes)``, calling ``seconds_of`` once per run of
-    equal sizes (``bucket_sizes`` gives full buckets and one rest) and building the tuple
+    equal sizes (``bucket_runs`` gives full buckets and one rest) and building the tuple
     by runs, not element by element: a stage has thousands of buckets."""
     seconds: tuple[float, ...] = ()
     for first, stop in _size_runs(sizes):

@@ -25,7 +25,7 @@ import numpy as np
 
 from schedules import engine
 from schedules.action import Action, ActionKind
-from schedules.generators.common import Cutoff
+from schedules.generators.common import Cutoff, fastest
 from schedules.generators.zb_heuristic import heuristic_orders
 from schedules.schedule import Schedule
 
@@ -50,32 +50,25 @@ def adapt(schedule: Schedule, timing: engine.StepTiming) -> Schedule:
                     for routes in used), default=0.0)
     limit = schedule.meta.get("memory_microbatches", pp)
 
-    def candidates(cutoff: list[Cutoff]):
+    def candidates(cutoff):
         """The candidates in turn; a heuristic run stops once its order's step, on hops of
         the quickest transfer's time and with nothing holding a rank, cannot beat
-        ``cutoff`` (read as it starts): its step under ``timing`` can only be longer."""
+        ``cutoff()`` (read as it starts): its step under ``timing`` can only be longer."""
         yield "textbook", schedule.programs
         for switches in itertools.product((True, False), repeat=3):
             orders = heuristic_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limit, 1.0,
-                                      *switches, cutoff=cutoff[0], cutoff_comm=quickest)
+                                      *switches, cutoff=cutoff(), cutoff_comm=quickest)
             if orders is not None:
                 yield "W placed for these costs", orders
         yield "1F1B order", _one_f_one_b_split(pp, microbatches)
 
-    def step_time(programs) -> tuple[float, float]:
-        step = engine.run(schedule.with_programs(programs), timing, engine.FREE)
+    def step_time(candidate) -> tuple[float, float]:
+        step = engine.run(schedule.with_programs(candidate[1]), timing, engine.FREE)
         return step.makespan, float(step.rank_spans().max())
 
-    best, best_key = None, None
     # ties keep the earlier candidate; no cutoff where an overlapped pair may undercut its halves
-    cutoff = [Cutoff()]
-    for label, programs in candidates(cutoff):
-        key = step_time(programs)
-        if best_key is None or key < best_key:
-            best, best_key = (label, programs), key
-            if not timing.pair_seconds:
-                cutoff[0] = Cutoff(step=key[0])
-    label, programs = best
+    label, programs = fastest(candidates, step_time,
+                              lambda best: Cutoff() if timing.pair_seconds else Cutoff(step=best[0]))
     adapted = schedule.with_programs(programs)
     adapted.meta["order"] = label
     return adapted

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, TypeVar
 
 from schedules.action import Action
+
+T = TypeVar("T")
+K = TypeVar("K")
 
 
 class ScheduleUnavailableError(ValueError):
@@ -66,3 +69,22 @@ class Cutoff(NamedTuple):
 # remaining seconds in another order than the engine sums the same passes, which can differ in
 # the last bits.
 CUTOFF_MARGIN = 1e-9
+
+
+def fastest(candidates: Callable[[Callable[[], Cutoff]], Iterable[T | None]], key: Callable[[T], K],
+            cutoff_of: Callable[[K], Cutoff]) -> T | None:
+    """The first candidate of the least ``key`` (None if there is none). ``candidates`` is
+    given the search's current cutoff, to read as each run starts: ``cutoff_of`` the best
+    key so far (``Cutoff()`` until there is one); a run stopped at it yields None."""
+    best, best_key, current = None, None, Cutoff()
+
+    def cutoff() -> Cutoff:
+        return current  # the best so far when the next run starts
+
+    for candidate in candidates(cutoff):
+        if candidate is None:
+            continue
+        candidate_key = key(candidate)
+        if best_key is None or candidate_key < best_key:
+            best, best_key, current = candidate, candidate_key, cutoff_of(candidate_key)
+    return best

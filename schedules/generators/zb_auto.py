@@ -39,7 +39,7 @@ import numpy as np
 
 from schedules import engine
 from schedules.action import ActionKind
-from schedules.generators.common import Cutoff, ScheduleUnavailableError, require_positive
+from schedules.generators.common import Cutoff, ScheduleUnavailableError, fastest, require_positive
 from schedules.generators.greedy_zero_bubble import greedy_orders
 from schedules.generators.zb_h1 import zb_h1
 from schedules.generators.zb_h2 import zb_h2
@@ -143,30 +143,21 @@ def _best_heuristic(pp: int, microbatches: int, forward: tuple[float, ...], back
     scheduler's run stops once its span must exceed the best so far (it could not win)."""
     cost = _cost_of(pp, microbatches, forward, backward_input, backward_weight, comm)
 
-    def candidates(cutoff: list[Cutoff]):
-        """The candidates in turn, each run stopped at ``cutoff`` (read as it starts)."""
+    def candidates(cutoff):
+        """The candidates in turn, each run stopped at ``cutoff()`` (read as it starts)."""
         for patient in (False, True):
             for cap in sorted({None, *(c for c in (pp, 2 * pp - 1, limit // 2) if 1 <= c < limit)}, key=str):
                 yield greedy_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limit,
-                                    patient_weights=patient, warmup_cap=cap, cutoff=cutoff[0])
+                                    patient_weights=patient, warmup_cap=cap, cutoff=cutoff())
         for switches in itertools.product((True, False), repeat=3):
             yield heuristic_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limit,
-                                   weight_memory, *switches, cutoff=cutoff[0])
+                                   weight_memory, *switches, cutoff=cutoff())
         if limit >= pp:
             yield zb_h1(pp, microbatches).programs
         if limit >= 2 * pp - 1:
             yield zb_h2(pp, microbatches).programs
 
-    best, best_cost = None, None
-    cutoff = [Cutoff()]
-    for orders in candidates(cutoff):
-        if orders is None:
-            continue
-        candidate_cost = cost(orders)
-        if best_cost is None or candidate_cost < best_cost:
-            best, best_cost = orders, candidate_cost
-            cutoff[0] = Cutoff(span=candidate_cost[0])
-    return best
+    return fastest(candidates, cost, lambda best: Cutoff(span=best[0]))
 
 
 def per_stage(name: str, value: float | Sequence[float], stages: int, schedule: str = "zb-auto",

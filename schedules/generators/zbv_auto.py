@@ -45,7 +45,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 
 from schedules.action import Action, ActionKind
-from schedules.generators.common import Cutoff, ScheduleUnavailableError, require_positive
+from schedules.generators.common import Cutoff, ScheduleUnavailableError, fastest, require_positive
 from schedules.generators.greedy_zero_bubble import placed_greedy_orders
 from schedules.generators.zb_auto import order_cost, per_stage
 from schedules.generators.zbv import zbv
@@ -112,32 +112,30 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
     if quick:
         variants = itertools.product((True,), (False,), (True,), (False, True), (None,))
 
-    def candidates(cutoff: Cutoff) -> Iterator[Sequence[Sequence[Action]] | None]:
-        """The candidates in turn, each greedy run stopped once it cannot beat ``cutoff``
+    def candidates(cutoff) -> Iterator[Sequence[Sequence[Action]] | None]:
+        """The candidates in turn, each greedy run stopped once it cannot beat ``cutoff()``
         (read as each starts: the best so far)."""
         if fits:
             yield handcrafted
             for patient in (False, True):  # zbv's F and I order, each W placed for these costs
                 yield placed_greedy_orders(placement, microbatches, forward, backward_input, backward_weight, comm,
                                            chunk_stashes, patient_weights=patient, follow=handcrafted,
-                                           cutoff=cutoff[0])
+                                           cutoff=cutoff())
         for free_first, reserve_all, late_first, patient, cap in variants:
             yield placed_greedy_orders(placement, microbatches, forward, backward_input, backward_weight, comm,
                                        chunk_stashes, patient_weights=patient, warmup_cap=cap,
                                        reserve_all=reserve_all, late_first=late_first, free_first=free_first,
-                                       cutoff=cutoff[0])
+                                       cutoff=cutoff())
 
     # the step first, then the longest rank span (as ``adapt`` ranks zb-h1's orders): with the
     # first and last stage on rank 0 the two mostly coincide, and the step is what pipesim runs;
     # the first of equals: zbv where it ties. A run whose step must exceed the best one's is
     # stopped: it could not be chosen.
-    best, best_key = None, None
-    cutoff = [Cutoff()]
-    for orders in _distinct_orders(candidates(cutoff)):
-        key = cost(orders)[::-1]
-        if best_key is None or key < best_key:
-            best, best_key = orders, key
-            cutoff[0] = Cutoff(step=key[0])
+    best = fastest(lambda cutoff: _distinct_orders(candidates(cutoff)), lambda orders: cost(orders)[::-1],
+                   lambda key: Cutoff(step=key[0]))
+    if best is None:  # every greedy variant waited for room its ranks could not free
+        raise ScheduleUnavailableError(f"{NAME}: no order of pp={pp}, m={microbatches} runs within "
+                                       f"{chunk_stashes / 2:g} microbatches' activations per rank")
     return Schedule(pp, microbatches, placement, best, name=NAME,
                     meta={"memory_microbatches": chunk_stashes / 2})
 
