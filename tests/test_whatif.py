@@ -256,16 +256,16 @@ def test_per_transfer_wires_give_each_transfer_its_wires_routes_scaled(wire_rout
 
 
 @pytest.mark.parametrize(("call", "text", "message"), [
-    (parse_jitter, "-0.1", "--jitter F: must be a coefficient of variation >= 0, got -0.1"),
-    (parse_jitter, "nan", "--jitter F: must be a coefficient of variation >= 0, got nan"),
+    (parse_jitter, "-0.1", "--jitter -0.1: must be a coefficient of variation >= 0, got -0.1"),
+    (parse_jitter, "nan", "--jitter nan: must be a coefficient of variation >= 0, got nan"),
     (parse_jitter, "F=0.1,X=2", "--jitter F=0.1,X=2: unknown kind 'X'; use F, B, I, W, comm"),
     (parse_jitter, "lots", "--jitter lots: expected a coefficient of variation"),
-    (parse_straggler, "3:0", "--straggler 3:0.0: must be a slowdown factor > 0, got 0.0"),
-    (parse_straggler, "3:-2", "--straggler 3:-2.0: must be a slowdown factor > 0, got -2.0"),
+    (parse_straggler, "3:0", "--straggler 3:0: must be a slowdown factor > 0, got 0.0"),
+    (parse_straggler, "3:-2", "--straggler 3:-2: must be a slowdown factor > 0, got -2.0"),
     (parse_straggler, "3", "--straggler 3: expected RANK:FACTOR, e.g. 3:1.5"),
     (parse_straggler, "x:2", "--straggler x:2: the rank must be a whole number >= 0, got 'x'"),
-    (parse_straggler_share, "1.5:2", "--stragglers 1.5:2.0: must be a fraction of GPUs between 0 and 1, got 1.5"),
-    (parse_straggler_share, "0.1:0", "--stragglers 0.1:0.0: must be a slowdown factor > 0, got 0.0"),
+    (parse_straggler_share, "1.5:2", "--stragglers 1.5:2: must be a fraction of GPUs between 0 and 1, got 1.5"),
+    (parse_straggler_share, "0.1:0", "--stragglers 0.1:0: must be a slowdown factor > 0, got 0.0"),
     (parse_slow_link, "1:2", "--slow-link 1:2: the link must be two different ranks A-B, e.g. 3-4:2"),
     (parse_slow_link, "1-1:2", "--slow-link 1-1:2: the link must be two different ranks A-B"),
     (parse_slow_link, "1-2", "--slow-link 1-2: expected A-B:FACTOR, e.g. 3-4:2"),

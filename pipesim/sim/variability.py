@@ -69,6 +69,8 @@ class Variability:
             check_number(factor, f"--slow-link {rank_a}-{rank_b}:{factor}", "a slowdown factor > 0", exclusive=True)
         if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
             raise ValueError(f"--samples must be a whole number >= 1, got {self.samples!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"--seed must be a whole number >= 0, got {self.seed!r}")
 
     @property
     def varies(self) -> bool:
@@ -109,6 +111,7 @@ def parse_jitter(text: str) -> dict[str, float]:
     """``0.05`` (every kind, transfers included) or ``F=0.05,B=0.08,comm=0.2``."""
     if "=" not in text:
         cv = _number(text, f"--jitter {text}", "a coefficient of variation (0.05) or KIND=CV,... (F=0.05,comm=0.2)")
+        check_number(cv, f"--jitter {text}", "a coefficient of variation >= 0")
         return dict.fromkeys(JITTER_KINDS, cv)
     jitter: dict[str, float] = {}
     for part in text.split(","):
@@ -117,6 +120,7 @@ def parse_jitter(text: str) -> dict[str, float]:
         if kind not in JITTER_KINDS:
             raise ValueError(f"--jitter {text}: unknown kind {kind!r}; use {', '.join(JITTER_KINDS)}")
         jitter[kind] = _number(value, f"--jitter {text}", f"a coefficient of variation for {kind}")
+        check_number(jitter[kind], f"--jitter {text}", f"a coefficient of variation >= 0 for {kind}")
     return jitter
 
 
@@ -125,14 +129,19 @@ def parse_straggler(text: str) -> tuple[int, float]:
     rank, factor = _pair(text, "--straggler", "RANK:FACTOR, e.g. 3:1.5")
     if not rank.strip().isdigit():
         raise ValueError(f"--straggler {text}: the rank must be a whole number >= 0, got {rank!r}")
-    return int(rank), _number(factor, f"--straggler {text}", "a slowdown factor")
+    slowdown = _number(factor, f"--straggler {text}", "a slowdown factor")
+    check_number(slowdown, f"--straggler {text}", "a slowdown factor > 0", exclusive=True)
+    return int(rank), slowdown
 
 
 def parse_straggler_share(text: str) -> tuple[float, float]:
     """``FRACTION:FACTOR``, e.g. ``0.01:1.5``."""
     fraction, factor = _pair(text, "--stragglers", "FRACTION:FACTOR, e.g. 0.01:1.5")
     flag = f"--stragglers {text}"
-    return _number(fraction, flag, "a fraction of GPUs"), _number(factor, flag, "a slowdown factor")
+    share, slowdown = _number(fraction, flag, "a fraction of GPUs"), _number(factor, flag, "a slowdown factor")
+    check_number(share, flag, "a fraction of GPUs between 0 and 1", maximum=1.0)
+    check_number(slowdown, flag, "a slowdown factor > 0", exclusive=True)
+    return share, slowdown
 
 
 def parse_slow_link(text: str) -> tuple[tuple[int, int], float]:
@@ -142,7 +151,9 @@ def parse_slow_link(text: str) -> tuple[tuple[int, int], float]:
     if len(ends) != 2 or not all(end.strip().isdigit() for end in ends) or ends[0].strip() == ends[1].strip():
         raise ValueError(f"--slow-link {text}: the link must be two different ranks A-B, e.g. 3-4:2")
     rank_a, rank_b = sorted(int(end) for end in ends)
-    return (rank_a, rank_b), _number(factor, f"--slow-link {text}", "a slowdown factor")
+    slowdown = _number(factor, f"--slow-link {text}", "a slowdown factor")
+    check_number(slowdown, f"--slow-link {text}", "a slowdown factor > 0", exclusive=True)
+    return (rank_a, rank_b), slowdown
 
 
 def _pair(text: str, flag: str, form: str) -> tuple[str, str]:
