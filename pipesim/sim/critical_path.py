@@ -12,8 +12,8 @@ jitter draws): the delays the step absorbed. On a path where nothing ran over it
 
 Seconds are not enough to name the owner: under a straggler, the start of a long path
 runs through ranks that were simply busy before the straggler's pace caught up with
-them (interleaved 1F1B at pp 32, rank 3 at 1.5x: rank 31 holds 0.111 s of the path,
-rank 3 0.082 s), while every second the step lost was lost on rank 3.
+them (interleaved 1F1B at pp 32 with rank 3 at 1.5x: the last rank holds more of the
+path's seconds than rank 3), while every second the step lost was lost on rank 3.
 
 Walked for many samples at once (``critical_owners``): each step of the walk is one
 array operation over the samples, so a thousand samples cost about as much as the
