@@ -129,3 +129,44 @@ def test_kendall_tau_properties(values, others):
     if not math.isnan(tau):
         assert -1 - 1e-12 <= tau <= 1 + 1e-12
         assert kendall_tau(other, values) == pytest.approx(tau)
+
+
+PLAN = ["plan", "--model", "gpt3-1.3b", "--gpus", "8", "--global-batch", "16", "--topology", "nvlink",
+        "--microbatch-sizes", "1", "--workers", "1", "--quiet", "--constraint", "pp=4"]
+
+
+def test_plan_objective_p99_ranks_the_top_layouts_by_sampled_p99(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    status, stdout, _ = run_cli(capsys, *PLAN, "--top", "3", "--objective", "p99", "--straggler", "1:1.3",
+                                "--samples", "20", "--json", out)
+    assert status == 0
+    rows = json.loads(out.read_text())["ranked"][:3]
+    p99s = [row["step_time_p99"] for row in rows]
+    assert p99s == sorted(p99s)
+    for row in rows:  # a straggler only lengthens actions: no sample is faster than the deterministic step
+        assert row["step_time_p99"] >= row["step_time"]
+        assert row["tokens_per_second_p99"] == pytest.approx(row["tokens_per_second"] * row["step_time"]
+                                                             / row["step_time_p99"])
+    assert "the table is in order of the p99 of 20 sampled steps (seed 0)" in stdout
+    assert "Kendall tau between the two rankings" in stdout
+    best = rows[0]  # the same layout through simulate gives the same p99
+    simulated = tmp_path / "simulate.json"
+    assert run_cli(capsys, "simulate", "--model", "gpt3-1.3b", "--topology", "nvlink", "--nodes", "1",
+                   "--schedule", best["schedule"], "--pp", best["pp"], "--tp", best["tp"], "--dp", best["dp"],
+                   "-v", best["virtual_stages"], "-m", best["microbatches"], "--microbatch-size", "1",
+                   "--zero", best["zero"], "--recompute", best["recompute"],
+                   *(["--sequence-parallel"] if best["sequence_parallel"] else []),
+                   "--straggler", "1:1.3", "--samples", "20", "--json", simulated)[0] == 0
+    assert json.loads(simulated.read_text())["step_time_quantiles"]["p99"] == pytest.approx(best["step_time_p99"],
+                                                                                            rel=1e-12)
+
+
+@pytest.mark.parametrize(("flags", "phrase"), [
+    (["--objective", "p99"], "--objective p99 needs what varies: give --jitter, --straggler"),
+    (["--jitter", "0.1"], "rank layouts only with --objective p99"),
+    (["--objective", "p99", "--jitter", "-1"], "--jitter -1: must be a coefficient of variation >= 0"),
+])
+def test_plan_objective_flags_are_checked_first(capsys, flags, phrase):
+    status, _, err = run_cli(capsys, *PLAN, *flags)
+    assert status == 2
+    assert_one_line_error(status, err, phrase)

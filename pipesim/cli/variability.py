@@ -6,6 +6,7 @@ step, as before)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from pipesim.sim.variability import (
     Variability,
@@ -77,3 +78,35 @@ def write_whatif_page(path: str, whatif, plotly: str) -> None:
     write_whatif_html(whatif.step_times, whatif.deterministic.metrics.makespan, whatif.quantiles, traces, titles, path,
                       title=f"{schedule.name} pp={schedule.pp} m={schedule.microbatches}: step time over "
                       f"{len(whatif.step_times)} samples", plotly=plotly)
+
+
+def objective_variability(args: argparse.Namespace) -> Variability | None:
+    """``plan --objective p99``: the draws to rank layouts by (a what-if flag is needed);
+    None for the deterministic objective, which refuses what-if flags rather than
+    ignoring them."""
+    variability = variability_from_args(args)
+    if args.objective == "p99" and variability is None:
+        raise ValueError("--objective p99 needs what varies: give --jitter, --straggler, --stragglers or --slow-link")
+    if args.objective != "p99" and variability is not None:
+        raise ValueError("--jitter, --straggler, --stragglers, --slow-link and --samples rank layouts only with "
+                         "--objective p99; add it or drop them")
+    return variability
+
+
+def rank_by_p99(rows: list[dict], top: int, variability: Variability, simulate_row: Callable) -> None:
+    """Sample the first ``top`` of ``rows`` (the layouts the deterministic search ranked
+    best; ``simulate_row(row)`` simulates one as ``pipesim simulate`` does) and put them
+    in order of their sampled p99, each with ``step_time_mean``, ``step_time_p99`` and
+    ``tokens_per_second_p99`` (the step's tokens over its p99)."""
+    from pipesim.sim.whatif import sample_steps
+
+    for row in rows[:top]:
+        try:
+            whatif = sample_steps(simulate_row(row), variability)
+        except ValueError as error:  # a rank or link this layout's pipeline lacks
+            raise ValueError(f"{error} (layout {row['layout']}; fix pp with --constraint pp=N to name ranks, or "
+                             "use --stragglers FRACTION:FACTOR)") from None
+        row["step_time_mean"] = whatif.mean
+        row["step_time_p99"] = whatif.quantiles["p99"]
+        row["tokens_per_second_p99"] = row["tokens_per_second"] * row["step_time"] / row["step_time_p99"]
+    rows[:top] = sorted(rows[:top], key=lambda row: (row["step_time_p99"], row["layout"]))

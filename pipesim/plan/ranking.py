@@ -11,7 +11,7 @@ agreement without counting as a reversal.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def kendall_tau(first: Sequence[float], second: Sequence[float]) -> float:
@@ -40,20 +40,20 @@ def label(row: dict) -> str:
     return text + (f" v={row['virtual_stages']}" if int(row.get("virtual_stages") or 1) > 1 else "")
 
 
-def ranking_lines(rows: Sequence[dict]) -> list[str]:
-    """The rows ranked by deterministic step and by sampled p99, side by side, and the
-    Kendall tau between the two orders (rows without a p99 are left out)."""
+def ranking_lines(rows: Sequence[dict], step: str = "makespan", name: Callable[[dict], str] = label) -> list[str]:
+    """The rows ranked by deterministic step (field ``step``) and by sampled p99, side by
+    side, and the Kendall tau between the two orders (rows without a p99 are left out)."""
     ranked = [row for row in rows if row.get("step_time_p99") is not None]
     if not ranked:
         return []
-    by_step = sorted(ranked, key=lambda row: row["makespan"])
+    by_step = sorted(ranked, key=lambda row: row[step])
     by_p99 = sorted(ranked, key=lambda row: row["step_time_p99"])
-    width = max(len(label(row)) for row in ranked)
+    width = max(len(name(row)) for row in ranked)
     lines = [f"{'rank':>4}  {'by deterministic step':<{width + 13}}  by p99 of sampled steps"]
     for place, (paper, sampled) in enumerate(zip(by_step, by_p99, strict=True), 1):
-        lines.append(f"{place:>4}  {label(paper):<{width}} {paper['makespan']:>12.6g}  "
-                     f"{label(sampled):<{width}} {sampled['step_time_p99']:>12.6g}")
-    tau = kendall_tau([row["makespan"] for row in ranked], [row["step_time_p99"] for row in ranked])
+        lines.append(f"{place:>4}  {name(paper):<{width}} {paper[step]:>12.6g}  "
+                     f"{name(sampled):<{width}} {sampled['step_time_p99']:>12.6g}")
+    tau = kendall_tau([row[step] for row in ranked], [row["step_time_p99"] for row in ranked])
     agreement = "n/a: every row ties" if math.isnan(tau) else f"{tau:+.3f}"
     lines.append(f"Kendall tau between the two rankings: {agreement} (1: same order, -1: reversed)")
     return lines
