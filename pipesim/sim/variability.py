@@ -225,9 +225,8 @@ def lognormal_sigma(cv: np.ndarray) -> np.ndarray:
 
 def lognormal_factors(rng: np.random.Generator, sigma: np.ndarray) -> np.ndarray:
     """Lognormal factors of mean 1 (``exp(sigma z - sigma^2 / 2)``); exactly 1 where
-    ``sigma`` is 0."""
-    normal = rng.standard_normal(len(sigma))
-    return np.where(sigma > 0, np.exp(sigma * normal - np.square(sigma) / 2), 1.0)
+    ``sigma`` is 0 (``exp(±0.0)`` is 1.0, and a normal draw is always finite)."""
+    return np.exp(sigma * rng.standard_normal(len(sigma)) - np.square(sigma) / 2)
 
 
 def transfer_ends(program: EngineProgram) -> tuple[np.ndarray, np.ndarray]:
@@ -259,21 +258,37 @@ def transfer_link_factors(program: EngineProgram, slow_links: Mapping[tuple[int,
     return factor
 
 
+class PerTransferWires:
+    """``wires`` with one wire per transfer key (its wire's routes), laid out once; each
+    sample then only scales every route's occupancy and latency by its transfer's factor
+    (``scaled``). The engine reads transfer ``key``'s wire as wire ``key``: run it on the
+    program with ``transfer_wire = arange(transfers)``."""
+
+    def __init__(self, program: EngineProgram, wires: WireArrays) -> None:
+        wire = program.transfer_wire
+        routes = np.diff(wires.route_start)[wire]
+        self.route_start = np.zeros(len(wire) + 1, dtype=np.int64)
+        np.cumsum(routes, out=self.route_start[1:])
+        # the routes of each transfer, in order: its wire's first route plus 0, 1, ...
+        route = np.repeat(wires.route_start[:-1][wire] - self.route_start[:-1], routes) + np.arange(
+            self.route_start[-1])
+        links_per_route = np.diff(wires.link_start)[route]
+        self.link_start = np.zeros(len(route) + 1, dtype=np.int64)
+        np.cumsum(links_per_route, out=self.link_start[1:])
+        link = np.repeat(wires.link_start[:-1][route] - self.link_start[:-1], links_per_route) + np.arange(
+            self.link_start[-1])
+        self.links = wires.links[link]
+        self.occupancy, self.latency = wires.occupancy[route], wires.latency[route]
+        self.route_transfer = np.repeat(np.arange(len(wire)), routes)
+        self.link_count = wires.link_count
+
+    def scaled(self, factor: np.ndarray) -> WireArrays:
+        """The wires with each transfer's routes' occupancy and latency times ``factor[key]``."""
+        route_factor = factor[self.route_transfer]
+        return WireArrays(self.route_start, self.link_start, self.links, self.occupancy * route_factor,
+                          self.latency * route_factor, self.link_count)
+
+
 def per_transfer_wires(program: EngineProgram, wires: WireArrays, factor: np.ndarray) -> WireArrays:
-    """``wires`` with one wire per transfer key (its wire's routes), each route's occupancy
-    and latency times its transfer's ``factor``: the engine then reads transfer ``key``'s
-    wire as wire ``key`` (pass the program with ``transfer_wire = arange(transfers)``)."""
-    wire = program.transfer_wire
-    routes_per_wire = np.diff(wires.route_start)
-    routes = routes_per_wire[wire]
-    route_start = np.zeros(len(wire) + 1, dtype=np.int64)
-    np.cumsum(routes, out=route_start[1:])
-    # the routes of each transfer, in order: its wire's first route plus 0, 1, ...
-    route = np.repeat(wires.route_start[:-1][wire] - route_start[:-1], routes) + np.arange(route_start[-1])
-    links_per_route = np.diff(wires.link_start)[route]
-    link_start = np.zeros(len(route) + 1, dtype=np.int64)
-    np.cumsum(links_per_route, out=link_start[1:])
-    link = np.repeat(wires.link_start[:-1][route] - link_start[:-1], links_per_route) + np.arange(link_start[-1])
-    route_factor = np.repeat(factor, routes)
-    return WireArrays(route_start, link_start, wires.links[link], wires.occupancy[route] * route_factor,
-                      wires.latency[route] * route_factor, wires.link_count)
+    """``wires`` with one wire per transfer key, scaled by ``factor`` (``PerTransferWires``)."""
+    return PerTransferWires(program, wires).scaled(factor)

@@ -25,7 +25,7 @@ from pipesim.sim.critical_path import critical_owners, path_links
 from pipesim.sim.engine import gather_spans, held_parts, pipeline_columns, step_timing, step_trace
 from pipesim.sim.parallel import CommPlan, step_tail_columns
 from pipesim.sim.step import SimulationResult, comm_plan_of
-from pipesim.sim.variability import Sampler, Variability, crossed_links, per_transfer_wires
+from pipesim.sim.variability import PerTransferWires, Sampler, Variability, crossed_links
 from schedules import engine
 from schedules.action import KINDS
 from schedules.trace import Trace, TraceColumns
@@ -130,6 +130,8 @@ class SampleStepper:
         # one wire per transfer where transfers vary, so each can be scaled alone
         self.per_transfer = dataclasses.replace(self.program,
                                                 transfer_wire=np.arange(self.program.arrays.transfers))
+        self.transfer_wires = PerTransferWires(self.program, self.wires) if (
+            self.sampler.comm_sigma > 0 or self.sampler.link_factor is not None) else None
         self.tail = self.plan is not None or costs.step_overhead > 0
         shape = engine.empty_run(self.program)  # what holds and gathers each row has depends on the program alone
         self.held = held_parts(shape, costs, self.plan) if self.tail else None
@@ -142,7 +144,7 @@ class SampleStepper:
         if draws.transfer is None:
             step = engine.run_inputs(self.program, seconds, self.hold, self.wires, self.comm_overhead)
         else:
-            wires = per_transfer_wires(self.program, self.wires, draws.transfer)
+            wires = self.transfer_wires.scaled(draws.transfer)
             step = engine.run_inputs(self.per_transfer, seconds, self.hold, wires, self.comm_overhead)
             step.program = self.program
         if step.stuck:  # the order finishes deterministically; a draw cannot make it deadlock
