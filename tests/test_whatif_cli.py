@@ -170,3 +170,17 @@ def test_plan_objective_flags_are_checked_first(capsys, flags, phrase):
     status, _, err = run_cli(capsys, *PLAN, *flags)
     assert status == 2
     assert_one_line_error(status, err, phrase)
+
+
+def test_distribution_figure_marks_the_quantiles_and_ends_its_cdf_at_one():
+    from viz.whatif import distribution_figure
+
+    times = [0.010, 0.012, 0.011, 0.015]
+    figure = distribution_figure(times, 0.0105, {"p50": 0.011, "p99": 0.015})
+    histogram, cdf = figure.data[0], figure.data[1]
+    assert sorted(histogram.x) == pytest.approx([10.0, 11.0, 12.0, 15.0])  # ms: the times' unit
+    assert list(cdf.y) == [0.25, 0.5, 0.75, 1.0]
+    assert [trace.name for trace in figure.data[2:]] == ["deterministic 10.5 ms", "p50 11 ms", "p99 15 ms"]
+    assert sorted(shape.x0 for shape in figure.layout.shapes) == pytest.approx([10.5, 10.5, 11, 11, 15, 15])
+    with pytest.raises(ValueError, match="at least one sample"):
+        distribution_figure([], 1.0, {})
