@@ -18,18 +18,10 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from schedules.trace import Trace
-from viz.gantt import gantt_spec
+from viz.gantt import gantt_spec, seconds_unit
 from viz.html import include_plotlyjs
 
 MARKS = {"deterministic": "#555555", "p50": "#1F77B4", "p90": "#FF7F0E", "p99": "#C0392B"}
-
-
-def _unit(seconds: float) -> tuple[str, float]:
-    if seconds >= 1:
-        return "s", 1.0
-    if seconds >= 1e-3:
-        return "ms", 1e3
-    return "us", 1e6
 
 
 def distribution_figure(step_times: Sequence[float], deterministic: float, quantiles: Mapping[str, float],
@@ -39,7 +31,7 @@ def distribution_figure(step_times: Sequence[float], deterministic: float, quant
     times = np.sort(np.asarray(step_times, dtype=float))
     if not len(times):
         raise ValueError("a step-time distribution needs at least one sample")
-    unit, scale = _unit(float(times.max()))
+    unit, scale = seconds_unit(float(times.max()))
     figure = make_subplots(rows=1, cols=2, subplot_titles=("histogram", "cumulative distribution"))
     figure.add_trace(go.Histogram(x=times * scale, name="samples", marker_color="#7F7F7F", showlegend=False,
                                   hovertemplate=f"%{{x}} {unit}: %{{y}} samples<extra></extra>"), row=1, col=1)

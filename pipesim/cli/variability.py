@@ -69,11 +69,14 @@ def variability_from_args(args: argparse.Namespace) -> Variability | None:
 def write_whatif_page(path: str, whatif, plotly: str) -> None:
     """``--html`` of a what-if run: the distribution, then the Gantts of the median and
     the p99 sample (``viz.whatif``)."""
+    from viz.gantt import seconds_unit
     from viz.whatif import write_whatif_html
 
     samples = {name: whatif.sample_at(name) for name in ("p50", "p99")}
     traces = [whatif.trace(sample) for sample in samples.values()]
-    titles = [f"{name} sample #{sample}: {whatif.step_times[sample] * 1e3:.4g} ms" for name, sample in samples.items()]
+    unit, scale = seconds_unit(float(whatif.step_times.max()))
+    titles = [f"{name} sample #{sample}: {whatif.step_times[sample] * scale:.4g} {unit}"
+              for name, sample in samples.items()]
     schedule = whatif.deterministic.schedule
     write_whatif_html(whatif.step_times, whatif.deterministic.metrics.makespan, whatif.quantiles, traces, titles, path,
                       title=f"{schedule.name} pp={schedule.pp} m={schedule.microbatches}: step time over "

@@ -25,6 +25,7 @@ from pipesim.sim.critical_path import critical_owners, path_links
 from pipesim.sim.engine import gather_spans, held_parts, pipeline_columns, step_timing, step_trace
 from pipesim.sim.parallel import CommPlan, step_tail_columns
 from pipesim.sim.step import SimulationResult, comm_plan_of
+from pipesim.sim.step import _time_unit as time_unit  # the summary's units, as simulate prints them
 from pipesim.sim.variability import PerTransferWires, Sampler, Variability, crossed_links
 from schedules import engine
 from schedules.action import KINDS
@@ -99,7 +100,7 @@ class WhatIfResult:
     def summary(self) -> str:
         """The terminal lines of the distribution."""
         deterministic = self.deterministic.metrics.makespan
-        scale, unit = (1.0, "s") if deterministic >= 1 else (1e3, "ms") if deterministic >= 1e-3 else (1e6, "us")
+        unit, scale = time_unit(deterministic)
         quantiles = ", ".join(f"{name} {value * scale:.4g}" for name, value in self.quantiles.items())
         lines = [f"  what-if          {len(self.step_times)} samples (seed {self.variability.seed}): mean "
                  f"{self.mean * scale:.4g} {unit}; {quantiles} {unit}; "
@@ -166,7 +167,8 @@ class SampleStepper:
         step, _ = self.run(sample)
         result = self.result
         trace = step_trace(step, result.costs, result.topology, result.devices, self.plan, self.p2p)
-        trace.meta.update(result.trace.meta)
+        for key, value in result.trace.meta.items():  # the layout's (dp, tp, ...); the sample's own moments kept
+            trace.meta.setdefault(key, value)
         trace.meta.update(sample=sample, seed=self.variability.seed)
         return trace
 
