@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipesim.job import Job, simulate_job
@@ -178,6 +178,27 @@ def test_engine_and_specification_agree_sample_by_sample_and_in_distribution(see
     assert compiled.std() > 0
     independent = sample_steps(result, Variability(**VARIED, samples=60, seed=seed + 100)).step_times
     assert ks_two_sample(independent, specified) > 0.01
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"]), st.integers(2, 4),
+       st.integers(2, 8), st.sampled_from(["ideal", "nvlink", "pcie"]), st.sampled_from(["rendezvous", "buffered"]),
+       st.floats(0, 0.3), st.floats(0, 0.5), st.floats(0, 1), st.integers(0, 2 ** 16))
+def test_engine_and_specification_agree_on_random_layouts(name, pp, microbatches, cluster, p2p, cv, comm_cv, share,
+                                                           seed):
+    """Any generator (V-shaped and overlapped pairs included), cluster and semantics: the
+    compiled samples are the SimPy specification's on the same draws."""
+    from schedules.generators import ScheduleUnavailableError
+
+    try:
+        result = simulate_job(job(schedule=name, pp=pp, microbatches=microbatches, topology=cluster, p2p=p2p,
+                                  act_bytes=8e6, wgrad=0.4e-3))
+    except (ScheduleUnavailableError, ValueError):
+        assume(False)  # no such schedule at this size
+    variability = Variability(jitter={"F": cv, "B": cv, "I": cv, "W": cv, "comm": comm_cv},
+                              straggler_share=(share, 1.5), slow_links={(0, 1): 2.0}, samples=3, seed=seed)
+    np.testing.assert_allclose(sample_steps(result, variability).step_times,
+                               specified_step_times(result, variability), rtol=1e-12)
 
 
 def test_the_two_sample_test_tells_a_straggler_from_none():
