@@ -184,3 +184,10 @@ def test_distribution_figure_marks_the_quantiles_and_ends_its_cdf_at_one():
     assert sorted(shape.x0 for shape in figure.layout.shapes) == pytest.approx([10.5, 10.5, 11, 11, 15, 15])
     with pytest.raises(ValueError, match="at least one sample"):
         distribution_figure([], 1.0, {})
+
+
+def test_sweep_csv_without_whatif_flags_keeps_its_columns(capsys, tmp_path):
+    table = tmp_path / "rows.csv"
+    assert run_cli(capsys, "sweep", "--schedule", "1f1b", "--pp", "2", "-m", "4", "--quiet", "--csv", table)[0] == 0
+    header = table.read_text().splitlines()[0]
+    assert "step_time_p99" not in header and header.startswith("schedule,pp,microbatches")

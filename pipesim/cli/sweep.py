@@ -28,7 +28,7 @@ from pipesim.job import (
     split_list,
     topology_of,
 )
-from pipesim.plan.sweep import ROW_FIELDS, SweepPoint, format_table, run_sweep, sweep_points
+from pipesim.plan.sweep import ROW_FIELDS, WHATIF_FIELDS, SweepPoint, format_table, run_sweep, sweep_points
 from schedules.schedule import Schedule
 
 
@@ -118,7 +118,8 @@ def handle(args: argparse.Namespace) -> int:
         print("\n".join(ranking_lines(rows)))
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:
-            writer = csv.DictWriter(handle_out, fieldnames=ROW_FIELDS, extrasaction="ignore")
+            fields = ROW_FIELDS + (WHATIF_FIELDS if variability is not None else ())
+            writer = csv.DictWriter(handle_out, fieldnames=fields, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
         print(f"wrote {args.csv}")

@@ -32,7 +32,7 @@ WHATIF_FIELDS = ("step_time_mean", "step_time_p50", "step_time_p90", "step_time_
 ROW_FIELDS = (
     "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
     "idle_fraction", "peak_inflight_microbatches", "bubble", "exposed_comm", "peak_memory_bytes", "oom",
-    "actions", "note", "capacity_bytes", *WHATIF_FIELDS,
+    "actions", "note", "capacity_bytes",
 )
 
 
