@@ -191,3 +191,27 @@ def test_sweep_csv_without_whatif_flags_keeps_its_columns(capsys, tmp_path):
     assert run_cli(capsys, "sweep", "--schedule", "1f1b", "--pp", "2", "-m", "4", "--quiet", "--csv", table)[0] == 0
     header = table.read_text().splitlines()[0]
     assert "step_time_p99" not in header and header.startswith("schedule,pp,microbatches")
+
+
+def test_compare_spread_is_order_statistics_of_the_kept_steps_and_the_samples():
+    """Kept steps [1, 2, 3, 4] s (the warm-up 5 s left out): p50 is the 2nd (ceil(0.5 x 4)),
+    p90 and p99 the 4th; 10 samples 10..19 s: p50 the 5th, p90 the 9th, p99 the 10th."""
+    from pipesim.sim.comparison import add_spread, report_lines
+
+    document = {"schedule": "1f1b", "pp": 2, "microbatches": 4, "virtual_stages": 1, "measured_step_time": 2.5,
+                "predicted_step_time": 2.0, "error": -0.2, "measured_step_times": [5.0, 1.0, 2.0, 3.0, 4.0],
+                "warmup_steps": 1, "measured_bubble_fraction": 0.1, "predicted_bubble_fraction": 0.1,
+                "measured_idle_fraction": 0.2, "predicted_idle_fraction": 0.2, "ranks": []}
+    add_spread(document, [float(value) for value in range(19, 9, -1)])
+    assert document["measured_step_time_quantiles"] == {"p50": 2.0, "p90": 4.0, "p99": 4.0}
+    assert document["predicted_step_time_quantiles"] == {"p50": 14.0, "p90": 18.0, "p99": 19.0}
+    lines = report_lines(document)
+    assert "  p99         measured   4000.00 ms   predicted  19000.00 ms   (4 steps / 10 sampled steps)" in lines
+
+
+def test_compare_checks_whatif_flags_before_running_anything(capsys):
+    status, _, err = run_cli(capsys, "compare", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4",
+                             "--model", "mlp", "--layers", "4", "--hidden", "32", "--batch-size", "8",
+                             "--straggler", "1:-1")
+    assert_one_line_error(status, err, "--straggler 1:-1: must be a slowdown factor > 0")
+    assert status == 2

@@ -20,7 +20,9 @@ DEFAULT_SAMPLES = 1000
 FLAGS = ("jitter", "straggler", "stragglers", "slow_link", "samples")
 
 
-def add_variability_args(parser: argparse.ArgumentParser) -> None:
+def add_variability_args(parser: argparse.ArgumentParser, seed: bool = True) -> None:
+    """The what-if flags; ``seed=False`` where the command has a ``--seed`` of its own
+    (``compare``: the run's), which then seeds the draws too."""
     group = parser.add_argument_group(
         "what-if: step time as a distribution (docs/whatif.md)")
     group.add_argument("--jitter", metavar="CV",
@@ -37,7 +39,8 @@ def add_variability_args(parser: argparse.ArgumentParser) -> None:
                        "3-4:2; repeatable (default: none)")
     group.add_argument("--samples", type=int, default=None,
                        help=f"steps drawn (default: {DEFAULT_SAMPLES} when any flag above is given)")
-    group.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
+    if seed:
+        group.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
 
 
 def variability_from_args(args: argparse.Namespace) -> Variability | None:
@@ -62,7 +65,7 @@ def variability_from_args(args: argparse.Namespace) -> Variability | None:
         straggler_share=parse_straggler_share(args.stragglers) if args.stragglers is not None else None,
         slow_links=slow_links,
         samples=DEFAULT_SAMPLES if args.samples is None else args.samples,
-        seed=args.seed,
+        seed=getattr(args, "seed", 0),
     )
 
 

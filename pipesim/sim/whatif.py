@@ -35,6 +35,11 @@ QUANTILES = {"p50": 0.50, "p90": 0.90, "p99": 0.99}
 CHUNK = 64  # samples whose moments are kept at once for the critical-path walk
 
 
+def step_quantiles(step_times) -> dict[str, float]:
+    """p50, p90 and p99 of ``step_times`` as order statistics: each one of the times."""
+    return {name: float(np.quantile(step_times, q, method="inverted_cdf")) for name, q in QUANTILES.items()}
+
+
 @dataclass
 class WhatIfResult:
     """``samples`` steps of one layout: their step times, per sample the rank owning the
@@ -55,7 +60,7 @@ class WhatIfResult:
     @cached_property
     def quantiles(self) -> dict[str, float]:
         """p50, p90, p99 of the step time, each an actual sample's (see the module)."""
-        return {name: float(np.quantile(self.step_times, q, method="inverted_cdf")) for name, q in QUANTILES.items()}
+        return step_quantiles(self.step_times)
 
     def sample_at(self, name: str) -> int:
         """The sample whose step time is quantile ``name`` (``p50``, ``p90``, ``p99``)."""
