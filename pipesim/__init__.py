@@ -20,7 +20,7 @@ from typing import Any
 # Not ``costs``/``topology``: those are submodules (``pipesim.model.costs``), which an import
 # of them would bind over a function of the same name.
 API = ("schedule", "load_schedule", "save_schedule", "load_topology", "uniform_costs", "load_costs", "model_costs",
-       "simulate", "plot", "load_trace", "run", "Job", "simulate_job")
+       "simulate", "whatif", "plot", "load_trace", "run", "Job", "simulate_job")
 
 __all__ = [*API, "__version__"]
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pipesim.job import Job
     from pipesim.model.costs import Costs
     from pipesim.sim.step import SimulationResult
+    from pipesim.sim.whatif import WhatIfResult
     from schedules.schedule import Schedule
     from schedules.trace import Trace
 
@@ -130,6 +131,40 @@ def simulate(
         raise ValueError(f"the costs describe {costs.num_stages} stages but {schedule.name!r} has "
                          f"{schedule.num_stages}; build them with pipesim.uniform_costs(schedule, ...)")
     return run_simulation(schedule, costs, _as_topology(topology), parallel=ParallelConfig(dp=dp, tp=tp))
+
+
+def whatif(
+    step: SimulationResult | Schedule,
+    costs: Costs | None = None,
+    topology: Topology | str = "ideal",
+    *,
+    jitter: float | dict[str, float] = 0.0,
+    stragglers: dict[int, float] | None = None,
+    straggler_share: tuple[float, float] | None = None,
+    slow_links: dict[tuple[int, int], float] | None = None,
+    samples: int = 1000,
+    seed: int = 0,
+) -> WhatIfResult:
+    """``samples`` steps of a simulated layout (a ``simulate`` result, or a schedule
+    simulated here with ``costs`` on ``topology``), each with its own draws:
+    ``jitter`` is the coefficient of variation of every action's time (one number) or
+    per kind (``{"F": 0.05, "B": 0.08, "comm": 0.2}``); ``stragglers`` slows pipeline
+    ranks (``{3: 1.5}``); ``straggler_share`` a random ``(fraction, factor)`` of GPUs
+    each sample; ``slow_links`` the transfers between two ranks (``{(3, 4): 2.0}``).
+    The result has ``.step_times``, ``.mean``, ``.quantiles`` (p50, p90, p99),
+    ``.owner_shares`` (which rank's delays set the step), ``.trace(sample)`` and
+    ``.summary()``; ``pipesim simulate --jitter ...`` prints the same numbers."""
+    from pipesim.sim.variability import JITTER_KINDS, Variability  # noqa: PLC0415
+    from pipesim.sim.whatif import sample_steps  # noqa: PLC0415
+
+    result = step if hasattr(step, "metrics") else simulate(step, costs, topology)
+    variability = Variability(
+        jitter=dict(jitter) if isinstance(jitter, dict) else dict.fromkeys(JITTER_KINDS, jitter),
+        stragglers=dict(stragglers or {}), straggler_share=straggler_share,
+        slow_links={tuple(sorted(link)): factor for link, factor in (slow_links or {}).items()},
+        samples=samples, seed=seed,
+    )
+    return sample_steps(result, variability)
 
 
 def plot(*steps: SimulationResult | Trace | dict, path: str | Path | None = None,

@@ -390,14 +390,29 @@ def _require_semantics(semantics: str) -> None:
 
 def run_program(program: EngineProgram, timing: StepTiming) -> StepRun:
     """Time one step of a compiled program (``run``)."""
+    seconds, hold, wires = step_inputs(program, timing)
+    return run_inputs(program, seconds, hold, wires, timing.comm_overhead)
+
+
+def step_inputs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarray, np.ndarray, WireArrays]:
+    """What the walk reads of ``timing``: per compute row its seconds and hold, and the
+    wires flattened. A caller that times many variants of one step (sampled jitter,
+    stragglers) computes these once and perturbs the arrays (``run_inputs``)."""
     seconds, hold = _compute_costs(program, timing)
-    wires = _wire_arrays(timing.wires, program.arrays)
+    return seconds, hold, _wire_arrays(timing.wires, program.arrays)
+
+
+def run_inputs(program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,
+               comm_overhead: float) -> StepRun:
+    """Time one step of ``program`` on per compute row ``seconds`` and ``hold`` and on
+    ``wires`` (``program.transfer_wire[key]`` is transfer ``key``'s wire)."""
+    seconds, hold = np.ascontiguousarray(seconds, dtype=float), np.ascontiguousarray(hold, dtype=float)
     if _compiled is None:  # pragma: no cover - an install without a C compiler
         from pipesim.sim.reference import run_reference
 
-        step = run_reference(program, seconds, hold, wires, timing.comm_overhead)
+        step = run_reference(program, seconds, hold, wires, comm_overhead)
     else:
-        step = _run_compiled(program, seconds, hold, wires, float(timing.comm_overhead))
+        step = _run_compiled(program, seconds, hold, wires, float(comm_overhead))
     step.hold = hold
     return step
 

@@ -49,7 +49,11 @@ def time_unit(traces: list[Trace]) -> tuple[str, float]:
     gets the unit that keeps the longest step between 1 and 1000: s, ms or µs."""
     if any(trace.meta.get("time_unit") == "units" for trace in traces):
         return "units", 1.0
-    span = max((makespan(trace) for trace in traces), default=0.0)
+    return seconds_unit(max((makespan(trace) for trace in traces), default=0.0))
+
+
+def seconds_unit(span: float) -> tuple[str, float]:
+    """The unit that keeps ``span`` seconds between 1 and 1000 (s, ms or µs), and the factor."""
     if span >= 1.0:
         return "s", 1.0
     if span >= 1e-3 or span == 0.0:

@@ -18,6 +18,7 @@ from pathlib import Path
 from executor.options import add_run_arguments, config_from_args
 from pipesim.cli.profile import add_profile_arguments, check_profile_arguments
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
+from pipesim.cli.variability import add_variability_args, variability_from_args
 
 LINK_SIZES = "1KB..16MB"  # sendrecv sizes measured when no --topology is given
 
@@ -40,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--html", metavar="PATH", help="write the measured and predicted timelines on one axis")
     group.add_argument("--predicted-trace", metavar="PATH", help="write the predicted Trace")
     add_quiet_arg(parser)
+    add_variability_args(parser, seed=False)
     parser.set_defaults(handler=handle, steps=5)
 
 
@@ -117,6 +119,7 @@ def chart_summaries(document: dict, drawn_step: int | None = None) -> list[str]:
 
 def handle(args: argparse.Namespace) -> int:
     check_profile_arguments(args)
+    variability = variability_from_args(args)  # the prediction's what-if flags, checked before anything runs
     config = config_from_args(args)
     if config.pp < 2:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
@@ -153,6 +156,11 @@ def handle(args: argparse.Namespace) -> int:
         predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config))
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
                        args.warmup_steps)
+    if variability is not None:
+        from pipesim.sim.comparison import add_spread  # noqa: PLC0415
+        from pipesim.sim.whatif import sample_steps  # noqa: PLC0415
+
+        add_spread(document, sample_steps(predicted, variability).step_times)
     print("\n".join(report_lines(document)))
     if args.json:
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pipesim.cli.options import add_memory_headroom_arg
+from pipesim.cli.variability import add_variability_args, objective_variability, rank_by_p99
 from pipesim.cluster.gpus import GPUS
 from pipesim.job import Job, costs_of, parallel_of, schedule_of, throughput_figures, topology_of
 from pipesim.model.costs import parameter_figures
@@ -141,11 +142,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --torchtitan: the data-parallel replicas shard parameters with FSDP (torchtitan's "
                         "default); a ZeRO layout needs it")
     parser.add_argument("--quiet", action="store_true", help="no progress (shown on stderr while the search runs)")
+    parser.add_argument("--objective", choices=("step", "p99"), default="step",
+                        help="rank by the deterministic step, or by the p99 of sampled steps under the what-if flags "
+                        "below: the top --top layouts by step, sampled and put in p99 order (default: step)")
+    add_variability_args(parser)
     parser.set_defaults(handler=handle, output_dirs=("torchtitan",))
 
 
 def handle(args: argparse.Namespace) -> int:
     base, space = _checked_job(args)
+    variability = objective_variability(args)
     layouts, ruled_out = enumerate_layouts(space)
     workers = args.workers or default_workers()
     print(f"plan: {args.model} on {args.gpus} GPUs ({args.topology}), global batch {args.global_batch}: "
@@ -157,7 +163,16 @@ def handle(args: argparse.Namespace) -> int:
     result = search(layouts, screen_layout, lower_bound, args.top, workers, _progress(args), ruled_out,
                     reject=reject_cause, describe=describe_layout if args.html else None, refine=evaluate_layout,
                     evaluate_takes_cutoff=True)
+    if variability is not None:
+        from pipesim.job import simulate_job
+        from pipesim.plan.ranking import ranking_lines
+
+        rank_by_p99(result.rows, args.top, variability,
+                    lambda row: simulate_job(layout_job(Layout(*(row[name] for name in Layout._fields)))))
     print(format_plan(result, args))
+    if variability is not None:
+        print(f"the table is in order of the p99 of {variability.samples} sampled steps (seed {variability.seed}):")
+        print("\n".join(ranking_lines(result.rows[:args.top], "step_time", lambda row: row["layout"])))
     _write_outputs(args, result)
     return 0 if result.rows else 1
 

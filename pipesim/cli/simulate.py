@@ -16,6 +16,7 @@ from pipesim.cli.options import (
     add_schedule_args,
     add_topology_args,
 )
+from pipesim.cli.variability import add_variability_args, variability_from_args, write_whatif_page
 from pipesim.job import Job, model_figures, model_spec_of, simulate_job
 
 
@@ -31,6 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_parallel_args(parser)
     add_output_args(parser)
     add_p2p_arg(parser, "the predicted backend's: buffered for links measured on gloo, rendezvous otherwise")
+    add_variability_args(parser)
     parser.add_argument("--fail-on-oom", action="store_true",
                         help="exit non-zero when a rank's peak memory exceeds its device's")
     parser.set_defaults(handler=handle)
@@ -93,9 +95,17 @@ def handle(args: argparse.Namespace) -> int:
     from pipesim.sim.memory import OutOfMemoryError, check_memory
 
     job = Job.from_namespace(args)
+    variability = variability_from_args(args)  # bad what-if flags fail before the step is simulated
     result = simulate_job(job)
     document = result.to_dict()
     print(result.summary())
+    whatif = None
+    if variability is not None:
+        from pipesim.sim.whatif import sample_steps
+
+        whatif = sample_steps(result, variability)
+        document.update(whatif.to_dict())
+        print(whatif.summary())
     if job.model:
         figures = model_figures(job, result)
         document.update(figures)
@@ -107,7 +117,12 @@ def handle(args: argparse.Namespace) -> int:
 
         for note in layout_notes(model_spec_of(job), job.tp):
             print(f"  note: {note}")
-    write_outputs(args, document, [result.trace], [f"predicted: {result.schedule.name}"], [result.metrics])
+    # a what-if's --html is the distribution beside its median and p99 steps
+    outputs = args if whatif is None else argparse.Namespace(**{**vars(args), "html": None})
+    write_outputs(outputs, document, [result.trace], [f"predicted: {result.schedule.name}"], [result.metrics])
+    if whatif is not None and args.html:
+        write_whatif_page(args.html, whatif, args.plotly)
+        print(f"wrote {args.html}")
     if args.fail_on_oom:
         try:
             check_memory(result.memory)

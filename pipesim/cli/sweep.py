@@ -17,6 +17,7 @@ from pipesim.cli.options import (
     add_topology_args,
 )
 from pipesim.cli.progress import progress_from_args
+from pipesim.cli.variability import add_variability_args, variability_from_args
 from pipesim.job import (
     Job,
     check_parallel_layout,
@@ -27,7 +28,7 @@ from pipesim.job import (
     split_list,
     topology_of,
 )
-from pipesim.plan.sweep import ROW_FIELDS, SweepPoint, format_table, run_sweep, sweep_points
+from pipesim.plan.sweep import ROW_FIELDS, WHATIF_FIELDS, SweepPoint, format_table, run_sweep, sweep_points
 from schedules.schedule import Schedule
 
 
@@ -52,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_topology_args(parser)
     add_parallel_args(parser)
     add_p2p_arg(parser, "the predicted backend's: buffered for links measured on gloo, rendezvous otherwise")
+    add_variability_args(parser)
     parser.add_argument("--csv", help="write the rows as CSV")
     parser.add_argument("--json", help="write the rows as JSON")
     parser.add_argument("--html", help="write the sweep chart (self-contained HTML)")
@@ -91,6 +93,7 @@ def handle(args: argparse.Namespace) -> int:
             split_list(args.microbatches or MICROBATCHES, int),
             VIRTUAL_STAGES if args.virtual_stages is None else args.virtual_stages,
         )
+    variability = variability_from_args(args)
     job = Job.from_namespace(args)
     check_parallel_layout(job)
     topology = topology_of(job)
@@ -101,7 +104,7 @@ def handle(args: argparse.Namespace) -> int:
     progress = progress_from_args("sweep", args).enabled  # per-point lines on a terminal only
     rows = run_sweep(points, costs_for, topology, progress=progress, parallel=parallel_of(job),
                      max_actions=args.max_actions, memory_limit=args.memory_limit, p2p=args.p2p,
-                     schedules=files)
+                     schedules=files, variability=variability)
     if args.model:
         # Tokens a microbatch carries across all dp replicas, so the chart draws tokens/s
         # (as plan does: microbatches x dp x microbatch size x sequence length per step).
@@ -109,9 +112,14 @@ def handle(args: argparse.Namespace) -> int:
         for row in rows:
             row["tokens_per_microbatch"] = spec.seq_len * spec.microbatch_size * args.dp
     print(format_table(rows))
+    if variability is not None:
+        from pipesim.plan.ranking import ranking_lines
+
+        print("\n".join(ranking_lines(rows)))
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:
-            writer = csv.DictWriter(handle_out, fieldnames=ROW_FIELDS, extrasaction="ignore")
+            fields = ROW_FIELDS + (WHATIF_FIELDS if variability is not None else ())
+            writer = csv.DictWriter(handle_out, fieldnames=fields, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
         print(f"wrote {args.csv}")

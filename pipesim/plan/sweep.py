@@ -14,6 +14,8 @@ from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
+from pipesim.sim.variability import Variability
+from pipesim.sim.whatif import sample_steps
 from schedules.generators import (
     COST_AWARE,
     DEFAULT_MAX_ACTIONS,
@@ -25,6 +27,8 @@ from schedules.generators import (
 from schedules.generators.adaptive import ADAPTABLE
 from schedules.schedule import Schedule
 
+# with what-if flags: the sampled step time's mean and quantiles (``pipesim.sim.whatif``)
+WHATIF_FIELDS = ("step_time_mean", "step_time_p50", "step_time_p90", "step_time_p99")
 ROW_FIELDS = (
     "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
     "idle_fraction", "peak_inflight_microbatches", "bubble", "exposed_comm", "peak_memory_bytes", "oom",
@@ -61,12 +65,14 @@ def run_sweep(
     memory_limit: float | None = None,
     p2p: str | None = None,
     schedules: dict[SweepPoint, Schedule] | None = None,
+    variability: Variability | None = None,
 ) -> list[dict]:
     """Simulate every point; a point whose schedule does not exist becomes a row with a
     ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs;
     cost-aware schedules (zb-auto) are built from those costs, ``memory_limit`` stashes.
     ``schedules`` gives the schedule of points that are not generated (read from a file).
-    A generated point over ``max_actions`` refuses the whole sweep before anything runs."""
+    A generated point over ``max_actions`` refuses the whole sweep before anything runs.
+    With ``variability`` each point's step is also sampled (``WHATIF_FIELDS``)."""
     for point in points:
         if point not in (schedules or {}):
             require_within_limit(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
@@ -97,6 +103,10 @@ def run_sweep(
             "actions": result.schedule.num_actions,
             "note": "",
         }
+        if variability is not None:
+            whatif = sample_steps(result, variability)
+            row["step_time_mean"] = whatif.mean
+            row.update({f"step_time_{name}": value for name, value in whatif.quantiles.items()})
         rows.append(row)
         if progress:
             print(
@@ -137,8 +147,9 @@ def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: 
 
 def format_table(rows: list[dict]) -> str:
     """A fixed-width table of the sweep for the terminal."""
-    header = (f"{'schedule':<18} {'pp':>4} {'m':>5} {'v':>3} {'step time (s)':>14} {'bubble':>8} "
-              f"{'peak in-flight':>15} {'peak mem GB':>12}")
+    sampled = any(row.get("step_time_p99") is not None for row in rows)
+    header = (f"{'schedule':<18} {'pp':>4} {'m':>5} {'v':>3} {'step time (s)':>14} "
+              + (f"{'p99 (s)':>12} " if sampled else "") + f"{'bubble':>8} {'peak in-flight':>15} {'peak mem GB':>12}")
     lines = [header, "-" * len(header)]
     for row in rows:
         if row.get("note"):
@@ -147,7 +158,8 @@ def format_table(rows: list[dict]) -> str:
             continue
         lines.append(
             f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3} "
-            f"{row['makespan']:>14.6g} {row['bubble_fraction']:>8.2%} {row['peak_inflight_microbatches']:>15g} "
+            f"{row['makespan']:>14.6g} " + (f"{row['step_time_p99']:>12.6g} " if sampled else "")
+            + f"{row['bubble_fraction']:>8.2%} {row['peak_inflight_microbatches']:>15g} "
             f"{_gigabytes(row['peak_memory_bytes']):>12}{'  OOM' if row['oom'] else ''}"
         )
     return "\n".join(lines)

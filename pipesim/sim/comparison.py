@@ -77,6 +77,19 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
     }
 
 
+def add_spread(document: dict, predicted_times) -> dict:
+    """``document`` with the spread of the step time beside the prediction's under the
+    what-if flags (``predicted_times``: the sampled steps): measured p50/p90/p99 over the
+    kept steps, predicted over the samples, both as order statistics."""
+    from pipesim.sim.whatif import step_quantiles
+
+    kept = document["measured_step_times"][document["warmup_steps"]:] or document["measured_step_times"]
+    document["measured_step_time_quantiles"] = step_quantiles(kept)
+    document["predicted_step_time_quantiles"] = step_quantiles(predicted_times)
+    document["predicted_samples"] = len(predicted_times)
+    return document
+
+
 def report_lines(document: dict) -> list[str]:
     """The comparison for the terminal, in milliseconds."""
     lines = [
@@ -89,6 +102,14 @@ def report_lines(document: dict) -> list[str]:
         f"  idle        measured {document['measured_idle_fraction']:9.1%}      "
         f"predicted {document['predicted_idle_fraction']:9.1%}   (not computing)",
     ]
+    if "predicted_step_time_quantiles" in document:
+        measured, predicted = document["measured_step_time_quantiles"], document["predicted_step_time_quantiles"]
+        kept = max(len(document["measured_step_times"]) - document["warmup_steps"], 0) or len(
+            document["measured_step_times"])
+        for name in measured:
+            lines.append(f"  {name:<11} measured {measured[name] * 1e3:9.2f} ms   "
+                         f"predicted {predicted[name] * 1e3:9.2f} ms   "
+                         f"({kept} steps / {document['predicted_samples']} sampled steps)")
     for rank in document["ranks"]:
         lines.append(f"  rank {rank['rank']}: busy {rank['measured_busy'] * 1e3:8.2f} / "
                      f"{rank['predicted_busy'] * 1e3:8.2f} ms"

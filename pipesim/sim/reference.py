@@ -111,7 +111,7 @@ class SimpyStep:
     def transfer(self, key: int, now: float) -> float:
         """Put transfer ``key`` on its wire at ``now``; its arrival (the latest route's)."""
         wires = self.wires
-        wire = key // self.microbatches
+        wire = int(self.program.transfer_wire[key])
         arrival = now
         for route in range(wires.route_start[wire], wires.route_start[wire + 1]):
             links = wires.links[wires.link_start[route]:wires.link_start[route + 1]].tolist()

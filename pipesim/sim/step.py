@@ -15,7 +15,7 @@ from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
 from pipesim.sim.engine import lower_for, run_step, step_trace
 from pipesim.sim.memory import RankMemory, memory_report
-from pipesim.sim.parallel import ParallelConfig, comm_plan
+from pipesim.sim.parallel import CommPlan, ParallelConfig, comm_plan
 from schedules.collector import without_collector
 from schedules.metrics import StepMetrics, comm_by_kind, step_metrics
 from schedules.p2p import default_semantics
@@ -220,6 +220,16 @@ def predicted_semantics(topology: Topology) -> str:
     return default_semantics(topology.backend or "nccl")
 
 
+def comm_plan_of(lowered: Schedule, costs: Costs, topology: Topology, mapping: RankMapping | None,
+                 parallel: ParallelConfig) -> CommPlan | None:
+    """The step's tp/dp/ep/cp collectives for this layout; None for a lone pipeline (or
+    devices given by hand, without a mapping to place the other replicas)."""
+    if mapping is None or parallel.gpus <= 1:
+        return None
+    return comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
+                     parallel.algorithm, parallel.zero, parallel.cp_comm)
+
+
 @without_collector
 def run_simulation(
     schedule: Schedule,
@@ -251,10 +261,7 @@ def run_simulation(
     lowered = lower_for(schedule, costs, topology, rank_devices)
     if validate:
         validate_schedule(lowered, p2p, finishes=False)
-    plan = None
-    if mapping is not None and parallel.gpus > 1:
-        plan = comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
-                         parallel.algorithm, parallel.zero, parallel.cp_comm)
+    plan = comm_plan_of(lowered, costs, topology, mapping, parallel)
     step = run_step(lowered, costs, topology, rank_devices, plan, p2p)
     if step.stuck:
         explain_stuck(step)
