@@ -80,6 +80,9 @@ class SimulationResult:
             "cp_comm": self.parallel.cp_comm if self.parallel.cp > 1 else None,
             "zero": self.parallel.zero,
             "dp_overlap": self.parallel.overlap_dp,
+            "tp_overlap": self.parallel.overlap_tp,
+            "param_gather_overlap": self.parallel.overlap_param_gather,
+            "overlap_slowdown": self.parallel.overlap_slowdown,
             "rank_order": "-".join(axis for axis in self.mapping.order if axis != "cp" or self.parallel.cp > 1)
             if self.mapping else None,
             "p2p": self.trace.meta.get("p2p"),
@@ -254,7 +257,8 @@ def run_simulation(
     plan = None
     if mapping is not None and parallel.gpus > 1:
         plan = comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
-                         parallel.algorithm, parallel.zero, parallel.cp_comm)
+                         parallel.algorithm, parallel.zero, parallel.cp_comm, parallel.overlap_tp,
+                         parallel.overlap_param_gather, parallel.overlap_slowdown)
     step = run_step(lowered, costs, topology, rank_devices, plan, p2p)
     if step.stuck:
         explain_stuck(step)
