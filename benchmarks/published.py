@@ -205,7 +205,7 @@ def training_flops(spec: ModelSpec, attention_flops: str) -> float:
 STUDIES = (
     ("Narayanan et al. 2021, Table 1 (A100, full recompute)", narayanan_2021, "145.6B"),
     ("Korthikanti et al. 2022, Table 5 (A100, tp 8)", korthikanti_2022, "175B selective+sp"),
-    ("Dubey et al. 2024, Table 4 (Llama 3 405B, H100, seq 8192)", llama3_2024, None),
+    ("Dubey et al. 2024, Table 4 (Llama 3 405B, H100, seq 8192 and 131,072)", llama3_2024, None),
 )
 
 
@@ -215,6 +215,8 @@ class Prediction:
 
     step_seconds: float
     mfu: float
+    peak_bytes: float = 0.0  # the largest rank's peak memory
+    usable_bytes: float = 0.0  # what its device leaves it (less the headroom)
 
     def error(self, run: Run) -> float:
         """Relative error against the study: of MFU where it reports MFU, else of step time."""
@@ -223,9 +225,10 @@ class Prediction:
         return self.step_seconds / run.step_seconds - 1
 
 
-def predict(run: Run, efficiency: float | None) -> Prediction:
+def predict(run: Run, efficiency: float | None, with_memory: bool = False) -> Prediction:
     """What ``pipesim simulate`` predicts for ``run``: at ``efficiency`` of peak for every
-    GEMM and attention kernel (``--mfu``), or by the GPU's compute model (None)."""
+    GEMM and attention kernel (``--mfu``), or by the GPU's compute model (None); with
+    ``with_memory``, also the fullest rank's peak memory and what its device leaves it."""
     spec = replace(run.spec, microbatch_size=run.microbatch_size)
     topology = load_topology("ib", max(1, math.ceil(run.gpus / 8)), run.gpu)
     schedule = generate(run.schedule, run.pp, run.microbatches, run.virtual_stages)
@@ -241,11 +244,15 @@ def predict(run: Run, efficiency: float | None) -> Prediction:
                                                                              run.zero), cp=run.cp)
     parallel = ParallelConfig(dp=run.dp, tp=run.tp, overlap_dp=run.overlap_dp, zero=run.zero,
                               rank_order=run.rank_order, cp=run.cp, cp_comm=run.cp_comm, overlap_tp=run.tp_overlap)
-    makespan = run_simulation(schedule, costs, topology, parallel=parallel, validate=False).metrics.makespan
+    result = run_simulation(schedule, costs, topology, parallel=parallel, validate=False)
+    makespan = result.metrics.makespan
     peak = topology.device_peak_flops(stage_devices[0])
     figures = training_figures(spec, run.recompute, makespan, run.microbatches, run.dp, run.gpus, peak,
                                run.attention_flops)
-    return Prediction(makespan, figures["mfu"])
+    if not with_memory:
+        return Prediction(makespan, figures["mfu"])
+    fullest = max(result.memory, key=lambda rank: rank.peak_bytes)
+    return Prediction(makespan, figures["mfu"], fullest.peak_bytes, fullest.usable_bytes)
 
 
 def simulate_step(run: Run, efficiency: float | None) -> float:
@@ -270,7 +277,9 @@ def calibrate(run: Run, low: float = 0.05, high: float = 1.0, tolerance: float =
 def command_line(run: Run, efficiency: float | None) -> str:
     """The ``pipesim simulate`` call that gives the same prediction."""
     spec = run.spec
-    model = f"--model {spec.name}" if PRESETS.get(spec.name) == spec else (
+    preset = PRESETS.get(spec.name)  # --seq-len and --microbatch-size are given below
+    same = preset is not None and replace(preset, seq_len=spec.seq_len, microbatch_size=spec.microbatch_size) == spec
+    model = f"--model {spec.name}" if same else (
         f"--model gpt3-175b --layers {spec.layers} --hidden {spec.hidden} --heads {spec.heads} --vocab {spec.vocab}")
     flags = [
         model,
@@ -318,19 +327,24 @@ def study_table(title: str, runs: list[Run],
     lines = [header, ""]
     columns = f"| run | GPUs | m | {published} | no calibration | error | sample |"
     rule = "|---|---:|---:|---:|---:|---:|---|"
+    if by_mfu:  # the layouts a study reports are ones that ran: do they fit?
+        columns += " peak / usable memory (GB) |"
+        rule += "---:|"
     if anchor:
         columns += " calibrated | error | |"
         rule += "---:|---:|---|"
     lines += [columns, rule]
     uncalibrated, held_out = [], []
     for run in runs:
-        plain = predict(run, None)
+        plain = predict(run, None, with_memory=by_mfu)
         error = plain.error(run)
         uncalibrated.append(abs(error))
         shown = (f"{plain.mfu:.1%}" if by_mfu else f"{plain.step_seconds:.3f}")
         target = f"{run.published_mfu:.0%}" if by_mfu else f"{run.step_seconds:.3f}"
         sample = "in-sample" if run.in_sample else "held out"
         line = f"| {run.label} | {run.gpus} | {run.microbatches} | {target} | {shown} | {error:+.1%} | {sample} |"
+        if by_mfu:
+            line += f" {plain.peak_bytes / 1e9:.1f} / {plain.usable_bytes / 1e9:.1f} |"
         if anchor:
             fitted = predict(run, efficiency)
             fitted_error = fitted.error(run)
@@ -340,9 +354,36 @@ def study_table(title: str, runs: list[Run],
             line += f" {fitted.step_seconds:.3f} | {fitted_error:+.1%} | {role} |"
         lines.append(line)
     lines += ["", f"equivalent command (no calibration, {runs[0].label}): `{command_line(runs[0], None)}`"]
+    if runs[-1].cp > 1:  # a layout of its own: its command too
+        lines.append(f"equivalent command (no calibration, {runs[-1].label}): `{command_line(runs[-1], None)}`")
     if anchor:
         lines.append(f"equivalent command (calibrated run): `{command_line(anchor, efficiency)}`")
     return lines + [""], uncalibrated, held_out
+
+
+def attention_count_check(runs: list[Run]) -> list[str]:
+    """What each attention count makes of a study's long-sequence row against its row of
+    the same GPUs at the short sequence: the ratio of their tokens per second that the
+    published MFUs imply, counted whole and causal, beside the simulated ratio (which
+    no count changes). The count under which the published figures match the
+    simulation's is the study's."""
+    long = [run for run in runs if run.cp > 1]
+    if not long:
+        return []
+    (long_run,) = long
+    (short,) = [run for run in runs if run.cp == 1 and run.gpus == long_run.gpus]
+
+    def tokens_per_second(run: Run, seconds: float) -> float:
+        return run.global_batch * run.spec.tokens / seconds
+
+    simulated = (tokens_per_second(long_run, predict(long_run, None).step_seconds)
+                 / tokens_per_second(short, predict(short, None).step_seconds))
+    implied = {count: (long_run.published_mfu / training_flops(long_run.spec, count) * long_run.spec.tokens)
+               / (short.published_mfu / training_flops(short.spec, count) * short.spec.tokens)
+               for count in ("whole", "causal")}
+    return [f"tokens/s at sequence {long_run.spec.seq_len} over {short.spec.seq_len} on {long_run.gpus} GPUs: "
+            f"published MFU counted whole implies {implied['whole']:.2f}, counted causal {implied['causal']:.2f}; "
+            f"simulated {simulated:.2f}"]
 
 
 def every_anchor(runs: list[Run]) -> list[str]:
@@ -382,6 +423,8 @@ def main() -> None:
             print(summary("calibrated, held out", held_out))
             megatron_uncalibrated += uncalibrated
             all_held_out += held_out
+        for line in attention_count_check(runs()):
+            print(line)
         print()
         if args.every_anchor and anchor:
             print("\n".join(every_anchor(runs())) + "\n")
