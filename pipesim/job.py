@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields, replace
 from pipesim.cluster.files import load_topology
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, load_costs, uniform_costs
+from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN
 from schedules.collector import without_collector
 from schedules.generators import COST_AWARE, DEFAULT_MAX_ACTIONS, MULTI_CHUNK, generate, require_within_limit
 from schedules.generators.adaptive import ADAPTABLE
@@ -93,7 +94,7 @@ class Job:
     # what runs beside the compute (pipesim.sim.comm_overlap): Megatron-Core's and torchtitan's defaults
     no_tp_overlap: bool = False
     no_param_gather_overlap: bool = False
-    overlap_slowdown: float = 0.189  # pipesim.sim.comm_overlap.OVERLAP_SLOWDOWN
+    overlap_slowdown: float = OVERLAP_SLOWDOWN
     zero: int = 0
     collective: str = "ring"
     bytes_per_param: str = "2,2,12"
@@ -254,13 +255,14 @@ def parallel_of(job):
     return _parallel(job.dp, job.tp, job.rank_order, job.bucket_mb, job.no_dp_overlap, job.collective, job.zero,
                      job.bytes_per_param, job.cp, job.ep, job.cp_comm, job.memory_headroom,
                      getattr(job, "no_tp_overlap", False), getattr(job, "no_param_gather_overlap", False),
-                     getattr(job, "overlap_slowdown", 0.189))
+                     getattr(job, "overlap_slowdown", OVERLAP_SLOWDOWN))
 
 
 @functools.lru_cache(maxsize=1024)
 def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap: bool, collective: str, zero: int,
               bytes_per_param: str, cp: int = 1, ep: int = 1, cp_comm: str = "p2p", memory_headroom: str = "10%",
-              no_tp_overlap: bool = False, no_param_gather_overlap: bool = False, overlap_slowdown: float = 0.189):
+              no_tp_overlap: bool = False, no_param_gather_overlap: bool = False,
+              overlap_slowdown: float = OVERLAP_SLOWDOWN):
     from pipesim.sim.memory import parse_bytes_per_param, parse_headroom
     from pipesim.sim.parallel import ParallelConfig
 

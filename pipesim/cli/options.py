@@ -160,6 +160,7 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
     """dp, tp (and, unless ``context_and_experts`` is false, cp and ep: the commands that
     simulate a step), rank order, gradient buckets, ZeRO, collectives, bytes per parameter."""
     from pipesim.cluster.mapping import DEFAULT_ORDER
+    from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN
 
     group = parser.add_argument_group("data, tensor, context and expert parallelism, memory")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
@@ -184,8 +185,9 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
                        help="--zero 1/2: all-gather the updated parameters after the optimizer step, exposed, instead "
                        "of under the next step's first forwards (default: under them, Megatron-Core's "
                        "--overlap-param-gather)")
-    group.add_argument("--overlap-slowdown", type=float, default=0.189, metavar="SHARE",
-                       help="how much slower compute runs while a collective runs beside it (default: 0.189, the mean "
+    group.add_argument("--overlap-slowdown", type=float, default=OVERLAP_SLOWDOWN, metavar="SHARE",
+                       help="how much slower compute runs while a collective runs beside it (default: "
+                       f"{OVERLAP_SLOWDOWN}, the mean "
                        "Lee et al. 2025 measured on A100/H100/MI250/MI210; 0: overlap is free)")
     group.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                        help="ZeRO stage: 1 optimizer state sharded over dp (reduce-scatter gradients, all-gather "
