@@ -412,20 +412,24 @@ def layer_tp_seconds(topology: Topology, mapping: RankMapping, rank: int, messag
 def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
                              bucket_bytes: float = DDP_BUCKET_BYTES, overlapped: bool = True) -> dict[int, float]:
     """Under ZeRO-1 and 2, the seconds of each stage's parameter all-gather after the
-    optimizer step that a step certainly pays: without overlap all of it
-    (``comm_plan``'s per bucket, summed); when the gathers run under the next step's
-    forwards (``overlapped``, Megatron-Core's ``--overlap-param-gather``, the default) none
-    is certain (a rank idle before its first forward hides them: what a planner's lower
-    bound may charge). Of the costs it reads only
-    ``pipesim.model.costs.parameter_figures`` (a planner keeps it under them)."""
-    if overlapped:
-        return {}
+    optimizer step that a step certainly pays (what a planner's lower bound may charge):
+    without overlap all of it (``comm_plan``'s per bucket, summed). When the gathers run
+    under the next step's forwards (``overlapped``, Megatron-Core's
+    ``--overlap-param-gather``, the default), only stage 0's first layer's: a step starts
+    with a forward of stage 0 on rank 0, which waits for that layer's gather whole
+    (``exposed_parameter_gathers``); every other gather may hide under a rank's idle
+    fill or its forwards. Of the costs it reads only
+    ``pipesim.model.costs.parameter_figures`` and stage 0's layer count (a planner keeps
+    it under the figures, which the layer counts follow)."""
     def total(stage: int, cost: StageCost) -> float | None:
         if not _reduces(schedule, stage, mapping) or cost.param_bytes <= 0:
             return None
         return sum(_dp_collective(all_gather, topology, mapping, schedule, stage, cost, size) * count
                    for size, count in gradient_buckets(cost, 1, bucket_bytes))  # the ZeRO-1/2 buckets
 
+    if overlapped:
+        first = total(0, costs.stages[0]) if costs.stages else None
+        return {} if first is None else {0: first / gather_units(costs.stages[0].layers)}
     return {stage: seconds for stage, seconds in enumerate(_per_alike_stage(schedule, costs, total))
             if seconds is not None}
 
