@@ -184,3 +184,37 @@ def test_the_flags_reach_the_json_and_bad_values_are_refused(tmp_path, capsys):
         (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
         assert "--overlap-slowdown must be a finite number >= 0" in line and value.lstrip("-") in line.lower()
     assert math.isclose(ParallelConfig().overlap_slowdown, 0.189)
+
+
+def _walk_rates(compute: float, comm: float, slowdown: float) -> float:
+    """The rate picture walked in two phases (an oracle for ``overlapped_seconds``): both
+    run until one ends, the compute at ``1 / (1 + slowdown)``; then whichever is left
+    runs alone at full speed."""
+    together = min(comm, compute * (1 + slowdown))  # the first to end: the collective, or the slowed compute
+    left = compute - together / (1 + slowdown)
+    return together + max(left, comm - together)
+
+
+@given(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1))
+def test_overlapped_seconds_walks_the_rate_picture(compute, comm, slowdown):
+    assert overlapped_seconds(compute, comm, slowdown) == pytest.approx(_walk_rates(compute, comm, slowdown),
+                                                                       abs=1e-12)
+
+
+def _walk_gathers(issued_before: float, first_forward: float, layers: int, gather: float, forward: float) -> float:
+    """Layer by layer (an oracle for the parameter gathers' wait): gathers run back to back
+    from the step's start after ``issued_before`` seconds of others; layer u's forward
+    starts once the layer before has computed and its own gather is done."""
+    moment = first_forward
+    for layer in range(1, layers + 1):
+        moment = max(moment, issued_before + layer * gather) + forward
+    return moment - (first_forward + layers * forward)
+
+
+@given(st.floats(0, 1), st.floats(0, 1), st.integers(1, 12), st.floats(1e-6, 1), st.floats(0, 1))
+def test_the_parameter_gathers_wait_is_the_layer_walks(issued_before, first_forward, layers, gather, forward):
+    """(A stage with parameters: one with nothing to gather waits for nothing.)"""
+    from pipesim.sim.zero import exposed_gather_seconds
+
+    closed = max(0.0, issued_before + exposed_gather_seconds(layers, gather, forward) - first_forward)
+    assert closed == pytest.approx(_walk_gathers(issued_before, first_forward, layers, gather, forward), abs=1e-9)
