@@ -9,7 +9,8 @@ pays their collectives:
   next GEMM needs the result). They are charged right after each compute action as a
   ``tp`` event that holds the rank. Without sequence parallelism each is an
   all-reduce of the layer's ``s*b*h`` activation; with it, an all-gather plus a
-  reduce-scatter of the same size (the same ring cost, other memory).
+  reduce-scatter of the same size (the same ring cost, other memory), run beside the
+  GEMMs unless ``overlap_tp`` is off (``tp_collective_seconds``).
 - dp: each stage's gradient is reduced across the stage's dp group in buckets of
   ``bucket_bytes``, as DDP and Megatron-LM do. With overlap (the default) a bucket
   starts as soon as it is full during the stage's last backward of the step (the one
@@ -24,8 +25,10 @@ pays their collectives:
   parameters (same dtype).
 - ZeRO-1 (``zero=1``, Megatron's distributed optimizer): each bucket is
   reduce-scattered instead of all-reduced (half the ring traffic), and after the
-  optimizer step the updated parameters are all-gathered in the same buckets before
-  the next step can start (the other half), on the same dp stream.
+  optimizer step the updated parameters are all-gathered in the same buckets (the
+  other half), on the same dp stream: under the next step's first forwards
+  (``overlap_param_gather``, ``exposed_parameter_gathers``), or before the next step
+  can start.
 - ZeRO-2 (``zero=2``): as ZeRO-1, but every backward's buckets are reduce-scattered, each
   microbatch's, since a replica keeps only its shard of the gradient
   (``pipesim.sim.zero``).
@@ -36,7 +39,8 @@ pays their collectives:
   the gathers are drawn on the dp stream. Each layer's gradient is reduce-scattered
   on the dp stream as its backward (B, or W) produces it, every microbatch; nothing is
   gathered after the optimizer step.
-- the optimizer step (``Costs.step_overhead``) follows the rank's last reduction.
+- the optimizer step (``Costs.step_overhead``) follows the rank's last reduction, and
+  the slowdown the reductions beside the compute cost it (``pipesim.sim.comm_overlap``).
 
 - the other replicas' and shards' P2P transfers (``pipesim.cluster.twins``): each simulated
   send also reserves the links of its twins where their routes meet another
