@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields, replace
 from pipesim.cluster.files import load_topology
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, load_costs, uniform_costs
+from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN
 from schedules.collector import without_collector
 from schedules.generators import COST_AWARE, DEFAULT_MAX_ACTIONS, MULTI_CHUNK, generate, require_within_limit
 from schedules.generators.adaptive import ADAPTABLE
@@ -77,6 +78,7 @@ class Job:
     recompute: str = "none"
     no_flash_attention: bool = False
     capacity_factor: float | None = None
+    attention_flops: str = "causal"  # how MFU counts attention (pipesim.model.transformer_costs.ATTENTION_FLOPS)
     topology: str = "ideal"
     nodes: int | None = None
     gpu: str | None = None
@@ -89,6 +91,10 @@ class Job:
     rank_order: str = "tp-dp-pp"
     bucket_mb: float = 25.0
     no_dp_overlap: bool = False
+    # what runs beside the compute (pipesim.sim.comm_overlap): Megatron-Core's and torchtitan's defaults
+    no_tp_overlap: bool = False
+    no_param_gather_overlap: bool = False
+    overlap_slowdown: float = OVERLAP_SLOWDOWN
     zero: int = 0
     collective: str = "ring"
     bytes_per_param: str = "2,2,12"
@@ -247,12 +253,16 @@ def finite_flag(value: float, flag: str, positive: bool = False) -> float:
 def parallel_of(job):
     """The ``ParallelConfig`` of the job."""
     return _parallel(job.dp, job.tp, job.rank_order, job.bucket_mb, job.no_dp_overlap, job.collective, job.zero,
-                     job.bytes_per_param, job.cp, job.ep, job.cp_comm, job.memory_headroom)
+                     job.bytes_per_param, job.cp, job.ep, job.cp_comm, job.memory_headroom,
+                     getattr(job, "no_tp_overlap", False), getattr(job, "no_param_gather_overlap", False),
+                     getattr(job, "overlap_slowdown", OVERLAP_SLOWDOWN))
 
 
 @functools.lru_cache(maxsize=1024)
 def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap: bool, collective: str, zero: int,
-              bytes_per_param: str, cp: int = 1, ep: int = 1, cp_comm: str = "p2p", memory_headroom: str = "10%"):
+              bytes_per_param: str, cp: int = 1, ep: int = 1, cp_comm: str = "p2p", memory_headroom: str = "10%",
+              no_tp_overlap: bool = False, no_param_gather_overlap: bool = False,
+              overlap_slowdown: float = OVERLAP_SLOWDOWN):
     from pipesim.sim.memory import parse_bytes_per_param, parse_headroom
     from pipesim.sim.parallel import ParallelConfig
 
@@ -260,7 +270,8 @@ def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap
     return ParallelConfig(dp=dp, tp=tp, rank_order=rank_order, bucket_bytes=bucket_mb * 2**20,
                           overlap_dp=not no_dp_overlap, algorithm=collective, zero=zero,
                           bytes_per_param=parse_bytes_per_param(bytes_per_param), cp=cp, ep=ep, cp_comm=cp_comm,
-                          memory_headroom=parse_headroom(memory_headroom))
+                          memory_headroom=parse_headroom(memory_headroom), overlap_tp=not no_tp_overlap,
+                          overlap_param_gather=not no_param_gather_overlap, overlap_slowdown=overlap_slowdown)
 
 
 def check_parallel_layout(job) -> None:
@@ -543,5 +554,5 @@ def _throughput(job: Job, result, spec) -> tuple[dict, int, float]:
     gpus = result.schedule.pp * result.parallel.gpus
     peak = sum(peaks) / len(peaks)
     figures = training_figures(spec, job.recompute, result.metrics.makespan, result.schedule.microbatches,
-                               result.parallel.dp, gpus, peak)
+                               result.parallel.dp, gpus, peak, getattr(job, "attention_flops", "causal"))
     return figures, gpus, peak

@@ -44,8 +44,9 @@ def test_buckets_reduce_as_they_fill_during_the_last_backward():
     # pp=1, m=2: F F B B, the last backward runs 18..28 ms (B = 10 ms). With no layer
     # count the bytes fill evenly: bucket 0 is full at 40% (22 ms) and reduces 22..26,
     # bucket 1 full at 80% (26 ms) reduces 26..30, bucket 2 full at 28 ms waits for the
-    # link until 30 and reduces 30..32. Step: 32 ms; 4 ms of reduction exposed.
-    config = ParallelConfig(dp=2, bucket_bytes=40 * MB)
+    # link until 30 and reduces 30..32. Step: 32 ms; 4 ms of reduction exposed. (No slowdown
+    # of the compute beside the reductions here: tests/test_comm_overlap.py adds it.)
+    config = ParallelConfig(dp=2, bucket_bytes=40 * MB, overlap_slowdown=0.0)
     result = run_simulation(generate("1f1b", 1, 2), one_stage_job(100 * MB), topology_from_dict(PAIR),
                             parallel=config)
     spans = [(event.start, event.end) for event in dp_events(result)]
@@ -61,7 +62,7 @@ def test_layer_granular_buckets_fill_when_their_last_layer_is_done():
     # needs two layers, full at 2/3 of the backward (18 + 6.67 ms); buckets 1 and 2 need
     # all three, full at 28 ms. Reductions: 24.67..28.67, 28.67..32.67, 32.67..34.67; the
     # last two filled together and ran back to back, so they are one event, 28.67..34.67.
-    config = ParallelConfig(dp=2, bucket_bytes=40 * MB)
+    config = ParallelConfig(dp=2, bucket_bytes=40 * MB, overlap_slowdown=0.0)
     result = run_simulation(generate("1f1b", 1, 2), one_stage_job(100 * MB, layers=3), topology_from_dict(PAIR),
                             parallel=config)
     first = 18e-3 + 10e-3 * 2 / 3
@@ -87,8 +88,9 @@ def test_zero1_reduce_scatters_during_backward_and_gathers_parameters_after_the_
     # Reduce-scatter moves S/2: buckets take 2, 2, 1 ms. Ready at 22, 26, 28 ms (as
     # above): 22..24, 26..28, 28..29. Optimizer 29..30 ms, then the parameters are
     # all-gathered in the same buckets, S/2 again: 2, 2, 1 ms from 30 to 35 ms (one event:
-    # all three can start once the optimizer is done, and run back to back).
-    config = ParallelConfig(dp=2, bucket_bytes=40 * MB, zero=1)
+    # all three can start once the optimizer is done, and run back to back): Megatron without
+    # --overlap-param-gather, and no slowdown of the compute beside the reduce-scatters.
+    config = ParallelConfig(dp=2, bucket_bytes=40 * MB, zero=1, overlap_param_gather=False, overlap_slowdown=0.0)
     result = run_simulation(generate("1f1b", 1, 2), one_stage_job(100 * MB, optimizer=1e-3),
                             topology_from_dict(PAIR), parallel=config)
     events = dp_events(result)

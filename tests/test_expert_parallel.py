@@ -295,7 +295,8 @@ def test_with_tp_the_expert_block_gathers_the_routed_copies_over_tp():
     """tp 2 with sequence parallelism, ep 2: a dense layer's tp collectives are an all-gather
     and a reduce-scatter of its activation M before and after attention and MLP; in an MoE
     layer Megatron-Core's all-to-all dispatcher gathers over tp the copies its 2 ranks
-    received, 2 x D, in place of the MLP's M. Each gather or scatter over 2 GPUs: x/2 / B + alpha."""
+    received, 2 x D, in place of the MLP's M. Each gather or scatter over 2 GPUs: x/2 / B + alpha.
+    (Exposed whole, as without --tp-comm-overlap: tests/test_comm_overlap.py overlaps them.)"""
     message, dispatch = 40e6, 100e6
 
     def gather_and_scatter(size: float) -> float:
@@ -303,7 +304,8 @@ def test_with_tp_the_expert_block_gathers_the_routed_copies_over_tp():
 
     stage = StageCost(fwd=1e-3, bwd=2e-3, layers=2, tp_message_bytes=message, moe_layers=2, dispatch_bytes=dispatch)
     costs = Costs(stages=(stage,) * 2, sequence_parallel=True)
-    result = run_simulation(generate("1f1b", 2, 1), costs, nvlink(), parallel=ParallelConfig(tp=2, dp=2, ep=2))
+    result = run_simulation(generate("1f1b", 2, 1), costs, nvlink(),
+                            parallel=ParallelConfig(tp=2, dp=2, ep=2, overlap_tp=False))
     tp = [event.duration for event in result.trace.events if event.stream == "tp"]
     per_layer = gather_and_scatter(message) + gather_and_scatter(2 * dispatch)  # attention's, then the experts'
     assert tp == pytest.approx([2 * per_layer] * 4)

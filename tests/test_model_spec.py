@@ -190,7 +190,7 @@ def test_hugging_face_config_gives_the_preset(tmp_path):
 def test_simulate_json_reports_model_throughput_and_mfu(tmp_path):
     out = tmp_path / "r.json"
     argv = ["simulate", "--model", "gpt3-1.3b", "--pp", "2", "--microbatches", "4", "--gpu", "a100-80gb",
-            "--mfu", "0.4", "--json", str(out)]
+            "--mfu", "0.4", "--attention-flops", "whole", "--json", str(out)]
     assert main(argv) == 0
     document = json.loads(out.read_text())
     spec = model_spec("gpt3-1.3b")

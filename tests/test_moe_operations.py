@@ -198,7 +198,7 @@ def test_simulate_times_a_moe_model_by_the_compute_model(tmp_path, capsys):
     active parameters: MFU = 3 x model FLOPs per token x tokens/s / (GPUs x peak)."""
     out = tmp_path / "r.json"
     assert main(["simulate", "--model", "deepseek-v2-lite", "--pp", "3", "-m", "3", "--gpu", "h100",
-                 "--json", str(out)]) == 0
+                 "--attention-flops", "whole", "--json", str(out)]) == 0
     document = json.loads(out.read_text())
     model = document["model"]
     assert model["compute_model"] == ["h100 (H200 kernel measurements)"]

@@ -146,6 +146,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "the attention core only (default: none)")
     group.add_argument("--no-flash-attention", action="store_true",
                        help="keep the s x s attention scores for the backward (Korthikanti et al.'s 5as/h term)")
+    group.add_argument("--attention-flops", choices=("causal", "whole"), default="causal",
+                       help="how MFU and TFLOP/s count the attention core's FLOPs: causal, the half of the s x s "
+                       "scores a causal mask computes (Meta's Llama 3 figures, today's Megatron-LM and MaxText), or "
+                       "whole, the full square (PaLM's appendix B formula, torchtitan, Narayanan et al. 2021) "
+                       "(default: causal)")
     group.add_argument("--capacity-factor", type=float, default=None,
                        help="mixture of experts: token slots each routed expert computes, as a multiple of its "
                        "balanced share; empty slots cost time, not model FLOPs (default: dropless)")
@@ -155,6 +160,7 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
     """dp, tp (and, unless ``context_and_experts`` is false, cp and ep: the commands that
     simulate a step), rank order, gradient buckets, ZeRO, collectives, bytes per parameter."""
     from pipesim.cluster.mapping import DEFAULT_ORDER
+    from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN
 
     group = parser.add_argument_group("data, tensor, context and expert parallelism, memory")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
@@ -169,7 +175,20 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
     add_hidden_alias(group, "--dp-bucket-mb", "bucket_mb", type=float)
     group.add_argument("--no-dp-overlap", action="store_true",
                        help="reduce gradients after the rank's last action instead of bucket by bucket during "
-                       "each stage's last backward (DDP's overlap)")
+                       "each stage's last backward (default: during it, as DDP and Megatron-Core's "
+                       "--overlap-grad-reduce do)")
+    group.add_argument("--no-tp-overlap", action="store_true",
+                       help="run the tensor-parallel all-gathers and reduce-scatters of --sequence-parallel between "
+                       "the GEMMs instead of beside them (default: beside them, as Megatron-Core's --tp-comm-overlap "
+                       "and torch's async TP run them; without --sequence-parallel the all-reduces are exposed)")
+    group.add_argument("--no-param-gather-overlap", action="store_true",
+                       help="--zero 1/2: all-gather the updated parameters after the optimizer step, exposed, instead "
+                       "of under the next step's first forwards (default: under them, Megatron-Core's "
+                       "--overlap-param-gather)")
+    group.add_argument("--overlap-slowdown", type=float, default=OVERLAP_SLOWDOWN, metavar="SHARE",
+                       help="how much slower compute runs while a collective runs beside it (default: "
+                       f"{OVERLAP_SLOWDOWN}, the mean "
+                       "Lee et al. 2025 measured on A100/H100/MI250/MI210; 0: overlap is free)")
     group.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
                        help="ZeRO stage: 1 optimizer state sharded over dp (reduce-scatter gradients, all-gather "
                        "parameters after the optimizer step); 2 gradients too (reduce-scattered after every "

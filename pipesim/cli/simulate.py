@@ -111,7 +111,7 @@ def handle(args: argparse.Namespace) -> int:
         document.update(figures)
         print(f"  model {figures['model']['name']}: {parameter_counts(figures['model'])}; "
               f"{figures['tokens_per_second']:.4g} tokens/s, {figures['model_tflops_per_gpu']:.4g} TFLOP/s per GPU "
-              f"(Megatron's count), MFU {figures['mfu']:.1%}")
+              f"(recompute counted), MFU {figures['mfu']:.1%} (attention counted {job.attention_flops})")
         print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
         from pipesim.model.layout import layout_notes
 

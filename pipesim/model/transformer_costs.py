@@ -315,8 +315,28 @@ def attention_time(spec: ModelSpec, tp: int, flash_attention: bool, compute: Com
                       spec.dtype_bytes)
 
 
+ATTENTION_FLOPS = ("causal", "whole")  # how the attention core's FLOPs are counted in MFU and TFLOP/s
+
+
+def check_attention_flops(convention: str) -> str:
+    """``convention`` if it names a way to count attention FLOPs; else a one-line error."""
+    if convention not in ATTENTION_FLOPS:
+        raise ValueError(f"--attention-flops {convention!r}: use causal (half the s x s scores, as a causal mask "
+                         f"computes them: Llama 3's figures) or whole (the full square: PaLM's formula)")
+    return convention
+
+
+def attention_flops_counted(spec: ModelSpec, convention: str) -> float:
+    """Forward FLOPs of every layer's attention core, one microbatch, as ``convention``
+    counts them: the whole ``s x s`` square (PaLM's appendix B formula, 2021's Megatron
+    eq. 3, torchtitan) or the half a causal mask leaves (``causal``: Meta's Llama 3
+    figures, today's Megatron-LM and MaxText, FlashAttention's benchmarks)."""
+    whole = spec.sum_over_layers(lambda layer: spec.attention_core_flops())
+    return whole / 2 if check_attention_flops(convention) == "causal" else whole
+
+
 def training_figures(spec: ModelSpec, recompute: str, makespan: float, microbatches: int, dp: int, gpus: int,
-                     peak_flops: float) -> dict:
+                     peak_flops: float, attention_flops: str = "whole") -> dict:
     """What a training log reports for one step of ``microbatches`` per replica on ``gpus``
     devices of ``peak_flops``:
 
@@ -325,10 +345,17 @@ def training_figures(spec: ModelSpec, recompute: str, makespan: float, microbatc
       recomputed forward (Narayanan et al. 2021, eq. 3: ``96 B s l h^2 (1 + s/6h +
       V/16lh)`` with full recompute, i.e. 4 passes over the layers and 3 over the logits)
       per second per GPU;
-    - ``mfu``: model FLOPs without recompute (3 passes) over peak (PaLM's definition)."""
+    - ``mfu``: model FLOPs without recompute (3 passes) over peak (PaLM's definition).
+
+    Both count each attention core's FLOPs as ``attention_flops`` says
+    (``attention_flops_counted``): ``whole``, as the formulas above write them, or
+    ``causal``, half of it (in every pass, the recomputed ones too)."""
     sequences = microbatches * dp
-    model_flops = sequences * 3 * spec.forward_flops()
-    counted_flops = model_flops + sequences * spec.recompute_flops(recompute)
+    uncounted = spec.sum_over_layers(lambda layer: spec.attention_core_flops()) \
+        - attention_flops_counted(spec, attention_flops)
+    model_flops = sequences * 3 * (spec.forward_flops() - uncounted)
+    recomputed = spec.recompute_flops(recompute)
+    counted_flops = model_flops + sequences * (recomputed - uncounted if recomputed else 0.0)
     if makespan <= 0:
         return {"tokens_per_second": None, "model_tflops_per_gpu": None, "mfu": None}
     return {

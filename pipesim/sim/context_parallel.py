@@ -24,7 +24,9 @@ gradients home at its last: that is Transformer Engine's backward. What the comp
 not hide, ``(cp - 1) max(0, t(S) - c)`` forward and ``2 max(0, t(S) - c) + (cp - 2)
 max(0, t(2S) - c)`` backward, holds the rank after the compute action (the attention is
 on the layer's critical path) and counts as ``cp`` in the step's time accounting; the
-compute itself is in the stage's ``fwd`` and ``bwd``.
+compute itself is in the stage's ``fwd`` and ``bwd``. A transfer beside a step's compute
+slows it (``pipesim.sim.comm_overlap``): with the default slowdown each step's
+``max(c, t)`` becomes ``overlapped_seconds(c, t)``.
 
 **All-gather (``all-gather``; Llama 3's choice).** The keys and values of the whole
 sequence are all-gathered before the attention and the gradients reduce-scattered after
@@ -45,6 +47,7 @@ from pipesim.cluster.collectives import all_gather, reduce_scatter, ring_exchang
 from pipesim.cluster.mapping import RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, StageCost
+from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN, exposed_seconds
 from schedules.action import ActionKind
 from schedules.schedule import Schedule
 
@@ -61,21 +64,26 @@ def check_cp_comm(comm: str) -> str:
 
 
 def ring_attention_exposed(cp: int, compute_forward: float, compute_backward: float, one_block: float,
-                           two_blocks: float) -> tuple[float, float]:
-    """Per layer, the (forward, backward) seconds of ring attention's transfers that its
-    compute does not hide: ``cp`` steps of ``compute_forward / cp`` (``compute_backward /
-    cp``) seconds, a block exchange taking ``one_block`` seconds (``two_blocks`` for the
-    backward's middle steps, which carry the gradients too; see the module)."""
+                           two_blocks: float, slowdown: float = 0.0) -> tuple[float, float]:
+    """Per layer, the (forward, backward) seconds ring attention's transfers add to its
+    compute: ``cp`` steps of ``compute_forward / cp`` (``compute_backward / cp``) seconds,
+    a block exchange taking ``one_block`` seconds (``two_blocks`` for the backward's
+    middle steps, which carry the gradients too; see the module), each step's transfer
+    beside its compute (``pipesim.sim.comm_overlap.exposed_seconds``: with ``slowdown``
+    0, ``max(0, transfer - compute)``; above it the transfer slows the compute too)."""
     if cp == 1:
         return 0.0, 0.0
     step_forward, step_backward = compute_forward / cp, compute_backward / cp
-    forward = (cp - 1) * max(0.0, one_block - step_forward)
-    backward = 2 * max(0.0, one_block - step_backward) + (cp - 2) * max(0.0, two_blocks - step_backward)
+    forward = (cp - 1) * exposed_seconds(step_forward, one_block, slowdown)
+    backward = (2 * exposed_seconds(step_backward, one_block, slowdown)
+                + (cp - 2) * exposed_seconds(step_backward, two_blocks, slowdown))
     return forward, backward
 
 
-def layer_exchange_seconds(cost: StageCost, topology: Topology, group: list[str], comm: str) -> tuple[float, float]:
-    """Per layer of a stage, the (forward, backward) seconds its K/V exchanges hold the rank."""
+def layer_exchange_seconds(cost: StageCost, topology: Topology, group: list[str], comm: str,
+                           slowdown: float = 0.0) -> tuple[float, float]:
+    """Per layer of a stage, the (forward, backward) seconds its K/V exchanges hold the
+    rank (the ring's with ``slowdown``, see ``ring_attention_exposed``)."""
     cp = len(group)
     if comm == "all-gather":
         gathered = cp * cost.kv_bytes
@@ -83,12 +91,14 @@ def layer_exchange_seconds(cost: StageCost, topology: Topology, group: list[str]
         return gather, gather + reduce_scatter(topology, group, gathered)
     return ring_attention_exposed(cp, cost.attention_fwd, cost.attention_bwd,
                                   ring_exchange(topology, group, cost.kv_bytes),
-                                  ring_exchange(topology, group, 2 * cost.kv_bytes))
+                                  ring_exchange(topology, group, 2 * cost.kv_bytes), slowdown)
 
 
 def cp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
-                          comm: str = "p2p") -> dict[tuple[int, str], float]:
-    """Seconds of context-parallel K/V exchanges after each (stage, compute kind)."""
+                          comm: str = "p2p", slowdown: float = OVERLAP_SLOWDOWN) -> dict[tuple[int, str], float]:
+    """Seconds of context-parallel K/V exchanges after each (stage, compute kind); the
+    ring's transfers slow the attention beside them by ``slowdown``
+    (``pipesim.sim.comm_overlap``)."""
     check_cp_comm(comm)
     seconds: dict[tuple[int, str], float] = {}
     if mapping.cp == 1:
@@ -97,7 +107,7 @@ def cp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         if not (cost.attention_layers and cost.kv_bytes):
             continue
         group = mapping.cp_group(0, schedule.placement[stage], 0)
-        forward, backward = layer_exchange_seconds(cost, topology, group, comm)
+        forward, backward = layer_exchange_seconds(cost, topology, group, comm, slowdown)
         layers = cost.attention_layers
         if forward > 0:
             seconds[stage, ActionKind.F] = layers * forward

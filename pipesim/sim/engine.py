@@ -108,7 +108,7 @@ def step_timing(schedule: Schedule, costs: Costs, topology: Topology, devices: S
     seconds = np.array([[durations[stage, kind] for kind in kinds] for stage in range(schedule.num_stages)])
     parts = hold_tables(schedule, plan)
     hold = parts.sum(axis=0) if parts is not None else None
-    pair_seconds, pair_parts = overlapped_pairs(schedule, costs, durations, holds_of(plan))
+    pair_seconds, pair_parts = overlapped_pairs(schedule, costs, durations, holds_of(plan), pair_slowdown(plan))
     twins = plan.twin_transfers if plan is not None else {}
     return engine.StepTiming(seconds, hold, pair_seconds, {action: sum(held) for action, held in pair_parts.items()},
                              transfer_wires(schedule, costs, topology, devices, twins), costs.comm_overhead)
@@ -119,6 +119,12 @@ def holds_of(plan: CommPlan | None) -> dict[str, dict[tuple[int, str], float]]:
     if plan is None:
         return {}
     return {"tp": plan.tp_seconds, "ep": plan.ep_seconds, "cp": plan.cp_seconds, "dp": plan.gather_hold}
+
+
+def pair_slowdown(plan: CommPlan | None) -> float:
+    """What an all-to-all beside the other half of an overlapped pair costs its compute
+    (``CommPlan.overlap_slowdown``; 0 without a plan: nothing runs beside it)."""
+    return plan.overlap_slowdown if plan is not None else 0.0
 
 
 def hold_tables(schedule: Schedule, plan: CommPlan | None) -> np.ndarray | None:
@@ -223,7 +229,7 @@ def held_parts(step: engine.StepRun, costs: Costs, plan: CommPlan | None) -> np.
         return None
     # compute kinds' codes are the columns of the tables (F, B, I, W first in KINDS, as the engine reads them)
     parts = tables[:, program.compute_stage, program.compute_kind].T.copy()
-    _, pair_parts = overlapped_pairs(schedule, costs, costs.durations(), holds_of(plan))
+    _, pair_parts = overlapped_pairs(schedule, costs, costs.durations(), holds_of(plan), pair_slowdown(plan))
     if pair_parts:
         rows = engine.action_rows(program, list(pair_parts))
         for row, held in zip(rows.tolist(), pair_parts.values(), strict=True):

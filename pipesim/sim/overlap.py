@@ -10,12 +10,14 @@ seconds that would hold the rank after each alone), a pair costs
     C_F + C_B + max(0, A_F - C_B) + max(0, A_B - C_F)
 
 both halves' compute, then whatever of each half's all-to-all the other half's compute
-does not cover. The compute keeps its own time, so the Trace keeps each half's compute
-action as it is and the uncovered all-to-all holds the rank after the pair (``ep``);
+does not cover; with the slowdown a collective costs the compute beside it
+(``pipesim.sim.comm_overlap``), each ``max(0, A - C)`` is ``exposed_seconds(C, A)``.
+The compute keeps its own time, so the Trace keeps each half's compute action as it is
+and the uncovered all-to-all holds the rank after the pair (``ep``);
 tensor-parallel collectives and the context-parallel K/V exchange stay where they are,
-after their half. What this leaves out: DeepSeek gives the communication 20 of the
-H800's 132 SMs, which slows the compute beside it (a measured pair, given as
-``overlap_fb``, has that in it).
+after their half. DeepSeek gives the communication 20 of the H800's 132 SMs, which slows
+the compute beside it: the slowdown above stands for that (a measured pair, given as
+``overlap_fb``, has it in it).
 
 A pair whose cost is given (``overlap_fb`` in the costs) costs that, shared between its
 halves in proportion to their own seconds; its all-to-alls are taken to be inside it.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from pipesim.sim.comm_overlap import exposed_seconds
 from schedules.action import ActionKind
 from schedules.schedule import Schedule
 
@@ -34,11 +37,12 @@ HOLD_PARTS = ("tp", "ep", "cp", "dp")
 
 
 def overlapped_pairs(schedule: Schedule, costs, durations: Mapping,
-                     holds: Mapping[str, Mapping[tuple[int, str], float]]
+                     holds: Mapping[str, Mapping[tuple[int, str], float]], slowdown: float = 0.0
                      ) -> tuple[dict[tuple, float], dict[tuple, tuple[float, ...]]]:
     """For the actions of every overlapped pair, keyed ``(stage, kind, microbatch)``: its
     seconds (where they differ from the action alone) and what holds the rank after it,
-    by part of ``HOLD_PARTS`` (where it differs from the action alone: its ep hidden)."""
+    by part of ``HOLD_PARTS`` (where it differs from the action alone: its ep hidden,
+    each all-to-all beside the other half's compute slowing it by ``slowdown``)."""
     seconds: dict[tuple, float] = {}
     hold: dict[tuple, tuple[float, ...]] = {}
     ep = holds.get("ep", {})
@@ -54,7 +58,8 @@ def overlapped_pairs(schedule: Schedule, costs, durations: Mapping,
             else:
                 all_to_all_f = ep.get((forward.stage, ActionKind.F), 0.0)
                 all_to_all_b = ep.get((backward.stage, backward.kind), 0.0)
-                uncovered = max(0.0, all_to_all_f - alone_b) + max(0.0, all_to_all_b - alone_f)
+                uncovered = (exposed_seconds(alone_b, all_to_all_f, slowdown)
+                             + exposed_seconds(alone_f, all_to_all_b, slowdown))
             if ep:
                 hold[tuple(forward)] = _parts(holds, forward.stage, forward.kind, 0.0)
                 hold[tuple(backward)] = _parts(holds, backward.stage, backward.kind, uncovered)

@@ -9,7 +9,8 @@ pays their collectives:
   next GEMM needs the result). They are charged right after each compute action as a
   ``tp`` event that holds the rank. Without sequence parallelism each is an
   all-reduce of the layer's ``s*b*h`` activation; with it, an all-gather plus a
-  reduce-scatter of the same size (the same ring cost, other memory).
+  reduce-scatter of the same size (the same ring cost, other memory), run beside the
+  GEMMs unless ``overlap_tp`` is off (``tp_collective_seconds``).
 - dp: each stage's gradient is reduced across the stage's dp group in buckets of
   ``bucket_bytes``, as DDP and Megatron-LM do. With overlap (the default) a bucket
   starts as soon as it is full during the stage's last backward of the step (the one
@@ -24,8 +25,10 @@ pays their collectives:
   parameters (same dtype).
 - ZeRO-1 (``zero=1``, Megatron's distributed optimizer): each bucket is
   reduce-scattered instead of all-reduced (half the ring traffic), and after the
-  optimizer step the updated parameters are all-gathered in the same buckets before
-  the next step can start (the other half), on the same dp stream.
+  optimizer step the updated parameters are all-gathered in the same buckets (the
+  other half), on the same dp stream: under the next step's first forwards
+  (``overlap_param_gather``, ``exposed_parameter_gathers``), or before the next step
+  can start.
 - ZeRO-2 (``zero=2``): as ZeRO-1, but every backward's buckets are reduce-scattered, each
   microbatch's, since a replica keeps only its shard of the gradient
   (``pipesim.sim.zero``).
@@ -36,7 +39,8 @@ pays their collectives:
   the gathers are drawn on the dp stream. Each layer's gradient is reduce-scattered
   on the dp stream as its backward (B, or W) produces it, every microbatch; nothing is
   gathered after the optimizer step.
-- the optimizer step (``Costs.step_overhead``) follows the rank's last reduction.
+- the optimizer step (``Costs.step_overhead``) follows the rank's last reduction, and
+  the slowdown the reductions beside the compute cost it (``pipesim.sim.comm_overlap``).
 
 - the other replicas' and shards' P2P transfers (``pipesim.cluster.twins``): each simulated
   send also reserves the links of its twins where their routes meet another
@@ -68,6 +72,7 @@ from pipesim.cluster.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.cluster.twins import boundary_rank_pairs, twin_transfers
 from pipesim.model.costs import Costs, StageCost
+from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN, check_slowdown, exposed_seconds, slowed_by
 from pipesim.sim.context_parallel import check_cp_comm, cp_collective_seconds
 from pipesim.sim.expert_parallel import ep_collective_seconds
 from pipesim.sim.memory import DEFAULT_HEADROOM, BytesPerParam, Headroom, parse_headroom
@@ -76,6 +81,7 @@ from pipesim.sim.zero import (
     exposed_gather_seconds,
     gather_units,
     gathers_after_optimizer,
+    gathers_beside_compute,
     gathers_per_layer,
     reduces_every_backward,
 )
@@ -91,6 +97,7 @@ DP_KIND = "ALLREDUCE_DP"
 REDUCE_SCATTER_KIND = "REDUCE_SCATTER_DP"
 PARAM_GATHER_KIND = "ALLGATHER_PARAMS"
 OPTIMIZER_KIND = "OPTIMIZER"
+DP_SLOWDOWN_KIND = "DP_SLOWDOWN"  # what the reductions beside the compute slowed it by
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,12 @@ class ParallelConfig:
     (``pipesim.sim.zero``: 0 all-reduce, 1 optimizer state sharded over dp, 2 gradients
     too, 3 parameters too), the memory each device keeps back (``memory_headroom``);
     ``cp`` context-parallel ranks per replica and how they exchange keys and values
-    (``cp_comm``), ``ep`` expert-parallel ranks cut from the dp x cp ranks."""
+    (``cp_comm``), ``ep`` expert-parallel ranks cut from the dp x cp ranks. What runs
+    beside the compute (``pipesim.sim.comm_overlap``): the tp collectives with sequence
+    parallelism (``overlap_tp``, Megatron-Core's ``--tp-comm-overlap``), the parameter
+    all-gathers of ZeRO-1 and 2 with the next step's forwards (``overlap_param_gather``,
+    ``--overlap-param-gather``), and the share compute slows by while a collective runs
+    beside it (``overlap_slowdown``)."""
 
     dp: int = 1
     tp: int = 1
@@ -116,10 +128,14 @@ class ParallelConfig:
     cp: int = 1
     ep: int = 1
     cp_comm: str = "p2p"
+    overlap_tp: bool = True
+    overlap_param_gather: bool = True
+    overlap_slowdown: float = OVERLAP_SLOWDOWN
 
     def __post_init__(self) -> None:
         check_zero(self.zero)
         check_cp_comm(self.cp_comm)
+        check_slowdown(self.overlap_slowdown)
 
     @property
     def gpus(self) -> int:
@@ -135,7 +151,10 @@ class CommPlan:
     (``dp_bucket_seconds``) and, under ZeRO-1 and 2, of each bucket's parameter
     all-gather after the optimizer (``gather_bucket_seconds``). Under ZeRO-3,
     ``gather_hold[stage, kind]`` is what a compute action waits for its layers'
-    parameter gathers and ``gather_seconds[stage, kind]`` the gathers' whole time."""
+    parameter gathers and ``gather_seconds[stage, kind]`` the gathers' whole time.
+    ``overlap_param_gather``: ZeRO-1 and 2's gathers run under the next step's forwards;
+    ``overlap_slowdown``: what a collective beside the compute costs it
+    (``pipesim.sim.comm_overlap``)."""
 
     tp_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
     dp_bucket_bytes: dict[int, tuple[float, ...]] = field(default_factory=dict)
@@ -149,6 +168,8 @@ class CommPlan:
     cp_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
     gather_hold: dict[tuple[int, str], float] = field(default_factory=dict)
     gather_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
+    overlap_param_gather: bool = True
+    overlap_slowdown: float = OVERLAP_SLOWDOWN
 
     @property
     def dp_seconds(self) -> dict[int, float]:
@@ -158,14 +179,18 @@ class CommPlan:
 
 def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
               bucket_bytes: float = DDP_BUCKET_BYTES, overlap_dp: bool = True, algorithm: str = "ring",
-              zero: int = 0, cp_comm: str = "p2p") -> CommPlan:
-    """The tp, ep, cp and dp collective costs of every stage on its rank's groups."""
+              zero: int = 0, cp_comm: str = "p2p", overlap_tp: bool = True, overlap_param_gather: bool = True,
+              slowdown: float = OVERLAP_SLOWDOWN) -> CommPlan:
+    """The tp, ep, cp and dp collective costs of every stage on its rank's groups, with
+    what runs beside the compute as ``ParallelConfig`` says (``overlap_tp``,
+    ``overlap_param_gather``, ``slowdown``)."""
     check_zero(zero)
+    check_slowdown(slowdown)
     bucket_bytes_of: dict[int, tuple[float, ...]] = {}
     reduce_seconds: dict[int, tuple[float, ...]] = {}
     gather_seconds: dict[int, tuple[float, ...]] = {}
-    gather_hold, action_gathers = layer_gathers(schedule, costs, topology, mapping) if gathers_per_layer(zero) \
-        else ({}, {})
+    gather_hold, action_gathers = layer_gathers(schedule, costs, topology, mapping, slowdown) \
+        if gathers_per_layer(zero) else ({}, {})
     reduction = gradient_reduction(zero, algorithm)
     for stage, cost in enumerate(costs.stages):
         group = _dp_group(schedule, stage, mapping)
@@ -181,11 +206,12 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
             bucket_bytes_of[stage] = sizes
             reduce_seconds[stage] = reduce
     layers = {stage: cost.layers for stage, cost in enumerate(costs.stages)}
-    return CommPlan(tp_collective_seconds(schedule, costs, topology, mapping, algorithm), bucket_bytes_of,
-                    reduce_seconds, gather_seconds, overlap_dp, zero, layers, _twins(schedule, topology, mapping),
-                    ep_collective_seconds(schedule, costs, topology, mapping),
-                    cp_collective_seconds(schedule, costs, topology, mapping, cp_comm), gather_hold=gather_hold,
-                    gather_seconds=action_gathers)
+    return CommPlan(tp_collective_seconds(schedule, costs, topology, mapping, algorithm, overlap_tp, slowdown),
+                    bucket_bytes_of, reduce_seconds, gather_seconds, overlap_dp, zero, layers,
+                    _twins(schedule, topology, mapping), ep_collective_seconds(schedule, costs, topology, mapping),
+                    cp_collective_seconds(schedule, costs, topology, mapping, cp_comm, slowdown),
+                    gather_hold=gather_hold, gather_seconds=action_gathers,
+                    overlap_param_gather=overlap_param_gather, overlap_slowdown=slowdown)
 
 
 def gradient_reduction(zero: int, algorithm: str = "ring"):
@@ -226,12 +252,15 @@ def gradient_reduction_seconds(schedule: Schedule, costs: Costs, topology: Topol
             if seconds is not None}
 
 
-def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping
+def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
+                  slowdown: float = OVERLAP_SLOWDOWN
                   ) -> tuple[dict[tuple[int, str], float], dict[tuple[int, str], float]]:
     """ZeRO-3: per (stage, compute kind), the seconds its layers' parameter gathers hold
-    the rank after it (``pipesim.sim.zero.exposed_gather_seconds``) and the gathers' whole
-    time. A forward gathers every layer, a backward (B, or I when split) again; W none.
-    A layer's routed experts are gathered over their own group under expert parallelism."""
+    the rank after it (``pipesim.sim.zero.exposed_gather_seconds``, plus what the gathers
+    prefetched beside the compute slow it by: ``pipesim.sim.comm_overlap.slowed_by``) and
+    the gathers' whole time. A forward gathers every layer, a backward (B, or I when
+    split) again; W none. A layer's routed experts are gathered over their own group
+    under expert parallelism."""
     per_gather: dict[tuple[int, float], list[tuple[str, float, float]]] = {}  # ranks whose groups gather alike
 
     def gathers(stage: int, cost: StageCost) -> list[tuple[str, float, float]] | None:
@@ -242,7 +271,8 @@ def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping:
         kinds = per_gather.get((id(cost), gather))
         if kinds is None:
             kinds = per_gather[id(cost), gather] = [
-                (kind, exposed_gather_seconds(units, gather, compute / units), units * gather)
+                (kind, exposed_gather_seconds(units, gather, compute / units)
+                 + slowed_by(gathers_beside_compute(units, gather, compute / units), slowdown), units * gather)
                 for kind, compute in ((ActionKind.F, cost.fwd), (ActionKind.B, cost.bwd),
                                       (ActionKind.I, cost.bwd - cost.wgrad))]
         return kinds
@@ -302,14 +332,25 @@ def _split_over(experts: tuple[float, list[str]] | None, collective, group: list
 
 
 def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
-                          algorithm: str = "ring") -> dict[tuple[int, str], float]:
-    """Seconds of tensor-parallel collectives after each (stage, compute kind)."""
+                          algorithm: str = "ring", overlap: bool = True,
+                          slowdown: float = OVERLAP_SLOWDOWN) -> dict[tuple[int, str], float]:
+    """Seconds of tensor-parallel collectives after each (stage, compute kind).
+
+    With sequence parallelism and ``overlap`` (Megatron-Core's ``--tp-comm-overlap``,
+    torch's async TP: both need sequence parallelism) a layer's all-gathers and
+    reduce-scatters run beside the GEMMs they feed and follow, so per layer only
+    ``pipesim.sim.comm_overlap.exposed_seconds(window, collectives, slowdown)`` holds
+    the rank: the window is the layer's compute outside the attention core (its GEMMs and
+    the kernels between them) in that pass. Without sequence parallelism the all-reduces
+    are on the critical path whole, as Megatron runs them."""
     seconds: dict[tuple[int, str], float] = {}
     if mapping.tp == 1:
         return seconds
+    overlapped = overlap and costs.sequence_parallel
 
-    def held(stage: int, cost: StageCost) -> tuple[float, float] | None:
-        """(after the forward, after a backward) of the stage on its rank, None if nothing."""
+    def held(stage: int, cost: StageCost) -> tuple[float, float, float] | None:
+        """(after the forward, after a full backward, after an input-gradient backward) of
+        the stage on its rank, None if nothing."""
         if not (cost.layers and cost.tp_message_bytes):
             return None
         rank = schedule.placement[stage]
@@ -325,13 +366,18 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         if not per_pass > 0:
             return None
         # full recompute re-runs the forward, and its collectives, inside the backward
-        return per_pass, per_pass + (2 * cost.recompute_layers * one + experts * cost.recompute_layers / cost.layers)
+        backward = per_pass + (2 * cost.recompute_layers * one + experts * cost.recompute_layers / cost.layers)
+        if not overlapped:
+            return per_pass, backward, backward
+        layers = cost.layers
+        windows = (cost.fwd / layers - cost.attention_fwd, cost.bwd / layers - cost.attention_bwd,
+                   (cost.bwd - cost.wgrad) / layers - cost.attention_bwd)
+        return tuple(layers * exposed_seconds(max(0.0, window), comm / layers, slowdown)
+                     for window, comm in zip(windows, (per_pass, backward, backward), strict=True))
 
     for stage, holds in enumerate(_per_alike_stage(schedule, costs, held)):
         if holds is not None:
-            forward, backward = holds
-            seconds[stage, ActionKind.F] = forward
-            seconds[stage, ActionKind.B] = seconds[stage, ActionKind.I] = backward
+            seconds[stage, ActionKind.F], seconds[stage, ActionKind.B], seconds[stage, ActionKind.I] = holds
     return seconds
 
 
@@ -368,16 +414,26 @@ def layer_tp_seconds(topology: Topology, mapping: RankMapping, rank: int, messag
 
 
 def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
-                             bucket_bytes: float = DDP_BUCKET_BYTES) -> dict[int, float]:
-    """Under ZeRO-1 and 2, each stage's whole parameter all-gather after the optimizer
-    step (``comm_plan``'s per bucket, summed). Of the costs it reads only
-    ``pipesim.model.costs.parameter_figures`` (a planner keeps it under them)."""
+                             bucket_bytes: float = DDP_BUCKET_BYTES, overlapped: bool = True) -> dict[int, float]:
+    """Under ZeRO-1 and 2, the seconds of each stage's parameter all-gather after the
+    optimizer step that a step certainly pays (what a planner's lower bound may charge):
+    without overlap all of it (``comm_plan``'s per bucket, summed). When the gathers run
+    under the next step's forwards (``overlapped``, Megatron-Core's
+    ``--overlap-param-gather``, the default), only stage 0's first layer's: a step starts
+    with a forward of stage 0 on rank 0, which waits for that layer's gather whole
+    (``exposed_parameter_gathers``); every other gather may hide under a rank's idle
+    fill or its forwards. Of the costs it reads only
+    ``pipesim.model.costs.parameter_figures`` and stage 0's layer count (a planner keeps
+    it under the figures, which the layer counts follow)."""
     def total(stage: int, cost: StageCost) -> float | None:
         if not _reduces(schedule, stage, mapping) or cost.param_bytes <= 0:
             return None
         return sum(_dp_collective(all_gather, topology, mapping, schedule, stage, cost, size) * count
                    for size, count in gradient_buckets(cost, 1, bucket_bytes))  # the ZeRO-1/2 buckets
 
+    if overlapped:
+        first = total(0, costs.stages[0]) if costs.stages else None
+        return {} if first is None else {0: first / gather_units(costs.stages[0].layers)}
     return {stage: seconds for stage, seconds in enumerate(_per_alike_stage(schedule, costs, total))
             if seconds is not None}
 
@@ -602,7 +658,14 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
                       step_overhead: float) -> TraceColumns | None:
     """The gradient reductions (``dp`` stream), optimizer steps (``step`` stream) and,
     under ZeRO-1 and 2, parameter all-gathers (``dp``) of each rank, placed after the
-    pipeline events ``pipeline``; None when the step has none."""
+    pipeline events ``pipeline``; None when the step has none.
+
+    What a collective beside the compute costs it (``pipesim.sim.comm_overlap``): the
+    reductions that ran while the rank computed slow its compute by ``slowed_by`` of
+    their time beside it, a ``DP_SLOWDOWN`` event after the rank's last action that the
+    optimizer waits for. With ``overlap_param_gather`` the parameter all-gathers run under
+    the next step's first forwards (``exposed_parameter_gather``): only what they do not
+    hide, and what they slow, follows the optimizer."""
     has_dp = plan is not None and bool(plan.dp_bucket_seconds)
     if not has_dp and step_overhead <= 0:
         return None
@@ -611,6 +674,7 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
     tail: list[TraceEvent] = []
     reductions = None
     dp_free = rank_end.tolist() if not has_dp or not plan.overlap_dp else [0.0] * num_ranks
+    slowed = [0.0] * num_ranks
     if has_dp:
         if not plan.overlap_dp and every:
             dp_free = [0.0] * num_ranks  # each backward's gradient goes once that backward is done
@@ -624,16 +688,95 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
         # stage's buckets at once: after that backward, or after the rank's last action
         all_ready = None if plan.overlap_dp else backwards[3] if every else rank_end[backwards[1]]
         reductions = _place_runs(backwards, runs, all_ready, dp_free, kind)
+        if reductions is not None and plan.overlap_slowdown > 0:
+            beside = compute_beside(pipeline, reductions.rank, reductions.start, reductions.end, num_ranks)
+            slowed = [slowed_by(seconds, plan.overlap_slowdown) for seconds in beside]
     stage_rank = dict(zip(backwards[0].tolist(), backwards[1].tolist(), strict=True))
+    gathers = plan.gather_bucket_seconds if has_dp else {}
+    exposed_gathers = exposed_parameter_gathers(pipeline, num_ranks, plan, stage_rank) \
+        if gathers and plan.overlap_param_gather else None
     for rank in range(num_ranks):
-        done = max(float(rank_end[rank]), dp_free[rank])
+        end = float(rank_end[rank])
+        if slowed[rank] > 0:
+            tail.append(TraceEvent(rank, DP_SLOWDOWN_KIND, DP_SLOWDOWN_KIND, -1, -1, end, end + slowed[rank], "dp"))
+        done = max(end + slowed[rank], dp_free[rank])
         if step_overhead > 0:
             tail.append(TraceEvent(rank, OPTIMIZER_KIND, OPTIMIZER_KIND, -1, -1, done, done + step_overhead, "step"))
             done += step_overhead
-        if has_dp and plan.gather_bucket_seconds:  # every parameter bucket can be gathered once the optimizer is done
+        if exposed_gathers is not None:  # what the next step's forwards do not hide, and what they lose
+            if exposed_gathers[rank] > 0:
+                tail.append(TraceEvent(rank, f"{PARAM_GATHER_KIND}[exposed]", PARAM_GATHER_KIND, -1, -1, done,
+                                       done + exposed_gathers[rank], "dp"))
+        elif gathers:  # every parameter bucket can be gathered once the optimizer is done
             for stage in sorted(stage for stage, rank_of in stage_rank.items() if rank_of == rank):
-                seconds = plan.gather_bucket_seconds.get(stage, ())
+                seconds = gathers.get(stage, ())
                 if seconds:
                     done = _add_buckets(tail, rank, stage, PARAM_GATHER_KIND, 0, seconds, done)
     parts = [part for part in (reductions, TraceColumns.from_events(tail) if tail else None) if part is not None]
     return TraceColumns.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None)
+
+
+def compute_beside(pipeline: TraceColumns, ranks: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                   num_ranks: int) -> list[float]:
+    """Per rank, the seconds of the intervals ``[starts, ends)`` of ``ranks`` during which
+    the rank computed (its ``compute`` events in ``pipeline``): how long collectives ran
+    beside its compute. Each rank's compute events do not overlap, so the compute done
+    before a moment is a piecewise-linear function of it, read at both ends."""
+    beside = [0.0] * num_ranks
+    compute = pipeline.on_stream("compute")
+    for rank in np.unique(ranks).tolist():
+        mine = compute & (pipeline.rank == rank)
+        order = np.argsort(pipeline.start[mine], kind="stable")
+        begin, finish = pipeline.start[mine][order], pipeline.end[mine][order]
+        moments = np.column_stack([begin, finish]).ravel()
+        done = np.column_stack([np.cumsum(finish - begin) - (finish - begin), np.cumsum(finish - begin)]).ravel()
+        if not len(moments):
+            continue
+        selected = ranks == rank
+        before_end = np.interp(ends[selected], moments, done, left=0.0, right=float(done[-1]))
+        before_start = np.interp(starts[selected], moments, done, left=0.0, right=float(done[-1]))
+        beside[rank] = float(np.sum(before_end - before_start))
+    return beside
+
+
+def exposed_parameter_gathers(pipeline: TraceColumns, num_ranks: int, plan: CommPlan,
+                              stage_rank: dict[int, int]) -> list[float]:
+    """Per rank, the seconds ZeRO-1 and 2's parameter all-gathers, run under the next
+    step's forwards (Megatron-Core's ``--overlap-param-gather``), add to the step.
+
+    The step is periodic, so the gathers the optimizer starts are waited for by the next
+    step's first forwards: issued back to back from the step's start in the order the
+    rank's stages first run a forward, a layer at a time, each needed by its layer's
+    first forward. Stage ``s`` of ``U`` layers, gathers of ``g`` seconds a layer and
+    forwards of ``c`` seconds a layer, first forward at ``a_s`` with ``P_s`` seconds of
+    the rank's gathers before it, waits
+
+        P_s + g + (U - 1) max(0, g - c) - a_s          (``exposed_gather_seconds``)
+
+    and the rank waits for the longest of these (0 when every gather is in time), plus
+    what the gathers that ran beside its compute slow it by (``slowed_by``). The part
+    exposed is drawn after the optimizer, where a periodic step pays it."""
+    first_forward: dict[int, tuple[float, float]] = {}
+    forwards = np.flatnonzero(pipeline.on_stream("compute") & (pipeline.kind == pipeline.kind_code(ActionKind.F)))
+    for index in forwards[np.argsort(pipeline.start[forwards], kind="stable")].tolist():
+        stage = int(pipeline.stage[index])
+        if stage not in first_forward:
+            first_forward[stage] = (float(pipeline.start[index]), float(pipeline.end[index] - pipeline.start[index]))
+    step_start = float(pipeline.start.min()) if len(pipeline) else 0.0
+    waits, issued = [0.0] * num_ranks, [0.0] * num_ranks
+    for stage in sorted(first_forward, key=lambda stage: first_forward[stage][0]):
+        seconds = plan.gather_bucket_seconds.get(stage, ())
+        rank = stage_rank.get(stage)
+        if not seconds or rank is None:
+            continue
+        start, forward = first_forward[stage]
+        units = gather_units(plan.stage_layers.get(stage, 0))
+        whole = math.fsum(seconds)
+        wait = issued[rank] + exposed_gather_seconds(units, whole / units, forward / units) - (start - step_start)
+        waits[rank] = max(waits[rank], wait)
+        issued[rank] += whole
+    if plan.overlap_slowdown <= 0:
+        return waits
+    ranks = np.arange(num_ranks)
+    beside = compute_beside(pipeline, ranks, np.full(num_ranks, step_start), step_start + np.array(issued), num_ranks)
+    return [wait + slowed_by(seconds, plan.overlap_slowdown) for wait, seconds in zip(waits, beside, strict=True)]

@@ -80,6 +80,9 @@ class SimulationResult:
             "cp_comm": self.parallel.cp_comm if self.parallel.cp > 1 else None,
             "zero": self.parallel.zero,
             "dp_overlap": self.parallel.overlap_dp,
+            "tp_overlap": self.parallel.overlap_tp,
+            "param_gather_overlap": self.parallel.overlap_param_gather,
+            "overlap_slowdown": self.parallel.overlap_slowdown,
             "rank_order": "-".join(axis for axis in self.mapping.order if axis != "cp" or self.parallel.cp > 1)
             if self.mapping else None,
             "p2p": self.trace.meta.get("p2p"),
@@ -227,7 +230,8 @@ def comm_plan_of(lowered: Schedule, costs: Costs, topology: Topology, mapping: R
     if mapping is None or parallel.gpus <= 1:
         return None
     return comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
-                     parallel.algorithm, parallel.zero, parallel.cp_comm)
+                     parallel.algorithm, parallel.zero, parallel.cp_comm, parallel.overlap_tp,
+                     parallel.overlap_param_gather, parallel.overlap_slowdown)
 
 
 @without_collector
