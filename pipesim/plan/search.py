@@ -10,7 +10,7 @@ of experts, the expert-parallel size (ep ranks cut from dp x cp, as ``simulate -
 places them). Layers need not divide over the pp × v stages: each layout's split is the
 balanced one ``pipesim simulate`` makes (``pipesim.model.stage_split``), chosen per
 layout rather than searched. Simulating one is the same call as ``pipesim simulate`` with those flags
-(the caller passes it in as ``evaluate``), so a plan's numbers are exactly what
+(the caller's evaluator makes it: ``pipesim.plan.evaluate``), so a plan's numbers are exactly what
 ``simulate`` prints for the chosen layout.
 
 Every considered layout lands in exactly one bucket, and the buckets add up: ruled out
@@ -30,17 +30,18 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from pipesim.plan.workers import (
     Feeder,
-    each_of,
     judge,
     judge_places,
     start_worker,
     timed,
+    timed_in_worker,
     worker_context,
 )
+from pipesim.sim.zero import ZERO_STAGES
 from schedules.collector import collector_paused
 from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES, V_SHAPED
 
@@ -98,9 +99,13 @@ class SearchSpace:
     context_parallel: Sequence[int] | None = None  # cp sizes to try; None: ``context_parallel_sizes``
 
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
 def parse_constraints(texts: Iterable[str]) -> dict[str, set[str]]:
-    """``["pp=8", "schedule=1f1b,zb-h1"]`` -> ``{"pp": {"8"}, "schedule": {"1f1b", "zb-h1"}}``;
-    errors name the bad text and the fields that exist."""
+    """``["pp=8", "schedule=1f1b,zb-h1"]`` -> ``{"pp": {"8"}, "schedule": {"1f1b", "zb-h1"}}``,
+    each value checked against what its field can hold (``pp=banana`` would keep no
+    layout): errors name the bad text, the bad value and what is valid."""
     names = set(Layout._fields)
     constraints: dict[str, set[str]] = {}
     for text in texts:
@@ -110,8 +115,45 @@ def parse_constraints(texts: Iterable[str]) -> dict[str, set[str]]:
             raise ValueError(f"--constraint {text!r}: expected FIELD=VALUE[,VALUE...], e.g. pp=8")
         if key not in names:
             raise ValueError(f"--constraint {text!r}: unknown field {key!r}; fields: {', '.join(sorted(names))}")
-        constraints.setdefault(key, set()).update(part.strip() for part in value.split(",") if part.strip())
+        parts = [part.strip() for part in value.split(",")]
+        if not all(parts):
+            raise ValueError(f"--constraint {text!r}: an empty value in the list; expected FIELD=VALUE[,VALUE...]")
+        try:
+            constraints.setdefault(key, set()).update(_constraint_value(key, part) for part in parts)
+        except ValueError as error:
+            raise ValueError(f"--constraint {text!r}: {error}") from None
     return constraints
+
+
+# How a constraint's value is written as a layout's field is (``str`` of it), by field.
+_SWITCHES = {"true": "True", "on": "True", "1": "True", "false": "False", "off": "False", "0": "False"}
+
+
+def _constraint_value(field: str, value: str) -> str:
+    """``value`` as ``str`` of the ``Layout`` field ``field`` would write it; a ValueError
+    naming what the field holds where it cannot be one."""
+    if field == "schedule":
+        if value not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown schedule {value!r}; schedules: {', '.join(SCHEDULE_NAMES)}")
+        return value
+    if field == "recompute":
+        if value not in RECOMPUTE_MODES:
+            raise ValueError(f"unknown recompute mode {value!r}; modes: {', '.join(RECOMPUTE_MODES)}")
+        return value
+    if field == "sequence_parallel":
+        if value.lower() not in _SWITCHES:
+            raise ValueError(f"sequence_parallel is on or off (true or false), not {value!r}")
+        return _SWITCHES[value.lower()]
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if field == "zero":
+        if number not in ZERO_STAGES:
+            raise ValueError(f"zero is a ZeRO stage, one of {', '.join(map(str, ZERO_STAGES))}, not {value!r}")
+    elif number is None or number < 1:
+        raise ValueError(f"{field} is a whole number >= 1, not {value!r}")
+    return str(number)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -265,41 +307,65 @@ class PlanResult:
         }
 
 
+class Evaluator(Protocol):
+    """What the search asks of a layout (``pipesim.plan.evaluate.LayoutEvaluator`` for a
+    plan's job). ``screen`` and ``evaluate`` return a row with ``step_time`` and ``oom``,
+    or ``{"error": cause}`` (simulated, not buildable), ``{"rejected": cause}`` (found
+    before simulating that it cannot fit: rejected before simulation) or
+    ``{"pruned": bound}`` (its own bound, found once it has more of the layout than
+    ``lower_bound``, cannot beat ``cutoff``, the ``top``-th best step so far). ``screen``
+    may be quicker than ``evaluate`` and its step a little longer, never shorter."""
+
+    def screen(self, layout: Layout, cutoff: float = math.inf) -> dict: ...
+
+    def evaluate(self, layout: Layout, cutoff: float = math.inf) -> dict: ...
+
+    def lower_bound(self, layout: Layout) -> float: ...
+
+    def reject_cause(self, layout: Layout) -> str | None: ...
+
+    def describe(self, layout: Layout) -> dict: ...
+
+
+# What ``search`` runs of the evaluator: its first pass on every layout it simulates, then
+# (``SCREENED``) its second on the finalists.
+SCREENED = ("screen", "evaluate")
+EXACT = ("evaluate",)
+
+
 def search(
     layouts: list[Layout],
-    evaluate: Callable[[Layout], dict],
-    bound: Callable[[Layout], float],
+    evaluator: Evaluator,
     top: int,
     workers: int = 1,
     progress: Callable[[int, int], None] | None = None,
     rejected: Counter | None = None,
-    reject: Callable[[Layout], str | None] | None = None,
-    describe: Callable[[Layout], dict] | None = None,
-    refine: Callable[[Layout], dict] | None = None,
-    evaluate_takes_cutoff: bool = False,
+    passes: Sequence[str] = SCREENED,
+    prune: bool = True,
+    describe: bool = False,
 ) -> PlanResult:
     """Simulate layouts in order of their lower bound, a few at a time on each of
     ``workers`` processes, and stop simulating once the next bound cannot beat the ``top``-th best
-    step time found that fits in memory. ``evaluate`` returns a row with ``step_time``
-    and ``oom`` (or ``error``, or ``rejected``: a cause it found before simulating, the
-    layout then counted as rejected before simulation); rows are ranked by step time,
-    ties by layout. ``reject``
-    names a cause for layouts that provably cannot work (checked before anything is
-    simulated); ``rejected`` counts, by cause, the layouts ruled out before the search.
-    ``describe`` adds what is known of a layout that is not simulated (its memory floor,
-    say) to its entry in ``PlanResult.others``.
+    step time found that fits in memory. Rows are ranked by step time, ties by layout.
+    Layouts with a ``reject_cause`` (they provably cannot work; checked before anything is
+    simulated) are counted as rejected before simulation; ``rejected`` counts, by cause, the
+    layouts ruled out before the search. With ``describe``, what is known of a layout that
+    is not simulated (``evaluator.describe``: its memory floor, say) is added to its entry
+    in ``PlanResult.others``.
 
-    ``refine`` is the exact evaluation where ``evaluate`` screens (a step the same or a
-    little longer, found faster): the finalists, the ``top`` best screened rows and every
-    row within ``REFINE_MARGIN`` of the ``top``-th, are evaluated again with it and ranked
-    by what it says, ahead of the rows only screened (marked ``"screened": True``). With
-    ``evaluate_takes_cutoff``, ``evaluate`` is also given the ``top``-th best step found
-    when the layout was sent (infinity before there are ``top``) and may answer
-    ``{"pruned": bound}``: a bound of its own, found once it has more of the layout than
-    ``bound`` (its schedule's order, say), that cannot beat it, the layout then counted as
-    pruned (what is sent, and so each cutoff, does not depend on timing). With
-    several workers, ``evaluate``, ``refine``, ``bound`` and ``reject`` run in them and
-    must be module-level functions."""
+    ``passes`` names the evaluator's methods: the first evaluates each layout simulated;
+    a second (``"evaluate"`` where the first screens) is the exact evaluation of the
+    finalists, the ``top`` best screened rows and every row within ``REFINE_MARGIN`` of the
+    ``top``-th, ranked by what it says, ahead of the rows only screened (marked
+    ``"screened": True``). With ``prune``, each layout is also given the ``top``-th best step
+    found when it was sent (infinity before there are ``top``) and may answer
+    ``{"pruned": bound}``, the layout then counted as pruned (what is sent, and so each
+    cutoff, does not depend on timing); without it, every layout not rejected is evaluated.
+    With several workers, each builds or inherits ``evaluator`` once, when it starts."""
+    if not 1 <= len(passes) <= 2 or not all(callable(getattr(evaluator, name, None)) for name in passes):
+        raise ValueError(f"passes {tuple(passes)!r}: one or two of the evaluator's methods, e.g. {SCREENED}")
+    first, refine = passes[0], (passes[1] if len(passes) == 2 else None)
+    evaluate = getattr(evaluator, first)
     started = time.perf_counter()
     ruled_out = Counter(rejected or {})
     screened: Counter = Counter()
@@ -310,7 +376,7 @@ def search(
     seconds: dict[Layout, float] = {}  # what evaluating each layout took: the finalists' weights
     fitting: list[float] = []
     simulated = 0
-    pruned_late = 0  # pruned by ``evaluate``'s own bound (``evaluate_takes_cutoff``)
+    pruned_late = 0  # pruned by the evaluation's own bound (``prune``)
     window = 32 * workers if workers > 1 else 1  # layouts submitted and not yet taken
     position = 0
     # One process per worker. Layouts that share cached work go to the same one: in the
@@ -324,7 +390,7 @@ def search(
     # 70B plan leaves a few hundred objects of cyclic garbage), and with it on, each worker
     # spent a twentieth of its time walking the caches it keeps.
     pools = [ProcessPoolExecutor(max_workers=1, mp_context=worker_context(), initializer=start_worker,
-                                 initargs=(layouts,)) for _ in range(workers)] if workers > 1 else None
+                                 initargs=(layouts, evaluator)) for _ in range(workers)] if workers > 1 else None
 
     def natural_places() -> list[int]:
         """Each layout's place in ``Layout`` order: ties of bounds go by it."""
@@ -344,7 +410,7 @@ def search(
         for index, layout in enumerate(layouts):
             groups.setdefault(stages_key(layout), []).append(index)
         units = sorted(groups.values(), key=len, reverse=True)
-        run = functools.partial(judge_places, reject, bound)
+        run = functools.partial(judge_places, prune)
         results: list = [None] * len(layouts)
 
         def take(unit: list[int], values: list) -> None:
@@ -353,7 +419,7 @@ def search(
 
         if pools is None:
             for unit in units:
-                take(unit, [judge(reject, bound, layouts[index]) for index in unit])
+                take(unit, [judge(evaluator, prune, layouts[index]) for index in unit])
             return results, natural_places()
         queue = deque(units)
         running = {}
@@ -378,14 +444,14 @@ def search(
     waiting: list[list] = [[] for _ in range(workers)]  # per worker, its submitted futures not yet seen done
 
     def arguments(layout: Layout) -> tuple:
-        """What ``evaluate`` is given for ``layout`` now: with ``evaluate_takes_cutoff`` the
-        ``top``-th best step so far too."""
-        if not evaluate_takes_cutoff:
+        """What the first pass is given for ``layout`` now: with ``prune`` the ``top``-th
+        best step so far too."""
+        if not prune:
             return (layout,)
         return layout, fitting[top - 1] if len(fitting) >= top else math.inf
 
     def submit(given: tuple):
-        """Send ``evaluate``'s ``given`` arguments (the layout first) to the layout's order's
+        """Send the first pass's ``given`` arguments (the layout first) to the layout's order's
         worker; a new order to the worker with the least left to do now (which worker runs
         a layout changes nothing it computes)."""
         if pools is None:
@@ -395,7 +461,7 @@ def search(
             for futures in waiting:
                 futures[:] = [future for future in futures if not future.done()]
             owners[key] = min(range(workers), key=lambda worker: len(waiting[worker]))
-        future = pools[owners[key]].submit(timed, evaluate, *given)
+        future = pools[owners[key]].submit(timed_in_worker, first, *given)
         waiting[owners[key]].append(future)
         return future
 
@@ -468,7 +534,7 @@ def search(
             if refine is not None and rows:
                 chosen = finalists(rows, top)
                 if feeder is None:
-                    found = each_of(refine, chosen)
+                    found = [getattr(evaluator, refine)(layout) for layout in chosen]
                 else:
                     feeder.want(chosen)
                     found = feeder.results(chosen)
@@ -480,14 +546,14 @@ def search(
                              "lower_bound": bounds[layout]}) for layout in order[position:]]
         result = PlanResult(rows, considered, ruled_out, screened, failed, simulated,
                             len(order) - position + pruned_late, time.perf_counter() - started, others, refined)
-    if describe is not None:  # what is known of the layouts never simulated
+    if describe:  # what is known of the layouts never simulated
         for other in result.others:
             if other["bucket"] != "simulated":
-                other.update(describe(Layout(**{key: other[key] for key in Layout._fields})))
+                other.update(evaluator.describe(Layout(**{key: other[key] for key in Layout._fields})))
     return result
 
 
-# The cause of a layout pruned by ``evaluate``'s own bound (``evaluate_takes_cutoff``).
+# The cause of a layout pruned by its evaluation's own bound (``prune``).
 PRUNED_BY_ORDER = "its order's bound, with transfers flowing freely, cannot reach the top"
 
 # Screened rows this much slower than the top-th are evaluated exactly too: a layout the
