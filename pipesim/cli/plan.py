@@ -91,6 +91,8 @@ def handle(args: argparse.Namespace) -> int:
           f"{planner.considered} layouts to consider on {planner.workers} process(es)", file=sys.stderr)
     if not planner.layouts:
         print(format_causes("ruled out", planner.ruled_out) or "no layout to consider", file=sys.stderr)
+        if planner.values_left_out:
+            print(format_values_left_out(planner.values_left_out), file=sys.stderr)
         return 1
     result = planner.search(_progress(args), describe=bool(args.html))
     print(format_plan(result, args))
@@ -160,6 +162,13 @@ def format_causes(bucket: str, causes) -> str:
     return f"{bucket}: " + "; ".join(f"{cause}: {count}" for cause, count in causes.most_common()) if causes else ""
 
 
+def format_values_left_out(left_out: dict[str, dict]) -> str:
+    """The searched values no layout kept, each with its rules' counts."""
+    return "searched values no layout kept: " + "; ".join(
+        f"{value} ({', '.join(f'{cause}: {count}' for cause, count in causes.items())})"
+        for value, causes in left_out.items())
+
+
 def format_plan(result, args: argparse.Namespace) -> str:
     """The ranked table and where every considered layout went; the buckets add up."""
     width = max([48] + [len(row["layout"]) for row in result.rows[:args.top]])
@@ -185,6 +194,8 @@ def format_plan(result, args: argparse.Namespace) -> str:
                            ("simulated, not ranked", result.failed)):
         if causes:
             lines.append(format_causes(bucket, causes))
+    if result.values_left_out:
+        lines.append(format_values_left_out(result.values_left_out))
     if not result.rows:
         lines.append("no layout fits: see the causes above")
     return "\n".join(lines)

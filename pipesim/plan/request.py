@@ -21,6 +21,7 @@ from pipesim.plan.search import (
     enumerate_layouts,
     parse_constraints,
     search,
+    values_left_out,
 )
 from pipesim.plan.workers import default_workers
 from pipesim.sim.zero import ZERO_STAGES
@@ -71,12 +72,15 @@ class PlanRequest:
 
 class Planner:
     """A checked ``PlanRequest`` ready to search: its base job, its layouts (and those
-    ruled out while enumerating, by cause) and their evaluator."""
+    ruled out while enumerating, by cause; the searched values no layout kept, each with
+    the causes of its candidates) and their evaluator."""
 
     def __init__(self, request: PlanRequest) -> None:
         self.request = request
         self.base, self.space = checked(request)
-        self.layouts, self.ruled_out = enumerate_layouts(self.space)
+        by_value: dict = {}
+        self.layouts, self.ruled_out = enumerate_layouts(self.space, by_value)
+        self.values_left_out = values_left_out(self.layouts, by_value)
         self.evaluator = LayoutEvaluator(self.base)
         self.workers = request.workers or default_workers()
 
@@ -87,8 +91,10 @@ class Planner:
     def search(self, progress: Callable[[int, int], None] | None = None, describe: bool = False) -> PlanResult:
         """The plan: every layout screened best bound first, the finalists simulated
         exactly (``pipesim.plan.search.search``)."""
-        return search(self.layouts, self.evaluator, self.request.top, self.workers, progress, self.ruled_out,
-                      describe=describe)
+        result = search(self.layouts, self.evaluator, self.request.top, self.workers, progress, self.ruled_out,
+                        describe=describe)
+        result.values_left_out = self.values_left_out
+        return result
 
 
 def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
@@ -141,9 +147,10 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
 
 
 def _check_degrees(request: PlanRequest, spec) -> None:
-    """Refuse a cp or ep size no layout can have, naming the rule it breaks: for the model,
-    the reason ``pipesim simulate`` gives (``pipesim.model.layout.check_layout``); for the
-    job, a size that does not divide the GPUs. Each bad size named, not just filtered out."""
+    """Refuse a cp or ep size no layout can have, naming each rule it breaks: for the
+    model, the reason ``pipesim simulate`` gives (``pipesim.model.layout.check_layout``);
+    for the job, a size that does not divide the GPUs. Each bad size named, not filtered
+    out in silence (a cp that splits no layout used to leave "no layout to consider")."""
     from pipesim.model.layout import check_layout
 
     if request.ep and not spec.moe:
@@ -152,13 +159,12 @@ def _check_degrees(request: PlanRequest, spec) -> None:
     for flag, sizes, field in (("--cp", request.cp, "cp"), ("--ep", request.ep, "ep")):
         problems = []
         for size in dict.fromkeys(sizes or ()):
-            if request.gpus % size:
-                problems.append(f"{flag} {size} does not divide the {request.gpus} GPUs (--gpus)")
-                continue
             try:
                 check_layout(spec, **{field: size})
             except ValueError as error:
                 problems.append(str(error))
+            if request.gpus % size:
+                problems.append(f"{flag} {size} does not divide the {request.gpus} GPUs (--gpus)")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -160,13 +160,19 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**power for power in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
 
 
-def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
+# The searched dimensions whose values the plan accounts for one by one (``values_left_out``).
+SEARCHED_FIELDS = ("schedule", "microbatch_size", "virtual_stages", "recompute", "cp", "ep")
+
+
+def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Counter] | None = None
+                      ) -> tuple[list[Layout], Counter]:
     """Every layout the space allows, and how many candidates each rule ruled out. A
     candidate is one choice of every dimension on a split of the GPUs (tp x pp dividing
     them); choices that only repeat another layout or describe none are not candidates:
     ZeRO or sequence parallelism with nothing to shard over, a V with other than two
     stages per rank, and at pp 1 (no pipeline: one rank runs every forward and backward)
-    any schedule but one, 1F1B where it is searched."""
+    any schedule but one, 1F1B where it is searched. ``by_value``, where given, also
+    counts the causes per value of each of ``SEARCHED_FIELDS`` (``(field, value)``)."""
     rejected: Counter = Counter()
     layouts = []
     alone = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the one schedule at pp 1
@@ -198,7 +204,23 @@ def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
                                         layouts.append(layout)
                                     else:
                                         rejected[cause] += 1
+                                        if by_value is not None:
+                                            for name in SEARCHED_FIELDS:
+                                                by_value.setdefault((name, getattr(layout, name)),
+                                                                    Counter())[cause] += 1
     return layouts, rejected
+
+
+def values_left_out(layouts: list[Layout], by_value: dict[tuple[str, object], Counter]) -> dict[str, dict]:
+    """The searched values (``"field=value"``) that no layout kept, each with the causes
+    that ruled out its candidates (``enumerate_layouts``'s ``by_value``): a microbatch size
+    the global batch never splits into, say, named with its rule instead of just missing.
+    Only where the value stands out: another value of its field kept a layout or was tried
+    too (when nothing is kept at all, the ruled-out causes say it for every field)."""
+    kept = {name: {getattr(layout, name) for layout in layouts} for name in SEARCHED_FIELDS}
+    tried = Counter(name for name, _ in by_value)
+    return {f"{name}={value}": dict(causes.most_common()) for (name, value), causes in by_value.items()
+            if value not in kept[name] and (kept[name] or tried[name] > 1)}
 
 
 def _chunks(schedule: str, space: SearchSpace) -> Sequence[int]:
@@ -279,6 +301,7 @@ class PlanResult:
     seconds: float
     found_others: list = field(default_factory=list)
     refined: int = 0
+    values_left_out: dict[str, dict] = field(default_factory=dict)  # ``values_left_out``
 
     @functools.cached_property
     def others(self) -> list[dict]:
@@ -304,6 +327,7 @@ class PlanResult:
             "simulated_exactly": self.refined,
             "seconds": self.seconds,
             "simulated_per_second": self.simulated / self.seconds if self.seconds else None,
+            **({"values_left_out": self.values_left_out} if self.values_left_out else {}),
         }
 
 
