@@ -40,8 +40,9 @@ from installed import installed_env
 from pipesim.cli import build_parser
 from pipesim.cli.plan import plan_request
 from pipesim.plan.evaluate import LayoutEvaluator
+from pipesim.plan.layouts import layout_fields
 from pipesim.plan.request import Planner
-from pipesim.plan.search import EXACT, layout_fields, search
+from pipesim.plan.search import EXACT, search
 from pipesim.plan.workers import default_workers
 
 

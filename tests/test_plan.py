@@ -15,18 +15,16 @@ import tomllib
 from pipesim.cli import main
 from pipesim.job import Job, simulate_job
 from pipesim.plan.evaluate import LayoutEvaluator
-from pipesim.plan.memory_floors import ORDER_OUT_OF_MEMORY
-from pipesim.plan.search import (
-    EXACT,
+from pipesim.plan.layouts import (
     Layout,
     SearchSpace,
     context_parallel_sizes,
     enumerate_layouts,
     expert_parallel_sizes,
-    pareto_front,
     parse_constraints,
-    search,
 )
+from pipesim.plan.memory_floors import ORDER_OUT_OF_MEMORY
+from pipesim.plan.search import EXACT, pareto_front, search
 from schedules.generators import GENERATORS, MULTI_CHUNK
 
 

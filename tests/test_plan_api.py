@@ -19,8 +19,9 @@ from pipesim.cli import main
 from pipesim.job import Job, simulate_job
 from pipesim.plan import search as search_module
 from pipesim.plan.evaluate import LayoutEvaluator
+from pipesim.plan.layouts import Layout, SearchSpace, enumerate_layouts, parse_constraints
 from pipesim.plan.request import PlanRequest
-from pipesim.plan.search import EXACT, Layout, SearchSpace, enumerate_layouts, parse_constraints, search
+from pipesim.plan.search import EXACT, search
 
 SMALL = dict(model="gpt3-1.3b", gpus=8, global_batch=16, topology="nvlink")
 SMALL_FLAGS = ["--model", "gpt3-1.3b", "--gpus", "8", "--global-batch", "16", "--topology", "nvlink"]

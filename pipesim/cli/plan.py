@@ -16,7 +16,8 @@ from pathlib import Path
 
 from pipesim.cli.options import add_memory_headroom_arg
 from pipesim.cluster.gpus import GPUS
-from pipesim.plan.search import RECOMPUTE_MODES, Layout, pareto_front, terminal_progress
+from pipesim.plan.layouts import RECOMPUTE_MODES, Layout
+from pipesim.plan.search import pareto_front, terminal_progress
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.generators import SCHEDULE_NAMES
 

@@ -19,8 +19,8 @@ from pipesim.job import Job, costs_of, parallel_of, schedule_of, throughput_figu
 from pipesim.plan.cache import LayoutCache, kept
 from pipesim.plan.layout_bounds import LayoutBounds
 from pipesim.plan.layout_costs import LayoutCosts
+from pipesim.plan.layouts import Layout, layout_fields
 from pipesim.plan.memory_floors import ORDER_OUT_OF_MEMORY, MemoryFloors
-from pipesim.plan.search import Layout, layout_fields
 from schedules.collector import without_collector
 
 __all__ = ["ORDER_OUT_OF_MEMORY", "LayoutEvaluator"]

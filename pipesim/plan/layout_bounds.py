@@ -18,7 +18,7 @@ from pipesim.sim.zero import gathers_after_optimizer, gathers_per_layer, reduces
 from schedules.generators import V_SHAPED, splits_backward
 
 if TYPE_CHECKING:
-    from pipesim.plan.search import Layout
+    from pipesim.plan.layouts import Layout
 
 
 class LayoutBounds:

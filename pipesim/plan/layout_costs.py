@@ -17,7 +17,7 @@ from pipesim.model.costs import parameter_figures
 from pipesim.plan.cache import LayoutCache, kept
 
 if TYPE_CHECKING:
-    from pipesim.plan.search import Layout
+    from pipesim.plan.layouts import Layout
 
 
 class CostsKey(NamedTuple):

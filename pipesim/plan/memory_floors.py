@@ -14,7 +14,7 @@ from pipesim.plan.cache import kept
 from pipesim.plan.layout_costs import CostsKey, LayoutCosts
 
 if TYPE_CHECKING:
-    from pipesim.plan.search import Layout
+    from pipesim.plan.layouts import Layout
 
 FLOOR_OUT_OF_MEMORY = "out of memory (parameters, optimizer state and one stash alone, with the headroom)"
 ORDER_OUT_OF_MEMORY = "out of memory (its schedule's stashes in program order, parameters and optimizer state)"

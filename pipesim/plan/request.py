@@ -14,15 +14,8 @@ from dataclasses import dataclass
 
 from pipesim.job import Job, model_spec_of, parallel_of, topology_of
 from pipesim.plan.evaluate import LayoutEvaluator
-from pipesim.plan.search import (
-    RECOMPUTE_MODES,
-    PlanResult,
-    SearchSpace,
-    enumerate_layouts,
-    parse_constraints,
-    search,
-    values_left_out,
-)
+from pipesim.plan.layouts import RECOMPUTE_MODES, SearchSpace, enumerate_layouts, parse_constraints, values_left_out
+from pipesim.plan.search import PlanResult, search
 from pipesim.plan.workers import default_workers
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.generators import SCHEDULE_NAMES
@@ -40,7 +33,7 @@ class PlanRequest:
     tokens, searched over the ``schedules``, ``microbatch_sizes``, ``virtual_stages`` (of
     multi-chunk schedules), ``recompute`` modes, ``zero`` stages, ``sequence_parallel``
     choices, context-parallel sizes ``cp`` and expert-parallel sizes ``ep`` (None: the
-    defaults of ``pipesim.plan.search``), keeping layouts that match every one of
+    defaults of ``pipesim.plan.layouts``), keeping layouts that match every one of
     ``constraints`` (``"pp=8"``, ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on
     ``workers`` processes (None: the CPUs available). ``mfu``, ``compute_model``,
     ``max_actions`` and ``memory_headroom`` are ``pipesim simulate``'s. Field names are the

@@ -23,7 +23,8 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipesim.plan.search import Evaluator, Layout
+    from pipesim.plan.layouts import Layout
+    from pipesim.plan.search import Evaluator
 
 
 def judge(evaluator: Evaluator, prune: bool, layout: Layout) -> tuple[str | None, float | None]:
