@@ -43,10 +43,12 @@ class LayoutEvaluator:
 
     @property
     def base(self) -> Job:
+        """The job every layout starts from."""
         return self.costs.base
 
     @property
     def topology(self):
+        """The base job's cluster, loaded once (its routes computed once)."""
         return self.costs.topology
 
     def layout_job(self, layout: Layout) -> Job:

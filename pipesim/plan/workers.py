@@ -93,7 +93,8 @@ class Feeder:
     only in their ZeRO stage go together (they share their order and its lowering). The
     finalists may be asked for while screens are still in flight (``want``, again as
     rows come in): one that drops out before it is handed over is never evaluated, one
-    that drops out after was evaluated for nothing, which changes no result."""
+    that drops out after was evaluated for nothing, which changes no result. ``refine``
+    names the evaluator's method that evaluates a finalist exactly."""
 
     def __init__(self, refine: str, pools: list, waiting: list[list], seconds: dict[Layout, float]) -> None:
         self.refine, self.pools, self.waiting, self.seconds = refine, pools, waiting, seconds
