@@ -109,10 +109,10 @@ def plan_request(args: argparse.Namespace):
     return PlanRequest(
         model=args.model, gpus=args.gpus, global_batch=args.global_batch, gpus_per_node=args.gpus_per_node,
         seq_len=args.seq_len, topology=args.topology, gpu=args.gpu,
-        schedules=_names(args.schedules, "--schedules", SCHEDULE_NAMES),
+        schedules=_listed(args.schedules),
         microbatch_sizes=_ints(args.microbatch_sizes, "--microbatch-sizes"),
         virtual_stages=_ints(args.virtual_stages, "--virtual-stages"),
-        recompute=_names(args.recompute, "--recompute", RECOMPUTE_MODES),
+        recompute=_listed(args.recompute),
         zero=[int(level) for level in _names(args.zero, "--zero", tuple(map(str, ZERO_STAGES)))],
         sequence_parallel=[SEQUENCE_PARALLEL[mode] for mode in _names(args.sequence_parallel, "--sequence-parallel",
                                                                        tuple(SEQUENCE_PARALLEL))],
@@ -121,19 +121,23 @@ def plan_request(args: argparse.Namespace):
         max_actions=args.max_actions, memory_headroom=args.memory_headroom, top=args.top, workers=args.workers)
 
 
+def _listed(text: str) -> list[str]:
+    """The comma-separated values of a flag (the request checks them)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _ints(text: str, flag: str) -> list[int]:
+    """The comma-separated integers of ``flag`` (the request checks their range)."""
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in _listed(text)]
     except ValueError as error:
         raise ValueError(f"{flag} {text!r}: expected integers separated by commas") from error
-    if not values or any(value < 1 for value in values):
-        raise ValueError(f"{flag} {text!r}: expected integers >= 1")
-    return values
 
 
 def _names(text: str, flag: str, known: tuple[str, ...]) -> list[str]:
-    """The comma-separated values of ``flag``, each one of ``known``."""
-    values = [part.strip() for part in text.split(",") if part.strip()]
+    """The comma-separated values of ``flag``, each one of ``known`` (checked here: they
+    are read as numbers or switches before the request sees them)."""
+    values = _listed(text)
     unknown = [value for value in values if value not in known]
     if unknown or not values:
         raise ValueError(f"{flag}: unknown {', '.join(unknown) or repr(text)}; available: {', '.join(known)}")

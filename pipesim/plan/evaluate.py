@@ -20,10 +20,8 @@ from pipesim.plan.cache import LayoutCache, kept
 from pipesim.plan.layout_bounds import LayoutBounds
 from pipesim.plan.layout_costs import LayoutCosts
 from pipesim.plan.layouts import Layout, layout_fields
-from pipesim.plan.memory_floors import ORDER_OUT_OF_MEMORY, MemoryFloors
+from pipesim.plan.memory_floors import MemoryFloors
 from schedules.collector import without_collector
-
-__all__ = ["ORDER_OUT_OF_MEMORY", "LayoutEvaluator"]
 
 
 class LayoutEvaluator:
