@@ -83,6 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    """Check the flags, search, print the table and the buckets, write the files."""
     from pipesim.plan.request import Planner
 
     if args.fsdp and not args.torchtitan:
