@@ -171,6 +171,14 @@ def test_a_searched_value_no_layout_keeps_is_named_with_its_rules_counted(tmp_pa
     assert f"searched values no layout kept: microbatch_size=3 ({rule}: 10)" in capsys.readouterr().out
 
 
+def test_values_a_constraint_leaves_out_are_not_listed_as_broken(tmp_path):
+    # zbv and microbatch size 2 are left out by the user's constraints alone: no rule broke
+    out = tmp_path / "plan.json"
+    assert main(["plan", *SMALL_FLAGS, *NARROW, "--schedules", "1f1b,zbv", "--microbatch-sizes", "1,2,3",
+                 "--constraint", "schedule=1f1b", "--constraint", "microbatch_size=1,3", "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())["values_left_out"]) == ["microbatch_size=3"]
+
+
 def test_when_no_layout_is_left_the_causes_are_counted_per_rule(capsys):
     assert main(["plan", *SMALL_FLAGS, *NARROW, "--microbatch-sizes", "3,5"]) == 1
     err = capsys.readouterr().err

@@ -194,11 +194,13 @@ def values_left_out(layouts: list[Layout], by_value: dict[tuple[str, object], Co
     that ruled out its candidates (``enumerate_layouts``'s ``by_value``): a microbatch size
     the global batch never splits into, say, named with its rule instead of just missing.
     Only where the value stands out: another value of its field kept a layout or was tried
-    too (when nothing is kept at all, the ruled-out causes say it for every field)."""
+    too (when nothing is kept at all, the ruled-out causes say it for every field), and no
+    candidate of it was excluded by a constraint (the constraints are checked last: such a
+    candidate kept every other rule, so the user's own constraints left the value out)."""
     kept = {name: {getattr(layout, name) for layout in layouts} for name in SEARCHED_FIELDS}
     tried = Counter(name for name, _ in by_value)
     return {f"{name}={value}": dict(causes.most_common()) for (name, value), causes in by_value.items()
-            if value not in kept[name] and (kept[name] or tried[name] > 1)}
+            if value not in kept[name] and (kept[name] or tried[name] > 1) and EXCLUDED not in causes}
 
 
 def _chunks(schedule: str, space: SearchSpace) -> Sequence[int]:
@@ -250,8 +252,12 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
     if layout.pp * layout.virtual_stages > space.layers + 2:
         return "more stages (pp x virtual stages) than layers + 2 (an embedding-only and a head-only chunk)"
     if not _allowed(layout, space.constraints):
-        return "excluded by --constraint"
+        return EXCLUDED
     return None
+
+
+# The cause of a candidate a constraint does not allow.
+EXCLUDED = "excluded by --constraint"
 
 
 def _allowed(layout: Layout, constraints: dict[str, set[str]]) -> bool:
