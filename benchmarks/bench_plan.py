@@ -38,19 +38,19 @@ from pathlib import Path
 from installed import installed_env
 
 from pipesim.cli import build_parser
-from pipesim.cli import plan as plan_command
-from pipesim.plan.search import enumerate_layouts, layout_fields, search
+from pipesim.cli.plan import plan_request
+from pipesim.plan.evaluate import LayoutEvaluator
+from pipesim.plan.layouts import layout_fields
+from pipesim.plan.request import Planner
+from pipesim.plan.search import EXACT, search
 from pipesim.plan.workers import default_workers
 
 
-def no_bound(layout) -> float:
-    """A bound that prunes nothing (module level: the workers receive it by name)."""
-    return 0.0
+class AnalyticRows(LayoutEvaluator):
+    """The analytic planner: each layout's row is its lower bound as the step time."""
 
-
-def analytic_row(layout) -> dict:
-    """The analytic planner's row: the lower bound as the step time."""
-    return {**layout_fields(layout), "step_time": plan_command.lower_bound(layout), "oom": False}
+    def evaluate(self, layout, cutoff: float = float("inf")) -> dict:
+        return {**layout_fields(layout), "step_time": self.lower_bound(layout), "oom": False}
 
 
 def main() -> None:
@@ -89,19 +89,17 @@ def main() -> None:
     if args.command_only:
         return
 
-    base, space = plan_command._checked_job(build_parser().parse_args(argv))
-    layouts, ruled_out = enumerate_layouts(space)
-    plan_command._init_worker(base)
+    planner = Planner(plan_request(build_parser().parse_args(argv)))
+    layouts, ruled_out = planner.layouts, planner.ruled_out
     print(f"{args.model}, {args.gpus} GPUs, global batch {args.global_batch}, seq {args.seq_len}, {args.topology}: "
           f"{len(layouts) + sum(ruled_out.values())} layouts considered, {len(layouts)} after divisibility, "
           f"{args.workers} worker process(es) on every side")
 
     started = time.perf_counter()
-    exhaustive = search(layouts, plan_command.evaluate_layout, no_bound, args.top, args.workers,
-                        reject=plan_command.reject_cause)
+    exhaustive = search(layouts, planner.evaluator, args.top, args.workers, passes=EXACT, prune=False)
     exhaustive_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    analytic = search(layouts, analytic_row, no_bound, args.top, args.workers, reject=plan_command.reject_cause)
+    analytic = search(layouts, AnalyticRows(planner.base), args.top, args.workers, passes=EXACT, prune=False)
     analytic_seconds = time.perf_counter() - started
 
     top = [row["layout"] for row in exhaustive.rows[:args.top]]

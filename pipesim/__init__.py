@@ -17,10 +17,11 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-# Not ``costs``/``topology``: those are submodules (``pipesim.model.costs``), which an import
-# of them would bind over a function of the same name.
+# Not ``costs``/``topology``/``plan``: those are submodules (``pipesim.model.costs``,
+# ``pipesim.plan``), which an import of them would bind over a function of the same name
+# (the planner is ``pipesim.api.plan``).
 API = ("schedule", "load_schedule", "save_schedule", "load_topology", "uniform_costs", "load_costs", "model_costs",
-       "simulate", "whatif", "plot", "load_trace", "run", "Job", "simulate_job")
+       "simulate", "whatif", "plot", "load_trace", "run", "Job", "simulate_job", "PlanRequest")
 
 __all__ = [*API, "__version__"]
 
@@ -28,6 +29,8 @@ __all__ = [*API, "__version__"]
 def __getattr__(name: str) -> Any:
     if name in API:
         return getattr(import_module("pipesim.api"), name)
+    if name == "api":  # the module itself (``pipesim.api.plan``), loaded on first use
+        return import_module("pipesim.api")
     if name == "__version__":
         from pipesim.cli import version  # noqa: PLC0415
 

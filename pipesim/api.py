@@ -16,6 +16,7 @@ the executor). Examples that CI runs: ``docs/api.md``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from pipesim.cluster.topology import Topology
     from pipesim.job import Job
     from pipesim.model.costs import Costs
+    from pipesim.plan.request import PlanRequest
+    from pipesim.plan.search import PlanResult
     from pipesim.sim.step import SimulationResult
     from pipesim.sim.whatif import WhatIfResult
     from schedules.schedule import Schedule
@@ -230,11 +233,30 @@ def simulate_job(job: Job) -> SimulationResult:
     return run_job(job)
 
 
+def plan(request: PlanRequest, progress: Callable[[int, int], None] | None = None) -> PlanResult:
+    """The fastest layouts of a model on a cluster, searched as ``pipesim plan`` searches
+    them: ``request`` is a ``PlanRequest`` (``pipesim.PlanRequest(model="gpt3-1.3b",
+    gpus=8, global_batch=16, topology="nvlink")``; fields are the command's flags' names,
+    lists as sequences). Returns the ``PlanResult``: ``.rows`` ranked best first (each what
+    ``pipesim simulate`` prints for that layout), the buckets every considered layout went
+    to with their causes, and ``.to_dict(top)``, what ``pipesim plan --json`` writes.
+    ``progress(done, total)`` is called as layouts are simulated or pruned. Bad fields
+    raise ``ValueError`` naming the flag, before anything is simulated. (``pipesim.plan``
+    is the package holding the search: call ``pipesim.api.plan``.)"""
+    from pipesim.plan.request import plan as run_plan  # noqa: PLC0415
+
+    return run_plan(request, progress)
+
+
 def __getattr__(name: str) -> Any:
     if name == "Job":  # the class itself, loaded on first use like everything here
         from pipesim.job import Job  # noqa: PLC0415
 
         return Job
+    if name == "PlanRequest":
+        from pipesim.plan.request import PlanRequest  # noqa: PLC0415
+
+        return PlanRequest
     raise AttributeError(f"module 'pipesim.api' has no attribute {name!r}")
 
 

@@ -5,6 +5,7 @@ the command's output files and errors."""
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import numpy as np
@@ -12,18 +13,18 @@ import pytest
 import tomllib
 
 from pipesim.cli import main
-from pipesim.cli import plan as plan_command
 from pipesim.job import Job, simulate_job
-from pipesim.plan.search import (
+from pipesim.plan.evaluate import LayoutEvaluator
+from pipesim.plan.layouts import (
     Layout,
     SearchSpace,
     context_parallel_sizes,
     enumerate_layouts,
     expert_parallel_sizes,
-    pareto_front,
     parse_constraints,
-    search,
 )
+from pipesim.plan.memory_floors import ORDER_OUT_OF_MEMORY
+from pipesim.plan.search import EXACT, pareto_front, search
 from schedules.generators import GENERATORS, MULTI_CHUNK
 
 
@@ -94,9 +95,8 @@ def test_pareto_front_by_hand():
 
 
 @pytest.fixture
-def small_model_worker():  # per test: the plan worker's job is process-wide state that other tests change
-    plan_command._init_worker(Job(model="gpt3-1.3b", topology="nvlink", nodes=1))
-    return plan_command
+def small_model_worker():
+    return LayoutEvaluator(Job(model="gpt3-1.3b", topology="nvlink", nodes=1))
 
 
 def test_lower_bound_never_exceeds_the_simulated_step(small_model_worker):
@@ -105,7 +105,7 @@ def test_lower_bound_never_exceeds_the_simulated_step(small_model_worker):
         schedules=("gpipe", "1f1b", "interleaved-1f1b"), microbatch_sizes=(1, 2), virtual_stages=(2,)))
     assert len(layouts) > 20
     for layout in layouts[::3]:
-        row = small_model_worker.evaluate_layout(layout)
+        row = small_model_worker.evaluate(layout)
         if "error" in row:
             continue
         assert small_model_worker.lower_bound(layout) <= row["step_time"] * (1 + 1e-9), layout.label()
@@ -114,26 +114,28 @@ def test_lower_bound_never_exceeds_the_simulated_step(small_model_worker):
 def simulated_across_nodes(schedule: str):
     """(layout, its simulated step) of ``schedule`` on two 8-GPU InfiniBand nodes, so that
     transfers cross links with latency, over tp, dp, ZeRO 0-3 and recompute (ZeRO-3's
-    gathers hold ranks after their compute, as tp collectives do); at least 8 of them."""
-    plan_command._init_worker(Job(model="gpt3-1.3b", topology="ib", nodes=2))
+    gathers hold ranks after their compute, as tp collectives do); at least 8 of them; and
+    the evaluator that simulated them."""
+    evaluator = LayoutEvaluator(Job(model="gpt3-1.3b", topology="ib", nodes=2))
     chunks = 2 if schedule in MULTI_CHUNK else 1
     simulated = []
     for pp, tp, dp, microbatches in ((4, 2, 2, 8), (8, 1, 2, 16), (4, 1, 4, 4), (2, 4, 2, 8)):
         for zero, recompute in ((0, "none"), (1, "full"), (2, "none"), (3, "selective")):
             layout = Layout(schedule, pp, tp, dp, chunks, 1, microbatches, recompute, zero)
-            row = plan_command.evaluate_layout(layout)
+            row = evaluator.evaluate(layout)
             if "error" not in row:
                 simulated.append((layout, row["step_time"]))
     assert len(simulated) >= 8
-    return simulated
+    return evaluator, simulated
 
 
 @pytest.mark.parametrize("schedule", [*GENERATORS, "zb-auto", "zbv-auto"])
 def test_lower_bound_holds_for_every_schedule_across_nodes(schedule):
     # A split backward (zb-*, zbv, dualpipev) may end a rank on weight gradients: a bound
     # that still adds the input gradients' trip back would exceed the step.
-    for layout, step in simulated_across_nodes(schedule):
-        assert plan_command.lower_bound(layout) <= step * (1 + 1e-9), layout.label()
+    evaluator, simulated = simulated_across_nodes(schedule)
+    for layout, step in simulated:
+        assert evaluator.lower_bound(layout) <= step * (1 + 1e-9), layout.label()
 
 
 def test_under_zero2_the_bound_holds_the_dp_streams_reductions_when_they_decide_the_step():
@@ -142,16 +144,16 @@ def test_under_zero2_the_bound_holds_the_dp_streams_reductions_when_they_decide_
     # time on a rank's dp stream, and they take longer than the rank's compute. The bound
     # holds at least the busiest rank's reductions as the simulation runs them, while the
     # compute terms alone (the ZeRO-1 bound of the same layout) stay below them.
-    plan_command._init_worker(Job(model="gpt3-1.3b", topology="ib", nodes=2, seq_len=256, rank_order="tp-pp-dp"))
+    evaluator = LayoutEvaluator(Job(model="gpt3-1.3b", topology="ib", nodes=2, seq_len=256, rank_order="tp-pp-dp"))
     for schedule, chunks in (("1f1b", 1), ("zb-h1", 1), ("zbv", 2)):
         layout = Layout(schedule, 2, 1, 8, chunks, 1, 16, "none", 2)
-        step = plan_command.evaluate_layout(layout)["step_time"]
-        columns = simulate_job(plan_command.layout_job(layout)).trace.columns
+        step = evaluator.evaluate(layout)["step_time"]
+        columns = simulate_job(evaluator.layout_job(layout)).trace.columns
         reductions = columns.on_stream("dp") & (columns.kind == columns.kind_code("REDUCE_SCATTER_DP"))
         busiest = max(np.bincount(columns.rank[reductions], weights=(columns.end - columns.start)[reductions]))
-        bound = plan_command.lower_bound(layout)
+        bound = evaluator.lower_bound(layout)
         assert busiest <= bound <= step * (1 + 1e-9), layout.label()
-        assert plan_command.lower_bound(layout._replace(zero=1)) < busiest, layout.label()
+        assert evaluator.lower_bound(layout._replace(zero=1)) < busiest, layout.label()
 
 
 @pytest.mark.parametrize("schedule", [*GENERATORS, "zb-auto", "zbv-auto"])
@@ -159,25 +161,25 @@ def test_the_bound_of_a_built_order_holds_for_every_schedule_across_nodes(schedu
     # The order timed with free-flowing transfers (each its unloaded time), the bound's holds
     # and tails: never above the simulated step, never below the layout's own lower bound.
     tighter = 0
-    for layout, step in simulated_across_nodes(schedule):
-        order = plan_command._order_of(layout._replace(zero=0), None)
-        bound = plan_command.order_bound(layout, order)
-        assert plan_command.lower_bound(layout) <= bound <= step * (1 + 1e-9), layout.label()
-        tighter += bound > plan_command.lower_bound(layout) * (1 + 1e-6)
+    evaluator, simulated = simulated_across_nodes(schedule)
+    for layout, step in simulated:
+        order = evaluator.order_of(layout._replace(zero=0), None)
+        bound = evaluator.order_bound(layout, order)
+        assert evaluator.lower_bound(layout) <= bound <= step * (1 + 1e-9), layout.label()
+        tighter += bound > evaluator.lower_bound(layout) * (1 + 1e-6)
     assert tighter or schedule in ("dualpipev",), "the order's timing adds nothing to the lower bound"
 
 
-def test_layouts_pruned_by_their_orders_bound_leave_the_top_as_it_was(small_model_worker):
+def test_layouts_pruned_by_their_orders_bound_leave_the_top_as_it_was():
     # Two 8-GPU InfiniBand nodes: the search that lets each screen stop at its order's bound
     # ranks the same top 3 as the exhaustive search, prunes some that way, and its buckets add up.
-    plan_command._init_worker(Job(model="gpt3-1.3b", topology="ib", nodes=2))
+    evaluator = LayoutEvaluator(Job(model="gpt3-1.3b", topology="ib", nodes=2))
     layouts, ruled_out = enumerate_layouts(SearchSpace(
         gpus=16, gpus_per_node=8, global_batch=32, layers=24, heads=16, kv_heads=16,
         schedules=("1f1b", "interleaved-1f1b", "zb-h1", "zbv", "gpipe"), microbatch_sizes=(1, 2),
         virtual_stages=(2,), zero=(0, 2)))
-    cut = search(layouts, plan_command.screen_layout, plan_command.lower_bound, top=3, rejected=ruled_out,
-                 reject=plan_command.reject_cause, evaluate_takes_cutoff=True)
-    exhaustive = search(layouts, plan_command.screen_layout, lambda layout: 0.0, top=3)
+    cut = search(layouts, evaluator, top=3, rejected=ruled_out, passes=("screen",))
+    exhaustive = search(layouts, evaluator, top=3, passes=("screen",), prune=False)
     assert [row["layout"] for row in cut.rows[:3]] == [row["layout"] for row in exhaustive.rows[:3]]
     assert [row["step_time"] for row in cut.rows[:3]] == [row["step_time"] for row in exhaustive.rows[:3]]
     by_order = [other for other in cut.others if other["cause"].startswith("its order's bound")]
@@ -190,8 +192,8 @@ def test_pruning_keeps_the_same_top(small_model_worker):
     layouts, _ = enumerate_layouts(SearchSpace(
         gpus=8, gpus_per_node=8, global_batch=16, layers=24, heads=16, kv_heads=16,
         schedules=("1f1b", "interleaved-1f1b"), microbatch_sizes=(1, 2), virtual_stages=(2,)))
-    pruned = search(layouts, small_model_worker.evaluate_layout, small_model_worker.lower_bound, top=3)
-    exhaustive = search(layouts, small_model_worker.evaluate_layout, lambda layout: 0.0, top=3)
+    pruned = search(layouts, small_model_worker, top=3, passes=EXACT)
+    exhaustive = search(layouts, small_model_worker, top=3, passes=EXACT, prune=False)
     assert exhaustive.pruned == 0
     assert [row["layout"] for row in pruned.rows[:3]] == [row["layout"] for row in exhaustive.rows[:3]]
     assert pruned.simulated + pruned.pruned + sum(pruned.screened.values()) == pruned.considered == len(layouts)
@@ -288,21 +290,21 @@ def test_plan_bad_input_is_one_line(argv, message, capsys):
 
 
 def test_memory_floor_only_rejects_layouts_the_simulation_finds_out_of_memory():
-    plan_command._init_worker(Job(model="gpt3-13b", topology="nvlink", nodes=1, gpu="a100-40gb"))
+    evaluator = LayoutEvaluator(Job(model="gpt3-13b", topology="nvlink", nodes=1, gpu="a100-40gb"))
     layouts, _ = enumerate_layouts(SearchSpace(
         gpus=8, gpus_per_node=8, global_batch=16, layers=40, heads=40, kv_heads=40,
         schedules=("gpipe", "1f1b", "zbv", "dualpipev", "interleaved-1f1b"), microbatch_sizes=(1,),
         zero=(0, 1, 2, 3)))
-    screened = [layout for layout in layouts if plan_command.reject_cause(layout)]
+    screened = [layout for layout in layouts if evaluator.reject_cause(layout)]
     assert {layout.schedule for layout in screened} >= {"1f1b", "zbv"}  # looped and V placements
     assert screened, "the case must exercise the floor (gpt3-13b does not fit one 40 GB GPU)"
     checked = set()
     for layout in screened:
-        row = plan_command.evaluate_layout(layout)
+        row = evaluator.evaluate(layout)
         if "error" in row:  # no such schedule for that pp and m: nothing to compare
             continue
-        assert row.get("rejected") == plan_command.ORDER_OUT_OF_MEMORY or row["oom"], layout.label()
-        assert simulate_job(plan_command.layout_job(layout)).oom, layout.label()
+        assert row.get("rejected") == ORDER_OUT_OF_MEMORY or row["oom"], layout.label()
+        assert simulate_job(evaluator.layout_job(layout)).oom, layout.label()
         checked.add(layout.schedule)
     assert checked >= {"1f1b", "zbv"}
 
@@ -311,19 +313,19 @@ def test_a_layout_rejected_by_its_programs_order_is_one_the_simulation_finds_out
     # gpt3-13b on 8 A100-40GB: the plan reads each built schedule's peak memory off its
     # programs' order and rejects it unsimulated; the simulation must agree on every one,
     # and on every layout it lets through.
-    plan_command._init_worker(Job(model="gpt3-13b", topology="nvlink", nodes=1, gpu="a100-40gb"))
+    evaluator = LayoutEvaluator(Job(model="gpt3-13b", topology="nvlink", nodes=1, gpu="a100-40gb"))
     layouts, _ = enumerate_layouts(SearchSpace(
         gpus=8, gpus_per_node=8, global_batch=16, layers=40, heads=40, kv_heads=40,
         schedules=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"), microbatch_sizes=(1, 2),
         zero=(0, 1, 2, 3), recompute=("none", "full")))
     verdicts = {"rejected": 0, "simulated": 0}
     for layout in layouts:
-        if plan_command.reject_cause(layout):
+        if evaluator.reject_cause(layout):
             continue
-        row = plan_command.evaluate_layout(layout)
+        row = evaluator.evaluate(layout)
         if "error" in row:
             continue
-        oom = simulate_job(plan_command.layout_job(layout)).oom
+        oom = simulate_job(evaluator.layout_job(layout)).oom
         if "rejected" in row:
             assert oom, layout.label()
             verdicts["rejected"] += 1
@@ -340,9 +342,8 @@ def test_the_search_over_two_workers_is_deterministic_and_keeps_the_top(small_mo
     layouts, _ = enumerate_layouts(SearchSpace(
         gpus=8, gpus_per_node=8, global_batch=16, layers=24, heads=16, kv_heads=16,
         schedules=("1f1b", "interleaved-1f1b", "zb-h1"), microbatch_sizes=(1, 2), virtual_stages=(2,)))
-    one = search(layouts, small_model_worker.evaluate_layout, small_model_worker.lower_bound, top=3, workers=1)
-    runs = [search(layouts, small_model_worker.evaluate_layout, small_model_worker.lower_bound, top=3, workers=2)
-            for _ in range(2)]
+    one = search(layouts, small_model_worker, top=3, workers=1, passes=EXACT)
+    runs = [search(layouts, small_model_worker, top=3, workers=2, passes=EXACT) for _ in range(2)]
     assert [row["layout"] for row in runs[0].rows] == [row["layout"] for row in runs[1].rows]
     assert (runs[0].simulated, runs[0].pruned) == (runs[1].simulated, runs[1].pruned)
     assert [row["layout"] for row in runs[0].rows[:3]] == [row["layout"] for row in one.rows[:3]]
@@ -353,7 +354,7 @@ def test_a_layouts_job_is_the_job_of_its_simulate_command_line():
     # plan fills each layout into its base job; simulate parses the same settings from flags
     from pipesim.cli import build_parser
 
-    plan_command._init_worker(Job(model="gpt3-1.3b", topology="ib", nodes=2, seq_len=1024, gpu="a100-80gb"))
+    evaluator = LayoutEvaluator(Job(model="gpt3-1.3b", topology="ib", nodes=2, seq_len=1024, gpu="a100-80gb"))
     layouts, _ = enumerate_layouts(SearchSpace(
         gpus=16, gpus_per_node=8, global_batch=32, layers=24, heads=16, kv_heads=16,
         schedules=("1f1b", "interleaved-1f1b", "zbv", "zb-auto"), microbatch_sizes=(1, 2), virtual_stages=(1, 2),
@@ -366,7 +367,7 @@ def test_a_layouts_job_is_the_job_of_its_simulate_command_line():
                 "--dp", str(layout.dp), "-m", str(layout.microbatches), "--microbatch-size",
                 str(layout.microbatch_size), "-v", str(layout.virtual_stages), "--recompute", layout.recompute,
                 "--zero", str(layout.zero), *(["--sequence-parallel"] if layout.sequence_parallel else [])]
-        assert plan_command.layout_job(layout) == Job.from_namespace(parser.parse_args(argv)), layout.label()
+        assert evaluator.layout_job(layout) == Job.from_namespace(parser.parse_args(argv)), layout.label()
 
 
 def test_plan_writes_the_best_layout_for_torchtitan_as_export_does(tmp_path, capsys):
@@ -389,16 +390,16 @@ def test_the_headroom_is_kept_back_alike_by_the_floor_and_by_simulate():
     layout = Layout("1f1b", 4, 1, 2, 1, 1, 8, "none", 1)
     verdicts = {}
     for headroom in ("0", "10%"):
-        plan_command._init_worker(Job(model="gpt3-13b", topology="nvlink", nodes=1, gpu="a100-40gb",
-                                      memory_headroom=headroom))
-        floor = max(floor for floor, _ in plan_command._memory_floors(layout))
+        evaluator = LayoutEvaluator(Job(model="gpt3-13b", topology="nvlink", nodes=1, gpu="a100-40gb",
+                                        memory_headroom=headroom))
+        floor = max(floor for floor, _ in evaluator.memory_floors(layout))
         assert 36e9 < floor < 40e9
-        verdicts[headroom] = (plan_command.reject_cause(layout), plan_command.evaluate_layout(layout))
+        verdicts[headroom] = (evaluator.reject_cause(layout), evaluator.evaluate(layout))
     assert verdicts["0"][0] is None
     assert verdicts["10%"][0] == "out of memory (parameters, optimizer state and one stash alone, with the headroom)"
     row = verdicts["0"][1]
     assert "rejected" in row or row["oom"] == (row["peak_memory_bytes"] > 40e9)
-    job = plan_command.layout_job(layout)
+    job = evaluator.layout_job(layout)
     result = simulate_job(job)  # the 10% job set up last: out of memory, as the floor said
     assert result.oom and all(memory.usable_bytes == pytest.approx(36e9) for memory in result.memory)
 
@@ -411,8 +412,7 @@ def test_every_considered_layout_lands_in_exactly_one_bucket_with_zero_stages_an
         zero=(0, 1, 2, 3), recompute=("none", "full")))
     assert {layout.zero for layout in layouts} == {0, 1, 2, 3}
     assert any(24 % (layout.pp * layout.virtual_stages) for layout in layouts)
-    result = search(layouts, small_model_worker.evaluate_layout, small_model_worker.lower_bound, top=3,
-                    rejected=ruled_out, reject=small_model_worker.reject_cause)
+    result = search(layouts, small_model_worker, top=3, rejected=ruled_out, passes=EXACT)
     seen = [row["layout"] for row in result.rows] + [other["layout"] for other in result.others]
     assert sorted(seen) == sorted(layout.label() for layout in layouts)  # each once
     buckets = sum(result.ruled_out.values()) + sum(result.screened.values()) + result.simulated + result.pruned
@@ -468,8 +468,30 @@ def _toy_exact(layout: Layout) -> dict:
     return _toy_row(layout, _EXACT[layout.dp])
 
 
+class _ToyEvaluator:
+    """An evaluator of given screened and exact rows and bound, with no memory floor."""
+
+    def __init__(self, screen, exact, bound=lambda layout: 0.0) -> None:
+        self.screened, self.exact, self.bound = screen, exact, bound
+
+    def screen(self, layout: Layout, cutoff: float = math.inf) -> dict:
+        return self.screened(layout)
+
+    def evaluate(self, layout: Layout, cutoff: float = math.inf) -> dict:
+        return self.exact(layout)
+
+    def lower_bound(self, layout: Layout) -> float:
+        return self.bound(layout)
+
+    def reject_cause(self, layout: Layout) -> None:
+        return None
+
+    def describe(self, layout: Layout) -> dict:
+        return {}
+
+
 def test_the_finalists_are_simulated_exactly_and_ranked_by_it():
-    result = search(_toy_layouts(), _toy_screen, lambda layout: 0.0, top=2, refine=_toy_exact)
+    result = search(_toy_layouts(), _ToyEvaluator(_toy_screen, _toy_exact), top=2, prune=False)
     # finalists: the top 2 screened (10, 10.1) and every one within 2% of 10.1 (<= 10.302): 10.3 too
     assert result.refined == 3
     assert [(row["dp"], row["step_time"], row.get("screened", False)) for row in result.rows] == [
@@ -478,7 +500,7 @@ def test_the_finalists_are_simulated_exactly_and_ranked_by_it():
 
 
 def test_a_finalist_that_fails_exactly_leaves_the_ranking_and_is_counted_once():
-    result = search(_toy_layouts(), _toy_screen, lambda layout: 0.0, top=4, refine=_toy_exact)
+    result = search(_toy_layouts(), _ToyEvaluator(_toy_screen, _toy_exact), top=4, prune=False)
     # top 4 screened are dp 1-4; within 2% of 11.0 (<= 11.22) adds none; dp 4 fails exactly
     assert result.refined == 4
     assert [row["dp"] for row in result.rows] == [3, 1, 2, 5]
@@ -511,8 +533,9 @@ def test_finalists_started_while_screens_are_in_flight_change_nothing():
     # counted is what one process finds, which evaluates exactly only the final ones
     layouts = [Layout("1f1b", pp=1, tp=1, dp=dp, microbatch_size=1, microbatches=1, virtual_stages=1)
                for dp in _DROPPING]
-    one = search(layouts, _dropping_screen, _dropping_bound, top=2, refine=_dropping_exact)
-    two = search(layouts, _dropping_screen, _dropping_bound, top=2, workers=2, refine=_dropping_exact)
+    dropping = _ToyEvaluator(_dropping_screen, _dropping_exact, _dropping_bound)
+    one = search(layouts, dropping, top=2)
+    two = search(layouts, dropping, top=2, workers=2)
     # finalists: 10.0 and 10.1, and 10.2 and 10.3 within 2% of 10.1 (<= 10.302); exactly
     # 9.97, 10.05, 10.13 and 10.22
     assert [row["dp"] for row in one.rows[:4]] == [3, 5, 7, 8]

@@ -1,17 +1,9 @@
-"""The layout search behind ``pipesim plan``: enumerate the ways to train a model on N
-GPUs, drop the ones that cannot work (counting why), and simulate the rest in order of a
-lower bound on their step time, so layouts that provably cannot reach the top are never
-simulated.
-
-A layout is a schedule, pp × tp × dp, virtual stages, microbatch size (the microbatch
-count follows from the global batch), recompute, the ZeRO stage, sequence parallelism,
-context parallelism (cp ranks splitting each sequence, for long ones) and, for a mixture
-of experts, the expert-parallel size (ep ranks cut from dp x cp, as ``simulate --ep``
-places them). Layers need not divide over the pp × v stages: each layout's split is the
-balanced one ``pipesim simulate`` makes (``pipesim.model.stage_split``), chosen per
-layout rather than searched. Simulating one is the same call as ``pipesim simulate`` with those flags
-(the caller passes it in as ``evaluate``), so a plan's numbers are exactly what
-``simulate`` prints for the chosen layout.
+"""The layout search behind ``pipesim plan``: the layouts of a space
+(``pipesim.plan.layouts``) simulated in order of a lower bound on their step time, so
+layouts that provably cannot reach the top are never simulated, screened first and the
+finalists simulated exactly. Simulating one is the same call as ``pipesim simulate``
+with those flags (the caller's evaluator makes it: ``pipesim.plan.evaluate``), so a
+plan's numbers are exactly what ``simulate`` prints for the chosen layout.
 
 Every considered layout lands in exactly one bucket, and the buckets add up: ruled out
 by a divisibility rule or a constraint while enumerating, rejected before simulation (it
@@ -27,193 +19,22 @@ import sys
 import time
 from bisect import insort
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Protocol
 
+from pipesim.plan.layouts import LAYOUT_FIELDS, Layout, layout_fields
 from pipesim.plan.workers import (
     Feeder,
-    each_of,
     judge,
     judge_places,
     start_worker,
     timed,
+    timed_in_worker,
     worker_context,
 )
 from schedules.collector import collector_paused
-from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES, V_SHAPED
-
-
-class Layout(NamedTuple):
-    """One way to run the job. ``microbatches`` per step follows from the global batch.
-
-    A named tuple: a search makes, hashes, compares and sends tens of thousands of
-    them (made and hashed several times faster than a frozen dataclass's), and they
-    order field by field, as the ranking's ties need."""
-
-    schedule: str
-    pp: int
-    tp: int
-    dp: int
-    virtual_stages: int
-    microbatch_size: int
-    microbatches: int
-    recompute: str = "none"
-    zero: int = 0
-    sequence_parallel: bool = False
-    ep: int = 1
-    cp: int = 1
-
-    def label(self) -> str:
-        chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        context = f" cp{self.cp}" if self.cp > 1 else ""
-        experts = f" ep{self.ep}" if self.ep > 1 else ""
-        extras = "".join([f" recompute={self.recompute}" if self.recompute != "none" else "",
-                          f" zero{self.zero}" if self.zero else "", " sp" if self.sequence_parallel else ""])
-        return (f"{self.schedule}{chunks} pp{self.pp} tp{self.tp}{context} dp{self.dp}{experts} "
-                f"mbs{self.microbatch_size} m{self.microbatches}{extras}")
-
-
-@dataclass
-class SearchSpace:
-    """What the search may vary, and the fixed facts of the job."""
-
-    gpus: int
-    gpus_per_node: int
-    global_batch: int
-    layers: int
-    heads: int
-    kv_heads: int
-    schedules: Sequence[str] = SCHEDULE_NAMES
-    microbatch_sizes: Sequence[int] = (1, 2, 4)
-    virtual_stages: Sequence[int] = (2, 4)
-    recompute: Sequence[str] = ("none",)
-    zero: Sequence[int] = (0,)
-    sequence_parallel: Sequence[bool] = (False,)
-    constraints: dict[str, set[str]] = field(default_factory=dict)
-    experts: int = 0  # routed experts per MoE layer (0: a dense model)
-    expert_parallel: Sequence[int] | None = None  # ep sizes to try; None: every power of two dividing the experts
-    seq_len: int = 0  # tokens per sequence (0: unknown, no context parallelism)
-    context_parallel: Sequence[int] | None = None  # cp sizes to try; None: ``context_parallel_sizes``
-
-
-def parse_constraints(texts: Iterable[str]) -> dict[str, set[str]]:
-    """``["pp=8", "schedule=1f1b,zb-h1"]`` -> ``{"pp": {"8"}, "schedule": {"1f1b", "zb-h1"}}``;
-    errors name the bad text and the fields that exist."""
-    names = set(Layout._fields)
-    constraints: dict[str, set[str]] = {}
-    for text in texts:
-        key, sep, value = text.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not value.strip():
-            raise ValueError(f"--constraint {text!r}: expected FIELD=VALUE[,VALUE...], e.g. pp=8")
-        if key not in names:
-            raise ValueError(f"--constraint {text!r}: unknown field {key!r}; fields: {', '.join(sorted(names))}")
-        constraints.setdefault(key, set()).update(part.strip() for part in value.split(",") if part.strip())
-    return constraints
-
-
-def _powers_of_two(limit: int) -> list[int]:
-    return [2**power for power in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
-
-
-def enumerate_layouts(space: SearchSpace) -> tuple[list[Layout], Counter]:
-    """Every layout the space allows, and how many candidates each rule ruled out. A
-    candidate is one choice of every dimension on a split of the GPUs (tp x pp dividing
-    them); choices that only repeat another layout or describe none are not candidates:
-    ZeRO or sequence parallelism with nothing to shard over, a V with other than two
-    stages per rank, and at pp 1 (no pipeline: one rank runs every forward and backward)
-    any schedule but one, 1F1B where it is searched."""
-    rejected: Counter = Counter()
-    layouts = []
-    alone = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the one schedule at pp 1
-    expert_sizes = expert_parallel_sizes(space)
-    splits = [(tp, pp, cp) for tp in _powers_of_two(space.gpus_per_node) for cp in context_parallel_sizes(space)
-              for pp in range(1, space.layers + 3)]  # a first and a last stage may hold no layer
-    for tp, pp, cp in splits:
-        if space.gpus % (tp * pp * cp):
-            continue  # not a split of the GPUs at all: not a layout, not counted
-        dp = space.gpus // (tp * pp * cp)
-        for microbatch_size in space.microbatch_sizes:
-            microbatches = space.global_batch // (dp * microbatch_size)
-            for schedule in (space.schedules if pp > 1 else (alone,)):
-                for chunks in _chunks(schedule, space):
-                    for recompute in space.recompute:
-                        for zero in space.zero:
-                            if zero and dp * cp == 1:
-                                continue  # nothing to shard over (ZeRO shards over dp x cp): as zero 0
-                            for sequence_parallel in space.sequence_parallel:
-                                if sequence_parallel and tp == 1:
-                                    continue  # no tensor-parallel group: the same layout
-                                for ep in expert_sizes:
-                                    if ep > dp * cp:
-                                        continue  # its ranks are cut from dp x cp: not a layout
-                                    layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
-                                                    recompute, zero, sequence_parallel, ep, cp)
-                                    cause = _ruled_out(layout, space)
-                                    if cause is None:
-                                        layouts.append(layout)
-                                    else:
-                                        rejected[cause] += 1
-    return layouts, rejected
-
-
-def _chunks(schedule: str, space: SearchSpace) -> Sequence[int]:
-    """Stages per rank to try for ``schedule``: one for a looped one-chunk order, exactly
-    two for a V (the only V there is), the searched counts for the other multi-chunk ones."""
-    if schedule in V_SHAPED:
-        return (2,)
-    return space.virtual_stages if schedule in MULTI_CHUNK else (1,)
-
-
-# Context parallelism is tried where each rank keeps at least this many tokens of a
-# sequence: below it the ring's K/V exchange outweighs what splitting the attention saves
-# (Llama 3 trained 8k sequences without it and turned it on for 128k, cp 16).
-CP_MIN_TOKENS = 8192
-
-
-def context_parallel_sizes(space: SearchSpace) -> list[int]:
-    """The cp sizes to try: the given ones, else every power of two that leaves each rank
-    at least ``CP_MIN_TOKENS`` of a sequence and splits it in ``2 cp`` even chunks (the
-    load-balanced causal ring); 1 when the sequence is unknown."""
-    if space.context_parallel is not None:
-        return sorted(set(space.context_parallel))
-    if not space.seq_len:
-        return [1]
-    return [size for size in _powers_of_two(space.seq_len // CP_MIN_TOKENS or 1)
-            if space.seq_len % (2 * size) == 0 or size == 1]
-
-
-def expert_parallel_sizes(space: SearchSpace) -> list[int]:
-    """The ep sizes to try: 1 for a dense model, else the given ones or every power of two
-    that divides the routed experts."""
-    if not space.experts:
-        return [1]
-    if space.expert_parallel is not None:
-        return sorted(set(space.expert_parallel))
-    return [size for size in _powers_of_two(space.experts) if space.experts % size == 0]
-
-
-def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
-    """The first rule a candidate breaks, None if it keeps them all."""
-    if space.heads % layout.tp or space.kv_heads % layout.tp:
-        return "tp does not divide the attention (or key-value) heads"
-    if space.global_batch % (layout.dp * layout.microbatch_size):
-        return "global batch not divisible by dp x microbatch size"
-    if layout.ep > 1 and ((layout.dp * layout.cp) % layout.ep or space.experts % layout.ep):
-        return "ep does not divide dp x cp (its ranks are cut from them) or the routed experts"
-    if layout.cp > 1 and space.seq_len % (2 * layout.cp):
-        return "2 x cp does not divide the sequence (the causal ring's even chunks)"
-    if layout.pp * layout.virtual_stages > space.layers + 2:
-        return "more stages (pp x virtual stages) than layers + 2 (an embedding-only and a head-only chunk)"
-    if not _allowed(layout, space.constraints):
-        return "excluded by --constraint"
-    return None
-
-
-def _allowed(layout: Layout, constraints: dict[str, set[str]]) -> bool:
-    return all(str(getattr(layout, key)) in values for key, values in constraints.items())
 
 
 @dataclass
@@ -237,6 +58,7 @@ class PlanResult:
     seconds: float
     found_others: list = field(default_factory=list)
     refined: int = 0
+    values_left_out: dict[str, dict] = field(default_factory=dict)  # ``values_left_out``
 
     @functools.cached_property
     def others(self) -> list[dict]:
@@ -262,44 +84,69 @@ class PlanResult:
             "simulated_exactly": self.refined,
             "seconds": self.seconds,
             "simulated_per_second": self.simulated / self.seconds if self.seconds else None,
+            **({"values_left_out": self.values_left_out} if self.values_left_out else {}),
         }
+
+
+class Evaluator(Protocol):
+    """What the search asks of a layout (``pipesim.plan.evaluate.LayoutEvaluator`` for a
+    plan's job). ``screen`` and ``evaluate`` return a row with ``step_time`` and ``oom``,
+    or ``{"error": cause}`` (simulated, not buildable), ``{"rejected": cause}`` (found
+    before simulating that it cannot fit: rejected before simulation) or
+    ``{"pruned": bound}`` (its own bound, found once it has more of the layout than
+    ``lower_bound``, cannot beat ``cutoff``, the ``top``-th best step so far). ``screen``
+    may be quicker than ``evaluate`` and its step a little longer, never shorter."""
+
+    def screen(self, layout: Layout, cutoff: float = math.inf) -> dict: ...
+
+    def evaluate(self, layout: Layout, cutoff: float = math.inf) -> dict: ...
+
+    def lower_bound(self, layout: Layout) -> float: ...
+
+    def reject_cause(self, layout: Layout) -> str | None: ...
+
+    def describe(self, layout: Layout) -> dict: ...
+
+
+# What ``search`` runs of the evaluator: its first pass on every layout it simulates, then
+# (``SCREENED``) its second on the finalists.
+SCREENED = ("screen", "evaluate")
+EXACT = ("evaluate",)
 
 
 def search(
     layouts: list[Layout],
-    evaluate: Callable[[Layout], dict],
-    bound: Callable[[Layout], float],
+    evaluator: Evaluator,
     top: int,
     workers: int = 1,
     progress: Callable[[int, int], None] | None = None,
     rejected: Counter | None = None,
-    reject: Callable[[Layout], str | None] | None = None,
-    describe: Callable[[Layout], dict] | None = None,
-    refine: Callable[[Layout], dict] | None = None,
-    evaluate_takes_cutoff: bool = False,
+    passes: Sequence[str] = SCREENED,
+    prune: bool = True,
+    describe: bool = False,
 ) -> PlanResult:
     """Simulate layouts in order of their lower bound, a few at a time on each of
     ``workers`` processes, and stop simulating once the next bound cannot beat the ``top``-th best
-    step time found that fits in memory. ``evaluate`` returns a row with ``step_time``
-    and ``oom`` (or ``error``, or ``rejected``: a cause it found before simulating, the
-    layout then counted as rejected before simulation); rows are ranked by step time,
-    ties by layout. ``reject``
-    names a cause for layouts that provably cannot work (checked before anything is
-    simulated); ``rejected`` counts, by cause, the layouts ruled out before the search.
-    ``describe`` adds what is known of a layout that is not simulated (its memory floor,
-    say) to its entry in ``PlanResult.others``.
+    step time found that fits in memory. Rows are ranked by step time, ties by layout.
+    Layouts with a ``reject_cause`` (they provably cannot work; checked before anything is
+    simulated) are counted as rejected before simulation; ``rejected`` counts, by cause, the
+    layouts ruled out before the search. With ``describe``, what is known of a layout that
+    is not simulated (``evaluator.describe``: its memory floor, say) is added to its entry
+    in ``PlanResult.others``.
 
-    ``refine`` is the exact evaluation where ``evaluate`` screens (a step the same or a
-    little longer, found faster): the finalists, the ``top`` best screened rows and every
-    row within ``REFINE_MARGIN`` of the ``top``-th, are evaluated again with it and ranked
-    by what it says, ahead of the rows only screened (marked ``"screened": True``). With
-    ``evaluate_takes_cutoff``, ``evaluate`` is also given the ``top``-th best step found
-    when the layout was sent (infinity before there are ``top``) and may answer
-    ``{"pruned": bound}``: a bound of its own, found once it has more of the layout than
-    ``bound`` (its schedule's order, say), that cannot beat it, the layout then counted as
-    pruned (what is sent, and so each cutoff, does not depend on timing). With
-    several workers, ``evaluate``, ``refine``, ``bound`` and ``reject`` run in them and
-    must be module-level functions."""
+    ``passes`` names the evaluator's methods: the first evaluates each layout simulated;
+    a second (``"evaluate"`` where the first screens) is the exact evaluation of the
+    finalists, the ``top`` best screened rows and every row within ``REFINE_MARGIN`` of the
+    ``top``-th, ranked by what it says, ahead of the rows only screened (marked
+    ``"screened": True``). With ``prune``, each layout is also given the ``top``-th best step
+    found when it was sent (infinity before there are ``top``) and may answer
+    ``{"pruned": bound}``, the layout then counted as pruned (what is sent, and so each
+    cutoff, does not depend on timing); without it, every layout not rejected is evaluated.
+    With several workers, each builds or inherits ``evaluator`` once, when it starts."""
+    if not 1 <= len(passes) <= 2 or not all(callable(getattr(evaluator, name, None)) for name in passes):
+        raise ValueError(f"passes {tuple(passes)!r}: one or two of the evaluator's methods, e.g. {SCREENED}")
+    first, refine = passes[0], (passes[1] if len(passes) == 2 else None)
+    evaluate = getattr(evaluator, first)
     started = time.perf_counter()
     ruled_out = Counter(rejected or {})
     screened: Counter = Counter()
@@ -310,7 +157,7 @@ def search(
     seconds: dict[Layout, float] = {}  # what evaluating each layout took: the finalists' weights
     fitting: list[float] = []
     simulated = 0
-    pruned_late = 0  # pruned by ``evaluate``'s own bound (``evaluate_takes_cutoff``)
+    pruned_late = 0  # pruned by the evaluation's own bound (``prune``)
     window = 32 * workers if workers > 1 else 1  # layouts submitted and not yet taken
     position = 0
     # One process per worker. Layouts that share cached work go to the same one: in the
@@ -324,7 +171,7 @@ def search(
     # 70B plan leaves a few hundred objects of cyclic garbage), and with it on, each worker
     # spent a twentieth of its time walking the caches it keeps.
     pools = [ProcessPoolExecutor(max_workers=1, mp_context=worker_context(), initializer=start_worker,
-                                 initargs=(layouts,)) for _ in range(workers)] if workers > 1 else None
+                                 initargs=(layouts, evaluator)) for _ in range(workers)] if workers > 1 else None
 
     def natural_places() -> list[int]:
         """Each layout's place in ``Layout`` order: ties of bounds go by it."""
@@ -344,7 +191,7 @@ def search(
         for index, layout in enumerate(layouts):
             groups.setdefault(stages_key(layout), []).append(index)
         units = sorted(groups.values(), key=len, reverse=True)
-        run = functools.partial(judge_places, reject, bound)
+        run = functools.partial(judge_places, prune)
         results: list = [None] * len(layouts)
 
         def take(unit: list[int], values: list) -> None:
@@ -353,7 +200,7 @@ def search(
 
         if pools is None:
             for unit in units:
-                take(unit, [judge(reject, bound, layouts[index]) for index in unit])
+                take(unit, [judge(evaluator, prune, layouts[index]) for index in unit])
             return results, natural_places()
         queue = deque(units)
         running = {}
@@ -378,14 +225,14 @@ def search(
     waiting: list[list] = [[] for _ in range(workers)]  # per worker, its submitted futures not yet seen done
 
     def arguments(layout: Layout) -> tuple:
-        """What ``evaluate`` is given for ``layout`` now: with ``evaluate_takes_cutoff`` the
-        ``top``-th best step so far too."""
-        if not evaluate_takes_cutoff:
+        """What the first pass is given for ``layout`` now: with ``prune`` the ``top``-th
+        best step so far too."""
+        if not prune:
             return (layout,)
         return layout, fitting[top - 1] if len(fitting) >= top else math.inf
 
     def submit(given: tuple):
-        """Send ``evaluate``'s ``given`` arguments (the layout first) to the layout's order's
+        """Send the first pass's ``given`` arguments (the layout first) to the layout's order's
         worker; a new order to the worker with the least left to do now (which worker runs
         a layout changes nothing it computes)."""
         if pools is None:
@@ -395,7 +242,7 @@ def search(
             for futures in waiting:
                 futures[:] = [future for future in futures if not future.done()]
             owners[key] = min(range(workers), key=lambda worker: len(waiting[worker]))
-        future = pools[owners[key]].submit(timed, evaluate, *given)
+        future = pools[owners[key]].submit(timed_in_worker, first, *given)
         waiting[owners[key]].append(future)
         return future
 
@@ -468,7 +315,7 @@ def search(
             if refine is not None and rows:
                 chosen = finalists(rows, top)
                 if feeder is None:
-                    found = each_of(refine, chosen)
+                    found = [getattr(evaluator, refine)(layout) for layout in chosen]
                 else:
                     feeder.want(chosen)
                     found = feeder.results(chosen)
@@ -480,14 +327,14 @@ def search(
                              "lower_bound": bounds[layout]}) for layout in order[position:]]
         result = PlanResult(rows, considered, ruled_out, screened, failed, simulated,
                             len(order) - position + pruned_late, time.perf_counter() - started, others, refined)
-    if describe is not None:  # what is known of the layouts never simulated
+    if describe:  # what is known of the layouts never simulated
         for other in result.others:
             if other["bucket"] != "simulated":
-                other.update(describe(Layout(**{key: other[key] for key in Layout._fields})))
+                other.update(evaluator.describe(Layout(**{key: other[key] for key in Layout._fields})))
     return result
 
 
-# The cause of a layout pruned by ``evaluate``'s own bound (``evaluate_takes_cutoff``).
+# The cause of a layout pruned by its evaluation's own bound (``prune``).
 PRUNED_BY_ORDER = "its order's bound, with transfers flowing freely, cannot reach the top"
 
 # Screened rows this much slower than the top-th are evaluated exactly too: a layout the
@@ -553,14 +400,6 @@ def pareto_front(rows: list[dict], x: str = "peak_memory_bytes", y: str = "token
             front.append(row)
             best = row[y]
     return front
-
-
-def layout_fields(layout: Layout) -> dict:
-    """The layout as plain JSON fields, plus its one-line label."""
-    return {**{name: getattr(layout, name) for name in LAYOUT_FIELDS}, "layout": layout.label()}
-
-
-LAYOUT_FIELDS = Layout._fields
 
 
 def terminal_progress(label: str) -> Callable[[int, int], None] | None:

@@ -1,14 +1,20 @@
 """The plan's worker processes and how its search hands them work: what runs in a
 worker (a layout judged, screened or evaluated exactly, in turn over a group), how a
-worker starts (the collector off, the search's layouts kept), and the finalists' feeder,
-which gives each worker the next group of finalists as it runs out of work.
+worker starts (the collector off, the search's layouts and its evaluator kept), and the
+finalists' feeder, which gives each worker the next group of finalists as it runs out of
+work.
 
-Functions sent to a worker are module-level: a process pool finds them by name.
+A worker receives its evaluator once, when it starts: forked, the caller's own (its job,
+cluster and routes already loaded); spawned, rebuilt from its job. Work is then sent as
+the name of the evaluator's method to call (``screen``, ``evaluate``) and the layout's
+place or the layout itself, never the evaluator again. Functions sent to a worker are
+module-level: a process pool finds them by name.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import multiprocessing
 import os
 import time
@@ -17,35 +23,49 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipesim.plan.search import Layout
+    from pipesim.plan.layouts import Layout
+    from pipesim.plan.search import Evaluator
 
 
-def judge(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout], float],
-          layout: Layout) -> tuple[str | None, float | None]:
-    """The layout's cause to be rejected before simulation, or None and its lower bound."""
-    cause = reject(layout) if reject is not None else None
-    return (cause, None) if cause is not None else (None, bound(layout))
+def judge(evaluator: Evaluator, prune: bool, layout: Layout) -> tuple[str | None, float | None]:
+    """The layout's cause to be rejected before simulation, or None and its lower bound (0
+    without ``prune``: every layout is simulated)."""
+    cause = evaluator.reject_cause(layout)
+    if cause is not None:
+        return cause, None
+    return None, evaluator.lower_bound(layout) if prune else 0.0
 
 
-WORKER_LAYOUTS: list[Layout] = []  # in a worker: the layouts of the search it serves
+class _Worker:
+    """In a worker process: the layouts of the search it serves and its evaluator."""
+
+    layouts: list = []
+    evaluator: Evaluator | None = None
 
 
-def start_worker(layouts: list[Layout]) -> None:
-    """A worker's start: the collector off (``search``) and the search's layouts kept, so
-    that the first pass names them by their places (with fork, given without pickling)."""
+def start_worker(layouts: list[Layout], evaluator: Evaluator) -> None:
+    """A worker's start: the collector off (``search``), the search's layouts kept, so that
+    the first pass names them by their places (with fork, given without pickling), and the
+    evaluator every call in this process uses."""
     gc.disable()
-    WORKER_LAYOUTS[:] = layouts
+    _Worker.layouts = layouts
+    _Worker.evaluator = evaluator
 
 
-def judge_places(reject: Callable[[Layout], str | None] | None, bound: Callable[[Layout], float],
-                 places: list[int]) -> list[tuple[str | None, float | None]]:
+def judge_places(prune: bool, places: list[int]) -> list[tuple[str | None, float | None]]:
     """``judge`` of the worker's layouts at ``places``, in turn."""
-    return [judge(reject, bound, WORKER_LAYOUTS[place]) for place in places]
+    return [judge(_Worker.evaluator, prune, _Worker.layouts[place]) for place in places]
 
 
-def each_of(function: Callable[[Layout], object], layouts: list[Layout]) -> list:
-    """``function`` of each of ``layouts``, in turn (in one worker)."""
+def each_of(method: str, layouts: list[Layout]) -> list:
+    """The worker's evaluator's ``method`` of each of ``layouts``, in turn."""
+    function = getattr(_Worker.evaluator, method)
     return [function(layout) for layout in layouts]
+
+
+def timed_in_worker(method: str, layout: Layout, cutoff: float = math.inf) -> tuple[dict, float]:
+    """``timed`` of the worker's evaluator's ``method`` of ``layout``."""
+    return timed(getattr(_Worker.evaluator, method), layout, cutoff)
 
 
 def timed(function: Callable[..., dict], *arguments) -> tuple[dict, float]:
@@ -56,9 +76,9 @@ def timed(function: Callable[..., dict], *arguments) -> tuple[dict, float]:
 
 
 def worker_context():
-    """Forked workers where the platform has fork: they inherit the caller's loaded job
-    (``plan``'s parsed flags, topology and routes) instead of re-reading it, and functions
-    are found by name. Elsewhere the platform's default."""
+    """Forked workers where the platform has fork: they inherit the caller's evaluator (its
+    job, topology and routes loaded) instead of rebuilding it, and functions are found by
+    name. Elsewhere the platform's default."""
     if "fork" in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("fork")
     return multiprocessing.get_context()
@@ -73,10 +93,10 @@ class Feeder:
     only in their ZeRO stage go together (they share their order and its lowering). The
     finalists may be asked for while screens are still in flight (``want``, again as
     rows come in): one that drops out before it is handed over is never evaluated, one
-    that drops out after was evaluated for nothing, which changes no result."""
+    that drops out after was evaluated for nothing, which changes no result. ``refine``
+    names the evaluator's method that evaluates a finalist exactly."""
 
-    def __init__(self, refine: Callable[[Layout], dict], pools: list, waiting: list[list],
-                 seconds: dict[Layout, float]) -> None:
+    def __init__(self, refine: str, pools: list, waiting: list[list], seconds: dict[Layout, float]) -> None:
         self.refine, self.pools, self.waiting, self.seconds = refine, pools, waiting, seconds
         self.queue: list[list[Layout]] = []  # groups not yet handed over, heaviest first
         self.handed: dict[Layout, tuple] = {}  # finalist -> (its group's future, its place in it)

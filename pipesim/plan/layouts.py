@@ -1,0 +1,272 @@
+"""The layouts of a plan: what may vary (``SearchSpace``), one choice of each (``Layout``),
+every layout the space allows and why each other candidate was ruled out
+(``enumerate_layouts``), and the user's constraints on them, each value checked against
+what its field holds.
+
+A layout is a schedule, pp × tp × dp, virtual stages, microbatch size (the microbatch
+count follows from the global batch), recompute, the ZeRO stage, sequence parallelism,
+context parallelism (cp ranks splitting each sequence, for long ones) and, for a mixture
+of experts, the expert-parallel size (ep ranks cut from dp x cp, as ``simulate --ep``
+places them). Layers need not divide over the pp × v stages: each layout's split is the
+balanced one ``pipesim simulate`` makes (``pipesim.model.stage_split``), chosen per
+layout rather than searched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pipesim.sim.zero import ZERO_STAGES
+from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES, V_SHAPED
+
+
+class Layout(NamedTuple):
+    """One way to run the job. ``microbatches`` per step follows from the global batch.
+
+    A named tuple: a search makes, hashes, compares and sends tens of thousands of
+    them (made and hashed several times faster than a frozen dataclass's), and they
+    order field by field, as the ranking's ties need."""
+
+    schedule: str
+    pp: int
+    tp: int
+    dp: int
+    virtual_stages: int
+    microbatch_size: int
+    microbatches: int
+    recompute: str = "none"
+    zero: int = 0
+    sequence_parallel: bool = False
+    ep: int = 1
+    cp: int = 1
+
+    def label(self) -> str:
+        chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        context = f" cp{self.cp}" if self.cp > 1 else ""
+        experts = f" ep{self.ep}" if self.ep > 1 else ""
+        extras = "".join([f" recompute={self.recompute}" if self.recompute != "none" else "",
+                          f" zero{self.zero}" if self.zero else "", " sp" if self.sequence_parallel else ""])
+        return (f"{self.schedule}{chunks} pp{self.pp} tp{self.tp}{context} dp{self.dp}{experts} "
+                f"mbs{self.microbatch_size} m{self.microbatches}{extras}")
+
+
+@dataclass
+class SearchSpace:
+    """What the search may vary, and the fixed facts of the job."""
+
+    gpus: int
+    gpus_per_node: int
+    global_batch: int
+    layers: int
+    heads: int
+    kv_heads: int
+    schedules: Sequence[str] = SCHEDULE_NAMES
+    microbatch_sizes: Sequence[int] = (1, 2, 4)
+    virtual_stages: Sequence[int] = (2, 4)
+    recompute: Sequence[str] = ("none",)
+    zero: Sequence[int] = (0,)
+    sequence_parallel: Sequence[bool] = (False,)
+    constraints: dict[str, set[str]] = field(default_factory=dict)
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    expert_parallel: Sequence[int] | None = None  # ep sizes to try; None: every power of two dividing the experts
+    seq_len: int = 0  # tokens per sequence (0: unknown, no context parallelism)
+    context_parallel: Sequence[int] | None = None  # cp sizes to try; None: ``context_parallel_sizes``
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def parse_constraints(texts: Iterable[str]) -> dict[str, set[str]]:
+    """``["pp=8", "schedule=1f1b,zb-h1"]`` -> ``{"pp": {"8"}, "schedule": {"1f1b", "zb-h1"}}``,
+    each value checked against what its field can hold (``pp=banana`` would keep no
+    layout): errors name the bad text, the bad value and what is valid."""
+    names = set(Layout._fields)
+    constraints: dict[str, set[str]] = {}
+    for text in texts:
+        key, sep, value = text.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not value.strip():
+            raise ValueError(f"--constraint {text!r}: expected FIELD=VALUE[,VALUE...], e.g. pp=8")
+        if key not in names:
+            raise ValueError(f"--constraint {text!r}: unknown field {key!r}; fields: {', '.join(sorted(names))}")
+        parts = [part.strip() for part in value.split(",")]
+        if not all(parts):
+            raise ValueError(f"--constraint {text!r}: an empty value in the list; expected FIELD=VALUE[,VALUE...]")
+        try:
+            constraints.setdefault(key, set()).update(_constraint_value(key, part) for part in parts)
+        except ValueError as error:
+            raise ValueError(f"--constraint {text!r}: {error}") from None
+    return constraints
+
+
+# How a constraint's value is written as a layout's field is (``str`` of it), by field.
+_SWITCHES = {"true": "True", "on": "True", "1": "True", "false": "False", "off": "False", "0": "False"}
+
+
+def _constraint_value(field: str, value: str) -> str:
+    """``value`` as ``str`` of the ``Layout`` field ``field`` would write it; a ValueError
+    naming what the field holds where it cannot be one."""
+    if field == "schedule":
+        if value not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown schedule {value!r}; schedules: {', '.join(SCHEDULE_NAMES)}")
+        return value
+    if field == "recompute":
+        if value not in RECOMPUTE_MODES:
+            raise ValueError(f"unknown recompute mode {value!r}; modes: {', '.join(RECOMPUTE_MODES)}")
+        return value
+    if field == "sequence_parallel":
+        if value.lower() not in _SWITCHES:
+            raise ValueError(f"sequence_parallel is on or off (true or false), not {value!r}")
+        return _SWITCHES[value.lower()]
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if field == "zero":
+        if number not in ZERO_STAGES:
+            raise ValueError(f"zero is a ZeRO stage, one of {', '.join(map(str, ZERO_STAGES))}, not {value!r}")
+    elif number is None or number < 1:
+        raise ValueError(f"{field} is a whole number >= 1, not {value!r}")
+    return str(number)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**power for power in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+
+
+# The searched dimensions whose values the plan accounts for one by one (``values_left_out``).
+SEARCHED_FIELDS = ("schedule", "microbatch_size", "virtual_stages", "recompute", "cp", "ep")
+
+
+def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Counter] | None = None
+                      ) -> tuple[list[Layout], Counter]:
+    """Every layout the space allows, and how many candidates each rule ruled out. A
+    candidate is one choice of every dimension on a split of the GPUs (tp x pp dividing
+    them); choices that only repeat another layout or describe none are not candidates:
+    ZeRO or sequence parallelism with nothing to shard over, a V with other than two
+    stages per rank, and at pp 1 (no pipeline: one rank runs every forward and backward)
+    any schedule but one, 1F1B where it is searched. ``by_value``, where given, also
+    counts the causes per value of each of ``SEARCHED_FIELDS`` (``(field, value)``)."""
+    rejected: Counter = Counter()
+    layouts = []
+    alone = "1f1b" if "1f1b" in space.schedules else space.schedules[0]  # the one schedule at pp 1
+    expert_sizes = expert_parallel_sizes(space)
+    splits = [(tp, pp, cp) for tp in _powers_of_two(space.gpus_per_node) for cp in context_parallel_sizes(space)
+              for pp in range(1, space.layers + 3)]  # a first and a last stage may hold no layer
+    for tp, pp, cp in splits:
+        if space.gpus % (tp * pp * cp):
+            continue  # not a split of the GPUs at all: not a layout, not counted
+        dp = space.gpus // (tp * pp * cp)
+        for microbatch_size in space.microbatch_sizes:
+            microbatches = space.global_batch // (dp * microbatch_size)
+            for schedule in (space.schedules if pp > 1 else (alone,)):
+                for chunks in _chunks(schedule, space):
+                    for recompute in space.recompute:
+                        for zero in space.zero:
+                            if zero and dp * cp == 1:
+                                continue  # nothing to shard over (ZeRO shards over dp x cp): as zero 0
+                            for sequence_parallel in space.sequence_parallel:
+                                if sequence_parallel and tp == 1:
+                                    continue  # no tensor-parallel group: the same layout
+                                for ep in expert_sizes:
+                                    if ep > dp * cp:
+                                        continue  # its ranks are cut from dp x cp: not a layout
+                                    layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
+                                                    recompute, zero, sequence_parallel, ep, cp)
+                                    cause = _ruled_out(layout, space)
+                                    if cause is None:
+                                        layouts.append(layout)
+                                    else:
+                                        rejected[cause] += 1
+                                        if by_value is not None:
+                                            for name in SEARCHED_FIELDS:
+                                                by_value.setdefault((name, getattr(layout, name)),
+                                                                    Counter())[cause] += 1
+    return layouts, rejected
+
+
+def values_left_out(layouts: list[Layout], by_value: dict[tuple[str, object], Counter]) -> dict[str, dict]:
+    """The searched values (``"field=value"``) that no layout kept, each with the causes
+    that ruled out its candidates (``enumerate_layouts``'s ``by_value``): a microbatch size
+    the global batch never splits into, say, named with its rule instead of just missing.
+    Only where the value stands out: another value of its field kept a layout or was tried
+    too (when nothing is kept at all, the ruled-out causes say it for every field), and no
+    candidate of it was excluded by a constraint (the constraints are checked last: such a
+    candidate kept every other rule, so the user's own constraints left the value out)."""
+    kept = {name: {getattr(layout, name) for layout in layouts} for name in SEARCHED_FIELDS}
+    tried = Counter(name for name, _ in by_value)
+    return {f"{name}={value}": dict(causes.most_common()) for (name, value), causes in by_value.items()
+            if value not in kept[name] and (kept[name] or tried[name] > 1) and EXCLUDED not in causes}
+
+
+def _chunks(schedule: str, space: SearchSpace) -> Sequence[int]:
+    """Stages per rank to try for ``schedule``: one for a looped one-chunk order, exactly
+    two for a V (the only V there is), the searched counts for the other multi-chunk ones."""
+    if schedule in V_SHAPED:
+        return (2,)
+    return space.virtual_stages if schedule in MULTI_CHUNK else (1,)
+
+
+# Context parallelism is tried where each rank keeps at least this many tokens of a
+# sequence: below it the ring's K/V exchange outweighs what splitting the attention saves
+# (Llama 3 trained 8k sequences without it and turned it on for 128k, cp 16).
+CP_MIN_TOKENS = 8192
+
+
+def context_parallel_sizes(space: SearchSpace) -> list[int]:
+    """The cp sizes to try: the given ones, else every power of two that leaves each rank
+    at least ``CP_MIN_TOKENS`` of a sequence and splits it in ``2 cp`` even chunks (the
+    load-balanced causal ring); 1 when the sequence is unknown."""
+    if space.context_parallel is not None:
+        return sorted(set(space.context_parallel))
+    if not space.seq_len:
+        return [1]
+    return [size for size in _powers_of_two(space.seq_len // CP_MIN_TOKENS or 1)
+            if space.seq_len % (2 * size) == 0 or size == 1]
+
+
+def expert_parallel_sizes(space: SearchSpace) -> list[int]:
+    """The ep sizes to try: 1 for a dense model, else the given ones or every power of two
+    that divides the routed experts."""
+    if not space.experts:
+        return [1]
+    if space.expert_parallel is not None:
+        return sorted(set(space.expert_parallel))
+    return [size for size in _powers_of_two(space.experts) if space.experts % size == 0]
+
+
+def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
+    """The first rule a candidate breaks, None if it keeps them all."""
+    if space.heads % layout.tp or space.kv_heads % layout.tp:
+        return "tp does not divide the attention (or key-value) heads"
+    if space.global_batch % (layout.dp * layout.microbatch_size):
+        return "global batch not divisible by dp x microbatch size"
+    if layout.ep > 1 and ((layout.dp * layout.cp) % layout.ep or space.experts % layout.ep):
+        return "ep does not divide dp x cp (its ranks are cut from them) or the routed experts"
+    if layout.cp > 1 and space.seq_len % (2 * layout.cp):
+        return "2 x cp does not divide the sequence (the causal ring's even chunks)"
+    if layout.pp * layout.virtual_stages > space.layers + 2:
+        return "more stages (pp x virtual stages) than layers + 2 (an embedding-only and a head-only chunk)"
+    if not _allowed(layout, space.constraints):
+        return EXCLUDED
+    return None
+
+
+# The cause of a candidate a constraint does not allow.
+EXCLUDED = "excluded by --constraint"
+
+
+def _allowed(layout: Layout, constraints: dict[str, set[str]]) -> bool:
+    return all(str(getattr(layout, key)) in values for key, values in constraints.items())
+
+
+def layout_fields(layout: Layout) -> dict:
+    """The layout as plain JSON fields, plus its one-line label."""
+    return {**{name: getattr(layout, name) for name in LAYOUT_FIELDS}, "layout": layout.label()}
+
+
+LAYOUT_FIELDS = Layout._fields

@@ -1,0 +1,193 @@
+"""What ``pipesim plan`` is given, as one config object (``PlanRequest``), checked before
+anything is simulated, and the plan it asks for (``Planner``): the base job every layout
+starts from, the space of layouts, their evaluator, and the search.
+
+The command line fills a ``PlanRequest`` from its flags and ``pipesim.api.plan`` takes one
+from Python; both run the same ``Planner``, so a notebook gets the rows the command
+prints and writes. Errors name the flag of the field at fault, as the command line's do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pipesim.job import Job, model_spec_of, parallel_of, topology_of
+from pipesim.plan.evaluate import LayoutEvaluator
+from pipesim.plan.layouts import RECOMPUTE_MODES, SearchSpace, enumerate_layouts, parse_constraints, values_left_out
+from pipesim.plan.search import PlanResult, search
+from pipesim.plan.workers import default_workers
+from pipesim.sim.zero import ZERO_STAGES
+from schedules.generators import SCHEDULE_NAMES
+
+# The plan builds the cluster device by device and prices each layout's data-parallel
+# groups over their devices: 131,072 GPUs (16,384 nodes of 8) build in a fifth of a second,
+# 10 million in a minute before the first layout. The largest published runs use 16-32k.
+MAX_PLAN_GPUS = 131_072
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """A plan: ``model`` on ``gpus`` GPUs (``gpus_per_node`` a node; tp stays within one) of
+    ``topology`` (``gpu`` its devices) at ``global_batch`` sequences a step of ``seq_len``
+    tokens, searched over the ``schedules``, ``microbatch_sizes``, ``virtual_stages`` (of
+    multi-chunk schedules), ``recompute`` modes, ``zero`` stages, ``sequence_parallel``
+    choices, context-parallel sizes ``cp`` and expert-parallel sizes ``ep`` (None: the
+    defaults of ``pipesim.plan.layouts``), keeping layouts that match every one of
+    ``constraints`` (``"pp=8"``, ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on
+    ``workers`` processes (None: the CPUs available). ``mfu``, ``compute_model``,
+    ``max_actions`` and ``memory_headroom`` are ``pipesim simulate``'s. Field names are the
+    command's flags."""
+
+    model: str
+    gpus: int
+    global_batch: int
+    gpus_per_node: int = 8
+    seq_len: int | None = None
+    topology: str = "ib"
+    gpu: str | None = None
+    schedules: Sequence[str] = SCHEDULE_NAMES
+    microbatch_sizes: Sequence[int] = (1, 2, 4)
+    virtual_stages: Sequence[int] = (2, 4)
+    recompute: Sequence[str] = RECOMPUTE_MODES
+    zero: Sequence[int] = ZERO_STAGES
+    sequence_parallel: Sequence[bool] = (False, True)
+    cp: Sequence[int] | None = None
+    ep: Sequence[int] | None = None
+    constraints: Sequence[str] = ()
+    mfu: float | None = None
+    compute_model: str | None = None
+    max_actions: int | None = None
+    memory_headroom: str = "10%"
+    top: int = 10
+    workers: int | None = None
+
+
+class Planner:
+    """A checked ``PlanRequest`` ready to search: its base job, its layouts (and those
+    ruled out while enumerating, by cause; the searched values no layout kept, each with
+    the causes of its candidates) and their evaluator."""
+
+    def __init__(self, request: PlanRequest) -> None:
+        self.request = request
+        self.base, self.space = checked(request)
+        by_value: dict = {}
+        self.layouts, self.ruled_out = enumerate_layouts(self.space, by_value)
+        self.values_left_out = values_left_out(self.layouts, by_value)
+        self.evaluator = LayoutEvaluator(self.base)
+        self.workers = request.workers or default_workers()
+
+    @property
+    def considered(self) -> int:
+        return len(self.layouts) + sum(self.ruled_out.values())
+
+    def search(self, progress: Callable[[int, int], None] | None = None, describe: bool = False) -> PlanResult:
+        """The plan: every layout screened best bound first, the finalists simulated
+        exactly (``pipesim.plan.search.search``)."""
+        result = search(self.layouts, self.evaluator, self.request.top, self.workers, progress, self.ruled_out,
+                        describe=describe)
+        result.values_left_out = self.values_left_out
+        return result
+
+
+def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
+    """The job every layout starts from and the space to search, every field checked (one
+    line naming its flag) before anything is simulated."""
+    for flag, value in (("--gpus", request.gpus), ("--global-batch", request.global_batch),
+                        ("--gpus-per-node", request.gpus_per_node), ("--top", request.top)):
+        _whole(flag, value)
+    for flag, value in (("--seq-len", request.seq_len), ("--workers", request.workers),
+                        ("--max-actions", request.max_actions)):
+        if value is not None:
+            _whole(flag, value)
+    if request.mfu is not None and not 0 < request.mfu <= 1:  # NaN fails this too
+        raise ValueError(f"--mfu is a fraction of peak in (0, 1], got {request.mfu}")
+    if request.gpus > MAX_PLAN_GPUS:
+        raise ValueError(f"--gpus {request.gpus:,}: plan models the cluster device by device and prices every "
+                         f"data-parallel group over its devices, which at this size takes hours; it searches up to "
+                         f"{MAX_PLAN_GPUS:,} GPUs")
+    if request.gpus % request.gpus_per_node and request.gpus > request.gpus_per_node:
+        raise ValueError(f"--gpus {request.gpus} is not a whole number of {request.gpus_per_node}-GPU nodes")
+    for flag, values, known in (("--schedules", request.schedules, SCHEDULE_NAMES),
+                                ("--recompute", request.recompute, RECOMPUTE_MODES),
+                                ("--zero", request.zero, ZERO_STAGES),
+                                ("--sequence-parallel", request.sequence_parallel, (False, True))):
+        _known(flag, values, known)
+    for flag, values in (("--microbatch-sizes", request.microbatch_sizes),
+                         ("--virtual-stages", request.virtual_stages), ("--cp", request.cp), ("--ep", request.ep)):
+        if values is not None:
+            _sizes(flag, values)
+    base = Job(model=request.model, seq_len=request.seq_len, topology=request.topology,
+               nodes=max(1, request.gpus // request.gpus_per_node), gpu=request.gpu, mfu=request.mfu,
+               compute_model=request.compute_model, memory_headroom=request.memory_headroom,
+               **({"max_actions": request.max_actions} if request.max_actions else {}))
+    parallel_of(base)  # a bad --memory-headroom fails here
+    spec = model_spec_of(base)  # an unknown model or config, or a bad field, fails here
+    topology_of(base).require_devices(request.gpus, "GPUs")  # and an unknown cluster
+    _check_degrees(request, spec)
+    space = SearchSpace(
+        gpus=request.gpus, gpus_per_node=min(request.gpus_per_node, request.gpus),
+        global_batch=request.global_batch, layers=spec.layers, heads=spec.heads,
+        kv_heads=getattr(spec, "kv_heads", None) or spec.heads, schedules=list(request.schedules),
+        microbatch_sizes=list(request.microbatch_sizes), virtual_stages=list(request.virtual_stages),
+        recompute=list(request.recompute), zero=[int(level) for level in request.zero],
+        sequence_parallel=[bool(choice) for choice in request.sequence_parallel],
+        constraints=parse_constraints(request.constraints), experts=spec.moe.experts if spec.moe else 0,
+        expert_parallel=list(request.ep) if request.ep else None, seq_len=spec.seq_len,
+        context_parallel=list(request.cp) if request.cp else None,
+    )
+    return base, space
+
+
+def _check_degrees(request: PlanRequest, spec) -> None:
+    """Refuse a cp or ep size no layout can have, naming each rule it breaks: for the
+    model, the reason ``pipesim simulate`` gives (``pipesim.model.layout.check_layout``);
+    for the job, a size that does not divide the GPUs. Each bad size named, not filtered
+    out in silence (a cp that splits no layout used to leave "no layout to consider")."""
+    from pipesim.model.layout import check_layout
+
+    if request.ep and not spec.moe:
+        raise ValueError(f"--ep {_listed(request.ep)}: {request.model} has no experts to split (expert parallelism "
+                         "needs a mixture-of-experts model)")
+    for flag, sizes, field in (("--cp", request.cp, "cp"), ("--ep", request.ep, "ep")):
+        problems = []
+        for size in dict.fromkeys(sizes or ()):
+            try:
+                check_layout(spec, **{field: size})
+            except ValueError as error:
+                problems.append(str(error))
+            if request.gpus % size:
+                problems.append(f"{flag} {size} does not divide the {request.gpus} GPUs (--gpus)")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def _whole(flag: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{flag} must be >= 1, got {value}")
+
+
+def _known(flag: str, values: Sequence, known: Sequence) -> None:
+    """Every one of ``values`` (at least one) is one of ``known``."""
+    values = list(values) if not isinstance(values, str) else [values]
+    unknown = [value for value in values if not any(value == option and type(value) is type(option)
+                                                    for option in known)]
+    if unknown or not values:
+        names = ", ".join(map(str, unknown)) or "nothing"
+        raise ValueError(f"{flag}: unknown {names}; available: {', '.join(map(str, known))}")
+
+
+def _sizes(flag: str, values: Sequence[int]) -> None:
+    """``values`` are whole numbers >= 1, at least one."""
+    if not values or any(isinstance(value, bool) or not isinstance(value, int) or value < 1 for value in values):
+        raise ValueError(f"{flag} {_listed(values)}: expected integers >= 1")
+
+
+def _listed(values: Sequence) -> str:
+    return ",".join(map(str, values)) if not isinstance(values, str) else values
+
+
+def plan(request: PlanRequest, progress: Callable[[int, int], None] | None = None) -> PlanResult:
+    """The plan ``request`` asks for: ``PlanResult`` (``.rows`` best first, the buckets and
+    their causes; ``.to_dict(top)`` is what ``pipesim plan --json`` writes)."""
+    return Planner(request).search(progress)
