@@ -16,7 +16,7 @@ from pipesim.cli.options import (
     add_schedule_args,
     add_topology_args,
 )
-from pipesim.job import Job, model_figures, model_spec_of, simulate_job
+from pipesim.job import Job, default_split_note, model_figures, model_spec_of, simulate_job
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -93,6 +93,9 @@ def handle(args: argparse.Namespace) -> int:
     from pipesim.sim.memory import OutOfMemoryError, check_memory
 
     job = Job.from_namespace(args)
+    note = default_split_note(job)
+    if note:
+        print(note, file=sys.stderr)
     result = simulate_job(job)
     document = result.to_dict()
     print(result.summary())

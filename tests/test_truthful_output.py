@@ -1,0 +1,65 @@
+"""What the command line shows is what it simulates: ``show``'s step is ``simulate``'s at
+the same unit costs, split-backward schedules draw their W passes by a stated default, and
+the numbers hold the closed forms of the schedules they draw."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipesim.cli import main
+from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES
+
+
+def run_cli(*argv) -> int:
+    return main([str(arg) for arg in argv])
+
+
+def shown_step(capsys, schedule: str, *extra) -> float:
+    """The step length ``show`` prints at the end of its timeline's axis."""
+    assert run_cli("show", "--schedule", schedule, "--pp", 4, "-m", 8, *extra) == 0
+    axis = capsys.readouterr().out.rstrip().splitlines()[-1].split()
+    return float(axis[-2] if axis[-1] == "units" else axis[-1])
+
+
+def simulated_step(tmp_path, schedule: str, *extra) -> float:
+    out = tmp_path / f"{schedule}.json"
+    assert run_cli("simulate", "--schedule", schedule, "--pp", 4, "-m", 8, "--fwd", 1, "--bwd", 2,
+                   "--json", out, *extra) == 0
+    return json.loads(out.read_text())["makespan"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_show_draws_the_step_simulate_predicts(schedule, tmp_path, capsys):
+    chunks = ("--virtual-stages", 2) if schedule in MULTI_CHUNK else ()
+    assert shown_step(capsys, schedule, *chunks) == pytest.approx(simulated_step(tmp_path, schedule, *chunks))
+
+
+# p = 4, m = 8, F = 1, B = 2 (split: I = W = 1). Qi et al. (their B is our I): GPipe and 1F1B
+# (m + p - 1)(F + B); ZB-H1 m(F + I + W) + (p - 1)(F + I - W); interleaved 1F1B with v = 2:
+# m(F + B) + (p - 1)(F + B) / v.
+CLOSED_FORMS = {
+    "gpipe": 11 * 3, "1f1b": 11 * 3, "zb-h1": 8 * 3 + 3 * 1,
+    "interleaved-1f1b": 8 * 3 + 3 * 3 / 2,
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(CLOSED_FORMS))
+def test_show_holds_the_closed_forms(schedule, capsys):
+    chunks = ("--virtual-stages", 2) if schedule in MULTI_CHUNK else ()
+    assert shown_step(capsys, schedule, *chunks) == pytest.approx(CLOSED_FORMS[schedule])
+
+
+def test_split_backward_default_is_stated_and_drawn(capsys):
+    assert run_cli("show", "--schedule", "zb-h1", "--pp", 2, "-m", 2) == 0
+    captured = capsys.readouterr()
+    assert "without --wgrad W is 50% of --bwd" in captured.err
+    timeline = captured.out.split("\n\n")[-1]
+    assert timeline.count("W") == 4  # every W pass drawn: 2 ranks x 2 microbatches
+
+
+def test_explicit_wgrad_is_taken_as_given(tmp_path, capsys):
+    # W = 0: I takes the whole backward, zb-h1 runs as 1F1B (m + p - 1)(F + B) = 33
+    assert simulated_step(tmp_path, "zb-h1", "--wgrad", 0) == pytest.approx(33)
+    assert "without --wgrad" not in capsys.readouterr().err
