@@ -296,7 +296,21 @@ def test_memory_panel_with_capacity_line_and_oom_marks():
     capacity = [s for s in fig.layout.shapes if s.type == "line" and s.y0 == s.y1]
     assert [s.y0 for s in capacity] == [pytest.approx(80.0)]
     assert capacity[0].xref == memory_axis + " domain" or capacity[0].xref.startswith(memory_axis)
-    assert any(a.text == "device memory 80.0 GB" for a in fig.layout.annotations)
+    assert any(a.text == "device capacity 80.0 GB (usable limit not given)" for a in fig.layout.annotations)
+
+
+def test_memory_panel_draws_the_usable_limit_judged_against_and_the_capacity():
+    rows = sweep_rows()
+    for row in rows:  # 80 GB less a 10% headroom: judged against 72 GB
+        row.update(usable_bytes=72e9, memory_headroom="10%", oom=row["peak_memory_bytes"] > 72e9)
+    fig = sweep_figure(rows)
+    lines = sorted(s.y0 for s in fig.layout.shapes if s.type == "line" and s.y0 == s.y1)
+    assert lines == [pytest.approx(72.0), pytest.approx(80.0)]
+    labels = {a.text for a in fig.layout.annotations}
+    assert "usable limit 72.0 GB (capacity less 10% headroom): above it, out of memory" in labels
+    assert "device capacity 80.0 GB" in labels
+    oom = next(t for t in fig.data if t.name == OOM_NAME)
+    assert min(oom.y) > 72.0  # every ✕ above the drawn limit, none below it
 
 
 def test_no_memory_panel_without_memory_columns():

@@ -63,3 +63,50 @@ def test_explicit_wgrad_is_taken_as_given(tmp_path, capsys):
     # W = 0: I takes the whole backward, zb-h1 runs as 1F1B (m + p - 1)(F + B) = 33
     assert simulated_step(tmp_path, "zb-h1", "--wgrad", 0) == pytest.approx(33)
     assert "without --wgrad" not in capsys.readouterr().err
+
+
+# -- memory: judged on every topology, drawn at the limit judged against --------------------
+
+def test_gpu_capacity_holds_on_the_ideal_topology(tmp_path, capsys):
+    """Llama 3 8B on four H100s, GPipe holding all 16 microbatches' activations: well over
+    an H100's 80 GB (72 GB usable after the default 10% headroom), on free links too."""
+    out, html = tmp_path / "r.json", tmp_path / "g.html"
+    status = run_cli("simulate", "--model", "llama3-8b", "--gpu", "h100", "--pp", 4, "-m", 16, "--schedule", "gpipe",
+                     "--json", out, "--html", html, "--fail-on-oom")
+    assert status == 3
+    captured = capsys.readouterr()
+    assert "out of memory" in captured.err and "72.00 GB of it usable" in captured.err
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [rank["memory"]["capacity_bytes"] for rank in ranks] == [80e9] * 4
+    assert all(rank["memory"]["oom"] for rank in ranks)
+    page = html.read_text(encoding="utf-8")
+    assert "out of memory: ranks 0, 1, 2, 3 (peak " in page and "72.0 GB usable" in page
+
+
+def test_ideal_topology_without_gpu_stays_unbounded(tmp_path):
+    out = tmp_path / "r.json"
+    assert run_cli("simulate", "--model", "llama3-8b", "--pp", 4, "-m", 16, "--schedule", "gpipe", "--json", out) == 0
+    assert all(rank["memory"]["capacity_bytes"] is None for rank in json.loads(out.read_text())["ranks"])
+
+
+def test_gantt_marks_only_the_ranks_out_of_memory():
+    from schedules.trace import Trace, TraceEvent
+    from viz.gantt import gantt_spec
+
+    events = [TraceEvent(rank, "0F0", "F", rank, 0, 0.0, 1.0, "compute") for rank in range(3)]
+    memory = [{"rank": 0, "peak_bytes": 50e9, "usable_bytes": 72e9, "capacity_bytes": 80e9, "oom": False},
+              {"rank": 1, "peak_bytes": 75e9, "usable_bytes": 72e9, "capacity_bytes": 80e9, "oom": True},
+              {"rank": 2, "peak_bytes": 90e9, "usable_bytes": 72e9, "capacity_bytes": 80e9, "oom": True}]
+    spec = gantt_spec(Trace(events, {"memory": memory}))
+    ticks = spec["layout"]["yaxis"]["ticktext"]
+    assert ticks[0] == "rank 0" and all("✕ OOM" in tick for tick in ticks[1:])
+    title = spec["layout"]["annotations"][0]["text"]
+    assert "out of memory: ranks 1, 2 (peak 90.0 GB > 72.0 GB usable)" in title
+
+
+def test_sweep_rows_carry_the_usable_limit(tmp_path):
+    out = tmp_path / "rows.json"
+    assert run_cli("sweep", "--model", "gpt3-1.3b", "--topology", "nvlink", "--schedule", "gpipe", "--pp", 2,
+                   "-m", 2, "--memory-headroom", "6", "--quiet", "--json", out) == 0
+    row = json.loads(out.read_text())[0]
+    assert row["capacity_bytes"] == 80e9 and row["usable_bytes"] == pytest.approx(80e9 - 6e9)

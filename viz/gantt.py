@@ -20,6 +20,7 @@ from schedules.metrics import StepMetrics, makespan, step_metrics
 from schedules.trace import Trace, TraceEvent
 from viz.html import include_plotlyjs
 from viz.lanes import Layer, layers_of
+from viz.limits import OOM_COLOR
 from viz.transfers import as_transfers
 
 BAR_LIMIT = 20_000  # events per figure; SVG bars beyond this make the page crawl
@@ -101,6 +102,30 @@ def summary(trace: Trace, metrics: StepMetrics | None = None, unit: str = "ms", 
         f" ({format_time(waiting, unit, scale)} worst rank) · exposed comm (worst rank)"
         f" {format_time(exposed, unit, scale)}"
     )
+
+
+def out_of_memory(trace: Trace) -> dict[int, dict]:
+    """The ranks ``meta["memory"]`` judges out of memory, with their figures."""
+    return {int(rank["rank"]): rank for rank in trace.meta.get("memory") or () if rank.get("oom")}
+
+
+def rank_ticks(trace: Trace, ranks: int) -> list[str]:
+    """One tick label per rank; a rank out of memory is marked on it, in red."""
+    marked = out_of_memory(trace)
+    return [f"<span style='color:{OOM_COLOR}'><b>rank {rank} ✕ OOM</b></span>" if rank in marked else f"rank {rank}"
+            for rank in range(ranks)]
+
+
+def memory_verdict(trace: Trace) -> str:
+    """``out of memory: ranks 0, 3 (peak 230.1 GB > 72.0 GB usable)`` or ''."""
+    marked = out_of_memory(trace)
+    if not marked:
+        return ""
+    worst = max(marked.values(), key=lambda rank: rank["peak_bytes"])
+    limit = worst.get("usable_bytes")
+    against = f" > {limit / 1e9:,.1f} GB usable" if limit else ""
+    return (f"<span style='color:{OOM_COLOR}'>out of memory: rank{'s' if len(marked) > 1 else ''} "
+            f"{', '.join(map(str, sorted(marked)))} (peak {worst['peak_bytes'] / 1e9:,.1f} GB{against})</span>")
 
 
 def _hover_row(event: TraceEvent, t0: float, scale: float, digits: int) -> list:
@@ -225,6 +250,8 @@ def gantt_spec(
     traces = drawn
     if summaries is None:
         summaries = [summary(trace, known, unit, scale) for trace, known in zip(traces, metrics, strict=True)]
+    summaries = [line + (f" · {verdict}" if (verdict := memory_verdict(trace)) else "")
+                 for line, trace in zip(summaries, traces, strict=True)]
 
     ranks = [max(trace.num_ranks, 1) for trace in traces]
     use_webgl = sum(len(trace.events) for trace in traces) > bar_limit
@@ -277,7 +304,7 @@ def gantt_spec(
             row=row,
             col=1,
             tickvals=list(range(ranks[row - 1])),
-            ticktext=[f"rank {rank}" for rank in range(ranks[row - 1])],
+            ticktext=rank_ticks(trace, ranks[row - 1]),
             range=[ranks[row - 1] - 0.5, -0.5],  # reversed: rank 0 on top
             showgrid=False,
             zeroline=False,

@@ -19,6 +19,7 @@ from schedules.trace import Trace
 from viz.colors import schedule_color
 from viz.gantt import gantt_spec
 from viz.html import include_plotlyjs
+from viz.limits import memory_lines
 
 UNRANKED = {  # bucket -> (legend, marker symbol)
     "pruned": ("pruned by lower bound (at most this fast)", "circle-open"),
@@ -69,10 +70,9 @@ def plan_figure(rows: list[dict], front: list[dict], title: str = "", others: li
         marker={"symbol": "circle-open", "size": 18, "color": "black", "line": {"width": 2}},
         hoverinfo="skip",
     ))
-    capacities = [row["capacity_bytes"] for row in rows if row.get("capacity_bytes")]
-    if capacities:
-        fig.add_vline(x=min(capacities) / 1e9, line_dash="dash", line_color="#c0392b",
-                      annotation_text="device memory", annotation_position="top left")
+    for position, line in zip(("top left", "bottom right"), memory_lines(rows), strict=False):
+        fig.add_vline(x=line.gigabytes, line_dash=line.dash, line_color=line.color, annotation_text=line.label,
+                      annotation_position=position, annotation_font_color=line.color)
     fig.update_layout(
         title={"text": title, "x": 0.0, "xanchor": "left"}, height=520, plot_bgcolor="white",
         xaxis={"title": "peak memory per GPU (GB)", "gridcolor": "#eee"},

@@ -22,12 +22,12 @@ from plotly.subplots import make_subplots
 
 from viz.colors import schedule_color
 from viz.html import include_plotlyjs
+from viz.limits import OOM_COLOR, memory_lines
 
 REQUIRED = ("schedule", "microbatches", "makespan", "bubble_fraction", "peak_inflight_microbatches")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")  # told apart: same schedule, other v
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "triangle-down", "cross", "star", "hexagon")
 DODGE = 0.07  # sideways nudge between neighbouring series, as a fraction of the gap between ticks
-OOM_COLOR = "#C0392B"
 
 
 def series_label(row: dict, several_pp: bool) -> str:
@@ -79,8 +79,9 @@ def _dodged(counts: list[int], position: float, log_axis: bool, all_counts: list
 
 def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Figure:
     """Step time (s, ms or µs, whichever fits the longest), throughput, bubble
-    fraction, peak memory per GPU (GB; with the capacity line and out-of-memory points,
-    when rows carry ``peak_memory_bytes``, ``capacity_bytes`` and ``oom``) and peak
+    fraction, peak memory per GPU (GB; with the usable limit and capacity lines and the
+    out-of-memory points, when rows carry ``peak_memory_bytes``, ``capacity_bytes``,
+    ``usable_bytes`` and ``oom``: ``viz.limits``) and peak
     in-flight microbatches against the
     microbatch count, one line per schedule (and per ``virtual_stages``/``pp`` where rows
     differ in them). ``peak_scope`` says which rank the peaks were taken on, for the
@@ -147,12 +148,10 @@ def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Fig
         if has_memory:
             _mark_oom(fig, label, xs, points, first=not any(t.name == OOM_NAME for t in fig.data))
     if has_memory:
-        capacities = [row["capacity_bytes"] for row in rows if row.get("capacity_bytes")]
-        if capacities:
-            capacity = min(capacities) / 1e9
-            fig.add_hline(y=capacity, line={"color": OOM_COLOR, "dash": "dash", "width": 1.5}, row=2, col=1,
-                          annotation_text=f"device memory {capacity:.1f} GB", annotation_position="bottom right",
-                          annotation_font_color=OOM_COLOR)
+        for position, line in zip(("bottom right", "top right"), memory_lines(rows), strict=False):
+            fig.add_hline(y=line.gigabytes, line={"color": line.color, "dash": line.dash, "width": 1.5}, row=2, col=1,
+                          annotation_text=line.label, annotation_position=position,
+                          annotation_font_color=line.color)
     if log_axis:
         fig.update_xaxes(type="log", tickvals=counts, ticktext=[str(count) for count in counts])
     fig.update_xaxes(title_text="microbatches", gridcolor="#EEE")
@@ -163,7 +162,7 @@ def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Fig
     return fig
 
 
-OOM_NAME = "out of memory (peak > device)"
+OOM_NAME = "out of memory (peak > usable limit)"
 
 
 def _mark_oom(fig: go.Figure, label: str, xs: list[float], points: list[dict], first: bool) -> None:

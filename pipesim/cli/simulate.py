@@ -89,6 +89,18 @@ def parameter_counts(model: dict) -> str:
     return text
 
 
+def memory_meta(memory: list) -> dict:
+    """What a chart needs of each rank's memory, for the trace's ``meta["memory"]``: its
+    peak, the usable limit it was judged against, the capacity (None: unbounded) and the
+    verdict; nothing when the costs leave memory unknown."""
+    if not memory:
+        return {}
+    return {"memory": [{"rank": rank.rank, "peak_bytes": rank.peak_bytes,
+                        "usable_bytes": rank.usable_bytes if math.isfinite(rank.usable_bytes) else None,
+                        "capacity_bytes": rank.capacity_bytes if math.isfinite(rank.capacity_bytes) else None,
+                        "oom": rank.oom} for rank in memory]}
+
+
 def handle(args: argparse.Namespace) -> int:
     from pipesim.sim.memory import OutOfMemoryError, check_memory
 
@@ -110,6 +122,7 @@ def handle(args: argparse.Namespace) -> int:
 
         for note in layout_notes(model_spec_of(job), job.tp):
             print(f"  note: {note}")
+    result.trace.meta.update(memory_meta(result.memory))
     write_outputs(args, document, [result.trace], [f"predicted: {result.schedule.name}"], [result.metrics])
     if args.fail_on_oom:
         try:

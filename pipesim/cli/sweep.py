@@ -81,6 +81,15 @@ def file_points(args: argparse.Namespace) -> tuple[list[SweepPoint], dict[SweepP
     return points, schedules
 
 
+def with_usable_limit(rows: list[dict], headroom) -> None:
+    """Give each row with a capacity the limit its out-of-memory verdict was judged
+    against (capacity less ``--memory-headroom``, ``Headroom.of``), for the chart's line."""
+    for row in rows:
+        if row.get("capacity_bytes"):
+            row["usable_bytes"] = row["capacity_bytes"] - headroom.of(row["capacity_bytes"])
+            row["memory_headroom"] = headroom.text
+
+
 def handle(args: argparse.Namespace) -> int:
     files: dict[SweepPoint, Schedule] = {}
     if args.schedule_file:
@@ -102,6 +111,7 @@ def handle(args: argparse.Namespace) -> int:
     rows = run_sweep(points, costs_for, topology, progress=progress, parallel=parallel_of(job),
                      max_actions=args.max_actions, memory_limit=args.memory_limit, p2p=args.p2p,
                      schedules=files)
+    with_usable_limit(rows, parallel_of(job).memory_headroom)
     if args.model:
         # Tokens a microbatch carries across all dp replicas, so the chart draws tokens/s
         # (as plan does: microbatches x dp x microbatch size x sequence length per step).
