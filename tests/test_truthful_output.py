@@ -110,3 +110,106 @@ def test_sweep_rows_carry_the_usable_limit(tmp_path):
                    "-m", 2, "--memory-headroom", "6", "--quiet", "--json", out) == 0
     row = json.loads(out.read_text())[0]
     assert row["capacity_bytes"] == 80e9 and row["usable_bytes"] == pytest.approx(80e9 - 6e9)
+
+
+# -- every moment of a rank's row labelled --------------------------------------------------
+
+def visible_seconds(spec: dict, rank: int, axis: str = "y") -> dict[str, float]:
+    """Per legend label, the time of ``rank``'s own lane (the wide middle one) that the
+    label's bars show on top, painted in the chart's drawing order; '' for white."""
+    from viz.lanes import COMPUTE_LANE
+
+    bars = [(base, base + width, layer["name"]) for layer in spec["data"]
+            if layer.get("yaxis", "y") == axis and layer.get("width") == COMPUTE_LANE[1]
+            for y, base, width in zip(layer["y"], layer["base"], layer["x"], strict=True) if y == rank]
+    step_end = max(end for trace_layer in spec["data"] if trace_layer.get("yaxis", "y") == axis
+                   for end in (b + w for b, w in zip(trace_layer["base"], trace_layer["x"], strict=True)))
+    moments = sorted({0.0, step_end, *(moment for bar in bars for moment in bar[:2])})
+    seconds: dict[str, float] = {}
+    for low, high in zip(moments, moments[1:], strict=False):
+        middle = (low + high) / 2
+        on_top = [label for start, end, label in bars if start <= middle < end]
+        label = on_top[-1] if on_top else ""
+        seconds[label] = seconds.get(label, 0.0) + high - low
+    return seconds
+
+
+def test_modelled_overhead_is_drawn_and_every_moment_labelled(tmp_path):
+    from schedules.trace import Trace
+    from viz.gantt import gantt_spec
+    from viz.lanes import OVERHEAD_LABEL
+
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"stages": [{"fwd": 1e-3, "bwd": 2e-3, "act_bytes": 1e6}],
+                                 "action_overhead": 2e-4, "comm_overhead": 1e-4, "step_overhead": 5e-4}))
+    trace_path, out = tmp_path / "t.json", tmp_path / "r.json"
+    assert run_cli("simulate", "--costs", costs, "--pp", 2, "-m", 4, "--topology", "nvlink",
+                   "--trace", trace_path, "--json", out) == 0
+    result = json.loads(out.read_text())
+    spec = gantt_spec(Trace.load(trace_path))
+    for rank in result["ranks"]:
+        seconds = visible_seconds(spec, rank["rank"])
+        assert seconds.pop("", 0.0) < 1e-9  # no white (beyond the chart's rounding to 0.1 µs)
+        assert sum(seconds.values()) == pytest.approx(result["makespan"] * 1e3)  # the chart is in ms
+        assert rank["overhead"] > 0
+        assert seconds[OVERHEAD_LABEL] == pytest.approx(rank["overhead"] * 1e3)
+
+
+def test_fill_before_a_ranks_first_event_is_labelled_bubble():
+    from schedules.trace import Trace, TraceEvent
+    from viz.gantt import gantt_spec
+    from viz.lanes import OVERHEAD_LABEL, STREAM_LABELS
+
+    # rank 1 starts at 1 s (nothing recorded before: its fill), rank 0 has a 0.5 s gap between F and B
+    events = [TraceEvent(0, "0F0", "F", 0, 0, 0.0, 1.0, "compute"),
+              TraceEvent(0, "0B0", "B", 0, 0, 1.5, 3.5, "compute"),
+              TraceEvent(1, "1F0", "F", 1, 0, 1.0, 2.0, "compute"),
+              TraceEvent(1, "1B0", "B", 1, 0, 2.0, 3.5, "compute")]
+    spec = gantt_spec(Trace(events, {}))
+    assert visible_seconds(spec, 0) == pytest.approx({"F forward": 1.0, OVERHEAD_LABEL: 0.5, "B backward": 2.0})
+    assert visible_seconds(spec, 1) == pytest.approx({STREAM_LABELS["bubble"]: 1.0, "F forward": 1.0,
+                                                      "B backward": 1.5})
+
+
+def test_measured_gaps_are_labelled():
+    """A measured 1F1B step (pp 2, m 4, gloo; ``pipesim run --pp 2 -m 4 --trace``): the
+    executor's time between actions is drawn as overhead, and no moment is white."""
+    from pathlib import Path
+
+    from schedules.accounting import time_accounting
+    from schedules.metrics import makespan
+    from schedules.trace import Trace
+    from viz.gantt import gantt_spec
+    from viz.lanes import OVERHEAD_LABEL
+
+    trace = Trace.load(Path(__file__).parent / "data" / "measured_1f1b_pp2_gloo.json")
+    spec = gantt_spec(trace)
+    for rank, accounted in enumerate(time_accounting(trace)):
+        seconds = visible_seconds(spec, rank)
+        assert seconds.pop("", 0.0) < 1e-9
+        assert sum(seconds.values()) == pytest.approx(makespan(trace) * 1e3, abs=1e-4)  # drawn to 0.1 µs
+        assert seconds[OVERHEAD_LABEL] > 0.1 * sum(seconds.values())  # gloo's host time is no small share
+        assert seconds[OVERHEAD_LABEL] == pytest.approx(accounted.overhead * 1e3, abs=0.01)
+
+
+@pytest.mark.parametrize("argv", [
+    ("--schedule", "zbv", "--pp", 2, "-m", 4, "--model", "gpt3-1.3b", "--topology", "nvlink", "--dp", 2, "--tp", 2),
+    ("--schedule", "interleaved-1f1b", "--pp", 2, "-m", 4, "--model", "gpt3-1.3b", "--topology", "ib", "--nodes", 2,
+     "--dp", 2, "--zero", 3, "--no-dp-overlap"),
+])
+def test_predicted_step_parts_fill_every_rank(argv, tmp_path):
+    from schedules.trace import Trace
+    from viz.gantt import gantt_spec
+
+    trace_path, out = tmp_path / "t.json", tmp_path / "r.json"
+    assert run_cli("simulate", *argv, "--trace", trace_path, "--json", out) == 0
+    result = json.loads(out.read_text())
+    trace = Trace.load(trace_path)
+    spec = gantt_spec(trace)
+    scale = {"s": 1.0, "ms": 1e3, "µs": 1e6}[spec["layout"]["xaxis"]["title"]["text"].split("(")[-1][:-1]]
+    for rank in result["ranks"]:
+        seconds = visible_seconds(spec, rank["rank"])
+        assert seconds.pop("", 0.0) < 1e-9 * scale
+        assert sum(seconds.values()) == pytest.approx(result["makespan"] * scale)
+        if rank["optimizer"]:
+            assert seconds["optimizer step"] > 0
