@@ -107,6 +107,22 @@ def _compute_layer(kind: str, chunk: int, chunks: int) -> Layer:
                  pattern=chunk_pattern(chunk), pattern_color=kind_color(kind))
 
 
+# dp events by kind (pipesim.sim.parallel writes them): what the dp lane is called
+DP_LABELS = (
+    ("ALLGATHER_PARAMS", "dp reduce-scatter + parameter all-gather (ZeRO-3; shows where compute does not hide it)"),
+    ("REDUCE_SCATTER_DP", "dp gradient reduce-scatter (ZeRO; shows where compute does not hide it)"),
+)
+
+
+def dp_label(kinds: set[str]) -> str:
+    """The dp lane's name for the collectives it holds: an all-reduce, or ZeRO's
+    reduce-scatter, with ZeRO-3's parameter gathers named as such."""
+    for kind, label in DP_LABELS:
+        if kind in kinds:
+            return label
+    return STEP_STREAM_STYLES["dp"][0]
+
+
 def _step_layer(stream: str) -> Layer:
     label, color, pattern = STEP_STREAM_STYLES[stream]
     return Layer(label, color, COMPUTE_LANE, pattern=pattern)
@@ -198,6 +214,8 @@ def layers_of(trace: Trace) -> list[Layer]:
             (bubble if part == "bubble" else recv).events.append(event._replace(start=start, end=end))
     ordered = sorted(compute, key=lambda key: (_COMPUTE_ORDER.index(key[0]) if key[0] in _COMPUTE_ORDER else 99,
                                                key[0], key[1]))
+    if "dp" in steps:
+        steps["dp"].label = dp_label({event.kind for event in steps["dp"].events})
     under = [steps[name] for name in UNDER_COMPUTE if name in steps]
     over = [steps[name] for name in STEP_STREAM_STYLES if name in steps and name not in UNDER_COMPUTE]
     layers = [bubble, recv, overhead, *under, *(compute[key] for key in ordered), *over, send,
