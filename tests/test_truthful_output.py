@@ -213,3 +213,28 @@ def test_predicted_step_parts_fill_every_rank(argv, tmp_path):
         assert sum(seconds.values()) == pytest.approx(result["makespan"] * scale)
         if rank["optimizer"]:
             assert seconds["optimizer step"] > 0
+
+
+# -- defaults that show the thing -------------------------------------------------------------
+
+def test_placement_is_printed_and_drawn_and_empty_transfers_hinted(tmp_path, capsys):
+    from schedules.trace import Trace
+    from viz.gantt import gantt_spec
+
+    trace_path = tmp_path / "t.json"
+    assert run_cli("simulate", "--topology", "ib", "--nodes", 2, "--pp", 8, "--trace", trace_path) == 0
+    captured = capsys.readouterr()
+    # 8 pipeline ranks, rank order tp-dp-pp with dp = tp = 1: all on the first node's 8 GPUs
+    assert "placed: n0 gpu0 gpu1 gpu2 gpu3 gpu4 gpu5 gpu6 gpu7 <- ranks 0-7" in captured.out
+    assert "transfers carry no bytes (--act-bytes 0)" in captured.err
+    ticks = gantt_spec(Trace.load(trace_path))["layout"]["yaxis"]["ticktext"]
+    assert ticks[0].startswith("rank 0<br>") and "n0.gpu0" in ticks[0] and "n0.gpu7" in ticks[7]
+    assert run_cli("simulate", "--topology", "ib", "--nodes", 2, "--pp", 8, "--dp", 2) == 0
+    assert "n0 gpu0 gpu2 gpu4 gpu6 <- ranks 0-3; n1 gpu0 gpu2 gpu4 gpu6 <- ranks 4-7" in capsys.readouterr().out
+
+
+def test_no_hint_where_transfers_carry_bytes_or_links_are_free(capsys):
+    assert run_cli("simulate", "--topology", "ib", "--nodes", 2, "--pp", 2, "--act-bytes", 1e6) == 0
+    assert run_cli("simulate", "--pp", 2) == 0
+    captured = capsys.readouterr()
+    assert "carry no bytes" not in captured.err and captured.out.count("placed:") == 1

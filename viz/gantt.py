@@ -110,10 +110,18 @@ def out_of_memory(trace: Trace) -> dict[int, dict]:
 
 
 def rank_ticks(trace: Trace, ranks: int) -> list[str]:
-    """One tick label per rank; a rank out of memory is marked on it, in red."""
+    """One tick label per rank, with the device it ran on under it where the cluster
+    names devices (not on free links); a rank out of memory is marked on it, in red."""
     marked = out_of_memory(trace)
-    return [f"<span style='color:{OOM_COLOR}'><b>rank {rank} ✕ OOM</b></span>" if rank in marked else f"rank {rank}"
-            for rank in range(ranks)]
+    devices = trace.meta.get("devices") or []
+    placed = trace.meta.get("topology") not in (None, "ideal") and len(devices) >= ranks
+    ticks = []
+    for rank in range(ranks):
+        tick = f"<span style='color:{OOM_COLOR}'><b>rank {rank} ✕ OOM</b></span>" if rank in marked else f"rank {rank}"
+        if placed:
+            tick += f"<br><span style='font-size:9px;color:#777'>{devices[rank]}</span>"
+        ticks.append(tick)
+    return ticks
 
 
 def memory_verdict(trace: Trace) -> str:

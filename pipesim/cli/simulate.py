@@ -101,6 +101,33 @@ def memory_meta(memory: list) -> dict:
                         "oom": rank.oom} for rank in memory]}
 
 
+def placement_line(result) -> str | None:
+    """Where the pipeline's ranks run (replica 0's, the one simulated), node by node:
+    ``placed: n0 gpu0 gpu2 <- ranks 0-1; n1 gpu0 gpu2 <- ranks 2-3``; None on free links,
+    whose devices are names only."""
+    if result.topology.ideal or not result.devices:
+        return None
+    nodes: dict[str, list[tuple[int, str]]] = {}
+    for rank, device in enumerate(result.devices):
+        node, _, gpu = device.rpartition(".")
+        nodes.setdefault(node or "-", []).append((rank, gpu or device))
+    parts = []
+    for node, held in nodes.items():
+        ranks = [rank for rank, _ in held]
+        span = f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1 \
+            else ",".join(map(str, ranks))
+        parts.append(f"{node} {' '.join(gpu for _, gpu in held)} <- rank{'s' if len(ranks) > 1 else ''} {span}")
+    return "  placed: " + "; ".join(parts) + f" (--rank-order {result.to_dict()['rank_order']})"
+
+
+def bytes_hint(result) -> str | None:
+    """A hint when the links cannot matter: a cluster with links, and transfers of no bytes."""
+    if result.topology.ideal or any(stage.act_bytes for stage in result.costs.stages):
+        return None
+    return (f"note: transfers carry no bytes (--act-bytes 0), so topology {result.topology.name}'s links cost only "
+            "their latency; give --act-bytes, or --model to size them")
+
+
 def handle(args: argparse.Namespace) -> int:
     from pipesim.sim.memory import OutOfMemoryError, check_memory
 
@@ -111,6 +138,12 @@ def handle(args: argparse.Namespace) -> int:
     result = simulate_job(job)
     document = result.to_dict()
     print(result.summary())
+    placed = placement_line(result)
+    if placed:
+        print(placed)
+    hint = bytes_hint(result)
+    if hint:
+        print(hint, file=sys.stderr)
     if job.model:
         figures = model_figures(job, result)
         document.update(figures)
