@@ -58,9 +58,9 @@ def count(value: float) -> str:
 
 
 def size(byte_count: float) -> str:
-    """``230.1 GB``, ``1.049 MB``: bytes in GB, or MB below a tenth of a GB."""
+    """``230.1 GB``, ``12.29 GB``, ``1.049 MB``: bytes in GB, or MB below a tenth of a GB."""
     if not math.isfinite(byte_count):
         return "unbounded"
     if abs(byte_count) >= 1e8 or byte_count == 0:
-        return f"{byte_count / 1e9:,.1f} GB"
+        return f"{number(byte_count / 1e9)} GB"
     return f"{number(byte_count / 1e6)} MB"

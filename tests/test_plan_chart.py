@@ -53,7 +53,7 @@ def test_axes_fit_the_feasible_layouts_and_the_rest_is_counted():
     drawn = [point for trace in fig.data if trace.mode == "markers" for point in trace.x]
     assert 1221 not in drawn and 25 in drawn
     notes = [annotation.text for annotation in fig.layout.annotations if "not drawn" in (annotation.text or "")]
-    assert notes and "1 rejected: out of memory at its floor (1,221.0 GB to 1,221.0 GB" in notes[0]
+    assert notes and "1 rejected: out of memory at its floor (1,221 GB to 1,221 GB" in notes[0]
     limits = sorted(shape.x0 for shape in fig.layout.shapes)
     assert limits == [pytest.approx(72.0), pytest.approx(80.0)]
 

@@ -19,8 +19,9 @@ def run_cli(*argv) -> int:
 def shown_step(capsys, schedule: str, *extra) -> float:
     """The step length ``show`` prints at the end of its timeline's axis."""
     assert run_cli("show", "--schedule", schedule, "--pp", 4, "-m", 8, *extra) == 0
-    axis = capsys.readouterr().out.rstrip().splitlines()[-1].split()
-    return float(axis[-2] if axis[-1] == "units" else axis[-1])
+    axis = next(line.split() for line in capsys.readouterr().out.splitlines()[::-1]
+                if line.split()[:1] == ["0"] and line.endswith(" units"))
+    return float(axis[-2].replace(",", ""))
 
 
 def simulated_step(tmp_path, schedule: str, *extra) -> float:
@@ -238,3 +239,34 @@ def test_no_hint_where_transfers_carry_bytes_or_links_are_free(capsys):
     assert run_cli("simulate", "--pp", 2) == 0
     captured = capsys.readouterr()
     assert "carry no bytes" not in captured.err and captured.out.count("placed:") == 1
+
+
+# -- text: one unit rule, tables that say something, a legible timeline --------------------
+
+def test_text_timeline_tells_chunks_apart_and_names_its_unit(capsys):
+    assert run_cli("show", "--schedule", "interleaved-1f1b", "--pp", 2, "-m", 2, "-v", 2, "--width", 200) == 0
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    rank0 = next(line for line in lines[::-1] if line.startswith("rank 0:"))
+    # interleaved 1F1B, p = 2, m = 2, v = 2: rank 0 runs chunk 0's F0 F1, then chunk 1's f0 f1 first
+    assert rank0.split()[2:6] == ["F0", "F1", "f0", "f1"]
+    assert lines[-2].split()[-2:] == ["7.5", "units"]  # m(F+B) + (p-1)(F+B)/v = 6 + 3/2 at unit costs
+    assert "chunk 0 F3, chunk 1 f3" in lines[-1]
+
+
+def test_units_rule():
+    from schedules.units import count, duration, number, percent, size
+
+    assert duration(3.5329) == "3,533 ms" and duration(27.5) == "27.5 s" and duration(0.01733e-3) == "0.01733 ms"
+    assert duration(9.999) == "9,999 ms" and duration(10.0) == "10 s"
+    assert percent(0.27272) == "27.3%" and count(385_400.4) == "385,400" and number(1234.5) == "1,234"
+    assert size(1.049e6) == "1.049 MB" and size(230.13e9) == "230.1 GB" and size(12.288e9) == "12.29 GB"
+
+
+def test_simulate_prints_no_all_zero_table(capsys):
+    assert run_cli("simulate", "--pp", 2, "-m", 4) == 0
+    out = capsys.readouterr().out
+    assert "0/0" not in out and "collectives" not in out and "memory           n/a" in out
+    assert run_cli("simulate", "--model", "gpt3-1.3b", "--pp", 2, "-m", 4, "--dp", 2, "--topology", "nvlink") == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["rank"] and "peak mem" in line)
+    assert header.split()[1] == "dp" and "tp" not in header.split()  # the collectives this step has

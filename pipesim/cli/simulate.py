@@ -17,6 +17,7 @@ from pipesim.cli.options import (
     add_topology_args,
 )
 from pipesim.job import Job, default_split_note, model_figures, model_spec_of, simulate_job
+from schedules.units import count, number, percent
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -148,8 +149,8 @@ def handle(args: argparse.Namespace) -> int:
         figures = model_figures(job, result)
         document.update(figures)
         print(f"  model {figures['model']['name']}: {parameter_counts(figures['model'])}; "
-              f"{figures['tokens_per_second']:.4g} tokens/s, {figures['model_tflops_per_gpu']:.4g} TFLOP/s per GPU "
-              f"(Megatron's count), MFU {figures['mfu']:.1%}")
+              f"{count(figures['tokens_per_second'])} tokens/s, {number(figures['model_tflops_per_gpu'])} TFLOP/s "
+              f"per GPU (Megatron's count), MFU {percent(figures['mfu'])}")
         print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
         from pipesim.model.layout import layout_notes
 
