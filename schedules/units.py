@@ -23,6 +23,8 @@ def number(value: float, digits: int = DIGITS) -> str:
         return "n/a" if math.isnan(value) else ("∞" if value > 0 else "-∞")
     if value == 0:
         return "0"
+    if abs(value) >= 1e15:  # past a million billion, separators no longer help
+        return f"{value:.{digits - 1}e}"
     if abs(value) >= 10 ** (digits - 1):
         return f"{value:,.0f}"
     return f"{value:,.{digits}g}" if abs(value) >= 1e-4 else f"{value:.{digits - 1}e}"

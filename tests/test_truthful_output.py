@@ -5,6 +5,7 @@ the numbers hold the closed forms of the schedules they draw."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -270,3 +271,94 @@ def test_simulate_prints_no_all_zero_table(capsys):
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.split()[:1] == ["rank"] and "peak mem" in line)
     assert header.split()[1] == "dp" and "tp" not in header.split()  # the collectives this step has
+
+
+# -- bad input: one clear line, at once ------------------------------------------------------
+
+def one_line_error(capsys, *argv) -> str:
+    """The command's stderr, which must be one error line (no usage), exit status 2."""
+    assert run_cli(*argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "usage:" not in err[0], err
+    return err[0]
+
+
+def test_capacity_factor_below_one_says_it_drops_tokens_and_mfu_stays_physical(tmp_path, capsys):
+    for factor in (0.25, 0.01):
+        out = tmp_path / f"{factor}.json"
+        assert run_cli("simulate", "--model", "mixtral-8x7b", "--pp", 4, "-m", 8, "--gpu", "h100",
+                       "--capacity-factor", factor, "--json", out) == 0
+        assert 0 < json.loads(out.read_text())["mfu"] <= 1.0
+        assert f"drops at least {1 - factor:.1%} of the routed token copies" in capsys.readouterr().err
+
+
+def test_computed_routed_slots_stop_at_the_capacity():
+    from pipesim.model.spec import model_spec
+
+    spec = model_spec("mixtral-8x7b")  # top 2 of 8 experts
+    assert spec.with_capacity_factor(0.25).moe.routed_slots(padded=False) == pytest.approx(2 * 0.25)
+    assert spec.with_capacity_factor(1.25).moe.routed_slots(padded=False) == pytest.approx(2.0)  # padding is no work
+    assert spec.with_capacity_factor(1.25).moe.routed_slots() == pytest.approx(2.5)  # ... but takes the time
+
+
+def test_huge_layer_counts_are_refused_before_work(tmp_path, capsys):
+    import time
+
+    config = json.loads((Path(__file__).parent / "data" / "hf_configs" / "llama-3.1-8b.json").read_text())
+    config["num_hidden_layers"] = 10**9
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    started = time.monotonic()
+    line = one_line_error(capsys, "simulate", "--model", path, "--pp", 4)
+    assert "num_hidden_layers must be at most 100,000, got 1,000,000,000" in line
+    assert "layers must be at most 100,000" in one_line_error(capsys, "simulate", "--model", "llama3-8b",
+                                                              "--layers", 10**9)
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("command", [["simulate", "--model", "{fifo}"], ["draw", "{fifo}", "--html", "{out}"]])
+def test_special_files_are_refused_not_waited_on(command, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    argv = [arg.format(fifo=fifo, out=tmp_path / "g.html") for arg in command]
+    done = subprocess.run([sys.executable, "-m", "pipesim", *argv], capture_output=True, text=True, timeout=5,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"pipesim {argv[0]}: error: {fifo} is not a regular file (a pipe, device or " \
+                                  f"socket); expected a " + ("model config (config.json)" if argv[0] == "simulate"
+                                                             else "trace (pipesim Trace JSON)")
+
+
+def test_overflowing_costs_negative_values_and_bad_lists_get_one_line(capsys):
+    assert "--fwd 1e+308 is beyond what a step can cost" in one_line_error(capsys, "simulate", "--fwd", "1e308")
+    assert one_line_error(capsys, "simulate", "--bwd", "-2e-3") == \
+        "pipesim simulate: error: --bwd must be a finite number >= 0, got -0.002"
+    assert one_line_error(capsys, "sweep", "--pp", "4,-2", "--quiet") == \
+        "pipesim sweep: error: --pp 4,-2: -2 is not a whole number >= 1"
+    assert "--microbatches 8,0: 0 is not" in one_line_error(capsys, "sweep", "-m", "8,0", "--quiet")
+
+
+def test_csv_error_names_the_stage_that_differs(tmp_path, capsys):
+    path = tmp_path / "odd.csv"  # stages 0 and 2 run microbatches 0, 1; stage 1 also a third
+    path.write_text("0F0,0F1,0B0,0B1\n1F0,1F1,1F2,1B0,1B1,1B2\n2F0,2B0,2F1,2B1\n")
+    line = one_line_error(capsys, "simulate", "--schedule-file", path)
+    assert "stage 1 differs from the other 2 stages, which hold microbatches 0, 1: 1F2 (not on the others)" in line
+
+
+def test_json_is_written_before_stdout_can_break(tmp_path, monkeypatch):
+    import io
+    import sys
+
+    class GoneReader(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError
+
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "stdout", GoneReader())
+    for argv in (["simulate", "--pp", 2, "-m", 2, "--json", out], ["sweep", "--pp", 2, "-m", 2, "--json", out]):
+        out.unlink(missing_ok=True)
+        assert run_cli(*argv) != 0 and json.loads(out.read_text())

@@ -153,9 +153,10 @@ def handle(args: argparse.Namespace) -> int:
         predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config))
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
                        args.warmup_steps)
+    if args.json:  # before the report: a reader of stdout that goes away (`| head`) must not cost it
+        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     print("\n".join(report_lines(document)))
     if args.json:
-        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.trace:
         result["trace"].save(args.trace)

@@ -58,8 +58,9 @@ def finite_json(value):
 
 
 def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, titles: list[str],
-                  metrics: list | None = None) -> None:
-    """Write whichever of --json/--trace/--chrome-trace/--html were asked for."""
+                  metrics: list | None = None, announce: bool = True) -> list[str]:
+    """Write whichever of --json/--trace/--chrome-trace/--html were asked for; the paths
+    written, each said on stdout unless ``announce`` is off (the caller says them later)."""
     written = []
     if args.json:
         Path(args.json).write_text(json.dumps(finite_json(result_dict), indent=2, allow_nan=False))
@@ -77,8 +78,10 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
 
         write_gantt_html(traces, args.html, titles=titles, metrics=metrics, plotly=args.plotly)
         written.append(args.html)
-    for path in written:
-        print(f"wrote {path}")
+    if announce:
+        for path in written:
+            print(f"wrote {path}")
+    return written
 
 
 def parameter_counts(model: dict) -> str:
@@ -129,6 +132,22 @@ def bytes_hint(result) -> str | None:
             "their latency; give --act-bytes, or --model to size them")
 
 
+def impossible_notes(spec, figures: dict) -> list[str]:
+    """What the figures cannot be taken for: routed tokens a capacity factor below 1 drops
+    (the throughput counts tokens, not all of them computed by their experts), and an MFU
+    over 100% (a physically impossible step: costs faster than the device)."""
+    notes = []
+    dropped = spec.moe.dropped_share if spec.moe is not None else 0.0
+    if dropped > 0:
+        notes.append(f"warning: --capacity-factor {spec.moe.capacity_factor:g} drops at least {percent(dropped)} of "
+                     "the routed token copies (each expert computes that share of its balanced load); MFU counts "
+                     "only the computed ones, tokens/s counts every token")
+    if figures.get("mfu") is not None and figures["mfu"] > 1:
+        notes.append(f"warning: MFU {percent(figures['mfu'])} exceeds 100%: the step is faster than the devices' "
+                     "peak allows, so its costs are not physical (check --mfu and the GPU's peak)")
+    return notes
+
+
 def handle(args: argparse.Namespace) -> int:
     from pipesim.sim.memory import OutOfMemoryError, check_memory
 
@@ -138,6 +157,13 @@ def handle(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     result = simulate_job(job)
     document = result.to_dict()
+    figures = model_figures(job, result) if job.model else None
+    if figures:
+        document.update(figures)
+    result.trace.meta.update(memory_meta(result.memory))
+    # the files first: a reader of stdout that goes away (`| head`) must not cost them
+    written = write_outputs(args, document, [result.trace], [f"predicted: {result.schedule.name}"],
+                            [result.metrics], announce=False)
     print(result.summary())
     placed = placement_line(result)
     if placed:
@@ -145,19 +171,19 @@ def handle(args: argparse.Namespace) -> int:
     hint = bytes_hint(result)
     if hint:
         print(hint, file=sys.stderr)
-    if job.model:
-        figures = model_figures(job, result)
-        document.update(figures)
+    if figures:
         print(f"  model {figures['model']['name']}: {parameter_counts(figures['model'])}; "
               f"{count(figures['tokens_per_second'])} tokens/s, {number(figures['model_tflops_per_gpu'])} TFLOP/s "
               f"per GPU (Megatron's count), MFU {percent(figures['mfu'])}")
         print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
+        for line in impossible_notes(model_spec_of(job), figures):
+            print(line, file=sys.stderr)
         from pipesim.model.layout import layout_notes
 
         for note in layout_notes(model_spec_of(job), job.tp):
             print(f"  note: {note}")
-    result.trace.meta.update(memory_meta(result.memory))
-    write_outputs(args, document, [result.trace], [f"predicted: {result.schedule.name}"], [result.metrics])
+    for path in written:
+        print(f"wrote {path}")
     if args.fail_on_oom:
         try:
             check_memory(result.memory)

@@ -81,6 +81,16 @@ def file_points(args: argparse.Namespace) -> tuple[list[SweepPoint], dict[SweepP
     return points, schedules
 
 
+def counts_of(text: str, flag: str) -> list[int]:
+    """A comma-separated list of whole numbers >= 1; an error naming the flag and the
+    item otherwise (``--pp 4,-2``), before any point is simulated."""
+    values = split_list(text, int)
+    for value in values:
+        if value < 1:
+            raise ValueError(f"{flag} {text}: {value} is not a whole number >= 1")
+    return values
+
+
 def with_usable_limit(rows: list[dict], headroom) -> None:
     """Give each row with a capacity the limit its out-of-memory verdict was judged
     against (capacity less ``--memory-headroom``, ``Headroom.of``), for the chart's line."""
@@ -96,8 +106,8 @@ def handle(args: argparse.Namespace) -> int:
         points, files = file_points(args)
     else:
         points = sweep_points(
-            split_list(args.schedule or SCHEDULES), split_list(args.pp or PP, int),
-            split_list(args.microbatches or MICROBATCHES, int),
+            split_list(args.schedule or SCHEDULES), counts_of(args.pp or PP, "--pp"),
+            counts_of(args.microbatches or MICROBATCHES, "--microbatches"),
             VIRTUAL_STAGES if args.virtual_stages is None else args.virtual_stages,
         )
     job = Job.from_namespace(args)
@@ -118,20 +128,23 @@ def handle(args: argparse.Namespace) -> int:
         spec = model_spec_of(job)
         for row in rows:
             row["tokens_per_microbatch"] = spec.seq_len * spec.microbatch_size * args.dp
-    print(format_table(rows))
+    written = []  # the files first: a reader of stdout that goes away (`| head`) must not cost them
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:
             writer = csv.DictWriter(handle_out, fieldnames=ROW_FIELDS, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
-        print(f"wrote {args.csv}")
+        written.append(args.csv)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
-        print(f"wrote {args.json}")
+        written.append(args.json)
     if args.html:
         from viz.sweep import write_sweep_html
 
         write_sweep_html([row for row in rows if not row.get("note")], args.html,
                          title=f"pipesim sweep on {topology.name}", plotly=args.plotly)
-        print(f"wrote {args.html}")
+        written.append(args.html)
+    print(format_table(rows))
+    for path in written:
+        print(f"wrote {path}")
     return 0
