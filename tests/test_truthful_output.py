@@ -362,3 +362,50 @@ def test_json_is_written_before_stdout_can_break(tmp_path, monkeypatch):
     for argv in (["simulate", "--pp", 2, "-m", 2, "--json", out], ["sweep", "--pp", 2, "-m", 2, "--json", out]):
         out.unlink(missing_ok=True)
         assert run_cli(*argv) != 0 and json.loads(out.read_text())
+
+
+# -- the memory panel --------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("extra", "optimizer_per_weight"), [((), 6.0), (("--dp", 2, "--zero", 1), 3.0)])
+def test_memory_parts_follow_the_bytes_per_parameter(extra, optimizer_per_weight, tmp_path):
+    """Default 2,2,12 bytes per parameter: gradients as large as the weights, the optimizer
+    state six times them, halved by ZeRO-1 over dp 2; with the buffers and the activations
+    at their highest the parts give the rank's peak."""
+    from schedules.trace import Trace
+
+    trace_path = tmp_path / "t.json"
+    assert run_cli("simulate", "--model", "gpt3-1.3b", "--pp", 2, "-m", 4, "--topology", "nvlink", *extra,
+                   "--trace", trace_path) == 0
+    for rank in Trace.load(trace_path).meta["memory"]:
+        parts = rank["parts"]
+        assert parts["gradients"] == pytest.approx(parts["weights"])
+        assert parts["optimizer state"] == pytest.approx(optimizer_per_weight * parts["weights"])
+        highest = max(value for _, value in rank["activations"])
+        assert sum(parts.values()) + highest == pytest.approx(rank["peak_bytes"])
+
+
+def test_memory_panel_draws_parts_peak_limit_and_capacity(tmp_path):
+    from schedules.trace import Trace
+    from viz.memory import memory_figure
+
+    trace_path, page = tmp_path / "t.json", tmp_path / "g.html"
+    assert run_cli("simulate", "--model", "llama3-8b", "--gpu", "h100", "--pp", 4, "-m", 16, "--schedule", "gpipe",
+                   "--trace", trace_path, "--html", page) == 0
+    trace = Trace.load(trace_path)
+    figure = memory_figure(trace, "ms", 1e3)
+    assert {t.name for t in figure.data} >= {"weights", "gradients", "optimizer state", "buffers",
+                                             "activations kept for the backward", "peak"}
+    peaks = [t for t in figure.data if t.name == "peak"]
+    assert [p.y[0] * 1e9 for p in peaks] == pytest.approx([rank["peak_bytes"] for rank in trace.meta["memory"]])
+    lines = sorted({round(shape.y0, 6) for shape in figure.layout.shapes})
+    assert lines == [72.0, 80.0]  # the usable limit after 10% headroom, and the H100's capacity
+    assert all("out of memory" in annotation.text for annotation in figure.layout.annotations[:4])
+    assert "memory over the step" in page.read_text(encoding="utf-8")
+
+
+def test_thinned_timeline_keeps_the_peak():
+    from pipesim.cli.chart_data import thinned
+
+    points = [(float(time), float(time % 97)) for time in range(10_000)]
+    kept = thinned(points, limit=100)
+    assert len(kept) <= 100 and max(value for _, value in kept) == 96.0 and kept[0] == [0.0, 0.0]

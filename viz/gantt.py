@@ -21,6 +21,7 @@ from schedules.trace import Trace, TraceEvent
 from viz.html import include_plotlyjs
 from viz.lanes import Layer, layers_of
 from viz.limits import OOM_COLOR
+from viz.memory import has_memory_timeline, memory_figure
 from viz.transfers import as_transfers
 
 BAR_LIMIT = 20_000  # events per figure; SVG bars beyond this make the page crawl
@@ -393,5 +394,11 @@ def write_gantt_html(
         spec, include_plotlyjs=include_plotlyjs(plotly), full_html=True, validate=False,
         config={"displaylogo": False, "scrollZoom": True},
     )
+    panels = [trace for trace in traces if has_memory_timeline(trace)]
+    if panels:  # what each rank holds over the step, under the Gantt, on its time unit
+        unit, scale = time_unit(traces)
+        parts = [pio.to_html(memory_figure(trace, unit, scale), include_plotlyjs=False, full_html=False,
+                             config={"displaylogo": False}) for trace in panels]
+        html = html.replace("</body>", "".join(parts) + "</body>", 1)
     path.write_text(html, encoding="utf-8")
     return path

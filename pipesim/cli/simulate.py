@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+from pipesim.cli.chart_data import memory_meta
 from pipesim.cli.options import (
     add_cost_args,
     add_model_args,
@@ -93,18 +94,6 @@ def parameter_counts(model: dict) -> str:
     return text
 
 
-def memory_meta(memory: list) -> dict:
-    """What a chart needs of each rank's memory, for the trace's ``meta["memory"]``: its
-    peak, the usable limit it was judged against, the capacity (None: unbounded) and the
-    verdict; nothing when the costs leave memory unknown."""
-    if not memory:
-        return {}
-    return {"memory": [{"rank": rank.rank, "peak_bytes": rank.peak_bytes,
-                        "usable_bytes": rank.usable_bytes if math.isfinite(rank.usable_bytes) else None,
-                        "capacity_bytes": rank.capacity_bytes if math.isfinite(rank.capacity_bytes) else None,
-                        "oom": rank.oom} for rank in memory]}
-
-
 def placement_line(result) -> str | None:
     """Where the pipeline's ranks run (replica 0's, the one simulated), node by node:
     ``placed: n0 gpu0 gpu2 <- ranks 0-1; n1 gpu0 gpu2 <- ranks 2-3``; None on free links,
@@ -160,7 +149,7 @@ def handle(args: argparse.Namespace) -> int:
     figures = model_figures(job, result) if job.model else None
     if figures:
         document.update(figures)
-    result.trace.meta.update(memory_meta(result.memory))
+    result.trace.meta.update(memory_meta(result))
     # the files first: a reader of stdout that goes away (`| head`) must not cost them
     written = write_outputs(args, document, [result.trace], [f"predicted: {result.schedule.name}"],
                             [result.metrics], announce=False)
