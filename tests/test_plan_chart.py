@@ -95,3 +95,26 @@ def test_plan_page_has_the_table_why_and_a_zero3_legend(tmp_path):
     page = out.read_text(encoding="utf-8")
     assert "why this layout" in page and "top 2 layouts by step time" in page
     assert "no pipeline (pp1)" in page and "ZeRO-3" in page and "gradient all-reduce" not in page
+
+
+def test_sweep_dodge_stays_within_a_third_of_a_tick_gap():
+    from viz.sweep import sweep_figure
+
+    rows = [{"schedule": f"s{index}", "microbatches": count, "makespan": 1.0 + index, "bubble_fraction": 0.1,
+             "peak_inflight_microbatches": 1} for index in range(10) for count in (8, 16)]
+    fig = sweep_figure(rows)
+    at_8 = [trace.x[0] for trace in fig.data if trace.xaxis == "x"]
+    assert len(at_8) == 10 and max(at_8) - min(at_8) <= 0.3 * 8 + 1e-9  # the gap between 8 and 16 is 8
+
+
+def test_cdn_pages_say_why_they_are_blank_offline(tmp_path):
+    from schedules.trace import Trace, TraceEvent
+    from viz.gantt import write_gantt_html
+
+    trace = Trace([TraceEvent(0, "0F0", "F", 0, 0, 0.0, 1.0, "compute")], {})
+    cdn, inline = tmp_path / "cdn.html", tmp_path / "inline.html"
+    write_gantt_html(trace, cdn, plotly="cdn")
+    write_gantt_html(trace, inline)
+    page = cdn.read_text(encoding="utf-8")
+    assert "could not reach it" in page and "typeof Plotly === 'undefined'" in page
+    assert "pipesim-no-plotly" not in inline.read_text(encoding="utf-8")

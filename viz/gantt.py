@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 
 from schedules.metrics import StepMetrics, makespan, step_metrics
 from schedules.trace import Trace, TraceEvent
-from viz.html import include_plotlyjs
+from viz.html import include_plotlyjs, with_offline_notice
 from viz.lanes import Layer, layers_of
 from viz.limits import OOM_COLOR
 from viz.memory import has_memory_timeline, memory_figure
@@ -386,6 +386,8 @@ def write_gantt_html(
 ) -> Path:
     """Write a Gantt HTML page; ``plotly="inline"`` embeds plotly.js (opens offline),
     ``"cdn"`` loads it from the network (see ``viz.html``)."""
+    if isinstance(traces, Trace):
+        traces = [traces]
     spec = gantt_spec(traces, titles, metrics=metrics, summaries=summaries)
     if title:
         spec["layout"]["title"] = {"text": title, "x": 0.0, "xanchor": "left"}
@@ -400,5 +402,5 @@ def write_gantt_html(
         parts = [pio.to_html(memory_figure(trace, unit, scale), include_plotlyjs=False, full_html=False,
                              config={"displaylogo": False}) for trace in panels]
         html = html.replace("</body>", "".join(parts) + "</body>", 1)
-    path.write_text(html, encoding="utf-8")
+    path.write_text(with_offline_notice(html, plotly), encoding="utf-8")
     return path

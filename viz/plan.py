@@ -28,7 +28,7 @@ from schedules.trace import Trace
 from schedules.units import count, duration, percent, size, time_unit
 from viz.colors import NO_PIPELINE, schedule_color, schedule_symbol
 from viz.gantt import gantt_spec
-from viz.html import include_plotlyjs
+from viz.html import include_plotlyjs, with_offline_notice
 from viz.limits import memory_lines
 
 UNRANKED = {  # bucket -> (legend, marker symbol)
@@ -266,5 +266,5 @@ def write_plan_html(rows: list[dict], front: list[dict], trace: Trace, path: str
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
             f"<body>{scatter}{why}{top_table(rows)}{gantt}</body></html>")
     path = Path(path)
-    path.write_text(page, encoding="utf-8")
+    path.write_text(with_offline_notice(page, plotly), encoding="utf-8")
     return path

@@ -18,16 +18,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from viz.colors import schedule_color
-from viz.html import include_plotlyjs
+from viz.html import include_plotlyjs, with_offline_notice
 from viz.limits import OOM_COLOR, memory_lines
 
 REQUIRED = ("schedule", "microbatches", "makespan", "bubble_fraction", "peak_inflight_microbatches")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")  # told apart: same schedule, other v
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "triangle-down", "cross", "star", "hexagon")
 DODGE = 0.07  # sideways nudge between neighbouring series, as a fraction of the gap between ticks
+MAX_SPREAD = 0.3  # ... and at most this much for all series together (ten series would take 63%)
 
 
 def series_label(row: dict, several_pp: bool) -> str:
@@ -68,13 +70,20 @@ def _is_power_of_two(count: int) -> bool:
     return count > 0 and count & (count - 1) == 0
 
 
-def _dodged(counts: list[int], position: float, log_axis: bool, all_counts: list[int]) -> list[float]:
-    """``counts`` nudged by ``position`` dodge steps (see the module docstring)."""
+def dodge_step(series: int) -> float:
+    """The nudge between neighbouring series: ``DODGE``, less where ``series`` of them
+    would spread one microbatch count over more than ``MAX_SPREAD`` of a tick gap."""
+    return min(DODGE, MAX_SPREAD / max(series - 1, 1))
+
+
+def _dodged(counts: list[int], position: float, log_axis: bool, all_counts: list[int],
+            step: float = DODGE) -> list[float]:
+    """``counts`` nudged by ``position`` dodge steps of ``step`` (see the module docstring)."""
     if log_axis:
         ratio = min((b / a for a, b in zip(all_counts, all_counts[1:], strict=False)), default=2.0)
-        return [count * ratio ** (DODGE * position) for count in counts]
+        return [count * ratio ** (step * position) for count in counts]
     gap = min((b - a for a, b in zip(all_counts, all_counts[1:], strict=False)), default=1)
-    return [count + gap * DODGE * position for count in counts]
+    return [count + gap * step * position for count in counts]
 
 
 def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Figure:
@@ -124,7 +133,8 @@ def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Fig
         schedule = str(points[0]["schedule"])
         dash = DASHES[dash_of.setdefault(schedule, 0) % len(DASHES)]
         dash_of[schedule] += 1
-        xs = _dodged([row["microbatches"] for row in points], index - (len(series) - 1) / 2, log_axis, counts)
+        xs = _dodged([row["microbatches"] for row in points], index - (len(series) - 1) / 2, log_axis, counts,
+                     dodge_step(len(series)))
         for key, (title, (row_at, col_at), value, fmt) in panels.items():
             kept = [(x, row) for x, row in zip(xs, points, strict=True)
                     if key != "peak_memory" or row.get("peak_memory_bytes") is not None]
@@ -186,5 +196,6 @@ def write_sweep_html(rows: list[dict], path: str | Path, title: str | None = Non
     if title:
         fig.update_layout(title={"text": title, "x": 0.0, "xanchor": "left"})
     path = Path(path)
-    fig.write_html(path, include_plotlyjs=include_plotlyjs(plotly), full_html=True, config={"displaylogo": False})
+    html = pio.to_html(fig, include_plotlyjs=include_plotlyjs(plotly), full_html=True, config={"displaylogo": False})
+    path.write_text(with_offline_notice(html, plotly), encoding="utf-8")
     return path
