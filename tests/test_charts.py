@@ -242,11 +242,12 @@ def test_compare_chart_and_terminal_print_the_same_numbers():
     step_times = [0.020, 0.008, 0.007, 0.009]
     document = compare(measured, step_times, predicted, 4.6e-3, warmup_steps=1)
     terminal = "\n".join(report_lines(document))
-    measured_line, predicted_line = chart_summaries(document, drawn_step=3)
+    measured_line, predicted_line = chart_summaries(document, drawn_step=3, drawn_span=6.5e-3)
     # by hand: median of 8, 7, 9 ms = 8 ms; busy 0.1 + 0.2 (rank 0) and 0.1 + 0.2 (rank 1) ms
-    assert "8.00 ms" in measured_line and "median of 3 steps" in measured_line and "step 3" in measured_line
+    assert "8.00 ms" in measured_line and "median of 3 steps" in measured_line
+    assert "drawn: step 3, 6.5 ms long" in measured_line  # the drawn bars' own length, said apart
     assert f"{1 - 0.6e-3 / (2 * 8e-3):.1%}" in measured_line  # 96.2%
-    for line in (measured_line, predicted_line):
+    for line in (measured_line.split(" · drawn")[0], predicted_line):
         for number in re.findall(r"[-+]?\d+\.\d+%?", line):
             assert number in terminal, (number, terminal)
     fig = gantt_figure([measured, predicted], titles=["measured", "predicted"],
