@@ -13,6 +13,7 @@ from pipesim.cli.compare import chart_summaries
 from pipesim.cli.topology import graph_lists
 from pipesim.sim.comparison import compare, report_lines
 from schedules.trace import Trace, TraceEvent
+from schedules.units import number
 from tests.test_viz import event, two_rank_step
 from viz.colors import KIND_COLORS, STEP_STREAM_STYLES, chunk_color
 from viz.gantt import gantt_figure
@@ -80,8 +81,9 @@ def test_idle_after_a_ranks_last_action_is_drawn_to_the_step_end():
 
 @pytest.mark.parametrize(("factor", "meta", "unit", "scale"), [
     (1.0, {}, "ms", 1e3),  # a 9.2 ms step
-    (1e3 / 2, {}, "s", 1.0),  # 4.6 s
-    (1e-2, {}, "µs", 1e6),  # 92 µs
+    (1e3 / 2, {}, "ms", 1e3),  # 4.6 s: ms below 10 s (schedules.units)
+    (2e3, {}, "s", 1.0),  # 18.4 s
+    (1e-2, {}, "ms", 1e3),  # 92 µs, as 0.092 ms
     (1e3, {"time_unit": "units"}, "units", 1.0),  # unit costs: F = 1, B = 2 -> 9.2 units
 ])
 def test_times_in_the_unit_that_fits(factor, meta, unit, scale):
@@ -94,7 +96,7 @@ def test_times_in_the_unit_that_fits(factor, meta, unit, scale):
     assert forward.base[index] == pytest.approx(first.start * scale, rel=1e-6)
     assert forward.x[index] == pytest.approx(first.duration * scale, rel=1e-6)
     title = fig.layout.annotations[0].text
-    assert f"makespan {9.2e-3 * factor * scale:.3f} {unit}" in title
+    assert f"makespan {number(9.2e-3 * factor * scale)} {unit}" in title
     assert f"duration %{{customdata[6]:.3f}} {unit}" in forward.hovertemplate
     if unit == "units":
         assert " ms" not in title
@@ -107,7 +109,7 @@ def test_title_names_schedule_shape_parallelism_model_and_topology():
     assert title.startswith("<b>predicted</b>")
     for part in ("gpipe", "pp=2 m=2 v=2", "dp=2 tp=4", "model gpt3-13b", "on ib"):
         assert part in title
-    assert "<br>makespan 9.200 ms" in title  # the metrics on their own line
+    assert "<br>makespan 9.2 ms" in title  # the metrics on their own line
     measured = two_rank_step(source="measured")
     measured.meta.update(backend="gloo", dp=1, tp=1)
     assert "· on gloo" in gantt_figure([measured]).layout.annotations[0].text
@@ -132,8 +134,8 @@ def test_show_draws_unit_costs_in_units(tmp_path):
                  "--plotly", "cdn"]) == 0
     html = out.read_text(encoding="utf-8")
     # 1F1B, pp=2, m=2 with F = 1, B = 2: (m + p - 1)(F + B) = 9 units
-    assert "time since step start (units)" in html and "makespan 9.000 units" in html
-    assert "9000.000 ms" not in html
+    assert "time since step start (units)" in html and "makespan 9 units" in html
+    assert "9,000 ms" not in html
 
 
 # -- Gantt: step-level parts in the rank's own lane ---------------------------------------
@@ -248,8 +250,8 @@ def test_compare_chart_and_terminal_print_the_same_numbers():
     assert "drawn: step 3, 6.5 ms long" in measured_line  # the drawn bars' own length, said apart
     assert f"{1 - 0.6e-3 / (2 * 8e-3):.1%}" in measured_line  # 96.2%
     for line in (measured_line.split(" · drawn")[0], predicted_line):
-        for number in re.findall(r"[-+]?\d+\.\d+%?", line):
-            assert number in terminal, (number, terminal)
+        for figure in re.findall(r"[-+]?\d+\.\d+%?", line):
+            assert figure in terminal, (figure, terminal)
     fig = gantt_figure([measured, predicted], titles=["measured", "predicted"],
                        summaries=[measured_line, predicted_line])
     titles = [a.text for a in fig.layout.annotations if a.text and a.text.startswith("<b>")]
@@ -335,10 +337,10 @@ def test_throughput_beside_step_time():
 
 
 def test_sweep_step_time_in_seconds_for_long_steps():
-    rows = [dict(row, makespan=row["makespan"] * 100) for row in sweep_rows()]
+    rows = [dict(row, makespan=row["makespan"] * 1000) for row in sweep_rows()]  # up to 57 s: s from 10 s
     fig = sweep_figure(rows)
     assert "step time (s)" in [a.text for a in fig.layout.annotations]
-    assert next(t for t in fig.data if t.name == "gpipe").y[0] == pytest.approx(7 * 0.3)
+    assert next(t for t in fig.data if t.name == "gpipe").y[0] == pytest.approx(7 * 3)
 
 
 def test_sweep_rows_carry_capacity():

@@ -167,10 +167,10 @@ def test_fill_before_a_ranks_first_event_is_labelled_bubble():
               TraceEvent(0, "0B0", "B", 0, 0, 1.5, 3.5, "compute"),
               TraceEvent(1, "1F0", "F", 1, 0, 1.0, 2.0, "compute"),
               TraceEvent(1, "1B0", "B", 1, 0, 2.0, 3.5, "compute")]
-    spec = gantt_spec(Trace(events, {}))
-    assert visible_seconds(spec, 0) == pytest.approx({"F forward": 1.0, OVERHEAD_LABEL: 0.5, "B backward": 2.0})
-    assert visible_seconds(spec, 1) == pytest.approx({STREAM_LABELS["bubble"]: 1.0, "F forward": 1.0,
-                                                      "B backward": 1.5})
+    spec = gantt_spec(Trace(events, {}))  # a 3.5 s step, drawn in ms
+    assert visible_seconds(spec, 0) == pytest.approx({"F forward": 1e3, OVERHEAD_LABEL: 500, "B backward": 2e3})
+    assert visible_seconds(spec, 1) == pytest.approx({STREAM_LABELS["bubble"]: 1e3, "F forward": 1e3,
+                                                      "B backward": 1.5e3})
 
 
 def test_measured_gaps_are_labelled():

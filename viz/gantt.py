@@ -18,6 +18,8 @@ from plotly.subplots import make_subplots
 
 from schedules.metrics import StepMetrics, makespan, step_metrics
 from schedules.trace import Trace, TraceEvent
+from schedules.units import number
+from schedules.units import time_unit as unit_of_times
 from viz.html import include_plotlyjs, with_offline_notice
 from viz.lanes import Layer, layers_of
 from viz.limits import OOM_COLOR
@@ -48,19 +50,15 @@ def time_unit(traces: list[Trace]) -> tuple[str, float]:
 
     A trace whose ``meta["time_unit"]`` is ``"units"`` (``pipesim show`` simulates with
     unit costs, F = 1 and B = 2) is in abstract units; anything else is in seconds and
-    gets the unit that keeps the longest step between 1 and 1000: s, ms or µs."""
+    gets the one unit rule of every pipesim output (``schedules.units``): ms below 10 s,
+    s from there."""
     if any(trace.meta.get("time_unit") == "units" for trace in traces):
         return "units", 1.0
-    span = max((makespan(trace) for trace in traces), default=0.0)
-    if span >= 1.0:
-        return "s", 1.0
-    if span >= 1e-3 or span == 0.0:
-        return "ms", 1e3
-    return "µs", 1e6
+    return unit_of_times(max((makespan(trace) for trace in traces), default=0.0))
 
 
 def format_time(seconds: float, unit: str, scale: float) -> str:
-    return f"{seconds * scale:.3f} {unit}"
+    return f"{number(seconds * scale)} {unit}"
 
 
 def describe(meta: dict, known: str = "") -> str:

@@ -21,6 +21,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from schedules.units import time_unit
 from viz.colors import schedule_color
 from viz.html import include_plotlyjs, with_offline_notice
 from viz.limits import OOM_COLOR, memory_lines
@@ -87,7 +88,7 @@ def _dodged(counts: list[int], position: float, log_axis: bool, all_counts: list
 
 
 def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Figure:
-    """Step time (s, ms or µs, whichever fits the longest), throughput, bubble
+    """Step time (ms below 10 s, s from there: ``schedules.units``), throughput, bubble
     fraction, peak memory per GPU (GB; with the usable limit and capacity lines and the
     out-of-memory points, when rows carry ``peak_memory_bytes``, ``capacity_bytes``,
     ``usable_bytes`` and ``oom``: ``viz.limits``) and peak
@@ -105,8 +106,7 @@ def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Fig
     if any(throughput(row)[1] != rate_unit for row in rows):
         rate_unit = "microbatches/s"
     has_memory = any(row.get("peak_memory_bytes") is not None for row in rows)
-    longest = max(float(row["makespan"]) for row in rows)
-    unit, scale = ("s", 1.0) if longest >= 1.0 else ("ms", 1e3) if longest >= 1e-3 else ("µs", 1e6)
+    unit, scale = time_unit(max(float(row["makespan"]) for row in rows))  # the one rule: ms below 10 s
     panels = {  # key -> (title, (row, col), value of a row, hover format)
         "makespan": (f"step time ({unit})", (1, 1), lambda row: row["makespan"] * scale, ".4g"),
         "throughput": (f"throughput ({rate_unit})", (1, 2),
