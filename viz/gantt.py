@@ -331,7 +331,8 @@ def gantt_spec(
     frame.update_layout(
         barmode="overlay",
         hovermode="closest",
-        uniformtext={"minsize": 8, "mode": "hide"},  # drop labels that do not fit a bar
+        # labels that do not fit a bar are dropped; down to 6 px, so two-digit microbatches keep theirs on narrow bars
+        uniformtext={"minsize": 6, "mode": "hide"},
         height=height + (top - 100),
         legend={"tracegroupgap": 4},
         margin={"l": 70, "r": 20, "t": top, "b": 50},
