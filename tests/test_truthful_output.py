@@ -409,3 +409,8 @@ def test_thinned_timeline_keeps_the_peak():
     points = [(float(time), float(time % 97)) for time in range(10_000)]
     kept = thinned(points, limit=100)
     assert len(kept) <= 100 and max(value for _, value in kept) == 96.0 and kept[0] == [0.0, 0.0]
+
+
+def test_show_takes_the_split_it_says_it_can(capsys):
+    # zb-h1 with W = 0: I takes the whole backward and the step is 1F1B's (m + p - 1)(F + B) = 33
+    assert shown_step(capsys, "zb-h1", "--wgrad", 0) == pytest.approx(33)

@@ -24,6 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--lowered", action="store_true",
                         help="list the programs with their SEND/RECV actions, P2P groups joined by '+'")
     add_p2p_arg(parser, "rendezvous (NCCL's rule, which also holds on gloo)")
+    parser.add_argument("--wgrad", type=float, default=None,
+                        help="W's part of B = 2 units, for schedules that split the backward (default: 1, so "
+                             "I = W = F = 1)")
     parser.add_argument("--width", type=int, default=160, help="timeline width in characters (default: 160)")
     parser.add_argument("--html", help="also write the unit-cost Gantt chart")
     parser.set_defaults(handler=handle)
