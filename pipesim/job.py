@@ -25,6 +25,7 @@ from schedules.generators import (
     COST_AWARE,
     DEFAULT_MAX_ACTIONS,
     MULTI_CHUNK,
+    SCHEDULE_NAMES,
     generate,
     require_within_limit,
     splits_backward,
@@ -249,9 +250,10 @@ def flag_costs_of(job, num_stages: int, virtual_stages: int) -> Costs:
 def takes_default_split(job) -> bool:
     """Whether the job's W time is the stated default: a generated schedule that splits
     the backward, costs from flags, no ``--wgrad``."""
+    name = getattr(job, "schedule", None) or DEFAULT_SCHEDULE
     return (getattr(job, "wgrad", None) is None and not getattr(job, "schedule_file", None)
             and not getattr(job, "costs", None) and not getattr(job, "model", None)
-            and splits_backward(getattr(job, "schedule", None) or DEFAULT_SCHEDULE))
+            and name in SCHEDULE_NAMES and splits_backward(name))
 
 
 def wgrad_of(job, bwd: float) -> float:

@@ -414,3 +414,13 @@ def test_thinned_timeline_keeps_the_peak():
 def test_show_takes_the_split_it_says_it_can(capsys):
     # zb-h1 with W = 0: I takes the whole backward and the step is 1F1B's (m + p - 1)(F + B) = 33
     assert shown_step(capsys, "zb-h1", "--wgrad", 0) == pytest.approx(33)
+
+
+def test_sweep_splits_each_schedule_as_simulate_does(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert run_cli("sweep", "--schedule", "1f1b,zb-h1", "--pp", 4, "-m", 8, "--fwd", 1, "--bwd", 2, "--quiet",
+                   "--json", out) == 0
+    steps = {row["schedule"]: row["makespan"] for row in json.loads(out.read_text())}
+    assert steps == pytest.approx({"1f1b": 33.0, "zb-h1": 27.0})  # the closed forms, as show and simulate give
+    err = capsys.readouterr().err
+    assert "zb-h1 splits the backward" in err and "1f1b splits" not in err

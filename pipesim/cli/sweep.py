@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 from pipesim.cli.options import (
@@ -21,6 +23,7 @@ from pipesim.job import (
     Job,
     check_parallel_layout,
     costs_of,
+    default_split_note,
     model_spec_of,
     parallel_of,
     reject_with_schedule_file,
@@ -115,7 +118,13 @@ def handle(args: argparse.Namespace) -> int:
     topology = topology_of(job)
 
     def costs_for(schedule):
-        return costs_of(job, schedule, topology)
+        # each generated schedule's own name: a split backward takes the default W share, the others none
+        return costs_of(job if files else replace(job, schedule=schedule.name), schedule, topology)
+
+    for name in dict.fromkeys(point.schedule for point in points):
+        note = None if files else default_split_note(replace(job, schedule=name))
+        if note:
+            print(note, file=sys.stderr)
 
     progress = progress_from_args("sweep", args).enabled  # per-point lines on a terminal only
     rows = run_sweep(points, costs_for, topology, progress=progress, parallel=parallel_of(job),
