@@ -198,9 +198,12 @@ def test_measured_gaps_are_labelled():
     ("--schedule", "zbv", "--pp", 2, "-m", 4, "--model", "gpt3-1.3b", "--topology", "nvlink", "--dp", 2, "--tp", 2),
     ("--schedule", "interleaved-1f1b", "--pp", 2, "-m", 4, "--model", "gpt3-1.3b", "--topology", "ib", "--nodes", 2,
      "--dp", 2, "--zero", 3, "--no-dp-overlap"),
+    ("--schedule", "1f1b", "--pp", 2, "-m", 4, "--model", "mixtral-8x7b", "--seq-len", 4096, "--topology", "nvlink",
+     "--dp", 2, "--ep", 2, "--cp", 2),
 ])
 def test_predicted_step_parts_fill_every_rank(argv, tmp_path):
     from schedules.trace import Trace
+    from viz.colors import STEP_STREAM_STYLES
     from viz.gantt import gantt_spec
 
     trace_path, out = tmp_path / "t.json", tmp_path / "r.json"
@@ -213,8 +216,10 @@ def test_predicted_step_parts_fill_every_rank(argv, tmp_path):
         seconds = visible_seconds(spec, rank["rank"])
         assert seconds.pop("", 0.0) < 1e-9 * scale
         assert sum(seconds.values()) == pytest.approx(result["makespan"] * scale)
-        if rank["optimizer"]:
-            assert seconds["optimizer step"] > 0
+        for part in ("tp", "ep", "cp", "optimizer"):  # each part the step has, in a lane of its own, named
+            if rank[part]:
+                label = STEP_STREAM_STYLES["step" if part == "optimizer" else part][0]
+                assert seconds[label] > 0, (part, seconds)
 
 
 # -- defaults that show the thing -------------------------------------------------------------
