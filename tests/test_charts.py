@@ -320,6 +320,10 @@ def test_no_memory_panel_without_memory_columns():
     fig = sweep_figure(sweep_rows(memory=False))
     assert not any("peak memory" in (a.text or "") for a in fig.layout.annotations)
     assert not any(t.name == OOM_NAME for t in fig.data)
+    # no empty cell: every subplot of the grid holds lines (four panels, in-flight across the lower row)
+    axes = {key for key in fig.layout.to_plotly_json() if key.startswith("xaxis")}
+    drawn = {"xaxis" + t.xaxis[1:] for t in fig.data}
+    assert axes == drawn and len(axes) == 4
 
 
 def test_throughput_beside_step_time():

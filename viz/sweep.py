@@ -113,17 +113,19 @@ def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Fig
                        lambda row: throughput(row)[0] if rate_unit != "microbatches/s"
                        else (row["microbatches"] / row["makespan"] if row["makespan"] else 0.0), ",.4g"),
         "bubble_fraction": ("bubble fraction", (1, 3), lambda row: row["bubble_fraction"], ".1%"),
-        "peak_inflight_microbatches": (f"peak in-flight microbatches ({peak_scope})", (2, 3),
+        # beside the memory panel when there is one, else across the row (no empty cells)
+        "peak_inflight_microbatches": (f"peak in-flight microbatches ({peak_scope})", (2, 3) if has_memory else (2, 1),
                                        lambda row: row["peak_inflight_microbatches"], ".2f"),
     }
     if has_memory:
         panels["peak_memory"] = (f"peak memory per GPU, GB ({peak_scope})", (2, 1),
                                  lambda row: (row.get("peak_memory_bytes") or 0.0) / 1e9, ".2f")
-    titles = ["", "", "", "", ""]
-    slots = {(1, 1): 0, (1, 2): 1, (1, 3): 2, (2, 1): 3, (2, 3): 4}
+    slots = {(1, 1): 0, (1, 2): 1, (1, 3): 2, (2, 1): 3, **({(2, 3): 4} if has_memory else {})}
+    titles = [""] * len(slots)
     for title, cell, _, _ in panels.values():
         titles[slots[cell]] = title
-    fig = make_subplots(rows=2, cols=3, specs=[[{}, {}, {}], [{"colspan": 2}, None, {}]],
+    below = [{"colspan": 2}, None, {}] if has_memory else [{"colspan": 3}, None, None]
+    fig = make_subplots(rows=2, cols=3, specs=[[{}, {}, {}], below],
                         subplot_titles=titles, horizontal_spacing=0.07, vertical_spacing=0.16)
     counts = sorted({int(row["microbatches"]) for row in rows})
     log_axis = all(_is_power_of_two(count) for count in counts) and counts[-1] >= 4 * counts[0]
