@@ -118,3 +118,26 @@ def test_cdn_pages_say_why_they_are_blank_offline(tmp_path):
     page = cdn.read_text(encoding="utf-8")
     assert "could not reach it" in page and "typeof Plotly === 'undefined'" in page
     assert "pipesim-no-plotly" not in inline.read_text(encoding="utf-8")
+
+
+def test_a_short_gantt_is_tall_enough_for_its_legend():
+    """Two ranks of an interleaved step with dp, tp and the optimizer: a dozen legend lines,
+    which the rank rows' 330 px once cut off."""
+    from schedules.trace import Trace, TraceEvent
+    from viz.gantt import LEGEND_ENTRY_PX, gantt_spec
+
+    events, moment = [], 0.0
+    for rank in range(2):
+        for stage in (rank, rank + 2):  # chunk 0 and chunk 1 of the rank
+            for kind in ("F", "B"):
+                events.append(TraceEvent(rank, f"{stage}{kind}0", kind, stage, 0, moment, moment + 1.0, "compute"))
+                moment += 1.0
+        for stream, kind in (("tp", "ALLREDUCE_TP"), ("dp", "ALLREDUCE_DP"), ("step", "OPTIMIZER")):
+            events.append(TraceEvent(rank, kind, kind, -1, -1, moment, moment + 0.5, stream))
+            moment += 0.5
+    events.append(TraceEvent(0, "0SEND_F0", "SEND_F", 0, 0, 1.0, 1.5, "send"))
+    events.append(TraceEvent(1, "1RECV_F0", "RECV_F", 1, 0, 0.0, 1.5, "recv"))
+    spec = gantt_spec(Trace(events, {"virtual_stages": 2}))
+    entries = sum(1 for layer in spec["data"] if layer.get("showlegend"))
+    assert entries >= 10
+    assert spec["layout"]["height"] >= entries * LEGEND_ENTRY_PX + 100 > 330

@@ -31,6 +31,7 @@ LABEL_LIMIT = 1_500  # compute bars per figure that get a microbatch label
 TIME_DIGITS = 4  # decimals of a millisecond kept in the chart (0.1 µs), scaled per unit
 TOP_AXIS_PX = 900  # charts taller than this also label the time axis at the top
 TITLE_GAP_PX = 64  # room between stacked subplots for a two-line title
+LEGEND_ENTRY_PX = 24  # a legend line with its gap: a short chart grows to show every entry
 
 HOVER = (
     "<b>%{{customdata[0]}}</b><br>"
@@ -214,6 +215,12 @@ def _dash(layer: Layer) -> str:
     return "dash" if layer.is_compute else "dot"
 
 
+def legend_height(entries: int) -> int:
+    """Pixels a chart needs for ``entries`` legend lines beside it and its margins: a
+    two-rank step with a dozen kinds of bars once cut its legend at 330 px."""
+    return entries * LEGEND_ENTRY_PX + 150
+
+
 def _row_px(ranks: int) -> float:
     """Pixels per rank row: roomy for a few ranks, compact for 64."""
     return 40.0 if ranks <= 8 else 26.0 if ranks <= 32 else 14.0
@@ -333,7 +340,7 @@ def gantt_spec(
         hovermode="closest",
         # labels that do not fit a bar are dropped; down to 6 px, so two-digit microbatches keep theirs on narrow bars
         uniformtext={"minsize": 6, "mode": "hide"},
-        height=height + (top - 100),
+        height=max(height + (top - 100), legend_height(len(shown))),
         legend={"tracegroupgap": 4},
         margin={"l": 70, "r": 20, "t": top, "b": 50},
         plot_bgcolor="white",
