@@ -202,10 +202,11 @@ def run(schedule: Schedule | str = "1f1b", **config: Any) -> dict:
     measured ``trace`` of the last step. ``schedule`` is a name or a ``Schedule`` (its
     pp, microbatches and chunks are used); ``config`` takes any ``executor.RunConfig``
     field (``model="gpt"``, ``layers``, ``hidden``, ``batch_size``, ``steps``, …).
-    torch is imported here, not on ``import pipesim``."""
+    torch is imported here, not on ``import pipesim``. Called from a script, the call must
+    sit under ``if __name__ == "__main__":`` (its ranks are spawned, importing the script
+    again); one that does not is refused at once, naming the line (``script_guard``)."""
     from executor import RunConfig  # noqa: PLC0415
-    from executor.launch import launch  # noqa: PLC0415 - loads torch
-    from executor.worker import run_local  # noqa: PLC0415
+    from pipesim.script_guard import require_main_guard  # noqa: PLC0415
 
     if not isinstance(schedule, str):
         config = {"pp": schedule.pp, "microbatches": schedule.microbatches,
@@ -218,7 +219,12 @@ def run(schedule: Schedule | str = "1f1b", **config: Any) -> dict:
     run_config = RunConfig(schedule=schedule, **config)
     run_config.check()
     if run_config.world_size == 1:
+        from executor.worker import run_local  # noqa: PLC0415
+
         return run_local(run_config)
+    require_main_guard()  # before torch loads: the ranks would import the script again
+    from executor.launch import launch  # noqa: PLC0415 - loads torch
+
     (result,) = launch(run_config)
     return result
 

@@ -22,13 +22,25 @@ from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, load_costs, uniform_costs
 from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN
 from schedules.collector import without_collector
-from schedules.generators import COST_AWARE, DEFAULT_MAX_ACTIONS, MULTI_CHUNK, generate, require_within_limit
+from schedules.generators import (
+    COST_AWARE,
+    DEFAULT_MAX_ACTIONS,
+    MULTI_CHUNK,
+    SCHEDULE_NAMES,
+    generate,
+    require_within_limit,
+    splits_backward,
+)
 from schedules.generators.adaptive import ADAPTABLE
 from schedules.schedule import Schedule
 
 DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
 DEFAULT_VIRTUAL_STAGES = 2  # for schedules that place several chunks per rank
 DEFAULT_FWD = 1e-3
+# A schedule that splits the backward into I and W, given --fwd/--bwd but no --wgrad: W is
+# this share of B, so at --bwd 2 x --fwd the passes cost F = I = W, the zero-bubble paper's
+# unit costs. Without a split its W passes would take no time and draw as nothing.
+DEFAULT_WGRAD_SHARE = 0.5
 COST_FLAGS = (("--fwd", "fwd"), ("--bwd", "bwd"), ("--wgrad", "wgrad"), ("--act-bytes", "act_bytes"))
 # --dtype NAME -> bytes per element; --dtype-bytes N is the old spelling, kept working
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
@@ -237,8 +249,33 @@ def flag_costs_of(job, num_stages: int, virtual_stages: int) -> Costs:
         return load_costs(job.costs, num_stages, virtual_stages)
     fwd = DEFAULT_FWD if job.fwd is None else job.fwd
     bwd = 2 * fwd if job.bwd is None else job.bwd
-    return uniform_costs(num_stages, fwd, bwd, job.wgrad or 0.0, job.act_bytes or 0.0, virtual_stages,
+    return uniform_costs(num_stages, fwd, bwd, wgrad_of(job, bwd), job.act_bytes or 0.0, virtual_stages,
                          stash_bytes=job.stash_bytes, param_bytes=job.param_bytes)
+
+
+def takes_default_split(job) -> bool:
+    """Whether the job's W time is the stated default: a generated schedule that splits
+    the backward, costs from flags, no ``--wgrad``."""
+    name = getattr(job, "schedule", None) or DEFAULT_SCHEDULE
+    return (getattr(job, "wgrad", None) is None and not getattr(job, "schedule_file", None)
+            and not getattr(job, "costs", None) and not getattr(job, "model", None)
+            and name in SCHEDULE_NAMES and splits_backward(name))
+
+
+def wgrad_of(job, bwd: float) -> float:
+    """The W part of ``bwd``: ``--wgrad`` as given, else ``DEFAULT_WGRAD_SHARE`` of it for
+    a schedule that splits the backward, else none."""
+    if takes_default_split(job):
+        return DEFAULT_WGRAD_SHARE * bwd
+    return getattr(job, "wgrad", None) or 0.0
+
+
+def default_split_note(job) -> str | None:
+    """The line that says a split-backward schedule runs on the default W share, or None."""
+    if not takes_default_split(job):
+        return None
+    return (f"note: {job.schedule} splits the backward; without --wgrad W is {DEFAULT_WGRAD_SHARE:.0%} of --bwd "
+            f"(I = W = F at --bwd 2 x --fwd); give --wgrad to set it")
 
 
 def finite_flag(value: float, flag: str, positive: bool = False) -> float:

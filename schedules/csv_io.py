@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
@@ -159,6 +160,33 @@ def _infer_placement(label: str, programs: list[list[Action]]) -> tuple[int, ...
     return tuple(owner[stage][0] for stage in range(len(owner)))
 
 
+def _check_majority(label: str, seen: dict[int, dict[int, Action]]) -> None:
+    """Where most stages hold one set of microbatches and a few another, name the few:
+    the odd stage is the one to fix, not the others (which the count, taken from the
+    most microbatches on any stage, would otherwise blame for missing one)."""
+    held = {stage: frozenset(by_microbatch) for stage, by_microbatch in seen.items()}
+    majority, votes = Counter(held.values()).most_common(1)[0]
+    odd = sorted(stage for stage, microbatches in held.items() if microbatches != majority)
+    if not odd or votes <= len(odd):
+        return
+    stage = odd[0]
+    extra = [seen[stage][microbatch] for microbatch in sorted(held[stage] - majority)]
+    missing = [Action(stage, ActionKind.F, microbatch) for microbatch in sorted(majority - held[stage])]
+    wrong = [f"{action} (not on the others)" for action in extra[:3]]
+    wrong += [f"{action} (missing)" for action in missing[:3]]
+    others = f"the other {votes} stages" if len(odd) == 1 else f"{votes} of the {len(held)} stages"
+    raise ScheduleCsvError(
+        f"{label}: stage {stage} differs from {others}, which hold microbatches {_numbers(sorted(majority))}: "
+        f"{', '.join(wrong)}" + (f" (stages {', '.join(map(str, odd))} differ)" if len(odd) > 1 else ""))
+
+
+def _numbers(values: list[int]) -> str:
+    """``0 to 7`` for a run, else the list."""
+    if values == list(range(values[0], values[-1] + 1)) and len(values) > 2:
+        return f"{values[0]} to {values[-1]}"
+    return ", ".join(map(str, values))
+
+
 def _check_microbatches(label: str, programs: list[list[Action]], given: int | None) -> int:
     """The microbatch count: ``given``, or the most distinct microbatches any stage holds;
     then every stage must hold exactly microbatches ``0 … count-1``."""
@@ -168,6 +196,8 @@ def _check_microbatches(label: str, programs: list[list[Action]], given: int | N
     for program in programs:
         for action in program:
             seen.setdefault(action.stage, {}).setdefault(action.microbatch, action)
+    if given is None:
+        _check_majority(label, seen)
     count = given if given is not None else max(len(by_microbatch) for by_microbatch in seen.values())
     source = "as given" if given is not None else "the most distinct microbatches on one stage"
     problems = []

@@ -23,6 +23,8 @@ def check_readable(path: str | Path, what: str = "file") -> Path:
         raise UserFileError(f"no such file: {path}" + (f" (the {what})" if what != "file" else ""))
     if path.is_dir():
         raise UserFileError(f"{path} is a directory; expected a {what}")
+    if not path.is_file():  # reading a FIFO, a device or a socket would wait for a writer forever
+        raise UserFileError(f"{path} is not a regular file (a pipe, device or socket); expected a {what}")
     if not os.access(path, os.R_OK):
         raise UserFileError(f"cannot read {path}: permission denied")
     return path

@@ -1,6 +1,6 @@
-"""Every ```python block of docs/api.md runs, in order, in one namespace and a fresh
-folder: the examples a user copies into a notebook stay true (their own asserts check
-the closed forms they quote)."""
+"""Every ```python block of docs/api.md runs, in order, as one script in a fresh folder:
+the examples a user copies into a script (or a notebook) stay true (their own asserts
+check the closed forms they quote), spawned ranks included."""
 
 from __future__ import annotations
 
@@ -24,12 +24,17 @@ def test_doc_has_examples():
     assert any("pipesim.run(" in block for block in blocks)
 
 
-def test_api_doc_examples_run(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__api_doc__"}
-    for index, block in enumerate(python_blocks(DOC.read_text())):
-        code = compile(block, f"{DOC.name} block {index + 1}", "exec")
-        exec(code, namespace)  # noqa: S102 - the documentation's own examples
+def test_api_doc_examples_run_as_a_script(tmp_path):
+    """As a user runs them: ``python examples.py``, so ``pipesim.run``'s spawned ranks
+    import the script again (what the ``__main__`` guard is for)."""
+    import os
+    import subprocess
+
+    script = tmp_path / "examples.py"
+    script.write_text("\n".join(python_blocks(DOC.read_text())))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(DOC.parents[1])})
+    assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "gantt.html").stat().st_size < 200_000  # plotly="cdn": no embedded plotly.js
     assert (tmp_path / "measured.html").stat().st_size > 1_000_000  # inline: plotly.js embedded
 
@@ -68,3 +73,34 @@ def test_readme_python_example_runs(tmp_path, monkeypatch):
     for index, block in enumerate(blocks):
         exec(compile(block, f"README.md block {index + 1}", "exec"), {"__name__": "__readme__"})  # noqa: S102
     assert (tmp_path / "gantt.html").exists()
+
+
+def test_run_without_the_main_guard_is_named_at_once(tmp_path):
+    """A script calling ``pipesim.run`` at its top level would have every spawned rank run
+    it again; it is refused before any rank starts, naming the line and the guard."""
+    import os
+    import subprocess
+
+    script = tmp_path / "train.py"
+    script.write_text("import pipesim\n\nresult = pipesim.run('1f1b', pp=2, microbatches=2, model='mlp', layers=2, "
+                      "hidden=8, batch_size=4, steps=1)\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PYTHONPATH": str(DOC.parents[1])})
+    assert done.returncode != 0
+    assert f"{script}, line 3: pipesim.run starts its ranks" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr
+
+
+def test_guarded_and_aliased_calls_are_told_apart():
+    import ast
+
+    from pipesim.script_guard import _unguarded_run_calls
+
+    guarded = "import pipesim\nif __name__ == '__main__':\n    pipesim.run('1f1b')\n"
+    in_function = "import pipesim\ndef main():\n    pipesim.run('1f1b')\nmain.__name__\n"
+    aliased = "from pipesim import run as launch\nfor _ in range(2):\n    launch('1f1b')\n"
+    other_run = "import asyncio, subprocess\nfrom subprocess import run\nrun(['true'])\nasyncio.run(None)\n"
+    assert _unguarded_run_calls(ast.parse(guarded)) == []
+    assert _unguarded_run_calls(ast.parse(in_function)) == []
+    assert _unguarded_run_calls(ast.parse(aliased)) == [3]
+    assert _unguarded_run_calls(ast.parse(other_run)) == []

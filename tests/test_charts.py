@@ -13,6 +13,7 @@ from pipesim.cli.compare import chart_summaries
 from pipesim.cli.topology import graph_lists
 from pipesim.sim.comparison import compare, report_lines
 from schedules.trace import Trace, TraceEvent
+from schedules.units import number
 from tests.test_viz import event, two_rank_step
 from viz.colors import KIND_COLORS, STEP_STREAM_STYLES, chunk_color
 from viz.gantt import gantt_figure
@@ -80,8 +81,9 @@ def test_idle_after_a_ranks_last_action_is_drawn_to_the_step_end():
 
 @pytest.mark.parametrize(("factor", "meta", "unit", "scale"), [
     (1.0, {}, "ms", 1e3),  # a 9.2 ms step
-    (1e3 / 2, {}, "s", 1.0),  # 4.6 s
-    (1e-2, {}, "µs", 1e6),  # 92 µs
+    (1e3 / 2, {}, "ms", 1e3),  # 4.6 s: ms below 10 s (schedules.units)
+    (2e3, {}, "s", 1.0),  # 18.4 s
+    (1e-2, {}, "ms", 1e3),  # 92 µs, as 0.092 ms
     (1e3, {"time_unit": "units"}, "units", 1.0),  # unit costs: F = 1, B = 2 -> 9.2 units
 ])
 def test_times_in_the_unit_that_fits(factor, meta, unit, scale):
@@ -94,7 +96,7 @@ def test_times_in_the_unit_that_fits(factor, meta, unit, scale):
     assert forward.base[index] == pytest.approx(first.start * scale, rel=1e-6)
     assert forward.x[index] == pytest.approx(first.duration * scale, rel=1e-6)
     title = fig.layout.annotations[0].text
-    assert f"makespan {9.2e-3 * factor * scale:.3f} {unit}" in title
+    assert f"makespan {number(9.2e-3 * factor * scale)} {unit}" in title
     assert f"duration %{{customdata[6]:.3f}} {unit}" in forward.hovertemplate
     if unit == "units":
         assert " ms" not in title
@@ -107,7 +109,7 @@ def test_title_names_schedule_shape_parallelism_model_and_topology():
     assert title.startswith("<b>predicted</b>")
     for part in ("gpipe", "pp=2 m=2 v=2", "dp=2 tp=4", "model gpt3-13b", "on ib"):
         assert part in title
-    assert "<br>makespan 9.200 ms" in title  # the metrics on their own line
+    assert "<br>makespan 9.2 ms" in title  # the metrics on their own line
     measured = two_rank_step(source="measured")
     measured.meta.update(backend="gloo", dp=1, tp=1)
     assert "· on gloo" in gantt_figure([measured]).layout.annotations[0].text
@@ -132,8 +134,8 @@ def test_show_draws_unit_costs_in_units(tmp_path):
                  "--plotly", "cdn"]) == 0
     html = out.read_text(encoding="utf-8")
     # 1F1B, pp=2, m=2 with F = 1, B = 2: (m + p - 1)(F + B) = 9 units
-    assert "time since step start (units)" in html and "makespan 9.000 units" in html
-    assert "9000.000 ms" not in html
+    assert "time since step start (units)" in html and "makespan 9 units" in html
+    assert "9,000 ms" not in html
 
 
 # -- Gantt: step-level parts in the rank's own lane ---------------------------------------
@@ -242,13 +244,14 @@ def test_compare_chart_and_terminal_print_the_same_numbers():
     step_times = [0.020, 0.008, 0.007, 0.009]
     document = compare(measured, step_times, predicted, 4.6e-3, warmup_steps=1)
     terminal = "\n".join(report_lines(document))
-    measured_line, predicted_line = chart_summaries(document, drawn_step=3)
+    measured_line, predicted_line = chart_summaries(document, drawn_step=3, drawn_span=6.5e-3)
     # by hand: median of 8, 7, 9 ms = 8 ms; busy 0.1 + 0.2 (rank 0) and 0.1 + 0.2 (rank 1) ms
-    assert "8.00 ms" in measured_line and "median of 3 steps" in measured_line and "step 3" in measured_line
+    assert "8.00 ms" in measured_line and "median of 3 steps" in measured_line
+    assert "drawn: step 3, 6.5 ms long" in measured_line  # the drawn bars' own length, said apart
     assert f"{1 - 0.6e-3 / (2 * 8e-3):.1%}" in measured_line  # 96.2%
-    for line in (measured_line, predicted_line):
-        for number in re.findall(r"[-+]?\d+\.\d+%?", line):
-            assert number in terminal, (number, terminal)
+    for line in (measured_line.split(" · drawn")[0], predicted_line):
+        for figure in re.findall(r"[-+]?\d+\.\d+%?", line):
+            assert figure in terminal, (figure, terminal)
     fig = gantt_figure([measured, predicted], titles=["measured", "predicted"],
                        summaries=[measured_line, predicted_line])
     titles = [a.text for a in fig.layout.annotations if a.text and a.text.startswith("<b>")]
@@ -296,13 +299,31 @@ def test_memory_panel_with_capacity_line_and_oom_marks():
     capacity = [s for s in fig.layout.shapes if s.type == "line" and s.y0 == s.y1]
     assert [s.y0 for s in capacity] == [pytest.approx(80.0)]
     assert capacity[0].xref == memory_axis + " domain" or capacity[0].xref.startswith(memory_axis)
-    assert any(a.text == "device memory 80.0 GB" for a in fig.layout.annotations)
+    assert any(a.text == "device capacity 80.0 GB (usable limit not given)" for a in fig.layout.annotations)
+
+
+def test_memory_panel_draws_the_usable_limit_judged_against_and_the_capacity():
+    rows = sweep_rows()
+    for row in rows:  # 80 GB less a 10% headroom: judged against 72 GB
+        row.update(usable_bytes=72e9, memory_headroom="10%", oom=row["peak_memory_bytes"] > 72e9)
+    fig = sweep_figure(rows)
+    lines = sorted(s.y0 for s in fig.layout.shapes if s.type == "line" and s.y0 == s.y1)
+    assert lines == [pytest.approx(72.0), pytest.approx(80.0)]
+    labels = {a.text for a in fig.layout.annotations}
+    assert "usable limit 72.0 GB (capacity less 10% headroom): above it, out of memory" in labels
+    assert "device capacity 80.0 GB" in labels
+    oom = next(t for t in fig.data if t.name == OOM_NAME)
+    assert min(oom.y) > 72.0  # every ✕ above the drawn limit, none below it
 
 
 def test_no_memory_panel_without_memory_columns():
     fig = sweep_figure(sweep_rows(memory=False))
     assert not any("peak memory" in (a.text or "") for a in fig.layout.annotations)
     assert not any(t.name == OOM_NAME for t in fig.data)
+    # no empty cell: every subplot of the grid holds lines (four panels, in-flight across the lower row)
+    axes = {key for key in fig.layout.to_plotly_json() if key.startswith("xaxis")}
+    drawn = {"xaxis" + t.xaxis[1:] for t in fig.data}
+    assert axes == drawn and len(axes) == 4
 
 
 def test_throughput_beside_step_time():
@@ -320,10 +341,10 @@ def test_throughput_beside_step_time():
 
 
 def test_sweep_step_time_in_seconds_for_long_steps():
-    rows = [dict(row, makespan=row["makespan"] * 100) for row in sweep_rows()]
+    rows = [dict(row, makespan=row["makespan"] * 1000) for row in sweep_rows()]  # up to 57 s: s from 10 s
     fig = sweep_figure(rows)
     assert "step time (s)" in [a.text for a in fig.layout.annotations]
-    assert next(t for t in fig.data if t.name == "gpipe").y[0] == pytest.approx(7 * 0.3)
+    assert next(t for t in fig.data if t.name == "gpipe").y[0] == pytest.approx(7 * 3)
 
 
 def test_sweep_rows_carry_capacity():

@@ -213,7 +213,8 @@ def shifted_last_rank_csv(path: Path) -> Path:
 def test_microbatch_out_of_range_and_missing_are_named(capsys, tmp_path):
     path = shifted_last_rank_csv(tmp_path / "shifted.csv")
     status, _, err = run_cli(capsys, "simulate", "--schedule-file", path)
-    assert_one_line_error(status, err, "8 microbatches", "3F8 (out of range)", "3F0 (missing)")
+    assert_one_line_error(status, err, "stage 3 differs from the other 3 stages, which hold microbatches 0 to 7",
+                          "3F8 (not on the others)", "3F0 (missing)")
     assert "0F8" not in err  # the old guess (largest index + 1 = 9) blamed rank 0
 
 
@@ -246,9 +247,14 @@ def test_a_stage_numbered_off_by_some_is_named(tmp_path_factory, name, pp, round
     with pytest.raises(ValueError) as error:
         schedule_from_csv(path)
     message = str(error.value)
-    assert f"{microbatches} microbatches" in message
     first_past_the_end = max(microbatches, shift)  # indices now run shift .. microbatches - 1 + shift
-    assert f"{stage}F{first_past_the_end} (out of range)" in message and f"{stage}F0 (missing)" in message
+    others = schedule.num_stages - 1
+    if others > 1:  # the other stages agree: the odd one is named against them
+        assert f"stage {stage} differs from the other {others} stages" in message
+        assert f"{stage}F{first_past_the_end} (not on the others)" in message and f"{stage}F0 (missing)" in message
+    else:
+        assert f"{microbatches} microbatches" in message
+        assert f"{stage}F{first_past_the_end} (out of range)" in message and f"{stage}F0 (missing)" in message
 
 
 # --- the boundary itself ----------------------------------------------------------------

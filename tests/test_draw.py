@@ -26,7 +26,7 @@ def test_draw_a_simulated_trace(tmp_path, capsys):
     assert main(["draw", str(trace), "--html", str(html), "--chrome-trace", str(chrome)]) == 0
     printed = capsys.readouterr().out
     # 1F1B with free links: (m + p - 1)(F + B) = 11 x 3 ms; bubble (p - 1)/(m + p - 1) = 3/11
-    assert f"{trace}: 4 ranks" in printed and "makespan 33.000 ms" in printed and "bubble fraction 0.273" in printed
+    assert f"{trace}: 4 ranks" in printed and "makespan 33 ms" in printed and "bubble fraction 27.3%" in printed
     events = json.loads(trace.read_text())["events"]
     complete = [event for event in json.loads(chrome.read_text())["traceEvents"] if event.get("ph") == "X"]
     assert len(complete) == len(events)
@@ -59,7 +59,7 @@ def test_draw_several_traces_on_one_axis(tmp_path, capsys):
     printed = capsys.readouterr().out.splitlines()
     # gpipe and 1f1b share the closed form (m + p - 1)(F + B) = 5 x 3 ms at the default costs
     assert [line.split(":")[0] for line in printed[:2]] == [str(path) for path in paths]
-    assert all("makespan 15.000 ms" in line for line in printed[:2])
+    assert all("makespan 15 ms" in line for line in printed[:2])
 
 
 @pytest.mark.timeout(180)

@@ -46,7 +46,11 @@ _CHUNK_DARKEN = 0.32  # fraction towards black per chunk, capped
 # Streams beyond these (an unknown stream a measurement may add).
 _EXTRA_STREAM_COLORS = ("#17BECF", "#BCBD22", "#8C564B", "#E377C2", "#7F7F7F")
 
-# Schedules users compare most often keep fixed colours; others hash into a palette.
+# Every generator keeps a fixed colour of its own and a marker of its own (a chart that
+# mixes eleven schedules tells each apart by both, in colour and in greyscale); an unknown
+# name (a schedule file) hashes into a palette. NO_PIPELINE: a layout of pp 1, whichever
+# schedule name it was searched under.
+NO_PIPELINE = "no pipeline (pp 1)"
 SCHEDULE_COLORS: dict[str, str] = {
     "gpipe": "#4C78A8",
     "1f1b": "#F58518",
@@ -54,7 +58,19 @@ SCHEDULE_COLORS: dict[str, str] = {
     "zb-h1": "#E45756",
     "zb-h2": "#B279A2",
     "zbv": "#72B7B2",
+    "zbv-auto": "#EECA3B",
+    "zb-auto": "#9D755D",
+    "interleaved-zb": "#FF9DA6",
+    "dualpipev": "#2F4B7C",
+    "looped-bfs": "#BAB0AC",
+    NO_PIPELINE: "#222222",
 }
+SCHEDULE_SYMBOLS: dict[str, str] = {
+    "gpipe": "circle", "1f1b": "square", "interleaved-1f1b": "diamond", "zb-h1": "triangle-up",
+    "zb-h2": "triangle-down", "zbv": "pentagon", "zbv-auto": "hexagon", "zb-auto": "triangle-left",
+    "interleaved-zb": "cross", "dualpipev": "star-triangle-up", "looped-bfs": "x", NO_PIPELINE: "star",
+}
+_SYMBOL_PALETTE = ("circle-open", "square-open", "diamond-open", "triangle-up-open", "hexagram", "bowtie")
 _SCHEDULE_PALETTE = ("#FF9DA6", "#9D755D", "#EECA3B", "#BAB0AC", "#1F77B4", "#2CA02C", "#9467BD", "#8C564B")
 
 
@@ -98,3 +114,8 @@ def chunk_pattern(chunk: int) -> str:
 def schedule_color(schedule: str) -> str:
     """Colour of a schedule's line in sweep charts."""
     return SCHEDULE_COLORS.get(schedule.lower(), stable_pick(schedule.lower(), _SCHEDULE_PALETTE))
+
+
+def schedule_symbol(schedule: str) -> str:
+    """Marker of a schedule's points: its own for every generator."""
+    return SCHEDULE_SYMBOLS.get(schedule.lower(), stable_pick(schedule.lower(), _SYMBOL_PALETTE))

@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from viz.html import include_plotlyjs
+from viz.html import include_plotlyjs, with_offline_notice
 
 COLORS = {"sendrecv": "#1f77b4", "all_reduce": "#d62728", "all_gather": "#2ca02c", "reduce_scatter": "#9467bd"}
 
@@ -44,5 +45,6 @@ def write_comm_bench_html(rows: list[dict], fits: dict[str, dict], path: str | P
     if title:
         fig.update_layout(title={"text": title, "x": 0.0, "xanchor": "left"})
     path = Path(path)
-    fig.write_html(path, include_plotlyjs=include_plotlyjs(plotly), full_html=True, config={"displaylogo": False})
+    html = pio.to_html(fig, include_plotlyjs=include_plotlyjs(plotly), full_html=True, config={"displaylogo": False})
+    path.write_text(with_offline_notice(html, plotly), encoding="utf-8")
     return path

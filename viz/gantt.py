@@ -18,8 +18,12 @@ from plotly.subplots import make_subplots
 
 from schedules.metrics import StepMetrics, makespan, step_metrics
 from schedules.trace import Trace, TraceEvent
-from viz.html import include_plotlyjs
+from schedules.units import number
+from schedules.units import time_unit as unit_of_times
+from viz.html import include_plotlyjs, with_offline_notice
 from viz.lanes import Layer, layers_of
+from viz.limits import OOM_COLOR
+from viz.memory import has_memory_timeline, memory_figure
 from viz.transfers import as_transfers
 
 BAR_LIMIT = 20_000  # events per figure; SVG bars beyond this make the page crawl
@@ -27,6 +31,7 @@ LABEL_LIMIT = 1_500  # compute bars per figure that get a microbatch label
 TIME_DIGITS = 4  # decimals of a millisecond kept in the chart (0.1 µs), scaled per unit
 TOP_AXIS_PX = 900  # charts taller than this also label the time axis at the top
 TITLE_GAP_PX = 64  # room between stacked subplots for a two-line title
+LEGEND_ENTRY_PX = 24  # a legend line with its gap: a short chart grows to show every entry
 
 HOVER = (
     "<b>%{{customdata[0]}}</b><br>"
@@ -46,23 +51,15 @@ def time_unit(traces: list[Trace]) -> tuple[str, float]:
 
     A trace whose ``meta["time_unit"]`` is ``"units"`` (``pipesim show`` simulates with
     unit costs, F = 1 and B = 2) is in abstract units; anything else is in seconds and
-    gets the unit that keeps the longest step between 1 and 1000: s, ms or µs."""
+    gets the one unit rule of every pipesim output (``schedules.units``): ms below 10 s,
+    s from there."""
     if any(trace.meta.get("time_unit") == "units" for trace in traces):
         return "units", 1.0
-    return seconds_unit(max((makespan(trace) for trace in traces), default=0.0))
-
-
-def seconds_unit(span: float) -> tuple[str, float]:
-    """The unit that keeps ``span`` seconds between 1 and 1000 (s, ms or µs), and the factor."""
-    if span >= 1.0:
-        return "s", 1.0
-    if span >= 1e-3 or span == 0.0:
-        return "ms", 1e3
-    return "µs", 1e6
+    return unit_of_times(max((makespan(trace) for trace in traces), default=0.0))
 
 
 def format_time(seconds: float, unit: str, scale: float) -> str:
-    return f"{seconds * scale:.3f} {unit}"
+    return f"{number(seconds * scale)} {unit}"
 
 
 def describe(meta: dict, known: str = "") -> str:
@@ -105,6 +102,38 @@ def summary(trace: Trace, metrics: StepMetrics | None = None, unit: str = "ms", 
         f" ({format_time(waiting, unit, scale)} worst rank) · exposed comm (worst rank)"
         f" {format_time(exposed, unit, scale)}"
     )
+
+
+def out_of_memory(trace: Trace) -> dict[int, dict]:
+    """The ranks ``meta["memory"]`` judges out of memory, with their figures."""
+    return {int(rank["rank"]): rank for rank in trace.meta.get("memory") or () if rank.get("oom")}
+
+
+def rank_ticks(trace: Trace, ranks: int) -> list[str]:
+    """One tick label per rank, with the device it ran on under it where the cluster
+    names devices (not on free links); a rank out of memory is marked on it, in red."""
+    marked = out_of_memory(trace)
+    devices = trace.meta.get("devices") or []
+    placed = trace.meta.get("topology") not in (None, "ideal") and len(devices) >= ranks
+    ticks = []
+    for rank in range(ranks):
+        tick = f"<span style='color:{OOM_COLOR}'><b>rank {rank} ✕ OOM</b></span>" if rank in marked else f"rank {rank}"
+        if placed:
+            tick += f"<br><span style='font-size:9px;color:#777'>{devices[rank]}</span>"
+        ticks.append(tick)
+    return ticks
+
+
+def memory_verdict(trace: Trace) -> str:
+    """``out of memory: ranks 0, 3 (peak 230.1 GB > 72.0 GB usable)`` or ''."""
+    marked = out_of_memory(trace)
+    if not marked:
+        return ""
+    worst = max(marked.values(), key=lambda rank: rank["peak_bytes"])
+    limit = worst.get("usable_bytes")
+    against = f" > {limit / 1e9:,.1f} GB usable" if limit else ""
+    return (f"<span style='color:{OOM_COLOR}'>out of memory: rank{'s' if len(marked) > 1 else ''} "
+            f"{', '.join(map(str, sorted(marked)))} (peak {worst['peak_bytes'] / 1e9:,.1f} GB{against})</span>")
 
 
 def _hover_row(event: TraceEvent, t0: float, scale: float, digits: int) -> list:
@@ -186,6 +215,12 @@ def _dash(layer: Layer) -> str:
     return "dash" if layer.is_compute else "dot"
 
 
+def legend_height(entries: int) -> int:
+    """Pixels a chart needs for ``entries`` legend lines beside it and its margins: a
+    two-rank step with a dozen kinds of bars once cut its legend at 330 px."""
+    return entries * LEGEND_ENTRY_PX + 150
+
+
 def _row_px(ranks: int) -> float:
     """Pixels per rank row: roomy for a few ranks, compact for 64."""
     return 40.0 if ranks <= 8 else 26.0 if ranks <= 32 else 14.0
@@ -229,6 +264,8 @@ def gantt_spec(
     traces = drawn
     if summaries is None:
         summaries = [summary(trace, known, unit, scale) for trace, known in zip(traces, metrics, strict=True)]
+    summaries = [line + (f" · {verdict}" if (verdict := memory_verdict(trace)) else "")
+                 for line, trace in zip(summaries, traces, strict=True)]
 
     ranks = [max(trace.num_ranks, 1) for trace in traces]
     use_webgl = sum(len(trace.events) for trace in traces) > bar_limit
@@ -281,7 +318,7 @@ def gantt_spec(
             row=row,
             col=1,
             tickvals=list(range(ranks[row - 1])),
-            ticktext=[f"rank {rank}" for rank in range(ranks[row - 1])],
+            ticktext=rank_ticks(trace, ranks[row - 1]),
             range=[ranks[row - 1] - 0.5, -0.5],  # reversed: rank 0 on top
             showgrid=False,
             zeroline=False,
@@ -301,8 +338,9 @@ def gantt_spec(
     frame.update_layout(
         barmode="overlay",
         hovermode="closest",
-        uniformtext={"minsize": 8, "mode": "hide"},  # drop labels that do not fit a bar
-        height=height + (top - 100),
+        # labels that do not fit a bar are dropped; down to 6 px, so two-digit microbatches keep theirs on narrow bars
+        uniformtext={"minsize": 6, "mode": "hide"},
+        height=max(height + (top - 100), legend_height(len(shown))),
         legend={"tracegroupgap": 4},
         margin={"l": 70, "r": 20, "t": top, "b": 50},
         plot_bgcolor="white",
@@ -354,6 +392,8 @@ def write_gantt_html(
 ) -> Path:
     """Write a Gantt HTML page; ``plotly="inline"`` embeds plotly.js (opens offline),
     ``"cdn"`` loads it from the network (see ``viz.html``)."""
+    if isinstance(traces, Trace):
+        traces = [traces]
     spec = gantt_spec(traces, titles, metrics=metrics, summaries=summaries)
     if title:
         spec["layout"]["title"] = {"text": title, "x": 0.0, "xanchor": "left"}
@@ -362,5 +402,11 @@ def write_gantt_html(
         spec, include_plotlyjs=include_plotlyjs(plotly), full_html=True, validate=False,
         config={"displaylogo": False, "scrollZoom": True},
     )
-    path.write_text(html, encoding="utf-8")
+    panels = [trace for trace in traces if has_memory_timeline(trace)]
+    if panels:  # what each rank holds over the step, under the Gantt, on its time unit
+        unit, scale = time_unit(traces)
+        parts = [pio.to_html(memory_figure(trace, unit, scale), include_plotlyjs=False, full_html=False,
+                             config={"displaylogo": False}) for trace in panels]
+        html = html.replace("</body>", "".join(parts) + "</body>", 1)
+    path.write_text(with_offline_notice(html, plotly), encoding="utf-8")
     return path

@@ -17,7 +17,12 @@ itself shares the middle lane, so no time the rank spent reads as a white gap: t
 parallel collectives (issued inside a compute action), the optimizer step, waits, and
 the gradient all-reduce (drawn *under* compute, so what shows of it is the part compute
 did not hide). After a rank's last event the lane is filled to the step's end as
-"idle", so a rank that finished early is seen to wait.
+"idle", so a rank that finished early is seen to wait. What is left — a stretch of the
+rank's lane no event covers — is labelled by the rule of ``schedules.accounting``:
+before the rank's first event it is bubble (the pipeline filling), between its own
+events ``overhead`` (posting communication, host work between actions: a profile's
+modelled overhead, a measured executor's gaps). So every moment of a rank's row from
+the step's start to its end carries a label (``lane_gaps``).
 
 Chunks: on a schedule with ``v > 1`` model chunks per rank, compute layers are split by
 chunk (``stage // pp``, which is right for looped and V placements alike), each chunk
@@ -51,6 +56,11 @@ STREAM_LABELS = {
     "bubble": "bubble (wait for a peer)",
 }
 IDLE_STREAM = "idle"  # drawn only: a rank's time from its last event to the step's end
+OVERHEAD_STREAM = "overhead"  # drawn only: gaps between a rank's own events
+OVERHEAD_LABEL = "overhead (between actions: posting communication, host work)"
+OVERHEAD_COLOR = "#FDD0A2"  # pale orange: time the rank spent on neither compute nor a wait
+# streams drawn in the rank's own lane (a send leaving, in the lane below, does not hold it)
+LANE_STREAMS = frozenset({"compute", *WAITING_STREAMS, *STEP_STREAM_STYLES})
 _COMPUTE_ORDER = ("F", "B", "I", "W")
 UNDER_COMPUTE = ("dp", IDLE_STREAM)  # step-level layers drawn beneath the compute bars
 
@@ -97,6 +107,22 @@ def _compute_layer(kind: str, chunk: int, chunks: int) -> Layer:
                  pattern=chunk_pattern(chunk), pattern_color=kind_color(kind))
 
 
+# dp events by kind (pipesim.sim.parallel writes them): what the dp lane is called
+DP_LABELS = (
+    ("ALLGATHER_PARAMS", "dp reduce-scatter + parameter all-gather (ZeRO-3; shows where compute does not hide it)"),
+    ("REDUCE_SCATTER_DP", "dp gradient reduce-scatter (ZeRO; shows where compute does not hide it)"),
+)
+
+
+def dp_label(kinds: set[str]) -> str:
+    """The dp lane's name for the collectives it holds: an all-reduce, or ZeRO's
+    reduce-scatter, with ZeRO-3's parameter gathers named as such."""
+    for kind, label in DP_LABELS:
+        if kind in kinds:
+            return label
+    return STEP_STREAM_STYLES["dp"][0]
+
+
 def _step_layer(stream: str) -> Layer:
     label, color, pattern = STEP_STREAM_STYLES[stream]
     return Layer(label, color, COMPUTE_LANE, pattern=pattern)
@@ -117,6 +143,31 @@ def idle_tails(trace: Trace) -> list[TraceEvent]:
     return tails
 
 
+def lane_gaps(trace: Trace) -> list[TraceEvent]:
+    """The stretches of each rank's own lane that no event nor its idle tail covers (a
+    rank's tail starts after its last send, which is not in its lane),
+    as events: before its first event a ``bubble`` wait (the fill), between its events
+    ``overhead`` (the part ``schedules.accounting`` gives the name)."""
+    if not trace.events:
+        return []
+    step_start = min(event.start for event in trace.events)
+    scale = max(abs(max(event.end for event in trace.events)), 1.0)
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for event in [*trace.events, *idle_tails(trace)]:
+        if event.stream in LANE_STREAMS:
+            spans.setdefault(event.rank, []).append((event.start, event.end))
+    gaps = []
+    for rank in range(trace.num_ranks):
+        moment, first = step_start, True
+        for start, end in sorted(spans.get(rank, ())):
+            if start - moment > 1e-12 * scale:
+                stream, label = ("bubble", "fill (waiting for the pipeline)") if first else \
+                    (OVERHEAD_STREAM, "overhead")
+                gaps.append(TraceEvent(rank, label, stream, -1, -1, moment, start, stream))
+            moment, first = max(moment, end), False
+    return gaps
+
+
 def layers_of(trace: Trace) -> list[Layer]:
     """The layers of ``trace`` in drawing order: waits first (underneath; the bubble
     part, then the exposed-communication part), the gradient all-reduce and the idle
@@ -131,9 +182,14 @@ def layers_of(trace: Trace) -> list[Layer]:
     send = Layer(STREAM_LABELS["send"], stream_color("send"), SEND_LANE)
     steps: dict[str, Layer] = {}
     others: dict[str, Layer] = {}
-    for event in [*trace.events, *idle_tails(trace)]:
+    overhead = Layer(OVERHEAD_LABEL, OVERHEAD_COLOR, COMPUTE_LANE)
+    for event in [*trace.events, *idle_tails(trace), *lane_gaps(trace)]:
         stream = event.stream
-        if stream == "compute":
+        if stream == "bubble":  # the fill before a rank's first event
+            bubble.events.append(event)
+        elif stream == OVERHEAD_STREAM:
+            overhead.events.append(event)
+        elif stream == "compute":
             chunk = chunk_of(event, ranks) if chunks > 1 else 0
             layer = compute.get((event.kind, chunk))
             if layer is None:
@@ -158,8 +214,10 @@ def layers_of(trace: Trace) -> list[Layer]:
             (bubble if part == "bubble" else recv).events.append(event._replace(start=start, end=end))
     ordered = sorted(compute, key=lambda key: (_COMPUTE_ORDER.index(key[0]) if key[0] in _COMPUTE_ORDER else 99,
                                                key[0], key[1]))
+    if "dp" in steps:
+        steps["dp"].label = dp_label({event.kind for event in steps["dp"].events})
     under = [steps[name] for name in UNDER_COMPUTE if name in steps]
     over = [steps[name] for name in STEP_STREAM_STYLES if name in steps and name not in UNDER_COMPUTE]
-    layers = [bubble, recv, *under, *(compute[key] for key in ordered), *over, send,
+    layers = [bubble, recv, overhead, *under, *(compute[key] for key in ordered), *over, send,
               *(others[name] for name in sorted(others))]
     return [layer for layer in layers if layer.events]

@@ -18,16 +18,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from schedules.units import time_unit
 from viz.colors import schedule_color
-from viz.html import include_plotlyjs
+from viz.html import include_plotlyjs, with_offline_notice
+from viz.limits import OOM_COLOR, memory_lines
 
 REQUIRED = ("schedule", "microbatches", "makespan", "bubble_fraction", "peak_inflight_microbatches")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash")  # told apart: same schedule, other v
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "triangle-down", "cross", "star", "hexagon")
 DODGE = 0.07  # sideways nudge between neighbouring series, as a fraction of the gap between ticks
-OOM_COLOR = "#C0392B"
+MAX_SPREAD = 0.3  # ... and at most this much for all series together (ten series would take 63%)
 
 
 def series_label(row: dict, several_pp: bool) -> str:
@@ -68,19 +71,27 @@ def _is_power_of_two(count: int) -> bool:
     return count > 0 and count & (count - 1) == 0
 
 
-def _dodged(counts: list[int], position: float, log_axis: bool, all_counts: list[int]) -> list[float]:
-    """``counts`` nudged by ``position`` dodge steps (see the module docstring)."""
+def dodge_step(series: int) -> float:
+    """The nudge between neighbouring series: ``DODGE``, less where ``series`` of them
+    would spread one microbatch count over more than ``MAX_SPREAD`` of a tick gap."""
+    return min(DODGE, MAX_SPREAD / max(series - 1, 1))
+
+
+def _dodged(counts: list[int], position: float, log_axis: bool, all_counts: list[int],
+            step: float = DODGE) -> list[float]:
+    """``counts`` nudged by ``position`` dodge steps of ``step`` (see the module docstring)."""
     if log_axis:
         ratio = min((b / a for a, b in zip(all_counts, all_counts[1:], strict=False)), default=2.0)
-        return [count * ratio ** (DODGE * position) for count in counts]
+        return [count * ratio ** (step * position) for count in counts]
     gap = min((b - a for a, b in zip(all_counts, all_counts[1:], strict=False)), default=1)
-    return [count + gap * DODGE * position for count in counts]
+    return [count + gap * step * position for count in counts]
 
 
 def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Figure:
-    """Step time (s, ms or µs, whichever fits the longest), throughput, bubble
-    fraction, peak memory per GPU (GB; with the capacity line and out-of-memory points,
-    when rows carry ``peak_memory_bytes``, ``capacity_bytes`` and ``oom``) and peak
+    """Step time (ms below 10 s, s from there: ``schedules.units``), throughput, bubble
+    fraction, peak memory per GPU (GB; with the usable limit and capacity lines and the
+    out-of-memory points, when rows carry ``peak_memory_bytes``, ``capacity_bytes``,
+    ``usable_bytes`` and ``oom``: ``viz.limits``) and peak
     in-flight microbatches against the
     microbatch count, one line per schedule (and per ``virtual_stages``/``pp`` where rows
     differ in them). ``peak_scope`` says which rank the peaks were taken on, for the
@@ -95,25 +106,26 @@ def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Fig
     if any(throughput(row)[1] != rate_unit for row in rows):
         rate_unit = "microbatches/s"
     has_memory = any(row.get("peak_memory_bytes") is not None for row in rows)
-    longest = max(float(row["makespan"]) for row in rows)
-    unit, scale = ("s", 1.0) if longest >= 1.0 else ("ms", 1e3) if longest >= 1e-3 else ("µs", 1e6)
+    unit, scale = time_unit(max(float(row["makespan"]) for row in rows))  # the one rule: ms below 10 s
     panels = {  # key -> (title, (row, col), value of a row, hover format)
         "makespan": (f"step time ({unit})", (1, 1), lambda row: row["makespan"] * scale, ".4g"),
         "throughput": (f"throughput ({rate_unit})", (1, 2),
                        lambda row: throughput(row)[0] if rate_unit != "microbatches/s"
                        else (row["microbatches"] / row["makespan"] if row["makespan"] else 0.0), ",.4g"),
         "bubble_fraction": ("bubble fraction", (1, 3), lambda row: row["bubble_fraction"], ".1%"),
-        "peak_inflight_microbatches": (f"peak in-flight microbatches ({peak_scope})", (2, 3),
+        # beside the memory panel when there is one, else across the row (no empty cells)
+        "peak_inflight_microbatches": (f"peak in-flight microbatches ({peak_scope})", (2, 3) if has_memory else (2, 1),
                                        lambda row: row["peak_inflight_microbatches"], ".2f"),
     }
     if has_memory:
         panels["peak_memory"] = (f"peak memory per GPU, GB ({peak_scope})", (2, 1),
                                  lambda row: (row.get("peak_memory_bytes") or 0.0) / 1e9, ".2f")
-    titles = ["", "", "", "", ""]
-    slots = {(1, 1): 0, (1, 2): 1, (1, 3): 2, (2, 1): 3, (2, 3): 4}
+    slots = {(1, 1): 0, (1, 2): 1, (1, 3): 2, (2, 1): 3, **({(2, 3): 4} if has_memory else {})}
+    titles = [""] * len(slots)
     for title, cell, _, _ in panels.values():
         titles[slots[cell]] = title
-    fig = make_subplots(rows=2, cols=3, specs=[[{}, {}, {}], [{"colspan": 2}, None, {}]],
+    below = [{"colspan": 2}, None, {}] if has_memory else [{"colspan": 3}, None, None]
+    fig = make_subplots(rows=2, cols=3, specs=[[{}, {}, {}], below],
                         subplot_titles=titles, horizontal_spacing=0.07, vertical_spacing=0.16)
     counts = sorted({int(row["microbatches"]) for row in rows})
     log_axis = all(_is_power_of_two(count) for count in counts) and counts[-1] >= 4 * counts[0]
@@ -123,7 +135,8 @@ def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Fig
         schedule = str(points[0]["schedule"])
         dash = DASHES[dash_of.setdefault(schedule, 0) % len(DASHES)]
         dash_of[schedule] += 1
-        xs = _dodged([row["microbatches"] for row in points], index - (len(series) - 1) / 2, log_axis, counts)
+        xs = _dodged([row["microbatches"] for row in points], index - (len(series) - 1) / 2, log_axis, counts,
+                     dodge_step(len(series)))
         for key, (title, (row_at, col_at), value, fmt) in panels.items():
             kept = [(x, row) for x, row in zip(xs, points, strict=True)
                     if key != "peak_memory" or row.get("peak_memory_bytes") is not None]
@@ -147,12 +160,10 @@ def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Fig
         if has_memory:
             _mark_oom(fig, label, xs, points, first=not any(t.name == OOM_NAME for t in fig.data))
     if has_memory:
-        capacities = [row["capacity_bytes"] for row in rows if row.get("capacity_bytes")]
-        if capacities:
-            capacity = min(capacities) / 1e9
-            fig.add_hline(y=capacity, line={"color": OOM_COLOR, "dash": "dash", "width": 1.5}, row=2, col=1,
-                          annotation_text=f"device memory {capacity:.1f} GB", annotation_position="bottom right",
-                          annotation_font_color=OOM_COLOR)
+        for position, line in zip(("bottom right", "top right"), memory_lines(rows), strict=False):
+            fig.add_hline(y=line.gigabytes, line={"color": line.color, "dash": line.dash, "width": 1.5}, row=2, col=1,
+                          annotation_text=line.label, annotation_position=position,
+                          annotation_font_color=line.color)
     if log_axis:
         fig.update_xaxes(type="log", tickvals=counts, ticktext=[str(count) for count in counts])
     fig.update_xaxes(title_text="microbatches", gridcolor="#EEE")
@@ -163,7 +174,7 @@ def sweep_figure(rows: list[dict], peak_scope: str = "max over ranks") -> go.Fig
     return fig
 
 
-OOM_NAME = "out of memory (peak > device)"
+OOM_NAME = "out of memory (peak > usable limit)"
 
 
 def _mark_oom(fig: go.Figure, label: str, xs: list[float], points: list[dict], first: bool) -> None:
@@ -187,5 +198,6 @@ def write_sweep_html(rows: list[dict], path: str | Path, title: str | None = Non
     if title:
         fig.update_layout(title={"text": title, "x": 0.0, "xanchor": "left"})
     path = Path(path)
-    fig.write_html(path, include_plotlyjs=include_plotlyjs(plotly), full_html=True, config={"displaylogo": False})
+    html = pio.to_html(fig, include_plotlyjs=include_plotlyjs(plotly), full_html=True, config={"displaylogo": False})
+    path.write_text(with_offline_notice(html, plotly), encoding="utf-8")
     return path

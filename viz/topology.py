@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from viz.colors import stable_pick
-from viz.html import include_plotlyjs
+from viz.html import include_plotlyjs, with_offline_notice
 
 TIERS = {"gpu": 0, "nvswitch": 1, "pcie_switch": 1, "nic": 2, "host": 3}
 FABRIC_TIER = 4  # anything else: IB/Ethernet switches, unknown kinds
@@ -200,5 +200,5 @@ def write_topology_html(nodes: list[dict], edges: list[dict], path: str | Path, 
     path = Path(path)
     html = pio.to_html(topology_figure(nodes, edges, title), include_plotlyjs=include_plotlyjs(plotly), full_html=True,
                        config={"displaylogo": False})
-    path.write_text(html, encoding="utf-8")
+    path.write_text(with_offline_notice(html, plotly), encoding="utf-8")
     return path

@@ -18,7 +18,8 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from schedules.trace import Trace
-from viz.gantt import gantt_spec, seconds_unit
+from schedules.units import time_unit as seconds_unit
+from viz.gantt import gantt_spec
 from viz.html import include_plotlyjs
 
 MARKS = {"deterministic": "#555555", "p50": "#1F77B4", "p90": "#FF7F0E", "p99": "#C0392B"}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from pipesim.cli.files import PLOTLY_MODES, check_outputs
@@ -177,9 +178,27 @@ def silence_stdout() -> None:
         os.close(devnull)
 
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.IGNORECASE)
+
+
+def negative_values_joined(argv: list[str]) -> list[str]:
+    """``--bwd -2e-3`` as ``--bwd=-2e-3``: argparse takes ``-2e-3`` for a flag (it knows
+    ``-2`` and ``-2.5`` as numbers, not the exponent form) and prints the whole usage;
+    joined, the value reaches the flag's own check, whose error names it."""
+    joined: list[str] = []
+    for token in argv:
+        previous = joined[-1] if joined else ""
+        if NEGATIVE_NUMBER.match(token) and previous.startswith("-") and not NEGATIVE_NUMBER.match(previous) \
+                and "=" not in previous and previous != "--":
+            joined[-1] = f"{previous}={token}" if previous.startswith("--") else previous + token
+        else:
+            joined.append(token)
+    return joined
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pipesim`` console script."""
-    argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
+    argv = negative_values_joined(sys.argv[1:] if argv is None else [str(arg) for arg in argv])
     parser = build_parser(command_of(argv))
     if not argv:
         parser.print_help()

@@ -19,6 +19,8 @@ from executor.options import add_run_arguments, config_from_args
 from pipesim.cli.profile import add_profile_arguments, check_profile_arguments
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
 from pipesim.cli.variability import add_variability_args, variability_from_args
+from schedules.metrics import makespan
+from schedules.units import duration
 
 LINK_SIZES = "1KB..16MB"  # sendrecv sizes measured when no --topology is given
 
@@ -99,16 +101,19 @@ def calibrated_topology(args: argparse.Namespace, config):
     return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
 
 
-def chart_summaries(document: dict, drawn_step: int | None = None) -> list[str]:
+def chart_summaries(document: dict, drawn_step: int | None = None, drawn_span: float | None = None) -> list[str]:
     """The Gantt's measured and predicted title lines, from the comparison document the
     terminal report prints (``report_lines``), in the same units and precision, so the
     chart and the terminal never disagree. Both are taken against the step time (the
     median over the kept steps when measured), not the span of the drawn step's
     events: that span leaves out the optimizer step and the loss all-reduce, and once
-    gave a chart bubble of 13.9% beside a reported 21.0%."""
+    gave a chart bubble of 13.9% beside a reported 21.0%. The drawn step's own length
+    (``drawn_span`` seconds) is said beside it, so the bars' end is not read as the median."""
     kept = max(len(document["measured_step_times"]) - document["warmup_steps"], 0) or len(
         document["measured_step_times"])
     drawn = f" · drawn: step {drawn_step}" if drawn_step is not None else ""
+    if drawn and drawn_span is not None:
+        drawn += f", {duration(drawn_span, 'ms')} long"
     return [
         f"step time {document['measured_step_time'] * 1e3:.2f} ms (median of {kept} steps) · "
         f"bubble {document['measured_bubble_fraction']:.1%} · idle {document['measured_idle_fraction']:.1%}{drawn}",
@@ -161,9 +166,10 @@ def handle(args: argparse.Namespace) -> int:
         from pipesim.sim.whatif import sample_steps  # noqa: PLC0415
 
         add_spread(document, sample_steps(predicted, variability).step_times)
+    if args.json:  # before the report: a reader of stdout that goes away (`| head`) must not cost it
+        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     print("\n".join(report_lines(document)))
     if args.json:
-        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.trace:
         result["trace"].save(args.trace)
@@ -174,6 +180,7 @@ def handle(args: argparse.Namespace) -> int:
 
         traces = [result["trace"], predicted.trace]
         write_gantt_html(traces, args.html, titles=["measured", "predicted"],
-                         summaries=chart_summaries(document, result["trace"].meta.get("step")), plotly=args.plotly)
+                         summaries=chart_summaries(document, result["trace"].meta.get("step"),
+                                                   makespan(result["trace"])), plotly=args.plotly)
         print(f"wrote {args.html}")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from pipesim.cli.files import PLOTLY_MODES
+from schedules.units import count, duration, percent
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,8 +40,8 @@ def handle(args: argparse.Namespace) -> int:
         if not trace.events:
             raise ValueError(f"{path}: the trace has no events to draw")
         metrics = step_metrics(trace)
-        print(f"{path}: {trace.num_ranks} ranks, {len(trace.events)} events, "
-              f"makespan {metrics.makespan * 1e3:.3f} ms, bubble fraction {metrics.bubble_fraction:.3f}")
+        print(f"{path}: {trace.num_ranks} ranks, {count(len(trace.events))} events, "
+              f"makespan {duration(metrics.makespan)}, bubble fraction {percent(metrics.bubble_fraction)}")
     if args.html:
         from viz.gantt import write_gantt_html  # noqa: PLC0415
 

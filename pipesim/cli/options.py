@@ -100,7 +100,7 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--bwd", type=float, default=None, help="full backward seconds (default: 2 x --fwd)")
     group.add_argument("--wgrad", type=float, default=None,
                        help="weight-gradient part of --bwd, for split backward (I = bwd - wgrad, W = wgrad) "
-                       "(default: 0)")
+                       "(default: half of --bwd for schedules that split the backward, said on stderr; 0 otherwise)")
     group.add_argument("--act-bytes", type=float, default=None,
                        help="bytes one microbatch sends between consecutive stages (default: 0)")
     group.add_argument("--stash-bytes", type=float, default=None,

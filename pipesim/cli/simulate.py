@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+from pipesim.cli.chart_data import memory_meta
 from pipesim.cli.options import (
     add_cost_args,
     add_model_args,
@@ -16,8 +17,10 @@ from pipesim.cli.options import (
     add_schedule_args,
     add_topology_args,
 )
+from pipesim.cli.step_notes import bytes_hint, impossible_notes, placement_line
 from pipesim.cli.variability import add_variability_args, variability_from_args, write_whatif_page
-from pipesim.job import Job, model_figures, model_spec_of, simulate_job
+from pipesim.job import Job, default_split_note, model_figures, model_spec_of, simulate_job
+from schedules.units import count, number, percent
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,8 +62,9 @@ def finite_json(value):
 
 
 def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, titles: list[str],
-                  metrics: list | None = None) -> None:
-    """Write whichever of --json/--trace/--chrome-trace/--html were asked for."""
+                  metrics: list | None = None, announce: bool = True) -> list[str]:
+    """Write whichever of --json/--trace/--chrome-trace/--html were asked for; the paths
+    written, each said on stdout unless ``announce`` is off (the caller says them later)."""
     written = []
     if args.json:
         Path(args.json).write_text(json.dumps(finite_json(result_dict), indent=2, allow_nan=False))
@@ -78,8 +82,10 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
 
         write_gantt_html(traces, args.html, titles=titles, metrics=metrics, plotly=args.plotly)
         written.append(args.html)
-    for path in written:
-        print(f"wrote {path}")
+    if announce:
+        for path in written:
+            print(f"wrote {path}")
+    return written
 
 
 def parameter_counts(model: dict) -> str:
@@ -96,30 +102,48 @@ def handle(args: argparse.Namespace) -> int:
 
     job = Job.from_namespace(args)
     variability = variability_from_args(args)  # bad what-if flags fail before the step is simulated
+    note = default_split_note(job)
+    if note:
+        print(note, file=sys.stderr)
     result = simulate_job(job)
     document = result.to_dict()
-    print(result.summary())
     whatif = None
     if variability is not None:
         from pipesim.sim.whatif import sample_steps
 
         whatif = sample_steps(result, variability)
         document.update(whatif.to_dict())
-        print(whatif.summary())
-    if job.model:
-        figures = model_figures(job, result)
+    figures = model_figures(job, result) if job.model else None
+    if figures:
         document.update(figures)
+    result.trace.meta.update(memory_meta(result))
+    # the files first: a reader of stdout that goes away (`| head`) must not cost them
+    # a what-if's --html is the distribution beside its median and p99 steps (written below)
+    outputs = args if whatif is None else argparse.Namespace(**{**vars(args), "html": None})
+    written = write_outputs(outputs, document, [result.trace], [f"predicted: {result.schedule.name}"],
+                            [result.metrics], announce=False)
+    print(result.summary())
+    if whatif is not None:
+        print(whatif.summary())
+    placed = placement_line(result, document["rank_order"])
+    if placed:
+        print(placed)
+    hint = bytes_hint(result)
+    if hint:
+        print(hint, file=sys.stderr)
+    if figures:
         print(f"  model {figures['model']['name']}: {parameter_counts(figures['model'])}; "
-              f"{figures['tokens_per_second']:.4g} tokens/s, {figures['model_tflops_per_gpu']:.4g} TFLOP/s per GPU "
-              f"(recompute counted), MFU {figures['mfu']:.1%} (attention counted {job.attention_flops})")
+              f"{count(figures['tokens_per_second'])} tokens/s, {number(figures['model_tflops_per_gpu'])} TFLOP/s "
+              f"per GPU (recompute counted), MFU {percent(figures['mfu'])} (attention counted {job.attention_flops})")
         print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
+        for line in impossible_notes(model_spec_of(job), figures):
+            print(line, file=sys.stderr)
         from pipesim.model.layout import layout_notes
 
         for note in layout_notes(model_spec_of(job), job.tp):
             print(f"  note: {note}")
-    # a what-if's --html is the distribution beside its median and p99 steps
-    outputs = args if whatif is None else argparse.Namespace(**{**vars(args), "html": None})
-    write_outputs(outputs, document, [result.trace], [f"predicted: {result.schedule.name}"], [result.metrics])
+    for path in written:
+        print(f"wrote {path}")
     if whatif is not None and args.html:
         write_whatif_page(args.html, whatif, args.plotly)
         print(f"wrote {args.html}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 from pipesim.cli.options import (
@@ -22,6 +24,7 @@ from pipesim.job import (
     Job,
     check_parallel_layout,
     costs_of,
+    default_split_note,
     model_spec_of,
     parallel_of,
     reject_with_schedule_file,
@@ -83,14 +86,33 @@ def file_points(args: argparse.Namespace) -> tuple[list[SweepPoint], dict[SweepP
     return points, schedules
 
 
+def counts_of(text: str, flag: str) -> list[int]:
+    """A comma-separated list of whole numbers >= 1; an error naming the flag and the
+    item otherwise (``--pp 4,-2``), before any point is simulated."""
+    values = split_list(text, int)
+    for value in values:
+        if value < 1:
+            raise ValueError(f"{flag} {text}: {value} is not a whole number >= 1")
+    return values
+
+
+def with_usable_limit(rows: list[dict], headroom) -> None:
+    """Give each row with a capacity the limit its out-of-memory verdict was judged
+    against (capacity less ``--memory-headroom``, ``Headroom.of``), for the chart's line."""
+    for row in rows:
+        if row.get("capacity_bytes"):
+            row["usable_bytes"] = row["capacity_bytes"] - headroom.of(row["capacity_bytes"])
+            row["memory_headroom"] = headroom.text
+
+
 def handle(args: argparse.Namespace) -> int:
     files: dict[SweepPoint, Schedule] = {}
     if args.schedule_file:
         points, files = file_points(args)
     else:
         points = sweep_points(
-            split_list(args.schedule or SCHEDULES), split_list(args.pp or PP, int),
-            split_list(args.microbatches or MICROBATCHES, int),
+            split_list(args.schedule or SCHEDULES), counts_of(args.pp or PP, "--pp"),
+            counts_of(args.microbatches or MICROBATCHES, "--microbatches"),
             VIRTUAL_STAGES if args.virtual_stages is None else args.virtual_stages,
         )
     variability = variability_from_args(args)
@@ -99,37 +121,47 @@ def handle(args: argparse.Namespace) -> int:
     topology = topology_of(job)
 
     def costs_for(schedule):
-        return costs_of(job, schedule, topology)
+        # each generated schedule's own name: a split backward takes the default W share, the others none
+        return costs_of(job if files else replace(job, schedule=schedule.name), schedule, topology)
+
+    for name in dict.fromkeys(point.schedule for point in points):
+        note = None if files else default_split_note(replace(job, schedule=name))
+        if note:
+            print(note, file=sys.stderr)
 
     progress = progress_from_args("sweep", args).enabled  # per-point lines on a terminal only
     rows = run_sweep(points, costs_for, topology, progress=progress, parallel=parallel_of(job),
                      max_actions=args.max_actions, memory_limit=args.memory_limit, p2p=args.p2p,
                      schedules=files, variability=variability)
+    with_usable_limit(rows, parallel_of(job).memory_headroom)
     if args.model:
         # Tokens a microbatch carries across all dp replicas, so the chart draws tokens/s
         # (as plan does: microbatches x dp x microbatch size x sequence length per step).
         spec = model_spec_of(job)
         for row in rows:
             row["tokens_per_microbatch"] = spec.seq_len * spec.microbatch_size * args.dp
-    print(format_table(rows))
-    if variability is not None:
-        from pipesim.plan.ranking import ranking_lines
-
-        print("\n".join(ranking_lines(rows)))
+    written = []  # the files first: a reader of stdout that goes away (`| head`) must not cost them
     if args.csv:
         with open(args.csv, "w", newline="") as handle_out:
             fields = ROW_FIELDS + (WHATIF_FIELDS if variability is not None else ())
             writer = csv.DictWriter(handle_out, fieldnames=fields, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
-        print(f"wrote {args.csv}")
+        written.append(args.csv)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
-        print(f"wrote {args.json}")
+        written.append(args.json)
     if args.html:
         from viz.sweep import write_sweep_html
 
         write_sweep_html([row for row in rows if not row.get("note")], args.html,
                          title=f"pipesim sweep on {topology.name}", plotly=args.plotly)
-        print(f"wrote {args.html}")
+        written.append(args.html)
+    print(format_table(rows))
+    if variability is not None:
+        from pipesim.plan.ranking import ranking_lines
+
+        print("\n".join(ranking_lines(rows)))
+    for path in written:
+        print(f"wrote {path}")
     return 0

@@ -72,7 +72,7 @@ def variability_from_args(args: argparse.Namespace) -> Variability | None:
 def write_whatif_page(path: str, whatif, plotly: str) -> None:
     """``--html`` of a what-if run: the distribution, then the Gantts of the median and
     the p99 sample (``viz.whatif``)."""
-    from viz.gantt import seconds_unit
+    from schedules.units import time_unit as seconds_unit
     from viz.whatif import write_whatif_html
 
     samples = {name: whatif.sample_at(name) for name in ("p50", "p99")}

@@ -157,10 +157,10 @@ def _single_node(name: str, nodes: int) -> None:
 
 
 def ideal(nodes: int = 1, gpu: str | None = None) -> Topology:
-    """Free, instant links and devices without a capacity (``gpu`` is checked but the
-    ideal devices stay unbounded; model costs take the peak from ``--gpu``)."""
-    gpu_spec(gpu)
-    return ideal_topology()
+    """Free, instant links; with ``gpu``, devices of its capacity (out of memory is judged
+    on every topology), without, unbounded ones. Model costs take the peak from ``--gpu``."""
+    spec = gpu_spec(gpu)
+    return ideal_topology(memory_bytes=spec.memory_bytes if gpu else None)
 
 
 PRESETS: dict[str, Callable[..., Topology]] = {

@@ -68,10 +68,15 @@ class Topology:
     (NCCL); it sets the P2P semantics a prediction defaults to.
 
     A topology made ``from_hierarchy`` has no graph up front: routes and device figures
-    come from the hierarchy, and ``graph`` is built from it on first use."""
+    come from the hierarchy, and ``graph`` is built from it on first use.
+
+    ``device_defaults`` are the figures of a device the topology does not list: an ideal
+    cluster's devices exist only as rank names, and ``--gpu`` gives them a capacity so that
+    out of memory is judged on every topology."""
 
     def __init__(self, name: str, graph: nx.DiGraph | None, devices: list[str], ideal: bool = False,
-                 description: str = "", backend: str | None = None, hierarchy: Hierarchy | None = None) -> None:
+                 description: str = "", backend: str | None = None, hierarchy: Hierarchy | None = None,
+                 device_defaults: dict[str, float] | None = None) -> None:
         if graph is None and hierarchy is None:
             raise ValueError("a Topology needs a graph or a hierarchy")
         self.name = name
@@ -81,6 +86,7 @@ class Topology:
         self.ideal = ideal
         self.description = description
         self.hierarchy = hierarchy
+        self.device_defaults = dict(device_defaults or {})
         self._routes: dict[tuple[str, str], Route] = {}
         # what follows from the routes alone, computed once per topology: (algorithm, device group) ->
         # (bandwidth, latency) of a collective step (pipesim.cluster.collectives), and the twin transfers of a
@@ -159,6 +165,7 @@ class Topology:
     def device_figure(self, device: str, key: str, default: float = math.inf) -> float:
         """A figure of ``device`` (``memory_bytes``, ``peak_flops``, ``memory_bandwidth``),
         ``default`` when the topology does not say; a hierarchy answers without its graph."""
+        default = self.device_defaults.get(key, default)
         if self.hierarchy is not None:
             known = device in self.hierarchy
             return float(self.hierarchy.device_attributes.get(key, default)) if known else default
@@ -224,12 +231,15 @@ def add_link(graph: nx.DiGraph, src: str, dst: str, bandwidth: float, latency: f
         graph.add_edge(dst, src, **attributes)
 
 
-def ideal_topology(num_devices: int = 0) -> Topology:
-    """Free, instant links: what the closed-form schedule analyses assume."""
+def ideal_topology(num_devices: int = 0, memory_bytes: float | None = None) -> Topology:
+    """Free, instant links: what the closed-form schedule analyses assume; with
+    ``memory_bytes``, every device holds that much (the capacity of ``--gpu``)."""
     import networkx as nx
 
     graph = nx.DiGraph()
     devices = [f"gpu{index}" for index in range(num_devices)]
     for device in devices:
         graph.add_node(device, kind="gpu")
-    return Topology("ideal", graph, devices, ideal=True, description="free, instant links")
+    defaults = {"memory_bytes": float(memory_bytes)} if memory_bytes is not None else None
+    description = "free, instant links" + (f"; {memory_bytes / 1e9:g} GB per device" if memory_bytes else "")
+    return Topology("ideal", graph, devices, ideal=True, description=description, device_defaults=defaults)

@@ -203,13 +203,22 @@ def parameter_figures(costs: Costs) -> tuple[tuple[float, int, int], ...]:
     return tuple(map(_PARAMETER_FIGURES, costs.stages))
 
 
+# The largest cost a figure may carry (seconds or bytes): a million times any step's
+# seconds, a petabyte. Sums over millions of actions stay far from float overflow, so a
+# value like 1e308 is refused here in one line, not met as an OverflowError mid-step.
+MAX_COST = 1e15
+
+
 def check_number(value: object, where: str) -> float:
-    """``value`` as a float if it is a finite number >= 0; otherwise a ``CostsError``
-    naming ``where`` and the value (NaN, inf, null, negative, text)."""
+    """``value`` as a float if it is a finite number >= 0 and at most ``MAX_COST``;
+    otherwise a ``CostsError`` naming ``where`` and the value (NaN, inf, null, negative,
+    text, too large)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CostsError(f"{where} must be a number >= 0, got {value!r}")
     if not math.isfinite(value) or value < 0:
         raise CostsError(f"{where} must be a finite number >= 0, got {value!r}")
+    if value > MAX_COST:
+        raise CostsError(f"{where} {value:g} is beyond what a step can cost: at most {MAX_COST:g} (seconds or bytes)")
     return float(value)
 
 

@@ -69,9 +69,20 @@ class MixtureOfExperts:
 
     def routed_slots(self, padded: bool = True) -> float:
         """Routed-expert computations per token: ``k``, times the capacity factor when
-        ``padded`` (the time an expert spends on its whole capacity, empty slots included)."""
-        factor = self.capacity_factor if padded and self.capacity_factor is not None else 1.0
+        ``padded`` (the time an expert spends on its whole capacity, empty slots included).
+        Unpadded, the computations the tokens get: ``k``, or with a capacity factor below 1
+        only that share of them (the rest are dropped, ``dropped_share``), so model FLOPs
+        never count work no expert did (an MFU over 100%)."""
+        if self.capacity_factor is None:
+            return float(self.experts_per_token)
+        factor = self.capacity_factor if padded else min(1.0, self.capacity_factor)
         return self.experts_per_token * factor
+
+    @property
+    def dropped_share(self) -> float:
+        """The share of routed token copies a capacity below the balanced share drops:
+        ``1 - C`` for ``C < 1`` with a balanced router (more with an unbalanced one)."""
+        return max(0.0, 1.0 - self.capacity_factor) if self.capacity_factor is not None else 0.0
 
     def tokens_per_expert(self, tokens: float, padded: bool = True) -> float:
         """Token slots each routed expert computes for ``tokens`` tokens: ``C k T / E``, the

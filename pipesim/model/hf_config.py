@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipesim.model.errors import ModelSpecError, require_count
+from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count
 from pipesim.model.experts import MixtureOfExperts, dense_layer_indices
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.spec import ModelSpec
@@ -84,7 +84,8 @@ class Config:
     def count(self, key: str, default: int | None = None, minimum: int = 1) -> int | None:
         value = self.get(key, default)
         if value is not None:
-            require_count(value, f"{self.name}: {self.key_name(key)}", minimum)
+            require_count(value, f"{self.name}: {self.key_name(key)}", minimum,
+                          MAX_LAYERS if key == "num_hidden_layers" else None)
         return value
 
 

@@ -41,9 +41,10 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from pipesim.model import operations, weights
-from pipesim.model.errors import ModelSpecError, require_count
+from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count
 from pipesim.model.experts import MixtureOfExperts
 from pipesim.model.latent_attention import LatentAttention
+from schedules.textfile import read_text
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class ModelSpec:
             if getattr(self, key) is not None:
                 require_count(getattr(self, key), f"model {self.name}: {key}")
         require_count(self.norms_per_layer, f"model {self.name}: norms_per_layer", minimum=0)
+        require_count(self.layers, f"model {self.name}: layers", maximum=MAX_LAYERS)
         if self.head_dim is None and self.mla is None and self.hidden % self.heads:
             raise ModelSpecError(f"model {self.name}: hidden {self.hidden} is not a multiple of heads {self.heads} "
                                  f"(give head_dim)")
@@ -364,7 +366,7 @@ def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
         if not path.exists():
             raise FileNotFoundError(f"model config {path} does not exist")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_text(path, "model config (config.json)"))
         except json.JSONDecodeError as error:
             raise ModelSpecError(f"{path}: not valid JSON ({error})") from error
         from pipesim.model.hf_config import spec_from_hf_config

@@ -21,6 +21,7 @@ from schedules.metrics import StepMetrics, comm_by_kind, step_metrics
 from schedules.p2p import default_semantics
 from schedules.schedule import Schedule
 from schedules.trace import Trace
+from schedules.units import number, size, time_unit
 from schedules.validate import explain_stuck
 from schedules.validate import validate as validate_schedule
 
@@ -139,7 +140,7 @@ class SimulationResult:
         dust = _ROUNDING * metrics.makespan
 
         def shown(seconds: float, width: int = 10) -> str:
-            return f"{(0.0 if abs(seconds) < dust else seconds) * scale:>{width}.4g}"
+            return f"{number((0.0 if abs(seconds) < dust else seconds) * scale):>{width}}"
 
         comm = self.comm
         exposed = sum(rank.exposed_comm for rank in metrics.ranks)
@@ -154,13 +155,13 @@ class SimulationResult:
             f"{schedule.name}{order}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
             f"virtual stages={schedule.virtual_stages}, topology={self.topology.name}, "
             f"p2p={self.trace.meta.get('p2p')}, {schedule.num_actions} actions",
-            f"  step time        {metrics.makespan * scale:.4g} {unit}",
+            f"  step time        {number(metrics.makespan * scale)} {unit}",
             f"  bubble fraction  {metrics.bubble_fraction:.2%} (pipeline bubble over ranks x step time)",
             f"  idle fraction    {metrics.idle_fraction:.2%} (not computing: bubble, exposed communication, "
             "tp, ep, cp, dp, optimizer)",
             f"  bubble           {shown(waiting, 0)} {unit} (waiting for a peer, fill and drain), summed over ranks",
             f"  p2p              {shown(exposed, 0)} {unit} blocked on data in flight (exposed); "
-            f"{shown(sum(value or 0.0 for value in wire), 0)} {unit} on the wire; {sent / 1e9:.4g} GB sent; "
+            f"{shown(sum(value or 0.0 for value in wire), 0)} {unit} on the wire; {size(sent)} sent; "
             "summed over ranks",
             f"  {'rank':>4}  {'busy':>10}  {'bubble':>10}  {'bubble %':>8}  {'exposed':>10}  "
             + "".join(f"{title:>10}  " for _, title in named) + f"{'on wire':>10}  peak in-flight",
@@ -180,8 +181,13 @@ class SimulationResult:
         return "\n".join(lines)
 
     def _comm_and_memory_lines(self, unit: str, scale: float, shown) -> list[str]:
-        kinds = [kind for kind in ("tp", "ep", "cp", "dp") if all(kind in comm for comm in self.comm)]
-        lines = [f"  collectives (total / exposed, {unit}); memory (GB)"]
+        # a column only for collectives the step has, the table only if it says something
+        kinds = [kind for kind in ("tp", "ep", "cp", "dp") if all(kind in comm for comm in self.comm)
+                 and any(comm[kind]["total"] for comm in self.comm)]
+        if not kinds and not self.memory:
+            return ["  memory           n/a (the costs do not size it: give --stash-bytes and --param-bytes, "
+                    "or --model)"]
+        lines = [f"  collectives (total / exposed, {unit}); memory (GB)" if kinds else "  memory (GB)"]
         header = "".join(f"{kind:>19}  " for kind in kinds)
         lines.append(f"  {'rank':>4}  {header}{'peak mem':>9}  {'capacity':>9}")
         for rank, comm in enumerate(self.comm):
@@ -191,7 +197,7 @@ class SimulationResult:
             bounded = memory is not None and memory.capacity_bytes != float("inf")
             capacity = f"{memory.capacity_bytes / 1e9:>9.2f}" if bounded else f"{'-':>9}"
             flag = "  OOM" if memory and memory.oom else ""
-            lines.append(f"  {rank:>4}  {'  '.join(cells)}  {peak}  {capacity}{flag}")
+            lines.append(f"  {rank:>4}  {''.join(cell + '  ' for cell in cells)}{peak}  {capacity}{flag}")
         headroom = max((memory.headroom_bytes for memory in self.memory), default=0.0)
         if headroom > 0:
             lines.append(f"  (a rank may use its capacity less {headroom / 1e9:.2f} GB of headroom: "
@@ -210,11 +216,7 @@ _ROUNDING = 1e-12  # of the step: below it a printed time is float rounding, sho
 
 
 def _time_unit(seconds: float) -> tuple[str, float]:
-    if seconds >= 1:
-        return "s", 1.0
-    if seconds >= 1e-3:
-        return "ms", 1e3
-    return "us", 1e6
+    return time_unit(seconds)  # the one rule: ms below 10 s
 
 
 def predicted_semantics(topology: Topology) -> str:
