@@ -364,7 +364,10 @@ def test_json_is_written_before_stdout_can_break(tmp_path, monkeypatch):
 
     out = tmp_path / "r.json"
     monkeypatch.setattr(sys, "stdout", GoneReader())
-    for argv in (["simulate", "--pp", 2, "-m", 2, "--json", out], ["sweep", "--pp", 2, "-m", 2, "--json", out]):
+    plan = ["plan", "--model", "gpt3-1.3b", "--gpus", 8, "--global-batch", 16, "--topology", "nvlink",
+            "--schedules", "1f1b", "--constraint", "pp=2", "--top", 1, "--workers", 1, "--quiet", "--json", out]
+    for argv in (["simulate", "--pp", 2, "-m", 2, "--json", out], ["sweep", "--pp", 2, "-m", 2, "--json", out],
+                 plan):
         out.unlink(missing_ok=True)
         assert run_cli(*argv) != 0 and json.loads(out.read_text())
 

@@ -110,11 +110,14 @@ def handle(args: argparse.Namespace) -> int:
         evaluator = planner.evaluator
         rank_by_p99(result.rows, args.top, variability,
                     lambda row: simulate_job(evaluator.layout_job(Layout(*(row[name] for name in Layout._fields)))))
+    # the files first: a reader of stdout that goes away (`| head`) must not cost them
+    written = _write_outputs(args, result, planner.evaluator)
     print(format_plan(result, args))
     if variability is not None:
         print(f"the table is in order of the p99 of {variability.samples} sampled steps (seed {variability.seed}):")
         print("\n".join(ranking_lines(result.rows[:args.top], "step_time", lambda row: row["layout"])))
-    _write_outputs(args, result, planner.evaluator)
+    for path in written:
+        print(f"wrote {path}")
     return 0 if result.rows else 1
 
 
@@ -223,10 +226,12 @@ def format_plan(result, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def _write_outputs(args: argparse.Namespace, result, evaluator) -> None:
+def _write_outputs(args: argparse.Namespace, result, evaluator) -> list[str]:
+    """Write the requested files; the paths written, for the caller to announce."""
+    written = []
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_dict(args.top), indent=2))
-        print(f"wrote {args.json}")
+        written.append(args.json)
     if args.csv:
         rows = result.rows[:args.top]
         with open(args.csv, "w", newline="") as handle:
@@ -234,7 +239,7 @@ def _write_outputs(args: argparse.Namespace, result, evaluator) -> None:
                 writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
                 writer.writeheader()
                 writer.writerows(rows)
-        print(f"wrote {args.csv}")
+        written.append(args.csv)
     if args.torchtitan and result.rows:
         _write_torchtitan(args, result.rows[0], evaluator)
     if args.html and result.rows:
@@ -245,7 +250,8 @@ def _write_outputs(args: argparse.Namespace, result, evaluator) -> None:
         write_plan_html(result.rows, pareto_front(result.rows), evaluator.best_trace(layout), args.html,
                         title=f"{args.model} on {args.gpus} GPUs ({args.topology}): best {best['layout']}",
                         plotly=getattr(args, "plotly", "inline"), others=_charted_others(result))
-        print(f"wrote {args.html}")
+        written.append(args.html)
+    return written
 
 
 def _charted_others(result) -> list[dict]:

@@ -148,6 +148,7 @@ class LayoutEvaluator:
         figures = throughput_figures(job, result)
         peak = max((memory.peak_bytes for memory in result.memory), default=0.0)
         capacity = min((memory.capacity_bytes for memory in result.memory), default=float("inf"))
+        usable = min((memory.usable_bytes for memory in result.memory), default=float("inf"))
         return {
             **layout_fields(layout),
             "step_time": metrics.makespan,
@@ -159,6 +160,9 @@ class LayoutEvaluator:
             "exposed_comm": sum(rank.exposed_comm for rank in metrics.ranks) / len(metrics.ranks),
             "peak_memory_bytes": peak,
             "capacity_bytes": capacity if capacity != float("inf") else None,
+            # the limit the out-of-memory verdict was judged against, for the chart's line
+            "usable_bytes": usable if usable != float("inf") else None,
+            "memory_headroom": job.memory_headroom,
             "oom": result.oom,
         }
 
