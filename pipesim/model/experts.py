@@ -41,6 +41,7 @@ class MixtureOfExperts:
     shared_expert_gate: bool = False  # Qwen-MoE: a sigmoid gate (h x 1) on the shared expert's output
     dense_layers: tuple[int, ...] = ()  # indices of the layers that keep a dense MLP
     capacity_factor: float | None = None  # token slots per expert / its balanced share; None: dropless
+    router_bias: bool = False  # gpt-oss: the router's scores have a bias per expert
 
     def __post_init__(self) -> None:
         for key in ("experts", "experts_per_token", "expert_ffn"):

@@ -106,11 +106,20 @@ class FlashAttention:
     attention_core: bool = True
     value_dim: float | None = None
     steps: int = 1
+    window: int | None = None  # sliding window: a query sees itself and the window - 1 keys before it
 
     @property
     def flops(self) -> float:
         value_dim = self.head_dim if self.value_dim is None else self.value_dim
-        return 2.0 * self.batch * self.heads * self.seq * self.seq * (self.head_dim + value_dim) * self.steps
+        return 2.0 * self.batch * self.heads * self.square() * (self.head_dim + value_dim) * self.steps
+
+    def square(self) -> float:
+        """Query-key pairs counted: the whole ``s^2`` square, or over a window ``w < s``
+        ``2 s w - w^2``, twice the ``s w - w^2 / 2`` pairs the kernel computes as ``s^2`` is
+        twice a causal kernel's (the count stays Megatron's, and reaches ``s^2`` at ``w = s``)."""
+        if self.window is None or self.window >= self.seq:
+            return float(self.seq * self.seq)
+        return 2.0 * self.seq * self.window - self.window * self.window
 
 
 @dataclass(frozen=True)
@@ -158,15 +167,18 @@ def weight_gemms(weights: tuple[Weight, ...], spec: ModelSpec, tp: int = 1, sequ
     return tuple(gemms)
 
 
-def attention_core(spec: ModelSpec, tp: int = 1, flash_attention: bool = True, steps: int = 1) -> tuple[Operation, ...]:
-    """QK^T and PV of a tp rank's ``heads / tp`` heads: one flash kernel (``steps`` of them
-    for ring attention over a context shard: see the module), or two batched GEMMs over
-    the whole ``s x s`` square (masked after)."""
+def attention_core(spec: ModelSpec, tp: int = 1, flash_attention: bool = True, steps: int = 1,
+                   layer: int = 0) -> tuple[Operation, ...]:
+    """QK^T and PV of a tp rank's ``heads / tp`` heads in layer ``layer``: one flash kernel
+    (``steps`` of them for ring attention over a context shard: see the module; over the
+    layer's sliding window where it has one), or two batched GEMMs over the whole ``s x s``
+    square (masked after, window or not)."""
     heads = spec.heads / tp
     query_dim, value_dim = spec.q_width / spec.heads, spec.v_width / spec.heads
     if flash_attention:
         return (FlashAttention("attention", spec.microbatch_size, heads, spec.seq_len, query_dim,
-                               value_dim=None if value_dim == query_dim else value_dim, steps=steps),)
+                               value_dim=None if value_dim == query_dim else value_dim, steps=steps,
+                               window=spec.attention_window(layer)),)
     if steps != 1:
         raise ValueError("ring attention is built on the fused (flash) attention kernel")
     batches = spec.microbatch_size * heads
@@ -175,14 +187,14 @@ def attention_core(spec: ModelSpec, tp: int = 1, flash_attention: bool = True, s
 
 
 def attention_block(spec: ModelSpec, tp: int = 1, flash_attention: bool = True,
-                    sequence_parallel: bool = False, steps: int = 1) -> tuple[Operation, ...]:
+                    sequence_parallel: bool = False, steps: int = 1, layer: int = 0) -> tuple[Operation, ...]:
     """Self-attention: the projections of ``weights.attention_weights`` (Megatron's
     split: QKV column-parallel, the output row-parallel; latent attention's
     down-projections whole) around the attention core (of ``steps`` ring steps)."""
     projections = weight_gemms(attention_weights(spec), spec, tp, sequence_parallel)
     inputs = tuple(gemm for gemm in projections if gemm.name != "attention_out")
     outputs = tuple(gemm for gemm in projections if gemm.name == "attention_out")
-    return (*inputs, *attention_core(spec, tp, flash_attention, steps), *outputs)
+    return (*inputs, *attention_core(spec, tp, flash_attention, steps, layer), *outputs)
 
 
 def mlp_block(spec: ModelSpec, tp: int = 1, layer: int = 0, sequence_parallel: bool = False,
@@ -212,7 +224,7 @@ def layer_operations(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fal
     ``padded``: routed experts compute their whole capacity (what takes time; the model
     FLOPs MFU counts are the unpadded ones)."""
     local = spec.context_shard(cp)
-    return (*attention_block(local, tp, flash_attention, sequence_parallel, cp),
+    return (*attention_block(local, tp, flash_attention, sequence_parallel, cp, layer),
             *mlp_block(local, tp, layer, sequence_parallel, padded, ep),
             *memory_bound_kernels(local, tp, sequence_parallel, flash_attention, layer))
 

@@ -74,6 +74,10 @@ class ModelSpec:
     positions: int | None = None  # rows of the learned position table; None: seq_len
     moe: MixtureOfExperts | None = None
     mla: LatentAttention | None = None
+    qk_norm: str | None = None  # RMSNorm on queries and keys: "head" (one head wide) or "projection" (all of Q, K)
+    attention_sinks: bool = False  # gpt-oss: one learned logit per head in each softmax's denominator
+    sliding_window: int | None = None  # the keys a query sees in a sliding layer (itself and the w - 1 before)
+    sliding_layers: tuple[int, ...] = ()  # indices of the layers that attend over the window
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "seq_len", "vocab", "microbatch_size", "dtype_bytes"):
@@ -82,6 +86,13 @@ class ModelSpec:
             if getattr(self, key) is not None:
                 require_count(getattr(self, key), f"model {self.name}: {key}")
         require_count(self.norms_per_layer, f"model {self.name}: norms_per_layer", minimum=0)
+        if self.qk_norm not in QK_NORMS:
+            raise ModelSpecError(f"model {self.name}: qk_norm {self.qk_norm!r}: use one of "
+                                 f"{', '.join(map(str, QK_NORMS))}")
+        if self.sliding_window is not None:
+            require_count(self.sliding_window, f"model {self.name}: sliding_window")
+        for layer in self.sliding_layers:
+            require_count(layer, f"model {self.name}: each of sliding_layers", minimum=0)
         if self.head_dim is None and self.mla is None and self.hidden % self.heads:
             raise ModelSpecError(f"model {self.name}: hidden {self.hidden} is not a multiple of heads {self.heads} "
                                  f"(give head_dim)")
@@ -142,6 +153,19 @@ class ModelSpec:
         """Whether layer ``layer`` (0-based) routes its tokens to experts."""
         return self.moe is not None and self.moe.is_moe_layer(layer)
 
+    def attention_window(self, layer: int = 0) -> int | None:
+        """Keys a query of layer ``layer`` attends to at most: the sliding window where the
+        layer slides and the window is shorter than the sequence, else ``None`` (causal over
+        the whole sequence)."""
+        if self.sliding_window is None or self.sliding_window >= self.seq_len or layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
+
+    def layer_kind(self, layer: int) -> tuple[bool, int | None]:
+        """What makes layers unlike: a mixture of experts or not, and the attention window.
+        Layers of one kind cost the same."""
+        return self.is_moe_layer(layer), self.attention_window(layer)
+
     def mlp_width(self, layer: int = 0, padded: bool = True) -> float:
         """MLP columns a token's activations pass through in ``layer``: the dense width, or
         its routed experts' (``k`` of them, times the capacity factor when ``padded``) plus
@@ -158,11 +182,11 @@ class ModelSpec:
         stop = self.layers if stop is None else stop
         if stop <= first:
             return []
-        if self.moe is None:
+        if self.moe is None and not self.sliding_layers:
             return [(first, stop - first)]
-        kinds: dict[bool, list[int]] = {}
+        kinds: dict[tuple[bool, int | None], list[int]] = {}
         for layer in range(first, stop):
-            kinds.setdefault(self.is_moe_layer(layer), []).append(layer)
+            kinds.setdefault(self.layer_kind(layer), []).append(layer)
         return [(members[0], len(members)) for members in kinds.values()]
 
     def sum_over_layers(self, quantity: Callable[[int], float], first: int = 0, stop: int | None = None) -> float:
@@ -208,11 +232,12 @@ class ModelSpec:
         return self.sum_over_layers(self.layer_active_params) + self.embedding_params() + self.head_params()
 
     # FLOPs, per microbatch, forward ---------------------------------------------
-    def attention_core_flops(self) -> float:
-        """QK^T and PV of one layer, whole: ``2 s b s a (d_qk + d_v)`` (``4 s^2 b h`` with
-        heads of ``h / a``; the whole square, as Megatron counts): the attention core's
+    def attention_core_flops(self, layer: int = 0) -> float:
+        """QK^T and PV of layer ``layer``, whole: ``2 s b s a (d_qk + d_v)`` (``4 s^2 b h``
+        with heads of ``h / a``; the whole square, as Megatron counts; over a sliding window
+        ``w`` twice the pairs it computes, ``2 s w - w^2`` for ``s^2``): the attention core's
         operations' FLOPs (``pipesim.model.operations``)."""
-        return sum(operation.flops for operation in operations.attention_core(self))
+        return sum(operation.flops for operation in operations.attention_core(self, layer=layer))
 
     def layer_gemm_flops(self, layer: int = 0, tp: int = 1, sequence_parallel: bool = False,
                          padded: bool = True) -> float:
@@ -227,7 +252,7 @@ class ModelSpec:
                     padded: bool = True) -> float:
         """Forward FLOPs of layer ``layer`` on one of ``tp`` ranks: its GEMMs and its
         attention core (split by heads)."""
-        return self.layer_gemm_flops(layer, tp, sequence_parallel, padded) + self.attention_core_flops() / tp
+        return self.layer_gemm_flops(layer, tp, sequence_parallel, padded) + self.attention_core_flops(layer) / tp
 
     def logits_flops(self) -> float:
         """Forward FLOPs of the output projection: ``2 s b h V``."""
@@ -252,7 +277,7 @@ class ModelSpec:
         if recompute == "full":
             return self.layer_flops(layer, tp, sequence_parallel, padded)
         if recompute == "selective":
-            return self.attention_core_flops() / tp
+            return self.attention_core_flops(layer) / tp
         return 0.0
 
     def recompute_flops(self, recompute: str) -> float:
@@ -302,6 +327,7 @@ class ModelSpec:
 
 
 RECOMPUTE = ("none", "selective", "full")
+QK_NORMS = (None, "head", "projection")
 
 
 def check_recompute(recompute: str) -> None:

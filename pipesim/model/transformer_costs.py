@@ -149,9 +149,10 @@ def model_stage_costs(
                              "attention kernel (Megatron-Core runs context parallelism in Transformer Engine's); "
                              "drop --no-flash-attention")
     local = spec.context_shard(cp)
-    # the first layer of each kind (dense, mixture of experts) stands for its kind: layers of
-    # a kind are alike, and every stage then asks layer_time's cache for the same few layers
-    kind_layer = {spec.is_moe_layer(layer): layer for layer, _ in reversed(spec.layer_groups())}
+    # the first layer of each kind (dense or mixture of experts, attention whole or over a
+    # window) stands for its kind: layers of a kind are alike, and every stage then asks
+    # layer_time's cache for the same few layers
+    kind_layer = {spec.layer_kind(layer): layer for layer, _ in reversed(spec.layer_groups())}
 
     def bandwidth_of(stage: int) -> float:
         return stage_bandwidth(stage_memory_bandwidth, fallback_memory_bandwidth, stage)
@@ -178,7 +179,7 @@ def model_stage_costs(
     if layers_per_stage is None and num_stages > 1:  # the output layer's time in layers, to balance the split
         compute = compute_of(num_stages - 1)
         layer_seconds = spec.sum_over_layers(
-            lambda layer: _pass_seconds(time_of(compute, kind_layer[spec.is_moe_layer(layer)]))
+            lambda layer: _pass_seconds(time_of(compute, kind_layer[spec.layer_kind(layer)]))
         ) / spec.layers + layer_hold_seconds
         head_extra = _pass_seconds(time_of(compute, -1)) / layer_seconds if layer_seconds > 0 else 0.0
     counts = split_layers(spec.layers, num_stages, layers_per_stage, last_extra=head_extra)
@@ -195,7 +196,7 @@ def model_stage_costs(
         fwd = bwd = wgrad = stash = 0.0
         params = moe_layers = 0  # whole numbers
         for layer, alike in groups:
-            kind = kind_layer[spec.is_moe_layer(layer)]
+            kind = kind_layer[spec.layer_kind(layer)]
             moe_layers += alike if spec.is_moe_layer(layer) else 0
             time = time_of(compute, kind)
             fwd += alike * time.forward
@@ -243,7 +244,7 @@ def model_stage_costs(
         models.add(compute.name)
         groups = spec.layer_groups(first, stop)
         ends = (stage == 0, stage == num_stages - 1)
-        key = (id(compute), tuple((spec.is_moe_layer(layer), alike) for layer, alike in groups), *ends)
+        key = (id(compute), tuple((spec.layer_kind(layer), alike) for layer, alike in groups), *ends)
         cost = built.get(key)
         if cost is None:
             cost = built[key] = stage_cost(compute, groups, count, *ends)
