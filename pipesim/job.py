@@ -77,6 +77,7 @@ class Job:
     recompute: str = "none"
     no_flash_attention: bool = False
     capacity_factor: float | None = None
+    fp8: bool = False
     topology: str = "ideal"
     nodes: int | None = None
     gpu: str | None = None
@@ -212,6 +213,8 @@ def check_cost_flags(job) -> None:
                 raise conflict(flag, f"--costs {job.costs}", f"the costs file gives every stage's costs; drop {flag}")
     if getattr(job, "mfu", None) is not None and not getattr(job, "model", None):
         raise ValueError("--mfu needs --model: it scales the FLOPs of a model spec; give --model or drop --mfu")
+    if getattr(job, "fp8", False) and not getattr(job, "model", None):
+        raise ValueError("--fp8 needs --model: it runs a model spec's GEMMs in FP8; give --model or drop --fp8")
     if getattr(job, "compute_model", None) and not getattr(job, "model", None):
         raise ValueError(f"--compute-model {job.compute_model} needs --model: it times a model spec's operations; "
                          "give --model or drop --compute-model")
@@ -352,6 +355,8 @@ def model_spec_of(job):
     factor = getattr(job, "capacity_factor", None)
     if factor is not None:
         spec = spec.with_capacity_factor(finite_flag(factor, "--capacity-factor", positive=True))
+    if getattr(job, "fp8", False) and not spec.fp8:
+        spec = replace(spec, fp8=True)
     return spec
 
 
@@ -534,7 +539,9 @@ def throughput_figures(job: Job, result) -> dict:
 
 
 def _throughput(job: Job, result, spec) -> tuple[dict, int, float]:
-    """The training figures, the GPU count and the mean peak FLOP/s per GPU."""
+    """The training figures, the GPU count and the mean peak FLOP/s per GPU (the FP8
+    peak taken as the BF16 peak times the GPU's ratio of the two)."""
+    from pipesim.cluster.gpus import gpu_spec
     from pipesim.model.transformer_costs import training_figures
 
     fallback = fallback_peak_flops(job)
@@ -542,6 +549,7 @@ def _throughput(job: Job, result, spec) -> tuple[dict, int, float]:
     peaks = [peak if math.isfinite(peak) else fallback for peak in peaks] or [fallback]
     gpus = result.schedule.pp * result.parallel.gpus
     peak = sum(peaks) / len(peaks)
+    fp8_peak = peak * gpu_spec(getattr(job, "gpu", None)).fp8_peak_over_bf16
     figures = training_figures(spec, job.recompute, result.metrics.makespan, result.schedule.microbatches,
-                               result.parallel.dp, gpus, peak)
+                               result.parallel.dp, gpus, peak, fp8_peak)
     return figures, gpus, peak

@@ -146,6 +146,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "the attention core only (default: none)")
     group.add_argument("--no-flash-attention", action="store_true",
                        help="keep the s x s attention scores for the backward (Korthikanti et al.'s 5as/h term)")
+    group.add_argument("--fp8", action="store_true",
+                       help="with --model: the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3's recipe; the "
+                       "router, attention core and output head stay BF16) on h100, h200, h800 or b200, at the FP8 "
+                       "matmul throughput measured on Hopper (1.70x BF16's) plus each GEMM's casts; MFU stays "
+                       "against the BF16 peak, as papers report it, the FP8 peak's beside it. A config.json's FP8 "
+                       "quantization_config turns it on (default: BF16)")
     group.add_argument("--capacity-factor", type=float, default=None,
                        help="mixture of experts: token slots each routed expert computes, as a multiple of its "
                        "balanced share; empty slots cost time, not model FLOPs (default: dropless)")

@@ -89,6 +89,13 @@ def parameter_counts(model: dict) -> str:
     return text
 
 
+def mfu_text(figures: dict) -> str:
+    """``41.2%``, or with FP8 GEMMs ``41.2% of the BF16 peak (20.6% of the FP8 peak)``."""
+    if figures.get("mfu_fp8_peak") is None:
+        return f"{figures['mfu']:.1%}"
+    return f"{figures['mfu']:.1%} of the BF16 peak ({figures['mfu_fp8_peak']:.1%} of the FP8 peak)"
+
+
 def handle(args: argparse.Namespace) -> int:
     from pipesim.sim.memory import OutOfMemoryError, check_memory
 
@@ -101,7 +108,7 @@ def handle(args: argparse.Namespace) -> int:
         document.update(figures)
         print(f"  model {figures['model']['name']}: {parameter_counts(figures['model'])}; "
               f"{figures['tokens_per_second']:.4g} tokens/s, {figures['model_tflops_per_gpu']:.4g} TFLOP/s per GPU "
-              f"(Megatron's count), MFU {figures['mfu']:.1%}")
+              f"(Megatron's count), MFU {mfu_text(figures)}")
         print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
         from pipesim.model.layout import layout_notes
 

@@ -48,7 +48,8 @@ built with the config class's default count (a Qwen3-MoE file relabelled ``qwen2
 would otherwise gain qwen2_moe's default shared expert). Vision-language configs
 (``gemma3``, ``llama4``, ...) are refused, naming the decoder's own ``text_config``
 family; ``llama4_text`` (chunked attention) is refused with the reason. A
-``quantization_config`` is never ignored: it is refused, naming its method.
+``quantization_config`` is never ignored: ``pipesim.model.quantization`` reads FP8 (the
+GEMMs then run in FP8) and refuses the rest with the reason.
 
 A config without ``model_type`` (written by hand) is read with Llama's keys, a gated MLP
 unless ``hidden_act`` names another activation, RMSNorm unless it gives only
@@ -73,6 +74,7 @@ from dataclasses import dataclass
 from pipesim.model.errors import ModelSpecError, require_count
 from pipesim.model.experts import MixtureOfExperts, dense_layer_indices
 from pipesim.model.latent_attention import LatentAttention
+from pipesim.model.quantization import gemms_in_fp8
 from pipesim.model.spec import ModelSpec
 
 HF_DEFAULT_SEQ_LEN_CAP = 8192
@@ -382,11 +384,7 @@ def spec_from_hf_config(data: object, name: str = "config", seq_len: int | None 
     model_type = data.get("model_type")
     if model_type in REFUSED:
         raise ModelSpecError(f"{name}: model_type {model_type!r} is {REFUSED[model_type]}")
-    if data.get("quantization_config"):
-        method = data["quantization_config"].get("quant_method") if isinstance(data["quantization_config"], dict) \
-            else data["quantization_config"]
-        raise ModelSpecError(f"{name}: quantization_config (quant_method {method!r}) is not modelled; pipesim "
-                             f"times BF16 GEMMs: remove quantization_config to simulate BF16 training")
+    fp8 = gemms_in_fp8(data, name)
     family = HAND_WRITTEN if model_type is None else FAMILIES.get(model_type)
     if family is None:
         raise ModelSpecError(f"{name}: model_type {model_type!r} is not one pipesim reads; supported: "
@@ -407,7 +405,7 @@ def spec_from_hf_config(data: object, name: str = "config", seq_len: int | None 
         ffn_hidden=config.count("intermediate_size"), gated_mlp=family.gated_mlp,
         tied_embeddings=bool(config.get("tie_word_embeddings", family.tied)), learned_positions=False, bias=False,
         rms_norm=family.rms_norm, dropout=_has_dropout(config),
-        head_dim=config.count("head_dim", family.head_dim),
+        head_dim=config.count("head_dim", family.head_dim), fp8=fp8,
     )
     if family.particular is not None:
         fields.update(family.particular(config))

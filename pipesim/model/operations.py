@@ -81,6 +81,7 @@ class Gemm:
     count: float = 1
     weighted: bool = True  # the k x n operand is a parameter: its gradient is W work
     attention_core: bool = False
+    fp8: bool = False  # run in FP8 with its casts (pipesim.model.compute_model)
 
     @property
     def flops(self) -> float:
@@ -134,6 +135,10 @@ class MemoryBound:
 
 
 Operation = Gemm | FlashAttention | MemoryBound
+# GEMMs kept in BF16 when the others run in FP8: the MoE gating (DeepSeek-V3's recipe, section
+# 3.3.1: "the embedding module, the output head, MoE gating modules, normalization operators, and
+# attention operators" stay in higher precision); the output head's logits are not a weight GEMM here
+BF16_GEMMS = ("router", "shared_expert_gate")
 
 
 def gemm_rows(weight: Weight, spec: ModelSpec, tp: int, sequence_parallel: bool, padded: bool,
@@ -163,7 +168,7 @@ def weight_gemms(weights: tuple[Weight, ...], spec: ModelSpec, tp: int = 1, sequ
         rows, _ = shard(first, spec, tp)  # fused matrices read the same input
         columns = sum(shard(weight, spec, tp)[1] for weight in members)
         gemms.append(Gemm(name, gemm_rows(first, spec, tp, sequence_parallel, padded, ep), rows, columns,
-                          stack_on_rank(first, ep)))
+                          stack_on_rank(first, ep), fp8=spec.fp8 and name not in BF16_GEMMS))
     return tuple(gemms)
 
 

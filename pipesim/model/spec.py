@@ -78,6 +78,7 @@ class ModelSpec:
     attention_sinks: bool = False  # gpt-oss: one learned logit per head in each softmax's denominator
     sliding_window: int | None = None  # the keys a query sees in a sliding layer (itself and the w - 1 before)
     sliding_layers: tuple[int, ...] = ()  # indices of the layers that attend over the window
+    fp8: bool = False  # the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3): pipesim.model.compute_model
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "seq_len", "vocab", "microbatch_size", "dtype_bytes"):

@@ -163,7 +163,7 @@ def model_stage_costs(
         device = (finite_peak(stage_peak_flops[stage], fallback_peak), bandwidth_of(stage),
                   (stage_gpus[stage] if stage_gpus else None) or fallback_gpu)
         if device not in models_of:
-            models_of[device] = stage_compute_model(*device, mfu, compute_model)
+            models_of[device] = stage_compute_model(*device, mfu, compute_model, spec.fp8)
         return models_of[device]
 
     times: dict[tuple[int, int], BlockTime] = {}  # per compute model and kind of layer (-1: the output layer)
@@ -317,7 +317,7 @@ def attention_time(spec: ModelSpec, tp: int, flash_attention: bool, compute: Com
 
 
 def training_figures(spec: ModelSpec, recompute: str, makespan: float, microbatches: int, dp: int, gpus: int,
-                     peak_flops: float) -> dict:
+                     peak_flops: float, fp8_peak_flops: float | None = None) -> dict:
     """What a training log reports for one step of ``microbatches`` per replica on ``gpus``
     devices of ``peak_flops``:
 
@@ -326,14 +326,22 @@ def training_figures(spec: ModelSpec, recompute: str, makespan: float, microbatc
       recomputed forward (Narayanan et al. 2021, eq. 3: ``96 B s l h^2 (1 + s/6h +
       V/16lh)`` with full recompute, i.e. 4 passes over the layers and 3 over the logits)
       per second per GPU;
-    - ``mfu``: model FLOPs without recompute (3 passes) over peak (PaLM's definition)."""
+    - ``mfu``: model FLOPs without recompute (3 passes) over peak (PaLM's definition),
+      the BF16 peak whatever the GEMMs run in, as papers report FP8 runs, so that FP8
+      and BF16 steps compare on one scale;
+    - ``mfu_fp8_peak``: with FP8 GEMMs, the same FLOPs over ``fp8_peak_flops``."""
     sequences = microbatches * dp
     model_flops = sequences * 3 * spec.forward_flops()
     counted_flops = model_flops + sequences * spec.recompute_flops(recompute)
+    fp8 = spec.fp8 and bool(fp8_peak_flops)
     if makespan <= 0:
-        return {"tokens_per_second": None, "model_tflops_per_gpu": None, "mfu": None}
-    return {
+        return {"tokens_per_second": None, "model_tflops_per_gpu": None, "mfu": None,
+                **({"mfu_fp8_peak": None} if fp8 else {})}
+    figures = {
         "tokens_per_second": sequences * spec.tokens / makespan,
         "model_tflops_per_gpu": counted_flops / makespan / gpus / 1e12,
         "mfu": model_flops / makespan / gpus / peak_flops,
     }
+    if fp8:
+        figures["mfu_fp8_peak"] = model_flops / makespan / gpus / fp8_peak_flops
+    return figures
