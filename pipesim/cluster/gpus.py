@@ -7,7 +7,9 @@ Figures are the vendors' datasheet numbers for the SXM parts in HGX/DGX systems
 - ``memory_bytes``: HBM capacity; ``memory_bandwidth``: HBM bandwidth (bytes/s), which
   sets the pace of the memory-bound kernels (``pipesim.model.memory_traffic``);
 - ``nvlink_bandwidth``: NVLink bandwidth per GPU per direction through NVSwitch (half of
-  the bidirectional figure datasheets quote);
+  the bidirectional figure datasheets quote; the H800, H100's export variant, has 400
+  GB/s bidirectional where the H100 has 900, and DeepSeek-V3's report measured 160 GB/s
+  of its 200 one way);
 - ``nic_bandwidth``: the per-GPU InfiniBand port of the vendor's reference system of that
   generation (DGX A100: HDR 200 Gb/s; DGX H100/H200/B200: NDR 400 Gb/s), used by the
   multi-node presets;
@@ -70,6 +72,8 @@ GPUS: dict[str, GpuSpec] = {
     "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GB, 3, 300 * GB, 25 * GB, 1555 * GB, 108, 271.2e12),
     "a100-80gb": GpuSpec("a100-80gb", 312e12, 80 * GB, 3, 300 * GB, 25 * GB, 2039 * GB, 108, 271.2e12),
     "h100": GpuSpec("h100", 989e12, 80 * GB, 4, 450 * GB, 50 * GB, 3350 * GB, 132, 794.5e12, 1979e12),
+    # H800 SXM: H100's compute and memory, NVLink cut to 400 GB/s bidirectional (the part DeepSeek-V3 trained on)
+    "h800": GpuSpec("h800", 989e12, 80 * GB, 4, 200 * GB, 50 * GB, 3350 * GB, 132, 794.5e12, 1979e12),
     "h200": GpuSpec("h200", 989e12, 141 * GB, 4, 450 * GB, 50 * GB, 4800 * GB, 132, 794.5e12, 1979e12),
     "b200": GpuSpec("b200", 2250e12, 180 * GB, 5, 900 * GB, 50 * GB, 8000 * GB, 148, 1745.0e12, 4500e12),
 }
