@@ -82,10 +82,13 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
 
 def parameter_counts(model: dict) -> str:
     """``8.03 B params``, or for a mixture of experts ``46.7 B params (12.9 B active)``:
-    memory holds the total, each token computes with the active ones."""
+    memory holds the total, each token computes with the active ones; DeepSeek-V3's
+    multi-token prediction modules after them (``+ 11.6 B multi-token prediction``)."""
     text = f"{model['params'] / 1e9:.3g} B params"
     if model["active_params"] != model["params"]:
         text += f" ({model['active_params'] / 1e9:.3g} B active)"
+    if model.get("mtp_params"):
+        text += f" + {model['mtp_params'] / 1e9:.3g} B multi-token prediction"
     return text
 
 

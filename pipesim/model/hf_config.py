@@ -59,8 +59,10 @@ Never a silent dense count: an unknown ``model_type`` is an error, and so is any
 that changes the parameter count (experts, latent attention, extra norms, biases, ...)
 which the family's reader does not model, unless its value changes nothing (null,
 false, 0, an empty list). DeepSeek-V3's ``num_nextn_predict_layers`` (its
-multi-token-prediction module) is accepted and not counted: Hugging Face does not build
-it, and DeepSeek's 671B is the main model without it.
+multi-token-prediction modules, trained beside the main model though Hugging Face does
+not build them) is read as ``ModelSpec.mtp_depth``: their parameters are counted apart
+from the 671B main model (``mtp_params``), their work in the FLOPs, the last stage's
+time and memory.
 
 The training sequence length is not part of such a config: ``seq_len``, else the
 config's ``seq_length``, else ``max_position_embeddings`` capped at 8192.
@@ -301,7 +303,8 @@ def _deepseek(first_dense_default: int, routed_default: int | None, shared_defau
                               qk_nope_head_dim=config.count("qk_nope_head_dim", 128),
                               qk_rope_head_dim=config.count("qk_rope_head_dim", 64),
                               v_head_dim=config.count("v_head_dim", 128))
-        found = {"mla": mla, "kv_heads": None, **_attention_bias(config)}
+        found = {"mla": mla, "kv_heads": None, **_attention_bias(config),
+                 "mtp_depth": config.count("num_nextn_predict_layers", 0, minimum=0) or 0}
         experts = (config.part("n_routed_experts", "routed experts", routed_default) if routed_default
                    else config.count("n_routed_experts"))
         if not experts:

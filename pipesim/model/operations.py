@@ -234,6 +234,15 @@ def layer_operations(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fal
             *memory_bound_kernels(local, tp, sequence_parallel, flash_attention, layer))
 
 
+def mtp_operations(spec: ModelSpec, tp: int = 1, cp: int = 1) -> tuple[Operation, ...]:
+    """What one multi-token prediction module adds beside its block (``layer_operations``
+    of layer ``spec.layers``): its ``2h -> h`` projection (column-parallel) and the logits
+    of the shared output head, for the rank's ``s / cp`` tokens."""
+    tokens = spec.context_shard(cp).tokens
+    return (Gemm("mtp_projection", tokens, 2 * spec.hidden, spec.hidden / tp, fp8=spec.fp8),
+            *head_operations(spec, tp, cp))
+
+
 def head_operations(spec: ModelSpec, tp: int = 1, cp: int = 1) -> tuple[Operation, ...]:
     """The output layer on the last stage: logits over the vocabulary (vocab-parallel) for
     the rank's ``s / cp`` tokens."""

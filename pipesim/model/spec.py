@@ -79,6 +79,7 @@ class ModelSpec:
     sliding_window: int | None = None  # the keys a query sees in a sliding layer (itself and the w - 1 before)
     sliding_layers: tuple[int, ...] = ()  # indices of the layers that attend over the window
     fp8: bool = False  # the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3): pipesim.model.compute_model
+    mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers), after the head
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "seq_len", "vocab", "microbatch_size", "dtype_bytes"):
@@ -87,6 +88,7 @@ class ModelSpec:
             if getattr(self, key) is not None:
                 require_count(getattr(self, key), f"model {self.name}: {key}")
         require_count(self.norms_per_layer, f"model {self.name}: norms_per_layer", minimum=0)
+        require_count(self.mtp_depth, f"model {self.name}: mtp_depth", minimum=0)
         if self.qk_norm not in QK_NORMS:
             raise ModelSpecError(f"model {self.name}: qk_norm {self.qk_norm!r}: use one of "
                                  f"{', '.join(map(str, QK_NORMS))}")
@@ -225,6 +227,20 @@ class ModelSpec:
         """Every parameter of the model, every expert included (a tied output head counted once)."""
         return self.sum_over_layers(self.layer_params) + self.embedding_params() + self.head_params()
 
+    def mtp_params(self, tp: int = 1, ep: int = 1) -> int:
+        """Parameters of the multi-token prediction modules on one of ``tp`` (and ``ep``)
+        ranks, outside ``total_params`` as the published counts keep them (DeepSeek-V3's
+        671B is the main model; README_WEIGHTS: "11.5B unique parameters" of MTP). Each of
+        the ``mtp_depth`` modules (DeepSeek-V3 report, section 2.2) is a transformer block
+        like the layer after the last (an MoE layer), a projection ``M`` of the normalised
+        hidden state and next token's embedding, ``2h -> h`` (column-parallel), and three
+        RMSNorms (the two inputs', its head's); the embedding and output head are the main
+        model's, shared."""
+        if not self.mtp_depth:
+            return 0
+        return self.mtp_depth * (self.layer_params(self.layers, tp, ep) + 2 * self.hidden * self.hidden // tp
+                                 + 3 * self.norm_params())
+
     def active_params(self) -> int:
         """Parameters one token uses: the total less the routed experts it is not sent to.
         The embedding table counts whole, as the published figures count it (Mixtral's
@@ -261,8 +277,16 @@ class ModelSpec:
 
     def forward_flops(self) -> float:
         """Model FLOPs of the whole forward for one microbatch: what the tokens need,
-        not the padding of expert capacity."""
-        return self.sum_over_layers(lambda layer: self.layer_flops(layer, padded=False)) + self.logits_flops()
+        not the padding of expert capacity; the multi-token prediction modules' included
+        (each a block, its projection and the shared head's logits once more)."""
+        main = self.sum_over_layers(lambda layer: self.layer_flops(layer, padded=False)) + self.logits_flops()
+        return main + self.mtp_depth * self.mtp_module_flops()
+
+    def mtp_module_flops(self) -> float:
+        """Forward FLOPs of one multi-token prediction module for one microbatch: its
+        block, its ``2h -> h`` projection and the logits of the shared head."""
+        return (self.layer_flops(self.layers, padded=False) + 2 * self.tokens * 2 * self.hidden * self.hidden
+                + self.logits_flops())
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward = 3x forward, no recompute): the
@@ -323,6 +347,7 @@ class ModelSpec:
             kv_heads=self.num_kv_heads, ffn_hidden=self.ffn, head_dim=self.head_size,
             moe=asdict(self.moe) if self.moe else None, mla=asdict(self.mla) if self.mla else None,
             params=self.total_params(), active_params=self.active_params(), flops_per_token=self.flops_per_token(),
+            mtp_params=self.mtp_params(),
         )
         return document
 

@@ -49,7 +49,7 @@ from pipesim.model.compute_model import BlockTime, ComputeModel, KernelModel, bl
 from pipesim.model.costs import Costs, StageCost
 from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import optimizer_step_seconds
-from pipesim.model.operations import attention_core, head_operations, layer_operations
+from pipesim.model.operations import attention_core, head_operations, layer_operations, mtp_operations
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak
 from pipesim.model.stage_split import split_layers
 from pipesim.model.weights import routed_params
@@ -175,13 +175,25 @@ def model_stage_costs(
                 spec, tp, sequence_parallel, flash_attention, recompute, compute, kind, ep, cp)
         return times[key]
 
+    def end_of(compute: ComputeModel) -> BlockTime:
+        """What the last stage runs after its layers: the output layer and the multi-token
+        prediction modules (each a block like layer ``spec.layers``, a projection and the
+        shared head's logits once more)."""
+        head = time_of(compute, -1)
+        if not spec.mtp_depth:
+            return head
+        block = time_of(compute, spec.layers)
+        extra = mtp_time(spec, tp, compute, cp)
+        return BlockTime(*(getattr(head, part) + spec.mtp_depth * (getattr(block, part) + getattr(extra, part))
+                           for part in ("forward", "input_grad", "weight_grad", "recompute")))
+
     head_extra = 0.0
     if layers_per_stage is None and num_stages > 1:  # the output layer's time in layers, to balance the split
         compute = compute_of(num_stages - 1)
         layer_seconds = spec.sum_over_layers(
             lambda layer: _pass_seconds(time_of(compute, kind_layer[spec.layer_kind(layer)]))
         ) / spec.layers + layer_hold_seconds
-        head_extra = _pass_seconds(time_of(compute, -1)) / layer_seconds if layer_seconds > 0 else 0.0
+        head_extra = _pass_seconds(end_of(compute)) / layer_seconds if layer_seconds > 0 else 0.0
     counts = split_layers(spec.layers, num_stages, layers_per_stage, last_extra=head_extra)
     stages = []
     models = set()
@@ -208,12 +220,20 @@ def model_stage_costs(
             params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(local, tp, sequence_parallel)
         if last_stage:
-            head = time_of(compute, -1)
-            params += spec.head_params(tp)
+            head = end_of(compute)
+            params += spec.head_params(tp) + spec.mtp_params(tp, ep)
             fwd += head.forward
-            bwd += head.input_grad + head.weight_grad
+            bwd += head.input_grad + head.weight_grad + head.recompute
             wgrad += head.weight_grad
             stash += last_stage_extra_bytes(local, tp, sequence_parallel)
+            if spec.mtp_depth:  # each module: its block's stash, its projection's input, its head's
+                stash += spec.mtp_depth * (
+                    layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, spec.layers)
+                    + 2 * local.tokens * spec.hidden * spec.dtype_bytes + last_stage_extra_bytes(local, tp,
+                                                                                                sequence_parallel))
+                mtp_moe = spec.mtp_depth if spec.is_moe_layer(spec.layers) else 0
+                moe_layers += mtp_moe
+                count += spec.mtp_depth
         attention = attention_time(spec, tp, flash_attention, compute, cp)
         return StageCost(
             fwd=fwd,
@@ -306,6 +326,13 @@ def layer_time(spec: ModelSpec, tp: int, sequence_parallel: bool, flash_attentio
 def head_time(spec: ModelSpec, tp: int, compute: ComputeModel, cp: int = 1) -> BlockTime:
     """The output layer's seconds (never recomputed: Megatron's rule)."""
     return block_time(head_operations(spec, tp, cp), compute, "none", spec.dtype_bytes)
+
+
+@functools.lru_cache(maxsize=4096)
+def mtp_time(spec: ModelSpec, tp: int, compute: ComputeModel, cp: int = 1) -> BlockTime:
+    """A multi-token prediction module's projection and head logits (its block is a
+    ``layer_time``), never recomputed."""
+    return block_time(mtp_operations(spec, tp, cp), compute, "none", spec.dtype_bytes)
 
 
 @functools.lru_cache(maxsize=4096)
