@@ -78,6 +78,7 @@ class Job:
     no_flash_attention: bool = False
     capacity_factor: float | None = None
     fp8: bool = False
+    comm_sms: int = 0
     topology: str = "ideal"
     nodes: int | None = None
     gpu: str | None = None
@@ -215,6 +216,9 @@ def check_cost_flags(job) -> None:
         raise ValueError("--mfu needs --model: it scales the FLOPs of a model spec; give --model or drop --mfu")
     if getattr(job, "fp8", False) and not getattr(job, "model", None):
         raise ValueError("--fp8 needs --model: it runs a model spec's GEMMs in FP8; give --model or drop --fp8")
+    if getattr(job, "comm_sms", 0) and not getattr(job, "model", None):
+        raise ValueError(f"--comm-sms {job.comm_sms} needs --model: it slows a model spec's compute; give --model "
+                         f"or drop --comm-sms")
     if getattr(job, "compute_model", None) and not getattr(job, "model", None):
         raise ValueError(f"--compute-model {job.compute_model} needs --model: it times a model spec's operations; "
                          "give --model or drop --compute-model")
@@ -429,7 +433,7 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
                         fallback_memory_bandwidth(job),
                         optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp, parallel.zero),
                         tuple(schedule.placement), gpus, getattr(job, "gpu", None), profiled, job.ep, job.cp,
-                        layer_hold)
+                        layer_hold, getattr(job, "comm_sms", 0))
 
 
 def compute_model_of(job):
@@ -455,7 +459,7 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
                  layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
                  bandwidths: tuple, fallback_bandwidth: float, optimizer_state_bytes: float,
                  stage_ranks: tuple, gpus: tuple, fallback_gpu: str | None, profiled, ep: int = 1,
-                 cp: int = 1, layer_hold_seconds: float = 0.0) -> Costs:
+                 cp: int = 1, layer_hold_seconds: float = 0.0, comm_sms: int = 0) -> Costs:
     """``transformer_costs.model_costs``, kept per distinct input: it is a pure function of
     them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
     layouts (every dp width on one kind of GPU, with and without ZeRO). The optimizer
@@ -464,7 +468,8 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
     per parameter and scaled; the stages, which no placement changes, once for all of them."""
     per_byte = _model_costs_per_optimizer_byte(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
                                                flash_attention, fallback_peak, bandwidths, fallback_bandwidth,
-                                               stage_ranks, gpus, fallback_gpu, profiled, ep, cp, layer_hold_seconds)
+                                               stage_ranks, gpus, fallback_gpu, profiled, ep, cp, layer_hold_seconds,
+                                               comm_sms)
     return per_byte.with_step_overhead(per_byte.step_overhead * optimizer_state_bytes)
 
 
@@ -474,13 +479,13 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
                                     flash_attention: bool, fallback_peak: float, bandwidths: tuple,
                                     fallback_bandwidth: float, stage_ranks: tuple, gpus: tuple,
                                     fallback_gpu: str | None, profiled, ep: int, cp: int,
-                                    layer_hold_seconds: float) -> Costs:
+                                    layer_hold_seconds: float, comm_sms: int = 0) -> Costs:
     """``_model_costs`` with an optimizer that passes over one byte per parameter."""
     from pipesim.model.transformer_costs import with_optimizer_step
 
     stages = _model_stage_costs(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
                                 flash_attention, fallback_peak, bandwidths, fallback_bandwidth, gpus, fallback_gpu,
-                                profiled, ep, cp, layer_hold_seconds)
+                                profiled, ep, cp, layer_hold_seconds, comm_sms)
     return with_optimizer_step(stages, 1.0, list(stage_ranks), list(bandwidths), fallback_bandwidth)
 
 
@@ -488,7 +493,7 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
 def _model_stage_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None, sequence_parallel: bool,
                        layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
                        bandwidths: tuple, fallback_bandwidth: float, gpus: tuple, fallback_gpu: str | None,
-                       profiled, ep: int, cp: int, layer_hold_seconds: float) -> Costs:
+                       profiled, ep: int, cp: int, layer_hold_seconds: float, comm_sms: int = 0) -> Costs:
     """``transformer_costs.model_stage_costs``, kept: every placement of as many stages on
     alike devices (a looped and a V pipeline, pp 8 and pp 4 of two chunks) shares them."""
     from pipesim.model.transformer_costs import model_stage_costs
@@ -498,7 +503,7 @@ def _model_stage_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float 
                              flash_attention=flash_attention, fallback_peak=fallback_peak,
                              stage_memory_bandwidth=list(bandwidths), fallback_memory_bandwidth=fallback_bandwidth,
                              stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled, ep=ep, cp=cp,
-                             layer_hold_seconds=layer_hold_seconds)
+                             layer_hold_seconds=layer_hold_seconds, comm_sms=comm_sms)
 
 
 @without_collector

@@ -152,6 +152,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "matmul throughput measured on Hopper (1.70x BF16's) plus each GEMM's casts; MFU stays "
                        "against the BF16 peak, as papers report it, the FP8 peak's beside it. A config.json's FP8 "
                        "quantization_config turns it on (default: BF16)")
+    group.add_argument("--comm-sms", type=int, default=0, metavar="SMS",
+                       help="with --model: SMs of each GPU kept for communication kernels (DeepSeek-V3 kept 20 of "
+                       "an H800's 132): GEMMs and attention run on the rest, at their share of the peak (default: 0)")
     group.add_argument("--capacity-factor", type=float, default=None,
                        help="mixture of experts: token slots each routed expert computes, as a multiple of its "
                        "balanced share; empty slots cost time, not model FLOPs (default: dropless)")

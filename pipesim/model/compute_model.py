@@ -173,22 +173,45 @@ def gpu_compute_model(name: str | None) -> KernelModel:
 
 def stage_compute_model(peak_flops: float, memory_bandwidth: float, gpu: str | None = None,
                         mfu: float | None = None, profiled: KernelModel | None = None,
-                        fp8: bool = False) -> ComputeModel:
+                        fp8: bool = False, comm_sms: int = 0) -> ComputeModel:
     """The model a stage's device runs on: ``--mfu`` if given, else a profiled model
     (``--compute-model``), else its GPU's built-in model at the device's figures;
-    ``fp8``: refused unless the GPU has FP8 tensor cores (see the module)."""
+    ``fp8``: refused unless the GPU has FP8 tensor cores (see the module); ``comm_sms``
+    of its SMs kept for communication (``reserve_sms``)."""
     part = gpu_spec(gpu or DEFAULT_GPU)
     if fp8 and not part.fp8_flops:
         raise ModelSpecError(f"--fp8: {part.name} has no FP8 tensor cores; FP8 GEMMs need one of "
                              f"{', '.join(FP8_GPUS)} (--gpu)")
+    if isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or not 0 <= comm_sms < part.sms:
+        raise ModelSpecError(f"--comm-sms {comm_sms!r}: {part.name} has {part.sms} SMs; keep 0 to "
+                             f"{part.sms - 1} of them for communication")
     if mfu is not None:
-        return FixedEfficiency(peak_flops, mfu, memory_bandwidth, part.fp8_peak_over_bf16)
-    if profiled is not None:
+        model = FixedEfficiency(peak_flops, mfu, memory_bandwidth, part.fp8_peak_over_bf16)
+    elif profiled is not None:
         if fp8:
             raise ModelSpecError(f"--fp8 conflicts with --compute-model ({profiled.name}): the profiled model "
                                  f"measured BF16 GEMMs; drop one")
-        return profiled
-    return gpu_compute_model(part.name).on_device(peak_flops, memory_bandwidth)
+        model = profiled
+    else:
+        model = gpu_compute_model(part.name).on_device(peak_flops, memory_bandwidth)
+    return reserve_sms(model, comm_sms, part.sms)
+
+
+def reserve_sms(model: ComputeModel, reserved: int, sms: int) -> ComputeModel:
+    """``model`` with ``reserved`` of its GPU's ``sms`` kept for communication kernels
+    (DeepSeek-V3 gave 20 of an H800's 132 to its all-to-all and pipeline transfers,
+    report section 3.2.2): GEMMs tile over the rest, at their share of the peak, and
+    attention runs at that share of its throughput; memory-bound kernels keep the whole
+    HBM bandwidth (the communication kernels' own traffic is not counted)."""
+    if not reserved:
+        return model
+    share = (sms - reserved) / sms
+    if isinstance(model, FixedEfficiency):
+        return replace(model, peak_flops=model.peak_flops * share)
+    gemm = replace(model.gemm, peak_flops=model.gemm.peak_flops * share,
+                   sms=model.gemm.sms - round(reserved * model.gemm.sms / sms))
+    return replace(model, name=f"{model.name}, {reserved} of {sms} SMs kept for communication", gemm=gemm,
+                   attention_scale=model.attention_scale * share)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -84,6 +84,7 @@ def model_costs(
     ep: int = 1,
     cp: int = 1,
     layer_hold_seconds: float = 0.0,
+    comm_sms: int = 0,
 ) -> Costs:
     """Per-stage ``Costs`` of ``spec`` split over ``num_stages`` stages, on devices whose
     peak FLOP/s are ``stage_peak_flops[stage]`` and whose HBM moves
@@ -92,7 +93,8 @@ def model_costs(
     Compute is timed by the kernel model of each stage's GPU, ``stage_gpus[stage]``
     (``fallback_gpu`` where unnamed), or by ``compute_model`` (a profiled one) for every
     stage; given ``mfu``, every GEMM and attention kernel reaches that fraction of peak
-    instead.
+    instead. ``comm_sms`` of each GPU's SMs are kept for communication kernels, the
+    compute running on the rest (``pipesim.model.compute_model.reserve_sms``).
 
     The optimizer step (``step_overhead``) reads and writes ``optimizer_state_bytes`` per
     parameter (weights + gradients + optimizer state on the device); it is the slowest
@@ -108,7 +110,7 @@ def model_costs(
         model_stage_costs(spec, num_stages, stage_peak_flops, tp, mfu, sequence_parallel, layers_per_stage,
                           recompute, flash_attention, fallback_peak, stage_memory_bandwidth,
                           fallback_memory_bandwidth, stage_gpus, fallback_gpu, compute_model, ep, cp,
-                          layer_hold_seconds),
+                          layer_hold_seconds, comm_sms),
         optimizer_state_bytes, stage_ranks, stage_memory_bandwidth, fallback_memory_bandwidth)
 
 
@@ -131,6 +133,7 @@ def model_stage_costs(
     ep: int = 1,
     cp: int = 1,
     layer_hold_seconds: float = 0.0,
+    comm_sms: int = 0,
 ) -> Costs:
     """``model_costs`` without the optimizer step (``step_overhead`` 0): the stages alone,
     which do not depend on which rank holds which stage, so a planner derives them once
@@ -163,7 +166,7 @@ def model_stage_costs(
         device = (finite_peak(stage_peak_flops[stage], fallback_peak), bandwidth_of(stage),
                   (stage_gpus[stage] if stage_gpus else None) or fallback_gpu)
         if device not in models_of:
-            models_of[device] = stage_compute_model(*device, mfu, compute_model, spec.fp8)
+            models_of[device] = stage_compute_model(*device, mfu, compute_model, spec.fp8, comm_sms)
         return models_of[device]
 
     times: dict[tuple[int, int], BlockTime] = {}  # per compute model and kind of layer (-1: the output layer)
