@@ -28,7 +28,8 @@ from schedules.schedule import Schedule
 DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
 DEFAULT_VIRTUAL_STAGES = 2  # for schedules that place several chunks per rank
 DEFAULT_FWD = 1e-3
-COST_FLAGS = (("--fwd", "fwd"), ("--bwd", "bwd"), ("--wgrad", "wgrad"), ("--act-bytes", "act_bytes"))
+COST_FLAGS = (("--fwd", "fwd"), ("--bwd", "bwd"), ("--wgrad", "wgrad"), ("--act-bytes", "act_bytes"),
+              ("--wgrad-stash-share", "wgrad_stash_share"))
 # --dtype NAME -> bytes per element; --dtype-bytes N is the old spelling, kept working
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
@@ -56,6 +57,7 @@ class Job:
     bwd: float | None = None
     wgrad: float | None = None
     act_bytes: float | None = None
+    wgrad_stash_share: float | None = None
     stash_bytes: float | None = None
     param_bytes: float | None = None
     costs: str | None = None
@@ -238,8 +240,10 @@ def flag_costs_of(job, num_stages: int, virtual_stages: int) -> Costs:
         return load_costs(job.costs, num_stages, virtual_stages)
     fwd = DEFAULT_FWD if job.fwd is None else job.fwd
     bwd = 2 * fwd if job.bwd is None else job.bwd
+    share = getattr(job, "wgrad_stash_share", None)
     return uniform_costs(num_stages, fwd, bwd, job.wgrad or 0.0, job.act_bytes or 0.0, virtual_stages,
-                         stash_bytes=job.stash_bytes, param_bytes=job.param_bytes)
+                         stash_bytes=job.stash_bytes, param_bytes=job.param_bytes,
+                         wgrad_stash_share=1.0 if share is None else share)
 
 
 def finite_flag(value: float, flag: str, positive: bool = False) -> float:

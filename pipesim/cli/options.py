@@ -103,6 +103,11 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
                        "(default: 0)")
     group.add_argument("--act-bytes", type=float, default=None,
                        help="bytes one microbatch sends between consecutive stages (default: 0)")
+    group.add_argument("--wgrad-stash-share", type=float, default=None, metavar="SHARE",
+                       help="share of a microbatch's stash still held between its I and its W when the backward "
+                       "is split (the matrix products' inputs and output gradients, which W needs: Qi et al.'s "
+                       "32h of 34h + 5as, about 0.4 for their models); memory and zb-auto's search count it "
+                       "(default: 1, the whole stash; a --model derives it from its layers)")
     group.add_argument("--stash-bytes", type=float, default=None,
                        help="activation bytes one microbatch's forward keeps until its backward, on one rank's share "
                        "(default: unknown; memory reads n/a without this or --param-bytes)")

@@ -44,6 +44,8 @@ from pipesim.model.activations import (
     key_value_bytes,
     last_stage_extra_bytes,
     layer_stash_bytes,
+    wgrad_stash_bytes,
+    wgrad_stash_share,
 )
 from pipesim.model.compute_model import BlockTime, ComputeModel, KernelModel, block_time, stage_compute_model
 from pipesim.model.costs import Costs, StageCost
@@ -201,14 +203,15 @@ def model_stage_costs(
     stages = []
     models = set()
     per_kind = {layer: (spec.layer_params(layer, tp, ep),
-                        layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, layer))
+                        layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, layer),
+                        wgrad_stash_bytes(local, tp, sequence_parallel, layer))
                 for layer in kind_layer.values()}
     routed = routed_params(spec, tp, ep)
     dispatch = spec.moe.dispatch_bytes(local.tokens / tp, spec.hidden, spec.dtype_bytes) if spec.moe else 0.0
 
     def stage_cost(compute: ComputeModel, groups: list[tuple[int, int]], count: int, first_stage: bool,
                    last_stage: bool) -> StageCost:
-        fwd = bwd = wgrad = stash = 0.0
+        fwd = bwd = wgrad = stash = kept = 0.0
         params = moe_layers = 0  # whole numbers
         for layer, alike in groups:
             kind = kind_layer[spec.layer_kind(layer)]
@@ -219,6 +222,7 @@ def model_stage_costs(
             wgrad += alike * time.weight_grad
             params += alike * per_kind[kind][0]
             stash += alike * per_kind[kind][1]
+            kept += alike * per_kind[kind][2]
         if first_stage:
             params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(local, tp, sequence_parallel)
@@ -229,11 +233,13 @@ def model_stage_costs(
             bwd += head.input_grad + head.weight_grad + head.recompute
             wgrad += head.weight_grad
             stash += last_stage_extra_bytes(local, tp, sequence_parallel)
+            kept += local.tokens * (spec.hidden + spec.vocab / tp) * spec.dtype_bytes  # the logits GEMM's
             if spec.mtp_depth:  # each module: its block's stash, its projection's input, its head's
                 stash += spec.mtp_depth * (
                     layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, spec.layers)
                     + 2 * local.tokens * spec.hidden * spec.dtype_bytes + last_stage_extra_bytes(local, tp,
                                                                                                 sequence_parallel))
+                kept += spec.mtp_depth * wgrad_stash_bytes(local, tp, sequence_parallel, spec.layers)
                 mtp_moe = spec.mtp_depth if spec.is_moe_layer(spec.layers) else 0
                 moe_layers += mtp_moe
                 count += spec.mtp_depth
@@ -256,6 +262,7 @@ def model_stage_costs(
             kv_bytes=local.tokens * key_value_bytes(spec, tp),
             attention_fwd=attention.forward,
             attention_bwd=attention.input_grad,
+            wgrad_stash_share=1.0 if recompute == "full" else wgrad_stash_share(stash, kept),
         )
 
     # stages on alike devices holding alike layers (most of a deep pipeline) share one cost
