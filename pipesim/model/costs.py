@@ -23,7 +23,7 @@ STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes"
                 "tp_message_bytes", "recompute_layers", "overlap_fb",
                 # expert and context parallelism (pipesim.sim.expert_parallel, pipesim.sim.context_parallel)
                 "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
-                "attention_bwd", "wgrad_stash_share")
+                "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies")
 OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead")
 # what a stage's parameter memory and its gathers after the optimizer step read of it
 _PARAMETER_FIGURES = attrgetter("param_bytes", "params", "expert_params")
@@ -74,6 +74,11 @@ class StageCost:
     attention core's ``attention_fwd`` / ``attention_bwd`` seconds (per layer, on this
     rank); full recompute (``recompute_layers``) repeats the forward's exchanges.
 
+    Node-limited routing: a token's ``dispatch_copies`` routed copies (``k``) go to at
+    most ``dispatch_node_limit`` nodes (0: no limit), so the all-to-all's pieces between
+    nodes carry ``min(limit, nodes) / k`` of their bytes
+    (``pipesim.model.experts.MixtureOfExperts.remote_share``).
+
     ``wgrad_stash_share`` is the share of ``stash_bytes`` a microbatch still holds
     between its input-gradient backward (``I``) and its weight-gradient backward (``W``)
     when the backward is split: the matrix products' inputs and output gradients, which
@@ -101,6 +106,8 @@ class StageCost:
     attention_fwd: float = 0.0
     attention_bwd: float = 0.0
     wgrad_stash_share: float = 1.0
+    dispatch_node_limit: float = 0.0
+    dispatch_copies: float = 0.0
 
     def seconds(self, kind: str) -> float:
         if kind == ActionKind.F:

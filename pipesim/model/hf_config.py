@@ -317,9 +317,24 @@ def _deepseek(first_dense_default: int, routed_default: int | None, shared_defau
         found["moe"] = MixtureOfExperts(
             experts=experts, experts_per_token=config.count("num_experts_per_tok", top_k_default),
             expert_ffn=config.count("moe_intermediate_size", expert_ffn_default),
-            shared_experts=shared or 0, dense_layers=dense)
+            shared_experts=shared or 0, dense_layers=dense, node_limit=_node_limit(config))
         return found
     return read
+
+
+def _node_limit(config: Config) -> int | None:
+    """DeepSeek's group-limited routing: a token picks ``topk_group`` of ``n_group``
+    expert groups, then its experts within them (``topk_method`` ``noaux_tc`` in V3,
+    ``group_limited_greedy`` in V2; ``greedy`` has no limit). DeepSeek deploys one group
+    per node (V3: 8 groups of 32 experts on 8 nodes), so the limit is on nodes."""
+    method = config.get("topk_method", "greedy")
+    groups = config.count("n_group", 1)
+    if method == "greedy" or groups <= 1:
+        return None
+    if method not in ("noaux_tc", "group_limited_greedy"):
+        raise ModelSpecError(f"{config.name}: topk_method {method!r} is not a routing pipesim models (greedy, "
+                             f"group_limited_greedy, noaux_tc)")
+    return config.count("topk_group", groups)
 
 
 LLAMA_BIASES = ("attention_bias", "mlp_bias")

@@ -263,6 +263,8 @@ def model_stage_costs(
             attention_fwd=attention.forward,
             attention_bwd=attention.input_grad,
             wgrad_stash_share=1.0 if recompute == "full" else wgrad_stash_share(stash, kept),
+            dispatch_node_limit=float(spec.moe.node_limit or 0) if moe_layers else 0.0,
+            dispatch_copies=spec.moe.routed_slots(padded=False) if moe_layers else 0.0,
         )
 
     # stages on alike devices holding alike layers (most of a deep pipeline) share one cost
