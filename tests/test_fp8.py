@@ -125,8 +125,9 @@ def deepseek_v3(**changes) -> dict:
 
 
 def test_deepseek_v3s_fp8_quantization_config_turns_fp8_on(tmp_path, capsys):
-    assert spec_from_hf_config(deepseek_v3(quantization_config=FP8_DEEPSEEK)).fp8
-    assert not spec_from_hf_config(deepseek_v3()).fp8
+    assert spec_from_hf_config(deepseek_v3()).fp8  # the public file names it
+    assert deepseek_v3()["quantization_config"] == FP8_DEEPSEEK
+    assert not spec_from_hf_config(deepseek_v3(quantization_config=None)).fp8
     path = tmp_path / "deepseek-v3.json"
     path.write_text(json.dumps(deepseek_v3(quantization_config=FP8_DEEPSEEK)))
     out = tmp_path / "r.json"
