@@ -15,6 +15,10 @@ dequantizes it). Published counts:
   model card, table 1). OpenAI's active figure counts the unembedding but not the
   embedding table (a lookup), so it is compared with the active count less the embedding.
 - Gemma 3 1B: 1B (Google's model card).
+- Llama 4 Scout 109B total / 17B active, Maverick 400B / 17B (Meta's model cards). The
+  fixtures are the decoders' ``text_config`` (model_type ``llama4_text``; the published
+  files are vision-language ``llama4`` configs, refused); Scout's 109B counts its vision
+  encoder too, which the decoder leaves out (107.8B here, 1.1% under).
 """
 
 from __future__ import annotations
@@ -121,7 +125,8 @@ def test_mxfp4_quantization_is_refused_with_the_reason():
 @pytest.mark.parametrize("change,message", [
     ({"model_type": "gemma3", "text_config": {}}, "model_type 'gemma3' is a vision-language model .*'gemma3_text'"),
     ({"model_type": "llama4"}, "model_type 'llama4' is a vision-language model"),
-    ({"model_type": "llama4_text"}, "chunked attention"),
+    ({"model_type": "llama4_text"}, "num_local_experts is missing; the config class's default \\(16\\) would add "
+                                    "routed experts"),
     ({"sliding_window": 4096}, "sliding_window = 4096 changes attention's FLOPs and pipesim does not model it for "
                                "model_type 'llama'"),
 ])
@@ -180,3 +185,48 @@ def test_ring_attention_over_a_window_is_refused():
     with pytest.raises(ModelSpecError, match="--cp 2: .* 128-token sliding window"):
         check_layout(spec, cp=2)
     check_layout(spec_from_hf_config({**config("gpt-oss-20b"), "layer_types": ["full_attention"] * 24}), cp=2)
+
+
+@pytest.mark.parametrize("name,total,active,within", [
+    ("llama-4-maverick", 400e9, 17e9, 0.01), ("llama-4-scout", 109e9, 17e9, 0.015)])
+def test_llama4_against_metas_model_cards(name, total, active, within):
+    spec = spec_from_hf_config(config(name))
+    assert spec.total_params() == pytest.approx(total, rel=within)
+    assert spec.active_params() == pytest.approx(active, rel=0.015)
+
+
+def test_llama4_layers_by_hand():
+    """Scout: every layer 16 experts of 8192 and a shared one of 8192, a router, no
+    weights in its L2 query and key norms; Maverick: the odd layers 128 experts, the even
+    ones a dense MLP of 16384."""
+    h, q, kv, f, dense = 5120, 40 * 128, 8 * 128, 8192, 16384
+    attention = 2 * h * q + 2 * h * kv
+    scout = spec_from_hf_config(config("llama-4-scout"))
+    assert scout.layer_params(0) == attention + h * 16 + 17 * 3 * h * f + 2 * h
+    assert scout.layer_active_params(0) == attention + h * 16 + 2 * 3 * h * f + 2 * h
+    maverick = spec_from_hf_config(config("llama-4-maverick"))
+    assert [layer for layer in range(6) if maverick.is_moe_layer(layer)] == [1, 3, 5]
+    assert maverick.layer_params(0) == attention + 3 * h * dense + 2 * h
+    assert maverick.layer_params(1) == attention + h * 128 + 129 * 3 * h * f + 2 * h
+
+
+def test_llama4_chunks_three_layers_of_four():
+    """At 32768 tokens a chunked layer (rotary positions: all but every fourth) counts
+    4 chunks' squares, 4 x 8192^2 = s c; the fourth layers the whole s^2."""
+    spec = spec_from_hf_config(config("llama-4-scout"), seq_len=32768)
+    assert spec.chunked_layers == tuple(layer for layer in range(48) if (layer + 1) % 4)
+    s, c, heads, d = 32768, 8192, 40, 128
+    assert spec.attention_core_flops(0) == 2 * heads * (s // c) * c * c * 2 * d
+    assert spec.attention_core_flops(3) == 2 * heads * s * s * 2 * d
+    assert spec_from_hf_config(config("llama-4-scout")).attention_chunk_of(0) is None  # 8192 tokens: one chunk
+    with pytest.raises(ModelSpecError, match="--cp 2: .* 8192-token chunks"):
+        check_layout(spec, cp=2)
+
+
+@given(seq=st.integers(1, 300), chunk=st.integers(1, 400))
+def test_chunk_square_is_each_chunks_own_square(seq, chunk):
+    """Twice a causal chunk's pairs less its diagonal is its square: summed over the chunks."""
+    pairs = sum(query % chunk + 1 for query in range(seq))
+    diagonal = seq
+    attention = FlashAttention("attention", 1, 1, seq, 64, chunk=chunk)
+    assert attention.square() == 2 * pairs - diagonal

@@ -34,6 +34,11 @@ family. What differs between the families read here (``transformers``' modeling 
   head; ``layer_types`` alternating a 128-token sliding window with full attention.
 - ``gemma3_text``: Gemma 2's layer with query and key norms one head wide; five sliding
   (``sliding_window``) layers to one full by default.
+- ``llama4_text``: experts of ``intermediate_size`` (top ``num_experts_per_tok``, 1)
+  beside a shared expert of the same width in ``moe_layers`` (every
+  ``interleave_moe_layer_step``-th), dense layers of ``intermediate_size_mlp``; weightless
+  L2 query and key norms; chunked attention (``attention_chunk_size``) on the layers with
+  rotary positions, three of four by default (``no_rope_layers``, ``layer_types``).
 
 Sliding windows are read where the family has them: ``layer_types`` when the file lists
 them, else the family's rule (Mistral, Phi-3, Mixtral: every layer when
@@ -47,7 +52,7 @@ whose file leaves out its experts (or Qwen-MoE's shared expert) is refused rathe
 built with the config class's default count (a Qwen3-MoE file relabelled ``qwen2_moe``
 would otherwise gain qwen2_moe's default shared expert). Vision-language configs
 (``gemma3``, ``llama4``, ...) are refused, naming the decoder's own ``text_config``
-family; ``llama4_text`` (chunked attention) is refused with the reason. A
+family. A
 ``quantization_config`` is never ignored: ``pipesim.model.quantization`` reads FP8 (the
 GEMMs then run in FP8) and refuses the rest with the reason.
 
@@ -86,7 +91,8 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "n_shared_ex
             "shared_expert_intermediate_size", "num_experts_per_tok", "first_k_dense_replace", "moe_layer_freq",
             "decoder_sparse_step", "mlp_only_layers")
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-COUNT_KEYS = (*MOE_KEYS, *MLA_KEYS, "head_dim", "attention_bias", "mlp_bias", "bias", "n_inner", "ffn_hidden_size",
+COUNT_KEYS = (*MOE_KEYS, *MLA_KEYS, "intermediate_size_mlp", "interleave_moe_layer_step", "moe_layers",
+              "head_dim", "attention_bias", "mlp_bias", "bias", "n_inner", "ffn_hidden_size",
               "multi_query", "new_decoder_architecture", "num_kv_heads", "n_head_kv", "parallel_attn",
               "num_ln_in_parallel_attn", "qk_layernorm", "use_qk_norm", "num_nextn_predict_layers")
 DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
@@ -94,14 +100,13 @@ DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdro
 WINDOW_KEYS = ("sliding_window", "layer_types", "use_sliding_window", "sliding_window_pattern",
                "attention_chunk_size")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+CHUNKED = "chunked_attention"  # Llama 4's layer type: attention within chunks of attention_chunk_size
 # model types whose file holds more than a decoder, or a decoder pipesim does not model, and why
 REFUSED = {
     "gemma3": "a vision-language model (a SigLIP vision tower and a projector beside the decoder); its "
               "text_config is the decoder alone: save it as its own config.json (model_type 'gemma3_text')",
     "llama4": "a vision-language model (a vision encoder and a projector beside the decoder); its text_config "
-              "is the decoder alone (model_type 'llama4_text'), which pipesim does not read yet either",
-    "llama4_text": "its chunked attention (attention_chunk_size: queries see only their own chunk in three "
-                   "layers of four) is not modelled; counting it as full attention would overstate its FLOPs",
+              "is the decoder alone: save it as its own config.json (model_type 'llama4_text')",
     "mllama": "a vision-language model (cross-attention layers and a vision encoder)",
     "qwen2_vl": "a vision-language model (a vision encoder beside the decoder)",
     "qwen2_5_vl": "a vision-language model (a vision encoder beside the decoder)",
@@ -248,15 +253,73 @@ def _windows(default: int | None, slides: Callable[[Config, int], bool],
     return read
 
 
-def _layer_types(config: Config, types: object, layers: int) -> list[str]:
+def _layer_types(config: Config, types: object, layers: int, known: tuple[str, ...] = LAYER_TYPES) -> list[str]:
     if not isinstance(types, list) or len(types) != layers:
         raise ModelSpecError(f"{config.name}: layer_types must list one attention type per layer ({layers}), "
                              f"got {types!r}")
     for kind in types:
-        if kind not in LAYER_TYPES:
+        if kind not in known:
             raise ModelSpecError(f"{config.name}: layer_types entry {kind!r} is not an attention pipesim models "
-                                 f"(it models {', '.join(LAYER_TYPES)})")
+                                 f"for this family (it models {', '.join(known)})")
     return types
+
+
+def _llama4_chunks(config: Config) -> dict:
+    """Llama 4's chunked attention: ``layer_types`` when listed, else every layer that uses
+    rotary positions (``no_rope_layers``: 1 for those; by default all but every
+    ``no_rope_layer_interval``-th) attends within chunks of ``attention_chunk_size``; the
+    others (no positions) attend over the whole sequence."""
+    layers = config.count("num_hidden_layers")
+    chunk = config.count("attention_chunk_size", 8192)
+    types = config.get("layer_types")
+    if types is not None:
+        chunked = tuple(layer for layer, kind in enumerate(_layer_types(config, types, layers,
+                                                                        ("full_attention", CHUNKED)))
+                        if kind == CHUNKED)
+    else:
+        rope = config.get("no_rope_layers")
+        if rope is None:
+            interval = config.count("no_rope_layer_interval", 4)
+            rope = [int((layer + 1) % interval != 0) for layer in range(layers)]
+        if not isinstance(rope, list) or len(rope) != layers:
+            raise ModelSpecError(f"{config.name}: no_rope_layers must list 0 or 1 per layer ({layers}), got {rope!r}")
+        chunked = tuple(layer for layer, uses_rope in enumerate(rope) if uses_rope)
+    if chunk is None or not chunked:
+        return {}
+    return {"attention_chunk": chunk, "chunked_layers": chunked}
+
+
+def _no_sliding_window(config: Config) -> dict:
+    """Llama 4 chunks its attention (read with the family) and has no sliding window."""
+    if config.get("sliding_window") not in (None, 0):
+        raise ModelSpecError(f"{config.name}: sliding_window = {config.get('sliding_window')!r} changes attention's "
+                             f"FLOPs and pipesim does not model it for model_type 'llama4_text'")
+    return {}
+
+
+def _llama4(config: Config) -> dict:
+    """Llama 4's decoder: routed experts of ``intermediate_size`` (top
+    ``num_experts_per_tok``) beside one shared expert of the same width in the layers
+    ``moe_layers`` names (default every ``interleave_moe_layer_step``-th), the other layers
+    a dense MLP of ``intermediate_size_mlp``; its query and key norms (``use_qk_norm``)
+    are L2 norms without weights."""
+    layers = config.count("num_hidden_layers")
+    step = config.count("interleave_moe_layer_step", 1)
+    moe_layers = config.get("moe_layers")
+    if moe_layers is None:
+        moe_layers = list(range(step - 1, layers, step))
+    if not isinstance(moe_layers, list):
+        raise ModelSpecError(f"{config.name}: moe_layers must be a list of layer indices, got {moe_layers!r}")
+    width = config.count("intermediate_size", 8192)
+    found = {**_attention_bias(config), "ffn_hidden": config.count("intermediate_size_mlp", 16384),
+             **_llama4_chunks(config)}
+    experts = config.part("num_local_experts", "routed experts", 16)
+    if experts and moe_layers:
+        found["moe"] = MixtureOfExperts(
+            experts=experts, experts_per_token=config.count("num_experts_per_tok", 1), expert_ffn=width,
+            shared_experts=1, shared_expert_ffn=width,
+            dense_layers=tuple(layer for layer in range(layers) if layer not in moe_layers))
+    return found
 
 
 EVERY_LAYER = _windows(None, lambda config, layer: True)
@@ -368,6 +431,10 @@ FAMILIES: dict[str, Family] = {
                                                      "qk_norm": "head"},
                           head_dim=256, windows=GEMMA3_WINDOWS),
     "phi3": Family(gated_mlp=True, windows=EVERY_LAYER),
+    "llama4_text": Family(gated_mlp=True, reads=("head_dim", "attention_bias", "num_local_experts",
+                                                 "num_experts_per_tok", "use_qk_norm", "intermediate_size_mlp",
+                                                 "interleave_moe_layer_step", "moe_layers"),
+                          particular=_llama4, head_dim=128, windows=_no_sliding_window),
     "gpt2": Family(gated_mlp=False, rms_norm=False, tied=True, reads=("n_inner",), particular=_gpt2,
                    aliases=(("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"),
                             ("num_attention_heads", "n_head"), ("max_position_embeddings", "n_positions"))),

@@ -49,6 +49,9 @@ def check_layout(spec: ModelSpec, tp: int = 1, ep: int = 1, cp: int = 1, sequenc
     if cp > 1 and any(spec.attention_window(layer) for layer in spec.sliding_layers):
         raise ModelSpecError(f"--cp {cp}: {spec.name} attends over a {spec.sliding_window}-token sliding window in "
                              f"some layers, and ring attention over a window is not modelled; use --cp 1")
+    if cp > 1 and any(spec.attention_chunk_of(layer) for layer in spec.chunked_layers):
+        raise ModelSpecError(f"--cp {cp}: {spec.name} attends in {spec.attention_chunk}-token chunks in some "
+                             f"layers, and ring attention over chunks is not modelled; use --cp 1")
     if sequence_parallel and tp > 1 and (spec.seq_len // cp) % tp:
         raise ModelSpecError(f"--sequence-parallel splits each {spec.seq_len // cp}-token sequence"
                              f"{' shard' if cp > 1 else ''} over --tp {tp}, which does not divide it")

@@ -108,6 +108,7 @@ class FlashAttention:
     value_dim: float | None = None
     steps: int = 1
     window: int | None = None  # sliding window: a query sees itself and the window - 1 keys before it
+    chunk: int | None = None  # chunked attention: a query sees the keys of its own chunk, causally
 
     @property
     def flops(self) -> float:
@@ -115,9 +116,13 @@ class FlashAttention:
         return 2.0 * self.batch * self.heads * self.square() * (self.head_dim + value_dim) * self.steps
 
     def square(self) -> float:
-        """Query-key pairs counted: the whole ``s^2`` square, or over a window ``w < s``
+        """Query-key pairs counted: the whole ``s^2`` square; over a window ``w < s``
         ``2 s w - w^2``, twice the ``s w - w^2 / 2`` pairs the kernel computes as ``s^2`` is
-        twice a causal kernel's (the count stays Megatron's, and reaches ``s^2`` at ``w = s``)."""
+        twice a causal kernel's (the count stays Megatron's, and reaches ``s^2`` at ``w = s``);
+        in chunks of ``c < s`` each chunk's own square, ``floor(s/c) c^2 + (s mod c)^2``."""
+        if self.chunk is not None and self.chunk < self.seq:
+            whole, rest = divmod(self.seq, self.chunk)
+            return float(whole * self.chunk * self.chunk + rest * rest)
         if self.window is None or self.window >= self.seq:
             return float(self.seq * self.seq)
         return 2.0 * self.seq * self.window - self.window * self.window
@@ -183,7 +188,7 @@ def attention_core(spec: ModelSpec, tp: int = 1, flash_attention: bool = True, s
     if flash_attention:
         return (FlashAttention("attention", spec.microbatch_size, heads, spec.seq_len, query_dim,
                                value_dim=None if value_dim == query_dim else value_dim, steps=steps,
-                               window=spec.attention_window(layer)),)
+                               window=spec.attention_window(layer), chunk=spec.attention_chunk_of(layer)),)
     if steps != 1:
         raise ValueError("ring attention is built on the fused (flash) attention kernel")
     batches = spec.microbatch_size * heads

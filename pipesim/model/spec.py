@@ -78,6 +78,8 @@ class ModelSpec:
     attention_sinks: bool = False  # gpt-oss: one learned logit per head in each softmax's denominator
     sliding_window: int | None = None  # the keys a query sees in a sliding layer (itself and the w - 1 before)
     sliding_layers: tuple[int, ...] = ()  # indices of the layers that attend over the window
+    attention_chunk: int | None = None  # Llama 4: a query sees only the keys of its own chunk of this many tokens
+    chunked_layers: tuple[int, ...] = ()  # indices of the layers whose attention is chunked
     fp8: bool = False  # the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3): pipesim.model.compute_model
     mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers), after the head
 
@@ -96,6 +98,10 @@ class ModelSpec:
             require_count(self.sliding_window, f"model {self.name}: sliding_window")
         for layer in self.sliding_layers:
             require_count(layer, f"model {self.name}: each of sliding_layers", minimum=0)
+        if self.attention_chunk is not None:
+            require_count(self.attention_chunk, f"model {self.name}: attention_chunk")
+        for layer in self.chunked_layers:
+            require_count(layer, f"model {self.name}: each of chunked_layers", minimum=0)
         if self.head_dim is None and self.mla is None and self.hidden % self.heads:
             raise ModelSpecError(f"model {self.name}: hidden {self.hidden} is not a multiple of heads {self.heads} "
                                  f"(give head_dim)")
@@ -164,10 +170,17 @@ class ModelSpec:
             return None
         return self.sliding_window
 
-    def layer_kind(self, layer: int) -> tuple[bool, int | None]:
-        """What makes layers unlike: a mixture of experts or not, and the attention window.
-        Layers of one kind cost the same."""
-        return self.is_moe_layer(layer), self.attention_window(layer)
+    def attention_chunk_of(self, layer: int = 0) -> int | None:
+        """The chunk layer ``layer``'s queries attend within (Llama 4's chunked attention)
+        where it is shorter than the sequence, else ``None``."""
+        if self.attention_chunk is None or self.attention_chunk >= self.seq_len or layer not in self.chunked_layers:
+            return None
+        return self.attention_chunk
+
+    def layer_kind(self, layer: int) -> tuple[bool, int | None, int | None]:
+        """What makes layers unlike: a mixture of experts or not, the attention window and
+        the attention chunk. Layers of one kind cost the same."""
+        return self.is_moe_layer(layer), self.attention_window(layer), self.attention_chunk_of(layer)
 
     def mlp_width(self, layer: int = 0, padded: bool = True) -> float:
         """MLP columns a token's activations pass through in ``layer``: the dense width, or
@@ -185,9 +198,9 @@ class ModelSpec:
         stop = self.layers if stop is None else stop
         if stop <= first:
             return []
-        if self.moe is None and not self.sliding_layers:
+        if self.moe is None and not self.sliding_layers and not self.chunked_layers:
             return [(first, stop - first)]
-        kinds: dict[tuple[bool, int | None], list[int]] = {}
+        kinds: dict[tuple[bool, int | None, int | None], list[int]] = {}
         for layer in range(first, stop):
             kinds.setdefault(self.layer_kind(layer), []).append(layer)
         return [(members[0], len(members)) for members in kinds.values()]
