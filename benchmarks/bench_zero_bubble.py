@@ -50,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.paper_rows import COLUMNS, INTERLEAVED_CHUNKS, rates, rows, schedule_for, timing  # noqa: E402
+from benchmarks.paper_rows import COLUMNS, rates, rows, schedule_for, timing  # noqa: E402
 from schedules import engine, generate, step_metrics  # noqa: E402
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError, zb_auto, zbv_auto  # noqa: E402
 from schedules.lowering import lower  # noqa: E402
@@ -113,7 +113,7 @@ def torch_row(label: str, pp: int, microbatches: int, costs) -> dict | None:
 
 
 # the paper's columns against torch's order of the same class, where torch has one
-TORCH_OF_COLUMN = {"1F1B-I": ("interleaved-1f1b", INTERLEAVED_CHUNKS), "ZB-H1": ("zb-h1", 1)}
+TORCH_OF_COLUMN = {"1F1B-I": ("interleaved-1f1b", None), "ZB-H1": ("zb-h1", 1)}  # None: the row's chunks
 
 
 def paper_table() -> None:
@@ -134,7 +134,7 @@ def paper_table() -> None:
             torch_cell = "-"
             if column in TORCH_OF_COLUMN:
                 name, chunks = TORCH_OF_COLUMN[column]
-                theirs = torch_schedule(name, row.pp, row.microbatches, chunks)
+                theirs = torch_schedule(name, row.pp, row.microbatches, chunks or row.interleaved_chunks)
                 torch_cell = f"{bubble_rate(engine.run(theirs, timing(row, theirs), engine.FREE), row):.4f}"
             paper = f"{row.paper[column]:.4f}" if column in row.paper else "held"
             order = schedule.meta.get("order", "")

@@ -28,10 +28,13 @@ COLUMNS = ("1F1B", "1F1B-I", "ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p")
 # 32h of 34h + 5as per token and layer (its Table 1): about 0.4 for its models. Every
 # share from 0.25 to 0.5 gives the same orders on the published rows.
 PAPER_WEIGHT_MEMORY = 0.4
-# The paper does not say how many chunks its 1F1B-I ran. With 4 every published row is
-# reached (the 1.5B rows beaten by up to 0.009, the 6.2B rows within 0.002); with 3 the
-# 6.2B rows stay 0.008-0.018 above. Chosen after seeing both models' rows: in-sample.
-INTERLEAVED_CHUNKS = 4
+# The paper's models (its Table 3): 22, 30, 46 and 62 layers, hidden 2304 / 4096 / 5120 /
+# 6144 (12 L h^2 gives 1.4B, 6.0B, 14.5B and 28.1B before the embeddings). Each is k p - 2
+# layers for its p, as the paper's repository recommends with --allow-padding-num-layers
+# (one layer fewer on the first and last stage), and its 1F1B-I runs one layer per virtual
+# stage (--num-layers-per-virtual-pipeline-stage 1 in examples/pretrain_zero_bubble.sh): k
+# = (L + 2) / p chunks per rank, an input here, not fitted.
+MODEL_LAYERS = {"1.5B": 22, "6.2B": 30, "14.6B": 46, "28.3B": 62}
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,12 @@ class Row:
     @property
     def label(self) -> str:
         return f"{self.model} p{self.pp} m{self.microbatches}"
+
+    @property
+    def interleaved_chunks(self) -> int:
+        """1F1B-I's chunks per rank: the model's layers per stage, with the first and
+        last stage's missing layer counted (``MODEL_LAYERS``)."""
+        return (MODEL_LAYERS[self.model] + 2) // self.pp
 
 
 def rows() -> list[Row]:
@@ -83,7 +92,7 @@ def schedule_for(row: Row, column: str, search_seconds: float | None = None) -> 
     if column == "1F1B":
         return generate("1f1b", pp, microbatches)
     if column == "1F1B-I":
-        return generate("interleaved-1f1b", pp, microbatches, INTERLEAVED_CHUNKS)
+        return generate("interleaved-1f1b", pp, microbatches, row.interleaved_chunks)
     if column in ("ZB-H1", "ZB-H2"):
         textbook = generate(column.lower(), pp, microbatches)
         return adapt(textbook, timing(row, textbook))

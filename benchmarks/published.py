@@ -57,6 +57,7 @@ median / worst error over the held-out rows).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import time
@@ -225,6 +226,7 @@ class Prediction:
         return self.step_seconds / run.step_seconds - 1
 
 
+@functools.cache  # a Run is frozen; the tests of one session share each study's predictions
 def predict(run: Run, efficiency: float | None, with_memory: bool = False) -> Prediction:
     """What ``pipesim simulate`` predicts for ``run``: at ``efficiency`` of peak for every
     GEMM and attention kernel (``--mfu``), or by the GPU's compute model (None); with

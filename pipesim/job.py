@@ -41,7 +41,8 @@ DEFAULT_FWD = 1e-3
 # this share of B, so at --bwd 2 x --fwd the passes cost F = I = W, the zero-bubble paper's
 # unit costs. Without a split its W passes would take no time and draw as nothing.
 DEFAULT_WGRAD_SHARE = 0.5
-COST_FLAGS = (("--fwd", "fwd"), ("--bwd", "bwd"), ("--wgrad", "wgrad"), ("--act-bytes", "act_bytes"))
+COST_FLAGS = (("--fwd", "fwd"), ("--bwd", "bwd"), ("--wgrad", "wgrad"), ("--act-bytes", "act_bytes"),
+              ("--wgrad-stash-share", "wgrad_stash_share"))
 # --dtype NAME -> bytes per element; --dtype-bytes N is the old spelling, kept working
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
@@ -69,6 +70,7 @@ class Job:
     bwd: float | None = None
     wgrad: float | None = None
     act_bytes: float | None = None
+    wgrad_stash_share: float | None = None
     stash_bytes: float | None = None
     param_bytes: float | None = None
     costs: str | None = None
@@ -91,6 +93,8 @@ class Job:
     no_flash_attention: bool = False
     capacity_factor: float | None = None
     attention_flops: str = "causal"  # how MFU counts attention (pipesim.model.transformer_costs.ATTENTION_FLOPS)
+    fp8: bool = False
+    comm_sms: int = 0
     topology: str = "ideal"
     nodes: int | None = None
     gpu: str | None = None
@@ -230,6 +234,11 @@ def check_cost_flags(job) -> None:
                 raise conflict(flag, f"--costs {job.costs}", f"the costs file gives every stage's costs; drop {flag}")
     if getattr(job, "mfu", None) is not None and not getattr(job, "model", None):
         raise ValueError("--mfu needs --model: it scales the FLOPs of a model spec; give --model or drop --mfu")
+    if getattr(job, "fp8", False) and not getattr(job, "model", None):
+        raise ValueError("--fp8 needs --model: it runs a model spec's GEMMs in FP8; give --model or drop --fp8")
+    if getattr(job, "comm_sms", 0) and not getattr(job, "model", None):
+        raise ValueError(f"--comm-sms {job.comm_sms} needs --model: it slows a model spec's compute; give --model "
+                         f"or drop --comm-sms")
     if getattr(job, "compute_model", None) and not getattr(job, "model", None):
         raise ValueError(f"--compute-model {job.compute_model} needs --model: it times a model spec's operations; "
                          "give --model or drop --compute-model")
@@ -249,8 +258,10 @@ def flag_costs_of(job, num_stages: int, virtual_stages: int) -> Costs:
         return load_costs(job.costs, num_stages, virtual_stages)
     fwd = DEFAULT_FWD if job.fwd is None else job.fwd
     bwd = 2 * fwd if job.bwd is None else job.bwd
+    share = getattr(job, "wgrad_stash_share", None)
     return uniform_costs(num_stages, fwd, bwd, wgrad_of(job, bwd), job.act_bytes or 0.0, virtual_stages,
-                         stash_bytes=job.stash_bytes, param_bytes=job.param_bytes)
+                         stash_bytes=job.stash_bytes, param_bytes=job.param_bytes,
+                         wgrad_stash_share=1.0 if share is None else share)
 
 
 def takes_default_split(job) -> bool:
@@ -400,6 +411,8 @@ def model_spec_of(job):
     factor = getattr(job, "capacity_factor", None)
     if factor is not None:
         spec = spec.with_capacity_factor(finite_flag(factor, "--capacity-factor", positive=True))
+    if getattr(job, "fp8", False) and not spec.fp8:
+        spec = replace(spec, fp8=True)
     return spec
 
 
@@ -472,7 +485,7 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
                         fallback_memory_bandwidth(job),
                         optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp, parallel.zero),
                         tuple(schedule.placement), gpus, getattr(job, "gpu", None), profiled, job.ep, job.cp,
-                        layer_hold)
+                        layer_hold, getattr(job, "comm_sms", 0))
 
 
 def compute_model_of(job):
@@ -498,7 +511,7 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
                  layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
                  bandwidths: tuple, fallback_bandwidth: float, optimizer_state_bytes: float,
                  stage_ranks: tuple, gpus: tuple, fallback_gpu: str | None, profiled, ep: int = 1,
-                 cp: int = 1, layer_hold_seconds: float = 0.0) -> Costs:
+                 cp: int = 1, layer_hold_seconds: float = 0.0, comm_sms: int = 0) -> Costs:
     """``transformer_costs.model_costs``, kept per distinct input: it is a pure function of
     them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
     layouts (every dp width on one kind of GPU, with and without ZeRO). The optimizer
@@ -507,7 +520,8 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
     per parameter and scaled; the stages, which no placement changes, once for all of them."""
     per_byte = _model_costs_per_optimizer_byte(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
                                                flash_attention, fallback_peak, bandwidths, fallback_bandwidth,
-                                               stage_ranks, gpus, fallback_gpu, profiled, ep, cp, layer_hold_seconds)
+                                               stage_ranks, gpus, fallback_gpu, profiled, ep, cp, layer_hold_seconds,
+                                               comm_sms)
     return per_byte.with_step_overhead(per_byte.step_overhead * optimizer_state_bytes)
 
 
@@ -517,13 +531,13 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
                                     flash_attention: bool, fallback_peak: float, bandwidths: tuple,
                                     fallback_bandwidth: float, stage_ranks: tuple, gpus: tuple,
                                     fallback_gpu: str | None, profiled, ep: int, cp: int,
-                                    layer_hold_seconds: float) -> Costs:
+                                    layer_hold_seconds: float, comm_sms: int = 0) -> Costs:
     """``_model_costs`` with an optimizer that passes over one byte per parameter."""
     from pipesim.model.transformer_costs import with_optimizer_step
 
     stages = _model_stage_costs(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
                                 flash_attention, fallback_peak, bandwidths, fallback_bandwidth, gpus, fallback_gpu,
-                                profiled, ep, cp, layer_hold_seconds)
+                                profiled, ep, cp, layer_hold_seconds, comm_sms)
     return with_optimizer_step(stages, 1.0, list(stage_ranks), list(bandwidths), fallback_bandwidth)
 
 
@@ -531,7 +545,7 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
 def _model_stage_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None, sequence_parallel: bool,
                        layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
                        bandwidths: tuple, fallback_bandwidth: float, gpus: tuple, fallback_gpu: str | None,
-                       profiled, ep: int, cp: int, layer_hold_seconds: float) -> Costs:
+                       profiled, ep: int, cp: int, layer_hold_seconds: float, comm_sms: int = 0) -> Costs:
     """``transformer_costs.model_stage_costs``, kept: every placement of as many stages on
     alike devices (a looped and a V pipeline, pp 8 and pp 4 of two chunks) shares them."""
     from pipesim.model.transformer_costs import model_stage_costs
@@ -541,7 +555,7 @@ def _model_stage_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float 
                              flash_attention=flash_attention, fallback_peak=fallback_peak,
                              stage_memory_bandwidth=list(bandwidths), fallback_memory_bandwidth=fallback_bandwidth,
                              stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled, ep=ep, cp=cp,
-                             layer_hold_seconds=layer_hold_seconds)
+                             layer_hold_seconds=layer_hold_seconds, comm_sms=comm_sms)
 
 
 @without_collector
@@ -582,7 +596,9 @@ def throughput_figures(job: Job, result) -> dict:
 
 
 def _throughput(job: Job, result, spec) -> tuple[dict, int, float]:
-    """The training figures, the GPU count and the mean peak FLOP/s per GPU."""
+    """The training figures, the GPU count and the mean peak FLOP/s per GPU (the FP8
+    peak taken as the BF16 peak times the GPU's ratio of the two)."""
+    from pipesim.cluster.gpus import gpu_spec
     from pipesim.model.transformer_costs import training_figures
 
     fallback = fallback_peak_flops(job)
@@ -590,6 +606,7 @@ def _throughput(job: Job, result, spec) -> tuple[dict, int, float]:
     peaks = [peak if math.isfinite(peak) else fallback for peak in peaks] or [fallback]
     gpus = result.schedule.pp * result.parallel.gpus
     peak = sum(peaks) / len(peaks)
+    fp8_peak = peak * gpu_spec(getattr(job, "gpu", None)).fp8_peak_over_bf16
     figures = training_figures(spec, job.recompute, result.metrics.makespan, result.schedule.microbatches,
-                               result.parallel.dp, gpus, peak, getattr(job, "attention_flops", "causal"))
+                               result.parallel.dp, gpus, peak, getattr(job, "attention_flops", "causal"), fp8_peak)
     return figures, gpus, peak

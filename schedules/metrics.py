@@ -92,14 +92,18 @@ def peak_inflight(trace: Trace, rank: int, chunks_per_rank: int = 1) -> float:
     return float(peak_stashes(trace.columns, trace.num_ranks)[rank]) / chunks_per_rank
 
 
-def stash_changes(columns: TraceColumns, size: Callable[[np.ndarray], np.ndarray] | None = None
+def stash_changes(columns: TraceColumns, size: Callable[[np.ndarray], np.ndarray] | None = None,
+                  kept: Callable[[np.ndarray], np.ndarray] | None = None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(rank, time, change)`` of every forward stash taken (+size) and released (-size),
     sorted by rank then time: a stash of ``size(stage)`` (default 1) is taken when a
     forward starts and released when the last backward piece of that stage and
-    microbatch (B, or W when the backward is split) ends. At equal times releases come
-    first, as memory freed by a backward is reused by the next forward. The in-flight
-    count and the memory model both read stashes this way."""
+    microbatch (B, or W when the backward is split) ends. With ``kept(stage)``, the
+    share of a stash that a split backward still needs between its I and its W (the
+    matrix products' inputs and output gradients), an I releases all but that share
+    and its W the rest. At equal times releases come first, as memory freed by a
+    backward is reused by the next forward. The in-flight count and the memory model
+    both read stashes this way."""
     compute = columns.on_stream("compute")
     kind, stage, microbatch = columns.kind[compute], columns.stage[compute], columns.microbatch[compute]
     forward = kind == columns.kind_code("F")
@@ -108,8 +112,12 @@ def stash_changes(columns: TraceColumns, size: Callable[[np.ndarray], np.ndarray
     key = stage * (int(microbatch.max()) + 1 if len(microbatch) else 1) + microbatch
     split = _members(key, key[weight])
     release = weight | (backward & ~split)
-    taken = forward | release
+    partial = backward & split if kept is not None else np.zeros(len(kind), dtype=bool)
+    taken = forward | release | partial
     amount = np.ones(int(taken.sum())) if size is None else np.asarray(size(stage[taken]), dtype=float)
+    if kept is not None:  # a W releases the kept share, an I before it the rest
+        share = np.asarray(kept(stage[taken]), dtype=float)
+        amount = amount * np.where(weight[taken], share, np.where(partial[taken], 1.0 - share, 1.0))
     change = np.where(forward[taken], amount, -amount)
     time = np.where(forward, columns.start[compute], columns.end[compute])[taken]
     rank = columns.rank[compute][taken]
@@ -128,10 +136,10 @@ def _members(values: np.ndarray, among: np.ndarray) -> np.ndarray:
     return table[values - low]
 
 
-def peak_stashes(columns: TraceColumns, ranks: int, size: Callable[[np.ndarray], np.ndarray] | None = None
-                 ) -> np.ndarray:
+def peak_stashes(columns: TraceColumns, ranks: int, size: Callable[[np.ndarray], np.ndarray] | None = None,
+                 kept: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """Per rank, the most stash held at once (``stash_changes``)."""
-    rank, _, change = stash_changes(columns, size)
+    rank, _, change = stash_changes(columns, size, kept)
     peaks = np.zeros(ranks)
     if len(change):
         held = running_totals(rank, change)

@@ -14,6 +14,7 @@ values from the models' public config.json files. Published parameter counts:
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -87,8 +88,9 @@ def test_falcon_multi_query_and_parallel_attention():
     ("deepseek-v2-lite", "deepseek-v2-lite", 4096), ("llama-3.1-8b", "llama3-8b", None),
 ])
 def test_configs_give_the_presets(name, preset, seq_len):
+    """The presets are the main models; DeepSeek-V3's file adds its multi-token prediction module."""
     spec = spec_from_hf_config(config(name), seq_len=seq_len)
-    expected = model_spec(preset)
+    expected = replace(model_spec(preset), mtp_depth=1 if name == "deepseek-v3" else 0)
     assert spec.total_params() == expected.total_params() and spec.active_params() == expected.active_params()
     assert spec.forward_flops() == expected.forward_flops()
 
@@ -113,12 +115,15 @@ def test_qwen_moe_sparse_step_and_mlp_only_layers_are_hugging_faces_rule():
         spec_from_hf_config({**config("qwen1.5-moe-a2.7b"), "mlp_only_layers": 3})
 
 
-def test_deepseek_v3_multi_token_prediction_is_not_counted():
-    """Hugging Face's DeepseekV3 builds 61 layers and skips the MTP module's weights."""
+def test_deepseek_v3_multi_token_prediction_is_counted_apart_from_the_main_model():
+    """The 671B main model's count stays; the MTP module (one, num_nextn_predict_layers)
+    is counted apart (tests/test_mtp.py pins its size and work)."""
     with_mtp = spec_from_hf_config(config("deepseek-v3"))
     without = spec_from_hf_config({key: value for key, value in config("deepseek-v3").items()
                                    if key != "num_nextn_predict_layers"})
     assert with_mtp.total_params() == without.total_params()
+    assert with_mtp.mtp_depth == 1 and without.mtp_depth == 0 and without.mtp_params() == 0
+    assert with_mtp.mtp_params() > 0 and with_mtp.forward_flops() > without.forward_flops()
     assert [layer for layer in range(5) if not with_mtp.is_moe_layer(layer)] == [0, 1, 2]
 
 

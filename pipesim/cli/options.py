@@ -103,6 +103,11 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
                        "(default: half of --bwd for schedules that split the backward, said on stderr; 0 otherwise)")
     group.add_argument("--act-bytes", type=float, default=None,
                        help="bytes one microbatch sends between consecutive stages (default: 0)")
+    group.add_argument("--wgrad-stash-share", type=float, default=None, metavar="SHARE",
+                       help="share of a microbatch's stash still held between its I and its W when the backward "
+                       "is split (the matrix products' inputs and output gradients, which W needs: Qi et al.'s "
+                       "32h of 34h + 5as, about 0.4 for their models); memory and zb-auto's search count it "
+                       "(default: 1, the whole stash; a --model derives it from its layers)")
     group.add_argument("--stash-bytes", type=float, default=None,
                        help="activation bytes one microbatch's forward keeps until its backward, on one rank's share "
                        "(default: unknown; memory reads n/a without this or --param-bytes)")
@@ -151,6 +156,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "scores a causal mask computes (Meta's Llama 3 figures, today's Megatron-LM and MaxText), or "
                        "whole, the full square (PaLM's appendix B formula, torchtitan, Narayanan et al. 2021) "
                        "(default: causal)")
+    group.add_argument("--fp8", action="store_true",
+                       help="with --model: the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3's recipe; the "
+                       "router, attention core and output head stay BF16) on h100, h200, h800 or b200, at the FP8 "
+                       "matmul throughput measured on Hopper (1.70x BF16's) plus each GEMM's casts; MFU stays "
+                       "against the BF16 peak, as papers report it, the FP8 peak's beside it. A config.json's FP8 "
+                       "quantization_config turns it on (default: BF16)")
+    group.add_argument("--comm-sms", type=int, default=0, metavar="SMS",
+                       help="with --model: SMs of each GPU kept for communication kernels (DeepSeek-V3 kept 20 of "
+                       "an H800's 132): GEMMs and attention run on the rest, at their share of the peak (default: 0)")
     group.add_argument("--capacity-factor", type=float, default=None,
                        help="mixture of experts: token slots each routed expert computes, as a multiple of its "
                        "balanced share; empty slots cost time, not model FLOPs (default: dropless)")

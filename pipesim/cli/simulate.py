@@ -90,11 +90,21 @@ def write_outputs(args: argparse.Namespace, result_dict: dict, traces: list, tit
 
 def parameter_counts(model: dict) -> str:
     """``8.03 B params``, or for a mixture of experts ``46.7 B params (12.9 B active)``:
-    memory holds the total, each token computes with the active ones."""
+    memory holds the total, each token computes with the active ones; DeepSeek-V3's
+    multi-token prediction modules after them (``+ 11.6 B multi-token prediction``)."""
     text = f"{model['params'] / 1e9:.3g} B params"
     if model["active_params"] != model["params"]:
         text += f" ({model['active_params'] / 1e9:.3g} B active)"
+    if model.get("mtp_params"):
+        text += f" + {model['mtp_params'] / 1e9:.3g} B multi-token prediction"
     return text
+
+
+def mfu_text(figures: dict) -> str:
+    """``41.2%``, or with FP8 GEMMs ``41.2% of the BF16 peak (20.6% of the FP8 peak)``."""
+    if figures.get("mfu_fp8_peak") is None:
+        return percent(figures["mfu"])
+    return f"{percent(figures['mfu'])} of the BF16 peak ({percent(figures['mfu_fp8_peak'])} of the FP8 peak)"
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -134,7 +144,7 @@ def handle(args: argparse.Namespace) -> int:
     if figures:
         print(f"  model {figures['model']['name']}: {parameter_counts(figures['model'])}; "
               f"{count(figures['tokens_per_second'])} tokens/s, {number(figures['model_tflops_per_gpu'])} TFLOP/s "
-              f"per GPU (recompute counted), MFU {percent(figures['mfu'])} (attention counted {job.attention_flops})")
+              f"per GPU (recompute counted), MFU {mfu_text(figures)} (attention counted {job.attention_flops})")
         print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
         for line in impossible_notes(model_spec_of(job), figures):
             print(line, file=sys.stderr)

@@ -142,34 +142,39 @@ def ring_exchange(topology: Topology, group: Sequence[str], num_bytes: float) ->
 
 
 def all_to_all(topology: Topology, group: Sequence[str], num_bytes: float,
-               concurrent: Sequence[Sequence[str]] = ()) -> float:
+               concurrent: Sequence[Sequence[str]] = (), remote_share: float = 1.0) -> float:
     """Seconds for an all-to-all in which each rank of ``group`` holds ``num_bytes``, an
     equal piece for every member (see the module): the most loaded link's bytes over its
     bandwidth, plus the largest route latency; ``concurrent`` groups exchanging at the
-    same moment load the links they share."""
+    same moment load the links they share; pieces between devices of different nodes
+    (``Topology.node_of``) carry ``remote_share`` of their bytes (node-limited routing)."""
     if len(group) <= 1:
         return 0.0
-    seconds_per_byte, latency = all_to_all_pace(topology, (tuple(group), *(tuple(other) for other in concurrent)))
+    seconds_per_byte, latency = all_to_all_pace(topology, (tuple(group), *(tuple(other) for other in concurrent)),
+                                                remote_share)
     return num_bytes * seconds_per_byte + latency
 
 
-def all_to_all_pace(topology: Topology, groups: tuple[tuple[str, ...], ...]) -> tuple[float, float]:
+def all_to_all_pace(topology: Topology, groups: tuple[tuple[str, ...], ...],
+                    remote_share: float = 1.0) -> tuple[float, float]:
     """(seconds per byte of S, latency) of an all-to-all over ``groups`` at once: each
-    member sends ``1/n`` of S to every other member of its group, so a link carries, per
-    byte of S, ``1/n`` for every piece routed over it. Kept per topology and groups: a step
-    prices each stage's group once per layer."""
-    key = _all_to_all_key(topology, groups)
+    member sends ``1/n`` of S to every other member of its group (``remote_share / n``
+    to a member on another node), so a link carries, per byte of S, the pieces routed
+    over it. Kept per topology and groups: a step prices each stage's group once per layer."""
+    key = (*_all_to_all_key(topology, groups), remote_share)
     cached = topology.pace_cache.get(key)
     if cached is None:
         load: dict[tuple[str, str], float] = {}
         bandwidth: dict[tuple[str, str], float] = {}
         latency = 0.0
         for members in groups:
-            piece = 1.0 / len(members)
+            whole = 1.0 / len(members)
             for src in members:
                 for dst in members:
                     if src == dst:
                         continue
+                    piece = whole if remote_share == 1.0 or topology.node_of(src) == topology.node_of(dst) \
+                        else whole * remote_share
                     route = topology.route(src, dst)
                     if not route.links:
                         continue

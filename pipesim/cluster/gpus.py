@@ -7,7 +7,9 @@ Figures are the vendors' datasheet numbers for the SXM parts in HGX/DGX systems
 - ``memory_bytes``: HBM capacity; ``memory_bandwidth``: HBM bandwidth (bytes/s), which
   sets the pace of the memory-bound kernels (``pipesim.model.memory_traffic``);
 - ``nvlink_bandwidth``: NVLink bandwidth per GPU per direction through NVSwitch (half of
-  the bidirectional figure datasheets quote);
+  the bidirectional figure datasheets quote; the H800, H100's export variant, has 400
+  GB/s bidirectional where the H100 has 900, and DeepSeek-V3's report measured 160 GB/s
+  of its 200 one way);
 - ``nic_bandwidth``: the per-GPU InfiniBand port of the vendor's reference system of that
   generation (DGX A100: HDR 200 Gb/s; DGX H100/H200/B200: NDR 400 Gb/s), used by the
   multi-node presets;
@@ -18,7 +20,13 @@ Figures are the vendors' datasheet numbers for the SXM parts in HGX/DGX systems
   achievable matmul FLOPS", a brute-force search over shapes; S. Bekman, *Machine
   Learning Engineering*, compute/accelerator, MAMF table: A100 SXM 271.2, H100 SXM 794.5
   with "H200 is the same", B200 SXM 1745.0 TFLOP/s). It carries the shape model measured on
-  one GPU over to the others (``pipesim.model.compute_model``).
+  one GPU over to the others (``pipesim.model.compute_model``);
+- ``fp8_flops``: dense FP8 tensor-core peak (H100/H200 SXM 1979 TFLOP/s, half the
+  datasheets' 3958 "with sparsity"; B200 4500), 0 where the part has no FP8 tensor cores
+  (A100). ``fp8_matmul_flops``: the FP8 matmul throughput reached, ``matmul_flops`` times
+  ``FP8_MATMUL_OVER_BF16``: DeepGEMM's 1350 FP8 TFLOP/s on Hopper (DeepSeek's release of
+  its fine-grained-scaling FP8 GEMMs, February 2025: "1350+ FP8 TFLOPS") over Hopper's
+  794.5 BF16, so a large FP8 GEMM runs 1.70x its BF16 time, not the datasheets' 2x.
 """
 
 from __future__ import annotations
@@ -45,17 +53,33 @@ class GpuSpec:
     memory_bandwidth: float
     sms: int
     matmul_flops: float
+    fp8_flops: float = 0.0
 
+    @property
+    def fp8_matmul_flops(self) -> float:
+        """FP8 matmul throughput reached (0: no FP8 tensor cores): see the module."""
+        return self.matmul_flops * FP8_MATMUL_OVER_BF16 if self.fp8_flops else 0.0
+
+    @property
+    def fp8_peak_over_bf16(self) -> float:
+        """The FP8 peak over the BF16 peak (2 on Hopper and Blackwell; 0: no FP8)."""
+        return self.fp8_flops / self.bf16_flops
+
+
+FP8_MATMUL_OVER_BF16 = 1350e12 / 794.5e12  # DeepGEMM on Hopper over Hopper's measured BF16 matmul
 
 GPUS: dict[str, GpuSpec] = {
     "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GB, 3, 300 * GB, 25 * GB, 1555 * GB, 108, 271.2e12),
     "a100-80gb": GpuSpec("a100-80gb", 312e12, 80 * GB, 3, 300 * GB, 25 * GB, 2039 * GB, 108, 271.2e12),
-    "h100": GpuSpec("h100", 989e12, 80 * GB, 4, 450 * GB, 50 * GB, 3350 * GB, 132, 794.5e12),
-    "h200": GpuSpec("h200", 989e12, 141 * GB, 4, 450 * GB, 50 * GB, 4800 * GB, 132, 794.5e12),
-    "b200": GpuSpec("b200", 2250e12, 180 * GB, 5, 900 * GB, 50 * GB, 8000 * GB, 148, 1745.0e12),
+    "h100": GpuSpec("h100", 989e12, 80 * GB, 4, 450 * GB, 50 * GB, 3350 * GB, 132, 794.5e12, 1979e12),
+    # H800 SXM: H100's compute and memory, NVLink cut to 400 GB/s bidirectional (the part DeepSeek-V3 trained on)
+    "h800": GpuSpec("h800", 989e12, 80 * GB, 4, 200 * GB, 50 * GB, 3350 * GB, 132, 794.5e12, 1979e12),
+    "h200": GpuSpec("h200", 989e12, 141 * GB, 4, 450 * GB, 50 * GB, 4800 * GB, 132, 794.5e12, 1979e12),
+    "b200": GpuSpec("b200", 2250e12, 180 * GB, 5, 900 * GB, 50 * GB, 8000 * GB, 148, 1745.0e12, 4500e12),
 }
 
 DEFAULT_GPU = "h100"
+FP8_GPUS = tuple(name for name, gpu in GPUS.items() if gpu.fp8_flops)
 
 
 def gpu_spec(name: str | None) -> GpuSpec:

@@ -186,6 +186,18 @@ class Topology:
         """Bytes of memory on ``device``; unbounded when the topology does not say."""
         return self.device_figure(device, "memory_bytes")
 
+    def node_of(self, device: str) -> str | None:
+        """The node (server) ``device`` sits in, what node-limited expert routing counts:
+        a preset's ``n<k>`` (its devices are ``n<k>.gpu<i>``; single-node presets have
+        one), a topology file's ``node`` field of the device; None when unknown (every
+        device then counts as one node)."""
+        if self.hierarchy is not None:
+            return device.split(".", 1)[0] if "." in device else None
+        if device not in self.graph:
+            return None
+        node = self.graph.nodes[device].get("node")
+        return None if node is None else str(node)
+
     def device_peak_flops(self, device: str) -> float:
         """Peak FLOP/s of ``device``; unbounded (unknown) when the topology does not say."""
         return self.device_figure(device, "peak_flops")

@@ -75,6 +75,27 @@ def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fa
     return spec.tokens * per_token
 
 
+def wgrad_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False, layer: int = 0) -> float:
+    """Bytes one microbatch keeps for layer ``layer`` between its input-gradient backward
+    (``I``) and its weight-gradient backward (``W``), on one tp rank: each weight GEMM's
+    input and output gradient (``W`` computes ``dW = X^T dY``), ``m (k + n)`` elements of
+    every ``m x k`` by ``k x n`` product the layer runs (``pipesim.model.operations``).
+    For GPT-3 that is ``16h`` elements per token, the ``32h`` bytes of Qi et al. 2024,
+    Table 1; everything else of the stash (norm inputs, attention's Q, K, V and scores,
+    masks, the MLP's intermediates but the down projection's input) is freed by ``I``."""
+    from pipesim.model.operations import weight_gemms
+    from pipesim.model.weights import layer_weights
+
+    gemms = weight_gemms(layer_weights(spec, spec.is_moe_layer(layer)), spec, tp, sequence_parallel)
+    return sum(gemm.count * gemm.m * (gemm.k + gemm.n) for gemm in gemms) * spec.dtype_bytes
+
+
+def wgrad_stash_share(stash: float, kept: float) -> float:
+    """The share of a ``stash`` that ``kept`` bytes are, at most all of it (a stash of
+    the layer's input alone, under full recompute, is held whole until ``W``)."""
+    return min(1.0, kept / stash) if stash > 0 else 1.0
+
+
 def attention_bytes(spec: ModelSpec, tp: int) -> float:
     """Per token on one tp rank: Q, K, V and the output projection's input (GPT: ``2h +
     2k`` elements, / tp)."""

@@ -31,6 +31,19 @@ Where the kernel figures come from (never from a training run):
 
 ``pipesim profile --compute-model FILE`` fits the same model on the user's GPU
 (``save_compute_model``/``load_compute_model``).
+
+**FP8** (``--fp8``, or a config's FP8 ``quantization_config``): the GEMMs a
+``Gemm.fp8`` marks (``pipesim.model.operations``) run ``fp8_speedup`` times as fast as
+in BF16 on the same shape model (``GpuSpec.fp8_matmul_flops / matmul_flops``: 1.70 on
+Hopper, from DeepGEMM's measured FP8 throughput; with ``--mfu`` the datasheets' 2), their
+operands one byte wide. Each also pays its casts, as memory-bound kernels: its input
+before the forward and the output's gradient before the backward are read in BF16 and
+written in FP8 twice, as is and transposed (Transformer Engine's fused cast-transpose,
+``CAST_BYTES`` = 2 + 1 + 1 bytes per element; the scaling factors, one per 1x128 tile in
+DeepSeek-V3's recipe, are a 1/128 share and not counted). The weights are cast once per
+step, not per microbatch (Megatron-Core hands Transformer Engine ``is_first_microbatch``,
+which keeps the FP8 copy), and that pass is not counted. A GPU without FP8 tensor cores
+(A100), or a profiled model (which measured BF16), refuses FP8 in one line.
 """
 
 from __future__ import annotations
@@ -42,9 +55,10 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
-from pipesim.cluster.gpus import DEFAULT_GPU, GPUS, gpu_spec
+from pipesim.cluster.gpus import DEFAULT_GPU, FP8_GPUS, GPUS, gpu_spec
 from pipesim.model import memory_traffic
 from pipesim.model.attention_model import AttentionTable, AttentionTableError, AttentionTiming, read_attention_csv
+from pipesim.model.errors import ModelSpecError
 from pipesim.model.gemm_model import GemmModel
 from pipesim.model.operations import FlashAttention, Gemm, MemoryBound, Operation, memory_bound_kernels
 from pipesim.model.spec import ModelSpec
@@ -54,6 +68,7 @@ FILE_FORMAT = 1
 # 989 TFLOP/s, 4.8 TB/s, 132 SMs; tests/test_compute_model.py re-fits the file and checks these
 H200_GEMM_FIT = {"efficiency": 0.7234, "k_overhead": 272.0, "launch_seconds": 25.1e-6}
 MEASURED_GPU = "h200"
+CAST_BYTES = 4  # an FP8 cast-transpose: reads 2 bytes per element, writes 1 twice (as is, transposed)
 
 
 class ComputeModelError(ValueError):
@@ -68,13 +83,15 @@ class FixedEfficiency:
     peak_flops: float
     efficiency: float
     memory_bandwidth: float
+    fp8_speedup: float = 0.0  # the FP8 peak over the BF16 peak; 0: no FP8
 
     @property
     def name(self) -> str:
         return f"fixed efficiency {self.efficiency:g} of peak (--mfu)"
 
     def gemm_seconds(self, gemm: Gemm, element_bytes: int) -> float:
-        return gemm.flops / (self.peak_flops * self.efficiency)
+        speedup = self.fp8_speedup if gemm.fp8 else 1.0
+        return gemm.flops / (self.peak_flops * self.efficiency * speedup)
 
     def attention_seconds(self, attention: FlashAttention) -> tuple[float, float]:
         forward = attention.flops / (self.peak_flops * self.efficiency)
@@ -93,6 +110,7 @@ class KernelModel:
     gemm: GemmModel
     attention: AttentionTable
     attention_scale: float = 1.0
+    fp8_speedup: float = 0.0  # FP8 GEMMs' throughput over BF16's at the same shape; 0: no FP8
 
     @property
     def peak_flops(self) -> float:
@@ -103,7 +121,14 @@ class KernelModel:
         return self.gemm.memory_bandwidth
 
     def gemm_seconds(self, gemm: Gemm, element_bytes: int) -> float:
+        if gemm.fp8:
+            return self.fp8_gemm.seconds(gemm.m, gemm.k, gemm.n, gemm.count, 1)
         return self.gemm.seconds(gemm.m, gemm.k, gemm.n, gemm.count, element_bytes)
+
+    @functools.cached_property
+    def fp8_gemm(self) -> GemmModel:
+        """The GEMM model at ``fp8_speedup`` times the throughput."""
+        return replace(self.gemm, peak_flops=self.gemm.peak_flops * self.fp8_speedup)
 
     def attention_seconds(self, attention: FlashAttention) -> tuple[float, float]:
         return self.attention.seconds(attention, self.attention_scale)
@@ -142,18 +167,51 @@ def gpu_compute_model(name: str | None) -> KernelModel:
     source = "H200 kernel measurements" if gpu.matmul_flops == measured.matmul_flops else \
         "H200 kernel measurements scaled by measured matmul throughput"
     return KernelModel(f"{gpu.name} ({source})", gemm, measured_attention(),
-                       attention_scale=gpu.matmul_flops / measured.matmul_flops)
+                       attention_scale=gpu.matmul_flops / measured.matmul_flops,
+                       fp8_speedup=gpu.fp8_matmul_flops / gpu.matmul_flops)
 
 
 def stage_compute_model(peak_flops: float, memory_bandwidth: float, gpu: str | None = None,
-                        mfu: float | None = None, profiled: KernelModel | None = None) -> ComputeModel:
+                        mfu: float | None = None, profiled: KernelModel | None = None,
+                        fp8: bool = False, comm_sms: int = 0) -> ComputeModel:
     """The model a stage's device runs on: ``--mfu`` if given, else a profiled model
-    (``--compute-model``), else its GPU's built-in model at the device's figures."""
+    (``--compute-model``), else its GPU's built-in model at the device's figures;
+    ``fp8``: refused unless the GPU has FP8 tensor cores (see the module); ``comm_sms``
+    of its SMs kept for communication (``reserve_sms``)."""
+    part = gpu_spec(gpu or DEFAULT_GPU)
+    if fp8 and not part.fp8_flops:
+        raise ModelSpecError(f"--fp8: {part.name} has no FP8 tensor cores; FP8 GEMMs need one of "
+                             f"{', '.join(FP8_GPUS)} (--gpu)")
+    if isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or not 0 <= comm_sms < part.sms:
+        raise ModelSpecError(f"--comm-sms {comm_sms!r}: {part.name} has {part.sms} SMs; keep 0 to "
+                             f"{part.sms - 1} of them for communication")
     if mfu is not None:
-        return FixedEfficiency(peak_flops, mfu, memory_bandwidth)
-    if profiled is not None:
-        return profiled
-    return gpu_compute_model(gpu or DEFAULT_GPU).on_device(peak_flops, memory_bandwidth)
+        model = FixedEfficiency(peak_flops, mfu, memory_bandwidth, part.fp8_peak_over_bf16)
+    elif profiled is not None:
+        if fp8:
+            raise ModelSpecError(f"--fp8 conflicts with --compute-model ({profiled.name}): the profiled model "
+                                 f"measured BF16 GEMMs; drop one")
+        model = profiled
+    else:
+        model = gpu_compute_model(part.name).on_device(peak_flops, memory_bandwidth)
+    return reserve_sms(model, comm_sms, part.sms)
+
+
+def reserve_sms(model: ComputeModel, reserved: int, sms: int) -> ComputeModel:
+    """``model`` with ``reserved`` of its GPU's ``sms`` kept for communication kernels
+    (DeepSeek-V3 gave 20 of an H800's 132 to its all-to-all and pipeline transfers,
+    report section 3.2.2): GEMMs tile over the rest, at their share of the peak, and
+    attention runs at that share of its throughput; memory-bound kernels keep the whole
+    HBM bandwidth (the communication kernels' own traffic is not counted)."""
+    if not reserved:
+        return model
+    share = (sms - reserved) / sms
+    if isinstance(model, FixedEfficiency):
+        return replace(model, peak_flops=model.peak_flops * share)
+    gemm = replace(model.gemm, peak_flops=model.gemm.peak_flops * share,
+                   sms=model.gemm.sms - round(reserved * model.gemm.sms / sms))
+    return replace(model, name=f"{model.name}, {reserved} of {sms} SMs kept for communication", gemm=gemm,
+                   attention_scale=model.attention_scale * share)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,6 +232,9 @@ def _gemm_time(gemm: Gemm, model: ComputeModel, element_bytes: int) -> Operation
     forward = model.gemm_seconds(gemm, element_bytes)
     data_grad = model.gemm_seconds(replace(gemm, k=gemm.n, n=gemm.k), element_bytes)  # m x n by n x k
     other_grad = model.gemm_seconds(replace(gemm, m=gemm.k, k=gemm.m), element_bytes)  # k x m by m x n
+    if gemm.fp8:  # the input cast before the forward, the output gradient's before the backward
+        forward += model.memory_seconds(CAST_BYTES * gemm.count * gemm.m * gemm.k)
+        data_grad += model.memory_seconds(CAST_BYTES * gemm.count * gemm.m * gemm.n)
     if gemm.weighted:
         return OperationTime(forward, data_grad, other_grad)
     return OperationTime(forward, data_grad + other_grad)  # both operands are activations

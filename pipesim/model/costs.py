@@ -23,7 +23,7 @@ STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes"
                 "tp_message_bytes", "recompute_layers", "overlap_fb",
                 # expert and context parallelism (pipesim.sim.expert_parallel, pipesim.sim.context_parallel)
                 "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
-                "attention_bwd")
+                "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies")
 OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead")
 # what a stage's parameter memory and its gathers after the optimizer step read of it
 _PARAMETER_FIGURES = attrgetter("param_bytes", "params", "expert_params")
@@ -73,6 +73,18 @@ class StageCost:
     ``kv_bytes`` (the rank's keys and values) around the ring, overlapped with the
     attention core's ``attention_fwd`` / ``attention_bwd`` seconds (per layer, on this
     rank); full recompute (``recompute_layers``) repeats the forward's exchanges.
+
+    Node-limited routing: a token's ``dispatch_copies`` routed copies (``k``) go to at
+    most ``dispatch_node_limit`` nodes (0: no limit), so the all-to-all's pieces between
+    nodes carry ``min(limit, nodes) / k`` of their bytes
+    (``pipesim.model.experts.MixtureOfExperts.remote_share``).
+
+    ``wgrad_stash_share`` is the share of ``stash_bytes`` a microbatch still holds
+    between its input-gradient backward (``I``) and its weight-gradient backward (``W``)
+    when the backward is split: the matrix products' inputs and output gradients, which
+    ``W`` needs (Qi et al. 2024, Table 1: ``32h`` of ``34h + 5as`` per token). 1 (the
+    default for flags and costs files) holds the whole stash until ``W``; a model's
+    costs derive it (``pipesim.model.activations.wgrad_stash_bytes``).
     """
 
     fwd: float
@@ -93,6 +105,9 @@ class StageCost:
     kv_bytes: float = 0.0
     attention_fwd: float = 0.0
     attention_bwd: float = 0.0
+    wgrad_stash_share: float = 1.0
+    dispatch_node_limit: float = 0.0
+    dispatch_copies: float = 0.0
 
     def seconds(self, kind: str) -> float:
         if kind == ActionKind.F:
@@ -147,6 +162,9 @@ class Costs:
                 raise CostsError(
                     f"stage {index}: wgrad ({stage.wgrad}) is part of bwd ({stage.bwd}) and cannot exceed it"
                 )
+            if stage.wgrad_stash_share > 1:
+                raise CostsError(f"stage {index}: wgrad_stash_share ({stage.wgrad_stash_share}) is a share of the "
+                                 f"stash, at most 1")
 
     @property
     def num_stages(self) -> int:
@@ -231,6 +249,7 @@ def uniform_costs(
     virtual_stages: int | None = None,
     stash_bytes: float | None = None,
     param_bytes: float | None = None,
+    wgrad_stash_share: float = 1.0,
 ) -> Costs:
     """Every stage alike. ``fwd``/``bwd``/``wgrad``, ``stash_bytes`` and ``param_bytes``
     are per pipeline *rank* (its whole share of the model), so each of a rank's ``v``
@@ -256,7 +275,11 @@ def uniform_costs(
         check_number(value, flag)
     if wgrad > bwd:
         raise CostsError(f"--wgrad ({wgrad}) is part of --bwd ({bwd}) and cannot exceed it")
+    check_number(wgrad_stash_share, "--wgrad-stash-share")
+    if wgrad_stash_share > 1:
+        raise CostsError(f"--wgrad-stash-share {wgrad_stash_share}: a share of the stash, between 0 and 1")
     stage = StageCost(
+        wgrad_stash_share=wgrad_stash_share,
         fwd=fwd / virtual_stages,
         bwd=bwd / virtual_stages,
         wgrad=wgrad / virtual_stages,

@@ -19,6 +19,11 @@ microbatch's ``T`` tokens whatever the routing (GShard, Switch Transformer: slot
 empty are padding, tokens beyond the capacity are dropped), so the routed experts' time
 is C times the routed tokens' FLOPs; without one (dropless, as Megatron-LM and
 DeepSeek-V3 train) it is the routed tokens' FLOPs, balanced over the experts.
+
+Node-limited routing (``node_limit``, DeepSeek-V3's ``topk_group`` of its ``n_group``
+expert groups, one group per node as it deploys them) sends a token to at most ``M``
+nodes: its all-to-all crosses nodes with at most ``M`` copies of the token instead of
+``k`` (``remote_share``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class MixtureOfExperts:
     shared_expert_gate: bool = False  # Qwen-MoE: a sigmoid gate (h x 1) on the shared expert's output
     dense_layers: tuple[int, ...] = ()  # indices of the layers that keep a dense MLP
     capacity_factor: float | None = None  # token slots per expert / its balanced share; None: dropless
+    router_bias: bool = False  # gpt-oss: the router's scores have a bias per expert
+    node_limit: int | None = None  # a token's experts on at most this many nodes (DeepSeek-V3's topk_group)
 
     def __post_init__(self) -> None:
         for key in ("experts", "experts_per_token", "expert_ffn"):
@@ -53,6 +60,8 @@ class MixtureOfExperts:
         if self.experts_per_token > self.experts:
             raise ModelSpecError(f"mixture of experts: experts_per_token {self.experts_per_token} exceeds the "
                                  f"{self.experts} routed experts")
+        if self.node_limit is not None:
+            require_count(self.node_limit, "mixture of experts: node_limit (or none)")
         factor = self.capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                                    or not math.isfinite(factor) or factor <= 0):
@@ -73,6 +82,8 @@ class MixtureOfExperts:
         Unpadded, the computations the tokens get: ``k``, or with a capacity factor below 1
         only that share of them (the rest are dropped, ``dropped_share``), so model FLOPs
         never count work no expert did (an MFU over 100%)."""
+        if self.node_limit is not None:
+            require_count(self.node_limit, "mixture of experts: node_limit (or none)")
         if self.capacity_factor is None:
             return float(self.experts_per_token)
         factor = self.capacity_factor if padded else min(1.0, self.capacity_factor)
@@ -90,12 +101,30 @@ class MixtureOfExperts:
         aim for) times the capacity factor when ``padded``."""
         return self.routed_slots(padded) * tokens / self.experts
 
+    def remote_share(self, nodes: int) -> float:
+        """The share of a token's routed copies that still cross between nodes when its
+        expert-parallel group spans ``nodes`` nodes: 1 without a node limit (the
+        all-to-all sends one copy per routed expert, ``k``); with node-limited routing
+        (DeepSeek-V3, section 2.1.2 and 3.2.2: a token's experts on at most ``M`` nodes,
+        sent once to each over InfiniBand and fanned out within it over NVLink) at most
+        ``min(M, nodes)`` copies of the ``k``."""
+        return node_limited_share(self.node_limit or 0, self.routed_slots(padded=False), nodes)
+
     def dispatch_bytes(self, tokens: float, hidden: int, dtype_bytes: int) -> float:
         """Bytes of one rank's routed token copies: what each of expert parallelism's
         all-to-alls moves for ``tokens`` tokens (dispatch sends them to the experts' ranks,
         combine brings the experts' outputs back, the backward does both in reverse): a
         copy of the ``hidden``-wide token per routed slot, padded to the capacity."""
         return self.routed_slots() * tokens * hidden * dtype_bytes
+
+
+def node_limited_share(node_limit: float, copies: float, nodes: int) -> float:
+    """``min(1, min(M, nodes) / k)``: the share of ``k`` routed copies of a token that
+    cross between ``nodes`` nodes when its experts sit on at most ``M`` of them (``M`` 0:
+    no limit, every copy)."""
+    if not node_limit or not copies or nodes <= 1:
+        return 1.0
+    return min(1.0, min(node_limit, nodes) / copies)
 
 
 def dense_layer_indices(layers: int, first_dense: int = 0, moe_every: int = 1, moe_offset: int = 0,

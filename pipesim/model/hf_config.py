@@ -23,6 +23,38 @@ family. What differs between the families read here (``transformers``' modeling 
 - ``deepseek_v2``, ``deepseek_v3``: multi-head latent attention, gated experts from
   layer ``first_k_dense_replace`` on (every ``moe_layer_freq``-th), shared experts,
   untied.
+- ``olmoe``: every MLP ``num_experts`` gated experts of ``intermediate_size``, top
+  ``num_experts_per_tok``, no shared expert; RMSNorms over the whole Q and K projections.
+- ``qwen3``: Qwen2's model without the Q, K, V biases (``attention_bias``), with an
+  RMSNorm one head wide on queries and on keys, ``head_dim`` 128 by default.
+  ``qwen3_moe``: the same attention (``head_dim`` hidden / heads by default), experts of
+  ``moe_intermediate_size`` and no shared expert, sparse layers as ``qwen2_moe``.
+- ``gpt_oss``: every MLP ``num_local_experts`` gated experts with biases, a router with
+  biases, top ``num_experts_per_tok``; biased attention with one learned sink logit per
+  head; ``layer_types`` alternating a 128-token sliding window with full attention.
+- ``gemma3_text``: Gemma 2's layer with query and key norms one head wide; five sliding
+  (``sliding_window``) layers to one full by default.
+- ``llama4_text``: experts of ``intermediate_size`` (top ``num_experts_per_tok``, 1)
+  beside a shared expert of the same width in ``moe_layers`` (every
+  ``interleave_moe_layer_step``-th), dense layers of ``intermediate_size_mlp``; weightless
+  L2 query and key norms; chunked attention (``attention_chunk_size``) on the layers with
+  rotary positions, three of four by default (``no_rope_layers``, ``layer_types``).
+
+Sliding windows are read where the family has them: ``layer_types`` when the file lists
+them, else the family's rule (Mistral, Phi-3, Mixtral: every layer when
+``sliding_window`` is set; Qwen2 and Qwen3: layers from ``max_window_layers`` on, Qwen-MoE
+every layer, when ``use_sliding_window``; Gemma 2 and gpt-oss: every other layer from the
+first; Gemma 3: all but every ``sliding_window_pattern``-th). A window cuts attention's
+FLOPs and time (``pipesim.model.operations``), not the parameters.
+
+A family's defaults never add a part the file does not name: a mixture-of-experts family
+whose file leaves out its experts (or Qwen-MoE's shared expert) is refused rather than
+built with the config class's default count (a Qwen3-MoE file relabelled ``qwen2_moe``
+would otherwise gain qwen2_moe's default shared expert). Vision-language configs
+(``gemma3``, ``llama4``, ...) are refused, naming the decoder's own ``text_config``
+family. A
+``quantization_config`` is never ignored: ``pipesim.model.quantization`` reads FP8 (the
+GEMMs then run in FP8) and refuses the rest with the reason.
 
 A config without ``model_type`` (written by hand) is read with Llama's keys, a gated MLP
 unless ``hidden_act`` names another activation, RMSNorm unless it gives only
@@ -32,8 +64,10 @@ Never a silent dense count: an unknown ``model_type`` is an error, and so is any
 that changes the parameter count (experts, latent attention, extra norms, biases, ...)
 which the family's reader does not model, unless its value changes nothing (null,
 false, 0, an empty list). DeepSeek-V3's ``num_nextn_predict_layers`` (its
-multi-token-prediction module) is accepted and not counted: Hugging Face does not build
-it, and DeepSeek's 671B is the main model without it.
+multi-token-prediction modules, trained beside the main model though Hugging Face does
+not build them) is read as ``ModelSpec.mtp_depth``: their parameters are counted apart
+from the 671B main model (``mtp_params``), their work in the FLOPs, the last stage's
+time and memory.
 
 The training sequence length is not part of such a config: ``seq_len``, else the
 config's ``seq_length``, else ``max_position_embeddings`` capped at 8192.
@@ -47,6 +81,7 @@ from dataclasses import dataclass
 from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count
 from pipesim.model.experts import MixtureOfExperts, dense_layer_indices
 from pipesim.model.latent_attention import LatentAttention
+from pipesim.model.quantization import gemms_in_fp8
 from pipesim.model.spec import ModelSpec
 
 HF_DEFAULT_SEQ_LEN_CAP = 8192
@@ -56,10 +91,26 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "n_shared_ex
             "shared_expert_intermediate_size", "num_experts_per_tok", "first_k_dense_replace", "moe_layer_freq",
             "decoder_sparse_step", "mlp_only_layers")
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-COUNT_KEYS = (*MOE_KEYS, *MLA_KEYS, "head_dim", "attention_bias", "mlp_bias", "bias", "n_inner", "ffn_hidden_size",
+COUNT_KEYS = (*MOE_KEYS, *MLA_KEYS, "intermediate_size_mlp", "interleave_moe_layer_step", "moe_layers",
+              "head_dim", "attention_bias", "mlp_bias", "bias", "n_inner", "ffn_hidden_size",
               "multi_query", "new_decoder_architecture", "num_kv_heads", "n_head_kv", "parallel_attn",
               "num_ln_in_parallel_attn", "qk_layernorm", "use_qk_norm", "num_nextn_predict_layers")
 DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
+# keys that change attention's FLOPs: read by a family with a window rule, or refused
+WINDOW_KEYS = ("sliding_window", "layer_types", "use_sliding_window", "sliding_window_pattern",
+               "attention_chunk_size")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+CHUNKED = "chunked_attention"  # Llama 4's layer type: attention within chunks of attention_chunk_size
+# model types whose file holds more than a decoder, or a decoder pipesim does not model, and why
+REFUSED = {
+    "gemma3": "a vision-language model (a SigLIP vision tower and a projector beside the decoder); its "
+              "text_config is the decoder alone: save it as its own config.json (model_type 'gemma3_text')",
+    "llama4": "a vision-language model (a vision encoder and a projector beside the decoder); its text_config "
+              "is the decoder alone: save it as its own config.json (model_type 'llama4_text')",
+    "mllama": "a vision-language model (cross-attention layers and a vision encoder)",
+    "qwen2_vl": "a vision-language model (a vision encoder beside the decoder)",
+    "qwen2_5_vl": "a vision-language model (a vision encoder beside the decoder)",
+}
 
 
 class Config:
@@ -88,6 +139,14 @@ class Config:
                           MAX_LAYERS if key == "num_hidden_layers" else None)
         return value
 
+    def part(self, key: str, what: str, default: int, minimum: int = 0) -> int:
+        """A count that adds ``what`` to the model, which the file must name: the config
+        class's ``default`` is not taken for a part the file leaves out."""
+        if not self.has(key):
+            raise ModelSpecError(f"{self.name}: {key} is missing; the config class's default ({default}) would add "
+                                 f"{what} the file does not name: give {key} (0 for none)")
+        return self.count(key, minimum=minimum)
+
 
 @dataclass(frozen=True)
 class Family:
@@ -101,6 +160,7 @@ class Family:
     particular: Callable[[Config], dict] | None = None
     aliases: tuple[tuple[str, str], ...] = ()
     head_dim: int | None = None  # default head width when the file gives none (gemma: 256)
+    windows: Callable[[Config], dict] | None = None  # which layers slide, over what window
 
 
 def _llama_biases(config: Config) -> dict:
@@ -117,25 +177,165 @@ def _qwen2(config: Config) -> dict:
 
 
 def _mixtral(config: Config) -> dict:
-    return {"moe": MixtureOfExperts(experts=config.count("num_local_experts", 8),
+    return {"moe": MixtureOfExperts(experts=config.part("num_local_experts", "routed experts", 8, minimum=1),
                                     experts_per_token=config.count("num_experts_per_tok", 2),
                                     expert_ffn=config.count("intermediate_size", 14336))}
 
 
-def _qwen2_moe(config: Config) -> dict:
-    experts = config.count("num_experts", 60, minimum=0)
-    layers = config.count("num_hidden_layers")
+def _qwen_sparse_layers(config: Config) -> tuple[int, ...]:
+    """Qwen-MoE's dense layers: those in ``mlp_only_layers`` and those ``i`` with ``(i + 1)``
+    not a multiple of ``decoder_sparse_step``."""
     listed = config.get("mlp_only_layers") or []
     if not isinstance(listed, list):
         raise ModelSpecError(f"{config.name}: mlp_only_layers must be a list of layer indices, got {listed!r}")
-    shared = config.count("shared_expert_intermediate_size", 5632, minimum=0)
+    return dense_layer_indices(config.count("num_hidden_layers"), moe_every=config.count("decoder_sparse_step", 1),
+                               moe_offset=1, listed=listed)
+
+
+def _qwen2_moe(config: Config) -> dict:
+    experts = config.part("num_experts", "routed experts", 60)
+    shared = config.part("shared_expert_intermediate_size", "a shared expert", 5632)
     if not experts:
         return {"qkv_bias": True}
-    dense = dense_layer_indices(layers, moe_every=config.count("decoder_sparse_step", 1), moe_offset=1, listed=listed)
     return {"qkv_bias": True, "moe": MixtureOfExperts(
         experts=experts, experts_per_token=config.count("num_experts_per_tok", 4),
         expert_ffn=config.count("moe_intermediate_size", 1408), shared_experts=1 if shared else 0,
-        shared_expert_ffn=shared or None, shared_expert_gate=bool(shared), dense_layers=dense)}
+        shared_expert_ffn=shared or None, shared_expert_gate=bool(shared), dense_layers=_qwen_sparse_layers(config))}
+
+
+def _qwen3(config: Config) -> dict:
+    return {**_attention_bias(config), "qk_norm": "head"}
+
+
+def _qwen3_moe(config: Config) -> dict:
+    found = _qwen3(config)
+    experts = config.part("num_experts", "routed experts", 128)
+    if experts:
+        found["moe"] = MixtureOfExperts(experts=experts, experts_per_token=config.count("num_experts_per_tok", 8),
+                                        expert_ffn=config.count("moe_intermediate_size", 768),
+                                        dense_layers=_qwen_sparse_layers(config))
+    return found
+
+
+def _olmoe(config: Config) -> dict:
+    return {**_attention_bias(config), "qk_norm": "projection", "moe": MixtureOfExperts(
+        experts=config.part("num_experts", "routed experts", 64, minimum=1),
+        experts_per_token=config.count("num_experts_per_tok", 8), expert_ffn=config.count("intermediate_size", 2048))}
+
+
+def _gpt_oss(config: Config) -> dict:
+    """Experts whose gate-and-up and down projections carry biases, a biased router,
+    attention biased by default, a sink logit per head."""
+    return {"attention_bias": bool(config.get("attention_bias", True)), "mlp_bias": True, "attention_sinks": True,
+            "moe": MixtureOfExperts(experts=config.part("num_local_experts", "routed experts", 128, minimum=1),
+                                    experts_per_token=config.count("num_experts_per_tok", 4),
+                                    expert_ffn=config.count("intermediate_size", 2880), router_bias=True)}
+
+
+def _windows(default: int | None, slides: Callable[[Config, int], bool],
+             enabled: Callable[[Config], bool] = lambda config: True) -> Callable[[Config], dict]:
+    """A family's sliding windows: ``layer_types`` when the file lists them, else the
+    layers ``slides`` names; a window of ``sliding_window`` tokens (``default`` when the
+    file leaves it out), none unless ``enabled``."""
+    def read(config: Config) -> dict:
+        if not enabled(config):
+            return {}
+        window = config.count("sliding_window", default)
+        layers = config.count("num_hidden_layers")
+        types = config.get("layer_types")
+        if types is None:
+            sliding = tuple(layer for layer in range(layers) if slides(config, layer))
+        else:
+            sliding = tuple(layer for layer, kind in enumerate(_layer_types(config, types, layers))
+                            if kind == "sliding_attention")
+        if window is None or not sliding:
+            return {}
+        return {"sliding_window": window, "sliding_layers": sliding}
+    return read
+
+
+def _layer_types(config: Config, types: object, layers: int, known: tuple[str, ...] = LAYER_TYPES) -> list[str]:
+    if not isinstance(types, list) or len(types) != layers:
+        raise ModelSpecError(f"{config.name}: layer_types must list one attention type per layer ({layers}), "
+                             f"got {types!r}")
+    for kind in types:
+        if kind not in known:
+            raise ModelSpecError(f"{config.name}: layer_types entry {kind!r} is not an attention pipesim models "
+                                 f"for this family (it models {', '.join(known)})")
+    return types
+
+
+def _llama4_chunks(config: Config) -> dict:
+    """Llama 4's chunked attention: ``layer_types`` when listed, else every layer that uses
+    rotary positions (``no_rope_layers``: 1 for those; by default all but every
+    ``no_rope_layer_interval``-th) attends within chunks of ``attention_chunk_size``; the
+    others (no positions) attend over the whole sequence."""
+    layers = config.count("num_hidden_layers")
+    chunk = config.count("attention_chunk_size", 8192)
+    types = config.get("layer_types")
+    if types is not None:
+        chunked = tuple(layer for layer, kind in enumerate(_layer_types(config, types, layers,
+                                                                        ("full_attention", CHUNKED)))
+                        if kind == CHUNKED)
+    else:
+        rope = config.get("no_rope_layers")
+        if rope is None:
+            interval = config.count("no_rope_layer_interval", 4)
+            rope = [int((layer + 1) % interval != 0) for layer in range(layers)]
+        if not isinstance(rope, list) or len(rope) != layers:
+            raise ModelSpecError(f"{config.name}: no_rope_layers must list 0 or 1 per layer ({layers}), got {rope!r}")
+        chunked = tuple(layer for layer, uses_rope in enumerate(rope) if uses_rope)
+    if chunk is None or not chunked:
+        return {}
+    return {"attention_chunk": chunk, "chunked_layers": chunked}
+
+
+def _no_sliding_window(config: Config) -> dict:
+    """Llama 4 chunks its attention (read with the family) and has no sliding window."""
+    if config.get("sliding_window") not in (None, 0):
+        raise ModelSpecError(f"{config.name}: sliding_window = {config.get('sliding_window')!r} changes attention's "
+                             f"FLOPs and pipesim does not model it for model_type 'llama4_text'")
+    return {}
+
+
+def _llama4(config: Config) -> dict:
+    """Llama 4's decoder: routed experts of ``intermediate_size`` (top
+    ``num_experts_per_tok``) beside one shared expert of the same width in the layers
+    ``moe_layers`` names (default every ``interleave_moe_layer_step``-th), the other layers
+    a dense MLP of ``intermediate_size_mlp``; its query and key norms (``use_qk_norm``)
+    are L2 norms without weights."""
+    layers = config.count("num_hidden_layers")
+    step = config.count("interleave_moe_layer_step", 1)
+    moe_layers = config.get("moe_layers")
+    if moe_layers is None:
+        moe_layers = list(range(step - 1, layers, step))
+    if not isinstance(moe_layers, list):
+        raise ModelSpecError(f"{config.name}: moe_layers must be a list of layer indices, got {moe_layers!r}")
+    width = config.count("intermediate_size", 8192)
+    found = {**_attention_bias(config), "ffn_hidden": config.count("intermediate_size_mlp", 16384),
+             **_llama4_chunks(config)}
+    experts = config.part("num_local_experts", "routed experts", 16)
+    if experts and moe_layers:
+        found["moe"] = MixtureOfExperts(
+            experts=experts, experts_per_token=config.count("num_experts_per_tok", 1), expert_ffn=width,
+            shared_experts=1, shared_expert_ffn=width,
+            dense_layers=tuple(layer for layer in range(layers) if layer not in moe_layers))
+    return found
+
+
+EVERY_LAYER = _windows(None, lambda config, layer: True)
+
+
+def every_other(default: int) -> Callable[[Config], dict]:
+    """Gemma 2 and gpt-oss: a window on every other layer, the first included."""
+    return _windows(default, lambda config, layer: layer % 2 == 0)
+
+
+QWEN_WINDOWS = _windows(4096, lambda config, layer: layer >= config.count("max_window_layers", 28, minimum=0),
+                        enabled=lambda config: bool(config.get("use_sliding_window", False)))
+QWEN_MOE_WINDOWS = _windows(4096, lambda config, layer: True,
+                            enabled=lambda config: bool(config.get("use_sliding_window", False)))
+GEMMA3_WINDOWS = _windows(4096, lambda config, layer: (layer + 1) % config.count("sliding_window_pattern", 6) != 0)
 
 
 def _gpt2(config: Config) -> dict:
@@ -167,38 +367,75 @@ def _deepseek(first_dense_default: int, routed_default: int | None, shared_defau
                               qk_nope_head_dim=config.count("qk_nope_head_dim", 128),
                               qk_rope_head_dim=config.count("qk_rope_head_dim", 64),
                               v_head_dim=config.count("v_head_dim", 128))
-        found = {"mla": mla, "kv_heads": None, **_attention_bias(config)}
-        experts = config.count("n_routed_experts", routed_default)
-        if experts is None:
+        found = {"mla": mla, "kv_heads": None, **_attention_bias(config),
+                 "mtp_depth": config.count("num_nextn_predict_layers", 0, minimum=0) or 0}
+        experts = (config.part("n_routed_experts", "routed experts", routed_default) if routed_default
+                   else config.count("n_routed_experts"))
+        if not experts:
             return found
         dense = dense_layer_indices(config.count("num_hidden_layers"),
                                     first_dense=config.count("first_k_dense_replace", first_dense_default, minimum=0),
                                     moe_every=config.count("moe_layer_freq", 1))
+        shared = (config.part("n_shared_experts", "shared experts", shared_default) if shared_default
+                  else config.count("n_shared_experts", minimum=0))
         found["moe"] = MixtureOfExperts(
             experts=experts, experts_per_token=config.count("num_experts_per_tok", top_k_default),
             expert_ffn=config.count("moe_intermediate_size", expert_ffn_default),
-            shared_experts=config.count("n_shared_experts", shared_default, minimum=0) or 0, dense_layers=dense)
+            shared_experts=shared or 0, dense_layers=dense, node_limit=_node_limit(config))
         return found
     return read
 
 
+def _node_limit(config: Config) -> int | None:
+    """DeepSeek's group-limited routing: a token picks ``topk_group`` of ``n_group``
+    expert groups, then its experts within them (``topk_method`` ``noaux_tc`` in V3,
+    ``group_limited_greedy`` in V2; ``greedy`` has no limit). DeepSeek deploys one group
+    per node (V3: 8 groups of 32 experts on 8 nodes), so the limit is on nodes."""
+    method = config.get("topk_method", "greedy")
+    groups = config.count("n_group", 1)
+    if method == "greedy" or groups <= 1:
+        return None
+    if method not in ("noaux_tc", "group_limited_greedy"):
+        raise ModelSpecError(f"{config.name}: topk_method {method!r} is not a routing pipesim models (greedy, "
+                             f"group_limited_greedy, noaux_tc)")
+    return config.count("topk_group", groups)
+
+
 LLAMA_BIASES = ("attention_bias", "mlp_bias")
+QWEN_MOE_READS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                  "mlp_only_layers")
 DEEPSEEK_READS = (*MLA_KEYS, "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok",
                   "first_k_dense_replace", "moe_layer_freq", "attention_bias")
 FAMILIES: dict[str, Family] = {
     "llama": Family(gated_mlp=True, reads=("head_dim", *LLAMA_BIASES), particular=_llama_biases),
-    "mistral": Family(gated_mlp=True, reads=("head_dim",)),
+    "mistral": Family(gated_mlp=True, reads=("head_dim",), windows=_windows(4096, lambda config, layer: True)),
     "mixtral": Family(gated_mlp=True, reads=("head_dim", "num_local_experts", "num_experts_per_tok"),
-                      particular=_mixtral),
-    "qwen2": Family(gated_mlp=True, reads=("head_dim",), particular=_qwen2),
-    "qwen2_moe": Family(gated_mlp=True, reads=("head_dim", "num_experts", "num_experts_per_tok",
-                                               "moe_intermediate_size", "shared_expert_intermediate_size",
-                                               "decoder_sparse_step", "mlp_only_layers"), particular=_qwen2_moe),
+                      particular=_mixtral, windows=EVERY_LAYER),
+    "qwen2": Family(gated_mlp=True, reads=("head_dim",), particular=_qwen2, windows=QWEN_WINDOWS),
+    "qwen2_moe": Family(gated_mlp=True, reads=("head_dim", *QWEN_MOE_READS, "shared_expert_intermediate_size"),
+                        particular=_qwen2_moe, windows=QWEN_MOE_WINDOWS),
+    "qwen3": Family(gated_mlp=True, reads=("head_dim", "attention_bias"), particular=_qwen3, head_dim=128,
+                    windows=QWEN_WINDOWS),
+    "qwen3_moe": Family(gated_mlp=True, reads=("head_dim", "attention_bias", *QWEN_MOE_READS), particular=_qwen3_moe,
+                        windows=QWEN_MOE_WINDOWS),
+    "olmoe": Family(gated_mlp=True, reads=("attention_bias", "num_experts", "num_experts_per_tok"),
+                    particular=_olmoe),
+    "gpt_oss": Family(gated_mlp=True, reads=("head_dim", "attention_bias", "num_local_experts", "num_experts_per_tok"),
+                      particular=_gpt_oss, head_dim=64, windows=every_other(128)),
     "gemma": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"), particular=_attention_bias,
                     head_dim=256),
     "gemma2": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"),
-                     particular=lambda config: {**_attention_bias(config), "norms_per_layer": 4}, head_dim=256),
-    "phi3": Family(gated_mlp=True),
+                     particular=lambda config: {**_attention_bias(config), "norms_per_layer": 4}, head_dim=256,
+                     windows=every_other(4096)),
+    "gemma3_text": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"),
+                          particular=lambda config: {**_attention_bias(config), "norms_per_layer": 4,
+                                                     "qk_norm": "head"},
+                          head_dim=256, windows=GEMMA3_WINDOWS),
+    "phi3": Family(gated_mlp=True, windows=EVERY_LAYER),
+    "llama4_text": Family(gated_mlp=True, reads=("head_dim", "attention_bias", "num_local_experts",
+                                                 "num_experts_per_tok", "use_qk_norm", "intermediate_size_mlp",
+                                                 "interleave_moe_layer_step", "moe_layers"),
+                          particular=_llama4, head_dim=128, windows=_no_sliding_window),
     "gpt2": Family(gated_mlp=False, rms_norm=False, tied=True, reads=("n_inner",), particular=_gpt2,
                    aliases=(("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"),
                             ("num_attention_heads", "n_head"), ("max_position_embeddings", "n_positions"))),
@@ -231,6 +468,9 @@ def spec_from_hf_config(data: object, name: str = "config", seq_len: int | None 
     if not isinstance(data, dict):
         raise ModelSpecError(f"{name}: expected a JSON object with hidden_size, num_hidden_layers, ...")
     model_type = data.get("model_type")
+    if model_type in REFUSED:
+        raise ModelSpecError(f"{name}: model_type {model_type!r} is {REFUSED[model_type]}")
+    fp8 = gemms_in_fp8(data, name)
     family = HAND_WRITTEN if model_type is None else FAMILIES.get(model_type)
     if family is None:
         raise ModelSpecError(f"{name}: model_type {model_type!r} is not one pipesim reads; supported: "
@@ -251,10 +491,12 @@ def spec_from_hf_config(data: object, name: str = "config", seq_len: int | None 
         ffn_hidden=config.count("intermediate_size"), gated_mlp=family.gated_mlp,
         tied_embeddings=bool(config.get("tie_word_embeddings", family.tied)), learned_positions=False, bias=False,
         rms_norm=family.rms_norm, dropout=_has_dropout(config),
-        head_dim=config.count("head_dim", family.head_dim),
+        head_dim=config.count("head_dim", family.head_dim), fp8=fp8,
     )
     if family.particular is not None:
         fields.update(family.particular(config))
+    if family.windows is not None:
+        fields.update(family.windows(config))
     return ModelSpec(**fields)
 
 
@@ -269,6 +511,13 @@ def check_understood(config: Config, family: Family, model_type: str | None) -> 
         family_name = f"model_type {model_type!r}" if model_type else "a config without model_type"
         raise ModelSpecError(f"{config.name}: {config.key_name(key)} = {value!r} changes the parameter count and "
                              f"pipesim does not model it for {family_name}")
+    if family.windows is None:
+        for key in WINDOW_KEYS:
+            value = config.get(key)
+            if value not in (None, False, 0, [], {}):
+                family_name = f"model_type {model_type!r}" if model_type else "a config without model_type"
+                raise ModelSpecError(f"{config.name}: {key} = {value!r} changes attention's FLOPs and pipesim does "
+                                     f"not model it for {family_name}")
 
 
 def _default_head_dim(config: Config):

@@ -15,6 +15,8 @@
 - **Context parallelism** (``cp``) splits the sequence into ``2 cp`` chunks, rank ``i``
   holding chunks ``i`` and ``2 cp - 1 - i`` so that every rank does the same share of the
   causal attention (Megatron-Core's load balancing): ``2 cp`` must divide the sequence.
+  A model with sliding-window layers is refused: ring attention's steps over a window
+  (most of them skipped) are not modelled.
 
 Every error names the flag, the model's number it clashes with and values that work.
 """
@@ -44,6 +46,12 @@ def check_layout(spec: ModelSpec, tp: int = 1, ep: int = 1, cp: int = 1, sequenc
         raise ModelSpecError(f"--cp {cp}: 2 x cp = {2 * cp} chunks (causal load balancing, as Megatron-Core cuts "
                              f"the sequence) do not divide the {spec.seq_len}-token sequence of {spec.name}: use "
                              f"one of {', '.join(map(str, valid))}, ...")
+    if cp > 1 and any(spec.attention_window(layer) for layer in spec.sliding_layers):
+        raise ModelSpecError(f"--cp {cp}: {spec.name} attends over a {spec.sliding_window}-token sliding window in "
+                             f"some layers, and ring attention over a window is not modelled; use --cp 1")
+    if cp > 1 and any(spec.attention_chunk_of(layer) for layer in spec.chunked_layers):
+        raise ModelSpecError(f"--cp {cp}: {spec.name} attends in {spec.attention_chunk}-token chunks in some "
+                             f"layers, and ring attention over chunks is not modelled; use --cp 1")
     if sequence_parallel and tp > 1 and (spec.seq_len // cp) % tp:
         raise ModelSpecError(f"--sequence-parallel splits each {spec.seq_len // cp}-token sequence"
                              f"{' shard' if cp > 1 else ''} over --tp {tp}, which does not divide it")

@@ -81,6 +81,7 @@ class Gemm:
     count: float = 1
     weighted: bool = True  # the k x n operand is a parameter: its gradient is W work
     attention_core: bool = False
+    fp8: bool = False  # run in FP8 with its casts (pipesim.model.compute_model)
 
     @property
     def flops(self) -> float:
@@ -106,11 +107,25 @@ class FlashAttention:
     attention_core: bool = True
     value_dim: float | None = None
     steps: int = 1
+    window: int | None = None  # sliding window: a query sees itself and the window - 1 keys before it
+    chunk: int | None = None  # chunked attention: a query sees the keys of its own chunk, causally
 
     @property
     def flops(self) -> float:
         value_dim = self.head_dim if self.value_dim is None else self.value_dim
-        return 2.0 * self.batch * self.heads * self.seq * self.seq * (self.head_dim + value_dim) * self.steps
+        return 2.0 * self.batch * self.heads * self.square() * (self.head_dim + value_dim) * self.steps
+
+    def square(self) -> float:
+        """Query-key pairs counted: the whole ``s^2`` square; over a window ``w < s``
+        ``2 s w - w^2``, twice the ``s w - w^2 / 2`` pairs the kernel computes as ``s^2`` is
+        twice a causal kernel's (the count stays Megatron's, and reaches ``s^2`` at ``w = s``);
+        in chunks of ``c < s`` each chunk's own square, ``floor(s/c) c^2 + (s mod c)^2``."""
+        if self.chunk is not None and self.chunk < self.seq:
+            whole, rest = divmod(self.seq, self.chunk)
+            return float(whole * self.chunk * self.chunk + rest * rest)
+        if self.window is None or self.window >= self.seq:
+            return float(self.seq * self.seq)
+        return 2.0 * self.seq * self.window - self.window * self.window
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,10 @@ class MemoryBound:
 
 
 Operation = Gemm | FlashAttention | MemoryBound
+# GEMMs kept in BF16 when the others run in FP8: the MoE gating (DeepSeek-V3's recipe, section
+# 3.3.1: "the embedding module, the output head, MoE gating modules, normalization operators, and
+# attention operators" stay in higher precision); the output head's logits are not a weight GEMM here
+BF16_GEMMS = ("router", "shared_expert_gate")
 
 
 def gemm_rows(weight: Weight, spec: ModelSpec, tp: int, sequence_parallel: bool, padded: bool,
@@ -154,19 +173,22 @@ def weight_gemms(weights: tuple[Weight, ...], spec: ModelSpec, tp: int = 1, sequ
         rows, _ = shard(first, spec, tp)  # fused matrices read the same input
         columns = sum(shard(weight, spec, tp)[1] for weight in members)
         gemms.append(Gemm(name, gemm_rows(first, spec, tp, sequence_parallel, padded, ep), rows, columns,
-                          stack_on_rank(first, ep)))
+                          stack_on_rank(first, ep), fp8=spec.fp8 and name not in BF16_GEMMS))
     return tuple(gemms)
 
 
-def attention_core(spec: ModelSpec, tp: int = 1, flash_attention: bool = True, steps: int = 1) -> tuple[Operation, ...]:
-    """QK^T and PV of a tp rank's ``heads / tp`` heads: one flash kernel (``steps`` of them
-    for ring attention over a context shard: see the module), or two batched GEMMs over
-    the whole ``s x s`` square (masked after)."""
+def attention_core(spec: ModelSpec, tp: int = 1, flash_attention: bool = True, steps: int = 1,
+                   layer: int = 0) -> tuple[Operation, ...]:
+    """QK^T and PV of a tp rank's ``heads / tp`` heads in layer ``layer``: one flash kernel
+    (``steps`` of them for ring attention over a context shard: see the module; over the
+    layer's sliding window where it has one), or two batched GEMMs over the whole ``s x s``
+    square (masked after, window or not)."""
     heads = spec.heads / tp
     query_dim, value_dim = spec.q_width / spec.heads, spec.v_width / spec.heads
     if flash_attention:
         return (FlashAttention("attention", spec.microbatch_size, heads, spec.seq_len, query_dim,
-                               value_dim=None if value_dim == query_dim else value_dim, steps=steps),)
+                               value_dim=None if value_dim == query_dim else value_dim, steps=steps,
+                               window=spec.attention_window(layer), chunk=spec.attention_chunk_of(layer)),)
     if steps != 1:
         raise ValueError("ring attention is built on the fused (flash) attention kernel")
     batches = spec.microbatch_size * heads
@@ -175,14 +197,14 @@ def attention_core(spec: ModelSpec, tp: int = 1, flash_attention: bool = True, s
 
 
 def attention_block(spec: ModelSpec, tp: int = 1, flash_attention: bool = True,
-                    sequence_parallel: bool = False, steps: int = 1) -> tuple[Operation, ...]:
+                    sequence_parallel: bool = False, steps: int = 1, layer: int = 0) -> tuple[Operation, ...]:
     """Self-attention: the projections of ``weights.attention_weights`` (Megatron's
     split: QKV column-parallel, the output row-parallel; latent attention's
     down-projections whole) around the attention core (of ``steps`` ring steps)."""
     projections = weight_gemms(attention_weights(spec), spec, tp, sequence_parallel)
     inputs = tuple(gemm for gemm in projections if gemm.name != "attention_out")
     outputs = tuple(gemm for gemm in projections if gemm.name == "attention_out")
-    return (*inputs, *attention_core(spec, tp, flash_attention, steps), *outputs)
+    return (*inputs, *attention_core(spec, tp, flash_attention, steps, layer), *outputs)
 
 
 def mlp_block(spec: ModelSpec, tp: int = 1, layer: int = 0, sequence_parallel: bool = False,
@@ -212,9 +234,18 @@ def layer_operations(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fal
     ``padded``: routed experts compute their whole capacity (what takes time; the model
     FLOPs MFU counts are the unpadded ones)."""
     local = spec.context_shard(cp)
-    return (*attention_block(local, tp, flash_attention, sequence_parallel, cp),
+    return (*attention_block(local, tp, flash_attention, sequence_parallel, cp, layer),
             *mlp_block(local, tp, layer, sequence_parallel, padded, ep),
             *memory_bound_kernels(local, tp, sequence_parallel, flash_attention, layer))
+
+
+def mtp_operations(spec: ModelSpec, tp: int = 1, cp: int = 1) -> tuple[Operation, ...]:
+    """What one multi-token prediction module adds beside its block (``layer_operations``
+    of layer ``spec.layers``): its ``2h -> h`` projection (column-parallel) and the logits
+    of the shared output head, for the rank's ``s / cp`` tokens."""
+    tokens = spec.context_shard(cp).tokens
+    return (Gemm("mtp_projection", tokens, 2 * spec.hidden, spec.hidden / tp, fp8=spec.fp8),
+            *head_operations(spec, tp, cp))
 
 
 def head_operations(spec: ModelSpec, tp: int = 1, cp: int = 1) -> tuple[Operation, ...]:

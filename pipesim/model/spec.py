@@ -75,6 +75,14 @@ class ModelSpec:
     positions: int | None = None  # rows of the learned position table; None: seq_len
     moe: MixtureOfExperts | None = None
     mla: LatentAttention | None = None
+    qk_norm: str | None = None  # RMSNorm on queries and keys: "head" (one head wide) or "projection" (all of Q, K)
+    attention_sinks: bool = False  # gpt-oss: one learned logit per head in each softmax's denominator
+    sliding_window: int | None = None  # the keys a query sees in a sliding layer (itself and the w - 1 before)
+    sliding_layers: tuple[int, ...] = ()  # indices of the layers that attend over the window
+    attention_chunk: int | None = None  # Llama 4: a query sees only the keys of its own chunk of this many tokens
+    chunked_layers: tuple[int, ...] = ()  # indices of the layers whose attention is chunked
+    fp8: bool = False  # the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3): pipesim.model.compute_model
+    mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers), after the head
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "seq_len", "vocab", "microbatch_size", "dtype_bytes"):
@@ -84,6 +92,18 @@ class ModelSpec:
                 require_count(getattr(self, key), f"model {self.name}: {key}")
         require_count(self.norms_per_layer, f"model {self.name}: norms_per_layer", minimum=0)
         require_count(self.layers, f"model {self.name}: layers", maximum=MAX_LAYERS)
+        require_count(self.mtp_depth, f"model {self.name}: mtp_depth", minimum=0)
+        if self.qk_norm not in QK_NORMS:
+            raise ModelSpecError(f"model {self.name}: qk_norm {self.qk_norm!r}: use one of "
+                                 f"{', '.join(map(str, QK_NORMS))}")
+        if self.sliding_window is not None:
+            require_count(self.sliding_window, f"model {self.name}: sliding_window")
+        for layer in self.sliding_layers:
+            require_count(layer, f"model {self.name}: each of sliding_layers", minimum=0)
+        if self.attention_chunk is not None:
+            require_count(self.attention_chunk, f"model {self.name}: attention_chunk")
+        for layer in self.chunked_layers:
+            require_count(layer, f"model {self.name}: each of chunked_layers", minimum=0)
         if self.head_dim is None and self.mla is None and self.hidden % self.heads:
             raise ModelSpecError(f"model {self.name}: hidden {self.hidden} is not a multiple of heads {self.heads} "
                                  f"(give head_dim)")
@@ -144,6 +164,26 @@ class ModelSpec:
         """Whether layer ``layer`` (0-based) routes its tokens to experts."""
         return self.moe is not None and self.moe.is_moe_layer(layer)
 
+    def attention_window(self, layer: int = 0) -> int | None:
+        """Keys a query of layer ``layer`` attends to at most: the sliding window where the
+        layer slides and the window is shorter than the sequence, else ``None`` (causal over
+        the whole sequence)."""
+        if self.sliding_window is None or self.sliding_window >= self.seq_len or layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
+
+    def attention_chunk_of(self, layer: int = 0) -> int | None:
+        """The chunk layer ``layer``'s queries attend within (Llama 4's chunked attention)
+        where it is shorter than the sequence, else ``None``."""
+        if self.attention_chunk is None or self.attention_chunk >= self.seq_len or layer not in self.chunked_layers:
+            return None
+        return self.attention_chunk
+
+    def layer_kind(self, layer: int) -> tuple[bool, int | None, int | None]:
+        """What makes layers unlike: a mixture of experts or not, the attention window and
+        the attention chunk. Layers of one kind cost the same."""
+        return self.is_moe_layer(layer), self.attention_window(layer), self.attention_chunk_of(layer)
+
     def mlp_width(self, layer: int = 0, padded: bool = True) -> float:
         """MLP columns a token's activations pass through in ``layer``: the dense width, or
         its routed experts' (``k`` of them, times the capacity factor when ``padded``) plus
@@ -160,11 +200,11 @@ class ModelSpec:
         stop = self.layers if stop is None else stop
         if stop <= first:
             return []
-        if self.moe is None:
+        if self.moe is None and not self.sliding_layers and not self.chunked_layers:
             return [(first, stop - first)]
-        kinds: dict[bool, list[int]] = {}
+        kinds: dict[tuple[bool, int | None, int | None], list[int]] = {}
         for layer in range(first, stop):
-            kinds.setdefault(self.is_moe_layer(layer), []).append(layer)
+            kinds.setdefault(self.layer_kind(layer), []).append(layer)
         return [(members[0], len(members)) for members in kinds.values()]
 
     def sum_over_layers(self, quantity: Callable[[int], float], first: int = 0, stop: int | None = None) -> float:
@@ -202,6 +242,20 @@ class ModelSpec:
         """Every parameter of the model, every expert included (a tied output head counted once)."""
         return self.sum_over_layers(self.layer_params) + self.embedding_params() + self.head_params()
 
+    def mtp_params(self, tp: int = 1, ep: int = 1) -> int:
+        """Parameters of the multi-token prediction modules on one of ``tp`` (and ``ep``)
+        ranks, outside ``total_params`` as the published counts keep them (DeepSeek-V3's
+        671B is the main model; README_WEIGHTS: "11.5B unique parameters" of MTP). Each of
+        the ``mtp_depth`` modules (DeepSeek-V3 report, section 2.2) is a transformer block
+        like the layer after the last (an MoE layer), a projection ``M`` of the normalised
+        hidden state and next token's embedding, ``2h -> h`` (column-parallel), and three
+        RMSNorms (the two inputs', its head's); the embedding and output head are the main
+        model's, shared."""
+        if not self.mtp_depth:
+            return 0
+        return self.mtp_depth * (self.layer_params(self.layers, tp, ep) + 2 * self.hidden * self.hidden // tp
+                                 + 3 * self.norm_params())
+
     def active_params(self) -> int:
         """Parameters one token uses: the total less the routed experts it is not sent to.
         The embedding table counts whole, as the published figures count it (Mixtral's
@@ -210,11 +264,12 @@ class ModelSpec:
         return self.sum_over_layers(self.layer_active_params) + self.embedding_params() + self.head_params()
 
     # FLOPs, per microbatch, forward ---------------------------------------------
-    def attention_core_flops(self) -> float:
-        """QK^T and PV of one layer, whole: ``2 s b s a (d_qk + d_v)`` (``4 s^2 b h`` with
-        heads of ``h / a``; the whole square, as Megatron counts): the attention core's
+    def attention_core_flops(self, layer: int = 0) -> float:
+        """QK^T and PV of layer ``layer``, whole: ``2 s b s a (d_qk + d_v)`` (``4 s^2 b h``
+        with heads of ``h / a``; the whole square, as Megatron counts; over a sliding window
+        ``w`` twice the pairs it computes, ``2 s w - w^2`` for ``s^2``): the attention core's
         operations' FLOPs (``pipesim.model.operations``)."""
-        return sum(operation.flops for operation in operations.attention_core(self))
+        return sum(operation.flops for operation in operations.attention_core(self, layer=layer))
 
     def layer_gemm_flops(self, layer: int = 0, tp: int = 1, sequence_parallel: bool = False,
                          padded: bool = True) -> float:
@@ -229,7 +284,7 @@ class ModelSpec:
                     padded: bool = True) -> float:
         """Forward FLOPs of layer ``layer`` on one of ``tp`` ranks: its GEMMs and its
         attention core (split by heads)."""
-        return self.layer_gemm_flops(layer, tp, sequence_parallel, padded) + self.attention_core_flops() / tp
+        return self.layer_gemm_flops(layer, tp, sequence_parallel, padded) + self.attention_core_flops(layer) / tp
 
     def logits_flops(self) -> float:
         """Forward FLOPs of the output projection: ``2 s b h V``."""
@@ -237,8 +292,16 @@ class ModelSpec:
 
     def forward_flops(self) -> float:
         """Model FLOPs of the whole forward for one microbatch: what the tokens need,
-        not the padding of expert capacity."""
-        return self.sum_over_layers(lambda layer: self.layer_flops(layer, padded=False)) + self.logits_flops()
+        not the padding of expert capacity; the multi-token prediction modules' included
+        (each a block, its projection and the shared head's logits once more)."""
+        main = self.sum_over_layers(lambda layer: self.layer_flops(layer, padded=False)) + self.logits_flops()
+        return main + self.mtp_depth * self.mtp_module_flops()
+
+    def mtp_module_flops(self) -> float:
+        """Forward FLOPs of one multi-token prediction module for one microbatch: its
+        block, its ``2h -> h`` projection and the logits of the shared head."""
+        return (self.layer_flops(self.layers, padded=False) + 2 * self.tokens * 2 * self.hidden * self.hidden
+                + self.logits_flops())
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward = 3x forward, no recompute): the
@@ -254,7 +317,7 @@ class ModelSpec:
         if recompute == "full":
             return self.layer_flops(layer, tp, sequence_parallel, padded)
         if recompute == "selective":
-            return self.attention_core_flops() / tp
+            return self.attention_core_flops(layer) / tp
         return 0.0
 
     def recompute_flops(self, recompute: str) -> float:
@@ -299,11 +362,13 @@ class ModelSpec:
             kv_heads=self.num_kv_heads, ffn_hidden=self.ffn, head_dim=self.head_size,
             moe=asdict(self.moe) if self.moe else None, mla=asdict(self.mla) if self.mla else None,
             params=self.total_params(), active_params=self.active_params(), flops_per_token=self.flops_per_token(),
+            mtp_params=self.mtp_params(),
         )
         return document
 
 
 RECOMPUTE = ("none", "selective", "full")
+QK_NORMS = (None, "head", "projection")
 
 
 def check_recompute(recompute: str) -> None:

@@ -44,12 +44,14 @@ from pipesim.model.activations import (
     key_value_bytes,
     last_stage_extra_bytes,
     layer_stash_bytes,
+    wgrad_stash_bytes,
+    wgrad_stash_share,
 )
 from pipesim.model.compute_model import BlockTime, ComputeModel, KernelModel, block_time, stage_compute_model
 from pipesim.model.costs import Costs, StageCost
 from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import optimizer_step_seconds
-from pipesim.model.operations import attention_core, head_operations, layer_operations
+from pipesim.model.operations import attention_core, head_operations, layer_operations, mtp_operations
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak
 from pipesim.model.stage_split import split_layers
 from pipesim.model.weights import routed_params
@@ -84,6 +86,7 @@ def model_costs(
     ep: int = 1,
     cp: int = 1,
     layer_hold_seconds: float = 0.0,
+    comm_sms: int = 0,
 ) -> Costs:
     """Per-stage ``Costs`` of ``spec`` split over ``num_stages`` stages, on devices whose
     peak FLOP/s are ``stage_peak_flops[stage]`` and whose HBM moves
@@ -92,7 +95,8 @@ def model_costs(
     Compute is timed by the kernel model of each stage's GPU, ``stage_gpus[stage]``
     (``fallback_gpu`` where unnamed), or by ``compute_model`` (a profiled one) for every
     stage; given ``mfu``, every GEMM and attention kernel reaches that fraction of peak
-    instead.
+    instead. ``comm_sms`` of each GPU's SMs are kept for communication kernels, the
+    compute running on the rest (``pipesim.model.compute_model.reserve_sms``).
 
     The optimizer step (``step_overhead``) reads and writes ``optimizer_state_bytes`` per
     parameter (weights + gradients + optimizer state on the device); it is the slowest
@@ -108,7 +112,7 @@ def model_costs(
         model_stage_costs(spec, num_stages, stage_peak_flops, tp, mfu, sequence_parallel, layers_per_stage,
                           recompute, flash_attention, fallback_peak, stage_memory_bandwidth,
                           fallback_memory_bandwidth, stage_gpus, fallback_gpu, compute_model, ep, cp,
-                          layer_hold_seconds),
+                          layer_hold_seconds, comm_sms),
         optimizer_state_bytes, stage_ranks, stage_memory_bandwidth, fallback_memory_bandwidth)
 
 
@@ -131,6 +135,7 @@ def model_stage_costs(
     ep: int = 1,
     cp: int = 1,
     layer_hold_seconds: float = 0.0,
+    comm_sms: int = 0,
 ) -> Costs:
     """``model_costs`` without the optimizer step (``step_overhead`` 0): the stages alone,
     which do not depend on which rank holds which stage, so a planner derives them once
@@ -149,9 +154,10 @@ def model_stage_costs(
                              "attention kernel (Megatron-Core runs context parallelism in Transformer Engine's); "
                              "drop --no-flash-attention")
     local = spec.context_shard(cp)
-    # the first layer of each kind (dense, mixture of experts) stands for its kind: layers of
-    # a kind are alike, and every stage then asks layer_time's cache for the same few layers
-    kind_layer = {spec.is_moe_layer(layer): layer for layer, _ in reversed(spec.layer_groups())}
+    # the first layer of each kind (dense or mixture of experts, attention whole or over a
+    # window) stands for its kind: layers of a kind are alike, and every stage then asks
+    # layer_time's cache for the same few layers
+    kind_layer = {spec.layer_kind(layer): layer for layer, _ in reversed(spec.layer_groups())}
 
     def bandwidth_of(stage: int) -> float:
         return stage_bandwidth(stage_memory_bandwidth, fallback_memory_bandwidth, stage)
@@ -162,7 +168,7 @@ def model_stage_costs(
         device = (finite_peak(stage_peak_flops[stage], fallback_peak), bandwidth_of(stage),
                   (stage_gpus[stage] if stage_gpus else None) or fallback_gpu)
         if device not in models_of:
-            models_of[device] = stage_compute_model(*device, mfu, compute_model)
+            models_of[device] = stage_compute_model(*device, mfu, compute_model, spec.fp8, comm_sms)
         return models_of[device]
 
     times: dict[tuple[int, int], BlockTime] = {}  # per compute model and kind of layer (-1: the output layer)
@@ -174,28 +180,41 @@ def model_stage_costs(
                 spec, tp, sequence_parallel, flash_attention, recompute, compute, kind, ep, cp)
         return times[key]
 
+    def end_of(compute: ComputeModel) -> BlockTime:
+        """What the last stage runs after its layers: the output layer and the multi-token
+        prediction modules (each a block like layer ``spec.layers``, a projection and the
+        shared head's logits once more)."""
+        head = time_of(compute, -1)
+        if not spec.mtp_depth:
+            return head
+        block = time_of(compute, spec.layers)
+        extra = mtp_time(spec, tp, compute, cp)
+        return BlockTime(*(getattr(head, part) + spec.mtp_depth * (getattr(block, part) + getattr(extra, part))
+                           for part in ("forward", "input_grad", "weight_grad", "recompute")))
+
     head_extra = 0.0
     if layers_per_stage is None and num_stages > 1:  # the output layer's time in layers, to balance the split
         compute = compute_of(num_stages - 1)
         layer_seconds = spec.sum_over_layers(
-            lambda layer: _pass_seconds(time_of(compute, kind_layer[spec.is_moe_layer(layer)]))
+            lambda layer: _pass_seconds(time_of(compute, kind_layer[spec.layer_kind(layer)]))
         ) / spec.layers + layer_hold_seconds
-        head_extra = _pass_seconds(time_of(compute, -1)) / layer_seconds if layer_seconds > 0 else 0.0
+        head_extra = _pass_seconds(end_of(compute)) / layer_seconds if layer_seconds > 0 else 0.0
     counts = split_layers(spec.layers, num_stages, layers_per_stage, last_extra=head_extra)
     stages = []
     models = set()
     per_kind = {layer: (spec.layer_params(layer, tp, ep),
-                        layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, layer))
+                        layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, layer),
+                        wgrad_stash_bytes(local, tp, sequence_parallel, layer))
                 for layer in kind_layer.values()}
     routed = routed_params(spec, tp, ep)
     dispatch = spec.moe.dispatch_bytes(local.tokens / tp, spec.hidden, spec.dtype_bytes) if spec.moe else 0.0
 
     def stage_cost(compute: ComputeModel, groups: list[tuple[int, int]], count: int, first_stage: bool,
                    last_stage: bool) -> StageCost:
-        fwd = bwd = wgrad = stash = 0.0
+        fwd = bwd = wgrad = stash = kept = 0.0
         params = moe_layers = 0  # whole numbers
         for layer, alike in groups:
-            kind = kind_layer[spec.is_moe_layer(layer)]
+            kind = kind_layer[spec.layer_kind(layer)]
             moe_layers += alike if spec.is_moe_layer(layer) else 0
             time = time_of(compute, kind)
             fwd += alike * time.forward
@@ -203,16 +222,27 @@ def model_stage_costs(
             wgrad += alike * time.weight_grad
             params += alike * per_kind[kind][0]
             stash += alike * per_kind[kind][1]
+            kept += alike * per_kind[kind][2]
         if first_stage:
             params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(local, tp, sequence_parallel)
         if last_stage:
-            head = time_of(compute, -1)
-            params += spec.head_params(tp)
+            head = end_of(compute)
+            params += spec.head_params(tp) + spec.mtp_params(tp, ep)
             fwd += head.forward
-            bwd += head.input_grad + head.weight_grad
+            bwd += head.input_grad + head.weight_grad + head.recompute
             wgrad += head.weight_grad
             stash += last_stage_extra_bytes(local, tp, sequence_parallel)
+            kept += local.tokens * (spec.hidden + spec.vocab / tp) * spec.dtype_bytes  # the logits GEMM's
+            if spec.mtp_depth:  # each module: its block's stash, its projection's input, its head's
+                stash += spec.mtp_depth * (
+                    layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, spec.layers)
+                    + 2 * local.tokens * spec.hidden * spec.dtype_bytes + last_stage_extra_bytes(local, tp,
+                                                                                                sequence_parallel))
+                kept += spec.mtp_depth * wgrad_stash_bytes(local, tp, sequence_parallel, spec.layers)
+                mtp_moe = spec.mtp_depth if spec.is_moe_layer(spec.layers) else 0
+                moe_layers += mtp_moe
+                count += spec.mtp_depth
         attention = attention_time(spec, tp, flash_attention, compute, cp)
         return StageCost(
             fwd=fwd,
@@ -232,6 +262,9 @@ def model_stage_costs(
             kv_bytes=local.tokens * key_value_bytes(spec, tp),
             attention_fwd=attention.forward,
             attention_bwd=attention.input_grad,
+            wgrad_stash_share=1.0 if recompute == "full" else wgrad_stash_share(stash, kept),
+            dispatch_node_limit=float(spec.moe.node_limit or 0) if moe_layers else 0.0,
+            dispatch_copies=spec.moe.routed_slots(padded=False) if moe_layers else 0.0,
         )
 
     # stages on alike devices holding alike layers (most of a deep pipeline) share one cost
@@ -243,7 +276,7 @@ def model_stage_costs(
         models.add(compute.name)
         groups = spec.layer_groups(first, stop)
         ends = (stage == 0, stage == num_stages - 1)
-        key = (id(compute), tuple((spec.is_moe_layer(layer), alike) for layer, alike in groups), *ends)
+        key = (id(compute), tuple((spec.layer_kind(layer), alike) for layer, alike in groups), *ends)
         cost = built.get(key)
         if cost is None:
             cost = built[key] = stage_cost(compute, groups, count, *ends)
@@ -308,6 +341,13 @@ def head_time(spec: ModelSpec, tp: int, compute: ComputeModel, cp: int = 1) -> B
 
 
 @functools.lru_cache(maxsize=4096)
+def mtp_time(spec: ModelSpec, tp: int, compute: ComputeModel, cp: int = 1) -> BlockTime:
+    """A multi-token prediction module's projection and head logits (its block is a
+    ``layer_time``), never recomputed."""
+    return block_time(mtp_operations(spec, tp, cp), compute, "none", spec.dtype_bytes)
+
+
+@functools.lru_cache(maxsize=4096)
 def attention_time(spec: ModelSpec, tp: int, flash_attention: bool, compute: ComputeModel, cp: int = 1) -> BlockTime:
     """One layer's attention core on one rank, all its ring steps (part of ``layer_time``):
     the compute that ring attention's transfers hide under."""
@@ -336,7 +376,7 @@ def attention_flops_counted(spec: ModelSpec, convention: str) -> float:
 
 
 def training_figures(spec: ModelSpec, recompute: str, makespan: float, microbatches: int, dp: int, gpus: int,
-                     peak_flops: float, attention_flops: str = "whole") -> dict:
+                     peak_flops: float, attention_flops: str = "whole", fp8_peak_flops: float | None = None) -> dict:
     """What a training log reports for one step of ``microbatches`` per replica on ``gpus``
     devices of ``peak_flops``:
 
@@ -345,7 +385,10 @@ def training_figures(spec: ModelSpec, recompute: str, makespan: float, microbatc
       recomputed forward (Narayanan et al. 2021, eq. 3: ``96 B s l h^2 (1 + s/6h +
       V/16lh)`` with full recompute, i.e. 4 passes over the layers and 3 over the logits)
       per second per GPU;
-    - ``mfu``: model FLOPs without recompute (3 passes) over peak (PaLM's definition).
+    - ``mfu``: model FLOPs without recompute (3 passes) over peak (PaLM's definition),
+      the BF16 peak whatever the GEMMs run in, as papers report FP8 runs, so that FP8
+      and BF16 steps compare on one scale;
+    - ``mfu_fp8_peak``: with FP8 GEMMs, the same FLOPs over ``fp8_peak_flops``.
 
     Both count each attention core's FLOPs as ``attention_flops`` says
     (``attention_flops_counted``): ``whole``, as the formulas above write them, or
@@ -356,10 +399,15 @@ def training_figures(spec: ModelSpec, recompute: str, makespan: float, microbatc
     model_flops = sequences * 3 * (spec.forward_flops() - uncounted)
     recomputed = spec.recompute_flops(recompute)
     counted_flops = model_flops + sequences * (recomputed - uncounted if recomputed else 0.0)
+    fp8 = spec.fp8 and bool(fp8_peak_flops)
     if makespan <= 0:
-        return {"tokens_per_second": None, "model_tflops_per_gpu": None, "mfu": None}
-    return {
+        return {"tokens_per_second": None, "model_tflops_per_gpu": None, "mfu": None,
+                **({"mfu_fp8_peak": None} if fp8 else {})}
+    figures = {
         "tokens_per_second": sequences * spec.tokens / makespan,
         "model_tflops_per_gpu": counted_flops / makespan / gpus / 1e12,
         "mfu": model_flops / makespan / gpus / peak_flops,
     }
+    if fp8:
+        figures["mfu_fp8_peak"] = model_flops / makespan / gpus / fp8_peak_flops
+    return figures

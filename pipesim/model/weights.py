@@ -103,7 +103,7 @@ def mlp_weights(spec: ModelSpec, moe_layer: bool) -> tuple[Weight, ...]:
     if not moe_layer:
         return mlp_matrices(spec, spec.ffn, "mlp", "mlp", bias=spec.mlp_has_bias)
     moe = spec.moe
-    weights = (Weight("router", spec.hidden, moe.experts, WHOLE, "router"),
+    weights = (Weight("router", spec.hidden, moe.experts, WHOLE, "router", moe.router_bias),
                *mlp_matrices(spec, moe.expert_ffn, "expert", "expert", stack=moe.experts, routed=True,
                              bias=spec.mlp_has_bias))
     if moe.shared_ffn:
@@ -120,13 +120,21 @@ def layer_weights(spec: ModelSpec, moe_layer: bool) -> tuple[Weight, ...]:
 
 
 def norm_params(spec: ModelSpec) -> int:
-    """Norm weights of one layer: its ``norms_per_layer`` norms (RMSNorm: a scale;
-    LayerNorm: a scale and a shift) and MLA's norms on its latents."""
+    """Norm weights of one layer, and the other vectors held whole on every rank: its
+    ``norms_per_layer`` norms (RMSNorm: a scale; LayerNorm: a scale and a shift), MLA's
+    norms on its latents, the query and key norms (Qwen3 and Gemma 3: one head wide,
+    shared by the heads; OLMoE: over the whole Q and K projections) and the attention
+    sinks (gpt-oss: one logit per head)."""
     per_element = 1 if spec.rms_norm else 2
     latents = 0
     if spec.mla is not None:
         latents = (spec.mla.q_lora_rank or 0) + spec.mla.kv_lora_rank
-    return per_element * (spec.norms_per_layer * spec.hidden + latents)
+    if spec.qk_norm == "head":
+        latents += 2 * spec.head_size
+    elif spec.qk_norm == "projection":
+        latents += spec.q_width + spec.kv_width
+    sinks = spec.heads if spec.attention_sinks else 0
+    return per_element * (spec.norms_per_layer * spec.hidden + latents) + sinks
 
 
 def kv_heads_per_shard(spec: ModelSpec, tp: int) -> int:

@@ -8,6 +8,7 @@ seconds, so they stay below the simulator; this module reads them off a ``Costs`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from pipesim.cluster.mapping import map_ranks
@@ -55,6 +56,13 @@ def hop_seconds(costs: Costs, topology: Topology, devices: Sequence[str],
     return worst
 
 
+def planned_share(share: float) -> float:
+    """The share of a stash kept between I and W that zb-auto plans with: rounded up to a
+    tenth, never below what the memory model counts (a share like 0.94 plans as 1, the
+    search's cumulative memory constraint staying in coarse units)."""
+    return min(1.0, math.ceil(share * 10 - 1e-9) / 10)
+
+
 def build_cost_aware(
     name: str,
     pp: int,
@@ -93,6 +101,7 @@ def build_cost_aware(
     return zb_auto(
         pp, microbatches, *passes, comm=comm,
         memory_limit=None if memory_limit is None else int(memory_limit),
+        weight_memory=planned_share(max(stage.wgrad_stash_share for stage in stages)),
         **({} if search_seconds is None else {"search_seconds": search_seconds}),
     )
 

@@ -19,7 +19,10 @@ action, as tensor-parallel collectives do, and count as ``ep`` in the step's tim
 accounting. It is priced over the stage's ep group at the pace of its most loaded link
 (``pipesim.cluster.collectives.all_to_all``), with every other ep group of that pipeline
 rank (the other tp shards', the other replicas') exchanging at the same moment on the
-links they share: all of them run the same layer in lockstep. DualPipeV's overlapped
+links they share: all of them run the same layer in lockstep. Node-limited routing
+(DeepSeek-V3: a token's experts on at most ``M`` nodes, sent once to each) cuts the
+pieces between nodes to ``min(M, nodes) / k`` of their bytes
+(``pipesim.model.experts.node_limited_share``). DualPipeV's overlapped
 pairs hide a half's all-to-alls under the other half's compute (``pipesim.sim.overlap``).
 """
 
@@ -29,6 +32,7 @@ from pipesim.cluster.collectives import all_to_all
 from pipesim.cluster.mapping import RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
+from pipesim.model.experts import node_limited_share
 from schedules.action import ActionKind
 from schedules.schedule import Schedule
 
@@ -45,7 +49,9 @@ def ep_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology,
         if not (cost.moe_layers and cost.dispatch_bytes):
             continue
         groups = stage_ep_groups(mapping, schedule.placement[stage])
-        one = all_to_all(topology, groups[0], cost.dispatch_bytes, groups[1:])
+        nodes = len({topology.node_of(device) for device in groups[0]})
+        share = node_limited_share(cost.dispatch_node_limit, cost.dispatch_copies, nodes)
+        one = all_to_all(topology, groups[0], cost.dispatch_bytes, groups[1:], share)
         per_pass = 2 * cost.moe_layers * one  # dispatch and combine
         if per_pass <= 0:
             continue

@@ -190,8 +190,9 @@ def memory_report(
     if timelines:
         parts = stash_timelines(trace, costs, bases)
     else:
-        stash = np.array([stage.stash_bytes for stage in costs.stages])
-        parts = [(float(peak), ()) for peak in peak_stashes(trace.columns, num_ranks, lambda stages: stash[stages])]
+        stash, kept = stash_shares(costs)
+        parts = [(float(peak), ()) for peak in peak_stashes(trace.columns, num_ranks, lambda stages: stash[stages],
+                                                              lambda stages: kept[stages])]
     return [
         RankMemory(rank=rank, device=devices[rank], capacity_bytes=capacities[rank], static_bytes=static[rank],
                    buffer_bytes=buffers[rank], peak_stash_bytes=peak_stash, peak_bytes=bases[rank] + peak_stash,
@@ -246,11 +247,18 @@ def program_order_trace(schedule) -> Trace:
     return Trace(columns=columns, meta={"pp": schedule.pp})
 
 
+def stash_shares(costs: Costs) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage, a microbatch's stash bytes and the share of them it keeps between its
+    I and its W (``StageCost.wgrad_stash_share``)."""
+    return (np.array([stage.stash_bytes for stage in costs.stages]),
+            np.array([stage.wgrad_stash_share for stage in costs.stages]))
+
+
 def stash_timelines(trace: Trace, costs: Costs, bases: list[float]) -> list[tuple[float, tuple]]:
     """Per rank: its peak stash bytes and its memory timeline, ``(0.0, base)`` then a
     point at every stash change (changes at one moment merged into the last)."""
-    stash = np.array([stage.stash_bytes for stage in costs.stages])
-    rank, time, change = stash_changes(trace.columns, lambda stages: stash[stages])
+    stash, kept = stash_shares(costs)
+    rank, time, change = stash_changes(trace.columns, lambda stages: stash[stages], lambda stages: kept[stages])
     held = running_totals(rank, change)
     ranks = len(bases)
     peaks = np.zeros(ranks)

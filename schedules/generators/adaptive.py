@@ -12,8 +12,9 @@ engine with free-flowing transfers, three orders:
   ``W`` where it fills a gap for these costs;
 - ``1F1B order``: every ``W`` right after its ``I``, which is 1F1B itself;
 
-and returns the fastest step (ties keep the earlier one in that list), saying which in
-``meta["order"]`` (``pipesim show`` prints it). Since 1F1B's order is a candidate, the
+and returns the fastest step, among equal steps the one whose longest rank span is
+shortest (the paper's measure; further ties keep the earlier one in that list), saying
+which in ``meta["order"]`` (``pipesim show`` prints it). Since 1F1B's order is a candidate, the
 result is never slower than 1F1B on these costs.
 """
 
@@ -63,8 +64,11 @@ def adapt(schedule: Schedule, timing: engine.StepTiming) -> Schedule:
         yield "1F1B order", _one_f_one_b_split(pp, microbatches)
 
     def step_time(candidate) -> tuple[float, float]:
+        """The step, to 12 significant digits (orders that tie but for the last bits of a
+        sum tie), then the longest rank span: among equal steps the shortest span, the
+        zero-bubble paper's measure."""
         step = engine.run(schedule.with_programs(candidate[1]), timing, engine.FREE)
-        return step.makespan, float(step.rank_spans().max())
+        return float(f"{step.makespan:.12g}"), float(step.rank_spans().max())
 
     # ties keep the earlier candidate; no cutoff where an overlapped pair may undercut its halves
     label, programs = fastest(candidates, step_time,
