@@ -97,7 +97,8 @@ def test_mfu_is_against_the_bf16_peak_with_the_fp8_peak_beside_it():
     flops = 8 * 4 * 3 * spec.forward_flops()
     assert figures["mfu"] == pytest.approx(flops / 2.0 / 32 / 989e12, rel=1e-12)
     assert figures["mfu_fp8_peak"] == pytest.approx(flops / 2.0 / 32 / 1979e12, rel=1e-12)
-    assert "mfu_fp8_peak" not in training_figures(model_spec("llama3-8b"), "none", 2.0, 8, 4, 32, 989e12, fp8_peak_flops=1979e12)
+    assert "mfu_fp8_peak" not in training_figures(model_spec("llama3-8b"), "none", 2.0, 8, 4, 32, 989e12,
+                                                  fp8_peak_flops=1979e12)
 
 
 def test_fp8_flag_end_to_end(tmp_path, capsys):
