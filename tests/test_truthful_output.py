@@ -432,3 +432,22 @@ def test_sweep_splits_each_schedule_as_simulate_does(tmp_path, capsys):
     assert steps == pytest.approx({"1f1b": 33.0, "zb-h1": 27.0})  # the closed forms, as show and simulate give
     err = capsys.readouterr().err
     assert "zb-h1 splits the backward" in err and "1f1b splits" not in err
+
+
+def test_sweep_table_writes_times_in_one_unit_and_keeps_whole_reasons():
+    """Steps of 33 ms and 25.5 ms read in ms (below 10 s), the bubble a percentage; a point
+    that failed keeps every word of its reason (it was cut at 60 characters)."""
+    from pipesim.plan.sweep import format_table
+
+    point = {"pp": 4, "microbatches": 8, "virtual_stages": 1}
+    reason = ("interleaved-1f1b needs the microbatch count to be a multiple of pp: 6 is not a multiple of 4, "
+              "use 4, 8 or 12")
+    rows = [{**point, "schedule": "1f1b", "makespan": 0.033, "bubble_fraction": 0.2727,
+             "peak_inflight_microbatches": 4, "peak_memory_bytes": None, "oom": False},
+            {**point, "schedule": "zbv", "makespan": 0.0255, "bubble_fraction": 0.0588,
+             "peak_inflight_microbatches": 4, "peak_memory_bytes": None, "oom": False},
+            {**point, "schedule": "interleaved-1f1b", "note": reason}]
+    table = format_table(rows)
+    assert "step time (ms)" in table.splitlines()[0]
+    assert " 33 " in table and " 25.5 " in table and "27.3%" in table and "5.9%" in table
+    assert " ".join(table.split()).count(" ".join(reason.split())) == 1

@@ -7,8 +7,10 @@ dicts so they go to CSV, JSON and the sweep chart unchanged.
 from __future__ import annotations
 
 import sys
+import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
@@ -26,6 +28,7 @@ from schedules.generators import (
 )
 from schedules.generators.adaptive import ADAPTABLE
 from schedules.schedule import Schedule
+from schedules.units import duration, percent, time_unit
 
 # with what-if flags: the sampled step time's mean and quantiles (``pipesim.sim.whatif``)
 WHATIF_FIELDS = ("step_time_mean", "step_time_p50", "step_time_p90", "step_time_p99")
@@ -146,23 +149,36 @@ def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: 
 
 
 def format_table(rows: list[dict]) -> str:
-    """A fixed-width table of the sweep for the terminal."""
+    """A fixed-width table of the sweep for the terminal, its times in one unit
+    (``schedules.units``: ms below 10 s, s from there), the bubble a percentage; a point
+    that could not be simulated keeps its whole reason, on the lines below its row."""
     sampled = any(row.get("step_time_p99") is not None for row in rows)
-    header = (f"{'schedule':<18} {'pp':>4} {'m':>5} {'v':>3} {'step time (s)':>14} "
-              + (f"{'p99 (s)':>12} " if sampled else "") + f"{'bubble':>8} {'peak in-flight':>15} {'peak mem GB':>12}")
+    simulated = [row for row in rows if not row.get("note")]
+    longest = max((max(row["makespan"], row.get("step_time_p99") or 0.0) for row in simulated), default=0.0)
+    unit, _ = time_unit(longest)
+    header = (f"{'schedule':<18} {'pp':>4} {'m':>5} {'v':>3} {f'step time ({unit})':>15} "
+              + (f"{f'p99 ({unit})':>12} " if sampled else "") + f"{'bubble':>8} {'peak in-flight':>15} "
+              f"{'peak mem GB':>12}")
     lines = [header, "-" * len(header)]
     for row in rows:
+        point = f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3}"
         if row.get("note"):
-            lines.append(f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3}  "
-                         f"n/a: {row['note'][:60]}")
+            reason = textwrap.wrap(f"n/a: {row['note']}", width=max(40, len(header) - len(point) - 2))
+            lines.append(f"{point}  {reason[0]}")
+            lines += [f"{'':<{len(point)}}  {line}" for line in reason[1:]]
             continue
+        in_unit = partial(_in_unit, unit=unit)
         lines.append(
-            f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3} "
-            f"{row['makespan']:>14.6g} " + (f"{row['step_time_p99']:>12.6g} " if sampled else "")
-            + f"{row['bubble_fraction']:>8.2%} {row['peak_inflight_microbatches']:>15g} "
+            f"{point} {in_unit(row['makespan']):>15} " + (f"{in_unit(row['step_time_p99']):>12} " if sampled else "")
+            + f"{percent(row['bubble_fraction']):>8} {row['peak_inflight_microbatches']:>15g} "
             f"{_gigabytes(row['peak_memory_bytes']):>12}{'  OOM' if row['oom'] else ''}"
         )
     return "\n".join(lines)
+
+
+def _in_unit(seconds: float, unit: str) -> str:
+    """``seconds`` as a number of the column's ``unit`` (``duration`` without the unit)."""
+    return duration(seconds, unit).rsplit(" ", 1)[0]
 
 
 def _gigabytes(num_bytes: float | None) -> str:
