@@ -221,7 +221,8 @@ def costs_of(job: Job, schedule: Schedule, topology: Topology) -> Costs:
     """The job's per-stage costs for ``schedule``: from its model spec, else its flags or costs file."""
     if job.model:
         return model_costs_of(job, schedule, topology)
-    return flag_costs_of(job, schedule.num_stages, schedule.virtual_stages)
+    # a rank's share of the model in chunks: dualpipe's two copies each give it a whole 1/pp stage
+    return flag_costs_of(job, schedule.num_stages, schedule.virtual_stages // schedule.copies)
 
 
 def flag_costs_of(job, num_stages: int, virtual_stages: int) -> Costs:
@@ -424,7 +425,7 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
                         fallback_memory_bandwidth(job),
                         optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp, parallel.zero),
                         tuple(schedule.placement), gpus, getattr(job, "gpu", None), profiled, job.ep, job.cp,
-                        layer_hold)
+                        layer_hold, schedule.copies)
 
 
 def compute_model_of(job):
@@ -450,7 +451,7 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
                  layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
                  bandwidths: tuple, fallback_bandwidth: float, optimizer_state_bytes: float,
                  stage_ranks: tuple, gpus: tuple, fallback_gpu: str | None, profiled, ep: int = 1,
-                 cp: int = 1, layer_hold_seconds: float = 0.0) -> Costs:
+                 cp: int = 1, layer_hold_seconds: float = 0.0, copies: int = 1) -> Costs:
     """``transformer_costs.model_costs``, kept per distinct input: it is a pure function of
     them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
     layouts (every dp width on one kind of GPU, with and without ZeRO). The optimizer
@@ -459,7 +460,8 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
     per parameter and scaled; the stages, which no placement changes, once for all of them."""
     per_byte = _model_costs_per_optimizer_byte(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
                                                flash_attention, fallback_peak, bandwidths, fallback_bandwidth,
-                                               stage_ranks, gpus, fallback_gpu, profiled, ep, cp, layer_hold_seconds)
+                                               stage_ranks, gpus, fallback_gpu, profiled, ep, cp, layer_hold_seconds,
+                                               copies)
     return per_byte.with_step_overhead(per_byte.step_overhead * optimizer_state_bytes)
 
 
@@ -469,13 +471,19 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
                                     flash_attention: bool, fallback_peak: float, bandwidths: tuple,
                                     fallback_bandwidth: float, stage_ranks: tuple, gpus: tuple,
                                     fallback_gpu: str | None, profiled, ep: int, cp: int,
-                                    layer_hold_seconds: float) -> Costs:
-    """``_model_costs`` with an optimizer that passes over one byte per parameter."""
+                                    layer_hold_seconds: float, copies: int = 1) -> Costs:
+    """``_model_costs`` with an optimizer that passes over one byte per parameter. With
+    ``copies`` of the model along the pipeline (DualPipe), the model is split into one
+    copy's ``num_stages / copies`` stages and every copy's stages cost the same; each rank's
+    optimizer then passes over the parameters of all the stages it holds."""
     from pipesim.model.transformer_costs import with_optimizer_step
 
-    stages = _model_stage_costs(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
-                                flash_attention, fallback_peak, bandwidths, fallback_bandwidth, gpus, fallback_gpu,
-                                profiled, ep, cp, layer_hold_seconds)
+    split = num_stages // copies
+    stages = _model_stage_costs(spec, split, peaks[:split], tp, mfu, sequence_parallel, layout, recompute,
+                                flash_attention, fallback_peak, bandwidths[:split], fallback_bandwidth, gpus[:split],
+                                fallback_gpu, profiled, ep, cp, layer_hold_seconds)
+    if copies > 1:
+        stages = replace(stages, stages=stages.stages * copies, meta=dict(stages.meta))
     return with_optimizer_step(stages, 1.0, list(stage_ranks), list(bandwidths), fallback_bandwidth)
 
 
@@ -542,6 +550,6 @@ def _throughput(job: Job, result, spec) -> tuple[dict, int, float]:
     peaks = [peak if math.isfinite(peak) else fallback for peak in peaks] or [fallback]
     gpus = result.schedule.pp * result.parallel.gpus
     peak = sum(peaks) / len(peaks)
-    figures = training_figures(spec, job.recompute, result.metrics.makespan, result.schedule.microbatches,
+    figures = training_figures(spec, job.recompute, result.metrics.makespan, result.schedule.step_microbatches,
                                result.parallel.dp, gpus, peak)
     return figures, gpus, peak

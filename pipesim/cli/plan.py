@@ -49,7 +49,8 @@ from pipesim.plan.search import (
 from pipesim.plan.workers import default_workers
 from pipesim.sim.zero import ZERO_STAGES, gathers_after_optimizer, gathers_per_layer, reduces_every_backward
 from schedules.collector import without_collector
-from schedules.generators import SCHEDULE_NAMES, V_SHAPED, splits_backward
+from schedules.generators import PLANNED_SCHEDULES as SCHEDULE_NAMES  # noqa: N814
+from schedules.generators import V_SHAPED, splits_backward
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SEQUENCE_PARALLEL = {"off": False, "on": True}

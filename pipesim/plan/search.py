@@ -42,7 +42,8 @@ from pipesim.plan.workers import (
     worker_context,
 )
 from schedules.collector import collector_paused
-from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES, V_SHAPED
+from schedules.generators import MULTI_CHUNK, V_SHAPED
+from schedules.generators import PLANNED_SCHEDULES as SCHEDULE_NAMES  # noqa: N814
 
 
 class Layout(NamedTuple):
