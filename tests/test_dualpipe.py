@@ -179,3 +179,22 @@ def test_the_executor_and_the_csv_form_refuse_it_in_one_line(tmp_path):
 def test_listed_for_simulate_and_sweep_but_not_searched_by_plan():
     assert "dualpipe" in SCHEDULE_NAMES and "dualpipev" in SCHEDULE_NAMES
     assert "dualpipe" not in PLANNED_SCHEDULES and "dualpipev" in PLANNED_SCHEDULES
+
+
+def test_the_critical_path_never_steps_across_the_seam():
+    """Copy 1's first stage (stage pp) takes its input from no one, though stage pp - 1
+    sits on the same rank: the walk back along a step's critical path stops there."""
+    from pipesim.sim.critical_path import path_links
+    from schedules.engine import compile_program
+    from schedules.program_arrays import B_CODE, F_CODE, I_CODE
+
+    pp = 4
+    schedule = lower(generate("dualpipe", pp, 2 * pp, 2))  # kept: the program reads it
+    program = compile_program(schedule, "rendezvous")
+    links = path_links(program)
+    stage, kind = program.compute_stage, program.compute_kind
+    forward, backward = kind == F_CODE, (kind == B_CODE) | (kind == I_CODE)
+    assert (links.producer[forward & (stage % pp == 0)] == -1).all()  # stages 0 and pp start a copy
+    assert (links.producer[backward & (stage % pp == pp - 1)] == -1).all()  # stages pp-1 and 2pp-1 end one
+    inside = forward & (stage == pp + 1)  # copy 1's second stage reads copy 1's first
+    assert inside.any() and (stage[links.producer[inside]] == pp).all()
