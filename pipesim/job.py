@@ -411,6 +411,11 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
             tuple(topology.device_gpu(device) for device in stage_devices))
     peaks, bandwidths, gpus = figures
     layout = split_list(job.layers_per_stage, int) if job.layers_per_stage else None
+    if layout and schedule.copies > 1 and len(layout) != schedule.copy_stages:
+        from pipesim.model.errors import ModelSpecError
+
+        raise ModelSpecError(f"--layers-per-stage lists {len(layout)} stages but each of {schedule.name}'s "
+                             f"{schedule.copies} copies of the model has {schedule.copy_stages} (pp), split alike")
     parallel = parallel_of(job)
     profiled = compute_model_of(job)
     layer_hold = 0.0

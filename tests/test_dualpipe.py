@@ -198,3 +198,25 @@ def test_the_critical_path_never_steps_across_the_seam():
     assert (links.producer[backward & (stage % pp == pp - 1)] == -1).all()  # stages pp-1 and 2pp-1 end one
     inside = forward & (stage == pp + 1)  # copy 1's second stage reads copy 1's first
     assert inside.any() and (stage[links.producer[inside]] == pp).all()
+
+
+def test_a_model_is_split_into_one_copys_stages_and_both_copies_get_them(tmp_path, capsys):
+    """Each dualpipe stage holds what 1F1B's stage of the same index holds (embedding on
+    stages 0 and pp, the head on pp - 1 and 2pp - 1), so the step's tokens are the m
+    microbatches of both directions."""
+    stages = {}
+    for name in ("dualpipe", "1f1b"):
+        out = tmp_path / f"{name}.json"
+        assert main(["simulate", "--schedule", name, "--pp", "4", "--microbatches", "8", "--model", "llama3-8b",
+                     "--topology", "ib", "--nodes", "1", "--json", str(out)]) == 0
+        document = json.loads(out.read_text())
+        stages[name] = document["stage_costs"]
+        assert document["microbatches"] == 8
+    capsys.readouterr()
+    assert len(stages["dualpipe"]) == 8 and len(stages["1f1b"]) == 4
+    for stage in range(4):
+        assert stages["dualpipe"][stage] == stages["dualpipe"][4 + stage] == stages["1f1b"][stage]
+    assert main(["simulate", "--schedule", "dualpipe", "--pp", "4", "--microbatches", "8", "--model", "llama3-8b",
+                 "--layers-per-stage", "4,4,4,4,4,4,4,4"]) == 2
+    assert ("--layers-per-stage lists 8 stages but each of dualpipe's 2 copies of the model has 4 (pp)"
+            in capsys.readouterr().err)
