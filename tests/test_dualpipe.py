@@ -247,3 +247,25 @@ def test_the_compiled_engine_and_its_simpy_specification_agree_on_dualpipe(seman
     assert not compiled.stuck
     for name in ("ready", "start", "end", "posted", "departed", "arrival", "rank_clock", "rank_done"):
         assert np.array_equal(getattr(compiled, name), getattr(specified, name), equal_nan=True), name
+
+
+def test_expert_gradients_are_summed_over_both_copies_holders():
+    """With expert parallelism, a stage's routed experts reduce over the expert data-parallel
+    group of each copy's rank: copy 0's rank s and copy 1's rank pp - 1 - s."""
+    from pipesim.model.costs import StageCost
+    from pipesim.sim.parallel import _dp_group, _expert_gradients
+
+    pp = 4
+    topology = presets.ib(2)
+    mapping = map_ranks(topology, dp=4, pp=pp, tp=1, ep=2)
+    schedule = generate("dualpipe", pp, 2 * pp, 2)
+    cost = StageCost(fwd=1.0, bwd=2.0, params=100, expert_params=60, param_bytes=200.0)
+    for stage in range(2 * pp):
+        copy_stage = stage % pp
+        holders = (copy_stage, pp - 1 - copy_stage)
+        share, group = _expert_gradients(schedule, stage, cost, mapping)
+        assert share == 0.6
+        assert group == [device for rank in holders for device in mapping.expert_dp_group(rank, 0)]
+        assert len(group) == 2 * len(mapping.expert_dp_group(0, 0))
+        assert _dp_group(schedule, stage, mapping) == [device for rank in holders
+                                                       for device in mapping.dp_cp_group(rank, 0)]

@@ -288,7 +288,10 @@ def _expert_gradients(schedule: Schedule, stage: int, cost: StageCost,
     when expert parallelism reduces them over a group of their own; None otherwise."""
     if mapping.ep == 1 or not cost.expert_params or not cost.params:
         return None
-    return cost.expert_params / cost.params, mapping.expert_dp_group(schedule.placement[stage], 0)
+    # with copies of the model (DualPipe), each copy's holders of these experts too
+    ranks = [schedule.placement[copy * schedule.copy_stages + stage % schedule.copy_stages]
+             for copy in range(schedule.copies)]
+    return cost.expert_params / cost.params, [device for rank in ranks for device in mapping.expert_dp_group(rank, 0)]
 
 
 def _split_over(experts: tuple[float, list[str]] | None, collective, group: list[str]):
