@@ -8,8 +8,8 @@ dp collectives on their groups, simulation, metrics and the memory report):
 
 1. GPUs: dp grows from 16 to 2,048 (1,024 to 131,072 GPUs) at m = 16. Beside it, for
    the sizes where it finishes in reasonable time, the same step on the same cluster
-   given as a plain graph, whose routes come from networkx's shortest-path search (how
-   every route was found before the presets' routes came from their structure).
+   given as a plain graph, whose routes are searched as a topology file's are
+   (``pipesim/cluster/graph_routes.py``; before, networkx's shortest path per pair).
 2. Microbatches: m grows from 16 to 4,096 on 16,384 GPUs.
 
 Time is the best of ``--repeats`` runs without tracing, in CPU seconds of this process

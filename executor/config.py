@@ -191,6 +191,12 @@ class RunConfig:
                 f"--layers {self.layers} cannot fill {self.num_stages} stages of an mlp; "
                 f"use --layers >= {self.num_stages} or give a --layout"
             )
+        if self.custom_schedule is None and self.schedule == "dualpipe":
+            raise ConfigError(
+                "--schedule dualpipe holds two copies of the model whose gradients are summed across the pipeline; "
+                "the executor runs one copy per stage: run --schedule dualpipev (the same steps folded in a V) or "
+                "predict dualpipe with `pipesim simulate`"
+            )
         if self.custom_schedule is None and self.schedule in COST_AWARE:
             raise ConfigError(
                 f"--schedule {self.schedule} builds its order from stage costs: write it with `pipesim export "

@@ -248,7 +248,8 @@ def costs_of(job: Job, schedule: Schedule, topology: Topology) -> Costs:
     """The job's per-stage costs for ``schedule``: from its model spec, else its flags or costs file."""
     if job.model:
         return model_costs_of(job, schedule, topology)
-    return flag_costs_of(job, schedule.num_stages, schedule.virtual_stages)
+    # a rank's share of the model in chunks: dualpipe's two copies each give it a whole 1/pp stage
+    return flag_costs_of(job, schedule.num_stages, schedule.virtual_stages // schedule.copies)
 
 
 def flag_costs_of(job, num_stages: int, virtual_stages: int) -> Costs:
@@ -471,6 +472,11 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
             tuple(topology.device_gpu(device) for device in stage_devices))
     peaks, bandwidths, gpus = figures
     layout = split_list(job.layers_per_stage, int) if job.layers_per_stage else None
+    if layout and schedule.copies > 1 and len(layout) != schedule.copy_stages:
+        from pipesim.model.errors import ModelSpecError
+
+        raise ModelSpecError(f"--layers-per-stage lists {len(layout)} stages but each of {schedule.name}'s "
+                             f"{schedule.copies} copies of the model has {schedule.copy_stages} (pp), split alike")
     parallel = parallel_of(job)
     profiled = compute_model_of(job)
     layer_hold = 0.0
@@ -485,7 +491,7 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
                         fallback_memory_bandwidth(job),
                         optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp, parallel.zero),
                         tuple(schedule.placement), gpus, getattr(job, "gpu", None), profiled, job.ep, job.cp,
-                        layer_hold, getattr(job, "comm_sms", 0))
+                        layer_hold, getattr(job, "comm_sms", 0), schedule.copies)
 
 
 def compute_model_of(job):
@@ -511,7 +517,7 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
                  layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
                  bandwidths: tuple, fallback_bandwidth: float, optimizer_state_bytes: float,
                  stage_ranks: tuple, gpus: tuple, fallback_gpu: str | None, profiled, ep: int = 1,
-                 cp: int = 1, layer_hold_seconds: float = 0.0, comm_sms: int = 0) -> Costs:
+                 cp: int = 1, layer_hold_seconds: float = 0.0, comm_sms: int = 0, copies: int = 1) -> Costs:
     """``transformer_costs.model_costs``, kept per distinct input: it is a pure function of
     them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
     layouts (every dp width on one kind of GPU, with and without ZeRO). The optimizer
@@ -521,7 +527,7 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
     per_byte = _model_costs_per_optimizer_byte(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
                                                flash_attention, fallback_peak, bandwidths, fallback_bandwidth,
                                                stage_ranks, gpus, fallback_gpu, profiled, ep, cp, layer_hold_seconds,
-                                               comm_sms)
+                                               comm_sms, copies)
     return per_byte.with_step_overhead(per_byte.step_overhead * optimizer_state_bytes)
 
 
@@ -531,13 +537,19 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
                                     flash_attention: bool, fallback_peak: float, bandwidths: tuple,
                                     fallback_bandwidth: float, stage_ranks: tuple, gpus: tuple,
                                     fallback_gpu: str | None, profiled, ep: int, cp: int,
-                                    layer_hold_seconds: float, comm_sms: int = 0) -> Costs:
-    """``_model_costs`` with an optimizer that passes over one byte per parameter."""
+                                    layer_hold_seconds: float, comm_sms: int = 0, copies: int = 1) -> Costs:
+    """``_model_costs`` with an optimizer that passes over one byte per parameter. With
+    ``copies`` of the model along the pipeline (DualPipe), the model is split into one
+    copy's ``num_stages / copies`` stages and every copy's stages cost the same; each rank's
+    optimizer then passes over the parameters of all the stages it holds."""
     from pipesim.model.transformer_costs import with_optimizer_step
 
-    stages = _model_stage_costs(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
-                                flash_attention, fallback_peak, bandwidths, fallback_bandwidth, gpus, fallback_gpu,
-                                profiled, ep, cp, layer_hold_seconds, comm_sms)
+    split = num_stages // copies
+    stages = _model_stage_costs(spec, split, peaks[:split], tp, mfu, sequence_parallel, layout, recompute,
+                                flash_attention, fallback_peak, bandwidths[:split], fallback_bandwidth, gpus[:split],
+                                fallback_gpu, profiled, ep, cp, layer_hold_seconds, comm_sms)
+    if copies > 1:
+        stages = replace(stages, stages=stages.stages * copies, meta=dict(stages.meta))
     return with_optimizer_step(stages, 1.0, list(stage_ranks), list(bandwidths), fallback_bandwidth)
 
 
@@ -607,6 +619,6 @@ def _throughput(job: Job, result, spec) -> tuple[dict, int, float]:
     gpus = result.schedule.pp * result.parallel.gpus
     peak = sum(peaks) / len(peaks)
     fp8_peak = peak * gpu_spec(getattr(job, "gpu", None)).fp8_peak_over_bf16
-    figures = training_figures(spec, job.recompute, result.metrics.makespan, result.schedule.microbatches,
+    figures = training_figures(spec, job.recompute, result.metrics.makespan, result.schedule.step_microbatches,
                                result.parallel.dp, gpus, peak, getattr(job, "attention_flops", "causal"), fp8_peak)
     return figures, gpus, peak

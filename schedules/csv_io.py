@@ -51,6 +51,9 @@ def schedule_to_csv(schedule: Schedule, path_or_file: str | Path | IO[str], grou
 
 
 def _write(schedule: Schedule, handle: IO[str], groups: bool, fsdp: bool) -> None:
+    if schedule.copies > 1:  # read back, its seams would carry data: another schedule
+        raise ValueError(f"{schedule.name} holds {schedule.copies} copies of the model, which the CSV form "
+                         f"(torch.distributed.pipelining's) cannot say; it has no file form")
     writer = csv.writer(handle)
     for rank in range(schedule.pp):
         if groups:

@@ -280,7 +280,7 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
     is_forward = kind == F_CODE
     is_backward = (kind == B_CODE) | (kind == I_CODE)
     source = np.where(is_forward, stage - 1, np.where(is_backward, stage + 1, -1))
-    has_input = (is_forward | is_backward) & (source >= 0) & (source < num_stages)
+    has_input = (is_forward | is_backward) & (source >= 0) & (source < num_stages) & schedule.same_copy(stage, source)
     source_rank = placement[np.clip(source, 0, num_stages - 1)]
     crosses = has_input & (source_rank != rank)
     direction = np.where(is_forward, FORWARD, BACKWARD)
@@ -294,7 +294,8 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
         need = input_key
     if free:
         target = np.where(is_forward, stage + 1, np.where(is_backward, stage - 1, -1))
-        has_output = (is_forward | is_backward) & (target >= 0) & (target < num_stages)
+        has_output = (is_forward | is_backward) & (target >= 0) & (target < num_stages) & schedule.same_copy(
+            stage, target)
         sends = has_output & (placement[np.clip(target, 0, num_stages - 1)] != rank)
         compute_send = np.where(sends, (stage * 2 + direction) * microbatches + microbatch, -1)
     else:

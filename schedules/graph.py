@@ -43,14 +43,14 @@ def producers(action: Action, rank: int, schedule: Schedule, lowered: bool) -> l
     placement = schedule.placement
     last_stage = schedule.num_stages - 1
     if kind == _F:
-        if stage == 0:
+        if stage == 0 or not schedule.same_copy(stage, stage - 1):
             return []
         if lowered and placement[stage - 1] != rank:
             return [(Action(stage, _RECV_F, microbatch), "data")]
         return [(Action(stage - 1, _F, microbatch), "data")]
     if kind == _B or kind == _I:
         found = [(Action(stage, _F, microbatch), "data")]
-        if stage < last_stage:
+        if stage < last_stage and schedule.same_copy(stage, stage + 1):
             if lowered and placement[stage + 1] != rank:
                 found.append((Action(stage, _RECV_B, microbatch), "data"))
             else:

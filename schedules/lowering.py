@@ -151,17 +151,19 @@ def _lower_naively(schedule: Schedule) -> Schedule:
         append = actions.append
         for action in program:
             stage, kind, microbatch = action
+            below = stage > 0 and placement[stage - 1] != rank and schedule.same_copy(stage, stage - 1)
+            above = stage < last_stage and placement[stage + 1] != rank and schedule.same_copy(stage, stage + 1)
             if kind == _F:
-                if stage > 0 and placement[stage - 1] != rank:
+                if below:
                     append(Action(stage, _RECV_F, microbatch))
                 append(action)
-                if stage < last_stage and placement[stage + 1] != rank:
+                if above:
                     append(Action(stage, _SEND_F, microbatch))
             elif kind == _B or kind == _I:
-                if stage < last_stage and placement[stage + 1] != rank:
+                if above:
                     append(Action(stage, _RECV_B, microbatch))
                 append(action)
-                if stage > 0 and placement[stage - 1] != rank:
+                if below:
                     append(Action(stage, _SEND_B, microbatch))
             else:
                 append(action)

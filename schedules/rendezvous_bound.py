@@ -166,9 +166,11 @@ def _local_edges(model, program: engine.EngineProgram, start: list, end: list) -
 
     for index in range(program.computes):
         s, k, mb = int(stage[index]), int(kind[index]), int(microbatch[index])
-        if k == F_CODE and s > 0 and placement[s - 1] == placement[s]:
+        schedule = arrays.schedule
+        if k == F_CODE and s > 0 and placement[s - 1] == placement[s] and schedule.same_copy(s, s - 1):
             source = index_of.get((s - 1, F_CODE, mb))
-        elif k in (B_CODE, I_CODE) and s + 1 < len(placement) and placement[s + 1] == placement[s]:
+        elif (k in (B_CODE, I_CODE) and s + 1 < len(placement) and placement[s + 1] == placement[s]
+              and schedule.same_copy(s, s + 1)):
             source = index_of.get((s + 1, B_CODE, mb), index_of.get((s + 1, I_CODE, mb)))
         else:
             continue

@@ -60,6 +60,9 @@ class Schedule:
     # fused[rank]: positions of a B whose compute is overlapped with the F just before it
     # (DualPipe's OVERLAP_F_B pair: one step, one cost); empty for other schedules
     fused: tuple[frozenset[int], ...] = ()
+    # copies of the model along the pipeline (DualPipe: 2), each its own chain of
+    # num_stages / copies stages: data flows from stage s to s + 1 only inside one copy
+    copies: int = 1
 
     def __post_init__(self) -> None:
         # Normalise lists handed in by callers so a Schedule is hashable, immutable data.
@@ -73,6 +76,8 @@ class Schedule:
             raise ValueError(f"pp={self.pp} ranks but {len(self.programs)} programs were given")
         if not self.placement:
             raise ValueError("a schedule needs at least one stage in its placement")
+        if self.copies < 1 or len(self.placement) % self.copies:
+            raise ValueError(f"{len(self.placement)} stages cannot be cut into {self.copies} copies of the model")
         for stage, rank in enumerate(self.placement):
             if not 0 <= rank < self.pp:
                 raise ValueError(f"stage {stage} is placed on rank {rank}, outside 0..{self.pp - 1}")
@@ -145,6 +150,24 @@ class Schedule:
     @property
     def num_stages(self) -> int:
         return len(self.placement)
+
+    @property
+    def step_microbatches(self) -> int:
+        """Microbatches of the whole step: ``microbatches`` go through each copy of the model
+        (DualPipe feeds half of the step's from each end)."""
+        return self.microbatches * self.copies
+
+    @property
+    def copy_stages(self) -> int:
+        """Stages of one copy of the model (all of them unless the pipeline holds copies)."""
+        return len(self.placement) // self.copies
+
+    def same_copy(self, stage, other):
+        """Whether stages ``stage`` and ``other`` (ints or numpy arrays) belong to one copy
+        of the model, so data can flow between neighbours: the dataflow rule's one
+        exception to ``s -> s + 1``, at the seam between two copies."""
+        per_copy = len(self.placement) // self.copies
+        return stage // per_copy == other // per_copy
 
     @property
     def virtual_stages(self) -> int:
@@ -254,6 +277,7 @@ class Schedule:
             name=self.name,
             meta=dict(self.meta),
             joins=tuple(joins),
+            copies=self.copies,
         )
 
     def describe(self) -> str:

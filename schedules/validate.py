@@ -347,7 +347,7 @@ def _check_transfers(schedule: Schedule, arrays: ProgramArrays) -> None:
     table = _positions(schedule, arrays)
     get = _getter(schedule, table)
     for stage in range(schedule.num_stages - 1):
-        if placement[stage] == placement[stage + 1]:
+        if placement[stage] == placement[stage + 1] or not schedule.same_copy(stage, stage + 1):
             continue
         above = stage + 1
         here, there = slice(stage * microbatches, above * microbatches), slice(above * microbatches,

@@ -125,6 +125,7 @@ def test_plan_ep_that_splits_no_experts_says_what_simulate_says(capsys):
     (["--constraint", "sequence_parallel=maybe"], "sequence_parallel is on or off"),
     (["--constraint", "nope=1"], "unknown field 'nope'"),
     (["--constraint", "=8"], "unknown field ''"),
+    (["--schedules", "1f1b,dualpipe"], "--schedules dualpipe: plan does not search bidirectional DualPipe"),
 ])
 def test_plan_refuses_bad_constraints_and_sizes_in_one_line(argv, message, capsys):
     assert message in error_of(["plan", *SMALL_FLAGS, "--workers", "1", *argv], capsys)

@@ -20,7 +20,7 @@ from pipesim.cluster.gpus import GPUS
 from pipesim.plan.layouts import RECOMPUTE_MODES, Layout
 from pipesim.plan.search import pareto_front, terminal_progress
 from pipesim.sim.zero import ZERO_STAGES
-from schedules.generators import SCHEDULE_NAMES
+from schedules.generators import PLANNED_SCHEDULES
 
 SEQUENCE_PARALLEL = {"off": False, "on": True}
 PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--topology", default="ib", help="cluster preset or topology file (default: ib)")
     parser.add_argument("--gpu", choices=tuple(GPUS), default=None,
                         help="GPU model of the preset's devices (default: h100)")
-    parser.add_argument("--schedules", default=",".join(SCHEDULE_NAMES),
+    parser.add_argument("--schedules", default=",".join(PLANNED_SCHEDULES),
                         help="schedules to try, comma-separated (default: all)")
     parser.add_argument("--microbatch-sizes", default="1,2,4", help="microbatch sizes to try (default: 1,2,4)")
     parser.add_argument("--virtual-stages", default="2,4",

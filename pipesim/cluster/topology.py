@@ -3,7 +3,8 @@
 Every link is stored once per direction (a directed edge) because NVLink, PCIe and
 InfiniBand are full duplex: traffic one way does not slow traffic the other way, but
 two transfers going the same way over one link share it. Routes follow the graph
-(lowest total latency) and are cached per device pair. networkx is imported only where a
+(lowest total latency; ``pipesim.cluster.graph_routes`` searches them per pair) and are
+cached per device pair. networkx is imported only where a
 graph is built or walked: preset clusters and the simulation need none, and importing it
 took a third of the command line's start. The built-in presets are
 hierarchies (``pipesim.cluster.hierarchy``): their routes are read off the structure, and their
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import networkx as nx
 
+    from pipesim.cluster.graph_routes import GraphRoutes
     from pipesim.cluster.hierarchy import Hierarchy
 
 
@@ -88,6 +90,7 @@ class Topology:
         self.hierarchy = hierarchy
         self.device_defaults = dict(device_defaults or {})
         self._routes: dict[tuple[str, str], Route] = {}
+        self._searcher: GraphRoutes | None = None
         # what follows from the routes alone, computed once per topology: (algorithm, device group) ->
         # (bandwidth, latency) of a collective step (pipesim.cluster.collectives), and the twin transfers of a
         # rank mapping (pipesim.sim.parallel)
@@ -134,14 +137,12 @@ class Topology:
             if route is None:
                 raise TopologyError(f"topology {self.name}: no route from {src} to {dst}")
         else:
-            import networkx as nx
-
-            try:
-                path = nx.shortest_path(self.graph, src, dst, weight="latency")
-            except nx.NetworkXNoPath as error:
-                raise TopologyError(f"topology {self.name}: no route from {src} to {dst}") from error
-            except nx.NodeNotFound as error:
-                raise TopologyError(f"topology {self.name}: {error}") from error
+            for device in (src, dst):
+                if device not in self.graph:
+                    raise TopologyError(f"topology {self.name}: device {device!r} is not in the graph")
+            path = self._graph_routes().path(src, dst)
+            if path is None:
+                raise TopologyError(f"topology {self.name}: no route from {src} to {dst}")
             links = tuple(zip(path[:-1], path[1:], strict=True))
             bandwidths = tuple(self.effective_bandwidth(*link) for link in links)
             route = Route(
@@ -152,6 +153,14 @@ class Topology:
             )
         self._routes[key] = route
         return route
+
+    def _graph_routes(self) -> GraphRoutes:
+        """The per-pair route search over this topology's graph, built once."""
+        if self._searcher is None:
+            from pipesim.cluster.graph_routes import GraphRoutes
+
+            self._searcher = GraphRoutes(self.graph)
+        return self._searcher
 
     def private_links(self) -> bool:
         """Whether a link carries the transfers of one device only (as their source or

@@ -34,7 +34,7 @@ def boundary_rank_pairs(schedule: Schedule) -> set[tuple[int, int]]:
     pairs = set()
     for stage in range(schedule.num_stages - 1):
         left, right = placement[stage], placement[stage + 1]
-        if left != right:
+        if left != right and schedule.same_copy(stage, stage + 1):  # nothing crosses a seam between copies
             pairs.update(((left, right), (right, left)))
     return pairs
 

@@ -259,7 +259,9 @@ def uniform_costs(
     Pass the schedule itself as the first argument and ``v`` is taken from it: given
     only a stage count, an interleaved schedule's ``pp * v`` stages would each cost a
     whole rank's share and the step would come out ``v`` times too long. With a stage
-    count, ``virtual_stages`` defaults to 1 (the figures are per stage)."""
+    count, ``virtual_stages`` defaults to 1 (the figures are per stage). A schedule holding
+    copies of the model (DualPipe's two) has ``v / copies`` shares per rank: each of its
+    stages is a whole ``1/pp`` of the model, as a 1F1B stage is."""
     if isinstance(num_stages, Schedule):
         schedule = num_stages
         if virtual_stages not in (None, schedule.virtual_stages):
@@ -267,7 +269,7 @@ def uniform_costs(
                 f"virtual_stages={virtual_stages} contradicts the schedule {schedule.name!r}, "
                 f"which has {schedule.virtual_stages} per rank; leave it out"
             )
-        num_stages, virtual_stages = schedule.num_stages, schedule.virtual_stages
+        num_stages, virtual_stages = schedule.num_stages, schedule.virtual_stages // schedule.copies
     virtual_stages = virtual_stages or 1
     values = {"--fwd": fwd, "--bwd": bwd, "--wgrad": wgrad, "--act-bytes": act_bytes,
               "--stash-bytes": stash_bytes or 0.0, "--param-bytes": param_bytes or 0.0}

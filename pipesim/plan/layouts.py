@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pipesim.sim.zero import ZERO_STAGES
-from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES, V_SHAPED
+from schedules.generators import MULTI_CHUNK, PLANNED_SCHEDULES, V_SHAPED
 
 
 class Layout(NamedTuple):
@@ -64,7 +64,7 @@ class SearchSpace:
     layers: int
     heads: int
     kv_heads: int
-    schedules: Sequence[str] = SCHEDULE_NAMES
+    schedules: Sequence[str] = PLANNED_SCHEDULES  # every schedule but dualpipe
     microbatch_sizes: Sequence[int] = (1, 2, 4)
     virtual_stages: Sequence[int] = (2, 4)
     recompute: Sequence[str] = ("none",)
@@ -111,8 +111,8 @@ def _constraint_value(field: str, value: str) -> str:
     """``value`` as ``str`` of the ``Layout`` field ``field`` would write it; a ValueError
     naming what the field holds where it cannot be one."""
     if field == "schedule":
-        if value not in SCHEDULE_NAMES:
-            raise ValueError(f"unknown schedule {value!r}; schedules: {', '.join(SCHEDULE_NAMES)}")
+        if value not in PLANNED_SCHEDULES:
+            raise ValueError(f"unknown schedule {value!r}; schedules: {', '.join(PLANNED_SCHEDULES)}")
         return value
     if field == "recompute":
         if value not in RECOMPUTE_MODES:

@@ -18,7 +18,7 @@ from pipesim.plan.layouts import RECOMPUTE_MODES, SearchSpace, enumerate_layouts
 from pipesim.plan.search import PlanResult, search
 from pipesim.plan.workers import default_workers
 from pipesim.sim.zero import ZERO_STAGES
-from schedules.generators import SCHEDULE_NAMES
+from schedules.generators import PLANNED_SCHEDULES
 
 # The plan builds the cluster device by device and prices each layout's data-parallel
 # groups over their devices: 131,072 GPUs (16,384 nodes of 8) build in a fifth of a second,
@@ -46,7 +46,7 @@ class PlanRequest:
     seq_len: int | None = None
     topology: str = "ib"
     gpu: str | None = None
-    schedules: Sequence[str] = SCHEDULE_NAMES
+    schedules: Sequence[str] = PLANNED_SCHEDULES
     microbatch_sizes: Sequence[int] = (1, 2, 4)
     virtual_stages: Sequence[int] = (2, 4)
     recompute: Sequence[str] = RECOMPUTE_MODES
@@ -108,7 +108,11 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                          f"{MAX_PLAN_GPUS:,} GPUs")
     if request.gpus % request.gpus_per_node and request.gpus > request.gpus_per_node:
         raise ValueError(f"--gpus {request.gpus} is not a whole number of {request.gpus_per_node}-GPU nodes")
-    for flag, values, known in (("--schedules", request.schedules, SCHEDULE_NAMES),
+    if "dualpipe" in request.schedules:
+        raise ValueError("--schedules dualpipe: plan does not search bidirectional DualPipe (two copies of the model "
+                         "share one placement with zbv and dualpipev, which the plan's per-placement costs cannot "
+                         "tell apart); simulate it with `pipesim simulate --schedule dualpipe`, or plan dualpipev")
+    for flag, values, known in (("--schedules", request.schedules, PLANNED_SCHEDULES),
                                 ("--recompute", request.recompute, RECOMPUTE_MODES),
                                 ("--zero", request.zero, ZERO_STAGES),
                                 ("--sequence-parallel", request.sequence_parallel, (False, True))):

@@ -49,7 +49,9 @@ def path_links(program: EngineProgram) -> PathLinks:
     # (B, or I when split) of the stage above
     for wanted, source, source_kind in ((forward, stage - 1, "F"), (backward, stage + 1, "B"),
                                         (backward, stage + 1, "I")):
-        rows = np.flatnonzero(wanted & (source >= 0) & (source < program.arrays.schedule.num_stages))
+        schedule = program.arrays.schedule  # no input crosses the seam between copies of the model
+        rows = np.flatnonzero(wanted & (source >= 0) & (source < schedule.num_stages)
+                              & schedule.same_copy(stage, source))
         found = action_rows(program, list(zip(source[rows].tolist(), [source_kind] * len(rows),
                                               microbatch[rows].tolist(), strict=True)))
         producer[rows[found >= 0]] = found[found >= 0]

@@ -146,7 +146,8 @@ def transfer_wires(schedule: Schedule, costs: Costs, topology: Topology, devices
     placement = schedule.placement
     for stage in range(schedule.num_stages):
         for target in (stage + 1, stage - 1):
-            if not 0 <= target < schedule.num_stages or placement[target] == placement[stage]:
+            if (not 0 <= target < schedule.num_stages or placement[target] == placement[stage]
+                    or not schedule.same_copy(stage, target)):  # no transfer: same rank, or a seam between copies
                 wires.append([])
                 continue
             num_bytes = transfer_bytes(costs, stage, target)

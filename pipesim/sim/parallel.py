@@ -318,7 +318,10 @@ def _expert_gradients(schedule: Schedule, stage: int, cost: StageCost,
     when expert parallelism reduces them over a group of their own; None otherwise."""
     if mapping.ep == 1 or not cost.expert_params or not cost.params:
         return None
-    return cost.expert_params / cost.params, mapping.expert_dp_group(schedule.placement[stage], 0)
+    # with copies of the model (DualPipe), each copy's holders of these experts too
+    ranks = [schedule.placement[copy * schedule.copy_stages + stage % schedule.copy_stages]
+             for copy in range(schedule.copies)]
+    return cost.expert_params / cost.params, [device for rank in ranks for device in mapping.expert_dp_group(rank, 0)]
 
 
 def _split_over(experts: tuple[float, list[str]] | None, collective, group: list[str]):
@@ -448,7 +451,7 @@ def _dp_collective(collective, topology: Topology, mapping: RankMapping, schedul
     rank = schedule.placement[stage]
     experts = cost.expert_params / cost.params if mapping.ep > 1 and cost.expert_params and cost.params else 0.0
     key = ("dp-collective", _collective_name(collective), mapping.dp, mapping.pp, mapping.tp, mapping.cp, mapping.ep,
-           mapping.order, rank, experts, num_bytes)
+           mapping.order, rank, experts, num_bytes, schedule.copies)
     seconds = topology.pace_cache.get(key)
     if seconds is None:
         share = _split_over(_expert_gradients(schedule, stage, cost, mapping), partial(collective, topology),
@@ -466,15 +469,20 @@ def _collective_name(collective) -> tuple:
 
 
 def _dp_group(schedule: Schedule, stage: int, mapping: RankMapping) -> list[str] | None:
-    """The devices that reduce ``stage``'s gradients, None when there is nothing to reduce."""
+    """The devices that reduce ``stage``'s gradients, None when there is nothing to reduce:
+    its rank's dp (and cp) replicas and, when the pipeline holds copies of the model
+    (DualPipe), the replicas of the rank holding each other copy of the same layers, whose
+    gradients are summed with these before the optimizer step."""
     if not _reduces(schedule, stage, mapping):
         return None
-    return mapping.dp_cp_group(schedule.placement[stage], 0)
+    per_copy = schedule.copy_stages
+    ranks = [schedule.placement[copy * per_copy + stage % per_copy] for copy in range(schedule.copies)]
+    return [device for rank in ranks for device in mapping.dp_cp_group(rank, 0)]
 
 
 def _reduces(schedule: Schedule, stage: int, mapping: RankMapping) -> bool:
     """Whether ``stage`` has a ``_dp_group``, without listing it (thousands of devices)."""
-    return mapping.dp * mapping.cp > 1 and stage < schedule.num_stages
+    return mapping.dp * mapping.cp * schedule.copies > 1 and stage < schedule.num_stages
 
 
 def _per_bucket(sizes: tuple[float, ...], seconds_of) -> tuple[float, ...]:

@@ -71,7 +71,7 @@ class SimulationResult:
         return {
             "schedule": self.schedule.name,
             "pp": self.schedule.pp,
-            "microbatches": self.schedule.microbatches,
+            "microbatches": self.schedule.step_microbatches,
             "virtual_stages": self.schedule.virtual_stages,
             "topology": self.topology.name,
             "dp": self.parallel.dp,
@@ -151,8 +151,9 @@ class SimulationResult:
                                                    ("optimizer", "optim"), ("overhead", "overhead"))
                  if any(getattr(rank, name) for rank in metrics.ranks)]
         order = f" (order: {schedule.meta['order']})" if "order" in schedule.meta else ""  # adapted zb-h1/zb-h2
+        each_way = f" ({schedule.microbatches} each way)" if schedule.copies == 2 else ""
         lines = [
-            f"{schedule.name}{order}: pp={schedule.pp}, microbatches={schedule.microbatches}, "
+            f"{schedule.name}{order}: pp={schedule.pp}, microbatches={schedule.step_microbatches}{each_way}, "
             f"virtual stages={schedule.virtual_stages}, topology={self.topology.name}, "
             f"p2p={self.trace.meta.get('p2p')}, {schedule.num_actions} actions",
             f"  step time        {number(metrics.makespan * scale)} {unit}",
@@ -228,8 +229,9 @@ def predicted_semantics(topology: Topology) -> str:
 def comm_plan_of(lowered: Schedule, costs: Costs, topology: Topology, mapping: RankMapping | None,
                  parallel: ParallelConfig) -> CommPlan | None:
     """The step's tp/dp/ep/cp collectives for this layout; None for a lone pipeline (or
-    devices given by hand, without a mapping to place the other replicas)."""
-    if mapping is None or parallel.gpus <= 1:
+    devices given by hand, without a mapping to place the other replicas). A pipeline holding
+    copies of the model (DualPipe) sums each stage's gradients across its copies even alone."""
+    if mapping is None or (parallel.gpus <= 1 and lowered.copies == 1):
         return None
     return comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
                      parallel.algorithm, parallel.zero, parallel.cp_comm, parallel.overlap_tp,

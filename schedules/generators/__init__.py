@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from schedules.collector import without_collector
 from schedules.generators.common import ScheduleUnavailableError, require_positive
+from schedules.generators.dualpipe import dualpipe
 from schedules.generators.dualpipev import dualpipev
 from schedules.generators.gpipe import gpipe
 from schedules.generators.interleaved import interleaved_1f1b
@@ -35,18 +36,21 @@ GENERATORS: dict[str, Generator] = {
     "interleaved-zb": interleaved_zb,
     "looped-bfs": looped_bfs,
     "dualpipev": dualpipev,
+    "dualpipe": dualpipe,
 }
 
 # Schedules that place several stages on a rank and therefore use ``virtual_stages``.
-MULTI_CHUNK = frozenset({"interleaved-1f1b", "zbv", "interleaved-zb", "looped-bfs", "dualpipev", "zbv-auto"})
+MULTI_CHUNK = frozenset({"interleaved-1f1b", "zbv", "interleaved-zb", "looped-bfs", "dualpipev", "dualpipe",
+                         "zbv-auto"})
 
 # Schedules whose order depends on the stage costs and a memory limit: they cannot be
 # built from sizes alone, so they have their own signature (see ``zb_auto`` and
 # ``zbv_auto``) and the command line builds them from the costs it already has
 # (``build_cost_aware``).
 COST_AWARE = frozenset({"zb-auto", "zbv-auto"})
-# Schedules that place stage s and 2p - 1 - s on one rank (the V); the others loop.
-V_SHAPED = frozenset({"zbv", "dualpipev", "zbv-auto"})
+# Schedules that place stage s and 2p - 1 - s on one rank (the V; dualpipe's two copies
+# of the model sit so); the others loop.
+V_SHAPED = frozenset({"zbv", "dualpipev", "dualpipe", "zbv-auto"})
 # The signature of each cost-aware generator, for the error that points to it.
 COST_AWARE_CALLS = {
     "zb-auto": "schedules.generators.zb_auto(pp, m, forward, backward_input, backward_weight, comm, memory_limit)",
@@ -54,13 +58,17 @@ COST_AWARE_CALLS = {
 }
 
 SCHEDULE_NAMES = (*GENERATORS, *sorted(COST_AWARE))
+# What ``pipesim plan`` searches: every schedule but dualpipe, whose two copies of the model
+# change each stage's costs (a whole 1/pp of the model per stage), where the planner keys
+# stage costs by the placement alone, which dualpipe shares with zbv and dualpipev.
+PLANNED_SCHEDULES = tuple(name for name in SCHEDULE_NAMES if name != "dualpipe")
 
 
 # Compute actions per (stage, microbatch): F and B, or F, I and W for the schedules that
 # split the backward. A name not listed (a new generator) is counted with three, the most.
 COMPUTE_PASSES: dict[str, int] = {
     "gpipe": 2, "1f1b": 2, "interleaved-1f1b": 2, "looped-bfs": 2,
-    "zb-h1": 3, "zb-h2": 3, "zbv": 3, "interleaved-zb": 3, "zb-auto": 3, "dualpipev": 3, "zbv-auto": 3,
+    "zb-h1": 3, "zb-h2": 3, "zbv": 3, "interleaved-zb": 3, "zb-auto": 3, "dualpipev": 3, "dualpipe": 3, "zbv-auto": 3,
 }
 
 
@@ -142,6 +150,7 @@ __all__ = [
     "DEFAULT_MAX_ACTIONS",
     "GENERATORS",
     "MULTI_CHUNK",
+    "PLANNED_SCHEDULES",
     "V_SHAPED",
     "placement_of",
     "splits_backward",
@@ -150,6 +159,7 @@ __all__ = [
     "ScheduleUnavailableError",
     "UnknownScheduleError",
     "action_bound",
+    "dualpipe",
     "dualpipev",
     "generate",
     "gpipe",
