@@ -36,10 +36,10 @@ def handle(args: argparse.Namespace) -> int:
     """Simulate the step exactly as ``simulate --fwd 1 --bwd 2`` does (one lowering, one
     engine), then print the programs and the timeline in units."""
     job = replace(Job.from_namespace(args), fwd=UNIT_FWD, bwd=UNIT_BWD, p2p=args.p2p or RENDEZVOUS)
-    note = default_split_note(job)
+    result = simulate_job(job)
+    note = default_split_note(job)  # after the step: a job that fails says one line, its error
     if note:
         print(note, file=sys.stderr)
-    result = simulate_job(job)
     lowered = result.schedule
     print(lowered.describe() if args.lowered else lowered.compute_only().describe())
     if "order" in lowered.meta:  # a handcrafted order adapted to costs says which it runs

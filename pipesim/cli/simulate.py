@@ -112,10 +112,10 @@ def handle(args: argparse.Namespace) -> int:
 
     job = Job.from_namespace(args)
     variability = variability_from_args(args)  # bad what-if flags fail before the step is simulated
-    note = default_split_note(job)
+    result = simulate_job(job)
+    note = default_split_note(job)  # after the step: a job that fails says one line, its error
     if note:
         print(note, file=sys.stderr)
-    result = simulate_job(job)
     document = result.to_dict()
     whatif = None
     if variability is not None:
