@@ -1,0 +1,61 @@
+"""Meta's Llama 3 405B layouts (Dubey et al. 2024, Table 4) against memory, by hand:
+what one layer keeps, how many layers' activations the fullest rank holds under
+Megatron's interleaved order, and the static bytes, so that the gap
+``benchmarks/published.py`` prints is the arithmetic of the model and not a figure of it."""
+
+import pytest
+
+from benchmarks.published import layer_activation_bytes, llama3_2024, memory_gap, predict
+
+RUNS = {run.label: run for run in llama3_2024()}
+H, KV, FFN, TP = 16384, 8 * 128, 53248, 8
+
+
+def test_a_llama_405b_layer_keeps_the_megatron_inventory_with_sequence_parallelism():
+    """Per token, in bf16, on one of 8 tp ranks with sequence parallelism and flash
+    attention: the two norm inputs, the QKV and MLP inputs (4 x 2h, sharded by sp), Q and the
+    attention output (2 x 2h), K and V (2 x 2 x 1024) and the SwiGLU gate, up and product
+    (3 x 2 x 53248), all over 8; 8192 tokens."""
+    per_token = (4 * 2 * H + 2 * 2 * H + 2 * 2 * KV + 3 * 2 * FFN) / TP
+    for label in RUNS:  # the 128K row holds 131072 / 16 tokens per rank: the same
+        assert layer_activation_bytes(RUNS[label]) == pytest.approx(8192 * per_token, rel=1e-12)
+    assert 8192 * per_token == 532_676_608
+
+
+def test_the_fullest_rank_at_8192_gpus_holds_megatron_s_warmup_of_two_layer_chunks():
+    """Megatron's interleaved order runs (p - r - 1) * 2 + (v - 1) * p forwards before rank
+    r's first backward and one more before it: 77 chunks of 2 layers on rank 1 at p 16, v 4
+    (32 microbatches: the warmup is not cut short). Static: 8 layers' tp shards (norm weights
+    whole) at 2 + 2 + 12/64 bytes per parameter (ZeRO-1 over dp 64)."""
+    run = RUNS["405B 8192 GPUs t8 c1 p16 d64 s8192"]
+    prediction = predict(run, None, with_memory=True)
+    p, v, rank = 16, 4, 1
+    chunks = (p - rank - 1) * 2 + (v - 1) * p + 1
+    assert chunks == 77 and run.microbatches * v > chunks
+    layer = 8192 * (4 * 2 * H + 2 * 2 * H + 2 * 2 * KV + 3 * 2 * FFN) / TP
+    assert prediction.stash_bytes == pytest.approx(2 * chunks * layer, rel=1e-9)
+    layer_params = H * (H + 2 * KV + H) + 3 * H * FFN
+    static = 8 * (layer_params / TP + 2 * H) * (2 + 2 + 12 / 64)
+    assert prediction.static_bytes == pytest.approx(static, rel=1e-9)
+    assert prediction.usable_bytes == pytest.approx(72e9)
+
+
+def test_at_16384_gpus_every_microbatch_of_every_chunk_is_held():
+    """16 microbatches and 4 chunks: 64 chunk forwards is less than the warmup of ranks 0-7,
+    so those ranks run every forward before a backward and hold all 16 x 8 layers."""
+    run = RUNS["405B 16384 GPUs t8 c1 p16 d128 s8192"]
+    prediction = predict(run, None, with_memory=True)
+    layer = layer_activation_bytes(run)
+    assert prediction.stash_bytes == pytest.approx(16 * 8 * layer, rel=1e-9)
+
+
+def test_the_gap_line_states_the_largest_layer_that_would_fit():
+    """The most a layer may keep is what the device leaves after static and buffers, over
+    the layers held: (72 GB - static - buffers) / 154 at 8,192 GPUs."""
+    run = RUNS["405B 8192 GPUs t8 c1 p16 d64 s8192"]
+    prediction = predict(run, None, with_memory=True)
+    room = 72e9 - prediction.static_bytes - prediction.buffer_bytes
+    line = memory_gap(run, prediction)
+    assert "(154 layers' activations of 0.533 GB)" in line
+    assert f"a layer may keep {room / 154 / 1e9:.3f} GB" in line
+    assert f"({room / 154 / 532_676_608:.0%} of the count)" in line
