@@ -31,7 +31,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, replace
 
-from benchmarks.published import Prediction, Run, gpt, predict
+from benchmarks.published import Prediction, Run, command_line, gpt, predict
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ def main() -> None:
     magnitudes = [abs(value) for value in errors]
     print(f"\nper-GPU peak memory: median |error| {statistics.median(magnitudes):.1%}, worst {max(magnitudes):.1%} "
           f"over {len(errors)} rows")
+    print(f"equivalent command ({ROWS[0].run().label}): `{command_line(ROWS[0].run(), None)}`")
 
 
 if __name__ == "__main__":
