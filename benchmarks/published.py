@@ -50,6 +50,11 @@ the calibrated column) while the model was built, so their no-calibration errors
 in-sample for choices of model structure; docs/cluster-model.md says which rows were
 first run after the model was fixed.
 
+Where a study reports layouts that ran (Meta's), its table has their memory too: the
+fullest rank's peak against what the device leaves, and a "memory (GB)" line per row with
+the parts, the layers' activations held, 1F1B's peak and the most a layer may keep to fit
+(docs/cluster-model.md reads them).
+
 Run: ``PYTHONPATH=. python benchmarks/published.py`` (prints a table per study and the
 median / worst error over the held-out rows).
 """
@@ -272,7 +277,9 @@ def memory_gap(run: Run, prediction: Prediction) -> str:
     """Why a published layout does (not) fit: its fullest rank's parts, how many layers'
     activations it holds at its peak, what 1F1B (the order of least activation memory
     that keeps the first rank busy: Korthikanti et al. 2022, section 4.2.3) would hold,
-    and the most a layer could keep for the layout to fit what the device leaves."""
+    and the most a layer could keep for the layout to fit what the device leaves. The
+    layers held are the stash over one layer's: whole layers where the fullest rank keeps
+    no embedding or logits (a middle rank, as in Meta's layouts)."""
     layer = layer_activation_bytes(run)
     layers_held = prediction.stash_bytes / layer
     plain = predict(replace(run, schedule="1f1b", virtual_stages=1, layers_per_stage=None), None, with_memory=True)
