@@ -273,6 +273,17 @@ def layer_activation_bytes(run: Run) -> float:
     return layer_stash_bytes(spec, run.tp, run.sequence_parallel, run.recompute, run.flash_attention)
 
 
+def megatron_layer_estimate(run: Run) -> float:
+    """Megatron-LM's own estimate of one layer's activations on one tp rank, for comparison
+    with pipesim's inventory: ``sbh (18 + 4 ffn/h) / t`` bytes
+    (``megatron/training/theoretical_memory_usage.py``, ``compute_activation_memory``:
+    Korthikanti et al.'s Table 2 with selective recompute and sequence parallelism, the MLP
+    term scaled by its width; it counts neither GQA nor a gated MLP's third matrix)."""
+    spec = run.spec
+    tokens = spec.seq_len // run.cp * run.microbatch_size
+    return tokens * spec.hidden * (18 + 4 * spec.ffn / spec.hidden) / run.tp
+
+
 def memory_gap(run: Run, prediction: Prediction) -> str:
     """Why a published layout does (not) fit: its fullest rank's parts, how many layers'
     activations it holds at its peak, what 1F1B (the order of least activation memory
@@ -286,7 +297,8 @@ def memory_gap(run: Run, prediction: Prediction) -> str:
     room = prediction.usable_bytes - prediction.static_bytes - prediction.buffer_bytes
     return (f"{run.label}: fullest rank {prediction.static_bytes / 1e9:.1f} GB static + "
             f"{prediction.buffer_bytes / 1e9:.1f} buffers + {prediction.stash_bytes / 1e9:.1f} stash "
-            f"({layers_held:.0f} layers' activations of {layer / 1e9:.3f} GB); under 1F1B "
+            f"({layers_held:.0f} layers' activations of {layer / 1e9:.3f} GB; Megatron-LM's estimator "
+            f"{megatron_layer_estimate(run) / 1e9:.3f}); under 1F1B "
             f"{plain.peak_bytes / 1e9:.1f} GB ({plain.stash_bytes / layer:.0f} layers); to fit "
             f"{prediction.usable_bytes / 1e9:.1f} GB here a layer may keep {room / layers_held / 1e9:.3f} GB "
             f"({room / layers_held / layer:.0%} of the count)")
