@@ -50,6 +50,11 @@ the calibrated column) while the model was built, so their no-calibration errors
 in-sample for choices of model structure; docs/cluster-model.md says which rows were
 first run after the model was fixed.
 
+Where a study reports layouts that ran (Meta's), its table has their memory too: the
+fullest rank's peak against what the device leaves, and a "memory (GB)" line per row with
+the parts, the layers' activations held, 1F1B's peak and the most a layer may keep to fit
+(docs/cluster-model.md reads them).
+
 Run: ``PYTHONPATH=. python benchmarks/published.py`` (prints a table per study and the
 median / worst error over the held-out rows).
 """
@@ -66,6 +71,7 @@ from dataclasses import dataclass, replace
 from pipesim.cluster.files import load_topology
 from pipesim.cluster.mapping import DEFAULT_ORDER, map_ranks
 from pipesim.model import memory_traffic
+from pipesim.model.activations import layer_stash_bytes
 from pipesim.model.spec import PRESETS, ModelSpec
 from pipesim.model.transformer_costs import (
     attention_flops_counted,
@@ -218,6 +224,9 @@ class Prediction:
     mfu: float
     peak_bytes: float = 0.0  # the largest rank's peak memory
     usable_bytes: float = 0.0  # what its device leaves it (less the headroom)
+    static_bytes: float = 0.0  # of that rank: parameters, gradients and optimizer state
+    buffer_bytes: float = 0.0  # its P2P and gradient-reduction buffers
+    stash_bytes: float = 0.0  # its peak of activations held for backwards
 
     def error(self, run: Run) -> float:
         """Relative error against the study: of MFU where it reports MFU, else of step time."""
@@ -254,7 +263,47 @@ def predict(run: Run, efficiency: float | None, with_memory: bool = False) -> Pr
     if not with_memory:
         return Prediction(makespan, figures["mfu"])
     fullest = max(result.memory, key=lambda rank: rank.peak_bytes)
-    return Prediction(makespan, figures["mfu"], fullest.peak_bytes, fullest.usable_bytes)
+    return Prediction(makespan, figures["mfu"], fullest.peak_bytes, fullest.usable_bytes, fullest.static_bytes,
+                      fullest.buffer_bytes, fullest.peak_stash_bytes)
+
+
+def layer_activation_bytes(run: Run) -> float:
+    """What one microbatch keeps for one transformer layer on one rank of ``run``
+    (``pipesim.model.activations.layer_stash_bytes``; context parallelism holds a
+    ``1/cp`` share of the sequence)."""
+    spec = replace(run.spec, microbatch_size=run.microbatch_size, seq_len=run.spec.seq_len // run.cp)
+    return layer_stash_bytes(spec, run.tp, run.sequence_parallel, run.recompute, run.flash_attention)
+
+
+def megatron_layer_estimate(run: Run) -> float:
+    """Megatron-LM's own estimate of one layer's activations on one tp rank, for comparison
+    with pipesim's inventory: ``sbh (18 + 4 ffn/h) / t`` bytes
+    (``megatron/training/theoretical_memory_usage.py``, ``compute_activation_memory``:
+    Korthikanti et al.'s Table 2 with selective recompute and sequence parallelism, the MLP
+    term scaled by its width; it counts neither GQA nor a gated MLP's third matrix)."""
+    spec = run.spec
+    tokens = spec.seq_len // run.cp * run.microbatch_size
+    return tokens * spec.hidden * (18 + 4 * spec.ffn / spec.hidden) / run.tp
+
+
+def memory_gap(run: Run, prediction: Prediction) -> str:
+    """Why a published layout does (not) fit: its fullest rank's parts, how many layers'
+    activations it holds at its peak, what 1F1B (the order of least activation memory
+    that keeps the first rank busy: Korthikanti et al. 2022, section 4.2.3) would hold,
+    and the most a layer could keep for the layout to fit what the device leaves. The
+    layers held are the stash over one layer's: whole layers where the fullest rank keeps
+    no embedding or logits (a middle rank, as in Meta's layouts)."""
+    layer = layer_activation_bytes(run)
+    layers_held = prediction.stash_bytes / layer
+    plain = predict(replace(run, schedule="1f1b", virtual_stages=1, layers_per_stage=None), None, with_memory=True)
+    room = prediction.usable_bytes - prediction.static_bytes - prediction.buffer_bytes
+    return (f"{run.label}: fullest rank {prediction.static_bytes / 1e9:.1f} GB static + "
+            f"{prediction.buffer_bytes / 1e9:.1f} buffers + {prediction.stash_bytes / 1e9:.1f} stash "
+            f"({layers_held:.0f} layers' activations of {layer / 1e9:.3f} GB; Megatron-LM's estimator "
+            f"{megatron_layer_estimate(run) / 1e9:.3f}); under 1F1B "
+            f"{plain.peak_bytes / 1e9:.1f} GB ({plain.stash_bytes / layer:.0f} layers); to fit "
+            f"{prediction.usable_bytes / 1e9:.1f} GB here a layer may keep {room / layers_held / 1e9:.3f} GB "
+            f"({room / layers_held / layer:.0%} of the count)")
 
 
 def simulate_step(run: Run, efficiency: float | None) -> float:
@@ -336,9 +385,11 @@ def study_table(title: str, runs: list[Run],
         columns += " calibrated | error | |"
         rule += "---:|---:|---|"
     lines += [columns, rule]
-    uncalibrated, held_out = [], []
+    uncalibrated, held_out, gaps = [], [], []
     for run in runs:
         plain = predict(run, None, with_memory=by_mfu)
+        if by_mfu:
+            gaps.append(memory_gap(run, plain))
         error = plain.error(run)
         uncalibrated.append(abs(error))
         shown = (f"{plain.mfu:.1%}" if by_mfu else f"{plain.step_seconds:.3f}")
@@ -355,6 +406,8 @@ def study_table(title: str, runs: list[Run],
                 held_out.append(abs(fitted_error))
             line += f" {fitted.step_seconds:.3f} | {fitted_error:+.1%} | {role} |"
         lines.append(line)
+    if gaps:
+        lines += ["", "memory (GB):"] + [f"- {gap}" for gap in gaps]
     lines += ["", f"equivalent command (no calibration, {runs[0].label}): `{command_line(runs[0], None)}`"]
     if runs[-1].cp > 1:  # a layout of its own: its command too
         lines.append(f"equivalent command (no calibration, {runs[-1].label}): `{command_line(runs[-1], None)}`")

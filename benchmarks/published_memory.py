@@ -1,0 +1,124 @@
+"""Predicted against published per-GPU peak memory: what ``pipesim simulate`` says a rank
+peaks at, beside what a paper measured on the GPUs that ran the layout.
+
+Source (figures transcribed from the paper's table):
+
+- Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv:2401.10241), the
+  "Memory (GB)" of every 1F1B row: Table 4 (GPT-3-like models of 1.5B, 6.2B, 14.6B and
+  28.3B parameters, Table 3: layers, heads, hidden; sequence 1024; microbatch size 6, 3, 1,
+  1 on 8, 8, 16 and 32 A100 SXM 80 GB; one figure for its three microbatch counts, as
+  1F1B's peak does not grow with m), Table 8 (the microbatch size doubled) and Table 9
+  (m <= p). Pipeline parallelism only (one GPU per stage), Megatron-LM's 1F1B, the first
+  and last stages one transformer layer fewer than the others (section 5.1).
+  Not in the paper, assumed here: Megatron's GPT vocabulary 51,200 with tied embeddings,
+  mixed-precision Adam (2 + 2 + 12 bytes per parameter), dropout, no flash attention (the
+  paper's Table 1 counts the ``5as`` attention scores), no recompute.
+
+The ZB-1p/ZB-2p and 1F1B-I rows of the same table are not compared: the first two depend
+on what a layer keeps between B and W, the last on a chunk layout (one layer per chunk with
+the first and last stages a layer short) the paper does not spell out.
+
+In-sample and held out: the memory model (``pipesim.sim.memory``, the activation inventory
+of ``pipesim.model.activations``) was written before these rows were first run, and
+nothing was changed after: every row is held out. The paper says GB; if it meant GiB, each
+figure is 7.4% larger than read here.
+
+Run: ``PYTHONPATH=. python benchmarks/published_memory.py``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+
+from benchmarks.published import Prediction, Run, command_line, gpt, predict
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """One published layout and the peak memory per GPU measured for it."""
+
+    model: str
+    layers: int
+    heads: int
+    hidden: int
+    pp: int
+    microbatch_size: int
+    microbatches: int
+    measured_gb: float
+    source: str = "Qi et al. 2024, Table 4 (1F1B)"
+
+    def run(self) -> Run:
+        """The layout as ``benchmarks.published`` simulates it: first and last stage a
+        layer short, sequence 1024, one GPU per stage."""
+        spec = replace(gpt(f"gpt-{self.model}", self.layers, self.hidden, self.heads), seq_len=1024,
+                       microbatch_size=self.microbatch_size)
+        middle = (self.layers + 2) // self.pp
+        layout = (middle - 1,) + (middle,) * (self.pp - 2) + (middle - 1,)
+        if sum(layout) != self.layers:
+            raise ValueError(f"{self.model}: {self.layers} layers do not split as {layout}")
+        return Run(f"{self.model} p{self.pp} m{self.microbatches} b{self.microbatch_size}", spec, 1, self.pp, 1,
+                   self.microbatches * self.microbatch_size, 1.0, recompute="none",
+                   microbatch_size=self.microbatch_size, gpu="a100-80gb", layers_per_stage=layout,
+                   in_sample=False)
+
+
+TABLE_8 = "Qi et al. 2024, Table 8 (1F1B, microbatch doubled)"
+TABLE_9 = "Qi et al. 2024, Table 9 (1F1B, m <= p)"
+ROWS = (
+    MemoryRow("1.5B", 22, 24, 2304, 8, 6, 24, 30),
+    MemoryRow("6.2B", 30, 32, 4096, 8, 3, 24, 39),
+    MemoryRow("14.6B", 46, 40, 5120, 16, 1, 48, 32),
+    MemoryRow("28.3B", 62, 48, 6144, 32, 1, 96, 43),
+    MemoryRow("1.5B", 22, 24, 2304, 8, 12, 24, 57, TABLE_8),
+    MemoryRow("6.2B", 30, 32, 4096, 8, 6, 24, 66, TABLE_8),
+    MemoryRow("14.6B", 46, 40, 5120, 16, 2, 48, 50, TABLE_8),
+    MemoryRow("28.3B", 62, 48, 6144, 32, 2, 96, 72, TABLE_8),
+    MemoryRow("1.5B", 22, 24, 2304, 8, 6, 2, 11, TABLE_9),
+    MemoryRow("1.5B", 22, 24, 2304, 8, 6, 4, 18, TABLE_9),
+    MemoryRow("1.5B", 22, 24, 2304, 8, 6, 8, 29, TABLE_9),
+    MemoryRow("6.2B", 30, 32, 4096, 8, 3, 2, 21, TABLE_9),
+    MemoryRow("6.2B", 30, 32, 4096, 8, 3, 4, 28, TABLE_9),
+    MemoryRow("6.2B", 30, 32, 4096, 8, 3, 8, 39, TABLE_9),
+    MemoryRow("14.6B", 46, 40, 5120, 16, 1, 4, 19, TABLE_9),
+    MemoryRow("14.6B", 46, 40, 5120, 16, 1, 8, 24, TABLE_9),
+    MemoryRow("14.6B", 46, 40, 5120, 16, 1, 16, 32, TABLE_9),
+)
+
+
+def predict_memory(row: MemoryRow) -> Prediction:
+    """The simulated step of ``row`` with its fullest rank's memory."""
+    return predict(row.run(), None, with_memory=True)
+
+
+def error(row: MemoryRow, prediction: Prediction) -> float:
+    """Relative error of the predicted peak against the measured one (GB = 1e9 bytes)."""
+    return prediction.peak_bytes / (row.measured_gb * 1e9) - 1
+
+
+def table() -> tuple[list[str], list[float]]:
+    """The comparison table and the errors of its rows."""
+    lines = ["| source | run | GPUs | measured (GB) | predicted peak (GB) | static + buffers + stash | error "
+             "| sample |", "|---|---|---:|---:|---:|---|---:|---|"]
+    errors = []
+    for row in ROWS:
+        prediction = predict_memory(row)
+        errors.append(error(row, prediction))
+        lines.append(f"| {row.source} | {row.run().label} | {row.pp} | {row.measured_gb:.0f} | "
+                     f"{prediction.peak_bytes / 1e9:.1f} | {prediction.static_bytes / 1e9:.1f} + "
+                     f"{prediction.buffer_bytes / 1e9:.2f} + {prediction.stash_bytes / 1e9:.1f} | "
+                     f"{errors[-1]:+.1%} | held out |")
+    return lines, errors
+
+
+def main() -> None:
+    lines, errors = table()
+    print("\n".join(lines))
+    magnitudes = [abs(value) for value in errors]
+    print(f"\nper-GPU peak memory: median |error| {statistics.median(magnitudes):.1%}, worst {max(magnitudes):.1%} "
+          f"over {len(errors)} rows")
+    print(f"equivalent command ({ROWS[0].run().label}): `{command_line(ROWS[0].run(), None)}`")
+
+
+if __name__ == "__main__":
+    main()
