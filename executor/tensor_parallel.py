@@ -1,5 +1,6 @@
-"""Tensor parallelism: Megatron column/row splits of the gpt blocks, and timing of the
-collectives they issue.
+"""Tensor parallelism: Megatron column/row splits of the gpt blocks and of the dense
+blocks of an architecture (``executor.transformer``), and timing of the collectives
+they issue.
 
 Each block's attention and MLP become a column-parallel GEMM followed by a row-parallel
 one (``torch.distributed.tensor.parallel``): ``qkv`` and ``fc1`` are split by output
@@ -59,11 +60,43 @@ def block_plan(sequence_parallel: bool) -> dict:
     }
 
 
+def transformer_block_plan(sequence_parallel: bool) -> dict:
+    """The Megatron plan of a dense ``TransformerBlock`` (torchtitan's for Llama): the
+    query, key and value projections and the MLP's gate and up projections split by
+    columns (whole query heads and whole key/value heads per rank, since both counts are
+    multiples of tp), the output and down projections by rows. With sequence
+    parallelism the norms run on sequence shards and each sublayer gathers its input
+    once (``PrepareModuleInput``) for all of its column-parallel projections."""
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+    if not sequence_parallel:
+        return plan
+    gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
+    return {**plan, "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(**gather), "feed_forward": PrepareModuleInput(**gather),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def plan_of(module: nn.Module, sequence_parallel: bool) -> dict | None:
+    """The tp plan of a block the executor splits, ``None`` for any other module."""
+    from executor.transformer import TransformerBlock  # noqa: PLC0415 - it imports models, as this module does
+
+    if isinstance(module, Block):
+        return block_plan(sequence_parallel)
+    if isinstance(module, TransformerBlock):
+        return transformer_block_plan(sequence_parallel)
+    return None
+
+
 def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Split every ``Block`` of ``stage`` across ``tp_mesh`` in place; return the stage."""
-    for module in stage.modules():
-        if isinstance(module, Block):
-            parallelize_module(module, tp_mesh, block_plan(sequence_parallel))
+    """Split every block of ``stage`` (a gpt ``Block``, a dense ``TransformerBlock``)
+    across ``tp_mesh`` in place; return the stage."""
+    for module in list(stage.modules()):
+        plan = plan_of(module, sequence_parallel)
+        if plan is not None:
+            parallelize_module(module, tp_mesh, plan)
             if sequence_parallel:
                 # The residual stream is sequence-sharded inside the block; the stage
                 # boundary (and the next block) sees the full, replicated activation.

@@ -19,6 +19,13 @@ microbatch's ``T`` tokens whatever the routing (GShard, Switch Transformer: slot
 empty are padding, tokens beyond the capacity are dropped), so the routed experts' time
 is C times the routed tokens' FLOPs; without one (dropless, as Megatron-LM and
 DeepSeek-V3 train) it is the routed tokens' FLOPs, balanced over the experts.
+
+How the router turns scores into the top-k weights changes no count but is part of the
+architecture the executor builds: ``softmax`` over every expert's logit (Mixtral,
+DeepSeek-V2, Qwen-MoE) or ``sigmoid`` per expert with a selection bias kept outside the
+gradient (DeepSeek-V3's auxiliary-loss-free balancing); ``normalize_top_k`` rescales
+the k chosen weights to sum to one (Mixtral, DeepSeek-V3) or leaves them as scored
+(DeepSeek-V2, Qwen-MoE's ``norm_topk_prob`` false).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import math
 from dataclasses import dataclass
 
 from pipesim.model.errors import ModelSpecError, require_count
+
+GATINGS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,8 @@ class MixtureOfExperts:
     shared_expert_gate: bool = False  # Qwen-MoE: a sigmoid gate (h x 1) on the shared expert's output
     dense_layers: tuple[int, ...] = ()  # indices of the layers that keep a dense MLP
     capacity_factor: float | None = None  # token slots per expert / its balanced share; None: dropless
+    gating: str = "softmax"  # "softmax" or "sigmoid" (with DeepSeek-V3's auxiliary-loss-free selection bias)
+    normalize_top_k: bool = True  # the k chosen weights rescaled to sum to one
 
     def __post_init__(self) -> None:
         for key in ("experts", "experts_per_token", "expert_ffn"):
@@ -53,6 +64,8 @@ class MixtureOfExperts:
         if self.experts_per_token > self.experts:
             raise ModelSpecError(f"mixture of experts: experts_per_token {self.experts_per_token} exceeds the "
                                  f"{self.experts} routed experts")
+        if self.gating not in GATINGS:
+            raise ModelSpecError(f"mixture of experts: gating {self.gating!r} is not one of: {', '.join(GATINGS)}")
         factor = self.capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                                    or not math.isfinite(factor) or factor <= 0):
