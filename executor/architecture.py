@@ -14,6 +14,7 @@ Plain data, no torch: the command line checks a run before any process starts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from executor.config import ConfigError
@@ -21,7 +22,7 @@ from pipesim.model.errors import ModelSpecError
 from pipesim.model.experts import MixtureOfExperts
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.spec import ModelSpec, load_model
-from pipesim.model.stage_split import split_layers
+from pipesim.model.transformer_costs import model_stage_costs
 
 TOY_MODELS = ("mlp", "gpt")
 MAX_EXPERTS = 8  # experts kept when --experts is not given
@@ -122,16 +123,20 @@ def shrink_note(config) -> str:
     return f"model {small.name}: {shrunk}" + "".join(f"; {note}" for note in notes)
 
 
-def stage_layers(spec: ModelSpec, num_stages: int, layout: tuple[int, ...] | None) -> list[int]:
-    """Layers on each stage, split as ``pipesim simulate`` splits them
-    (``pipesim.model.stage_split``): balanced with the output layer's forward FLOPs, in
-    mean layers, charged to the last stage (the simulator charges its time)."""
-    layer_flops = spec.sum_over_layers(lambda layer: spec.layer_flops(layer, padded=False)) / spec.layers
-    head_extra = spec.logits_flops() / layer_flops if layout is None and num_stages > 1 else 0.0
+def stage_layers(spec: ModelSpec, num_stages: int, layout: tuple[int, ...] | None, tp: int = 1,
+                 sequence_parallel: bool = False) -> list[int]:
+    """Layers on each stage: ``layout`` (checked), or the split ``pipesim simulate
+    --model`` makes of the same model, by the same function (the stages' times on the
+    simulator's default GPU, the output layer's on the last, balanced by
+    ``pipesim.model.stage_split``), so a run and its prediction hold the same layers."""
+    given = list(layout) if layout else None
     try:
-        return split_layers(spec.layers, num_stages, list(layout) if layout else None, last_extra=head_extra)
+        costs = model_stage_costs(spec, num_stages, [math.nan] * num_stages, tp=tp,
+                                  sequence_parallel=sequence_parallel, layers_per_stage=given)
     except ModelSpecError as error:
-        raise ConfigError(str(error)) from None
+        prefix = "" if layout else f"--layers {spec.layers}: "
+        raise ConfigError(f"{prefix}{error}") from None
+    return [stage.layers for stage in costs.stages]
 
 
 def check_architecture(config) -> ModelSpec:
@@ -164,7 +169,7 @@ def check_architecture(config) -> ModelSpec:
                                 "wide; rotary positions turn pairs of features, so it must be even")
     if config.tp > 1:
         check_tensor_parallel(config, spec)
-    stage_layers(spec, config.num_stages, config.layout)
+    stage_layers(spec, config.num_stages, config.layout, config.tp, config.sequence_parallel)
     return spec
 
 

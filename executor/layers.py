@@ -28,12 +28,15 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rotary_angles(seq_len: int, dim: int, theta: float = ROPE_THETA, dtype: torch.dtype = torch.float32,
+def rotary_angles(seq_len: int, dim: int, theta: float = ROPE_THETA, dtype: torch.dtype | None = None,
                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``sin`` of the angle ``p * theta^(-2i/dim)`` for position ``p`` and
-    feature pair ``i`` (RoFormer, Su et al. 2021), each ``seq_len x dim/2``."""
+    feature pair ``i`` (RoFormer, Su et al. 2021), each ``seq_len x dim/2``, in ``dtype``
+    (default: torch's default type); computed in float64 whatever the type, so a
+    bf16 run rounds the angles' cosines, not the angles."""
     frequencies = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), frequencies)
+    dtype = dtype or torch.get_default_dtype()
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 

@@ -83,7 +83,8 @@ class SpecModel(GptModel):
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)
         self.spec = shrunk_spec(config)
-        self.layout = tuple(stage_layers(self.spec, config.num_stages, config.layout))
+        self.layout = tuple(stage_layers(self.spec, config.num_stages, config.layout, config.tp,
+                                         config.sequence_parallel))
 
     def make_embed(self) -> nn.Module:
         return TokenEmbedding(self.spec)
