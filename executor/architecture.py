@@ -174,12 +174,16 @@ def check_architecture(config) -> ModelSpec:
 
 
 def check_tensor_parallel(config, spec: ModelSpec) -> None:
-    """Dense blocks split by whole query and key/value heads and by MLP columns."""
-    if spec.moe is not None or spec.mla is not None:
-        part = "mixture-of-experts layers" if spec.moe is not None else "latent attention"
-        raise ConfigError(f"--tp {config.tp}: the executor splits dense attention and MLP blocks only; "
-                                f"{config.model} has {part} (use --tp 1)")
-    for flag, value in (("--heads", spec.heads), ("--kv-heads", spec.num_kv_heads), ("--ffn-hidden", spec.ffn)):
+    """Blocks split by whole query and key/value heads and by MLP columns (every
+    expert's too); latent attention is not split."""
+    if spec.mla is not None:
+        raise ConfigError(f"--tp {config.tp}: the executor does not split latent attention ({config.model}); "
+                          "use --tp 1")
+    widths = [("--heads", spec.heads), ("--kv-heads", spec.num_kv_heads), ("--ffn-hidden", spec.ffn)]
+    if spec.moe is not None:
+        widths += [("the experts' width (from --ffn-hidden)", spec.moe.expert_ffn)]
+        widths += [("the shared experts' width", spec.moe.shared_ffn)] if spec.moe.shared_ffn else []
+    for flag, value in widths:
         if value % config.tp:
             raise ConfigError(f"--tp {config.tp} must divide {flag} {value} (each tp rank holds whole heads "
-                                    "and MLP columns)")
+                              "and MLP columns)")

@@ -36,6 +36,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -60,23 +61,37 @@ def block_plan(sequence_parallel: bool) -> dict:
     }
 
 
-def transformer_block_plan(sequence_parallel: bool) -> dict:
-    """The Megatron plan of a dense ``TransformerBlock`` (torchtitan's for Llama): the
-    query, key and value projections and the MLP's gate and up projections split by
-    columns (whole query heads and whole key/value heads per rank, since both counts are
-    multiples of tp), the output and down projections by rows. With sequence
+def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
+    """The Megatron plan of a ``TransformerBlock`` (torchtitan's for Llama): the query,
+    key and value projections and each MLP's gate and up projections split by columns
+    (whole query heads and whole key/value heads per rank, since both counts are
+    multiples of tp), the output and down projections by rows. A mixture of experts
+    splits every expert (and the shared one) so, its router replicated: every tp rank
+    routes the same tokens, each expert's down projection is all-reduced on its own
+    (Megatron sums the experts first and reduces once; not done here). With sequence
     parallelism the norms run on sequence shards and each sublayer gathers its input
     once (``PrepareModuleInput``) for all of its column-parallel projections."""
     plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+            "attention.wo": RowwiseParallel()}
+    mlps = ["feed_forward"]
+    experts = getattr(block.feed_forward, "experts", None)
+    if experts is not None:
+        mlps = [f"feed_forward.experts.{index}" for index in range(len(experts))]
+        mlps += ["feed_forward.shared"] if block.feed_forward.shared is not None else []
+    for mlp in mlps:
+        plan.update({f"{mlp}.w1": ColwiseParallel(), f"{mlp}.w3": ColwiseParallel(), f"{mlp}.w2": RowwiseParallel()})
     if not sequence_parallel:
         return plan
     gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
-    return {**plan, "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(**gather), "feed_forward": PrepareModuleInput(**gather),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+    plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                 "attention": PrepareModuleInput(**gather), "attention.wo": RowwiseParallel(output_layouts=Shard(1))})
+    if experts is None:
+        plan.update({"feed_forward": PrepareModuleInput(**gather),
+                     "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
+    else:  # the experts' outputs are whole; the residual stream keeps this rank's sequence shard
+        plan["feed_forward"] = PrepareModuleInputOutput(**gather, use_local_input=True, output_layouts=(Replicate(),),
+                                                        desired_output_layouts=(Shard(1),))
+    return plan
 
 
 def plan_of(module: nn.Module, sequence_parallel: bool) -> dict | None:
@@ -86,7 +101,7 @@ def plan_of(module: nn.Module, sequence_parallel: bool) -> dict | None:
     if isinstance(module, Block):
         return block_plan(sequence_parallel)
     if isinstance(module, TransformerBlock):
-        return transformer_block_plan(sequence_parallel)
+        return transformer_block_plan(module, sequence_parallel)
     return None
 
 
