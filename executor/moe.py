@@ -42,7 +42,10 @@ class Router(nn.Module):
             self.selection_bias = None
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Scores in float32 at least (as Mixtral's and DeepSeek's routers compute them under
+        # bf16): a bf16 softmax would tie experts a float32 one tells apart.
         logits = self.gate(tokens)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         scores = logits.softmax(dim=-1) if self.gating == "softmax" else logits.sigmoid()
         ranking = scores if self.selection_bias is None else scores.detach() + self.selection_bias
         chosen = ranking.topk(self.top_k, dim=-1).indices
@@ -91,10 +94,11 @@ class MixtureOfExperts(nn.Module):
         for index, expert in enumerate(self.experts):
             token, slot = torch.nonzero((chosen == index) & keep, as_tuple=True)
             if token.numel():
-                out = out.index_add(0, token, expert(tokens[token]) * weights[token, slot].unsqueeze(-1))
+                weighted = expert(tokens[token]) * weights[token, slot].unsqueeze(-1)
+                out = out.index_add(0, token, weighted.to(out.dtype))  # autocast: back to the residual's type
         if self.shared is not None:
             shared = self.shared(tokens)
             if self.shared_gate is not None:
                 shared = shared * self.shared_gate(tokens).sigmoid()
-            out = out + shared
+            out = out + shared.to(out.dtype)
         return out.view(sequences, seq, hidden)

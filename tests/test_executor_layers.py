@@ -188,6 +188,20 @@ def test_mixture_of_experts_equals_token_by_token_loop(capacity_factor) -> None:
     assert torch.allclose(moe(x), moe_by_tokens(moe, x, keep), atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixture_of_experts_under_autocast_keeps_the_residual_type(dtype) -> None:
+    """Under bf16/fp16 autocast the experts compute in the low type and the router in
+    float32; the layer returns the residual stream's type (float32 on the first stage)."""
+    torch.manual_seed(5)
+    moe = MixtureOfExperts(8, experts=4, top_k=2, expert_ffn=6, shared_ffn=4, shared_gate=True).float()
+    x = torch.randn(2, 3, 8, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=dtype):
+        out = moe(x)
+        weights, _ = moe.router(x.reshape(-1, 8))
+    assert out.dtype == torch.float32 and weights.dtype == torch.float32
+    assert torch.allclose(out, moe(x), atol=0.05)  # the float32 layer, to low precision
+
+
 def config(model: str, **fields) -> RunConfig:
     return RunConfig(model=model, **{"pp": 2, **fields})
 
