@@ -144,21 +144,24 @@ def check_architecture(config) -> ModelSpec:
     full = full_spec(config.model)
     if full.norms_per_layer != 2:
         raise ConfigError(f"--model {config.model}: {full.norms_per_layer} norms per layer is not built by "
-                                "the executor (pre-norm blocks of two norms: Llama, Mistral, Mixtral, Qwen, DeepSeek)")
+                          "the executor (pre-norm blocks of two norms: Llama, Mistral, Mixtral, Qwen, DeepSeek)")
     if config.hidden % config.heads:
         raise ConfigError(f"--hidden {config.hidden} must be a multiple of --heads {config.heads}")
-    if config.kv_heads is not None and (config.kv_heads < 1 or config.heads % config.kv_heads):
-        raise ConfigError(f"--kv-heads {config.kv_heads} must divide --heads {config.heads}")
     if config.kv_heads is not None and full.mla:
         raise ConfigError(f"--kv-heads: {config.model} uses latent attention, every head its own key and value")
     if full.moe is None:
         for flag, value in (("--experts", config.experts), ("--capacity-factor", config.capacity_factor)):
             if value is not None:
                 raise ConfigError(f"{flag} {value}: {config.model} has no mixture-of-experts layers")
-    if config.experts is not None and config.experts < 1:
-        raise ConfigError(f"--experts must be at least 1, got {config.experts}")
-    if config.ffn_hidden is not None and config.ffn_hidden < 1:
-        raise ConfigError(f"--ffn-hidden must be at least 1, got {config.ffn_hidden}")
+    for flag, value in (("--experts", config.experts), ("--ffn-hidden", config.ffn_hidden),
+                        ("--kv-heads", config.kv_heads)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    factor = config.capacity_factor
+    if factor is not None and not (math.isfinite(factor) and factor > 0):
+        raise ConfigError(f"--capacity-factor must be a finite number > 0 (leave it out for dropless), got {factor}")
+    if config.kv_heads is not None and config.heads % config.kv_heads:
+        raise ConfigError(f"--kv-heads {config.kv_heads} must divide --heads {config.heads}")
     try:
         spec = shrunk_spec(config)
     except ModelSpecError as error:
@@ -166,7 +169,7 @@ def check_architecture(config) -> ModelSpec:
     rotary = spec.mla.qk_rope_head_dim if spec.mla else spec.head_size
     if not spec.learned_positions and rotary % 2:
         raise ConfigError(f"--hidden {config.hidden} / --heads {config.heads} gives heads {spec.head_size} "
-                                "wide; rotary positions turn pairs of features, so it must be even")
+                          "wide; rotary positions turn pairs of features, so it must be even")
     if config.tp > 1:
         check_tensor_parallel(config, spec)
     stage_layers(spec, config.num_stages, config.layout, config.tp, config.sequence_parallel)

@@ -110,7 +110,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
                        help=f"train on this local text file, byte-level tokens (vocabulary {BYTE_VOCAB}) "
                        "(default: synthetic tokens)")
     model.add_argument("--layers-per-stage", dest="layout", default=None, metavar="LIST",
-                       help="layers per stage, comma-separated (default: as even as possible), e.g. 1,3,3,1")
+                       help="layers per stage, comma-separated, e.g. 1,3,3,1 (default: as even as possible; an "
+                       "architecture: split as simulate --model splits it)")
     add_hidden_alias(model, "--layout", "layout")
     train = parser.add_argument_group("training")
     if outputs:

@@ -63,6 +63,9 @@ def test_data_file_refused_in_one_line(capsys, tmp_path, kind: str) -> None:
     (("--model", "gpt", "--ffn-hidden", "8"), ("--ffn-hidden", "--model gpt")),
     (("--model", "gpt", "--data", __file__, "--vocab", "100"), ("--vocab 100 is too small",)),
     (("--model", "mlp", "--data", __file__), ("--data", "--model mlp")),
+    (("--model", "mixtral-8x7b", "--capacity-factor", "0"), ("--capacity-factor must be a finite number > 0",)),
+    (("--model", "mixtral-8x7b", "--capacity-factor", "nan"), ("--capacity-factor", "got nan")),
+    (("--model", "mixtral-8x7b", "--kv-heads", "0"), ("--kv-heads must be at least 1",)),
     (("--model", "no-such-model"), ("--model no-such-model", "llama3-8b")),
     (("--model", "tests/data/hf_configs/gemma-2-9b.json"), ("4 norms per layer",)),
 ])
