@@ -158,6 +158,26 @@ def test_capacity_drops_copies_beyond_each_experts_share_in_token_order() -> Non
     assert within_capacity(chosen, 2, 1.0).flatten().tolist() == [True, True, False, False] + [True] * 4
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 8), st.integers(1, 4), st.data(),
+       st.sampled_from([0.25, 0.5, 1.0, 1.5, 4.0]))
+def test_capacity_keeps_the_first_copies_up_to_the_capacity(sequences, seq, experts, data, factor) -> None:
+    """Whatever the routes: per sequence and expert, the copies kept are the first
+    ``min(copies, capacity)`` in token-then-choice order, ``capacity = ceil(f k s / E)``."""
+    top_k = data.draw(st.integers(1, experts))
+    routes = data.draw(st.lists(st.permutations(range(experts)), min_size=sequences * seq,
+                                max_size=sequences * seq))
+    chosen = torch.tensor([route[:top_k] for route in routes]).view(sequences, seq, top_k)
+    keep = within_capacity(chosen, experts, factor)
+    capacity = math.ceil(factor * top_k * seq / experts)
+    for sequence in range(sequences):
+        order = chosen[sequence].flatten().tolist()
+        kept = keep[sequence].flatten().tolist()
+        for expert in range(experts):
+            places = [place for place, e in enumerate(order) if e == expert]
+            assert [kept[place] for place in places] == [n < capacity for n in range(len(places))]
+
+
 def moe_by_tokens(moe: MixtureOfExperts, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """The mixture of experts one token and one chosen expert at a time."""
     tokens = x.reshape(-1, x.shape[-1])
@@ -218,6 +238,23 @@ def test_shrunk_presets_keep_their_proportions() -> None:
     assert shrink_note(config("mixtral-8x7b", experts=4)) == (
         "model mixtral-8x7b: layers 32->4, hidden 4096->64, heads 32->4, kv-heads 8->1, ffn-hidden 14336->224, "
         "seq-len 8192->16, vocab 32000->128, experts 8->4, expert ffn 14336->224")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["llama3-8b", "llama3-70b", "mixtral-8x7b", "deepseek-v3", "deepseek-v2-lite", "gpt3-13b"]),
+       st.integers(1, 6), st.sampled_from([1, 2, 4, 8]), st.integers(1, 16), st.integers(1, 16))
+def test_any_shrink_is_a_valid_architecture(model, layers, heads, head_width, experts) -> None:
+    """Whatever sizes are asked, the shrunk spec is one pipesim.model accepts: the
+    key/value heads divide the heads, top-k fits the experts, some layer stays sparse
+    where the original has experts, widths are positive."""
+    hidden = heads * 2 * head_width
+    spec = shrunk_spec(config(model, layers=layers, hidden=hidden, heads=heads, pp=1,
+                              experts=experts if "mixtral" in model or "deepseek" in model else None))
+    assert (spec.layers, spec.hidden, spec.heads) == (layers, hidden, heads)
+    assert spec.heads % spec.num_kv_heads == 0 and spec.ffn >= 1
+    if spec.moe is not None:
+        assert spec.moe.experts == experts and 1 <= spec.moe.experts_per_token <= experts
+        assert len(spec.moe.dense_layers) <= layers // 2 and any(spec.is_moe_layer(i) for i in range(layers))
 
 
 @pytest.mark.parametrize("flags", [("--layers", 10, "--vocab", 4096, "--pp", 4),

@@ -6,6 +6,7 @@ executor does not build."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -25,13 +26,18 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 def test_run_says_what_was_shrunk_and_trains(capsys, tmp_path) -> None:
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n")
+    document = tmp_path / "run.json"
     status, out, _ = run(capsys, "--model", "mixtral-8x7b", "--layers", "2", "--experts", "4", "--data", str(text),
-                         *TOY)
+                         "--json", str(document), *TOY)
     assert status == 0
     first = out.splitlines()[0]
     assert first == ("pipesim run: model mixtral-8x7b: layers 32->2, hidden 4096->64, heads 32->4, kv-heads 8->1, "
                      "ffn-hidden 14336->224, seq-len 8192->16, vocab 32000->258, experts 8->4, expert ffn 14336->224")
     assert "step 0: loss" in out
+    model = json.loads(document.read_text())["model"]
+    assert (model["source"], model["layers"], model["hidden"], model["vocab"]) == ("mixtral-8x7b", 2, 64, 258)
+    assert (model["moe"]["experts"], model["moe"]["experts_per_token"], model["moe"]["expert_ffn"]) == (4, 2, 224)
+    assert model["shrunk"] == first.removeprefix("pipesim run: ")
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "fifo", "empty"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from executor.architecture import is_architecture, shrink_note
+from executor.architecture import is_architecture, shrink_note, shrunk_spec
 from executor.options import add_run_arguments, config_from_args
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
 
@@ -53,6 +53,8 @@ def handle(args: argparse.Namespace) -> int:
         print(f"pipesim run: failed: {error}", file=sys.stderr)
         return 1
     document = summary(result)
+    if is_architecture(config.model):  # what ran: the shrunk architecture, as simulate --json describes one
+        document["model"] = {**shrunk_spec(config).describe(), "source": config.model, "shrunk": shrink_note(config)}
     write_outputs(result, args.json, args.trace, document)
     print("\n".join(summary_lines(result, document)))
     if args.html:
