@@ -5,7 +5,8 @@ One gloo launch of 2 processes runs every case, float64, 2 AdamW steps: the loss
 every step and every gradient of the first equal the reference to 1e-10. Cases: a
 shrunk Llama 3 (grouped-query attention, SwiGLU, RoPE, RMSNorm) under 1f1b, a
 zero-bubble schedule (the split backward: I then W), V-shaped zbv and interleaved
-1F1B (two stages per rank); a shrunk Mixtral with top-2 routing (1f1b, and zb-h1),
+1F1B (two stages per rank; 2 layers on 4 stages, split as simulate splits them: the
+first stage holds only the embedding, the last only the output layer); a shrunk Mixtral with top-2 routing (1f1b, and zb-h1),
 dropless and with a capacity that drops tokens; DeepSeek-V3 (latent attention, sigmoid
 router, a shared expert, a dense first layer); tensor parallelism 2 of the Llama blocks,
 with and without sequence parallelism, and of the Mixtral and Qwen-MoE experts (the
@@ -30,7 +31,7 @@ CASES = {
     "llama-zb-h1": {"model": "llama3-8b", "kv_heads": 2, "layers": 3, "schedule": "zb-h1", "microbatches": 4},
     "llama-zbv": {"model": "llama3-8b", "kv_heads": 2, "layers": 5, "schedule": "zbv", "microbatches": 4,
                   "virtual_stages": 2},
-    "llama-interleaved": {"model": "llama3-8b", "kv_heads": 2, "layers": 4, "schedule": "interleaved-1f1b",
+    "llama-interleaved": {"model": "llama3-8b", "kv_heads": 2, "layers": 2, "schedule": "interleaved-1f1b",
                           "microbatches": 4, "virtual_stages": 2, "batch_size": 8},
     "mixtral-top2": {"model": "mixtral-8x7b", "layers": 2, "experts": 4, "schedule": "1f1b", "microbatches": 2},
     "mixtral-zb-h1": {"model": "mixtral-8x7b", "layers": 2, "experts": 4, "schedule": "zb-h1", "microbatches": 2},
