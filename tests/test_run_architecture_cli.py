@@ -79,3 +79,21 @@ def test_what_cannot_run_is_refused_in_one_line(capsys, flags, expected) -> None
     status, _, err = run(capsys, *flags, *TOY)
     assert status == 2
     assert_one_line_error(status, err, *expected)
+
+
+def test_sizes_default_by_model_and_machine() -> None:
+    """An architecture on a GPU (nccl) takes the GPU sizes, on gloo the CPU's; the toys
+    keep their sizes everywhere; a flag always wins."""
+    from executor.architecture import CPU_SIZES, GPU_SIZES  # noqa: PLC0415
+    from executor.options import config_from_args  # noqa: PLC0415
+    from pipesim.cli import build_parser  # noqa: PLC0415
+
+    def sizes(*argv: str) -> dict:
+        config = config_from_args(build_parser().parse_args(["run", *argv]))
+        return {key: getattr(config, key) for key in CPU_SIZES}
+
+    assert sizes("--model", "llama3-8b", "--backend", "nccl") == GPU_SIZES
+    assert sizes("--model", "llama3-8b", "--backend", "gloo") == CPU_SIZES
+    assert sizes("--model", "gpt", "--backend", "nccl") == CPU_SIZES
+    assert sizes("--model", "llama3-8b", "--backend", "nccl", "--layers", "2")["layers"] == 2
+
