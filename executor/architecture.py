@@ -15,9 +15,9 @@ Plain data, no torch: the command line checks a run before any process starts.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 
-from executor.config import ConfigError
+from executor.config import ConfigError, RunConfig
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.experts import MixtureOfExperts
 from pipesim.model.latent_attention import LatentAttention
@@ -26,9 +26,10 @@ from pipesim.model.transformer_costs import model_stage_costs
 
 TOY_MODELS = ("mlp", "gpt")
 MAX_EXPERTS = 8  # experts kept when --experts is not given
-# Sizes a run takes when no flag gives them: a CPU runs a step in well under a second at
-# the first, a GPU is worth the second.
-CPU_SIZES = {"layers": 4, "hidden": 64, "heads": 4, "seq_len": 16, "vocab": 128}
+# Sizes a run takes when no flag gives them: on a CPU the toys' (RunConfig's defaults, a
+# step in well under a second), on a GPU a model worth the device.
+CPU_SIZES = {field.name: field.default for field in fields(RunConfig)
+             if field.name in ("layers", "hidden", "heads", "seq_len", "vocab")}
 GPU_SIZES = {"layers": 8, "hidden": 1024, "heads": 16, "seq_len": 512, "vocab": 32000}
 
 
@@ -55,6 +56,7 @@ def kv_heads_like(full: ModelSpec, heads: int) -> int:
 
 
 def scaled(width: int, factor: float) -> int:
+    """``width`` times ``factor``, rounded, at least 1."""
     return max(1, round(width * factor))
 
 
@@ -80,8 +82,8 @@ def shrunk_latents(mla: LatentAttention, head_dim: int, factor: float) -> Latent
                            qk_rope_head_dim=max(2, head_dim // 2 // 2 * 2), v_head_dim=head_dim)
 
 
-def shrunk_spec(config) -> ModelSpec:
-    """The architecture of ``config.model`` at the run's sizes (``config``: a ``RunConfig``)."""
+def shrunk_spec(config: RunConfig) -> ModelSpec:
+    """The architecture of ``config.model`` at the run's sizes."""
     full = full_spec(config.model)
     factor = config.hidden / full.hidden
     ffn = config.ffn_hidden or scaled(full.ffn, factor)
@@ -97,7 +99,7 @@ def shrunk_spec(config) -> ModelSpec:
                    moe=moe, mla=mla)
 
 
-def shrink_note(config) -> str:
+def shrink_note(config: RunConfig) -> str:
     """One line: what of ``config.model`` was shrunk (``was`` -> ``now``) and what the
     executor builds differently."""
     full, small = full_spec(config.model), shrunk_spec(config)
@@ -139,7 +141,7 @@ def stage_layers(spec: ModelSpec, num_stages: int, layout: tuple[int, ...] | Non
     return [stage.layers for stage in costs.stages]
 
 
-def check_architecture(config) -> ModelSpec:
+def check_architecture(config: RunConfig) -> ModelSpec:
     """Refuse, naming the flag, what the executor cannot build; return the shrunk spec."""
     full = full_spec(config.model)
     if full.norms_per_layer != 2:
@@ -176,7 +178,7 @@ def check_architecture(config) -> ModelSpec:
     return spec
 
 
-def check_tensor_parallel(config, spec: ModelSpec) -> None:
+def check_tensor_parallel(config: RunConfig, spec: ModelSpec) -> None:
     """Blocks split by whole query and key/value heads and by MLP columns (every
     expert's too); latent attention is not split."""
     if spec.mla is not None:
