@@ -180,10 +180,7 @@ def check_architecture(config: RunConfig) -> ModelSpec:
 
 def check_tensor_parallel(config: RunConfig, spec: ModelSpec) -> None:
     """Blocks split by whole query and key/value heads and by MLP columns (every
-    expert's too); latent attention is not split."""
-    if spec.mla is not None:
-        raise ConfigError(f"--tp {config.tp}: the executor does not split latent attention ({config.model}); "
-                          "use --tp 1")
+    expert's too)."""
     widths = [("--heads", spec.heads), ("--kv-heads", spec.num_kv_heads), ("--ffn-hidden", spec.ffn)]
     if spec.moe is not None:
         widths += [("the experts' width (from --ffn-hidden)", spec.moe.expert_ffn)]

@@ -6,14 +6,15 @@ every step and every gradient of the first equal the reference to 1e-10. Cases: 
 shrunk Llama 3 (grouped-query attention, SwiGLU, RoPE, RMSNorm) under 1f1b, a
 zero-bubble schedule (the split backward: I then W), V-shaped zbv and interleaved
 1F1B (two stages per rank; 2 layers on 4 stages, split as simulate splits them: the
-first stage holds only the embedding, the last only the output layer); a shrunk Mixtral with top-2 routing (1f1b, and zb-h1),
-dropless and with a capacity that drops tokens; DeepSeek-V3 (latent attention, sigmoid
-router, a shared expert, a dense first layer); tensor parallelism 2 of the Llama blocks,
-with and without sequence parallelism, and of the Mixtral and Qwen-MoE experts (the
-latter with sequence parallelism and a shared, gated expert); and training on a text
-file (this one).
+first stage holds only the embedding, the last only the output layer); a shrunk
+Mixtral with top-2 routing (1f1b, and zb-h1), dropless and with a capacity that drops
+tokens; DeepSeek-V3 (latent attention, sigmoid router, a shared expert, a dense first
+layer); tensor parallelism 2 of the Llama blocks, with and without sequence
+parallelism, of the Mixtral and Qwen-MoE experts (the latter with sequence parallelism
+and a shared, gated expert) and of DeepSeek-V3's and V2-Lite's latent attention (the
+latter with sequence parallelism and no query latent); and training on a text file
+(this one).
 """
-
 from __future__ import annotations
 
 import pytest
@@ -45,6 +46,10 @@ CASES = {
                         "ffn_hidden": 16, "pp": 1, "tp": 2, "microbatches": 2, "sequence_parallel": True},
     "llama-text": {"model": "llama3-8b", "kv_heads": 2, "layers": 3, "schedule": "1f1b", "microbatches": 2,
                    "data": __file__, "vocab": 258},  # this file's text, byte by byte
+    "deepseek-v3-tp2": {"model": "deepseek-v3", "layers": 2, "experts": 4, "ffn_hidden": 32, "pp": 1, "tp": 2,
+                        "microbatches": 2},
+    "deepseek-v2-lite-tp2-sp": {"model": "deepseek-v2-lite", "layers": 2, "experts": 4, "ffn_hidden": 32, "pp": 1,
+                                "tp": 2, "microbatches": 2, "sequence_parallel": True},
     "llama-tp2-sp": {"model": "llama3-8b", "kv_heads": 2, "layers": 2, "pp": 1, "tp": 2, "microbatches": 2,
                      "sequence_parallel": True},
 }

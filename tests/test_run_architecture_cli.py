@@ -1,8 +1,7 @@
 """``pipesim run --model`` with an architecture, through the command line: the one line
 saying what was shrunk, and one-line refusals (exit 2) of what cannot run: a ``--data``
 that is missing, a directory, a FIFO or empty, flags an architecture
-does not have, tp over latent attention or widths tp does not divide, a norm layout the
-executor does not build."""
+does not have, widths tp does not divide, a norm layout the executor does not build."""
 
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ def test_data_file_refused_in_one_line(capsys, tmp_path, kind: str) -> None:
 
 
 @pytest.mark.parametrize("flags,expected", [
-    (("--model", "deepseek-v2-lite", "--tp", "2"), ("--tp 2", "latent attention", "--tp 1")),
+    (("--model", "deepseek-v2-lite", "--tp", "3"), ("--tp 3 must divide --heads 4",)),
     (("--model", "mixtral-8x7b", "--kv-heads", "2", "--ffn-hidden", "31", "--tp", "2"),
      ("--tp 2 must divide --ffn-hidden 31",)),
     (("--model", "tests/data/hf_configs/qwen1.5-moe-a2.7b.json", "--ffn-hidden", "20", "--tp", "2"),
