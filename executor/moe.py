@@ -92,10 +92,12 @@ class MixtureOfExperts(nn.Module):
             keep = keep.view_as(chosen)
         out = torch.zeros_like(tokens)
         for index, expert in enumerate(self.experts):
+            # An expert no token chose still runs, on no rows: its weights get a zero
+            # gradient rather than none, so every rank's gradients (and dp's buckets)
+            # hold every parameter, whatever the routing.
             token, slot = torch.nonzero((chosen == index) & keep, as_tuple=True)
-            if token.numel():
-                weighted = expert(tokens[token]) * weights[token, slot].unsqueeze(-1)
-                out = out.index_add(0, token, weighted.to(out.dtype))  # autocast: back to the residual's type
+            weighted = expert(tokens[token]) * weights[token, slot].unsqueeze(-1)
+            out = out.index_add(0, token, weighted.to(out.dtype))  # autocast: back to the residual's type
         if self.shared is not None:
             shared = self.shared(tokens)
             if self.shared_gate is not None:

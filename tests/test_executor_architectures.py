@@ -35,7 +35,8 @@ CASES = {
     "llama-interleaved": {"model": "llama3-8b", "kv_heads": 2, "layers": 2, "schedule": "interleaved-1f1b",
                           "microbatches": 4, "virtual_stages": 2, "batch_size": 8},
     "mixtral-top2": {"model": "mixtral-8x7b", "layers": 2, "experts": 4, "schedule": "1f1b", "microbatches": 2},
-    "mixtral-zb-h1": {"model": "mixtral-8x7b", "layers": 2, "experts": 4, "schedule": "zb-h1", "microbatches": 2},
+    "mixtral-zb-h1": {"model": "mixtral-8x7b", "layers": 2, "experts": 8, "seq_len": 4, "batch_size": 2,
+                      "schedule": "zb-h1", "microbatches": 2},  # so few tokens that some experts get none
     "mixtral-capacity": {"model": "mixtral-8x7b", "layers": 2, "experts": 4, "capacity_factor": 0.5,
                          "schedule": "1f1b", "microbatches": 2},
     "deepseek-v3": {"model": "deepseek-v3", "layers": 3, "experts": 4, "schedule": "1f1b", "microbatches": 2},
@@ -78,9 +79,9 @@ def test_pipelined_step_equals_one_process_reference(name: str) -> None:
 
 
 def test_the_cases_exercise_what_they_name() -> None:
-    """GQA really groups heads, Mixtral routes top-2 of its experts on every layer, the
-    capacity drops tokens, DeepSeek has latent attention and a dense first layer: the
-    reference of each builds the parts the numerics above claim to cover."""
+    """GQA really groups heads, Mixtral routes top-2 of its experts on every layer (and
+    leaves some idle in its zb-h1 case), DeepSeek has latent attention and a dense first
+    layer: the reference of each builds the parts the numerics above claim to cover."""
     from executor.latent_attention import LatentAttention  # noqa: PLC0415
     from executor.layers import Attention  # noqa: PLC0415
     from executor.models import build_model  # noqa: PLC0415
@@ -92,6 +93,9 @@ def test_the_cases_exercise_what_they_name() -> None:
     mixtral = build_model(case_config("mixtral-top2"))
     moes = [m for stage in range(2) for m in mixtral.build_stage(stage, 2).modules() if isinstance(m, MixtureOfExperts)]
     assert len(moes) == 2 and all(m.router.top_k == 2 and len(m.experts) == 4 for m in moes)
+    idle = [name for name, grad in reference_run(case_config("mixtral-zb-h1"))["grads"].items()
+            if ".experts." in name and not grad.any()]
+    assert idle  # experts no token chose: zero gradients, in the pipelined run too (above)
     deepseek = build_model(case_config("deepseek-v3"))
     modules = [m for stage in range(2) for m in deepseek.build_stage(stage, 2).modules()]
     assert sum(isinstance(m, LatentAttention) for m in modules) == 3

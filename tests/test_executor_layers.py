@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor.architecture import shrink_note, shrunk_spec, stage_layers
-from executor.config import RunConfig
+from executor.config import ConfigError, RunConfig
 from executor.latent_attention import LatentAttention
 from executor.layers import Attention, RMSNorm, apply_rotary, rotary_angles
 from executor.moe import MixtureOfExperts, Router, within_capacity
+from executor.reference import reference_run
 from executor.token_data import BOS, EOS, byte_tokens, token_windows
 from pipesim.cli import main
 from pipesim.model.latent_attention import LatentAttention as LatentSizes
@@ -222,6 +224,19 @@ def test_mixture_of_experts_under_autocast_keeps_the_residual_type(dtype) -> Non
     assert torch.allclose(out, moe(x), atol=0.05)  # the float32 layer, to low precision
 
 
+def test_an_expert_no_token_chose_gets_a_zero_gradient() -> None:
+    torch.manual_seed(6)
+    moe = MixtureOfExperts(4, experts=3, top_k=1, expert_ffn=4)
+    with torch.no_grad():  # every token prefers expert 0
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[0, 0] = 1.0
+    x = torch.randn(1, 5, 4).abs()
+    moe(x).sum().backward()
+    assert moe.experts[0].w1.weight.grad.abs().sum() > 0
+    for expert in moe.experts[1:]:
+        assert all(p.grad is not None and not p.grad.any() for p in expert.parameters())
+
+
 def config(model: str, **fields) -> RunConfig:
     return RunConfig(model=model, **{"pp": 2, **fields})
 
@@ -270,6 +285,25 @@ def test_stage_split_is_the_one_simulate_prints(flags, tmp_path, capsys) -> None
                  vocab=named.get("--vocab", 128), pp=named["--pp"], virtual_stages=named.get("-v", 1),
                  schedule=named.get("--schedule", "1f1b"))
     assert stage_layers(shrunk_spec(run), run.num_stages, None) == simulated
+
+
+CONFIGS = sorted((Path(__file__).parent / "data" / "hf_configs").glob("*.json"))
+REFUSED = {"falcon-7b": "1 norms per layer", "gemma-2-9b": "4 norms per layer"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda path: path.stem)
+def test_every_stored_config_trains_or_is_refused(path) -> None:
+    """Each Hugging Face config the simulator reads either builds, shrunk, and takes a
+    step whose loss is a fresh model's (about ln V: nearly uniform next-token guesses),
+    or is refused naming why."""
+    run = RunConfig(model=str(path), pp=2, microbatches=2, batch_size=2, steps=1, dtype="float64")
+    if path.stem in REFUSED:
+        with pytest.raises(ConfigError, match=REFUSED[path.stem]):
+            run.check()
+        return
+    run.check()
+    (loss,) = reference_run(run)["losses"]
+    assert abs(loss - math.log(run.vocab)) < 0.5
 
 
 def test_byte_tokens_and_windows(tmp_path) -> None:
