@@ -6,6 +6,7 @@ Python API (torch is imported on first use, so importing ``executor`` stays chea
 
     results = launch(RunConfig(schedule="1f1b", pp=4, microbatches=8, model="gpt"))
     results[0]["losses"], results[0]["trace"]
+    launch(RunConfig(pp=2, model="mixtral-8x7b", layers=4, hidden=64, experts=4))  # an architecture, shrunk
 
 Pass ``model=`` (a ``PipelineModel`` subclass defined at module level, so it can be
 pickled to the ranks) to pipeline your own ``nn.Module`` stages; ``run_local`` runs a

@@ -13,7 +13,7 @@ from schedules.generators import COST_AWARE, generate
 from schedules.lowering import lower
 from schedules.schedule import Schedule
 
-MODELS = ("mlp", "gpt")
+MODELS = ("mlp", "gpt")  # the toys; --model also takes an architecture (executor.architecture)
 OPTIMIZERS = ("sgd", "adamw")
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -97,6 +97,14 @@ class RunConfig:
     schedule_file: str | None = None
     prefetch_recvs: bool | None = None
     p2p: str | None = None
+    # Architectures (--model a preset or a config.json, executor.architecture): what no
+    # field above gives; None scales the original's proportions. ``data`` is a local text
+    # file read byte by byte (executor.token_data); None: synthetic tokens.
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    experts: int | None = None
+    capacity_factor: float | None = None
+    data: str | None = None
 
     @property
     def num_stages(self) -> int:
@@ -156,12 +164,13 @@ class RunConfig:
                             ("--steps", self.steps), ("--threads", self.threads)):
             if value < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
-        for flag, value, valid in (("--model", self.model, MODELS), ("--optimizer", self.optimizer, OPTIMIZERS),
+        for flag, value, valid in (("--optimizer", self.optimizer, OPTIMIZERS),
                                    ("--backend", self.backend, BACKENDS), ("--dtype", self.dtype, DTYPES),
                                    ("--grad-reduce-dtype", self.reduce_dtype, DTYPES)):
             if value not in valid:
                 raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(valid)}")
         check_optimizer(self)
+        check_model(self)
         if self.batch_size % self.dp:
             raise ConfigError(
                 f"--batch-size {self.batch_size} cannot be split evenly across --dp {self.dp} replicas; "
@@ -226,15 +235,42 @@ def check_optimizer(config: RunConfig) -> None:
         raise ConfigError(f"--weight-decay must be a finite number >= 0, got {config.weight_decay}")
 
 
+def check_model(config: RunConfig) -> None:
+    """A toy model (mlp, gpt) or an architecture the executor builds
+    (``executor.architecture``, which checks its sizes, tp and stage split); ``--data``
+    a readable text file, for a model of tokens whose vocabulary holds its bytes."""
+    from executor.architecture import check_architecture, is_architecture  # noqa: PLC0415 - it imports this module
+    from executor.token_data import BYTE_VOCAB, check_data_file  # noqa: PLC0415
+
+    if is_architecture(config.model):
+        check_architecture(config)
+    else:
+        for flag, value in (("--kv-heads", config.kv_heads), ("--ffn-hidden", config.ffn_hidden),
+                            ("--experts", config.experts), ("--capacity-factor", config.capacity_factor)):
+            if value is not None:
+                raise ConfigError(f"{flag} shapes an architecture (--model llama3-8b, mixtral-8x7b, a config.json); "
+                                  f"--model {config.model} has no such part")
+    if config.data is None:
+        return
+    if config.model == "mlp":
+        raise ConfigError("--data trains on text tokens; --model mlp takes vectors "
+                          "(use --model gpt or an architecture)")
+    if config.vocab < BYTE_VOCAB:
+        raise ConfigError(f"--data is read byte by byte (vocabulary {BYTE_VOCAB}: 256 bytes, BOS, EOS); "
+                          f"--vocab {config.vocab} is too small")
+    check_data_file(config.data)
+
+
 def check_tensor_parallel(config: RunConfig) -> None:
-    """Tensor parallelism splits gpt heads and MLP features: tp must divide both."""
+    """Tensor parallelism splits gpt heads and MLP features: tp must divide both
+    (architectures: ``executor.architecture.check_tensor_parallel``)."""
     if config.tp == 1:
         if config.sequence_parallel:
             raise ConfigError("--sequence-parallel needs --tp > 1")
         return
-    if config.model != "gpt":
+    if config.model != "gpt" and config.model in MODELS:
         raise ConfigError(f"--tp {config.tp} splits transformer blocks; use --model gpt (got --model {config.model})")
-    if config.heads % config.tp:
+    if config.model == "gpt" and config.heads % config.tp:
         raise ConfigError(f"--tp {config.tp} must divide --heads {config.heads} (each tp rank holds whole heads)")
     if config.hidden % config.tp:
         raise ConfigError(f"--tp {config.tp} must divide --hidden {config.hidden}")

@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
 from torch import nn
 
 from executor.config import ADAMW_BETAS, RunConfig, even_layout
+from executor.token_data import byte_tokens, token_windows
 
 
 @contextmanager
@@ -91,7 +92,7 @@ class LayeredModel(PipelineModel):
         blocks = []
         for index in range(first, first + self.layout[stage]):
             with seeded(seed, 1 + index):
-                blocks.append(self.make_block())
+                blocks.append(self.make_block(index))
         if stage == num_stages - 1:
             with seeded(seed, 1 + self.config.layers):
                 head = self.make_head()
@@ -100,7 +101,9 @@ class LayeredModel(PipelineModel):
     def make_embed(self) -> nn.Module | None:
         return None
 
-    def make_block(self) -> nn.Module:
+    def make_block(self, layer: int) -> nn.Module:
+        """Block ``layer`` (0-based over the whole model: layers may differ, e.g. the
+        dense and mixture-of-experts layers of DeepSeek)."""
         raise NotImplementedError
 
     def make_head(self) -> nn.Module | None:
@@ -114,7 +117,7 @@ class MlpModel(LayeredModel):
     """``layers`` blocks of Linear + tanh on ``hidden`` features, mean-squared error
     against a random target: the smallest model that still has every pipeline edge."""
 
-    def make_block(self) -> nn.Module:
+    def make_block(self, layer: int) -> nn.Module:
         return nn.Sequential(nn.Linear(self.config.hidden, self.config.hidden), nn.Tanh())
 
     def boundary_shape(self, microbatch_size: int) -> tuple[int, ...]:
@@ -176,10 +179,12 @@ class GptModel(LayeredModel):
     """A small decoder-only transformer: embedding on the first stage, blocks split
     across stages, final norm + vocabulary head and next-token loss on the last."""
 
+    document: list[int] | None = None  # --data's tokens, read on first use
+
     def make_embed(self) -> nn.Module:
         return Embedding(self.config.vocab, self.config.seq_len, self.config.hidden)
 
-    def make_block(self) -> nn.Module:
+    def make_block(self, layer: int) -> nn.Module:
         return Block(self.config.hidden, self.config.heads)
 
     def make_head(self) -> nn.Module:
@@ -189,7 +194,15 @@ class GptModel(LayeredModel):
         return (microbatch_size, self.config.seq_len, self.config.hidden)
 
     def make_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(self.config.vocab, (batch_size, self.config.seq_len + 1), generator=self.generator(step))
+        """Synthetic tokens, or windows of ``--data`` read byte by byte
+        (``executor.token_data``); either way deterministic from the seed and the step."""
+        length, generator = self.config.seq_len + 1, self.generator(step)
+        if self.config.data is None:
+            tokens = torch.randint(self.config.vocab, (batch_size, length), generator=generator)
+        else:
+            if self.document is None:
+                self.document = byte_tokens(self.config.data)
+            tokens = token_windows(self.document, batch_size, length, generator)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -203,8 +216,13 @@ BUILT_IN = {"mlp": MlpModel, "gpt": GptModel}
 
 
 def build_model(config: RunConfig) -> PipelineModel:
-    """The built-in model named by ``config.model``."""
-    return BUILT_IN[config.model](config)
+    """The model named by ``config.model``: a toy, or an architecture (a preset or a
+    config.json, ``executor.transformer``)."""
+    if config.model in BUILT_IN:
+        return BUILT_IN[config.model](config)
+    from executor.transformer import SpecModel  # noqa: PLC0415 - it builds on this module
+
+    return SpecModel(config)
 
 
 def build_optimizer(config: RunConfig, params: Iterable[torch.Tensor], lr: float | None = None,

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 
+from executor.architecture import CPU_SIZES as CPU
+from executor.architecture import GPU_SIZES as GPU
+from executor.architecture import MAX_EXPERTS, is_architecture
 from executor.config import (
     ADAMW_BETAS,
     BACKENDS,
@@ -19,6 +22,8 @@ from executor.config import (
     ConfigError,
     RunConfig,
 )
+from executor.token_data import BYTE_VOCAB
+from pipesim.model.spec import PRESETS
 from schedules.generators import MULTI_CHUNK
 
 # The same schedule defaults as the simulator (pipesim.cli.options): pp 4 with
@@ -72,17 +77,41 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     schedule.add_argument("--virtual-stages", "-v", type=positive_int, default=None,
                           help=f"stages per rank (default 2 for {', '.join(sorted(MULTI_CHUNK))}; else 1)")
     model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")
-    model.add_argument("--model", choices=MODELS, default="mlp", help="executable model (default mlp)")
-    model.add_argument("--layers", type=int, default=4, help="layers in the whole model (default 4)")
-    model.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    model.add_argument("--model", default="mlp",
+                       help=f"{' or '.join(MODELS)} (toys), or an architecture shrunk to this machine: "
+                            f"{', '.join(PRESETS)} or a Hugging Face config.json, as simulate --model takes "
+                            "(default mlp)")
+    model.add_argument("--layers", type=int, default=None, help=f"layers in the whole model (default {CPU['layers']}; "
+                       f"an architecture on a GPU {GPU['layers']})")
+    model.add_argument("--hidden", type=int, default=None,
+                       help=f"hidden size (default {CPU['hidden']}; an architecture on a GPU {GPU['hidden']})")
     model.add_argument("--batch-size", type=int, default=8,
                        help="global samples per step: split across dp replicas, then cut into microbatches "
                        "(default 8)")
-    model.add_argument("--seq-len", type=int, default=16, help="gpt: tokens per sample (default 16)")
-    model.add_argument("--vocab", type=int, default=128, help="gpt: vocabulary size (default 128)")
-    model.add_argument("--heads", type=int, default=4, help="gpt: attention heads (default 4)")
+    model.add_argument("--seq-len", type=int, default=None,
+                       help=f"tokens per sample (default {CPU['seq_len']}; an architecture on a GPU {GPU['seq_len']})")
+    model.add_argument("--vocab", type=int, default=None,
+                       help=f"vocabulary size (default {CPU['vocab']}; with --data {BYTE_VOCAB}; an architecture on "
+                       f"a GPU {GPU['vocab']})")
+    model.add_argument("--heads", type=int, default=None,
+                       help=f"attention heads (default {CPU['heads']}; an architecture on a GPU {GPU['heads']})")
+    model.add_argument("--kv-heads", type=int, default=None,
+                       help="architectures: key/value heads (default: the original's heads / kv-heads ratio)")
+    model.add_argument("--ffn-hidden", type=int, default=None,
+                       help="architectures: MLP width; experts keep their width relative to it (default: the "
+                       "original's ratio to the hidden size)")
+    model.add_argument("--experts", type=int, default=None,
+                       help=f"mixture of experts: routed experts (default: the original's, at most {MAX_EXPERTS}; "
+                       "top-k cut to half of them when fewer)")
+    model.add_argument("--capacity-factor", type=float, default=None,
+                       help="mixture of experts: each expert takes at most factor * k * seq-len / experts tokens "
+                       "of a sequence and drops the rest (default: dropless)")
+    model.add_argument("--data", default=None, metavar="FILE",
+                       help=f"train on this local text file, byte-level tokens (vocabulary {BYTE_VOCAB}) "
+                       "(default: synthetic tokens)")
     model.add_argument("--layers-per-stage", dest="layout", default=None, metavar="LIST",
-                       help="layers per stage, comma-separated (default: as even as possible), e.g. 1,3,3,1")
+                       help="layers per stage, comma-separated, e.g. 1,3,3,1 (default: as even as possible; an "
+                       "architecture: split as simulate --model splits it)")
     add_hidden_alias(model, "--layout", "layout")
     train = parser.add_argument_group("training")
     if outputs:
@@ -150,8 +179,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               "e.g. 1,3,3,1") from None
     config = RunConfig(
         **shape, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
-        model=args.model, layers=args.layers, hidden=args.hidden, batch_size=args.batch_size,
-        seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, seed=args.seed,
+        model=args.model, batch_size=args.batch_size, **model_sizes(args), seed=args.seed,
+        kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, experts=args.experts,
+        capacity_factor=args.capacity_factor, data=args.data,
         steps=getattr(args, "steps", DEFAULT_STEPS),
         optimizer=args.optimizer, lr=getattr(args, "lr", None),
         weight_decay=getattr(args, "weight_decay", None), dtype=args.dtype,
@@ -160,6 +190,21 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     )
     config.check()
     return config
+
+
+def model_sizes(args: argparse.Namespace) -> dict:
+    """``--layers/--hidden/--heads/--seq-len/--vocab`` as given, else the sizes a run
+    takes on this machine (``executor.architecture``: an architecture on a GPU runs
+    larger; on a CPU, and the toys everywhere, the small ones); ``--data`` asks for the
+    byte vocabulary."""
+    sizes = CPU
+    if is_architecture(args.model) and args.backend != "gloo":
+        import torch  # noqa: PLC0415 - only to ask whether this machine has a GPU
+
+        sizes = GPU if args.backend == "nccl" or torch.cuda.is_available() else CPU
+    given = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq_len": args.seq_len,
+             "vocab": args.vocab if args.vocab is not None or not args.data else BYTE_VOCAB}
+    return {key: sizes[key] if value is None else value for key, value in given.items()}
 
 
 def schedule_file_shape(args: argparse.Namespace) -> dict:

@@ -1,5 +1,6 @@
-"""Tensor parallelism: Megatron column/row splits of the gpt blocks, and timing of the
-collectives they issue.
+"""Tensor parallelism: Megatron column/row splits of the gpt blocks and of the dense
+blocks of an architecture (``executor.transformer``), and timing of the collectives
+they issue.
 
 Each block's attention and MLP become a column-parallel GEMM followed by a row-parallel
 one (``torch.distributed.tensor.parallel``): ``qkv`` and ``fc1`` are split by output
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,12 +37,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+from executor.latent_attention import LatentAttention
 from executor.models import Block
 
 TIMED_COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single")
@@ -59,11 +63,101 @@ def block_plan(sequence_parallel: bool) -> dict:
     }
 
 
+def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
+    """The Megatron plan of a ``TransformerBlock`` (torchtitan's for Llama): the query,
+    key and value projections and each MLP's gate and up projections split by columns
+    (whole query heads and whole key/value heads per rank, since both counts are
+    multiples of tp), the output and down projections by rows. A mixture of experts
+    splits every expert (and the shared one) so, its router replicated: every tp rank
+    routes the same tokens, each expert's down projection is all-reduced on its own
+    (Megatron sums the experts first and reduces once; not done here). With sequence
+    parallelism the norms run on sequence shards and each sublayer gathers its input
+    once (``PrepareModuleInput``) for all of its column-parallel projections."""
+    plan = attention_plan(block.attention)
+    mlps = ["feed_forward"]
+    experts = getattr(block.feed_forward, "experts", None)
+    if experts is not None:
+        mlps = [f"feed_forward.experts.{index}" for index in range(len(experts))]
+        mlps += ["feed_forward.shared"] if block.feed_forward.shared is not None else []
+    for mlp in mlps:
+        plan.update({f"{mlp}.w1": ColwiseParallel(), f"{mlp}.w3": ColwiseParallel(), f"{mlp}.w2": RowwiseParallel()})
+    if not sequence_parallel:
+        return plan
+    gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
+    # Latent attention's replicated down-projections take plain tensors: its input is local.
+    local = isinstance(block.attention, LatentAttention)
+    plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                 "attention": PrepareModuleInput(**gather, use_local_output=local),
+                 "attention.wo": RowwiseParallel(output_layouts=Shard(1))})
+    if experts is None:
+        plan.update({"feed_forward": PrepareModuleInput(**gather),
+                     "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
+    else:  # the experts' outputs are whole; the residual stream keeps this rank's sequence shard
+        plan["feed_forward"] = PrepareModuleInputOutput(**gather, use_local_input=True, output_layouts=(Replicate(),),
+                                                        desired_output_layouts=(Shard(1),))
+    return plan
+
+
+def attention_plan(attention: nn.Module) -> dict:
+    """Grouped-query attention: Q, K and V by columns, the output by rows. Latent
+    attention (Megatron-LM's split): the up-projections to the heads (the query's, the
+    keys' and values') by columns, the output by rows, the down-projections to the
+    latents held whole on every rank (``reduce_rope_key_grad`` completes the gradient
+    of the one they do not all pass through a column split)."""
+    if isinstance(attention, LatentAttention):
+        query = "attention.wq_b" if attention.sizes.q_lora_rank else "attention.wq"
+        return {query: ColwiseParallel(), "attention.wkv_b": ColwiseParallel(), "attention.wo": RowwiseParallel()}
+    return {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel()}
+
+
+class ReduceGradFrom(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient's features from ``start`` on
+    over ``group`` (Megatron's copy to the tensor-parallel region, on a slice)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, start: int, group: object) -> torch.Tensor:
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        head, tail = grad[..., :ctx.start], grad[..., ctx.start:].contiguous()
+        return torch.cat((head, funcol.all_reduce(tail, "sum", ctx.group).wait()), dim=-1), None, None
+
+
+def reduce_rope_key_grad(attention: LatentAttention, tp_mesh: DeviceMesh) -> None:
+    """The shared rotary key comes out of the replicated ``wkv_a`` beside the latent and
+    meets only this rank's heads, so its gradient here is this rank's share: sum it over
+    tp (the latent's gradient is whole already, through ``wkv_b``'s column split)."""
+    start = attention.sizes.kv_lora_rank
+
+    def hook(_module: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+        return ReduceGradFrom.apply(output, start, tp_mesh)
+
+    attention.wkv_a.register_forward_hook(hook)
+
+
+def plan_of(module: nn.Module, sequence_parallel: bool) -> dict | None:
+    """The tp plan of a block the executor splits, ``None`` for any other module."""
+    from executor.transformer import TransformerBlock  # noqa: PLC0415 - it imports models, as this module does
+
+    if isinstance(module, Block):
+        return block_plan(sequence_parallel)
+    if isinstance(module, TransformerBlock):
+        return transformer_block_plan(module, sequence_parallel)
+    return None
+
+
 def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Split every ``Block`` of ``stage`` across ``tp_mesh`` in place; return the stage."""
-    for module in stage.modules():
-        if isinstance(module, Block):
-            parallelize_module(module, tp_mesh, block_plan(sequence_parallel))
+    """Split every block of ``stage`` (a gpt ``Block``, a dense ``TransformerBlock``)
+    across ``tp_mesh`` in place; return the stage."""
+    for module in list(stage.modules()):
+        plan = plan_of(module, sequence_parallel)
+        if plan is not None:
+            parallelize_module(module, tp_mesh, plan)
+            if isinstance(getattr(module, "attention", None), LatentAttention):
+                reduce_rope_key_grad(module.attention, tp_mesh)
             if sequence_parallel:
                 # The residual stream is sequence-sharded inside the block; the stage
                 # boundary (and the next block) sees the full, replicated activation.

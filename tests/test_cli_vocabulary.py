@@ -173,6 +173,7 @@ def test_gpt_names_the_same_model_in_simulate_and_run():
     like Megatron's count, takes the head as its matrix only: ``vocab`` fewer)."""
     from executor.config import RunConfig
     from executor.models import build_model
+    from executor.options import config_from_args
     from pipesim.job import Job, model_spec_of
 
     sizes = ["--layers", "3", "--hidden", "32", "--heads", "4", "--seq-len", "8", "--vocab", "50"]
@@ -186,7 +187,7 @@ def test_gpt_names_the_same_model_in_simulate_and_run():
     assert spec.total_params() + 50 == torch_count
     # with no size flags both take run's defaults
     default_spec = model_spec_of(Job.from_namespace(build_parser().parse_args(["simulate", "--model", "gpt"])))
-    defaults = build_parser().parse_args(["run"])
+    defaults = config_from_args(build_parser().parse_args(["run", "--model", "gpt"]))
     assert (default_spec.layers, default_spec.hidden, default_spec.heads, default_spec.seq_len, default_spec.vocab) == (
         defaults.layers, defaults.hidden, defaults.heads, defaults.seq_len, defaults.vocab)
 

@@ -68,7 +68,7 @@ def profiled_shape(config) -> dict:
     shape = {"model": config.model, "layers": config.layers, "hidden": config.hidden, "pp": config.pp,
              "virtual_stages": config.virtual_stages, "dtype": config.dtype,
              "microbatch_size": -(-config.batch_size // config.microbatches)}
-    if config.model == "gpt":
+    if config.model != "mlp":  # a model of tokens: the gpt or an architecture
         shape["seq_len"] = config.seq_len
     return shape
 

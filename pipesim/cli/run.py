@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from executor.architecture import is_architecture, shrink_note, shrunk_spec
 from executor.options import add_run_arguments, config_from_args
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
 
@@ -32,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if is_architecture(config.model):
+        print(f"pipesim run: {shrink_note(config)}")
     progress = progress_from_args("run", args)
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
     from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
@@ -50,6 +53,8 @@ def handle(args: argparse.Namespace) -> int:
         print(f"pipesim run: failed: {error}", file=sys.stderr)
         return 1
     document = summary(result)
+    if is_architecture(config.model):  # what ran: the shrunk architecture, as simulate --json describes one
+        document["model"] = {**shrunk_spec(config).describe(), "source": config.model, "shrunk": shrink_note(config)}
     write_outputs(result, args.json, args.trace, document)
     print("\n".join(summary_lines(result, document)))
     if args.html:

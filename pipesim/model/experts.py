@@ -24,6 +24,13 @@ Node-limited routing (``node_limit``, DeepSeek-V3's ``topk_group`` of its ``n_gr
 expert groups, one group per node as it deploys them) sends a token to at most ``M``
 nodes: its all-to-all crosses nodes with at most ``M`` copies of the token instead of
 ``k`` (``remote_share``).
+
+How the router turns scores into the top-k weights changes no count but is part of the
+architecture the executor builds: ``softmax`` over every expert's logit (Mixtral,
+DeepSeek-V2, Qwen-MoE) or ``sigmoid`` per expert with a selection bias kept outside the
+gradient (DeepSeek-V3's auxiliary-loss-free balancing); ``normalize_top_k`` rescales
+the k chosen weights to sum to one (Mixtral, DeepSeek-V3) or leaves them as scored
+(DeepSeek-V2, Qwen-MoE's ``norm_topk_prob`` false).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import math
 from dataclasses import dataclass
 
 from pipesim.model.errors import ModelSpecError, require_count
+
+GATINGS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,8 @@ class MixtureOfExperts:
     capacity_factor: float | None = None  # token slots per expert / its balanced share; None: dropless
     router_bias: bool = False  # gpt-oss: the router's scores have a bias per expert
     node_limit: int | None = None  # a token's experts on at most this many nodes (DeepSeek-V3's topk_group)
+    gating: str = "softmax"  # "softmax" or "sigmoid" (with DeepSeek-V3's auxiliary-loss-free selection bias)
+    normalize_top_k: bool = True  # the k chosen weights rescaled to sum to one
 
     def __post_init__(self) -> None:
         for key in ("experts", "experts_per_token", "expert_ffn"):
@@ -62,6 +73,8 @@ class MixtureOfExperts:
                                  f"{self.experts} routed experts")
         if self.node_limit is not None:
             require_count(self.node_limit, "mixture of experts: node_limit (or none)")
+        if self.gating not in GATINGS:
+            raise ModelSpecError(f"mixture of experts: gating {self.gating!r} is not one of: {', '.join(GATINGS)}")
         factor = self.capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                                    or not math.isfinite(factor) or factor <= 0):

@@ -22,7 +22,8 @@ family. What differs between the families read here (``transformers``' modeling 
   ``multi_query``, ``num_kv_heads`` with ``new_decoder_architecture``, tied.
 - ``deepseek_v2``, ``deepseek_v3``: multi-head latent attention, gated experts from
   layer ``first_k_dense_replace`` on (every ``moe_layer_freq``-th), shared experts,
-  untied.
+  untied; the router's ``scoring_func`` (V2 softmax, V3 sigmoid) and ``norm_topk_prob``
+  (V2 false, V3 true; Qwen-MoE false), which change no count, are kept for the executor.
 - ``olmoe``: every MLP ``num_experts`` gated experts of ``intermediate_size``, top
   ``num_experts_per_tok``, no shared expert; RMSNorms over the whole Q and K projections.
 - ``qwen3``: Qwen2's model without the Q, K, V biases (``attention_bias``), with an
@@ -79,7 +80,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count
-from pipesim.model.experts import MixtureOfExperts, dense_layer_indices
+from pipesim.model.experts import GATINGS, MixtureOfExperts, dense_layer_indices
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.quantization import gemms_in_fp8
 from pipesim.model.spec import ModelSpec
@@ -200,7 +201,8 @@ def _qwen2_moe(config: Config) -> dict:
     return {"qkv_bias": True, "moe": MixtureOfExperts(
         experts=experts, experts_per_token=config.count("num_experts_per_tok", 4),
         expert_ffn=config.count("moe_intermediate_size", 1408), shared_experts=1 if shared else 0,
-        shared_expert_ffn=shared or None, shared_expert_gate=bool(shared), dense_layers=_qwen_sparse_layers(config))}
+        shared_expert_ffn=shared or None, shared_expert_gate=bool(shared), dense_layers=_qwen_sparse_layers(config),
+        normalize_top_k=bool(config.get("norm_topk_prob", False)))}
 
 
 def _qwen3(config: Config) -> dict:
@@ -213,7 +215,8 @@ def _qwen3_moe(config: Config) -> dict:
     if experts:
         found["moe"] = MixtureOfExperts(experts=experts, experts_per_token=config.count("num_experts_per_tok", 8),
                                         expert_ffn=config.count("moe_intermediate_size", 768),
-                                        dense_layers=_qwen_sparse_layers(config))
+                                        dense_layers=_qwen_sparse_layers(config),
+                                        normalize_top_k=bool(config.get("norm_topk_prob", False)))
     return found
 
 
@@ -359,8 +362,17 @@ def _falcon(config: Config) -> dict:
             "ffn_hidden": config.count("ffn_hidden_size")}
 
 
+def _gating(config: Config, default: str) -> str:
+    """``scoring_func`` (DeepSeek): the router's ``softmax`` or ``sigmoid`` scores."""
+    value = config.get("scoring_func", default)
+    if value not in GATINGS:
+        raise ModelSpecError(f"{config.name}: scoring_func {value!r} is not one of: {', '.join(GATINGS)}")
+    return value
+
+
 def _deepseek(first_dense_default: int, routed_default: int | None, shared_default: int | None,
-              top_k_default: int | None, expert_ffn_default: int) -> Callable[[Config], dict]:
+              top_k_default: int | None, expert_ffn_default: int, gating: str = "softmax",
+              normalize: bool = False) -> Callable[[Config], dict]:
     def read(config: Config) -> dict:
         mla = LatentAttention(q_lora_rank=config.count("q_lora_rank", 1536),
                               kv_lora_rank=config.count("kv_lora_rank", 512),
@@ -381,7 +393,8 @@ def _deepseek(first_dense_default: int, routed_default: int | None, shared_defau
         found["moe"] = MixtureOfExperts(
             experts=experts, experts_per_token=config.count("num_experts_per_tok", top_k_default),
             expert_ffn=config.count("moe_intermediate_size", expert_ffn_default),
-            shared_experts=shared or 0, dense_layers=dense, node_limit=_node_limit(config))
+            shared_experts=shared or 0, dense_layers=dense, node_limit=_node_limit(config),
+            gating=_gating(config, gating), normalize_top_k=bool(config.get("norm_topk_prob", normalize)))
         return found
     return read
 
@@ -447,7 +460,7 @@ FAMILIES: dict[str, Family] = {
                                                   ("num_kv_heads", "n_head_kv"))),
     "deepseek_v2": Family(gated_mlp=True, reads=DEEPSEEK_READS, particular=_deepseek(0, None, None, None, 1407)),
     "deepseek_v3": Family(gated_mlp=True, reads=(*DEEPSEEK_READS, "num_nextn_predict_layers"),
-                          particular=_deepseek(3, 256, 1, 8, 2048)),
+                          particular=_deepseek(3, 256, 1, 8, 2048, "sigmoid", True)),
 }
 
 

@@ -414,11 +414,13 @@ PRESETS: dict[str, ModelSpec] = {
     "deepseek-v3": _deepseek(
         "deepseek-v3", 61, 7168, 128, 129280, 18432,
         LatentAttention(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
-        MixtureOfExperts(experts=256, experts_per_token=8, expert_ffn=2048, shared_experts=1, dense_layers=(0, 1, 2))),
+        MixtureOfExperts(experts=256, experts_per_token=8, expert_ffn=2048, shared_experts=1, dense_layers=(0, 1, 2),
+                         gating="sigmoid")),
     "deepseek-v2-lite": _deepseek(
         "deepseek-v2-lite", 27, 2048, 16, 102400, 10944,
         LatentAttention(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
-        MixtureOfExperts(experts=64, experts_per_token=6, expert_ffn=1408, shared_experts=2, dense_layers=(0,))),
+        MixtureOfExperts(experts=64, experts_per_token=6, expert_ffn=1408, shared_experts=2, dense_layers=(0,),
+                         normalize_top_k=False)),
 }
 
 

@@ -1,0 +1,191 @@
+"""Which architecture ``run --model`` builds: a preset or a Hugging Face config.json read
+as ``pipesim simulate`` reads it (``pipesim.model``), shrunk to the run's sizes.
+
+The executor trains the architecture's real parts (``executor.transformer``) at the
+sizes ``--layers/--hidden/--heads/--kv-heads/--ffn-hidden/--experts/--seq-len/--vocab``
+give; what no flag gives is scaled with the hidden size so the shrunk model keeps the
+original's proportions: the grouped-query ratio ``heads / kv_heads``, the MLP's width
+over the hidden size (each expert's too), the latent ranks of multi-head latent
+attention. Experts are cut to 8 at most and the top-k to half of them (a router that
+picks every expert routes nothing). ``shrink_note`` says, in one line, what changed.
+
+Plain data, no torch: the command line checks a run before any process starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields, replace
+
+from executor.config import ConfigError, RunConfig
+from pipesim.model.errors import ModelSpecError
+from pipesim.model.experts import MixtureOfExperts
+from pipesim.model.latent_attention import LatentAttention
+from pipesim.model.spec import ModelSpec, load_model
+from pipesim.model.transformer_costs import model_stage_costs
+
+TOY_MODELS = ("mlp", "gpt")
+MAX_EXPERTS = 8  # experts kept when --experts is not given
+# Sizes a run takes when no flag gives them: on a CPU the toys' (RunConfig's defaults, a
+# step in well under a second), on a GPU a model worth the device.
+CPU_SIZES = {field.name: field.default for field in fields(RunConfig)
+             if field.name in ("layers", "hidden", "heads", "seq_len", "vocab")}
+GPU_SIZES = {"layers": 8, "hidden": 1024, "heads": 16, "seq_len": 512, "vocab": 32000}
+
+
+def is_architecture(model: str) -> bool:
+    """Whether ``--model`` names an architecture (a preset or a config.json), not a toy."""
+    return model not in TOY_MODELS
+
+
+def full_spec(model: str) -> ModelSpec:
+    """The architecture ``model`` names, at its published size."""
+    try:
+        return load_model(model)
+    except (ModelSpecError, FileNotFoundError) as error:
+        raise ConfigError(f"--model {model}: {error}") from None
+
+
+def kv_heads_like(full: ModelSpec, heads: int) -> int:
+    """Key/value heads for ``heads`` query heads at the original's grouping (at least 1,
+    and a divisor of ``heads``)."""
+    kv = max(1, heads * full.num_kv_heads // full.heads)
+    while heads % kv:
+        kv -= 1
+    return kv
+
+
+def scaled(width: int, factor: float) -> int:
+    """``width`` times ``factor``, rounded, at least 1."""
+    return max(1, round(width * factor))
+
+
+def shrunk_experts(moe: MixtureOfExperts, layers: int, experts: int | None, factor: float,
+                   capacity_factor: float | None) -> MixtureOfExperts:
+    """The router and experts at ``experts`` experts (default: at most ``MAX_EXPERTS``),
+    widths scaled by ``factor``; the dense layers kept where they still exist, at most
+    half of the layers (DeepSeek-V3's first three dense layers would leave a 4-layer
+    model one sparse layer, a 3-layer one none)."""
+    count = experts or min(moe.experts, MAX_EXPERTS)
+    top_k = moe.experts_per_token if count == moe.experts else min(moe.experts_per_token, max(1, count // 2))
+    shared_ffn = moe.shared_expert_ffn and scaled(moe.shared_expert_ffn, factor)
+    dense = tuple(layer for layer in moe.dense_layers if layer < layers)[:layers // 2]
+    return replace(moe, experts=count, experts_per_token=min(top_k, count), expert_ffn=scaled(moe.expert_ffn, factor),
+                   shared_expert_ffn=shared_ffn, dense_layers=dense, capacity_factor=capacity_factor)
+
+
+def shrunk_latents(mla: LatentAttention, head_dim: int, factor: float) -> LatentAttention:
+    """Latent ranks scaled with the hidden size; each head ``head_dim`` wide, half of
+    that (even) for its rotary part."""
+    return LatentAttention(q_lora_rank=mla.q_lora_rank and scaled(mla.q_lora_rank, factor),
+                           kv_lora_rank=scaled(mla.kv_lora_rank, factor), qk_nope_head_dim=head_dim,
+                           qk_rope_head_dim=max(2, head_dim // 2 // 2 * 2), v_head_dim=head_dim)
+
+
+def shrunk_spec(config: RunConfig) -> ModelSpec:
+    """The architecture of ``config.model`` at the run's sizes."""
+    full = full_spec(config.model)
+    factor = config.hidden / full.hidden
+    ffn = config.ffn_hidden or scaled(full.ffn, factor)
+    width_factor = ffn / full.ffn  # experts keep their width relative to the dense MLP
+    kv = None if full.mla else (config.kv_heads or kv_heads_like(full, config.heads))
+    moe = mla = None
+    if full.moe is not None:
+        moe = shrunk_experts(full.moe, config.layers, config.experts, width_factor, config.capacity_factor)
+    if full.mla is not None:
+        mla = shrunk_latents(full.mla, config.hidden // config.heads, factor)
+    return replace(full, layers=config.layers, hidden=config.hidden, heads=config.heads, kv_heads=kv,
+                   ffn_hidden=ffn, seq_len=config.seq_len, vocab=config.vocab, head_dim=None, positions=None,
+                   moe=moe, mla=mla)
+
+
+def shrink_note(config: RunConfig) -> str:
+    """One line: what of ``config.model`` was shrunk (``was`` -> ``now``) and what the
+    executor builds differently."""
+    full, small = full_spec(config.model), shrunk_spec(config)
+    kv_heads = [] if full.mla else [("kv-heads", full.num_kv_heads, small.num_kv_heads)]
+    pairs = [("layers", full.layers, small.layers), ("hidden", full.hidden, small.hidden),
+             ("heads", full.heads, small.heads), *kv_heads,
+             ("ffn-hidden", full.ffn, small.ffn), ("seq-len", full.seq_len, small.seq_len),
+             ("vocab", full.vocab, small.vocab)]
+    if full.moe and small.moe:
+        pairs += [("experts", full.moe.experts, small.moe.experts),
+                  ("top-k", full.moe.experts_per_token, small.moe.experts_per_token),
+                  ("expert ffn", full.moe.expert_ffn, small.moe.expert_ffn),
+                  ("dense layers", len(full.moe.dense_layers), len(small.moe.dense_layers))]
+    if full.mla and small.mla:
+        pairs += [("kv latent", full.mla.kv_lora_rank, small.mla.kv_lora_rank)]
+    changed = [f"{name} {was}->{now}" for name, was, now in pairs if was != now]
+    notes = []
+    if full.tied_embeddings:
+        notes.append("embeddings untied (first and last stage hold their own)")
+    if full.dropout:
+        notes.append("no dropout")
+    shrunk = ", ".join(changed) if changed else "nothing shrunk"
+    return f"model {small.name}: {shrunk}" + "".join(f"; {note}" for note in notes)
+
+
+def stage_layers(spec: ModelSpec, num_stages: int, layout: tuple[int, ...] | None, tp: int = 1,
+                 sequence_parallel: bool = False) -> list[int]:
+    """Layers on each stage: ``layout`` (checked), or the split ``pipesim simulate
+    --model`` makes of the same model, by the same function (the stages' times on the
+    simulator's default GPU, the output layer's on the last, balanced by
+    ``pipesim.model.stage_split``), so a run and its prediction hold the same layers."""
+    given = list(layout) if layout else None
+    try:
+        costs = model_stage_costs(spec, num_stages, [math.nan] * num_stages, tp=tp,
+                                  sequence_parallel=sequence_parallel, layers_per_stage=given)
+    except ModelSpecError as error:
+        prefix = "" if layout else f"--layers {spec.layers}: "
+        raise ConfigError(f"{prefix}{error}") from None
+    return [stage.layers for stage in costs.stages]
+
+
+def check_architecture(config: RunConfig) -> ModelSpec:
+    """Refuse, naming the flag, what the executor cannot build; return the shrunk spec."""
+    full = full_spec(config.model)
+    if full.norms_per_layer != 2:
+        raise ConfigError(f"--model {config.model}: {full.norms_per_layer} norms per layer is not built by "
+                          "the executor (pre-norm blocks of two norms: Llama, Mistral, Mixtral, Qwen, DeepSeek)")
+    if config.hidden % config.heads:
+        raise ConfigError(f"--hidden {config.hidden} must be a multiple of --heads {config.heads}")
+    if config.kv_heads is not None and full.mla:
+        raise ConfigError(f"--kv-heads: {config.model} uses latent attention, every head its own key and value")
+    if full.moe is None:
+        for flag, value in (("--experts", config.experts), ("--capacity-factor", config.capacity_factor)):
+            if value is not None:
+                raise ConfigError(f"{flag} {value}: {config.model} has no mixture-of-experts layers")
+    for flag, value in (("--experts", config.experts), ("--ffn-hidden", config.ffn_hidden),
+                        ("--kv-heads", config.kv_heads)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
+    factor = config.capacity_factor
+    if factor is not None and not (math.isfinite(factor) and factor > 0):
+        raise ConfigError(f"--capacity-factor must be a finite number > 0 (leave it out for dropless), got {factor}")
+    if config.kv_heads is not None and config.heads % config.kv_heads:
+        raise ConfigError(f"--kv-heads {config.kv_heads} must divide --heads {config.heads}")
+    try:
+        spec = shrunk_spec(config)
+    except ModelSpecError as error:
+        raise ConfigError(f"--model {config.model}: {error}") from None
+    rotary = spec.mla.qk_rope_head_dim if spec.mla else spec.head_size
+    if not spec.learned_positions and rotary % 2:
+        raise ConfigError(f"--hidden {config.hidden} / --heads {config.heads} gives heads {spec.head_size} "
+                          "wide; rotary positions turn pairs of features, so it must be even")
+    if config.tp > 1:
+        check_tensor_parallel(config, spec)
+    stage_layers(spec, config.num_stages, config.layout, config.tp, config.sequence_parallel)
+    return spec
+
+
+def check_tensor_parallel(config: RunConfig, spec: ModelSpec) -> None:
+    """Blocks split by whole query and key/value heads and by MLP columns (every
+    expert's too)."""
+    widths = [("--heads", spec.heads), ("--kv-heads", spec.num_kv_heads), ("--ffn-hidden", spec.ffn)]
+    if spec.moe is not None:
+        widths += [("the experts' width (from --ffn-hidden)", spec.moe.expert_ffn)]
+        widths += [("the shared experts' width", spec.moe.shared_ffn)] if spec.moe.shared_ffn else []
+    for flag, value in widths:
+        if value % config.tp:
+            raise ConfigError(f"--tp {config.tp} must divide {flag} {value} (each tp rank holds whole heads "
+                              "and MLP columns)")

@@ -1,0 +1,97 @@
+"""The parts of a Llama-style decoder in plain torch: RMSNorm, rotary positions,
+grouped-query attention, the SwiGLU (or GeLU) MLP.
+
+As in torchtitan, a part never knows how it is parallelised: tensor parallelism splits
+its linear layers from outside (``executor.tensor_parallel``), so every count of heads
+is read from the (possibly split) projection's output, never from the config.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
+from torch import nn
+
+ROPE_THETA = 10000.0  # the rotary base of Llama 1/2 and Mistral (pipesim's specs carry none)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (Zhang and Sennrich
+    2019): no mean subtracted, no bias."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary_angles(seq_len: int, dim: int, theta: float = ROPE_THETA, dtype: torch.dtype | None = None,
+                  device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` of the angle ``p * theta^(-2i/dim)`` for position ``p`` and
+    feature pair ``i`` (RoFormer, Su et al. 2021), each ``seq_len x dim/2``, in ``dtype``
+    (default: torch's default type); computed in float64 whatever the type, so a
+    bf16 run rounds the angles' cosines, not the angles."""
+    frequencies = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), frequencies)
+    dtype = dtype or torch.get_default_dtype()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Turn each pair of features ``(x[2i], x[2i+1])`` of ``x`` (``... x seq x dim``) by its
+    position's angle (Meta's interleaved pairs)."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with ``kv_heads`` key/value heads shared by groups of
+    ``heads / kv_heads`` query heads (GQA, Ainslie et al. 2023; ``kv_heads == heads`` is
+    multi-head attention), rotary positions on queries and keys."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
+                 qkv_bias: bool = False, rotary: bool = True) -> None:
+        super().__init__()
+        self.head_dim, self.groups, self.rotary = head_dim, heads // kv_heads, rotary
+        self.wq = nn.Linear(hidden, heads * head_dim, bias=bias or qkv_bias)
+        self.wk = nn.Linear(hidden, kv_heads * head_dim, bias=bias or qkv_bias)
+        self.wv = nn.Linear(hidden, kv_heads * head_dim, bias=bias or qkv_bias)
+        self.wo = nn.Linear(heads * head_dim, hidden, bias=bias)
+
+    def heads_of(self, projection: torch.Tensor) -> torch.Tensor:
+        """``batch x seq x (heads * head_dim)`` -> ``batch x heads x seq x head_dim``."""
+        batch, seq = projection.shape[:2]
+        return projection.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads_of(self.wq(x)), self.heads_of(self.wk(x)), self.heads_of(self.wv(x))
+        if self.rotary:
+            cos, sin = rotary_angles(q.shape[2], self.head_dim, dtype=q.dtype, device=q.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.wo(attend(q, k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of ``batch x heads x seq x dim`` tensors, heads joined again:
+    ``batch x seq x (heads * v_dim)``."""
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).flatten(2)
+
+
+class FeedForward(nn.Module):
+    """The MLP: gated, ``w2(silu(w1 x) * w3 x)`` (SwiGLU, Shazeer 2020), or two matrices
+    with GeLU between (GPT-2)."""
+
+    def __init__(self, hidden: int, ffn: int, gated: bool = True, bias: bool = False) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=bias)
+        self.w2 = nn.Linear(ffn, hidden, bias=bias)
+        self.w3 = nn.Linear(hidden, ffn, bias=bias) if gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            return self.w2(F.gelu(self.w1(x)))
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

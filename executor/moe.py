@@ -1,0 +1,106 @@
+"""A mixture-of-experts MLP in plain torch: a top-k router, routed SwiGLU experts
+with an optional capacity, and shared experts every token goes through.
+
+The router scores each token against every expert (``softmax`` over the logits, as
+Mixtral, DeepSeek-V2 and Qwen-MoE, or ``sigmoid`` per expert, as DeepSeek-V3), picks the
+k best and weights the experts' outputs by their scores (rescaled to sum to one where
+the spec says ``normalize_top_k``). DeepSeek-V3's auxiliary-loss-free balancing picks by
+score plus a per-expert bias that is not trained by the gradient (``selection_bias``,
+a buffer); only the score weights the output.
+
+Capacity (GShard, Switch Transformer): with a factor C each expert takes at most
+``ceil(C * k * s / E)`` of one sequence's ``k * s`` routed token copies, in token order
+(a token's choices in the order of their scores), and drops the rest: a dropped copy
+adds nothing, the token goes on through the residual. The capacity counts per sequence,
+not per microbatch, so how a batch is cut into microbatches never changes which tokens
+are dropped (the pipelined step equals the one-process reference). Without C
+(``None``) nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from executor.layers import FeedForward
+
+
+class Router(nn.Module):
+    """Scores of ``tokens x hidden`` against ``experts``: the top-k experts of each token
+    and their weights."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, gating: str = "softmax",
+                 normalize: bool = True) -> None:
+        super().__init__()
+        self.top_k, self.gating, self.normalize = top_k, gating, normalize
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        if gating == "sigmoid":
+            self.register_buffer("selection_bias", torch.zeros(experts))
+        else:
+            self.selection_bias = None
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Scores in float32 at least (as Mixtral's and DeepSeek's routers compute them under
+        # bf16): a bf16 softmax would tie experts a float32 one tells apart.
+        logits = self.gate(tokens)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        scores = logits.softmax(dim=-1) if self.gating == "softmax" else logits.sigmoid()
+        ranking = scores if self.selection_bias is None else scores.detach() + self.selection_bias
+        chosen = ranking.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+
+def within_capacity(chosen: torch.Tensor, experts: int, factor: float) -> torch.Tensor:
+    """Which routed copies an expert takes: ``chosen`` is ``sequences x seq x k`` expert
+    indices; a copy is kept while its expert has taken fewer than
+    ``ceil(factor * k * seq / experts)`` copies of that sequence before it (in token
+    order, then choice order)."""
+    sequences, seq, top_k = chosen.shape
+    capacity = math.ceil(factor * top_k * seq / experts)
+    one_hot = torch.nn.functional.one_hot(chosen.reshape(sequences, seq * top_k), experts)
+    place = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1  # copies of that expert before this one
+    return (place < capacity).view(sequences, seq, top_k)
+
+
+class MixtureOfExperts(nn.Module):
+    """Routed experts (the top-k of ``experts``, each a SwiGLU MLP of ``expert_ffn``) plus
+    ``shared_ffn`` columns of shared experts (one MLP, as DeepSeek runs them), the latter
+    optionally scaled by a sigmoid gate (Qwen-MoE)."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, expert_ffn: int, shared_ffn: int = 0,
+                 shared_gate: bool = False, gating: str = "softmax", normalize: bool = True,
+                 capacity_factor: float | None = None) -> None:
+        super().__init__()
+        self.router = Router(hidden, experts, top_k, gating, normalize)
+        self.experts = nn.ModuleList(FeedForward(hidden, expert_ffn) for _ in range(experts))
+        self.shared = FeedForward(hidden, shared_ffn) if shared_ffn else None
+        self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_ffn and shared_gate else None
+        self.capacity_factor = capacity_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sequences, seq, hidden = x.shape
+        tokens = x.reshape(-1, hidden)
+        weights, chosen = self.router(tokens)
+        keep = torch.ones_like(chosen, dtype=torch.bool)
+        if self.capacity_factor is not None:
+            keep = within_capacity(chosen.view(sequences, seq, -1), len(self.experts), self.capacity_factor)
+            keep = keep.view_as(chosen)
+        out = torch.zeros_like(tokens)
+        for index, expert in enumerate(self.experts):
+            # An expert no token chose still runs, on no rows: its weights get a zero
+            # gradient rather than none, so every rank's gradients (and dp's buckets)
+            # hold every parameter, whatever the routing.
+            token, slot = torch.nonzero((chosen == index) & keep, as_tuple=True)
+            weighted = expert(tokens[token]) * weights[token, slot].unsqueeze(-1)
+            out = out.index_add(0, token, weighted.to(out.dtype))  # autocast: back to the residual's type
+        if self.shared is not None:
+            shared = self.shared(tokens)
+            if self.shared_gate is not None:
+                shared = shared * self.shared_gate(tokens).sigmoid()
+            out = out + shared.to(out.dtype)
+        return out.view(sequences, seq, hidden)

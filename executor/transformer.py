@@ -1,0 +1,96 @@
+"""A decoder built from a ``pipesim.model`` spec: the architecture ``simulate --model``
+prices, trained for real (``run --model llama3-8b``, ``mixtral-8x7b``, ``deepseek-v3``,
+a config.json), at the sizes ``executor.architecture`` shrinks it to.
+
+Each block is pre-norm (RMSNorm or LayerNorm as the spec says): attention (grouped-query
+with rotary positions, ``executor.layers``; latent attention, ``executor.latent_attention``)
+then the MLP (SwiGLU or GeLU; a mixture of experts on the spec's sparse layers,
+``executor.moe``), both residual. The layers are split over stages as the simulator
+splits them (``executor.architecture.stage_layers``); the first stage holds the token
+embedding (and a learned position table where the spec has one), the last the final
+norm, the output projection and the next-token loss. Embeddings are untied: the first
+and last stage are different ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from executor.architecture import shrunk_spec, stage_layers
+from executor.config import RunConfig
+from executor.latent_attention import LatentAttention
+from executor.layers import Attention, FeedForward, RMSNorm
+from executor.models import GptModel
+from executor.moe import MixtureOfExperts
+from pipesim.model.spec import ModelSpec
+
+
+def norm_of(spec: ModelSpec) -> nn.Module:
+    return RMSNorm(spec.hidden) if spec.rms_norm else nn.LayerNorm(spec.hidden)
+
+
+class TransformerBlock(nn.Module):
+    """Layer ``layer`` of ``spec``: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.attention_norm = norm_of(spec)
+        if spec.mla is not None:
+            self.attention = LatentAttention(spec.hidden, spec.heads, spec.mla, spec.attention_has_bias)
+        else:
+            self.attention = Attention(spec.hidden, spec.heads, spec.num_kv_heads, spec.head_size,
+                                       spec.attention_has_bias, spec.qkv_bias, rotary=not spec.learned_positions)
+        self.ffn_norm = norm_of(spec)
+        moe = spec.moe
+        if spec.is_moe_layer(layer):
+            self.feed_forward = MixtureOfExperts(
+                spec.hidden, moe.experts, moe.experts_per_token, moe.expert_ffn, moe.shared_ffn,
+                moe.shared_expert_gate, moe.gating, moe.normalize_top_k, moe.capacity_factor)
+        else:
+            self.feed_forward = FeedForward(spec.hidden, spec.ffn, spec.gated_mlp, spec.mlp_has_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TokenEmbedding(nn.Module):
+    """Token embedding, plus a learned position table where the spec has one (GPT-2)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(spec.vocab, spec.hidden)
+        nn.init.normal_(self.tokens.weight, std=1 / math.sqrt(spec.hidden))
+        self.positions = None
+        if spec.learned_positions:
+            self.positions = nn.Embedding(spec.positions or spec.seq_len, spec.hidden)
+            nn.init.normal_(self.positions.weight, std=1 / math.sqrt(spec.hidden))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(tokens)
+        if self.positions is not None:
+            x = x + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        return x
+
+
+class SpecModel(GptModel):
+    """``config.model``'s architecture, shrunk to the config's sizes, pipelined: the gpt's
+    data and next-token loss, the spec's blocks, the simulator's stage split."""
+
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__(config)
+        self.spec = shrunk_spec(config)
+        self.layout = tuple(stage_layers(self.spec, config.num_stages, config.layout, config.tp,
+                                         config.sequence_parallel))
+
+    def make_embed(self) -> nn.Module:
+        return TokenEmbedding(self.spec)
+
+    def make_block(self, layer: int) -> nn.Module:
+        return TransformerBlock(self.spec, layer)
+
+    def make_head(self) -> nn.Module:
+        return nn.Sequential(norm_of(self.spec), nn.Linear(self.spec.hidden, self.spec.vocab, bias=False))
