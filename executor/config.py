@@ -49,7 +49,9 @@ class RunConfig:
     ``batch_size`` (which ``dp`` must divide), cut into ``microbatches``; ``tp`` splits
     every gpt block across that many ranks (``sequence_parallel`` adds Megatron's
     sequence parallelism). World size is ``dp * pp * tp``. ``dp_bucket_mb`` is the size
-    of the gradient all-reduce buckets (DDP's default 25).
+    of the gradient all-reduce buckets (DDP's default 25). ``zero`` 1 shards the
+    optimizer state over the dp replicas (gradients reduce-scattered, parameters
+    all-gathered after the step), 2 the gradients too (``executor.data_parallel``).
     ``p2p`` names the point-to-point semantics the run is checked and run under:
     ``rendezvous`` (NCCL's rule; on gloo emulated by a handshake, receives never posted
     ahead) or ``buffered`` (gloo's); ``None`` takes the backend's own.
@@ -71,6 +73,7 @@ class RunConfig:
     tp: int = 1
     sequence_parallel: bool = False
     dp_bucket_mb: float = 25.0
+    zero: int = 0
     microbatches: int = 4
     virtual_stages: int = 1
     model: str = "mlp"
@@ -176,6 +179,7 @@ class RunConfig:
         if self.dp_bucket_mb <= 0:
             raise ConfigError(f"--dp-bucket-mb must be positive, got {self.dp_bucket_mb}")
         check_tensor_parallel(self)
+        check_zero(self)
         if self.timeout <= 0:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if self.model == "gpt" and self.hidden % self.heads:
@@ -218,6 +222,23 @@ def check_optimizer(config: RunConfig) -> None:
     the other rank values)."""
     if config.weight_decay is not None and not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
         raise ConfigError(f"--weight-decay must be a finite number >= 0, got {config.weight_decay}")
+
+
+ZERO_STAGES = (0, 1, 2)  # what the executor runs; ZeRO-3 (FSDP) is simulated only
+
+
+def check_zero(config: RunConfig) -> None:
+    """ZeRO shards over the dp replicas: it needs more than one, and ZeRO-3 is not run."""
+    if config.zero == 3:
+        raise ConfigError("--zero 3 (ZeRO-3, FSDP) is simulate-only: pipesim run executes --zero 0, 1 or 2; "
+                          "use pipesim simulate/plan --zero 3")
+    if config.zero not in ZERO_STAGES:
+        raise ConfigError(f"--zero {config.zero} is not one of: {', '.join(map(str, ZERO_STAGES))}")
+    if config.zero and config.dp == 1:
+        raise ConfigError(f"--zero {config.zero} shards over data-parallel replicas; it needs --dp > 1")
+    if config.zero and config.tp > 1:
+        raise ConfigError(f"--zero {config.zero} with --tp {config.tp} is not supported by pipesim run yet; "
+                          "use --tp 1 (pipesim simulate models it)")
 
 
 def check_tensor_parallel(config: RunConfig) -> None:

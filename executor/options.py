@@ -69,6 +69,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     schedule.add_argument("--bucket-mb", dest="dp_bucket_mb", type=float, metavar="MB", default=25.0,
                           help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
     add_hidden_alias(schedule, "--dp-bucket-mb", "dp_bucket_mb", type=float)
+    schedule.add_argument("--zero", type=int, default=0, metavar="{0,1,2}",
+                          help="with --dp: 1 shards the optimizer state over the replicas (gradients "
+                               "reduce-scattered, parameters all-gathered), 2 the gradients too (default 0)")
     schedule.add_argument("--virtual-stages", "-v", type=positive_int, default=None,
                           help=f"stages per rank (default 2 for {', '.join(sorted(MULTI_CHUNK))}; else 1)")
     model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")
@@ -150,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               "e.g. 1,3,3,1") from None
     config = RunConfig(
         **shape, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
+        zero=args.zero,
         model=args.model, layers=args.layers, hidden=args.hidden, batch_size=args.batch_size,
         seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, seed=args.seed,
         steps=getattr(args, "steps", DEFAULT_STEPS),

@@ -100,15 +100,18 @@ class RankRun:
                 parallelize_stage(stage, self.mesh.submesh("tp"), config.sequence_parallel)
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
-        # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
-        self.optimizer = build_optimizer(config, params, foreach=False if config.tp > 1 else None)
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
         self.averager = None
         if config.dp > 1:
             self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
                                              config.dp, config.dp_bucket_mb * 2**20,
-                                             reduce_dtype=getattr(torch, config.reduce_dtype))
+                                             reduce_dtype=getattr(torch, config.reduce_dtype), zero=config.zero)
+        if config.zero:  # the optimizer steps this replica's shard only
+            shard, matrices = self.averager.optimizer_tensors()
+            self.optimizer = build_optimizer(config, shard, decays=lambda tensor: id(tensor) in matrices)
+        else:  # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
+            self.optimizer = build_optimizer(config, params, foreach=False if config.tp > 1 else None)
         batch = config.replica_batch_size
         sizes = [len(part) for part in torch.tensor_split(torch.arange(batch), config.microbatches)]
         # Pipeline peers are the processes at the same (dp, tp) position of the mesh.
@@ -117,8 +120,10 @@ class RankRun:
         self.links = PeerLinks(placement, config.microbatches, device, getattr(torch, config.dtype),
                                lambda microbatch: model.boundary_shape(sizes[microbatch]),
                                handshake=rendezvous and backend != "nccl", rank=rank)
+        before = chain_hooks(action_hook(config, rank, progress),
+                             self.averager.before_action if self.averager else None)
         self.runtime = PipelineRuntime(pp_rank, schedule, self.stages, model, self.links, self.clock,
-                                       batch, action_hook(config, rank, progress), progress=progress,
+                                       batch, before, progress=progress,
                                        prefetch_recvs=config.prefetch_receives(backend), rendezvous=rendezvous,
                                        after_action=self.averager.after_action if self.averager else None,
                                        precision=Precision(config, device))
@@ -138,6 +143,10 @@ class RankRun:
         inputs = list(torch.tensor_split(inputs.to(device), config.microbatches))
         targets = list(torch.tensor_split(targets.to(device), config.microbatches))
         self.optimizer.zero_grad(set_to_none=True)
+        if self.averager is not None and self.config.zero:  # the optimizer holds shards, not the parameters
+            self.averager.zero_grad()
+            for param in self.params:
+                param.grad = None
         if self.progress is not None:
             self.progress.step = step
         if self.world > 1:
@@ -156,14 +165,20 @@ class RankRun:
             raise RankFailedError(f"rank {self.rank} failed in step {step} {where}: "
                                   f"{type(error).__name__}: {error}") from error
         # fp16: every rank of the job skips the step if any gradient anywhere overflowed.
-        overflow = self.scaler.unscale([p.grad for p in self.params])
+        sharded = config.zero > 0
+        overflow = self.scaler.unscale(self.averager.shard_grads() if sharded else [p.grad for p in self.params])
         if config.return_grads and step == 0:
+            if sharded:
+                self.averager.full_gradients()
             self.grads = {f"{stage}.{name}": full_tensor(p.grad).detach().cpu().clone()
                           for stage, module in self.stages.items() for name, p in module.named_parameters()}
         if overflow:
             self.skipped_steps.append(step)
         else:
             self.optimizer.step()
+        if sharded:  # every replica's parameters from the shards each one stepped (also on a skipped step)
+            gathers = self.wait_for("in the dp parameter all-gather", self.averager.gather_parameters)
+            self.events.extend(self.dp_events(gathers))
         self.scaler.update(overflow)
         if self.world > 1:
             # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank.
@@ -199,10 +214,16 @@ class RankRun:
         clock = self.runtime.clock
         events = [tp_event(self.pp_rank, action, clock.seconds(start), clock.seconds(end))
                   for action, start, end in collectives if action is not None]
-        if isinstance(clock, CpuClock):
-            events.extend(dp_event(self.pp_rank, stage, clock.seconds(start), clock.seconds(end))
-                          for stage, start, end in reductions)
-        return events
+        return events + self.dp_events(reductions)
+
+    def dp_events(self, timings: list) -> list:
+        """dp buckets as Trace events; host-timed, so left out on a GPU (they would need
+        events on the dp stream)."""
+        clock = self.runtime.clock
+        if not isinstance(clock, CpuClock):
+            return []
+        return [dp_event(self.pp_rank, stage, clock.seconds(start), clock.seconds(end), kind, bucket)
+                for stage, bucket, kind, start, end in timings]
 
     def result(self) -> dict:
         """Rank 0: the run's summary and the last step's Trace from every rank; every
@@ -216,7 +237,13 @@ class RankRun:
                 "world_size": self.world, "step": len(self.losses) - 1, **shape}
         if self.world > 1:
             events = gather_events(schedule, self.pp_rank, events, self.device, self.mesh.group("pp"))
-        result = {"rank": self.rank, "grads": self.grads, "skipped_steps": self.skipped_steps,
+        params = {}
+        if config.return_grads:  # the weights after the last step (a collective on tp groups)
+            params = {f"{stage}.{name}": full_tensor(p.detach()).cpu().clone()
+                      for stage, module in self.stages.items() for name, p in module.named_parameters()}
+        held = sum(p.numel() for group in self.optimizer.param_groups for p in group["params"])
+        result = {"rank": self.rank, "grads": self.grads, "params": params, "optimizer_elements": held,
+                  "skipped_steps": self.skipped_steps,
                   "loss_scale": self.scaler.scale}
         if self.rank == 0:
             result.update(schedule=schedule.name, pp=schedule.pp, microbatches=schedule.microbatches,
@@ -229,6 +256,19 @@ class RankRun:
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a tp-split DTensor (a collective on its tp group)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def chain_hooks(*hooks):
+    """One per-action hook that runs each given hook (``None`` ones skipped) in order."""
+    present = [hook for hook in hooks if hook is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+
+    def chained(action: Action) -> None:
+        for hook in present:
+            hook(action)
+
+    return chained
 
 
 def action_hook(config: RunConfig, rank: int, progress: ProgressWriter | None):
