@@ -27,6 +27,7 @@ OPTIMIZER_DEFAULTS = {"sgd": (0.01, 0.0), "adamw": (3e-4, 0.1)}
 ADAMW_BETAS = (0.9, 0.95)
 FAILURE_MODES = ("raise", "kill", "hang")
 P2P_SEMANTICS = ("rendezvous", "buffered")  # as schedules.p2p names them
+RECOMPUTE_MODES = ("none", "selective", "full")  # as pipesim.model.spec names them
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,8 @@ class RunConfig:
     of the gradient all-reduce buckets (DDP's default 25). ``zero`` 1 shards the
     optimizer state over the dp replicas (gradients reduce-scattered, parameters
     all-gathered after the step), 2 the gradients too (``executor.data_parallel``).
+    ``recompute`` ``full`` or ``selective`` checkpoints each block, or only its attention
+    core (``executor.recompute``).
     ``p2p`` names the point-to-point semantics the run is checked and run under:
     ``rendezvous`` (NCCL's rule; on gloo emulated by a handshake, receives never posted
     ahead) or ``buffered`` (gloo's); ``None`` takes the backend's own.
@@ -74,6 +77,7 @@ class RunConfig:
     sequence_parallel: bool = False
     dp_bucket_mb: float = 25.0
     zero: int = 0
+    recompute: str = "none"
     microbatches: int = 4
     virtual_stages: int = 1
     model: str = "mlp"
@@ -161,7 +165,8 @@ class RunConfig:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
         for flag, value, valid in (("--model", self.model, MODELS), ("--optimizer", self.optimizer, OPTIMIZERS),
                                    ("--backend", self.backend, BACKENDS), ("--dtype", self.dtype, DTYPES),
-                                   ("--grad-reduce-dtype", self.reduce_dtype, DTYPES)):
+                                   ("--grad-reduce-dtype", self.reduce_dtype, DTYPES),
+                                   ("--recompute", self.recompute, RECOMPUTE_MODES)):
             if value not in valid:
                 raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(valid)}")
         check_optimizer(self)

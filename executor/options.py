@@ -16,6 +16,7 @@ from executor.config import (
     OPTIMIZER_DEFAULTS,
     OPTIMIZERS,
     P2P_SEMANTICS,
+    RECOMPUTE_MODES,
     ConfigError,
     RunConfig,
 )
@@ -87,6 +88,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     model.add_argument("--layers-per-stage", dest="layout", default=None, metavar="LIST",
                        help="layers per stage, comma-separated (default: as even as possible), e.g. 1,3,3,1")
     add_hidden_alias(model, "--layout", "layout")
+    model.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                       help="activation recompute per block: full (the whole block) or selective (its attention "
+                            "core only), with torch.utils.checkpoint (default none)")
     train = parser.add_argument_group("training")
     if outputs:
         train.add_argument("--steps", type=int, default=DEFAULT_STEPS,
@@ -153,7 +157,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               "e.g. 1,3,3,1") from None
     config = RunConfig(
         **shape, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
-        zero=args.zero,
+        zero=args.zero, recompute=args.recompute,
         model=args.model, layers=args.layers, hidden=args.hidden, batch_size=args.batch_size,
         seq_len=args.seq_len, vocab=args.vocab, heads=args.heads, seed=args.seed,
         steps=getattr(args, "steps", DEFAULT_STEPS),

@@ -26,6 +26,7 @@ from executor.models import PipelineModel, build_model, build_optimizer
 from executor.precision import LossScaler, Precision
 from executor.process import init_rank
 from executor.progress import ProgressWriter, progress_dir_from_env
+from executor.recompute import apply_recompute
 from executor.runtime import PipelineRuntime
 from schedules.action import Action
 from schedules.trace import Trace
@@ -99,6 +100,8 @@ class RankRun:
             for stage in self.stages.values():
                 parallelize_stage(stage, self.mesh.submesh("tp"), config.sequence_parallel)
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
+        for stage in self.stages.values():
+            apply_recompute(stage, config.recompute)
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
