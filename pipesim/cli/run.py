@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from executor.config import ConfigError
 from executor.options import add_run_arguments, config_from_args
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
+from pipesim.cli.refused import add_refused_flags, refusal
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,10 +29,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="keep each rank's stdout/stderr and the launcher's log here (default: a temporary "
                              "folder, kept only when the run fails)")
     add_quiet_arg(parser)
+    refused = add_refused_flags(parser)
+    parser.epilog = (f"Flags of simulate and plan that run does not execute are refused in one line: "
+                     f"{', '.join(refused)}.")
     parser.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
+    refused = refusal(args)
+    if refused:
+        raise ConfigError(refused)
     config = config_from_args(args)
     progress = progress_from_args("run", args)
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
