@@ -2,13 +2,15 @@
 
 The ranks are started through torch's elastic launcher (the machinery behind
 ``torchrun``) on gloo, or NCCL where CUDA is available; ``--pp 1`` (with dp = tp = 1) runs the same model in
-this process, as the reference. torch is imported only inside the handler, so the rest
-of the command line never loads it.
+this process, as the reference. Started by ``torchrun`` itself (RANK, WORLD_SIZE and
+LOCAL_RANK set), each process is one rank of one job and starts nothing. torch is
+imported only inside the handler, so the rest of the command line never loads it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from executor.config import ConfigError
@@ -35,11 +37,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=handle)
 
 
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a job torchrun (or another launcher that sets
+    torch's environment) started."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
 def handle(args: argparse.Namespace) -> int:
     refused = refusal(args)
     if refused:
         raise ConfigError(refused)
     config = config_from_args(args)
+    if launched_by_torchrun():
+        return run_as_rank(config, args)
     progress = progress_from_args("run", args)
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
     from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
@@ -57,6 +67,44 @@ def handle(args: argparse.Namespace) -> int:
     except PipelineRunError as error:
         print(f"pipesim run: failed: {error}", file=sys.stderr)
         return 1
+    document = summary(result)
+    write_outputs(result, args.json, args.trace, document)
+    print("\n".join(summary_lines(result, document)))
+    if args.html:
+        write_html(result["trace"], args.html, args.plotly)
+    return 0
+
+
+def run_as_rank(config, args: argparse.Namespace) -> int:
+    """Under torchrun: this process is one rank of one job across the launched processes
+    (no ranks are started here). Rank 0 prints the summary and writes ``--json``,
+    ``--trace`` and ``--html``; the other ranks print and write nothing. A world size that
+    does not match dp x pp x tp is refused before any collective, by rank 0 in one line
+    (the other ranks exit with the same status, silently)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    problem = None
+    if world != config.world_size:
+        problem = (f"torchrun started {world} processes, but dp={config.dp} x pp={config.pp} x tp={config.tp} is "
+                   f"{config.world_size} ranks: use torchrun --nproc-per-node {config.world_size} (one node), or "
+                   f"change --dp/--pp/--tp")
+    elif args.log_dir is not None:
+        problem = "--log-dir is for ranks pipesim run starts itself; under torchrun each rank's output is torchrun's"
+    if problem is not None:
+        if rank == 0:
+            raise ConfigError(problem)
+        return 2
+    from executor.launch import validate_schedule  # noqa: PLC0415 - loads torch
+    from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
+    from executor.worker import RankFailedError, run_worker  # noqa: PLC0415
+
+    validate_schedule(config)
+    try:
+        (result,) = run_worker([config])
+    except RankFailedError as error:
+        print(f"pipesim run: failed: {error}", file=sys.stderr)
+        return 1
+    if rank != 0:
+        return 0
     document = summary(result)
     write_outputs(result, args.json, args.trace, document)
     print("\n".join(summary_lines(result, document)))
