@@ -21,6 +21,7 @@ from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
 from executor.data_parallel import GradientAverager
 from executor.gather import dp_event, gather_events, tp_event
+from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.precision import LossScaler, Precision
@@ -123,18 +124,27 @@ class RankRun:
         self.links = PeerLinks(placement, config.microbatches, device, getattr(torch, config.dtype),
                                lambda microbatch: model.boundary_shape(sizes[microbatch]),
                                handshake=rendezvous and backend != "nccl", rank=rank)
+        self.memory = MemoryTracker(params, device)
+        self.memory.optimizer = self.optimizer
+        if config.zero:
+            self.memory.extra_grads = self.averager.shard_grads
         before = chain_hooks(action_hook(config, rank, progress),
-                             self.averager.before_action if self.averager else None)
+                             self.averager.before_action if self.averager else None, self.memory.before_action)
         self.runtime = PipelineRuntime(pp_rank, schedule, self.stages, model, self.links, self.clock,
                                        batch, before, progress=progress,
                                        prefetch_recvs=config.prefetch_receives(backend), rendezvous=rendezvous,
-                                       after_action=self.averager.after_action if self.averager else None,
+                                       after_action=chain_hooks(self.averager.after_action if self.averager
+                                                                else None, self.memory.after_action),
                                        precision=Precision(config, device))
         self.waiting_on: str | None = None  # a step-level collective the rank is blocked in
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.events: list = []
         self.grads: dict[str, torch.Tensor] = {}
+        runtime = self.runtime
+        self.memory.buffers = lambda: [*runtime.outbox.values(), *runtime.forward_inputs.values(),
+                                       *runtime.output_grads.values()]
+        self.memory_peak = MemoryPeak()
 
     def step(self, step: int) -> None:
         """One training step: the program, the optimizer, the loss made known to all."""
@@ -156,6 +166,7 @@ class RankRun:
             self.wait_for("in the step's barrier", dist.barrier)
         started = time.perf_counter()
         self.runtime.loss_scale = self.scaler.scale
+        self.memory.start_step()
         try:
             if self.tp_timer is not None:
                 with self.tp_timer.timing():
@@ -183,6 +194,7 @@ class RankRun:
             gathers = self.wait_for("in the dp parameter all-gather", self.averager.gather_parameters)
             self.events.extend(self.dp_events(gathers))
         self.scaler.update(overflow)
+        self.memory_peak = self.memory.finish_step()
         if self.world > 1:
             # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank.
             self.wait_for("in the loss all-reduce", lambda: dist.all_reduce(loss))
@@ -248,12 +260,26 @@ class RankRun:
         result = {"rank": self.rank, "grads": self.grads, "params": params, "optimizer_elements": held,
                   "skipped_steps": self.skipped_steps,
                   "loss_scale": self.scaler.scale}
+        memory = self.gather_memory()
         if self.rank == 0:
-            result.update(schedule=schedule.name, pp=schedule.pp, microbatches=schedule.microbatches,
+            result.update(memory=memory, schedule=schedule.name, pp=schedule.pp, microbatches=schedule.microbatches,
                           virtual_stages=schedule.virtual_stages, world_size=self.world, backend=self.backend,
                           losses=self.losses, step_times=self.step_times, **shape,
                           trace=Trace.merge([Trace(events)], meta))
         return result
+
+
+    def gather_memory(self) -> list[dict]:
+        """Every rank's measured memory of the last step (bytes by kind), on every rank;
+        gathered as numbers, like the Trace."""
+        mine = torch.tensor(self.memory_peak.as_list(), dtype=torch.float64, device=self.device)
+        rows = [mine]
+        if self.world > 1:
+            rows = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(rows, mine)
+        source = "cuda" if self.device.type == "cuda" else "tracked"
+        return [{"rank": rank, "source": source, **dict(zip(FIELDS, row.tolist(), strict=True))}
+                for rank, row in enumerate(rows)]
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
