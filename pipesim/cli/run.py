@@ -15,6 +15,7 @@ import sys
 
 from executor.config import ConfigError
 from executor.options import add_run_arguments, config_from_args
+from pipesim.cli.plan_row import config_from_plan_row
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
 from pipesim.cli.refused import add_refused_flags, refusal
 
@@ -30,6 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="keep each rank's stdout/stderr and the launcher's log here (default: a temporary "
                              "folder, kept only when the run fails)")
+    plan = parser.add_argument_group("a layout from pipesim plan")
+    plan.add_argument("--plan", default=None, metavar="PLAN.json",
+                      help="run a row of `pipesim plan --json`: its schedule, pp, tp, dp, microbatches, ZeRO, "
+                           "recompute and sequence parallelism kept, the model shrunk to this machine")
+    plan.add_argument("--row", type=int, default=1, metavar="N",
+                      help="the row of --plan to run, as its table numbers them (default 1, the best)")
     add_quiet_arg(parser)
     refused = add_refused_flags(parser)
     parser.epilog = (f"Flags of simulate and plan that run does not execute are refused in one line: "
@@ -47,7 +54,11 @@ def handle(args: argparse.Namespace) -> int:
     refused = refusal(args)
     if refused:
         raise ConfigError(refused)
-    config = config_from_args(args)
+    if args.plan is not None:
+        config, planned = config_from_plan_row(args)
+        print(planned)
+    else:
+        config = config_from_args(args)
     if launched_by_torchrun():
         return run_as_rank(config, args)
     progress = progress_from_args("run", args)
