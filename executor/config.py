@@ -241,9 +241,6 @@ def check_zero(config: RunConfig) -> None:
         raise ConfigError(f"--zero {config.zero} is not one of: {', '.join(map(str, ZERO_STAGES))}")
     if config.zero and config.dp == 1:
         raise ConfigError(f"--zero {config.zero} shards over data-parallel replicas; it needs --dp > 1")
-    if config.zero and config.tp > 1:
-        raise ConfigError(f"--zero {config.zero} with --tp {config.tp} is not supported by pipesim run yet; "
-                          "use --tp 1 (pipesim simulate models it)")
 
 
 def check_tensor_parallel(config: RunConfig) -> None:

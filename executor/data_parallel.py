@@ -67,6 +67,11 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def is_partial(tensor: torch.Tensor) -> bool:
+    """Whether a DTensor holds partial sums (each tp rank one addend) on some mesh axis."""
+    return any(placement.is_partial() for placement in getattr(tensor, "placements", ()))
+
+
 def bucket_parameters(module: nn.Module, bucket_bytes: float) -> list[list[nn.Parameter]]:
     """Parameters in reverse order (the order backward produces their gradients),
     packed into buckets of at most ``bucket_bytes`` (a larger parameter gets its own)."""
@@ -222,6 +227,11 @@ class GradientAverager:
         for param in bucket.params:
             if param.grad is None:  # unused in this step: contribute zeros like DDP
                 param.grad = torch.zeros_like(param)
+            elif self.zero and is_partial(param.grad):
+                # Sequence parallelism leaves a norm weight's gradient a partial sum over
+                # tp; DTensor's optimizer would sum it when stepping, but ZeRO steps plain
+                # shards, so it is summed over tp here, as the parameter is laid out.
+                param.grad = param.grad.redistribute(param.grad.device_mesh, param.placements)
             grads.append(local_tensor(param.grad))
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         if self.reduce_dtype is not None:
@@ -360,13 +370,20 @@ class GradientAverager:
 
     def full_gradients(self) -> None:
         """Under ZeRO, all-gather the averaged gradient shards into every parameter's
-        ``.grad`` (plain tensors only): what a test compares with the reference."""
+        ``.grad`` (a tp-split parameter's as a DTensor of its local shards): what a test
+        compares with the reference."""
         for buckets in self.buckets.values():
             for bucket in buckets:
                 whole = bucket.shard_grad.new_empty(bucket.padded)
                 dist.all_gather_single(whole, bucket.shard_grad, group=self.group)
                 for param, low, high in zip(bucket.params, bucket.offsets[:-1], bucket.offsets[1:], strict=True):
-                    param.grad = whole[low:high].view_as(param).clone()
+                    local = local_tensor(param.detach())
+                    grad = whole[low:high].view_as(local).clone()
+                    if hasattr(param, "device_mesh"):  # a DTensor: the same layout as the parameter
+                        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+                        grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
+                    param.grad = grad
 
     def zero_grad(self) -> None:
         """Drop the step's gradient shards (the parameters' own are dropped by the caller)."""

@@ -2,7 +2,8 @@
 that fills them, and ZeRO-1/2's sharded optimizer, on gloo, float64, equal to the
 one-process reference.
 
-One 4-process launch (dp 2 x pp 2) runs every case; each test reads its case's result.
+One 4-process launch (dp 2 x pp 2, and dp 2 x tp 2) runs every case; each test reads its
+case's result.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ pytestmark = pytest.mark.timeout(240)
 
 TINY_BUCKETS = 0.0005  # MiB: a few parameters a bucket, so every stage has many buckets
 # (zero, schedule, variant): "IW" splits every backward into I and W, "whole" keeps one
-# bucket per stage (DDP's 25 MiB).
-CASES = [(0, "1f1b", ""), (1, "1f1b", ""), (2, "1f1b", ""), (2, "1f1b", "IW"), (1, "interleaved-1f1b", "whole")]
+# bucket per stage (DDP's 25 MiB), "tp-sp" is dp 2 x tp 2 with sequence parallelism and no
+# pipeline (tp-split DTensor parameters; the norms' gradients are partial sums over tp).
+CASES = [(0, "1f1b", ""), (1, "1f1b", ""), (2, "1f1b", ""), (2, "1f1b", "IW"), (1, "interleaved-1f1b", "whole"),
+         (2, "1f1b", "tp-sp")]
 _results: dict[tuple, dict] = {}
 
 
@@ -31,10 +34,12 @@ def case_config(zero: int, schedule: str, variant: str) -> RunConfig:
     virtual = 2 if schedule == "interleaved-1f1b" else 1
     microbatches = 2
     custom = split_backward(generate(schedule, 2, microbatches, virtual)) if variant == "IW" else None
-    return RunConfig(schedule=schedule, pp=2, dp=2, microbatches=microbatches, virtual_stages=virtual, model="gpt",
-                     hidden=8, heads=2, layers=2 * virtual + 1, seq_len=4, vocab=11, batch_size=10, steps=2,
-                     dtype="float64", optimizer="adamw", lr=0.05, return_grads=True, zero=zero,
-                     dp_bucket_mb=25.0 if variant == "whole" else TINY_BUCKETS, custom_schedule=custom)
+    tp = 2 if variant == "tp-sp" else 1
+    return RunConfig(schedule=schedule, pp=2 // tp, dp=2, tp=tp, sequence_parallel=tp > 1, microbatches=microbatches,
+                     virtual_stages=virtual, model="gpt", hidden=8, heads=2, layers=2 * virtual + 1, seq_len=4,
+                     vocab=11, batch_size=10, steps=2, dtype="float64", optimizer="adamw", lr=0.05,
+                     return_grads=True, zero=zero, dp_bucket_mb=25.0 if variant == "whole" else TINY_BUCKETS,
+                     custom_schedule=custom)
 
 
 def result_of(case: tuple) -> dict:
@@ -94,7 +99,8 @@ def test_each_bucket_is_reduced_during_the_backward_that_fills_it(case: tuple) -
         assert not gathers
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+# tp shards the parameters unevenly by kind: the pipelined cases count the replicas' halves.
+@pytest.mark.parametrize("case", [case for case in CASES if case[2] != "tp-sp"], ids=case_id)
 def test_zero_shards_the_optimizer_over_the_replicas(case: tuple) -> None:
     zero, _, variant = case
     config = case_config(*case)
