@@ -106,3 +106,16 @@ def test_bad_recompute_is_refused_naming_the_flag(capsys) -> None:
         main(["run", "--pp", "1", "--recompute", "some"])
     assert exit_status.value.code == 2
     assert "--recompute: invalid choice: 'some'" in capsys.readouterr().err
+
+
+def test_profile_measures_the_stage_with_its_recompute() -> None:
+    from executor.profile import profile_rank  # noqa: PLC0415
+
+    def stash(mode: str) -> float:
+        config = RunConfig(pp=1, microbatches=1, model="gpt", hidden=16, heads=2, layers=2, seq_len=8, vocab=11,
+                           batch_size=2, recompute=mode)
+        (measured,) = profile_rank(config, warmup=0, repeats=1)["stages"].values()
+        return measured["stash_bytes"]
+
+    # Full recompute keeps each block's input only: far less than every block's activations.
+    assert stash("full") < stash("none") / 2
