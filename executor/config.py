@@ -52,7 +52,8 @@ class RunConfig:
     sequence parallelism). World size is ``dp * pp * tp``. ``dp_bucket_mb`` is the size
     of the gradient all-reduce buckets (DDP's default 25). ``zero`` 1 shards the
     optimizer state over the dp replicas (gradients reduce-scattered, parameters
-    all-gathered after the step), 2 the gradients too (``executor.data_parallel``).
+    all-gathered after the step), 2 the gradients too (``executor.data_parallel``), 3
+    the parameters too (FSDP2's ``fully_shard``, ``executor.fsdp``).
     ``recompute`` ``full`` or ``selective`` checkpoints each block, or only its attention
     core (``executor.recompute``).
     ``p2p`` names the point-to-point semantics the run is checked and run under:
@@ -229,14 +230,11 @@ def check_optimizer(config: RunConfig) -> None:
         raise ConfigError(f"--weight-decay must be a finite number >= 0, got {config.weight_decay}")
 
 
-ZERO_STAGES = (0, 1, 2)  # what the executor runs; ZeRO-3 (FSDP) is simulated only
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def check_zero(config: RunConfig) -> None:
     """ZeRO shards over the dp replicas: it needs more than one, and ZeRO-3 is not run."""
-    if config.zero == 3:
-        raise ConfigError("--zero 3 (ZeRO-3, FSDP) is simulate-only: pipesim run executes --zero 0, 1 or 2; "
-                          "use pipesim simulate/plan --zero 3")
     if config.zero not in ZERO_STAGES:
         raise ConfigError(f"--zero {config.zero} is not one of: {', '.join(map(str, ZERO_STAGES))}")
     if config.zero and config.dp == 1:
@@ -321,6 +319,9 @@ def check_schedule_and_failure(config: RunConfig) -> None:
         schedule = build_schedule(config)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if config.zero == 3 and any(action.kind == "I" for program in schedule.programs for action in program):
+        raise ConfigError(f"--zero 3 (FSDP) cannot run a split backward: schedule {schedule.name!r} splits B into I "
+                          "and W; use a schedule with whole backwards (gpipe, 1f1b, interleaved-1f1b) or --zero 2")
     if config.inject_failure is None:
         return
     rank, action, _ = parse_failure(config.inject_failure)

@@ -70,9 +70,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     schedule.add_argument("--bucket-mb", dest="dp_bucket_mb", type=float, metavar="MB", default=25.0,
                           help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
     add_hidden_alias(schedule, "--dp-bucket-mb", "dp_bucket_mb", type=float)
-    schedule.add_argument("--zero", type=int, default=0, metavar="{0,1,2}",
+    schedule.add_argument("--zero", type=int, default=0, metavar="{0,1,2,3}",
                           help="with --dp: 1 shards the optimizer state over the replicas (gradients "
-                               "reduce-scattered, parameters all-gathered), 2 the gradients too (default 0)")
+                               "reduce-scattered, parameters all-gathered), 2 the gradients too, 3 the parameters "
+                               "too (FSDP2 fully_shard per block) (default 0)")
     schedule.add_argument("--virtual-stages", "-v", type=positive_int, default=None,
                           help=f"stages per rank (default 2 for {', '.join(sorted(MULTI_CHUNK))}; else 1)")
     model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from executor.clock import CpuClock, clock_for
 from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
-from executor.data_parallel import GradientAverager
+from executor.data_parallel import GradientAverager, local_tensor
 from executor.gather import dp_event, gather_events, tp_event
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
@@ -103,15 +103,20 @@ class RankRun:
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
         for stage in self.stages.values():
             apply_recompute(stage, config.recompute)
+        if config.zero == 3:
+            from executor.fsdp import shard_stage  # noqa: PLC0415
+
+            for stage in self.stages.values():
+                shard_stage(stage, self.mesh.submesh("dp"))
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
         self.averager = None
-        if config.dp > 1:
+        if config.dp > 1 and config.zero < 3:  # ZeRO-3: FSDP reduces the gradients itself
             self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
                                              config.dp, config.dp_bucket_mb * 2**20,
                                              reduce_dtype=getattr(torch, config.reduce_dtype), zero=config.zero)
-        if config.zero:  # the optimizer steps this replica's shard only
+        if config.zero in (1, 2):  # the optimizer steps this replica's shard only
             shard, matrices = self.averager.optimizer_tensors()
             self.optimizer = build_optimizer(config, shard, decays=lambda tensor: id(tensor) in matrices)
         else:  # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
@@ -126,7 +131,7 @@ class RankRun:
                                handshake=rendezvous and backend != "nccl", rank=rank)
         self.memory = MemoryTracker(params, device)
         self.memory.optimizer = self.optimizer
-        if config.zero:
+        if config.zero in (1, 2):
             self.memory.extra_grads = self.averager.shard_grads
         before = chain_hooks(action_hook(config, rank, progress),
                              self.averager.before_action if self.averager else None, self.memory.before_action)
@@ -156,7 +161,7 @@ class RankRun:
         inputs = list(torch.tensor_split(inputs.to(device), config.microbatches))
         targets = list(torch.tensor_split(targets.to(device), config.microbatches))
         self.optimizer.zero_grad(set_to_none=True)
-        if self.averager is not None and self.config.zero:  # the optimizer holds shards, not the parameters
+        if self.averager is not None and self.config.zero in (1, 2):  # the optimizer holds shards
             self.averager.zero_grad()
             for param in self.params:
                 param.grad = None
@@ -179,7 +184,7 @@ class RankRun:
             raise RankFailedError(f"rank {self.rank} failed in step {step} {where}: "
                                   f"{type(error).__name__}: {error}") from error
         # fp16: every rank of the job skips the step if any gradient anywhere overflowed.
-        sharded = config.zero > 0
+        sharded = config.zero in (1, 2)
         overflow = self.scaler.unscale(self.averager.shard_grads() if sharded else [p.grad for p in self.params])
         if config.return_grads and step == 0:
             if sharded:
@@ -256,7 +261,7 @@ class RankRun:
         if config.return_grads:  # the weights after the last step (a collective on tp groups)
             params = {f"{stage}.{name}": full_tensor(p.detach()).cpu().clone()
                       for stage, module in self.stages.items() for name, p in module.named_parameters()}
-        held = sum(p.numel() for group in self.optimizer.param_groups for p in group["params"])
+        held = sum(local_tensor(p).numel() for group in self.optimizer.param_groups for p in group["params"])
         result = {"rank": self.rank, "grads": self.grads, "params": params, "optimizer_elements": held,
                   "skipped_steps": self.skipped_steps,
                   "loss_scale": self.scaler.scale}

@@ -8,8 +8,8 @@ raised to the least value the layout needs (a block per stage, heads a multiple 
 a sequence the tp ranks can split). ``plan --json`` rows do not name the plan's model, so
 the model is the run's ``--model`` (the ``gpt`` transformer unless another transformer
 is named: the planner's models are transformers, so ``mlp`` is not used here). What the
-executor does not run (context or expert parallelism, ZeRO-3, cost-aware orders) is
-refused in one line naming the row and the value.
+executor does not run (context or expert parallelism, ZeRO-3 with a split backward,
+cost-aware orders) is refused in one line naming the row and the value.
 """
 
 from __future__ import annotations
