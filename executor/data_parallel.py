@@ -125,13 +125,15 @@ class Bucket:
 class ShardPiece:
     """The part of one parameter that falls in this replica's shard of a bucket: the
     optimizer steps ``tensor`` (a view into the parameter), whose gradient is
-    ``shard_grad[start:end]``."""
+    ``shard_grad[start:end]`` (ZeRO-2) or the same view into the parameter's ``.grad``
+    (ZeRO-1, whose full gradients stay)."""
 
     bucket: Bucket
     param: nn.Parameter
     tensor: torch.Tensor
     start: int  # in the shard
     end: int
+    offset: int  # where the piece starts in the parameter (flattened)
 
 
 class GradientAverager:
@@ -309,7 +311,16 @@ class GradientAverager:
                 for bucket in buckets:
                     bucket.shard_grad.div_(self.replicas)
             for piece in self.pieces:
-                piece.tensor.grad = piece.bucket.shard_grad[piece.start:piece.end]
+                shard = piece.bucket.shard_grad[piece.start:piece.end]
+                if self.zero == 1:  # the full gradient is kept anyway: the reduced shard goes into it,
+                    # as in Megatron's one gradient buffer, rather than beside it
+                    grad = local_tensor(piece.param.grad).view(-1)[piece.offset:piece.offset + len(shard)]
+                    shard = grad.copy_(shard)
+                piece.tensor.grad = shard
+            if self.zero == 1:
+                for buckets in self.buckets.values():
+                    for bucket in buckets:
+                        bucket.shard_grad = None
         timings, self.timings = self.timings, []
         return timings
 
@@ -324,7 +335,7 @@ class GradientAverager:
             first, last = max(start, low), min(end, high)
             if first < last:
                 view = local_tensor(param.detach()).view(-1)[first - start:last - start]
-                pieces.append(ShardPiece(bucket, param, view, first - low, last - low))
+                pieces.append(ShardPiece(bucket, param, view, first - low, last - low, first - start))
         return pieces
 
     def optimizer_tensors(self) -> tuple[list[torch.Tensor], set[int]]:
@@ -335,7 +346,13 @@ class GradientAverager:
 
     def shard_grads(self) -> list[torch.Tensor]:
         """Under ZeRO, this replica's averaged gradient shards (what the loss scaler checks)."""
-        return [bucket.shard_grad for buckets in self.buckets.values() for bucket in buckets]
+        return [piece.tensor.grad for piece in self.pieces if piece.tensor.grad is not None]
+
+    def held_shards(self) -> list[torch.Tensor]:
+        """The gradient shards held beside the parameters' ``.grad`` (ZeRO-2's, and
+        ZeRO-1's until they are written into the full gradients)."""
+        return [bucket.shard_grad for buckets in self.buckets.values() for bucket in buckets
+                if bucket.shard_grad is not None]
 
     def gather_parameters(self) -> list[DpTiming]:
         """Under ZeRO, after the optimizer stepped this replica's pieces: all-gather every
@@ -374,8 +391,13 @@ class GradientAverager:
         compares with the reference."""
         for buckets in self.buckets.values():
             for bucket in buckets:
-                whole = bucket.shard_grad.new_empty(bucket.padded)
-                dist.all_gather_single(whole, bucket.shard_grad, group=self.group)
+                first = local_tensor(bucket.params[0].detach())
+                shard = first.new_zeros(bucket.padded // self.replicas)
+                for piece in self.pieces:
+                    if piece.bucket is bucket:
+                        shard[piece.start:piece.end] = piece.tensor.grad
+                whole = first.new_empty(bucket.padded)
+                dist.all_gather_single(whole, shard, group=self.group)
                 for param, low, high in zip(bucket.params, bucket.offsets[:-1], bucket.offsets[1:], strict=True):
                     local = local_tensor(param.detach())
                     grad = whole[low:high].view_as(local).clone()

@@ -18,7 +18,8 @@ memory model splits them (``pipesim.sim.memory``):
 
 They are added up after every action and the peak is kept (with, apart, the most
 activations held at once: the number the schedule decides, GPipe's m microbatches on
-the first rank against 1F1B's p): a peak at action boundaries,
+the first rank against 1F1B's p, and ``static``: parameters, gradients and optimizer
+state once the optimizer has stepped, what ZeRO's table predicts): a peak at action boundaries,
 not inside an action (a backward's transient gradients are not seen), so it is a lower
 bound of what the process allocates, and the part the schedule decides.
 """
@@ -33,7 +34,8 @@ from torch import nn
 
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, Action, ActionKind
 
-FIELDS = ("peak", "params", "grads", "optimizer", "activations", "buffers", "activations_peak")
+FIELDS = ("peak", "params", "grads", "optimizer", "activations", "buffers", "activations_peak", "static",
+          "unsharded_params")
 
 
 def tensor_bytes(tensor: torch.Tensor | None) -> int:
@@ -60,6 +62,8 @@ class MemoryPeak:
     activations: float = 0.0
     buffers: float = 0.0
     activations_peak: float = 0.0  # the most activations held at once, whenever that was
+    static: float = 0.0  # params + grads + optimizer state at the step's end, after the optimizer
+    unsharded_params: float = 0.0  # this rank's parameter bytes before ZeRO-3 shards them over dp
 
     def as_list(self) -> list[float]:
         return [getattr(self, name) for name in FIELDS]
@@ -75,6 +79,7 @@ class MemoryTracker:
         self.device = device
         self.param_storages = {storage_key(p) for p in params}
         self.param_bytes = sum(tensor_bytes(p) for p in params)
+        self.unsharded_params = self.param_bytes  # set before ZeRO-3 shards the stages
         self.optimizer: torch.optim.Optimizer | None = None
         self.extra_grads = lambda: []  # ZeRO's gradient shards
         self.buffers = lambda: []  # the runtime's outbox and inbox tensors
@@ -119,8 +124,7 @@ class MemoryTracker:
     def observe(self) -> None:
         """Add up the tracked tensors now; keep the largest total of the step."""
         grads = sum(tensor_bytes(p.grad) for p in self.params) + sum(map(tensor_bytes, self.extra_grads()))
-        optimizer = sum(tensor_bytes(value) for state in self.optimizer_states() for value in state.values()
-                        if isinstance(value, torch.Tensor) and value.dim() > 0)
+        optimizer = self.optimizer_bytes()
         activations = sum(sum(stored.values()) for stored in self.saved.values())
         buffers = sum(map(tensor_bytes, self.buffers()))
         total = self.param_bytes + grads + optimizer + activations + buffers
@@ -129,14 +133,21 @@ class MemoryTracker:
             self.last = MemoryPeak(total, self.param_bytes, grads, optimizer, activations, buffers)
         self.last.activations_peak = most
 
-    def optimizer_states(self) -> Iterable[dict]:
-        return self.optimizer.state.values() if self.optimizer is not None else ()
+    def optimizer_bytes(self) -> int:
+        """Every tensor of the optimizer's state (not its scalar step counters)."""
+        states: Iterable[dict] = self.optimizer.state.values() if self.optimizer is not None else ()
+        return sum(tensor_bytes(value) for state in states for value in state.values()
+                   if isinstance(value, torch.Tensor) and value.dim() > 0)
 
     def finish_step(self) -> MemoryPeak:
         """The step's peak: the allocator's on a GPU; on a CPU the tracked tensors' after
         each action and once more now (after the optimizer: its state exists from the
         first step on)."""
         if self.cuda:
-            return MemoryPeak(float(torch.cuda.max_memory_allocated(self.device)), self.param_bytes)
+            return MemoryPeak(float(torch.cuda.max_memory_allocated(self.device)), self.param_bytes,
+                              unsharded_params=self.unsharded_params)
         self.observe()
+        grads = sum(tensor_bytes(p.grad) for p in self.params) + sum(map(tensor_bytes, self.extra_grads()))
+        self.last.static = self.param_bytes + grads + self.optimizer_bytes()
+        self.last.unsharded_params = self.unsharded_params
         return self.last

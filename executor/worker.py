@@ -103,6 +103,8 @@ class RankRun:
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
         for stage in self.stages.values():
             apply_recompute(stage, config.recompute)
+        unsharded = sum(local_tensor(p.detach()).numel() * p.element_size()
+                        for stage in self.stages.values() for p in stage.parameters())
         if config.zero == 3:
             from executor.fsdp import shard_stage  # noqa: PLC0415
 
@@ -130,9 +132,10 @@ class RankRun:
                                lambda microbatch: model.boundary_shape(sizes[microbatch]),
                                handshake=rendezvous and backend != "nccl", rank=rank)
         self.memory = MemoryTracker(params, device)
+        self.memory.unsharded_params = unsharded
         self.memory.optimizer = self.optimizer
         if config.zero in (1, 2):
-            self.memory.extra_grads = self.averager.shard_grads
+            self.memory.extra_grads = self.averager.held_shards
         before = chain_hooks(action_hook(config, rank, progress),
                              self.averager.before_action if self.averager else None, self.memory.before_action)
         self.runtime = PipelineRuntime(pp_rank, schedule, self.stages, model, self.links, self.clock,

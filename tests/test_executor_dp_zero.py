@@ -143,3 +143,18 @@ def test_cli_refuses_zero_3_with_a_split_backward_in_one_line(capsys) -> None:
     assert main(["run", "--dp", "2", "--pp", "2", "-m", "2", "--zero", "3", "--schedule", "zb-h1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "split backward" in err and "--zero 3" in err
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_measured_static_memory_is_what_the_zero_table_predicts(case: tuple) -> None:
+    from executor.report import summary  # noqa: PLC0415
+    from pipesim.cli.run import predict_static_memory  # noqa: PLC0415
+
+    zero = case[0]
+    document = summary(result_of(case))
+    lines = predict_static_memory(document, case_config(*case))
+    # AdamW in float64: weights 8 + gradients 8 + two moments 16 bytes a parameter, sharded
+    # as Rajbhandari et al.'s Table 1 says: 32, 24, 20, 16 bytes over dp 2 for ZeRO 0-3.
+    assert f"{(32, 24, 20, 16)[zero]} bytes per parameter" in lines[0]
+    for row in document["memory"]:
+        assert row["static"] == pytest.approx(row["predicted_static"], rel=0.02), row

@@ -79,8 +79,9 @@ def handle(args: argparse.Namespace) -> int:
         print(f"pipesim run: failed: {error}", file=sys.stderr)
         return 1
     document = summary(result)
+    predicted = predict_static_memory(document, config)
     write_outputs(result, args.json, args.trace, document)
-    print("\n".join(summary_lines(result, document)))
+    print("\n".join(summary_lines(result, document) + predicted))
     if args.html:
         write_html(result["trace"], args.html, args.plotly)
     return 0
@@ -117,11 +118,36 @@ def run_as_rank(config, args: argparse.Namespace) -> int:
     if rank != 0:
         return 0
     document = summary(result)
+    predicted = predict_static_memory(document, config)
     write_outputs(result, args.json, args.trace, document)
-    print("\n".join(summary_lines(result, document)))
+    print("\n".join(summary_lines(result, document) + predicted))
     if args.html:
         write_html(result["trace"], args.html, args.plotly)
     return 0
+
+
+def predict_static_memory(document: dict, config) -> list[str]:
+    """Each rank's parameters, gradients and optimizer state as the simulator's memory
+    model prices them (``pipesim.sim.memory``, ZeRO per Rajbhandari et al. Table 1), from
+    the rank's parameter count, beside what was measured at the step's end: the weights'
+    bytes for weights and gradients, and AdamW's two moments (SGD keeps none). Adds
+    ``predicted_static`` to each memory row; returns the lines to print (CPU only)."""
+    rows = document.get("memory") or []
+    if not rows or rows[0]["source"] != "tracked":
+        return []
+    from pipesim.sim.memory import BytesPerParam, static_bytes_per_param  # noqa: PLC0415
+
+    element = 8 if config.master_dtype == "float64" else 4
+    optimizer = 2 * element if config.optimizer == "adamw" else 0
+    per_param = static_bytes_per_param(BytesPerParam(element, element, optimizer), config.dp, config.zero)
+    lines = [f"parameters + gradients + optimizer state after the step, measured vs predicted (ZeRO {config.zero} "
+             f"over dp {config.dp}: {per_param:g} bytes per parameter):"]
+    for row in rows:
+        row["predicted_static"] = row["unsharded_params"] / element * per_param
+        error = row["static"] / row["predicted_static"] - 1 if row["predicted_static"] else 0.0
+        lines.append(f"  rank {row['rank']}: measured {row['static'] / 2**20:.3f} MiB, predicted "
+                     f"{row['predicted_static'] / 2**20:.3f} MiB ({error:+.1%})")
+    return lines
 
 
 def write_html(trace, path: str, plotly: str = "inline") -> None:
