@@ -27,6 +27,7 @@ OPTIMIZER_DEFAULTS = {"sgd": (0.01, 0.0), "adamw": (3e-4, 0.1)}
 ADAMW_BETAS = (0.9, 0.95)
 FAILURE_MODES = ("raise", "kill", "hang")
 P2P_SEMANTICS = ("rendezvous", "buffered")  # as schedules.p2p names them
+RECOMPUTE_MODES = ("none", "selective", "full")  # as pipesim.model.spec names them
 
 
 class ConfigError(ValueError):
@@ -49,7 +50,12 @@ class RunConfig:
     ``batch_size`` (which ``dp`` must divide), cut into ``microbatches``; ``tp`` splits
     every gpt block across that many ranks (``sequence_parallel`` adds Megatron's
     sequence parallelism). World size is ``dp * pp * tp``. ``dp_bucket_mb`` is the size
-    of the gradient all-reduce buckets (DDP's default 25).
+    of the gradient all-reduce buckets (DDP's default 25). ``zero`` 1 shards the
+    optimizer state over the dp replicas (gradients reduce-scattered, parameters
+    all-gathered after the step), 2 the gradients too (``executor.data_parallel``), 3
+    the parameters too (FSDP2's ``fully_shard``, ``executor.fsdp``).
+    ``recompute`` ``full`` or ``selective`` checkpoints each block, or only its attention
+    core (``executor.recompute``).
     ``p2p`` names the point-to-point semantics the run is checked and run under:
     ``rendezvous`` (NCCL's rule; on gloo emulated by a handshake, receives never posted
     ahead) or ``buffered`` (gloo's); ``None`` takes the backend's own.
@@ -71,6 +77,8 @@ class RunConfig:
     tp: int = 1
     sequence_parallel: bool = False
     dp_bucket_mb: float = 25.0
+    zero: int = 0
+    recompute: str = "none"
     microbatches: int = 4
     virtual_stages: int = 1
     model: str = "mlp"
@@ -166,7 +174,8 @@ class RunConfig:
                 raise ConfigError(f"{flag} must be at least 1, got {value}")
         for flag, value, valid in (("--optimizer", self.optimizer, OPTIMIZERS),
                                    ("--backend", self.backend, BACKENDS), ("--dtype", self.dtype, DTYPES),
-                                   ("--grad-reduce-dtype", self.reduce_dtype, DTYPES)):
+                                   ("--grad-reduce-dtype", self.reduce_dtype, DTYPES),
+                                   ("--recompute", self.recompute, RECOMPUTE_MODES)):
             if value not in valid:
                 raise ConfigError(f"{flag} {value!r} is not one of: {', '.join(valid)}")
         check_optimizer(self)
@@ -185,6 +194,7 @@ class RunConfig:
         if self.dp_bucket_mb <= 0:
             raise ConfigError(f"--dp-bucket-mb must be positive, got {self.dp_bucket_mb}")
         check_tensor_parallel(self)
+        check_zero(self)
         if self.timeout <= 0:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if self.model == "gpt" and self.hidden % self.heads:
@@ -259,6 +269,17 @@ def check_model(config: RunConfig) -> None:
         raise ConfigError(f"--data is read byte by byte (vocabulary {BYTE_VOCAB}: 256 bytes, BOS, EOS); "
                           f"--vocab {config.vocab} is too small")
     check_data_file(config.data)
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_zero(config: RunConfig) -> None:
+    """ZeRO shards over the dp replicas: it needs more than one."""
+    if config.zero not in ZERO_STAGES:
+        raise ConfigError(f"--zero {config.zero} is not one of: {', '.join(map(str, ZERO_STAGES))}")
+    if config.zero and config.dp == 1:
+        raise ConfigError(f"--zero {config.zero} shards over data-parallel replicas; it needs --dp > 1")
 
 
 def check_tensor_parallel(config: RunConfig) -> None:
@@ -340,6 +361,9 @@ def check_schedule_and_failure(config: RunConfig) -> None:
         schedule = build_schedule(config)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if config.zero == 3 and any(action.kind == "I" for program in schedule.programs for action in program):
+        raise ConfigError(f"--zero 3 (FSDP) cannot run a split backward: schedule {schedule.name!r} splits B into I "
+                          "and W; use a schedule with whole backwards (gpipe, 1f1b, interleaved-1f1b) or --zero 2")
     if config.inject_failure is None:
         return
     rank, action, _ = parse_failure(config.inject_failure)

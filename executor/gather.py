@@ -4,8 +4,8 @@ Each rank's program is known to every rank (it comes from the schedule), so a ra
 has to send, per event, the index of the action in its program, its start and end and
 its stream: one float64 tensor that any backend can all-gather, with no object
 serialisation on the way. Collective events that are not program actions (a stage's dp
-all-reduce bucket, a tp collective inside a compute action) travel as index -1 with a
-kind code, their stage and microbatch.
+bucket: all-reduce, reduce-scatter or parameter all-gather; a tp collective inside a
+compute action) travel as index -1 with a kind code, their stage, microbatch and bucket.
 
 With dp or tp > 1 the gather runs along one pipeline (the pp group of the mesh): the
 Trace shows one replica's pipeline, as the simulator does, with its dp and tp streams.
@@ -16,20 +16,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from executor.data_parallel import ALL_REDUCE, PARAM_GATHER, REDUCE_SCATTER
 from schedules.action import Action, parse_action
 from schedules.schedule import Schedule
 from schedules.trace import STREAMS, TraceEvent
 
 # Streams and kinds beyond a program's actions, named as the simulator names them.
 ALL_STREAMS = (*STREAMS, "dp", "tp")
-DP_KIND, TP_KIND = "ALLREDUCE_DP", "TP"
+DP_KIND, TP_KIND = ALL_REDUCE, "TP"
+DP_KINDS = (ALL_REDUCE, REDUCE_SCATTER, PARAM_GATHER)  # a dp event's code is minus the index of its kind
 COMPUTE_KINDS = ("F", "B", "I", "W")  # a tp event's code is 1 + the index of its action's kind
-COLUMNS = 7  # index, start, end, stream, extra code, stage, microbatch
+COLUMNS = 8  # index, start, end, stream, extra code, stage, microbatch, bucket
 
 
-def dp_event(rank: int, stage: int, start: float, end: float) -> TraceEvent:
-    """One bucket of ``stage``'s gradient all-reduce, on the ``dp`` stream."""
-    return TraceEvent(rank, f"{stage}{DP_KIND}", DP_KIND, stage, -1, start, end, "dp")
+def dp_event(rank: int, stage: int, start: float, end: float, kind: str = ALL_REDUCE,
+             bucket: int = 0) -> TraceEvent:
+    """One bucket of ``stage``'s gradient reduction (or, under ZeRO, of its parameter
+    all-gather) on the ``dp`` stream, named as the simulator names it: ``0ALLREDUCE_DP[1]``."""
+    return TraceEvent(rank, f"{stage}{kind}[{bucket}]", kind, stage, -1, start, end, "dp")
+
+
+def bucket_of(event: TraceEvent) -> int:
+    """The bucket index in a dp event's name (``0ALLREDUCE_DP[1]`` -> 1)."""
+    return int(event.action.rsplit("[", 1)[1].rstrip("]"))
 
 
 def tp_event(rank: int, action: Action, start: float, end: float) -> TraceEvent:
@@ -39,31 +48,31 @@ def tp_event(rank: int, action: Action, start: float, end: float) -> TraceEvent:
 
 def encode(program: tuple[Action, ...], events: list[TraceEvent]) -> torch.Tensor:
     """Events as rows ``(index in program or -1, start, end, stream, extra code, stage,
-    microbatch)``; extra code 0 is a dp bucket, ``1 + k`` a tp collective inside an
-    action of kind ``COMPUTE_KINDS[k]``."""
+    microbatch, bucket)``; extra code ``-k`` is a dp bucket of kind ``DP_KINDS[k]``,
+    ``1 + k`` a tp collective inside an action of kind ``COMPUTE_KINDS[k]``."""
     position = {action: index for index, action in enumerate(program)}
     rows = []
     for e in events:
         stream = ALL_STREAMS.index(e.stream)
-        if e.kind == DP_KIND:
-            rows.append((-1, e.start, e.end, stream, 0, e.stage, e.microbatch))
+        if e.kind in DP_KINDS:
+            rows.append((-1, e.start, e.end, stream, -DP_KINDS.index(e.kind), e.stage, e.microbatch, bucket_of(e)))
         elif e.kind == TP_KIND:
             inner = e.action[len(TP_KIND) + 1:-1]
             code = 1 + COMPUTE_KINDS.index(parse_action(inner).kind)
-            rows.append((-1, e.start, e.end, stream, code, e.stage, e.microbatch))
+            rows.append((-1, e.start, e.end, stream, code, e.stage, e.microbatch, 0))
         else:
             index = position[Action(e.stage, e.kind, e.microbatch)]
-            rows.append((index, e.start, e.end, stream, -1, e.stage, e.microbatch))
+            rows.append((index, e.start, e.end, stream, -1, e.stage, e.microbatch, 0))
     return torch.tensor(rows, dtype=torch.float64).reshape(len(rows), COLUMNS)
 
 
 def decode(rank: int, program: tuple[Action, ...], rows: torch.Tensor) -> list[TraceEvent]:
     events = []
-    for index, start, end, stream, code, stage, microbatch in rows.tolist():
+    for index, start, end, stream, code, stage, microbatch, bucket in rows.tolist():
         if index >= 0:
             events.append(TraceEvent.of(rank, program[int(index)], start, end, ALL_STREAMS[int(stream)]))
-        elif code == 0:
-            events.append(dp_event(rank, int(stage), start, end))
+        elif code <= 0:
+            events.append(dp_event(rank, int(stage), start, end, DP_KINDS[-int(code)], int(bucket)))
         else:
             action = Action(int(stage), COMPUTE_KINDS[int(code) - 1], int(microbatch))
             events.append(tp_event(rank, action, start, end))

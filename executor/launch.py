@@ -170,13 +170,16 @@ def elastic_run(function: Callable[..., Any], args: tuple, nprocs: int, threads:
 
 
 def merge_rank_results(per_rank: dict[int, list[dict]]) -> list[dict]:
-    """Rank 0's results, with every rank's gradients folded into ``grads``."""
+    """Rank 0's results, with every rank's gradients folded into ``grads``, final
+    weights into ``params`` and ``{rank: elements its optimizer steps}``."""
     merged = []
     for index, result in enumerate(per_rank[0]):
-        grads = {}
+        grads, params = {}, {}
         for rank in sorted(per_rank):
             grads.update(per_rank[rank][index]["grads"])
-        merged.append({**result, "grads": grads})
+            params.update(per_rank[rank][index].get("params", {}))
+        held = {rank: per_rank[rank][index].get("optimizer_elements") for rank in sorted(per_rank)}
+        merged.append({**result, "grads": grads, "params": params, "optimizer_elements": held})
     return merged
 
 

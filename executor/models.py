@@ -8,7 +8,7 @@ rank, for any split, holds exactly the weights the one-process reference holds.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -226,7 +226,7 @@ def build_model(config: RunConfig) -> PipelineModel:
 
 
 def build_optimizer(config: RunConfig, params: Iterable[torch.Tensor], lr: float | None = None,
-                    **options) -> torch.optim.Optimizer:
+                    decays: Callable[[torch.Tensor], bool] | None = None, **options) -> torch.optim.Optimizer:
     """The optimizer named by ``config.optimizer`` over ``params``, at ``lr`` (default
     ``config.learning_rate``: the optimizer's own default unless ``--lr`` is given);
     ``options`` go to its constructor as given.
@@ -235,11 +235,13 @@ def build_optimizer(config: RunConfig, params: Iterable[torch.Tensor], lr: float
     only: biases and norm weights are one-dimensional and are not decayed, the split
     Megatron-LM and nanoGPT make (decaying a norm's gain pulls it towards zero, which
     only shrinks the signal). AdamW uses the betas of LLM pretraining, ``ADAMW_BETAS``.
+    ``decays`` overrides which tensors are matrices (ZeRO steps flat pieces cut from them).
     """
     params = list(params)
     decay = config.decay
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    decays = decays or (lambda p: p.ndim >= 2)
+    groups = [{"params": [p for p in params if decays(p)], "weight_decay": decay},
+              {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
     groups = [group for group in groups if group["params"]] or [{"params": params}]
     lr = config.learning_rate if lr is None else lr
     if config.optimizer == "adamw":

@@ -19,6 +19,7 @@ from executor.config import (
     OPTIMIZER_DEFAULTS,
     OPTIMIZERS,
     P2P_SEMANTICS,
+    RECOMPUTE_MODES,
     ConfigError,
     RunConfig,
 )
@@ -74,6 +75,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     schedule.add_argument("--bucket-mb", dest="dp_bucket_mb", type=float, metavar="MB", default=25.0,
                           help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
     add_hidden_alias(schedule, "--dp-bucket-mb", "dp_bucket_mb", type=float)
+    schedule.add_argument("--zero", type=int, default=0, metavar="{0,1,2,3}",
+                          help="with --dp: 1 shards the optimizer state over the replicas (gradients "
+                               "reduce-scattered, parameters all-gathered), 2 the gradients too, 3 the parameters "
+                               "too (FSDP2 fully_shard per block) (default 0)")
     schedule.add_argument("--virtual-stages", "-v", type=positive_int, default=None,
                           help=f"stages per rank (default 2 for {', '.join(sorted(MULTI_CHUNK))}; else 1)")
     model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")
@@ -113,6 +118,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
                        help="layers per stage, comma-separated, e.g. 1,3,3,1 (default: as even as possible; an "
                        "architecture: split as simulate --model splits it)")
     add_hidden_alias(model, "--layout", "layout")
+    model.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                       help="activation recompute per block: full (the whole block) or selective (its attention "
+                            "core only), with torch.utils.checkpoint (default none)")
     train = parser.add_argument_group("training")
     if outputs:
         train.add_argument("--steps", type=int, default=DEFAULT_STEPS,
@@ -179,6 +187,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               "e.g. 1,3,3,1") from None
     config = RunConfig(
         **shape, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
+        zero=args.zero, recompute=args.recompute,
         model=args.model, batch_size=args.batch_size, **model_sizes(args), seed=args.seed,
         kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, experts=args.experts,
         capacity_factor=args.capacity_factor, data=args.data,

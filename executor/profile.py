@@ -35,6 +35,7 @@ from executor.models import PipelineModel, build_model, build_optimizer
 from executor.overheads import measure_overheads, microbatch_size
 from executor.precision import Precision
 from executor.process import init_rank
+from executor.recompute import apply_recompute
 from executor.spawn import launch_ranks
 from executor.split_backward import SplitBackward
 
@@ -215,6 +216,8 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time
         model = build_model(config)
         stages = {stage: model.build_stage(stage, schedule.num_stages).to(device)
                   for stage in schedule.stages_of(rank)}
+        for module in stages.values():  # a run with --recompute pays its second forward: time it
+            apply_recompute(module, config.recompute)
         probes = {stage: StageProbe(model, module, stage, schedule.num_stages, config, device)
                   for stage, module in stages.items()}
         measured = time_stages(probes, device, warmup, repeats, min_time)

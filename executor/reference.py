@@ -21,8 +21,8 @@ from executor.precision import Precision
 
 
 def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict:
-    """Losses of ``config.steps`` steps and the first step's gradients, named
-    ``"{stage}.{parameter}"`` like a pipelined run's; with fp16, also the steps the
+    """Losses of ``config.steps`` steps, the first step's gradients and the weights
+    after the last step, named ``"{stage}.{parameter}"`` like a pipelined run's; with fp16, also the steps the
     ``GradScaler`` skipped and its final scale."""
     model = model or build_model(config)
     num_stages = config.num_stages
@@ -52,5 +52,7 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
         if scaler.is_enabled() and scaler.get_scale() < scale:  # GradScaler backs off only when it skipped
             skipped.append(step)
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "skipped_steps": skipped,
+    params = {f"{index}.{name}": p.detach().clone() for index, stage in enumerate(stages)
+              for name, p in stage.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params, "skipped_steps": skipped,
             "loss_scale": scaler.get_scale() if scaler.is_enabled() else 1.0}

@@ -11,8 +11,9 @@ from schedules.metrics import comm_by_kind, step_metrics
 def summary(result: dict) -> dict:
     """The ``--json`` document: the run's shape (``microbatches`` per dp replica, the
     global batch and each replica's slice of it), one loss and one step time per step,
-    and the measured makespan, bubble fraction and communication by kind (seconds summed
-    over one pipeline's ranks) of the last step."""
+    the measured makespan, bubble fraction and communication by kind (seconds summed
+    over one pipeline's ranks) of the last step, and each rank's measured memory of the
+    last step (``memory``: bytes by kind, ``executor.memory``)."""
     metrics = step_metrics(result["trace"])
     comm = {kind: {"total": 0.0, "exposed": 0.0} for kind in ("p2p", "dp", "tp")}
     for rank in comm_by_kind(result["trace"]):
@@ -35,6 +36,7 @@ def summary(result: dict) -> dict:
         "measured_makespan": metrics.makespan,
         "bubble_fraction": metrics.bubble_fraction,
         "comm": comm,
+        "memory": result.get("memory"),
     }
 
 
@@ -71,4 +73,25 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
                  f"{ms(comm['p2p']['total'])}, from posting to completion, waiting for the peer included); "
                  f"dp {ms(comm['dp']['total'])} (exposed {ms(comm['dp']['exposed'])}); "
                  f"tp {ms(comm['tp']['total'])}")
+    lines.extend(memory_lines(document.get("memory")))
+    return lines
+
+
+def memory_lines(memory: list[dict] | None) -> list[str]:
+    """One line per rank: the measured peak and what it was made of (``executor.memory``)."""
+    if not memory:
+        return []
+
+    def mib(value: float) -> str:
+        return f"{value / 2**20:.3f} MiB"
+
+    if memory[0]["source"] == "cuda":
+        return ["measured memory (last step, torch.cuda.max_memory_allocated): "
+                + ", ".join(f"rank {row['rank']} {mib(row['peak'])}" for row in memory)]
+    lines = ["measured memory (last step, tensors the executor holds, peak at action boundaries):"]
+    for row in memory:
+        lines.append(f"  rank {row['rank']}: peak {mib(row['peak'])} = params {mib(row['params'])} + grads "
+                     f"{mib(row['grads'])} + optimizer {mib(row['optimizer'])} + activations "
+                     f"{mib(row['activations'])} + buffers {mib(row['buffers'])}; most activations at once "
+                     f"{mib(row['activations_peak'])}")
     return lines

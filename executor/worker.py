@@ -19,13 +19,15 @@ import torch.distributed as dist
 from executor.clock import CpuClock, clock_for
 from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
-from executor.data_parallel import GradientAverager
+from executor.data_parallel import GradientAverager, local_tensor
 from executor.gather import dp_event, gather_events, tp_event
+from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.precision import LossScaler, Precision
 from executor.process import init_rank
 from executor.progress import ProgressWriter, progress_dir_from_env
+from executor.recompute import apply_recompute
 from executor.runtime import PipelineRuntime
 from schedules.action import Action
 from schedules.trace import Trace
@@ -99,16 +101,28 @@ class RankRun:
             for stage in self.stages.values():
                 parallelize_stage(stage, self.mesh.submesh("tp"), config.sequence_parallel)
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
+        for stage in self.stages.values():
+            apply_recompute(stage, config.recompute)
+        unsharded = sum(local_tensor(p.detach()).numel() * p.element_size()
+                        for stage in self.stages.values() for p in stage.parameters())
+        if config.zero == 3:
+            from executor.fsdp import shard_stage  # noqa: PLC0415
+
+            for stage in self.stages.values():
+                shard_stage(stage, self.mesh.submesh("dp"))
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
-        # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
-        self.optimizer = build_optimizer(config, params, foreach=False if config.tp > 1 else None)
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
         self.averager = None
-        if config.dp > 1:
+        if config.dp > 1 and config.zero < 3:  # ZeRO-3: FSDP reduces the gradients itself
             self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
                                              config.dp, config.dp_bucket_mb * 2**20,
-                                             reduce_dtype=getattr(torch, config.reduce_dtype))
+                                             reduce_dtype=getattr(torch, config.reduce_dtype), zero=config.zero)
+        if config.zero in (1, 2):  # the optimizer steps this replica's shard only
+            shard, matrices = self.averager.optimizer_tensors()
+            self.optimizer = build_optimizer(config, shard, decays=lambda tensor: id(tensor) in matrices)
+        else:  # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
+            self.optimizer = build_optimizer(config, params, foreach=False if config.tp > 1 else None)
         batch = config.replica_batch_size
         sizes = [len(part) for part in torch.tensor_split(torch.arange(batch), config.microbatches)]
         # Pipeline peers are the processes at the same (dp, tp) position of the mesh.
@@ -117,16 +131,28 @@ class RankRun:
         self.links = PeerLinks(placement, config.microbatches, device, getattr(torch, config.dtype),
                                lambda microbatch: model.boundary_shape(sizes[microbatch]),
                                handshake=rendezvous and backend != "nccl", rank=rank)
+        self.memory = MemoryTracker(params, device)
+        self.memory.unsharded_params = unsharded
+        self.memory.optimizer = self.optimizer
+        if config.zero in (1, 2):
+            self.memory.extra_grads = self.averager.held_shards
+        before = chain_hooks(action_hook(config, rank, progress),
+                             self.averager.before_action if self.averager else None, self.memory.before_action)
         self.runtime = PipelineRuntime(pp_rank, schedule, self.stages, model, self.links, self.clock,
-                                       batch, action_hook(config, rank, progress), progress=progress,
+                                       batch, before, progress=progress,
                                        prefetch_recvs=config.prefetch_receives(backend), rendezvous=rendezvous,
-                                       after_action=self.averager.after_action if self.averager else None,
+                                       after_action=chain_hooks(self.averager.after_action if self.averager
+                                                                else None, self.memory.after_action),
                                        precision=Precision(config, device))
         self.waiting_on: str | None = None  # a step-level collective the rank is blocked in
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.events: list = []
         self.grads: dict[str, torch.Tensor] = {}
+        runtime = self.runtime
+        self.memory.buffers = lambda: [*runtime.outbox.values(), *runtime.forward_inputs.values(),
+                                       *runtime.output_grads.values()]
+        self.memory_peak = MemoryPeak()
 
     def step(self, step: int) -> None:
         """One training step: the program, the optimizer, the loss made known to all."""
@@ -138,12 +164,17 @@ class RankRun:
         inputs = list(torch.tensor_split(inputs.to(device), config.microbatches))
         targets = list(torch.tensor_split(targets.to(device), config.microbatches))
         self.optimizer.zero_grad(set_to_none=True)
+        if self.averager is not None and self.config.zero in (1, 2):  # the optimizer holds shards
+            self.averager.zero_grad()
+            for param in self.params:
+                param.grad = None
         if self.progress is not None:
             self.progress.step = step
         if self.world > 1:
             self.wait_for("in the step's barrier", dist.barrier)
         started = time.perf_counter()
         self.runtime.loss_scale = self.scaler.scale
+        self.memory.start_step()
         try:
             if self.tp_timer is not None:
                 with self.tp_timer.timing():
@@ -156,15 +187,22 @@ class RankRun:
             raise RankFailedError(f"rank {self.rank} failed in step {step} {where}: "
                                   f"{type(error).__name__}: {error}") from error
         # fp16: every rank of the job skips the step if any gradient anywhere overflowed.
-        overflow = self.scaler.unscale([p.grad for p in self.params])
+        sharded = config.zero in (1, 2)
+        overflow = self.scaler.unscale(self.averager.shard_grads() if sharded else [p.grad for p in self.params])
         if config.return_grads and step == 0:
+            if sharded:
+                self.averager.full_gradients()
             self.grads = {f"{stage}.{name}": full_tensor(p.grad).detach().cpu().clone()
                           for stage, module in self.stages.items() for name, p in module.named_parameters()}
         if overflow:
             self.skipped_steps.append(step)
         else:
             self.optimizer.step()
+        if sharded:  # every replica's parameters from the shards each one stepped (also on a skipped step)
+            gathers = self.wait_for("in the dp parameter all-gather", self.averager.gather_parameters)
+            self.events.extend(self.dp_events(gathers))
         self.scaler.update(overflow)
+        self.memory_peak = self.memory.finish_step()
         if self.world > 1:
             # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank.
             self.wait_for("in the loss all-reduce", lambda: dist.all_reduce(loss))
@@ -199,10 +237,16 @@ class RankRun:
         clock = self.runtime.clock
         events = [tp_event(self.pp_rank, action, clock.seconds(start), clock.seconds(end))
                   for action, start, end in collectives if action is not None]
-        if isinstance(clock, CpuClock):
-            events.extend(dp_event(self.pp_rank, stage, clock.seconds(start), clock.seconds(end))
-                          for stage, start, end in reductions)
-        return events
+        return events + self.dp_events(reductions)
+
+    def dp_events(self, timings: list) -> list:
+        """dp buckets as Trace events; host-timed, so left out on a GPU (they would need
+        events on the dp stream)."""
+        clock = self.runtime.clock
+        if not isinstance(clock, CpuClock):
+            return []
+        return [dp_event(self.pp_rank, stage, clock.seconds(start), clock.seconds(end), kind, bucket)
+                for stage, bucket, kind, start, end in timings]
 
     def result(self) -> dict:
         """Rank 0: the run's summary and the last step's Trace from every rank; every
@@ -216,19 +260,52 @@ class RankRun:
                 "world_size": self.world, "step": len(self.losses) - 1, **shape}
         if self.world > 1:
             events = gather_events(schedule, self.pp_rank, events, self.device, self.mesh.group("pp"))
-        result = {"rank": self.rank, "grads": self.grads, "skipped_steps": self.skipped_steps,
+        params = {}
+        if config.return_grads:  # the weights after the last step (a collective on tp groups)
+            params = {f"{stage}.{name}": full_tensor(p.detach()).cpu().clone()
+                      for stage, module in self.stages.items() for name, p in module.named_parameters()}
+        held = sum(local_tensor(p).numel() for group in self.optimizer.param_groups for p in group["params"])
+        result = {"rank": self.rank, "grads": self.grads, "params": params, "optimizer_elements": held,
+                  "skipped_steps": self.skipped_steps,
                   "loss_scale": self.scaler.scale}
+        memory = self.gather_memory()
         if self.rank == 0:
-            result.update(schedule=schedule.name, pp=schedule.pp, microbatches=schedule.microbatches,
+            result.update(memory=memory, schedule=schedule.name, pp=schedule.pp, microbatches=schedule.microbatches,
                           virtual_stages=schedule.virtual_stages, world_size=self.world, backend=self.backend,
                           losses=self.losses, step_times=self.step_times, **shape,
                           trace=Trace.merge([Trace(events)], meta))
         return result
 
 
+    def gather_memory(self) -> list[dict]:
+        """Every rank's measured memory of the last step (bytes by kind), on every rank;
+        gathered as numbers, like the Trace."""
+        mine = torch.tensor(self.memory_peak.as_list(), dtype=torch.float64, device=self.device)
+        rows = [mine]
+        if self.world > 1:
+            rows = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(rows, mine)
+        source = "cuda" if self.device.type == "cuda" else "tracked"
+        return [{"rank": rank, "source": source, **dict(zip(FIELDS, row.tolist(), strict=True))}
+                for rank, row in enumerate(rows)]
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a tp-split DTensor (a collective on its tp group)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def chain_hooks(*hooks):
+    """One per-action hook that runs each given hook (``None`` ones skipped) in order."""
+    present = [hook for hook in hooks if hook is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+
+    def chained(action: Action) -> None:
+        for hook in present:
+            hook(action)
+
+    return chained
 
 
 def action_hook(config: RunConfig, rank: int, progress: ProgressWriter | None):

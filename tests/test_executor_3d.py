@@ -79,15 +79,18 @@ def test_3d_trace_shows_dp_and_tp_communication(case: tuple) -> None:
     streams = Counter(event.stream for event in trace.events)
     assert (streams["dp"] > 0) == (dp > 1)
     assert (streams["tp"] > 0) == (tp > 1)
-    compute_end = {}
+    last_backward = {}
     for event in trace.events:
         if event.stream == "compute" and event.kind in ("B", "W"):
-            compute_end[event.stage] = max(compute_end.get(event.stage, 0.0), event.end)
+            last_backward[event.stage] = max(last_backward.get(event.stage, (0.0, 0.0)), (event.start, event.end))
     for event in trace.events:
         if event.stream == "dp":
-            # A stage's reduction starts once its last backward is done.
-            assert event.start >= compute_end[event.stage] - 1e-9
+            # A bucket's reduction starts during its stage's last backward, once the bucket is full.
+            assert event.start >= last_backward[event.stage][0] - 1e-9
             assert event.end >= event.start
+    if variant == "buckets":  # several buckets a stage: the first leaves while the backward still runs
+        for stage, (_, end) in last_backward.items():
+            assert min(e.start for e in trace.events if e.stream == "dp" and e.stage == stage) < end
     stages = {event.stage for event in trace.events if event.stream == "dp"}
     if dp > 1:
         assert stages == set(range(pp * (2 if schedule == "interleaved-1f1b" else 1)))

@@ -2,18 +2,23 @@
 
 The ranks are started through torch's elastic launcher (the machinery behind
 ``torchrun``) on gloo, or NCCL where CUDA is available; ``--pp 1`` (with dp = tp = 1) runs the same model in
-this process, as the reference. torch is imported only inside the handler, so the rest
-of the command line never loads it.
+this process, as the reference. Started by ``torchrun`` itself (RANK, WORLD_SIZE and
+LOCAL_RANK set), each process is one rank of one job and starts nothing. torch is
+imported only inside the handler, so the rest of the command line never loads it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from executor.architecture import is_architecture, shrink_note, shrunk_spec
+from executor.config import ConfigError
 from executor.options import add_run_arguments, config_from_args
+from pipesim.cli.plan_row import config_from_plan_row
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
+from pipesim.cli.refused import add_refused_flags, refusal
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,14 +32,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="keep each rank's stdout/stderr and the launcher's log here (default: a temporary "
                              "folder, kept only when the run fails)")
+    plan = parser.add_argument_group("a layout from pipesim plan")
+    plan.add_argument("--plan", default=None, metavar="PLAN.json",
+                      help="run a row of `pipesim plan --json`: its schedule, pp, tp, dp, microbatches, ZeRO, "
+                           "recompute and sequence parallelism kept, the model shrunk to this machine")
+    plan.add_argument("--row", type=int, default=1, metavar="N",
+                      help="the row of --plan to run, as its table numbers them (default 1, the best)")
     add_quiet_arg(parser)
+    refused = add_refused_flags(parser)
+    parser.epilog = (f"Flags of simulate and plan that run does not execute are refused in one line: "
+                     f"{', '.join(refused)}.")
     parser.set_defaults(handler=handle)
 
 
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a job torchrun (or another launcher that sets
+    torch's environment) started."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
 def handle(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    refused = refusal(args)
+    if refused:
+        raise ConfigError(refused)
+    if args.plan is not None:
+        config, planned = config_from_plan_row(args)
+        print(planned)
+    else:
+        config = config_from_args(args)
     if is_architecture(config.model):
         print(f"pipesim run: {shrink_note(config)}")
+    if launched_by_torchrun():
+        return run_as_rank(config, args)
     progress = progress_from_args("run", args)
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
     from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
@@ -55,11 +84,75 @@ def handle(args: argparse.Namespace) -> int:
     document = summary(result)
     if is_architecture(config.model):  # what ran: the shrunk architecture, as simulate --json describes one
         document["model"] = {**shrunk_spec(config).describe(), "source": config.model, "shrunk": shrink_note(config)}
+    predicted = predict_static_memory(document, config)
     write_outputs(result, args.json, args.trace, document)
-    print("\n".join(summary_lines(result, document)))
+    print("\n".join(summary_lines(result, document) + predicted))
     if args.html:
         write_html(result["trace"], args.html, args.plotly)
     return 0
+
+
+def run_as_rank(config, args: argparse.Namespace) -> int:
+    """Under torchrun: this process is one rank of one job across the launched processes
+    (no ranks are started here). Rank 0 prints the summary and writes ``--json``,
+    ``--trace`` and ``--html``; the other ranks print and write nothing. A world size that
+    does not match dp x pp x tp is refused before any collective, by rank 0 in one line
+    (the other ranks exit with the same status, silently)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    problem = None
+    if world != config.world_size:
+        problem = (f"torchrun started {world} processes, but dp={config.dp} x pp={config.pp} x tp={config.tp} is "
+                   f"{config.world_size} ranks: use torchrun --nproc-per-node {config.world_size} (one node), or "
+                   f"change --dp/--pp/--tp")
+    elif args.log_dir is not None:
+        problem = "--log-dir is for ranks pipesim run starts itself; under torchrun each rank's output is torchrun's"
+    if problem is not None:
+        if rank == 0:
+            raise ConfigError(problem)
+        return 2
+    from executor.launch import validate_schedule  # noqa: PLC0415 - loads torch
+    from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
+    from executor.worker import RankFailedError, run_worker  # noqa: PLC0415
+
+    validate_schedule(config)
+    try:
+        (result,) = run_worker([config])
+    except RankFailedError as error:
+        print(f"pipesim run: failed: {error}", file=sys.stderr)
+        return 1
+    if rank != 0:
+        return 0
+    document = summary(result)
+    predicted = predict_static_memory(document, config)
+    write_outputs(result, args.json, args.trace, document)
+    print("\n".join(summary_lines(result, document) + predicted))
+    if args.html:
+        write_html(result["trace"], args.html, args.plotly)
+    return 0
+
+
+def predict_static_memory(document: dict, config) -> list[str]:
+    """Each rank's parameters, gradients and optimizer state as the simulator's memory
+    model prices them (``pipesim.sim.memory``, ZeRO per Rajbhandari et al. Table 1), from
+    the rank's parameter count, beside what was measured at the step's end: the weights'
+    bytes for weights and gradients, and AdamW's two moments (SGD keeps none). Adds
+    ``predicted_static`` to each memory row; returns the lines to print (CPU only)."""
+    rows = document.get("memory") or []
+    if not rows or rows[0]["source"] != "tracked":
+        return []
+    from pipesim.sim.memory import BytesPerParam, static_bytes_per_param  # noqa: PLC0415
+
+    element = 8 if config.master_dtype == "float64" else 4
+    optimizer = 2 * element if config.optimizer == "adamw" else 0
+    per_param = static_bytes_per_param(BytesPerParam(element, element, optimizer), config.dp, config.zero)
+    lines = [f"parameters + gradients + optimizer state after the step, measured vs predicted (ZeRO {config.zero} "
+             f"over dp {config.dp}: {per_param:g} bytes per parameter):"]
+    for row in rows:
+        row["predicted_static"] = row["unsharded_params"] / element * per_param
+        error = row["static"] / row["predicted_static"] - 1 if row["predicted_static"] else 0.0
+        lines.append(f"  rank {row['rank']}: measured {row['static'] / 2**20:.3f} MiB, predicted "
+                     f"{row['predicted_static'] / 2**20:.3f} MiB ({error:+.1%})")
+    return lines
 
 
 def write_html(trace, path: str, plotly: str = "inline") -> None:

@@ -1,0 +1,70 @@
+"""Activation recompute (``--recompute full|selective``), applied to a stage's blocks with
+``torch.utils.checkpoint``, as torchtitan's ``apply_ac`` does: the model never knows.
+
+- ``full`` (Megatron's full recompute): each block keeps only its input; its forward runs
+  again in the backward to rebuild what the backward needs. Activation memory per layer
+  falls to the input, at the cost of a second forward of every block.
+- ``selective`` (Korthikanti et al. 2022, "selective activation recompute"): only the
+  attention core, the softmax(QK^T)V that grows with the square of the sequence, is
+  recomputed; every other op's output is kept. Each block's forward runs under a torch
+  function mode that sends every ``scaled_dot_product_attention`` call through the
+  checkpoint, so any block built on torch's attention is covered.
+
+Both use the non-reentrant checkpoint, which works with ``autograd.grad`` (the split
+backward's ``I``) and keeps the parameters' gradients flowing to ``.grad`` as usual.
+Why not torch's selective activation checkpointing (``create_selective_checkpoint_contexts``
+with a policy that recomputes the attention kernels): it allows one backward through a
+region ("Trying to backward an extra time"), and a split backward goes through it twice,
+once for ``I`` and once for ``W``: that is the error torchtitan's default selective
+recompute hits on every zero-bubble schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+from executor.config import RECOMPUTE_MODES
+
+
+class AttentionRecompute(TorchFunctionMode):
+    """While active, each ``F.scaled_dot_product_attention`` call is checkpointed: its
+    output is kept, its internals are recomputed in the backward."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return checkpoint(func, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)
+
+
+def attention_checkpointed(forward, *args, **kwargs):
+    """``forward(*args, **kwargs)`` with its attention cores checkpointed."""
+    with AttentionRecompute():
+        return forward(*args, **kwargs)
+
+
+def checkpointed(forward, mode: str):
+    """``forward`` with activation recompute ``mode`` applied."""
+    if mode == "full":
+        return functools.partial(checkpoint, forward, use_reentrant=False)
+    return functools.partial(attention_checkpointed, forward)
+
+
+def apply_recompute(stage: nn.Module, mode: str) -> None:
+    """Wrap each block of ``stage`` (its ``blocks`` list) in activation checkpointing;
+    parameter names and the module tree stay as they are."""
+    if mode == "none":
+        return
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"--recompute {mode!r} is not one of: {', '.join(RECOMPUTE_MODES)}")
+    blocks = getattr(stage, "blocks", None)
+    if blocks is None:
+        raise ValueError(f"--recompute {mode} wraps a stage's blocks, but {type(stage).__name__} has no "
+                         "`blocks` list")
+    for block in blocks:
+        block.forward = checkpointed(block.forward, mode)

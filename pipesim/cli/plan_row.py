@@ -1,0 +1,93 @@
+"""``pipesim run --plan plan.json --row N``: run a layout ``pipesim plan`` recommended.
+
+The row's layout is kept as the plan chose it: schedule, pp, tp, dp, virtual stages,
+microbatches per replica, microbatch size (so the global batch is dp x microbatches x
+microbatch size), ZeRO stage, recompute and sequence parallelism. The model is shrunk to
+fit this machine: the run's own ``--layers/--hidden/--heads/--seq-len/--vocab``, each
+raised to the least value the layout needs (a block per stage, heads a multiple of tp,
+a sequence the tp ranks can split). ``plan --json`` rows do not name the plan's model, so
+the model is the run's ``--model`` (the ``gpt`` transformer unless another transformer
+is named: the planner's models are transformers, so ``mlp`` is not used here). What the
+executor does not run (context or expert parallelism, ZeRO-3 with a split backward,
+cost-aware orders) is refused in one line naming the row and the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from executor.config import ConfigError, RunConfig
+from executor.options import config_from_args
+
+# Flags whose value the row fixes, with the value that means "not given".
+ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_file", None), ("--pp", "pp", None),
+             ("--microbatches", "microbatches", None), ("--virtual-stages", "virtual_stages", None),
+             ("--dp", "dp", 1), ("--tp", "tp", 1), ("--zero", "zero", 0), ("--recompute", "recompute", "none"),
+             ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", 8))
+
+
+def read_row(path: str, number: int) -> dict:
+    """Row ``number`` (1 = the best, as the plan's table numbers them) of a plan JSON."""
+    try:
+        document = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--plan {path}: not JSON ({error.msg} at line {error.lineno})") from None
+    rows = document.get("ranked") if isinstance(document, dict) else None
+    if not isinstance(rows, list):
+        raise ConfigError(f"--plan {path}: no \"ranked\" list; write the file with `pipesim plan ... --json {path}`")
+    if not rows:
+        raise ConfigError(f"--plan {path}: the plan ranked no layout")
+    if not 1 <= number <= len(rows):
+        raise ConfigError(f"--row {number}: {path} has {len(rows)} ranked rows; use 1 to {len(rows)}")
+    return rows[number - 1]
+
+
+def check_executable(row: dict, number: int) -> None:
+    """Refuse, in one line, what the executor does not run."""
+    for key, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
+        if row.get(key, 1) != 1:
+            raise ConfigError(f"plan row {number} ({row.get('layout', '')}): {key} {row[key]} is simulate-only: "
+                              f"pipesim run does not execute {what} yet")
+
+
+def shrunk_model(args: argparse.Namespace, row: dict) -> dict:
+    """The run's model flags, raised to what the row's layout needs."""
+    tp, stages = row["tp"], row["pp"] * row["virtual_stages"]
+    heads = math.lcm(max(args.heads, 1), tp)
+    head_dim = max(1, args.hidden // max(args.heads, 1))
+    hidden = max(args.hidden, heads * head_dim)
+    hidden += -hidden % heads
+    seq_len = args.seq_len + (-args.seq_len % tp if row.get("sequence_parallel") else 0)
+    return {"model": "gpt" if args.model == "mlp" else args.model, "layers": max(args.layers, stages),
+            "hidden": hidden, "heads": heads, "seq_len": seq_len, "vocab": args.vocab}
+
+
+def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
+    """The checked ``RunConfig`` of ``--plan``'s row ``--row``, and the line that says
+    what was kept and what was shrunk."""
+    for flag, name, unset in ROW_FIXES:
+        if getattr(args, name, unset) != unset:
+            raise ConfigError(f"{flag} conflicts with --plan {args.plan}: the plan's row fixes the schedule, pp, "
+                              "microbatches, virtual stages, dp, tp, ZeRO, recompute, sequence parallelism and the "
+                              f"batch; drop {flag}")
+    number = args.row
+    row = read_row(args.plan, number)
+    check_executable(row, number)
+    model = shrunk_model(args, row)
+    fixed = {"schedule": row["schedule"], "pp": row["pp"], "microbatches": row["microbatches"],
+             "virtual_stages": row["virtual_stages"], "dp": row["dp"], "tp": row["tp"], "zero": row["zero"],
+             "recompute": row["recompute"], "sequence_parallel": bool(row["sequence_parallel"]),
+             "batch_size": row["dp"] * row["microbatches"] * row["microbatch_size"]}
+    planned = argparse.Namespace(**{**vars(args), **fixed, **model})
+    try:
+        config = config_from_args(planned)
+    except ConfigError as error:
+        raise ConfigError(f"plan row {number} ({row.get('layout', '')}): {error}") from None
+    line = (f"plan row {number}: {row.get('layout', '')} kept (world {config.world_size}, global batch "
+            f"{config.batch_size}); model shrunk to {model['model']} with {model['layers']} layers, hidden "
+            f"{model['hidden']}, {model['heads']} heads, seq-len {model['seq_len']}, vocab {model['vocab']} "
+            "(plan.json does not name the plan's model)")
+    return config, line

@@ -1,0 +1,69 @@
+"""The flags of ``pipesim simulate`` and ``pipesim plan`` that ``pipesim run`` does not
+execute, refused in one line that says so.
+
+A user who moves a command line from ``simulate`` to ``run`` (or a plan row to a run)
+should hear "``--cp`` is simulate-only", not argparse's "unrecognized arguments", and
+never have a flag silently dropped. The list is read from the other commands' own
+parsers when ``run``'s parser is built, so a flag added to ``simulate`` or ``plan``
+later is refused by ``run`` until ``run`` learns it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+SOURCES = ("simulate", "plan")  # the commands whose flags run mirrors
+
+
+class RefusedFlag(argparse.Action):
+    """Parses like the flag it stands for, and remembers that it was given."""
+
+    def __init__(self, option_strings: list[str], dest: str, owners: tuple[str, ...] = (), **kwargs) -> None:
+        self.owners = owners
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        given = getattr(namespace, self.dest, None) or []
+        setattr(namespace, self.dest, [*given, (option_string, self.owners)])
+
+
+def other_flags() -> dict[str, tuple[argparse.Action, tuple[str, ...]]]:
+    """Every option string of the source commands: its action and the commands that take it."""
+    flags: dict[str, tuple[argparse.Action, tuple[str, ...]]] = {}
+    for name in SOURCES:
+        holder = argparse.ArgumentParser(add_help=False)
+        importlib.import_module(f"pipesim.cli.{name}").register(holder.add_subparsers(dest="command"))
+        (parser,) = holder._subparsers._group_actions[0].choices.values()
+        for action in parser._actions:
+            for flag in action.option_strings:
+                owners = flags[flag][1] + (name,) if flag in flags else (name,)
+                flags[flag] = (flags.get(flag, (action,))[0], owners)
+    return flags
+
+
+def add_refused_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Add to ``parser`` (run's) every flag of simulate and plan it lacks, hidden from
+    the option list, parsed with the same number of values; return them, sorted."""
+    taken = set(parser._option_string_actions)
+    refused = []
+    for flag, (action, owners) in other_flags().items():
+        if flag in taken:
+            continue
+        nargs = 0 if action.nargs == 0 or isinstance(action, argparse._StoreTrueAction) else action.nargs
+        parser.add_argument(flag, action=RefusedFlag, dest="refused_flags", owners=owners, nargs=nargs,
+                            default=None, help=argparse.SUPPRESS)
+        refused.append(flag)
+    return sorted(refused)
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """The one-line refusal for the first such flag given, or None."""
+    given = getattr(args, "refused_flags", None)
+    if not given:
+        return None
+    flag, owners = given[0]
+    kind = "simulate-only" if "simulate" in owners else f"{owners[0]}-only"
+    return (f"{flag} is {kind}: pipesim run does not execute it (it is a flag of pipesim {' and '.join(owners)}); "
+            "drop it to run, or see docs/executor.md for what run executes")

@@ -1,0 +1,55 @@
+"""``pipesim run`` takes or refuses, in one line, every flag ``simulate`` and ``plan`` have:
+never argparse's "unrecognized arguments", never a flag silently dropped."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pipesim.cli import build_parser, main, subparsers_of
+
+
+def flags_of(command: str) -> dict[str, argparse.Action]:
+    (parser,) = [p for p in subparsers_of(build_parser(command)) if p.prog.endswith(command)]
+    return {flag: action for action in parser._actions for flag in action.option_strings}
+
+
+# What run executes: its own flags, not the stand-ins that refuse the others.
+RUN = {flag: action for flag, action in flags_of("run").items() if action.dest != "refused_flags"}
+OTHERS = {**flags_of("plan"), **flags_of("simulate")}
+NOT_IN_RUN = sorted(flag for flag in OTHERS if flag not in RUN)
+
+
+def test_there_are_flags_run_does_not_take() -> None:
+    # Context and expert parallelism, the cost model and the search are not executed by run.
+    assert {"--cp", "--ep", "--topology", "--fwd", "--gpus", "--fsdp"} <= set(NOT_IN_RUN)
+    # ... and the ones it does execute are not among them.
+    assert not {"--dp", "--tp", "--zero", "--recompute", "--bucket-mb", "--sequence-parallel"} & set(NOT_IN_RUN)
+
+
+@pytest.mark.parametrize("flag", NOT_IN_RUN)
+def test_a_flag_run_does_not_execute_is_refused_in_one_line(flag: str, capsys) -> None:
+    takes_value = OTHERS[flag].nargs != 0
+    argv = ["run", "--pp", "1", flag, *(["2"] if takes_value else [])]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"pipesim run: error: {flag} is ")
+    assert "-only" in lines[0] and "unrecognized" not in lines[0]
+    assert captured.out == ""
+
+
+def test_the_refusal_names_the_first_such_flag_and_says_simulate_only(capsys) -> None:
+    assert main(["run", "--pp", "1", "--cp", "2", "--ep", "2"]) == 2
+    assert "--cp is simulate-only" in capsys.readouterr().err
+    assert main(["run", "--pp", "1", "--gpus", "8"]) == 2
+    assert "--gpus is plan-only" in capsys.readouterr().err
+
+
+def test_run_help_lists_what_it_refuses(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "refused in one line" in text and "--cp," in text

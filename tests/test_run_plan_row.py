@@ -1,0 +1,95 @@
+"""``pipesim run --plan plan.json --row N`` runs the layout a plan ranked, with the
+parallel degrees kept and the model shrunk, and refuses in one line what it cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from executor.reference import reference_run
+from pipesim.cli import build_parser, main
+from pipesim.cli.plan_row import config_from_plan_row
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory) -> Path:
+    """A real `pipesim plan --json` on 2 GPUs: rows with dp 2 + ZeRO 1/2/3 and tp 2 + sp."""
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    assert main(["plan", "--model", "gpt", "--gpus", "2", "--global-batch", "4", "--seq-len", "64",
+                 "--topology", "ideal", "--top", "4", "--json", str(path), "--quiet", "--workers", "1",
+                 "--schedules", "1f1b,gpipe"]) == 0
+    return path
+
+
+def rows_of(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["ranked"]
+
+
+def planned(argv: list[str]):
+    return config_from_plan_row(build_parser("run").parse_args(["run", *argv]))
+
+
+def row_number(rows: list[dict], **wanted) -> int:
+    return next(i + 1 for i, row in enumerate(rows) if all(row[k] == v for k, v in wanted.items()))
+
+
+def test_the_rows_layout_is_kept_and_the_model_shrunk(plan_file: Path) -> None:
+    rows = rows_of(plan_file)
+    assert 3 in {row["zero"] for row in rows}  # ZeRO-3 rows run too (FSDP2)
+    for number, row in enumerate(rows, start=1):
+        config, line = planned(["--plan", str(plan_file), "--row", str(number), "--heads", "3", "--hidden", "24"])
+        assert (config.schedule, config.pp, config.dp, config.tp, config.virtual_stages, config.microbatches) == \
+               (row["schedule"], row["pp"], row["dp"], row["tp"], row["virtual_stages"], row["microbatches"])
+        assert (config.zero, config.recompute, config.sequence_parallel) == \
+               (row["zero"], row["recompute"], row["sequence_parallel"])
+        assert config.batch_size == row["dp"] * row["microbatches"] * row["microbatch_size"]
+        assert config.model == "gpt" and config.layers >= row["pp"] * row["virtual_stages"]
+        # heads 3 cannot be split over tp 2: raised to 6 (hidden kept at 8 per head: 48).
+        assert (config.heads, config.hidden) == ((6, 48) if row["tp"] == 2 else (3, 24))
+        if row["sequence_parallel"]:
+            assert config.seq_len % row["tp"] == 0
+        assert line.startswith(f"plan row {number}: {row['layout']} kept") and "shrunk" in line
+
+
+def test_a_planned_row_runs_and_equals_the_one_process_reference(plan_file: Path, tmp_path: Path, capsys) -> None:
+    rows = rows_of(plan_file)
+    number = row_number(rows, dp=2, zero=1)
+    argv = ["--plan", str(plan_file), "--row", str(number), "--dtype", "float64", "--steps", "2", "--layers", "2",
+            "--hidden", "8", "--heads", "2", "--seq-len", "4", "--vocab", "11", "--optimizer", "adamw"]
+    out = tmp_path / "run.json"
+    assert main(["run", *argv, "--json", str(out), "--quiet"]) == 0
+    assert f"plan row {number}: {rows[number - 1]['layout']} kept (world 2" in capsys.readouterr().out
+    document = json.loads(out.read_text())
+    assert (document["dp"], document["pp"], document["tp"]) == (2, rows[number - 1]["pp"], 1)
+    config, _ = planned(argv)
+    assert config.zero == 1
+    assert document["losses"] == pytest.approx(reference_run(config)["losses"], abs=1e-10, rel=0)
+
+
+def refusal(argv: list[str], capsys) -> str:
+    assert main(["run", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    return lines[0]
+
+
+def test_what_run_cannot_execute_is_refused_in_one_line(plan_file: Path, tmp_path: Path, capsys) -> None:
+    rows = rows_of(plan_file)
+    zero3 = rows[row_number(rows, zero=3) - 1]
+    split = tmp_path / "zb.json"
+    split.write_text(json.dumps({"ranked": [{**zero3, "schedule": "zb-h1"}]}))
+    line = refusal(["--plan", str(split)], capsys)
+    assert "plan row 1" in line and "--zero 3 (FSDP) cannot run a split backward" in line
+    edited = tmp_path / "cp.json"
+    edited.write_text(json.dumps({"ranked": [{**rows[0], "cp": 2}]}))
+    line = refusal(["--plan", str(edited)], capsys)
+    assert "plan row 1" in line and "cp 2 is simulate-only" in line
+    assert "--row 9: " in refusal(["--plan", str(plan_file), "--row", "9"], capsys)
+    assert "--pp conflicts with --plan" in refusal(["--plan", str(plan_file), "--pp", "2"], capsys)
+    not_a_plan = tmp_path / "other.json"
+    not_a_plan.write_text("{}")
+    assert "no \"ranked\" list" in refusal(["--plan", str(not_a_plan)], capsys)
