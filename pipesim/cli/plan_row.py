@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from executor.config import ConfigError, RunConfig
-from executor.options import config_from_args
+from executor.options import config_from_args, model_sizes
 
 # Flags whose value the row fixes, with the value that means "not given".
 ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_file", None), ("--pp", "pp", None),
@@ -55,14 +55,16 @@ def check_executable(row: dict, number: int) -> None:
 
 def shrunk_model(args: argparse.Namespace, row: dict) -> dict:
     """The run's model flags, raised to what the row's layout needs."""
+    model = "gpt" if args.model == "mlp" else args.model
+    sizes = model_sizes(argparse.Namespace(**{**vars(args), "model": model}))  # the flags given, else run's defaults
     tp, stages = row["tp"], row["pp"] * row["virtual_stages"]
-    heads = math.lcm(max(args.heads, 1), tp)
-    head_dim = max(1, args.hidden // max(args.heads, 1))
-    hidden = max(args.hidden, heads * head_dim)
+    heads = math.lcm(max(sizes["heads"], 1), tp)
+    head_dim = max(1, sizes["hidden"] // max(sizes["heads"], 1))
+    hidden = max(sizes["hidden"], heads * head_dim)
     hidden += -hidden % heads
-    seq_len = args.seq_len + (-args.seq_len % tp if row.get("sequence_parallel") else 0)
-    return {"model": "gpt" if args.model == "mlp" else args.model, "layers": max(args.layers, stages),
-            "hidden": hidden, "heads": heads, "seq_len": seq_len, "vocab": args.vocab}
+    seq_len = sizes["seq_len"] + (-sizes["seq_len"] % tp if row.get("sequence_parallel") else 0)
+    return {"model": model, "layers": max(sizes["layers"], stages),
+            "hidden": hidden, "heads": heads, "seq_len": seq_len, "vocab": sizes["vocab"]}
 
 
 def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
