@@ -90,7 +90,13 @@ class MemoryTracker:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.recording is not None and isinstance(tensor, torch.Tensor):
-            key = storage_key(tensor)
+            try:
+                key = storage_key(tensor)
+            except RuntimeError:
+                # a tensor whose storage Python cannot reach (an empty selection saved by
+                # autograd, e.g. the rows of an expert no token chose): counted by its size
+                self.saved[self.recording][id(tensor)] = tensor_bytes(tensor)
+                return tensor
             if key not in self.param_storages:
                 local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
                 self.saved[self.recording][key] = local.untyped_storage().nbytes()
