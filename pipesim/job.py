@@ -372,14 +372,14 @@ def _model_spec(model: str, layers, hidden, heads, kv_heads, ffn_hidden, seq_len
 
 def fallback_peak_flops(job) -> float:
     """Peak FLOP/s for devices the topology gives none (ideal): ``--gpu``'s, else H100's."""
-    from pipesim.cluster.gpus import gpu_spec
+    from pipesim.hardware.gpus import gpu_spec
 
     return gpu_spec(getattr(job, "gpu", None)).bf16_flops
 
 
 def fallback_memory_bandwidth(job) -> float:
     """HBM bytes/s for devices the topology gives none: ``--gpu``'s, else H100's."""
-    from pipesim.cluster.gpus import gpu_spec
+    from pipesim.hardware.gpus import gpu_spec
 
     return gpu_spec(getattr(job, "gpu", None)).memory_bandwidth
 

@@ -41,7 +41,7 @@ A route with no links (the ideal cluster, one device) arrives at once.
 The walk is compiled (``schedules/_engine.c``, built by setup.py) and is the only product
 copy of these rules; it reads the programs as arrays (``schedules.program_arrays``).
 Where no C compiler was available, the SimPy model of the same rules
-(``pipesim.sim.reference``, the specification the compiled walk is tested against)
+(``schedules.engine_reference``, the specification the compiled walk is tested against)
 runs instead.
 """
 
@@ -393,7 +393,7 @@ def run_program(program: EngineProgram, timing: StepTiming) -> StepRun:
     seconds, hold = _compute_costs(program, timing)
     wires = _wire_arrays(timing.wires, program.arrays)
     if _compiled is None:  # pragma: no cover - an install without a C compiler
-        from pipesim.sim.reference import run_reference
+        from schedules.engine_reference import run_reference
 
         step = run_reference(program, seconds, hold, wires, timing.comm_overhead)
     else:

@@ -1,4 +1,4 @@
-"""The compiled engine against its specification, the SimPy model (``pipesim.sim.reference``):
+"""The compiled engine against its specification, the SimPy model (``schedules.engine_reference``):
 on random schedules, costs, clusters, placements, tp/dp plans and every semantics, the
 same moments, bit for bit, and the same stuck ranks."""
 
@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from pipesim.cluster import presets
 from pipesim.cluster.mapping import map_ranks
 from pipesim.model.costs import Costs, StageCost, uniform_costs
-from pipesim.sim import reference
 from pipesim.sim.engine import rank_devices_of, step_timing
 from pipesim.sim.parallel import comm_plan
 from schedules import engine, generate, lower
+from schedules import engine_reference as reference
 from schedules.action import Action, ActionKind, parse_action
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
 from schedules.schedule import Schedule

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pipesim.cli.options import add_memory_headroom_arg
-from pipesim.cluster.gpus import GPUS
+from pipesim.hardware.gpus import GPUS
 from pipesim.job import Job, costs_of, parallel_of, schedule_of, throughput_figures, topology_of
 from pipesim.model.costs import parameter_figures
 from pipesim.plan.bounds import (

@@ -2,7 +2,7 @@
 its moments turned into a Trace.
 
 The timing rules themselves live once, in ``schedules.engine`` (compiled, with the SimPy
-model ``pipesim.sim.reference`` as their specification). This module says what the
+model ``schedules.engine_reference`` as their specification). This module says what the
 cluster and the model make of them: each compute action's seconds (``Costs``), the
 tensor-parallel collectives that hold a rank after it (``CommPlan``), and each
 transfer's wire: the links of its route between the two ranks' devices, the seconds its
