@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from schedules.action import Action, parse_action
+from schedules.action import COMPUTE_KINDS, Action, parse_action
 from schedules.schedule import Schedule
 from schedules.trace import STREAMS, TraceEvent
 
 # Streams and kinds beyond a program's actions, named as the simulator names them.
 ALL_STREAMS = (*STREAMS, "dp", "tp")
 DP_KIND, TP_KIND = "ALLREDUCE_DP", "TP"
-COMPUTE_KINDS = ("F", "B", "I", "W")  # a tp event's code is 1 + the index of its action's kind
+# a tp event's code is 1 + the index of its action's kind in COMPUTE_KINDS
 COLUMNS = 7  # index, start, end, stream, extra code, stage, microbatch
 
 

@@ -53,16 +53,13 @@ from functools import cached_property
 
 import numpy as np
 
-from schedules.action import KIND_CODES
+from schedules import dataflow
+from schedules.action import COMPUTE_KINDS, KIND_CODES  # COMPUTE_KINDS: the columns of ``StepTiming.seconds``
 from schedules.p2p import BUFFERED, RENDEZVOUS, TORCH_RUNTIME
 from schedules.program_arrays import (
     B_CODE,
-    BACKWARD,
     F_CODE,
-    FORWARD,
     I_CODE,
-    RECV_B_CODE,
-    SEND_F_CODE,
     ProgramArrays,
     program_arrays,
 )
@@ -76,7 +73,6 @@ except ImportError:  # pragma: no cover - depends on the install
 FREE = "free"  # compute-only programs: every output flows to its consumer as soon as it exists
 # the walk's rules; torch's runtime is rendezvous on other streams (``EngineProgram.group_stream``)
 SEMANTICS_CODES = {RENDEZVOUS: 0, BUFFERED: 1, FREE: 2, TORCH_RUNTIME: 0}
-COMPUTE_KINDS = ("F", "B", "I", "W")  # the columns of ``StepTiming.seconds``
 
 # One route of a wire: the link numbers it crosses, seconds its bytes occupy them, latency.
 Route = tuple[tuple[int, ...], float, float]
@@ -91,7 +87,7 @@ class StepTiming:
     collectives, expert-parallel all-to-alls; None: nothing). ``pair_seconds`` and
     ``pair_hold``, keyed ``(stage, kind, microbatch)``, override single actions (the two
     halves of an overlapped pair, whose communication can hide under each other's
-    compute). ``wires[stage * 2 + direction]`` are the routes of the transfer that leaves
+    compute). ``wires[dataflow.wire_of(stage, direction)]`` are the routes of the transfer that leaves
     ``stage`` forward (direction 0) or backward (1): one route, or several when the same
     send of other pipelines shares links with it (the data counts as arrived when every
     route's has); empty or None: it arrives at once."""
@@ -117,10 +113,10 @@ def hop_wires(num_stages: int, hop: float | Sequence[float]) -> list[list[Route]
     transfers never queue: the zero-bubble paper's ``T_comm`` model."""
     hops = [float(hop)] * max(num_stages - 1, 0) if isinstance(hop, (int, float)) else [float(h) for h in hop]
     wires: list[list[Route]] = []
-    for stage in range(num_stages):
-        forward = [((2 * stage,), 0.0, hops[stage])] if stage < num_stages - 1 else []
-        backward = [((2 * stage + 1,), 0.0, hops[stage - 1])] if stage > 0 else []
-        wires += [forward, backward]
+    for stage in range(num_stages):  # hops[s] lies between stages s and s + 1: the lower of the two ends
+        wires += [[((dataflow.wire_of(stage, direction),), 0.0, hops[min(stage, target)])]
+                  if 0 <= (target := dataflow.receiving_stage(stage, direction)) < num_stages else []
+                  for direction in (dataflow.FORWARD, dataflow.BACKWARD)]
     return wires
 
 
@@ -277,14 +273,11 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
     stage, kind, microbatch = (arrays.stage[compute_row], arrays.kind[compute_row],
                                arrays.microbatch[compute_row])
     rank = arrays.rank[compute_row]
-    is_forward = kind == F_CODE
-    is_backward = (kind == B_CODE) | (kind == I_CODE)
-    source = np.where(is_forward, stage - 1, np.where(is_backward, stage + 1, -1))
-    has_input = (is_forward | is_backward) & (source >= 0) & (source < num_stages)
+    source, has_input = dataflow.input_stages(stage, kind, num_stages)
     source_rank = placement[np.clip(source, 0, num_stages - 1)]
     crosses = has_input & (source_rank != rank)
-    direction = np.where(is_forward, FORWARD, BACKWARD)
-    input_key = np.where(crosses, (source * 2 + direction) * microbatches + microbatch, -1)
+    direction = dataflow.DIRECTION_CODES[kind]
+    input_key = np.where(crosses, dataflow.transfer_key(source, direction, microbatch, microbatches), -1)
     if semantics in (RENDEZVOUS, TORCH_RUNTIME):
         receives = np.flatnonzero(~endpoint_is_send)
         group_holding = np.full(arrays.transfers, -1, dtype=np.int64)
@@ -293,10 +286,9 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
     else:
         need = input_key
     if free:
-        target = np.where(is_forward, stage + 1, np.where(is_backward, stage - 1, -1))
-        has_output = (is_forward | is_backward) & (target >= 0) & (target < num_stages)
+        target, has_output = dataflow.output_stages(stage, kind, num_stages)
         sends = has_output & (placement[np.clip(target, 0, num_stages - 1)] != rank)
-        compute_send = np.where(sends, (stage * 2 + direction) * microbatches + microbatch, -1)
+        compute_send = np.where(sends, dataflow.transfer_key(stage, direction, microbatch, microbatches), -1)
     else:
         compute_send = np.full(len(compute_row), -1, dtype=np.int64)
     blocked = _later_same_rank_input(arrays, compute_row, has_input & ~crosses, source)
@@ -317,7 +309,7 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
         group_endpoint_start=group_endpoint_start, group_rank=group_rank, group_stream=group_stream,
         stream_group_start=stream_group_start, stream_groups=stream_groups, endpoint_row=endpoint_row,
         endpoint_transfer=endpoint_transfer, endpoint_is_send=endpoint_is_send.astype(np.int8),
-        transfer_wire=np.arange(arrays.transfers, dtype=np.int64) // microbatches,
+        transfer_wire=dataflow.transfer_wire(np.arange(arrays.transfers, dtype=np.int64), microbatches),
     )
 
 
@@ -338,9 +330,7 @@ def _overlapped_pairs(arrays: ProgramArrays, compute_row: np.ndarray) -> np.ndar
 
 def _peer_rank(arrays: ProgramArrays, placement: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The rank on the other end of each communication row."""
-    kind = arrays.kind[rows]
-    upward = (kind == SEND_F_CODE) | (kind == RECV_B_CODE)
-    return placement[arrays.stage[rows] + np.where(upward, 1, -1)]
+    return placement[arrays.stage[rows] + dataflow.PEER_OFFSET_CODES[arrays.kind[rows]]]
 
 
 def _later_same_rank_input(arrays: ProgramArrays, compute_row: np.ndarray, local: np.ndarray,
@@ -497,5 +487,5 @@ def transfer_sender(program: EngineProgram) -> np.ndarray:
     """The rank that sends each transfer key (the rank of its sending stage)."""
     arrays = program.arrays
     placement = np.asarray(arrays.schedule.placement, dtype=np.int64)
-    return placement[np.arange(arrays.transfers) // (2 * arrays.microbatches)]
+    return placement[dataflow.transfer_parts(np.arange(arrays.transfers), arrays.microbatches)[0]]
 

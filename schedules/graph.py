@@ -22,14 +22,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from schedules.action import Action, ActionKind
+from schedules import dataflow
+from schedules.action import RECV_KINDS, RECV_OF, SEND_KINDS, SEND_OF, Action
+from schedules.dataflow import SAME_STAGE_INPUT
 from schedules.schedule import Schedule
 
 if TYPE_CHECKING:
     import networkx as nx
-
-_F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
-_SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
 
 
 def producers(action: Action, rank: int, schedule: Schedule, lowered: bool) -> list[tuple[Action, str]]:
@@ -41,31 +40,22 @@ def producers(action: Action, rank: int, schedule: Schedule, lowered: bool) -> l
     """
     stage, kind, microbatch = action
     placement = schedule.placement
-    last_stage = schedule.num_stages - 1
-    if kind == _F:
-        if stage == 0:
-            return []
-        if lowered and placement[stage - 1] != rank:
-            return [(Action(stage, _RECV_F, microbatch), "data")]
-        return [(Action(stage - 1, _F, microbatch), "data")]
-    if kind == _B or kind == _I:
-        found = [(Action(stage, _F, microbatch), "data")]
-        if stage < last_stage:
-            if lowered and placement[stage + 1] != rank:
-                found.append((Action(stage, _RECV_B, microbatch), "data"))
-            else:
-                found.append((Action(stage + 1, _B, microbatch), "data"))
-                found.append((Action(stage + 1, _I, microbatch), "data"))
+    found = [(Action(stage, SAME_STAGE_INPUT[kind], microbatch), "data")] if kind in SAME_STAGE_INPUT else []
+    if kind in RECV_OF:
+        if lowered and dataflow.receives(placement, stage, kind, rank):
+            found.append((Action(stage, RECV_OF[kind], microbatch), "data"))
+        else:
+            found += [(producer, "data") for producer in dataflow.neighbour_producers(action, schedule.num_stages)]
         return found
-    if kind == _W:
-        return [(Action(stage, _I, microbatch), "data")]
-    if kind == _SEND_F:
-        return [(Action(stage, _F, microbatch), "data")]
-    if kind == _SEND_B:
-        return [(Action(stage, _B, microbatch), "data"), (Action(stage, _I, microbatch), "data")]
-    if kind == _RECV_F or kind == _RECV_B:
+    if kind in SEND_KINDS:  # a SEND waits for the compute piece whose output it carries
+        return [(Action(stage, producer, microbatch), "data") for producer in _CARRIED_BY[kind]]
+    if kind in RECV_KINDS:
         return [(action.matching(), "comm")]
-    return []
+    return found
+
+
+# the compute kinds whose output each SEND kind carries (SEND_B: B, or I when split)
+_CARRIED_BY = {send: tuple(kind for kind, carrier in SEND_OF.items() if carrier == send) for send in SEND_OF.values()}
 
 
 def dependency_graph(schedule: Schedule) -> nx.DiGraph:

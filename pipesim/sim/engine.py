@@ -32,11 +32,10 @@ from pipesim.sim.context_parallel import CP_KIND
 from pipesim.sim.expert_parallel import EP_KIND
 from pipesim.sim.overlap import HOLD_PARTS, overlapped_pairs
 from pipesim.sim.parallel import PARAM_GATHER_KIND, TP_KIND, CommPlan, step_tail_columns
-from schedules import engine
-from schedules.action import KINDS, ActionKind, format_group
+from schedules import dataflow, engine
+from schedules.action import KINDS, format_group
 from schedules.lowering import lower
 from schedules.p2p import RENDEZVOUS, require_semantics
-from schedules.program_arrays import F_CODE
 from schedules.schedule import Schedule
 from schedules.trace import LazyNames, Trace, TraceColumns
 
@@ -139,8 +138,9 @@ def transfer_wires(schedule: Schedule, costs: Costs, topology: Topology, devices
     wires: list[list[engine.Route]] = []
     placement = schedule.placement
     for stage in range(schedule.num_stages):
-        for target in (stage + 1, stage - 1):
-            if not 0 <= target < schedule.num_stages or placement[target] == placement[stage]:
+        for kind in dataflow.DIRECTION_KINDS:  # its forward wire, then its backward one (``dataflow.wire_of``)
+            target = dataflow.output_to(placement, stage, kind)
+            if target is None or placement[target] == placement[stage]:
                 wires.append([])
                 continue
             num_bytes = transfer_bytes(costs, stage, target)
@@ -204,10 +204,10 @@ def p2p_wire_and_bytes(step: engine.StepRun, costs: Costs) -> tuple[list[float],
     for its peer (which the Trace's send events include)."""
     arrays = step.program.arrays
     sent = np.flatnonzero(~np.isnan(step.arrival) & ~np.isnan(step.departed))
-    stage, direction = np.divmod(sent // arrays.microbatches, 2)
+    stage, direction, _microbatch = dataflow.transfer_parts(sent, arrays.microbatches)
     sender = np.asarray(arrays.schedule.placement)[stage]
-    act_bytes = np.array([cost.act_bytes for cost in costs.stages])
-    carried = act_bytes[np.where(direction == 0, stage, stage - 1)] if len(sent) else np.zeros(0)
+    act_bytes = np.array([cost.act_bytes for cost in costs.stages])  # a boundary carries its lower stage's output
+    carried = act_bytes[np.minimum(stage, dataflow.receiving_stage(stage, direction))] if len(sent) else np.zeros(0)
     ranks = arrays.schedule.pp
     wire = np.bincount(sender, weights=step.arrival[sent] - step.departed[sent], minlength=ranks)
     return wire.tolist(), np.bincount(sender, weights=carried, minlength=ranks).tolist()
@@ -279,17 +279,17 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
             named = True
     if program.semantics != engine.FREE:
         waited = np.flatnonzero(program.compute_need >= 0)
-        receive = np.where(kind[waited] == F_CODE, KINDS.index(ActionKind.RECV_F), KINDS.index(ActionKind.RECV_B))
+        receive = dataflow.RECV_OF_CODES[kind[waited]]
         parts.append((rank[waited], receive, stage[waited], microbatch[waited], step.ready[waited],
                       step.start[waited], _STREAMS.index(RECV)))
         names.append((len(waited),))
     sent = np.flatnonzero(~np.isnan(step.arrival) & ~np.isnan(step.posted))
     if len(sent):
         microbatches = arrays.microbatches
-        send_stage, direction = np.divmod(sent // microbatches, 2)
-        send_kind = np.where(direction == 0, KINDS.index(ActionKind.SEND_F), KINDS.index(ActionKind.SEND_B))
+        send_stage, direction, sent_microbatch = dataflow.transfer_parts(sent, microbatches)
+        send_kind = dataflow.SEND_OF_CODES[dataflow.DIRECTION_KIND_CODES[direction]]
         sender = np.asarray(arrays.schedule.placement)[send_stage]
-        parts.append((sender, send_kind, send_stage, sent % microbatches, step.posted[sent], step.arrival[sent],
+        parts.append((sender, send_kind, send_stage, sent_microbatch, step.posted[sent], step.arrival[sent],
                       _STREAMS.index(SEND)))
         names.append((len(sent),))
     waiting = np.flatnonzero(step.rank_done > step.rank_clock)
