@@ -6,12 +6,13 @@ score a prediction and a measurement, and the two can be compared number for num
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from schedules.accounting import PARTS, RankTime, part_seconds, time_accounting
+from schedules.action import KIND_CODES, Action
 from schedules.trace import Trace, TraceColumns
 
 
@@ -103,18 +104,39 @@ def stash_changes(columns: TraceColumns, size: Callable[[np.ndarray], np.ndarray
     compute = columns.on_stream("compute")
     kind, stage, microbatch = columns.kind[compute], columns.stage[compute], columns.microbatch[compute]
     forward = kind == columns.kind_code("F")
-    weight = kind == columns.kind_code("W")
-    backward = (kind == columns.kind_code("B")) | (kind == columns.kind_code("I"))
-    key = stage * (int(microbatch.max()) + 1 if len(microbatch) else 1) + microbatch
-    split = _members(key, key[weight])
-    release = weight | (backward & ~split)
-    taken = forward | release
+    taken, sign = stash_moves(forward, (kind == columns.kind_code("B")) | (kind == columns.kind_code("I")),
+                              kind == columns.kind_code("W"), stage, microbatch)
     amount = np.ones(int(taken.sum())) if size is None else np.asarray(size(stage[taken]), dtype=float)
-    change = np.where(forward[taken], amount, -amount)
+    change = sign[taken] * amount
     time = np.where(forward, columns.start[compute], columns.end[compute])[taken]
     rank = columns.rank[compute][taken]
     order = np.lexsort((change, time, rank))
     return rank[order], time[order], change[order]
+
+
+def stash_moves(forward: np.ndarray, backward: np.ndarray, weight: np.ndarray, stage: np.ndarray,
+                microbatch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The one rule of counting stashes, over compute actions given as masks (an ``F``, a
+    backward piece ``B`` or ``I``, a ``W``) with their stage and microbatch: which
+    actions move a stash, and by +1 (taken: the forward) or -1 (released: the last
+    backward piece of that stage and microbatch, ``B``, or ``W`` when the backward is
+    split). What a ``W`` keeps after its ``I`` is a stash until the ``W``."""
+    key = stage * (int(microbatch.max()) + 1 if len(microbatch) else 1) + microbatch
+    release = weight | (backward & ~_members(key, key[weight]))
+    return forward | release, np.where(forward, 1.0, -1.0)
+
+
+def order_peak_stashes(program: Sequence[Action]) -> int:
+    """The most stashes a rank's order holds at once (``stash_moves``), counted in program
+    order: a rank runs its order one action at a time, so its order is its time order."""
+    if not program:
+        return 0
+    kind = np.fromiter((KIND_CODES[action.kind] for action in program), np.int64, len(program))
+    stage = np.fromiter((action.stage for action in program), np.int64, len(program))
+    microbatch = np.fromiter((action.microbatch for action in program), np.int64, len(program))
+    taken, sign = stash_moves(kind == KIND_CODES["F"], (kind == KIND_CODES["B"]) | (kind == KIND_CODES["I"]),
+                              kind == KIND_CODES["W"], stage, microbatch)
+    return int(max(np.cumsum(sign[taken]).max(initial=0.0), 0.0))
 
 
 def _members(values: np.ndarray, among: np.ndarray) -> np.ndarray:
