@@ -159,4 +159,5 @@ def _lower_naively(schedule: Schedule) -> Schedule:
             else:
                 append(action)
         lowered.append(actions)
-    return schedule.with_programs(lowered)
+    # transfers now stand between an overlapped pair's halves: ``keep_pairs_together`` pairs them again
+    return schedule.with_programs(lowered, fused=())

@@ -488,6 +488,6 @@ def lowered_schedule(schedule: Schedule, transfers: Transfers, rows: LoweredRows
         programs.append(sequence[begin:stop].tolist())
         inside = joined_at[(joined_at > begin) & (joined_at < stop)] - begin
         joins.append(frozenset(inside.tolist()))
-    lowered = schedule.with_programs(programs, joins)
+    lowered = schedule.with_programs(programs, joins, fused=())  # re-paired by ``keep_pairs_together``
     keep_program_arrays(lowered, rows.rank, rows.stage, rows.kind, rows.microbatch)
     return lowered
