@@ -80,8 +80,8 @@ def reference_step(lowered, costs, topology) -> None:
     """The SimPy model's run of the same step (compiled program given, as the engine's is)."""
     program = engine.compile_program(lowered, "rendezvous")
     timing = step_timing(lowered, costs, topology, rank_devices_of(lowered, topology, None))
-    seconds, hold = engine._compute_costs(program, timing)
-    run_reference(program, seconds, hold, engine._wire_arrays(timing.wires, program.arrays), 0.0)
+    seconds, hold = engine.compute_costs(program, timing)
+    run_reference(program, seconds, hold, engine.wire_arrays(timing.wires, program.arrays), 0.0)
 
 
 COMMAND = ["-m", "pipesim", "simulate", "--schedule", "interleaved-1f1b", "--pp", "{pp}", "-m", "{m}", "-v", "{v}",

@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -380,19 +381,36 @@ def _require_semantics(semantics: str) -> None:
 
 def run_program(program: EngineProgram, timing: StepTiming) -> StepRun:
     """Time one step of a compiled program (``run``)."""
-    seconds, hold = _compute_costs(program, timing)
-    wires = _wire_arrays(timing.wires, program.arrays)
+    inputs = step_inputs(program, timing)
     if _compiled is None:  # pragma: no cover - an install without a C compiler
         from schedules.engine_reference import run_reference
 
-        step = run_reference(program, seconds, hold, wires, timing.comm_overhead)
+        step = run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead)
     else:
-        step = _run_compiled(program, seconds, hold, wires, float(timing.comm_overhead))
-    step.hold = hold
+        step = _run_compiled(program, inputs)
+    step.hold = inputs.hold
     return step
 
 
-def _compute_costs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarray, np.ndarray]:
+class StepInputs(NamedTuple):
+    """A compiled program's costs under one ``StepTiming``, as both walks read them: each
+    compute action's seconds and hold (in compute row order), the wires as flat arrays,
+    the posting overhead. ``step_inputs`` builds them; the compiled walk and the SimPy
+    specification (``schedules.engine_reference.SimpyStep``) are handed the same."""
+
+    seconds: np.ndarray
+    hold: np.ndarray
+    wires: WireArrays
+    comm_overhead: float
+
+
+def step_inputs(program: EngineProgram, timing: StepTiming) -> StepInputs:
+    """``program``'s ``StepInputs`` under ``timing`` (a NamedTuple: built on every run)."""
+    seconds, hold = compute_costs(program, timing)
+    return StepInputs(seconds, hold, wire_arrays(timing.wires, program.arrays), float(timing.comm_overhead))
+
+
+def compute_costs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarray, np.ndarray]:
     """Seconds and hold of each compute action, looked up by (stage, kind)."""
     stage, kind = program.compute_stage, program.compute_kind
     table = np.asarray(timing.seconds, dtype=float)
@@ -435,7 +453,8 @@ class WireArrays:
     link_count: int
 
 
-def _wire_arrays(wires: Sequence[Sequence[Route] | None], arrays: ProgramArrays) -> WireArrays:
+def wire_arrays(wires: Sequence[Sequence[Route] | None], arrays: ProgramArrays) -> WireArrays:
+    """``StepTiming.wires`` of the schedule of ``arrays`` flattened (``WireArrays``)."""
     count = arrays.schedule.num_stages * 2
     if wires and len(wires) != count:
         raise EngineError(f"timing gives {len(wires)} wires; the schedule has {count} (two per stage)")
@@ -465,22 +484,73 @@ def empty_run(program: EngineProgram) -> StepRun:
                    np.full(program.ranks, -1, dtype=np.int64), schedule=program.arrays.schedule)
 
 
-def _run_compiled(program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,
-                  comm_overhead: float) -> StepRun:
+class EngineInputs(NamedTuple):
+    """The arrays the compiled walk reads, by name (``schedules/_engine.c``'s ``INPUT_NAMES``,
+    whose order is checked when the module loads): a tuple, so the C side takes them by
+    position at no cost, built here by name so that no position is matched by hand."""
+
+    rank_item_start: np.ndarray
+    item_is_group: np.ndarray
+    item_ref: np.ndarray
+    seconds: np.ndarray
+    hold: np.ndarray
+    need: np.ndarray
+    send: np.ndarray
+    blocked: np.ndarray
+    pair: np.ndarray
+    group_endpoint_start: np.ndarray
+    group_rank: np.ndarray
+    group_stream: np.ndarray
+    stream_group_start: np.ndarray
+    stream_groups: np.ndarray
+    endpoint_transfer: np.ndarray
+    endpoint_is_send: np.ndarray
+    transfer_wire: np.ndarray
+    route_start: np.ndarray
+    link_start: np.ndarray
+    links: np.ndarray
+    occupancy: np.ndarray
+    latency: np.ndarray
+
+
+# The compiled walk's outputs are these ``StepRun`` fields, in this order (``OUTPUT_NAMES``).
+ENGINE_OUTPUTS = ("ready", "start", "end", "posted", "departed", "arrival", "group_posted", "group_start",
+                  "group_done", "rank_clock", "rank_done", "stuck_item")
+
+
+def engine_inputs(program: EngineProgram, inputs: StepInputs) -> EngineInputs:
+    """What the compiled walk reads for ``program`` under ``inputs``."""
+    wires = inputs.wires
+    return EngineInputs(
+        rank_item_start=program.rank_item_start, item_is_group=program.item_is_group, item_ref=program.item_ref,
+        seconds=inputs.seconds, hold=inputs.hold, need=program.compute_need, send=program.compute_send,
+        blocked=program.compute_blocked, pair=program.compute_pair, group_endpoint_start=program.group_endpoint_start,
+        group_rank=program.group_rank, group_stream=program.group_stream,
+        stream_group_start=program.stream_group_start, stream_groups=program.stream_groups,
+        endpoint_transfer=program.endpoint_transfer, endpoint_is_send=program.endpoint_is_send,
+        transfer_wire=program.transfer_wire, route_start=wires.route_start, link_start=wires.link_start,
+        links=wires.links, occupancy=wires.occupancy, latency=wires.latency)
+
+
+def _run_compiled(program: EngineProgram, inputs: StepInputs) -> StepRun:
     result = empty_run(program)
-    _compiled.run(
-        SEMANTICS_CODES[program.semantics], comm_overhead,
-        (program.rank_item_start, program.item_is_group, program.item_ref, seconds, hold, program.compute_need,
-         program.compute_send, program.compute_blocked, program.compute_pair, program.group_endpoint_start,
-         program.group_rank,
-         program.group_stream, program.stream_group_start, program.stream_groups, program.endpoint_transfer,
-         program.endpoint_is_send, program.transfer_wire, wires.route_start,
-         wires.link_start, wires.links, wires.occupancy, wires.latency),
-        wires.link_count,
-        (result.ready, result.start, result.end, result.posted, result.departed, result.arrival, result.group_posted,
-         result.group_start, result.group_done, result.rank_clock, result.rank_done, result.stuck_item),
-    )
+    _compiled.run(SEMANTICS_CODES[program.semantics], inputs.comm_overhead, engine_inputs(program, inputs),
+                  inputs.wires.link_count, tuple(getattr(result, name) for name in ENGINE_OUTPUTS))
     return result
+
+
+def _check_compiled_names() -> None:
+    """A compiled walk built from another ``_engine.c`` than this module's names would read
+    its arrays in the wrong places: refuse it, saying how to rebuild."""
+    for kind, expected, built in (("inputs", EngineInputs._fields, getattr(_compiled, "INPUTS", None)),
+                                  ("outputs", ENGINE_OUTPUTS, getattr(_compiled, "OUTPUTS", None))):
+        if built is not None and tuple(built) != tuple(expected):
+            raise ImportError(f"schedules/_engine.c's {kind} {built} are not schedules.engine's {expected}: "
+                              f"rebuild the walk (python setup.py build_ext --inplace)")
+
+
+if _compiled is not None:
+    _check_compiled_names()
 
 
 def transfer_sender(program: EngineProgram) -> np.ndarray:
