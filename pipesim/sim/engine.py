@@ -22,6 +22,7 @@ exposed communication are told apart from those moments (``schedules.accounting`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -65,43 +66,78 @@ def simulate(
     ``p2p`` is the point-to-point semantics of the backend predicted
     (``schedules.p2p``). A schedule that can never finish raises ``SimulationError``
     naming where its ranks wait (``schedules.validate`` explains such a schedule in full)."""
-    step = run_step(schedule, costs, topology, rank_devices, plan, p2p)
+    step, priced = _run_priced(schedule, costs, topology, rank_devices, plan, p2p)
     if step.stuck:
         raise SimulationError(f"deadlock under {p2p} semantics: ranks wait forever: " + stuck_places(step))
     return step_trace(step, costs, topology, rank_devices_of(step.program.arrays.schedule, topology, rank_devices),
-                      plan, p2p)
+                      plan, p2p, priced)
 
 
 def run_step(schedule: Schedule, costs: Costs, topology: Topology, rank_devices: Sequence[str] | None = None,
-             plan: CommPlan | None = None, p2p: str = RENDEZVOUS) -> engine.StepRun:
-    """The engine's moments of one step (``simulate`` without the Trace)."""
+             plan: CommPlan | None = None, p2p: str = RENDEZVOUS, priced: PricedStep | None = None) -> engine.StepRun:
+    """The engine's moments of one step (``simulate`` without the Trace); ``priced`` is
+    the step's ``price_step`` where the caller has it already."""
+    return _run_priced(schedule, costs, topology, rank_devices, plan, p2p, priced)[0]
+
+
+def _run_priced(schedule: Schedule, costs: Costs, topology: Topology, rank_devices: Sequence[str] | None,
+                plan: CommPlan | None, p2p: str, priced: PricedStep | None = None
+                ) -> tuple[engine.StepRun, PricedStep]:
+    """The step run and its prices, each priced once: lowering reads the step's timing
+    without the collectives' plan, which is the step's own timing when there is none (a
+    compute-only schedule and its lowering cost the same per stage, kind and pair)."""
     require_semantics(p2p)
     if costs.num_stages != schedule.num_stages:
         raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {schedule.num_stages}")
-    lowered = lower_for(schedule, costs, topology, rank_devices)
-    devices = rank_devices_of(lowered, topology, rank_devices)
-    return engine.run(lowered, step_timing(lowered, costs, topology, devices, plan), p2p)
+    devices = rank_devices_of(schedule, topology, rank_devices)
+    lowered = schedule
+    if not schedule.is_lowered:
+        unplanned = price_step(schedule, costs, topology, devices)
+        lowered = lower_for(schedule, costs, topology, rank_devices, timing=unplanned.timing)
+        if plan is None and priced is None:
+            priced = unplanned
+    priced = priced or price_step(lowered, costs, topology, devices, plan)
+    return engine.run(lowered, priced.timing, p2p), priced
 
 
 def lower_for(schedule: Schedule, costs: Costs, topology: Topology,
               rank_devices: Sequence[str] | None = None, repair_runs: int | None = None,
-              rule: int | None = None) -> Schedule:
+              rule: int | None = None, timing: engine.StepTiming | None = None) -> Schedule:
     """``schedule`` lowered for the step it will be simulated as: its transfers placed
     and grouped with these stage costs and these links (``schedules.lowering.lower``
     with the step's timing). Lowering depends on nothing else, so the executor gets the
     same programs by lowering with the same ``StepTiming``. Already-lowered schedules
     come back as they are. ``repair_runs`` and ``rule`` as in ``lower`` (default: its own
     budget, every rule; a planner screening thousands of layouts passes one rule and
-    lowers its finalists again)."""
+    lowers its finalists again). ``timing`` is the step's ``step_timing`` without a plan
+    where the caller has it already."""
     if schedule.is_lowered:
         return schedule
-    devices = rank_devices_of(schedule, topology, rank_devices)
-    return lower(schedule, step_timing(schedule, costs, topology, devices), repair_runs, rule)
+    if timing is None:
+        timing = step_timing(schedule, costs, topology, rank_devices_of(schedule, topology, rank_devices))
+    return lower(schedule, timing, repair_runs, rule)
 
 
 def step_timing(schedule: Schedule, costs: Costs, topology: Topology, devices: Sequence[str],
                 plan: CommPlan | None = None) -> engine.StepTiming:
     """What the engine needs of the costs and the cluster (see the module)."""
+    return price_step(schedule, costs, topology, devices, plan).timing
+
+
+@dataclass(frozen=True)
+class PricedStep:
+    """A step priced once: the engine's timing, and the parts its holds are made of (per
+    part of ``HOLD_PARTS``, stage and kind: ``hold_tables``; per overlapped pair and part),
+    which the Trace splits each hold into."""
+
+    timing: engine.StepTiming
+    hold_parts: np.ndarray | None
+    pair_parts: dict
+
+
+def price_step(schedule: Schedule, costs: Costs, topology: Topology, devices: Sequence[str],
+               plan: CommPlan | None = None) -> PricedStep:
+    """``step_timing`` with the parts of its holds (``PricedStep``)."""
     durations = costs.durations()
     kinds = engine.COMPUTE_KINDS
     seconds = np.array([[durations[stage, kind] for kind in kinds] for stage in range(schedule.num_stages)])
@@ -109,8 +145,10 @@ def step_timing(schedule: Schedule, costs: Costs, topology: Topology, devices: S
     hold = parts.sum(axis=0) if parts is not None else None
     pair_seconds, pair_parts = overlapped_pairs(schedule, costs, durations, holds_of(plan))
     twins = plan.twin_transfers if plan is not None else {}
-    return engine.StepTiming(seconds, hold, pair_seconds, {action: sum(held) for action, held in pair_parts.items()},
-                             transfer_wires(schedule, costs, topology, devices, twins), costs.comm_overhead)
+    timing = engine.StepTiming(seconds, hold, pair_seconds,
+                               {action: sum(held) for action, held in pair_parts.items()},
+                               transfer_wires(schedule, costs, topology, devices, twins), costs.comm_overhead)
+    return PricedStep(timing, parts, pair_parts)
 
 
 def holds_of(plan: CommPlan | None) -> dict[str, dict[tuple[int, str], float]]:
@@ -174,11 +212,14 @@ def stuck_places(step: engine.StepRun) -> str:
 
 
 def step_trace(step: engine.StepRun, costs: Costs, topology: Topology, devices: Sequence[str],
-               plan: CommPlan | None, p2p: str) -> Trace:
+               plan: CommPlan | None, p2p: str, priced: PricedStep | None = None) -> Trace:
     """The Trace of a step the engine ran to its end: pipeline events, then each rank's
-    step-level tail (gradient reduction, optimizer)."""
+    step-level tail (gradient reduction, optimizer). ``priced``: the step's prices, where
+    the caller has them (else priced again)."""
     schedule = step.program.arrays.schedule
-    pipeline = pipeline_columns(step, held_parts(step, costs, plan), gather_spans(step, plan))
+    if priced is None:
+        priced = price_step(schedule, costs, topology, devices, plan)
+    pipeline = pipeline_columns(step, held_parts(step, priced), gather_spans(step, plan))
     tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead)
     wire, sent_bytes = p2p_wire_and_bytes(step, costs)
     meta = {
@@ -213,17 +254,16 @@ def p2p_wire_and_bytes(step: engine.StepRun, costs: Costs) -> tuple[list[float],
     return wire.tolist(), np.bincount(sender, weights=carried, minlength=ranks).tolist()
 
 
-def held_parts(step: engine.StepRun, costs: Costs, plan: CommPlan | None) -> np.ndarray | None:
+def held_parts(step: engine.StepRun, priced: PricedStep) -> np.ndarray | None:
     """``[row, part]``: the seconds of each part of ``HOLD_PARTS`` that held the rank after
     each compute row (they add up to the engine's hold); None when nothing held any."""
     program = step.program
-    schedule = program.arrays.schedule
-    tables = hold_tables(schedule, plan)
+    tables = priced.hold_parts
     if tables is None:
         return None
     # compute kinds' codes are the columns of the tables (F, B, I, W first in KINDS, as the engine reads them)
     parts = tables[:, program.compute_stage, program.compute_kind].T.copy()
-    _, pair_parts = overlapped_pairs(schedule, costs, costs.durations(), holds_of(plan))
+    pair_parts = priced.pair_parts
     if pair_parts:
         rows = engine.action_rows(program, list(pair_parts))
         for row, held in zip(rows.tolist(), pair_parts.values(), strict=True):
