@@ -31,7 +31,7 @@ from executor.models import PipelineModel
 from executor.precision import Precision
 from executor.split_backward import ModuleCall, SplitBackward, WeightWork
 from schedules import dataflow
-from schedules.action import RECV_KINDS, SEND_KINDS, Action, ActionKind
+from schedules.action import RECV_KINDS, RECV_OF, SEND_KINDS, Action, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
 
@@ -281,7 +281,7 @@ class PipelineRuntime:
     def await_input(self, action: Action) -> None:
         """Before a compute action: wait for what brings its input, if anything: its
         group (rendezvous) or its receive (buffered)."""
-        kind = ActionKind.RECV_F if action.kind == ActionKind.F else ActionKind.RECV_B
+        kind = RECV_OF.get(action.kind, ActionKind.RECV_B)  # the transfer that carries its input
         key = (kind, action.stage, action.microbatch)
         flight = self.awaited.get(key)
         if flight is not None:

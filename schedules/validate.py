@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from schedules import dataflow, engine
-from schedules.action import ALL_KINDS, COMM_KINDS, KIND_CODES, KINDS, Action, ActionKind, format_group
+from schedules.action import ALL_KINDS, COMM_KINDS, KIND_CODES, KINDS, RECV_OF, Action, ActionKind, format_group
 from schedules.collector import without_collector
 from schedules.p2p import RENDEZVOUS, TORCH_RUNTIME, P2PError, check_pair_order, require_semantics
 from schedules.program_arrays import (
@@ -481,7 +481,7 @@ def _explain_buffered(step: engine.StepRun) -> None:
             blocked_on[rank] = producer
             continue
         # the rank waits on the receive that brings the input: named at its group
-        receive = Action(action.stage, _RECV_F if action.kind == _F else _RECV_B, action.microbatch)
+        receive = Action(action.stage, RECV_OF[action.kind], action.microbatch)
         counters[rank] = item_of[receive][1]
         blocked_on[rank] = receive.matching()
     _explain(schedule, items, [_item_starts(rank_items) for rank_items in items], counters, blocked_on, item_of,
