@@ -14,8 +14,11 @@ carry ``kind``:
   depends on the previous one, the edge keeps the dependency's kind.
 
 A cycle in this graph is a deadlock. ``validate`` finds deadlocks without building the
-graph (it is far cheaper to walk the programs); the graph is for users and tools that
-want to look at the structure, e.g. ``networkx.find_cycle`` or critical paths.
+whole graph (the engine's stuck ranks say where to look), and names each wait on the
+cycle by this graph's data edges (``producers``: which action a stuck one waits for);
+the whole graph is for users and tools that want to look at the structure, e.g.
+``networkx.find_cycle`` or critical paths. Its data edges are the dataflow rule of
+``schedules.dataflow``.
 """
 
 from __future__ import annotations

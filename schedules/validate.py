@@ -31,6 +31,7 @@ import numpy as np
 from schedules import dataflow, engine
 from schedules.action import ALL_KINDS, COMM_KINDS, KIND_CODES, KINDS, RECV_OF, Action, ActionKind, format_group
 from schedules.collector import without_collector
+from schedules.graph import producers
 from schedules.p2p import RENDEZVOUS, TORCH_RUNTIME, P2PError, check_pair_order, require_semantics
 from schedules.program_arrays import (
     B_CODE,
@@ -428,10 +429,12 @@ def explain_stuck(step: engine.StepRun) -> None:
 
 
 def _input_of(schedule: Schedule, action: Action, known) -> Action:
-    """The action whose output ``action`` consumes (the forward of the stage before, or
-    the backward piece, B or I, of the stage after)."""
-    stage, kind, microbatch = action
-    candidates = [Action(dataflow.input_stage(stage, kind), producer, microbatch) for producer in dataflow.FED_BY[kind]]
+    """The action of the neighbouring stage whose output ``action`` consumes (the forward
+    of the stage before, or the backward piece, B or I, of the stage after): its data
+    edge in the dependency graph (``schedules.graph.producers``), the one the schedule holds."""
+    rank = schedule.placement[action.stage]
+    candidates = [producer for producer, _ in producers(action, rank, schedule, lowered=False)
+                  if producer.stage != action.stage]
     return next((candidate for candidate in candidates if candidate in known), candidates[-1])
 
 
