@@ -12,6 +12,7 @@ charts read ``schedules`` and ``pipesim`` but never torch or simpy.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import networkx as nx
@@ -75,8 +76,10 @@ def imports_of(source: str, module: str, is_package: bool = False) -> list[str]:
     return names
 
 
+@functools.cache
 def product_imports() -> list[tuple[str, str]]:
-    """(importing module, imported module) for every import of the product packages."""
+    """(importing module, imported module) for every import of the product packages (read
+    once per test run)."""
     edges = []
     for package in PRODUCT:
         for path in sorted((ROOT / package).rglob("*.py")):

@@ -19,6 +19,7 @@ Each pattern is also planted in a small source here, so that the search is known
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -180,17 +181,19 @@ FINDERS = {"transfer key": transfer_key_copies, "dataflow offsets": dataflow_off
            "unloaded hop": unloaded_hop_copies, "compute kinds": compute_kinds_copies}
 
 
-def product_files() -> list[Path]:
-    return [path for package in PRODUCT for path in sorted((ROOT / package).rglob("*.py"))]
+@functools.cache
+def product_trees() -> tuple[tuple[str, ast.AST], ...]:
+    """Every product file's repository path and syntax tree, parsed once per test run."""
+    return tuple((path.relative_to(ROOT).as_posix(), ast.parse(path.read_text()))
+                 for package in PRODUCT for path in sorted((ROOT / package).rglob("*.py")))
 
 
 @pytest.mark.parametrize("rule", sorted(FINDERS))
 def test_each_rule_is_written_only_in_its_home(rule):
     copies = []
-    for path in product_files():
-        name = path.relative_to(ROOT).as_posix()
+    for name, tree in product_trees():
         if name not in HOMES[rule]:
-            copies += [f"{name}:{line}" for line in FINDERS[rule](ast.parse(path.read_text()))]
+            copies += [f"{name}:{line}" for line in FINDERS[rule](tree)]
     assert copies == [], f"{rule} written outside {sorted(HOMES[rule])}"
 
 
