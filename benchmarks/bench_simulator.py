@@ -11,7 +11,7 @@ For interleaved 1F1B at (p=32, m=128, v=2) and (p=64, m=512, v=2):
    (P2P groups flattened in program order), which it walks in unit steps (no durations,
    no links, no trace). Both are built before the clock starts, so neither side pays for
    the other's input. Reported as lowered actions per second; the SimPy model of the
-   engine's rules (``pipesim.sim.reference``, the specification and the fallback
+   engine's rules (``schedules.engine_reference``, the specification and the fallback
    without a compiler) alongside.
 2. The whole command, apart: ``pipesim simulate`` as a user runs it (a new process:
    Python's start, imports of modules compiled as an install compiles them
@@ -43,8 +43,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from pipesim.cluster.presets import ib
 from pipesim.model.costs import uniform_costs
 from pipesim.sim.engine import rank_devices_of, simulate, step_timing
-from pipesim.sim.reference import run_reference
 from schedules import engine, generate, lower
+from schedules.engine_reference import run_reference
 
 CASES = ((32, 128, 2), (64, 512, 2))
 
@@ -80,8 +80,8 @@ def reference_step(lowered, costs, topology) -> None:
     """The SimPy model's run of the same step (compiled program given, as the engine's is)."""
     program = engine.compile_program(lowered, "rendezvous")
     timing = step_timing(lowered, costs, topology, rank_devices_of(lowered, topology, None))
-    seconds, hold = engine._compute_costs(program, timing)
-    run_reference(program, seconds, hold, engine._wire_arrays(timing.wires, program.arrays), 0.0)
+    seconds, hold = engine.compute_costs(program, timing)
+    run_reference(program, seconds, hold, engine.wire_arrays(timing.wires, program.arrays), 0.0)
 
 
 COMMAND = ["-m", "pipesim", "simulate", "--schedule", "interleaved-1f1b", "--pp", "{pp}", "-m", "{m}", "-v", "{v}",

@@ -50,13 +50,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.paper_model import longest_rank_span, run  # noqa: E402
 from benchmarks.paper_rows import COLUMNS, rates, rows, schedule_for, timing  # noqa: E402
+from benchmarks.torch_orders import TORCH_CLASSES, torch_schedule  # noqa: E402
 from schedules import engine, generate, step_metrics  # noqa: E402
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError, zb_auto, zbv_auto  # noqa: E402
 from schedules.lowering import lower  # noqa: E402
 from schedules.p2p import RENDEZVOUS  # noqa: E402
-from tests.test_zero_bubble import longest_rank_span, run  # noqa: E402
-from tests.torch_orders import TORCH_CLASSES, torch_schedule  # noqa: E402
 
 # (F, I, W, T_comm) in ms per rank, p, m
 CASES = (

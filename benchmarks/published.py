@@ -44,7 +44,7 @@ Sources (figures transcribed from the papers' tables):
   overlap; with it (pipesim's default) the rows come out +31.7%, +22.4% and +4.9%.
 
 In-sample and held out: the compute model's figures come from kernel measurements (H200
-GEMMs and attention) and published matmul throughput (``pipesim.cluster.gpus``), not from
+GEMMs and attention) and published matmul throughput (``pipesim.hardware.gpus``), not from
 these rows; but the rows of the first two studies were printed by this benchmark (with
 the calibrated column) while the model was built, so their no-calibration errors are
 in-sample for choices of model structure; docs/cluster-model.md says which rows were

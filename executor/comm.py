@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from schedules.action import SEND_KINDS, Action, ActionKind
+from schedules.dataflow import action_transfer_key, transfer_count
 
 TOKEN_KINDS = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
 
@@ -83,7 +84,7 @@ class PeerLinks:
         self.shape_of = shape_of  # microbatch -> activation shape
         self.handshake = handshake  # emulate rendezvous on a backend that buffers (gloo)
         self.rank = rank  # this process's global rank, for messages
-        self.token_base = 2 * len(placement) * microbatches  # above every data tag
+        self.token_base = transfer_count(len(placement), microbatches)  # above every transfer number
         self.start_step()
 
     def start_step(self) -> None:
@@ -96,10 +97,9 @@ class PeerLinks:
         return self.placement[action.peer_stage()]
 
     def tag(self, action: Action) -> int:
-        """Same number on both ends: the sending stage, the microbatch, the direction."""
-        sender = action.stage if action.kind in SEND_KINDS else action.peer_stage()
-        backward = action.kind in (ActionKind.SEND_B, ActionKind.RECV_B)
-        return (sender * self.microbatches + action.microbatch) * 2 + int(backward)
+        """Same number on both ends: the transfer's (``schedules.dataflow.transfer_key``:
+        the sending stage, the direction, the microbatch)."""
+        return action_transfer_key(action, self.microbatches)
 
     def buffer(self, action: Action) -> torch.Tensor:
         return torch.empty(self.shape_of(action.microbatch), dtype=self.dtype, device=self.device)

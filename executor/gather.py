@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from executor.data_parallel import ALL_REDUCE, PARAM_GATHER, REDUCE_SCATTER
-from schedules.action import Action, parse_action
+from schedules.action import COMPUTE_KINDS, Action, parse_action
 from schedules.schedule import Schedule
 from schedules.trace import STREAMS, TraceEvent
 
@@ -25,7 +25,7 @@ from schedules.trace import STREAMS, TraceEvent
 ALL_STREAMS = (*STREAMS, "dp", "tp")
 DP_KIND, TP_KIND = ALL_REDUCE, "TP"
 DP_KINDS = (ALL_REDUCE, REDUCE_SCATTER, PARAM_GATHER)  # a dp event's code is minus the index of its kind
-COMPUTE_KINDS = ("F", "B", "I", "W")  # a tp event's code is 1 + the index of its action's kind
+# a tp event's code is 1 + the index of its action's kind in COMPUTE_KINDS
 COLUMNS = 8  # index, start, end, stream, extra code, stage, microbatch, bucket
 
 

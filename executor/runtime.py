@@ -30,7 +30,8 @@ from executor.comm import PeerLinks, Pending, Posted
 from executor.models import PipelineModel
 from executor.precision import Precision
 from executor.split_backward import ModuleCall, SplitBackward, WeightWork
-from schedules.action import RECV_KINDS, SEND_KINDS, Action, ActionKind
+from schedules import dataflow
+from schedules.action import RECV_KINDS, RECV_OF, SEND_KINDS, Action, ActionKind
 from schedules.schedule import Schedule
 from schedules.trace import TraceEvent
 
@@ -167,8 +168,8 @@ class PipelineRuntime:
             loss = self.model.loss_sum(self.precision.for_loss(output), self.targets[microbatch]) / self.batch_size
             self.loss += loss.detach().to(self.loss_dtype)
             output = loss * self.loss_scale if self.loss_scale != 1.0 else loss
-        elif self.schedule.placement[stage + 1] == self.rank:
-            self.forward_inputs[(stage + 1, microbatch)] = self.precision.to_wire(output.detach())
+        elif self.schedule.placement[target := dataflow.output_stage(stage, ActionKind.F)] == self.rank:
+            self.forward_inputs[(target, microbatch)] = self.precision.to_wire(output.detach())
         else:
             self.outbox[(ActionKind.SEND_F, stage, microbatch)] = self.precision.to_wire(output.detach())
         self.stash[(stage, microbatch)] = (x if stage > 0 else None, output)
@@ -211,8 +212,9 @@ class PipelineRuntime:
 
     def deliver_input_grad(self, action: Action, grad: torch.Tensor) -> None:
         stage, microbatch = action.stage, action.microbatch
-        if self.schedule.placement[stage - 1] == self.rank:
-            self.output_grads[(stage - 1, microbatch)] = grad
+        target = dataflow.output_stage(stage, action.kind)
+        if self.schedule.placement[target] == self.rank:
+            self.output_grads[(target, microbatch)] = grad
         else:
             self.outbox[(ActionKind.SEND_B, stage, microbatch)] = grad
 
@@ -279,7 +281,7 @@ class PipelineRuntime:
     def await_input(self, action: Action) -> None:
         """Before a compute action: wait for what brings its input, if anything: its
         group (rendezvous) or its receive (buffered)."""
-        kind = ActionKind.RECV_F if action.kind == ActionKind.F else ActionKind.RECV_B
+        kind = RECV_OF.get(action.kind, ActionKind.RECV_B)  # the transfer that carries its input
         key = (kind, action.stage, action.microbatch)
         flight = self.awaited.get(key)
         if flight is not None:

@@ -434,14 +434,14 @@ def _model_spec(model: str, layers, hidden, heads, kv_heads, ffn_hidden, seq_len
 
 def fallback_peak_flops(job) -> float:
     """Peak FLOP/s for devices the topology gives none (ideal): ``--gpu``'s, else H100's."""
-    from pipesim.cluster.gpus import gpu_spec
+    from pipesim.hardware.gpus import gpu_spec
 
     return gpu_spec(getattr(job, "gpu", None)).bf16_flops
 
 
 def fallback_memory_bandwidth(job) -> float:
     """HBM bytes/s for devices the topology gives none: ``--gpu``'s, else H100's."""
-    from pipesim.cluster.gpus import gpu_spec
+    from pipesim.hardware.gpus import gpu_spec
 
     return gpu_spec(getattr(job, "gpu", None)).memory_bandwidth
 
@@ -610,7 +610,7 @@ def throughput_figures(job: Job, result) -> dict:
 def _throughput(job: Job, result, spec) -> tuple[dict, int, float]:
     """The training figures, the GPU count and the mean peak FLOP/s per GPU (the FP8
     peak taken as the BF16 peak times the GPU's ratio of the two)."""
-    from pipesim.cluster.gpus import gpu_spec
+    from pipesim.hardware.gpus import gpu_spec
     from pipesim.model.transformer_costs import training_figures
 
     fallback = fallback_peak_flops(job)

@@ -4,7 +4,10 @@ generators, CSV interop and the Trace timeline format.
 Depends on networkx and numpy only (programs and timelines are read as arrays), so every
 other part of pipesim (the simulator, the torch executor, the charts) can share it
 without pulling in each other's dependencies. The timing engine every part asks
-(``schedules.engine``) lives here for that reason: lowering and validation need it.
+(``schedules.engine``) lives here for that reason: lowering and validation need it; so
+does its SimPy specification (``schedules.engine_reference``, the one module here that
+imports simpy; the engine loads it only where nothing was compiled), so that nothing
+here imports upward.
 """
 
 from schedules.action import (

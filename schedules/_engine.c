@@ -78,7 +78,7 @@ static Moment heap_pop(Heap *heap) {
     return top;
 }
 
-/* The inputs, in the order schedules/engine.py passes them. */
+/* The inputs, in the order of schedules/engine.py's EngineInputs (INPUT_NAMES below). */
 enum {
     IN_RANK_ITEM_START, IN_ITEM_IS_GROUP, IN_ITEM_REF, IN_SECONDS, IN_HOLD, IN_NEED, IN_SEND, IN_BLOCKED, IN_PAIR,
     IN_GROUP_ENDPOINT_START, IN_GROUP_RANK, IN_GROUP_STREAM, IN_STREAM_GROUP_START, IN_STREAM_GROUPS,
@@ -458,6 +458,31 @@ done:
     return result;
 }
 
+/* The inputs' and outputs' names, in the enums' order: schedules/engine.py builds its
+   EngineInputs by name and checks their order against these when it loads the module. */
+static const char *const INPUT_NAMES[IN_COUNT] = {
+    "rank_item_start", "item_is_group", "item_ref", "seconds", "hold", "need", "send", "blocked", "pair",
+    "group_endpoint_start", "group_rank", "group_stream", "stream_group_start", "stream_groups",
+    "endpoint_transfer", "endpoint_is_send", "transfer_wire", "route_start", "link_start", "links",
+    "occupancy", "latency"};
+static const char *const OUTPUT_NAMES[OUT_COUNT] = {
+    "ready", "start", "end", "posted", "departed", "arrival", "group_posted", "group_start", "group_done",
+    "rank_clock", "rank_done", "stuck_item"};
+
+static PyObject *names_tuple(const char *const *names, Py_ssize_t count) {
+    PyObject *tuple = PyTuple_New(count);
+    if (!tuple) return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *name = PyUnicode_FromString(names[i]);
+        if (!name) {
+            Py_DECREF(tuple);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(tuple, i, name);
+    }
+    return tuple;
+}
+
 static PyMethodDef methods[] = {
     {"run", engine_run, METH_VARARGS,
      "run(semantics, comm_overhead, inputs, link_count, outputs): time one step (see schedules/engine.py)."},
@@ -467,4 +492,20 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_engine", "The timing engine's compiled walk.", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__engine(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__engine(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    PyObject *inputs = names_tuple(INPUT_NAMES, IN_COUNT);
+    if (!inputs || PyModule_AddObject(m, "INPUTS", inputs) < 0) {
+        Py_XDECREF(inputs);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *outputs = names_tuple(OUTPUT_NAMES, OUT_COUNT);
+    if (!outputs || PyModule_AddObject(m, "OUTPUTS", outputs) < 0) {
+        Py_XDECREF(outputs);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schedules.action import COMPUTE_KINDS, KIND_CODES
+from schedules.dataflow import end_transfer_key
 from schedules.trace import Trace, TraceColumns, TraceEvent
 
 # Parts in the order they claim a moment where several events overlap.
@@ -106,14 +108,11 @@ def holds_on_sends(trace: Trace) -> bool:
 def transfer_keys(columns: TraceColumns) -> tuple[np.ndarray, np.ndarray]:
     """For every event, the number of the transfer it is an end of (both ends of a
     transfer get the same number: that of its SEND), and whether it is one."""
-    kind = columns.kind
-    send_f, recv_f, send_b, recv_b = (kind == columns.kind_code(name)
-                                      for name in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"))
-    offset = np.select([recv_f, recv_b], [-1, 1], 0)
-    backward = send_b | recv_b
-    is_transfer = backward | send_f | recv_f
+    # the trace's own kind numbers as the schedule's (``KIND_CODES``); kinds of no action -1
+    codes = np.array([KIND_CODES.get(name, -1) for name in columns.kinds], dtype=np.int64)[columns.kind]
+    is_transfer = codes >= len(COMPUTE_KINDS)
     microbatches = int(columns.microbatch.max()) + 1 if len(columns) else 1
-    key = ((columns.stage + offset) * 2 + backward) * microbatches + columns.microbatch
+    key = end_transfer_key(columns.stage, np.where(is_transfer, codes, 0), columns.microbatch, microbatches)
     return np.where(is_transfer, key, -1), is_transfer
 
 

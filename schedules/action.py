@@ -32,29 +32,36 @@ class ActionKind:
     RECV_B = "RECV_B"  # receive this stage's output gradient from the next stage
 
 
-COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
+# The compute kinds in their one order: their codes (``KIND_CODES``), the columns of the
+# engine's ``StepTiming.seconds`` and every per-kind table follow it.
+COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
 # The piece that completes a stage's weight gradient for a microbatch (B, or W when the
 # backward is split): after the last of them a stage's gradients can be reduced.
 WEIGHT_GRAD_DONE_KINDS = frozenset({ActionKind.B, ActionKind.W})
 SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 COMM_KINDS = SEND_KINDS | RECV_KINDS
-ALL_KINDS = COMPUTE_KINDS | COMM_KINDS
+ALL_KINDS = frozenset(COMPUTE_KINDS) | COMM_KINDS
 # Every kind in a fixed order: ``KIND_CODES[kind]`` is the small number that stands for
-# it where programs are read as arrays (``schedules.program_arrays``); compute kinds first.
-KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W,
-         ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
+# it where programs or traces are read as arrays (``schedules.program_arrays``); compute
+# kinds first, so a code below ``len(COMPUTE_KINDS)`` is a computation.
+KINDS = (*COMPUTE_KINDS, ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
 KIND_CODES = {kind: code for code, kind in enumerate(KINDS)}
 
 # Which neighbouring stage a compute kind reads its input from and hands its output to
 # (forward: from the stage before, to the stage after; a backward the other way; W
-# consumes only its own stage's I). The one place these rules are written: lowering,
-# validation, the engine and the accounting all read them from here.
+# consumes only its own stage's I), and the transfer kinds that carry a compute kind's
+# output (on its rank) and input (on the consumer's). The words of the dataflow rule;
+# ``schedules.dataflow`` applies them (to one action or to whole programs as arrays) for
+# lowering, validation, the engine, the accounting, the list schedulers and the executor.
 INPUT_OFFSET = {ActionKind.F: -1, ActionKind.B: 1, ActionKind.I: 1}
 OUTPUT_OFFSET = {ActionKind.F: 1, ActionKind.B: -1, ActionKind.I: -1}
-# The transfer kinds that carry a compute kind's output (on its rank) and input (on the consumer's).
 SEND_OF = {ActionKind.F: ActionKind.SEND_F, ActionKind.B: ActionKind.SEND_B, ActionKind.I: ActionKind.SEND_B}
 RECV_OF = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B, ActionKind.I: ActionKind.RECV_B}
+# The stage on the other end of a transfer action, relative to its own: a SEND goes where
+# its producer's output goes, a RECV comes from where its consumer's input comes from.
+PEER_OFFSET = {ActionKind.SEND_F: OUTPUT_OFFSET[ActionKind.F], ActionKind.RECV_F: INPUT_OFFSET[ActionKind.F],
+               ActionKind.SEND_B: OUTPUT_OFFSET[ActionKind.B], ActionKind.RECV_B: INPUT_OFFSET[ActionKind.B]}
 
 _ACTION_TEXT = re.compile(r"^\s*(\d+)([A-Z_]+?)(\d+)\s*$")
 
@@ -89,22 +96,22 @@ class Action(NamedTuple):
         return self.kind in COMPUTE_KINDS
 
     def peer_stage(self) -> int:
-        """The stage on the other end of a communication action."""
-        if self.kind in (ActionKind.SEND_F, ActionKind.RECV_B):
-            return self.stage + 1
-        if self.kind in (ActionKind.RECV_F, ActionKind.SEND_B):
-            return self.stage - 1
-        raise ValueError(f"{self} is a compute action; it has no peer stage")
+        """The stage on the other end of a communication action (``PEER_OFFSET``)."""
+        offset = PEER_OFFSET.get(self.kind)
+        if offset is None:
+            raise ValueError(f"{self} is a compute action; it has no peer stage")
+        return self.stage + offset
 
     def matching(self) -> Action:
         """The RECV that completes this SEND, or the SEND that feeds this RECV."""
-        partner = _MATCHING_KIND.get(self.kind)
+        partner = MATCHING_KIND.get(self.kind)
         if partner is None:
             raise ValueError(f"{self} is a compute action; it has no matching transfer")
         return Action(self.peer_stage(), partner, self.microbatch)
 
 
-_MATCHING_KIND = {
+# The kind of the other end of a transfer: a SEND's RECV and the other way round.
+MATCHING_KIND = {
     ActionKind.SEND_F: ActionKind.RECV_F,
     ActionKind.RECV_F: ActionKind.SEND_F,
     ActionKind.SEND_B: ActionKind.RECV_B,

@@ -41,7 +41,7 @@ A route with no links (the ideal cluster, one device) arrives at once.
 The walk is compiled (``schedules/_engine.c``, built by setup.py) and is the only product
 copy of these rules; it reads the programs as arrays (``schedules.program_arrays``).
 Where no C compiler was available, the SimPy model of the same rules
-(``pipesim.sim.reference``, the specification the compiled walk is tested against)
+(``schedules.engine_reference``, the specification the compiled walk is tested against)
 runs instead.
 """
 
@@ -50,19 +50,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
-from schedules.action import KIND_CODES
+from schedules import dataflow
+from schedules.action import COMPUTE_KINDS, KIND_CODES  # COMPUTE_KINDS: the columns of ``StepTiming.seconds``
 from schedules.p2p import BUFFERED, RENDEZVOUS, TORCH_RUNTIME
 from schedules.program_arrays import (
     B_CODE,
-    BACKWARD,
     F_CODE,
-    FORWARD,
     I_CODE,
-    RECV_B_CODE,
-    SEND_F_CODE,
     ProgramArrays,
     program_arrays,
 )
@@ -76,7 +74,6 @@ except ImportError:  # pragma: no cover - depends on the install
 FREE = "free"  # compute-only programs: every output flows to its consumer as soon as it exists
 # the walk's rules; torch's runtime is rendezvous on other streams (``EngineProgram.group_stream``)
 SEMANTICS_CODES = {RENDEZVOUS: 0, BUFFERED: 1, FREE: 2, TORCH_RUNTIME: 0}
-COMPUTE_KINDS = ("F", "B", "I", "W")  # the columns of ``StepTiming.seconds``
 
 # One route of a wire: the link numbers it crosses, seconds its bytes occupy them, latency.
 Route = tuple[tuple[int, ...], float, float]
@@ -91,7 +88,7 @@ class StepTiming:
     collectives, expert-parallel all-to-alls; None: nothing). ``pair_seconds`` and
     ``pair_hold``, keyed ``(stage, kind, microbatch)``, override single actions (the two
     halves of an overlapped pair, whose communication can hide under each other's
-    compute). ``wires[stage * 2 + direction]`` are the routes of the transfer that leaves
+    compute). ``wires[dataflow.wire_of(stage, direction)]`` are the routes of the transfer that leaves
     ``stage`` forward (direction 0) or backward (1): one route, or several when the same
     send of other pipelines shares links with it (the data counts as arrived when every
     route's has); empty or None: it arrives at once."""
@@ -117,10 +114,10 @@ def hop_wires(num_stages: int, hop: float | Sequence[float]) -> list[list[Route]
     transfers never queue: the zero-bubble paper's ``T_comm`` model."""
     hops = [float(hop)] * max(num_stages - 1, 0) if isinstance(hop, (int, float)) else [float(h) for h in hop]
     wires: list[list[Route]] = []
-    for stage in range(num_stages):
-        forward = [((2 * stage,), 0.0, hops[stage])] if stage < num_stages - 1 else []
-        backward = [((2 * stage + 1,), 0.0, hops[stage - 1])] if stage > 0 else []
-        wires += [forward, backward]
+    for stage in range(num_stages):  # hops[s] lies between stages s and s + 1: the lower of the two ends
+        wires += [[((dataflow.wire_of(stage, direction),), 0.0, hops[min(stage, target)])]
+                  if 0 <= (target := dataflow.receiving_stage(stage, direction)) < num_stages else []
+                  for direction in (dataflow.FORWARD, dataflow.BACKWARD)]
     return wires
 
 
@@ -277,14 +274,11 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
     stage, kind, microbatch = (arrays.stage[compute_row], arrays.kind[compute_row],
                                arrays.microbatch[compute_row])
     rank = arrays.rank[compute_row]
-    is_forward = kind == F_CODE
-    is_backward = (kind == B_CODE) | (kind == I_CODE)
-    source = np.where(is_forward, stage - 1, np.where(is_backward, stage + 1, -1))
-    has_input = (is_forward | is_backward) & (source >= 0) & (source < num_stages) & schedule.same_copy(stage, source)
+    source, has_input = dataflow.input_stages(stage, kind, num_stages, schedule.copies)
     source_rank = placement[np.clip(source, 0, num_stages - 1)]
     crosses = has_input & (source_rank != rank)
-    direction = np.where(is_forward, FORWARD, BACKWARD)
-    input_key = np.where(crosses, (source * 2 + direction) * microbatches + microbatch, -1)
+    direction = dataflow.DIRECTION_CODES[kind]
+    input_key = np.where(crosses, dataflow.transfer_key(source, direction, microbatch, microbatches), -1)
     if semantics in (RENDEZVOUS, TORCH_RUNTIME):
         receives = np.flatnonzero(~endpoint_is_send)
         group_holding = np.full(arrays.transfers, -1, dtype=np.int64)
@@ -293,11 +287,9 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
     else:
         need = input_key
     if free:
-        target = np.where(is_forward, stage + 1, np.where(is_backward, stage - 1, -1))
-        has_output = (is_forward | is_backward) & (target >= 0) & (target < num_stages) & schedule.same_copy(
-            stage, target)
+        target, has_output = dataflow.output_stages(stage, kind, num_stages, schedule.copies)
         sends = has_output & (placement[np.clip(target, 0, num_stages - 1)] != rank)
-        compute_send = np.where(sends, (stage * 2 + direction) * microbatches + microbatch, -1)
+        compute_send = np.where(sends, dataflow.transfer_key(stage, direction, microbatch, microbatches), -1)
     else:
         compute_send = np.full(len(compute_row), -1, dtype=np.int64)
     blocked = _later_same_rank_input(arrays, compute_row, has_input & ~crosses, source)
@@ -318,7 +310,7 @@ def _compile(arrays: ProgramArrays, semantics: str) -> EngineProgram:
         group_endpoint_start=group_endpoint_start, group_rank=group_rank, group_stream=group_stream,
         stream_group_start=stream_group_start, stream_groups=stream_groups, endpoint_row=endpoint_row,
         endpoint_transfer=endpoint_transfer, endpoint_is_send=endpoint_is_send.astype(np.int8),
-        transfer_wire=np.arange(arrays.transfers, dtype=np.int64) // microbatches,
+        transfer_wire=dataflow.transfer_wire(np.arange(arrays.transfers, dtype=np.int64), microbatches),
     )
 
 
@@ -339,9 +331,7 @@ def _overlapped_pairs(arrays: ProgramArrays, compute_row: np.ndarray) -> np.ndar
 
 def _peer_rank(arrays: ProgramArrays, placement: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The rank on the other end of each communication row."""
-    kind = arrays.kind[rows]
-    upward = (kind == SEND_F_CODE) | (kind == RECV_B_CODE)
-    return placement[arrays.stage[rows] + np.where(upward, 1, -1)]
+    return placement[arrays.stage[rows] + dataflow.PEER_OFFSET_CODES[arrays.kind[rows]]]
 
 
 def _later_same_rank_input(arrays: ProgramArrays, compute_row: np.ndarray, local: np.ndarray,
@@ -391,34 +381,45 @@ def _require_semantics(semantics: str) -> None:
 
 def run_program(program: EngineProgram, timing: StepTiming) -> StepRun:
     """Time one step of a compiled program (``run``)."""
-    seconds, hold, wires = step_inputs(program, timing)
-    return run_inputs(program, seconds, hold, wires, timing.comm_overhead)
+    return run_inputs(program, step_inputs(program, timing))
 
 
-def step_inputs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarray, np.ndarray, WireArrays]:
-    """What the walk reads of ``timing``: per compute row its seconds and hold, and the
-    wires flattened. A caller that times many variants of one step (sampled jitter,
-    stragglers) computes these once and perturbs the arrays (``run_inputs``)."""
-    seconds, hold = _compute_costs(program, timing)
-    return seconds, hold, _wire_arrays(timing.wires, program.arrays)
-
-
-def run_inputs(program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,
-               comm_overhead: float) -> StepRun:
-    """Time one step of ``program`` on per compute row ``seconds`` and ``hold`` and on
-    ``wires`` (``program.transfer_wire[key]`` is transfer ``key``'s wire)."""
-    seconds, hold = np.ascontiguousarray(seconds, dtype=float), np.ascontiguousarray(hold, dtype=float)
+def run_inputs(program: EngineProgram, inputs: StepInputs) -> StepRun:
+    """Time one step of ``program`` on ``inputs``: ``step_inputs``, or its arrays perturbed
+    (a caller that times many variants of one step, sampled jitter or stragglers, prices
+    it once and scales the arrays; ``program.transfer_wire[key]`` is transfer ``key``'s
+    wire)."""
+    inputs = inputs._replace(seconds=np.ascontiguousarray(inputs.seconds, dtype=float),
+                             hold=np.ascontiguousarray(inputs.hold, dtype=float))
     if _compiled is None:  # pragma: no cover - an install without a C compiler
-        from pipesim.sim.reference import run_reference
+        from schedules.engine_reference import run_reference
 
-        step = run_reference(program, seconds, hold, wires, comm_overhead)
+        step = run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead)
     else:
-        step = _run_compiled(program, seconds, hold, wires, float(comm_overhead))
-    step.hold = hold
+        step = _run_compiled(program, inputs)
+    step.hold = inputs.hold
     return step
 
 
-def _compute_costs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarray, np.ndarray]:
+class StepInputs(NamedTuple):
+    """A compiled program's costs under one ``StepTiming``, as both walks read them: each
+    compute action's seconds and hold (in compute row order), the wires as flat arrays,
+    the posting overhead. ``step_inputs`` builds them; the compiled walk and the SimPy
+    specification (``schedules.engine_reference.SimpyStep``) are handed the same."""
+
+    seconds: np.ndarray
+    hold: np.ndarray
+    wires: WireArrays
+    comm_overhead: float
+
+
+def step_inputs(program: EngineProgram, timing: StepTiming) -> StepInputs:
+    """``program``'s ``StepInputs`` under ``timing`` (a NamedTuple: built on every run)."""
+    seconds, hold = compute_costs(program, timing)
+    return StepInputs(seconds, hold, wire_arrays(timing.wires, program.arrays), float(timing.comm_overhead))
+
+
+def compute_costs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarray, np.ndarray]:
     """Seconds and hold of each compute action, looked up by (stage, kind)."""
     stage, kind = program.compute_stage, program.compute_kind
     table = np.asarray(timing.seconds, dtype=float)
@@ -461,7 +462,8 @@ class WireArrays:
     link_count: int
 
 
-def _wire_arrays(wires: Sequence[Sequence[Route] | None], arrays: ProgramArrays) -> WireArrays:
+def wire_arrays(wires: Sequence[Sequence[Route] | None], arrays: ProgramArrays) -> WireArrays:
+    """``StepTiming.wires`` of the schedule of ``arrays`` flattened (``WireArrays``)."""
     count = arrays.schedule.num_stages * 2
     if wires and len(wires) != count:
         raise EngineError(f"timing gives {len(wires)} wires; the schedule has {count} (two per stage)")
@@ -491,27 +493,78 @@ def empty_run(program: EngineProgram) -> StepRun:
                    np.full(program.ranks, -1, dtype=np.int64), schedule=program.arrays.schedule)
 
 
-def _run_compiled(program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,
-                  comm_overhead: float) -> StepRun:
+class EngineInputs(NamedTuple):
+    """The arrays the compiled walk reads, by name (``schedules/_engine.c``'s ``INPUT_NAMES``,
+    whose order is checked when the module loads): a tuple, so the C side takes them by
+    position at no cost, built here by name so that no position is matched by hand."""
+
+    rank_item_start: np.ndarray
+    item_is_group: np.ndarray
+    item_ref: np.ndarray
+    seconds: np.ndarray
+    hold: np.ndarray
+    need: np.ndarray
+    send: np.ndarray
+    blocked: np.ndarray
+    pair: np.ndarray
+    group_endpoint_start: np.ndarray
+    group_rank: np.ndarray
+    group_stream: np.ndarray
+    stream_group_start: np.ndarray
+    stream_groups: np.ndarray
+    endpoint_transfer: np.ndarray
+    endpoint_is_send: np.ndarray
+    transfer_wire: np.ndarray
+    route_start: np.ndarray
+    link_start: np.ndarray
+    links: np.ndarray
+    occupancy: np.ndarray
+    latency: np.ndarray
+
+
+# The compiled walk's outputs are these ``StepRun`` fields, in this order (``OUTPUT_NAMES``).
+ENGINE_OUTPUTS = ("ready", "start", "end", "posted", "departed", "arrival", "group_posted", "group_start",
+                  "group_done", "rank_clock", "rank_done", "stuck_item")
+
+
+def engine_inputs(program: EngineProgram, inputs: StepInputs) -> EngineInputs:
+    """What the compiled walk reads for ``program`` under ``inputs``."""
+    wires = inputs.wires
+    return EngineInputs(
+        rank_item_start=program.rank_item_start, item_is_group=program.item_is_group, item_ref=program.item_ref,
+        seconds=inputs.seconds, hold=inputs.hold, need=program.compute_need, send=program.compute_send,
+        blocked=program.compute_blocked, pair=program.compute_pair, group_endpoint_start=program.group_endpoint_start,
+        group_rank=program.group_rank, group_stream=program.group_stream,
+        stream_group_start=program.stream_group_start, stream_groups=program.stream_groups,
+        endpoint_transfer=program.endpoint_transfer, endpoint_is_send=program.endpoint_is_send,
+        transfer_wire=program.transfer_wire, route_start=wires.route_start, link_start=wires.link_start,
+        links=wires.links, occupancy=wires.occupancy, latency=wires.latency)
+
+
+def _run_compiled(program: EngineProgram, inputs: StepInputs) -> StepRun:
     result = empty_run(program)
-    _compiled.run(
-        SEMANTICS_CODES[program.semantics], comm_overhead,
-        (program.rank_item_start, program.item_is_group, program.item_ref, seconds, hold, program.compute_need,
-         program.compute_send, program.compute_blocked, program.compute_pair, program.group_endpoint_start,
-         program.group_rank,
-         program.group_stream, program.stream_group_start, program.stream_groups, program.endpoint_transfer,
-         program.endpoint_is_send, program.transfer_wire, wires.route_start,
-         wires.link_start, wires.links, wires.occupancy, wires.latency),
-        wires.link_count,
-        (result.ready, result.start, result.end, result.posted, result.departed, result.arrival, result.group_posted,
-         result.group_start, result.group_done, result.rank_clock, result.rank_done, result.stuck_item),
-    )
+    _compiled.run(SEMANTICS_CODES[program.semantics], inputs.comm_overhead, engine_inputs(program, inputs),
+                  inputs.wires.link_count, tuple(getattr(result, name) for name in ENGINE_OUTPUTS))
     return result
+
+
+def _check_compiled_names() -> None:
+    """A compiled walk built from another ``_engine.c`` than this module's names would read
+    its arrays in the wrong places: refuse it, saying how to rebuild."""
+    for kind, expected, built in (("inputs", EngineInputs._fields, getattr(_compiled, "INPUTS", None)),
+                                  ("outputs", ENGINE_OUTPUTS, getattr(_compiled, "OUTPUTS", None))):
+        if built is not None and tuple(built) != tuple(expected):
+            raise ImportError(f"schedules/_engine.c's {kind} {built} are not schedules.engine's {expected}: "
+                              f"rebuild the walk (python setup.py build_ext --inplace)")
+
+
+if _compiled is not None:
+    _check_compiled_names()
 
 
 def transfer_sender(program: EngineProgram) -> np.ndarray:
     """The rank that sends each transfer key (the rank of its sending stage)."""
     arrays = program.arrays
     placement = np.asarray(arrays.schedule.placement, dtype=np.int64)
-    return placement[np.arange(arrays.transfers) // (2 * arrays.microbatches)]
+    return placement[dataflow.transfer_parts(np.arange(arrays.transfers), arrays.microbatches)[0]]
 

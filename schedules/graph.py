@@ -14,22 +14,24 @@ carry ``kind``:
   depends on the previous one, the edge keeps the dependency's kind.
 
 A cycle in this graph is a deadlock. ``validate`` finds deadlocks without building the
-graph (it is far cheaper to walk the programs); the graph is for users and tools that
-want to look at the structure, e.g. ``networkx.find_cycle`` or critical paths.
+whole graph (the engine's stuck ranks say where to look), and names each wait on the
+cycle by this graph's data edges (``producers``: which action a stuck one waits for);
+the whole graph is for users and tools that want to look at the structure, e.g.
+``networkx.find_cycle`` or critical paths. Its data edges are the dataflow rule of
+``schedules.dataflow``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from schedules.action import Action, ActionKind
+from schedules import dataflow
+from schedules.action import RECV_KINDS, RECV_OF, SEND_KINDS, SEND_OF, Action
+from schedules.dataflow import SAME_STAGE_INPUT
 from schedules.schedule import Schedule
 
 if TYPE_CHECKING:
     import networkx as nx
-
-_F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
-_SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
 
 
 def producers(action: Action, rank: int, schedule: Schedule, lowered: bool) -> list[tuple[Action, str]]:
@@ -41,31 +43,23 @@ def producers(action: Action, rank: int, schedule: Schedule, lowered: bool) -> l
     """
     stage, kind, microbatch = action
     placement = schedule.placement
-    last_stage = schedule.num_stages - 1
-    if kind == _F:
-        if stage == 0 or not schedule.same_copy(stage, stage - 1):
-            return []
-        if lowered and placement[stage - 1] != rank:
-            return [(Action(stage, _RECV_F, microbatch), "data")]
-        return [(Action(stage - 1, _F, microbatch), "data")]
-    if kind == _B or kind == _I:
-        found = [(Action(stage, _F, microbatch), "data")]
-        if stage < last_stage and schedule.same_copy(stage, stage + 1):
-            if lowered and placement[stage + 1] != rank:
-                found.append((Action(stage, _RECV_B, microbatch), "data"))
-            else:
-                found.append((Action(stage + 1, _B, microbatch), "data"))
-                found.append((Action(stage + 1, _I, microbatch), "data"))
+    found = [(Action(stage, SAME_STAGE_INPUT[kind], microbatch), "data")] if kind in SAME_STAGE_INPUT else []
+    if kind in RECV_OF:
+        if lowered and dataflow.receives(placement, stage, kind, rank, schedule.copies):
+            found.append((Action(stage, RECV_OF[kind], microbatch), "data"))
+        else:
+            found += [(producer, "data") for producer in dataflow.neighbour_producers(action, schedule.num_stages,
+                                                                                              schedule.copies)]
         return found
-    if kind == _W:
-        return [(Action(stage, _I, microbatch), "data")]
-    if kind == _SEND_F:
-        return [(Action(stage, _F, microbatch), "data")]
-    if kind == _SEND_B:
-        return [(Action(stage, _B, microbatch), "data"), (Action(stage, _I, microbatch), "data")]
-    if kind == _RECV_F or kind == _RECV_B:
+    if kind in SEND_KINDS:  # a SEND waits for the compute piece whose output it carries
+        return [(Action(stage, producer, microbatch), "data") for producer in _CARRIED_BY[kind]]
+    if kind in RECV_KINDS:
         return [(action.matching(), "comm")]
-    return []
+    return found
+
+
+# the compute kinds whose output each SEND kind carries (SEND_B: B, or I when split)
+_CARRIED_BY = {send: tuple(kind for kind, carrier in SEND_OF.items() if carrier == send) for send in SEND_OF.values()}
 
 
 def dependency_graph(schedule: Schedule) -> nx.DiGraph:

@@ -26,8 +26,8 @@ import dataclasses
 
 import numpy as np
 
-from schedules import engine
-from schedules.action import Action, ActionKind
+from schedules import dataflow, engine
+from schedules.action import RECV_OF, SEND_OF, Action, ActionKind
 from schedules.collector import without_collector
 from schedules.placement_search import DEFAULT_RULE, Search
 from schedules.program_arrays import program_arrays
@@ -144,28 +144,20 @@ def _lower_naively(schedule: Schedule) -> Schedule:
     transfer a group of its own: the order validation can explain when the compute order
     itself is broken."""
     placement = schedule.placement
-    last_stage = schedule.num_stages - 1
     lowered = []
     for rank, program in enumerate(schedule.programs):
         actions: list[Action] = []
         append = actions.append
         for action in program:
             stage, kind, microbatch = action
-            below = stage > 0 and placement[stage - 1] != rank and schedule.same_copy(stage, stage - 1)
-            above = stage < last_stage and placement[stage + 1] != rank and schedule.same_copy(stage, stage + 1)
-            if kind == _F:
-                if below:
-                    append(Action(stage, _RECV_F, microbatch))
+            if kind in RECV_OF:  # F, B or I: it reads a neighbour's output and hands its own on
+                if dataflow.receives(placement, stage, kind, rank, schedule.copies):
+                    append(Action(stage, RECV_OF[kind], microbatch))
                 append(action)
-                if above:
-                    append(Action(stage, _SEND_F, microbatch))
-            elif kind == _B or kind == _I:
-                if above:
-                    append(Action(stage, _RECV_B, microbatch))
-                append(action)
-                if below:
-                    append(Action(stage, _SEND_B, microbatch))
+                if dataflow.sends(placement, stage, kind, rank, schedule.copies):
+                    append(Action(stage, SEND_OF[kind], microbatch))
             else:
                 append(action)
         lowered.append(actions)
-    return schedule.with_programs(lowered)
+    # transfers now stand between an overlapped pair's halves: ``keep_pairs_together`` pairs them again
+    return schedule.with_programs(lowered, fused=())

@@ -6,12 +6,13 @@ score a prediction and a measurement, and the two can be compared number for num
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from schedules.accounting import PARTS, RankTime, part_seconds, time_accounting
+from schedules.action import KIND_CODES, Action
 from schedules.trace import Trace, TraceColumns
 
 
@@ -107,22 +108,50 @@ def stash_changes(columns: TraceColumns, size: Callable[[np.ndarray], np.ndarray
     compute = columns.on_stream("compute")
     kind, stage, microbatch = columns.kind[compute], columns.stage[compute], columns.microbatch[compute]
     forward = kind == columns.kind_code("F")
-    weight = kind == columns.kind_code("W")
     backward = (kind == columns.kind_code("B")) | (kind == columns.kind_code("I"))
-    key = stage * (int(microbatch.max()) + 1 if len(microbatch) else 1) + microbatch
-    split = _members(key, key[weight])
-    release = weight | (backward & ~split)
-    partial = backward & split if kept is not None else np.zeros(len(kind), dtype=bool)
-    taken = forward | release | partial
-    amount = np.ones(int(taken.sum())) if size is None else np.asarray(size(stage[taken]), dtype=float)
-    if kept is not None:  # a W releases the kept share, an I before it the rest
-        share = np.asarray(kept(stage[taken]), dtype=float)
-        amount = amount * np.where(weight[taken], share, np.where(partial[taken], 1.0 - share, 1.0))
-    change = np.where(forward[taken], amount, -amount)
+    shares = None if kept is None else np.asarray(kept(stage), dtype=float) * np.ones(len(stage))
+    taken, amount = stash_moves(forward, backward, kind == columns.kind_code("W"), stage, microbatch, shares)
+    if size is not None:
+        amount = amount * np.asarray(size(stage), dtype=float) * np.ones(len(stage))
+    change = amount[taken]
     time = np.where(forward, columns.start[compute], columns.end[compute])[taken]
     rank = columns.rank[compute][taken]
     order = np.lexsort((change, time, rank))
     return rank[order], time[order], change[order]
+
+
+def stash_moves(forward: np.ndarray, backward: np.ndarray, weight: np.ndarray, stage: np.ndarray,
+                microbatch: np.ndarray, kept: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The one rule of counting stashes, over compute actions given as masks (an ``F``, a
+    backward piece ``B`` or ``I``, a ``W``) with their stage and microbatch: which
+    actions move a stash, and by +1 (taken: the forward) or -1 (released: the last
+    backward piece of that stage and microbatch, ``B``, or ``W`` when the backward is
+    split). What a ``W`` keeps after its ``I`` is a stash until the ``W``: all of it, or
+    with ``kept`` (per action, the share of its stash a split backward still needs
+    between its I and its W: the matrix products' inputs and output gradients) that
+    share, the I releasing the rest."""
+    key = stage * (int(microbatch.max()) + 1 if len(microbatch) else 1) + microbatch
+    split = _members(key, key[weight])
+    release = weight | (backward & ~split)
+    move = np.where(forward, 1.0, -1.0)
+    if kept is None:
+        return forward | release, move
+    partial = backward & split  # an I before its W: releases all but the kept share
+    move = move * np.where(weight, kept, np.where(partial, 1.0 - kept, 1.0))
+    return forward | release | partial, move
+
+
+def order_peak_stashes(program: Sequence[Action]) -> int:
+    """The most stashes a rank's order holds at once (``stash_moves``), counted in program
+    order: a rank runs its order one action at a time, so its order is its time order."""
+    if not program:
+        return 0
+    kind = np.fromiter((KIND_CODES[action.kind] for action in program), np.int64, len(program))
+    stage = np.fromiter((action.stage for action in program), np.int64, len(program))
+    microbatch = np.fromiter((action.microbatch for action in program), np.int64, len(program))
+    taken, sign = stash_moves(kind == KIND_CODES["F"], (kind == KIND_CODES["B"]) | (kind == KIND_CODES["I"]),
+                              kind == KIND_CODES["W"], stage, microbatch)
+    return int(max(np.cumsum(sign[taken]).max(initial=0.0), 0.0))
 
 
 def _members(values: np.ndarray, among: np.ndarray) -> np.ndarray:

@@ -42,7 +42,7 @@ def keep_pairs_together(lowered: Schedule, source: Schedule) -> Schedule:
         program, joined = _flatten(items)
         programs.append(program)
         joins.append(joined)
-    return lowered.with_programs(programs, joins).with_fused_from(source)
+    return lowered.with_programs(programs, joins, fused=()).with_fused_from(source)
 
 
 def _regroup(items: list, pairs: dict[Action, Action]) -> list:

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from schedules.action import KIND_CODES, SEND_KINDS, Action, ActionKind
+from schedules.action import MATCHING_KIND, PEER_OFFSET, SEND_KINDS, Action
+from schedules.dataflow import PEER_OFFSET_CODES
 from schedules.program_arrays import program_arrays
 from schedules.schedule import Schedule
 
@@ -60,17 +61,6 @@ def require_semantics(p2p: str) -> str:
     return p2p
 
 
-# (kind) -> (offset of the peer stage, kind of the matching action)
-_PEER_CODES = {KIND_CODES[kind]: offset for kind, offset in (
-    (ActionKind.SEND_F, 1), (ActionKind.RECV_F, -1), (ActionKind.SEND_B, -1), (ActionKind.RECV_B, 1))}
-_PEER = {
-    ActionKind.SEND_F: (1, ActionKind.RECV_F),
-    ActionKind.RECV_F: (-1, ActionKind.SEND_F),
-    ActionKind.SEND_B: (-1, ActionKind.RECV_B),
-    ActionKind.RECV_B: (1, ActionKind.SEND_B),
-}
-
-
 def check_pair_order(schedule: Schedule) -> None:
     """Under rendezvous, the k-th send from rank r to rank r' must be the transfer of the
     k-th receive on r' from r: NCCL pairs them by position, not by what they carry.
@@ -80,17 +70,16 @@ def check_pair_order(schedule: Schedule) -> None:
     if _pair_orders_agree(schedule):
         return
     placement = schedule.placement
-    peer_of = _PEER
     sends: dict[tuple[int, int], list[tuple]] = {}
     recvs: dict[tuple[int, int], list[tuple]] = {}
     for rank, program in enumerate(schedule.programs):
         for action in program:
             kind = action[1]
-            if kind in peer_of:
-                offset, matching = peer_of[kind]
-                peer_stage = action[0] + offset
+            if kind in PEER_OFFSET:
+                peer_stage = action[0] + PEER_OFFSET[kind]
                 if kind in SEND_KINDS:
-                    sends.setdefault((rank, placement[peer_stage]), []).append((peer_stage, matching, action[2]))
+                    sends.setdefault((rank, placement[peer_stage]), []).append(
+                        (peer_stage, MATCHING_KIND[kind], action[2]))
                 else:
                     recvs.setdefault((placement[peer_stage], rank), []).append(action)
     for pair, expected in sends.items():
@@ -126,8 +115,7 @@ def _pair_orders_agree(schedule: Schedule) -> bool:
     orders = []
     for rows, sending in ((np.flatnonzero(arrays.is_send), True), (np.flatnonzero(arrays.is_recv), False)):
         stage, kind, rank = arrays.stage[rows], arrays.kind[rows], arrays.rank[rows]
-        offset = np.select([kind == code for code in _PEER_CODES], list(_PEER_CODES.values()), 0)
-        peer = placement[np.clip(stage + offset, 0, schedule.num_stages - 1)]
+        peer = placement[np.clip(stage + PEER_OFFSET_CODES[kind], 0, schedule.num_stages - 1)]
         pair = rank * schedule.pp + peer if sending else peer * schedule.pp + rank
         # rows run in program order within each rank, and a pair has one rank on this side:
         # grouping them by pair (a stable sort) leaves each pair's in posting order

@@ -8,8 +8,7 @@ action is an item of its own, a run of communication actions joined into one gro
 one item (``Schedule.joins``). Transfers are numbered by the SEND both of their ends
 name (``transfer_key``), so the two ends of a transfer find each other by index.
 
-The rules of which stage feeds which live in ``schedules.action`` (``INPUT_OFFSET``,
-``OUTPUT_OFFSET``); this module applies them to whole arrays at once.
+Which stage feeds which, and the transfer numbers, are ``schedules.dataflow``'s.
 """
 
 from __future__ import annotations
@@ -23,13 +22,13 @@ from operator import itemgetter
 import numpy as np
 
 from schedules.action import KIND_CODES, KINDS, UnknownKindError
+from schedules.dataflow import end_transfer_key, transfer_count
 from schedules.schedule import Schedule
 
 F_CODE, B_CODE, I_CODE, W_CODE = (KIND_CODES[kind] for kind in ("F", "B", "I", "W"))
 SEND_F_CODE, RECV_F_CODE, SEND_B_CODE, RECV_B_CODE = (KIND_CODES[kind]
                                                       for kind in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"))
 COMPUTE_CODES = (F_CODE, B_CODE, I_CODE, W_CODE)
-FORWARD, BACKWARD = 0, 1  # a transfer's direction: activations forward, gradients back
 
 
 @dataclass(frozen=True)
@@ -99,16 +98,14 @@ class ProgramArrays:
         return max(self.schedule.microbatches, largest)
 
     def transfer_key(self, stage: np.ndarray, kind: np.ndarray, microbatch: np.ndarray) -> np.ndarray:
-        """The number of the transfer each communication row belongs to: that of its SEND,
-        ``(sending stage * 2 + direction) * microbatches + microbatch``; both ends agree."""
-        sending_stage = stage + np.select([kind == RECV_F_CODE, kind == RECV_B_CODE], [-1, 1], 0)
-        direction = np.where((kind == SEND_B_CODE) | (kind == RECV_B_CODE), BACKWARD, FORWARD)
-        return (sending_stage * 2 + direction) * self.microbatches + microbatch
+        """The number of the transfer each communication row belongs to: that of its SEND
+        (``schedules.dataflow.transfer_key``); both ends agree."""
+        return end_transfer_key(stage, kind, microbatch, self.microbatches)
 
     @cached_property
     def transfers(self) -> int:
         """How many transfer keys there are (most of them unused)."""
-        return self.schedule.num_stages * 2 * self.microbatches
+        return transfer_count(self.schedule.num_stages, self.microbatches)
 
 
 def program_arrays(schedule: Schedule) -> ProgramArrays:

@@ -68,7 +68,7 @@ def rendezvous_bound(schedule: Schedule, timing: engine.StepTiming, horizon: flo
     free = free_run.makespan
     transfers = transfers_of(engine.run(schedule, planning_timing(timing), engine.FREE), timing)
     program = free_run.program
-    seconds_of, hold_of = engine._compute_costs(program, timing)  # noqa: SLF001 - the engine's own lookup
+    seconds_of, hold_of = engine.compute_costs(program, timing)
     unit = resolution or _resolution(np.concatenate([seconds_of, hold_of, transfers.flight]), free)
 
     def ticks(value: float) -> int:

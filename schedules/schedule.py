@@ -262,23 +262,54 @@ class Schedule:
             tuple(action for action in program if action.kind not in COMM_KINDS)
             for program in self.programs
         )
-        return self.with_programs(programs).with_fused_from(self)
+        return self.with_programs(programs)
 
     def with_programs(
-        self, programs: Sequence[Sequence[Action]], joins: Sequence[frozenset[int]] = ()
+        self, programs: Sequence[Sequence[Action]], joins: Sequence[frozenset[int]] = (),
+        fused: Sequence[frozenset[int]] | None = None,
     ) -> Schedule:
         """A copy of this schedule with other programs (same ranks, stages, placement);
-        ``joins`` gives the new programs' P2P groups (none: every transfer alone)."""
+        ``joins`` gives the new programs' P2P groups (none: every transfer alone).
+
+        Overlapped pairs belong to the programs: by default this schedule's pairs are
+        carried to where their two actions now stand, and a pair the new programs no
+        longer hold together (its backward gone, or not right after its forward) is an
+        error naming it, never dropped in silence. ``fused`` gives the new programs' pairs
+        instead (``()``: none, for a pass that pairs them again itself, as
+        ``schedules.overlap.keep_pairs_together`` does after lowering)."""
+        programs = tuple(tuple(program) for program in programs)
+        if fused is None:
+            fused = self._carried_pairs(programs) if any(self.fused) else ()
         return Schedule(
             pp=self.pp,
             microbatches=self.microbatches,
             placement=self.placement,
-            programs=tuple(tuple(program) for program in programs),
+            programs=programs,
             name=self.name,
             meta=dict(self.meta),
             joins=tuple(joins),
             copies=self.copies,
+            fused=tuple(fused),
         )
+
+    def _carried_pairs(self, programs: tuple[tuple[Action, ...], ...]) -> tuple[frozenset[int], ...]:
+        """This schedule's overlapped pairs at their positions in ``programs``; raise naming
+        a pair they no longer hold together."""
+        fused = []
+        for rank, program in enumerate(programs):
+            pairs = self.fused_pairs(rank) if rank < len(self.fused) else []
+            position_of = {action: position for position, action in enumerate(program)} if pairs else {}
+            kept = set()
+            for forward, backward in pairs:
+                position = position_of.get(backward)
+                if position is None or position == 0 or program[position - 1] != forward:
+                    raise ValueError(
+                        f"rank {rank}: the new program does not hold the overlapped pair "
+                        f"{format_overlap(forward, backward)} together ({backward} right after {forward}); "
+                        f"keep them adjacent, or give the new pairs (fused=...) to drop or re-pair them")
+                kept.add(position)
+            fused.append(frozenset(kept))
+        return tuple(fused)
 
     def describe(self) -> str:
         """A readable listing of every rank's program, one rank a line."""

@@ -59,7 +59,7 @@ from schedules.schedule import Schedule
 def as_torch_posts(schedule: Schedule) -> Schedule:
     """The schedule as torch's runtime posts it: the same programs, every transfer a P2P
     group of its own (what a flat file reads back as; torch has no groups)."""
-    posted = schedule.with_programs(schedule.programs).with_fused_from(schedule)
+    posted = schedule.with_programs(schedule.programs)
     posted.meta.update(schedule.meta)
     return posted
 

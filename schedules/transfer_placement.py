@@ -36,8 +36,18 @@ from itertools import chain
 import numpy as np
 
 from schedules import engine
-from schedules.action import KIND_CODES, ActionKind, actions_of
-from schedules.program_arrays import BACKWARD, ProgramArrays, keep_program_arrays, program_arrays_of_rows
+from schedules.action import KINDS, actions_of
+from schedules.dataflow import (
+    DIRECTION_KIND_CODES,
+    RECV_OF_CODES,
+    SEND_OF_CODES,
+    WIRES_PER_STAGE,
+    receiving_stage,
+    transfer_parts,
+    transfer_wire,
+)
+from schedules.hop import wire_flight
+from schedules.program_arrays import ProgramArrays, keep_program_arrays, program_arrays_of_rows
 from schedules.schedule import Schedule
 
 # Planning durations below this are raised to it, so that every compute action has an
@@ -71,16 +81,20 @@ class Transfers:
         return np.r_[np.searchsorted(program.compute_rank, np.arange(program.ranks)), len(program.compute_rank)]
 
     @cached_property
+    def _parts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return transfer_parts(self.key, self.step.program.arrays.microbatches)
+
+    @property
     def sending_stage(self) -> np.ndarray:
-        return self.key // self.step.program.arrays.microbatches // 2
+        return self._parts[0]
 
-    @cached_property
+    @property
     def direction(self) -> np.ndarray:
-        return (self.key // self.step.program.arrays.microbatches) % 2
+        return self._parts[1]
 
-    @cached_property
+    @property
     def microbatch(self) -> np.ndarray:
-        return self.key % self.step.program.arrays.microbatches
+        return self._parts[2]
 
     @cached_property
     def latest(self) -> np.ndarray:
@@ -98,18 +112,17 @@ def transfers_of(step: engine.StepRun, timing: engine.StepTiming) -> Transfers:
     consumers = np.flatnonzero(program.compute_need >= 0)
     consumer_of[program.compute_need[consumers]] = consumers
     consumer = consumer_of[key]
-    flight = _wire_flight(timing, arrays.schedule.num_stages)[key // arrays.microbatches]
+    flight = _wire_flight(timing, arrays.schedule.num_stages)[transfer_wire(key, arrays.microbatches)]
     return Transfers(step, key, producer, consumer, program.compute_rank[producer], program.compute_rank[consumer],
                      step.end[producer], step.start[consumer], flight)
 
 
 def _wire_flight(timing: engine.StepTiming, num_stages: int) -> np.ndarray:
-    """Per wire (stage * 2 + direction): the seconds from departure to arrival when its
-    links are free (its slowest route)."""
-    flight = np.zeros(2 * num_stages)
+    """Per wire (``schedules.dataflow.wire_of``): the seconds from departure to arrival
+    when its links are free (its slowest route)."""
+    flight = np.zeros(WIRES_PER_STAGE * num_stages)
     for wire, routes in enumerate(timing.wires or ()):
-        if routes:
-            flight[wire] = max(occupancy + latency for _links, occupancy, latency in routes)
+        flight[wire] = wire_flight(routes)
     return flight
 
 
@@ -390,8 +403,6 @@ def group_starts(ends: Ends, mind_the_consumer: bool, breaks: np.ndarray | None 
     return decided
 
 
-_TRANSFER_KINDS = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
-_TRANSFER_CODES = tuple(KIND_CODES[kind] for kind in _TRANSFER_KINDS)
 
 
 @dataclass(frozen=True)
@@ -407,7 +418,7 @@ class LoweredRows:
     kind: np.ndarray  # ``KIND_CODES``
     microbatch: np.ndarray
     joined: np.ndarray  # per row: posted in the group of the row before
-    end_stage: np.ndarray  # per end in posting order: its action's stage, kind (index of _TRANSFER_KINDS)
+    end_stage: np.ndarray  # per end in posting order: its action's stage, kind (``KIND_CODES``)
     end_kind: np.ndarray
     end_microbatch: np.ndarray
 
@@ -441,10 +452,11 @@ def lowered_rows(transfers: Transfers, ends: Ends, starts: np.ndarray) -> Lowere
     is_transfer = order >= count
     is_send = ends.is_send[posted]
     transfer_of = np.where(is_send, posted, posted - transfers.count)  # ends: the sends, then the receives
-    backward = transfers.direction[transfer_of] == BACKWARD
+    direction = transfers.direction[transfer_of]
     sending = transfers.sending_stage[transfer_of]
-    stage = np.where(is_send, sending, np.where(backward, sending - 1, sending + 1))
-    kind = np.where(is_send, np.where(backward, 2, 0), np.where(backward, 3, 1))
+    stage = np.where(is_send, sending, receiving_stage(sending, direction))
+    carried = DIRECTION_KIND_CODES[direction]  # the compute kind whose output it carries
+    kind = np.where(is_send, SEND_OF_CODES[carried], RECV_OF_CODES[carried])
     microbatch = transfers.microbatch[transfer_of]
     rank = np.concatenate([compute_rank, end_rank])[order]
     opens = np.concatenate([np.ones(count, dtype=bool), starts])[order]
@@ -453,7 +465,7 @@ def lowered_rows(transfers: Transfers, ends: Ends, starts: np.ndarray) -> Lowere
     arrays = program.arrays
     rows = [np.concatenate([compute_part, end_part])[order] for compute_part, end_part in (
         (arrays.stage[program.compute_row], stage),
-        (arrays.kind[program.compute_row], np.asarray(_TRANSFER_CODES, dtype=np.int8)[kind]),
+        (arrays.kind[program.compute_row], kind.astype(np.int8)),
         (arrays.microbatch[program.compute_row], microbatch))]
     return LoweredRows(count, order, rank, *rows, joined, stage, kind, microbatch)
 
@@ -464,7 +476,7 @@ def lowered_schedule(schedule: Schedule, transfers: Transfers, rows: LoweredRows
     # the actions: compute ones as the schedule has them, each end built from its transfer
     # (held in object arrays: reordering hundreds of thousands of them is then one gather)
     originals = np.fromiter(chain.from_iterable(schedule.programs), dtype=object, count=program.arrays.size)
-    transfer = actions_of(rows.end_stage.tolist(), np.array(_TRANSFER_KINDS, dtype=object)[rows.end_kind].tolist(),
+    transfer = actions_of(rows.end_stage.tolist(), np.array(KINDS, dtype=object)[rows.end_kind].tolist(),
                           rows.end_microbatch.tolist())
     actions = np.concatenate([originals[program.compute_row], np.fromiter(transfer, dtype=object, count=len(transfer))])
     rank_start = np.searchsorted(rows.rank, np.arange(schedule.pp + 1))
@@ -476,6 +488,6 @@ def lowered_schedule(schedule: Schedule, transfers: Transfers, rows: LoweredRows
         programs.append(sequence[begin:stop].tolist())
         inside = joined_at[(joined_at > begin) & (joined_at < stop)] - begin
         joins.append(frozenset(inside.tolist()))
-    lowered = schedule.with_programs(programs, joins)
+    lowered = schedule.with_programs(programs, joins, fused=())  # re-paired by ``keep_pairs_together``
     keep_program_arrays(lowered, rows.rank, rows.stage, rows.kind, rows.microbatch)
     return lowered

@@ -28,9 +28,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from schedules import engine
-from schedules.action import ALL_KINDS, COMM_KINDS, KIND_CODES, KINDS, Action, ActionKind, format_group
+from schedules import dataflow, engine
+from schedules.action import ALL_KINDS, COMM_KINDS, KIND_CODES, KINDS, RECV_OF, Action, ActionKind, format_group
 from schedules.collector import without_collector
+from schedules.graph import producers
 from schedules.p2p import RENDEZVOUS, TORCH_RUNTIME, P2PError, check_pair_order, require_semantics
 from schedules.program_arrays import (
     B_CODE,
@@ -144,9 +145,7 @@ def _check_actions(schedule: Schedule) -> ProgramArrays:
     stage, kind, microbatch, rank = arrays.stage, arrays.kind, arrays.microbatch, arrays.rank
     in_range = (stage >= 0) & (stage < num_stages) & (microbatch >= 0) & (microbatch < microbatches)
     placed = in_range & (placement[np.clip(stage, 0, num_stages - 1)] == rank)
-    upward = (kind == SEND_F_CODE) | (kind == RECV_B_CODE)
-    downward = (kind == RECV_F_CODE) | (kind == SEND_B_CODE)
-    peer = stage + np.select([upward, downward], [1, -1], 0)
+    peer = stage + dataflow.PEER_OFFSET_CODES[kind]
     peer_exists = (peer >= 0) & (peer < num_stages)
     peer_elsewhere = peer_exists & (placement[np.clip(peer, 0, num_stages - 1)] != rank)
     good = placed & (arrays.is_compute | peer_elsewhere)
@@ -346,10 +345,8 @@ def _check_transfers(schedule: Schedule, arrays: ProgramArrays) -> None:
     microbatches = schedule.microbatches
     table = _positions(schedule, arrays)
     get = _getter(schedule, table)
-    for stage in range(schedule.num_stages - 1):
-        if placement[stage] == placement[stage + 1] or not schedule.same_copy(stage, stage + 1):
-            continue
-        above = stage + 1
+    for stage in dataflow.crossing_boundaries(placement, schedule.copies):
+        above = dataflow.output_stage(stage, _F)
         here, there = slice(stage * microbatches, above * microbatches), slice(above * microbatches,
                                                                                 (above + 1) * microbatches)
         send, recv = table[SEND_F_CODE, here], table[RECV_F_CODE, there]
@@ -432,13 +429,13 @@ def explain_stuck(step: engine.StepRun) -> None:
 
 
 def _input_of(schedule: Schedule, action: Action, known) -> Action:
-    """The action whose output ``action`` consumes (the forward of the stage before, or
-    the backward piece, B or I, of the stage after)."""
-    stage, kind, microbatch = action
-    if kind == _F:
-        return Action(stage - 1, _F, microbatch)
-    full = Action(stage + 1, _B, microbatch)
-    return full if full in known else Action(stage + 1, _I, microbatch)
+    """The action of the neighbouring stage whose output ``action`` consumes (the forward
+    of the stage before, or the backward piece, B or I, of the stage after): its data
+    edge in the dependency graph (``schedules.graph.producers``), the one the schedule holds."""
+    rank = schedule.placement[action.stage]
+    candidates = [producer for producer, _ in producers(action, rank, schedule, lowered=False)
+                  if producer.stage != action.stage]
+    return next((candidate for candidate in candidates if candidate in known), candidates[-1])
 
 
 def _stuck_compute(step: engine.StepRun, rank: int) -> tuple[int, Action] | None:
@@ -487,7 +484,7 @@ def _explain_buffered(step: engine.StepRun) -> None:
             blocked_on[rank] = producer
             continue
         # the rank waits on the receive that brings the input: named at its group
-        receive = Action(action.stage, _RECV_F if action.kind == _F else _RECV_B, action.microbatch)
+        receive = Action(action.stage, RECV_OF[action.kind], action.microbatch)
         counters[rank] = item_of[receive][1]
         blocked_on[rank] = receive.matching()
     _explain(schedule, items, [_item_starts(rank_items) for rank_items in items], counters, blocked_on, item_of,

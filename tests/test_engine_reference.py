@@ -1,8 +1,10 @@
-"""The compiled engine against its specification, the SimPy model (``pipesim.sim.reference``):
+"""The compiled engine against its specification, the SimPy model (``schedules.engine_reference``):
 on random schedules, costs, clusters, placements, tp/dp plans and every semantics, the
 same moments, bit for bit, and the same stuck ranks."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -12,10 +14,10 @@ from hypothesis import strategies as st
 from pipesim.cluster import presets
 from pipesim.cluster.mapping import map_ranks
 from pipesim.model.costs import Costs, StageCost, uniform_costs
-from pipesim.sim import reference
 from pipesim.sim.engine import rank_devices_of, step_timing
 from pipesim.sim.parallel import comm_plan
 from schedules import engine, generate, lower
+from schedules import engine_reference as reference
 from schedules.action import Action, ActionKind, parse_action
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
 from schedules.schedule import Schedule
@@ -23,8 +25,7 @@ from schedules.schedule import Schedule
 CLUSTERS = {  # name -> (preset, nodes); pcie shares its switch and socket links between rank pairs
     "ideal": ("ideal", 1), "nvlink": ("nvlink", 1), "pcie": ("pcie", 1), "ib": ("ib", 2), "ethernet": ("ethernet", 2),
 }
-MOMENTS = ("ready", "start", "end", "posted", "departed", "arrival", "group_posted", "group_start", "group_done",
-           "rank_clock", "rank_done", "stuck_item")
+MOMENTS = engine.ENGINE_OUTPUTS
 
 pytestmark = pytest.mark.skipif(engine._compiled is None, reason="the compiled engine is not built")
 
@@ -32,10 +33,9 @@ pytestmark = pytest.mark.skipif(engine._compiled is None, reason="the compiled e
 def both(schedule: Schedule, timing: engine.StepTiming, semantics: str) -> tuple[engine.StepRun, engine.StepRun]:
     """The compiled engine's run and the SimPy model's, on the same inputs."""
     program = engine.compile_program(schedule, semantics)
-    seconds, hold = engine._compute_costs(program, timing)
-    wires = engine._wire_arrays(timing.wires, program.arrays)
-    compiled = engine._run_compiled(program, seconds, hold, wires, timing.comm_overhead)
-    return compiled, reference.run_reference(program, seconds, hold, wires, timing.comm_overhead)
+    inputs = engine.step_inputs(program, timing)
+    compiled = engine._run_compiled(program, inputs)
+    return compiled, reference.run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead)
 
 
 def assert_same_moments(compiled: engine.StepRun, specified: engine.StepRun) -> None:
@@ -209,8 +209,32 @@ def test_the_documented_extension_runs_and_slows_the_step():
     text = (Path(__file__).resolve().parents[1] / "docs" / "simulator.md").read_text()
     section = text[text.index("### Extending a simulation"):]
     code = section[section.index("```python") + len("```python"):section.index("```", section.index("```python") + 9)]
+    assert not re.findall(r"\b\w+\._\w+", code)  # the public extension point, no private names
     namespace: dict = {}
     exec(compile(code.replace("print(slow.makespan)", "makespan = slow.makespan"), "simulator.md", "exec"),
          namespace)
     plain = engine.run(namespace["schedule"], namespace["timing"], "rendezvous")
     assert namespace["makespan"] > plain.makespan * 1.1  # rank 2 alone is 30% slower on its share
+
+
+@pytest.mark.parametrize("semantics", ["rendezvous", "buffered", "torch-runtime"])
+def test_the_extension_point_unchanged_is_the_engine(semantics):
+    """``SimpyStep.of`` with no rule changed times the step as the compiled engine does."""
+    schedule = lower(generate("dualpipev", 2, 4, 2))
+    topology = presets.PRESETS["pcie"]()
+    costs = uniform_costs(schedule, 1e-3, 2e-3, 1e-3, act_bytes=32e6)
+    timing = step_timing(schedule, costs, topology, rank_devices_of(schedule, topology, None))
+    assert_same_moments(engine.run(schedule, timing, semantics),
+                        reference.SimpyStep.of(schedule, timing, semantics).run())
+
+
+def test_a_walk_built_from_other_names_is_refused(monkeypatch):
+    """The compiled walk reads its inputs by position: names in another order than
+    ``EngineInputs`` mean a stale build, refused with how to rebuild."""
+    class Stale:
+        INPUTS = tuple(reversed(engine.EngineInputs._fields))
+        OUTPUTS = engine.ENGINE_OUTPUTS
+
+    monkeypatch.setattr(engine, "_compiled", Stale)
+    with pytest.raises(ImportError, match="rebuild the walk"):
+        engine._check_compiled_names()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipesim.cli import main
-from pipesim.cluster.gpus import gpu_spec
+from pipesim.hardware.gpus import gpu_spec
 from pipesim.model.compute_model import (
     FixedEfficiency,
     gpu_compute_model,

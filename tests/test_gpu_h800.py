@@ -13,8 +13,8 @@ import pytest
 
 from pipesim.cli import main
 from pipesim.cluster.files import load_topology
-from pipesim.cluster.gpus import gpu_spec
 from pipesim.cluster.presets import MULTI_NODE, PRESETS
+from pipesim.hardware.gpus import gpu_spec
 
 NVLINK_PRESETS = ("nvlink", "ib", "ethernet")
 

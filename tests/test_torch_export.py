@@ -12,6 +12,7 @@ import math
 import pytest
 import tomllib
 
+from benchmarks.torch_orders import StandInStage
 from pipesim.cli import main
 from schedules.action import COMM_KINDS
 from schedules.csv_io import schedule_from_csv
@@ -19,7 +20,6 @@ from schedules.generators import GENERATORS, MULTI_CHUNK, generate
 from schedules.lowering import lower
 from schedules.torch_compat import TorchMismatchError
 from schedules.torch_runtime import lower_for_torch_runtime
-from tests.torch_orders import StandInStage
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping  # noqa: E402 - after the skip

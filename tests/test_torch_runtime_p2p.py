@@ -167,7 +167,7 @@ def test_lowering_for_torchs_runtime_never_hangs_it(name):
 def test_torchs_own_lowered_orders_pass():
     """Another implementation's orders: torch's schedule classes lower their own orders
     (``_add_send_recv``), and those run on GPUs; the check accepts every one."""
-    torch_orders = pytest.importorskip("tests.torch_orders")
+    torch_orders = pytest.importorskip("benchmarks.torch_orders")
     for name in torch_orders.TORCH_CLASSES:
         for pp in (2, 3, 4):
             lowered = torch_orders.torch_lowered_schedule(name, pp, 2 * pp)

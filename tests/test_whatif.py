@@ -58,7 +58,8 @@ def test_comm_jitter_of_zero_on_per_transfer_wires_is_the_deterministic_step():
     result = simulate_job(job(schedule="interleaved-1f1b", topology="pcie", act_bytes=8e6))
     stepper = SampleStepper(result, Variability())
     wires = per_transfer_wires(stepper.program, stepper.wires, np.ones(stepper.program.arrays.transfers))
-    step = engine.run_inputs(stepper.per_transfer, stepper.seconds, stepper.hold, wires, stepper.comm_overhead)
+    step = engine.run_inputs(stepper.per_transfer, engine.StepInputs(stepper.seconds, stepper.hold, wires,
+                                                                    stepper.comm_overhead))
     assert step.makespan == result.metrics.makespan
 
 

@@ -240,7 +240,7 @@ def add_context_and_expert_args(group) -> None:
 
 
 def add_topology_args(parser: argparse.ArgumentParser) -> None:
-    from pipesim.cluster.gpus import GPUS
+    from pipesim.hardware.gpus import GPUS
 
     group = parser.add_argument_group("cluster")
     group.add_argument("--topology", default="ideal",

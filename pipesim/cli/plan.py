@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipesim.cli.options import add_memory_headroom_arg
 from pipesim.cli.variability import add_variability_args, objective_variability, rank_by_p99
-from pipesim.cluster.gpus import GPUS
+from pipesim.hardware.gpus import GPUS
 from pipesim.plan.layouts import RECOMPUTE_MODES, Layout
 from pipesim.plan.search import pareto_front, terminal_progress
 from pipesim.sim.zero import ZERO_STAGES

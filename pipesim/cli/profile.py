@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_compute_model_arguments(parser: argparse.ArgumentParser) -> None:
-    from pipesim.cluster.gpus import GPUS  # noqa: PLC0415
+    from pipesim.hardware.gpus import GPUS  # noqa: PLC0415
 
     group = parser.add_argument_group("compute model (instead of --out)")
     group.add_argument("--compute-model", metavar="PATH",

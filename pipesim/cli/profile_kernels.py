@@ -114,7 +114,7 @@ GPU_NAMES = (("A100", "80GB", "a100-80gb"), ("A100", "", "a100-40gb"), ("H100", 
 
 
 def gpu_from_device_name(device_name: str) -> str | None:
-    """The ``pipesim.cluster.gpus`` name of a CUDA device torch names, when it is one we know."""
+    """The ``pipesim.hardware.gpus`` name of a CUDA device torch names, when it is one we know."""
     upper = device_name.upper()
     for part, detail, name in GPU_NAMES:
         if part in upper and detail in upper:
@@ -127,7 +127,7 @@ def handle_compute_model(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
     from executor.options import DEFAULT_MICROBATCHES  # noqa: PLC0415
-    from pipesim.cluster.gpus import gpu_spec  # noqa: PLC0415
+    from pipesim.hardware.gpus import gpu_spec  # noqa: PLC0415
     from pipesim.job import executor_gpt_spec  # noqa: PLC0415
 
     if not torch.cuda.is_available():

@@ -1,5 +1,6 @@
 """The modelled cluster: devices, switches and links (``topology``, built from
-``presets`` and ``hierarchy`` or read by ``files``), the GPUs' figures (``gpus``), how
-ranks map onto devices (``mapping``), what collectives cost on those links
-(``collectives``) and the traffic of the pipelines a step does not simulate
-(``twins``). Imports nothing above it: the model and the simulation read it."""
+``presets`` and ``hierarchy`` or read by ``files``, their GPUs' figures from
+``pipesim.hardware``), how ranks map onto devices (``mapping``), what collectives cost on
+those links (``collectives``) and the traffic of the pipelines a step does not simulate
+(``twins``). Beside ``pipesim.model``, neither importing the other; the simulation reads
+both."""

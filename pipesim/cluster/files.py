@@ -9,7 +9,7 @@ Minimal form::
 Optional: ``switches: [{name: sw0, kind: pcie_switch}]``; per link ``efficiency``
 (default 1), ``medium``, ``directed: true`` (one direction only); per device
 ``peak_flops``, ``memory_bandwidth`` (HBM bytes/s), or ``gpu: h100`` (a name from
-``pipesim.cluster.gpus``) for that model's figures, which the explicit fields then override;
+``pipesim.hardware.gpus``) for that model's figures, which the explicit fields then override;
 ``mapping: [g1, g0]`` (rank r runs on mapping[r]; default: file order). Every number must be finite: NaN, inf, null and
 negative values are errors naming the entry and the field.
 """
@@ -20,9 +20,9 @@ import json
 import math
 from pathlib import Path
 
-from pipesim.cluster.gpus import GPUS
 from pipesim.cluster.presets import MULTI_NODE, PRESETS
 from pipesim.cluster.topology import Topology, TopologyError, add_link
+from pipesim.hardware.gpus import GPUS
 from schedules.textfile import describe_yaml_error, read_text
 
 
@@ -166,7 +166,7 @@ def load_topology_file(path: str | Path) -> Topology:
 def load_topology(spec: str, nodes: int | None = None, gpu: str | None = None) -> Topology:
     """``spec`` is a preset name (``ideal``, ``nvlink``, ``pcie``, ``pcie5``, ``ib``,
     ``ethernet``) or a path to a YAML/JSON file. ``nodes`` sizes multi-node presets;
-    ``gpu`` (a ``pipesim.cluster.gpus`` name) picks the presets' devices (default H100)."""
+    ``gpu`` (a ``pipesim.hardware.gpus`` name) picks the presets' devices (default H100)."""
     preset = PRESETS.get(spec)
     if preset is not None:
         if nodes is None:

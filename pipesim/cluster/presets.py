@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipesim.cluster.gpus import GPUS, GpuSpec, gpu_spec
 from pipesim.cluster.hierarchy import Chain, Hierarchy, Hop, Link
 from pipesim.cluster.topology import Topology, TopologyError, ideal_topology
+from pipesim.hardware.gpus import GPUS, GpuSpec, gpu_spec
 
 GB = 1e9
 US = 1e-6
 
-# Devices (pipesim.cluster.gpus has every GPU model; these two remain for callers that name them)
+# Devices (pipesim.hardware.gpus has every GPU model; these two remain for callers that name them)
 H100_MEMORY = GPUS["h100"].memory_bytes
 H100_BF16_FLOPS = GPUS["h100"].bf16_flops  # dense BF16 tensor-core peak, H100 SXM datasheet
 A100_MEMORY = GPUS["a100-80gb"].memory_bytes

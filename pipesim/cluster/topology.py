@@ -183,7 +183,7 @@ class Topology:
         return float(self.graph.nodes[device].get(key, default))
 
     def device_gpu(self, device: str) -> str | None:
-        """The ``pipesim.cluster.gpus`` name of ``device``'s GPU, None when the topology
+        """The ``pipesim.hardware.gpus`` name of ``device``'s GPU, None when the topology
         does not name one (ideal devices, a file giving only figures)."""
         if self.hierarchy is not None:
             return self.hierarchy.device_attributes.get("gpu") if device in self.hierarchy else None

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipesim.cluster.topology import Topology
+from schedules.action import ActionKind
+from schedules.dataflow import crossing_boundaries, output_stage
 from schedules.schedule import Schedule
 
 DevicePair = tuple[str, str]
@@ -32,10 +34,12 @@ def boundary_rank_pairs(schedule: Schedule) -> set[tuple[int, int]]:
     different ranks, both directions (activations forward, gradients back)."""
     placement = schedule.placement
     pairs = set()
-    for stage in range(schedule.num_stages - 1):
-        left, right = placement[stage], placement[stage + 1]
-        if left != right and schedule.same_copy(stage, stage + 1):  # nothing crosses a seam between copies
-            pairs.update(((left, right), (right, left)))
+    for stage in crossing_boundaries(placement):
+        following = output_stage(stage, ActionKind.F)
+        if not schedule.same_copy(stage, following):  # nothing crosses a seam between copies
+            continue
+        left, right = placement[stage], placement[following]
+        pairs.update(((left, right), (right, left)))
     return pairs
 
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
-from pipesim.cluster.gpus import DEFAULT_GPU, FP8_GPUS, GPUS, gpu_spec
+from pipesim.hardware.gpus import DEFAULT_GPU, FP8_GPUS, GPUS, gpu_spec
 from pipesim.model import memory_traffic
 from pipesim.model.attention_model import AttentionTable, AttentionTableError, AttentionTiming, read_attention_csv
 from pipesim.model.errors import ModelSpecError
@@ -157,7 +157,7 @@ def measured_attention() -> AttentionTable:
 
 @functools.cache
 def gpu_compute_model(name: str | None) -> KernelModel:
-    """The built-in kernel model of a ``pipesim.cluster.gpus`` GPU (``None``: the default
+    """The built-in kernel model of a ``pipesim.hardware.gpus`` GPU (``None``: the default
     GPU): the H200 measurements carried over by maximum achievable matmul throughput."""
     gpu, measured = gpu_spec(name), GPUS[MEASURED_GPU]
     sustained = H200_GEMM_FIT["efficiency"] * measured.bf16_flops / measured.matmul_flops

@@ -18,6 +18,7 @@ from pipesim.sim.engine import step_timing
 from schedules.generators import COST_AWARE, V_SHAPED, UnknownScheduleError, placement_of, zb_auto, zbv_auto
 from schedules.generators.adaptive import adapt
 from schedules.generators.common import ScheduleUnavailableError
+from schedules.hop import planning_hop
 from schedules.schedule import Schedule
 
 
@@ -37,23 +38,6 @@ def cost_shell(name: str, pp: int, microbatches: int) -> Schedule:
     stages' costs are derived for before its order exists."""
     placement = placement_of(name, pp, cost_aware_stages(name))
     return Schedule(pp, microbatches, placement, [()] * pp, name=name)
-
-
-def hop_seconds(costs: Costs, topology: Topology, devices: Sequence[str],
-                placement: Sequence[int] | None = None) -> float:
-    """The slowest unloaded transfer between stages on different pipeline ranks (by
-    default one stage per rank): the ``T_comm`` the zero-bubble scheduler plans with
-    (one number, as in the paper)."""
-    if topology.ideal:
-        return 0.0
-    placement = range(len(devices)) if placement is None else placement
-    worst = 0.0
-    for stage in range(len(placement) - 1):
-        here, there = placement[stage], placement[stage + 1]
-        if here != there:
-            route = topology.route(devices[here], devices[there])
-            worst = max(worst, route.seconds(costs.stages[stage].act_bytes))
-    return worst
 
 
 def planned_share(share: float) -> float:
@@ -92,7 +76,7 @@ def build_cost_aware(
     passes = ([stage.fwd + costs.action_overhead for stage in stages],
               [stage.bwd - stage.wgrad + costs.action_overhead for stage in stages],
               [stage.wgrad + costs.action_overhead for stage in stages])
-    comm = hop_seconds(costs, topology, devices, placement) + 2 * costs.comm_overhead
+    comm = planning_hop(step_timing(cost_shell(name, pp, microbatches), costs, topology, devices))
     if name == "zbv-auto":
         return zbv_auto(pp, microbatches, *passes, comm=comm, memory_limit=memory_limit, quick=search_seconds == 0)
     if memory_limit is not None and memory_limit != int(memory_limit):

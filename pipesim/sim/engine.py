@@ -2,7 +2,7 @@
 its moments turned into a Trace.
 
 The timing rules themselves live once, in ``schedules.engine`` (compiled, with the SimPy
-model ``pipesim.sim.reference`` as their specification). This module says what the
+model ``schedules.engine_reference`` as their specification). This module says what the
 cluster and the model make of them: each compute action's seconds (``Costs``), the
 tensor-parallel collectives that hold a rank after it (``CommPlan``), and each
 transfer's wire: the links of its route between the two ranks' devices, the seconds its
@@ -22,6 +22,7 @@ exposed communication are told apart from those moments (``schedules.accounting`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -32,11 +33,10 @@ from pipesim.sim.context_parallel import CP_KIND
 from pipesim.sim.expert_parallel import EP_KIND
 from pipesim.sim.overlap import HOLD_PARTS, overlapped_pairs
 from pipesim.sim.parallel import PARAM_GATHER_KIND, TP_KIND, CommPlan, step_tail_columns
-from schedules import engine
-from schedules.action import KINDS, ActionKind, format_group
+from schedules import dataflow, engine
+from schedules.action import KINDS, format_group
 from schedules.lowering import lower
 from schedules.p2p import RENDEZVOUS, require_semantics
-from schedules.program_arrays import F_CODE
 from schedules.schedule import Schedule
 from schedules.trace import LazyNames, Trace, TraceColumns
 
@@ -66,43 +66,78 @@ def simulate(
     ``p2p`` is the point-to-point semantics of the backend predicted
     (``schedules.p2p``). A schedule that can never finish raises ``SimulationError``
     naming where its ranks wait (``schedules.validate`` explains such a schedule in full)."""
-    step = run_step(schedule, costs, topology, rank_devices, plan, p2p)
+    step, priced = _run_priced(schedule, costs, topology, rank_devices, plan, p2p)
     if step.stuck:
         raise SimulationError(f"deadlock under {p2p} semantics: ranks wait forever: " + stuck_places(step))
     return step_trace(step, costs, topology, rank_devices_of(step.program.arrays.schedule, topology, rank_devices),
-                      plan, p2p)
+                      plan, p2p, priced)
 
 
 def run_step(schedule: Schedule, costs: Costs, topology: Topology, rank_devices: Sequence[str] | None = None,
-             plan: CommPlan | None = None, p2p: str = RENDEZVOUS) -> engine.StepRun:
-    """The engine's moments of one step (``simulate`` without the Trace)."""
+             plan: CommPlan | None = None, p2p: str = RENDEZVOUS, priced: PricedStep | None = None) -> engine.StepRun:
+    """The engine's moments of one step (``simulate`` without the Trace); ``priced`` is
+    the step's ``price_step`` where the caller has it already."""
+    return _run_priced(schedule, costs, topology, rank_devices, plan, p2p, priced)[0]
+
+
+def _run_priced(schedule: Schedule, costs: Costs, topology: Topology, rank_devices: Sequence[str] | None,
+                plan: CommPlan | None, p2p: str, priced: PricedStep | None = None
+                ) -> tuple[engine.StepRun, PricedStep]:
+    """The step run and its prices, each priced once: lowering reads the step's timing
+    without the collectives' plan, which is the step's own timing when there is none (a
+    compute-only schedule and its lowering cost the same per stage, kind and pair)."""
     require_semantics(p2p)
     if costs.num_stages != schedule.num_stages:
         raise ValueError(f"costs describe {costs.num_stages} stages but the schedule has {schedule.num_stages}")
-    lowered = lower_for(schedule, costs, topology, rank_devices)
-    devices = rank_devices_of(lowered, topology, rank_devices)
-    return engine.run(lowered, step_timing(lowered, costs, topology, devices, plan), p2p)
+    devices = rank_devices_of(schedule, topology, rank_devices)
+    lowered = schedule
+    if not schedule.is_lowered:
+        unplanned = price_step(schedule, costs, topology, devices)
+        lowered = lower_for(schedule, costs, topology, rank_devices, timing=unplanned.timing)
+        if plan is None and priced is None:
+            priced = unplanned
+    priced = priced or price_step(lowered, costs, topology, devices, plan)
+    return engine.run(lowered, priced.timing, p2p), priced
 
 
 def lower_for(schedule: Schedule, costs: Costs, topology: Topology,
               rank_devices: Sequence[str] | None = None, repair_runs: int | None = None,
-              rule: int | None = None) -> Schedule:
+              rule: int | None = None, timing: engine.StepTiming | None = None) -> Schedule:
     """``schedule`` lowered for the step it will be simulated as: its transfers placed
     and grouped with these stage costs and these links (``schedules.lowering.lower``
     with the step's timing). Lowering depends on nothing else, so the executor gets the
     same programs by lowering with the same ``StepTiming``. Already-lowered schedules
     come back as they are. ``repair_runs`` and ``rule`` as in ``lower`` (default: its own
     budget, every rule; a planner screening thousands of layouts passes one rule and
-    lowers its finalists again)."""
+    lowers its finalists again). ``timing`` is the step's ``step_timing`` without a plan
+    where the caller has it already."""
     if schedule.is_lowered:
         return schedule
-    devices = rank_devices_of(schedule, topology, rank_devices)
-    return lower(schedule, step_timing(schedule, costs, topology, devices), repair_runs, rule)
+    if timing is None:
+        timing = step_timing(schedule, costs, topology, rank_devices_of(schedule, topology, rank_devices))
+    return lower(schedule, timing, repair_runs, rule)
 
 
 def step_timing(schedule: Schedule, costs: Costs, topology: Topology, devices: Sequence[str],
                 plan: CommPlan | None = None) -> engine.StepTiming:
     """What the engine needs of the costs and the cluster (see the module)."""
+    return price_step(schedule, costs, topology, devices, plan).timing
+
+
+@dataclass(frozen=True)
+class PricedStep:
+    """A step priced once: the engine's timing, and the parts its holds are made of (per
+    part of ``HOLD_PARTS``, stage and kind: ``hold_tables``; per overlapped pair and part),
+    which the Trace splits each hold into."""
+
+    timing: engine.StepTiming
+    hold_parts: np.ndarray | None
+    pair_parts: dict
+
+
+def price_step(schedule: Schedule, costs: Costs, topology: Topology, devices: Sequence[str],
+               plan: CommPlan | None = None) -> PricedStep:
+    """``step_timing`` with the parts of its holds (``PricedStep``)."""
     durations = costs.durations()
     kinds = engine.COMPUTE_KINDS
     seconds = np.array([[durations[stage, kind] for kind in kinds] for stage in range(schedule.num_stages)])
@@ -110,8 +145,10 @@ def step_timing(schedule: Schedule, costs: Costs, topology: Topology, devices: S
     hold = parts.sum(axis=0) if parts is not None else None
     pair_seconds, pair_parts = overlapped_pairs(schedule, costs, durations, holds_of(plan), pair_slowdown(plan))
     twins = plan.twin_transfers if plan is not None else {}
-    return engine.StepTiming(seconds, hold, pair_seconds, {action: sum(held) for action, held in pair_parts.items()},
-                             transfer_wires(schedule, costs, topology, devices, twins), costs.comm_overhead)
+    timing = engine.StepTiming(seconds, hold, pair_seconds,
+                               {action: sum(held) for action, held in pair_parts.items()},
+                               transfer_wires(schedule, costs, topology, devices, twins), costs.comm_overhead)
+    return PricedStep(timing, parts, pair_parts)
 
 
 def holds_of(plan: CommPlan | None) -> dict[str, dict[tuple[int, str], float]]:
@@ -145,8 +182,9 @@ def transfer_wires(schedule: Schedule, costs: Costs, topology: Topology, devices
     wires: list[list[engine.Route]] = []
     placement = schedule.placement
     for stage in range(schedule.num_stages):
-        for target in (stage + 1, stage - 1):
-            if (not 0 <= target < schedule.num_stages or placement[target] == placement[stage]
+        for kind in dataflow.DIRECTION_KINDS:  # its forward wire, then its backward one (``dataflow.wire_of``)
+            target = dataflow.output_to(placement, stage, kind)
+            if (target is None or placement[target] == placement[stage]
                     or not schedule.same_copy(stage, target)):  # no transfer: same rank, or a seam between copies
                 wires.append([])
                 continue
@@ -181,11 +219,14 @@ def stuck_places(step: engine.StepRun) -> str:
 
 
 def step_trace(step: engine.StepRun, costs: Costs, topology: Topology, devices: Sequence[str],
-               plan: CommPlan | None, p2p: str) -> Trace:
+               plan: CommPlan | None, p2p: str, priced: PricedStep | None = None) -> Trace:
     """The Trace of a step the engine ran to its end: pipeline events, then each rank's
-    step-level tail (gradient reduction, optimizer)."""
+    step-level tail (gradient reduction, optimizer). ``priced``: the step's prices, where
+    the caller has them (else priced again)."""
     schedule = step.program.arrays.schedule
-    pipeline = pipeline_columns(step, held_parts(step, costs, plan), gather_spans(step, plan))
+    if priced is None:
+        priced = price_step(schedule, costs, topology, devices, plan)
+    pipeline = pipeline_columns(step, held_parts(step, priced), gather_spans(step, plan))
     tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead)
     wire, sent_bytes = p2p_wire_and_bytes(step, costs)
     meta = {
@@ -211,26 +252,25 @@ def p2p_wire_and_bytes(step: engine.StepRun, costs: Costs) -> tuple[list[float],
     for its peer (which the Trace's send events include)."""
     arrays = step.program.arrays
     sent = np.flatnonzero(~np.isnan(step.arrival) & ~np.isnan(step.departed))
-    stage, direction = np.divmod(sent // arrays.microbatches, 2)
+    stage, direction, _microbatch = dataflow.transfer_parts(sent, arrays.microbatches)
     sender = np.asarray(arrays.schedule.placement)[stage]
-    act_bytes = np.array([cost.act_bytes for cost in costs.stages])
-    carried = act_bytes[np.where(direction == 0, stage, stage - 1)] if len(sent) else np.zeros(0)
+    act_bytes = np.array([cost.act_bytes for cost in costs.stages])  # a boundary carries its lower stage's output
+    carried = act_bytes[np.minimum(stage, dataflow.receiving_stage(stage, direction))] if len(sent) else np.zeros(0)
     ranks = arrays.schedule.pp
     wire = np.bincount(sender, weights=step.arrival[sent] - step.departed[sent], minlength=ranks)
     return wire.tolist(), np.bincount(sender, weights=carried, minlength=ranks).tolist()
 
 
-def held_parts(step: engine.StepRun, costs: Costs, plan: CommPlan | None) -> np.ndarray | None:
+def held_parts(step: engine.StepRun, priced: PricedStep) -> np.ndarray | None:
     """``[row, part]``: the seconds of each part of ``HOLD_PARTS`` that held the rank after
     each compute row (they add up to the engine's hold); None when nothing held any."""
     program = step.program
-    schedule = program.arrays.schedule
-    tables = hold_tables(schedule, plan)
+    tables = priced.hold_parts
     if tables is None:
         return None
     # compute kinds' codes are the columns of the tables (F, B, I, W first in KINDS, as the engine reads them)
     parts = tables[:, program.compute_stage, program.compute_kind].T.copy()
-    _, pair_parts = overlapped_pairs(schedule, costs, costs.durations(), holds_of(plan), pair_slowdown(plan))
+    pair_parts = priced.pair_parts
     if pair_parts:
         rows = engine.action_rows(program, list(pair_parts))
         for row, held in zip(rows.tolist(), pair_parts.values(), strict=True):
@@ -286,17 +326,17 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
             named = True
     if program.semantics != engine.FREE:
         waited = np.flatnonzero(program.compute_need >= 0)
-        receive = np.where(kind[waited] == F_CODE, KINDS.index(ActionKind.RECV_F), KINDS.index(ActionKind.RECV_B))
+        receive = dataflow.RECV_OF_CODES[kind[waited]]
         parts.append((rank[waited], receive, stage[waited], microbatch[waited], step.ready[waited],
                       step.start[waited], _STREAMS.index(RECV)))
         names.append((len(waited),))
     sent = np.flatnonzero(~np.isnan(step.arrival) & ~np.isnan(step.posted))
     if len(sent):
         microbatches = arrays.microbatches
-        send_stage, direction = np.divmod(sent // microbatches, 2)
-        send_kind = np.where(direction == 0, KINDS.index(ActionKind.SEND_F), KINDS.index(ActionKind.SEND_B))
+        send_stage, direction, sent_microbatch = dataflow.transfer_parts(sent, microbatches)
+        send_kind = dataflow.SEND_OF_CODES[dataflow.DIRECTION_KIND_CODES[direction]]
         sender = np.asarray(arrays.schedule.placement)[send_stage]
-        parts.append((sender, send_kind, send_stage, sent % microbatches, step.posted[sent], step.arrival[sent],
+        parts.append((sender, send_kind, send_stage, sent_microbatch, step.posted[sent], step.arrival[sent],
                       _STREAMS.index(SEND)))
         names.append((len(sent),))
     waiting = np.flatnonzero(step.rank_done > step.rank_clock)

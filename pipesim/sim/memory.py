@@ -53,7 +53,8 @@ from pipesim.sim.zero import (
     optimizer_bytes_per_param,
     working_bytes,
 )
-from schedules.action import KINDS
+from schedules import dataflow
+from schedules.action import KINDS, ActionKind
 from schedules.collector import without_collector
 from schedules.metrics import peak_stashes, running_totals, stash_changes
 from schedules.trace import Trace, TraceColumns
@@ -172,16 +173,15 @@ def memory_report(
     if not costs.memory_known:
         return []
     check_zero(zero)
-    last_stage = costs.num_stages - 1
     num_ranks = trace.num_ranks
     static = [0.0] * num_ranks
     buffers = [0.0] * num_ranks
     for stage, cost in enumerate(costs.stages):
         rank = placement[stage]
         static[rank] += static_bytes(cost, bytes_per_param, dp, zero, expert_dp)
-        if stage > 0 and placement[stage - 1] != rank:
-            buffers[rank] += 2 * costs.stages[stage - 1].act_bytes
-        if stage < last_stage and placement[stage + 1] != rank:
+        if dataflow.receives(placement, stage, ActionKind.F, rank):  # the boundary below: its input, its gradient
+            buffers[rank] += 2 * costs.stages[dataflow.input_stage(stage, ActionKind.F)].act_bytes
+        if dataflow.sends(placement, stage, ActionKind.F, rank):  # the boundary above: its output, their gradient
             buffers[rank] += 2 * cost.act_bytes
     if dp > 1:
         buffers = [value + reduction_buffer_bytes(costs, placement, rank, bytes_per_param, bucket_bytes, zero)

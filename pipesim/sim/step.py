@@ -13,7 +13,7 @@ from functools import cached_property
 from pipesim.cluster.mapping import RankMapping, map_ranks
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
-from pipesim.sim.engine import lower_for, run_step, step_trace
+from pipesim.sim.engine import lower_for, price_step, run_step, step_trace
 from pipesim.sim.memory import RankMemory, memory_report
 from pipesim.sim.parallel import CommPlan, ParallelConfig, comm_plan
 from schedules.collector import without_collector
@@ -266,14 +266,17 @@ def run_simulation(
         mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
                             parallel.ep)
         rank_devices = mapping.pipeline()
-    lowered = lower_for(schedule, costs, topology, rank_devices)
+    unplanned = price_step(schedule, costs, topology, rank_devices)  # what lowering plans with
+    lowered = lower_for(schedule, costs, topology, rank_devices, timing=unplanned.timing)
     if validate:
         validate_schedule(lowered, p2p, finishes=False)
     plan = comm_plan_of(lowered, costs, topology, mapping, parallel)
-    step = run_step(lowered, costs, topology, rank_devices, plan, p2p)
+    # without a plan the step costs what lowering planned with: priced once
+    priced = unplanned if plan is None else price_step(lowered, costs, topology, rank_devices, plan)
+    step = run_step(lowered, costs, topology, rank_devices, plan, p2p, priced)
     if step.stuck:
         explain_stuck(step)
-    trace = step_trace(step, costs, topology, rank_devices, plan, p2p)
+    trace = step_trace(step, costs, topology, rank_devices, plan, p2p, priced)
     trace.meta.update(dp=parallel.dp, tp=parallel.tp)  # charts and reports name the whole layout
     trace.meta.update({axis: size for axis, size in (("cp", parallel.cp), ("ep", parallel.ep)) if size > 1})
     metrics = step_metrics(trace, lowered.virtual_stages)

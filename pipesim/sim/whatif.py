@@ -22,7 +22,7 @@ from functools import cached_property
 import numpy as np
 
 from pipesim.sim.critical_path import critical_owners, path_links
-from pipesim.sim.engine import gather_spans, held_parts, pipeline_columns, step_timing, step_trace
+from pipesim.sim.engine import gather_spans, held_parts, pipeline_columns, price_step, step_trace
 from pipesim.sim.parallel import CommPlan, step_tail_columns
 from pipesim.sim.step import SimulationResult, comm_plan_of
 from pipesim.sim.step import _time_unit as time_unit  # the summary's units, as simulate prints them
@@ -128,8 +128,10 @@ class SampleStepper:
         self.p2p = result.trace.meta["p2p"]
         self.plan: CommPlan | None = comm_plan_of(schedule, costs, topology, result.mapping, result.parallel)
         self.program = engine.compile_program(schedule, self.p2p)
-        timing = step_timing(schedule, costs, topology, result.devices, self.plan)
-        self.seconds, self.hold, self.wires = engine.step_inputs(self.program, timing)
+        self.priced = price_step(schedule, costs, topology, result.devices, self.plan)
+        timing = self.priced.timing
+        inputs = engine.step_inputs(self.program, timing)
+        self.seconds, self.hold, self.wires = inputs.seconds, inputs.hold, inputs.wires
         self.comm_overhead = timing.comm_overhead
         variability.check_layout(schedule.pp, crossed_links(self.program))
         self.sampler = Sampler(self.program, variability, result.parallel.tp)
@@ -140,7 +142,7 @@ class SampleStepper:
             self.sampler.comm_sigma > 0 or self.sampler.link_factor is not None) else None
         self.tail = self.plan is not None or costs.step_overhead > 0
         shape = engine.empty_run(self.program)  # what holds and gathers each row has depends on the program alone
-        self.held = held_parts(shape, costs, self.plan) if self.tail else None
+        self.held = held_parts(shape, self.priced) if self.tail else None
         self.gathers = gather_spans(shape, self.plan) if self.tail else None
 
     def run(self, sample: int) -> tuple[engine.StepRun, np.ndarray]:
@@ -148,10 +150,12 @@ class SampleStepper:
         draws = self.sampler.draw(sample)
         seconds = self.seconds * draws.compute
         if draws.transfer is None:
-            step = engine.run_inputs(self.program, seconds, self.hold, self.wires, self.comm_overhead)
+            inputs = engine.StepInputs(seconds, self.hold, self.wires, self.comm_overhead)
+            step = engine.run_inputs(self.program, inputs)
         else:
-            wires = self.transfer_wires.scaled(draws.transfer)
-            step = engine.run_inputs(self.per_transfer, seconds, self.hold, wires, self.comm_overhead)
+            inputs = engine.StepInputs(seconds, self.hold, self.transfer_wires.scaled(draws.transfer),
+                                       self.comm_overhead)
+            step = engine.run_inputs(self.per_transfer, inputs)
             step.program = self.program
         if step.stuck:  # the order finishes deterministically; a draw cannot make it deadlock
             raise engine.EngineError(f"sample {sample} did not finish: ranks {step.stuck} stuck")
@@ -171,7 +175,7 @@ class SampleStepper:
         """The Trace of sample ``sample``."""
         step, _ = self.run(sample)
         result = self.result
-        trace = step_trace(step, result.costs, result.topology, result.devices, self.plan, self.p2p)
+        trace = step_trace(step, result.costs, result.topology, result.devices, self.plan, self.p2p, self.priced)
         for key, value in result.trace.meta.items():  # the layout's (dp, tp, ...); the sample's own moments kept
             trace.meta.setdefault(key, value)
         trace.meta.update(sample=sample, seed=self.variability.seed)

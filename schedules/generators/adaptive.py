@@ -26,8 +26,10 @@ import numpy as np
 
 from schedules import engine
 from schedules.action import Action, ActionKind
+from schedules.dataflow import BACKWARD, FORWARD, wire_of
 from schedules.generators.common import Cutoff, fastest
 from schedules.generators.zb_heuristic import heuristic_orders
+from schedules.hop import flights, planning_hop
 from schedules.schedule import Schedule
 
 ADAPTABLE = frozenset({"zb-h1", "zb-h2"})
@@ -41,14 +43,12 @@ def adapt(schedule: Schedule, timing: engine.StepTiming) -> Schedule:
     pp, microbatches = schedule.pp, schedule.microbatches
     seconds = np.asarray(timing.seconds, dtype=float)
     forward, backward_input, backward_weight = (seconds[:, column].tolist() for column in (0, 2, 3))
-    comm = max((occupancy + latency for routes in timing.wires or () for _links, occupancy, latency in routes or ()),
-               default=0.0)  # the heuristic plans with one hop: the slowest
-    # the quickest any transfer arrives: each used wire's quickest route (stage s's forward
-    # wire is 2s, its backward one 2s + 1; a wire of no route arrives at once)
-    used = [timing.wires[2 * stage] for stage in range(pp - 1)] + [timing.wires[2 * stage + 1]
-                                                                   for stage in range(1, pp)] if timing.wires else []
-    quickest = min((min((occupancy + latency for _links, occupancy, latency in routes or ()), default=0.0)
-                    for routes in used), default=0.0)
+    comm = planning_hop(timing)  # the heuristic plans with one hop, the unloaded hop's rule
+    # the quickest any transfer arrives: each used wire's quickest route (a wire of no route
+    # arrives at once)
+    used = [timing.wires[wire_of(stage, FORWARD)] for stage in range(pp - 1)] + [
+        timing.wires[wire_of(stage, BACKWARD)] for stage in range(1, pp)] if timing.wires else []
+    quickest = min((min(flights(routes), default=0.0) for routes in used), default=0.0)
     limit = schedule.meta.get("memory_microbatches", pp)
 
     def candidates(cutoff):

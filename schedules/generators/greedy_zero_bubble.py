@@ -52,7 +52,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from schedules.action import Action, ActionKind
+from schedules.action import OUTPUT_OFFSET, Action, ActionKind
+from schedules.dataflow import crossing_boundaries
 from schedules.generators.common import Cutoff
 
 
@@ -139,8 +140,8 @@ class _Run:
         self.first = [owned[0] for owned in held_by]
         self.returning = [len(owned) - 1 for owned in held_by]  # the rank's stages after its first
         self.priority = [tuple(sorted(owned, reverse=late_first)) for owned in held_by]
-        self.hop = [0.0 if stage + 1 >= stages or placement[stage] == placement[stage + 1] else comm
-                    for stage in range(stages)]  # hop[s]: between stages s and s + 1
+        crossing = set(crossing_boundaries(placement))
+        self.hop = [comm if stage in crossing else 0.0 for stage in range(stages)]  # hop[s]: between s and s + 1
         # The limit a forward on the rank's first stage counts against: the warm-up cap
         # until the rank's first I, the plain limit after it.
         self.first_limit = list(limits) if warmup_cap is None else [min(limit, warmup_cap) for limit in limits]
@@ -189,6 +190,7 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
     forward_cost, input_cost, weight_cost = costs
     pp = len(limits)
     last = len(placement) - 1
+    forward_to, gradient_to = OUTPUT_OFFSET[ActionKind.F], OUTPUT_OFFSET[ActionKind.I]  # the dataflow rule's steps
     # A forward on a rank's first stage fits when the stashes held, its own and the room
     # kept for the microbatch's return to the rank's later stages (one, or with
     # ``reserve_all`` every one: ``returning + ahead``) are within the rank's limit
@@ -326,8 +328,9 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
             forward_end[stage][microbatch] = end
             if stage < last:
                 arrival = end + hop[stage]
-                forward_ready[stage + 1][microbatch] = arrival
-                target = placement[stage + 1]
+                consumer = stage + forward_to
+                forward_ready[consumer][microbatch] = arrival
+                target = placement[consumer]
                 forwards_known[target] += 1
                 if clock[target] <= arrival:
                     heappush(wakeups, (arrival, target))
@@ -347,10 +350,11 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
             heappush(weights_due[rank], (end, stage))
             inputs_done[stage] = microbatch + 1
             if stage:
-                arrival = end + hop[stage - 1]
-                own = forward_end[stage - 1][microbatch]
-                input_ready[stage - 1][microbatch] = arrival if arrival > own else own
-                target = placement[stage - 1]
+                consumer = stage + gradient_to
+                arrival = end + hop[consumer]
+                own = forward_end[consumer][microbatch]
+                input_ready[consumer][microbatch] = arrival if arrival > own else own
+                target = placement[consumer]
                 inputs_known[target] += 1
                 if clock[target] <= arrival:
                     heappush(wakeups, (arrival, target))

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schedules.action import Action
+from schedules.action import INPUT_OFFSET, Action, ActionKind
 from schedules.generators.common import Cutoff
 
 _F, _I, _W = 0, 1, 2
+# the dataflow rule, in this module's kind numbers
+_INPUT_OFFSET = {_F: INPUT_OFFSET[ActionKind.F], _I: INPUT_OFFSET[ActionKind.I]}
 _KINDS = "FIW"
 
 
@@ -68,17 +70,14 @@ class _Placer:
         microbatch = self.count[stage][kind]
         cost = self.costs[kind][stage]
         end = self.clock[stage] + cost
-        if kind == _F and stage > 0:
-            end = max(end, self.end[_F, stage - 1, microbatch] + self.comm + cost)
-        if kind == _I and stage < self.pp - 1:
-            end = max(end, self.end[_I, stage + 1, microbatch] + self.comm + cost)
+        source = self.source(stage, kind)
+        if source is not None:
+            end = max(end, self.end[kind, source, microbatch] + self.comm + cost)
         low = end
         if self.shadow:
             low = self.low_clock[stage] + cost
-            if kind == _F and stage > 0:
-                low = max(low, self.low_end[_F, stage - 1, microbatch] + self.cutoff_comm + cost)
-            if kind == _I and stage < self.pp - 1:
-                low = max(low, self.low_end[_I, stage + 1, microbatch] + self.cutoff_comm + cost)
+            if source is not None:
+                low = max(low, self.low_end[kind, source, microbatch] + self.cutoff_comm + cost)
             self.low_clock[stage] = self.low_end[kind, stage, microbatch] = low
         if self.count[stage][_F]:
             self.bubble[stage] += end - (self.clock[stage] + cost)
@@ -90,6 +89,19 @@ class _Placer:
         self.clock[stage] = self.end[kind, stage, microbatch] = end
         self.held[stage] += self.memory[kind]
         self.count[stage][kind] += 1
+
+    def source(self, stage: int, kind: int) -> int | None:
+        """The stage whose pass of the same kind feeds ``kind`` on ``stage`` (the dataflow
+        rule: F from the stage before, I from the stage after), None at the pipeline's ends
+        and for W."""
+        offset = _INPUT_OFFSET.get(kind)
+        if offset is None or not 0 <= stage + offset < self.pp:
+            return None
+        return stage + offset
+
+    def input_arrival(self, stage: int, kind: int, microbatch: int) -> float:
+        """When the input of ``kind``'s ``microbatch`` on ``stage`` arrives from its source."""
+        return self.end[kind, self.source(stage, kind), microbatch] + self.comm
 
     def weights_before(self, stage: int, arrival: float, fill_gaps: bool) -> None:
         """``W`` passes before a pass whose input arrives at ``arrival``: those that fit,
@@ -204,13 +216,13 @@ def _steady_round(placer: _Placer, microbatch: int, prioritize_inputs: bool, fil
         if not wanted[stage]:
             continue
         placer.make_room(stage, _F)
-        if stage > 0:
-            placer.weights_before(stage, placer.end[_F, stage - 1, count[stage][_F]] + placer.comm, fill_gaps)
+        if placer.source(stage, _F) is not None:
+            placer.weights_before(stage, placer.input_arrival(stage, _F, count[stage][_F]), fill_gaps)
         placer.put(stage, _F)
     for stage in range(pp - 1, -1, -1):
         placer.make_room(stage, _I)
-        if stage + 1 < pp:
-            placer.weights_before(stage, placer.end[_I, stage + 1, microbatch] + placer.comm, fill_gaps)
+        if placer.source(stage, _I) is not None:
+            placer.weights_before(stage, placer.input_arrival(stage, _I, microbatch), fill_gaps)
         if stage == 0 and count[stage][_F] == placer.microbatches:
             while count[stage][_W] < count[stage][_I]:
                 placer.put(stage, _W)

@@ -27,6 +27,7 @@ import numpy as np
 
 from schedules import engine
 from schedules.action import Action
+from schedules.dataflow import input_stage
 from schedules.schedule import Schedule, looped_placement
 
 _KINDS = "FIW"
@@ -65,11 +66,11 @@ def refine(pp: int, microbatches: int, forward: Sequence[float], backward_input:
         model.AddNoOverlap([intervals[kind, stage, mb] for kind in _KINDS for mb in range(microbatches)])
         stashes, demands = [], []
         for mb in range(microbatches):
-            if stage > 0:
-                model.Add(starts["F", stage, mb] >= ends["F", stage - 1, mb] + hop)
-            if stage < pp - 1:
-                model.Add(starts["I", stage, mb] >= ends["I", stage + 1, mb] + hop)
-            else:
+            for kind in ("F", "I"):  # the neighbour's pass of the same kind feeds it, a hop later
+                source = input_stage(stage, kind)
+                if 0 <= source < pp:
+                    model.Add(starts[kind, stage, mb] >= ends[kind, source, mb] + hop)
+            if stage == pp - 1:  # the last stage's I follows its own F (elsewhere it follows through the stages after)
                 model.Add(starts["I", stage, mb] >= ends["F", stage, mb])
             model.Add(starts["W", stage, mb] >= ends["I", stage, mb])
             if mb:

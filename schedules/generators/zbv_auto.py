@@ -49,6 +49,7 @@ from schedules.generators.common import Cutoff, ScheduleUnavailableError, fastes
 from schedules.generators.greedy_zero_bubble import placed_greedy_orders
 from schedules.generators.zb_auto import order_cost, per_stage
 from schedules.generators.zbv import zbv
+from schedules.metrics import order_peak_stashes
 from schedules.schedule import Schedule, v_shape_placement
 
 NAME = "zbv-auto"
@@ -106,7 +107,7 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
     placement = v_shape_placement(pp, 2)
     cost = order_cost(placement, microbatches, forward, backward_input, backward_weight, comm)
     handcrafted = zbv(pp, microbatches).programs
-    fits = max(peak_stashes(program) for program in handcrafted) <= chunk_stashes
+    fits = max(order_peak_stashes(program) for program in handcrafted) <= chunk_stashes
     caps = [None, *sorted({cap for cap in (pp, 2 * pp - 1) if 2 <= cap < chunk_stashes})]
     variants = itertools.product((True, False), (False, True), (True, False), (False, True), caps)
     if quick:
@@ -138,18 +139,6 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
                                        f"{chunk_stashes / 2:g} microbatches' activations per rank")
     return Schedule(pp, microbatches, placement, best, name=NAME,
                     meta={"memory_microbatches": chunk_stashes / 2})
-
-
-def peak_stashes(program: Sequence[Action]) -> int:
-    """The most chunk stashes a rank's order holds: one from each ``F`` until its ``W``."""
-    held = peak = 0
-    for action in program:
-        if action.kind == ActionKind.F:
-            held += 1
-            peak = max(peak, held)
-        elif action.kind in (ActionKind.W, ActionKind.B):
-            held -= 1
-    return peak
 
 
 def _distinct_orders(candidates: Iterable[Sequence[Sequence[Action]] | None]) -> Iterator[Sequence[Sequence[Action]]]:

@@ -37,8 +37,20 @@ import simpy
 from simpy.core import NORMAL
 
 from schedules.action import SEND_KINDS, Action
-from schedules.engine import BUFFERED, FREE, RENDEZVOUS, EngineProgram, StepRun, WireArrays, empty_run
+from schedules.engine import (
+    BUFFERED,
+    FREE,
+    RENDEZVOUS,
+    EngineProgram,
+    StepRun,
+    StepTiming,
+    WireArrays,
+    compile_program,
+    empty_run,
+    step_inputs,
+)
 from schedules.p2p import TORCH_RUNTIME
+from schedules.schedule import Schedule
 
 FIRST_RANK_PRIORITY = 2  # after SimPy's URGENT (0) and NORMAL (1) events of the same moment
 
@@ -78,7 +90,19 @@ class LinkCalendar:
 
 
 class SimpyStep:
-    """One step of ``program`` as SimPy processes; ``run()`` returns its ``StepRun``."""
+    """One step of ``program`` as SimPy processes; ``run()`` returns its ``StepRun``.
+
+    The extension point: ``SimpyStep.of(schedule, timing, semantics)`` builds the step
+    the engine would time; subclass it to change a rule (``compute_seconds``), or add
+    processes to its ``env`` (a link out of service: ``links.block``) before ``run()``."""
+
+    @classmethod
+    def of(cls, schedule: Schedule, timing: StepTiming, semantics: str) -> SimpyStep:
+        """The step of ``schedule`` under ``timing`` and ``semantics``, handed the same
+        inputs as the compiled walk (``schedules.engine.step_inputs``)."""
+        program = compile_program(schedule, semantics)
+        inputs = step_inputs(program, timing)
+        return cls(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead)
 
     def __init__(self, program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,
                  comm_overhead: float) -> None:
