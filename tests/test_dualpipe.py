@@ -228,9 +228,9 @@ def test_the_compiled_engine_and_its_simpy_specification_agree_on_dualpipe(seman
     gradients to move: the seam and the overlapped pairs are read alike by both."""
     import numpy as np
 
-    from pipesim.sim import reference
     from pipesim.sim.engine import step_timing
     from schedules import engine
+    from schedules import engine_reference as reference
 
     if engine._compiled is None:
         pytest.skip("the compiled engine is not built")
@@ -240,10 +240,9 @@ def test_the_compiled_engine_and_its_simpy_specification_agree_on_dualpipe(seman
     mapping = map_ranks(topology, dp=2, pp=4, tp=2)
     timing = step_timing(schedule, costs, topology, mapping.pipeline(), comm_plan(schedule, costs, topology, mapping))
     program = engine.compile_program(schedule, semantics)
-    seconds, hold = engine._compute_costs(program, timing)
-    wires = engine._wire_arrays(timing.wires, program.arrays)
-    compiled = engine._run_compiled(program, seconds, hold, wires, timing.comm_overhead)
-    specified = reference.run_reference(program, seconds, hold, wires, timing.comm_overhead)
+    inputs = engine.step_inputs(program, timing)
+    compiled = engine.run_inputs(program, inputs)
+    specified = reference.run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead)
     assert not compiled.stuck
     for name in ("ready", "start", "end", "posted", "departed", "arrival", "rank_clock", "rank_done"):
         assert np.array_equal(getattr(compiled, name), getattr(specified, name), equal_nan=True), name

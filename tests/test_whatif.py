@@ -14,7 +14,6 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipesim.job import Job, simulate_job
-from pipesim.sim import reference
 from pipesim.sim.variability import (
     Sampler,
     Variability,
@@ -26,6 +25,7 @@ from pipesim.sim.variability import (
 )
 from pipesim.sim.whatif import SampleStepper, sample_steps
 from schedules import engine, generate
+from schedules import engine_reference as reference
 
 pytestmark = pytest.mark.skipif(engine._compiled is None, reason="the compiled engine is not built")
 
@@ -255,11 +255,11 @@ def test_a_sample_is_drawn_again_alike_and_quantiles_are_samples():
        st.integers(1, 3), st.data())
 def test_per_transfer_wires_give_each_transfer_its_wires_routes_scaled(wire_routes, microbatches, data):
     """2 stages, 4 wires (stage 0 and 1, two directions), routes drawn at random."""
-    from schedules.engine import _wire_arrays  # the flattening the engine reads
+    from schedules.engine import wire_arrays  # the flattening the engine reads
 
     schedule = generate("1f1b", 2, microbatches)
     program = engine.compile_program(schedule, engine.FREE)
-    wires = _wire_arrays([[(tuple(links), occupancy, latency) for links, occupancy, latency in routes]
+    wires = wire_arrays([[(tuple(links), occupancy, latency) for links, occupancy, latency in routes]
                           for routes in wire_routes], program.arrays)
     factor = np.array(data.draw(st.lists(st.floats(0.5, 2), min_size=program.arrays.transfers,
                                          max_size=program.arrays.transfers)))

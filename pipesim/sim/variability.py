@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from schedules import dataflow
 from schedules.engine import COMPUTE_KINDS, EngineProgram, WireArrays
 
 JITTER_KINDS = (*COMPUTE_KINDS, "comm")
@@ -233,8 +234,8 @@ def transfer_ends(program: EngineProgram) -> tuple[np.ndarray, np.ndarray]:
     """Per transfer key, the sending and the receiving rank."""
     arrays = program.arrays
     placement = np.asarray(arrays.schedule.placement, dtype=np.int64)
-    stage, direction = np.divmod(np.arange(arrays.transfers) // arrays.microbatches, 2)
-    target = np.clip(np.where(direction == 0, stage + 1, stage - 1), 0, len(placement) - 1)
+    stage, direction, _ = dataflow.transfer_parts(np.arange(arrays.transfers), arrays.microbatches)
+    target = np.clip(dataflow.receiving_stage(stage, direction), 0, len(placement) - 1)
     return placement[stage], placement[target]
 
 

@@ -30,6 +30,8 @@ from schedules.generators.common import ScheduleUnavailableError
 from schedules.generators.dualpipev import _RankProgram
 from schedules.schedule import Schedule, v_shape_placement
 
+ENDS = 2  # the pipeline's two ends, each feeding half of the microbatches
+
 
 def dualpipe(pp: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
     """DualPipe over ``pp`` ranks for ``microbatches`` microbatches in all (half each way),
@@ -40,12 +42,12 @@ def dualpipe(pp: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
         )
     if pp < 2 or pp % 2:
         raise ScheduleUnavailableError(f"dualpipe needs an even number of pipeline ranks, got pp={pp}")
-    if microbatches % 2 or microbatches < 2 * pp:
+    if microbatches % ENDS or microbatches < ENDS * pp:
         raise ScheduleUnavailableError(
             f"dualpipe feeds half of the microbatches from each end: it needs an even count of at least "
             f"2 x pp = {2 * pp}, got {microbatches} microbatches"
         )
-    per_direction = microbatches // 2
+    per_direction = microbatches // ENDS
     programs, fused = [], []
     for rank in range(pp):
         program, overlapped = _HalfRankProgram(rank, pp, per_direction).build()
