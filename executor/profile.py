@@ -245,11 +245,11 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
     entries = []
     for stage in sorted(stages):
         m = stages[stage]
-        split = m["I"] + m["W"]
-        # The costs file describes a split backward as parts of B; I + W measured apart
-        # come within a few percent of B (executor.split_backward), so keep their ratio.
-        wgrad = m["B"] * m["W"] / split if split > 0 else 0.0
-        entries.append({"stage": stage, "fwd": m["F"], "bwd": m["B"], "wgrad": wgrad, "act_bytes": m["act_bytes"],
+        # I and W as measured: a split backward runs two autograd passes, which on a small
+        # stage cost well over one full backward (executor.split_backward), and a
+        # zero-bubble schedule runs exactly those passes.
+        entries.append({"stage": stage, "fwd": m["F"], "bwd": m["B"], "igrad": m["I"], "wgrad": m["W"],
+                        "act_bytes": m["act_bytes"],
                         "stash_bytes": m["stash_bytes"], "param_bytes": m["param_bytes"]})
     ranks = [per_rank[rank] for rank in sorted(per_rank)]
     first = ranks[0]

@@ -80,7 +80,8 @@ def describe(document: dict) -> list[str]:
     lines = []
     for entry in document["stages"]:
         lines.append(f"stage {entry['stage']}: F {entry['fwd'] * 1e3:.3f} ms  B {entry['bwd'] * 1e3:.3f} ms  "
-                     f"W {entry['wgrad'] * 1e3:.3f} ms  act {entry['act_bytes'] / 1e3:.1f} kB  "
+                     f"I {entry['igrad'] * 1e3:.3f} ms  W {entry['wgrad'] * 1e3:.3f} ms  "
+                     f"act {entry['act_bytes'] / 1e3:.1f} kB  "
                      f"stash {entry['stash_bytes'] / 1e6:.2f} MB  params {entry['param_bytes'] / 1e6:.2f} MB")
     lines.append(f"overheads: per action {document['action_overhead'] * 1e6:.1f} us, per send/recv "
                  f"{document['comm_overhead'] * 1e6:.1f} us, per step {document['step_overhead'] * 1e3:.3f} ms")

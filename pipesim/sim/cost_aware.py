@@ -82,7 +82,7 @@ def build_cost_aware(
         devices = map_ranks(topology, 1, pp, 1).pipeline()
     stages = costs.stages
     passes = ([stage.fwd + costs.action_overhead for stage in stages],
-              [stage.bwd - stage.wgrad + costs.action_overhead for stage in stages],
+              [stage.input_grad + costs.action_overhead for stage in stages],
               [stage.wgrad + costs.action_overhead for stage in stages])
     comm = hop_seconds(costs, topology, devices, placement) + 2 * costs.comm_overhead
     if name == "zbv-auto":
