@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,12 +38,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--topology", metavar="PATH", help="a topology file (pipesim bench-comm) instead of "
                        "benchmarking send/recv now")
     group.add_argument("--warmup-steps", type=int, default=1,
-                       help="first steps left out of the measured step time (default 1)")
+                       help="first steps left out of the measured step time (default 1; --steps defaults to 6 "
+                            "here, so 5 steps give the median and the spread)")
     group.add_argument("--html", metavar="PATH", help="write the measured and predicted timelines on one axis")
     group.add_argument("--predicted-trace", metavar="PATH", help="write the predicted Trace")
     add_quiet_arg(parser)
     add_variability_args(parser, seed=False)
-    parser.set_defaults(handler=handle, steps=5)
+    parser.set_defaults(handler=handle, steps=6)
+
+
+def machine_load() -> float | None:
+    """The 1-minute load average (runnable processes, the run's own ranks included), or
+    None where the platform has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
@@ -55,7 +66,7 @@ def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
         return costs
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    document = profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
+    document = profile(config, args.warmup, args.repeats, args.min_time, args.verbose, args.compute_clock)
     return costs_from_dict(document, num_stages, name="profile")
 
 
@@ -119,6 +130,8 @@ def chart_summaries(document: dict, drawn_step: int | None = None) -> list[str]:
 
 def handle(args: argparse.Namespace) -> int:
     check_profile_arguments(args)
+    if args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     variability = variability_from_args(args)  # the prediction's what-if flags, checked before anything runs
     config = config_from_args(args)
     if config.pp < 2:
@@ -148,6 +161,7 @@ def handle(args: argparse.Namespace) -> int:
         progress.line(f"3/4 running {config.steps} steps on {config.world_size} ranks")
         with StepWatcher(progress, config.world_size, config.steps):
             (result,) = launch(config, verbose=args.verbose)
+        load = machine_load()
     except (PipelineRunError, SpawnError) as error:
         print(f"pipesim compare: run failed: {error}", file=sys.stderr)
         return 1
@@ -155,7 +169,7 @@ def handle(args: argparse.Namespace) -> int:
     with progress.phase("4/4 simulating the same programs"):
         predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config))
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
-                       args.warmup_steps)
+                       args.warmup_steps, load=load, cores=os.cpu_count(), world_size=config.world_size)
     if variability is not None:
         from pipesim.sim.comparison import add_spread  # noqa: PLC0415
         from pipesim.sim.whatif import sample_steps  # noqa: PLC0415
