@@ -55,6 +55,10 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
                        help="time each stage's forward + backward, and the cost of a transfer, for at least this "
                             f"long as well (default {DEFAULT_MIN_TIME:g}): a small stage's mean needs hundreds of "
                             "passes to settle")
+    group.add_argument("--compute-clock", choices=("thread", "wall"), default="thread",
+                       help="on a CPU, time the compute by the rank thread's CPU time (thread: what it takes on a "
+                            "core of its own) or by the wall clock the run is timed by (wall: slowed as much as "
+                            "ranks and other work sharing the cores slow it) (default thread)")
 
 
 def check_profile_arguments(args: argparse.Namespace) -> None:
@@ -72,7 +76,7 @@ def run_profile(args: argparse.Namespace) -> dict:
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
     with progress_from_args("profile", args).phase(f"profiling {config.pp} stages on {config.world_size} ranks"):
-        return profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
+        return profile(config, args.warmup, args.repeats, args.min_time, args.verbose, args.compute_clock)
 
 
 def describe(document: dict) -> list[str]:
