@@ -45,7 +45,10 @@ MICROBATCH_SIZE = 4
 MODELS = {  # name: (layers, hidden, seq_len)
     "gpt-small": (4, 128, 32),
     "gpt-large": (8, 256, 32),
+    # on request (--models): as small as gpt-small, with a layer for each of pp 4 x 2 chunks
+    "gpt-deep": (8, 128, 32),
 }
+DEFAULT_MODELS = ("gpt-small", "gpt-large")
 
 
 def config_for(model: str, schedule: str, virtual: int, microbatches: int, steps: int, pp: int = 2):
@@ -103,7 +106,8 @@ def parse_arguments() -> argparse.Namespace:
                              "1 for a quick look)")
     parser.add_argument("--links", choices=("per-config", "once"), default="per-config",
                         help="benchmark send/recv before each run (default) or once up front")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                        help=f"comma list of {', '.join(MODELS)} (default {','.join(DEFAULT_MODELS)})")
     parser.add_argument("--schedules", default=",".join(name for name, _ in SCHEDULES),
                         help="comma list of schedules (default: the first three of "
                              f"{', '.join(name for name, _ in SCHEDULES + MORE_SCHEDULES)})")

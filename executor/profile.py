@@ -21,6 +21,7 @@ The result is a plain dict in the costs-file format ``pipesim simulate --costs``
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -292,9 +293,12 @@ def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: flo
     (``clock_for_compute``)."""
     config.check()
     clock_for_compute(torch.device("cpu"), clock)  # an unknown clock is refused before any rank starts
-    if config.dp > 1 or config.tp > 1:
-        raise ConfigError(f"profile measures pipeline stages only (--dp 1 --tp 1); got --dp {config.dp} "
-                          f"--tp {config.tp}. Profile the pp split, then simulate with --dp/--tp")
+    if config.tp > 1:
+        raise ConfigError(f"profile measures whole pipeline stages (--tp 1); got --tp {config.tp}. Profile the pp "
+                          "split, then simulate with --tp")
+    # every data-parallel replica runs the same stages on its slice of the batch: one
+    # replica's pipeline is what there is to time, and the simulator adds the dp reduction
+    config = dataclasses.replace(config, dp=1, batch_size=config.replica_batch_size)
     per_rank = launch_ranks(profile_rank, (config, warmup, repeats, min_time, clock), config.pp, config.threads,
                             config.backend, verbose)
     return costs_document(config, per_rank, warmup, repeats, min_time, clock)

@@ -56,6 +56,15 @@ def machine_load() -> float | None:
         return None
 
 
+def replicas(config):
+    """The data parallelism the run has, as the simulator describes it: ``dp`` replicas
+    whose gradients are all-reduced in buckets of the run's size, each as soon as its
+    gradients are ready (``executor.data_parallel``)."""
+    from pipesim.sim.parallel import ParallelConfig  # noqa: PLC0415
+
+    return ParallelConfig(dp=config.dp, bucket_bytes=config.dp_bucket_mb * 2**20)
+
+
 def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
     """The costs file given, or a fresh profile of this config."""
     from pipesim.model.costs import costs_from_dict, load_costs  # noqa: PLC0415
@@ -76,7 +85,7 @@ def profiled_shape(config) -> dict:
     size and the dtype (the schedule and the microbatch count change no stage's time)."""
     shape = {"model": config.model, "layers": config.layers, "hidden": config.hidden, "pp": config.pp,
              "virtual_stages": config.virtual_stages, "dtype": config.dtype,
-             "microbatch_size": -(-config.batch_size // config.microbatches)}
+             "microbatch_size": -(-config.replica_batch_size // config.microbatches)}
     if config.model == "gpt":
         shape["seq_len"] = config.seq_len
     return shape
@@ -96,7 +105,7 @@ def check_costs_match(meta: dict, config, path: str) -> None:
 
 
 def calibrated_topology(args: argparse.Namespace, config):
-    """The topology file given, or send/recv measured now on ``pp`` ranks and fitted."""
+    """The topology file given, or send/recv measured now on every rank of the run and fitted."""
     from pipesim.cluster.files import load_topology, topology_from_dict  # noqa: PLC0415
 
     if args.topology:
@@ -105,7 +114,7 @@ def calibrated_topology(args: argparse.Namespace, config):
     from pipesim.cli.bench_comm import parse_sizes  # noqa: PLC0415
     from pipesim.cluster.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
 
-    result = bench_comm(config.pp, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads,
+    result = bench_comm(config.world_size, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads,
                         verbose=args.verbose)
     return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
 
@@ -136,8 +145,8 @@ def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.pp < 2:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
-    if config.dp > 1 or config.tp > 1:
-        raise ValueError("compare calibrates pipeline runs only for now: use --dp 1 --tp 1")
+    if config.tp > 1:
+        raise ValueError(f"compare profiles whole pipeline stages: --tp {config.tp} is not calibrated yet; use --tp 1")
     from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
     from executor.spawn import SpawnError  # noqa: PLC0415
     from pipesim.sim.comparison import compare, report_lines  # noqa: PLC0415
@@ -167,7 +176,8 @@ def handle(args: argparse.Namespace) -> int:
         return 1
     # Predicted under the semantics the run had (--p2p, else its backend's).
     with progress.phase("4/4 simulating the same programs"):
-        predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config))
+        predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config),
+                                   parallel=replicas(config))
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
                        args.warmup_steps, load=load, cores=os.cpu_count(), world_size=config.world_size)
     if variability is not None:
