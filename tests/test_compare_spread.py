@@ -9,7 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipesim.cli import main
-from pipesim.sim.comparison import compare, reliability_warnings, report_lines, step_spread
+from pipesim.sim.comparison import (
+    compare,
+    compute_stretch,
+    reliability_warnings,
+    report_lines,
+    step_spread,
+    stretch_warnings,
+)
 from schedules.trace import Trace, TraceEvent
 
 
@@ -70,3 +77,15 @@ def test_the_compare_document_carries_the_spread_and_the_warnings_into_the_repor
 def test_compare_refuses_a_negative_warmup(capsys):
     assert main(["compare", "--schedule", "1f1b", "--pp", "2", "--warmup-steps", "-1"]) == 2
     assert "--warmup-steps must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_compute_slower_in_the_run_than_profiled_is_named_per_rank():
+    assert compute_stretch([0.6, 0.5, 0.3], [0.5, 0.5, 0.0]) == pytest.approx([1.2, 1.0, None])
+    (line,) = stretch_warnings([1.2, 1.04, None, 0.9])
+    assert line.startswith("compute ran at another speed in the run than in the profile (rank 0 x1.20, rank 3 x0.90:")
+    assert stretch_warnings([1.04, 0.96, None]) == []
+    slow = Trace([TraceEvent(rank, f"{rank}F0", "F", rank, 0, 0.0, 0.6, "compute") for rank in range(2)],
+                 {"pp": 2, "schedule": "1f1b", "microbatches": 1, "virtual_stages": 1, "source": "measured"})
+    document = compare(slow, [1.0] * 6, trace("simulated"), 1.0, load=1.0, cores=2)
+    assert document["compute_stretch"] == pytest.approx([1.2, 1.2])
+    assert [warning[:30] for warning in document["warnings"]] == ["compute ran at another speed i"]

@@ -38,6 +38,7 @@ def _busy_and_bubble(trace: Trace) -> tuple[list[float], float]:
 # own steps differ by more than that cannot tell a good prediction from a bad one.
 MIN_STEPS = 5  # kept steps below which a spread says little
 SPREAD_LIMIT = 0.05  # interquartile range of the kept steps over their median
+STRETCH_LIMIT = 0.05  # compute slower (or faster) in the run than profiled, beyond which to say so
 
 
 def kept_steps(step_times: list[float], warmup_steps: int) -> list[float]:
@@ -86,6 +87,29 @@ def reliability_warnings(spread: dict[str, float], steps: int, load: float | Non
     return warnings
 
 
+def compute_stretch(measured_busy: list[float], predicted_busy: list[float]) -> list[float | None]:
+    """Each rank's compute seconds in the run over those predicted (None where nothing
+    was predicted): above 1 the same actions ran slower in the run than in the profile,
+    the usual reason a prediction falls short on a CPU whose cores the ranks share with
+    each other, the backend's threads or other work."""
+    return [measured / predicted if predicted > 0 else None
+            for measured, predicted in zip(measured_busy, predicted_busy, strict=True)]
+
+
+def stretch_warnings(stretch: list[float | None]) -> list[str]:
+    """One line when some rank's compute ran more than ``STRETCH_LIMIT`` slower or
+    faster in the run than its costs say: the error is then the compute's, not the
+    schedule's or the links'."""
+    known = [(rank, value) for rank, value in enumerate(stretch) if value is not None]
+    off = [(rank, value) for rank, value in known if abs(value - 1) > STRETCH_LIMIT]
+    if not off:
+        return []
+    listed = ", ".join(f"rank {rank} x{value:.2f}" for rank, value in off)
+    return [f"compute ran at another speed in the run than in the profile ({listed}: measured over predicted busy "
+            "time); on a CPU the cores were shared differently (other work, more ranks than cores): profile again "
+            "in the same conditions, or time the compute by the wall clock (--compute-clock wall)"]
+
+
 def compare(measured: Trace, step_times: list[float], predicted: Trace, predicted_step_time: float,
             warmup_steps: int = 1, load: float | None = None, cores: int | None = None,
             world_size: int | None = None) -> dict:
@@ -115,7 +139,9 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
         "measured_step_time_spread": spread,
         "load_average": load,
         "cores": cores,
-        "warnings": reliability_warnings(spread, len(kept), load, cores, world_size or ranks),
+        "compute_stretch": (stretch := compute_stretch(measured_busy, predicted_busy)),
+        "warnings": reliability_warnings(spread, len(kept), load, cores, world_size or ranks)
+        + stretch_warnings(stretch),
         "measured_bubble_fraction": measured_bubble / (ranks * measured_time),
         "predicted_bubble_fraction": predicted_bubble / (ranks * predicted_step_time),
         "measured_idle_fraction": 1 - sum(measured_busy) / (ranks * measured_time),
