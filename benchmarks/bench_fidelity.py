@@ -145,12 +145,13 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()}  cores: {os.cpu_count()}")
     started = time.perf_counter()
 
-    def measure_links() -> tuple[object, dict]:
-        bench = bench_comm(2, ["sendrecv"], [2**k for k in range(10, 25, 2)], "gloo", 1)
+    def measure_links(ranks: int) -> tuple[object, dict]:
+        """send/recv on ``ranks`` ranks (one device each in the topology), fitted."""
+        bench = bench_comm(ranks, ["sendrecv"], [2**k for k in range(10, 25, 2)], "gloo", 1)
         fits = fits_by_operation(bench)
         return topology_from_dict(topology_document(bench, fits), name="bench-comm"), fits["sendrecv"]
 
-    links_once = measure_links() if args.links == "once" else None
+    links_once = measure_links(max(int(pp) for pp in args.pp.split(","))) if args.links == "once" else None
     virtual_of = dict(SCHEDULES + MORE_SCHEDULES)
     configs = [(model, schedule, virtual_of[schedule], int(m), int(pp)) for model in args.models.split(",")
                for pp in args.pp.split(",") for schedule in args.schedules.split(",")
@@ -161,7 +162,7 @@ def main() -> None:
             config = config_for(model, schedule, virtual, m, args.steps, pp)
             idle_before_profile = wait_until_idle(args.wait)
             document = profile(config, 3, args.repeats, args.min_time, clock=args.compute_clock)
-            topology, link_fit = links_once or measure_links()
+            topology, link_fit = links_once or measure_links(pp)
             idle_before_run = wait_until_idle(args.wait)
             (result,) = launch(config)
             load = os.getloadavg()[0]

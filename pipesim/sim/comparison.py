@@ -174,11 +174,12 @@ def add_spread(document: dict, predicted_times) -> dict:
 
 def spread_line(document: dict) -> str:
     """The measured steps' spread and the machine's load, as one report line."""
-    spread = document["measured_step_time_spread"]
-    kept = len(kept_steps(document["measured_step_times"], document["warmup_steps"]))
+    kept = kept_steps(document["measured_step_times"], document["warmup_steps"])
+    # a document written before the spread was part of it: taken from its steps
+    spread = document.get("measured_step_time_spread") or step_spread(kept)
     load = "" if document.get("load_average") is None else (
         f"   load {document['load_average']:.1f} on {document['cores']} cores")
-    return (f"  spread      {kept} steps: min {spread['min'] * 1e3:.2f}  q1 {spread['q1'] * 1e3:.2f}  "
+    return (f"  spread      {len(kept)} steps: min {spread['min'] * 1e3:.2f}  q1 {spread['q1'] * 1e3:.2f}  "
             f"q3 {spread['q3'] * 1e3:.2f}  max {spread['max'] * 1e3:.2f} ms   "
             f"IQR {spread['relative_spread']:.1%} of the median{load}")
 
