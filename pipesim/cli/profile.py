@@ -75,7 +75,7 @@ def run_profile(args: argparse.Namespace) -> dict:
     config = config_from_args(args)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    with progress_from_args("profile", args).phase(f"profiling {config.pp} stages on {config.world_size} ranks"):
+    with progress_from_args("profile", args).phase(f"profiling {config.pp} stages on {config.pp} ranks (one replica)"):
         return profile(config, args.warmup, args.repeats, args.min_time, args.verbose, args.compute_clock)
 
 
