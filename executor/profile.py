@@ -21,6 +21,7 @@ The result is a plain dict in the costs-file format ``pipesim simulate --costs``
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -56,23 +57,29 @@ class EventMark:
         return earlier.event.elapsed_time(self.event) / 1000.0
 
 
-def clock_for_compute(device: torch.device) -> Callable[[], float | EventMark]:
+COMPUTE_CLOCKS = ("thread", "wall")
+
+
+def clock_for_compute(device: torch.device, clock: str = "thread") -> Callable[[], float | EventMark]:
     """Seconds as the cost model means them: on a GPU, the device time between CUDA
     events recorded on the compute stream (a difference of marks waits for the later
     one; nothing synchronises the device in between, so the host's launch time counts
-    only where the device waited for it); on a CPU, the CPU time of this rank's thread,
-    which is what its compute takes on a core of its own. Time another process took
-    from the core (a neighbour on a shared machine) is not a cost of the stage, and a
-    rank that shares its core is outside what the cluster model describes
-    (docs/calibration.md)."""
+    only where the device waited for it). On a CPU, ``clock`` says which: ``thread``,
+    the CPU time of this rank's thread, which is what its compute takes on a core of its
+    own (time another process took from the core is left out); ``wall``, the monotonic
+    clock the run itself is timed by, so that compute slowed by ranks or other work
+    sharing the cores is costed as slow as the run will see it (docs/calibration.md)."""
     if device.type == "cuda":
         return EventMark
-    return time.thread_time
+    if clock not in COMPUTE_CLOCKS:
+        raise ValueError(f"compute clock must be one of {', '.join(COMPUTE_CLOCKS)}, got {clock!r}")
+    return time.thread_time if clock == "thread" else time.perf_counter
 
 
-def mean_seconds(run: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+def mean_seconds(run: Callable[[], None], device: torch.device, warmup: int, repeats: int,
+                 clock: str = "thread") -> float:
     """Mean time of ``run`` over ``repeats`` calls after ``warmup`` untimed ones."""
-    now = clock_for_compute(device)
+    now = clock_for_compute(device, clock)
     samples = []
     for index in range(warmup + repeats):
         start = now()
@@ -116,12 +123,12 @@ class StageProbe:
         return output
 
     def time_forward_backward(self, device: torch.device, warmup: int, repeats: int,
-                              min_time: float) -> tuple[float, float]:
+                              min_time: float, clock: str = "thread") -> tuple[float, float]:
         """Mean seconds of F and B over one round: a loop of whole forward + backward
         passes, as a rank runs them (caches and the allocator in the state the pipeline
         leaves them in), for at least ``repeats`` passes and ``min_time`` seconds of
         timed work after ``warmup`` untimed ones."""
-        now = clock_for_compute(device)
+        now = clock_for_compute(device, clock)
         forward, backward, total = [], [], 0.0
         for index in range(MAX_REPEATS):
             if index >= warmup + repeats and total >= min_time:
@@ -138,12 +145,13 @@ class StageProbe:
                 total += end - start
         return statistics.fmean(forward), statistics.fmean(backward)
 
-    def time_split_backward(self, device: torch.device, warmup: int, repeats: int) -> tuple[float, float]:
+    def time_split_backward(self, device: torch.device, warmup: int, repeats: int,
+                            clock: str = "thread") -> tuple[float, float]:
         """Mean seconds of I and W, with the runtime's split (``executor.split_backward``),
         in a loop of their own (a loop that mixes the two kinds of backward leaves F and B
         a few percent faster than a pipeline ever sees them). They only set how B splits,
         so ``repeats`` passes are enough."""
-        now = clock_for_compute(device)
+        now = clock_for_compute(device, clock)
         splitter = SplitBackward(self.module)
         input_grad, weight_grad = [], []
         try:
@@ -187,7 +195,7 @@ class StageProbe:
 
 
 def time_stages(probes: dict[int, StageProbe], device: torch.device, warmup: int, repeats: int,
-                min_time: float) -> dict[int, dict[str, float]]:
+                min_time: float, clock: str = "thread") -> dict[int, dict[str, float]]:
     """F, B, I, W seconds and bytes of each stage. F and B are timed in ``ROUNDS``
     rounds, taking turns between the rank's stages, so a slow spell of the machine
     lands in one round of several stages rather than in all of one stage's; each
@@ -197,17 +205,18 @@ def time_stages(probes: dict[int, StageProbe], device: torch.device, warmup: int
     for index in range(ROUNDS):
         for stage, probe in probes.items():
             rounds[stage].append(probe.time_forward_backward(device, warmup if index == 0 else 1, per_round,
-                                                             min_time / ROUNDS))
+                                                             min_time / ROUNDS, clock))
     measured = {}
     for stage, probe in probes.items():
-        input_grad, weight_grad = probe.time_split_backward(device, warmup, repeats)
+        input_grad, weight_grad = probe.time_split_backward(device, warmup, repeats, clock)
         measured[stage] = {"F": robust_mean([f for f, _ in rounds[stage]]),
                            "B": robust_mean([b for _, b in rounds[stage]]),
                            "I": input_grad, "W": weight_grad, **probe.bytes()}
     return measured
 
 
-def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: float = 0.0) -> dict:
+def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: float = 0.0,
+                 clock: str = "thread") -> dict:
     """This rank's measurements: per stage F/B/I/W seconds and bytes, its optimizer step
     and the runtime's overheads. Runs on every launched rank."""
     rank, world, device, backend = init_rank(config.backend, config.threads, config.timeout)
@@ -220,10 +229,10 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time
             apply_recompute(module, config.recompute)
         probes = {stage: StageProbe(model, module, stage, schedule.num_stages, config, device)
                   for stage, module in stages.items()}
-        measured = time_stages(probes, device, warmup, repeats, min_time)
+        measured = time_stages(probes, device, warmup, repeats, min_time, clock)
         params = [p for module in stages.values() for p in module.parameters()]
         optimizer = build_optimizer(config, params, lr=0.0)
-        optimizer_seconds = mean_seconds(optimizer.step, device, warmup, repeats)
+        optimizer_seconds = mean_seconds(optimizer.step, device, warmup, repeats, clock)
         overheads = measure_overheads(config, model, schedule, rank, world, device, warmup, repeats, min_time)
     finally:
         if world > 1 and dist.is_initialized():
@@ -233,7 +242,7 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time
 
 
 def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, repeats: int,
-                   min_time: float = 0.0) -> dict:
+                   min_time: float = 0.0, clock: str = "thread") -> dict:
     """The costs file: one entry per stage in stage order, the overheads, and how they
     were measured (``meta``), from every rank's ``profile_rank`` result.
 
@@ -248,11 +257,11 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
     entries = []
     for stage in sorted(stages):
         m = stages[stage]
-        split = m["I"] + m["W"]
-        # The costs file describes a split backward as parts of B; I + W measured apart
-        # come within a few percent of B (executor.split_backward), so keep their ratio.
-        wgrad = m["B"] * m["W"] / split if split > 0 else 0.0
-        entries.append({"stage": stage, "fwd": m["F"], "bwd": m["B"], "wgrad": wgrad, "act_bytes": m["act_bytes"],
+        # I and W as measured: a split backward runs two autograd passes, which on a small
+        # stage cost well over one full backward (executor.split_backward), and a
+        # zero-bubble schedule runs exactly those passes.
+        entries.append({"stage": stage, "fwd": m["F"], "bwd": m["B"], "igrad": m["I"], "wgrad": m["W"],
+                        "act_bytes": m["act_bytes"],
                         "stash_bytes": m["stash_bytes"], "param_bytes": m["param_bytes"]})
     ranks = [per_rank[rank] for rank in sorted(per_rank)]
     first = ranks[0]
@@ -269,7 +278,7 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
             "seq_len": config.seq_len, "microbatches": config.microbatches, "pp": config.pp,
             "virtual_stages": config.virtual_stages, "schedule": config.schedule, "dtype": config.dtype,
             "optimizer": config.optimizer, "microbatch_size": microbatch_size(config),
-            "warmup": warmup, "repeats": repeats, "min_time": min_time,
+            "warmup": warmup, "repeats": repeats, "min_time": min_time, "compute_clock": clock,
             "measured": {
                 "stages": {str(stage): {kind: stages[stage][kind] for kind in "FBIW"} for stage in sorted(stages)},
                 "ranks": [{key: r[key] for key in RANK_FIELDS} for r in ranks],
@@ -280,14 +289,19 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
 
 
 def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: float = DEFAULT_MIN_TIME,
-            verbose: bool = False) -> dict:
+            verbose: bool = False, clock: str = "thread") -> dict:
     """Launch ``config.pp`` ranks, profile each one's stages, return the costs document.
     Each stage's forward + backward loop and the transfer-cost loop run for at least
-    ``repeats`` passes and ``min_time`` seconds."""
+    ``repeats`` passes and ``min_time`` seconds; ``clock`` times the compute on a CPU
+    (``clock_for_compute``)."""
     config.check()
-    if config.dp > 1 or config.tp > 1:
-        raise ConfigError(f"profile measures pipeline stages only (--dp 1 --tp 1); got --dp {config.dp} "
-                          f"--tp {config.tp}. Profile the pp split, then simulate with --dp/--tp")
-    per_rank = launch_ranks(profile_rank, (config, warmup, repeats, min_time), config.pp, config.threads,
+    clock_for_compute(torch.device("cpu"), clock)  # an unknown clock is refused before any rank starts
+    if config.tp > 1:
+        raise ConfigError(f"profile measures whole pipeline stages (--tp 1); got --tp {config.tp}. Profile the pp "
+                          "split, then simulate with --tp")
+    # every data-parallel replica runs the same stages on its slice of the batch: one
+    # replica's pipeline is what there is to time, and the simulator adds the dp reduction
+    config = dataclasses.replace(config, dp=1, batch_size=config.replica_batch_size)
+    per_rank = launch_ranks(profile_rank, (config, warmup, repeats, min_time, clock), config.pp, config.threads,
                             config.backend, verbose)
-    return costs_document(config, per_rank, warmup, repeats, min_time)
+    return costs_document(config, per_rank, warmup, repeats, min_time, clock)

@@ -133,7 +133,12 @@ def test_profile_simulate_and_compare_end_to_end(tmp_path, capsys):
     costs_path = tmp_path / "costs.json"
     assert main(["profile", *TINY, "--warmup", "1", "--repeats", "3", "--min-time", "0.2",
                  "--out", str(costs_path)]) == 0
-    assert json.loads(costs_path.read_text())["meta"]["min_time"] == 0.2
+    written = json.loads(costs_path.read_text())
+    assert written["meta"]["min_time"] == 0.2 and written["meta"]["compute_clock"] == "thread"
+    # the split backward as measured: the file's I and W are the profile's own means
+    for entry in written["stages"]:
+        measured = written["meta"]["measured"]["stages"][str(entry["stage"])]
+        assert (entry["igrad"], entry["wgrad"]) == (measured["I"], measured["W"]) and entry["igrad"] > 0
     costs = load_costs(costs_path, 2)
     assert all(stage.fwd > 0 and stage.bwd > 0 and stage.param_bytes > 0 for stage in costs.stages)
     assert costs.stages[0].act_bytes == 2 * 32 * 4  # microbatch of 2 x hidden 32, float32
@@ -155,6 +160,8 @@ def test_profile_simulate_and_compare_end_to_end(tmp_path, capsys):
     assert main(["compare", *TINY, "--steps", "3", "--costs", str(costs_path), "--topology", str(links),
                  "--json", str(compare_json), "--html", str(tmp_path / "compare.html")]) == 0
     document = json.loads(compare_json.read_text())
+    assert len(document["measured_step_times"]) == 3 and document["measured_step_time_spread"]["min"] > 0
+    assert document["warnings"][0].startswith("only 2 steps measured after the warm-up")
     for key in ("measured_step_time", "predicted_step_time", "error"):
         assert isinstance(document[key], float)
     assert document["predicted_step_time"] == pytest.approx(predicted["makespan"])

@@ -4,6 +4,8 @@ One process, no process group."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -37,7 +39,7 @@ def probes():
 
 def test_forward_backward_loop_runs_for_its_repeats_and_its_time_budget(probes, monkeypatch):
     clock = SteppingClock(0.001)  # every pass reads the clock 3 times: F = B = 1 ms
-    monkeypatch.setattr(profile_module, "clock_for_compute", lambda device: clock)
+    monkeypatch.setattr(profile_module, "clock_for_compute", lambda device, kind="thread": clock)
     forward, backward = probes[0].time_forward_backward(torch.device("cpu"), warmup=2, repeats=3, min_time=0.0)
     assert forward == pytest.approx(0.001) and backward == pytest.approx(0.001)
     assert clock.readings == 3 * (2 + 3)  # repeats alone decide when there is no time budget
@@ -49,7 +51,7 @@ def test_forward_backward_loop_runs_for_its_repeats_and_its_time_budget(probes, 
 
 def test_a_slow_round_does_not_set_the_cost(probes, monkeypatch):
     clock = SteppingClock(0.001)
-    monkeypatch.setattr(profile_module, "clock_for_compute", lambda device: clock)
+    monkeypatch.setattr(profile_module, "clock_for_compute", lambda device, kind="thread": clock)
     original = StageProbe.time_forward_backward
     rounds_seen = []
 
@@ -67,3 +69,17 @@ def test_a_slow_round_does_not_set_the_cost(probes, monkeypatch):
         assert measured[stage]["F"] == pytest.approx(0.001)
         assert measured[stage]["B"] == pytest.approx(0.001)
         assert measured[stage]["param_bytes"] > 0
+
+
+def test_the_wall_clock_counts_time_off_the_core_and_the_thread_clock_does_not():
+    # a compute that waits (as one does while another process holds its core) for 20 ms
+    from executor.profile import mean_seconds  # noqa: PLC0415
+
+    def waits() -> None:
+        time.sleep(0.02)
+
+    cpu = torch.device("cpu")
+    assert mean_seconds(waits, cpu, warmup=0, repeats=2, clock="wall") >= 0.02
+    assert mean_seconds(waits, cpu, warmup=0, repeats=2, clock="thread") < 0.01
+    with pytest.raises(ValueError, match="compute clock must be one of thread, wall, got 'cpu'"):
+        profile_module.clock_for_compute(cpu, "cpu")

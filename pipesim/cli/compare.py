@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,12 +40,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--topology", metavar="PATH", help="a topology file (pipesim bench-comm) instead of "
                        "benchmarking send/recv now")
     group.add_argument("--warmup-steps", type=int, default=1,
-                       help="first steps left out of the measured step time (default 1)")
+                       help="first steps left out of the measured step time (default 1; --steps defaults to 6 "
+                            "here, so 5 steps give the median and the spread)")
     group.add_argument("--html", metavar="PATH", help="write the measured and predicted timelines on one axis")
     group.add_argument("--predicted-trace", metavar="PATH", help="write the predicted Trace")
     add_quiet_arg(parser)
     add_variability_args(parser, seed=False)
-    parser.set_defaults(handler=handle, steps=5)
+    parser.set_defaults(handler=handle, steps=6)
+
+
+def machine_load() -> float | None:
+    """The 1-minute load average (runnable processes, the run's own ranks included), or
+    None where the platform has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def replicas(config):
+    """The data parallelism the run has, as the simulator describes it: ``dp`` replicas
+    whose gradients are all-reduced in buckets of the run's size, each as soon as its
+    gradients are ready (``executor.data_parallel``)."""
+    from pipesim.sim.parallel import ParallelConfig  # noqa: PLC0415
+
+    return ParallelConfig(dp=config.dp, bucket_bytes=config.dp_bucket_mb * 2**20)
 
 
 def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
@@ -57,7 +77,7 @@ def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
         return costs
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    document = profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
+    document = profile(config, args.warmup, args.repeats, args.min_time, args.verbose, args.compute_clock)
     return costs_from_dict(document, num_stages, name="profile")
 
 
@@ -67,7 +87,7 @@ def profiled_shape(config) -> dict:
     size and the dtype (the schedule and the microbatch count change no stage's time)."""
     shape = {"model": config.model, "layers": config.layers, "hidden": config.hidden, "pp": config.pp,
              "virtual_stages": config.virtual_stages, "dtype": config.dtype,
-             "microbatch_size": -(-config.batch_size // config.microbatches)}
+             "microbatch_size": -(-config.replica_batch_size // config.microbatches)}
     if config.model != "mlp":  # a model of tokens: the gpt or an architecture
         shape["seq_len"] = config.seq_len
     return shape
@@ -87,7 +107,7 @@ def check_costs_match(meta: dict, config, path: str) -> None:
 
 
 def calibrated_topology(args: argparse.Namespace, config):
-    """The topology file given, or send/recv measured now on ``pp`` ranks and fitted."""
+    """The topology file given, or send/recv measured now on every rank of the run and fitted."""
     from pipesim.cluster.files import load_topology, topology_from_dict  # noqa: PLC0415
 
     if args.topology:
@@ -96,7 +116,7 @@ def calibrated_topology(args: argparse.Namespace, config):
     from pipesim.cli.bench_comm import parse_sizes  # noqa: PLC0415
     from pipesim.cluster.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
 
-    result = bench_comm(config.pp, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads,
+    result = bench_comm(config.world_size, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads,
                         verbose=args.verbose)
     return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
 
@@ -124,12 +144,14 @@ def chart_summaries(document: dict, drawn_step: int | None = None, drawn_span: f
 
 def handle(args: argparse.Namespace) -> int:
     check_profile_arguments(args)
+    if args.warmup_steps < 0:
+        raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     variability = variability_from_args(args)  # the prediction's what-if flags, checked before anything runs
     config = config_from_args(args)
     if config.pp < 2:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
-    if config.dp > 1 or config.tp > 1:
-        raise ValueError("compare calibrates pipeline runs only for now: use --dp 1 --tp 1")
+    if config.tp > 1:
+        raise ValueError(f"compare profiles whole pipeline stages: --tp {config.tp} is not calibrated yet; use --tp 1")
     from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
     from executor.spawn import SpawnError  # noqa: PLC0415
     from pipesim.sim.comparison import compare, report_lines  # noqa: PLC0415
@@ -153,14 +175,16 @@ def handle(args: argparse.Namespace) -> int:
         progress.line(f"3/4 running {config.steps} steps on {config.world_size} ranks")
         with StepWatcher(progress, config.world_size, config.steps):
             (result,) = launch(config, verbose=args.verbose)
+        load = machine_load()
     except (PipelineRunError, SpawnError) as error:
         print(f"pipesim compare: run failed: {error}", file=sys.stderr)
         return 1
     # Predicted under the semantics the run had (--p2p, else its backend's).
     with progress.phase("4/4 simulating the same programs"):
-        predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config))
+        predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config),
+                                   parallel=replicas(config))
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
-                       args.warmup_steps)
+                       args.warmup_steps, load=load, cores=os.cpu_count(), world_size=config.world_size)
     if variability is not None:
         from pipesim.sim.comparison import add_spread  # noqa: PLC0415
         from pipesim.sim.whatif import sample_steps  # noqa: PLC0415

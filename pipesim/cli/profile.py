@@ -55,6 +55,10 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
                        help="time each stage's forward + backward, and the cost of a transfer, for at least this "
                             f"long as well (default {DEFAULT_MIN_TIME:g}): a small stage's mean needs hundreds of "
                             "passes to settle")
+    group.add_argument("--compute-clock", choices=("thread", "wall"), default="thread",
+                       help="on a CPU, time the compute by the rank thread's CPU time (thread: what it takes on a "
+                            "core of its own) or by the wall clock the run is timed by (wall: slowed as much as "
+                            "ranks and other work sharing the cores slow it) (default thread)")
 
 
 def check_profile_arguments(args: argparse.Namespace) -> None:
@@ -71,8 +75,8 @@ def run_profile(args: argparse.Namespace) -> dict:
     config = config_from_args(args)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
-    with progress_from_args("profile", args).phase(f"profiling {config.pp} stages on {config.world_size} ranks"):
-        return profile(config, args.warmup, args.repeats, args.min_time, args.verbose)
+    with progress_from_args("profile", args).phase(f"profiling {config.pp} stages on {config.pp} ranks (one replica)"):
+        return profile(config, args.warmup, args.repeats, args.min_time, args.verbose, args.compute_clock)
 
 
 def describe(document: dict) -> list[str]:
@@ -80,7 +84,8 @@ def describe(document: dict) -> list[str]:
     lines = []
     for entry in document["stages"]:
         lines.append(f"stage {entry['stage']}: F {entry['fwd'] * 1e3:.3f} ms  B {entry['bwd'] * 1e3:.3f} ms  "
-                     f"W {entry['wgrad'] * 1e3:.3f} ms  act {entry['act_bytes'] / 1e3:.1f} kB  "
+                     f"I {entry['igrad'] * 1e3:.3f} ms  W {entry['wgrad'] * 1e3:.3f} ms  "
+                     f"act {entry['act_bytes'] / 1e3:.1f} kB  "
                      f"stash {entry['stash_bytes'] / 1e6:.2f} MB  params {entry['param_bytes'] / 1e6:.2f} MB")
     lines.append(f"overheads: per action {document['action_overhead'] * 1e6:.1f} us, per send/recv "
                  f"{document['comm_overhead'] * 1e6:.1f} us, per step {document['step_overhead'] * 1e3:.3f} ms")

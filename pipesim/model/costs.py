@@ -19,7 +19,7 @@ from schedules.action import ActionKind
 from schedules.schedule import Schedule
 from schedules.textfile import describe_yaml_error, read_text
 
-STAGE_FIELDS = ("fwd", "bwd", "wgrad", "act_bytes", "stash_bytes", "param_bytes", "params", "layers",
+STAGE_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "act_bytes", "stash_bytes", "param_bytes", "params", "layers",
                 "tp_message_bytes", "recompute_layers", "overlap_fb",
                 # expert and context parallelism (pipesim.sim.expert_parallel, pipesim.sim.context_parallel)
                 "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
@@ -28,7 +28,7 @@ OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead")
 # what a stage's parameter memory and its gathers after the optimizer step read of it
 _PARAMETER_FIGURES = attrgetter("param_bytes", "params", "expert_params")
 # what a rank's share of the model is split into when it holds v chunks (the rest is per chunk)
-PER_RANK_FIELDS = ("fwd", "bwd", "wgrad", "stash_bytes", "param_bytes", "params", "layers", "recompute_layers",
+PER_RANK_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "stash_bytes", "param_bytes", "params", "layers", "recompute_layers",
                    "overlap_fb", "expert_params", "moe_layers", "attention_layers")
 
 
@@ -41,8 +41,13 @@ class StageCost:
     """Seconds per microbatch on one stage (one chunk) and the bytes it sends forward.
 
     ``wgrad`` is the part of ``bwd`` that is weight-gradient work: a split backward runs
-    ``I = bwd - wgrad`` then ``W = wgrad``. ``act_bytes`` is the size of this stage's
-    output activation, which is also the size of the gradient coming back into it.
+    ``I = bwd - wgrad`` then ``W = wgrad``. ``igrad``, when given (non-zero), is the
+    input-gradient backward's own time: a split backward as measured runs ``I = igrad``
+    then ``W = wgrad``, which need not add up to ``bwd`` (on a CPU the two autograd
+    passes of a small stage cost more than the one full backward; ``pipesim profile``
+    writes what it measured). Zero keeps the older reading, ``I = bwd - wgrad``.
+    ``act_bytes`` is the size of this stage's output activation, which is also the size
+    of the gradient coming back into it.
     ``stash_bytes`` is what one microbatch's forward keeps alive until its backward.
     ``param_bytes`` is this stage's parameters on one device, in the weights' dtype.
     All figures are per device: with tensor parallelism, one tp shard's share.
@@ -90,6 +95,7 @@ class StageCost:
     fwd: float
     bwd: float
     wgrad: float = 0.0
+    igrad: float = 0.0
     act_bytes: float = 0.0
     stash_bytes: float = 0.0
     param_bytes: float = 0.0
@@ -109,13 +115,19 @@ class StageCost:
     dispatch_node_limit: float = 0.0
     dispatch_copies: float = 0.0
 
+    @property
+    def input_grad(self) -> float:
+        """Seconds of the input-gradient backward ``I``: ``igrad`` when measured apart,
+        else what the weight gradients leave of the full backward."""
+        return self.igrad or self.bwd - self.wgrad
+
     def seconds(self, kind: str) -> float:
         if kind == ActionKind.F:
             return self.fwd
         if kind == ActionKind.B:
             return self.bwd
         if kind == ActionKind.I:
-            return self.bwd - self.wgrad
+            return self.input_grad
         if kind == ActionKind.W:
             return self.wgrad
         raise ValueError(f"{kind} is not a compute kind")
@@ -158,7 +170,7 @@ class Costs:
                     and math.isfinite(math.fsum(values))):
                 for name, value in zip(STAGE_FIELDS, values, strict=True):
                     check_number(value, f"stage {index}: {name}")
-            if stage.wgrad > stage.bwd:
+            if stage.wgrad > stage.bwd and not stage.igrad:
                 raise CostsError(
                     f"stage {index}: wgrad ({stage.wgrad}) is part of bwd ({stage.bwd}) and cannot exceed it"
                 )
@@ -338,9 +350,10 @@ def costs_from_dict(data: object, num_stages: int | None = None, name: str = "co
         if missing:
             raise CostsError(f"{where} is missing {sorted(missing)}")
         values = {key: check_number(value, f"{where}.{key}") for key, value in entry.items() if key != "stage"}
-        if values.get("wgrad", 0.0) > values["bwd"]:
+        if values.get("wgrad", 0.0) > values["bwd"] and not values.get("igrad"):
             raise CostsError(
-                f"{where}: wgrad ({values['wgrad']}) is part of bwd ({values['bwd']}) and cannot exceed it")
+                f"{where}: wgrad ({values['wgrad']}) is part of bwd ({values['bwd']}) and cannot exceed it; "
+                "give igrad too for a split backward measured apart")
         entries.append((_stage_key(entry, where), StageCost(**values)))
     stages = _place_stages(entries, num_stages, name, virtual_stages)
     overheads = {key: check_number(data.get(key, 0.0), f"{name}: {key}") for key in OVERHEADS}

@@ -3,7 +3,9 @@ and the signed relative error of the prediction.
 
 Pure functions of Traces and step times, so they hold for any source of either. The
 measured step time is the median over the run's steps after the warm-up ones: a single
-step on a shared CPU can be preempted, and the prediction is of a typical step.
+step on a shared CPU can be preempted, and the prediction is of a typical step. Beside it
+the steps' spread, and warnings when the spread or the machine's load make an error of a
+few percent meaningless.
 
 Idle time and the bubble and idle fractions are taken against the step time (not against
 the span of the trace's events), so that what the step spends outside the pipeline
@@ -32,18 +34,92 @@ def _busy_and_bubble(trace: Trace) -> tuple[list[float], float]:
     return [rank.busy for rank in ranks], sum(rank.bubble for rank in ranks)
 
 
-def measured_step_time(step_times: list[float], warmup_steps: int) -> float:
-    """Median of the step times after the first ``warmup_steps`` (all of them if fewer)."""
+# A comparison is judged by errors of a few percent (docs/calibration.md), so a run whose
+# own steps differ by more than that cannot tell a good prediction from a bad one.
+MIN_STEPS = 5  # kept steps below which a spread says little
+SPREAD_LIMIT = 0.05  # interquartile range of the kept steps over their median
+STRETCH_LIMIT = 0.05  # compute slower (or faster) in the run than profiled, beyond which to say so
+
+
+def kept_steps(step_times: list[float], warmup_steps: int) -> list[float]:
+    """The step times after the first ``warmup_steps`` (all of them if fewer)."""
     if not step_times:
         raise ValueError("the run recorded no step times")
-    kept = step_times[warmup_steps:] or step_times
-    return statistics.median(kept)
+    return step_times[warmup_steps:] or list(step_times)
+
+
+def measured_step_time(step_times: list[float], warmup_steps: int) -> float:
+    """Median of the step times after the first ``warmup_steps`` (all of them if fewer)."""
+    return statistics.median(kept_steps(step_times, warmup_steps))
+
+
+def step_spread(kept: list[float]) -> dict[str, float]:
+    """How much the kept steps differ: min, quartiles, max, and the interquartile range
+    over the median (``relative_spread``), which one slow step does not set (quartiles
+    by linear interpolation between the sorted steps)."""
+    ordered = sorted(kept)
+    if len(ordered) == 1:
+        q1 = q3 = ordered[0]
+    else:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    median = statistics.median(ordered)
+    return {"min": ordered[0], "q1": q1, "median": median, "q3": q3, "max": ordered[-1],
+            "relative_spread": (q3 - q1) / median if median > 0 else 0.0}
+
+
+def reliability_warnings(spread: dict[str, float], steps: int, load: float | None, cores: int | None,
+                         world_size: int) -> list[str]:
+    """Why a comparison may say more about the machine than about the model, one line
+    each: too few steps to know their spread, steps that differ by more than the errors
+    the comparison is judged by, or a machine with more runnable work than cores (the
+    1-minute load average, the run's own ``world_size`` ranks included) on which ranks
+    share cores, which the cluster model does not describe (one device per rank)."""
+    warnings = []
+    if steps < MIN_STEPS:
+        warnings.append(f"only {steps} steps measured after the warm-up: too few to know their spread "
+                        f"(take --steps {MIN_STEPS + 1} or more)")
+    if spread["relative_spread"] > SPREAD_LIMIT:
+        warnings.append(f"the steps' interquartile range is {spread['relative_spread']:.1%} of their median "
+                        f"(over {SPREAD_LIMIT:.0%}): the run is too noisy for an error of a few percent to mean much")
+    if load is not None and cores and load > cores:
+        warnings.append(f"machine load {load:.1f} on {cores} cores (this run: {world_size} ranks): ranks share "
+                        "cores with other work, which the prediction does not model")
+    return warnings
+
+
+def compute_stretch(measured_busy: list[float], predicted_busy: list[float]) -> list[float | None]:
+    """Each rank's compute seconds in the run over those predicted (None where nothing
+    was predicted): above 1 the same actions ran slower in the run than in the profile,
+    the usual reason a prediction falls short on a CPU whose cores the ranks share with
+    each other, the backend's threads or other work."""
+    return [measured / predicted if predicted > 0 else None
+            for measured, predicted in zip(measured_busy, predicted_busy, strict=True)]
+
+
+def stretch_warnings(stretch: list[float | None]) -> list[str]:
+    """One line when some rank's compute ran more than ``STRETCH_LIMIT`` slower or
+    faster in the run than its costs say: the error is then the compute's, not the
+    schedule's or the links'."""
+    known = [(rank, value) for rank, value in enumerate(stretch) if value is not None]
+    off = [(rank, value) for rank, value in known if abs(value - 1) > STRETCH_LIMIT]
+    if not off:
+        return []
+    listed = ", ".join(f"rank {rank} x{value:.2f}" for rank, value in off)
+    return [f"compute ran at another speed in the run than in the profile ({listed}: measured over predicted busy "
+            "time); on a CPU the cores were shared differently (other work, more ranks than cores): profile again "
+            "in the same conditions, or time the compute by the wall clock (--compute-clock wall)"]
 
 
 def compare(measured: Trace, step_times: list[float], predicted: Trace, predicted_step_time: float,
-            warmup_steps: int = 1) -> dict:
-    """The comparison document (``pipesim compare --json``)."""
-    measured_time = measured_step_time(step_times, warmup_steps)
+            warmup_steps: int = 1, load: float | None = None, cores: int | None = None,
+            world_size: int | None = None) -> dict:
+    """The comparison document (``pipesim compare --json``). ``load`` is the machine's
+    1-minute load average at the end of the run, ``cores`` its CPU count (None: not
+    known) and ``world_size`` the run's processes (default: its pipeline ranks); they
+    only feed the warnings."""
+    kept = kept_steps(step_times, warmup_steps)
+    measured_time = statistics.median(kept)
+    spread = step_spread(kept)
     measured_busy, measured_bubble = _busy_and_bubble(measured)
     predicted_busy, predicted_bubble = _busy_and_bubble(predicted)
     ranks = max(len(measured_busy), len(predicted_busy))
@@ -60,6 +136,12 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
         "error": (predicted_step_time - measured_time) / measured_time,
         "measured_step_times": list(step_times),
         "warmup_steps": warmup_steps,
+        "measured_step_time_spread": spread,
+        "load_average": load,
+        "cores": cores,
+        "compute_stretch": (stretch := compute_stretch(measured_busy, predicted_busy)),
+        "warnings": reliability_warnings(spread, len(kept), load, cores, world_size or ranks)
+        + stretch_warnings(stretch),
         "measured_bubble_fraction": measured_bubble / (ranks * measured_time),
         "predicted_bubble_fraction": predicted_bubble / (ranks * predicted_step_time),
         "measured_idle_fraction": 1 - sum(measured_busy) / (ranks * measured_time),
@@ -90,6 +172,18 @@ def add_spread(document: dict, predicted_times) -> dict:
     return document
 
 
+def spread_line(document: dict) -> str:
+    """The measured steps' spread and the machine's load, as one report line."""
+    kept = kept_steps(document["measured_step_times"], document["warmup_steps"])
+    # a document written before the spread was part of it: taken from its steps
+    spread = document.get("measured_step_time_spread") or step_spread(kept)
+    load = "" if document.get("load_average") is None else (
+        f"   load {document['load_average']:.1f} on {document['cores']} cores")
+    return (f"  spread      {len(kept)} steps: min {spread['min'] * 1e3:.2f}  q1 {spread['q1'] * 1e3:.2f}  "
+            f"q3 {spread['q3'] * 1e3:.2f}  max {spread['max'] * 1e3:.2f} ms   "
+            f"IQR {spread['relative_spread']:.1%} of the median{load}")
+
+
 def report_lines(document: dict) -> list[str]:
     """The comparison for the terminal, in milliseconds."""
     lines = [
@@ -97,6 +191,7 @@ def report_lines(document: dict) -> list[str]:
         f"virtual_stages={document['virtual_stages']}",
         f"  step time   measured {document['measured_step_time'] * 1e3:9.2f} ms   "
         f"predicted {document['predicted_step_time'] * 1e3:9.2f} ms   error {document['error']:+.1%}",
+        spread_line(document),
         f"  bubble      measured {document['measured_bubble_fraction']:9.1%}      "
         f"predicted {document['predicted_bubble_fraction']:9.1%}   (waiting for a peer, fill and drain)",
         f"  idle        measured {document['measured_idle_fraction']:9.1%}      "
@@ -110,6 +205,7 @@ def report_lines(document: dict) -> list[str]:
             lines.append(f"  {name:<11} measured {measured[name] * 1e3:9.2f} ms   "
                          f"predicted {predicted[name] * 1e3:9.2f} ms   "
                          f"({kept} steps / {document['predicted_samples']} sampled steps)")
+    lines.extend(f"  warning: {warning}" for warning in document.get("warnings", ()))
     for rank in document["ranks"]:
         lines.append(f"  rank {rank['rank']}: busy {rank['measured_busy'] * 1e3:8.2f} / "
                      f"{rank['predicted_busy'] * 1e3:8.2f} ms"

@@ -74,7 +74,7 @@ def build_cost_aware(
         devices = map_ranks(topology, 1, pp, 1).pipeline()
     stages = costs.stages
     passes = ([stage.fwd + costs.action_overhead for stage in stages],
-              [stage.bwd - stage.wgrad + costs.action_overhead for stage in stages],
+              [stage.input_grad + costs.action_overhead for stage in stages],
               [stage.wgrad + costs.action_overhead for stage in stages])
     comm = planning_hop(step_timing(cost_shell(name, pp, microbatches), costs, topology, devices))
     if name == "zbv-auto":

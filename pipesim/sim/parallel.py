@@ -274,7 +274,7 @@ def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping:
                 (kind, exposed_gather_seconds(units, gather, compute / units)
                  + slowed_by(gathers_beside_compute(units, gather, compute / units), slowdown), units * gather)
                 for kind, compute in ((ActionKind.F, cost.fwd), (ActionKind.B, cost.bwd),
-                                      (ActionKind.I, cost.bwd - cost.wgrad))]
+                                      (ActionKind.I, cost.input_grad))]
         return kinds
 
     per_stage = list(enumerate(_per_alike_stage(schedule, costs, gathers)))
@@ -374,7 +374,7 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
             return per_pass, backward, backward
         layers = cost.layers
         windows = (cost.fwd / layers - cost.attention_fwd, cost.bwd / layers - cost.attention_bwd,
-                   (cost.bwd - cost.wgrad) / layers - cost.attention_bwd)
+                   cost.input_grad / layers - cost.attention_bwd)
         return tuple(layers * exposed_seconds(max(0.0, window), comm / layers, slowdown)
                      for window, comm in zip(windows, (per_pass, backward, backward), strict=True))
 

@@ -1,0 +1,52 @@
+"""compare with data parallelism: the run's dp replicas and their gradient all-reduce are
+predicted, and the profile times one replica's pipeline (gloo, 4 tiny ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from executor.config import RunConfig
+from pipesim.cli import main
+from pipesim.cli.compare import profiled_shape, replicas
+
+TINY_DP = ["--schedule", "1f1b", "--pp", "2", "--dp", "2", "--microbatches", "2", "--model", "mlp", "--layers", "2",
+           "--hidden", "16", "--batch-size", "8", "--backend", "gloo"]
+
+
+def test_a_replica_is_profiled_at_its_own_microbatch_size():
+    # a batch of 8 over 2 replicas is 4 samples each, cut into 2 microbatches of 2
+    config = RunConfig(pp=2, dp=2, microbatches=2, batch_size=8, dp_bucket_mb=1.0)
+    assert profiled_shape(config)["microbatch_size"] == 2
+    parallel = replicas(config)
+    assert (parallel.dp, parallel.bucket_bytes) == (2, 2**20)
+
+
+@pytest.mark.timeout(240)
+def test_compare_runs_and_predicts_two_replicas(tmp_path, capsys):
+    link = {"bandwidth": 1e9, "latency": 1e-4, "medium": "gloo measured"}
+    topology = {"devices": [{"name": f"rank{rank}"} for rank in range(4)],
+                "links": [{"src": f"rank{a}", "dst": f"rank{b}", **link} for a in range(4) for b in range(a + 1, 4)]}
+    (tmp_path / "links.json").write_text(json.dumps(topology))
+    stage = {"fwd": 1e-4, "bwd": 2e-4, "act_bytes": 2 * 16 * 4, "param_bytes": 4e6}
+    (tmp_path / "costs.json").write_text(json.dumps({"stages": [stage, stage]}))
+    assert main(["compare", *TINY_DP, "--steps", "3", "--costs", str(tmp_path / "costs.json"), "--topology",
+                 str(tmp_path / "links.json"), "--json", str(tmp_path / "compare.json"), "--predicted-trace",
+                 str(tmp_path / "predicted.json")]) == 0
+    document = json.loads((tmp_path / "compare.json").read_text())
+    assert document["measured_step_time"] > 0
+    events = json.loads((tmp_path / "predicted.json").read_text())["events"]
+    # each pipeline rank all-reduces its stage's 4 MB of gradients with its other replica:
+    # ring over 2 ranks moves 2 (n - 1) / n x 4 MB = 4 MB at 1 GB/s (4 ms) after 2 latencies
+    reductions = [event for event in events if event["stream"] == "dp"]
+    assert {event["rank"] for event in reductions} == {0, 1}
+    for rank in (0, 1):
+        seconds = sum(event["end"] - event["start"] for event in reductions if event["rank"] == rank)
+        assert seconds == pytest.approx(4e-3 + 2e-4, rel=0.05)
+    assert document["predicted_step_time"] > 4e-3
+
+
+def test_compare_refuses_tensor_parallel_runs_in_one_line(capsys):
+    assert main(["compare", *TINY_DP[:-10], "--model", "gpt", "--tp", "2", "--batch-size", "8"]) == 2
+    assert "--tp 2 is not calibrated yet; use --tp 1" in capsys.readouterr().err
