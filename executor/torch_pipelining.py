@@ -43,6 +43,7 @@ from schedules.validate import validate
 COMPUTE_ONLY, COMPUTE_COMMS = "compute_only", "compute_comms"  # torch's names of the two formats
 # torch's own loader, kept before ``executor.torchtitan_launch`` puts ``load_schedule_csv`` in its place
 _TORCH_LOAD_CSV = _PipelineScheduleRuntime._load_csv
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint wrapper's prefix to parameter names
 
 
 def torch_format(schedule: Schedule) -> str:
@@ -95,6 +96,7 @@ class TorchCase:
     loader: str = "checked"
     parallelism: object | None = None
     local_batch_size: int | None = None  # torchtitan's training.local_batch_size, with ``parallelism``
+    activation_checkpoint: object | None = None  # torchtitan's parsed policy config, wrapped round each stage
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,9 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
     else:
         placed = schedule.stages_of(position.pp_rank)
     modules = {stage: model.build_stage(stage, num_stages).to(device) for stage in placed}
+    if case.activation_checkpoint is not None:  # as torchtitan wraps each block, here each stage
+        policy = case.activation_checkpoint.build(dump_folder="")
+        modules = {stage: policy._wrap_block(module) for stage, module in modules.items()}
     shard_mesh = position.dp_mesh or (position.unit_mesh if case.parallelism is not None else None)
     if shard_mesh is not None:
         for module in modules.values():
@@ -214,7 +219,7 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
         extra = {"target": targets, "losses": microbatch_losses} if last else {}
         runtime.step(*args, **extra)
         if step == 0:
-            grads = {f"{stage}.{name}": _full(parameter.grad)
+            grads = {f"{stage}.{name.replace(CHECKPOINT_PREFIX, '')}": _full(parameter.grad)
                      for stage, module in modules.items() for name, parameter in module.named_parameters()}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

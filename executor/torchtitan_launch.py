@@ -15,7 +15,7 @@ lowered, as it is written. Everything else is torchtitan's own ``torchtitan.trai
 
     torchrun --nproc-per-node 8 -m executor.torchtitan_launch --module llama3 --config llama3_8b \\
         $(cat titan/torchtitan.args)
-    python -m executor.torchtitan_launch --check titan/torchtitan.args [--python PATH]
+    python -m executor.torchtitan_launch --check titan/torchtitan.args... [--python PATH]
 
 Supported: torchtitan 0.3.x (configured in Python, ``--module``/``--config`` plus
 overrides); other releases are refused in one line.
@@ -128,51 +128,63 @@ def check_config(path: str | Path) -> str:
             f"microbatches) matches {path}: {cls.name} places the stages {cls.style}, as the file does")
 
 
-# Run in the Python that has torchtitan: its version, then its parser on the overrides,
-# printing the fields pipesim wrote as torchtitan parsed them.
+# Run in the Python that has torchtitan: its version, then, for each file (stdin: a JSON
+# list of [overrides, fields]), its parser on the overrides, printing the fields pipesim
+# wrote as torchtitan parsed them, or what the parser printed when it refused them.
 PARSER_SCRIPT = """
-import importlib.metadata, json, sys
+import contextlib, importlib.metadata, io, json, sys
 print(json.dumps({"version": importlib.metadata.version("torchtitan")}), flush=True)
 from torchtitan.config.manager import ConfigManager
-config = ConfigManager().parse_args(sys.argv[1:])
-keys = json.loads(sys.stdin.read())
-parsed = {}
-for key in keys:
-    if key == "activation_checkpoint":
-        ac = config.activation_checkpoint
-        parsed[key] = "none" if ac is None else type(ac).__qualname__.split(".")[0]
-    else:
-        section, field = key.split(".", 1)
-        parsed[key] = getattr(getattr(config, section), field)
-print(json.dumps(parsed))
+for overrides, keys in json.loads(sys.stdin.read()):
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            config = ConfigManager().parse_args([*sys.argv[1:], *overrides])
+    except (Exception, SystemExit) as error:
+        print(json.dumps({"refused": said.getvalue() + repr(error)}), flush=True)
+        continue
+    parsed = {}
+    for key in keys:
+        if key == "activation_checkpoint":
+            ac = config.activation_checkpoint
+            parsed[key] = "none" if ac is None else type(ac).__qualname__.split(".")[0]
+        else:
+            section, field = key.split(".", 1)
+            parsed[key] = getattr(getattr(config, section), field)
+    print(json.dumps({"parsed": parsed}), flush=True)
 """
 AC_CLASS = {"none": "none", "selective": "SelectiveAC", "full": "FullAC"}
 
 
-def torchtitan_parse(path: str | Path, python: str = sys.executable, timeout: float = 300) -> str:
-    """Run torchtitan's own config parser (in ``python``) on the overrides in ``path``,
-    loaded onto its llama3 debug config, and compare every field it parsed with what the
-    file says; return a one-line summary, raise ``TorchMismatchError`` on a version pipesim
-    does not support, a key torchtitan rejects, or a value it reads otherwise."""
-    values = read_args(path)
-    argv = [python, "-c", PARSER_SCRIPT, "--module", CHECK_MODULE, "--config", CHECK_CONFIG,
-            *Path(path).read_text().split()]
-    done = subprocess.run(argv, input=json.dumps(list(values)), capture_output=True, text=True, timeout=timeout,
-                          check=False)
-    lines = done.stdout.strip().splitlines()
-    if lines:
-        supported_version(json.loads(lines[0])["version"])
-    if done.returncode or len(lines) < 2:
-        reason = [line.strip(" │╭╮╰╯─") for line in done.stderr.splitlines() if line.strip(" │╭╮╰╯─")]
-        detail = next((line for line in reason if ":" in line and ("nrecognized" in line or "rror" in line)),
-                      reason[-1] if reason else f"exit status {done.returncode}")
-        raise TorchMismatchError(f"{path}: torchtitan's config parser refuses it: {detail}")
-    parsed = json.loads(lines[-1])
-    for key, wrote in values.items():
-        expected = AC_CLASS.get(wrote, wrote) if key == "activation_checkpoint" else wrote
-        if parsed[key] != expected:
-            raise TorchMismatchError(f"{path}: torchtitan reads {key} as {parsed[key]!r}, pipesim wrote {wrote!r}")
-    return f"torchtitan's parser accepts all {len(values)} fields"
+def torchtitan_parse(paths: list[str | Path], python: str = sys.executable, timeout: float = 300) -> list[str]:
+    """Run torchtitan's own config parser (in ``python``, one process for all ``paths``)
+    on the overrides in each file, loaded onto its llama3 debug config, and compare every
+    field it parsed with what the file says; return a one-line summary per file, raise
+    ``TorchMismatchError`` on a version pipesim does not support, a key torchtitan
+    rejects, or a value it reads otherwise."""
+    files = [(Path(path).read_text().split(), read_args(path)) for path in paths]
+    done = subprocess.run([python, "-c", PARSER_SCRIPT, "--module", CHECK_MODULE, "--config", CHECK_CONFIG],
+                          input=json.dumps([[words, list(values)] for words, values in files]),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines or done.returncode or len(lines) != len(paths) + 1:
+        tail = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        raise TorchMismatchError(f"torchtitan's config parser did not run in {python}: {tail[0]}")
+    supported_version(lines[0]["version"])
+    summaries = []
+    for path, (_, values), answer in zip(paths, files, lines[1:], strict=True):
+        if "refused" in answer:
+            said = [line.strip(" │╭╮╰╯─") for line in answer["refused"].splitlines() if line.strip(" │╭╮╰╯─")]
+            detail = next((line for line in said if ":" in line and ("nrecognized" in line or "rror" in line)),
+                          said[-1])
+            raise TorchMismatchError(f"{path}: torchtitan's config parser refuses it: {detail}")
+        for key, wrote in values.items():
+            expected = AC_CLASS.get(wrote, wrote) if key == "activation_checkpoint" else wrote
+            if answer["parsed"][key] != expected:
+                raise TorchMismatchError(f"{path}: torchtitan reads {key} as {answer['parsed'][key]!r}, pipesim "
+                                         f"wrote {wrote!r}")
+        summaries.append(f"torchtitan {lines[0]['version']}'s parser reads all {len(values)} fields as written")
+    return summaries
 
 
 def torchtitan_python_available(python: str) -> bool:
@@ -205,25 +217,31 @@ def install() -> None:
 
 
 def check(argv: list[str]) -> int:
-    """``--check ARGS [--python PATH]``: pipesim's checks, then torchtitan's parser; "ok"
-    only when both ran and agree (exit 0), a line saying torchtitan's parser could not run
-    when torchtitan is not importable (exit 1), one line naming the disagreement (exit 2)."""
-    if len(argv) not in (2, 4) or (len(argv) == 4 and argv[2] != "--python"):
-        print("usage: python -m executor.torchtitan_launch --check torchtitan.args [--python PATH]", file=sys.stderr)
+    """``--check ARGS... [--python PATH]``: pipesim's checks, then torchtitan's parser; an
+    "ok" line per file only when both ran and agree (exit 0), a line saying torchtitan's
+    parser could not run when torchtitan is not importable (exit 1), one line naming the
+    disagreement (exit 2)."""
+    paths, python = argv[1:], sys.executable
+    if "--python" in paths:
+        at = paths.index("--python")
+        paths, python = paths[:at] + paths[at + 2:], (paths[at + 1:at + 2] or [""])[0]
+    if not paths or not python or any(path.startswith("--") for path in paths):
+        print("usage: python -m executor.torchtitan_launch --check torchtitan.args... [--python PATH]",
+              file=sys.stderr)
         return 2
-    python = argv[3] if len(argv) == 4 else sys.executable
     try:
-        summary = check_config(argv[1])
+        summaries = [check_config(path) for path in paths]
         if not torchtitan_python_available(python):
             print(f"cannot check: torchtitan is not importable by {python}, so its parser did not run (pipesim's "
-                  f"own checks pass: {summary}); give --python with torchtitan {SUPPORTED_RELEASE}.x installed",
-                  file=sys.stderr)
+                  f"own checks pass: {'; '.join(summaries)}); give --python with torchtitan {SUPPORTED_RELEASE}.x "
+                  "installed", file=sys.stderr)
             return 1
-        parsed = torchtitan_parse(argv[1], python)
+        parsed = torchtitan_parse(paths, python)
     except (ValueError, OSError, subprocess.TimeoutExpired) as error:
         print(f"torchtitan_launch --check: error: {error}", file=sys.stderr)
         return 2
-    print(f"ok: {summary}; {parsed}")
+    for summary, verdict in zip(summaries, parsed, strict=True):
+        print(f"ok: {summary}; {verdict}")
     return 0
 
 

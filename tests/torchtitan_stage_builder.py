@@ -1,6 +1,7 @@
 """Run in a Python with torchtitan (``tests/test_torchtitan_release.py`` starts it): each
 ``torchtitan.args`` file pipesim wrote, parsed by torchtitan's own config parser, its CSV
-run through torchtitan's placement of the stages, FSDP and schedule builder on gloo
+run through torchtitan's placement of the stages, its activation checkpointing (the
+policy the file asks for, round each stage), FSDP and schedule builder on gloo
 (``executor.torch_pipelining.run_cases``, an MLP of one block per stage, float64, two SGD
 steps), and compared with the one-process reference (``executor.reference``).
 
@@ -46,7 +47,7 @@ def main(paths: list[str]) -> dict[str, dict]:
                         backend="gloo", timeout=30.0)
         configs[path] = run
         jobs.append((run, [TorchCase(path, parallelism.pipeline_parallel_schedule_csv, False, "torchtitan",
-                                     parallelism, batch)]))
+                                     parallelism, batch, config.activation_checkpoint)]))
     world = max(run.pp for run, _ in jobs)
     if any(run.pp != world for run, _ in jobs):
         raise ValueError("every file must have the same pipeline degree (one launch)")
