@@ -197,17 +197,7 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
     else:
         runtime = _PipelineScheduleRuntime(stages, n_microbatches=schedule.microbatches, loss_fn=loss_fn,
                                            scale_grads=case.scale_grads)
-    if case.parallelism is not None:
-        pass
-    elif case.loader == "torchtitan":
-        from executor.torchtitan_launch import install
-
-        install()
-        runtime._load_csv(case.path)
-    elif case.loader == "torch":
-        _TORCH_LOAD_CSV(runtime, case.path, format=torch_format(schedule))
-    else:
-        load_schedule_csv(runtime, case.path)
+        _load(runtime, case, schedule)
     optimizer = build_optimizer(config, [p for module in modules.values() for p in module.parameters()])
     first, last = 0 in modules, num_stages - 1 in modules
     own = slice(position.dp_rank * replica, (position.dp_rank + 1) * replica)
@@ -231,6 +221,19 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
                 loss = loss / position.dp
             losses.append(loss.item())
     return {"losses": losses, "grads": grads}
+
+
+def _load(runtime: _PipelineScheduleRuntime, case: TorchCase, schedule: Schedule) -> None:
+    """Load the case's file into ``runtime`` with the case's loader (``TorchCase``)."""
+    if case.loader == "torchtitan":
+        from executor.torchtitan_launch import install
+
+        install()
+        runtime._load_csv(case.path)
+    elif case.loader == "torch":
+        _TORCH_LOAD_CSV(runtime, case.path, format=torch_format(schedule))
+    else:
+        load_schedule_csv(runtime, case.path)
 
 
 def _torchtitan_schedule(case: TorchCase, stages: list[PipelineStage], loss_fn) -> _PipelineScheduleRuntime:

@@ -82,6 +82,12 @@ def read_args(path: str | Path) -> dict[str, object]:
     return values
 
 
+# why selective checkpointing is refused with a split backward: torchtitan's per-op policy
+# frees what it recomputed after the input half, and the weight half then fails
+SELECTIVE_FAILS = ("torchtitan's selective activation checkpointing fails on an order that splits the backward into "
+                   "I and W (\"Trying to backward an extra time\")")
+
+
 def has_split_backward(schedule) -> bool:
     """Whether the order splits a backward into input (I) and weight (W) halves."""
     return any(action.kind in ("I", "W") for program in schedule.programs for action in program)
@@ -121,8 +127,7 @@ def check_config(path: str | Path) -> str:
         raise TorchMismatchError(f"{path}: torchtitan {SUPPORTED_RELEASE} needs --training.disable_cuda_graphs "
                                  f"with pipeline parallelism (pp = {schedule.pp})")
     if values.get("activation_checkpoint") == "selective" and has_split_backward(schedule):
-        raise TorchMismatchError(f"{path}: selective activation checkpointing fails on {csv_path}'s split "
-                                 "backward (I and W): \"Trying to backward an extra time\"")
+        raise TorchMismatchError(f"{path}: activation_checkpoint:selective with {csv_path}: {SELECTIVE_FAILS}")
     form = "lowered (run it with this module)" if schedule.is_lowered else "compute-only"
     return (f"{csv_path} ({form}, pp={schedule.pp}, {schedule.num_stages} stages, {schedule.microbatches} "
             f"microbatches) matches {path}: {cls.name} places the stages {cls.style}, as the file does")

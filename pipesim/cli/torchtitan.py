@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from executor.torchtitan_launch import AC_SUBCOMMAND, ARGS_FILE, has_split_backward
+from executor.torchtitan_launch import AC_SUBCOMMAND, ARGS_FILE, SELECTIVE_FAILS, has_split_backward
 from schedules.csv_io import schedule_to_csv
 from schedules.schedule import Schedule
 from schedules.torch_compat import TorchClass, stages_per_rank, torch_class_for
@@ -106,16 +106,11 @@ def write_torchtitan(directory: str | Path, schedule: Schedule, layout: Torchtit
 
 
 def check_recompute(schedule: Schedule, recompute: str) -> None:
-    """Refuse the recompute choice torchtitan cannot run with this order: its selective
-    (per-op) checkpointing frees the recomputed tensors after the first of the two
-    backward halves, so the weight half fails ("Trying to backward an extra time")."""
+    """Refuse the recompute choice torchtitan cannot run with this order (``SELECTIVE_FAILS``)."""
     if recompute not in AC_SUBCOMMAND:
         raise ValueError(f"--recompute {recompute}: torchtitan knows {', '.join(AC_SUBCOMMAND)}")
     if recompute == "selective" and has_split_backward(schedule):
-        raise ValueError(
-            f"--recompute selective with {schedule.name}: torchtitan's selective activation checkpointing fails on "
-            f"an order that splits the backward into I and W (\"Trying to backward an extra time\"); use --recompute "
-            f"full or none")
+        raise ValueError(f"--recompute selective with {schedule.name}: {SELECTIVE_FAILS}; use --recompute full or none")
 
 
 def config_fields(schedule: Schedule, layout: TorchtitanLayout, cls: TorchClass, per_stage: int | None,
