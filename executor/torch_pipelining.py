@@ -13,7 +13,10 @@ that can hang torch's runtime (``schedules.torch_runtime``).
 ``run_cases`` runs files through that path on one rank with the executor's models (and,
 with data parallelism, FSDP2's ``fully_shard`` over the replicas, which is what the
 lowered file's ``UNSHARD``/``RESHARD``/``REDUCE_GRAD`` drive), for the numerics tests: the
-loss and gradients of a step in torch's runtime against ``executor.reference``.
+loss and gradients of a step in torch's runtime against ``executor.reference``. A case
+with torchtitan's parsed ``parallelism`` config goes through torchtitan itself: its
+placement of the stages on ranks, FSDP on every stage (as torchtitan wraps them, over a
+one-rank mesh without data parallelism), and its schedule builder, which loads the CSV.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from schedules.validate import validate
 COMPUTE_ONLY, COMPUTE_COMMS = "compute_only", "compute_comms"  # torch's names of the two formats
 # torch's own loader, kept before ``executor.torchtitan_launch`` puts ``load_schedule_csv`` in its place
 _TORCH_LOAD_CSV = _PipelineScheduleRuntime._load_csv
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint wrapper's prefix to parameter names
 
 
 def torch_format(schedule: Schedule) -> str:
@@ -82,12 +86,17 @@ class TorchCase:
     ``loader``: ``"checked"`` (``load_schedule_csv``), ``"torchtitan"`` (as torchtitan
     calls it, ``runtime._load_csv(path)``, under ``executor.torchtitan_launch``) or
     ``"torch"`` (torch's loader without pipesim's checks: it exists so tests can show what
-    the checks prevent)."""
+    the checks prevent). ``parallelism``: torchtitan's parsed ``ParallelismConfig``, for a
+    case built by torchtitan (``loader`` "torchtitan": its placement, FSDP on every stage,
+    ``_build_pipeline_schedule``; ``path`` is then the config's CSV)."""
 
     label: str
     path: str
     scale_grads: bool
     loader: str = "checked"
+    parallelism: object | None = None
+    local_batch_size: int | None = None  # torchtitan's training.local_batch_size, with ``parallelism``
+    activation_checkpoint: object | None = None  # torchtitan's parsed policy config, wrapped round each stage
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,7 @@ class _Position:
     dp: int
     pp_group: dist.ProcessGroup | None
     dp_mesh: DeviceMesh | None
+    unit_mesh: DeviceMesh | None = None  # one rank, for FSDP without replicas (as torchtitan shards)
 
 
 def _positions(jobs: list[tuple[RunConfig, list[TorchCase]]], rank: int, world: int,
@@ -120,7 +130,11 @@ def _positions(jobs: list[tuple[RunConfig, list[TorchCase]]], rank: int, world: 
                                          mesh["pp"].get_group(), mesh["dp"])
         else:
             group = dist.new_group(list(range(config.pp))) if config.pp < world else None
-            positions[shape] = _Position(rank, 0, 1, group, None) if rank < config.pp else None
+            unit = None
+            if config.pp == world and any(case.parallelism is not None for job, cases in jobs
+                                          if (job.pp, job.dp) == shape for case in cases):
+                unit = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp"))["dp"]
+            positions[shape] = _Position(rank, 0, 1, group, None, unit) if rank < config.pp else None
     return positions
 
 
@@ -152,11 +166,21 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
               device: torch.device) -> dict:
     schedule = schedule_from_csv(case.path)
     num_stages = schedule.num_stages
-    modules = {stage: model.build_stage(stage, num_stages).to(device)
-               for stage in schedule.stages_of(position.pp_rank)}
-    if position.dp_mesh is not None:
+    if case.parallelism is not None:
+        from torchtitan.distributed.pipeline_parallel import _get_pp_rank_to_stage_indices_mapping
+
+        placed = _get_pp_rank_to_stage_indices_mapping(position.pp_rank, schedule.pp,
+                                                       case.parallelism.pipeline_parallel_schedule, num_stages)
+    else:
+        placed = schedule.stages_of(position.pp_rank)
+    modules = {stage: model.build_stage(stage, num_stages).to(device) for stage in placed}
+    if case.activation_checkpoint is not None:  # as torchtitan wraps each block, here each stage
+        policy = case.activation_checkpoint.build(dump_folder="")
+        modules = {stage: policy._wrap_block(module) for stage, module in modules.items()}
+    shard_mesh = position.dp_mesh or (position.unit_mesh if case.parallelism is not None else None)
+    if shard_mesh is not None:
         for module in modules.values():
-            fully_shard(module, mesh=position.dp_mesh)
+            fully_shard(module, mesh=shard_mesh)
     stages = [PipelineStage(module, stage, num_stages, device, group=position.pp_group)
               for stage, module in modules.items()]
     replica = config.batch_size // position.dp
@@ -165,17 +189,15 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return model.loss_sum(output, target) / (divisor or output.shape[0])
 
-    runtime = _PipelineScheduleRuntime(stages, n_microbatches=schedule.microbatches, loss_fn=loss_fn,
-                                       scale_grads=case.scale_grads)
-    if case.loader == "torchtitan":
-        from executor.torchtitan_launch import install
-
-        install()
-        runtime._load_csv(case.path)
-    elif case.loader == "torch":
-        _TORCH_LOAD_CSV(runtime, case.path, format=torch_format(schedule))
+    if case.parallelism is not None:
+        if case.local_batch_size * position.dp != config.batch_size:
+            raise TorchMismatchError(f"{case.label}: torchtitan's local_batch_size {case.local_batch_size} x dp "
+                                     f"{position.dp} is not the run's batch of {config.batch_size}")
+        runtime = _torchtitan_schedule(case, stages, loss_fn)  # its builder loads the CSV
     else:
-        load_schedule_csv(runtime, case.path)
+        runtime = _PipelineScheduleRuntime(stages, n_microbatches=schedule.microbatches, loss_fn=loss_fn,
+                                           scale_grads=case.scale_grads)
+        _load(runtime, case, schedule)
     optimizer = build_optimizer(config, [p for module in modules.values() for p in module.parameters()])
     first, last = 0 in modules, num_stages - 1 in modules
     own = slice(position.dp_rank * replica, (position.dp_rank + 1) * replica)
@@ -187,7 +209,7 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
         extra = {"target": targets, "losses": microbatch_losses} if last else {}
         runtime.step(*args, **extra)
         if step == 0:
-            grads = {f"{stage}.{name}": _full(parameter.grad)
+            grads = {f"{stage}.{name.replace(CHECKPOINT_PREFIX, '')}": _full(parameter.grad)
                      for stage, module in modules.items() for name, parameter in module.named_parameters()}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -199,6 +221,37 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
                 loss = loss / position.dp
             losses.append(loss.item())
     return {"losses": losses, "grads": grads}
+
+
+def _load(runtime: _PipelineScheduleRuntime, case: TorchCase, schedule: Schedule) -> None:
+    """Load the case's file into ``runtime`` with the case's loader (``TorchCase``)."""
+    if case.loader == "torchtitan":
+        from executor.torchtitan_launch import install
+
+        install()
+        runtime._load_csv(case.path)
+    elif case.loader == "torch":
+        _TORCH_LOAD_CSV(runtime, case.path, format=torch_format(schedule))
+    else:
+        load_schedule_csv(runtime, case.path)
+
+
+def _torchtitan_schedule(case: TorchCase, stages: list[PipelineStage], loss_fn) -> _PipelineScheduleRuntime:
+    """The schedule torchtitan builds for ``stages`` from its parsed config: its
+    ``_build_pipeline_schedule`` (``scale_grads=False``, the microbatch count from
+    ``local_batch_size / pipeline_parallel_microbatch_size``, the CSV loaded by
+    ``_load_csv(path)``, through pipesim's loader when ``executor.torchtitan_launch`` has
+    installed it, i.e. for a lowered file)."""
+    from torchtitan.distributed.pipeline_parallel import _build_pipeline_schedule
+
+    if schedule_from_csv(case.path).is_lowered:
+        from executor.torchtitan_launch import install
+
+        install()
+    else:  # a compute-only file as torchtitan loads it without pipesim's launcher
+        _PipelineScheduleRuntime._load_csv = _TORCH_LOAD_CSV
+    return _build_pipeline_schedule(parallelism=case.parallelism, local_batch_size=case.local_batch_size, stages=stages,
+                                    loss_fn=lambda *args, **kwargs: (loss_fn(*args, **kwargs), None))
 
 
 def _full(grad: torch.Tensor) -> torch.Tensor:

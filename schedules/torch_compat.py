@@ -154,8 +154,7 @@ def check_torch_stages(schedule: Schedule, rank: int, stage_indices: Sequence[in
     if schedule.microbatches != microbatches:
         raise TorchMismatchError(
             f"{label} runs {schedule.microbatches} microbatches but torch's schedule was built for {microbatches} "
-            f"(n_microbatches; in torchtitan local_batch_size / pipeline_parallel_microbatch_size, or "
-            f"num_pp_microbatches)")
+            f"(n_microbatches; in torchtitan local_batch_size / pipeline_parallel_microbatch_size)")
 
 
 def check_reduce_grad(schedule: Schedule, label: str = "the file") -> None:

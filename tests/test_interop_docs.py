@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from executor.torchtitan_launch import check_config
 from schedules.csv_io import schedule_from_csv
 from schedules.generators import COST_AWARE, generate
 from schedules.generators.adaptive import ADAPTABLE
@@ -35,9 +36,10 @@ def test_the_recipe_runs_as_written(tmp_path):
                               capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, f"{DOC.name} bash block {index + 1} failed:\n{block}\n{done.stderr}"
         output.append(done.stdout)
-    assert any(line.startswith("ok: ") for text in output for line in text.splitlines())
-    for name in ("schedule.csv", "schedule-lowered.csv", "torchtitan.toml", "torchtitan.args"):
+    for name in ("schedule.csv", "schedule-lowered.csv", "torchtitan.args"):
         assert (tmp_path / "titan" / name).stat().st_size > 0, name
+    # pipesim's half of --check (torchtitan's parser runs in tests/test_torchtitan_release.py)
+    assert "matches" in check_config(tmp_path / "titan" / "torchtitan.args")
     best = json.loads((tmp_path / "plan.json").read_text())["ranked"][0]
     # a cost-driven order (zb-auto; zb-h1 and zb-h2 adapted to the costs) has no size-only generator to compare with
     if best["schedule"] not in COST_AWARE | ADAPTABLE:

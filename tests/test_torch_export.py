@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
-import tomllib
 
 from benchmarks.torch_orders import StandInStage
 from pipesim.cli import main
@@ -25,7 +25,7 @@ torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping  # noqa: E402 - after the skip
 
 from executor.torch_pipelining import load_schedule_csv  # noqa: E402
-from executor.torchtitan_launch import check_config, checked_load_csv  # noqa: E402
+from executor.torchtitan_launch import check_config, checked_load_csv, read_args, supported_version  # noqa: E402
 from executor.torchtitan_launch import main as launch_main  # noqa: E402
 
 
@@ -135,28 +135,27 @@ def test_torchtitan_builds_the_stages_where_the_csv_puts_them(tmp_path, name, ch
     extra = ["--layers", layers] if layers else []
     assert run("export", "--schedule", name, "--pp", pp, "-m", microbatches, *(["-v", chunks] if chunks > 1 else []),
                "--microbatch-size", 2, "--dp", 2, "--tp", 2, *extra, "--torchtitan", folder) == 0
-    config = tomllib.loads((folder / "torchtitan.toml").read_text())
-    parallelism, training = config["parallelism"], config["training"]
+    values = read_args(folder / "torchtitan.args")
+    parallelism = {key.split(".", 1)[1]: value for key, value in values.items() if key.startswith("parallelism.")}
     assert parallelism["pipeline_parallel_degree"] == pp
     assert parallelism["pipeline_parallel_schedule_csv"] == str((folder / "schedule.csv").resolve())
     assert (parallelism["data_parallel_replicate_degree"], parallelism["data_parallel_shard_degree"],
             parallelism["tensor_parallel_degree"]) == (2, 1, 2)
     num_stages = torchtitan_num_stages(parallelism, pp, layers)
     assert num_stages == pp * chunks
-    count = training["local_batch_size"] // parallelism["pipeline_parallel_microbatch_size"]
-    assert count == microbatches and training["local_batch_size"] % 2 == 0
+    count = values["training.local_batch_size"] // parallelism["pipeline_parallel_microbatch_size"]
+    assert count == microbatches and values["training.local_batch_size"] == 2 * microbatches
     for rank in range(pp):  # torch's loader, given the stages torchtitan builds, accepts the file
         stages = torchtitan_stage_indices(parallelism["pipeline_parallel_schedule"], pp, num_stages, rank)
         runtime = bare_runtime(pp, num_stages, count, stages, rank)
         load_schedule_csv(runtime, parallelism["pipeline_parallel_schedule_csv"])
         assert [runtime.stage_index_to_group_rank[stage] for stage in stages] == [rank] * len(stages)
-    assert check_config(folder / "torchtitan.toml").startswith("ok: ")
-    args = (folder / "torchtitan.args").read_text().split()
-    overrides = dict(zip(args[::2], args[1::2], strict=True))
-    for key, value in parallelism.items():  # all but the two fields the later releases dropped
-        if key not in ("pipeline_parallel_microbatch_size", "pipeline_parallel_expert_parallel_overlap"):
-            assert overrides[f"--parallelism.{key}"] == str(value)
-    assert overrides["--parallelism.num_pp_microbatches"] == str(microbatches)
+    assert "matches" in check_config(folder / "torchtitan.args")
+    # what torchtitan 0.3 needs for pp > 1, the plan's choices as its knobs, and nothing 0.3 rejects
+    assert values["training.disable_cuda_graphs"] is True and values["activation_checkpoint"] == "none"
+    assert values["parallelism.enable_sequence_parallel"] is False
+    assert not {"parallelism.num_pp_microbatches", "training.num_tokens_per_microbatch_per_dp_rank"} & set(values)
+    assert (folder / "torchtitan.args").read_text().split()[-1] == "activation_checkpoint:none"  # last: a subcommand
 
 
 def test_torchtitan_files_hold_both_orders(tmp_path):
@@ -167,10 +166,46 @@ def test_torchtitan_files_hold_both_orders(tmp_path):
     assert not compute.is_lowered and lowered.is_lowered
     assert compute.programs == lowered.compute_only().programs == generate("dualpipev", 2, 4, 2).programs
     assert "UNSHARD" in (folder / "schedule-lowered.csv").read_text()  # dp 2 sharded with FSDP
-    config = tomllib.loads((folder / "torchtitan.toml").read_text())["parallelism"]
-    assert config["pipeline_parallel_schedule"] == "DualPipeV"
-    assert config["pipeline_parallel_expert_parallel_overlap"] is False
-    assert (config["data_parallel_replicate_degree"], config["data_parallel_shard_degree"]) == (1, 2)
+    config = read_args(folder / "torchtitan.args")
+    assert config["parallelism.pipeline_parallel_schedule"] == "DualPipeV"
+    assert not any("overlap" in key for key in config)  # 0.2.x's expert-overlap key: 0.3 has none
+    assert (config["parallelism.data_parallel_replicate_degree"], config["parallelism.data_parallel_shard_degree"]) \
+        == (1, 2)
+
+
+@pytest.mark.parametrize("dp", [1, 2], ids=["dp1", "ddp2"])
+def test_the_lowered_file_unshards_every_stage_as_torchtitan_wraps_them_in_fsdp(tmp_path, dp):
+    """torchtitan wraps every stage in FSDP, with one replica and with DDP too: a lowered
+    file without UNSHARD fails there ("Attempted to compute on sharded stage_idx=0")."""
+    folder = tmp_path / "titan"
+    assert run("export", "--schedule", "1f1b", "--pp", 2, "-m", 4, "--dp", dp, "--torchtitan", folder) == 0
+    rows = (folder / "schedule-lowered.csv").read_text().splitlines()
+    for rank, row in enumerate(rows):
+        cells = row.split(",")
+        assert cells.index(f"{rank}UNSHARD") < cells.index(f"{rank}F0") and cells[-1] == f"{rank}RESHARD"
+
+
+@pytest.mark.parametrize(("argv", "written"), [
+    (["--schedule", "1f1b", "--recompute", "full"], "activation_checkpoint:full"),
+    (["--schedule", "1f1b", "--recompute", "selective"], "activation_checkpoint:selective"),
+    (["--schedule", "zbv", "--recompute", "full"], "activation_checkpoint:full"),
+    (["--schedule", "zb-h1", "--recompute", "none"], "activation_checkpoint:none"),
+])
+def test_recompute_and_sequence_parallel_are_written_as_torchtitans_knobs(tmp_path, argv, written):
+    folder = tmp_path / "titan"
+    assert run("export", *argv, "--pp", 2, "-m", 4, "--tp", 2, "--sequence-parallel", "--torchtitan", folder) == 0
+    words = (folder / "torchtitan.args").read_text().split()
+    assert words[-1] == written and "--parallelism.enable_sequence_parallel" in words
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zbv", "interleaved-zb"])
+def test_selective_recompute_with_a_split_backward_is_refused(tmp_path, capsys, name):
+    """torchtitan's selective checkpointing fails on I then W ("Trying to backward an extra time")."""
+    assert run("export", "--schedule", name, "--pp", 2, "-m", 4, *(["-v", 2] if name in MULTI_CHUNK else []),
+               "--recompute", "selective", "--torchtitan", tmp_path / "titan") == 2
+    line = error_line(capsys)
+    assert f"--recompute selective with {name}" in line and "Trying to backward an extra time" in line
+    assert not (tmp_path / "titan").exists()
 
 
 @pytest.mark.parametrize(("name", "chunks", "torch_class", "theirs", "ours"), [
@@ -196,7 +231,8 @@ def test_more_than_two_chunks_need_the_layers(tmp_path, capsys):
 
 def plan_file(tmp_path, **fields) -> str:
     row = {"schedule": "zbv", "pp": 2, "tp": 1, "dp": 2, "virtual_stages": 2, "microbatch_size": 1,
-           "microbatches": 4, "recompute": "none", "zero": 0, "layout": "zbv v2 pp2 tp1 dp2 mbs1 m4", **fields}
+           "microbatches": 4, "recompute": "none", "zero": 0, "sequence_parallel": False,
+           "layout": "zbv v2 pp2 tp1 dp2 mbs1 m4", **fields}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"ranked": [row], "considered": 1}))
     return str(path)
@@ -209,7 +245,7 @@ def test_from_plan_writes_what_the_explicit_flags_write(tmp_path):
                "--torchtitan", tmp_path / "b") == 0
     for name in ("schedule.csv", "schedule-lowered.csv"):
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
-    text = {folder: (tmp_path / folder / "torchtitan.toml").read_text().replace(str(tmp_path / folder), "X")
+    text = {folder: (tmp_path / folder / "torchtitan.args").read_text().replace(str(tmp_path / folder), "X")
             for folder in "ab"}
     assert text["a"] == text["b"]
 
@@ -235,22 +271,45 @@ def test_from_plan_refuses_a_file_that_is_not_a_plan(tmp_path, capsys):
 def test_config_check_names_the_field_that_disagrees(tmp_path, capsys):
     folder = tmp_path / "titan"
     assert run("export", "--schedule", "zbv", "--pp", 4, "-m", 8, "--torchtitan", folder) == 0
-    path = folder / "torchtitan.toml"
+    path = folder / "torchtitan.args"
     capsys.readouterr()
-    assert launch_main(["--check", str(path)]) == 0
-    assert capsys.readouterr().out.startswith("ok: ")
+    assert "matches" in check_config(path)
     good = path.read_text()
     for old, new, expected in [
-        ('"ZBVZeroBubble"', '"Interleaved1F1B"', "Interleaved1F1B builds stages looped"),
-        ("local_batch_size = 8", "local_batch_size = 4", "local_batch_size 4 / pipeline_parallel_microbatch_size 1 = "
-                                                         "4 microbatches"),
-        ("pipeline_parallel_degree = 4", "pipeline_parallel_degree = 2", "pipeline_parallel_degree = 2"),
+        ("ZBVZeroBubble", "Interleaved1F1B", "Interleaved1F1B builds stages looped"),
+        ("local_batch_size 8", "local_batch_size 4", "local_batch_size 4 / pipeline_parallel_microbatch_size 1 = "
+                                                     "4 microbatches"),
+        ("pipeline_parallel_degree 4", "pipeline_parallel_degree 2", "pipeline_parallel_degree = 2"),
+        (" --training.disable_cuda_graphs", "", "needs --training.disable_cuda_graphs with pipeline parallelism"),
+        ("activation_checkpoint:none", "activation_checkpoint:selective", "activation_checkpoint:selective with "),
     ]:
         path.write_text(good.replace(old, new))
         with pytest.raises(TorchMismatchError, match=expected.replace("(", r"\(")):
             check_config(path)
         assert launch_main(["--check", str(path)]) == 2
         assert expected in error_line(capsys)
+
+
+def test_check_without_torchtitan_never_says_ok(tmp_path, capsys):
+    """Where torchtitan's parser cannot run, --check says so (exit 1) and never "ok"."""
+    folder = tmp_path / "titan"
+    assert run("export", "--schedule", "1f1b", "--pp", 2, "-m", 4, "--torchtitan", folder) == 0
+    capsys.readouterr()
+    no_torchtitan = tmp_path / "python"
+    no_torchtitan.write_text(f"#!/bin/sh\nexec {sys.executable} -S -I \"$@\"\n")
+    no_torchtitan.chmod(0o755)
+    assert launch_main(["--check", str(folder / "torchtitan.args"), "--python", str(no_torchtitan)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("cannot check: torchtitan is not importable")
+
+
+@pytest.mark.parametrize("version", ["0.2.1", "0.4.0", "1.0"])
+def test_other_torchtitan_releases_are_refused(version):
+    with pytest.raises(TorchMismatchError, match=f"torchtitan {version} is not supported: pipesim writes the config "
+                       "of torchtitan 0.3.x"):
+        supported_version(version)
+    supported_version("0.3.0")
+    supported_version("0.3.1+git1234")
 
 
 # --- refused before torch's loader runs ---------------------------------------------------

@@ -59,12 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "replicates them (DDP, data_parallel_replicate_degree)")
     output.add_argument("--torchtitan", metavar="DIR",
                         help="write DIR/schedule.csv (compute-only, what torchtitan loads), "
-                        "DIR/schedule-lowered.csv, DIR/torchtitan.toml (merge into the job's TOML, torchtitan <= "
-                        "0.2.x) and DIR/torchtitan.args (the same as command-line overrides) (default: none)")
+                        "DIR/schedule-lowered.csv and DIR/torchtitan.args (torchtitan 0.3's command-line overrides, "
+                        "to append last) (default: none)")
     output.add_argument("--from-plan", metavar="PLAN.json",
                         help="take the layout (schedule, pp, tp, dp, virtual stages, microbatch size and count, "
-                        "recompute, zero) from a `pipesim plan --json` file; give the plan's --model, --topology, "
-                        "--nodes and --seq-len too, so the order is the one it simulated (default: none)")
+                        "recompute, zero, sequence parallelism) from a `pipesim plan --json` file; give the plan's "
+                        "--model, --topology, --nodes and --seq-len too, so the order is the one it simulated "
+                        "(default: none)")
     output.add_argument("--plan-rank", type=int, default=1,
                         help="which of the plan's ranked layouts --from-plan takes, 1 = the best (default: 1)")
     output.add_argument("--torch-class", metavar="NAME",
@@ -146,7 +147,8 @@ PLAN_FIELDS = {"schedule": ("--schedule", "schedule", None), "pp": ("--pp", "pp"
                "microbatches": ("--microbatches", "microbatches", None),
                "virtual_stages": ("--virtual-stages", "virtual_stages", None), "tp": ("--tp", "tp", 1),
                "dp": ("--dp", "dp", 1), "microbatch_size": ("--microbatch-size", "microbatch_size", None),
-               "recompute": ("--recompute", "recompute", "none"), "zero": ("--zero", "zero", 0)}
+               "recompute": ("--recompute", "recompute", "none"), "zero": ("--zero", "zero", 0),
+               "sequence_parallel": ("--sequence-parallel", "sequence_parallel", False)}
 
 
 def apply_plan_layout(args: argparse.Namespace) -> None:
@@ -199,4 +201,6 @@ def layout_from_args(args: argparse.Namespace):
         layers, seq_len, microbatch_size = spec.layers, spec.seq_len, spec.microbatch_size
     return TorchtitanLayout(dp=getattr(args, "dp", 1), tp=getattr(args, "tp", 1), fsdp=getattr(args, "fsdp", False),
                             microbatch_size=microbatch_size, layers=layers, seq_len=seq_len,
-                            torch_class=getattr(args, "torch_class", None), ep=getattr(args, "ep", 1))
+                            torch_class=getattr(args, "torch_class", None), ep=getattr(args, "ep", 1),
+                            cp=getattr(args, "cp", 1), sequence_parallel=getattr(args, "sequence_parallel", False),
+                            recompute=getattr(args, "recompute", "none"))

@@ -279,5 +279,6 @@ def _write_torchtitan(args: argparse.Namespace, best: dict, evaluator) -> None:
     spec = model_spec_of(evaluator.layout_job(layout))
     written = write_torchtitan(args.torchtitan, evaluator.schedule_of(layout), TorchtitanLayout(
         dp=layout.dp, tp=layout.tp, fsdp=args.fsdp, microbatch_size=layout.microbatch_size, layers=spec.layers,
-        seq_len=spec.seq_len, ep=layout.ep, cp=layout.cp))
+        seq_len=spec.seq_len, ep=layout.ep, cp=layout.cp, sequence_parallel=layout.sequence_parallel,
+        recompute=layout.recompute))
     print(f"wrote {', '.join(str(path) for path in written)}: {best['layout']}")
