@@ -69,6 +69,7 @@ class RunConfig:
     pp: int = 2
     dp: int = 1
     tp: int = 1
+    ep: int = 1
     sequence_parallel: bool = False
     dp_bucket_mb: float = 25.0
     microbatches: int = 4
@@ -157,7 +158,7 @@ class RunConfig:
     def check(self) -> None:
         """Raise ``ConfigError`` naming the flag when a value cannot work."""
         check_rank_values(self)
-        for flag, value in (("--pp", self.pp), ("--dp", self.dp), ("--tp", self.tp),
+        for flag, value in (("--pp", self.pp), ("--dp", self.dp), ("--tp", self.tp), ("--ep", self.ep),
                             ("--microbatches", self.microbatches),
                             ("--virtual-stages", self.virtual_stages), ("--layers", self.layers),
                             ("--hidden", self.hidden), ("--batch-size", self.batch_size),
@@ -185,6 +186,7 @@ class RunConfig:
         if self.dp_bucket_mb <= 0:
             raise ConfigError(f"--dp-bucket-mb must be positive, got {self.dp_bucket_mb}")
         check_tensor_parallel(self)
+        check_expert_parallel(self)
         if self.timeout <= 0:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if self.model == "gpt" and self.hidden % self.heads:
@@ -270,6 +272,27 @@ def check_tensor_parallel(config: RunConfig) -> None:
         raise ConfigError(f"--tp {config.tp} must divide --hidden {config.hidden}")
     if config.sequence_parallel and config.seq_len % config.tp:
         raise ConfigError(f"--sequence-parallel: --tp {config.tp} must divide --seq-len {config.seq_len}")
+
+
+def check_expert_parallel(config: RunConfig) -> None:
+    """Expert parallelism splits the routed experts of an MoE architecture over ep groups
+    cut from the dp ranks (``executor.expert_parallel``): ep must divide dp and the
+    experts."""
+    if config.ep == 1:
+        return
+    from executor.architecture import full_spec, is_architecture, shrunk_spec  # noqa: PLC0415 - it imports this module
+
+    if not is_architecture(config.model) or full_spec(config.model).moe is None:
+        raise ConfigError(f"--ep {config.ep} splits the experts of a mixture-of-experts model; use e.g. --model "
+                          f"mixtral-8x7b (got --model {config.model})")
+    if config.dp % config.ep:
+        raise ConfigError(f"--ep {config.ep} must divide --dp {config.dp} (expert-parallel groups are cut from the "
+                          f"dp ranks)")
+    experts = shrunk_spec(config).moe.experts
+    if experts % config.ep:
+        raise ConfigError(f"--ep {config.ep} must divide the {experts} experts (set by --experts)")
+    if config.tp > 1:
+        raise ConfigError(f"--ep {config.ep} with --tp {config.tp} is not run by the executor; use --tp 1")
 
 
 def build_schedule(config: RunConfig) -> Schedule:

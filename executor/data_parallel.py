@@ -32,6 +32,7 @@ all-reduce and the average is written back into the float32 gradients.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -59,12 +60,14 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def bucket_parameters(module: nn.Module, bucket_bytes: float) -> list[list[nn.Parameter]]:
+def bucket_parameters(module: nn.Module, bucket_bytes: float,
+                      keep: Callable[[nn.Parameter], bool] | None = None) -> list[list[nn.Parameter]]:
     """Parameters in reverse order (the order backward produces their gradients),
-    packed into buckets of at most ``bucket_bytes`` (a larger parameter gets its own)."""
+    packed into buckets of at most ``bucket_bytes`` (a larger parameter gets its own);
+    only those ``keep`` accepts, when given."""
     buckets: list[list[nn.Parameter]] = []
     size = 0.0
-    for param in reversed([p for p in module.parameters() if p.requires_grad]):
+    for param in reversed([p for p in module.parameters() if p.requires_grad and (keep is None or keep(p))]):
         nbytes = local_tensor(param.detach()).numel() * param.element_size()
         if not buckets or size + nbytes > bucket_bytes:
             buckets.append([])
@@ -80,12 +83,14 @@ class GradientAverager:
 
     def __init__(self, stages: dict[int, nn.Module], program: tuple[Action, ...], group: dist.ProcessGroup,
                  replicas: int, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None, keep: Callable[[nn.Parameter], bool] | None = None) -> None:
+        # ``keep``: the parameters this averager reduces (expert parallelism reduces the
+        # experts' over another group, executor.expert_parallel); None: all of them.
         self.group = group
         self.replicas = replicas
         self.reduce_dtype = reduce_dtype  # None: the gradients' own type
         self.last_backward = {action.stage: action for action in program if action.kind in WEIGHT_GRAD_DONE_KINDS}
-        self.buckets = {stage: bucket_parameters(module, bucket_bytes) for stage, module in stages.items()}
+        self.buckets = {stage: bucket_parameters(module, bucket_bytes, keep) for stage, module in stages.items()}
         self.in_flight: list[BucketReduction] = []
 
     def after_action(self, action: Action) -> None:

@@ -99,13 +99,26 @@ class RankRun:
             for stage in self.stages.values():
                 parallelize_stage(stage, self.mesh.submesh("tp"), config.sequence_parallel)
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
+        expert_groups = None
+        if config.ep > 1:
+            from executor.expert_parallel import ExpertGroups, shard_experts  # noqa: PLC0415 - MoE only
+
+            expert_groups = ExpertGroups.build(rank, position, config.ep, config.timeout)
+            for stage in self.stages.values():
+                shard_experts(stage, expert_groups)
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
         # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
         self.optimizer = build_optimizer(config, params, foreach=False if config.tp > 1 else None)
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
         self.averager = None
-        if config.dp > 1:
+        if expert_groups is not None:
+            from executor.expert_parallel import ExpertAwareAverager  # noqa: PLC0415 - MoE only
+
+            self.averager = ExpertAwareAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
+                                                expert_groups, config.dp, config.dp_bucket_mb * 2**20,
+                                                getattr(torch, config.reduce_dtype))
+        elif config.dp > 1:
             self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
                                              config.dp, config.dp_bucket_mb * 2**20,
                                              reduce_dtype=getattr(torch, config.reduce_dtype))
@@ -209,7 +222,7 @@ class RankRun:
         rank: its gradients of the first step, when the config asked for them."""
         schedule, events = self.schedule, self.events
         config = self.config
-        shape = {"dp": config.dp, "tp": config.tp, "global_batch_size": config.batch_size,
+        shape = {"dp": config.dp, "tp": config.tp, "ep": config.ep, "global_batch_size": config.batch_size,
                  "replica_batch_size": config.replica_batch_size}
         meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,
                 "microbatches": schedule.microbatches, "source": "measured", "backend": self.backend,
