@@ -70,6 +70,8 @@ class RunConfig:
     dp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
+    cp_comm: str = "all-gather"
     sequence_parallel: bool = False
     dp_bucket_mb: float = 25.0
     microbatches: int = 4
@@ -113,8 +115,8 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes the run needs: one per (dp, pp, tp) position."""
-        return self.dp * self.pp * self.tp
+        """Processes the run needs: one per (dp, pp, tp, cp) position."""
+        return self.dp * self.pp * self.tp * self.cp
 
     @property
     def replica_batch_size(self) -> int:
@@ -159,7 +161,7 @@ class RunConfig:
         """Raise ``ConfigError`` naming the flag when a value cannot work."""
         check_rank_values(self)
         for flag, value in (("--pp", self.pp), ("--dp", self.dp), ("--tp", self.tp), ("--ep", self.ep),
-                            ("--microbatches", self.microbatches),
+                            ("--cp", self.cp), ("--microbatches", self.microbatches),
                             ("--virtual-stages", self.virtual_stages), ("--layers", self.layers),
                             ("--hidden", self.hidden), ("--batch-size", self.batch_size),
                             ("--steps", self.steps), ("--threads", self.threads)):
@@ -187,6 +189,7 @@ class RunConfig:
             raise ConfigError(f"--dp-bucket-mb must be positive, got {self.dp_bucket_mb}")
         check_tensor_parallel(self)
         check_expert_parallel(self)
+        check_context_parallel(self)
         if self.timeout <= 0:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if self.model == "gpt" and self.hidden % self.heads:
@@ -295,6 +298,35 @@ def check_expert_parallel(config: RunConfig) -> None:
         raise ConfigError(f"--ep {config.ep} with --tp {config.tp} is not run by the executor; use --tp 1")
 
 
+def check_context_parallel(config: RunConfig) -> None:
+    """Context parallelism splits each sequence of an architecture with rotary attention
+    into ``2 cp`` chunks (``executor.context_parallel``)."""
+    if config.cp == 1:
+        return
+    if config.cp_comm != "all-gather":
+        raise ConfigError(f"--cp-comm {config.cp_comm} (ring attention) is simulated only; the executor runs "
+                          f"--cp-comm all-gather")
+    from executor.architecture import full_spec, is_architecture  # noqa: PLC0415 - it imports this module
+
+    if not is_architecture(config.model):
+        raise ConfigError(f"--cp {config.cp} splits the sequences of an architecture with rotary attention; use e.g. "
+                          f"--model llama3-8b (got --model {config.model})")
+    spec = full_spec(config.model)
+    if spec.mla is not None or spec.learned_positions:
+        what = "latent attention" if spec.mla is not None else "learned positions"
+        raise ConfigError(f"--cp {config.cp}: {config.model} has {what}, which the executor does not split over cp; "
+                          f"use an architecture with rotary grouped-query attention (e.g. llama3-8b)")
+    if config.seq_len % (2 * config.cp):
+        raise ConfigError(f"--cp {config.cp} cuts each sequence into {2 * config.cp} equal chunks: --seq-len "
+                          f"{config.seq_len} must be a multiple of {2 * config.cp}")
+    for flag, value in (("--tp", config.tp), ("--ep", config.ep)):
+        if value > 1:
+            raise ConfigError(f"--cp {config.cp} with {flag} {value} is not run by the executor; use {flag} 1")
+    if config.capacity_factor is not None:
+        raise ConfigError(f"--cp {config.cp} with --capacity-factor: capacity counts a whole sequence's tokens, "
+                          f"which no cp rank holds; run dropless (no --capacity-factor)")
+
+
 def build_schedule(config: RunConfig) -> Schedule:
     """The lowered schedule named by the config: the exact programs that will run."""
     if config.custom_schedule is not None:
@@ -365,7 +397,7 @@ def check_schedule_and_failure(config: RunConfig) -> None:
             f"--inject-failure {config.inject_failure!r}: rank {rank} does not exist; "
             f"the run has ranks 0 to {config.world_size - 1}"
         )
-    pipeline_rank = rank // (config.dp * config.tp)  # tp innermost, then dp, then pp (executor.mesh)
+    pipeline_rank = rank // (config.dp * config.cp * config.tp)  # tp innermost, then cp, dp, pp (executor.mesh)
     program = [str(step) for step in schedule.programs[pipeline_rank]]
     if action not in program:
         raise ConfigError(

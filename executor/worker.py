@@ -19,6 +19,7 @@ import torch.distributed as dist
 from executor.clock import CpuClock, clock_for
 from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
+from executor.context_parallel import local_shape
 from executor.data_parallel import GradientAverager
 from executor.gather import dp_event, gather_events, tp_event
 from executor.mesh import build_mesh
@@ -81,7 +82,8 @@ class RankRun:
                  device: torch.device, progress: ProgressWriter | None) -> None:
         schedule = build_schedule(config)
         try:
-            self.mesh = build_mesh(rank, world, config.dp, schedule.pp, config.tp, device.type, config.timeout)
+            self.mesh = build_mesh(rank, world, config.dp, schedule.pp, config.tp, device.type, config.timeout,
+                                   config.cp)
         except ValueError as error:
             raise RankFailedError(str(error)) from None
         position = self.mesh.position
@@ -99,6 +101,13 @@ class RankRun:
             for stage in self.stages.values():
                 parallelize_stage(stage, self.mesh.submesh("tp"), config.sequence_parallel)
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
+        self.context = None
+        if config.cp > 1:
+            from executor.context_parallel import ContextShard, shard_context  # noqa: PLC0415 - cp only
+
+            self.context = ContextShard(self.mesh.group("cp"), config.cp, position.cp_index, config.seq_len)
+            for stage in self.stages.values():
+                shard_context(stage, self.context)
         expert_groups = None
         if config.ep > 1:
             from executor.expert_parallel import ExpertGroups, shard_experts  # noqa: PLC0415 - MoE only
@@ -118,6 +127,13 @@ class RankRun:
             self.averager = ExpertAwareAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
                                                 expert_groups, config.dp, config.dp_bucket_mb * 2**20,
                                                 getattr(torch, config.reduce_dtype))
+        elif config.cp > 1:  # the cp ranks' gradients summed, the replicas' averaged (executor.context_parallel)
+            from executor.context_parallel import dp_cp_group  # noqa: PLC0415 - cp only
+
+            self.averager = GradientAverager(self.stages, schedule.programs[pp_rank],
+                                             dp_cp_group(rank, position, config.timeout), config.dp,
+                                             config.dp_bucket_mb * 2**20,
+                                             reduce_dtype=getattr(torch, config.reduce_dtype))
         elif config.dp > 1:
             self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
                                              config.dp, config.dp_bucket_mb * 2**20,
@@ -127,8 +143,9 @@ class RankRun:
         # Pipeline peers are the processes at the same (dp, tp) position of the mesh.
         placement = tuple(position.global_rank(pipeline_rank) for pipeline_rank in schedule.placement)
         rendezvous = config.p2p_semantics(backend) == "rendezvous"
+        cp = config.cp  # a cp rank sends its share of the sequence
         self.links = PeerLinks(placement, config.microbatches, device, getattr(torch, config.dtype),
-                               lambda microbatch: model.boundary_shape(sizes[microbatch]),
+                               lambda microbatch: local_shape(model.boundary_shape(sizes[microbatch]), cp),
                                handshake=rendezvous and backend != "nccl", rank=rank)
         self.runtime = PipelineRuntime(pp_rank, schedule, self.stages, model, self.links, self.clock,
                                        batch, action_hook(config, rank, progress), progress=progress,
@@ -148,6 +165,8 @@ class RankRun:
         replica = self.mesh.position.dp_index  # this replica's slice of the global batch
         inputs = torch.tensor_split(inputs, config.dp)[replica]
         targets = torch.tensor_split(targets, config.dp)[replica]
+        if self.context is not None:  # this cp rank's chunks of every sequence
+            inputs, targets = self.context.local(inputs), self.context.local(targets)
         inputs = list(torch.tensor_split(inputs.to(device), config.microbatches))
         targets = list(torch.tensor_split(targets.to(device), config.microbatches))
         self.optimizer.zero_grad(set_to_none=True)
@@ -179,7 +198,8 @@ class RankRun:
             self.optimizer.step()
         self.scaler.update(overflow)
         if self.world > 1:
-            # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank.
+            # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank
+            # (a cp rank holds its tokens' part of its replica's loss: summed, not averaged).
             self.wait_for("in the loss all-reduce", lambda: dist.all_reduce(loss))
             loss /= config.dp * config.tp
         self.losses.append(self.wait_for("in the loss all-reduce", loss.item))
@@ -222,7 +242,8 @@ class RankRun:
         rank: its gradients of the first step, when the config asked for them."""
         schedule, events = self.schedule, self.events
         config = self.config
-        shape = {"dp": config.dp, "tp": config.tp, "ep": config.ep, "global_batch_size": config.batch_size,
+        shape = {"dp": config.dp, "tp": config.tp, "ep": config.ep, "cp": config.cp,
+                 "global_batch_size": config.batch_size,
                  "replica_batch_size": config.replica_batch_size}
         meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,
                 "microbatches": schedule.microbatches, "source": "measured", "backend": self.backend,
