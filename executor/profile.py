@@ -282,9 +282,9 @@ def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: flo
     Each stage's forward + backward loop and the transfer-cost loop run for at least
     ``repeats`` passes and ``min_time`` seconds."""
     config.check()
-    if config.dp > 1 or config.tp > 1:
-        raise ConfigError(f"profile measures pipeline stages only (--dp 1 --tp 1); got --dp {config.dp} "
-                          f"--tp {config.tp}. Profile the pp split, then simulate with --dp/--tp")
+    if config.dp > 1 or config.tp > 1 or config.cp > 1:
+        raise ConfigError(f"profile measures pipeline stages only (--dp 1 --tp 1 --cp 1); got --dp {config.dp} "
+                          f"--tp {config.tp} --cp {config.cp}. Profile the pp split, then simulate with --dp/--tp/--cp")
     per_rank = launch_ranks(profile_rank, (config, warmup, repeats, min_time), config.pp, config.threads,
                             config.backend, verbose)
     return costs_document(config, per_rank, warmup, repeats, min_time)

@@ -25,6 +25,7 @@ def summary(result: dict) -> dict:
         "dp": result.get("dp", 1),
         "tp": result.get("tp", 1),
         "ep": result.get("ep", 1),
+        "cp": result.get("cp", 1),
         "microbatches": result["microbatches"],
         "global_batch_size": result.get("global_batch_size"),
         "replica_batch_size": result.get("replica_batch_size"),
@@ -51,7 +52,7 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
     """Human-readable lines: one per step, then the measured step and bubble
     (``document`` is ``summary(result)``, when the caller already has it)."""
     document = document or summary(result)
-    expert = f" ep={document['ep']}" if document.get("ep", 1) > 1 else ""
+    expert = "".join(f" {axis}={document[axis]}" for axis in ("cp", "ep") if document.get(axis, 1) > 1)
     lines = [
         f"{document['schedule']}: dp={document['dp']} pp={document['pp']} tp={document['tp']}{expert} "
         f"(world {document['world_size']}) virtual_stages={document['virtual_stages']} backend={document['backend']}",

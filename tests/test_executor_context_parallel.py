@@ -106,3 +106,11 @@ def test_run_refuses_cp_in_one_line(capsys) -> None:
     err = capsys.readouterr().err.strip()
     assert status == 2
     assert len(err.splitlines()) == 1 and "--seq-len 6 must be a multiple of 4" in err
+
+
+def test_profile_refuses_cp_in_one_line(capsys, tmp_path) -> None:
+    status = main(["profile", "--model", "llama3-8b", "--pp", "2", "--cp", "2", "--microbatches", "2",
+                   "--out", str(tmp_path / "costs.json")])
+    err = capsys.readouterr().err.strip()
+    assert status == 2
+    assert len(err.splitlines()) == 1 and "--cp 2" in err and "pipeline stages only" in err

@@ -120,8 +120,8 @@ def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.pp < 2:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
-    if config.dp > 1 or config.tp > 1:
-        raise ValueError("compare calibrates pipeline runs only for now: use --dp 1 --tp 1")
+    if config.dp > 1 or config.tp > 1 or config.cp > 1:
+        raise ValueError("compare calibrates pipeline runs only for now: use --dp 1 --tp 1 --cp 1")
     from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
     from executor.spawn import SpawnError  # noqa: PLC0415
     from pipesim.sim.comparison import compare, report_lines  # noqa: PLC0415
