@@ -279,8 +279,8 @@ def check_tensor_parallel(config: RunConfig) -> None:
 
 def check_expert_parallel(config: RunConfig) -> None:
     """Expert parallelism splits the routed experts of an MoE architecture over ep groups
-    cut from the dp ranks (``executor.expert_parallel``): ep must divide dp and the
-    experts."""
+    cut from the dp x cp ranks (``executor.expert_parallel``): ep must divide dp x cp
+    and the experts."""
     if config.ep == 1:
         return
     from executor.architecture import full_spec, is_architecture, shrunk_spec  # noqa: PLC0415 - it imports this module
@@ -288,9 +288,10 @@ def check_expert_parallel(config: RunConfig) -> None:
     if not is_architecture(config.model) or full_spec(config.model).moe is None:
         raise ConfigError(f"--ep {config.ep} splits the experts of a mixture-of-experts model; use e.g. --model "
                           f"mixtral-8x7b (got --model {config.model})")
-    if config.dp % config.ep:
-        raise ConfigError(f"--ep {config.ep} must divide --dp {config.dp} (expert-parallel groups are cut from the "
-                          f"dp ranks)")
+    if (config.dp * config.cp) % config.ep:
+        ranks = f"--dp {config.dp}" if config.cp == 1 else f"the dp x cp = {config.dp * config.cp} ranks"
+        raise ConfigError(f"--ep {config.ep} must divide {ranks} (expert-parallel groups are cut from the dp x cp "
+                          f"ranks)")
     experts = shrunk_spec(config).moe.experts
     if experts % config.ep:
         raise ConfigError(f"--ep {config.ep} must divide the {experts} experts (set by --experts)")
@@ -319,9 +320,8 @@ def check_context_parallel(config: RunConfig) -> None:
     if config.seq_len % (2 * config.cp):
         raise ConfigError(f"--cp {config.cp} cuts each sequence into {2 * config.cp} equal chunks: --seq-len "
                           f"{config.seq_len} must be a multiple of {2 * config.cp}")
-    for flag, value in (("--tp", config.tp), ("--ep", config.ep)):
-        if value > 1:
-            raise ConfigError(f"--cp {config.cp} with {flag} {value} is not run by the executor; use {flag} 1")
+    if config.tp > 1:
+        raise ConfigError(f"--cp {config.cp} with --tp {config.tp} is not run by the executor; use --tp 1")
     if config.capacity_factor is not None:
         raise ConfigError(f"--cp {config.cp} with --capacity-factor: capacity counts a whole sequence's tokens, "
                           f"which no cp rank holds; run dropless (no --capacity-factor)")

@@ -2,17 +2,18 @@
 sent to their experts' ranks by all-to-all and their outputs sent back by a second one.
 
 The groups are the ones ``pipesim simulate --ep`` models (``pipesim.cluster.mapping``,
-Megatron-Core's expert ranks): the dp ranks that hold one (pp, tp) shard, in dp order,
-are cut into ep groups of ``ep`` consecutive members; member ``i`` of a group holds the
+Megatron-Core's expert ranks): the dp x cp ranks that hold one (pp, tp) shard, in
+global-rank order, are cut into ep groups of ``ep`` consecutive members; member ``i`` of a group holds the
 experts ``[i * E/ep, (i+1) * E/ep)``. Members at the same place of every ep group hold
 the same experts and reduce those experts' gradients together (the expert data-parallel
-group, ``dp / ep`` ranks); every other parameter is reduced over dp as before.
+group, ``dp * cp / ep`` ranks); every other parameter is reduced over dp (x cp) as before.
 
 Why the gradients come out right: each replica's loss is the mean over its own slice of
 the batch, and the combine all-to-all's backward returns to an expert's rank the
 gradient of every ep peer's loss for the copies it computed; summing over the expert dp
-group then covers all ``dp`` replicas, and dividing by ``dp`` (as for the dense
-parameters) gives the gradient of the global mean.
+group then covers all ``dp`` replicas (and their cp ranks, whose losses are parts of
+their replica's), and dividing by ``dp`` (as for the dense parameters) gives the
+gradient of the global mean.
 
 A routed copy (token, choice) leaves its rank in expert order; each side learns the
 other's counts by an all-to-all of ``ep`` integers and the expert of every row it
@@ -49,9 +50,9 @@ def expert_groups_of(position: MeshPosition, ep: int) -> tuple[list[list[int]], 
     ep_groups, expert_dp_groups = [], []
     for pp_index in range(position.pp):
         for tp_index in range(position.tp):
-            members = [pp_index * position.dp * position.tp + dp_index * position.tp + tp_index
-                       for dp_index in range(position.dp)]
-            ep_groups += [members[first:first + ep] for first in range(0, position.dp, ep)]
+            members = [position.rank_at(pp_index, dp_index, cp_index, tp_index)
+                       for dp_index in range(position.dp) for cp_index in range(position.cp)]
+            ep_groups += [members[first:first + ep] for first in range(0, len(members), ep)]
             expert_dp_groups += [members[offset::ep] for offset in range(ep)]
     return ep_groups, expert_dp_groups
 
@@ -75,7 +76,7 @@ class ExpertGroups:
                 group = dist.new_group(members, timeout=timedelta(seconds=timeout))
                 if rank in members:
                     mine[kind] = group
-        return cls(ep, position.dp_index % ep, mine["ep"], mine["expert_dp"])
+        return cls(ep, (position.dp_index * position.cp + position.cp_index) % ep, mine["ep"], mine["expert_dp"])
 
 
 class ExpertDispatcher:
@@ -132,7 +133,7 @@ def expert_parameters(stages: dict[int, nn.Module]) -> set[int]:
 
 class ExpertAwareAverager:
     """Data-parallel gradient averaging under expert parallelism: the dense parameters'
-    buckets all-reduced over dp, the experts' over the expert data-parallel group, both
+    buckets all-reduced over ``dp_group`` (dp, or dp x cp), the experts' over the expert data-parallel group, both
     divided by ``dp`` (see the module), both started after a stage's last backward."""
 
     def __init__(self, stages: dict[int, nn.Module], program, dp_group: dist.ProcessGroup,

@@ -70,8 +70,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
                           help="data-parallel replicas (world size = dp * pp * tp * cp) (default 1)")
     schedule.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (gpt only) (default 1)")
     schedule.add_argument("--ep", type=int, default=1,
-                          help="expert-parallel ranks: each MoE layer's experts split over groups of this many dp "
-                               "ranks, tokens sent to them by all-to-all (must divide --dp) (default 1)")
+                          help="expert-parallel ranks: each MoE layer's experts split over groups of this many of the "
+                               "dp x cp ranks, tokens sent to them by all-to-all (must divide dp x cp) (default 1)")
     schedule.add_argument("--cp", type=int, default=1,
                           help="context-parallel ranks per replica: each holds 2 of 2 x cp chunks of every sequence "
                                "(world size x cp) (default 1)")

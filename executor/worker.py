@@ -121,23 +121,22 @@ class RankRun:
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
         self.averager = None
-        if expert_groups is not None:
-            from executor.expert_parallel import ExpertAwareAverager  # noqa: PLC0415 - MoE only
+        if config.dp > 1 or config.cp > 1:
+            dense_group = self.mesh.group("dp")
+            if config.cp > 1:  # the cp ranks' gradients summed, the replicas' averaged (executor.context_parallel)
+                from executor.context_parallel import dp_cp_group  # noqa: PLC0415 - cp only
 
-            self.averager = ExpertAwareAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
-                                                expert_groups, config.dp, config.dp_bucket_mb * 2**20,
-                                                getattr(torch, config.reduce_dtype))
-        elif config.cp > 1:  # the cp ranks' gradients summed, the replicas' averaged (executor.context_parallel)
-            from executor.context_parallel import dp_cp_group  # noqa: PLC0415 - cp only
+                dense_group = dp_cp_group(rank, position, config.timeout)
+            if expert_groups is not None:
+                from executor.expert_parallel import ExpertAwareAverager  # noqa: PLC0415 - MoE only
 
-            self.averager = GradientAverager(self.stages, schedule.programs[pp_rank],
-                                             dp_cp_group(rank, position, config.timeout), config.dp,
-                                             config.dp_bucket_mb * 2**20,
-                                             reduce_dtype=getattr(torch, config.reduce_dtype))
-        elif config.dp > 1:
-            self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
-                                             config.dp, config.dp_bucket_mb * 2**20,
-                                             reduce_dtype=getattr(torch, config.reduce_dtype))
+                self.averager = ExpertAwareAverager(self.stages, schedule.programs[pp_rank], dense_group,
+                                                    expert_groups, config.dp, config.dp_bucket_mb * 2**20,
+                                                    getattr(torch, config.reduce_dtype))
+            else:
+                self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], dense_group, config.dp,
+                                                 config.dp_bucket_mb * 2**20,
+                                                 reduce_dtype=getattr(torch, config.reduce_dtype))
         batch = config.replica_batch_size
         sizes = [len(part) for part in torch.tensor_split(torch.arange(batch), config.microbatches)]
         # Pipeline peers are the processes at the same (dp, tp) position of the mesh.

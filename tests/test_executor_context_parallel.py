@@ -23,12 +23,17 @@ SMALL = {"model": "llama3-8b", "hidden": 16, "heads": 4, "kv_heads": 2, "layers"
          "batch_size": 4, "steps": 2, "dtype": "float64", "optimizer": "adamw", "lr": 0.02, "return_grads": True,
          "schedule": "1f1b", "microbatches": 2}
 CASES_OF_WORLD = {
-    2: {"llama-pp1-cp2": {"pp": 1, "cp": 2}},
+    2: {
+        "llama-pp1-cp2": {"pp": 1, "cp": 2},
+        # ep cut from the cp ranks: the two halves of a sequence trade tokens with each other
+        "mixtral-pp1-cp2-ep2": {"model": "mixtral-8x7b", "experts": 4, "pp": 1, "cp": 2, "ep": 2},
+    },
     4: {
         "llama-pp2-cp2": {"pp": 2, "cp": 2},
         "llama-pp1-dp2-cp2": {"pp": 1, "dp": 2, "cp": 2},  # gradients reduced over dp x cp
         "llama-pp1-cp4": {"pp": 1, "cp": 4},  # 8 chunks of one token
         # the gather's backward inside zero-bubble's input-gradient pass; a dropless MoE
+        "mixtral-pp1-dp2-cp2-ep4": {"model": "mixtral-8x7b", "experts": 4, "pp": 1, "dp": 2, "cp": 2, "ep": 4},
         "mixtral-pp2-cp2-zb-h1": {"model": "mixtral-8x7b", "experts": 4, "pp": 2, "cp": 2, "schedule": "zb-h1",
                                   "microbatches": 4},
     },

@@ -73,6 +73,10 @@ def test_groups_are_the_simulators() -> None:
     ep_groups, expert_dp_groups = expert_groups_of(MeshPosition.of_rank(0, dp=4, pp=1, tp=2), ep=4)
     assert ep_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]  # tp innermost: same tp shard only
     assert expert_dp_groups == [[0], [2], [4], [6], [1], [3], [5], [7]]
+    # with cp 2 the ep groups are cut from the dp x cp ranks, in global-rank order
+    ep_groups, expert_dp_groups = expert_groups_of(MeshPosition.of_rank(0, dp=2, pp=1, tp=1, cp=2), ep=2)
+    assert ep_groups == [[0, 1], [2, 3]]
+    assert expert_dp_groups == [[0, 2], [1, 3]]
     assert list(expert_range(8, 4, 1)) == [2, 3]
 
 
@@ -91,6 +95,7 @@ def test_a_rank_keeps_only_its_experts_under_their_global_names() -> None:
 
 @pytest.mark.parametrize(("changes", "expected"), [
     ({"dp": 2, "ep": 4}, "--ep 4 must divide --dp 2"),
+    ({"dp": 1, "cp": 2, "ep": 4, "model": "mixtral-8x7b"}, "--ep 4 must divide the dp x cp = 2 ranks"),
     ({"dp": 3, "ep": 3, "batch_size": 6}, "--ep 3 must divide the 4 experts"),
     ({"model": "llama3-8b", "dp": 2, "ep": 2}, "--ep 2 splits the experts of a mixture-of-experts model"),
     ({"model": "gpt", "dp": 2, "ep": 2, "kv_heads": None, "experts": None},
