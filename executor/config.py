@@ -295,8 +295,6 @@ def check_expert_parallel(config: RunConfig) -> None:
     experts = shrunk_spec(config).moe.experts
     if experts % config.ep:
         raise ConfigError(f"--ep {config.ep} must divide the {experts} experts (set by --experts)")
-    if config.tp > 1:
-        raise ConfigError(f"--ep {config.ep} with --tp {config.tp} is not run by the executor; use --tp 1")
 
 
 def check_context_parallel(config: RunConfig) -> None:

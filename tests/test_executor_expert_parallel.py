@@ -33,6 +33,11 @@ CASES_OF_WORLD = {
         "mixtral-pp1-dp4-ep2": {"pp": 1, "dp": 4, "ep": 2},
         # one expert per rank, some sequences' copies dropped by the capacity
         "mixtral-pp1-dp4-ep4-capacity": {"pp": 1, "dp": 4, "ep": 4, "capacity_factor": 0.5},
+        # tp splits each expert (Megatron's expert tensor parallelism = tp); every tp rank
+        # of an ep group trades the same tokens with its own tp shard's peers
+        "mixtral-pp1-dp2-ep2-tp2": {"pp": 1, "dp": 2, "ep": 2, "tp": 2},
+        "qwen-moe-pp1-dp2-ep2-tp2-sp": {"model": "tests/data/hf_configs/qwen1.5-moe-a2.7b.json", "ffn_hidden": 16,
+                                        "pp": 1, "dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True},
         # the all-to-alls' backward inside zero-bubble's input-gradient pass
         "deepseek-v3-pp2-dp2-ep2-zb-h1": {"model": "deepseek-v3", "kv_heads": None, "layers": 3, "pp": 2, "dp": 2,
                                           "ep": 2, "schedule": "zb-h1", "microbatches": 4},
@@ -100,7 +105,6 @@ def test_a_rank_keeps_only_its_experts_under_their_global_names() -> None:
     ({"model": "llama3-8b", "dp": 2, "ep": 2}, "--ep 2 splits the experts of a mixture-of-experts model"),
     ({"model": "gpt", "dp": 2, "ep": 2, "kv_heads": None, "experts": None},
      "--ep 2 splits the experts of a mixture-of-experts model"),
-    ({"dp": 2, "ep": 2, "tp": 2}, "--ep 2 with --tp 2 is not run"),
     ({"ep": 0}, "--ep must be at least 1, got 0"),
 ])
 def test_bad_expert_parallel_is_refused(changes: dict, expected: str) -> None:
