@@ -318,8 +318,9 @@ def check_context_parallel(config: RunConfig) -> None:
     if config.seq_len % (2 * config.cp):
         raise ConfigError(f"--cp {config.cp} cuts each sequence into {2 * config.cp} equal chunks: --seq-len "
                           f"{config.seq_len} must be a multiple of {2 * config.cp}")
-    if config.tp > 1:
-        raise ConfigError(f"--cp {config.cp} with --tp {config.tp} is not run by the executor; use --tp 1")
+    if config.sequence_parallel and (config.seq_len // config.cp) % config.tp:
+        raise ConfigError(f"--sequence-parallel with --cp {config.cp}: --tp {config.tp} must divide each cp rank's "
+                          f"{config.seq_len // config.cp} tokens of --seq-len {config.seq_len}")
     if config.capacity_factor is not None:
         raise ConfigError(f"--cp {config.cp} with --capacity-factor: capacity counts a whole sequence's tokens, "
                           f"which no cp rank holds; run dropless (no --capacity-factor)")

@@ -33,6 +33,9 @@ CASES_OF_WORLD = {
         "llama-pp1-dp2-cp2": {"pp": 1, "dp": 2, "cp": 2},  # gradients reduced over dp x cp
         "llama-pp1-cp4": {"pp": 1, "cp": 4},  # 8 chunks of one token
         # the gather's backward inside zero-bubble's input-gradient pass; a dropless MoE
+        # tp splits the heads; each tp shard gathers its own heads' keys and values over cp
+        "llama-pp1-cp2-tp2": {"pp": 1, "cp": 2, "tp": 2},
+        "llama-pp1-cp2-tp2-sp": {"pp": 1, "cp": 2, "tp": 2, "sequence_parallel": True},
         "mixtral-pp1-dp2-cp2-ep4": {"model": "mixtral-8x7b", "experts": 4, "pp": 1, "dp": 2, "cp": 2, "ep": 4},
         "mixtral-pp2-cp2-zb-h1": {"model": "mixtral-8x7b", "experts": 4, "pp": 2, "cp": 2, "schedule": "zb-h1",
                                   "microbatches": 4},
@@ -96,7 +99,8 @@ def test_ranks_are_numbered_tp_cp_dp_pp() -> None:
     ({"cp": 3}, "--cp 3 cuts each sequence into 6 equal chunks: --seq-len 8 must be a multiple of 6"),
     ({"cp": 2, "model": "gpt", "kv_heads": None}, "--cp 2 splits the sequences of an architecture"),
     ({"cp": 2, "model": "deepseek-v3", "kv_heads": None}, "deepseek-v3 has latent attention"),
-    ({"cp": 2, "tp": 2}, "--cp 2 with --tp 2 is not run"),
+    ({"cp": 2, "tp": 4, "heads": 4, "kv_heads": 4, "sequence_parallel": True, "seq_len": 12},
+     "--tp 4 must divide each cp rank's 6 tokens"),
     ({"cp": 2, "cp_comm": "p2p"}, "--cp-comm p2p \\(ring attention\\) is simulated only"),
     ({"cp": 2, "model": "mixtral-8x7b", "experts": 4, "capacity_factor": 1.0}, "--cp 2 with --capacity-factor"),
     ({"cp": 0}, "--cp must be at least 1, got 0"),
