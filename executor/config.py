@@ -75,6 +75,9 @@ class RunConfig:
     pp: int = 2
     dp: int = 1
     tp: int = 1
+    ep: int = 1
+    cp: int = 1
+    cp_comm: str = "all-gather"
     sequence_parallel: bool = False
     dp_bucket_mb: float = 25.0
     zero: int = 0
@@ -120,8 +123,8 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes the run needs: one per (dp, pp, tp) position."""
-        return self.dp * self.pp * self.tp
+        """Processes the run needs: one per (dp, pp, tp, cp) position."""
+        return self.dp * self.pp * self.tp * self.cp
 
     @property
     def replica_batch_size(self) -> int:
@@ -165,8 +168,8 @@ class RunConfig:
     def check(self) -> None:
         """Raise ``ConfigError`` naming the flag when a value cannot work."""
         check_rank_values(self)
-        for flag, value in (("--pp", self.pp), ("--dp", self.dp), ("--tp", self.tp),
-                            ("--microbatches", self.microbatches),
+        for flag, value in (("--pp", self.pp), ("--dp", self.dp), ("--tp", self.tp), ("--ep", self.ep),
+                            ("--cp", self.cp), ("--microbatches", self.microbatches),
                             ("--virtual-stages", self.virtual_stages), ("--layers", self.layers),
                             ("--hidden", self.hidden), ("--batch-size", self.batch_size),
                             ("--steps", self.steps), ("--threads", self.threads)):
@@ -195,6 +198,8 @@ class RunConfig:
             raise ConfigError(f"--dp-bucket-mb must be positive, got {self.dp_bucket_mb}")
         check_tensor_parallel(self)
         check_zero(self)
+        check_expert_parallel(self)
+        check_context_parallel(self)
         if self.timeout <= 0:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout}")
         if self.model == "gpt" and self.hidden % self.heads:
@@ -280,6 +285,9 @@ def check_zero(config: RunConfig) -> None:
         raise ConfigError(f"--zero {config.zero} is not one of: {', '.join(map(str, ZERO_STAGES))}")
     if config.zero and config.dp == 1:
         raise ConfigError(f"--zero {config.zero} shards over data-parallel replicas; it needs --dp > 1")
+    if config.zero and (config.cp > 1 or config.ep > 1):
+        raise ConfigError(f"--zero {config.zero} with --cp {config.cp} --ep {config.ep}: the executor shards the "
+                          "optimizer over plain dp replicas only; run ZeRO with --cp 1 --ep 1 (simulate models both)")
 
 
 def check_tensor_parallel(config: RunConfig) -> None:
@@ -297,6 +305,55 @@ def check_tensor_parallel(config: RunConfig) -> None:
         raise ConfigError(f"--tp {config.tp} must divide --hidden {config.hidden}")
     if config.sequence_parallel and config.seq_len % config.tp:
         raise ConfigError(f"--sequence-parallel: --tp {config.tp} must divide --seq-len {config.seq_len}")
+
+
+def check_expert_parallel(config: RunConfig) -> None:
+    """Expert parallelism splits the routed experts of an MoE architecture over ep groups
+    cut from the dp x cp ranks (``executor.expert_parallel``): ep must divide dp x cp
+    and the experts."""
+    if config.ep == 1:
+        return
+    from executor.architecture import full_spec, is_architecture, shrunk_spec  # noqa: PLC0415 - it imports this module
+
+    if not is_architecture(config.model) or full_spec(config.model).moe is None:
+        raise ConfigError(f"--ep {config.ep} splits the experts of a mixture-of-experts model; use e.g. --model "
+                          f"mixtral-8x7b (got --model {config.model})")
+    if (config.dp * config.cp) % config.ep:
+        ranks = f"--dp {config.dp}" if config.cp == 1 else f"the dp x cp = {config.dp * config.cp} ranks"
+        raise ConfigError(f"--ep {config.ep} must divide {ranks} (expert-parallel groups are cut from the dp x cp "
+                          f"ranks)")
+    experts = shrunk_spec(config).moe.experts
+    if experts % config.ep:
+        raise ConfigError(f"--ep {config.ep} must divide the {experts} experts (set by --experts)")
+
+
+def check_context_parallel(config: RunConfig) -> None:
+    """Context parallelism splits each sequence of an architecture with rotary attention
+    into ``2 cp`` chunks (``executor.context_parallel``)."""
+    if config.cp == 1:
+        return
+    if config.cp_comm != "all-gather":
+        raise ConfigError(f"--cp-comm {config.cp_comm} (ring attention) is simulated only; the executor runs "
+                          f"--cp-comm all-gather")
+    from executor.architecture import full_spec, is_architecture  # noqa: PLC0415 - it imports this module
+
+    if not is_architecture(config.model):
+        raise ConfigError(f"--cp {config.cp} splits the sequences of an architecture with rotary attention; use e.g. "
+                          f"--model llama3-8b (got --model {config.model})")
+    spec = full_spec(config.model)
+    if spec.mla is not None or spec.learned_positions:
+        what = "latent attention" if spec.mla is not None else "learned positions"
+        raise ConfigError(f"--cp {config.cp}: {config.model} has {what}, which the executor does not split over cp; "
+                          f"use an architecture with rotary grouped-query attention (e.g. llama3-8b)")
+    if config.seq_len % (2 * config.cp):
+        raise ConfigError(f"--cp {config.cp} cuts each sequence into {2 * config.cp} equal chunks: --seq-len "
+                          f"{config.seq_len} must be a multiple of {2 * config.cp}")
+    if config.sequence_parallel and (config.seq_len // config.cp) % config.tp:
+        raise ConfigError(f"--sequence-parallel with --cp {config.cp}: --tp {config.tp} must divide each cp rank's "
+                          f"{config.seq_len // config.cp} tokens of --seq-len {config.seq_len}")
+    if config.capacity_factor is not None:
+        raise ConfigError(f"--cp {config.cp} with --capacity-factor: capacity counts a whole sequence's tokens, "
+                          f"which no cp rank holds; run dropless (no --capacity-factor)")
 
 
 def build_schedule(config: RunConfig) -> Schedule:
@@ -372,7 +429,7 @@ def check_schedule_and_failure(config: RunConfig) -> None:
             f"--inject-failure {config.inject_failure!r}: rank {rank} does not exist; "
             f"the run has ranks 0 to {config.world_size - 1}"
         )
-    pipeline_rank = rank // (config.dp * config.tp)  # tp innermost, then dp, then pp (executor.mesh)
+    pipeline_rank = rank // (config.dp * config.cp * config.tp)  # tp innermost, then cp, dp, pp (executor.mesh)
     program = [str(step) for step in schedule.programs[pipeline_rank]]
     if action not in program:
         raise ConfigError(

@@ -72,12 +72,14 @@ def is_partial(tensor: torch.Tensor) -> bool:
     return any(placement.is_partial() for placement in getattr(tensor, "placements", ()))
 
 
-def bucket_parameters(module: nn.Module, bucket_bytes: float) -> list[list[nn.Parameter]]:
+def bucket_parameters(module: nn.Module, bucket_bytes: float,
+                      keep: Callable[[nn.Parameter], bool] | None = None) -> list[list[nn.Parameter]]:
     """Parameters in reverse order (the order backward produces their gradients),
-    packed into buckets of at most ``bucket_bytes`` (a larger parameter gets its own)."""
+    packed into buckets of at most ``bucket_bytes`` (a larger parameter gets its own);
+    only those ``keep`` accepts, when given."""
     buckets: list[list[nn.Parameter]] = []
     size = 0.0
-    for param in reversed([p for p in module.parameters() if p.requires_grad]):
+    for param in reversed([p for p in module.parameters() if p.requires_grad and (keep is None or keep(p))]):
         nbytes = local_tensor(param.detach()).numel() * param.element_size()
         if not buckets or size + nbytes > bucket_bytes:
             buckets.append([])
@@ -146,7 +148,10 @@ class GradientAverager:
 
     def __init__(self, stages: dict[int, nn.Module], program: tuple[Action, ...], group: dist.ProcessGroup,
                  replicas: int, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
-                 reduce_dtype: torch.dtype | None = None, zero: int = 0) -> None:
+                 reduce_dtype: torch.dtype | None = None, zero: int = 0,
+                 keep: Callable[[nn.Parameter], bool] | None = None) -> None:
+        # ``keep``: the parameters this averager reduces (expert parallelism reduces the
+        # experts' over another group, executor.expert_parallel); None: all of them.
         self.group = group
         self.replicas = replicas
         self.replica = dist.get_rank(group) if replicas > 1 else 0
@@ -158,7 +163,7 @@ class GradientAverager:
         else:  # the last backward of each stage completes its accumulation
             self.reducing = set({action.stage: action for action in backwards}.values())
         self.buckets = {stage: [self.make_bucket(stage, index, params) for index, params in
-                                enumerate(bucket_parameters(module, bucket_bytes))]
+                                enumerate(bucket_parameters(module, bucket_bytes, keep))]
                         for stage, module in stages.items()}
         self.active: dict[int, list[Bucket]] = {}  # stage -> its buckets, during a reducing backward
         self.late: list[str] = []  # gradients that arrived after their bucket was posted

@@ -60,6 +60,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(hidden, kv_heads * head_dim, bias=bias or qkv_bias)
         self.wv = nn.Linear(hidden, kv_heads * head_dim, bias=bias or qkv_bias)
         self.wo = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.context = None  # context parallelism: this rank's share of the sequence (executor.context_parallel)
 
     def heads_of(self, projection: torch.Tensor) -> torch.Tensor:
         """``batch x seq x (heads * head_dim)`` -> ``batch x heads x seq x head_dim``."""
@@ -68,6 +69,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.heads_of(self.wq(x)), self.heads_of(self.wk(x)), self.heads_of(self.wv(x))
+        if self.context is not None:
+            return self.wo(self.context.attend(self, q, k, v))
         if self.rotary:
             cos, sin = rotary_angles(q.shape[2], self.head_dim, dtype=q.dtype, device=q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

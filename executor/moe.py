@@ -81,6 +81,8 @@ class MixtureOfExperts(nn.Module):
         self.shared = FeedForward(hidden, shared_ffn) if shared_ffn else None
         self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_ffn and shared_gate else None
         self.capacity_factor = capacity_factor
+        self.num_experts = experts  # all of them, also where a rank holds only its share
+        self.dispatcher = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sequences, seq, hidden = x.shape
@@ -88,19 +90,30 @@ class MixtureOfExperts(nn.Module):
         weights, chosen = self.router(tokens)
         keep = torch.ones_like(chosen, dtype=torch.bool)
         if self.capacity_factor is not None:
-            keep = within_capacity(chosen.view(sequences, seq, -1), len(self.experts), self.capacity_factor)
+            keep = within_capacity(chosen.view(sequences, seq, -1), self.num_experts, self.capacity_factor)
             keep = keep.view_as(chosen)
-        out = torch.zeros_like(tokens)
-        for index, expert in enumerate(self.experts):
-            # An expert no token chose still runs, on no rows: its weights get a zero
-            # gradient rather than none, so every rank's gradients (and dp's buckets)
-            # hold every parameter, whatever the routing.
-            token, slot = torch.nonzero((chosen == index) & keep, as_tuple=True)
-            weighted = expert(tokens[token]) * weights[token, slot].unsqueeze(-1)
-            out = out.index_add(0, token, weighted.to(out.dtype))  # autocast: back to the residual's type
+        # One process holds every expert; under expert parallelism (executor.expert_parallel)
+        # ``dispatcher`` sends each copy to the rank holding its expert and back.
+        out = (self.dispatcher or route_locally)(tokens, weights, chosen, keep, self.experts)
         if self.shared is not None:
             shared = self.shared(tokens)
             if self.shared_gate is not None:
                 shared = shared * self.shared_gate(tokens).sigmoid()
             out = out + shared.to(out.dtype)
         return out.view(sequences, seq, hidden)
+
+
+def route_locally(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, keep: torch.Tensor,
+                  experts: nn.ModuleList) -> torch.Tensor:
+    """The routed experts' weighted sum per token, every expert on this process: each
+    kept copy (``chosen`` and ``keep`` are ``tokens x k``) through its expert, times its
+    router weight."""
+    out = torch.zeros_like(tokens)
+    for index, expert in enumerate(experts):
+        # An expert no token chose still runs, on no rows: its weights get a zero
+        # gradient rather than none, so every rank's gradients (and dp's buckets)
+        # hold every parameter, whatever the routing.
+        token, slot = torch.nonzero((chosen == index) & keep, as_tuple=True)
+        weighted = expert(tokens[token]) * weights[token, slot].unsqueeze(-1)
+        out = out.index_add(0, token, weighted.to(out.dtype))  # autocast: back to the residual's type
+    return out

@@ -68,8 +68,17 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     schedule.add_argument("--microbatches", "-m", type=int, default=None,
                           help=f"microbatches per dp replica and step (default {DEFAULT_MICROBATCHES})")
     schedule.add_argument("--dp", type=int, default=1,
-                          help="data-parallel replicas (world size = dp * pp * tp) (default 1)")
+                          help="data-parallel replicas (world size = dp * pp * tp * cp) (default 1)")
     schedule.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (gpt only) (default 1)")
+    schedule.add_argument("--ep", type=int, default=1,
+                          help="expert-parallel ranks: each MoE layer's experts split over groups of this many of the "
+                               "dp x cp ranks, tokens sent to them by all-to-all (must divide dp x cp) (default 1)")
+    schedule.add_argument("--cp", type=int, default=1,
+                          help="context-parallel ranks per replica: each holds 2 of 2 x cp chunks of every sequence "
+                               "(world size x cp) (default 1)")
+    schedule.add_argument("--cp-comm", choices=("p2p", "all-gather"), default="all-gather",
+                          help="how cp ranks exchange keys and values: all-gather before attention (Llama 3); p2p "
+                               "(ring attention) is simulated only (default all-gather)")
     schedule.add_argument("--sequence-parallel", action="store_true",
                           help="with --tp: Megatron sequence parallelism in the blocks")
     schedule.add_argument("--bucket-mb", dest="dp_bucket_mb", type=float, metavar="MB", default=25.0,
@@ -186,7 +195,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             raise ConfigError(f"--layers-per-stage {args.layout!r} must be comma-separated layer counts, "
                               "e.g. 1,3,3,1") from None
     config = RunConfig(
-        **shape, dp=args.dp, tp=args.tp, sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
+        **shape, dp=args.dp, tp=args.tp, ep=args.ep, cp=args.cp, cp_comm=args.cp_comm,
+        sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
         zero=args.zero, recompute=args.recompute,
         model=args.model, batch_size=args.batch_size, **model_sizes(args), seed=args.seed,
         kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, experts=args.experts,

@@ -25,6 +25,8 @@ def summary(result: dict) -> dict:
         "pp": result["pp"],
         "dp": result.get("dp", 1),
         "tp": result.get("tp", 1),
+        "ep": result.get("ep", 1),
+        "cp": result.get("cp", 1),
         "microbatches": result["microbatches"],
         "global_batch_size": result.get("global_batch_size"),
         "replica_batch_size": result.get("replica_batch_size"),
@@ -52,8 +54,9 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
     """Human-readable lines: one per step, then the measured step and bubble
     (``document`` is ``summary(result)``, when the caller already has it)."""
     document = document or summary(result)
+    expert = "".join(f" {axis}={document[axis]}" for axis in ("cp", "ep") if document.get(axis, 1) > 1)
     lines = [
-        f"{document['schedule']}: dp={document['dp']} pp={document['pp']} tp={document['tp']} "
+        f"{document['schedule']}: dp={document['dp']} pp={document['pp']} tp={document['tp']}{expert} "
         f"(world {document['world_size']}) virtual_stages={document['virtual_stages']} backend={document['backend']}",
         f"global batch {document['global_batch_size']}: {document['replica_batch_size']} per dp replica, "
         f"in {document['microbatches']} microbatches per replica",

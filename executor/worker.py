@@ -19,6 +19,7 @@ import torch.distributed as dist
 from executor.clock import CpuClock, clock_for
 from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
+from executor.context_parallel import local_shape
 from executor.data_parallel import GradientAverager, local_tensor
 from executor.gather import dp_event, gather_events, tp_event
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
@@ -83,7 +84,8 @@ class RankRun:
                  device: torch.device, progress: ProgressWriter | None) -> None:
         schedule = build_schedule(config)
         try:
-            self.mesh = build_mesh(rank, world, config.dp, schedule.pp, config.tp, device.type, config.timeout)
+            self.mesh = build_mesh(rank, world, config.dp, schedule.pp, config.tp, device.type, config.timeout,
+                                   config.cp)
         except ValueError as error:
             raise RankFailedError(str(error)) from None
         position = self.mesh.position
@@ -103,6 +105,20 @@ class RankRun:
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
         for stage in self.stages.values():
             apply_recompute(stage, config.recompute)
+        self.context = None
+        if config.cp > 1:
+            from executor.context_parallel import ContextShard, shard_context  # noqa: PLC0415 - cp only
+
+            self.context = ContextShard(self.mesh.group("cp"), config.cp, position.cp_index, config.seq_len)
+            for stage in self.stages.values():
+                shard_context(stage, self.context)
+        expert_groups = None
+        if config.ep > 1:
+            from executor.expert_parallel import ExpertGroups, shard_experts  # noqa: PLC0415 - MoE only
+
+            expert_groups = ExpertGroups.build(rank, position, config.ep, config.timeout)
+            for stage in self.stages.values():
+                shard_experts(stage, expert_groups)
         unsharded = sum(local_tensor(p.detach()).numel() * p.element_size()
                         for stage in self.stages.values() for p in stage.parameters())
         if config.zero == 3:
@@ -114,10 +130,22 @@ class RankRun:
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
         self.averager = None
-        if config.dp > 1 and config.zero < 3:  # ZeRO-3: FSDP reduces the gradients itself
-            self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], self.mesh.group("dp"),
-                                             config.dp, config.dp_bucket_mb * 2**20,
-                                             reduce_dtype=getattr(torch, config.reduce_dtype), zero=config.zero)
+        if (config.dp > 1 or config.cp > 1) and config.zero < 3:  # ZeRO-3: FSDP reduces the gradients itself
+            dense_group = self.mesh.group("dp")
+            if config.cp > 1:  # the cp ranks' gradients summed, the replicas' averaged (executor.context_parallel)
+                from executor.context_parallel import dp_cp_group  # noqa: PLC0415 - cp only
+
+                dense_group = dp_cp_group(rank, position, config.timeout)
+            if expert_groups is not None:
+                from executor.expert_parallel import ExpertAwareAverager  # noqa: PLC0415 - MoE only
+
+                self.averager = ExpertAwareAverager(self.stages, schedule.programs[pp_rank], dense_group,
+                                                    expert_groups, config.dp, config.dp_bucket_mb * 2**20,
+                                                    getattr(torch, config.reduce_dtype))
+            else:
+                self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], dense_group, config.dp,
+                                                 config.dp_bucket_mb * 2**20,
+                                                 reduce_dtype=getattr(torch, config.reduce_dtype), zero=config.zero)
         if config.zero in (1, 2):  # the optimizer steps this replica's shard only
             shard, matrices = self.averager.optimizer_tensors()
             self.optimizer = build_optimizer(config, shard, decays=lambda tensor: id(tensor) in matrices)
@@ -128,8 +156,9 @@ class RankRun:
         # Pipeline peers are the processes at the same (dp, tp) position of the mesh.
         placement = tuple(position.global_rank(pipeline_rank) for pipeline_rank in schedule.placement)
         rendezvous = config.p2p_semantics(backend) == "rendezvous"
+        cp = config.cp  # a cp rank sends its share of the sequence
         self.links = PeerLinks(placement, config.microbatches, device, getattr(torch, config.dtype),
-                               lambda microbatch: model.boundary_shape(sizes[microbatch]),
+                               lambda microbatch: local_shape(model.boundary_shape(sizes[microbatch]), cp),
                                handshake=rendezvous and backend != "nccl", rank=rank)
         self.memory = MemoryTracker(params, device)
         self.memory.unsharded_params = unsharded
@@ -161,6 +190,8 @@ class RankRun:
         replica = self.mesh.position.dp_index  # this replica's slice of the global batch
         inputs = torch.tensor_split(inputs, config.dp)[replica]
         targets = torch.tensor_split(targets, config.dp)[replica]
+        if self.context is not None:  # this cp rank's chunks of every sequence
+            inputs, targets = self.context.local(inputs), self.context.local(targets)
         inputs = list(torch.tensor_split(inputs.to(device), config.microbatches))
         targets = list(torch.tensor_split(targets.to(device), config.microbatches))
         self.optimizer.zero_grad(set_to_none=True)
@@ -204,7 +235,8 @@ class RankRun:
         self.scaler.update(overflow)
         self.memory_peak = self.memory.finish_step()
         if self.world > 1:
-            # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank.
+            # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank
+            # (a cp rank holds its tokens' part of its replica's loss: summed, not averaged).
             self.wait_for("in the loss all-reduce", lambda: dist.all_reduce(loss))
             loss /= config.dp * config.tp
         self.losses.append(self.wait_for("in the loss all-reduce", loss.item))
@@ -253,7 +285,8 @@ class RankRun:
         rank: its gradients of the first step, when the config asked for them."""
         schedule, events = self.schedule, self.events
         config = self.config
-        shape = {"dp": config.dp, "tp": config.tp, "global_batch_size": config.batch_size,
+        shape = {"dp": config.dp, "tp": config.tp, "ep": config.ep, "cp": config.cp,
+                 "global_batch_size": config.batch_size,
                  "replica_batch_size": config.replica_batch_size}
         meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,
                 "microbatches": schedule.microbatches, "source": "measured", "backend": self.backend,

@@ -6,6 +6,10 @@ what it measured and exits non-zero when the check fails.
     precision       one GPU: bf16 against fp32 loss curves of a small gpt (AdamW, defaults)
     nccl-schedules  >= 2 GPUs: every generated schedule on NCCL, transfers >= 64 MB,
                     the step-0 losses of all schedules equal (the same model and data)
+    expert-parallel >= 2 GPUs: a shrunk Mixtral, dp 2 ep 2, float64 on NCCL (all-to-all with
+                    splits) against the CPU one-process reference
+    context-parallel >= 2 GPUs: a shrunk Llama 3, cp 2 (K/V all-gather, reduce-scatter in
+                    the backward), float64 on NCCL against the CPU one-process reference
 
 ``--dry-run`` runs the same logic on CPU with gloo and tiny sizes, so the script's own
 flow can be checked on a machine without a GPU; its numbers mean nothing.
@@ -115,13 +119,42 @@ def nccl_schedules(args: argparse.Namespace) -> int:
     return 0 if spread < 1e-4 else 1
 
 
+def expert_parallel(args: argparse.Namespace) -> int:
+    return parallel_numerics(args, "dp 2 ep 2", dp=2, ep=2, model="mixtral-8x7b", experts=4)
+
+
+def context_parallel(args: argparse.Namespace) -> int:
+    return parallel_numerics(args, "cp 2", cp=2, model="llama3-8b")
+
+
+def parallel_numerics(args: argparse.Namespace, label: str, **layout) -> int:
+    """A float64 run of ``layout`` on the devices against the CPU one-process reference."""
+    from executor.config import RunConfig
+    from executor.launch import launch
+    from executor.reference import reference_run
+
+    config = RunConfig(schedule="1f1b", pp=1, microbatches=2, layers=2, hidden=64, heads=4, kv_heads=2, seq_len=16,
+                       vocab=128, batch_size=8, steps=3, dtype="float64", optimizer="adamw", lr=1e-3,
+                       backend=backend(args), return_grads=True, **layout)
+    (device,) = launch([config])
+    reference = reference_run(config)  # on the CPU
+    loss_error = max(abs(a - b) for a, b in zip(device["losses"], reference["losses"], strict=True))
+    grad_error = max((device["grads"][name] - grad).abs().max().item() for name, grad in reference["grads"].items())
+    print(f"{label} on {device['backend']}: losses {device['losses']}")
+    print(f"reference (CPU float64): losses {reference['losses']}")
+    print(f"max |loss difference| {loss_error:.3e}, max |gradient difference| {grad_error:.3e} (bound 1e-9)")
+    return 0 if loss_error < 1e-9 and grad_error < 1e-9 else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("check", choices=("numerics", "predict", "precision", "nccl-schedules"))
+    parser.add_argument("check", choices=("numerics", "predict", "precision", "nccl-schedules",
+                                               "expert-parallel", "context-parallel"))
     parser.add_argument("--dry-run", action="store_true", help="CPU and gloo, tiny sizes: checks the flow only")
     parser.add_argument("--pp", type=int, default=2, help="nccl-schedules: pipeline ranks (one GPU each)")
     args = parser.parse_args()
-    check = {"numerics": numerics, "predict": predict, "precision": precision, "nccl-schedules": nccl_schedules}
+    check = {"numerics": numerics, "predict": predict, "precision": precision, "nccl-schedules": nccl_schedules,
+             "expert-parallel": expert_parallel, "context-parallel": context_parallel}
     return check[args.check](args)
 
 

@@ -1,0 +1,125 @@
+"""Context parallelism: each sequence split over ``cp`` ranks, attention over the whole
+sequence by all-gathering keys and values (Llama 3's variant; ``simulate --cp-comm
+all-gather`` models it).
+
+Load balancing (Megatron-LM, Llama 3): the sequence is cut into ``2 cp`` equal chunks and
+rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``, so under the causal mask every rank
+has the same amount of attention to compute (an early chunk and a late one). Everything
+but attention is per token, so a rank runs its ``S / cp`` tokens through every layer on
+its own. In attention it rotates its queries and keys at their true positions, gathers
+every rank's keys and values (``GatherSequence``: an all-gather whose backward sums each
+rank's share of the gradient back to its owner, a reduce-scatter), puts them back in
+sequence order and masks each query to the keys at or before its position.
+
+The loss of a rank is its tokens' share of the sequence's sum (the model divides by the
+whole ``--seq-len``), so the ``cp`` ranks' gradients are summed and the replicas'
+averaged: the gradients are reduced over the ``dp x cp`` ranks and divided by ``dp``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
+from torch import nn
+
+from executor.layers import Attention, apply_rotary, rotary_angles
+from executor.mesh import MeshPosition
+
+
+def chunk_positions(seq_len: int, cp: int, cp_index: int) -> torch.Tensor:
+    """The sequence positions rank ``cp_index`` holds: chunks ``cp_index`` and
+    ``2 cp - 1 - cp_index`` of ``2 cp`` (``2 cp`` divides ``seq_len``)."""
+    chunk = seq_len // (2 * cp)
+    early, late = cp_index * chunk, (2 * cp - 1 - cp_index) * chunk
+    return torch.cat((torch.arange(early, early + chunk), torch.arange(late, late + chunk)))
+
+
+def dp_cp_group(rank: int, position: MeshPosition, timeout: float) -> dist.ProcessGroup:
+    """The ranks of this process's (pp, tp) shard over every dp and cp index: where its
+    gradients are reduced. Every process creates every such group, in one order."""
+    mine = None
+    for pp_index in range(position.pp):
+        for tp_index in range(position.tp):
+            members = [position.rank_at(pp_index, dp_index, cp_index, tp_index)
+                       for dp_index in range(position.dp) for cp_index in range(position.cp)]
+            group = dist.new_group(members, timeout=timedelta(seconds=timeout))
+            if rank in members:
+                mine = group
+    return mine
+
+
+class GatherSequence(torch.autograd.Function):
+    """Every cp rank's ``batch x heads x rows x dim`` joined along the rows (rank order);
+    the backward returns to each rank the sum over ranks of the gradient of its rows.
+
+    Not ``torch.distributed.nn.functional.all_gather``: on gloo its backward scatters
+    with the group's ranks taken for global ranks, which fails on any group without
+    global rank 0 (a cp group of a later pipeline stage). Gloo has no reduce-scatter, so
+    there the backward all-reduces the whole gradient and keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+        ctx.group, ctx.cp = group, cp
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts = [part.contiguous() for part in grad.chunk(ctx.cp, dim=2)]
+        mine = dist.get_rank(ctx.group)
+        if dist.get_backend(ctx.group) == "nccl":
+            out = torch.empty_like(parts[mine])
+            dist.reduce_scatter(out, parts, group=ctx.group)
+            return out, None, None
+        total = grad.contiguous()
+        dist.all_reduce(total, group=ctx.group)
+        return total.chunk(ctx.cp, dim=2)[mine].contiguous(), None, None
+
+
+class ContextShard:
+    """This rank's share of every sequence and the cp group attention gathers over."""
+
+    def __init__(self, group: dist.ProcessGroup, cp: int, cp_index: int, seq_len: int) -> None:
+        self.group, self.cp, self.seq_len = group, cp, seq_len
+        self.positions = chunk_positions(seq_len, cp, cp_index)
+        # Where each gathered row belongs in the sequence: rank r's rows are its positions.
+        self.order = torch.argsort(torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)]))
+
+    def local(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a ``batch x seq`` tensor (inputs or targets)."""
+        return tokens[:, self.positions.to(tokens.device)]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``batch x heads x S/cp x dim`` from every cp rank, as ``batch x heads x S x dim``
+        in sequence order (differentiable)."""
+        gathered = GatherSequence.apply(x, self.group, self.cp)
+        return gathered[:, :, self.order.to(x.device)]
+
+    def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's queries over the whole sequence's keys and
+        values, heads joined: ``batch x S/cp x (heads * dim)``."""
+        positions = self.positions.to(q.device)
+        if attention.rotary:
+            cos, sin = rotary_angles(self.seq_len, attention.head_dim, dtype=q.dtype, device=q.device)
+            q, k = apply_rotary(q, cos[positions], sin[positions]), apply_rotary(k, cos[positions], sin[positions])
+        k = self.gather(k).repeat_interleave(attention.groups, dim=1)
+        v = self.gather(v).repeat_interleave(attention.groups, dim=1)
+        mask = positions.unsqueeze(1) >= torch.arange(self.seq_len, device=q.device).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).flatten(2)
+
+
+def shard_context(stage: nn.Module, shard: ContextShard) -> None:
+    """Make every attention of ``stage`` attend over the whole sequence from this rank's share."""
+    for module in stage.modules():
+        if isinstance(module, Attention):
+            module.context = shard
+
+
+def local_shape(shape: tuple[int, ...], cp: int) -> tuple[int, ...]:
+    """A ``batch x seq x hidden`` activation's shape on one cp rank."""
+    return (shape[0], shape[1] // cp, *shape[2:])

@@ -1,0 +1,160 @@
+"""Expert parallelism: each MoE layer's routed experts split over an ep group, tokens
+sent to their experts' ranks by all-to-all and their outputs sent back by a second one.
+
+The groups are the ones ``pipesim simulate --ep`` models (``pipesim.cluster.mapping``,
+Megatron-Core's expert ranks): the dp x cp ranks that hold one (pp, tp) shard, in
+global-rank order, are cut into ep groups of ``ep`` consecutive members; member ``i`` of a group holds the
+experts ``[i * E/ep, (i+1) * E/ep)``. Members at the same place of every ep group hold
+the same experts and reduce those experts' gradients together (the expert data-parallel
+group, ``dp * cp / ep`` ranks); every other parameter is reduced over dp (x cp) as before.
+
+Why the gradients come out right: each replica's loss is the mean over its own slice of
+the batch, and the combine all-to-all's backward returns to an expert's rank the
+gradient of every ep peer's loss for the copies it computed; summing over the expert dp
+group then covers all ``dp`` replicas (and their cp ranks, whose losses are parts of
+their replica's), and dividing by ``dp`` (as for the dense parameters) gives the
+gradient of the global mean.
+
+A routed copy (token, choice) leaves its rank in expert order; each side learns the
+other's counts by an all-to-all of ``ep`` integers and the expert of every row it
+receives by a third, untracked, all-to-all. The rows travel through
+``torch.distributed.nn.functional.all_to_all_single``, whose backward is the all-to-all
+with the splits swapped, so the backward (also a zero-bubble schedule's input-gradient
+pass) trades the gradients the same way. Every ep peer runs the same program on the same
+layers, so the collectives line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as tracked
+from torch import nn
+
+from executor.mesh import MeshPosition
+from executor.moe import MixtureOfExperts
+
+
+def expert_range(experts: int, ep: int, ep_index: int) -> range:
+    """The experts member ``ep_index`` of an ep group of ``ep`` holds (``ep`` divides ``experts``)."""
+    share = experts // ep
+    return range(ep_index * share, (ep_index + 1) * share)
+
+
+def expert_groups_of(position: MeshPosition, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Every ep group and every expert data-parallel group of the job, as global ranks,
+    in an order all processes share (``new_group`` must be called alike everywhere)."""
+    ep_groups, expert_dp_groups = [], []
+    for pp_index in range(position.pp):
+        for tp_index in range(position.tp):
+            members = [position.rank_at(pp_index, dp_index, cp_index, tp_index)
+                       for dp_index in range(position.dp) for cp_index in range(position.cp)]
+            ep_groups += [members[first:first + ep] for first in range(0, len(members), ep)]
+            expert_dp_groups += [members[offset::ep] for offset in range(ep)]
+    return ep_groups, expert_dp_groups
+
+
+@dataclass
+class ExpertGroups:
+    """This process's ep group (where its tokens' experts live), its expert data-parallel
+    group (the ranks holding its experts) and its place ``ep_index`` in the ep group."""
+
+    ep: int
+    ep_index: int
+    ep_group: dist.ProcessGroup
+    expert_dp_group: dist.ProcessGroup
+
+    @classmethod
+    def build(cls, rank: int, position: MeshPosition, ep: int, timeout: float) -> ExpertGroups:
+        ep_groups, expert_dp_groups = expert_groups_of(position, ep)
+        mine = {}
+        for kind, groups in (("ep", ep_groups), ("expert_dp", expert_dp_groups)):
+            for members in groups:
+                group = dist.new_group(members, timeout=timedelta(seconds=timeout))
+                if rank in members:
+                    mine[kind] = group
+        return cls(ep, (position.dp_index * position.cp + position.cp_index) % ep, mine["ep"], mine["expert_dp"])
+
+
+class ExpertDispatcher:
+    """The routed part of a ``MixtureOfExperts`` under expert parallelism (the
+    ``dispatcher`` it calls instead of running every expert itself)."""
+
+    def __init__(self, groups: ExpertGroups, experts: int) -> None:
+        self.groups = groups
+        self.share = experts // groups.ep
+
+    def __call__(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, keep: torch.Tensor,
+                 experts: nn.ModuleDict) -> torch.Tensor:
+        group = self.groups.ep_group
+        token, slot = torch.nonzero(keep, as_tuple=True)
+        expert = chosen[token, slot]
+        order = torch.argsort(expert, stable=True)  # grouped by destination rank, then expert
+        token, slot, expert = token[order], slot[order], expert[order]
+        send_counts = torch.bincount(expert // self.share, minlength=self.groups.ep)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        sends, receives = send_counts.tolist(), recv_counts.tolist()
+        received_experts = expert.new_empty(sum(receives))
+        dist.all_to_all_single(received_experts, expert, receives, sends, group=group)
+        rows = tracked.all_to_all_single(tokens.new_empty(sum(receives), tokens.shape[1]), tokens[token],
+                                         receives, sends, group=group)
+        outputs = torch.zeros_like(rows)
+        for name, module in experts.items():
+            # An expert that received no rows still runs, on none: a zero gradient, not none.
+            (at,) = torch.nonzero(received_experts == int(name), as_tuple=True)
+            outputs = outputs.index_copy(0, at, module(rows[at]).to(rows.dtype))
+        back = tracked.all_to_all_single(tokens.new_empty(len(token), tokens.shape[1]), outputs, sends, receives,
+                                         group=group)
+        weighted = back * weights[token, slot].unsqueeze(-1).to(back.dtype)
+        return torch.zeros_like(tokens).index_add(0, token, weighted)
+
+
+def shard_experts(stage: nn.Module, groups: ExpertGroups) -> None:
+    """Keep only this rank's experts in every MoE layer of ``stage`` (under their global
+    indices, so parameter names stay those of the whole model) and route through the
+    ep group."""
+    for module in stage.modules():
+        if isinstance(module, MixtureOfExperts):
+            mine = expert_range(module.num_experts, groups.ep, groups.ep_index)
+            module.experts = nn.ModuleDict({str(index): module.experts[index] for index in mine})
+            module.dispatcher = ExpertDispatcher(groups, module.num_experts)
+
+
+def expert_parameters(stages: dict[int, nn.Module]) -> set[int]:
+    """``id`` of every routed expert's parameter in ``stages`` (reduced over the expert
+    data-parallel group rather than dp)."""
+    return {id(param) for stage in stages.values() for module in stage.modules()
+            if isinstance(module, MixtureOfExperts) for param in module.experts.parameters()}
+
+
+class ExpertAwareAverager:
+    """Data-parallel gradient averaging under expert parallelism: the dense parameters'
+    buckets all-reduced over ``dp_group`` (dp, or dp x cp), the experts' over the expert data-parallel group, both
+    divided by ``dp`` (see the module), each bucket reduced as soon as the backward fills it."""
+
+    def __init__(self, stages: dict[int, nn.Module], program, dp_group: dist.ProcessGroup,
+                 groups: ExpertGroups, dp: int, bucket_bytes: float, reduce_dtype: torch.dtype | None) -> None:
+        from executor.data_parallel import GradientAverager  # noqa: PLC0415 - beside its one user
+
+        routed = expert_parameters(stages)
+        self.parts = [
+            GradientAverager(stages, program, dp_group, dp, bucket_bytes, reduce_dtype,
+                             keep=lambda param: id(param) not in routed),
+            GradientAverager(stages, program, groups.expert_dp_group, dp, bucket_bytes, reduce_dtype,
+                             keep=lambda param: id(param) in routed),
+        ]
+
+    def before_action(self, action) -> None:
+        for part in self.parts:
+            part.before_action(action)
+
+    def after_action(self, action) -> None:
+        for part in self.parts:
+            part.after_action(action)
+
+    def finish(self) -> list[tuple]:
+        return [timing for part in self.parts for timing in part.finish()]
