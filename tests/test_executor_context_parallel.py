@@ -122,4 +122,4 @@ def test_profile_refuses_cp_in_one_line(capsys, tmp_path) -> None:
                    "--out", str(tmp_path / "costs.json")])
     err = capsys.readouterr().err.strip()
     assert status == 2
-    assert len(err.splitlines()) == 1 and "--cp 2" in err and "pipeline stages only" in err
+    assert len(err.splitlines()) == 1 and "--cp 2" in err and "profile measures whole pipeline stages" in err
