@@ -152,8 +152,9 @@ def handle(args: argparse.Namespace) -> int:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
     split = [(flag, size) for flag, size in (("--tp", config.tp), ("--cp", config.cp), ("--ep", config.ep)) if size > 1]
     if split:
-        raise ValueError(f"compare profiles whole pipeline stages: {' '.join(f'{flag} {size}' for flag, size in split)} "
-                         f"is not calibrated yet; use {' '.join(f'{flag} 1' for flag, _ in split)}")
+        given = " ".join(f"{flag} {size}" for flag, size in split)
+        raise ValueError(f"compare profiles whole pipeline stages: {given} is not calibrated yet; "
+                         f"use {' '.join(f'{flag} 1' for flag, _ in split)}")
     from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
     from executor.spawn import SpawnError  # noqa: PLC0415
     from pipesim.sim.comparison import compare, report_lines  # noqa: PLC0415
