@@ -63,7 +63,7 @@ def test_comm_sms_on_the_command_line(capsys):
         assert main(["simulate", "--model", "llama3-8b", "--gpu", "h800", "--pp", "2", "-m", "4",
                      "--comm-sms", reserved]) == 0
         line = [text for text in capsys.readouterr().out.splitlines() if "step time" in text][0]
-        steps[reserved] = float(line.split()[2])
+        steps[reserved] = float(line.split()[2].replace(",", ""))
     assert 1 < steps["20"] / steps["0"] <= 132 / 112  # memory-bound kernels keep their pace
     assert main(["simulate", "--comm-sms", "20", "--pp", "2", "-m", "2"]) == 2
     assert "--comm-sms 20 needs --model" in capsys.readouterr().err
