@@ -13,7 +13,7 @@ from schedules.generators import COST_AWARE, generate
 from schedules.lowering import lower
 from schedules.schedule import Schedule
 
-MODELS = ("mlp", "gpt")  # the toys; --model also takes an architecture (executor.architecture)
+MODELS = ("mlp", "gpt")  # the toys; --model also takes an architecture (executor.architectures.build)
 OPTIMIZERS = ("sgd", "adamw")
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -108,7 +108,7 @@ class RunConfig:
     schedule_file: str | None = None
     prefetch_recvs: bool | None = None
     p2p: str | None = None
-    # Architectures (--model a preset or a config.json, executor.architecture): what no
+    # Architectures (--model a preset or a config.json, executor.architectures.build): what no
     # field above gives; None scales the original's proportions. ``data`` is a local text
     # file read byte by byte (executor.token_data); None: synthetic tokens.
     kv_heads: int | None = None
@@ -252,9 +252,9 @@ def check_optimizer(config: RunConfig) -> None:
 
 def check_model(config: RunConfig) -> None:
     """A toy model (mlp, gpt) or an architecture the executor builds
-    (``executor.architecture``, which checks its sizes, tp and stage split); ``--data``
+    (``executor.architectures.build``, which checks its sizes, tp and stage split); ``--data``
     a readable text file, for a model of tokens whose vocabulary holds its bytes."""
-    from executor.architecture import check_architecture, is_architecture  # noqa: PLC0415 - it imports this module
+    from executor.architectures.build import check_architecture, is_architecture  # noqa: PLC0415 - it imports this module
     from executor.token_data import BYTE_VOCAB, check_data_file  # noqa: PLC0415
 
     if is_architecture(config.model):
@@ -292,7 +292,7 @@ def check_zero(config: RunConfig) -> None:
 
 def check_tensor_parallel(config: RunConfig) -> None:
     """Tensor parallelism splits gpt heads and MLP features: tp must divide both
-    (architectures: ``executor.architecture.check_tensor_parallel``)."""
+    (architectures: ``executor.architectures.build.check_tensor_parallel``)."""
     if config.tp == 1:
         if config.sequence_parallel:
             raise ConfigError("--sequence-parallel needs --tp > 1")
@@ -313,7 +313,7 @@ def check_expert_parallel(config: RunConfig) -> None:
     and the experts."""
     if config.ep == 1:
         return
-    from executor.architecture import full_spec, is_architecture, shrunk_spec  # noqa: PLC0415 - it imports this module
+    from executor.architectures.build import full_spec, is_architecture, shrunk_spec  # noqa: PLC0415 - it imports this module
 
     if not is_architecture(config.model) or full_spec(config.model).moe is None:
         raise ConfigError(f"--ep {config.ep} splits the experts of a mixture-of-experts model; use e.g. --model "
@@ -335,7 +335,7 @@ def check_context_parallel(config: RunConfig) -> None:
     if config.cp_comm != "all-gather":
         raise ConfigError(f"--cp-comm {config.cp_comm} (ring attention) is simulated only; the executor runs "
                           f"--cp-comm all-gather")
-    from executor.architecture import full_spec, is_architecture  # noqa: PLC0415 - it imports this module
+    from executor.architectures.build import full_spec, is_architecture  # noqa: PLC0415 - it imports this module
 
     if not is_architecture(config.model):
         raise ConfigError(f"--cp {config.cp} splits the sequences of an architecture with rotary attention; use e.g. "

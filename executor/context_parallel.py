@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
 from torch import nn
 
-from executor.layers import Attention, apply_rotary, rotary_angles
+from executor.architectures.layers import Attention, apply_rotary, rotary_angles
 from executor.mesh import MeshPosition
 
 

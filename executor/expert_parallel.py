@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as tracked
 from torch import nn
 
+from executor.architectures.moe import MixtureOfExperts
 from executor.mesh import MeshPosition
-from executor.moe import MixtureOfExperts
 
 
 def expert_range(experts: int, ep: int, ep_index: int) -> range:

@@ -217,10 +217,10 @@ BUILT_IN = {"mlp": MlpModel, "gpt": GptModel}
 
 def build_model(config: RunConfig) -> PipelineModel:
     """The model named by ``config.model``: a toy, or an architecture (a preset or a
-    config.json, ``executor.transformer``)."""
+    config.json, ``executor.architectures.transformer``)."""
     if config.model in BUILT_IN:
         return BUILT_IN[config.model](config)
-    from executor.transformer import SpecModel  # noqa: PLC0415 - it builds on this module
+    from executor.architectures.transformer import SpecModel  # noqa: PLC0415 - it builds on this module
 
     return SpecModel(config)
 

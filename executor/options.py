@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from executor.architecture import CPU_SIZES as CPU
-from executor.architecture import GPU_SIZES as GPU
-from executor.architecture import MAX_EXPERTS, is_architecture
+from executor.architectures.build import CPU_SIZES as CPU
+from executor.architectures.build import GPU_SIZES as GPU
+from executor.architectures.build import MAX_EXPERTS, is_architecture
 from executor.config import (
     ADAMW_BETAS,
     BACKENDS,
@@ -213,7 +213,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def model_sizes(args: argparse.Namespace) -> dict:
     """``--layers/--hidden/--heads/--seq-len/--vocab`` as given, else the sizes a run
-    takes on this machine (``executor.architecture``: an architecture on a GPU runs
+    takes on this machine (``executor.architectures.build``: an architecture on a GPU runs
     larger; on a CPU, and the toys everywhere, the small ones); ``--data`` asks for the
     byte vocabulary."""
     sizes = CPU

@@ -1,5 +1,5 @@
 """Tensor parallelism: Megatron column/row splits of the gpt blocks and of the dense
-blocks of an architecture (``executor.transformer``), and timing of the collectives
+blocks of an architecture (``executor.architectures.transformer``), and timing of the collectives
 they issue.
 
 Each block's attention and MLP become a column-parallel GEMM followed by a row-parallel
@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from executor.latent_attention import LatentAttention
+from executor.architectures.latent_attention import LatentAttention
 from executor.models import Block
 
 TIMED_COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single")
@@ -140,7 +140,7 @@ def reduce_rope_key_grad(attention: LatentAttention, tp_mesh: DeviceMesh) -> Non
 
 def plan_of(module: nn.Module, sequence_parallel: bool) -> dict | None:
     """The tp plan of a block the executor splits, ``None`` for any other module."""
-    from executor.transformer import TransformerBlock  # noqa: PLC0415 - it imports models, as this module does
+    from executor.architectures.transformer import TransformerBlock  # noqa: PLC0415 - it imports models, as this module does
 
     if isinstance(module, Block):
         return block_plan(sequence_parallel)

@@ -82,10 +82,10 @@ def test_the_cases_exercise_what_they_name() -> None:
     """GQA really groups heads, Mixtral routes top-2 of its experts on every layer (and
     leaves some idle in its zb-h1 case), DeepSeek has latent attention and a dense first
     layer: the reference of each builds the parts the numerics above claim to cover."""
-    from executor.latent_attention import LatentAttention  # noqa: PLC0415
-    from executor.layers import Attention  # noqa: PLC0415
+    from executor.architectures.latent_attention import LatentAttention  # noqa: PLC0415
+    from executor.architectures.layers import Attention  # noqa: PLC0415
+    from executor.architectures.moe import MixtureOfExperts  # noqa: PLC0415
     from executor.models import build_model  # noqa: PLC0415
-    from executor.moe import MixtureOfExperts  # noqa: PLC0415
 
     llama = build_model(case_config("llama-1f1b")).build_stage(1, 2)
     attention = next(m for m in llama.modules() if isinstance(m, Attention))

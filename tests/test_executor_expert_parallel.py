@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.architecture import shrunk_spec
+from executor.architectures.build import shrunk_spec
+from executor.architectures.moe import MixtureOfExperts
 from executor.config import ConfigError, RunConfig
 from executor.expert_parallel import ExpertGroups, expert_groups_of, expert_range, shard_experts
 from executor.launch import launch
 from executor.mesh import MeshPosition
 from executor.models import build_model
-from executor.moe import MixtureOfExperts
 from executor.reference import reference_run
 from pipesim.cli import main
 

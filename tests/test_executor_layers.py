@@ -18,11 +18,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor.architecture import shrink_note, shrunk_spec, stage_layers
+from executor.architectures.build import shrink_note, shrunk_spec, stage_layers
+from executor.architectures.latent_attention import LatentAttention
+from executor.architectures.layers import Attention, RMSNorm, apply_rotary, rotary_angles
+from executor.architectures.moe import MixtureOfExperts, Router, within_capacity
 from executor.config import ConfigError, RunConfig
-from executor.latent_attention import LatentAttention
-from executor.layers import Attention, RMSNorm, apply_rotary, rotary_angles
-from executor.moe import MixtureOfExperts, Router, within_capacity
 from executor.reference import reference_run
 from executor.token_data import BOS, EOS, byte_tokens, token_windows
 from pipesim.cli import main

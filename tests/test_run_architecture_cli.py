@@ -83,7 +83,7 @@ def test_what_cannot_run_is_refused_in_one_line(capsys, flags, expected) -> None
 def test_sizes_default_by_model_and_machine() -> None:
     """An architecture on a GPU (nccl) takes the GPU sizes, on gloo the CPU's; the toys
     keep their sizes everywhere; a flag always wins."""
-    from executor.architecture import CPU_SIZES, GPU_SIZES  # noqa: PLC0415
+    from executor.architectures.build import CPU_SIZES, GPU_SIZES  # noqa: PLC0415
     from executor.options import config_from_args  # noqa: PLC0415
     from pipesim.cli import build_parser  # noqa: PLC0415
 

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from executor.architecture import is_architecture, shrink_note, shrunk_spec
+from executor.architectures.build import is_architecture, shrink_note, shrunk_spec
 from executor.config import ConfigError
 from executor.options import add_run_arguments, config_from_args
 from pipesim.cli.plan_row import config_from_plan_row

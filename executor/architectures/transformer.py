@@ -1,12 +1,12 @@
 """A decoder built from a ``pipesim.model`` spec: the architecture ``simulate --model``
 prices, trained for real (``run --model llama3-8b``, ``mixtral-8x7b``, ``deepseek-v3``,
-a config.json), at the sizes ``executor.architecture`` shrinks it to.
+a config.json), at the sizes ``executor.architectures.build`` shrinks it to.
 
 Each block is pre-norm (RMSNorm or LayerNorm as the spec says): attention (grouped-query
-with rotary positions, ``executor.layers``; latent attention, ``executor.latent_attention``)
+with rotary positions, ``executor.architectures.layers``; latent attention, ``executor.architectures.latent_attention``)
 then the MLP (SwiGLU or GeLU; a mixture of experts on the spec's sparse layers,
-``executor.moe``), both residual. The layers are split over stages as the simulator
-splits them (``executor.architecture.stage_layers``); the first stage holds the token
+``executor.architectures.moe``), both residual. The layers are split over stages as the simulator
+splits them (``executor.architectures.build.stage_layers``); the first stage holds the token
 embedding (and a learned position table where the spec has one), the last the final
 norm, the output projection and the next-token loss. Embeddings are untied: the first
 and last stage are different ranks.
@@ -19,12 +19,12 @@ import math
 import torch
 from torch import nn
 
-from executor.architecture import shrunk_spec, stage_layers
+from executor.architectures.build import shrunk_spec, stage_layers
+from executor.architectures.latent_attention import LatentAttention
+from executor.architectures.layers import Attention, FeedForward, RMSNorm
+from executor.architectures.moe import MixtureOfExperts
 from executor.config import RunConfig
-from executor.latent_attention import LatentAttention
-from executor.layers import Attention, FeedForward, RMSNorm
 from executor.models import GptModel
-from executor.moe import MixtureOfExperts
 from pipesim.model.spec import ModelSpec
 
 

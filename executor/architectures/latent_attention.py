@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor.layers import RMSNorm, apply_rotary, attend, rotary_angles
+from executor.architectures.layers import RMSNorm, apply_rotary, attend, rotary_angles
 from pipesim.model.latent_attention import LatentAttention as LatentSizes
 
 

@@ -1,7 +1,7 @@
 """Which architecture ``run --model`` builds: a preset or a Hugging Face config.json read
 as ``pipesim simulate`` reads it (``pipesim.model``), shrunk to the run's sizes.
 
-The executor trains the architecture's real parts (``executor.transformer``) at the
+The executor trains the architecture's real parts (``executor.architectures.transformer``) at the
 sizes ``--layers/--hidden/--heads/--kv-heads/--ffn-hidden/--experts/--seq-len/--vocab``
 give; what no flag gives is scaled with the hidden size so the shrunk model keeps the
 original's proportions: the grouped-query ratio ``heads / kv_heads``, the MLP's width

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from executor.layers import FeedForward
+from executor.architectures.layers import FeedForward
 
 
 class Router(nn.Module):
