@@ -66,6 +66,6 @@ def test_a_world_size_that_does_not_fit_is_refused_in_one_line(tmp_path: Path) -
     rank0, rank1 = start_ranks(2, ["--pp", "4", "--json", "run.json"], tmp_path)
     assert (rank0.returncode, rank1.returncode) == (2, 2)
     lines = rank0.stderr.strip().splitlines()
-    assert lines == ["pipesim run: error: torchrun started 2 processes, but dp=1 x pp=4 x tp=1 is 4 ranks: use "
-                     "torchrun --nproc-per-node 4 (one node), or change --dp/--pp/--tp"]
+    assert lines == ["pipesim run: error: torchrun started 2 processes, but dp=1 x pp=4 x tp=1 x cp=1 is 4 ranks: "
+                     "use torchrun --nproc-per-node 4 (one node), or change --dp/--pp/--tp/--cp"]
     assert rank1.stderr == "" and rank1.stdout == "" and not list(tmp_path.iterdir())

@@ -66,7 +66,6 @@ def handle(args: argparse.Namespace) -> int:
         return run_as_rank(config, args)
     progress = progress_from_args("run", args)
     from executor.launch import PipelineRunError, launch, validate_schedule  # noqa: PLC0415 - loads torch
-    from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
     from executor.worker import run_local  # noqa: PLC0415
 
     try:
@@ -81,6 +80,16 @@ def handle(args: argparse.Namespace) -> int:
     except PipelineRunError as error:
         print(f"pipesim run: failed: {error}", file=sys.stderr)
         return 1
+    report(result, config, args)
+    return 0
+
+
+def report(result: dict, config, args: argparse.Namespace) -> None:
+    """Write ``--json``/``--trace``/``--html`` and print the summary of a finished run,
+    with the shrunk architecture it ran and the simulator's static memory beside the
+    measured one."""
+    from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415 - loads torch
+
     document = summary(result)
     if is_architecture(config.model):  # what ran: the shrunk architecture, as simulate --json describes one
         document["model"] = {**shrunk_spec(config).describe(), "source": config.model, "shrunk": shrink_note(config)}
@@ -89,21 +98,20 @@ def handle(args: argparse.Namespace) -> int:
     print("\n".join(summary_lines(result, document) + predicted))
     if args.html:
         write_html(result["trace"], args.html, args.plotly)
-    return 0
 
 
 def run_as_rank(config, args: argparse.Namespace) -> int:
     """Under torchrun: this process is one rank of one job across the launched processes
     (no ranks are started here). Rank 0 prints the summary and writes ``--json``,
     ``--trace`` and ``--html``; the other ranks print and write nothing. A world size that
-    does not match dp x pp x tp is refused before any collective, by rank 0 in one line
+    does not match dp x pp x tp x cp is refused before any collective, by rank 0 in one line
     (the other ranks exit with the same status, silently)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     problem = None
     if world != config.world_size:
-        problem = (f"torchrun started {world} processes, but dp={config.dp} x pp={config.pp} x tp={config.tp} is "
-                   f"{config.world_size} ranks: use torchrun --nproc-per-node {config.world_size} (one node), or "
-                   f"change --dp/--pp/--tp")
+        problem = (f"torchrun started {world} processes, but dp={config.dp} x pp={config.pp} x tp={config.tp} x "
+                   f"cp={config.cp} is {config.world_size} ranks: use torchrun --nproc-per-node {config.world_size} "
+                   f"(one node), or change --dp/--pp/--tp/--cp")
     elif args.log_dir is not None:
         problem = "--log-dir is for ranks pipesim run starts itself; under torchrun each rank's output is torchrun's"
     if problem is not None:
@@ -111,7 +119,6 @@ def run_as_rank(config, args: argparse.Namespace) -> int:
             raise ConfigError(problem)
         return 2
     from executor.launch import validate_schedule  # noqa: PLC0415 - loads torch
-    from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
     from executor.worker import RankFailedError, run_worker  # noqa: PLC0415
 
     validate_schedule(config)
@@ -120,14 +127,8 @@ def run_as_rank(config, args: argparse.Namespace) -> int:
     except RankFailedError as error:
         print(f"pipesim run: failed: {error}", file=sys.stderr)
         return 1
-    if rank != 0:
-        return 0
-    document = summary(result)
-    predicted = predict_static_memory(document, config)
-    write_outputs(result, args.json, args.trace, document)
-    print("\n".join(summary_lines(result, document) + predicted))
-    if args.html:
-        write_html(result["trace"], args.html, args.plotly)
+    if rank == 0:
+        report(result, config, args)
     return 0
 
 
