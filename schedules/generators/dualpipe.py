@@ -27,7 +27,7 @@ parameters.
 from __future__ import annotations
 
 from schedules.generators.common import ScheduleUnavailableError
-from schedules.generators.dualpipev import _RankProgram
+from schedules.generators.dualpipev import _RankProgram, overlapped_programs
 from schedules.schedule import Schedule, v_shape_placement
 
 ENDS = 2  # the pipeline's two ends, each feeding half of the microbatches
@@ -48,14 +48,10 @@ def dualpipe(pp: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
             f"2 x pp = {2 * pp}, got {microbatches} microbatches"
         )
     per_direction = microbatches // ENDS
-    programs, fused = [], []
-    for rank in range(pp):
-        program, overlapped = _HalfRankProgram(rank, pp, per_direction).build()
-        programs.append(program)
-        fused.append(frozenset(overlapped))
+    programs, fused = overlapped_programs(pp, lambda rank: _HalfRankProgram(rank, pp, per_direction).build())
     return Schedule(pp, per_direction, v_shape_placement(pp, 2), programs, name="dualpipe",
                     meta={"memory_microbatches": (pp + 1) / 2},  # pp + 1 stage stashes: (pp + 1) / 2 rank shares
-                    fused=tuple(fused), copies=2)
+                    fused=fused, copies=2)
 
 
 class _HalfRankProgram(_RankProgram):

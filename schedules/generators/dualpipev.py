@@ -42,13 +42,20 @@ def dualpipev(pp: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
             f"dualpipev needs at least as many microbatches as stages: {microbatches} microbatches for "
             f"{2 * pp} stages (pp={pp}); use m >= {2 * pp}"
         )
+    programs, fused = overlapped_programs(pp, lambda rank: _RankProgram(rank, pp, microbatches).build())
+    return Schedule(pp, microbatches, v_shape_placement(pp, 2), programs, name="dualpipev",
+                    meta={"memory_microbatches": pp + 0.5}, fused=fused)
+
+
+def overlapped_programs(pp: int, build) -> tuple[list, tuple[frozenset[int], ...]]:
+    """Each rank's program and the positions of its overlapped pairs' backwards, from
+    ``build(rank)`` (DualPipeV's and DualPipe's rank programs return both)."""
     programs, fused = [], []
     for rank in range(pp):
-        program, overlapped = _RankProgram(rank, pp, microbatches).build()
+        program, overlapped = build(rank)
         programs.append(program)
         fused.append(frozenset(overlapped))
-    return Schedule(pp, microbatches, v_shape_placement(pp, 2), programs, name="dualpipev",
-                    meta={"memory_microbatches": pp + 0.5}, fused=tuple(fused))
+    return programs, tuple(fused)
 
 
 class _RankProgram:
