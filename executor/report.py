@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from schedules.metrics import comm_by_kind, step_metrics
+from schedules.units import duration, percent, time_unit
 
 
 def summary(result: dict) -> dict:
@@ -61,21 +62,23 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
         f"global batch {document['global_batch_size']}: {document['replica_batch_size']} per dp replica, "
         f"in {document['microbatches']} microbatches per replica",
     ]
-    for step, (loss, seconds) in enumerate(zip(document["losses"], document["step_times"], strict=True)):
-        lines.append(f"step {step}: loss {loss:.6f}  time {seconds * 1000:.2f} ms")
-    lines.append(f"measured step (last): makespan {document['measured_makespan'] * 1000:.2f} ms, "
-                 f"bubble fraction {document['bubble_fraction']:.3f}")
-    comm = document["comm"]
     span = document["measured_makespan"]
+    unit, _ = time_unit(max([span, *document["step_times"]]))  # one unit for every time of the run
+    for step, (loss, seconds) in enumerate(zip(document["losses"], document["step_times"], strict=True)):
+        lines.append(f"step {step}: loss {loss:.6f}  time {duration(seconds, unit)}")
+    lines.append(f"measured step (last): makespan {duration(span, unit)}, "
+                 f"bubble {percent(document['bubble_fraction'])}")
+    comm = document["comm"]
 
-    def ms(seconds: float) -> str:  # a difference of equal sums is not a measured time
-        return f"{0.0 if abs(seconds) < 1e-12 * span else seconds * 1000:.2f} ms"
+    def took(seconds: float) -> str:  # a difference of equal sums is not a measured time
+        return duration(0.0 if abs(seconds) < 1e-12 * span else seconds, unit)
 
+    # The time sends spend in flight is summed over every send, and sends overlap each
+    # other and the compute: a sum many times the step, so it stays in --json (p2p.total).
     lines.append("measured communication (last step, summed over one pipeline's ranks): "
-                 f"p2p blocked on data in flight {ms(comm['p2p']['exposed'])} (sends in flight "
-                 f"{ms(comm['p2p']['total'])}, from posting to completion, waiting for the peer included); "
-                 f"dp {ms(comm['dp']['total'])} (exposed {ms(comm['dp']['exposed'])}); "
-                 f"tp {ms(comm['tp']['total'])}")
+                 f"blocked on p2p data in flight {took(comm['p2p']['exposed'])}; "
+                 f"dp {took(comm['dp']['total'])} (exposed {took(comm['dp']['exposed'])}); "
+                 f"tp {took(comm['tp']['total'])}")
     lines.extend(memory_lines(document.get("memory")))
     return lines
 
