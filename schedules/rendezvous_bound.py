@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schedules import engine
+from schedules import dataflow, engine
 from schedules.lowering import planning_timing
 from schedules.schedule import Schedule
 from schedules.transfer_placement import transfers_of
@@ -164,15 +164,14 @@ def _local_edges(model, program: engine.EngineProgram, start: list, end: list) -
         index_of[int(stage[index]), int(kind[index]), int(microbatch[index])] = index
     from schedules.program_arrays import B_CODE, F_CODE, I_CODE  # noqa: PLC0415
 
-    for index in range(program.computes):
-        s, k, mb = int(stage[index]), int(kind[index]), int(microbatch[index])
-        schedule = arrays.schedule
-        if k == F_CODE and s > 0 and placement[s - 1] == placement[s] and schedule.same_copy(s, s - 1):
-            source = index_of.get((s - 1, F_CODE, mb))
-        elif (k in (B_CODE, I_CODE) and s + 1 < len(placement) and placement[s + 1] == placement[s]
-              and schedule.same_copy(s, s + 1)):
-            source = index_of.get((s + 1, B_CODE, mb), index_of.get((s + 1, I_CODE, mb)))
-        else:
+    schedule = arrays.schedule
+    sources, reads = dataflow.input_stages(stage, kind, schedule.num_stages, schedule.copies)
+    for index in np.flatnonzero(reads).tolist():
+        s, source_stage, mb = int(stage[index]), int(sources[index]), int(microbatch[index])
+        if placement[source_stage] != placement[s]:  # across ranks: the transfer's own constraints
             continue
+        producers = (F_CODE,) if int(kind[index]) == F_CODE else (B_CODE, I_CODE)  # dataflow.FED_BY
+        source = next((index_of[key] for key in ((source_stage, code, mb) for code in producers) if key in index_of),
+                      None)
         if source is not None:
             model.Add(start[index] >= end[source])

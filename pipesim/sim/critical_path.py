@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schedules import dataflow
 from schedules.engine import EngineProgram, action_rows
 from schedules.program_arrays import B_CODE, F_CODE, I_CODE
 
@@ -45,13 +46,13 @@ def path_links(program: EngineProgram) -> PathLinks:
     forward = kind == F_CODE
     backward = (kind == B_CODE) | (kind == I_CODE)
     producer = np.full(program.computes, -1, dtype=np.int64)
-    # a forward's input is the forward of the stage below; a backward's, the backward
-    # (B, or I when split) of the stage above
-    for wanted, source, source_kind in ((forward, stage - 1, "F"), (backward, stage + 1, "B"),
-                                        (backward, stage + 1, "I")):
-        schedule = program.arrays.schedule  # no input crosses the seam between copies of the model
-        rows = np.flatnonzero(wanted & (source >= 0) & (source < schedule.num_stages)
-                              & schedule.same_copy(stage, source))
+    # where each row's input comes from (schedules.dataflow: the stage below for a forward,
+    # above for a backward piece, never across the seam between copies of the model), and
+    # which of that stage's kinds produced it (a forward's forward; a backward's B, or I)
+    schedule = program.arrays.schedule
+    source, reads = dataflow.input_stages(stage, kind, schedule.num_stages, schedule.copies)
+    for wanted, source_kind in ((forward, "F"), (backward, "B"), (backward, "I")):
+        rows = np.flatnonzero(wanted & reads)
         found = action_rows(program, list(zip(source[rows].tolist(), [source_kind] * len(rows),
                                               microbatch[rows].tolist(), strict=True)))
         producer[rows[found >= 0]] = found[found >= 0]
