@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -92,12 +93,8 @@ class GraphRoutes:
         """The shortest path from ``src`` to ``dst`` that passes through no hub, if one
         is shorter than ``bound`` (the best route through a hub)."""
         hubs = self._hub_set
-        distance = {src: 0.0}
         previous: dict[str, str] = {}
-        queue = [(0.0, src)]
-        done = set()
-        while queue:
-            latency, node = heapq.heappop(queue)
+        for latency, node in _settle(self.forward, src, previous, lambda node: node == src or node not in hubs):
             if latency >= bound:
                 return None
             if node == dst:
@@ -105,17 +102,6 @@ class GraphRoutes:
                 while path[-1] != src:
                     path.append(previous[path[-1]])
                 return path[::-1]
-            if node in done:
-                continue
-            done.add(node)
-            if node in hubs and node != src:
-                continue
-            for neighbour, hop in self.forward[node].items():
-                reached = latency + hop
-                if reached < distance.get(neighbour, math.inf):
-                    distance[neighbour] = reached
-                    previous[neighbour] = node
-                    heapq.heappush(queue, (reached, neighbour))
         return None
 
     @property
@@ -129,8 +115,17 @@ class GraphRoutes:
 def _dijkstra(adjacency: Adjacency, origin: str) -> Tree:
     """Latency from ``origin`` to every node it reaches over ``adjacency``, and each
     node's previous node on the way (over reversed links: its next node toward origin)."""
-    distance = {origin: 0.0}
     previous: dict[str, str] = {}
+    distance = {node: latency for latency, node in _settle(adjacency, origin, previous)}
+    return distance, previous
+
+
+def _settle(adjacency: Adjacency, origin: str, previous: dict[str, str],
+            expands: Callable[[str], bool] = lambda node: True) -> Iterator[tuple[float, str]]:
+    """Dijkstra's search from ``origin``: each node it reaches with its latency, nearest
+    first, recording in ``previous`` the node before it; a node ``expands`` refuses is
+    reached but not gone through."""
+    distance = {origin: 0.0}
     queue = [(0.0, origin)]
     done = set()
     while queue:
@@ -138,10 +133,12 @@ def _dijkstra(adjacency: Adjacency, origin: str) -> Tree:
         if node in done:
             continue
         done.add(node)
+        yield latency, node
+        if not expands(node):
+            continue
         for neighbour, hop in adjacency[node].items():
             reached = latency + hop
             if reached < distance.get(neighbour, math.inf):
                 distance[neighbour] = reached
                 previous[neighbour] = node
                 heapq.heappush(queue, (reached, neighbour))
-    return distance, previous
