@@ -22,6 +22,7 @@ import pytest
 from executor.config import RunConfig
 from executor.launch import launch
 from executor.reference import reference_run
+from tests.launched_cases import assert_equals_reference
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -70,12 +71,7 @@ def result_of(name: str) -> dict:
 
 @pytest.mark.parametrize("name", CASES)
 def test_pipelined_step_equals_one_process_reference(name: str) -> None:
-    config = case_config(name)
-    result, reference = result_of(name), reference_run(config)
-    assert result["losses"] == pytest.approx(reference["losses"], abs=1e-10, rel=0)
-    assert sorted(result["grads"]) == sorted(reference["grads"])
-    for parameter, grad in reference["grads"].items():
-        assert (result["grads"][parameter] - grad).abs().max().item() < 1e-10, parameter
+    assert_equals_reference(result_of(name), reference_run(case_config(name)))
 
 
 def test_the_cases_exercise_what_they_name() -> None:

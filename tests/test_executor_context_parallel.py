@@ -12,10 +12,10 @@ import torch
 
 from executor.config import ConfigError, RunConfig
 from executor.context_parallel import ContextShard, chunk_positions, local_shape
-from executor.launch import launch
 from executor.mesh import MeshPosition
 from executor.reference import reference_run
 from pipesim.cli import main
+from tests.launched_cases import LaunchedCases, assert_equals_reference
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,30 +41,14 @@ CASES_OF_WORLD = {
                                   "microbatches": 4},
     },
 }
-CASES = {name: case for cases in CASES_OF_WORLD.values() for name, case in cases.items()}
-_results: dict[str, dict] = {}
-
-
-def case_config(name: str) -> RunConfig:
-    return RunConfig(**{**SMALL, **CASES[name]})
-
-
-def result_of(name: str) -> dict:
-    world = next(size for size, cases in CASES_OF_WORLD.items() if name in cases)
-    if name not in _results:
-        names = list(CASES_OF_WORLD[world])
-        _results.update(zip(names, launch([case_config(case) for case in names]), strict=True))
-    return _results[name]
+LAUNCHED = LaunchedCases(SMALL, CASES_OF_WORLD)
+CASES = LAUNCHED.cases
+case_config = LAUNCHED.config
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_context_parallel_step_equals_one_process_reference(name: str) -> None:
-    config = case_config(name)
-    result, reference = result_of(name), reference_run(config)
-    assert result["losses"] == pytest.approx(reference["losses"], abs=1e-10, rel=0)
-    assert sorted(result["grads"]) == sorted(reference["grads"])
-    for parameter, grad in reference["grads"].items():
-        assert torch.allclose(result["grads"][parameter], grad, atol=1e-10, rtol=0), parameter
+    assert_equals_reference(LAUNCHED.result(name), reference_run(case_config(name)))
 
 
 def test_chunks_are_load_balanced() -> None:

@@ -8,17 +8,16 @@ are the simulator's (``pipesim.cluster.mapping``), and bad values are refused in
 from __future__ import annotations
 
 import pytest
-import torch
 
 from executor.architectures.build import shrunk_spec
 from executor.architectures.moe import MixtureOfExperts
 from executor.config import ConfigError, RunConfig
 from executor.expert_parallel import ExpertGroups, expert_groups_of, expert_range, shard_experts
-from executor.launch import launch
 from executor.mesh import MeshPosition
 from executor.models import build_model
 from executor.reference import reference_run
 from pipesim.cli import main
+from tests.launched_cases import LaunchedCases, assert_equals_reference
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,30 +42,14 @@ CASES_OF_WORLD = {
                                           "ep": 2, "schedule": "zb-h1", "microbatches": 4},
     },
 }
-CASES = {name: case for cases in CASES_OF_WORLD.values() for name, case in cases.items()}
-_results: dict[str, dict] = {}
-
-
-def case_config(name: str) -> RunConfig:
-    return RunConfig(**{**SMALL, **CASES[name]})
-
-
-def result_of(name: str) -> dict:
-    world = next(size for size, cases in CASES_OF_WORLD.items() if name in cases)
-    if name not in _results:
-        names = list(CASES_OF_WORLD[world])
-        _results.update(zip(names, launch([case_config(case) for case in names]), strict=True))
-    return _results[name]
+LAUNCHED = LaunchedCases(SMALL, CASES_OF_WORLD)
+CASES = LAUNCHED.cases
+case_config = LAUNCHED.config
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_expert_parallel_step_equals_one_process_reference(name: str) -> None:
-    config = case_config(name)
-    result, reference = result_of(name), reference_run(config)
-    assert result["losses"] == pytest.approx(reference["losses"], abs=1e-10, rel=0)
-    assert sorted(result["grads"]) == sorted(reference["grads"])  # every expert held by some rank
-    for parameter, grad in reference["grads"].items():
-        assert torch.allclose(result["grads"][parameter], grad, atol=1e-10, rtol=0), parameter
+    assert_equals_reference(LAUNCHED.result(name), reference_run(case_config(name)))
 
 
 def test_groups_are_the_simulators() -> None:

@@ -1,0 +1,40 @@
+"""Executor cases launched together, once a session, and compared with the one-process
+reference: each world size's cases share one launch (starting process groups is most of
+a multi-process test's time)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor.config import RunConfig
+from executor.launch import launch
+
+
+class LaunchedCases:
+    """``cases_of_world[world][name]``: a case's RunConfig fields over ``base``."""
+
+    def __init__(self, base: dict, cases_of_world: dict[int, dict[str, dict]]) -> None:
+        self.base = base
+        self.cases_of_world = cases_of_world
+        self.cases = {name: case for cases in cases_of_world.values() for name, case in cases.items()}
+        self.results: dict[str, dict] = {}
+
+    def config(self, name: str) -> RunConfig:
+        return RunConfig(**{**self.base, **self.cases[name]})
+
+    def result(self, name: str) -> dict:
+        """The launched result of case ``name`` (launching its world's cases on first use)."""
+        if name not in self.results:
+            names = list(next(cases for cases in self.cases_of_world.values() if name in cases))
+            self.results.update(zip(names, launch([self.config(case) for case in names]), strict=True))
+        return self.results[name]
+
+
+def assert_equals_reference(result: dict, reference: dict, tolerance: float = 1e-10) -> None:
+    """Losses and every gradient within ``tolerance`` of the reference's, no gradient missing."""
+    assert result["losses"] == pytest.approx(reference["losses"], abs=tolerance, rel=0)
+    assert sorted(result["grads"]) == sorted(reference["grads"])
+    for parameter, grad in reference["grads"].items():
+        assert torch.allclose(result["grads"][parameter], grad, atol=tolerance, rtol=0), parameter
+
