@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from executor.data_parallel import local_tensor
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, Action, ActionKind
 
 FIELDS = ("peak", "params", "grads", "optimizer", "activations", "buffers", "activations_peak", "static",
@@ -42,13 +43,12 @@ def tensor_bytes(tensor: torch.Tensor | None) -> int:
     """Bytes of this process's part of ``tensor`` (a DTensor's local shard)."""
     if tensor is None:
         return 0
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = local_tensor(tensor)
     return local.numel() * local.element_size()
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.untyped_storage().data_ptr()
+    return local_tensor(tensor).untyped_storage().data_ptr()
 
 
 @dataclass
@@ -98,8 +98,7 @@ class MemoryTracker:
                 self.saved[self.recording][id(tensor)] = tensor_bytes(tensor)
                 return tensor
             if key not in self.param_storages:
-                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                self.saved[self.recording][key] = local.untyped_storage().nbytes()
+                self.saved[self.recording][key] = local_tensor(tensor).untyped_storage().nbytes()
         return tensor
 
     def start_step(self) -> None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from executor.config import MIXED_DTYPES, RunConfig
+from executor.data_parallel import local_tensor
 
 
 class Precision:
@@ -86,7 +87,7 @@ class LossScaler:
             for grad in grads:
                 if grad is None:
                     continue
-                grad = grad.to_local() if hasattr(grad, "to_local") else grad
+                grad = local_tensor(grad)
                 overflow = (~torch.isfinite(grad)).any()
                 found = overflow if found is None else found | overflow
                 grad.mul_(torch.tensor(1.0 / self.scale, dtype=torch.float32, device=grad.device))
