@@ -43,6 +43,10 @@ GENERATORS: dict[str, Generator] = {
 MULTI_CHUNK = frozenset({"interleaved-1f1b", "zbv", "interleaved-zb", "looped-bfs", "dualpipev", "dualpipe",
                          "zbv-auto"})
 
+# Schedules whose chunks take microbatches in groups of a size the user may set
+# (Megatron's ``--microbatch-group-size-per-virtual-pipeline-stage``, Meta's N).
+GROUPED = frozenset({"interleaved-1f1b"})
+
 # Schedules whose order depends on the stage costs and a memory limit: they cannot be
 # built from sizes alone, so they have their own signature (see ``zb_auto`` and
 # ``zbv_auto``) and the command line builds them from the costs it already has
@@ -127,9 +131,11 @@ def require_within_limit(name: str, pp: int, microbatches: int, virtual_stages: 
 
 @without_collector
 def generate(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
-             max_actions: int | None = DEFAULT_MAX_ACTIONS) -> Schedule:
+             max_actions: int | None = DEFAULT_MAX_ACTIONS, microbatch_group: int | None = None) -> Schedule:
     """Build the named schedule; errors name the bad value and list what is valid.
-    Schedules over ``max_actions`` lowered actions are refused before they are built."""
+    Schedules over ``max_actions`` lowered actions are refused before they are built.
+    ``microbatch_group`` (interleaved-1f1b only): Megatron's microbatches per chunk visit,
+    ``N`` (see ``schedules.generators.interleaved``); None keeps the schedule's own."""
     generator = GENERATORS.get(name)
     if name in COST_AWARE:
         raise UnknownScheduleError(
@@ -141,6 +147,12 @@ def generate(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
         )
     require_positive(name, pp, microbatches, virtual_stages)
     require_within_limit(name, pp, microbatches, virtual_stages, max_actions)
+    if microbatch_group is not None:
+        if name not in GROUPED:
+            raise ScheduleUnavailableError(
+                f"a microbatch group of {microbatch_group} applies to {', '.join(sorted(GROUPED))} only; "
+                f"{name} fixes its own order")
+        return generator(pp, microbatches, virtual_stages, microbatch_group=microbatch_group)
     return generator(pp, microbatches, virtual_stages)
 
 
@@ -149,6 +161,7 @@ __all__ = [
     "COST_AWARE_CALLS",
     "DEFAULT_MAX_ACTIONS",
     "GENERATORS",
+    "GROUPED",
     "MULTI_CHUNK",
     "PLANNED_SCHEDULES",
     "V_SHAPED",
