@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from schedules.generators import COST_AWARE, generate
+from schedules.generators import COST_AWARE, GROUPED, generate
+from schedules.generators.interleaved import require_microbatch_group
 from schedules.lowering import lower
 from schedules.schedule import Schedule
 
@@ -84,6 +85,7 @@ class RunConfig:
     recompute: str = "none"
     microbatches: int = 4
     virtual_stages: int = 1
+    microbatch_group: int | None = None  # interleaved-1f1b's N (schedules.generators.interleaved); None: its own
     model: str = "mlp"
     layers: int = 4
     hidden: int = 64
@@ -198,6 +200,7 @@ class RunConfig:
             raise ConfigError(f"--dp-bucket-mb must be positive, got {self.dp_bucket_mb}")
         check_tensor_parallel(self)
         check_zero(self)
+        check_microbatch_group(self)
         check_expert_parallel(self)
         check_context_parallel(self)
         if self.timeout <= 0:
@@ -356,11 +359,27 @@ def check_context_parallel(config: RunConfig) -> None:
                           f"which no cp rank holds; run dropless (no --capacity-factor)")
 
 
+def check_microbatch_group(config: RunConfig) -> None:
+    """``--microbatch-group``: for the schedules that group microbatches, in Megatron-Core's
+    range for the run's pp and microbatches (``require_microbatch_group``)."""
+    if config.microbatch_group is None:
+        return
+    if config.custom_schedule is not None or config.schedule not in GROUPED:
+        raise ConfigError(f"--microbatch-group {config.microbatch_group} conflicts with --schedule "
+                          f"{config.schedule}: only {', '.join(sorted(GROUPED))} runs microbatches in groups per "
+                          "model chunk")
+    try:
+        require_microbatch_group(config.pp, config.microbatches, config.microbatch_group)
+    except ValueError as error:
+        raise ConfigError(f"--microbatch-group {config.microbatch_group}: {error}") from None
+
+
 def build_schedule(config: RunConfig) -> Schedule:
     """The lowered schedule named by the config: the exact programs that will run."""
     if config.custom_schedule is not None:
         return lower(config.custom_schedule)
-    return lower(generate(config.schedule, config.pp, config.microbatches, config.virtual_stages))
+    return lower(generate(config.schedule, config.pp, config.microbatches, config.virtual_stages,
+                          microbatch_group=config.microbatch_group))
 
 
 def parse_failure(text: str) -> tuple[int, str, str]:

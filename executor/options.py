@@ -90,6 +90,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
                                "too (FSDP2 fully_shard per block) (default 0)")
     schedule.add_argument("--virtual-stages", "-v", type=positive_int, default=None,
                           help=f"stages per rank (default 2 for {', '.join(sorted(MULTI_CHUNK))}; else 1)")
+    add_microbatch_group_arg(schedule)
     model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")
     model.add_argument("--model", default="mlp",
                        help=f"{' or '.join(MODELS)} (toys), or an architecture shrunk to this machine: "
@@ -172,6 +173,24 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     output.add_argument("--trace", default=None, metavar="PATH", help="write the measured Trace of the last step")
 
 
+MICROBATCH_GROUP_HELP = (
+    "interleaved-1f1b: microbatches a rank runs on one model chunk before the next, N; rank r runs "
+    "2(pp-r-1) + (v-1)N forwards before its first backward, so a smaller N holds fewer stashes. Megatron-Core's "
+    "--microbatch-group-size-per-virtual-pipeline-stage, the flexible N of Meta's Llama 3 schedule; its range: "
+    "pp <= N <= microbatches, microbatches mod N zero or >= pp (outside it the order deadlocks)"
+)
+
+
+def add_microbatch_group_arg(group) -> None:
+    """``--microbatch-group N``: interleaved-1f1b's group size (Megatron-Core, Meta); the
+    one spelling for ``run`` and the simulator's commands."""
+    group.add_argument(
+        "--microbatch-group", type=positive_int, default=None, metavar="N",
+        help=MICROBATCH_GROUP_HELP + " (default: pp where pp divides microbatches; otherwise "
+        "microbatches / max(1, microbatches // pp), as torch.distributed.pipelining)",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The checked ``RunConfig`` the flags describe."""
     if args.schedule_file:
@@ -186,7 +205,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               f"stage per rank; multi-chunk schedules are {', '.join(sorted(MULTI_CHUNK))}")
         shape = {"schedule": name, "pp": DEFAULT_PP if args.pp is None else args.pp,
                  "microbatches": DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches,
-                 "virtual_stages": virtual}
+                 "virtual_stages": virtual, "microbatch_group": getattr(args, "microbatch_group", None)}
     layout = None
     if args.layout:
         try:
@@ -233,7 +252,8 @@ def schedule_file_shape(args: argparse.Namespace) -> dict:
     from schedules.csv_io import schedule_from_csv  # noqa: PLC0415
 
     for flag, value in (("--schedule", args.schedule), ("--pp", args.pp), ("--microbatches", args.microbatches),
-                        ("--virtual-stages", args.virtual_stages)):
+                        ("--virtual-stages", args.virtual_stages),
+                        ("--microbatch-group", getattr(args, "microbatch_group", None))):
         if value is not None:
             raise ConfigError(f"{flag} conflicts with --schedule-file {args.schedule_file}: the file fixes the "
                               f"schedule, pp, microbatches and stages per rank; drop {flag}")

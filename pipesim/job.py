@@ -25,6 +25,7 @@ from schedules.collector import without_collector
 from schedules.generators import (
     COST_AWARE,
     DEFAULT_MAX_ACTIONS,
+    GROUPED,
     MULTI_CHUNK,
     SCHEDULE_NAMES,
     generate,
@@ -32,6 +33,7 @@ from schedules.generators import (
     splits_backward,
 )
 from schedules.generators.adaptive import ADAPTABLE
+from schedules.generators.interleaved import require_microbatch_group
 from schedules.schedule import Schedule
 
 DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
@@ -64,6 +66,7 @@ class Job:
     pp: int | None = None
     microbatches: int | None = None
     virtual_stages: int | None = None
+    microbatch_group: int | None = None  # interleaved-1f1b's N (schedules.generators.interleaved)
     memory_limit: float | None = None
     max_actions: int = DEFAULT_MAX_ACTIONS
     fwd: float | None = None
@@ -160,9 +163,11 @@ def schedule_of(job: Job, topology: Topology | None = None, search_seconds: floa
         from schedules.csv_io import schedule_from_csv
 
         reject_with_schedule_file(job, {"--schedule": job.schedule, "--pp": job.pp,
-                                        "--microbatches": job.microbatches, "--virtual-stages": job.virtual_stages})
+                                        "--microbatches": job.microbatches, "--virtual-stages": job.virtual_stages,
+                                        "--microbatch-group": job.microbatch_group})
         return schedule_from_csv(job.schedule_file)
     job = job.generated()
+    check_microbatch_group(job)
     if job.schedule in COST_AWARE:
         from pipesim.sim.cost_aware import cost_aware_stages
 
@@ -177,10 +182,24 @@ def schedule_of(job: Job, topology: Topology | None = None, search_seconds: floa
                        f"{job.schedule} places one stage per rank; multi-chunk schedules are "
                        f"{', '.join(sorted(MULTI_CHUNK))}")
     schedule = generate(job.schedule, job.pp, job.microbatches, virtual_stages_for(job.schedule, job.virtual_stages),
-                        max_actions=job.max_actions)
+                        max_actions=job.max_actions, microbatch_group=job.microbatch_group)
     if job.schedule in ADAPTABLE:
         return adapted_schedule_of(job, schedule, topology)
     return schedule
+
+
+def check_microbatch_group(job: Job) -> None:
+    """``--microbatch-group`` belongs to the schedules that group microbatches and must lie
+    in Megatron-Core's range for the job's pp and microbatches; the error names the flag."""
+    if job.microbatch_group is None:
+        return
+    if job.schedule not in GROUPED:
+        raise conflict(f"--microbatch-group {job.microbatch_group}", f"--schedule {job.schedule}",
+                       f"only {', '.join(sorted(GROUPED))} runs microbatches in groups per model chunk")
+    try:
+        require_microbatch_group(job.pp, job.microbatches, job.microbatch_group)
+    except ValueError as error:
+        raise ValueError(f"--microbatch-group {job.microbatch_group}: {error}") from None
 
 
 def adapted_schedule_of(job: Job, schedule: Schedule, topology: Topology | None) -> Schedule:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from executor.options import add_hidden_alias, positive_int
+from executor.options import add_hidden_alias, add_microbatch_group_arg, positive_int
 from pipesim.cluster.presets import PRESETS
 from pipesim.job import (
     DEFAULT_FWD,
@@ -41,6 +41,7 @@ def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) 
         help=f"model chunks per rank for {', '.join(sorted(MULTI_CHUNK))} (default: {DEFAULT_VIRTUAL_STAGES}; "
         "others use 1)",
     )
+    add_microbatch_group_arg(group)
     add_memory_limit_arg(group)
     add_max_actions_arg(group)
 

@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from executor.options import MICROBATCH_GROUP_HELP
 from pipesim.cli.options import (
     add_cost_args,
     add_max_actions_arg,
@@ -23,6 +24,7 @@ from pipesim.cli.variability import add_variability_args, variability_from_args
 from pipesim.job import (
     Job,
     check_parallel_layout,
+    conflict,
     costs_of,
     default_split_note,
     model_spec_of,
@@ -32,6 +34,7 @@ from pipesim.job import (
     topology_of,
 )
 from pipesim.plan.sweep import ROW_FIELDS, WHATIF_FIELDS, SweepPoint, format_table, run_sweep, sweep_points
+from schedules.generators import GROUPED
 from schedules.schedule import Schedule
 
 
@@ -49,6 +52,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"microbatch counts, comma-separated (default: {MICROBATCHES})")
     parser.add_argument("--virtual-stages", "-v", type=int, default=None,
                         help=f"chunks per rank for interleaved schedules (default: {VIRTUAL_STAGES})")
+    # its own destination: a list, where a Job's microbatch_group is one size
+    parser.add_argument("--microbatch-group", dest="microbatch_groups", default=None, metavar="N[,N...]",
+                        help="comma-separated group sizes to sweep for interleaved-1f1b; a point where N is outside "
+                        "Megatron-Core's range for its pp and microbatches is a row with the reason. "
+                        + MICROBATCH_GROUP_HELP + " (default: none, the schedule's own: pp where pp divides "
+                        "microbatches)")
     add_max_actions_arg(parser)
     add_memory_limit_arg(parser)
     add_cost_args(parser)
@@ -73,7 +82,8 @@ def file_points(args: argparse.Namespace) -> tuple[list[SweepPoint], dict[SweepP
     from schedules.csv_io import schedule_from_csv
 
     reject_with_schedule_file(args, {"--schedule": args.schedule, "--pp": args.pp,
-                                     "--microbatches": args.microbatches, "--virtual-stages": args.virtual_stages})
+                                     "--microbatches": args.microbatches, "--virtual-stages": args.virtual_stages,
+                                     "--microbatch-group": args.microbatch_groups})
     points, schedules = [], {}
     for path in (path for text in args.schedule_file for path in split_list(text)):
         schedule = schedule_from_csv(path)
@@ -96,6 +106,19 @@ def counts_of(text: str, flag: str) -> list[int]:
     return values
 
 
+def microbatch_groups_of(args: argparse.Namespace) -> list[int | None]:
+    """``--microbatch-group``'s sizes (whole numbers >= 1), refused when no swept schedule
+    groups microbatches; ``[None]`` (each schedule's own) when not given."""
+    if args.microbatch_groups is None:
+        return [None]
+    groups = counts_of(args.microbatch_groups, "--microbatch-group")
+    names = split_list(args.schedule or SCHEDULES)
+    if not GROUPED & set(names):
+        raise conflict(f"--microbatch-group {args.microbatch_groups}", f"--schedule {','.join(names)}",
+                       f"only {', '.join(sorted(GROUPED))} runs microbatches in groups per model chunk")
+    return groups
+
+
 def with_usable_limit(rows: list[dict], headroom) -> None:
     """Give each row with a capacity the limit its out-of-memory verdict was judged
     against (capacity less ``--memory-headroom``, ``Headroom.of``), for the chart's line."""
@@ -114,6 +137,7 @@ def handle(args: argparse.Namespace) -> int:
             split_list(args.schedule or SCHEDULES), counts_of(args.pp or PP, "--pp"),
             counts_of(args.microbatches or MICROBATCHES, "--microbatches"),
             VIRTUAL_STAGES if args.virtual_stages is None else args.virtual_stages,
+            microbatch_groups_of(args),
         )
     variability = variability_from_args(args)
     job = Job.from_namespace(args)

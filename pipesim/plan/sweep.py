@@ -21,6 +21,7 @@ from pipesim.sim.whatif import sample_steps
 from schedules.generators import (
     COST_AWARE,
     DEFAULT_MAX_ACTIONS,
+    GROUPED,
     MULTI_CHUNK,
     ScheduleUnavailableError,
     generate,
@@ -33,7 +34,7 @@ from schedules.units import duration, percent, time_unit
 # with what-if flags: the sampled step time's mean and quantiles (``pipesim.sim.whatif``)
 WHATIF_FIELDS = ("step_time_mean", "step_time_p50", "step_time_p90", "step_time_p99")
 ROW_FIELDS = (
-    "schedule", "pp", "microbatches", "virtual_stages", "makespan", "bubble_fraction",
+    "schedule", "pp", "microbatches", "virtual_stages", "microbatch_group", "makespan", "bubble_fraction",
     "idle_fraction", "peak_inflight_microbatches", "bubble", "exposed_comm", "peak_memory_bytes", "oom",
     "actions", "note", "capacity_bytes",
 )
@@ -45,16 +46,19 @@ class SweepPoint:
     pp: int
     microbatches: int
     virtual_stages: int
+    microbatch_group: int | None = None  # interleaved-1f1b's N; None: its default
 
 
 def sweep_points(schedules: Iterable[str], pps: Iterable[int], microbatch_counts: Iterable[int],
-                 virtual_stages: int) -> list[SweepPoint]:
-    """Every combination; ``virtual_stages`` applies to the multi-chunk schedules only."""
+                 virtual_stages: int, microbatch_groups: Iterable[int | None] = (None,)) -> list[SweepPoint]:
+    """Every combination; ``virtual_stages`` applies to the multi-chunk schedules only,
+    ``microbatch_groups`` to the schedules that group microbatches (``GROUPED``)."""
     return [
-        SweepPoint(name, pp, count, virtual_stages if name in MULTI_CHUNK else 1)
+        SweepPoint(name, pp, count, virtual_stages if name in MULTI_CHUNK else 1, group)
         for name in schedules
         for pp in pps
         for count in microbatch_counts
+        for group in (microbatch_groups if name in GROUPED else (None,))
     ]
 
 
@@ -81,7 +85,8 @@ def run_sweep(
             require_within_limit(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
     rows = []
     for index, point in enumerate(points, 1):
-        label = f"{point.schedule} pp={point.pp} m={point.microbatches} v={point.virtual_stages}"
+        label = f"{point.schedule} pp={point.pp} m={point.microbatches} v={point.virtual_stages}" + (
+            f" N={point.microbatch_group}" if point.microbatch_group else "")
         try:
             schedule = (schedules or {}).get(point) or _build(point, costs_for, topology, parallel, memory_limit,
                                                               max_actions)
@@ -133,7 +138,8 @@ def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: 
     """The point's schedule as ``pipesim simulate`` builds it: zb-auto and zbv-auto from the costs,
     zb-h1 and zb-h2 in the order fastest on them, the others as generated."""
     if point.schedule not in COST_AWARE and point.schedule not in ADAPTABLE:
-        return generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
+        return generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions,
+                        microbatch_group=point.microbatch_group)
     from pipesim.cluster.mapping import map_ranks
     from pipesim.sim.cost_aware import adapt_to_costs, build_cost_aware, cost_shell
 
@@ -153,15 +159,18 @@ def format_table(rows: list[dict]) -> str:
     (``schedules.units``: ms below 10 s, s from there), the bubble a percentage; a point
     that could not be simulated keeps its whole reason, on the lines below its row."""
     sampled = any(row.get("step_time_p99") is not None for row in rows)
+    grouped = any(row.get("microbatch_group") for row in rows)  # a column for N only where one was asked for
     simulated = [row for row in rows if not row.get("note")]
     longest = max((max(row["makespan"], row.get("step_time_p99") or 0.0) for row in simulated), default=0.0)
     unit, _ = time_unit(longest)
-    header = (f"{'schedule':<18} {'pp':>4} {'m':>5} {'v':>3} {f'step time ({unit})':>15} "
+    header = (f"{'schedule':<18} {'pp':>4} {'m':>5} {'v':>3} " + (f"{'N':>4} " if grouped else "")
+              + f"{f'step time ({unit})':>15} "
               + (f"{f'p99 ({unit})':>12} " if sampled else "") + f"{'bubble':>8} {'peak in-flight':>15} "
               f"{'peak mem GB':>12}")
     lines = [header, "-" * len(header)]
     for row in rows:
-        point = f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3}"
+        point = f"{row['schedule']:<18} {row['pp']:>4} {row['microbatches']:>5} {row['virtual_stages']:>3}" + (
+            f" {row.get('microbatch_group') or '':>4}" if grouped else "")
         if row.get("note"):
             reason = textwrap.wrap(f"n/a: {row['note']}", width=max(40, len(header) - len(point) - 2))
             lines.append(f"{point}  {reason[0]}")

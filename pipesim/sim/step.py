@@ -73,6 +73,7 @@ class SimulationResult:
             "pp": self.schedule.pp,
             "microbatches": self.schedule.step_microbatches,
             "virtual_stages": self.schedule.virtual_stages,
+            "microbatch_group": self.schedule.meta.get("microbatch_group"),
             "topology": self.topology.name,
             "dp": self.parallel.dp,
             "tp": self.parallel.tp,
@@ -152,9 +153,11 @@ class SimulationResult:
                  if any(getattr(rank, name) for rank in metrics.ranks)]
         order = f" (order: {schedule.meta['order']})" if "order" in schedule.meta else ""  # adapted zb-h1/zb-h2
         each_way = f" ({schedule.microbatches} each way)" if schedule.copies == 2 else ""
+        group = schedule.meta.get("microbatch_group")  # interleaved-1f1b's N, where the user set it
+        group = f" (microbatch group {group})" if group else ""
         lines = [
             f"{schedule.name}{order}: pp={schedule.pp}, microbatches={schedule.step_microbatches}{each_way}, "
-            f"virtual stages={schedule.virtual_stages}, topology={self.topology.name}, "
+            f"virtual stages={schedule.virtual_stages}{group}, topology={self.topology.name}, "
             f"p2p={self.trace.meta.get('p2p')}, {schedule.num_actions} actions",
             f"  step time        {number(metrics.makespan * scale)} {unit}",
             f"  bubble fraction  {metrics.bubble_fraction:.2%} (pipeline bubble over ranks x step time)",

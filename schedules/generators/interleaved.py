@@ -52,20 +52,24 @@ def require_microbatch_group(pp: int, microbatches: int, microbatch_group: int) 
     """Megatron-Core's range for ``N`` (``forward_backward_pipelining_with_interleaving``):
     ``p <= N <= m``, and a last group of ``m mod N`` either empty or at least ``p``; one
     group of all ``m < p`` microbatches is the default order and runs too (see the module)."""
-    lowest = min(pp, microbatches)
-    if not lowest <= microbatch_group <= microbatches:
+    valid = _range_text(valid_microbatch_groups(pp, microbatches))
+    if microbatch_group > microbatches:
+        raise ScheduleUnavailableError(
+            f"interleaved-1f1b: microbatch group {microbatch_group} is more than the {microbatches} microbatches "
+            f"of the step; valid: {valid}"
+        )
+    if microbatch_group < min(pp, microbatches):
         raise ScheduleUnavailableError(
             f"interleaved-1f1b: microbatch group {microbatch_group} must be between pp={pp} and the "
             f"{microbatches} microbatches of the step (Megatron-Core's range: below pp a chunk's input has "
-            f"not crossed the pipeline when its turn comes, and the order deadlocks); valid: "
-            f"{_range_text(valid_microbatch_groups(pp, microbatches))}"
+            f"not crossed the pipeline when its turn comes, and the order deadlocks); valid: {valid}"
         )
     last = microbatches % microbatch_group
     if 0 < last < pp:
         raise ScheduleUnavailableError(
             f"interleaved-1f1b: microbatch group {microbatch_group} leaves a last group of {last} microbatches "
             f"({microbatches} mod {microbatch_group}), fewer than pp={pp} (Megatron-Core refuses it: the order "
-            f"waits on itself); valid: {_range_text(valid_microbatch_groups(pp, microbatches))}"
+            f"waits on itself); valid: {valid}"
         )
 
 
