@@ -145,7 +145,8 @@ def handle(args: argparse.Namespace) -> int:
 # plan's layout fields -> (export's flag, its argparse destination, the value meaning "not given")
 PLAN_FIELDS = {"schedule": ("--schedule", "schedule", None), "pp": ("--pp", "pp", None),
                "microbatches": ("--microbatches", "microbatches", None),
-               "virtual_stages": ("--virtual-stages", "virtual_stages", None), "tp": ("--tp", "tp", 1),
+               "virtual_stages": ("--virtual-stages", "virtual_stages", None),
+               "microbatch_group": ("--microbatch-group", "microbatch_group", None), "tp": ("--tp", "tp", 1),
                "dp": ("--dp", "dp", 1), "microbatch_size": ("--microbatch-size", "microbatch_size", None),
                "recompute": ("--recompute", "recompute", "none"), "zero": ("--zero", "zero", 0),
                "sequence_parallel": ("--sequence-parallel", "sequence_parallel", False)}
@@ -172,6 +173,8 @@ def apply_plan_layout(args: argparse.Namespace) -> None:
         if getattr(args, dest) != unset:
             raise conflict(flag, f"--from-plan {args.from_plan}", f"the plan's layout sets {field}; drop {flag}")
         if field not in row:
+            if field == "microbatch_group":  # a plan written before groups were searched: the schedule's own
+                continue
             raise ValueError(f"--from-plan {args.from_plan}: layout {args.plan_rank} has no {field!r}")
         setattr(args, dest, row[field])
 

@@ -45,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--microbatch-sizes", default="1,2,4", help="microbatch sizes to try (default: 1,2,4)")
     parser.add_argument("--virtual-stages", default="2,4",
                         help="chunks per rank to try for multi-chunk schedules (default: 2,4)")
+    parser.add_argument("--microbatch-group", default=None, metavar="N[,N...]",
+                        help="interleaved-1f1b's microbatch groups to try, comma-separated (Megatron-Core's "
+                        "--microbatch-group-size-per-virtual-pipeline-stage, Meta's flexible N; each layout keeps "
+                        "those in Megatron's range: pp <= N <= microbatches, microbatches mod N zero or >= pp); "
+                        "default: the schedule's own group (pp where pp divides the microbatches, the least "
+                        "memory), else Megatron's smallest")
     parser.add_argument("--recompute", default=",".join(RECOMPUTE_MODES),
                         help=f"recompute modes to try, comma-separated (default: {','.join(RECOMPUTE_MODES)})")
     parser.add_argument("--zero", default=",".join(map(str, ZERO_STAGES)),
@@ -137,6 +143,7 @@ def plan_request(args: argparse.Namespace):
         sequence_parallel=[SEQUENCE_PARALLEL[mode] for mode in _names(args.sequence_parallel, "--sequence-parallel",
                                                                        tuple(SEQUENCE_PARALLEL))],
         cp=_ints(args.cp, "--cp") if args.cp else None, ep=_ints(args.ep, "--ep") if args.ep else None,
+        microbatch_group=_ints(args.microbatch_group, "--microbatch-group") if args.microbatch_group else None,
         constraints=tuple(args.constraint), mfu=args.mfu, compute_model=args.compute_model,
         max_actions=args.max_actions, memory_headroom=args.memory_headroom, top=args.top, workers=args.workers)
 

@@ -25,6 +25,7 @@ from executor.options import config_from_args, model_sizes
 # Flags whose value the row fixes, with the value that means "not given".
 ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_file", None), ("--pp", "pp", None),
              ("--microbatches", "microbatches", None), ("--virtual-stages", "virtual_stages", None),
+             ("--microbatch-group", "microbatch_group", None),
              ("--dp", "dp", 1), ("--tp", "tp", 1), ("--zero", "zero", 0), ("--recompute", "recompute", "none"),
              ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", 8))
 
@@ -80,7 +81,8 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
     check_executable(row, number)
     model = shrunk_model(args, row)
     fixed = {"schedule": row["schedule"], "pp": row["pp"], "microbatches": row["microbatches"],
-             "virtual_stages": row["virtual_stages"], "dp": row["dp"], "tp": row["tp"], "zero": row["zero"],
+             "virtual_stages": row["virtual_stages"], "microbatch_group": row.get("microbatch_group"),
+             "dp": row["dp"], "tp": row["tp"], "zero": row["zero"],
              "recompute": row["recompute"], "sequence_parallel": bool(row["sequence_parallel"]),
              "batch_size": row["dp"] * row["microbatches"] * row["microbatch_size"]}
     planned = argparse.Namespace(**{**vars(args), **fixed, **model})

@@ -176,16 +176,18 @@ class LayoutEvaluator:
         if layout.schedule in COST_AWARE or layout.schedule in ADAPTABLE:
             return self.ordered_by_costs(layout, search_seconds)
         return self.generated(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
-                              self.base.max_actions)
+                              self.base.max_actions, layout.microbatch_group)
 
     @kept(limit=256)
-    def generated(self, name: str, pp: int, microbatches: int, virtual_stages: int, max_actions: int):
+    def generated(self, name: str, pp: int, microbatches: int, virtual_stages: int, max_actions: int,
+                  microbatch_group: int | None = None):
         """The schedule's order, shared by every layout with the same one: tp, dp, microbatch
         size, recompute and sharding leave it alone (its transfers are placed for each
         layout's costs when it is simulated, as ``simulate`` places them)."""
         from schedules.generators import generate
 
-        return generate(name, pp, microbatches, virtual_stages, max_actions=max_actions)
+        return generate(name, pp, microbatches, virtual_stages, max_actions=max_actions,
+                        microbatch_group=microbatch_group)
 
     @kept(limit=256)
     def ordered_by_costs(self, layout: Layout, search_seconds: float | None):

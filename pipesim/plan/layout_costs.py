@@ -52,7 +52,8 @@ class LayoutCosts:
         return replace(self.base, schedule=layout.schedule, pp=layout.pp, tp=layout.tp, dp=layout.dp,
                        microbatches=layout.microbatches, microbatch_size=layout.microbatch_size,
                        virtual_stages=layout.virtual_stages, recompute=layout.recompute, zero=layout.zero,
-                       sequence_parallel=layout.sequence_parallel, ep=layout.ep, cp=layout.cp)
+                       sequence_parallel=layout.sequence_parallel, ep=layout.ep, cp=layout.cp,
+                       microbatch_group=layout.microbatch_group)
 
     @kept()
     def of(self, layout: Layout):

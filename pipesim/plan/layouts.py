@@ -4,7 +4,8 @@ every layout the space allows and why each other candidate was ruled out
 what its field holds.
 
 A layout is a schedule, pp × tp × dp, virtual stages, microbatch size (the microbatch
-count follows from the global batch), recompute, the ZeRO stage, sequence parallelism,
+count follows from the global batch), for interleaved-1f1b its microbatch group ``N``
+(``planned_groups``), recompute, the ZeRO stage, sequence parallelism,
 context parallelism (cp ranks splitting each sequence, for long ones) and, for a mixture
 of experts, the expert-parallel size (ep ranks cut from dp x cp, as ``simulate --ep``
 places them). Layers need not divide over the pp × v stages: each layout's split is the
@@ -21,7 +22,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pipesim.sim.zero import ZERO_STAGES
-from schedules.generators import MULTI_CHUNK, PLANNED_SCHEDULES, V_SHAPED
+from schedules.generators import GROUPED, MULTI_CHUNK, PLANNED_SCHEDULES, V_SHAPED
+from schedules.generators.common import ScheduleUnavailableError
+from schedules.generators.interleaved import round_size, valid_microbatch_groups
 
 
 class Layout(NamedTuple):
@@ -43,12 +46,14 @@ class Layout(NamedTuple):
     sequence_parallel: bool = False
     ep: int = 1
     cp: int = 1
+    microbatch_group: int | None = None  # interleaved-1f1b's N; None: the schedule's own (N = pp where pp | m)
 
     def label(self) -> str:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         context = f" cp{self.cp}" if self.cp > 1 else ""
         experts = f" ep{self.ep}" if self.ep > 1 else ""
-        extras = "".join([f" recompute={self.recompute}" if self.recompute != "none" else "",
+        extras = "".join([f" N{self.microbatch_group}" if self.microbatch_group else "",
+                          f" recompute={self.recompute}" if self.recompute != "none" else "",
                           f" zero{self.zero}" if self.zero else "", " sp" if self.sequence_parallel else ""])
         return (f"{self.schedule}{chunks} pp{self.pp} tp{self.tp}{context} dp{self.dp}{experts} "
                 f"mbs{self.microbatch_size} m{self.microbatches}{extras}")
@@ -75,6 +80,7 @@ class SearchSpace:
     expert_parallel: Sequence[int] | None = None  # ep sizes to try; None: every power of two dividing the experts
     seq_len: int = 0  # tokens per sequence (0: unknown, no context parallelism)
     context_parallel: Sequence[int] | None = None  # cp sizes to try; None: ``context_parallel_sizes``
+    microbatch_groups: Sequence[int] | None = None  # interleaved-1f1b's N to try; None: ``planned_groups``
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -118,6 +124,8 @@ def _constraint_value(field: str, value: str) -> str:
         if value not in RECOMPUTE_MODES:
             raise ValueError(f"unknown recompute mode {value!r}; modes: {', '.join(RECOMPUTE_MODES)}")
         return value
+    if field == "microbatch_group" and value.lower() == "none":
+        return "None"  # the schedule's own group
     if field == "sequence_parallel":
         if value.lower() not in _SWITCHES:
             raise ValueError(f"sequence_parallel is on or off (true or false), not {value!r}")
@@ -139,7 +147,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 # The searched dimensions whose values the plan accounts for one by one (``values_left_out``).
-SEARCHED_FIELDS = ("schedule", "microbatch_size", "virtual_stages", "recompute", "cp", "ep")
+SEARCHED_FIELDS = ("schedule", "microbatch_size", "virtual_stages", "recompute", "cp", "ep", "microbatch_group")
 
 
 def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Counter] | None = None
@@ -164,7 +172,8 @@ def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Cou
         for microbatch_size in space.microbatch_sizes:
             microbatches = space.global_batch // (dp * microbatch_size)
             for schedule in (space.schedules if pp > 1 else (alone,)):
-                for chunks in _chunks(schedule, space):
+                groups = planned_groups(space, schedule, pp, microbatches)
+                for chunks, group in ((chunks, group) for chunks in _chunks(schedule, space) for group in groups):
                     for recompute in space.recompute:
                         for zero in space.zero:
                             if zero and dp * cp == 1:
@@ -176,7 +185,7 @@ def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Cou
                                     if ep > dp * cp:
                                         continue  # its ranks are cut from dp x cp: not a layout
                                     layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
-                                                    recompute, zero, sequence_parallel, ep, cp)
+                                                    recompute, zero, sequence_parallel, ep, cp, group)
                                     cause = _ruled_out(layout, space)
                                     if cause is None:
                                         layouts.append(layout)
@@ -201,6 +210,26 @@ def values_left_out(layouts: list[Layout], by_value: dict[tuple[str, object], Co
     tried = Counter(name for name, _ in by_value)
     return {f"{name}={value}": dict(causes.most_common()) for (name, value), causes in by_value.items()
             if value not in kept[name] and (kept[name] or tried[name] > 1) and EXCLUDED not in causes}
+
+
+def planned_groups(space: SearchSpace, schedule: str, pp: int, microbatches: int) -> Sequence[int | None]:
+    """interleaved-1f1b's microbatch groups to try (None for the other schedules, and for
+    the schedule's own group). Not given: the own group where it exists, else Megatron-Core's
+    smallest (``N >= pp`` with ``m mod N`` zero or ``>= pp``: 50 microbatches on 16 ranks run
+    in groups of 17, where equal rounds do not exist). No group below the own one exists to
+    save memory (Megatron's range starts at ``pp``, and the own group is its least), so
+    nothing else is searched unless asked for. Given: each one in Megatron's range, the own
+    group written as None (the same order); one out of range is ruled out (``_ruled_out``)."""
+    if schedule not in GROUPED or microbatches < 1:
+        return (None,)
+    try:
+        own = round_size(pp, microbatches)
+    except ScheduleUnavailableError:
+        own = None
+    if space.microbatch_groups is None:
+        valid = valid_microbatch_groups(pp, microbatches)
+        return (None,) if own is not None or not valid else (valid[0],)
+    return tuple(dict.fromkeys(None if group == own else group for group in space.microbatch_groups))
 
 
 def _chunks(schedule: str, space: SearchSpace) -> Sequence[int]:
@@ -251,6 +280,9 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
         return "2 x cp does not divide the sequence (the causal ring's even chunks)"
     if layout.pp * layout.virtual_stages > space.layers + 2:
         return "more stages (pp x virtual stages) than layers + 2 (an embedding-only and a head-only chunk)"
+    if layout.microbatch_group is not None and layout.microbatch_group not in valid_microbatch_groups(
+            layout.pp, layout.microbatches):
+        return "microbatch group outside Megatron-Core's range (pp <= N <= m, m mod N zero or >= pp)"
     if not _allowed(layout, space.constraints):
         return EXCLUDED
     return None

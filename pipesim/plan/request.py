@@ -18,7 +18,7 @@ from pipesim.plan.layouts import RECOMPUTE_MODES, SearchSpace, enumerate_layouts
 from pipesim.plan.search import PlanResult, search
 from pipesim.plan.workers import default_workers
 from pipesim.sim.zero import ZERO_STAGES
-from schedules.generators import PLANNED_SCHEDULES
+from schedules.generators import GROUPED, PLANNED_SCHEDULES
 
 # The plan builds the cluster device by device and prices each layout's data-parallel
 # groups over their devices: 131,072 GPUs (16,384 nodes of 8) build in a fifth of a second,
@@ -32,12 +32,12 @@ class PlanRequest:
     ``topology`` (``gpu`` its devices) at ``global_batch`` sequences a step of ``seq_len``
     tokens, searched over the ``schedules``, ``microbatch_sizes``, ``virtual_stages`` (of
     multi-chunk schedules), ``recompute`` modes, ``zero`` stages, ``sequence_parallel``
-    choices, context-parallel sizes ``cp`` and expert-parallel sizes ``ep`` (None: the
-    defaults of ``pipesim.plan.layouts``), keeping layouts that match every one of
-    ``constraints`` (``"pp=8"``, ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on
-    ``workers`` processes (None: the CPUs available). ``mfu``, ``compute_model``,
-    ``max_actions`` and ``memory_headroom`` are ``pipesim simulate``'s. Field names are the
-    command's flags."""
+    choices, context-parallel sizes ``cp``, expert-parallel sizes ``ep`` and interleaved-1f1b's
+    microbatch groups ``microbatch_group`` (None: the defaults of ``pipesim.plan.layouts``),
+    keeping layouts that match every one of ``constraints`` (``"pp=8"``,
+    ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on ``workers`` processes (None: the CPUs
+    available). ``mfu``, ``compute_model``, ``max_actions`` and ``memory_headroom`` are
+    ``pipesim simulate``'s. Field names are the command's flags."""
 
     model: str
     gpus: int
@@ -54,6 +54,7 @@ class PlanRequest:
     sequence_parallel: Sequence[bool] = (False, True)
     cp: Sequence[int] | None = None
     ep: Sequence[int] | None = None
+    microbatch_group: Sequence[int] | None = None
     constraints: Sequence[str] = ()
     mfu: float | None = None
     compute_model: str | None = None
@@ -118,9 +119,13 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                                 ("--sequence-parallel", request.sequence_parallel, (False, True))):
         _known(flag, values, known)
     for flag, values in (("--microbatch-sizes", request.microbatch_sizes),
-                         ("--virtual-stages", request.virtual_stages), ("--cp", request.cp), ("--ep", request.ep)):
+                         ("--virtual-stages", request.virtual_stages), ("--cp", request.cp), ("--ep", request.ep),
+                         ("--microbatch-group", request.microbatch_group)):
         if values is not None:
             _sizes(flag, values)
+    if request.microbatch_group and not GROUPED & set(request.schedules):
+        raise ValueError(f"--microbatch-group {_listed(request.microbatch_group)}: only "
+                         f"{', '.join(sorted(GROUPED))} runs microbatches in groups, and --schedules leaves it out")
     base = Job(model=request.model, seq_len=request.seq_len, topology=request.topology,
                nodes=max(1, request.gpus // request.gpus_per_node), gpu=request.gpu, mfu=request.mfu,
                compute_model=request.compute_model, memory_headroom=request.memory_headroom,
@@ -139,6 +144,7 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
         constraints=parse_constraints(request.constraints), experts=spec.moe.experts if spec.moe else 0,
         expert_parallel=list(request.ep) if request.ep else None, seq_len=spec.seq_len,
         context_parallel=list(request.cp) if request.cp else None,
+        microbatch_groups=list(request.microbatch_group) if request.microbatch_group else None,
     )
     return base, space
 

@@ -377,12 +377,12 @@ def _refined(rows: list[dict], chosen: list[Layout], found: list[dict], others: 
     return exact + [{**row, "screened": True} for row in rows[count:]], count
 
 
-def order_key(layout: Layout) -> tuple[str, int, int, int]:
+def order_key(layout: Layout) -> tuple[str, int, int, int, int | None]:
     """What a layout's order is built from besides its costs: schedule, pp, chunks,
-    microbatches. Finer than the placement: the few hundred layouts simulated crowd into a
+    microbatches, microbatch group. Finer than the placement: the few hundred layouts simulated crowd into a
     few placements (pp 8 with two or four chunks), which would leave one worker doing
     most of them."""
-    return layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches
+    return layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches, layout.microbatch_group
 
 
 def stages_key(layout: Layout) -> tuple[int, int, int]:
