@@ -34,15 +34,17 @@ if TYPE_CHECKING:
 DEFAULT_VIRTUAL_STAGES = 2  # chunks per rank for interleaved schedules when not given
 
 
-def schedule(name: str = "1f1b", pp: int = 4, microbatches: int = 8, virtual_stages: int | None = None) -> Schedule:
+def schedule(name: str = "1f1b", pp: int = 4, microbatches: int = 8, virtual_stages: int | None = None,
+             microbatch_group: int | None = None) -> Schedule:
     """A generated schedule (compute actions only): ``gpipe``, ``1f1b``,
     ``interleaved-1f1b`` and whatever else ``schedules.generators`` offers.
-    ``virtual_stages`` defaults to 2 for multi-chunk schedules and 1 otherwise."""
+    ``virtual_stages`` defaults to 2 for multi-chunk schedules and 1 otherwise;
+    ``microbatch_group`` is interleaved-1f1b's N (``--microbatch-group``)."""
     from schedules.generators import MULTI_CHUNK, generate  # noqa: PLC0415
 
     if virtual_stages is None:
         virtual_stages = DEFAULT_VIRTUAL_STAGES if name in MULTI_CHUNK else 1
-    return generate(name, pp, microbatches, virtual_stages)
+    return generate(name, pp, microbatches, virtual_stages, microbatch_group=microbatch_group)
 
 
 def load_schedule(path: str | Path, microbatches: int | None = None) -> Schedule:

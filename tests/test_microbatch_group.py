@@ -61,6 +61,8 @@ def test_orders_match_megatrons_action_by_action(size):
     schedule = generate("interleaved-1f1b", pp, microbatches, virtual, microbatch_group=group)
     assert program_text(schedule) == HAND_ORDERS[size]
     assert schedule.meta["microbatch_group"] == group
+    assert pipesim.schedule("interleaved-1f1b", pp, microbatches, virtual, microbatch_group=group).programs == \
+        schedule.programs
 
 
 def default_order(pp: int, microbatches: int, virtual: int) -> list[list[str]]:
