@@ -212,6 +212,10 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
                        help="all-reduce algorithm (default: ring)")
     group.add_argument("--bytes-per-param", default="2,2,12",
                        help="memory per parameter: WEIGHTS,GRADS,OPTIMIZER bytes (default: 2,2,12, bf16 + Adam)")
+    group.add_argument("--optimizer-moments", choices=("fp32", "bf16"), default="fp32",
+                       help="AdamW's first and second moments: fp32 (4 bytes each, as --bytes-per-param's 12 counts "
+                       "them) or bf16 (2 each: 4 bytes fewer per parameter, DeepSeek-V3's; its FP32 gradients are "
+                       "--bytes-per-param 2,4,12) (default: fp32)")
     add_memory_headroom_arg(group)
 
 

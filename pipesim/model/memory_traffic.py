@@ -64,6 +64,13 @@ def layer_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = 
     return spec.tokens * per_token, spec.tokens * scores
 
 
+def norm_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Of ``layer_traffic_bytes``' element-wise bytes, the norms' (``4h`` per token, whole
+    on every tp rank unless sequence parallelism shards them): what a backward that
+    recomputes the norms' outputs moves again."""
+    return spec.tokens * 4 * spec.hidden * spec.dtype_bytes / (tp if sequence_parallel else 1)
+
+
 def rotary_columns(spec: ModelSpec) -> int:
     """Query and key columns rotary embeddings rotate: all of Q and K (``h + k`` for GPT
     shapes), or MLA's rotary parts (``a d_rope`` of the queries, one shared ``d_rope`` key)."""
