@@ -47,7 +47,7 @@ PRETRAINING_GPU_HOURS = 2664e3
 PUBLISHED_TOKENS_PER_GPU = PRETRAINING_TOKENS / (PRETRAINING_GPU_HOURS * 3600)
 LAYERS_PER_STAGE = ",".join(["3"] + ["4"] * 14 + ["2"])
 COMMAND = (f"pipesim simulate --model {CONFIG} --seq-len 4096 --schedule dualpipe --pp 16 --dp 128 --ep 64 "
-           f"--topology ib --nodes 256 --gpu h800 --comm-sms 20 --zero 1 -m 60 --layers-per-stage {LAYERS_PER_STAGE} "
+           f"--topology ib --nodes 256 --gpu h800 --comm-sms 20 --zero 1 -m 120 --layers-per-stage {LAYERS_PER_STAGE} "
            "--recompute norm-mla-up --bytes-per-param 2,4,12 --optimizer-moments bf16")
 # each memory rule taken away in turn: (what, the Job's fields as without it)
 WITHOUT = (("--recompute none", {"recompute": "none"}),
