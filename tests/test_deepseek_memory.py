@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesim.cli import main
-from pipesim.job import Job, simulate_job
+from pipesim.job import Job, model_spec_of, simulate_job
 from pipesim.model.activations import FP8_CACHED_BYTES, layer_stash_bytes
 from pipesim.model.compute_model import FixedEfficiency, block_time, operation_time
 from pipesim.model.hf_config import spec_from_hf_config
@@ -182,3 +182,20 @@ def test_the_reports_layout_fits_an_h800_and_is_within_15_percent_of_its_through
     row = predict(job_of())
     assert row["fits"] and row["peak_gb"] <= row["usable_gb"] < row["capacity_gb"] == 80.0
     assert math.isclose(row["tokens_per_gpu"], PUBLISHED_TOKENS_PER_GPU, rel_tol=0.15)
+
+
+@pytest.mark.parametrize("schedule, pp, keeps_a_copy", [
+    ("1f1b", 2, True),  # the last stage's rank holds no embedding: it keeps one for the MTP module
+    ("1f1b", 1, False),  # one rank holds both ends
+    ("zbv", 2, False),  # V-shaped: the last stage is on rank 0, beside the embedding
+    ("dualpipe", 2, False),  # each copy's last stage sits beside the other copy's embedding
+])
+def test_the_mtp_modules_embedding_is_counted_where_no_first_stage_shares_its_rank(schedule, pp, keeps_a_copy):
+    job = Job(model=str(CONFIG), layers=4, seq_len=TOKENS, schedule=schedule, pp=pp, microbatches=4)
+    spec = model_spec_of(job)
+    result = simulate_job(job)
+    whole = spec.describe()["params"] + spec.mtp_params()  # main model and MTP module, the embedding once
+    table = 129280 * H  # the vocabulary's rows of 7168
+    assert spec.embedding_params() == table
+    counted = sum(cost.params for cost in result.costs.stages)
+    assert counted == result.schedule.copies * whole + (table if keeps_a_copy else 0)
