@@ -110,10 +110,15 @@ def test_the_recomputation_costs_the_norms_and_the_up_projections_forward():
     assert [(gemm.k, gemm.n) for gemm in up] == [(Q_RANK, HEADS * QK_HEAD),
                                                   (KV_RANK, HEADS * (QK_HEAD - ROPE + V_HEAD))]
     norms = memory_seconds(TOKENS * 4 * H * 2, 3.35e12)  # two norms read and write h each, BF16
-    expected = sum(operation_time(gemm, compute).forward for gemm in up) + norms
+    # FP8 caching drops SwiGLU's output, so every backward re-runs it: reads 2f, writes f for
+    # 8 routed and 1 shared expert of 2048, in BF16
+    swiglu = memory_seconds(TOKENS * 3 * (K * EXPERT_FFN + SHARED_FFN) * 2, 3.35e12)
+    expected = sum(operation_time(gemm, compute).forward for gemm in up) + norms + swiglu
     assert light.recompute == pytest.approx(expected)
     assert (light.forward, light.input_grad, light.weight_grad) == (plain.forward, plain.input_grad, plain.weight_grad)
-    assert plain.recompute == 0.0
+    assert plain.recompute == pytest.approx(swiglu)
+    assert block_time(layer_operations(deepseek(fp8=False), layer=MOE_LAYER), compute).recompute == 0.0
+    assert block_time(layer_operations(spec, layer=DENSE_LAYER), compute).recompute == 0.0  # a dense MLP keeps it
     # and the FLOPs it adds: 2 T (1536 x 128 x 192 + 512 x 128 x 256) per layer, 61 layers
     per_layer = 2 * TOKENS * (Q_RANK * HEADS * QK_HEAD + KV_RANK * HEADS * (QK_HEAD - ROPE + V_HEAD))
     assert spec.recompute_flops("norm-mla-up") == pytest.approx(61 * per_layer)

@@ -62,7 +62,8 @@ projection's input in FP8. A mixture of experts keeps each routed copy's dispatc
 input in FP8 (DeepSeek-V3 dispatches it in FP8) and, of its routed and shared experts,
 only the activation's inputs, in FP8, recomputing the activation's output in the
 backward with the routing weight applied inside it (Megatron-Core's weighted SwiGLU with
-``fp8_input_store``), so the combine keeps no expert output. (DeepSeek keeps the
+``fp8_input_store``), so the combine keeps no expert output; every backward re-runs
+that activation (``pipesim.model.memory_traffic.recomputed_activation_bytes``). (DeepSeek keeps the
 attention output in a 12-bit E5M6 format; it is counted at 16 bits here.)
 """
 

@@ -287,14 +287,17 @@ def block_time(operations: tuple[Operation, ...], model: ComputeModel, recompute
 
 
 def recomputed_share(operation: Operation, recompute: str) -> float:
-    """The share of ``operation``'s forward that ``recompute`` re-runs in the backward."""
+    """The share of ``operation``'s forward that the backward re-runs under ``recompute``,
+    plus what it re-runs whatever the mode (an element-wise kernel's ``recomputed_bytes``:
+    a mixture of experts' activation under FP8 caching)."""
     if recompute == "full" or (recompute == "selective" and operation.attention_core):
         return 1.0
-    if recompute != NORM_MLA_UP:
-        return 0.0
     if isinstance(operation, MemoryBound):
-        return operation.norm_bytes / operation.bytes if operation.bytes else 0.0
-    return 1.0 if isinstance(operation, Gemm) and operation.name in UP_PROJECTIONS else 0.0
+        if not operation.bytes:
+            return 0.0
+        norms = operation.norm_bytes if recompute == NORM_MLA_UP else 0.0
+        return (operation.recomputed_bytes + norms) / operation.bytes
+    return 1.0 if recompute == NORM_MLA_UP and isinstance(operation, Gemm) and operation.name in UP_PROJECTIONS else 0.0
 
 
 def layer_memory_seconds(spec: ModelSpec, bandwidth: float, tp: int = 1, sequence_parallel: bool = False,

@@ -62,7 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipesim.model.memory_traffic import layer_traffic_bytes, norm_traffic_bytes
+from pipesim.model.memory_traffic import layer_traffic_bytes, norm_traffic_bytes, recomputed_activation_bytes
 from pipesim.model.weights import WHOLE, Weight, attention_weights, mlp_weights, shard, stack_on_rank
 
 if TYPE_CHECKING:
@@ -136,6 +136,7 @@ class MemoryBound:
     bytes: float
     attention_core: bool = False
     norm_bytes: float = 0.0  # of ``bytes``, what the norms move (what --recompute norm-mla-up re-runs)
+    recomputed_bytes: float = 0.0  # of ``bytes``, what every backward re-runs (an activation whose output is not kept)
 
     flops = 0.0
 
@@ -224,7 +225,8 @@ def memory_bound_kernels(spec: ModelSpec, tp: int = 1, sequence_parallel: bool =
     attention is not fused."""
     plain, scores = layer_traffic_bytes(spec, tp, sequence_parallel, flash_attention, layer)
     kernels: tuple[Operation, ...] = (MemoryBound("elementwise", plain,
-                                                  norm_bytes=norm_traffic_bytes(spec, tp, sequence_parallel)),)
+                                                  norm_bytes=norm_traffic_bytes(spec, tp, sequence_parallel),
+                                                  recomputed_bytes=recomputed_activation_bytes(spec, tp, layer)),)
     if scores:
         kernels += (MemoryBound("softmax_dropout", scores, attention_core=True),)
     return kernels
