@@ -48,6 +48,10 @@ Sources (figures transcribed from the papers' tables):
   (``--no-tp-overlap``): the paper's account of its parallelism names no tensor-parallel
   overlap; with it (pipesim's default) the rows come out +31.7%, +22.4% and +4.9%.
 
+- DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv:2412.19437): tokens/s per GPU and
+  peak memory of the report's layout, printed after the tables (``benchmarks/deepseek_v3.py``
+  has the sources and assumptions).
+
 In-sample and held out: the compute model's figures come from kernel measurements (H200
 GEMMs and attention) and published matmul throughput (``pipesim.hardware.gpus``), not from
 these rows; but the rows of the first two studies were printed by this benchmark (with
@@ -73,6 +77,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 
+from benchmarks import deepseek_v3  # DeepSeek-V3 as trained
 from pipesim.cluster.files import load_topology
 from pipesim.cluster.mapping import DEFAULT_ORDER, map_ranks
 from pipesim.model import memory_traffic
@@ -560,6 +565,7 @@ def main() -> None:
         print()
         if args.every_anchor and anchor:
             print("\n".join(every_anchor(runs())) + "\n")
+    print("\n".join(deepseek_v3.report_lines()) + "\n")
     print(summary("Narayanan + Korthikanti, no calibration", megatron_uncalibrated))
     print(summary("Narayanan + Korthikanti, calibrated, held out", all_held_out)
           + f" ({time.perf_counter() - started:.0f} s)")

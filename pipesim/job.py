@@ -117,6 +117,7 @@ class Job:
     zero: int = 0
     collective: str = "ring"
     bytes_per_param: str = "2,2,12"
+    optimizer_moments: str = "fp32"  # pipesim.sim.memory.OPTIMIZER_MOMENTS
     memory_headroom: str = "10%"  # pipesim.sim.memory.DEFAULT_HEADROOM: what each device keeps back
     p2p: str | None = None
 
@@ -323,21 +324,22 @@ def parallel_of(job):
     return _parallel(job.dp, job.tp, job.rank_order, job.bucket_mb, job.no_dp_overlap, job.collective, job.zero,
                      job.bytes_per_param, job.cp, job.ep, job.cp_comm, job.memory_headroom,
                      getattr(job, "no_tp_overlap", False), getattr(job, "no_param_gather_overlap", False),
-                     getattr(job, "overlap_slowdown", OVERLAP_SLOWDOWN))
+                     getattr(job, "overlap_slowdown", OVERLAP_SLOWDOWN), getattr(job, "optimizer_moments", "fp32"))
 
 
 @functools.lru_cache(maxsize=1024)
 def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap: bool, collective: str, zero: int,
               bytes_per_param: str, cp: int = 1, ep: int = 1, cp_comm: str = "p2p", memory_headroom: str = "10%",
               no_tp_overlap: bool = False, no_param_gather_overlap: bool = False,
-              overlap_slowdown: float = OVERLAP_SLOWDOWN):
-    from pipesim.sim.memory import parse_bytes_per_param, parse_headroom
+              overlap_slowdown: float = OVERLAP_SLOWDOWN, optimizer_moments: str = "fp32"):
+    from pipesim.sim.memory import parse_bytes_per_param, parse_headroom, with_optimizer_moments
     from pipesim.sim.parallel import ParallelConfig
 
     bucket_mb = finite_flag(bucket_mb, "--bucket-mb", positive=True)
+    per_param = with_optimizer_moments(parse_bytes_per_param(bytes_per_param), optimizer_moments)
     return ParallelConfig(dp=dp, tp=tp, rank_order=rank_order, bucket_bytes=bucket_mb * 2**20,
                           overlap_dp=not no_dp_overlap, algorithm=collective, zero=zero,
-                          bytes_per_param=parse_bytes_per_param(bytes_per_param), cp=cp, ep=ep, cp_comm=cp_comm,
+                          bytes_per_param=per_param, cp=cp, ep=ep, cp_comm=cp_comm,
                           memory_headroom=parse_headroom(memory_headroom), overlap_tp=not no_tp_overlap,
                           overlap_param_gather=not no_param_gather_overlap, overlap_slowdown=overlap_slowdown)
 
@@ -508,7 +510,8 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
                         job.sequence_parallel, tuple(layout) if layout else None, job.recompute,
                         not job.no_flash_attention, fallback_peak_flops(job), bandwidths,
                         fallback_memory_bandwidth(job),
-                        optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp, parallel.zero),
+                        optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp * schedule.copies,
+                                                       parallel.zero),
                         tuple(schedule.placement), gpus, getattr(job, "gpu", None), profiled, job.ep, job.cp,
                         layer_hold, getattr(job, "comm_sms", 0), schedule.copies)
 
@@ -561,7 +564,7 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
     ``copies`` of the model along the pipeline (DualPipe), the model is split into one
     copy's ``num_stages / copies`` stages and every copy's stages cost the same; each rank's
     optimizer then passes over the parameters of all the stages it holds."""
-    from pipesim.model.transformer_costs import with_optimizer_step
+    from pipesim.model.transformer_costs import with_mtp_embedding_copies, with_optimizer_step
 
     split = num_stages // copies
     stages = _model_stage_costs(spec, split, peaks[:split], tp, mfu, sequence_parallel, layout, recompute,
@@ -569,6 +572,7 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
                                 fallback_gpu, profiled, ep, cp, layer_hold_seconds, comm_sms)
     if copies > 1:
         stages = replace(stages, stages=stages.stages * copies, meta=dict(stages.meta))
+    stages = with_mtp_embedding_copies(stages, spec, list(stage_ranks), copies, tp)
     return with_optimizer_step(stages, 1.0, list(stage_ranks), list(bandwidths), fallback_bandwidth)
 
 

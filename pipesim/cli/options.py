@@ -149,7 +149,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="Megatron sequence parallelism: tp all-gather + reduce-scatter, activations / tp")
     group.add_argument("--recompute", choices=RECOMPUTE, default="none",
                        help="activation recomputation: full re-runs each layer's forward in its backward, selective "
-                       "the attention core only (default: none)")
+                       "the attention core only, norm-mla-up every norm's output and latent attention's up-projections "
+                       "(DeepSeek-V3's: a layer keeps the norms' inputs and the latents, not Q, K, V) (default: none)")
     group.add_argument("--no-flash-attention", action="store_true",
                        help="keep the s x s attention scores for the backward (Korthikanti et al.'s 5as/h term)")
     group.add_argument("--attention-flops", choices=("causal", "whole"), default="causal",
@@ -161,8 +162,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="with --model: the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3's recipe; the "
                        "router, attention core and output head stay BF16) on h100, h200, h800 or b200, at the FP8 "
                        "matmul throughput measured on Hopper (1.70x BF16's) plus each GEMM's casts; MFU stays "
-                       "against the BF16 peak, as papers report it, the FP8 peak's beside it. A config.json's FP8 "
-                       "quantization_config turns it on (default: BF16)")
+                       "against the BF16 peak, as papers report it, the FP8 peak's beside it; the GEMMs' inputs are "
+                       "stashed in FP8 (a mixture of experts keeps only SwiGLU's inputs, DeepSeek-V3's caching). A "
+                       "config.json's FP8 quantization_config turns it on (default: BF16)")
     group.add_argument("--comm-sms", type=int, default=0, metavar="SMS",
                        help="with --model: SMs of each GPU kept for communication kernels (DeepSeek-V3 kept 20 of "
                        "an H800's 132): GEMMs and attention run on the rest, at their share of the peak (default: 0)")
@@ -213,6 +215,10 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
                        help="all-reduce algorithm (default: ring)")
     group.add_argument("--bytes-per-param", default="2,2,12",
                        help="memory per parameter: WEIGHTS,GRADS,OPTIMIZER bytes (default: 2,2,12, bf16 + Adam)")
+    group.add_argument("--optimizer-moments", choices=("fp32", "bf16"), default="fp32",
+                       help="AdamW's first and second moments: fp32 (4 bytes each, as --bytes-per-param's 12 counts "
+                       "them) or bf16 (2 each: 4 bytes fewer per parameter, DeepSeek-V3's; its FP32 gradients are "
+                       "--bytes-per-param 2,4,12) (default: fp32)")
     add_memory_headroom_arg(group)
 
 

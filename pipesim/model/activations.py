@@ -44,35 +44,98 @@ per-row softmax statistics it keeps, ``4a`` bytes per token, are left out: under
 the rest). Selective recompute then saves nothing more, since what it recomputes is
 exactly that term. With sequence parallelism, full recompute keeps the sequence-sharded
 input, ``2sbh/t`` (the paper's table lists ``2sbh`` for tensor parallelism without it).
+
+**Recomputing the norms and latent attention's up-projections** (``--recompute
+norm-mla-up``, DeepSeek-V3's, report section 3.2.3): every norm's output is recomputed
+from its input in the backward, so a layer keeps its norms' inputs but not the QKV and
+MLP inputs (the norms' outputs) nor MLA's latents after their norms; with latent
+attention the up-projections are recomputed from the latents, so of Q, K, V and the
+attention output only the output is kept. The backward re-runs the norms (their share
+of the element-wise traffic) and the up-projection GEMMs' forwards.
+
+**FP8 caching** (under ``--fp8``, as Transformer Engine and DeepSeek-V3 run FP8, section
+3.3.3): the input a weight GEMM keeps for its weight gradient is the FP8 copy its forward
+read, ``1 + 4/128`` bytes per element with the 1x128 tile's FP32 scale; the attention
+kernel's Q, K, V and output, the norms' inputs and the router's scores keep their 16-bit
+or FP32 precision. A dense MLP keeps its activation's inputs in 16-bit and the down
+projection's input in FP8. A mixture of experts keeps each routed copy's dispatched
+input in FP8 (DeepSeek-V3 dispatches it in FP8) and, of its routed and shared experts,
+only the activation's inputs, in FP8, recomputing the activation's output in the
+backward with the routing weight applied inside it (Megatron-Core's weighted SwiGLU with
+``fp8_input_store``), so the combine keeps no expert output; every backward re-runs
+that activation (``pipesim.model.memory_traffic.recomputed_activation_bytes``). (DeepSeek keeps the
+attention output in a 12-bit E5M6 format; it is counted at 16 bits here.)
 """
 
 from __future__ import annotations
 
-from pipesim.model.spec import ModelSpec, check_recompute
+from pipesim.model.spec import NORM_MLA_UP, ModelSpec, check_recompute
 from pipesim.model.weights import kv_heads_per_shard
 
 MASK_BYTES = 1  # a dropout mask is one byte per element
+FP8_CACHED_BYTES = 1 + 4 / 128  # an FP8 element and its share of its 1x128 tile's FP32 scale
 ROUTER_SCORE_BYTES = 4  # router scores are kept in fp32
 
 
 def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                       flash_attention: bool = True, layer: int = 0) -> float:
-    """Bytes one microbatch keeps for layer ``layer`` until its backward, on one tp rank."""
+    """Bytes one microbatch keeps for layer ``layer`` until its backward, on one tp rank
+    (the inventory of the module, with ``--recompute norm-mla-up`` and FP8 caching as it
+    says)."""
     check_recompute(recompute)
     h, d = spec.hidden, spec.dtype_bytes
     if recompute == "full":
         return spec.tokens * h * d / (tp if sequence_parallel else 1)
     mask = MASK_BYTES if spec.dropout else 0
+    norm_output = 0 if recompute == NORM_MLA_UP else gemm_input_bytes(spec)
     # per token: the part tensor parallelism leaves whole (norm inputs, QKV and MLP inputs, masks)
-    replicated = spec.norms_per_layer * h * d + h * d + h * d + 2 * h * mask + latent_bytes(spec)
-    sharded = attention_bytes(spec, tp) + spec.mlp_matrices * spec.mlp_width(layer) * d / tp
+    replicated = (spec.norms_per_layer * h * d + h * norm_output + h * norm_output + 2 * h * mask
+                  + latent_bytes(spec, norm_output))
+    sharded = attention_bytes(spec, tp, recompute == NORM_MLA_UP) + mlp_stash_bytes(spec, layer) / tp
     whole = 0.0
     if spec.is_moe_layer(layer):
-        whole = 2 * spec.moe.routed_slots() * h * d + ROUTER_SCORE_BYTES * spec.moe.experts
+        whole = routed_copies_bytes(spec) + ROUTER_SCORE_BYTES * spec.moe.experts
     per_token = replicated / (tp if sequence_parallel else 1) + sharded + whole
-    if not flash_attention and recompute == "none":
+    if not flash_attention and recompute in ("none", NORM_MLA_UP):
         per_token += attention_scores_bytes(spec) / tp
     return spec.tokens * per_token
+
+
+def gemm_input_bytes(spec: ModelSpec) -> float:
+    """Bytes per element of a weight GEMM's input kept for its weight gradient: the
+    activation dtype, or under FP8 the FP8 copy the forward GEMM already read, with its
+    share of the 1x128 tile's FP32 scale (Transformer Engine keeps that copy; DeepSeek-V3
+    report, section 3.3.3)."""
+    return FP8_CACHED_BYTES if spec.fp8 else spec.dtype_bytes
+
+
+def mlp_stash_bytes(spec: ModelSpec, layer: int) -> float:
+    """Per token, before tp: what the MLP keeps. In 16-bit, the activation's inputs and
+    output (``3f`` gated, ``2f`` not). Under FP8 a dense MLP keeps the down projection's
+    input as FP8 (a GEMM input) and the activation's inputs in 16-bit; a mixture of
+    experts' routed and shared experts keep only the activation's inputs, in FP8, and
+    recompute its output in the backward (DeepSeek-V3's SwiGLU caching, section 3.3.3;
+    Megatron-Core's ``fp8_input_store``)."""
+    width, d = spec.mlp_width(layer), spec.dtype_bytes
+    if not spec.fp8:
+        return spec.mlp_matrices * width * d
+    inputs = (spec.mlp_matrices - 1) * width
+    if spec.is_moe_layer(layer):
+        return inputs * FP8_CACHED_BYTES
+    return inputs * d + width * FP8_CACHED_BYTES
+
+
+def routed_copies_bytes(spec: ModelSpec) -> float:
+    """Per token, whole: a mixture of experts' routed copies. In 16-bit, each slot's
+    dispatched input and the expert output the weighted combine needs for the routing
+    weight's gradient. Under FP8 the dispatched input alone, in FP8 (DeepSeek-V3 dispatches
+    it so, section 3.3.3): the routing weight is applied inside the cached activation
+    (Megatron-Core's weighted SwiGLU keeps its input and the weights), whose recomputed
+    output gives that gradient, so no expert output is kept."""
+    slots, h = spec.moe.routed_slots(), spec.hidden
+    if spec.fp8:
+        return slots * h * FP8_CACHED_BYTES
+    return 2 * slots * h * spec.dtype_bytes
 
 
 def wgrad_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False, layer: int = 0) -> float:
@@ -96,11 +159,16 @@ def wgrad_stash_share(stash: float, kept: float) -> float:
     return min(1.0, kept / stash) if stash > 0 else 1.0
 
 
-def attention_bytes(spec: ModelSpec, tp: int) -> float:
+def attention_bytes(spec: ModelSpec, tp: int, up_recomputed: bool = False) -> float:
     """Per token on one tp rank: Q, K, V and the output projection's input (GPT: ``2h +
-    2k`` elements, / tp)."""
+    2k`` elements, / tp), all in 16-bit (the attention kernel's inputs and output keep
+    their precision under FP8: DeepSeek-V3 report, section 3.3.1). Latent attention with
+    its up-projections recomputed (``up_recomputed``) keeps the output alone: Q, K and V
+    come back from the latents in the backward."""
     d = spec.dtype_bytes
     if spec.mla is not None:
+        if up_recomputed:
+            return spec.v_width * d / tp
         return (2 * spec.q_width + 2 * spec.v_width) * d / tp
     return (spec.q_width / tp + 2 * spec.head_size * kv_heads_per_shard(spec, tp) + spec.v_width / tp) * d
 
@@ -116,12 +184,16 @@ def key_value_bytes(spec: ModelSpec, tp: int = 1) -> float:
     return 2 * spec.head_size * kv_heads_per_shard(spec, tp) * d
 
 
-def latent_bytes(spec: ModelSpec) -> float:
-    """Per token, whole: MLA's latents before and after their norms, and the rotary key."""
+def latent_bytes(spec: ModelSpec, norm_output: float | None = None) -> float:
+    """Per token, whole: MLA's latents before their norms and the rotary key in 16-bit,
+    and after their norms (the up-projections' inputs) at ``norm_output`` bytes per
+    element (default the activation dtype; 0 when the norms are recomputed)."""
     if spec.mla is None:
         return 0.0
     mla = spec.mla
-    return (2 * (mla.q_lora_rank or 0) + 2 * mla.kv_lora_rank + mla.qk_rope_head_dim) * spec.dtype_bytes
+    after = spec.dtype_bytes if norm_output is None else norm_output
+    latents = (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    return (latents + mla.qk_rope_head_dim) * spec.dtype_bytes + latents * after
 
 
 def attention_scores_bytes(spec: ModelSpec) -> float:

@@ -60,8 +60,8 @@ from pipesim.model import memory_traffic
 from pipesim.model.attention_model import AttentionTable, AttentionTableError, AttentionTiming, read_attention_csv
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.gemm_model import GemmModel
-from pipesim.model.operations import FlashAttention, Gemm, MemoryBound, Operation, memory_bound_kernels
-from pipesim.model.spec import ModelSpec
+from pipesim.model.operations import UP_PROJECTIONS, FlashAttention, Gemm, MemoryBound, Operation, memory_bound_kernels
+from pipesim.model.spec import NORM_MLA_UP, ModelSpec
 
 FILE_FORMAT = 1
 # fit_gemm_model over data/h200_gemm_bf16.csv (forward and backward of every row), on the H200's
@@ -272,16 +272,32 @@ class BlockTime:
 def block_time(operations: tuple[Operation, ...], model: ComputeModel, recompute: str = "none",
                element_bytes: int = 2) -> BlockTime:
     """Sum of ``operations``' times; full recompute re-runs every forward, selective the
-    attention core's."""
+    attention core's, norm-mla-up the norms' share of the element-wise kernels and latent
+    attention's up-projections (``recomputed_share``)."""
     forward = input_grad = weight_grad = recomputed = 0.0
     for operation in operations:
         time = operation_time(operation, model, element_bytes)
         forward += time.forward
         input_grad += time.input_grad
         weight_grad += time.weight_grad
-        if recompute == "full" or (recompute == "selective" and operation.attention_core):
-            recomputed += time.forward
+        share = recomputed_share(operation, recompute)
+        if share:
+            recomputed += share * time.forward
     return BlockTime(forward, input_grad, weight_grad, recomputed)
+
+
+def recomputed_share(operation: Operation, recompute: str) -> float:
+    """The share of ``operation``'s forward that the backward re-runs under ``recompute``,
+    plus what it re-runs whatever the mode (an element-wise kernel's ``recomputed_bytes``:
+    a mixture of experts' activation under FP8 caching)."""
+    if recompute == "full" or (recompute == "selective" and operation.attention_core):
+        return 1.0
+    if isinstance(operation, MemoryBound):
+        if not operation.bytes:
+            return 0.0
+        norms = operation.norm_bytes if recompute == NORM_MLA_UP else 0.0
+        return (operation.recomputed_bytes + norms) / operation.bytes
+    return 1.0 if recompute == NORM_MLA_UP and isinstance(operation, Gemm) and operation.name in UP_PROJECTIONS else 0.0
 
 
 def layer_memory_seconds(spec: ModelSpec, bandwidth: float, tp: int = 1, sequence_parallel: bool = False,

@@ -54,7 +54,7 @@ def layer_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = 
     h, d = spec.hidden, spec.dtype_bytes
     mask = 1 if spec.dropout else 0
     replicated = (4 * h + 6 * h) * d + 2 * h * mask
-    activation = (3 if spec.gated_mlp else 2) * spec.mlp_width(layer) * d
+    activation = activation_bytes_per_token(spec, layer)
     rotary = 0 if spec.learned_positions else 2 * rotary_columns(spec) * d
     per_token = replicated / (tp if sequence_parallel else 1) + (activation + rotary) / tp
     scores = 0.0
@@ -62,6 +62,29 @@ def layer_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = 
         per_element = 2 * d + ((2 * d + 1) if spec.dropout else 0)
         scores = spec.heads * spec.seq_len * per_element / tp
     return spec.tokens * per_token, spec.tokens * scores
+
+
+def activation_bytes_per_token(spec: ModelSpec, layer: int = 0) -> float:
+    """The MLP activation's forward bytes per token before tp: GeLU reads ``f`` and writes
+    ``f``, SwiGLU reads ``2f`` and writes ``f`` (``f`` a mixture of experts' routed slots'
+    and shared width)."""
+    return (3 if spec.gated_mlp else 2) * spec.mlp_width(layer) * spec.dtype_bytes
+
+
+def recomputed_activation_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0) -> float:
+    """Of ``layer_traffic_bytes``' element-wise bytes, the MLP activation's when every
+    backward re-runs it: a mixture of experts under FP8 caching keeps the activation's
+    inputs and recomputes its output (``pipesim.model.activations``); 0 otherwise."""
+    if not (spec.fp8 and spec.is_moe_layer(layer)):
+        return 0.0
+    return spec.tokens * activation_bytes_per_token(spec, layer) / tp
+
+
+def norm_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Of ``layer_traffic_bytes``' element-wise bytes, the norms' (``4h`` per token, whole
+    on every tp rank unless sequence parallelism shards them): what a backward that
+    recomputes the norms' outputs moves again."""
+    return spec.tokens * 4 * spec.hidden * spec.dtype_bytes / (tp if sequence_parallel else 1)
 
 
 def rotary_columns(spec: ModelSpec) -> int:

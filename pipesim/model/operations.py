@@ -62,7 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipesim.model.memory_traffic import layer_traffic_bytes
+from pipesim.model.memory_traffic import layer_traffic_bytes, norm_traffic_bytes, recomputed_activation_bytes
 from pipesim.model.weights import WHOLE, Weight, attention_weights, mlp_weights, shard, stack_on_rank
 
 if TYPE_CHECKING:
@@ -135,11 +135,15 @@ class MemoryBound:
     name: str
     bytes: float
     attention_core: bool = False
+    norm_bytes: float = 0.0  # of ``bytes``, what the norms move (what --recompute norm-mla-up re-runs)
+    recomputed_bytes: float = 0.0  # of ``bytes``, what every backward re-runs (an activation whose output is not kept)
 
     flops = 0.0
 
 
 Operation = Gemm | FlashAttention | MemoryBound
+# latent attention's up-projections: what --recompute norm-mla-up re-runs (pipesim.model.weights)
+UP_PROJECTIONS = ("query_up", "kv_up")
 # GEMMs kept in BF16 when the others run in FP8: the MoE gating (DeepSeek-V3's recipe, section
 # 3.3.1: "the embedding module, the output head, MoE gating modules, normalization operators, and
 # attention operators" stay in higher precision); the output head's logits are not a weight GEMM here
@@ -220,7 +224,9 @@ def memory_bound_kernels(spec: ModelSpec, tp: int = 1, sequence_parallel: bool =
     """Norms, residual adds, activations, rotary; and the scores' softmax and dropout when
     attention is not fused."""
     plain, scores = layer_traffic_bytes(spec, tp, sequence_parallel, flash_attention, layer)
-    kernels: tuple[Operation, ...] = (MemoryBound("elementwise", plain),)
+    kernels: tuple[Operation, ...] = (MemoryBound("elementwise", plain,
+                                                  norm_bytes=norm_traffic_bytes(spec, tp, sequence_parallel),
+                                                  recomputed_bytes=recomputed_activation_bytes(spec, tp, layer)),)
     if scores:
         kernels += (MemoryBound("softmax_dropout", scores, attention_core=True),)
     return kernels

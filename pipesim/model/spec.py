@@ -312,17 +312,23 @@ class ModelSpec:
     def layer_recompute_flops(self, layer: int, recompute: str, tp: int = 1, sequence_parallel: bool = False,
                               padded: bool = True) -> float:
         """Forward FLOPs re-run in the backward of layer ``layer`` on one of ``tp`` ranks:
-        the layer's forward (full) or its attention core (selective)."""
+        the layer's forward (full), its attention core (selective) or latent attention's
+        up-projections (norm-mla-up; the norms have no FLOPs)."""
         check_recompute(recompute)
         if recompute == "full":
             return self.layer_flops(layer, tp, sequence_parallel, padded)
         if recompute == "selective":
             return self.attention_core_flops(layer) / tp
+        if recompute == NORM_MLA_UP:
+            return sum(operation.flops for operation in operations.attention_block(self, tp, True, sequence_parallel,
+                                                                                   layer=layer)
+                       if operation.name in operations.UP_PROJECTIONS)
         return 0.0
 
     def recompute_flops(self, recompute: str) -> float:
         """Forward FLOPs re-run in the backward of one microbatch, whole model: every
-        layer's forward (full) or attention core (selective); the output layer never."""
+        layer's forward (full), attention core (selective) or latent attention's
+        up-projections (norm-mla-up); the output layer never."""
         check_recompute(recompute)
         return self.sum_over_layers(lambda layer: self.layer_recompute_flops(layer, recompute, padded=False))
 
@@ -367,7 +373,10 @@ class ModelSpec:
         return document
 
 
-RECOMPUTE = ("none", "selective", "full")
+# norm-mla-up: DeepSeek-V3's (report, section 3.2.3): every RMSNorm's output and latent
+# attention's up-projections recomputed in the backward (pipesim.model.activations)
+NORM_MLA_UP = "norm-mla-up"
+RECOMPUTE = ("none", "selective", NORM_MLA_UP, "full")
 QK_NORMS = (None, "head", "projection")
 
 

@@ -38,6 +38,7 @@ depends on the cluster, so the stage costs carry what prices it (``moe_layers``,
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from pipesim.model.activations import (
     first_stage_extra_bytes,
@@ -287,6 +288,30 @@ def model_stage_costs(
         "recompute": recompute, "flash_attention": flash_attention, "compute_model": sorted(models),
     }
     return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta)
+
+
+def with_mtp_embedding_copies(costs: Costs, spec: ModelSpec, stage_ranks: list[int], copies: int = 1,
+                              tp: int = 1) -> Costs:
+    """``costs`` with the embedding the multi-token prediction modules read kept where
+    they run. Each module embeds the tokens it predicts with the main model's embedding
+    (DeepSeek-V3 report, section 2.2), on the last stage; a rank that also holds a first
+    stage (a V-shaped placement, or DualPipe, whose rank with copy 0's last stage holds
+    copy 1's first: "physical sharing", section 3.2.3) reads the one it has, any other
+    keeps a copy of the table (Megatron-Core keeps one on the last stage, as for tied
+    embeddings), counted in its parameters: memory, gradient reduction and optimizer."""
+    if not spec.mtp_depth:
+        return costs
+    per_copy = len(costs.stages) // copies
+    firsts = {stage_ranks[copy * per_copy] for copy in range(copies)}
+    extra = spec.embedding_params(tp)
+    stages = list(costs.stages)
+    for copy in range(copies):
+        last = copy * per_copy + per_copy - 1
+        if stage_ranks[last] not in firsts:
+            stage = stages[last]
+            stages[last] = replace(stage, params=stage.params + extra,
+                                   param_bytes=stage.param_bytes + extra * spec.dtype_bytes)
+    return replace(costs, stages=tuple(stages))
 
 
 def stage_bandwidth(stage_memory_bandwidth: list[float] | None, fallback: float, stage: int) -> float:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -124,6 +124,26 @@ def parse_bytes_per_param(text: str) -> BytesPerParam:
     if len(parts) != 3 or parts[0] <= 0 or min(parts) < 0:
         raise ValueError(f"--bytes-per-param {text!r}: expected WEIGHTS,GRADS,OPTIMIZER with WEIGHTS > 0, e.g. 2,2,12")
     return BytesPerParam(*parts)
+
+
+# AdamW's two moments: bytes per element by --optimizer-moments. FP32 is the default
+# (--bytes-per-param's 12 = FP32 master weights + two FP32 moments); DeepSeek-V3 kept them
+# in BF16 with FP32 master weights and gradients (report, section 3.3.3)
+OPTIMIZER_MOMENTS = {"fp32": 4, "bf16": 2}
+
+
+def with_optimizer_moments(per_param: BytesPerParam, moments: str) -> BytesPerParam:
+    """``per_param`` with AdamW's two moments held as ``moments`` says (``fp32``, as
+    ``--bytes-per-param`` counts them, or ``bf16``: 2 bytes each, 4 fewer per parameter);
+    a one-line error naming the flags when the optimizer bytes cannot hold two FP32
+    moments to narrow."""
+    if moments not in OPTIMIZER_MOMENTS:
+        raise ValueError(f"--optimizer-moments {moments!r}: use one of {', '.join(OPTIMIZER_MOMENTS)}")
+    saved = 2 * (OPTIMIZER_MOMENTS["fp32"] - OPTIMIZER_MOMENTS[moments])
+    if saved and per_param.optimizer < 2 * OPTIMIZER_MOMENTS["fp32"]:
+        raise ValueError(f"--optimizer-moments {moments} with --bytes-per-param's OPTIMIZER {per_param.optimizer:g}: "
+                         "narrowing AdamW's two FP32 moments needs the 8 bytes they take in it (e.g. 2,2,12)")
+    return replace(per_param, optimizer=per_param.optimizer - saved)
 
 
 @dataclass(frozen=True)

@@ -48,11 +48,14 @@ class SimulationResult:
             return []
         devices = self.devices or [f"gpu{rank}" for rank in range(self.schedule.pp)]
         parallel = self.parallel
+        # ZeRO shards a stage's state over the ranks that reduce its gradients: its dp (x cp)
+        # replicas and, with copies of the model (DualPipe), each copy's (pipesim.sim.parallel)
+        holders = parallel.dp * parallel.cp * self.schedule.copies
         return memory_report(
             self.trace, self.costs, self.schedule.placement, devices,
             [self.topology.device_memory(device) for device in devices],
-            parallel.bytes_per_param, parallel.dp * parallel.cp, parallel.bucket_bytes, parallel.zero,
-            parallel.dp * parallel.cp // parallel.ep, headroom=parallel.memory_headroom,
+            parallel.bytes_per_param, holders, parallel.bucket_bytes, parallel.zero,
+            holders // parallel.ep, headroom=parallel.memory_headroom,
         )
 
     @cached_property

@@ -1,0 +1,95 @@
+"""DeepSeek-V3 as trained, predicted without calibration: tokens/s per GPU against the
+technical report's pre-training throughput, and each rank's peak memory against what
+an 80 GB H800 leaves.
+
+Source: DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv:2412.19437). The layout is
+the report's (section 3.2): 2,048 H800s, 16-way pipeline parallelism with DualPipe (two
+copies of the model along the pipeline), 64-way expert parallelism over 8 nodes, ZeRO-1
+data parallelism (dp 128), no tensor parallelism, 20 of the 132 SMs kept for
+communication; 15,360 sequences of 4K per step (section 4.2, after the batch-size ramp),
+as 60 microbatches of one sequence in each direction. Its config.json (FP8
+``quantization_config``, node-limited routing, the multi-token prediction module). The
+memory rules of section 3.2.3 and 3.3.3: ``--recompute norm-mla-up``, FP8 caching
+(under ``--fp8``, which the config turns on), ``--optimizer-moments bf16`` with FP32
+gradients and master weights (``--bytes-per-param 2,4,12``: 2 + 4 + 4 + 2 + 2 bytes); the
+EMA of the parameters lives in CPU memory (nothing on the GPU); the embedding and output
+head that the MTP module shares sit on one rank under DualPipe, so they are counted once.
+
+Assumed (the report does not say): one sequence per microbatch; 61 layers split 3 (the
+dense layers' stage, with the embedding), 4 on each of the 14 middle stages, 2 on the
+last (with the head and the MTP module).
+
+Published figure: 14.8T pre-training tokens in 2,664K H800 GPU-hours (Table 1; the
+2.788M total adds 119K of context extension and 5K of post-training), 1,543 tokens/s per
+GPU. It is an average over the whole pre-training: the batch-size ramp over the first
+469B tokens, evaluation, checkpoints and restarts are in it, so the steady step a
+simulation predicts should be at or above it. In-sample: the layer split was chosen with
+this row on screen, for memory (the automatic split puts 5 layers on one stage, which
+does not fit), and the throughput was printed while choosing it; nothing in the model
+was changed after it.
+
+Run: ``PYTHONPATH=. python benchmarks/deepseek_v3.py`` (``benchmarks/published.py``
+prints the same lines after its tables).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from pipesim.cli import build_parser
+from pipesim.job import Job, model_figures, simulate_job
+
+CONFIG = "tests/data/hf_configs/deepseek-v3.json"
+GPUS = 2048
+PRETRAINING_TOKENS = 14.8e12
+PRETRAINING_GPU_HOURS = 2664e3
+PUBLISHED_TOKENS_PER_GPU = PRETRAINING_TOKENS / (PRETRAINING_GPU_HOURS * 3600)
+LAYERS_PER_STAGE = ",".join(["3"] + ["4"] * 14 + ["2"])
+COMMAND = (f"pipesim simulate --model {CONFIG} --seq-len 4096 --schedule dualpipe --pp 16 --dp 128 --ep 64 "
+           f"--topology ib --nodes 256 --gpu h800 --comm-sms 20 --zero 1 -m 120 --layers-per-stage {LAYERS_PER_STAGE} "
+           "--recompute norm-mla-up --bytes-per-param 2,4,12 --optimizer-moments bf16")
+# each memory rule taken away in turn: (what, the Job's fields as without it)
+WITHOUT = (("--recompute none", {"recompute": "none"}),
+           ("--optimizer-moments fp32", {"optimizer_moments": "fp32"}),
+           ("--bytes-per-param 2,2,12 (BF16 gradients), moments FP32", {"bytes_per_param": "2,2,12",
+                                                                       "optimizer_moments": "fp32"}))
+
+
+def job_of(command: str = COMMAND) -> Job:
+    """The Job ``pipesim simulate`` makes of ``command``."""
+    return Job.from_namespace(build_parser().parse_args(command.split()[1:]))
+
+
+def predict(job: Job) -> dict:
+    """Tokens/s per GPU, the fullest rank's peak, the least usable memory, the wall time."""
+    started = time.perf_counter()
+    result = simulate_job(job)
+    figures = model_figures(job, result)
+    fullest = max(result.memory, key=lambda rank: rank.peak_bytes)
+    return {"tokens_per_gpu": figures["tokens_per_second"] / GPUS, "mfu": figures["mfu"],
+            "peak_gb": fullest.peak_bytes / 1e9, "rank": fullest.rank, "usable_gb": fullest.usable_bytes / 1e9,
+            "capacity_gb": fullest.capacity_bytes / 1e9, "fits": not result.oom,
+            "seconds": time.perf_counter() - started}
+
+
+def report_lines() -> list[str]:
+    """The comparison with the report, and what each memory rule is worth."""
+    job = job_of()
+    row = predict(job)
+    error = row["tokens_per_gpu"] / PUBLISHED_TOKENS_PER_GPU - 1
+    lines = ["DeepSeek-V3 as trained (technical report, 2,048 H800s): no calibration",
+             f"  {COMMAND}",
+             f"  tokens/s per GPU {row['tokens_per_gpu']:,.0f} against the report's {PUBLISHED_TOKENS_PER_GPU:,.0f} "
+             f"(14.8T tokens in 2,664K GPU-hours): {error:+.1%}, in-sample; MFU {row['mfu']:.1%}",
+             f"  fullest rank {row['rank']}: peak {row['peak_gb']:.2f} GB of {row['usable_gb']:.2f} GB usable "
+             f"({row['capacity_gb']:.2f} GB device): {'fits' if row['fits'] else 'OUT OF MEMORY'}; "
+             f"simulated in {row['seconds']:.1f} s"]
+    for what, fields in WITHOUT:
+        other = predict(replace(job, **fields))
+        lines.append(f"  with {what}: peak {other['peak_gb']:.2f} GB (rank {other['rank']})")
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(report_lines()))
