@@ -17,6 +17,7 @@ from pipesim.sim.headroom import (
     Communicators,
     Headroom,
     nccl_buffer_bytes,
+    p2p_channels_per_peer,
     parse_headroom,
 )
 from pipesim.sim.memory import rank_communicators
@@ -37,14 +38,25 @@ def test_one_connection_holds_nccl_s_three_protocol_buffers_in_2_mib_pages():
 
 
 def test_each_communicator_kind_by_hand():
-    # a middle pipeline rank of a tp 8, dp 64 (x cp 2), cp 2, ep 4 job: rings receive from one
-    # peer per channel, the pipeline from both neighbours, the all-to-all from the 3 others
-    rank = Communicators(tp=8, pp_peers=2, dp=128, cp=2, ep=4, expert_dp=32)
+    # a middle rank of a 4-rank pipeline in a tp 8, dp 64 (x cp 2), cp 2, ep 4 job: rings
+    # receive from one peer per channel, the pipeline from both neighbours, the all-to-all
+    # from the 3 others, on 32 channels each (groups of one node)
+    rank = Communicators(tp=8, pp_peers=2, dp=128, cp=2, ep=4, expert_dp=32, pp=4)
     assert nccl_buffer_bytes(rank) == {"tp": RING, "dp": RING, "cp": RING, "pp": 2 * RING, "ep": 3 * RING,
                                        "expert_dp": RING}
     # one rank alone joins nothing; groups of one are no communicators
     assert nccl_buffer_bytes(Communicators()) == {}
     assert nccl_buffer_bytes(Communicators(tp=1, pp_peers=1, dp=1, ep=2, expert_dp=1)) == {"pp": RING, "ep": RING}
+
+
+def test_point_to_point_channels_shrink_with_the_group_as_nccl_s_do():
+    # 32 channels per peer up to 8 ranks; above, halved while channels x ceil(ranks / 8) > 32
+    assert [p2p_channels_per_peer(ranks) for ranks in (2, 8, 9, 16, 17, 32, 64, 128, 256, 512)] == \
+        [32, 32, 16, 16, 8, 8, 4, 2, 1, 1]
+    # Meta's pipeline of 16: two neighbours on 16 channels; DeepSeek-V3's ep 64: 63 peers on 4
+    pipeline = Communicators(pp_peers=2, pp=16)
+    assert nccl_buffer_bytes(pipeline) == {"pp": 2 * 16 * 10 * MiB}
+    assert nccl_buffer_bytes(Communicators(ep=64)) == {"ep": 63 * 4 * 10 * MiB}
 
 
 def test_the_pipeline_peers_come_from_the_placement():
@@ -58,7 +70,7 @@ def test_the_pipeline_peers_come_from_the_placement():
     assert [c.pp_peers for c in rank_communicators(placement_of("zbv", 4, 2), 4)] == [1, 2, 2, 1]
     # the job's groups reach every rank alike
     ranks = rank_communicators(placement_of("1f1b", 2, 1), 2, tp=8, dp=16, cp=2, ep=4, expert_dp=4)
-    assert ranks[0] == Communicators(tp=8, pp_peers=1, dp=16, cp=2, ep=4, expert_dp=4)
+    assert ranks[0] == Communicators(tp=8, pp_peers=1, dp=16, cp=2, ep=4, expert_dp=4, pp=2)
 
 
 def test_usable_memory_by_the_rule_and_by_a_number():
@@ -81,7 +93,7 @@ def test_usable_memory_by_the_rule_and_by_a_number():
 def test_fitting_under_the_usable_limit_is_fitting_the_device(capacity, peak, tp, peers, dp, ep):
     # the module's two forms of the verdict agree: peak <= usable exactly when the peak with
     # its fragmentation, the context and the buffers is within the capacity
-    rank = Communicators(tp=tp, pp_peers=peers, dp=dp, ep=ep, expert_dp=dp)
+    rank = Communicators(tp=tp, pp_peers=peers, dp=dp, ep=ep, expert_dp=dp, pp=4)
     whole = peak * 1.03 + CONTEXT + sum(nccl_buffer_bytes(rank).values())
     usable = parse_headroom("auto").usable(capacity, rank)
     if abs(whole - capacity) > 1e-6 * capacity:

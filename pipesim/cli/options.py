@@ -223,7 +223,8 @@ def add_memory_headroom_arg(parser) -> None:
     parser.add_argument("--memory-headroom", default=DEFAULT_HEADROOM, metavar="auto|SHARE|GB",
                         help="memory each device keeps back from the model; a rank is out of memory above the rest. "
                         f"auto: the CUDA context ({CUDA_CONTEXT_BYTES // MiB} MiB), NCCL's buffers for each "
-                        "communicator the rank joins (tp, pp, dp, cp, ep: 10 MiB per channel and peer, 32 channels) "
+                        "communicator the rank joins (tp, pp, dp, cp, ep: 10 MiB per channel and peer, as NCCL opens "
+                        "them) "
                         f"and the caching allocator's fragmentation ({FRAGMENTATION_SHARE * 100:g}%% of the peak), "
                         "from published measurements; or a share of the device (10%%) or gigabytes (6) instead "
                         f"(default: {DEFAULT_HEADROOM}; docs/cluster-model.md, Headroom, says why)")

@@ -20,10 +20,13 @@ figures:
                    in 2 MiB pages: 10 MiB, the allocation NVIDIA/nccl issue 1685 logs
                    (``NCCL_DEBUG_SUBSYS=ALLOC``: 10485760 bytes) on 32 channels per pair
                    of 8 H100s. A ring (tp, dp, cp, the experts' dp group) receives from
-                   one peer per channel; the pipeline from each neighbouring rank; an
-                   all-to-all (ep) from every other rank of the group. 32 channels each:
-                   an upper figure for the pipeline's network peers, where NCCL may open
-                   fewer.
+                   one peer per channel, on 32 channels; point-to-point (the pipeline's
+                   neighbours, ep's all-to-all from every other rank of the group) on 32
+                   channels per peer in a group of up to 8 ranks (one node), and in a
+                   larger group as many as keep the group's peers, 8 a round, within the
+                   32 (``ncclTopoComputeP2pChannels`` in NCCL's src/graph/paths.cc:
+                   halved while channels x ceil(peers / 8) > 32): 16 at 16 ranks, 4 at
+                   64.
     fragmentation  the caching allocator's blocks are never packed perfectly: the memory
                    PyTorch reserves exceeds what it allocates by a share of it, 3%.
                    Megatron-LM training on an 80 GB A100 (NVIDIA/Megatron-LM issue 965)
@@ -53,6 +56,7 @@ NCCL_PAGE_BYTES = 2 * MiB  # NCCL allocates its buffers through cuMem, in 2 MiB 
 NCCL_CONNECTION_BYTES = math.ceil(
     (NCCL_SIMPLE_BUFFER_BYTES + NCCL_LL_BUFFER_BYTES + NCCL_LL128_BUFFER_BYTES) / NCCL_PAGE_BYTES) * NCCL_PAGE_BYTES
 NCCL_CHANNELS = 32
+NCCL_P2P_PEERS_PER_ROUND = 8  # NCCL_MAX_DEV_WORK_P2P_PER_BATCH, src/include/device.h
 FRAGMENTATION_SHARE = 0.03
 AUTO = "auto"
 DEFAULT_HEADROOM = AUTO
@@ -71,26 +75,37 @@ class Communicators:
     cp: int = 1
     ep: int = 1
     expert_dp: int = 1
+    pp: int = 1
 
-    def peers(self) -> dict[str, int]:
-        """Per communicator the rank joins, the peers it keeps receive buffers for on each
-        channel (see the module)."""
+    def connections(self) -> dict[str, int]:
+        """Per communicator the rank joins, the connections it keeps receive buffers for:
+        channels x peers (see the module)."""
         rings = {"tp": self.tp, "dp": self.dp, "cp": self.cp}
-        peers = {kind: 1 for kind, size in rings.items() if size > 1}
+        connections = {kind: NCCL_CHANNELS for kind, size in rings.items() if size > 1}
         if self.pp_peers:
-            peers["pp"] = self.pp_peers
+            connections["pp"] = p2p_channels_per_peer(max(self.pp, self.pp_peers + 1)) * self.pp_peers
         if self.ep > 1:
-            peers["ep"] = self.ep - 1
+            connections["ep"] = p2p_channels_per_peer(self.ep) * (self.ep - 1)
             if self.expert_dp > 1:
-                peers["expert_dp"] = 1
-        return peers
+                connections["expert_dp"] = NCCL_CHANNELS
+        return connections
+
+
+def p2p_channels_per_peer(group: int) -> int:
+    """NCCL's point-to-point channels per peer in a group of ``group`` ranks: all 32 in
+    one node's group (up to 8 ranks), else halved while they cannot serve the group's
+    peers, 8 a round, within the 32 (see the module)."""
+    channels = NCCL_CHANNELS
+    rounds = math.ceil(group / NCCL_P2P_PEERS_PER_ROUND)
+    while channels * rounds > NCCL_CHANNELS and channels > 1:
+        channels //= 2
+    return channels
 
 
 def nccl_buffer_bytes(communicators: Communicators) -> dict[str, float]:
-    """Bytes of NCCL buffers per communicator kind: channels x peers x one connection's
-    buffers (see the module)."""
-    return {kind: float(NCCL_CHANNELS * peers * NCCL_CONNECTION_BYTES)
-            for kind, peers in communicators.peers().items()}
+    """Bytes of NCCL buffers per communicator kind: connections (channels x peers) x one
+    connection's buffers (see the module)."""
+    return {kind: float(count * NCCL_CONNECTION_BYTES) for kind, count in communicators.connections().items()}
 
 
 @dataclass(frozen=True)

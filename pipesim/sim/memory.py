@@ -199,7 +199,7 @@ def rank_communicators(placement: Sequence[int], num_ranks: int, tp: int = 1, dp
             if other is not None and placement[other] != rank:
                 neighbours[rank].add(placement[other])
     return [Communicators(tp=tp, pp_peers=len(peers), dp=dp, cp=cp, ep=ep,
-                          expert_dp=dp if expert_dp is None else expert_dp) for peers in neighbours]
+                          expert_dp=dp if expert_dp is None else expert_dp, pp=num_ranks) for peers in neighbours]
 
 
 def static_bytes(cost, bytes_per_param: BytesPerParam, dp: int, zero: int, expert_dp: int | None = None) -> float:
