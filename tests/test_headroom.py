@@ -146,3 +146,14 @@ def test_each_rank_reports_its_parts(tmp_path, capsys):
     assert main([*argv, "--memory-headroom", "10%"]) == 0
     memory = json.loads(out.read_text())["ranks"][0]["memory"]
     assert memory["headroom"] == {"rule": "fixed"} and memory["usable_bytes"] == pytest.approx(0.9 * H100)
+
+
+def test_a_sweep_row_carries_the_usable_memory_its_verdict_was_judged_against(tmp_path):
+    # GPipe over 2 H100s of one node: each rank has one pipeline neighbour (32 x 10 MiB of
+    # NCCL buffers), so each may use (81559 MiB - 426 MiB - 320 MiB) / 1.03, the chart's line
+    out = tmp_path / "rows.json"
+    assert main(["sweep", "--model", "gpt3-1.3b", "--topology", "nvlink", "--schedule", "gpipe", "--pp", "2",
+                 "-m", "2", "--quiet", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())[0]
+    assert row["memory_headroom"] == "auto" and row["capacity_bytes"] == H100
+    assert row["usable_bytes"] == pytest.approx((H100 - CONTEXT - RING) / 1.03)
