@@ -234,5 +234,6 @@ def test_the_headroom_is_kept_back_from_every_device(tmp_path, capsys):
 def test_a_bad_memory_headroom_is_one_line_before_any_work(value, capsys):
     assert main(["simulate", "--pp", "2", "--memory-headroom", value]) == 2
     error = capsys.readouterr().err
-    assert f"--memory-headroom {value!r}: expected auto (CUDA context, NCCL buffers and fragmentation), a share" in error
+    assert f"--memory-headroom {value!r}: expected auto (CUDA context, NCCL buffers and fragmentation)" in error
+    assert "a share of each device's memory below 100%" in error
     assert "Traceback" not in error and "step time" not in error
