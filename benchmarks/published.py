@@ -89,7 +89,7 @@ from pipesim.model.transformer_costs import (
     model_costs,
     training_figures,
 )
-from pipesim.sim.memory import BytesPerParam, optimizer_step_bytes_per_param
+from pipesim.sim.memory import BytesPerParam, headroom_words, optimizer_step_bytes_per_param
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
 from schedules.generators import generate
@@ -303,6 +303,8 @@ class Prediction:
     static_bytes: float = 0.0  # of that rank: parameters, gradients and optimizer state
     buffer_bytes: float = 0.0  # its P2P and gradient-reduction buffers
     stash_bytes: float = 0.0  # its peak of activations held for backwards
+    capacity_bytes: float = 0.0  # its device's memory (nvidia-smi's total)
+    headroom: str = ""  # what the device keeps back, in words (pipesim.sim.memory.headroom_words)
 
     def error(self, run: Run) -> float:
         """Relative error against the study: of MFU where it reports MFU, else of step time."""
@@ -341,7 +343,8 @@ def predict(run: Run, efficiency: float | None, with_memory: bool = False) -> Pr
         return Prediction(makespan, figures["mfu"])
     fullest = max(result.memory, key=lambda rank: rank.peak_bytes)
     return Prediction(makespan, figures["mfu"], fullest.peak_bytes, fullest.usable_bytes, fullest.static_bytes,
-                      fullest.buffer_bytes, fullest.peak_stash_bytes)
+                      fullest.buffer_bytes, fullest.peak_stash_bytes, fullest.capacity_bytes,
+                      headroom_words(fullest).removesuffix("; "))
 
 
 def layer_activation_bytes(run: Run) -> float:
@@ -380,7 +383,8 @@ def memory_gap(run: Run, prediction: Prediction) -> str:
             f"({layers_held:.0f} layers' activations of {layer / 1e9:.3f} GB; Megatron-LM's estimator "
             f"{megatron_layer_estimate(run) / 1e9:.3f}); under 1F1B "
             f"{plain.peak_bytes / 1e9:.1f} GB ({plain.stash_bytes / layer:.0f} layers); to fit "
-            f"{prediction.usable_bytes / 1e9:.1f} GB here a layer may keep {room / layers_held / 1e9:.3f} GB "
+            f"{prediction.usable_bytes / 1e9:.1f} GB here (the {prediction.capacity_bytes / 1e9:.2f} GB device less "
+            f"{prediction.headroom}) a layer may keep {room / layers_held / 1e9:.3f} GB "
             f"({room / layers_held / layer:.0%} of the count)")
 
 

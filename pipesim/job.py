@@ -118,7 +118,7 @@ class Job:
     collective: str = "ring"
     bytes_per_param: str = "2,2,12"
     optimizer_moments: str = "fp32"  # pipesim.sim.memory.OPTIMIZER_MOMENTS
-    memory_headroom: str = "10%"  # pipesim.sim.memory.DEFAULT_HEADROOM: what each device keeps back
+    memory_headroom: str = "auto"  # pipesim.sim.headroom.DEFAULT_HEADROOM: what each device keeps back
     p2p: str | None = None
 
     @classmethod
@@ -329,10 +329,11 @@ def parallel_of(job):
 
 @functools.lru_cache(maxsize=1024)
 def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap: bool, collective: str, zero: int,
-              bytes_per_param: str, cp: int = 1, ep: int = 1, cp_comm: str = "p2p", memory_headroom: str = "10%",
+              bytes_per_param: str, cp: int = 1, ep: int = 1, cp_comm: str = "p2p", memory_headroom: str = "auto",
               no_tp_overlap: bool = False, no_param_gather_overlap: bool = False,
               overlap_slowdown: float = OVERLAP_SLOWDOWN, optimizer_moments: str = "fp32"):
-    from pipesim.sim.memory import parse_bytes_per_param, parse_headroom, with_optimizer_moments
+    from pipesim.sim.headroom import parse_headroom
+    from pipesim.sim.memory import parse_bytes_per_param, with_optimizer_moments
     from pipesim.sim.parallel import ParallelConfig
 
     bucket_mb = finite_flag(bucket_mb, "--bucket-mb", positive=True)

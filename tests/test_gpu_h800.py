@@ -27,7 +27,7 @@ def test_every_preset_takes_h800_with_h100_compute_and_memory(preset):
     for device in topology.devices:
         assert topology.device_gpu(device) == "h800"
         assert topology.device_peak_flops(device) == 989e12
-        assert topology.device_memory(device) == 80e9
+        assert topology.device_memory(device) == 81559 * 2**20  # the H100 SXM's nvidia-smi total
 
 
 @pytest.mark.parametrize("preset", NVLINK_PRESETS)

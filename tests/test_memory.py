@@ -83,7 +83,7 @@ def test_simulate_fail_on_oom_exits_non_zero_naming_the_rank(tmp_path, capsys):
     assert "out of memory" in capsys.readouterr().out
     assert main([*argv, "--fail-on-oom"]) == 3
     error = capsys.readouterr().err
-    assert "out of memory: rank 0 on n0.gpu0 peaks at" in error and "holds 80.00 GB" in error
+    assert "out of memory: rank 0 on n0.gpu0 peaks at" in error and "holds 85.52 GB" in error
 
 
 def run_json(tmp_path, *argv) -> dict:
@@ -207,25 +207,35 @@ PAIRS_OF_FOUR = {
 
 
 def test_the_headroom_is_kept_back_from_every_device(tmp_path, capsys):
-    # One rank on an 80 GB H100: 8.75e9 bf16 bytes of weights = 4.375e9 parameters x 16 bytes
-    # = 70 GB static, and a 4 GB stash: a 74 GB peak. The default headroom (10%: 8 GB) leaves
-    # 72 GB: out of memory; 0 and 5 GB leave 80 and 75: it fits; 7 GB leaves 73: it does not.
-    base = ["--pp", 1, "-m", 1, "--topology", "nvlink", "--param-bytes", 8.75e9, "--stash-bytes", 4e9]
-    default = run_json(tmp_path, *base)
+    # One rank on an H100 (81559 MiB, as nvidia-smi reports it): 8.75e9 bf16 bytes of weights
+    # = 4.375e9 parameters x 16 bytes = 70 GB static, and a 12 GB stash: an 82 GB peak. The
+    # default rule keeps back the CUDA context (426 MiB) and 3% of the peak for fragmentation
+    # (one rank joins no NCCL communicator): (85.52 GB - 0.45 GB) / 1.03 = 82.60 GB usable,
+    # so it fits; 10% (8.55 GB) leaves 76.97 GB: out of memory; 3 GB leaves 82.52: it fits;
+    # 4 GB leaves 81.52: it does not. A 13 GB stash (83 GB) is over the rule's limit.
+    capacity = 81559 * 2**20
+    usable = (capacity - 426 * 2**20) / 1.03
+    base = ["--pp", 1, "-m", 1, "--topology", "nvlink", "--param-bytes", 8.75e9]
+    default = run_json(tmp_path, *base, "--stash-bytes", 12e9)
     rank = default["ranks"][0]
-    assert rank["peak_memory_bytes"] == pytest.approx(74e9)
-    assert rank["memory"]["headroom_bytes"] == pytest.approx(8e9) and default["oom"] is True
-    for headroom, oom in (("0", False), ("5", False), ("7", True), ("8%", True), ("5%", False)):
-        assert run_json(tmp_path, *base, "--memory-headroom", headroom)["oom"] is oom, headroom
+    assert rank["peak_memory_bytes"] == pytest.approx(82e9)
+    assert rank["memory"]["capacity_bytes"] == capacity
+    assert rank["memory"]["usable_bytes"] == pytest.approx(usable)
+    assert rank["memory"]["headroom_bytes"] == pytest.approx(capacity - usable) and default["oom"] is False
+    for headroom, oom in (("0", False), ("3", False), ("4", True), ("10%", True), ("3%", False), ("auto", False)):
+        assert run_json(tmp_path, *base, "--stash-bytes", 12e9, "--memory-headroom", headroom)["oom"] is oom, headroom
+    assert run_json(tmp_path, *base, "--stash-bytes", 13e9)["oom"] is True
     capsys.readouterr()
-    assert main(["simulate", *map(str, base), "--fail-on-oom"]) == 3
+    assert main(["simulate", *map(str, base), "--stash-bytes", "13e9", "--fail-on-oom"]) == 3
     error = capsys.readouterr().err
-    assert "peaks at 74.00 GB" in error and "holds 80.00 GB, 72.00 GB of it usable after the 8.00 GB headroom" in error
+    assert ("peaks at 83.00 GB" in error and "holds 85.52 GB, 82.60 GB of it usable after the 2.92 GB headroom "
+            "(CUDA context 0.45 GB, NCCL 0.00 GB, 3% fragmentation; --memory-headroom)" in error)
 
 
 @pytest.mark.parametrize("value", ["-1", "100%", "abc", "nan", "inf"])
 def test_a_bad_memory_headroom_is_one_line_before_any_work(value, capsys):
     assert main(["simulate", "--pp", "2", "--memory-headroom", value]) == 2
     error = capsys.readouterr().err
-    assert f"--memory-headroom {value!r}: expected a share of each device's memory below 100%" in error
+    assert f"--memory-headroom {value!r}: expected auto (CUDA context, NCCL buffers and fragmentation)" in error
+    assert "a share of each device's memory below 100%" in error
     assert "Traceback" not in error and "step time" not in error

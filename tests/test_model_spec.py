@@ -227,9 +227,14 @@ def test_memory_bound_kernels_by_hand():
     assert full == pytest.approx((1 + BACKWARD_TRAFFIC) * flash)
 
 
+MiB = 2**20
+
+
+# memory: the totals nvidia-smi reports (pipesim.hardware.gpus says where each was read)
 @pytest.mark.parametrize("gpu,peak,memory,nvlink,nic", [
-    ("a100-40gb", 312e12, 40e9, 300e9, 25e9), ("a100-80gb", 312e12, 80e9, 300e9, 25e9),
-    ("h100", 989e12, 80e9, 450e9, 50e9), ("h200", 989e12, 141e9, 450e9, 50e9), ("b200", 2250e12, 180e9, 900e9, 50e9),
+    ("a100-40gb", 312e12, 40960 * MiB, 300e9, 25e9), ("a100-80gb", 312e12, 81920 * MiB, 300e9, 25e9),
+    ("h100", 989e12, 81559 * MiB, 450e9, 50e9), ("h200", 989e12, 143771 * MiB, 450e9, 50e9),
+    ("b200", 2250e12, 183359 * MiB, 900e9, 50e9),
 ])
 def test_gpu_presets_set_devices_nvlink_and_nics(gpu, peak, memory, nvlink, nic):
     from pipesim.cluster.files import load_topology
@@ -246,7 +251,7 @@ def test_gpu_flag_reaches_memory_capacity_and_mfu(tmp_path, capsys):
     assert main(["simulate", "--model", "gpt3-1.3b", "--pp", "2", "-m", "2", "--topology", "nvlink", "--gpu", "h200",
                  "--json", str(out)]) == 0
     document = json.loads(out.read_text())
-    assert document["ranks"][0]["memory"]["capacity_bytes"] == 141e9
+    assert document["ranks"][0]["memory"]["capacity_bytes"] == 143771 * MiB
     assert document["model"]["peak_flops_per_gpu"] == 989e12
     topology_file = tmp_path / "t.json"
     topology_file.write_text(json.dumps({"devices": [{"name": "g0"}]}))

@@ -382,25 +382,27 @@ def test_plan_writes_the_best_layout_for_torchtitan_as_export_does(tmp_path, cap
 
 
 def test_the_headroom_is_kept_back_alike_by_the_floor_and_by_simulate():
-    # gpt3-13b, 1F1B pp 4 dp 2 ZeRO-1 on 40 GB A100s: parameters, optimizer state and one
-    # stash alone need 37.7 GB on some rank. Without headroom the floor lets it through; with
-    # the default 10% (36 GB usable) it is rejected, and simulate calls the same layout out of
-    # memory with that headroom (its peak is above the floor) and not with 0 when it fits.
+    # gpt3-13b, 1F1B pp 4 dp 2 ZeRO-1 on 40 GB A100s (40960 MiB): parameters, optimizer state
+    # and one stash alone need 37.7 GB on some rank. Without headroom the floor lets it
+    # through; keeping 6 GB back (36.9 GB usable) it is rejected, and simulate calls the same
+    # layout out of memory with that headroom (its peak is above the floor) and not with 0
+    # when it fits.
+    capacity = 40960 * 2**20
     layout = Layout("1f1b", 4, 1, 2, 1, 1, 8, "none", 1)
     verdicts = {}
-    for headroom in ("0", "10%"):
+    for headroom in ("0", "6"):
         evaluator = LayoutEvaluator(Job(model="gpt3-13b", topology="nvlink", nodes=1, gpu="a100-40gb",
                                         memory_headroom=headroom))
         floor = max(floor for floor, _ in evaluator.memory_floors(layout))
-        assert 36e9 < floor < 40e9
+        assert capacity - 6e9 < floor < capacity
         verdicts[headroom] = (evaluator.reject_cause(layout), evaluator.evaluate(layout))
     assert verdicts["0"][0] is None
-    assert verdicts["10%"][0] == "out of memory (parameters, optimizer state and one stash alone, with the headroom)"
+    assert verdicts["6"][0] == "out of memory (parameters, optimizer state and one stash alone, with the headroom)"
     row = verdicts["0"][1]
-    assert "rejected" in row or row["oom"] == (row["peak_memory_bytes"] > 40e9)
+    assert "rejected" in row or row["oom"] == (row["peak_memory_bytes"] > capacity)
     job = evaluator.layout_job(layout)
-    result = simulate_job(job)  # the 10% job set up last: out of memory, as the floor said
-    assert result.oom and all(memory.usable_bytes == pytest.approx(36e9) for memory in result.memory)
+    result = simulate_job(job)  # the 6 GB job set up last: out of memory, as the floor said
+    assert result.oom and all(memory.usable_bytes == pytest.approx(capacity - 6e9) for memory in result.memory)
 
 
 def test_every_considered_layout_lands_in_exactly_one_bucket_with_zero_stages_and_uneven_splits(small_model_worker):

@@ -225,12 +225,12 @@ def test_a_constraint_with_a_word_for_a_number_or_switch_is_refused(name, word):
 
 
 def test_a_plan_row_carries_the_limit_its_memory_verdict_was_judged_against():
-    """An H100 holds 80 GB; with a 10% headroom the usable limit is 72 GB (hand figures),
-    the line the plan chart draws (viz.limits.memory_lines)."""
+    """An H100 holds 81559 MiB (nvidia-smi's total); with a 10% headroom the usable limit is
+    90% of it (hand figures), the line the plan chart draws (viz.limits.memory_lines)."""
     result = pipesim.api.plan(pipesim.PlanRequest(**SMALL, gpu="h100", schedules=("1f1b",), microbatch_sizes=(1,),
                                                   constraints=("pp=2",), top=1, workers=1,
                                                   memory_headroom="10%"))
     row = result.rows[0]
-    assert row["capacity_bytes"] == pytest.approx(80e9)
-    assert row["usable_bytes"] == pytest.approx(72e9)
+    assert row["capacity_bytes"] == pytest.approx(81559 * 2**20)
+    assert row["usable_bytes"] == pytest.approx(0.9 * 81559 * 2**20)
     assert row["memory_headroom"] == "10%"

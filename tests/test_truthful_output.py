@@ -71,18 +71,20 @@ def test_explicit_wgrad_is_taken_as_given(tmp_path, capsys):
 
 def test_gpu_capacity_holds_on_the_ideal_topology(tmp_path, capsys):
     """Llama 3 8B on four H100s, GPipe holding all 16 microbatches' activations: well over
-    an H100's 80 GB (72 GB usable after the default 10% headroom), on free links too."""
+    an H100's 81559 MiB, on free links too. Rank 0 may use 82.27 GB of it by the headroom
+    rule: less the CUDA context (426 MiB) and its one pipeline neighbour's NCCL buffers (32
+    channels x 10 MiB), over 1.03 for fragmentation."""
     out, html = tmp_path / "r.json", tmp_path / "g.html"
     status = run_cli("simulate", "--model", "llama3-8b", "--gpu", "h100", "--pp", 4, "-m", 16, "--schedule", "gpipe",
                      "--json", out, "--html", html, "--fail-on-oom")
     assert status == 3
     captured = capsys.readouterr()
-    assert "out of memory" in captured.err and "72.00 GB of it usable" in captured.err
+    assert "out of memory" in captured.err and "82.27 GB of it usable" in captured.err
     ranks = json.loads(out.read_text())["ranks"]
-    assert [rank["memory"]["capacity_bytes"] for rank in ranks] == [80e9] * 4
+    assert [rank["memory"]["capacity_bytes"] for rank in ranks] == [81559 * 2**20] * 4
     assert all(rank["memory"]["oom"] for rank in ranks)
     page = html.read_text(encoding="utf-8")
-    assert "out of memory: ranks 0, 1, 2, 3 (peak " in page and "72.0 GB usable" in page
+    assert "out of memory: ranks 0, 1, 2, 3 (peak " in page and "82.3 GB usable" in page  # rank 3, the fullest
 
 
 def test_ideal_topology_without_gpu_stays_unbounded(tmp_path):
@@ -111,7 +113,7 @@ def test_sweep_rows_carry_the_usable_limit(tmp_path):
     assert run_cli("sweep", "--model", "gpt3-1.3b", "--topology", "nvlink", "--schedule", "gpipe", "--pp", 2,
                    "-m", 2, "--memory-headroom", "6", "--quiet", "--json", out) == 0
     row = json.loads(out.read_text())[0]
-    assert row["capacity_bytes"] == 80e9 and row["usable_bytes"] == pytest.approx(80e9 - 6e9)
+    assert row["capacity_bytes"] == 81559 * 2**20 and row["usable_bytes"] == pytest.approx(81559 * 2**20 - 6e9)
 
 
 # -- every moment of a rank's row labelled --------------------------------------------------
@@ -406,7 +408,11 @@ def test_memory_panel_draws_parts_peak_limit_and_capacity(tmp_path):
     peaks = [t for t in figure.data if t.name == "peak"]
     assert [p.y[0] * 1e9 for p in peaks] == pytest.approx([rank["peak_bytes"] for rank in trace.meta["memory"]])
     lines = sorted({round(shape.y0, 6) for shape in figure.layout.shapes})
-    assert lines == [72.0, 80.0]  # the usable limit after 10% headroom, and the H100's capacity
+    # the usable limits by the headroom rule (a middle rank has two pipeline neighbours, an end
+    # one: 32 channels x 10 MiB of NCCL buffers each), and the H100's capacity, 81559 MiB
+    mib = 2**20
+    assert lines == pytest.approx([(81559 - 426 - 640) * mib / 1.03e9, (81559 - 426 - 320) * mib / 1.03e9,
+                                   81559 * mib / 1e9], abs=1e-6)
     assert all("out of memory" in annotation.text for annotation in figure.layout.annotations[:4])
     assert "memory over the step" in page.read_text(encoding="utf-8")
 

@@ -102,7 +102,7 @@ def test_topology_devices_may_name_a_gpu():
     document["devices"][0]["gpu"] = "a100-40gb"
     document["devices"][1].update(gpu="h200", memory_bytes=100e9)
     topology = topology_from_dict(document)
-    assert topology.device_memory("g0") == 40e9 and topology.device_peak_flops("g0") == 312e12
+    assert topology.device_memory("g0") == 40960 * 2**20 and topology.device_peak_flops("g0") == 312e12
     assert topology.device_memory("g1") == 100e9 and topology.device_peak_flops("g1") == 989e12
 
 

@@ -225,12 +225,16 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
 def add_memory_headroom_arg(parser) -> None:
     """``--memory-headroom``: what each device keeps back from the model (``simulate``'s
     out-of-memory verdict and ``plan``'s, the same)."""
-    from pipesim.sim.memory import DEFAULT_HEADROOM
+    from pipesim.sim.headroom import CUDA_CONTEXT_BYTES, DEFAULT_HEADROOM, FRAGMENTATION_SHARE, MiB
 
-    parser.add_argument("--memory-headroom", default=DEFAULT_HEADROOM, metavar="SHARE|GB",
-                        help="memory each device keeps back for the CUDA context, NCCL's buffers and the allocator's "
-                        "fragmentation: a share of it (10%%) or gigabytes (6); a rank is out of memory above the rest "
-                        f"(default: {DEFAULT_HEADROOM.replace('%', '%%')}; docs/cluster-model.md says why)")
+    parser.add_argument("--memory-headroom", default=DEFAULT_HEADROOM, metavar="auto|SHARE|GB",
+                        help="memory each device keeps back from the model; a rank is out of memory above the rest. "
+                        f"auto: the CUDA context ({CUDA_CONTEXT_BYTES // MiB} MiB), NCCL's buffers for each "
+                        "communicator the rank joins (tp, pp, dp, cp, ep: 10 MiB per channel and peer, as NCCL opens "
+                        "them) "
+                        f"and the caching allocator's fragmentation ({FRAGMENTATION_SHARE * 100:g}%% of the peak), "
+                        "from published measurements; or a share of the device (10%%) or gigabytes (6) instead "
+                        f"(default: {DEFAULT_HEADROOM}; docs/cluster-model.md, Headroom, says why)")
 
 
 def add_context_and_expert_args(group) -> None:

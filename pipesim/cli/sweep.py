@@ -121,10 +121,12 @@ def microbatch_groups_of(args: argparse.Namespace) -> list[int | None]:
 
 def with_usable_limit(rows: list[dict], headroom) -> None:
     """Give each row with a capacity the limit its out-of-memory verdict was judged
-    against (capacity less ``--memory-headroom``, ``Headroom.of``), for the chart's line."""
+    against (capacity less ``--memory-headroom``: the simulation's, else ``Headroom.usable``
+    of the capacity alone), for the chart's line."""
     for row in rows:
         if row.get("capacity_bytes"):
-            row["usable_bytes"] = row["capacity_bytes"] - headroom.of(row["capacity_bytes"])
+            if row.get("usable_bytes") is None:
+                row["usable_bytes"] = headroom.usable(row["capacity_bytes"])
             row["memory_headroom"] = headroom.text
 
 

@@ -4,7 +4,15 @@ Figures are the vendors' datasheet numbers for the SXM parts in HGX/DGX systems
 (sources in docs/cluster-model.md):
 
 - ``bf16_flops``: dense BF16 tensor-core peak (no 2:4 sparsity), the denominator of MFU;
-- ``memory_bytes``: HBM capacity; ``memory_bandwidth``: HBM bandwidth (bytes/s), which
+- ``memory_bytes``: HBM capacity as the driver reports it (``nvidia-smi``'s total,
+  what ``torch.cuda.mem_get_info`` counts and PyTorch can allocate from), not the
+  marketing "80 GB": an "80 GB" part carries 80 GiB. A100 SXM 80 GB 81920 MiB and 40 GB
+  40960 MiB, H100 SXM 81559 MiB (modal-labs/modal-client pull request 2797 lists the
+  totals nvidia-smi reports on each; NVIDIA/nccl issue 1264 shows an HGX H100's), H200
+  SXM 143771 MiB (nvidia-smi on HGX H200 nodes, as public reports of it print), B200
+  183359 MiB (NVIDIA/TensorRT-LLM issue 10278, an 8 x B200 node). The H800 is taken to
+  carry the H100's 80 GB HBM3 (no reading of its own found). ``memory_bandwidth``: HBM
+  bandwidth (bytes/s), which
   sets the pace of the memory-bound kernels (``pipesim.model.memory_traffic``);
 - ``nvlink_bandwidth``: NVLink bandwidth per GPU per direction through NVSwitch (half of
   the bidirectional figure datasheets quote; the H800, H100's export variant, has 400
@@ -34,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GB = 1e9
+MiB = 2**20
 
 
 class GpuError(ValueError):
@@ -69,13 +78,13 @@ class GpuSpec:
 FP8_MATMUL_OVER_BF16 = 1350e12 / 794.5e12  # DeepGEMM on Hopper over Hopper's measured BF16 matmul
 
 GPUS: dict[str, GpuSpec] = {
-    "a100-40gb": GpuSpec("a100-40gb", 312e12, 40 * GB, 3, 300 * GB, 25 * GB, 1555 * GB, 108, 271.2e12),
-    "a100-80gb": GpuSpec("a100-80gb", 312e12, 80 * GB, 3, 300 * GB, 25 * GB, 2039 * GB, 108, 271.2e12),
-    "h100": GpuSpec("h100", 989e12, 80 * GB, 4, 450 * GB, 50 * GB, 3350 * GB, 132, 794.5e12, 1979e12),
+    "a100-40gb": GpuSpec("a100-40gb", 312e12, 40960 * MiB, 3, 300 * GB, 25 * GB, 1555 * GB, 108, 271.2e12),
+    "a100-80gb": GpuSpec("a100-80gb", 312e12, 81920 * MiB, 3, 300 * GB, 25 * GB, 2039 * GB, 108, 271.2e12),
+    "h100": GpuSpec("h100", 989e12, 81559 * MiB, 4, 450 * GB, 50 * GB, 3350 * GB, 132, 794.5e12, 1979e12),
     # H800 SXM: H100's compute and memory, NVLink cut to 400 GB/s bidirectional (the part DeepSeek-V3 trained on)
-    "h800": GpuSpec("h800", 989e12, 80 * GB, 4, 200 * GB, 50 * GB, 3350 * GB, 132, 794.5e12, 1979e12),
-    "h200": GpuSpec("h200", 989e12, 141 * GB, 4, 450 * GB, 50 * GB, 4800 * GB, 132, 794.5e12, 1979e12),
-    "b200": GpuSpec("b200", 2250e12, 180 * GB, 5, 900 * GB, 50 * GB, 8000 * GB, 148, 1745.0e12, 4500e12),
+    "h800": GpuSpec("h800", 989e12, 81559 * MiB, 4, 200 * GB, 50 * GB, 3350 * GB, 132, 794.5e12, 1979e12),
+    "h200": GpuSpec("h200", 989e12, 143771 * MiB, 4, 450 * GB, 50 * GB, 4800 * GB, 132, 794.5e12, 1979e12),
+    "b200": GpuSpec("b200", 2250e12, 183359 * MiB, 5, 900 * GB, 50 * GB, 8000 * GB, 148, 1745.0e12, 4500e12),
 }
 
 DEFAULT_GPU = "h100"

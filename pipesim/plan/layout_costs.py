@@ -115,11 +115,17 @@ class LayoutCosts:
         return map_ranks(self.topology, dp, pp, tp, rank_order, cp).pipeline()
 
     @kept(limit=1024)
-    def usable_memory(self, dp: int, pp: int, tp: int, rank_order: str, cp: int, headroom) -> tuple[float, ...]:
-        """Each pipeline device's memory less the headroom, kept per mapping."""
+    def usable_memory(self, dp: int, pp: int, tp: int, rank_order: str, cp: int, headroom,
+                      ep: int = 1) -> tuple[float, ...]:
+        """Each pipeline device's memory less the headroom, kept per mapping: the headroom of
+        a rank in the layout's tp, dp x cp, cp and ep communicators, its pipeline's left out
+        (they depend on the placement), so that a floor judged against it stays a floor."""
+        from pipesim.sim.headroom import Communicators
+
+        communicators = Communicators(tp=tp, dp=dp * cp, cp=cp, ep=ep, expert_dp=dp * cp // ep)
         capacities = [self.topology.device_memory(device)
                       for device in self.pipeline_devices(dp, pp, tp, rank_order, cp)]
-        return tuple(capacity - headroom.of(capacity) for capacity in capacities)
+        return tuple(headroom.usable(capacity, communicators) for capacity in capacities)
 
     def mapping(self, key: CostsKey, rank_order: str):
         """The ranks' mapping onto the cluster of the layouts whose costs ``key`` names:

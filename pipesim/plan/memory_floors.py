@@ -64,7 +64,7 @@ class MemoryFloors:
         # the key's ZeRO stage changes only the optimizer step, which the stash does not read
         floors = floor_of(self.static_floor(key, zero), self.stash_floor(key._replace(zero=0)))
         usable = self.costs.usable_memory(key.dp, key.pp, key.tp, parallel.rank_order, parallel.cp,
-                                          parallel.memory_headroom)
+                                          parallel.memory_headroom, parallel.ep)
         return list(zip(floors, usable, strict=True))
 
     def static_floor(self, key: CostsKey, zero: int) -> list[float]:
@@ -109,5 +109,5 @@ class MemoryFloors:
                                [topology.device_memory(device) for device in devices], parallel.bytes_per_param,
                                parallel.dp * parallel.cp, parallel.bucket_bytes, parallel.zero,
                                parallel.dp * parallel.cp // parallel.ep, headroom=parallel.memory_headroom,
-                               timelines=False)
+                               timelines=False, tp=parallel.tp, cp=parallel.cp, ep=parallel.ep)
         return ORDER_OUT_OF_MEMORY if any(rank.oom for rank in report) else None

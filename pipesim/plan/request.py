@@ -59,7 +59,7 @@ class PlanRequest:
     mfu: float | None = None
     compute_model: str | None = None
     max_actions: int | None = None
-    memory_headroom: str = "10%"
+    memory_headroom: str = "auto"
     top: int = 10
     workers: int | None = None
 

@@ -108,6 +108,7 @@ def run_sweep(
             "peak_memory_bytes": max((rank.peak_bytes for rank in result.memory), default=None),
             "oom": result.oom,
             "capacity_bytes": _capacity(result),
+            "usable_bytes": min((rank.usable_bytes for rank in result.memory), default=None),
             "actions": result.schedule.num_actions,
             "note": "",
         }

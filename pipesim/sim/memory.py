@@ -21,15 +21,10 @@ else its ``param_bytes`` over the weights' bytes per parameter (flags and costs 
 give bytes in the weights' dtype).
 
 A rank is out of memory when its peak exceeds its device's capacity less the
-**headroom** (``--memory-headroom``, default 10% of the device): memory the model never
-gets. The CUDA context takes ~0.3-0.5 GB per process (since CUDA 11.7 loads kernels
-lazily; over 1 GB before: pytorch/pytorch issue 107667); NCCL keeps buffers per
-communicator, channel and peer (``NCCL_BUFFSIZE``, 4 MiB by default, for each of the
-tp, pp and dp communicators a rank joins), a GB or more on a 3-D layout; and the caching
-allocator's blocks are never packed perfectly: Rajbhandari et al. 2020 (section 3.2)
-saw more than 30% of memory free but unusable to fragmentation in extreme cases. 10%
-(8 GB of an 80 GB H100) is a judgement that leaves ~2 GB for the first two and ~6 GB
-(7.5%) for fragmentation; ``--memory-headroom 0`` compares against the whole device.
+**headroom** (``--memory-headroom``): what the device holds that is not the model's, by
+default the published rule of ``pipesim.sim.headroom`` (the CUDA context, NCCL's buffers
+for the communicators the rank joins, the caching allocator's fragmentation), each part
+in the per-rank report.
 
 The timeline is a list of ``(time, bytes)`` points at every change. Costs that say
 nothing about memory (``Costs.memory_known`` false) get no report: the memory columns
@@ -45,6 +40,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pipesim.model.costs import Costs
+from pipesim.sim.headroom import Communicators, Headroom
 from pipesim.sim.zero import (
     bytes_per_param_on_device,
     check_zero,
@@ -58,6 +54,8 @@ from schedules.action import KINDS, ActionKind
 from schedules.collector import without_collector
 from schedules.metrics import peak_stashes, running_totals, stash_changes
 from schedules.trace import Trace, TraceColumns
+
+NO_HEADROOM = Headroom()  # the whole device for the model
 
 
 class OutOfMemoryError(RuntimeError):
@@ -76,41 +74,6 @@ class BytesPerParam:
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.optimizer
-
-
-@dataclass(frozen=True)
-class Headroom:
-    """Memory a device keeps back from the model (see the module): ``fraction`` of its
-    capacity plus ``fixed_bytes``."""
-
-    fraction: float = 0.0
-    fixed_bytes: float = 0.0
-    text: str = "0"
-
-    def of(self, capacity: float) -> float:
-        """Bytes kept back on a device of ``capacity`` bytes (none on an unbounded one)."""
-        if not math.isfinite(capacity):
-            return 0.0
-        return capacity * self.fraction + self.fixed_bytes
-
-
-DEFAULT_HEADROOM = "10%"
-
-
-def parse_headroom(text: str) -> Headroom:
-    """``"10%"`` (a share of each device's memory) or ``"6"`` (gigabytes) -> ``Headroom``;
-    a one-line error naming the flag otherwise."""
-    value = str(text).strip()
-    percent = value.endswith("%")
-    number = value[:-1] if percent else value.removesuffix("GB").removesuffix("gb")
-    try:
-        amount = float(number)
-    except ValueError:
-        amount = math.nan
-    if not math.isfinite(amount) or amount < 0 or (percent and amount >= 100):
-        raise ValueError(f"--memory-headroom {text!r}: expected a share of each device's memory below 100% "
-                         "(e.g. 10%) or gigabytes >= 0 (e.g. 6)")
-    return Headroom(amount / 100, 0.0, value) if percent else Headroom(0.0, amount * 1e9, value)
 
 
 def parse_bytes_per_param(text: str) -> BytesPerParam:
@@ -159,6 +122,7 @@ class RankMemory:
     peak_bytes: float
     timeline: tuple[tuple[float, float], ...]
     headroom_bytes: float = 0.0
+    headroom_parts: dict | None = None  # pipesim.sim.headroom.Headroom.parts: None when a number overrides the rule
 
     @property
     def usable_bytes(self) -> float:
@@ -168,6 +132,21 @@ class RankMemory:
     @property
     def oom(self) -> bool:
         return self.peak_bytes > self.usable_bytes
+
+    @property
+    def fragmentation_bytes(self) -> float:
+        """What the caching allocator holds beyond the peak (the rule's share of it; 0 when
+        a number overrides the rule)."""
+        return self.peak_bytes * self.headroom_parts["fragmentation_share"] if self.headroom_parts else 0.0
+
+    @property
+    def device_bytes(self) -> float | None:
+        """What the device holds at the peak by the rule: the peak, the allocator's
+        fragmentation, the CUDA context and NCCL's buffers (None when a number overrides it)."""
+        if not self.headroom_parts:
+            return None
+        return (self.peak_bytes + self.fragmentation_bytes + self.headroom_parts["cuda_context_bytes"]
+                + sum(self.headroom_parts["nccl_bytes"].values()))
 
 
 @without_collector
@@ -182,14 +161,18 @@ def memory_report(
     bucket_bytes: float = 0.0,
     zero: int = 0,
     expert_dp: int | None = None,
-    headroom: Headroom = Headroom(),
+    headroom: Headroom = NO_HEADROOM,
     timelines: bool = True,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
 ) -> list[RankMemory]:
     """Memory of every rank of the simulated pipeline, from its Trace, sharded as ZeRO
     stage ``zero`` says over the ``dp`` ranks that hold each parameter (the routed
     experts' over ``expert_dp``, default ``dp``), against each device's capacity less
-    ``headroom``; without ``timelines`` only the peaks (a planner's verdict). Empty when
-    the costs say nothing about memory."""
+    ``headroom`` for a rank of its communicators (``tp``, the pipeline, ``dp``, ``cp``,
+    ``ep``: ``rank_communicators``); without ``timelines`` only the peaks (a planner's
+    verdict). Empty when the costs say nothing about memory."""
     if not costs.memory_known:
         return []
     check_zero(zero)
@@ -213,12 +196,30 @@ def memory_report(
         stash, kept = stash_shares(costs)
         parts = [(float(peak), ()) for peak in peak_stashes(trace.columns, num_ranks, lambda stages: stash[stages],
                                                               lambda stages: kept[stages])]
+    communicators = rank_communicators(placement, num_ranks, tp, dp, cp, ep, expert_dp)
     return [
         RankMemory(rank=rank, device=devices[rank], capacity_bytes=capacities[rank], static_bytes=static[rank],
                    buffer_bytes=buffers[rank], peak_stash_bytes=peak_stash, peak_bytes=bases[rank] + peak_stash,
-                   timeline=timeline, headroom_bytes=headroom.of(capacities[rank]))
+                   timeline=timeline, headroom_bytes=headroom.of(capacities[rank], communicators[rank]),
+                   headroom_parts=headroom.parts(communicators[rank]))
         for rank, (peak_stash, timeline) in enumerate(parts)
     ]
+
+
+def rank_communicators(placement: Sequence[int], num_ranks: int, tp: int = 1, dp: int = 1, cp: int = 1,
+                       ep: int = 1, expert_dp: int | None = None) -> list[Communicators]:
+    """Per pipeline rank, the NCCL communicators it joins (``pipesim.sim.headroom``): the
+    job's tp, gradient-reduction (``dp``: the ranks that hold each parameter, dp x cp),
+    cp and ep groups, the experts' data-parallel group, and the other ranks its stages
+    exchange activations with (``schedules.dataflow``'s forward neighbours)."""
+    neighbours: list[set[int]] = [set() for _ in range(num_ranks)]
+    for stage, rank in enumerate(placement):
+        for other in (dataflow.input_from(placement, stage, ActionKind.F),
+                      dataflow.output_to(placement, stage, ActionKind.F)):
+            if other is not None and placement[other] != rank:
+                neighbours[rank].add(placement[other])
+    return [Communicators(tp=tp, pp_peers=len(peers), dp=dp, cp=cp, ep=ep,
+                          expert_dp=dp if expert_dp is None else expert_dp, pp=num_ranks) for peers in neighbours]
 
 
 def static_bytes(cost, bytes_per_param: BytesPerParam, dp: int, zero: int, expert_dp: int | None = None) -> float:
@@ -331,6 +332,17 @@ def check_memory(report: list[RankMemory]) -> None:
                 f"stash {rank.peak_stash_bytes / 1e9:.2f} GB, buffers {rank.buffer_bytes / 1e9:.2f} GB) "
                 f"but the device holds {rank.capacity_bytes / 1e9:.2f} GB"
                 + (f", {rank.usable_bytes / 1e9:.2f} GB of it usable after the {rank.headroom_bytes / 1e9:.2f} GB "
-                   "headroom (--memory-headroom)" if rank.headroom_bytes else "") + "; "
+                   f"headroom ({headroom_words(rank)}--memory-headroom)" if rank.headroom_bytes else "") + "; "
                 "add pipeline/tensor ranks, fewer microbatches in flight (1F1B), sequence parallelism or --zero"
             )
+
+
+def headroom_words(rank: RankMemory) -> str:
+    """The rule's parts for ``rank`` in words, ``"CUDA context 0.45 GB, NCCL 1.01 GB, 3%
+    fragmentation; "``, or ``""`` when a number overrides the rule."""
+    parts = rank.headroom_parts
+    if not parts:
+        return ""
+    nccl = sum(parts["nccl_bytes"].values())
+    return (f"CUDA context {parts['cuda_context_bytes'] / 1e9:.2f} GB, NCCL {nccl / 1e9:.2f} GB, "
+            f"{parts['fragmentation_share']:.0%} fragmentation; ")

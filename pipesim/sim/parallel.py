@@ -75,7 +75,8 @@ from pipesim.model.costs import Costs, StageCost
 from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN, check_slowdown, exposed_seconds, slowed_by
 from pipesim.sim.context_parallel import check_cp_comm, cp_collective_seconds
 from pipesim.sim.expert_parallel import ep_collective_seconds
-from pipesim.sim.memory import DEFAULT_HEADROOM, BytesPerParam, Headroom, parse_headroom
+from pipesim.sim.headroom import DEFAULT_HEADROOM, Headroom, parse_headroom
+from pipesim.sim.memory import BytesPerParam
 from pipesim.sim.zero import (
     check_zero,
     exposed_gather_seconds,

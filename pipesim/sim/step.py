@@ -55,7 +55,8 @@ class SimulationResult:
             self.trace, self.costs, self.schedule.placement, devices,
             [self.topology.device_memory(device) for device in devices],
             parallel.bytes_per_param, holders, parallel.bucket_bytes, parallel.zero,
-            holders // parallel.ep, headroom=parallel.memory_headroom,
+            holders // parallel.ep, headroom=parallel.memory_headroom, tp=parallel.tp,
+            cp=parallel.cp, ep=parallel.ep,
         )
 
     @cached_property
@@ -132,9 +133,23 @@ class SimulationResult:
                 "peak_stash_bytes": memory.peak_stash_bytes,
                 "capacity_bytes": capacity if capacity != float("inf") else None,
                 "headroom_bytes": memory.headroom_bytes,
+                "usable_bytes": memory.usable_bytes if capacity != float("inf") else None,
+                "headroom": self._headroom_fields(memory),
                 "oom": memory.oom,
             },
         }
+
+    @staticmethod
+    def _headroom_fields(memory) -> dict:
+        """The headroom rule's parts for one rank (``pipesim.sim.headroom``): the CUDA
+        context, NCCL's buffers by communicator, the fragmentation at the peak and what the
+        device then holds; only the setting when a number overrides the rule."""
+        parts = memory.headroom_parts
+        if not parts:
+            return {"rule": "fixed"}
+        return {"rule": "auto", "cuda_context_bytes": parts["cuda_context_bytes"], "nccl_bytes": parts["nccl_bytes"],
+                "fragmentation_share": parts["fragmentation_share"],
+                "fragmentation_bytes": memory.fragmentation_bytes, "device_bytes": memory.device_bytes}
 
     def summary(self) -> str:
         """A readable report for the terminal. Differences of equal sums (a wait of
@@ -205,10 +220,7 @@ class SimulationResult:
             capacity = f"{memory.capacity_bytes / 1e9:>9.2f}" if bounded else f"{'-':>9}"
             flag = "  OOM" if memory and memory.oom else ""
             lines.append(f"  {rank:>4}  {''.join(cell + '  ' for cell in cells)}{peak}  {capacity}{flag}")
-        headroom = max((memory.headroom_bytes for memory in self.memory), default=0.0)
-        if headroom > 0:
-            lines.append(f"  (a rank may use its capacity less {headroom / 1e9:.2f} GB of headroom: "
-                         f"--memory-headroom {self.parallel.memory_headroom.text})")
+        lines += self._headroom_lines()
         for memory in self.memory:
             if memory.oom:
                 lines.append(
@@ -216,6 +228,33 @@ class SimulationResult:
                     f"but the device holds {memory.capacity_bytes / 1e9:.2f} GB, {memory.usable_bytes / 1e9:.2f} GB "
                     "of it usable (out of memory)"
                 )
+        return lines
+
+
+    def _headroom_lines(self) -> list[str]:
+        """What each rank may use and why: by the rule, a row per rank with its parts (CUDA
+        context, NCCL's buffers by communicator, fragmentation at the peak); else the one
+        number ``--memory-headroom`` gave."""
+        bounded = [memory for memory in self.memory if memory.capacity_bytes != float("inf")]
+        text = self.parallel.memory_headroom.text
+        if not bounded or not any(memory.headroom_bytes for memory in bounded):
+            return []
+        if not bounded[0].headroom_parts:
+            headroom = max(memory.headroom_bytes for memory in bounded)
+            return [f"  (a rank may use its capacity less {headroom / 1e9:.2f} GB of headroom: "
+                    f"--memory-headroom {text})"]
+        share = bounded[0].headroom_parts["fragmentation_share"]
+        lines = [f"  headroom (GB, --memory-headroom {text}): CUDA context, NCCL buffers, fragmentation ({share:.0%} "
+                 "of the peak); in all: the peak with them; usable: the most a peak may be",
+                 f"  {'rank':>4}  {'context':>8}  {'nccl':>6}  {'(by communicator)':<34}  {'fragm.':>6}  "
+                 f"{'in all':>9}  {'usable':>7}"]
+        for memory in bounded:
+            parts = memory.headroom_parts
+            nccl = parts["nccl_bytes"]
+            kinds = ", ".join(f"{kind} {value / 1e9:.2f}" for kind, value in nccl.items()) or "-"
+            lines.append(f"  {memory.rank:>4}  {parts['cuda_context_bytes'] / 1e9:>8.2f}  "
+                         f"{sum(nccl.values()) / 1e9:>6.2f}  {kinds:<34}  {memory.fragmentation_bytes / 1e9:>6.2f}  "
+                         f"{memory.device_bytes / 1e9:>9.2f}  {memory.usable_bytes / 1e9:>7.2f}")
         return lines
 
 
