@@ -61,6 +61,7 @@ delay each other. n = 1 costs nothing.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 from pipesim.cluster.topology import Topology
@@ -91,8 +92,10 @@ def ring_pace(topology: Topology, group: Sequence[str]) -> tuple[float, float]:
         if len(rings) == 1:
             n = len(group)
             cached = _pace(topology, [(group[i], group[(i + 1) % n]) for i in range(n)])
-        else:
-            cached = _channels_pace(topology, rings)
+        else:  # groups laid out alike on other nodes (each pipeline stage's, each layout's) share one pace
+            shape = ("rings", *_all_to_all_key(topology, (tuple(group),))[1:])
+            cached = topology.pace_cache.get(shape) or _channels_pace(topology, rings)
+            topology.pace_cache[shape] = cached
         topology.pace_cache[key] = cached
     return cached
 
@@ -120,18 +123,18 @@ def _channels_pace(topology: Topology, rings: list[list[str]]) -> tuple[float, f
     """(bandwidth, latency) of ``rings`` run at once, each carrying ``1/len(rings)`` of the
     message: a link crossed by ``c`` ring edges passes each ring's chunk ``c`` times, so
     the pace is ``len(rings) * B_l / c`` on the most loaded link ``l``."""
+    edges = Counter((src, ring[(index + 1) % len(ring)]) for ring in rings for index, src in enumerate(ring))
     load: dict[tuple[str, str], int] = {}
     bandwidth: dict[tuple[str, str], float] = {}
     latency = 0.0
-    for ring in rings:
-        for index, src in enumerate(ring):
-            route = topology.route(src, ring[(index + 1) % len(ring)])
-            if not route.links:
-                continue
-            latency = max(latency, route.latency)
-            for link, link_bandwidth in zip(route.links, _link_bandwidths(route), strict=True):
-                load[link] = load.get(link, 0) + 1
-                bandwidth[link] = link_bandwidth
+    for (src, dst), count in edges.items():  # each pair routed once: the rings share most of their edges
+        route = topology.route(src, dst)
+        if not route.links:
+            continue
+        latency = max(latency, route.latency)
+        for link, link_bandwidth in zip(route.links, _link_bandwidths(route), strict=True):
+            load[link] = load.get(link, 0) + count
+            bandwidth[link] = link_bandwidth
     pace = min((len(rings) * bandwidth[link] / load[link] for link in load), default=math.inf)
     return pace, latency
 
