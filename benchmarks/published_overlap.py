@@ -201,18 +201,25 @@ def summary(name: str, errors: list[float]) -> str:
 
 
 def trend_lines(rows: list[PublishedRun], predictions: dict[str, Prediction]) -> list[str]:
-    """Within each source, model TFLOP/s-like throughput across sizes: tokens/s per GPU
-    times 6 x parameters (the FLOPs a token costs, up to attention), published against
-    predicted, smallest model first, and whether they order the sizes alike."""
+    """Within each source, MFU across model sizes (smallest first), published against
+    predicted: the published MFU is the predicted one scaled by the measured over the
+    predicted throughput (one FLOP count for both); and the change from the smallest
+    model's MFU to the largest's, published and predicted."""
     lines = []
     for source in SOURCES:
-        chosen = sorted((run for run in rows if run.source == source and run.tp_overlap), key=lambda run: run.params_b)
-        if len(chosen) < 2:
-            continue
-        published = [run.tokens_per_gpu * 6 * run.params_b * 1e9 / 1e12 for run in chosen]
-        predicted = [predictions[run.label].tokens_per_gpu * 6 * run.params_b * 1e9 / 1e12 for run in chosen]
-        pairs = ", ".join(f"{run.label} {a:.0f}/{b:.0f}" for run, a, b in zip(chosen, published, predicted, strict=True))
-        lines.append(f"{source}, 6 x params x tokens/s per GPU in TFLOP/s, published/predicted: {pairs}")
+        for fp8 in (True, False):
+            chosen = sorted((run for run in rows if run.source == source and run.tp_overlap and run.fp8 == fp8),
+                            key=lambda run: (run.params_b, run.gpus))
+            if len({run.params_b for run in chosen}) < 2:
+                continue
+            predicted = [predictions[run.label].mfu for run in chosen]
+            published = [mfu * run.tokens_per_gpu / predictions[run.label].tokens_per_gpu
+                         for run, mfu in zip(chosen, predicted, strict=True)]
+            pairs = ", ".join(f"{run.label} {mfu:.1%}/{model:.1%}"
+                              for run, mfu, model in zip(chosen, published, predicted, strict=True))
+            lines.append(f"{source} ({'FP8' if fp8 else 'BF16'}): MFU by size, published/predicted: {pairs}; "
+                         f"smallest to largest: published {100 * (published[-1] - published[0]):+.1f} points, "
+                         f"predicted {100 * (predicted[-1] - predicted[0]):+.1f}")
     return lines
 
 
