@@ -177,14 +177,15 @@ class Prediction:
     seconds: float  # wall time of the simulation
 
 
-def predict(run: PublishedRun) -> Prediction:
-    """Parse the row's flags with ``pipesim simulate``'s own parser and simulate the job,
-    so the command printed is the one predicted."""
+def predict(run: PublishedRun, extra: tuple[str, ...] = ()) -> Prediction:
+    """Parse the row's flags (and ``extra`` ones, a sensitivity) with ``pipesim
+    simulate``'s own parser and simulate the job, so the command printed is the one
+    predicted."""
     from pipesim.cli import build_parser
     from pipesim.job import Job, simulate_job, throughput_figures
 
     started = time.perf_counter()
-    job = Job.from_namespace(build_parser("simulate").parse_args(["simulate", *run.argv()]))
+    job = Job.from_namespace(build_parser("simulate").parse_args(["simulate", *run.argv(), *extra]))
     result = simulate_job(job)
     figures = throughput_figures(job, result)
     return Prediction(figures["tokens_per_second"] / run.gpus, figures["mfu"], result.metrics.makespan,
@@ -238,12 +239,12 @@ def tp_overlap_lines(rows: list[PublishedRun], predictions: dict[str, Prediction
     return lines
 
 
-def table(rows: list[PublishedRun]) -> tuple[list[str], dict[str, Prediction]]:
+def table(rows: list[PublishedRun], extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, Prediction]]:
     lines = ["| run | source | GPUs | tp pp cp vp dp | m | published tokens/s/GPU | predicted | error | "
              "predicted MFU | sample |", "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
     predictions = {}
     for run in rows:
-        prediction = predictions[run.label] = predict(run)
+        prediction = predictions[run.label] = predict(run, extra)
         sample = "in-sample" if run.in_sample else "held out"
         lines.append(f"| {run.label} | {run.source} | {run.gpus} | {run.tp} {run.pp} {run.cp} {run.vp} {run.dp} | "
                      f"{run.microbatches} | {run.tokens_per_gpu:,.0f} | {prediction.tokens_per_gpu:,.0f} | "
@@ -255,13 +256,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=None, help="rows whose label contains this text")
     parser.add_argument("--commands", action="store_true", help="print every row's simulate command")
+    parser.add_argument("--extra-flags", default="", metavar="FLAGS",
+                        help="sensitivity: simulate flags added to every row, e.g. \"--overlap-slowdown 0\" or "
+                        "--extra-flags=--no-tp-overlap (default: none, the stacks' defaults)")
     args = parser.parse_args()
     started = time.perf_counter()
     rows = [run for run in runs() if args.only is None or args.only in run.label]
-    lines, predictions = table(rows)
+    lines, predictions = table(rows, tuple(args.extra_flags.split()))
     print("\n".join(lines) + "\n")
     for run in rows if args.commands else rows[:1]:
-        print(f"equivalent command ({run.label}): `pipesim simulate {' '.join(run.argv())}`")
+        command = " ".join([*run.argv(), *args.extra_flags.split()])
+        print(f"equivalent command ({run.label}): `pipesim simulate {command}`")
     print()
     for key, source in SOURCES.items():
         print(f"{key}: {source}")
