@@ -50,6 +50,7 @@ the trend across model sizes within each source).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -177,6 +178,7 @@ class Prediction:
     seconds: float  # wall time of the simulation
 
 
+@functools.cache  # a row is frozen: a test session's checks share each row's simulation
 def predict(run: PublishedRun, extra: tuple[str, ...] = ()) -> Prediction:
     """Parse the row's flags (and ``extra`` ones, a sensitivity) with ``pipesim
     simulate``'s own parser and simulate the job, so the command printed is the one

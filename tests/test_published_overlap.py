@@ -6,10 +6,11 @@ failure that says by how much)."""
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import pytest
 
-from benchmarks.published_overlap import SOURCES, error, predict, runs
+from benchmarks.published_overlap import SOURCES, error, predict, runs, summary, table
 from pipesim.cli import build_parser
 from pipesim.job import Job, model_spec_of
 from pipesim.model.transformer_costs import attention_flops_counted
@@ -64,3 +65,15 @@ def test_async_tp_is_predicted_faster_than_vanilla_tp_as_published():
         vanilla = next(run for run in ROWS if run.label == overlapped.label.replace("async", "vanilla"))
         assert overlapped.tokens_per_gpu > vanilla.tokens_per_gpu  # published
         assert predict(overlapped).tokens_per_gpu > predict(vanilla).tokens_per_gpu
+
+
+def test_the_docs_quote_the_table_and_medians_as_printed():
+    """docs/cluster-model.md's table and medians are what the benchmark prints now."""
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "cluster-model.md").read_text()
+    lines, predictions = table(ROWS)
+    for line in lines:
+        assert line in docs, line
+    errors = {run.label: abs(error(run, predictions[run.label])) for run in ROWS}
+    assert summary("all rows", list(errors.values())) in docs
+    assert summary("Megatron-Core rows (NeMo, Megatron-Bridge)", [errors[run.label] for run in MEGATRON]) in docs
+    assert summary("held out", [errors[run.label] for run in ROWS if not run.in_sample]) in docs
