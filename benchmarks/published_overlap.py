@@ -170,11 +170,13 @@ def runs() -> list[PublishedRun]:
 
 @dataclass(frozen=True)
 class Prediction:
-    """What ``pipesim simulate`` gives a row: tokens/s per GPU, MFU and the step."""
+    """What ``pipesim simulate`` gives a row: tokens/s per GPU, MFU, the step and the
+    share of it the busiest rank computes (the rest: bubble and exposed communication)."""
 
     tokens_per_gpu: float
     mfu: float
     step_seconds: float
+    compute_share: float
     seconds: float  # wall time of the simulation
 
 
@@ -190,7 +192,9 @@ def predict(run: PublishedRun, extra: tuple[str, ...] = ()) -> Prediction:
     job = Job.from_namespace(build_parser("simulate").parse_args(["simulate", *run.argv(), *extra]))
     result = simulate_job(job)
     figures = throughput_figures(job, result)
-    return Prediction(figures["tokens_per_second"] / run.gpus, figures["mfu"], result.metrics.makespan,
+    makespan = result.metrics.makespan
+    busiest = max(rank.busy for rank in result.metrics.ranks)
+    return Prediction(figures["tokens_per_second"] / run.gpus, figures["mfu"], makespan, busiest / makespan,
                       time.perf_counter() - started)
 
 
@@ -243,14 +247,16 @@ def tp_overlap_lines(rows: list[PublishedRun], predictions: dict[str, Prediction
 
 def table(rows: list[PublishedRun], extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, Prediction]]:
     lines = ["| run | source | GPUs | tp pp cp vp dp | m | published tokens/s/GPU | predicted | error | "
-             "predicted MFU | sample |", "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
+             "predicted MFU | compute share of the step | sample |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     predictions = {}
     for run in rows:
         prediction = predictions[run.label] = predict(run, extra)
         sample = "in-sample" if run.in_sample else "held out"
         lines.append(f"| {run.label} | {run.source} | {run.gpus} | {run.tp} {run.pp} {run.cp} {run.vp} {run.dp} | "
                      f"{run.microbatches} | {run.tokens_per_gpu:,.0f} | {prediction.tokens_per_gpu:,.0f} | "
-                     f"{error(run, prediction):+.1%} | {prediction.mfu:.1%} | {sample} |")
+                     f"{error(run, prediction):+.1%} | {prediction.mfu:.1%} | {prediction.compute_share:.1%} | "
+                     f"{sample} |")
     return lines, predictions
 
 
