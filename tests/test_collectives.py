@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipesim.cluster.collectives import (
     all_gather,
@@ -92,3 +94,80 @@ def test_bucket_sizes_cut_full_buckets_and_a_rest():
     assert bucket_sizes(0.0, 40.0) == ()
     with pytest.raises(ValueError, match="bucket size must be > 0 bytes, got nan"):
         bucket_sizes(100.0, float("nan"))
+
+
+# A data-parallel group spread k to a node over several nodes: NCCL's channels, one ring per network port
+
+
+def _ib_port_bandwidth() -> float:
+    from pipesim.cluster.presets import IB_EFFICIENCY, IB_NDR_BW
+
+    return IB_NDR_BW * IB_EFFICIENCY  # 45 GB/s: one H100's NDR port as NCCL reaches it
+
+
+def test_group_with_two_gpus_a_node_runs_two_rings_at_twice_one_port():
+    from pipesim.cluster.presets import ib
+
+    topology = ib(2)
+    group = ["n0.gpu0", "n0.gpu1", "n1.gpu0", "n1.gpu1"]
+    size = 1e9
+    # two rings, each leaving a node from a different GPU's port, each carrying half: 2 x 45 GB/s
+    crossing = topology.route("n0.gpu1", "n1.gpu0")
+    assert crossing.bandwidth == pytest.approx(_ib_port_bandwidth())
+    latency = max(topology.route(a, b).latency for a, b in
+                  [("n0.gpu0", "n0.gpu1"), ("n0.gpu1", "n1.gpu0"), ("n1.gpu1", "n0.gpu0")])
+    expected = 3 / 4 * size / (2 * _ib_port_bandwidth()) + 3 * latency
+    assert all_gather(topology, group, size) == pytest.approx(expected)
+    assert all_reduce(topology, group, size) == pytest.approx(2 * expected)
+
+
+def test_eight_gpus_a_node_run_at_the_node_ports_and_one_a_node_at_one_port():
+    from pipesim.cluster.presets import NVLINK4_BW, NVLINK_EFFICIENCY, ib
+
+    topology = ib(4)
+    port = _ib_port_bandwidth()
+    # tp 2: four dp members a node; each GPU's NVLink carries three of the four rings (4 x 360 / 3 = 480 GB/s),
+    # the ports four rings' crossings one each: 4 x 45 = 180 GB/s sets the pace
+    four = [f"n{node}.gpu{gpu}" for node in range(4) for gpu in (0, 2, 4, 6)]
+    assert ring_pace(topology, four)[0] == pytest.approx(min(4 * port, 4 * NVLINK4_BW * NVLINK_EFFICIENCY / 3))
+    assert ring_pace(topology, four)[0] == pytest.approx(4 * port)
+    # tp 8: one member a node, one ring through one port each (as before channels)
+    one = [f"n{node}.gpu3" for node in range(4)]
+    assert ring_pace(topology, one)[0] == pytest.approx(port)
+    # inside one node: every ring on NVLink, k rings of 1/k each load each GPU's link k times: NVLink's pace
+    inside = [f"n0.gpu{gpu}" for gpu in range(8)]
+    assert ring_pace(topology, inside)[0] == pytest.approx(NVLINK4_BW * NVLINK_EFFICIENCY)
+
+
+def test_uneven_or_unplaced_groups_stay_one_ring():
+    from pipesim.cluster.collectives import channel_rings
+    from pipesim.cluster.presets import ib
+
+    topology = ib(2)
+    uneven = ["n0.gpu0", "n0.gpu1", "n0.gpu2", "n1.gpu0"]
+    assert channel_rings(topology, uneven) == [uneven]
+    assert ring_pace(topology, uneven)[0] == pytest.approx(_ib_port_bandwidth())
+    ring, group = ring_file(4)  # a topology file without nodes
+    assert channel_rings(ring, group) == [group]
+
+
+@settings(max_examples=60, deadline=None)
+@given(nodes=st.integers(2, 4), per_node=st.integers(1, 8), seed=st.integers(0, 10**6))
+def test_channel_rings_cover_the_group_and_cross_from_distinct_gpus(nodes, per_node, seed):
+    import random
+
+    from pipesim.cluster.collectives import channel_rings
+    from pipesim.cluster.presets import ib
+
+    topology = ib(nodes)
+    rng = random.Random(seed)
+    group = [f"n{node}.gpu{gpu}" for node in range(nodes) for gpu in sorted(rng.sample(range(8), per_node))]
+    rings = channel_rings(topology, group)
+    assert len(rings) == (per_node if per_node > 1 else 1)
+    for ring in rings:
+        assert sorted(ring) == sorted(group)
+    leaving = [[ring[i] for i in range(len(ring)) if topology.node_of(ring[i]) != topology.node_of(
+        ring[(i + 1) % len(ring)])] for ring in rings]
+    for node in range(nodes):  # each ring leaves each node once, and from a GPU no other ring leaves it from
+        exits = [device for ring_exits in leaving for device in ring_exits if device.startswith(f"n{node}.")]
+        assert len(exits) == len(rings) and len(set(exits)) == len(rings)

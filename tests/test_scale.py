@@ -105,8 +105,12 @@ def searched_route(graph: nx.DiGraph, src: str, dst: str) -> Route:
 
 
 def searched_topology(name: str, nodes: int) -> Topology:
-    """The preset as a plain graph topology (general path search)."""
+    """The preset as a plain graph topology (general path search), each device's node
+    named as a topology file names it (what a collective's channel rings count)."""
     graph, devices = REFERENCES[name](nodes)
+    for device in devices:
+        if "." in device:
+            graph.nodes[device]["node"] = device.split(".", 1)[0]
     return Topology(f"{name}-searched", graph, devices)
 
 

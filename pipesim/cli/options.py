@@ -158,6 +158,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "scores a causal mask computes (Meta's Llama 3 figures, today's Megatron-LM and MaxText), or "
                        "whole, the full square (PaLM's appendix B formula, torchtitan, Narayanan et al. 2021) "
                        "(default: causal)")
+    add_precision_args(group)
+    group.add_argument("--capacity-factor", type=float, default=None,
+                       help="mixture of experts: token slots each routed expert computes, as a multiple of its "
+                       "balanced share; empty slots cost time, not model FLOPs (default: dropless)")
+
+
+def add_precision_args(group) -> None:
+    """``--fp8`` and ``--comm-sms``: what the GEMMs run in and the SMs kept for
+    communication (``pipesim.model.compute_model.stage_compute_model``), for simulate's
+    model and every layout plan tries."""
     group.add_argument("--fp8", action="store_true",
                        help="with --model: the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3's recipe; the "
                        "router, attention core and output head stay BF16) on h100, h200, h800 or b200, at the FP8 "
@@ -168,9 +178,6 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--comm-sms", type=int, default=0, metavar="SMS",
                        help="with --model: SMs of each GPU kept for communication kernels (DeepSeek-V3 kept 20 of "
                        "an H800's 132): GEMMs and attention run on the rest, at their share of the peak (default: 0)")
-    group.add_argument("--capacity-factor", type=float, default=None,
-                       help="mixture of experts: token slots each routed expert computes, as a multiple of its "
-                       "balanced share; empty slots cost time, not model FLOPs (default: dropless)")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool = True) -> None:

@@ -2,14 +2,16 @@
 
 The row's layout is kept as the plan chose it: schedule, pp, tp, dp, virtual stages,
 microbatches per replica, microbatch size (so the global batch is dp x microbatches x
-microbatch size), ZeRO stage, recompute and sequence parallelism. The model is shrunk to
-fit this machine: the run's own ``--layers/--hidden/--heads/--seq-len/--vocab``, each
-raised to the least value the layout needs (a block per stage, heads a multiple of tp,
-a sequence the tp ranks can split). ``plan --json`` rows do not name the plan's model, so
-the model is the run's ``--model`` (the ``gpt`` transformer unless another transformer
-is named: the planner's models are transformers, so ``mlp`` is not used here). What the
-executor does not run (context or expert parallelism, ZeRO-3 with a split backward,
-cost-aware orders) is refused in one line naming the row and the value.
+microbatch size), ZeRO stage, recompute and sequence parallelism. The model is the
+plan's (a row names it: a preset, or a config file's absolute path), shrunk to fit this
+machine: the run's own ``--layers/--hidden/--heads/--seq-len/--vocab``, each raised to
+the least value the layout needs (a block per stage, heads a multiple of tp, a sequence
+the tp ranks can split). A run's ``--model`` naming another model is refused; a plan
+written before rows named their model runs the run's ``--model`` (the ``gpt``
+transformer unless another transformer is named: the planner's models are transformers,
+so ``mlp`` is not used here). What the executor does not run (context or expert
+parallelism, ZeRO-3 with a split backward, cost-aware orders) is refused in one line
+naming the row and the value.
 """
 
 from __future__ import annotations
@@ -54,18 +56,46 @@ def check_executable(row: dict, number: int) -> None:
                               f"pipesim run does not execute {what} yet")
 
 
-def shrunk_model(args: argparse.Namespace, row: dict) -> dict:
-    """The run's model flags, raised to what the row's layout needs."""
-    model = "gpt" if args.model == "mlp" else args.model
+def planned_model(args: argparse.Namespace, row: dict, number: int) -> str:
+    """The model to run: the row's, which a ``--model`` of the run may repeat but not
+    change; for a row that names none, the run's (``gpt`` for the toy ``mlp`` default)."""
+    planned = row.get("model")
+    if not planned:
+        return "gpt" if args.model == "mlp" else args.model
+    if args.model not in ("mlp", planned):
+        raise ConfigError(f"--model {args.model} conflicts with --plan {args.plan}: row {number} was planned for "
+                          f"{planned}; drop --model")
+    return planned
+
+
+def shrunk_model(args: argparse.Namespace, row: dict, model: str) -> dict:
+    """``model`` at the run's sizes, raised to what the row's layout needs."""
     sizes = model_sizes(argparse.Namespace(**{**vars(args), "model": model}))  # the flags given, else run's defaults
     tp, stages = row["tp"], row["pp"] * row["virtual_stages"]
     heads = math.lcm(max(sizes["heads"], 1), tp)
+    kv_heads = _kv_heads(args, model, heads, tp)
+    if kv_heads:  # grouped-query attention: every tp rank holds whole key/value heads, each serving whole groups
+        heads = math.lcm(heads, kv_heads)
     head_dim = max(1, sizes["hidden"] // max(sizes["heads"], 1))
     hidden = max(sizes["hidden"], heads * head_dim)
     hidden += -hidden % heads
     seq_len = sizes["seq_len"] + (-sizes["seq_len"] % tp if row.get("sequence_parallel") else 0)
-    return {"model": model, "layers": max(sizes["layers"], stages),
-            "hidden": hidden, "heads": heads, "seq_len": seq_len, "vocab": sizes["vocab"]}
+    return {"model": model, "layers": max(sizes["layers"], stages), "hidden": hidden, "heads": heads,
+            **({"kv_heads": kv_heads} if kv_heads else {}), "seq_len": seq_len, "vocab": sizes["vocab"]}
+
+
+def _kv_heads(args: argparse.Namespace, model: str, heads: int, tp: int) -> int | None:
+    """An architecture's key/value heads at ``heads`` query heads (the run's ``--kv-heads``,
+    else the original's grouping), raised to a multiple of ``tp``; None for the toys and
+    latent attention (every head its own keys and values)."""
+    from executor.architectures.build import full_spec, is_architecture, kv_heads_like
+
+    if not is_architecture(model):
+        return None
+    full = full_spec(model)
+    if full.mla:
+        return None
+    return math.lcm(getattr(args, "kv_heads", None) or kv_heads_like(full, heads), tp)
 
 
 def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
@@ -79,7 +109,7 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
     number = args.row
     row = read_row(args.plan, number)
     check_executable(row, number)
-    model = shrunk_model(args, row)
+    model = shrunk_model(args, row, planned_model(args, row, number))
     fixed = {"schedule": row["schedule"], "pp": row["pp"], "microbatches": row["microbatches"],
              "virtual_stages": row["virtual_stages"], "microbatch_group": row.get("microbatch_group"),
              "dp": row["dp"], "tp": row["tp"], "zero": row["zero"],
@@ -92,6 +122,6 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
         raise ConfigError(f"plan row {number} ({row.get('layout', '')}): {error}") from None
     line = (f"plan row {number}: {row.get('layout', '')} kept (world {config.world_size}, global batch "
             f"{config.batch_size}); model shrunk to {model['model']} with {model['layers']} layers, hidden "
-            f"{model['hidden']}, {model['heads']} heads, seq-len {model['seq_len']}, vocab {model['vocab']} "
-            "(plan.json does not name the plan's model)")
+            f"{model['hidden']}, {model['heads']} heads, seq-len {model['seq_len']}, vocab {model['vocab']}"
+            + ("" if row.get("model") else " (the plan's rows do not name its model: the run's --model)"))
     return config, line

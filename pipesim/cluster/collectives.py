@@ -11,6 +11,17 @@ Every step of a ring moves one chunk between each pair of neighbours at once, so
 step lasts as long as the slowest neighbour route: B is the lowest effective bandwidth
 and alpha the highest latency among the routes ``group[i] -> group[i+1]``.
 
+A group with k members on each of several nodes is not one ring: NCCL runs the
+collective over several channels, each a ring that leaves every node from a different
+GPU and so through a different network port (its topology search builds one ring per
+NIC on rail-optimised nodes), each carrying 1/k of the message. pipesim lays out k such
+rings (the members of every node rotated by one for each ring) and takes the pace of
+the most loaded link: ``B = min over links l of k * B_l / (ring edges crossing l)``.
+With one port per GPU the network crossing runs k times as fast as one ring's (the
+bus bandwidth nccl-tests reports across DGX nodes is the node's ports together, not
+one); a group with one member per node (tp 8, a pipeline's ranks) is one ring as
+before, and so is a group inside one node (each GPU's NVLink then carries all k rings).
+
 Tree all-reduce (NCCL's double binary tree): the message is reduced up a binary tree
 and broadcast back down, pipelined in chunks. Each direction carries S over the
 slowest tree edge and pays one latency per level:
@@ -50,6 +61,7 @@ delay each other. n = 1 costs nothing.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 from pipesim.cluster.topology import Topology
@@ -69,14 +81,62 @@ def _pace(topology: Topology, pairs: Sequence[tuple[str, str]]) -> tuple[float, 
 
 
 def ring_pace(topology: Topology, group: Sequence[str]) -> tuple[float, float]:
-    """Bandwidth and latency of one ring step: the slowest neighbour route sets both.
-    Kept per topology and group: a step charges the same group once per bucket and layer."""
+    """Bandwidth and latency of one ring step: the slowest neighbour route sets both; a
+    group spread k to a node over several nodes runs as k rings, one per network port
+    (``channel_rings``, see the module). Kept per topology and group: a step charges the
+    same group once per bucket and layer."""
     key = ("ring", tuple(group))
     cached = topology.pace_cache.get(key)
     if cached is None:
-        n = len(group)
-        cached = topology.pace_cache[key] = _pace(topology, [(group[i], group[(i + 1) % n]) for i in range(n)])
+        rings = channel_rings(topology, group)
+        if len(rings) == 1:
+            n = len(group)
+            cached = _pace(topology, [(group[i], group[(i + 1) % n]) for i in range(n)])
+        else:  # groups laid out alike on other nodes (each pipeline stage's, each layout's) share one pace
+            shape = ("rings", *_all_to_all_key(topology, (tuple(group),))[1:])
+            cached = topology.pace_cache.get(shape) or _channels_pace(topology, rings)
+            topology.pace_cache[shape] = cached
+        topology.pace_cache[key] = cached
     return cached
+
+
+def channel_rings(topology: Topology, group: Sequence[str]) -> list[list[str]]:
+    """The rings NCCL's channels lay over ``group``: one (the group in order) unless the
+    group has k >= 2 members on each of two or more nodes (``Topology.node_of``); then k
+    rings visiting the nodes in the group's order, ring j entering each node at its j-th
+    member (in the group's order) and leaving it from the member before, so that every
+    ring crosses the network from a different GPU."""
+    nodes = [topology.node_of(device) for device in group]
+    by_node: dict[str, list[str]] = {}
+    for device, node in zip(group, nodes, strict=True):
+        if node is None:
+            return [list(group)]
+        by_node.setdefault(node, []).append(device)
+    sizes = {len(members) for members in by_node.values()}
+    if len(by_node) < 2 or len(sizes) != 1 or min(sizes) < 2:
+        return [list(group)]
+    (k,) = sizes
+    return [[members[(j + i) % k] for members in by_node.values() for i in range(k)] for j in range(k)]
+
+
+def _channels_pace(topology: Topology, rings: list[list[str]]) -> tuple[float, float]:
+    """(bandwidth, latency) of ``rings`` run at once, each carrying ``1/len(rings)`` of the
+    message: a link crossed by ``c`` ring edges passes each ring's chunk ``c`` times, so
+    the pace is ``len(rings) * B_l / c`` on the most loaded link ``l``."""
+    edges = Counter((src, ring[(index + 1) % len(ring)]) for ring in rings for index, src in enumerate(ring))
+    load: dict[tuple[str, str], int] = {}
+    bandwidth: dict[tuple[str, str], float] = {}
+    latency = 0.0
+    for (src, dst), count in edges.items():  # each pair routed once: the rings share most of their edges
+        route = topology.route(src, dst)
+        if not route.links:
+            continue
+        latency = max(latency, route.latency)
+        for link, link_bandwidth in zip(route.links, _link_bandwidths(route), strict=True):
+            load[link] = load.get(link, 0) + count
+            bandwidth[link] = link_bandwidth
+    pace = min((len(rings) * bandwidth[link] / load[link] for link in load), default=math.inf)
+    return pace, latency
 
 
 def tree_pace(topology: Topology, group: Sequence[str]) -> tuple[float, float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipesim.job import Job, model_spec_of, parallel_of, topology_of
 from pipesim.plan.evaluate import LayoutEvaluator
@@ -36,8 +37,9 @@ class PlanRequest:
     microbatch groups ``microbatch_group`` (None: the defaults of ``pipesim.plan.layouts``),
     keeping layouts that match every one of ``constraints`` (``"pp=8"``,
     ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on ``workers`` processes (None: the CPUs
-    available). ``mfu``, ``compute_model``, ``max_actions`` and ``memory_headroom`` are
-    ``pipesim simulate``'s. Field names are the command's flags."""
+    available). ``mfu``, ``compute_model``, ``fp8``, ``comm_sms``, ``max_actions`` and
+    ``memory_headroom`` are ``pipesim simulate``'s, the same for every layout. Field names
+    are the command's flags."""
 
     model: str
     gpus: int
@@ -58,6 +60,8 @@ class PlanRequest:
     constraints: Sequence[str] = ()
     mfu: float | None = None
     compute_model: str | None = None
+    fp8: bool = False
+    comm_sms: int = 0
     max_actions: int | None = None
     memory_headroom: str = "auto"
     top: int = 10
@@ -88,7 +92,17 @@ class Planner:
         result = search(self.layouts, self.evaluator, self.request.top, self.workers, progress, self.ruled_out,
                         describe=describe)
         result.values_left_out = self.values_left_out
+        model = model_reference(self.request.model)
+        for row in result.rows:  # a row names its model: `pipesim run --plan plan.json --row N` builds that one
+            row["model"] = model
         return result
+
+
+def model_reference(model: str) -> str:
+    """How a plan's rows name ``--model``: a preset by its name, a config file by its
+    absolute path (the plan file may be read from another directory)."""
+    path = Path(model)
+    return str(path.resolve()) if path.is_file() else model
 
 
 def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
@@ -103,6 +117,10 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
             _whole(flag, value)
     if request.mfu is not None and not 0 < request.mfu <= 1:  # NaN fails this too
         raise ValueError(f"--mfu is a fraction of peak in (0, 1], got {request.mfu}")
+    if not isinstance(request.fp8, bool):
+        raise ValueError(f"--fp8 is on or off (True or False), got {request.fp8!r}")
+    if isinstance(request.comm_sms, bool) or not isinstance(request.comm_sms, int) or request.comm_sms < 0:
+        raise ValueError(f"--comm-sms must be a whole number of SMs >= 0, got {request.comm_sms!r}")
     if request.gpus > MAX_PLAN_GPUS:
         raise ValueError(f"--gpus {request.gpus:,}: plan models the cluster device by device and prices every "
                          f"data-parallel group over its devices, which at this size takes hours; it searches up to "
@@ -128,11 +146,14 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                          f"{', '.join(sorted(GROUPED))} runs microbatches in groups, and --schedules leaves it out")
     base = Job(model=request.model, seq_len=request.seq_len, topology=request.topology,
                nodes=max(1, request.gpus // request.gpus_per_node), gpu=request.gpu, mfu=request.mfu,
-               compute_model=request.compute_model, memory_headroom=request.memory_headroom,
+               compute_model=request.compute_model, memory_headroom=request.memory_headroom, fp8=request.fp8,
+               comm_sms=request.comm_sms,
                **({"max_actions": request.max_actions} if request.max_actions else {}))
     parallel_of(base)  # a bad --memory-headroom fails here
     spec = model_spec_of(base)  # an unknown model or config, or a bad field, fails here
-    topology_of(base).require_devices(request.gpus, "GPUs")  # and an unknown cluster
+    topology = topology_of(base)
+    topology.require_devices(request.gpus, "GPUs")  # and an unknown cluster
+    _check_precision(base, spec, topology, request.gpus)
     _check_degrees(request, spec)
     space = SearchSpace(
         gpus=request.gpus, gpus_per_node=min(request.gpus_per_node, request.gpus),
@@ -147,6 +168,19 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
         microbatch_groups=list(request.microbatch_group) if request.microbatch_group else None,
     )
     return base, space
+
+
+def _check_precision(base: Job, spec, topology, gpus: int) -> None:
+    """Refuse FP8 on a GPU without FP8 tensor cores, and ``--comm-sms`` beyond a GPU's SMs,
+    before the search (each layout would fail alike): the check ``simulate`` makes when it
+    builds a stage's compute model, asked of every GPU model among the job's devices."""
+    from pipesim.model.compute_model import stage_compute_model
+
+    if spec.fp8 and base.compute_model:
+        raise ValueError(f"--fp8 conflicts with --compute-model {base.compute_model}: the profiled model measured "
+                         "BF16 GEMMs; drop one")
+    for gpu in dict.fromkeys(topology.device_gpu(device) for device in topology.devices[:gpus]):
+        stage_compute_model(1.0, 1.0, gpu or base.gpu, base.mfu, None, spec.fp8, base.comm_sms)
 
 
 def _check_degrees(request: PlanRequest, spec) -> None:
