@@ -35,7 +35,8 @@ def both(schedule: Schedule, timing: engine.StepTiming, semantics: str) -> tuple
     program = engine.compile_program(schedule, semantics)
     inputs = engine.step_inputs(program, timing)
     compiled = engine._run_compiled(program, inputs)
-    return compiled, reference.run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead)
+    return compiled, reference.run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead,
+                                             inputs.channels)
 
 
 def assert_same_moments(compiled: engine.StepRun, specified: engine.StepRun) -> None:
