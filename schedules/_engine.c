@@ -91,8 +91,8 @@ enum {
     IN_RANK_ITEM_START, IN_ITEM_IS_GROUP, IN_ITEM_REF, IN_SECONDS, IN_HOLD, IN_NEED, IN_SEND, IN_BLOCKED, IN_PAIR,
     IN_GROUP_ENDPOINT_START, IN_GROUP_RANK, IN_GROUP_STREAM, IN_STREAM_GROUP_START, IN_STREAM_GROUPS,
     IN_ENDPOINT_TRANSFER, IN_ENDPOINT_IS_SEND, IN_TRANSFER_WIRE, IN_ROUTE_START, IN_LINK_START, IN_LINKS,
-    IN_OCCUPANCY, IN_LATENCY, IN_CHANNEL_START, IN_COLLECTIVE_MODE, IN_COLLECTIVE_FRACTION, IN_COLLECTIVE_SECONDS,
-    IN_COLLECTIVE_STAGE, IN_STAGE_LINK_START, IN_STAGE_LINKS, IN_ROW_COLLECTIVE_START, IN_ROW_COLLECTIVES, IN_COUNT
+    IN_OCCUPANCY, IN_LATENCY, IN_CHANNEL_START, IN_COLLECTIVE_MODE, IN_COLLECTIVE_FRACTION, IN_COLLECTIVE_RUN,
+    IN_RUN_OFFSET_START, IN_RUN_OFFSETS, IN_COLLECTIVE_STAGE, IN_STAGE_LINK_START, IN_STAGE_LINKS, IN_ROW_COLLECTIVE_START, IN_ROW_COLLECTIVES, IN_COUNT
 };
 enum {
     OUT_READY, OUT_START, OUT_END, OUT_POSTED, OUT_DEPARTED, OUT_ARRIVAL, OUT_GROUP_POSTED, OUT_GROUP_START,
@@ -107,9 +107,10 @@ typedef struct {
     /* inputs */
     const int64_t *rank_item_start, *item_ref, *need, *send, *pair, *group_endpoint_start, *group_rank, *group_stream,
         *stream_group_start, *stream_groups, *endpoint_transfer, *transfer_wire, *route_start, *link_start, *links,
-        *channel_start, *collective_stage, *stage_link_start, *stage_links, *row_collective_start, *row_collectives;
+        *channel_start, *collective_stage, *stage_link_start, *stage_links, *row_collective_start, *row_collectives,
+        *collective_run, *run_offset_start;
     const int8_t *item_is_group, *blocked, *endpoint_is_send, *collective_mode;
-    const double *seconds, *hold, *occupancy, *latency, *collective_fraction, *collective_seconds;
+    const double *seconds, *hold, *occupancy, *latency, *collective_fraction, *run_offsets;
     /* outputs */
     double *ready, *start, *end, *posted, *departed, *arrival, *group_posted, *group_start, *group_done, *rank_clock,
         *rank_done, *collective_ready, *collective_start, *collective_end;
@@ -135,6 +136,8 @@ typedef struct {
     int64_t *channel_next;   /* per rank: the next collective its channel serves */
     int8_t *channel_busy;    /* per rank: its next collective's start is in the heap */
     double *channel_free;    /* per rank: when its channel's last collective ended */
+    int64_t *channel_bucket; /* per rank: the bucket of its running collective that comes next */
+    double *channel_base;    /* per rank: its running collective's start, plus what transfers delayed it by */
     Heap heap;
     int64_t order;
 } Engine;
@@ -156,18 +159,32 @@ static int serve_channel(Engine *e, int64_t rank) {
     return push(e, at, rank, collective, COLLECTIVE_START, collective);
 }
 
-/* A collective starts once every link it crosses is free, and holds them all until it ends. */
+/* A collective's next bucket starts once every link it crosses is free, and holds them
+   all until it ends; a transfer that took one of them since the bucket before delays it
+   and every later bucket of the run. The last bucket ends the collective. */
 static int start_collective(Engine *e, int64_t rank, int64_t collective, double now) {
     int64_t stage = e->collective_stage[collective];
     int64_t first = e->stage_link_start[stage], stop = e->stage_link_start[stage + 1];
     double begin = now;
     for (int64_t at = first; at < stop; at++)
         if (e->link_free[e->stage_links[at]] > begin) begin = e->link_free[e->stage_links[at]];
-    double done = begin + e->collective_seconds[collective];
+    int64_t bucket = e->channel_bucket[rank], run = e->collective_run[collective];
+    if (bucket == 0) {
+        e->collective_start[collective] = begin;
+        e->channel_base[rank] = begin;
+    } else if (begin > now) {
+        e->channel_base[rank] += begin - now;
+    }
+    int64_t offset = e->run_offset_start[run] + bucket;
+    double done = e->channel_base[rank] + e->run_offsets[offset];
     for (int64_t at = first; at < stop; at++) e->link_free[e->stage_links[at]] = done;
-    e->collective_start[collective] = begin;
+    if (offset + 1 < e->run_offset_start[run + 1]) {
+        e->channel_bucket[rank] = bucket + 1;
+        return push(e, done, rank, collective, COLLECTIVE_START, collective);
+    }
     e->collective_end[collective] = done;
     e->channel_free[rank] = done;
+    e->channel_bucket[rank] = 0;
     e->channel_next[rank]++;
     e->channel_busy[rank] = 0;
     return serve_channel(e, rank);
@@ -384,7 +401,7 @@ static int get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, in
 }
 
 static const Py_ssize_t INPUT_SIZES[IN_COUNT] = {8, 1, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8,
-                                                 8, 1, 8, 8, 8, 8, 8, 8, 8};
+                                                 8, 1, 8, 8, 8, 8, 8, 8, 8, 8, 8};
 
 static void *alloc_filled(Py_ssize_t count, size_t size, int value) {
     void *memory = malloc((size_t)(count > 0 ? count : 1) * size);
@@ -450,7 +467,9 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.channel_start = in[IN_CHANNEL_START].buf;
     e.collective_mode = in[IN_COLLECTIVE_MODE].buf;
     e.collective_fraction = in[IN_COLLECTIVE_FRACTION].buf;
-    e.collective_seconds = in[IN_COLLECTIVE_SECONDS].buf;
+    e.collective_run = in[IN_COLLECTIVE_RUN].buf;
+    e.run_offset_start = in[IN_RUN_OFFSET_START].buf;
+    e.run_offsets = in[IN_RUN_OFFSETS].buf;
     e.collective_stage = in[IN_COLLECTIVE_STAGE].buf;
     e.stage_link_start = in[IN_STAGE_LINK_START].buf;
     e.stage_links = in[IN_STAGE_LINKS].buf;
@@ -491,7 +510,9 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.channel_next = alloc_filled(e.ranks, sizeof(int64_t), 0);
     e.channel_busy = alloc_filled(e.ranks, sizeof(int8_t), 0);
     e.channel_free = alloc_filled(e.ranks, sizeof(double), 0);
-    if (!e.channel_next || !e.channel_busy || !e.channel_free ||!e.link_free || !e.position || !e.clock || !e.waits_group || !e.waits_transfer || !e.posted_groups ||
+    e.channel_bucket = alloc_filled(e.ranks, sizeof(int64_t), 0);
+    e.channel_base = alloc_filled(e.ranks, sizeof(double), 0);
+    if (!e.channel_next || !e.channel_busy || !e.channel_free || !e.channel_bucket || !e.channel_base ||!e.link_free || !e.position || !e.clock || !e.waits_group || !e.waits_transfer || !e.posted_groups ||
         !e.started_groups || !e.stream_busy || !e.stream_free || !e.open_groups || !e.last_done || !e.offer ||
         !e.waiter || !e.outstanding || !e.latest || !e.endpoint_group) {
         PyErr_NoMemory();
@@ -553,6 +574,8 @@ done:
     free(e.channel_next);
     free(e.channel_busy);
     free(e.channel_free);
+    free(e.channel_bucket);
+    free(e.channel_base);
     free(e.heap.items);
     return result;
 }
@@ -563,8 +586,9 @@ static const char *const INPUT_NAMES[IN_COUNT] = {
     "rank_item_start", "item_is_group", "item_ref", "seconds", "hold", "need", "send", "blocked", "pair",
     "group_endpoint_start", "group_rank", "group_stream", "stream_group_start", "stream_groups",
     "endpoint_transfer", "endpoint_is_send", "transfer_wire", "route_start", "link_start", "links",
-    "occupancy", "latency", "channel_start", "collective_mode", "collective_fraction", "collective_seconds",
-    "collective_stage", "stage_link_start", "stage_links", "row_collective_start", "row_collectives"};
+    "occupancy", "latency", "channel_start", "collective_mode", "collective_fraction", "collective_run",
+    "run_offset_start", "run_offsets", "collective_stage", "stage_link_start", "stage_links",
+    "row_collective_start", "row_collectives"};
 static const char *const OUTPUT_NAMES[OUT_COUNT] = {
     "ready", "start", "end", "posted", "departed", "arrival", "group_posted", "group_start", "group_done",
     "rank_clock", "rank_done", "stuck_item", "collective_ready", "collective_start", "collective_end"};

@@ -11,6 +11,13 @@ done and once every link it crosses is free; it holds those links for its second
 P2P transfer that wants one of them later waits, and it waits for transfers that took
 them first (the links' one rule, first come first served, never split).
 
+A collective stands for a run of buckets that fill at the same moment (a layer's
+gradients), and NCCL runs each bucket as a collective of its own: the run holds its links
+one bucket at a time, so a transfer that wants a link during the run takes it between two
+buckets (and the rest of the run follows it), not after the whole run. Where no transfer
+and no other rank's reduction crosses a stage's links nothing can come between, and its
+runs are walked whole (one step, the run's seconds summed exactly: ``math.fsum``).
+
 When they are issued (``Reductions``):
 
 - with overlap (DDP's and Megatron's default), at their share of the backward that
@@ -27,6 +34,7 @@ one. ``channel_arrays`` lays the collectives out for both walks (the compiled on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -44,14 +52,14 @@ AT_FRACTION, AT_BACKWARD_END, AT_STEP_END = 0, 1, 2  # when a collective is issu
 @dataclass(frozen=True)
 class Reductions:
     """The gradient reductions of a step, as the engine reads them: per stage, ``runs``
-    ``(fraction, seconds)`` of the collectives one releasing backward issues, in issue
-    order (buckets that fill at the same moment may be one run); ``links[stage]``, the
+    ``(fraction, bucket seconds)`` of the collectives one releasing backward issues, in
+    issue order (buckets that fill at the same moment, one run); ``links[stage]``, the
     link numbers (those of ``StepTiming.wires``) its collectives hold; ``every_backward``:
     every backward of a stage releases (ZeRO-2 and 3), else its last one; ``overlap``:
     issued at their fraction of the backward, else at its end (``every_backward``) or at
     the rank's step end."""
 
-    runs: Mapping[int, Sequence[tuple[float, float]]]
+    runs: Mapping[int, Sequence[tuple[float, Sequence[float]]]]
     links: Mapping[int, Sequence[int]] = field(default_factory=dict)
     every_backward: bool = False
     overlap: bool = True
@@ -68,7 +76,9 @@ class ChannelArrays:
     ``r``'s are ``channel_start[r]:channel_start[r + 1]``): per collective the compute row
     that issues it (-1: the rank's step end), ``mode`` (``AT_FRACTION``, ...),
     ``fraction``, ``seconds``, its stage and microbatch, ``run`` (its place among its
-    stage's runs) and its links (``stage_link_start``/``stage_links`` of its stage). Per
+    stage's runs), ``table_row`` (its run among every stage's: the end of each of its
+    buckets from the run's start is ``offsets[offset_start[table_row]:...]``, the last
+    its ``seconds``) and its links (``stage_link_start``/``stage_links`` of its stage). Per
     compute row, ``row_start[row]:row_start[row + 1]`` of ``row_collectives`` are the
     collectives it issues, in channel order."""
 
@@ -80,6 +90,9 @@ class ChannelArrays:
     stage: np.ndarray
     microbatch: np.ndarray
     run: np.ndarray
+    table_row: np.ndarray
+    offset_start: np.ndarray
+    offsets: np.ndarray
     stage_link_start: np.ndarray
     stage_links: np.ndarray
     row_start: np.ndarray
@@ -95,6 +108,11 @@ class ChannelArrays:
         stage = int(self.stage[collective])
         return self.stage_links[self.stage_link_start[stage]:self.stage_link_start[stage + 1]].tolist()
 
+    def bucket_ends(self, collective: int) -> list[float]:
+        """When each bucket of collective ``collective`` ends, from its start."""
+        row = int(self.table_row[collective])
+        return self.offsets[self.offset_start[row]:self.offset_start[row + 1]].tolist()
+
 
 def no_channel(program: EngineProgram) -> ChannelArrays:
     """Channels with no collective (a step without data parallelism), made once per
@@ -107,13 +125,17 @@ def empty_channels(ranks: int, computes: int, num_stages: int) -> ChannelArrays:
     none = np.zeros(0, dtype=np.int64)
     return ChannelArrays(
         channel_start=np.zeros(ranks + 1, dtype=np.int64), row=none, mode=np.zeros(0, dtype=np.int8),
-        fraction=np.zeros(0), seconds=np.zeros(0), stage=none, microbatch=none, run=none,
+        fraction=np.zeros(0), seconds=np.zeros(0), stage=none, microbatch=none, run=none, table_row=none,
+        offset_start=np.zeros(1, dtype=np.int64), offsets=np.zeros(0),
         stage_link_start=np.zeros(num_stages + 1, dtype=np.int64), stage_links=none,
         row_start=np.zeros(computes + 1, dtype=np.int64), row_collectives=none)
 
 
-def channel_arrays(program: EngineProgram, reductions: Reductions | None) -> ChannelArrays:
-    """``reductions`` laid out for ``program``'s walk (``ChannelArrays``)."""
+def channel_arrays(program: EngineProgram, reductions: Reductions | None,
+                   wire_links: np.ndarray | None = None) -> ChannelArrays:
+    """``reductions`` laid out for ``program``'s walk (``ChannelArrays``); ``wire_links``:
+    the links the step's transfers cross (a stage's runs whose links no transfer and no
+    other rank's reduction crosses are walked whole)."""
     num_stages = program.arrays.schedule.num_stages
     if reductions is None or not reductions.runs:
         return no_channel(program)
@@ -128,10 +150,16 @@ def channel_arrays(program: EngineProgram, reductions: Reductions | None) -> Cha
         last = np.full(num_stages, -1, dtype=np.int64)
         np.maximum.at(last, stage[releasing], releasing)
         releasing = np.sort(last[last >= 0])
+    link_lists = [list(reductions.links.get(at, ())) for at in range(num_stages)]
+    alone = _links_alone(link_lists, program.arrays.schedule.placement, wire_links)
     # the stages' runs as one table, a stage's rows from ``offset[stage]``
-    table = [(at, fraction, seconds) for at in range(num_stages) for fraction, seconds in runs.get(at, ())]
+    table = [(at, fraction, buckets) for at in range(num_stages) for fraction, buckets in runs.get(at, ())]
     fractions = np.array([row[1] for row in table], dtype=float)
-    seconds = np.array([row[2] for row in table], dtype=float)
+    seconds = np.array([math.fsum(row[2]) for row in table], dtype=float)
+    ends = [[whole] if alone[at] else _bucket_ends(buckets, whole)
+            for (at, _, buckets), whole in zip(table, seconds.tolist(), strict=True)]
+    offset_start = np.zeros(len(table) + 1, dtype=np.int64)
+    np.cumsum([len(each) for each in ends], out=offset_start[1:])
     offset = np.cumsum(per_stage) - per_stage
     count = per_stage[stage[releasing]]
     owner = np.repeat(releasing, count)  # the compute row issuing each collective
@@ -149,7 +177,6 @@ def channel_arrays(program: EngineProgram, reductions: Reductions | None) -> Cha
                                                       (owner, run, table_row, owner_rank, owner_stage))
     ranks = program.ranks
     channel_start = np.searchsorted(owner_rank, np.arange(ranks + 1)).astype(np.int64)
-    link_lists = [list(reductions.links.get(at, ())) for at in range(num_stages)]
     stage_link_start = np.zeros(num_stages + 1, dtype=np.int64)
     np.cumsum([len(links) for links in link_lists], out=stage_link_start[1:])
     stage_links = np.array([link for links in link_lists for link in links], dtype=np.int64)
@@ -162,5 +189,25 @@ def channel_arrays(program: EngineProgram, reductions: Reductions | None) -> Cha
         mode=np.full(len(owner), mode, dtype=np.int8), fraction=np.ascontiguousarray(fractions[table_row]),
         seconds=np.ascontiguousarray(seconds[table_row]), stage=owner_stage.astype(np.int64),
         microbatch=program.compute_microbatch[owner].astype(np.int64), run=run.astype(np.int64),
+        table_row=table_row.astype(np.int64), offset_start=offset_start,
+        offsets=np.array([end for each in ends for end in each], dtype=float),
         stage_link_start=stage_link_start, stage_links=stage_links, row_start=row_start,
         row_collectives=row_collectives, link_count=reductions.link_count)
+
+
+def _bucket_ends(buckets: Sequence[float], whole: float) -> list[float]:
+    """When each bucket of a run ends from the run's start, the last at ``whole``."""
+    ends = np.cumsum(np.asarray(buckets, dtype=float)).tolist()
+    ends[-1] = whole
+    return ends
+
+
+def _links_alone(link_lists: list[list[int]], placement: Sequence[int], wire_links: np.ndarray | None) -> list[bool]:
+    """Per stage, whether no transfer and no reduction of another rank crosses any of its
+    links: then nothing can come between its buckets."""
+    users: dict[int, set[int]] = {}
+    for stage, links in enumerate(link_lists):
+        for link in links:
+            users.setdefault(link, set()).add(placement[stage])
+    crossed = set(wire_links.tolist()) if wire_links is not None else set()
+    return [not any(link in crossed or len(users[link]) > 1 for link in links) for links in link_lists]

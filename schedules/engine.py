@@ -435,8 +435,9 @@ class StepInputs(NamedTuple):
 def step_inputs(program: EngineProgram, timing: StepTiming) -> StepInputs:
     """``program``'s ``StepInputs`` under ``timing`` (a NamedTuple: built on every run)."""
     seconds, hold = compute_costs(program, timing)
-    return StepInputs(seconds, hold, wire_arrays(timing.wires, program.arrays), float(timing.comm_overhead),
-                      channel_arrays(program, timing.reductions))
+    wires = wire_arrays(timing.wires, program.arrays)
+    return StepInputs(seconds, hold, wires, float(timing.comm_overhead),
+                      channel_arrays(program, timing.reductions, wires.links))
 
 
 def compute_costs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarray, np.ndarray]:
@@ -546,7 +547,9 @@ class EngineInputs(NamedTuple):
     channel_start: np.ndarray
     collective_mode: np.ndarray
     collective_fraction: np.ndarray
-    collective_seconds: np.ndarray
+    collective_run: np.ndarray
+    run_offset_start: np.ndarray
+    run_offsets: np.ndarray
     collective_stage: np.ndarray
     stage_link_start: np.ndarray
     stage_links: np.ndarray
@@ -572,7 +575,8 @@ def engine_inputs(program: EngineProgram, inputs: StepInputs) -> EngineInputs:
         endpoint_transfer=program.endpoint_transfer, endpoint_is_send=program.endpoint_is_send,
         transfer_wire=program.transfer_wire, route_start=wires.route_start, link_start=wires.link_start,
         links=wires.links, occupancy=wires.occupancy, latency=wires.latency, channel_start=channels.channel_start,
-        collective_mode=channels.mode, collective_fraction=channels.fraction, collective_seconds=channels.seconds,
+        collective_mode=channels.mode, collective_fraction=channels.fraction, collective_run=channels.table_row,
+        run_offset_start=channels.offset_start, run_offsets=channels.offsets,
         collective_stage=channels.stage, stage_link_start=channels.stage_link_start,
         stage_links=channels.stage_links, row_collective_start=channels.row_start,
         row_collectives=channels.row_collectives)

@@ -83,15 +83,18 @@ class LinkCalendar:
         """Reserve ``links`` from ``now``; the arrival. A route with no links arrives at once."""
         if not links:
             return now
-        return self.hold(links, occupancy, now) + occupancy + latency
+        begin = self.free_from(links, now)
+        self.occupy(links, begin + occupancy)
+        return begin + occupancy + latency
 
-    def hold(self, links: Sequence[int], seconds: float, now: float) -> float:
-        """Hold ``links`` for ``seconds`` from the moment all are free, at ``now`` or
-        later; that moment (``now`` when there are none)."""
-        begin = max([now] + [self.free_at[link] for link in links])
+    def free_from(self, links: Sequence[int], now: float) -> float:
+        """The moment, ``now`` or later, from which every one of ``links`` is free."""
+        return max([now] + [self.free_at[link] for link in links])
+
+    def occupy(self, links: Sequence[int], until: float) -> None:
+        """Hold ``links`` until ``until``."""
         for link in links:
-            self.free_at[link] = begin + seconds
-        return begin
+            self.free_at[link] = until
 
     def block(self, link: int, until: float) -> None:
         """Take ``link`` out of service until ``until`` (a failing link): transfers that
@@ -241,17 +244,27 @@ class SimpyStep:
 
     def channel_process(self, rank: int):
         """A rank's data-parallel channel: its collectives in channel order, each starting
-        once issued, once the one before it ended and once its links are free."""
-        channels, result = self.channels, self.result
+        once issued, once the one before it ended and once its links are free, then
+        holding them one bucket at a time (a transfer that took one in between delays the
+        rest of the run)."""
+        channels, result, env = self.channels, self.result, self.env
         free_at = 0.0
         for collective in range(channels.channel_start[rank], channels.channel_start[rank + 1]):
             ready = yield self.issued[collective]
             result.collective_ready[collective] = ready
-            yield self.env.at(max(ready, free_at), self.channel_priority(rank, collective))
-            begin = self.links.hold(channels.links_of(collective), float(channels.seconds[collective]),
-                                    self.env.now)
-            free_at = begin + float(channels.seconds[collective])
-            result.collective_start[collective], result.collective_end[collective] = begin, free_at
+            priority = self.channel_priority(rank, collective)
+            yield env.at(max(ready, free_at), priority)
+            links = channels.links_of(collective)
+            for bucket, end in enumerate(channels.bucket_ends(collective)):
+                begin = self.links.free_from(links, env.now)
+                if bucket == 0:
+                    base = result.collective_start[collective] = begin
+                elif begin > env.now:
+                    base += begin - env.now
+                free_at = base + end
+                self.links.occupy(links, free_at)
+                yield env.at(free_at, priority)
+            result.collective_end[collective] = free_at
 
     def channel_priority(self, rank: int, collective: int) -> int:
         """A collective's start after every P2P moment of its time, then in rank order."""

@@ -63,16 +63,34 @@ def test_a_reduction_on_the_senders_link_delays_the_send_by_exactly_its_overlap(
     # link 1 for 3 s, to 6.5; the gradient leaves at 4.5 and must wait for the link: it
     # is delayed by 6.5 - 4.5 = 2 s, the time the two overlap, arriving at 7.0 instead
     # of 5.0; rank 0's backward follows it, 7 to 9
-    step, _ = two_rank_step(Reductions({1: ((0.5, 3.0),)}, {1: (1,)}))
+    step, _ = two_rank_step(Reductions({1: ((0.5, (3.0,)),)}, {1: (1,)}))
     assert (step.collective_ready.tolist(), step.collective_start.tolist(), step.collective_end.tolist()) == (
         [3.5], [3.5], [6.5])
     assert (step.departed[GRADIENT], step.arrival[GRADIENT]) == (4.5, 7.0)
     assert step.makespan == 9.0
 
 
+def test_a_send_takes_the_link_between_two_buckets_of_a_run():
+    # the same 3 s, as a run of four 0.75 s buckets from 3.5 (ends 4.25, 5.0, 5.75, 6.5):
+    # the gradient, leaving at 4.5 during the second, waits only for that bucket's end
+    # (5.0), holds link 1 to 5.5 and arrives then; the third bucket starts at 5.5, so the
+    # run ends 0.5 s late, at 7.0; rank 0's backward runs 5.5 to 7.5
+    step, _ = two_rank_step(Reductions({1: ((0.5, (0.75, 0.75, 0.75, 0.75)),)}, {1: (1,)}))
+    assert (step.departed[GRADIENT], step.arrival[GRADIENT]) == (4.5, 5.5)
+    assert (step.collective_start[0], step.collective_end[0]) == (3.5, 7.0)
+    assert step.makespan == 7.5
+
+
+def test_a_run_on_links_of_its_own_ends_at_its_buckets_exact_sum():
+    # nothing else crosses link 7: the run is one step of math.fsum of its buckets
+    buckets = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+    step, _ = two_rank_step(Reductions({1: ((0.5, buckets),)}, {1: (7,)}))
+    assert step.collective_end[0] == step.collective_start[0] + math.fsum(buckets)
+
+
 def test_a_reduction_on_links_of_its_own_changes_nothing_in_the_pipeline():
     plain, _ = two_rank_step(None)
-    step, _ = two_rank_step(Reductions({1: ((0.5, 3.0),)}, {1: (7,)}))
+    step, _ = two_rank_step(Reductions({1: ((0.5, (3.0,)),)}, {1: (7,)}))
     assert np.array_equal(step.arrival, plain.arrival, equal_nan=True) and np.array_equal(step.end, plain.end)
     assert step.collective_end.tolist() == [6.5]
 
@@ -80,14 +98,14 @@ def test_a_reduction_on_links_of_its_own_changes_nothing_in_the_pipeline():
 def test_a_send_leaving_with_the_reduction_takes_the_link_first():
     # the bucket fills at 1B0's end (4.5), when the gradient leaves: the transfer holds
     # link 1 to 5.0, then the reduction runs 5.0 to 8.0
-    step, _ = two_rank_step(Reductions({1: ((1.0, 3.0),)}, {1: (1,)}))
+    step, _ = two_rank_step(Reductions({1: ((1.0, (3.0,)),)}, {1: (1,)}))
     assert (step.arrival[GRADIENT], step.collective_start[0], step.collective_end[0]) == (5.0, 5.0, 8.0)
 
 
 def test_a_ranks_reductions_run_one_after_another_in_issue_order():
     # two buckets full at a quarter and half of 1B0 (3.0 and 3.5), 1 s each on the one
     # channel: 3.0 to 4.0, then 4.0 to 5.0 (the second waits for the first, not its links)
-    step, _ = two_rank_step(Reductions({1: ((0.25, 1.0), (0.5, 1.0))}, {1: (5,)}))
+    step, _ = two_rank_step(Reductions({1: ((0.25, (1.0,)), (0.5, (1.0,)))}, {1: (5,)}))
     assert step.collective_start.tolist() == [3.0, 4.0] and step.collective_end.tolist() == [4.0, 5.0]
 
 
@@ -95,7 +113,7 @@ def test_a_ranks_reductions_run_one_after_another_in_issue_order():
 def test_without_overlap_reductions_wait_for_the_backward_or_the_step_end(every_backward, ready):
     # ZeRO-2 and 3: once 1B0 ends (4.5); ZeRO-0 and 1: once rank 1's step is done, its
     # last group (the gradient's send) completed at 5.0
-    step, _ = two_rank_step(Reductions({1: ((0.5, 3.0),)}, {1: (9,)}, every_backward, overlap=False))
+    step, _ = two_rank_step(Reductions({1: ((0.5, (3.0,)),)}, {1: (9,)}, every_backward, overlap=False))
     assert step.collective_ready.tolist() == [ready] and step.collective_end.tolist() == [ready + 3.0]
 
 

@@ -181,14 +181,17 @@ def test_a_same_rank_input_that_comes_later_never_runs_in_either():
 
 
 def links_shared_between_transfers(timing: engine.StepTiming) -> bool:
-    """Whether two of the step's wires (stage boundaries and directions) cross one link."""
+    """Whether two of the step's wires (stage boundaries and directions), or a wire and a
+    gradient reduction, cross one link."""
     owners: dict[int, int] = {}
     for wire, routes in enumerate(timing.wires):
         for links, _, _ in routes or ():
             for link in links:
                 if owners.setdefault(link, wire) != wire:
                     return True
-    return False
+    # a gradient reduction on a transfer's link: the same race with the reduction
+    reductions = timing.reductions
+    return reductions is not None and any(link in owners for links in reductions.links.values() for link in links)
 
 
 @settings(max_examples=60, deadline=None)

@@ -239,12 +239,13 @@ def _reduction_links(topology: Topology, group: list[str], experts: tuple[float,
 def gradient_reductions(plan: CommPlan | None, link_numbers: dict[tuple[str, str], int]) -> Reductions | None:
     """The plan's gradient reductions as the engine's walk runs them on each rank's dp
     channel (``schedules.dp_channel.Reductions``): per stage its runs of buckets that fill
-    together (``_stage_runs``: their fraction of the backward and seconds) and the links
+    together (``_stage_runs``: their fraction of the backward, each bucket's seconds) and the links
     they hold, numbered in ``link_numbers`` (the P2P wires' numbering, extended here) so
     that reductions and transfers on one link contend. None when the step has none."""
     if plan is None or not plan.dp_bucket_seconds:
         return None
-    runs = {stage: tuple((fraction, seconds) for fraction, _, _, seconds in _stage_runs(plan, stage))
+    runs = {stage: tuple((fraction, plan.dp_bucket_seconds[stage][first:last + 1])
+                         for fraction, first, last, _ in _stage_runs(plan, stage))
             for stage in plan.dp_bucket_seconds}
     links = {stage: tuple(link_numbers.setdefault(link, len(link_numbers)) for link in plan.dp_links.get(stage, ()))
              for stage in runs}
