@@ -38,6 +38,14 @@ rank's groups in the order it posted them, whichever stream each runs on and whe
 that stream took it up.
 A route with no links (the ideal cluster, one device) arrives at once.
 
+Each rank's data-parallel channel (``schedules.dp_channel``): a backward that releases
+gradients issues its stage's reductions as the rank runs it (at their fraction of it, at
+its end, or at the rank's step end), and the channel serves them in issue order, each
+once issued, once the one before it ended and once every link it crosses is free,
+holding those links a bucket at a time; a channel's moment is taken after every P2P
+moment of the same time, then in rank order. Nothing in a rank's walk waits for its
+channel.
+
 The walk is compiled (``schedules/_engine.c``, built by setup.py) and is the only product
 copy of these rules; it reads the programs as arrays (``schedules.program_arrays``).
 Where no C compiler was available, the SimPy model of the same rules
