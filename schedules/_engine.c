@@ -11,7 +11,11 @@
    group of the same rank on another stream did).
    Every such moment is at or after the one being taken, so links are reserved in true
    time order. A rank that needs what has not happened yet stops and is resumed by the
-   moment that provides it. */
+   moment that provides it.
+   Each rank's data-parallel channel (schedules/dp_channel.py) serves its collectives in
+   channel order: a collective is issued when its rank runs the backward that releases it
+   (or ends its step), and its start is a moment of the same heap, taken after every P2P
+   moment of the same time (its own tier), so its links too are reserved in time order. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,11 +25,14 @@
 #include <string.h>
 
 enum { RENDEZVOUS = 0, BUFFERED = 1, FREE = 2 };
-enum { GROUP_START = 0, DEPARTURE = 1 };
+enum { GROUP_START = 0, DEPARTURE = 1, COLLECTIVE_START = 2 };
+enum { P2P_TIER = 0, CHANNEL_TIER = 1 }; /* at one moment, P2P transfers take their links before collectives */
+enum { AT_FRACTION = 0, AT_BACKWARD_END = 1, AT_STEP_END = 2 }; /* when a collective is issued */
 enum { ALL_GROUPS = -2 }; /* what a rank at the end of its program waits for: every group it posted */
 
 typedef struct {
     double time;
+    int64_t tier;  /* P2P_TIER or CHANNEL_TIER: ties after time */
     int64_t rank;
     int64_t order; /* posting order (a group's number): ties after time and rank */
     int64_t what;  /* GROUP_START or DEPARTURE */
@@ -39,6 +46,7 @@ typedef struct {
 
 static int moment_before(const Moment *a, const Moment *b) {
     if (a->time != b->time) return a->time < b->time;
+    if (a->tier != b->tier) return a->tier < b->tier;
     if (a->rank != b->rank) return a->rank < b->rank;
     return a->order < b->order;
 }
@@ -83,11 +91,13 @@ enum {
     IN_RANK_ITEM_START, IN_ITEM_IS_GROUP, IN_ITEM_REF, IN_SECONDS, IN_HOLD, IN_NEED, IN_SEND, IN_BLOCKED, IN_PAIR,
     IN_GROUP_ENDPOINT_START, IN_GROUP_RANK, IN_GROUP_STREAM, IN_STREAM_GROUP_START, IN_STREAM_GROUPS,
     IN_ENDPOINT_TRANSFER, IN_ENDPOINT_IS_SEND, IN_TRANSFER_WIRE, IN_ROUTE_START, IN_LINK_START, IN_LINKS,
-    IN_OCCUPANCY, IN_LATENCY, IN_COUNT
+    IN_OCCUPANCY, IN_LATENCY, IN_CHANNEL_START, IN_COLLECTIVE_MODE, IN_COLLECTIVE_FRACTION, IN_COLLECTIVE_RUN,
+    IN_RUN_OFFSET_START, IN_RUN_OFFSETS, IN_COLLECTIVE_STAGE, IN_STAGE_LINK_START, IN_STAGE_LINKS, IN_ROW_COLLECTIVE_START, IN_ROW_COLLECTIVES, IN_COUNT
 };
 enum {
     OUT_READY, OUT_START, OUT_END, OUT_POSTED, OUT_DEPARTED, OUT_ARRIVAL, OUT_GROUP_POSTED, OUT_GROUP_START,
-    OUT_GROUP_DONE, OUT_RANK_CLOCK, OUT_RANK_DONE, OUT_STUCK_ITEM, OUT_COUNT
+    OUT_GROUP_DONE, OUT_RANK_CLOCK, OUT_RANK_DONE, OUT_STUCK_ITEM, OUT_COLLECTIVE_READY, OUT_COLLECTIVE_START,
+    OUT_COLLECTIVE_END, OUT_COUNT
 };
 
 typedef struct {
@@ -96,12 +106,14 @@ typedef struct {
     Py_ssize_t ranks, transfers;
     /* inputs */
     const int64_t *rank_item_start, *item_ref, *need, *send, *pair, *group_endpoint_start, *group_rank, *group_stream,
-        *stream_group_start, *stream_groups, *endpoint_transfer, *transfer_wire, *route_start, *link_start, *links;
-    const int8_t *item_is_group, *blocked, *endpoint_is_send;
-    const double *seconds, *hold, *occupancy, *latency;
+        *stream_group_start, *stream_groups, *endpoint_transfer, *transfer_wire, *route_start, *link_start, *links,
+        *channel_start, *collective_stage, *stage_link_start, *stage_links, *row_collective_start, *row_collectives,
+        *collective_run, *run_offset_start;
+    const int8_t *item_is_group, *blocked, *endpoint_is_send, *collective_mode;
+    const double *seconds, *hold, *occupancy, *latency, *collective_fraction, *run_offsets;
     /* outputs */
     double *ready, *start, *end, *posted, *departed, *arrival, *group_posted, *group_start, *group_done, *rank_clock,
-        *rank_done;
+        *rank_done, *collective_ready, *collective_start, *collective_end;
     int64_t *stuck_item;
     /* state */
     double *link_free;
@@ -121,13 +133,89 @@ typedef struct {
     int64_t *outstanding;    /* per group: transfers not yet paired */
     double *latest;          /* per group: its latest arrival so far */
     int64_t *endpoint_group; /* per endpoint: its group */
+    int64_t *channel_next;   /* per rank: the next collective its channel serves */
+    int8_t *channel_busy;    /* per rank: its next collective's start is in the heap */
+    double *channel_free;    /* per rank: when its channel's last collective ended */
+    int64_t *channel_bucket; /* per rank: the bucket of its running collective that comes next */
+    double *channel_base;    /* per rank: its running collective's start, plus what transfers delayed it by */
     Heap heap;
     int64_t order;
 } Engine;
 
 static int push(Engine *e, double time, int64_t rank, int64_t order, int64_t what, int64_t id) {
-    Moment moment = {time, rank, order, what, id};
+    Moment moment = {time, what == COLLECTIVE_START ? CHANNEL_TIER : P2P_TIER, rank, order, what, id};
     return heap_push(&e->heap, moment);
+}
+
+/* Put the channel's next collective in the heap once it is issued and the channel idle:
+   at its issue, or when the collective before it ended if that is later. */
+static int serve_channel(Engine *e, int64_t rank) {
+    int64_t collective = e->channel_next[rank];
+    if (e->channel_busy[rank] || collective >= e->channel_start[rank + 1] || isnan(e->collective_ready[collective]))
+        return 0;
+    e->channel_busy[rank] = 1;
+    double at = e->collective_ready[collective];
+    if (e->channel_free[rank] > at) at = e->channel_free[rank];
+    return push(e, at, rank, collective, COLLECTIVE_START, collective);
+}
+
+/* A collective's next bucket starts once every link it crosses is free, and holds them
+   all until it ends; a transfer that took one of them since the bucket before delays it
+   and every later bucket of the run. The last bucket ends the collective. */
+static int start_collective(Engine *e, int64_t rank, int64_t collective, double now) {
+    int64_t stage = e->collective_stage[collective];
+    int64_t first = e->stage_link_start[stage], stop = e->stage_link_start[stage + 1];
+    double begin = now;
+    for (int64_t at = first; at < stop; at++)
+        if (e->link_free[e->stage_links[at]] > begin) begin = e->link_free[e->stage_links[at]];
+    int64_t bucket = e->channel_bucket[rank], run = e->collective_run[collective];
+    if (bucket == 0) {
+        e->collective_start[collective] = begin;
+        e->channel_base[rank] = begin;
+    } else if (begin > now) {
+        e->channel_base[rank] += begin - now;
+    }
+    int64_t offset = e->run_offset_start[run] + bucket;
+    double done = e->channel_base[rank] + e->run_offsets[offset];
+    for (int64_t at = first; at < stop; at++) e->link_free[e->stage_links[at]] = done;
+    if (offset + 1 < e->run_offset_start[run + 1]) {
+        e->channel_bucket[rank] = bucket + 1;
+        return push(e, done, rank, collective, COLLECTIVE_START, collective);
+    }
+    e->collective_end[collective] = done;
+    e->channel_free[rank] = done;
+    e->channel_bucket[rank] = 0;
+    e->channel_next[rank]++;
+    e->channel_busy[rank] = 0;
+    return serve_channel(e, rank);
+}
+
+/* Compute row ``compute`` ran from ``start`` to ``end``: issue the collectives it releases. */
+static int issue_released(Engine *e, int64_t rank, int64_t compute, double start, double end) {
+    int64_t first = e->row_collective_start[compute], stop = e->row_collective_start[compute + 1];
+    if (first == stop) return 0;
+    for (int64_t at = first; at < stop; at++) {
+        int64_t collective = e->row_collectives[at];
+        if (e->collective_mode[collective] == AT_FRACTION) {
+            double span = end - start;
+            double share = e->collective_fraction[collective] * span;
+            e->collective_ready[collective] = start + share;
+        } else {
+            e->collective_ready[collective] = end;
+        }
+    }
+    return serve_channel(e, rank);
+}
+
+/* The rank's step is done at ``done``: issue the collectives that wait for it. */
+static int issue_at_step_end(Engine *e, int64_t rank, double done) {
+    int issued = 0;
+    for (int64_t collective = e->channel_start[rank]; collective < e->channel_start[rank + 1]; collective++)
+        if (e->collective_mode[collective] == AT_STEP_END) {
+            e->collective_ready[collective] = done;
+            issued = 1;
+        }
+    return issued ? serve_channel(e, rank) : 0;
 }
 
 /* Reserve the links of every route of ``wire`` at ``now``; the arrival (the last route's). */
@@ -255,6 +343,7 @@ static int advance(Engine *e, int64_t rank) {
             e->start[ref] = clock;
             clock += e->seconds[ref];
             e->end[ref] = clock;
+            if (issue_released(e, rank, ref, e->start[ref], clock) < 0) return -1;
             clock += e->hold[ref];
             /* and both halves' outputs leave when the pair ends */
             if (partner >= 0 && partner < ref && e->send[partner] >= 0 &&
@@ -292,10 +381,10 @@ static int advance(Engine *e, int64_t rank) {
             return 0;
         }
         e->rank_done[rank] = clock > e->last_done[rank] ? clock : e->last_done[rank];
-        return 0;
+        return issue_at_step_end(e, rank, e->rank_done[rank]);
     }
     e->rank_done[rank] = clock;
-    return 0;
+    return issue_at_step_end(e, rank, clock);
 }
 
 /* Buffer helpers: every array is checked for its element size and read as flat. */
@@ -311,7 +400,8 @@ static int get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, in
     return 0;
 }
 
-static const Py_ssize_t INPUT_SIZES[IN_COUNT] = {8, 1, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8};
+static const Py_ssize_t INPUT_SIZES[IN_COUNT] = {8, 1, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8,
+                                                 8, 1, 8, 8, 8, 8, 8, 8, 8, 8, 8};
 
 static void *alloc_filled(Py_ssize_t count, size_t size, int value) {
     void *memory = malloc((size_t)(count > 0 ? count : 1) * size);
@@ -348,6 +438,10 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.transfers = out[OUT_POSTED].len / 8;
     Py_ssize_t groups = in[IN_GROUP_RANK].len / 8, endpoints = in[IN_ENDPOINT_TRANSFER].len / 8;
     Py_ssize_t streams = in[IN_STREAM_GROUP_START].len / 8 - 1;
+    if (in[IN_CHANNEL_START].len / 8 != e.ranks + 1) {
+        PyErr_SetString(PyExc_ValueError, "engine: channel_start needs one entry per rank and one more");
+        goto done;
+    }
     e.rank_item_start = in[IN_RANK_ITEM_START].buf;
     e.item_is_group = in[IN_ITEM_IS_GROUP].buf;
     e.item_ref = in[IN_ITEM_REF].buf;
@@ -370,6 +464,17 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.links = in[IN_LINKS].buf;
     e.occupancy = in[IN_OCCUPANCY].buf;
     e.latency = in[IN_LATENCY].buf;
+    e.channel_start = in[IN_CHANNEL_START].buf;
+    e.collective_mode = in[IN_COLLECTIVE_MODE].buf;
+    e.collective_fraction = in[IN_COLLECTIVE_FRACTION].buf;
+    e.collective_run = in[IN_COLLECTIVE_RUN].buf;
+    e.run_offset_start = in[IN_RUN_OFFSET_START].buf;
+    e.run_offsets = in[IN_RUN_OFFSETS].buf;
+    e.collective_stage = in[IN_COLLECTIVE_STAGE].buf;
+    e.stage_link_start = in[IN_STAGE_LINK_START].buf;
+    e.stage_links = in[IN_STAGE_LINKS].buf;
+    e.row_collective_start = in[IN_ROW_COLLECTIVE_START].buf;
+    e.row_collectives = in[IN_ROW_COLLECTIVES].buf;
     e.ready = out[OUT_READY].buf;
     e.start = out[OUT_START].buf;
     e.end = out[OUT_END].buf;
@@ -382,6 +487,9 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.rank_clock = out[OUT_RANK_CLOCK].buf;
     e.rank_done = out[OUT_RANK_DONE].buf;
     e.stuck_item = out[OUT_STUCK_ITEM].buf;
+    e.collective_ready = out[OUT_COLLECTIVE_READY].buf;
+    e.collective_start = out[OUT_COLLECTIVE_START].buf;
+    e.collective_end = out[OUT_COLLECTIVE_END].buf;
 
     e.link_free = alloc_filled(link_count, sizeof(double), 0);
     e.position = alloc_filled(e.ranks, sizeof(int64_t), 0);
@@ -399,7 +507,12 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.outstanding = alloc_filled(groups, sizeof(int64_t), 0);
     e.latest = alloc_filled(groups, sizeof(double), 0);
     e.endpoint_group = alloc_filled(endpoints, sizeof(int64_t), 0);
-    if (!e.link_free || !e.position || !e.clock || !e.waits_group || !e.waits_transfer || !e.posted_groups ||
+    e.channel_next = alloc_filled(e.ranks, sizeof(int64_t), 0);
+    e.channel_busy = alloc_filled(e.ranks, sizeof(int8_t), 0);
+    e.channel_free = alloc_filled(e.ranks, sizeof(double), 0);
+    e.channel_bucket = alloc_filled(e.ranks, sizeof(int64_t), 0);
+    e.channel_base = alloc_filled(e.ranks, sizeof(double), 0);
+    if (!e.channel_next || !e.channel_busy || !e.channel_free || !e.channel_bucket || !e.channel_base ||!e.link_free || !e.position || !e.clock || !e.waits_group || !e.waits_transfer || !e.posted_groups ||
         !e.started_groups || !e.stream_busy || !e.stream_free || !e.open_groups || !e.last_done || !e.offer ||
         !e.waiter || !e.outstanding || !e.latest || !e.endpoint_group) {
         PyErr_NoMemory();
@@ -415,6 +528,8 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     for (Py_ssize_t rank = 0; rank < e.ranks; rank++) {
         e.position[rank] = e.rank_item_start[rank];
         e.last_done[rank] = 0.0;
+        e.channel_next[rank] = e.channel_start[rank];
+        e.channel_free[rank] = 0.0;
     }
 
     int failed = 0;
@@ -423,6 +538,8 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
         Moment moment = heap_pop(&e.heap);
         if (moment.what == GROUP_START)
             failed = begin_group(&e, moment.id) < 0;
+        else if (moment.what == COLLECTIVE_START)
+            failed = start_collective(&e, moment.rank, moment.id, moment.time) < 0;
         else
             failed = depart(&e, moment.id, moment.time) < 0;
     }
@@ -454,6 +571,11 @@ done:
     free(e.outstanding);
     free(e.latest);
     free(e.endpoint_group);
+    free(e.channel_next);
+    free(e.channel_busy);
+    free(e.channel_free);
+    free(e.channel_bucket);
+    free(e.channel_base);
     free(e.heap.items);
     return result;
 }
@@ -464,10 +586,12 @@ static const char *const INPUT_NAMES[IN_COUNT] = {
     "rank_item_start", "item_is_group", "item_ref", "seconds", "hold", "need", "send", "blocked", "pair",
     "group_endpoint_start", "group_rank", "group_stream", "stream_group_start", "stream_groups",
     "endpoint_transfer", "endpoint_is_send", "transfer_wire", "route_start", "link_start", "links",
-    "occupancy", "latency"};
+    "occupancy", "latency", "channel_start", "collective_mode", "collective_fraction", "collective_run",
+    "run_offset_start", "run_offsets", "collective_stage", "stage_link_start", "stage_links",
+    "row_collective_start", "row_collectives"};
 static const char *const OUTPUT_NAMES[OUT_COUNT] = {
     "ready", "start", "end", "posted", "departed", "arrival", "group_posted", "group_start", "group_done",
-    "rank_clock", "rank_done", "stuck_item"};
+    "rank_clock", "rank_done", "stuck_item", "collective_ready", "collective_start", "collective_end"};
 
 static PyObject *names_tuple(const char *const *names, Py_ssize_t count) {
     PyObject *tuple = PyTuple_New(count);

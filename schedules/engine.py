@@ -38,6 +38,14 @@ rank's groups in the order it posted them, whichever stream each runs on and whe
 that stream took it up.
 A route with no links (the ideal cluster, one device) arrives at once.
 
+Each rank's data-parallel channel (``schedules.dp_channel``): a backward that releases
+gradients issues its stage's reductions as the rank runs it (at their fraction of it, at
+its end, or at the rank's step end), and the channel serves them in issue order, each
+once issued, once the one before it ended and once every link it crosses is free,
+holding those links a bucket at a time; a channel's moment is taken after every P2P
+moment of the same time, then in rank order. Nothing in a rank's walk waits for its
+channel.
+
 The walk is compiled (``schedules/_engine.c``, built by setup.py) and is the only product
 copy of these rules; it reads the programs as arrays (``schedules.program_arrays``).
 Where no C compiler was available, the SimPy model of the same rules
@@ -56,6 +64,7 @@ import numpy as np
 
 from schedules import dataflow
 from schedules.action import COMPUTE_KINDS, KIND_CODES  # COMPUTE_KINDS: the columns of ``StepTiming.seconds``
+from schedules.dp_channel import ChannelArrays, Reductions, channel_arrays, empty_channels, no_channel
 from schedules.p2p import BUFFERED, RENDEZVOUS, TORCH_RUNTIME
 from schedules.program_arrays import (
     B_CODE,
@@ -91,7 +100,9 @@ class StepTiming:
     compute). ``wires[dataflow.wire_of(stage, direction)]`` are the routes of the transfer that leaves
     ``stage`` forward (direction 0) or backward (1): one route, or several when the same
     send of other pipelines shares links with it (the data counts as arrived when every
-    route's has); empty or None: it arrives at once."""
+    route's has); empty or None: it arrives at once. ``reductions``: the gradient
+    reductions each rank's data-parallel channel runs (``schedules.dp_channel``), None:
+    none."""
 
     seconds: np.ndarray
     hold: np.ndarray | None = None
@@ -99,6 +110,7 @@ class StepTiming:
     pair_hold: Mapping[tuple, float] = field(default_factory=dict)
     wires: Sequence[Sequence[Route] | None] = ()
     comm_overhead: float = 0.0
+    reductions: Reductions | None = None
 
     @classmethod
     def uniform(cls, num_stages: int, fwd: float, bwd: float, wgrad: float = 0.0, hop: float = 0.0) -> StepTiming:
@@ -133,8 +145,9 @@ class StepRun:
     (its ``hold`` follows); per transfer key when its SEND was posted, left and arrived; per
     P2P group when it was posted, started and completed (rendezvous); per rank the host's
     clock at the end of its program and when its step is done (its last transfers
-    included). Moments never reached are NaN. ``stuck_item[r]`` is the item rank ``r``
-    stopped at, -1 if it finished."""
+    included); per collective of the ranks' data-parallel channels (``channels``, in
+    channel order) when it was issued, started and ended. Moments never reached are NaN.
+    ``stuck_item[r]`` is the item rank ``r`` stopped at, -1 if it finished."""
 
     program: EngineProgram
     ready: np.ndarray
@@ -149,6 +162,10 @@ class StepRun:
     rank_clock: np.ndarray
     rank_done: np.ndarray
     stuck_item: np.ndarray
+    collective_ready: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    collective_start: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    collective_end: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    channels: ChannelArrays | None = None
     hold: np.ndarray | None = None  # per compute row: the seconds that held its rank after it
     # the schedule run, held for readers of ``program.arrays.schedule`` (the arrays point to it weakly)
     schedule: Schedule | None = None
@@ -209,6 +226,12 @@ class EngineProgram:
     @property
     def computes(self) -> int:
         return len(self.compute_row)
+
+    @cached_property
+    def no_collectives(self) -> ChannelArrays:
+        """Data-parallel channels with no collective, shaped for this program
+        (``schedules.dp_channel.no_channel``)."""
+        return empty_channels(self.ranks, self.computes, self.arrays.schedule.num_stages)
 
     @property
     def groups(self) -> int:
@@ -390,11 +413,13 @@ def run_inputs(program: EngineProgram, inputs: StepInputs) -> StepRun:
     it once and scales the arrays; ``program.transfer_wire[key]`` is transfer ``key``'s
     wire)."""
     inputs = inputs._replace(seconds=np.ascontiguousarray(inputs.seconds, dtype=float),
-                             hold=np.ascontiguousarray(inputs.hold, dtype=float))
+                             hold=np.ascontiguousarray(inputs.hold, dtype=float),
+                             channels=inputs.channels if inputs.channels is not None else no_channel(program))
     if _compiled is None:  # pragma: no cover - an install without a C compiler
         from schedules.engine_reference import run_reference
 
-        step = run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead)
+        step = run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead,
+                             inputs.channels)
     else:
         step = _run_compiled(program, inputs)
     step.hold = inputs.hold
@@ -404,19 +429,23 @@ def run_inputs(program: EngineProgram, inputs: StepInputs) -> StepRun:
 class StepInputs(NamedTuple):
     """A compiled program's costs under one ``StepTiming``, as both walks read them: each
     compute action's seconds and hold (in compute row order), the wires as flat arrays,
-    the posting overhead. ``step_inputs`` builds them; the compiled walk and the SimPy
-    specification (``schedules.engine_reference.SimpyStep``) are handed the same."""
+    the posting overhead, the ranks' data-parallel channels (None: none). ``step_inputs``
+    builds them; the compiled walk and the SimPy specification
+    (``schedules.engine_reference.SimpyStep``) are handed the same."""
 
     seconds: np.ndarray
     hold: np.ndarray
     wires: WireArrays
     comm_overhead: float
+    channels: ChannelArrays | None = None
 
 
 def step_inputs(program: EngineProgram, timing: StepTiming) -> StepInputs:
     """``program``'s ``StepInputs`` under ``timing`` (a NamedTuple: built on every run)."""
     seconds, hold = compute_costs(program, timing)
-    return StepInputs(seconds, hold, wire_arrays(timing.wires, program.arrays), float(timing.comm_overhead))
+    wires = wire_arrays(timing.wires, program.arrays)
+    return StepInputs(seconds, hold, wires, float(timing.comm_overhead),
+                      channel_arrays(program, timing.reductions, wires.links))
 
 
 def compute_costs(program: EngineProgram, timing: StepTiming) -> tuple[np.ndarray, np.ndarray]:
@@ -481,16 +510,19 @@ def wire_arrays(wires: Sequence[Sequence[Route] | None], arrays: ProgramArrays) 
                       int(links_array.max()) + 1 if len(links_array) else 0)
 
 
-def empty_run(program: EngineProgram) -> StepRun:
-    """A ``StepRun`` of NaN moments, the shape of ``program``'s outputs."""
+def empty_run(program: EngineProgram, channels: ChannelArrays | None = None) -> StepRun:
+    """A ``StepRun`` of NaN moments, the shape of ``program``'s outputs (and of
+    ``channels``' collectives)."""
     computes, transfers, groups = program.computes, program.arrays.transfers, program.groups
+    collectives = channels.count if channels is not None else 0
 
     def nan(size: int) -> np.ndarray:
         return np.full(size, np.nan)
 
     return StepRun(program, nan(computes), nan(computes), nan(computes), nan(transfers), nan(transfers),
                    nan(transfers), nan(groups), nan(groups), nan(groups), nan(program.ranks), nan(program.ranks),
-                   np.full(program.ranks, -1, dtype=np.int64), schedule=program.arrays.schedule)
+                   np.full(program.ranks, -1, dtype=np.int64), nan(collectives), nan(collectives), nan(collectives),
+                   channels=channels, schedule=program.arrays.schedule)
 
 
 class EngineInputs(NamedTuple):
@@ -520,16 +552,28 @@ class EngineInputs(NamedTuple):
     links: np.ndarray
     occupancy: np.ndarray
     latency: np.ndarray
+    channel_start: np.ndarray
+    collective_mode: np.ndarray
+    collective_fraction: np.ndarray
+    collective_run: np.ndarray
+    run_offset_start: np.ndarray
+    run_offsets: np.ndarray
+    collective_stage: np.ndarray
+    stage_link_start: np.ndarray
+    stage_links: np.ndarray
+    row_collective_start: np.ndarray
+    row_collectives: np.ndarray
 
 
 # The compiled walk's outputs are these ``StepRun`` fields, in this order (``OUTPUT_NAMES``).
 ENGINE_OUTPUTS = ("ready", "start", "end", "posted", "departed", "arrival", "group_posted", "group_start",
-                  "group_done", "rank_clock", "rank_done", "stuck_item")
+                  "group_done", "rank_clock", "rank_done", "stuck_item", "collective_ready", "collective_start",
+                  "collective_end")
 
 
 def engine_inputs(program: EngineProgram, inputs: StepInputs) -> EngineInputs:
     """What the compiled walk reads for ``program`` under ``inputs``."""
-    wires = inputs.wires
+    wires, channels = inputs.wires, inputs.channels
     return EngineInputs(
         rank_item_start=program.rank_item_start, item_is_group=program.item_is_group, item_ref=program.item_ref,
         seconds=inputs.seconds, hold=inputs.hold, need=program.compute_need, send=program.compute_send,
@@ -538,13 +582,21 @@ def engine_inputs(program: EngineProgram, inputs: StepInputs) -> EngineInputs:
         stream_group_start=program.stream_group_start, stream_groups=program.stream_groups,
         endpoint_transfer=program.endpoint_transfer, endpoint_is_send=program.endpoint_is_send,
         transfer_wire=program.transfer_wire, route_start=wires.route_start, link_start=wires.link_start,
-        links=wires.links, occupancy=wires.occupancy, latency=wires.latency)
+        links=wires.links, occupancy=wires.occupancy, latency=wires.latency, channel_start=channels.channel_start,
+        collective_mode=channels.mode, collective_fraction=channels.fraction, collective_run=channels.table_row,
+        run_offset_start=channels.offset_start, run_offsets=channels.offsets,
+        collective_stage=channels.stage, stage_link_start=channels.stage_link_start,
+        stage_links=channels.stage_links, row_collective_start=channels.row_start,
+        row_collectives=channels.row_collectives)
 
 
 def _run_compiled(program: EngineProgram, inputs: StepInputs) -> StepRun:
-    result = empty_run(program)
+    if inputs.channels is None:
+        inputs = inputs._replace(channels=no_channel(program))
+    result = empty_run(program, inputs.channels)
     _compiled.run(SEMANTICS_CODES[program.semantics], inputs.comm_overhead, engine_inputs(program, inputs),
-                  inputs.wires.link_count, tuple(getattr(result, name) for name in ENGINE_OUTPUTS))
+                  max(inputs.wires.link_count, inputs.channels.link_count),
+                  tuple(getattr(result, name) for name in ENGINE_OUTPUTS))
     return result
 
 

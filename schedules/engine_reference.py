@@ -3,9 +3,12 @@
 ``schedules.engine`` states the rules and runs them compiled; this module runs the same
 rules the way one would first write them down. Each rank is a process that walks its
 program in true time; under rendezvous each rank's P2P stream is a process of its own;
-a buffered or free transfer is a process that leaves at its moment. Links are a calendar
-(``LinkCalendar``): a transfer takes every link of its route from the moment all are
-free, for its occupancy, and arrives its latency later.
+a buffered or free transfer is a process that leaves at its moment; each rank's
+data-parallel channel (``schedules.dp_channel``) is a process that takes the collectives
+its rank issues one after another. Links are a calendar (``LinkCalendar``): a transfer
+takes every link of its route from the moment all are free, for its occupancy, and
+arrives its latency later; a collective takes every link its ring crosses the same way,
+for its seconds.
 
 It serves three purposes:
 
@@ -24,7 +27,8 @@ posted (a SimPy priority per rank and group, after SimPy's own urgent and normal
 a rank's groups are numbered in the order it posts them; departures, created as they are
 posted, keep SimPy's order of creation). A group's number, not the moment its stream
 takes it up, decides: under torch's runtime a rank's group can wait for its stream while
-a later one, on another stream, starts at once.
+a later one, on another stream, starts at once. A collective's start comes after every
+P2P moment of the same time (a priority above all of theirs), then in rank order.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import simpy
 from simpy.core import NORMAL
 
 from schedules.action import SEND_KINDS, Action
+from schedules.dp_channel import AT_FRACTION, AT_STEP_END, ChannelArrays, no_channel
 from schedules.engine import (
     BUFFERED,
     FREE,
@@ -78,10 +83,18 @@ class LinkCalendar:
         """Reserve ``links`` from ``now``; the arrival. A route with no links arrives at once."""
         if not links:
             return now
-        begin = max([now] + [self.free_at[link] for link in links])
-        for link in links:
-            self.free_at[link] = begin + occupancy
+        begin = self.free_from(links, now)
+        self.occupy(links, begin + occupancy)
         return begin + occupancy + latency
+
+    def free_from(self, links: Sequence[int], now: float) -> float:
+        """The moment, ``now`` or later, from which every one of ``links`` is free."""
+        return max([now] + [self.free_at[link] for link in links])
+
+    def occupy(self, links: Sequence[int], until: float) -> None:
+        """Hold ``links`` until ``until``."""
+        for link in links:
+            self.free_at[link] = until
 
     def block(self, link: int, until: float) -> None:
         """Take ``link`` out of service until ``until`` (a failing link): transfers that
@@ -102,16 +115,19 @@ class SimpyStep:
         inputs as the compiled walk (``schedules.engine.step_inputs``)."""
         program = compile_program(schedule, semantics)
         inputs = step_inputs(program, timing)
-        return cls(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead)
+        return cls(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead, inputs.channels)
 
     def __init__(self, program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,
-                 comm_overhead: float) -> None:
+                 comm_overhead: float, channels: ChannelArrays | None = None) -> None:
         self.program, self.seconds, self.hold, self.wires = program, seconds, hold, wires
         self.comm_overhead = comm_overhead
+        self.channels = channels if channels is not None else no_channel(program)
         self.schedule = program.arrays.schedule
         self.env = Environment()
-        self.links = LinkCalendar(wires.link_count)
-        self.result = empty_run(program)
+        self.links = LinkCalendar(max(wires.link_count, self.channels.link_count))
+        self.result = empty_run(program, self.channels)
+        # a collective's issue: an event per collective, its value the moment it is issued for
+        self.issued = [self.env.event() for _ in range(self.channels.count)]
         arrays = program.arrays
         # what the moments are recorded against: compute actions by their row, transfers by key
         self.compute_of_row = {int(row): index for index, row in enumerate(program.compute_row)}
@@ -173,7 +189,9 @@ class SimpyStep:
                                   else self.arrived_event(needed))
                         yield self.until((yield waited))
                 result.start[index] = env.now
-                yield env.timeout(self.compute_seconds(rank, item, float(self.seconds[index])))
+                duration = self.compute_seconds(rank, item, float(self.seconds[index]))
+                self.issue_released(index, env.now, env.now + duration)
+                yield env.timeout(duration)
                 result.end[index] = env.now
                 if self.hold[index]:  # tensor-parallel collectives hold the rank after it
                     yield env.timeout(float(self.hold[index]))
@@ -209,6 +227,49 @@ class SimpyStep:
                 last_done = max(last_done, (yield self.group_done[rank, group]))
             yield self.until(last_done)
         result.rank_done[rank] = env.now
+        channels = self.channels
+        for collective in range(channels.channel_start[rank], channels.channel_start[rank + 1]):
+            if channels.mode[collective] == AT_STEP_END:
+                self.issued[collective].succeed(env.now)
+
+    def issue_released(self, index: int, start: float, end: float) -> None:
+        """Compute row ``index`` runs from ``start`` to ``end``: issue the collectives it
+        releases, at their fraction of it or at its end."""
+        channels = self.channels
+        for at in range(channels.row_start[index], channels.row_start[index + 1]):
+            collective = int(channels.row_collectives[at])
+            fraction = float(channels.fraction[collective])
+            ready = start + fraction * (end - start) if channels.mode[collective] == AT_FRACTION else end
+            self.issued[collective].succeed(ready)
+
+    def channel_process(self, rank: int):
+        """A rank's data-parallel channel: its collectives in channel order, each starting
+        once issued, once the one before it ended and once its links are free, then
+        holding them one bucket at a time (a transfer that took one in between delays the
+        rest of the run)."""
+        channels, result, env = self.channels, self.result, self.env
+        free_at = 0.0
+        for collective in range(channels.channel_start[rank], channels.channel_start[rank + 1]):
+            ready = yield self.issued[collective]
+            result.collective_ready[collective] = ready
+            priority = self.channel_priority(rank, collective)
+            yield env.at(max(ready, free_at), priority)
+            links = channels.links_of(collective)
+            for bucket, end in enumerate(channels.bucket_ends(collective)):
+                begin = self.links.free_from(links, env.now)
+                if bucket == 0:
+                    base = result.collective_start[collective] = begin
+                elif begin > env.now:
+                    base += begin - env.now
+                free_at = base + end
+                self.links.occupy(links, free_at)
+                yield env.at(free_at, priority)
+            result.collective_end[collective] = free_at
+
+    def channel_priority(self, rank: int, collective: int) -> int:
+        """A collective's start after every P2P moment of its time, then in rank order."""
+        p2p = FIRST_RANK_PRIORITY + self.program.ranks * (self.program.groups + 1)
+        return p2p + rank * (self.channels.count + 1) + collective
 
     def stream_of(self, group: int) -> simpy.Store:
         """The P2P stream ``group`` runs on (its rank's; torch's runtime: its rank pair's),
@@ -299,6 +360,7 @@ class SimpyStep:
     def run(self) -> StepRun:
         for rank in range(self.schedule.pp):
             self.env.process(self.rank_process(rank))
+            self.env.process(self.channel_process(rank))
         self.env.run()
         result = self.result
         finished = ~np.isnan(result.rank_done)
@@ -321,8 +383,8 @@ class SimpyStep:
 
 
 def run_reference(program: EngineProgram, seconds: np.ndarray, hold: np.ndarray, wires: WireArrays,
-                  comm_overhead: float) -> StepRun:
+                  comm_overhead: float, channels: ChannelArrays | None = None) -> StepRun:
     """``schedules.engine.run``'s result, computed by the SimPy processes."""
     if program.semantics not in (RENDEZVOUS, BUFFERED, FREE, TORCH_RUNTIME):
         raise ValueError(f"unknown semantics {program.semantics!r}")
-    return SimpyStep(program, seconds, hold, wires, comm_overhead).run()
+    return SimpyStep(program, seconds, hold, wires, comm_overhead, channels).run()

@@ -242,7 +242,8 @@ def test_the_compiled_engine_and_its_simpy_specification_agree_on_dualpipe(seman
     program = engine.compile_program(schedule, semantics)
     inputs = engine.step_inputs(program, timing)
     compiled = engine.run_inputs(program, inputs)
-    specified = reference.run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead)
+    specified = reference.run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead,
+                                        inputs.channels)
     assert not compiled.stuck
     for name in ("ready", "start", "end", "posted", "departed", "arrival", "rank_clock", "rank_done"):
         assert np.array_equal(getattr(compiled, name), getattr(specified, name), equal_nan=True), name

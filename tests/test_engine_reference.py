@@ -4,6 +4,7 @@ same moments, bit for bit, and the same stuck ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -35,7 +36,8 @@ def both(schedule: Schedule, timing: engine.StepTiming, semantics: str) -> tuple
     program = engine.compile_program(schedule, semantics)
     inputs = engine.step_inputs(program, timing)
     compiled = engine._run_compiled(program, inputs)
-    return compiled, reference.run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead)
+    return compiled, reference.run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead,
+                                             inputs.channels)
 
 
 def assert_same_moments(compiled: engine.StepRun, specified: engine.StepRun) -> None:
@@ -73,10 +75,22 @@ def cases(draw):
         costs = Costs(stages, action_overhead=draw(overheads), comm_overhead=draw(overheads))
     plan = None
     if draw(st.booleans()):  # a dp x tp job: tp holds and the other replicas' transfers on shared links (twins)
-        topology = presets.ib(4)
-        mapping = map_ranks(topology, dp=2, pp=lowered.pp, tp=2)
+        # and the gradient reductions on each rank's dp channel, on links of their own or
+        # (NVLink, PCIe, a node per rank) shared with the pipeline's sends
+        if not any(stage.param_bytes for stage in costs.stages):
+            costs = dataclasses.replace(costs, stages=tuple(dataclasses.replace(stage, param_bytes=1e8, layers=2)
+                                                            for stage in costs.stages))
+        dp = draw(st.sampled_from([2, 4]))
+        topology, order, tp = draw(st.sampled_from([
+            (presets.ib(4 * dp), "tp-dp-pp", 2), (presets.ib(4 * dp), "tp-pp-dp", 2),
+            (presets.ib(8 * dp), "tp-dp-pp", 8),
+            (presets.nvlink(1), "tp-dp-pp", 1), (presets.pcie(1), "dp-pp-tp", 1)]))
+        if len(topology.devices) < dp * lowered.pp * tp:  # a single-node preset too small for the job
+            topology, order, tp = presets.ib(4 * dp), "tp-dp-pp", 2
+        mapping = map_ranks(topology, dp=dp, pp=lowered.pp, tp=tp, order=order)
         devices = mapping.pipeline()
-        plan = comm_plan(lowered, costs, topology, mapping)
+        plan = comm_plan(lowered, costs, topology, mapping, bucket_bytes=draw(st.sampled_from([3e7, 1e9])),
+                         overlap_dp=draw(st.booleans()), zero=draw(st.integers(0, 3)))
     timing = step_timing(lowered, costs, topology, rank_devices_of(lowered, topology, devices), plan)
     semantics = draw(st.sampled_from(["rendezvous", "buffered", "free", "torch-runtime"]))
     return (lowered.compute_only() if semantics == "free" else lowered), timing, semantics
@@ -167,14 +181,17 @@ def test_a_same_rank_input_that_comes_later_never_runs_in_either():
 
 
 def links_shared_between_transfers(timing: engine.StepTiming) -> bool:
-    """Whether two of the step's wires (stage boundaries and directions) cross one link."""
+    """Whether two of the step's wires (stage boundaries and directions), or a wire and a
+    gradient reduction, cross one link."""
     owners: dict[int, int] = {}
     for wire, routes in enumerate(timing.wires):
         for links, _, _ in routes or ():
             for link in links:
                 if owners.setdefault(link, wire) != wire:
                     return True
-    return False
+    # a gradient reduction on a transfer's link: the same race with the reduction
+    reductions = timing.reductions
+    return reductions is not None and any(link in owners for links in reductions.links.values() for link in links)
 
 
 @settings(max_examples=60, deadline=None)

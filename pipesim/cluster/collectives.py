@@ -53,9 +53,10 @@ A ring exchange (context parallelism's K/V ring): every rank sends S bytes to it
 successor at once, ``S/B + alpha`` over the ring's slowest neighbour route, as one step
 of the ring collectives above.
 
-These are analytical durations: they do not reserve links in the engine's
-``LinkScheduler``, so a collective and a pipeline P2P transfer on the same link do not
-delay each other. n = 1 costs nothing.
+These are analytical durations. The gradient reductions of data parallelism also hold
+the links their ring (or tree) crosses in the engine's walk (``links_crossed``,
+``schedules.dp_channel``), so they and the pipeline's P2P transfers delay each other
+where they share one; the other collectives do not reserve links. n = 1 costs nothing.
 """
 
 from __future__ import annotations
@@ -80,6 +81,22 @@ def _pace(topology: Topology, pairs: Sequence[tuple[str, str]]) -> tuple[float, 
     return bandwidth, latency
 
 
+def ring_pairs(group: Sequence[str]) -> list[tuple[str, str]]:
+    """The (sender, receiver) neighbours of a ring laid over ``group`` in order."""
+    n = len(group)
+    return [(group[i], group[(i + 1) % n]) for i in range(n)]
+
+
+def tree_pairs(group: Sequence[str]) -> list[tuple[str, str]]:
+    """The edges, both ways, of a binary tree laid over ``group`` in order (parent of i
+    is (i-1)//2)."""
+    pairs = []
+    for child in range(1, len(group)):
+        parent = (child - 1) // 2
+        pairs += [(group[child], group[parent]), (group[parent], group[child])]
+    return pairs
+
+
 def ring_pace(topology: Topology, group: Sequence[str]) -> tuple[float, float]:
     """Bandwidth and latency of one ring step: the slowest neighbour route sets both; a
     group spread k to a node over several nodes runs as k rings, one per network port
@@ -90,8 +107,7 @@ def ring_pace(topology: Topology, group: Sequence[str]) -> tuple[float, float]:
     if cached is None:
         rings = channel_rings(topology, group)
         if len(rings) == 1:
-            n = len(group)
-            cached = _pace(topology, [(group[i], group[(i + 1) % n]) for i in range(n)])
+            cached = _pace(topology, ring_pairs(group))
         else:  # groups laid out alike on other nodes (each pipeline stage's, each layout's) share one pace
             shape = ("rings", *_all_to_all_key(topology, (tuple(group),))[1:])
             cached = topology.pace_cache.get(shape) or _channels_pace(topology, rings)
@@ -141,15 +157,27 @@ def _channels_pace(topology: Topology, rings: list[list[str]]) -> tuple[float, f
 
 def tree_pace(topology: Topology, group: Sequence[str]) -> tuple[float, float]:
     """Slowest bandwidth and largest latency over the edges (both ways) of a binary tree
-    laid over ``group`` in order (parent of i is (i-1)//2)."""
+    laid over ``group`` in order (``tree_pairs``)."""
     key = ("tree", tuple(group))
     cached = topology.pace_cache.get(key)
     if cached is None:
-        pairs = []
-        for child in range(1, len(group)):
-            parent = (child - 1) // 2
-            pairs += [(group[child], group[parent]), (group[parent], group[child])]
-        cached = topology.pace_cache[key] = _pace(topology, pairs)
+        cached = topology.pace_cache[key] = _pace(topology, tree_pairs(group))
+    return cached
+
+
+def links_crossed(topology: Topology, group: Sequence[str], algorithm: str = "ring") -> tuple[tuple[str, str], ...]:
+    """The directed links a collective over ``group`` crosses, each once in the order met:
+    those of the routes between ring neighbours (``ring_pairs``) of each of the group's
+    channel rings (``channel_rings``), or the tree's edges (``tree_pairs``) for a tree
+    all-reduce. What the engine holds for a gradient reduction while it runs; kept per
+    topology, group and algorithm."""
+    key = ("links", algorithm, tuple(group))
+    cached = topology.pace_cache.get(key)
+    if cached is None:
+        pairs = (tree_pairs(group) if algorithm == "tree"
+                 else [pair for ring in channel_rings(topology, group) for pair in ring_pairs(ring)])
+        links = {link: None for src, dst in pairs for link in topology.route(src, dst).links}
+        cached = topology.pace_cache[key] = tuple(links)
     return cached
 
 

@@ -38,7 +38,8 @@ small next to the queries.
 
 Full recompute re-runs the forward, its exchanges included, inside the backward. The
 ring's transfers are priced over the ring's slowest neighbour route, as the ring
-collectives are; like them they do not contend with P2P traffic or the other shards' rings.
+collectives are; like the tp collectives (unlike the gradient reductions, which hold their
+links in the engine's walk) they do not contend with P2P traffic or the other shards' rings.
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ cluster and the model make of them: each compute action's seconds (``Costs``), t
 tensor-parallel collectives that hold a rank after it (``CommPlan``), and each
 transfer's wire: the links of its route between the two ranks' devices, the seconds its
 bytes occupy them and the latency on top (``Route.wire``), plus the routes of the same
-send of the pipelines not simulated where they share links (``pipesim.cluster.twins``).
-After the pipeline come each rank's data-parallel gradient reduction and optimizer step
-(``pipesim.sim.parallel``).
+send of the pipelines not simulated where they share links (``pipesim.cluster.twins``),
+and the gradient reductions each rank's dp channel runs in the same walk, holding the
+links their rings cross in the same numbering (``pipesim.sim.parallel.gradient_reductions``).
+After the pipeline come each rank's optimizer step and the parameter gathers after it
+(``pipesim.sim.parallel.step_tail_columns``).
 
 Events are recorded as the executor records them. A send's runs from the moment its
 group was posted (its data was ready) to its arrival, however long it then waited for
@@ -32,7 +34,14 @@ from pipesim.model.costs import Costs
 from pipesim.sim.context_parallel import CP_KIND
 from pipesim.sim.expert_parallel import EP_KIND
 from pipesim.sim.overlap import HOLD_PARTS, overlapped_pairs
-from pipesim.sim.parallel import PARAM_GATHER_KIND, TP_KIND, CommPlan, step_tail_columns
+from pipesim.sim.parallel import (
+    PARAM_GATHER_KIND,
+    TP_KIND,
+    CommPlan,
+    gradient_reductions,
+    reduction_columns,
+    step_tail_columns,
+)
 from schedules import dataflow, engine
 from schedules.action import KINDS, format_group
 from schedules.lowering import lower
@@ -145,9 +154,11 @@ def price_step(schedule: Schedule, costs: Costs, topology: Topology, devices: Se
     hold = parts.sum(axis=0) if parts is not None else None
     pair_seconds, pair_parts = overlapped_pairs(schedule, costs, durations, holds_of(plan), pair_slowdown(plan))
     twins = plan.twin_transfers if plan is not None else {}
+    link_numbers: dict[tuple[str, str], int] = {}
+    wires = transfer_wires(schedule, costs, topology, devices, twins, link_numbers)
     timing = engine.StepTiming(seconds, hold, pair_seconds,
                                {action: sum(held) for action, held in pair_parts.items()},
-                               transfer_wires(schedule, costs, topology, devices, twins), costs.comm_overhead)
+                               wires, costs.comm_overhead, gradient_reductions(plan, link_numbers))
     return PricedStep(timing, parts, pair_parts)
 
 
@@ -175,10 +186,12 @@ def hold_tables(schedule: Schedule, plan: CommPlan | None) -> np.ndarray | None:
 
 
 def transfer_wires(schedule: Schedule, costs: Costs, topology: Topology, devices: Sequence[str],
-                   twins: dict | None = None) -> list[list[engine.Route]]:
+                   twins: dict | None = None, numbers: dict[tuple[str, str], int] | None = None
+                   ) -> list[list[engine.Route]]:
     """Per (stage, direction) the routes its transfer takes: its own between the two
-    ranks' devices, then its twins' (``pipesim.cluster.twins``), links numbered 0, 1, ..."""
-    numbers: dict[tuple[str, str], int] = {}
+    ranks' devices, then its twins' (``pipesim.cluster.twins``), links numbered 0, 1, ...
+    in ``numbers`` (filled here: the numbering other users of the links extend)."""
+    numbers = {} if numbers is None else numbers
     wires: list[list[engine.Route]] = []
     placement = schedule.placement
     for stage in range(schedule.num_stages):
@@ -220,14 +233,15 @@ def stuck_places(step: engine.StepRun) -> str:
 
 def step_trace(step: engine.StepRun, costs: Costs, topology: Topology, devices: Sequence[str],
                plan: CommPlan | None, p2p: str, priced: PricedStep | None = None) -> Trace:
-    """The Trace of a step the engine ran to its end: pipeline events, then each rank's
-    step-level tail (gradient reduction, optimizer). ``priced``: the step's prices, where
+    """The Trace of a step the engine ran to its end: pipeline events, the gradient
+    reductions of the ranks' dp channels, then each rank's step-level tail (optimizer,
+    parameter gathers). ``priced``: the step's prices, where
     the caller has them (else priced again)."""
     schedule = step.program.arrays.schedule
     if priced is None:
         priced = price_step(schedule, costs, topology, devices, plan)
     pipeline = pipeline_columns(step, held_parts(step, priced), gather_spans(step, plan))
-    tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead)
+    tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead, reduction_columns(step, plan))
     wire, sent_bytes = p2p_wire_and_bytes(step, costs)
     meta = {
         "source": "simulated",

@@ -18,11 +18,13 @@ pays their collectives:
   layer's at the end of its share of that backward, so the bucket that completes with
   layer k is ready ``k/L`` of the way through it (continuously in bytes when the stage
   has no layer count). Without overlap (``--no-dp-overlap``) every stage's reduction
-  waits for the rank's last action. Buckets of every stage on a rank queue
-  first-come first-served on the rank's one dp communicator, as NCCL runs the
-  collectives of one communicator in issue order, and as the engine's links serve
-  transfers (FIFO, never split). Gradients are taken to be the size of the
-  parameters (same dtype).
+  waits for the rank's step end. The reductions run in the engine's walk, on each rank's
+  dp channel (``schedules.dp_channel``): issued as the rank runs the backward, served in
+  issue order as NCCL runs the collectives of one communicator, each holding the links
+  its ring crosses (``pipesim.cluster.collectives.links_crossed``) for its closed-form
+  seconds, so a reduction and a P2P transfer that share a link (a GPU's NIC or NVLink
+  port) delay each other, first come first served. Gradients are taken to be the size
+  of the parameters (same dtype).
 - ZeRO-1 (``zero=1``, Megatron's distributed optimizer): each bucket is
   reduce-scattered instead of all-reduced (half the ring traffic), and after the
   optimizer step the updated parameters are all-gathered in the same buckets (the
@@ -52,8 +54,11 @@ pays their collectives:
   expert parallelism the routed experts' share of them over the expert data-parallel
   group (``pipesim.cluster.mapping``), each bucket carrying both shares.
 
-Collectives are analytical durations (see ``pipesim.cluster.collectives``): they do not
-reserve links in the engine's link scheduler and so do not contend with P2P traffic.
+Collectives are analytical durations (see ``pipesim.cluster.collectives``). The gradient
+reductions also hold their links in the engine's walk (above); the optimizer step, the
+parameter all-gathers after it and ZeRO-3's gathers are placed after the walk from its
+moments (they reserve no links), and the tp, ep and cp collectives hold the rank, not
+links.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from pipesim.cluster.collectives import all_gather, all_reduce, bucket_runs, listed, reduce_scatter
+from pipesim.cluster.collectives import all_gather, all_reduce, bucket_runs, links_crossed, listed, reduce_scatter
 from pipesim.cluster.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.cluster.twins import boundary_rank_pairs, twin_transfers
@@ -87,6 +92,8 @@ from pipesim.sim.zero import (
     reduces_every_backward,
 )
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
+from schedules.dp_channel import Reductions
+from schedules.engine import StepRun
 from schedules.schedule import Schedule
 from schedules.trace import LazyNames, TraceColumns, TraceEvent
 
@@ -155,7 +162,8 @@ class CommPlan:
     parameter gathers and ``gather_seconds[stage, kind]`` the gathers' whole time.
     ``overlap_param_gather``: ZeRO-1 and 2's gathers run under the next step's forwards;
     ``overlap_slowdown``: what a collective beside the compute costs it
-    (``pipesim.sim.comm_overlap``)."""
+    (``pipesim.sim.comm_overlap``). ``dp_links[stage]``: the links the stage's gradient
+    reductions cross (its dp group's ring, and its experts' group's), held while each runs."""
 
     tp_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
     dp_bucket_bytes: dict[int, tuple[float, ...]] = field(default_factory=dict)
@@ -171,6 +179,7 @@ class CommPlan:
     gather_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
     overlap_param_gather: bool = True
     overlap_slowdown: float = OVERLAP_SLOWDOWN
+    dp_links: dict[int, tuple[tuple[str, str], ...]] = field(default_factory=dict)
 
     @property
     def dp_seconds(self) -> dict[int, float]:
@@ -193,6 +202,7 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
     gather_hold, action_gathers = layer_gathers(schedule, costs, topology, mapping, slowdown) \
         if gathers_per_layer(zero) else ({}, {})
     reduction = gradient_reduction(zero, algorithm)
+    links_of: dict[int, tuple[tuple[str, str], ...]] = {}
     for stage, cost in enumerate(costs.stages):
         group = _dp_group(schedule, stage, mapping)
         if group is None or cost.param_bytes <= 0:
@@ -206,13 +216,61 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
         if sum(reduce) > 0:
             bucket_bytes_of[stage] = sizes
             reduce_seconds[stage] = reduce
+            links_of[stage] = _reduction_links(topology, group, experts, "ring" if zero else algorithm)
     layers = {stage: cost.layers for stage, cost in enumerate(costs.stages)}
     return CommPlan(tp_collective_seconds(schedule, costs, topology, mapping, algorithm, overlap_tp, slowdown),
                     bucket_bytes_of, reduce_seconds, gather_seconds, overlap_dp, zero, layers,
                     _twins(schedule, topology, mapping), ep_collective_seconds(schedule, costs, topology, mapping),
                     cp_collective_seconds(schedule, costs, topology, mapping, cp_comm, slowdown),
                     gather_hold=gather_hold, gather_seconds=action_gathers,
-                    overlap_param_gather=overlap_param_gather, overlap_slowdown=slowdown)
+                    overlap_param_gather=overlap_param_gather, overlap_slowdown=slowdown, dp_links=links_of)
+
+
+def _reduction_links(topology: Topology, group: list[str], experts: tuple[float, list[str]] | None,
+                     algorithm: str) -> tuple[tuple[str, str], ...]:
+    """The links a stage's gradient reduction holds: those its collective crosses over
+    ``group`` and, with expert parallelism, over its experts' group (a bucket holds both
+    shares: ``_split_over``)."""
+    links = links_crossed(topology, group, algorithm)
+    if experts is None:
+        return links
+    return tuple(dict.fromkeys(links + links_crossed(topology, experts[1], algorithm)))
+
+
+def gradient_reductions(plan: CommPlan | None, link_numbers: dict[tuple[str, str], int]) -> Reductions | None:
+    """The plan's gradient reductions as the engine's walk runs them on each rank's dp
+    channel (``schedules.dp_channel.Reductions``): per stage its runs of buckets that fill
+    together (``_stage_runs``: their fraction of the backward, each bucket's seconds) and the links
+    they hold, numbered in ``link_numbers`` (the P2P wires' numbering, extended here) so
+    that reductions and transfers on one link contend. None when the step has none."""
+    if plan is None or not plan.dp_bucket_seconds:
+        return None
+    runs = {stage: tuple((fraction, plan.dp_bucket_seconds[stage][first:last + 1])
+                         for fraction, first, last, _ in _stage_runs(plan, stage))
+            for stage in plan.dp_bucket_seconds}
+    links = {stage: tuple(link_numbers.setdefault(link, len(link_numbers)) for link in plan.dp_links.get(stage, ()))
+             for stage in runs}
+    return Reductions(runs, links, reduces_every_backward(plan.zero), plan.overlap_dp)
+
+
+def reduction_columns(step: StepRun, plan: CommPlan | None) -> TraceColumns | None:
+    """The gradient reductions the engine's walk ran on the ranks' dp channels, one ``dp``
+    event per run of buckets (``3ALLREDUCE_DP[4-21]``: stage, kind, buckets), listed by
+    stage, then in the order its backwards ran; None when there are none."""
+    channels = step.channels
+    if plan is None or channels is None or not channels.count:
+        return None
+    ranks = np.repeat(np.arange(step.program.ranks), np.diff(channels.channel_start))
+    ran = ~np.isnan(step.collective_end)
+    order = np.lexsort((channels.run, channels.row, channels.stage))
+    order = order[ran[order]]
+    kind = REDUCE_SCATTER_KIND if plan.zero else DP_KIND
+    codes = np.zeros(len(order), dtype=np.int64)  # the one kind and the one stream
+    stages, runs = channels.stage[order], channels.run[order]
+    return TraceColumns(ranks[order].astype(np.int64), codes, stages.astype(np.int64),
+                        channels.microbatch[order].astype(np.int64), step.collective_start[order],
+                        step.collective_end[order], codes, (kind,), ("dp",),
+                        LazyNames(len(order), partial(_run_names, plan, kind, stages, runs)))
 
 
 def gradient_reduction(zero: int, algorithm: str = "ring"):
@@ -566,65 +624,14 @@ Backwards = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 reduced, one array per field, in stage order (each stage's by end)."""
 
 
-def _place_runs(backwards: Backwards, runs: dict[int, list[tuple[float, int, int, float]]],
-                done: np.ndarray | None, dp_free: list[float], kind: str) -> TraceColumns | None:
-    """The bucket runs of each backward that releases gradients, reduced first come,
-    first served per rank from ``dp_free`` (updated), one ``dp`` event per run, in the
-    backwards' order and each one's runs in order. A stage's runs (``_stage_runs``:
-    ``(fraction of the backward, first bucket, last bucket, seconds)``) are ready at
-    their fraction of each backward of the stage, or all at ``done[backward]`` (a single
-    run: without overlap). Runs are taken by the moment they are ready (then stage,
-    first bucket, microbatch); a run starts once it is ready and the rank's previous
-    reduction is done. Under ZeRO-2 and 3 a step has thousands of runs, each a row of
-    its stage's table: they are read off it as whole arrays."""
-    stage, rank, start, end, microbatch = backwards
-    table = [(at, *run) for at in sorted(runs) for run in runs[at]]
-    if not table or not len(stage):
-        return None
-    table_stage, fraction, first, last, seconds = (np.array(column) for column in zip(*table, strict=True))
-    stages = np.arange(max(int(stage.max()), int(table_stage.max())) + 1)
-    per_stage = np.bincount(table_stage, minlength=len(stages))  # runs of each stage
-    offset = np.cumsum(per_stage) - per_stage  # its first row in the table
-    per = per_stage[stage]
-    owner = np.repeat(np.arange(len(stage)), per)  # the backward of each run
-    if not len(owner):
-        return None
-    row = np.repeat(offset[stage] - (np.cumsum(per) - per), per) + np.arange(len(owner))
-    if done is None:  # as ``start + fraction * (end - start)``, one run at a time
-        ready = start[owner] + fraction[row] * (end[owner] - start[owner])
-    else:
-        ready = done[owner]
-    run_stage, run_first, run_microbatch, run_rank = table_stage[row], first[row], microbatch[owner], rank[owner]
-    starts, ends = _first_come_first_served(np.lexsort((run_microbatch, run_first, run_stage, ready)), ready,
-                                            run_rank, seconds[row], dp_free)
-    codes = np.zeros(len(ready), dtype=np.int64)  # the one kind and the one stream
-    return TraceColumns(run_rank.astype(np.int64), codes, run_stage.astype(np.int64),
-                        run_microbatch.astype(np.int64), np.array(starts), np.array(ends), codes, (kind,), ("dp",),
-                        LazyNames(len(row), partial(_run_names, table, kind, row)))
-
-
-def _run_names(table: list[tuple], kind: str, rows: np.ndarray) -> list[str]:
-    """Each run's name, ``3ALLREDUCE_DP[4-21]`` (stage, kind, buckets), for the run of
-    each of ``rows`` of the stages' ``table``."""
-    names = [f"{at}{kind}[{a}]" if a == b else f"{at}{kind}[{a}-{b}]" for at, _, a, b, _ in table]
-    return [names[index] for index in rows.tolist()]
-
-
-def _first_come_first_served(order: np.ndarray, ready: np.ndarray, ranks: np.ndarray, seconds: np.ndarray,
-                             free: list[float]) -> tuple[list[float], list[float]]:
-    """Start and end of each run, taken in ``order``: once it is ready and its rank's
-    previous run is done (``free[rank]``, updated). Python floats, one at a time, so each
-    end is the sum the simulator has always made."""
-    ready_at, owners, lengths = ready.tolist(), ranks.tolist(), seconds.tolist()
-    starts, ends = [0.0] * len(ready_at), [0.0] * len(ready_at)
-    for index in order.tolist():
-        owner = owners[index]
-        begin = free[owner]
-        if ready_at[index] > begin:
-            begin = ready_at[index]
-        starts[index] = begin
-        ends[index] = free[owner] = begin + lengths[index]
-    return starts, ends
+def _run_names(plan: CommPlan, kind: str, stages: np.ndarray, runs: np.ndarray) -> list[str]:
+    """Each reduction's name, ``3ALLREDUCE_DP[4-21]`` (stage, kind, buckets), for the run
+    ``runs[i]`` of stage ``stages[i]`` (``_stage_runs``)."""
+    names: dict[tuple[int, int], str] = {}
+    for stage in np.unique(stages).tolist():
+        for index, (_, first, last, _) in enumerate(_stage_runs(plan, stage)):
+            names[stage, index] = f"{stage}{kind}[{first}]" if first == last else f"{stage}{kind}[{first}-{last}]"
+    return [names[key] for key in zip(stages.tolist(), runs.tolist(), strict=True)]
 
 
 def _stage_runs(plan: CommPlan, stage: int) -> list[tuple[float, int, int, float]]:
@@ -664,10 +671,11 @@ def _tail_scan(columns: TraceColumns, num_ranks: int, every_backward: bool) -> t
 
 
 def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | None,
-                      step_overhead: float) -> TraceColumns | None:
-    """The gradient reductions (``dp`` stream), optimizer steps (``step`` stream) and,
-    under ZeRO-1 and 2, parameter all-gathers (``dp``) of each rank, placed after the
-    pipeline events ``pipeline``; None when the step has none.
+                      step_overhead: float, reductions: TraceColumns | None = None) -> TraceColumns | None:
+    """The gradient reductions the walk ran (``reductions``: ``reduction_columns``, on the
+    ``dp`` stream), then each rank's optimizer step (``step`` stream) and, under ZeRO-1
+    and 2, parameter all-gathers (``dp``), placed after the pipeline events ``pipeline``
+    and the rank's last reduction; None when the step has none.
 
     What a collective beside the compute costs it (``pipesim.sim.comm_overlap``): the
     reductions that ran while the rank computed slow its compute by ``slowed_by`` of
@@ -681,23 +689,12 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
     every = has_dp and reduces_every_backward(plan.zero)
     rank_end, backwards = _tail_scan(pipeline, num_ranks, every)
     tail: list[TraceEvent] = []
-    reductions = None
-    dp_free = rank_end.tolist() if not has_dp or not plan.overlap_dp else [0.0] * num_ranks
+    # the optimizer follows the rank's last reduction; without overlap, under ZeRO-0 and 1, its step end
+    dp_free = rank_end.copy() if not has_dp or (not plan.overlap_dp and not every) else np.zeros(num_ranks)
     slowed = [0.0] * num_ranks
-    if has_dp:
-        if not plan.overlap_dp and every:
-            dp_free = [0.0] * num_ranks  # each backward's gradient goes once that backward is done
-        kind = REDUCE_SCATTER_KIND if plan.zero else DP_KIND
-        # Buckets are reduced first come, first served per rank. Those of a stage that fill
-        # at the same moment (one layer's gradients, or all of them without overlap) run back
-        # to back and are one event (``3ALLREDUCE_DP[4-21]``), as the executor records one
-        # per stage: a 70B-parameter stage has thousands of 25 MB buckets and a few layers.
-        runs = {stage: _stage_runs(plan, stage) for stage in plan.dp_bucket_seconds}
-        # with overlap each run is ready at its fraction of the backward; without, all of a
-        # stage's buckets at once: after that backward, or after the rank's last action
-        all_ready = None if plan.overlap_dp else backwards[3] if every else rank_end[backwards[1]]
-        reductions = _place_runs(backwards, runs, all_ready, dp_free, kind)
-        if reductions is not None and plan.overlap_slowdown > 0:
+    if has_dp and reductions is not None and len(reductions):
+        np.maximum.at(dp_free, reductions.rank, reductions.end)
+        if plan.overlap_slowdown > 0:
             beside = compute_beside(pipeline, reductions.rank, reductions.start, reductions.end, num_ranks)
             slowed = [slowed_by(seconds, plan.overlap_slowdown) for seconds in beside]
     stage_rank = dict(zip(backwards[0].tolist(), backwards[1].tolist(), strict=True))
@@ -708,7 +705,7 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
         end = float(rank_end[rank])
         if slowed[rank] > 0:
             tail.append(TraceEvent(rank, DP_SLOWDOWN_KIND, DP_SLOWDOWN_KIND, -1, -1, end, end + slowed[rank], "dp"))
-        done = max(end + slowed[rank], dp_free[rank])
+        done = max(end + slowed[rank], float(dp_free[rank]))
         if step_overhead > 0:
             tail.append(TraceEvent(rank, OPTIMIZER_KIND, OPTIMIZER_KIND, -1, -1, done, done + step_overhead, "step"))
             done += step_overhead

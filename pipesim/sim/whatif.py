@@ -23,7 +23,7 @@ import numpy as np
 
 from pipesim.sim.critical_path import critical_owners, path_links
 from pipesim.sim.engine import gather_spans, held_parts, pipeline_columns, price_step, step_trace
-from pipesim.sim.parallel import CommPlan, step_tail_columns
+from pipesim.sim.parallel import CommPlan, reduction_columns, step_tail_columns
 from pipesim.sim.step import SimulationResult, comm_plan_of
 from pipesim.sim.step import _time_unit as time_unit  # the summary's units, as simulate prints them
 from pipesim.sim.variability import PerTransferWires, Sampler, Variability, crossed_links
@@ -131,7 +131,7 @@ class SampleStepper:
         self.priced = price_step(schedule, costs, topology, result.devices, self.plan)
         timing = self.priced.timing
         inputs = engine.step_inputs(self.program, timing)
-        self.seconds, self.hold, self.wires = inputs.seconds, inputs.hold, inputs.wires
+        self.seconds, self.hold, self.wires, self.channels = inputs.seconds, inputs.hold, inputs.wires, inputs.channels
         self.comm_overhead = timing.comm_overhead
         variability.check_layout(schedule.pp, crossed_links(self.program))
         self.sampler = Sampler(self.program, variability, result.parallel.tp)
@@ -150,11 +150,11 @@ class SampleStepper:
         draws = self.sampler.draw(sample)
         seconds = self.seconds * draws.compute
         if draws.transfer is None:
-            inputs = engine.StepInputs(seconds, self.hold, self.wires, self.comm_overhead)
+            inputs = engine.StepInputs(seconds, self.hold, self.wires, self.comm_overhead, self.channels)
             step = engine.run_inputs(self.program, inputs)
         else:
             inputs = engine.StepInputs(seconds, self.hold, self.transfer_wires.scaled(draws.transfer),
-                                       self.comm_overhead)
+                                       self.comm_overhead, self.channels)
             step = engine.run_inputs(self.per_transfer, inputs)
             step.program = self.program
         if step.stuck:  # the order finishes deterministically; a draw cannot make it deadlock
@@ -167,7 +167,8 @@ class SampleStepper:
         if not self.tail:
             return step.makespan
         pipeline = pipeline_columns(step, self.held, self.gathers)
-        tail = step_tail_columns(pipeline, self.program.ranks, self.plan, self.result.costs.step_overhead)
+        tail = step_tail_columns(pipeline, self.program.ranks, self.plan, self.result.costs.step_overhead,
+                                 reduction_columns(step, self.plan))
         columns = TraceColumns.concatenate([pipeline, tail]) if tail is not None else pipeline
         return float(columns.end.max() - columns.start.min())
 

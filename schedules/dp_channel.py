@@ -1,0 +1,213 @@
+"""Each rank's data-parallel channel, as the engine walks it.
+
+A rank's gradients are reduced across its data-parallel group by collectives that NCCL
+runs on one communicator, in the order they are issued: a FIFO channel per rank, beside
+its compute and its P2P streams. The engine is told, per stage, the collectives one of
+its backwards releases (``Reductions``: each a share of the backward's time at which its
+bucket is full, and its seconds) and the links the collective's ring crosses; it
+issues them as the rank runs the backward and serves each rank's channel in issue
+order. A collective starts once it is issued, once the one before it on the channel is
+done and once every link it crosses is free; it holds those links for its seconds, so a
+P2P transfer that wants one of them later waits, and it waits for transfers that took
+them first (the links' one rule, first come first served, never split).
+
+A collective stands for a run of buckets that fill at the same moment (a layer's
+gradients), and NCCL runs each bucket as a collective of its own: the run holds its links
+one bucket at a time, so a transfer that wants a link during the run takes it between two
+buckets (and the rest of the run follows it), not after the whole run. Where no transfer
+and no other rank's reduction crosses a stage's links nothing can come between, and its
+runs are walked whole (one step, the run's seconds summed exactly: ``math.fsum``).
+
+When they are issued (``Reductions``):
+
+- with overlap (DDP's and Megatron's default), at their share of the backward that
+  releases the stage's gradients, ``start + fraction * (end - start)``;
+- without overlap, under ZeRO-2 and 3 (every backward releases), at that backward's end;
+  under ZeRO-0 and 1 (only the stage's last backward releases), once the rank's step is
+  done (its program walked and its last P2P group completed), in stage order.
+
+Which backwards release: each stage's last B or W in its rank's program, or with
+``every_backward`` (ZeRO-2 and 3: a replica keeps only its shard of the gradient) every
+one. ``channel_arrays`` lays the collectives out for both walks (the compiled one and
+``schedules.engine_reference``) in channel order, each rank's together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from schedules.program_arrays import B_CODE, W_CODE
+
+if TYPE_CHECKING:
+    from schedules.engine import EngineProgram
+
+AT_FRACTION, AT_BACKWARD_END, AT_STEP_END = 0, 1, 2  # when a collective is issued (``ChannelArrays.mode``)
+
+
+@dataclass(frozen=True)
+class Reductions:
+    """The gradient reductions of a step, as the engine reads them: per stage, ``runs``
+    ``(fraction, bucket seconds)`` of the collectives one releasing backward issues, in
+    issue order (buckets that fill at the same moment, one run); ``links[stage]``, the
+    link numbers (those of ``StepTiming.wires``) its collectives hold; ``every_backward``:
+    every backward of a stage releases (ZeRO-2 and 3), else its last one; ``overlap``:
+    issued at their fraction of the backward, else at its end (``every_backward``) or at
+    the rank's step end."""
+
+    runs: Mapping[int, Sequence[tuple[float, Sequence[float]]]]
+    links: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    every_backward: bool = False
+    overlap: bool = True
+
+    @property
+    def link_count(self) -> int:
+        """One more than the highest link number its collectives hold (0: none)."""
+        return max((max(links) + 1 for links in self.links.values() if len(links)), default=0)
+
+
+@dataclass(frozen=True)
+class ChannelArrays:
+    """The collectives of every rank's channel, flat, in channel order (rank
+    ``r``'s are ``channel_start[r]:channel_start[r + 1]``): per collective the compute row
+    that issues it (-1: the rank's step end), ``mode`` (``AT_FRACTION``, ...),
+    ``fraction``, ``seconds``, its stage and microbatch, ``run`` (its place among its
+    stage's runs), ``table_row`` (its run among every stage's: the end of each of its
+    buckets from the run's start is ``offsets[offset_start[table_row]:...]``, the last
+    its ``seconds``) and its links (``stage_link_start``/``stage_links`` of its stage). Per
+    compute row, ``row_start[row]:row_start[row + 1]`` of ``row_collectives`` are the
+    collectives it issues, in channel order."""
+
+    channel_start: np.ndarray
+    row: np.ndarray
+    mode: np.ndarray
+    fraction: np.ndarray
+    seconds: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+    run: np.ndarray
+    table_row: np.ndarray
+    offset_start: np.ndarray
+    offsets: np.ndarray
+    stage_link_start: np.ndarray
+    stage_links: np.ndarray
+    row_start: np.ndarray
+    row_collectives: np.ndarray
+    link_count: int = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.row)
+
+    def links_of(self, collective: int) -> list[int]:
+        """The link numbers collective ``collective`` holds."""
+        stage = int(self.stage[collective])
+        return self.stage_links[self.stage_link_start[stage]:self.stage_link_start[stage + 1]].tolist()
+
+    def bucket_ends(self, collective: int) -> list[float]:
+        """When each bucket of collective ``collective`` ends, from its start."""
+        row = int(self.table_row[collective])
+        return self.offsets[self.offset_start[row]:self.offset_start[row + 1]].tolist()
+
+
+def no_channel(program: EngineProgram) -> ChannelArrays:
+    """Channels with no collective (a step without data parallelism), made once per
+    program: lowering and the zero-bubble searches time thousands of candidates."""
+    return program.no_collectives
+
+
+def empty_channels(ranks: int, computes: int, num_stages: int) -> ChannelArrays:
+    """``ChannelArrays`` with no collective for a program of these sizes."""
+    none = np.zeros(0, dtype=np.int64)
+    return ChannelArrays(
+        channel_start=np.zeros(ranks + 1, dtype=np.int64), row=none, mode=np.zeros(0, dtype=np.int8),
+        fraction=np.zeros(0), seconds=np.zeros(0), stage=none, microbatch=none, run=none, table_row=none,
+        offset_start=np.zeros(1, dtype=np.int64), offsets=np.zeros(0),
+        stage_link_start=np.zeros(num_stages + 1, dtype=np.int64), stage_links=none,
+        row_start=np.zeros(computes + 1, dtype=np.int64), row_collectives=none)
+
+
+def channel_arrays(program: EngineProgram, reductions: Reductions | None,
+                   wire_links: np.ndarray | None = None) -> ChannelArrays:
+    """``reductions`` laid out for ``program``'s walk (``ChannelArrays``); ``wire_links``:
+    the links the step's transfers cross (a stage's runs whose links no transfer and no
+    other rank's reduction crosses are walked whole)."""
+    num_stages = program.arrays.schedule.num_stages
+    if reductions is None or not reductions.runs:
+        return no_channel(program)
+    stage, kind, rank = program.compute_stage, program.compute_kind, program.compute_rank
+    runs = reductions.runs
+    per_stage = np.zeros(num_stages, dtype=np.int64)
+    for at, stage_runs in runs.items():
+        per_stage[at] = len(stage_runs)
+    releasing = np.flatnonzero(((kind == B_CODE) | (kind == W_CODE)) & (per_stage[stage] > 0))
+    if not reductions.every_backward and len(releasing):
+        # each stage's last releasing backward in program order: the last of its rows
+        last = np.full(num_stages, -1, dtype=np.int64)
+        np.maximum.at(last, stage[releasing], releasing)
+        releasing = np.sort(last[last >= 0])
+    link_lists = [list(reductions.links.get(at, ())) for at in range(num_stages)]
+    alone = _links_alone(link_lists, program.arrays.schedule.placement, wire_links)
+    # the stages' runs as one table, a stage's rows from ``offset[stage]``
+    table = [(at, fraction, buckets) for at in range(num_stages) for fraction, buckets in runs.get(at, ())]
+    fractions = np.array([row[1] for row in table], dtype=float)
+    seconds = np.array([math.fsum(row[2]) for row in table], dtype=float)
+    ends = [[whole] if alone[at] else _bucket_ends(buckets, whole)
+            for (at, _, buckets), whole in zip(table, seconds.tolist(), strict=True)]
+    offset_start = np.zeros(len(table) + 1, dtype=np.int64)
+    np.cumsum([len(each) for each in ends], out=offset_start[1:])
+    offset = np.cumsum(per_stage) - per_stage
+    count = per_stage[stage[releasing]]
+    owner = np.repeat(releasing, count)  # the compute row issuing each collective
+    run = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)
+    table_row = offset[stage[owner]] + run
+    mode = AT_FRACTION
+    if not reductions.overlap:
+        mode = AT_BACKWARD_END if reductions.every_backward else AT_STEP_END
+    owner_rank, owner_stage = rank[owner], stage[owner]
+    if mode == AT_STEP_END:  # all at the rank's step end, served in stage order
+        order = np.lexsort((run, owner_stage, owner_rank))
+    else:  # as the rank walks its backwards: rows are in program order, rank after rank
+        order = np.arange(len(owner))
+    owner, run, table_row, owner_rank, owner_stage = (column[order] for column in
+                                                      (owner, run, table_row, owner_rank, owner_stage))
+    ranks = program.ranks
+    channel_start = np.searchsorted(owner_rank, np.arange(ranks + 1)).astype(np.int64)
+    stage_link_start = np.zeros(num_stages + 1, dtype=np.int64)
+    np.cumsum([len(links) for links in link_lists], out=stage_link_start[1:])
+    stage_links = np.array([link for links in link_lists for link in links], dtype=np.int64)
+    issued_by_row = mode != AT_STEP_END
+    row_collectives = np.arange(len(owner), dtype=np.int64) if issued_by_row else np.zeros(0, dtype=np.int64)
+    row_start = np.searchsorted(owner if issued_by_row else np.zeros(0, dtype=np.int64),
+                                np.arange(program.computes + 1)).astype(np.int64)
+    return ChannelArrays(
+        channel_start=channel_start, row=np.where(issued_by_row, owner, -1).astype(np.int64),
+        mode=np.full(len(owner), mode, dtype=np.int8), fraction=np.ascontiguousarray(fractions[table_row]),
+        seconds=np.ascontiguousarray(seconds[table_row]), stage=owner_stage.astype(np.int64),
+        microbatch=program.compute_microbatch[owner].astype(np.int64), run=run.astype(np.int64),
+        table_row=table_row.astype(np.int64), offset_start=offset_start,
+        offsets=np.array([end for each in ends for end in each], dtype=float),
+        stage_link_start=stage_link_start, stage_links=stage_links, row_start=row_start,
+        row_collectives=row_collectives, link_count=reductions.link_count)
+
+
+def _bucket_ends(buckets: Sequence[float], whole: float) -> list[float]:
+    """When each bucket of a run ends from the run's start, the last at ``whole``."""
+    ends = np.cumsum(np.asarray(buckets, dtype=float)).tolist()
+    ends[-1] = whole
+    return ends
+
+
+def _links_alone(link_lists: list[list[int]], placement: Sequence[int], wire_links: np.ndarray | None) -> list[bool]:
+    """Per stage, whether no transfer and no reduction of another rank crosses any of its
+    links: then nothing can come between its buckets."""
+    users: dict[int, set[int]] = {}
+    for stage, links in enumerate(link_lists):
+        for link in links:
+            users.setdefault(link, set()).add(placement[stage])
+    crossed = set(wire_links.tolist()) if wire_links is not None else set()
+    return [not any(link in crossed or len(users[link]) > 1 for link in links) for links in link_lists]
