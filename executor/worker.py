@@ -291,6 +291,9 @@ class RankRun:
         meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,
                 "microbatches": schedule.microbatches, "source": "measured", "backend": self.backend,
                 "world_size": self.world, "step": len(self.losses) - 1, **shape}
+        if any(schedule.fused):  # what the simulator must charge a pair (pipesim.sim.overlap)
+            meta.update(pairs_overlap=self.runtime.lanes.overlaps, pairs_overlapped=self.runtime.pairs_overlapped,
+                        pairs=len(schedule.fused_pairs(self.pp_rank)))
         if self.world > 1:
             events = gather_events(schedule, self.pp_rank, events, self.device, self.mesh.group("pp"))
         params = {}
