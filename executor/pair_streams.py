@@ -39,6 +39,13 @@ Key = tuple[int, int]  # (stage, microbatch)
 COMPUTE_LANE = 0  # the device's current stream: every action outside a pair runs here
 
 
+def pairs_overlap_on(backend: str) -> bool:
+    """Whether a run on ``backend`` (resolved) overlaps a pair's halves: NCCL ranks run on
+    CUDA devices, whose streams do; gloo ranks run on the CPU (``executor.process.init_rank``
+    picks the device by backend), one half after the other."""
+    return backend == "nccl"
+
+
 @dataclass(frozen=True)
 class OverlappedPair:
     """A forward and the backward it overlaps, run as one step of the program."""
