@@ -130,7 +130,9 @@ class RankRun:
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
         self.averager = None
-        if (config.dp > 1 or config.cp > 1) and config.zero < 3:  # ZeRO-3: FSDP reduces the gradients itself
+        # ZeRO-3: FSDP reduces the gradients itself. ZeRO-1/2 on one replica (a one-rank
+        # group, scripts/gpu_check.py) still shards through the averager.
+        if (config.dp > 1 or config.cp > 1 or config.zero in (1, 2)) and config.zero < 3:
             dense_group = self.mesh.group("dp")
             if config.cp > 1:  # the cp ranks' gradients summed, the replicas' averaged (executor.context_parallel)
                 from executor.context_parallel import dp_cp_group  # noqa: PLC0415 - cp only
