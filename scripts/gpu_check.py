@@ -225,7 +225,7 @@ def pairs(args: argparse.Namespace) -> int:
     status = against_reference([("gpt dualpipev pp 1 (5 pairs a step), float64", run_local(config),
                                  reference_run(config))])
     sizes = dict(layers=4, hidden=32, heads=4, seq_len=16, batch_size=8) if args.dry_run else \
-        dict(layers=8, hidden=2048, heads=16, seq_len=1024, batch_size=32)
+        dict(layers=8, hidden=2048, heads=16, seq_len=512, batch_size=32)
     timed = small(schedule="dualpipev", virtual_stages=2, microbatches=8, model="gpt", vocab=512, steps=5,
                   dtype="float32", return_grads=False, backend=backend(args), **sizes)
     together = run_local(timed)
@@ -255,11 +255,12 @@ def memory(args: argparse.Namespace) -> int:
     from pipesim.sim.memory import BytesPerParam, static_bytes_per_param
 
     sizes = dict(layers=2, hidden=32, heads=4, seq_len=16, batch_size=8) if args.dry_run else \
-        dict(layers=8, hidden=1024, heads=16, seq_len=512, batch_size=16)
+        dict(layers=4, hidden=512, heads=8, seq_len=256, batch_size=8)  # the CPU runs it too: a few seconds
     config = small(model="gpt", microbatches=4, vocab=512, steps=2, dtype="float32", return_grads=False,
                    backend=backend(args), **sizes)
     measured = run_local(config)["memory"][0]
-    tracked = measured if args.dry_run else run_local(dataclasses.replace(config, backend="gloo"))["memory"][0]
+    on_cpu = dataclasses.replace(config, backend="gloo", threads=min(8, os.cpu_count() or 1))
+    tracked = measured if args.dry_run else run_local(on_cpu)["memory"][0]
     predicted = measured["unsharded_params"] / 4 * static_bytes_per_param(BytesPerParam(4, 4, 8), 1, 0)
     print(f"{measured['source']} peak over the step {measured['peak'] / MIB:.1f} MiB; predicted parameters + "
           f"gradients + AdamW state {predicted / MIB:.1f} MiB; the CPU run's tracked peak (parameters, gradients, "
