@@ -81,8 +81,6 @@ class PipelineRuntime:
         # an overlapped pair is one step: its forward waits for the backward's input too
         self.pair_of = {forward: backward for forward, backward in schedule.fused_pairs(rank)}
         self.steps = with_pairs(self.items, self.pair_of)  # what the walk runs, pairs as one step each
-        self.lanes = PairLanes(links.device if links is not None else self.device_of(stages))
-        self.pairs_overlapped = 0  # of the last step: pairs whose halves ran at the same time
         self.handlers: dict[str, Callable[[Action], None]] = {
             ActionKind.F: self.forward,
             ActionKind.B: self.backward,
@@ -105,6 +103,9 @@ class PipelineRuntime:
         # The loss adds up in float32 at least, whatever type the stages compute in.
         self.loss_dtype = torch.float64 if param is not None and param.dtype == torch.float64 else torch.float32
         self.loss_device = param.device if param is not None else None
+        # where an overlapped pair's halves run (executor.pair_streams): the rank's device
+        self.lanes = PairLanes(links.device if links is not None else self.loss_device or torch.device("cpu"))
+        self.pairs_overlapped = 0  # of the last step: pairs whose halves ran at the same time
 
     # -- the walk -------------------------------------------------------------------
 
@@ -289,12 +290,6 @@ class PipelineRuntime:
             self.output_grads[(target, microbatch)] = grad
         else:
             self.outbox[(ActionKind.SEND_B, stage, microbatch)] = grad
-
-    @staticmethod
-    def device_of(stages: dict[int, nn.Module]) -> torch.device:
-        """Where the stages' parameters live (a run without links: one process)."""
-        param = next((p for stage in stages.values() for p in stage.parameters()), None)
-        return param.device if param is not None else torch.device("cpu")
 
     # -- communication --------------------------------------------------------------
 
