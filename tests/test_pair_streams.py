@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import executor.runtime
 from executor.config import RunConfig
@@ -15,7 +17,8 @@ from executor.launch import launch
 from executor.pair_streams import COMPUTE_LANE, OverlappedPair, PairLanes, pair_events, with_pairs
 from executor.reference import reference_run
 from executor.worker import run_local
-from schedules.action import parse_action
+from schedules import generate, lower
+from schedules.action import Action, parse_action
 from schedules.trace import TraceEvent
 from tests.launched_cases import assert_equals_reference
 
@@ -151,3 +154,31 @@ def test_pairs_on_gloo_under_nccls_rule_equal_the_reference():
     (result,) = launch([config])
     assert_equals_reference(result, reference_run(config))
     assert (result["trace"].meta["pairs_overlap"], result["trace"].meta["pairs"]) == (False, 3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(pp=st.integers(1, 6), extra=st.integers(0, 6), lowered=st.booleans())
+def test_every_dualpipev_pair_becomes_one_step_with_its_halves_on_two_lanes(pp, extra, lowered):
+    """For any dualpipev (lowered or not): the walk's steps hold each pair once, in place,
+    and nothing else changes; walking a rank's steps, each pair's backward lane is the
+    lane its microbatch's forward ran on and its forward takes the other."""
+    schedule = generate("dualpipev", pp, 2 * pp + extra, 2)
+    if lowered:
+        schedule = lower(schedule)
+    for rank in range(pp):
+        items = schedule.program_items(rank)
+        pairs = dict(schedule.fused_pairs(rank))
+        steps = with_pairs(items, pairs)
+        assert sum(isinstance(step, OverlappedPair) for step in steps) == len(pairs)
+        flat = [half for step in steps
+                for half in ((step.forward, step.backward) if isinstance(step, OverlappedPair) else (step,))]
+        assert flat == items
+        lanes, ran_on = PairLanes(torch.device("cpu")), {}
+        for step in steps:
+            if isinstance(step, OverlappedPair):
+                forward_lane, backward_lane = lanes.assign(step)
+                assert backward_lane == ran_on.get((step.backward.stage, step.backward.microbatch), COMPUTE_LANE)
+                assert forward_lane != backward_lane
+                ran_on[(step.forward.stage, step.forward.microbatch)] = forward_lane
+            elif isinstance(step, Action) and step.kind == "F":
+                ran_on[(step.stage, step.microbatch)] = COMPUTE_LANE
