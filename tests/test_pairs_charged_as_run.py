@@ -84,6 +84,14 @@ def test_costs_files_keep_pairs_overlap_and_refuse_a_non_boolean():
         costs_from_dict({**document, "pairs_overlap": "no"}, 2)
 
 
+def test_simulate_refuses_a_costs_file_with_a_bad_pairs_overlap_in_one_line(tmp_path, capsys):
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"stages": [{"fwd": 1, "bwd": 2}], "pairs_overlap": 1}))
+    assert main(["simulate", "--schedule", "dualpipev", "--pp", "2", "-m", "4", "--costs", str(costs)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == f"pipesim simulate: error: {costs}: 'pairs_overlap' must be true or false, got 1"
+
+
 @pytest.mark.timeout(180)
 def test_compare_on_gloo_charges_the_pairs_one_after_the_other(tmp_path):
     """A costs file saying an overlapped pair takes 10 s (overlap_fb): the run on gloo
