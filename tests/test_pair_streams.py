@@ -16,6 +16,7 @@ from executor.config import RunConfig
 from executor.launch import launch
 from executor.pair_streams import COMPUTE_LANE, OverlappedPair, PairLanes, pair_events, with_pairs
 from executor.reference import reference_run
+from executor.report import summary, summary_lines
 from executor.worker import run_local
 from schedules import generate, lower
 from schedules.action import Action, parse_action
@@ -144,6 +145,9 @@ def test_one_process_pairs_follow_the_lane_rules_and_equal_the_reference(monkeyp
     assert (meta["pairs_overlap"], meta["pairs"], meta["pairs_overlapped"]) == (False, 5, 0)
     events = {event.action: event for event in result["trace"].events}
     assert events["1F1"].end <= events["0B0"].start  # one after the other
+    assert "overlapped pairs (rank 0, last step): 5, halves one after the other (no streams on a CPU)" in (
+        summary_lines(result))
+    assert summary(result)["pairs"] == {"per_step": 5, "streams": False, "overlapped": 0}
 
 
 def test_pairs_on_gloo_under_nccls_rule_equal_the_reference():
