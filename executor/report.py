@@ -14,7 +14,8 @@ def summary(result: dict) -> dict:
     global batch and each replica's slice of it), one loss and one step time per step,
     the measured makespan, bubble fraction and communication by kind (seconds summed
     over one pipeline's ranks) of the last step, and each rank's measured memory of the
-    last step (``memory``: bytes by kind, ``executor.memory``)."""
+    last step (``memory``: bytes by kind, ``executor.memory``) and, for DualPipeV, how its
+    overlapped pairs ran (``pairs``)."""
     metrics = step_metrics(result["trace"])
     comm = {kind: {"total": 0.0, "exposed": 0.0} for kind in ("p2p", "dp", "tp")}
     for rank in comm_by_kind(result["trace"]):
@@ -40,7 +41,18 @@ def summary(result: dict) -> dict:
         "bubble_fraction": metrics.bubble_fraction,
         "comm": comm,
         "memory": result.get("memory"),
+        **pairs_of(result["trace"].meta),
     }
+
+
+def pairs_of(meta: dict) -> dict:
+    """DualPipeV's overlapped pairs as they ran (``executor.pair_streams``): rank 0's
+    pairs per step, whether their halves ran on two CUDA streams, and how many of the
+    last step's overlapped; nothing for a schedule without pairs."""
+    if "pairs" not in meta:
+        return {}
+    return {"pairs": {"per_step": meta["pairs"], "streams": meta["pairs_overlap"],
+                      "overlapped": meta["pairs_overlapped"]}}
 
 
 def write_outputs(result: dict, json_path: str | None, trace_path: str | None, document: dict | None = None) -> None:
@@ -79,6 +91,11 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
                  f"blocked on p2p data in flight {took(comm['p2p']['exposed'])}; "
                  f"dp {took(comm['dp']['total'])} (exposed {took(comm['dp']['exposed'])}); "
                  f"tp {took(comm['tp']['total'])}")
+    pairs = document.get("pairs")
+    if pairs:
+        how = (f"halves on two CUDA streams, {pairs['overlapped']} overlapped" if pairs["streams"]
+               else "halves one after the other (no streams on a CPU)")
+        lines.append(f"overlapped pairs (rank 0, last step): {pairs['per_step']}, {how}")
     lines.extend(memory_lines(document.get("memory")))
     return lines
 

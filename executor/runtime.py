@@ -12,7 +12,9 @@ started one after another, as NCCL runs them on its stream. Under ``buffered`` (
 a group is posted at its place and never waited for there: each receive is waited for
 right before the compute action that needs it (``irecv`` now, ``wait`` then), and sends
 complete in the background, timed when they are seen to finish. Stashes are dropped as soon as the backward that needed
-them is done.
+them is done. An overlapped forward-backward pair (DualPipeV's) is one step with a
+handler of its own: both of its inputs are waited for first, then its halves run on
+two CUDA streams on a GPU, one after the other on a CPU (``executor.pair_streams``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 
 from executor.comm import PeerLinks, Pending, Posted
 from executor.models import PipelineModel
+from executor.pair_streams import COMPUTE_LANE, OverlappedPair, PairLanes, pair_events, with_pairs
 from executor.precision import Precision
 from executor.split_backward import ModuleCall, SplitBackward, WeightWork
 from schedules import dataflow
@@ -77,6 +80,7 @@ class PipelineRuntime:
         self.items = schedule.program_items(rank)  # P2P groups as lowering made them
         # an overlapped pair is one step: its forward waits for the backward's input too
         self.pair_of = {forward: backward for forward, backward in schedule.fused_pairs(rank)}
+        self.steps = with_pairs(self.items, self.pair_of)  # what the walk runs, pairs as one step each
         self.handlers: dict[str, Callable[[Action], None]] = {
             ActionKind.F: self.forward,
             ActionKind.B: self.backward,
@@ -99,6 +103,9 @@ class PipelineRuntime:
         # The loss adds up in float32 at least, whatever type the stages compute in.
         self.loss_dtype = torch.float64 if param is not None and param.dtype == torch.float64 else torch.float32
         self.loss_device = param.device if param is not None else None
+        # where an overlapped pair's halves run (executor.pair_streams): the rank's device
+        self.lanes = PairLanes(links.device if links is not None else self.loss_device or torch.device("cpu"))
+        self.pairs_overlapped = 0  # of the last step: pairs whose halves ran at the same time
 
     # -- the walk -------------------------------------------------------------------
 
@@ -123,23 +130,15 @@ class PipelineRuntime:
         if self.links is not None:
             self.links.start_step()
         self.prefetched = self.prefetch_receives() if self.prefetch_recvs else None
-        for item in self.items:
-            if not isinstance(item, Action):  # a P2P group (an Action is a tuple too)
+        self.lanes.start_step()
+        self.pair_marks: list[int] = []  # where each pair's forward is in ``marks`` (its backward next)
+        for item in self.steps:
+            if isinstance(item, OverlappedPair):
+                self.overlapped_pair(item)
+            elif isinstance(item, Action):
+                self.compute(item)
+            else:  # a P2P group (an Action is a tuple too, hence the order of the tests)
                 self.communicate(item)
-            else:
-                self.current = item
-                if self.before_action is not None:
-                    self.before_action(item)
-                if self.awaited or self.arriving:
-                    self.await_input(item)
-                    if item in self.pair_of:
-                        self.await_input(self.pair_of[item])
-                        self.current = item
-                start = self.clock.mark()
-                self.handlers[item.kind](item)
-                self.marks.append((item, start, self.clock.mark(), "compute"))
-                if self.after_action is not None:
-                    self.after_action(item)
             if self.pending:
                 self.poll_sends()
             if self.stream:
@@ -153,9 +152,83 @@ class PipelineRuntime:
             raise RuntimeError(f"rank {self.rank}: {leftover} forward stashes were never consumed by a backward")
         events = [TraceEvent.of(self.rank, action, self.clock.seconds(start), self.clock.seconds(end), stream)
                   for action, start, end, stream in self.marks]
+        self.pairs_overlapped = 0
+        for at in self.pair_marks:
+            forward, backward = events[at], events[at + 1]
+            self.pairs_overlapped += forward.start < backward.end and backward.start < forward.end
+            events[at], events[at + 1] = pair_events(forward, backward)
         return self.loss, events
 
     # -- compute --------------------------------------------------------------------
+
+    def compute(self, action: Action) -> None:
+        """One compute action on the compute stream, once its input is here."""
+        self.current = action
+        if self.before_action is not None:
+            self.before_action(action)
+        if self.awaited or self.arriving:
+            self.await_input(action)
+        start = self.clock.mark()
+        self.handlers[action.kind](action)
+        self.marks.append((action, start, self.clock.mark(), "compute"))
+        if self.after_action is not None:
+            self.after_action(action)
+
+    def overlapped_pair(self, pair: OverlappedPair) -> None:
+        """An overlapped pair: both inputs waited for on the compute stream, then the
+        forward half on one lane and the backward half on the other (two CUDA streams;
+        on a CPU one after the other, in the same order), the compute stream waiting
+        for both before anything after the pair (``executor.pair_streams``). Each half
+        keeps its own per-action hooks, the forward's closed before the backward starts."""
+        forward, backward = pair.forward, pair.backward
+        self.current = forward
+        if self.before_action is not None:
+            self.before_action(forward)
+        if self.awaited or self.arriving:
+            self.await_input(forward)
+            self.await_input(backward)
+            self.current = forward
+        forward_lane, backward_lane = self.lanes.assign(pair)
+        self.lanes.fork()
+        self.pair_marks.append(len(self.marks))
+        self.run_half(forward, forward_lane)
+        if self.after_action is not None:
+            self.after_action(forward)
+        self.current = backward
+        if self.before_action is not None:
+            self.before_action(backward)
+        self.run_half(backward, backward_lane)
+        self.lanes.join()
+        self.lanes.hand_over(self.made_by(forward) + self.made_by(backward), COMPUTE_LANE)
+        if self.after_action is not None:
+            self.after_action(backward)
+
+    def run_half(self, action: Action, lane: int) -> None:
+        """One half of a pair on its lane, timed there; its inputs handed to the lane."""
+        self.lanes.hand_over(self.used_by(action), lane)
+        with self.lanes.on(lane):
+            start = self.clock.mark()
+            self.handlers[action.kind](action)
+            self.marks.append((action, start, self.clock.mark(), "compute"))
+
+    def used_by(self, action: Action) -> list[torch.Tensor | None]:
+        """The tensors a compute action reads that an earlier action made: its input,
+        targets, stash and output gradient (a lane reading them must hold their memory)."""
+        key = (action.stage, action.microbatch)
+        if action.kind == ActionKind.F:
+            made = [self.inputs[action.microbatch] if action.stage == 0 else self.forward_inputs.get(key)]
+            return made + ([self.targets[action.microbatch]] if action.stage == self.last_stage else [])
+        return [*self.stash.get(key, ()), self.output_grads.get(key)]
+
+    def made_by(self, action: Action) -> list[torch.Tensor | None]:
+        """What a compute action left for later actions: its output (stashed, sent or
+        kept for the next stage here) or its input gradient (sent or kept)."""
+        stage, microbatch = action.stage, action.microbatch
+        target = dataflow.output_stage(stage, action.kind)
+        if action.kind == ActionKind.F:
+            made = [*self.stash.get((stage, microbatch), ()), self.outbox.get((ActionKind.SEND_F, stage, microbatch))]
+            return made + [self.forward_inputs.get((target, microbatch))]
+        return [self.outbox.get((ActionKind.SEND_B, stage, microbatch)), self.output_grads.get((target, microbatch))]
 
     def forward(self, action: Action) -> None:
         stage, microbatch = action.stage, action.microbatch

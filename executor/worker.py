@@ -130,7 +130,9 @@ class RankRun:
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
         self.averager = None
-        if (config.dp > 1 or config.cp > 1) and config.zero < 3:  # ZeRO-3: FSDP reduces the gradients itself
+        # ZeRO-3: FSDP reduces the gradients itself. ZeRO-1/2 on one replica (a one-rank
+        # group, scripts/gpu_check.py) still shards through the averager.
+        if (config.dp > 1 or config.cp > 1 or config.zero in (1, 2)) and config.zero < 3:
             dense_group = self.mesh.group("dp")
             if config.cp > 1:  # the cp ranks' gradients summed, the replicas' averaged (executor.context_parallel)
                 from executor.context_parallel import dp_cp_group  # noqa: PLC0415 - cp only
@@ -291,6 +293,9 @@ class RankRun:
         meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,
                 "microbatches": schedule.microbatches, "source": "measured", "backend": self.backend,
                 "world_size": self.world, "step": len(self.losses) - 1, **shape}
+        if any(schedule.fused):  # what the simulator must charge a pair (pipesim.sim.overlap)
+            meta.update(pairs_overlap=self.runtime.lanes.overlaps, pairs_overlapped=self.runtime.pairs_overlapped,
+                        pairs=len(schedule.fused_pairs(self.pp_rank)))
         if self.world > 1:
             events = gather_events(schedule, self.pp_rank, events, self.device, self.mesh.group("pp"))
         params = {}

@@ -2,21 +2,29 @@
 # The checks CI cannot run: the executor's CUDA and NCCL paths, on a machine with GPUs.
 # At most 8 minutes (every check runs under `timeout`, inside one overall budget).
 #
-#   scripts/gpu-check.sh              # on a machine with >= 1 GPU
-#   GPU_CHECK_DRY_RUN=1 scripts/gpu-check.sh   # the same flow on CPU/gloo, tiny sizes
+#   scripts/gpu-check.sh                          # on a machine with >= 1 GPU
+#   GPU_CHECK_DRY_RUN=1 scripts/gpu-check.sh      # the same flow on CPU/gloo, tiny sizes
+#   GPU_CHECK_ONLY="pairs memory" scripts/gpu-check.sh   # only these checks (names as in the table)
 #
-# One GPU:   CUDA numerics against the CPU float64 reference; profile -> simulate ->
-#            run (step-time error); bf16 against fp32 loss curves.
-# >= 2 GPUs: also expert parallelism (dp 2 ep 2, float64, all-to-all) and context
-#            parallelism (cp 2, K/V all-gather) against the CPU reference; every generated schedule on NCCL with transfers >= 64 MiB (and
-#            pp=4 with >= 4 GPUs); pipesim profile, bench-comm and compare at pp=2.
+# One GPU (one rank: NCCL refuses two ranks on one GPU): float64 on CUDA against the CPU
+#            one-process reference for a gpt, every architecture preset shrunk, recompute
+#            full and selective, ZeRO-1/2/3 on a one-rank NCCL group, tp/cp/ep applied over
+#            one-rank NCCL groups, DualPipeV's pairs on two CUDA streams (and how many
+#            overlapped); measured peak memory beside the prediction; profile -> simulate
+#            -> run (step-time error); bf16 against fp32 loss curves.
+# >= 2 GPUs: also expert parallelism (dp 2 ep 2, float64, all-to-all), context parallelism
+#            (cp 2, K/V all-gather) and tensor parallelism (tp 2, sequence parallel) against
+#            the CPU reference; every generated schedule on NCCL with transfers >= 64 MiB
+#            (and pp=4 with >= 4 GPUs); pipesim profile, bench-comm and compare at pp=2.
 # Ends with a table of every check; exits non-zero if any check failed, timed out or was
 # cut by the budget, and at once if no GPU is visible (it never passes by skipping).
 #
-# Needs torch with CUDA, networkx, pyyaml and simpy. simpy is installed from the wheel
-# carried in scripts/wheels/ when it is missing (no network needed). plotly is not
-# needed (no chart is drawn); to add it, `pip download plotly narwhals -d scripts/wheels`
-# on a machine with network first. Logs of every check: $GPU_CHECK_OUT (gpu-check-out/).
+# Needs torch with CUDA, networkx, pyyaml and simpy. simpy (and plotly, which no check
+# needs) is installed from a wheel in scripts/wheels/ when it is missing (no network
+# needed): `pip download --no-deps simpy plotly -d scripts/wheels` on a machine with
+# network adds them. The timing engine's C walk is built in place when a compiler is
+# there (else the SimPy model of the same rules runs). Logs of every check:
+# $GPU_CHECK_OUT (gpu-check-out/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -32,12 +40,20 @@ FAILED=0
 die() { echo "gpu-check: FAILED: $*" >&2; exit 1; }
 
 # --- what this machine has ---------------------------------------------------------------
-if ! $PYTHON -c "import simpy" 2>/dev/null; then
-    echo "simpy is missing: installing it from scripts/wheels/"
-    $PYTHON -m pip install -q --no-index --find-links scripts/wheels simpy \
-        || die "simpy is not installed and scripts/wheels/ holds no usable wheel for it"
+for package in simpy plotly; do
+    if ! $PYTHON -c "import $package" 2>/dev/null && ls scripts/wheels/"$package"-*.whl >/dev/null 2>&1; then
+        echo "$package is missing: installing it from scripts/wheels/"
+        $PYTHON -m pip install -q --no-index --no-deps --find-links scripts/wheels "$package" \
+            || echo "gpu-check: could not install $package from scripts/wheels/" >&2
+    fi
+done
+$PYTHON -c "import torch, networkx, yaml, simpy" \
+    || die "torch, networkx, pyyaml or simpy does not import (simpy: put its wheel in scripts/wheels/)"
+if ! ls schedules/_engine*.so >/dev/null 2>&1; then
+    $PYTHON setup.py -q build_ext --inplace >"$OUT/engine-build.log" 2>&1 \
+        && echo "built the timing engine's C walk" \
+        || echo "no C build of the timing engine (see $OUT/engine-build.log): the SimPy model runs instead"
 fi
-$PYTHON -c "import torch, networkx, yaml, simpy" || die "torch, networkx, pyyaml or simpy does not import"
 if [ "$DRY" = 1 ]; then
     GPUS=2; BACKEND=gloo; PYFLAGS=(--dry-run)
     echo "DRY RUN: CPU and gloo, tiny sizes; checks the script's flow, its numbers mean nothing"
@@ -51,8 +67,12 @@ fi
 echo "$GPUS GPU(s); budget ${BUDGET}s; logs in $OUT/"
 
 # check NAME SECONDS COMMAND...: run under `timeout`, within what is left of the budget.
+# selected NAME: whether GPU_CHECK_ONLY (names, spaces or commas between) is unset or names it.
+selected() { [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " ${GPU_CHECK_ONLY//,/ } " == *" $1 "* ]]; }
+
 check() {
     local name=$1 limit=$2; shift 2
+    selected "$name" || return
     local left=$((BUDGET - ($(date +%s) - STARTED)))
     if [ "$left" -le 5 ]; then
         ROWS+=("$(printf '%-26s %-8s %6s  %s' "$name" CUT - "no time left in the ${BUDGET}s budget")"); FAILED=1; return
@@ -69,21 +89,28 @@ check() {
     esac
     tail -n 6 "$OUT/$name.log" | sed 's/^/   /'
     local detail
-    detail=$(grep -E "error|spread|gap|difference|MiB|fit sendrecv|both lower|overheads" "$OUT/$name.log" \
+    detail=$(grep -E "error|spread|gap|difference|within|overlapped|MiB|fit sendrecv|both lower|overheads" "$OUT/$name.log" \
         | tail -n 1 | sed 's/^ *//' | cut -c1-100)
     ROWS+=("$(printf '%-26s %-8s %6s  %s' "$name" "$status" "$(( $(date +%s) - begin ))" "$detail")")
 }
 
 # --- one GPU ------------------------------------------------------------------------------
-check numerics-cuda-vs-cpu 90 $PYTHON scripts/gpu_check.py numerics "${PYFLAGS[@]}"
-check profile-simulate-run 150 $PYTHON scripts/gpu_check.py predict "${PYFLAGS[@]}"
-check bf16-vs-fp32 90 $PYTHON scripts/gpu_check.py precision "${PYFLAGS[@]}"
+check numerics-cuda-vs-cpu 60 $PYTHON scripts/gpu_check.py numerics "${PYFLAGS[@]}"
+check architectures 90 $PYTHON scripts/gpu_check.py architectures "${PYFLAGS[@]}"
+check recompute 60 $PYTHON scripts/gpu_check.py recompute "${PYFLAGS[@]}"
+check zero-one-rank 60 $PYTHON scripts/gpu_check.py zero "${PYFLAGS[@]}"
+check tp-cp-ep-degree-one 60 $PYTHON scripts/gpu_check.py degree-one "${PYFLAGS[@]}"
+check dualpipev-stream-pairs 90 $PYTHON scripts/gpu_check.py pairs "${PYFLAGS[@]}"
+check memory-vs-predicted 60 $PYTHON scripts/gpu_check.py memory "${PYFLAGS[@]}"
+check profile-simulate-run 120 $PYTHON scripts/gpu_check.py predict "${PYFLAGS[@]}"
+check bf16-vs-fp32 60 $PYTHON scripts/gpu_check.py precision "${PYFLAGS[@]}"
 
 # --- two GPUs and more --------------------------------------------------------------------
 if [ "$GPUS" -ge 2 ]; then
     check nccl-schedules-pp2 120 $PYTHON scripts/gpu_check.py nccl-schedules --pp 2 "${PYFLAGS[@]}"
     check expert-parallel-ep2 90 $PYTHON scripts/gpu_check.py expert-parallel "${PYFLAGS[@]}"
     check context-parallel-cp2 90 $PYTHON scripts/gpu_check.py context-parallel "${PYFLAGS[@]}"
+    check tensor-parallel-tp2 90 $PYTHON scripts/gpu_check.py tensor-parallel "${PYFLAGS[@]}"
     if [ "$GPUS" -ge 4 ]; then
         check nccl-schedules-pp4 120 $PYTHON scripts/gpu_check.py nccl-schedules --pp 4 "${PYFLAGS[@]}"
     fi
@@ -98,10 +125,10 @@ if [ "$GPUS" -ge 2 ]; then
     if [ -f "$OUT/costs.json" ] && [ -f "$OUT/links.json" ]; then
         check compare-pp2 120 $PYTHON -m pipesim compare "${SCHEDULE[@]}" "${MODEL[@]}" --backend "$BACKEND" --costs "$OUT/costs.json" --topology "$OUT/links.json" \
             --json "$OUT/compare.json"
-    else
+    elif selected compare-pp2; then
         ROWS+=("$(printf '%-26s %-8s %6s  %s' compare-pp2 FAIL - "no costs or links from the checks above")"); FAILED=1
     fi
-else
+elif [ -z "${GPU_CHECK_ONLY:-}" ]; then
     ROWS+=("$(printf '%-26s %-8s %6s  %s' multi-gpu "n/a" - "one GPU: NCCL between ranks needs >= 2 (NCCL refuses two ranks on one GPU)")")
 fi
 

@@ -1,31 +1,273 @@
 """The Python half of ``scripts/gpu-check.sh``: each check is one subcommand that prints
 what it measured and exits non-zero when the check fails.
 
-    numerics        one GPU: a float64 run on CUDA against the CPU one-process reference
-    predict         one GPU: profile -> simulate -> run, the step-time error (pp=1)
-    precision       one GPU: bf16 against fp32 loss curves of a small gpt (AdamW, defaults)
-    nccl-schedules  >= 2 GPUs: every generated schedule on NCCL, transfers >= 64 MB,
+One GPU (float64 on CUDA against the CPU one-process reference, bound 1e-9, unless said):
+
+    numerics        a gpt under 1f1b
+    architectures   every architecture preset shrunk (GPT-3, Llama 3, Mixtral, DeepSeek-V3,
+                    DeepSeek-V2-Lite) and a Qwen-MoE config.json
+    recompute       a shrunk Llama 3 with --recompute full and selective
+    zero            ZeRO-1, 2 and 3 (FSDP2) on a one-rank NCCL group
+    degree-one      tensor, context and expert parallelism applied over one-rank NCCL
+                    groups (DTensor, the K/V all-gather, the all-to-all dispatch)
+    pairs           DualPipeV's overlapped pairs on two CUDA streams: float64 against the
+                    reference, then a float32 run: how many pairs' halves overlapped (at
+                    least one must) and the step time beside the halves one after the other
+    memory          torch.cuda.max_memory_allocated over a step beside the simulator's
+                    static prediction and the CPU run's tracked peak of the same config
+    predict         profile -> simulate -> run, the step-time error (pp=1)
+    precision       bf16 against fp32 loss curves of a small gpt (AdamW, defaults)
+
+Two GPUs and more:
+
+    nccl-schedules  every generated schedule on NCCL, transfers >= 64 MB,
                     the step-0 losses of all schedules equal (the same model and data)
-    expert-parallel >= 2 GPUs: a shrunk Mixtral, dp 2 ep 2, float64 on NCCL (all-to-all with
+    expert-parallel a shrunk Mixtral, dp 2 ep 2, float64 on NCCL (all-to-all with
                     splits) against the CPU one-process reference
-    context-parallel >= 2 GPUs: a shrunk Llama 3, cp 2 (K/V all-gather, reduce-scatter in
+    context-parallel a shrunk Llama 3, cp 2 (K/V all-gather, reduce-scatter in
                     the backward), float64 on NCCL against the CPU one-process reference
+    tensor-parallel a shrunk Llama 3, tp 2 with sequence parallelism, float64 on NCCL
+                    against the CPU one-process reference
 
 ``--dry-run`` runs the same logic on CPU with gloo and tiny sizes, so the script's own
-flow can be checked on a machine without a GPU; its numbers mean nothing.
+flow can be checked on a machine without a GPU (``tests/test_gpu_check.py``); its
+numbers mean nothing, and the checks that only a GPU can pass (pairs that overlap) are
+reported, not required.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import os
 import sys
+import tempfile
+import time
+from contextlib import contextmanager
 
 MIB = 2**20
+BOUND = 1e-9  # float64 on CUDA against float64 on the CPU: kernels differ in summation order
+ARCHITECTURES = {  # name: shrinking fields (every case 2 layers of hidden 64, 4 heads)
+    "gpt3-1.3b": {},
+    "llama3-8b": {"kv_heads": 2},
+    "mixtral-8x7b": {"kv_heads": 2, "experts": 4},
+    "deepseek-v3": {"experts": 4, "ffn_hidden": 32},
+    "deepseek-v2-lite": {"experts": 4, "ffn_hidden": 32},
+    "tests/data/hf_configs/qwen1.5-moe-a2.7b.json": {"experts": 4, "ffn_hidden": 32},
+}
 
 
 def backend(args: argparse.Namespace) -> str:
     return "gloo" if args.dry_run else "nccl"
+
+
+def device(args: argparse.Namespace):
+    import torch
+
+    return torch.device("cpu" if args.dry_run else "cuda", 0)
+
+
+def small(**fields):
+    """A float64 config of a few tokens (AdamW, 2 steps, the first step's gradients kept)."""
+    from executor.config import RunConfig
+
+    base = dict(schedule="1f1b", pp=1, microbatches=2, layers=2, hidden=64, heads=4, seq_len=16, vocab=128,
+                batch_size=4, steps=2, dtype="float64", optimizer="adamw", lr=1e-3, return_grads=True)
+    return RunConfig(**{**base, **fields})
+
+
+def differences(result: dict, reference: dict) -> tuple[float, float]:
+    """The largest |loss difference| over the steps and |gradient difference| of step 0;
+    a gradient missing on either side is infinitely far."""
+    loss = max(abs(a - b) for a, b in zip(result["losses"], reference["losses"], strict=True))
+    if sorted(result["grads"]) != sorted(reference["grads"]):
+        return loss, math.inf
+    grad = max((result["grads"][name].cpu() - g).abs().max().item() for name, g in reference["grads"].items())
+    return loss, grad
+
+
+def against_reference(rows: list[tuple[str, dict, dict]]) -> int:
+    """Print one line per (label, result, reference); 0 when every one is within BOUND."""
+    failed = 0
+    for label, result, reference in rows:
+        loss, grad = differences(result, reference)
+        ok = loss < BOUND and grad < BOUND
+        failed += not ok
+        print(f"{label:<44} max |loss difference| {loss:.2e}  max |gradient difference| {grad:.2e}  "
+              f"{'ok' if ok else 'FAILED'}")
+    print(f"{len(rows) - failed} of {len(rows)} within {BOUND:g} of the CPU float64 reference")
+    return 1 if failed else 0
+
+
+def architectures(args: argparse.Namespace) -> int:
+    from executor.reference import reference_run
+    from executor.worker import run_local
+
+    rows = []
+    for model, shrink in ARCHITECTURES.items():
+        config = small(model=model, backend=backend(args), **shrink)
+        rows.append((f"{model} ({config.schedule}, float64)", run_local(config), reference_run(config)))
+    return against_reference(rows)
+
+
+def recompute(args: argparse.Namespace) -> int:
+    from executor.reference import reference_run
+    from executor.worker import run_local
+
+    rows = []
+    for mode in ("full", "selective"):
+        config = small(model="llama3-8b", kv_heads=2, recompute=mode, backend=backend(args))
+        rows.append((f"llama3-8b --recompute {mode}", run_local(config), reference_run(config)))
+    return against_reference(rows)
+
+
+@contextmanager
+def one_rank_group(args: argparse.Namespace):
+    """A process group of this one rank (NCCL on the GPU, gloo in a dry run): what ZeRO
+    and the parallel pieces talk through when a single GPU is all there is."""
+    import torch
+    import torch.distributed as dist
+
+    if not args.dry_run:
+        torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as folder:
+        store = dist.FileStore(os.path.join(folder, "store"), 1)
+        dist.init_process_group(backend(args), store=store, rank=0, world_size=1,
+                                device_id=None if args.dry_run else device(args))
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+def zero(args: argparse.Namespace) -> int:
+    """ZeRO-1/2 (the averager's reduce-scatter and parameter all-gather) and ZeRO-3
+    (FSDP2's fully_shard) over one replica: RunConfig refuses --zero with --dp 1 for
+    users, so the configs go to the worker directly, inside a one-rank group."""
+    from executor.reference import reference_run
+    from executor.worker import run_worker
+
+    rows = []
+    with one_rank_group(args):
+        for stage in (1, 2, 3):
+            config = small(model="gpt", zero=stage, backend=backend(args))
+            (result,) = run_worker([config])
+            rows.append((f"gpt --zero {stage} on a one-rank {backend(args)} group", result, reference_run(config)))
+    return against_reference(rows)
+
+
+def stage_step(config, apply=None, where=None) -> dict:
+    """One forward and backward of the whole model as one stage on ``where`` (the CPU by
+    default), after ``apply(stage)`` parallelises it; the loss and the gradients."""
+    import torch
+
+    from executor.context_parallel import ContextShard
+    from executor.models import build_model
+    from executor.worker import full_tensor
+
+    where = where or torch.device("cpu")
+    model = build_model(config)
+    stage = model.build_stage(0, 1).to(where)
+    inputs, targets = model.make_batch(0, config.batch_size)
+    shard = apply(stage) if apply is not None else None
+    if isinstance(shard, ContextShard):  # this rank's chunks of every sequence (all of them: cp 1)
+        inputs, targets = shard.local(inputs), shard.local(targets)
+    loss = model.loss_sum(stage(inputs.to(where)), targets.to(where)) / config.batch_size
+    loss.backward()
+    grads = {name: full_tensor(p.grad).detach().cpu() for name, p in stage.named_parameters()}
+    return {"losses": [loss.item()], "grads": grads}
+
+
+def degree_one(args: argparse.Namespace) -> int:
+    """tp, cp and ep applied as a run at degree > 1 applies them, over one-rank groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from executor.context_parallel import ContextShard, shard_context
+    from executor.expert_parallel import ExpertGroups, shard_experts
+    from executor.tensor_parallel import parallelize_stage
+
+    llama = small(model="llama3-8b", kv_heads=2)
+    mixtral = small(model="mixtral-8x7b", kv_heads=2, experts=4)
+    rows = []
+    with one_rank_group(args) as group:
+        mesh = init_device_mesh(device(args).type, (1,), mesh_dim_names=("tp",))
+        def tensor(stage) -> None:
+            parallelize_stage(stage, mesh, sequence_parallel=True)
+
+        def context(stage) -> ContextShard:
+            shard = ContextShard(group, 1, 0, llama.seq_len)
+            shard_context(stage, shard)
+            return shard
+
+        def experts(stage) -> None:
+            shard_experts(stage, ExpertGroups(1, 0, group, group))
+
+        cases = [("llama3-8b tp 1 (DTensor), sequence parallel", llama, tensor),
+                 ("llama3-8b cp 1 (K/V all-gather)", llama, context),
+                 ("mixtral-8x7b ep 1 (all-to-all dispatch)", mixtral, experts)]
+        for label, config, apply in cases:
+            rows.append((label, stage_step(config, apply, device(args)), stage_step(config)))
+    return against_reference(rows)
+
+
+def pairs(args: argparse.Namespace) -> int:
+    """DualPipeV on one GPU (both chunks of the V on it, pairs on two streams)."""
+    import torch
+
+    import executor.runtime
+    from executor.pair_streams import PairLanes
+    from executor.reference import reference_run
+    from executor.worker import run_local
+
+    config = small(schedule="dualpipev", virtual_stages=2, microbatches=4, batch_size=8, layers=3, model="gpt",
+                   backend=backend(args))
+    status = against_reference([("gpt dualpipev pp 1 (5 pairs a step), float64", run_local(config),
+                                 reference_run(config))])
+    sizes = dict(layers=4, hidden=32, heads=4, seq_len=16, batch_size=8) if args.dry_run else \
+        dict(layers=8, hidden=2048, heads=16, seq_len=512, batch_size=32)
+    timed = small(schedule="dualpipev", virtual_stages=2, microbatches=8, model="gpt", vocab=512, steps=5,
+                  dtype="float32", return_grads=False, backend=backend(args), **sizes)
+    together = run_local(timed)
+    meta = together["trace"].meta
+    original = executor.runtime.PairLanes
+    executor.runtime.PairLanes = lambda _device: PairLanes(torch.device("cpu"))  # no streams: one after the other
+    try:
+        apart = run_local(timed)
+    finally:
+        executor.runtime.PairLanes = original
+    step = {name: sorted(result["step_times"][1:])[len(result["step_times"][1:]) // 2]
+            for name, result in (("together", together), ("apart", apart))}
+    lanes = "two CUDA streams" if meta["pairs_overlap"] else "one lane (no streams)"
+    print(f"float32 gpt dualpipev pp 1, {sizes}, pairs on {lanes}: median step {step['together'] * 1e3:.2f} ms; "
+          f"forced one after the other: {step['apart'] * 1e3:.2f} ms ({step['apart'] / step['together'] - 1:+.1%})")
+    print(f"{meta['pairs_overlapped']} of {meta['pairs']} pairs' halves overlapped in the last step")
+    if not args.dry_run and (not meta["pairs_overlap"] or meta["pairs_overlapped"] == 0):
+        print("FAILED: no pair's halves overlapped on the GPU")
+        return 1
+    return status
+
+
+def memory(args: argparse.Namespace) -> int:
+    """The device's peak beside what the simulator's memory model predicts for the
+    parameters, gradients and AdamW state, and the CPU run's tracked peak."""
+    from executor.worker import run_local
+    from pipesim.sim.memory import BytesPerParam, static_bytes_per_param
+
+    sizes = dict(layers=2, hidden=32, heads=4, seq_len=16, batch_size=8) if args.dry_run else \
+        dict(layers=4, hidden=512, heads=8, seq_len=256, batch_size=8)  # the CPU runs it too: a few seconds
+    config = small(model="gpt", microbatches=4, vocab=512, steps=2, dtype="float32", return_grads=False,
+                   backend=backend(args), **sizes)
+    measured = run_local(config)["memory"][0]
+    on_cpu = dataclasses.replace(config, backend="gloo", threads=min(8, os.cpu_count() or 1))
+    tracked = measured if args.dry_run else run_local(on_cpu)["memory"][0]
+    predicted = measured["unsharded_params"] / 4 * static_bytes_per_param(BytesPerParam(4, 4, 8), 1, 0)
+    print(f"{measured['source']} peak over the step {measured['peak'] / MIB:.1f} MiB; predicted parameters + "
+          f"gradients + AdamW state {predicted / MIB:.1f} MiB; the CPU run's tracked peak (parameters, gradients, "
+          f"optimizer, activations, buffers) {tracked['peak'] / MIB:.1f} MiB")
+    print(f"device peak / tracked peak {measured['peak'] / tracked['peak']:.2f}; "
+          f"device peak / predicted static {measured['peak'] / predicted:.2f}")
+    return 0 if measured["peak"] >= predicted and measured["peak"] >= 0.9 * tracked["peak"] else 1
 
 
 def numerics(args: argparse.Namespace) -> int:
@@ -90,7 +332,7 @@ def precision(args: argparse.Namespace) -> int:
 
 
 def nccl_schedules(args: argparse.Namespace) -> int:
-    from executor.config import RunConfig
+    from executor.config import ConfigError, RunConfig
     from executor.launch import launch
     from executor.models import build_model
     from schedules.generators import GENERATORS, MULTI_CHUNK
@@ -99,10 +341,17 @@ def nccl_schedules(args: argparse.Namespace) -> int:
     microbatches = 2 * pp  # interleaved with m >= 2 pp is where the old lowering hung
     per_microbatch = 2 if args.dry_run else 16
     sizes = dict(hidden=16, heads=2, seq_len=8) if args.dry_run else dict(hidden=2048, heads=16, seq_len=512)
-    configs = [RunConfig(schedule=name, pp=pp, microbatches=microbatches, virtual_stages=2 if name in MULTI_CHUNK
-                         else 1, model="gpt", layers=2 * pp, vocab=128, batch_size=per_microbatch * microbatches,
-                         steps=2, dtype="float32", backend=backend(args), timeout=120, **sizes)
-               for name in GENERATORS]
+    configs = []
+    for name in GENERATORS:
+        config = RunConfig(schedule=name, pp=pp, microbatches=microbatches, virtual_stages=2 if name in MULTI_CHUNK
+                           else 1, model="gpt", layers=2 * pp, vocab=128, batch_size=per_microbatch * microbatches,
+                           steps=2, dtype="float32", backend=backend(args), timeout=120, **sizes)
+        try:
+            config.check()
+        except ConfigError as error:  # dualpipe: two copies of the model, simulated only
+            print(f"{name:<18} not run by the executor: {str(error).split(';')[0]}")
+            continue
+        configs.append(config)
     transfer = build_model(configs[0]).boundary_shape(per_microbatch)
     transfer_bytes = 4 * math.prod(transfer)
     print(f"pp={pp} m={microbatches}: each transfer {transfer} float32 = {transfer_bytes / MIB:.0f} MiB")
@@ -127,6 +376,10 @@ def context_parallel(args: argparse.Namespace) -> int:
     return parallel_numerics(args, "cp 2", cp=2, model="llama3-8b")
 
 
+def tensor_parallel(args: argparse.Namespace) -> int:
+    return parallel_numerics(args, "tp 2 sequence parallel", tp=2, model="llama3-8b", sequence_parallel=True)
+
+
 def parallel_numerics(args: argparse.Namespace, label: str, **layout) -> int:
     """A float64 run of ``layout`` on the devices against the CPU one-process reference."""
     from executor.config import RunConfig
@@ -146,16 +399,22 @@ def parallel_numerics(args: argparse.Namespace, label: str, **layout) -> int:
     return 0 if loss_error < 1e-9 and grad_error < 1e-9 else 1
 
 
+CHECKS = {"numerics": numerics, "architectures": architectures, "recompute": recompute, "zero": zero,
+          "degree-one": degree_one, "pairs": pairs, "memory": memory, "predict": predict, "precision": precision,
+          "nccl-schedules": nccl_schedules, "expert-parallel": expert_parallel, "context-parallel": context_parallel,
+          "tensor-parallel": tensor_parallel}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("check", choices=("numerics", "predict", "precision", "nccl-schedules",
-                                               "expert-parallel", "context-parallel"))
+    parser.add_argument("check", choices=tuple(CHECKS))
     parser.add_argument("--dry-run", action="store_true", help="CPU and gloo, tiny sizes: checks the flow only")
     parser.add_argument("--pp", type=int, default=2, help="nccl-schedules: pipeline ranks (one GPU each)")
     args = parser.parse_args()
-    check = {"numerics": numerics, "predict": predict, "precision": precision, "nccl-schedules": nccl_schedules,
-             "expert-parallel": expert_parallel, "context-parallel": context_parallel}
-    return check[args.check](args)
+    started = time.perf_counter()
+    status = CHECKS[args.check](args)
+    print(f"{args.check}: {'passed' if status == 0 else 'FAILED'} in {time.perf_counter() - started:.1f} s")
+    return status
 
 
 if __name__ == "__main__":

@@ -106,6 +106,12 @@ def check_costs_match(meta: dict, config, path: str) -> None:
                          "profile this config (drop --costs) or pass the flags it was profiled with")
 
 
+def pairs_as_run(costs, overlap: bool):
+    """``costs`` charging an overlapped pair as the executor runs it: its halves together
+    (two CUDA streams) or one after the other (gloo, on the CPU; ``executor.pair_streams``)."""
+    return costs if costs.pairs_overlap == overlap else dataclasses.replace(costs, pairs_overlap=overlap)
+
+
 def calibrated_topology(args: argparse.Namespace, config):
     """The topology file given, or send/recv measured now on every rank of the run and fitted."""
     from pipesim.cluster.files import load_topology, topology_from_dict  # noqa: PLC0415
@@ -156,6 +162,8 @@ def handle(args: argparse.Namespace) -> int:
         raise ValueError(f"compare profiles whole pipeline stages: {given} is not calibrated yet; "
                          f"use {' '.join(f'{flag} 1' for flag, _ in split)}")
     from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
+    from executor.pair_streams import pairs_overlap_on  # noqa: PLC0415
+    from executor.process import resolve_backend  # noqa: PLC0415
     from executor.spawn import SpawnError  # noqa: PLC0415
     from pipesim.sim.comparison import compare, report_lines  # noqa: PLC0415
     from pipesim.sim.cost_aware import adapt_to_costs  # noqa: PLC0415
@@ -166,7 +174,8 @@ def handle(args: argparse.Namespace) -> int:
     progress = progress_from_args("compare", args)
     try:
         with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
-            costs = calibrated_costs(args, config, schedule.num_stages)
+            costs = pairs_as_run(calibrated_costs(args, config, schedule.num_stages),
+                                 pairs_overlap_on(resolve_backend(config.backend)))
         with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
             topology = calibrated_topology(args, config)
         # the run posts the transfers where lowering places them for these costs and links,
@@ -182,7 +191,8 @@ def handle(args: argparse.Namespace) -> int:
     except (PipelineRunError, SpawnError) as error:
         print(f"pipesim compare: run failed: {error}", file=sys.stderr)
         return 1
-    # Predicted under the semantics the run had (--p2p, else its backend's).
+    # Predicted under the semantics the run had (--p2p, else its backend's), its pairs as it ran them.
+    costs = pairs_as_run(costs, result["trace"].meta.get("pairs_overlap", costs.pairs_overlap))
     with progress.phase("4/4 simulating the same programs"):
         predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config),
                                    parallel=replicas(config))

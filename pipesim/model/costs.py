@@ -145,6 +145,10 @@ class Costs:
     all-gather + reduce-scatter pairs (Korthikanti et al.) rather than all-reduces.
     ``memory_known`` is false when nothing said what a stage keeps or holds (flag costs
     without ``--stash-bytes``/``--param-bytes``): memory is then reported as n/a, not 0.
+    ``pairs_overlap`` says whether the executor these costs describe runs the two halves
+    of an overlapped forward-backward pair at the same time (two CUDA streams) or one
+    after the other (on a CPU, ``executor.pair_streams``): then each half costs what it
+    costs alone, its all-to-alls included, and ``overlap_fb`` is not read.
     """
 
     stages: tuple[StageCost, ...]
@@ -154,6 +158,7 @@ class Costs:
     sequence_parallel: bool = False
     meta: dict = field(default_factory=dict, compare=False)
     memory_known: bool = True
+    pairs_overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in OVERHEADS:
@@ -216,6 +221,7 @@ class Costs:
             "comm_overhead": self.comm_overhead,
             "step_overhead": self.step_overhead,
             "sequence_parallel": self.sequence_parallel,
+            **({} if self.pairs_overlap else {"pairs_overlap": False}),  # the usual case left unwritten
             "meta": self.meta,
             "stages": [asdict(stage) for stage in self.stages],
         }
@@ -361,8 +367,11 @@ def costs_from_dict(data: object, num_stages: int | None = None, name: str = "co
     meta = data.get("meta", {})
     if not isinstance(meta, dict):
         raise CostsError(f"{name}: 'meta' must be a mapping, got {meta!r}")
+    pairs_overlap = data.get("pairs_overlap", True)
+    if not isinstance(pairs_overlap, bool):
+        raise CostsError(f"{name}: 'pairs_overlap' must be true or false, got {pairs_overlap!r}")
     return Costs(stages=tuple(stages), meta=dict(meta), sequence_parallel=bool(data.get("sequence_parallel", False)),
-                 memory_known=memory_known, **overheads)
+                 memory_known=memory_known, pairs_overlap=pairs_overlap, **overheads)
 
 
 def _stage_key(entry: dict, where: str) -> int | None:

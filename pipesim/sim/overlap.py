@@ -21,6 +21,10 @@ the compute beside it: the slowdown above stands for that (a measured pair, give
 
 A pair whose cost is given (``overlap_fb`` in the costs) costs that, shared between its
 halves in proportion to their own seconds; its all-to-alls are taken to be inside it.
+
+Where the executor runs a pair's halves one after the other (on a CPU: costs with
+``pairs_overlap`` false, as ``pipesim compare`` sets them from the run), nothing is
+hidden: each half costs what it costs alone, and what holds the rank after it is its own.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ def overlapped_pairs(schedule: Schedule, costs, durations: Mapping,
     each all-to-all beside the other half's compute slowing it by ``slowdown``)."""
     seconds: dict[tuple, float] = {}
     hold: dict[tuple, tuple[float, ...]] = {}
+    if not costs.pairs_overlap:  # one half after the other: each as it is alone
+        return seconds, hold
     ep = holds.get("ep", {})
     for rank in range(schedule.pp):
         for forward, backward in schedule.fused_pairs(rank):
