@@ -28,6 +28,7 @@ ADAMW_BETAS = (0.9, 0.95)
 FAILURE_MODES = ("raise", "kill", "hang")
 P2P_SEMANTICS = ("rendezvous", "buffered")  # as schedules.p2p names them
 RECOMPUTE_MODES = ("none", "selective", "full")  # as pipesim.model.spec names them
+CP_COMMS = ("all-gather", "p2p")  # as pipesim.sim.context_parallel names them
 
 
 class ConfigError(ValueError):
@@ -329,22 +330,21 @@ def check_expert_parallel(config: RunConfig) -> None:
 
 def check_context_parallel(config: RunConfig) -> None:
     """Context parallelism splits each sequence of an architecture with rotary attention
-    into ``2 cp`` chunks (``executor.context_parallel``)."""
+    (grouped-query or latent) into ``2 cp`` chunks (``executor.context_parallel``), its
+    keys and values all-gathered or passed round a ring (``--cp-comm``)."""
     if config.cp == 1:
         return
-    if config.cp_comm != "all-gather":
-        raise ConfigError(f"--cp-comm {config.cp_comm} (ring attention) is simulated only; the executor runs "
-                          f"--cp-comm all-gather")
+    if config.cp_comm not in CP_COMMS:
+        raise ConfigError(f"--cp-comm {config.cp_comm!r} is not one of: {', '.join(CP_COMMS)} (p2p: ring attention, "
+                          f"all-gather: Llama 3's gathered keys and values)")
     from executor.architectures.build import full_spec, is_architecture  # noqa: PLC0415 - it imports this module
 
     if not is_architecture(config.model):
         raise ConfigError(f"--cp {config.cp} splits the sequences of an architecture with rotary attention; use e.g. "
                           f"--model llama3-8b (got --model {config.model})")
-    spec = full_spec(config.model)
-    if spec.mla is not None or spec.learned_positions:
-        what = "latent attention" if spec.mla is not None else "learned positions"
-        raise ConfigError(f"--cp {config.cp}: {config.model} has {what}, which the executor does not split over cp; "
-                          f"use an architecture with rotary grouped-query attention (e.g. llama3-8b)")
+    if full_spec(config.model).learned_positions:
+        raise ConfigError(f"--cp {config.cp}: {config.model} has learned positions, which the executor does not "
+                          f"split over cp; use an architecture with rotary attention (e.g. llama3-8b, deepseek-v3)")
     if config.seq_len % (2 * config.cp):
         raise ConfigError(f"--cp {config.cp} cuts each sequence into {2 * config.cp} equal chunks: --seq-len "
                           f"{config.seq_len} must be a multiple of {2 * config.cp}")

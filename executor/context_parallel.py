@@ -1,6 +1,7 @@
 """Context parallelism: each sequence split over ``cp`` ranks, attention over the whole
-sequence by all-gathering keys and values (Llama 3's variant; ``simulate --cp-comm
-all-gather`` models it).
+sequence by all-gathering keys and values (Llama 3's variant; ``--cp-comm all-gather``)
+or by passing them round a ring (``--cp-comm p2p``, ``executor.ring_attention``);
+``simulate --cp-comm`` models both.
 
 Load balancing (Megatron-LM, Llama 3): the sequence is cut into ``2 cp`` equal chunks and
 rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``, so under the causal mask every rank
@@ -9,7 +10,8 @@ but attention is per token, so a rank runs its ``S / cp`` tokens through every l
 its own. In attention it rotates its queries and keys at their true positions, gathers
 every rank's keys and values (``GatherSequence``: an all-gather whose backward sums each
 rank's share of the gradient back to its owner, a reduce-scatter), puts them back in
-sequence order and masks each query to the keys at or before its position.
+sequence order and masks each query to the keys at or before its position. Latent
+attention (MLA) rotates only its rotary part and exchanges every head's key and value.
 
 The loss of a rank is its tokens' share of the sequence's sum (the model divides by the
 whole ``--seq-len``), so the ``cp`` ranks' gradients are summed and the replicas'
@@ -25,8 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
 from torch import nn
 
+from executor.architectures.latent_attention import LatentAttention
 from executor.architectures.layers import Attention, apply_rotary, rotary_angles
 from executor.mesh import MeshPosition
+from executor.ring_attention import Ring, ring_attention
 
 
 def chunk_positions(seq_len: int, cp: int, cp_index: int) -> torch.Tensor:
@@ -81,13 +85,18 @@ class GatherSequence(torch.autograd.Function):
 
 
 class ContextShard:
-    """This rank's share of every sequence and the cp group attention gathers over."""
+    """This rank's share of every sequence, the cp group attention exchanges over, and
+    how: all-gathered keys and values (``all-gather``) or ring attention (``p2p``,
+    ``executor.ring_attention``)."""
 
-    def __init__(self, group: dist.ProcessGroup, cp: int, cp_index: int, seq_len: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, cp: int, cp_index: int, seq_len: int,
+                 comm: str = "all-gather") -> None:
         self.group, self.cp, self.seq_len = group, cp, seq_len
         self.positions = chunk_positions(seq_len, cp, cp_index)
+        held = [chunk_positions(seq_len, cp, r) for r in range(cp)]
         # Where each gathered row belongs in the sequence: rank r's rows are its positions.
-        self.order = torch.argsort(torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)]))
+        self.order = torch.argsort(torch.cat(held))
+        self.ring = Ring(group, cp, cp_index, held) if comm == "p2p" else None
 
     def local(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's columns of a ``batch x seq`` tensor (inputs or targets)."""
@@ -99,24 +108,41 @@ class ContextShard:
         gathered = GatherSequence.apply(x, self.group, self.cp)
         return gathered[:, :, self.order.to(x.device)]
 
+    def rotary(self, dim: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary ``cos`` and ``sin`` at this rank's true positions."""
+        cos, sin = rotary_angles(self.seq_len, dim, dtype=dtype, device=device)
+        positions = self.positions.to(device)
+        return cos[positions], sin[positions]
+
     def attend(self, attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's queries over the whole sequence's keys and
         values, heads joined: ``batch x S/cp x (heads * dim)``."""
-        positions = self.positions.to(q.device)
         if attention.rotary:
-            cos, sin = rotary_angles(self.seq_len, attention.head_dim, dtype=q.dtype, device=q.device)
-            q, k = apply_rotary(q, cos[positions], sin[positions]), apply_rotary(k, cos[positions], sin[positions])
-        k = self.gather(k).repeat_interleave(attention.groups, dim=1)
-        v = self.gather(v).repeat_interleave(attention.groups, dim=1)
-        mask = positions.unsqueeze(1) >= torch.arange(self.seq_len, device=q.device).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            cos, sin = self.rotary(attention.head_dim, q.dtype, q.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.attend_rotated(q, k, v)
+
+    def attend_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``attend`` for queries and keys already rotated at their positions (latent
+        attention rotates only part of each head); ``k`` and ``v`` may have fewer heads
+        than ``q`` (GQA) and ``v`` another width (MLA)."""
+        if self.ring is not None:
+            out = ring_attention(q, k, v, self.ring)
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k = self.gather(k).repeat_interleave(groups, dim=1)
+            v = self.gather(v).repeat_interleave(groups, dim=1)
+            positions = self.positions.to(q.device)
+            mask = positions.unsqueeze(1) >= torch.arange(self.seq_len, device=q.device).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return out.transpose(1, 2).flatten(2)
 
 
 def shard_context(stage: nn.Module, shard: ContextShard) -> None:
-    """Make every attention of ``stage`` attend over the whole sequence from this rank's share."""
+    """Make every attention of ``stage`` (grouped-query or latent) attend over the whole
+    sequence from this rank's share."""
     for module in stage.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, LatentAttention)):
             module.context = shard
 
 

@@ -109,7 +109,8 @@ class RankRun:
         if config.cp > 1:
             from executor.context_parallel import ContextShard, shard_context  # noqa: PLC0415 - cp only
 
-            self.context = ContextShard(self.mesh.group("cp"), config.cp, position.cp_index, config.seq_len)
+            self.context = ContextShard(self.mesh.group("cp"), config.cp, position.cp_index, config.seq_len,
+                                        config.cp_comm)
             for stage in self.stages.values():
                 shard_context(stage, self.context)
         expert_groups = None

@@ -1,6 +1,7 @@
 """Context parallelism executed (``run --cp``): each sequence cut into ``2 cp`` chunks,
 rank ``r`` holding chunks ``r`` and ``2 cp - 1 - r``, attention over the whole sequence
-by all-gathering keys and values. A shrunk Llama 3 and Mixtral in float64 on gloo: every
+by all-gathering keys and values or by ring attention (``--cp-comm p2p``). A shrunk
+Llama 3, Mixtral and DeepSeek-V3 (latent attention) in float64 on gloo: every
 step's loss and every gradient of the first step equal the one-process reference to
 1e-10; the layout is the load-balanced one, and bad values are refused in one line.
 """
@@ -22,11 +23,17 @@ pytestmark = pytest.mark.timeout(300)
 SMALL = {"model": "llama3-8b", "hidden": 16, "heads": 4, "kv_heads": 2, "layers": 2, "seq_len": 8, "vocab": 37,
          "batch_size": 4, "steps": 2, "dtype": "float64", "optimizer": "adamw", "lr": 0.02, "return_grads": True,
          "schedule": "1f1b", "microbatches": 2}
+MLA = {"model": "deepseek-v3", "kv_heads": None, "experts": 4}  # latent attention, MoE
 CASES_OF_WORLD = {
     2: {
         "llama-pp1-cp2": {"pp": 1, "cp": 2},
         # ep cut from the cp ranks: the two halves of a sequence trade tokens with each other
         "mixtral-pp1-cp2-ep2": {"model": "mixtral-8x7b", "experts": 4, "pp": 1, "cp": 2, "ep": 2},
+        # ring attention (--cp-comm p2p): GQA (2 key/value heads for 4 query heads), and MLA
+        # (every head's key and value, values narrower) ringed and all-gathered
+        "llama-pp1-cp2-ring": {"pp": 1, "cp": 2, "cp_comm": "p2p"},
+        "deepseek-pp1-cp2-ring": {**MLA, "pp": 1, "cp": 2, "cp_comm": "p2p"},
+        "deepseek-pp1-cp2": {**MLA, "pp": 1, "cp": 2},
     },
     4: {
         "llama-pp2-cp2": {"pp": 2, "cp": 2},
@@ -39,6 +46,11 @@ CASES_OF_WORLD = {
         "mixtral-pp1-dp2-cp2-ep4": {"model": "mixtral-8x7b", "experts": 4, "pp": 1, "dp": 2, "cp": 2, "ep": 4},
         "mixtral-pp2-cp2-zb-h1": {"model": "mixtral-8x7b", "experts": 4, "pp": 2, "cp": 2, "schedule": "zb-h1",
                                   "microbatches": 4},
+        # the ring's middle steps (keys, values and their gradients in one message) only exist from cp 3
+        "llama-pp1-cp4-ring": {"pp": 1, "cp": 4, "cp_comm": "p2p"},
+        # the ring's backward inside zero-bubble's input-gradient pass, between pipeline stages
+        "mixtral-pp2-cp2-zb-h1-ring": {"model": "mixtral-8x7b", "experts": 4, "pp": 2, "cp": 2, "schedule": "zb-h1",
+                                       "microbatches": 4, "cp_comm": "p2p"},
     },
 }
 LAUNCHED = LaunchedCases(SMALL, CASES_OF_WORLD)
@@ -82,10 +94,10 @@ def test_ranks_are_numbered_tp_cp_dp_pp() -> None:
 @pytest.mark.parametrize(("changes", "expected"), [
     ({"cp": 3}, "--cp 3 cuts each sequence into 6 equal chunks: --seq-len 8 must be a multiple of 6"),
     ({"cp": 2, "model": "gpt", "kv_heads": None}, "--cp 2 splits the sequences of an architecture"),
-    ({"cp": 2, "model": "deepseek-v3", "kv_heads": None}, "deepseek-v3 has latent attention"),
+    ({"cp": 2, "model": "gpt3-1.3b", "kv_heads": None}, "gpt3-1.3b has learned positions"),
     ({"cp": 2, "tp": 4, "heads": 4, "kv_heads": 4, "sequence_parallel": True, "seq_len": 12},
      "--tp 4 must divide each cp rank's 6 tokens"),
-    ({"cp": 2, "cp_comm": "p2p"}, "--cp-comm p2p \\(ring attention\\) is simulated only"),
+    ({"cp": 2, "cp_comm": "ring"}, "--cp-comm 'ring' is not one of: all-gather, p2p"),
     ({"cp": 2, "model": "mixtral-8x7b", "experts": 4, "capacity_factor": 1.0}, "--cp 2 with --capacity-factor"),
     ({"cp": 0}, "--cp must be at least 1, got 0"),
 ])
