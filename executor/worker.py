@@ -123,10 +123,10 @@ class RankRun:
         unsharded = sum(local_tensor(p.detach()).numel() * p.element_size()
                         for stage in self.stages.values() for p in stage.parameters())
         if config.zero == 3:
-            from executor.fsdp import shard_stage  # noqa: PLC0415
+            from executor.fsdp import shard_stages  # noqa: PLC0415
 
-            for stage in self.stages.values():
-                shard_stage(stage, self.mesh.submesh("dp"))
+            shard_stages(self.stages, self.mesh.mesh, config.cp, config.dp,
+                         expert_groups.expert_dp_group if expert_groups else None, config.timeout)
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
@@ -142,7 +142,7 @@ class RankRun:
 
                 self.averager = ExpertAwareAverager(self.stages, schedule.programs[pp_rank], dense_group,
                                                     expert_groups, config.dp, config.dp_bucket_mb * 2**20,
-                                                    getattr(torch, config.reduce_dtype))
+                                                    getattr(torch, config.reduce_dtype), config.zero)
             else:
                 self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], dense_group, config.dp,
                                                  config.dp_bucket_mb * 2**20,

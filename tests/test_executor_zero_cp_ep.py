@@ -1,0 +1,64 @@
+"""ZeRO 1, 2 and 3 with context and expert parallelism, as Megatron-Core shards them: the
+dense parameters over the dp x cp ranks of a stage, the routed experts over their expert
+data-parallel group (dp x cp / ep ranks), the sum divided by dp. Float64 AdamW on gloo:
+losses, first-step gradients and the weights after two steps equal the one-process
+reference to 1e-10, and the ranks' optimizers hold a partition of the model.
+
+Each ZeRO stage meets cp and ep at least once: dp 2 x cp 2 (ZeRO-1 over ring attention,
+ZeRO-3 over the flattened dp x cp mesh), dp 2 x cp 2 x ep 2 (experts sharded over a
+group of two), dp 2 x ep 2 (an expert group of one rank: each rank keeps its experts
+whole, and FSDP's one-rank reduction still divides by dp once).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from executor.config import ConfigError, RunConfig
+from executor.reference import reference_run
+from tests.launched_cases import LaunchedCases, assert_equals_reference
+
+pytestmark = pytest.mark.timeout(300)
+
+BASE = {"hidden": 16, "heads": 4, "layers": 2, "seq_len": 8, "vocab": 37, "batch_size": 4, "steps": 2,
+        "dtype": "float64", "optimizer": "adamw", "lr": 0.02, "return_grads": True, "schedule": "1f1b",
+        "microbatches": 2, "pp": 1, "dp": 2, "dp_bucket_mb": 0.0005}  # a few parameters a bucket
+LLAMA = {"model": "llama3-8b", "kv_heads": 2}
+MIXTRAL = {"model": "mixtral-8x7b", "experts": 4}
+LAUNCHED = LaunchedCases(BASE, {
+    4: {
+        "llama-dp2-cp2-zero1-ring": {**LLAMA, "cp": 2, "zero": 1, "cp_comm": "p2p"},
+        "llama-dp2-cp2-zero3": {**LLAMA, "cp": 2, "zero": 3},
+        "mixtral-dp2-cp2-ep2-zero2": {**MIXTRAL, "cp": 2, "ep": 2, "zero": 2},
+    },
+    2: {
+        "mixtral-dp2-ep2-zero1": {**MIXTRAL, "ep": 2, "zero": 1},
+        "mixtral-dp2-ep2-zero3": {**MIXTRAL, "ep": 2, "zero": 3},
+    },
+})
+
+
+@pytest.mark.parametrize("name", LAUNCHED.cases)
+def test_zero_with_cp_and_ep_equals_the_one_process_reference(name: str) -> None:
+    result, reference = LAUNCHED.result(name), reference_run(LAUNCHED.config(name))
+    assert_equals_reference(result, reference)
+    for parameter, weight in reference["params"].items():  # after both AdamW steps
+        assert (result["params"][parameter] - weight).abs().max().item() < 1e-10, parameter
+
+
+@pytest.mark.parametrize("name", LAUNCHED.cases)
+def test_the_ranks_optimizers_partition_the_model(name: str) -> None:
+    """Every parameter element is stepped by exactly one rank's optimizer over each group
+    that shards it: summed over the ranks, the elements held are the model's."""
+    held = LAUNCHED.result(name)["optimizer_elements"]
+    total = sum(weight.numel() for weight in reference_run(LAUNCHED.config(name))["params"].values())
+    assert sum(held.values()) == total
+    if name == "llama-dp2-cp2-zero1-ring":  # dense only: a quarter each, to within one element a bucket
+        buckets = len(reference_run(LAUNCHED.config(name))["params"])  # a parameter a bucket at this size
+        assert all(abs(part - total / 4) <= buckets for part in held.values()), held
+
+
+def test_zero_3_with_ep_and_tp_is_refused_in_one_line() -> None:
+    config = RunConfig(**{**BASE, **MIXTRAL, "kv_heads": 2, "ep": 2, "tp": 2, "zero": 3})
+    with pytest.raises(ConfigError, match="--zero 3 with --ep 2 and --tp 2"):
+        config.check()
