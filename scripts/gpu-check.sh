@@ -8,7 +8,7 @@
 # One GPU:   CUDA numerics against the CPU float64 reference; profile -> simulate ->
 #            run (step-time error); bf16 against fp32 loss curves.
 # >= 2 GPUs: also expert parallelism (dp 2 ep 2, float64, all-to-all) and context
-#            parallelism (cp 2, K/V all-gather) against the CPU reference; every generated schedule on NCCL with transfers >= 64 MiB (and
+#            parallelism (cp 2, K/V all-gather and ring attention), ZeRO-3 with ep 2, against the CPU reference; every generated schedule on NCCL with transfers >= 64 MiB (and
 #            pp=4 with >= 4 GPUs); pipesim profile, bench-comm and compare at pp=2.
 # Ends with a table of every check; exits non-zero if any check failed, timed out or was
 # cut by the budget, and at once if no GPU is visible (it never passes by skipping).
@@ -84,6 +84,8 @@ if [ "$GPUS" -ge 2 ]; then
     check nccl-schedules-pp2 120 $PYTHON scripts/gpu_check.py nccl-schedules --pp 2 "${PYFLAGS[@]}"
     check expert-parallel-ep2 90 $PYTHON scripts/gpu_check.py expert-parallel "${PYFLAGS[@]}"
     check context-parallel-cp2 90 $PYTHON scripts/gpu_check.py context-parallel "${PYFLAGS[@]}"
+    check ring-attention-cp2 90 $PYTHON scripts/gpu_check.py ring-attention "${PYFLAGS[@]}"
+    check zero3-ep2 90 $PYTHON scripts/gpu_check.py zero-ep "${PYFLAGS[@]}"
     if [ "$GPUS" -ge 4 ]; then
         check nccl-schedules-pp4 120 $PYTHON scripts/gpu_check.py nccl-schedules --pp 4 "${PYFLAGS[@]}"
     fi

@@ -10,6 +10,10 @@ what it measured and exits non-zero when the check fails.
                     splits) against the CPU one-process reference
     context-parallel >= 2 GPUs: a shrunk Llama 3, cp 2 (K/V all-gather, reduce-scatter in
                     the backward), float64 on NCCL against the CPU one-process reference
+    ring-attention  >= 2 GPUs: the same with --cp-comm p2p (K/V and their gradients passed
+                    round the ring by batch_isend_irecv)
+    zero-ep         >= 2 GPUs: a shrunk Mixtral, dp 2 ep 2 with ZeRO-3 (FSDP2, the experts
+                    their own units), float64 on NCCL against the CPU reference
 
 ``--dry-run`` runs the same logic on CPU with gloo and tiny sizes, so the script's own
 flow can be checked on a machine without a GPU; its numbers mean nothing.
@@ -127,6 +131,14 @@ def context_parallel(args: argparse.Namespace) -> int:
     return parallel_numerics(args, "cp 2", cp=2, model="llama3-8b")
 
 
+def ring_attention(args: argparse.Namespace) -> int:
+    return parallel_numerics(args, "cp 2 ring", cp=2, cp_comm="p2p", model="llama3-8b")
+
+
+def zero_ep(args: argparse.Namespace) -> int:
+    return parallel_numerics(args, "dp 2 ep 2 zero 3", dp=2, ep=2, zero=3, model="mixtral-8x7b", experts=4)
+
+
 def parallel_numerics(args: argparse.Namespace, label: str, **layout) -> int:
     """A float64 run of ``layout`` on the devices against the CPU one-process reference."""
     from executor.config import RunConfig
@@ -149,12 +161,14 @@ def parallel_numerics(args: argparse.Namespace, label: str, **layout) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("check", choices=("numerics", "predict", "precision", "nccl-schedules",
-                                               "expert-parallel", "context-parallel"))
+                                               "expert-parallel", "context-parallel", "ring-attention",
+                                               "zero-ep"))
     parser.add_argument("--dry-run", action="store_true", help="CPU and gloo, tiny sizes: checks the flow only")
     parser.add_argument("--pp", type=int, default=2, help="nccl-schedules: pipeline ranks (one GPU each)")
     args = parser.parse_args()
     check = {"numerics": numerics, "predict": predict, "precision": precision, "nccl-schedules": nccl_schedules,
-             "expert-parallel": expert_parallel, "context-parallel": context_parallel}
+             "expert-parallel": expert_parallel, "context-parallel": context_parallel,
+             "ring-attention": ring_attention, "zero-ep": zero_ep}
     return check[args.check](args)
 
 

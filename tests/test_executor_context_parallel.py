@@ -34,6 +34,8 @@ CASES_OF_WORLD = {
         "llama-pp1-cp2-ring": {"pp": 1, "cp": 2, "cp_comm": "p2p"},
         "deepseek-pp1-cp2-ring": {**MLA, "pp": 1, "cp": 2, "cp_comm": "p2p"},
         "deepseek-pp1-cp2": {**MLA, "pp": 1, "cp": 2},
+        # full recompute runs the ring's forward again inside the backward, on every cp rank
+        "llama-pp1-cp2-ring-recompute": {"pp": 1, "cp": 2, "cp_comm": "p2p", "recompute": "full"},
     },
     4: {
         "llama-pp2-cp2": {"pp": 2, "cp": 2},
