@@ -282,11 +282,12 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 def check_zero(config: RunConfig) -> None:
     """ZeRO shards over the dp replicas (with cp the dp x cp ranks, with ep the routed
-    experts over their expert data-parallel group): it needs more than one replica."""
+    experts over their expert data-parallel group): it needs more than one such rank."""
     if config.zero not in ZERO_STAGES:
         raise ConfigError(f"--zero {config.zero} is not one of: {', '.join(map(str, ZERO_STAGES))}")
-    if config.zero and config.dp == 1:
-        raise ConfigError(f"--zero {config.zero} shards over data-parallel replicas; it needs --dp > 1")
+    if config.zero and config.dp * config.cp == 1:
+        raise ConfigError(f"--zero {config.zero} shards over data-parallel replicas; it needs --dp > 1 (or --cp > 1: "
+                          "ZeRO shards over the dp x cp ranks)")
     if config.zero == 3 and config.ep > 1 and config.tp > 1:
         raise ConfigError(f"--zero 3 with --ep {config.ep} and --tp {config.tp}: FSDP shards the experts over their "
                           "expert data-parallel group, which is not an axis of the tp mesh; use --zero 2 or --tp 1")

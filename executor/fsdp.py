@@ -52,6 +52,8 @@ def divide_by(unit: FSDPModule, mesh: DeviceMesh, replicas: int) -> None:
     place of it), so there the division is left to a hook that runs after the reduction."""
     if mesh.size() > 1:
         unit.set_gradient_divide_factor(float(replicas))
+        if replicas != mesh.size():  # not an average: a sum then a division, which gloo runs too
+            unit.set_force_sum_reduction_for_comms(True)  # (else float32 asks for NCCL's PreMulSum)
     else:
         unit.set_all_reduce_hook(lambda reduced: reduced.div_(replicas))
 
