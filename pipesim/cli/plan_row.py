@@ -2,14 +2,16 @@
 
 The row's layout is kept as the plan chose it: schedule, pp, tp, dp, virtual stages,
 microbatches per replica, microbatch size (so the global batch is dp x microbatches x
-microbatch size), ZeRO stage, recompute and sequence parallelism. The model is shrunk to
+microbatch size), ZeRO stage, recompute, sequence, context and expert parallelism (cp by
+ring attention, the exchange the plan priced). The model is shrunk to
 fit this machine: the run's own ``--layers/--hidden/--heads/--seq-len/--vocab``, each
 raised to the least value the layout needs (a block per stage, heads a multiple of tp,
 a sequence the tp ranks can split). ``plan --json`` rows do not name the plan's model, so
 the model is the run's ``--model`` (the ``gpt`` transformer unless another transformer
-is named: the planner's models are transformers, so ``mlp`` is not used here). What the
-executor does not run (context or expert parallelism, ZeRO-3 with a split backward,
-cost-aware orders) is refused in one line naming the row and the value.
+is named: the planner's models are transformers, so ``mlp`` is not used here; a row with
+cp or ep needs an architecture, so there the toy gives way to Llama 3, or Mixtral for ep).
+What the executor does not run (ZeRO-3 with a split backward, cost-aware orders) is
+refused in one line naming the row and the value.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ from executor.options import config_from_args, model_sizes
 ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_file", None), ("--pp", "pp", None),
              ("--microbatches", "microbatches", None), ("--virtual-stages", "virtual_stages", None),
              ("--dp", "dp", 1), ("--tp", "tp", 1), ("--zero", "zero", 0), ("--recompute", "recompute", "none"),
-             ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", 8))
+             ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", 8),
+             ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "all-gather"))
+TOYS = ("mlp", "gpt")
+# The architecture a cp or ep row runs when the run names only a toy: rotary attention
+# (which cp splits), and routed experts (which ep splits).
+CONTEXT_MODEL, EXPERT_MODEL = "llama3-8b", "mixtral-8x7b"
 
 
 def read_row(path: str, number: int) -> dict:
@@ -45,26 +52,27 @@ def read_row(path: str, number: int) -> dict:
     return rows[number - 1]
 
 
-def check_executable(row: dict, number: int) -> None:
-    """Refuse, in one line, what the executor does not run."""
-    for key, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
-        if row.get(key, 1) != 1:
-            raise ConfigError(f"plan row {number} ({row.get('layout', '')}): {key} {row[key]} is simulate-only: "
-                              f"pipesim run does not execute {what} yet")
-
-
 def shrunk_model(args: argparse.Namespace, row: dict) -> dict:
     """The run's model flags, raised to what the row's layout needs."""
+    cp, ep = row.get("cp", 1), row.get("ep", 1)
     model = "gpt" if args.model == "mlp" else args.model
+    if model in TOYS and (cp > 1 or ep > 1):
+        model = EXPERT_MODEL if ep > 1 else CONTEXT_MODEL
     sizes = model_sizes(argparse.Namespace(**{**vars(args), "model": model}))  # the flags given, else run's defaults
     tp, stages = row["tp"], row["pp"] * row["virtual_stages"]
     heads = math.lcm(max(sizes["heads"], 1), tp)
     head_dim = max(1, sizes["hidden"] // max(sizes["heads"], 1))
     hidden = max(sizes["hidden"], heads * head_dim)
     hidden += -hidden % heads
-    seq_len = sizes["seq_len"] + (-sizes["seq_len"] % tp if row.get("sequence_parallel") else 0)
-    return {"model": model, "layers": max(sizes["layers"], stages),
-            "hidden": hidden, "heads": heads, "seq_len": seq_len, "vocab": sizes["vocab"]}
+    # cp cuts a sequence into 2 cp chunks; sequence parallelism splits a rank's S / cp tokens over tp.
+    split = tp if row.get("sequence_parallel") else 1
+    step = math.lcm(2 * cp, cp * split)
+    seq_len = sizes["seq_len"] + -sizes["seq_len"] % step
+    shrunk = {"model": model, "layers": max(sizes["layers"], stages),
+              "hidden": hidden, "heads": heads, "seq_len": seq_len, "vocab": sizes["vocab"]}
+    if model not in TOYS and tp > 1 and getattr(args, "kv_heads", None) is None:
+        shrunk["kv_heads"] = tp  # each tp rank holds whole key/value heads (tp divides heads)
+    return shrunk
 
 
 def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
@@ -77,19 +85,23 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
                               f"batch; drop {flag}")
     number = args.row
     row = read_row(args.plan, number)
-    check_executable(row, number)
     model = shrunk_model(args, row)
     fixed = {"schedule": row["schedule"], "pp": row["pp"], "microbatches": row["microbatches"],
              "virtual_stages": row["virtual_stages"], "dp": row["dp"], "tp": row["tp"], "zero": row["zero"],
              "recompute": row["recompute"], "sequence_parallel": bool(row["sequence_parallel"]),
-             "batch_size": row["dp"] * row["microbatches"] * row["microbatch_size"]}
+             "batch_size": row["dp"] * row["microbatches"] * row["microbatch_size"],
+             "cp": row.get("cp", 1), "ep": row.get("ep", 1),
+             "cp_comm": "p2p" if row.get("cp", 1) > 1 else "all-gather"}  # the ring, as simulate prices cp
     planned = argparse.Namespace(**{**vars(args), **fixed, **model})
     try:
         config = config_from_args(planned)
     except ConfigError as error:
         raise ConfigError(f"plan row {number} ({row.get('layout', '')}): {error}") from None
+    needs = [what for degree, what in ((config.cp, "rotary attention"), (config.ep, "routed experts")) if degree > 1]
     line = (f"plan row {number}: {row.get('layout', '')} kept (world {config.world_size}, global batch "
             f"{config.batch_size}); model shrunk to {model['model']} with {model['layers']} layers, hidden "
             f"{model['hidden']}, {model['heads']} heads, seq-len {model['seq_len']}, vocab {model['vocab']} "
-            "(plan.json does not name the plan's model)")
+            "(plan.json does not name the plan's model"
+            + (f"; the toy gpt has no {' or '.join(needs)} to split" if args.model in TOYS and needs else "")
+            + (f"; cp {config.cp} by ring attention" if config.cp > 1 else "") + ")")
     return config, line
