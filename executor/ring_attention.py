@@ -37,7 +37,7 @@ activations' type.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,14 +46,15 @@ import torch.distributed as dist
 @dataclass
 class Ring:
     """A cp group seen from one rank: its neighbours' global ranks and every cp rank's
-    sequence positions. ``sent`` records the elements of each message this rank sends
-    (forward and backward), which is how tests hold the exchange to the simulator's."""
+    sequence positions. ``sent``, when a list, records the elements of each message this
+    rank sends (forward and backward), which is how tests hold the exchange to the
+    simulator's; None (a run) records nothing, so a long run does not grow a list."""
 
     group: dist.ProcessGroup | None
     cp: int
     cp_index: int
     positions: list[torch.Tensor]  # positions[j]: the sequence positions cp rank j holds
-    sent: list[int] = field(default_factory=list)
+    sent: list[int] | None = None
 
     def peer(self, offset: int) -> int:
         """The global rank of the cp rank ``offset`` places along the ring."""
@@ -65,7 +66,8 @@ class Ring:
         send); return the receive buffer and the works to wait on."""
         tensor = tensor.contiguous()
         received = torch.empty_like(tensor)
-        self.sent.append(tensor.numel())
+        if self.sent is not None:
+            self.sent.append(tensor.numel())
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.peer(to), self.group),
                                         dist.P2POp(dist.irecv, received, self.peer(source), self.group)])
         return received, works

@@ -27,7 +27,7 @@ class ThreadRing(Ring):
     """A ring whose ranks are threads of this process, messages passed through queues."""
 
     def __init__(self, cp: int, cp_index: int, positions: list[torch.Tensor], boxes: dict) -> None:
-        super().__init__(None, cp, cp_index, positions)
+        super().__init__(None, cp, cp_index, positions, sent=[])
         self.boxes = boxes
 
     def exchange(self, tensor: torch.Tensor, to: int, source: int):
