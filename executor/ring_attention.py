@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from executor.block_attention import block_backward, block_forward, compute_dtype, merge
+
 
 @dataclass
 class Ring:
@@ -89,71 +91,6 @@ def unpack(flat: torch.Tensor, k_shape: torch.Size, v_shape: torch.Size) -> tupl
     return k.view(k_shape), v.view(v_shape)
 
 
-def expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Key/value heads repeated for the query heads that share them (GQA)."""
-    return x.repeat_interleave(groups, dim=1) if groups > 1 else x
-
-
-def fold(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """A gradient for the expanded heads summed back onto the key/value heads."""
-    if groups == 1:
-        return x
-    batch, heads, rows, width = x.shape
-    return x.view(batch, heads // groups, groups, rows, width).sum(2)
-
-
-def visible(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The query rows and key columns that see anything under ``mask``, and the mask
-    cut to them (the part of a block a step computes)."""
-    rows = torch.nonzero(mask.any(1)).squeeze(1)
-    cols = torch.nonzero(mask.any(0)).squeeze(1)
-    return rows, cols, mask[rows][:, cols]
-
-
-def block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Scaled ``q k^T`` with the masked-out pairs at ``-inf``."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    return scores.masked_fill(~mask, float("-inf"))
-
-
-def block_forward(q, k, v, mask, scale, groups):
-    """One step of the forward: this rank's visible queries against one block; returns
-    the rows, their output under the block alone and its log-sum-exp."""
-    rows, cols, cut = visible(mask)
-    scores = block_scores(q[:, :, rows], expand(k[:, :, cols], groups), cut, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), expand(v[:, :, cols], groups))
-    return rows, out, lse
-
-
-def merge(out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, block_out: torch.Tensor,
-          block_lse: torch.Tensor) -> None:
-    """Fold a block's partial result into the running one (in place), by log-sum-exp:
-    ``out = out e^(lse - new) + block e^(block_lse - new)``, ``new = log(e^lse + e^block_lse)``."""
-    old = lse[:, :, rows]
-    new = torch.logaddexp(old, block_lse)
-    out[:, :, rows] = (out[:, :, rows] * torch.exp(old - new).unsqueeze(-1)
-                       + block_out * torch.exp(block_lse - new).unsqueeze(-1))
-    lse[:, :, rows] = new
-
-
-def block_backward(q, k, v, out_grad, delta, lse, mask, scale, groups, dq):
-    """One step of the backward against one block (flash attention's): adds the queries'
-    gradient into ``dq`` and returns the block's key and value gradients."""
-    rows, cols, cut = visible(mask)
-    qs, grad = q[:, :, rows], out_grad[:, :, rows]
-    ks, vs = expand(k[:, :, cols], groups), expand(v[:, :, cols], groups)
-    probs = torch.exp(block_scores(qs, ks, cut, scale) - lse[:, :, rows].unsqueeze(-1))
-    dv = torch.matmul(probs.transpose(-1, -2), grad)
-    dscores = probs * (torch.matmul(grad, vs.transpose(-1, -2)) - delta[:, :, rows].unsqueeze(-1))
-    dq[:, :, rows] += torch.matmul(dscores, ks) * scale
-    dk = torch.matmul(dscores.transpose(-1, -2), qs) * scale
-    dk_block, dv_block = torch.zeros_like(k), torch.zeros_like(v)
-    dk_block[:, :, cols] = fold(dk, groups)
-    dv_block[:, :, cols] = fold(dv, groups)
-    return dk_block, dv_block
-
-
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's ``q`` (``batch x heads x S/cp x dim``) over the
     whole sequence, its keys and values (``batch x kv_heads x S/cp x dim``) passed round
@@ -161,7 +98,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
-        compute = torch.promote_types(q.dtype, torch.float32)
+        compute = compute_dtype(q.dtype)
         with torch.autocast(q.device.type, enabled=False):
             q_, k_, v_ = q.to(compute), k.to(compute), v.to(compute)
             groups, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5

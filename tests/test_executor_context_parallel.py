@@ -75,11 +75,13 @@ def test_chunks_are_load_balanced() -> None:
     assert work == [34, 34, 34, 34]
 
 
-def test_gathered_rows_go_back_in_sequence_order() -> None:
+def test_each_query_sees_the_gathered_keys_at_or_before_it() -> None:
     shard = ContextShard(None, 2, 0, 8)
     # rank 0's rows are positions 0,1,6,7 and rank 1's 2,3,4,5, gathered in rank order
-    gathered = torch.tensor([0, 1, 6, 7, 2, 3, 4, 5])
-    assert gathered[shard.order].tolist() == list(range(8))
+    assert shard.gathered_positions.tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    mask = shard.mask(torch.device("cpu")).int().tolist()
+    assert mask[0] == [1, 0, 0, 0, 0, 0, 0, 0]  # position 0: itself only
+    assert mask[2] == [1, 1, 1, 0, 1, 1, 1, 1]  # position 6: all but 7
     assert shard.local(torch.arange(16).view(2, 8)).tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
     assert local_shape((3, 8, 16), 2) == (3, 4, 16)
 
