@@ -91,7 +91,7 @@ class GatheredAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard) -> torch.Tensor:
         compute = compute_dtype(q.dtype)
         with torch.autocast(q.device.type, enabled=False):
-            keys, values = (gather_rows(x.to(compute), shard.group, shard.cp) for x in (k, v))
+            keys, values = (gather_rows(x, shard.group, shard.cp).to(compute) for x in (k, v))
             out = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=compute)
             lse = q.new_full(q.shape[:3], float("-inf"), dtype=compute)
             merge(out, lse, *block_forward(q.to(compute), keys, values, shard.mask(q.device), q.shape[-1] ** -0.5,
@@ -105,13 +105,14 @@ class GatheredAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         shard, compute = ctx.shard, out.dtype
         with torch.autocast(q.device.type, enabled=False):
-            keys, values = (gather_rows(x.to(compute), shard.group, shard.cp) for x in (k, v))
+            keys, values = (gather_rows(x, shard.group, shard.cp).to(compute) for x in (k, v))
             q_, grad = q.to(compute), out_grad.to(compute)
             dq = torch.zeros_like(q_)
             dk, dv = block_backward(q_, keys, values, grad, (grad * out).sum(-1), lse, shard.mask(q.device),
                                     q.shape[-1] ** -0.5, q.shape[1] // k.shape[1], dq)
-            dk, dv = reduce_rows(dk, shard.group, shard.cp), reduce_rows(dv, shard.group, shard.cp)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+            # in the keys' own type on the wire, as they were gathered
+            dk, dv = (reduce_rows(part.to(x.dtype), shard.group, shard.cp) for part, x in ((dk, k), (dv, v)))
+        return dq.to(q.dtype), dk, dv, None
 
 
 class ContextShard:

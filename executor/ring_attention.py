@@ -31,7 +31,9 @@ balances the ring. Grouped-query attention sends the rank's key/value heads (few
 the query heads) and expands them only to compute; latent attention (MLA) sends every
 head's up-projected key and value, whose widths differ. The math runs in float32 or
 wider (as flash attention keeps its softmax statistics in float32) whatever the
-activations' type.
+activations' type, while keys, values and their gradients travel in the activations'
+own type (bf16 under bf16 autocast, as Transformer Engine's buffers: the bytes the
+simulator prices).
 """
 
 from __future__ import annotations
@@ -100,22 +102,22 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
         compute = compute_dtype(q.dtype)
         with torch.autocast(q.device.type, enabled=False):
-            q_, k_, v_ = q.to(compute), k.to(compute), v.to(compute)
+            q_ = q.to(compute)
             groups, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
             out = q_.new_zeros((*q.shape[:3], v.shape[-1]))
             lse = q_.new_full(q.shape[:3], float("-inf"))
-            block, owner = pack(k_, v_), ring.cp_index
+            block, owner = pack(k, v), ring.cp_index  # travels in the activations' own type
             for step in range(ring.cp):
                 if step < ring.cp - 1:  # the next block travels while this one is computed
                     arriving, works = ring.exchange(block, to=1, source=-1)
-                block_k, block_v = unpack(block, k.shape, v.shape)
+                block_k, block_v = unpack(block.to(compute), k.shape, v.shape)
                 merge(out, lse, *block_forward(q_, block_k, block_v, ring.mask(owner, q.device), scale, groups))
                 if step < ring.cp - 1:
                     for work in works:
                         work.wait()
                     block, owner = arriving, (owner - 1) % ring.cp
         ctx.save_for_backward(q, block, out, lse)
-        ctx.ring, ctx.shapes, ctx.dtypes = ring, (k.shape, v.shape), (k.dtype, v.dtype)
+        ctx.ring, ctx.shapes = ring, (k.shape, v.shape)
         return out.to(q.dtype)
 
     @staticmethod
@@ -129,17 +131,17 @@ class RingAttention(torch.autograd.Function):
             delta = (grad * out).sum(-1)  # rowsum(dO * O), flash attention's D
             dq = torch.zeros_like(q_)
             owner = (ring.cp_index + 1) % ring.cp  # the forward's last block
-            size = block.numel()
-            block_grad = torch.zeros_like(block)  # gradients accumulated for the block held
+            size, wire = block.numel(), block.dtype  # gradients travel in the keys' type, as TE's
+            block_grad = torch.zeros_like(block, dtype=compute)  # accumulated for the block held
             for step in range(ring.cp):
                 if step == 0:  # the block only: nothing accumulated yet
                     message = block
                 elif step == ring.cp - 1:  # the gradients only: they reach their owner
-                    message = block_grad
+                    message = block_grad.to(wire)
                 else:
-                    message = torch.cat((block, block_grad))
+                    message = torch.cat((block, block_grad.to(wire)))
                 arriving, works = ring.exchange(message, to=-1, source=1)
-                block_k, block_v = unpack(block, k_shape, v_shape)
+                block_k, block_v = unpack(block.to(compute), k_shape, v_shape)
                 dk, dv = block_backward(q_, block_k, block_v, grad, delta, lse, ring.mask(owner, q.device), scale,
                                         groups, dq)
                 mine = pack(dk, dv)
@@ -148,12 +150,12 @@ class RingAttention(torch.autograd.Function):
                 if step == 0:
                     block, block_grad = arriving, mine
                 elif step == ring.cp - 1:
-                    block_grad = arriving + mine
+                    block_grad = arriving.to(compute) + mine
                 else:
-                    block, block_grad = arriving[:size], arriving[size:] + mine
+                    block, block_grad = arriving[:size], arriving[size:].to(compute) + mine
                 owner = (owner + 1) % ring.cp
-        dk, dv = unpack(block_grad, k_shape, v_shape)
-        return dq.to(q.dtype), dk.to(ctx.dtypes[0]), dv.to(ctx.dtypes[1]), None
+        dk, dv = unpack(block_grad.to(wire), k_shape, v_shape)
+        return dq.to(q.dtype), dk, dv, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:

@@ -29,10 +29,12 @@ class ThreadRing(Ring):
     def __init__(self, cp: int, cp_index: int, positions: list[torch.Tensor], boxes: dict) -> None:
         super().__init__(None, cp, cp_index, positions, sent=[])
         self.boxes = boxes
+        self.types: list[torch.dtype] = []  # of each message sent
 
     def exchange(self, tensor: torch.Tensor, to: int, source: int):
         me, cp = self.cp_index, self.cp
         self.sent.append(tensor.numel())
+        self.types.append(tensor.dtype)
         self.boxes[me, (me + to) % cp].put(tensor.detach().clone())
         received = torch.empty_like(tensor)
         box = self.boxes[(me + source) % cp, me]
@@ -126,3 +128,18 @@ def test_latent_attention_shapes_run_the_ring() -> None:
     results, positions, _ = run_ring(q, k, v, weight, 3)
     for rank, mine in enumerate(positions):
         assert torch.allclose(results[rank][2], expected[2][:, :, mine], atol=1e-12, rtol=0)
+
+
+def test_bfloat16_travels_as_bfloat16_and_is_computed_in_float32() -> None:
+    """Under bf16 the ring sends keys, values and their gradients in bf16 (the bytes the
+    simulator prices with 2-byte elements) and merges in float32: the output is the
+    float32 reference's rounded to bf16, within bf16's resolution."""
+    q, k, v, weight = random_case(3, 2, 2, 2, 4, 4, seed=3)
+    expected = reference(q.float(), k.float(), v.float(), weight.float())
+    low = [x.to(torch.bfloat16) for x in (q, k, v, weight)]
+    results, positions, rings = run_ring(*low, cp=3)
+    assert all(kind == torch.bfloat16 for ring in rings for kind in ring.types)
+    for rank, mine in enumerate(positions):
+        out = results[rank][0]
+        assert out.dtype == torch.bfloat16
+        assert torch.allclose(out.float(), expected[0][:, :, mine].float(), atol=3e-2, rtol=0)
