@@ -65,6 +65,15 @@ def test_context_parallel_step_equals_one_process_reference(name: str) -> None:
     assert_equals_reference(LAUNCHED.result(name), reference_run(case_config(name)))
 
 
+@pytest.mark.parametrize(("name", "comm"), [("llama-pp1-cp2", "all-gather"), ("llama-pp1-cp2-ring", "p2p")])
+def test_the_summary_says_how_keys_and_values_were_exchanged(name: str, comm: str) -> None:
+    from executor.report import summary, summary_lines  # noqa: PLC0415
+
+    document = summary(LAUNCHED.result(name))
+    assert document["cp_comm"] == comm
+    assert f" cp=2 cp-comm={comm} (world 2)" in summary_lines(LAUNCHED.result(name), document)[0]
+
+
 def test_chunks_are_load_balanced() -> None:
     """seq 8, cp 2: chunks of 2; rank 0 the first and last, rank 1 the middle two."""
     assert chunk_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
