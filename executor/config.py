@@ -288,9 +288,6 @@ def check_zero(config: RunConfig) -> None:
     if config.zero and config.dp * config.cp == 1:
         raise ConfigError(f"--zero {config.zero} shards over data-parallel replicas; it needs --dp > 1 (or --cp > 1: "
                           "ZeRO shards over the dp x cp ranks)")
-    if config.zero == 3 and config.ep > 1 and config.tp > 1:
-        raise ConfigError(f"--zero 3 with --ep {config.ep} and --tp {config.tp}: FSDP shards the experts over their "
-                          "expert data-parallel group, which is not an axis of the tp mesh; use --zero 2 or --tp 1")
 
 
 def check_tensor_parallel(config: RunConfig) -> None:

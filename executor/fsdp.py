@@ -14,10 +14,12 @@ With context parallelism the dense parameters are sharded over the dp x cp ranks
 mesh's two axes flattened into one, as torchtitan's ``dp_shard_cp``), and with expert
 parallelism each routed expert over its expert data-parallel group
 (``executor.expert_parallel``; torchtitan shards its experts over ``dp_mod_ep`` the same
-way), each expert its own unit so that its parameters are gathered when the dispatcher
-runs it. FSDP averages over the ranks it shards over; a cp rank's loss is its tokens'
-part of its replica's (``executor.context_parallel``), so the gradients must be summed
-over cp and divided by dp only: every unit's divide factor is set to dp.
+way: the dp x cp axis unflattened into expert dp x ep, so that with tp the expert
+mesh and the tp mesh are axes of one mesh, as FSDP2 needs), each expert its own unit so
+that its parameters are gathered when the dispatcher runs it. FSDP averages over the
+ranks it shards over; a cp rank's loss is its tokens' part of its replica's
+(``executor.context_parallel``), so the gradients must be summed over cp and divided by
+dp only: every unit's divide factor is set to dp.
 """
 
 from __future__ import annotations
@@ -63,10 +65,14 @@ def shard_stages(stages: dict[int, nn.Module], mesh: DeviceMesh, cp: int, replic
     """``shard_stage`` every stage of this rank: dense parameters over the dp axis of the
     run's ``mesh`` (with cp, its dp and cp axes flattened: the dp x cp ranks of one
     (pp, tp) shard), routed experts over ``expert_group`` when expert parallelism gives one."""
-    if cp > 1:
-        dense = mesh["dp", "cp"]._flatten("dp_cp", backend_override=axis_options(dist.get_backend(), timeout))
-    else:
-        dense = mesh["dp"]
-    experts = None if expert_group is None else DeviceMesh.from_group(expert_group, mesh.device_type)
+    options = axis_options(dist.get_backend(), timeout)
+    dense = mesh["dp", "cp"]._flatten("dp_cp", backend_override=options) if cp > 1 else mesh["dp"]
+    experts = None
+    if expert_group is not None:
+        # The dp x cp ranks as (expert dp, ep), ep innermost: the groups executor.expert_parallel
+        # cuts, as axes of the run's mesh, so that FSDP composes them with a tp-split expert.
+        ep = dense.size() // dist.get_world_size(expert_group)
+        experts = dense._unflatten(0, (dense.size() // ep, ep), ("edp", "ep"),
+                                   backend_override={"edp": options, "ep": options})["edp"]
     for stage in stages.values():
         shard_stage(stage, dense, replicas, experts)

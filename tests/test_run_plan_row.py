@@ -84,10 +84,10 @@ def test_what_run_cannot_execute_is_refused_in_one_line(plan_file: Path, tmp_pat
     split.write_text(json.dumps({"ranked": [{**zero3, "schedule": "zb-h1"}]}))
     line = refusal(["--plan", str(split)], capsys)
     assert "plan row 1" in line and "--zero 3 (FSDP) cannot run a split backward" in line
-    edited = tmp_path / "ep.json"
-    edited.write_text(json.dumps({"ranked": [{**rows[0], "dp": 2, "tp": 2, "ep": 2, "zero": 3}]}))
+    edited = tmp_path / "auto.json"
+    edited.write_text(json.dumps({"ranked": [{**rows[0], "schedule": "zb-auto"}]}))
     line = refusal(["--plan", str(edited)], capsys)
-    assert "plan row 1" in line and "--zero 3 with --ep 2 and --tp 2" in line
+    assert "plan row 1" in line and "--schedule zb-auto builds its order from stage costs" in line
     assert "--row 9: " in refusal(["--plan", str(plan_file), "--row", "9"], capsys)
     assert "--pp conflicts with --plan" in refusal(["--plan", str(plan_file), "--pp", "2"], capsys)
     not_a_plan = tmp_path / "other.json"
