@@ -29,6 +29,7 @@ ADAMW_BETAS = (0.9, 0.95)
 FAILURE_MODES = ("raise", "kill", "hang")
 P2P_SEMANTICS = ("rendezvous", "buffered")  # as schedules.p2p names them
 RECOMPUTE_MODES = ("none", "selective", "full")  # as pipesim.model.spec names them
+CP_COMMS = ("all-gather", "p2p")  # as pipesim.sim.context_parallel names them
 
 
 class ConfigError(ValueError):
@@ -283,14 +284,13 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 
 def check_zero(config: RunConfig) -> None:
-    """ZeRO shards over the dp replicas: it needs more than one."""
+    """ZeRO shards over the dp replicas (with cp the dp x cp ranks, with ep the routed
+    experts over their expert data-parallel group): it needs more than one such rank."""
     if config.zero not in ZERO_STAGES:
         raise ConfigError(f"--zero {config.zero} is not one of: {', '.join(map(str, ZERO_STAGES))}")
-    if config.zero and config.dp == 1:
-        raise ConfigError(f"--zero {config.zero} shards over data-parallel replicas; it needs --dp > 1")
-    if config.zero and (config.cp > 1 or config.ep > 1):
-        raise ConfigError(f"--zero {config.zero} with --cp {config.cp} --ep {config.ep}: the executor shards the "
-                          "optimizer over plain dp replicas only; run ZeRO with --cp 1 --ep 1 (simulate models both)")
+    if config.zero and config.dp * config.cp == 1:
+        raise ConfigError(f"--zero {config.zero} shards over data-parallel replicas; it needs --dp > 1 (or --cp > 1: "
+                          "ZeRO shards over the dp x cp ranks)")
 
 
 def check_tensor_parallel(config: RunConfig) -> None:
@@ -332,22 +332,21 @@ def check_expert_parallel(config: RunConfig) -> None:
 
 def check_context_parallel(config: RunConfig) -> None:
     """Context parallelism splits each sequence of an architecture with rotary attention
-    into ``2 cp`` chunks (``executor.context_parallel``)."""
+    (grouped-query or latent) into ``2 cp`` chunks (``executor.context_parallel``), its
+    keys and values all-gathered or passed round a ring (``--cp-comm``)."""
     if config.cp == 1:
         return
-    if config.cp_comm != "all-gather":
-        raise ConfigError(f"--cp-comm {config.cp_comm} (ring attention) is simulated only; the executor runs "
-                          f"--cp-comm all-gather")
+    if config.cp_comm not in CP_COMMS:
+        raise ConfigError(f"--cp-comm {config.cp_comm!r} is not one of: {', '.join(CP_COMMS)} (p2p: ring attention, "
+                          f"all-gather: Llama 3's gathered keys and values)")
     from executor.architectures.build import full_spec, is_architecture  # noqa: PLC0415 - it imports this module
 
     if not is_architecture(config.model):
         raise ConfigError(f"--cp {config.cp} splits the sequences of an architecture with rotary attention; use e.g. "
                           f"--model llama3-8b (got --model {config.model})")
-    spec = full_spec(config.model)
-    if spec.mla is not None or spec.learned_positions:
-        what = "latent attention" if spec.mla is not None else "learned positions"
-        raise ConfigError(f"--cp {config.cp}: {config.model} has {what}, which the executor does not split over cp; "
-                          f"use an architecture with rotary grouped-query attention (e.g. llama3-8b)")
+    if full_spec(config.model).learned_positions:
+        raise ConfigError(f"--cp {config.cp}: {config.model} has learned positions, which the executor does not "
+                          f"split over cp; use an architecture with rotary attention (e.g. llama3-8b, deepseek-v3)")
     if config.seq_len % (2 * config.cp):
         raise ConfigError(f"--cp {config.cp} cuts each sequence into {2 * config.cp} equal chunks: --seq-len "
                           f"{config.seq_len} must be a multiple of {2 * config.cp}")

@@ -25,6 +25,11 @@ ZeRO (``--zero``, Rajbhandari et al. 2020; Megatron's distributed optimizer):
 - ZeRO-2: as ZeRO-1, but every backward of a stage (every microbatch's) reduce-scatters
   its buckets, and the full gradients are dropped as soon as their bucket is posted: a
   replica keeps only its shard of the gradient, summed over microbatches.
+- With context parallelism the group is the stage's dp x cp ranks and with expert
+  parallelism the routed experts' is their expert data-parallel group
+  (``executor.expert_parallel``): ZeRO shards over every member of the group it reduces
+  over (Megatron's distributed optimizer shards over the data-parallel group with cp),
+  while the sum is still divided by dp, the number of replicas.
 
 Why not torch's wrappers: on torch 2.13 ``DistributedDataParallel`` cannot wrap a
 stage whose parameters are DTensors (after ``parallelize_module`` for tp, its
@@ -152,9 +157,13 @@ class GradientAverager:
                  keep: Callable[[nn.Parameter], bool] | None = None) -> None:
         # ``keep``: the parameters this averager reduces (expert parallelism reduces the
         # experts' over another group, executor.expert_parallel); None: all of them.
+        # ``replicas`` (dp) divides the summed gradients; ZeRO shards over every member of
+        # ``group`` (dp, or with cp the dp x cp ranks, or an expert data-parallel group),
+        # as Megatron's distributed optimizer shards over its data-parallel group with cp.
         self.group = group
         self.replicas = replicas
-        self.replica = dist.get_rank(group) if replicas > 1 else 0
+        self.shards = dist.get_world_size(group) if group is not None else 1
+        self.shard_index = dist.get_rank(group) if group is not None else 0
         self.reduce_dtype = reduce_dtype  # None: the gradients' own type
         self.zero = zero
         backwards = [action for action in program if action.kind in WEIGHT_GRAD_DONE_KINDS]
@@ -178,7 +187,7 @@ class GradientAverager:
         offsets = [0]
         for param in params:
             offsets.append(offsets[-1] + local_tensor(param.detach()).numel())
-        padded = -(-offsets[-1] // self.replicas) * self.replicas
+        padded = -(-offsets[-1] // self.shards) * self.shards
         return Bucket(stage, index, params, offsets, padded)
 
     # -- when a bucket is posted ------------------------------------------------------
@@ -246,7 +255,7 @@ class GradientAverager:
         times = [time.perf_counter()]
         if self.zero:
             flat = torch.nn.functional.pad(flat, (0, bucket.padded - bucket.numel))
-            shard = flat.new_empty(bucket.padded // self.replicas)
+            shard = flat.new_empty(bucket.padded // self.shards)
             work = dist.reduce_scatter_single(shard, flat, group=self.group, async_op=True)
             reduction = Reduction(REDUCE_SCATTER, flat, shard, grads, work, times)
         else:
@@ -333,8 +342,8 @@ class GradientAverager:
 
     def shard_pieces(self, bucket: Bucket) -> list[ShardPiece]:
         """The pieces of ``bucket``'s parameters that fall in this replica's shard."""
-        size = bucket.padded // self.replicas
-        low, high = self.replica * size, (self.replica + 1) * size
+        size = bucket.padded // self.shards
+        low, high = self.shard_index * size, (self.shard_index + 1) * size
         pieces = []
         for param, start, end in zip(bucket.params, bucket.offsets[:-1], bucket.offsets[1:], strict=True):
             first, last = max(start, low), min(end, high)
@@ -362,7 +371,7 @@ class GradientAverager:
     def gather_parameters(self) -> list[DpTiming]:
         """Under ZeRO, after the optimizer stepped this replica's pieces: all-gather every
         bucket's shards back into every replica's parameters; return the gathers' times."""
-        size_of = {id(bucket): bucket.padded // self.replicas for buckets in self.buckets.values()
+        size_of = {id(bucket): bucket.padded // self.shards for buckets in self.buckets.values()
                    for bucket in buckets}
         posted = []
         for buckets in self.buckets.values():
@@ -397,7 +406,7 @@ class GradientAverager:
         for buckets in self.buckets.values():
             for bucket in buckets:
                 first = local_tensor(bucket.params[0].detach())
-                shard = first.new_zeros(bucket.padded // self.replicas)
+                shard = first.new_zeros(bucket.padded // self.shards)
                 for piece in self.pieces:
                     if piece.bucket is bucket:
                         shard[piece.start:piece.end] = piece.tensor.grad

@@ -133,18 +133,23 @@ def expert_parameters(stages: dict[int, nn.Module]) -> set[int]:
 
 class ExpertAwareAverager:
     """Data-parallel gradient averaging under expert parallelism: the dense parameters'
-    buckets all-reduced over ``dp_group`` (dp, or dp x cp), the experts' over the expert data-parallel group, both
-    divided by ``dp`` (see the module), each bucket reduced as soon as the backward fills it."""
+    buckets reduced over ``dp_group`` (dp, or dp x cp), the experts' over the expert
+    data-parallel group, both divided by ``dp`` (see the module), each bucket reduced as
+    soon as the backward fills it. Under ZeRO 1/2 each part shards its parameters'
+    optimizer state (and gradients) over its own group, as Megatron-Core's distributed
+    optimizer shards the experts over the expert data-parallel group; the worker sees
+    one averager, its calls handed to both parts."""
 
     def __init__(self, stages: dict[int, nn.Module], program, dp_group: dist.ProcessGroup,
-                 groups: ExpertGroups, dp: int, bucket_bytes: float, reduce_dtype: torch.dtype | None) -> None:
+                 groups: ExpertGroups, dp: int, bucket_bytes: float, reduce_dtype: torch.dtype | None,
+                 zero: int = 0) -> None:
         from executor.data_parallel import GradientAverager  # noqa: PLC0415 - beside its one user
 
         routed = expert_parameters(stages)
         self.parts = [
-            GradientAverager(stages, program, dp_group, dp, bucket_bytes, reduce_dtype,
+            GradientAverager(stages, program, dp_group, dp, bucket_bytes, reduce_dtype, zero,
                              keep=lambda param: id(param) not in routed),
-            GradientAverager(stages, program, groups.expert_dp_group, dp, bucket_bytes, reduce_dtype,
+            GradientAverager(stages, program, groups.expert_dp_group, dp, bucket_bytes, reduce_dtype, zero,
                              keep=lambda param: id(param) in routed),
         ]
 
@@ -158,3 +163,30 @@ class ExpertAwareAverager:
 
     def finish(self) -> list[tuple]:
         return [timing for part in self.parts for timing in part.finish()]
+
+    # -- ZeRO 1/2: what the worker asks of the sharded optimizer, from both parts ---------
+
+    def optimizer_tensors(self) -> tuple[list[torch.Tensor], set[int]]:
+        tensors, matrices = [], set()
+        for part in self.parts:
+            mine, decaying = part.optimizer_tensors()
+            tensors += mine
+            matrices |= decaying
+        return tensors, matrices
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        return [grad for part in self.parts for grad in part.shard_grads()]
+
+    def held_shards(self) -> list[torch.Tensor]:
+        return [shard for part in self.parts for shard in part.held_shards()]
+
+    def gather_parameters(self) -> list[tuple]:
+        return [timing for part in self.parts for timing in part.gather_parameters()]
+
+    def full_gradients(self) -> None:
+        for part in self.parts:
+            part.full_gradients()
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()

@@ -77,8 +77,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
                           help="context-parallel ranks per replica: each holds 2 of 2 x cp chunks of every sequence "
                                "(world size x cp) (default 1)")
     schedule.add_argument("--cp-comm", choices=("p2p", "all-gather"), default="all-gather",
-                          help="how cp ranks exchange keys and values: all-gather before attention (Llama 3); p2p "
-                               "(ring attention) is simulated only (default all-gather)")
+                          help="how cp ranks exchange keys and values: all-gather before attention (Llama 3), or "
+                               "p2p: ring attention, blocks passed rank to rank with isend/irecv and merged by "
+                               "log-sum-exp (Transformer Engine's ring) (default all-gather)")
     schedule.add_argument("--sequence-parallel", action="store_true",
                           help="with --tp: Megatron sequence parallelism in the blocks")
     schedule.add_argument("--bucket-mb", dest="dp_bucket_mb", type=float, metavar="MB", default=25.0,
@@ -87,7 +88,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     schedule.add_argument("--zero", type=int, default=0, metavar="{0,1,2,3}",
                           help="with --dp: 1 shards the optimizer state over the replicas (gradients "
                                "reduce-scattered, parameters all-gathered), 2 the gradients too, 3 the parameters "
-                               "too (FSDP2 fully_shard per block) (default 0)")
+                               "too (FSDP2 fully_shard per block); with --cp over the dp x cp ranks, with --ep the "
+                               "routed experts over their expert data-parallel group (default 0)")
     schedule.add_argument("--virtual-stages", "-v", type=positive_int, default=None,
                           help=f"stages per rank (default 2 for {', '.join(sorted(MULTI_CHUNK))}; else 1)")
     add_microbatch_group_arg(schedule)

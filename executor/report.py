@@ -29,6 +29,7 @@ def summary(result: dict) -> dict:
         "tp": result.get("tp", 1),
         "ep": result.get("ep", 1),
         "cp": result.get("cp", 1),
+        "cp_comm": result.get("cp_comm"),  # how the cp ranks exchanged keys and values (None without cp)
         "microbatches": result["microbatches"],
         "global_batch_size": result.get("global_batch_size"),
         "replica_batch_size": result.get("replica_batch_size"),
@@ -68,6 +69,8 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
     (``document`` is ``summary(result)``, when the caller already has it)."""
     document = document or summary(result)
     expert = "".join(f" {axis}={document[axis]}" for axis in ("cp", "ep") if document.get(axis, 1) > 1)
+    if document.get("cp_comm"):
+        expert = expert.replace(f" cp={document['cp']}", f" cp={document['cp']} cp-comm={document['cp_comm']}")
     lines = [
         f"{document['schedule']}: dp={document['dp']} pp={document['pp']} tp={document['tp']}{expert} "
         f"(world {document['world_size']}) virtual_stages={document['virtual_stages']} backend={document['backend']}",

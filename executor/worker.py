@@ -109,7 +109,8 @@ class RankRun:
         if config.cp > 1:
             from executor.context_parallel import ContextShard, shard_context  # noqa: PLC0415 - cp only
 
-            self.context = ContextShard(self.mesh.group("cp"), config.cp, position.cp_index, config.seq_len)
+            self.context = ContextShard(self.mesh.group("cp"), config.cp, position.cp_index, config.seq_len,
+                                        config.cp_comm)
             for stage in self.stages.values():
                 shard_context(stage, self.context)
         expert_groups = None
@@ -122,10 +123,10 @@ class RankRun:
         unsharded = sum(local_tensor(p.detach()).numel() * p.element_size()
                         for stage in self.stages.values() for p in stage.parameters())
         if config.zero == 3:
-            from executor.fsdp import shard_stage  # noqa: PLC0415
+            from executor.fsdp import shard_stages  # noqa: PLC0415
 
-            for stage in self.stages.values():
-                shard_stage(stage, self.mesh.submesh("dp"))
+            shard_stages(self.stages, self.mesh.mesh, config.cp, config.dp,
+                         expert_groups.expert_dp_group if expert_groups else None, config.timeout)
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
@@ -143,7 +144,7 @@ class RankRun:
 
                 self.averager = ExpertAwareAverager(self.stages, schedule.programs[pp_rank], dense_group,
                                                     expert_groups, config.dp, config.dp_bucket_mb * 2**20,
-                                                    getattr(torch, config.reduce_dtype))
+                                                    getattr(torch, config.reduce_dtype), config.zero)
             else:
                 self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], dense_group, config.dp,
                                                  config.dp_bucket_mb * 2**20,
@@ -288,6 +289,7 @@ class RankRun:
         schedule, events = self.schedule, self.events
         config = self.config
         shape = {"dp": config.dp, "tp": config.tp, "ep": config.ep, "cp": config.cp,
+                 "cp_comm": config.cp_comm if config.cp > 1 else None,
                  "global_batch_size": config.batch_size,
                  "replica_batch_size": config.replica_batch_size}
         meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,

@@ -28,6 +28,10 @@ Two GPUs and more:
                     the backward), float64 on NCCL against the CPU one-process reference
     tensor-parallel a shrunk Llama 3, tp 2 with sequence parallelism, float64 on NCCL
                     against the CPU one-process reference
+    ring-attention  >= 2 GPUs: the same with --cp-comm p2p (K/V and their gradients passed
+                    round the ring by batch_isend_irecv)
+    zero-ep         >= 2 GPUs: a shrunk Mixtral, dp 2 ep 2 with ZeRO-3 (FSDP2, the experts
+                    their own units), float64 on NCCL against the CPU reference
 
 ``--dry-run`` runs the same logic on CPU with gloo and tiny sizes, so the script's own
 flow can be checked on a machine without a GPU (``tests/test_gpu_check.py``); its
@@ -380,6 +384,14 @@ def tensor_parallel(args: argparse.Namespace) -> int:
     return parallel_numerics(args, "tp 2 sequence parallel", tp=2, model="llama3-8b", sequence_parallel=True)
 
 
+def ring_attention(args: argparse.Namespace) -> int:
+    return parallel_numerics(args, "cp 2 ring", cp=2, cp_comm="p2p", model="llama3-8b")
+
+
+def zero_ep(args: argparse.Namespace) -> int:
+    return parallel_numerics(args, "dp 2 ep 2 zero 3", dp=2, ep=2, zero=3, model="mixtral-8x7b", experts=4)
+
+
 def parallel_numerics(args: argparse.Namespace, label: str, **layout) -> int:
     """A float64 run of ``layout`` on the devices against the CPU one-process reference."""
     from executor.config import RunConfig
@@ -402,7 +414,7 @@ def parallel_numerics(args: argparse.Namespace, label: str, **layout) -> int:
 CHECKS = {"numerics": numerics, "architectures": architectures, "recompute": recompute, "zero": zero,
           "degree-one": degree_one, "pairs": pairs, "memory": memory, "predict": predict, "precision": precision,
           "nccl-schedules": nccl_schedules, "expert-parallel": expert_parallel, "context-parallel": context_parallel,
-          "tensor-parallel": tensor_parallel}
+          "tensor-parallel": tensor_parallel, "ring-attention": ring_attention, "zero-ep": zero_ep}
 
 
 def main() -> int:

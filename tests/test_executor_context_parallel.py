@@ -1,6 +1,7 @@
 """Context parallelism executed (``run --cp``): each sequence cut into ``2 cp`` chunks,
 rank ``r`` holding chunks ``r`` and ``2 cp - 1 - r``, attention over the whole sequence
-by all-gathering keys and values. A shrunk Llama 3 and Mixtral in float64 on gloo: every
+by all-gathering keys and values or by ring attention (``--cp-comm p2p``). A shrunk
+Llama 3, Mixtral and DeepSeek-V3 (latent attention) in float64 on gloo: every
 step's loss and every gradient of the first step equal the one-process reference to
 1e-10; the layout is the load-balanced one, and bad values are refused in one line.
 """
@@ -22,11 +23,19 @@ pytestmark = pytest.mark.timeout(300)
 SMALL = {"model": "llama3-8b", "hidden": 16, "heads": 4, "kv_heads": 2, "layers": 2, "seq_len": 8, "vocab": 37,
          "batch_size": 4, "steps": 2, "dtype": "float64", "optimizer": "adamw", "lr": 0.02, "return_grads": True,
          "schedule": "1f1b", "microbatches": 2}
+MLA = {"model": "deepseek-v3", "kv_heads": None, "experts": 4}  # latent attention, MoE
 CASES_OF_WORLD = {
     2: {
         "llama-pp1-cp2": {"pp": 1, "cp": 2},
         # ep cut from the cp ranks: the two halves of a sequence trade tokens with each other
         "mixtral-pp1-cp2-ep2": {"model": "mixtral-8x7b", "experts": 4, "pp": 1, "cp": 2, "ep": 2},
+        # ring attention (--cp-comm p2p): GQA (2 key/value heads for 4 query heads), and MLA
+        # (every head's key and value, values narrower) ringed and all-gathered
+        "llama-pp1-cp2-ring": {"pp": 1, "cp": 2, "cp_comm": "p2p"},
+        "deepseek-pp1-cp2-ring": {**MLA, "pp": 1, "cp": 2, "cp_comm": "p2p"},
+        "deepseek-pp1-cp2": {**MLA, "pp": 1, "cp": 2},
+        # full recompute runs the ring's forward again inside the backward, on every cp rank
+        "llama-pp1-cp2-ring-recompute": {"pp": 1, "cp": 2, "cp_comm": "p2p", "recompute": "full"},
     },
     4: {
         "llama-pp2-cp2": {"pp": 2, "cp": 2},
@@ -39,6 +48,11 @@ CASES_OF_WORLD = {
         "mixtral-pp1-dp2-cp2-ep4": {"model": "mixtral-8x7b", "experts": 4, "pp": 1, "dp": 2, "cp": 2, "ep": 4},
         "mixtral-pp2-cp2-zb-h1": {"model": "mixtral-8x7b", "experts": 4, "pp": 2, "cp": 2, "schedule": "zb-h1",
                                   "microbatches": 4},
+        # the ring's middle steps (keys, values and their gradients in one message) only exist from cp 3
+        "llama-pp1-cp4-ring": {"pp": 1, "cp": 4, "cp_comm": "p2p"},
+        # the ring's backward inside zero-bubble's input-gradient pass, between pipeline stages
+        "mixtral-pp2-cp2-zb-h1-ring": {"model": "mixtral-8x7b", "experts": 4, "pp": 2, "cp": 2, "schedule": "zb-h1",
+                                       "microbatches": 4, "cp_comm": "p2p"},
     },
 }
 LAUNCHED = LaunchedCases(SMALL, CASES_OF_WORLD)
@@ -51,6 +65,15 @@ def test_context_parallel_step_equals_one_process_reference(name: str) -> None:
     assert_equals_reference(LAUNCHED.result(name), reference_run(case_config(name)))
 
 
+@pytest.mark.parametrize(("name", "comm"), [("llama-pp1-cp2", "all-gather"), ("llama-pp1-cp2-ring", "p2p")])
+def test_the_summary_says_how_keys_and_values_were_exchanged(name: str, comm: str) -> None:
+    from executor.report import summary, summary_lines  # noqa: PLC0415
+
+    document = summary(LAUNCHED.result(name))
+    assert document["cp_comm"] == comm
+    assert f" cp=2 cp-comm={comm} (world 2)" in summary_lines(LAUNCHED.result(name), document)[0]
+
+
 def test_chunks_are_load_balanced() -> None:
     """seq 8, cp 2: chunks of 2; rank 0 the first and last, rank 1 the middle two."""
     assert chunk_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
@@ -61,11 +84,13 @@ def test_chunks_are_load_balanced() -> None:
     assert work == [34, 34, 34, 34]
 
 
-def test_gathered_rows_go_back_in_sequence_order() -> None:
+def test_each_query_sees_the_gathered_keys_at_or_before_it() -> None:
     shard = ContextShard(None, 2, 0, 8)
     # rank 0's rows are positions 0,1,6,7 and rank 1's 2,3,4,5, gathered in rank order
-    gathered = torch.tensor([0, 1, 6, 7, 2, 3, 4, 5])
-    assert gathered[shard.order].tolist() == list(range(8))
+    assert shard.gathered_positions.tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    mask = shard.mask(torch.device("cpu")).int().tolist()
+    assert mask[0] == [1, 0, 0, 0, 0, 0, 0, 0]  # position 0: itself only
+    assert mask[2] == [1, 1, 1, 0, 1, 1, 1, 1]  # position 6: all but 7
     assert shard.local(torch.arange(16).view(2, 8)).tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
     assert local_shape((3, 8, 16), 2) == (3, 4, 16)
 
@@ -82,10 +107,10 @@ def test_ranks_are_numbered_tp_cp_dp_pp() -> None:
 @pytest.mark.parametrize(("changes", "expected"), [
     ({"cp": 3}, "--cp 3 cuts each sequence into 6 equal chunks: --seq-len 8 must be a multiple of 6"),
     ({"cp": 2, "model": "gpt", "kv_heads": None}, "--cp 2 splits the sequences of an architecture"),
-    ({"cp": 2, "model": "deepseek-v3", "kv_heads": None}, "deepseek-v3 has latent attention"),
+    ({"cp": 2, "model": "gpt3-1.3b", "kv_heads": None}, "gpt3-1.3b has learned positions"),
     ({"cp": 2, "tp": 4, "heads": 4, "kv_heads": 4, "sequence_parallel": True, "seq_len": 12},
      "--tp 4 must divide each cp rank's 6 tokens"),
-    ({"cp": 2, "cp_comm": "p2p"}, "--cp-comm p2p \\(ring attention\\) is simulated only"),
+    ({"cp": 2, "cp_comm": "ring"}, "--cp-comm 'ring' is not one of: all-gather, p2p"),
     ({"cp": 2, "model": "mixtral-8x7b", "experts": 4, "capacity_factor": 1.0}, "--cp 2 with --capacity-factor"),
     ({"cp": 0}, "--cp must be at least 1, got 0"),
 ])

@@ -84,12 +84,36 @@ def test_what_run_cannot_execute_is_refused_in_one_line(plan_file: Path, tmp_pat
     split.write_text(json.dumps({"ranked": [{**zero3, "schedule": "zb-h1"}]}))
     line = refusal(["--plan", str(split)], capsys)
     assert "plan row 1" in line and "--zero 3 (FSDP) cannot run a split backward" in line
-    edited = tmp_path / "cp.json"
-    edited.write_text(json.dumps({"ranked": [{**rows[0], "cp": 2}]}))
+    edited = tmp_path / "auto.json"
+    edited.write_text(json.dumps({"ranked": [{**rows[0], "schedule": "zb-auto"}]}))
     line = refusal(["--plan", str(edited)], capsys)
-    assert "plan row 1" in line and "cp 2 is simulate-only" in line
+    assert "plan row 1" in line and "--schedule zb-auto builds its order from stage costs" in line
     assert "--row 9: " in refusal(["--plan", str(plan_file), "--row", "9"], capsys)
     assert "--pp conflicts with --plan" in refusal(["--plan", str(plan_file), "--pp", "2"], capsys)
     not_a_plan = tmp_path / "other.json"
     not_a_plan.write_text("{}")
     assert "no \"ranked\" list" in refusal(["--plan", str(not_a_plan)], capsys)
+
+
+def test_a_planned_row_with_cp_and_ep_runs_and_equals_the_one_process_reference(tmp_path: Path, capsys) -> None:
+    """A real plan of Mixtral on 4 GPUs with cp and ep tried: its cp 2 dp 2 ep 2 ZeRO-1 row
+    runs with ring attention (what the plan priced) on a shrunk Mixtral (the run names no
+    architecture, and the toy gpt has neither rotary attention nor experts to split)."""
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "4", "--global-batch", "4", "--seq-len", "16384",
+                 "--topology", "ideal", "--top", "40", "--json", str(path), "--quiet", "--workers", "1",
+                 "--schedules", "1f1b", "--cp", "1,2", "--ep", "1,2"]) == 0
+    rows = rows_of(path)
+    number = row_number(rows, cp=2, dp=2, ep=2, zero=1, tp=1)
+    argv = ["--plan", str(path), "--row", str(number), "--dtype", "float64", "--steps", "2", "--layers", "2",
+            "--hidden", "16", "--seq-len", "8", "--vocab", "37", "--optimizer", "adamw"]
+    config, line = planned(argv)
+    assert (config.model, config.cp, config.ep, config.dp, config.zero, config.cp_comm) == \
+           ("mixtral-8x7b", 2, 2, 2, 1, "p2p")
+    assert "rotary attention or routed experts" in line and "cp 2 by ring attention" in line
+    out = tmp_path / "run.json"
+    assert main(["run", *argv, "--json", str(out), "--quiet"]) == 0
+    assert f"plan row {number}: {rows[number - 1]['layout']} kept (world 4" in capsys.readouterr().out
+    document = json.loads(out.read_text())
+    assert (document["cp"], document["ep"], document["dp"]) == (2, 2, 2)
+    assert document["losses"] == pytest.approx(reference_run(config)["losses"], abs=1e-10, rel=0)

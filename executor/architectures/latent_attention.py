@@ -36,6 +36,7 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(sizes.kv_lora_rank)
         self.wkv_b = nn.Linear(sizes.kv_lora_rank, heads * (sizes.qk_nope_head_dim + sizes.v_head_dim), bias=bias)
         self.wo = nn.Linear(heads * sizes.v_head_dim, hidden, bias=bias)
+        self.context = None  # context parallelism: this rank's share of the sequence (executor.context_parallel)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         return self.wq_b(self.q_norm(self.wq_a(x))) if self.sizes.q_lora_rank else self.wq(x)
@@ -48,9 +49,14 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.wkv_a(x).split([sizes.kv_lora_rank, rope], dim=-1)
         kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq, -1, nope + sizes.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([nope, sizes.v_head_dim], dim=-1)
-        cos, sin = rotary_angles(seq, rope, dtype=x.dtype, device=x.device)
+        if self.context is not None:  # this rank's tokens, rotated at their true positions
+            cos, sin = self.context.rotary(rope, x.dtype, x.device)
+        else:
+            cos, sin = rotary_angles(seq, rope, dtype=x.dtype, device=x.device)
         q_nope, q_rope = q.split([nope, rope], dim=-1)
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).expand(-1, q.shape[1], -1, -1)
         q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
         k = torch.cat((k_nope, k_rope), dim=-1)
+        if self.context is not None:
+            return self.wo(self.context.attend_rotated(q, k, v))
         return self.wo(attend(q, k, v))

@@ -2,16 +2,17 @@
 
 The row's layout is kept as the plan chose it: schedule, pp, tp, dp, virtual stages,
 microbatches per replica, microbatch size (so the global batch is dp x microbatches x
-microbatch size), ZeRO stage, recompute and sequence parallelism. The model is the
-plan's (a row names it: a preset, or a config file's absolute path), shrunk to fit this
-machine: the run's own ``--layers/--hidden/--heads/--seq-len/--vocab``, each raised to
-the least value the layout needs (a block per stage, heads a multiple of tp, a sequence
-the tp ranks can split). A run's ``--model`` naming another model is refused; a plan
-written before rows named their model runs the run's ``--model`` (the ``gpt``
-transformer unless another transformer is named: the planner's models are transformers,
-so ``mlp`` is not used here). What the executor does not run (context or expert
-parallelism, ZeRO-3 with a split backward, cost-aware orders) is refused in one line
-naming the row and the value.
+microbatch size), ZeRO stage, recompute, sequence, context and expert parallelism (cp by
+ring attention, the exchange the plan priced). The model is the plan's (a row names it:
+a preset, or a config file's absolute path), shrunk to fit this machine: the run's own
+``--layers/--hidden/--heads/--seq-len/--vocab``, each raised to the least value the
+layout needs (a block per stage, heads a multiple of tp, a sequence the cp and tp ranks
+can split). A run's ``--model`` naming another model is refused; a plan written before
+rows named their model runs the run's ``--model`` (the ``gpt`` transformer unless another
+transformer is named: the planner's models are transformers, so ``mlp`` is not used
+here; a row with cp or ep needs an architecture, so there the toy gives way to Llama 3,
+or Mixtral for ep). What the executor does not run (ZeRO-3 with a split backward,
+cost-aware orders) is refused in one line naming the row and the value.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_fil
              ("--microbatches", "microbatches", None), ("--virtual-stages", "virtual_stages", None),
              ("--microbatch-group", "microbatch_group", None),
              ("--dp", "dp", 1), ("--tp", "tp", 1), ("--zero", "zero", 0), ("--recompute", "recompute", "none"),
-             ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", 8))
+             ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", 8),
+             ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "all-gather"))
+TOYS = ("mlp", "gpt")
+# The architecture a cp or ep row runs when the run names only a toy: rotary attention
+# (which cp splits), and routed experts (which ep splits).
+CONTEXT_MODEL, EXPERT_MODEL = "llama3-8b", "mixtral-8x7b"
 
 
 def read_row(path: str, number: int) -> dict:
@@ -48,28 +54,25 @@ def read_row(path: str, number: int) -> dict:
     return rows[number - 1]
 
 
-def check_executable(row: dict, number: int) -> None:
-    """Refuse, in one line, what the executor does not run."""
-    for key, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
-        if row.get(key, 1) != 1:
-            raise ConfigError(f"plan row {number} ({row.get('layout', '')}): {key} {row[key]} is simulate-only: "
-                              f"pipesim run does not execute {what} yet")
-
-
 def planned_model(args: argparse.Namespace, row: dict, number: int) -> str:
     """The model to run: the row's, which a ``--model`` of the run may repeat but not
-    change; for a row that names none, the run's (``gpt`` for the toy ``mlp`` default)."""
+    change; for a row that names none, the run's (``gpt`` for the toy ``mlp`` default),
+    and where the row has cp or ep but that is a toy, an architecture with what they split."""
     planned = row.get("model")
-    if not planned:
-        return "gpt" if args.model == "mlp" else args.model
-    if args.model not in ("mlp", planned):
-        raise ConfigError(f"--model {args.model} conflicts with --plan {args.plan}: row {number} was planned for "
-                          f"{planned}; drop --model")
-    return planned
+    if planned:
+        if args.model not in ("mlp", planned):
+            raise ConfigError(f"--model {args.model} conflicts with --plan {args.plan}: row {number} was planned for "
+                              f"{planned}; drop --model")
+        return planned
+    model = "gpt" if args.model == "mlp" else args.model
+    if model in TOYS and (row.get("cp", 1) > 1 or row.get("ep", 1) > 1):
+        model = EXPERT_MODEL if row.get("ep", 1) > 1 else CONTEXT_MODEL
+    return model
 
 
 def shrunk_model(args: argparse.Namespace, row: dict, model: str) -> dict:
     """``model`` at the run's sizes, raised to what the row's layout needs."""
+    cp = row.get("cp", 1)
     sizes = model_sizes(argparse.Namespace(**{**vars(args), "model": model}))  # the flags given, else run's defaults
     tp, stages = row["tp"], row["pp"] * row["virtual_stages"]
     heads = math.lcm(max(sizes["heads"], 1), tp)
@@ -79,7 +82,10 @@ def shrunk_model(args: argparse.Namespace, row: dict, model: str) -> dict:
     head_dim = max(1, sizes["hidden"] // max(sizes["heads"], 1))
     hidden = max(sizes["hidden"], heads * head_dim)
     hidden += -hidden % heads
-    seq_len = sizes["seq_len"] + (-sizes["seq_len"] % tp if row.get("sequence_parallel") else 0)
+    # cp cuts a sequence into 2 cp chunks; sequence parallelism splits a rank's S / cp tokens over tp.
+    split = tp if row.get("sequence_parallel") else 1
+    step = math.lcm(2 * cp, cp * split)
+    seq_len = sizes["seq_len"] + -sizes["seq_len"] % step
     return {"model": model, "layers": max(sizes["layers"], stages), "hidden": hidden, "heads": heads,
             **({"kv_heads": kv_heads} if kv_heads else {}), "seq_len": seq_len, "vocab": sizes["vocab"]}
 
@@ -108,20 +114,25 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
                               f"batch; drop {flag}")
     number = args.row
     row = read_row(args.plan, number)
-    check_executable(row, number)
     model = shrunk_model(args, row, planned_model(args, row, number))
     fixed = {"schedule": row["schedule"], "pp": row["pp"], "microbatches": row["microbatches"],
              "virtual_stages": row["virtual_stages"], "microbatch_group": row.get("microbatch_group"),
              "dp": row["dp"], "tp": row["tp"], "zero": row["zero"],
              "recompute": row["recompute"], "sequence_parallel": bool(row["sequence_parallel"]),
-             "batch_size": row["dp"] * row["microbatches"] * row["microbatch_size"]}
+             "batch_size": row["dp"] * row["microbatches"] * row["microbatch_size"],
+             "cp": row.get("cp", 1), "ep": row.get("ep", 1),
+             "cp_comm": "p2p" if row.get("cp", 1) > 1 else "all-gather"}  # the ring, as simulate prices cp
     planned = argparse.Namespace(**{**vars(args), **fixed, **model})
     try:
         config = config_from_args(planned)
     except ConfigError as error:
         raise ConfigError(f"plan row {number} ({row.get('layout', '')}): {error}") from None
+    needs = [what for degree, what in ((config.cp, "rotary attention"), (config.ep, "routed experts")) if degree > 1]
     line = (f"plan row {number}: {row.get('layout', '')} kept (world {config.world_size}, global batch "
             f"{config.batch_size}); model shrunk to {model['model']} with {model['layers']} layers, hidden "
             f"{model['hidden']}, {model['heads']} heads, seq-len {model['seq_len']}, vocab {model['vocab']}"
-            + ("" if row.get("model") else " (the plan's rows do not name its model: the run's --model)"))
+            + ("" if row.get("model") else " (the plan's rows do not name its model: the run's --model"
+               + (f"; the toy gpt has no {' or '.join(needs)} to split" if args.model in TOYS and needs else "")
+               + ")")
+            + (f"; cp {config.cp} by ring attention" if config.cp > 1 else ""))
     return config, line

@@ -145,9 +145,14 @@ def predict_static_memory(document: dict, config) -> list[str]:
 
     element = 8 if config.master_dtype == "float64" else 4
     optimizer = 2 * element if config.optimizer == "adamw" else 0
-    per_param = static_bytes_per_param(BytesPerParam(element, element, optimizer), config.dp, config.zero)
+    # ZeRO shards over the dp x cp ranks, as the simulator's memory model does (with ep the
+    # routed experts over dp x cp / ep: the rows do not tell them apart, so they are priced as dense).
+    holders = config.dp * config.cp
+    per_param = static_bytes_per_param(BytesPerParam(element, element, optimizer), holders, config.zero)
+    over = f"dp {config.dp}" if config.cp == 1 else f"dp x cp {holders}"
+    routed = "; routed experts priced as dense" if config.ep > 1 and config.zero else ""
     lines = [f"parameters + gradients + optimizer state after the step, measured vs predicted (ZeRO {config.zero} "
-             f"over dp {config.dp}: {per_param:g} bytes per parameter):"]
+             f"over {over}: {per_param:g} bytes per parameter{routed}):"]
     for row in rows:
         row["predicted_static"] = row["unsharded_params"] / element * per_param
         error = row["static"] / row["predicted_static"] - 1 if row["predicted_static"] else 0.0
