@@ -33,10 +33,19 @@ Where the kernel figures come from (never from a training run):
 (``save_compute_model``/``load_compute_model``).
 
 **FP8** (``--fp8``, or a config's FP8 ``quantization_config``): the GEMMs a
-``Gemm.fp8`` marks (``pipesim.model.operations``) run ``fp8_speedup`` times as fast as
-in BF16 on the same shape model (``GpuSpec.fp8_matmul_flops / matmul_flops``: 1.70 on
-Hopper, from DeepGEMM's measured FP8 throughput; with ``--mfu`` the datasheets' 2), their
-operands one byte wide. Each also pays its casts, as memory-bound kernels: its input
+``Gemm.fp8`` marks (``pipesim.model.operations``) run their ``k`` loop ``fp8_speedup``
+times as fast as in BF16 on the same shape model (``GpuSpec.fp8_matmul_flops /
+matmul_flops``: 1.70 on Hopper, from DeepGEMM's measured FP8 throughput; with ``--mfu``
+the datasheets' 2), their operands one byte wide. Each tile's fixed prologue and
+epilogue (the fitted ``k_overhead``: the epilogue writes the same BF16 output tile) do
+not speed up (``GemmModel.mainloop_speedup``), so the FP8 gain grows with ``k``: 1.68 at
+16384 cubed, 1.25 at k 256 (m = n = 8192). That is the shape of the published FP8 sweeps
+by ``k`` on Hopper (tile-ai/tilelang ``benchmark/matmul_fp8/README.md``, H800, m = n =
+8192, k 256-16384: throughput at k 256 is 25-37% of that at 16384 across its two
+published runs, the model's 37%, the flat ratio's 49%; tested in ``tests/test_fp8.py``),
+and at 8192 cubed the model's 1,143 FP8 TFLOP/s on an H100 is the 1,137 cuBLAS reaches
+through ``torch._scaled_mm`` in the benchmark of pytorch/pytorch pull request 155507.
+Each also pays its casts, as memory-bound kernels: its input
 before the forward and the output's gradient before the backward are read in BF16 and
 written in FP8 twice, as is and transposed (Transformer Engine's fused cast-transpose,
 ``CAST_BYTES`` = 2 + 1 + 1 bytes per element; the scaling factors, one per 1x128 tile in
@@ -127,8 +136,8 @@ class KernelModel:
 
     @functools.cached_property
     def fp8_gemm(self) -> GemmModel:
-        """The GEMM model at ``fp8_speedup`` times the throughput."""
-        return replace(self.gemm, peak_flops=self.gemm.peak_flops * self.fp8_speedup)
+        """The GEMM model with its ``k`` loop ``fp8_speedup`` times as fast (see the module)."""
+        return replace(self.gemm, mainloop_speedup=self.fp8_speedup)
 
     def attention_seconds(self, attention: FlashAttention) -> tuple[float, float]:
         return self.attention.seconds(attention, self.attention_scale)
