@@ -16,6 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.fp8_gemms import (
+    CUBLAS_FP8_8192,
+    TE_H200_LAYER,
+    TILELANG_FP8_BY_K,
+    flat_ratio_flops,
+    fp8_flops,
+    layer_speedup,
+    relative_by_k,
+)
 from pipesim.cli import main
 from pipesim.hardware.gpus import gpu_spec
 from pipesim.model.compute_model import (
@@ -65,28 +74,23 @@ def test_the_kernel_model_speeds_up_an_fp8_gemms_k_loop_only():
     assert gpu_compute_model("a100-80gb").fp8_speedup == 0
 
 
-# tile-ai/tilelang benchmark/matmul_fp8/README.md, H800 SXM (H100's compute), m = n = 8192:
-# FP8 TFLOP/s by k, the two versions of the file the repository has published
-TILELANG_FP8_BY_K = {256: (569, 376), 512: (858, 622), 1024: (1129, 927), 2048: (1343, 1174),
-                     4096: (1467, 1378), 8192: (1507, 1461), 16384: (1541, 1523)}
-
-
 def test_fp8_throughput_by_k_follows_the_published_sweep():
-    """Throughput at each k relative to k 16384 lies between the two published runs
-    (within 2 points), where the flat ratio (overhead sped up too) lies above both up to
-    k 2048: FP8's gain over BF16 needs a long k."""
+    """tilelang's published FP8 sweep by k (benchmarks/fp8_gemms.py): throughput at each k
+    relative to k 16384 lies between its two runs (within 2 points), where the flat ratio
+    (prologue and epilogue sped up too) lies above both up to k 2048."""
     model = gpu_compute_model("h100")
-    flat = replace(model.gemm, peak_flops=model.gemm.peak_flops * model.fp8_speedup)
-
-    def relative(seconds, k):
-        return (k / seconds(k)) / (16384 / seconds(16384))
-
+    shaped = relative_by_k(lambda m, k, n: fp8_flops(model, m, k, n))
+    flat = relative_by_k(lambda m, k, n: flat_ratio_flops(model, m, k, n))
     for k, (first, second) in TILELANG_FP8_BY_K.items():
-        shaped = relative(lambda k_: model.gemm_seconds(Gemm("mlp_in", 8192, k_, 8192, fp8=True), 2), k)
-        published = sorted((first / TILELANG_FP8_BY_K[16384][0], second / TILELANG_FP8_BY_K[16384][1]))
-        assert published[0] - 0.02 <= shaped <= published[1] + 0.02, (k, shaped, published)
+        low, high = sorted((first / TILELANG_FP8_BY_K[16384][0], second / TILELANG_FP8_BY_K[16384][1]))
+        assert low - 0.02 <= shaped[k] <= high + 0.02, (k, shaped[k], low, high)
         if k <= 2048:
-            assert relative(lambda k_: flat.seconds(8192, k_, 8192, 1, 1), k) > published[1] + 0.02
+            assert flat[k] > high + 0.02
+
+
+def test_fp8_at_8192_cubed_is_cublass_published_rate():
+    """cuBLAS through torch._scaled_mm at 8192 cubed: 1,136.9 TFLOP/s (within 3%)."""
+    assert fp8_flops(gpu_compute_model("h100"), 8192, 8192, 8192) == pytest.approx(CUBLAS_FP8_8192, rel=0.03)
 
 
 def test_router_attention_core_and_head_stay_bf16():
@@ -185,3 +189,13 @@ def test_fp8_peaks_are_the_datasheets_dense_figures():
     assert gpu_spec("h100").fp8_flops == gpu_spec("h200").fp8_flops == 1979e12
     assert gpu_spec("b200").fp8_flops == 2 * gpu_spec("b200").bf16_flops
     assert gpu_spec("a100-80gb").fp8_flops == 0
+
+
+def test_a_layers_fp8_gemms_and_casts_against_transformer_engines_h200_measurement():
+    """Transformer Engine's published H200 layer (benchmarks/fp8_gemms.py): its twelve
+    GEMMs in FP8 with TE's quantization ran 1.58x (current scaling) and 1.69x (delayed)
+    faster than in BF16. pipesim's FP8 GEMMs with their casts on an H200 come within 3% of
+    the first and below the second (not used to build the model)."""
+    speedup = layer_speedup(gpu_compute_model("h200"))
+    assert speedup == pytest.approx(TE_H200_LAYER["current scaling"], rel=0.03)
+    assert speedup < TE_H200_LAYER["delayed scaling"]

@@ -1,0 +1,87 @@
+"""pipesim's FP8 GEMMs against published FP8 measurements on Hopper (no calibration).
+
+The FP8 GEMM model (``pipesim.model.compute_model``, "FP8"): the BF16 shape model with
+its ``k`` loop at 1350 / 794.5 = 1.70 times the rate and each tile's fitted prologue and
+epilogue as in BF16, plus the casts as memory-bound kernels. Three published checks, none
+used to build it:
+
+- ``TILELANG_FP8_BY_K``: tile-ai/tilelang ``benchmark/matmul_fp8/README.md``, FP8 TFLOP/s
+  of m = n = 8192 by k on an H800 SXM (H100's compute); the repository has published two
+  runs of the table (both are here). Compared as throughput relative to k = 16384, the
+  shape of the gain with k, beside the flat ratio (the whole kernel 1.70 times as fast).
+- ``CUBLAS_FP8_8192``: cuBLAS through ``torch._scaled_mm`` at 8192 cubed, 1,136.9 TFLOP/s
+  (pytorch/pytorch pull request 155507, its benchmark's ``aten`` row).
+- ``TE_H200_LAYER``: NVIDIA/TransformerEngine ``docs/examples/gemm_profiling/
+  gemm_profiling.rst``, "Worked Example: 5B Model on H200": a layer's twelve GEMMs
+  (hidden 4096, MLP 16384, 15,872 tokens) in FP8 with Transformer Engine's quantization
+  over BF16, 1.58x with current scaling and 1.69x with delayed scaling.
+
+Run: ``PYTHONPATH=. python benchmarks/fp8_gemms.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipesim.model.compute_model import KernelModel, gpu_compute_model, operation_time
+from pipesim.model.operations import Gemm
+
+TILELANG_FP8_BY_K = {256: (569, 376), 512: (858, 622), 1024: (1129, 927), 2048: (1343, 1174),
+                     4096: (1467, 1378), 8192: (1507, 1461), 16384: (1541, 1523)}
+CUBLAS_FP8_8192 = 1136.9e12
+TE_H200_LAYER = {"current scaling": 1.58, "delayed scaling": 1.69}
+TE_LAYER_TOKENS = 15872
+TE_LAYER_GEMMS = (("qkv", 4096, 12288), ("attn_out", 4096, 4096), ("mlp_in", 4096, 16384), ("mlp_out", 16384, 4096))
+
+
+def fp8_flops(model: KernelModel, m: int, k: int, n: int) -> float:
+    """FLOP/s of one FP8 ``m x k`` by ``k x n`` GEMM on ``model`` (the kernel, no casts)."""
+    return 2 * m * k * n / model.gemm_seconds(Gemm("mlp_in", m, k, n, fp8=True), 2)
+
+
+def flat_ratio_flops(model: KernelModel, m: int, k: int, n: int) -> float:
+    """The same with the whole kernel ``fp8_speedup`` times as fast (the earlier rule)."""
+    flat = replace(model.gemm, peak_flops=model.gemm.peak_flops * model.fp8_speedup)
+    return 2 * m * k * n / flat.seconds(m, k, n, 1, 1)
+
+
+def relative_by_k(flops_of, m: int = 8192, n: int = 8192) -> dict[int, float]:
+    """Throughput at each of the sweep's k over that at k 16384."""
+    longest = flops_of(m, 16384, n)
+    return {k: flops_of(m, k, n) / longest for k in TILELANG_FP8_BY_K}
+
+
+def layer_speedup(model: KernelModel) -> float:
+    """BF16 time over FP8 time (casts included) of Transformer Engine's H200 layer."""
+    def layer(fp8: bool) -> float:
+        times = [operation_time(Gemm(name, TE_LAYER_TOKENS, k, n, fp8=fp8), model) for name, k, n in TE_LAYER_GEMMS]
+        return sum(time.forward + time.input_grad + time.weight_grad for time in times)
+    return layer(False) / layer(True)
+
+
+def main() -> None:
+    h100 = gpu_compute_model("h100")
+    shaped = relative_by_k(lambda m, k, n: fp8_flops(h100, m, k, n))
+    flat = relative_by_k(lambda m, k, n: flat_ratio_flops(h100, m, k, n))
+    print("FP8 throughput by k (m = n = 8192), relative to k = 16384: tilelang's two published runs (H800), "
+          "pipesim (h100), the flat ratio")
+    print("|     k | published | pipesim | flat ratio | pipesim FP8 over BF16 |")
+    print("|------:|----------:|--------:|-----------:|----------------------:|")
+    for k, runs in TILELANG_FP8_BY_K.items():
+        published = sorted(value / TILELANG_FP8_BY_K[16384][index] for index, value in enumerate(runs))
+        bf16 = h100.gemm_seconds(Gemm("mlp_in", 8192, k, 8192), 2)
+        over = bf16 / h100.gemm_seconds(Gemm("mlp_in", 8192, k, 8192, fp8=True), 2)
+        print(f"| {k:5d} | {published[0]:.2f}-{published[1]:.2f} | {shaped[k]:7.2f} | {flat[k]:10.2f} | "
+              f"{over:21.2f} |")
+    print(f"8192 cubed on h100: {fp8_flops(h100, 8192, 8192, 8192) / 1e12:,.0f} FP8 TFLOP/s; cuBLAS "
+          f"(torch._scaled_mm) {CUBLAS_FP8_8192 / 1e12:,.0f}")
+    cube = Gemm("mlp_in", 16384, 16384, 16384)
+    over = h100.gemm_seconds(cube, 2) / h100.gemm_seconds(replace(cube, fp8=True), 2)
+    print(f"16384 cubed on h100: FP8 over BF16 {over:.2f}")
+    published = ", ".join(f"{value:.2f}x {recipe}" for recipe, value in TE_H200_LAYER.items())
+    print(f"Transformer Engine's H200 layer (hidden 4096, {TE_LAYER_TOKENS:,} tokens), FP8 over BF16 with casts: "
+          f"pipesim {layer_speedup(gpu_compute_model('h200')):.2f}x; published {published}")
+
+
+if __name__ == "__main__":
+    main()
