@@ -199,3 +199,38 @@ def test_a_layers_fp8_gemms_and_casts_against_transformer_engines_h200_measureme
     speedup = layer_speedup(gpu_compute_model("h200"))
     assert speedup == pytest.approx(TE_H200_LAYER["current scaling"], rel=0.03)
     assert speedup < TE_H200_LAYER["delayed scaling"]
+
+
+def test_current_scaling_reads_each_cast_input_once_more():
+    """``--fp8 current``: an amax pass reads the 2-byte tensor before its cast, so each
+    cast is 6 bytes per element where delayed scaling's is 4; the GEMMs are unchanged."""
+    m, k, n = 4096, 8192, 28672
+    model = FixedEfficiency(PEAK, 0.5, BANDWIDTH, fp8_speedup=2.0)
+    delayed = operation_time(Gemm("mlp_in", m, k, n, fp8=True), model)
+    current = operation_time(Gemm("mlp_in", m, k, n, fp8=True, amax_pass=True), model)
+    assert current.forward - delayed.forward == pytest.approx(2 * m * k / STREAM, rel=1e-9)
+    assert current.input_grad - delayed.input_grad == pytest.approx(2 * m * n / STREAM, rel=1e-9)
+    assert current.weight_grad == delayed.weight_grad
+    spec = replace(model_spec("llama3-8b"), fp8=True, fp8_scaling="current")
+    gemms = [operation for operation in layer_operations(spec) if isinstance(operation, Gemm)]
+    assert gemms and all(gemm.fp8 and gemm.amax_pass for gemm in gemms)
+    assert not any(gemm.amax_pass for gemm in layer_operations(replace(spec, fp8=False)) if isinstance(gemm, Gemm))
+    with pytest.raises(ModelSpecError, match="FP8 scaling 'dynamic' is not one of delayed, current"):
+        replace(spec, fp8_scaling="dynamic")
+
+
+def test_the_fp8_flag_takes_the_scaling(tmp_path, capsys):
+    """``--fp8`` alone is delayed scaling; ``--fp8 current`` is slower by the amax passes
+    only; anything else is refused with exit status 2."""
+    steps = {}
+    for flag in (["--fp8"], ["--fp8", "delayed"], ["--fp8", "current"]):
+        out = tmp_path / f"{'-'.join(flag)}.json"
+        assert main(["simulate", "--model", "llama3-8b", "--pp", "2", "-m", "4", "--gpu", "h100",
+                     "--json", str(out), *flag]) == 0
+        steps[" ".join(flag)] = json.loads(out.read_text())["makespan"]
+    assert steps["--fp8"] == steps["--fp8 delayed"] < steps["--fp8 current"] < 1.1 * steps["--fp8"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as raised:
+        main(["simulate", "--model", "llama3-8b", "--pp", "2", "-m", "2", "--fp8", "dynamic"])
+    assert raised.value.code == 2
+    assert "argument --fp8: invalid choice: 'dynamic'" in capsys.readouterr().err

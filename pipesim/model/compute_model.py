@@ -51,7 +51,12 @@ written in FP8 twice, as is and transposed (Transformer Engine's fused cast-tran
 ``CAST_BYTES`` = 2 + 1 + 1 bytes per element; the scaling factors, one per 1x128 tile in
 DeepSeek-V3's recipe, are a 1/128 share and not counted). The weights are cast once per
 step, not per microbatch (Megatron-Core hands Transformer Engine ``is_first_microbatch``,
-which keeps the FP8 copy), and that pass is not counted. A GPU without FP8 tensor cores
+which keeps the FP8 copy), and that pass is not counted. Current scaling
+(``ModelSpec.fp8_scaling``, ``--fp8 current``: Transformer Engine's Float8CurrentScaling,
+Megatron-Bridge's FP8-CS, torchao's tensorwise dynamic scaling) finds each scale from the
+tensor itself, an amax pass before the cast: Transformer Engine's docs ("FP8 Delayed
+Scaling") count two reads of the tensor per quantization against delayed scaling's one,
+so its casts read the 2-byte element once more (``AMAX_BYTES``, 6 bytes in all). A GPU without FP8 tensor cores
 (A100), or a profiled model (which measured BF16), refuses FP8 in one line.
 """
 
@@ -78,6 +83,7 @@ FILE_FORMAT = 1
 H200_GEMM_FIT = {"efficiency": 0.7234, "k_overhead": 272.0, "launch_seconds": 25.1e-6}
 MEASURED_GPU = "h200"
 CAST_BYTES = 4  # an FP8 cast-transpose: reads 2 bytes per element, writes 1 twice (as is, transposed)
+AMAX_BYTES = 2  # current scaling's amax pass: the 2-byte element read once more before its cast
 
 
 class ComputeModelError(ValueError):
@@ -242,8 +248,9 @@ def _gemm_time(gemm: Gemm, model: ComputeModel, element_bytes: int) -> Operation
     data_grad = model.gemm_seconds(replace(gemm, k=gemm.n, n=gemm.k), element_bytes)  # m x n by n x k
     other_grad = model.gemm_seconds(replace(gemm, m=gemm.k, k=gemm.m), element_bytes)  # k x m by m x n
     if gemm.fp8:  # the input cast before the forward, the output gradient's before the backward
-        forward += model.memory_seconds(CAST_BYTES * gemm.count * gemm.m * gemm.k)
-        data_grad += model.memory_seconds(CAST_BYTES * gemm.count * gemm.m * gemm.n)
+        cast = CAST_BYTES + (AMAX_BYTES if gemm.amax_pass else 0)
+        forward += model.memory_seconds(cast * gemm.count * gemm.m * gemm.k)
+        data_grad += model.memory_seconds(cast * gemm.count * gemm.m * gemm.n)
     if gemm.weighted:
         return OperationTime(forward, data_grad, other_grad)
     return OperationTime(forward, data_grad + other_grad)  # both operands are activations
