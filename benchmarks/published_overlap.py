@@ -43,7 +43,9 @@ published figures force-balance the routing; a separate question).
 In-sample and held out, decided before any row was run: the rows marked ``in-sample``
 were run while the model was changed (the channel rings of
 ``pipesim.cluster.collectives``, found on the GPT3-20B row); the ``held out`` rows were
-first run after that change and no choice of the model was made with them on screen.
+first run after that change and no choice of the model was made with them on screen until
+the two FP8 changes (FP8 GEMMs' k-loop rule, ``benchmarks/fp8_gemms.py``; current
+scaling's amax pass), made with every row seen but with no number taken from a row.
 
 Run: ``PYTHONPATH=. python benchmarks/published_overlap.py`` (prints the table, each
 row's command, the median and worst error over all rows and over the held-out rows, and
