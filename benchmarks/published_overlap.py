@@ -251,6 +251,23 @@ def tp_overlap_lines(rows: list[PublishedRun], predictions: dict[str, Prediction
     return lines
 
 
+def fp8_over_bf16_lines(rows: list[PublishedRun], predictions: dict[str, Prediction]) -> list[str]:
+    """torchtitan's pairs of one layout in float8 and in BF16: FP8's end-to-end speedup,
+    published against predicted (the FP8 model on its own, communication alike in both)."""
+    lines = []
+    for run in rows:
+        if run.source != "torchtitan-asynctp" or not run.fp8:
+            continue
+        bf16 = next((other for other in rows if other.label == run.label.replace("float8", "bf16")), None)
+        if bf16 is None:
+            continue
+        published = run.tokens_per_gpu / bf16.tokens_per_gpu
+        predicted = predictions[run.label].tokens_per_gpu / predictions[bf16.label].tokens_per_gpu
+        lines.append(f"{run.label.replace('float8 ', '')}: float8 over bf16 {published:.3f} published, "
+                     f"{predicted:.3f} predicted")
+    return lines
+
+
 def table(rows: list[PublishedRun], extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, Prediction]]:
     lines = ["| run | source | GPUs | tp pp cp vp dp | m | published tokens/s/GPU | predicted | error | "
              "predicted MFU | compute share of the step | sample |",
@@ -285,7 +302,8 @@ def main() -> None:
     for key, source in SOURCES.items():
         print(f"{key}: {source}")
     print()
-    for line in trend_lines(rows, predictions) + tp_overlap_lines(rows, predictions):
+    for line in trend_lines(rows, predictions) + tp_overlap_lines(rows, predictions) + \
+            fp8_over_bf16_lines(rows, predictions):
         print(line)
     print()
     errors = {run.label: abs(error(run, predictions[run.label])) for run in rows}

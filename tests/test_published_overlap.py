@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.published_overlap import SOURCES, error, predict, runs, summary, table
+from benchmarks.published_overlap import SOURCES, error, fp8_over_bf16_lines, predict, runs, summary, table
 from pipesim.cli import build_parser
 from pipesim.job import Job, model_spec_of
 from pipesim.model.transformer_costs import attention_flops_counted
@@ -77,3 +77,15 @@ def test_the_docs_quote_the_table_and_medians_as_printed():
     assert summary("all rows", list(errors.values())) in docs
     assert summary("Megatron-Core rows (NeMo, Megatron-Bridge)", [errors[run.label] for run in MEGATRON]) in docs
     assert summary("held out", [errors[run.label] for run in ROWS if not run.in_sample]) in docs
+    for line in fp8_over_bf16_lines(ROWS, predictions):
+        assert f"- {line}" in docs, line
+
+
+def test_fp8s_predicted_gain_is_not_above_the_published_one():
+    """On torchtitan's pairs (one layout in float8 and in BF16) pipesim's FP8 speedup is at
+    most the measured one: the FP8 model does not make the FP8 rows too fast."""
+    _, predictions = table(ROWS)
+    for float8 in (run for run in ROWS if run.source == "torchtitan-asynctp" and run.fp8):
+        bf16 = next(run for run in ROWS if run.label == float8.label.replace("float8", "bf16"))
+        predicted = predictions[float8.label].tokens_per_gpu / predictions[bf16.label].tokens_per_gpu
+        assert 1 < predicted <= float8.tokens_per_gpu / bf16.tokens_per_gpu
