@@ -234,3 +234,15 @@ def test_the_fp8_flag_takes_the_scaling(tmp_path, capsys):
         main(["simulate", "--model", "llama3-8b", "--pp", "2", "-m", "2", "--fp8", "dynamic"])
     assert raised.value.code == 2
     assert "argument --fp8: invalid choice: 'dynamic'" in capsys.readouterr().err
+
+
+def test_an_fp8_gemm_reads_one_byte_operands_and_writes_a_bf16_output():
+    """The memory floor of an FP8 GEMM (on a GPU made infinitely fast, so the floor is
+    its time): m k + k n bytes read, 2 m n written, at 85% of HBM bandwidth."""
+    h100 = gpu_compute_model("h100")
+    model = replace(h100, gemm=replace(h100.gemm, peak_flops=1e30))
+    m, k, n = 16384, 4096, 16384
+    expected = (m * k + k * n + 2 * m * n) / (h100.memory_bandwidth * HBM_EFFICIENCY)
+    assert model.gemm_seconds(Gemm("mlp_in", m, k, n, fp8=True), 2) == pytest.approx(expected, rel=1e-12)
+    assert model.gemm_seconds(Gemm("mlp_in", m, k, n), 2) == pytest.approx(2 * (m * k + k * n + m * n) / (
+        h100.memory_bandwidth * HBM_EFFICIENCY), rel=1e-12)

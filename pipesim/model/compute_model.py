@@ -36,7 +36,7 @@ Where the kernel figures come from (never from a training run):
 ``Gemm.fp8`` marks (``pipesim.model.operations``) run their ``k`` loop ``fp8_speedup``
 times as fast as in BF16 on the same shape model (``GpuSpec.fp8_matmul_flops /
 matmul_flops``: 1.70 on Hopper, from DeepGEMM's measured FP8 throughput; with ``--mfu``
-the datasheets' 2), their operands one byte wide. Each tile's fixed prologue and
+the datasheets' 2), their operands one byte wide and their output BF16. Each tile's fixed prologue and
 epilogue (the fitted ``k_overhead``: the epilogue writes the same BF16 output tile) do
 not speed up (``GemmModel.mainloop_speedup``), so the FP8 gain grows with ``k``: 1.68 at
 16384 cubed, 1.25 at k 256 (m = n = 8192). That is the shape of the published FP8 sweeps
@@ -137,7 +137,7 @@ class KernelModel:
 
     def gemm_seconds(self, gemm: Gemm, element_bytes: int) -> float:
         if gemm.fp8:
-            return self.fp8_gemm.seconds(gemm.m, gemm.k, gemm.n, gemm.count, 1)
+            return self.fp8_gemm.seconds(gemm.m, gemm.k, gemm.n, gemm.count, 1, output_bytes=2)  # BF16 out
         return self.gemm.seconds(gemm.m, gemm.k, gemm.n, gemm.count, element_bytes)
 
     @functools.cached_property

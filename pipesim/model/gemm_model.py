@@ -63,11 +63,15 @@ class GemmModel:
     launch_seconds: float
     mainloop_speedup: float = 1.0  # the k loop's speed over BF16's (FP8: pipesim.model.compute_model)
 
-    def seconds(self, m: float, k: float, n: float, count: float = 1, element_bytes: int = 2) -> float:
-        """Seconds of ``count`` ``m x k`` by ``k x n`` products run as one batched kernel."""
+    def seconds(self, m: float, k: float, n: float, count: float = 1, element_bytes: int = 2,
+                output_bytes: int | None = None) -> float:
+        """Seconds of ``count`` ``m x k`` by ``k x n`` products run as one batched kernel,
+        the operands ``element_bytes`` wide and the output ``output_bytes`` (default: the same)."""
         k_loop = k / self.mainloop_speedup + self.k_overhead
         compute = tile_seconds(m, n, count, self.peak_flops, self.sms) * k_loop / self.efficiency
-        memory = memory_traffic.memory_seconds(count * element_bytes * (m * k + k * n + m * n), self.memory_bandwidth)
+        output = element_bytes if output_bytes is None else output_bytes
+        memory = memory_traffic.memory_seconds(count * (element_bytes * (m * k + k * n) + output * m * n),
+                                               self.memory_bandwidth)
         return max(compute, memory, self.launch_seconds)
 
 
