@@ -194,11 +194,11 @@ def test_fp8_peaks_are_the_datasheets_dense_figures():
 def test_a_layers_fp8_gemms_and_casts_against_transformer_engines_h200_measurement():
     """Transformer Engine's published H200 layer (benchmarks/fp8_gemms.py): its twelve
     GEMMs in FP8 with TE's quantization ran 1.58x (current scaling) and 1.69x (delayed)
-    faster than in BF16. pipesim's FP8 GEMMs with their casts on an H200 come within 3% of
-    the first and below the second (not used to build the model)."""
-    speedup = layer_speedup(gpu_compute_model("h200"))
-    assert speedup == pytest.approx(TE_H200_LAYER["current scaling"], rel=0.03)
-    assert speedup < TE_H200_LAYER["delayed scaling"]
+    faster than in BF16. pipesim's FP8 GEMMs with each recipe's casts on an H200 come
+    within 10% below each, never above (not used to build the model)."""
+    for recipe, published in TE_H200_LAYER.items():
+        speedup = layer_speedup(gpu_compute_model("h200"), recipe.split()[0])
+        assert 0.9 * published < speedup <= published, recipe
 
 
 def test_current_scaling_reads_each_cast_input_once_more():
