@@ -15,6 +15,11 @@ used to build it:
   gemm_profiling.rst``, "Worked Example: 5B Model on H200": a layer's twelve GEMMs
   (hidden 4096, MLP 16384, 15,872 tokens) in FP8 with Transformer Engine's quantization
   over BF16, 1.58x with current scaling and 1.69x with delayed scaling.
+- ``TORCHAO_H100_LINEARS``: pytorch/ao pull request 2185's microbenchmark on an H100
+  (Llama 3 70B's linears at tp 8, 16,384 tokens): the forward and backward of a BF16
+  ``nn.Linear`` and of torchao's float8 one (tensorwise dynamic scaling: current scaling,
+  an amax pass before each cast; torch.compile, fast accumulation), in seconds. The part
+  is not named beyond "H100"; Meta's are often Grand Teton's 500 W HBM2e H100s.
 
 Run: ``PYTHONPATH=. python benchmarks/fp8_gemms.py``.
 """
@@ -31,6 +36,9 @@ TILELANG_FP8_BY_K = {256: (569, 376), 512: (858, 622), 1024: (1129, 927), 2048: 
 CUBLAS_FP8_8192 = 1136.9e12
 TE_H200_LAYER = {"current scaling": 1.58, "delayed scaling": 1.69}
 TE_LAYER_TOKENS = 15872
+# (m, k, n) of the forward: (BF16 seconds, float8 seconds), forward and backward
+TORCHAO_H100_LINEARS = {(16384, 8192, 1280): (0.001954, 0.001757), (16384, 1024, 8192): (0.001701, 0.001193),
+                        (16384, 8192, 7168): (0.009871, 0.005707), (16384, 3584, 8192): (0.005192, 0.003034)}
 TE_LAYER_GEMMS = (("qkv", 4096, 12288), ("attn_out", 4096, 4096), ("mlp_in", 4096, 16384), ("mlp_out", 16384, 4096))
 
 
@@ -61,6 +69,12 @@ def layer_speedup(model: KernelModel, scaling: str = "delayed") -> float:
     return layer(False) / layer(True)
 
 
+def linear_seconds(model: KernelModel, m: int, k: int, n: int, fp8: bool, scaling: str = "current") -> float:
+    """Forward and backward of one linear (its three GEMMs, and under FP8 their casts)."""
+    time = operation_time(Gemm("mlp_in", m, k, n, fp8=fp8, amax_pass=fp8 and scaling == "current"), model)
+    return time.forward + time.input_grad + time.weight_grad
+
+
 def main() -> None:
     h100 = gpu_compute_model("h100")
     shaped = relative_by_k(lambda m, k, n: fp8_flops(h100, m, k, n))
@@ -80,6 +94,11 @@ def main() -> None:
     cube = Gemm("mlp_in", 16384, 16384, 16384)
     over = h100.gemm_seconds(cube, 2) / h100.gemm_seconds(replace(cube, fp8=True), 2)
     print(f"16384 cubed on h100: FP8 over BF16 {over:.2f}")
+    print("torchao's H100 linears, forward + backward (ms), published / pipesim (h100, FP8 with current scaling):")
+    for (m, k, n), (bf16, float8) in TORCHAO_H100_LINEARS.items():
+        model_bf16, model_fp8 = linear_seconds(h100, m, k, n, False), linear_seconds(h100, m, k, n, True)
+        print(f"  {m} x {k} x {n}: BF16 {bf16 * 1e3:.3f} / {model_bf16 * 1e3:.3f}, float8 {float8 * 1e3:.3f} / "
+              f"{model_fp8 * 1e3:.3f}, speedup {bf16 / float8:.2f} / {model_bf16 / model_fp8:.2f}")
     h200 = gpu_compute_model("h200")
     for recipe, published in TE_H200_LAYER.items():
         predicted = layer_speedup(h200, recipe.split()[0])
