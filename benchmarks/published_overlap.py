@@ -9,7 +9,10 @@ the parameter all-gather beside the next forwards (Megatron-Core's distributed o
 with ``--overlap-grad-reduce --overlap-param-gather``, ``--zero 1``; FSDP2's prefetch,
 ``--zero 3``), tensor-parallel collectives beside the GEMMs with sequence parallelism
 (``--tp-comm-overlap``, torch's async TP) unless the row says vanilla TP
-(``--no-tp-overlap``), FP8 GEMMs (``--fp8``) where the row says FP8, the row's
+(``--no-tp-overlap``), FP8 GEMMs where the row says FP8 (``--fp8 delayed`` for NeMo 24.07,
+whose Transformer Engine had only delayed scaling; ``--fp8 current`` for Megatron-Bridge's
+FP8-CS, as 26.02's rows are taken to be, and torchtitan's tensorwise float8, all current
+scaling), the row's
 activation recomputation (none unless it says), flash attention, the InfiniBand preset
 (NDR 400 Gb/s per GPU, as DGX H100 and Grand Teton have).
 
@@ -40,7 +43,9 @@ published figures force-balance the routing; a separate question).
 In-sample and held out, decided before any row was run: the rows marked ``in-sample``
 were run while the model was changed (the channel rings of
 ``pipesim.cluster.collectives``, found on the GPT3-20B row); the ``held out`` rows were
-first run after that change and no choice of the model was made with them on screen.
+first run after that change and no choice of the model was made with them on screen until
+the two FP8 changes (FP8 GEMMs' k-loop rule, ``benchmarks/fp8_gemms.py``; current
+scaling's amax pass), made with every row seen but with no number taken from a row.
 
 Run: ``PYTHONPATH=. python benchmarks/published_overlap.py`` (prints the table, each
 row's command, the median and worst error over all rows and over the held-out rows, and
@@ -97,6 +102,7 @@ class PublishedRun:
     vp: int = 1
     fsdp: bool = False
     fp8: bool = True
+    fp8_scaling: str = "delayed"  # how its FP8 casts find their scale (pipesim.model.spec.FP8_SCALINGS)
     recompute: str = "none"
     tp_overlap: bool = True
     in_sample: bool = False
@@ -121,7 +127,7 @@ class PublishedRun:
         if self.cp > 1:
             flags.append(f"--cp {self.cp}")
         if self.fp8:
-            flags.append("--fp8")
+            flags.append(f"--fp8 {self.fp8_scaling}")
         return " ".join(flags).split()
 
 
@@ -141,18 +147,18 @@ def runs() -> list[PublishedRun]:
         PublishedRun("LLAMA3-8B cp2", nemo, 8, "--model llama3-8b", 8, 128, 1, 8192, 1, 1, 12036, 697, cp=2),
         PublishedRun("LLAMA3-70B cp2", nemo, 70, "--model llama3-70b", 64, 128, 1, 8192, 4, 4, 1533, 738, cp=2,
                      vp=5),
-        # Megatron-Bridge 25.11, DGX-H100, FP8 (current scaling)
+        # Megatron-Bridge 25.11, DGX-H100, FP8-CS (current scaling)
         PublishedRun("LLAMA3_8B FSDP", bridge, 8, "--model llama3-8b", 8, 128, 1, 8192, 1, 1, 14451, 744,
-                     fsdp=True, in_sample=True),
+                     fsdp=True, fp8_scaling="current", in_sample=True),
         PublishedRun("LLAMA3_70B", bridge, 70, "--model llama3-70b", 64, 128, 1, 8192, 4, 8, 1602, 719, vp=5,
-                     in_sample=True),
+                     fp8_scaling="current", in_sample=True),
         PublishedRun("LLAMA3.1_405B", bridge, 405, "--model llama3-405b", 1024, 512, 1, 8192, 8, 8, 292, 737, cp=2,
-                     vp=8),
-        # Megatron-Bridge 26.02, DGX-H100, FP8
+                     vp=8, fp8_scaling="current"),
+        # Megatron-Bridge 26.02, DGX-H100, "FP8" (the scaling not named: taken as 25.11's FP8-CS)
         PublishedRun("LLAMA3_70B GBS256", bridge2602, 70, "--model llama3-70b", 64, 256, 1, 8192, 4, 8, 1621, 728,
-                     vp=5),
+                     vp=5, fp8_scaling="current"),
         PublishedRun("LLAMA3.1_405B GBS1536", bridge2602, 405, "--model llama3-405b", 1024, 1536, 1, 8192, 8, 8,
-                     311, 784, cp=2, vp=8),
+                     311, 784, cp=2, vp=8, fp8_scaling="current"),
     ]
     # torchtitan, June 2025: FSDP2 x TP 8, torch.compile; 8B per-op selective AC, local batch 12 on 64 GPUs;
     # 70B full AC, local batch 16 on 256 GPUs; (precision, vanilla TP tokens/s, async TP tokens/s)
@@ -164,7 +170,7 @@ def runs() -> list[PublishedRun]:
                 label = f"Llama3.1-{params}B {precision} {'async' if overlap else 'vanilla'} TP"
                 rows.append(PublishedRun(label, titan, params, f"--model llama3-{params}b", gpus, gpus // 8 * local,
                                          local, 8192, 8, 1, tokens, fsdp=True, fp8=precision == "float8",
-                                         recompute=recompute, tp_overlap=overlap))
+                                         fp8_scaling="current", recompute=recompute, tp_overlap=overlap))
     return rows
 
 
@@ -245,6 +251,23 @@ def tp_overlap_lines(rows: list[PublishedRun], predictions: dict[str, Prediction
     return lines
 
 
+def fp8_over_bf16_lines(rows: list[PublishedRun], predictions: dict[str, Prediction]) -> list[str]:
+    """torchtitan's pairs of one layout in float8 and in BF16: FP8's end-to-end speedup,
+    published against predicted (the FP8 model on its own, communication alike in both)."""
+    lines = []
+    for run in rows:
+        if run.source != "torchtitan-asynctp" or not run.fp8:
+            continue
+        bf16 = next((other for other in rows if other.label == run.label.replace("float8", "bf16")), None)
+        if bf16 is None:
+            continue
+        published = run.tokens_per_gpu / bf16.tokens_per_gpu
+        predicted = predictions[run.label].tokens_per_gpu / predictions[bf16.label].tokens_per_gpu
+        lines.append(f"{run.label.replace('float8 ', '')}: float8 over bf16 {published:.3f} published, "
+                     f"{predicted:.3f} predicted")
+    return lines
+
+
 def table(rows: list[PublishedRun], extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, Prediction]]:
     lines = ["| run | source | GPUs | tp pp cp vp dp | m | published tokens/s/GPU | predicted | error | "
              "predicted MFU | compute share of the step | sample |",
@@ -279,7 +302,8 @@ def main() -> None:
     for key, source in SOURCES.items():
         print(f"{key}: {source}")
     print()
-    for line in trend_lines(rows, predictions) + tp_overlap_lines(rows, predictions):
+    for line in trend_lines(rows, predictions) + tp_overlap_lines(rows, predictions) + \
+            fp8_over_bf16_lines(rows, predictions):
         print(line)
     print()
     errors = {run.label: abs(error(run, predictions[run.label])) for run in rows}

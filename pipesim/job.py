@@ -96,7 +96,7 @@ class Job:
     no_flash_attention: bool = False
     capacity_factor: float | None = None
     attention_flops: str = "causal"  # how MFU counts attention (pipesim.model.transformer_costs.ATTENTION_FLOPS)
-    fp8: bool = False
+    fp8: bool | str = False  # on (True) or its scaling (pipesim.model.spec.FP8_SCALINGS)
     comm_sms: int = 0
     topology: str = "ideal"
     nodes: int | None = None
@@ -434,8 +434,9 @@ def model_spec_of(job):
     factor = getattr(job, "capacity_factor", None)
     if factor is not None:
         spec = spec.with_capacity_factor(finite_flag(factor, "--capacity-factor", positive=True))
-    if getattr(job, "fp8", False) and not spec.fp8:
-        spec = replace(spec, fp8=True)
+    fp8 = getattr(job, "fp8", False)
+    if fp8:
+        spec = replace(spec, fp8=True, fp8_scaling=fp8 if isinstance(fp8, str) else spec.fp8_scaling)
     return spec
 
 

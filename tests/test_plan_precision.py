@@ -46,6 +46,15 @@ def test_fp8_plans_each_layout_as_simulate_fp8_does(bf16_row):
     assert row["step_time"] < 0.9 * bf16_row["step_time"]  # the weight GEMMs run faster in FP8
 
 
+def test_fp8_current_scaling_plans_each_layout_as_simulate_does(bf16_row):
+    (delayed,) = plan(PlanRequest(**SMALL, fp8=True)).rows
+    (row,) = plan(PlanRequest(**SMALL, fp8="current")).rows
+    assert row["step_time"] == pytest.approx(simulated_step(row, fp8="current"), rel=1e-9)
+    assert delayed["step_time"] < row["step_time"] < bf16_row["step_time"]  # the amax passes cost HBM time
+    with pytest.raises(ValueError, match="--fp8 is on or off .* or a scaling \\(delayed, current\\), got 'dynamic'"):
+        plan(PlanRequest(**SMALL, fp8="dynamic"))
+
+
 def test_comm_sms_plans_each_layout_as_simulate_does(bf16_row):
     (row,) = plan(PlanRequest(**SMALL, comm_sms=20)).rows
     assert row["layout"] == bf16_row["layout"]

@@ -168,13 +168,18 @@ def add_precision_args(group) -> None:
     """``--fp8`` and ``--comm-sms``: what the GEMMs run in and the SMs kept for
     communication (``pipesim.model.compute_model.stage_compute_model``), for simulate's
     model and every layout plan tries."""
-    group.add_argument("--fp8", action="store_true",
+    from pipesim.model.spec import FP8_SCALINGS
+
+    group.add_argument("--fp8", nargs="?", const="delayed", default=False, choices=FP8_SCALINGS, metavar="SCALING",
                        help="with --model: the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3's recipe; the "
-                       "router, attention core and output head stay BF16) on h100, h200, h800 or b200, at the FP8 "
-                       "matmul throughput measured on Hopper (1.70x BF16's) plus each GEMM's casts; MFU stays "
-                       "against the BF16 peak, as papers report it, the FP8 peak's beside it; the GEMMs' inputs are "
-                       "stashed in FP8 (a mixture of experts keeps only SwiGLU's inputs, DeepSeek-V3's caching). A "
-                       "config.json's FP8 quantization_config turns it on (default: BF16)")
+                       "router, attention core and output head stay BF16) on h100, h200, h800 or b200, their k loop "
+                       "at the FP8 matmul throughput measured on Hopper (1.70x BF16's) plus each GEMM's casts; "
+                       "SCALING: delayed (the default: scales from the amax history, one read per cast; "
+                       "DeepSeek-V3's tile-wise scales alike) or current (an amax pass first, two reads: "
+                       "Transformer Engine's current scaling, Megatron-Bridge's FP8-CS, torchao's tensorwise); "
+                       "MFU stays against the BF16 peak, as papers report it, the FP8 peak's beside it; the GEMMs' "
+                       "inputs are stashed in FP8 (a mixture of experts keeps only SwiGLU's inputs, DeepSeek-V3's "
+                       "caching). A config.json's FP8 quantization_config turns it on (default: BF16)")
     group.add_argument("--comm-sms", type=int, default=0, metavar="SMS",
                        help="with --model: SMs of each GPU kept for communication kernels (DeepSeek-V3 kept 20 of "
                        "an H800's 132): GEMMs and attention run on the rest, at their share of the peak (default: 0)")

@@ -33,16 +33,30 @@ Where the kernel figures come from (never from a training run):
 (``save_compute_model``/``load_compute_model``).
 
 **FP8** (``--fp8``, or a config's FP8 ``quantization_config``): the GEMMs a
-``Gemm.fp8`` marks (``pipesim.model.operations``) run ``fp8_speedup`` times as fast as
-in BF16 on the same shape model (``GpuSpec.fp8_matmul_flops / matmul_flops``: 1.70 on
-Hopper, from DeepGEMM's measured FP8 throughput; with ``--mfu`` the datasheets' 2), their
-operands one byte wide. Each also pays its casts, as memory-bound kernels: its input
+``Gemm.fp8`` marks (``pipesim.model.operations``) run their ``k`` loop ``fp8_speedup``
+times as fast as in BF16 on the same shape model (``GpuSpec.fp8_matmul_flops /
+matmul_flops``: 1.70 on Hopper, from DeepGEMM's measured FP8 throughput; with ``--mfu``
+the datasheets' 2), their operands one byte wide and their output BF16. Each tile's fixed prologue and
+epilogue (the fitted ``k_overhead``: the epilogue writes the same BF16 output tile) do
+not speed up (``GemmModel.mainloop_speedup``), so the FP8 gain grows with ``k``: 1.68 at
+16384 cubed, 1.25 at k 256 (m = n = 8192). That is the shape of the published FP8 sweeps
+by ``k`` on Hopper (tile-ai/tilelang ``benchmark/matmul_fp8/README.md``, H800, m = n =
+8192, k 256-16384: throughput at k 256 is 25-37% of that at 16384 across its two
+published runs, the model's 37%, the flat ratio's 49%; tested in ``tests/test_fp8.py``),
+and at 8192 cubed the model's 1,143 FP8 TFLOP/s on an H100 is the 1,137 cuBLAS reaches
+through ``torch._scaled_mm`` in the benchmark of pytorch/pytorch pull request 155507.
+Each also pays its casts, as memory-bound kernels: its input
 before the forward and the output's gradient before the backward are read in BF16 and
 written in FP8 twice, as is and transposed (Transformer Engine's fused cast-transpose,
 ``CAST_BYTES`` = 2 + 1 + 1 bytes per element; the scaling factors, one per 1x128 tile in
 DeepSeek-V3's recipe, are a 1/128 share and not counted). The weights are cast once per
 step, not per microbatch (Megatron-Core hands Transformer Engine ``is_first_microbatch``,
-which keeps the FP8 copy), and that pass is not counted. A GPU without FP8 tensor cores
+which keeps the FP8 copy), and that pass is not counted. Current scaling
+(``ModelSpec.fp8_scaling``, ``--fp8 current``: Transformer Engine's Float8CurrentScaling,
+Megatron-Bridge's FP8-CS, torchao's tensorwise dynamic scaling) finds each scale from the
+tensor itself, an amax pass before the cast: Transformer Engine's docs ("FP8 Delayed
+Scaling") count two reads of the tensor per quantization against delayed scaling's one,
+so its casts read the 2-byte element once more (``AMAX_BYTES``, 6 bytes in all). A GPU without FP8 tensor cores
 (A100), or a profiled model (which measured BF16), refuses FP8 in one line.
 """
 
@@ -69,6 +83,7 @@ FILE_FORMAT = 1
 H200_GEMM_FIT = {"efficiency": 0.7234, "k_overhead": 272.0, "launch_seconds": 25.1e-6}
 MEASURED_GPU = "h200"
 CAST_BYTES = 4  # an FP8 cast-transpose: reads 2 bytes per element, writes 1 twice (as is, transposed)
+AMAX_BYTES = 2  # current scaling's amax pass: the 2-byte element read once more before its cast
 
 
 class ComputeModelError(ValueError):
@@ -122,13 +137,13 @@ class KernelModel:
 
     def gemm_seconds(self, gemm: Gemm, element_bytes: int) -> float:
         if gemm.fp8:
-            return self.fp8_gemm.seconds(gemm.m, gemm.k, gemm.n, gemm.count, 1)
+            return self.fp8_gemm.seconds(gemm.m, gemm.k, gemm.n, gemm.count, 1, output_bytes=2)  # BF16 out
         return self.gemm.seconds(gemm.m, gemm.k, gemm.n, gemm.count, element_bytes)
 
     @functools.cached_property
     def fp8_gemm(self) -> GemmModel:
-        """The GEMM model at ``fp8_speedup`` times the throughput."""
-        return replace(self.gemm, peak_flops=self.gemm.peak_flops * self.fp8_speedup)
+        """The GEMM model with its ``k`` loop ``fp8_speedup`` times as fast (see the module)."""
+        return replace(self.gemm, mainloop_speedup=self.fp8_speedup)
 
     def attention_seconds(self, attention: FlashAttention) -> tuple[float, float]:
         return self.attention.seconds(attention, self.attention_scale)
@@ -233,8 +248,9 @@ def _gemm_time(gemm: Gemm, model: ComputeModel, element_bytes: int) -> Operation
     data_grad = model.gemm_seconds(replace(gemm, k=gemm.n, n=gemm.k), element_bytes)  # m x n by n x k
     other_grad = model.gemm_seconds(replace(gemm, m=gemm.k, k=gemm.m), element_bytes)  # k x m by m x n
     if gemm.fp8:  # the input cast before the forward, the output gradient's before the backward
-        forward += model.memory_seconds(CAST_BYTES * gemm.count * gemm.m * gemm.k)
-        data_grad += model.memory_seconds(CAST_BYTES * gemm.count * gemm.m * gemm.n)
+        cast = CAST_BYTES + (AMAX_BYTES if gemm.amax_pass else 0)
+        forward += model.memory_seconds(cast * gemm.count * gemm.m * gemm.k)
+        data_grad += model.memory_seconds(cast * gemm.count * gemm.m * gemm.n)
     if gemm.weighted:
         return OperationTime(forward, data_grad, other_grad)
     return OperationTime(forward, data_grad + other_grad)  # both operands are activations

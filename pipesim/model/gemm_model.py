@@ -22,6 +22,11 @@ CTA tiles on Ampere and Hopper::
     time = max(waves * 2 tm tn (k + k_overhead) / (efficiency * peak / sms),
                bytes / (HBM bandwidth * HBM efficiency), launch_seconds)
 
+A GEMM whose ``k`` loop runs ``mainloop_speedup`` times as fast (FP8 tensor cores,
+``pipesim.model.compute_model``) speeds up only that loop: the prologue and epilogue
+(``k_overhead``, in BF16's units of ``k``) stay as they were, so ``k`` becomes
+``k / mainloop_speedup + k_overhead`` and a short-``k`` GEMM gains less than a long one.
+
 ``fit_gemm_model`` finds ``efficiency``, ``k_overhead`` and ``launch_seconds`` from measured
 GEMM timings: the shipped H200 table (``pipesim/model/data``) and ``pipesim profile
 --compute-model`` on the user's own GPU both go through it.
@@ -56,11 +61,17 @@ class GemmModel:
     efficiency: float
     k_overhead: float
     launch_seconds: float
+    mainloop_speedup: float = 1.0  # the k loop's speed over BF16's (FP8: pipesim.model.compute_model)
 
-    def seconds(self, m: float, k: float, n: float, count: float = 1, element_bytes: int = 2) -> float:
-        """Seconds of ``count`` ``m x k`` by ``k x n`` products run as one batched kernel."""
-        compute = tile_seconds(m, n, count, self.peak_flops, self.sms) * (k + self.k_overhead) / self.efficiency
-        memory = memory_traffic.memory_seconds(count * element_bytes * (m * k + k * n + m * n), self.memory_bandwidth)
+    def seconds(self, m: float, k: float, n: float, count: float = 1, element_bytes: int = 2,
+                output_bytes: int | None = None) -> float:
+        """Seconds of ``count`` ``m x k`` by ``k x n`` products run as one batched kernel,
+        the operands ``element_bytes`` wide and the output ``output_bytes`` (default: the same)."""
+        k_loop = k / self.mainloop_speedup + self.k_overhead
+        compute = tile_seconds(m, n, count, self.peak_flops, self.sms) * k_loop / self.efficiency
+        output = element_bytes if output_bytes is None else output_bytes
+        memory = memory_traffic.memory_seconds(count * (element_bytes * (m * k + k * n) + output * m * n),
+                                               self.memory_bandwidth)
         return max(compute, memory, self.launch_seconds)
 
 

@@ -82,6 +82,7 @@ class Gemm:
     weighted: bool = True  # the k x n operand is a parameter: its gradient is W work
     attention_core: bool = False
     fp8: bool = False  # run in FP8 with its casts (pipesim.model.compute_model)
+    amax_pass: bool = False  # FP8 with current scaling: each cast's input is read once more first
 
     @property
     def flops(self) -> float:
@@ -144,6 +145,14 @@ class MemoryBound:
 Operation = Gemm | FlashAttention | MemoryBound
 # latent attention's up-projections: what --recompute norm-mla-up re-runs (pipesim.model.weights)
 UP_PROJECTIONS = ("query_up", "kv_up")
+def precision(spec: ModelSpec, in_fp8: bool = True) -> dict:
+    """A weight GEMM's precision fields under ``spec``: FP8 when the model runs FP8 and the
+    GEMM is not one kept in BF16, with the amax pass of current scaling (``FP8_SCALINGS``
+    in ``pipesim.model.spec``)."""
+    fp8 = spec.fp8 and in_fp8
+    return {"fp8": fp8, "amax_pass": fp8 and spec.fp8_scaling == "current"}
+
+
 # GEMMs kept in BF16 when the others run in FP8: the MoE gating (DeepSeek-V3's recipe, section
 # 3.3.1: "the embedding module, the output head, MoE gating modules, normalization operators, and
 # attention operators" stay in higher precision); the output head's logits are not a weight GEMM here
@@ -177,7 +186,7 @@ def weight_gemms(weights: tuple[Weight, ...], spec: ModelSpec, tp: int = 1, sequ
         rows, _ = shard(first, spec, tp)  # fused matrices read the same input
         columns = sum(shard(weight, spec, tp)[1] for weight in members)
         gemms.append(Gemm(name, gemm_rows(first, spec, tp, sequence_parallel, padded, ep), rows, columns,
-                          stack_on_rank(first, ep), fp8=spec.fp8 and name not in BF16_GEMMS))
+                          stack_on_rank(first, ep), **precision(spec, name not in BF16_GEMMS)))
     return tuple(gemms)
 
 
@@ -250,7 +259,7 @@ def mtp_operations(spec: ModelSpec, tp: int = 1, cp: int = 1) -> tuple[Operation
     of layer ``spec.layers``): its ``2h -> h`` projection (column-parallel) and the logits
     of the shared output head, for the rank's ``s / cp`` tokens."""
     tokens = spec.context_shard(cp).tokens
-    return (Gemm("mtp_projection", tokens, 2 * spec.hidden, spec.hidden / tp, fp8=spec.fp8),
+    return (Gemm("mtp_projection", tokens, 2 * spec.hidden, spec.hidden / tp, **precision(spec)),
             *head_operations(spec, tp, cp))
 
 

@@ -46,6 +46,12 @@ from pipesim.model.experts import MixtureOfExperts
 from pipesim.model.latent_attention import LatentAttention
 from schedules.textfile import read_text
 
+# How an FP8 cast finds its scale (Transformer Engine's recipes, its docs' "FP8 Delayed
+# Scaling"): "delayed" from the amax history, one read of the tensor (DeepSeek-V3's
+# tile-wise scales are found in the same pass); "current" from the tensor itself, an amax
+# pass before the cast, two reads (TE's Float8CurrentScaling, torchao's tensorwise dynamic).
+FP8_SCALINGS = ("delayed", "current")
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -82,9 +88,13 @@ class ModelSpec:
     attention_chunk: int | None = None  # Llama 4: a query sees only the keys of its own chunk of this many tokens
     chunked_layers: tuple[int, ...] = ()  # indices of the layers whose attention is chunked
     fp8: bool = False  # the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3): pipesim.model.compute_model
+    fp8_scaling: str = "delayed"  # how FP8 casts find their scale (FP8_SCALINGS): pipesim.model.compute_model
     mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers), after the head
 
     def __post_init__(self) -> None:
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise ModelSpecError(f"model {self.name}: FP8 scaling {self.fp8_scaling!r} is not one of "
+                                 f"{', '.join(FP8_SCALINGS)}")
         for key in ("layers", "hidden", "heads", "seq_len", "vocab", "microbatch_size", "dtype_bytes"):
             require_count(getattr(self, key), f"model {self.name}: {key}")
         for key in ("kv_heads", "ffn_hidden", "head_dim", "positions"):

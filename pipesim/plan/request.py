@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipesim.job import Job, model_spec_of, parallel_of, topology_of
+from pipesim.model.spec import FP8_SCALINGS
 from pipesim.plan.evaluate import LayoutEvaluator
 from pipesim.plan.layouts import RECOMPUTE_MODES, SearchSpace, enumerate_layouts, parse_constraints, values_left_out
 from pipesim.plan.search import PlanResult, search
@@ -60,7 +61,7 @@ class PlanRequest:
     constraints: Sequence[str] = ()
     mfu: float | None = None
     compute_model: str | None = None
-    fp8: bool = False
+    fp8: bool | str = False  # on (True) or its scaling (pipesim.model.spec.FP8_SCALINGS)
     comm_sms: int = 0
     max_actions: int | None = None
     memory_headroom: str = "auto"
@@ -117,8 +118,9 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
             _whole(flag, value)
     if request.mfu is not None and not 0 < request.mfu <= 1:  # NaN fails this too
         raise ValueError(f"--mfu is a fraction of peak in (0, 1], got {request.mfu}")
-    if not isinstance(request.fp8, bool):
-        raise ValueError(f"--fp8 is on or off (True or False), got {request.fp8!r}")
+    if not isinstance(request.fp8, bool) and request.fp8 not in FP8_SCALINGS:
+        raise ValueError(f"--fp8 is on or off (True or False) or a scaling ({', '.join(FP8_SCALINGS)}), "
+                         f"got {request.fp8!r}")
     if isinstance(request.comm_sms, bool) or not isinstance(request.comm_sms, int) or request.comm_sms < 0:
         raise ValueError(f"--comm-sms must be a whole number of SMs >= 0, got {request.comm_sms!r}")
     if request.gpus > MAX_PLAN_GPUS:
