@@ -1,0 +1,56 @@
+"""compare with the costs of the run's own calibration steps (the default): on 2-4 tiny
+gloo ranks, with tp shards whose collectives the simulator charges from the links."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipesim.cli import main
+
+TINY = ["--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--backend", "gloo", "--steps", "2",
+        "--calibration-steps", "1"]
+
+
+def topology(path, ranks: int, bandwidth: float = 1e9, latency: float = 1e-4) -> str:
+    link = {"bandwidth": bandwidth, "latency": latency, "medium": "gloo measured"}
+    document = {"devices": [{"name": f"rank{rank}"} for rank in range(ranks)],
+                "links": [{"src": f"rank{a}", "dst": f"rank{b}", **link}
+                          for a in range(ranks) for b in range(a + 1, ranks)]}
+    path.write_text(json.dumps(document))
+    return str(path)
+
+
+@pytest.mark.timeout(300)
+def test_compare_predicts_a_tp_run_with_its_collectives_priced_by_the_links(tmp_path):
+    # gpt, 2 layers over 2 stages, microbatches of 2 sequences of 8 tokens, hidden 16
+    assert main(["compare", *TINY, "--tp", "2", "--model", "gpt", "--layers", "2", "--hidden", "16", "--heads", "2",
+                 "--seq-len", "8", "--batch-size", "4", "--topology", topology(tmp_path / "links.json", 4),
+                 "--json", str(tmp_path / "compare.json"), "--predicted-trace", str(tmp_path / "predicted.json")]) == 0
+    document = json.loads((tmp_path / "compare.json").read_text())
+    costs = document["costs"]
+    assert costs["meta"]["source"] == "calibration steps of the run"
+    for stage in costs["stages"]:
+        assert stage["layers"] == 1
+        assert stage["tp_message_bytes"] == 2 * 8 * 16 * 4  # the layer's s*b*h activation in float32
+        assert stage["fwd"] > 0 and stage["bwd"] > 0
+    # Megatron's two all-reduces per layer after F and after B; a ring all-reduce over 2
+    # ranks: 2 (n - 1) / n * S / B + 2 (n - 1) * latency = 1024 B / 1 GB/s + 0.2 ms
+    one = 1024 / 1e9 + 2e-4
+    events = json.loads((tmp_path / "predicted.json").read_text())["events"]
+    collectives = [event for event in events if event["stream"] == "tp"]
+    assert {event["action"] for event in collectives if event["rank"] == 0} == {"TP(0F0)", "TP(0F1)", "TP(0B0)",
+                                                                               "TP(0B1)"}
+    assert len(collectives) == 2 * 2 * 2  # per rank: 2 microbatches x (F, B)
+    for event in collectives:
+        assert event["end"] - event["start"] == pytest.approx(2 * one, rel=1e-6)
+    assert document["measured_step_time"] > 0 and document["predicted_step_time"] > 0
+
+
+def test_compare_refuses_costs_given_twice_and_no_calibration_steps(tmp_path, capsys):
+    assert main(["compare", *TINY[:-2], "--calibration-steps", "0"]) == 2
+    assert "--calibration-steps must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["compare", *TINY, "--costs", "costs.json", "--calibration", "run"]) == 2
+    assert "--costs costs.json gives the costs; --calibration run measures them: give one of them" in (
+        capsys.readouterr().err)
