@@ -7,11 +7,12 @@ backend's threads and whatever else the machine runs sharing the cores. On the s
 2-core machine this was built on, compute ran up to 8.5x slower inside the run than in
 the profile, and every prediction fell short by that much. Here the costs are timed the
 way the run is timed, by the same code under the same contention: the job's processes
-first run a few **calibration steps** of the same lowered programs, and each F, B, I and
-W is the mean wall time of that action over those steps (minus the tp collectives the
-trace shows inside it, when the simulator charges them itself). The timed steps that the
-comparison reports come after and are never used for a cost, so the prediction stays a
-prediction: the simulator still has to get every wait, transfer and bubble right.
+run a few **calibration steps** of the same lowered programs (``pipesim compare`` runs
+half of them before its timed steps and half after, in the same processes), and each F,
+B, I and W is the mean wall time of that action over such a step (minus the tp
+collectives the trace shows inside it, when the simulator charges them itself). The
+timed steps that the comparison reports are never used for a cost, so the prediction
+stays a prediction: the simulator still has to get every wait, transfer and bubble right.
 
 The runtime's own time between actions (its loop, the hooks, posting P2P groups) is read
 off the same steps (``overhead_fit``), and the step's time outside the pipeline (the

@@ -54,3 +54,18 @@ def test_compare_refuses_costs_given_twice_and_no_calibration_steps(tmp_path, ca
     assert main(["compare", *TINY, "--costs", "costs.json", "--calibration", "run"]) == 2
     assert "--costs costs.json gives the costs; --calibration run measures them: give one of them" in (
         capsys.readouterr().err)
+
+
+def test_compute_stretch_counts_the_tp_collectives_the_run_holds_inside_its_compute():
+    from pipesim.sim.comparison import compare
+    from schedules.trace import Trace, TraceEvent
+
+    meta = {"pp": 1, "schedule": "1f1b", "microbatches": 1, "virtual_stages": 1}
+    # measured: one forward of 0.5 s with its collective inside; predicted: 0.4 s of
+    # compute and the 0.1 s collective after it, on the tp stream
+    measured = Trace([TraceEvent(0, "0F0", "F", 0, 0, 0.0, 0.5, "compute")], {**meta, "source": "measured"})
+    predicted = Trace([TraceEvent(0, "0F0", "F", 0, 0, 0.0, 0.4, "compute"),
+                       TraceEvent(0, "TP(0F0)", "TP", 0, 0, 0.4, 0.5, "tp")], {**meta, "source": "simulated"})
+    document = compare(measured, [0.5] * 6, predicted, 0.5)
+    assert document["compute_stretch"] == pytest.approx([1.0])
+    assert not any(warning.startswith("compute ran") for warning in document["warnings"])

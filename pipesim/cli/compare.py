@@ -149,19 +149,25 @@ def chart_summaries(document: dict, drawn_step: int | None = None, drawn_span: f
 
 
 def run_calibrated(args: argparse.Namespace, config, schedule, progress):
-    """Run the calibration steps and then the timed steps in one launch (the same
-    processes, the same lowered programs) and return the timed run's result and the
-    costs read off the calibration steps (``executor.run_costs``)."""
+    """Run the timed steps between calibration steps, half of them before and half after,
+    in one launch (the same processes, the same lowered programs); return the timed run's
+    result and the costs read off the calibration steps (``executor.run_costs``). On a
+    machine whose load drifts over a minute (the shared 2-core machine: compute 2x slower
+    in one compare's calibration steps than in the timed steps that followed), steps on
+    both sides see the load the timed steps saw on average; none of them is timed."""
     from executor.launch import launch  # noqa: PLC0415 - loads torch
     from executor.run_costs import calibration_configs, calibration_document  # noqa: PLC0415
     from pipesim.model.costs import costs_from_dict  # noqa: PLC0415
 
     calibration = calibration_configs(config, args.calibration_steps)
-    progress.line(f"2/3 running {len(calibration)} calibration steps (each after a warm-up step), then {config.steps} "
-                  f"steps, on {config.world_size} ranks")
+    before = -(-len(calibration) // 2)
+    progress.line(f"2/3 running {before} calibration steps, {config.steps} timed steps, then "
+                  f"{len(calibration) - before} calibration steps (each after a warm-up step) on {config.world_size} "
+                  "ranks")
     with StepWatcher(progress, config.world_size, config.steps):
-        *calibrated, result = launch([*calibration, config], verbose=args.verbose)
-    document = calibration_document(config, schedule, calibrated)
+        results = launch([*calibration[:before], config, *calibration[before:]], verbose=args.verbose)
+    result = results.pop(before)
+    document = calibration_document(config, schedule, results)
     return result, costs_from_dict(document, schedule.num_stages, name="calibration steps")
 
 
