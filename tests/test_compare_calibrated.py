@@ -69,3 +69,10 @@ def test_compute_stretch_counts_the_tp_collectives_the_run_holds_inside_its_comp
     document = compare(measured, [0.5] * 6, predicted, 0.5)
     assert document["compute_stretch"] == pytest.approx([1.0])
     assert not any(warning.startswith("compute ran") for warning in document["warnings"])
+
+
+def test_the_stage_profile_refuses_tp_and_names_the_calibration_that_takes_it(tmp_path, capsys):
+    assert main(["profile", "--pp", "2", "--tp", "2", "--model", "gpt", "--batch-size", "8", "--backend", "gloo",
+                 "--out", str(tmp_path / "costs.json")]) == 2
+    assert "--calibration run times the run's own steps with them" in capsys.readouterr().err
+    assert not (tmp_path / "costs.json").exists()
