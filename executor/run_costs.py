@@ -36,6 +36,7 @@ from schedules.action import COMPUTE_KINDS, RECV_KINDS, RECV_OF, SEND_KINDS, Act
 from schedules.schedule import Schedule
 from schedules.trace import Trace
 
+RUN_CALIBRATED = "calibration steps of the run"  # meta.source of these costs files: they time tp/cp/ep shards
 TP_KIND = "TP"  # the kind of a tp collective's event (executor.gather)
 COMM_KINDS = RECV_KINDS | SEND_KINDS
 
@@ -212,7 +213,7 @@ def calibration_document(config: RunConfig, schedule: Schedule, calibrated: Sequ
         entry.update(sizes)
     document["sequence_parallel"] = config.sequence_parallel
     document["meta"] = {
-        "source": "calibration steps of the run", "calibration_steps": len(calibrated),
+        "source": RUN_CALIBRATED, "calibration_steps": len(calibrated),
         "backend": calibrated[0].get("backend"), "threads": config.threads, "model": config.model,
         "layers": config.layers, "hidden": config.hidden, "seq_len": config.seq_len, "pp": config.pp,
         "virtual_stages": config.virtual_stages, "schedule": schedule.name, "dtype": config.dtype,

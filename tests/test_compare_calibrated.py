@@ -76,3 +76,18 @@ def test_the_stage_profile_refuses_tp_and_names_the_calibration_that_takes_it(tm
                  "--out", str(tmp_path / "costs.json")]) == 2
     assert "--calibration run times the run's own steps with them" in capsys.readouterr().err
     assert not (tmp_path / "costs.json").exists()
+
+
+def test_a_stage_profile_costs_file_is_refused_for_a_tp_run_and_a_run_calibrated_one_taken(tmp_path, capsys):
+    from executor.config import RunConfig
+    from pipesim.cli.compare import check_whole_stages
+
+    stage = {"fwd": 1e-3, "bwd": 2e-3}
+    (tmp_path / "costs.json").write_text(json.dumps({"stages": [stage, stage], "meta": {"source": "pipesim profile"}}))
+    assert main(["compare", *TINY, "--tp", "2", "--model", "gpt", "--batch-size", "4",
+                 "--costs", str(tmp_path / "costs.json")]) == 2
+    assert f"--costs {tmp_path / 'costs.json'} times whole pipeline stages, not --tp 2 shards" in (
+        capsys.readouterr().err)
+    config = RunConfig(pp=2, tp=2, model="gpt")
+    check_whole_stages(config, "--costs c.json", {"source": "calibration steps of the run"})  # taken
+    check_whole_stages(RunConfig(pp=2), "--costs c.json", {})  # no shards: any costs

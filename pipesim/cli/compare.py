@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from executor.options import add_run_arguments, config_from_args
+from executor.run_costs import RUN_CALIBRATED  # no torch at import
 from pipesim.cli.profile import add_profile_arguments, check_profile_arguments
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
 from pipesim.cli.variability import add_variability_args, variability_from_args
@@ -73,12 +74,25 @@ def replicas(config):
                           ep=config.ep, overlap_tp=False)
 
 
+
+def check_whole_stages(config, source: str, meta: dict | None = None) -> None:
+    """Refuse costs of whole pipeline stages (the stage profile, a file written by hand)
+    for a run split into tp, cp or ep shards: they hold neither a shard's compute nor its
+    collectives. Costs read off the run's own steps (``executor.run_costs``) time shards."""
+    split = [(flag, size) for flag, size in (("--tp", config.tp), ("--cp", config.cp), ("--ep", config.ep)) if size > 1]
+    if split and (meta or {}).get("source") != RUN_CALIBRATED:
+        given = " ".join(f"{flag} {size}" for flag, size in split)
+        raise ValueError(f"{source} times whole pipeline stages, not {given} shards; calibrate on the run's own "
+                         "steps (--calibration run, or a costs file from profile --calibration run)")
+
+
 def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
     """The costs file given, or a fresh profile of this config."""
     from pipesim.model.costs import costs_from_dict, load_costs  # noqa: PLC0415
 
     if args.costs:
         costs = load_costs(args.costs, num_stages)
+        check_whole_stages(config, f"--costs {args.costs}", costs.meta)
         check_costs_match(costs.meta, config, args.costs)
         return costs
     from executor.profile import profile  # noqa: PLC0415 - loads torch
@@ -93,7 +107,8 @@ def profiled_shape(config) -> dict:
     size and the dtype (the schedule and the microbatch count change no stage's time)."""
     shape = {"model": config.model, "layers": config.layers, "hidden": config.hidden, "pp": config.pp,
              "virtual_stages": config.virtual_stages, "dtype": config.dtype,
-             "microbatch_size": -(-config.replica_batch_size // config.microbatches)}
+             "microbatch_size": -(-config.replica_batch_size // config.microbatches),
+             "tp": config.tp, "cp": config.cp, "ep": config.ep}  # only a file from the run's own steps has these
     if config.model != "mlp":  # a model of tokens: the gpt or an architecture
         shape["seq_len"] = config.seq_len
     return shape
@@ -183,12 +198,8 @@ def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.pp < 2:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
-    split = [(flag, size) for flag, size in (("--tp", config.tp), ("--cp", config.cp), ("--ep", config.ep)) if size > 1]
-    if split and (args.costs or calibration == "stages"):
-        given = " ".join(f"{flag} {size}" for flag, size in split)
-        source = f"--costs {args.costs}" if args.costs else "--calibration stages"
-        raise ValueError(f"{source} times whole pipeline stages, not {given} shards; drop it to calibrate on "
-                         "the run's own steps (--calibration run)")
+    if calibration == "stages" and not args.costs:
+        check_whole_stages(config, "--calibration stages")
     from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
     from executor.spawn import SpawnError  # noqa: PLC0415
     from pipesim.sim.comparison import compare, report_lines  # noqa: PLC0415
