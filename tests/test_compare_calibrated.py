@@ -91,3 +91,21 @@ def test_a_stage_profile_costs_file_is_refused_for_a_tp_run_and_a_run_calibrated
     config = RunConfig(pp=2, tp=2, model="gpt")
     check_whole_stages(config, "--costs c.json", {"source": "calibration steps of the run"})  # taken
     check_whole_stages(RunConfig(pp=2), "--costs c.json", {})  # no shards: any costs
+
+
+@pytest.mark.timeout(240)
+def test_profile_writes_the_costs_of_the_runs_own_steps_for_compare_to_take(tmp_path, capsys):
+    flags = ["--schedule", "zb-h1", "--pp", "2", "--microbatches", "2", "--model", "mlp", "--layers", "2", "--hidden",
+             "8", "--batch-size", "4", "--backend", "gloo"]
+    out = tmp_path / "costs.json"
+    assert main(["profile", *flags, "--calibration", "run", "--calibration-steps", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    document = json.loads(out.read_text())
+    assert document["meta"]["source"] == "calibration steps of the run"
+    assert document["meta"]["calibration_steps"] == 1
+    for entry in document["stages"]:  # zb-h1 splits every backward: B is I + W as run
+        assert entry["igrad"] > 0 and entry["wgrad"] > 0
+        assert entry["bwd"] == pytest.approx(entry["igrad"] + entry["wgrad"])
+        assert entry["param_bytes"] == (8 * 8 + 8) * 4  # one Linear(8, 8) per stage, float32
+    assert f"stage 1: F {document['stages'][1]['fwd'] * 1e3:.3f} ms" in printed
+    assert all(document[key] >= 0 for key in ("action_overhead", "comm_overhead", "step_overhead"))
