@@ -168,3 +168,18 @@ def test_sleeping_stages_are_costed_at_their_sleep_on_two_gloo_ranks():
     assert document["stages"][0]["act_bytes"] == 2 * 8 * 4  # a microbatch of 2 x 8 float32 features
     assert document["stages"][1]["param_bytes"] == 2 * (8 * 8 + 8) * 4
     assert document["meta"]["source"] == "calibration steps of the run"
+
+
+def test_a_cp_rank_sends_its_share_of_the_sequence_and_a_tp_shard_holds_its_share_of_the_parameters():
+    from executor.run_costs import stage_bytes
+
+    shape = {"model": "gpt", "pp": 2, "layers": 4, "hidden": 16, "heads": 4, "seq_len": 8, "vocab": 32,
+             "batch_size": 8, "microbatches": 2}
+    whole = stage_bytes(RunConfig(**shape), 2)
+    # microbatches of 4 sequences of 8 tokens, hidden 16, float32; the last stage sends nothing
+    assert [entry["act_bytes"] for entry in whole] == [4 * 8 * 16 * 4, 0.0]
+    assert stage_bytes(RunConfig(**shape, cp=2), 2)[0]["act_bytes"] == 4 * 4 * 16 * 4
+    split = stage_bytes(RunConfig(**shape, tp=2), 2)
+    assert [entry["param_bytes"] for entry in split] == [entry["param_bytes"] / 2 for entry in whole]
+    assert [(entry["layers"], entry["tp_message_bytes"]) for entry in split] == [(2.0, 4 * 8 * 16 * 4)] * 2
+    assert "layers" not in whole[0]  # without tp no collective is charged per layer
