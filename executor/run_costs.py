@@ -101,7 +101,7 @@ def gaps(schedule: Schedule, trace: Trace) -> list[tuple[float, int, bool]]:
     for rank in range(schedule.pp):
         received = {(action.kind, action.stage, action.microbatch)
                     for action in schedule.programs[rank] if action.kind in RECV_KINDS}
-        paired = {backward: forward for forward, backward in schedule.fused_pairs(rank)}
+        paired = dict(schedule.fused_pairs(rank))  # an overlapped pair's forward waits for both inputs
         timed = by_rank.get(rank, {})
         previous_end, posts = None, 0
         for action in schedule.programs[rank]:

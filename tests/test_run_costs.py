@@ -32,12 +32,14 @@ def timeline(schedule, action_gap: float, post: float, wait: float, lead: float 
     events = []
     for rank in range(schedule.pp):
         received = {(a.kind, a.stage, a.microbatch) for a in schedule.programs[rank] if a.kind in RECV_KINDS}
+        pairs = dict(schedule.fused_pairs(rank))  # the runtime waits for both inputs before the pair's forward
         now, posts = (lead if rank == schedule.placement[0] else 0.0), 0
         for action in schedule.programs[rank]:
             if action.kind in SEND_KINDS | RECV_KINDS:
                 posts += 1
                 continue
-            waits = (RECV_OF.get(action.kind, ActionKind.RECV_B), action.stage, action.microbatch) in received
+            waits = any((RECV_OF.get(a.kind, ActionKind.RECV_B), a.stage, a.microbatch) in received
+                        for a in (action, *([pairs[action]] if action in pairs else [])))
             now += action_gap + posts * post + (wait if waits else 0.0)
             seconds = (SECONDS[action.kind] + action.stage) * slow
             events.append(TraceEvent.of(rank, action, now, now + seconds, "compute"))
@@ -78,9 +80,9 @@ def test_the_gaps_that_wait_for_data_are_told_from_the_loop():
 
 @settings(max_examples=30, deadline=None)
 @given(action_gap=st.floats(0.0, 1.0), post=st.floats(0.0, 1.0), wait=st.floats(0.0, 10.0),
-       name=st.sampled_from(["gpipe", "1f1b", "zb-h1"]), pp=st.integers(2, 4))
+       name=st.sampled_from(["gpipe", "1f1b", "zb-h1", "zbv", "dualpipev"]), pp=st.integers(2, 4))
 def test_the_overhead_fit_recovers_any_loop_and_post_cost(action_gap, post, wait, name, pp):
-    schedule = lower(generate(name, pp, 2 * pp))
+    schedule = lower(generate(name, pp, 2 * pp, 2 if name in ("zbv", "dualpipev") else 1))
     per_action, per_post = overhead_fit(gaps(schedule, timeline(schedule, action_gap, post, wait)))
     assert per_action == pytest.approx(action_gap, abs=1e-9)
     assert per_post == pytest.approx(post, abs=1e-9)
