@@ -235,7 +235,8 @@ def handle(args: argparse.Namespace) -> int:
         print(f"pipesim compare: run failed: {error}", file=sys.stderr)
         return 1
     # Predicted under the semantics the run had (--p2p, else its backend's).
-    with progress.phase("simulating the same programs"):
+    with progress.phase("3/3 simulating the same programs" if calibration == "run" and not args.costs
+                        else "4/4 simulating the same programs"):
         predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config),
                                    parallel=replicas(config))
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
