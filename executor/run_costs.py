@@ -37,7 +37,6 @@ from schedules.schedule import Schedule
 from schedules.trace import Trace
 
 RUN_CALIBRATED = "calibration steps of the run"  # meta.source of these costs files: they time tp/cp/ep shards
-TP_KIND = "TP"  # the kind of a tp collective's event (executor.gather)
 COMM_KINDS = RECV_KINDS | SEND_KINDS
 
 
@@ -56,6 +55,8 @@ def compute_seconds(trace: Trace, collectives_apart: bool) -> dict[tuple[int, st
     With ``collectives_apart`` the tp collectives each action ran inside it (``tp``
     events named ``TP(action)``) are taken out, for the simulator to charge them from
     the links instead."""
+    from executor.gather import TP_KIND  # noqa: PLC0415 - torch, which this module leaves out at import
+
     inside: dict[tuple[str, int], float] = defaultdict(float)
     if collectives_apart:
         for event in trace.events:
