@@ -32,16 +32,15 @@ from collections.abc import Sequence
 
 from executor.config import RunConfig
 from executor.estimate import ROUNDS, robust_mean
-from schedules.action import COMPUTE_KINDS, RECV_KINDS, RECV_OF, SEND_KINDS, ActionKind, parse_action
+from schedules.action import COMM_KINDS, COMPUTE_KINDS, RECV_KINDS, RECV_OF, ActionKind, parse_action
 from schedules.schedule import Schedule
 from schedules.trace import Trace
 
 RUN_CALIBRATED = "calibration steps of the run"  # meta.source of these costs files: they time tp/cp/ep shards
-COMM_KINDS = RECV_KINDS | SEND_KINDS
 
 
 def calibration_configs(config: RunConfig, steps: int = ROUNDS) -> list[RunConfig]:
-    """The configs the job runs before its timed steps: ``steps`` of them, of two steps
+    """The configs the job runs beside its timed steps: ``steps`` of them, of two steps
     each, launched in the same processes (``executor.launch.launch``). Each returns the
     Trace of its second step; its first, a fresh model's first step (allocator, autograd's
     first graph), is left out like the run's own warm-up step."""
