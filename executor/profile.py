@@ -298,7 +298,7 @@ def profile(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time: flo
     clock_for_compute(torch.device("cpu"), clock)  # an unknown clock is refused before any rank starts
     if config.tp > 1 or config.cp > 1 or config.ep > 1:
         raise ConfigError(f"profile measures whole pipeline stages (--tp 1 --cp 1 --ep 1); got --tp {config.tp} "
-                          f"--cp {config.cp} --ep {config.ep}. Profile the pp split, then simulate with --tp/--cp/--ep")
+                          f"--cp {config.cp} --ep {config.ep}; --calibration run times the run's own steps with them")
     # every data-parallel replica runs the same stages on its slice of the batch: one
     # replica's pipeline is what there is to time, and the simulator adds the dp reduction
     config = dataclasses.replace(config, dp=1, batch_size=config.replica_batch_size)

@@ -47,6 +47,8 @@ def test_compare_runs_and_predicts_two_replicas(tmp_path, capsys):
     assert document["predicted_step_time"] > 4e-3
 
 
-def test_compare_refuses_tensor_parallel_runs_in_one_line(capsys):
-    assert main(["compare", *TINY_DP[:-10], "--model", "gpt", "--tp", "2", "--batch-size", "8"]) == 2
-    assert "--tp 2 is not calibrated yet; use --tp 1" in capsys.readouterr().err
+def test_compare_refuses_stage_costs_for_a_tensor_parallel_run_in_one_line(capsys):
+    # a stage profile times whole stages; the run's own calibration steps time tp shards
+    assert main(["compare", *TINY_DP[:-10], "--model", "gpt", "--tp", "2", "--batch-size", "8",
+                 "--calibration", "stages"]) == 2
+    assert "--calibration stages times whole pipeline stages, not --tp 2 shards" in capsys.readouterr().err

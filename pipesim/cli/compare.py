@@ -1,10 +1,12 @@
 """``pipesim compare``: run a config for real and predict it with calibrated costs and
 links, then report how far apart the two are.
 
-Costs come from ``--costs`` or from profiling the config first (``pipesim profile``);
-links from ``--topology`` or from a short send/recv benchmark (``pipesim bench-comm``).
-The prediction simulates the same lowered programs the executor runs. torch is
-imported only inside the handler.
+Costs come from ``--costs``, or by default from calibration steps the job's own processes
+run before the timed ones (``--calibration run``: the wall time of every action under the
+run's own contention, ``executor.run_costs``), or from the standalone stage profile
+(``--calibration stages``, ``pipesim profile``); links from ``--topology`` or from a
+short send/recv benchmark (``pipesim bench-comm``). The prediction simulates the same
+lowered programs the executor runs. torch is imported only inside the handler.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 from executor.options import add_run_arguments, config_from_args
+from executor.run_costs import RUN_CALIBRATED  # no torch at import
 from pipesim.cli.profile import add_profile_arguments, check_profile_arguments
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
 from pipesim.cli.variability import add_variability_args, variability_from_args
@@ -36,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_run_arguments(parser)
     add_profile_arguments(parser)
     group = parser.add_argument_group("calibration and outputs")
-    group.add_argument("--costs", metavar="PATH", help="a costs file (pipesim profile) instead of profiling now")
+    group.add_argument("--costs", metavar="PATH", help="a costs file (pipesim profile) instead of measuring now")
     group.add_argument("--topology", metavar="PATH", help="a topology file (pipesim bench-comm) instead of "
                        "benchmarking send/recv now")
     group.add_argument("--warmup-steps", type=int, default=1,
@@ -59,12 +62,28 @@ def machine_load() -> float | None:
 
 
 def replicas(config):
-    """The data parallelism the run has, as the simulator describes it: ``dp`` replicas
-    whose gradients are all-reduced in buckets of the run's size, each as soon as its
-    gradients are ready (``executor.data_parallel``)."""
+    """The parallelism the run has, as the simulator describes it: ``dp`` replicas whose
+    gradients are all-reduced in buckets of the run's size, each as soon as its gradients
+    are ready (``executor.data_parallel``); ``tp`` shards whose collectives hold the
+    rank after each compute action, never beside the GEMMs (the executor waits for each
+    one where DTensor issues it); ``cp`` and ``ep`` ranks, whose exchanges the measured
+    compute holds (``executor.run_costs``)."""
     from pipesim.sim.parallel import ParallelConfig  # noqa: PLC0415
 
-    return ParallelConfig(dp=config.dp, bucket_bytes=config.dp_bucket_mb * 2**20)
+    return ParallelConfig(dp=config.dp, bucket_bytes=config.dp_bucket_mb * 2**20, tp=config.tp, cp=config.cp,
+                          ep=config.ep, overlap_tp=False)
+
+
+
+def check_whole_stages(config, source: str, meta: dict | None = None) -> None:
+    """Refuse costs of whole pipeline stages (the stage profile, a file written by hand)
+    for a run split into tp, cp or ep shards: they hold neither a shard's compute nor its
+    collectives. Costs read off the run's own steps (``executor.run_costs``) time shards."""
+    split = [(flag, size) for flag, size in (("--tp", config.tp), ("--cp", config.cp), ("--ep", config.ep)) if size > 1]
+    if split and (meta or {}).get("source") != RUN_CALIBRATED:
+        given = " ".join(f"{flag} {size}" for flag, size in split)
+        raise ValueError(f"{source} times whole pipeline stages, not {given} shards; calibrate on the run's own "
+                         "steps (--calibration run, or a costs file from profile --calibration run)")
 
 
 def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
@@ -73,6 +92,7 @@ def calibrated_costs(args: argparse.Namespace, config, num_stages: int):
 
     if args.costs:
         costs = load_costs(args.costs, num_stages)
+        check_whole_stages(config, f"--costs {args.costs}", costs.meta)
         check_costs_match(costs.meta, config, args.costs)
         return costs
     from executor.profile import profile  # noqa: PLC0415 - loads torch
@@ -87,7 +107,8 @@ def profiled_shape(config) -> dict:
     size and the dtype (the schedule and the microbatch count change no stage's time)."""
     shape = {"model": config.model, "layers": config.layers, "hidden": config.hidden, "pp": config.pp,
              "virtual_stages": config.virtual_stages, "dtype": config.dtype,
-             "microbatch_size": -(-config.replica_batch_size // config.microbatches)}
+             "microbatch_size": -(-config.replica_batch_size // config.microbatches),
+             "tp": config.tp, "cp": config.cp, "ep": config.ep}  # only a file from the run's own steps has these
     if config.model != "mlp":  # a model of tokens: the gpt or an architecture
         shape["seq_len"] = config.seq_len
     return shape
@@ -148,19 +169,43 @@ def chart_summaries(document: dict, drawn_step: int | None = None, drawn_span: f
     ]
 
 
+def run_calibrated(args: argparse.Namespace, config, schedule, progress):
+    """Run the timed steps between calibration steps, half of them before and half after,
+    in one launch (the same processes, the same lowered programs); return the timed run's
+    result and the costs read off the calibration steps (``executor.run_costs``). On a
+    machine whose load drifts over a minute (the shared 2-core machine: compute 2x slower
+    in one compare's calibration steps than in the timed steps that followed), steps on
+    both sides see the load the timed steps saw on average; none of them is timed."""
+    from executor.launch import launch  # noqa: PLC0415 - loads torch
+    from executor.run_costs import calibration_configs, calibration_document  # noqa: PLC0415
+    from pipesim.model.costs import costs_from_dict  # noqa: PLC0415
+
+    calibration = calibration_configs(config, args.calibration_steps)
+    before = -(-len(calibration) // 2)
+    progress.line(f"2/3 running {before} calibration steps, {config.steps} timed steps, then "
+                  f"{len(calibration) - before} calibration steps (each after a warm-up step) on {config.world_size} "
+                  "ranks")
+    with StepWatcher(progress, config.world_size, config.steps):
+        results = launch([*calibration[:before], config, *calibration[before:]], verbose=args.verbose)
+    result = results.pop(before)
+    document = calibration_document(config, schedule, results)
+    return result, costs_from_dict(document, schedule.num_stages, name="calibration steps")
+
+
 def handle(args: argparse.Namespace) -> int:
     check_profile_arguments(args)
     if args.warmup_steps < 0:
         raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    calibration = args.calibration or "run"
+    if args.costs and args.calibration:
+        raise ValueError(f"--costs {args.costs} gives the costs; --calibration {args.calibration} measures them: "
+                         "give one of them")
     variability = variability_from_args(args)  # the prediction's what-if flags, checked before anything runs
     config = config_from_args(args)
     if config.pp < 2:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
-    split = [(flag, size) for flag, size in (("--tp", config.tp), ("--cp", config.cp), ("--ep", config.ep)) if size > 1]
-    if split:
-        given = " ".join(f"{flag} {size}" for flag, size in split)
-        raise ValueError(f"compare profiles whole pipeline stages: {given} is not calibrated yet; "
-                         f"use {' '.join(f'{flag} 1' for flag, _ in split)}")
+    if calibration == "stages" and not args.costs:
+        check_whole_stages(config, "--calibration stages")
     from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415
     from executor.pair_streams import pairs_overlap_on  # noqa: PLC0415
     from executor.process import resolve_backend  # noqa: PLC0415
@@ -173,31 +218,40 @@ def handle(args: argparse.Namespace) -> int:
     schedule = validate_schedule(config)
     progress = progress_from_args("compare", args)
     try:
-        with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
-            costs = pairs_as_run(calibrated_costs(args, config, schedule.num_stages),
-                                 pairs_overlap_on(resolve_backend(config.backend)))
-        with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
-            topology = calibrated_topology(args, config)
-        # the run posts the transfers where lowering places them for these costs and links,
-        # in the order zb-h1 and zb-h2 take on them, as the prediction does (pipesim
-        # simulate builds and lowers the same way)
-        ordered = adapt_to_costs(schedule.compute_only(), costs, topology)
-        config = dataclasses.replace(config, custom_schedule=lower_for(ordered, costs, topology))
-        schedule = validate_schedule(config)
-        progress.line(f"3/4 running {config.steps} steps on {config.world_size} ranks")
-        with StepWatcher(progress, config.world_size, config.steps):
-            (result,) = launch(config, verbose=args.verbose)
+        if not args.costs and calibration == "run":
+            with progress.phase("reading --topology" if args.topology else "1/3 benchmarking send/recv"):
+                topology = calibrated_topology(args, config)
+            # the calibration steps and the timed ones run the same lowered programs, the
+            # ones the prediction simulates (lowered before any cost is known)
+            result, costs = run_calibrated(args, config, schedule, progress)
+        else:
+            with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
+                costs = pairs_as_run(calibrated_costs(args, config, schedule.num_stages),
+                                     pairs_overlap_on(resolve_backend(config.backend)))
+            with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
+                topology = calibrated_topology(args, config)
+            # the run posts the transfers where lowering places them for these costs and links,
+            # in the order zb-h1 and zb-h2 take on them, as the prediction does (pipesim
+            # simulate builds and lowers the same way)
+            ordered = adapt_to_costs(schedule.compute_only(), costs, topology)
+            config = dataclasses.replace(config, custom_schedule=lower_for(ordered, costs, topology))
+            schedule = validate_schedule(config)
+            progress.line(f"3/4 running {config.steps} steps on {config.world_size} ranks")
+            with StepWatcher(progress, config.world_size, config.steps):
+                (result,) = launch(config, verbose=args.verbose)
         load = machine_load()
     except (PipelineRunError, SpawnError) as error:
         print(f"pipesim compare: run failed: {error}", file=sys.stderr)
         return 1
     # Predicted under the semantics the run had (--p2p, else its backend's), its pairs as it ran them.
     costs = pairs_as_run(costs, result["trace"].meta.get("pairs_overlap", costs.pairs_overlap))
-    with progress.phase("4/4 simulating the same programs"):
+    with progress.phase("3/3 simulating the same programs" if calibration == "run" and not args.costs
+                        else "4/4 simulating the same programs"):
         predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config),
                                    parallel=replicas(config))
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
                        args.warmup_steps, load=load, cores=os.cpu_count(), world_size=config.world_size)
+    document["costs"] = costs.to_dict()  # what the prediction was made with, to read beside its error
     if variability is not None:
         from pipesim.sim.comparison import add_spread  # noqa: PLC0415
         from pipesim.sim.whatif import sample_steps  # noqa: PLC0415

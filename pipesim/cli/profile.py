@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from executor.estimate import DEFAULT_MIN_TIME
+from executor.estimate import DEFAULT_MIN_TIME, ROUNDS
 from executor.options import add_run_arguments, config_from_args
 from pipesim.cli.progress import add_quiet_arg, progress_from_args
 
@@ -47,6 +47,9 @@ def add_compute_model_arguments(parser: argparse.ArgumentParser) -> None:
                        "recognised from the device's name)")
 
 
+CALIBRATIONS = ("run", "stages")
+
+
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("profiling")
     group.add_argument("--warmup", type=int, default=3, help="untimed repetitions per measurement (default 3)")
@@ -55,6 +58,15 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
                        help="time each stage's forward + backward, and the cost of a transfer, for at least this "
                             f"long as well (default {DEFAULT_MIN_TIME:g}): a small stage's mean needs hundreds of "
                             "passes to settle")
+    group.add_argument("--calibration", choices=CALIBRATIONS, default=None,
+                       help="how the costs are measured: run (the executor runs --calibration-steps steps of the "
+                            "schedule and every action is timed by the wall clock, under the run's own contention, "
+                            "with --tp/--cp/--ep too) or stages (each stage alone, in loops, by --compute-clock; "
+                            "whole stages only) (default: run for compare, stages for profile)")
+    group.add_argument("--calibration-steps", type=int, default=ROUNDS, metavar="N",
+                       help="with --calibration run, the steps whose actions' mean wall times are the costs (default "
+                            f"{ROUNDS}; each after a warm-up step of its own; the median of their means is kept; in "
+                            "compare, none of them is a timed step)")
     group.add_argument("--compute-clock", choices=("thread", "wall"), default="thread",
                        help="on a CPU, time the compute by the rank thread's CPU time (thread: what it takes on a "
                             "core of its own) or by the wall clock the run is timed by (wall: slowed as much as "
@@ -67,26 +79,43 @@ def check_profile_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
     if not (math.isfinite(args.min_time) and args.min_time >= 0):
         raise ValueError(f"--min-time must be a finite number of seconds >= 0, got {args.min_time}")
+    if args.calibration_steps < 1:
+        raise ValueError(f"--calibration-steps must be >= 1, got {args.calibration_steps}")
 
 
 def run_profile(args: argparse.Namespace) -> dict:
     """The costs document for the config the flags describe."""
     check_profile_arguments(args)
     config = config_from_args(args)
+    if (args.calibration or "stages") == "run":
+        return run_calibration(args, config)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
 
     with progress_from_args("profile", args).phase(f"profiling {config.pp} stages on {config.pp} ranks (one replica)"):
         return profile(config, args.warmup, args.repeats, args.min_time, args.verbose, args.compute_clock)
 
 
+def run_calibration(args: argparse.Namespace, config) -> dict:
+    """The costs document read off ``--calibration-steps`` steps the executor runs of this
+    config on all its ranks (``executor.run_costs``)."""
+    from executor.launch import launch, validate_schedule  # noqa: PLC0415 - loads torch
+    from executor.run_costs import calibration_configs, calibration_document  # noqa: PLC0415
+
+    schedule = validate_schedule(config)
+    with progress_from_args("profile", args).phase(
+            f"running {args.calibration_steps} calibration steps on {config.world_size} ranks"):
+        calibrated = launch(calibration_configs(config, args.calibration_steps), verbose=args.verbose)
+    return calibration_document(config, schedule, calibrated)
+
+
 def describe(document: dict) -> list[str]:
     """One line per stage and one for the overheads, in milliseconds."""
     lines = []
     for entry in document["stages"]:
+        stash = f"stash {entry['stash_bytes'] / 1e6:.2f} MB  " if "stash_bytes" in entry else ""
         lines.append(f"stage {entry['stage']}: F {entry['fwd'] * 1e3:.3f} ms  B {entry['bwd'] * 1e3:.3f} ms  "
                      f"I {entry['igrad'] * 1e3:.3f} ms  W {entry['wgrad'] * 1e3:.3f} ms  "
-                     f"act {entry['act_bytes'] / 1e3:.1f} kB  "
-                     f"stash {entry['stash_bytes'] / 1e6:.2f} MB  params {entry['param_bytes'] / 1e6:.2f} MB")
+                     f"act {entry['act_bytes'] / 1e3:.1f} kB  {stash}params {entry['param_bytes'] / 1e6:.2f} MB")
     lines.append(f"overheads: per action {document['action_overhead'] * 1e6:.1f} us, per send/recv "
                  f"{document['comm_overhead'] * 1e6:.1f} us, per step {document['step_overhead'] * 1e3:.3f} ms")
     return lines
@@ -104,11 +133,12 @@ def handle(args: argparse.Namespace) -> int:
     if args.gpu:
         raise ValueError("--gpu names the GPU of a --compute-model profile; stage costs (--out) are measured as they "
                          "are; drop --gpu")
-    from executor.spawn import SpawnError  # noqa: PLC0415 - loads torch
+    from executor.launch import PipelineRunError  # noqa: PLC0415 - loads torch
+    from executor.spawn import SpawnError  # noqa: PLC0415
 
     try:
         document = run_profile(args)
-    except SpawnError as error:
+    except (PipelineRunError, SpawnError) as error:
         print(f"pipesim profile: failed: {error}", file=sys.stderr)
         return 1
     Path(args.out).write_text(json.dumps(document, indent=2) + "\n")

@@ -1,0 +1,223 @@
+"""Costs measured in the run's own calibration steps: what ``pipesim compare`` predicts
+with by default (``--calibration run``) and ``pipesim profile --calibration run`` writes.
+
+Why not the stage profile (``executor.profile``)? It times each stage alone, in loops,
+by the rank thread's CPU time; the run is timed by the wall clock, with every rank, the
+backend's threads and whatever else the machine runs sharing the cores. On the shared
+2-core machine this was built on, compute ran up to 8.5x slower inside the run than in
+the profile, and every prediction fell short by that much. Here the costs are timed the
+way the run is timed, by the same code under the same contention: the job's processes
+run a few **calibration steps** of the same lowered programs (``pipesim compare`` runs
+half of them before its timed steps and half after, in the same processes), and each F,
+B, I and W is the mean wall time of that action over such a step (minus the tp
+collectives the trace shows inside it, when the simulator charges them itself). The
+timed steps that the comparison reports are never used for a cost, so the prediction
+stays a prediction: the simulator still has to get every wait, transfer and bubble right.
+
+The runtime's own time between actions (its loop, the hooks, posting P2P groups) is read
+off the same steps (``overhead_fit``), and the step's time outside the pipeline (the
+receives posted ahead at its start, the optimizer, the loss all-reduce) as what each
+calibration step took beyond its last event (``step_tail``). Each is a step's mean, as every
+cost the simulator adds up is (docs/calibration.md), and the estimate the median over the
+steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+
+from executor.config import RunConfig
+from executor.estimate import ROUNDS, robust_mean
+from schedules.action import COMM_KINDS, COMPUTE_KINDS, RECV_KINDS, RECV_OF, ActionKind, parse_action
+from schedules.schedule import Schedule
+from schedules.trace import Trace
+
+RUN_CALIBRATED = "calibration steps of the run"  # meta.source of these costs files: they time tp/cp/ep shards
+
+
+def calibration_configs(config: RunConfig, steps: int = ROUNDS) -> list[RunConfig]:
+    """The configs the job runs beside its timed steps: ``steps`` of them, of two steps
+    each, launched in the same processes (``executor.launch.launch``). Each returns the
+    Trace of its second step; its first, a fresh model's first step (allocator, autograd's
+    first graph), is left out like the run's own warm-up step."""
+    if steps < 1:
+        raise ValueError(f"--calibration-steps must be >= 1, got {steps}")
+    return [dataclasses.replace(config, steps=2, return_grads=False) for _ in range(steps)]
+
+
+def compute_seconds(trace: Trace, collectives_apart: bool) -> dict[tuple[int, str], float]:
+    """Mean wall seconds of each (stage, compute kind) over one step's compute events.
+    With ``collectives_apart`` the tp collectives each action ran inside it (``tp``
+    events named ``TP(action)``) are taken out, for the simulator to charge them from
+    the links instead."""
+    from executor.gather import TP_KIND  # noqa: PLC0415 - torch, which this module leaves out at import
+
+    inside: dict[tuple[str, int], float] = defaultdict(float)
+    if collectives_apart:
+        for event in trace.events:
+            if event.kind == TP_KIND:
+                inside[str(parse_action(event.action[len(TP_KIND) + 1:-1])), event.rank] += event.duration
+    durations: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for event in trace.events:
+        if event.stream == "compute" and event.kind in COMPUTE_KINDS:
+            held = inside.get((event.action, event.rank), 0.0)
+            durations[event.stage, event.kind].append(max(event.duration - held, 0.0))
+    return {key: statistics.fmean(values) for key, values in durations.items()}
+
+
+def stage_entry(stage: int, seconds: dict[tuple[int, str], float]) -> dict[str, float]:
+    """A costs-file entry's times for ``stage``: F, and B, I and W as far as the
+    schedule ran them (a missing B is I + W; without a split, I is B and W nothing)."""
+    def mean(kind: str) -> float | None:
+        return seconds.get((stage, kind))
+
+    forward = mean(ActionKind.F)
+    if forward is None:
+        raise ValueError(f"the calibration steps ran no forward of stage {stage}")
+    backward, input_grad, weight_grad = mean(ActionKind.B), mean(ActionKind.I), mean(ActionKind.W)
+    if backward is None and input_grad is None:
+        raise ValueError(f"the calibration steps ran no backward of stage {stage}")
+    if input_grad is None:
+        return {"fwd": forward, "bwd": backward, "igrad": 0.0, "wgrad": 0.0}
+    weight_grad = weight_grad or 0.0
+    return {"fwd": forward, "bwd": input_grad + weight_grad if backward is None else backward,
+            "igrad": input_grad, "wgrad": weight_grad}
+
+
+def gaps(schedule: Schedule, trace: Trace) -> list[tuple[float, int, bool]]:
+    """Per compute action after a rank's first: (seconds since the rank's previous compute
+    action ended, P2P actions the program posts between the two, whether the action
+    waits for data from another rank). Only the rank's loop, its hooks and its posts
+    fill a gap that waits for nothing."""
+    by_rank: dict[int, dict[str, tuple[float, float]]] = defaultdict(dict)
+    for event in trace.events:
+        if event.stream == "compute":
+            by_rank[event.rank][event.action] = (event.start, event.end)
+    samples = []
+    for rank in range(schedule.pp):
+        received = {(action.kind, action.stage, action.microbatch)
+                    for action in schedule.programs[rank] if action.kind in RECV_KINDS}
+        paired = dict(schedule.fused_pairs(rank))  # an overlapped pair's forward waits for both inputs
+        timed = by_rank.get(rank, {})
+        previous_end, posts = None, 0
+        for action in schedule.programs[rank]:
+            if action.kind in COMM_KINDS:
+                posts += 1
+                continue
+            if str(action) not in timed:
+                continue
+            start, end = timed[str(action)]
+            needs = [action, *([paired[action]] if action in paired else [])]
+            waits = any((RECV_OF.get(a.kind, ActionKind.RECV_B), a.stage, a.microbatch) in received for a in needs)
+            if previous_end is not None:
+                samples.append((start - previous_end, posts, waits))
+            previous_end, posts = end, 0
+    return samples
+
+
+def overhead_fit(samples: Sequence[tuple[float, int, bool]]) -> tuple[float, float]:
+    """(seconds per compute action, seconds per P2P action) from the gaps that wait for
+    nothing: the first is the mean gap with no post in it, the second what the gaps with
+    posts take beyond that, per post (a ratio of sums: a mean per post). The simulator
+    charges the first before every compute action and the second on every SEND and RECV,
+    so a step's sum of both is what these gaps summed to. None of a kind: zero."""
+    free = [(seconds, posts) for seconds, posts, waits in samples if not waits]
+    plain = [seconds for seconds, posts in free if posts == 0]
+    per_action = max(statistics.fmean(plain), 0.0) if plain else 0.0
+    posted = [(seconds - per_action, posts) for seconds, posts in free if posts > 0]
+    per_post = max(sum(s for s, _ in posted) / sum(p for _, p in posted), 0.0) if posted else 0.0
+    return per_action, per_post
+
+
+def step_tail(schedule: Schedule, trace: Trace, step_time: float, per_action: float, per_post: float) -> float:
+    """Seconds of the step outside the pipeline's actions, which the simulator charges
+    after each rank's last one (``Costs.step_overhead``): the step's time beyond the end
+    of its last event (the optimizer, the loss all-reduce), plus what the first stage's
+    rank spent before its first compute action beyond its loop and posts (the receives
+    posted ahead at the start of a step)."""
+    last = max((event.end for event in trace.events), default=0.0)
+    first_rank = schedule.placement[0]
+    starts = [event.start for event in trace.events if event.rank == first_rank and event.stream == "compute"]
+    program = schedule.programs[first_rank]
+    first_compute = next((index for index, action in enumerate(program) if action.kind in COMPUTE_KINDS), 0)
+    posts = sum(1 for action in program[:first_compute] if action.kind in COMM_KINDS)
+    lead = max(min(starts, default=0.0) - per_action - posts * per_post, 0.0)
+    return max(step_time - last, 0.0) + lead
+
+
+def run_costs(schedule: Schedule, traces: Sequence[Trace], step_times: Sequence[float],
+              collectives_apart: bool = False) -> dict:
+    """The costs document (times and overheads; no bytes) from calibration steps: one
+    Trace per step with the step's time. Each step is a round, as in the stage profile
+    (``executor.estimate``): every cost is its mean over the step, and the estimate the
+    median of the steps' means, so that a step a slow spell of the machine covered (on
+    the shared 2-core machine, one of three calibration steps once put 8 ms on every
+    P2P post) does not set it. Bytes are added by ``stage_bytes``."""
+    if not traces or len(traces) != len(step_times):
+        raise ValueError(f"need one step time per calibration Trace, got {len(traces)} traces and "
+                         f"{len(step_times)} step times")
+    per_step = [compute_seconds(trace, collectives_apart) for trace in traces]
+    seconds = {key: robust_mean([step[key] for step in per_step if key in step]) for key in per_step[0]}
+    fits = [overhead_fit(gaps(schedule, trace)) for trace in traces]
+    per_action, per_post = robust_mean([fit[0] for fit in fits]), robust_mean([fit[1] for fit in fits])
+    tails = [step_tail(schedule, trace, time, per_action, per_post)
+             for trace, time in zip(traces, step_times, strict=True)]
+    stages = [{"stage": stage, **stage_entry(stage, seconds)} for stage in range(schedule.num_stages)]
+    return {"action_overhead": per_action, "comm_overhead": per_post, "step_overhead": robust_mean(tails),
+            "stages": stages}
+
+
+def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
+    """Per stage, what the simulator needs beside the times: the boundary activation one
+    cp rank sends (``act_bytes``), the parameter bytes one tp shard holds and reduces
+    over dp (the stage's parameters over ``tp``: norms and biases that tp replicates are
+    counted as split, a small share of a stage), and for tp the layers and the
+    activation each layer's collectives carry (``layers``, ``tp_message_bytes``: the
+    ``s*b*h`` activation, Megatron's rule, ``pipesim.sim.parallel``). Builds the stages
+    on the CPU to count them (torch is loaded here)."""
+    import torch  # noqa: PLC0415
+
+    from executor.context_parallel import local_shape  # noqa: PLC0415
+    from executor.models import build_model  # noqa: PLC0415
+
+    model = build_model(config)
+    microbatch = -(-config.replica_batch_size // config.microbatches)
+    shape = local_shape(model.boundary_shape(microbatch), config.cp) if config.cp > 1 else model.boundary_shape(
+        microbatch)
+    element = torch.tensor([], dtype=getattr(torch, config.dtype)).element_size()
+    activation = float(math.prod(shape) * element)
+    entries = []
+    for stage in range(num_stages):
+        module = model.build_stage(stage, num_stages)
+        params = sum(p.numel() * p.element_size() for p in module.parameters())
+        entry = {"act_bytes": activation if stage < num_stages - 1 else 0.0, "param_bytes": params / config.tp}
+        if config.tp > 1:
+            entry["layers"] = float(model.layout[stage])
+            entry["tp_message_bytes"] = float(math.prod(model.boundary_shape(microbatch)) * element)
+        entries.append(entry)
+    return entries
+
+
+def calibration_document(config: RunConfig, schedule: Schedule, calibrated: Sequence[dict]) -> dict:
+    """The costs file from the launched calibration configs' results (rank 0's, one per
+    config: its last step's Trace and step times), with the bytes of each stage and, in
+    ``meta``, what the times were measured on (the fields ``pipesim compare --costs``
+    checks against its run)."""
+    document = run_costs(schedule, [result["trace"] for result in calibrated],
+                         [result["step_times"][-1] for result in calibrated], collectives_apart=config.tp > 1)
+    for entry, sizes in zip(document["stages"], stage_bytes(config, schedule.num_stages), strict=True):
+        entry.update(sizes)
+    document["sequence_parallel"] = config.sequence_parallel
+    document["meta"] = {
+        "source": RUN_CALIBRATED, "calibration_steps": len(calibrated),
+        "backend": calibrated[0].get("backend"), "threads": config.threads, "model": config.model,
+        "layers": config.layers, "hidden": config.hidden, "seq_len": config.seq_len, "pp": config.pp,
+        "virtual_stages": config.virtual_stages, "schedule": schedule.name, "dtype": config.dtype,
+        "microbatch_size": -(-config.replica_batch_size // config.microbatches), "dp": config.dp, "tp": config.tp,
+        "cp": config.cp, "ep": config.ep,
+    }
+    return document
