@@ -97,8 +97,8 @@ def test_what_run_cannot_execute_is_refused_in_one_line(plan_file: Path, tmp_pat
 
 def test_a_planned_row_with_cp_and_ep_runs_and_equals_the_one_process_reference(tmp_path: Path, capsys) -> None:
     """A real plan of Mixtral on 4 GPUs with cp and ep tried: its cp 2 dp 2 ep 2 ZeRO-1 row
-    runs with ring attention (what the plan priced) on a shrunk Mixtral (the run names no
-    architecture, and the toy gpt has neither rotary attention nor experts to split)."""
+    runs with ring attention (what the plan priced) on a shrunk Mixtral, the model the
+    row names (the run names none)."""
     path = tmp_path / "plan.json"
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "4", "--global-batch", "4", "--seq-len", "16384",
                  "--topology", "ideal", "--top", "40", "--json", str(path), "--quiet", "--workers", "1",
@@ -110,7 +110,8 @@ def test_a_planned_row_with_cp_and_ep_runs_and_equals_the_one_process_reference(
     config, line = planned(argv)
     assert (config.model, config.cp, config.ep, config.dp, config.zero, config.cp_comm) == \
            ("mixtral-8x7b", 2, 2, 2, 1, "p2p")
-    assert "rotary attention or routed experts" in line and "cp 2 by ring attention" in line
+    assert "model shrunk to mixtral-8x7b" in line and "cp 2 by ring attention" in line
+    assert "do not name its model" not in line
     out = tmp_path / "run.json"
     assert main(["run", *argv, "--json", str(out), "--quiet"]) == 0
     assert f"plan row {number}: {rows[number - 1]['layout']} kept (world 4" in capsys.readouterr().out

@@ -31,7 +31,7 @@ ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_fil
              ("--microbatch-group", "microbatch_group", None),
              ("--dp", "dp", 1), ("--tp", "tp", 1), ("--zero", "zero", 0), ("--recompute", "recompute", "none"),
              ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", 8),
-             ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "all-gather"))
+             ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "p2p"))
 TOYS = ("mlp", "gpt")
 # The architecture a cp or ep row runs when the run names only a toy: rotary attention
 # (which cp splits), and routed experts (which ep splits).
@@ -121,7 +121,7 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
              "recompute": row["recompute"], "sequence_parallel": bool(row["sequence_parallel"]),
              "batch_size": row["dp"] * row["microbatches"] * row["microbatch_size"],
              "cp": row.get("cp", 1), "ep": row.get("ep", 1),
-             "cp_comm": "p2p" if row.get("cp", 1) > 1 else "all-gather"}  # the ring, as simulate prices cp
+             "cp_comm": "p2p"}  # the ring, as plan priced cp
     planned = argparse.Namespace(**{**vars(args), **fixed, **model})
     try:
         config = config_from_args(planned)
