@@ -77,3 +77,22 @@ def test_a_row_without_a_model_leaves_it_to_the_flags(tmp_path):
     written = torchtitan_args(tmp_path / "llama")
     assert written["--parallelism.pipeline_parallel_layers_per_stage"] == "16"  # Llama 3 8B: 32 layers
     assert written["--training.seq_len"] == "8192"
+
+
+def test_a_row_with_cp_and_ep_is_exported_as_plan_writes_it(tmp_path):
+    """plan's own --torchtitan and export --from-plan (no --model, no --cp/--ep: export has
+    neither flag) write the same files for a Mixtral row with cp 2 and ep 2."""
+    plan = tmp_path / "plan.json"
+    assert run("plan", "--model", "mixtral-8x7b", "--gpus", 4, "--global-batch", 4, "--seq-len", 16384,
+               "--topology", "ideal", "--top", 1, "--workers", 1, "--quiet", "--schedules", "1f1b", "--cp", 2,
+               "--ep", 2, "--json", plan, "--torchtitan", tmp_path / "planned", "--fsdp") == 0
+    (row,) = json.loads(plan.read_text())["ranked"]
+    assert (row["cp"], row["ep"]) == (2, 2)
+    assert run("export", "--from-plan", plan, "--seq-len", 16384, "--topology", "ideal", "--nodes", 1, "--fsdp",
+               "--torchtitan", tmp_path / "exported") == 0
+    written = torchtitan_args(tmp_path / "exported")
+    assert (written["--parallelism.context_parallel_degree"], written["--parallelism.expert_parallel_degree"]) == \
+           ("2", "2")
+    for name in ("schedule.csv", "schedule-lowered.csv", "torchtitan.args"):
+        assert ((tmp_path / "planned" / name).read_text().replace(str(tmp_path / "planned"), "DIR")
+                == (tmp_path / "exported" / name).read_text().replace(str(tmp_path / "exported"), "DIR")), name

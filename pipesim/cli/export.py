@@ -62,8 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "DIR/schedule-lowered.csv and DIR/torchtitan.args (torchtitan 0.3's command-line overrides, "
                         "to append last) (default: none)")
     output.add_argument("--from-plan", metavar="PLAN.json",
-                        help="take the layout (schedule, pp, tp, dp, virtual stages, microbatch size and count, "
-                        "recompute, zero, sequence parallelism) and the model (which a --model may repeat, not "
+                        help="take the layout (schedule, pp, tp, dp, cp, ep, virtual stages, microbatch size and "
+                        "count, recompute, zero, sequence parallelism) and the model (which a --model may repeat, not "
                         "change) from a `pipesim plan --json` file; give the plan's --topology, --nodes and "
                         "--seq-len too, so the order is the one it simulated (default: none)")
     output.add_argument("--plan-rank", "--row", type=int, default=1,
@@ -179,6 +179,8 @@ def apply_plan_layout(args: argparse.Namespace) -> None:
                 continue
             raise ValueError(f"--from-plan {args.from_plan}: layout {args.plan_rank} has no {field!r}")
         setattr(args, dest, row[field])
+    for field in ("cp", "ep"):  # no flags of export's: the plan's layout alone sets them
+        setattr(args, field, row.get(field, 1))
 
 
 def apply_plan_model(args: argparse.Namespace, row: dict) -> None:
