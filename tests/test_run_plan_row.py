@@ -118,3 +118,20 @@ def test_a_planned_row_with_cp_and_ep_runs_and_equals_the_one_process_reference(
     document = json.loads(out.read_text())
     assert (document["cp"], document["ep"], document["dp"]) == (2, 2, 2)
     assert document["losses"] == pytest.approx(reference_run(config)["losses"], abs=1e-10, rel=0)
+
+
+def test_a_config_rows_model_may_be_repeated_by_another_path(tmp_path: Path, monkeypatch) -> None:
+    """A row names a config file by its absolute path (as plan writes it); the run's
+    --model may name the same file relatively, and is refused naming another."""
+    config_file = (Path(__file__).parent / "data" / "hf_configs" / "llama-3.1-8b.json").resolve()
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"ranked": [{"schedule": "1f1b", "pp": 2, "tp": 1, "dp": 1, "virtual_stages": 1,
+                                            "microbatch_size": 1, "microbatches": 2, "recompute": "none", "zero": 0,
+                                            "sequence_parallel": False, "layout": "1f1b pp2 m2",
+                                            "model": str(config_file)}]}))
+    monkeypatch.chdir(config_file.parent)
+    config, _ = planned(["--plan", str(path), "--model", f"./{config_file.name}"])
+    assert (config.model, config.pp, config.microbatches) == (str(config_file), 2, 2)
+    with pytest.raises(ValueError, match=f"--model llama3-8b conflicts with --plan {path}: row 1 was planned for "
+                                         f"{config_file}; drop --model"):
+        planned(["--plan", str(path), "--model", "llama3-8b"])

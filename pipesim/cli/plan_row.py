@@ -56,11 +56,14 @@ def read_row(path: str, number: int) -> dict:
 
 def planned_model(args: argparse.Namespace, row: dict, number: int) -> str:
     """The model to run: the row's, which a ``--model`` of the run may repeat but not
-    change; for a row that names none, the run's (``gpt`` for the toy ``mlp`` default),
-    and where the row has cp or ep but that is a toy, an architecture with what they split."""
+    change (a config file by any path to it); for a row that names none, the run's (``gpt``
+    for the toy ``mlp`` default), and where the row has cp or ep but that is a toy, an
+    architecture with what they split."""
+    from pipesim.plan.request import model_reference  # noqa: PLC0415 - how the plan named it
+
     planned = row.get("model")
     if planned:
-        if args.model not in ("mlp", planned):
+        if args.model != "mlp" and model_reference(args.model) != planned:
             raise ConfigError(f"--model {args.model} conflicts with --plan {args.plan}: row {number} was planned for "
                               f"{planned}; drop --model")
         return planned
