@@ -79,7 +79,7 @@ class RunConfig:
     tp: int = 1
     ep: int = 1
     cp: int = 1
-    cp_comm: str = "all-gather"
+    cp_comm: str = "p2p"  # the ring, as simulate prices cp by default
     sequence_parallel: bool = False
     dp_bucket_mb: float = 25.0
     zero: int = 0

@@ -14,6 +14,7 @@ from executor.architectures.build import MAX_EXPERTS, is_architecture
 from executor.config import (
     ADAMW_BETAS,
     BACKENDS,
+    CP_COMMS,
     DTYPES,
     MODELS,
     OPTIMIZER_DEFAULTS,
@@ -76,10 +77,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     schedule.add_argument("--cp", type=int, default=1,
                           help="context-parallel ranks per replica: each holds 2 of 2 x cp chunks of every sequence "
                                "(world size x cp) (default 1)")
-    schedule.add_argument("--cp-comm", choices=("p2p", "all-gather"), default="all-gather",
-                          help="how cp ranks exchange keys and values: all-gather before attention (Llama 3), or "
-                               "p2p: ring attention, blocks passed rank to rank with isend/irecv and merged by "
-                               "log-sum-exp (Transformer Engine's ring) (default all-gather)")
+    schedule.add_argument("--cp-comm", choices=CP_COMMS, default="p2p",
+                          help="how cp ranks exchange keys and values: p2p, ring attention, blocks passed rank to "
+                               "rank with isend/irecv and merged by log-sum-exp (Transformer Engine's ring), or "
+                               "all-gather before attention (Llama 3) (default p2p, as simulate and plan price cp)")
     schedule.add_argument("--sequence-parallel", action="store_true",
                           help="with --tp: Megatron sequence parallelism in the blocks")
     schedule.add_argument("--bucket-mb", dest="dp_bucket_mb", type=float, metavar="MB", default=25.0,

@@ -377,7 +377,7 @@ def expert_parallel(args: argparse.Namespace) -> int:
 
 
 def context_parallel(args: argparse.Namespace) -> int:
-    return parallel_numerics(args, "cp 2", cp=2, model="llama3-8b")
+    return parallel_numerics(args, "cp 2", cp=2, cp_comm="all-gather", model="llama3-8b")
 
 
 def tensor_parallel(args: argparse.Namespace) -> int:

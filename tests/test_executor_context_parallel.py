@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(300)
 
 SMALL = {"model": "llama3-8b", "hidden": 16, "heads": 4, "kv_heads": 2, "layers": 2, "seq_len": 8, "vocab": 37,
          "batch_size": 4, "steps": 2, "dtype": "float64", "optimizer": "adamw", "lr": 0.02, "return_grads": True,
-         "schedule": "1f1b", "microbatches": 2}
+         "schedule": "1f1b", "microbatches": 2,
+         "cp_comm": "all-gather"}  # Llama 3's gather; the cases named -ring take run's default, the ring
 MLA = {"model": "deepseek-v3", "kv_heads": None, "experts": 4}  # latent attention, MoE
 CASES_OF_WORLD = {
     2: {

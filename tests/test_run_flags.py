@@ -54,3 +54,50 @@ def test_run_help_lists_what_it_refuses(capsys) -> None:
         main(["run", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "refused in one line" in text and "--topology," in text
+
+
+def simulate_only_values() -> list[tuple[str, str]]:
+    """(flag, value): the choices simulate's or plan's flag accepts that run's same flag
+    does not list (read from the parsers' own choices, not from pipesim.cli.refused)."""
+    return sorted((flag, value) for flag, action in OTHERS.items()
+                  if flag in RUN and action.choices and RUN[flag].choices is not None
+                  for value in action.choices if value not in list(RUN[flag].choices))
+
+
+def test_norm_mla_up_is_among_the_values_run_does_not_execute() -> None:
+    assert ("--recompute", "norm-mla-up") in simulate_only_values()
+    assert list(RUN["--recompute"].choices) == ["none", "selective", "full"]  # torch.utils.checkpoint's two modes
+
+
+@pytest.mark.parametrize(("flag", "value"), simulate_only_values())
+def test_a_value_run_does_not_execute_is_refused_in_one_line(flag: str, value: str, capsys) -> None:
+    assert main(["run", "--pp", "1", flag, value]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"pipesim run: error: {flag} {value} is simulate-only: pipesim run does not execute "
+                               f"it (run executes {flag} {', '.join(map(str, RUN[flag].choices))})")
+    assert "invalid choice" not in lines[0] and captured.out == ""
+
+
+def test_recompute_norm_mla_up_refusal_names_what_run_supports(capsys) -> None:
+    assert main(["run", "--model", "deepseek-v3", "--recompute", "norm-mla-up"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "pipesim run: error: --recompute norm-mla-up is simulate-only: pipesim run does not execute it (run executes "
+        "--recompute none, selective, full); see docs/executor.md for what run executes")
+
+
+def test_a_value_no_command_takes_is_still_argparses_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_status:
+        main(["run", "--pp", "1", "--recompute", "everything"])
+    assert exit_status.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'everything' (choose from 'none', 'selective', 'full')" in err  # run's own, as --help
+
+
+def test_run_help_lists_the_values_it_refuses_and_its_own_choices(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--recompute {none,selective,full}" in text
+    assert "--recompute norm-mla-up" in text

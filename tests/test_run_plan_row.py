@@ -97,8 +97,8 @@ def test_what_run_cannot_execute_is_refused_in_one_line(plan_file: Path, tmp_pat
 
 def test_a_planned_row_with_cp_and_ep_runs_and_equals_the_one_process_reference(tmp_path: Path, capsys) -> None:
     """A real plan of Mixtral on 4 GPUs with cp and ep tried: its cp 2 dp 2 ep 2 ZeRO-1 row
-    runs with ring attention (what the plan priced) on a shrunk Mixtral (the run names no
-    architecture, and the toy gpt has neither rotary attention nor experts to split)."""
+    runs with ring attention (what the plan priced) on a shrunk Mixtral, the model the
+    row names (the run names none)."""
     path = tmp_path / "plan.json"
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "4", "--global-batch", "4", "--seq-len", "16384",
                  "--topology", "ideal", "--top", "40", "--json", str(path), "--quiet", "--workers", "1",
@@ -110,10 +110,28 @@ def test_a_planned_row_with_cp_and_ep_runs_and_equals_the_one_process_reference(
     config, line = planned(argv)
     assert (config.model, config.cp, config.ep, config.dp, config.zero, config.cp_comm) == \
            ("mixtral-8x7b", 2, 2, 2, 1, "p2p")
-    assert "rotary attention or routed experts" in line and "cp 2 by ring attention" in line
+    assert "model shrunk to mixtral-8x7b" in line and "cp 2 by ring attention" in line
+    assert "do not name its model" not in line
     out = tmp_path / "run.json"
     assert main(["run", *argv, "--json", str(out), "--quiet"]) == 0
     assert f"plan row {number}: {rows[number - 1]['layout']} kept (world 4" in capsys.readouterr().out
     document = json.loads(out.read_text())
     assert (document["cp"], document["ep"], document["dp"]) == (2, 2, 2)
     assert document["losses"] == pytest.approx(reference_run(config)["losses"], abs=1e-10, rel=0)
+
+
+def test_a_config_rows_model_may_be_repeated_by_another_path(tmp_path: Path, monkeypatch) -> None:
+    """A row names a config file by its absolute path (as plan writes it); the run's
+    --model may name the same file relatively, and is refused naming another."""
+    config_file = (Path(__file__).parent / "data" / "hf_configs" / "llama-3.1-8b.json").resolve()
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"ranked": [{"schedule": "1f1b", "pp": 2, "tp": 1, "dp": 1, "virtual_stages": 1,
+                                            "microbatch_size": 1, "microbatches": 2, "recompute": "none", "zero": 0,
+                                            "sequence_parallel": False, "layout": "1f1b pp2 m2",
+                                            "model": str(config_file)}]}))
+    monkeypatch.chdir(config_file.parent)
+    config, _ = planned(["--plan", str(path), "--model", f"./{config_file.name}"])
+    assert (config.model, config.pp, config.microbatches) == (str(config_file), 2, 2)
+    with pytest.raises(ValueError, match=f"--model llama3-8b conflicts with --plan {path}: row 1 was planned for "
+                                         f"{config_file}; drop --model"):
+        planned(["--plan", str(path), "--model", "llama3-8b"])

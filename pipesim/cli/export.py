@@ -62,12 +62,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "DIR/schedule-lowered.csv and DIR/torchtitan.args (torchtitan 0.3's command-line overrides, "
                         "to append last) (default: none)")
     output.add_argument("--from-plan", metavar="PLAN.json",
-                        help="take the layout (schedule, pp, tp, dp, virtual stages, microbatch size and count, "
-                        "recompute, zero, sequence parallelism) from a `pipesim plan --json` file; give the plan's "
-                        "--model, --topology, --nodes and --seq-len too, so the order is the one it simulated "
-                        "(default: none)")
-    output.add_argument("--plan-rank", type=int, default=1,
-                        help="which of the plan's ranked layouts --from-plan takes, 1 = the best (default: 1)")
+                        help="take the layout (schedule, pp, tp, dp, cp, ep, virtual stages, microbatch size and "
+                        "count, recompute, zero, sequence parallelism) and the model (which a --model may repeat, not "
+                        "change) from a `pipesim plan --json` file; give the plan's --topology, --nodes and "
+                        "--seq-len too, so the order is the one it simulated (default: none)")
+    output.add_argument("--plan-rank", "--row", type=int, default=1,
+                        help="which of the plan's ranked layouts --from-plan takes, 1 = the best, as the plan's table "
+                        "and run --plan --row number them (default: 1)")
     output.add_argument("--torch-class", metavar="NAME",
                         help="the torch schedule class torchtitan builds the stages with (default: the one matching "
                         "the schedule's placement); one that places them otherwise is refused")
@@ -169,6 +170,7 @@ def apply_plan_layout(args: argparse.Namespace) -> None:
         raise ValueError(f"--plan-rank {args.plan_rank}: {args.from_plan} ranks {len(ranked)} layouts (1 to "
                          f"{len(ranked)})")
     row = ranked[args.plan_rank - 1]
+    apply_plan_model(args, row)
     for field, (flag, dest, unset) in PLAN_FIELDS.items():
         if getattr(args, dest) != unset:
             raise conflict(flag, f"--from-plan {args.from_plan}", f"the plan's layout sets {field}; drop {flag}")
@@ -177,6 +179,24 @@ def apply_plan_layout(args: argparse.Namespace) -> None:
                 continue
             raise ValueError(f"--from-plan {args.from_plan}: layout {args.plan_rank} has no {field!r}")
         setattr(args, dest, row[field])
+    for field in ("cp", "ep"):  # no flags of export's: the plan's layout alone sets them
+        setattr(args, field, row.get(field, 1))
+
+
+def apply_plan_model(args: argparse.Namespace, row: dict) -> None:
+    """Build the model the layout was planned for (a row names it: a preset, or a config's
+    absolute path), as ``run --plan`` does (``pipesim.cli.plan_row.planned_model``); a
+    ``--model`` may repeat it (a config by any path to the same file) but not change it.
+    A plan written before rows named their model leaves ``--model`` to the user."""
+    from pipesim.plan.request import model_reference
+
+    planned = row.get("model")
+    if not planned:
+        return
+    if args.model is not None and model_reference(args.model) != planned:
+        raise conflict(f"--model {args.model}", f"--from-plan {args.from_plan}",
+                       f"layout {args.plan_rank} was planned for {planned}; drop --model")
+    args.model = planned
 
 
 def write_layout(args: argparse.Namespace, schedule) -> int:

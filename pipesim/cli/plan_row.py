@@ -31,7 +31,7 @@ ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_fil
              ("--microbatch-group", "microbatch_group", None),
              ("--dp", "dp", 1), ("--tp", "tp", 1), ("--zero", "zero", 0), ("--recompute", "recompute", "none"),
              ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", 8),
-             ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "all-gather"))
+             ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "p2p"))
 TOYS = ("mlp", "gpt")
 # The architecture a cp or ep row runs when the run names only a toy: rotary attention
 # (which cp splits), and routed experts (which ep splits).
@@ -56,11 +56,14 @@ def read_row(path: str, number: int) -> dict:
 
 def planned_model(args: argparse.Namespace, row: dict, number: int) -> str:
     """The model to run: the row's, which a ``--model`` of the run may repeat but not
-    change; for a row that names none, the run's (``gpt`` for the toy ``mlp`` default),
-    and where the row has cp or ep but that is a toy, an architecture with what they split."""
+    change (a config file by any path to it); for a row that names none, the run's (``gpt``
+    for the toy ``mlp`` default), and where the row has cp or ep but that is a toy, an
+    architecture with what they split."""
+    from pipesim.plan.request import model_reference  # noqa: PLC0415 - how the plan named it
+
     planned = row.get("model")
     if planned:
-        if args.model not in ("mlp", planned):
+        if args.model != "mlp" and model_reference(args.model) != planned:
             raise ConfigError(f"--model {args.model} conflicts with --plan {args.plan}: row {number} was planned for "
                               f"{planned}; drop --model")
         return planned
@@ -121,7 +124,7 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
              "recompute": row["recompute"], "sequence_parallel": bool(row["sequence_parallel"]),
              "batch_size": row["dp"] * row["microbatches"] * row["microbatch_size"],
              "cp": row.get("cp", 1), "ep": row.get("ep", 1),
-             "cp_comm": "p2p" if row.get("cp", 1) > 1 else "all-gather"}  # the ring, as simulate prices cp
+             "cp_comm": "p2p"}  # the ring, as plan priced cp
     planned = argparse.Namespace(**{**vars(args), **fixed, **model})
     try:
         config = config_from_args(planned)

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="the row of --plan to run, as its table numbers them (default 1, the best)")
     add_quiet_arg(parser)
     refused = add_refused_flags(parser)
-    parser.epilog = (f"Flags of simulate and plan that run does not execute are refused in one line: "
+    parser.epilog = (f"Flags and values of simulate and plan that run does not execute are refused in one line: "
                      f"{', '.join(refused)}.")
     parser.set_defaults(handler=handle)
 
