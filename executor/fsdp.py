@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from executor.architectures.moe import MixtureOfExperts
@@ -60,12 +60,14 @@ def divide_by(unit: FSDPModule, mesh: DeviceMesh, replicas: int) -> None:
         unit.set_all_reduce_hook(lambda reduced: reduced.div_(replicas))
 
 
-def shard_stages(stages: dict[int, nn.Module], mesh: DeviceMesh, cp: int, replicas: int,
+def shard_stages(stages: dict[int, nn.Module], mesh: DeviceMesh | None, cp: int, replicas: int,
                  expert_group: dist.ProcessGroup | None, timeout: float) -> None:
     """``shard_stage`` every stage of this rank: dense parameters over the dp axis of the
     run's ``mesh`` (with cp, its dp and cp axes flattened: the dp x cp ranks of one
     (pp, tp) shard), routed experts over ``expert_group`` when expert parallelism gives one."""
     options = axis_options(dist.get_backend(), timeout)
+    if mesh is None:  # a world of one builds no mesh (executor.mesh): one over its one rank
+        mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (1, 1), mesh_dim_names=("dp", "cp"))
     dense = mesh["dp", "cp"]._flatten("dp_cp", backend_override=options) if cp > 1 else mesh["dp"]
     experts = None
     if expert_group is not None:

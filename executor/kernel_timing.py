@@ -2,9 +2,10 @@
 ``pipesim profile --compute-model`` to fit a compute model on the user's GPU.
 
 Each measurement runs the kernel ``repeats`` times back to back after ``warmup`` calls
-and divides: on a GPU between two CUDA events on the stream, so the host launches ahead
-of the device as it does in training and the time is the device's, not one launch's; on
-a CPU by the thread's CPU time (``executor.profile.clock_for_compute``). A GEMM's
+and divides, in three rounds, keeping the least: on a GPU between two CUDA events on
+the stream, so the host launches ahead of the device as it does in training and the
+time is the device's, not one launch's; on a CPU by the thread's CPU time
+(``executor.profile.clock_for_compute``). A GEMM's
 backward is its two GEMMs as autograd runs them for a linear layer: the input gradient
 ``dy @ w^T`` and the weight gradient ``x^T @ dy``. Attention is
 ``scaled_dot_product_attention`` with a causal mask, forward alone and forward +
@@ -21,16 +22,23 @@ import torch.nn.functional as functional
 from executor.profile import clock_for_compute
 
 
-def _seconds_per_call(run: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+def _seconds_per_call(run: Callable[[], object], device: torch.device, warmup: int, repeats: int,
+                      rounds: int = 3) -> float:
+    """The least, over ``rounds``, of the mean time of ``repeats`` calls: what the kernel
+    costs when nothing else interrupts it (as ``timeit`` reports), so that a shared
+    machine's noise does not make a forward outlast its forward + backward."""
     for _ in range(warmup):
         run()
     now = clock_for_compute(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = now()
-    for _ in range(repeats):
-        run()
-    return (now() - start) / repeats
+    best = float("inf")
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = now()
+        for _ in range(repeats):
+            run()
+        best = min(best, (now() - start) / repeats)
+    return best
 
 
 def time_gemms(shapes: Sequence[tuple[int, int, int]], device: torch.device, dtype: torch.dtype,

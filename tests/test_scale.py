@@ -32,7 +32,8 @@ from schedules.generators import (
 )
 
 GB, US = 1e9, 1e-6
-H100 = {"kind": "gpu", "memory_bytes": 80 * GB, "peak_flops": 989e12, "memory_bandwidth": 3.35e12, "gpu": "h100"}
+H100_BYTES = 81559 * 2**20  # what the driver reports for an "80 GB" H100 SXM (nvidia-smi: 81559 MiB)
+H100 = {"kind": "gpu", "memory_bytes": H100_BYTES, "peak_flops": 989e12, "memory_bandwidth": 3.35e12, "gpu": "h100"}
 
 
 def _nvswitch_node(graph: nx.DiGraph, node: int) -> list[str]:
@@ -198,7 +199,7 @@ def test_a_hundred_thousand_gpu_cluster_is_built_without_its_graph():
     assert topology._graph is None  # nothing materialised per link
     route = topology.route(topology.devices[0], topology.devices[-1])
     assert route.links[0] == ("n0.gpu0", "n0.nic0") and route.links[-1] == ("n16383.nic7", "n16383.gpu7")
-    assert topology.device_memory("n16383.gpu7") == 80 * GB
+    assert topology.device_memory("n16383.gpu7") == H100_BYTES
     assert topology._graph is None
 
 
