@@ -135,6 +135,17 @@ def channel_rings(topology: Topology, group: Sequence[str]) -> list[list[str]]:
     return [[members[(j + i) % k] for members in by_node.values() for i in range(k)] for j in range(k)]
 
 
+def _load_route(topology: Topology, src: str, dst: str, amount: float,
+                load: dict[tuple[str, str], float], bandwidth: dict[tuple[str, str], float]) -> float:
+    """Add ``amount`` to every link of the route from ``src`` to ``dst`` in ``load`` (each
+    link's bandwidth into ``bandwidth``); the route's latency (0 for a route of no links)."""
+    route = topology.route(src, dst)
+    for link, link_bandwidth in zip(route.links, _link_bandwidths(route), strict=True):
+        load[link] = load.get(link, 0) + amount
+        bandwidth[link] = link_bandwidth
+    return route.latency if route.links else 0.0
+
+
 def _channels_pace(topology: Topology, rings: list[list[str]]) -> tuple[float, float]:
     """(bandwidth, latency) of ``rings`` run at once, each carrying ``1/len(rings)`` of the
     message: a link crossed by ``c`` ring edges passes each ring's chunk ``c`` times, so
@@ -144,13 +155,7 @@ def _channels_pace(topology: Topology, rings: list[list[str]]) -> tuple[float, f
     bandwidth: dict[tuple[str, str], float] = {}
     latency = 0.0
     for (src, dst), count in edges.items():  # each pair routed once: the rings share most of their edges
-        route = topology.route(src, dst)
-        if not route.links:
-            continue
-        latency = max(latency, route.latency)
-        for link, link_bandwidth in zip(route.links, _link_bandwidths(route), strict=True):
-            load[link] = load.get(link, 0) + count
-            bandwidth[link] = link_bandwidth
+        latency = max(latency, _load_route(topology, src, dst, count, load, bandwidth))
     pace = min((len(rings) * bandwidth[link] / load[link] for link in load), default=math.inf)
     return pace, latency
 
@@ -263,13 +268,7 @@ def all_to_all_pace(topology: Topology, groups: tuple[tuple[str, ...], ...],
                         continue
                     piece = whole if remote_share == 1.0 or topology.node_of(src) == topology.node_of(dst) \
                         else whole * remote_share
-                    route = topology.route(src, dst)
-                    if not route.links:
-                        continue
-                    latency = max(latency, route.latency)
-                    for link, link_bandwidth in zip(route.links, _link_bandwidths(route), strict=True):
-                        load[link] = load.get(link, 0.0) + piece
-                        bandwidth[link] = link_bandwidth
+                    latency = max(latency, _load_route(topology, src, dst, piece, load, bandwidth))
         per_byte = max((load[link] / bandwidth[link] for link in load), default=0.0)
         cached = topology.pace_cache[key] = (per_byte, latency)
     return cached
