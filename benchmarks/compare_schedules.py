@@ -41,14 +41,28 @@ def command(schedule: str, pp: int, json_path: str | None = None) -> list[str]:
 def run_row(schedule: str, pp: int, folder: str) -> dict:
     """One ``pipesim compare`` in a fresh process; its JSON summary."""
     path = os.path.join(folder, f"{schedule}-pp{pp}.json")
-    subprocess.run([sys.executable, "-m", "pipesim", *command(schedule, pp, path)], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "pipesim", *command(schedule, pp, path)], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"compare_schedules.py: {schedule} at pp {pp} failed: {last}")
     return json.loads(Path(path).read_text())
+
+
+def pipeline_size(text: str) -> int:
+    """A --pp value: a whole number of at least 2 (compare needs a pipeline)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 2, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"compare needs a pipeline: expected >= 2, got {value}")
+    return value
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, action="append", help="pipeline sizes (default: 2 and 4)")
+    parser.add_argument("--pp", type=pipeline_size, action="append", help="pipeline sizes (default: 2 and 4)")
     parser.add_argument("--commands", action="store_true", help="print each row's command and exit")
     args = parser.parse_args()
     sizes = args.pp or [2, 4]

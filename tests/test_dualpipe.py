@@ -28,6 +28,7 @@ from schedules import generate, lower, validate
 from schedules.csv_io import schedule_to_csv
 from schedules.generators import PLANNED_SCHEDULES, SCHEDULE_NAMES, ScheduleUnavailableError
 from schedules.p2p import P2P_SEMANTICS
+from tests.test_generators_property import program_peak_stash
 
 
 def _with_pair_cost(costs, overlapped: float | None):
@@ -65,22 +66,10 @@ def test_pp8_m20_against_1f1b_by_hand():
     assert run_simulation(schedule, uniform_costs(schedule, 1, 2, 1), ideal_topology(8)).metrics.makespan == 66
 
 
-def _peak_stashes(program) -> int:
-    """Most forward stashes a rank holds: +1 at F, -1 at the pass that frees it (B or W)."""
-    held = peak = 0
-    for action in program:
-        if action.kind == "F":
-            held += 1
-            peak = max(peak, held)
-        elif action.kind in ("B", "W"):
-            held -= 1
-    return peak
-
-
 @pytest.mark.parametrize("pp", [2, 4, 8, 16])
 def test_peak_activations_are_pp_plus_one_microbatches(pp):
     schedule = generate("dualpipe", pp, 4 * pp, 2)
-    assert max(_peak_stashes(program) for program in schedule.programs) == pp + 1
+    assert max(program_peak_stash(program) for program in schedule.programs) == pp + 1
     result = run_simulation(schedule, uniform_costs(schedule, 1, 2, 1), ideal_topology(pp))
     # reported in shares of the rank's model (two stages of 1/pp each)
     assert max(rank.peak_inflight_microbatches for rank in result.metrics.ranks) == pytest.approx((pp + 1) / 2)
