@@ -23,7 +23,7 @@ from typing import IO
 
 from schedules.action import Action, ActionKind, ActionParseError, parse_group, parse_overlap
 from schedules.schedule import Schedule
-from schedules.textfile import read_text
+from schedules.textfile import read_text, write_whole
 from schedules.torch_steps import STEP_CELLS, parse_step_cell, torch_cells
 
 
@@ -44,8 +44,7 @@ def schedule_to_csv(schedule: Schedule, path_or_file: str | Path | IO[str], grou
     if fsdp and groups:
         raise ValueError("fsdp=True writes torch's UNSHARD/RESHARD, which only the torch form (groups=False) holds")
     if isinstance(path_or_file, (str, Path)):
-        with open(path_or_file, "w", newline="") as handle:
-            _write(schedule, handle, groups, fsdp)
+        write_whole(path_or_file, lambda handle: _write(schedule, handle, groups, fsdp))
     else:
         _write(schedule, path_or_file, groups, fsdp)
 

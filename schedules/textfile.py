@@ -1,4 +1,5 @@
-"""Reading a file a user named (a schedule CSV, a costs or topology file, a trace).
+"""Reading a file a user named (a schedule CSV, a costs or topology file, a trace), and
+writing one whole.
 
 Every loader goes through ``read_text`` so a wrong path gets the same one-line answer
 everywhere — "no such file: PATH", "PATH is a directory", "PATH is not a text file" —
@@ -9,7 +10,10 @@ naming the file and what it was meant to be, instead of a raw ``[Errno 2]`` or a
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 
 class UserFileError(ValueError):
@@ -56,3 +60,32 @@ def describe_yaml_error(error: Exception) -> str:
     if mark is None:
         return " ".join(str(problem).split())
     return f"line {mark.line + 1}, column {mark.column + 1}: {' '.join(str(problem).split())}"
+
+
+def write_whole(path: str | Path, write: Callable[[IO[str]], None]) -> None:
+    """Write through ``write`` into a sibling file, then rename it over ``path``.
+
+    Why: a reader in another process (each rank a user's script spawns re-runs its top
+    level, saving and loading the same files at once) then sees the old file or the new
+    one whole, never a truncated one; a write that fails leaves ``path`` as it was."""
+    path = Path(path)
+    try:
+        handle = tempfile.NamedTemporaryFile("w", newline="", dir=path.parent, prefix=f".{path.name}.",
+                                             suffix=".tmp", delete=False)
+    except OSError as error:  # name the file asked for, not the sibling
+        raise type(error)(error.errno, error.strerror, str(path)) from None
+    try:
+        with handle:
+            write(handle)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(handle.name, 0o666 & ~umask)  # the mode open(path, "w") would have given it
+        os.replace(handle.name, path)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
+
+
+def write_text_whole(path: str | Path, text: str) -> None:
+    """``Path.write_text`` that readers never see half done (``write_whole``)."""
+    write_whole(path, lambda handle: handle.write(text))

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from schedules.action import Action
-from schedules.textfile import read_text
+from schedules.textfile import read_text, write_text_whole
 
 STREAMS = ("compute", "send", "recv")
 
@@ -265,7 +265,7 @@ class Trace:
         return cls(events, dict(data.get("meta", {})))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()))
+        write_text_whole(path, json.dumps(self.to_dict()))
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:

@@ -50,6 +50,61 @@ def test_round_trip_through_a_file(tmp_path, name, pp, microbatches, virtual_sta
     assert schedule_from_csv(path, name="mine").name == "mine"
 
 
+def test_a_file_is_replaced_whole_never_seen_truncated(tmp_path):
+    """Each spawned rank of a user's script re-runs its top level, so several processes
+    save and load the same file at once: a reader must never see it empty or half written.
+    Another process rewrites the file in a loop while this one reads it."""
+    import multiprocessing
+    import os
+
+    schedule = generate("1f1b", 4, 8)
+    path = tmp_path / "1f1b.csv"
+    schedule_to_csv(schedule, path)
+    writer = multiprocessing.get_context("spawn").Process(target=_rewrite, args=(path, 400), daemon=True)
+    writer.start()
+    try:
+        reads = 0
+        while writer.is_alive() or reads < 50:
+            assert same_schedule(schedule_from_csv(path), schedule)
+            reads += 1
+    finally:
+        writer.join(timeout=60)
+    assert writer.exitcode == 0
+    assert [entry.name for entry in tmp_path.iterdir()] == ["1f1b.csv"]  # no sibling left behind
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _rewrite(path: Path, times: int) -> None:
+    schedule = generate("1f1b", 4, 8)
+    for _ in range(times):
+        schedule_to_csv(schedule, path)
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_sibling(tmp_path):
+    path = tmp_path / "two.csv"
+    schedule_to_csv(generate("1f1b", 2, 4), path)
+    before = path.read_text()
+    with pytest.raises(ValueError, match="copies of the model"):
+        schedule_to_csv(generate("dualpipe", 4, 8, 2), path)
+    assert path.read_text() == before
+    assert [entry.name for entry in tmp_path.iterdir()] == ["two.csv"]
+
+
+def test_writing_into_a_missing_folder_names_the_file(tmp_path):
+    target = tmp_path / "nowhere" / "s.csv"
+    with pytest.raises(FileNotFoundError) as raised:
+        schedule_to_csv(generate("1f1b", 2, 4), target)
+    assert raised.value.filename == str(target)
+
+
 def test_round_trip_through_a_file_object():
     schedule = lower(generate("1f1b", 3, 4))
     buffer = io.StringIO()

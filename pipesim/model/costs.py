@@ -17,7 +17,7 @@ from pathlib import Path
 
 from schedules.action import ActionKind
 from schedules.schedule import Schedule
-from schedules.textfile import describe_yaml_error, read_text
+from schedules.textfile import describe_yaml_error, read_text, write_text_whole
 
 STAGE_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "act_bytes", "stash_bytes", "param_bytes", "params", "layers",
                 "tp_message_bytes", "recompute_layers", "overlap_fb",
@@ -227,7 +227,7 @@ class Costs:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+        write_text_whole(path, json.dumps(self.to_dict(), indent=2))
 
 
 def parameter_figures(costs: Costs) -> tuple[tuple[float, int, int], ...]:
