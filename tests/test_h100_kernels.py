@@ -8,7 +8,14 @@ import math
 
 import pytest
 
-from benchmarks.h100_kernels import error, launch_bound, measurements, predicted_tflops
+from benchmarks.h100_kernels import (
+    error,
+    launch_bound,
+    main,
+    measurements,
+    predicted_tflops,
+    same_script_h100_over_h200,
+)
 from pipesim.hardware.gpus import GPUS
 from pipesim.model import memory_traffic
 from pipesim.model.compute_model import gpu_compute_model
@@ -76,3 +83,19 @@ def test_a_batched_call_counts_every_product():
     seconds = gpu_compute_model("h100").gemm_seconds(Gemm("mlp_in", 2048, 8192, 8192, count=4), 2)
     assert predicted_tflops(row) == pytest.approx(4 * 2 * 2048 * 8192 * 8192 / seconds / 1e12, rel=1e-12)
     assert math.isclose(row.flops(row.timed[0]), 4 * 2 * 2048 * 8192 * 8192)
+
+
+def test_same_benchmark_ratios_are_the_published_pairs():
+    """By hand: 797.51 / 790.29 = 1.0091, 783.66 / 790.29 = 0.9916 (BF16, within 1%: the
+    reason for one model), 1402.6 / 1453.4 = 0.9650 (FP8, MAMF's two searches)."""
+    ratios = same_script_h100_over_h200(measurements())
+    assert ratios == pytest.approx({"mamf FP8": 0.96505, "zzc0721 best square, issue 79's H100": 1.00914,
+                                    "zzc0721 best square, the database's H100": 0.99161}, abs=5e-5)
+
+
+def test_the_table_has_a_line_per_measurement(capsys):
+    main()
+    lines = capsys.readouterr().out.splitlines()
+    table = [line for line in lines if line.startswith("| ") and not line.startswith("| source")]
+    assert len(table) == len(measurements())
+    assert any(line.startswith("BF16 on SXM parts at full power") for line in lines)
