@@ -47,7 +47,10 @@ def test_the_fullest_rank_at_8192_gpus_holds_megatron_s_warmup_of_two_layer_chun
     """Megatron's interleaved order runs (p - r - 1) * 2 + (v - 1) * p forwards before rank
     r's first backward and one more before it: 77 chunks of 2 layers on rank 1 at p 16, v 4
     (32 microbatches: the warmup is not cut short). Static: 8 layers' tp shards (norm weights
-    whole) at 2 + 2 + 12/64 bytes per parameter (ZeRO-1 over dp 64)."""
+    whole) at 2 + 2 + 12/64 bytes per parameter (ZeRO-1 over dp 64). Buffers: its two links
+    (activations in from rank 0, out to rank 2), each an activation and a gradient of the
+    sequence-parallel boundary, 2sbh/t bytes, whatever its 4 chunks, and one 25 MiB gradient
+    bucket."""
     run = RUNS["405B 8192 GPUs t8 c1 p16 d64 s8192"]
     prediction = predict(run, None, with_memory=True)
     p, v, rank = 16, 4, 1
@@ -58,6 +61,7 @@ def test_the_fullest_rank_at_8192_gpus_holds_megatron_s_warmup_of_two_layer_chun
     layer_params = H * (H + 2 * KV + H) + 3 * H * FFN
     static = 8 * (layer_params / TP + 2 * H) * (2 + 2 + 12 / 64)
     assert prediction.static_bytes == pytest.approx(static, rel=1e-9)
+    assert prediction.buffer_bytes == pytest.approx(2 * 2 * 8192 * H * 2 / TP + 25 * MiB, rel=1e-12)
     assert prediction.usable_bytes == pytest.approx(LLAMA_USABLE)
 
 
