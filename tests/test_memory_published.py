@@ -17,10 +17,10 @@ H, KV, FFN, TP = 16384, 8 * 128, 53248, 8
 MiB = 2**20
 # What an H100 rank of Meta's interleaved layouts may use by the headroom rule: nvidia-smi's
 # 81559 MiB less the CUDA context (426 MiB) and NCCL's buffers of 10 MiB per channel and peer:
-# the tp ring and the dp ring on 32 channels, two pipeline neighbours on 16 each (a pipeline
-# group of 16 ranks: two rounds of 8 peers within NCCL's 32 channels), over 1.03 for
-# fragmentation.
-LLAMA_USABLE = (81559 - 426 - (32 + 32 + 2 * 16) * 10) * MiB / 1.03
+# the tp ring and the dp ring on 32 channels, two pipeline neighbours on 4 each (the pipeline's
+# ranks sit on 16 nodes: a peer across the network gets as many channels as carry a 400 Gb/s
+# NIC at 14 GB/s a channel, rounded up to a power of two), over 1.03 for fragmentation.
+LLAMA_USABLE = (81559 - 426 - (32 + 32 + 2 * 4) * 10) * MiB / 1.03
 
 
 def test_a_llama_405b_layer_keeps_the_megatron_inventory_with_sequence_parallelism():
@@ -138,12 +138,12 @@ def test_a_layout_whose_layers_do_not_split_is_refused():
 def test_the_headroom_rule_lets_a_layout_that_ran_fit():
     """Table 8's 28.3B 1F1B row (microbatch 2) ran on 80 GB A100s at 72 GB measured. The
     rule leaves a middle rank of its pipeline (two neighbours, no tp or dp) nvidia-smi's
-    81920 MiB less the CUDA context (426 MiB) and NCCL's buffers for its two neighbours, 8
-    channels each in a group of 32 (four rounds of 8 peers within 32 channels) x 10 MiB,
-    over 1.03: 82.8 GB, above the predicted peak (a flat 10% of a decimal 80 GB left 72 GB
-    and called it out of memory)."""
+    81920 MiB less the CUDA context (426 MiB) and NCCL's buffers for its two neighbours, 2
+    channels each (the pipeline spans 4 nodes: a 200 Gb/s HDR NIC at 14 GB/s a channel) x
+    10 MiB, over 1.03: 82.9 GB, above the predicted peak (a flat 10% of a decimal 80 GB left
+    72 GB and called it out of memory)."""
     row = next(row for row in ROWS if row.model == "28.3B" and row.microbatch_size == 2)
     prediction = predict_memory(row)
-    usable = (81920 - 426 - 2 * 8 * 10) * MiB / 1.03
+    usable = (81920 - 426 - 2 * 2 * 10) * MiB / 1.03
     assert row.measured_gb == 72 and prediction.usable_bytes == pytest.approx(usable)
     assert 72e9 < prediction.peak_bytes < usable

@@ -169,13 +169,16 @@ def memory_report(
     tp: int = 1,
     cp: int = 1,
     ep: int = 1,
+    pp_net_channels: int = 0,
 ) -> list[RankMemory]:
     """Memory of every rank of the simulated pipeline, from its Trace, sharded as ZeRO
     stage ``zero`` says over the ``dp`` ranks that hold each parameter (the routed
     experts' over ``expert_dp``, default ``dp``), against each device's capacity less
     ``headroom`` for a rank of its communicators (``tp``, the pipeline, ``dp``, ``cp``,
-    ``ep``: ``rank_communicators``); without ``timelines`` only the peaks (a planner's
-    verdict). Empty when the costs say nothing about memory."""
+    ``ep``: ``rank_communicators``; ``pp_net_channels``, NCCL's channels per pipeline
+    peer when the pipeline spans nodes: ``pipesim.sim.headroom.pipeline_net_channels``);
+    without ``timelines`` only the peaks (a planner's verdict). Empty when the costs say
+    nothing about memory."""
     if not costs.memory_known:
         return []
     check_zero(zero)
@@ -194,7 +197,7 @@ def memory_report(
         stash, kept = stash_shares(costs)
         parts = [(float(peak), ()) for peak in peak_stashes(trace.columns, num_ranks, lambda stages: stash[stages],
                                                               lambda stages: kept[stages])]
-    communicators = rank_communicators(placement, num_ranks, tp, dp, cp, ep, expert_dp)
+    communicators = rank_communicators(placement, num_ranks, tp, dp, cp, ep, expert_dp, pp_net_channels)
     return [
         RankMemory(rank=rank, device=devices[rank], capacity_bytes=capacities[rank], static_bytes=static[rank],
                    buffer_bytes=buffers[rank], peak_stash_bytes=peak_stash, peak_bytes=bases[rank] + peak_stash,
@@ -205,14 +208,15 @@ def memory_report(
 
 
 def rank_communicators(placement: Sequence[int], num_ranks: int, tp: int = 1, dp: int = 1, cp: int = 1,
-                       ep: int = 1, expert_dp: int | None = None) -> list[Communicators]:
+                       ep: int = 1, expert_dp: int | None = None, pp_net_channels: int = 0) -> list[Communicators]:
     """Per pipeline rank, the NCCL communicators it joins (``pipesim.sim.headroom``): the
     job's tp, gradient-reduction (``dp``: the ranks that hold each parameter, dp x cp),
     cp and ep groups, the experts' data-parallel group, and the other ranks its stages
     exchange activations with (``schedules.dataflow``'s forward neighbours)."""
     neighbours = [{peer for peer, _ in p2p_links(placement, rank)} for rank in range(num_ranks)]
     return [Communicators(tp=tp, pp_peers=len(peers), dp=dp, cp=cp, ep=ep,
-                          expert_dp=dp if expert_dp is None else expert_dp, pp=num_ranks) for peers in neighbours]
+                          expert_dp=dp if expert_dp is None else expert_dp, pp=num_ranks,
+                          pp_net_channels=pp_net_channels) for peers in neighbours]
 
 
 def p2p_links(placement: Sequence[int], rank: int) -> dict[tuple[int, str], list[int]]:
