@@ -74,6 +74,25 @@ def test_at_16384_gpus_every_microbatch_of_every_chunk_is_held():
     assert prediction.stash_bytes == pytest.approx(16 * 8 * layer, rel=1e-9)
 
 
+@pytest.mark.parametrize("label,rings", [("405B 16384 GPUs t8 c1 p16 d128 s8192", 2),
+                                         ("405B 16384 GPUs t8 c16 p16 d8 s131072", 3)])
+def test_both_16384_gpu_layouts_fit_by_hand(label, rings):
+    """Meta ran them. The fullest rank (8 layers, 128 of them held) by hand: the static at
+    2 + 2 + 12/128 bytes a parameter (ZeRO-1 over dp x cp = 128), two links' activation and
+    gradient and a 25 MiB bucket, 128 layers' activations; against 81559 MiB less the CUDA
+    context and NCCL's buffers (tp and dp rings, cp's too at 128K, on 32 channels; two
+    pipeline neighbours across the network on 4), over 1.03."""
+    prediction = predict(RUNS[label], None, with_memory=True)
+    layer = 8192 * (4 * 2 * H + 2 * 2 * H + 2 * 2 * KV + 3 * 2 * FFN) / TP
+    layer_params = H * (H + 2 * KV + H) + 3 * H * FFN
+    peak = (8 * (layer_params / TP + 2 * H) * (2 + 2 + 12 / 128) + 2 * 2 * 8192 * H * 2 / TP + 25 * MiB
+            + 128 * layer)
+    usable = (81559 - 426 - (32 * rings + 2 * 4) * 10) * MiB / 1.03
+    assert prediction.peak_bytes == pytest.approx(peak, rel=1e-9)
+    assert prediction.usable_bytes == pytest.approx(usable, rel=1e-12)
+    assert peak < usable
+
+
 def test_the_gap_line_states_the_largest_layer_that_would_fit():
     """The most a layer may keep is what the device leaves after static and buffers, over
     the layers held: (81.3 GB usable - static - buffers) / 154 at 8,192 GPUs."""
