@@ -7,10 +7,14 @@ And the zero-bubble paper's measured 1F1B peaks (``benchmarks/published_memory.p
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from benchmarks.published import layer_activation_bytes, llama3_2024, megatron_layer_estimate, memory_gap, predict
 from benchmarks.published_memory import ROWS, error, predict_memory
+from pipesim.sim.memory import program_order_trace
+from schedules import generate
+from schedules.metrics import peak_stashes
 
 RUNS = {run.label: run for run in llama3_2024()}
 H, KV, FFN, TP = 16384, 8 * 128, 53248, 8
@@ -63,6 +67,18 @@ def test_the_fullest_rank_at_8192_gpus_holds_megatron_s_warmup_of_two_layer_chun
     assert prediction.static_bytes == pytest.approx(static, rel=1e-9)
     assert prediction.buffer_bytes == pytest.approx(2 * 2 * 8192 * H * 2 / TP + 25 * MiB, rel=1e-12)
     assert prediction.usable_bytes == pytest.approx(LLAMA_USABLE)
+
+
+@pytest.mark.parametrize("microbatches", [32, 48, 64])
+def test_the_chunks_held_stop_growing_with_microbatches_once_the_warmup_is_full(microbatches):
+    """Megatron-Core's ``get_pp_rank_microbatches``: rank r runs 2(p - r - 1) + (v - 1) N
+    warmup forwards and keeps one more chunk before its first backward, whatever m beyond:
+    at p 16, v 4, N 16, 79 chunks on rank 0, 77 on rank 1, 75 on rank 2."""
+    schedule = generate("interleaved-1f1b", 16, microbatches, 4, microbatch_group=16)
+    one = np.ones(schedule.num_stages)
+    peaks = peak_stashes(program_order_trace(schedule).columns, 16, lambda stages: one[stages],
+                         lambda stages: one[stages])
+    assert [int(peak) for peak in peaks[:3]] == [2 * (16 - rank - 1) + 3 * 16 + 1 for rank in range(3)] == [79, 77, 75]
 
 
 def test_at_16384_gpus_every_microbatch_of_every_chunk_is_held():
