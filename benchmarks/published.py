@@ -44,8 +44,8 @@ Sources (figures transcribed from the papers' tables):
   layer short as Meta balanced them) and N = pp (``schedule_choice``). The table lists the
   other candidates (v of 2, 4 or 8, at v 8 the paper's embedding-only first chunk; N in
   Megatron's range) with their MFU and whether they fit: picking per row the fastest that
-  fits would turn on a few hundred MB of headroom (the 16,384-GPU 8K row fits at v 2 by
-  0.1 GB, the 128K row at none), so a choice by fit is shown, not taken. Sequence parallelism with
+  fits would turn on a few hundred MB of headroom (both 16,384-GPU rows fit at every v, by
+  0.5 and 0.1 GB; the 8,192-GPU row at none), so a choice by fit is shown, not taken. Sequence parallelism with
   tp; ZeRO-1 for the sharding; flash attention; and tensor-parallel collectives exposed
   (``--no-tp-overlap``): the paper's account of its parallelism names no tensor-parallel
   overlap; with it (pipesim's default) the rows come out +31.7%, +22.4% and +4.9%.

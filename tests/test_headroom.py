@@ -122,8 +122,10 @@ def test_a_bad_setting_is_one_line_exit_2(value, capsys):
 
 def test_each_rank_reports_its_parts(tmp_path, capsys):
     # 16 H100s on two nodes: tp 2 x dp 2 x pp 4, 1F1B. Rank 0 (an end) joins the tp ring, the
-    # dp ring and one neighbour; rank 1 two neighbours. The device holds the peak with 3% of
-    # it, the context and the buffers; the rank may use (capacity - context - buffers) / 1.03.
+    # dp ring and one neighbour; rank 1 two neighbours. The pipeline spans the two nodes, so
+    # NCCL gives every pipeline peer the network's 4 channels (a 400 Gb/s NIC at 14 GB/s a
+    # channel), 4 x 10 MiB. The device holds the peak with 3% of it, the context and the
+    # buffers; the rank may use (capacity - context - buffers) / 1.03.
     out = tmp_path / "r.json"
     argv = ["simulate", "--pp", "4", "-m", "8", "--tp", "2", "--dp", "2", "--topology", "ib", "--nodes", "2",
             "--gpu", "h100", "--param-bytes", "2e9", "--stash-bytes", "1e9", "--json", str(out)]
@@ -133,16 +135,17 @@ def test_each_rank_reports_its_parts(tmp_path, capsys):
     for rank, peers in ((0, 1), (1, 2)):
         memory = ranks[rank]["memory"]
         headroom = memory["headroom"]
-        nccl = {"tp": RING, "dp": RING, "pp": peers * RING}
+        net_peer = 4 * 10 * 2**20
+        nccl = {"tp": RING, "dp": RING, "pp": peers * net_peer}
         assert headroom["rule"] == "auto" and headroom["nccl_bytes"] == nccl
         assert headroom["cuda_context_bytes"] == CONTEXT and headroom["fragmentation_share"] == 0.03
         peak = ranks[rank]["peak_memory_bytes"]
         assert headroom["fragmentation_bytes"] == pytest.approx(0.03 * peak)
-        assert headroom["device_bytes"] == pytest.approx(1.03 * peak + CONTEXT + (2 + peers) * RING)
-        assert memory["usable_bytes"] == pytest.approx((H100 - CONTEXT - (2 + peers) * RING) / 1.03)
+        assert headroom["device_bytes"] == pytest.approx(1.03 * peak + CONTEXT + 2 * RING + peers * net_peer)
+        assert memory["usable_bytes"] == pytest.approx((H100 - CONTEXT - 2 * RING - peers * net_peer) / 1.03)
         assert memory["oom"] is False
     assert "headroom (GB, --memory-headroom auto)" in text
-    assert "tp 0.34, dp 0.34, pp 0.34" in text and "tp 0.34, dp 0.34, pp 0.67" in text
+    assert "tp 0.34, dp 0.34, pp 0.04" in text and "tp 0.34, dp 0.34, pp 0.08" in text
     assert main([*argv, "--memory-headroom", "10%"]) == 0
     memory = json.loads(out.read_text())["ranks"][0]["memory"]
     assert memory["headroom"] == {"rule": "fixed"} and memory["usable_bytes"] == pytest.approx(0.9 * H100)

@@ -7,20 +7,24 @@ And the zero-bubble paper's measured 1F1B peaks (``benchmarks/published_memory.p
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from benchmarks.published import layer_activation_bytes, llama3_2024, megatron_layer_estimate, memory_gap, predict
 from benchmarks.published_memory import ROWS, error, predict_memory
+from pipesim.sim.memory import program_order_trace
+from schedules import generate
+from schedules.metrics import peak_stashes
 
 RUNS = {run.label: run for run in llama3_2024()}
 H, KV, FFN, TP = 16384, 8 * 128, 53248, 8
 MiB = 2**20
 # What an H100 rank of Meta's interleaved layouts may use by the headroom rule: nvidia-smi's
 # 81559 MiB less the CUDA context (426 MiB) and NCCL's buffers of 10 MiB per channel and peer:
-# the tp ring and the dp ring on 32 channels, two pipeline neighbours on 16 each (a pipeline
-# group of 16 ranks: two rounds of 8 peers within NCCL's 32 channels), over 1.03 for
-# fragmentation.
-LLAMA_USABLE = (81559 - 426 - (32 + 32 + 2 * 16) * 10) * MiB / 1.03
+# the tp ring and the dp ring on 32 channels, two pipeline neighbours on 4 each (the pipeline's
+# ranks sit on 16 nodes: a peer across the network gets as many channels as carry a 400 Gb/s
+# NIC at 14 GB/s a channel, rounded up to a power of two), over 1.03 for fragmentation.
+LLAMA_USABLE = (81559 - 426 - (32 + 32 + 2 * 4) * 10) * MiB / 1.03
 
 
 def test_a_llama_405b_layer_keeps_the_megatron_inventory_with_sequence_parallelism():
@@ -47,7 +51,10 @@ def test_the_fullest_rank_at_8192_gpus_holds_megatron_s_warmup_of_two_layer_chun
     """Megatron's interleaved order runs (p - r - 1) * 2 + (v - 1) * p forwards before rank
     r's first backward and one more before it: 77 chunks of 2 layers on rank 1 at p 16, v 4
     (32 microbatches: the warmup is not cut short). Static: 8 layers' tp shards (norm weights
-    whole) at 2 + 2 + 12/64 bytes per parameter (ZeRO-1 over dp 64)."""
+    whole) at 2 + 2 + 12/64 bytes per parameter (ZeRO-1 over dp 64). Buffers: its two links
+    (activations in from rank 0, out to rank 2), each an activation and a gradient of the
+    sequence-parallel boundary, 2sbh/t bytes, whatever its 4 chunks, and one 25 MiB gradient
+    bucket."""
     run = RUNS["405B 8192 GPUs t8 c1 p16 d64 s8192"]
     prediction = predict(run, None, with_memory=True)
     p, v, rank = 16, 4, 1
@@ -58,7 +65,20 @@ def test_the_fullest_rank_at_8192_gpus_holds_megatron_s_warmup_of_two_layer_chun
     layer_params = H * (H + 2 * KV + H) + 3 * H * FFN
     static = 8 * (layer_params / TP + 2 * H) * (2 + 2 + 12 / 64)
     assert prediction.static_bytes == pytest.approx(static, rel=1e-9)
+    assert prediction.buffer_bytes == pytest.approx(2 * 2 * 8192 * H * 2 / TP + 25 * MiB, rel=1e-12)
     assert prediction.usable_bytes == pytest.approx(LLAMA_USABLE)
+
+
+@pytest.mark.parametrize("microbatches", [32, 48, 64])
+def test_the_chunks_held_stop_growing_with_microbatches_once_the_warmup_is_full(microbatches):
+    """Megatron-Core's ``get_pp_rank_microbatches``: rank r runs 2(p - r - 1) + (v - 1) N
+    warmup forwards and keeps one more chunk before its first backward, whatever m beyond:
+    at p 16, v 4, N 16, 79 chunks on rank 0, 77 on rank 1, 75 on rank 2."""
+    schedule = generate("interleaved-1f1b", 16, microbatches, 4, microbatch_group=16)
+    one = np.ones(schedule.num_stages)
+    peaks = peak_stashes(program_order_trace(schedule).columns, 16, lambda stages: one[stages],
+                         lambda stages: one[stages])
+    assert [int(peak) for peak in peaks[:3]] == [2 * (16 - rank - 1) + 3 * 16 + 1 for rank in range(3)] == [79, 77, 75]
 
 
 def test_at_16384_gpus_every_microbatch_of_every_chunk_is_held():
@@ -68,6 +88,25 @@ def test_at_16384_gpus_every_microbatch_of_every_chunk_is_held():
     prediction = predict(run, None, with_memory=True)
     layer = layer_activation_bytes(run)
     assert prediction.stash_bytes == pytest.approx(16 * 8 * layer, rel=1e-9)
+
+
+@pytest.mark.parametrize("label,rings", [("405B 16384 GPUs t8 c1 p16 d128 s8192", 2),
+                                         ("405B 16384 GPUs t8 c16 p16 d8 s131072", 3)])
+def test_both_16384_gpu_layouts_fit_by_hand(label, rings):
+    """Meta ran them. The fullest rank (8 layers, 128 of them held) by hand: the static at
+    2 + 2 + 12/128 bytes a parameter (ZeRO-1 over dp x cp = 128), two links' activation and
+    gradient and a 25 MiB bucket, 128 layers' activations; against 81559 MiB less the CUDA
+    context and NCCL's buffers (tp and dp rings, cp's too at 128K, on 32 channels; two
+    pipeline neighbours across the network on 4), over 1.03."""
+    prediction = predict(RUNS[label], None, with_memory=True)
+    layer = 8192 * (4 * 2 * H + 2 * 2 * H + 2 * 2 * KV + 3 * 2 * FFN) / TP
+    layer_params = H * (H + 2 * KV + H) + 3 * H * FFN
+    peak = (8 * (layer_params / TP + 2 * H) * (2 + 2 + 12 / 128) + 2 * 2 * 8192 * H * 2 / TP + 25 * MiB
+            + 128 * layer)
+    usable = (81559 - 426 - (32 * rings + 2 * 4) * 10) * MiB / 1.03
+    assert prediction.peak_bytes == pytest.approx(peak, rel=1e-9)
+    assert prediction.usable_bytes == pytest.approx(usable, rel=1e-12)
+    assert peak < usable
 
 
 def test_the_gap_line_states_the_largest_layer_that_would_fit():
@@ -134,12 +173,12 @@ def test_a_layout_whose_layers_do_not_split_is_refused():
 def test_the_headroom_rule_lets_a_layout_that_ran_fit():
     """Table 8's 28.3B 1F1B row (microbatch 2) ran on 80 GB A100s at 72 GB measured. The
     rule leaves a middle rank of its pipeline (two neighbours, no tp or dp) nvidia-smi's
-    81920 MiB less the CUDA context (426 MiB) and NCCL's buffers for its two neighbours, 8
-    channels each in a group of 32 (four rounds of 8 peers within 32 channels) x 10 MiB,
-    over 1.03: 82.8 GB, above the predicted peak (a flat 10% of a decimal 80 GB left 72 GB
-    and called it out of memory)."""
+    81920 MiB less the CUDA context (426 MiB) and NCCL's buffers for its two neighbours, 2
+    channels each (the pipeline spans 4 nodes: a 200 Gb/s HDR NIC at 14 GB/s a channel) x
+    10 MiB, over 1.03: 82.9 GB, above the predicted peak (a flat 10% of a decimal 80 GB left
+    72 GB and called it out of memory)."""
     row = next(row for row in ROWS if row.model == "28.3B" and row.microbatch_size == 2)
     prediction = predict_memory(row)
-    usable = (81920 - 426 - 2 * 8 * 10) * MiB / 1.03
+    usable = (81920 - 426 - 2 * 2 * 10) * MiB / 1.03
     assert row.measured_gb == 72 and prediction.usable_bytes == pytest.approx(usable)
     assert 72e9 < prediction.peak_bytes < usable

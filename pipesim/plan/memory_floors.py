@@ -99,6 +99,7 @@ class MemoryFloors:
         simulating (``pipesim.sim.memory.program_order_trace``: exact when every forward
         that takes a stash takes time): a cause when some rank does not fit its device less
         the headroom, else None."""
+        from pipesim.sim.headroom import pipeline_net_channels
         from pipesim.sim.memory import memory_report, program_order_trace
 
         if not costs.memory_known or any(stage.stash_bytes > 0 and stage.fwd <= 0 for stage in costs.stages):
@@ -109,5 +110,6 @@ class MemoryFloors:
                                [topology.device_memory(device) for device in devices], parallel.bytes_per_param,
                                parallel.dp * parallel.cp, parallel.bucket_bytes, parallel.zero,
                                parallel.dp * parallel.cp // parallel.ep, headroom=parallel.memory_headroom,
-                               timelines=False, tp=parallel.tp, cp=parallel.cp, ep=parallel.ep)
+                               timelines=False, tp=parallel.tp, cp=parallel.cp, ep=parallel.ep,
+                               pp_net_channels=pipeline_net_channels(topology, devices))
         return ORDER_OUT_OF_MEMORY if any(rank.oom for rank in report) else None

@@ -26,7 +26,14 @@ figures:
                    larger group as many as keep the group's peers, 8 a round, within the
                    32 (``ncclTopoComputeP2pChannels`` in NCCL's src/graph/paths.cc:
                    halved while channels x ceil(peers / 8) > 32): 16 at 16 ranks, 4 at
-                   64.
+                   64. A pipeline whose ranks span nodes gets fewer: NCCL takes the
+                   channels per peer as the least over the communicator's ranks, and a
+                   peer across the network gets one channel per NIC at least, or as
+                   many as carry the NIC's bandwidth at 14 GB/s a channel, rounded up
+                   to a power of two (``ncclTopoGetNchannels``,
+                   ``NCCL_P2P_PER_CHANNEL_NET_BW``, and ``ncclTopoComputeP2pChannels``
+                   in src/graph/paths.cc): 4 over a 400 Gb/s NIC, 2 over 200 Gb/s
+                   (``pipeline_net_channels``).
     fragmentation  the caching allocator's blocks are never packed perfectly: the memory
                    PyTorch reserves exceeds what it allocates by a share of it, 3%.
                    Megatron-LM training on an 80 GB A100 (NVIDIA/Megatron-LM issue 965)
@@ -57,6 +64,7 @@ NCCL_CONNECTION_BYTES = math.ceil(
     (NCCL_SIMPLE_BUFFER_BYTES + NCCL_LL_BUFFER_BYTES + NCCL_LL128_BUFFER_BYTES) / NCCL_PAGE_BYTES) * NCCL_PAGE_BYTES
 NCCL_CHANNELS = 32
 NCCL_P2P_PEERS_PER_ROUND = 8  # NCCL_MAX_DEV_WORK_P2P_PER_BATCH, src/include/device.h
+NCCL_P2P_NET_CHANNEL_BANDWIDTH = 14e9  # NCCL_P2P_PER_CHANNEL_NET_BW's default, 14 GB/s
 FRAGMENTATION_SHARE = 0.03
 AUTO = "auto"
 DEFAULT_HEADROOM = AUTO
@@ -76,6 +84,7 @@ class Communicators:
     ep: int = 1
     expert_dp: int = 1
     pp: int = 1
+    pp_net_channels: int = 0  # NCCL's channels per peer when the pipeline spans nodes; 0 within one
 
     def connections(self) -> dict[str, int]:
         """Per communicator the rank joins, the connections it keeps receive buffers for:
@@ -83,7 +92,10 @@ class Communicators:
         rings = {"tp": self.tp, "dp": self.dp, "cp": self.cp}
         connections = {kind: NCCL_CHANNELS for kind, size in rings.items() if size > 1}
         if self.pp_peers:
-            connections["pp"] = p2p_channels_per_peer(max(self.pp, self.pp_peers + 1)) * self.pp_peers
+            channels = p2p_channels_per_peer(max(self.pp, self.pp_peers + 1))
+            if self.pp_net_channels:
+                channels = min(channels, self.pp_net_channels)
+            connections["pp"] = channels * self.pp_peers
         if self.ep > 1:
             connections["ep"] = p2p_channels_per_peer(self.ep) * (self.ep - 1)
             if self.expert_dp > 1:
@@ -100,6 +112,29 @@ def p2p_channels_per_peer(group: int) -> int:
     while channels * rounds > NCCL_CHANNELS and channels > 1:
         channels //= 2
     return channels
+
+
+def net_p2p_channels(nic_bandwidth: float) -> int:
+    """NCCL's point-to-point channels per peer across the network from a GPU whose NIC
+    moves ``nic_bandwidth`` bytes/s: one at least, or as many as carry the bandwidth at
+    14 GB/s a channel, rounded up to a power of two (see the module)."""
+    channels = max(1, math.ceil(nic_bandwidth / NCCL_P2P_NET_CHANNEL_BANDWIDTH))
+    return 1 << (channels - 1).bit_length()
+
+
+def pipeline_net_channels(topology, devices) -> int:
+    """NCCL's channels per peer for a pipeline on ``devices`` (one per pipeline rank) of
+    ``topology``: 0 when they sit in one node (or the topology names no nodes), else
+    ``net_p2p_channels`` of the slowest route between neighbouring ranks on different
+    nodes. The route's bandwidth stands for the NIC's speed (NCCL reads the NIC's
+    nominal one; the presets' 0.9 efficiency changes no count: 45 and 50 GB/s both give
+    4 channels, 22.5 and 25 both 2)."""
+    nodes = [topology.node_of(device) for device in devices]
+    if None in nodes or len(set(nodes)) < 2:
+        return 0
+    crossing = [topology.route(devices[rank], devices[(rank + 1) % len(devices)]).bandwidth
+                for rank in range(len(devices)) if nodes[rank] != nodes[(rank + 1) % len(devices)]]
+    return net_p2p_channels(min(crossing))
 
 
 def nccl_buffer_bytes(communicators: Communicators) -> dict[str, float]:

@@ -8,10 +8,13 @@
              included; stage 2 the gradients too; stage 3 the weights too): the dp
              replicas (dp x cp with context parallelism), and a stage's routed experts
              over their expert data-parallel group, dp x cp / ep, with expert parallelism
-    buffers  2 x the boundary activation per P2P peer (one for the activation, one for
-             its gradient) and, when data parallel, one gradient bucket (stages 0-2) or
-             ZeRO-3's gathered working set: two layers' parameters (the one computing
-             and the one prefetched) and one layer's whole gradient
+    buffers  2 x the boundary activation per pipeline link, a neighbouring rank in one
+             direction (``p2p_links``: receiving activations from a rank, a received
+             activation and the gradient sent back; sending to one, the output and the
+             gradient coming back), however many stages the rank holds, and, when data
+             parallel, one gradient bucket (stages 0-2) or ZeRO-3's gathered working set:
+             two layers' parameters (the one computing and the one prefetched) and one
+             layer's whole gradient
     stash    each stage's ``stash_bytes`` for every microbatch whose forward has started
              and whose last backward piece (B, or W when split) has not ended:
              ``schedules.metrics.stash_changes``, read from the Trace
@@ -166,26 +169,24 @@ def memory_report(
     tp: int = 1,
     cp: int = 1,
     ep: int = 1,
+    pp_net_channels: int = 0,
 ) -> list[RankMemory]:
     """Memory of every rank of the simulated pipeline, from its Trace, sharded as ZeRO
     stage ``zero`` says over the ``dp`` ranks that hold each parameter (the routed
     experts' over ``expert_dp``, default ``dp``), against each device's capacity less
     ``headroom`` for a rank of its communicators (``tp``, the pipeline, ``dp``, ``cp``,
-    ``ep``: ``rank_communicators``); without ``timelines`` only the peaks (a planner's
-    verdict). Empty when the costs say nothing about memory."""
+    ``ep``: ``rank_communicators``; ``pp_net_channels``, NCCL's channels per pipeline
+    peer when the pipeline spans nodes: ``pipesim.sim.headroom.pipeline_net_channels``);
+    without ``timelines`` only the peaks (a planner's verdict). Empty when the costs say
+    nothing about memory."""
     if not costs.memory_known:
         return []
     check_zero(zero)
     num_ranks = trace.num_ranks
     static = [0.0] * num_ranks
-    buffers = [0.0] * num_ranks
     for stage, cost in enumerate(costs.stages):
-        rank = placement[stage]
-        static[rank] += static_bytes(cost, bytes_per_param, dp, zero, expert_dp)
-        if dataflow.receives(placement, stage, ActionKind.F, rank):  # the boundary below: its input, its gradient
-            buffers[rank] += 2 * costs.stages[dataflow.input_stage(stage, ActionKind.F)].act_bytes
-        if dataflow.sends(placement, stage, ActionKind.F, rank):  # the boundary above: its output, their gradient
-            buffers[rank] += 2 * cost.act_bytes
+        static[placement[stage]] += static_bytes(cost, bytes_per_param, dp, zero, expert_dp)
+    buffers = [p2p_buffer_bytes(costs, placement, rank) for rank in range(num_ranks)]
     if dp > 1:
         buffers = [value + reduction_buffer_bytes(costs, placement, rank, bytes_per_param, bucket_bytes, zero)
                    for rank, value in enumerate(buffers)]
@@ -196,7 +197,7 @@ def memory_report(
         stash, kept = stash_shares(costs)
         parts = [(float(peak), ()) for peak in peak_stashes(trace.columns, num_ranks, lambda stages: stash[stages],
                                                               lambda stages: kept[stages])]
-    communicators = rank_communicators(placement, num_ranks, tp, dp, cp, ep, expert_dp)
+    communicators = rank_communicators(placement, num_ranks, tp, dp, cp, ep, expert_dp, pp_net_channels)
     return [
         RankMemory(rank=rank, device=devices[rank], capacity_bytes=capacities[rank], static_bytes=static[rank],
                    buffer_bytes=buffers[rank], peak_stash_bytes=peak_stash, peak_bytes=bases[rank] + peak_stash,
@@ -207,19 +208,49 @@ def memory_report(
 
 
 def rank_communicators(placement: Sequence[int], num_ranks: int, tp: int = 1, dp: int = 1, cp: int = 1,
-                       ep: int = 1, expert_dp: int | None = None) -> list[Communicators]:
+                       ep: int = 1, expert_dp: int | None = None, pp_net_channels: int = 0) -> list[Communicators]:
     """Per pipeline rank, the NCCL communicators it joins (``pipesim.sim.headroom``): the
     job's tp, gradient-reduction (``dp``: the ranks that hold each parameter, dp x cp),
     cp and ep groups, the experts' data-parallel group, and the other ranks its stages
     exchange activations with (``schedules.dataflow``'s forward neighbours)."""
-    neighbours: list[set[int]] = [set() for _ in range(num_ranks)]
-    for stage, rank in enumerate(placement):
-        for other in (dataflow.input_from(placement, stage, ActionKind.F),
-                      dataflow.output_to(placement, stage, ActionKind.F)):
-            if other is not None and placement[other] != rank:
-                neighbours[rank].add(placement[other])
+    neighbours = [{peer for peer, _ in p2p_links(placement, rank)} for rank in range(num_ranks)]
     return [Communicators(tp=tp, pp_peers=len(peers), dp=dp, cp=cp, ep=ep,
-                          expert_dp=dp if expert_dp is None else expert_dp, pp=num_ranks) for peers in neighbours]
+                          expert_dp=dp if expert_dp is None else expert_dp, pp=num_ranks,
+                          pp_net_channels=pp_net_channels) for peers in neighbours]
+
+
+def p2p_links(placement: Sequence[int], rank: int) -> dict[tuple[int, str], list[int]]:
+    """The pipeline links of ``rank``: per neighbouring rank and direction (``"in"``: it
+    sends ``rank`` activations, ``"out"``: ``rank`` sends it its own), the stages whose
+    boundary crosses that link, the lower stage of each (the one whose output it carries).
+    Interleaved chunks share their rank's links: every chunk of rank r reads rank r-1's
+    outputs over one link."""
+    links: dict[tuple[int, str], list[int]] = {}
+    for stage, owner in enumerate(placement):
+        if owner != rank:
+            continue
+        source = dataflow.input_from(placement, stage, ActionKind.F)
+        if source is not None and placement[source] != rank:
+            links.setdefault((placement[source], "in"), []).append(source)
+        target = dataflow.output_to(placement, stage, ActionKind.F)
+        if target is not None and placement[target] != rank:
+            links.setdefault((placement[target], "out"), []).append(stage)
+    return links
+
+
+def p2p_buffer_bytes(costs: Costs, placement: Sequence[int], rank: int) -> float:
+    """What ``rank`` holds for its pipeline transfers: per link (``p2p_links``) two of the
+    largest boundary activation it carries, one activation and one gradient in flight.
+
+    Per link, not per stage: the schedules post one exchange per neighbour at a time, and
+    a tensor is allocated when it is received and freed once used or sent (Megatron-Core,
+    ``pipeline_parallel/p2p_communication.py``: ``_communicate`` allocates each receive
+    with ``torch.empty``; ``schedules.py``'s ``deallocate_output_tensor`` frees a stage's
+    output once sent, keeping only its autograd node), so interleaving v chunks a rank
+    does not multiply the buffers by v. A received activation, once its forward runs, is
+    the first layer's input, counted in that microbatch's stash."""
+    return sum(2 * max(costs.stages[boundary].act_bytes for boundary in boundaries)
+               for boundaries in p2p_links(placement, rank).values())
 
 
 def static_bytes(cost, bytes_per_param: BytesPerParam, dp: int, zero: int, expert_dp: int | None = None) -> float:

@@ -14,6 +14,7 @@ from pipesim.cluster.mapping import RankMapping, map_ranks
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
 from pipesim.sim.engine import lower_for, price_step, run_step, step_trace
+from pipesim.sim.headroom import pipeline_net_channels
 from pipesim.sim.memory import RankMemory, memory_report
 from pipesim.sim.parallel import CommPlan, ParallelConfig, comm_plan
 from schedules.collector import without_collector
@@ -56,7 +57,7 @@ class SimulationResult:
             [self.topology.device_memory(device) for device in devices],
             parallel.bytes_per_param, holders, parallel.bucket_bytes, parallel.zero,
             holders // parallel.ep, headroom=parallel.memory_headroom, tp=parallel.tp,
-            cp=parallel.cp, ep=parallel.ep,
+            cp=parallel.cp, ep=parallel.ep, pp_net_channels=pipeline_net_channels(self.topology, devices),
         )
 
     @cached_property
