@@ -149,6 +149,21 @@ def step_tail(schedule: Schedule, trace: Trace, step_time: float, per_action: fl
     return max(step_time - last, 0.0) + lead
 
 
+def pair_seconds(schedule: Schedule, trace: Trace) -> dict[int, float]:
+    """Mean seconds of the step's overlapped pairs by forward stage: from the forward
+    half's start to the backward half's end, as the runtime drew them
+    (``executor.pair_streams.pair_events``: one after the other, or sharing the span
+    they overlapped), so the pair's own time whether its halves overlapped or not."""
+    timed = {(event.rank, event.action): event for event in trace.events if event.stream == "compute"}
+    spans: dict[int, list[float]] = defaultdict(list)
+    for rank in range(schedule.pp):
+        for forward, backward in schedule.fused_pairs(rank):
+            first, second = timed.get((rank, str(forward))), timed.get((rank, str(backward)))
+            if first is not None and second is not None:
+                spans[forward.stage].append(second.end - first.start)
+    return {stage: statistics.fmean(values) for stage, values in spans.items()}
+
+
 def run_costs(schedule: Schedule, traces: Sequence[Trace], step_times: Sequence[float],
               collectives_apart: bool = False) -> dict:
     """The costs document (times and overheads; no bytes) from calibration steps: one
@@ -167,8 +182,16 @@ def run_costs(schedule: Schedule, traces: Sequence[Trace], step_times: Sequence[
     tails = [step_tail(schedule, trace, time, per_action, per_post)
              for trace, time in zip(traces, step_times, strict=True)]
     stages = [{"stage": stage, **stage_entry(stage, seconds)} for stage in range(schedule.num_stages)]
-    return {"action_overhead": per_action, "comm_overhead": per_post, "step_overhead": robust_mean(tails),
-            "stages": stages}
+    per_step_pairs = [pair_seconds(schedule, trace) for trace in traces]
+    for stage, entry in enumerate(stages):  # an overlapped pair with its forward on the stage, as it ran
+        timed = [step[stage] for step in per_step_pairs if stage in step]
+        if timed:
+            entry["overlap_fb"] = robust_mean(timed)
+    document = {"action_overhead": per_action, "comm_overhead": per_post, "step_overhead": robust_mean(tails),
+                "stages": stages}
+    if any(per_step_pairs):  # whether the run's halves ran together (two CUDA streams) or one after the other
+        document["pairs_overlap"] = bool(traces[0].meta.get("pairs_overlap", False))
+    return document
 
 
 def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
