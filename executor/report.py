@@ -19,7 +19,8 @@ def summary(result: dict) -> dict:
     metrics = step_metrics(result["trace"])
     comm = {kind: {"total": 0.0, "exposed": 0.0} for kind in ("p2p", "dp", "tp")}
     for rank in comm_by_kind(result["trace"]):
-        for kind, seconds in rank.items():
+        for kind, seconds in rank.items():  # ep where the trace has its all-to-alls
+            comm.setdefault(kind, {"total": 0.0, "exposed": 0.0})
             comm[kind]["total"] += seconds["total"]
             comm[kind]["exposed"] += seconds["exposed"]
     return {

@@ -10,7 +10,8 @@ way the run is timed, by the same code under the same contention: the job's proc
 run a few **calibration steps** of the same lowered programs (``pipesim compare`` runs
 half of them before its timed steps and half after, in the same processes), and each F,
 B, I and W is the mean wall time of that action over such a step (minus the tp
-collectives the trace shows inside it, when the simulator charges them itself). The
+collectives and ep all-to-alls the trace shows inside it, which the simulator charges
+itself from the links). The
 timed steps that the comparison reports are never used for a cost, so the prediction
 stays a prediction: the simulator still has to get every wait, transfer and bubble right.
 
@@ -51,16 +52,16 @@ def calibration_configs(config: RunConfig, steps: int = ROUNDS) -> list[RunConfi
 
 def compute_seconds(trace: Trace, collectives_apart: bool) -> dict[tuple[int, str], float]:
     """Mean wall seconds of each (stage, compute kind) over one step's compute events.
-    With ``collectives_apart`` the tp collectives each action ran inside it (``tp``
-    events named ``TP(action)``) are taken out, for the simulator to charge them from
-    the links instead."""
-    from executor.gather import TP_KIND  # noqa: PLC0415 - torch, which this module leaves out at import
+    With ``collectives_apart`` the collectives each action ran inside it (tp collectives
+    named ``TP(action)``, ep all-to-alls ``ALLTOALL_EP(action)``) are taken out, for the
+    simulator to charge them from the links instead."""
+    from executor.gather import INSIDE_KINDS  # noqa: PLC0415 - torch, which this module leaves out at import
 
     inside: dict[tuple[str, int], float] = defaultdict(float)
     if collectives_apart:
         for event in trace.events:
-            if event.kind == TP_KIND:
-                inside[str(parse_action(event.action[len(TP_KIND) + 1:-1])), event.rank] += event.duration
+            if event.kind in INSIDE_KINDS:
+                inside[str(parse_action(event.action[len(event.kind) + 1:-1])), event.rank] += event.duration
     durations: dict[tuple[int, str], list[float]] = defaultdict(list)
     for event in trace.events:
         if event.stream == "compute" and event.kind in COMPUTE_KINDS:
@@ -221,8 +222,27 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
         if config.tp > 1:
             entry["layers"] = float(model.layout[stage])
             entry["tp_message_bytes"] = float(math.prod(model.boundary_shape(microbatch)) * element)
+        if config.ep > 1:
+            entry.update(expert_exchange(config, model.layout, stage, microbatch, element))
         entries.append(entry)
     return entries
+
+
+def expert_exchange(config: RunConfig, layout: Sequence[int], stage: int, microbatch: int,
+                    element: int) -> dict[str, float]:
+    """What the simulator prices a stage's ep all-to-alls from, as it prices a model's
+    (``pipesim.model.transformer_costs``): its MoE layers (``moe_layers``) and one rank's
+    routed token copies (``dispatch_bytes``: ``k`` copies of each of the microbatch's
+    ``seq_len / cp`` tokens over ``tp``, ``hidden`` wide, in the activations' type), for
+    the shrunk architecture the run builds (``executor.architectures.build.shrunk_spec``)."""
+    from executor.architectures.build import shrunk_spec  # noqa: PLC0415
+
+    spec = shrunk_spec(config)
+    first = sum(layout[:stage])
+    moe_layers = sum(1 for layer in range(first, first + layout[stage]) if spec.is_moe_layer(layer))
+    tokens = microbatch * config.seq_len / config.cp / config.tp
+    dispatch = spec.moe.dispatch_bytes(tokens, spec.hidden, element) if spec.moe and moe_layers else 0.0
+    return {"moe_layers": float(moe_layers), "dispatch_bytes": float(dispatch)}
 
 
 def calibration_document(config: RunConfig, schedule: Schedule, calibrated: Sequence[dict]) -> dict:
@@ -231,7 +251,8 @@ def calibration_document(config: RunConfig, schedule: Schedule, calibrated: Sequ
     ``meta``, what the times were measured on (the fields ``pipesim compare --costs``
     checks against its run)."""
     document = run_costs(schedule, [result["trace"] for result in calibrated],
-                         [result["step_times"][-1] for result in calibrated], collectives_apart=config.tp > 1)
+                         [result["step_times"][-1] for result in calibrated],
+                         collectives_apart=config.tp > 1 or config.ep > 1)
     for entry, sizes in zip(document["stages"], stage_bytes(config, schedule.num_stages), strict=True):
         entry.update(sizes)
     document["sequence_parallel"] = config.sequence_parallel

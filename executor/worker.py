@@ -21,7 +21,7 @@ from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
 from executor.context_parallel import local_shape
 from executor.data_parallel import GradientAverager, local_tensor
-from executor.gather import dp_event, gather_events, tp_event
+from executor.gather import EP_KIND, TP_KIND, dp_event, gather_events, inside_event
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
 from executor.models import PipelineModel, build_model, build_optimizer
@@ -114,12 +114,15 @@ class RankRun:
             for stage in self.stages.values():
                 shard_context(stage, self.context)
         expert_groups = None
+        self.ep_timer = None
         if config.ep > 1:
             from executor.expert_parallel import ExpertGroups, shard_experts  # noqa: PLC0415 - MoE only
+            from executor.inside_timing import CollectiveTimer  # noqa: PLC0415
 
             expert_groups = ExpertGroups.build(rank, position, config.ep, config.timeout)
+            self.ep_timer = CollectiveTimer(lambda: self.runtime.current, self.clock.mark)
             for stage in self.stages.values():
-                shard_experts(stage, expert_groups)
+                shard_experts(stage, expert_groups, self.ep_timer)
         unsharded = sum(local_tensor(p.detach()).numel() * p.element_size()
                         for stage in self.stages.values() for p in stage.parameters())
         if config.zero == 3:
@@ -263,15 +266,17 @@ class RankRun:
         return result
 
     def collective_events(self) -> list:
-        """This step's dp all-reduce buckets and tp collectives as Trace events. tp
-        collectives are timed in the runtime clock's marks (CUDA events on a GPU); the
+        """This step's dp all-reduce buckets, tp collectives and ep all-to-alls as Trace
+        events. tp collectives and ep all-to-alls are timed in the runtime clock's marks (CUDA events on a GPU); the
         dp buckets in host time, so on a GPU they are left out (they would need events
         on the dp stream)."""
         reductions = self.wait_for("in the dp all-reduce", self.averager.finish) if self.averager is not None else []
-        collectives = self.tp_timer.take() if self.tp_timer is not None else []
         clock = self.runtime.clock
-        events = [tp_event(self.pp_rank, action, clock.seconds(start), clock.seconds(end))
-                  for action, start, end in collectives if action is not None]
+        events = []
+        for timer, kind in ((self.tp_timer, TP_KIND), (self.ep_timer, EP_KIND)):
+            collectives = timer.take() if timer is not None else []
+            events += [inside_event(self.pp_rank, action, clock.seconds(start), clock.seconds(end), kind)
+                       for action, start, end in collectives if action is not None]
         return events + self.dp_events(reductions)
 
     def dp_events(self, timings: list) -> list:
