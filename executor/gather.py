@@ -4,8 +4,9 @@ Each rank's program is known to every rank (it comes from the schedule), so a ra
 has to send, per event, the index of the action in its program, its start and end and
 its stream: one float64 tensor that any backend can all-gather, with no object
 serialisation on the way. Collective events that are not program actions (a stage's dp
-bucket: all-reduce, reduce-scatter or parameter all-gather; a tp collective or an ep
-all-to-all inside a compute action) travel as index -1 with a kind code, their stage, microbatch and bucket.
+bucket: all-reduce, reduce-scatter or parameter all-gather; a tp collective, an ep
+all-to-all or a ring attention's wait for a block inside a compute action) travel as
+index -1 with a kind code, their stage, microbatch and bucket.
 
 With dp or tp > 1 the gather runs along one pipeline (the pp group of the mesh): the
 Trace shows one replica's pipeline, as the simulator does, with its dp and tp streams.
@@ -17,17 +18,17 @@ import torch
 import torch.distributed as dist
 
 from executor.data_parallel import ALL_REDUCE, PARAM_GATHER, REDUCE_SCATTER
-from executor.inside_timing import EP_KIND
+from executor.inside_timing import CP_KIND, EP_KIND
 from schedules.action import COMPUTE_KINDS, Action, parse_action
 from schedules.schedule import Schedule
 from schedules.trace import STREAMS, TraceEvent
 
 # Streams and kinds beyond a program's actions, named as the simulator names them.
-ALL_STREAMS = (*STREAMS, "dp", "tp", "ep")
+ALL_STREAMS = (*STREAMS, "dp", "tp", "ep", "cp")
 DP_KIND, TP_KIND = ALL_REDUCE, "TP"
 DP_KINDS = (ALL_REDUCE, REDUCE_SCATTER, PARAM_GATHER)  # a dp event's code is minus the index of its kind
 # collectives inside a compute action, by kind, and the stream each is drawn on
-INSIDE_STREAMS = {TP_KIND: "tp", EP_KIND: "ep"}
+INSIDE_STREAMS = {TP_KIND: "tp", EP_KIND: "ep", CP_KIND: "cp"}
 INSIDE_KINDS = tuple(INSIDE_STREAMS)
 # an inside event's code is 1 + the index of its action's kind in COMPUTE_KINDS, plus
 # len(COMPUTE_KINDS) times the index of its own kind in INSIDE_KINDS

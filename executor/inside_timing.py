@@ -1,6 +1,7 @@
-"""Timing the expert-parallel all-to-alls a compute action runs inside it, so that
-``pipesim compare`` can take them out of the measured compute and price them from the
-links it benchmarked, as it does the tp collectives (``executor.tensor_parallel.TpTimer``).
+"""Timing the expert-parallel all-to-alls and ring attention's K/V exchanges a compute
+action runs inside it, so that ``pipesim compare`` can take them out of the measured
+compute and price them from the links it benchmarked, as it does the tp collectives
+(``executor.tensor_parallel.TpTimer``).
 
 The simulator charges each MoE layer two all-to-alls of the rank's routed token copies in
 the forward (dispatch and combine) and the same two in the input-gradient backward
@@ -8,6 +9,14 @@ the forward (dispatch and combine) and the same two in the input-gradient backwa
 exactly those through ``timed_all_to_all``, which marks the runtime clock around each one
 and around its backward's; the small exchanges of counts and expert indices that precede
 them are not in the simulator's model and stay in the measured compute.
+
+Ring attention (``executor.ring_attention``) overlaps each block's transfer with the
+attention over the block before it; the simulator charges what the attention does not
+hide (``pipesim.sim.context_parallel``: per step, the transfer beyond the step's share of
+the attention core). So ``RingTimer`` times both: each wait for a transfer after the
+step's compute (what held the rank: ``CP_KV(action)`` events) and the attention core's
+compute of every step (``attention``, the seconds the simulator sets the transfers
+against).
 """
 
 from __future__ import annotations
@@ -22,6 +31,9 @@ import torch.distributed as dist
 # The Trace's name for an all-to-all inside an action, as the simulator names it
 # (pipesim.sim.expert_parallel.EP_KIND, on the ``ep`` stream)
 EP_KIND = "ALLTOALL_EP"
+# ... and the part of a ring attention's K/V exchange the attention did not hide
+# (pipesim.sim.context_parallel.CP_KIND, on the ``cp`` stream)
+CP_KIND = "CP_KV"
 
 
 class CollectiveTimer:
@@ -43,6 +55,27 @@ class CollectiveTimer:
         """The intervals recorded since the last call."""
         intervals, self.intervals = self.intervals, []
         return intervals
+
+
+class RingTimer(CollectiveTimer):
+    """A ``CollectiveTimer`` for ring attention: ``timed()`` around each wait for a
+    block, ``computing()`` around each step's attention over a block (``attention``:
+    ``(action, start, end)`` in the clock's marks)."""
+
+    def __init__(self, current_action: Callable[[], object], mark: Callable[[], object] = time.perf_counter) -> None:
+        super().__init__(current_action, mark)
+        self.attention: list[tuple[object, object, object]] = []
+
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        start = self.mark()
+        yield
+        self.attention.append((self.current_action(), start, self.mark()))
+
+    def take_attention(self) -> list[tuple[object, object, object]]:
+        """The attention intervals recorded since the last call."""
+        attention, self.attention = self.attention, []
+        return attention
 
 
 class TimedAllToAll(torch.autograd.Function):

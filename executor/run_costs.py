@@ -224,8 +224,40 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
             entry["tp_message_bytes"] = float(math.prod(model.boundary_shape(microbatch)) * element)
         if config.ep > 1:
             entry.update(expert_exchange(config, model.layout, stage, microbatch, element))
+        if config.cp > 1 and config.cp_comm == "p2p":
+            entry.update(ring_exchange(config, model.layout[stage], microbatch, element))
         entries.append(entry)
     return entries
+
+
+def ring_exchange(config: RunConfig, layers: int, microbatch: int, element: int) -> dict[str, float]:
+    """What the simulator prices a stage's ring attention from (``pipesim.sim.
+    context_parallel``): its attention layers and the keys and values one cp rank
+    passes on per layer (``kv_bytes``: the microbatch's ``seq_len / cp`` tokens, each
+    with the key and value widths ``pipesim.model.activations.key_value_bytes`` counts
+    for the shrunk architecture at ``tp``, in the activations' type, which the ring
+    sends them in)."""
+    from executor.architectures.build import shrunk_spec  # noqa: PLC0415
+    from pipesim.model.activations import key_value_bytes  # noqa: PLC0415
+
+    spec = shrunk_spec(config)
+    per_token = key_value_bytes(spec, config.tp) / spec.dtype_bytes * element
+    return {"attention_layers": float(layers), "kv_bytes": float(microbatch * config.seq_len / config.cp * per_token)}
+
+
+def add_ring(entries: list[dict], attention: Sequence[dict[str, float]]) -> None:
+    """Each stage's attention core seconds per layer (``attention_fwd``, and
+    ``attention_bwd`` of its input-gradient backward, B or I), the median over the
+    calibration steps of what ring attention computed in one action (rank 0's gather of
+    the pipeline's, ``executor.worker``): the simulator sets each step's transfer
+    against a step's share of it."""
+    for entry in entries:
+        layers = entry.get("attention_layers") or 0.0
+        stage = entry["stage"]
+        for field, kinds in (("attention_fwd", (ActionKind.F,)), ("attention_bwd", (ActionKind.B, ActionKind.I))):
+            seconds = [step[f"{stage}{kind}"] for step in attention for kind in kinds if f"{stage}{kind}" in step]
+            if layers and seconds:
+                entry[field] = robust_mean(seconds) / layers
 
 
 def expert_exchange(config: RunConfig, layout: Sequence[int], stage: int, microbatch: int,
@@ -252,9 +284,11 @@ def calibration_document(config: RunConfig, schedule: Schedule, calibrated: Sequ
     checks against its run)."""
     document = run_costs(schedule, [result["trace"] for result in calibrated],
                          [result["step_times"][-1] for result in calibrated],
-                         collectives_apart=config.tp > 1 or config.ep > 1)
+                         collectives_apart=config.tp > 1 or config.ep > 1 or config.cp > 1)
     for entry, sizes in zip(document["stages"], stage_bytes(config, schedule.num_stages), strict=True):
         entry.update(sizes)
+    if config.cp > 1 and config.cp_comm == "p2p":
+        add_ring(document["stages"], [result["attention_seconds"] for result in calibrated])
     document["sequence_parallel"] = config.sequence_parallel
     document["meta"] = {
         "source": RUN_CALIBRATED, "calibration_steps": len(calibrated),

@@ -89,12 +89,12 @@ def reliability_warnings(spread: dict[str, float], steps: int, load: float | Non
 
 # the simulator's streams of what the executor runs inside its compute actions (timed
 # apart there: executor.gather.INSIDE_STREAMS)
-INSIDE_COMPUTE = ("tp", "ep")
+INSIDE_COMPUTE = ("tp", "ep", "cp")
 
 
 def compute_stretch(measured_busy: list[float], predicted_busy: list[float]) -> list[float | None]:
     """Each rank's compute seconds in the run over those predicted (with the tp
-    collectives and ep all-to-alls the executor runs inside its compute actions,
+    collectives, ep all-to-alls and ring waits the executor runs inside its compute actions,
     ``INSIDE_COMPUTE``; None where nothing was
     predicted): above 1 the same actions ran slower in the run than in the profile,
     the usual reason a prediction falls short on a CPU whose cores the ranks share with
@@ -132,8 +132,9 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
     ranks = max(len(measured_busy), len(predicted_busy))
     measured_busy += [0.0] * (ranks - len(measured_busy))
     predicted_busy += [0.0] * (ranks - len(predicted_busy))
-    # the executor's compute actions hold the tp collectives and ep all-to-alls issued
-    # inside them, which the simulator charges on streams of their own: compared like with like
+    # the executor's compute actions hold the tp collectives, ep all-to-alls and ring
+    # attention's waits issued inside them, which the simulator charges on streams of
+    # their own: compared like with like
     held_inside = [0.0] * ranks
     for event in predicted.events:
         if event.stream in INSIDE_COMPUTE and event.rank < ranks:
