@@ -85,7 +85,7 @@ def test_all_to_all_events_travel_to_rank_0_as_they_were_recorded() -> None:
     events = [TraceEvent.of(0, program[0], 0.0, 1.0, "compute"), inside_event(0, program[0], 0.25, 0.5, EP_KIND),
               inside_event(0, backward, 2.0, 2.5, EP_KIND), inside_event(0, backward, 2.5, 2.75, "TP")]
     assert decode(0, program, encode(program, events)) == events
-    assert INSIDE_KINDS == ("TP", EP_KIND)
+    assert INSIDE_KINDS == ("TP", EP_KIND, "CP_KV")
     assert events[1].action == "ALLTOALL_EP(0F0)" and events[1].stream == "ep"
 
 
