@@ -94,21 +94,21 @@ def test_a_run_times_its_all_to_alls_and_its_calibration_takes_them_out_of_the_c
     from executor.launch import launch  # noqa: PLC0415 - starts gloo ranks
     from executor.run_costs import calibration_configs, calibration_document  # noqa: PLC0415
 
-    config = run_config("--model", "mixtral-8x7b", "--pp", "2", "--dp", "2", "--ep", "2", "-m", "2",
+    config = run_config("--model", "mixtral-8x7b", "--pp", "1", "--dp", "2", "--ep", "2", "-m", "2",
                         "--layers", "2", "--backend", "gloo")
     calibrated = launch(calibration_configs(config, 1))
     trace = calibrated[0]["trace"]
     held = [event for event in trace.events if event.stream == "ep"]
-    # one MoE layer a stage, one pipeline's 2 ranks, 2 microbatches: dispatch and combine
-    # in every F and (their backward) in every B
+    # two MoE layers, 2 microbatches: dispatch and combine in every F and (their
+    # backward) in every B
     assert len(held) == 2 * 2 * 2 * 2 and {event.kind for event in held} == {EP_KIND}
     compute = {(event.rank, event.action): event for event in trace.events if event.stream == "compute"}
     for event in held:  # each inside the action it names
         action = compute[event.rank, event.action[len(EP_KIND) + 1:-1]]
         assert action.start <= event.start <= event.end <= action.end
-    document = calibration_document(config, generate("1f1b", 2, 2), calibrated)
+    document = calibration_document(config, generate("1f1b", 1, 2), calibrated)
     for entry in document["stages"]:
-        assert entry["moe_layers"] == 1.0 and entry["dispatch_bytes"] == 2 * 16 * 2 * 64 * 4  # mb 2 x seq 16, top-2
+        assert entry["moe_layers"] == 2.0 and entry["dispatch_bytes"] == 2 * 16 * 2 * 64 * 4  # mb 2 x seq 16, top-2
         forwards = [event for event in compute.values() if event.stage == entry["stage"] and event.kind == "F"]
         exchanged = sum(event.duration for event in held if event.stage == entry["stage"]
                         and event.action.startswith(f"{EP_KIND}({entry['stage']}F"))
