@@ -109,3 +109,9 @@ def test_a_run_times_its_ring_and_its_calibration_prices_it() -> None:
     forwards = [event for event in compute.values() if event.kind == "F"]
     waited = sum(event.duration for event in waits if "F" in event.action)
     assert entry["fwd"] == pytest.approx((sum(event.duration for event in forwards) - waited) / len(forwards))
+    # the run's summary counts the waits as cp communication, as the simulator's does
+    from executor.report import summary, summary_lines  # noqa: PLC0415
+
+    document = summary(calibrated[0])
+    assert document["comm"]["cp"]["total"] == pytest.approx(sum(event.duration for event in waits))
+    assert any("cp " in line and "(ring waits)" in line for line in summary_lines(calibrated[0], document))
