@@ -27,15 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     refused = admit_refused_values(parser, SIMULATOR_CHOICES)
     parser.epilog = f"Values only the simulator takes are refused in one line: {', '.join(refused)}."
     args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
     try:
         refused = value_refusal(args, PROGRAM, "the executor")
         if refused:
             raise ConfigError(refused)
         config = config_from_args(args)
     except ConfigError as error:
-        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        if rank == 0:  # every rank torchrun started refuses alike; one line says why
+            print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         return 2
-    rank = int(os.environ.get("RANK", "0"))
     from executor.launch import validate_schedule  # noqa: PLC0415 - torch loads only once flags are good
     from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
     from executor.worker import run_worker  # noqa: PLC0415

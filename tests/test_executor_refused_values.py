@@ -64,3 +64,12 @@ def test_executor_help_lists_the_values_it_refuses(capsys) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert "--recompute {none,selective,full}" in text
     assert "refused in one line: --p2p torch-runtime, --recompute norm-mla-up." in text
+
+
+def test_under_torchrun_only_rank_0_says_why(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("RANK", "1")
+    assert executor_main(["--recompute", "norm-mla-up"]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert executor_main(["--recompute", "norm-mla-up"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
