@@ -10,8 +10,8 @@ way the run is timed, by the same code under the same contention: the job's proc
 run a few **calibration steps** of the same lowered programs (``pipesim compare`` runs
 half of them before its timed steps and half after, in the same processes), and each F,
 B, I and W is the mean wall time of that action over such a step (minus the tp
-collectives and ep all-to-alls the trace shows inside it, which the simulator charges
-itself from the links). The
+collectives, ep all-to-alls and ring attention's waits the trace shows inside it, which
+the simulator charges itself from the links). The
 timed steps that the comparison reports are never used for a cost, so the prediction
 stays a prediction: the simulator still has to get every wait, transfer and bubble right.
 
@@ -53,8 +53,9 @@ def calibration_configs(config: RunConfig, steps: int = ROUNDS) -> list[RunConfi
 def compute_seconds(trace: Trace, collectives_apart: bool) -> dict[tuple[int, str], float]:
     """Mean wall seconds of each (stage, compute kind) over one step's compute events.
     With ``collectives_apart`` the collectives each action ran inside it (tp collectives
-    named ``TP(action)``, ep all-to-alls ``ALLTOALL_EP(action)``) are taken out, for the
-    simulator to charge them from the links instead."""
+    named ``TP(action)``, ep all-to-alls ``ALLTOALL_EP(action)``, ring attention's waits
+    ``CP_KV(action)``) are taken out, for the simulator to charge them from the links
+    instead."""
     from executor.gather import INSIDE_KINDS  # noqa: PLC0415 - torch, which this module leaves out at import
 
     inside: dict[tuple[str, int], float] = defaultdict(float)

@@ -272,10 +272,11 @@ class RankRun:
         return result
 
     def collective_events(self) -> list:
-        """This step's dp all-reduce buckets, tp collectives and ep all-to-alls as Trace
-        events. tp collectives and ep all-to-alls are timed in the runtime clock's marks (CUDA events on a GPU); the
-        dp buckets in host time, so on a GPU they are left out (they would need events
-        on the dp stream)."""
+        """This step's dp all-reduce buckets, tp collectives, ep all-to-alls and ring
+        attention's waits as Trace events (and the ring's attention core, kept for
+        ``gather_attention``). The collectives inside actions are timed in the runtime
+        clock's marks (CUDA events on a GPU); the dp buckets in host time, so on a GPU
+        they are left out (they would need events on the dp stream)."""
         reductions = self.wait_for("in the dp all-reduce", self.averager.finish) if self.averager is not None else []
         clock = self.runtime.clock
         events = []
