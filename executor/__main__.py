@@ -4,7 +4,8 @@
         --schedule 1f1b --pp 16 --microbatches 64 --model gpt --layers 32
 
 Every rank runs the same command; rank 0 prints the summary and writes ``--json`` and
-``--trace``.
+``--trace``. A bad flag, or a value only the simulator takes (``--recompute
+norm-mla-up``), is refused in one line with exit status 2, as ``pipesim run`` refuses it.
 """
 
 from __future__ import annotations
@@ -13,15 +14,29 @@ import argparse
 import os
 import sys
 
+from executor.config import ConfigError
 from executor.options import add_run_arguments, config_from_args
+from executor.refused_values import SIMULATOR_CHOICES, admit_refused_values, value_refusal
+
+PROGRAM = "python -m executor"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m executor", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.splitlines()[0])
     add_run_arguments(parser)
+    refused = admit_refused_values(parser, SIMULATOR_CHOICES)
+    parser.epilog = f"Values only the simulator takes are refused in one line: {', '.join(refused)}."
     args = parser.parse_args(argv)
-    config = config_from_args(args)
     rank = int(os.environ.get("RANK", "0"))
+    try:
+        refused = value_refusal(args, PROGRAM, "the executor")
+        if refused:
+            raise ConfigError(refused)
+        config = config_from_args(args)
+    except ConfigError as error:
+        if rank == 0:  # every rank torchrun started refuses alike; one line says why
+            print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        return 2
     from executor.launch import validate_schedule  # noqa: PLC0415 - torch loads only once flags are good
     from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415
     from executor.worker import run_worker  # noqa: PLC0415

@@ -29,6 +29,7 @@ from torch import nn
 from executor.architectures.latent_attention import LatentAttention
 from executor.architectures.layers import Attention, apply_rotary, rotary_angles
 from executor.block_attention import block_backward, block_forward, compute_dtype, merge
+from executor.inside_timing import RingTimer
 from executor.mesh import MeshPosition
 from executor.ring_attention import Ring, ring_attention
 
@@ -121,12 +122,12 @@ class ContextShard:
     ``executor.ring_attention``)."""
 
     def __init__(self, group: dist.ProcessGroup, cp: int, cp_index: int, seq_len: int,
-                 comm: str = "all-gather") -> None:
+                 comm: str = "all-gather", timer: RingTimer | None = None) -> None:
         self.group, self.cp, self.seq_len = group, cp, seq_len
         self.positions = chunk_positions(seq_len, cp, cp_index)
         held = [chunk_positions(seq_len, cp, r) for r in range(cp)]
         self.gathered_positions = torch.cat(held)  # the sequence position of each gathered row (rank order)
-        self.ring = Ring(group, cp, cp_index, held) if comm == "p2p" else None
+        self.ring = Ring(group, cp, cp_index, held, timer=timer) if comm == "p2p" else None
 
     def local(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's columns of a ``batch x seq`` tensor (inputs or targets)."""

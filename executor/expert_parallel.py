@@ -18,8 +18,9 @@ gradient of the global mean.
 A routed copy (token, choice) leaves its rank in expert order; each side learns the
 other's counts by an all-to-all of ``ep`` integers and the expert of every row it
 receives by a third, untracked, all-to-all. The rows travel through
-``torch.distributed.nn.functional.all_to_all_single``, whose backward is the all-to-all
-with the splits swapped, so the backward (also a zero-bubble schedule's input-gradient
+``executor.inside_timing.timed_all_to_all`` (as ``torch.distributed.nn.functional.
+all_to_all_single``: its backward is the all-to-all with the splits swapped; each one
+timed, for ``pipesim compare`` to price from the links), so the backward (also a zero-bubble schedule's input-gradient
 pass) trades the gradients the same way. Every ep peer runs the same program on the same
 layers, so the collectives line up.
 """
@@ -31,10 +32,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as tracked
 from torch import nn
 
 from executor.architectures.moe import MixtureOfExperts
+from executor.inside_timing import CollectiveTimer, timed_all_to_all
 from executor.mesh import MeshPosition
 
 
@@ -83,9 +84,10 @@ class ExpertDispatcher:
     """The routed part of a ``MixtureOfExperts`` under expert parallelism (the
     ``dispatcher`` it calls instead of running every expert itself)."""
 
-    def __init__(self, groups: ExpertGroups, experts: int) -> None:
+    def __init__(self, groups: ExpertGroups, experts: int, timer: CollectiveTimer | None = None) -> None:
         self.groups = groups
         self.share = experts // groups.ep
+        self.timer = timer  # times the dispatch and combine all-to-alls (executor.inside_timing)
 
     def __call__(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, keep: torch.Tensor,
                  experts: nn.ModuleDict) -> torch.Tensor:
@@ -100,28 +102,26 @@ class ExpertDispatcher:
         sends, receives = send_counts.tolist(), recv_counts.tolist()
         received_experts = expert.new_empty(sum(receives))
         dist.all_to_all_single(received_experts, expert, receives, sends, group=group)
-        rows = tracked.all_to_all_single(tokens.new_empty(sum(receives), tokens.shape[1]), tokens[token],
-                                         receives, sends, group=group)
+        rows = timed_all_to_all(tokens[token], sum(receives), receives, sends, group, self.timer)
         outputs = torch.zeros_like(rows)
         for name, module in experts.items():
             # An expert that received no rows still runs, on none: a zero gradient, not none.
             (at,) = torch.nonzero(received_experts == int(name), as_tuple=True)
             outputs = outputs.index_copy(0, at, module(rows[at]).to(rows.dtype))
-        back = tracked.all_to_all_single(tokens.new_empty(len(token), tokens.shape[1]), outputs, sends, receives,
-                                         group=group)
+        back = timed_all_to_all(outputs, len(token), sends, receives, group, self.timer)
         weighted = back * weights[token, slot].unsqueeze(-1).to(back.dtype)
         return torch.zeros_like(tokens).index_add(0, token, weighted)
 
 
-def shard_experts(stage: nn.Module, groups: ExpertGroups) -> None:
+def shard_experts(stage: nn.Module, groups: ExpertGroups, timer: CollectiveTimer | None = None) -> None:
     """Keep only this rank's experts in every MoE layer of ``stage`` (under their global
     indices, so parameter names stay those of the whole model) and route through the
-    ep group."""
+    ep group, the dispatch and combine timed by ``timer`` where given."""
     for module in stage.modules():
         if isinstance(module, MixtureOfExperts):
             mine = expert_range(module.num_experts, groups.ep, groups.ep_index)
             module.experts = nn.ModuleDict({str(index): module.experts[index] for index in mine})
-            module.dispatcher = ExpertDispatcher(groups, module.num_experts)
+            module.dispatcher = ExpertDispatcher(groups, module.num_experts, timer)
 
 
 def expert_parameters(stages: dict[int, nn.Module]) -> set[int]:

@@ -4,8 +4,9 @@ Each rank's program is known to every rank (it comes from the schedule), so a ra
 has to send, per event, the index of the action in its program, its start and end and
 its stream: one float64 tensor that any backend can all-gather, with no object
 serialisation on the way. Collective events that are not program actions (a stage's dp
-bucket: all-reduce, reduce-scatter or parameter all-gather; a tp collective inside a
-compute action) travel as index -1 with a kind code, their stage, microbatch and bucket.
+bucket: all-reduce, reduce-scatter or parameter all-gather; a tp collective, an ep
+all-to-all or a ring attention's wait for a block inside a compute action) travel as
+index -1 with a kind code, their stage, microbatch and bucket.
 
 With dp or tp > 1 the gather runs along one pipeline (the pp group of the mesh): the
 Trace shows one replica's pipeline, as the simulator does, with its dp and tp streams.
@@ -17,15 +18,20 @@ import torch
 import torch.distributed as dist
 
 from executor.data_parallel import ALL_REDUCE, PARAM_GATHER, REDUCE_SCATTER
+from executor.inside_timing import CP_KIND, EP_KIND
 from schedules.action import COMPUTE_KINDS, Action, parse_action
 from schedules.schedule import Schedule
 from schedules.trace import STREAMS, TraceEvent
 
 # Streams and kinds beyond a program's actions, named as the simulator names them.
-ALL_STREAMS = (*STREAMS, "dp", "tp")
+ALL_STREAMS = (*STREAMS, "dp", "tp", "ep", "cp")
 DP_KIND, TP_KIND = ALL_REDUCE, "TP"
 DP_KINDS = (ALL_REDUCE, REDUCE_SCATTER, PARAM_GATHER)  # a dp event's code is minus the index of its kind
-# a tp event's code is 1 + the index of its action's kind in COMPUTE_KINDS
+# collectives inside a compute action, by kind, and the stream each is drawn on
+INSIDE_STREAMS = {TP_KIND: "tp", EP_KIND: "ep", CP_KIND: "cp"}
+INSIDE_KINDS = tuple(INSIDE_STREAMS)
+# an inside event's code is 1 + the index of its action's kind in COMPUTE_KINDS, plus
+# len(COMPUTE_KINDS) times the index of its own kind in INSIDE_KINDS
 COLUMNS = 8  # index, start, end, stream, extra code, stage, microbatch, bucket
 
 
@@ -41,24 +47,27 @@ def bucket_of(event: TraceEvent) -> int:
     return int(event.action.rsplit("[", 1)[1].rstrip("]"))
 
 
-def tp_event(rank: int, action: Action, start: float, end: float) -> TraceEvent:
-    """One tp collective issued inside compute ``action``, on the ``tp`` stream."""
-    return TraceEvent(rank, f"{TP_KIND}({action})", TP_KIND, action.stage, action.microbatch, start, end, "tp")
+def inside_event(rank: int, action: Action, start: float, end: float, kind: str = TP_KIND) -> TraceEvent:
+    """One collective of ``kind`` (a tp collective, an ep all-to-all) issued inside compute
+    ``action``, on its stream: ``TP(1F0)``, ``ALLTOALL_EP(1B2)``."""
+    return TraceEvent(rank, f"{kind}({action})", kind, action.stage, action.microbatch, start, end,
+                      INSIDE_STREAMS[kind])
 
 
 def encode(program: tuple[Action, ...], events: list[TraceEvent]) -> torch.Tensor:
     """Events as rows ``(index in program or -1, start, end, stream, extra code, stage,
     microbatch, bucket)``; extra code ``-k`` is a dp bucket of kind ``DP_KINDS[k]``,
-    ``1 + k`` a tp collective inside an action of kind ``COMPUTE_KINDS[k]``."""
+    ``1 + k + j * len(COMPUTE_KINDS)`` a collective of kind ``INSIDE_KINDS[j]`` inside
+    an action of kind ``COMPUTE_KINDS[k]``."""
     position = {action: index for index, action in enumerate(program)}
     rows = []
     for e in events:
         stream = ALL_STREAMS.index(e.stream)
         if e.kind in DP_KINDS:
             rows.append((-1, e.start, e.end, stream, -DP_KINDS.index(e.kind), e.stage, e.microbatch, bucket_of(e)))
-        elif e.kind == TP_KIND:
-            inner = e.action[len(TP_KIND) + 1:-1]
-            code = 1 + COMPUTE_KINDS.index(parse_action(inner).kind)
+        elif e.kind in INSIDE_STREAMS:
+            inner = e.action[len(e.kind) + 1:-1]
+            code = 1 + COMPUTE_KINDS.index(parse_action(inner).kind) + len(COMPUTE_KINDS) * INSIDE_KINDS.index(e.kind)
             rows.append((-1, e.start, e.end, stream, code, e.stage, e.microbatch, 0))
         else:
             index = position[Action(e.stage, e.kind, e.microbatch)]
@@ -74,8 +83,9 @@ def decode(rank: int, program: tuple[Action, ...], rows: torch.Tensor) -> list[T
         elif code <= 0:
             events.append(dp_event(rank, int(stage), start, end, DP_KINDS[-int(code)], int(bucket)))
         else:
-            action = Action(int(stage), COMPUTE_KINDS[int(code) - 1], int(microbatch))
-            events.append(tp_event(rank, action, start, end))
+            inside, kind = divmod(int(code) - 1, len(COMPUTE_KINDS))
+            action = Action(int(stage), COMPUTE_KINDS[kind], int(microbatch))
+            events.append(inside_event(rank, action, start, end, INSIDE_KINDS[inside]))
     return events
 
 

@@ -34,6 +34,8 @@ from executor.config import ConfigError, RunConfig, build_schedule
 from executor.estimate import DEFAULT_MIN_TIME, ROUNDS, robust_mean
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.overheads import measure_overheads, microbatch_size
+from executor.pair_streams import PairLanes
+from executor.pair_timing import pair_factor, stage_pairs, time_pairs
 from executor.precision import Precision
 from executor.process import init_rank
 from executor.recompute import apply_recompute
@@ -195,11 +197,15 @@ class StageProbe:
 
 
 def time_stages(probes: dict[int, StageProbe], device: torch.device, warmup: int, repeats: int,
-                min_time: float, clock: str = "thread") -> dict[int, dict[str, float]]:
+                min_time: float, clock: str = "thread",
+                pairs: list[tuple[int, int]] = ()) -> dict[int, dict[str, float]]:
     """F, B, I, W seconds and bytes of each stage. F and B are timed in ``ROUNDS``
     rounds, taking turns between the rank's stages, so a slow spell of the machine
     lands in one round of several stages rather than in all of one stage's; each
-    round has its share of ``repeats`` and ``min_time``."""
+    round has its share of ``repeats`` and ``min_time``. Each overlapped pair of
+    ``pairs`` (forward stage, backward stage) the rank runs is timed as the executor
+    runs it (``executor.pair_timing``): under ``pair`` of its forward stage, the pair's
+    seconds and its backward stage."""
     rounds: dict[int, list[tuple[float, float]]] = {stage: [] for stage in probes}
     per_round = max(1, -(-repeats // ROUNDS))
     for index in range(ROUNDS):
@@ -212,6 +218,9 @@ def time_stages(probes: dict[int, StageProbe], device: torch.device, warmup: int
         measured[stage] = {"F": robust_mean([f for f, _ in rounds[stage]]),
                            "B": robust_mean([b for _, b in rounds[stage]]),
                            "I": input_grad, "W": weight_grad, **probe.bytes()}
+    timed = time_pairs(probes, list(pairs), device, clock_for_compute(device, clock), warmup, repeats)
+    for forward, backward in pairs:
+        measured[forward]["pair"] = {"backward_stage": backward, "seconds": timed[forward]}
     return measured
 
 
@@ -229,7 +238,7 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time
             apply_recompute(module, config.recompute)
         probes = {stage: StageProbe(model, module, stage, schedule.num_stages, config, device)
                   for stage, module in stages.items()}
-        measured = time_stages(probes, device, warmup, repeats, min_time, clock)
+        measured = time_stages(probes, device, warmup, repeats, min_time, clock, stage_pairs(schedule, rank))
         params = [p for module in stages.values() for p in module.parameters()]
         optimizer = build_optimizer(config, params, lr=0.0)
         optimizer_seconds = mean_seconds(optimizer.step, device, warmup, repeats, clock)
@@ -238,7 +247,7 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
     return {"rank": rank, "backend": backend, "device": str(device), "stages": measured,
-            "optimizer": optimizer_seconds, **overheads}
+            "optimizer": optimizer_seconds, "pairs_overlap": PairLanes(device).overlaps, **overheads}
 
 
 def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, repeats: int,
@@ -262,15 +271,22 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
         # zero-bubble schedule runs exactly those passes.
         entries.append({"stage": stage, "fwd": m["F"], "bwd": m["B"], "igrad": m["I"], "wgrad": m["W"],
                         "act_bytes": m["act_bytes"],
-                        "stash_bytes": m["stash_bytes"], "param_bytes": m["param_bytes"]})
+                        "stash_bytes": m["stash_bytes"], "param_bytes": m["param_bytes"],
+                        # an overlapped pair with its forward here, as the executor ran it
+                        **({"overlap_fb": m["pair"]["seconds"]} if "pair" in m else {})})
     ranks = [per_rank[rank] for rank in sorted(per_rank)]
     first = ranks[0]
+    pairs = {str(stage): {**pair, "factor": pair_factor(pair["seconds"], stages[stage]["F"],
+                                                         stages[pair["backward_stage"]]["B"])}
+             for stage, pair in sorted((stage, stages[stage].get("pair")) for stage in stages) if pair}
     step_overhead = first["prefetch_post"] + max(r["optimizer"] for r in ranks) + max(r["loss_reduce"] for r in ranks)
     return {
         "action_overhead": statistics.median(r["action_gap"] for r in ranks),
         # what a SEND or RECV costs a computing rank, the backend's threads included
         "comm_overhead": statistics.median(max(r["transfer_cost"], r["comm_post"]) for r in ranks),
         "step_overhead": step_overhead,
+        # whether the profiled executor ran a pair's halves together (two CUDA streams)
+        **({"pairs_overlap": first["pairs_overlap"]} if pairs else {}),
         "meta": {
             "source": "pipesim profile",
             "backend": first["backend"], "device": first["device"], "threads": config.threads,
@@ -282,6 +298,8 @@ def costs_document(config: RunConfig, per_rank: dict[int, dict], warmup: int, re
             "measured": {
                 "stages": {str(stage): {kind: stages[stage][kind] for kind in "FBIW"} for stage in sorted(stages)},
                 "ranks": [{key: r[key] for key in RANK_FIELDS} for r in ranks],
+                # each overlapped pair by its forward stage: seconds, backward stage, seconds / (F + B)
+                **({"pairs": pairs} if pairs else {}),
             },
         },
         "stages": entries,

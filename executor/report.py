@@ -19,7 +19,8 @@ def summary(result: dict) -> dict:
     metrics = step_metrics(result["trace"])
     comm = {kind: {"total": 0.0, "exposed": 0.0} for kind in ("p2p", "dp", "tp")}
     for rank in comm_by_kind(result["trace"]):
-        for kind, seconds in rank.items():
+        for kind, seconds in rank.items():  # ep where the trace has its all-to-alls
+            comm.setdefault(kind, {"total": 0.0, "exposed": 0.0})
             comm[kind]["total"] += seconds["total"]
             comm[kind]["exposed"] += seconds["exposed"]
     return {
@@ -93,7 +94,9 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
     lines.append("measured communication (last step, summed over one pipeline's ranks): "
                  f"blocked on p2p data in flight {took(comm['p2p']['exposed'])}; "
                  f"dp {took(comm['dp']['total'])} (exposed {took(comm['dp']['exposed'])}); "
-                 f"tp {took(comm['tp']['total'])}")
+                 f"tp {took(comm['tp']['total'])}"
+                 + "".join(f"; {kind} {took(comm[kind]['total'])} ({what})"
+                           for kind, what in (("ep", "all-to-alls"), ("cp", "ring waits")) if kind in comm))
     pairs = document.get("pairs")
     if pairs:
         how = (f"halves on two CUDA streams, {pairs['overlapped']} overlapped" if pairs["streams"]

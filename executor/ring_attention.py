@@ -39,12 +39,14 @@ simulator prices).
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from executor.block_attention import block_backward, block_forward, compute_dtype, merge
+from executor.inside_timing import RingTimer
 
 
 @dataclass
@@ -59,6 +61,15 @@ class Ring:
     cp_index: int
     positions: list[torch.Tensor]  # positions[j]: the sequence positions cp rank j holds
     sent: list[int] | None = None
+    timer: RingTimer | None = None  # times the waits and the attention (executor.inside_timing)
+
+    def waiting(self) -> AbstractContextManager:
+        """Around a wait for a block: what of the transfer the step's compute did not hide."""
+        return self.timer.timed() if self.timer is not None else nullcontext()
+
+    def computing(self) -> AbstractContextManager:
+        """Around a step's attention over one block."""
+        return self.timer.computing() if self.timer is not None else nullcontext()
 
     def peer(self, offset: int) -> int:
         """The global rank of the cp rank ``offset`` places along the ring."""
@@ -110,11 +121,13 @@ class RingAttention(torch.autograd.Function):
             for step in range(ring.cp):
                 if step < ring.cp - 1:  # the next block travels while this one is computed
                     arriving, works = ring.exchange(block, to=1, source=-1)
-                block_k, block_v = unpack(block.to(compute), k.shape, v.shape)
-                merge(out, lse, *block_forward(q_, block_k, block_v, ring.mask(owner, q.device), scale, groups))
+                with ring.computing():
+                    block_k, block_v = unpack(block.to(compute), k.shape, v.shape)
+                    merge(out, lse, *block_forward(q_, block_k, block_v, ring.mask(owner, q.device), scale, groups))
                 if step < ring.cp - 1:
-                    for work in works:
-                        work.wait()
+                    with ring.waiting():
+                        for work in works:
+                            work.wait()
                     block, owner = arriving, (owner - 1) % ring.cp
         ctx.save_for_backward(q, block, out, lse)
         ctx.ring, ctx.shapes = ring, (k.shape, v.shape)
@@ -141,12 +154,14 @@ class RingAttention(torch.autograd.Function):
                 else:
                     message = torch.cat((block, block_grad.to(wire)))
                 arriving, works = ring.exchange(message, to=-1, source=1)
-                block_k, block_v = unpack(block.to(compute), k_shape, v_shape)
-                dk, dv = block_backward(q_, block_k, block_v, grad, delta, lse, ring.mask(owner, q.device), scale,
-                                        groups, dq)
-                mine = pack(dk, dv)
-                for work in works:
-                    work.wait()
+                with ring.computing():
+                    block_k, block_v = unpack(block.to(compute), k_shape, v_shape)
+                    dk, dv = block_backward(q_, block_k, block_v, grad, delta, lse, ring.mask(owner, q.device), scale,
+                                            groups, dq)
+                    mine = pack(dk, dv)
+                with ring.waiting():
+                    for work in works:
+                        work.wait()
                 if step == 0:
                     block, block_grad = arriving, mine
                 elif step == ring.cp - 1:

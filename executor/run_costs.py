@@ -10,7 +10,8 @@ way the run is timed, by the same code under the same contention: the job's proc
 run a few **calibration steps** of the same lowered programs (``pipesim compare`` runs
 half of them before its timed steps and half after, in the same processes), and each F,
 B, I and W is the mean wall time of that action over such a step (minus the tp
-collectives the trace shows inside it, when the simulator charges them itself). The
+collectives, ep all-to-alls and ring attention's waits the trace shows inside it, which
+the simulator charges itself from the links). The
 timed steps that the comparison reports are never used for a cost, so the prediction
 stays a prediction: the simulator still has to get every wait, transfer and bubble right.
 
@@ -51,16 +52,17 @@ def calibration_configs(config: RunConfig, steps: int = ROUNDS) -> list[RunConfi
 
 def compute_seconds(trace: Trace, collectives_apart: bool) -> dict[tuple[int, str], float]:
     """Mean wall seconds of each (stage, compute kind) over one step's compute events.
-    With ``collectives_apart`` the tp collectives each action ran inside it (``tp``
-    events named ``TP(action)``) are taken out, for the simulator to charge them from
-    the links instead."""
-    from executor.gather import TP_KIND  # noqa: PLC0415 - torch, which this module leaves out at import
+    With ``collectives_apart`` the collectives each action ran inside it (tp collectives
+    named ``TP(action)``, ep all-to-alls ``ALLTOALL_EP(action)``, ring attention's waits
+    ``CP_KV(action)``) are taken out, for the simulator to charge them from the links
+    instead."""
+    from executor.gather import INSIDE_KINDS  # noqa: PLC0415 - torch, which this module leaves out at import
 
     inside: dict[tuple[str, int], float] = defaultdict(float)
     if collectives_apart:
         for event in trace.events:
-            if event.kind == TP_KIND:
-                inside[str(parse_action(event.action[len(TP_KIND) + 1:-1])), event.rank] += event.duration
+            if event.kind in INSIDE_KINDS:
+                inside[str(parse_action(event.action[len(event.kind) + 1:-1])), event.rank] += event.duration
     durations: dict[tuple[int, str], list[float]] = defaultdict(list)
     for event in trace.events:
         if event.stream == "compute" and event.kind in COMPUTE_KINDS:
@@ -149,6 +151,21 @@ def step_tail(schedule: Schedule, trace: Trace, step_time: float, per_action: fl
     return max(step_time - last, 0.0) + lead
 
 
+def pair_seconds(schedule: Schedule, trace: Trace) -> dict[int, float]:
+    """Mean seconds of the step's overlapped pairs by forward stage: from the forward
+    half's start to the backward half's end, as the runtime drew them
+    (``executor.pair_streams.pair_events``: one after the other, or sharing the span
+    they overlapped), so the pair's own time whether its halves overlapped or not."""
+    timed = {(event.rank, event.action): event for event in trace.events if event.stream == "compute"}
+    spans: dict[int, list[float]] = defaultdict(list)
+    for rank in range(schedule.pp):
+        for forward, backward in schedule.fused_pairs(rank):
+            first, second = timed.get((rank, str(forward))), timed.get((rank, str(backward)))
+            if first is not None and second is not None:
+                spans[forward.stage].append(second.end - first.start)
+    return {stage: statistics.fmean(values) for stage, values in spans.items()}
+
+
 def run_costs(schedule: Schedule, traces: Sequence[Trace], step_times: Sequence[float],
               collectives_apart: bool = False) -> dict:
     """The costs document (times and overheads; no bytes) from calibration steps: one
@@ -167,8 +184,16 @@ def run_costs(schedule: Schedule, traces: Sequence[Trace], step_times: Sequence[
     tails = [step_tail(schedule, trace, time, per_action, per_post)
              for trace, time in zip(traces, step_times, strict=True)]
     stages = [{"stage": stage, **stage_entry(stage, seconds)} for stage in range(schedule.num_stages)]
-    return {"action_overhead": per_action, "comm_overhead": per_post, "step_overhead": robust_mean(tails),
-            "stages": stages}
+    per_step_pairs = [pair_seconds(schedule, trace) for trace in traces]
+    for stage, entry in enumerate(stages):  # an overlapped pair with its forward on the stage, as it ran
+        timed = [step[stage] for step in per_step_pairs if stage in step]
+        if timed:
+            entry["overlap_fb"] = robust_mean(timed)
+    document = {"action_overhead": per_action, "comm_overhead": per_post, "step_overhead": robust_mean(tails),
+                "stages": stages}
+    if any(per_step_pairs):  # whether the run's halves ran together (two CUDA streams) or one after the other
+        document["pairs_overlap"] = bool(traces[0].meta.get("pairs_overlap", False))
+    return document
 
 
 def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
@@ -198,8 +223,59 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
         if config.tp > 1:
             entry["layers"] = float(model.layout[stage])
             entry["tp_message_bytes"] = float(math.prod(model.boundary_shape(microbatch)) * element)
+        if config.ep > 1:
+            entry.update(expert_exchange(config, model.layout, stage, microbatch, element))
+        if config.cp > 1 and config.cp_comm == "p2p":
+            entry.update(ring_exchange(config, model.layout[stage], microbatch, element))
         entries.append(entry)
     return entries
+
+
+def ring_exchange(config: RunConfig, layers: int, microbatch: int, element: int) -> dict[str, float]:
+    """What the simulator prices a stage's ring attention from (``pipesim.sim.
+    context_parallel``): its attention layers and the keys and values one cp rank
+    passes on per layer (``kv_bytes``: the microbatch's ``seq_len / cp`` tokens, each
+    with the key and value widths ``pipesim.model.activations.key_value_bytes`` counts
+    for the shrunk architecture at ``tp``, in the activations' type, which the ring
+    sends them in)."""
+    from executor.architectures.build import shrunk_spec  # noqa: PLC0415
+    from pipesim.model.activations import key_value_bytes  # noqa: PLC0415
+
+    spec = shrunk_spec(config)
+    per_token = key_value_bytes(spec, config.tp) / spec.dtype_bytes * element
+    return {"attention_layers": float(layers), "kv_bytes": float(microbatch * config.seq_len / config.cp * per_token)}
+
+
+def add_ring(entries: list[dict], attention: Sequence[dict[str, float]]) -> None:
+    """Each stage's attention core seconds per layer (``attention_fwd``, and
+    ``attention_bwd`` of its input-gradient backward, B or I), the median over the
+    calibration steps of what ring attention computed in one action (rank 0's gather of
+    the pipeline's, ``executor.worker``): the simulator sets each step's transfer
+    against a step's share of it."""
+    for entry in entries:
+        layers = entry.get("attention_layers") or 0.0
+        stage = entry["stage"]
+        for field, kinds in (("attention_fwd", (ActionKind.F,)), ("attention_bwd", (ActionKind.B, ActionKind.I))):
+            seconds = [step[f"{stage}{kind}"] for step in attention for kind in kinds if f"{stage}{kind}" in step]
+            if layers and seconds:
+                entry[field] = robust_mean(seconds) / layers
+
+
+def expert_exchange(config: RunConfig, layout: Sequence[int], stage: int, microbatch: int,
+                    element: int) -> dict[str, float]:
+    """What the simulator prices a stage's ep all-to-alls from, as it prices a model's
+    (``pipesim.model.transformer_costs``): its MoE layers (``moe_layers``) and one rank's
+    routed token copies (``dispatch_bytes``: ``k`` copies of each of the microbatch's
+    ``seq_len / cp`` tokens over ``tp``, ``hidden`` wide, in the activations' type), for
+    the shrunk architecture the run builds (``executor.architectures.build.shrunk_spec``)."""
+    from executor.architectures.build import shrunk_spec  # noqa: PLC0415
+
+    spec = shrunk_spec(config)
+    first = sum(layout[:stage])
+    moe_layers = sum(1 for layer in range(first, first + layout[stage]) if spec.is_moe_layer(layer))
+    tokens = microbatch * config.seq_len / config.cp / config.tp
+    dispatch = spec.moe.dispatch_bytes(tokens, spec.hidden, element) if spec.moe and moe_layers else 0.0
+    return {"moe_layers": float(moe_layers), "dispatch_bytes": float(dispatch)}
 
 
 def calibration_document(config: RunConfig, schedule: Schedule, calibrated: Sequence[dict]) -> dict:
@@ -208,9 +284,12 @@ def calibration_document(config: RunConfig, schedule: Schedule, calibrated: Sequ
     ``meta``, what the times were measured on (the fields ``pipesim compare --costs``
     checks against its run)."""
     document = run_costs(schedule, [result["trace"] for result in calibrated],
-                         [result["step_times"][-1] for result in calibrated], collectives_apart=config.tp > 1)
+                         [result["step_times"][-1] for result in calibrated],
+                         collectives_apart=config.tp > 1 or config.ep > 1 or config.cp > 1)
     for entry, sizes in zip(document["stages"], stage_bytes(config, schedule.num_stages), strict=True):
         entry.update(sizes)
+    if config.cp > 1 and config.cp_comm == "p2p":
+        add_ring(document["stages"], [result["attention_seconds"] for result in calibrated])
     document["sequence_parallel"] = config.sequence_parallel
     document["meta"] = {
         "source": RUN_CALIBRATED, "calibration_steps": len(calibrated),

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
 from executor.context_parallel import local_shape
 from executor.data_parallel import GradientAverager, local_tensor
-from executor.gather import dp_event, gather_events, tp_event
+from executor.gather import CP_KIND, EP_KIND, TP_KIND, dp_event, gather_events, inside_event
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
 from executor.models import PipelineModel, build_model, build_optimizer
@@ -30,7 +31,7 @@ from executor.process import init_rank
 from executor.progress import ProgressWriter, progress_dir_from_env
 from executor.recompute import apply_recompute
 from executor.runtime import PipelineRuntime
-from schedules.action import Action
+from schedules.action import COMPUTE_KINDS, Action
 from schedules.trace import Trace
 
 
@@ -106,20 +107,28 @@ class RankRun:
         for stage in self.stages.values():
             apply_recompute(stage, config.recompute)
         self.context = None
+        self.cp_timer = None
+        self.attention: dict[tuple[int, str], float] = {}  # ring attention's core, seconds by (stage, kind), last step
         if config.cp > 1:
             from executor.context_parallel import ContextShard, shard_context  # noqa: PLC0415 - cp only
+            from executor.inside_timing import RingTimer  # noqa: PLC0415
 
+            if config.cp_comm == "p2p":
+                self.cp_timer = RingTimer(lambda: self.runtime.current, self.clock.mark)
             self.context = ContextShard(self.mesh.group("cp"), config.cp, position.cp_index, config.seq_len,
-                                        config.cp_comm)
+                                        config.cp_comm, self.cp_timer)
             for stage in self.stages.values():
                 shard_context(stage, self.context)
         expert_groups = None
+        self.ep_timer = None
         if config.ep > 1:
             from executor.expert_parallel import ExpertGroups, shard_experts  # noqa: PLC0415 - MoE only
+            from executor.inside_timing import CollectiveTimer  # noqa: PLC0415
 
             expert_groups = ExpertGroups.build(rank, position, config.ep, config.timeout)
+            self.ep_timer = CollectiveTimer(lambda: self.runtime.current, self.clock.mark)
             for stage in self.stages.values():
-                shard_experts(stage, expert_groups)
+                shard_experts(stage, expert_groups, self.ep_timer)
         unsharded = sum(local_tensor(p.detach()).numel() * p.element_size()
                         for stage in self.stages.values() for p in stage.parameters())
         if config.zero == 3:
@@ -263,15 +272,23 @@ class RankRun:
         return result
 
     def collective_events(self) -> list:
-        """This step's dp all-reduce buckets and tp collectives as Trace events. tp
-        collectives are timed in the runtime clock's marks (CUDA events on a GPU); the
-        dp buckets in host time, so on a GPU they are left out (they would need events
-        on the dp stream)."""
+        """This step's dp all-reduce buckets, tp collectives, ep all-to-alls and ring
+        attention's waits as Trace events (and the ring's attention core, kept for
+        ``gather_attention``). The collectives inside actions are timed in the runtime
+        clock's marks (CUDA events on a GPU); the dp buckets in host time, so on a GPU
+        they are left out (they would need events on the dp stream)."""
         reductions = self.wait_for("in the dp all-reduce", self.averager.finish) if self.averager is not None else []
-        collectives = self.tp_timer.take() if self.tp_timer is not None else []
         clock = self.runtime.clock
-        events = [tp_event(self.pp_rank, action, clock.seconds(start), clock.seconds(end))
-                  for action, start, end in collectives if action is not None]
+        events = []
+        if self.cp_timer is not None:
+            self.attention = defaultdict(float)
+            for action, start, end in self.cp_timer.take_attention():
+                if action is not None:
+                    self.attention[action.stage, action.kind] += clock.seconds(end) - clock.seconds(start)
+        for timer, kind in ((self.tp_timer, TP_KIND), (self.ep_timer, EP_KIND), (self.cp_timer, CP_KIND)):
+            collectives = timer.take() if timer is not None else []
+            events += [inside_event(self.pp_rank, action, clock.seconds(start), clock.seconds(end), kind)
+                       for action, start, end in collectives if action is not None]
         return events + self.dp_events(reductions)
 
     def dp_events(self, timings: list) -> list:
@@ -309,6 +326,9 @@ class RankRun:
                   "skipped_steps": self.skipped_steps,
                   "loss_scale": self.scaler.scale}
         memory = self.gather_memory()
+        attention = self.gather_attention() if self.cp_timer is not None else None
+        if attention is not None and self.rank == 0:
+            result["attention_seconds"] = attention
         if self.rank == 0:
             result.update(memory=memory, schedule=schedule.name, pp=schedule.pp, microbatches=schedule.microbatches,
                           virtual_stages=schedule.virtual_stages, world_size=self.world, backend=self.backend,
@@ -316,6 +336,23 @@ class RankRun:
                           trace=Trace.merge([Trace(events)], meta))
         return result
 
+
+    def gather_attention(self) -> dict[str, float]:
+        """Ring attention's core of the last step, the mean seconds of one action of
+        each (stage, compute kind) of this pipeline, by ``{stage}{kind}`` (what the
+        simulator sets the ring's transfers against; ``executor.run_costs``); every pp
+        rank adds its own stages', summed over the pp group."""
+        kinds = list(COMPUTE_KINDS)
+        table = torch.zeros(self.schedule.num_stages, len(kinds), dtype=torch.float64)
+        program = self.schedule.programs[self.pp_rank]
+        for (stage, kind), seconds in self.attention.items():
+            actions = sum(1 for action in program if action.stage == stage and action.kind == kind)
+            table[stage, kinds.index(kind)] = seconds / max(actions, 1)
+        table = table.to(self.device)
+        if self.world > 1:
+            dist.all_reduce(table, group=self.mesh.group("pp"))
+        return {f"{stage}{kind}": float(table[stage, index]) for stage in range(self.schedule.num_stages)
+                for index, kind in enumerate(kinds) if table[stage, index] > 0}
 
     def gather_memory(self) -> list[dict]:
         """Every rank's measured memory of the last step (bytes by kind), on every rank;

@@ -12,7 +12,8 @@ One GPU (float64 on CUDA against the CPU one-process reference, bound 1e-9, unle
                     groups (DTensor, the K/V all-gather, the all-to-all dispatch)
     pairs           DualPipeV's overlapped pairs on two CUDA streams: float64 against the
                     reference, then a float32 run: how many pairs' halves overlapped (at
-                    least one must) and the step time beside the halves one after the other
+                    least one must) and the step time beside the halves one after the other;
+                    the profile's timing of one pair (overlap_fb) over its halves alone
     memory          torch.cuda.max_memory_allocated over a step beside the simulator's
                     static prediction and the CPU run's tracked peak of the same config
     predict         profile -> simulate -> run, the step-time error (pp=1)
@@ -246,10 +247,30 @@ def pairs(args: argparse.Namespace) -> int:
     print(f"float32 gpt dualpipev pp 1, {sizes}, pairs on {lanes}: median step {step['together'] * 1e3:.2f} ms; "
           f"forced one after the other: {step['apart'] * 1e3:.2f} ms ({step['apart'] / step['together'] - 1:+.1%})")
     print(f"{meta['pairs_overlapped']} of {meta['pairs']} pairs' halves overlapped in the last step")
+    profiled_pair(args, timed)
     if not args.dry_run and (not meta["pairs_overlap"] or meta["pairs_overlapped"] == 0):
         print("FAILED: no pair's halves overlapped on the GPU")
         return 1
     return status
+
+
+def profiled_pair(args: argparse.Namespace, config) -> None:
+    """What ``pipesim profile`` writes as ``overlap_fb`` on this device: one pair, the
+    forward of stage 0 beside the backward of stage 1 on the executor's lanes, over the
+    two halves timed alone (reported, not required: the factor is the GPU's to find)."""
+    from executor.models import build_model
+    from executor.pair_timing import pair_factor, time_pair
+    from executor.profile import StageProbe, clock_for_compute
+
+    where = device(args)
+    model = build_model(config)
+    probes = {stage: StageProbe(model, model.build_stage(stage, 2).to(where), stage, 2, config, where)
+              for stage in (0, 1)}
+    forward, _ = probes[0].time_forward_backward(where, 3, 10, 0.0)
+    _, backward = probes[1].time_forward_backward(where, 3, 10, 0.0)
+    pair = time_pair(probes[0], probes[1], where, clock_for_compute(where), 3, 10)
+    print(f"profile's pair F0 + B1: {pair * 1e3:.3f} ms against F0 {forward * 1e3:.3f} + B1 {backward * 1e3:.3f} ms: "
+          f"{pair_factor(pair, forward, backward):.2f} x (overlap_fb)")
 
 
 def memory(args: argparse.Namespace) -> int:

@@ -66,8 +66,10 @@ def replicas(config):
     gradients are all-reduced in buckets of the run's size, each as soon as its gradients
     are ready (``executor.data_parallel``); ``tp`` shards whose collectives hold the
     rank after each compute action, never beside the GEMMs (the executor waits for each
-    one where DTensor issues it); ``cp`` and ``ep`` ranks, whose exchanges the measured
-    compute holds (``executor.run_costs``)."""
+    one where DTensor issues it); ``ep`` ranks, whose all-to-alls the calibration takes
+    out of the measured compute and the simulator prices from the links
+    (``executor.inside_timing``); ``cp`` ranks, whose ring's exposed waits the same
+    (with ``--cp-comm all-gather`` the gathers stay in the measured compute)."""
     from pipesim.sim.parallel import ParallelConfig  # noqa: PLC0415
 
     return ParallelConfig(dp=config.dp, bucket_bytes=config.dp_bucket_mb * 2**20, tp=config.tp, cp=config.cp,

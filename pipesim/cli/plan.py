@@ -51,8 +51,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "those in Megatron's range: pp <= N <= microbatches, microbatches mod N zero or >= pp); "
                         "default: the schedule's own group (pp where pp divides the microbatches, the least "
                         "memory), else Megatron's smallest")
-    parser.add_argument("--recompute", default=",".join(RECOMPUTE_MODES),
-                        help=f"recompute modes to try, comma-separated (default: {','.join(RECOMPUTE_MODES)})")
+    parser.add_argument("--recompute", default=None,
+                        help=f"recompute modes to try, comma-separated, of {','.join(RECOMPUTE_MODES)} (norm-mla-up: "
+                        "DeepSeek-V3's recompute of every norm's output and latent attention's up-projections, for "
+                        "models with latent attention (MLA) only) (default: all of them; norm-mla-up only for a model "
+                        "with MLA)")
     parser.add_argument("--zero", default=",".join(map(str, ZERO_STAGES)),
                         help="ZeRO stages to try with dp > 1: 1 optimizer state, 2 and gradients, 3 and parameters "
                         f"(FSDP) sharded over dp (default: {','.join(map(str, ZERO_STAGES))})")
@@ -139,7 +142,7 @@ def plan_request(args: argparse.Namespace):
         schedules=_listed(args.schedules),
         microbatch_sizes=_ints(args.microbatch_sizes, "--microbatch-sizes"),
         virtual_stages=_ints(args.virtual_stages, "--virtual-stages"),
-        recompute=_listed(args.recompute),
+        recompute=_listed(args.recompute) if args.recompute is not None else None,
         zero=[int(level) for level in _names(args.zero, "--zero", tuple(map(str, ZERO_STAGES)))],
         sequence_parallel=[SEQUENCE_PARALLEL[mode] for mode in _names(args.sequence_parallel, "--sequence-parallel",
                                                                        tuple(SEQUENCE_PARALLEL))],

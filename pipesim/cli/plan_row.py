@@ -12,7 +12,8 @@ rows named their model runs the run's ``--model`` (the ``gpt`` transformer unles
 transformer is named: the planner's models are transformers, so ``mlp`` is not used
 here; a row with cp or ep needs an architecture, so there the toy gives way to Llama 3,
 or Mixtral for ep). What the executor does not run (ZeRO-3 with a split backward,
-cost-aware orders) is refused in one line naming the row and the value.
+cost-aware orders, DeepSeek-V3's ``--recompute norm-mla-up``) is refused in one line naming
+the row and the value.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from executor.config import ConfigError, RunConfig
 from executor.options import config_from_args, model_sizes
+from executor.refused_values import value_refusal
 
 # Flags whose value the row fixes, with the value that means "not given".
 ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_file", None), ("--pp", "pp", None),
@@ -126,6 +128,9 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
              "cp": row.get("cp", 1), "ep": row.get("ep", 1),
              "cp_comm": "p2p"}  # the ring, as plan priced cp
     planned = argparse.Namespace(**{**vars(args), **fixed, **model})
+    refused = value_refusal(planned, "pipesim run", "run")  # a value the plan simulated but run does not execute
+    if refused:
+        raise ConfigError(f"plan row {number} ({row.get('layout', '')}): {refused}")
     try:
         config = config_from_args(planned)
     except ConfigError as error:

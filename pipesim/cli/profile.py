@@ -116,6 +116,10 @@ def describe(document: dict) -> list[str]:
         lines.append(f"stage {entry['stage']}: F {entry['fwd'] * 1e3:.3f} ms  B {entry['bwd'] * 1e3:.3f} ms  "
                      f"I {entry['igrad'] * 1e3:.3f} ms  W {entry['wgrad'] * 1e3:.3f} ms  "
                      f"act {entry['act_bytes'] / 1e3:.1f} kB  {stash}params {entry['param_bytes'] / 1e6:.2f} MB")
+    for stage, pair in document.get("meta", {}).get("measured", {}).get("pairs", {}).items():
+        lines.append(f"pair F{stage} + B{pair['backward_stage']}: {pair['seconds'] * 1e3:.3f} ms, "
+                     f"{pair['factor']:.2f} x their F + B (overlap_fb of stage {stage}; halves "
+                     f"{'overlapped' if document.get('pairs_overlap') else 'one after the other'})")
     lines.append(f"overheads: per action {document['action_overhead'] * 1e6:.1f} us, per send/recv "
                  f"{document['comm_overhead'] * 1e6:.1f} us, per step {document['step_overhead'] * 1e3:.3f} ms")
     return lines

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from executor.refused_values import admit_refused_values, only, value_refusal
+
 SOURCES = ("simulate", "plan")  # the commands whose flags run mirrors
 
 
@@ -46,19 +48,6 @@ def other_flags() -> dict[str, tuple[argparse.Action, tuple[str, ...]]]:
     return flags
 
 
-class ChoicesAndRefused(tuple):
-    """A flag's own choices (what ``--help`` and argparse's errors list) that also admits
-    ``refused``, the values only simulate or plan take, so they reach ``refusal``."""
-
-    def __new__(cls, own: tuple, refused: tuple) -> ChoicesAndRefused:
-        choices = super().__new__(cls, own)
-        choices.refused = refused
-        return choices
-
-    def __contains__(self, value: object) -> bool:
-        return tuple.__contains__(self, value) or value in self.refused
-
-
 def add_refused_flags(parser: argparse.ArgumentParser) -> list[str]:
     """Add to ``parser`` (run's) every flag of simulate and plan it lacks, hidden from
     the option list, parsed with the same number of values, and let its own flags parse
@@ -86,24 +75,10 @@ def add_missing_flags(parser: argparse.ArgumentParser,
 def add_refused_values(parser: argparse.ArgumentParser,
                        others: dict[str, tuple[argparse.Action, tuple[str, ...]]]) -> list[str]:
     """For each flag of ``parser`` with choices, accept the choices the same flag of
-    simulate or plan has beyond them, so ``refusal`` can name them; ``--help`` and
-    argparse's "invalid choice" still list the flag's own. Returns ``--flag value`` for
-    each, sorted."""
-    refused_values: dict[str, tuple[str, tuple, tuple[str, ...]]] = {}  # dest -> flag, run's choices, owners
-    listed = []
-    for flag, action in parser._option_string_actions.items():
-        if flag not in others or action.choices is None or action.dest in refused_values:
-            continue
-        other, owners = others[flag]
-        extra = tuple(value for value in other.choices or () if value not in action.choices)
-        if not extra:
-            continue
-        own = tuple(action.choices)
-        action.choices = ChoicesAndRefused(own, extra)
-        refused_values[action.dest] = (flag, own, owners)
-        listed += [f"{flag} {value}" for value in extra]
-    parser.set_defaults(refused_values=refused_values)
-    return sorted(listed)
+    simulate or plan has beyond them (``executor.refused_values``, which ``python -m
+    executor`` uses too), so ``refusal`` can name them. Returns ``--flag value`` for each,
+    sorted."""
+    return admit_refused_values(parser, {flag: (action.choices, owners) for flag, (action, owners) in others.items()})
 
 
 def refusal(args: argparse.Namespace) -> str | None:
@@ -112,16 +87,6 @@ def refusal(args: argparse.Namespace) -> str | None:
     given = getattr(args, "refused_flags", None)
     if given:
         flag, owners = given[0]
-        return (f"{flag} is {_only(owners)}: pipesim run does not execute it (it is a flag of pipesim "
+        return (f"{flag} is {only(owners)}: pipesim run does not execute it (it is a flag of pipesim "
                 f"{' and '.join(owners)}); drop it to run, or see docs/executor.md for what run executes")
-    for dest, (flag, own, owners) in (getattr(args, "refused_values", None) or {}).items():
-        value = getattr(args, dest, None)
-        if value is not None and value not in own:
-            return (f"{flag} {value} is {_only(owners)}: pipesim run does not execute it (run executes {flag} "
-                    f"{', '.join(map(str, own))}); see docs/executor.md for what run executes")
-    return None
-
-
-def _only(owners: tuple[str, ...]) -> str:
-    """``simulate-only`` where simulate takes it, else the one command that does."""
-    return "simulate-only" if "simulate" in owners else f"{owners[0]}-only"
+    return value_refusal(args, "pipesim run", "run")

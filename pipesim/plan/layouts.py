@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pipesim.model.spec import NORM_MLA_UP, RECOMPUTE, ModelSpec
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.generators import GROUPED, MULTI_CHUNK, PLANNED_SCHEDULES, V_SHAPED
 from schedules.generators.common import ScheduleUnavailableError
@@ -83,7 +84,16 @@ class SearchSpace:
     microbatch_groups: Sequence[int] | None = None  # interleaved-1f1b's N to try; None: ``planned_groups``
 
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+# Every recompute mode the simulator models; a plan searches norm-mla-up (DeepSeek-V3's
+# recompute of the norms and latent attention's up-projections) for models with latent
+# attention only, where it saves what the others do not (``searched_recompute``).
+RECOMPUTE_MODES = RECOMPUTE
+
+
+def searched_recompute(spec: ModelSpec) -> tuple[str, ...]:
+    """The recompute modes a plan searches for ``spec`` when none are asked for: every
+    mode, norm-mla-up only with latent attention (MLA)."""
+    return tuple(mode for mode in RECOMPUTE_MODES if mode != NORM_MLA_UP or spec.mla)
 
 
 def parse_constraints(texts: Iterable[str]) -> dict[str, set[str]]:

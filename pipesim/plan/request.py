@@ -14,9 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipesim.job import Job, model_spec_of, parallel_of, topology_of
-from pipesim.model.spec import FP8_SCALINGS
+from pipesim.model.spec import FP8_SCALINGS, NORM_MLA_UP
 from pipesim.plan.evaluate import LayoutEvaluator
-from pipesim.plan.layouts import RECOMPUTE_MODES, SearchSpace, enumerate_layouts, parse_constraints, values_left_out
+from pipesim.plan.layouts import (
+    RECOMPUTE_MODES,
+    SearchSpace,
+    enumerate_layouts,
+    parse_constraints,
+    searched_recompute,
+    values_left_out,
+)
 from pipesim.plan.search import PlanResult, search
 from pipesim.plan.workers import default_workers
 from pipesim.sim.zero import ZERO_STAGES
@@ -33,7 +40,8 @@ class PlanRequest:
     """A plan: ``model`` on ``gpus`` GPUs (``gpus_per_node`` a node; tp stays within one) of
     ``topology`` (``gpu`` its devices) at ``global_batch`` sequences a step of ``seq_len``
     tokens, searched over the ``schedules``, ``microbatch_sizes``, ``virtual_stages`` (of
-    multi-chunk schedules), ``recompute`` modes, ``zero`` stages, ``sequence_parallel``
+    multi-chunk schedules), ``recompute`` modes (None: ``searched_recompute``, norm-mla-up
+    for models with latent attention only), ``zero`` stages, ``sequence_parallel``
     choices, context-parallel sizes ``cp``, expert-parallel sizes ``ep`` and interleaved-1f1b's
     microbatch groups ``microbatch_group`` (None: the defaults of ``pipesim.plan.layouts``),
     keeping layouts that match every one of ``constraints`` (``"pp=8"``,
@@ -52,7 +60,7 @@ class PlanRequest:
     schedules: Sequence[str] = PLANNED_SCHEDULES
     microbatch_sizes: Sequence[int] = (1, 2, 4)
     virtual_stages: Sequence[int] = (2, 4)
-    recompute: Sequence[str] = RECOMPUTE_MODES
+    recompute: Sequence[str] | None = None
     zero: Sequence[int] = ZERO_STAGES
     sequence_parallel: Sequence[bool] = (False, True)
     cp: Sequence[int] | None = None
@@ -134,7 +142,8 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                          "share one placement with zbv and dualpipev, which the plan's per-placement costs cannot "
                          "tell apart); simulate it with `pipesim simulate --schedule dualpipe`, or plan dualpipev")
     for flag, values, known in (("--schedules", request.schedules, PLANNED_SCHEDULES),
-                                ("--recompute", request.recompute, RECOMPUTE_MODES),
+                                ("--recompute", RECOMPUTE_MODES if request.recompute is None else request.recompute,
+                                 RECOMPUTE_MODES),
                                 ("--zero", request.zero, ZERO_STAGES),
                                 ("--sequence-parallel", request.sequence_parallel, (False, True))):
         _known(flag, values, known)
@@ -157,12 +166,16 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
     topology.require_devices(request.gpus, "GPUs")  # and an unknown cluster
     _check_precision(base, spec, topology, request.gpus)
     _check_degrees(request, spec)
+    recompute = searched_recompute(spec) if request.recompute is None else tuple(request.recompute)
+    if NORM_MLA_UP in recompute and not spec.mla:
+        raise ValueError(f"--recompute {NORM_MLA_UP}: {request.model} has no latent attention (MLA), whose "
+                         f"up-projections it recomputes (DeepSeek-V3's); use none, selective or full")
     space = SearchSpace(
         gpus=request.gpus, gpus_per_node=min(request.gpus_per_node, request.gpus),
         global_batch=request.global_batch, layers=spec.layers, heads=spec.heads,
         kv_heads=getattr(spec, "kv_heads", None) or spec.heads, schedules=list(request.schedules),
         microbatch_sizes=list(request.microbatch_sizes), virtual_stages=list(request.virtual_stages),
-        recompute=list(request.recompute), zero=[int(level) for level in request.zero],
+        recompute=list(recompute), zero=[int(level) for level in request.zero],
         sequence_parallel=[bool(choice) for choice in request.sequence_parallel],
         constraints=parse_constraints(request.constraints), experts=spec.moe.experts if spec.moe else 0,
         expert_parallel=list(request.ep) if request.ep else None, seq_len=spec.seq_len,

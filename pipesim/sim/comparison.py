@@ -87,9 +87,15 @@ def reliability_warnings(spread: dict[str, float], steps: int, load: float | Non
     return warnings
 
 
+# the simulator's streams of what the executor runs inside its compute actions (timed
+# apart there: executor.gather.INSIDE_STREAMS)
+INSIDE_COMPUTE = ("tp", "ep", "cp")
+
+
 def compute_stretch(measured_busy: list[float], predicted_busy: list[float]) -> list[float | None]:
     """Each rank's compute seconds in the run over those predicted (with the tp
-    collectives the executor runs inside its compute actions; None where nothing was
+    collectives, ep all-to-alls and ring waits the executor runs inside its compute actions,
+    ``INSIDE_COMPUTE``; None where nothing was
     predicted): above 1 the same actions ran slower in the run than in the profile,
     the usual reason a prediction falls short on a CPU whose cores the ranks share with
     each other, the backend's threads or other work."""
@@ -126,12 +132,13 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
     ranks = max(len(measured_busy), len(predicted_busy))
     measured_busy += [0.0] * (ranks - len(measured_busy))
     predicted_busy += [0.0] * (ranks - len(predicted_busy))
-    # the executor's compute actions hold the tp collectives issued inside them, which the
-    # simulator charges on a stream of their own: compared like with like
-    held_tp = [0.0] * ranks
+    # the executor's compute actions hold the tp collectives, ep all-to-alls and ring
+    # attention's waits issued inside them, which the simulator charges on streams of
+    # their own: compared like with like
+    held_inside = [0.0] * ranks
     for event in predicted.events:
-        if event.stream == "tp" and event.rank < ranks:
-            held_tp[event.rank] += event.duration
+        if event.stream in INSIDE_COMPUTE and event.rank < ranks:
+            held_inside[event.rank] += event.duration
     meta = measured.meta
     return {
         "schedule": meta.get("schedule"),
@@ -146,8 +153,8 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
         "measured_step_time_spread": spread,
         "load_average": load,
         "cores": cores,
-        "compute_stretch": (stretch := compute_stretch(measured_busy, [busy + tp for busy, tp in
-                                                                       zip(predicted_busy, held_tp, strict=True)])),
+        "compute_stretch": (stretch := compute_stretch(measured_busy, [busy + held for busy, held in
+                                                                       zip(predicted_busy, held_inside, strict=True)])),
         "warnings": reliability_warnings(spread, len(kept), load, cores, world_size or ranks)
         + stretch_warnings(stretch),
         "measured_bubble_fraction": measured_bubble / (ranks * measured_time),

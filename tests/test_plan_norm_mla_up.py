@@ -1,0 +1,105 @@
+"""``pipesim plan`` searches DeepSeek-V3's ``--recompute norm-mla-up`` for models with
+latent attention (MLA), and only for those: the row it ranks is the step and memory
+``simulate`` gives the same layout, a model without MLA asking for it is refused in one
+line, and ``run --plan`` refuses such a row in one line naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipesim.cli import main
+from pipesim.job import Job, simulate_job
+from pipesim.plan.request import Planner, PlanRequest
+
+CONFIG = Path(__file__).parent / "data" / "hf_configs" / "deepseek-v3.json"
+
+
+@pytest.fixture(scope="module")
+def small_deepseek(tmp_path_factory) -> str:
+    """DeepSeek-V3's config (MLA with a query latent, a dense first layer, routed and shared
+    experts) shrunk to four layers of hidden 2048, so a plan of it takes a second."""
+    data = json.loads(CONFIG.read_text())
+    data.pop("quantization_config", None)
+    data.update(num_hidden_layers=4, first_k_dense_replace=1, hidden_size=2048, num_attention_heads=16,
+                num_key_value_heads=16, n_routed_experts=16, intermediate_size=4096, moe_intermediate_size=512,
+                num_experts_per_tok=4, n_group=4, topk_group=2, q_lora_rank=512, kv_lora_rank=256, vocab_size=32000)
+    path = tmp_path_factory.mktemp("deepseek") / "deepseek-v3-small.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+PLAN = ["--gpus", "8", "--global-batch", "16", "--seq-len", "4096", "--topology", "nvlink", "--schedules", "1f1b",
+        "--microbatch-sizes", "1", "--zero", "1", "--sequence-parallel", "off", "--constraint", "pp=2",
+        "--constraint", "ep=1", "--constraint", "tp=1", "--top", "10", "--workers", "1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def planned(small_deepseek, tmp_path_factory) -> tuple[dict, str]:
+    """The plan's JSON and printed table for the small DeepSeek-V3, every recompute mode by default."""
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    with pytest.MonkeyPatch.context() as patch:
+        lines = []
+        patch.setattr("builtins.print", lambda *parts, **_: lines.append(" ".join(map(str, parts))))
+        assert main(["plan", "--model", small_deepseek, *PLAN, "--json", str(out)]) == 0
+    return json.loads(out.read_text()), "\n".join(lines)
+
+
+def test_a_model_with_latent_attention_has_its_norm_mla_up_row_searched_and_printed(planned) -> None:
+    document, table = planned
+    modes = [row["recompute"] for row in document["ranked"]]
+    assert sorted(modes) == ["full", "none", "norm-mla-up", "selective"]  # pp 2, dp 4: one layout per mode
+    assert "1f1b pp2 tp1 dp4 mbs1 m4 recompute=norm-mla-up zero1" in table
+
+
+def test_the_norm_mla_up_row_is_what_simulate_gives_the_same_layout(planned, small_deepseek) -> None:
+    rows = {row["recompute"]: row for row in planned[0]["ranked"]}
+    row = rows["norm-mla-up"]
+    job = Job(model=small_deepseek, seq_len=4096, topology="nvlink", nodes=1, schedule="1f1b", pp=2, dp=4,
+              microbatches=4, microbatch_size=1, zero=1, recompute="norm-mla-up")
+    result = simulate_job(job)
+    assert row["step_time"] == pytest.approx(result.metrics.makespan, rel=1e-12)
+    assert row["peak_memory_bytes"] == pytest.approx(max(rank.peak_bytes for rank in result.memory), rel=1e-12)
+    # what the mode is for: less kept than none (norms' outputs and MLA's Q, K, V are
+    # recomputed), more than full; paid for in time between the two
+    assert rows["full"]["peak_memory_bytes"] < row["peak_memory_bytes"] < rows["none"]["peak_memory_bytes"]
+    assert rows["none"]["step_time"] < row["step_time"] < rows["full"]["step_time"]
+
+
+def test_only_models_with_latent_attention_search_it_by_default(small_deepseek) -> None:
+    def searched(model: str) -> list[str]:
+        return Planner(PlanRequest(model=model, gpus=8, global_batch=16, seq_len=4096)).space.recompute
+
+    assert searched(small_deepseek) == ["none", "selective", "norm-mla-up", "full"]
+    assert searched("deepseek-v2-lite") == ["none", "selective", "norm-mla-up", "full"]
+    assert searched("llama3-8b") == searched("mixtral-8x7b") == ["none", "selective", "full"]
+
+
+def test_a_model_without_latent_attention_asking_for_it_is_refused_in_one_line(capsys) -> None:
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8",
+                 "--recompute", "none,norm-mla-up"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == ("pipesim plan: error: --recompute norm-mla-up: llama3-8b has no latent "
+                                    "attention (MLA), whose up-projections it recomputes (DeepSeek-V3's); use "
+                                    "none, selective or full")
+    assert captured.out == ""
+
+
+def test_asked_for_alone_it_is_the_only_mode_searched(small_deepseek, tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", small_deepseek, *PLAN, "--recompute", "norm-mla-up", "--json", str(out)]) == 0
+    assert {row["recompute"] for row in json.loads(out.read_text())["ranked"]} == {"norm-mla-up"}
+
+
+def test_run_refuses_a_norm_mla_up_row_in_one_line_naming_it(planned, tmp_path, capsys) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(planned[0]))
+    number = 1 + [row["recompute"] for row in planned[0]["ranked"]].index("norm-mla-up")
+    assert main(["run", "--plan", str(path), "--row", str(number)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (
+        f"pipesim run: error: plan row {number} (1f1b pp2 tp1 dp4 mbs1 m4 recompute=norm-mla-up zero1): --recompute "
+        "norm-mla-up is simulate-only: pipesim run does not execute it (run executes --recompute none, selective, "
+        "full); see docs/executor.md for what run executes")
