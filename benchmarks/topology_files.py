@@ -29,13 +29,16 @@ from pipesim.cluster.topology import Topology
 
 
 def topology_document(topology: Topology) -> dict:
-    """``topology`` as the mapping a topology file holds (devices in rank order, every
-    switch, every linked pair once with its figures)."""
+    """``topology`` as the mapping a topology file holds (devices in rank order with
+    their node, every switch, every linked pair once with its figures)."""
     graph = topology.graph
     devices, switches = [], []
     for name, data in graph.nodes(data=True):
         if data.get("kind") == "gpu":
             entry = {"name": name}
+            node = topology.node_of(name)  # the node a device sits in decides NCCL's channels (memory headroom)
+            if node is not None:
+                entry["node"] = node
             if data.get("gpu"):
                 entry["gpu"] = data["gpu"]
             for key in ("memory_bytes", "peak_flops", "memory_bandwidth"):

@@ -111,3 +111,17 @@ def test_unreachable_device_is_still_named():
     figures["links"].append({"src": "lonely", "dst": "sw0", "bandwidth": 1e9, "latency": 1e-6, "directed": True})
     with pytest.raises(TopologyError, match="device 'lonely' is not connected to 'i0g0' in both directions"):
         topology_from_dict(figures, name="t")
+
+
+def test_a_device_node_field_is_read_and_a_bad_one_named():
+    """A file's ``node`` says which server a device sits in: what node-limited expert
+    routing and NCCL's channel counts (the memory headroom) read. Without it each device
+    counts as a node of its own (None)."""
+    link = {"src": "a", "dst": "b", "bandwidth": 1e9, "latency": 1e-6}
+    both = topology_from_dict({"devices": [{"name": "a", "node": "rack1-n0"}, {"name": "b", "node": 7}],
+                               "links": [link]}, name="file")
+    assert (both.node_of("a"), both.node_of("b")) == ("rack1-n0", "7")
+    unnamed = topology_from_dict({"devices": [{"name": "a"}, {"name": "b"}], "links": [link]}, name="f")
+    assert unnamed.node_of("a") is None
+    with pytest.raises(TopologyError, match=r"devices\[1\]: 'node' must be a name or a number"):
+        topology_from_dict({"devices": [{"name": "a"}, {"name": "b", "node": [1]}], "links": [link]}, name="f")

@@ -9,7 +9,9 @@ Minimal form::
 Optional: ``switches: [{name: sw0, kind: pcie_switch}]``; per link ``efficiency``
 (default 1), ``medium``, ``directed: true`` (one direction only); per device
 ``peak_flops``, ``memory_bandwidth`` (HBM bytes/s), or ``gpu: h100`` (a name from
-``pipesim.hardware.gpus``) for that model's figures, which the explicit fields then override;
+``pipesim.hardware.gpus``) for that model's figures, which the explicit fields then override,
+and ``node`` (the server it sits in: node-limited expert routing and NCCL's channel
+counts read it; without it every device counts as a node of its own);
 ``mapping: [g1, g0]`` (rank r runs on mapping[r]; default: file order). Every number must be finite: NaN, inf, null and
 negative values are errors naming the entry and the field.
 """
@@ -72,6 +74,10 @@ def topology_from_dict(data: object, name: str = "custom") -> Topology:
                 raise TopologyError(f"{where}: unknown gpu {device['gpu']!r} (known: {', '.join(GPUS)})")
             memory, flops, bandwidth = gpu.memory_bytes, gpu.bf16_flops, gpu.memory_bandwidth
             named = {"gpu": gpu.name}  # its kernels time a model's compute (pipesim.model.compute_model)
+        if device.get("node") is not None:  # node-limited expert routing and NCCL's channels count nodes
+            if not isinstance(device["node"], (str, int)) or isinstance(device["node"], bool):
+                raise TopologyError(f"{where}: 'node' must be a name or a number, not {device['node']!r}")
+            named["node"] = str(device["node"])
         graph.add_node(
             device_name,
             kind="gpu",
