@@ -9,9 +9,16 @@ alike: ``two_rank_step`` compares every moment of both)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
+from pipesim.api import model_costs
+from pipesim.cluster import presets
+from pipesim.sim.engine import price_step
+from pipesim.sim.parallel import ParallelConfig
+from pipesim.sim.step import comm_plan_of, run_simulation
 from schedules import dataflow, engine, generate, lower
 from schedules.dp_channel import AT_STEP_START, Reductions, channel_arrays
 from tests.test_dp_channel import two_rank_step
@@ -94,3 +101,102 @@ def test_each_ranks_stages_gather_in_the_order_its_program_first_runs_their_forw
         row = forwards[program.compute_stage[forwards] == stage].min()
         assert (channels.gate_first[row], channels.gate_last[row]) == (first, last)
     assert (channels.gate_last >= 0).sum() == 4
+
+
+# -- on a modelled cluster: links of their own give the previous closed form's step ---------
+
+def closed_form_waits(after) -> tuple[dict[int, float], dict[int, float]]:
+    """The previous model's step, restated from a run whose gathers follow the optimizer
+    (``after``, the pipeline and the reductions the same as with no gathers at all): per
+    rank, its stages' gathers issued back to back from the step's start in the order of
+    their first forwards' starts, stage ``s`` of ``U`` layers (gathers of ``g`` seconds a
+    layer, forwards of ``c``) with ``P_s`` seconds issued before it, its first forward at
+    ``a_s``, waiting ``P_s + g + (U - 1) max(0, g - c) - a_s``; the rank's longest wait
+    (0 if none is positive) added after its optimizer, the step the latest rank's end.
+    Per rank, its end without the gathers and its wait."""
+    columns, plan, placement = after.trace.columns, after.plan, after.schedule.placement
+    ends: dict[int, float] = {}
+    kept = columns.kind != columns.kind_code("ALLGATHER_PARAMS")
+    for rank, end in zip(columns.rank[kept].tolist(), columns.end[kept].tolist(), strict=True):
+        ends[rank] = max(ends.get(rank, 0.0), end)
+    forwards = np.flatnonzero(columns.on_stream("compute") & (columns.kind == columns.kind_code("F")))
+    first: dict[int, tuple[float, float]] = {}
+    for row in forwards[np.argsort(columns.start[forwards], kind="stable")].tolist():
+        start, end = float(columns.start[row]), float(columns.end[row])
+        first.setdefault(int(columns.stage[row]), (start, end - start))
+    issued = {rank: 0.0 for rank in ends}
+    waits = {rank: 0.0 for rank in ends}
+    for stage in sorted(first, key=lambda stage: first[stage][0]):
+        seconds = plan.gather_bucket_seconds.get(stage, ())
+        if not seconds or stage not in plan.dp_bucket_seconds:
+            continue
+        start, forward = first[stage]
+        layers = max(plan.stage_layers.get(stage, 0), 1)
+        gather, compute = math.fsum(seconds) / layers, forward / layers
+        rank = placement[stage]
+        waits[rank] = max(waits[rank], issued[rank] + gather + (layers - 1) * max(0.0, gather - compute) - start)
+        issued[rank] += math.fsum(seconds)
+    return ends, waits
+
+
+def closed_form_step(after) -> float:
+    """The previous model's step (``closed_form_waits``): the latest rank's end plus its wait."""
+    ends, waits = closed_form_waits(after)
+    return max(ends[rank] + waits[rank] for rank in ends)
+
+
+WALK_LAYOUTS = [  # (preset, nodes, schedule, pp, v, dp, tp, rank order): dp rings on links no P2P send crosses
+    ("ib", 4, "1f1b", 4, 1, 4, 2, "tp-pp-dp"),
+    ("ib", 4, "interleaved-1f1b", 4, 2, 4, 2, "tp-dp-pp"),
+    ("ethernet", 2, "zb-h1", 2, 1, 2, 4, "tp-pp-dp"),
+    ("ib", 4, "gpipe", 2, 1, 4, 4, "tp-pp-dp"),
+    ("ib", 8, "interleaved-1f1b", 8, 3, 4, 2, "tp-dp-pp"),
+]
+
+
+@pytest.mark.parametrize("layout", WALK_LAYOUTS, ids=lambda layout: f"{layout[0]}-{layout[2]}-v{layout[4]}")
+@pytest.mark.parametrize(("zero", "overlap_dp", "microbatches"), [(1, True, 8), (2, True, 4), (1, False, 6)])
+def test_gathers_on_links_of_their_own_give_the_previous_closed_forms_step(layout, zero, overlap_dp, microbatches):
+    walked, after = walked_and_after(layout, zero, overlap_dp, microbatches)
+    assert walked.metrics.makespan == pytest.approx(closed_form_step(after), rel=1e-12, abs=0.0)
+
+
+def walked_and_after(layout: tuple, zero: int, overlap_dp: bool, microbatches: int):
+    """The step with its gathers in the walk, and with them after the optimizer (``.plan``
+    set: the plan both ran), checking the gathers' links are no P2P send's."""
+    preset, nodes, name, pp, v, dp, tp, order = layout
+    schedule = generate(name, pp, microbatches, v)
+    topology = presets.PRESETS[preset](nodes)
+    costs = model_costs(schedule, "gpt3-1.3b", topology, tp=tp)
+
+    def run(overlap_param_gather: bool):
+        parallel = ParallelConfig(dp=dp, tp=tp, rank_order=order, zero=zero, overlap_dp=overlap_dp,
+                                  overlap_param_gather=overlap_param_gather, overlap_slowdown=0.0)
+        return run_simulation(schedule, costs, topology, parallel=parallel), parallel
+
+    walked, parallel = run(True)
+    plan = comm_plan_of(walked.schedule, costs, topology, walked.mapping, parallel)
+    timing = price_step(walked.schedule, costs, topology, walked.devices, plan).timing
+    wire_links = {link for routes in timing.wires for links, _, _ in routes or () for link in links}
+    gather_links = {link for stage in timing.reductions.gathers for link in timing.reductions.links[stage]}
+    assert gather_links and not wire_links & gather_links  # the case these tests are about
+    after, _ = run(False)
+    after.plan = plan
+    return walked, after
+
+
+def test_a_ranks_wait_for_its_gathers_delays_the_ranks_that_depend_on_it():
+    # ZBV, pp 4, m 8 (V-shaped: rank 0 holds stages 0 and 7, rank 3 stages 3 and 4). Rank
+    # 0 waits longest for its gathers: stage 0's first forward starts the step, 3 layers of
+    # 1.53 ms against 0.29 ms of forward each: 1.53 + 2 x 1.25 = 4.03 ms. Ranks 1 and 3
+    # wait about 1 ms for their second stage's (issued after their first's), less than
+    # 4.03. The closed form added each wait to its own rank alone; but every rank's first
+    # forwards depend on rank 0's, so every rank starts 4.03 ms later (which covers the
+    # others' waits) and the step ends with rank 3, which ends last: the latest rank's end
+    # plus rank 0's wait, longer than the closed form's (rank 0's end plus its wait).
+    walked, after = walked_and_after(("ib", 4, "zbv", 4, 2, 4, 2, "tp-pp-dp"), 1, True, 8)
+    ends, waits = closed_form_waits(after)
+    assert waits[0] == pytest.approx(4.03e-3, abs=0.01e-3) and max(waits[rank] for rank in (1, 2, 3)) < 1.1e-3
+    assert max(ends, key=ends.get) == 3
+    assert walked.metrics.makespan == pytest.approx(ends[3] + waits[0], rel=1e-12, abs=0.0)
+    assert walked.metrics.makespan > closed_form_step(after) + 0.1e-3
