@@ -15,7 +15,14 @@
    Each rank's data-parallel channel (schedules/dp_channel.py) serves its collectives in
    channel order: a collective is issued when its rank runs the backward that releases it
    (or ends its step), and its start is a moment of the same heap, taken after every P2P
-   moment of the same time (its own tier), so its links too are reserved in time order. */
+   moment of the same time (its own tier), so its links too are reserved in time order.
+   The parameter gathers (ZeRO-1 and 2 under the next step's forwards) are issued at the
+   step's start, first on each channel; a stage's first forward waits until its last
+   layer's gather has taken its links (its end is then known), and is held to start no
+   earlier than its first layer's gather's end and to end no earlier than its last one's
+   end plus one layer's share of the forward. That start can lie before the moment the
+   walk learns it, but nothing of the rank happens before the forward's end, which does
+   not: the moments the rank then posts are still in time order. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,7 +34,7 @@
 enum { RENDEZVOUS = 0, BUFFERED = 1, FREE = 2 };
 enum { GROUP_START = 0, DEPARTURE = 1, COLLECTIVE_START = 2 };
 enum { P2P_TIER = 0, CHANNEL_TIER = 1 }; /* at one moment, P2P transfers take their links before collectives */
-enum { AT_FRACTION = 0, AT_BACKWARD_END = 1, AT_STEP_END = 2 }; /* when a collective is issued */
+enum { AT_FRACTION = 0, AT_BACKWARD_END = 1, AT_STEP_END = 2, AT_STEP_START = 3 }; /* when a collective is issued */
 enum { ALL_GROUPS = -2 }; /* what a rank at the end of its program waits for: every group it posted */
 
 typedef struct {
@@ -92,7 +99,8 @@ enum {
     IN_GROUP_ENDPOINT_START, IN_GROUP_RANK, IN_GROUP_STREAM, IN_STREAM_GROUP_START, IN_STREAM_GROUPS,
     IN_ENDPOINT_TRANSFER, IN_ENDPOINT_IS_SEND, IN_TRANSFER_WIRE, IN_ROUTE_START, IN_LINK_START, IN_LINKS,
     IN_OCCUPANCY, IN_LATENCY, IN_CHANNEL_START, IN_COLLECTIVE_MODE, IN_COLLECTIVE_FRACTION, IN_COLLECTIVE_RUN,
-    IN_RUN_OFFSET_START, IN_RUN_OFFSETS, IN_COLLECTIVE_STAGE, IN_STAGE_LINK_START, IN_STAGE_LINKS, IN_ROW_COLLECTIVE_START, IN_ROW_COLLECTIVES, IN_COUNT
+    IN_RUN_OFFSET_START, IN_RUN_OFFSETS, IN_COLLECTIVE_STAGE, IN_STAGE_LINK_START, IN_STAGE_LINKS, IN_ROW_COLLECTIVE_START, IN_ROW_COLLECTIVES,
+    IN_GATE_FIRST, IN_GATE_LAST, IN_COUNT
 };
 enum {
     OUT_READY, OUT_START, OUT_END, OUT_POSTED, OUT_DEPARTED, OUT_ARRIVAL, OUT_GROUP_POSTED, OUT_GROUP_START,
@@ -108,6 +116,7 @@ typedef struct {
     const int64_t *rank_item_start, *item_ref, *need, *send, *pair, *group_endpoint_start, *group_rank, *group_stream,
         *stream_group_start, *stream_groups, *endpoint_transfer, *transfer_wire, *route_start, *link_start, *links,
         *channel_start, *collective_stage, *stage_link_start, *stage_links, *row_collective_start, *row_collectives,
+        *gate_first, *gate_last,
         *collective_run, *run_offset_start;
     const int8_t *item_is_group, *blocked, *endpoint_is_send, *collective_mode;
     const double *seconds, *hold, *occupancy, *latency, *collective_fraction, *run_offsets;
@@ -121,6 +130,7 @@ typedef struct {
     double *clock;           /* per rank: the host's clock */
     int64_t *waits_group;    /* per rank: the group it waits for, -1 */
     int64_t *waits_transfer; /* per rank: the transfer it waits for, -1 */
+    int64_t *waits_collective; /* per rank: the parameter gather whose end it waits to know, -1 */
     /* a P2P stream runs its groups (stream_groups[stream_group_start[s]..]) in posting order */
     int64_t *posted_groups;  /* per stream: how many of its groups were posted */
     int64_t *started_groups; /* per stream: how many of them it has started */
@@ -146,6 +156,8 @@ static int push(Engine *e, double time, int64_t rank, int64_t order, int64_t wha
     Moment moment = {time, what == COLLECTIVE_START ? CHANNEL_TIER : P2P_TIER, rank, order, what, id};
     return heap_push(&e->heap, moment);
 }
+
+static int advance(Engine *e, int64_t rank);
 
 /* Put the channel's next collective in the heap once it is issued and the channel idle:
    at its issue, or when the collective before it ended if that is later. */
@@ -187,7 +199,12 @@ static int start_collective(Engine *e, int64_t rank, int64_t collective, double 
     e->channel_bucket[rank] = 0;
     e->channel_next[rank]++;
     e->channel_busy[rank] = 0;
-    return serve_channel(e, rank);
+    if (serve_channel(e, rank) < 0) return -1;
+    if (e->waits_collective[rank] == collective) { /* a forward waited to know its gathers' end */
+        e->waits_collective[rank] = -1;
+        return advance(e, rank);
+    }
+    return 0;
 }
 
 /* Compute row ``compute`` ran from ``start`` to ``end``: issue the collectives it releases. */
@@ -218,6 +235,38 @@ static int issue_at_step_end(Engine *e, int64_t rank, double done) {
     return issued ? serve_channel(e, rank) : 0;
 }
 
+/* The step starts: issue the parameter gathers, at its first moment. */
+static int issue_at_step_start(Engine *e, int64_t rank) {
+    int issued = 0;
+    for (int64_t collective = e->channel_start[rank]; collective < e->channel_start[rank + 1]; collective++)
+        if (e->collective_mode[collective] == AT_STEP_START) {
+            e->collective_ready[collective] = 0.0;
+            issued = 1;
+        }
+    return issued ? serve_channel(e, rank) : 0;
+}
+
+/* Whether the forward ``compute`` knows when its stage's parameter gathers end; if not,
+   the rank now waits to know. Moves the clock to the forward's start when it does. */
+static int gathered(Engine *e, int64_t rank, int64_t compute, double *clock) {
+    int64_t last = e->gate_last[compute];
+    if (last < 0) return 1;
+    double last_end = e->collective_end[last];
+    if (isnan(last_end)) {
+        e->waits_collective[rank] = last;
+        return 0;
+    }
+    int64_t first = e->gate_first[compute];
+    double first_end = e->collective_end[first];
+    double seconds = e->seconds[compute];
+    double layers = (double)(last - first + 1);
+    double share = seconds / layers;
+    double held = last_end + share - seconds;
+    if (first_end > *clock) *clock = first_end;
+    if (held > *clock) *clock = held;
+    return 1;
+}
+
 /* Reserve the links of every route of ``wire`` at ``now``; the arrival (the last route's). */
 static double reserve(Engine *e, int64_t wire, double now) {
     double arrival = now;
@@ -233,8 +282,6 @@ static double reserve(Engine *e, int64_t wire, double now) {
     }
     return arrival;
 }
-
-static int advance(Engine *e, int64_t rank);
 
 /* Start the stream's next posted group once the one before it has completed. */
 static int schedule_next(Engine *e, int64_t stream) {
@@ -340,6 +387,7 @@ static int advance(Engine *e, int64_t rank) {
             /* the forward half of an overlapped pair starts with both halves' inputs there */
             int64_t partner = e->pair[ref];
             if (partner > ref && !input_there(e, rank, partner, &clock)) break;
+            if (!gathered(e, rank, ref, &clock)) break;
             e->start[ref] = clock;
             clock += e->seconds[ref];
             e->end[ref] = clock;
@@ -401,7 +449,7 @@ static int get_buffer(PyObject *object, Py_buffer *view, Py_ssize_t itemsize, in
 }
 
 static const Py_ssize_t INPUT_SIZES[IN_COUNT] = {8, 1, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8, 8, 8,
-                                                 8, 1, 8, 8, 8, 8, 8, 8, 8, 8, 8};
+                                                 8, 1, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8};
 
 static void *alloc_filled(Py_ssize_t count, size_t size, int value) {
     void *memory = malloc((size_t)(count > 0 ? count : 1) * size);
@@ -475,6 +523,8 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.stage_links = in[IN_STAGE_LINKS].buf;
     e.row_collective_start = in[IN_ROW_COLLECTIVE_START].buf;
     e.row_collectives = in[IN_ROW_COLLECTIVES].buf;
+    e.gate_first = in[IN_GATE_FIRST].buf;
+    e.gate_last = in[IN_GATE_LAST].buf;
     e.ready = out[OUT_READY].buf;
     e.start = out[OUT_START].buf;
     e.end = out[OUT_END].buf;
@@ -496,6 +546,7 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.clock = alloc_filled(e.ranks, sizeof(double), 0);
     e.waits_group = alloc_filled(e.ranks, sizeof(int64_t), 0xff);
     e.waits_transfer = alloc_filled(e.ranks, sizeof(int64_t), 0xff);
+    e.waits_collective = alloc_filled(e.ranks, sizeof(int64_t), 0xff);
     e.posted_groups = alloc_filled(streams, sizeof(int64_t), 0);
     e.started_groups = alloc_filled(streams, sizeof(int64_t), 0);
     e.stream_busy = alloc_filled(streams, sizeof(int8_t), 0);
@@ -512,7 +563,7 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     e.channel_free = alloc_filled(e.ranks, sizeof(double), 0);
     e.channel_bucket = alloc_filled(e.ranks, sizeof(int64_t), 0);
     e.channel_base = alloc_filled(e.ranks, sizeof(double), 0);
-    if (!e.channel_next || !e.channel_busy || !e.channel_free || !e.channel_bucket || !e.channel_base ||!e.link_free || !e.position || !e.clock || !e.waits_group || !e.waits_transfer || !e.posted_groups ||
+    if (!e.channel_next || !e.channel_busy || !e.channel_free || !e.channel_bucket || !e.channel_base ||!e.link_free || !e.position || !e.clock || !e.waits_group || !e.waits_transfer || !e.waits_collective || !e.posted_groups ||
         !e.started_groups || !e.stream_busy || !e.stream_free || !e.open_groups || !e.last_done || !e.offer ||
         !e.waiter || !e.outstanding || !e.latest || !e.endpoint_group) {
         PyErr_NoMemory();
@@ -533,6 +584,7 @@ static PyObject *engine_run(PyObject *self, PyObject *args) {
     }
 
     int failed = 0;
+    for (Py_ssize_t rank = 0; rank < e.ranks && !failed; rank++) failed = issue_at_step_start(&e, rank) < 0;
     for (Py_ssize_t rank = 0; rank < e.ranks && !failed; rank++) failed = advance(&e, rank) < 0;
     while (!failed && e.heap.size > 0) {
         Moment moment = heap_pop(&e.heap);
@@ -560,6 +612,7 @@ done:
     free(e.clock);
     free(e.waits_group);
     free(e.waits_transfer);
+    free(e.waits_collective);
     free(e.open_groups);
     free(e.last_done);
     free(e.posted_groups);
@@ -588,7 +641,7 @@ static const char *const INPUT_NAMES[IN_COUNT] = {
     "endpoint_transfer", "endpoint_is_send", "transfer_wire", "route_start", "link_start", "links",
     "occupancy", "latency", "channel_start", "collective_mode", "collective_fraction", "collective_run",
     "run_offset_start", "run_offsets", "collective_stage", "stage_link_start", "stage_links",
-    "row_collective_start", "row_collectives"};
+    "row_collective_start", "row_collectives", "gate_first", "gate_last"};
 static const char *const OUTPUT_NAMES[OUT_COUNT] = {
     "ready", "start", "end", "posted", "departed", "arrival", "group_posted", "group_start", "group_done",
     "rank_clock", "rank_done", "stuck_item", "collective_ready", "collective_start", "collective_end"};

@@ -2,14 +2,17 @@
 
 A rank's gradients are reduced across its data-parallel group by collectives that NCCL
 runs on one communicator, in the order they are issued: a FIFO channel per rank, beside
-its compute and its P2P streams. The engine is told, per stage, the collectives one of
-its backwards releases (``Reductions``: each a share of the backward's time at which its
-bucket is full, and its seconds) and the links the collective's ring crosses; it
-issues them as the rank runs the backward and serves each rank's channel in issue
-order. A collective starts once it is issued, once the one before it on the channel is
-done and once every link it crosses is free; it holds those links for its seconds, so a
-P2P transfer that wants one of them later waits, and it waits for transfers that took
-them first (the links' one rule, first come first served, never split).
+its compute and its P2P streams. Under ZeRO-1 and 2 with Megatron-Core's
+``--overlap-param-gather`` (its default) the same channel first runs the parameter
+all-gathers the optimizer of the step before started (``Reductions.gathers``, below).
+The engine is told, per stage, the collectives one of its backwards releases
+(``Reductions``: each a share of the backward's time at which its bucket is full, and
+its seconds) and the links the collective's ring crosses; it issues them as the rank
+runs the backward and serves each rank's channel in issue order. A collective starts
+once it is issued, once the one before it on the channel is done and once every link it
+crosses is free; it holds those links for its seconds, so a P2P transfer that wants one
+of them later waits, and it waits for transfers that took them first (the links' one
+rule, first come first served, never split).
 
 A collective stands for a run of buckets that fill at the same moment (a layer's
 gradients), and NCCL runs each bucket as a collective of its own: the run holds its links
@@ -28,7 +31,20 @@ When they are issued (``Reductions``):
 
 Which backwards release: each stage's last B or W in its rank's program, or with
 ``every_backward`` (ZeRO-2 and 3: a replica keeps only its shard of the gradient) every
-one. ``channel_arrays`` lays the collectives out for both walks (the compiled one and
+one.
+
+The parameter all-gathers (``Reductions.gathers``): the step is periodic, so the gathers
+the optimizer started are waited for by this step's first forwards. They are issued at
+the step's start, first on the rank's channel (before any reduction), one collective per
+layer, stage after stage in the order the rank's program first runs each stage's forward,
+each holding the stage's links as a reduction does. A stage's first forward waits for
+its gathers as Megatron-Core's forward pre-hook waits for each layer's: it starts no
+earlier than its first layer's gather ends, and ends no earlier than its last layer's
+gather's end plus one layer's share of the forward (a layer at a time: with gathers of
+``g`` seconds back to back from ``P`` and layers of ``c`` seconds, the forward is held to
+``P + g + (U - 1) max(0, g - c)``, ``pipesim.sim.zero.exposed_gather_seconds``).
+
+``channel_arrays`` lays the collectives out for both walks (the compiled one and
 ``schedules.engine_reference``) in channel order, each rank's together.
 """
 
@@ -41,12 +57,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from schedules.program_arrays import B_CODE, W_CODE
+from schedules.program_arrays import B_CODE, F_CODE, W_CODE
 
 if TYPE_CHECKING:
     from schedules.engine import EngineProgram
 
-AT_FRACTION, AT_BACKWARD_END, AT_STEP_END = 0, 1, 2  # when a collective is issued (``ChannelArrays.mode``)
+# when a collective is issued (``ChannelArrays.mode``)
+AT_FRACTION, AT_BACKWARD_END, AT_STEP_END, AT_STEP_START = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -57,12 +74,15 @@ class Reductions:
     link numbers (those of ``StepTiming.wires``) its collectives hold; ``every_backward``:
     every backward of a stage releases (ZeRO-2 and 3), else its last one; ``overlap``:
     issued at their fraction of the backward, else at its end (``every_backward``) or at
-    the rank's step end."""
+    the rank's step end. ``gathers[stage]``: the seconds of each layer's parameter
+    all-gather, first layer first, run from the step's start and waited for by the
+    stage's first forward (the module), over the stage's ``links``."""
 
     runs: Mapping[int, Sequence[tuple[float, Sequence[float]]]]
     links: Mapping[int, Sequence[int]] = field(default_factory=dict)
     every_backward: bool = False
     overlap: bool = True
+    gathers: Mapping[int, Sequence[float]] = field(default_factory=dict)
 
     @property
     def link_count(self) -> int:
@@ -80,7 +100,9 @@ class ChannelArrays:
     buckets from the run's start is ``offsets[offset_start[table_row]:...]``, the last
     its ``seconds``) and its links (``stage_link_start``/``stage_links`` of its stage). Per
     compute row, ``row_start[row]:row_start[row + 1]`` of ``row_collectives`` are the
-    collectives it issues, in channel order."""
+    collectives it issues, in channel order. Per compute row, ``gate_first`` and
+    ``gate_last``: the first and last parameter gather its forward waits for (-1: none;
+    the module)."""
 
     channel_start: np.ndarray
     row: np.ndarray
@@ -97,6 +119,8 @@ class ChannelArrays:
     stage_links: np.ndarray
     row_start: np.ndarray
     row_collectives: np.ndarray
+    gate_first: np.ndarray
+    gate_last: np.ndarray
     link_count: int = 0
 
     @property
@@ -128,7 +152,8 @@ def empty_channels(ranks: int, computes: int, num_stages: int) -> ChannelArrays:
         fraction=np.zeros(0), seconds=np.zeros(0), stage=none, microbatch=none, run=none, table_row=none,
         offset_start=np.zeros(1, dtype=np.int64), offsets=np.zeros(0),
         stage_link_start=np.zeros(num_stages + 1, dtype=np.int64), stage_links=none,
-        row_start=np.zeros(computes + 1, dtype=np.int64), row_collectives=none)
+        row_start=np.zeros(computes + 1, dtype=np.int64), row_collectives=none,
+        gate_first=np.full(computes, -1, dtype=np.int64), gate_last=np.full(computes, -1, dtype=np.int64))
 
 
 def channel_arrays(program: EngineProgram, reductions: Reductions | None,
@@ -137,7 +162,7 @@ def channel_arrays(program: EngineProgram, reductions: Reductions | None,
     the links the step's transfers cross (a stage's runs whose links no transfer and no
     other rank's reduction crosses are walked whole)."""
     num_stages = program.arrays.schedule.num_stages
-    if reductions is None or not reductions.runs:
+    if reductions is None or not (reductions.runs or reductions.gathers):
         return no_channel(program)
     stage, kind, rank = program.compute_stage, program.compute_kind, program.compute_rank
     runs = reductions.runs
@@ -152,13 +177,19 @@ def channel_arrays(program: EngineProgram, reductions: Reductions | None,
         releasing = np.sort(last[last >= 0])
     link_lists = [list(reductions.links.get(at, ())) for at in range(num_stages)]
     alone = _links_alone(link_lists, program.arrays.schedule.placement, wire_links)
-    # the stages' runs as one table, a stage's rows from ``offset[stage]``
+    # the stages' runs as one table, a stage's rows from ``offset[stage]``; then one row per
+    # layer's gather (one bucket each)
     table = [(at, fraction, buckets) for at in range(num_stages) for fraction, buckets in runs.get(at, ())]
     fractions = np.array([row[1] for row in table], dtype=float)
     seconds = np.array([math.fsum(row[2]) for row in table], dtype=float)
     ends = [[whole] if alone[at] else _bucket_ends(buckets, whole)
             for (at, _, buckets), whole in zip(table, seconds.tolist(), strict=True)]
-    offset_start = np.zeros(len(table) + 1, dtype=np.int64)
+    gathered = _gathering_stages(program, reductions.gathers)
+    layer_seconds = [layer for _, layers in gathered for layer in layers]
+    ends += [[layer] for layer in layer_seconds]
+    fractions = np.concatenate([fractions, np.zeros(len(layer_seconds))])
+    seconds = np.concatenate([seconds, np.array(layer_seconds, dtype=float)])
+    offset_start = np.zeros(len(ends) + 1, dtype=np.int64)
     np.cumsum([len(each) for each in ends], out=offset_start[1:])
     offset = np.cumsum(per_stage) - per_stage
     count = per_stage[stage[releasing]]
@@ -175,24 +206,73 @@ def channel_arrays(program: EngineProgram, reductions: Reductions | None,
         order = np.arange(len(owner))
     owner, run, table_row, owner_rank, owner_stage = (column[order] for column in
                                                       (owner, run, table_row, owner_rank, owner_stage))
+    microbatch = program.compute_microbatch[owner].astype(np.int64)
+    row = owner if mode != AT_STEP_END else np.full(len(owner), -1, dtype=np.int64)
+    modes = np.full(len(owner), mode, dtype=np.int8)
+    # the gathers: per gathering stage, one collective per layer, issued at the step's start
+    placement = np.asarray(program.arrays.schedule.placement, dtype=np.int64)
+    gather_stage = np.array([at for at, layers in gathered for _ in layers], dtype=np.int64)
+    gather_layer = np.array([layer for _, layers in gathered for layer in range(len(layers))], dtype=np.int64)
+    none = np.full(len(gather_stage), -1, dtype=np.int64)
+    # gathers first on each rank's channel (in the order laid out), then its reductions in theirs
+    ranks_of = np.concatenate([placement[gather_stage], owner_rank]).astype(np.int64)
+    channel_order = np.argsort(ranks_of, kind="stable")
+    columns = [np.concatenate(pair)[channel_order] for pair in (
+        (none, row), (np.full(len(gather_stage), AT_STEP_START, dtype=np.int8), modes),
+        (len(table) + np.arange(len(gather_stage), dtype=np.int64), table_row),
+        (gather_stage, owner_stage.astype(np.int64)), (none, microbatch), (gather_layer, run.astype(np.int64)))]
+    row, modes, table_row, collective_stage, microbatch, run = columns
+    ranks_of = ranks_of[channel_order]
     ranks = program.ranks
-    channel_start = np.searchsorted(owner_rank, np.arange(ranks + 1)).astype(np.int64)
+    channel_start = np.searchsorted(ranks_of, np.arange(ranks + 1)).astype(np.int64)
     stage_link_start = np.zeros(num_stages + 1, dtype=np.int64)
     np.cumsum([len(links) for links in link_lists], out=stage_link_start[1:])
     stage_links = np.array([link for links in link_lists for link in links], dtype=np.int64)
-    issued_by_row = mode != AT_STEP_END
-    row_collectives = np.arange(len(owner), dtype=np.int64) if issued_by_row else np.zeros(0, dtype=np.int64)
-    row_start = np.searchsorted(owner if issued_by_row else np.zeros(0, dtype=np.int64),
-                                np.arange(program.computes + 1)).astype(np.int64)
+    issuing = np.flatnonzero(row >= 0)
+    row_collectives = issuing[np.argsort(row[issuing], kind="stable")].astype(np.int64)
+    row_start = np.searchsorted(row[row_collectives], np.arange(program.computes + 1)).astype(np.int64)
+    gate_first, gate_last = _gates(program, gathered, collective_stage, modes)
     return ChannelArrays(
-        channel_start=channel_start, row=np.where(issued_by_row, owner, -1).astype(np.int64),
-        mode=np.full(len(owner), mode, dtype=np.int8), fraction=np.ascontiguousarray(fractions[table_row]),
-        seconds=np.ascontiguousarray(seconds[table_row]), stage=owner_stage.astype(np.int64),
-        microbatch=program.compute_microbatch[owner].astype(np.int64), run=run.astype(np.int64),
+        channel_start=channel_start, row=row.astype(np.int64), mode=modes.astype(np.int8),
+        fraction=np.ascontiguousarray(fractions[table_row]), seconds=np.ascontiguousarray(seconds[table_row]),
+        stage=collective_stage.astype(np.int64), microbatch=microbatch.astype(np.int64), run=run.astype(np.int64),
         table_row=table_row.astype(np.int64), offset_start=offset_start,
         offsets=np.array([end for each in ends for end in each], dtype=float),
         stage_link_start=stage_link_start, stage_links=stage_links, row_start=row_start,
-        row_collectives=row_collectives, link_count=reductions.link_count)
+        row_collectives=row_collectives, gate_first=gate_first, gate_last=gate_last,
+        link_count=reductions.link_count)
+
+
+def _gathering_stages(program: EngineProgram, gathers: Mapping[int, Sequence[float]]
+                      ) -> list[tuple[int, list[float]]]:
+    """``(stage, each layer's gather seconds)`` of the stages that gather (a forward of
+    theirs is in the program and some layer's gather takes time), in the order of their
+    first forward's row: rank after rank, each rank's in its program's order."""
+    if not gathers:
+        return []
+    forwards = np.flatnonzero(program.compute_kind == F_CODE)
+    stages, first = np.unique(program.compute_stage[forwards], return_index=True)
+    first_row = dict(zip(stages.tolist(), forwards[first].tolist(), strict=True))
+    wanted = [at for at, layers in gathers.items() if at in first_row and len(layers) and math.fsum(layers) > 0]
+    return [(at, [float(seconds) for seconds in gathers[at]]) for at in sorted(wanted, key=first_row.get)]
+
+
+def _gates(program: EngineProgram, gathered: list[tuple[int, list[float]]], collective_stage: np.ndarray,
+           modes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per compute row, the first and last gather its forward waits for: each gathering
+    stage's first forward, its first and last layer's collectives (-1 elsewhere)."""
+    gate_first = np.full(program.computes, -1, dtype=np.int64)
+    gate_last = np.full(program.computes, -1, dtype=np.int64)
+    if not gathered:
+        return gate_first, gate_last
+    forwards = np.flatnonzero(program.compute_kind == F_CODE)
+    stages, first = np.unique(program.compute_stage[forwards], return_index=True)
+    first_row = dict(zip(stages.tolist(), forwards[first].tolist(), strict=True))
+    gathers = np.flatnonzero(modes == AT_STEP_START)
+    for at, _ in gathered:
+        mine = gathers[collective_stage[gathers] == at]
+        gate_first[first_row[at]], gate_last[first_row[at]] = mine[0], mine[-1]
+    return gate_first, gate_last
 
 
 def _bucket_ends(buckets: Sequence[float], whole: float) -> list[float]:

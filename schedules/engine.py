@@ -563,6 +563,8 @@ class EngineInputs(NamedTuple):
     stage_links: np.ndarray
     row_collective_start: np.ndarray
     row_collectives: np.ndarray
+    gate_first: np.ndarray
+    gate_last: np.ndarray
 
 
 # The compiled walk's outputs are these ``StepRun`` fields, in this order (``OUTPUT_NAMES``).
@@ -587,7 +589,7 @@ def engine_inputs(program: EngineProgram, inputs: StepInputs) -> EngineInputs:
         run_offset_start=channels.offset_start, run_offsets=channels.offsets,
         collective_stage=channels.stage, stage_link_start=channels.stage_link_start,
         stage_links=channels.stage_links, row_collective_start=channels.row_start,
-        row_collectives=channels.row_collectives)
+        row_collectives=channels.row_collectives, gate_first=channels.gate_first, gate_last=channels.gate_last)
 
 
 def _run_compiled(program: EngineProgram, inputs: StepInputs) -> StepRun:

@@ -41,7 +41,7 @@ import simpy
 from simpy.core import NORMAL
 
 from schedules.action import SEND_KINDS, Action
-from schedules.dp_channel import AT_FRACTION, AT_STEP_END, ChannelArrays, no_channel
+from schedules.dp_channel import AT_FRACTION, AT_STEP_END, AT_STEP_START, ChannelArrays, no_channel
 from schedules.engine import (
     BUFFERED,
     FREE,
@@ -126,8 +126,10 @@ class SimpyStep:
         self.env = Environment()
         self.links = LinkCalendar(max(wires.link_count, self.channels.link_count))
         self.result = empty_run(program, self.channels)
-        # a collective's issue: an event per collective, its value the moment it is issued for
+        # a collective's issue: an event per collective, its value the moment it is issued for;
+        # and its end, known (the value) once its last bucket has taken its links
         self.issued = [self.env.event() for _ in range(self.channels.count)]
+        self.scheduled = [self.env.event() for _ in range(self.channels.count)]
         arrays = program.arrays
         # what the moments are recorded against: compute actions by their row, transfers by key
         self.compute_of_row = {int(row): index for index, row in enumerate(program.compute_row)}
@@ -188,10 +190,13 @@ class SimpyStep:
                         waited = (self.group_done[rank, needed] if semantics in (RENDEZVOUS, TORCH_RUNTIME)
                                   else self.arrived_event(needed))
                         yield self.until((yield waited))
-                result.start[index] = env.now
                 duration = self.compute_seconds(rank, item, float(self.seconds[index]))
-                self.issue_released(index, env.now, env.now + duration)
-                yield env.timeout(duration)
+                start = env.now
+                if self.channels.gate_last[index] >= 0:  # a stage's first forward waits for its gathers
+                    start = yield from self.gathered(index, duration)
+                result.start[index] = start
+                self.issue_released(index, start, start + duration)
+                yield self.until(start + duration)
                 result.end[index] = env.now
                 if self.hold[index]:  # tensor-parallel collectives hold the rank after it
                     yield env.timeout(float(self.hold[index]))
@@ -232,6 +237,21 @@ class SimpyStep:
             if channels.mode[collective] == AT_STEP_END:
                 self.issued[collective].succeed(env.now)
 
+    def gathered(self, index: int, duration: float):
+        """When forward ``index`` (``duration`` seconds) may start, its stage's parameter
+        gathers considered (``schedules.dp_channel``): no earlier than its first layer's
+        gather ends, and so that it ends no earlier than its last layer's gather's end
+        plus one layer's share of it. Known once the last gather has taken its links,
+        which can be after that start: nothing of the rank happens before the forward's
+        end, which is after it."""
+        channels = self.channels
+        free = self.env.now  # the rank and the forward's inputs are there
+        first, last = int(channels.gate_first[index]), int(channels.gate_last[index])
+        last_end = yield self.scheduled[last]
+        first_end = self.scheduled[first].value
+        layers = last - first + 1
+        return max(free, first_end, last_end + duration / layers - duration)
+
     def issue_released(self, index: int, start: float, end: float) -> None:
         """Compute row ``index`` runs from ``start`` to ``end``: issue the collectives it
         releases, at their fraction of it or at its end."""
@@ -255,7 +275,8 @@ class SimpyStep:
             priority = self.channel_priority(rank, collective)
             yield env.at(max(ready, free_at), priority)
             links = channels.links_of(collective)
-            for bucket, end in enumerate(channels.bucket_ends(collective)):
+            ends = channels.bucket_ends(collective)
+            for bucket, end in enumerate(ends):
                 begin = self.links.free_from(links, env.now)
                 if bucket == 0:
                     base = result.collective_start[collective] = begin
@@ -263,6 +284,8 @@ class SimpyStep:
                     base += begin - env.now
                 free_at = base + end
                 self.links.occupy(links, free_at)
+                if bucket == len(ends) - 1:
+                    self.scheduled[collective].succeed(free_at)
                 yield env.at(free_at, priority)
             result.collective_end[collective] = free_at
 
@@ -358,6 +381,9 @@ class SimpyStep:
         return self.first_group[rank] + ordinal
 
     def run(self) -> StepRun:
+        channels = self.channels
+        for collective in np.flatnonzero(channels.mode == AT_STEP_START).tolist():
+            self.issued[collective].succeed(0.0)  # the parameter gathers, from the step's start
         for rank in range(self.schedule.pp):
             self.env.process(self.rank_process(rank))
             self.env.process(self.channel_process(rank))

@@ -124,42 +124,60 @@ def test_parameter_gathers_run_under_the_next_steps_forwards():
     exposed = run_simulation(generate("1f1b", 1, 2), costs, topology, parallel=ParallelConfig(
         dp=2, bucket_bytes=40 * MB, zero=1, overlap_param_gather=False, overlap_slowdown=0.0))
     assert exposed.metrics.makespan == pytest.approx(35 * MS)
-    # Under the next step's forwards: 1 ms a layer, needed by forwards of 0.8 ms a layer from
-    # the step's start: the first layer's gather is waited for whole, each later one 0.2 ms
-    # beyond the forward before it: 1 + 4 x 0.2 = 1.8 ms, after the optimizer: 31.8 ms.
+    # Under the next step's forwards (in the engine's walk): the five layers' gathers run
+    # from the step's start, 1 ms each (0..1, ..., 4..5 ms), and F0 (0.8 ms a layer) starts
+    # once the first ends and so that it ends no earlier than the last one's end plus a
+    # layer: max(1, 5 + 0.8 - 4) = 1.8 ms (the closed form: 1 + 4 x 0.2). Everything after
+    # follows 1.8 ms later: B1 ends at 29.8, the last reduce-scatter at 30.8, the optimizer
+    # at 31.8 ms, the step the closed form gave (29 + 1 + 1.8).
     overlapped = run_simulation(generate("1f1b", 1, 2), costs, topology, parallel=ParallelConfig(
         dp=2, bucket_bytes=40 * MB, zero=1, overlap_slowdown=0.0))
     assert overlapped.metrics.makespan == pytest.approx(31.8 * MS)
-    (gather,) = [event for event in overlapped.trace.events if event.kind == "ALLGATHER_PARAMS"]
-    assert (gather.start, gather.end) == pytest.approx((30 * MS, 31.8 * MS))
-    # At a 25% slowdown: the 5 ms of gathers ran beside F0, F1 (0..5 ms): +1 ms; the
-    # reduce-scatters beside B1 (22..24, 26..28: 4 ms) +0.8 ms, which ends B1 at 28.8, still
-    # before the last bucket (29). Step: 29 + 1 + 1.8 + 1 = 32.8 ms.
+    gathers = sorted(moment for event in overlapped.trace.events if event.kind == "ALLGATHER_PARAMS"
+                     for moment in (event.start, event.end))
+    assert gathers == pytest.approx([moment * MS for layer in range(5) for moment in (layer, layer + 1)])
+    (first,) = [event for event in overlapped.trace.events if event.action == "0F0"]
+    assert (first.start, first.end) == pytest.approx((1.8 * MS, 5.8 * MS))
+    (rank,) = overlapped.metrics.ranks
+    assert rank.dp == pytest.approx(1.8 * MS + 1 * MS)  # the wait before F0, the last reduce-scatter
+    # At a 25% slowdown: the gathers ran beside F0 from 1.8 to 5 ms (3.2 ms), the first two
+    # reduce-scatters beside B1 (23.8..25.8, 27.8..29.8: 4 ms): 7.2 x 0.2 = 1.44 ms after
+    # B1's end, 29.8..31.24, which the optimizer waits for: 31.24..32.24 ms.
     slowed = run_simulation(generate("1f1b", 1, 2), costs, topology, parallel=ParallelConfig(
         dp=2, bucket_bytes=40 * MB, zero=1, overlap_slowdown=0.25))
-    assert slowed.metrics.makespan == pytest.approx(32.8 * MS)
+    assert slowed.metrics.makespan == pytest.approx(32.24 * MS)
 
 
 def test_a_rank_idle_before_its_first_forward_hides_its_gathers():
-    # pp 2 x dp 2, 1F1B, m 2, one layer a stage, 20 MB each: a 1 ms gather. Rank 0's first
-    # forward starts the step (0 ms): it waits 1 ms. Rank 1's starts at 4 ms (after F(0,0)):
-    # its gather is done by then, nothing to wait for. Without the overlap each rank
-    # gathers 1 ms after its reduce-scatter.
+    # pp 2 x dp 2, 1F1B, m 2, one layer a stage, 20 MB each: a 1 ms gather on each rank
+    # from the step's start. Rank 0's first forward starts the step: it waits for its
+    # gather, 0..1 ms, and runs 1..5. Rank 1 waits for F(0,0)'s output until 5 ms anyway:
+    # its gather (0..1) is hidden in that wait, and its first forward starts 1 ms later
+    # than without gathers (4 ms), not 2. Without the overlap each rank gathers 1 ms after
+    # its reduce-scatter, after the step.
     topology = topology_from_dict(SQUARE)
     stage = StageCost(fwd=4 * MS, bwd=10 * MS, param_bytes=20 * MB, layers=1)
     costs = Costs(stages=(stage, stage))
 
-    def gathers(overlap: bool) -> dict[int, float]:
-        result = run_simulation(generate("1f1b", 2, 2), costs, topology, parallel=ParallelConfig(
+    def run(overlap: bool):
+        return run_simulation(generate("1f1b", 2, 2), costs, topology, parallel=ParallelConfig(
             dp=2, zero=1, overlap_param_gather=overlap, overlap_slowdown=0.0))
-        held = {0: 0.0, 1: 0.0}
-        for event in result.trace.events:
-            if event.kind == "ALLGATHER_PARAMS":
-                held[event.rank] += event.duration
-        return held
 
-    assert gathers(True) == pytest.approx({0: 1 * MS, 1: 0.0})
-    assert gathers(False) == pytest.approx({0: 1 * MS, 1: 1 * MS})
+    def first_forwards(result) -> list[float]:
+        return [event.start for event in result.trace.events if event.action in ("0F0", "1F0")]
+
+    overlapped, after = run(True), run(False)
+    assert first_forwards(overlapped) == pytest.approx([1 * MS, 5 * MS])
+    assert first_forwards(after) == pytest.approx([0.0, 4 * MS])
+    # rank 0's wait is its gather's (dp, with its last reduce-scatter's 1 ms), rank 1's a bubble
+    assert [rank.dp for rank in overlapped.metrics.ranks] == pytest.approx([2 * MS, 1 * MS])
+    assert [rank.bubble for rank in overlapped.metrics.ranks] == pytest.approx(
+        [rank.bubble + extra for rank, extra in zip(after.metrics.ranks, (0.0, 1 * MS), strict=True)])
+    # both gather the whole 1 ms, at the step's start or after it
+    for result in (overlapped, after):
+        held = [sum(event.duration for event in result.trace.events
+                    if event.kind == "ALLGATHER_PARAMS" and event.rank == rank) for rank in (0, 1)]
+        assert held == pytest.approx([1 * MS, 1 * MS])
 
 
 def test_ring_attention_transfers_slow_the_attention_beside_them():

@@ -46,7 +46,10 @@ def assert_same_moments(compiled: engine.StepRun, specified: engine.StepRun) -> 
 
 
 @st.composite
-def cases(draw):
+def cases(draw, gathers: bool = False):
+    """A random schedule, cluster and cost set, with a dp x tp plan half the time; with
+    ``gathers`` always, under ZeRO-1 or 2 with the parameter gathers in the walk, stages
+    of 1 to 4 layers."""
     name = draw(st.sampled_from(sorted(set(GENERATORS) - {"zb-auto"})))  # V-shaped and overlapped pairs included
     pp = draw(st.integers(1, 8))
     microbatches = draw(st.integers(1, 12))
@@ -74,10 +77,14 @@ def cases(draw):
         overheads = st.sampled_from([0.0, 2e-6, 1e-5])
         costs = Costs(stages, action_overhead=draw(overheads), comm_overhead=draw(overheads))
     plan = None
-    if draw(st.booleans()):  # a dp x tp job: tp holds and the other replicas' transfers on shared links (twins)
+    if gathers or draw(st.booleans()):  # a dp x tp job: tp holds and the other replicas' transfers on shared links
         # and the gradient reductions on each rank's dp channel, on links of their own or
         # (NVLink, PCIe, a node per rank) shared with the pipeline's sends
-        if not any(stage.param_bytes for stage in costs.stages):
+        if gathers:  # parameters everywhere, layers of their own per stage (a gather per layer)
+            costs = dataclasses.replace(costs, stages=tuple(
+                dataclasses.replace(stage, param_bytes=draw(st.sampled_from([1e7, 1e8, 1e9])),
+                                    layers=draw(st.integers(1, 4))) for stage in costs.stages))
+        elif not any(stage.param_bytes for stage in costs.stages):
             costs = dataclasses.replace(costs, stages=tuple(dataclasses.replace(stage, param_bytes=1e8, layers=2)
                                                             for stage in costs.stages))
         dp = draw(st.sampled_from([2, 4]))
@@ -90,7 +97,8 @@ def cases(draw):
         mapping = map_ranks(topology, dp=dp, pp=lowered.pp, tp=tp, order=order)
         devices = mapping.pipeline()
         plan = comm_plan(lowered, costs, topology, mapping, bucket_bytes=draw(st.sampled_from([3e7, 1e9])),
-                         overlap_dp=draw(st.booleans()), zero=draw(st.integers(0, 3)))
+                         overlap_dp=draw(st.booleans()),
+                         zero=draw(st.sampled_from([1, 2]) if gathers else st.integers(0, 3)))
     timing = step_timing(lowered, costs, topology, rank_devices_of(lowered, topology, devices), plan)
     semantics = draw(st.sampled_from(["rendezvous", "buffered", "free", "torch-runtime"]))
     return (lowered.compute_only() if semantics == "free" else lowered), timing, semantics
@@ -100,6 +108,18 @@ def cases(draw):
 @given(cases())
 def test_the_compiled_engine_computes_what_the_simpy_model_specifies(case):
     schedule, timing, semantics = case
+    compiled, specified = both(schedule, timing, semantics)
+    assert not compiled.stuck
+    assert_same_moments(compiled, specified)
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases(gathers=True))
+def test_the_parameter_gathers_in_both_walks_are_the_same(case):
+    # ZeRO-1 and 2's gathers from the step's start, holding the links of their rings (on
+    # NVLink and PCIe those of the pipeline's sends too), the first forwards held by them
+    schedule, timing, semantics = case
+    assert timing.reductions.gathers
     compiled, specified = both(schedule, timing, semantics)
     assert not compiled.stuck
     assert_same_moments(compiled, specified)

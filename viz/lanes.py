@@ -109,7 +109,7 @@ def _compute_layer(kind: str, chunk: int, chunks: int) -> Layer:
 
 # dp events by kind (pipesim.sim.parallel writes them): what the dp lane is called
 DP_LABELS = (
-    ("ALLGATHER_PARAMS", "dp reduce-scatter + parameter all-gather (ZeRO-3; shows where compute does not hide it)"),
+    ("ALLGATHER_PARAMS", "dp reduce-scatter + parameter all-gather (ZeRO; shows where compute does not hide it)"),
     ("REDUCE_SCATTER_DP", "dp gradient reduce-scatter (ZeRO; shows where compute does not hide it)"),
 )
 

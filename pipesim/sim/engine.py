@@ -8,9 +8,11 @@ tensor-parallel collectives that hold a rank after it (``CommPlan``), and each
 transfer's wire: the links of its route between the two ranks' devices, the seconds its
 bytes occupy them and the latency on top (``Route.wire``), plus the routes of the same
 send of the pipelines not simulated where they share links (``pipesim.cluster.twins``),
-and the gradient reductions each rank's dp channel runs in the same walk, holding the
-links their rings cross in the same numbering (``pipesim.sim.parallel.gradient_reductions``).
-After the pipeline come each rank's optimizer step and the parameter gathers after it
+and the collectives each rank's dp channel runs in the same walk (the gradient
+reductions and, under ZeRO-1 and 2 with ``--overlap-param-gather``, the parameter
+gathers the step's first forwards wait for), holding the links their rings cross in the
+same numbering (``pipesim.sim.parallel.gradient_reductions``). After the pipeline come
+each rank's optimizer step and, without that overlap, the parameter gathers after it
 (``pipesim.sim.parallel.step_tail_columns``).
 
 Events are recorded as the executor records them. A send's runs from the moment its
@@ -45,7 +47,7 @@ from pipesim.sim.parallel import (
 from schedules import dataflow, engine
 from schedules.action import KINDS, format_group
 from schedules.lowering import lower
-from schedules.p2p import RENDEZVOUS, require_semantics
+from schedules.p2p import RENDEZVOUS, TORCH_RUNTIME, require_semantics
 from schedules.schedule import Schedule
 from schedules.trace import LazyNames, Trace, TraceColumns
 
@@ -342,7 +344,7 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
         waited = np.flatnonzero(program.compute_need >= 0)
         receive = dataflow.RECV_OF_CODES[kind[waited]]
         parts.append((rank[waited], receive, stage[waited], microbatch[waited], step.ready[waited],
-                      step.start[waited], _STREAMS.index(RECV)))
+                      received(step, waited), _STREAMS.index(RECV)))
         names.append((len(waited),))
     sent = np.flatnonzero(~np.isnan(step.arrival) & ~np.isnan(step.posted))
     if len(sent):
@@ -365,6 +367,24 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
                         columns[3].astype(np.int64), columns[4].astype(float), columns[5].astype(float),
                         columns[6].astype(np.int64), _KINDS, _STREAMS,
                         LazyNames(sum(part[0] for part in names), partial(_hold_names, names)) if named else None)
+
+
+def received(step: engine.StepRun, rows: np.ndarray) -> np.ndarray:
+    """When each compute row of ``rows`` (each waiting for a transfer) stopped waiting for
+    it: its start, or for a forward held by its stage's parameter gathers
+    (``schedules.dp_channel``) the moment its input was there, so that the rest of its
+    wait shows as the gathers' (the ``dp`` events beside it), not as communication."""
+    ends = step.start[rows].copy()
+    channels = step.channels
+    if channels is None or not len(channels.gate_last):
+        return ends
+    held = np.flatnonzero(channels.gate_last[rows] >= 0)
+    if len(held):
+        program = step.program
+        needed = program.compute_need[rows[held]]
+        there = step.group_done[needed] if program.semantics in (RENDEZVOUS, TORCH_RUNTIME) else step.arrival[needed]
+        ends[held] = np.minimum(ends[held], np.maximum(step.ready[rows[held]], there))
+    return ends
 
 
 def _hold_names(parts: list[tuple]) -> list[str | None]:

@@ -28,9 +28,10 @@ pays their collectives:
 - ZeRO-1 (``zero=1``, Megatron's distributed optimizer): each bucket is
   reduce-scattered instead of all-reduced (half the ring traffic), and after the
   optimizer step the updated parameters are all-gathered in the same buckets (the
-  other half), on the same dp stream: under the next step's first forwards
-  (``overlap_param_gather``, ``exposed_parameter_gathers``), or before the next step
-  can start.
+  other half), on the same dp channel: with ``overlap_param_gather`` (the default) under
+  the next step's first forwards, in the engine's walk (``parameter_gathers``: the step is
+  periodic, so they run from the step's start and its first forwards wait for them), or
+  after the optimizer, before the next step can start.
 - ZeRO-2 (``zero=2``): as ZeRO-1, but every backward's buckets are reduce-scattered, each
   microbatch's, since a replica keeps only its shard of the gradient
   (``pipesim.sim.zero``).
@@ -55,10 +56,10 @@ pays their collectives:
   group (``pipesim.cluster.mapping``), each bucket carrying both shares.
 
 Collectives are analytical durations (see ``pipesim.cluster.collectives``). The gradient
-reductions also hold their links in the engine's walk (above); the optimizer step, the
-parameter all-gathers after it and ZeRO-3's gathers are placed after the walk from its
-moments (they reserve no links), and the tp, ep and cp collectives hold the rank, not
-links.
+reductions and the parameter all-gathers under the next step's forwards also hold their
+links in the engine's walk (above); the optimizer step, the parameter all-gathers after
+it (without the overlap) and ZeRO-3's gathers are placed from the walk's moments (they
+reserve no links), and the tp, ep and cp collectives hold the rank, not links.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ from pipesim.sim.zero import (
     reduces_every_backward,
 )
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
-from schedules.dp_channel import Reductions
+from schedules.dp_channel import AT_STEP_START, Reductions
 from schedules.engine import StepRun
 from schedules.schedule import Schedule
 from schedules.trace import LazyNames, TraceColumns, TraceEvent
@@ -242,7 +243,9 @@ def gradient_reductions(plan: CommPlan | None, link_numbers: dict[tuple[str, str
     channel (``schedules.dp_channel.Reductions``): per stage its runs of buckets that fill
     together (``_stage_runs``: their fraction of the backward, each bucket's seconds) and the links
     they hold, numbered in ``link_numbers`` (the P2P wires' numbering, extended here) so
-    that reductions and transfers on one link contend. None when the step has none."""
+    that reductions and transfers on one link contend; and, with ``overlap_param_gather``,
+    the parameter all-gathers the next step's forwards wait for (``parameter_gathers``).
+    None when the step has none."""
     if plan is None or not plan.dp_bucket_seconds:
         return None
     runs = {stage: tuple((fraction, plan.dp_bucket_seconds[stage][first:last + 1])
@@ -250,13 +253,32 @@ def gradient_reductions(plan: CommPlan | None, link_numbers: dict[tuple[str, str
             for stage in plan.dp_bucket_seconds}
     links = {stage: tuple(link_numbers.setdefault(link, len(link_numbers)) for link in plan.dp_links.get(stage, ()))
              for stage in runs}
-    return Reductions(runs, links, reduces_every_backward(plan.zero), plan.overlap_dp)
+    return Reductions(runs, links, reduces_every_backward(plan.zero), plan.overlap_dp, parameter_gathers(plan))
+
+
+def parameter_gathers(plan: CommPlan) -> dict[int, tuple[float, ...]]:
+    """Under ZeRO-1 and 2 with ``overlap_param_gather`` (Megatron-Core's
+    ``--overlap-param-gather``), per stage that reduces, the seconds of each of its layers'
+    parameter all-gathers (``gather_units`` of them, the stage's buckets' seconds shared
+    evenly): what the engine's walk runs on the rank's dp channel from the step's start,
+    the stage's first forward waiting for them (``schedules.dp_channel``). Empty otherwise:
+    without the overlap the gathers follow the optimizer (``step_tail_columns``)."""
+    if not plan.overlap_param_gather:
+        return {}
+    gathers = {}
+    for stage, seconds in plan.gather_bucket_seconds.items():
+        if stage in plan.dp_bucket_seconds and seconds:
+            units = gather_units(plan.stage_layers.get(stage, 0))
+            gathers[stage] = (math.fsum(seconds) / units,) * units
+    return gathers
 
 
 def reduction_columns(step: StepRun, plan: CommPlan | None) -> TraceColumns | None:
-    """The gradient reductions the engine's walk ran on the ranks' dp channels, one ``dp``
-    event per run of buckets (``3ALLREDUCE_DP[4-21]``: stage, kind, buckets), listed by
-    stage, then in the order its backwards ran; None when there are none."""
+    """The collectives the engine's walk ran on the ranks' dp channels, one ``dp`` event
+    each: a gradient reduction per run of buckets (``3ALLREDUCE_DP[4-21]``: stage, kind,
+    buckets) and a parameter all-gather per layer (``3ALLGATHER_PARAMS[L2]``: stage, kind,
+    its layer), listed by stage, its gathers first, then in the order its backwards ran;
+    None when there are none."""
     channels = step.channels
     if plan is None or channels is None or not channels.count:
         return None
@@ -265,12 +287,12 @@ def reduction_columns(step: StepRun, plan: CommPlan | None) -> TraceColumns | No
     order = np.lexsort((channels.run, channels.row, channels.stage))
     order = order[ran[order]]
     kind = REDUCE_SCATTER_KIND if plan.zero else DP_KIND
-    codes = np.zeros(len(order), dtype=np.int64)  # the one kind and the one stream
+    gathers = (channels.mode[order] == AT_STEP_START).astype(np.int64)  # codes into (kind, PARAM_GATHER_KIND)
     stages, runs = channels.stage[order], channels.run[order]
-    return TraceColumns(ranks[order].astype(np.int64), codes, stages.astype(np.int64),
+    return TraceColumns(ranks[order].astype(np.int64), gathers, stages.astype(np.int64),
                         channels.microbatch[order].astype(np.int64), step.collective_start[order],
-                        step.collective_end[order], codes, (kind,), ("dp",),
-                        LazyNames(len(order), partial(_run_names, plan, kind, stages, runs)))
+                        step.collective_end[order], np.zeros(len(order), dtype=np.int64), (kind, PARAM_GATHER_KIND),
+                        ("dp",), LazyNames(len(order), partial(_run_names, plan, kind, stages, runs, gathers)))
 
 
 def gradient_reduction(zero: int, algorithm: str = "ring"):
@@ -482,8 +504,8 @@ def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topolog
     without overlap all of it (``comm_plan``'s per bucket, summed). When the gathers run
     under the next step's forwards (``overlapped``, Megatron-Core's
     ``--overlap-param-gather``, the default), only stage 0's first layer's: a step starts
-    with a forward of stage 0 on rank 0, which waits for that layer's gather whole
-    (``exposed_parameter_gathers``); every other gather may hide under a rank's idle
+    with a forward of stage 0 on rank 0, which waits for that layer's gather whole (the
+    engine's walk, ``parameter_gathers``); every other gather may hide under a rank's idle
     fill or its forwards. Of the costs it reads only
     ``pipesim.model.costs.parameter_figures`` and stage 0's layer count (a planner keeps
     it under the figures, which the layer counts follow)."""
@@ -624,14 +646,17 @@ Backwards = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 reduced, one array per field, in stage order (each stage's by end)."""
 
 
-def _run_names(plan: CommPlan, kind: str, stages: np.ndarray, runs: np.ndarray) -> list[str]:
-    """Each reduction's name, ``3ALLREDUCE_DP[4-21]`` (stage, kind, buckets), for the run
-    ``runs[i]`` of stage ``stages[i]`` (``_stage_runs``)."""
+def _run_names(plan: CommPlan, kind: str, stages: np.ndarray, runs: np.ndarray, gathers: np.ndarray) -> list[str]:
+    """Each collective's name: a reduction's ``3ALLREDUCE_DP[4-21]`` (stage, kind, buckets)
+    for the run ``runs[i]`` of stage ``stages[i]`` (``_stage_runs``), a parameter gather's
+    ``3ALLGATHER_PARAMS[L2]`` (``gathers[i]``: its layer ``runs[i]``)."""
     names: dict[tuple[int, int], str] = {}
-    for stage in np.unique(stages).tolist():
+    reduced = stages[gathers == 0]
+    for stage in np.unique(reduced).tolist():
         for index, (_, first, last, _) in enumerate(_stage_runs(plan, stage)):
             names[stage, index] = f"{stage}{kind}[{first}]" if first == last else f"{stage}{kind}[{first}-{last}]"
-    return [names[key] for key in zip(stages.tolist(), runs.tolist(), strict=True)]
+    return [f"{stage}{PARAM_GATHER_KIND}[L{run}]" if gather else names[stage, run]
+            for stage, run, gather in zip(stages.tolist(), runs.tolist(), gathers.tolist(), strict=True)]
 
 
 def _stage_runs(plan: CommPlan, stage: int) -> list[tuple[float, int, int, float]]:
@@ -672,17 +697,17 @@ def _tail_scan(columns: TraceColumns, num_ranks: int, every_backward: bool) -> t
 
 def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | None,
                       step_overhead: float, reductions: TraceColumns | None = None) -> TraceColumns | None:
-    """The gradient reductions the walk ran (``reductions``: ``reduction_columns``, on the
-    ``dp`` stream), then each rank's optimizer step (``step`` stream) and, under ZeRO-1
-    and 2, parameter all-gathers (``dp``), placed after the pipeline events ``pipeline``
-    and the rank's last reduction; None when the step has none.
+    """The collectives the walk ran (``reductions``: ``reduction_columns``, on the ``dp``
+    stream: the gradient reductions and, with ``overlap_param_gather``, the parameter
+    all-gathers the step's first forwards waited for), then each rank's optimizer step
+    (``step`` stream) and, under ZeRO-1 and 2 without ``overlap_param_gather``, the
+    parameter all-gathers (``dp``), placed after the pipeline events ``pipeline`` and the
+    rank's last reduction; None when the step has none.
 
     What a collective beside the compute costs it (``pipesim.sim.comm_overlap``): the
-    reductions that ran while the rank computed slow its compute by ``slowed_by`` of
+    collectives that ran while the rank computed slow its compute by ``slowed_by`` of
     their time beside it, a ``DP_SLOWDOWN`` event after the rank's last action that the
-    optimizer waits for. With ``overlap_param_gather`` the parameter all-gathers run under
-    the next step's first forwards (``exposed_parameter_gather``): only what they do not
-    hide, and what they slow, follows the optimizer."""
+    optimizer waits for."""
     has_dp = plan is not None and bool(plan.dp_bucket_seconds)
     if not has_dp and step_overhead <= 0:
         return None
@@ -698,9 +723,8 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
             beside = compute_beside(pipeline, reductions.rank, reductions.start, reductions.end, num_ranks)
             slowed = [slowed_by(seconds, plan.overlap_slowdown) for seconds in beside]
     stage_rank = dict(zip(backwards[0].tolist(), backwards[1].tolist(), strict=True))
-    gathers = plan.gather_bucket_seconds if has_dp else {}
-    exposed_gathers = exposed_parameter_gathers(pipeline, num_ranks, plan, stage_rank) \
-        if gathers and plan.overlap_param_gather else None
+    # without the overlap, the gathers after the optimizer (with it, they ran in the walk)
+    gathers = plan.gather_bucket_seconds if has_dp and not plan.overlap_param_gather else {}
     for rank in range(num_ranks):
         end = float(rank_end[rank])
         if slowed[rank] > 0:
@@ -709,11 +733,7 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
         if step_overhead > 0:
             tail.append(TraceEvent(rank, OPTIMIZER_KIND, OPTIMIZER_KIND, -1, -1, done, done + step_overhead, "step"))
             done += step_overhead
-        if exposed_gathers is not None:  # what the next step's forwards do not hide, and what they lose
-            if exposed_gathers[rank] > 0:
-                tail.append(TraceEvent(rank, f"{PARAM_GATHER_KIND}[exposed]", PARAM_GATHER_KIND, -1, -1, done,
-                                       done + exposed_gathers[rank], "dp"))
-        elif gathers:  # every parameter bucket can be gathered once the optimizer is done
+        if gathers:  # every parameter bucket can be gathered once the optimizer is done
             for stage in sorted(stage for stage, rank_of in stage_rank.items() if rank_of == rank):
                 seconds = gathers.get(stage, ())
                 if seconds:
@@ -743,46 +763,3 @@ def compute_beside(pipeline: TraceColumns, ranks: np.ndarray, starts: np.ndarray
         before_start = np.interp(starts[selected], moments, done, left=0.0, right=float(done[-1]))
         beside[rank] = float(np.sum(before_end - before_start))
     return beside
-
-
-def exposed_parameter_gathers(pipeline: TraceColumns, num_ranks: int, plan: CommPlan,
-                              stage_rank: dict[int, int]) -> list[float]:
-    """Per rank, the seconds ZeRO-1 and 2's parameter all-gathers, run under the next
-    step's forwards (Megatron-Core's ``--overlap-param-gather``), add to the step.
-
-    The step is periodic, so the gathers the optimizer starts are waited for by the next
-    step's first forwards: issued back to back from the step's start in the order the
-    rank's stages first run a forward, a layer at a time, each needed by its layer's
-    first forward. Stage ``s`` of ``U`` layers, gathers of ``g`` seconds a layer and
-    forwards of ``c`` seconds a layer, first forward at ``a_s`` with ``P_s`` seconds of
-    the rank's gathers before it, waits
-
-        P_s + g + (U - 1) max(0, g - c) - a_s          (``exposed_gather_seconds``)
-
-    and the rank waits for the longest of these (0 when every gather is in time), plus
-    what the gathers that ran beside its compute slow it by (``slowed_by``). The part
-    exposed is drawn after the optimizer, where a periodic step pays it."""
-    first_forward: dict[int, tuple[float, float]] = {}
-    forwards = np.flatnonzero(pipeline.on_stream("compute") & (pipeline.kind == pipeline.kind_code(ActionKind.F)))
-    for index in forwards[np.argsort(pipeline.start[forwards], kind="stable")].tolist():
-        stage = int(pipeline.stage[index])
-        if stage not in first_forward:
-            first_forward[stage] = (float(pipeline.start[index]), float(pipeline.end[index] - pipeline.start[index]))
-    step_start = float(pipeline.start.min()) if len(pipeline) else 0.0
-    waits, issued = [0.0] * num_ranks, [0.0] * num_ranks
-    for stage in sorted(first_forward, key=lambda stage: first_forward[stage][0]):
-        seconds = plan.gather_bucket_seconds.get(stage, ())
-        rank = stage_rank.get(stage)
-        if not seconds or rank is None:
-            continue
-        start, forward = first_forward[stage]
-        units = gather_units(plan.stage_layers.get(stage, 0))
-        whole = math.fsum(seconds)
-        wait = issued[rank] + exposed_gather_seconds(units, whole / units, forward / units) - (start - step_start)
-        waits[rank] = max(waits[rank], wait)
-        issued[rank] += whole
-    if plan.overlap_slowdown <= 0:
-        return waits
-    ranks = np.arange(num_ranks)
-    beside = compute_beside(pipeline, ranks, np.full(num_ranks, step_start), step_start + np.array(issued), num_ranks)
-    return [wait + slowed_by(seconds, plan.overlap_slowdown) for wait, seconds in zip(waits, beside, strict=True)]
