@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -45,16 +45,20 @@ class CollectiveTimer:
         self.current_action, self.mark = current_action, mark
         self.intervals: list[tuple[object, object, object]] = []
 
-    @contextmanager
-    def timed(self) -> Iterator[None]:
-        start = self.mark()
-        yield
-        self.intervals.append((self.current_action(), start, self.mark()))
+    def timed(self) -> AbstractContextManager[None]:
+        return self._recorded(self.intervals)
 
     def take(self) -> list[tuple[object, object, object]]:
         """The intervals recorded since the last call."""
         intervals, self.intervals = self.intervals, []
         return intervals
+
+    @contextmanager
+    def _recorded(self, into: list[tuple[object, object, object]]) -> Iterator[None]:
+        """Append ``(action, start, end)`` of the block it wraps to ``into``."""
+        start = self.mark()
+        yield
+        into.append((self.current_action(), start, self.mark()))
 
 
 class RingTimer(CollectiveTimer):
@@ -66,11 +70,8 @@ class RingTimer(CollectiveTimer):
         super().__init__(current_action, mark)
         self.attention: list[tuple[object, object, object]] = []
 
-    @contextmanager
-    def computing(self) -> Iterator[None]:
-        start = self.mark()
-        yield
-        self.attention.append((self.current_action(), start, self.mark()))
+    def computing(self) -> AbstractContextManager[None]:
+        return self._recorded(self.attention)
 
     def take_attention(self) -> list[tuple[object, object, object]]:
         """The attention intervals recorded since the last call."""
