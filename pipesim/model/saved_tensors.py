@@ -1,0 +1,137 @@
+"""What an implementation keeps for the backward beyond the paper's inventory.
+
+``pipesim.model.activations`` counts a layer's stash as Korthikanti et al. do, for fused
+kernels (Megatron-Core, Transformer Engine): a norm keeps its input, attention its Q, K,
+V and output, the MLP its activation's inputs and output. Plain torch, run op by op
+with autograd (``pipesim run``'s executor), keeps what each op's backward formula
+asks for, and that is more: measured with a ``saved_tensors_hooks`` pack hook on the
+executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp rank:
+
+- **Norms**: ``nn.LayerNorm`` keeps its mean and 1/std (2 elements); the executor's
+  RMSNorm, written from torch ops (``x * rsqrt(mean(x^2) + eps) * weight``), keeps its
+  1/rms (1) and the normalised input it multiplies by its weight (``h``).
+- **Attention**: torch's CPU kernel is a flash attention (no ``s x s`` scores kept) that
+  keeps the softmax's log-sum-exp, one per head, in fp32 at least. Grouped-query keys and
+  values are repeated to every query head before the kernel, so K and V are kept at the
+  query heads' width. Where the kernel's output is laid out head by head (the
+  architectures' separate Q, K, V projections) joining the heads copies it, and the
+  output projection keeps the copy beside the kernel's output; the toy ``gpt``'s packed
+  QKV makes that a view. Rotary positions keep their cos and sin tables, ``s x d/2``
+  each, per layer and microbatch.
+- **Gated MLP** (SwiGLU): the product's backward needs ``silu(gate)`` too: ``4f``, not
+  the fused kernel's ``3f``.
+- **Mixture of experts** (dropless, every expert on the process): per routed copy,
+  besides the input and expert output the inventory counts, the weighted output the
+  combine adds (``h``), its weight (1) and the copy's token and slot indices (two int64:
+  ``torch.nonzero``'s output); per token the router's ``k`` chosen experts (int64), the
+  ``k`` gathered weights and their sum; the scores in fp32 at least.
+- **Loss**: the log-softmax's output (the logits' size, fp32 at least) and the int64
+  targets; the first stage's embedding keeps the int64 token ids.
+- **Split backward** (``I`` then ``W``): ``I`` runs autograd with ``retain_graph``, so the
+  whole stash is held until ``W``, not only the weight GEMMs' inputs.
+- **Sequence parallelism** (torch's ``SequenceParallel`` with DTensor): a column-parallel
+  linear keeps the all-gathered input it multiplied, whole, not the sequence shard.
+
+``KERNELS`` (every field off) is the paper's count and the default everywhere;
+``EAGER_TORCH`` is the executor's. Each field only adds to the inventory, so the default
+results are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipesim.model.spec import ModelSpec
+from pipesim.model.weights import kv_heads_per_shard
+
+INDEX_BYTES = 8  # torch's int64 indices
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class SavedTensors:
+    """What an implementation keeps beyond the fused kernels' inventory (every field
+    adds bytes; all off is ``pipesim.model.activations``' count)."""
+
+    layer_norm_statistics: int = 0  # elements per token a LayerNorm keeps beside its input (mean, 1/std)
+    rms_norm_statistics: int = 0  # elements per token an RMSNorm keeps beside its input (1/rms)
+    rms_norm_normalised: bool = False  # an RMSNorm keeps its normalised input (h), to multiply by its weight
+    softmax_statistics: bool = False  # flash attention's log-sum-exp, one per head and token, fp32 at least
+    kv_repeated: bool = False  # grouped-query K and V kept at the query heads' width
+    attention_output_copy: bool = False  # the heads' output joined into a copy the output projection keeps
+    rotary_tables: bool = False  # cos and sin, s x d/2 each, per layer and microbatch
+    gated_activation_output: bool = False  # a gated MLP keeps silu(gate) too (4f, not 3f)
+    routed_combine: bool = False  # per routed copy its weighted output, weight and indices; the router's picks
+    wide_scores: bool = False  # router scores and logits in the activation dtype when wider than fp32
+    token_indices: bool = False  # the int64 token ids (first stage) and targets (last stage)
+    whole_stash_until_weight_grad: bool = False  # a split backward's I keeps the whole graph until W
+    gathered_gemm_inputs: bool = False  # under sequence parallelism, column-parallel linears keep the gathered input
+
+
+KERNELS = SavedTensors()
+EAGER_TORCH = SavedTensors(layer_norm_statistics=2, rms_norm_statistics=1, rms_norm_normalised=True,
+                           softmax_statistics=True, kv_repeated=True, attention_output_copy=True, rotary_tables=True,
+                           gated_activation_output=True, routed_combine=True, wide_scores=True, token_indices=True,
+                           whole_stash_until_weight_grad=True, gathered_gemm_inputs=True)
+
+
+def score_bytes(spec: ModelSpec, saved: SavedTensors) -> float:
+    """Bytes of an element kept in fp32 at least (router scores, logits, softmax
+    statistics): 4, or the activation dtype's where ``wide_scores`` and it is wider."""
+    return max(FP32_BYTES, spec.dtype_bytes) if saved.wide_scores else FP32_BYTES
+
+
+def norm_extra_elements(spec: ModelSpec, saved: SavedTensors) -> float:
+    """Elements per token one norm keeps beside its input."""
+    if spec.rms_norm:
+        return saved.rms_norm_statistics + (spec.hidden if saved.rms_norm_normalised else 0)
+    return saved.layer_norm_statistics
+
+
+def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence_parallel: bool = False,
+                      recompute: str = "none", flash_attention: bool = True, layer: int = 0) -> float:
+    """Bytes one microbatch keeps for layer ``layer`` beyond ``layer_stash_bytes``'
+    inventory, on one tp rank (0 for ``KERNELS``). Under full recompute a layer keeps its
+    input alone, in any implementation."""
+    if saved == KERNELS or recompute == "full":
+        return 0.0
+    d, h = spec.dtype_bytes, spec.hidden
+    shard = tp if sequence_parallel else 1
+    per_token = spec.norms_per_layer * norm_extra_elements(spec, saved) * d / shard
+    if sequence_parallel and saved.gathered_gemm_inputs:  # QKV and MLP inputs whole, not / tp
+        per_token += 2 * h * d * (1 - 1 / tp)
+    heads = spec.heads / tp
+    kernel_kept = recompute == "none"  # selective recomputes the attention kernel: its outputs are not kept
+    if saved.softmax_statistics and flash_attention and kernel_kept:
+        per_token += heads * score_bytes(spec, saved)
+    if spec.mla is None and saved.kv_repeated:
+        per_token += 2 * spec.head_size * (heads - kv_heads_per_shard(spec, tp)) * d
+    if saved.attention_output_copy and kernel_kept:
+        per_token += spec.v_width / tp * d
+    if saved.gated_activation_output and spec.gated_mlp:
+        per_token += spec.mlp_width(layer, padded=False) / tp * d
+    if saved.routed_combine and spec.is_moe_layer(layer):
+        slots, k = spec.moe.routed_slots(padded=False), spec.moe.experts_per_token
+        per_token += slots * ((h + 1) * d + 2 * INDEX_BYTES) + k * INDEX_BYTES + (k + 1) * score_bytes(spec, saved)
+        per_token += spec.moe.experts * (score_bytes(spec, saved) - FP32_BYTES)  # wider scores than the inventory's
+    extra = spec.tokens * per_token
+    if saved.rotary_tables and not spec.learned_positions:
+        rotary = spec.mla.qk_rope_head_dim if spec.mla else spec.head_size
+        extra += spec.seq_len * rotary * d  # cos and sin, s x d/2 each, whatever the microbatch
+    return extra
+
+
+def first_stage_extra(spec: ModelSpec, saved: SavedTensors) -> float:
+    """The embedding's int64 token ids, where kept."""
+    return spec.tokens * INDEX_BYTES if saved.token_indices else 0.0
+
+
+def last_stage_extra(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Beyond ``last_stage_extra_bytes``: the final norm's own extras, the logits wider
+    than fp32 and the int64 targets, where kept."""
+    if saved == KERNELS:
+        return 0.0
+    norm = norm_extra_elements(spec, saved) * spec.dtype_bytes / (tp if sequence_parallel else 1)
+    logits = spec.vocab / tp * (score_bytes(spec, saved) - FP32_BYTES)
+    targets = INDEX_BYTES if saved.token_indices else 0.0
+    return spec.tokens * (norm + logits + targets)
