@@ -31,7 +31,13 @@ from pipesim.model.costs import Costs
 from pipesim.model.saved_tensors import EAGER_TORCH, SavedTensors
 from pipesim.model.spec import ModelSpec
 from pipesim.model.transformer_costs import model_stage_costs
-from pipesim.sim.memory import BytesPerParam, memory_report, program_order_trace, static_bytes_per_param
+from pipesim.sim.memory import (
+    BytesPerParam,
+    memory_report,
+    program_order_trace,
+    reduction_buffer_bytes,
+    static_bytes_per_param,
+)
 from schedules.action import WEIGHT_GRAD_DONE_KINDS
 
 ELEMENT_BYTES = {"float32": 4, "float64": 8}
@@ -91,9 +97,15 @@ def predicted_peaks(config: RunConfig) -> list[dict] | None:
     for rank in report:
         params = sum(cost.params for stage, cost in enumerate(costs.stages) if schedule.placement[stage] == rank.rank)
         state = params * state_bytes
-        peak = max(held + grads_at(grads_from[rank.rank], moment) for moment, held in rank.timeline)
-        end = rank.timeline[-1][1] + sum(amount for _, amount in grads_from[rank.rank])
-        peaks.append({"rank": rank.rank, "predicted_peak": state + max(peak, end),
+        # ZeRO-3's gathered working set lives inside an action (FSDP gathers a block's
+        # weights before its forward or backward and frees them after): not held at the
+        # action boundaries where the executor counts
+        inside = reduction_buffer_bytes(costs, schedule.placement, rank.rank, weights_only, 0.0, config.zero) \
+            if holders > 1 and config.zero == 3 else 0.0
+        arrivals = grads_from.get(rank.rank, [])
+        peak = max(held + grads_at(arrivals, moment) for moment, held in rank.timeline)
+        end = rank.timeline[-1][1] + sum(amount for _, amount in arrivals)
+        peaks.append({"rank": rank.rank, "predicted_peak": state + max(peak, end) - inside,
                       "predicted_activations": rank.peak_stash_bytes})
     return peaks
 
