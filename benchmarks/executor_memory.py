@@ -1,7 +1,7 @@
 """Predicted against measured peak memory per rank, on CPU: ``pipesim run`` over the
 schedules, recompute modes and tp/sp/dp/ZeRO layouts of issue 31's memory target, on the
 toy ``gpt`` and two architectures shrunk (llama3-8b: GQA, SwiGLU, RMSNorm, rotary;
-mixtral-8x7b: the same with a mixture of experts), float32 and AdamW.
+mixtral-8x7b: the same with a mixture of experts), float32 (one row float64) and AdamW.
 
     python benchmarks/executor_memory.py               # every row, a few minutes on 2 cores
     python benchmarks/executor_memory.py --only llama  # the rows whose name contains llama
@@ -41,6 +41,8 @@ ROWS: dict[str, tuple[str, ...]] = {
     "gpt zbv recompute full": (*GPT, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS, "--recompute", "full"),
     "gpt 1f1b tp 2": (*GPT, "--pp", "2", "--tp", "2"),
     "gpt 1f1b tp 2 sp": (*GPT, "--pp", "2", "--tp", "2", "--sequence-parallel"),
+    "gpt 1f1b tp 2 sp recompute full": (*GPT, "--pp", "2", "--tp", "2", "--sequence-parallel", "--recompute", "full"),
+    "gpt 1f1b float64": (*GPT, "--pp", "2", "--dtype", "float64"),
     "gpt 1f1b dp 2 zero 0": (*GPT, "--pp", "2", "--dp", "2", "--zero", "0"),
     "gpt 1f1b dp 2 zero 1": (*GPT, "--pp", "2", "--dp", "2", "--zero", "1"),
     "gpt 1f1b dp 2 zero 2": (*GPT, "--pp", "2", "--dp", "2", "--zero", "2"),
