@@ -1,7 +1,7 @@
 """Predicted against measured peak memory per rank, on CPU: ``pipesim run`` over the
 schedules, recompute modes and tp/sp/dp/ZeRO layouts of issue 31's memory target, on the
 toy ``gpt`` and two architectures shrunk (llama3-8b: GQA, SwiGLU, RMSNorm, rotary;
-mixtral-8x7b: the same with a mixture of experts), float32 (one row float64) and AdamW.
+mixtral-8x7b: the same with a mixture of experts), float32 (a few rows float64 or bf16 autocast) and AdamW.
 
     python benchmarks/executor_memory.py               # every row, a few minutes on 2 cores
     python benchmarks/executor_memory.py --only llama  # the rows whose name contains llama
@@ -43,6 +43,7 @@ ROWS: dict[str, tuple[str, ...]] = {
     "gpt 1f1b tp 2 sp": (*GPT, "--pp", "2", "--tp", "2", "--sequence-parallel"),
     "gpt 1f1b tp 2 sp recompute full": (*GPT, "--pp", "2", "--tp", "2", "--sequence-parallel", "--recompute", "full"),
     "gpt 1f1b float64": (*GPT, "--pp", "2", "--dtype", "float64"),
+    "gpt 1f1b bfloat16": (*GPT, "--pp", "2", "--dtype", "bfloat16"),
     "gpt 1f1b dp 2 zero 0": (*GPT, "--pp", "2", "--dp", "2", "--zero", "0"),
     "gpt 1f1b dp 2 zero 1": (*GPT, "--pp", "2", "--dp", "2", "--zero", "1"),
     "gpt 1f1b dp 2 zero 2": (*GPT, "--pp", "2", "--dp", "2", "--zero", "2"),
@@ -55,6 +56,9 @@ ROWS: dict[str, tuple[str, ...]] = {
     "llama 1f1b recompute selective": (*LLAMA, "--pp", "2", "--recompute", "selective"),
     "llama 1f1b tp 2": (*LLAMA, "--pp", "2", "--tp", "2"),
     "llama 1f1b tp 2 sp": (*LLAMA, "--pp", "2", "--tp", "2", "--sequence-parallel"),
+    "llama 1f1b bfloat16": (*LLAMA, "--pp", "2", "--dtype", "bfloat16"),
+    "llama zbv bfloat16 recompute full": (*LLAMA, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS, "--dtype",
+                                          "bfloat16", "--recompute", "full"),
     "mixtral 1f1b": (*MIXTRAL, "--pp", "2", "--schedule", "1f1b"),
     "mixtral zbv": (*MIXTRAL, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
     "mixtral 1f1b recompute selective": (*MIXTRAL, "--pp", "2", "--recompute", "selective"),

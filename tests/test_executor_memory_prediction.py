@@ -17,7 +17,7 @@ from executor.config import RunConfig
 from executor.models import build_model
 from pipesim.cli.run_memory import executor_spec, peak_lines
 from pipesim.model.activations import layer_stash_bytes
-from pipesim.model.saved_tensors import EAGER_TORCH, KERNELS, SavedTensors
+from pipesim.model.saved_tensors import AUTOCAST_TORCH, KERNELS, SavedTensors
 from pipesim.model.spec import ModelSpec
 
 pytestmark = pytest.mark.timeout(240)
@@ -39,9 +39,11 @@ def measured_block_bytes(config: RunConfig) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    hidden = stage.embed(model.make_batch(0, 1)[0])
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        stage.blocks[0](hidden)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.dtype == "bfloat16")
+    with autocast:
+        hidden = stage.embed(model.make_batch(0, 1)[0])
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            stage.blocks[0](hidden)
     return sum(saved.values())
 
 
@@ -56,6 +58,21 @@ def test_gpt_block_keeps_what_the_hand_count_says() -> None:
     spec, saved = executor_spec(config)
     assert layer_stash_bytes(spec, saved=saved) == 33280
     assert measured_block_bytes(config) == 33280
+
+
+def test_gpt_block_under_bf16_autocast_keeps_what_the_hand_count_says() -> None:
+    """The same block under bf16 autocast over float32 weights. The residual stream and
+    the LayerNorms stay float32: each norm's input and statistics, (h + 2) x 4 = 136
+    bytes per token, 272 for two. In bf16 (2 bytes): the QKV input's cast (h), Q, K and
+    V (3h), the kernel's output (h), the MLP input's cast (h), GeLU's input and output
+    (8h): 14h x 2 = 896. The log-sum-exp in fp32: a x 4 = 16. Per token 272 + 896 + 16 =
+    1184, 18944 for 16 tokens. Each linear keeps the bf16 copy of its weight it
+    multiplied: QKV 3h^2, output h^2, MLP 4h^2 + 4h^2 = 12h^2 = 12288 elements, 24576
+    bytes. In all 18944 + 24576 = 43520."""
+    config = RunConfig(model="gpt", dtype="bfloat16", **SIZES)
+    spec, saved = executor_spec(config)
+    assert layer_stash_bytes(spec, saved=saved) == 43520
+    assert measured_block_bytes(config) == 43520
 
 
 def test_llama_block_keeps_what_the_hand_count_says() -> None:
@@ -109,26 +126,27 @@ def test_the_default_inventory_is_the_papers() -> None:
 def test_each_saved_tensor_only_adds(hidden, heads, kv, gated, rms, learned, tp, sequence_parallel, recompute,
                                      field) -> None:
     """Every field of ``SavedTensors`` adds bytes to the inventory, never takes any away,
-    so the default (all off) is the least and ``EAGER_TORCH`` the most."""
+    so the default (all off) is the least and ``AUTOCAST_TORCH`` (every field on) the most."""
     kv = min(kv, heads)
     if heads % tp or kv % tp and tp % kv:
         return
     spec = ModelSpec(name="m", layers=2, hidden=hidden, heads=heads, kv_heads=kv, seq_len=16, vocab=64,
-                     gated_mlp=gated, rms_norm=rms, learned_positions=learned, dropout=False, dtype_bytes=4)
-    one = replace(KERNELS, **{field: 2 if field.endswith("statistics") else True})
+                     gated_mlp=gated, rms_norm=rms, learned_positions=learned, dropout=False, dtype_bytes=2)
+    value = 2 if field.endswith("statistics") else 4 if field == "residual_bytes" else True
+    one = replace(KERNELS, **{field: value})
     base, added, every = (layer_stash_bytes(spec, tp, sequence_parallel, recompute, saved=saved)
-                          for saved in (KERNELS, one, EAGER_TORCH))
+                          for saved in (KERNELS, one, AUTOCAST_TORCH))
     assert base <= added <= every
 
 
 def launched_cases() -> list[RunConfig]:
     """Two-rank runs covering a schedule's in-flight count, a split backward, selective
-    recompute, tp with sequence parallelism and ZeRO-3, in float32 and float64."""
+    recompute, tp with sequence parallelism and ZeRO-3, in float32, float64 and bf16 autocast."""
     gpt = {"model": "gpt", "layers": 4, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64, "batch_size": 8,
            "microbatches": 4, "steps": 2, "optimizer": "adamw"}
     llama = {**gpt, "model": "llama3-8b", "heads": 8}
     return [RunConfig(schedule="gpipe", pp=2, dtype="float64", **gpt),
-            RunConfig(schedule="zbv", pp=2, virtual_stages=2, recompute="selective", **llama),
+            RunConfig(schedule="zbv", pp=2, virtual_stages=2, recompute="selective", dtype="bfloat16", **llama),
             RunConfig(schedule="1f1b", pp=1, tp=2, sequence_parallel=True, **llama),
             RunConfig(schedule="1f1b", pp=1, dp=2, zero=3, **gpt)]
 
@@ -151,8 +169,8 @@ def test_what_has_no_spec_is_said_not_predicted() -> None:
     rows = {"memory": [{"rank": 0, "source": "tracked", "peak": 1.0}]}
     assert peak_lines(rows, RunConfig(model="mlp")) == [
         "peak memory not predicted: --model mlp has no transformer spec"]
-    assert peak_lines(rows, RunConfig(model="gpt", dtype="bfloat16")) == [
-        "peak memory not predicted: bf16/fp16 autocast keeps a mix of types"]
+    assert peak_lines(rows, RunConfig(model="gpt", dtype="float16")) == [
+        "peak memory not predicted: float16 autocast is not described"]
 
 def test_the_runs_dtype_and_microbatch_make_the_spec() -> None:
     """The preset keeps 16-bit; the run's spec takes its own element size,

@@ -28,7 +28,7 @@ from executor.architectures.build import is_architecture, shrunk_spec, stage_lay
 from executor.config import RunConfig, build_schedule, even_layout
 from pipesim.model.activations import last_stage_extra_bytes
 from pipesim.model.costs import Costs
-from pipesim.model.saved_tensors import EAGER_TORCH, SavedTensors
+from pipesim.model.saved_tensors import AUTOCAST_TORCH, EAGER_TORCH, SavedTensors
 from pipesim.model.spec import ModelSpec
 from pipesim.model.transformer_costs import model_stage_costs
 from pipesim.sim.memory import (
@@ -40,25 +40,28 @@ from pipesim.sim.memory import (
 )
 from schedules.action import WEIGHT_GRAD_DONE_KINDS
 
-ELEMENT_BYTES = {"float32": 4, "float64": 8}
+ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}  # the activations' (bf16: autocast's)
 MIB = 2**20
 
 
 def executor_spec(config: RunConfig) -> tuple[ModelSpec, SavedTensors] | None:
     """The model ``config`` runs as a ``ModelSpec`` (a microbatch of the run's size, its
-    dtype, no dropout) and what its layers keep beyond the kernels' inventory; ``None``
-    for what has no spec (the ``mlp`` toy) or is not predicted (autocast)."""
+    activations' dtype, no dropout) and what its layers keep beyond the kernels'
+    inventory; ``None`` for what has no spec (the ``mlp`` toy) or is not predicted
+    (float16 autocast)."""
     if config.dtype not in ELEMENT_BYTES or config.model == "mlp":
         return None
     sizes = {"microbatch_size": config.replica_batch_size // config.microbatches,
              "dtype_bytes": ELEMENT_BYTES[config.dtype], "dropout": False}
+    saved = AUTOCAST_TORCH if config.dtype == "bfloat16" else EAGER_TORCH
     if is_architecture(config.model):
-        return replace(shrunk_spec(config), **sizes), EAGER_TORCH
+        return replace(shrunk_spec(config), **sizes), saved
     # the toy gpt (executor.models.Block): GPT-2's layers, packed QKV, its own output layer
     spec = ModelSpec(name="gpt", layers=config.layers, hidden=config.hidden, heads=config.heads,
                      seq_len=config.seq_len, vocab=config.vocab, tied_embeddings=False, **sizes)
-    # the packed QKV lays the attention's output out token by token: joining the heads is a view
-    return spec, replace(EAGER_TORCH, attention_output_copy=False)
+    # the packed QKV is one projection (one cast of its input) and lays the attention's
+    # output out token by token: joining the heads is a view
+    return spec, replace(saved, attention_output_copy=False, input_cast_per_projection=False)
 
 
 def stage_split(spec: ModelSpec, config: RunConfig) -> list[int]:
@@ -76,7 +79,7 @@ def predicted_peaks(config: RunConfig) -> list[dict] | None:
     if described is None:
         return None
     spec, saved = described
-    element = spec.dtype_bytes
+    element = ELEMENT_BYTES[config.master_dtype]  # weights, gradients and optimizer state: the master type
     costs = model_stage_costs(spec, config.num_stages, [math.nan] * config.num_stages, tp=config.tp,
                               sequence_parallel=config.sequence_parallel, layers_per_stage=stage_split(spec, config),
                               recompute=config.recompute, ep=config.ep, cp=config.cp, saved_tensors=saved)
@@ -159,7 +162,7 @@ def peak_lines(document: dict, config: RunConfig) -> list[str]:
         return []
     peaks = predicted_peaks(config)
     if peaks is None:
-        why = "bf16/fp16 autocast keeps a mix of types" if config.dtype not in ELEMENT_BYTES else \
+        why = "float16 autocast is not described" if config.dtype not in ELEMENT_BYTES else \
             f"--model {config.model} has no transformer spec"
         return [f"peak memory not predicted: {why}"]
     from executor.mesh import MeshPosition  # noqa: PLC0415 - loads torch (run has already)

@@ -88,7 +88,7 @@ def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fa
     h, d = spec.hidden, spec.dtype_bytes
     extra = layer_extra_bytes(spec, saved, tp, sequence_parallel, recompute, flash_attention, layer)
     if recompute == "full":
-        return spec.tokens * h * d / (tp if sequence_parallel else 1)
+        return spec.tokens * h * d / (tp if sequence_parallel else 1) + extra
     mask = MASK_BYTES if spec.dropout else 0
     norm_output = 0 if recompute == NORM_MLA_UP else gemm_input_bytes(spec)
     # per token: the part tensor parallelism leaves whole (norm inputs, QKV and MLP inputs, masks)

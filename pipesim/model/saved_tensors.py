@@ -31,18 +31,24 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   whole stash is held until ``W``, not only the weight GEMMs' inputs.
 - **Sequence parallelism** (torch's ``SequenceParallel`` with DTensor): a column-parallel
   linear keeps the all-gathered input it multiplied, whole, not the sequence shard.
+- **Autocast** (``--dtype bfloat16``, float32 master weights): the residual stream, the
+  norms and what they keep stay in float32 (``residual_bytes``); each linear keeps its
+  own 16-bit cast of its input (the architectures' separate Q, K and V projections three
+  copies, a gated MLP's gate and up projections two) and the 16-bit copy of its weight
+  it multiplied, once per microbatch in flight.
 
 ``KERNELS`` (every field off) is the paper's count and the default everywhere;
-``EAGER_TORCH`` is the executor's. Each field only adds to the inventory, so the default
-results are unchanged.
+``EAGER_TORCH`` is the executor's, ``AUTOCAST_TORCH`` the executor's under bf16
+autocast. Each field only adds to the inventory, so the default results are unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from pipesim.model.spec import ModelSpec
-from pipesim.model.weights import kv_heads_per_shard
+from pipesim.model.weights import kv_heads_per_shard, layer_weights, shard
 
 INDEX_BYTES = 8  # torch's int64 indices
 FP32_BYTES = 4
@@ -66,6 +72,9 @@ class SavedTensors:
     token_indices: bool = False  # the int64 token ids (first stage) and targets (last stage)
     whole_stash_until_weight_grad: bool = False  # a split backward's I keeps the whole graph until W
     gathered_gemm_inputs: bool = False  # under sequence parallelism, column-parallel linears keep the gathered input
+    residual_bytes: int = 0  # bytes of an element of the residual stream and norms, where not the dtype's (autocast)
+    input_cast_per_projection: bool = False  # Q, K, V (gate, up) projections each keep their own cast of the input
+    weight_copies: bool = False  # each linear keeps its weight cast to the activation dtype, per microbatch
 
 
 KERNELS = SavedTensors()
@@ -73,6 +82,7 @@ EAGER_TORCH = SavedTensors(layer_norm_statistics=2, rms_norm_statistics=1, rms_n
                            softmax_statistics=True, kv_repeated=True, attention_output_copy=True, rotary_tables=True,
                            gated_activation_output=True, routed_combine=True, wide_scores=True, token_indices=True,
                            whole_stash_until_weight_grad=True, gathered_gemm_inputs=True)
+AUTOCAST_TORCH = replace(EAGER_TORCH, residual_bytes=FP32_BYTES, input_cast_per_projection=True, weight_copies=True)
 
 
 def score_bytes(spec: ModelSpec, saved: SavedTensors) -> float:
@@ -93,11 +103,15 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     """Bytes one microbatch keeps for layer ``layer`` beyond ``layer_stash_bytes``'
     inventory, on one tp rank (0 for ``KERNELS``). Under full recompute a layer keeps its
     input alone, in any implementation."""
-    if saved == KERNELS or recompute == "full":
-        return 0.0
     d, h = spec.dtype_bytes, spec.hidden
-    shard = tp if sequence_parallel else 1
-    per_token = spec.norms_per_layer * norm_extra_elements(spec, saved) * d / shard
+    split = tp if sequence_parallel else 1  # what sequence parallelism shards
+    wider = max(0, saved.residual_bytes - d)  # the residual stream's bytes beyond the dtype's
+    if saved == KERNELS or recompute == "full":
+        return spec.tokens * h * wider / split  # the layer's input, from the residual stream
+    residual = d + wider
+    per_token = spec.norms_per_layer * (h * wider + norm_extra_elements(spec, saved) * residual) / split
+    if saved.input_cast_per_projection and spec.mla is None:  # K and V's own casts; a gated MLP's up projection's
+        per_token += (2 + (1 if spec.gated_mlp else 0)) * h * d / (1 if saved.gathered_gemm_inputs else split)
     if sequence_parallel and saved.gathered_gemm_inputs:  # QKV and MLP inputs whole, not / tp
         per_token += 2 * h * d * (1 - 1 / tp)
     heads = spec.heads / tp
@@ -115,10 +129,19 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         per_token += slots * ((h + 1) * d + 2 * INDEX_BYTES) + k * INDEX_BYTES + (k + 1) * score_bytes(spec, saved)
         per_token += spec.moe.experts * (score_bytes(spec, saved) - FP32_BYTES)  # wider scores than the inventory's
     extra = spec.tokens * per_token
+    if saved.weight_copies:
+        extra += weight_copy_bytes(spec, tp, layer)
     if saved.rotary_tables and not spec.learned_positions:
         rotary = spec.mla.qk_rope_head_dim if spec.mla else spec.head_size
         extra += spec.seq_len * rotary * d  # cos and sin, s x d/2 each, whatever the microbatch
     return extra
+
+
+def weight_copy_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0) -> float:
+    """The activation-dtype copies of layer ``layer``'s weight matrices on one tp rank
+    (autocast casts each weight in every forward and the GEMM keeps the copy)."""
+    return spec.dtype_bytes * sum(weight.stack * math.prod(shard(weight, spec, tp))
+                                  for weight in layer_weights(spec, spec.is_moe_layer(layer)))
 
 
 def first_stage_extra(spec: ModelSpec, saved: SavedTensors) -> float:
@@ -131,7 +154,10 @@ def last_stage_extra(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence
     than fp32 and the int64 targets, where kept."""
     if saved == KERNELS:
         return 0.0
-    norm = norm_extra_elements(spec, saved) * spec.dtype_bytes / (tp if sequence_parallel else 1)
+    d = spec.dtype_bytes
+    wider = max(0, saved.residual_bytes - d)
+    norm = (spec.hidden * wider + norm_extra_elements(spec, saved) * (d + wider)) / (tp if sequence_parallel else 1)
     logits = spec.vocab / tp * (score_bytes(spec, saved) - FP32_BYTES)
     targets = INDEX_BYTES if saved.token_indices else 0.0
-    return spec.tokens * (norm + logits + targets)
+    weight = spec.vocab / tp * spec.hidden * d if saved.weight_copies else 0.0  # the output layer's weight copy
+    return spec.tokens * (norm + logits + targets) + weight
