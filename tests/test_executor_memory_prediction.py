@@ -179,3 +179,20 @@ def test_the_runs_dtype_and_microbatch_make_the_spec() -> None:
     assert shrunk_spec(config).dtype_bytes == 2
     spec, _ = executor_spec(config)
     assert (spec.dtype_bytes, spec.microbatch_size, spec.dropout) == (8, 2, False)
+
+
+def test_run_prints_and_writes_the_prediction_beside_the_measurement(tmp_path, capsys) -> None:
+    """One process (pp 1): the summary line and the ``--json`` row carry the predicted
+    peak and activations beside the measured ones, within 10%."""
+    import json
+
+    from pipesim.cli import main
+
+    path = tmp_path / "run.json"
+    assert main(["run", "--pp", "1", "--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4",
+                 "--seq-len", "16", "--vocab", "64", "--batch-size", "4", "-m", "2", "--steps", "2",
+                 "--optimizer", "adamw", "--quiet", "--json", str(path)]) == 0
+    assert "peak memory, measured vs predicted" in capsys.readouterr().out
+    (row,) = json.loads(path.read_text())["memory"]
+    assert abs(row["peak"] / row["predicted_peak"] - 1) < 0.10
+    assert abs(row["activations_peak"] / row["predicted_activations"] - 1) < 0.10

@@ -3,20 +3,23 @@ measured one (CPU: the tensors the executor tracks, ``executor.memory``).
 
 The prediction is the simulator's memory model (``pipesim.sim.memory.memory_report``)
 of the same model, split and schedule, told what the executor's layers keep for their
-backward (``pipesim.model.saved_tensors.EAGER_TORCH``, in the run's dtype, without
-dropout) and taken over the schedule's program order (``program_order_trace``), plus the
-two things a run does differently from the steady state the model assumes:
+backward (``pipesim.model.saved_tensors.EAGER_TORCH``, ``AUTOCAST_TORCH`` under bf16
+autocast; in the run's dtype, without dropout) and taken over the schedule's program
+order (``program_order_trace``), plus what a run does differently from the steady state
+the model assumes:
 
 - gradients: the executor frees them between steps (``zero_grad(set_to_none=True)``),
   so a stage's gradients exist from the end of its first weight-gradient action
   (``B``, or ``W`` when split) on; the model's static part holds them all step;
 - the optimizer's state exists from the first step on, so the prediction is of a step
-  after the first (``--steps 2`` or more).
+  after the first (``--steps 2`` or more);
+- tp splits the blocks only (``with_whole_ends``); ZeRO-3's gathered working set lives
+  inside an action, not at the action boundaries where the executor counts.
 
 Parameters, gradients and optimizer state are the model's per-parameter bytes (the
-weights' dtype, AdamW's two moments), sharded as ZeRO says; buffers are the model's two
-boundary activations per P2P peer. Not predicted: bf16/fp16 autocast (the saved tensors
-are a mix of types), the ``mlp`` toy and a user's own model (no transformer spec).
+master weights' dtype, AdamW's two moments), sharded as ZeRO says; buffers are the
+model's two boundary activations per P2P peer. Not predicted: float16 autocast (not
+measured), the ``mlp`` toy and a user's own model (no transformer spec).
 """
 
 from __future__ import annotations
