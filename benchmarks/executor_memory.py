@@ -5,6 +5,7 @@ mixtral-8x7b: the same with a mixture of experts), float32 (a few rows float64 o
 
     python benchmarks/executor_memory.py               # every row, a few minutes on 2 cores
     python benchmarks/executor_memory.py --only llama  # the rows whose name contains llama
+    python benchmarks/executor_memory.py --only "tp 2,cp 2"  # ... either text
 
 Each row is one ``pipesim run --json`` in a fresh process (printed with ``--commands``);
 the table lists each pipeline rank's measured peak (``peak``: the tensors the executor
@@ -63,6 +64,9 @@ ROWS: dict[str, tuple[str, ...]] = {
     "mixtral zbv": (*MIXTRAL, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
     "mixtral 1f1b recompute selective": (*MIXTRAL, "--pp", "2", "--recompute", "selective"),
     "mixtral 1f1b dp 2 zero 1": (*MIXTRAL, "--pp", "2", "--dp", "2", "--zero", "1"),
+    "mixtral 1f1b tp 2": (*MIXTRAL, "--pp", "2", "--tp", "2"),
+    "mixtral 1f1b dp 2 ep 2": (*MIXTRAL, "--pp", "2", "--dp", "2", "--ep", "2"),
+    "mixtral 1f1b cp 2": (*MIXTRAL, "--pp", "2", "--cp", "2"),
 }
 
 
@@ -79,10 +83,11 @@ def run_row(name: str, folder: str) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="run the rows whose name contains this text")
+    parser.add_argument("--only", default="", help="run the rows whose name contains this text (or any of several, "
+                                                    "comma-separated)")
     parser.add_argument("--commands", action="store_true", help="print each row's command and exit")
     args = parser.parse_args(argv)
-    names = [name for name in ROWS if args.only in name]
+    names = [name for name in ROWS if any(text in name for text in args.only.split(","))]
     if not names:
         raise SystemExit(f"executor_memory.py: --only {args.only!r} matches no row of: {', '.join(ROWS)}")
     if args.commands:
