@@ -10,9 +10,10 @@ memory model splits them (``pipesim.sim.memory``):
 - ``optimizer``: every tensor in the optimizer's state (AdamW's two moments: under ZeRO
   only this replica's shard);
 - ``activations``: what each microbatch's forward saved for its backward, counted by
-  a ``saved_tensors_hooks`` pack hook during ``F`` (each storage once, parameters
-  excluded: a linear saves its weight, which is already counted), held from the
-  microbatch's ``F`` until its last backward (``B``, or ``W`` when split) ends;
+  a ``saved_tensors_hooks`` pack hook during ``F`` (each storage once, at the size it
+  holds when the parts are added up: FSDP frees a gathered weight after the forward;
+  parameters excluded: a linear saves its weight, which is already counted), held from
+  the microbatch's ``F`` until its last backward (``B``, or ``W`` when split) ends;
 - ``buffers``: the activations and gradients waiting to be sent or used (the runtime's
   outbox and inbox).
 
