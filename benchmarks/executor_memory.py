@@ -1,7 +1,8 @@
 """Predicted against measured peak memory per rank, on CPU: ``pipesim run`` over the
 schedules, recompute modes and tp/sp/dp/ZeRO layouts of issue 31's memory target, on the
 toy ``gpt`` and two architectures shrunk (llama3-8b: GQA, SwiGLU, RMSNorm, rotary;
-mixtral-8x7b: the same with a mixture of experts), float32 (a few rows float64 or bf16 autocast) and AdamW.
+mixtral-8x7b: the same with a mixture of experts; deepseek-v3 and v2-lite: latent
+attention, shared experts), float32 (a few rows float64 or bf16 autocast) and AdamW.
 
     python benchmarks/executor_memory.py               # every row, a few minutes on 2 cores
     python benchmarks/executor_memory.py --only llama  # the rows whose name contains llama
@@ -30,6 +31,7 @@ GPT = ("--model", "gpt", "--layers", "4", "--hidden", "64", "--heads", "4", "--b
 LLAMA = ("--model", "llama3-8b", "--layers", "4", "--hidden", "64", "--heads", "8", "--batch-size", "8", "-m", "4")
 MIXTRAL = ("--model", "mixtral-8x7b", "--layers", "4", "--hidden", "64", "--heads", "8", "--batch-size", "8",
            "-m", "4")
+DEEPSEEK = ("--layers", "4", "--hidden", "64", "--heads", "8", "--batch-size", "8", "-m", "4")
 TWO_CHUNKS = ("--virtual-stages", "2")
 
 ROWS: dict[str, tuple[str, ...]] = {
@@ -67,6 +69,8 @@ ROWS: dict[str, tuple[str, ...]] = {
     "mixtral 1f1b tp 2": (*MIXTRAL, "--pp", "2", "--tp", "2"),
     "mixtral 1f1b dp 2 ep 2": (*MIXTRAL, "--pp", "2", "--dp", "2", "--ep", "2"),
     "mixtral 1f1b cp 2": (*MIXTRAL, "--pp", "2", "--cp", "2"),
+    "deepseek-v3 1f1b": ("--model", "deepseek-v3", *DEEPSEEK, "--pp", "2"),
+    "deepseek-v2-lite zbv": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
 }
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from executor.architectures.build import shrunk_spec
 from executor.config import RunConfig
 from executor.models import build_model
-from pipesim.cli.run_memory import executor_spec, peak_lines
+from pipesim.cli.run_memory import executor_spec, flash_kernel, peak_lines
 from pipesim.model.activations import layer_stash_bytes
 from pipesim.model.saved_tensors import AUTOCAST_TORCH, KERNELS, SavedTensors
 from pipesim.model.spec import ModelSpec
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.timeout(240)
 SIZES = {"layers": 1, "hidden": 32, "heads": 4, "seq_len": 16, "batch_size": 1, "microbatches": 1, "pp": 1}
 
 
-def measured_block_bytes(config: RunConfig) -> int:
-    """Bytes the first block of ``config``'s model keeps for its backward, counted as
+def measured_block_bytes(config: RunConfig, block: int = 0) -> int:
+    """Bytes block ``block`` of ``config``'s model keeps for its backward, counted as
     ``executor.memory`` counts them: each saved storage once, parameters excluded."""
     model = build_model(config)
     stage = model.build_stage(0, 1)
@@ -41,9 +41,11 @@ def measured_block_bytes(config: RunConfig) -> int:
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.dtype == "bfloat16")
     with autocast:
-        hidden = stage.embed(model.make_batch(0, 1)[0])
+        hidden = stage.embed(model.make_batch(0, config.batch_size)[0])
+        for before in stage.blocks[:block]:
+            hidden = before(hidden)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            stage.blocks[0](hidden)
+            stage.blocks[block](hidden)
     return sum(saved.values())
 
 
@@ -107,6 +109,23 @@ def test_mixture_of_experts_block_keeps_what_the_hand_count_says() -> None:
     assert spec.moe.experts_per_token == 2 and spec.moe.capacity_factor is None
     assert layer_stash_bytes(spec, saved=saved) == 94656
     assert measured_block_bytes(config) == 94656
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("model", ["deepseek-v3", "deepseek-v2-lite"])
+def test_latent_attention_blocks_keep_what_the_model_says(model: str, batch: int) -> None:
+    """DeepSeek's blocks shrunk (latent attention, whose Q/K and V head widths differ, so
+    torch's CPU attention takes its math path and keeps the s x s softmax; a dense first
+    layer, then shared and routed experts: V3's sigmoid router with rescaled weights,
+    V2-Lite's softmax without): the model's bytes per layer are what the pack hook
+    counts on the real blocks, dense and mixture of experts, for a microbatch of one
+    sequence (V a view of the joint K-nope/V projection) and of two (V copied)."""
+    config = RunConfig(model=model, **{**SIZES, "layers": 2, "batch_size": batch})
+    spec, saved = executor_spec(config)
+    assert spec.mla is not None and spec.is_moe_layer(1) and not spec.is_moe_layer(0)
+    for layer in (0, 1):
+        predicted = layer_stash_bytes(spec, layer=layer, saved=saved, flash_attention=flash_kernel(spec, config))
+        assert predicted == measured_block_bytes(config, layer)
 
 
 def test_the_default_inventory_is_the_papers() -> None:

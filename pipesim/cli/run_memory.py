@@ -67,6 +67,13 @@ def executor_spec(config: RunConfig) -> tuple[ModelSpec, SavedTensors] | None:
     return spec, replace(saved, attention_output_copy=False, input_cast_per_projection=False)
 
 
+def flash_kernel(spec: ModelSpec, config: RunConfig) -> bool:
+    """Whether torch's CPU attention runs its flash kernel (no ``s x s`` scores kept):
+    only for heads as wide for Q and K as for V, not latent attention's (context
+    parallelism's ring attention keeps no scores either way)."""
+    return spec.mla is None or spec.mla.qk_head_dim == spec.mla.v_head_dim or config.cp > 1
+
+
 def stage_split(spec: ModelSpec, config: RunConfig) -> list[int]:
     """Layers per stage as the executor builds them: the toy's even split, an
     architecture's by the simulator's own split (``stage_layers``)."""
@@ -85,7 +92,8 @@ def predicted_peaks(config: RunConfig) -> list[dict] | None:
     element = ELEMENT_BYTES[config.master_dtype]  # weights, gradients and optimizer state: the master type
     costs = model_stage_costs(spec, config.num_stages, [math.nan] * config.num_stages, tp=config.tp,
                               sequence_parallel=config.sequence_parallel, layers_per_stage=stage_split(spec, config),
-                              recompute=config.recompute, ep=config.ep, cp=config.cp, saved_tensors=saved)
+                              recompute=config.recompute, flash_attention=flash_kernel(spec, config), ep=config.ep,
+                              cp=config.cp, saved_tensors=saved)
     costs = with_whole_ends(costs, spec, config.tp, config.sequence_parallel, saved)
     schedule = build_schedule(config)
     trace = program_order_trace(schedule)

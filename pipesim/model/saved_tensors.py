@@ -17,14 +17,20 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   architectures' separate Q, K, V projections) joining the heads copies it, and the
   output projection keeps the copy beside the kernel's output; the toy ``gpt``'s packed
   QKV makes that a view. Rotary positions keep their cos and sin tables, ``s x d/2``
-  each, per layer and microbatch.
+  each, per layer and microbatch. Latent attention's heads are wider for Q and K than
+  for V, which the CPU flash kernel does not take: torch's math path keeps the softmax's
+  ``s x s`` output (``--no-flash-attention``'s term), Q and K, and V: for a microbatch
+  of one sequence as a view of the joint K-nope/V up-projection (its K-nope part kept
+  too), of more as the copy its reshape makes; the latents' RMSNorms keep their
+  normalised inputs and 1/rms.
 - **Gated MLP** (SwiGLU): the product's backward needs ``silu(gate)`` too: ``4f``, not
   the fused kernel's ``3f``.
 - **Mixture of experts** (dropless, every expert on the process): per routed copy,
   besides the input and expert output the inventory counts, the weighted output the
   combine adds (``h``), its weight (1) and the copy's token and slot indices (two int64:
-  ``torch.nonzero``'s output); per token the router's ``k`` chosen experts (int64), the
-  ``k`` gathered weights and their sum; the scores in fp32 at least.
+  ``torch.nonzero``'s output); per token the router's ``k`` chosen experts (int64) and,
+  where the weights are rescaled to sum to one, the ``k`` gathered weights and their sum;
+  the scores in fp32 at least.
 - **Loss**: the log-softmax's output (the logits' size, fp32 at least) and the int64
   targets; the first stage's embedding keeps the int64 token ids.
 - **Split backward** (``I`` then ``W``): ``I`` runs autograd with ``retain_graph``, so the
@@ -75,13 +81,14 @@ class SavedTensors:
     residual_bytes: int = 0  # bytes of an element of the residual stream and norms, where not the dtype's (autocast)
     input_cast_per_projection: bool = False  # Q, K, V (gate, up) projections each keep their own cast of the input
     weight_copies: bool = False  # each linear keeps its weight cast to the activation dtype, per microbatch
+    latent_kv_whole: bool = False  # latent attention's V kept as a slice of the joint K-nope/V up-projection
 
 
 KERNELS = SavedTensors()
 EAGER_TORCH = SavedTensors(layer_norm_statistics=2, rms_norm_statistics=1, rms_norm_normalised=True,
                            softmax_statistics=True, kv_repeated=True, attention_output_copy=True, rotary_tables=True,
                            gated_activation_output=True, routed_combine=True, wide_scores=True, token_indices=True,
-                           whole_stash_until_weight_grad=True, gathered_gemm_inputs=True)
+                           whole_stash_until_weight_grad=True, gathered_gemm_inputs=True, latent_kv_whole=True)
 AUTOCAST_TORCH = replace(EAGER_TORCH, residual_bytes=FP32_BYTES, input_cast_per_projection=True, weight_copies=True)
 
 
@@ -98,6 +105,15 @@ def norm_extra_elements(spec: ModelSpec, saved: SavedTensors) -> float:
     return saved.layer_norm_statistics
 
 
+def latent_norm_extra_elements(spec: ModelSpec, saved: SavedTensors) -> float:
+    """Elements per token latent attention's RMSNorms (on the query latent, if any, and
+    the key-value latent) keep beside their inputs."""
+    mla = spec.mla
+    norms = 2 if mla.q_lora_rank else 1
+    latents = (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    return norms * saved.rms_norm_statistics + (latents if saved.rms_norm_normalised else 0)
+
+
 def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence_parallel: bool = False,
                       recompute: str = "none", flash_attention: bool = True, layer: int = 0) -> float:
     """Bytes one microbatch keeps for layer ``layer`` beyond ``layer_stash_bytes``'
@@ -110,6 +126,10 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         return spec.tokens * h * wider / split  # the layer's input, from the residual stream
     residual = d + wider
     per_token = spec.norms_per_layer * (h * wider + norm_extra_elements(spec, saved) * residual) / split
+    if spec.mla is not None and spec.rms_norm:  # the latents' RMSNorms keep theirs too
+        per_token += latent_norm_extra_elements(spec, saved) * d
+        if saved.latent_kv_whole and spec.microbatch_size == 1:  # with more sequences V is reshaped into a copy
+            per_token += spec.heads / tp * spec.mla.qk_nope_head_dim * d
     if saved.input_cast_per_projection and spec.mla is None:  # K and V's own casts; a gated MLP's up projection's
         per_token += (2 + (1 if spec.gated_mlp else 0)) * h * d / (1 if saved.gathered_gemm_inputs else split)
     if sequence_parallel and saved.gathered_gemm_inputs:  # QKV and MLP inputs whole, not / tp
@@ -120,13 +140,15 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         per_token += heads * score_bytes(spec, saved)
     if spec.mla is None and saved.kv_repeated:
         per_token += 2 * spec.head_size * (heads - kv_heads_per_shard(spec, tp)) * d
-    if saved.attention_output_copy and kernel_kept:
+    if saved.attention_output_copy and kernel_kept and flash_attention:  # without it, no kernel output is kept
         per_token += spec.v_width / tp * d
     if saved.gated_activation_output and spec.gated_mlp:
         per_token += spec.mlp_width(layer, padded=False) / tp * d
     if saved.routed_combine and spec.is_moe_layer(layer):
         slots, k = spec.moe.routed_slots(padded=False), spec.moe.experts_per_token
-        per_token += slots * ((h + 1) * d + 2 * INDEX_BYTES) + k * INDEX_BYTES + (k + 1) * score_bytes(spec, saved)
+        per_token += slots * ((h + 1) * d + 2 * INDEX_BYTES) + k * INDEX_BYTES
+        if spec.moe.normalize_top_k:  # the division by their sum keeps the k weights and the sum
+            per_token += (k + 1) * score_bytes(spec, saved)
         per_token += spec.moe.experts * (score_bytes(spec, saved) - FP32_BYTES)  # wider scores than the inventory's
     extra = spec.tokens * per_token
     if saved.weight_copies:
