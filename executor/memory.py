@@ -10,9 +10,10 @@ memory model splits them (``pipesim.sim.memory``):
 - ``optimizer``: every tensor in the optimizer's state (AdamW's two moments: under ZeRO
   only this replica's shard);
 - ``activations``: what each microbatch's forward saved for its backward, counted by
-  a ``saved_tensors_hooks`` pack hook during ``F`` (each storage once, parameters
-  excluded: a linear saves its weight, which is already counted), held from the
-  microbatch's ``F`` until its last backward (``B``, or ``W`` when split) ends;
+  a ``saved_tensors_hooks`` pack hook during ``F`` (each storage once, at the size it
+  holds when the parts are added up: FSDP frees a gathered weight after the forward;
+  parameters excluded: a linear saves its weight, which is already counted), held from
+  the microbatch's ``F`` until its last backward (``B``, or ``W`` when split) ends;
 - ``buffers``: the activations and gradients waiting to be sent or used (the runtime's
   outbox and inbox).
 
@@ -45,6 +46,11 @@ def tensor_bytes(tensor: torch.Tensor | None) -> int:
         return 0
     local = local_tensor(tensor)
     return local.numel() * local.element_size()
+
+
+def held_bytes(kept: torch.UntypedStorage | int) -> int:
+    """Bytes a saved storage holds now (0 once FSDP has freed a gathered weight)."""
+    return kept if isinstance(kept, int) else kept.nbytes()
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -83,7 +89,8 @@ class MemoryTracker:
         self.optimizer: torch.optim.Optimizer | None = None
         self.extra_grads = lambda: []  # ZeRO's gradient shards
         self.buffers = lambda: []  # the runtime's outbox and inbox tensors
-        self.saved: dict[tuple[int, int], dict[int, int]] = {}  # (stage, microbatch) -> storage -> bytes
+        # (stage, microbatch) -> storage key -> the storage (or, unreachable, its bytes)
+        self.saved: dict[tuple[int, int], dict[int, torch.UntypedStorage | int]] = {}
         self.recording: tuple[int, int] | None = None
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
         self.last = MemoryPeak()
@@ -98,7 +105,9 @@ class MemoryTracker:
                 self.saved[self.recording][id(tensor)] = tensor_bytes(tensor)
                 return tensor
             if key not in self.param_storages:
-                self.saved[self.recording][key] = local_tensor(tensor).untyped_storage().nbytes()
+                # the storage, not its size now: FSDP (ZeRO-3) frees a gathered weight's
+                # storage after the forward, and a freed storage holds nothing
+                self.saved[self.recording][key] = local_tensor(tensor).untyped_storage()
         return tensor
 
     def start_step(self) -> None:
@@ -130,7 +139,7 @@ class MemoryTracker:
         """Add up the tracked tensors now; keep the largest total of the step."""
         grads = sum(tensor_bytes(p.grad) for p in self.params) + sum(map(tensor_bytes, self.extra_grads()))
         optimizer = self.optimizer_bytes()
-        activations = sum(sum(stored.values()) for stored in self.saved.values())
+        activations = sum(map(held_bytes, (kept for stored in self.saved.values() for kept in stored.values())))
         buffers = sum(map(tensor_bytes, self.buffers()))
         total = self.param_bytes + grads + optimizer + activations + buffers
         most = max(self.last.activations_peak, activations)

@@ -89,11 +89,12 @@ def report(result: dict, config, args: argparse.Namespace) -> None:
     with the shrunk architecture it ran and the simulator's static memory beside the
     measured one."""
     from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415 - loads torch
+    from pipesim.cli.run_memory import peak_lines  # noqa: PLC0415 - the simulator's memory model
 
     document = summary(result)
     if is_architecture(config.model):  # what ran: the shrunk architecture, as simulate --json describes one
         document["model"] = {**shrunk_spec(config).describe(), "source": config.model, "shrunk": shrink_note(config)}
-    predicted = predict_static_memory(document, config)
+    predicted = predict_static_memory(document, config) + peak_lines(document, config)
     write_outputs(result, args.json, args.trace, document)
     print("\n".join(summary_lines(result, document) + predicted))
     if args.html:

@@ -69,6 +69,7 @@ attention output in a 12-bit E5M6 format; it is counted at 16 bits here.)
 
 from __future__ import annotations
 
+from pipesim.model.saved_tensors import KERNELS, SavedTensors, first_stage_extra, last_stage_extra, layer_extra_bytes
 from pipesim.model.spec import NORM_MLA_UP, ModelSpec, check_recompute
 from pipesim.model.weights import kv_heads_per_shard
 
@@ -78,14 +79,16 @@ ROUTER_SCORE_BYTES = 4  # router scores are kept in fp32
 
 
 def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
-                      flash_attention: bool = True, layer: int = 0) -> float:
+                      flash_attention: bool = True, layer: int = 0, saved: SavedTensors = KERNELS) -> float:
     """Bytes one microbatch keeps for layer ``layer`` until its backward, on one tp rank
     (the inventory of the module, with ``--recompute norm-mla-up`` and FP8 caching as it
-    says)."""
+    says), plus what an implementation keeps beyond it (``saved``:
+    ``pipesim.model.saved_tensors``; none by default)."""
     check_recompute(recompute)
     h, d = spec.hidden, spec.dtype_bytes
+    extra = layer_extra_bytes(spec, saved, tp, sequence_parallel, recompute, flash_attention, layer)
     if recompute == "full":
-        return spec.tokens * h * d / (tp if sequence_parallel else 1)
+        return spec.tokens * h * d / (tp if sequence_parallel else 1) + extra
     mask = MASK_BYTES if spec.dropout else 0
     norm_output = 0 if recompute == NORM_MLA_UP else gemm_input_bytes(spec)
     # per token: the part tensor parallelism leaves whole (norm inputs, QKV and MLP inputs, masks)
@@ -98,7 +101,7 @@ def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fa
     per_token = replicated / (tp if sequence_parallel else 1) + sharded + whole
     if not flash_attention and recompute in ("none", NORM_MLA_UP):
         per_token += attention_scores_bytes(spec) / tp
-    return spec.tokens * per_token
+    return spec.tokens * per_token + extra
 
 
 def gemm_input_bytes(spec: ModelSpec) -> float:
@@ -204,17 +207,22 @@ def attention_scores_bytes(spec: ModelSpec) -> float:
     return spec.heads * spec.seq_len * per_element
 
 
-def first_stage_extra_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
-    """The embedding's dropout mask (``sbh`` bytes with dropout), on the first stage."""
+def first_stage_extra_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
+                            saved: SavedTensors = KERNELS) -> float:
+    """The embedding's dropout mask (``sbh`` bytes with dropout), on the first stage, and
+    what an implementation keeps beyond it (``saved``: its token ids)."""
+    ids = first_stage_extra(spec, saved)
     if not spec.dropout:
-        return 0.0
-    return spec.tokens * spec.hidden * MASK_BYTES / (tp if sequence_parallel else 1)
+        return ids
+    return spec.tokens * spec.hidden * MASK_BYTES / (tp if sequence_parallel else 1) + ids
 
 
-def last_stage_extra_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:
+def last_stage_extra_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
+                           saved: SavedTensors = KERNELS) -> float:
     """The final norm's and output layer's inputs and the fp32 logits the loss keeps:
     ``4sbh/t (1 + V/h)`` with sequence parallelism (Korthikanti et al., section 4.3);
-    the two inputs are whole on every rank without it."""
+    the two inputs are whole on every rank without it. Plus what an implementation keeps
+    beyond them (``saved``: the norm's statistics, wider logits, the targets)."""
     inputs = 2 * spec.tokens * spec.hidden * spec.dtype_bytes / (tp if sequence_parallel else 1)
     logits = 4 * spec.tokens * spec.vocab / tp
-    return inputs + logits
+    return inputs + logits + last_stage_extra(spec, saved, tp, sequence_parallel)

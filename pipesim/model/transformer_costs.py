@@ -53,6 +53,7 @@ from pipesim.model.costs import Costs, StageCost
 from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import optimizer_step_seconds
 from pipesim.model.operations import attention_core, head_operations, layer_operations, mtp_operations
+from pipesim.model.saved_tensors import KERNELS, SavedTensors
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak
 from pipesim.model.stage_split import split_layers
 from pipesim.model.weights import routed_params
@@ -137,10 +138,14 @@ def model_stage_costs(
     cp: int = 1,
     layer_hold_seconds: float = 0.0,
     comm_sms: int = 0,
+    saved_tensors: SavedTensors = KERNELS,
 ) -> Costs:
     """``model_costs`` without the optimizer step (``step_overhead`` 0): the stages alone,
     which do not depend on which rank holds which stage, so a planner derives them once
-    for every placement of as many stages (``with_optimizer_step`` adds the step)."""
+    for every placement of as many stages (``with_optimizer_step`` adds the step).
+    ``saved_tensors`` says what the implementation keeps for the backward beyond the
+    fused kernels' inventory (``pipesim.model.saved_tensors``; the executor's is
+    ``EAGER_TORCH``)."""
     if mfu is not None and not 0 < mfu <= 1:  # NaN fails this too
         raise ModelSpecError(f"--mfu is a fraction of peak in (0, 1], got {mfu}")
     if mfu is not None and compute_model is not None:
@@ -204,7 +209,8 @@ def model_stage_costs(
     stages = []
     models = set()
     per_kind = {layer: (spec.layer_params(layer, tp, ep),
-                        layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, layer),
+                        layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, layer,
+                                          saved_tensors),
                         wgrad_stash_bytes(local, tp, sequence_parallel, layer))
                 for layer in kind_layer.values()}
     routed = routed_params(spec, tp, ep)
@@ -226,14 +232,14 @@ def model_stage_costs(
             kept += alike * per_kind[kind][2]
         if first_stage:
             params += spec.embedding_params(tp)
-            stash += first_stage_extra_bytes(local, tp, sequence_parallel)
+            stash += first_stage_extra_bytes(local, tp, sequence_parallel, saved_tensors)
         if last_stage:
             head = end_of(compute)
             params += spec.head_params(tp) + spec.mtp_params(tp, ep)
             fwd += head.forward
             bwd += head.input_grad + head.weight_grad + head.recompute
             wgrad += head.weight_grad
-            stash += last_stage_extra_bytes(local, tp, sequence_parallel)
+            stash += last_stage_extra_bytes(local, tp, sequence_parallel, saved_tensors)
             kept += local.tokens * (spec.hidden + spec.vocab / tp) * spec.dtype_bytes  # the logits GEMM's
             if spec.mtp_depth:  # each module: its block's stash, its projection's input, its head's
                 stash += spec.mtp_depth * (
@@ -263,7 +269,8 @@ def model_stage_costs(
             kv_bytes=local.tokens * key_value_bytes(spec, tp),
             attention_fwd=attention.forward,
             attention_bwd=attention.input_grad,
-            wgrad_stash_share=1.0 if recompute == "full" else wgrad_stash_share(stash, kept),
+            wgrad_stash_share=(1.0 if recompute == "full" or saved_tensors.whole_stash_until_weight_grad
+                               else wgrad_stash_share(stash, kept)),
             dispatch_node_limit=float(spec.moe.node_limit or 0) if moe_layers else 0.0,
             dispatch_copies=spec.moe.routed_slots(padded=False) if moe_layers else 0.0,
         )

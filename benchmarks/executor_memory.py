@@ -1,0 +1,117 @@
+"""Predicted against measured peak memory per rank, on CPU: ``pipesim run`` over the
+schedules, recompute modes and tp/sp/dp/ZeRO layouts of issue 31's memory target, on the
+toy ``gpt`` and two architectures shrunk (llama3-8b: GQA, SwiGLU, RMSNorm, rotary;
+mixtral-8x7b: the same with a mixture of experts; deepseek-v3 and v2-lite: latent
+attention, shared experts), float32 (a few rows float64 or bf16 autocast) and AdamW.
+
+    python benchmarks/executor_memory.py               # every row, a few minutes on 2 cores
+    python benchmarks/executor_memory.py --only llama  # the rows whose name contains llama
+    python benchmarks/executor_memory.py --only "tp 2,cp 2"  # ... either text
+
+Each row is one ``pipesim run --json`` in a fresh process (printed with ``--commands``);
+the table lists each pipeline rank's measured peak (``peak``: the tensors the executor
+tracks, at action boundaries) against the simulator's prediction (``predicted_peak``,
+``pipesim.cli.run_memory``), and the activations alone (``activations_peak`` against
+``predicted_activations``). The target: every |error| of the peak within 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ("--steps", "2", "--optimizer", "adamw", "--backend", "gloo", "--seq-len", "32", "--vocab", "128")
+GPT = ("--model", "gpt", "--layers", "4", "--hidden", "64", "--heads", "4", "--batch-size", "8", "-m", "4")
+LLAMA = ("--model", "llama3-8b", "--layers", "4", "--hidden", "64", "--heads", "8", "--batch-size", "8", "-m", "4")
+MIXTRAL = ("--model", "mixtral-8x7b", "--layers", "4", "--hidden", "64", "--heads", "8", "--batch-size", "8",
+           "-m", "4")
+DEEPSEEK = ("--layers", "4", "--hidden", "64", "--heads", "8", "--batch-size", "8", "-m", "4")
+TWO_CHUNKS = ("--virtual-stages", "2")
+
+ROWS: dict[str, tuple[str, ...]] = {
+    "gpt gpipe": (*GPT, "--pp", "2", "--schedule", "gpipe"),
+    "gpt 1f1b": (*GPT, "--pp", "2", "--schedule", "1f1b"),
+    "gpt interleaved-1f1b": (*GPT, "--pp", "2", "--schedule", "interleaved-1f1b", *TWO_CHUNKS),
+    "gpt zbv": (*GPT, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
+    "gpt 1f1b recompute full": (*GPT, "--pp", "2", "--schedule", "1f1b", "--recompute", "full"),
+    "gpt 1f1b recompute selective": (*GPT, "--pp", "2", "--schedule", "1f1b", "--recompute", "selective"),
+    "gpt zbv recompute full": (*GPT, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS, "--recompute", "full"),
+    "gpt 1f1b tp 2": (*GPT, "--pp", "2", "--tp", "2"),
+    "gpt 1f1b tp 2 sp": (*GPT, "--pp", "2", "--tp", "2", "--sequence-parallel"),
+    "gpt 1f1b tp 2 sp recompute full": (*GPT, "--pp", "2", "--tp", "2", "--sequence-parallel", "--recompute", "full"),
+    "gpt 1f1b float64": (*GPT, "--pp", "2", "--dtype", "float64"),
+    "gpt 1f1b bfloat16": (*GPT, "--pp", "2", "--dtype", "bfloat16"),
+    "gpt 1f1b dp 2 zero 0": (*GPT, "--pp", "2", "--dp", "2", "--zero", "0"),
+    "gpt 1f1b dp 2 zero 1": (*GPT, "--pp", "2", "--dp", "2", "--zero", "1"),
+    "gpt 1f1b dp 2 zero 2": (*GPT, "--pp", "2", "--dp", "2", "--zero", "2"),
+    "gpt 1f1b dp 2 zero 3": (*GPT, "--pp", "2", "--dp", "2", "--zero", "3"),
+    "llama gpipe": (*LLAMA, "--pp", "2", "--schedule", "gpipe"),
+    "llama 1f1b": (*LLAMA, "--pp", "2", "--schedule", "1f1b"),
+    "llama interleaved-1f1b": (*LLAMA, "--pp", "2", "--schedule", "interleaved-1f1b", *TWO_CHUNKS),
+    "llama zbv": (*LLAMA, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
+    "llama 1f1b recompute full": (*LLAMA, "--pp", "2", "--recompute", "full"),
+    "llama 1f1b recompute selective": (*LLAMA, "--pp", "2", "--recompute", "selective"),
+    "llama 1f1b tp 2": (*LLAMA, "--pp", "2", "--tp", "2"),
+    "llama 1f1b tp 2 sp": (*LLAMA, "--pp", "2", "--tp", "2", "--sequence-parallel"),
+    "llama 1f1b bfloat16": (*LLAMA, "--pp", "2", "--dtype", "bfloat16"),
+    "llama zbv bfloat16 recompute full": (*LLAMA, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS, "--dtype",
+                                          "bfloat16", "--recompute", "full"),
+    "mixtral 1f1b": (*MIXTRAL, "--pp", "2", "--schedule", "1f1b"),
+    "mixtral zbv": (*MIXTRAL, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
+    "mixtral 1f1b recompute selective": (*MIXTRAL, "--pp", "2", "--recompute", "selective"),
+    "mixtral 1f1b dp 2 zero 1": (*MIXTRAL, "--pp", "2", "--dp", "2", "--zero", "1"),
+    "mixtral 1f1b tp 2": (*MIXTRAL, "--pp", "2", "--tp", "2"),
+    "mixtral 1f1b dp 2 ep 2": (*MIXTRAL, "--pp", "2", "--dp", "2", "--ep", "2"),
+    "mixtral 1f1b cp 2": (*MIXTRAL, "--pp", "2", "--cp", "2"),
+    "deepseek-v3 1f1b": ("--model", "deepseek-v3", *DEEPSEEK, "--pp", "2"),
+    "deepseek-v2-lite zbv": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
+}
+
+
+def run_row(name: str, folder: str) -> list[dict]:
+    """One ``pipesim run`` in a fresh process; its memory rows."""
+    path = os.path.join(folder, name.replace(" ", "_") + ".json")
+    done = subprocess.run([sys.executable, "-m", "pipesim", "run", *ROWS[name], *COMMON, "--quiet", "--json", path],
+                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"executor_memory.py: {name} failed: {last}")
+    return json.loads(Path(path).read_text())["memory"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="run the rows whose name contains this text (or any of several, "
+                                                    "comma-separated)")
+    parser.add_argument("--commands", action="store_true", help="print each row's command and exit")
+    args = parser.parse_args(argv)
+    names = [name for name in ROWS if any(text in name for text in args.only.split(","))]
+    if not names:
+        raise SystemExit(f"executor_memory.py: --only {args.only!r} matches no row of: {', '.join(ROWS)}")
+    if args.commands:
+        for name in names:
+            print(f"{name}: pipesim run {' '.join(ROWS[name] + COMMON)}")
+        return 0
+    print("| case | rank | measured peak MiB | predicted MiB | error | activations measured | predicted |")
+    print("|---|---|---|---|---|---|---|")
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as folder:
+        for name in names:
+            for row in run_row(name, folder):
+                error = row["peak"] / row["predicted_peak"] - 1
+                worst = max(worst, abs(error))
+                print(f"| {name} | {row['rank']} | {row['peak'] / 2**20:.3f} | {row['predicted_peak'] / 2**20:.3f} | "
+                      f"{error:+.1%} | {row['activations_peak'] / 2**20:.3f} | "
+                      f"{row['predicted_activations'] / 2**20:.3f} |", flush=True)
+    print(f"worst |error| of the peak: {worst:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The simulator's prediction of each rank's whole peak memory beside ``pipesim run``'s
+measured one (CPU: the tensors the executor tracks, ``executor.memory``).
+
+The prediction is the simulator's memory model (``pipesim.sim.memory.memory_report``)
+of the same model, split and schedule, told what the executor's layers keep for their
+backward (``pipesim.model.saved_tensors.EAGER_TORCH``, ``AUTOCAST_TORCH`` under bf16
+autocast; in the run's dtype, without dropout) and taken over the schedule's program
+order (``program_order_trace``), plus what a run does differently from the steady state
+the model assumes:
+
+- gradients: the executor frees them between steps (``zero_grad(set_to_none=True)``),
+  so a stage's gradients exist from the end of its first weight-gradient action
+  (``B``, or ``W`` when split) on; the model's static part holds them all step;
+- the optimizer's state exists from the first step on, so the prediction is of a step
+  after the first (``--steps 2`` or more);
+- tp splits the blocks only (``with_whole_ends``); ZeRO-3's gathered working set lives
+  inside an action, not at the action boundaries where the executor counts.
+
+Parameters, gradients and optimizer state are the model's per-parameter bytes (the
+master weights' dtype, AdamW's two moments), sharded as ZeRO says; buffers are the
+model's two boundary activations per P2P peer. Not predicted: float16 autocast (not
+measured), the ``mlp`` toy and a user's own model (no transformer spec).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from executor.architectures.build import is_architecture, shrunk_spec, stage_layers
+from executor.config import RunConfig, build_schedule, even_layout
+from pipesim.model.activations import last_stage_extra_bytes
+from pipesim.model.costs import Costs
+from pipesim.model.saved_tensors import AUTOCAST_TORCH, EAGER_TORCH, SavedTensors
+from pipesim.model.spec import ModelSpec
+from pipesim.model.transformer_costs import model_stage_costs
+from pipesim.sim.memory import (
+    BytesPerParam,
+    memory_report,
+    program_order_trace,
+    reduction_buffer_bytes,
+    static_bytes_per_param,
+)
+from schedules.action import WEIGHT_GRAD_DONE_KINDS
+
+ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}  # the activations' (bf16: autocast's)
+MIB = 2**20
+
+
+def executor_spec(config: RunConfig) -> tuple[ModelSpec, SavedTensors] | None:
+    """The model ``config`` runs as a ``ModelSpec`` (a microbatch of the run's size, its
+    activations' dtype, no dropout) and what its layers keep beyond the kernels'
+    inventory; ``None`` for what has no spec (the ``mlp`` toy) or is not predicted
+    (float16 autocast)."""
+    if config.dtype not in ELEMENT_BYTES or config.model == "mlp":
+        return None
+    sizes = {"microbatch_size": config.replica_batch_size // config.microbatches,
+             "dtype_bytes": ELEMENT_BYTES[config.dtype], "dropout": False}
+    saved = AUTOCAST_TORCH if config.dtype == "bfloat16" else EAGER_TORCH
+    if is_architecture(config.model):
+        return replace(shrunk_spec(config), **sizes), saved
+    # the toy gpt (executor.models.Block): GPT-2's layers, packed QKV, its own output layer
+    spec = ModelSpec(name="gpt", layers=config.layers, hidden=config.hidden, heads=config.heads,
+                     seq_len=config.seq_len, vocab=config.vocab, tied_embeddings=False, **sizes)
+    # the packed QKV is one projection (one cast of its input) and lays the attention's
+    # output out token by token: joining the heads is a view
+    return spec, replace(saved, attention_output_copy=False, input_cast_per_projection=False)
+
+
+def flash_kernel(spec: ModelSpec, config: RunConfig) -> bool:
+    """Whether torch's CPU attention runs its flash kernel (no ``s x s`` scores kept):
+    only for heads as wide for Q and K as for V, not latent attention's (context
+    parallelism's ring attention keeps no scores either way)."""
+    return spec.mla is None or spec.mla.qk_head_dim == spec.mla.v_head_dim or config.cp > 1
+
+
+def stage_split(spec: ModelSpec, config: RunConfig) -> list[int]:
+    """Layers per stage as the executor builds them: the toy's even split, an
+    architecture's by the simulator's own split (``stage_layers``)."""
+    if is_architecture(config.model):
+        return stage_layers(spec, config.num_stages, config.layout, config.tp, config.sequence_parallel)
+    return list(config.layout or even_layout(config.layers, config.num_stages))
+
+
+def predicted_peaks(config: RunConfig) -> list[dict] | None:
+    """Per pipeline rank: the predicted peak bytes and, apart, the most activations held
+    at once (``predicted_peak``, ``predicted_activations``); ``None`` when not predicted."""
+    described = executor_spec(config)
+    if described is None:
+        return None
+    spec, saved = described
+    element = ELEMENT_BYTES[config.master_dtype]  # weights, gradients and optimizer state: the master type
+    costs = model_stage_costs(spec, config.num_stages, [math.nan] * config.num_stages, tp=config.tp,
+                              sequence_parallel=config.sequence_parallel, layers_per_stage=stage_split(spec, config),
+                              recompute=config.recompute, flash_attention=flash_kernel(spec, config), ep=config.ep,
+                              cp=config.cp, saved_tensors=saved)
+    costs = with_whole_ends(costs, spec, config.tp, config.sequence_parallel, saved)
+    schedule = build_schedule(config)
+    trace = program_order_trace(schedule)
+    holders = config.dp * config.cp
+    weights_only = BytesPerParam(element, 0.0, 0.0)  # the static part's weights; gradients and state added below
+    report = memory_report(trace, costs, schedule.placement, ["cpu"] * config.pp, [math.inf] * config.pp,
+                           weights_only, dp=holders, zero=config.zero, tp=config.tp, cp=config.cp, ep=config.ep)
+    grad_bytes = static_bytes_per_param(BytesPerParam(element, element, 0.0), holders, config.zero) \
+        - static_bytes_per_param(weights_only, holders, config.zero)
+    moments = 2 * element if config.optimizer == "adamw" else 0.0
+    state_bytes = static_bytes_per_param(BytesPerParam(element, 0.0, moments), holders, config.zero) \
+        - static_bytes_per_param(weights_only, holders, config.zero)
+    grads_from = gradient_arrivals(trace, costs, grad_bytes)
+    peaks = []
+    for rank in report:
+        params = sum(cost.params for stage, cost in enumerate(costs.stages) if schedule.placement[stage] == rank.rank)
+        state = params * state_bytes
+        # ZeRO-3's gathered working set lives inside an action (FSDP gathers a block's
+        # weights before its forward or backward and frees them after): not held at the
+        # action boundaries where the executor counts
+        inside = reduction_buffer_bytes(costs, schedule.placement, rank.rank, weights_only, 0.0, config.zero) \
+            if holders > 1 and config.zero == 3 else 0.0
+        arrivals = grads_from.get(rank.rank, [])
+        peak = max(held + grads_at(arrivals, moment) for moment, held in rank.timeline)
+        end = rank.timeline[-1][1] + sum(amount for _, amount in arrivals)
+        peaks.append({"rank": rank.rank, "predicted_peak": state + max(peak, end) - inside,
+                      "predicted_activations": rank.peak_stash_bytes})
+    return peaks
+
+
+def with_whole_ends(costs: Costs, spec: ModelSpec, tp: int, sequence_parallel: bool, saved: SavedTensors) -> Costs:
+    """``costs`` with the executor's tensor parallelism: it splits the blocks only
+    (``executor.tensor_parallel``), so the embedding, the final norm, the output layer
+    and the loss are whole on every tp rank (parameters and stash as at tp 1), and the
+    activation passed between stages is whole under sequence parallelism too."""
+    if tp == 1:
+        return costs
+    boundary = spec.boundary_bytes()
+    stages = [replace(stage, act_bytes=boundary if stage.act_bytes else 0.0) for stage in costs.stages]
+    embedding = spec.embedding_params() - spec.embedding_params(tp)
+    stages[0] = replace(stages[0], params=stages[0].params + embedding,
+                        param_bytes=stages[0].param_bytes + embedding * spec.dtype_bytes)
+    head = spec.head_params() - spec.head_params(tp)
+    stash = last_stage_extra_bytes(spec, saved=saved) - last_stage_extra_bytes(spec, tp, sequence_parallel, saved)
+    stages[-1] = replace(stages[-1], params=stages[-1].params + head,
+                         param_bytes=stages[-1].param_bytes + head * spec.dtype_bytes,
+                         stash_bytes=stages[-1].stash_bytes + stash)
+    return replace(costs, stages=tuple(stages))
+
+
+def gradient_arrivals(trace, costs, grad_bytes: float) -> dict[int, list[tuple[float, float]]]:
+    """Per rank, ``(moment, bytes)``: each of its stages' gradients, made by the stage's
+    first weight-gradient action of the step (the executor frees them between steps)."""
+    columns = trace.columns
+    first: dict[int, tuple[int, float]] = {}
+    for index in range(len(columns)):
+        kind = columns.kinds[int(columns.kind[index])]
+        stage = int(columns.stage[index])
+        if kind in WEIGHT_GRAD_DONE_KINDS and stage not in first:
+            first[stage] = (int(columns.rank[index]), float(columns.end[index]))
+    arrivals: dict[int, list[tuple[float, float]]] = {}
+    for stage, (rank, moment) in first.items():
+        arrivals.setdefault(rank, []).append((moment, costs.stages[stage].params * grad_bytes))
+    return arrivals
+
+
+def grads_at(arrivals: list[tuple[float, float]], moment: float) -> float:
+    """Gradient bytes a rank holds at ``moment``."""
+    return sum(amount for arrived, amount in arrivals if arrived <= moment)
+
+
+def peak_lines(document: dict, config: RunConfig) -> list[str]:
+    """Add ``predicted_peak`` and ``predicted_activations`` to each tracked memory row and
+    return the lines to print: predicted against measured peak and activations, per rank."""
+    rows = document.get("memory") or []
+    if not rows or rows[0]["source"] != "tracked":
+        return []
+    peaks = predicted_peaks(config)
+    if peaks is None:
+        why = "float16 autocast is not described" if config.dtype not in ELEMENT_BYTES else \
+            f"--model {config.model} has no transformer spec"
+        return [f"peak memory not predicted: {why}"]
+    from executor.mesh import MeshPosition  # noqa: PLC0415 - loads torch (run has already)
+
+    lines = ["peak memory, measured vs predicted (the simulator's memory model of the executor's layers):"]
+    for row in rows:
+        stage_rank = MeshPosition.of_rank(row["rank"], config.dp, config.pp, config.tp, config.cp).pp_index
+        row.update({key: value for key, value in peaks[stage_rank].items() if key != "rank"})
+        error = row["peak"] / row["predicted_peak"] - 1
+        lines.append(f"  rank {row['rank']}: peak measured {row['peak'] / MIB:.3f} MiB, predicted "
+                     f"{row['predicted_peak'] / MIB:.3f} MiB ({error:+.1%}); activations measured "
+                     f"{row['activations_peak'] / MIB:.3f} MiB, predicted {row['predicted_activations'] / MIB:.3f} MiB")
+    if config.steps < 2:
+        lines.append("  (predicted for a step after the first: the first holds no optimizer state yet)")
+    return lines

@@ -1,0 +1,185 @@
+"""What an implementation keeps for the backward beyond the paper's inventory.
+
+``pipesim.model.activations`` counts a layer's stash as Korthikanti et al. do, for fused
+kernels (Megatron-Core, Transformer Engine): a norm keeps its input, attention its Q, K,
+V and output, the MLP its activation's inputs and output. Plain torch, run op by op
+with autograd (``pipesim run``'s executor), keeps what each op's backward formula
+asks for, and that is more: measured with a ``saved_tensors_hooks`` pack hook on the
+executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp rank:
+
+- **Norms**: ``nn.LayerNorm`` keeps its mean and 1/std (2 elements); the executor's
+  RMSNorm, written from torch ops (``x * rsqrt(mean(x^2) + eps) * weight``), keeps its
+  1/rms (1) and the normalised input it multiplies by its weight (``h``).
+- **Attention**: torch's CPU kernel is a flash attention (no ``s x s`` scores kept) that
+  keeps the softmax's log-sum-exp, one per head, in fp32 at least. Grouped-query keys and
+  values are repeated to every query head before the kernel, so K and V are kept at the
+  query heads' width. Where the kernel's output is laid out head by head (the
+  architectures' separate Q, K, V projections) joining the heads copies it, and the
+  output projection keeps the copy beside the kernel's output; the toy ``gpt``'s packed
+  QKV makes that a view. Rotary positions keep their cos and sin tables, ``s x d/2``
+  each, per layer and microbatch. Latent attention's heads are wider for Q and K than
+  for V, which the CPU flash kernel does not take: torch's math path keeps the softmax's
+  ``s x s`` output (``--no-flash-attention``'s term), Q and K, and V: for a microbatch
+  of one sequence as a view of the joint K-nope/V up-projection (its K-nope part kept
+  too), of more as the copy its reshape makes; the latents' RMSNorms keep their
+  normalised inputs and 1/rms.
+- **Gated MLP** (SwiGLU): the product's backward needs ``silu(gate)`` too: ``4f``, not
+  the fused kernel's ``3f``.
+- **Mixture of experts** (dropless, every expert on the process): per routed copy,
+  besides the input and expert output the inventory counts, the weighted output the
+  combine adds (``h``), its weight (1) and the copy's token and slot indices (two int64:
+  ``torch.nonzero``'s output); per token the router's ``k`` chosen experts (int64) and,
+  where the weights are rescaled to sum to one, the ``k`` gathered weights and their sum;
+  the scores in fp32 at least.
+- **Loss**: the log-softmax's output (the logits' size, fp32 at least) and the int64
+  targets; the first stage's embedding keeps the int64 token ids.
+- **Split backward** (``I`` then ``W``): ``I`` runs autograd with ``retain_graph``, so the
+  whole stash is held until ``W``, not only the weight GEMMs' inputs.
+- **Sequence parallelism** (torch's ``SequenceParallel`` with DTensor): a column-parallel
+  linear keeps the all-gathered input it multiplied, whole, not the sequence shard.
+- **Autocast** (``--dtype bfloat16``, float32 master weights): the residual stream, the
+  norms and what they keep stay in float32 (``residual_bytes``); each linear keeps its
+  own 16-bit cast of its input (the architectures' separate Q, K and V projections three
+  copies, a gated MLP's gate and up projections two) and the 16-bit copy of its weight
+  it multiplied, once per microbatch in flight.
+
+``KERNELS`` (every field off) is the paper's count and the default everywhere;
+``EAGER_TORCH`` is the executor's, ``AUTOCAST_TORCH`` the executor's under bf16
+autocast. Each field only adds to the inventory, so the default results are unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from pipesim.model.spec import ModelSpec
+from pipesim.model.weights import kv_heads_per_shard, layer_weights, shard
+
+INDEX_BYTES = 8  # torch's int64 indices
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class SavedTensors:
+    """What an implementation keeps beyond the fused kernels' inventory (every field
+    adds bytes; all off is ``pipesim.model.activations``' count)."""
+
+    layer_norm_statistics: int = 0  # elements per token a LayerNorm keeps beside its input (mean, 1/std)
+    rms_norm_statistics: int = 0  # elements per token an RMSNorm keeps beside its input (1/rms)
+    rms_norm_normalised: bool = False  # an RMSNorm keeps its normalised input (h), to multiply by its weight
+    softmax_statistics: bool = False  # flash attention's log-sum-exp, one per head and token, fp32 at least
+    kv_repeated: bool = False  # grouped-query K and V kept at the query heads' width
+    attention_output_copy: bool = False  # the heads' output joined into a copy the output projection keeps
+    rotary_tables: bool = False  # cos and sin, s x d/2 each, per layer and microbatch
+    gated_activation_output: bool = False  # a gated MLP keeps silu(gate) too (4f, not 3f)
+    routed_combine: bool = False  # per routed copy its weighted output, weight and indices; the router's picks
+    wide_scores: bool = False  # router scores and logits in the activation dtype when wider than fp32
+    token_indices: bool = False  # the int64 token ids (first stage) and targets (last stage)
+    whole_stash_until_weight_grad: bool = False  # a split backward's I keeps the whole graph until W
+    gathered_gemm_inputs: bool = False  # under sequence parallelism, column-parallel linears keep the gathered input
+    residual_bytes: int = 0  # bytes of an element of the residual stream and norms, where not the dtype's (autocast)
+    input_cast_per_projection: bool = False  # Q, K, V (gate, up) projections each keep their own cast of the input
+    weight_copies: bool = False  # each linear keeps its weight cast to the activation dtype, per microbatch
+    latent_kv_whole: bool = False  # latent attention's V kept as a slice of the joint K-nope/V up-projection
+
+
+KERNELS = SavedTensors()
+EAGER_TORCH = SavedTensors(layer_norm_statistics=2, rms_norm_statistics=1, rms_norm_normalised=True,
+                           softmax_statistics=True, kv_repeated=True, attention_output_copy=True, rotary_tables=True,
+                           gated_activation_output=True, routed_combine=True, wide_scores=True, token_indices=True,
+                           whole_stash_until_weight_grad=True, gathered_gemm_inputs=True, latent_kv_whole=True)
+AUTOCAST_TORCH = replace(EAGER_TORCH, residual_bytes=FP32_BYTES, input_cast_per_projection=True, weight_copies=True)
+
+
+def score_bytes(spec: ModelSpec, saved: SavedTensors) -> float:
+    """Bytes of an element kept in fp32 at least (router scores, logits, softmax
+    statistics): 4, or the activation dtype's where ``wide_scores`` and it is wider."""
+    return max(FP32_BYTES, spec.dtype_bytes) if saved.wide_scores else FP32_BYTES
+
+
+def norm_extra_elements(spec: ModelSpec, saved: SavedTensors) -> float:
+    """Elements per token one norm keeps beside its input."""
+    if spec.rms_norm:
+        return saved.rms_norm_statistics + (spec.hidden if saved.rms_norm_normalised else 0)
+    return saved.layer_norm_statistics
+
+
+def latent_norm_extra_elements(spec: ModelSpec, saved: SavedTensors) -> float:
+    """Elements per token latent attention's RMSNorms (on the query latent, if any, and
+    the key-value latent) keep beside their inputs."""
+    mla = spec.mla
+    norms = 2 if mla.q_lora_rank else 1
+    latents = (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    return norms * saved.rms_norm_statistics + (latents if saved.rms_norm_normalised else 0)
+
+
+def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence_parallel: bool = False,
+                      recompute: str = "none", flash_attention: bool = True, layer: int = 0) -> float:
+    """Bytes one microbatch keeps for layer ``layer`` beyond ``layer_stash_bytes``'
+    inventory, on one tp rank (0 for ``KERNELS``). Under full recompute a layer keeps its
+    input alone, in any implementation."""
+    d, h = spec.dtype_bytes, spec.hidden
+    split = tp if sequence_parallel else 1  # what sequence parallelism shards
+    wider = max(0, saved.residual_bytes - d)  # the residual stream's bytes beyond the dtype's
+    if saved == KERNELS or recompute == "full":
+        return spec.tokens * h * wider / split  # the layer's input, from the residual stream
+    residual = d + wider
+    per_token = spec.norms_per_layer * (h * wider + norm_extra_elements(spec, saved) * residual) / split
+    if spec.mla is not None and spec.rms_norm:  # the latents' RMSNorms keep theirs too
+        per_token += latent_norm_extra_elements(spec, saved) * d
+        if saved.latent_kv_whole and spec.microbatch_size == 1:  # with more sequences V is reshaped into a copy
+            per_token += spec.heads / tp * spec.mla.qk_nope_head_dim * d
+    if saved.input_cast_per_projection and spec.mla is None:  # K and V's own casts; a gated MLP's up projection's
+        per_token += (2 + (1 if spec.gated_mlp else 0)) * h * d / (1 if saved.gathered_gemm_inputs else split)
+    if sequence_parallel and saved.gathered_gemm_inputs:  # QKV and MLP inputs whole, not / tp
+        per_token += 2 * h * d * (1 - 1 / tp)
+    heads = spec.heads / tp
+    kernel_kept = recompute == "none"  # selective recomputes the attention kernel: its outputs are not kept
+    if saved.softmax_statistics and flash_attention and kernel_kept:
+        per_token += heads * score_bytes(spec, saved)
+    if spec.mla is None and saved.kv_repeated:
+        per_token += 2 * spec.head_size * (heads - kv_heads_per_shard(spec, tp)) * d
+    if saved.attention_output_copy and kernel_kept and flash_attention:  # without it, no kernel output is kept
+        per_token += spec.v_width / tp * d
+    if saved.gated_activation_output and spec.gated_mlp:
+        per_token += spec.mlp_width(layer, padded=False) / tp * d
+    if saved.routed_combine and spec.is_moe_layer(layer):
+        slots, k = spec.moe.routed_slots(padded=False), spec.moe.experts_per_token
+        per_token += slots * ((h + 1) * d + 2 * INDEX_BYTES) + k * INDEX_BYTES
+        if spec.moe.normalize_top_k:  # the division by their sum keeps the k weights and the sum
+            per_token += (k + 1) * score_bytes(spec, saved)
+        per_token += spec.moe.experts * (score_bytes(spec, saved) - FP32_BYTES)  # wider scores than the inventory's
+    extra = spec.tokens * per_token
+    if saved.weight_copies:
+        extra += weight_copy_bytes(spec, tp, layer)
+    if saved.rotary_tables and not spec.learned_positions:
+        rotary = spec.mla.qk_rope_head_dim if spec.mla else spec.head_size
+        extra += spec.seq_len * rotary * d  # cos and sin, s x d/2 each, whatever the microbatch
+    return extra
+
+
+def weight_copy_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0) -> float:
+    """The activation-dtype copies of layer ``layer``'s weight matrices on one tp rank
+    (autocast casts each weight in every forward and the GEMM keeps the copy)."""
+    return spec.dtype_bytes * sum(weight.stack * math.prod(shard(weight, spec, tp))
+                                  for weight in layer_weights(spec, spec.is_moe_layer(layer)))
+
+
+def first_stage_extra(spec: ModelSpec, saved: SavedTensors) -> float:
+    """The embedding's int64 token ids, where kept."""
+    return spec.tokens * INDEX_BYTES if saved.token_indices else 0.0
+
+
+def last_stage_extra(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Beyond ``last_stage_extra_bytes``: the final norm's own extras, the logits wider
+    than fp32 and the int64 targets, where kept."""
+    if saved == KERNELS:
+        return 0.0
+    d = spec.dtype_bytes
+    wider = max(0, saved.residual_bytes - d)
+    norm = (spec.hidden * wider + norm_extra_elements(spec, saved) * (d + wider)) / (tp if sequence_parallel else 1)
+    logits = spec.vocab / tp * (score_bytes(spec, saved) - FP32_BYTES)
+    targets = INDEX_BYTES if saved.token_indices else 0.0
+    weight = spec.vocab / tp * spec.hidden * d if saved.weight_copies else 0.0  # the output layer's weight copy
+    return spec.tokens * (norm + logits + targets) + weight

@@ -1,0 +1,217 @@
+"""The simulator's predicted peak memory per rank against the executor's measured one
+(CPU, gloo): the per-layer bytes the executor's blocks keep for their backward, by hand,
+and a handful of launched runs held within 10% of the prediction
+(``pipesim.cli.run_memory``; the full table is ``benchmarks/executor_memory.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from executor.architectures.build import shrunk_spec
+from executor.config import RunConfig
+from executor.models import build_model
+from pipesim.cli.run_memory import executor_spec, flash_kernel, peak_lines
+from pipesim.model.activations import layer_stash_bytes
+from pipesim.model.saved_tensors import AUTOCAST_TORCH, KERNELS, SavedTensors
+from pipesim.model.spec import ModelSpec
+
+pytestmark = pytest.mark.timeout(240)
+
+SIZES = {"layers": 1, "hidden": 32, "heads": 4, "seq_len": 16, "batch_size": 1, "microbatches": 1, "pp": 1}
+
+
+def measured_block_bytes(config: RunConfig, block: int = 0) -> int:
+    """Bytes block ``block`` of ``config``'s model keeps for its backward, counted as
+    ``executor.memory`` counts them: each saved storage once, parameters excluded."""
+    model = build_model(config)
+    stage = model.build_stage(0, 1)
+    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.dtype == "bfloat16")
+    with autocast:
+        hidden = stage.embed(model.make_batch(0, config.batch_size)[0])
+        for before in stage.blocks[:block]:
+            hidden = before(hidden)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            stage.blocks[block](hidden)
+    return sum(saved.values())
+
+
+def test_gpt_block_keeps_what_the_hand_count_says() -> None:
+    """The toy gpt's block, h = 32, a = 4 heads, s = 16 tokens, b = 1, float32 (4 bytes).
+    Per token, in elements: each LayerNorm's input and its mean and 1/std (2 x (h + 2));
+    the QKV input (h); Q, K and V, one packed output (3h); the attention kernel's output,
+    which the output projection reads through a view (h); the MLP input (h); GeLU's input
+    and output (4h + 4h). That is 16h + 4 = 516. Per token and head, the flash kernel's
+    log-sum-exp in fp32: a = 4. Bytes: 16 x 516 x 4 + 16 x 4 x 4 = 33024 + 256 = 33280."""
+    config = RunConfig(model="gpt", **SIZES)
+    spec, saved = executor_spec(config)
+    assert layer_stash_bytes(spec, saved=saved) == 33280
+    assert measured_block_bytes(config) == 33280
+
+
+def test_gpt_block_under_bf16_autocast_keeps_what_the_hand_count_says() -> None:
+    """The same block under bf16 autocast over float32 weights. The residual stream and
+    the LayerNorms stay float32: each norm's input and statistics, (h + 2) x 4 = 136
+    bytes per token, 272 for two. In bf16 (2 bytes): the QKV input's cast (h), Q, K and
+    V (3h), the kernel's output (h), the MLP input's cast (h), GeLU's input and output
+    (8h): 14h x 2 = 896. The log-sum-exp in fp32: a x 4 = 16. Per token 272 + 896 + 16 =
+    1184, 18944 for 16 tokens. Each linear keeps the bf16 copy of its weight it
+    multiplied: QKV 3h^2, output h^2, MLP 4h^2 + 4h^2 = 12h^2 = 12288 elements, 24576
+    bytes. In all 18944 + 24576 = 43520."""
+    config = RunConfig(model="gpt", dtype="bfloat16", **SIZES)
+    spec, saved = executor_spec(config)
+    assert layer_stash_bytes(spec, saved=saved) == 43520
+    assert measured_block_bytes(config) == 43520
+
+
+def test_llama_block_keeps_what_the_hand_count_says() -> None:
+    """llama3-8b shrunk: h = 32, 4 query heads of 8 and 1 key/value head (GQA), SwiGLU
+    of f = 112, RMSNorm, rotary positions; s = 16, b = 1, float32. Per token, elements:
+    each RMSNorm's input, normalised input and 1/rms (2 x (2h + 1)); the Q/K/V input (h);
+    Q, and K and V repeated to the 4 query heads (3h); the kernel's output and the copy
+    joining its heads for the output projection (2h); the MLP input (h); w1's and w3's
+    outputs, silu's output and the product (4f): 11h + 2 + 4f = 802. Per token, the
+    log-sum-exp: a = 4. Per layer, rotary's cos and sin, s x d/2 each: 16 x 8 = 128.
+    Bytes: (16 x 802 + 16 x 4 + 128) x 4 = 13024 x 4 = 52096."""
+    config = RunConfig(model="llama3-8b", **SIZES)
+    spec, saved = executor_spec(config)
+    assert (spec.num_kv_heads, spec.ffn, spec.gated_mlp, spec.rms_norm) == (1, 112, True, True)
+    assert layer_stash_bytes(spec, saved=saved) == 52096
+    assert measured_block_bytes(config) == 52096
+
+
+def test_mixture_of_experts_block_keeps_what_the_hand_count_says() -> None:
+    """mixtral-8x7b shrunk: the llama block above up to the MLP's input (11h + 2 = 354
+    elements per token, the log-sum-exp and the rotary tables: 16 x 354 + 64 + 128 =
+    5856 elements, 23424 bytes), then a dropless top-2 of 8 SwiGLU experts of f = 112.
+    Whatever the routing, 16 tokens x k = 32 routed copies, each keeping its gathered
+    input, its expert's output and its weighted output (3h), its expert's 4f and its
+    weight (1), in float32: (3 x 32 + 448 + 1) x 4 = 2180 bytes, and its token and slot
+    indices (the int64 pair ``nonzero`` returns): 16 bytes, 2196 in all. Per token, the
+    router's scores over 8 experts (8 x 4 bytes), its 2 chosen experts (int64: 16), the 2
+    gathered weights and their sum (3 x 4): 60 bytes. In all 23424 + 32 x 2196 + 16 x
+    60 = 23424 + 70272 + 960 = 94656."""
+    config = RunConfig(model="mixtral-8x7b", **SIZES)
+    spec, saved = executor_spec(config)
+    assert spec.moe.experts_per_token == 2 and spec.moe.capacity_factor is None
+    assert layer_stash_bytes(spec, saved=saved) == 94656
+    assert measured_block_bytes(config) == 94656
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("model", ["deepseek-v3", "deepseek-v2-lite"])
+def test_latent_attention_blocks_keep_what_the_model_says(model: str, batch: int) -> None:
+    """DeepSeek's blocks shrunk (latent attention, whose Q/K and V head widths differ, so
+    torch's CPU attention takes its math path and keeps the s x s softmax; a dense first
+    layer, then shared and routed experts: V3's sigmoid router with rescaled weights,
+    V2-Lite's softmax without): the model's bytes per layer are what the pack hook
+    counts on the real blocks, dense and mixture of experts, for a microbatch of one
+    sequence (V a view of the joint K-nope/V projection) and of two (V copied)."""
+    config = RunConfig(model=model, **{**SIZES, "layers": 2, "batch_size": batch})
+    spec, saved = executor_spec(config)
+    assert spec.mla is not None and spec.is_moe_layer(1) and not spec.is_moe_layer(0)
+    for layer in (0, 1):
+        predicted = layer_stash_bytes(spec, layer=layer, saved=saved, flash_attention=flash_kernel(spec, config))
+        assert predicted == measured_block_bytes(config, layer)
+
+
+def test_the_default_inventory_is_the_papers() -> None:
+    """Without ``saved`` (and with ``KERNELS``) a GPT-3-like layer keeps Korthikanti et
+    al.'s ``sbh (34 + 5as/h)`` bytes in 16-bit with dropout and no flash attention."""
+    spec = ModelSpec(name="gpt3-like", layers=2, hidden=64, heads=4, seq_len=32, vocab=100, microbatch_size=2)
+    paper = 32 * 2 * 64 * (34 + 5 * 4 * 32 / 64)
+    assert layer_stash_bytes(spec, flash_attention=False) == paper
+    assert layer_stash_bytes(spec, flash_attention=False, saved=KERNELS) == paper
+
+
+@settings(max_examples=40, deadline=None)
+@given(hidden=st.sampled_from([32, 64, 96]), heads=st.sampled_from([1, 2, 4]), kv=st.sampled_from([1, 2]),
+       gated=st.booleans(), rms=st.booleans(), learned=st.booleans(), tp=st.sampled_from([1, 2]),
+       sequence_parallel=st.booleans(), recompute=st.sampled_from(["none", "selective", "full"]),
+       field=st.sampled_from([name for name in SavedTensors.__dataclass_fields__]))
+def test_each_saved_tensor_only_adds(hidden, heads, kv, gated, rms, learned, tp, sequence_parallel, recompute,
+                                     field) -> None:
+    """Every field of ``SavedTensors`` adds bytes to the inventory, never takes any away,
+    so the default (all off) is the least and ``AUTOCAST_TORCH`` (every field on) the most."""
+    kv = min(kv, heads)
+    if heads % tp or kv % tp and tp % kv:
+        return
+    spec = ModelSpec(name="m", layers=2, hidden=hidden, heads=heads, kv_heads=kv, seq_len=16, vocab=64,
+                     gated_mlp=gated, rms_norm=rms, learned_positions=learned, dropout=False, dtype_bytes=2)
+    value = 2 if field.endswith("statistics") else 4 if field == "residual_bytes" else True
+    one = replace(KERNELS, **{field: value})
+    base, added, every = (layer_stash_bytes(spec, tp, sequence_parallel, recompute, saved=saved)
+                          for saved in (KERNELS, one, AUTOCAST_TORCH))
+    assert base <= added <= every
+
+
+def launched_cases() -> list[RunConfig]:
+    """Two-rank runs covering a schedule's in-flight count, a split backward, selective
+    recompute, tp with sequence parallelism and ZeRO-3, in float32, float64 and bf16 autocast."""
+    gpt = {"model": "gpt", "layers": 4, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64, "batch_size": 8,
+           "microbatches": 4, "steps": 2, "optimizer": "adamw"}
+    llama = {**gpt, "model": "llama3-8b", "heads": 8}
+    return [RunConfig(schedule="gpipe", pp=2, dtype="float64", **gpt),
+            RunConfig(schedule="zbv", pp=2, virtual_stages=2, recompute="selective", dtype="bfloat16", **llama),
+            RunConfig(schedule="1f1b", pp=1, tp=2, sequence_parallel=True, **llama),
+            RunConfig(schedule="1f1b", pp=1, dp=2, zero=3, **gpt)]
+
+
+def test_launched_runs_peak_within_ten_percent_of_the_prediction() -> None:
+    from executor.launch import launch
+    from executor.report import summary
+
+    configs = launched_cases()
+    for config, result in zip(configs, launch(configs), strict=True):
+        document = summary(result)
+        lines = peak_lines(document, config)
+        assert lines[0].startswith("peak memory, measured vs predicted"), lines
+        for row in document["memory"]:
+            assert abs(row["peak"] / row["predicted_peak"] - 1) < 0.10, (config.schedule, row)
+            assert abs(row["activations_peak"] / row["predicted_activations"] - 1) < 0.10, (config.schedule, row)
+
+
+def test_what_has_no_spec_is_said_not_predicted() -> None:
+    rows = {"memory": [{"rank": 0, "source": "tracked", "peak": 1.0}]}
+    assert peak_lines(rows, RunConfig(model="mlp")) == [
+        "peak memory not predicted: --model mlp has no transformer spec"]
+    assert peak_lines(rows, RunConfig(model="gpt", dtype="float16")) == [
+        "peak memory not predicted: float16 autocast is not described"]
+
+def test_the_runs_dtype_and_microbatch_make_the_spec() -> None:
+    """The preset keeps 16-bit; the run's spec takes its own element size,
+    its microbatch (the replica's batch over the microbatches) and no dropout."""
+    config = RunConfig(model="llama3-8b", **{**SIZES, "batch_size": 8, "microbatches": 2, "dp": 2}, dtype="float64")
+    assert shrunk_spec(config).dtype_bytes == 2
+    spec, _ = executor_spec(config)
+    assert (spec.dtype_bytes, spec.microbatch_size, spec.dropout) == (8, 2, False)
+
+
+def test_run_prints_and_writes_the_prediction_beside_the_measurement(tmp_path, capsys) -> None:
+    """One process (pp 1): the summary line and the ``--json`` row carry the predicted
+    peak and activations beside the measured ones, within 10%."""
+    import json
+
+    from pipesim.cli import main
+
+    path = tmp_path / "run.json"
+    assert main(["run", "--pp", "1", "--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4",
+                 "--seq-len", "16", "--vocab", "64", "--batch-size", "4", "-m", "2", "--steps", "2",
+                 "--optimizer", "adamw", "--quiet", "--json", str(path)]) == 0
+    assert "peak memory, measured vs predicted" in capsys.readouterr().out
+    (row,) = json.loads(path.read_text())["memory"]
+    assert abs(row["peak"] / row["predicted_peak"] - 1) < 0.10
+    assert abs(row["activations_peak"] / row["predicted_activations"] - 1) < 0.10
