@@ -15,10 +15,8 @@ from hypothesis import strategies as st
 from pipesim.cluster import presets
 from pipesim.cluster.mapping import map_ranks
 from pipesim.model.costs import Costs, StageCost, uniform_costs
-from pipesim.sim.engine import price_step, rank_devices_of, step_timing
-from pipesim.sim.overlap import HOLD_PARTS
+from pipesim.sim.engine import rank_devices_of, step_timing
 from pipesim.sim.parallel import comm_plan
-from pipesim.sim.zero import gather_units
 from schedules import engine, generate, lower
 from schedules import engine_reference as reference
 from schedules.action import Action, ActionKind, parse_action
@@ -104,23 +102,8 @@ def cases(draw, gathers: bool = False, layer_gathers: bool = False):
                          overlap_dp=draw(st.booleans()),
                          zero=3 if layer_gathers else draw(st.sampled_from([1, 2]) if gathers else st.integers(0, 3)))
     timing = step_timing(lowered, costs, topology, rank_devices_of(lowered, topology, devices), plan)
-    if layer_gathers:
-        timing = with_layer_gathers(lowered, costs, topology, rank_devices_of(lowered, topology, devices), plan)
     semantics = draw(st.sampled_from(["rendezvous", "buffered", "free", "torch-runtime"]))
     return (lowered.compute_only() if semantics == "free" else lowered), timing, semantics
-
-
-def with_layer_gathers(schedule, costs, topology, devices, plan) -> engine.StepTiming:
-    """The step's timing with ZeRO-3's gathers of every forward and backward on the dp
-    channel, one per layer (the plan's whole gather seconds of the action shared evenly),
-    and no hold after the actions for them."""
-    priced = price_step(schedule, costs, topology, devices, plan)
-    held = priced.hold_parts.sum(axis=0) - priced.hold_parts[HOLD_PARTS.index("dp")]
-    per_layer = {(stage, kind): (whole / gather_units(costs.stages[stage].layers),) * gather_units(
-        costs.stages[stage].layers) for (stage, kind), whole in plan.gather_seconds.items()}
-    timing = priced.timing
-    return dataclasses.replace(timing, hold=held, reductions=dataclasses.replace(
-        timing.reductions, layer_gathers=per_layer))
 
 
 @settings(max_examples=250, deadline=None)

@@ -20,7 +20,6 @@ import pytest
 from pipesim.api import model_costs
 from pipesim.cluster import presets
 from pipesim.sim.engine import price_step
-from pipesim.sim.overlap import HOLD_PARTS
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import comm_plan_of, run_simulation
 from pipesim.sim.zero import exposed_gather_seconds, gather_units
@@ -166,12 +165,12 @@ ZERO3_LAYOUTS = [  # (preset, nodes, schedule, pp, v, dp, tp, rank order, microb
 ]
 
 
-def zero3_timings(layout: tuple, p2p: str) -> tuple[engine.StepTiming, engine.StepTiming, object]:
-    """A ZeRO-3 step's timing with no reduction and every action's gathers on the channel
-    (nothing held after the actions for them), and the same step with the closed form's
+def zero3_timings(layout: tuple) -> tuple[engine.StepTiming, engine.StepTiming, object]:
+    """A ZeRO-3 step's timing as simulate prices it, its reductions left out (every
+    action's gathers alone on the channel), and the same step with the closed form's
     hold after each action instead (``exposed_gather_seconds`` of its layers, restated
-    here from the plan's whole gather seconds and the stage's forward or backward) and no
-    channel; and the lowered schedule."""
+    here from the plan's gathers and the stage's forward or backward) and no channel;
+    and the lowered schedule."""
     preset, nodes, name, pp, v, dp, tp, order, microbatches = layout
     schedule = generate(name, pp, microbatches, v)
     topology = presets.PRESETS[preset](nodes)
@@ -179,21 +178,18 @@ def zero3_timings(layout: tuple, p2p: str) -> tuple[engine.StepTiming, engine.St
     parallel = ParallelConfig(dp=dp, tp=tp, rank_order=order, zero=3, overlap_slowdown=0.0)
     result = run_simulation(schedule, costs, topology, parallel=parallel)
     plan = comm_plan_of(result.schedule, costs, topology, result.mapping, parallel)
-    priced = price_step(result.schedule, costs, topology, result.devices, plan)
-    timing = priced.timing
-    held = priced.hold_parts.sum(axis=0) - priced.hold_parts[HOLD_PARTS.index("dp")]
+    timing = price_step(result.schedule, costs, topology, result.devices, plan).timing
     durations = costs.durations()
-    layer_gathers, closed_hold = {}, held.copy()
-    for (stage, kind), whole in plan.gather_seconds.items():
-        units = gather_units(costs.stages[stage].layers)
-        gather = whole / units
-        layer_gathers[stage, kind] = (gather,) * units
+    closed_hold = timing.hold.copy()
+    for (stage, kind), layers in plan.layer_gather_seconds.items():
+        assert len(layers) == gather_units(costs.stages[stage].layers) and len(set(layers)) == 1
         closed_hold[stage, engine.COMPUTE_KINDS.index(kind)] += exposed_gather_seconds(
-            units, gather, durations[stage, kind] / units)
-    reductions = dataclasses.replace(timing.reductions, runs={}, layer_gathers=layer_gathers)
+            len(layers), layers[0], durations[stage, kind] / len(layers))
+    reductions = dataclasses.replace(timing.reductions, runs={})
     wire_links = {link for routes in timing.wires for links, _, _ in routes or () for link in links}
-    assert layer_gathers and not wire_links & {link for links in reductions.links.values() for link in links}
-    walked = dataclasses.replace(timing, hold=held, reductions=reductions)
+    assert reductions.layer_gathers and not wire_links & {link for links in reductions.links.values()
+                                                          for link in links}
+    walked = dataclasses.replace(timing, reductions=reductions)
     closed = dataclasses.replace(timing, hold=closed_hold, reductions=None)
     return walked, closed, result.schedule
 
@@ -201,7 +197,7 @@ def zero3_timings(layout: tuple, p2p: str) -> tuple[engine.StepTiming, engine.St
 @pytest.mark.parametrize("layout", ZERO3_LAYOUTS, ids=lambda layout: f"{layout[0]}-{layout[2]}-v{layout[4]}")
 @pytest.mark.parametrize("p2p", ["rendezvous", "buffered"])
 def test_gathers_alone_on_their_channel_give_the_closed_forms_step(layout, p2p):
-    walked, closed, schedule = zero3_timings(layout, p2p)
+    walked, closed, schedule = zero3_timings(layout)
     step, previous = engine.run(schedule, walked, p2p), engine.run(schedule, closed, p2p)
     assert step.makespan == pytest.approx(previous.makespan, rel=1e-12, abs=0.0)
     # each action ends where the closed form let its rank go on: its end plus its hold for the gathers
