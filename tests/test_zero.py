@@ -145,6 +145,18 @@ def test_zero3_gathers_every_layer_before_forward_and_backward_with_prefetch():
     assert comm["dp"]["total"] == pytest.approx(16 * 1.25e-3 + 8 * 1.25e-3)
 
 
+def test_zero3s_gathers_beside_the_compute_slow_it_as_the_reductions_do():
+    # The step above with a slowdown of k = 0.25: the dp channel's collectives ran beside
+    # compute for 3 (F0: 2..5) + 3.75 (B0's gathers, 7.25..11) + 3.75 (B0's first three
+    # reduce-scatters) + 3 (F1: 20.5..23.5) + 3.75 (B1's gathers) + 3.75 (B1's first three
+    # reduce-scatters) = 21 ms, which cost the compute 21 k / (1 + k) = 4.2 ms: a
+    # DP_SLOWDOWN after the last backward (35.75..39.95), then the optimizer to 40.95 ms.
+    result = run_simulation(generate("1f1b", 1, 2), one_stage(layers=4), topology_from_dict(PAIR),
+                            parallel=ParallelConfig(dp=2, zero=3, overlap_slowdown=0.25))
+    assert spans(result, "DP_SLOWDOWN") == pytest.approx([35.75e-3, 39.95e-3])
+    assert result.metrics.makespan == pytest.approx(40.95e-3)
+
+
 def test_zero3_split_backward_gathers_before_the_input_gradient_and_reduces_after_the_weight_gradient():
     # ZB-H1 on one stage splits B = 10 ms into I = 6 ms and W = 4 ms: I hides 1.5 ms a
     # layer (gathers 1.25 ms: only the first is waited for), W needs no parameters.
