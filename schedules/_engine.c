@@ -34,7 +34,7 @@
 enum { RENDEZVOUS = 0, BUFFERED = 1, FREE = 2 };
 enum { GROUP_START = 0, DEPARTURE = 1, COLLECTIVE_START = 2 };
 enum { P2P_TIER = 0, CHANNEL_TIER = 1 }; /* at one moment, P2P transfers take their links before collectives */
-enum { AT_FRACTION = 0, AT_BACKWARD_END = 1, AT_STEP_END = 2, AT_STEP_START = 3 }; /* when a collective is issued */
+enum { AT_FRACTION = 0, AT_BACKWARD_END = 1, AT_STEP_END = 2, AT_STEP_START = 3, AT_ACTION = 4 }; /* when a collective is issued */
 enum { ALL_GROUPS = -2 }; /* what a rank at the end of its program waits for: every group it posted */
 
 typedef struct {
@@ -246,11 +246,21 @@ static int issue_at_step_start(Engine *e, int64_t rank) {
     return issued ? serve_channel(e, rank) : 0;
 }
 
-/* Whether the forward ``compute`` knows when its stage's parameter gathers end; if not,
-   the rank now waits to know. Moves the clock to the forward's start when it does. */
+/* ZeRO-3: the rank reached ``compute`` with its input there at ``now``: issue its layers'
+   gathers, once (ZeRO-1/2's were issued at the step's start). */
+static int issue_at_action(Engine *e, int64_t rank, int64_t compute, double now) {
+    int64_t first = e->gate_first[compute], last = e->gate_last[compute];
+    if (e->collective_mode[first] != AT_ACTION || !isnan(e->collective_ready[first])) return 0;
+    for (int64_t collective = first; collective <= last; collective++) e->collective_ready[collective] = now;
+    return serve_channel(e, rank);
+}
+
+/* Whether the action ``compute`` knows when its parameter gathers end; if not, the rank
+   now waits to know. Moves the clock to the action's start when it does. */
 static int gathered(Engine *e, int64_t rank, int64_t compute, double *clock) {
     int64_t last = e->gate_last[compute];
     if (last < 0) return 1;
+    if (issue_at_action(e, rank, compute, *clock) < 0) return -1;
     double last_end = e->collective_end[last];
     if (isnan(last_end)) {
         e->waits_collective[rank] = last;
@@ -387,7 +397,9 @@ static int advance(Engine *e, int64_t rank) {
             /* the forward half of an overlapped pair starts with both halves' inputs there */
             int64_t partner = e->pair[ref];
             if (partner > ref && !input_there(e, rank, partner, &clock)) break;
-            if (!gathered(e, rank, ref, &clock)) break;
+            int known = gathered(e, rank, ref, &clock);
+            if (known < 0) return -1;
+            if (!known) break;
             e->start[ref] = clock;
             clock += e->seconds[ref];
             e->end[ref] = clock;

@@ -44,6 +44,20 @@ gather's end plus one layer's share of the forward (a layer at a time: with gath
 ``g`` seconds back to back from ``P`` and layers of ``c`` seconds, the forward is held to
 ``P + g + (U - 1) max(0, g - c)``, ``pipesim.sim.zero.exposed_gather_seconds``).
 
+ZeRO-3 / FSDP gathers each layer's parameters before every forward and again before every
+backward (B, or I when the backward is split; W gathers nothing), each microbatch's
+(``Reductions.layer_gathers``): one collective per layer, issued on the rank's channel
+when the rank reaches the action with its input there (FSDP's pre-forward hook), all of
+the action's layers at once, so the channel runs them back to back after whatever it
+was running, each holding the stage's links. The action waits for them as a first
+forward waits for ZeRO-1/2's (the same gate, ``gate_first``/``gate_last``): it starts no
+earlier than its first layer's gather ends and ends no earlier than its last layer's
+gather's end plus one layer's share of it. On a channel and links of their own this is
+exactly FSDP's one-ahead prefetch (``pipesim.sim.zero.exposed_gather_seconds``: the
+action from ``P`` spans ``g + (U - 1) max(c, g) + c``); otherwise they queue behind the
+rank's gradient reductions (channel order: each compute row's gathers, then what it
+releases) and contend with P2P transfers for links.
+
 ``channel_arrays`` lays the collectives out for both walks (the compiled one and
 ``schedules.engine_reference``) in channel order, each rank's together.
 """
@@ -57,13 +71,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from schedules.program_arrays import B_CODE, F_CODE, W_CODE
+from schedules.program_arrays import B_CODE, F_CODE, I_CODE, W_CODE
 
 if TYPE_CHECKING:
     from schedules.engine import EngineProgram
 
-# when a collective is issued (``ChannelArrays.mode``)
-AT_FRACTION, AT_BACKWARD_END, AT_STEP_END, AT_STEP_START = 0, 1, 2, 3
+# when a collective is issued (``ChannelArrays.mode``); AT_ACTION: when its rank reaches the
+# compute action that waits for it, its input there (ZeRO-3's per-layer gathers)
+AT_FRACTION, AT_BACKWARD_END, AT_STEP_END, AT_STEP_START, AT_ACTION = 0, 1, 2, 3, 4
+GATHERING_KINDS = {"F": F_CODE, "B": B_CODE, "I": I_CODE}  # ZeRO-3: what gathers its layers (W does not)
 
 
 @dataclass(frozen=True)
@@ -76,13 +92,17 @@ class Reductions:
     issued at their fraction of the backward, else at its end (``every_backward``) or at
     the rank's step end. ``gathers[stage]``: the seconds of each layer's parameter
     all-gather, first layer first, run from the step's start and waited for by the
-    stage's first forward (the module), over the stage's ``links``."""
+    stage's first forward (the module), over the stage's ``links``.
+    ``layer_gathers[stage, kind]`` (kind ``F``, ``B`` or ``I``): ZeRO-3's, the seconds of
+    each layer's gather before every such action of the stage, issued when its rank
+    reaches it, over the stage's ``links``."""
 
     runs: Mapping[int, Sequence[tuple[float, Sequence[float]]]]
     links: Mapping[int, Sequence[int]] = field(default_factory=dict)
     every_backward: bool = False
     overlap: bool = True
     gathers: Mapping[int, Sequence[float]] = field(default_factory=dict)
+    layer_gathers: Mapping[tuple[int, str], Sequence[float]] = field(default_factory=dict)
 
     @property
     def link_count(self) -> int:
@@ -162,8 +182,11 @@ def channel_arrays(program: EngineProgram, reductions: Reductions | None,
     the links the step's transfers cross (a stage's runs whose links no transfer and no
     other rank's reduction crosses are walked whole)."""
     num_stages = program.arrays.schedule.num_stages
-    if reductions is None or not (reductions.runs or reductions.gathers):
+    if reductions is None or not (reductions.runs or reductions.gathers or reductions.layer_gathers):
         return no_channel(program)
+    if reductions.gathers and reductions.layer_gathers:
+        raise ValueError("a step gathers parameters either from its start (ZeRO-1/2) or before each action "
+                         "(ZeRO-3), not both")
     stage, kind, rank = program.compute_stage, program.compute_kind, program.compute_rank
     runs = reductions.runs
     per_stage = np.zeros(num_stages, dtype=np.int64)
@@ -178,14 +201,16 @@ def channel_arrays(program: EngineProgram, reductions: Reductions | None,
     link_lists = [list(reductions.links.get(at, ())) for at in range(num_stages)]
     alone = _links_alone(link_lists, program.arrays.schedule.placement, wire_links)
     # the stages' runs as one table, a stage's rows from ``offset[stage]``; then one row per
-    # layer's gather (one bucket each)
+    # layer's gather (one bucket each): ZeRO-1/2's per stage, then ZeRO-3's per (stage, kind)
     table = [(at, fraction, buckets) for at in range(num_stages) for fraction, buckets in runs.get(at, ())]
     fractions = np.array([row[1] for row in table], dtype=float)
     seconds = np.array([math.fsum(row[2]) for row in table], dtype=float)
     ends = [[whole] if alone[at] else _bucket_ends(buckets, whole)
             for (at, _, buckets), whole in zip(table, seconds.tolist(), strict=True)]
     gathered = _gathering_stages(program, reductions.gathers)
-    layer_seconds = [layer for _, layers in gathered for layer in layers]
+    action_rows, action_table = _gathering_actions(program, reductions.layer_gathers)
+    layer_seconds = [layer for _, layers in gathered for layer in layers] + [
+        layer for layers in action_table for layer in layers]
     ends += [[layer] for layer in layer_seconds]
     fractions = np.concatenate([fractions, np.zeros(len(layer_seconds))])
     seconds = np.concatenate([seconds, np.array(layer_seconds, dtype=float)])
@@ -209,18 +234,36 @@ def channel_arrays(program: EngineProgram, reductions: Reductions | None,
     microbatch = program.compute_microbatch[owner].astype(np.int64)
     row = owner if mode != AT_STEP_END else np.full(len(owner), -1, dtype=np.int64)
     modes = np.full(len(owner), mode, dtype=np.int8)
-    # the gathers: per gathering stage, one collective per layer, issued at the step's start
+    # the gathers from the step's start: per gathering stage, one collective per layer
     placement = np.asarray(program.arrays.schedule.placement, dtype=np.int64)
     gather_stage = np.array([at for at, layers in gathered for _ in layers], dtype=np.int64)
     gather_layer = np.array([layer for _, layers in gathered for layer in range(len(layers))], dtype=np.int64)
     none = np.full(len(gather_stage), -1, dtype=np.int64)
-    # gathers first on each rank's channel (in the order laid out), then its reductions in theirs
-    ranks_of = np.concatenate([placement[gather_stage], owner_rank]).astype(np.int64)
-    channel_order = np.argsort(ranks_of, kind="stable")
-    columns = [np.concatenate(pair)[channel_order] for pair in (
-        (none, row), (np.full(len(gather_stage), AT_STEP_START, dtype=np.int8), modes),
-        (len(table) + np.arange(len(gather_stage), dtype=np.int64), table_row),
-        (gather_stage, owner_stage.astype(np.int64)), (none, microbatch), (gather_layer, run.astype(np.int64)))]
+    # the gathers before each action: per gathering row, one collective per layer of its (stage, kind)
+    first_action_row = len(table) + len(gather_stage)
+    action_bases = first_action_row + np.cumsum([0] + [len(layers) for layers in action_table])
+    row_key, gathering_rows = action_rows
+    layers_of = np.array([len(layers) for layers in action_table], dtype=np.int64)[row_key].astype(np.int64)
+    action_row = np.repeat(gathering_rows, layers_of)
+    action_layer = np.arange(len(action_row)) - np.repeat(np.cumsum(layers_of) - layers_of, layers_of)
+    action_table_row = action_bases[:-1][np.repeat(row_key, layers_of)] + action_layer
+    # channel order, per rank: the gathers from the step's start; then, row by row, a row's
+    # gathers before the collectives it releases; then those issued at the step's end
+    blocks = (len(gather_stage), len(action_row), len(owner))
+    ranks_of = np.concatenate([placement[gather_stage], rank[action_row], owner_rank]).astype(np.int64)
+    section = np.concatenate([np.zeros(blocks[0]), np.ones(blocks[1]),
+                              np.full(blocks[2], 2 if mode == AT_STEP_END else 1)])
+    released_by = owner if mode != AT_STEP_END else np.zeros(blocks[2])
+    in_section = np.concatenate([np.zeros(blocks[0]), action_row, released_by])
+    releases = np.concatenate([np.zeros(blocks[0] + blocks[1]), np.ones(blocks[2])])
+    channel_order = np.lexsort((np.arange(len(ranks_of)), releases, in_section, section, ranks_of))
+    columns = [np.concatenate(parts)[channel_order] for parts in (
+        (none, action_row, row),
+        (np.full(blocks[0], AT_STEP_START, dtype=np.int8), np.full(blocks[1], AT_ACTION, dtype=np.int8), modes),
+        (len(table) + np.arange(blocks[0], dtype=np.int64), action_table_row, table_row),
+        (gather_stage, stage[action_row].astype(np.int64), owner_stage.astype(np.int64)),
+        (none, program.compute_microbatch[action_row].astype(np.int64), microbatch),
+        (gather_layer, action_layer, run.astype(np.int64)))]
     row, modes, table_row, collective_stage, microbatch, run = columns
     ranks_of = ranks_of[channel_order]
     ranks = program.ranks
@@ -228,10 +271,13 @@ def channel_arrays(program: EngineProgram, reductions: Reductions | None,
     stage_link_start = np.zeros(num_stages + 1, dtype=np.int64)
     np.cumsum([len(links) for links in link_lists], out=stage_link_start[1:])
     stage_links = np.array([link for links in link_lists for link in links], dtype=np.int64)
-    issuing = np.flatnonzero(row >= 0)
+    issuing = np.flatnonzero((row >= 0) & (modes != AT_ACTION))  # an action's gathers are issued as it is reached
     row_collectives = issuing[np.argsort(row[issuing], kind="stable")].astype(np.int64)
     row_start = np.searchsorted(row[row_collectives], np.arange(program.computes + 1)).astype(np.int64)
     gate_first, gate_last = _gates(program, gathered, collective_stage, modes)
+    waiting = np.flatnonzero(modes == AT_ACTION)  # in channel order: each row's layers together, first first
+    gate_last[row[waiting]] = waiting
+    gate_first[row[waiting[::-1]]] = waiting[::-1]
     return ChannelArrays(
         channel_start=channel_start, row=row.astype(np.int64), mode=modes.astype(np.int8),
         fraction=np.ascontiguousarray(fractions[table_row]), seconds=np.ascontiguousarray(seconds[table_row]),
@@ -241,6 +287,30 @@ def channel_arrays(program: EngineProgram, reductions: Reductions | None,
         stage_link_start=stage_link_start, stage_links=stage_links, row_start=row_start,
         row_collectives=row_collectives, gate_first=gate_first, gate_last=gate_last,
         link_count=reductions.link_count)
+
+
+def _gathering_actions(program: EngineProgram, layer_gathers: Mapping[tuple[int, str], Sequence[float]]
+                       ) -> tuple[tuple[np.ndarray, np.ndarray], list[list[float]]]:
+    """ZeRO-3's gathers laid out: the (stage, kind)s that gather (some layer's gather takes
+    time), each its layers' seconds (the table), and per compute row that gathers, in
+    program order, its (stage, kind)'s place in the table and the row."""
+    keys = [(at, kind) for (at, kind), layers in layer_gathers.items() if len(layers) and math.fsum(layers) > 0]
+    if not keys:
+        return (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)), []
+    for at, kind in keys:
+        if kind not in GATHERING_KINDS:
+            raise ValueError(f"layer gathers of stage {at}, kind {kind!r}: only {', '.join(GATHERING_KINDS)} gather")
+    num_stages = program.arrays.schedule.num_stages
+    place = np.full((num_stages, int(max(GATHERING_KINDS.values())) + 1), -1, dtype=np.int64)
+    for index, (at, kind) in enumerate(keys):
+        if 0 <= at < num_stages:
+            place[at, GATHERING_KINDS[kind]] = index
+    codes = program.compute_kind.astype(np.int64)
+    known = codes < place.shape[1]
+    key_of = np.full(program.computes, -1, dtype=np.int64)
+    key_of[known] = place[program.compute_stage[known], codes[known]]
+    rows = np.flatnonzero(key_of >= 0)
+    return (key_of[rows], rows), [[float(seconds) for seconds in layer_gathers[key]] for key in keys]
 
 
 def _gathering_stages(program: EngineProgram, gathers: Mapping[int, Sequence[float]]

@@ -41,7 +41,7 @@ import simpy
 from simpy.core import NORMAL
 
 from schedules.action import SEND_KINDS, Action
-from schedules.dp_channel import AT_FRACTION, AT_STEP_END, AT_STEP_START, ChannelArrays, no_channel
+from schedules.dp_channel import AT_ACTION, AT_FRACTION, AT_STEP_END, AT_STEP_START, ChannelArrays, no_channel
 from schedules.engine import (
     BUFFERED,
     FREE,
@@ -192,7 +192,8 @@ class SimpyStep:
                         yield self.until((yield waited))
                 duration = self.compute_seconds(rank, item, float(self.seconds[index]))
                 start = env.now
-                if self.channels.gate_last[index] >= 0:  # a stage's first forward waits for its gathers
+                if self.channels.gate_last[index] >= 0:  # an action that waits for its parameter gathers
+                    self.issue_gathers(index)
                     start = yield from self.gathered(index, duration)
                 result.start[index] = start
                 self.issue_released(index, start, start + duration)
@@ -237,8 +238,17 @@ class SimpyStep:
             if channels.mode[collective] == AT_STEP_END:
                 self.issued[collective].succeed(env.now)
 
+    def issue_gathers(self, index: int) -> None:
+        """ZeRO-3: the rank reached compute row ``index`` with its input there; issue the
+        gathers of its layers now (ZeRO-1/2's were issued at the step's start)."""
+        channels = self.channels
+        first, last = int(channels.gate_first[index]), int(channels.gate_last[index])
+        if channels.mode[first] == AT_ACTION:
+            for collective in range(first, last + 1):
+                self.issued[collective].succeed(self.env.now)
+
     def gathered(self, index: int, duration: float):
-        """When forward ``index`` (``duration`` seconds) may start, its stage's parameter
+        """When compute row ``index`` (``duration`` seconds) may start, its parameter
         gathers considered (``schedules.dp_channel``): no earlier than its first layer's
         gather ends, and so that it ends no earlier than its last layer's gather's end
         plus one layer's share of it. Known once the last gather has taken its links,

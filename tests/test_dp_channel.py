@@ -169,7 +169,9 @@ LAYOUTS = [  # (preset, nodes, schedule, pp, v, dp, tp, rank order): pp over NVL
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: f"{layout[0]}-{layout[2]}-{layout[7]}")
-@pytest.mark.parametrize(("zero", "overlap"), [(0, True), (1, False), (2, True), (2, False), (3, True), (0, False)])
+# (not ZeRO-3: its per-layer gathers share the channel with the reductions and hold the
+# actions, so the pipeline is not the one without them: tests/test_layer_gather_walk.py)
+@pytest.mark.parametrize(("zero", "overlap"), [(0, True), (1, False), (2, True), (2, False), (0, False)])
 def test_reductions_on_links_of_their_own_are_the_previous_first_come_first_served_step(layout, zero, overlap):
     preset, nodes, name, pp, v, dp, tp, order = layout
     schedule = generate(name, pp, 8, v)

@@ -46,10 +46,12 @@ def assert_same_moments(compiled: engine.StepRun, specified: engine.StepRun) -> 
 
 
 @st.composite
-def cases(draw, gathers: bool = False):
+def cases(draw, gathers: bool = False, layer_gathers: bool = False):
     """A random schedule, cluster and cost set, with a dp x tp plan half the time; with
     ``gathers`` always, under ZeRO-1 or 2 with the parameter gathers in the walk, stages
-    of 1 to 4 layers."""
+    of 1 to 4 layers; with ``layer_gathers`` always, under ZeRO-3 with every forward's and
+    backward's per-layer gathers in the walk."""
+    gathers = gathers or layer_gathers
     name = draw(st.sampled_from(sorted(set(GENERATORS) - {"zb-auto"})))  # V-shaped and overlapped pairs included
     pp = draw(st.integers(1, 8))
     microbatches = draw(st.integers(1, 12))
@@ -98,7 +100,7 @@ def cases(draw, gathers: bool = False):
         devices = mapping.pipeline()
         plan = comm_plan(lowered, costs, topology, mapping, bucket_bytes=draw(st.sampled_from([3e7, 1e9])),
                          overlap_dp=draw(st.booleans()),
-                         zero=draw(st.sampled_from([1, 2]) if gathers else st.integers(0, 3)))
+                         zero=3 if layer_gathers else draw(st.sampled_from([1, 2]) if gathers else st.integers(0, 3)))
     timing = step_timing(lowered, costs, topology, rank_devices_of(lowered, topology, devices), plan)
     semantics = draw(st.sampled_from(["rendezvous", "buffered", "free", "torch-runtime"]))
     return (lowered.compute_only() if semantics == "free" else lowered), timing, semantics
@@ -120,6 +122,19 @@ def test_the_parameter_gathers_in_both_walks_are_the_same(case):
     # NVLink and PCIe those of the pipeline's sends too), the first forwards held by them
     schedule, timing, semantics = case
     assert timing.reductions.gathers
+    compiled, specified = both(schedule, timing, semantics)
+    assert not compiled.stuck
+    assert_same_moments(compiled, specified)
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases(layer_gathers=True))
+def test_zero3s_per_action_gathers_in_both_walks_are_the_same(case):
+    # ZeRO-3's gathers before every forward and backward, issued as the rank reaches each,
+    # behind the reductions on the channel and holding the links of their rings (on
+    # NVLink and PCIe those of the pipeline's sends too)
+    schedule, timing, semantics = case
+    assert timing.reductions.layer_gathers
     compiled, specified = both(schedule, timing, semantics)
     assert not compiled.stuck
     assert_same_moments(compiled, specified)

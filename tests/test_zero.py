@@ -112,32 +112,49 @@ def test_one_backwards_gradient_reduction_is_its_buckets_collectives_by_hand(zer
 
 def test_zero3_gathers_every_layer_before_forward_and_backward_with_prefetch():
     # 100 MB in 4 layers of 25 MB: a layer's gather takes 25 MB / 2 / 10 GB/s = 1.25 ms and
-    # so does its reduce-scatter. Forward: 1 ms per layer, so the first gather is waited
-    # for whole and each later one 0.25 ms beyond the layer before it: 1.25 + 3 x 0.25 =
-    # 2 ms held after each F. Backward: 2.5 ms per layer hides every gather but the first:
-    # 1.25 ms held after each B.
-    # F0 0..4 + 2, B0 6..16 + 1.25, F1 17.25..21.25 + 2, B1 23.25..33.25 + 1.25 = 34.5 ms;
-    # each layer's gradient is reduce-scattered as its quarter of a backward ends: B0's at
-    # 8.5, 11, 13.5, 16 ms, B1's at 25.75, 28.25, 30.75, 33.25 ms. Optimizer 34.5..35.5 ms;
-    # nothing is gathered after it.
+    # so does its reduce-scatter, all on the rank's one dp channel, in the order issued.
+    # Each action issues its four gathers as the rank reaches it; it starts once the first
+    # is done and ends no earlier than the last one's end plus a layer's compute.
+    # F0 (1 ms a layer): gathers 0..5, so 0F0 runs 2..6 (5 + 1 - 4 = 2: the closed form's
+    # 1.25 + 3 x 0.25 ms). B0 (2.5 ms a layer): gathers 6..11, B0 7.25..17.25 (only the
+    # first waited for); its reduce-scatters, issued at its quarters 9.75, 12.25, 14.75 and
+    # 17.25, run 11..12.25 (behind the gathers), 12.25..13.5, 14.75..16 and 17.25..18.5.
+    # F1, reached at 17.25, finds the channel busy with B0's last reduce-scatter: gathers
+    # 18.5..23.5, F1 20.5..24.5. B1: gathers 24.5..29.5, B1 25.75..35.75, reduce-scatters
+    # 29.5..30.75, 30.75..32, 33.25..34.5, 35.75..37. Optimizer 37..38 ms; nothing is
+    # gathered after it.
     # (the prefetched gathers' slowdown of the compute beside them is off here: tests/test_comm_overlap.py)
     result = run_simulation(generate("1f1b", 1, 2), one_stage(layers=4), topology_from_dict(PAIR),
                             parallel=ParallelConfig(dp=2, zero=3, overlap_slowdown=0.0))
     compute = sorted((event.start, event.end) for event in result.trace.events if event.stream == "compute")
     assert [moment for span in compute for moment in span] == pytest.approx(
-        [0, 4e-3, 6e-3, 16e-3, 17.25e-3, 21.25e-3, 23.25e-3, 33.25e-3])
-    starts = [8.5e-3, 11e-3, 13.5e-3, 16e-3, 25.75e-3, 28.25e-3, 30.75e-3, 33.25e-3]
+        [2e-3, 6e-3, 7.25e-3, 17.25e-3, 20.5e-3, 24.5e-3, 25.75e-3, 35.75e-3])
     assert spans(result, "REDUCE_SCATTER_DP") == pytest.approx(
-        [moment for start in starts for moment in (start, start + 1.25e-3)])
-    # each action's four gathers (5 ms) drawn as one event ending when its hold ends
+        [11e-3, 12.25e-3, 12.25e-3, 13.5e-3, 14.75e-3, 16e-3, 17.25e-3, 18.5e-3,
+         29.5e-3, 30.75e-3, 30.75e-3, 32e-3, 33.25e-3, 34.5e-3, 35.75e-3, 37e-3])
+    # each action's four gathers, one event each, back to back from where the channel took them up
+    starts = [0.0, 6e-3, 18.5e-3, 24.5e-3]
     assert spans(result, "ALLGATHER_PARAMS") == pytest.approx(
-        [1e-3, 6e-3, 12.25e-3, 17.25e-3, 18.25e-3, 23.25e-3, 29.5e-3, 34.5e-3])
-    assert result.metrics.makespan == pytest.approx(35.5e-3)
+        [start + moment for start in starts for layer in range(4)
+         for moment in (layer * 1.25e-3, (layer + 1) * 1.25e-3)])
+    assert result.metrics.makespan == pytest.approx(38e-3)
     (rank,) = result.metrics.ranks
-    # exposed: the four holds, 2 + 1.25 + 2 + 1.25 ms (B0's last reduce-scatter runs in B0's hold)
-    assert (rank.busy, rank.dp, rank.optimizer) == pytest.approx((28e-3, 6.5e-3, 1e-3))
+    # waited for the channel: 2 + 1.25 + 3.25 + 1.25 ms before actions, 1.25 ms for the last reduce-scatter
+    assert (rank.busy, rank.dp, rank.optimizer) == pytest.approx((28e-3, 9e-3, 1e-3))
     (comm,) = result.comm
-    assert comm["dp"]["total"] == pytest.approx(4 * 5e-3 + 8 * 1.25e-3)
+    assert comm["dp"]["total"] == pytest.approx(16 * 1.25e-3 + 8 * 1.25e-3)
+
+
+def test_zero3s_gathers_beside_the_compute_slow_it_as_the_reductions_do():
+    # The step above with a slowdown of k = 0.25: the dp channel's collectives ran beside
+    # compute for 3 (F0: 2..5) + 3.75 (B0's gathers, 7.25..11) + 3.75 (B0's first three
+    # reduce-scatters) + 3 (F1: 20.5..23.5) + 3.75 (B1's gathers) + 3.75 (B1's first three
+    # reduce-scatters) = 21 ms, which cost the compute 21 k / (1 + k) = 4.2 ms: a
+    # DP_SLOWDOWN after the last backward (35.75..39.95), then the optimizer to 40.95 ms.
+    result = run_simulation(generate("1f1b", 1, 2), one_stage(layers=4), topology_from_dict(PAIR),
+                            parallel=ParallelConfig(dp=2, zero=3, overlap_slowdown=0.25))
+    assert spans(result, "DP_SLOWDOWN") == pytest.approx([35.75e-3, 39.95e-3])
+    assert result.metrics.makespan == pytest.approx(40.95e-3)
 
 
 def test_zero3_split_backward_gathers_before_the_input_gradient_and_reduces_after_the_weight_gradient():
@@ -146,9 +163,9 @@ def test_zero3_split_backward_gathers_before_the_input_gradient_and_reduces_afte
     costs = Costs(stages=(StageCost(fwd=4e-3, bwd=10e-3, wgrad=4e-3, param_bytes=100 * MB, layers=4),))
     result = run_simulation(generate("zb-h1", 1, 2), costs, topology_from_dict(PAIR),
                             parallel=ParallelConfig(dp=2, zero=3))
-    holds = {event.action: event.end - event.start for event in result.trace.events if event.stream == "dp"
-             and event.kind == "ALLGATHER_PARAMS"}
-    assert sorted(name[name.index("(") + 1:-1][1] for name in holds) == ["F", "F", "I", "I"]
+    gathers = [event.action for event in result.trace.events if event.kind == "ALLGATHER_PARAMS"]
+    assert len(gathers) == 16  # four layers before each F and I, none before W
+    assert sorted({name[name.index("(") + 1:-1] for name in gathers}) == ["0F0", "0F1", "0I0", "0I1"]
     scatter = [event for event in result.trace.events if event.kind == "REDUCE_SCATTER_DP"]
     weight = [event for event in result.trace.events if event.stream == "compute" and event.kind == "W"]
     assert len(scatter) == 8 and {event.microbatch for event in scatter} == {0, 1}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from pipesim.plan.bounds import Reductions, bound_of, busy_terms, reductions_of, with_tail
 from pipesim.plan.cache import kept
 from pipesim.plan.layout_costs import CostsKey, LayoutCosts
-from pipesim.sim.zero import gathers_after_optimizer, gathers_per_layer, reduces_every_backward
+from pipesim.sim.zero import exposed_gather_seconds, gathers_after_optimizer, gathers_per_layer, reduces_every_backward
 from schedules.generators import V_SHAPED, splits_backward
 
 if TYPE_CHECKING:
@@ -175,11 +175,16 @@ class LayoutBounds:
         collectives and, under ZeRO-3, the layers' unhidden parameter gathers (ep and cp
         exchanges left out: the bounds only need less than the simulation holds), kept."""
         holds = self.tp_holds(key, rank_order, algorithm)
-        if per_layer:  # the layers' gathers hold a rank as the tp collectives do
+        if per_layer:  # the layers' gathers hold a rank at least by their closed form on a free channel
             from pipesim.sim.parallel import layer_gathers  # only here: an import runs slowly per call
 
-            held = layer_gathers(self.costs.placement_shell(key.placement), self.costs.placed(key),
-                                 self.costs.topology, self.costs.mapping(key, rank_order))[0]
+            costs = self.costs.placed(key)
+            durations = {(stage, kind): getattr(cost, field) for stage, cost in enumerate(costs.stages)
+                         for kind, field in (("F", "fwd"), ("B", "bwd"), ("I", "input_grad"))}
+            held = {(stage, kind): exposed_gather_seconds(len(layers), layers[0], durations[stage, kind] / len(layers))
+                    for (stage, kind), layers in layer_gathers(self.costs.placement_shell(key.placement), costs,
+                                                               self.costs.topology,
+                                                               self.costs.mapping(key, rank_order)).items()}
             keys = list(holds.keys() | held.keys())  # each key's two holds added by builtins, not per key
             sums = map(add, map(holds.get, keys, repeat(0.0)), map(held.get, keys, repeat(0.0)))
             holds = dict(zip(keys, sums, strict=True))

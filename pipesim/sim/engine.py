@@ -9,8 +9,9 @@ transfer's wire: the links of its route between the two ranks' devices, the seco
 bytes occupy them and the latency on top (``Route.wire``), plus the routes of the same
 send of the pipelines not simulated where they share links (``pipesim.cluster.twins``),
 and the collectives each rank's dp channel runs in the same walk (the gradient
-reductions and, under ZeRO-1 and 2 with ``--overlap-param-gather``, the parameter
-gathers the step's first forwards wait for), holding the links their rings cross in the
+reductions; under ZeRO-1 and 2 with ``--overlap-param-gather``, the parameter gathers
+the step's first forwards wait for; under ZeRO-3, every forward's and backward's
+per-layer gathers), holding the links their rings cross in the
 same numbering (``pipesim.sim.parallel.gradient_reductions``). After the pipeline come
 each rank's optimizer step and, without that overlap, the parameter gathers after it
 (``pipesim.sim.parallel.step_tail_columns``).
@@ -54,8 +55,8 @@ from schedules.trace import LazyNames, Trace, TraceColumns
 COMPUTE, SEND, RECV, WAIT, TP, EP, CP, DP = "compute", "send", "recv", "wait", "tp", "ep", "cp", "dp"
 _STREAMS = (COMPUTE, SEND, RECV, WAIT, TP, EP, CP, DP)
 _KINDS = (*KINDS, TP_KIND, EP_KIND, CP_KIND, PARAM_GATHER_KIND)
-# part (= its stream) -> event kind; dp: ZeRO-3's parameter gathers that compute did not hide
-_HOLD_KINDS = dict(zip(HOLD_PARTS, (TP_KIND, EP_KIND, CP_KIND, PARAM_GATHER_KIND), strict=True))
+# part (= its stream) -> event kind
+_HOLD_KINDS = dict(zip(HOLD_PARTS, (TP_KIND, EP_KIND, CP_KIND), strict=True))
 
 
 class SimulationError(RuntimeError):
@@ -168,7 +169,7 @@ def holds_of(plan: CommPlan | None) -> dict[str, dict[tuple[int, str], float]]:
     """Per part of ``HOLD_PARTS``, the seconds that hold a rank after each (stage, kind)."""
     if plan is None:
         return {}
-    return {"tp": plan.tp_seconds, "ep": plan.ep_seconds, "cp": plan.cp_seconds, "dp": plan.gather_hold}
+    return {"tp": plan.tp_seconds, "ep": plan.ep_seconds, "cp": plan.cp_seconds}
 
 
 def pair_slowdown(plan: CommPlan | None) -> float:
@@ -242,7 +243,7 @@ def step_trace(step: engine.StepRun, costs: Costs, topology: Topology, devices: 
     schedule = step.program.arrays.schedule
     if priced is None:
         priced = price_step(schedule, costs, topology, devices, plan)
-    pipeline = pipeline_columns(step, held_parts(step, priced), gather_spans(step, plan))
+    pipeline = pipeline_columns(step, held_parts(step, priced))
     tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead, reduction_columns(step, plan))
     wire, sent_bytes = p2p_wire_and_bytes(step, costs)
     meta = {
@@ -295,25 +296,12 @@ def held_parts(step: engine.StepRun, priced: PricedStep) -> np.ndarray | None:
     return parts
 
 
-def gather_spans(step: engine.StepRun, plan: CommPlan | None) -> np.ndarray | None:
-    """Per compute row, the whole time of ZeRO-3's parameter gathers for it
-    (``CommPlan.gather_seconds``); None without ZeRO-3."""
-    if plan is None or not plan.gather_seconds:
-        return None
-    program = step.program
-    table = np.array([[plan.gather_seconds.get((stage, kind), 0.0) for kind in engine.COMPUTE_KINDS]
-                      for stage in range(program.arrays.schedule.num_stages)])
-    return table[program.compute_stage, program.compute_kind]
-
-
-def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
-                     gathers: np.ndarray | None = None) -> TraceColumns:
+def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None) -> TraceColumns:
     """The pipeline's events as Trace columns: compute actions, what holds the rank after
-    them (``held[row, part]``: tp collectives, ep all-to-alls, cp K/V exchanges, ZeRO-3's
-    unhidden parameter gathers, one event each, one after the other; without it the whole
-    hold as tp), receives waited for, sends from posting to arrival, and end-of-step
-    waits. A ZeRO-3 action's gathers (``gathers[row]`` in all) are one ``dp`` event ending
-    with its hold, so the part under the compute is hidden and the rest exposed."""
+    them (``held[row, part]``: tp collectives, ep all-to-alls, cp K/V exchanges, one
+    event each, one after the other; without it the whole hold as tp), receives waited
+    for, sends from posting to arrival, and end-of-step waits (the parameter gathers an
+    action waited for are the dp channel's events: ``reduction_columns``)."""
     program = step.program
     arrays = program.arrays
     parts: list[tuple] = []  # (rank, kind, stage, microbatch, start, end, stream)
@@ -331,8 +319,6 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
     ends = step.end[:, None] + np.cumsum(held, axis=1)
     for index, part in enumerate(HOLD_PARTS):
         start, end = (step.end if index == 0 else ends[:, index - 1]), ends[:, index]
-        if part == DP and gathers is not None:  # the whole gathers, ending where the unhidden part ends
-            start = end - np.maximum(gathers, held[:, index])
         rows = np.flatnonzero(held[:, index] > 0)
         if len(rows):
             hold_kind = _HOLD_KINDS[part]
@@ -371,7 +357,7 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None,
 
 def received(step: engine.StepRun, rows: np.ndarray) -> np.ndarray:
     """When each compute row of ``rows`` (each waiting for a transfer) stopped waiting for
-    it: its start, or for a forward held by its stage's parameter gathers
+    it: its start, or for an action held by its parameter gathers
     (``schedules.dp_channel``) the moment its input was there, so that the rest of its
     wait shows as the gathers' (the ``dp`` events beside it), not as communication."""
     ends = step.start[rows].copy()

@@ -35,9 +35,9 @@ from pipesim.sim.comm_overlap import exposed_seconds
 from schedules.action import ActionKind
 from schedules.schedule import Schedule
 
-# what holds a rank after a compute action, in the order the Trace shows it (dp: ZeRO-3's
-# parameter gathers that the compute did not hide)
-HOLD_PARTS = ("tp", "ep", "cp", "dp")
+# what holds a rank after a compute action, in the order the Trace shows it (ZeRO-3's
+# parameter gathers hold none: they run on the dp channel in the engine's walk)
+HOLD_PARTS = ("tp", "ep", "cp")
 
 
 def overlapped_pairs(schedule: Schedule, costs, durations: Mapping,

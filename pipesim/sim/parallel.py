@@ -36,12 +36,14 @@ pays their collectives:
   microbatch's, since a replica keeps only its shard of the gradient
   (``pipesim.sim.zero``).
 - ZeRO-3 / FSDP (``zero=3``): each layer's parameters are all-gathered before its
-  forward and again before its backward (B, or I when split), the next layer's during
-  this layer's compute; what does not fit under the compute holds the rank after the
-  action, as the tp collectives do (``pipesim.sim.zero.exposed_gather_seconds``), and
-  the gathers are drawn on the dp stream. Each layer's gradient is reduce-scattered
-  on the dp stream as its backward (B, or W) produces it, every microbatch; nothing is
-  gathered after the optimizer step.
+  forward and again before its backward (B, or I when split), in the engine's walk
+  (``layer_gathers``): issued on the rank's dp channel when it reaches the action, in
+  channel order with the reductions and holding their ring's links, the action waiting
+  for its first layer's gather and each later layer for what of its gather did not fit
+  under the layer before (on a free channel ``pipesim.sim.zero.exposed_gather_seconds``,
+  FSDP's one-ahead prefetch). Each layer's gradient is reduce-scattered on the dp
+  channel as its backward (B, or W) produces it, every microbatch; nothing is gathered
+  after the optimizer step.
 - the optimizer step (``Costs.step_overhead``) follows the rank's last reduction, and
   the slowdown the reductions beside the compute cost it (``pipesim.sim.comm_overlap``).
 
@@ -56,10 +58,11 @@ pays their collectives:
   group (``pipesim.cluster.mapping``), each bucket carrying both shares.
 
 Collectives are analytical durations (see ``pipesim.cluster.collectives``). The gradient
-reductions and the parameter all-gathers under the next step's forwards also hold their
-links in the engine's walk (above); the optimizer step, the parameter all-gathers after
-it (without the overlap) and ZeRO-3's gathers are placed from the walk's moments (they
-reserve no links), and the tp, ep and cp collectives hold the rank, not links.
+reductions, the parameter all-gathers under the next step's forwards and ZeRO-3's
+per-layer gathers also hold their links in the engine's walk (above); the optimizer
+step and the parameter all-gathers after it (without the overlap) are placed from the
+walk's moments (they reserve no links), and the tp, ep and cp collectives hold the
+rank, not links.
 """
 
 from __future__ import annotations
@@ -85,15 +88,13 @@ from pipesim.sim.headroom import DEFAULT_HEADROOM, Headroom, parse_headroom
 from pipesim.sim.memory import BytesPerParam
 from pipesim.sim.zero import (
     check_zero,
-    exposed_gather_seconds,
     gather_units,
     gathers_after_optimizer,
-    gathers_beside_compute,
     gathers_per_layer,
     reduces_every_backward,
 )
-from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
-from schedules.dp_channel import AT_STEP_START, Reductions
+from schedules.action import KINDS, WEIGHT_GRAD_DONE_KINDS, ActionKind
+from schedules.dp_channel import AT_ACTION, AT_STEP_START, Reductions
 from schedules.engine import StepRun
 from schedules.schedule import Schedule
 from schedules.trace import LazyNames, TraceColumns, TraceEvent
@@ -159,8 +160,8 @@ class CommPlan:
     first; under ZeRO-3 one per layer), the seconds of each bucket's gradient reduction
     (``dp_bucket_seconds``) and, under ZeRO-1 and 2, of each bucket's parameter
     all-gather after the optimizer (``gather_bucket_seconds``). Under ZeRO-3,
-    ``gather_hold[stage, kind]`` is what a compute action waits for its layers'
-    parameter gathers and ``gather_seconds[stage, kind]`` the gathers' whole time.
+    ``layer_gather_seconds[stage, kind]``: each layer's parameter gather before a compute
+    action of that kind (``layer_gathers``).
     ``overlap_param_gather``: ZeRO-1 and 2's gathers run under the next step's forwards;
     ``overlap_slowdown``: what a collective beside the compute costs it
     (``pipesim.sim.comm_overlap``). ``dp_links[stage]``: the links the stage's gradient
@@ -176,8 +177,7 @@ class CommPlan:
     twin_transfers: dict[tuple[str, str], list[tuple[str, str]]] = field(default_factory=dict)
     ep_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
     cp_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
-    gather_hold: dict[tuple[int, str], float] = field(default_factory=dict)
-    gather_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
+    layer_gather_seconds: dict[tuple[int, str], tuple[float, ...]] = field(default_factory=dict)
     overlap_param_gather: bool = True
     overlap_slowdown: float = OVERLAP_SLOWDOWN
     dp_links: dict[int, tuple[tuple[str, str], ...]] = field(default_factory=dict)
@@ -200,8 +200,7 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
     bucket_bytes_of: dict[int, tuple[float, ...]] = {}
     reduce_seconds: dict[int, tuple[float, ...]] = {}
     gather_seconds: dict[int, tuple[float, ...]] = {}
-    gather_hold, action_gathers = layer_gathers(schedule, costs, topology, mapping, slowdown) \
-        if gathers_per_layer(zero) else ({}, {})
+    action_gathers = layer_gathers(schedule, costs, topology, mapping) if gathers_per_layer(zero) else {}
     reduction = gradient_reduction(zero, algorithm)
     links_of: dict[int, tuple[tuple[str, str], ...]] = {}
     for stage, cost in enumerate(costs.stages):
@@ -223,7 +222,7 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
                     bucket_bytes_of, reduce_seconds, gather_seconds, overlap_dp, zero, layers,
                     _twins(schedule, topology, mapping), ep_collective_seconds(schedule, costs, topology, mapping),
                     cp_collective_seconds(schedule, costs, topology, mapping, cp_comm, slowdown),
-                    gather_hold=gather_hold, gather_seconds=action_gathers,
+                    layer_gather_seconds=action_gathers,
                     overlap_param_gather=overlap_param_gather, overlap_slowdown=slowdown, dp_links=links_of)
 
 
@@ -243,9 +242,9 @@ def gradient_reductions(plan: CommPlan | None, link_numbers: dict[tuple[str, str
     channel (``schedules.dp_channel.Reductions``): per stage its runs of buckets that fill
     together (``_stage_runs``: their fraction of the backward, each bucket's seconds) and the links
     they hold, numbered in ``link_numbers`` (the P2P wires' numbering, extended here) so
-    that reductions and transfers on one link contend; and, with ``overlap_param_gather``,
-    the parameter all-gathers the next step's forwards wait for (``parameter_gathers``).
-    None when the step has none."""
+    that reductions and transfers on one link contend; with ``overlap_param_gather``, the
+    parameter all-gathers the next step's forwards wait for (``parameter_gathers``); under
+    ZeRO-3 each action's per-layer gathers (``layer_gathers``). None when the step has none."""
     if plan is None or not plan.dp_bucket_seconds:
         return None
     runs = {stage: tuple((fraction, plan.dp_bucket_seconds[stage][first:last + 1])
@@ -253,7 +252,8 @@ def gradient_reductions(plan: CommPlan | None, link_numbers: dict[tuple[str, str
             for stage in plan.dp_bucket_seconds}
     links = {stage: tuple(link_numbers.setdefault(link, len(link_numbers)) for link in plan.dp_links.get(stage, ()))
              for stage in runs}
-    return Reductions(runs, links, reduces_every_backward(plan.zero), plan.overlap_dp, parameter_gathers(plan))
+    return Reductions(runs, links, reduces_every_backward(plan.zero), plan.overlap_dp, parameter_gathers(plan),
+                      plan.layer_gather_seconds)
 
 
 def parameter_gathers(plan: CommPlan) -> dict[int, tuple[float, ...]]:
@@ -277,22 +277,27 @@ def reduction_columns(step: StepRun, plan: CommPlan | None) -> TraceColumns | No
     """The collectives the engine's walk ran on the ranks' dp channels, one ``dp`` event
     each: a gradient reduction per run of buckets (``3ALLREDUCE_DP[4-21]``: stage, kind,
     buckets) and a parameter all-gather per layer (``3ALLGATHER_PARAMS[L2]``: stage, kind,
-    its layer), listed by stage, its gathers first, then in the order its backwards ran;
-    None when there are none."""
+    its layer; under ZeRO-3 its microbatch is the action's), listed by stage, then by the
+    row that issued it (gathers before the reductions of their row); None when there are none."""
     channels = step.channels
     if plan is None or channels is None or not channels.count:
         return None
     ranks = np.repeat(np.arange(step.program.ranks), np.diff(channels.channel_start))
     ran = ~np.isnan(step.collective_end)
-    order = np.lexsort((channels.run, channels.row, channels.stage))
+    gathering = (channels.mode == AT_STEP_START) | (channels.mode == AT_ACTION)
+    order = np.lexsort((channels.run, ~gathering, channels.row, channels.stage))
     order = order[ran[order]]
     kind = REDUCE_SCATTER_KIND if plan.zero else DP_KIND
-    gathers = (channels.mode[order] == AT_STEP_START).astype(np.int64)  # codes into (kind, PARAM_GATHER_KIND)
-    stages, runs = channels.stage[order], channels.run[order]
+    gathers = gathering[order].astype(np.int64)  # codes into (kind, PARAM_GATHER_KIND)
+    stages, runs, microbatches = channels.stage[order], channels.run[order], channels.microbatch[order]
+    # ZeRO-3's: the kind of the action each gathered for (-1: none)
+    issuing_kind = step.program.compute_kind[np.maximum(channels.row[order], 0)]
+    for_kind = np.where(channels.mode[order] == AT_ACTION, issuing_kind, -1)
     return TraceColumns(ranks[order].astype(np.int64), gathers, stages.astype(np.int64),
-                        channels.microbatch[order].astype(np.int64), step.collective_start[order],
+                        microbatches.astype(np.int64), step.collective_start[order],
                         step.collective_end[order], np.zeros(len(order), dtype=np.int64), (kind, PARAM_GATHER_KIND),
-                        ("dp",), LazyNames(len(order), partial(_run_names, plan, kind, stages, runs, gathers)))
+                        ("dp",), LazyNames(len(order), partial(_run_names, plan, kind, stages, runs, gathers,
+                                                               for_kind, microbatches)))
 
 
 def gradient_reduction(zero: int, algorithm: str = "ring"):
@@ -333,35 +338,22 @@ def gradient_reduction_seconds(schedule: Schedule, costs: Costs, topology: Topol
             if seconds is not None}
 
 
-def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
-                  slowdown: float = OVERLAP_SLOWDOWN
-                  ) -> tuple[dict[tuple[int, str], float], dict[tuple[int, str], float]]:
-    """ZeRO-3: per (stage, compute kind), the seconds its layers' parameter gathers hold
-    the rank after it (``pipesim.sim.zero.exposed_gather_seconds``, plus what the gathers
-    prefetched beside the compute slow it by: ``pipesim.sim.comm_overlap.slowed_by``) and
-    the gathers' whole time. A forward gathers every layer, a backward (B, or I when
-    split) again; W none. A layer's routed experts are gathered over their own group
+def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping
+                  ) -> dict[tuple[int, str], tuple[float, ...]]:
+    """ZeRO-3: per (stage, compute kind), the seconds of each of its layers' parameter
+    gathers before such an action (``gather_units`` of them, the stage's parameters shared
+    evenly): what the engine's walk runs on the rank's dp channel as the rank reaches the
+    action (``schedules.dp_channel``). A forward gathers every layer, a backward (B, or I
+    when split) again; W none. A layer's routed experts are gathered over their own group
     under expert parallelism."""
-    per_gather: dict[tuple[int, float], list[tuple[str, float, float]]] = {}  # ranks whose groups gather alike
-
-    def gathers(stage: int, cost: StageCost) -> list[tuple[str, float, float]] | None:
+    def gathers(stage: int, cost: StageCost) -> tuple[float, ...] | None:
         if not _reduces(schedule, stage, mapping) or cost.param_bytes <= 0:
             return None
         units = gather_units(cost.layers)
-        gather = _dp_collective(all_gather, topology, mapping, schedule, stage, cost, cost.param_bytes / units)
-        kinds = per_gather.get((id(cost), gather))
-        if kinds is None:
-            kinds = per_gather[id(cost), gather] = [
-                (kind, exposed_gather_seconds(units, gather, compute / units)
-                 + slowed_by(gathers_beside_compute(units, gather, compute / units), slowdown), units * gather)
-                for kind, compute in ((ActionKind.F, cost.fwd), (ActionKind.B, cost.bwd),
-                                      (ActionKind.I, cost.input_grad))]
-        return kinds
+        return (_dp_collective(all_gather, topology, mapping, schedule, stage, cost, cost.param_bytes / units),) * units
 
-    per_stage = list(enumerate(_per_alike_stage(schedule, costs, gathers)))
-    exposed = {(stage, kind): hold for stage, kinds in per_stage for kind, hold, _ in kinds or ()}
-    whole = {(stage, kind): seconds for stage, kinds in per_stage for kind, _, seconds in kinds or ()}
-    return exposed, whole
+    return {(stage, kind): layers for stage, layers in enumerate(_per_alike_stage(schedule, costs, gathers))
+            if layers is not None for kind in (ActionKind.F, ActionKind.B, ActionKind.I)}
 
 
 def _per_alike_stage(schedule: Schedule, costs: Costs, value_of: Callable[[int, StageCost], T]) -> list[T]:
@@ -646,17 +638,22 @@ Backwards = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 reduced, one array per field, in stage order (each stage's by end)."""
 
 
-def _run_names(plan: CommPlan, kind: str, stages: np.ndarray, runs: np.ndarray, gathers: np.ndarray) -> list[str]:
+def _run_names(plan: CommPlan, kind: str, stages: np.ndarray, runs: np.ndarray, gathers: np.ndarray,
+               for_kind: np.ndarray, microbatches: np.ndarray) -> list[str]:
     """Each collective's name: a reduction's ``3ALLREDUCE_DP[4-21]`` (stage, kind, buckets)
     for the run ``runs[i]`` of stage ``stages[i]`` (``_stage_runs``), a parameter gather's
-    ``3ALLGATHER_PARAMS[L2]`` (``gathers[i]``: its layer ``runs[i]``)."""
+    ``3ALLGATHER_PARAMS[L2]`` (``gathers[i]``: its layer ``runs[i]``), under ZeRO-3 with
+    the action it gathered for, ``3ALLGATHER_PARAMS[L2](3F5)`` (``for_kind[i]``'s code, its
+    microbatch)."""
     names: dict[tuple[int, int], str] = {}
     reduced = stages[gathers == 0]
     for stage in np.unique(reduced).tolist():
         for index, (_, first, last, _) in enumerate(_stage_runs(plan, stage)):
             names[stage, index] = f"{stage}{kind}[{first}]" if first == last else f"{stage}{kind}[{first}-{last}]"
-    return [f"{stage}{PARAM_GATHER_KIND}[L{run}]" if gather else names[stage, run]
-            for stage, run, gather in zip(stages.tolist(), runs.tolist(), gathers.tolist(), strict=True)]
+    return [(f"{stage}{PARAM_GATHER_KIND}[L{run}]" + (f"({stage}{KINDS[code]}{microbatch})" if code >= 0 else ""))
+            if gather else names[stage, run]
+            for stage, run, gather, code, microbatch in zip(stages.tolist(), runs.tolist(), gathers.tolist(),
+                                                            for_kind.tolist(), microbatches.tolist(), strict=True)]
 
 
 def _stage_runs(plan: CommPlan, stage: int) -> list[tuple[float, int, int, float]]:

@@ -22,7 +22,7 @@ from functools import cached_property
 import numpy as np
 
 from pipesim.sim.critical_path import critical_owners, path_links
-from pipesim.sim.engine import gather_spans, held_parts, pipeline_columns, price_step, step_trace
+from pipesim.sim.engine import held_parts, pipeline_columns, price_step, step_trace
 from pipesim.sim.parallel import CommPlan, reduction_columns, step_tail_columns
 from pipesim.sim.step import SimulationResult, comm_plan_of
 from pipesim.sim.step import _time_unit as time_unit  # the summary's units, as simulate prints them
@@ -141,9 +141,8 @@ class SampleStepper:
         self.transfer_wires = PerTransferWires(self.program, self.wires) if (
             self.sampler.comm_sigma > 0 or self.sampler.link_factor is not None) else None
         self.tail = self.plan is not None or costs.step_overhead > 0
-        shape = engine.empty_run(self.program)  # what holds and gathers each row has depends on the program alone
+        shape = engine.empty_run(self.program)  # what holds each row has depends on the program alone
         self.held = held_parts(shape, self.priced) if self.tail else None
-        self.gathers = gather_spans(shape, self.plan) if self.tail else None
 
     def run(self, sample: int) -> tuple[engine.StepRun, np.ndarray]:
         """Sample ``sample``'s step and its compute rows' seconds."""
@@ -166,7 +165,7 @@ class SampleStepper:
         ``schedules.metrics.makespan`` measures the deterministic Trace."""
         if not self.tail:
             return step.makespan
-        pipeline = pipeline_columns(step, self.held, self.gathers)
+        pipeline = pipeline_columns(step, self.held)
         tail = step_tail_columns(pipeline, self.program.ranks, self.plan, self.result.costs.step_overhead,
                                  reduction_columns(step, self.plan))
         columns = TraceColumns.concatenate([pipeline, tail]) if tail is not None else pipeline

@@ -105,16 +105,6 @@ def exposed_gather_seconds(units: int, gather: float, compute: float) -> float:
     return gather + (units - 1) * max(0.0, gather - compute)
 
 
-def gathers_beside_compute(units: int, gather: float, compute: float) -> float:
-    """Seconds of a compute action's prefetched gathers (``exposed_gather_seconds``'s
-    picture) that run while the previous layer computes: each of the ``units - 1``
-    later gathers beside one layer's compute, for the shorter of the two. What
-    ``pipesim.sim.comm_overlap.slowed_by`` charges the compute for them."""
-    if gather <= 0:
-        return 0.0
-    return (units - 1) * min(gather, compute)
-
-
 def working_bytes(unit_params: float, weight_bytes: float, grad_bytes: float) -> float:
     """Stage 3's gathered working set on a device: the parameters of the layer computing
     and of the one prefetched, and the layer's whole gradient before it is
