@@ -86,15 +86,18 @@ def handle(args: argparse.Namespace) -> int:
 
 def report(result: dict, config, args: argparse.Namespace) -> None:
     """Write ``--json``/``--trace``/``--html`` and print the summary of a finished run,
-    with the shrunk architecture it ran and the simulator's static memory beside the
-    measured one."""
+    with the shrunk architecture it ran and the simulator's memory beside the measured
+    one (also in the Trace's ``meta["memory"]``, which the chart draws)."""
     from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415 - loads torch
-    from pipesim.cli.run_memory import peak_lines  # noqa: PLC0415 - the simulator's memory model
+    from pipesim.cli.chart_data import measured_memory_meta  # noqa: PLC0415
+    from pipesim.cli.run_memory import not_predicted, peak_lines  # noqa: PLC0415 - the simulator's memory model
 
     document = summary(result)
     if is_architecture(config.model):  # what ran: the shrunk architecture, as simulate --json describes one
         document["model"] = {**shrunk_spec(config).describe(), "source": config.model, "shrunk": shrink_note(config)}
     predicted = predict_static_memory(document, config) + peak_lines(document, config)
+    # the measured peaks beside the predicted ones, for the chart and the saved Trace
+    result["trace"].meta.update(measured_memory_meta(document.get("memory"), not_predicted(config)))
     write_outputs(result, args.json, args.trace, document)
     print("\n".join(summary_lines(result, document) + predicted))
     if args.html:
