@@ -171,3 +171,27 @@ def test_a_real_two_rank_run_draws_its_json_memory(tmp_path):
         error = row["peak"] / row["predicted_peak"] - 1
         assert f"error {error:+.1%}" in bars(fig, "predicted peak").hovertext[position]
     assert "measured peak memory of the last step" in (tmp_path / "run.html").read_text()
+
+
+def test_run_and_compare_put_the_prediction_beside_the_measured_rows_in_the_trace():
+    """``memory_beside_prediction`` (``pipesim run``'s report and ``compare``'s chart):
+    the gpt toy gets the memory model's peaks; the mlp toy the reason it has none."""
+    from executor.config import RunConfig
+    from pipesim.cli.run import memory_beside_prediction
+    from pipesim.cli.run_memory import predicted_peaks
+
+    rows = [run_row(rank, 1 * MIB, 1 * MIB, 2 * MIB, 1 * MIB, 0.0) for rank in range(2)]
+    gpt = RunConfig(model="gpt", pp=2, microbatches=2, layers=2, hidden=16, heads=2, batch_size=2,
+                    optimizer="adamw", steps=2)
+    result = {"trace": measured_trace([])}
+    lines = memory_beside_prediction(result, {"memory": [dict(row) for row in rows]}, gpt)
+    expected = predicted_peaks(gpt)
+    drawn = result["trace"].meta["memory"]
+    assert [rank["predicted_peak_bytes"] for rank in drawn] == [rank["predicted_peak"] for rank in expected]
+    assert all(rank["not_predicted"] is None for rank in drawn) and any("predicted" in line for line in lines)
+    mlp = RunConfig(model="mlp", pp=2, microbatches=2, layers=2, hidden=16, batch_size=2, steps=2)
+    result = {"trace": measured_trace([])}
+    memory_beside_prediction(result, {"memory": [dict(row) for row in rows]}, mlp)
+    assert [rank["not_predicted"] for rank in result["trace"].meta["memory"]] == [
+        "--model mlp has no transformer spec"] * 2
+    assert "predicted peak" not in [trace.name for trace in measured_memory_figure(result["trace"]).data]
