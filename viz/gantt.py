@@ -23,6 +23,7 @@ from schedules.units import time_unit as unit_of_times
 from viz.html import include_plotlyjs, with_offline_notice
 from viz.lanes import Layer, layers_of
 from viz.limits import OOM_COLOR
+from viz.measured_memory import has_measured_memory, measured_memory_figure
 from viz.memory import has_memory_timeline, memory_figure
 from viz.transfers import as_transfers
 
@@ -402,11 +403,14 @@ def write_gantt_html(
         spec, include_plotlyjs=include_plotlyjs(plotly), full_html=True, validate=False,
         config={"displaylogo": False, "scrollZoom": True},
     )
-    panels = [trace for trace in traces if has_memory_timeline(trace)]
-    if panels:  # what each rank holds over the step, under the Gantt, on its time unit
-        unit, scale = time_unit(traces)
-        parts = [pio.to_html(memory_figure(trace, unit, scale), include_plotlyjs=False, full_html=False,
-                             config={"displaylogo": False}) for trace in panels]
+    # under the Gantt: what each rank holds over a simulated step, on its time unit; a
+    # measured step's peak per rank beside its prediction
+    figures = [memory_figure(trace, *time_unit(traces)) if has_memory_timeline(trace) else
+               measured_memory_figure(trace)
+               for trace in traces if has_memory_timeline(trace) or has_measured_memory(trace)]
+    if figures:
+        parts = [pio.to_html(figure, include_plotlyjs=False, full_html=False, config={"displaylogo": False})
+                 for figure in figures]
         html = html.replace("</body>", "".join(parts) + "</body>", 1)
     path.write_text(with_offline_notice(html, plotly), encoding="utf-8")
     return path

@@ -264,6 +264,12 @@ def handle(args: argparse.Namespace) -> int:
     print("\n".join(report_lines(document)))
     if args.json:
         print(f"wrote {args.json}")
+    if args.trace or args.html:
+        from pipesim.cli.run import memory_beside_prediction  # noqa: PLC0415
+
+        # the simulated step carries no memory (its costs hold times only): the measured
+        # peaks go into the measured Trace, with the memory model's prediction of this run
+        memory_beside_prediction(result, {"memory": result.get("memory")}, config)
     if args.trace:
         result["trace"].save(args.trace)
     if args.predicted_trace:

@@ -86,15 +86,14 @@ def handle(args: argparse.Namespace) -> int:
 
 def report(result: dict, config, args: argparse.Namespace) -> None:
     """Write ``--json``/``--trace``/``--html`` and print the summary of a finished run,
-    with the shrunk architecture it ran and the simulator's static memory beside the
-    measured one."""
+    with the shrunk architecture it ran and the simulator's memory beside the measured
+    one (also in the Trace's ``meta["memory"]``, which the chart draws)."""
     from executor.report import summary, summary_lines, write_outputs  # noqa: PLC0415 - loads torch
-    from pipesim.cli.run_memory import peak_lines  # noqa: PLC0415 - the simulator's memory model
 
     document = summary(result)
     if is_architecture(config.model):  # what ran: the shrunk architecture, as simulate --json describes one
         document["model"] = {**shrunk_spec(config).describe(), "source": config.model, "shrunk": shrink_note(config)}
-    predicted = predict_static_memory(document, config) + peak_lines(document, config)
+    predicted = memory_beside_prediction(result, document, config)
     write_outputs(result, args.json, args.trace, document)
     print("\n".join(summary_lines(result, document) + predicted))
     if args.html:
@@ -131,6 +130,19 @@ def run_as_rank(config, args: argparse.Namespace) -> int:
     if rank == 0:
         report(result, config, args)
     return 0
+
+
+def memory_beside_prediction(result: dict, document: dict, config) -> list[str]:
+    """Add the simulator's memory prediction to each of ``document``'s memory rows
+    (``predicted_static``, ``predicted_peak``, ``predicted_activations``; CPU only), put
+    the rows into the run's Trace as ``meta["memory"]`` (the chart's panel, the saved
+    Trace) and return the lines to print."""
+    from pipesim.cli.chart_data import measured_memory_meta  # noqa: PLC0415
+    from pipesim.cli.run_memory import not_predicted, peak_lines  # noqa: PLC0415 - the simulator's memory model
+
+    lines = predict_static_memory(document, config) + peak_lines(document, config)
+    result["trace"].meta.update(measured_memory_meta(document.get("memory"), not_predicted(config)))
+    return lines
 
 
 def predict_static_memory(document: dict, config) -> list[str]:

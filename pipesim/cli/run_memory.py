@@ -165,6 +165,13 @@ def grads_at(arrivals: list[tuple[float, float]], moment: float) -> float:
     return sum(amount for arrived, amount in arrivals if arrived <= moment)
 
 
+def not_predicted(config: RunConfig) -> str:
+    """Why ``predicted_peaks`` has nothing for ``config`` (what ``executor_spec`` leaves out)."""
+    if config.dtype not in ELEMENT_BYTES:
+        return "float16 autocast is not described"
+    return f"--model {config.model} has no transformer spec"
+
+
 def peak_lines(document: dict, config: RunConfig) -> list[str]:
     """Add ``predicted_peak`` and ``predicted_activations`` to each tracked memory row and
     return the lines to print: predicted against measured peak and activations, per rank."""
@@ -173,9 +180,7 @@ def peak_lines(document: dict, config: RunConfig) -> list[str]:
         return []
     peaks = predicted_peaks(config)
     if peaks is None:
-        why = "float16 autocast is not described" if config.dtype not in ELEMENT_BYTES else \
-            f"--model {config.model} has no transformer spec"
-        return [f"peak memory not predicted: {why}"]
+        return [f"peak memory not predicted: {not_predicted(config)}"]
     from executor.mesh import MeshPosition  # noqa: PLC0415 - loads torch (run has already)
 
     lines = ["peak memory, measured vs predicted (the simulator's memory model of the executor's layers):"]
