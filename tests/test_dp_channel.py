@@ -28,17 +28,19 @@ from schedules.dp_channel import Reductions
 pytestmark = pytest.mark.skipif(engine._compiled is None, reason="the compiled engine is not built")
 
 
-def two_rank_step(reductions: Reductions | None) -> tuple[engine.StepRun, engine.StepRun]:
-    """1F1B on two ranks, one microbatch: F 1 s, B 2 s; stage 0's activation leaves on
-    link 0 and stage 1's gradient on link 1, each holding its link 0.5 s (no latency).
-    The compiled walk's run and the SimPy specification's."""
-    schedule = lower(generate("1f1b", 2, 1))
+def two_rank_step(reductions: Reductions | None, microbatches: int = 1,
+                  p2p: str = "rendezvous") -> tuple[engine.StepRun, engine.StepRun]:
+    """1F1B on two ranks, one microbatch (or ``microbatches``): F 1 s, B 2 s; stage 0's
+    activations leave on link 0 and stage 1's gradients on link 1, each holding its link
+    0.5 s (no latency). The compiled walk's run and the SimPy specification's, which
+    must agree on every output."""
+    schedule = lower(generate("1f1b", 2, microbatches))
     seconds = np.array([[1.0, 2.0, 2.0, 0.0], [1.0, 2.0, 2.0, 0.0]])
     wires: list = [[], [], [], []]
     wires[dataflow.wire_of(0, dataflow.FORWARD)] = [((0,), 0.5, 0.0)]
     wires[dataflow.wire_of(1, dataflow.BACKWARD)] = [((1,), 0.5, 0.0)]
     timing = engine.StepTiming(seconds, wires=wires, reductions=reductions)
-    program = engine.compile_program(schedule, "rendezvous")
+    program = engine.compile_program(schedule, p2p)
     inputs = engine.step_inputs(program, timing)
     compiled = engine.run_inputs(program, inputs)
     specified = reference.run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead,

@@ -24,7 +24,6 @@ from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import comm_plan_of, run_simulation
 from pipesim.sim.zero import exposed_gather_seconds, gather_units
 from schedules import dataflow, engine, generate, lower
-from schedules import engine_reference as reference
 from schedules.dp_channel import AT_ACTION, AT_FRACTION, Reductions, channel_arrays
 from tests.test_dp_channel import two_rank_step
 
@@ -63,23 +62,9 @@ def test_a_forward_and_a_backward_each_wait_for_their_layers_gathers_as_the_clos
 
 
 def buffered_two_microbatch_step(reductions: Reductions) -> tuple[engine.StepRun, engine.StepRun]:
-    """1F1B on two ranks, two microbatches, sends leaving as they are posted (buffered):
-    F 1 s, B 2 s; stage 0's activations on link 0, stage 1's gradients on link 1, each
-    holding its link 0.5 s. The compiled walk's run and the SimPy specification's."""
-    schedule = lower(generate("1f1b", 2, 2))
-    seconds = np.array([[1.0, 2.0, 2.0, 0.0], [1.0, 2.0, 2.0, 0.0]])
-    wires: list = [[], [], [], []]
-    wires[dataflow.wire_of(0, dataflow.FORWARD)] = [((0,), 0.5, 0.0)]
-    wires[dataflow.wire_of(1, dataflow.BACKWARD)] = [((1,), 0.5, 0.0)]
-    timing = engine.StepTiming(seconds, wires=wires, reductions=reductions)
-    program = engine.compile_program(schedule, "buffered")
-    inputs = engine.step_inputs(program, timing)
-    compiled = engine.run_inputs(program, inputs)
-    specified = reference.run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead,
-                                        inputs.channels)
-    for name in engine.ENGINE_OUTPUTS:
-        assert np.array_equal(getattr(compiled, name), getattr(specified, name), equal_nan=True), name
-    return compiled, specified
+    """``test_dp_channel.two_rank_step``'s two ranks (F 1 s, B 2 s, each transfer 0.5 s
+    on its own link) with two microbatches, sends leaving as they are posted (buffered)."""
+    return two_rank_step(reductions, microbatches=2, p2p="buffered")
 
 
 SECOND_ACTIVATION = dataflow.transfer_key(0, dataflow.FORWARD, 1, 2)  # stage 0's output of microbatch 1
@@ -165,12 +150,9 @@ ZERO3_LAYOUTS = [  # (preset, nodes, schedule, pp, v, dp, tp, rank order, microb
 ]
 
 
-def zero3_timings(layout: tuple) -> tuple[engine.StepTiming, engine.StepTiming, object]:
-    """A ZeRO-3 step's timing as simulate prices it, its reductions left out (every
-    action's gathers alone on the channel), and the same step with the closed form's
-    hold after each action instead (``exposed_gather_seconds`` of its layers, restated
-    here from the plan's gathers and the stage's forward or backward) and no channel;
-    and the lowered schedule."""
+def priced_zero3(layout: tuple) -> tuple:
+    """The layout (``ZERO3_LAYOUTS``' fields) at ZeRO-3 with no slowdown, as simulate
+    prices it: its costs, the simulation, the communication plan and the step's timing."""
     preset, nodes, name, pp, v, dp, tp, order, microbatches = layout
     schedule = generate(name, pp, microbatches, v)
     topology = presets.PRESETS[preset](nodes)
@@ -178,7 +160,16 @@ def zero3_timings(layout: tuple) -> tuple[engine.StepTiming, engine.StepTiming, 
     parallel = ParallelConfig(dp=dp, tp=tp, rank_order=order, zero=3, overlap_slowdown=0.0)
     result = run_simulation(schedule, costs, topology, parallel=parallel)
     plan = comm_plan_of(result.schedule, costs, topology, result.mapping, parallel)
-    timing = price_step(result.schedule, costs, topology, result.devices, plan).timing
+    return costs, result, plan, price_step(result.schedule, costs, topology, result.devices, plan).timing
+
+
+def zero3_timings(layout: tuple) -> tuple[engine.StepTiming, engine.StepTiming, object]:
+    """A ZeRO-3 step's timing as simulate prices it, its reductions left out (every
+    action's gathers alone on the channel), and the same step with the closed form's
+    hold after each action instead (``exposed_gather_seconds`` of its layers, restated
+    here from the plan's gathers and the stage's forward or backward) and no channel;
+    and the lowered schedule."""
+    costs, result, plan, timing = priced_zero3(layout)
     durations = costs.durations()
     closed_hold = timing.hold.copy()
     for (stage, kind), layers in plan.layer_gather_seconds.items():
@@ -229,11 +220,4 @@ def test_with_the_reductions_on_the_channel_the_step_is_never_shorter_than_the_c
 
 def closed_runs(layout: tuple) -> dict:
     """The layout's reductions as simulate prices them (``zero3_timings`` leaves them out)."""
-    preset, nodes, name, pp, v, dp, tp, order, microbatches = layout
-    schedule = generate(name, pp, microbatches, v)
-    topology = presets.PRESETS[preset](nodes)
-    costs = model_costs(schedule, "gpt3-1.3b", topology, tp=tp)
-    parallel = ParallelConfig(dp=dp, tp=tp, rank_order=order, zero=3, overlap_slowdown=0.0)
-    result = run_simulation(schedule, costs, topology, parallel=parallel)
-    plan = comm_plan_of(result.schedule, costs, topology, result.mapping, parallel)
-    return price_step(result.schedule, costs, topology, result.devices, plan).timing.reductions.runs
+    return priced_zero3(layout)[3].reductions.runs
