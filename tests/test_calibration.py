@@ -173,13 +173,24 @@ def test_profile_simulate_and_compare_end_to_end(tmp_path, capsys):
 
 
 def test_compare_tells_the_pipeline_bubble_from_idle_time():
-    # the step of tests/test_bubble_comm.py: bubble 0.25 and idle 0.5 of 2 ranks x 2 s,
-    # here with a step time of 2 s on both sides
-    events = tp_after_forward_events()
+    # the predicted step of tests/test_bubble_comm.py (bubble 0.25 of 2 ranks x 2 s; rank
+    # 0's tp all-reduce [1, 2] on a stream of its own) and the same step as the executor
+    # measures it: the all-reduce runs inside rank 0's forward, F [0, 2] holding TP [1, 2].
+    # Bubble 1 of 4 rank-seconds on both sides; busy 3 of 4 on both (the tp second counted
+    # as the executor's action holds it), so idle 0.25, not the 0.5 of compute alone
     meta = {"pp": 2, "schedule": "1f1b", "microbatches": 1, "virtual_stages": 1}
-    document = compare(Trace(events, {**meta, "source": "measured"}), [2.0, 2.0],
-                       Trace(events, {**meta, "source": "simulated"}), 2.0)
+    measured = [
+        TraceEvent(0, "0F0", "F", 0, 0, 0.0, 2.0, "compute"),
+        TraceEvent(0, "TP(0F0)", "TP", 0, 0, 1.0, 2.0, "tp"),
+        TraceEvent(0, "0SEND_F0", "SEND_F", 0, 0, 1.0, 1.0, "send"),
+        TraceEvent(1, "1RECV_F0", "RECV_F", 1, 0, 0.0, 1.0, "recv"),
+        TraceEvent(1, "1F0", "F", 1, 0, 1.0, 2.0, "compute"),
+    ]
+    document = compare(Trace(measured, {**meta, "source": "measured"}), [2.0, 2.0],
+                       Trace(tp_after_forward_events(), {**meta, "source": "simulated"}), 2.0)
     assert document["measured_bubble_fraction"] == pytest.approx(0.25)
     assert document["predicted_bubble_fraction"] == pytest.approx(0.25)
-    assert document["measured_idle_fraction"] == pytest.approx(0.5)
-    assert document["predicted_idle_fraction"] == pytest.approx(0.5)
+    assert document["measured_idle_fraction"] == pytest.approx(0.25)
+    assert document["predicted_idle_fraction"] == pytest.approx(0.25)
+    assert [(rank["measured_busy"], rank["predicted_busy"]) for rank in document["ranks"]] == [(2.0, 2.0),
+                                                                                               (1.0, 1.0)]

@@ -12,6 +12,12 @@ the span of the trace's events), so that what the step spends outside the pipeli
 actions (the optimizer step, the loss all-reduce) counts as idle on both sides alike. The
 bubble fraction is the pipeline bubble of the time accounting (``schedules.accounting``),
 as ``pipesim simulate`` reports it; the idle fraction every moment not computing.
+
+Busy is what the executor's compute actions hold: on the predicted side the compute plus
+the tp collectives, ep all-to-alls and ring attention's waits the simulator charges on
+streams of their own (``INSIDE_COMPUTE``), since the executor runs those inside its
+actions and measures them as part of them. Without that a tp run's predicted idle time
+would count its collectives, and the measured one would not.
 """
 
 from __future__ import annotations
@@ -139,6 +145,7 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
     for event in predicted.events:
         if event.stream in INSIDE_COMPUTE and event.rank < ranks:
             held_inside[event.rank] += event.duration
+    predicted_busy = [busy + held for busy, held in zip(predicted_busy, held_inside, strict=True)]
     meta = measured.meta
     return {
         "schedule": meta.get("schedule"),
@@ -153,8 +160,7 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
         "measured_step_time_spread": spread,
         "load_average": load,
         "cores": cores,
-        "compute_stretch": (stretch := compute_stretch(measured_busy, [busy + held for busy, held in
-                                                                       zip(predicted_busy, held_inside, strict=True)])),
+        "compute_stretch": (stretch := compute_stretch(measured_busy, predicted_busy)),
         "warnings": reliability_warnings(spread, len(kept), load, cores, world_size or ranks)
         + stretch_warnings(stretch),
         "measured_bubble_fraction": measured_bubble / (ranks * measured_time),
