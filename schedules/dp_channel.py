@@ -313,6 +313,13 @@ def _gathering_actions(program: EngineProgram, layer_gathers: Mapping[tuple[int,
     return (key_of[rows], rows), [[float(seconds) for seconds in layer_gathers[key]] for key in keys]
 
 
+def _first_forward_rows(program: EngineProgram) -> dict[int, int]:
+    """Per stage with a forward in the program, the compute row of its first forward."""
+    forwards = np.flatnonzero(program.compute_kind == F_CODE)
+    stages, first = np.unique(program.compute_stage[forwards], return_index=True)
+    return dict(zip(stages.tolist(), forwards[first].tolist(), strict=True))
+
+
 def _gathering_stages(program: EngineProgram, gathers: Mapping[int, Sequence[float]]
                       ) -> list[tuple[int, list[float]]]:
     """``(stage, each layer's gather seconds)`` of the stages that gather (a forward of
@@ -320,9 +327,7 @@ def _gathering_stages(program: EngineProgram, gathers: Mapping[int, Sequence[flo
     first forward's row: rank after rank, each rank's in its program's order."""
     if not gathers:
         return []
-    forwards = np.flatnonzero(program.compute_kind == F_CODE)
-    stages, first = np.unique(program.compute_stage[forwards], return_index=True)
-    first_row = dict(zip(stages.tolist(), forwards[first].tolist(), strict=True))
+    first_row = _first_forward_rows(program)
     wanted = [at for at, layers in gathers.items() if at in first_row and len(layers) and math.fsum(layers) > 0]
     return [(at, [float(seconds) for seconds in gathers[at]]) for at in sorted(wanted, key=first_row.get)]
 
@@ -335,9 +340,7 @@ def _gates(program: EngineProgram, gathered: list[tuple[int, list[float]]], coll
     gate_last = np.full(program.computes, -1, dtype=np.int64)
     if not gathered:
         return gate_first, gate_last
-    forwards = np.flatnonzero(program.compute_kind == F_CODE)
-    stages, first = np.unique(program.compute_stage[forwards], return_index=True)
-    first_row = dict(zip(stages.tolist(), forwards[first].tolist(), strict=True))
+    first_row = _first_forward_rows(program)
     gathers = np.flatnonzero(modes == AT_STEP_START)
     for at, _ in gathered:
         mine = gathers[collective_stage[gathers] == at]

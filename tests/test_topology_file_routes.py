@@ -123,5 +123,7 @@ def test_a_device_node_field_is_read_and_a_bad_one_named():
     assert (both.node_of("a"), both.node_of("b")) == ("rack1-n0", "7")
     unnamed = topology_from_dict({"devices": [{"name": "a"}, {"name": "b"}], "links": [link]}, name="f")
     assert unnamed.node_of("a") is None
-    with pytest.raises(TopologyError, match=r"devices\[1\]: 'node' must be a name or a number"):
+    with pytest.raises(TopologyError, match=r"devices\[1\]: 'node' must be a name or a whole number"):
         topology_from_dict({"devices": [{"name": "a"}, {"name": "b", "node": [1]}], "links": [link]}, name="f")
+    with pytest.raises(TopologyError, match=r"devices\[0\]: 'node' must be a name or a whole number, not 1.5"):
+        topology_from_dict({"devices": [{"name": "a", "node": 1.5}, {"name": "b"}], "links": [link]}, name="f")

@@ -29,6 +29,7 @@ from dataclasses import replace
 
 from executor.architectures.build import is_architecture, shrunk_spec, stage_layers
 from executor.config import RunConfig, build_schedule, even_layout
+from pipesim.job import DTYPE_BYTES
 from pipesim.model.activations import last_stage_extra_bytes
 from pipesim.model.costs import Costs
 from pipesim.model.saved_tensors import AUTOCAST_TORCH, EAGER_TORCH, SavedTensors
@@ -43,7 +44,9 @@ from pipesim.sim.memory import (
 )
 from schedules.action import WEIGHT_GRAD_DONE_KINDS
 
-ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}  # the activations' (bf16: autocast's)
+# the activations' bytes per element (bf16: autocast's), simulate's --dtype table less float16
+# autocast, whose saved tensors are not described
+ELEMENT_BYTES = {name: size for name, size in DTYPE_BYTES.items() if name != "float16"}
 MIB = 2**20
 
 
@@ -187,7 +190,7 @@ def peak_lines(document: dict, config: RunConfig) -> list[str]:
     for row in rows:
         stage_rank = MeshPosition.of_rank(row["rank"], config.dp, config.pp, config.tp, config.cp).pp_index
         row.update({key: value for key, value in peaks[stage_rank].items() if key != "rank"})
-        error = row["peak"] / row["predicted_peak"] - 1
+        error = row["peak"] / row["predicted_peak"] - 1  # measured over predicted, as the chart's (viz.measured_memory)
         lines.append(f"  rank {row['rank']}: peak measured {row['peak'] / MIB:.3f} MiB, predicted "
                      f"{row['predicted_peak'] / MIB:.3f} MiB ({error:+.1%}); activations measured "
                      f"{row['activations_peak'] / MIB:.3f} MiB, predicted {row['predicted_activations'] / MIB:.3f} MiB")

@@ -76,7 +76,7 @@ def topology_from_dict(data: object, name: str = "custom") -> Topology:
             named = {"gpu": gpu.name}  # its kernels time a model's compute (pipesim.model.compute_model)
         if device.get("node") is not None:  # node-limited expert routing and NCCL's channels count nodes
             if not isinstance(device["node"], (str, int)) or isinstance(device["node"], bool):
-                raise TopologyError(f"{where}: 'node' must be a name or a number, not {device['node']!r}")
+                raise TopologyError(f"{where}: 'node' must be a name or a whole number, not {device['node']!r}")
             named["node"] = str(device["node"])
         graph.add_node(
             device_name,
