@@ -20,6 +20,18 @@ from pathlib import Path
 
 from executor.options import add_run_arguments, config_from_args
 from executor.run_costs import RUN_CALIBRATED  # no torch at import
+from pipesim.cli.calibration_order import (
+    CALIBRATION,
+    CALIBRATION_ORDERS,
+    DEFAULT_CALIBRATION_ORDER,
+    INTERLEAVED,
+    TIMED,
+    check_order_steps,
+    launch_order,
+    merged_timed_result,
+    split_results,
+    timed_configs,
+)
 from pipesim.cli.profile import add_profile_arguments, check_profile_arguments
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
 from pipesim.cli.variability import add_variability_args, variability_from_args
@@ -44,7 +56,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "benchmarking send/recv now")
     group.add_argument("--warmup-steps", type=int, default=1,
                        help="first steps left out of the measured step time (default 1; --steps defaults to 6 "
-                            "here, so 5 steps give the median and the spread)")
+                            "here, so 5 steps give the median and the spread); with --calibration-order "
+                            "interleaved, the warm-up steps of each timed step's own fresh model")
+    group.add_argument("--calibration-order", choices=CALIBRATION_ORDERS, default=None,
+                       help="with --calibration run, when the calibration steps run beside the timed ones, in one "
+                            "launch: interleaved (each timed step a config of its own, --warmup-steps warm-up steps "
+                            "of a fresh model then the timed one, alternating with the calibration configs, so both "
+                            "see the machine alike: --steps S gives S - --warmup-steps timed steps) or around (half "
+                            "the calibration configs, then --steps steps of one model, then the rest) (default "
+                            f"{DEFAULT_CALIBRATION_ORDER})")
     group.add_argument("--html", metavar="PATH", help="write the measured and predicted timelines on one axis")
     group.add_argument("--predicted-trace", metavar="PATH", help="write the predicted Trace")
     add_quiet_arg(parser)
@@ -171,26 +191,38 @@ def chart_summaries(document: dict, drawn_step: int | None = None, drawn_span: f
     ]
 
 
-def run_calibrated(args: argparse.Namespace, config, schedule, progress):
-    """Run the timed steps between calibration steps, half of them before and half after,
-    in one launch (the same processes, the same lowered programs); return the timed run's
-    result and the costs read off the calibration steps (``executor.run_costs``). On a
-    machine whose load drifts over a minute (the shared 2-core machine: compute 2x slower
-    in one compare's calibration steps than in the timed steps that followed), steps on
-    both sides see the load the timed steps saw on average; none of them is timed."""
+def run_calibrated(args: argparse.Namespace, config, schedule, progress, order: str):
+    """Run the calibration configs and the timed steps in one launch (the same processes,
+    the same lowered programs) in ``order`` (``pipesim.cli.calibration_order``: timed
+    configs interleaved with the calibration ones, or one timed config between two
+    halves of them); return the measured result, as one timed config's reads, and the
+    costs read off the calibration steps (``executor.run_costs``). The timed steps are
+    never read for a cost: the prediction stays a prediction. On a machine whose load
+    drifts (the shared 2-core machine: compute 2x slower in one compare's calibration
+    steps than in the timed steps that followed), calibration steps spread among the
+    timed ones see the load the timed steps saw."""
     from executor.launch import launch  # noqa: PLC0415 - loads torch
     from executor.run_costs import calibration_configs, calibration_document  # noqa: PLC0415
     from pipesim.model.costs import costs_from_dict  # noqa: PLC0415
 
     calibration = calibration_configs(config, args.calibration_steps)
-    before = -(-len(calibration) // 2)
-    progress.line(f"2/3 running {before} calibration steps, {config.steps} timed steps, then "
-                  f"{len(calibration) - before} calibration steps (each after a warm-up step) on {config.world_size} "
-                  "ranks")
+    timed = timed_configs(config, order, args.warmup_steps)
+    sequence = launch_order(len(calibration), len(timed), order)
+    if order == INTERLEAVED:
+        progress.line(f"2/3 running {len(calibration)} calibration steps and {len(timed)} timed steps, interleaved "
+                      f"(each after {args.warmup_steps} warm-up step(s) of a fresh model) on {config.world_size} "
+                      "ranks")
+    else:
+        before = sequence.index((TIMED, 0))
+        progress.line(f"2/3 running {before} calibration steps, {config.steps} timed steps, then "
+                      f"{len(calibration) - before} calibration steps (each after a warm-up step) on "
+                      f"{config.world_size} ranks")
+    configs = {CALIBRATION: calibration, TIMED: timed}
     with StepWatcher(progress, config.world_size, config.steps):
-        results = launch([*calibration[:before], config, *calibration[before:]], verbose=args.verbose)
-    result = results.pop(before)
-    document = calibration_document(config, schedule, results)
+        results = launch([configs[kind][index] for kind, index in sequence], verbose=args.verbose)
+    calibrated, timed_results = split_results(sequence, results)
+    result = merged_timed_result(timed_results) if order == INTERLEAVED else timed_results[0]
+    document = calibration_document(config, schedule, calibrated)
     return result, costs_from_dict(document, schedule.num_stages, name="calibration steps")
 
 
@@ -202,6 +234,13 @@ def handle(args: argparse.Namespace) -> int:
     if args.costs and args.calibration:
         raise ValueError(f"--costs {args.costs} gives the costs; --calibration {args.calibration} measures them: "
                          "give one of them")
+    if args.calibration_order and (args.costs or calibration != "run"):
+        given = f"--costs {args.costs}" if args.costs else f"--calibration {calibration}"
+        raise ValueError(f"--calibration-order {args.calibration_order} orders the calibration steps of --calibration "
+                         f"run; {given} runs none: drop --calibration-order")
+    order = (args.calibration_order or DEFAULT_CALIBRATION_ORDER) if calibration == "run" and not args.costs else None
+    if order is not None:
+        check_order_steps(order, args.steps, args.warmup_steps)
     variability = variability_from_args(args)  # the prediction's what-if flags, checked before anything runs
     config = config_from_args(args)
     if config.pp < 2:
@@ -225,7 +264,7 @@ def handle(args: argparse.Namespace) -> int:
                 topology = calibrated_topology(args, config)
             # the calibration steps and the timed ones run the same lowered programs, the
             # ones the prediction simulates (lowered before any cost is known)
-            result, costs = run_calibrated(args, config, schedule, progress)
+            result, costs = run_calibrated(args, config, schedule, progress, order)
         else:
             with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
                 costs = pairs_as_run(calibrated_costs(args, config, schedule.num_stages),
@@ -251,8 +290,16 @@ def handle(args: argparse.Namespace) -> int:
                         else "4/4 simulating the same programs"):
         predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config),
                                    parallel=replicas(config))
+    # interleaved: the step times are the timed configs' timed steps only, their warm-ups apart
+    interleaved = order == INTERLEAVED
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
-                       args.warmup_steps, load=load, cores=os.cpu_count(), world_size=config.world_size)
+                       0 if interleaved else args.warmup_steps, load=load, cores=os.cpu_count(),
+                       world_size=config.world_size)
+    if order is not None:
+        document["calibration_order"] = order
+    if interleaved:
+        document["warmup_steps_per_timed_step"] = args.warmup_steps
+        document["measured_warmup_step_times"] = result["warmup_step_times"]
     document["costs"] = costs.to_dict()  # what the prediction was made with, to read beside its error
     if variability is not None:
         from pipesim.sim.comparison import add_spread  # noqa: PLC0415
