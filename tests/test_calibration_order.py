@@ -5,6 +5,7 @@ it refuses, and one 2-rank gloo compare in each order."""
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 from hypothesis import given
@@ -56,9 +57,9 @@ def test_interleaved_order_holds_each_config_once_in_turn_and_never_two_timed_on
     # with at least as many calibration configs as timed ones, a calibration config lies
     # between any two timed ones (and the other way round)
     if calibration >= timed:
-        assert all(not (a == T and b == T) for a, b in zip(kinds, kinds[1:]))
+        assert all(not (a == T and b == T) for a, b in pairwise(kinds))
     if timed >= calibration:
-        assert all(not (a == C and b == C) for a, b in zip(kinds, kinds[1:]))
+        assert all(not (a == C and b == C) for a, b in pairwise(kinds))
     # every prefix has seen the same share of each kind, within one config of each
     seen = {C: 0, T: 0}
     for kind in kinds:
@@ -140,7 +141,7 @@ def test_compare_refuses_orders_and_steps_that_make_no_sense_in_one_line(flags, 
     assert message in error and len(error.strip().splitlines()) == 1
 
 
-def test_around_keeps_a_run_without_warmup_or_with_fewer_steps_than_the_warmup(capsys):
+def test_around_keeps_a_run_without_warmup_or_with_fewer_steps_than_the_warmup():
     from pipesim.cli.calibration_order import check_order_steps
 
     check_order_steps(AROUND, 1, 1)

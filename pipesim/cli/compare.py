@@ -2,8 +2,9 @@
 links, then report how far apart the two are.
 
 Costs come from ``--costs``, or by default from calibration steps the job's own processes
-run before the timed ones (``--calibration run``: the wall time of every action under the
-run's own contention, ``executor.run_costs``), or from the standalone stage profile
+run beside the timed ones (``--calibration run``: the wall time of every action under the
+run's own contention, ``executor.run_costs``; interleaved with them by default,
+``pipesim.cli.calibration_order``), or from the standalone stage profile
 (``--calibration stages``, ``pipesim profile``); links from ``--topology`` or from a
 short send/recv benchmark (``pipesim bench-comm``). The prediction simulates the same
 lowered programs the executor runs. torch is imported only inside the handler.
