@@ -172,8 +172,13 @@ def test_compare_in_either_order_measures_only_the_timed_steps(order, tmp_path, 
     monkeypatch.setattr(executor.launch, "launch", recording_launch)
     out = tmp_path / "compare.json"
     assert main(["compare", *TINY, "--steps", "3", "--calibration-steps", "2", "--calibration-order", order,
-                 "--topology", topology(tmp_path / "links.json", 2), "--json", str(out), "--quiet"]) == 0
+                 "--topology", topology(tmp_path / "links.json", 2), "--json", str(out), "--quiet",
+                 "--trace", str(tmp_path / "measured.json"), "--html", str(tmp_path / "compare.html")]) == 0
     document = json.loads(out.read_text())
+    measured = json.loads((tmp_path / "measured.json").read_text())
+    drawn = measured["meta"]["step"]
+    assert f"drawn: step {drawn}," in (tmp_path / "compare.html").read_text()
+    assert len(measured["meta"]["memory"]) == 2  # each rank's measured memory, beside the prediction
     ((configs, results),) = launched
     steps = [config.steps for config in configs]
     assert document["calibration_order"] == order
@@ -185,10 +190,15 @@ def test_compare_in_either_order_measures_only_the_timed_steps(order, tmp_path, 
         assert document["measured_step_times"] == [result["step_times"][-1] for result in timed]
         assert document["measured_warmup_step_times"] == [result["step_times"][:1] for result in timed]
         assert document["warmup_steps"] == 0 and document["warmup_steps_per_timed_step"] == 1
+        # the drawn Trace is the timed config whose step is the lower middle of the two
+        times = document["measured_step_times"]
+        assert drawn == (0 if times[0] <= times[1] else 1)
+        assert Trace.from_dict(measured).events == timed[drawn]["trace"].events
     else:
         assert steps == [2, 3, 2]  # C, the timed config's 3 steps, C
         assert document["measured_step_times"] == results[1]["step_times"]
         assert document["warmup_steps"] == 1 and "measured_warmup_step_times" not in document
+        assert drawn == 2  # the timed model's last step
     kept = document["measured_step_times"][document["warmup_steps"]:]
     assert len(kept) == 2
     assert document["measured_step_time"] == pytest.approx(sum(kept) / 2)  # the median of two
