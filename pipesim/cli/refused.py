@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from executor.refused_flags import add_refused_flags as add_flags_refused
-from executor.refused_flags import flag_refusal
+from executor import refused_flags
 from executor.refused_values import admit_refused_values, value_refusal
 
 SOURCES = ("simulate", "plan")  # the commands whose flags run mirrors
@@ -54,7 +53,7 @@ def add_missing_flags(parser: argparse.ArgumentParser,
     (``executor.refused_flags``, which ``python -m executor`` uses too), each parsing as
     many values as the flag it stands for."""
     taken = {flag: (values_taken(action), owners) for flag, (action, owners) in others.items()}
-    return add_flags_refused(parser, taken)
+    return refused_flags.add_refused_flags(parser, taken)
 
 
 def values_taken(action: argparse.Action) -> int | str | None:
@@ -74,4 +73,4 @@ def add_refused_values(parser: argparse.ArgumentParser,
 def refusal(args: argparse.Namespace) -> str | None:
     """The one-line refusal for the first such flag given, else for a value only simulate
     or plan takes, or None."""
-    return flag_refusal(args, "pipesim run", "run") or value_refusal(args, "pipesim run", "run")
+    return refused_flags.flag_refusal(args, "pipesim run", "run") or value_refusal(args, "pipesim run", "run")
