@@ -4,8 +4,9 @@
         --schedule 1f1b --pp 16 --microbatches 64 --model gpt --layers 32
 
 Every rank runs the same command; rank 0 prints the summary and writes ``--json`` and
-``--trace``. A bad flag, or a value only the simulator takes (``--recompute
-norm-mla-up``), is refused in one line with exit status 2, as ``pipesim run`` refuses it.
+``--trace``. A bad flag, a flag of another pipesim command (``--topology``, simulate's;
+``--html``, run's) or a value only the simulator takes (``--recompute norm-mla-up``) is
+refused in one line with exit status 2, as ``pipesim run`` refuses them.
 """
 
 from __future__ import annotations
@@ -16,20 +17,29 @@ import sys
 
 from executor.config import ConfigError
 from executor.options import add_run_arguments, config_from_args
+from executor.refused_flags import REFUSED_FLAGS, add_refused_flags, flag_refusal
 from executor.refused_values import SIMULATOR_CHOICES, admit_refused_values, value_refusal
 
 PROGRAM = "python -m executor"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The executor's flags (``pipesim run``'s, less what only run does), with the flags
+    and values of the other commands it lacks parsed so that they can be refused by name."""
     parser = argparse.ArgumentParser(prog=PROGRAM, description=__doc__.splitlines()[0])
     add_run_arguments(parser)
-    refused = admit_refused_values(parser, SIMULATOR_CHOICES)
-    parser.epilog = f"Values only the simulator takes are refused in one line: {', '.join(refused)}."
-    args = parser.parse_args(argv)
+    flags = sorted(add_refused_flags(parser, REFUSED_FLAGS))
+    values = admit_refused_values(parser, SIMULATOR_CHOICES)
+    parser.epilog = (f"Flags of pipesim simulate, plan and run that the executor does not take, and values only the "
+                     f"simulator takes, are refused in one line: {', '.join(flags + values)}.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        refused = value_refusal(args, PROGRAM, "the executor")
+        refused = flag_refusal(args, PROGRAM, "the executor") or value_refusal(args, PROGRAM, "the executor")
         if refused:
             raise ConfigError(refused)
         config = config_from_args(args)

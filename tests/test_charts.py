@@ -246,10 +246,11 @@ def test_compare_chart_and_terminal_print_the_same_numbers():
     terminal = "\n".join(report_lines(document))
     measured_line, predicted_line = chart_summaries(document, drawn_step=3, drawn_span=6.5e-3)
     # by hand: median of 8, 7, 9 ms = 8 ms; busy 0.1 + 0.2 (rank 0) and 0.1 + 0.2 (rank 1) ms
+    # of the drawn (last) step, whose own time is 9 ms
     assert "8.00 ms" in measured_line and "median of 3 steps" in measured_line
-    assert "drawn: step 3, 6.5 ms long" in measured_line  # the drawn bars' own length, said apart
-    assert f"{1 - 0.6e-3 / (2 * 8e-3):.1%}" in measured_line  # 96.2%
-    for line in (measured_line.split(" · drawn")[0], predicted_line):
+    assert "drawn: step 3, its actions 6.5 ms long" in measured_line  # the drawn bars' own length, said apart
+    assert f"idle {1 - 0.6e-3 / (2 * 9e-3):.1%} (of the drawn step's 9.00 ms)" in measured_line  # 96.7%
+    for line in (measured_line.replace(", its actions 6.5 ms long", ""), predicted_line):
         for figure in re.findall(r"[-+]?\d+\.\d+%?", line):
             assert figure in terminal, (figure, terminal)
     fig = gantt_figure([measured, predicted], titles=["measured", "predicted"],

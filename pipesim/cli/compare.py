@@ -174,19 +174,21 @@ def calibrated_topology(args: argparse.Namespace, config):
 def chart_summaries(document: dict, drawn_step: int | None = None, drawn_span: float | None = None) -> list[str]:
     """The Gantt's measured and predicted title lines, from the comparison document the
     terminal report prints (``report_lines``), in the same units and precision, so the
-    chart and the terminal never disagree. Both are taken against the step time (the
-    median over the kept steps when measured), not the span of the drawn step's
-    events: that span leaves out the optimizer step and the loss all-reduce, and once
-    gave a chart bubble of 13.9% beside a reported 21.0%. The drawn step's own length
+    chart and the terminal never disagree. Both are taken against a step time (measured:
+    the drawn step's, as in the report), not the span of the drawn step's events: that
+    span leaves out the optimizer step and the loss all-reduce, and once gave a chart
+    bubble of 13.9% beside a reported 21.0%. The span of the drawn actions
     (``drawn_span`` seconds) is said beside it, so the bars' end is not read as the median."""
     kept = max(len(document["measured_step_times"]) - document["warmup_steps"], 0) or len(
         document["measured_step_times"])
     drawn = f" · drawn: step {drawn_step}" if drawn_step is not None else ""
     if drawn and drawn_span is not None:
-        drawn += f", {duration(drawn_span, 'ms')} long"
+        drawn += f", its actions {duration(drawn_span, 'ms')} long"
+    traced = document.get("measured_traced_step_time")
+    of_step = f" (of the drawn step's {traced * 1e3:.2f} ms)" if traced is not None else ""
     return [
-        f"step time {document['measured_step_time'] * 1e3:.2f} ms (median of {kept} steps) · "
-        f"bubble {document['measured_bubble_fraction']:.1%} · idle {document['measured_idle_fraction']:.1%}{drawn}",
+        f"step time {document['measured_step_time'] * 1e3:.2f} ms (median of {kept} steps){drawn} · "
+        f"bubble {document['measured_bubble_fraction']:.1%} · idle {document['measured_idle_fraction']:.1%}{of_step}",
         f"step time {document['predicted_step_time'] * 1e3:.2f} ms (error {document['error']:+.1%}) · "
         f"bubble {document['predicted_bubble_fraction']:.1%} · idle {document['predicted_idle_fraction']:.1%}",
     ]

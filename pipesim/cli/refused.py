@@ -8,7 +8,9 @@ parsers when ``run``'s parser is built, so a flag added to ``simulate`` or ``pla
 later is refused by ``run`` until ``run`` learns it. The same holds for the values of a
 flag both take: ``simulate --recompute norm-mla-up`` (DeepSeek-V3's recomputation) is
 refused by ``run`` as simulate-only, naming what ``run`` executes, not as argparse's
-"invalid choice".
+"invalid choice". The stand-in flags and the sentences are the executor's
+(``executor.refused_flags``, ``executor.refused_values``), which ``python -m executor``
+uses with a table of its own.
 """
 
 from __future__ import annotations
@@ -16,22 +18,10 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from executor.refused_values import admit_refused_values, only, value_refusal
+from executor import refused_flags
+from executor.refused_values import admit_refused_values, value_refusal
 
 SOURCES = ("simulate", "plan")  # the commands whose flags run mirrors
-
-
-class RefusedFlag(argparse.Action):
-    """Parses like the flag it stands for, and remembers that it was given."""
-
-    def __init__(self, option_strings: list[str], dest: str, owners: tuple[str, ...] = (), **kwargs) -> None:
-        self.owners = owners
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
-        given = getattr(namespace, self.dest, None) or []
-        setattr(namespace, self.dest, [*given, (option_string, self.owners)])
 
 
 def other_flags() -> dict[str, tuple[argparse.Action, tuple[str, ...]]]:
@@ -59,17 +49,16 @@ def add_refused_flags(parser: argparse.ArgumentParser) -> list[str]:
 
 def add_missing_flags(parser: argparse.ArgumentParser,
                       others: dict[str, tuple[argparse.Action, tuple[str, ...]]]) -> list[str]:
-    """The flags of ``others`` that ``parser`` lacks, added as ``RefusedFlag``s."""
-    taken = set(parser._option_string_actions)
-    refused = []
-    for flag, (action, owners) in others.items():
-        if flag in taken:
-            continue
-        nargs = 0 if action.nargs == 0 or isinstance(action, argparse._StoreTrueAction) else action.nargs
-        parser.add_argument(flag, action=RefusedFlag, dest="refused_flags", owners=owners, nargs=nargs,
-                            default=None, help=argparse.SUPPRESS)
-        refused.append(flag)
-    return refused
+    """The flags of ``others`` that ``parser`` lacks, added as refused flags
+    (``executor.refused_flags``, which ``python -m executor`` uses too), each parsing as
+    many values as the flag it stands for."""
+    taken = {flag: (values_taken(action), owners) for flag, (action, owners) in others.items()}
+    return refused_flags.add_refused_flags(parser, taken)
+
+
+def values_taken(action: argparse.Action) -> int | str | None:
+    """How many values ``action``'s flag takes, as argparse's nargs (0 for a switch)."""
+    return 0 if action.nargs == 0 or isinstance(action, argparse._StoreTrueAction) else action.nargs
 
 
 def add_refused_values(parser: argparse.ArgumentParser,
@@ -84,9 +73,4 @@ def add_refused_values(parser: argparse.ArgumentParser,
 def refusal(args: argparse.Namespace) -> str | None:
     """The one-line refusal for the first such flag given, else for a value only simulate
     or plan takes, or None."""
-    given = getattr(args, "refused_flags", None)
-    if given:
-        flag, owners = given[0]
-        return (f"{flag} is {only(owners)}: pipesim run does not execute it (it is a flag of pipesim "
-                f"{' and '.join(owners)}); drop it to run, or see docs/executor.md for what run executes")
-    return value_refusal(args, "pipesim run", "run")
+    return refused_flags.flag_refusal(args, "pipesim run", "run") or value_refusal(args, "pipesim run", "run")
