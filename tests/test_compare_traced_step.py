@@ -5,9 +5,15 @@ slowest once reported rank 1 busy 821.7 ms against the 803.9 ms median, an idle 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from pipesim.sim.comparison import compare, report_lines
+from pipesim.model.costs import Costs, StageCost
+from pipesim.sim.comparison import compare, launch_overheads, report_lines
+from schedules.action import COMPUTE_KINDS
+from schedules.generators import generate
+from schedules.lowering import lower
 from schedules.trace import Trace, TraceEvent
 
 META = {"pp": 2, "schedule": "1f1b", "microbatches": 1, "virtual_stages": 1}
@@ -70,3 +76,43 @@ def test_a_trace_of_a_step_the_run_did_not_time_is_refused() -> None:
     with pytest.raises(ValueError, match="holds step 7, but the run recorded 5 step times"):
         compare(Trace(measured.events, {**measured.meta, "step": 7}), STEP_TIMES, tp_step("simulated", tp=False),
                 0.95)
+
+
+def test_launch_overheads_count_each_compute_action_once_per_rank() -> None:
+    # 1F1B, pp 2, 3 microbatches: each rank runs 3 F and 3 B; zbv, pp 2, 2 microbatches:
+    # each rank holds 2 chunks and runs 2 F, 2 I and 2 W of each, 12 actions
+    costs = Costs(stages=(StageCost(fwd=1e-3, bwd=2e-3),) * 4, action_overhead=1e-4)
+    assert launch_overheads(generate("1f1b", 2, 3), costs) == pytest.approx([6e-4, 6e-4])
+    assert launch_overheads(generate("zbv", 2, 2, 2), costs) == pytest.approx([12e-4, 12e-4])
+    # the lowered programs' SEND/RECV pay comm_overhead, not this
+    lowered = lower(generate("1f1b", 2, 3))
+    assert launch_overheads(lowered, costs) == pytest.approx([6e-4, 6e-4])
+
+
+def test_overlapped_pairs_with_a_measured_overlap_pay_one_launch() -> None:
+    # dualpipev, pp 2, 4 microbatches: per rank 8 F, 8 B (or I and W) ...; each pair run
+    # together (pairs_overlap) with a measured overlap_fb is charged one overhead, not two
+    schedule = generate("dualpipev", 2, 4, 2)
+    alone = Costs(stages=(StageCost(fwd=1e-3, bwd=2e-3),) * 4, action_overhead=1e-4)
+    paired = replace(alone, stages=(StageCost(fwd=1e-3, bwd=2e-3, overlap_fb=2.5e-3),) * 4, pairs_overlap=True)
+    for rank in range(2):
+        compute = sum(1 for action in schedule.programs[rank] if action.kind in COMPUTE_KINDS)
+        pairs = len(schedule.fused_pairs(rank))
+        assert pairs > 0
+        assert launch_overheads(schedule, alone)[rank] == pytest.approx(compute * 1e-4)
+        assert launch_overheads(schedule, paired)[rank] == pytest.approx((compute - pairs) * 1e-4)
+
+
+def test_the_predicted_busy_leaves_out_the_launch_overheads() -> None:
+    # the same step on both sides, the prediction's events each 0.01 s longer for the
+    # overhead it charges before them (2 a rank): busy and stretch agree once it is left out
+    measured = tp_step("measured", tp=False)
+    predicted = Trace([TraceEvent(0, "0F0", "F", 0, 0, 0.0, 0.31, "compute"),
+                       TraceEvent(0, "0B0", "B", 0, 0, 0.5, 0.91, "compute"),
+                       TraceEvent(1, "1F0", "F", 1, 0, 0.04, 0.45, "compute"),
+                       TraceEvent(1, "1B0", "B", 1, 0, 0.46, 0.92, "compute")], {**META, "source": "simulated"})
+    plain = compare(measured, STEP_TIMES, predicted, 1.0)
+    assert [rank["predicted_busy"] for rank in plain["ranks"]] == pytest.approx([0.72, 0.87])
+    fair = compare(measured, STEP_TIMES, predicted, 1.0, overheads=[0.02, 0.02])
+    assert [rank["predicted_busy"] for rank in fair["ranks"]] == pytest.approx([0.7, 0.85])
+    assert fair["compute_stretch"] == pytest.approx([1.0, 1.0])
