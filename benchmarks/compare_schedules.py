@@ -132,26 +132,26 @@ def stretch(summary: dict) -> str:
     return " ".join("-" if value is None else f"{value:.2f}" for value in summary.get("compute_stretch", []))
 
 
-def pipeline_size(text: str) -> int:
-    """A --pp value: a whole number of at least 2 (compare needs a pipeline)."""
+def whole_number(text: str, least: int, too_small: str = "expected a whole number") -> int:
+    """A count of at least ``least``, refused in one line naming the value (``too_small``
+    says why the bound is there)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 2, got {text!r}") from None
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"compare needs a pipeline: expected >= 2, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{too_small} >= {least}, got {value}")
     return value
+
+
+def pipeline_size(text: str) -> int:
+    """A --pp value: at least 2 (compare needs a pipeline)."""
+    return whole_number(text, 2, "compare needs a pipeline: expected")
 
 
 def pass_count(text: str) -> int:
-    """A --passes value: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
+    """A --passes value: at least 1."""
+    return whole_number(text, 1)
 
 
 def layout_names(text: str) -> list[str]:

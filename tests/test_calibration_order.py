@@ -25,6 +25,7 @@ from pipesim.cli.calibration_order import (
     timed_configs,
 )
 from schedules.trace import Trace, TraceEvent
+from tests.test_compare_calibrated import topology
 
 C, T = CALIBRATION, TIMED
 
@@ -146,15 +147,6 @@ def test_around_keeps_a_run_without_warmup_or_with_fewer_steps_than_the_warmup()
 
     check_order_steps(AROUND, 1, 1)
     check_order_steps(AROUND, 3, 0)
-
-
-def topology(path, ranks: int) -> str:
-    link = {"bandwidth": 1e9, "latency": 1e-4, "medium": "gloo measured"}
-    document = {"devices": [{"name": f"rank{rank}"} for rank in range(ranks)],
-                "links": [{"src": f"rank{a}", "dst": f"rank{b}", **link}
-                          for a in range(ranks) for b in range(a + 1, ranks)]}
-    path.write_text(json.dumps(document))
-    return str(path)
 
 
 @pytest.mark.timeout(240)
