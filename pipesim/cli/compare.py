@@ -135,8 +135,24 @@ def pairs_as_run(costs, overlap: bool):
     return costs if costs.pairs_overlap == overlap else dataclasses.replace(costs, pairs_overlap=overlap)
 
 
+def held_collectives(config) -> dict[str, int]:
+    """The collectives the run holds its ranks for inside compute actions that the
+    simulator prices from the benchmark, each with its group size: ep's all-to-alls
+    (``all_to_all_single`` over each ep group) and the ring's K/V steps (a batched
+    send/recv to the cp group's neighbours; ``--cp-comm all-gather`` keeps its gathers
+    in the measured compute)."""
+    held = {}
+    if config.ep > 1:
+        held["all_to_all"] = config.ep
+    if config.cp > 1 and config.cp_comm == "p2p":
+        held["ring_exchange"] = config.cp
+    return held
+
+
 def calibrated_topology(args: argparse.Namespace, config):
-    """The topology file given, or send/recv measured now on every rank of the run and fitted."""
+    """The topology file given, or measured now on every rank of the run and fitted:
+    send/recv for the links, and the collectives the run holds its ranks for
+    (``held_collectives``) as the executor runs them, over groups of the run's size."""
     from pipesim.cluster.files import load_topology, topology_from_dict  # noqa: PLC0415
 
     if args.topology:
@@ -145,8 +161,9 @@ def calibrated_topology(args: argparse.Namespace, config):
     from pipesim.cli.bench_comm import parse_sizes  # noqa: PLC0415
     from pipesim.cluster.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
 
-    result = bench_comm(config.world_size, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads,
-                        verbose=args.verbose)
+    held = held_collectives(config)
+    result = bench_comm(config.world_size, ["sendrecv", *held], parse_sizes(LINK_SIZES), config.backend,
+                        config.threads, verbose=args.verbose, groups=held)
     return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
 
 
@@ -221,7 +238,8 @@ def handle(args: argparse.Namespace) -> int:
     progress = progress_from_args("compare", args)
     try:
         if not args.costs and calibration == "run":
-            with progress.phase("reading --topology" if args.topology else "1/3 benchmarking send/recv"):
+            with progress.phase("reading --topology" if args.topology
+                                else f"1/3 benchmarking {', '.join(['send/recv', *held_collectives(config)])}"):
                 topology = calibrated_topology(args, config)
             # the calibration steps and the timed ones run the same lowered programs, the
             # ones the prediction simulates (lowered before any cost is known)
@@ -230,7 +248,8 @@ def handle(args: argparse.Namespace) -> int:
             with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
                 costs = pairs_as_run(calibrated_costs(args, config, schedule.num_stages),
                                      pairs_overlap_on(resolve_backend(config.backend)))
-            with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
+            with progress.phase("reading --topology" if args.topology
+                                else f"2/4 benchmarking {', '.join(['send/recv', *held_collectives(config)])}"):
                 topology = calibrated_topology(args, config)
             # the run posts the transfers where lowering places them for these costs and links,
             # in the order zb-h1 and zb-h2 take on them, as the prediction does (pipesim

@@ -1,0 +1,146 @@
+"""The collectives a run holds its ranks for inside compute actions (ep's all-to-alls, the
+cp ring's K/V steps) are measured as the executor runs them (``bench-comm``'s
+``all_to_all`` and ``ring_exchange``, over groups of the run's size, the mean over
+ranks), fitted as themselves and priced by that fit for a group of the measured size;
+other sizes keep the links' price. Expected seconds are worked out by hand from the
+synthetic timings' line."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipesim.cli.compare import held_collectives, replicas
+from pipesim.cluster.collectives import all_to_all, ring_exchange
+from pipesim.cluster.comm_fit import bench_table, fits_by_operation, measured_collectives, topology_document
+from pipesim.cluster.files import topology_from_dict
+from pipesim.cluster.topology import TopologyError
+from pipesim.model.costs import Costs, StageCost
+from pipesim.sim.step import run_simulation
+from schedules.generators import generate
+from tests.test_compare_ep_links import BANDWIDTH, LATENCY, run_config
+
+SIZES = (1024, 16384, 262144, 4194304)
+# the line the synthetic all-to-all and ring exchange timings lie on (seconds, bytes/s)
+A2A_LATENCY, A2A_BANDWIDTH = 4e-4, 2e9
+RING_LATENCY, RING_BANDWIDTH = 7e-4, 5e8
+
+
+def bench_result(ranks: int, group: int) -> dict:
+    """A bench-comm result: send/recv on ``LATENCY + bytes / BANDWIDTH`` (the links), the
+    all-to-all and the ring exchange over groups of ``group`` on lines of their own."""
+    rows = [{"operation": "sendrecv", "bytes": size, "seconds": LATENCY + size / BANDWIDTH} for size in SIZES]
+    rows += [{"operation": "all_to_all", "bytes": size, "seconds": A2A_LATENCY + size / A2A_BANDWIDTH,
+              "group": group} for size in SIZES]
+    rows += [{"operation": "ring_exchange", "bytes": size, "seconds": RING_LATENCY + size / RING_BANDWIDTH,
+              "group": group} for size in SIZES]
+    return {"world": ranks, "backend": "gloo", "device": "cpu", "rows": rows}
+
+
+def measured_topology(ranks: int = 4, group: int = 2):
+    result = bench_result(ranks, group)
+    return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
+
+
+def test_the_fit_of_a_collective_gives_back_its_timings() -> None:
+    fits = fits_by_operation(bench_result(8, 4))
+    assert measured_collectives(fits) == [
+        {"operation": "all_to_all", "ranks": 4, "latency": pytest.approx(A2A_LATENCY, rel=1e-9),
+         "bandwidth": pytest.approx(A2A_BANDWIDTH, rel=1e-9)},
+        {"operation": "ring_exchange", "ranks": 4, "latency": pytest.approx(RING_LATENCY, rel=1e-9),
+         "bandwidth": pytest.approx(RING_BANDWIDTH, rel=1e-9)}]
+    # the links still come from send/recv alone
+    assert fits["sendrecv"]["latency"] == pytest.approx(LATENCY) and fits["sendrecv"]["ranks"] == 8
+
+
+def test_the_table_counts_an_all_to_all_bus_bandwidth_over_its_group() -> None:
+    rows = {(row["operation"], row["bytes"]): row for row in bench_table(bench_result(8, 4))}
+    row = rows["all_to_all", 4194304]
+    seconds = A2A_LATENCY + 4194304 / A2A_BANDWIDTH
+    # nccl-tests' AlltoAllGetBw over the 4 ranks of a group, not the 8 of the job
+    assert row["algbw"] == pytest.approx(4194304 / seconds) and row["busbw"] == pytest.approx(row["algbw"] * 3 / 4)
+    assert rows["ring_exchange", 1024]["busbw"] == pytest.approx(rows["ring_exchange", 1024]["algbw"])
+
+
+def test_a_group_of_the_measured_size_costs_what_was_measured_others_what_the_links_cost() -> None:
+    topology = measured_topology(4, 2)
+    pair, four = ["rank0", "rank1"], ["rank0", "rank1", "rank2", "rank3"]
+    assert all_to_all(topology, pair, 8192) == pytest.approx(8192 / 2e9 + 4e-4, rel=1e-9)
+    assert ring_exchange(topology, pair, 2048) == pytest.approx(2048 / 5e8 + 7e-4, rel=1e-9)
+    # 4 members: each sends a quarter of its bytes to each other member over its own link
+    assert all_to_all(topology, four, 8192) == pytest.approx(8192 / 4 / BANDWIDTH + LATENCY, rel=1e-9)
+    assert ring_exchange(topology, four, 2048) == pytest.approx(2048 / BANDWIDTH + LATENCY, rel=1e-9)
+    # a file without measured collectives prices every group by its links, as before
+    plain = bench_result(4, 2)
+    plain["rows"] = [row for row in plain["rows"] if row["operation"] == "sendrecv"]
+    links = topology_from_dict(topology_document(plain, fits_by_operation(plain)))
+    assert all_to_all(links, pair, 8192) == pytest.approx(8192 / 2 / BANDWIDTH + LATENCY, rel=1e-9)
+
+
+def test_compare_charges_every_all_to_all_at_the_measured_pace() -> None:
+    config = run_config("--model", "mixtral-8x7b", "--pp", "2", "--dp", "2", "--ep", "2", "-m", "2")
+    moe_layers, dispatch = 2, 8192.0
+    stage = StageCost(fwd=1e-3, bwd=2e-3, act_bytes=4096.0, moe_layers=moe_layers, dispatch_bytes=dispatch)
+    result = run_simulation(generate("1f1b", 2, 2), Costs((stage, stage)), measured_topology(4, 2),
+                            parallel=replicas(config))
+    held = [event for event in result.trace.events if event.stream == "ep"]
+    assert len(held) == 2 * 2 * 2  # 2 ranks x 2 microbatches x (F, B)
+    one = dispatch / A2A_BANDWIDTH + A2A_LATENCY  # 4.4096e-4 s, not the links' 8192/2/1e8 + 2e-5 = 6.1e-5 s
+    for event in held:
+        assert event.duration == pytest.approx(2 * moe_layers * one, rel=1e-9)  # dispatch and combine per layer
+
+
+def test_compare_charges_the_ring_at_the_measured_pace() -> None:
+    config = run_config("--model", "llama3-8b", "--pp", "2", "--cp", "2", "-m", "2")
+    layers, block = 2, 2048.0
+    stage = StageCost(fwd=1e-3, bwd=2e-3, act_bytes=4096.0, attention_layers=layers, kv_bytes=block)
+    result = run_simulation(generate("1f1b", 2, 2), Costs((stage, stage)), measured_topology(4, 2),
+                            parallel=replicas(config))
+    held = {event.action: event.duration for event in result.trace.events if event.stream == "cp" and event.rank == 0}
+    one, two = block / RING_BANDWIDTH + RING_LATENCY, 2 * block / RING_BANDWIDTH + RING_LATENCY
+    # no attention to hide them: forward cp - 1 = 1 block, backward the block and the gradients (cp - 2 = 0 middle)
+    assert held["CP_KV(0F0)"] == pytest.approx(layers * one, rel=1e-9)
+    assert held["CP_KV(0B0)"] == pytest.approx(layers * 2 * one, rel=1e-9)
+    assert two > one
+
+
+def test_compare_benchmarks_the_collectives_the_run_holds_its_ranks_for() -> None:
+    assert held_collectives(run_config("--model", "mixtral-8x7b", "--pp", "2", "--dp", "4", "--ep", "4", "-m", "2")) == {
+        "all_to_all": 4}
+    assert held_collectives(run_config("--model", "llama3-8b", "--pp", "2", "--cp", "2")) == {"ring_exchange": 2}
+    # the all-gather's exchanges stay in the measured compute: nothing to price
+    assert held_collectives(run_config("--model", "llama3-8b", "--pp", "2", "--cp", "2", "--cp-comm",
+                                       "all-gather")) == {}
+    assert held_collectives(run_config("--pp", "2")) == {}
+
+
+@pytest.mark.parametrize(("entry", "named"), [
+    ({"operation": "all_reduce", "ranks": 2, "bandwidth": 1e9, "latency": 0}, "'operation' 'all_reduce'"),
+    ({"operation": "all_to_all", "ranks": 1, "bandwidth": 1e9, "latency": 0}, "'ranks' must be a whole number >= 2"),
+    ({"operation": "all_to_all", "ranks": 2.5, "bandwidth": 1e9, "latency": 0}, "'ranks' must be a whole"),
+    ({"operation": "all_to_all", "ranks": 2, "bandwidth": 0, "latency": 0}, "'bandwidth' must be > 0"),
+    ({"operation": "ring_exchange", "ranks": 2, "bandwidth": 1e9, "latency": -1}, "'latency' must be >= 0"),
+    ({"operation": "ring_exchange", "ranks": 2, "bandwidth": 1e9}, "missing 'latency'"),
+])
+def test_a_bad_measured_collective_is_refused_naming_the_entry_and_field(entry: dict, named: str) -> None:
+    document = topology_document(bench_result(2, 2), fits_by_operation(bench_result(2, 2)))
+    document["collectives"] = [document["collectives"][0], entry]
+    with pytest.raises(TopologyError, match=r"collectives\[1\]") as error:
+        topology_from_dict(document, name="links.json")
+    assert named in str(error.value)
+
+
+@pytest.mark.timeout(120)
+def test_bench_comm_times_the_grouped_collectives_on_gloo() -> None:
+    from executor.bench_comm import bench_comm  # noqa: PLC0415 - starts gloo ranks
+
+    with pytest.raises(ValueError, match="--group 3: .* must divide --ranks 4"):
+        bench_comm(4, ["all_to_all"], [1024], "gloo", groups={"all_to_all": 3})
+    result = bench_comm(2, ["all_to_all", "ring_exchange"], [1024, 65536], "gloo", groups={"all_to_all": 2})
+    rows = [(row["operation"], row["bytes"], row["group"]) for row in result["rows"]]
+    assert rows == [("all_to_all", 1024, 2), ("all_to_all", 65536, 2), ("ring_exchange", 1024, 2),
+                    ("ring_exchange", 65536, 2)]
+    assert all(row["seconds"] > 0 for row in result["rows"])
+    links = [row for row in bench_result(2, 2)["rows"] if row["operation"] == "sendrecv"]
+    measured = {**result, "rows": [*result["rows"], *links]}
+    topology = topology_from_dict(topology_document(measured, fits_by_operation(measured)))
+    assert set(topology.measured_collectives) == {("all_to_all", 2), ("ring_exchange", 2)}
