@@ -128,10 +128,11 @@ def time_operation(run: Callable[[], None], size: int, device: torch.device, war
     return float(seconds.mean().item()) / (dist.get_world_size() if per_rank else 1)
 
 
-def bench_rank(operations: list[str], sizes: list[int], backend: str, threads: int, warmup: int,
+def bench_rank(operations: list[str], sizes: dict[str, list[int]], backend: str, threads: int, warmup: int,
                groups: dict[str, int]) -> dict:
     """Every (operation, size) timing on this rank's view (identical on every rank);
-    ``groups``: the group size of each ``GROUPED`` operation."""
+    ``sizes``: each operation's message sizes; ``groups``: the group size of each
+    ``GROUPED`` operation."""
     rank, world, device, backend = init_rank(backend, threads)
     rows = []
     try:
@@ -143,7 +144,7 @@ def bench_rank(operations: list[str], sizes: list[int], backend: str, threads: i
                     process_group = dist.new_group(members)
                     if rank in members:
                         group = (process_group, members)
-            for size in sizes:
+            for size in sizes[name]:
                 try:
                     run = operation(name, size, rank, world, device, group)
                     seconds = time_operation(run, size, device, warmup, per_rank=name in GROUPED)
@@ -160,9 +161,11 @@ def bench_rank(operations: list[str], sizes: list[int], backend: str, threads: i
 
 
 def bench_comm(ranks: int, operations: list[str], sizes: list[int], backend: str = "auto", threads: int = 1,
-               warmup: int = 2, verbose: bool = False, groups: dict[str, int] | None = None) -> dict:
-    """Launch ``ranks`` local processes and time every operation at every size, each
-    ``GROUPED`` operation over groups of ``groups[operation]`` ranks (default all)."""
+               warmup: int = 2, verbose: bool = False, groups: dict[str, int] | None = None,
+               sizes_of: dict[str, list[int]] | None = None) -> dict:
+    """Launch ``ranks`` local processes and time every operation at every size (the
+    operations in ``sizes_of`` at their own sizes), each ``GROUPED`` operation over
+    groups of ``groups[operation]`` ranks (default all)."""
     if ranks < 2:
         raise ValueError(f"--ranks must be at least 2 to communicate, got {ranks}")
     unknown = [name for name in operations if name not in OPERATIONS]
@@ -171,5 +174,6 @@ def bench_comm(ranks: int, operations: list[str], sizes: list[int], backend: str
     groups = dict(groups or {})
     for name in GROUPED:
         rank_groups(ranks, groups.get(name, ranks))  # refused here, before any process starts
-    return launch_ranks(bench_rank, (operations, sizes, backend, threads, warmup, groups), ranks, threads, backend,
-                        verbose)[0]
+    sizes_of = {name: list((sizes_of or {}).get(name, sizes)) for name in operations}
+    return launch_ranks(bench_rank, (operations, sizes_of, backend, threads, warmup, groups), ranks, threads,
+                        backend, verbose)[0]

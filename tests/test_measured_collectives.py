@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipesim.cli.compare import held_collectives, replicas
+from pipesim.cli.compare import held_collectives, held_message_sizes, replicas
 from pipesim.cluster.collectives import all_to_all, ring_exchange
 from pipesim.cluster.comm_fit import bench_table, fits_by_operation, measured_collectives, topology_document
 from pipesim.cluster.files import topology_from_dict
@@ -104,13 +104,27 @@ def test_compare_charges_the_ring_at_the_measured_pace() -> None:
 
 
 def test_compare_benchmarks_the_collectives_the_run_holds_its_ranks_for() -> None:
-    assert held_collectives(run_config("--model", "mixtral-8x7b", "--pp", "2", "--dp", "4", "--ep", "4", "-m", "2")) == {
-        "all_to_all": 4}
+    mixtral = run_config("--model", "mixtral-8x7b", "--pp", "2", "--dp", "4", "--ep", "4", "-m", "2")
+    assert held_collectives(mixtral) == {"all_to_all": 4}
     assert held_collectives(run_config("--model", "llama3-8b", "--pp", "2", "--cp", "2")) == {"ring_exchange": 2}
     # the all-gather's exchanges stay in the measured compute: nothing to price
     assert held_collectives(run_config("--model", "llama3-8b", "--pp", "2", "--cp", "2", "--cp-comm",
                                        "all-gather")) == {}
     assert held_collectives(run_config("--pp", "2")) == {}
+
+
+def test_compare_times_them_at_the_run_message_sizes_and_two_for_the_bandwidth() -> None:
+    # mixtral shrunk: microbatches of 1 sequence of 16 tokens, top-2, hidden 64, float32
+    mixtral = run_config("--model", "mixtral-8x7b", "--pp", "2", "--dp", "2", "--ep", "2", "-m", "4")
+    assert held_message_sizes(mixtral, 2) == {"all_to_all": [16 * 2 * 64 * 4, 2**20, 2**24]}
+    # llama3-8b shrunk: microbatches of 2 sequences, 16 tokens over cp 4 = 4 a rank, key and value 16
+    # wide each (1 kv head), float32; the backward's middle steps carry the keys and values with their
+    # gradients: twice the block
+    llama = run_config("--model", "llama3-8b", "--pp", "2", "--cp", "4", "-m", "4")
+    assert llama.replica_batch_size // llama.microbatches == 2
+    block = 2 * 4 * (16 + 16) * 4
+    assert held_message_sizes(llama, 2) == {"ring_exchange": [block, 2 * block, 2**20, 2**24]}
+    assert held_message_sizes(run_config("--pp", "2"), 2) == {}
 
 
 @pytest.mark.parametrize(("entry", "named"), [
@@ -144,3 +158,14 @@ def test_bench_comm_times_the_grouped_collectives_on_gloo() -> None:
     measured = {**result, "rows": [*result["rows"], *links]}
     topology = topology_from_dict(topology_document(measured, fits_by_operation(measured)))
     assert set(topology.measured_collectives) == {("all_to_all", 2), ("ring_exchange", 2)}
+
+
+@pytest.mark.parametrize(("group", "named"), [
+    ("3", "--group 3: a group needs 2 or more ranks and must divide --ranks 4"), ("1", "--group 1")])
+def test_bench_comm_refuses_a_group_that_does_not_cut_the_ranks(capsys, group: str, named: str) -> None:
+    from tests.test_cli_errors import assert_one_line_error, run_cli  # noqa: PLC0415
+
+    status, out, err = run_cli(capsys, "bench-comm", "--ranks", "4", "--group", group, "--ops", "all_to_all",
+                               "--backend", "gloo")
+    assert status == 2 and out == ""
+    assert_one_line_error(status, err, named)

@@ -27,6 +27,8 @@ from schedules.metrics import makespan
 from schedules.units import duration
 
 LINK_SIZES = "1KB..16MB"  # sendrecv sizes measured when no --topology is given
+# beside the run's own message sizes, the sizes its held collectives are timed at for the bandwidth
+BANDWIDTH_SIZES = (2**20, 2**24)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -149,10 +151,30 @@ def held_collectives(config) -> dict[str, int]:
     return held
 
 
-def calibrated_topology(args: argparse.Namespace, config):
+def held_message_sizes(config, num_stages: int) -> dict[str, list[int]]:
+    """The sizes to time each of ``held_collectives`` at: the messages the run sends
+    (each stage's ``dispatch_bytes`` for the all-to-all; its ``kv_bytes``, and twice that
+    for the backward's middle steps, for the ring), so that the fit is pinned where the
+    run uses it (on a shared CPU a fit over 1 kB..16 MB put an 8 kB all-to-all at half
+    what it measured: the relative-error fit follows the fastest small size), and
+    ``BANDWIDTH_SIZES`` for the bytes term."""
+    held = held_collectives(config)
+    if not held:
+        return {}
+    from executor.run_costs import stage_bytes  # noqa: PLC0415 - builds the model to count it
+
+    entries = stage_bytes(config, num_stages)
+    blocks = {entry.get("kv_bytes", 0.0) for entry in entries}
+    run = {"all_to_all": {entry.get("dispatch_bytes", 0.0) for entry in entries},
+           "ring_exchange": blocks | ({2 * size for size in blocks} if config.cp > 2 else set())}
+    return {name: sorted({int(size) for size in run[name] if size > 0} | set(BANDWIDTH_SIZES)) for name in held}
+
+
+def calibrated_topology(args: argparse.Namespace, config, num_stages: int):
     """The topology file given, or measured now on every rank of the run and fitted:
     send/recv for the links, and the collectives the run holds its ranks for
-    (``held_collectives``) as the executor runs them, over groups of the run's size."""
+    (``held_collectives``) as the executor runs them, over groups of the run's size, at
+    the run's message sizes (``held_message_sizes``)."""
     from pipesim.cluster.files import load_topology, topology_from_dict  # noqa: PLC0415
 
     if args.topology:
@@ -163,7 +185,8 @@ def calibrated_topology(args: argparse.Namespace, config):
 
     held = held_collectives(config)
     result = bench_comm(config.world_size, ["sendrecv", *held], parse_sizes(LINK_SIZES), config.backend,
-                        config.threads, verbose=args.verbose, groups=held)
+                        config.threads, verbose=args.verbose, groups=held,
+                        sizes_of=held_message_sizes(config, num_stages))
     return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
 
 
@@ -240,7 +263,7 @@ def handle(args: argparse.Namespace) -> int:
         if not args.costs and calibration == "run":
             with progress.phase("reading --topology" if args.topology
                                 else f"1/3 benchmarking {', '.join(['send/recv', *held_collectives(config)])}"):
-                topology = calibrated_topology(args, config)
+                topology = calibrated_topology(args, config, schedule.num_stages)
             # the calibration steps and the timed ones run the same lowered programs, the
             # ones the prediction simulates (lowered before any cost is known)
             result, costs = run_calibrated(args, config, schedule, progress)
@@ -250,7 +273,7 @@ def handle(args: argparse.Namespace) -> int:
                                      pairs_overlap_on(resolve_backend(config.backend)))
             with progress.phase("reading --topology" if args.topology
                                 else f"2/4 benchmarking {', '.join(['send/recv', *held_collectives(config)])}"):
-                topology = calibrated_topology(args, config)
+                topology = calibrated_topology(args, config, schedule.num_stages)
             # the run posts the transfers where lowering places them for these costs and links,
             # in the order zb-h1 and zb-h2 take on them, as the prediction does (pipesim
             # simulate builds and lowers the same way)
