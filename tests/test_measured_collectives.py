@@ -169,3 +169,29 @@ def test_bench_comm_refuses_a_group_that_does_not_cut_the_ranks(capsys, group: s
                                "--backend", "gloo")
     assert status == 2 and out == ""
     assert_one_line_error(status, err, named)
+
+
+def test_compare_reports_what_the_collectives_held_on_each_side() -> None:
+    from pipesim.sim.comparison import compare, report_lines  # noqa: PLC0415
+    from schedules.action import Action, ActionKind  # noqa: PLC0415
+    from schedules.trace import Trace, TraceEvent  # noqa: PLC0415
+
+    def held(rank: int, action: Action, start: float, end: float) -> TraceEvent:
+        return TraceEvent(rank, f"ALLTOALL_EP({action})", "ALLTOALL_EP", action.stage, action.microbatch, start, end,
+                          "ep")
+
+    first, second = Action(0, ActionKind.F, 0), Action(1, ActionKind.F, 0)
+    measured = Trace([TraceEvent.of(0, first, 0.0, 1.0, "compute"), held(0, first, 0.2, 0.3), held(0, first, 0.6, 0.75),
+                      TraceEvent.of(1, second, 1.0, 2.0, "compute"), held(1, second, 1.5, 1.6)])
+    # the simulator's one event per action, after the compute
+    predicted = Trace([TraceEvent.of(0, first, 0.0, 0.75, "compute"), held(0, first, 0.75, 1.05),
+                       TraceEvent.of(1, second, 1.05, 1.95, "compute"), held(1, second, 1.95, 2.0)])
+    document = compare(measured, [2.0, 2.0], predicted, 2.0, warmup_steps=0)
+    assert document["held_collectives"] == {"ep": {"measured": pytest.approx(0.35), "predicted": pytest.approx(0.35),
+                                                   "count": 3}}
+    (line,) = [line for line in report_lines(document) if line.lstrip().startswith("ep ")]
+    assert "measured    350.00 ms" in line and "predicted    350.00 ms" in line
+    assert "(3 all-to-alls in the drawn step: 116.667 / 116.667 ms each)" in line
+    # a run without collectives inside its actions reports none
+    assert "held_collectives" not in compare(Trace(measured.events[:1]), [1.0], Trace(predicted.events[:1]), 1.0,
+                                             warmup_steps=0)
