@@ -195,3 +195,52 @@ def test_compare_reports_what_the_collectives_held_on_each_side() -> None:
     # a run without collectives inside its actions reports none
     assert "held_collectives" not in compare(Trace(measured.events[:1]), [1.0], Trace(predicted.events[:1]), 1.0,
                                              warmup_steps=0)
+
+
+def ep_trace(*durations: float):
+    """A calibration step's Trace with one all-to-all of each of ``durations`` seconds."""
+    from schedules.action import Action, ActionKind  # noqa: PLC0415
+    from schedules.trace import Trace, TraceEvent  # noqa: PLC0415
+
+    forward = Action(0, ActionKind.F, 0)
+    events, start = [TraceEvent.of(0, forward, 0.0, 100.0, "compute")], 0.0
+    for duration in durations:
+        events.append(TraceEvent(0, f"ALLTOALL_EP({forward})", "ALLTOALL_EP", 0, 0, start, start + duration, "ep"))
+        start += duration
+    return Trace(events)
+
+
+def test_the_calibration_steps_time_one_all_to_all_as_the_median_of_their_means() -> None:
+    from executor.run_costs import held_seconds  # noqa: PLC0415
+
+    # step means 2, 4 and 1 ms: the median, 2 ms (a slow step does not set it)
+    assert held_seconds([ep_trace(1e-3, 3e-3), ep_trace(4e-3), ep_trace(1e-3)], "ep") == pytest.approx(2e-3)
+    assert held_seconds([ep_trace()], "ep") is None
+
+
+def test_compare_gives_the_all_to_all_the_seconds_its_calibration_steps_timed() -> None:
+    from pipesim.cli.compare import calibrate_held  # noqa: PLC0415
+    from pipesim.cluster.comm_fit import calibrate_latency  # noqa: PLC0415
+
+    measured = {("all_to_all", 2): (A2A_BANDWIDTH, A2A_LATENCY)}
+    assert calibrate_latency(measured, "all_to_all", 4, 8192, 1e-3) is None and len(measured) == 1
+    assert calibrate_latency(measured, "all_to_all", 2, 8192, 1e-3) == (A2A_BANDWIDTH, 1e-3 - 8192 / A2A_BANDWIDTH)
+    assert calibrate_latency(measured, "all_to_all", 2, 8192, 1e-6) == (A2A_BANDWIDTH, 0.0)  # never below zero
+
+    config = run_config("--model", "mixtral-8x7b", "--pp", "2", "--dp", "2", "--ep", "2", "-m", "2")
+    moe_layers, dispatch = 2, 8192.0
+    stage = StageCost(fwd=1e-3, bwd=2e-3, act_bytes=4096.0, moe_layers=moe_layers, dispatch_bytes=dispatch)
+    costs = Costs((stage, stage))
+    topology = measured_topology(4, 2)
+    paces = calibrate_held(topology, config, costs, [{"trace": ep_trace(1e-3, 2e-3)}, {"trace": ep_trace(3e-3)},
+                                                     {"trace": ep_trace(1.2e-3)}])
+    # step means 1.5, 3 and 1.2 ms: 1.5 ms an all-to-all, the benchmark's bandwidth kept
+    assert paces == {"all_to_all": {"ranks": 2, "bytes": dispatch, "seconds": pytest.approx(1.5e-3),
+                                    "bandwidth": pytest.approx(A2A_BANDWIDTH),
+                                    "latency": pytest.approx(1.5e-3 - dispatch / A2A_BANDWIDTH)}}
+    assert all_to_all(topology, ["rank0", "rank1"], dispatch) == pytest.approx(1.5e-3, rel=1e-9)
+    result = run_simulation(generate("1f1b", 2, 2), costs, topology, parallel=replicas(config))
+    for event in (event for event in result.trace.events if event.stream == "ep"):
+        assert event.duration == pytest.approx(2 * moe_layers * 1.5e-3, rel=1e-9)
+    # a run without ep keeps the benchmark's price
+    assert calibrate_held(measured_topology(4, 2), run_config("--pp", "2"), costs, [{"trace": ep_trace(1e-3)}]) == {}

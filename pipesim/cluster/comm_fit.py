@@ -178,3 +178,19 @@ def topology_document(result: dict, fits: dict[str, dict]) -> dict:
     if collectives:
         document["collectives"] = collectives
     return document
+
+
+def calibrate_latency(measured: dict[tuple[str, int], tuple[float, float]], operation: str, ranks: int,
+                      num_bytes: float, seconds: float) -> tuple[float, float] | None:
+    """Set the latency of the ``operation`` measured over ``ranks`` (in
+    ``Topology.measured_collectives``) so that a message of ``num_bytes`` costs
+    ``seconds``, as the run's own calibration steps timed it, keeping the benchmark's
+    bandwidth; return the new ``(bandwidth, latency)``, or None when the benchmark has no
+    fit of it to keep. Why: inside a run the collective also waits for peers that the
+    run's other ranks keep off the cores, which a benchmark of idle ranks cannot see
+    (``docs/calibration.md``); the bandwidth, set by the large messages, is the wire's."""
+    if (operation, ranks) not in measured:
+        return None
+    bandwidth = measured[operation, ranks][0]
+    measured[operation, ranks] = bandwidth, max(0.0, seconds - num_bytes / bandwidth)
+    return measured[operation, ranks]
