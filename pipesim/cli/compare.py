@@ -235,23 +235,36 @@ def run_calibrated(args: argparse.Namespace, config, schedule, progress):
 
 
 def calibrate_held(topology, config, costs, calibrated: list[dict]) -> dict[str, dict]:
-    """Give the all-to-all the seconds the calibration steps timed it at (``ep``: the
-    run's message, ``dispatch_bytes``), keeping the benchmark's bandwidth
-    (``pipesim.cluster.comm_fit.calibrate_latency``); what was set, for ``--json``. The
-    ring's waits are what the attention did not hide, not a transfer's time, so the ring
-    keeps the benchmark's price."""
+    """Give the held collectives the seconds the calibration steps timed them at, at the
+    run's message, keeping the benchmark's bandwidth
+    (``pipesim.cluster.comm_fit.calibrate_latency``): the all-to-all (``ep``) its mean
+    at ``dispatch_bytes``; a ring step (``cp``) the transfer behind its forward waits,
+    each what a ``kv_bytes`` block's transfer added to the step's share of the attention
+    (``pipesim.sim.comm_overlap.comm_behind``, the inverse of the simulator's overlap
+    rule). What was set, for ``--json``."""
     from executor.run_costs import held_seconds  # noqa: PLC0415
     from pipesim.cluster.comm_fit import calibrate_latency  # noqa: PLC0415
+    from pipesim.sim.comm_overlap import comm_behind  # noqa: PLC0415
+    from schedules.action import ActionKind  # noqa: PLC0415
 
-    calibrated_paces = {}
+    traces = [result["trace"] for result in calibrated]
+    timed = {}  # operation -> (group, bytes, seconds)
     sizes = {stage.dispatch_bytes for stage in costs.stages if stage.moe_layers and stage.dispatch_bytes}
-    seconds = held_seconds([result["trace"] for result in calibrated], "ep") if config.ep > 1 else None
+    seconds = held_seconds(traces, "ep") if config.ep > 1 else None
     if seconds is not None and len(sizes) == 1:
-        (size,) = sizes
-        pace = calibrate_latency(topology.measured_collectives, "all_to_all", config.ep, size, seconds)
+        timed["all_to_all"] = (config.ep, *sizes, seconds)
+    ring = [stage for stage in costs.stages if stage.attention_layers and stage.kv_bytes]
+    wait = held_seconds(traces, "cp", ActionKind.F) if config.cp > 1 and ring else None
+    if wait is not None and len({stage.kv_bytes for stage in ring}) == 1:
+        step = sum(stage.attention_fwd for stage in ring) / len(ring) / config.cp  # one step's share, per layer
+        timed["ring_exchange"] = (config.cp, ring[0].kv_bytes,
+                                  comm_behind(step, wait, replicas(config).overlap_slowdown))
+    calibrated_paces = {}
+    for operation, (ranks, size, seconds) in timed.items():
+        pace = calibrate_latency(topology.measured_collectives, operation, ranks, size, seconds)
         if pace is not None:
-            calibrated_paces["all_to_all"] = {"ranks": config.ep, "bytes": size, "seconds": seconds,
-                                              "bandwidth": pace[0], "latency": pace[1]}
+            calibrated_paces[operation] = {"ranks": ranks, "bytes": size, "seconds": seconds, "bandwidth": pace[0],
+                                           "latency": pace[1]}
     return calibrated_paces
 
 
