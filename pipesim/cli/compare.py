@@ -241,7 +241,8 @@ def calibrate_held(topology, config, costs, calibrated: list[dict]) -> dict[str,
     at ``dispatch_bytes``; a ring step (``cp``) the transfer behind its forward waits,
     each what a ``kv_bytes`` block's transfer added to the step's share of the attention
     (``pipesim.sim.comm_overlap.comm_behind``, the inverse of the simulator's overlap
-    rule). What was set, for ``--json``."""
+    rule). What was set, and what the benchmark had priced it at (``benchmark_seconds``),
+    for ``--json``."""
     from executor.run_costs import held_seconds  # noqa: PLC0415
     from pipesim.cluster.comm_fit import calibrate_latency  # noqa: PLC0415
     from pipesim.sim.comm_overlap import comm_behind  # noqa: PLC0415
@@ -261,10 +262,12 @@ def calibrate_held(topology, config, costs, calibrated: list[dict]) -> dict[str,
                                   comm_behind(step, wait, replicas(config).overlap_slowdown))
     calibrated_paces = {}
     for operation, (ranks, size, seconds) in timed.items():
+        benchmark = topology.measured_collectives.get((operation, ranks))
         pace = calibrate_latency(topology.measured_collectives, operation, ranks, size, seconds)
         if pace is not None:
             calibrated_paces[operation] = {"ranks": ranks, "bytes": size, "seconds": seconds, "bandwidth": pace[0],
-                                           "latency": pace[1]}
+                                           "latency": pace[1],
+                                           "benchmark_seconds": size / benchmark[0] + benchmark[1]}
     return calibrated_paces
 
 
