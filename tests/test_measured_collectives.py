@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipesim.cli.compare import held_collectives, held_message_sizes, replicas
+from pipesim.cli.compare import replicas
+from pipesim.cli.held_collectives import held_collectives, held_message_sizes
 from pipesim.cluster.collectives import all_to_all, ring_exchange
 from pipesim.cluster.comm_fit import bench_table, fits_by_operation, measured_collectives, topology_document
 from pipesim.cluster.files import topology_from_dict
@@ -221,7 +222,7 @@ def test_the_calibration_steps_time_one_all_to_all_as_the_median_of_their_means(
 
 
 def test_compare_gives_the_all_to_all_the_seconds_its_calibration_steps_timed() -> None:
-    from pipesim.cli.compare import calibrate_held  # noqa: PLC0415
+    from pipesim.cli.held_collectives import calibrate_held  # noqa: PLC0415
     from pipesim.cluster.comm_fit import calibrate_latency  # noqa: PLC0415
 
     measured = {("all_to_all", 2): (A2A_BANDWIDTH, A2A_LATENCY)}
@@ -270,7 +271,7 @@ def test_comm_behind_inverts_the_overlap_rule(compute: float, transfer: float, s
 
 def test_compare_gives_the_ring_the_transfer_behind_its_forward_waits() -> None:
     from executor.run_costs import held_seconds  # noqa: PLC0415
-    from pipesim.cli.compare import calibrate_held  # noqa: PLC0415
+    from pipesim.cli.held_collectives import calibrate_held  # noqa: PLC0415
     from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN  # noqa: PLC0415
     from schedules.action import Action, ActionKind  # noqa: PLC0415
     from schedules.trace import Trace, TraceEvent  # noqa: PLC0415
