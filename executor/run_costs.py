@@ -278,16 +278,14 @@ def expert_exchange(config: RunConfig, layout: Sequence[int], stage: int, microb
     return {"moe_layers": float(moe_layers), "dispatch_bytes": float(dispatch)}
 
 
-def held_seconds(traces: Sequence[Trace], stream: str, inside: str | None = None) -> float | None:
+def held_seconds(traces: Sequence[Trace], stream: str) -> float | None:
     """The seconds one collective the run timed inside its actions on ``stream`` held a
-    rank for (``ep``: an all-to-all, peers' late arrival included; ``cp``: a ring step's
-    wait), only inside compute actions of kind ``inside`` when given, the median over
-    the calibration steps of each step's mean, as the compute's (``robust_mean``); None
+    rank for (``ep``: an all-to-all, peers' late arrival included), the median over the
+    calibration steps of each step's mean, as the compute's (``robust_mean``); None
     when no step timed one."""
     means = []
     for trace in traces:
-        held = [event.duration for event in trace.events if event.stream == stream
-                and (inside is None or parse_action(event.action[event.action.index("(") + 1:-1]).kind == inside)]
+        held = [event.duration for event in trace.events if event.stream == stream]
         if held:
             means.append(sum(held) / len(held))
     return robust_mean(means) if means else None

@@ -43,39 +43,85 @@ def held_message_sizes(config, num_stages: int) -> dict[str, list[int]]:
     return {name: sorted({int(size) for size in run[name] if size > 0} | set(BANDWIDTH_SIZES)) for name in held}
 
 
-def calibrate_held(topology, config, costs, calibrated: list[dict]) -> dict[str, dict]:
-    """Give the held collectives the seconds the calibration steps timed them at, at the
-    run's message, keeping the benchmark's bandwidth
-    (``pipesim.cluster.comm_fit.calibrate_latency``): the all-to-all (``ep``) its mean
-    at ``dispatch_bytes``; a ring step (``cp``) the transfer behind its forward waits,
-    each what a ``kv_bytes`` block's transfer added to the step's share of the attention
-    (``pipesim.sim.comm_overlap.comm_behind``, the inverse of the simulator's overlap
-    rule). What was set, and what the benchmark had priced it at (``benchmark_seconds``),
-    for ``--json``."""
+def calibrate_held(topology, config, schedule, costs, calibrated: list[dict]) -> dict[str, dict]:
+    """Give the held collectives the seconds the calibration steps timed them at, keeping
+    the benchmark's bandwidth: the all-to-all (``ep``) its mean at ``dispatch_bytes``
+    (``pipesim.cluster.comm_fit.calibrate_latency``); the ring step (``cp``) the latency
+    at which the simulator's own rule charges the calibration steps the ring waits they
+    measured (``ring_latency``). What was set, and what the benchmark had priced the
+    run's message at (``benchmark_seconds``), for ``--json``."""
     from executor.run_costs import held_seconds  # noqa: PLC0415
-    from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
     from pipesim.cluster.comm_fit import calibrate_latency  # noqa: PLC0415
-    from pipesim.sim.comm_overlap import comm_behind  # noqa: PLC0415
-    from schedules.action import ActionKind  # noqa: PLC0415
 
     traces = [result["trace"] for result in calibrated]
-    timed = {}  # operation -> (group, bytes, seconds)
+    measured = topology.measured_collectives
+    paces = {}
     sizes = {stage.dispatch_bytes for stage in costs.stages if stage.moe_layers and stage.dispatch_bytes}
-    seconds = held_seconds(traces, "ep") if config.ep > 1 else None
+    key = ("all_to_all", config.ep)
+    seconds = held_seconds(traces, "ep") if config.ep > 1 and key in measured else None
     if seconds is not None and len(sizes) == 1:
-        timed["all_to_all"] = (config.ep, *sizes, seconds)
-    ring = [stage for stage in costs.stages if stage.attention_layers and stage.kv_bytes]
-    wait = held_seconds(traces, "cp", ActionKind.F) if config.cp > 1 and ring else None
-    if wait is not None and len({stage.kv_bytes for stage in ring}) == 1:
-        step = sum(stage.attention_fwd for stage in ring) / len(ring) / config.cp  # one step's share, per layer
-        timed["ring_exchange"] = (config.cp, ring[0].kv_bytes,
-                                  comm_behind(step, wait, replicas(config).overlap_slowdown))
-    calibrated_paces = {}
-    for operation, (ranks, size, seconds) in timed.items():
-        benchmark = topology.measured_collectives.get((operation, ranks))
-        pace = calibrate_latency(topology.measured_collectives, operation, ranks, size, seconds)
-        if pace is not None:
-            calibrated_paces[operation] = {"ranks": ranks, "bytes": size, "seconds": seconds, "bandwidth": pace[0],
-                                           "latency": pace[1],
-                                           "benchmark_seconds": size / benchmark[0] + benchmark[1]}
-    return calibrated_paces
+        (size,) = sizes
+        benchmark = size / measured[key][0] + measured[key][1]
+        bandwidth, latency = calibrate_latency(measured, *key, size, seconds)
+        paces["all_to_all"] = {"ranks": config.ep, "bytes": size, "seconds": seconds, "bandwidth": bandwidth,
+                               "latency": latency, "benchmark_seconds": benchmark}
+    key = ("ring_exchange", config.cp)
+    ring = [stage.kv_bytes for stage in costs.stages if stage.attention_layers and stage.kv_bytes]
+    if config.cp > 1 and config.cp_comm == "p2p" and ring and key in measured:
+        bandwidth, benchmark_latency = measured[key]
+        latency = ring_latency(topology, config, schedule, costs, traces)
+        if latency is not None:
+            paces["ring_exchange"] = {"ranks": config.cp, "bytes": ring[0], "seconds": ring[0] / bandwidth + latency,
+                                      "bandwidth": bandwidth, "latency": latency,
+                                      "benchmark_seconds": ring[0] / bandwidth + benchmark_latency}
+    return paces
+
+
+def ring_latency(topology, config, schedule, costs, traces) -> float | None:
+    """Set, and return, the latency of the ring step measured over ``config.cp`` ranks
+    (its bandwidth kept) at which the simulator's rule for ring attention
+    (``pipesim.sim.context_parallel.cp_collective_seconds``: per action, each step's
+    transfer beyond its share of the attention, forward and backward) charges a
+    calibration step's compute actions the ring waits the step measured, the median over
+    the steps of their totals; None when the steps timed none. Found by bisection: the
+    charge grows with the latency. Why not each wait's own transfer: the backward's waits
+    ran shorter than the forward's (0.5 against 1.1 ms in one run), so a transfer read off
+    the forward alone overcharged every backward."""
+    import statistics  # noqa: PLC0415
+    from collections import Counter  # noqa: PLC0415
+
+    from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
+    from pipesim.cluster.mapping import map_ranks  # noqa: PLC0415
+    from pipesim.sim.context_parallel import cp_collective_seconds  # noqa: PLC0415
+
+    waited = [sum(event.duration for event in trace.events if event.stream == "cp") for trace in traces]
+    if not any(waited):
+        return None
+    target = statistics.median(waited)
+    actions = Counter((event.stage, event.kind) for event in traces[0].events if event.stream == "compute")
+    parallel = replicas(config)
+    mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
+                        parallel.ep)
+    key = ("ring_exchange", config.cp)
+    bandwidth = topology.measured_collectives[key][0]
+
+    def charged(latency: float) -> float:
+        topology.measured_collectives[key] = (bandwidth, latency)
+        held = cp_collective_seconds(schedule, costs, topology, mapping, config.cp_comm, parallel.overlap_slowdown)
+        return sum(count * held.get(action, 0.0) for action, count in actions.items())
+
+    low, high = 0.0, target
+    if charged(low) >= target:
+        high = low
+    else:
+        for _ in range(64):  # every ring wait charges at least the latency less its step's compute
+            if charged(high) >= target:
+                break
+            high *= 2
+        else:
+            return None
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if charged(middle) < target else (low, middle)
+    charged(high)
+    return high

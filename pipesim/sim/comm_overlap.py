@@ -61,20 +61,6 @@ def exposed_seconds(compute: float, comm: float, slowdown: float = OVERLAP_SLOWD
     return overlapped_seconds(compute, comm, slowdown) - compute
 
 
-def comm_behind(compute: float, exposed: float, slowdown: float = OVERLAP_SLOWDOWN) -> float:
-    """The seconds of communication that, started beside ``compute`` seconds of compute,
-    add ``exposed`` seconds to it: the inverse of ``exposed_seconds`` (a measured wait
-    after the compute back to the transfer behind it). Up to ``compute * k`` exposed the
-    transfer ran wholly beside the compute and cost it only the slowdown, ``t k / (1 + k)``;
-    beyond, the transfer outlasted the compute, ``t - compute``. Nothing exposed: nothing
-    to tell, 0."""
-    if exposed <= 0:
-        return 0.0
-    if exposed >= compute * slowdown:
-        return exposed + compute
-    return exposed * (1 + slowdown) / slowdown
-
-
 def slowed_by(beside: float, slowdown: float = OVERLAP_SLOWDOWN) -> float:
     """Seconds compute loses to ``beside`` seconds of communication that ran while it
     computed: it advanced ``beside / (1 + k)`` where alone it would have advanced
