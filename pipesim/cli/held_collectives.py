@@ -6,11 +6,20 @@ all-to-all and the ring step are priced"). tp's collectives keep the links' pric
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from executor.config import RunConfig
+    from pipesim.cluster.topology import Topology
+    from pipesim.model.costs import Costs
+    from schedules.schedule import Schedule
+    from schedules.trace import Trace
+
 # beside the run's own message sizes, the sizes its held collectives are timed at for the bandwidth
 BANDWIDTH_SIZES = (2**20, 2**24)
 
 
-def held_collectives(config) -> dict[str, int]:
+def held_collectives(config: RunConfig) -> dict[str, int]:
     """The collectives the run holds its ranks for inside compute actions that the
     simulator prices from the benchmark, each with its group size: ep's all-to-alls
     (``all_to_all_single`` over each ep group) and the ring's K/V steps (a batched
@@ -24,7 +33,7 @@ def held_collectives(config) -> dict[str, int]:
     return held
 
 
-def held_message_sizes(config, num_stages: int) -> dict[str, list[int]]:
+def held_message_sizes(config: RunConfig, num_stages: int) -> dict[str, list[int]]:
     """The sizes to time each of ``held_collectives`` at: the messages the run sends
     (each stage's ``dispatch_bytes`` for the all-to-all; its ``kv_bytes``, and twice that
     for the backward's middle steps, for the ring), so that the fit is pinned where the
@@ -43,7 +52,8 @@ def held_message_sizes(config, num_stages: int) -> dict[str, list[int]]:
     return {name: sorted({int(size) for size in run[name] if size > 0} | set(BANDWIDTH_SIZES)) for name in held}
 
 
-def calibrate_held(topology, config, schedule, costs, calibrated: list[dict]) -> dict[str, dict]:
+def calibrate_held(topology: Topology, config: RunConfig, schedule: Schedule, costs: Costs,
+                   calibrated: list[dict]) -> dict[str, dict]:
     """Give the held collectives the seconds the calibration steps timed them at, keeping
     the benchmark's bandwidth: the all-to-all (``ep``) its mean at ``dispatch_bytes``
     (``pipesim.cluster.comm_fit.calibrate_latency``); the ring step (``cp``) the latency
@@ -77,7 +87,8 @@ def calibrate_held(topology, config, schedule, costs, calibrated: list[dict]) ->
     return paces
 
 
-def ring_latency(topology, config, schedule, costs, traces) -> float | None:
+def ring_latency(topology: Topology, config: RunConfig, schedule: Schedule, costs: Costs,
+                 traces: list[Trace]) -> float | None:
     """Set, and return, the latency of the ring step measured over ``config.cp`` ranks
     (its bandwidth kept) at which the simulator's rule for ring attention
     (``pipesim.sim.context_parallel.cp_collective_seconds``: per action, each step's
