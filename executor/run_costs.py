@@ -278,6 +278,19 @@ def expert_exchange(config: RunConfig, layout: Sequence[int], stage: int, microb
     return {"moe_layers": float(moe_layers), "dispatch_bytes": float(dispatch)}
 
 
+def held_seconds(traces: Sequence[Trace], stream: str) -> float | None:
+    """The seconds one collective the run timed inside its actions on ``stream`` held a
+    rank for (``ep``: an all-to-all, peers' late arrival included), the median over the
+    calibration steps of each step's mean, as the compute's (``robust_mean``); None
+    when no step timed one."""
+    means = []
+    for trace in traces:
+        held = [event.duration for event in trace.events if event.stream == stream]
+        if held:
+            means.append(sum(held) / len(held))
+    return robust_mean(means) if means else None
+
+
 def calibration_document(config: RunConfig, schedule: Schedule, calibrated: Sequence[dict]) -> dict:
     """The costs file from the launched calibration configs' results (rank 0's, one per
     config: its last step's Trace and step times), with the bytes of each stage and, in

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from executor.config import BACKENDS  # plain data, no torch import
-from pipesim.cluster.comm_fit import bench_table, fits_by_operation, topology_document
+from pipesim.cluster.comm_fit import bench_table, fits_by_operation, measured_collectives, topology_document
 
 UNITS = {"": 1, "B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}
 DEFAULT_OPERATIONS = "sendrecv,all_reduce,all_gather,reduce_scatter"
@@ -30,7 +30,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="local processes (default 2)")
     parser.add_argument("--sizes", default="1KB..64MB",
                         help="message sizes: LOW..HIGH doubling by 4 (e.g. 1KB..64MB) or a list 4KB,1MB")
-    parser.add_argument("--ops", default=DEFAULT_OPERATIONS, help=f"operations (default {DEFAULT_OPERATIONS})")
+    parser.add_argument("--ops", default=DEFAULT_OPERATIONS,
+                        help=f"operations (default {DEFAULT_OPERATIONS}; also all_to_all and ring_exchange, the "
+                             "collectives the executor runs for --ep and --cp, timed over groups of --group ranks)")
+    parser.add_argument("--group", type=int, metavar="N",
+                        help="ranks in each all_to_all or ring_exchange group, consecutive ranks cut into groups "
+                             "that all exchange at once, as a run's ep or cp groups (default: all --ranks)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto: nccl with CUDA, else gloo (default auto)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
@@ -70,17 +75,19 @@ def parse_sizes(text: str) -> list[int]:
 def format_table(rows: list[dict]) -> list[str]:
     lines = [f"{'operation':<15}{'bytes':>12}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
     for row in rows:
-        lines.append(f"{row['operation']:<15}{row['bytes']:>12}{row['seconds'] * 1e6:>12.1f}"
+        name = f"{row['operation']}/{row['group']}" if "group" in row else row["operation"]  # over groups of N
+        lines.append(f"{name:<15}{row['bytes']:>12}{row['seconds'] * 1e6:>12.1f}"
                      f"{row['algbw'] / 1e9:>12.3f}{row['busbw'] / 1e9:>12.3f}")
     return lines
 
 
 def measure(ranks: int, sizes: list[int], operations: list[str], backend: str, threads: int,
-            verbose: bool = False) -> dict:
+            verbose: bool = False, group: int | None = None) -> dict:
     """Run the benchmark (torch) and return the raw result."""
-    from executor.bench_comm import bench_comm  # noqa: PLC0415 - loads torch
+    from executor.bench_comm import GROUPED, bench_comm  # noqa: PLC0415 - loads torch
 
-    return bench_comm(ranks, operations, sizes, backend, threads, verbose=verbose)
+    groups = {name: group for name in GROUPED} if group is not None else None
+    return bench_comm(ranks, operations, sizes, backend, threads, verbose=verbose, groups=groups)
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -92,7 +99,7 @@ def handle(args: argparse.Namespace) -> int:
     try:
         with progress_from_args("bench-comm", args).phase(
                 f"measuring {', '.join(operations)} at {len(sizes)} sizes on {args.ranks} ranks"):
-            result = measure(args.ranks, sizes, operations, args.backend, args.threads, args.verbose)
+            result = measure(args.ranks, sizes, operations, args.backend, args.threads, args.verbose, args.group)
     except SpawnError as error:
         print(f"pipesim bench-comm: failed: {error}", file=sys.stderr)
         return 1
@@ -103,6 +110,9 @@ def handle(args: argparse.Namespace) -> int:
     for name, fit in fits.items():
         print(f"fit {name}: latency {fit['latency'] * 1e6:.1f} us per hop, "
               f"bus bandwidth {fit['bandwidth'] / 1e9:.3f} GB/s")
+    for entry in measured_collectives(fits):
+        print(f"measured {entry['operation']} over groups of {entry['ranks']}: {entry['latency'] * 1e6:.1f} us + "
+              f"bytes / {entry['bandwidth'] / 1e9:.3f} GB/s (what simulate --topology charges it)")
     for row in result["rows"]:
         if row.get("seconds") is None:
             print(f"note: {row['operation']} skipped: {row.get('note', 'not supported on this backend')}")

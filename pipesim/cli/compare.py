@@ -33,6 +33,7 @@ from pipesim.cli.calibration_order import (
     split_results,
     timed_configs,
 )
+from pipesim.cli.held_collectives import calibrate_held, held_collectives, held_message_sizes
 from pipesim.cli.profile import add_profile_arguments, check_profile_arguments
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
 from pipesim.cli.variability import add_variability_args, variability_from_args
@@ -156,8 +157,11 @@ def pairs_as_run(costs, overlap: bool):
     return costs if costs.pairs_overlap == overlap else dataclasses.replace(costs, pairs_overlap=overlap)
 
 
-def calibrated_topology(args: argparse.Namespace, config):
-    """The topology file given, or send/recv measured now on every rank of the run and fitted."""
+def calibrated_topology(args: argparse.Namespace, config, num_stages: int):
+    """The topology file given, or measured now on every rank of the run and fitted:
+    send/recv for the links, and the collectives the run holds its ranks for
+    (``held_collectives``) as the executor runs them, over groups of the run's size, at
+    the run's message sizes (``held_message_sizes``)."""
     from pipesim.cluster.files import load_topology, topology_from_dict  # noqa: PLC0415
 
     if args.topology:
@@ -166,8 +170,10 @@ def calibrated_topology(args: argparse.Namespace, config):
     from pipesim.cli.bench_comm import parse_sizes  # noqa: PLC0415
     from pipesim.cluster.comm_fit import fits_by_operation, topology_document  # noqa: PLC0415
 
-    result = bench_comm(config.world_size, ["sendrecv"], parse_sizes(LINK_SIZES), config.backend, config.threads,
-                        verbose=args.verbose)
+    held = held_collectives(config)
+    result = bench_comm(config.world_size, ["sendrecv", *held], parse_sizes(LINK_SIZES), config.backend,
+                        config.threads, verbose=args.verbose, groups=held,
+                        sizes_of=held_message_sizes(config, num_stages))
     return topology_from_dict(topology_document(result, fits_by_operation(result)), name="measured links")
 
 
@@ -198,8 +204,9 @@ def run_calibrated(args: argparse.Namespace, config, schedule, progress, order: 
     """Run the calibration configs and the timed steps in one launch (the same processes,
     the same lowered programs) in ``order`` (``pipesim.cli.calibration_order``: timed
     configs interleaved with the calibration ones, or one timed config between two
-    halves of them); return the measured result, as one timed config's reads, and the
-    costs read off the calibration steps (``executor.run_costs``). The timed steps are
+    halves of them); return the measured result, as one timed config's reads, the
+    costs read off the calibration steps (``executor.run_costs``) and the calibration
+    steps' results (for the held collectives, ``pipesim.cli.held_collectives``). The timed steps are
     never read for a cost: the prediction stays a prediction. On a machine whose load
     drifts (the shared 2-core machine: compute 2x slower in one compare's calibration
     steps than in the timed steps that followed), calibration steps spread among the
@@ -226,7 +233,7 @@ def run_calibrated(args: argparse.Namespace, config, schedule, progress, order: 
     calibrated, timed_results = split_results(sequence, results)
     result = merged_timed_result(timed_results) if order == INTERLEAVED else timed_results[0]
     document = calibration_document(config, schedule, calibrated)
-    return result, costs_from_dict(document, schedule.num_stages, name="calibration steps")
+    return result, costs_from_dict(document, schedule.num_stages, name="calibration steps"), calibrated
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -261,19 +268,23 @@ def handle(args: argparse.Namespace) -> int:
 
     schedule = validate_schedule(config)
     progress = progress_from_args("compare", args)
+    paces: dict[str, dict] = {}  # the collectives priced from the calibration steps
     try:
         if not args.costs and calibration == "run":
-            with progress.phase("reading --topology" if args.topology else "1/3 benchmarking send/recv"):
-                topology = calibrated_topology(args, config)
+            with progress.phase("reading --topology" if args.topology
+                                else f"1/3 benchmarking {', '.join(['send/recv', *held_collectives(config)])}"):
+                topology = calibrated_topology(args, config, schedule.num_stages)
             # the calibration steps and the timed ones run the same lowered programs, the
             # ones the prediction simulates (lowered before any cost is known)
-            result, costs = run_calibrated(args, config, schedule, progress, order)
+            result, costs, calibrated = run_calibrated(args, config, schedule, progress, order)
+            paces = calibrate_held(topology, config, schedule, costs, calibrated)
         else:
             with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
                 costs = pairs_as_run(calibrated_costs(args, config, schedule.num_stages),
                                      pairs_overlap_on(resolve_backend(config.backend)))
-            with progress.phase("reading --topology" if args.topology else "2/4 benchmarking send/recv"):
-                topology = calibrated_topology(args, config)
+            with progress.phase("reading --topology" if args.topology
+                                else f"2/4 benchmarking {', '.join(['send/recv', *held_collectives(config)])}"):
+                topology = calibrated_topology(args, config, schedule.num_stages)
             # the run posts the transfers where lowering places them for these costs and links,
             # in the order zb-h1 and zb-h2 take on them, as the prediction does (pipesim
             # simulate builds and lowers the same way)
@@ -304,6 +315,8 @@ def handle(args: argparse.Namespace) -> int:
         document["warmup_steps_per_timed_step"] = args.warmup_steps
         document["measured_warmup_step_times"] = result["warmup_step_times"]
     document["costs"] = costs.to_dict()  # what the prediction was made with, to read beside its error
+    if paces:
+        document["calibrated_collectives"] = paces
     if variability is not None:
         from pipesim.sim.comparison import add_spread  # noqa: PLC0415
         from pipesim.sim.whatif import sample_steps  # noqa: PLC0415

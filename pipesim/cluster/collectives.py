@@ -53,6 +53,15 @@ A ring exchange (context parallelism's K/V ring): every rank sends S bytes to it
 successor at once, ``S/B + alpha`` over the ring's slowest neighbour route, as one step
 of the ring collectives above.
 
+A collective measured on the machine as the backend runs it (``bench-comm``'s
+``all_to_all`` and ``ring_exchange``, kept in ``Topology.measured_collectives``) is
+priced by what was measured, ``S/B_measured + alpha_measured``, for a group of the
+size it ran over, every group of the job exchanging at once as they did there; its
+links then set only the other collectives' prices. This is how ``compare`` prices the
+all-to-alls and K/V exchanges a gloo run makes: gloo's ``all_to_all_single`` is one call
+(one posting, one wait) between the pair, not the whole job's send/recv ring whose
+fit sets the links.
+
 These are analytical durations. The gradient reductions of data parallelism also hold
 the links their ring (or tree) crosses in the engine's walk (``links_crossed``,
 ``schedules.dp_channel``), so they and the pipeline's P2P transfers delay each other
@@ -228,10 +237,17 @@ def broadcast(topology: Topology, group: Sequence[str], num_bytes: float) -> flo
 
 def ring_exchange(topology: Topology, group: Sequence[str], num_bytes: float) -> float:
     """Seconds for every rank of ``group`` to send ``num_bytes`` to its successor in the
-    ring at once (one step of ring attention): ``S/B + alpha`` at the ring's pace."""
+    ring at once (one step of ring attention): ``S/B + alpha`` at the ring's pace, or at
+    the pace measured for a group of its size (``measured_pace``)."""
     if len(group) <= 1:
         return 0.0
-    return _seconds(1.0, 1, num_bytes, ring_pace(topology, group))
+    return _seconds(1.0, 1, num_bytes, measured_pace(topology, "ring_exchange", group) or ring_pace(topology, group))
+
+
+def measured_pace(topology: Topology, operation: str, group: Sequence[str]) -> tuple[float, float] | None:
+    """(bandwidth, latency) ``operation`` was measured at over groups of ``len(group)``
+    ranks on this machine (``Topology.measured_collectives``), or None."""
+    return topology.measured_collectives.get((operation, len(group)))
 
 
 def all_to_all(topology: Topology, group: Sequence[str], num_bytes: float,
@@ -240,9 +256,14 @@ def all_to_all(topology: Topology, group: Sequence[str], num_bytes: float,
     equal piece for every member (see the module): the most loaded link's bytes over its
     bandwidth, plus the largest route latency; ``concurrent`` groups exchanging at the
     same moment load the links they share; pieces between devices of different nodes
-    (``Topology.node_of``) carry ``remote_share`` of their bytes (node-limited routing)."""
+    (``Topology.node_of``) carry ``remote_share`` of their bytes (node-limited routing).
+    A group of a size measured on the machine (``measured_pace``) costs what was measured,
+    ``num_bytes / B + alpha``."""
     if len(group) <= 1:
         return 0.0
+    measured = measured_pace(topology, "all_to_all", group)
+    if measured is not None:
+        return _seconds(1.0, 1, num_bytes, measured)
     seconds_per_byte, latency = all_to_all_pace(topology, (tuple(group), *(tuple(other) for other in concurrent)),
                                                 remote_share)
     return num_bytes * seconds_per_byte + latency

@@ -12,7 +12,11 @@ Optional: ``switches: [{name: sw0, kind: pcie_switch}]``; per link ``efficiency`
 ``pipesim.hardware.gpus``) for that model's figures, which the explicit fields then override,
 and ``node`` (the server it sits in: node-limited expert routing and NCCL's channel
 counts read it; without it every device counts as a node of its own);
-``mapping: [g1, g0]`` (rank r runs on mapping[r]; default: file order). Every number must be finite: NaN, inf, null and
+``mapping: [g1, g0]`` (rank r runs on mapping[r]; default: file order);
+``collectives: [{operation: all_to_all, ranks: 2, bandwidth: 2e9, latency: 1e-3}]``
+(a collective measured as the backend runs it, over groups of ``ranks``; ``bench-comm``
+writes them for ``all_to_all`` and ``ring_exchange``: ``S / bandwidth + latency`` for a
+message of S bytes per rank, in place of the links' price). Every number must be finite: NaN, inf, null and
 negative values are errors naming the entry and the field.
 """
 
@@ -132,9 +136,33 @@ def topology_from_dict(data: object, name: str = "custom") -> Topology:
     calibration = data.get("calibration")
     backend = calibration.get("backend") if isinstance(calibration, dict) else None
     topology = Topology(name, graph, order, description=str(data.get("description", "")),
-                        backend=str(backend) if backend else None)
+                        backend=str(backend) if backend else None, measured_collectives=_collectives(name, data))
     _require_connected(topology)
     return topology
+
+
+def _collectives(name: str, data: dict) -> dict[tuple[str, int], tuple[float, float]]:
+    """The file's ``collectives`` as ``Topology.measured_collectives``; errors name the entry."""
+    from pipesim.cluster.comm_fit import MEASURED_COLLECTIVES  # noqa: PLC0415
+
+    entries = data.get("collectives") or []
+    if not isinstance(entries, list):
+        raise TopologyError(f"{name}: 'collectives' must be a list of mappings with operation, ranks, bandwidth, "
+                            "latency")
+    measured = {}
+    for index, entry in enumerate(entries):
+        where = f"{name}: collectives[{index}]"
+        if not isinstance(entry, dict):
+            raise TopologyError(f"{where} must be a mapping with operation, ranks, bandwidth, latency")
+        operation = entry.get("operation")
+        if operation not in MEASURED_COLLECTIVES:
+            raise TopologyError(f"{where}: 'operation' {operation!r} is not one of {', '.join(MEASURED_COLLECTIVES)}")
+        ranks = _number(where, entry, "ranks")
+        if ranks != int(ranks) or ranks < 2:
+            raise TopologyError(f"{where}: 'ranks' must be a whole number >= 2, got {entry['ranks']!r}")
+        measured[operation, int(ranks)] = (_number(where, entry, "bandwidth", positive=True),
+                                           _number(where, entry, "latency"))
+    return measured
 
 
 def _require_connected(topology: Topology) -> None:

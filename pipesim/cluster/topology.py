@@ -74,11 +74,17 @@ class Topology:
 
     ``device_defaults`` are the figures of a device the topology does not list: an ideal
     cluster's devices exist only as rank names, and ``--gpu`` gives them a capacity so that
-    out of memory is judged on every topology."""
+    out of memory is judged on every topology.
+
+    ``measured_collectives`` maps ``(operation, ranks)`` to the ``(bandwidth, latency)``
+    that collective was measured at on this machine, as the backend runs it
+    (``bench-comm``'s ``all_to_all`` and ``ring_exchange``): a group of that size is
+    priced by it rather than by its links (``pipesim.cluster.collectives``)."""
 
     def __init__(self, name: str, graph: nx.DiGraph | None, devices: list[str], ideal: bool = False,
                  description: str = "", backend: str | None = None, hierarchy: Hierarchy | None = None,
-                 device_defaults: dict[str, float] | None = None) -> None:
+                 device_defaults: dict[str, float] | None = None,
+                 measured_collectives: dict[tuple[str, int], tuple[float, float]] | None = None) -> None:
         if graph is None and hierarchy is None:
             raise ValueError("a Topology needs a graph or a hierarchy")
         self.name = name
@@ -89,6 +95,7 @@ class Topology:
         self.description = description
         self.hierarchy = hierarchy
         self.device_defaults = dict(device_defaults or {})
+        self.measured_collectives = dict(measured_collectives or {})
         self._routes: dict[tuple[str, str], Route] = {}
         self._searcher: GraphRoutes | None = None
         # what follows from the routes alone, computed once per topology: (algorithm, device group) ->

@@ -189,6 +189,7 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
     predicted_busy = [busy + held - launch for busy, held, launch in zip(predicted_busy, held_inside, charged,
                                                                          strict=True)]
     meta = measured.meta
+    collectives = held_collectives(measured, predicted, ranks)
     return {
         "schedule": meta.get("schedule"),
         "pp": meta.get("pp"),
@@ -211,6 +212,7 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
         "predicted_bubble_fraction": predicted_bubble / (ranks * predicted_step_time),
         "measured_idle_fraction": 1 - sum(measured_busy) / (ranks * traced_time),
         "predicted_idle_fraction": 1 - sum(predicted_busy) / (ranks * predicted_step_time),
+        **({"held_collectives": collectives} if collectives else {}),
         "ranks": [
             {
                 "rank": rank,
@@ -222,6 +224,38 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
             for rank in range(ranks)
         ],
     }
+
+
+# what each stream of INSIDE_COMPUTE holds a rank for, as the report names it
+HELD_NAMES = {"tp": "tp collectives", "ep": "all-to-alls", "cp": "ring waits"}
+
+
+def held_collectives(measured: Trace, predicted: Trace, ranks: int) -> dict[str, dict]:
+    """Per stream of ``INSIDE_COMPUTE`` that either side has, the seconds it held the
+    first ``ranks`` ranks in the measured step (the Trace's, the step drawn) and in the
+    predicted one, and how many the run timed (``count``): the simulator charges one
+    event per action for what the run times collective by collective, so the sums are
+    what compare, and a sum over ``count`` is the mean of one."""
+    held: dict[str, dict] = {}
+    for side, trace in (("measured", measured), ("predicted", predicted)):
+        for event in trace.events:
+            if event.stream in INSIDE_COMPUTE and event.rank < ranks:
+                entry = held.setdefault(event.stream, {"measured": 0.0, "predicted": 0.0, "count": 0})
+                entry[side] += event.duration
+                entry["count"] += side == "measured"
+    return {stream: held[stream] for stream in INSIDE_COMPUTE if stream in held}
+
+
+def held_lines(document: dict) -> list[str]:
+    """One report line per stream of ``held_collectives``."""
+    lines = []
+    for stream, held in document.get("held_collectives", {}).items():
+        each = (f": {held['measured'] / held['count'] * 1e3:.3f} / {held['predicted'] / held['count'] * 1e3:.3f} ms "
+                "each" if held["count"] else "")
+        lines.append(f"  {stream:<11} measured {held['measured'] * 1e3:9.2f} ms   predicted "
+                     f"{held['predicted'] * 1e3:9.2f} ms   ({held['count']} {HELD_NAMES[stream]} in the drawn step"
+                     f"{each})")
+    return lines
 
 
 def add_spread(document: dict, predicted_times) -> dict:
@@ -272,6 +306,7 @@ def report_lines(document: dict) -> list[str]:
         f"predicted {document['predicted_bubble_fraction']:9.1%}   (waiting for a peer, fill and drain)",
         f"  idle        measured {document['measured_idle_fraction']:9.1%}      "
         f"predicted {document['predicted_idle_fraction']:9.1%}   (not computing)",
+        *held_lines(document),
     ]
     if "predicted_step_time_quantiles" in document:
         measured, predicted = document["measured_step_time_quantiles"], document["predicted_step_time_quantiles"]

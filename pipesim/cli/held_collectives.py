@@ -1,0 +1,138 @@
+"""The collectives a ``pipesim compare`` run holds its ranks for inside its compute
+actions (ep's all-to-alls, the cp ring's K/V steps): which to benchmark, at which sizes,
+and the seconds the run's calibration steps timed them at (docs/calibration.md, "How the
+all-to-all and the ring step are priced"). tp's collectives keep the links' price.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from executor.config import RunConfig
+    from pipesim.cluster.topology import Topology
+    from pipesim.model.costs import Costs
+    from schedules.schedule import Schedule
+    from schedules.trace import Trace
+
+# beside the run's own message sizes, the sizes its held collectives are timed at for the bandwidth
+BANDWIDTH_SIZES = (2**20, 2**24)
+
+
+def held_collectives(config: RunConfig) -> dict[str, int]:
+    """The collectives the run holds its ranks for inside compute actions that the
+    simulator prices from the benchmark, each with its group size: ep's all-to-alls
+    (``all_to_all_single`` over each ep group) and the ring's K/V steps (a batched
+    send/recv to the cp group's neighbours; ``--cp-comm all-gather`` keeps its gathers
+    in the measured compute)."""
+    held = {}
+    if config.ep > 1:
+        held["all_to_all"] = config.ep
+    if config.cp > 1 and config.cp_comm == "p2p":
+        held["ring_exchange"] = config.cp
+    return held
+
+
+def held_message_sizes(config: RunConfig, num_stages: int) -> dict[str, list[int]]:
+    """The sizes to time each of ``held_collectives`` at: the messages the run sends
+    (each stage's ``dispatch_bytes`` for the all-to-all; its ``kv_bytes``, and twice that
+    for the backward's middle steps, for the ring), so that the fit is pinned where the
+    run uses it (on a shared CPU a fit over 1 kB..16 MB put an 8 kB all-to-all at half
+    what it measured: the relative-error fit follows the fastest small size), and
+    ``BANDWIDTH_SIZES`` for the bytes term."""
+    held = held_collectives(config)
+    if not held:
+        return {}
+    from executor.run_costs import stage_bytes  # noqa: PLC0415 - builds the model to count it
+
+    entries = stage_bytes(config, num_stages)
+    blocks = {entry.get("kv_bytes", 0.0) for entry in entries}
+    run = {"all_to_all": {entry.get("dispatch_bytes", 0.0) for entry in entries},
+           "ring_exchange": blocks | ({2 * size for size in blocks} if config.cp > 2 else set())}
+    return {name: sorted({int(size) for size in run[name] if size > 0} | set(BANDWIDTH_SIZES)) for name in held}
+
+
+def calibrate_held(topology: Topology, config: RunConfig, schedule: Schedule, costs: Costs,
+                   calibrated: list[dict]) -> dict[str, dict]:
+    """Give the held collectives the seconds the calibration steps timed them at, keeping
+    the benchmark's bandwidth: the all-to-all (``ep``) its mean at ``dispatch_bytes``
+    (``pipesim.cluster.comm_fit.calibrate_latency``); the ring step (``cp``) the latency
+    at which the simulator's own rule charges the calibration steps the ring waits they
+    measured (``ring_latency``). What was set, and what the benchmark had priced the
+    run's message at (``benchmark_seconds``), for ``--json``."""
+    from executor.run_costs import held_seconds  # noqa: PLC0415
+    from pipesim.cluster.comm_fit import calibrate_latency  # noqa: PLC0415
+
+    traces = [result["trace"] for result in calibrated]
+    measured = topology.measured_collectives
+    paces = {}
+    sizes = {stage.dispatch_bytes for stage in costs.stages if stage.moe_layers and stage.dispatch_bytes}
+    key = ("all_to_all", config.ep)
+    seconds = held_seconds(traces, "ep") if config.ep > 1 and key in measured else None
+    if seconds is not None and len(sizes) == 1:
+        (size,) = sizes
+        benchmark = size / measured[key][0] + measured[key][1]
+        bandwidth, latency = calibrate_latency(measured, *key, size, seconds)
+        paces["all_to_all"] = {"ranks": config.ep, "bytes": size, "seconds": seconds, "bandwidth": bandwidth,
+                               "latency": latency, "benchmark_seconds": benchmark}
+    key = ("ring_exchange", config.cp)
+    ring = [stage.kv_bytes for stage in costs.stages if stage.attention_layers and stage.kv_bytes]
+    if config.cp > 1 and config.cp_comm == "p2p" and ring and key in measured:
+        bandwidth, benchmark_latency = measured[key]
+        latency = ring_latency(topology, config, schedule, costs, traces)
+        if latency is not None:
+            paces["ring_exchange"] = {"ranks": config.cp, "bytes": ring[0], "seconds": ring[0] / bandwidth + latency,
+                                      "bandwidth": bandwidth, "latency": latency,
+                                      "benchmark_seconds": ring[0] / bandwidth + benchmark_latency}
+    return paces
+
+
+def ring_latency(topology: Topology, config: RunConfig, schedule: Schedule, costs: Costs,
+                 traces: list[Trace]) -> float | None:
+    """Set, and return, the latency of the ring step measured over ``config.cp`` ranks
+    (its bandwidth kept) at which the simulator's rule for ring attention
+    (``pipesim.sim.context_parallel.cp_collective_seconds``: per action, each step's
+    transfer beyond its share of the attention, forward and backward) charges a
+    calibration step's compute actions the ring waits the step measured, the median over
+    the steps of their totals; None when the steps timed none. Found by bisection: the
+    charge grows with the latency. Why not each wait's own transfer: the backward's waits
+    ran shorter than the forward's (0.5 against 1.1 ms in one run), so a transfer read off
+    the forward alone overcharged every backward."""
+    import statistics  # noqa: PLC0415
+    from collections import Counter  # noqa: PLC0415
+
+    from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
+    from pipesim.cluster.mapping import map_ranks  # noqa: PLC0415
+    from pipesim.sim.context_parallel import cp_collective_seconds  # noqa: PLC0415
+
+    waited = [sum(event.duration for event in trace.events if event.stream == "cp") for trace in traces]
+    if not any(waited):
+        return None
+    target = statistics.median(waited)
+    actions = Counter((event.stage, event.kind) for event in traces[0].events if event.stream == "compute")
+    parallel = replicas(config)
+    mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
+                        parallel.ep)
+    key = ("ring_exchange", config.cp)
+    bandwidth = topology.measured_collectives[key][0]
+
+    def charged(latency: float) -> float:
+        topology.measured_collectives[key] = (bandwidth, latency)
+        held = cp_collective_seconds(schedule, costs, topology, mapping, config.cp_comm, parallel.overlap_slowdown)
+        return sum(count * held.get(action, 0.0) for action, count in actions.items())
+
+    low, high = 0.0, target
+    if charged(low) >= target:
+        high = low
+    else:
+        for _ in range(64):  # every ring wait charges at least the latency less its step's compute
+            if charged(high) >= target:
+                break
+            high *= 2
+        else:
+            return None
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if charged(middle) < target else (low, middle)
+    charged(high)
+    return high
