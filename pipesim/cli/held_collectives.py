@@ -6,6 +6,8 @@ all-to-all and the ring step are priced"). tp's collectives keep the links' pric
 
 from __future__ import annotations
 
+import statistics
+from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -98,9 +100,6 @@ def ring_latency(topology: Topology, config: RunConfig, schedule: Schedule, cost
     charge grows with the latency. Why not each wait's own transfer: the backward's waits
     ran shorter than the forward's (0.5 against 1.1 ms in one run), so a transfer read off
     the forward alone overcharged every backward."""
-    import statistics  # noqa: PLC0415
-    from collections import Counter  # noqa: PLC0415
-
     from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
     from pipesim.cluster.mapping import map_ranks  # noqa: PLC0415
     from pipesim.sim.context_parallel import cp_collective_seconds  # noqa: PLC0415
