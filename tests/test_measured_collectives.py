@@ -291,3 +291,58 @@ def test_compare_gives_the_ring_the_latency_at_which_the_simulator_charges_the_w
     assert calibrate_held(measured_topology(4, 2), config, schedule, costs, [ring_step(1e-9)])[
         "ring_exchange"]["latency"] == 0.0
     assert calibrate_held(measured_topology(4, 2), config, schedule, costs, [ring_step(0.0)]) == {}
+
+
+def tp_trace(*durations: float):
+    """A calibration step's Trace with one tp all-reduce of each of ``durations`` seconds."""
+    from schedules.action import Action, ActionKind  # noqa: PLC0415
+    from schedules.trace import Trace, TraceEvent  # noqa: PLC0415
+
+    forward = Action(0, ActionKind.F, 0)
+    events, start = [TraceEvent.of(0, forward, 0.0, 100.0, "compute")], 0.0
+    for duration in durations:
+        events.append(TraceEvent(0, f"TP({forward})", "TP", 0, 0, start, start + duration, "tp"))
+        start += duration
+    return Trace(events)
+
+
+def test_compare_gives_the_tp_all_reduce_the_seconds_its_calibration_steps_timed() -> None:
+    from pipesim.cli.held_collectives import calibrate_held  # noqa: PLC0415
+    from pipesim.cluster.collectives import all_reduce  # noqa: PLC0415
+
+    config = run_config("--model", "gpt", "--pp", "2", "--tp", "2", "-m", "2")
+    layers, message = 2, 65536.0
+    stage = StageCost(fwd=1e-3, bwd=2e-3, act_bytes=4096.0, layers=layers, tp_message_bytes=message)
+    costs = Costs((stage, stage))
+    topology = measured_topology(4, 2)
+    group = ["rank0", "rank1"]
+    # by hand, over the send/recv links (BANDWIDTH, LATENCY): a ring all-reduce of 2 ranks
+    # moves 2(n-1)/n = 1 message and pays 2(n-1) = 2 latencies
+    links_price = message / BANDWIDTH + 2 * LATENCY
+    assert all_reduce(topology, group, message) == pytest.approx(links_price)
+    # step means 2, 4 and 1 ms: 2 ms an all-reduce; the links' all-reduce bandwidth, 1e8 x n / 2(n-1)
+    paces = calibrate_held(topology, config, generate("1f1b", 2, 2), costs,
+                           [{"trace": tp_trace(1e-3, 3e-3)}, {"trace": tp_trace(4e-3)}, {"trace": tp_trace(1e-3)}])
+    assert paces == {"all_reduce": {"ranks": 2, "bytes": message, "seconds": pytest.approx(2e-3),
+                                    "bandwidth": pytest.approx(BANDWIDTH),
+                                    "latency": pytest.approx(2e-3 - message / BANDWIDTH),
+                                    "benchmark_seconds": pytest.approx(links_price)}}
+    assert all_reduce(topology, group, message) == pytest.approx(2e-3)
+    assert all_reduce(topology, group, message, "tree") == pytest.approx(2e-3)  # as measured, whatever the algorithm
+    # the simulator's tp hold of a forward: two all-reduces a layer, each as calibrated
+    result = run_simulation(generate("1f1b", 2, 2), costs, topology, parallel=replicas(config))
+    forwards = [event for event in result.trace.events if event.stream == "tp" and "F" in event.action]
+    assert forwards and all(event.duration == pytest.approx(2 * layers * 2e-3) for event in forwards)
+
+
+def test_the_tp_all_reduce_keeps_the_links_price_without_timings_or_with_sequence_parallelism() -> None:
+    from pipesim.cli.held_collectives import calibrate_held  # noqa: PLC0415
+
+    stage = StageCost(fwd=1e-3, bwd=2e-3, act_bytes=4096.0, layers=2, tp_message_bytes=65536.0)
+    costs, schedule = Costs((stage, stage)), generate("1f1b", 2, 2)
+    plain = run_config("--model", "gpt", "--pp", "2", "--tp", "2", "-m", "2")
+    assert calibrate_held(measured_topology(4, 2), plain, schedule, costs, [{"trace": tp_trace()}]) == {}
+    sequence_parallel = run_config("--model", "gpt", "--pp", "2", "--tp", "2", "-m", "2", "--sequence-parallel")
+    topology = measured_topology(4, 2)
+    assert calibrate_held(topology, sequence_parallel, schedule, costs, [{"trace": tp_trace(2e-3)}]) == {}
+    assert ("all_reduce", 2) not in topology.measured_collectives

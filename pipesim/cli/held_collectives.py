@@ -1,7 +1,8 @@
 """The collectives a ``pipesim compare`` run holds its ranks for inside its compute
 actions (ep's all-to-alls, the cp ring's K/V steps): which to benchmark, at which sizes,
 and the seconds the run's calibration steps timed them at (docs/calibration.md, "How the
-all-to-all and the ring step are priced"). tp's collectives keep the links' price.
+all-to-all and the ring step are priced"), and the tp all-reduce at the links' bandwidth;
+with sequence parallelism tp's all-gathers and reduce-scatters keep the links' price.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def calibrate_held(topology: Topology, config: RunConfig, schedule: Schedule, co
     the benchmark's bandwidth: the all-to-all (``ep``) its mean at ``dispatch_bytes``
     (``pipesim.cluster.comm_fit.calibrate_latency``); the ring step (``cp``) the latency
     at which the simulator's own rule charges the calibration steps the ring waits they
-    measured (``ring_latency``). What was set, and what the benchmark had priced the
-    run's message at (``benchmark_seconds``), for ``--json``."""
+    measured (``ring_latency``); the tp all-reduce its mean at ``tp_message_bytes``
+    (``tp_all_reduce``, at the links' bandwidth). What was set, and what the benchmark
+    had priced the run's message at (``benchmark_seconds``), for ``--json``."""
     from executor.run_costs import held_seconds  # noqa: PLC0415
     from pipesim.cluster.comm_fit import calibrate_latency  # noqa: PLC0415
 
@@ -77,6 +79,9 @@ def calibrate_held(topology: Topology, config: RunConfig, schedule: Schedule, co
         bandwidth, latency = calibrate_latency(measured, *key, size, seconds)
         paces["all_to_all"] = {"ranks": config.ep, "bytes": size, "seconds": seconds, "bandwidth": bandwidth,
                                "latency": latency, "benchmark_seconds": benchmark}
+    tp = tp_all_reduce(topology, config, costs, traces)
+    if tp is not None:
+        paces["all_reduce"] = tp
     key = ("ring_exchange", config.cp)
     ring = [stage.kv_bytes for stage in costs.stages if stage.attention_layers and stage.kv_bytes]
     if config.cp > 1 and config.cp_comm == "p2p" and ring and key in measured:
@@ -87,6 +92,43 @@ def calibrate_held(topology: Topology, config: RunConfig, schedule: Schedule, co
                                       "bandwidth": bandwidth, "latency": latency,
                                       "benchmark_seconds": ring[0] / bandwidth + benchmark_latency}
     return paces
+
+
+def tp_all_reduce(topology: Topology, config: RunConfig, costs: Costs, traces: list[Trace]) -> dict | None:
+    """Give the tp all-reduce (over groups of ``config.tp``, in
+    ``Topology.measured_collectives``) the seconds the calibration steps timed one at
+    (``held_seconds`` of the ``tp`` stream, the median over steps of each step's mean),
+    at the bandwidth the links give a ring all-reduce of the group (``2(n-1)/n`` of the
+    bytes at the ring's pace); return what was set, beside the links' price of the same
+    message, or None where the run has no tp all-reduce to time, or several sizes of it.
+    Why: each all-reduce the executor times also waits for its peer, which the run's
+    other ranks keep off the cores; priced from the send/recv links, a run's tp
+    all-reduces came out 14% long (256 in one step: 3.380 ms predicted against 2.955 ms
+    measured each) and every tp 2 compare long with them. With sequence parallelism the
+    executor's all-gathers and reduce-scatters keep the links' price."""
+    from executor.run_costs import held_seconds  # noqa: PLC0415
+    from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
+    from pipesim.cluster.collectives import all_reduce, ring_pace  # noqa: PLC0415
+    from pipesim.cluster.mapping import map_ranks  # noqa: PLC0415
+
+    sizes = {stage.tp_message_bytes for stage in costs.stages if stage.layers and stage.tp_message_bytes}
+    if config.tp < 2 or config.sequence_parallel or len(sizes) != 1:
+        return None
+    seconds = held_seconds(traces, "tp")
+    if seconds is None:
+        return None
+    (size,) = sizes
+    parallel = replicas(config)
+    group = map_ranks(topology, parallel.dp, config.pp, parallel.tp, parallel.rank_order, parallel.cp,
+                      parallel.ep).tp_group(0, 0)
+    links_price = all_reduce(topology, group, size)
+    bandwidth = ring_pace(topology, group)[0] * config.tp / (2 * (config.tp - 1))
+    latency = max(0.0, seconds - size / bandwidth)
+    topology.measured_collectives["all_reduce", config.tp] = bandwidth, latency
+    for cached in [key for key in topology.pace_cache if isinstance(key, tuple) and key[:1] == ("tp-collective",)]:
+        del topology.pace_cache[cached]  # priced before the calibration, by the links
+    return {"ranks": config.tp, "bytes": size, "seconds": size / bandwidth + latency, "bandwidth": bandwidth,
+            "latency": latency, "benchmark_seconds": links_price}
 
 
 def ring_latency(topology: Topology, config: RunConfig, schedule: Schedule, costs: Costs,

@@ -203,10 +203,15 @@ def _seconds(bytes_factor: float, latency_steps: float, num_bytes: float, pace: 
 
 
 def all_reduce(topology: Topology, group: Sequence[str], num_bytes: float, algorithm: str = "ring") -> float:
-    """Seconds to all-reduce ``num_bytes`` across ``group`` (``ring`` or ``tree``)."""
+    """Seconds to all-reduce ``num_bytes`` across ``group`` (``ring`` or ``tree``), or at
+    the pace measured for a group of its size (``measured_pace``: ``num_bytes / B +
+    alpha``, whatever the algorithm)."""
     n = len(group)
     if n <= 1:
         return 0.0
+    measured = measured_pace(topology, "all_reduce", group)
+    if measured is not None:
+        return _seconds(1.0, 1, num_bytes, measured)
     if algorithm == "ring":
         return _seconds(2 * (n - 1) / n, 2 * (n - 1), num_bytes, ring_pace(topology, group))
     if algorithm == "tree":
