@@ -346,3 +346,9 @@ def test_the_tp_all_reduce_keeps_the_links_price_without_timings_or_with_sequenc
     topology = measured_topology(4, 2)
     assert calibrate_held(topology, sequence_parallel, schedule, costs, [{"trace": tp_trace(2e-3)}]) == {}
     assert ("all_reduce", 2) not in topology.measured_collectives
+    # links a --topology file gave are the user's: kept
+    stage_costs = Costs((stage, stage))
+    given = measured_topology(4, 2)
+    assert calibrate_held(given, plain, schedule, stage_costs, [{"trace": tp_trace(2e-3)}],
+                          links_benchmarked=False) == {}
+    assert ("all_reduce", 2) not in given.measured_collectives

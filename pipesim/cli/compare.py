@@ -277,7 +277,7 @@ def handle(args: argparse.Namespace) -> int:
             # the calibration steps and the timed ones run the same lowered programs, the
             # ones the prediction simulates (lowered before any cost is known)
             result, costs, calibrated = run_calibrated(args, config, schedule, progress, order)
-            paces = calibrate_held(topology, config, schedule, costs, calibrated)
+            paces = calibrate_held(topology, config, schedule, costs, calibrated, links_benchmarked=not args.topology)
         else:
             with progress.phase("reading --costs" if args.costs else "1/4 profiling the stages"):
                 costs = pairs_as_run(calibrated_costs(args, config, schedule.num_stages),

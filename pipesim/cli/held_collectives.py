@@ -56,13 +56,15 @@ def held_message_sizes(config: RunConfig, num_stages: int) -> dict[str, list[int
 
 
 def calibrate_held(topology: Topology, config: RunConfig, schedule: Schedule, costs: Costs,
-                   calibrated: list[dict]) -> dict[str, dict]:
+                   calibrated: list[dict], links_benchmarked: bool = True) -> dict[str, dict]:
     """Give the held collectives the seconds the calibration steps timed them at, keeping
     the benchmark's bandwidth: the all-to-all (``ep``) its mean at ``dispatch_bytes``
     (``pipesim.cluster.comm_fit.calibrate_latency``); the ring step (``cp``) the latency
     at which the simulator's own rule charges the calibration steps the ring waits they
     measured (``ring_latency``); the tp all-reduce its mean at ``tp_message_bytes``
-    (``tp_all_reduce``, at the links' bandwidth). What was set, and what the benchmark
+    (``tp_all_reduce``, at the links' bandwidth), where ``links_benchmarked`` (compare
+    measured the links itself; a ``--topology`` file's links are the user's to keep).
+    What was set, and what the benchmark
     had priced the run's message at (``benchmark_seconds``), for ``--json``."""
     from executor.run_costs import held_seconds  # noqa: PLC0415
     from pipesim.cluster.comm_fit import calibrate_latency  # noqa: PLC0415
@@ -79,7 +81,7 @@ def calibrate_held(topology: Topology, config: RunConfig, schedule: Schedule, co
         bandwidth, latency = calibrate_latency(measured, *key, size, seconds)
         paces["all_to_all"] = {"ranks": config.ep, "bytes": size, "seconds": seconds, "bandwidth": bandwidth,
                                "latency": latency, "benchmark_seconds": benchmark}
-    tp = tp_all_reduce(topology, config, costs, traces)
+    tp = tp_all_reduce(topology, config, costs, traces) if links_benchmarked else None
     if tp is not None:
         paces["all_reduce"] = tp
     key = ("ring_exchange", config.cp)
