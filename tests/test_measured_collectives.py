@@ -198,17 +198,23 @@ def test_compare_reports_what_the_collectives_held_on_each_side() -> None:
                                              warmup_steps=0)
 
 
-def ep_trace(*durations: float):
-    """A calibration step's Trace with one all-to-all of each of ``durations`` seconds."""
+def held_trace(kind: str, stream: str, *durations: float):
+    """A calibration step's Trace with one collective of ``kind`` on ``stream`` inside a
+    forward for each of ``durations`` seconds, back to back."""
     from schedules.action import Action, ActionKind  # noqa: PLC0415
     from schedules.trace import Trace, TraceEvent  # noqa: PLC0415
 
     forward = Action(0, ActionKind.F, 0)
     events, start = [TraceEvent.of(0, forward, 0.0, 100.0, "compute")], 0.0
     for duration in durations:
-        events.append(TraceEvent(0, f"ALLTOALL_EP({forward})", "ALLTOALL_EP", 0, 0, start, start + duration, "ep"))
+        events.append(TraceEvent(0, f"{kind}({forward})", kind, 0, 0, start, start + duration, stream))
         start += duration
     return Trace(events)
+
+
+def ep_trace(*durations: float):
+    """A calibration step's Trace with one all-to-all of each of ``durations`` seconds."""
+    return held_trace("ALLTOALL_EP", "ep", *durations)
 
 
 def test_the_calibration_steps_time_one_all_to_all_as_the_median_of_their_means() -> None:
@@ -295,15 +301,7 @@ def test_compare_gives_the_ring_the_latency_at_which_the_simulator_charges_the_w
 
 def tp_trace(*durations: float):
     """A calibration step's Trace with one tp all-reduce of each of ``durations`` seconds."""
-    from schedules.action import Action, ActionKind  # noqa: PLC0415
-    from schedules.trace import Trace, TraceEvent  # noqa: PLC0415
-
-    forward = Action(0, ActionKind.F, 0)
-    events, start = [TraceEvent.of(0, forward, 0.0, 100.0, "compute")], 0.0
-    for duration in durations:
-        events.append(TraceEvent(0, f"TP({forward})", "TP", 0, 0, start, start + duration, "tp"))
-        start += duration
-    return Trace(events)
+    return held_trace("TP", "tp", *durations)
 
 
 def test_compare_gives_the_tp_all_reduce_the_seconds_its_calibration_steps_timed() -> None:
