@@ -50,8 +50,13 @@ class CollectiveTimer:
 
     def take(self) -> list[tuple[object, object, object]]:
         """The intervals recorded since the last call."""
-        intervals, self.intervals = self.intervals, []
-        return intervals
+        return self._drained("intervals")
+
+    def _drained(self, name: str) -> list[tuple[object, object, object]]:
+        """The list held as ``name``, replaced by an empty one."""
+        recorded = getattr(self, name)
+        setattr(self, name, [])
+        return recorded
 
     @contextmanager
     def _recorded(self, into: list[tuple[object, object, object]]) -> Iterator[None]:
@@ -75,8 +80,7 @@ class RingTimer(CollectiveTimer):
 
     def take_attention(self) -> list[tuple[object, object, object]]:
         """The attention intervals recorded since the last call."""
-        attention, self.attention = self.attention, []
-        return attention
+        return self._drained("attention")
 
 
 class TimedAllToAll(torch.autograd.Function):
