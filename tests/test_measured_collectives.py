@@ -318,6 +318,9 @@ def test_compare_gives_the_tp_all_reduce_the_seconds_its_calibration_steps_timed
     # moves 2(n-1)/n = 1 message and pays 2(n-1) = 2 latencies
     links_price = message / BANDWIDTH + 2 * LATENCY
     assert all_reduce(topology, group, message) == pytest.approx(links_price)
+    # a simulation before the calibration keeps the links' price of a rank's tp collective
+    before = run_simulation(generate("1f1b", 2, 2), costs, topology, parallel=replicas(config))
+    assert any(event.stream == "tp" for event in before.trace.events)
     # step means 2, 4 and 1 ms: 2 ms an all-reduce; the links' all-reduce bandwidth, 1e8 x n / 2(n-1)
     paces = calibrate_held(topology, config, generate("1f1b", 2, 2), costs,
                            [{"trace": tp_trace(1e-3, 3e-3)}, {"trace": tp_trace(4e-3)}, {"trace": tp_trace(1e-3)}])

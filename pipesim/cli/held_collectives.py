@@ -127,8 +127,6 @@ def tp_all_reduce(topology: Topology, config: RunConfig, costs: Costs, traces: l
     bandwidth = ring_pace(topology, group)[0] * config.tp / (2 * (config.tp - 1))
     latency = max(0.0, seconds - size / bandwidth)
     topology.measured_collectives["all_reduce", config.tp] = bandwidth, latency
-    for cached in [key for key in topology.pace_cache if isinstance(key, tuple) and key[:1] == ("tp-collective",)]:
-        del topology.pace_cache[cached]  # priced before the calibration, by the links
     return {"ranks": config.tp, "bytes": size, "seconds": size / bandwidth + latency, "bandwidth": bandwidth,
             "latency": latency, "benchmark_seconds": links_price}
 
