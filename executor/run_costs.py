@@ -8,7 +8,8 @@ backend's threads and whatever else the machine runs sharing the cores. On the s
 the profile, and every prediction fell short by that much. Here the costs are timed the
 way the run is timed, by the same code under the same contention: the job's processes
 run a few **calibration steps** of the same lowered programs (``pipesim compare`` runs
-half of them before its timed steps and half after, in the same processes), and each F,
+them in the same processes as its timed steps, in the order of
+``pipesim.cli.calibration_order``), and each F,
 B, I and W is the mean wall time of that action over such a step (minus the tp
 collectives, ep all-to-alls and ring attention's waits the trace shows inside it, which
 the simulator charges itself from the links). The
@@ -90,15 +91,24 @@ def stage_entry(stage: int, seconds: dict[tuple[int, str], float]) -> dict[str, 
             "igrad": input_grad, "wgrad": weight_grad}
 
 
-def gaps(schedule: Schedule, trace: Trace) -> list[tuple[float, int, bool]]:
+def gaps(schedule: Schedule, trace: Trace, waits_timed: bool = False) -> list[tuple[float, int, bool]]:
     """Per compute action after a rank's first: (seconds since the rank's previous compute
     action ended, P2P actions the program posts between the two, whether the action
     waits for data from another rank). Only the rank's loop, its hooks and its posts
-    fill a gap that waits for nothing."""
+    fill a gap that waits for nothing.
+
+    With ``waits_timed`` (buffered P2P, where the runtime marks each receive's wait as an
+    event of its own, ``recv`` stream, right before the action that needs the data), the
+    seconds the rank was blocked in those waits are taken out of the gap: what is left is
+    the runtime's own time, a waiting gap's included (the wait's bookkeeping, handing the
+    data on), which ``overhead_fit`` then reads off every gap."""
     by_rank: dict[int, dict[str, tuple[float, float]]] = defaultdict(dict)
+    blocked: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for event in trace.events:
         if event.stream == "compute":
             by_rank[event.rank][event.action] = (event.start, event.end)
+        elif waits_timed and event.stream == "recv":
+            blocked[event.rank].append((event.start, event.end))
     samples = []
     for rank in range(schedule.pp):
         received = {(action.kind, action.stage, action.microbatch)
@@ -116,22 +126,41 @@ def gaps(schedule: Schedule, trace: Trace) -> list[tuple[float, int, bool]]:
             needs = [action, *([paired[action]] if action in paired else [])]
             waits = any((RECV_OF.get(a.kind, ActionKind.RECV_B), a.stage, a.microbatch) in received for a in needs)
             if previous_end is not None:
-                samples.append((start - previous_end, posts, waits))
+                held = sum(min(stop, start) - max(begin, previous_end) for begin, stop in blocked.get(rank, ())
+                           if begin < start and stop > previous_end)
+                samples.append((start - previous_end - held, posts, waits))
             previous_end, posts = end, 0
     return samples
 
 
-def overhead_fit(samples: Sequence[tuple[float, int, bool]]) -> tuple[float, float]:
-    """(seconds per compute action, seconds per P2P action) from the gaps that wait for
-    nothing: the first is the mean gap with no post in it, the second what the gaps with
-    posts take beyond that, per post (a ratio of sums: a mean per post). The simulator
-    charges the first before every compute action and the second on every SEND and RECV,
-    so a step's sum of both is what these gaps summed to. None of a kind: zero."""
+def overhead_fit(samples: Sequence[tuple[float, int, bool]], waits_timed: bool = False) -> tuple[float, float]:
+    """(seconds per compute action, seconds per P2P action) from the gaps between compute
+    actions: the first is the mean gap with no post and no wait in it, the second what
+    the gaps with posts take beyond that, per post (a ratio of sums: a mean per post).
+    The simulator charges the first before every compute action and the second on every
+    SEND and RECV, so a step's sum of both is what these gaps summed to. None of a kind:
+    zero.
+
+    Which gaps give the per-post price: without ``waits_timed`` only those that wait for
+    nothing (a waiting gap's time is mostly the wait, whose length the trace does not
+    give). With it (``gaps(..., waits_timed=True)``: the blocked seconds already taken
+    out) every gap, so the posts are priced with what the waits cost the runtime beyond
+    being blocked. Why: in traces of 2-rank gloo runs (1f1b, gpipe, interleaved-1f1b,
+    pp 2, 8 microbatches), a least-squares split of the gaps put a send's post at
+    0.23-0.29 ms, a receive's at 0.04-0.14 ms and a wait's bookkeeping at 0.04-0.09 ms;
+    the gaps that wait for nothing are few in a 1F1B-like order and mostly post
+    receives, so priced from them alone a post cost 0.05-0.10 ms, and an interleaved
+    step's gaps summed to about 3 ms per rank (of 100) more than the costs said.
+    """
     free = [(seconds, posts) for seconds, posts, waits in samples if not waits]
     plain = [seconds for seconds, posts in free if posts == 0]
     per_action = max(statistics.fmean(plain), 0.0) if plain else 0.0
-    posted = [(seconds - per_action, posts) for seconds, posts in free if posts > 0]
-    per_post = max(sum(s for s, _ in posted) / sum(p for _, p in posted), 0.0) if posted else 0.0
+    if waits_timed:  # every gap, a waiting one with no post in it too (it still holds the wait's bookkeeping)
+        beyond, posts_total = sum(seconds - per_action for seconds, _, _ in samples), sum(p for _, p, _ in samples)
+    else:
+        posted = [(seconds - per_action, posts) for seconds, posts in free if posts > 0]
+        beyond, posts_total = sum(s for s, _ in posted), sum(p for _, p in posted)
+    per_post = max(beyond / posts_total, 0.0) if posts_total else 0.0
     return per_action, per_post
 
 
@@ -167,19 +196,20 @@ def pair_seconds(schedule: Schedule, trace: Trace) -> dict[int, float]:
 
 
 def run_costs(schedule: Schedule, traces: Sequence[Trace], step_times: Sequence[float],
-              collectives_apart: bool = False) -> dict:
+              collectives_apart: bool = False, waits_timed: bool = False) -> dict:
     """The costs document (times and overheads; no bytes) from calibration steps: one
     Trace per step with the step's time. Each step is a round, as in the stage profile
     (``executor.estimate``): every cost is its mean over the step, and the estimate the
     median of the steps' means, so that a step a slow spell of the machine covered (on
     the shared 2-core machine, one of three calibration steps once put 8 ms on every
-    P2P post) does not set it. Bytes are added by ``stage_bytes``."""
+    P2P post) does not set it. Bytes are added by ``stage_bytes``. ``waits_timed``: the
+    steps ran buffered P2P, whose traces mark each receive's wait (``gaps``)."""
     if not traces or len(traces) != len(step_times):
         raise ValueError(f"need one step time per calibration Trace, got {len(traces)} traces and "
                          f"{len(step_times)} step times")
     per_step = [compute_seconds(trace, collectives_apart) for trace in traces]
     seconds = {key: robust_mean([step[key] for step in per_step if key in step]) for key in per_step[0]}
-    fits = [overhead_fit(gaps(schedule, trace)) for trace in traces]
+    fits = [overhead_fit(gaps(schedule, trace, waits_timed), waits_timed) for trace in traces]
     per_action, per_post = robust_mean([fit[0] for fit in fits]), robust_mean([fit[1] for fit in fits])
     tails = [step_tail(schedule, trace, time, per_action, per_post)
              for trace, time in zip(traces, step_times, strict=True)]
@@ -296,9 +326,11 @@ def calibration_document(config: RunConfig, schedule: Schedule, calibrated: Sequ
     config: its last step's Trace and step times), with the bytes of each stage and, in
     ``meta``, what the times were measured on (the fields ``pipesim compare --costs``
     checks against its run)."""
+    backend = calibrated[0].get("backend")
     document = run_costs(schedule, [result["trace"] for result in calibrated],
                          [result["step_times"][-1] for result in calibrated],
-                         collectives_apart=config.tp > 1 or config.ep > 1 or config.cp > 1)
+                         collectives_apart=config.tp > 1 or config.ep > 1 or config.cp > 1,
+                         waits_timed=backend is not None and config.p2p_semantics(backend) == "buffered")
     for entry, sizes in zip(document["stages"], stage_bytes(config, schedule.num_stages), strict=True):
         entry.update(sizes)
     if config.cp > 1 and config.cp_comm == "p2p":
@@ -306,7 +338,7 @@ def calibration_document(config: RunConfig, schedule: Schedule, calibrated: Sequ
     document["sequence_parallel"] = config.sequence_parallel
     document["meta"] = {
         "source": RUN_CALIBRATED, "calibration_steps": len(calibrated),
-        "backend": calibrated[0].get("backend"), "threads": config.threads, "model": config.model,
+        "backend": backend, "threads": config.threads, "model": config.model,
         "layers": config.layers, "hidden": config.hidden, "seq_len": config.seq_len, "pp": config.pp,
         "virtual_stages": config.virtual_stages, "schedule": schedule.name, "dtype": config.dtype,
         "microbatch_size": -(-config.replica_batch_size // config.microbatches), "dp": config.dp, "tp": config.tp,

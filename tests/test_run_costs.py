@@ -24,23 +24,29 @@ SECONDS = {ActionKind.F: 3.0, ActionKind.B: 5.0, ActionKind.I: 2.0, ActionKind.W
 
 
 def timeline(schedule, action_gap: float, post: float, wait: float, lead: float = 0.0, slow: float = 1.0,
-             tp: float = 0.0) -> Trace:
+             tp: float = 0.0, bookkeeping: float = 0.0, timed_waits: bool = False) -> Trace:
     """One step as a runtime that costs ``action_gap`` per compute action and ``post`` per
     P2P action, and waits ``wait`` before every action whose input comes from another
     rank, would time it: each rank from its own 0, the first stage's rank ``lead`` late.
-    ``tp`` seconds of every compute action are a tp collective inside it."""
+    ``tp`` seconds of every compute action are a tp collective inside it. After a wait
+    the runtime spends ``bookkeeping`` more (handing the data on); with ``timed_waits``
+    each wait is marked as the buffered runtime marks it, a ``recv`` event of its own."""
     events = []
     for rank in range(schedule.pp):
-        received = {(a.kind, a.stage, a.microbatch) for a in schedule.programs[rank] if a.kind in RECV_KINDS}
+        receives = {(a.kind, a.stage, a.microbatch): a for a in schedule.programs[rank] if a.kind in RECV_KINDS}
         pairs = dict(schedule.fused_pairs(rank))  # the runtime waits for both inputs before the pair's forward
         now, posts = (lead if rank == schedule.placement[0] else 0.0), 0
         for action in schedule.programs[rank]:
             if action.kind in SEND_KINDS | RECV_KINDS:
                 posts += 1
                 continue
-            waits = any((RECV_OF.get(a.kind, ActionKind.RECV_B), a.stage, a.microbatch) in received
-                        for a in (action, *([pairs[action]] if action in pairs else [])))
-            now += action_gap + posts * post + (wait if waits else 0.0)
+            awaited = [receives[key] for a in (action, *([pairs[action]] if action in pairs else []))
+                       if (key := (RECV_OF.get(a.kind, ActionKind.RECV_B), a.stage, a.microbatch)) in receives]
+            now += action_gap + posts * post
+            if awaited:
+                if timed_waits:
+                    events.append(TraceEvent.of(rank, awaited[0], now, now + wait, "recv"))
+                now += wait + bookkeeping
             seconds = (SECONDS[action.kind] + action.stage) * slow
             events.append(TraceEvent.of(rank, action, now, now + seconds, "compute"))
             if tp:
@@ -84,6 +90,37 @@ def test_the_gaps_that_wait_for_data_are_told_from_the_loop():
 def test_the_overhead_fit_recovers_any_loop_and_post_cost(action_gap, post, wait, name, pp):
     schedule = lower(generate(name, pp, 2 * pp, 2 if name in ("zbv", "dualpipev") else 1))
     per_action, per_post = overhead_fit(gaps(schedule, timeline(schedule, action_gap, post, wait)))
+    assert per_action == pytest.approx(action_gap, abs=1e-9)
+    assert per_post == pytest.approx(post, abs=1e-9)
+
+
+def test_timed_waits_price_the_posts_with_the_bookkeeping_of_every_wait():
+    """1F1B, pp 2, 4 microbatches, by hand: the gaps between compute actions hold 14
+    posts and 7 waits (rank 0: 8 posts, 4 waits; rank 1: 6 posts, 3 waits; each rank's
+    first action and rank 1's first receive are before any gap), and 5 gaps hold neither.
+    Blocked seconds are taken out; what each wait costs beyond them is spread over the
+    posts: 0.125 + 0.5 * 7 / 14."""
+    schedule = lower(generate("1f1b", 2, 4))
+    trace = timeline(schedule, action_gap=0.25, post=0.125, wait=7.0, bookkeeping=0.5, timed_waits=True)
+    samples = gaps(schedule, trace, waits_timed=True)
+    assert sum(posts for _, posts, _ in samples) == 14 and sum(waits for _, _, waits in samples) == 7
+    assert sum(1 for _, posts, waits in samples if not posts and not waits) == 5
+    assert overhead_fit(samples, waits_timed=True) == pytest.approx((0.25, 0.125 + 0.5 * 7 / 14))
+    # the fit from the free gaps alone never sees the bookkeeping
+    assert overhead_fit(gaps(schedule, trace)) == pytest.approx((0.25, 0.125))
+    document = run_costs(schedule, [trace], [100.0], waits_timed=True)
+    assert (document["action_overhead"], document["comm_overhead"]) == pytest.approx((0.25, 0.375))
+
+
+@settings(max_examples=30, deadline=None)
+@given(action_gap=st.floats(0.0, 1.0), post=st.floats(0.0, 1.0), wait=st.floats(0.0, 10.0),
+       name=st.sampled_from(["gpipe", "1f1b", "zb-h1", "zbv", "dualpipev"]), pp=st.integers(2, 4))
+def test_timed_waits_leave_the_loop_and_post_costs_as_they_were(action_gap, post, wait, name, pp):
+    """With nothing spent beyond the blocked seconds, every gap, a waiting one too, gives
+    back the runtime's costs exactly, however long the waits."""
+    schedule = lower(generate(name, pp, 2 * pp, 2 if name in ("zbv", "dualpipev") else 1))
+    trace = timeline(schedule, action_gap, post, wait, timed_waits=True)
+    per_action, per_post = overhead_fit(gaps(schedule, trace, waits_timed=True), waits_timed=True)
     assert per_action == pytest.approx(action_gap, abs=1e-9)
     assert per_post == pytest.approx(post, abs=1e-9)
 
