@@ -78,6 +78,9 @@ def test_ring_fit_recovers_the_link_behind_a_collective():
 def test_sizes_parse_as_a_range_or_a_list():
     assert parse_sizes("1KB..64MB") == [2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26]
     assert parse_sizes("4KB,1MB") == [4096, 2**20]
+    # a unit without its B, in either case, is the same unit (16m once failed with a KeyError)
+    assert parse_sizes("16k..1m") == [2**14, 2**16, 2**18, 2**20]
+    assert parse_sizes("2G,3") == [2 * 2**30, 3]
     with pytest.raises(ValueError, match="64XB"):
         parse_sizes("64XB")
 

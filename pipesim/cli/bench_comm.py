@@ -53,7 +53,8 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", text.upper())
     if not match:
         raise ValueError(f"size {text!r} must be a number with an optional unit B, KB, MB or GB, e.g. 64MB")
-    return int(float(match.group(1)) * UNITS[match.group(2) if match.group(2) != "K" else "KB"])
+    unit = match.group(2)
+    return int(float(match.group(1)) * UNITS[unit + "B" if unit in ("K", "M", "G") else unit])
 
 
 def parse_sizes(text: str) -> list[int]:
