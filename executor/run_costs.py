@@ -36,7 +36,7 @@ from executor.config import RunConfig
 from executor.estimate import ROUNDS, robust_mean
 from schedules.action import COMM_KINDS, COMPUTE_KINDS, RECV_KINDS, RECV_OF, ActionKind, parse_action
 from schedules.schedule import Schedule
-from schedules.trace import Trace
+from schedules.trace import Trace, covered_seconds
 
 RUN_CALIBRATED = "calibration steps of the run"  # meta.source of these costs files: they time tp/cp/ep shards
 
@@ -126,8 +126,7 @@ def gaps(schedule: Schedule, trace: Trace, waits_timed: bool = False) -> list[tu
             needs = [action, *([paired[action]] if action in paired else [])]
             waits = any((RECV_OF.get(a.kind, ActionKind.RECV_B), a.stage, a.microbatch) in received for a in needs)
             if previous_end is not None:
-                held = sum(min(stop, start) - max(begin, previous_end) for begin, stop in blocked.get(rank, ())
-                           if begin < start and stop > previous_end)
+                held = covered_seconds(blocked.get(rank, ()), previous_end, start)
                 samples.append((start - previous_end - held, posts, waits))
             previous_end, posts = end, 0
     return samples

@@ -46,6 +46,9 @@ def test_compare_predicts_a_tp_run_with_its_collectives_priced_by_the_links(tmp_
     for event in collectives:
         assert event["end"] - event["start"] == pytest.approx(2 * one, rel=1e-6)
     assert document["measured_step_time"] > 0 and document["predicted_step_time"] > 0
+    # gloo buffers its P2P and marks each wait: the runtime between actions, both sides
+    for rank in document["ranks"]:
+        assert rank["measured_runtime"] > 0 and rank["predicted_runtime"] > 0
 
 
 def test_compare_refuses_costs_given_twice_and_no_calibration_steps(tmp_path, capsys):

@@ -261,7 +261,7 @@ def handle(args: argparse.Namespace) -> int:
     from executor.pair_streams import pairs_overlap_on  # noqa: PLC0415
     from executor.process import resolve_backend  # noqa: PLC0415
     from executor.spawn import SpawnError  # noqa: PLC0415
-    from pipesim.sim.comparison import compare, launch_overheads, report_lines  # noqa: PLC0415
+    from pipesim.sim.comparison import compare, launch_overheads, report_lines, runtime_per_rank  # noqa: PLC0415
     from pipesim.sim.cost_aware import adapt_to_costs  # noqa: PLC0415
     from pipesim.sim.engine import lower_for  # noqa: PLC0415
     from pipesim.sim.step import run_simulation  # noqa: PLC0415
@@ -308,7 +308,10 @@ def handle(args: argparse.Namespace) -> int:
     interleaved = order == INTERLEAVED
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
                        0 if interleaved else args.warmup_steps, load=load, cores=os.cpu_count(),
-                       world_size=config.world_size, overheads=launch_overheads(schedule, costs))
+                       world_size=config.world_size, overheads=launch_overheads(schedule, costs),
+                       # the runtime's own time beside busy, where the run marks each wait (buffered P2P)
+                       runtime=runtime_per_rank(result["trace"], schedule, costs)
+                       if p2p_semantics(config) == "buffered" else None)
     if order is not None:
         document["calibration_order"] = order
     if interleaved:

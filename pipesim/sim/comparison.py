@@ -31,12 +31,13 @@ rank's compute stretch 2-6% low.
 from __future__ import annotations
 
 import statistics
+from itertools import pairwise
 
 from pipesim.model.costs import Costs
-from schedules.action import COMPUTE_KINDS
+from schedules.action import COMM_KINDS, COMPUTE_KINDS
 from schedules.metrics import step_metrics
 from schedules.schedule import Schedule
-from schedules.trace import Trace
+from schedules.trace import Trace, covered_seconds
 
 
 def busy_per_rank(trace: Trace) -> list[float]:
@@ -157,9 +158,37 @@ def launch_overheads(schedule: Schedule, costs: Costs) -> list[float]:
     return charged
 
 
+def runtime_per_rank(measured: Trace, schedule: Schedule, costs: Costs) -> list[tuple[float, float]]:
+    """Per rank, (measured, predicted) seconds of the runtime's own time between its first
+    and last compute action: its loop, its P2P posts and what each wait costs beyond
+    being blocked. Measured: the gaps between the rank's compute events, less the time
+    its marked waits (``recv`` events: buffered P2P marks each receive's wait) cover.
+    Predicted: what the costs charge there, ``action_overhead`` per compute action after
+    the first and ``comm_overhead`` per SEND/RECV between the first and the last. Set
+    beside busy, this tells a runtime the costs under- or over-price from compute that
+    ran at another speed and from waits the simulator got wrong; read only where the
+    waits are marked (under rendezvous a receive's event spans its whole group)."""
+    by_rank: dict[int, tuple[list, list]] = {rank: ([], []) for rank in range(schedule.pp)}
+    for event in measured.events:
+        if event.rank in by_rank and event.stream in ("compute", "recv"):
+            by_rank[event.rank][event.stream == "recv"].append((event.start, event.end))
+    pairs = []
+    for rank, program in enumerate(schedule.programs):
+        computes, waits = by_rank[rank]
+        computes.sort()
+        measured_seconds = sum(later[0] - earlier[1] - covered_seconds(waits, earlier[1], later[0])
+                               for earlier, later in pairwise(computes))
+        places = [index for index, action in enumerate(program) if action.kind in COMPUTE_KINDS]
+        posts = sum(1 for action in program[places[0]:places[-1]] if action.kind in COMM_KINDS) if places else 0
+        predicted_seconds = max(len(places) - 1, 0) * costs.action_overhead + posts * costs.comm_overhead
+        pairs.append((measured_seconds, predicted_seconds))
+    return pairs
+
+
 def compare(measured: Trace, step_times: list[float], predicted: Trace, predicted_step_time: float,
             warmup_steps: int = 1, load: float | None = None, cores: int | None = None,
-            world_size: int | None = None, overheads: list[float] | None = None) -> dict:
+            world_size: int | None = None, overheads: list[float] | None = None,
+            runtime: list[tuple[float, float]] | None = None) -> dict:
     """The comparison document (``pipesim compare --json``). ``load`` is the machine's
     1-minute load average at the end of the run, ``cores`` its CPU count (None: not
     known) and ``world_size`` the run's processes (default: its pipeline ranks); they
@@ -220,6 +249,8 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
                 "predicted_busy": predicted_busy[rank],
                 "measured_idle": traced_time - measured_busy[rank],
                 "predicted_idle": predicted_step_time - predicted_busy[rank],
+                **({"measured_runtime": runtime[rank][0], "predicted_runtime": runtime[rank][1]}
+                   if runtime is not None and rank < len(runtime) else {}),
             }
             for rank in range(ranks)
         ],
@@ -321,5 +352,7 @@ def report_lines(document: dict) -> list[str]:
         lines.append(f"  rank {rank['rank']}: busy {rank['measured_busy'] * 1e3:8.2f} / "
                      f"{rank['predicted_busy'] * 1e3:8.2f} ms"
                      f"   idle {rank['measured_idle'] * 1e3:8.2f} / {rank['predicted_idle'] * 1e3:8.2f} ms"
-                     "  (measured / predicted)")
+                     + (f"   runtime {rank['measured_runtime'] * 1e3:7.2f} / {rank['predicted_runtime'] * 1e3:7.2f} ms"
+                        if "measured_runtime" in rank else "")
+                     + "  (measured / predicted)")
     return lines
