@@ -132,6 +132,17 @@ def stretch(summary: dict) -> str:
     return " ".join("-" if value is None else f"{value:.2f}" for value in summary.get("compute_stretch", []))
 
 
+def runtime_error(summary: dict) -> str:
+    """The ranks' runtime between compute actions, predicted against measured (summed
+    over ranks; ``compare``'s ``runtime`` columns, on gloo), as a signed error: the
+    share of a step's miss that the runtime's costs, not the compute's speed, explain."""
+    ranks = [rank for rank in summary.get("ranks", []) if "measured_runtime" in rank]
+    measured = sum(rank["measured_runtime"] for rank in ranks)
+    if not measured:
+        return "-"
+    return f"{error_of(measured, sum(rank['predicted_runtime'] for rank in ranks)):+.1%}"
+
+
 def whole_number(text: str, least: int, too_small: str = "expected a whole number") -> int:
     """A count of at least ``least``, refused in one line naming the value (``too_small``
     says why the bound is there)."""
@@ -218,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows:
                 summaries.append(run_row(row, args.compare_args, os.path.join(folder, f"{row.slug}-{number}.json")))
                 print(f"pass {number}/{args.passes}: {row.name} pp {row.pp}: error {summaries[-1]['error']:+.1%}, "
-                      f"compute stretch {stretch(summaries[-1])}", file=sys.stderr, flush=True)
+                      f"compute stretch {stretch(summaries[-1])}, runtime {runtime_error(summaries[-1])}",
+                      file=sys.stderr, flush=True)
             passes.append(summaries)
     print("\n".join(table_lines(rows, passes)))
     return 0

@@ -129,3 +129,11 @@ def test_passes_run_every_row_before_the_next_pass(monkeypatch, capsys) -> None:
     # 1f1b: predicted 101 and 107 ms in passes 1 and 2: median 104, +4.0%
     assert "| 1f1b | 2 | 100.00 | 104.00 | +4.0% | +1.0% +7.0% |" in captured.out
     assert "pass 2/2: 1f1b dp2 pp 2: error +12.0%" in captured.err
+
+
+def test_the_runtime_error_sums_the_ranks_and_is_blank_without_the_columns() -> None:
+    # ranks 10 + 30 ms measured, 12 + 33 ms predicted: (45 - 40) / 40
+    summary = {"ranks": [{"measured_runtime": 0.010, "predicted_runtime": 0.012},
+                         {"measured_runtime": 0.030, "predicted_runtime": 0.033}]}
+    assert bench.runtime_error(summary) == "+12.5%"
+    assert bench.runtime_error({"ranks": [{"measured_busy": 1.0}]}) == "-"
