@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from executor.clock import CpuClock, clock_for
+from executor.clock import CpuClock, clock_for, earliest_start, shared_clock, shifted
 from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
 from executor.context_parallel import local_shape
@@ -194,6 +194,7 @@ class RankRun:
         self.memory.buffers = lambda: [*runtime.outbox.values(), *runtime.forward_inputs.values(),
                                        *runtime.output_grads.values()]
         self.memory_peak = MemoryPeak()
+        self.one_timeline = shared_clock(device, self.world)  # every rank on one perf_counter (executor.clock)
 
     def step(self, step: int) -> None:
         """One training step: the program, the optimizer, the loss made known to all."""
@@ -253,6 +254,10 @@ class RankRun:
             loss /= config.dp * config.tp
         self.losses.append(self.wait_for("in the loss all-reduce", loss.item))
         self.step_times.append(time.perf_counter() - started)
+        if self.one_timeline:  # every rank's events, and the step, from the earliest rank's start
+            first = self.wait_for("in the step's clock exchange", lambda: earliest_start(started))
+            self.step_times[-1] += started - first
+            self.events = shifted(self.events, self.runtime.clock.origin - first)
 
     def wait_for(self, what: str, call):
         """``call()`` marked in the progress file as a wait for peers, so that a rank
