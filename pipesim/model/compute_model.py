@@ -75,7 +75,7 @@ from pipesim.model.attention_model import AttentionTable, AttentionTableError, A
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.gemm_model import GemmModel
 from pipesim.model.operations import UP_PROJECTIONS, FlashAttention, Gemm, MemoryBound, Operation, memory_bound_kernels
-from pipesim.model.spec import NORM_MLA_UP, ModelSpec
+from pipesim.model.spec import NORM_MLA_UP, PER_OP, ModelSpec
 
 FILE_FORMAT = 1
 # fit_gemm_model over data/h200_gemm_bf16.csv (forward and backward of every row), on the H200's
@@ -288,8 +288,9 @@ class BlockTime:
 def block_time(operations: tuple[Operation, ...], model: ComputeModel, recompute: str = "none",
                element_bytes: int = 2) -> BlockTime:
     """Sum of ``operations``' times; full recompute re-runs every forward, selective the
-    attention core's, norm-mla-up the norms' share of the element-wise kernels and latent
-    attention's up-projections (``recomputed_share``)."""
+    attention core's, per-op every element-wise kernel and the recomputed GEMMs' share,
+    norm-mla-up the norms' share of the element-wise kernels and latent attention's
+    up-projections (``recomputed_share``)."""
     forward = input_grad = weight_grad = recomputed = 0.0
     for operation in operations:
         time = operation_time(operation, model, element_bytes)
@@ -308,6 +309,10 @@ def recomputed_share(operation: Operation, recompute: str) -> float:
     a mixture of experts' activation under FP8 caching)."""
     if recompute == "full" or (recompute == "selective" and operation.attention_core):
         return 1.0
+    if recompute == PER_OP:  # pipesim.model.per_op_checkpoint: the attention kernel's output is kept
+        if isinstance(operation, MemoryBound):
+            return 1.0
+        return operation.per_op_recomputed if isinstance(operation, Gemm) else 0.0
     if isinstance(operation, MemoryBound):
         if not operation.bytes:
             return 0.0
