@@ -11,6 +11,7 @@ the code."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from pipesim.cli import main
 from pipesim.cluster.files import topology_from_dict
 from pipesim.cluster.mapping import map_ranks
+from pipesim.job import Job, simulate_job
 from pipesim.model.activations import layer_stash_bytes
 from pipesim.model.compute_model import FixedEfficiency, block_time
 from pipesim.model.costs import Costs, StageCost
@@ -169,3 +171,25 @@ def test_per_op_keeps_between_full_and_none(kv_heads, ffn, gated, qkv_bias, tp, 
         assert stash["per-op"] <= stash["none"]
     flops = spec.layer_recompute_flops(0, "per-op", tp, sequence_parallel)
     assert 0 <= flops <= spec.layer_gemm_flops(0, tp, sequence_parallel)
+
+
+def test_a_plan_row_of_per_op_is_what_simulate_gives_the_same_layout(tmp_path, capsys):
+    # llama3-8b at 2048 tokens, pp 2 tp 2 with sequence parallelism: the row carries the
+    # repeated all-gathers and the smaller stash exactly as simulate prices them
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8",
+                 "--seq-len", "2048", "--topology", "nvlink", "--schedules", "1f1b", "--microbatch-sizes", "1",
+                 "--zero", "1", "--sequence-parallel", "on", "--constraint", "pp=2", "--constraint", "tp=2",
+                 "--top", "10", "--workers", "1", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "1f1b pp2 tp2 dp2 mbs1 m4 recompute=per-op zero1 sp" in table
+    rows = {row["recompute"]: row for row in json.loads(out.read_text())["ranked"]}
+    assert sorted(rows) == ["full", "none", "per-op", "selective"]
+    job = Job(model="llama3-8b", seq_len=2048, topology="nvlink", nodes=1, schedule="1f1b", pp=2, tp=2,
+              dp=2, microbatches=4, microbatch_size=1, zero=1, recompute="per-op", sequence_parallel=True)
+    result = simulate_job(job)
+    assert rows["per-op"]["step_time"] == pytest.approx(result.metrics.makespan, rel=1e-12)
+    assert rows["per-op"]["peak_memory_bytes"] == pytest.approx(max(rank.peak_bytes for rank in result.memory),
+                                                                rel=1e-12)
+    assert rows["full"]["peak_memory_bytes"] < rows["per-op"]["peak_memory_bytes"] < rows["none"]["peak_memory_bytes"]
+    assert rows["none"]["step_time"] < rows["per-op"]["step_time"] < rows["full"]["step_time"]
