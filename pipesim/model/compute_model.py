@@ -236,24 +236,27 @@ def reserve_sms(model: ComputeModel, reserved: int, sms: int) -> ComputeModel:
 @dataclass(frozen=True)
 class OperationTime:
     """Seconds of an operation's forward, and of its backward split into input-gradient
-    and weight-gradient work."""
+    and weight-gradient work; ``forward_cast``: of the forward, an FP8 GEMM's input cast."""
 
     forward: float
     input_grad: float
     weight_grad: float = 0.0
+    forward_cast: float = 0.0
 
 
 def _gemm_time(gemm: Gemm, model: ComputeModel, element_bytes: int) -> OperationTime:
     forward = model.gemm_seconds(gemm, element_bytes)
     data_grad = model.gemm_seconds(replace(gemm, k=gemm.n, n=gemm.k), element_bytes)  # m x n by n x k
     other_grad = model.gemm_seconds(replace(gemm, m=gemm.k, k=gemm.m), element_bytes)  # k x m by m x n
+    input_cast = 0.0
     if gemm.fp8:  # the input cast before the forward, the output gradient's before the backward
         cast = CAST_BYTES + (AMAX_BYTES if gemm.amax_pass else 0)
-        forward += model.memory_seconds(cast * gemm.count * gemm.m * gemm.k)
+        input_cast = model.memory_seconds(cast * gemm.count * gemm.m * gemm.k)
+        forward += input_cast
         data_grad += model.memory_seconds(cast * gemm.count * gemm.m * gemm.n)
     if gemm.weighted:
-        return OperationTime(forward, data_grad, other_grad)
-    return OperationTime(forward, data_grad + other_grad)  # both operands are activations
+        return OperationTime(forward, data_grad, other_grad, input_cast)
+    return OperationTime(forward, data_grad + other_grad, forward_cast=input_cast)  # both operands are activations
 
 
 def _attention_time(attention: FlashAttention, model: ComputeModel, element_bytes: int) -> OperationTime:
@@ -297,10 +300,18 @@ def block_time(operations: tuple[Operation, ...], model: ComputeModel, recompute
         forward += time.forward
         input_grad += time.input_grad
         weight_grad += time.weight_grad
-        share = recomputed_share(operation, recompute)
-        if share:
-            recomputed += share * time.forward
+        recomputed += recomputed_seconds(operation, time, recompute)
     return BlockTime(forward, input_grad, weight_grad, recomputed)
+
+
+def recomputed_seconds(operation: Operation, time: OperationTime, recompute: str) -> float:
+    """Seconds of ``operation``'s forward the backward re-runs: ``recomputed_share`` of it;
+    per-op checkpointing also re-runs the FP8 input cast of a product it saves (the cast is
+    not a saved op, and the re-run forward runs every op it does not save)."""
+    share = recomputed_share(operation, recompute)
+    if recompute == PER_OP:
+        return share * time.forward + (1 - share) * time.forward_cast
+    return share * time.forward
 
 
 def recomputed_share(operation: Operation, recompute: str) -> float:

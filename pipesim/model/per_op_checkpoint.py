@@ -53,11 +53,17 @@ output, gate, down), nothing of K, the norms' outputs, the up projection or the 
 product. The kernel's log-sum-exp (4 bytes per head) is left out as for the other modes
 (``pipesim.model.saved_tensors`` adds it for the executor's count).
 
+**FP8** (torchao's float8 linears, as torchtitan runs them): the policy sees each
+product as an ``mm`` of float8 tensors (a dispatch mode comes before the tensor subclass
+that turns it into ``_scaled_mm``), so the same matrices are counted and saved, their
+outputs in 16-bit; the casts are not saved ops (only their ``max``, one scalar), so the
+re-run forward repeats every FP8 GEMM's input cast, the saved products' too
+(``pipesim.model.compute_model.recomputed_seconds``).
+
 **Refused** (``per_op_refusal``), one line naming why: mixture-of-experts layers (the
 router gate is force-recomputed by shape, the experts run grouped GEMMs the counter does
-not see), latent attention (its own order of low-rank matrices), FP8 (torchao's float8
-linears are not ``mm``) and attention without the fused kernel (the ``bmm`` scores would be
-kept, the softmax re-run): not derived here.
+not see), latent attention (its own order of low-rank matrices) and attention without
+the fused kernel (the ``bmm`` scores would be kept, the softmax re-run): not derived here.
 """
 
 from __future__ import annotations
@@ -84,9 +90,6 @@ def per_op_refusal(spec: ModelSpec, flash_attention: bool = True) -> str | None:
     if spec.mla is not None:
         return (f"{spec.name} has latent attention (MLA), whose per-op checkpointing order is not modelled; "
                 f"use none, selective, norm-mla-up or full")
-    if spec.fp8:
-        return "FP8 linears (torchao's float8) under per-op checkpointing are not modelled; drop --fp8 or use " \
-               "none, selective or full"
     if not flash_attention:
         return "per-op checkpointing is modelled over the fused (flash) attention kernel; drop --no-flash-attention"
     return None

@@ -88,7 +88,7 @@ class SearchSpace:
 # Every recompute mode the simulator models; a plan searches norm-mla-up (DeepSeek-V3's
 # recompute of the norms and latent attention's up-projections) for models with latent
 # attention only, where it saves what the others do not, and per-op (torchtitan's
-# SelectiveAC) where it is modelled: dense models without latent attention, FP8 off
+# SelectiveAC) where it is modelled: dense models without latent attention
 # (``searched_recompute``).
 RECOMPUTE_MODES = RECOMPUTE
 
