@@ -26,7 +26,13 @@ which is the order ``pipesim.model.weights`` lists them in (Q, K, V, output; gat
 down: torchtitan's ``w2(silu(w1(x)) * w3(x))`` runs ``w1`` before ``w3``); every second
 bias-less one is recomputed. Llama 3 (no biases): K, the output projection and the MLP's
 up projection (``w3``); Q, V, the gate (``w1``) and down (``w2``) projections are saved.
-GPT's (every matrix biased): none. Where pipesim fuses matrices into one GEMM (Q, K and V;
+GPT's (every matrix biased): none. The products are counted as the stack builds its
+linears: torchtitan 0.3's own Llama 3 configs fuse Q, K and V into one ``wqkv``
+(``fuse_qkv=True``), five products of which the output projection and ``w3`` are
+recomputed, so K's output is kept too and K's GEMM not re-run; this module models the
+separate projections (torchtitan's as its published per-op runs had them, and the
+executor's). ``tests/test_per_op_torchtitan.py`` holds both to torchtitan's own block and
+policy. Where pipesim fuses matrices into one GEMM (Q, K and V;
 gate and up) the backward re-runs the recomputed ones' share of its columns
 (``Gemm.per_op_recomputed``), so Llama 3's QKV GEMM re-runs ``k / (q + 2k)`` of itself and
 its gate-and-up GEMM half.
