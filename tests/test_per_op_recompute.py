@@ -30,7 +30,7 @@ from pipesim.model.operations import layer_operations
 from pipesim.model.per_op_checkpoint import recomputed_matrices
 from pipesim.model.saved_tensors import EAGER_TORCH, layer_extra_bytes
 from pipesim.model.spec import PRESETS, RECOMPUTE, ModelSpec
-from pipesim.model.transformer_costs import model_stage_costs
+from pipesim.model.transformer_costs import model_stage_costs, training_figures
 from pipesim.plan.layouts import searched_recompute
 from pipesim.sim.parallel import tp_collective_seconds
 from schedules import generate
@@ -206,3 +206,15 @@ def test_a_plan_row_of_per_op_is_what_simulate_gives_the_same_layout(tmp_path, c
                                                                 rel=1e-12)
     assert rows["full"]["peak_memory_bytes"] < rows["per-op"]["peak_memory_bytes"] < rows["none"]["peak_memory_bytes"]
     assert rows["none"]["step_time"] < rows["per-op"]["step_time"] < rows["full"]["step_time"]
+
+
+def test_tflops_count_the_recomputed_gemms_and_no_attention():
+    # two layers of 16 tokens: GEMMs 2 x 16 x (64 x 128 + 64 x 64 + 64 x 256 + 128 x 64) =
+    # 1,179,648 a layer; attention 2 x 4 heads x 16^2 x (16 + 16) = 65,536 whole, 32,768
+    # causal; logits 2 x 16 x 64 x 100 = 204,800. Model FLOPs, attention causal: 3 x (2 x
+    # (1,179,648 + 32,768) + 204,800) = 7,888,896; per-op adds the K, output and up GEMMs
+    # again, 2 x 458,752, and no attention (it keeps the kernel's output)
+    figures = training_figures(small_llama(), "per-op", makespan=1.0, microbatches=1, dp=1, gpus=1, peak_flops=1e12,
+                               attention_flops="causal")
+    assert figures["model_tflops_per_gpu"] * 1e12 == pytest.approx(7_888_896 + 2 * 458_752)
+    assert figures["mfu"] * 1e12 == pytest.approx(7_888_896)
