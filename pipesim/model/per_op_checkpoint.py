@@ -32,10 +32,9 @@ linears: torchtitan 0.3's own Llama 3 configs fuse Q, K and V into one ``wqkv``
 recomputed, so K's output is kept too and K's GEMM not re-run; this module models the
 separate projections (torchtitan's as its published per-op runs had them, and the
 executor's). ``tests/test_per_op_torchtitan.py`` holds both to torchtitan's own block and
-policy. Where pipesim fuses matrices into one GEMM (Q, K and V;
-gate and up) the backward re-runs the recomputed ones' share of its columns
-(``Gemm.per_op_recomputed``), so Llama 3's QKV GEMM re-runs ``k / (q + 2k)`` of itself and
-its gate-and-up GEMM half.
+policy. Where pipesim fuses matrices into one GEMM (Q, K and V; gate and up) the backward
+re-runs the recomputed ones' share of its columns (``Gemm.per_op_recomputed``), so Llama
+3's QKV GEMM re-runs ``kv / (q + 2 kv)`` of itself and its gate-and-up GEMM half.
 
 **Time** (``pipesim.model.compute_model.recomputed_share``): those GEMMs' forwards and
 every element-wise kernel's forward again in the backward; never the attention kernel.
@@ -54,16 +53,17 @@ time per layer, as the two are priced alike; without it the two all-reduces, two
     the attention kernel's output        v_width / tp x d
     reduce-scatter outputs (seq. par.)   2 h d / tp
 
-Llama 3 at tp 1: ``h + q + k + v_out + f + h`` elements (block input; Q, V, attention
-output, gate, down), nothing of K, the norms' outputs, the up projection or the SwiGLU
+Llama 3 at tp 1: ``h + q + kv + v_out + f + h`` elements (block input; Q; V, ``kv`` wide;
+attention output; gate; down), nothing of K, the norms' outputs, the up projection or the SwiGLU
 product. The kernel's log-sum-exp (4 bytes per head) is left out as for the other modes
 (``pipesim.model.saved_tensors`` adds it for the executor's count).
 
-**FP8** (torchao's float8 linears, as torchtitan runs them): the policy sees each
-product as an ``mm`` of float8 tensors (a dispatch mode comes before the tensor subclass
-that turns it into ``_scaled_mm``), so the same matrices are counted and saved, their
-outputs in 16-bit; the casts are not saved ops (only their ``max``, one scalar), so the
-re-run forward repeats every FP8 GEMM's input cast, the saved products' too
+**FP8** (torchao's float8 linears, as torchtitan runs them), taken to be seen by the
+policy as the same ``mm`` calls on float8 tensors (a dispatch mode runs before the tensor
+subclass that turns the call into ``_scaled_mm``; not checked against torchao here, which
+the cached torchtitan environment does not install): the same matrices counted and saved,
+their outputs in 16-bit; the casts are not saved ops (only their ``max``, one scalar), so
+the re-run forward repeats every FP8 GEMM's input cast, the saved products' too
 (``pipesim.model.compute_model.recomputed_seconds``).
 
 **Refused** (``per_op_refusal``), one line naming why: mixture-of-experts layers (the
