@@ -153,7 +153,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "checkpointing: a block keeps its input, the attention kernel's output and every second "
                        "matrix product's output, and re-runs the other products (Llama: K, output and up "
                        "projections), every norm and element-wise op and the tp all-gathers (all-reduces without "
-                       "sequence parallelism); dense models with flash attention), norm-mla-up every norm's "
+                       "sequence parallelism); refused for mixture-of-experts and latent-attention models and "
+                       "without flash attention), norm-mla-up every norm's "
                        "output and latent attention's up-projections (DeepSeek-V3's: a layer keeps the norms' inputs "
                        "and the latents, not Q, K, V) (default: none)")
     group.add_argument("--no-flash-attention", action="store_true",
