@@ -163,7 +163,7 @@ def runs() -> list[PublishedRun]:
     # torchtitan, June 2025: FSDP2 x TP 8, torch.compile; 8B per-op selective AC, local batch 12 on 64 GPUs;
     # 70B full AC, local batch 16 on 256 GPUs; (precision, vanilla TP tokens/s, async TP tokens/s)
     for params, gpus, local, recompute, figures in (
-            (8, 64, 12, "selective", (("bf16", 4378, 4809.4), ("float8", 5078.1, 5570.1))),
+            (8, 64, 12, "per-op", (("bf16", 4378, 4809.4), ("float8", 5078.1, 5570.1))),
             (70, 256, 16, "full", (("bf16", 597.3, 652.4), ("float8", 809.8, 942.4)))):
         for precision, vanilla, async_tp in figures:
             for overlap, tokens in ((False, vanilla), (True, async_tp)):

@@ -504,10 +504,12 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
     profiled = compute_model_of(job)
     layer_hold = 0.0
     if job.tp > 1 and layout is None:  # the tp collectives a layer holds its rank for weigh in the split
+        from pipesim.model.per_op_checkpoint import recomputed_tp_pairs
         from pipesim.sim.parallel import layer_tp_seconds
 
         layer_hold = layer_tp_seconds(topology, mapping, schedule.placement[-1], spec.tp_message_bytes(),
-                                      job.sequence_parallel, job.recompute == "full", parallel.algorithm)
+                                      job.sequence_parallel, recomputed_tp_pairs(job.recompute, job.sequence_parallel),
+                                      parallel.algorithm)
     return _model_costs(spec, schedule.num_stages, peaks, job.tp, job.mfu,
                         job.sequence_parallel, tuple(layout) if layout else None, job.recompute,
                         not job.no_flash_attention, fallback_peak_flops(job), bandwidths,

@@ -93,7 +93,8 @@ def test_plan_page_has_the_table_why_and_a_zero3_legend(tmp_path):
                  "--schedules", "1f1b", "--constraint", "pp=1", "--constraint", "zero=3", "--microbatch-sizes", "2",
                  "--top", "2", "--workers", "1", "--html", str(out)]) == 0
     page = out.read_text(encoding="utf-8")
-    assert "why this layout" in page and "top 2 layouts by step time" in page
+    # three ranked: none, per-op (torchtitan's, searched for dense models) and selective
+    assert "why this layout" in page and "top 3 layouts by step time" in page
     assert "no pipeline (pp1)" in page and "ZeRO-3" in page and "gradient all-reduce" not in page
 
 

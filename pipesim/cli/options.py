@@ -149,8 +149,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="Megatron sequence parallelism: tp all-gather + reduce-scatter, activations / tp")
     group.add_argument("--recompute", choices=RECOMPUTE, default="none",
                        help="activation recomputation: full re-runs each layer's forward in its backward, selective "
-                       "the attention core only, norm-mla-up every norm's output and latent attention's up-projections "
-                       "(DeepSeek-V3's: a layer keeps the norms' inputs and the latents, not Q, K, V) (default: none)")
+                       "the attention core only (Megatron's), per-op is torchtitan's SelectiveAC (per-op selective "
+                       "checkpointing: a block keeps its input, the attention kernel's output and every second "
+                       "matrix product's output, and re-runs the other products (Llama: K, output and up "
+                       "projections), every norm and element-wise op and the tp all-gathers (all-reduces without "
+                       "sequence parallelism); refused for mixture-of-experts and latent-attention models and "
+                       "without flash attention), norm-mla-up every norm's "
+                       "output and latent attention's up-projections (DeepSeek-V3's: a layer keeps the norms' inputs "
+                       "and the latents, not Q, K, V) (default: none)")
     group.add_argument("--no-flash-attention", action="store_true",
                        help="keep the s x s attention scores for the backward (Korthikanti et al.'s 5as/h term)")
     group.add_argument("--attention-flops", choices=("causal", "whole"), default="causal",

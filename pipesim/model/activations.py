@@ -53,6 +53,11 @@ attention the up-projections are recomputed from the latents, so of Q, K, V and 
 attention output only the output is kept. The backward re-runs the norms (their share
 of the element-wise traffic) and the up-projection GEMMs' forwards.
 
+**Per-op checkpointing** (``--recompute per-op``, torchtitan's SelectiveAC): the block's
+input and the outputs of the matrix products it saves (Q, V, the attention kernel's
+output, the gate and down projections' for Llama 3); its inventory and rule are in
+``pipesim.model.per_op_checkpoint``.
+
 **FP8 caching** (under ``--fp8``, as Transformer Engine and DeepSeek-V3 run FP8, section
 3.3.3): the input a weight GEMM keeps for its weight gradient is the FP8 copy its forward
 read, ``1 + 4/128`` bytes per element with the 1x128 tile's FP32 scale; the attention
@@ -69,6 +74,7 @@ attention output in a 12-bit E5M6 format; it is counted at 16 bits here.)
 
 from __future__ import annotations
 
+from pipesim.model.per_op_checkpoint import PER_OP, stash_bytes_per_token
 from pipesim.model.saved_tensors import KERNELS, SavedTensors, first_stage_extra, last_stage_extra, layer_extra_bytes
 from pipesim.model.spec import NORM_MLA_UP, ModelSpec, check_recompute
 from pipesim.model.weights import kv_heads_per_shard
@@ -82,13 +88,16 @@ def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fa
                       flash_attention: bool = True, layer: int = 0, saved: SavedTensors = KERNELS) -> float:
     """Bytes one microbatch keeps for layer ``layer`` until its backward, on one tp rank
     (the inventory of the module, with ``--recompute norm-mla-up`` and FP8 caching as it
-    says), plus what an implementation keeps beyond it (``saved``:
-    ``pipesim.model.saved_tensors``; none by default)."""
+    says; ``--recompute per-op``'s is ``pipesim.model.per_op_checkpoint``'s), plus what an
+    implementation keeps beyond it (``saved``: ``pipesim.model.saved_tensors``; none by
+    default)."""
     check_recompute(recompute)
     h, d = spec.hidden, spec.dtype_bytes
     extra = layer_extra_bytes(spec, saved, tp, sequence_parallel, recompute, flash_attention, layer)
     if recompute == "full":
         return spec.tokens * h * d / (tp if sequence_parallel else 1) + extra
+    if recompute == PER_OP:
+        return spec.tokens * stash_bytes_per_token(spec, tp, sequence_parallel) + extra
     mask = MASK_BYTES if spec.dropout else 0
     norm_output = 0 if recompute == NORM_MLA_UP else gemm_input_bytes(spec)
     # per token: the part tensor parallelism leaves whole (norm inputs, QKV and MLP inputs, masks)

@@ -75,7 +75,7 @@ from pipesim.model.attention_model import AttentionTable, AttentionTableError, A
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.gemm_model import GemmModel
 from pipesim.model.operations import UP_PROJECTIONS, FlashAttention, Gemm, MemoryBound, Operation, memory_bound_kernels
-from pipesim.model.spec import NORM_MLA_UP, ModelSpec
+from pipesim.model.spec import NORM_MLA_UP, PER_OP, ModelSpec
 
 FILE_FORMAT = 1
 # fit_gemm_model over data/h200_gemm_bf16.csv (forward and backward of every row), on the H200's
@@ -236,24 +236,27 @@ def reserve_sms(model: ComputeModel, reserved: int, sms: int) -> ComputeModel:
 @dataclass(frozen=True)
 class OperationTime:
     """Seconds of an operation's forward, and of its backward split into input-gradient
-    and weight-gradient work."""
+    and weight-gradient work; ``forward_cast``: of the forward, an FP8 GEMM's input cast."""
 
     forward: float
     input_grad: float
     weight_grad: float = 0.0
+    forward_cast: float = 0.0
 
 
 def _gemm_time(gemm: Gemm, model: ComputeModel, element_bytes: int) -> OperationTime:
     forward = model.gemm_seconds(gemm, element_bytes)
     data_grad = model.gemm_seconds(replace(gemm, k=gemm.n, n=gemm.k), element_bytes)  # m x n by n x k
     other_grad = model.gemm_seconds(replace(gemm, m=gemm.k, k=gemm.m), element_bytes)  # k x m by m x n
+    input_cast = 0.0
     if gemm.fp8:  # the input cast before the forward, the output gradient's before the backward
         cast = CAST_BYTES + (AMAX_BYTES if gemm.amax_pass else 0)
-        forward += model.memory_seconds(cast * gemm.count * gemm.m * gemm.k)
+        input_cast = model.memory_seconds(cast * gemm.count * gemm.m * gemm.k)
+        forward += input_cast
         data_grad += model.memory_seconds(cast * gemm.count * gemm.m * gemm.n)
     if gemm.weighted:
-        return OperationTime(forward, data_grad, other_grad)
-    return OperationTime(forward, data_grad + other_grad)  # both operands are activations
+        return OperationTime(forward, data_grad, other_grad, input_cast)
+    return OperationTime(forward, data_grad + other_grad, forward_cast=input_cast)  # both operands are activations
 
 
 def _attention_time(attention: FlashAttention, model: ComputeModel, element_bytes: int) -> OperationTime:
@@ -288,18 +291,27 @@ class BlockTime:
 def block_time(operations: tuple[Operation, ...], model: ComputeModel, recompute: str = "none",
                element_bytes: int = 2) -> BlockTime:
     """Sum of ``operations``' times; full recompute re-runs every forward, selective the
-    attention core's, norm-mla-up the norms' share of the element-wise kernels and latent
-    attention's up-projections (``recomputed_share``)."""
+    attention core's, per-op every element-wise kernel and the recomputed GEMMs' share,
+    norm-mla-up the norms' share of the element-wise kernels and latent attention's
+    up-projections (``recomputed_share``)."""
     forward = input_grad = weight_grad = recomputed = 0.0
     for operation in operations:
         time = operation_time(operation, model, element_bytes)
         forward += time.forward
         input_grad += time.input_grad
         weight_grad += time.weight_grad
-        share = recomputed_share(operation, recompute)
-        if share:
-            recomputed += share * time.forward
+        recomputed += recomputed_seconds(operation, time, recompute)
     return BlockTime(forward, input_grad, weight_grad, recomputed)
+
+
+def recomputed_seconds(operation: Operation, time: OperationTime, recompute: str) -> float:
+    """Seconds of ``operation``'s forward the backward re-runs: ``recomputed_share`` of it;
+    per-op checkpointing also re-runs the FP8 input cast of a product it saves (the cast is
+    not a saved op, and the re-run forward runs every op it does not save)."""
+    share = recomputed_share(operation, recompute)
+    if recompute == PER_OP:
+        return share * time.forward + (1 - share) * time.forward_cast
+    return share * time.forward
 
 
 def recomputed_share(operation: Operation, recompute: str) -> float:
@@ -308,6 +320,10 @@ def recomputed_share(operation: Operation, recompute: str) -> float:
     a mixture of experts' activation under FP8 caching)."""
     if recompute == "full" or (recompute == "selective" and operation.attention_core):
         return 1.0
+    if recompute == PER_OP:  # pipesim.model.per_op_checkpoint: the attention kernel's output is kept
+        if isinstance(operation, MemoryBound):
+            return 1.0
+        return operation.per_op_recomputed if isinstance(operation, Gemm) else 0.0
     if isinstance(operation, MemoryBound):
         if not operation.bytes:
             return 0.0

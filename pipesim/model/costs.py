@@ -20,7 +20,7 @@ from schedules.schedule import Schedule
 from schedules.textfile import describe_yaml_error, read_text, write_text_whole
 
 STAGE_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "act_bytes", "stash_bytes", "param_bytes", "params", "layers",
-                "tp_message_bytes", "recompute_layers", "overlap_fb",
+                "tp_message_bytes", "recompute_layers", "recomputed_tp_pairs", "overlap_fb",
                 # expert and context parallelism (pipesim.sim.expert_parallel, pipesim.sim.context_parallel)
                 "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
                 "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies")
@@ -29,7 +29,7 @@ OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead")
 _PARAMETER_FIGURES = attrgetter("param_bytes", "params", "expert_params")
 # what a rank's share of the model is split into when it holds v chunks (the rest is per chunk)
 PER_RANK_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "stash_bytes", "param_bytes", "params", "layers", "recompute_layers",
-                   "overlap_fb", "expert_params", "moe_layers", "attention_layers")
+                   "recomputed_tp_pairs", "overlap_fb", "expert_params", "moe_layers", "attention_layers")
 
 
 class CostsError(ValueError):
@@ -62,7 +62,10 @@ class StageCost:
     ``tp_message_bytes`` (the full ``s*b*h`` activation) across the tp group and its
     input-gradient backward two more (Megatron-LM); zero bytes means no tp traffic is
     charged. ``recompute_layers`` of them re-run their forward inside the backward (full
-    activation recomputation) and pay its two collectives again.
+    activation recomputation) and pay its two collectives again; ``recomputed_tp_pairs``
+    more collectives (of ``pipesim.sim.parallel._tp_pair``'s price) are repeated in the
+    backward by a partial recompute (per-op checkpointing re-runs the all-gathers or
+    all-reduces whose outputs it does not save: ``pipesim.model.per_op_checkpoint``).
 
     ``overlap_fb`` is the time of an overlapped pair (DualPipe's ``OVERLAP_F_B``) whose
     forward runs on this stage and whose full backward runs on the rank's other chunk:
@@ -103,6 +106,7 @@ class StageCost:
     layers: float = 0.0
     tp_message_bytes: float = 0.0
     recompute_layers: float = 0.0
+    recomputed_tp_pairs: float = 0.0
     overlap_fb: float = 0.0
     expert_params: float = 0.0
     moe_layers: float = 0.0

@@ -23,7 +23,9 @@ attention scores' GEMMs or kernel and their softmax and dropout.
 
 The weighted GEMMs are not written here: they are read off the layer's list of weight
 matrices (``pipesim.model.weights``), one GEMM per group of matrices fused into one kernel,
-its ``k x n`` their shard on a tp rank, so what is timed is what is counted as parameters.
+its ``k x n`` their shard on a tp rank, so what is timed is what is counted as parameters
+(each GEMM carries the share of its columns torchtitan's per-op checkpointing re-runs:
+``pipesim.model.per_op_checkpoint``).
 Their rows ``m`` are the tokens the matrix sees on a rank:
 
 - the microbatch's ``b s`` tokens for column- and row-parallel matrices (sequence
@@ -63,6 +65,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipesim.model.memory_traffic import layer_traffic_bytes, norm_traffic_bytes, recomputed_activation_bytes
+from pipesim.model.per_op_checkpoint import recomputed_matrices
 from pipesim.model.weights import WHOLE, Weight, attention_weights, mlp_weights, shard, stack_on_rank
 
 if TYPE_CHECKING:
@@ -83,6 +86,7 @@ class Gemm:
     attention_core: bool = False
     fp8: bool = False  # run in FP8 with its casts (pipesim.model.compute_model)
     amax_pass: bool = False  # FP8 with current scaling: each cast's input is read once more first
+    per_op_recomputed: float = 0.0  # share of its columns --recompute per-op re-runs (pipesim.model.per_op_checkpoint)
 
     @property
     def flops(self) -> float:
@@ -181,12 +185,15 @@ def weight_gemms(weights: tuple[Weight, ...], spec: ModelSpec, tp: int = 1, sequ
     for weight in weights:
         fused.setdefault(weight.gemm, []).append(weight)
     gemms = []
+    recomputed = recomputed_matrices(spec)
     for name, members in fused.items():
         first = members[0]
         rows, _ = shard(first, spec, tp)  # fused matrices read the same input
         columns = sum(shard(weight, spec, tp)[1] for weight in members)
+        rerun = sum(shard(weight, spec, tp)[1] for weight in members if weight.name in recomputed)
         gemms.append(Gemm(name, gemm_rows(first, spec, tp, sequence_parallel, padded, ep), rows, columns,
-                          stack_on_rank(first, ep), **precision(spec, name not in BF16_GEMMS)))
+                          stack_on_rank(first, ep), **precision(spec, name not in BF16_GEMMS),
+                          per_op_recomputed=rerun / columns if columns else 0.0))
     return tuple(gemms)
 
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from pipesim.model.per_op_checkpoint import PER_OP
 from pipesim.model.spec import ModelSpec
 from pipesim.model.weights import kv_heads_per_shard, layer_weights, shard
 
@@ -118,12 +119,17 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
                       recompute: str = "none", flash_attention: bool = True, layer: int = 0) -> float:
     """Bytes one microbatch keeps for layer ``layer`` beyond ``layer_stash_bytes``'
     inventory, on one tp rank (0 for ``KERNELS``). Under full recompute a layer keeps its
-    input alone, in any implementation."""
+    input alone, in any implementation; under per-op checkpointing the input and what the
+    policy saves, of which only the attention kernel's log-sum-exp is beyond the inventory
+    (``pipesim.model.per_op_checkpoint``)."""
     d, h = spec.dtype_bytes, spec.hidden
     split = tp if sequence_parallel else 1  # what sequence parallelism shards
     wider = max(0, saved.residual_bytes - d)  # the residual stream's bytes beyond the dtype's
     if saved == KERNELS or recompute == "full":
         return spec.tokens * h * wider / split  # the layer's input, from the residual stream
+    if recompute == PER_OP:  # autograd's own saved tensors are dropped: the input and the kernel's log-sum-exp
+        statistics = spec.heads / tp * score_bytes(spec, saved) if saved.softmax_statistics else 0.0
+        return spec.tokens * (h * wider / split + statistics)
     residual = d + wider
     per_token = spec.norms_per_layer * (h * wider + norm_extra_elements(spec, saved) * residual) / split
     if spec.mla is not None and spec.rms_norm:  # the latents' RMSNorms keep theirs too

@@ -44,6 +44,7 @@ from pipesim.model import operations, weights
 from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count
 from pipesim.model.experts import MixtureOfExperts
 from pipesim.model.latent_attention import LatentAttention
+from pipesim.model.per_op_checkpoint import PER_OP
 from schedules.textfile import read_text
 
 # How an FP8 cast finds its scale (Transformer Engine's recipes, its docs' "FP8 Delayed
@@ -322,13 +323,18 @@ class ModelSpec:
     def layer_recompute_flops(self, layer: int, recompute: str, tp: int = 1, sequence_parallel: bool = False,
                               padded: bool = True) -> float:
         """Forward FLOPs re-run in the backward of layer ``layer`` on one of ``tp`` ranks:
-        the layer's forward (full), its attention core (selective) or latent attention's
+        the layer's forward (full), its attention core (selective), the recomputed share of
+        its weight GEMMs (per-op: ``pipesim.model.per_op_checkpoint``) or latent attention's
         up-projections (norm-mla-up; the norms have no FLOPs)."""
         check_recompute(recompute)
         if recompute == "full":
             return self.layer_flops(layer, tp, sequence_parallel, padded)
         if recompute == "selective":
             return self.attention_core_flops(layer) / tp
+        if recompute == PER_OP:
+            matrices = weights.layer_weights(self, self.is_moe_layer(layer))
+            return sum(gemm.per_op_recomputed * gemm.flops
+                       for gemm in operations.weight_gemms(matrices, self, tp, sequence_parallel, padded))
         if recompute == NORM_MLA_UP:
             return sum(operation.flops for operation in operations.attention_block(self, tp, True, sequence_parallel,
                                                                                    layer=layer)
@@ -337,8 +343,8 @@ class ModelSpec:
 
     def recompute_flops(self, recompute: str) -> float:
         """Forward FLOPs re-run in the backward of one microbatch, whole model: every
-        layer's forward (full), attention core (selective) or latent attention's
-        up-projections (norm-mla-up); the output layer never."""
+        layer's forward (full), attention core (selective), recomputed GEMMs (per-op) or
+        latent attention's up-projections (norm-mla-up); the output layer never."""
         check_recompute(recompute)
         return self.sum_over_layers(lambda layer: self.layer_recompute_flops(layer, recompute, padded=False))
 
@@ -386,7 +392,9 @@ class ModelSpec:
 # norm-mla-up: DeepSeek-V3's (report, section 3.2.3): every RMSNorm's output and latent
 # attention's up-projections recomputed in the backward (pipesim.model.activations)
 NORM_MLA_UP = "norm-mla-up"
-RECOMPUTE = ("none", "selective", NORM_MLA_UP, "full")
+# per-op: torchtitan's SelectiveAC, per-op selective checkpointing of every block
+# (pipesim.model.per_op_checkpoint)
+RECOMPUTE = ("none", "selective", PER_OP, NORM_MLA_UP, "full")
 QK_NORMS = (None, "head", "projection")
 
 

@@ -53,6 +53,7 @@ from pipesim.model.costs import Costs, StageCost
 from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import optimizer_step_seconds
 from pipesim.model.operations import attention_core, head_operations, layer_operations, mtp_operations
+from pipesim.model.per_op_checkpoint import check_per_op, recomputed_tp_pairs
 from pipesim.model.saved_tensors import KERNELS, SavedTensors
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak
 from pipesim.model.stage_split import split_layers
@@ -154,6 +155,7 @@ def model_stage_costs(
     if tp < 1:
         raise ModelSpecError(f"--tp must be >= 1, got {tp}")
     check_recompute(recompute)
+    check_per_op(spec, recompute, flash_attention)
     check_layout(spec, tp, ep, cp, sequence_parallel=sequence_parallel)
     if cp > 1 and not flash_attention:
         raise ModelSpecError(f"--cp {cp} conflicts with --no-flash-attention: ring attention is built on the fused "
@@ -262,6 +264,9 @@ def model_stage_costs(
             layers=count,
             tp_message_bytes=local.tp_message_bytes() if tp > 1 else 0.0,  # alike in every layer
             recompute_layers=count if recompute == "full" else 0,
+            # full recompute's re-run collectives are its recompute_layers'
+            recomputed_tp_pairs=0.0 if recompute == "full" else count * recomputed_tp_pairs(recompute,
+                                                                                            sequence_parallel),
             expert_params=moe_layers * routed,
             moe_layers=moe_layers,
             dispatch_bytes=dispatch if moe_layers else 0.0,
@@ -430,7 +435,8 @@ def training_figures(spec: ModelSpec, recompute: str, makespan: float, microbatc
         - attention_flops_counted(spec, attention_flops)
     model_flops = sequences * 3 * (spec.forward_flops() - uncounted)
     recomputed = spec.recompute_flops(recompute)
-    counted_flops = model_flops + sequences * (recomputed - uncounted if recomputed else 0.0)
+    # only full and selective recompute re-run the attention core, whose uncounted part comes off
+    counted_flops = model_flops + sequences * (recomputed - (uncounted if recompute in ("full", "selective") else 0.0))
     fp8 = spec.fp8 and bool(fp8_peak_flops)
     if makespan <= 0:
         return {"tokens_per_second": None, "model_tflops_per_gpu": None, "mfu": None,

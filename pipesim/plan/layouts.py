@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from pipesim.model.per_op_checkpoint import PER_OP, per_op_refusal
 from pipesim.model.spec import NORM_MLA_UP, RECOMPUTE, ModelSpec
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.generators import GROUPED, MULTI_CHUNK, PLANNED_SCHEDULES, V_SHAPED
@@ -86,14 +87,18 @@ class SearchSpace:
 
 # Every recompute mode the simulator models; a plan searches norm-mla-up (DeepSeek-V3's
 # recompute of the norms and latent attention's up-projections) for models with latent
-# attention only, where it saves what the others do not (``searched_recompute``).
+# attention only, where it saves what the others do not, and per-op (torchtitan's
+# SelectiveAC) where it is modelled: dense models without latent attention
+# (``searched_recompute``).
 RECOMPUTE_MODES = RECOMPUTE
 
 
 def searched_recompute(spec: ModelSpec) -> tuple[str, ...]:
     """The recompute modes a plan searches for ``spec`` when none are asked for: every
-    mode, norm-mla-up only with latent attention (MLA)."""
-    return tuple(mode for mode in RECOMPUTE_MODES if mode != NORM_MLA_UP or spec.mla)
+    mode, norm-mla-up only with latent attention (MLA), per-op only where
+    ``per_op_refusal`` has no reason against it (a plan keeps flash attention on)."""
+    return tuple(mode for mode in RECOMPUTE_MODES
+                 if (mode != NORM_MLA_UP or spec.mla) and (mode != PER_OP or per_op_refusal(spec) is None))
 
 
 def parse_constraints(texts: Iterable[str]) -> dict[str, set[str]]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipesim.job import Job, model_spec_of, parallel_of, topology_of
+from pipesim.model.per_op_checkpoint import PER_OP, check_per_op
 from pipesim.model.spec import FP8_SCALINGS, NORM_MLA_UP
 from pipesim.plan.evaluate import LayoutEvaluator
 from pipesim.plan.layouts import (
@@ -170,6 +171,8 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
     if NORM_MLA_UP in recompute and not spec.mla:
         raise ValueError(f"--recompute {NORM_MLA_UP}: {request.model} has no latent attention (MLA), whose "
                          f"up-projections it recomputes (DeepSeek-V3's); use none, selective or full")
+    if PER_OP in recompute:
+        check_per_op(spec, PER_OP)
     space = SearchSpace(
         gpus=request.gpus, gpus_per_node=min(request.gpus_per_node, request.gpus),
         global_batch=request.global_batch, layers=spec.layers, heads=spec.heads,

@@ -441,8 +441,10 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         per_pass = 2 * cost.layers * one + experts
         if not per_pass > 0:
             return None
-        # full recompute re-runs the forward, and its collectives, inside the backward
-        backward = per_pass + (2 * cost.recompute_layers * one + experts * cost.recompute_layers / cost.layers)
+        # full recompute re-runs the forward, and its collectives, inside the backward; per-op
+        # checkpointing the collectives whose outputs it does not save (recomputed_tp_pairs)
+        backward = per_pass + ((2 * cost.recompute_layers + cost.recomputed_tp_pairs) * one
+                               + experts * cost.recompute_layers / cost.layers)
         if not overlapped:
             return per_pass, backward, backward
         layers = cost.layers
@@ -482,13 +484,14 @@ def _tp_pair(topology: Topology, group: list[str], sequence_parallel: bool, algo
 
 
 def layer_tp_seconds(topology: Topology, mapping: RankMapping, rank: int, message_bytes: float,
-                     sequence_parallel: bool, full_recompute: bool, algorithm: str = "ring") -> float:
+                     sequence_parallel: bool, recomputed_pairs: float = 0.0, algorithm: str = "ring") -> float:
     """Seconds of tensor-parallel collectives one layer's forward and backward hold pipeline
-    rank ``rank`` for (two in each, two more when full recompute re-runs the forward): what
-    the balanced stage split adds to a layer's compute. Its tp pair is ``_tp_collective``'s,
-    kept per mapping and rank: a plan asks for it for thousands of layouts."""
-    return (6 if full_recompute else 4) * _tp_collective(topology, mapping, rank, sequence_parallel, algorithm,
-                                                         message_bytes)
+    rank ``rank`` for (two in each, and the ``recomputed_pairs`` the recompute repeats: two
+    when full recompute re-runs the forward): what the balanced stage split adds to a
+    layer's compute. Its tp pair is ``_tp_collective``'s, kept per mapping and rank: a plan
+    asks for it for thousands of layouts."""
+    return (4 + recomputed_pairs) * _tp_collective(topology, mapping, rank, sequence_parallel, algorithm,
+                                                   message_bytes)
 
 
 def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
