@@ -316,7 +316,8 @@ class RankRun:
                  "replica_batch_size": config.replica_batch_size}
         meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,
                 "microbatches": schedule.microbatches, "source": "measured", "backend": self.backend,
-                "world_size": self.world, "step": len(self.losses) - 1, **shape}
+                "world_size": self.world, "step": len(self.losses) - 1, **shape,
+                "one_timeline": self.one_timeline}  # every rank's events from one start (executor.clock)
         if any(schedule.fused):  # what the simulator must charge a pair (pipesim.sim.overlap)
             meta.update(pairs_overlap=self.runtime.lanes.overlaps, pairs_overlapped=self.runtime.pairs_overlapped,
                         pairs=len(schedule.fused_pairs(self.pp_rank)))

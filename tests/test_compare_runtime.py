@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 
 from pipesim.model.costs import Costs, StageCost
-from pipesim.sim.comparison import compare, report_lines, runtime_per_rank
+from pipesim.sim.comparison import compare, p2p_deliveries, report_lines, runtime_per_rank
+from schedules.action import ActionKind
 from schedules.generators import generate
 from schedules.lowering import lower
-from schedules.trace import Trace
+from schedules.trace import Trace, TraceEvent
 from tests.test_run_costs import timeline
 
 SCHEDULE = lower(generate("1f1b", 2, 4))
@@ -44,3 +45,22 @@ def test_the_runtime_is_reported_beside_busy_and_only_when_given():
     assert "runtime 4750.00 / 2750.00 ms" in rank_lines[0]
     without = compare(trace, [last] * 6, predicted, last)
     assert all("runtime" not in line for line in report_lines(without))
+
+
+def test_a_transfer_waited_through_is_measured_from_its_post_against_the_post_and_wire_predicted():
+    # rank 1 waits from 0.5 s for 1RECV_F0, posted by rank 0 at 1.0 s and arriving at 1.3 s;
+    # 1RECV_F1's wait starts after its send (1.5 s > 1.4 s): its delivery is not all seen
+    measured = Trace([
+        TraceEvent(0, "0SEND_F0", ActionKind.SEND_F, 0, 0, 1.0, 2.0, "send"),
+        TraceEvent(0, "0SEND_F1", ActionKind.SEND_F, 0, 1, 1.4, 2.0, "send"),
+        TraceEvent(1, "1RECV_F0", ActionKind.RECV_F, 1, 0, 0.5, 1.3, "recv"),
+        TraceEvent(1, "1RECV_F1", ActionKind.RECV_F, 1, 1, 1.5, 1.6, "recv"),
+    ], {"pp": 2, "one_timeline": True})
+    # predicted: a 0.05 s post, then 0.2 s from departure to arrival
+    predicted = Trace([TraceEvent(0, "0SEND_F0", ActionKind.SEND_F, 0, 0, 3.0, 3.2, "send"),
+                       TraceEvent(0, "0SEND_F1", ActionKind.SEND_F, 0, 1, 4.0, 4.2, "send")], {"pp": 2})
+    deliveries = p2p_deliveries(measured, predicted, posting=0.05)
+    assert deliveries == {"transfers": 1, "measured": pytest.approx(0.3), "predicted": pytest.approx(0.25)}
+    # ranks counted from their own zeros cannot be set against each other
+    apart = Trace(measured.events, {"pp": 2, "one_timeline": False})
+    assert p2p_deliveries(apart, predicted, posting=0.05) is None

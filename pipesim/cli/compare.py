@@ -311,7 +311,7 @@ def handle(args: argparse.Namespace) -> int:
                        world_size=config.world_size, overheads=launch_overheads(schedule, costs),
                        # the runtime's own time beside busy, where the run marks each wait (buffered P2P)
                        runtime=runtime_per_rank(result["trace"], schedule, costs)
-                       if p2p_semantics(config) == "buffered" else None)
+                       if p2p_semantics(config) == "buffered" else None, posting=costs.comm_overhead)
     if order is not None:
         document["calibration_order"] = order
     if interleaved:

@@ -34,7 +34,7 @@ import statistics
 from itertools import pairwise
 
 from pipesim.model.costs import Costs
-from schedules.action import COMM_KINDS, COMPUTE_KINDS
+from schedules.action import COMM_KINDS, COMPUTE_KINDS, ActionKind
 from schedules.metrics import step_metrics
 from schedules.schedule import Schedule
 from schedules.trace import Trace, covered_seconds
@@ -57,6 +57,8 @@ def _busy_and_bubble(trace: Trace) -> tuple[list[float], float]:
 MIN_STEPS = 5  # kept steps below which a spread says little
 SPREAD_LIMIT = 0.05  # interquartile range of the kept steps over their median
 STRETCH_LIMIT = 0.05  # compute slower (or faster) in the run than profiled, beyond which to say so
+# a receive's sender: its send kind and the sending stage's offset from the receiving one
+RECV_SENDER = {ActionKind.RECV_F: (ActionKind.SEND_F, -1), ActionKind.RECV_B: (ActionKind.SEND_B, 1)}
 
 
 def kept_steps(step_times: list[float], warmup_steps: int) -> list[float]:
@@ -185,10 +187,42 @@ def runtime_per_rank(measured: Trace, schedule: Schedule, costs: Costs) -> list[
     return pairs
 
 
+def p2p_deliveries(measured: Trace, predicted: Trace, posting: float = 0.0) -> dict | None:
+    """The transfers a rank waited through from before their send was posted, measured
+    (the wait's end less the send's post: the post, the wire and waking the receiver)
+    against what the simulator charges the same transfers (the post, ``posting``
+    seconds, then its send event: departure to arrival): their count and mean seconds.
+    Only these transfers show their whole delivery in a Trace (an earlier one arrived
+    unseen); only a measured Trace on one timeline (``one_timeline`` in its meta: CPU
+    ranks on one host) can set one rank's wait against another's post. None when there
+    is no such transfer or timeline."""
+    if not measured.meta.get("one_timeline"):
+        return None
+
+    def sends(trace: Trace) -> dict:
+        return {(event.kind, event.stage, event.microbatch): event for event in trace.events
+                if event.stream == "send"}
+
+    posted, charged = sends(measured), sends(predicted)
+    pairs = []
+    for event in measured.events:
+        if event.stream != "recv" or event.kind not in RECV_SENDER:
+            continue
+        send_kind, step = RECV_SENDER[event.kind]
+        key = (send_kind, event.stage + step, event.microbatch)
+        send, predicted_send = posted.get(key), charged.get(key)
+        if send is not None and predicted_send is not None and event.start <= send.start:
+            pairs.append((event.end - send.start, posting + predicted_send.end - predicted_send.start))
+    if not pairs:
+        return None
+    return {"transfers": len(pairs), "measured": statistics.fmean(m for m, _ in pairs),
+            "predicted": statistics.fmean(p for _, p in pairs)}
+
+
 def compare(measured: Trace, step_times: list[float], predicted: Trace, predicted_step_time: float,
             warmup_steps: int = 1, load: float | None = None, cores: int | None = None,
             world_size: int | None = None, overheads: list[float] | None = None,
-            runtime: list[tuple[float, float]] | None = None) -> dict:
+            runtime: list[tuple[float, float]] | None = None, posting: float = 0.0) -> dict:
     """The comparison document (``pipesim compare --json``). ``load`` is the machine's
     1-minute load average at the end of the run, ``cores`` its CPU count (None: not
     known) and ``world_size`` the run's processes (default: its pipeline ranks); they
@@ -219,6 +253,7 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
                                                                          strict=True)]
     meta = measured.meta
     collectives = held_collectives(measured, predicted, ranks)
+    deliveries = p2p_deliveries(measured, predicted, posting)
     return {
         "schedule": meta.get("schedule"),
         "pp": meta.get("pp"),
@@ -242,6 +277,7 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
         "measured_idle_fraction": 1 - sum(measured_busy) / (ranks * traced_time),
         "predicted_idle_fraction": 1 - sum(predicted_busy) / (ranks * predicted_step_time),
         **({"held_collectives": collectives} if collectives else {}),
+        **({"p2p_deliveries": deliveries} if deliveries else {}),
         "ranks": [
             {
                 "rank": rank,
@@ -287,6 +323,17 @@ def held_lines(document: dict) -> list[str]:
                      f"{held['predicted'] * 1e3:9.2f} ms   ({held['count']} {HELD_NAMES[stream]} in the drawn step"
                      f"{each})")
     return lines
+
+
+def delivery_lines(document: dict) -> list[str]:
+    """The ``p2p`` line: the transfers a rank waited through, per transfer, measured
+    against predicted (``p2p_deliveries``)."""
+    deliveries = document.get("p2p_deliveries")
+    if not deliveries:
+        return []
+    return [f"  p2p         measured {deliveries['measured'] * 1e3:9.3f} ms   predicted "
+            f"{deliveries['predicted'] * 1e3:9.3f} ms   (per transfer, post to arrival: the "
+            f"{deliveries['transfers']} a rank waited through)"]
 
 
 def add_spread(document: dict, predicted_times) -> dict:
@@ -338,6 +385,7 @@ def report_lines(document: dict) -> list[str]:
         f"  idle        measured {document['measured_idle_fraction']:9.1%}      "
         f"predicted {document['predicted_idle_fraction']:9.1%}   (not computing)",
         *held_lines(document),
+        *delivery_lines(document),
     ]
     if "predicted_step_time_quantiles" in document:
         measured, predicted = document["measured_step_time_quantiles"], document["predicted_step_time_quantiles"]
