@@ -428,6 +428,8 @@ def check_rank_values(config: RunConfig) -> None:
         raise ConfigError(f"--timeout must be at most {MAX_TIMEOUT:g} seconds (7 days), got {config.timeout:g}")
 
 
+# recompute modes whose checkpoint lets one backward through a block: no I/W split with them
+ONE_BACKWARD_RECOMPUTE = ("per-op",)
 # why per-op recompute (torch's selective checkpointing, torchtitan's SelectiveAC) cannot
 # run an order with I and W: each saved output is handed to one backward through the block
 PER_OP_SPLIT_FAILS = ("torch's selective activation checkpointing lets one backward through each block, and I then W "
@@ -450,10 +452,10 @@ def check_schedule_and_failure(config: RunConfig) -> None:
     if config.zero == 3 and has_split_backward(schedule):
         raise ConfigError(f"--zero 3 (FSDP) cannot run a split backward: schedule {schedule.name!r} splits B into I "
                           "and W; use a schedule with whole backwards (gpipe, 1f1b, interleaved-1f1b) or --zero 2")
-    if config.recompute == "per-op" and has_split_backward(schedule):
-        raise ConfigError(f"--recompute per-op cannot run a split backward: schedule {schedule.name!r} splits B into "
-                          f"I and W, and {PER_OP_SPLIT_FAILS}; use a schedule with whole backwards (gpipe, 1f1b, "
-                          "interleaved-1f1b) or --recompute selective or full")
+    if config.recompute in ONE_BACKWARD_RECOMPUTE and has_split_backward(schedule):
+        raise ConfigError(f"--recompute {config.recompute} cannot run a split backward: schedule {schedule.name!r} "
+                          f"splits B into I and W, and {PER_OP_SPLIT_FAILS}; use a schedule with whole backwards "
+                          "(gpipe, 1f1b, interleaved-1f1b) or --recompute selective or full")
     if config.inject_failure is None:
         return
     rank, action, _ = parse_failure(config.inject_failure)

@@ -36,11 +36,13 @@ refuses such a schedule with ``per-op``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch._functorch.partitioners import get_default_op_list
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 aten = torch.ops.aten
@@ -94,9 +96,40 @@ def forced_shapes(block: nn.Module) -> frozenset:
                      if name.endswith(FORCED_RECOMPUTE) and isinstance(module, nn.Linear))
 
 
+# Who is told where each checkpointed call keeps its outputs. torch keeps them in the
+# forward context's own store (op -> outputs), not through autograd's saved-tensor hooks,
+# so what counts a microbatch's activations by those hooks (executor.memory, the
+# profile's stash) would not see them.
+_collectors: list[Callable[[dict], None]] = []
+
+
+@contextmanager
+def collecting_kept(collect: Callable[[dict], None]) -> Iterator[None]:
+    """While active, ``collect`` receives the store of every per-op checkpointed call that
+    starts; ``kept_tensors`` reads what it holds (the backward empties it)."""
+    _collectors.append(collect)
+    try:
+        yield
+    finally:
+        _collectors.remove(collect)
+
+
+def kept_tensors(store: dict) -> list[torch.Tensor]:
+    """The outputs a call's store holds now."""
+    leaves = (getattr(leaf, "val", leaf) for outputs in store.values() for leaf in tree_leaves(outputs))
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def per_op_contexts(saved: frozenset, forced: frozenset) -> tuple:
+    """The forward and recompute contexts of one checkpointed call, its store reported."""
+    forward, recompute = create_selective_checkpoint_contexts(PerOpPolicy(saved, forced))
+    for collect in _collectors:
+        collect(forward.storage)
+    return forward, recompute
+
+
 def per_op_checkpointed(block: nn.Module) -> Callable:
     """``block.forward`` under the per-op policy, a fresh policy (and counter) per call."""
     saved, forced = saved_ops(), forced_shapes(block)
-    return functools.partial(
-        checkpoint, block.forward, use_reentrant=False, early_stop=False,
-        context_fn=lambda: create_selective_checkpoint_contexts(PerOpPolicy(saved, forced)))
+    return functools.partial(checkpoint, block.forward, use_reentrant=False, early_stop=False,
+                             context_fn=functools.partial(per_op_contexts, saved, forced))

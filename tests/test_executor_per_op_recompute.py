@@ -7,6 +7,7 @@ split backward, which torch's selective checkpoint cannot run."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -128,3 +129,45 @@ def test_a_split_backward_is_refused_with_per_op(schedule: str) -> None:
                                           r"with whole backwards"):
         config.check()
     RunConfig(**{**config.__dict__, "recompute": "selective"}).check()  # Megatron's selective runs it
+
+
+def plan_row_config(tmp_path, schedule: str, virtual_stages: int = 1):
+    """``run --plan FILE --row 1`` of a one-row plan that chose per-op recompute."""
+    from pipesim.cli import build_parser  # noqa: PLC0415 - the command line, for its run parser only
+    from pipesim.cli.plan_row import config_from_plan_row  # noqa: PLC0415
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"ranked": [{
+        "schedule": schedule, "pp": 2, "tp": 1, "dp": 1, "virtual_stages": virtual_stages, "microbatch_size": 1,
+        "microbatches": 4, "recompute": "per-op", "zero": 0, "sequence_parallel": False,
+        "layout": f"{schedule} pp2 m4 recompute=per-op", "model": "gpt"}]}))
+    return config_from_plan_row(build_parser("run").parse_args(["run", "--plan", str(path), "--row", "1"]))
+
+
+def test_a_plan_row_with_per_op_runs_it_and_one_with_a_split_backward_is_refused(tmp_path) -> None:
+    config, line = plan_row_config(tmp_path, "1f1b")
+    assert (config.recompute, config.schedule) == ("per-op", "1f1b") and "kept" in line
+    with pytest.raises(ConfigError, match=r"^plan row 1 \(zb-h1 pp2 m4 recompute=per-op\): --recompute per-op "
+                                          "cannot run a split backward"):
+        plan_row_config(tmp_path, "zb-h1")
+
+
+def test_the_profiled_stash_counts_what_per_op_keeps() -> None:
+    """torch keeps per-op's outputs outside autograd's saved-tensor hooks; the profile's
+    stash (and the run's measured activations, by the same collector) counts them. Full
+    recompute keeps each block's input and everything outside the blocks; per-op keeps
+    that too, plus per token of each block (hand count, Llama: hidden 16, 2 query heads
+    of 8, 1 key/value head, MLP 40): wq's output 16, wv's 8, the attention output 16 and
+    its log-sum-exp (one per head) 2, w1's output 40, w2's 16."""
+    from executor.profile import profile_rank  # noqa: PLC0415
+
+    def stash(mode: str) -> float:
+        config = RunConfig(pp=1, microbatches=1, model="llama3-8b", hidden=16, heads=2, kv_heads=1, ffn_hidden=40,
+                           layers=2, seq_len=8, vocab=32, batch_size=2, dtype="float64", recompute=mode)
+        (measured,) = profile_rank(config, warmup=0, repeats=1)["stages"].values()
+        if mode == "per-op":  # never split (refused): the costs file's "not measured apart", I = B, W = 0
+            assert measured["I"] == measured["W"] == 0.0 and measured["B"] > 0
+        return measured["stash_bytes"]
+
+    blocks, tokens, float64 = 2, 2 * 8, 8
+    assert stash("per-op") - stash("full") == blocks * tokens * (16 + 8 + 16 + 2 + 40 + 16) * float64
