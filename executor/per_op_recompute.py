@@ -9,9 +9,11 @@ its forward is put to a policy, one policy per checkpointed call:
   ``addmm``, ``bmm``, the flash/efficient attention kernels, ...), ``linear``, ``max``,
   ``topk`` and the ``reduce_scatter_tensor`` and ``all_to_all_single`` collectives are
   saved, because recomputing them costs FLOPs or communication;
-- except every second matmul of the block's forward (counted per call, separately in
-  the forward and in the recompute, which must agree): matmuls 1, 3, 5, ... are saved,
-  2, 4, 6, ... recomputed, trading half the GEMM outputs' memory for their FLOPs;
+- except every second matmul of the block's forward (counted per call): matmuls 1, 3,
+  5, ... are saved, 2, 4, 6, ... recomputed, trading half the GEMM outputs' memory for
+  their FLOPs (torch 2.13 asks the policy in the forward only and replays its answers in
+  the recompute by index; an older torch asked again in the recompute, which is counted
+  apart so that both agree, as torchtitan counts);
 - the router's gate of a mixture of experts (a ``router.gate`` linear, torchtitan's
   ``force_recompute_mm_shapes_by_fqns`` default) is recomputed and not counted, matched
   by its weight's shape as torchtitan matches it;
@@ -27,10 +29,10 @@ the same every-second rule. And the CPU's attention kernel
 (``_scaled_dot_product_flash_attention_for_cpu``), missing from torch's list, is saved
 like the GPU kernels it stands for.
 
-torch's selective checkpoint hands each saved output to one backward through the region;
-a split backward (``I`` then ``W``) goes through it twice and fails ("Trying to backward
-an extra time"), as torchtitan's run of a zero-bubble schedule does: ``RunConfig.check``
-refuses such a schedule with ``per-op``.
+torch's selective checkpoint hands each saved output to one backward through the region
+(it marks the entry consumed); a split backward (``I`` then ``W``) recomputes the block
+twice and fails ("Trying to backward an extra time"), as torchtitan's run of a
+zero-bubble schedule does: ``RunConfig.check`` refuses such a schedule with ``per-op``.
 """
 
 from __future__ import annotations
