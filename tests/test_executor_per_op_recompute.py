@@ -97,6 +97,8 @@ CASES = {
                               schedule="interleaved-1f1b", virtual_stages=2, dp=2),
     "llama-tp2-sp": dict(model="llama3-8b", kv_heads=2, hidden=16, heads=2, layers=2, seq_len=4, vocab=32, tp=2,
                          sequence_parallel=True),
+    "mixtral-dp2-ep2": dict(model="mixtral-8x7b", kv_heads=1, experts=4, hidden=16, heads=2, layers=2, seq_len=4,
+                            vocab=32, dp=2, ep=2),
 }
 _results: dict[str, dict] = {}
 
