@@ -19,6 +19,7 @@ from executor.launch import launch
 from executor.models import build_model
 from executor.recompute import apply_recompute
 from executor.reference import reference_run
+from pipesim.model.spec import RECOMPUTE
 from schedules.generators import generate
 from tests.test_executor import split_backward
 
@@ -173,3 +174,29 @@ def test_the_profiled_stash_counts_what_per_op_keeps() -> None:
 
     blocks, tokens, float64 = 2, 2 * 8, 8
     assert stash("per-op") - stash("full") == blocks * tokens * (16 + 8 + 16 + 2 + 40 + 16) * float64
+
+
+def test_run_refuses_per_op_with_a_split_backward_in_one_line(capsys) -> None:
+    from pipesim.cli import main  # noqa: PLC0415
+
+    assert main(["run", "--schedule", "zbv", "--pp", "2", "--model", "gpt", "--recompute", "per-op"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "pipesim run: error: --recompute per-op cannot run a split backward: schedule 'zbv' splits B into I and W, "
+        "and torch's selective activation checkpointing lets one backward through each block, and I then W go "
+        "through it twice (\"Trying to backward an extra time\"); use a schedule with whole backwards (gpipe, 1f1b, "
+        "interleaved-1f1b) or --recompute selective or full")
+
+
+@pytest.mark.skipif("per-op" not in RECOMPUTE, reason="the simulator's model (run's memory prediction) has no per-op")
+def test_run_executes_per_op_beside_the_simulators_prediction(tmp_path) -> None:
+    from pipesim.cli import main  # noqa: PLC0415
+
+    runs = {}
+    for mode in ("none", "per-op"):
+        out = tmp_path / f"{mode}.json"
+        assert main(["run", "--schedule", "1f1b", "--pp", "2", "--model", "llama3-8b", "--recompute", mode,
+                     "--steps", "1", "--json", str(out), "--quiet"]) == 0
+        runs[mode] = json.loads(out.read_text())
+    assert runs["per-op"]["losses"] == runs["none"]["losses"]  # the forward computes the same loss
+    for kept, whole in zip(runs["per-op"]["memory"], runs["none"]["memory"], strict=True):
+        assert 0 < kept["activations_peak"] < whole["activations_peak"] and kept["predicted_activations"] > 0
