@@ -200,3 +200,27 @@ def test_run_executes_per_op_beside_the_simulators_prediction(tmp_path) -> None:
     assert runs["per-op"]["losses"] == runs["none"]["losses"]  # the forward computes the same loss
     for kept, whole in zip(runs["per-op"]["memory"], runs["none"]["memory"], strict=True):
         assert 0 < kept["activations_peak"] < whole["activations_peak"] and kept["predicted_activations"] > 0
+
+
+def test_the_runs_measured_activations_count_what_per_op_keeps() -> None:
+    """The rank's memory tracker (``executor.memory``) counts per-op's kept outputs with
+    what autograd saves: the same hand count as the profile's stash above."""
+    from executor.memory import MemoryTracker  # noqa: PLC0415
+    from schedules.action import Action, ActionKind  # noqa: PLC0415
+
+    def activations(mode: str) -> float:
+        config = RunConfig(pp=1, microbatches=1, model="llama3-8b", hidden=16, heads=2, kv_heads=1, ffn_hidden=40,
+                           layers=2, seq_len=8, vocab=32, batch_size=2, dtype="float64")
+        built = build_model(config)
+        stage = built.build_stage(0, 1)
+        apply_recompute(stage, mode)
+        tracker = MemoryTracker(list(stage.parameters()), torch.device("cpu"))
+        tracker.start_step()
+        forward = Action(0, ActionKind.F, 0)
+        tracker.before_action(forward)
+        output = stage(built.make_batch(0, 2)[0])
+        tracker.after_action(forward)
+        assert output.requires_grad
+        return tracker.last.activations
+
+    assert activations("per-op") - activations("full") == 2 * 2 * 8 * (16 + 8 + 16 + 2 + 40 + 16) * 8
