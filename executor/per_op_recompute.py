@@ -43,7 +43,6 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch._functorch.partitioners import get_default_op_list
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -54,6 +53,9 @@ FORCED_RECOMPUTE = "router.gate"  # torchtitan's default force_recompute_mm_shap
 
 def saved_ops() -> frozenset:
     """The ops whose outputs the policy saves (matmuls subject to the every-second rule)."""
+    # torch's partitioner pulls in inductor (a second to import): only when per-op is used
+    from torch._functorch.partitioners import get_default_op_list  # noqa: PLC0415
+
     compute = {op.default for op in get_default_op_list().compute_intensive_ops}
     return frozenset(compute | {
         aten.linear.default, aten.max.default, aten.topk.default,
