@@ -28,7 +28,7 @@ OPTIMIZER_DEFAULTS = {"sgd": (0.01, 0.0), "adamw": (3e-4, 0.1)}
 ADAMW_BETAS = (0.9, 0.95)
 FAILURE_MODES = ("raise", "kill", "hang")
 P2P_SEMANTICS = ("rendezvous", "buffered")  # as schedules.p2p names them
-RECOMPUTE_MODES = ("none", "selective", "full")  # as pipesim.model.spec names them
+RECOMPUTE_MODES = ("none", "selective", "full", "per-op")  # as pipesim.model.spec names them
 CP_COMMS = ("all-gather", "p2p")  # as pipesim.sim.context_parallel names them
 
 
@@ -57,7 +57,7 @@ class RunConfig:
     all-gathered after the step), 2 the gradients too (``executor.data_parallel``), 3
     the parameters too (FSDP2's ``fully_shard``, ``executor.fsdp``).
     ``recompute`` ``full`` or ``selective`` checkpoints each block, or only its attention
-    core (``executor.recompute``).
+    core; ``per-op`` each block with torchtitan's per-op policy (``executor.recompute``).
     ``p2p`` names the point-to-point semantics the run is checked and run under:
     ``rendezvous`` (NCCL's rule; on gloo emulated by a handshake, receives never posted
     ahead) or ``buffered`` (gloo's); ``None`` takes the backend's own.
@@ -428,6 +428,19 @@ def check_rank_values(config: RunConfig) -> None:
         raise ConfigError(f"--timeout must be at most {MAX_TIMEOUT:g} seconds (7 days), got {config.timeout:g}")
 
 
+# recompute modes whose checkpoint lets one backward through a block: no I/W split with them
+ONE_BACKWARD_RECOMPUTE = ("per-op",)
+# why per-op recompute (torch's selective checkpointing, torchtitan's SelectiveAC) cannot
+# run an order with I and W: each saved output is handed to one backward through the block
+PER_OP_SPLIT_FAILS = ("torch's selective activation checkpointing lets one backward through each block, and I then W "
+                      "go through it twice (\"Trying to backward an extra time\")")
+
+
+def has_split_backward(schedule: Schedule) -> bool:
+    """Whether the order splits a backward into input (I) and weight (W) halves."""
+    return any(action.kind in ("I", "W") for program in schedule.programs for action in program)
+
+
 def check_schedule_and_failure(config: RunConfig) -> None:
     """The schedule must be one that can be built (``--virtual-stages 2`` needs a
     multi-chunk schedule), and ``--inject-failure`` must name a rank that exists and an
@@ -436,9 +449,13 @@ def check_schedule_and_failure(config: RunConfig) -> None:
         schedule = build_schedule(config)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if config.zero == 3 and any(action.kind == "I" for program in schedule.programs for action in program):
+    if config.zero == 3 and has_split_backward(schedule):
         raise ConfigError(f"--zero 3 (FSDP) cannot run a split backward: schedule {schedule.name!r} splits B into I "
                           "and W; use a schedule with whole backwards (gpipe, 1f1b, interleaved-1f1b) or --zero 2")
+    if config.recompute in ONE_BACKWARD_RECOMPUTE and has_split_backward(schedule):
+        raise ConfigError(f"--recompute {config.recompute} cannot run a split backward: schedule {schedule.name!r} "
+                          f"splits B into I and W, and {PER_OP_SPLIT_FAILS}; use a schedule with whole backwards "
+                          "(gpipe, 1f1b, interleaved-1f1b) or --recompute selective or full")
     if config.inject_failure is None:
         return
     rank, action, _ = parse_failure(config.inject_failure)

@@ -12,8 +12,9 @@ memory model splits them (``pipesim.sim.memory``):
 - ``activations``: what each microbatch's forward saved for its backward, counted by
   a ``saved_tensors_hooks`` pack hook during ``F`` (each storage once, at the size it
   holds when the parts are added up: FSDP frees a gathered weight after the forward;
-  parameters excluded: a linear saves its weight, which is already counted), held from
-  the microbatch's ``F`` until its last backward (``B``, or ``W`` when split) ends;
+  parameters excluded: a linear saves its weight, which is already counted), and the
+  outputs per-op recompute keeps in its own store (``executor.per_op_recompute``), held
+  from the microbatch's ``F`` until its last backward (``B``, or ``W`` when split) ends;
 - ``buffers``: the activations and gradients waiting to be sent or used (the runtime's
   outbox and inbox).
 
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from executor.data_parallel import local_tensor
+from executor.per_op_recompute import collecting_kept, kept_tensors
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, Action, ActionKind
 
 FIELDS = ("peak", "params", "grads", "optimizer", "activations", "buffers", "activations_peak", "static",
@@ -122,6 +124,9 @@ class MemoryTracker:
             self.recording = (action.stage, action.microbatch)
             self.saved[self.recording] = {}
             self.hooks.__enter__()
+            self.kept_stores = []
+            self.collecting = collecting_kept(self.kept_stores.append)
+            self.collecting.__enter__()
 
     def after_action(self, action: Action) -> None:
         """After an action: stop counting (``F``), release a microbatch whose last
@@ -130,6 +135,9 @@ class MemoryTracker:
             return
         if self.recording is not None:
             self.hooks.__exit__(None, None, None)
+            self.collecting.__exit__(None, None, None)
+            for tensor in (kept for store in self.kept_stores for kept in kept_tensors(store)):
+                self.pack(tensor)  # what per-op recompute keeps outside autograd's hooks
             self.recording = None
         if action.kind in WEIGHT_GRAD_DONE_KINDS:
             self.saved.pop((action.stage, action.microbatch), None)

@@ -132,8 +132,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
                        "architecture: split as simulate --model splits it)")
     add_hidden_alias(model, "--layout", "layout")
     model.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
-                       help="activation recompute per block: full (the whole block) or selective (its attention "
-                            "core only), with torch.utils.checkpoint (default none)")
+                       help="activation recompute per block: full (the whole block), selective (its attention "
+                            "core only, Megatron's) or per-op (torchtitan's SelectiveAC: matmul and attention outputs "
+                            "kept but every second matmul's, all else recomputed; no I/W split), with "
+                            "torch.utils.checkpoint (default none)")
     train = parser.add_argument_group("training")
     if outputs:
         train.add_argument("--steps", type=int, default=DEFAULT_STEPS,

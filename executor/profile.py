@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.config import ConfigError, RunConfig, build_schedule
+from executor.config import ONE_BACKWARD_RECOMPUTE, ConfigError, RunConfig, build_schedule
 from executor.estimate import DEFAULT_MIN_TIME, ROUNDS, robust_mean
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.overheads import measure_overheads, microbatch_size
 from executor.pair_streams import PairLanes
 from executor.pair_timing import pair_factor, stage_pairs, time_pairs
+from executor.per_op_recompute import collecting_kept, kept_tensors
 from executor.precision import Precision
 from executor.process import init_rank
 from executor.recompute import apply_recompute
@@ -176,8 +177,8 @@ class StageProbe:
         """Boundary activation, forward stash and parameter bytes of one microbatch.
 
         The stash is what autograd saves for the backward (parameters excluded: they
-        are counted once, not per microbatch) plus the stage's input and output, which
-        the runtime keeps until the backward."""
+        are counted once, not per microbatch), what per-op recompute keeps for it, plus
+        the stage's input and output, which the runtime keeps until the backward."""
         param_ptrs = {p.data_ptr() for p in self.module.parameters()}
         saved: dict[tuple[int, int], int] = {}
 
@@ -187,8 +188,11 @@ class StageProbe:
             return tensor
 
         x = self.input()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        stores: list[dict] = []  # what per-op recompute keeps outside autograd's hooks
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), collecting_kept(stores.append):
             output = self.forward(x)
+        for tensor in (kept for store in stores for kept in kept_tensors(store)):
+            pack(tensor)
         held = {(t.data_ptr(), t.numel()): t.numel() * t.element_size() for t in (x, output)}
         saved.update(held)
         act = 0.0 if self.last else float(output.numel() * output.element_size())
@@ -198,11 +202,11 @@ class StageProbe:
 
 def time_stages(probes: dict[int, StageProbe], device: torch.device, warmup: int, repeats: int,
                 min_time: float, clock: str = "thread",
-                pairs: list[tuple[int, int]] = ()) -> dict[int, dict[str, float]]:
+                pairs: list[tuple[int, int]] = (), split: bool = True) -> dict[int, dict[str, float]]:
     """F, B, I, W seconds and bytes of each stage. F and B are timed in ``ROUNDS``
     rounds, taking turns between the rank's stages, so a slow spell of the machine
     lands in one round of several stages rather than in all of one stage's; each
-    round has its share of ``repeats`` and ``min_time``. Each overlapped pair of
+    round has its share of ``repeats`` and ``min_time``; I and W only where ``split``. Each overlapped pair of
     ``pairs`` (forward stage, backward stage) the rank runs is timed as the executor
     runs it (``executor.pair_timing``): under ``pair`` of its forward stage, the pair's
     seconds and its backward stage."""
@@ -214,7 +218,10 @@ def time_stages(probes: dict[int, StageProbe], device: torch.device, warmup: int
                                                              min_time / ROUNDS, clock))
     measured = {}
     for stage, probe in probes.items():
-        input_grad, weight_grad = probe.time_split_backward(device, warmup, repeats, clock)
+        # a recompute that allows one backward per block never runs I and W (RunConfig
+        # refuses the split): 0 and 0 are the costs file's "not split", I = B, W = 0
+        input_grad, weight_grad = (0.0, 0.0) if not split else probe.time_split_backward(device, warmup, repeats,
+                                                                                          clock)
         measured[stage] = {"F": robust_mean([f for f, _ in rounds[stage]]),
                            "B": robust_mean([b for _, b in rounds[stage]]),
                            "I": input_grad, "W": weight_grad, **probe.bytes()}
@@ -238,7 +245,8 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time
             apply_recompute(module, config.recompute)
         probes = {stage: StageProbe(model, module, stage, schedule.num_stages, config, device)
                   for stage, module in stages.items()}
-        measured = time_stages(probes, device, warmup, repeats, min_time, clock, stage_pairs(schedule, rank))
+        measured = time_stages(probes, device, warmup, repeats, min_time, clock, stage_pairs(schedule, rank),
+                               split=config.recompute not in ONE_BACKWARD_RECOMPUTE)
         params = [p for module in stages.values() for p in module.parameters()]
         optimizer = build_optimizer(config, params, lr=0.0)
         optimizer_seconds = mean_seconds(optimizer.step, device, warmup, repeats, clock)

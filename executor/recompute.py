@@ -1,4 +1,4 @@
-"""Activation recompute (``--recompute full|selective``), applied to a stage's blocks with
+"""Activation recompute (``--recompute full|selective|per-op``), applied to a stage's blocks with
 ``torch.utils.checkpoint``, as torchtitan's ``apply_ac`` does: the model never knows.
 
 - ``full`` (Megatron's full recompute): each block keeps only its input; its forward runs
@@ -10,7 +10,12 @@
   function mode that sends every ``scaled_dot_product_attention`` call through the
   checkpoint, so any block built on torch's attention is covered.
 
-Both use the non-reentrant checkpoint, which works with ``autograd.grad`` (the split
+- ``per-op`` (torchtitan's ``SelectiveAC``, ``executor.per_op_recompute``): each block
+  checkpointed with torch's selective policy: matmul, attention and reduce-scatter outputs
+  kept except every second matmul, every other op recomputed. It cannot run a split
+  backward (below), so ``RunConfig.check`` refuses it with one.
+
+``full`` and ``selective`` use the non-reentrant checkpoint, which works with ``autograd.grad`` (the split
 backward's ``I``) and keeps the parameters' gradients flowing to ``.grad`` as usual.
 Why not torch's selective activation checkpointing (``create_selective_checkpoint_contexts``
 with a policy that recomputes the attention kernels): it allows one backward through a
@@ -29,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from executor.config import RECOMPUTE_MODES
+from executor.per_op_recompute import per_op_checkpointed
 
 
 class AttentionRecompute(TorchFunctionMode):
@@ -48,11 +54,13 @@ def attention_checkpointed(forward, *args, **kwargs):
         return forward(*args, **kwargs)
 
 
-def checkpointed(forward, mode: str):
-    """``forward`` with activation recompute ``mode`` applied."""
+def checkpointed(block: nn.Module, mode: str):
+    """``block.forward`` with activation recompute ``mode`` applied."""
     if mode == "full":
-        return functools.partial(checkpoint, forward, use_reentrant=False)
-    return functools.partial(attention_checkpointed, forward)
+        return functools.partial(checkpoint, block.forward, use_reentrant=False)
+    if mode == "per-op":
+        return per_op_checkpointed(block)
+    return functools.partial(attention_checkpointed, block.forward)
 
 
 def apply_recompute(stage: nn.Module, mode: str) -> None:
@@ -67,4 +75,4 @@ def apply_recompute(stage: nn.Module, mode: str) -> None:
         raise ValueError(f"--recompute {mode} wraps a stage's blocks, but {type(stage).__name__} has no "
                          "`blocks` list")
     for block in blocks:
-        block.forward = checkpointed(block.forward, mode)
+        block.forward = checkpointed(block, mode)

@@ -31,13 +31,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from executor.config import PER_OP_SPLIT_FAILS, has_split_backward
 from schedules.csv_io import schedule_from_csv
 from schedules.torch_compat import TorchMismatchError, stages_per_rank, torch_class_for
 
 ARGS_FILE = "torchtitan.args"
 SUPPORTED_RELEASE = "0.3"  # torchtitan's release series whose config keys pipesim writes
-# pipesim's --recompute -> torchtitan 0.3's activation-checkpointing subcommand
-AC_SUBCOMMAND = {"none": "activation_checkpoint:none", "selective": "activation_checkpoint:selective",
+# pipesim's --recompute -> torchtitan 0.3's activation-checkpointing subcommand. torchtitan's
+# "selective" is per-op selective checkpointing (SelectiveAC), pipesim's per-op; pipesim's
+# selective (Megatron's: the attention core only) has no torchtitan counterpart.
+AC_SUBCOMMAND = {"none": "activation_checkpoint:none", "per-op": "activation_checkpoint:selective",
                  "full": "activation_checkpoint:full"}
 # torchtitan 0.3's defaults for the fields the checks read
 TORCHTITAN_DEFAULTS = {"parallelism.pipeline_parallel_schedule": "1F1B", "parallelism.pipeline_parallel_degree": 1,
@@ -82,15 +85,9 @@ def read_args(path: str | Path) -> dict[str, object]:
     return values
 
 
-# why selective checkpointing is refused with a split backward: torchtitan's per-op policy
-# frees what it recomputed after the input half, and the weight half then fails
-SELECTIVE_FAILS = ("torchtitan's selective activation checkpointing fails on an order that splits the backward into "
-                   "I and W (\"Trying to backward an extra time\")")
-
-
-def has_split_backward(schedule) -> bool:
-    """Whether the order splits a backward into input (I) and weight (W) halves."""
-    return any(action.kind in ("I", "W") for program in schedule.programs for action in program)
+# why torchtitan's selective (per-op) checkpointing is refused with a split backward
+SELECTIVE_FAILS = (f"torchtitan's selective activation checkpointing (SelectiveAC, pipesim's --recompute per-op) fails "
+                   f"on an order that splits the backward into I and W: {PER_OP_SPLIT_FAILS}")
 
 
 def check_config(path: str | Path) -> str:
@@ -158,6 +155,7 @@ for overrides, keys in json.loads(sys.stdin.read()):
             parsed[key] = getattr(getattr(config, section), field)
     print(json.dumps({"parsed": parsed}), flush=True)
 """
+# torchtitan 0.3's activation-checkpointing subcommand -> the config class its parser builds
 AC_CLASS = {"none": "none", "selective": "SelectiveAC", "full": "FullAC"}
 
 

@@ -8,7 +8,7 @@
 #
 # One GPU (one rank: NCCL refuses two ranks on one GPU): float64 on CUDA against the CPU
 #            one-process reference for a gpt, every architecture preset shrunk, recompute
-#            full and selective, ZeRO-1/2/3 on a one-rank NCCL group, tp/cp/ep applied over
+#            full, selective and per-op, ZeRO-1/2/3 on a one-rank NCCL group, tp/cp/ep applied over
 #            one-rank NCCL groups, DualPipeV's pairs on two CUDA streams (and how many
 #            overlapped); measured peak memory beside the prediction; profile -> simulate
 #            -> run (step-time error); bf16 against fp32 loss curves.

@@ -6,7 +6,7 @@ One GPU (float64 on CUDA against the CPU one-process reference, bound 1e-9, unle
     numerics        a gpt under 1f1b
     architectures   every architecture preset shrunk (GPT-3, Llama 3, Mixtral, DeepSeek-V3,
                     DeepSeek-V2-Lite) and a Qwen-MoE config.json
-    recompute       a shrunk Llama 3 with --recompute full and selective
+    recompute       a shrunk Llama 3 with --recompute full, selective and per-op
     zero            ZeRO-1, 2 and 3 (FSDP2) on a one-rank NCCL group
     degree-one      tensor, context and expert parallelism applied over one-rank NCCL
                     groups (DTensor, the K/V all-gather, the all-to-all dispatch)
@@ -121,7 +121,7 @@ def recompute(args: argparse.Namespace) -> int:
     from executor.worker import run_local
 
     rows = []
-    for mode in ("full", "selective"):
+    for mode in ("full", "selective", "per-op"):
         config = small(model="llama3-8b", kv_heads=2, recompute=mode, backend=backend(args))
         rows.append((f"llama3-8b --recompute {mode}", run_local(config), reference_run(config)))
     return against_reference(rows)

@@ -100,7 +100,7 @@ def test_pipelined_recompute_equals_the_reference_without_it(case: tuple) -> Non
 
 
 def test_bad_recompute_is_refused_naming_the_flag(capsys) -> None:
-    with pytest.raises(ConfigError, match="--recompute 'some' is not one of: none, selective, full"):
+    with pytest.raises(ConfigError, match="--recompute 'some' is not one of: none, selective, full, per-op"):
         RunConfig(recompute="some").check()
     with pytest.raises(SystemExit) as exit_status:
         main(["run", "--pp", "1", "--recompute", "some"])

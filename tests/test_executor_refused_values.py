@@ -43,7 +43,7 @@ def test_a_value_no_command_takes_is_still_argparses_error(capsys) -> None:
     with pytest.raises(SystemExit) as exit_status:
         executor_main(["--recompute", "everything"])
     assert exit_status.value.code == 2
-    assert "invalid choice: 'everything' (choose from 'none', 'selective', 'full')" in capsys.readouterr().err
+    assert "invalid choice: 'everything' (choose from 'none', 'selective', 'full', 'per-op')" in capsys.readouterr().err
 
 
 def test_the_module_exits_2_with_the_one_line_refusal() -> None:
@@ -53,8 +53,8 @@ def test_the_module_exits_2_with_the_one_line_refusal() -> None:
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "python -m executor: error: --recompute norm-mla-up is simulate-only: python -m executor does not execute "
-        "it (the executor executes --recompute none, selective, full); see docs/executor.md for what the executor "
-        "executes"]
+        "it (the executor executes --recompute none, selective, full, per-op); see docs/executor.md for what the "
+        "executor executes"]
     assert done.stdout == ""
 
 
@@ -62,7 +62,7 @@ def test_executor_help_lists_the_values_it_refuses(capsys) -> None:
     with pytest.raises(SystemExit):
         executor_main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--recompute {none,selective,full}" in text
+    assert "--recompute {none,selective,full,per-op}" in text
     assert "--workers, --p2p torch-runtime, --recompute norm-mla-up." in text  # after the refused flags
 
 

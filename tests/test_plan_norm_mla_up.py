@@ -103,4 +103,4 @@ def test_run_refuses_a_norm_mla_up_row_in_one_line_naming_it(planned, tmp_path, 
     assert captured.err.strip() == (
         f"pipesim run: error: plan row {number} (1f1b pp2 tp1 dp4 mbs1 m4 recompute=norm-mla-up zero1): --recompute "
         "norm-mla-up is simulate-only: pipesim run does not execute it (run executes --recompute none, selective, "
-        "full); see docs/executor.md for what run executes")
+        "full, per-op); see docs/executor.md for what run executes")

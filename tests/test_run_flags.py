@@ -66,7 +66,7 @@ def simulate_only_values() -> list[tuple[str, str]]:
 
 def test_norm_mla_up_is_among_the_values_run_does_not_execute() -> None:
     assert ("--recompute", "norm-mla-up") in simulate_only_values()
-    assert list(RUN["--recompute"].choices) == ["none", "selective", "full"]  # torch.utils.checkpoint's two modes
+    assert list(RUN["--recompute"].choices) == ["none", "selective", "full", "per-op"]  # torch.utils.checkpoint
 
 
 @pytest.mark.parametrize(("flag", "value"), simulate_only_values())
@@ -84,7 +84,7 @@ def test_recompute_norm_mla_up_refusal_names_what_run_supports(capsys) -> None:
     assert main(["run", "--model", "deepseek-v3", "--recompute", "norm-mla-up"]) == 2
     assert capsys.readouterr().err.strip() == (
         "pipesim run: error: --recompute norm-mla-up is simulate-only: pipesim run does not execute it (run executes "
-        "--recompute none, selective, full); see docs/executor.md for what run executes")
+        "--recompute none, selective, full, per-op); see docs/executor.md for what run executes")
 
 
 def test_a_value_no_command_takes_is_still_argparses_error(capsys) -> None:
@@ -92,12 +92,12 @@ def test_a_value_no_command_takes_is_still_argparses_error(capsys) -> None:
         main(["run", "--pp", "1", "--recompute", "everything"])
     assert exit_status.value.code == 2
     err = capsys.readouterr().err
-    assert "invalid choice: 'everything' (choose from 'none', 'selective', 'full')" in err  # run's own, as --help
+    assert "invalid choice: 'everything' (choose from 'none', 'selective', 'full', 'per-op')" in err  # run's own
 
 
 def test_run_help_lists_the_values_it_refuses_and_its_own_choices(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--recompute {none,selective,full}" in text
+    assert "--recompute {none,selective,full,per-op}" in text
     assert "--recompute norm-mla-up" in text

@@ -14,6 +14,8 @@ import pytest
 
 from benchmarks.torch_orders import StandInStage
 from pipesim.cli import main
+from pipesim.cli.torchtitan import TorchtitanLayout, write_torchtitan
+from pipesim.model.spec import RECOMPUTE
 from schedules.action import COMM_KINDS
 from schedules.csv_io import schedule_from_csv
 from schedules.generators import GENERATORS, MULTI_CHUNK, generate
@@ -187,7 +189,8 @@ def test_the_lowered_file_unshards_every_stage_as_torchtitan_wraps_them_in_fsdp(
 
 @pytest.mark.parametrize(("argv", "written"), [
     (["--schedule", "1f1b", "--recompute", "full"], "activation_checkpoint:full"),
-    (["--schedule", "1f1b", "--recompute", "selective"], "activation_checkpoint:selective"),
+    pytest.param(["--schedule", "1f1b", "--recompute", "per-op"], "activation_checkpoint:selective",
+                 marks=pytest.mark.skipif("per-op" not in RECOMPUTE, reason="simulate's --recompute has no per-op")),
     (["--schedule", "zbv", "--recompute", "full"], "activation_checkpoint:full"),
     (["--schedule", "zb-h1", "--recompute", "none"], "activation_checkpoint:none"),
 ])
@@ -198,13 +201,47 @@ def test_recompute_and_sequence_parallel_are_written_as_torchtitans_knobs(tmp_pa
     assert words[-1] == written and "--parallelism.enable_sequence_parallel" in words
 
 
-@pytest.mark.parametrize("name", ["zb-h1", "zbv", "interleaved-zb"])
-def test_selective_recompute_with_a_split_backward_is_refused(tmp_path, capsys, name):
+def test_per_op_recompute_is_written_as_torchtitans_selective(tmp_path):
+    """torchtitan 0.3's activation_checkpoint:selective is per-op (SelectiveAC): pipesim's per-op."""
+    folder = tmp_path / "titan"
+    write_torchtitan(folder, generate("1f1b", 2, 4), TorchtitanLayout(tp=2, sequence_parallel=True, recompute="per-op"))
+    words = (folder / "torchtitan.args").read_text().split()
+    assert words[-1] == "activation_checkpoint:selective" and "--parallelism.enable_sequence_parallel" in words
+    assert "matches" in check_config(folder / "torchtitan.args")
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_megatrons_selective_recompute_is_refused_for_torchtitan(tmp_path, capsys, name):
+    """torchtitan 0.3 has no attention-core-only recompute: its "selective" is per-op."""
+    assert run("export", "--schedule", name, "--pp", 2, "-m", 4, "--recompute", "selective", "--torchtitan",
+               tmp_path / "titan") == 2
+    assert error_line(capsys) == (
+        "pipesim export: error: --recompute selective (Megatron's: only the attention core recomputed) has no "
+        "torchtitan 0.3 counterpart: its activation_checkpoint:selective is per-op selective checkpointing "
+        "(SelectiveAC); use --recompute per-op, none or full")
+    assert not (tmp_path / "titan").exists()
+
+
+SPLIT_BACKWARD = [("zb-h1", 1), ("zbv", 2), ("interleaved-zb", 2)]
+
+
+@pytest.mark.parametrize(("name", "chunks"), SPLIT_BACKWARD)
+def test_per_op_recompute_with_a_split_backward_is_refused(tmp_path, name, chunks):
     """torchtitan's selective checkpointing fails on I then W ("Trying to backward an extra time")."""
-    assert run("export", "--schedule", name, "--pp", 2, "-m", 4, *(["-v", 2] if name in MULTI_CHUNK else []),
-               "--recompute", "selective", "--torchtitan", tmp_path / "titan") == 2
+    with pytest.raises(ValueError, match=f"^--recompute per-op with {name}: torchtitan's selective activation "
+                                         r"checkpointing \(SelectiveAC, pipesim's --recompute per-op\) fails .*"
+                                         "Trying to backward an extra time"):
+        write_torchtitan(tmp_path / "titan", generate(name, 2, 4, chunks), TorchtitanLayout(recompute="per-op"))
+    assert not (tmp_path / "titan").exists()
+
+
+@pytest.mark.skipif("per-op" not in RECOMPUTE, reason="simulate's --recompute has no per-op")
+@pytest.mark.parametrize(("name", "chunks"), SPLIT_BACKWARD)
+def test_the_export_command_refuses_per_op_with_a_split_backward(tmp_path, capsys, name, chunks):
+    assert run("export", "--schedule", name, "--pp", 2, "-m", 4, *(["-v", chunks] if chunks > 1 else []),
+               "--recompute", "per-op", "--torchtitan", tmp_path / "titan") == 2
     line = error_line(capsys)
-    assert f"--recompute selective with {name}" in line and "Trying to backward an extra time" in line
+    assert f"--recompute per-op with {name}" in line and "Trying to backward an extra time" in line
     assert not (tmp_path / "titan").exists()
 
 

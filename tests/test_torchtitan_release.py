@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from pipesim.cli import main
-from schedules.generators import MULTI_CHUNK
+from pipesim.cli.torchtitan import TorchtitanLayout, write_torchtitan
+from schedules.generators import MULTI_CHUNK, generate
 
 pytestmark = [pytest.mark.torchtitan, pytest.mark.timeout(1500)]
 
@@ -81,14 +82,15 @@ def launch(*argv: str, python: str = sys.executable, timeout: int = 600) -> subp
 
 @pytest.fixture(scope="module")
 def plan_rows(tmp_path_factory) -> list[Path]:
-    """``torchtitan.args`` for the three best rows of a plan (llama3-8b on 16 GPUs), and
-    for layouts with each choice a plan can make that the rows may not have: full and
-    selective recompute, sequence parallelism, DDP, more than two stages per rank, V."""
+    """``torchtitan.args`` for the three best rows of a plan (llama3-8b on 16 GPUs, the
+    recompute modes torchtitan has a knob for), and for layouts with each choice a plan
+    can make that the rows may not have: full and per-op recompute, sequence
+    parallelism, DDP, more than two stages per rank, V."""
     folder = tmp_path_factory.mktemp("titan")
     plan = folder / "plan.json"
     common = ["--model", "llama3-8b", "--seq-len", "2048", "--topology", "ib"]
     assert main(["plan", *common, "--gpus", "16", "--global-batch", "64", "--top", "3", "--workers", "1",
-                 "--json", str(plan), "--quiet"]) == 0
+                 "--recompute", "none,full", "--json", str(plan), "--quiet"]) == 0
     paths = []
     for rank in (1, 2, 3):
         out = folder / f"row{rank}"
@@ -96,7 +98,6 @@ def plan_rows(tmp_path_factory) -> list[Path]:
                      "--fsdp", "--torchtitan", str(out)]) == 0
         paths.append(out / "torchtitan.args")
     for name, extra in [("zbv", ["--recompute", "full", "--tp", "2", "--sequence-parallel", "--fsdp", "--dp", "2"]),
-                        ("1f1b", ["--recompute", "selective", "--dp", "4"]),
                         ("interleaved-1f1b", ["-v", "4", "--layers", "32"]),
                         ("dualpipev", ["--dp", "2", "--fsdp"])]:
         out = folder / name
@@ -104,6 +105,9 @@ def plan_rows(tmp_path_factory) -> list[Path]:
         assert main(["export", "--schedule", name, "--pp", "4", "-m", "8", *chunks, *extra,
                      "--torchtitan", str(out)]) == 0, name
         paths.append(out / "torchtitan.args")
+    # per-op (torchtitan's selective) as export writes it, where simulate's --recompute lacks it
+    write_torchtitan(folder / "1f1b-per-op", generate("1f1b", 4, 8), TorchtitanLayout(dp=4, recompute="per-op"))
+    paths.append(folder / "1f1b-per-op" / "torchtitan.args")
     return paths
 
 
@@ -137,9 +141,10 @@ def test_the_csvs_run_in_torchtitans_stage_builder_as_the_reference(torchtitan_p
     (one-rank mesh) and ``_build_pipeline_schedule``; losses of two steps and the first
     step's gradients equal the one-process reference. Compute-only files as torchtitan
     loads them, lowered ones (UNSHARD/RESHARD/REDUCE_GRAD written by pipesim) through
-    ``executor.torchtitan_launch``'s loader. (With selective checkpointing instead, the
-    zbv file fails in torchtitan with "Trying to backward an extra time", which is why
-    export refuses that combination.)"""
+    ``executor.torchtitan_launch``'s loader; 1f1b with torchtitan's selective (per-op)
+    checkpointing, SelectiveAC itself. (With selective checkpointing, the zbv file fails in
+    torchtitan with "Trying to backward an extra time", which is why export refuses that
+    combination.)"""
     paths = []
     for folder, name, layers, extra in (("1f1b", "1f1b", 2, []), ("zbv", "zbv", 4, []),
                                         ("zbv-full", "zbv", 4, ["--recompute", "full"]),
@@ -155,6 +160,10 @@ def test_the_csvs_run_in_torchtitans_stage_builder_as_the_reference(torchtitan_p
             lowered.write_text((out / "torchtitan.args").read_text().replace("/schedule.csv", "/schedule-lowered.csv"))
             paths.append(lowered)
     assert (tmp_path / "zbv-full" / "torchtitan.args").read_text().split()[-1] == "activation_checkpoint:full"
+    write_torchtitan(tmp_path / "1f1b-per-op", generate("1f1b", 2, 4),
+                     TorchtitanLayout(microbatch_size=2, layers=2, recompute="per-op"))
+    paths.append(tmp_path / "1f1b-per-op" / "torchtitan.args")
+    assert paths[-1].read_text().split()[-1] == "activation_checkpoint:selective"
     done = launch("tests/torchtitan_stage_builder.py", *map(str, paths), python=torchtitan_python)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from executor.torchtitan_launch import AC_SUBCOMMAND, ARGS_FILE, SELECTIVE_FAILS, has_split_backward
+from executor.config import has_split_backward
+from executor.torchtitan_launch import AC_SUBCOMMAND, ARGS_FILE, SELECTIVE_FAILS, SUPPORTED_RELEASE
 from schedules.csv_io import schedule_to_csv
 from schedules.schedule import Schedule
 from schedules.torch_compat import TorchClass, stages_per_rank, torch_class_for
@@ -43,7 +44,7 @@ class TorchtitanLayout:
     parameters with FSDP when ``fsdp``, else replicating them as DDP), tensor-parallel
     ranks ``tp`` (with Megatron sequence parallelism when ``sequence_parallel``),
     expert-parallel ranks ``ep``, context-parallel ranks ``cp``, sequences per microbatch,
-    activation ``recompute`` (pipesim's none/selective/full), and where known the model's
+    activation ``recompute`` (pipesim's none/per-op/full), and where known the model's
     layers and sequence length; ``torch_class`` overrides the class chosen from the
     placement."""
 
@@ -106,11 +107,17 @@ def write_torchtitan(directory: str | Path, schedule: Schedule, layout: Torchtit
 
 
 def check_recompute(schedule: Schedule, recompute: str) -> None:
-    """Refuse the recompute choice torchtitan cannot run with this order (``SELECTIVE_FAILS``)."""
+    """Refuse a recompute choice torchtitan has no knob for (pipesim's ``selective``,
+    Megatron's attention-core recompute: torchtitan's "selective" is per-op) or cannot run
+    with this order (``SELECTIVE_FAILS``)."""
+    if recompute == "selective":
+        raise ValueError("--recompute selective (Megatron's: only the attention core recomputed) has no torchtitan "
+                         f"{SUPPORTED_RELEASE} counterpart: its activation_checkpoint:selective is per-op selective "
+                         "checkpointing (SelectiveAC); use --recompute per-op, none or full")
     if recompute not in AC_SUBCOMMAND:
         raise ValueError(f"--recompute {recompute}: torchtitan knows {', '.join(AC_SUBCOMMAND)}")
-    if recompute == "selective" and has_split_backward(schedule):
-        raise ValueError(f"--recompute selective with {schedule.name}: {SELECTIVE_FAILS}; use --recompute full or none")
+    if recompute == "per-op" and has_split_backward(schedule):
+        raise ValueError(f"--recompute per-op with {schedule.name}: {SELECTIVE_FAILS}; use --recompute full or none")
 
 
 def config_fields(schedule: Schedule, layout: TorchtitanLayout, cls: TorchClass, per_stage: int | None,
