@@ -21,11 +21,12 @@ its forward is put to a policy, one policy per checkpointed call:
   parallel all-gathers) is recomputed in the backward; a copy from the GPU to the host
   is saved (a recompute would synchronise again).
 
-Two choices differ from the letter of torchtitan's code, so that the executor runs what
-the simulator's ``per-op`` prices on every device and model: a linear with a bias
-reaches the dispatcher as ``addmm``, which torchtitan's counter skips (its models have
-no biases, their linears arrive as ``mm``); it is counted here, so a biased model gets
-the same every-second rule. And the CPU's attention kernel
+Matmuls are counted as torchtitan counts them, ``mm`` and ``linear``: a linear with a bias
+reaches the dispatcher as ``addmm`` (for a 3-D input too: a view, then ``addmm``), which
+is a compute-intensive op and so saved, and not counted; a biased model (the toy gpt)
+recomputes none of its matmuls, as ``pipesim.model.per_op_checkpoint`` prices it. One
+choice differs from the letter of torchtitan's code, so that the executor runs what the
+simulator's ``per-op`` prices on every device: the CPU's attention kernel
 (``_scaled_dot_product_flash_attention_for_cpu``), missing from torch's list, is saved
 like the GPU kernels it stands for.
 
@@ -47,7 +48,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 aten = torch.ops.aten
-MATMULS = (aten.mm.default, aten.addmm.default, aten.linear.default)  # counted: every second one recomputed
+MATMULS = (aten.mm.default, aten.linear.default)  # counted: every second one recomputed (addmm: saved, uncounted)
 FORCED_RECOMPUTE = "router.gate"  # torchtitan's default force_recompute_mm_shapes_by_fqns, as our MoE names it
 
 
@@ -68,10 +69,10 @@ def saved_ops() -> frozenset:
 
 
 def weight_shape(func, args: tuple) -> tuple[int, ...]:
-    """The matmul's right-hand side as ``(in, out)``, whichever aten op carries it."""
+    """The matmul's right-hand side as ``(in, out)``, whichever counted aten op carries it."""
     if func is aten.linear.default:
         return tuple(reversed(args[1].shape))
-    return tuple((args[2] if func is aten.addmm.default else args[1]).shape)
+    return tuple(args[1].shape)
 
 
 class PerOpPolicy:
