@@ -34,9 +34,10 @@ from collections.abc import Sequence
 
 from executor.config import RunConfig
 from executor.estimate import ROUNDS, robust_mean
-from schedules.action import COMM_KINDS, COMPUTE_KINDS, RECV_KINDS, RECV_OF, ActionKind, parse_action
+from schedules.action import COMM_KINDS, COMPUTE_KINDS, ActionKind, parse_action
+from schedules.runtime_gaps import gaps
 from schedules.schedule import Schedule
-from schedules.trace import Trace, covered_seconds
+from schedules.trace import Trace
 
 RUN_CALIBRATED = "calibration steps of the run"  # meta.source of these costs files: they time tp/cp/ep shards
 
@@ -89,47 +90,6 @@ def stage_entry(stage: int, seconds: dict[tuple[int, str], float]) -> dict[str, 
     weight_grad = weight_grad or 0.0
     return {"fwd": forward, "bwd": input_grad + weight_grad if backward is None else backward,
             "igrad": input_grad, "wgrad": weight_grad}
-
-
-def gaps(schedule: Schedule, trace: Trace, waits_timed: bool = False) -> list[tuple[float, int, bool]]:
-    """Per compute action after a rank's first: (seconds since the rank's previous compute
-    action ended, P2P actions the program posts between the two, whether the action
-    waits for data from another rank). Only the rank's loop, its hooks and its posts
-    fill a gap that waits for nothing.
-
-    With ``waits_timed`` (buffered P2P, where the runtime marks each receive's wait as an
-    event of its own, ``recv`` stream, right before the action that needs the data), the
-    seconds the rank was blocked in those waits are taken out of the gap: what is left is
-    the runtime's own time, a waiting gap's included (the wait's bookkeeping, handing the
-    data on), which ``overhead_fit`` then reads off every gap."""
-    by_rank: dict[int, dict[str, tuple[float, float]]] = defaultdict(dict)
-    blocked: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for event in trace.events:
-        if event.stream == "compute":
-            by_rank[event.rank][event.action] = (event.start, event.end)
-        elif waits_timed and event.stream == "recv":
-            blocked[event.rank].append((event.start, event.end))
-    samples = []
-    for rank in range(schedule.pp):
-        received = {(action.kind, action.stage, action.microbatch)
-                    for action in schedule.programs[rank] if action.kind in RECV_KINDS}
-        paired = dict(schedule.fused_pairs(rank))  # an overlapped pair's forward waits for both inputs
-        timed = by_rank.get(rank, {})
-        previous_end, posts = None, 0
-        for action in schedule.programs[rank]:
-            if action.kind in COMM_KINDS:
-                posts += 1
-                continue
-            if str(action) not in timed:
-                continue
-            start, end = timed[str(action)]
-            needs = [action, *([paired[action]] if action in paired else [])]
-            waits = any((RECV_OF.get(a.kind, ActionKind.RECV_B), a.stage, a.microbatch) in received for a in needs)
-            if previous_end is not None:
-                held = covered_seconds(blocked.get(rank, ()), previous_end, start)
-                samples.append((start - previous_end - held, posts, waits))
-            previous_end, posts = end, 0
-    return samples
 
 
 def overhead_fit(samples: Sequence[tuple[float, int, bool]], waits_timed: bool = False) -> tuple[float, float]:

@@ -29,13 +29,6 @@ from schedules.textfile import read_text, write_text_whole
 STREAMS = ("compute", "send", "recv")
 
 
-def covered_seconds(intervals: Sequence[tuple[float, float]], begin: float, end: float) -> float:
-    """Seconds of ``[begin, end]`` that ``intervals`` (``(start, end)`` pairs, disjoint, as
-    one rank's waits are) cover: what a rank spent blocked inside a gap between two of its
-    actions."""
-    return sum(min(stop, end) - max(start, begin) for start, stop in intervals if start < end and stop > begin)
-
-
 class TraceEvent(NamedTuple):
     """One timed action on one rank. ``stream`` says which engine it occupied:
     ``compute`` for F/B/I/W, ``send`` for a transfer leaving the rank (start to

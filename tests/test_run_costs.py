@@ -14,10 +14,11 @@ from torch import nn
 
 from executor.config import RunConfig
 from executor.models import MlpModel
-from executor.run_costs import calibration_configs, gaps, overhead_fit, run_costs, stage_entry
+from executor.run_costs import calibration_configs, overhead_fit, run_costs, stage_entry
 from schedules.action import RECV_KINDS, RECV_OF, SEND_KINDS, ActionKind
 from schedules.generators import generate
 from schedules.lowering import lower
+from schedules.runtime_gaps import gaps
 from schedules.trace import Trace, TraceEvent
 
 SECONDS = {ActionKind.F: 3.0, ActionKind.B: 5.0, ActionKind.I: 2.0, ActionKind.W: 4.0}  # stage 0's; stage s adds s

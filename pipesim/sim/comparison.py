@@ -31,13 +31,13 @@ rank's compute stretch 2-6% low.
 from __future__ import annotations
 
 import statistics
-from itertools import pairwise
 
 from pipesim.model.costs import Costs
-from schedules.action import COMM_KINDS, COMPUTE_KINDS, ActionKind
+from schedules.action import COMPUTE_KINDS, Action
 from schedules.metrics import step_metrics
+from schedules.runtime_gaps import gaps_by_rank
 from schedules.schedule import Schedule
-from schedules.trace import Trace, covered_seconds
+from schedules.trace import Trace
 
 
 def busy_per_rank(trace: Trace) -> list[float]:
@@ -57,8 +57,6 @@ def _busy_and_bubble(trace: Trace) -> tuple[list[float], float]:
 MIN_STEPS = 5  # kept steps below which a spread says little
 SPREAD_LIMIT = 0.05  # interquartile range of the kept steps over their median
 STRETCH_LIMIT = 0.05  # compute slower (or faster) in the run than profiled, beyond which to say so
-# a receive's sender: its send kind and the sending stage's offset from the receiving one
-RECV_SENDER = {ActionKind.RECV_F: (ActionKind.SEND_F, -1), ActionKind.RECV_B: (ActionKind.SEND_B, 1)}
 
 
 def kept_steps(step_times: list[float], warmup_steps: int) -> list[float]:
@@ -170,20 +168,11 @@ def runtime_per_rank(measured: Trace, schedule: Schedule, costs: Costs) -> list[
     beside busy, this tells a runtime the costs under- or over-price from compute that
     ran at another speed and from waits the simulator got wrong; read only where the
     waits are marked (under rendezvous a receive's event spans its whole group)."""
-    by_rank: dict[int, tuple[list, list]] = {rank: ([], []) for rank in range(schedule.pp)}
-    for event in measured.events:
-        if event.rank in by_rank and event.stream in ("compute", "recv"):
-            by_rank[event.rank][event.stream == "recv"].append((event.start, event.end))
     pairs = []
-    for rank, program in enumerate(schedule.programs):
-        computes, waits = by_rank[rank]
-        computes.sort()
-        measured_seconds = sum(later[0] - earlier[1] - covered_seconds(waits, earlier[1], later[0])
-                               for earlier, later in pairwise(computes))
-        places = [index for index, action in enumerate(program) if action.kind in COMPUTE_KINDS]
-        posts = sum(1 for action in program[places[0]:places[-1]] if action.kind in COMM_KINDS) if places else 0
-        predicted_seconds = max(len(places) - 1, 0) * costs.action_overhead + posts * costs.comm_overhead
-        pairs.append((measured_seconds, predicted_seconds))
+    for samples in gaps_by_rank(schedule, measured, waits_timed=True):
+        posts = sum(posted for _, posted, _ in samples)
+        pairs.append((sum(seconds for seconds, _, _ in samples),
+                      len(samples) * costs.action_overhead + posts * costs.comm_overhead))
     return pairs
 
 
@@ -200,16 +189,14 @@ def p2p_deliveries(measured: Trace, predicted: Trace, posting: float = 0.0) -> d
         return None
 
     def sends(trace: Trace) -> dict:
-        return {(event.kind, event.stage, event.microbatch): event for event in trace.events
-                if event.stream == "send"}
+        return {event.action: event for event in trace.events if event.stream == "send"}
 
     posted, charged = sends(measured), sends(predicted)
     pairs = []
     for event in measured.events:
-        if event.stream != "recv" or event.kind not in RECV_SENDER:
+        if event.stream != "recv":
             continue
-        send_kind, step = RECV_SENDER[event.kind]
-        key = (send_kind, event.stage + step, event.microbatch)
+        key = str(Action(event.stage, event.kind, event.microbatch).matching())  # the SEND that feeds it
         send, predicted_send = posted.get(key), charged.get(key)
         if send is not None and predicted_send is not None and event.start <= send.start:
             pairs.append((event.end - send.start, posting + predicted_send.end - predicted_send.start))
