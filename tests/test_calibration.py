@@ -81,6 +81,9 @@ def test_sizes_parse_as_a_range_or_a_list():
     # a unit without its B, in either case, is the same unit (16m once failed with a KeyError)
     assert parse_sizes("16k..1m") == [2**14, 2**16, 2**18, 2**20]
     assert parse_sizes("2G,3") == [2 * 2**30, 3]
+    for empty in ("0", "0K,1M", ","):
+        with pytest.raises(ValueError, match="at least 1 byte"):
+            parse_sizes(empty)
     with pytest.raises(ValueError, match="64XB"):
         parse_sizes("64XB")
 

@@ -70,7 +70,10 @@ def parse_sizes(text: str) -> list[int]:
             sizes.append(size)
             size *= 4
         return [*sizes, high]
-    return [parse_size(part) for part in text.split(",") if part.strip()]
+    sizes = [parse_size(part) for part in text.split(",") if part.strip()]
+    if not sizes or min(sizes) <= 0:
+        raise ValueError(f"--sizes {text!r}: every message size must be at least 1 byte")
+    return sizes
 
 
 def format_table(rows: list[dict]) -> list[str]:
