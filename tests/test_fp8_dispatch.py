@@ -105,6 +105,24 @@ def test_the_engine_prices_the_dispatch_and_the_combine_each_at_its_size():
         assert event.duration == pytest.approx(2 * (_one(dispatch) + _one(combine)))
 
 
+def test_with_tp_the_routed_copies_are_gathered_at_the_combines_bf16_size():
+    """tp 2 with sequence parallelism, ep 2: Megatron-Core's dispatcher gathers and scatters
+    over tp the 2 x C routed copies of BF16 (C the combine's bytes), whatever the size of
+    the all-to-all toward the experts: per MoE layer the attention's pair of M and the
+    experts' pair of 2 x C, each gather or scatter over 2 GPUs x/2 / B + alpha."""
+    message, dispatch, combine = 40e6, 50e6, 100e6
+
+    def gather_and_scatter(size: float) -> float:
+        return 2 * (size / 2 / NVLINK_BW + NVLINK_PAIR_LATENCY)
+
+    stage = StageCost(fwd=1e-3, bwd=2e-3, layers=2, tp_message_bytes=message, moe_layers=2, dispatch_bytes=dispatch,
+                      combine_bytes=combine)
+    result = run_simulation(generate("1f1b", 2, 1), Costs(stages=(stage,) * 2, sequence_parallel=True), nvlink(),
+                            parallel=ParallelConfig(tp=2, dp=2, ep=2, overlap_tp=False))
+    tp = [event.duration for event in result.trace.events if event.stream == "tp"]
+    assert tp == pytest.approx([2 * (gather_and_scatter(message) + gather_and_scatter(2 * combine))] * 4)
+
+
 def test_a_costs_file_with_one_size_prices_both_all_to_alls_at_it(tmp_path):
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"stages": [{"fwd": 1e-3, "bwd": 2e-3, "moe_layers": 2, "dispatch_bytes": 72e6}] * 2}))
@@ -183,6 +201,17 @@ def test_plan_refuses_an_fp8_dispatch_without_fp8_gemms_before_searching(capsys)
                  "--ep-dispatch", "fp8"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--ep-dispatch fp8 needs --fp8" in err and len(err.splitlines()) == 1
+
+
+def test_plan_carries_the_flag_to_every_layouts_model():
+    from pipesim.job import model_spec_of
+    from pipesim.plan.request import PlanRequest, checked
+
+    base, _ = checked(PlanRequest(model="mixtral-8x7b", gpus=8, global_batch=8, fp8=True, ep_dispatch="fp8"))
+    assert model_spec_of(base).fp8_dispatch
+    base, _ = checked(PlanRequest(model=str(ROOT / "tests" / "data" / "hf_configs" / "deepseek-v3.json"), gpus=8,
+                                  global_batch=8, gpu="h800", ep_dispatch="bf16"))
+    assert model_spec_of(base).fp8 and not model_spec_of(base).fp8_dispatch
 
 
 @pytest.mark.parametrize("command", ["simulate", "plan", "sweep"])
