@@ -45,6 +45,7 @@ from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count
 from pipesim.model.experts import MixtureOfExperts
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.per_op_checkpoint import PER_OP
+from pipesim.model.quantization import FP8_TILE_BYTES
 from schedules.textfile import read_text
 
 # How an FP8 cast finds its scale (Transformer Engine's recipes, its docs' "FP8 Delayed
@@ -177,8 +178,6 @@ class ModelSpec:
         of its 1 x 128 tile under an FP8 dispatch (DeepSeek-V3, section 3.3.3), else the
         activations' own. The other all-to-all (the combine, the dispatch's gradient)
         stays in ``dtype_bytes``: "we retain them in BF16"."""
-        from pipesim.model.quantization import FP8_TILE_BYTES
-
         return FP8_TILE_BYTES if self.fp8_dispatch else self.dtype_bytes
 
     @property
