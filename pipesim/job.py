@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields, replace
 from pipesim.cluster.files import load_topology
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, load_costs, uniform_costs
+from pipesim.model.quantization import EP_DISPATCHES
 from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN
 from schedules.collector import without_collector
 from schedules.generators import (
@@ -97,6 +98,7 @@ class Job:
     capacity_factor: float | None = None
     attention_flops: str = "causal"  # how MFU counts attention (pipesim.model.transformer_costs.ATTENTION_FLOPS)
     fp8: bool | str = False  # on (True) or its scaling (pipesim.model.spec.FP8_SCALINGS)
+    ep_dispatch: str | None = None  # EP_DISPATCHES; None: the model's recipe (ModelSpec.fp8_dispatch)
     comm_sms: int = 0
     topology: str = "ideal"
     nodes: int | None = None
@@ -256,6 +258,9 @@ def check_cost_flags(job) -> None:
         raise ValueError("--mfu needs --model: it scales the FLOPs of a model spec; give --model or drop --mfu")
     if getattr(job, "fp8", False) and not getattr(job, "model", None):
         raise ValueError("--fp8 needs --model: it runs a model spec's GEMMs in FP8; give --model or drop --fp8")
+    if getattr(job, "ep_dispatch", None) is not None and not getattr(job, "model", None):
+        raise ValueError(f"--ep-dispatch {job.ep_dispatch} needs --model: it sizes a mixture of experts' all-to-alls; "
+                         f"give --model or drop --ep-dispatch")
     if getattr(job, "comm_sms", 0) and not getattr(job, "model", None):
         raise ValueError(f"--comm-sms {job.comm_sms} needs --model: it slows a model spec's compute; give --model "
                          f"or drop --comm-sms")
@@ -437,7 +442,27 @@ def model_spec_of(job):
     fp8 = getattr(job, "fp8", False)
     if fp8:
         spec = replace(spec, fp8=True, fp8_scaling=fp8 if isinstance(fp8, str) else spec.fp8_scaling)
-    return spec
+    return with_ep_dispatch(spec, getattr(job, "ep_dispatch", None), job.model)
+
+
+def with_ep_dispatch(spec, dispatch: str | None, model: str):
+    """``spec`` with ``--ep-dispatch`` applied: the all-to-all toward the experts in FP8
+    or in BF16 (``EP_DISPATCHES``; None keeps the model's recipe, FP8 only for a config's
+    block-scaled FP8 ``quantization_config``, DeepSeek-V3's). FP8 needs FP8 GEMMs: the
+    FP8 copy is the up-projection's FP8 input (DeepSeek-V3, section 3.3.3), and before a
+    BF16 GEMM it would only lose precision, which no stack does."""
+    if dispatch is None:
+        return spec
+    if dispatch not in EP_DISPATCHES:
+        raise ValueError(f"--ep-dispatch {dispatch!r} is not one of: {', '.join(EP_DISPATCHES)}")
+    if spec.moe is None:
+        raise ValueError(f"--ep-dispatch {dispatch}: {model} has no mixture of experts, so no all-to-all to "
+                         f"dispatch; drop --ep-dispatch")
+    if dispatch == "fp8" and not spec.fp8:
+        raise ValueError("--ep-dispatch fp8 needs --fp8 (or a config.json's FP8 quantization_config): the FP8 "
+                         "dispatch is the experts' FP8 GEMM input, and before BF16 GEMMs it would only lose "
+                         "precision; give --fp8 or use --ep-dispatch bf16")
+    return replace(spec, fp8_dispatch=dispatch == "fp8")
 
 
 @functools.lru_cache(maxsize=256)

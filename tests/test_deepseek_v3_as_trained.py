@@ -22,7 +22,7 @@ def test_deepseek_v3_in_the_reports_layout():
     job = job_of()
     result = simulate_job(job)
     figures = model_figures(job, result)
-    assert figures["model"]["fp8"] and figures["model"]["mtp_params"] > 0
+    assert figures["model"]["fp8"] and figures["model"]["fp8_dispatch"] and figures["model"]["mtp_params"] > 0
     assert figures["model"]["moe"]["node_limit"] == 4
     assert result.schedule.name == "dualpipe" and result.schedule.step_microbatches * job.dp == 15360
     tokens = f"{figures['tokens_per_second']:,.0f}"

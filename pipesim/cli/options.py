@@ -171,9 +171,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_precision_args(group) -> None:
-    """``--fp8`` and ``--comm-sms``: what the GEMMs run in and the SMs kept for
-    communication (``pipesim.model.compute_model.stage_compute_model``), for simulate's
-    model and every layout plan tries."""
+    """``--fp8``, ``--ep-dispatch`` and ``--comm-sms``: what the GEMMs and the MoE
+    dispatch run in and the SMs kept for communication
+    (``pipesim.model.compute_model.stage_compute_model``, ``pipesim.job.with_ep_dispatch``),
+    for simulate's model and every layout plan tries."""
     from pipesim.model.spec import FP8_SCALINGS
 
     group.add_argument("--fp8", nargs="?", const="delayed", default=False, choices=FP8_SCALINGS, metavar="SCALING",
@@ -186,6 +187,13 @@ def add_precision_args(group) -> None:
                        "MFU stays against the BF16 peak, as papers report it, the FP8 peak's beside it; the GEMMs' "
                        "inputs are stashed in FP8 (a mixture of experts keeps only SwiGLU's inputs, DeepSeek-V3's "
                        "caching). A config.json's FP8 quantization_config turns it on (default: BF16)")
+    group.add_argument("--ep-dispatch", default=None, metavar="fp8|bf16",
+                       help="with --model, a mixture of experts: what the all-to-all toward the experts carries (the "
+                       "forward's dispatch, the backward's combine gradient): fp8, 1 byte an element plus an FP32 "
+                       "scale per 128 (DeepSeek-V3's recipe, DeepEP's FP8 dispatch; needs --fp8), or bf16; the "
+                       "combine and the dispatch's gradient stay BF16 (default: fp8 for a config.json whose FP8 "
+                       "quantization_config is block-scaled, DeepSeek-V3's; bf16 otherwise, under --fp8 too, as "
+                       "Megatron-Core dispatches)")
     group.add_argument("--comm-sms", type=int, default=0, metavar="SMS",
                        help="with --model: SMs of each GPU kept for communication kernels (DeepSeek-V3 kept 20 of "
                        "an H800's 132): GEMMs and attention run on the rest, at their share of the peak (default: 0)")

@@ -64,7 +64,8 @@ read, ``1 + 4/128`` bytes per element with the 1x128 tile's FP32 scale; the atte
 kernel's Q, K, V and output, the norms' inputs and the router's scores keep their 16-bit
 or FP32 precision. A dense MLP keeps its activation's inputs in 16-bit and the down
 projection's input in FP8. A mixture of experts keeps each routed copy's dispatched
-input in FP8 (DeepSeek-V3 dispatches it in FP8) and, of its routed and shared experts,
+input in FP8 (DeepSeek-V3 dispatches it in FP8; after a BF16 dispatch, ``--ep-dispatch
+bf16``, the up-projection's input cast keeps the same FP8 copy) and, of its routed and shared experts,
 only the activation's inputs, in FP8, recomputing the activation's output in the
 backward with the routing weight applied inside it (Megatron-Core's weighted SwiGLU with
 ``fp8_input_store``), so the combine keeps no expert output; every backward re-runs
@@ -75,12 +76,13 @@ attention output in a 12-bit E5M6 format; it is counted at 16 bits here.)
 from __future__ import annotations
 
 from pipesim.model.per_op_checkpoint import PER_OP, stash_bytes_per_token
+from pipesim.model.quantization import FP8_TILE_BYTES
 from pipesim.model.saved_tensors import KERNELS, SavedTensors, first_stage_extra, last_stage_extra, layer_extra_bytes
 from pipesim.model.spec import NORM_MLA_UP, ModelSpec, check_recompute
 from pipesim.model.weights import kv_heads_per_shard
 
 MASK_BYTES = 1  # a dropout mask is one byte per element
-FP8_CACHED_BYTES = 1 + 4 / 128  # an FP8 element and its share of its 1x128 tile's FP32 scale
+FP8_CACHED_BYTES = FP8_TILE_BYTES  # an FP8 element and its share of its 1x128 tile's FP32 scale
 ROUTER_SCORE_BYTES = 4  # router scores are kept in fp32
 
 
@@ -141,7 +143,8 @@ def routed_copies_bytes(spec: ModelSpec) -> float:
     """Per token, whole: a mixture of experts' routed copies. In 16-bit, each slot's
     dispatched input and the expert output the weighted combine needs for the routing
     weight's gradient. Under FP8 the dispatched input alone, in FP8 (DeepSeek-V3 dispatches
-    it so, section 3.3.3): the routing weight is applied inside the cached activation
+    it so, section 3.3.3; a BF16 dispatch's copy is cast to FP8 for the GEMM, which keeps
+    that, so the dispatch's precision changes no stash): the routing weight is applied inside the cached activation
     (Megatron-Core's weighted SwiGLU keeps its input and the weights), whose recomputed
     output gives that gradient, so no expert output is kept."""
     slots, h = spec.moe.routed_slots(), spec.hidden

@@ -23,7 +23,7 @@ STAGE_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "act_bytes", "stash_bytes", "par
                 "tp_message_bytes", "recompute_layers", "recomputed_tp_pairs", "overlap_fb",
                 # expert and context parallelism (pipesim.sim.expert_parallel, pipesim.sim.context_parallel)
                 "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
-                "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies")
+                "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies", "combine_bytes")
 OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead")
 # what a stage's parameter memory and its gathers after the optimizer step read of it
 _PARAMETER_FIGURES = attrgetter("param_bytes", "params", "expert_params")
@@ -74,8 +74,12 @@ class StageCost:
     all-to-alls hide under the other half's compute (``pipesim.sim.overlap``).
 
     Expert parallelism: ``moe_layers`` of the stage's layers route their tokens to
-    experts, each with two all-to-alls of ``dispatch_bytes`` (one rank's routed token
-    copies) in its forward and two in its input-gradient backward; ``expert_params`` of
+    experts, each with two all-to-alls (one rank's routed token copies) in its forward
+    and two in its input-gradient backward: one toward the experts of ``dispatch_bytes``
+    (the forward's dispatch, the backward's combine gradient) and one back of
+    ``combine_bytes`` (the combine, the dispatch's gradient). They differ under
+    DeepSeek-V3's FP8 dispatch (``pipesim.model.spec.ModelSpec.dispatch_element_bytes``);
+    ``combine_bytes`` 0 (a costs file that gives one size) is ``dispatch_bytes``. ``expert_params`` of
     ``params`` are routed experts, whose gradients are reduced over the expert
     data-parallel group. Context parallelism: each of the ``attention_layers`` passes its
     ``kv_bytes`` (the rank's keys and values) around the ring, overlapped with the
@@ -118,6 +122,13 @@ class StageCost:
     wgrad_stash_share: float = 1.0
     dispatch_node_limit: float = 0.0
     dispatch_copies: float = 0.0
+    combine_bytes: float = 0.0
+
+    @property
+    def all_to_all_bytes(self) -> tuple[float, float]:
+        """(toward the experts, back from them): one rank's bytes in each of an MoE layer's
+        two all-to-alls per pass, ``combine_bytes`` 0 read as ``dispatch_bytes``."""
+        return self.dispatch_bytes, self.combine_bytes or self.dispatch_bytes
 
     @property
     def input_grad(self) -> float:

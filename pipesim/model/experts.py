@@ -123,12 +123,14 @@ class MixtureOfExperts:
         ``min(M, nodes)`` copies of the ``k``."""
         return node_limited_share(self.node_limit or 0, self.routed_slots(padded=False), nodes)
 
-    def dispatch_bytes(self, tokens: float, hidden: int, dtype_bytes: int) -> float:
+    def dispatch_bytes(self, tokens: float, hidden: int, element_bytes: float) -> float:
         """Bytes of one rank's routed token copies: what each of expert parallelism's
         all-to-alls moves for ``tokens`` tokens (dispatch sends them to the experts' ranks,
         combine brings the experts' outputs back, the backward does both in reverse): a
-        copy of the ``hidden``-wide token per routed slot, padded to the capacity."""
-        return self.routed_slots() * tokens * hidden * dtype_bytes
+        copy of the ``hidden``-wide token per routed slot, padded to the capacity, at
+        ``element_bytes`` an element (``ModelSpec.dispatch_element_bytes``: FP8 and its
+        scales for DeepSeek-V3's dispatch, the activations' dtype for the combine)."""
+        return self.routed_slots() * tokens * hidden * element_bytes
 
 
 def node_limited_share(node_limit: float, copies: float, nodes: int) -> float:

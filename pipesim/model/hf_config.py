@@ -55,7 +55,8 @@ would otherwise gain qwen2_moe's default shared expert). Vision-language configs
 (``gemma3``, ``llama4``, ...) are refused, naming the decoder's own ``text_config``
 family. A
 ``quantization_config`` is never ignored: ``pipesim.model.quantization`` reads FP8 (the
-GEMMs then run in FP8) and refuses the rest with the reason.
+GEMMs then run in FP8; block-scaled, DeepSeek-V3's recipe, a mixture of experts also
+dispatches in FP8) and refuses the rest with the reason.
 
 A config without ``model_type`` (written by hand) is read with Llama's keys, a gated MLP
 unless ``hidden_act`` names another activation, RMSNorm unless it gives only
@@ -82,7 +83,7 @@ from dataclasses import dataclass
 from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count
 from pipesim.model.experts import GATINGS, MixtureOfExperts, dense_layer_indices
 from pipesim.model.latent_attention import LatentAttention
-from pipesim.model.quantization import gemms_in_fp8
+from pipesim.model.quantization import dispatches_in_fp8, gemms_in_fp8
 from pipesim.model.spec import ModelSpec
 
 HF_DEFAULT_SEQ_LEN_CAP = 8192
@@ -510,6 +511,8 @@ def spec_from_hf_config(data: object, name: str = "config", seq_len: int | None 
         fields.update(family.particular(config))
     if family.windows is not None:
         fields.update(family.windows(config))
+    # DeepSeek-V3's block-scaled recipe sends the experts' FP8 input over the all-to-all
+    fields["fp8_dispatch"] = fields.get("moe") is not None and dispatches_in_fp8(data, name)
     return ModelSpec(**fields)
 
 

@@ -45,6 +45,7 @@ from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count
 from pipesim.model.experts import MixtureOfExperts
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.per_op_checkpoint import PER_OP
+from pipesim.model.quantization import FP8_TILE_BYTES
 from schedules.textfile import read_text
 
 # How an FP8 cast finds its scale (Transformer Engine's recipes, its docs' "FP8 Delayed
@@ -90,12 +91,16 @@ class ModelSpec:
     chunked_layers: tuple[int, ...] = ()  # indices of the layers whose attention is chunked
     fp8: bool = False  # the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3): pipesim.model.compute_model
     fp8_scaling: str = "delayed"  # how FP8 casts find their scale (FP8_SCALINGS): pipesim.model.compute_model
+    fp8_dispatch: bool = False  # the MoE dispatch all-to-alls in FP8 (DeepSeek-V3): dispatch_element_bytes
     mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers), after the head
 
     def __post_init__(self) -> None:
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ModelSpecError(f"model {self.name}: FP8 scaling {self.fp8_scaling!r} is not one of "
                                  f"{', '.join(FP8_SCALINGS)}")
+        if self.fp8_dispatch and not self.fp8:
+            raise ModelSpecError(f"model {self.name}: an FP8 dispatch feeds the experts' FP8 GEMMs; with BF16 GEMMs "
+                                 f"it only loses precision (turn fp8 on, or fp8_dispatch off)")
         for key in ("layers", "hidden", "heads", "seq_len", "vocab", "microbatch_size", "dtype_bytes"):
             require_count(getattr(self, key), f"model {self.name}: {key}")
         for key in ("kv_heads", "ffn_hidden", "head_dim", "positions"):
@@ -165,6 +170,15 @@ class ModelSpec:
     @property
     def mlp_has_bias(self) -> bool:
         return self.bias if self.mlp_bias is None else self.mlp_bias
+
+    @property
+    def dispatch_element_bytes(self) -> float:
+        """Bytes per element of the all-to-all that carries tokens to the experts (the
+        forward's dispatch, the backward's combine gradient): 1 and the FP32 scale's share
+        of its 1 x 128 tile under an FP8 dispatch (DeepSeek-V3, section 3.3.3), else the
+        activations' own. The other all-to-all (the combine, the dispatch's gradient)
+        stays in ``dtype_bytes``: "we retain them in BF16"."""
+        return FP8_TILE_BYTES if self.fp8_dispatch else self.dtype_bytes
 
     @property
     def tokens(self) -> int:

@@ -31,7 +31,7 @@ computes the tokens its group routes to them; over ``cp`` context-parallel ranks
 computes ``s / cp`` tokens of each sequence, its attention in ``cp`` ring steps
 (``pipesim.model.operations``). The communication both add (all-to-all, the K/V ring)
 depends on the cluster, so the stage costs carry what prices it (``moe_layers``,
-``dispatch_bytes``, ``attention_layers``, ``kv_bytes``, the attention core's seconds) and
+``dispatch_bytes`` and ``combine_bytes``, ``attention_layers``, ``kv_bytes``, the attention core's seconds) and
 ``pipesim.sim`` charges it.
 """
 
@@ -216,7 +216,9 @@ def model_stage_costs(
                         wgrad_stash_bytes(local, tp, sequence_parallel, layer))
                 for layer in kind_layer.values()}
     routed = routed_params(spec, tp, ep)
-    dispatch = spec.moe.dispatch_bytes(local.tokens / tp, spec.hidden, spec.dtype_bytes) if spec.moe else 0.0
+    # the all-to-all toward the experts in FP8 under DeepSeek-V3's recipe, the one back in BF16
+    dispatch = spec.moe.dispatch_bytes(local.tokens / tp, spec.hidden, spec.dispatch_element_bytes) if spec.moe else 0.0
+    combine = spec.moe.dispatch_bytes(local.tokens / tp, spec.hidden, spec.dtype_bytes) if spec.moe else 0.0
 
     def stage_cost(compute: ComputeModel, groups: list[tuple[int, int]], count: int, first_stage: bool,
                    last_stage: bool) -> StageCost:
@@ -270,6 +272,7 @@ def model_stage_costs(
             expert_params=moe_layers * routed,
             moe_layers=moe_layers,
             dispatch_bytes=dispatch if moe_layers else 0.0,
+            combine_bytes=combine if moe_layers else 0.0,
             attention_layers=count,
             kv_bytes=local.tokens * key_value_bytes(spec, tp),
             attention_fwd=attention.forward,

@@ -6,11 +6,12 @@ travels to the ranks of the experts it is routed to and back, as Megatron-Core's
 all-to-all token dispatcher moves it:
 
 - forward: *dispatch* (each rank sends its routed token copies to the experts' ranks)
-  and *combine* (the experts' outputs come back): two all-to-alls of ``dispatch_bytes``,
-  the rank's routed copies (``MixtureOfExperts.dispatch_bytes``: ``C k`` copies of each
-  of its tokens, ``h`` wide);
+  and *combine* (the experts' outputs come back): two all-to-alls of the rank's routed
+  copies (``MixtureOfExperts.dispatch_bytes``: ``C k`` copies of each of its tokens,
+  ``h`` wide), the dispatch of ``dispatch_bytes``, the combine of ``combine_bytes``;
 - input-gradient backward (``B``, or ``I`` when split): the same two in reverse, the
-  combine's gradient out and the dispatch's back; the weight-gradient pass (``W``) has none;
+  combine's gradient out toward the experts (``dispatch_bytes``) and the dispatch's back
+  (``combine_bytes``); the weight-gradient pass (``W``) has none;
 - full recompute re-runs the forward, its two all-to-alls included, inside the backward.
 
 Each all-to-all is on the layer's critical path (the experts need their tokens, the
@@ -22,7 +23,10 @@ rank (the other tp shards', the other replicas') exchanging at the same moment o
 links they share: all of them run the same layer in lockstep. Node-limited routing
 (DeepSeek-V3: a token's experts on at most ``M`` nodes, sent once to each) cuts the
 pieces between nodes to ``min(M, nodes) / k`` of their bytes
-(``pipesim.model.experts.node_limited_share``). DualPipeV's overlapped
+(``pipesim.model.experts.node_limited_share``). Under DeepSeek-V3's FP8 recipe the
+all-to-all toward the experts carries FP8 with a scale per 128 elements and the one back
+BF16 (section 3.3.3), so each pass pays one of each size
+(``pipesim.model.spec.ModelSpec.dispatch_element_bytes``). DualPipeV's overlapped
 pairs hide a half's all-to-alls under the other half's compute (``pipesim.sim.overlap``).
 """
 
@@ -51,8 +55,8 @@ def ep_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology,
         groups = stage_ep_groups(mapping, schedule.placement[stage])
         nodes = len({topology.node_of(device) for device in groups[0]})
         share = node_limited_share(cost.dispatch_node_limit, cost.dispatch_copies, nodes)
-        one = all_to_all(topology, groups[0], cost.dispatch_bytes, groups[1:], share)
-        per_pass = 2 * cost.moe_layers * one  # dispatch and combine
+        per_pass = cost.moe_layers * sum(all_to_all(topology, groups[0], size, groups[1:], share)
+                                         for size in cost.all_to_all_bytes)  # dispatch and combine
         if per_pass <= 0:
             continue
         seconds[stage, ActionKind.F] = per_pass

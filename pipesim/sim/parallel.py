@@ -435,9 +435,11 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         if mapping.ep > 1 and cost.moe_layers and cost.dispatch_bytes:
             # Megatron-Core's all-to-all dispatcher: around the experts the tp group gathers and
             # scatters the routed copies its ranks received (tp x one rank's dispatch) instead
-            # of the dense MLP's activation
+            # of the dense MLP's activation; at the combine's BF16 size, as Megatron-Core (the
+            # stack that runs ep beside tp) dispatches in BF16
+            routed = cost.all_to_all_bytes[1]
             experts = cost.moe_layers * (_tp_collective(topology, mapping, rank, costs.sequence_parallel, algorithm,
-                                                        mapping.tp * cost.dispatch_bytes) - one)
+                                                        mapping.tp * routed) - one)
         per_pass = 2 * cost.layers * one + experts
         if not per_pass > 0:
             return None
