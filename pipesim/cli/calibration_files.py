@@ -47,10 +47,10 @@ def add_calibration_file_arguments(group: argparse._ArgumentGroup) -> None:
                             "compare prints gives its predicted step back")
 
 
-def check_calibration_files(args: argparse.Namespace, schedule: Schedule) -> None:
-    """Refuse, before anything runs, one path given for two files, an ideal topology to
-    write (``pipesim.cluster.files.topology_to_dict``) and a schedule the CSV form cannot
-    hold (``schedules.csv_io``: DualPipe's two copies of the model)."""
+def check_calibration_files(args: argparse.Namespace) -> None:
+    """Refuse, before anything runs, one path given for two files and an ideal topology
+    to write (``pipesim.cluster.files.topology_to_dict``). Every schedule the executor
+    runs has a CSV form (it refuses DualPipe's two copies of the model, which has none)."""
     given = [(f"--{dest.replace('_', '-')}", getattr(args, dest)) for dest in OUTPUT_FILES if getattr(args, dest)]
     seen: dict[str, str] = {}
     for flag, path in given:
@@ -60,9 +60,6 @@ def check_calibration_files(args: argparse.Namespace, schedule: Schedule) -> Non
     if args.topology_out and args.topology == "ideal":
         raise ValueError(f"--topology-out {args.topology_out}: --topology ideal has free links and no file form; "
                          "simulate takes it by name (--topology ideal)")
-    if args.schedule_out and schedule.copies > 1:
-        raise ValueError(f"--schedule-out {args.schedule_out}: {schedule.name} holds {schedule.copies} copies of the "
-                         "model, which a schedule CSV cannot say; drop --schedule-out")
 
 
 def write_calibration_files(args: argparse.Namespace, costs: Costs, topology: Topology,

@@ -276,7 +276,7 @@ def handle(args: argparse.Namespace) -> int:
     from pipesim.sim.step import run_simulation  # noqa: PLC0415
 
     schedule = validate_schedule(config)
-    check_calibration_files(args, schedule)
+    check_calibration_files(args)
     progress = progress_from_args("compare", args)
     paces: dict[str, dict] = {}  # the collectives priced from the calibration steps
     try:
