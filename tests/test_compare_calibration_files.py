@@ -187,3 +187,81 @@ def test_any_topology_file_written_back_reads_as_the_same_cluster(document):
         for b in topology.devices:
             if a != b:
                 assert read.route(a, b) == topology.route(a, b)
+
+
+LAYOUTS = {  # compare's layouts as RunConfig fields; the costs each needs priced
+    "dp 2, small buckets": ({"dp": 2, "dp_bucket_mb": 0.01}, {"layers": 2, "param_bytes": 4e4}),
+    "tp 2": ({"tp": 2}, {"layers": 2, "tp_message_bytes": 4096}),
+    "tp 2, sequence parallel": ({"tp": 2, "sequence_parallel": True}, {"layers": 2, "tp_message_bytes": 4096}),
+    "cp 2": ({"cp": 2, "model": "llama3-8b"}, {"layers": 2, "attention_layers": 2, "kv_bytes": 8192,
+                                                "attention_fwd": 1e-4, "attention_bwd": 2e-4}),
+    "dp 2, ep 2": ({"dp": 2, "ep": 2, "model": "mixtral-8x7b"}, {"layers": 2, "moe_layers": 2, "dispatch_bytes": 8192,
+                                                                  "param_bytes": 4e4}),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_printed_flags_rebuild_the_parallelism_compare_predicted_with(tmp_path, layout):
+    """What compare's prediction is made of (its lowered programs, its costs, its links
+    with measured collectives, ``replicas(config)``), written and read back by simulate's
+    own parser and job: the same step, for every layout compare runs."""
+    import argparse
+
+    from executor.config import RunConfig, build_schedule
+    from pipesim.cli.calibration_files import simulate_command, simulated_step, write_calibration_files
+    from pipesim.cli.compare import replicas
+    from pipesim.model.costs import costs_from_dict
+    from pipesim.sim.step import run_simulation
+
+    fields, priced = LAYOUTS[layout]
+    config = RunConfig(schedule="1f1b", pp=2, microbatches=4, backend="gloo", **fields)
+    shards = {axis: fields.get(axis, 1) for axis in ("dp", "tp", "cp", "ep")}
+    stage = {"fwd": 1e-3, "bwd": 2e-3, "act_bytes": 1e5, **priced}
+    costs = costs_from_dict({"stages": [stage, stage], "meta": {"source": "calibration steps of the run", **shards},
+                             "sequence_parallel": config.sequence_parallel})  # as run_costs writes it
+    ranks = config.world_size
+    topology = topology_from_dict({"devices": [{"name": f"rank{rank}"} for rank in range(ranks)],
+                                   "links": [{"src": f"rank{a}", "dst": f"rank{b}", "bandwidth": 1e9, "latency": 1e-4}
+                                             for a in range(ranks) for b in range(a + 1, ranks)],
+                                   "calibration": {"backend": "gloo"}})
+    # as calibrate_held leaves them: the collectives timed on the run's own steps
+    topology.measured_collectives.update({("all_reduce", 2): (5e8, 3e-4), ("all_to_all", 2): (4e8, 2e-4),
+                                          ("ring_exchange", 2): (6e8, 1e-4)})
+    schedule = build_schedule(config)
+    predicted = run_simulation(schedule, costs, topology, p2p="buffered", parallel=replicas(config))
+    args = argparse.Namespace(costs_out=str(tmp_path / "costs.json"), topology_out=str(tmp_path / "links.json"),
+                              schedule_out=str(tmp_path / "programs.csv"))
+    write_calibration_files(args, costs, topology, predicted.schedule)
+    command = simulate_command(args, config, replicas(config), "buffered")
+    assert simulated_step(command) == pytest.approx(predicted.metrics.makespan, rel=1e-9, abs=0)
+    for flag, size in shards.items():
+        if size > 1:
+            assert command[command.index(f"--{flag}") + 1] == str(size)
+
+
+def test_simulate_takes_cp_and_ep_without_a_model_only_from_costs_timed_on_those_shards(tmp_path, capsys):
+    stage = {"fwd": 1e-3, "bwd": 2e-3, "layers": 1, "attention_layers": 1, "kv_bytes": 4096, "attention_fwd": 1e-4,
+             "attention_bwd": 2e-4}
+    for name, meta in (("cp2.json", {"cp": 2}), ("cp4.json", {"cp": 4}), ("none.json", {})):
+        (tmp_path / name).write_text(json.dumps({"stages": [stage, stage], "meta": meta}))
+    base = ["simulate", "--pp", "2", "--microbatches", "2", "--cp", "2", "--topology", "nvlink"]
+    assert main([*base, "--costs", str(tmp_path / "cp2.json"), "--trace", str(tmp_path / "trace.json")]) == 0
+    events = json.loads((tmp_path / "trace.json").read_text())["events"]
+    assert any(event["stream"] == "cp" for event in events)  # the ring is charged
+    capsys.readouterr()
+    for name in ("cp4.json", "none.json"):
+        assert main([*base, "--costs", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        assert "--cp 2 needs --model" in err and "compare --costs-out or profile --calibration run at --cp 2" in err
+
+
+def test_a_command_simulate_refuses_is_a_note_not_a_failed_compare(tmp_path):
+    from pipesim.cli.calibration_files import reproduction_lines
+
+    stage = {"fwd": 1e-3, "bwd": 2e-3}
+    (tmp_path / "costs.json").write_text(json.dumps({"stages": [stage, stage]}))  # no cp in its meta
+    command = ["simulate", "--costs", str(tmp_path / "costs.json"), "--topology", "nvlink", "--pp", "2", "--cp", "2"]
+    (line,) = reproduction_lines(command, 1e-3)
+    assert line.startswith("note: pipesim simulate --costs")
+    assert "cannot give this prediction back: --cp 2 needs --model" in line
