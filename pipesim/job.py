@@ -372,11 +372,13 @@ def check_parallel_layout(job) -> None:
     if problem:
         raise ValueError(problem)
     if not getattr(job, "model", None):
+        calibrated = calibrated_shards(job.costs) if getattr(job, "costs", None) else {}
         for flag, value, what in (("--ep", ep, "a mixture of experts' routed experts"),
                                   ("--cp", cp, "a model's sequence")):
-            if value > 1:
-                raise ValueError(f"{flag} {value} needs --model: it splits {what}, which flag or file costs do not "
-                                 f"describe; give --model or drop {flag}")
+            if value > 1 and calibrated.get(flag[2:]) != value:
+                raise ValueError(f"{flag} {value} needs --model: it splits {what}, which flag costs and costs files "
+                                 f"not timed on {flag} {value} shards do not describe; give --model, a costs file of "
+                                 f"compare --costs-out or profile --calibration run at {flag} {value}, or drop {flag}")
         return
     from pipesim.model.layout import check_layout
 
@@ -385,6 +387,16 @@ def check_parallel_layout(job) -> None:
         raise conflict(f"--cp {cp}", "--no-flash-attention", "ring attention is built on the fused attention "
                        "kernel (Megatron-Core runs context parallelism in Transformer Engine's); drop "
                        "--no-flash-attention")
+
+
+def calibrated_shards(path: str) -> dict:
+    """The cp and ep a costs file's stages were timed at, as the run's own calibration
+    steps write them in its ``meta`` (``executor.run_costs``; ``compare --costs-out``,
+    ``profile --calibration run``): such costs are a shard's, with each stage's
+    attention and keys and values (cp) or dispatched bytes (ep) the simulator prices
+    the split by. A file that does not say (a stage profile, one written by hand): none."""
+    meta = load_costs(path).meta
+    return {axis: meta[axis] for axis in ("cp", "ep") if isinstance(meta.get(axis), int)}
 
 
 def split_list(text: str, cast=str) -> list:

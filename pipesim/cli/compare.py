@@ -21,6 +21,14 @@ from pathlib import Path
 
 from executor.options import add_run_arguments, config_from_args
 from executor.run_costs import RUN_CALIBRATED  # no torch at import
+from pipesim.cli.calibration_files import (
+    OUTPUT_FILES,
+    add_calibration_file_arguments,
+    check_calibration_files,
+    reproduction_lines,
+    simulate_command,
+    write_calibration_files,
+)
 from pipesim.cli.calibration_order import (
     CALIBRATION,
     CALIBRATION_ORDERS,
@@ -69,9 +77,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             f"{DEFAULT_CALIBRATION_ORDER})")
     group.add_argument("--html", metavar="PATH", help="write the measured and predicted timelines on one axis")
     group.add_argument("--predicted-trace", metavar="PATH", help="write the predicted Trace")
+    add_calibration_file_arguments(group)
     add_quiet_arg(parser)
     add_variability_args(parser, seed=False)
-    parser.set_defaults(handler=handle, steps=6)
+    parser.set_defaults(handler=handle, steps=6, output_files=OUTPUT_FILES)
 
 
 def machine_load() -> float | None:
@@ -267,6 +276,7 @@ def handle(args: argparse.Namespace) -> int:
     from pipesim.sim.step import run_simulation  # noqa: PLC0415
 
     schedule = validate_schedule(config)
+    check_calibration_files(args)
     progress = progress_from_args("compare", args)
     paces: dict[str, dict] = {}  # the collectives priced from the calibration steps
     try:
@@ -304,6 +314,7 @@ def handle(args: argparse.Namespace) -> int:
                         else "4/4 simulating the same programs"):
         predicted = run_simulation(schedule, costs, topology, p2p=p2p_semantics(config),
                                    parallel=replicas(config))
+    written = write_calibration_files(args, costs, topology, predicted.schedule)
     # interleaved: the step times are the timed configs' timed steps only, their warm-ups apart
     interleaved = order == INTERLEAVED
     document = compare(result["trace"], result["step_times"], predicted.trace, predicted.metrics.makespan,
@@ -328,8 +339,11 @@ def handle(args: argparse.Namespace) -> int:
     if args.json:  # before the report: a reader of stdout that goes away (`| head`) must not cost it
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     print("\n".join(report_lines(document)))
-    if args.json:
-        print(f"wrote {args.json}")
+    for path in [*([args.json] if args.json else []), *written]:
+        print(f"wrote {path}")
+    if args.costs_out and args.topology_out:
+        print("\n".join(reproduction_lines(simulate_command(args, config, replicas(config), p2p_semantics(config)),
+                                           predicted.metrics.makespan)))
     if args.trace or args.html:
         from pipesim.cli.run import memory_beside_prediction  # noqa: PLC0415
 

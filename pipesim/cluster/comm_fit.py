@@ -37,6 +37,9 @@ RING = {
 }
 # Collectives fitted as themselves into the topology file, over the groups they ran in
 MEASURED_COLLECTIVES = ("all_to_all", "ring_exchange")
+# ... and what a topology file's ``collectives`` may price: those, and the tp all-reduce
+# ``compare`` calibrates on its run's own steps (``pipesim.cli.held_collectives``)
+FILE_COLLECTIVES = (*MEASURED_COLLECTIVES, "all_reduce")
 
 
 def bus_factor(operation: str, ranks: int) -> float:

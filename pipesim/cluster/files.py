@@ -15,8 +15,10 @@ counts read it; without it every device counts as a node of its own);
 ``mapping: [g1, g0]`` (rank r runs on mapping[r]; default: file order);
 ``collectives: [{operation: all_to_all, ranks: 2, bandwidth: 2e9, latency: 1e-3}]``
 (a collective measured as the backend runs it, over groups of ``ranks``; ``bench-comm``
-writes them for ``all_to_all`` and ``ring_exchange``: ``S / bandwidth + latency`` for a
-message of S bytes per rank, in place of the links' price). Every number must be finite: NaN, inf, null and
+writes them for ``all_to_all`` and ``ring_exchange``, ``compare --topology-out`` also for
+the tp ``all_reduce`` it calibrates: ``S / bandwidth + latency`` for a message of S bytes
+per rank, in place of the links' price). ``topology_to_dict`` writes a ``Topology`` back
+in this form. Every number must be finite: NaN, inf, null and
 negative values are errors naming the entry and the field.
 """
 
@@ -29,7 +31,7 @@ from pathlib import Path
 from pipesim.cluster.presets import MULTI_NODE, PRESETS
 from pipesim.cluster.topology import Topology, TopologyError, add_link
 from pipesim.hardware.gpus import GPUS
-from schedules.textfile import describe_yaml_error, read_text
+from schedules.textfile import describe_yaml_error, read_text, write_text_whole
 
 
 def _number(where: str, entry: dict, key: str, default: float | None = None, positive: bool = False) -> float:
@@ -143,7 +145,7 @@ def topology_from_dict(data: object, name: str = "custom") -> Topology:
 
 def _collectives(name: str, data: dict) -> dict[tuple[str, int], tuple[float, float]]:
     """The file's ``collectives`` as ``Topology.measured_collectives``; errors name the entry."""
-    from pipesim.cluster.comm_fit import MEASURED_COLLECTIVES  # noqa: PLC0415
+    from pipesim.cluster.comm_fit import FILE_COLLECTIVES  # noqa: PLC0415
 
     entries = data.get("collectives") or []
     if not isinstance(entries, list):
@@ -155,8 +157,8 @@ def _collectives(name: str, data: dict) -> dict[tuple[str, int], tuple[float, fl
         if not isinstance(entry, dict):
             raise TopologyError(f"{where} must be a mapping with operation, ranks, bandwidth, latency")
         operation = entry.get("operation")
-        if operation not in MEASURED_COLLECTIVES:
-            raise TopologyError(f"{where}: 'operation' {operation!r} is not one of {', '.join(MEASURED_COLLECTIVES)}")
+        if operation not in FILE_COLLECTIVES:
+            raise TopologyError(f"{where}: 'operation' {operation!r} is not one of {', '.join(FILE_COLLECTIVES)}")
         ranks = _number(where, entry, "ranks")
         if ranks != int(ranks) or ranks < 2:
             raise TopologyError(f"{where}: 'ranks' must be a whole number >= 2, got {entry['ranks']!r}")
@@ -176,6 +178,61 @@ def _require_connected(topology: Topology) -> None:
     for device in topology.devices[1:]:
         if device not in reachable or device not in reaching:
             raise TopologyError(f"{topology.name}: device {device!r} is not connected to {first!r} in both directions")
+
+
+DEVICE_FIGURES = ("memory_bytes", "peak_flops", "memory_bandwidth")
+
+
+def topology_to_dict(topology: Topology) -> dict:
+    """``topology`` in the file form ``topology_from_dict`` reads, so that reading it back
+    gives the same devices, links, mapping, measured collectives and backend: what
+    ``compare --topology-out`` writes of the links and collectives it calibrated. Each
+    link both ways with the same figures is written once, any other direction
+    ``directed``; a figure the topology does not know (unbounded) is left out, as a file
+    leaves it out. An ideal topology has no links to write: its name, ``ideal``, is the
+    preset that gives it back."""
+    if topology.ideal:
+        raise TopologyError("an ideal topology has free links and no file form; give --topology ideal instead")
+    graph = topology.graph
+    devices, switches = [], []
+    for name, data in graph.nodes(data=True):
+        if data.get("kind") != "gpu":
+            switches.append({"name": name, "kind": data.get("kind", "switch")})
+            continue
+        device = {"name": name}
+        if topology.device_gpu(name):
+            device["gpu"] = topology.device_gpu(name)
+        device.update({key: topology.device_figure(name, key) for key in DEVICE_FIGURES
+                       if math.isfinite(topology.device_figure(name, key))})
+        if topology.node_of(name) is not None:
+            device["node"] = topology.node_of(name)
+        devices.append(device)
+    links, written = [], set()
+    for src, dst, data in graph.edges(data=True):
+        if (src, dst) in written:
+            continue
+        figures = {key: data[key] for key in ("bandwidth", "latency")}
+        figures.update(efficiency=data.get("efficiency", 1.0), medium=data.get("medium", ""))
+        both = graph.has_edge(dst, src) and dict(graph.edges[dst, src]) == dict(data)
+        links.append({"src": src, "dst": dst, **figures, **({} if both else {"directed": True})})
+        written.update({(src, dst), (dst, src)} if both else {(src, dst)})
+    document: dict = {"description": topology.description, "devices": devices}
+    if switches:
+        document["switches"] = switches
+    document["links"] = links
+    document["mapping"] = list(topology.devices)
+    if topology.backend:
+        document["calibration"] = {"backend": topology.backend}
+    if topology.measured_collectives:
+        document["collectives"] = [{"operation": operation, "ranks": ranks, "bandwidth": bandwidth, "latency": latency}
+                                   for (operation, ranks), (bandwidth, latency)
+                                   in sorted(topology.measured_collectives.items())]
+    return document
+
+
+def save_topology(topology: Topology, path: str | Path) -> None:
+    """Write ``topology`` as a JSON topology file (``topology_to_dict``)."""
+    write_text_whole(path, json.dumps(topology_to_dict(topology), indent=2) + "\n")
 
 
 def load_topology_file(path: str | Path) -> Topology:
