@@ -8,6 +8,8 @@ synthetic timings' line."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pipesim.cli.compare import replicas
 from pipesim.cli.held_collectives import held_collectives, held_message_sizes
@@ -416,3 +418,40 @@ def test_compare_prices_the_sequence_parallel_collectives_at_what_its_calibratio
     assert calibrate_held(untimed, config, schedule, costs, [tp_step()]) == {}
     assert ("all_gather", 2) not in untimed.measured_collectives
     assert ("reduce_scatter", 2) not in untimed.measured_collectives
+
+
+@given(collectives=st.integers(1, 200), transfer=st.floats(0.0, 1e-2), target=st.floats(1e-6, 10.0))
+def test_the_matching_latency_charges_the_target_or_is_zero_when_the_bytes_alone_reach_it(
+        collectives: int, transfer: float, target: float) -> None:
+    from pipesim.cli.held_collectives import matching_latency  # noqa: PLC0415
+
+    set_at = []
+
+    def charged(latency: float) -> float:  # ``collectives`` of ``transfer + latency`` seconds each
+        set_at.append(latency)
+        return collectives * (transfer + latency)
+
+    latency = matching_latency(charged, target)
+    assert set_at[-1] == latency  # left set where it was found
+    if collectives * transfer >= target:
+        assert latency == 0.0
+    else:
+        assert latency == pytest.approx(target / collectives - transfer, rel=1e-9, abs=1e-15)
+
+
+def test_the_ring_keeps_the_benchmark_price_when_no_latency_charges_its_waits() -> None:
+    from pipesim.cli.held_collectives import calibrate_held  # noqa: PLC0415
+    from schedules.trace import Trace, TraceEvent  # noqa: PLC0415
+
+    config = run_config("--model", "llama3-8b", "--pp", "2", "--cp", "2", "-m", "2")
+    ringed = StageCost(fwd=1e-2, bwd=2e-2, act_bytes=4096.0, attention_layers=2, kv_bytes=2048.0,
+                       attention_fwd=2e-3, attention_bwd=4e-3)
+    plain = StageCost(fwd=1e-2, bwd=2e-2, act_bytes=4096.0)
+    # waits timed inside the second stage's forward, which has no attention to charge them to
+    second = generate("1f1b", 2, 2).programs[1][0]
+    step = Trace([TraceEvent.of(1, second, 0.0, 1.0, "compute"),
+                  TraceEvent(1, f"CP_KV({second})", "CP_KV", 1, 0, 0.0, 5e-3, "cp")])
+    topology = measured_topology(4, 2)
+    assert calibrate_held(topology, config, generate("1f1b", 2, 2), Costs((ringed, plain)),
+                          [{"trace": step}]) == {}
+    assert topology.measured_collectives["ring_exchange", 2] == pytest.approx((RING_BANDWIDTH, RING_LATENCY))
