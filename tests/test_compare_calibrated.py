@@ -51,6 +51,32 @@ def test_compare_predicts_a_tp_run_with_its_collectives_priced_by_the_links(tmp_
         assert rank["measured_runtime"] > 0 and rank["predicted_runtime"] > 0
 
 
+@pytest.mark.timeout(300)
+def test_compare_prices_the_sequence_parallel_collectives_from_its_calibration_steps(tmp_path):
+    # links benchmarked by compare itself (no --topology): the calibration steps price tp's collectives
+    assert main(["compare", *TINY, "--tp", "2", "--sequence-parallel", "--model", "gpt", "--layers", "2",
+                 "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "4",
+                 "--json", str(tmp_path / "compare.json"), "--predicted-trace", str(tmp_path / "predicted.json")]) == 0
+    document = json.loads((tmp_path / "compare.json").read_text())
+    paces = document["calibrated_collectives"]
+    assert set(paces) == {"all_gather", "reduce_scatter"}  # no all-reduce under sequence parallelism
+    pace = paces["all_gather"]
+    assert paces["reduce_scatter"] == pace  # one price: the executor's events do not tell them apart
+    assert pace["ranks"] == 2 and pace["bytes"] == 2 * 8 * 16 * 4  # the layer's s*b*h activation in float32
+    assert pace["latency"] >= 0 and pace["bandwidth"] > 0 and pace["benchmark_seconds"] > 0
+    assert pace["seconds"] == pytest.approx(pace["bytes"] / pace["bandwidth"] + pace["latency"], rel=1e-12)
+    # one calibration step, its tp total spread over the 32 collectives the simulator charges it
+    # (8 actions x 1 layer x 2 all-gathers and 2 reduce-scatters) where the executor timed 40 (it
+    # also gathers each block's output): a collective 40/32 of the mean one timed
+    assert pace["seconds"] == pytest.approx(pace["timed_seconds"] * 40 / 32, rel=1e-9)
+    # the simulator's tp hold after each F and B: 1 layer x (2 all-gathers + 2 reduce-scatters)
+    events = json.loads((tmp_path / "predicted.json").read_text())["events"]
+    collectives = [event for event in events if event["stream"] == "tp"]
+    assert len(collectives) == 2 * 2 * 2  # per rank: 2 microbatches x (F, B)
+    for event in collectives:
+        assert event["end"] - event["start"] == pytest.approx(4 * pace["seconds"], rel=1e-6)
+
+
 def test_compare_refuses_costs_given_twice_and_no_calibration_steps(tmp_path, capsys):
     assert main(["compare", *TINY[:-2], "--calibration-steps", "0"]) == 2
     assert "--calibration-steps must be >= 1, got 0" in capsys.readouterr().err

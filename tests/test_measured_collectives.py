@@ -8,6 +8,8 @@ synthetic timings' line."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pipesim.cli.compare import replicas
 from pipesim.cli.held_collectives import held_collectives, held_message_sizes
@@ -346,7 +348,8 @@ def test_the_tp_all_reduce_keeps_the_links_price_without_timings_or_with_sequenc
     assert calibrate_held(measured_topology(4, 2), plain, schedule, costs, [{"trace": tp_trace()}]) == {}
     sequence_parallel = run_config("--model", "gpt", "--pp", "2", "--tp", "2", "-m", "2", "--sequence-parallel")
     topology = measured_topology(4, 2)
-    assert calibrate_held(topology, sequence_parallel, schedule, costs, [{"trace": tp_trace(2e-3)}]) == {}
+    assert "all_reduce" not in calibrate_held(topology, sequence_parallel, schedule, costs,
+                                              [{"trace": tp_trace(2e-3)}])
     assert ("all_reduce", 2) not in topology.measured_collectives
     # links a --topology file gave are the user's: kept
     stage_costs = Costs((stage, stage))
@@ -354,3 +357,102 @@ def test_the_tp_all_reduce_keeps_the_links_price_without_timings_or_with_sequenc
     assert calibrate_held(given, plain, schedule, stage_costs, [{"trace": tp_trace(2e-3)}],
                           links_benchmarked=False) == {}
     assert ("all_reduce", 2) not in given.measured_collectives
+    assert calibrate_held(given, sequence_parallel, schedule, Costs((stage, stage), sequence_parallel=True),
+                          [{"trace": tp_trace(2e-3)}], links_benchmarked=False) == {}
+    assert ("all_gather", 2) not in given.measured_collectives
+
+
+def tp_step(*durations: float) -> dict:
+    """A calibration step of 1f1b over 2 ranks and 2 microbatches (stage s on rank s):
+    every compute action, and tp collectives of ``durations`` seconds inside the first."""
+    from schedules.trace import Trace, TraceEvent  # noqa: PLC0415
+
+    schedule = generate("1f1b", 2, 2)
+    events = [TraceEvent.of(rank, action, 0.0, 1.0, "compute") for rank, program in enumerate(schedule.programs)
+              for action in program]
+    first, start = schedule.programs[0][0], 0.0
+    for duration in durations:
+        events.append(TraceEvent(0, f"TP({first})", "TP", 0, 0, start, start + duration, "tp"))
+        start += duration
+    return {"trace": Trace(events)}
+
+
+def test_compare_prices_the_sequence_parallel_collectives_at_what_its_calibration_steps_held() -> None:
+    from pipesim.cli.held_collectives import calibrate_held  # noqa: PLC0415
+    from pipesim.cluster.collectives import all_gather, reduce_scatter  # noqa: PLC0415
+
+    config = run_config("--model", "gpt", "--pp", "2", "--tp", "2", "-m", "2", "--sequence-parallel")
+    layers, message = 2, 65536.0
+    stage = StageCost(fwd=1e-3, bwd=2e-3, act_bytes=4096.0, layers=layers, tp_message_bytes=message)
+    costs, schedule = Costs((stage, stage), sequence_parallel=True), generate("1f1b", 2, 2)
+    topology, group = measured_topology(4, 2), ["rank0", "rank1"]
+    # by hand, over the send/recv links (BANDWIDTH, LATENCY): a ring all-gather of 2 ranks
+    # moves (n-1)/n = half the message and pays n-1 = 1 latency; a reduce-scatter the same
+    links_price = message / 2 / BANDWIDTH + LATENCY
+    assert all_gather(topology, group, message) == pytest.approx(links_price)
+    # Each step's actions: 8 (F and B of 2 microbatches on each of 2 stages), each charged 2
+    # layers x (2 all-gathers + 2 reduce-scatters): 64 collectives a step. The steps held their
+    # ranks 30, 32 and 40 ms in all (the median 32 ms: 0.5 ms a collective), in 5, 4 and 8
+    # collectives timed (means 6, 8 and 5 ms: the median 6 ms)
+    steps = [tp_step(*[6e-3] * 5), tp_step(*[8e-3] * 4), tp_step(*[5e-3] * 8)]
+    paces = calibrate_held(topology, config, schedule, costs, steps)
+    bandwidth = BANDWIDTH * 2  # the links' ring pace over (n-1)/n of the bytes
+    pace = {"ranks": 2, "bytes": message, "seconds": pytest.approx(0.5e-3, rel=1e-9),
+            "bandwidth": pytest.approx(bandwidth), "latency": pytest.approx(0.5e-3 - message / bandwidth, rel=1e-9),
+            "benchmark_seconds": pytest.approx(links_price), "timed_seconds": pytest.approx(6e-3)}
+    assert paces == {"all_gather": pace, "reduce_scatter": pace}
+    assert all_gather(topology, group, message) == pytest.approx(0.5e-3, rel=1e-9)
+    assert reduce_scatter(topology, group, message) == pytest.approx(0.5e-3, rel=1e-9)
+    # a group of another size keeps the links' price: 3/4 of the bytes, 3 latencies
+    four = ["rank0", "rank1", "rank2", "rank3"]
+    assert all_gather(topology, four, message) == pytest.approx(0.75 * message / BANDWIDTH + 3 * LATENCY)
+    # the simulator's tp hold of each action: 8 collectives at 0.5 ms, 32 ms a step in all
+    result = run_simulation(schedule, costs, topology, parallel=replicas(config))
+    held = [event.duration for event in result.trace.events if event.stream == "tp"]
+    assert len(held) == 8 and all(seconds == pytest.approx(4e-3, rel=1e-9) for seconds in held)
+    # a step that held its ranks less than the bytes alone cost: latency 0, never below
+    floored = calibrate_held(measured_topology(4, 2), config, schedule, costs, [tp_step(1e-6)])
+    assert floored["all_gather"]["latency"] == 0.0
+    assert floored["all_gather"]["seconds"] == pytest.approx(message / bandwidth)
+    # no collective timed: the links' price stands, nothing set
+    untimed = measured_topology(4, 2)
+    assert calibrate_held(untimed, config, schedule, costs, [tp_step()]) == {}
+    assert ("all_gather", 2) not in untimed.measured_collectives
+    assert ("reduce_scatter", 2) not in untimed.measured_collectives
+
+
+@given(collectives=st.integers(1, 200), transfer=st.floats(0.0, 1e-2), target=st.floats(1e-6, 10.0))
+def test_the_matching_latency_charges_the_target_or_is_zero_when_the_bytes_alone_reach_it(
+        collectives: int, transfer: float, target: float) -> None:
+    from pipesim.cli.held_collectives import matching_latency  # noqa: PLC0415
+
+    set_at = []
+
+    def charged(latency: float) -> float:  # ``collectives`` of ``transfer + latency`` seconds each
+        set_at.append(latency)
+        return collectives * (transfer + latency)
+
+    latency = matching_latency(charged, target)
+    assert set_at[-1] == latency  # left set where it was found
+    if collectives * transfer >= target:
+        assert latency == 0.0
+    else:
+        assert latency == pytest.approx(target / collectives - transfer, rel=1e-9, abs=1e-15)
+
+
+def test_the_ring_keeps_the_benchmark_price_when_no_latency_charges_its_waits() -> None:
+    from pipesim.cli.held_collectives import calibrate_held  # noqa: PLC0415
+    from schedules.trace import Trace, TraceEvent  # noqa: PLC0415
+
+    config = run_config("--model", "llama3-8b", "--pp", "2", "--cp", "2", "-m", "2")
+    ringed = StageCost(fwd=1e-2, bwd=2e-2, act_bytes=4096.0, attention_layers=2, kv_bytes=2048.0,
+                       attention_fwd=2e-3, attention_bwd=4e-3)
+    plain = StageCost(fwd=1e-2, bwd=2e-2, act_bytes=4096.0)
+    # waits timed inside the second stage's forward, which has no attention to charge them to
+    second = generate("1f1b", 2, 2).programs[1][0]
+    step = Trace([TraceEvent.of(1, second, 0.0, 1.0, "compute"),
+                  TraceEvent(1, f"CP_KV({second})", "CP_KV", 1, 0, 0.0, 5e-3, "cp")])
+    topology = measured_topology(4, 2)
+    assert calibrate_held(topology, config, generate("1f1b", 2, 2), Costs((ringed, plain)),
+                          [{"trace": step}]) == {}
+    assert topology.measured_collectives["ring_exchange", 2] == pytest.approx((RING_BANDWIDTH, RING_LATENCY))

@@ -1,14 +1,16 @@
 """The collectives a ``pipesim compare`` run holds its ranks for inside its compute
-actions (ep's all-to-alls, the cp ring's K/V steps): which to benchmark, at which sizes,
-and the seconds the run's calibration steps timed them at (docs/calibration.md, "How the
-all-to-all and the ring step are priced"), and the tp all-reduce at the links' bandwidth;
-with sequence parallelism tp's all-gathers and reduce-scatters keep the links' price.
+actions (ep's all-to-alls, the cp ring's K/V steps, tp's collectives): which to
+benchmark, at which sizes, and the seconds the run's calibration steps timed them at
+(docs/calibration.md, "How the all-to-all and the ring step are priced"): the
+all-to-all and the ring step at the benchmark's bandwidth, the tp all-reduce, or with
+sequence parallelism tp's all-gathers and reduce-scatters, at the links' ring bandwidth.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -62,8 +64,11 @@ def calibrate_held(topology: Topology, config: RunConfig, schedule: Schedule, co
     (``pipesim.cluster.comm_fit.calibrate_latency``); the ring step (``cp``) the latency
     at which the simulator's own rule charges the calibration steps the ring waits they
     measured (``ring_latency``); the tp all-reduce its mean at ``tp_message_bytes``
-    (``tp_all_reduce``, at the links' bandwidth), where ``links_benchmarked`` (compare
-    measured the links itself; a ``--topology`` file's links are the user's to keep).
+    (``tp_all_reduce``, at the links' bandwidth), or with sequence parallelism the tp
+    all-gather and reduce-scatter the price at which the simulator charges the steps the
+    seconds they held their ranks in them (``tp_gather_scatter``), where
+    ``links_benchmarked`` (compare measured the links itself; a ``--topology`` file's
+    links are the user's to keep).
     What was set, and what the benchmark
     had priced the run's message at (``benchmark_seconds``), for ``--json``."""
     from executor.run_costs import held_seconds  # noqa: PLC0415
@@ -84,6 +89,8 @@ def calibrate_held(topology: Topology, config: RunConfig, schedule: Schedule, co
     tp = tp_all_reduce(topology, config, costs, traces) if links_benchmarked else None
     if tp is not None:
         paces["all_reduce"] = tp
+    if links_benchmarked:
+        paces.update(tp_gather_scatter(topology, config, schedule, costs, traces))
     key = ("ring_exchange", config.cp)
     ring = [stage.kv_bytes for stage in costs.stages if stage.attention_layers and stage.kv_bytes]
     if config.cp > 1 and config.cp_comm == "p2p" and ring and key in measured:
@@ -107,7 +114,7 @@ def tp_all_reduce(topology: Topology, config: RunConfig, costs: Costs, traces: l
     other ranks keep off the cores; priced from the send/recv links, a run's tp
     all-reduces came out 14% long (256 in one step: 3.380 ms predicted against 2.955 ms
     measured each) and every tp 2 compare long with them. With sequence parallelism the
-    executor's all-gathers and reduce-scatters keep the links' price."""
+    all-gathers and reduce-scatters are ``tp_gather_scatter``'s."""
     from executor.run_costs import held_seconds  # noqa: PLC0415
     from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
     from pipesim.cluster.collectives import all_reduce, ring_pace  # noqa: PLC0415
@@ -129,6 +136,86 @@ def tp_all_reduce(topology: Topology, config: RunConfig, costs: Costs, traces: l
     topology.measured_collectives["all_reduce", config.tp] = bandwidth, latency
     return {"ranks": config.tp, "bytes": size, "seconds": size / bandwidth + latency, "bandwidth": bandwidth,
             "latency": latency, "benchmark_seconds": links_price}
+
+
+def tp_gather_scatter(topology: Topology, config: RunConfig, schedule: Schedule, costs: Costs,
+                      traces: list[Trace]) -> dict[str, dict]:
+    """With sequence parallelism, give the tp all-gather and reduce-scatter (over groups
+    of ``config.tp``, in ``Topology.measured_collectives``) one price: at the bandwidth
+    the links give a ring all-gather of the group (``(n-1)/n`` of the bytes at the
+    ring's pace), the latency at which the simulator's rule
+    (``pipesim.sim.parallel.tp_collective_seconds``) charges a calibration step's compute
+    actions the seconds its ``tp`` stream held the ranks, the median over the steps of
+    their totals (``matching_latency``), floored at 0. Return what was set, for each of
+    the two beside the links' price of the same message and the mean of one collective
+    as timed (``timed_seconds``); nothing where the run has no sequence-parallel
+    collective to time, or several sizes of them.
+
+    Why one price for both: the executor's ``tp`` events do not say which collective
+    each is (``executor.tensor_parallel.TpTimer`` times DTensor's functional
+    collectives alike), and the simulator charges them only as a pair (an all-gather
+    and a reduce-scatter, the same ring cost), so separate prices would change no
+    prediction. Why the held total, not the mean of one collective as ``tp_all_reduce``
+    takes: the executor issues five collectives per block and pass where the simulator
+    charges Megatron's four (the block's output is gathered back to the full
+    activation, ``executor.tensor_parallel.parallelize_stage``): a mean per collective
+    left a fifth of what the run held out of the prediction."""
+    from executor.run_costs import held_seconds  # noqa: PLC0415
+    from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
+    from pipesim.cluster.collectives import all_gather, ring_pace  # noqa: PLC0415
+    from pipesim.cluster.mapping import map_ranks  # noqa: PLC0415
+    from pipesim.sim.parallel import tp_collective_seconds  # noqa: PLC0415
+
+    sizes = {stage.tp_message_bytes for stage in costs.stages if stage.layers and stage.tp_message_bytes}
+    held = [sum(event.duration for event in trace.events if event.stream == "tp") for trace in traces]
+    if config.tp < 2 or not config.sequence_parallel or len(sizes) != 1 or not any(held):
+        return {}
+    (size,) = sizes
+    parallel = replicas(config)
+    mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
+                        parallel.ep)
+    group = mapping.tp_group(0, 0)
+    links_price = all_gather(topology, group, size)
+    bandwidth = ring_pace(topology, group)[0] * config.tp / (config.tp - 1)
+    actions = Counter((event.stage, event.kind) for event in traces[0].events if event.stream == "compute")
+
+    def charged(latency: float) -> float:
+        for operation in ("all_gather", "reduce_scatter"):
+            topology.measured_collectives[operation, config.tp] = (bandwidth, latency)
+        seconds = tp_collective_seconds(schedule, costs, topology, mapping, parallel.algorithm, parallel.overlap_tp,
+                                        parallel.overlap_slowdown)
+        return sum(count * seconds.get(action, 0.0) for action, count in actions.items())
+
+    latency = matching_latency(charged, statistics.median(held))
+    if latency is None:
+        for operation in ("all_gather", "reduce_scatter"):
+            topology.measured_collectives.pop((operation, config.tp), None)
+        return {}
+    pace = {"ranks": config.tp, "bytes": size, "seconds": size / bandwidth + latency, "bandwidth": bandwidth,
+            "latency": latency, "benchmark_seconds": links_price, "timed_seconds": held_seconds(traces, "tp")}
+    return {"all_gather": pace, "reduce_scatter": dict(pace)}
+
+
+def matching_latency(charged: Callable[[float], float], target: float) -> float | None:
+    """The latency at which ``charged`` (seconds the simulator charges a step's actions,
+    growing with the latency it sets, and setting it) reaches ``target``, found by
+    bisection and left set; 0 when the charge at no latency reaches it already; None
+    when no latency does (the caller restores what stood before)."""
+    low, high = 0.0, target
+    if charged(low) >= target:
+        high = low
+    else:
+        for _ in range(64):  # every collective charges at least the latency less what hides it
+            if charged(high) >= target:
+                break
+            high *= 2
+        else:
+            return None
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if charged(middle) < target else (low, middle)
+    charged(high)
+    return high
 
 
 def ring_latency(topology: Topology, config: RunConfig, schedule: Schedule, costs: Costs,
@@ -155,25 +242,15 @@ def ring_latency(topology: Topology, config: RunConfig, schedule: Schedule, cost
     mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
                         parallel.ep)
     key = ("ring_exchange", config.cp)
-    bandwidth = topology.measured_collectives[key][0]
+    benchmark = topology.measured_collectives[key]
+    bandwidth = benchmark[0]
 
     def charged(latency: float) -> float:
         topology.measured_collectives[key] = (bandwidth, latency)
         held = cp_collective_seconds(schedule, costs, topology, mapping, config.cp_comm, parallel.overlap_slowdown)
         return sum(count * held.get(action, 0.0) for action, count in actions.items())
 
-    low, high = 0.0, target
-    if charged(low) >= target:
-        high = low
-    else:
-        for _ in range(64):  # every ring wait charges at least the latency less its step's compute
-            if charged(high) >= target:
-                break
-            high *= 2
-        else:
-            return None
-        for _ in range(60):
-            middle = (low + high) / 2
-            low, high = (middle, high) if charged(middle) < target else (low, middle)
-    charged(high)
-    return high
+    latency = matching_latency(charged, target)
+    if latency is None:  # the benchmark's price stands
+        topology.measured_collectives[key] = benchmark
+    return latency

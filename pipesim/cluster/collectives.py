@@ -60,7 +60,10 @@ size it ran over, every group of the job exchanging at once as they did there; i
 links then set only the other collectives' prices. This is how ``compare`` prices the
 all-to-alls and K/V exchanges a gloo run makes: gloo's ``all_to_all_single`` is one call
 (one posting, one wait) between the pair, not the whole job's send/recv ring whose
-fit sets the links.
+fit sets the links. ``compare`` also sets the tp group's ``all_reduce``, or with
+sequence parallelism its ``all_gather`` and ``reduce_scatter``, from what its
+calibration steps timed (``pipesim.cli.held_collectives``); being keyed by group size,
+such a pace prices any group of that size, a dp group of as many ranks included.
 
 These are analytical durations. The gradient reductions of data parallelism also hold
 the links their ring (or tree) crosses in the engine's walk (``links_crossed``,
@@ -220,16 +223,27 @@ def all_reduce(topology: Topology, group: Sequence[str], num_bytes: float, algor
 
 
 def all_gather(topology: Topology, group: Sequence[str], num_bytes: float) -> float:
-    """Seconds for a ring all-gather whose result is ``num_bytes`` on every rank."""
-    n = len(group)
-    if n <= 1:
-        return 0.0
-    return _seconds((n - 1) / n, n - 1, num_bytes, ring_pace(topology, group))
+    """Seconds for a ring all-gather whose result is ``num_bytes`` on every rank, or at the
+    pace measured for a group of its size (``measured_pace``: ``num_bytes / B + alpha``)."""
+    return _ring_half(topology, "all_gather", group, num_bytes)
 
 
 def reduce_scatter(topology: Topology, group: Sequence[str], num_bytes: float) -> float:
-    """Seconds for a ring reduce-scatter of a ``num_bytes`` input per rank."""
-    return all_gather(topology, group, num_bytes)
+    """Seconds for a ring reduce-scatter of a ``num_bytes`` input per rank, or at the pace
+    measured for a group of its size (``measured_pace``)."""
+    return _ring_half(topology, "reduce_scatter", group, num_bytes)
+
+
+def _ring_half(topology: Topology, operation: str, group: Sequence[str], num_bytes: float) -> float:
+    """An all-gather or a reduce-scatter (half a ring all-reduce: the same bytes and
+    steps), at ``operation``'s measured pace where there is one."""
+    n = len(group)
+    if n <= 1:
+        return 0.0
+    measured = measured_pace(topology, operation, group)
+    if measured is not None:
+        return _seconds(1.0, 1, num_bytes, measured)
+    return _seconds((n - 1) / n, n - 1, num_bytes, ring_pace(topology, group))
 
 
 def broadcast(topology: Topology, group: Sequence[str], num_bytes: float) -> float:

@@ -465,11 +465,13 @@ def _tp_collective(topology: Topology, mapping: RankMapping, rank: int, sequence
                    message: float) -> float:
     """``_tp_pair`` on pipeline rank ``rank``'s tp group, kept on the topology per mapping,
     rank and message: a rank's stages share its group, and many layouts of a plan a
-    mapping. The all-reduce pace measured for the group's size, which ``compare`` sets
-    after its calibration steps, is part of the key, so a price kept before it is not
-    reused after."""
+    mapping. The paces measured for the group's size (all-reduce, all-gather,
+    reduce-scatter), which ``compare`` sets after its calibration steps, are part of the
+    key, so a price kept before them is not reused after."""
+    measured = tuple(topology.measured_collectives.get((operation, mapping.tp))
+                     for operation in ("all_reduce", "all_gather", "reduce_scatter"))
     key = ("tp-collective", mapping.dp, mapping.pp, mapping.tp, mapping.cp, mapping.ep, mapping.order, rank, message,
-           sequence_parallel, algorithm, topology.measured_collectives.get(("all_reduce", mapping.tp)))
+           sequence_parallel, algorithm, measured)
     seconds = topology.pace_cache.get(key)
     if seconds is None:
         seconds = topology.pace_cache[key] = _tp_pair(topology, mapping.tp_group(0, rank), sequence_parallel,
