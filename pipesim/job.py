@@ -281,13 +281,30 @@ def flag_costs_of(job, num_stages: int, virtual_stages: int) -> Costs:
     """Uniform costs from the flags, or the costs file; chunk costs are per-rank / v."""
     check_cost_flags(job)
     if job.costs:
-        return load_costs(job.costs, num_stages, virtual_stages)
+        return with_sequence_parallel(job, load_costs(job.costs, num_stages, virtual_stages))
     fwd = DEFAULT_FWD if job.fwd is None else job.fwd
     bwd = 2 * fwd if job.bwd is None else job.bwd
     share = getattr(job, "wgrad_stash_share", None)
     return uniform_costs(num_stages, fwd, bwd, wgrad_of(job, bwd), job.act_bytes or 0.0, virtual_stages,
                          stash_bytes=job.stash_bytes, param_bytes=job.param_bytes,
                          wgrad_stash_share=1.0 if share is None else share)
+
+
+def with_sequence_parallel(job, costs: Costs) -> Costs:
+    """``--sequence-parallel`` on a costs file: the tp collectives are priced as all-gathers
+    and reduce-scatters where the flag or the file says so. A file that does not say (one
+    written by hand) takes the flag; one that says its run was not sequence-parallel
+    (``profile``, ``compare --costs-out``) refuses the flag, since its stage times and tp
+    messages are that run's: the flag would otherwise be ignored without a word."""
+    if not getattr(job, "sequence_parallel", False) or costs.sequence_parallel:
+        return costs
+    from pipesim.model.costs import stated_sequence_parallel  # noqa: PLC0415
+
+    if stated_sequence_parallel(job.costs) is False:
+        raise ValueError(f"--sequence-parallel: costs file {job.costs} was measured without sequence parallelism "
+                         "(its 'sequence_parallel' is false): measure it again with --sequence-parallel, or drop "
+                         "the flag")
+    return replace(costs, sequence_parallel=True)
 
 
 def takes_default_split(job) -> bool:

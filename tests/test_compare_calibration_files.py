@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesim.cli import main
+from pipesim.cluster.comm_fit import FILE_COLLECTIVES
 from pipesim.cluster.files import load_topology, save_topology, topology_from_dict, topology_to_dict
 
 TINY = ["--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--backend", "gloo", "--steps", "2",
@@ -119,6 +120,43 @@ def test_a_calibrated_tp_all_reduce_survives_the_file_and_prices_every_tp_collec
         assert event["end"] - event["start"] == pytest.approx(2 * (message / bandwidth + latency), rel=1e-9)
 
 
+def test_calibrated_sequence_parallel_collectives_survive_the_file(tmp_path):
+    # what compare sets with --sequence-parallel (held_collectives.tp_gather_scatter): one
+    # pace for the all-gather and the reduce-scatter; a layer's F and B each hold two of
+    # each (Megatron's 4 a pass), every one at S / B + alpha
+    bandwidth, latency, message = 8e8, 2e-3, 2048.0
+    document = {"devices": [{"name": f"rank{rank}"} for rank in range(4)],
+                "links": [{"src": f"rank{a}", "dst": f"rank{b}", "bandwidth": 1e9, "latency": 1e-4}
+                          for a in range(4) for b in range(a + 1, 4)],
+                "calibration": {"backend": "gloo"}}
+    topology = topology_from_dict(document)
+    topology.measured_collectives.update({("all_gather", 2): (bandwidth, latency),
+                                          ("reduce_scatter", 2): (bandwidth, latency)})
+    save_topology(topology, tmp_path / "links.json")
+    assert load_topology(str(tmp_path / "links.json")).measured_collectives == topology.measured_collectives
+    stage = {"fwd": 1e-3, "bwd": 2e-3, "layers": 1, "tp_message_bytes": message}
+    (tmp_path / "costs.json").write_text(json.dumps({"stages": [stage, stage]}))
+    assert main(["simulate", "--costs", str(tmp_path / "costs.json"), "--topology", str(tmp_path / "links.json"),
+                 "--pp", "2", "--microbatches", "2", "--tp", "2", "--sequence-parallel", "--no-tp-overlap",
+                 "--trace", str(tmp_path / "trace.json")]) == 0
+    events = [event for event in json.loads((tmp_path / "trace.json").read_text())["events"]
+              if event["stream"] == "tp"]
+    assert len(events) == 2 * 2 * 2
+    for event in events:
+        assert event["end"] - event["start"] == pytest.approx(4 * (message / bandwidth + latency), rel=1e-9)
+
+
+def test_sequence_parallel_on_a_costs_file_that_says_otherwise_is_refused(tmp_path, capsys):
+    # a file written by profile or compare says whether its run was sequence-parallel; the
+    # flag must not be dropped without a word, nor contradict it
+    stage = {"fwd": 1e-3, "bwd": 2e-3, "layers": 1, "tp_message_bytes": 2048.0}
+    (tmp_path / "costs.json").write_text(json.dumps({"stages": [stage, stage], "sequence_parallel": False}))
+    assert main(["simulate", "--costs", str(tmp_path / "costs.json"), "--pp", "2", "--microbatches", "2", "--tp", "2",
+                 "--sequence-parallel"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "--sequence-parallel" in error[0] and "measured without sequence parallelism" in error[0]
+
+
 def test_presets_written_and_read_back_route_alike():
     for name in ("nvlink", "pcie", "ib"):
         topology = load_topology(name)
@@ -167,8 +205,7 @@ def topology_documents(draw) -> dict:
         document["links"].append({"src": names[0], "dst": "sw", "bandwidth": draw(figures), "latency": 0.0})
     document["collectives"] = [{"operation": operation, "ranks": draw(st.integers(2, 8)), "bandwidth": draw(figures),
                                 "latency": draw(latencies)}
-                               for operation in draw(st.sets(st.sampled_from(["all_to_all", "ring_exchange",
-                                                                             "all_reduce"])))]
+                               for operation in draw(st.sets(st.sampled_from(FILE_COLLECTIVES)))]
     return document
 
 

@@ -131,8 +131,8 @@ def test_compare_times_them_at_the_run_message_sizes_and_two_for_the_bandwidth()
 
 
 @pytest.mark.parametrize(("entry", "named"), [
-    ({"operation": "all_gather", "ranks": 2, "bandwidth": 1e9, "latency": 0},
-     "'operation' 'all_gather' is not one of all_to_all, ring_exchange, all_reduce"),
+    ({"operation": "broadcast", "ranks": 2, "bandwidth": 1e9, "latency": 0},
+     "'operation' 'broadcast' is not one of all_to_all, ring_exchange, all_reduce, all_gather, reduce_scatter"),
     ({"operation": "all_to_all", "ranks": 1, "bandwidth": 1e9, "latency": 0}, "'ranks' must be a whole number >= 2"),
     ({"operation": "all_to_all", "ranks": 2.5, "bandwidth": 1e9, "latency": 0}, "'ranks' must be a whole"),
     ({"operation": "all_to_all", "ranks": 2, "bandwidth": 0, "latency": 0}, "'bandwidth' must be > 0"),

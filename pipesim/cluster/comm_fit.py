@@ -37,9 +37,10 @@ RING = {
 }
 # Collectives fitted as themselves into the topology file, over the groups they ran in
 MEASURED_COLLECTIVES = ("all_to_all", "ring_exchange")
-# ... and what a topology file's ``collectives`` may price: those, and the tp all-reduce
-# ``compare`` calibrates on its run's own steps (``pipesim.cli.held_collectives``)
-FILE_COLLECTIVES = (*MEASURED_COLLECTIVES, "all_reduce")
+# ... and what a topology file's ``collectives`` may price: those, and the tp collectives
+# ``compare`` calibrates on its run's own steps (``pipesim.cli.held_collectives``: the
+# all-reduce, or with sequence parallelism the all-gather and reduce-scatter)
+FILE_COLLECTIVES = (*MEASURED_COLLECTIVES, "all_reduce", "all_gather", "reduce_scatter")
 
 
 def bus_factor(operation: str, ranks: int) -> float:

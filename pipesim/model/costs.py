@@ -347,6 +347,15 @@ def load_costs(path: str | Path, num_stages: int | None = None, virtual_stages: 
     return costs_from_dict(_read_structured(path), num_stages, name=str(path), virtual_stages=virtual_stages)
 
 
+def stated_sequence_parallel(path: str | Path) -> bool | None:
+    """Whether the costs file at ``path`` says its run was sequence-parallel (the
+    ``sequence_parallel`` key ``Costs.to_dict`` writes: ``profile``, ``compare
+    --costs-out``), or None where it does not say (a file written by hand)."""
+    data = _read_structured(Path(path))
+    stated = data.get("sequence_parallel") if isinstance(data, dict) else None
+    return None if stated is None else bool(stated)
+
+
 def costs_from_dict(data: object, num_stages: int | None = None, name: str = "costs",
                     virtual_stages: int = 1) -> Costs:
     """Costs from a costs document already in memory (the form ``load_costs`` reads, e.g.
