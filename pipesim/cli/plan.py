@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipesim.cli.options import add_memory_headroom_arg, add_precision_args
+from pipesim.cli.options import add_memory_headroom_arg, add_precision_args, add_qkv_arg
 from pipesim.cli.variability import add_variability_args, objective_variability, rank_by_p99
 from pipesim.hardware.gpus import GPUS
 from pipesim.plan.layouts import RECOMPUTE_MODES, Layout
@@ -75,6 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--compute-model", default=None, metavar="FILE",
                         help="a compute model fitted by pipesim profile --compute-model (default: the GPU's own)")
     add_precision_args(parser)
+    add_qkv_arg(parser)
     parser.add_argument("--max-actions", type=int, default=None,
                         help="skip layouts whose schedule has more lowered actions than this (default: simulate's)")
     parser.add_argument("--constraint", action="append", default=[],
@@ -151,7 +152,7 @@ def plan_request(args: argparse.Namespace):
         cp=_ints(args.cp, "--cp") if args.cp else None, ep=_ints(args.ep, "--ep") if args.ep else None,
         microbatch_group=_ints(args.microbatch_group, "--microbatch-group") if args.microbatch_group else None,
         constraints=tuple(args.constraint), mfu=args.mfu, compute_model=args.compute_model,
-        fp8=args.fp8, ep_dispatch=args.ep_dispatch, comm_sms=args.comm_sms,
+        fp8=args.fp8, ep_dispatch=args.ep_dispatch, comm_sms=args.comm_sms, qkv=args.qkv,
         max_actions=args.max_actions, memory_headroom=args.memory_headroom, top=args.top, workers=args.workers)
 
 
