@@ -195,3 +195,41 @@ def test_plan_prices_the_fused_model(tmp_path, capsys):
     assert rows["fused"]["per-op"]["peak_memory_bytes"] > rows["separate"]["per-op"]["peak_memory_bytes"]
     assert rows["fused"]["per-op"]["step_time"] < rows["separate"]["per-op"]["step_time"]
     capsys.readouterr()
+
+
+TORCHTITAN_REFUSAL = ("--recompute per-op with --qkv separate: torchtitan 0.3's Llama 3 fuses Q, K and V into one "
+                      "wqkv, whose per-op checkpointing keeps K's output too and does not re-run K's GEMM, so it would "
+                      "not run what pipesim priced; give --qkv fused, or a recompute mode other than per-op")
+
+
+def export(folder, *flags) -> int:
+    return main(["export", "--pp", "2", "--microbatches", "4", "--recompute", "per-op", "--torchtitan", str(folder),
+                 *flags])
+
+
+def test_export_for_torchtitan_refuses_per_op_over_separate_projections(tmp_path, capsys):
+    llama = ["--model", "llama3-8b", "--layers", "4"]
+    assert export(tmp_path / "separate", *llama) == 2
+    assert capsys.readouterr().err.strip() == f"pipesim export: error: {TORCHTITAN_REFUSAL}"
+    assert not (tmp_path / "separate").exists()  # refused before anything is written
+    assert export(tmp_path / "fused", *llama, "--qkv", "fused") == 0
+    assert (tmp_path / "fused" / "torchtitan.args").read_text().split()[-1] == "activation_checkpoint:selective"
+    # where fusing changes nothing (every linear biased) or no model was priced, separate is written
+    assert export(tmp_path / "gpt", "--model", "gpt3-1.3b", "--layers", "4") == 0
+    assert export(tmp_path / "bare", "--layers", "4") == 0
+    capsys.readouterr()
+
+
+def test_plan_for_torchtitan_refuses_before_searching_per_op_over_separate_projections(tmp_path, capsys):
+    search = ["plan", "--model", "llama3-8b", "--seq-len", "2048", "--gpus", "8", "--global-batch", "8",
+              "--topology", "nvlink", "--schedules", "1f1b", "--microbatch-sizes", "1", "--zero", "0",
+              "--sequence-parallel", "off",
+              "--constraint", "pp=2", "--constraint", "tp=1", "--constraint", "dp=4", "--top", "2", "--workers", "1",
+              "--quiet", "--fsdp"]
+    assert main([*search, "--torchtitan", str(tmp_path / "separate")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"pipesim plan: error: {TORCHTITAN_REFUSAL}" and not any("simulated" in line for line in err)
+    assert main([*search, "--recompute", "none,full", "--torchtitan", str(tmp_path / "none")]) == 0
+    assert main([*search, "--recompute", "per-op", "--qkv", "fused", "--torchtitan", str(tmp_path / "fused")]) == 0
+    assert (tmp_path / "fused" / "torchtitan.args").read_text().split()[-1] == "activation_checkpoint:selective"
+    capsys.readouterr()

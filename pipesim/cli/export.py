@@ -212,18 +212,19 @@ def write_layout(args: argparse.Namespace, schedule) -> int:
 def layout_from_args(args: argparse.Namespace):
     """The ``TorchtitanLayout`` that the flags (``export``'s, or a plan layout's ``Job``)
     describe; the model's layers and sequence length where a
-    ``--model`` or ``--layers``/``--seq-len`` gives them."""
-    from pipesim.cli.torchtitan import TorchtitanLayout
+    ``--model`` or ``--layers``/``--seq-len`` gives them, and its ``--qkv`` with a ``--model``."""
+    from pipesim.cli.torchtitan import TorchtitanLayout, qkv_of
 
     layers, seq_len = getattr(args, "layers", None), getattr(args, "seq_len", None)
     microbatch_size = getattr(args, "microbatch_size", None) or 1
+    qkv = None
     if getattr(args, "model", None):
         from pipesim.job import Job, model_spec_of
 
         spec = model_spec_of(Job.from_namespace(args))
-        layers, seq_len, microbatch_size = spec.layers, spec.seq_len, spec.microbatch_size
+        layers, seq_len, microbatch_size, qkv = spec.layers, spec.seq_len, spec.microbatch_size, qkv_of(spec)
     return TorchtitanLayout(dp=getattr(args, "dp", 1), tp=getattr(args, "tp", 1), fsdp=getattr(args, "fsdp", False),
                             microbatch_size=microbatch_size, layers=layers, seq_len=seq_len,
                             torch_class=getattr(args, "torch_class", None), ep=getattr(args, "ep", 1),
                             cp=getattr(args, "cp", 1), sequence_parallel=getattr(args, "sequence_parallel", False),
-                            recompute=getattr(args, "recompute", "none"))
+                            recompute=getattr(args, "recompute", "none"), qkv=qkv)

@@ -108,6 +108,13 @@ def handle(args: argparse.Namespace) -> int:
         raise ValueError("--fsdp says how torchtitan shards the data-parallel replicas; add --torchtitan DIR")
     variability = objective_variability(args)
     planner = Planner(plan_request(args))
+    if args.torchtitan:  # before the search: a best row of per-op over separate Q, K and V could not be written
+        from pipesim.cli.torchtitan import check_per_op_qkv, qkv_of
+        from pipesim.job import model_spec_of
+
+        qkv = qkv_of(model_spec_of(planner.base))
+        for mode in planner.space.recompute:
+            check_per_op_qkv(mode, qkv)
     print(f"plan: {args.model} on {args.gpus} GPUs ({args.topology}), global batch {args.global_batch}: "
           f"{planner.considered} layouts to consider on {planner.workers} process(es)", file=sys.stderr)
     if not planner.layouts:
@@ -284,7 +291,7 @@ def _charted_others(result) -> list[dict]:
 def _write_torchtitan(args: argparse.Namespace, best: dict, evaluator) -> None:
     """The best layout's schedule CSVs and torchtitan config (``pipesim.cli.torchtitan``),
     the order being the one simulated."""
-    from pipesim.cli.torchtitan import TorchtitanLayout, write_torchtitan
+    from pipesim.cli.torchtitan import TorchtitanLayout, qkv_of, write_torchtitan
     from pipesim.job import model_spec_of
 
     layout = Layout(**{key: best[key] for key in Layout._fields})
@@ -295,5 +302,5 @@ def _write_torchtitan(args: argparse.Namespace, best: dict, evaluator) -> None:
     written = write_torchtitan(args.torchtitan, evaluator.schedule_of(layout), TorchtitanLayout(
         dp=layout.dp, tp=layout.tp, fsdp=args.fsdp, microbatch_size=layout.microbatch_size, layers=spec.layers,
         seq_len=spec.seq_len, ep=layout.ep, cp=layout.cp, sequence_parallel=layout.sequence_parallel,
-        recompute=layout.recompute))
+        recompute=layout.recompute, qkv=qkv_of(spec)))
     print(f"wrote {', '.join(str(path) for path in written)}: {best['layout']}")
