@@ -191,6 +191,7 @@ def test_plan_prices_the_fused_model(tmp_path, capsys):
                      "--constraint", "pp=2", "--constraint", "tp=1", "--recompute", "per-op,none", "--top", "4",
                      "--workers", "1", "--qkv", qkv, "--json", str(out)]) == 0
         rows[qkv] = {row["recompute"]: row for row in json.loads(out.read_text())["ranked"]}
+    assert (rows["fused"]["none"].pop("qkv"), rows["separate"]["none"].pop("qkv")) == ("fused", "separate")
     assert rows["fused"]["none"] == rows["separate"]["none"]
     assert rows["fused"]["per-op"]["peak_memory_bytes"] > rows["separate"]["per-op"]["peak_memory_bytes"]
     assert rows["fused"]["per-op"]["step_time"] < rows["separate"]["per-op"]["step_time"]
@@ -233,3 +234,38 @@ def test_plan_for_torchtitan_refuses_before_searching_per_op_over_separate_proje
     assert main([*search, "--recompute", "per-op", "--qkv", "fused", "--torchtitan", str(tmp_path / "fused")]) == 0
     assert (tmp_path / "fused" / "torchtitan.args").read_text().split()[-1] == "activation_checkpoint:selective"
     capsys.readouterr()
+
+
+def test_a_plan_row_carries_its_qkv_to_export_and_run(tmp_path, capsys):
+    from pipesim.cli import build_parser  # noqa: PLC0415 - run's parser, for run --plan
+    from pipesim.cli.plan_row import config_from_plan_row  # noqa: PLC0415
+
+    plans = {}
+    for qkv in ("fused", "separate"):
+        plans[qkv] = tmp_path / f"{qkv}.json"
+        assert main(["plan", "--model", "llama3-8b", "--seq-len", "2048", "--gpus", "4", "--global-batch", "4",
+                     "--topology", "nvlink", "--schedules", "1f1b", "--microbatch-sizes", "1", "--zero", "0",
+                     "--sequence-parallel", "off", "--constraint", "pp=2", "--constraint", "tp=1",
+                     "--recompute", "per-op", "--top", "1", "--workers", "1", "--quiet", "--qkv", qkv,
+                     "--json", str(plans[qkv])]) == 0
+        assert json.loads(plans[qkv].read_text())["ranked"][0]["qkv"] == qkv
+    # export takes the row's --qkv: the fused per-op row is written for torchtitan, the separate one refused
+    assert main(["export", "--from-plan", str(plans["fused"]), "--seq-len", "2048", "--topology", "nvlink",
+                 "--torchtitan", str(tmp_path / "fused")]) == 0
+    assert main(["export", "--from-plan", str(plans["separate"]), "--seq-len", "2048", "--topology", "nvlink",
+                 "--torchtitan", str(tmp_path / "separate")]) == 2
+    assert capsys.readouterr().err.strip().endswith(TORCHTITAN_REFUSAL)
+    assert main(["export", "--from-plan", str(plans["separate"]), "--qkv", "fused", "--seq-len", "2048",
+                 "--torchtitan", str(tmp_path / "changed")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"pipesim export: error: --qkv fused conflicts with --from-plan {plans['separate']}: layout 1 was planned "
+        "with --qkv separate; drop --qkv")
+    # run --plan builds the row's projections, and refuses a --qkv that changes them
+    parser = build_parser("run")
+    config, _ = config_from_plan_row(parser.parse_args(["run", "--plan", str(plans["fused"]), "--row", "1"]))
+    assert (config.qkv, config.recompute, config.model) == ("fused", "per-op", "llama3-8b")
+    from executor.config import ConfigError  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match=r"^--qkv fused conflicts with --plan .*: row 1 was planned with --qkv "
+                                          r"separate; drop --qkv$"):
+        config_from_plan_row(parser.parse_args(["run", "--plan", str(plans["separate"]), "--qkv", "fused"]))

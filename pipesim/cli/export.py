@@ -185,8 +185,8 @@ def apply_plan_layout(args: argparse.Namespace) -> None:
 
 def apply_plan_model(args: argparse.Namespace, row: dict) -> None:
     """Build the model the layout was planned for (a row names it: a preset, or a config's
-    absolute path), as ``run --plan`` does (``pipesim.cli.plan_row.planned_model``); a
-    ``--model`` may repeat it (a config by any path to the same file) but not change it.
+    absolute path, and its ``--qkv``), as ``run --plan`` does (``pipesim.cli.plan_row.planned_model``); a
+    ``--model`` (``--qkv``) may repeat it (a config by any path to the same file) but not change it.
     A plan written before rows named their model leaves ``--model`` to the user."""
     from pipesim.plan.request import model_reference
 
@@ -197,6 +197,11 @@ def apply_plan_model(args: argparse.Namespace, row: dict) -> None:
         raise conflict(f"--model {args.model}", f"--from-plan {args.from_plan}",
                        f"layout {args.plan_rank} was planned for {planned}; drop --model")
     args.model = planned
+    qkv = row.get("qkv")  # how the planned model built Q, K and V (rows before --qkv: the flag's)
+    if qkv is not None and args.qkv not in ("separate", qkv):
+        raise conflict(f"--qkv {args.qkv}", f"--from-plan {args.from_plan}",
+                       f"layout {args.plan_rank} was planned with --qkv {qkv}; drop --qkv")
+    args.qkv = qkv or args.qkv
 
 
 def write_layout(args: argparse.Namespace, schedule) -> int:

@@ -106,7 +106,7 @@ class Planner:
         result.values_left_out = self.values_left_out
         model = model_reference(self.request.model)
         for row in result.rows:  # a row names its model: `pipesim run --plan plan.json --row N` builds that one
-            row["model"] = model
+            row["model"], row["qkv"] = model, self.request.qkv
         return result
 
 
