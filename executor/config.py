@@ -116,6 +116,7 @@ class RunConfig:
     # file read byte by byte (executor.token_data); None: synthetic tokens.
     kv_heads: int | None = None
     ffn_hidden: int | None = None
+    qkv: str = "separate"  # Q, K and V as three linears or one wqkv (pipesim.model.spec.QKV_PROJECTIONS)
     experts: int | None = None
     capacity_factor: float | None = None
     data: str | None = None
@@ -260,10 +261,17 @@ def check_model(config: RunConfig) -> None:
     a readable text file, for a model of tokens whose vocabulary holds its bytes."""
     from executor.architectures.build import check_architecture, is_architecture  # noqa: PLC0415 - it imports this module
     from executor.token_data import BYTE_VOCAB, check_data_file  # noqa: PLC0415
+    from pipesim.model.spec import QKV_PROJECTIONS  # noqa: PLC0415
 
+    if config.qkv not in QKV_PROJECTIONS:
+        raise ConfigError(f"--qkv {config.qkv!r} is not one of: {', '.join(QKV_PROJECTIONS)}")
     if is_architecture(config.model):
         check_architecture(config)
     else:
+        if config.qkv != "separate":
+            raise ConfigError(f"--qkv {config.qkv} builds an architecture's Q, K and V as one wqkv (--model llama3-8b, "
+                              f"a config.json); --model {config.model} has "
+                              + ("no attention" if config.model == "mlp" else "its own packed, biased qkv linear"))
         for flag, value in (("--kv-heads", config.kv_heads), ("--ffn-hidden", config.ffn_hidden),
                             ("--experts", config.experts), ("--capacity-factor", config.capacity_factor)):
             if value is not None:

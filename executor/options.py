@@ -118,6 +118,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     model.add_argument("--ffn-hidden", type=int, default=None,
                        help="architectures: MLP width; experts keep their width relative to it (default: the "
                        "original's ratio to the hidden size)")
+    model.add_argument("--qkv", default="separate", metavar="separate|fused",
+                       help="architectures: the attention's Q, K and V as three linears (separate) or one wqkv "
+                       "(fused: torchtitan 0.3's Llama 3, its weights laid out key/value group by group as torchtitan "
+                       "lays them out); the same model and numerics, it only changes what --recompute per-op keeps "
+                       "and re-runs (fused keeps K's output, re-runs the output and up projections only) "
+                       "(default: separate)")
     model.add_argument("--experts", type=int, default=None,
                        help=f"mixture of experts: routed experts (default: the original's, at most {MAX_EXPERTS}; "
                        "top-k cut to half of them when fewer)")
@@ -223,7 +229,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
         zero=args.zero, recompute=args.recompute,
         model=args.model, batch_size=args.batch_size, **model_sizes(args), seed=args.seed,
-        kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, experts=args.experts,
+        kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, qkv=args.qkv, experts=args.experts,
         capacity_factor=args.capacity_factor, data=args.data,
         steps=getattr(args, "steps", DEFAULT_STEPS),
         optimizer=args.optimizer, lr=getattr(args, "lr", None),

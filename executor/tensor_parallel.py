@@ -99,7 +99,7 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
 
 
 def attention_plan(attention: nn.Module) -> dict:
-    """Grouped-query attention: Q, K and V by columns, the output by rows. Latent
+    """Grouped-query attention: Q, K and V (or the fused ``wqkv``) by columns, the output by rows. Latent
     attention (Megatron-LM's split): the up-projections to the heads (the query's, the
     keys' and values') by columns, the output by rows, the down-projections to the
     latents held whole on every rank (``reduce_rope_key_grad`` completes the gradient
@@ -107,6 +107,8 @@ def attention_plan(attention: nn.Module) -> dict:
     if isinstance(attention, LatentAttention):
         query = "attention.wq_b" if attention.sizes.q_lora_rank else "attention.wq"
         return {query: ColwiseParallel(), "attention.wkv_b": ColwiseParallel(), "attention.wo": RowwiseParallel()}
+    if attention.wqkv is not None:  # laid out group by group: a contiguous split keeps whole key/value groups
+        return {"attention.wqkv": ColwiseParallel(), "attention.wo": RowwiseParallel()}
     return {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel()}
 

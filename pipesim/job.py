@@ -99,6 +99,7 @@ class Job:
     attention_flops: str = "causal"  # how MFU counts attention (pipesim.model.transformer_costs.ATTENTION_FLOPS)
     fp8: bool | str = False  # on (True) or its scaling (pipesim.model.spec.FP8_SCALINGS)
     ep_dispatch: str | None = None  # EP_DISPATCHES; None: the model's recipe (ModelSpec.fp8_dispatch)
+    qkv: str = "separate"  # the attention's input projections (pipesim.model.spec.QKV_PROJECTIONS)
     comm_sms: int = 0
     topology: str = "ideal"
     nodes: int | None = None
@@ -122,6 +123,9 @@ class Job:
     optimizer_moments: str = "fp32"  # pipesim.sim.memory.OPTIMIZER_MOMENTS
     memory_headroom: str = "auto"  # pipesim.sim.headroom.DEFAULT_HEADROOM: what each device keeps back
     p2p: str | None = None
+
+    def __post_init__(self) -> None:
+        check_qkv(self.qkv)  # checked with or without a model, so a mistyped value never passes unseen
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> Job:
@@ -471,7 +475,23 @@ def model_spec_of(job):
     fp8 = getattr(job, "fp8", False)
     if fp8:
         spec = replace(spec, fp8=True, fp8_scaling=fp8 if isinstance(fp8, str) else spec.fp8_scaling)
+    spec = with_qkv(spec, getattr(job, "qkv", "separate"))
     return with_ep_dispatch(spec, getattr(job, "ep_dispatch", None), job.model)
+
+
+def with_qkv(spec, qkv: str):
+    """``spec`` with ``--qkv`` applied: Q, K and V as three linears or one fused ``wqkv``
+    (``pipesim.model.spec.QKV_PROJECTIONS``)."""
+    check_qkv(qkv)
+    return replace(spec, fused_qkv=qkv == "fused")  # ModelSpec refuses it for latent attention
+
+
+def check_qkv(qkv: str) -> None:
+    """Refuse a ``--qkv`` that is not one of ``QKV_PROJECTIONS``, in one line."""
+    from pipesim.model.spec import QKV_PROJECTIONS
+
+    if qkv not in QKV_PROJECTIONS:
+        raise ValueError(f"--qkv {qkv!r} is not one of: {', '.join(QKV_PROJECTIONS)}")
 
 
 def with_ep_dispatch(spec, dispatch: str | None, model: str):

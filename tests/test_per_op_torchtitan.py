@@ -1,15 +1,17 @@
 """``--recompute per-op`` held to torchtitan's own SelectiveAC: torchtitan 0.3's Llama 3
 block under its per-op policy (``tests/torchtitan_per_op_policy.py``, in the cached
 torchtitan environment of ``tests/test_torchtitan_release.py``) saves the products pipesim
-says it saves, and nothing else of theirs. Deselect with ``-m "not torchtitan"``."""
+says it saves, and nothing else of theirs, with separate Q, K and V projections and with
+torchtitan 0.3's own fused ``wqkv`` (``--qkv fused``). Deselect with ``-m "not torchtitan"``."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from pipesim.model.per_op_checkpoint import recomputed_matrices, stash_bytes_per_token
+from pipesim.model.per_op_checkpoint import forward_products, recomputed_matrices, stash_bytes_per_token
 from pipesim.model.spec import ModelSpec
 from pipesim.model.weights import layer_weights
 from tests.test_torchtitan_release import launch, torchtitan_python  # noqa: F401  (the environment's fixture)
@@ -39,11 +41,15 @@ def test_separate_projections_save_what_pipesim_says(decisions):
     assert separate["saved_elements_per_token"] == products
 
 
-def test_torchtitan_03s_fused_qkv_keeps_k_too(decisions):
+def test_fused_wqkv_saves_what_pipesim_says(decisions):
     # torchtitan 0.3's Llama 3 configs fuse Q, K and V into one wqkv: five products, of which
-    # wqkv, w1 and w2 are saved (the output projection and w3 recomputed), so K's output is
-    # kept as well and K's GEMM not re-run: pipesim models the separate projections (the
-    # published per-op SAC runs and the executor), and docs/cluster-model.md says by how much
-    fused, separate = decisions["fused"], decisions["separate"]
-    assert fused["products_saved"] == [True, False, True, False, True]
-    assert fused["saved_elements_per_token"] - separate["saved_elements_per_token"] == SPEC.kv_width
+    # wqkv, w1 and w2 are saved (the output projection and w3 re-run), so K's output is kept
+    # too and K's GEMM not re-run; pipesim's --qkv fused counts the same products
+    fused, spec = decisions["fused"], replace(SPEC, fused_qkv=True)
+    recomputed = recomputed_matrices(spec)
+    assert fused["products_saved"] == [not {weight.name for weight in product} & recomputed
+                                       for product in forward_products(spec)]
+    assert fused["products_saved"] == [True, False, True, False, True]  # torchtitan's rule, by hand
+    products = stash_bytes_per_token(spec) / spec.dtype_bytes - spec.hidden - spec.v_width
+    assert fused["saved_elements_per_token"] == products == 320  # Q 64, K 32, V 32, w1 128, w2 64
+    assert decisions["separate"]["saved_elements_per_token"] == 288  # Q 64, V 32, w1 128, w2 64

@@ -96,7 +96,7 @@ def shrunk_spec(config: RunConfig) -> ModelSpec:
         mla = shrunk_latents(full.mla, config.hidden // config.heads, factor)
     return replace(full, layers=config.layers, hidden=config.hidden, heads=config.heads, kv_heads=kv,
                    ffn_hidden=ffn, seq_len=config.seq_len, vocab=config.vocab, head_dim=None, positions=None,
-                   moe=moe, mla=mla)
+                   moe=moe, mla=mla, fused_qkv=config.qkv == "fused")
 
 
 def shrink_note(config: RunConfig) -> str:

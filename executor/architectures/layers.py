@@ -50,16 +50,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Causal self-attention with ``kv_heads`` key/value heads shared by groups of
     ``heads / kv_heads`` query heads (GQA, Ainslie et al. 2023; ``kv_heads == heads`` is
-    multi-head attention), rotary positions on queries and keys."""
+    multi-head attention), rotary positions on queries and keys.
+
+    Q, K and V are three linears (``wq``, ``wk``, ``wv``) or, ``fused_qkv``, one ``wqkv``
+    (torchtitan 0.3's ``FusedQKVLinear``), its output features laid out as torchtitan lays
+    them out, key/value group by group: each group's query heads, then its key head, then
+    its value head. A contiguous column split over tp ranks (tp divides the key/value
+    heads) then hands each rank whole groups, and the heads are read from the output
+    whatever its width. The fused weight is the three linears' initial weights
+    rearranged, so a fused model starts as the separate one (no draw of the RNG more)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
-                 qkv_bias: bool = False, rotary: bool = True) -> None:
+                 qkv_bias: bool = False, rotary: bool = True, fused_qkv: bool = False) -> None:
         super().__init__()
         self.head_dim, self.groups, self.rotary = head_dim, heads // kv_heads, rotary
         self.wq = nn.Linear(hidden, heads * head_dim, bias=bias or qkv_bias)
         self.wk = nn.Linear(hidden, kv_heads * head_dim, bias=bias or qkv_bias)
         self.wv = nn.Linear(hidden, kv_heads * head_dim, bias=bias or qkv_bias)
         self.wo = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.wqkv = None
+        if fused_qkv:
+            self.wqkv = fused_projection(self.wq, self.wk, self.wv, kv_heads)
+            del self.wq, self.wk, self.wv
         self.context = None  # context parallelism: this rank's share of the sequence (executor.context_parallel)
 
     def heads_of(self, projection: torch.Tensor) -> torch.Tensor:
@@ -67,14 +79,37 @@ class Attention(nn.Module):
         batch, seq = projection.shape[:2]
         return projection.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K and V, each ``batch x heads x seq x head_dim``."""
+        if self.wqkv is None:
+            return self.heads_of(self.wq(x)), self.heads_of(self.wk(x)), self.heads_of(self.wv(x))
+        qkv = self.wqkv(x)
+        batch, seq = qkv.shape[:2]
+        grouped = qkv.view(batch, seq, -1, self.groups + 2, self.head_dim)  # key/value groups on this rank
+        q, k, v = grouped.split([self.groups, 1, 1], dim=3)
+        return tuple(part.reshape(batch, seq, -1, self.head_dim).transpose(1, 2) for part in (q, k, v))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.heads_of(self.wq(x)), self.heads_of(self.wk(x)), self.heads_of(self.wv(x))
+        q, k, v = self.projections(x)
         if self.context is not None:
             return self.wo(self.context.attend(self, q, k, v))
         if self.rotary:
             cos, sin = rotary_angles(q.shape[2], self.head_dim, dtype=q.dtype, device=q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.wo(attend(q, k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)))
+
+
+def fused_projection(wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, kv_heads: int) -> nn.Linear:
+    """One linear computing ``wq``, ``wk`` and ``wv`` at once, its rows (output features)
+    grouped by key/value head: ``[q heads of group 0, k_0, v_0, q heads of group 1, ...]``
+    (torchtitan's ``FusedQKVLinear`` layout, ``_merge_qkv_on_load``)."""
+    fused = nn.utils.skip_init(nn.Linear, wq.in_features, wq.out_features + wk.out_features + wv.out_features,
+                               bias=wq.bias is not None, device=wq.weight.device, dtype=wq.weight.dtype)
+    with torch.no_grad():
+        for name in ("weight", "bias") if wq.bias is not None else ("weight",):
+            q, k, v = (getattr(linear, name).unflatten(0, (kv_heads, -1)) for linear in (wq, wk, wv))
+            getattr(fused, name).copy_(torch.cat((q, k, v), dim=1).flatten(0, 1))
+    return fused
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

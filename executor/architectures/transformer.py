@@ -42,7 +42,8 @@ class TransformerBlock(nn.Module):
             self.attention = LatentAttention(spec.hidden, spec.heads, spec.mla, spec.attention_has_bias)
         else:
             self.attention = Attention(spec.hidden, spec.heads, spec.num_kv_heads, spec.head_size,
-                                       spec.attention_has_bias, spec.qkv_bias, rotary=not spec.learned_positions)
+                                       spec.attention_has_bias, spec.qkv_bias, rotary=not spec.learned_positions,
+                                       fused_qkv=spec.fused_qkv)
         self.ffn_norm = norm_of(spec)
         moe = spec.moe
         if spec.is_moe_layer(layer):

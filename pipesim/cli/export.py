@@ -185,8 +185,8 @@ def apply_plan_layout(args: argparse.Namespace) -> None:
 
 def apply_plan_model(args: argparse.Namespace, row: dict) -> None:
     """Build the model the layout was planned for (a row names it: a preset, or a config's
-    absolute path), as ``run --plan`` does (``pipesim.cli.plan_row.planned_model``); a
-    ``--model`` may repeat it (a config by any path to the same file) but not change it.
+    absolute path, and its ``--qkv``), as ``run --plan`` does (``pipesim.cli.plan_row.planned_model``); a
+    ``--model`` (``--qkv``) may repeat it (a config by any path to the same file) but not change it.
     A plan written before rows named their model leaves ``--model`` to the user."""
     from pipesim.plan.request import model_reference
 
@@ -197,6 +197,11 @@ def apply_plan_model(args: argparse.Namespace, row: dict) -> None:
         raise conflict(f"--model {args.model}", f"--from-plan {args.from_plan}",
                        f"layout {args.plan_rank} was planned for {planned}; drop --model")
     args.model = planned
+    qkv = row.get("qkv")  # how the planned model built Q, K and V (rows before --qkv: the flag's)
+    if qkv is not None and args.qkv not in ("separate", qkv):
+        raise conflict(f"--qkv {args.qkv}", f"--from-plan {args.from_plan}",
+                       f"layout {args.plan_rank} was planned with --qkv {qkv}; drop --qkv")
+    args.qkv = qkv or args.qkv
 
 
 def write_layout(args: argparse.Namespace, schedule) -> int:
@@ -212,18 +217,19 @@ def write_layout(args: argparse.Namespace, schedule) -> int:
 def layout_from_args(args: argparse.Namespace):
     """The ``TorchtitanLayout`` that the flags (``export``'s, or a plan layout's ``Job``)
     describe; the model's layers and sequence length where a
-    ``--model`` or ``--layers``/``--seq-len`` gives them."""
-    from pipesim.cli.torchtitan import TorchtitanLayout
+    ``--model`` or ``--layers``/``--seq-len`` gives them, and its ``--qkv`` with a ``--model``."""
+    from pipesim.cli.torchtitan import TorchtitanLayout, qkv_of
 
     layers, seq_len = getattr(args, "layers", None), getattr(args, "seq_len", None)
     microbatch_size = getattr(args, "microbatch_size", None) or 1
+    qkv = None
     if getattr(args, "model", None):
         from pipesim.job import Job, model_spec_of
 
         spec = model_spec_of(Job.from_namespace(args))
-        layers, seq_len, microbatch_size = spec.layers, spec.seq_len, spec.microbatch_size
+        layers, seq_len, microbatch_size, qkv = spec.layers, spec.seq_len, spec.microbatch_size, qkv_of(spec)
     return TorchtitanLayout(dp=getattr(args, "dp", 1), tp=getattr(args, "tp", 1), fsdp=getattr(args, "fsdp", False),
                             microbatch_size=microbatch_size, layers=layers, seq_len=seq_len,
                             torch_class=getattr(args, "torch_class", None), ep=getattr(args, "ep", 1),
                             cp=getattr(args, "cp", 1), sequence_parallel=getattr(args, "sequence_parallel", False),
-                            recompute=getattr(args, "recompute", "none"))
+                            recompute=getattr(args, "recompute", "none"), qkv=qkv)

@@ -152,9 +152,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "the attention core only (Megatron's), per-op is torchtitan's SelectiveAC (per-op selective "
                        "checkpointing: a block keeps its input, the attention kernel's output and every second "
                        "matrix product's output, and re-runs the other products (Llama: K, output and up "
-                       "projections), every norm and element-wise op and the tp all-gathers (all-reduces without "
-                       "sequence parallelism); refused for mixture-of-experts and latent-attention models and "
-                       "without flash attention), norm-mla-up every norm's "
+                       "projections; with --qkv fused output and up), every norm and element-wise op and the tp "
+                       "all-gathers (all-reduces without sequence parallelism); refused for mixture-of-experts and "
+                       "latent-attention models and without flash attention), norm-mla-up every norm's "
                        "output and latent attention's up-projections (DeepSeek-V3's: a layer keeps the norms' inputs "
                        "and the latents, not Q, K, V) (default: none)")
     group.add_argument("--no-flash-attention", action="store_true",
@@ -165,6 +165,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "whole, the full square (PaLM's appendix B formula, torchtitan, Narayanan et al. 2021) "
                        "(default: causal)")
     add_precision_args(group)
+    add_qkv_arg(group)
     group.add_argument("--capacity-factor", type=float, default=None,
                        help="mixture of experts: token slots each routed expert computes, as a multiple of its "
                        "balanced share; empty slots cost time, not model FLOPs (default: dropless)")
@@ -197,6 +198,18 @@ def add_precision_args(group) -> None:
     group.add_argument("--comm-sms", type=int, default=0, metavar="SMS",
                        help="with --model: SMs of each GPU kept for communication kernels (DeepSeek-V3 kept 20 of "
                        "an H800's 132): GEMMs and attention run on the rest, at their share of the peak (default: 0)")
+
+
+def add_qkv_arg(group) -> None:
+    """``--qkv``: how the model builds its attention's input projections
+    (``pipesim.model.spec.QKV_PROJECTIONS``, ``pipesim.model.per_op_checkpoint``)."""
+    group.add_argument("--qkv", default="separate", metavar="separate|fused",
+                       help="with --model: the attention's Q, K and V projections as three linears (separate: "
+                       "Meta's and Hugging Face's Llama, torchtitan's published per-op runs, pipesim run's "
+                       "default) or one fused wqkv (fused: torchtitan 0.3's Llama 3 configs). Taken with "
+                       "every recompute mode but it only matters under --recompute per-op, which counts the "
+                       "products a block runs: fused keeps K's output too and does not re-run K's GEMM; the FLOPs, "
+                       "the GEMMs timed and every other mode are the same either way (default: separate)")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool = True) -> None:

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipesim.cli.options import add_memory_headroom_arg, add_precision_args
+from pipesim.cli.options import add_memory_headroom_arg, add_precision_args, add_qkv_arg
 from pipesim.cli.variability import add_variability_args, objective_variability, rank_by_p99
 from pipesim.hardware.gpus import GPUS
 from pipesim.plan.layouts import RECOMPUTE_MODES, Layout
@@ -75,6 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--compute-model", default=None, metavar="FILE",
                         help="a compute model fitted by pipesim profile --compute-model (default: the GPU's own)")
     add_precision_args(parser)
+    add_qkv_arg(parser)
     parser.add_argument("--max-actions", type=int, default=None,
                         help="skip layouts whose schedule has more lowered actions than this (default: simulate's)")
     parser.add_argument("--constraint", action="append", default=[],
@@ -107,6 +108,13 @@ def handle(args: argparse.Namespace) -> int:
         raise ValueError("--fsdp says how torchtitan shards the data-parallel replicas; add --torchtitan DIR")
     variability = objective_variability(args)
     planner = Planner(plan_request(args))
+    if args.torchtitan:  # before the search: a best row of per-op over separate Q, K and V could not be written
+        from pipesim.cli.torchtitan import check_per_op_qkv, qkv_of
+        from pipesim.job import model_spec_of
+
+        qkv = qkv_of(model_spec_of(planner.base))
+        for mode in planner.space.recompute:
+            check_per_op_qkv(mode, qkv)
     print(f"plan: {args.model} on {args.gpus} GPUs ({args.topology}), global batch {args.global_batch}: "
           f"{planner.considered} layouts to consider on {planner.workers} process(es)", file=sys.stderr)
     if not planner.layouts:
@@ -151,7 +159,7 @@ def plan_request(args: argparse.Namespace):
         cp=_ints(args.cp, "--cp") if args.cp else None, ep=_ints(args.ep, "--ep") if args.ep else None,
         microbatch_group=_ints(args.microbatch_group, "--microbatch-group") if args.microbatch_group else None,
         constraints=tuple(args.constraint), mfu=args.mfu, compute_model=args.compute_model,
-        fp8=args.fp8, ep_dispatch=args.ep_dispatch, comm_sms=args.comm_sms,
+        fp8=args.fp8, ep_dispatch=args.ep_dispatch, comm_sms=args.comm_sms, qkv=args.qkv,
         max_actions=args.max_actions, memory_headroom=args.memory_headroom, top=args.top, workers=args.workers)
 
 
@@ -283,7 +291,7 @@ def _charted_others(result) -> list[dict]:
 def _write_torchtitan(args: argparse.Namespace, best: dict, evaluator) -> None:
     """The best layout's schedule CSVs and torchtitan config (``pipesim.cli.torchtitan``),
     the order being the one simulated."""
-    from pipesim.cli.torchtitan import TorchtitanLayout, write_torchtitan
+    from pipesim.cli.torchtitan import TorchtitanLayout, qkv_of, write_torchtitan
     from pipesim.job import model_spec_of
 
     layout = Layout(**{key: best[key] for key in Layout._fields})
@@ -294,5 +302,5 @@ def _write_torchtitan(args: argparse.Namespace, best: dict, evaluator) -> None:
     written = write_torchtitan(args.torchtitan, evaluator.schedule_of(layout), TorchtitanLayout(
         dp=layout.dp, tp=layout.tp, fsdp=args.fsdp, microbatch_size=layout.microbatch_size, layers=spec.layers,
         seq_len=spec.seq_len, ep=layout.ep, cp=layout.cp, sequence_parallel=layout.sequence_parallel,
-        recompute=layout.recompute))
+        recompute=layout.recompute, qkv=qkv_of(spec)))
     print(f"wrote {', '.join(str(path) for path in written)}: {best['layout']}")

@@ -75,6 +75,21 @@ def planned_model(args: argparse.Namespace, row: dict, number: int) -> str:
     return model
 
 
+def planned_qkv(args: argparse.Namespace, row: dict, model: str, number: int) -> str:
+    """How the run builds Q, K and V: for an architecture the row's (the plan's ``--qkv``),
+    which the run's ``--qkv`` may repeat but not change; else (a toy, or a row written
+    before rows carried it) the run's own."""
+    from executor.architectures.build import is_architecture  # noqa: PLC0415
+
+    given, planned = getattr(args, "qkv", "separate"), row.get("qkv")
+    if planned is None or not is_architecture(model):
+        return given
+    if given not in ("separate", planned):
+        raise ConfigError(f"--qkv {given} conflicts with --plan {args.plan}: row {number} was planned with --qkv "
+                          f"{planned}; drop --qkv")
+    return planned
+
+
 def shrunk_model(args: argparse.Namespace, row: dict, model: str) -> dict:
     """``model`` at the run's sizes, raised to what the row's layout needs."""
     cp = row.get("cp", 1)
@@ -120,6 +135,7 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
     number = args.row
     row = read_row(args.plan, number)
     model = shrunk_model(args, row, planned_model(args, row, number))
+    model["qkv"] = planned_qkv(args, row, model["model"], number)
     fixed = {"schedule": row["schedule"], "pp": row["pp"], "microbatches": row["microbatches"],
              "virtual_stages": row["virtual_stages"], "microbatch_group": row.get("microbatch_group"),
              "dp": row["dp"], "tp": row["tp"], "zero": row["zero"],

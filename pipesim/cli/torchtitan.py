@@ -27,15 +27,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from executor.config import has_split_backward
 from executor.torchtitan_launch import AC_SUBCOMMAND, ARGS_FILE, SELECTIVE_FAILS, SUPPORTED_RELEASE
+from pipesim.model.per_op_checkpoint import fusing_qkv_changes_per_op
 from schedules.csv_io import schedule_to_csv
 from schedules.schedule import Schedule
 from schedules.torch_compat import TorchClass, stages_per_rank, torch_class_for
 from schedules.torch_runtime import lower_for_torch_runtime
 
+if TYPE_CHECKING:
+    from pipesim.model.spec import ModelSpec
+
 SCHEDULE_FILE, LOWERED_FILE = "schedule.csv", "schedule-lowered.csv"
+FUSED_QKV = (f"torchtitan {SUPPORTED_RELEASE}'s Llama 3 fuses Q, K and V into one wqkv, whose per-op checkpointing "
+             "keeps K's output too and does not re-run K's GEMM")
 
 
 @dataclass(frozen=True)
@@ -45,8 +52,8 @@ class TorchtitanLayout:
     ranks ``tp`` (with Megatron sequence parallelism when ``sequence_parallel``),
     expert-parallel ranks ``ep``, context-parallel ranks ``cp``, sequences per microbatch,
     activation ``recompute`` (pipesim's none/per-op/full), and where known the model's
-    layers and sequence length; ``torch_class`` overrides the class chosen from the
-    placement."""
+    layers and sequence length, and how the simulated model built Q, K and V (``qkv``,
+    ``qkv_of``); ``torch_class`` overrides the class chosen from the placement."""
 
     dp: int = 1
     tp: int = 1
@@ -59,6 +66,7 @@ class TorchtitanLayout:
     cp: int = 1  # context-parallel ranks, each holding a share of every sequence
     sequence_parallel: bool = False
     recompute: str = "none"
+    qkv: str | None = None  # the simulated model's Q, K and V (--qkv) where per-op tells them apart (qkv_of)
 
 
 def layers_per_stage(schedule: Schedule, layers: int | None, cls: TorchClass) -> int | None:
@@ -92,7 +100,7 @@ def write_torchtitan(directory: str | Path, schedule: Schedule, layout: Torchtit
         schedule = schedule.compute_only()
     cls = torch_class_for(schedule, layout.torch_class)
     per_stage = layers_per_stage(schedule, layout.layers, cls)
-    check_recompute(schedule, layout.recompute)
+    check_recompute(schedule, layout.recompute, layout.qkv)
     folder = Path(directory)
     if any(character.isspace() for character in str(folder.resolve())):
         raise ValueError(f"--torchtitan {directory}: the overrides name the CSV by its path, which must have no "
@@ -106,10 +114,22 @@ def write_torchtitan(directory: str | Path, schedule: Schedule, layout: Torchtit
     return paths
 
 
-def check_recompute(schedule: Schedule, recompute: str) -> None:
+def qkv_of(spec: ModelSpec) -> str | None:
+    """``--qkv`` of a simulated model where per-op checkpointing counts the two forms apart
+    (bias-less Q, K and V: ``fusing_qkv_changes_per_op``), else None (nothing simulated
+    depends on it)."""
+    if not fusing_qkv_changes_per_op(spec):
+        return None
+    return "fused" if spec.fused_qkv else "separate"
+
+
+def check_recompute(schedule: Schedule, recompute: str, qkv: str | None = None) -> None:
     """Refuse a recompute choice torchtitan has no knob for (pipesim's ``selective``,
-    Megatron's attention-core recompute: torchtitan's "selective" is per-op) or cannot run
-    with this order (``SELECTIVE_FAILS``)."""
+    Megatron's attention-core recompute: torchtitan's "selective" is per-op), cannot run
+    with this order (``SELECTIVE_FAILS``), or would run otherwise than simulated: per-op
+    over separate Q, K and V, where torchtitan 0.3's Llama 3 runs a fused ``wqkv``
+    (``fuse_qkv=True`` in every config it ships, no command-line knob), which keeps K's
+    output and does not re-run its GEMM (``FUSED_QKV``)."""
     if recompute == "selective":
         raise ValueError("--recompute selective (Megatron's: only the attention core recomputed) has no torchtitan "
                          f"{SUPPORTED_RELEASE} counterpart: its activation_checkpoint:selective is per-op selective "
@@ -118,6 +138,15 @@ def check_recompute(schedule: Schedule, recompute: str) -> None:
         raise ValueError(f"--recompute {recompute}: torchtitan knows {', '.join(AC_SUBCOMMAND)}")
     if recompute == "per-op" and has_split_backward(schedule):
         raise ValueError(f"--recompute per-op with {schedule.name}: {SELECTIVE_FAILS}; use --recompute full or none")
+    check_per_op_qkv(recompute, qkv)
+
+
+def check_per_op_qkv(recompute: str, qkv: str | None) -> None:
+    """Refuse per-op checkpointing priced over separate Q, K and V for torchtitan, which
+    runs them fused (``FUSED_QKV``)."""
+    if recompute == "per-op" and qkv == "separate":
+        raise ValueError(f"--recompute per-op with --qkv separate: {FUSED_QKV}, so it would not run what pipesim "
+                         "priced; give --qkv fused, or a recompute mode other than per-op")
 
 
 def config_fields(schedule: Schedule, layout: TorchtitanLayout, cls: TorchClass, per_stage: int | None,

@@ -21,20 +21,25 @@ The policy, as written there:
   product, residual adds, and the all-gathers and all-reduces of tensor parallelism.
   The checkpoint keeps the block's input.
 
-**Which matrices** (``recomputed_matrices``): the layer's weight matrices in forward order,
-which is the order ``pipesim.model.weights`` lists them in (Q, K, V, output; gate, up,
-down: torchtitan's ``w2(silu(w1(x)) * w3(x))`` runs ``w1`` before ``w3``); every second
-bias-less one is recomputed. Llama 3 (no biases): K, the output projection and the MLP's
-up projection (``w3``); Q, V, the gate (``w1``) and down (``w2``) projections are saved.
-GPT's (every matrix biased): none. The products are counted as the stack builds its
-linears: torchtitan 0.3's own Llama 3 configs fuse Q, K and V into one ``wqkv``
-(``fuse_qkv=True``), five products of which the output projection and ``w3`` are
-recomputed, so K's output is kept too and K's GEMM not re-run; this module models the
-separate projections (torchtitan's as its published per-op runs had them, and the
-executor's). ``tests/test_per_op_torchtitan.py`` holds both to torchtitan's own block and
-policy. Where pipesim fuses matrices into one GEMM (Q, K and V; gate and up) the backward
-re-runs the recomputed ones' share of its columns (``Gemm.per_op_recomputed``), so Llama
-3's QKV GEMM re-runs ``kv / (q + 2 kv)`` of itself and its gate-and-up GEMM half.
+**Which matrices** (``recomputed_matrices``): the layer's matrix products in forward order
+(``forward_products``: the order ``pipesim.model.weights`` lists the matrices in, Q, K, V,
+output; gate, up, down, torchtitan's ``w2(silu(w1(x)) * w3(x))`` running ``w1`` before
+``w3``); every second bias-less product is recomputed. The products are counted as the
+model builds its linears (``ModelSpec.fused_qkv``, ``--qkv``):
+
+- ``separate`` Q, K and V (torchtitan's as its published per-op runs had them, Hugging
+  Face's, the executor's default): seven products; Llama 3 (no biases) recomputes K, the
+  output projection and the MLP's up projection (``w3``) and saves Q, V, the gate (``w1``)
+  and down (``w2``) projections;
+- ``fused``, one ``wqkv`` (torchtitan 0.3's own Llama 3 configs, ``fuse_qkv=True``): five
+  products, ``wqkv`` saved whole (K's output kept too, K's GEMM not re-run), the output
+  projection recomputed, ``w1`` saved, ``w3`` recomputed, ``w2`` saved.
+
+GPT's (every matrix biased): none either way. ``tests/test_per_op_torchtitan.py`` holds
+both forms to torchtitan's own block and policy. Where pipesim times matrices as one GEMM
+(Q, K and V; gate and up) the backward re-runs the recomputed ones' share of its columns
+(``Gemm.per_op_recomputed``): Llama 3's QKV GEMM ``kv / (q + 2 kv)`` of itself with
+separate projections, none of it fused; its gate-and-up GEMM half either way.
 
 **Time** (``pipesim.model.compute_model.recomputed_share``): those GEMMs' forwards and
 every element-wise kernel's forward again in the backward; never the attention kernel.
@@ -43,6 +48,10 @@ saved. With sequence parallelism that is the two all-gathers in front of the QKV
 GEMMs (the reduce-scatters' outputs are saved): one all-gather and reduce-scatter pair's
 time per layer, as the two are priced alike; without it the two all-reduces, two pairs
 (``recomputed_tp_pairs``; charged in ``pipesim.sim.parallel.tp_collective_seconds``).
+Which products are saved does not change them (a fused ``wqkv`` neither): torch re-runs
+the whole block (``early_stop`` off), handing back a saved product's output without
+computing it, and runs again every op it does not save, an all-gather in front of a saved
+product and the all-reduce behind one included.
 
 **Memory, per token on one tp rank** (``stash_bytes_per_token``, ``d`` the dtype's bytes):
 
@@ -55,8 +64,9 @@ time per layer, as the two are priced alike; without it the two all-reduces, two
 
 Llama 3 at tp 1: ``h + q + kv + v_out + f + h`` elements (block input; Q; V, ``kv`` wide;
 attention output; gate; down), nothing of K, the norms' outputs, the up projection or the SwiGLU
-product. The kernel's log-sum-exp (4 bytes per head) is left out as for the other modes
-(``pipesim.model.saved_tensors`` adds it for the executor's count).
+product; with a fused ``wqkv`` ``kv`` more (K's output). The kernel's log-sum-exp (4
+bytes per head) is left out as for the other modes (``pipesim.model.saved_tensors`` adds
+it for the executor's count).
 
 **FP8** (torchao's float8 linears, as torchtitan runs them), taken to be seen by the
 policy as the same ``mm`` calls on float8 tensors (a dispatch mode runs before the tensor
@@ -75,10 +85,11 @@ the fused kernel (the ``bmm`` scores would be kept, the softmax re-run): not der
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pipesim.model.errors import ModelSpecError
-from pipesim.model.weights import layer_weights, shard
+from pipesim.model.weights import QKV_GEMM, Weight, layer_weights, shard
 
 if TYPE_CHECKING:
     from pipesim.model.spec import ModelSpec
@@ -110,15 +121,38 @@ def check_per_op(spec: ModelSpec, recompute: str, flash_attention: bool = True) 
         raise ModelSpecError(f"--recompute {PER_OP}: {reason}")
 
 
+def forward_products(spec: ModelSpec) -> tuple[tuple[Weight, ...], ...]:
+    """A dense layer's matrix products in forward order, each the matrices one linear
+    holds: one matrix each, or Q, K and V together when ``spec.fused_qkv`` (one ``wqkv``,
+    one ``mm``, its output kept or re-run whole)."""
+    products: list[list[Weight]] = []
+    for weight in layer_weights(spec, False):
+        fused = spec.fused_qkv and weight.gemm == QKV_GEMM and products and products[-1][0].gemm == QKV_GEMM
+        if fused:
+            products[-1].append(weight)
+        else:
+            products.append([weight])
+    return tuple(tuple(product) for product in products)
+
+
 @functools.lru_cache(maxsize=256)
 def recomputed_matrices(spec: ModelSpec) -> frozenset[str]:
     """Names of a dense layer's weight matrices whose products per-op checkpointing re-runs:
-    every second bias-less matrix in forward order (biased ones run as ``addmm``: saved,
-    not counted). Empty for a model it refuses (``per_op_refusal``)."""
+    every second bias-less product in forward order (biased ones run as ``addmm``: saved,
+    not counted), all of a fused product's matrices together. Empty for a model it
+    refuses (``per_op_refusal``)."""
     if spec.moe is not None or spec.mla is not None:
         return frozenset()
-    counted = [weight.name for weight in layer_weights(spec, False) if not weight.bias]
-    return frozenset(counted[1::2])
+    counted = [product for product in forward_products(spec) if not product[0].bias]
+    return frozenset(weight.name for product in counted[1::2] for weight in product)
+
+
+def fusing_qkv_changes_per_op(spec: ModelSpec) -> bool:
+    """Whether fusing Q, K and V into one linear changes what per-op keeps and re-runs
+    for ``spec`` (it does for bias-less projections: one product fewer to count)."""
+    if spec.mla is not None:
+        return False
+    return recomputed_matrices(replace(spec, fused_qkv=False)) != recomputed_matrices(replace(spec, fused_qkv=True))
 
 
 def stash_bytes_per_token(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:

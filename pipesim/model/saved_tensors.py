@@ -40,7 +40,7 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
 - **Autocast** (``--dtype bfloat16``, float32 master weights): the residual stream, the
   norms and what they keep stay in float32 (``residual_bytes``); each linear keeps its
   own 16-bit cast of its input (the architectures' separate Q, K and V projections three
-  copies, a gated MLP's gate and up projections two) and the 16-bit copy of its weight
+  copies, a fused ``wqkv`` one, a gated MLP's gate and up projections two) and the 16-bit copy of its weight
   it multiplied, once per microbatch in flight.
 
 ``KERNELS`` (every field off) is the paper's count and the default everywhere;
@@ -137,7 +137,8 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         if saved.latent_kv_whole and spec.microbatch_size == 1:  # with more sequences V is reshaped into a copy
             per_token += spec.heads / tp * spec.mla.qk_nope_head_dim * d
     if saved.input_cast_per_projection and spec.mla is None:  # K and V's own casts; a gated MLP's up projection's
-        per_token += (2 + (1 if spec.gated_mlp else 0)) * h * d / (1 if saved.gathered_gemm_inputs else split)
+        casts = (0 if spec.fused_qkv else 2) + (1 if spec.gated_mlp else 0)  # a fused wqkv casts its input once
+        per_token += casts * h * d / (1 if saved.gathered_gemm_inputs else split)
     if sequence_parallel and saved.gathered_gemm_inputs:  # QKV and MLP inputs whole, not / tp
         per_token += 2 * h * d * (1 - 1 / tp)
     heads = spec.heads / tp

@@ -53,6 +53,12 @@ from schedules.textfile import read_text
 # tile-wise scales are found in the same pass); "current" from the tensor itself, an amax
 # pass before the cast, two reads (TE's Float8CurrentScaling, torchao's tensorwise dynamic).
 FP8_SCALINGS = ("delayed", "current")
+# How the attention's input projections are built (``--qkv``): three linears, Q, K and V
+# (Meta's Llama reference, Hugging Face, torchtitan before 0.3, pipesim's executor by
+# default), or one fused ``wqkv`` (torchtitan 0.3's Llama 3 configs). The same FLOPs and
+# the same GEMM timed either way; only per-op checkpointing, which counts the products a
+# block runs, tells them apart (pipesim.model.per_op_checkpoint).
+QKV_PROJECTIONS = ("separate", "fused")
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class ModelSpec:
     fp8_scaling: str = "delayed"  # how FP8 casts find their scale (FP8_SCALINGS): pipesim.model.compute_model
     fp8_dispatch: bool = False  # the MoE dispatch all-to-alls in FP8 (DeepSeek-V3): dispatch_element_bytes
     mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers), after the head
+    fused_qkv: bool = False  # Q, K and V one linear, torchtitan 0.3's wqkv (QKV_PROJECTIONS): per-op's count only
 
     def __post_init__(self) -> None:
         if self.fp8_scaling not in FP8_SCALINGS:
@@ -126,6 +133,9 @@ class ModelSpec:
         if self.heads % self.num_kv_heads:
             raise ModelSpecError(
                 f"model {self.name}: heads {self.heads} is not a multiple of kv_heads {self.num_kv_heads}")
+        if self.fused_qkv and self.mla is not None:
+            raise ModelSpecError(f"model {self.name}: latent attention has no Q, K and V projections to fuse; "
+                                 f"drop --qkv fused")
         if self.mla is not None and self.kv_heads not in (None, self.heads):
             raise ModelSpecError(f"model {self.name}: latent attention gives every head its own key and value; "
                                  f"kv_heads {self.kv_heads} must be left out")

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from pipesim.model.spec import ModelSpec
 
 COLUMN, ROW, KV, WHOLE = "column", "row", "kv", "whole"
+QKV_GEMM = "qkv"  # the one GEMM pipesim times Q, K and V as (Megatron-LM's fused projection)
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,9 @@ def attention_weights(spec: ModelSpec) -> tuple[Weight, ...]:
                        "kv_up"),
                 Weight("output", spec.v_width, h, ROW, "attention_out", out_bias))
     qkv_bias = out_bias or spec.qkv_bias
-    return (Weight("query", h, spec.q_width, COLUMN, "qkv", qkv_bias),
-            Weight("key", h, spec.kv_width, KV, "qkv", qkv_bias),
-            Weight("value", h, spec.kv_width, KV, "qkv", qkv_bias),
+    return (Weight("query", h, spec.q_width, COLUMN, QKV_GEMM, qkv_bias),
+            Weight("key", h, spec.kv_width, KV, QKV_GEMM, qkv_bias),
+            Weight("value", h, spec.kv_width, KV, QKV_GEMM, qkv_bias),
             Weight("output", spec.v_width, h, ROW, "attention_out", out_bias))
 
 

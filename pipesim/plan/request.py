@@ -47,7 +47,7 @@ class PlanRequest:
     microbatch groups ``microbatch_group`` (None: the defaults of ``pipesim.plan.layouts``),
     keeping layouts that match every one of ``constraints`` (``"pp=8"``,
     ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on ``workers`` processes (None: the CPUs
-    available). ``mfu``, ``compute_model``, ``fp8``, ``ep_dispatch``, ``comm_sms``, ``max_actions`` and
+    available). ``mfu``, ``compute_model``, ``fp8``, ``ep_dispatch``, ``comm_sms``, ``qkv``, ``max_actions`` and
     ``memory_headroom`` are ``pipesim simulate``'s, the same for every layout. Field names
     are the command's flags."""
 
@@ -73,6 +73,7 @@ class PlanRequest:
     fp8: bool | str = False  # on (True) or its scaling (pipesim.model.spec.FP8_SCALINGS)
     ep_dispatch: str | None = None  # pipesim.model.quantization.EP_DISPATCHES; None: the model's recipe
     comm_sms: int = 0
+    qkv: str = "separate"  # pipesim.model.spec.QKV_PROJECTIONS
     max_actions: int | None = None
     memory_headroom: str = "auto"
     top: int = 10
@@ -105,7 +106,7 @@ class Planner:
         result.values_left_out = self.values_left_out
         model = model_reference(self.request.model)
         for row in result.rows:  # a row names its model: `pipesim run --plan plan.json --row N` builds that one
-            row["model"] = model
+            row["model"], row["qkv"] = model, self.request.qkv
         return result
 
 
@@ -160,7 +161,7 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
     base = Job(model=request.model, seq_len=request.seq_len, topology=request.topology,
                nodes=max(1, request.gpus // request.gpus_per_node), gpu=request.gpu, mfu=request.mfu,
                compute_model=request.compute_model, memory_headroom=request.memory_headroom, fp8=request.fp8,
-               ep_dispatch=request.ep_dispatch, comm_sms=request.comm_sms,
+               ep_dispatch=request.ep_dispatch, comm_sms=request.comm_sms, qkv=request.qkv,
                **({"max_actions": request.max_actions} if request.max_actions else {}))
     parallel_of(base)  # a bad --memory-headroom fails here
     spec = model_spec_of(base)  # an unknown model or config, or a bad field, fails here
