@@ -4,9 +4,11 @@ placed as the simulator places them (``pipesim.sim.parallel``: ``ALLGATHER_PARAM
 each layer's forward and backward, ``REDUCE_SCATTER_DP`` after each layer's backward).
 
 FSDP2 lets a unit's collectives be replaced (``FSDPModule.set_custom_all_gather`` and
-``set_custom_reduce_scatter``, torch 2.8 on); ``time_unit`` hands each unit wrappers that
-call torch's default collective and mark the runtime's clock around it. Where the time
-goes: FSDP2 issues both collectives with ``async_op=False`` (the executor never asks for
+``set_custom_reduce_scatter``, added by pytorch/pytorch#155189 in mid-2025);
+``time_unit`` hands each unit wrappers that call torch's default collective and mark the
+runtime's clock around it.
+
+Where the time goes: FSDP2 issues both collectives with ``async_op=False`` (the executor never asks for
 an asynchronous unshard). On gloo that call blocks the rank until the collective is done,
 so the interval from issue to return is the time the rank was held. On a GPU FSDP2 calls
 them inside ``torch.cuda.stream`` of its all-gather or reduce-scatter stream, so the
@@ -41,7 +43,7 @@ from torch import nn
 
 from executor.data_parallel import PARAM_GATHER, REDUCE_SCATTER
 
-try:  # torch 2.8 on: the interfaces set_custom_all_gather/set_custom_reduce_scatter take
+try:  # torch with FSDP2's comm hooks: the interfaces set_custom_all_gather/set_custom_reduce_scatter take
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 except ImportError:  # older torch: FSDP's collectives are not drawn
@@ -76,7 +78,7 @@ class FsdpTimer:
 
 
 def hooks_available(unit: nn.Module) -> bool:
-    """Whether this torch lets a unit's collectives be replaced (torch 2.8 on)."""
+    """Whether this torch lets a unit's collectives be replaced (FSDP2's comm hooks)."""
     return AllGather is not None and all(hasattr(unit, hook) for hook in ("set_custom_all_gather",
                                                                           "set_custom_reduce_scatter"))
 
