@@ -104,6 +104,20 @@ def test_each_collective_lies_inside_the_action_it_serves(name: str) -> None:
         assert served.start <= event.start <= event.end <= served.end, event
 
 
+def test_the_summary_says_the_dp_time_was_spent_inside_compute_actions() -> None:
+    from executor.report import summary, summary_lines  # noqa: PLC0415
+
+    result = LAUNCHED.result("1f1b")
+    document = summary(result)
+    dp = document["comm"]["dp"]
+    # every dp event of a ZeRO-3 run is FSDP's, each inside a compute action: all of it is
+    # held there, none of it is exposed (the accounting gives the overlap to compute)
+    assert dp["inside_actions"] == pytest.approx(dp["total"]) and dp["total"] > 0
+    assert dp["exposed"] == pytest.approx(0.0, abs=1e-12)
+    line = next(line for line in summary_lines(result, document) if line.startswith("measured communication"))
+    assert "ZeRO-3's gathers and reduce-scatters" in line and "inside compute actions" in line
+
+
 def test_fsdp_events_travel_to_rank_0_as_numbers_and_back() -> None:
     program = (Action(0, "F", 0), Action(0, "B", 0))
     events = [fsdp_event(1, PARAM_GATHER, 1, Action(0, "F", 0), 0.5, 0.75),
