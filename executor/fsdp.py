@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from executor.architectures.moe import MixtureOfExperts
-from executor.fsdp_timing import ROOT_UNIT, FsdpTimer, time_unit
+from executor.fsdp_timing import FsdpTimer, time_unit
+from executor.gather import ROOT_UNIT
 from executor.mesh import axis_options
 
 

@@ -49,8 +49,6 @@ try:  # torch with FSDP2's comm hooks: the interfaces set_custom_all_gather/set_
 except ImportError:  # older torch: FSDP's collectives are not drawn
     AllGather = ReduceScatter = None
 
-ROOT_UNIT = -1  # the stage's own unit, beside its blocks' 0, 1, ...
-
 # (kind, stage, unit, action, start mark, end mark)
 Interval = tuple[str, int, int, object, object, object]
 

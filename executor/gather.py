@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from executor.data_parallel import ALL_REDUCE, PARAM_GATHER, REDUCE_SCATTER
-from executor.fsdp_timing import ROOT_UNIT
 from executor.inside_timing import CP_KIND, EP_KIND
 from schedules.action import COMPUTE_KINDS, Action, parse_action
 from schedules.schedule import Schedule
@@ -35,6 +34,8 @@ INSIDE_STREAMS = {TP_KIND: "tp", EP_KIND: "ep", CP_KIND: "cp"}
 INSIDE_KINDS = tuple(INSIDE_STREAMS)
 # an inside event's code is 1 + the index of its action's kind in COMPUTE_KINDS, plus
 # len(COMPUTE_KINDS) times the index of its own kind in INSIDE_KINDS
+# FSDP's unit that is a stage itself (embedding, final norm, head), beside its blocks' 0, 1, ...
+ROOT_UNIT = -1
 COLUMNS = 9  # index, start, end, stream, extra code, stage, microbatch, bucket, served kind
 
 

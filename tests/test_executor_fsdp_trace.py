@@ -23,8 +23,8 @@ import pytest
 
 from executor.config import even_layout
 from executor.data_parallel import PARAM_GATHER, REDUCE_SCATTER
-from executor.fsdp_timing import ROOT_UNIT, FsdpTimer, hooks_available, time_unit
-from executor.gather import decode, dp_event, encode, fsdp_event, inside_event
+from executor.fsdp_timing import FsdpTimer, hooks_available, time_unit
+from executor.gather import ROOT_UNIT, decode, dp_event, encode, fsdp_event, inside_event
 from executor.reference import reference_run
 from schedules.action import Action
 from schedules.generators import generate
