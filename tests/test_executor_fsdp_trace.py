@@ -148,3 +148,15 @@ def test_the_timer_records_the_action_running_when_a_collective_is_issued() -> N
     assert timer.take() == [(PARAM_GATHER, 0, 1, Action(0, "F", 0), 0, 1),
                             (REDUCE_SCATTER, 0, ROOT_UNIT, Action(0, "B", 0), 2, 3)]
     assert timer.take() == []
+
+
+def test_the_gpu_check_finds_the_collectives_and_fails_without_them() -> None:
+    """``scripts/gpu_check.py zero-ep`` runs this on NCCL, where the marks are CUDA events
+    on FSDP's own streams; here its verdict on a gloo Trace, and on one without them."""
+    from schedules.trace import Trace
+    from tests.test_gpu_check import gpu_check_module
+
+    drawn = gpu_check_module().fsdp_collectives_drawn
+    trace = LAUNCHED.result("1f1b")["trace"]
+    assert drawn({"trace": trace}) == 0
+    assert drawn({"trace": Trace([e for e in trace.events if e.stream != "dp"], trace.meta)}) == 1
