@@ -32,10 +32,10 @@ DP_KINDS = (ALL_REDUCE, REDUCE_SCATTER, PARAM_GATHER)  # a dp event's code is mi
 # collectives inside a compute action, by kind, and the stream each is drawn on
 INSIDE_STREAMS = {TP_KIND: "tp", EP_KIND: "ep", CP_KIND: "cp"}
 INSIDE_KINDS = tuple(INSIDE_STREAMS)
-# an inside event's code is 1 + the index of its action's kind in COMPUTE_KINDS, plus
-# len(COMPUTE_KINDS) times the index of its own kind in INSIDE_KINDS
 # FSDP's unit that is a stage itself (embedding, final norm, head), beside its blocks' 0, 1, ...
 ROOT_UNIT = -1
+# an inside event's code is 1 + the index of its action's kind in COMPUTE_KINDS, plus
+# len(COMPUTE_KINDS) times the index of its own kind in INSIDE_KINDS
 COLUMNS = 9  # index, start, end, stream, extra code, stage, microbatch, bucket, served kind
 
 
