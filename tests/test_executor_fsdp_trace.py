@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor.config import even_layout
 from executor.data_parallel import PARAM_GATHER, REDUCE_SCATTER
@@ -127,6 +129,16 @@ def test_fsdp_events_travel_to_rank_0_as_numbers_and_back() -> None:
     assert events[0].action == "0ALLGATHER_PARAMS[L1](0F0)" and events[1].action == "0REDUCE_SCATTER_DP[root](0B0)"
     assert (events[0].stream, events[0].stage, events[0].microbatch) == ("dp", 0, 0)
     assert decode(1, program, encode(program, events)) == events
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from((PARAM_GATHER, REDUCE_SCATTER)), st.integers(-1, 7),
+                          st.integers(0, 5), st.sampled_from("FBIW"), st.integers(0, 9),
+                          st.floats(0, 10, allow_nan=False), st.floats(0, 1, allow_nan=False)), max_size=12))
+def test_any_fsdp_events_survive_the_gather_encoding(rows: list) -> None:
+    events = [fsdp_event(0, kind, unit, Action(stage, served, microbatch), start, start + length)
+              for kind, unit, stage, served, microbatch, start, length in rows]
+    assert decode(0, (), encode((), events)) == events
 
 
 def test_a_module_without_fsdp_hooks_is_left_as_it_is() -> None:
