@@ -30,21 +30,31 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from executor.architectures.moe import MixtureOfExperts
+from executor.fsdp_timing import FsdpTimer, time_unit
+from executor.gather import ROOT_UNIT
 from executor.mesh import axis_options
 
 
-def shard_stage(stage: nn.Module, mesh: DeviceMesh, replicas: int, expert_mesh: DeviceMesh | None = None) -> None:
+def shard_stage(stage: nn.Module, mesh: DeviceMesh, replicas: int, expert_mesh: DeviceMesh | None = None,
+                timer: FsdpTimer | None = None, index: int = 0) -> None:
     """``fully_shard`` each block of ``stage`` over ``mesh`` (dp, or dp x cp), each routed
     expert first over ``expert_mesh`` when given, then the stage; the gradients summed
-    over the mesh and divided by ``replicas`` (dp)."""
-    for block in getattr(stage, "blocks", ()):
+    over the mesh and divided by ``replicas`` (dp). With a ``timer``, every unit's
+    collectives are timed as those of stage ``index`` (``executor.fsdp_timing``)."""
+    for layer, block in enumerate(getattr(stage, "blocks", ())):
         if expert_mesh is not None:
             for module in block.modules():
                 if isinstance(module, MixtureOfExperts):
                     for expert in module.experts.children():
-                        divide_by(fully_shard(expert, mesh=expert_mesh), expert_mesh, replicas)
-        divide_by(fully_shard(block, mesh=mesh), mesh, replicas)
-    divide_by(fully_shard(stage, mesh=mesh), mesh, replicas)
+                        unit = fully_shard(expert, mesh=expert_mesh)
+                        divide_by(unit, expert_mesh, replicas)
+                        time_unit(unit, timer, index, layer)
+        unit = fully_shard(block, mesh=mesh)
+        divide_by(unit, mesh, replicas)
+        time_unit(unit, timer, index, layer)
+    unit = fully_shard(stage, mesh=mesh)
+    divide_by(unit, mesh, replicas)
+    time_unit(unit, timer, index, ROOT_UNIT)
 
 
 def divide_by(unit: FSDPModule, mesh: DeviceMesh, replicas: int) -> None:
@@ -61,10 +71,11 @@ def divide_by(unit: FSDPModule, mesh: DeviceMesh, replicas: int) -> None:
 
 
 def shard_stages(stages: dict[int, nn.Module], mesh: DeviceMesh | None, cp: int, replicas: int,
-                 expert_group: dist.ProcessGroup | None, timeout: float) -> None:
+                 expert_group: dist.ProcessGroup | None, timeout: float, timer: FsdpTimer | None = None) -> None:
     """``shard_stage`` every stage of this rank: dense parameters over the dp axis of the
     run's ``mesh`` (with cp, its dp and cp axes flattened: the dp x cp ranks of one
-    (pp, tp) shard), routed experts over ``expert_group`` when expert parallelism gives one."""
+    (pp, tp) shard), routed experts over ``expert_group`` when expert parallelism gives one;
+    their collectives timed by ``timer`` when given."""
     options = axis_options(dist.get_backend(), timeout)
     if mesh is None:  # a world of one builds no mesh (executor.mesh): one over its one rank
         mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (1, 1), mesh_dim_names=("dp", "cp"))
@@ -76,5 +87,5 @@ def shard_stages(stages: dict[int, nn.Module], mesh: DeviceMesh | None, cp: int,
         ep = dense.size() // dist.get_world_size(expert_group)
         experts = dense._unflatten(0, (dense.size() // ep, ep), ("edp", "ep"),
                                    backend_override={"edp": options, "ep": options})["edp"]
-    for stage in stages.values():
-        shard_stage(stage, dense, replicas, experts)
+    for index, stage in stages.items():
+        shard_stage(stage, dense, replicas, experts, timer, index)

@@ -6,7 +6,9 @@ its stream: one float64 tensor that any backend can all-gather, with no object
 serialisation on the way. Collective events that are not program actions (a stage's dp
 bucket: all-reduce, reduce-scatter or parameter all-gather; a tp collective, an ep
 all-to-all or a ring attention's wait for a block inside a compute action) travel as
-index -1 with a kind code, their stage, microbatch and bucket.
+index -1 with a kind code, their stage, microbatch and bucket; ZeRO-3's (FSDP2's) gathers
+and reduce-scatters as dp events with their unit in the bucket's place and the kind of
+the action they serve in a column of their own.
 
 With dp or tp > 1 the gather runs along one pipeline (the pp group of the mesh): the
 Trace shows one replica's pipeline, as the simulator does, with its dp and tp streams.
@@ -30,9 +32,11 @@ DP_KINDS = (ALL_REDUCE, REDUCE_SCATTER, PARAM_GATHER)  # a dp event's code is mi
 # collectives inside a compute action, by kind, and the stream each is drawn on
 INSIDE_STREAMS = {TP_KIND: "tp", EP_KIND: "ep", CP_KIND: "cp"}
 INSIDE_KINDS = tuple(INSIDE_STREAMS)
+# FSDP's unit that is a stage itself (embedding, final norm, head), beside its blocks' 0, 1, ...
+ROOT_UNIT = -1
 # an inside event's code is 1 + the index of its action's kind in COMPUTE_KINDS, plus
 # len(COMPUTE_KINDS) times the index of its own kind in INSIDE_KINDS
-COLUMNS = 8  # index, start, end, stream, extra code, stage, microbatch, bucket
+COLUMNS = 9  # index, start, end, stream, extra code, stage, microbatch, bucket, served kind
 
 
 def dp_event(rank: int, stage: int, start: float, end: float, kind: str = ALL_REDUCE,
@@ -47,6 +51,27 @@ def bucket_of(event: TraceEvent) -> int:
     return int(event.action.rsplit("[", 1)[1].rstrip("]"))
 
 
+def fsdp_event(rank: int, kind: str, unit: int, action: Action, start: float, end: float) -> TraceEvent:
+    """One of FSDP2's collectives (ZeRO-3) for compute ``action`` on the ``dp`` stream: unit
+    ``unit``'s parameter all-gather (``0ALLGATHER_PARAMS[L1](0F2)``, as the simulator names
+    ZeRO-3's gathers) or its gradient reduce-scatter (``0REDUCE_SCATTER_DP[L1](0B2)``); the
+    stage's own unit (``ROOT_UNIT``) is ``root``."""
+    name = "root" if unit == ROOT_UNIT else f"L{unit}"
+    return TraceEvent(rank, f"{action.stage}{kind}[{name}]({action})", kind, action.stage, action.microbatch,
+                      start, end, "dp")
+
+
+def is_fsdp(event: TraceEvent) -> bool:
+    """Whether a dp event is one of FSDP2's, which serve an action (ZeRO-1/2's buckets serve the step)."""
+    return event.kind in DP_KINDS and event.action.endswith(")")
+
+
+def _fsdp_fields(event: TraceEvent) -> tuple[int, Action]:
+    """The unit and the served action in an FSDP event's name."""
+    unit, served = event.action.split("[", 1)[1].split("](", 1)
+    return (ROOT_UNIT if unit == "root" else int(unit[1:])), parse_action(served[:-1])
+
+
 def inside_event(rank: int, action: Action, start: float, end: float, kind: str = TP_KIND) -> TraceEvent:
     """One collective of ``kind`` (a tp collective, an ep all-to-all) issued inside compute
     ``action``, on its stream: ``TP(1F0)``, ``ALLTOALL_EP(1B2)``."""
@@ -56,30 +81,39 @@ def inside_event(rank: int, action: Action, start: float, end: float, kind: str 
 
 def encode(program: tuple[Action, ...], events: list[TraceEvent]) -> torch.Tensor:
     """Events as rows ``(index in program or -1, start, end, stream, extra code, stage,
-    microbatch, bucket)``; extra code ``-k`` is a dp bucket of kind ``DP_KINDS[k]``,
-    ``1 + k + j * len(COMPUTE_KINDS)`` a collective of kind ``INSIDE_KINDS[j]`` inside
-    an action of kind ``COMPUTE_KINDS[k]``."""
+    microbatch, bucket, served kind)``; extra code ``-k`` is a dp event of kind
+    ``DP_KINDS[k]`` (an FSDP one when its served kind, the index of its action's kind in
+    COMPUTE_KINDS, is not -1; its unit is in the bucket's place), ``1 + k + j *
+    len(COMPUTE_KINDS)`` a collective of kind ``INSIDE_KINDS[j]`` inside an action of kind
+    ``COMPUTE_KINDS[k]``."""
     position = {action: index for index, action in enumerate(program)}
     rows = []
     for e in events:
         stream = ALL_STREAMS.index(e.stream)
-        if e.kind in DP_KINDS:
-            rows.append((-1, e.start, e.end, stream, -DP_KINDS.index(e.kind), e.stage, e.microbatch, bucket_of(e)))
+        if is_fsdp(e):
+            unit, served = _fsdp_fields(e)
+            rows.append((-1, e.start, e.end, stream, -DP_KINDS.index(e.kind), e.stage, e.microbatch, unit,
+                         COMPUTE_KINDS.index(served.kind)))
+        elif e.kind in DP_KINDS:
+            rows.append((-1, e.start, e.end, stream, -DP_KINDS.index(e.kind), e.stage, e.microbatch, bucket_of(e), -1))
         elif e.kind in INSIDE_STREAMS:
             inner = e.action[len(e.kind) + 1:-1]
             code = 1 + COMPUTE_KINDS.index(parse_action(inner).kind) + len(COMPUTE_KINDS) * INSIDE_KINDS.index(e.kind)
-            rows.append((-1, e.start, e.end, stream, code, e.stage, e.microbatch, 0))
+            rows.append((-1, e.start, e.end, stream, code, e.stage, e.microbatch, 0, -1))
         else:
             index = position[Action(e.stage, e.kind, e.microbatch)]
-            rows.append((index, e.start, e.end, stream, -1, e.stage, e.microbatch, 0))
+            rows.append((index, e.start, e.end, stream, -1, e.stage, e.microbatch, 0, -1))
     return torch.tensor(rows, dtype=torch.float64).reshape(len(rows), COLUMNS)
 
 
 def decode(rank: int, program: tuple[Action, ...], rows: torch.Tensor) -> list[TraceEvent]:
     events = []
-    for index, start, end, stream, code, stage, microbatch, bucket in rows.tolist():
+    for index, start, end, stream, code, stage, microbatch, bucket, served in rows.tolist():
         if index >= 0:
             events.append(TraceEvent.of(rank, program[int(index)], start, end, ALL_STREAMS[int(stream)]))
+        elif code <= 0 and served >= 0:
+            action = Action(int(stage), COMPUTE_KINDS[int(served)], int(microbatch))
+            events.append(fsdp_event(rank, DP_KINDS[-int(code)], int(bucket), action, start, end))
         elif code <= 0:
             events.append(dp_event(rank, int(stage), start, end, DP_KINDS[-int(code)], int(bucket)))
         else:

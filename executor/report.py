@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from executor.gather import is_fsdp
 from schedules.metrics import comm_by_kind, step_metrics
 from schedules.units import duration, percent, time_unit
 
@@ -15,14 +16,20 @@ def summary(result: dict) -> dict:
     the measured makespan, bubble fraction and communication by kind (seconds summed
     over one pipeline's ranks) of the last step, and each rank's measured memory of the
     last step (``memory``: bytes by kind, ``executor.memory``) and, for DualPipeV, how its
-    overlapped pairs ran (``pairs``)."""
-    metrics = step_metrics(result["trace"])
+    overlapped pairs ran (``pairs``). ``comm["dp"]["inside_actions"]``: the part of dp
+    that ZeRO-3's (FSDP2's) collectives took inside the compute actions they serve
+    (``executor.fsdp_timing``), which the accounting counts as compute, so that a dp
+    "exposed 0" is not read as hidden communication."""
+    trace = result["trace"]
+    metrics = step_metrics(trace)
     comm = {kind: {"total": 0.0, "exposed": 0.0} for kind in ("p2p", "dp", "tp")}
-    for rank in comm_by_kind(result["trace"]):
+    for rank in comm_by_kind(trace):
         for kind, seconds in rank.items():  # ep where the trace has its all-to-alls
             comm.setdefault(kind, {"total": 0.0, "exposed": 0.0})
             comm[kind]["total"] += seconds["total"]
             comm[kind]["exposed"] += seconds["exposed"]
+    comm["dp"]["inside_actions"] = sum(event.duration for event in trace.events if event.stream == "dp"
+                                       and is_fsdp(event))
     return {
         "schedule": result["schedule"],
         "pp": result["pp"],
@@ -91,9 +98,11 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
 
     # The time sends spend in flight is summed over every send, and sends overlap each
     # other and the compute: a sum many times the step, so it stays in --json (p2p.total).
+    held = comm["dp"].get("inside_actions", 0.0)
+    inside = f"; ZeRO-3's gathers and reduce-scatters {took(held)} of it, inside compute actions" if held else ""
     lines.append("measured communication (last step, summed over one pipeline's ranks): "
                  f"blocked on p2p data in flight {took(comm['p2p']['exposed'])}; "
-                 f"dp {took(comm['dp']['total'])} (exposed {took(comm['dp']['exposed'])}); "
+                 f"dp {took(comm['dp']['total'])} (exposed {took(comm['dp']['exposed'])}{inside}); "
                  f"tp {took(comm['tp']['total'])}"
                  + "".join(f"; {kind} {took(comm[kind]['total'])} ({what})"
                            for kind, what in (("ep", "all-to-alls"), ("cp", "ring waits")) if kind in comm))

@@ -22,7 +22,7 @@ from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
 from executor.context_parallel import local_shape
 from executor.data_parallel import GradientAverager, local_tensor
-from executor.gather import CP_KIND, EP_KIND, TP_KIND, dp_event, gather_events, inside_event
+from executor.gather import CP_KIND, EP_KIND, TP_KIND, dp_event, fsdp_event, gather_events, inside_event
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
 from executor.models import PipelineModel, build_model, build_optimizer
@@ -131,11 +131,14 @@ class RankRun:
                 shard_experts(stage, expert_groups, self.ep_timer)
         unsharded = sum(local_tensor(p.detach()).numel() * p.element_size()
                         for stage in self.stages.values() for p in stage.parameters())
+        self.fsdp_timer = None
         if config.zero == 3:
             from executor.fsdp import shard_stages  # noqa: PLC0415
+            from executor.fsdp_timing import FsdpTimer  # noqa: PLC0415
 
+            self.fsdp_timer = FsdpTimer(lambda: self.runtime.current, self.clock.mark)
             shard_stages(self.stages, self.mesh.mesh, config.cp, config.dp,
-                         expert_groups.expert_dp_group if expert_groups else None, config.timeout)
+                         expert_groups.expert_dp_group if expert_groups else None, config.timeout, self.fsdp_timer)
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
@@ -277,11 +280,12 @@ class RankRun:
         return result
 
     def collective_events(self) -> list:
-        """This step's dp all-reduce buckets, tp collectives, ep all-to-alls and ring
-        attention's waits as Trace events (and the ring's attention core, kept for
-        ``gather_attention``). The collectives inside actions are timed in the runtime
-        clock's marks (CUDA events on a GPU); the dp buckets in host time, so on a GPU
-        they are left out (they would need events on the dp stream)."""
+        """This step's dp all-reduce buckets, FSDP's gathers and reduce-scatters, tp
+        collectives, ep all-to-alls and ring attention's waits as Trace events (and the
+        ring's attention core, kept for ``gather_attention``). The collectives inside
+        actions are timed in the runtime clock's marks (CUDA events on a GPU, FSDP's on
+        its own streams); the dp buckets in host time, so on a GPU they are left out
+        (they would need events on the dp stream)."""
         reductions = self.wait_for("in the dp all-reduce", self.averager.finish) if self.averager is not None else []
         clock = self.runtime.clock
         events = []
@@ -294,6 +298,9 @@ class RankRun:
             collectives = timer.take() if timer is not None else []
             events += [inside_event(self.pp_rank, action, clock.seconds(start), clock.seconds(end), kind)
                        for action, start, end in collectives if action is not None]
+        if self.fsdp_timer is not None:
+            events += [fsdp_event(self.pp_rank, kind, unit, action, clock.seconds(start), clock.seconds(end))
+                       for kind, _, unit, action, start, end in self.fsdp_timer.take() if action is not None]
         return events + self.dp_events(reductions)
 
     def dp_events(self, timings: list) -> list:

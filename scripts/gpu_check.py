@@ -32,7 +32,9 @@ Two GPUs and more:
     ring-attention  >= 2 GPUs: the same with --cp-comm p2p (K/V and their gradients passed
                     round the ring by batch_isend_irecv)
     zero-ep         >= 2 GPUs: a shrunk Mixtral, dp 2 ep 2 with ZeRO-3 (FSDP2, the experts
-                    their own units), float64 on NCCL against the CPU reference
+                    their own units), float64 on NCCL against the CPU reference; its
+                    Trace holds FSDP2's gathers and reduce-scatters (CUDA events on
+                    FSDP's own streams), each of non-negative length within the step
 
 ``--dry-run`` runs the same logic on CPU with gloo and tiny sizes, so the script's own
 flow can be checked on a machine without a GPU (``tests/test_gpu_check.py``); its
@@ -410,11 +412,30 @@ def ring_attention(args: argparse.Namespace) -> int:
 
 
 def zero_ep(args: argparse.Namespace) -> int:
-    return parallel_numerics(args, "dp 2 ep 2 zero 3", dp=2, ep=2, zero=3, model="mixtral-8x7b", experts=4)
+    return parallel_numerics(args, "dp 2 ep 2 zero 3", dp=2, ep=2, zero=3, model="mixtral-8x7b", experts=4,
+                             also=fsdp_collectives_drawn)
 
 
-def parallel_numerics(args: argparse.Namespace, label: str, **layout) -> int:
-    """A float64 run of ``layout`` on the devices against the CPU one-process reference."""
+def fsdp_collectives_drawn(result: dict) -> int:
+    """0 when the run's Trace holds FSDP2's all-gathers and reduce-scatters
+    (``executor.fsdp_timing``), each of non-negative length and within the step."""
+    from collections import Counter
+
+    from executor.gather import is_fsdp
+
+    events = result["trace"].events
+    fsdp = [event for event in events if event.stream == "dp" and is_fsdp(event)]
+    step_end = max(event.end for event in events)
+    kinds = Counter(event.kind for event in fsdp)
+    bad = [event.action for event in fsdp if not 0.0 <= event.start <= event.end <= step_end + 1e-9]
+    print(f"FSDP collectives in the Trace: {dict(kinds)}, {sum(e.duration for e in fsdp) * 1e3:.3f} ms; "
+          f"{len(bad)} outside the step or of negative length {bad[:3]}")
+    return 0 if len(kinds) == 2 and not bad else 1
+
+
+def parallel_numerics(args: argparse.Namespace, label: str, also=None, **layout) -> int:
+    """A float64 run of ``layout`` on the devices against the CPU one-process reference
+    (and ``also(result)``'s status, when given: a check of the run's own result)."""
     from executor.config import RunConfig
     from executor.launch import launch
     from executor.reference import reference_run
@@ -429,7 +450,8 @@ def parallel_numerics(args: argparse.Namespace, label: str, **layout) -> int:
     print(f"{label} on {device['backend']}: losses {device['losses']}")
     print(f"reference (CPU float64): losses {reference['losses']}")
     print(f"max |loss difference| {loss_error:.3e}, max |gradient difference| {grad_error:.3e} (bound 1e-9)")
-    return 0 if loss_error < 1e-9 and grad_error < 1e-9 else 1
+    status = 0 if loss_error < 1e-9 and grad_error < 1e-9 else 1
+    return max(status, also(device)) if also is not None else status
 
 
 CHECKS = {"numerics": numerics, "architectures": architectures, "recompute": recompute, "zero": zero,

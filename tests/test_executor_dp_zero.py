@@ -27,7 +27,7 @@ TINY_BUCKETS = 0.0005  # MiB: a few parameters a bucket, so every stage has many
 # pipeline (tp-split DTensor parameters; the norms' gradients are partial sums over tp).
 CASES = [(0, "1f1b", ""), (1, "1f1b", ""), (2, "1f1b", ""), (2, "1f1b", "IW"), (1, "interleaved-1f1b", "whole"),
          (2, "1f1b", "tp-sp"), (3, "interleaved-1f1b", "")]
-# ZeRO-3 is FSDP2's: its collectives are its own and are not in the Trace.
+# ZeRO-3 is FSDP2's: its collectives serve each unit's actions (tests/test_executor_fsdp_trace.py).
 TRACED = [case for case in CASES if case[0] < 3]
 _results: dict[tuple, dict] = {}
 
