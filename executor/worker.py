@@ -325,6 +325,10 @@ class RankRun:
                 "microbatches": schedule.microbatches, "source": "measured", "backend": self.backend,
                 "world_size": self.world, "step": len(self.losses) - 1, **shape,
                 "one_timeline": self.one_timeline}  # every rank's events from one start (executor.clock)
+        if self.fsdp_timer is not None and self.device.type == "cpu":
+            # FSDP2's collectives held the rank inside its actions (synchronous on gloo,
+            # executor.fsdp_timing); on a GPU they run on FSDP's own streams beside the compute
+            meta["dp_held_inside_actions"] = True
         if any(schedule.fused):  # what the simulator must charge a pair (pipesim.sim.overlap)
             meta.update(pairs_overlap=self.runtime.lanes.overlaps, pairs_overlapped=self.runtime.pairs_overlapped,
                         pairs=len(schedule.fused_pairs(self.pp_rank)))

@@ -17,7 +17,7 @@ from schedules.units import number
 from tests.test_viz import event, two_rank_step
 from viz.colors import KIND_COLORS, STEP_STREAM_STYLES, chunk_color
 from viz.gantt import gantt_figure
-from viz.lanes import COMPUTE_LANE, STREAM_LABELS
+from viz.lanes import COMPUTE_LANE, HELD_DP_LABEL, STREAM_LABELS, dp_label
 from viz.sweep import OOM_NAME, sweep_figure
 from viz.topology import TITLE_WIDTH, positions, topology_figure
 from viz.transfers import as_transfers
@@ -170,6 +170,29 @@ def test_tp_dp_optimizer_and_waits_sit_in_the_compute_lane():
     assert pieces and all(y == pytest.approx(1 + COMPUTE_LANE[0]) for _, _, y in pieces)
     assert min(base for base, _, _ in pieces) == pytest.approx(7.2)
     assert sum(width for _, width, _ in pieces) == pytest.approx(0.3)
+
+
+def test_zero_3_collectives_that_held_the_rank_are_drawn_over_its_compute():
+    # a measured gloo run's FSDP2 gather inside the forward it serves held the rank there
+    # (the run says so: dp_held_inside_actions): drawn over the F bar, as tp's are; the
+    # same event in a simulated trace (prefetched beside the compute) stays beneath it
+    ms = 1e-3
+    gather = TraceEvent(0, "0ALLGATHER_PARAMS[L1](0F0)", "ALLGATHER_PARAMS", 0, 0, 0.2 * ms, 0.5 * ms, "dp")
+    bucket = TraceEvent(0, "0REDUCE_SCATTER_DP[0]", "REDUCE_SCATTER_DP", 0, -1, 9.2 * ms, 9.6 * ms, "dp")
+    for held, over in ((True, True), (False, False)):
+        trace = two_rank_step()
+        trace.meta = {**trace.meta, "source": "measured", "dp_held_inside_actions": held}
+        trace.events += [gather, bucket]
+        order = [drawn.name for drawn in gantt_figure([trace]).data]
+        if over:
+            assert order.index(HELD_DP_LABEL) > order.index("B backward")
+            drawn = layer(gantt_figure([trace]), HELD_DP_LABEL)
+            assert list(drawn.x) == [pytest.approx(0.3)] and list(drawn.base) == [pytest.approx(0.2)]
+            # the step's bucket serves no action: beneath the compute, as before
+            assert order.index(dp_label({"REDUCE_SCATTER_DP"})) < order.index("F forward")
+        else:
+            assert HELD_DP_LABEL not in order
+            assert order.index(dp_label({"ALLGATHER_PARAMS", "REDUCE_SCATTER_DP"})) < order.index("F forward")
 
 
 # -- Gantt: large schedules ------------------------------------------------------------

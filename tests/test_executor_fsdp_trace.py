@@ -104,6 +104,8 @@ def test_each_collective_lies_inside_the_action_it_serves(name: str) -> None:
         served = compute[(event.rank, unit_and_action(event)[1])]
         assert (event.stage, event.microbatch) == (served.stage, served.microbatch)
         assert served.start <= event.start <= event.end <= served.end, event
+    # on CPU they held the rank there (synchronous on gloo): the chart draws them over the bar
+    assert LAUNCHED.result(name)["trace"].meta["dp_held_inside_actions"] is True
 
 
 def test_the_summary_says_the_dp_time_was_spent_inside_compute_actions() -> None:

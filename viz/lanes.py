@@ -114,6 +114,21 @@ DP_LABELS = (
 )
 
 
+HELD_DP_LABEL = "dp: ZeRO-3 gathers and reduce-scatters the rank was held in, inside its actions"
+HELD_DP_PATTERN = "x"
+
+
+def held_inside_actions(event: TraceEvent, meta: dict) -> bool:
+    """Whether ``event`` (on the dp stream) held its rank inside the action it serves, so
+    that it is drawn over the compute bar as tp's collectives are, not beneath it where
+    the bar would hide it: a collective that serves an action (ZeRO-3's, named
+    ``0ALLGATHER_PARAMS[L1](0F2)`` by the simulator and the executor alike) in a trace
+    whose run says its ZeRO-3 collectives held the rank (``dp_held_inside_actions``: the
+    executor's FSDP2 on CPU, where they are synchronous). The simulator's are prefetched
+    and overlapped beside the compute, and stay beneath it."""
+    return bool(meta.get("dp_held_inside_actions")) and event.action.endswith(")")
+
+
 def dp_label(kinds: set[str]) -> str:
     """The dp lane's name for the collectives it holds: an all-reduce, or ZeRO's
     reduce-scatter, with ZeRO-3's parameter gathers named as such."""
@@ -172,6 +187,7 @@ def layers_of(trace: Trace) -> list[Layer]:
     """The layers of ``trace`` in drawing order: waits first (underneath; the bubble
     part, then the exposed-communication part), the gradient all-reduce and the idle
     tail, compute kinds in F, B, I, W order (by chunk),
+    the dp collectives that held the rank inside its actions (``held_inside_actions``),
     the other in-lane step parts (tp, optimizer), sends, then any
     unknown stream by name."""
     chunks = chunks_in(trace)
@@ -183,6 +199,7 @@ def layers_of(trace: Trace) -> list[Layer]:
     steps: dict[str, Layer] = {}
     others: dict[str, Layer] = {}
     overhead = Layer(OVERHEAD_LABEL, OVERHEAD_COLOR, COMPUTE_LANE)
+    held = Layer(HELD_DP_LABEL, STEP_STREAM_STYLES["dp"][1], COMPUTE_LANE, pattern=HELD_DP_PATTERN)
     for event in [*trace.events, *idle_tails(trace), *lane_gaps(trace)]:
         stream = event.stream
         if stream == "bubble":  # the fill before a rank's first event
@@ -199,6 +216,8 @@ def layers_of(trace: Trace) -> list[Layer]:
             continue  # drawn below, cut into their bubble and exposed pieces
         elif stream == "send":
             send.events.append(event)
+        elif stream == "dp" and held_inside_actions(event, trace.meta):
+            held.events.append(event)
         elif stream in STEP_STREAM_STYLES:
             layer = steps.get(stream)
             if layer is None:
@@ -218,6 +237,6 @@ def layers_of(trace: Trace) -> list[Layer]:
         steps["dp"].label = dp_label({event.kind for event in steps["dp"].events})
     under = [steps[name] for name in UNDER_COMPUTE if name in steps]
     over = [steps[name] for name in STEP_STREAM_STYLES if name in steps and name not in UNDER_COMPUTE]
-    layers = [bubble, recv, overhead, *under, *(compute[key] for key in ordered), *over, send,
+    layers = [bubble, recv, overhead, *under, *(compute[key] for key in ordered), held, *over, send,
               *(others[name] for name in sorted(others))]
     return [layer for layer in layers if layer.events]
