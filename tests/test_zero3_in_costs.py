@@ -107,3 +107,46 @@ def test_compare_writes_the_flag_its_simulate_command_needs():
     # compare's reproduction line (pipesim.cli.calibration_files.simulate_command)
     assert parallel_flags(in_costs())[-2:] == ["--zero3-collectives", "in-costs"]
     assert "--zero3-collectives" not in parallel_flags(ParallelConfig(dp=2, zero=3))
+
+
+TINY_ZERO3 = ["--schedule", "1f1b", "--pp", "2", "--dp", "2", "--zero", "3", "--model", "gpt", "--layers", "2",
+              "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "8", "--microbatches", "2",
+              "--backend", "gloo"]
+
+
+@pytest.mark.timeout(240)
+def test_compare_zero3_on_gloo_predicts_the_collectives_inside_the_measured_actions(tmp_path, capsys):
+    link = {"bandwidth": 1e9, "latency": 1e-4, "medium": "gloo measured"}
+    links = {"devices": [{"name": f"rank{rank}"} for rank in range(4)],
+             "links": [{"src": f"rank{a}", "dst": f"rank{b}", **link} for a in range(4) for b in range(a + 1, 4)]}
+    (tmp_path / "links.json").write_text(json.dumps(links))
+    assert main(["compare", *TINY_ZERO3, "--steps", "2", "--warmup-steps", "1", "--calibration-steps", "1",
+                 "--topology", str(tmp_path / "links.json"), "--json", str(tmp_path / "compare.json"),
+                 "--trace", str(tmp_path / "measured.json"), "--predicted-trace", str(tmp_path / "predicted.json"),
+                 "--quiet"]) == 0
+    measured = json.loads((tmp_path / "measured.json").read_text())["events"]
+    # the run: FSDP2's gathers and reduce-scatters, each inside the compute action it serves
+    collectives = [event for event in measured if event["stream"] == "dp"]
+    assert {event["kind"] for event in collectives} == {"ALLGATHER_PARAMS", "REDUCE_SCATTER_DP"}
+    compute = {(event["rank"], event["action"]): event for event in measured if event["stream"] == "compute"}
+    for event in collectives:
+        action = compute[event["rank"], event["action"][event["action"].index("(") + 1:-1]]
+        assert action["start"] <= event["start"] <= event["end"] <= action["end"]
+    # the prediction: those actions at their calibrated costs (each drawn with the runtime's
+    # per-action overhead before it), and nothing charged for the collectives beside them
+    # (no gather waited for, no reduce-scatter, no slowdown, no all-reduce)
+    predicted = json.loads((tmp_path / "predicted.json").read_text())["events"]
+    assert not [event for event in predicted if event["stream"] == "dp"]
+    costs = json.loads((tmp_path / "compare.json").read_text())["costs"]
+    for event in predicted:
+        if event["stream"] == "compute":
+            seconds = costs["stages"][event["stage"]]["fwd" if event["kind"] == "F" else "bwd"]
+            assert event["end"] - event["start"] == pytest.approx(seconds + costs["action_overhead"])
+
+
+def test_compare_zero3_on_gloo_refuses_a_stage_profile_in_one_line(capsys):
+    # the stage profile times one replica's stages alone, without FSDP's collectives
+    assert main(["compare", *TINY_ZERO3, "--calibration", "stages"]) == 2
+    error = capsys.readouterr().err
+    assert "--calibration stages times whole pipeline stages, not --zero 3 shards" in error
+    assert error.count("\n") == 1
