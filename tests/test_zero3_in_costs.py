@@ -9,6 +9,8 @@ import contextlib
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipesim.cli import main
 from pipesim.cli.calibration_files import parallel_flags
@@ -16,6 +18,7 @@ from pipesim.cluster.files import topology_from_dict
 from pipesim.model.costs import Costs, StageCost
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
+from pipesim.sim.zero import ZERO3_COLLECTIVES, ZERO_STAGES
 from schedules import generate
 
 MB = 1e6
@@ -72,6 +75,43 @@ def test_in_costs_needs_zero_3():
         ParallelConfig(dp=2, zero=2, zero3_collectives="in-costs")
     with pytest.raises(ValueError, match="--zero3-collectives 'sync' is not one of: overlapped, in-costs"):
         ParallelConfig(dp=2, zero=3, zero3_collectives="sync")
+
+
+@settings(max_examples=40, deadline=None)
+@given(zero=st.sampled_from(ZERO_STAGES), collectives=st.sampled_from([*ZERO3_COLLECTIVES, "", "In-Costs", "sync"]))
+def test_the_flag_is_taken_exactly_where_it_means_something(zero, collectives):
+    valid = collectives == "overlapped" or (collectives == "in-costs" and zero == 3)
+    if valid:
+        assert ParallelConfig(dp=2, zero=zero, zero3_collectives=collectives).zero3_collectives == collectives
+    else:
+        with pytest.raises(ValueError, match="--zero3-collectives"):
+            ParallelConfig(dp=2, zero=zero, zero3_collectives=collectives)
+
+
+def mesh(devices: int) -> dict:
+    return {"devices": [{"name": f"g{index}", "memory_bytes": 80e9} for index in range(devices)],
+            "links": [{"src": f"g{a}", "dst": f"g{b}", "bandwidth": 10e9, "latency": 1e-5}
+                      for a in range(devices) for b in range(a + 1, devices)]}
+
+
+@settings(max_examples=25, deadline=None)
+@given(schedule=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]), pp=st.sampled_from([2, 3]),
+       rounds=st.integers(1, 3), forward=st.floats(1e-4, 1e-2), backward=st.floats(1e-4, 2e-2),
+       optimizer=st.floats(0, 1e-2))
+def test_in_costs_charges_the_step_nothing_beyond_one_replicas_pipeline(schedule, pp, rounds, forward, backward,
+                                                                          optimizer):
+    # whatever the schedule and costs, a dp 2 ZeRO-3 step with the collectives in the
+    # costs is the pipeline of one replica alone (dp 1: no data-parallel collective at all)
+    # and its optimizer; every link its own, so the other replica's transfers share none
+    virtual = 2 if schedule == "interleaved-1f1b" else 1
+    plan = generate(schedule, pp, pp * rounds, virtual_stages=virtual)
+    stage = StageCost(fwd=forward, bwd=backward, act_bytes=1e5, param_bytes=50 * MB, layers=2)
+    costs = Costs(stages=(stage,) * plan.num_stages, step_overhead=optimizer)
+    topology = topology_from_dict(mesh(2 * pp))
+    zero3 = run_simulation(plan, costs, topology, parallel=in_costs())
+    alone = run_simulation(plan, costs, topology, parallel=ParallelConfig(dp=1))
+    assert zero3.metrics.makespan == pytest.approx(alone.metrics.makespan, rel=1e-12)
+    assert not [event for event in zero3.trace.events if event.stream == "dp"]
 
 
 SIMULATE = ["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--dp", "2"]
