@@ -43,7 +43,8 @@ pays their collectives:
   under the layer before (on a free channel ``pipesim.sim.zero.exposed_gather_seconds``,
   FSDP's one-ahead prefetch). Each layer's gradient is reduce-scattered on the dp
   channel as its backward (B, or W) produces it, every microbatch; nothing is gathered
-  after the optimizer step.
+  after the optimizer step. With ``zero3_collectives`` ``in-costs`` neither is charged:
+  the costs' actions already hold them (``pipesim.sim.zero``, FSDP2 on gloo).
 - the optimizer step (``Costs.step_overhead``) follows the rank's last reduction, and
   the slowdown the reductions beside the compute cost it (``pipesim.sim.comm_overlap``).
 
