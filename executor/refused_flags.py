@@ -36,7 +36,7 @@ REFUSED_FLAGS: dict[str, tuple[int | str | None, tuple[str, ...]]] = {
     **by_owners(SIMULATE, ONE, "--act-bytes", "--attention-flops", "--bwd", "--bytes-per-param", "--chrome-trace",
             "--collective", "--costs", "--dtype-bytes", "--fwd", "--memory-limit", "--microbatch-size", "--nodes",
             "--optimizer-moments", "--overlap-slowdown", "--param-bytes", "--rank-order", "--stash-bytes",
-            "--wgrad", "--wgrad-stash-share"),
+            "--wgrad", "--wgrad-stash-share", "--zero3-collectives"),
     **by_owners(SIMULATE, SWITCH, "--fail-on-oom", "--no-dp-overlap", "--no-flash-attention",
             "--no-param-gather-overlap", "--no-tp-overlap"),
     **by_owners(BOTH, ONE, "--comm-sms", "--compute-model", "--ep-dispatch", "--gpu", "--jitter", "--max-actions",

@@ -118,6 +118,7 @@ class Job:
     no_param_gather_overlap: bool = False
     overlap_slowdown: float = OVERLAP_SLOWDOWN
     zero: int = 0
+    zero3_collectives: str = "overlapped"  # pipesim.sim.zero.ZERO3_COLLECTIVES
     collective: str = "ring"
     bytes_per_param: str = "2,2,12"
     optimizer_moments: str = "fp32"  # pipesim.sim.memory.OPTIMIZER_MOMENTS
@@ -350,14 +351,16 @@ def parallel_of(job):
     return _parallel(job.dp, job.tp, job.rank_order, job.bucket_mb, job.no_dp_overlap, job.collective, job.zero,
                      job.bytes_per_param, job.cp, job.ep, job.cp_comm, job.memory_headroom,
                      getattr(job, "no_tp_overlap", False), getattr(job, "no_param_gather_overlap", False),
-                     getattr(job, "overlap_slowdown", OVERLAP_SLOWDOWN), getattr(job, "optimizer_moments", "fp32"))
+                     getattr(job, "overlap_slowdown", OVERLAP_SLOWDOWN), getattr(job, "optimizer_moments", "fp32"),
+                     getattr(job, "zero3_collectives", "overlapped"))
 
 
 @functools.lru_cache(maxsize=1024)
 def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap: bool, collective: str, zero: int,
               bytes_per_param: str, cp: int = 1, ep: int = 1, cp_comm: str = "p2p", memory_headroom: str = "auto",
               no_tp_overlap: bool = False, no_param_gather_overlap: bool = False,
-              overlap_slowdown: float = OVERLAP_SLOWDOWN, optimizer_moments: str = "fp32"):
+              overlap_slowdown: float = OVERLAP_SLOWDOWN, optimizer_moments: str = "fp32",
+              zero3_collectives: str = "overlapped"):
     from pipesim.sim.headroom import parse_headroom
     from pipesim.sim.memory import parse_bytes_per_param, with_optimizer_moments
     from pipesim.sim.parallel import ParallelConfig
@@ -368,7 +371,22 @@ def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap
                           overlap_dp=not no_dp_overlap, algorithm=collective, zero=zero,
                           bytes_per_param=per_param, cp=cp, ep=ep, cp_comm=cp_comm,
                           memory_headroom=parse_headroom(memory_headroom), overlap_tp=not no_tp_overlap,
-                          overlap_param_gather=not no_param_gather_overlap, overlap_slowdown=overlap_slowdown)
+                          overlap_param_gather=not no_param_gather_overlap, overlap_slowdown=overlap_slowdown,
+                          zero3_collectives=zero3_collectives)
+
+
+def check_zero3_in_costs(job) -> None:
+    """Refuse ``--zero3-collectives in-costs`` where it cannot be right: without ``--zero
+    3`` (``pipesim.sim.zero.check_zero3_collectives``), and without a costs file, since it
+    charges nothing for the collectives beside the actions and only measured stage times
+    hold them."""
+    from pipesim.sim.zero import ZERO3_OVERLAPPED, check_zero3_collectives
+
+    collectives = check_zero3_collectives(getattr(job, "zero3_collectives", ZERO3_OVERLAPPED), job.zero)
+    if collectives != ZERO3_OVERLAPPED and not getattr(job, "costs", None):
+        raise ValueError(f"--zero3-collectives {collectives} charges nothing for ZeRO-3's collectives beside the "
+                         "actions: their time must be in measured stage times; give --costs (e.g. from "
+                         "compare --costs-out on gloo) or drop the flag")
 
 
 def check_parallel_layout(job) -> None:
@@ -392,6 +410,7 @@ def check_parallel_layout(job) -> None:
     problem = expert_group_problem(dp, cp, ep)
     if problem:
         raise ValueError(problem)
+    check_zero3_in_costs(job)
     if not getattr(job, "model", None):
         calibrated = calibrated_shards(job.costs) if getattr(job, "costs", None) else {}
         for flag, value, what in (("--ep", ep, "a mixture of experts' routed experts"),

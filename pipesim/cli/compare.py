@@ -45,6 +45,7 @@ from pipesim.cli.held_collectives import calibrate_held, held_collectives, held_
 from pipesim.cli.profile import add_profile_arguments, check_profile_arguments
 from pipesim.cli.progress import StepWatcher, add_quiet_arg, progress_from_args
 from pipesim.cli.variability import add_variability_args, variability_from_args
+from pipesim.sim.zero import ZERO3_IN_COSTS, ZERO3_OVERLAPPED
 from schedules.metrics import makespan
 from schedules.units import duration
 
@@ -100,19 +101,41 @@ def replicas(config):
     one where DTensor issues it); ``ep`` ranks, whose all-to-alls the calibration takes
     out of the measured compute and the simulator prices from the links
     (``executor.inside_timing``); ``cp`` ranks, whose ring's exposed waits the same
-    (with ``--cp-comm all-gather`` the gathers stay in the measured compute)."""
+    (with ``--cp-comm all-gather`` the gathers stay in the measured compute); under
+    ``--zero 3``, ZeRO-3 with its collectives where the run has them
+    (``zero3_collectives``)."""
     from pipesim.sim.parallel import ParallelConfig  # noqa: PLC0415
 
+    zero3 = {"zero": 3, "zero3_collectives": zero3_collectives(config)} if config.zero == 3 else {}
     return ParallelConfig(dp=config.dp, bucket_bytes=config.dp_bucket_mb * 2**20, tp=config.tp, cp=config.cp,
-                          ep=config.ep, overlap_tp=False)
+                          ep=config.ep, overlap_tp=False, **zero3)
+
+
+def zero3_collectives(config) -> str:
+    """Where the run's FSDP2 gathers and reduce-scatters run, as the simulator names it
+    (``pipesim.sim.zero.ZERO3_COLLECTIVES``). On gloo FSDP2 issues them synchronously
+    (``async_op=False``): the rank is blocked in them inside its F and B actions, so the
+    calibration steps' action times (``executor.run_costs``) already hold them, and
+    ``in-costs`` keeps the simulator from charging them again (prefetch waits,
+    reduce-scatters beside the backward, the overlap slowdown). Before this rule compare
+    predicted a ZeRO-3 run as a DDP one: a gradient all-reduce after the last backward
+    on top of costs that held the reduce-scatters (tiny gpt, dp 2 pp 2: 6.6 ms of a
+    139 ms prediction). On NCCL FSDP2 runs them on its own CUDA streams beside the
+    compute, which ``overlapped`` (the default) models."""
+    from executor.process import resolve_backend  # noqa: PLC0415 - loads torch, as compare's run does
+    return ZERO3_IN_COSTS if resolve_backend(config.backend) == "gloo" else ZERO3_OVERLAPPED
 
 
 
 def check_whole_stages(config, source: str, meta: dict | None = None) -> None:
     """Refuse costs of whole pipeline stages (the stage profile, a file written by hand)
-    for a run split into tp, cp or ep shards: they hold neither a shard's compute nor its
-    collectives. Costs read off the run's own steps (``executor.run_costs``) time shards."""
+    for a run split into tp, cp or ep shards, or into ZeRO-3 shards on gloo: they hold
+    neither a shard's compute nor its collectives (FSDP2's on gloo, which the simulator
+    then charges nothing for: ``zero3_collectives``). Costs read off the run's own steps
+    (``executor.run_costs``) time shards."""
     split = [(flag, size) for flag, size in (("--tp", config.tp), ("--cp", config.cp), ("--ep", config.ep)) if size > 1]
+    if config.zero == 3 and config.dp > 1 and zero3_collectives(config) == ZERO3_IN_COSTS:
+        split.append(("--zero", 3))
     if split and (meta or {}).get("source") != RUN_CALIBRATED:
         given = " ".join(f"{flag} {size}" for flag, size in split)
         raise ValueError(f"{source} times whole pipeline stages, not {given} shards; calibrate on the run's own "

@@ -217,6 +217,7 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
     simulate a step), rank order, gradient buckets, ZeRO, collectives, bytes per parameter."""
     from pipesim.cluster.mapping import DEFAULT_ORDER
     from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN
+    from pipesim.sim.zero import ZERO3_COLLECTIVES, ZERO3_OVERLAPPED
 
     group = parser.add_argument_group("data, tensor, context and expert parallelism, memory")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
@@ -250,6 +251,12 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
                        "parameters after the optimizer step); 2 gradients too (reduce-scattered after every "
                        "backward); 3 parameters too (FSDP: each layer gathered before its forward and backward, "
                        "prefetched one ahead) (default: 0, all-reduce)")
+    group.add_argument("--zero3-collectives", choices=ZERO3_COLLECTIVES, default=ZERO3_OVERLAPPED,
+                       help="--zero 3: where the gathers and reduce-scatters run: overlapped (on their own streams, "
+                       "prefetched one layer ahead and beside the backward, as FSDP2 on GPUs, torchtitan and "
+                       "Megatron-Core run them) or in-costs (synchronous inside the actions, their time already in "
+                       "the --costs stage times, as FSDP2 runs on gloo and compare measures it: nothing charged "
+                       "beside the actions; needs --costs) (default: overlapped)")
     group.add_argument("--collective", choices=("ring", "tree"), default="ring",
                        help="all-reduce algorithm (default: ring)")
     group.add_argument("--bytes-per-param", default="2,2,12",

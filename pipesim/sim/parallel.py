@@ -43,7 +43,8 @@ pays their collectives:
   under the layer before (on a free channel ``pipesim.sim.zero.exposed_gather_seconds``,
   FSDP's one-ahead prefetch). Each layer's gradient is reduce-scattered on the dp
   channel as its backward (B, or W) produces it, every microbatch; nothing is gathered
-  after the optimizer step.
+  after the optimizer step. With ``zero3_collectives`` ``in-costs`` neither is charged:
+  the costs' actions already hold them (``pipesim.sim.zero``, FSDP2 on gloo).
 - the optimizer step (``Costs.step_overhead``) follows the rank's last reduction, and
   the slowdown the reductions beside the compute cost it (``pipesim.sim.comm_overlap``).
 
@@ -87,7 +88,10 @@ from pipesim.sim.expert_parallel import ep_collective_seconds
 from pipesim.sim.headroom import DEFAULT_HEADROOM, Headroom, parse_headroom
 from pipesim.sim.memory import BytesPerParam
 from pipesim.sim.zero import (
+    ZERO3_OVERLAPPED,
+    charges_collectives,
     check_zero,
+    check_zero3_collectives,
     gather_units,
     gathers_after_optimizer,
     gathers_per_layer,
@@ -124,7 +128,9 @@ class ParallelConfig:
     parallelism (``overlap_tp``, Megatron-Core's ``--tp-comm-overlap``), the parameter
     all-gathers of ZeRO-1 and 2 with the next step's forwards (``overlap_param_gather``,
     ``--overlap-param-gather``), and the share compute slows by while a collective runs
-    beside it (``overlap_slowdown``)."""
+    beside it (``overlap_slowdown``); under ZeRO-3, whether its gathers and reduce-scatters
+    run beside the compute or are already in the actions' costs (``zero3_collectives``,
+    ``pipesim.sim.zero``)."""
 
     dp: int = 1
     tp: int = 1
@@ -141,9 +147,11 @@ class ParallelConfig:
     overlap_tp: bool = True
     overlap_param_gather: bool = True
     overlap_slowdown: float = OVERLAP_SLOWDOWN
+    zero3_collectives: str = ZERO3_OVERLAPPED
 
     def __post_init__(self) -> None:
         check_zero(self.zero)
+        check_zero3_collectives(self.zero3_collectives, self.zero)
         check_cp_comm(self.cp_comm)
         check_slowdown(self.overlap_slowdown)
 
@@ -191,21 +199,24 @@ class CommPlan:
 def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: RankMapping,
               bucket_bytes: float = DDP_BUCKET_BYTES, overlap_dp: bool = True, algorithm: str = "ring",
               zero: int = 0, cp_comm: str = "p2p", overlap_tp: bool = True, overlap_param_gather: bool = True,
-              slowdown: float = OVERLAP_SLOWDOWN) -> CommPlan:
+              slowdown: float = OVERLAP_SLOWDOWN, zero3_collectives: str = ZERO3_OVERLAPPED) -> CommPlan:
     """The tp, ep, cp and dp collective costs of every stage on its rank's groups, with
     what runs beside the compute as ``ParallelConfig`` says (``overlap_tp``,
-    ``overlap_param_gather``, ``slowdown``)."""
+    ``overlap_param_gather``, ``slowdown``); no dp collective where their time is in the
+    costs (ZeRO-3's ``in-costs``, ``pipesim.sim.zero.charges_collectives``)."""
     check_zero(zero)
+    check_zero3_collectives(zero3_collectives, zero)
     check_slowdown(slowdown)
+    charged = charges_collectives(zero, zero3_collectives)
     bucket_bytes_of: dict[int, tuple[float, ...]] = {}
     reduce_seconds: dict[int, tuple[float, ...]] = {}
     gather_seconds: dict[int, tuple[float, ...]] = {}
-    action_gathers = layer_gathers(schedule, costs, topology, mapping) if gathers_per_layer(zero) else {}
+    action_gathers = layer_gathers(schedule, costs, topology, mapping) if charged and gathers_per_layer(zero) else {}
     reduction = gradient_reduction(zero, algorithm)
     links_of: dict[int, tuple[tuple[str, str], ...]] = {}
     for stage, cost in enumerate(costs.stages):
         group = _dp_group(schedule, stage, mapping)
-        if group is None or cost.param_bytes <= 0:
+        if not charged or group is None or cost.param_bytes <= 0:
             continue
         experts = _expert_gradients(schedule, stage, cost, mapping)
         sizes = listed(gradient_buckets(cost, zero, bucket_bytes))

@@ -86,6 +86,7 @@ class SimulationResult:
             "ep": self.parallel.ep,
             "cp_comm": self.parallel.cp_comm if self.parallel.cp > 1 else None,
             "zero": self.parallel.zero,
+            "zero3_collectives": self.parallel.zero3_collectives if self.parallel.zero == 3 else None,
             "dp_overlap": self.parallel.overlap_dp,
             "tp_overlap": self.parallel.overlap_tp,
             "param_gather_overlap": self.parallel.overlap_param_gather,
@@ -281,7 +282,7 @@ def comm_plan_of(lowered: Schedule, costs: Costs, topology: Topology, mapping: R
         return None
     return comm_plan(lowered, costs, topology, mapping, parallel.bucket_bytes, parallel.overlap_dp,
                      parallel.algorithm, parallel.zero, parallel.cp_comm, parallel.overlap_tp,
-                     parallel.overlap_param_gather, parallel.overlap_slowdown)
+                     parallel.overlap_param_gather, parallel.overlap_slowdown, parallel.zero3_collectives)
 
 
 @without_collector

@@ -29,11 +29,26 @@ When the collectives run (``pipesim.sim.parallel`` prices and places them):
   action waits for its first layer's gather and, for each later layer, for whatever of
   its gather does not fit under the previous layer's compute (``exposed_gather_seconds``).
   Nothing is gathered after the optimizer step: the next step's forwards gather.
+
+Where stage 3's collectives run (``ZERO3_COLLECTIVES``, ``charges_collectives``):
+``overlapped`` (the default) as above, on their own streams beside the compute, as
+FSDP2 on CUDA (its all-gather and reduce-scatter streams), torchtitan and
+Megatron-Core run them. ``in-costs``: synchronous, each gather and reduce-scatter
+holding the rank inside the action it serves, with its time already in the stage
+costs given (FSDP2 on gloo: it issues them with ``async_op=False`` and the CPU rank is
+blocked in them, so a run's measured F and B hold them; ``pipesim compare`` calibrates
+on exactly such actions). Charging them again, prefetched or beside the backward, would
+count them twice, so the simulator charges none of the stage's data-parallel
+collectives beside the actions (no gather waits, no reduce-scatters on the dp channel,
+hence no overlap slowdown). It is only right for costs that hold them.
 """
 
 from __future__ import annotations
 
 ZERO_STAGES = (0, 1, 2, 3)
+ZERO3_OVERLAPPED = "overlapped"
+ZERO3_IN_COSTS = "in-costs"
+ZERO3_COLLECTIVES = (ZERO3_OVERLAPPED, ZERO3_IN_COSTS)
 ZERO_MEANINGS = {0: "all-reduce, nothing sharded", 1: "optimizer state sharded",
                  2: "optimizer state and gradients sharded", 3: "parameters sharded too (FSDP)"}
 
@@ -44,6 +59,24 @@ def check_zero(stage: int) -> int:
         valid = "; ".join(f"{level} ({meaning})" for level, meaning in ZERO_MEANINGS.items())
         raise ValueError(f"--zero {stage} is not a ZeRO stage: use {valid}")
     return stage
+
+
+def check_zero3_collectives(collectives: str, stage: int) -> str:
+    """``collectives`` if it names a way ZeRO-3's collectives run (``ZERO3_COLLECTIVES``)
+    and, when not the default, ``stage`` is 3; else a one-line error naming the flag."""
+    if collectives not in ZERO3_COLLECTIVES:
+        raise ValueError(f"--zero3-collectives {collectives!r} is not one of: {', '.join(ZERO3_COLLECTIVES)}")
+    if collectives != ZERO3_OVERLAPPED and stage != 3:
+        raise ValueError(f"--zero3-collectives {collectives} says where ZeRO-3's gathers and reduce-scatters run; "
+                         f"this step is --zero {stage}: add --zero 3 or drop the flag")
+    return collectives
+
+
+def charges_collectives(stage: int, collectives: str = ZERO3_OVERLAPPED) -> bool:
+    """Whether the simulator charges the data-parallel collectives of ZeRO ``stage``
+    beside the compute actions: always, except ZeRO-3's ``in-costs`` (the module
+    docstring: their time is already in the actions' costs)."""
+    return not (stage == 3 and collectives == ZERO3_IN_COSTS)
 
 
 def bytes_per_param_on_device(weights: float, grads: float, optimizer: float, dp: int, stage: int) -> float:
