@@ -228,6 +228,8 @@ def test_any_topology_file_written_back_reads_as_the_same_cluster(document):
 
 LAYOUTS = {  # compare's layouts as RunConfig fields; the costs each needs priced
     "dp 2, small buckets": ({"dp": 2, "dp_bucket_mb": 0.01}, {"layers": 2, "param_bytes": 4e4}),
+    "dp 2, ZeRO-1": ({"dp": 2, "zero": 1}, {"layers": 2, "param_bytes": 4e4}),
+    "dp 2, ZeRO-2": ({"dp": 2, "zero": 2}, {"layers": 2, "param_bytes": 4e4}),
     "tp 2": ({"tp": 2}, {"layers": 2, "tp_message_bytes": 4096}),
     "tp 2, sequence parallel": ({"tp": 2, "sequence_parallel": True}, {"layers": 2, "tp_message_bytes": 4096}),
     "cp 2": ({"cp": 2, "model": "llama3-8b"}, {"layers": 2, "attention_layers": 2, "kv_bytes": 8192,

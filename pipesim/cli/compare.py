@@ -102,13 +102,22 @@ def replicas(config):
     out of the measured compute and the simulator prices from the links
     (``executor.inside_timing``); ``cp`` ranks, whose ring's exposed waits the same
     (with ``--cp-comm all-gather`` the gathers stay in the measured compute); under
-    ``--zero 3``, ZeRO-3 with its collectives where the run has them
-    (``zero3_collectives``)."""
+    ``--zero 1`` and ``2``, the buckets reduce-scattered (ZeRO-2: after every backward)
+    and the updated parameters all-gathered after the optimizer step, before the step
+    ends (``executor.data_parallel.gather_parameters`` waits for them: no overlap with
+    the next step's forwards, ``overlap_param_gather`` off); under ``--zero 3``, ZeRO-3
+    with its collectives where the run has them (``zero3_collectives``). Before the ZeRO-1
+    and 2 rule compare predicted those runs as DDP ones: an all-reduce during the last
+    backward, and no gathers after the optimizer."""
     from pipesim.sim.parallel import ParallelConfig  # noqa: PLC0415
 
-    zero3 = {"zero": 3, "zero3_collectives": zero3_collectives(config)} if config.zero == 3 else {}
+    zero: dict = {}
+    if config.zero in (1, 2):
+        zero = {"zero": config.zero, "overlap_param_gather": False}
+    elif config.zero == 3:
+        zero = {"zero": 3, "zero3_collectives": zero3_collectives(config)}
     return ParallelConfig(dp=config.dp, bucket_bytes=config.dp_bucket_mb * 2**20, tp=config.tp, cp=config.cp,
-                          ep=config.ep, overlap_tp=False, **zero3)
+                          ep=config.ep, overlap_tp=False, **zero)
 
 
 def zero3_collectives(config) -> str:
