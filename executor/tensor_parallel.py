@@ -151,25 +151,35 @@ def plan_of(module: nn.Module, sequence_parallel: bool) -> dict | None:
 
 def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Split every block of ``stage`` (a gpt ``Block``, a dense ``TransformerBlock``)
-    across ``tp_mesh`` in place; return the stage."""
+    across ``tp_mesh`` in place; with ``sequence_parallel`` keep its residual stream
+    sequence-sharded (``shard_residual_stream``); return the stage."""
     for module in list(stage.modules()):
         plan = plan_of(module, sequence_parallel)
         if plan is not None:
             parallelize_module(module, tp_mesh, plan)
             if isinstance(getattr(module, "attention", None), LatentAttention):
                 reduce_rope_key_grad(module.attention, tp_mesh)
-            if sequence_parallel:
-                # The residual stream is sequence-sharded inside the block; the stage
-                # boundary (and the next block) sees the full, replicated activation.
-                parallelize_module(module, tp_mesh, {
-                    "": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                           use_local_output=True),
-                })
-                parallelize_module(module, tp_mesh, {
-                    "": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
-                                            use_local_output=True),
-                })
+    if sequence_parallel:
+        shard_residual_stream(stage, tp_mesh)
     return stage
+
+
+def shard_residual_stream(stage: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-Core's sequence-parallel region: the blocks take and return this tp
+    rank's sequence shard (``batch x seq/tp x hidden``), so nothing between two blocks,
+    or between two stages, is held or sent whole. The first stage's embedding output is
+    cut to the shard (a local slice; its backward all-gathers the gradient, as
+    Megatron's ``scatter_to_sequence_parallel_region``, so the replicated embedding's
+    gradient is whole on every rank); the last stage gathers the sequence once before
+    its head (final norm and output layer, replicated: its backward keeps this rank's
+    slice of the gradient, no collective)."""
+    embed, head = getattr(stage, "embed", None), getattr(stage, "head", None)
+    if embed is not None:
+        parallelize_module(embed, tp_mesh, PrepareModuleOutput(
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True))
+    if head is not None:
+        parallelize_module(head, tp_mesh, PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
 
 
 def storage_key(tensor) -> int:
