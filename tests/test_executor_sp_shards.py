@@ -79,9 +79,11 @@ def test_split_backward_keeps_the_collectives_in_the_input_gradient() -> None:
 
 
 def test_stage_boundary_message_is_the_sequence_shard() -> None:
-    """gpt, microbatch 3 of sequence 4 and hidden 8, tp 2 with sequence parallelism: a
-    rank sends 3 x 2 x 8 float64s = 384 bytes (whole: 768); with cp 2 too, a quarter of
-    the sequence, 192 bytes. The run's costs say the same."""
+    """gpt, microbatch 3 of sequence 8 and hidden 8, tp 2 with sequence parallelism: a
+    rank sends 3 x 4 x 8 float64s = 768 bytes (whole: 1536); a Llama of hidden 16 with
+    cp 2 too sends a quarter of the sequence, 3 x 2 x 16 x 8 = 768 bytes. The run's
+    costs (``act_bytes``) say the same; the tp collectives still carry the whole s*b*h.
+    """
     config = RunConfig(**{**GPT, "seq_len": 8}, pp=2, tp=2, sequence_parallel=True, batch_size=6, microbatches=2,
                        dtype="float64")
     assert config.boundary_sequence_split == 2
