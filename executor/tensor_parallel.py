@@ -8,13 +8,19 @@ features (ColwiseParallel), ``proj`` and ``fc2`` by input features (RowwiseParal
 so each pair needs one all-reduce in the forward (after the row-parallel GEMM) and one
 in the backward (the input gradient of the column-parallel GEMM). The ``qkv`` output is
 laid out head by head (``executor.models.Block``), so a contiguous column split hands
-each tp rank whole heads. Norms, embeddings and the head stay replicated, and the
-activations between stages are full (replicated) plain tensors: every tp rank sends its
-copy to the same tp rank of the next stage, so pipeline shapes do not change with tp.
+each tp rank whole heads. Norms, embeddings and the head stay replicated; without
+sequence parallelism the activations between stages are full (replicated) plain
+tensors: every tp rank sends its copy to the same tp rank of the next stage, so
+pipeline shapes do not change with tp.
 
 With ``sequence_parallel`` the norms run on sequence shards (SequenceParallel) and the
 all-reduces become an all-gather before each column-parallel GEMM and a reduce-scatter
-after each row-parallel one; the stage still takes and returns full activations.
+after each row-parallel one: Megatron-Core's four collectives a block and pass. The
+residual stream stays sequence-sharded between blocks and between stages
+(``shard_residual_stream``): each tp rank holds, and sends to the same tp rank of the
+next stage, its ``batch x seq/tp x hidden`` shard (``RunConfig.boundary_sequence_split``
+gives the pipeline's buffers that shape); the sequence is cut once after the embedding
+and gathered once before the head.
 
 The collectives run inside DTensor redistributions; ``TpTimer`` times them by wrapping
 the functional collectives DTensor calls (``all_reduce``, ``all_gather_single``,
