@@ -99,3 +99,20 @@ def test_stage_boundary_message_is_the_sequence_shard() -> None:
                         tp=2, cp=2, sequence_parallel=True, batch_size=6, microbatches=2, dtype="float64")
     assert with_cp.boundary_sequence_split == 4
     assert stage_bytes(with_cp, 2)[0]["act_bytes"] == 3 * 2 * 16 * 8.0
+
+
+def test_memory_prediction_holds_the_shard_between_stages() -> None:
+    """``run``'s memory line prices the boundary buffers at what the executor now sends:
+    3 x 4 x 8 float64s = 768 bytes a message at tp 2 with sequence parallelism (the whole
+    1536 without), the last stage sending none."""
+    from pipesim.cli.run_memory import executor_spec, with_whole_ends  # noqa: PLC0415
+    from pipesim.model.transformer_costs import model_stage_costs  # noqa: PLC0415
+
+    for sequence_parallel, boundary in ((True, 3 * 4 * 8 * 8.0), (False, 3 * 8 * 8 * 8.0)):
+        config = RunConfig(**{**GPT, "seq_len": 8}, pp=2, tp=2, sequence_parallel=sequence_parallel, batch_size=6,
+                           microbatches=2, dtype="float64")
+        spec, saved = executor_spec(config)
+        costs = model_stage_costs(spec, 2, [0.0, 0.0], tp=2, sequence_parallel=sequence_parallel,
+                                  layers_per_stage=[2, 1], saved_tensors=saved)
+        stages = with_whole_ends(costs, spec, 2, sequence_parallel, saved).stages
+        assert [stage.act_bytes for stage in stages] == [boundary, 0.0]
