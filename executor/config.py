@@ -131,6 +131,14 @@ class RunConfig:
         return self.dp * self.pp * self.tp * self.cp
 
     @property
+    def boundary_sequence_split(self) -> int:
+        """Parts each sequence of a stage-boundary activation is cut into: one per cp
+        rank, and with sequence parallelism one per tp rank within that, each rank
+        sending its own part to its peer of the next stage (Megatron-Core's
+        ``seq/tp x batch x hidden`` messages, ``executor.tensor_parallel``)."""
+        return self.cp * (self.tp if self.sequence_parallel else 1)
+
+    @property
     def replica_batch_size(self) -> int:
         """Samples each dp replica runs per step (its slice of the global batch)."""
         return self.batch_size // self.dp

@@ -167,6 +167,8 @@ def shard_context(stage: nn.Module, shard: ContextShard) -> None:
             module.context = shard
 
 
-def local_shape(shape: tuple[int, ...], cp: int) -> tuple[int, ...]:
-    """A ``batch x seq x hidden`` activation's shape on one cp rank."""
-    return (shape[0], shape[1] // cp, *shape[2:])
+def local_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    """A ``batch x seq x hidden`` activation's shape on one rank of ``parts`` that split
+    its sequence (the cp ranks, times tp under sequence parallelism:
+    ``RunConfig.boundary_sequence_split``)."""
+    return (shape[0], shape[1] // parts, *shape[2:])

@@ -187,12 +187,14 @@ def run_costs(schedule: Schedule, traces: Sequence[Trace], step_times: Sequence[
 
 def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     """Per stage, what the simulator needs beside the times: the boundary activation one
-    cp rank sends (``act_bytes``), the parameter bytes one tp shard holds and reduces
-    over dp (the stage's parameters over ``tp``: norms and biases that tp replicates are
-    counted as split, a small share of a stage), and for tp the layers and the
-    activation each layer's collectives carry (``layers``, ``tp_message_bytes``: the
-    ``s*b*h`` activation, Megatron's rule, ``pipesim.sim.parallel``). Builds the stages
-    on the CPU to count them (torch is loaded here)."""
+    rank sends (``act_bytes``: its cp share of the sequence, and with sequence
+    parallelism its tp shard of that, ``RunConfig.boundary_sequence_split``), the
+    parameter bytes one tp shard holds and reduces over dp (the stage's parameters over
+    ``tp``: norms and biases that tp replicates are counted as split, a small share of a
+    stage), and for tp the layers and the activation each layer's collectives carry
+    (``layers``, ``tp_message_bytes``: the whole ``s*b*h`` activation, Megatron's rule,
+    ``pipesim.sim.parallel``). Builds the stages on the CPU to count them (torch is
+    loaded here)."""
     import torch  # noqa: PLC0415
 
     from executor.context_parallel import local_shape  # noqa: PLC0415
@@ -200,8 +202,7 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
 
     model = build_model(config)
     microbatch = -(-config.replica_batch_size // config.microbatches)
-    shape = local_shape(model.boundary_shape(microbatch), config.cp) if config.cp > 1 else model.boundary_shape(
-        microbatch)
+    shape = local_shape(model.boundary_shape(microbatch), config.boundary_sequence_split)
     element = torch.tensor([], dtype=getattr(torch, config.dtype)).element_size()
     activation = float(math.prod(shape) * element)
     entries = []

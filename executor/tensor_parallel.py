@@ -8,13 +8,19 @@ features (ColwiseParallel), ``proj`` and ``fc2`` by input features (RowwiseParal
 so each pair needs one all-reduce in the forward (after the row-parallel GEMM) and one
 in the backward (the input gradient of the column-parallel GEMM). The ``qkv`` output is
 laid out head by head (``executor.models.Block``), so a contiguous column split hands
-each tp rank whole heads. Norms, embeddings and the head stay replicated, and the
-activations between stages are full (replicated) plain tensors: every tp rank sends its
-copy to the same tp rank of the next stage, so pipeline shapes do not change with tp.
+each tp rank whole heads. Norms, embeddings and the head stay replicated; without
+sequence parallelism the activations between stages are full (replicated) plain
+tensors: every tp rank sends its copy to the same tp rank of the next stage, so
+pipeline shapes do not change with tp.
 
 With ``sequence_parallel`` the norms run on sequence shards (SequenceParallel) and the
 all-reduces become an all-gather before each column-parallel GEMM and a reduce-scatter
-after each row-parallel one; the stage still takes and returns full activations.
+after each row-parallel one: Megatron-Core's four collectives a block and pass. The
+residual stream stays sequence-sharded between blocks and between stages
+(``shard_residual_stream``): each tp rank holds, and sends to the same tp rank of the
+next stage, its ``batch x seq/tp x hidden`` shard (``RunConfig.boundary_sequence_split``
+gives the pipeline's buffers that shape); the sequence is cut once after the embedding
+and gathered once before the head.
 
 The collectives run inside DTensor redistributions; ``TpTimer`` times them by wrapping
 the functional collectives DTensor calls (``all_reduce``, ``all_gather_single``,
@@ -153,25 +159,35 @@ def plan_of(module: nn.Module, sequence_parallel: bool) -> dict | None:
 
 def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Split every block of ``stage`` (a gpt ``Block``, a dense ``TransformerBlock``)
-    across ``tp_mesh`` in place; return the stage."""
+    across ``tp_mesh`` in place; with ``sequence_parallel`` keep its residual stream
+    sequence-sharded (``shard_residual_stream``); return the stage."""
     for module in list(stage.modules()):
         plan = plan_of(module, sequence_parallel)
         if plan is not None:
             parallelize_module(module, tp_mesh, plan)
             if isinstance(getattr(module, "attention", None), LatentAttention):
                 reduce_rope_key_grad(module.attention, tp_mesh)
-            if sequence_parallel:
-                # The residual stream is sequence-sharded inside the block; the stage
-                # boundary (and the next block) sees the full, replicated activation.
-                parallelize_module(module, tp_mesh, {
-                    "": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                           use_local_output=True),
-                })
-                parallelize_module(module, tp_mesh, {
-                    "": PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
-                                            use_local_output=True),
-                })
+    if sequence_parallel:
+        shard_residual_stream(stage, tp_mesh)
     return stage
+
+
+def shard_residual_stream(stage: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-Core's sequence-parallel region: the blocks take and return this tp
+    rank's sequence shard (``batch x seq/tp x hidden``), so nothing between two blocks,
+    or between two stages, is held or sent whole. The first stage's embedding output is
+    cut to the shard (a local slice; its backward all-gathers the gradient, as
+    Megatron's ``scatter_to_sequence_parallel_region``, so the replicated embedding's
+    gradient is whole on every rank); the last stage gathers the sequence once before
+    its head (final norm and output layer, replicated: its backward keeps this rank's
+    slice of the gradient, no collective)."""
+    embed, head = getattr(stage, "embed", None), getattr(stage, "head", None)
+    if embed is not None:
+        parallelize_module(embed, tp_mesh, PrepareModuleOutput(
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True))
+    if head is not None:
+        parallelize_module(head, tp_mesh, PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
 
 
 def storage_key(tensor) -> int:

@@ -171,9 +171,9 @@ class RankRun:
         # Pipeline peers are the processes at the same (dp, tp) position of the mesh.
         placement = tuple(position.global_rank(pipeline_rank) for pipeline_rank in schedule.placement)
         rendezvous = config.p2p_semantics(backend) == "rendezvous"
-        cp = config.cp  # a cp rank sends its share of the sequence
+        split = config.boundary_sequence_split  # a cp (and, with SP, tp) rank sends its share of the sequence
         self.links = PeerLinks(placement, config.microbatches, device, getattr(torch, config.dtype),
-                               lambda microbatch: local_shape(model.boundary_shape(sizes[microbatch]), cp),
+                               lambda microbatch: local_shape(model.boundary_shape(sizes[microbatch]), split),
                                handshake=rendezvous and backend != "nccl", rank=rank)
         self.memory = MemoryTracker(params, device)
         self.memory.unsharded_params = unsharded

@@ -156,10 +156,13 @@ def tp_gather_scatter(topology: Topology, config: RunConfig, schedule: Schedule,
     collectives alike), and the simulator charges them only as a pair (an all-gather
     and a reduce-scatter, the same ring cost), so separate prices would change no
     prediction. Why the held total, not the mean of one collective as ``tp_all_reduce``
-    takes: the executor issues five collectives per block and pass where the simulator
-    charges Megatron's four (the block's output is gathered back to the full
-    activation, ``executor.tensor_parallel.parallelize_stage``): a mean per collective
-    left a fifth of what the run held out of the prediction."""
+    takes: the executor's collectives are not all the ones the simulator charges. It
+    issues Megatron's four per block and pass, but also one per microbatch where the
+    sequence is cut (the first stage's backward) and joined (the last stage's forward),
+    and under a split backward two more a block in ``W``
+    (``executor.tensor_parallel.shard_residual_stream``); the simulator charges four a
+    layer. A mean per collective would leave those out of the prediction; the held total
+    spreads them over the charged ones."""
     from executor.run_costs import held_seconds  # noqa: PLC0415
     from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
     from pipesim.cluster.collectives import all_gather, ring_pace  # noqa: PLC0415

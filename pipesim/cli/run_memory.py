@@ -130,12 +130,12 @@ def predicted_peaks(config: RunConfig) -> list[dict] | None:
 def with_whole_ends(costs: Costs, spec: ModelSpec, tp: int, sequence_parallel: bool, saved: SavedTensors) -> Costs:
     """``costs`` with the executor's tensor parallelism: it splits the blocks only
     (``executor.tensor_parallel``), so the embedding, the final norm, the output layer
-    and the loss are whole on every tp rank (parameters and stash as at tp 1), and the
-    activation passed between stages is whole under sequence parallelism too."""
+    and the loss are whole on every tp rank (parameters and stash as at tp 1). The
+    activation passed between stages is the model's: whole without sequence parallelism,
+    this rank's sequence shard with it (as Megatron-Core sends it)."""
     if tp == 1:
         return costs
-    boundary = spec.boundary_bytes()
-    stages = [replace(stage, act_bytes=boundary if stage.act_bytes else 0.0) for stage in costs.stages]
+    stages = list(costs.stages)
     embedding = spec.embedding_params() - spec.embedding_params(tp)
     stages[0] = replace(stages[0], params=stages[0].params + embedding,
                         param_bytes=stages[0].param_bytes + embedding * spec.dtype_bytes)
