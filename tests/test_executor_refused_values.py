@@ -63,7 +63,7 @@ def test_executor_help_lists_the_values_it_refuses(capsys) -> None:
         executor_main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--recompute {none,selective,full,per-op}" in text
-    assert "--workers, --p2p torch-runtime, --recompute norm-mla-up." in text  # after the refused flags
+    assert "--zero3-collectives, --p2p torch-runtime, --recompute norm-mla-up." in text  # after the refused flags
 
 
 def test_under_torchrun_only_rank_0_says_why(monkeypatch, capsys) -> None:
