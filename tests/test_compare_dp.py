@@ -23,14 +23,21 @@ def test_a_replica_is_profiled_at_its_own_microbatch_size():
     assert (parallel.dp, parallel.bucket_bytes) == (2, 2**20)
 
 
-@pytest.mark.timeout(240)
-def test_compare_runs_and_predicts_two_replicas(tmp_path, capsys):
+def write_links_and_costs(folder) -> None:
+    """``links.json``: 4 ranks joined at 1 GB/s and 0.1 ms; ``costs.json``: two stages of
+    0.1 / 0.2 ms with 4 MB of parameters each (so a ring over 2 replicas moves 4 MB an
+    all-reduce, 2 MB a reduce-scatter or all-gather)."""
     link = {"bandwidth": 1e9, "latency": 1e-4, "medium": "gloo measured"}
     topology = {"devices": [{"name": f"rank{rank}"} for rank in range(4)],
                 "links": [{"src": f"rank{a}", "dst": f"rank{b}", **link} for a in range(4) for b in range(a + 1, 4)]}
-    (tmp_path / "links.json").write_text(json.dumps(topology))
+    (folder / "links.json").write_text(json.dumps(topology))
     stage = {"fwd": 1e-4, "bwd": 2e-4, "act_bytes": 2 * 16 * 4, "param_bytes": 4e6}
-    (tmp_path / "costs.json").write_text(json.dumps({"stages": [stage, stage]}))
+    (folder / "costs.json").write_text(json.dumps({"stages": [stage, stage]}))
+
+
+@pytest.mark.timeout(240)
+def test_compare_runs_and_predicts_two_replicas(tmp_path, capsys):
+    write_links_and_costs(tmp_path)
     assert main(["compare", *TINY_DP, "--steps", "3", "--costs", str(tmp_path / "costs.json"), "--topology",
                  str(tmp_path / "links.json"), "--json", str(tmp_path / "compare.json"), "--predicted-trace",
                  str(tmp_path / "predicted.json")]) == 0
@@ -56,12 +63,7 @@ def test_compare_predicts_zero_1_and_2_as_the_run_reduces_and_gathers(tmp_path, 
     config = RunConfig(pp=2, dp=2, microbatches=2, batch_size=8, zero=zero)
     parallel = replicas(config)
     assert (parallel.zero, parallel.overlap_param_gather) == (zero, False)
-    link = {"bandwidth": 1e9, "latency": 1e-4, "medium": "gloo measured"}
-    topology = {"devices": [{"name": f"rank{rank}"} for rank in range(4)],
-                "links": [{"src": f"rank{a}", "dst": f"rank{b}", **link} for a in range(4) for b in range(a + 1, 4)]}
-    (tmp_path / "links.json").write_text(json.dumps(topology))
-    stage = {"fwd": 1e-4, "bwd": 2e-4, "act_bytes": 2 * 16 * 4, "param_bytes": 4e6}
-    (tmp_path / "costs.json").write_text(json.dumps({"stages": [stage, stage]}))
+    write_links_and_costs(tmp_path)
     assert main(["compare", *TINY_DP, "--zero", str(zero), "--steps", "3", "--costs", str(tmp_path / "costs.json"),
                  "--topology", str(tmp_path / "links.json"), "--predicted-trace",
                  str(tmp_path / "predicted.json")]) == 0
