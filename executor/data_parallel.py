@@ -61,6 +61,12 @@ from torch import nn
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, Action
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb=25
+# A flat tensor reduce-scattered into equal shards, and shards gathered into one:
+# ``reduce_scatter_single``/``all_gather_single`` where torch has them (the pinned release
+# does, and runs them on gloo), else ``reduce_scatter_tensor``/``all_gather_into_tensor``,
+# which newer releases deprecate and older ones (2.11, say) have alone; NCCL runs either.
+REDUCE_SCATTER_INTO = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # Trace kinds of the dp stream, named as the simulator names them (pipesim.sim.parallel).
 ALL_REDUCE, REDUCE_SCATTER, PARAM_GATHER = "ALLREDUCE_DP", "REDUCE_SCATTER_DP", "ALLGATHER_PARAMS"
 
@@ -256,7 +262,7 @@ class GradientAverager:
         if self.zero:
             flat = torch.nn.functional.pad(flat, (0, bucket.padded - bucket.numel))
             shard = flat.new_empty(bucket.padded // self.shards)
-            work = dist.reduce_scatter_single(shard, flat, group=self.group, async_op=True)
+            work = REDUCE_SCATTER_INTO(shard, flat, group=self.group, async_op=True)
             reduction = Reduction(REDUCE_SCATTER, flat, shard, grads, work, times)
         else:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -383,7 +389,7 @@ class GradientAverager:
                         shard[piece.start:piece.end] = piece.tensor
                 whole = first.new_empty(bucket.padded)
                 times = [time.perf_counter()]
-                work = dist.all_gather_single(whole, shard, group=self.group, async_op=True)
+                work = ALL_GATHER_INTO(whole, shard, group=self.group, async_op=True)
                 self.time_completion(work, times)
                 posted.append((bucket, whole, times, work))
         timings = []
@@ -411,7 +417,7 @@ class GradientAverager:
                     if piece.bucket is bucket:
                         shard[piece.start:piece.end] = piece.tensor.grad
                 whole = first.new_empty(bucket.padded)
-                dist.all_gather_single(whole, shard, group=self.group)
+                ALL_GATHER_INTO(whole, shard, group=self.group)
                 for param, low, high in zip(bucket.params, bucket.offsets[:-1], bucket.offsets[1:], strict=True):
                     local = local_tensor(param.detach())
                     grad = whole[low:high].view_as(local).clone()

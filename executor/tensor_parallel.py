@@ -53,7 +53,11 @@ from torch.distributed.tensor.parallel import (
 from executor.architectures.latent_attention import LatentAttention
 from executor.models import Block
 
-TIMED_COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single")
+# The functional collectives DTensor calls: the ``*_single`` names in current torch, the
+# ``*_tensor`` names in releases before them (2.11, say), which have no ``*_single``.
+TIMED_COLLECTIVES = (("all_reduce", "all_gather_single", "reduce_scatter_single")
+                     if hasattr(funcol, "all_gather_single")
+                     else ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor"))
 
 
 def block_plan(sequence_parallel: bool) -> dict:
