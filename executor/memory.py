@@ -143,16 +143,21 @@ class MemoryTracker:
             self.saved.pop((action.stage, action.microbatch), None)
         self.observe()
 
-    def observe(self) -> None:
-        """Add up the tracked tensors now; keep the largest total of the step."""
+    def held_now(self) -> MemoryPeak:
+        """The tracked tensors now, by kind (``peak``: their total)."""
         grads = sum(tensor_bytes(p.grad) for p in self.params) + sum(map(tensor_bytes, self.extra_grads()))
         optimizer = self.optimizer_bytes()
         activations = sum(map(held_bytes, (kept for stored in self.saved.values() for kept in stored.values())))
         buffers = sum(map(tensor_bytes, self.buffers()))
         total = self.param_bytes + grads + optimizer + activations + buffers
-        most = max(self.last.activations_peak, activations)
-        if total > self.last.peak:
-            self.last = MemoryPeak(total, self.param_bytes, grads, optimizer, activations, buffers)
+        return MemoryPeak(total, self.param_bytes, grads, optimizer, activations, buffers)
+
+    def observe(self) -> None:
+        """Add up the tracked tensors now; keep the largest total of the step."""
+        now = self.held_now()
+        most = max(self.last.activations_peak, now.activations)
+        if now.peak > self.last.peak:
+            self.last = now
         self.last.activations_peak = most
 
     def optimizer_bytes(self) -> int:

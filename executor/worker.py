@@ -380,7 +380,9 @@ class RankRun:
             rows = [torch.empty_like(mine) for _ in range(self.world)]
             dist.all_gather(rows, mine)
         source = "cuda" if self.device.type == "cuda" else "tracked"
-        return [{"rank": rank, "source": source, **dict(zip(FIELDS, row.tolist(), strict=True))}
+        # the GPU's generation sizes what torch's cuBLAS workspaces hold (pipesim.cli.run_memory)
+        device = {"cuda_capability": list(torch.cuda.get_device_capability(self.device))} if source == "cuda" else {}
+        return [{"rank": rank, "source": source, **device, **dict(zip(FIELDS, row.tolist(), strict=True))}
                 for rank, row in enumerate(rows)]
 
 

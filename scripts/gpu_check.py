@@ -276,10 +276,13 @@ def profiled_pair(args: argparse.Namespace, config) -> None:
 
 
 def memory(args: argparse.Namespace) -> int:
-    """The device's peak beside what the simulator's memory model predicts for the
-    parameters, gradients and AdamW state, and the CPU run's tracked peak."""
+    """The device's peak beside the simulator's prediction of it (the executor's layers,
+    the allocator's cuBLAS workspaces and the loss's and optimizer's temporaries), and
+    the CPU run's tracked peak beside its own prediction; each within 10%."""
+    import torch
+
     from executor.worker import run_local
-    from pipesim.sim.memory import BytesPerParam, static_bytes_per_param
+    from pipesim.cli.run_memory import predicted_peaks
 
     sizes = dict(layers=2, hidden=32, heads=4, seq_len=16, batch_size=8) if args.dry_run else \
         dict(layers=4, hidden=512, heads=8, seq_len=256, batch_size=8)  # the CPU runs it too: a few seconds
@@ -288,13 +291,15 @@ def memory(args: argparse.Namespace) -> int:
     measured = run_local(config)["memory"][0]
     on_cpu = dataclasses.replace(config, backend="gloo", threads=min(8, os.cpu_count() or 1))
     tracked = measured if args.dry_run else run_local(on_cpu)["memory"][0]
-    predicted = measured["unsharded_params"] / 4 * static_bytes_per_param(BytesPerParam(4, 4, 8), 1, 0)
-    print(f"{measured['source']} peak over the step {measured['peak'] / MIB:.1f} MiB; predicted parameters + "
-          f"gradients + AdamW state {predicted / MIB:.1f} MiB; the CPU run's tracked peak (parameters, gradients, "
-          f"optimizer, activations, buffers) {tracked['peak'] / MIB:.1f} MiB")
-    print(f"device peak / tracked peak {measured['peak'] / tracked['peak']:.2f}; "
-          f"device peak / predicted static {measured['peak'] / predicted:.2f}")
-    return 0 if measured["peak"] >= predicted and measured["peak"] >= 0.9 * tracked["peak"] else 1
+    capability = None if args.dry_run else torch.cuda.get_device_capability()
+    predicted = predicted_peaks(config, capability)[0]["predicted_peak"]
+    predicted_tracked = predicted_peaks(config)[0]["predicted_peak"]
+    error, tracked_error = measured["peak"] / predicted - 1, tracked["peak"] / predicted_tracked - 1
+    print(f"{measured['source']} peak over the step {measured['peak'] / MIB:.1f} MiB, predicted {predicted / MIB:.1f} "
+          f"MiB ({error:+.1%}); the CPU run's tracked peak {tracked['peak'] / MIB:.1f} MiB, predicted "
+          f"{predicted_tracked / MIB:.1f} MiB ({tracked_error:+.1%}); both within 10%: "
+          f"{abs(error) <= 0.10 and abs(tracked_error) <= 0.10}")
+    return 0 if abs(error) <= 0.10 and abs(tracked_error) <= 0.10 else 1
 
 
 def numerics(args: argparse.Namespace) -> int:

@@ -1,5 +1,7 @@
 """The simulator's prediction of each rank's whole peak memory beside ``pipesim run``'s
-measured one (CPU: the tensors the executor tracks, ``executor.memory``).
+measured one (CPU: the tensors the executor tracks, ``executor.memory``; GPU: the CUDA
+caching allocator's peak, which also holds what lives inside an action, see
+``allocator_extras`` and ``action_peaks``).
 
 The prediction is the simulator's memory model (``pipesim.sim.memory.memory_report``)
 of the same model, split and schedule, told what the executor's layers keep for their
@@ -24,8 +26,9 @@ measured), the ``mlp`` toy and a user's own model (no transformer spec).
 
 from __future__ import annotations
 
+import bisect
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from executor.architectures.build import is_architecture, shrunk_spec, stage_layers
 from executor.config import RunConfig, build_schedule, even_layout
@@ -42,7 +45,7 @@ from pipesim.sim.memory import (
     reduction_buffer_bytes,
     static_bytes_per_param,
 )
-from schedules.action import WEIGHT_GRAD_DONE_KINDS
+from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
 
 # the activations' bytes per element (bf16: autocast's), simulate's --dtype table less float16
 # autocast, whose saved tensors are not described
@@ -85,9 +88,14 @@ def stage_split(spec: ModelSpec, config: RunConfig) -> list[int]:
     return list(config.layout or even_layout(config.layers, config.num_stages))
 
 
-def predicted_peaks(config: RunConfig) -> list[dict] | None:
+def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None = None) -> list[dict] | None:
     """Per pipeline rank: the predicted peak bytes and, apart, the most activations held
-    at once (``predicted_peak``, ``predicted_activations``); ``None`` when not predicted."""
+    at once (``predicted_peak``, ``predicted_activations``); ``None`` when not predicted.
+
+    With ``cuda_capability`` (a run on a GPU of that generation) the peak is the CUDA
+    caching allocator's (``max_memory_allocated``), which also sees what lives inside an
+    action and what torch keeps beside the model (``allocator_extras``); without it, the
+    tensors the executor counts at action boundaries on a CPU."""
     described = executor_spec(config)
     if described is None:
         return None
@@ -116,15 +124,79 @@ def predicted_peaks(config: RunConfig) -> list[dict] | None:
         state = params * state_bytes
         # ZeRO-3's gathered working set lives inside an action (FSDP gathers a block's
         # weights before its forward or backward and frees them after): not held at the
-        # action boundaries where the executor counts
+        # action boundaries where the executor counts, but allocated inside the action
         inside = reduction_buffer_bytes(costs, schedule.placement, rank.rank, weights_only, 0.0, config.zero) \
             if holders > 1 and config.zero == 3 else 0.0
         arrivals = grads_from.get(rank.rank, [])
         peak = max(held + grads_at(arrivals, moment) for moment, held in rank.timeline)
         end = rank.timeline[-1][1] + sum(amount for _, amount in arrivals)
-        peaks.append({"rank": rank.rank, "predicted_peak": state + max(peak, end) - inside,
-                      "predicted_activations": rank.peak_stash_bytes})
+        if cuda_capability is None:
+            predicted = state + max(peak, end) - inside
+        else:
+            # the timeline holds ZeRO-3's gathered working set: inside actions, not between them
+            extras = allocator_extras(config, spec, cuda_capability, params * element / (holders if config.zero else 1))
+            inside_actions = max(action_peaks(trace, costs, rank, arrivals, extras.loss_backward_bytes), default=0.0)
+            predicted = state + extras.workspace_bytes + max(peak - inside, end - inside + extras.optimizer_bytes,
+                                                             inside_actions)
+        peaks.append({"rank": rank.rank, "predicted_peak": predicted, "predicted_activations": rank.peak_stash_bytes})
     return peaks
+
+
+# torch's cuBLAS workspace per (handle, stream), taken from the caching allocator
+# (ATen/cuda/CublasHandlePool.cpp, the default CUBLAS_WORKSPACE_CONFIG): ":4096:8", 32 MiB,
+# on Hopper (compute capability 9) and newer; ":4096:2:16:8", 8.125 MiB, before
+CUBLAS_WORKSPACE_BYTES = {9: 32 * MIB, 0: (2 * 4096 + 8 * 16) * 1024}
+# handles, one per thread using cuBLAS: the forward and the optimizer on the main thread,
+# the backward on autograd's device thread (measured on an H200: 63-70 MiB allocated at
+# action boundaries beyond the tensors the executor counts, benchmarks/gpu_memory.py)
+CUBLAS_THREADS = 2
+
+
+@dataclass(frozen=True)
+class AllocatorExtras:
+    """What a CUDA run allocates beyond the tensors counted at action boundaries."""
+
+    workspace_bytes: float  # cuBLAS workspaces, held from the first GEMM on
+    loss_backward_bytes: float  # inside the loss's backward: the logits' softmax and their gradient
+    optimizer_bytes: float  # inside the optimizer's step: a foreach temporary the size of its parameters
+
+
+def allocator_extras(config: RunConfig, spec: ModelSpec, cuda_capability: tuple[int, int],
+                     stepped_bytes: float) -> AllocatorExtras:
+    """``AllocatorExtras`` of ``config`` on a GPU of ``cuda_capability``, whose optimizer
+    steps ``stepped_bytes`` of parameters (this rank's, or its ZeRO shard)."""
+    workspace = CUBLAS_WORKSPACE_BYTES[9 if cuda_capability[0] >= 9 else 0] * CUBLAS_THREADS
+    # the loss is taken in the master type (executor.precision): cross-entropy's backward
+    # makes the softmax of a microbatch's logits and their gradient, each tokens x vocab
+    tokens = spec.microbatch_size * spec.seq_len // config.cp
+    loss = 2 * tokens * spec.vocab * ELEMENT_BYTES[config.master_dtype]
+    # torch's foreach AdamW takes the square root of the second moments out of place
+    # (one tensor per parameter at once), foreach SGD with weight decay adds the decay to
+    # the gradients out of place; tp runs step parameter by parameter (no foreach)
+    out_of_place = config.optimizer == "adamw" or config.decay > 0
+    optimizer = stepped_bytes if out_of_place and config.tp == 1 else 0.0
+    return AllocatorExtras(workspace, loss, optimizer)
+
+
+def action_peaks(trace, costs: Costs, rank, arrivals: list[tuple[float, float]], loss_backward_bytes: float):
+    """Per compute action of ``rank`` (``program_order_trace``: action ``i`` from ``2i``
+    to ``2i + 1``), the most it holds inside the action, parameters and optimizer state
+    aside: the stash held when it starts (a forward's own included), the gradients made
+    before it and, when it is the stage's first weight-gradient action, that stage's
+    gradients too (autograd allocates them before the microbatch's stash is freed at the
+    action's end), plus the loss's backward on the last stage."""
+    columns, last = trace.columns, len(costs.stages) - 1
+    moments = [moment for moment, _ in rank.timeline]
+    input_gradient = {columns.kinds.index(kind) for kind in (ActionKind.B, ActionKind.I)}
+    for index in range(len(columns)):
+        if int(columns.rank[index]) != rank.rank:
+            continue
+        start, end = float(columns.start[index]), float(columns.end[index])
+        held = rank.timeline[max(bisect.bisect_right(moments, start) - 1, 0)][1]
+        made = sum(amount for arrived, amount in arrivals if arrived == end)
+        loss = loss_backward_bytes if int(columns.stage[index]) == last and \
+            int(columns.kind[index]) in input_gradient else 0.0
+        yield held + grads_at(arrivals, start) + made + loss
 
 
 def with_whole_ends(costs: Costs, spec: ModelSpec, tp: int, sequence_parallel: bool, saved: SavedTensors) -> Costs:
@@ -179,21 +251,26 @@ def peak_lines(document: dict, config: RunConfig) -> list[str]:
     """Add ``predicted_peak`` and ``predicted_activations`` to each tracked memory row and
     return the lines to print: predicted against measured peak and activations, per rank."""
     rows = document.get("memory") or []
-    if not rows or rows[0]["source"] != "tracked":
+    if not rows or rows[0]["source"] not in ("tracked", "cuda"):
         return []
-    peaks = predicted_peaks(config)
+    on_gpu = rows[0]["source"] == "cuda"
+    peaks = predicted_peaks(config, tuple(rows[0]["cuda_capability"]) if on_gpu else None)
     if peaks is None:
         return [f"peak memory not predicted: {not_predicted(config)}"]
     from executor.mesh import MeshPosition  # noqa: PLC0415 - loads torch (run has already)
 
-    lines = ["peak memory, measured vs predicted (the simulator's memory model of the executor's layers):"]
+    model = "the simulator's memory model of the executor's layers"
+    lines = [f"peak memory, measured (torch.cuda.max_memory_allocated) vs predicted ({model}, with the allocator's "
+             "cuBLAS workspaces, loss and optimizer temporaries):" if on_gpu
+             else f"peak memory, measured vs predicted ({model}):"]
     for row in rows:
         stage_rank = MeshPosition.of_rank(row["rank"], config.dp, config.pp, config.tp, config.cp).pp_index
         row.update({key: value for key, value in peaks[stage_rank].items() if key != "rank"})
         error = row["peak"] / row["predicted_peak"] - 1  # measured over predicted, as the chart's (viz.measured_memory)
+        activations = "" if on_gpu else (f"; activations measured {row['activations_peak'] / MIB:.3f} MiB, predicted "
+                                         f"{row['predicted_activations'] / MIB:.3f} MiB")
         lines.append(f"  rank {row['rank']}: peak measured {row['peak'] / MIB:.3f} MiB, predicted "
-                     f"{row['predicted_peak'] / MIB:.3f} MiB ({error:+.1%}); activations measured "
-                     f"{row['activations_peak'] / MIB:.3f} MiB, predicted {row['predicted_activations'] / MIB:.3f} MiB")
+                     f"{row['predicted_peak'] / MIB:.3f} MiB ({error:+.1%}){activations}")
     if config.steps < 2:
         lines.append("  (predicted for a step after the first: the first holds no optimizer state yet)")
     return lines
