@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesim.cli.chart_data import GPU_NOT_PREDICTED, measured_memory_meta
+from pipesim.cli.chart_data import measured_memory_meta
 from schedules.trace import Trace, TraceEvent
 from viz.gantt import write_gantt_html
 from viz.measured_memory import has_measured_memory, measured_memory_figure
@@ -117,11 +117,15 @@ def test_a_gpu_run_draws_the_allocators_peak_alone_in_gb_past_a_gigabyte():
     rows = [{"rank": rank, "source": "cuda", "peak": peak, "params": 1e9, "grads": 0.0, "optimizer": 0.0,
              "activations": 0.0, "buffers": 0.0, "activations_peak": 0.0, "static": 0.0, "unsharded_params": 1e9}
             for rank, peak in ((0, 3.5e9), (1, 2.25e9))]
-    trace = measured_trace(rows)
-    assert trace.meta["memory"][0]["parts"] == {} and trace.meta["memory"][0]["not_predicted"] == GPU_NOT_PREDICTED
+    rows[0]["predicted_peak"] = 3.2e9  # the allocator's peak predicted (pipesim.cli.run_memory) for rank 0 only
+    trace = measured_trace(rows, "--model mlp has no transformer spec")
+    assert trace.meta["memory"][0]["parts"] == {} and trace.meta["memory"][0]["not_predicted"] is None
+    assert trace.meta["memory"][1]["not_predicted"] == "--model mlp has no transformer spec"
     fig = measured_memory_figure(trace)
-    assert [trace.name for trace in fig.data] == ["allocator peak", f"no prediction: {GPU_NOT_PREDICTED}"]
+    assert [trace.name for trace in fig.data] == ["allocator peak", "predicted peak",
+                                                  "no prediction: --model mlp has no transformer spec"]
     assert list(bars(fig, "allocator peak").y) == pytest.approx([3.5, 2.25])
+    assert list(bars(fig, "predicted peak").y) == pytest.approx([3.2])
     assert fig.layout.yaxis.title.text == "GB"
 
 

@@ -49,10 +49,6 @@ def memory_meta(result) -> dict:
     return {"memory": ranks}
 
 
-GPU_NOT_PREDICTED = ("not predicted on a GPU: the prediction is of the tensors the executor counts on a CPU, "
-                     "not of the allocator's peak")
-
-
 def measured_memory_meta(rows: list[dict] | None, not_predicted: str | None = None) -> dict:
     """``{"memory": [...]}`` for a run's memory rows (``pipesim run --json``'s ``memory``,
     with ``predicted_*`` where ``pipesim.cli.run_memory`` added them), in the shape
@@ -70,7 +66,7 @@ def measured_memory_meta(rows: list[dict] | None, not_predicted: str | None = No
         predicted = row.get("predicted_peak")
         why = None
         if predicted is None:
-            why = (not_predicted or "no prediction for this run") if tracked else GPU_NOT_PREDICTED
+            why = not_predicted or "no prediction for this run"
         ranks.append({
             "rank": row["rank"], "source": row["source"], "peak_bytes": row["peak"],
             "usable_bytes": None, "capacity_bytes": None, "oom": False,
