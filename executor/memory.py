@@ -98,6 +98,13 @@ class MemoryTracker:
         self.last = MemoryPeak()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count what autograd saves; hand it back detached (the same storage). Why not
+        the tensor itself: a node that saves its own output would then hold that output's
+        Python object, whose ``grad_fn`` is the node, a cycle neither Python's collector
+        nor autograd breaks once the graph is retained (a split backward's ``I`` and ``W``
+        run with ``retain_graph``): every zbv or dualpipev microbatch's activations
+        stayed allocated for the rest of the run, 29 MiB more each step on a small gpt.
+        Autograd gives an unpacked output its ``grad_fn`` back itself."""
         if self.recording is not None and isinstance(tensor, torch.Tensor):
             try:
                 key = storage_key(tensor)
@@ -105,11 +112,12 @@ class MemoryTracker:
                 # a tensor whose storage Python cannot reach (an empty selection saved by
                 # autograd, e.g. the rows of an expert no token chose): counted by its size
                 self.saved[self.recording][id(tensor)] = tensor_bytes(tensor)
-                return tensor
+                return tensor.detach()
             if key not in self.param_storages:
                 # the storage, not its size now: FSDP (ZeRO-3) frees a gathered weight's
                 # storage after the forward, and a freed storage holds nothing
                 self.saved[self.recording][key] = local_tensor(tensor).untyped_storage()
+            return tensor.detach()
         return tensor
 
     def start_step(self) -> None:
