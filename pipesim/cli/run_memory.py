@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from executor.architectures.build import is_architecture, shrunk_spec, stage_layers
@@ -40,12 +41,14 @@ from pipesim.model.spec import ModelSpec
 from pipesim.model.transformer_costs import model_stage_costs
 from pipesim.sim.memory import (
     BytesPerParam,
+    RankMemory,
     memory_report,
     program_order_trace,
     reduction_buffer_bytes,
     static_bytes_per_param,
 )
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, ActionKind
+from schedules.trace import Trace
 
 # the activations' bytes per element (bf16: autocast's), simulate's --dtype table less float16
 # autocast, whose saved tensors are not described
@@ -178,7 +181,8 @@ def allocator_extras(config: RunConfig, spec: ModelSpec, cuda_capability: tuple[
     return AllocatorExtras(workspace, loss, optimizer)
 
 
-def action_peaks(trace, costs: Costs, rank, arrivals: list[tuple[float, float]], loss_backward_bytes: float):
+def action_peaks(trace: Trace, costs: Costs, rank: RankMemory, arrivals: list[tuple[float, float]],
+                 loss_backward_bytes: float) -> Iterator[float]:
     """Per compute action of ``rank`` (``program_order_trace``: action ``i`` from ``2i``
     to ``2i + 1``), the most it holds inside the action, parameters and optimizer state
     aside: the stash held when it starts (a forward's own included), the gradients made
