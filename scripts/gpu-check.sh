@@ -11,7 +11,9 @@
 #            full, selective and per-op, ZeRO-1/2/3 on a one-rank NCCL group, tp/cp/ep applied over
 #            one-rank NCCL groups, DualPipeV's pairs on two CUDA streams (and how many
 #            overlapped); measured peak memory beside the prediction; profile -> simulate
-#            -> run (step-time error); bf16 against fp32 loss curves.
+#            -> run (step-time error); bf16 against fp32 loss curves; the allocator's peak of
+#            single-rank jobs against run's prediction (benchmarks/gpu_memory.py) and BF16/FP8
+#            GEMMs against the compute model (benchmarks/gpu_gemms.py).
 # >= 2 GPUs: also expert parallelism (dp 2 ep 2, float64, all-to-all), context parallelism
 #            (cp 2, K/V all-gather and ring attention), ZeRO-3 with ep 2, and tensor parallelism (tp 2, sequence parallel) against
 #            the CPU reference; every generated schedule on NCCL with transfers >= 64 MiB
@@ -104,6 +106,12 @@ check dualpipev-stream-pairs 90 $PYTHON scripts/gpu_check.py pairs "${PYFLAGS[@]
 check memory-vs-predicted 60 $PYTHON scripts/gpu_check.py memory "${PYFLAGS[@]}"
 check profile-simulate-run 120 $PYTHON scripts/gpu_check.py predict "${PYFLAGS[@]}"
 check bf16-vs-fp32 60 $PYTHON scripts/gpu_check.py precision "${PYFLAGS[@]}"
+# measurements beside the model, each job in its own process: the allocator's peak memory
+# against run's prediction (the held-out jobs), and BF16/FP8 GEMMs against the compute model
+check memory-held-out 200 $PYTHON benchmarks/gpu_memory.py --set held-out --json "$OUT/gpu-memory.json" "${PYFLAGS[@]}"
+if [ "$DRY" != 1 ]; then
+    check gemms-bf16-fp8 90 $PYTHON benchmarks/gpu_gemms.py --json "$OUT/gpu-gemms.json"
+fi
 
 # --- two GPUs and more --------------------------------------------------------------------
 if [ "$GPUS" -ge 2 ]; then
