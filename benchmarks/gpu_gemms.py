@@ -61,13 +61,19 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
+    from pipesim.cli.files import UserFileError, check_outputs
     from pipesim.model.compute_model import gpu_compute_model
+    from pipesim.model.errors import ModelSpecError
     from pipesim.model.operations import Gemm
 
+    try:
+        check_outputs(args)
+        model = gpu_compute_model(args.gpu)
+    except (UserFileError, ModelSpecError, ValueError) as error:
+        parser.error(str(error))
     if not torch.cuda.is_available():
         print("gpu_gemms: no CUDA device is visible", file=sys.stderr)
         return 2
-    model = gpu_compute_model(args.gpu)
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; predicted with pipesim's {args.gpu}")
     print(f"{'GEMM':<22} {'m':>6} {'k':>6} {'n':>6} | {'BF16 meas':>9} {'pred':>6} {'err':>6} | "
           f"{'FP8 meas':>8} {'pred':>6} {'err':>6} | {'FP8/BF16 meas':>13} {'pred':>5}   (TFLOP/s)")

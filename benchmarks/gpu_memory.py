@@ -38,6 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipesim.cli.files import UserFileError, check_outputs  # noqa: E402 - after the path above
+
 MIB = 2**20
 
 # (label, RunConfig fields): single-rank jobs whose peaks fall in different places. The
@@ -145,6 +147,8 @@ class ActionPeaks:
 
 def measure(label: str, fields: dict, dry_run: bool) -> dict:
     """One job in this process: its last step's rows and the prediction."""
+    import torch
+
     from executor.config import RunConfig
     from executor.worker import run_local
     from pipesim.cli.run_memory import predicted_peaks
@@ -155,8 +159,6 @@ def measure(label: str, fields: dict, dry_run: bool) -> dict:
     peaks = ActionPeaks()
     peaks.install()
     result = run_local(config)
-    import torch
-
     capability = torch.cuda.get_device_capability() if config.backend == "nccl" else None
     predicted = predicted_peaks(config, capability)[0]
     rows = peaks.rows
@@ -196,6 +198,14 @@ def main() -> int:
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one job in this process (what main runs per row)
     parser.add_argument("--row-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    unknown = sorted(set(args.only.split(",")) - {label for label, _ in IN_SAMPLE + HELD_OUT}) if args.only else []
+    if unknown:
+        parser.error(f"--only: no job named {', '.join(map(repr, unknown))}; the jobs: "
+                     f"{', '.join(label for label, _ in IN_SAMPLE + HELD_OUT)}")
+    try:
+        check_outputs(args)
+    except UserFileError as error:
+        parser.error(str(error))
     if args.job:
         fields = dict(IN_SAMPLE + HELD_OUT)[args.job]
         Path(args.row_out).write_text(json.dumps(measure(args.job, fields, args.dry_run)))

@@ -291,9 +291,9 @@ def memory(args: argparse.Namespace) -> int:
     measured = run_local(config)["memory"][0]
     on_cpu = dataclasses.replace(config, backend="gloo", threads=min(8, os.cpu_count() or 1))
     tracked = measured if args.dry_run else run_local(on_cpu)["memory"][0]
-    capability = None if args.dry_run else torch.cuda.get_device_capability()
-    predicted = predicted_peaks(config, capability)[0]["predicted_peak"]
     predicted_tracked = predicted_peaks(config)[0]["predicted_peak"]
+    predicted = predicted_tracked if args.dry_run else \
+        predicted_peaks(config, torch.cuda.get_device_capability())[0]["predicted_peak"]
     error, tracked_error = measured["peak"] / predicted - 1, tracked["peak"] / predicted_tracked - 1
     print(f"{measured['source']} peak over the step {measured['peak'] / MIB:.1f} MiB, predicted {predicted / MIB:.1f} "
           f"MiB ({error:+.1%}); the CPU run's tracked peak {tracked['peak'] / MIB:.1f} MiB, predicted "

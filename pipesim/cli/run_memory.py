@@ -31,6 +31,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from executor.architectures.build import is_architecture, shrunk_spec, stage_layers
 from executor.config import RunConfig, build_schedule, even_layout
 from pipesim.job import DTYPE_BYTES
@@ -192,15 +194,15 @@ def action_peaks(trace: Trace, costs: Costs, rank: RankMemory, arrivals: list[tu
     columns, last = trace.columns, len(costs.stages) - 1
     moments = [moment for moment, _ in rank.timeline]
     input_gradient = {columns.kinds.index(kind) for kind in (ActionKind.B, ActionKind.I)}
-    for index in range(len(columns)):
-        if int(columns.rank[index]) != rank.rank:
-            continue
+    made_at: dict[float, float] = {}  # a first weight-gradient action's end -> the gradients it makes
+    for arrived, amount in arrivals:
+        made_at[arrived] = made_at.get(arrived, 0.0) + amount
+    for index in np.flatnonzero(columns.rank == rank.rank):
         start, end = float(columns.start[index]), float(columns.end[index])
         held = rank.timeline[max(bisect.bisect_right(moments, start) - 1, 0)][1]
-        made = sum(amount for arrived, amount in arrivals if arrived == end)
         loss = loss_backward_bytes if int(columns.stage[index]) == last and \
             int(columns.kind[index]) in input_gradient else 0.0
-        yield held + grads_at(arrivals, start) + made + loss
+        yield held + grads_at(arrivals, start) + made_at.get(end, 0.0) + loss
 
 
 def with_whole_ends(costs: Costs, spec: ModelSpec, tp: int, sequence_parallel: bool, saved: SavedTensors) -> Costs:
