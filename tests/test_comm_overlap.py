@@ -7,6 +7,7 @@ comments, on a pair of GPUs joined by 10 GB/s with no latency."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -87,6 +88,52 @@ def test_tensor_parallel_collectives_beside_the_gemms():
     assert tp_holds(tp_stage(10 * MB, attention=1 * MS), True, True, 0.0)[0] == pytest.approx(2 * MS)
     # without sequence parallelism the all-reduces stay on the critical path: 2 x 2 x 1 ms
     assert tp_holds(tp_stage(10 * MB), False, True, 0.25) == pytest.approx((4 * MS,) * 3)
+
+
+def test_each_tensor_parallel_collective_hides_only_beside_its_own_gemms():
+    # The same two layers with their GEMMs known: forward seconds a layer beside attention's
+    # all-gather 1 ms (QKV), its reduce-scatter 0.5 ms (output projection), the MLP's 3 ms
+    # and 2 ms. 40 MB over 2 GPUs: 4 ms a pair, 2 ms each all-gather or reduce-scatter.
+    stage = replace(tp_stage(40 * MB), tp_window_attention_in=1 * MS, tp_window_attention_out=0.5 * MS,
+                    tp_window_mlp_in=3 * MS, tp_window_mlp_out=2 * MS)
+    # F, free overlap: 2 - 1 and 2 - 0.5 exposed beside attention, nothing beside the MLP:
+    # 2.5 ms a layer, 5 ms the stage (the whole-layer window hid all but 6 ms of 8 in two layers)
+    # B: the input sides' reduce-scatters beside their input- and weight-gradient products
+    # (2 ms and 6 ms), the output sides' all-gathers beside the input-gradient product
+    # (0.5 and 2 ms): 0 + 1.5 + 0 + 0 = 1.5 ms a layer. I: the forward's windows again.
+    assert tp_holds(stage, True, True, 0.0) == pytest.approx((5 * MS, 3 * MS, 5 * MS))
+    # at a 25% slowdown: a window w beside 2 ms hides it while 2 <= 1.25 w, for 2 x 0.2 =
+    # 0.4 ms; else it exposes 2 - w. F: 1 + 1.5 + 0.4 + 0.4 = 3.3 ms a layer; B: attention's
+    # input side 2 ms (2 <= 2.5) 0.4, its output 1.5, the MLP 0.4 + 0.4 = 2.7 ms a layer
+    assert tp_holds(stage, True, True, 0.25) == pytest.approx((6.6 * MS, 5.4 * MS, 6.6 * MS))
+    # full recompute re-runs both layers' forwards, and their collectives, in the backward
+    recomputed = replace(stage, recompute_layers=2)
+    assert tp_holds(recomputed, True, True, 0.0) == pytest.approx((5 * MS, 8 * MS, 10 * MS))
+    # with overlap off, or without sequence parallelism, the windows change nothing
+    assert tp_holds(stage, True, False, 0.25) == pytest.approx((16 * MS,) * 3)
+    assert tp_holds(stage, False, True, 0.25) == pytest.approx((16 * MS,) * 3)
+
+
+def test_a_models_costs_carry_each_collectives_gemms():
+    """Llama 3 8B at tp 8 with sequence parallelism, 8,192 tokens: the windows are its
+    GEMMs' forward seconds as the compute model times them, grouped by hand from the
+    weights (QKV; the output projection; gate and up; down)."""
+    from pipesim.model.compute_model import gpu_compute_model, operation_time
+    from pipesim.model.operations import layer_operations
+    from pipesim.model.spec import PRESETS
+    from pipesim.model.transformer_costs import model_stage_costs
+
+    spec = replace(PRESETS["llama3-8b"], seq_len=8192)
+    stage = model_stage_costs(spec, 1, [989e12], tp=8, sequence_parallel=True, fallback_gpu="h100").stages[0]
+    compute = gpu_compute_model("h100")
+    forward = {operation.name: operation_time(operation, compute, 2).forward
+               for operation in layer_operations(spec, 8, True)}
+    assert stage.tp_windows == pytest.approx((forward["qkv"], forward["attention_out"], forward["mlp_in"],
+                                              forward["mlp_out"]))
+    # the GEMMs are only part of a layer's compute beside which the lumped rule hid them
+    assert sum(stage.tp_windows) < stage.fwd / stage.layers - stage.attention_fwd
+    # without tensor parallelism there is nothing to hide
+    assert model_stage_costs(spec, 1, [989e12], tp=1, fallback_gpu="h100").stages[0].tp_windows == (0.0,) * 4
 
 
 def zero_stage(layers: int = 0, param_bytes: float = 100 * MB, optimizer: float = 0.0) -> Costs:

@@ -23,7 +23,9 @@ STAGE_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "act_bytes", "stash_bytes", "par
                 "tp_message_bytes", "recompute_layers", "recomputed_tp_pairs", "overlap_fb",
                 # expert and context parallelism (pipesim.sim.expert_parallel, pipesim.sim.context_parallel)
                 "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
-                "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies", "combine_bytes")
+                "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies", "combine_bytes",
+                # the GEMMs beside each tp collective under overlap (pipesim.model.tp_windows)
+                "tp_window_attention_in", "tp_window_attention_out", "tp_window_mlp_in", "tp_window_mlp_out")
 OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead")
 # what a stage's parameter memory and its gathers after the optimizer step read of it
 _PARAMETER_FIGURES = attrgetter("param_bytes", "params", "expert_params")
@@ -97,6 +99,12 @@ class StageCost:
     ``W`` needs (Qi et al. 2024, Table 1: ``32h`` of ``34h + 5as`` per token). 1 (the
     default for flags and costs files) holds the whole stash until ``W``; a model's
     costs derive it (``pipesim.model.activations.wgrad_stash_bytes``).
+
+    ``tp_window_*`` (per layer, like ``attention_fwd``): the forward seconds of the GEMMs
+    each of a layer's four tp collectives runs beside when they are overlapped
+    (``pipesim.model.tp_windows``: attention's input projections, its output projection,
+    the MLP's input and output GEMMs). All zero (a costs file that does not give them):
+    the collectives hide under the layer's whole compute outside the attention core.
     """
 
     fwd: float
@@ -123,12 +131,22 @@ class StageCost:
     dispatch_node_limit: float = 0.0
     dispatch_copies: float = 0.0
     combine_bytes: float = 0.0
+    tp_window_attention_in: float = 0.0
+    tp_window_attention_out: float = 0.0
+    tp_window_mlp_in: float = 0.0
+    tp_window_mlp_out: float = 0.0
 
     @property
     def all_to_all_bytes(self) -> tuple[float, float]:
         """(toward the experts, back from them): one rank's bytes in each of an MoE layer's
         two all-to-alls per pass, ``combine_bytes`` 0 read as ``dispatch_bytes``."""
         return self.dispatch_bytes, self.combine_bytes or self.dispatch_bytes
+
+    @property
+    def tp_windows(self) -> tuple[float, float, float, float]:
+        """The four ``tp_window_*`` fields, in ``pipesim.model.tp_windows`` order."""
+        return (self.tp_window_attention_in, self.tp_window_attention_out, self.tp_window_mlp_in,
+                self.tp_window_mlp_out)
 
     @property
     def input_grad(self) -> float:

@@ -57,6 +57,7 @@ from pipesim.model.per_op_checkpoint import check_per_op, recomputed_tp_pairs
 from pipesim.model.saved_tensors import KERNELS, SavedTensors
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak
 from pipesim.model.stage_split import split_layers
+from pipesim.model.tp_windows import TP_WINDOW_FIELDS, tp_gemm_windows
 from pipesim.model.weights import routed_params
 
 H100_BF16_FLOPS = 989e12  # used when a device has no peak (the ideal topology) and no --gpu
@@ -224,10 +225,15 @@ def model_stage_costs(
                    last_stage: bool) -> StageCost:
         fwd = bwd = wgrad = stash = kept = 0.0
         params = moe_layers = 0  # whole numbers
+        windows = [0.0] * len(TP_WINDOW_FIELDS)  # summed over the stage's layers, then per layer
         for layer, alike in groups:
             kind = kind_layer[spec.layer_kind(layer)]
             moe_layers += alike if spec.is_moe_layer(layer) else 0
             time = time_of(compute, kind)
+            if tp > 1:
+                windows = [total + alike * seconds for total, seconds in zip(
+                    windows, tp_gemm_windows(spec, tp, sequence_parallel, flash_attention, compute, kind, ep, cp),
+                    strict=True)]
             fwd += alike * time.forward
             bwd += alike * (time.input_grad + time.weight_grad + time.recompute)
             wgrad += alike * time.weight_grad
@@ -254,6 +260,10 @@ def model_stage_costs(
                 mtp_moe = spec.mtp_depth if spec.is_moe_layer(spec.layers) else 0
                 moe_layers += mtp_moe
                 count += spec.mtp_depth
+                if tp > 1:  # each module's block runs its tp collectives beside its own GEMMs
+                    windows = [total + spec.mtp_depth * seconds for total, seconds in zip(
+                        windows, tp_gemm_windows(spec, tp, sequence_parallel, flash_attention, compute, spec.layers,
+                                                 ep, cp), strict=True)]
         attention = attention_time(spec, tp, flash_attention, compute, cp)
         return StageCost(
             fwd=fwd,
@@ -281,6 +291,7 @@ def model_stage_costs(
                                else wgrad_stash_share(stash, kept)),
             dispatch_node_limit=float(spec.moe.node_limit or 0) if moe_layers else 0.0,
             dispatch_copies=spec.moe.routed_slots(padded=False) if moe_layers else 0.0,
+            **{name: total / count if count else 0.0 for name, total in zip(TP_WINDOW_FIELDS, windows, strict=True)},
         )
 
     # stages on alike devices holding alike layers (most of a deep pipeline) share one cost

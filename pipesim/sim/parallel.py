@@ -82,6 +82,7 @@ from pipesim.cluster.mapping import DEFAULT_ORDER, RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.cluster.twins import boundary_rank_pairs, twin_transfers
 from pipesim.model.costs import Costs, StageCost
+from pipesim.model.tp_windows import backward_windows
 from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN, check_slowdown, exposed_seconds, slowed_by
 from pipesim.sim.context_parallel import check_cp_comm, cp_collective_seconds
 from pipesim.sim.expert_parallel import ep_collective_seconds
@@ -425,11 +426,13 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
 
     With sequence parallelism and ``overlap`` (Megatron-Core's ``--tp-comm-overlap``,
     torch's async TP: both need sequence parallelism) a layer's all-gathers and
-    reduce-scatters run beside the GEMMs they feed and follow, so per layer only
-    ``pipesim.sim.comm_overlap.exposed_seconds(window, collectives, slowdown)`` holds
-    the rank: the window is the layer's compute outside the attention core (its GEMMs and
-    the kernels between them) in that pass. Without sequence parallelism the all-reduces
-    are on the critical path whole, as Megatron runs them."""
+    reduce-scatters run beside the GEMMs they feed and follow, each beside its own
+    (``pipesim.model.tp_windows``; ``_paired_tp_exposure``): only
+    ``pipesim.sim.comm_overlap.exposed_seconds(gemms, collective, slowdown)`` of each holds
+    the rank. Costs that do not give the GEMMs (a costs file without ``tp_window_*``) hide
+    a layer's collectives under its whole compute outside the attention core in that pass.
+    Without sequence parallelism the all-reduces are on the critical path whole, as
+    Megatron runs them."""
     seconds: dict[tuple[int, str], float] = {}
     if mapping.tp == 1:
         return seconds
@@ -461,6 +464,8 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         if not overlapped:
             return per_pass, backward, backward
         layers = cost.layers
+        if any(cost.tp_windows):
+            return _paired_tp_exposure(cost, one, experts / layers, slowdown)
         windows = (cost.fwd / layers - cost.attention_fwd, cost.bwd / layers - cost.attention_bwd,
                    cost.input_grad / layers - cost.attention_bwd)
         return tuple(layers * exposed_seconds(max(0.0, window), comm / layers, slowdown)
@@ -470,6 +475,32 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         if holds is not None:
             seconds[stage, ActionKind.F], seconds[stage, ActionKind.B], seconds[stage, ActionKind.I] = holds
     return seconds
+
+
+def _paired_tp_exposure(cost: StageCost, pair: float, expert_extra: float,
+                        slowdown: float) -> tuple[float, float, float]:
+    """(F, B, I) seconds a stage's overlapped tp collectives hold its rank, each collective
+    beside only the GEMMs it feeds or follows (``pipesim.model.tp_windows``): per layer an
+    all-gather and a reduce-scatter of half ``pair``'s price around each block, the MLP's
+    two each carrying half of ``expert_extra`` (a mixture of experts' gathers of its routed
+    copies, per layer). Collectives a recompute re-runs inside the backward sit beside the
+    re-run forward's GEMMs: full recompute's ``recompute_layers`` pay the forward's exposure
+    again, per-op checkpointing's ``recomputed_tp_pairs`` a dense pair's forward exposure
+    each."""
+    half = pair / 2
+    comms = (half, half, half + expert_extra / 2, half + expert_extra / 2)
+    forward = cost.tp_windows
+
+    def exposed(windows: tuple[float, ...], comms: tuple[float, ...]) -> float:
+        return sum(exposed_seconds(window, comm, slowdown) for window, comm in zip(windows, comms, strict=True))
+
+    layers = cost.layers
+    per_layer = exposed(forward, comms)
+    recomputed = (cost.recompute_layers * per_layer
+                  + cost.recomputed_tp_pairs * exposed(forward, (half,) * len(forward)) / 2)
+    return (layers * per_layer,
+            layers * exposed(backward_windows(forward, split=False), comms) + recomputed,
+            layers * exposed(backward_windows(forward, split=True), comms) + recomputed)
 
 
 def _tp_collective(topology: Topology, mapping: RankMapping, rank: int, sequence_parallel: bool, algorithm: str,
