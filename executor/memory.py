@@ -16,7 +16,11 @@ memory model splits them (``pipesim.sim.memory``):
   outputs per-op recompute keeps in its own store (``executor.per_op_recompute``), held
   from the microbatch's ``F`` until its last backward (``B``, or ``W`` when split) ends;
 - ``buffers``: the activations and gradients waiting to be sent or used (the runtime's
-  outbox and inbox).
+  outbox and inbox);
+- between a split backward's ``I`` and its ``W``, the gradients ``I`` found for the
+  outputs of the stage's parameter-owning modules, which ``W`` multiplies by their
+  inputs (``executor.split_backward``): counted with the activations, as the
+  simulator's memory model grows the microbatch's stash at ``I`` by them.
 
 They are added up after every action and the peak is kept (with, apart, the most
 activations held at once: the number the schedule decides, GPipe's m microbatches on
@@ -91,6 +95,7 @@ class MemoryTracker:
         self.optimizer: torch.optim.Optimizer | None = None
         self.extra_grads = lambda: []  # ZeRO's gradient shards
         self.buffers = lambda: []  # the runtime's outbox and inbox tensors
+        self.weight_grad_inputs = lambda: []  # the output gradients split backwards hold from I to W
         # (stage, microbatch) -> storage key -> the storage (or, unreachable, its bytes)
         self.saved: dict[tuple[int, int], dict[int, torch.UntypedStorage | int]] = {}
         self.recording: tuple[int, int] | None = None
@@ -156,6 +161,7 @@ class MemoryTracker:
         grads = sum(tensor_bytes(p.grad) for p in self.params) + sum(map(tensor_bytes, self.extra_grads()))
         optimizer = self.optimizer_bytes()
         activations = sum(map(held_bytes, (kept for stored in self.saved.values() for kept in stored.values())))
+        activations += sum(map(tensor_bytes, {storage_key(grad): grad for grad in self.weight_grad_inputs()}.values()))
         buffers = sum(map(tensor_bytes, self.buffers()))
         total = self.param_bytes + grads + optimizer + activations + buffers
         return MemoryPeak(total, self.param_bytes, grads, optimizer, activations, buffers)

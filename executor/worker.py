@@ -196,6 +196,9 @@ class RankRun:
         runtime = self.runtime
         self.memory.buffers = lambda: [*runtime.outbox.values(), *runtime.forward_inputs.values(),
                                        *runtime.output_grads.values()]
+        self.memory.weight_grad_inputs = lambda: [
+            grad for work in runtime.weight_work.values()
+            for grad in (*(grad for _, grads in work.calls for grad in grads), work.output_grad) if grad is not None]
         self.memory_peak = MemoryPeak()
         self.one_timeline = shared_clock(device, self.world)  # every rank on one perf_counter (executor.clock)
 

@@ -128,6 +128,55 @@ def test_latent_attention_blocks_keep_what_the_model_says(model: str, batch: int
         assert predicted == measured_block_bytes(config, layer)
 
 
+def held_output_grads(config: RunConfig) -> int:
+    """Bytes of the gradients a split backward's ``I`` over ``config``'s whole model (one
+    stage) keeps for its ``W``, each storage once, as ``executor.memory`` counts them."""
+    from executor.memory import storage_key, tensor_bytes
+    from executor.split_backward import SplitBackward
+
+    model = build_model(config)
+    stage = model.build_stage(0, 1)
+    split = SplitBackward(stage)
+    tokens, targets = model.make_batch(0, config.batch_size)
+    with split.recording() as calls:
+        loss = model.loss_sum(stage(tokens), targets)
+    _, work = split.input_grad(loss, None, None, calls)
+    grads = {storage_key(grad): grad for _, held in work.calls for grad in held if grad is not None}
+    return sum(map(tensor_bytes, grads.values()))
+
+
+def test_the_toy_gpts_i_keeps_11h_a_token_and_layer_for_its_w() -> None:
+    """h = 32, s = 16 tokens, vocab 128, 2 layers, float32. Each layer, per token: the two
+    LayerNorms' outputs (h each), QKV's (3h), the projection's (h), the MLP's (4h + h):
+    11h = 352 elements, 16 x 352 x 4 = 22,528 bytes. The ends: the token embedding's
+    output (16 x 32), the learned positions' (16 x 32, one per position), the final
+    norm's (16 x 32) and the logits (16 x 128): 3,584 elements, 14,336 bytes. In all
+    2 x 22,528 + 14,336 = 59,392."""
+    from pipesim.model.activations import end_output_grad_bytes, output_grad_bytes
+
+    config = RunConfig(model="gpt", **{**SIZES, "layers": 2})
+    assert held_output_grads(config) == 59392
+    spec, saved = executor_spec(config)
+    assert output_grad_bytes(spec, saved=saved) == 22528
+    assert end_output_grad_bytes(spec, 1, False, True, True, saved) == 14336
+    assert output_grad_bytes(spec) == 0  # the kernels' inventory counts them in wgrad_stash_bytes
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "mixtral-8x7b", "deepseek-v2-lite", "deepseek-v3"])
+def test_what_a_split_backward_holds_for_w_is_what_the_model_counts(model: str) -> None:
+    """The architectures' parameter-owning modules (GQA's separate projections, SwiGLU's
+    gate and up, the router and each expert over the copies routed to it, the shared
+    experts, latent attention's norm over its latents; dense first layers) against the
+    model's count, layer by layer as the stage holds them."""
+    from pipesim.model.activations import end_output_grad_bytes, output_grad_bytes
+
+    config = RunConfig(model=model, **{**SIZES, "layers": 2, "hidden": 64, "heads": 8})
+    spec, saved = executor_spec(config)
+    predicted = (sum(output_grad_bytes(spec, saved=saved, layer=layer) for layer in range(spec.layers))
+                 + end_output_grad_bytes(spec, 1, False, True, True, saved))
+    assert held_output_grads(config) == pytest.approx(predicted, rel=1e-12)
+
+
 def test_the_default_inventory_is_the_papers() -> None:
     """Without ``saved`` (and with ``KERNELS``) a GPT-3-like layer keeps Korthikanti et
     al.'s ``sbh (34 + 5as/h)`` bytes in 16-bit with dropout and no flash attention."""

@@ -65,6 +65,17 @@ def test_an_i_frees_all_but_the_kept_share_by_hand():
     assert share[0] == pytest.approx(2.4) and whole[0] == 3.0
 
 
+def test_an_i_that_adds_to_a_stash_held_whole_grows_it_by_hand():
+    """The same program with a share of 1.5 (the executor: the whole stash until W and, from
+    I, the output gradients W multiplies, half a stash more): after F1 2, after I0 2.5,
+    after F2 3.5 (the peak), after W0 2, after I1 2.5, after W1 1, ..."""
+    program = ["F0", "F1", "I0", "F2", "W0", "I1", "W1", "I2", "W2"]
+    assert peak_stashes(columns(program), 1, kept=lambda stages: np.full(len(stages), 1.5))[0] == pytest.approx(3.5)
+    # a costs file may say so: the share is no longer capped at 1
+    from pipesim.model.costs import Costs, StageCost
+    assert Costs(stages=(StageCost(fwd=1.0, bwd=2.0, wgrad_stash_share=1.5),)).stages[0].wgrad_stash_share == 1.5
+
+
 @settings(max_examples=40, deadline=None)
 @given(name=st.sampled_from(["zb-h1", "zb-h2", "zbv", "1f1b"]), pp=st.integers(2, 5), extra=st.integers(0, 6),
        share=st.floats(0.0, 1.0))

@@ -168,6 +168,51 @@ def wgrad_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fa
     return sum(gemm.count * gemm.m * (gemm.k + gemm.n) for gemm in gemms) * spec.dtype_bytes
 
 
+def output_grad_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False, layer: int = 0,
+                      saved: SavedTensors = KERNELS) -> float:
+    """Bytes of the gradients a split backward's ``I`` finds for the outputs of layer
+    ``layer``'s parameter-owning modules and holds until its ``W`` (which multiplies them
+    by the modules' inputs), where the implementation keeps them beside a stash held whole
+    (``saved.output_grads_until_weight_grad``: the executor's split backward,
+    ``executor.split_backward``); 0 otherwise (the kernels' inventory counts them in
+    ``wgrad_stash_bytes``). Each weight GEMM's output, ``m x n`` of it on one tp rank
+    (routed experts over the copies routed to them, unpadded: the executor runs no
+    capacity padding), and each norm's output, ``h`` a token (``/ tp`` under sequence
+    parallelism; latent attention's norms over its latents too), in the residual stream's
+    element type. For the toy GPT that is ``11h`` a token: QKV ``3h``, the output
+    projection ``h``, the MLP ``4h + h``, two norms."""
+    if not saved.output_grads_until_weight_grad:
+        return 0.0
+    from pipesim.model.operations import weight_gemms
+    from pipesim.model.weights import layer_weights
+
+    gemms = weight_gemms(layer_weights(spec, spec.is_moe_layer(layer)), spec, tp, sequence_parallel, padded=False)
+    outputs = sum(gemm.count * gemm.m * gemm.n for gemm in gemms) * spec.dtype_bytes
+    # the layer's norms, and latent attention's over its latents (whole on every tp rank)
+    width = spec.norms_per_layer * spec.hidden + (spec.mla.kv_lora_rank + (spec.mla.q_lora_rank or 0) if spec.mla
+                                                   else 0)
+    norms = spec.tokens * width / (tp if sequence_parallel else 1)
+    return outputs + norms * (saved.residual_bytes or spec.dtype_bytes)
+
+
+def end_output_grad_bytes(spec: ModelSpec, tp: int, sequence_parallel: bool, first_stage: bool, last_stage: bool,
+                          saved: SavedTensors = KERNELS) -> float:
+    """``output_grad_bytes`` of what the first and the last stage hold beyond their layers:
+    the embedding's output (``h`` a token; learned positions add their own, ``h`` a
+    position, shared by the microbatch's sequences), the final norm's (``h``) and the
+    output layer's logits (``V / tp``)."""
+    if not saved.output_grads_until_weight_grad:
+        return 0.0
+    residual = saved.residual_bytes or spec.dtype_bytes
+    held = 0.0
+    if first_stage:
+        held += (spec.tokens + (spec.seq_len if spec.learned_positions else 0)) * spec.hidden * residual
+    if last_stage:
+        held += (spec.tokens * spec.hidden / (tp if sequence_parallel else 1) * residual
+                 + spec.tokens * spec.vocab / tp * spec.dtype_bytes)
+    return held
+
+
 def wgrad_stash_share(stash: float, kept: float) -> float:
     """The share of a ``stash`` that ``kept`` bytes are, at most all of it (a stash of
     the layer's input alone, under full recompute, is held whole until ``W``)."""

@@ -98,7 +98,10 @@ class StageCost:
     when the backward is split: the matrix products' inputs and output gradients, which
     ``W`` needs (Qi et al. 2024, Table 1: ``32h`` of ``34h + 5as`` per token). 1 (the
     default for flags and costs files) holds the whole stash until ``W``; a model's
-    costs derive it (``pipesim.model.activations.wgrad_stash_bytes``).
+    costs derive it (``pipesim.model.activations.wgrad_stash_bytes``). Above 1, ``I``
+    adds to what the microbatch holds: the executor's split backward keeps the whole
+    graph until ``W`` and beside it the gradients of its modules' outputs
+    (``pipesim.model.activations.output_grad_bytes``).
 
     ``tp_window_*`` (per layer, like ``attention_fwd``): the forward seconds of the GEMMs
     each of a layer's four tp collectives runs beside when they are overlapped
@@ -212,9 +215,6 @@ class Costs:
                 raise CostsError(
                     f"stage {index}: wgrad ({stage.wgrad}) is part of bwd ({stage.bwd}) and cannot exceed it"
                 )
-            if stage.wgrad_stash_share > 1:
-                raise CostsError(f"stage {index}: wgrad_stash_share ({stage.wgrad_stash_share}) is a share of the "
-                                 f"stash, at most 1")
 
     @property
     def num_stages(self) -> int:

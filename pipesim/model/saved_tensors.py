@@ -78,6 +78,8 @@ class SavedTensors:
     wide_scores: bool = False  # router scores and logits in the activation dtype when wider than fp32
     token_indices: bool = False  # the int64 token ids (first stage) and targets (last stage)
     whole_stash_until_weight_grad: bool = False  # a split backward's I keeps the whole graph until W
+    # ... and adds the gradients it found for every parameter-owning module's output, which W needs
+    output_grads_until_weight_grad: bool = False
     gathered_gemm_inputs: bool = False  # under sequence parallelism, column-parallel linears keep the gathered input
     residual_bytes: int = 0  # bytes of an element of the residual stream and norms, where not the dtype's (autocast)
     input_cast_per_projection: bool = False  # Q, K, V (gate, up) projections each keep their own cast of the input
@@ -89,7 +91,8 @@ KERNELS = SavedTensors()
 EAGER_TORCH = SavedTensors(layer_norm_statistics=2, rms_norm_statistics=1, rms_norm_normalised=True,
                            softmax_statistics=True, kv_repeated=True, attention_output_copy=True, rotary_tables=True,
                            gated_activation_output=True, routed_combine=True, wide_scores=True, token_indices=True,
-                           whole_stash_until_weight_grad=True, gathered_gemm_inputs=True, latent_kv_whole=True)
+                           whole_stash_until_weight_grad=True, output_grads_until_weight_grad=True,
+                           gathered_gemm_inputs=True, latent_kv_whole=True)
 AUTOCAST_TORCH = replace(EAGER_TORCH, residual_bytes=FP32_BYTES, input_cast_per_projection=True, weight_copies=True)
 
 

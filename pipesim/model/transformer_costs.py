@@ -41,10 +41,12 @@ import functools
 from dataclasses import replace
 
 from pipesim.model.activations import (
+    end_output_grad_bytes,
     first_stage_extra_bytes,
     key_value_bytes,
     last_stage_extra_bytes,
     layer_stash_bytes,
+    output_grad_bytes,
     wgrad_stash_bytes,
     wgrad_stash_share,
 )
@@ -214,7 +216,8 @@ def model_stage_costs(
     per_kind = {layer: (spec.layer_params(layer, tp, ep),
                         layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, layer,
                                           saved_tensors),
-                        wgrad_stash_bytes(local, tp, sequence_parallel, layer))
+                        wgrad_stash_bytes(local, tp, sequence_parallel, layer),
+                        output_grad_bytes(local, tp, sequence_parallel, layer, saved_tensors))
                 for layer in kind_layer.values()}
     routed = routed_params(spec, tp, ep)
     # the all-to-all toward the experts in FP8 under DeepSeek-V3's recipe, the one back in BF16
@@ -224,6 +227,8 @@ def model_stage_costs(
     def stage_cost(compute: ComputeModel, groups: list[tuple[int, int]], count: int, first_stage: bool,
                    last_stage: bool) -> StageCost:
         fwd = bwd = wgrad = stash = kept = 0.0
+        # what a split backward's I adds to a stash held whole until W (the executor's)
+        grads = end_output_grad_bytes(local, tp, sequence_parallel, first_stage, last_stage, saved_tensors)
         params = moe_layers = 0  # whole numbers
         windows = [0.0] * len(TP_WINDOW_FIELDS)  # summed over the stage's layers, then per layer
         for layer, alike in groups:
@@ -240,6 +245,7 @@ def model_stage_costs(
             params += alike * per_kind[kind][0]
             stash += alike * per_kind[kind][1]
             kept += alike * per_kind[kind][2]
+            grads += alike * per_kind[kind][3]
         if first_stage:
             params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(local, tp, sequence_parallel, saved_tensors)
@@ -287,7 +293,8 @@ def model_stage_costs(
             kv_bytes=local.tokens * key_value_bytes(spec, tp),
             attention_fwd=attention.forward,
             attention_bwd=attention.input_grad,
-            wgrad_stash_share=(1.0 if recompute == "full" or saved_tensors.whole_stash_until_weight_grad
+            wgrad_stash_share=((stash + grads) / stash if saved_tensors.whole_stash_until_weight_grad and stash > 0
+                               else 1.0 if recompute == "full" or saved_tensors.whole_stash_until_weight_grad
                                else wgrad_stash_share(stash, kept)),
             dispatch_node_limit=float(spec.moe.node_limit or 0) if moe_layers else 0.0,
             dispatch_copies=spec.moe.routed_slots(padded=False) if moe_layers else 0.0,
