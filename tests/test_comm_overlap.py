@@ -6,6 +6,7 @@ comments, on a pair of GPUs joined by 10 GB/s with no latency."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -134,6 +135,18 @@ def test_a_models_costs_carry_each_collectives_gemms():
     assert sum(stage.tp_windows) < stage.fwd / stage.layers - stage.attention_fwd
     # without tensor parallelism there is nothing to hide
     assert model_stage_costs(spec, 1, [989e12], tp=1, fallback_gpu="h100").stages[0].tp_windows == (0.0,) * 4
+    # a costs file written from them keeps them, and prices the collectives the same
+    from pipesim.model.costs import costs_from_dict
+
+    costs = model_stage_costs(spec, 1, [989e12], tp=8, sequence_parallel=True, fallback_gpu="h100")
+    read = costs_from_dict(json.loads(json.dumps(costs.to_dict())))
+    assert read.stages[0].tp_windows == stage.tp_windows
+    topology = topology_from_dict({"devices": [{"name": f"g{index}"} for index in range(8)],
+                                   "links": [{"src": f"g{index}", "dst": f"g{index + 1}", "bandwidth": 100e9,
+                                              "latency": 0.0} for index in range(7)]})
+    schedule = generate("1f1b", 1, 1)
+    price = [tp_collective_seconds(schedule, each, topology, map_ranks(topology, tp=8)) for each in (costs, read)]
+    assert price[0] == price[1] and price[0][0, "F"] > 0
 
 
 def zero_stage(layers: int = 0, param_bytes: float = 100 * MB, optimizer: float = 0.0) -> Costs:
