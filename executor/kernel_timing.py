@@ -5,9 +5,13 @@ Each measurement runs the kernel ``repeats`` times back to back after ``warmup``
 and divides, in three rounds, keeping the least: on a GPU between two CUDA events on
 the stream, so the host launches ahead of the device as it does in training and the
 time is the device's, not one launch's; on a CPU by the thread's CPU time
-(``executor.profile.clock_for_compute``). A GEMM's
-backward is its two GEMMs as autograd runs them for a linear layer: the input gradient
-``dy @ w^T`` and the weight gradient ``x^T @ dy``. Attention is
+(``executor.profile.clock_for_compute``). A GEMM is timed in the layouts a linear layer
+runs it (``torch.nn.Linear``, ``F.linear``: the weight stored ``n x k``): the forward
+``x @ w^T``, the backward's input gradient ``dy @ w`` and weight gradient ``dy^T @ x``.
+The layout matters on a GPU: on an H200, ``x @ w^T`` at 8192 x 1024 x 4096 ran at 427
+TFLOP/s where ``x @ w`` with the weight stored ``k x n`` ran at 558 (docs/cluster-model.md,
+FP8 GEMMs), so a model fitted to the other layout predicts training's GEMMs fast.
+Attention is
 ``scaled_dot_product_attention`` with a causal mask, forward alone and forward +
 backward.
 """
@@ -43,14 +47,15 @@ def _seconds_per_call(run: Callable[[], object], device: torch.device, warmup: i
 
 def time_gemms(shapes: Sequence[tuple[int, int, int]], device: torch.device, dtype: torch.dtype,
                warmup: int = 3, repeats: int = 10) -> list[tuple[float, float]]:
-    """(forward, backward) seconds of ``x @ w`` for each ``(m, k, n)`` in ``shapes``."""
+    """(forward, backward) seconds of a linear layer's GEMMs for each ``(m, k, n)`` in
+    ``shapes``: ``m`` rows of ``k`` inputs to ``n`` outputs (see the module)."""
     timings = []
     for m, k, n in shapes:
         x = torch.randn(m, k, device=device, dtype=dtype)
-        w = torch.randn(k, n, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)  # as nn.Linear stores its weight
         dy = torch.randn(m, n, device=device, dtype=dtype)
-        forward = _seconds_per_call(lambda x=x, w=w: x @ w, device, warmup, repeats)
-        backward = _seconds_per_call(lambda x=x, w=w, dy=dy: (dy @ w.T, x.T @ dy), device, warmup, repeats)
+        forward = _seconds_per_call(lambda x=x, w=w: x @ w.T, device, warmup, repeats)
+        backward = _seconds_per_call(lambda x=x, w=w, dy=dy: (dy @ w, dy.T @ x), device, warmup, repeats)
         timings.append((forward, backward))
         del x, w, dy
     return timings
