@@ -12,8 +12,9 @@
 #            one-rank NCCL groups, DualPipeV's pairs on two CUDA streams (and how many
 #            overlapped); measured peak memory beside the prediction; profile -> simulate
 #            -> run (step-time error); bf16 against fp32 loss curves; the allocator's peak of
-#            single-rank jobs against run's prediction (benchmarks/gpu_memory.py) and BF16/FP8
-#            GEMMs against the compute model (benchmarks/gpu_gemms.py).
+#            single-rank jobs against run's prediction (benchmarks/gpu_memory.py), BF16/FP8
+#            GEMMs against the compute model (benchmarks/gpu_gemms.py) and the built-in GEMM
+#            table timed again in nn.Linear's layouts (benchmarks/gemm_table.py).
 # >= 2 GPUs: also expert parallelism (dp 2 ep 2, float64, all-to-all), context parallelism
 #            (cp 2, K/V all-gather and ring attention), ZeRO-3 with ep 2, and tensor parallelism (tp 2, sequence parallel) against
 #            the CPU reference; every generated schedule on NCCL with transfers >= 64 MiB
@@ -111,6 +112,8 @@ check bf16-vs-fp32 60 $PYTHON scripts/gpu_check.py precision "${PYFLAGS[@]}"
 check memory-held-out 200 $PYTHON benchmarks/gpu_memory.py --set held-out --json "$OUT/gpu-memory.json" "${PYFLAGS[@]}"
 if [ "$DRY" != 1 ]; then
     check gemms-bf16-fp8 90 $PYTHON benchmarks/gpu_gemms.py --json "$OUT/gpu-gemms.json"
+    # the built-in GEMM table again in nn.Linear's layouts, and the model fitted to it
+    check gemm-table-linear 120 $PYTHON benchmarks/gemm_table.py --out "$OUT/h200-gemm-linear.csv"
 fi
 
 # --- two GPUs and more --------------------------------------------------------------------
