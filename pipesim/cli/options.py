@@ -236,8 +236,9 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
                        "--overlap-grad-reduce do)")
     group.add_argument("--no-tp-overlap", action="store_true",
                        help="run the tensor-parallel all-gathers and reduce-scatters of --sequence-parallel between "
-                       "the GEMMs instead of beside them (default: beside them, as Megatron-Core's --tp-comm-overlap "
-                       "and torch's async TP run them; without --sequence-parallel the all-reduces are exposed)")
+                       "the GEMMs instead of beside them (default: each beside the GEMM it feeds or follows, as "
+                       "Megatron-Core's --tp-comm-overlap and torch's async TP run them; without --sequence-parallel "
+                       "the all-reduces are exposed)")
     group.add_argument("--no-param-gather-overlap", action="store_true",
                        help="--zero 1/2: all-gather the updated parameters after the optimizer step, exposed, instead "
                        "of under the next step's first forwards (default: under them, Megatron-Core's "
