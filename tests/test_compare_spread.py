@@ -16,6 +16,7 @@ from pipesim.sim.comparison import (
     report_lines,
     step_spread,
     stretch_warnings,
+    transfer_warnings,
 )
 from schedules.trace import Trace, TraceEvent
 
@@ -89,3 +90,16 @@ def test_compute_slower_in_the_run_than_profiled_is_named_per_rank():
     document = compare(slow, [1.0] * 6, trace("simulated"), 1.0, load=1.0, cores=2)
     assert document["compute_stretch"] == pytest.approx([1.2, 1.2])
     assert [warning[:30] for warning in document["warnings"]] == ["compute ran at another speed i"]
+
+
+def test_transfers_priced_far_from_what_they_took_are_said():
+    """1f1b pp 4 on 2 cores: the run's transfers took 0.478 ms each from post to arrival,
+    the links priced them at 2.225 ms: 4.65 times, beyond the factor of 2 (either way)."""
+    (line,) = transfer_warnings({"transfers": 25, "measured": 0.478e-3, "predicted": 2.225e-3})
+    assert "4.65x" in line and "2.225 against 0.478 ms" in line and "25 a rank waited through" in line
+    (short,) = transfer_warnings({"transfers": 3, "measured": 3e-3, "predicted": 1e-3})
+    assert "0.33x" in short
+    assert transfer_warnings({"transfers": 4, "measured": 1e-3, "predicted": 1.9e-3}) == []
+    assert transfer_warnings({"transfers": 4, "measured": 1e-3, "predicted": 0.6e-3}) == []
+    assert transfer_warnings(None) == []
+    assert transfer_warnings({"transfers": 0, "measured": 0.0, "predicted": 0.0}) == []

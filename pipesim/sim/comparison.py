@@ -57,6 +57,7 @@ def _busy_and_bubble(trace: Trace) -> tuple[list[float], float]:
 MIN_STEPS = 5  # kept steps below which a spread says little
 SPREAD_LIMIT = 0.05  # interquartile range of the kept steps over their median
 STRETCH_LIMIT = 0.05  # compute slower (or faster) in the run than profiled, beyond which to say so
+TRANSFER_LIMIT = 2.0  # predicted over measured seconds per transfer (or its inverse) beyond which to say so
 
 
 def kept_steps(step_times: list[float], warmup_steps: int) -> list[float]:
@@ -143,6 +144,24 @@ def stretch_warnings(stretch: list[float | None]) -> list[str]:
     return [f"compute ran at another speed in the run than in the profile ({listed}: measured over predicted busy "
             "time); on a CPU the cores were shared differently (other work, more ranks than cores): calibrate on the "
             "run's own steps (--calibration run, the default) or profile again in the same conditions"]
+
+
+def transfer_warnings(deliveries: dict | None) -> list[str]:
+    """One line when the links price the transfers a rank waited through at more than
+    ``TRANSFER_LIMIT`` times what they took in the run, or less than its inverse
+    (``p2p_deliveries``): the error is then partly the links'. On a CPU with more ranks
+    than cores the link benchmark's exchanges (every rank at once, after a barrier, the
+    slowest rank's time) wait for cores that a run's transfers mostly find free."""
+    if not deliveries or deliveries["measured"] <= 0 or deliveries["predicted"] <= 0:
+        return []
+    ratio = deliveries["predicted"] / deliveries["measured"]
+    if 1 / TRANSFER_LIMIT <= ratio <= TRANSFER_LIMIT:
+        return []
+    each = f"{deliveries['predicted'] * 1e3:.3f} against {deliveries['measured'] * 1e3:.3f} ms each"
+    return [f"the links priced the run's transfers at {ratio:.2f}x what they took ({each}, post to arrival, over "
+            f"the {deliveries['transfers']} a rank waited through): the step error is partly the links'; on a CPU "
+            "the link benchmark's exchanges wait for cores (every rank at once) that the run's transfers mostly find "
+            "free"]
 
 
 def launch_overheads(schedule: Schedule, costs: Costs) -> list[float]:
@@ -258,7 +277,7 @@ def compare(measured: Trace, step_times: list[float], predicted: Trace, predicte
         "cores": cores,
         "compute_stretch": (stretch := compute_stretch(measured_busy, predicted_busy)),
         "warnings": reliability_warnings(spread, len(kept), load, cores, world_size or ranks)
-        + stretch_warnings(stretch),
+        + stretch_warnings(stretch) + transfer_warnings(deliveries),
         "measured_bubble_fraction": measured_bubble / (ranks * traced_time),
         "predicted_bubble_fraction": predicted_bubble / (ranks * predicted_step_time),
         "measured_idle_fraction": 1 - sum(measured_busy) / (ranks * traced_time),
