@@ -76,12 +76,12 @@ class PeerLinks:
     """Who a rank's communication actions talk to, and how."""
 
     def __init__(self, placement: tuple[int, ...], microbatches: int, device: torch.device, dtype: torch.dtype,
-                 shape_of: Callable[[int], tuple[int, ...]], handshake: bool = False, rank: int = 0) -> None:
+                 shape_of: Callable[[Action], tuple[int, ...]], handshake: bool = False, rank: int = 0) -> None:
         self.placement = placement
         self.microbatches = microbatches
         self.device = device
         self.dtype = dtype
-        self.shape_of = shape_of  # microbatch -> activation shape
+        self.shape_of = shape_of  # a transfer end -> the shape of the activation it carries
         self.handshake = handshake  # emulate rendezvous on a backend that buffers (gloo)
         self.rank = rank  # this process's global rank, for messages
         self.token_base = transfer_count(len(placement), microbatches)  # above every transfer number
@@ -102,7 +102,7 @@ class PeerLinks:
         return action_transfer_key(action, self.microbatches)
 
     def buffer(self, action: Action) -> torch.Tensor:
-        return torch.empty(self.shape_of(action.microbatch), dtype=self.dtype, device=self.device)
+        return torch.empty(self.shape_of(action), dtype=self.dtype, device=self.device)
 
     def post(self, ops: list[tuple[Action, torch.Tensor]]) -> list[Posted]:
         """Post every (action, tensor) as one batch, in the given order; return one

@@ -122,8 +122,16 @@ class RunConfig:
     data: str | None = None
 
     @property
+    def copies(self) -> int:
+        """Copies of the model along the pipeline: DualPipe's two, one fed from each end
+        (``schedules.generators.dualpipe``), else one."""
+        return 2 if self.custom_schedule is None and self.schedule == "dualpipe" else 1
+
+    @property
     def num_stages(self) -> int:
-        return self.pp * self.virtual_stages
+        """The model's stages: pp x virtual stages, over the copies (DualPipe's pp: each
+        rank holds one stage of each copy)."""
+        return self.pp * self.virtual_stages // self.copies
 
     @property
     def world_size(self) -> int:
@@ -228,12 +236,8 @@ class RunConfig:
                 f"--layers {self.layers} cannot fill {self.num_stages} stages of an mlp; "
                 f"use --layers >= {self.num_stages} or give a --layout"
             )
-        if self.custom_schedule is None and self.schedule == "dualpipe":
-            raise ConfigError(
-                "--schedule dualpipe holds two copies of the model whose gradients are summed across the pipeline; "
-                "the executor runs one copy per stage: run --schedule dualpipev (the same steps folded in a V) or "
-                "predict dualpipe with `pipesim simulate`"
-            )
+        if self.copies > 1:
+            check_dualpipe(self)
         if self.custom_schedule is None and self.schedule in COST_AWARE:
             raise ConfigError(
                 f"--schedule {self.schedule} builds its order from stage costs: write it with `pipesim export "
@@ -297,6 +301,20 @@ def check_model(config: RunConfig) -> None:
 
 
 ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_dualpipe(config: RunConfig) -> None:
+    """DualPipe runs two copies of the model, each stage's gradient all-reduced with its
+    other copy's (``executor.copies``), on one pipeline: the layouts beside it are refused
+    in one line, naming the flag."""
+    beside = [(flag, value) for flag, value, plain in (
+        ("--dp", config.dp, 1), ("--tp", config.tp, 1), ("--cp", config.cp, 1), ("--ep", config.ep, 1),
+        ("--zero", config.zero, 0)) if value != plain]
+    if beside:
+        flag, value = beside[0]
+        raise ConfigError(f"--schedule dualpipe runs one pipeline of two model copies here; {flag} {value} beside it "
+                          f"is not run by the executor: run dualpipe alone, or --schedule dualpipev (the same steps "
+                          f"folded in a V) with {flag}")
 
 
 def check_zero(config: RunConfig) -> None:

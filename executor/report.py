@@ -39,6 +39,7 @@ def summary(result: dict) -> dict:
         "cp": result.get("cp", 1),
         "cp_comm": result.get("cp_comm"),  # how the cp ranks exchanged keys and values (None without cp)
         "microbatches": result["microbatches"],
+        "copies": result.get("copies", 1),  # DualPipe's two copies of the model, each fed half the microbatches
         "global_batch_size": result.get("global_batch_size"),
         "replica_batch_size": result.get("replica_batch_size"),
         "virtual_stages": result["virtual_stages"],
@@ -83,7 +84,9 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
         f"{document['schedule']}: dp={document['dp']} pp={document['pp']} tp={document['tp']}{expert} "
         f"(world {document['world_size']}) virtual_stages={document['virtual_stages']} backend={document['backend']}",
         f"global batch {document['global_batch_size']}: {document['replica_batch_size']} per dp replica, "
-        f"in {document['microbatches']} microbatches per replica",
+        f"in {document['microbatches'] * document.get('copies', 1)} microbatches per replica"
+        + (f" ({document['microbatches']} from each end, one copy of the model each)"
+           if document.get("copies", 1) > 1 else ""),
     ]
     span = document["measured_makespan"]
     unit, _ = time_unit(max([span, *document["step_times"]]))  # one unit for every time of the run

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from executor.comm import PeerLinks, Pending, Posted
+from executor.copies import data_index
 from executor.models import PipelineModel
 from executor.pair_streams import COMPUTE_LANE, OverlappedPair, PairLanes, pair_events, with_pairs
 from executor.precision import Precision
@@ -76,7 +77,11 @@ class PipelineRuntime:
         self.progress = progress  # executor.progress.ProgressWriter: where the rank waits
         self.precision = precision or Precision()
         self.loss_scale = 1.0  # set each step by fp16's dynamic loss scaling
-        self.last_stage = schedule.num_stages - 1
+        # each copy of the model (DualPipe: two, fed from both ends) has its own first and
+        # last stage, and its own half of the step's microbatches (executor.copies)
+        per_copy = schedule.copy_stages
+        self.first_stages = {copy * per_copy for copy in range(schedule.copies)}
+        self.last_stages = {copy * per_copy + per_copy - 1 for copy in range(schedule.copies)}
         self.items = schedule.program_items(rank)  # P2P groups as lowering made them
         # an overlapped pair is one step: its forward waits for the backward's input too
         self.pair_of = {forward: backward for forward, backward in schedule.fused_pairs(rank)}
@@ -216,8 +221,9 @@ class PipelineRuntime:
         targets, stash and output gradient (a lane reading them must hold their memory)."""
         key = (action.stage, action.microbatch)
         if action.kind == ActionKind.F:
-            made = [self.inputs[action.microbatch] if action.stage == 0 else self.forward_inputs.get(key)]
-            return made + ([self.targets[action.microbatch]] if action.stage == self.last_stage else [])
+            data = data_index(self.schedule, action.stage, action.microbatch)
+            made = [self.inputs[data] if action.stage in self.first_stages else self.forward_inputs.get(key)]
+            return made + ([self.targets[data]] if action.stage in self.last_stages else [])
         return [*self.stash.get(key, ()), self.output_grads.get(key)]
 
     def made_by(self, action: Action) -> list[torch.Tensor | None]:
@@ -232,20 +238,22 @@ class PipelineRuntime:
 
     def forward(self, action: Action) -> None:
         stage, microbatch = action.stage, action.microbatch
-        if stage == 0:
-            x = self.inputs[microbatch]
+        first = stage in self.first_stages
+        if first:
+            x = self.inputs[data_index(self.schedule, stage, microbatch)]
         else:
             x = self.forward_inputs.pop((stage, microbatch)).requires_grad_(True)
         output = self.precision.forward(self.stages[stage], x)
-        if stage == self.last_stage:
-            loss = self.model.loss_sum(self.precision.for_loss(output), self.targets[microbatch]) / self.batch_size
+        if stage in self.last_stages:
+            targets = self.targets[data_index(self.schedule, stage, microbatch)]
+            loss = self.model.loss_sum(self.precision.for_loss(output), targets) / self.batch_size
             self.loss += loss.detach().to(self.loss_dtype)
             output = loss * self.loss_scale if self.loss_scale != 1.0 else loss
         elif self.schedule.placement[target := dataflow.output_stage(stage, ActionKind.F)] == self.rank:
             self.forward_inputs[(target, microbatch)] = self.precision.to_wire(output.detach())
         else:
             self.outbox[(ActionKind.SEND_F, stage, microbatch)] = self.precision.to_wire(output.detach())
-        self.stash[(stage, microbatch)] = (x if stage > 0 else None, output)
+        self.stash[(stage, microbatch)] = (None if first else x, output)
 
     def backward(self, action: Action) -> None:
         x, output = self.stash.pop((action.stage, action.microbatch))
@@ -279,7 +287,7 @@ class PipelineRuntime:
     def output_grad(self, action: Action, output: torch.Tensor) -> torch.Tensor | None:
         """The gradient flowing into this stage's output (none for the loss itself), in
         the output's type (it crossed the wire in the low-precision one)."""
-        if action.stage == self.last_stage:
+        if action.stage in self.last_stages:
             return None
         return self.output_grads.pop((action.stage, action.microbatch)).to(output.dtype)
 

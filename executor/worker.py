@@ -21,7 +21,8 @@ from executor.clock import CpuClock, clock_for, earliest_start, shared_clock, sh
 from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
 from executor.context_parallel import local_shape
-from executor.data_parallel import GradientAverager, local_tensor
+from executor.copies import CopyReducer, data_index, model_stage
+from executor.data_parallel import ALL_REDUCE, GradientAverager, local_tensor
 from executor.gather import CP_KIND, EP_KIND, TP_KIND, dp_event, fsdp_event, gather_events, inside_event
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
@@ -94,8 +95,11 @@ class RankRun:
         self.pp_rank = pp_rank = position.pp_index  # this process's rank in its pipeline
         self.backend, self.device, self.progress = backend, device, progress
         self.model = model = model or build_model(config)
-        self.stages = {stage: model.build_stage(stage, schedule.num_stages).to(device)
+        # with DualPipe's two copies a pipeline stage runs model stage (stage mod pp) (executor.copies)
+        self.stages = {stage: model.build_stage(model_stage(schedule, stage), schedule.copy_stages).to(device)
                        for stage in schedule.stages_of(pp_rank)}
+        self.copy_reducer = (CopyReducer(schedule, pp_rank, self.stages, config.timeout)
+                             if schedule.copies > 1 else None)
         self.tp_timer = None
         self.clock = clock_for(device)
         if config.tp > 1:
@@ -173,7 +177,8 @@ class RankRun:
         rendezvous = config.p2p_semantics(backend) == "rendezvous"
         split = config.boundary_sequence_split  # a cp (and, with SP, tp) rank sends its share of the sequence
         self.links = PeerLinks(placement, config.microbatches, device, getattr(torch, config.dtype),
-                               lambda microbatch: local_shape(model.boundary_shape(sizes[microbatch]), split),
+                               lambda action: local_shape(model.boundary_shape(
+                                   sizes[data_index(schedule, action.stage, action.microbatch)]), split),
                                handshake=rendezvous and backend != "nccl", rank=rank)
         self.memory = MemoryTracker(params, device)
         self.memory.unsharded_params = unsharded
@@ -232,6 +237,9 @@ class RankRun:
             else:
                 loss, self.events = self.runtime.run_step(inputs, targets)
             self.events.extend(self.collective_events())  # also waits for the dp all-reduce
+            if self.copy_reducer is not None:  # each stage's gradient summed with its other copy's
+                start, end = self.wait_for("in the copies' gradient all-reduce", self.copy_reducer.reduce)
+                self.events.extend(self.dp_events([(stage, 0, ALL_REDUCE, start, end) for stage in self.stages]))
         except Exception as error:
             where = self.waiting_on or self.runtime.where()
             raise RankFailedError(f"rank {self.rank} failed in step {step} {where}: "
@@ -242,7 +250,7 @@ class RankRun:
         if config.return_grads and step == 0:
             if sharded:
                 self.averager.full_gradients()
-            self.grads = {f"{stage}.{name}": full_tensor(p.grad).detach().cpu().clone()
+            self.grads = {f"{model_stage(self.schedule, stage)}.{name}": full_tensor(p.grad).detach().cpu().clone()
                           for stage, module in self.stages.items() for name, p in module.named_parameters()}
         if overflow:
             self.skipped_steps.append(step)
@@ -332,6 +340,8 @@ class RankRun:
             # FSDP2's collectives held the rank inside its actions (synchronous on gloo,
             # executor.fsdp_timing); on a GPU they run on FSDP's own streams beside the compute
             meta["dp_held_inside_actions"] = True
+        if schedule.copies > 1:  # DualPipe: `microbatches` counts one direction's, as the simulator's Trace does
+            meta["copies"] = schedule.copies
         if any(schedule.fused):  # what the simulator must charge a pair (pipesim.sim.overlap)
             meta.update(pairs_overlap=self.runtime.lanes.overlaps, pairs_overlapped=self.runtime.pairs_overlapped,
                         pairs=len(schedule.fused_pairs(self.pp_rank)))
@@ -339,7 +349,7 @@ class RankRun:
             events = gather_events(schedule, self.pp_rank, events, self.device, self.mesh.group("pp"))
         params = {}
         if config.return_grads:  # the weights after the last step (a collective on tp groups)
-            params = {f"{stage}.{name}": full_tensor(p.detach()).cpu().clone()
+            params = {f"{model_stage(schedule, stage)}.{name}": full_tensor(p.detach()).cpu().clone()
                       for stage, module in self.stages.items() for name, p in module.named_parameters()}
         held = sum(local_tensor(p).numel() for group in self.optimizer.param_groups for p in group["params"])
         result = {"rank": self.rank, "grads": self.grads, "params": params, "optimizer_elements": held,
@@ -352,7 +362,7 @@ class RankRun:
         if self.rank == 0:
             result.update(memory=memory, schedule=schedule.name, pp=schedule.pp, microbatches=schedule.microbatches,
                           virtual_stages=schedule.virtual_stages, world_size=self.world, backend=self.backend,
-                          losses=self.losses, step_times=self.step_times, **shape,
+                          losses=self.losses, step_times=self.step_times, copies=schedule.copies, **shape,
                           trace=Trace.merge([Trace(events)], meta))
         return result
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from executor.estimate import DEFAULT_MIN_TIME, ROUNDS
-from executor.options import add_run_arguments, config_from_args
+from executor.options import add_run_arguments, config_from_args, refuse_copies
 from pipesim.cli.progress import add_quiet_arg, progress_from_args
 
 
@@ -87,6 +87,7 @@ def run_profile(args: argparse.Namespace) -> dict:
     """The costs document for the config the flags describe."""
     check_profile_arguments(args)
     config = config_from_args(args)
+    refuse_copies(config, "profile")
     if (args.calibration or "stages") == "run":
         return run_calibration(args, config)
     from executor.profile import profile  # noqa: PLC0415 - loads torch

@@ -112,6 +112,8 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
                               cp=config.cp, saved_tensors=saved)
     costs = with_whole_ends(costs, spec, config.tp, config.sequence_parallel, saved)
     schedule = build_schedule(config)
+    if schedule.copies > 1:  # DualPipe: every copy's stages as the model's (executor.copies)
+        costs = replace(costs, stages=costs.stages * schedule.copies)
     trace = program_order_trace(schedule)
     holders = config.dp * config.cp
     weights_only = BytesPerParam(element, 0.0, 0.0)  # the static part's weights; gradients and state added below
