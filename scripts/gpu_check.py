@@ -380,7 +380,7 @@ def nccl_schedules(args: argparse.Namespace) -> int:
                            steps=2, dtype="float32", backend=backend(args), timeout=120, **sizes)
         try:
             config.check()
-        except ConfigError as error:  # dualpipe: two copies of the model, simulated only
+        except ConfigError as error:  # a schedule the executor does not run (the cost-aware orders)
             print(f"{name:<18} not run by the executor: {str(error).split(';')[0]}")
             continue
         configs.append(config)
