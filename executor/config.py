@@ -305,16 +305,16 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 def check_dualpipe(config: RunConfig) -> None:
     """DualPipe runs two copies of the model, each stage's gradient all-reduced with its
-    other copy's (``executor.copies``), on one pipeline: the layouts beside it are refused
-    in one line, naming the flag."""
+    other copy's (``executor.copies``), on pipelines replicated over dp: the other layouts
+    beside it are refused in one line, naming the flag."""
     beside = [(flag, value) for flag, value, plain in (
-        ("--dp", config.dp, 1), ("--tp", config.tp, 1), ("--cp", config.cp, 1), ("--ep", config.ep, 1),
-        ("--zero", config.zero, 0)) if value != plain]
+        ("--tp", config.tp, 1), ("--cp", config.cp, 1), ("--ep", config.ep, 1), ("--zero", config.zero, 0))
+        if value != plain]
     if beside:
         flag, value = beside[0]
-        raise ConfigError(f"--schedule dualpipe runs one pipeline of two model copies here; {flag} {value} beside it "
-                          f"is not run by the executor: run dualpipe alone, or --schedule dualpipev (the same steps "
-                          f"folded in a V) with {flag}")
+        raise ConfigError(f"--schedule dualpipe runs its two model copies with data parallelism only here; {flag} "
+                          f"{value} beside it is not run by the executor: run dualpipe with --dp alone, or "
+                          f"--schedule dualpipev (the same steps folded in a V) with {flag}")
 
 
 def check_zero(config: RunConfig) -> None:

@@ -9,8 +9,9 @@ same two model stages of the other copies. Both copies start from the same weigh
 (a model stage is built the same whatever copy asks for it) and stay equal: before the
 optimizer step each rank adds its gradients to its mirror rank's, one all-reduce over
 the pair of both stages' gradients, so each copy steps with the whole batch's gradient,
-as the one-process reference does. Here the all-reduce follows the rank's program; the
-simulator may overlap it with the backward (its dp stream), as DeepSeek's runs do.
+as the one-process reference does (with data parallelism, after the replicas' average).
+Here the all-reduce follows the rank's program; the simulator may overlap it with the
+backward (its dp stream), as DeepSeek's runs do.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from executor.mesh import MeshPosition
 from schedules.schedule import Schedule
 
 
@@ -42,16 +44,22 @@ def data_index(schedule: Schedule, stage: int, microbatch: int) -> int:
 
 
 class CopyReducer:
-    """The all-reduce of a rank's stages' gradients with its mirror rank's (``pp - 1 -
-    rank``): one process group per pair, made alike on every rank."""
+    """The all-reduce of a rank's stages' gradients with its mirror rank's in its own
+    pipeline (pipeline rank ``pp - 1 - r``, at the same dp position): one process group
+    per pair, made alike on every rank. With data parallelism it follows the replicas'
+    average, so each copy steps with the mean over replicas of both copies' sums."""
 
-    def __init__(self, schedule: Schedule, pp_rank: int, stages: dict[int, nn.Module], timeout: float) -> None:
+    def __init__(self, schedule: Schedule, position: MeshPosition, stages: dict[int, nn.Module],
+                 timeout: float) -> None:
         pp = schedule.pp
         self.group = None
-        for first in range(pp // 2):  # new_group is called alike on every rank, in one order
-            group = dist.new_group([first, pp - 1 - first], timeout=timedelta(seconds=timeout))
-            if pp_rank in (first, pp - 1 - first):
-                self.group = group
+        for dp_index in range(position.dp):  # new_group is called alike on every rank, in one order
+            for first in range(pp // 2):
+                pair = [position.rank_at(index, dp_index, position.cp_index, position.tp_index)
+                        for index in (first, pp - 1 - first)]
+                group = dist.new_group(pair, timeout=timedelta(seconds=timeout))
+                if dp_index == position.dp_index and position.pp_index in (first, pp - 1 - first):
+                    self.group = group
         # both ranks of a pair list the same model stages' parameters in the same order
         self.order = sorted(stages, key=lambda stage: model_stage(schedule, stage))
         self.stages = stages

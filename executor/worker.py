@@ -98,7 +98,7 @@ class RankRun:
         # with DualPipe's two copies a pipeline stage runs model stage (stage mod pp) (executor.copies)
         self.stages = {stage: model.build_stage(model_stage(schedule, stage), schedule.copy_stages).to(device)
                        for stage in schedule.stages_of(pp_rank)}
-        self.copy_reducer = (CopyReducer(schedule, pp_rank, self.stages, config.timeout)
+        self.copy_reducer = (CopyReducer(schedule, position, self.stages, config.timeout)
                              if schedule.copies > 1 else None)
         self.tp_timer = None
         self.clock = clock_for(device)

@@ -159,9 +159,9 @@ def test_two_copies_hold_twice_the_parameters_and_sum_their_gradients(tmp_path):
 
 def test_the_executor_refuses_layouts_beside_it_and_the_csv_form_refuses_it_in_one_line(tmp_path):
     RunConfig(schedule="dualpipe", pp=2, microbatches=4, virtual_stages=2, layers=4).check()  # runs (tests below)
-    for flag, value in (("dp", 2), ("tp", 2)):
-        with pytest.raises(ConfigError, match=f"^--schedule dualpipe runs one pipeline of two model copies here; "
-                                              f"--{flag} {value} beside it") as error:
+    for flag, value in (("tp", 2),):
+        with pytest.raises(ConfigError, match=f"^--schedule dualpipe runs its two model copies with data parallelism "
+                                              f"only here; --{flag} {value} beside it") as error:
             RunConfig(schedule="dualpipe", pp=2, microbatches=4, virtual_stages=2, layers=4, batch_size=8,
                       model="gpt", hidden=8, heads=2, **{flag: value}).check()
         assert "\n" not in str(error.value)

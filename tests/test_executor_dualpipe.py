@@ -1,10 +1,10 @@
 """Bidirectional DualPipe executed: two copies of the model along one pipeline, fed from
 both ends (``executor.copies``). For pp in {2, 4} on gloo, float64, with an uneven batch
-and an uneven layer split: every step's loss, every gradient and the weights after the
-last step equal the one-process reference to 1e-10 (each copy sees half the microbatches;
-the all-reduce with the mirror rank gives each the whole batch's gradient), each rank
-runs exactly its program, and the memory it holds is what ``run`` predicts within 10%.
-``profile`` and ``compare`` refuse it in one line."""
+and an uneven layer split, and pp 2 beside dp 2: every step's loss, every gradient and
+the weights after the last step equal the one-process reference to 1e-10 (each copy sees
+half the microbatches; the all-reduce with the mirror rank gives each the whole batch's
+gradient), each rank runs exactly its program, and the memory it holds is what ``run``
+predicts within 10%. ``profile`` and ``compare`` refuse it in one line."""
 
 from __future__ import annotations
 
@@ -21,27 +21,28 @@ from tests.program_checks import assert_each_rank_ran_its_program
 
 pytestmark = pytest.mark.timeout(300)
 
-CASES = [(2, "mlp"), (4, "mlp"), (2, "gpt")]
-_launched: dict[tuple[int, str], dict] = {}
+CASES = [(2, "mlp", 1), (4, "mlp", 1), (2, "gpt", 1), (2, "gpt", 2)]
+_launched: dict[tuple[int, str, int], dict] = {}
 
 
-def case_config(pp: int, model: str) -> RunConfig:
-    """4p microbatches (2p from each end, dualpipe's least) over a batch of 8p + 1 (uneven
-    microbatches), one layer more than stages (an uneven split), AdamW over 3 steps."""
+def case_config(pp: int, model: str, dp: int = 1) -> RunConfig:
+    """4p microbatches (2p from each end, dualpipe's least) over a batch of 8p + 1 per
+    replica, uneven (dp 2: one more sequence to split), one layer more than stages (an
+    uneven split), AdamW over 3 steps."""
     microbatches = 4 * pp
-    return RunConfig(schedule="dualpipe", pp=pp, microbatches=microbatches, virtual_stages=2, model=model,
-                     layers=pp + 1, hidden=8, heads=2, seq_len=4, vocab=11, batch_size=2 * microbatches + 1,
+    return RunConfig(schedule="dualpipe", pp=pp, dp=dp, microbatches=microbatches, virtual_stages=2, model=model,
+                     layers=pp + 1, hidden=8, heads=2, seq_len=4, vocab=11, batch_size=dp * (2 * microbatches + 1),
                      steps=3, dtype="float64", optimizer="adamw", lr=0.05, return_grads=True)
 
 
-def result_of(case: tuple[int, str]) -> dict:
+def result_of(case: tuple[int, str, int]) -> dict:
     if case not in _launched:
         (_launched[case],) = launch([case_config(*case)])
     return _launched[case]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: f"p{case[0]}-{case[1]}")
-def test_dualpipe_matches_one_process_reference(case: tuple[int, str]) -> None:
+@pytest.mark.parametrize("case", CASES, ids=lambda case: f"p{case[0]}-{case[1]}-dp{case[2]}")
+def test_dualpipe_matches_one_process_reference(case: tuple[int, str, int]) -> None:
     config = case_config(*case)
     result, reference = result_of(case), reference_run(config)
     assert result["losses"] == pytest.approx(reference["losses"], abs=1e-10, rel=0)
@@ -52,8 +53,8 @@ def test_dualpipe_matches_one_process_reference(case: tuple[int, str]) -> None:
         assert (result["params"][name] - weight).abs().max().item() < 1e-10, name
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: f"p{case[0]}-{case[1]}")
-def test_each_rank_runs_its_program(case: tuple[int, str]) -> None:
+@pytest.mark.parametrize("case", CASES, ids=lambda case: f"p{case[0]}-{case[1]}-dp{case[2]}")
+def test_each_rank_runs_its_program(case: tuple[int, str, int]) -> None:
     """(The copies' gradient all-reduce after the program is on the dp lane: not an action of it.)"""
     trace = result_of(case)["trace"]
     actions = Trace([event for event in trace.events if event.stream != "dp"], trace.meta)
@@ -63,7 +64,7 @@ def test_each_rank_runs_its_program(case: tuple[int, str]) -> None:
 def test_the_copies_map_to_model_stages_and_halves_of_the_batch() -> None:
     """pp 4: pipeline stages 0-3 are copy 0's model stages 0-3, stages 4-7 copy 1's;
     copy 1's microbatch i is the step's microbatch 8 + i (8 from each end)."""
-    schedule = build_schedule(case_config(4, "mlp"))
+    schedule = build_schedule(case_config(4, "mlp"))  # (one replica's pipeline)
     assert [model_stage(schedule, stage) for stage in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert schedule.microbatches == 8 and data_index(schedule, 5, 3) == 11 and data_index(schedule, 2, 3) == 3
     # rank r holds model stage r of copy 0 and model stage pp - 1 - r of copy 1
@@ -72,7 +73,7 @@ def test_the_copies_map_to_model_stages_and_halves_of_the_batch() -> None:
 
 
 def test_the_copies_gradient_all_reduce_is_on_the_dp_lane_and_memory_is_predicted() -> None:
-    result = result_of((2, "gpt"))
+    result = result_of((2, "gpt", 1))
     trace = result["trace"]
     reductions = [event for event in trace.events if event.stream == "dp"]
     assert sorted({event.rank for event in reductions}) == [0, 1] and len(reductions) == 4  # two stages a rank
