@@ -90,14 +90,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipesim.model.compute_model import H200_GEMM_FIT
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("gemm_table: no CUDA GPU here; --device cpu times the code path on the CPU", file=sys.stderr)
-        return 2
     if args.limit is not None and args.limit < 1:
         print(f"gemm_table: --limit must be at least 1, got {args.limit}", file=sys.stderr)
         return 2
+    from pipesim.cli.files import UserFileError, check_output_file
+
+    try:  # before minutes of timing: a directory, a missing folder or a read-only place, in one line
+        if args.out:
+            check_output_file(args.out, "--out")
+        device = torch.device(args.device)
+    except (UserFileError, RuntimeError) as error:
+        print(f"gemm_table: {error}", file=sys.stderr)
+        return 2
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gemm_table: no CUDA GPU here; --device cpu times the code path on the CPU", file=sys.stderr)
+        return 2
     rows = table_rows()[:args.limit]
-    device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"timing {len(rows)} GEMMs in nn.Linear's layouts on {name}", file=sys.stderr)
     new = timed_rows(rows, device, torch.bfloat16)

@@ -71,9 +71,6 @@ class CopyReducer:
         grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for param, grad in zip(params, grads, strict=True):
-            count = grad.numel()
-            param.grad = flat[offset:offset + count].view_as(grad).clone()
-            offset += count
+        for param, grad, summed in zip(params, grads, flat.split([grad.numel() for grad in grads]), strict=True):
+            param.grad = grad.copy_(summed.view_as(grad))  # back into the gradient's own storage
         return start, time.perf_counter()

@@ -79,9 +79,7 @@ class PipelineRuntime:
         self.loss_scale = 1.0  # set each step by fp16's dynamic loss scaling
         # each copy of the model (DualPipe: two, fed from both ends) has its own first and
         # last stage, and its own half of the step's microbatches (executor.copies)
-        per_copy = schedule.copy_stages
-        self.first_stages = {copy * per_copy for copy in range(schedule.copies)}
-        self.last_stages = {copy * per_copy + per_copy - 1 for copy in range(schedule.copies)}
+        self.first_stages, self.last_stages = schedule.first_stages, schedule.last_stages
         self.items = schedule.program_items(rank)  # P2P groups as lowering made them
         # an overlapped pair is one step: its forward waits for the backward's input too
         self.pair_of = {forward: backward for forward, backward in schedule.fused_pairs(rank)}

@@ -162,6 +162,16 @@ class Schedule:
         """Stages of one copy of the model (all of them unless the pipeline holds copies)."""
         return len(self.placement) // self.copies
 
+    @property
+    def first_stages(self) -> frozenset[int]:
+        """Each copy's first stage, the one that reads the data (stage 0 without copies)."""
+        return frozenset(copy * self.copy_stages for copy in range(self.copies))
+
+    @property
+    def last_stages(self) -> frozenset[int]:
+        """Each copy's last stage, the one that takes the loss (the last stage without copies)."""
+        return frozenset(stage + self.copy_stages - 1 for stage in self.first_stages)
+
     def same_copy(self, stage, other):
         """Whether stages ``stage`` and ``other`` (ints or numpy arrays) belong to one copy
         of the model, so data can flow between neighbours: the dataflow rule's one

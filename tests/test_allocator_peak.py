@@ -68,3 +68,16 @@ def test_run_prints_allocator_prediction_for_cuda_rows():
     assert row["predicted_peak"] == predicted
     assert lines[1] == (f"  rank 0: peak measured {1.05 * predicted / MIB:.3f} MiB, "
                         f"predicted {predicted / MIB:.3f} MiB (+5.0%)")
+
+
+def test_each_dualpipe_copy_pays_its_loss_backward():
+    """DualPipe pp 2: rank 1 holds copy 0's last stage (1), rank 0 copy 1's (3); each
+    rank's backward of its loss stage holds the loss's two logits-sized tensors, so on a
+    GPU both ranks' peaks exceed the counted ones by at least them (vocab large enough
+    that they dominate)."""
+    config = RunConfig(**{**GPT, "schedule": "dualpipe", "pp": 2, "virtual_stages": 2, "microbatches": 4,
+                          "seq_len": 256, "vocab": 65536})
+    loss = 2 * (2 * 256 * 65536 * 4)  # a microbatch of 2 sequences of 256 tokens, float32: 256 MiB
+    counted, on_gpu = predicted_peaks(config), predicted_peaks(config, (9, 0))
+    for rank in (0, 1):
+        assert on_gpu[rank]["predicted_peak"] - counted[rank]["predicted_peak"] >= loss, rank

@@ -67,6 +67,7 @@ def test_the_copies_map_to_model_stages_and_halves_of_the_batch() -> None:
     schedule = build_schedule(case_config(4, "mlp"))  # (one replica's pipeline)
     assert [model_stage(schedule, stage) for stage in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert schedule.microbatches == 8 and data_index(schedule, 5, 3) == 11 and data_index(schedule, 2, 3) == 3
+    assert schedule.first_stages == {0, 4} and schedule.last_stages == {3, 7}  # each copy reads data, takes a loss
     # rank r holds model stage r of copy 0 and model stage pp - 1 - r of copy 1
     assert [sorted(model_stage(schedule, stage) for stage in schedule.stages_of(rank)) for rank in range(4)] == \
         [[0, 3], [1, 2], [1, 2], [0, 3]]

@@ -46,7 +46,16 @@ def test_the_table_is_timed_again_row_for_row(tmp_path, capsys) -> None:
     assert "| qkv |" in printed and "| attn_out |" in printed
 
 
-def test_bad_input_is_refused_in_one_line(capsys) -> None:
+def test_bad_input_is_refused_in_one_line(capsys, tmp_path) -> None:
     script = load_script()
     assert script.main(["--limit", "0", "--device", "cpu"]) == 2
     assert "--limit must be at least 1, got 0" in capsys.readouterr().err
+    assert script.main(["--limit", "-3", "--device", "cpu"]) == 2
+    assert "--limit must be at least 1, got -3" in capsys.readouterr().err
+    for out in (tmp_path, tmp_path / "missing" / "t.csv"):  # a directory, a folder that does not exist
+        assert script.main(["--limit", "1", "--device", "cpu", "--out", str(out)]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith("gemm_table: ") and "--out" in error and "\n" not in error
+    assert script.main(["--limit", "1", "--device", "nowhere"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("gemm_table: ") and "nowhere" in error and "\n" not in error

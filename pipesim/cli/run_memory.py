@@ -142,7 +142,8 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
         else:
             # the timeline holds ZeRO-3's gathered working set: inside actions, not between them
             extras = allocator_extras(config, spec, cuda_capability, params * element / (holders if config.zero else 1))
-            inside_actions = max(action_peaks(trace, costs, rank, arrivals, extras.loss_backward_bytes), default=0.0)
+            inside_actions = max(action_peaks(trace, costs, rank, arrivals, extras.loss_backward_bytes,
+                                              schedule.last_stages), default=0.0)
             predicted = state + extras.workspace_bytes + max(peak - inside, end - inside + extras.optimizer_bytes,
                                                              inside_actions)
         peaks.append({"rank": rank.rank, "predicted_peak": predicted, "predicted_activations": rank.peak_stash_bytes})
@@ -186,14 +187,16 @@ def allocator_extras(config: RunConfig, spec: ModelSpec, cuda_capability: tuple[
 
 
 def action_peaks(trace: Trace, costs: Costs, rank: RankMemory, arrivals: list[tuple[float, float]],
-                 loss_backward_bytes: float) -> Iterator[float]:
+                 loss_backward_bytes: float, loss_stages: frozenset[int] | None = None) -> Iterator[float]:
     """Per compute action of ``rank`` (``program_order_trace``: action ``i`` from ``2i``
     to ``2i + 1``), the most it holds inside the action, parameters and optimizer state
     aside: the stash held when it starts (a forward's own included), the gradients made
     before it and, when it is the stage's first weight-gradient action, that stage's
     gradients too (autograd allocates them before the microbatch's stash is freed at the
-    action's end), plus the loss's backward on the last stage."""
-    columns, last = trace.columns, len(costs.stages) - 1
+    action's end), plus the loss's backward on the stages that take the loss
+    (``loss_stages``: ``Schedule.last_stages``, each copy's; default the last stage)."""
+    columns = trace.columns
+    last = frozenset({len(costs.stages) - 1}) if loss_stages is None else loss_stages
     moments = [moment for moment, _ in rank.timeline]
     input_gradient = {columns.kinds.index(kind) for kind in (ActionKind.B, ActionKind.I)}
     made_at: dict[float, float] = {}  # a first weight-gradient action's end -> the gradients it makes
@@ -202,7 +205,7 @@ def action_peaks(trace: Trace, costs: Costs, rank: RankMemory, arrivals: list[tu
     for index in np.flatnonzero(columns.rank == rank.rank):
         start, end = float(columns.start[index]), float(columns.end[index])
         held = rank.timeline[max(bisect.bisect_right(moments, start) - 1, 0)][1]
-        loss = loss_backward_bytes if int(columns.stage[index]) == last and \
+        loss = loss_backward_bytes if int(columns.stage[index]) in last and \
             int(columns.kind[index]) in input_gradient else 0.0
         yield held + grads_at(arrivals, start) + made_at.get(end, 0.0) + loss
 
