@@ -58,12 +58,16 @@ Run: ``PYTHONPATH=. python benchmarks/h100_kernels.py``.
 from __future__ import annotations
 
 import statistics
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-from benchmarks.fp8_gemms import CUBLAS_FP8_8192, TE_LAYER_GEMMS, TE_LAYER_TOKENS, TORCHAO_H100_LINEARS
-from pipesim.model.compute_model import gpu_compute_model
-from pipesim.model.gemm_model import KERNEL_BOUND, backward_shapes
-from pipesim.model.operations import Gemm
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's root
+
+from benchmarks.fp8_gemms import CUBLAS_FP8_8192, TE_LAYER_GEMMS, TE_LAYER_TOKENS, TORCHAO_H100_LINEARS  # noqa: E402
+from pipesim.model.compute_model import gpu_compute_model  # noqa: E402
+from pipesim.model.gemm_model import KERNEL_BOUND, backward_shapes  # noqa: E402
+from pipesim.model.operations import Gemm  # noqa: E402
 
 Shape = tuple[int, int, int]  # (m, k, n)
 SQUARES = (1024, 2048, 4096, 8192, 10240)  # zzc0721's test.py sizes

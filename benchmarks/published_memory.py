@@ -26,15 +26,19 @@ of ``pipesim.model.activations``) was written before these rows were first run, 
 nothing was changed after: every row is held out. The paper says GB; if it meant GiB, each
 figure is 7.4% larger than read here.
 
-Run: ``PYTHONPATH=. python benchmarks/published_memory.py``.
+Run: ``python benchmarks/published_memory.py``.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-from benchmarks.published import Prediction, Run, command_line, gpt, predict
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's root
+
+from benchmarks.published import Prediction, Run, command_line, gpt, predict  # noqa: E402
 
 
 @dataclass(frozen=True)
