@@ -3,7 +3,8 @@ actions (ep's all-to-alls, the cp ring's K/V steps, tp's collectives): which to
 benchmark, at which sizes, and the seconds the run's calibration steps timed them at
 (docs/calibration.md, "How the all-to-all and the ring step are priced"): the
 all-to-all and the ring step at the benchmark's bandwidth, the tp all-reduce, or with
-sequence parallelism tp's all-gathers and reduce-scatters, at the links' ring bandwidth.
+sequence parallelism tp's all-gathers and reduce-scatters, at the links' ring bandwidth;
+and beside the actions, the dp group's collectives (``dp_collectives``) the same way.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def calibrate_held(topology: Topology, config: RunConfig, schedule: Schedule, co
         paces["all_reduce"] = tp
     if links_benchmarked:
         paces.update(tp_gather_scatter(topology, config, schedule, costs, traces))
+        for operation, pace in dp_collectives(topology, config, schedule, costs, traces).items():
+            paces.setdefault(operation, pace)  # a tp group of the dp group's size keeps tp's price
     key = ("ring_exchange", config.cp)
     ring = [stage.kv_bytes for stage in costs.stages if stage.attention_layers and stage.kv_bytes]
     if config.cp > 1 and config.cp_comm == "p2p" and ring and key in measured:
@@ -257,3 +260,72 @@ def ring_latency(topology: Topology, config: RunConfig, schedule: Schedule, cost
     if latency is None:  # the benchmark's price stands
         topology.measured_collectives[key] = benchmark
     return latency
+
+
+# the executor's dp events (``executor.data_parallel``), by kind, and the collective each is
+DP_COLLECTIVES = {"ALLREDUCE_DP": "all_reduce", "REDUCE_SCATTER_DP": "reduce_scatter",
+                  "ALLGATHER_PARAMS": "all_gather"}
+
+
+def dp_collectives(topology: Topology, config: RunConfig, schedule: Schedule, costs: Costs,
+                   traces: list[Trace]) -> dict[str, dict]:
+    """Give the dp group's collectives (over groups of ``dp x cp`` ranks, in
+    ``Topology.measured_collectives``) the seconds the calibration steps timed them at:
+    for each the run issued (DDP's all-reduce; under ZeRO-1 and 2 the reduce-scatter and
+    the parameter all-gather after the optimizer), at the bandwidth the links give that
+    collective over the group, the latency at which the mean over the simulator's
+    buckets (``pipesim.sim.parallel.gradient_buckets``, every stage's) equals the mean
+    the steps timed one at (the median over steps of each step's mean), floored at 0.
+    Return what was set, beside the links' price of the mean bucket; nothing for a
+    collective the steps did not time, under ZeRO-3 (FSDP2's collectives,
+    ``pipesim.cli.compare.zero3_collectives``) or with expert parallelism (its experts
+    reduce over groups of another size), or where a tp group of the same size already
+    has a price from the steps (one price per group size: the caller keeps tp's).
+
+    Why: gloo runs a reduce-scatter or an all-gather in about the time of an all-reduce
+    of the same buffer, not the half that a ring (and NCCL) takes: timed alone on 2
+    ranks, 3.2 MB took 5.3 ms to reduce-scatter, 4.1 ms to all-gather and 4.8 ms to
+    all-reduce, where the send/recv links priced each half at 2.8 ms; and a
+    collective in the run waits for cores the pipeline's other ranks hold. Priced from
+    the links, every ZeRO-1 compare at dp 2 came out 26% short (the step's
+    reduce-scatter tail and all-gather measured 43 and 26 ms against 2.8 ms each)."""
+    from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
+    from pipesim.cluster import collectives  # noqa: PLC0415
+    from pipesim.cluster.collectives import ring_pace  # noqa: PLC0415
+    from pipesim.cluster.mapping import map_ranks  # noqa: PLC0415
+    from pipesim.sim.parallel import gradient_buckets  # noqa: PLC0415
+
+    ranks = config.dp * config.cp
+    if ranks < 2 or config.zero == 3 or config.ep > 1:
+        return {}
+    parallel = replicas(config)
+    mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
+                        parallel.ep)
+    group = mapping.dp_cp_group(schedule.placement[0], 0)
+    ring_bandwidth = ring_pace(topology, group)[0]
+    buckets = [run for stage in costs.stages for run in gradient_buckets(stage, min(config.zero, 1),
+                                                                         parallel.bucket_bytes)]
+    count = sum(number for _, number in buckets)
+    if not count:
+        return {}
+    mean_bytes = sum(size * number for size, number in buckets) / count
+    paces = {}
+    for kind, operation in DP_COLLECTIVES.items():
+        means = []
+        for trace in traces:
+            timed = [event.duration for event in trace.events if event.stream == "dp" and event.kind == kind]
+            if timed:
+                means.append(sum(timed) / len(timed))
+        key = (operation, ranks)
+        if not means or (ranks == config.tp and key in topology.measured_collectives):
+            continue
+        links_price = getattr(collectives, operation)(topology, group, mean_bytes)
+        factor = 2 * (ranks - 1) / ranks if operation == "all_reduce" else (ranks - 1) / ranks
+        bandwidth = ring_bandwidth / factor
+        seconds = statistics.median(means)
+        latency = max(0.0, seconds - mean_bytes / bandwidth)
+        topology.measured_collectives[key] = bandwidth, latency
+        paces[operation] = {"ranks": ranks, "bytes": mean_bytes, "seconds": mean_bytes / bandwidth + latency,
+                            "bandwidth": bandwidth, "latency": latency, "benchmark_seconds": links_price,
+                            "group": "dp"}
+    return paces

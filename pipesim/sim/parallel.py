@@ -571,11 +571,14 @@ def _dp_collective(collective, topology: Topology, mapping: RankMapping, schedul
     them (``_dp_group``, its routed experts' share over their own group: ``_split_over``),
     kept on the topology per mapping, rank, expert share and size: a rank's stages share
     its groups, many layouts of a plan share a mapping and sizes, and a group of
-    thousands of replicas is long to list and to look up."""
+    thousands of replicas is long to list and to look up. The paces measured on the
+    machine (which ``compare`` sets after its calibration steps) are part of the key, so a
+    price kept before them is not reused after."""
     rank = schedule.placement[stage]
     experts = cost.expert_params / cost.params if mapping.ep > 1 and cost.expert_params and cost.params else 0.0
     key = ("dp-collective", _collective_name(collective), mapping.dp, mapping.pp, mapping.tp, mapping.cp, mapping.ep,
-           mapping.order, rank, experts, num_bytes, schedule.copies)
+           mapping.order, rank, experts, num_bytes, schedule.copies,
+           tuple(sorted(topology.measured_collectives.items())))
     seconds = topology.pace_cache.get(key)
     if seconds is None:
         share = _split_over(_expert_gradients(schedule, stage, cost, mapping), partial(collective, topology),
