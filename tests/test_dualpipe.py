@@ -157,6 +157,35 @@ def test_two_copies_hold_twice_the_parameters_and_sum_their_gradients(tmp_path):
         assert rank["dp"] == pytest.approx(2 * (param_bytes / 360e9 + 2 * 3e-6))
 
 
+def test_the_two_copies_of_a_model_stage_reduce_in_one_collective_that_holds_the_links_once():
+    """Model stage X's gradients live on rank X (copy 0) and rank pp-1-X (copy 1) and are
+    summed in one all-reduce over both: the engine runs it on both ranks' dp channels
+    but holds its links once (copy 0's stage), so the two copies, ready at the same moment
+    by the schedule's mirror symmetry, start together instead of one waiting for the
+    other; two model stages on the same pair of ranks are two collectives and still take
+    turns on the links."""
+    from pipesim.sim.parallel import ParallelConfig
+
+    pp, param_bytes = 4, 36e10  # one bucket of 1 s at NVLink's 360 GB/s: long beside the unit-second actions
+    schedule = lower(generate("dualpipe", pp, 2 * pp, 2))
+    costs = uniform_costs(schedule, 1.0, 2.0, 1.0, param_bytes=param_bytes)
+    topology = presets.nvlink(1)
+    plan = comm_plan(schedule, costs, topology, map_ranks(topology, dp=1, pp=pp, tp=1), bucket_bytes=1e15)
+    assert sorted(plan.dp_links) == list(range(pp))  # copy 0's stages hold the links
+    assert sorted(plan.dp_bucket_seconds) == list(range(2 * pp))  # every stage's rank takes part
+    result = run_simulation(schedule, costs, topology, parallel=ParallelConfig(bucket_bytes=1e15))
+    reductions = {event.stage: event for event in result.trace.events if event.kind == "ALLREDUCE_DP"}
+    one = param_bytes / 360e9 + 2 * 3e-6  # the ring of two (test above)
+    for stage in range(pp):
+        copy0, copy1 = reductions[stage], reductions[pp + stage]
+        assert (copy0.rank, copy1.rank) == (stage, pp - 1 - stage)
+        assert copy0.start == pytest.approx(copy1.start)
+        assert copy0.duration == pytest.approx(one) and copy1.duration == pytest.approx(one)
+    # model stages 1 and 2 both reduce over ranks 1 and 2: one after the other
+    first, second = sorted((reductions[1], reductions[2]), key=lambda event: event.start)
+    assert second.start >= first.end - 1e-12
+
+
 def test_the_executor_refuses_layouts_beside_it_and_the_csv_form_refuses_it_in_one_line(tmp_path):
     RunConfig(schedule="dualpipe", pp=2, microbatches=4, virtual_stages=2, layers=4).check()  # runs (tests below)
     for flag, value in (("tp", 2),):

@@ -228,7 +228,11 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
         if sum(reduce) > 0:
             bucket_bytes_of[stage] = sizes
             reduce_seconds[stage] = reduce
-            links_of[stage] = _reduction_links(topology, group, experts, "ring" if zero else algorithm)
+            # DualPipe: a model stage's two copies reduce in one collective over both copies'
+            # holders, which holds its links once: on copy 0's stage (copy 1's rank takes its
+            # part on its dp channel, at the same moment by the schedule's mirror symmetry)
+            if stage < schedule.copy_stages:
+                links_of[stage] = _reduction_links(topology, group, experts, "ring" if zero else algorithm)
     layers = {stage: cost.layers for stage, cost in enumerate(costs.stages)}
     return CommPlan(tp_collective_seconds(schedule, costs, topology, mapping, algorithm, overlap_tp, slowdown),
                     bucket_bytes_of, reduce_seconds, gather_seconds, overlap_dp, zero, layers,
