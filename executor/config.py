@@ -304,27 +304,29 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 
 def check_dualpipe(config: RunConfig) -> None:
-    """DualPipe runs two copies of the model, each stage's gradient all-reduced with its
-    other copy's (``executor.copies``), on pipelines replicated over dp: the other layouts
-    beside it are refused in one line, naming the flag."""
-    beside = [(flag, value) for flag, value, plain in (
-        ("--tp", config.tp, 1), ("--cp", config.cp, 1), ("--ep", config.ep, 1), ("--zero", config.zero, 0))
-        if value != plain]
+    """DualPipe runs two copies of the model, each stage's gradient reduced over both
+    copies' holders (``executor.copies``), on pipelines replicated over dp, with ZeRO-1 or
+    2 sharding the optimizer over that group: the other layouts beside it are refused in
+    one line, naming the flag."""
+    beside = [(flag, value) for flag, value, allowed in (
+        ("--tp", config.tp, (1,)), ("--cp", config.cp, (1,)), ("--ep", config.ep, (1,)),
+        ("--zero", config.zero, (0, 1, 2))) if value not in allowed]
     if beside:
         flag, value = beside[0]
-        raise ConfigError(f"--schedule dualpipe runs its two model copies with data parallelism only here; {flag} "
-                          f"{value} beside it is not run by the executor: run dualpipe with --dp alone, or "
-                          f"--schedule dualpipev (the same steps folded in a V) with {flag}")
+        raise ConfigError(f"--schedule dualpipe runs its two model copies with data parallelism and ZeRO-1/2 only "
+                          f"here; {flag} {value} beside it is not run by the executor: run dualpipe with --dp "
+                          f"(and --zero 1 or 2), or --schedule dualpipev (the same steps folded in a V) with {flag}")
 
 
 def check_zero(config: RunConfig) -> None:
     """ZeRO shards over the dp replicas (with cp the dp x cp ranks, with ep the routed
-    experts over their expert data-parallel group): it needs more than one such rank."""
+    experts over their expert data-parallel group, with DualPipe both copies' holders):
+    it needs more than one such rank."""
     if config.zero not in ZERO_STAGES:
         raise ConfigError(f"--zero {config.zero} is not one of: {', '.join(map(str, ZERO_STAGES))}")
-    if config.zero and config.dp * config.cp == 1:
+    if config.zero and config.dp * config.cp * config.copies == 1:
         raise ConfigError(f"--zero {config.zero} shards over data-parallel replicas; it needs --dp > 1 (or --cp > 1: "
-                          "ZeRO shards over the dp x cp ranks)")
+                          "ZeRO shards over the dp x cp ranks; or --schedule dualpipe, over both copies' holders)")
 
 
 def check_tensor_parallel(config: RunConfig) -> None:

@@ -1,29 +1,34 @@
-"""DualPipe's two copies of the model: which model stage a pipeline stage runs, and each
-stage's gradient summed with its other copy's.
+"""DualPipe's two copies of the model: which model stage a pipeline stage runs, and the
+group over which each stage's gradient is summed with its other copy's.
 
 DualPipe (``schedules.generators.dualpipe``) runs copy 0 of the model from rank 0 to
 rank ``pp - 1`` and copy 1 the other way, half of the microbatches each: pipeline stage
 ``s`` is model stage ``s mod pp`` of copy ``s // pp``, so rank ``r`` holds model stage
 ``r`` of copy 0 and model stage ``pp - 1 - r`` of copy 1, and rank ``pp - 1 - r`` the
 same two model stages of the other copies. Both copies start from the same weights
-(a model stage is built the same whatever copy asks for it) and stay equal: before the
-optimizer step each rank adds its gradients to its mirror rank's, one all-reduce over
-the pair of both stages' gradients, so each copy steps with the whole batch's gradient,
-as the one-process reference does (with data parallelism, after the replicas' average).
-Here the all-reduce follows the rank's program; the simulator may overlap it with the
-backward (its dp stream), as DeepSeek's runs do.
+(a model stage is built the same whatever copy asks for it) and stay equal: each
+stage's gradient is reduced over every process holding that model stage (``copies_group``:
+both ranks of the mirror pair, in every dp replica), summed over the copies and averaged
+over the replicas, by the data-parallel averager (``executor.data_parallel``) bucket by
+bucket as the backward fills them, as the simulator's dp stream charges it and DeepSeek's
+runs do; under ZeRO-1 and 2 the optimizer state is sharded over that group, and the
+parameters all-gathered over it keep both copies equal.
+
+The averager posts a rank's buckets in its program's order of reducing backwards; a
+collective over the pair is only right if the mirror rank reduces the same model stages
+in the same order. DualPipe's programs are mirror images (rank ``pp - 1 - r`` runs rank
+``r``'s with the copies swapped), so they do; ``check_mirrored`` refuses a schedule whose
+programs are not (a hand-edited one), naming the ranks.
 """
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from executor.mesh import MeshPosition
+from schedules.action import WEIGHT_GRAD_DONE_KINDS
 from schedules.schedule import Schedule
 
 
@@ -43,34 +48,39 @@ def data_index(schedule: Schedule, stage: int, microbatch: int) -> int:
     return copy_of(schedule, stage) * schedule.microbatches + microbatch
 
 
-class CopyReducer:
-    """The all-reduce of a rank's stages' gradients with its mirror rank's in its own
-    pipeline (pipeline rank ``pp - 1 - r``, at the same dp position): one process group
-    per pair, made alike on every rank. With data parallelism it follows the replicas'
-    average, so each copy steps with the mean over replicas of both copies' sums."""
-
-    def __init__(self, schedule: Schedule, position: MeshPosition, stages: dict[int, nn.Module],
-                 timeout: float) -> None:
-        pp = schedule.pp
-        self.group = None
-        for dp_index in range(position.dp):  # new_group is called alike on every rank, in one order
+def copies_group(schedule: Schedule, position: MeshPosition, timeout: float) -> dist.ProcessGroup:
+    """The process group that reduces this rank's stages' gradients: every dp replica of
+    this pipeline rank and of its mirror rank ``pp - 1 - r`` (the holders of the same two
+    model stages), at this process's cp and tp place; one group per pair and place,
+    made alike on every rank (``new_group`` is collective)."""
+    pp, mine = schedule.pp, None
+    for tp_index in range(position.tp):
+        for cp_index in range(position.cp):
             for first in range(pp // 2):
-                pair = [position.rank_at(index, dp_index, position.cp_index, position.tp_index)
-                        for index in (first, pp - 1 - first)]
-                group = dist.new_group(pair, timeout=timedelta(seconds=timeout))
-                if dp_index == position.dp_index and position.pp_index in (first, pp - 1 - first):
-                    self.group = group
-        # both ranks of a pair list the same model stages' parameters in the same order
-        self.order = sorted(stages, key=lambda stage: model_stage(schedule, stage))
-        self.stages = stages
+                members = [position.rank_at(index, dp_index, cp_index, tp_index)
+                           for index in (first, pp - 1 - first) for dp_index in range(position.dp)]
+                group = dist.new_group(sorted(members), timeout=timedelta(seconds=timeout))
+                if (position.pp_index in (first, pp - 1 - first) and cp_index == position.cp_index
+                        and tp_index == position.tp_index):
+                    mine = group
+    return mine
 
-    def reduce(self) -> tuple[float, float]:
-        """Sum every parameter's gradient with its other copy's; (start, end) host seconds."""
-        params = [param for stage in self.order for param in self.stages[stage].parameters()]
-        start = time.perf_counter()
-        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        dist.all_reduce(flat, group=self.group)
-        for param, grad, summed in zip(params, grads, flat.split([grad.numel() for grad in grads]), strict=True):
-            param.grad = grad.copy_(summed.view_as(grad))  # back into the gradient's own storage
-        return start, time.perf_counter()
+
+def reducing_order(schedule: Schedule, rank: int) -> list[tuple[str, int]]:
+    """The (kind, model stage) of each backward that completes a gradient on ``rank``
+    (``B`` or ``W``), in program order: the order its dp buckets are posted in."""
+    return [(action.kind, model_stage(schedule, action.stage)) for action in schedule.programs[rank]
+            if action.kind in WEIGHT_GRAD_DONE_KINDS]
+
+
+def check_mirrored(schedule: Schedule) -> None:
+    """Refuse a two-copy schedule in which a rank and its mirror complete their model
+    stages' gradients in different orders: their reductions over one group would pair
+    different model stages."""
+    for rank in range(schedule.pp // 2):
+        mirror = schedule.pp - 1 - rank
+        if reducing_order(schedule, rank) != reducing_order(schedule, mirror):
+            raise ValueError(f"ranks {rank} and {mirror} hold the same two model stages but complete their "
+                             "gradients in different orders, so the reduction over both copies cannot pair them: "
+                             "a DualPipe schedule's programs must be mirror images (rank pp-1-r runs rank r's "
+                             "with the copies swapped)")

@@ -203,12 +203,13 @@ def add_microbatch_group_arg(group) -> None:
 
 
 def refuse_copies(config: RunConfig, command: str) -> None:
-    """``profile`` and ``compare`` time and predict stages of one copy of the model;
-    DualPipe's two copies (``pipesim run`` executes them) are refused in one line."""
+    """``profile`` times the stages of one copy of the model; DualPipe's two copies
+    (``pipesim run`` executes them, ``pipesim compare`` times them in its run) are refused
+    in one line."""
     if config.copies > 1:
         raise ValueError(f"{command} --schedule dualpipe: {command} measures the stages of one copy of the model, "
-                         f"and dualpipe runs two; run it with `pipesim run --schedule dualpipe` and predict it with "
-                         f"`pipesim simulate --schedule dualpipe`, or {command} --schedule dualpipev (the same steps "
+                         f"and dualpipe runs two; compare it with `pipesim compare --schedule dualpipe` (which "
+                         f"times the stages in its own run), or {command} --schedule dualpipev (the same steps "
                          f"folded in a V)")
 
 

@@ -193,8 +193,10 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     ``tp``: norms and biases that tp replicates are counted as split, a small share of a
     stage), and for tp the layers and the activation each layer's collectives carry
     (``layers``, ``tp_message_bytes``: the whole ``s*b*h`` activation, Megatron's rule,
-    ``pipesim.sim.parallel``). Builds the stages on the CPU to count them (torch is
-    loaded here)."""
+    ``pipesim.sim.parallel``). With DualPipe's two copies of the model, ``num_stages``
+    counts the pipeline's stages, each the model stage ``stage mod`` the model's
+    (``executor.copies``), each copy's last sending nothing. Builds the stages on the
+    CPU to count them (torch is loaded here)."""
     import torch  # noqa: PLC0415
 
     from executor.context_parallel import local_shape  # noqa: PLC0415
@@ -205,11 +207,12 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     shape = local_shape(model.boundary_shape(microbatch), config.boundary_sequence_split)
     element = torch.tensor([], dtype=getattr(torch, config.dtype)).element_size()
     activation = float(math.prod(shape) * element)
+    model_stages = num_stages // config.copies
     entries = []
-    for stage in range(num_stages):
-        module = model.build_stage(stage, num_stages)
+    for stage in (index % model_stages for index in range(num_stages)):
+        module = model.build_stage(stage, model_stages)
         params = sum(p.numel() * p.element_size() for p in module.parameters())
-        entry = {"act_bytes": activation if stage < num_stages - 1 else 0.0, "param_bytes": params / config.tp}
+        entry = {"act_bytes": activation if stage < model_stages - 1 else 0.0, "param_bytes": params / config.tp}
         if config.tp > 1:
             entry["layers"] = float(model.layout[stage])
             entry["tp_message_bytes"] = float(math.prod(model.boundary_shape(microbatch)) * element)

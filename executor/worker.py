@@ -21,8 +21,8 @@ from executor.clock import CpuClock, clock_for, earliest_start, shared_clock, sh
 from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
 from executor.context_parallel import local_shape
-from executor.copies import CopyReducer, data_index, model_stage
-from executor.data_parallel import ALL_REDUCE, GradientAverager, local_tensor
+from executor.copies import check_mirrored, copies_group, data_index, model_stage
+from executor.data_parallel import GradientAverager, local_tensor
 from executor.gather import CP_KIND, EP_KIND, TP_KIND, dp_event, fsdp_event, gather_events, inside_event
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
@@ -98,8 +98,6 @@ class RankRun:
         # with DualPipe's two copies a pipeline stage runs model stage (stage mod pp) (executor.copies)
         self.stages = {stage: model.build_stage(model_stage(schedule, stage), schedule.copy_stages).to(device)
                        for stage in schedule.stages_of(pp_rank)}
-        self.copy_reducer = (CopyReducer(schedule, position, self.stages, config.timeout)
-                             if schedule.copies > 1 else None)
         self.tp_timer = None
         self.clock = clock_for(device)
         if config.tp > 1:
@@ -149,8 +147,14 @@ class RankRun:
         self.averager = None
         # ZeRO-3: FSDP reduces the gradients itself. ZeRO-1/2 on one replica (a one-rank
         # group, scripts/gpu_check.py) still shards through the averager.
-        if (config.dp > 1 or config.cp > 1 or config.zero in (1, 2)) and config.zero < 3:
+        if (config.dp > 1 or config.cp > 1 or config.zero in (1, 2) or schedule.copies > 1) and config.zero < 3:
             dense_group = self.mesh.group("dp")
+            # the averager's step-level collectives (ZeRO's gathers, a stage left unreduced) go
+            # stage by stage in this order; DualPipe's mirror ranks list the same model stages
+            reduced_stages = dict(sorted(self.stages.items(), key=lambda item: model_stage(schedule, item[0])))
+            if schedule.copies > 1:  # DualPipe: summed with the other copy's holders, averaged over dp
+                check_mirrored(schedule)
+                dense_group = copies_group(schedule, position, config.timeout)
             if config.cp > 1:  # the cp ranks' gradients summed, the replicas' averaged (executor.context_parallel)
                 from executor.context_parallel import dp_cp_group  # noqa: PLC0415 - cp only
 
@@ -158,11 +162,11 @@ class RankRun:
             if expert_groups is not None:
                 from executor.expert_parallel import ExpertAwareAverager  # noqa: PLC0415 - MoE only
 
-                self.averager = ExpertAwareAverager(self.stages, schedule.programs[pp_rank], dense_group,
+                self.averager = ExpertAwareAverager(reduced_stages, schedule.programs[pp_rank], dense_group,
                                                     expert_groups, config.dp, config.dp_bucket_mb * 2**20,
                                                     getattr(torch, config.reduce_dtype), config.zero)
             else:
-                self.averager = GradientAverager(self.stages, schedule.programs[pp_rank], dense_group, config.dp,
+                self.averager = GradientAverager(reduced_stages, schedule.programs[pp_rank], dense_group, config.dp,
                                                  config.dp_bucket_mb * 2**20,
                                                  reduce_dtype=getattr(torch, config.reduce_dtype), zero=config.zero)
         if config.zero in (1, 2):  # the optimizer steps this replica's shard only
@@ -237,9 +241,6 @@ class RankRun:
             else:
                 loss, self.events = self.runtime.run_step(inputs, targets)
             self.events.extend(self.collective_events())  # also waits for the dp all-reduce
-            if self.copy_reducer is not None:  # each stage's gradient summed with its other copy's
-                start, end = self.wait_for("in the copies' gradient all-reduce", self.copy_reducer.reduce)
-                self.events.extend(self.dp_events([(stage, 0, ALL_REDUCE, start, end) for stage in self.stages]))
         except Exception as error:
             where = self.waiting_on or self.runtime.where()
             raise RankFailedError(f"rank {self.rank} failed in step {step} {where}: "

@@ -188,10 +188,10 @@ def test_the_two_copies_of_a_model_stage_reduce_in_one_collective_that_holds_the
 
 def test_the_executor_refuses_layouts_beside_it_and_the_csv_form_refuses_it_in_one_line(tmp_path):
     RunConfig(schedule="dualpipe", pp=2, microbatches=4, virtual_stages=2, layers=4).check()  # runs (tests below)
-    for flag, value in (("tp", 2),):
+    for flag, value in (("tp", 2), ("zero", 3)):
         with pytest.raises(ConfigError, match=f"^--schedule dualpipe runs its two model copies with data parallelism "
-                                              f"only here; --{flag} {value} beside it") as error:
-            RunConfig(schedule="dualpipe", pp=2, microbatches=4, virtual_stages=2, layers=4, batch_size=8,
+                                              f"and ZeRO-1/2 only here; --{flag} {value} beside it") as error:
+            RunConfig(schedule="dualpipe", pp=2, dp=2, microbatches=4, virtual_stages=2, layers=4, batch_size=8,
                       model="gpt", hidden=8, heads=2, **{flag: value}).check()
         assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="dualpipe holds 2 copies of the model, which the CSV form"):
@@ -275,7 +275,7 @@ def test_expert_gradients_are_summed_over_both_copies_holders():
     """With expert parallelism, a stage's routed experts reduce over the expert data-parallel
     group of each copy's rank: copy 0's rank s and copy 1's rank pp - 1 - s."""
     from pipesim.model.costs import StageCost
-    from pipesim.sim.parallel import _dp_group, _expert_gradients
+    from pipesim.sim.parallel import _expert_gradients, stage_dp_group
 
     pp = 4
     topology = presets.ib(2)
@@ -289,5 +289,5 @@ def test_expert_gradients_are_summed_over_both_copies_holders():
         assert share == 0.6
         assert group == [device for rank in holders for device in mapping.expert_dp_group(rank, 0)]
         assert len(group) == 2 * len(mapping.expert_dp_group(0, 0))
-        assert _dp_group(schedule, stage, mapping) == [device for rank in holders
+        assert stage_dp_group(schedule, stage, mapping) == [device for rank in holders
                                                        for device in mapping.dp_cp_group(rank, 0)]

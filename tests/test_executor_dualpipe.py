@@ -1,48 +1,59 @@
 """Bidirectional DualPipe executed: two copies of the model along one pipeline, fed from
 both ends (``executor.copies``). For pp in {2, 4} on gloo, float64, with an uneven batch
-and an uneven layer split, and pp 2 beside dp 2: every step's loss, every gradient and
-the weights after the last step equal the one-process reference to 1e-10 (each copy sees
-half the microbatches; the all-reduce with the mirror rank gives each the whole batch's
-gradient), each rank runs exactly its program, and the memory it holds is what ``run``
-predicts within 10%. ``profile`` and ``compare`` refuse it in one line."""
+and an uneven layer split, pp 2 beside dp 2, and ZeRO-1 and 2 (the optimizer sharded over
+both copies' holders, alone and beside dp 2): every step's loss, every gradient and the
+weights after the last step equal the one-process reference to 1e-10 (each copy sees
+half the microbatches; the reduction over both copies' holders gives each the whole
+batch's gradient), each rank runs exactly its program, each stage's reduction is posted
+during its last backward, and the memory it holds is what ``run`` predicts within 10%.
+``profile`` refuses it in one line."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import pytest
 
 from executor.config import RunConfig, build_schedule
-from executor.copies import data_index, model_stage
+from executor.copies import check_mirrored, data_index, model_stage, reducing_order
 from executor.launch import launch
 from executor.reference import reference_run
 from pipesim.cli import main
 from pipesim.cli.run_memory import peak_lines
+from schedules import generate
 from schedules.trace import Trace
 from tests.program_checks import assert_each_rank_ran_its_program
 
 pytestmark = pytest.mark.timeout(300)
 
-CASES = [(2, "mlp", 1), (4, "mlp", 1), (2, "gpt", 1), (2, "gpt", 2)]
-_launched: dict[tuple[int, str, int], dict] = {}
+CASES = [(2, "mlp", 1), (4, "mlp", 1), (2, "gpt", 1), (2, "gpt", 2), (2, "gpt", 1, 1), (2, "gpt", 1, 2),
+         (4, "mlp", 1, 2), (2, "gpt", 2, 1), (2, "gpt", 2, 2)]
+_launched: dict[tuple, dict] = {}
 
 
-def case_config(pp: int, model: str, dp: int = 1) -> RunConfig:
+def case_config(pp: int, model: str, dp: int = 1, zero: int = 0) -> RunConfig:
     """4p microbatches (2p from each end, dualpipe's least) over a batch of 8p + 1 per
     replica, uneven (dp 2: one more sequence to split), one layer more than stages (an
     uneven split), AdamW over 3 steps."""
     microbatches = 4 * pp
     return RunConfig(schedule="dualpipe", pp=pp, dp=dp, microbatches=microbatches, virtual_stages=2, model=model,
                      layers=pp + 1, hidden=8, heads=2, seq_len=4, vocab=11, batch_size=dp * (2 * microbatches + 1),
-                     steps=3, dtype="float64", optimizer="adamw", lr=0.05, return_grads=True)
+                     steps=3, dtype="float64", optimizer="adamw", lr=0.05, return_grads=True, zero=zero)
 
 
-def result_of(case: tuple[int, str, int]) -> dict:
+def result_of(case: tuple) -> dict:
     if case not in _launched:
         (_launched[case],) = launch([case_config(*case)])
     return _launched[case]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: f"p{case[0]}-{case[1]}-dp{case[2]}")
-def test_dualpipe_matches_one_process_reference(case: tuple[int, str, int]) -> None:
+def case_id(case: tuple) -> str:
+    return f"p{case[0]}-{case[1]}-dp{case[2]}" + (f"-zero{case[3]}" if len(case) > 3 else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_dualpipe_matches_one_process_reference(case: tuple) -> None:
     config = case_config(*case)
     result, reference = result_of(case), reference_run(config)
     assert result["losses"] == pytest.approx(reference["losses"], abs=1e-10, rel=0)
@@ -53,9 +64,9 @@ def test_dualpipe_matches_one_process_reference(case: tuple[int, str, int]) -> N
         assert (result["params"][name] - weight).abs().max().item() < 1e-10, name
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: f"p{case[0]}-{case[1]}-dp{case[2]}")
-def test_each_rank_runs_its_program(case: tuple[int, str, int]) -> None:
-    """(The copies' gradient all-reduce after the program is on the dp lane: not an action of it.)"""
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_each_rank_runs_its_program(case: tuple) -> None:
+    """(The reductions over both copies' holders are on the dp lane: not actions of it.)"""
     trace = result_of(case)["trace"]
     actions = Trace([event for event in trace.events if event.stream != "dp"], trace.meta)
     assert_each_rank_ran_its_program(build_schedule(case_config(*case)), actions)
@@ -79,17 +90,68 @@ def test_the_copies_gradient_all_reduce_is_on_the_dp_lane_and_memory_is_predicte
     reductions = [event for event in trace.events if event.stream == "dp"]
     assert sorted({event.rank for event in reductions}) == [0, 1] and len(reductions) == 4  # two stages a rank
     assert trace.meta["copies"] == 2
-    lines = peak_lines({"memory": result["memory"]}, case_config(2, "gpt"))
-    errors = [float(line.split("(")[1].split("%")[0]) for line in lines if "peak measured" in line]
-    assert len(errors) == 2 and all(abs(error) <= 10 for error in errors), lines
+    # the optimizer state and, under ZeRO-2, the gradients sharded over both copies' holders
+    for case in ((2, "gpt", 1), (2, "gpt", 1, 1), (2, "gpt", 1, 2), (2, "gpt", 2, 1), (2, "gpt", 2, 2)):
+        lines = peak_lines({"memory": result_of(case)["memory"]}, case_config(*case))
+        errors = [float(line.split("(")[1].split("%")[0]) for line in lines if "peak measured" in line]
+        assert len(errors) == 2 * case[2] and all(abs(error) <= 10 for error in errors), (case, lines)
 
 
-@pytest.mark.parametrize("command", ["profile", "compare"])
-def test_profile_and_compare_refuse_it_in_one_line(command: str, capsys, tmp_path) -> None:
-    out = ["--out", str(tmp_path / "costs.json")] if command == "profile" else []
-    assert main([command, "--schedule", "dualpipe", "--pp", "2", "-m", "4", "--model", "gpt", "--layers", "2",
+def test_each_stage_reduction_is_posted_during_its_last_backward() -> None:
+    """As the simulator's dp stream charges it: a stage's buckets leave while the rank's
+    program goes on, not after it. Each reduction over both copies' holders (``dp``
+    events, one bucket a stage here) starts between the start and the end of the stage's
+    last ``B`` or ``W``; under ZeRO-1 the reduce-scatters do, and the parameter
+    all-gathers follow the optimizer."""
+    for case, kind in (((2, "gpt", 1), "ALLREDUCE_DP"), ((2, "gpt", 2, 1), "REDUCE_SCATTER_DP")):
+        trace = result_of(case)["trace"]
+        last = {}
+        for event in trace.events:
+            if event.stream == "compute" and event.kind in ("B", "W"):
+                last[event.stage] = event  # the trace lists a rank's actions in program order
+        posted = {event.stage: event for event in trace.events if event.stream == "dp" and event.kind == kind}
+        assert sorted(posted) == [0, 1, 2, 3]
+        for stage, event in posted.items():
+            assert last[stage].start <= event.start <= last[stage].end + 1e-3, (case, stage)
+        if len(case) > 3:
+            gathers = [event for event in trace.events if event.kind == "ALLGATHER_PARAMS"]
+            assert len(gathers) == 4 and all(event.start >= max(e.end for e in last.values()) for event in gathers)
+
+
+def test_programs_that_are_not_mirror_images_are_refused_naming_the_ranks() -> None:
+    """Ranks 0 and 1 hold model stages 0 and 1 of both copies; their reductions over one
+    group pair a stage with its other copy only if both complete them in one order."""
+    schedule = generate("dualpipe", 2, 4, 2)
+    assert reducing_order(schedule, 0) == reducing_order(schedule, 1) == [("B", 1), ("B", 0), ("B", 1), ("W", 0)]
+    check_mirrored(schedule)
+    program = list(schedule.programs[1])
+    program[-3], program[-1] = program[-1], program[-3]  # rank 1: its last W before copy 0's last B
+    edited = dataclasses.replace(schedule, programs=(schedule.programs[0], tuple(program)))
+    with pytest.raises(ValueError, match="^ranks 0 and 1 hold the same two model stages but complete their gradients "
+                                         "in different orders"):
+        check_mirrored(edited)
+
+
+def test_profile_refuses_it_in_one_line(capsys, tmp_path) -> None:
+    assert main(["profile", "--schedule", "dualpipe", "--pp", "2", "-m", "4", "--model", "gpt", "--layers", "2",
                  "--hidden", "8", "--heads", "2", "--seq-len", "4", "--batch-size", "8", "--backend", "gloo",
-                 *out]) == 2
+                 "--out", str(tmp_path / "costs.json")]) == 2
     error = capsys.readouterr().err.strip()
-    assert f"{command} --schedule dualpipe: {command} measures the stages of one copy of the model" in error
-    assert "\n" not in error
+    assert "profile --schedule dualpipe: profile measures the stages of one copy of the model" in error
+    assert "pipesim compare --schedule dualpipe" in error and "\n" not in error
+
+
+def test_compare_predicts_it_with_the_copies_reduction_timed_on_the_run(tmp_path) -> None:
+    """``compare`` times each of the 2pp stages in its own calibration steps and prices the
+    reduction over both copies' holders (a group of 2 at dp 1) at what those steps timed."""
+    out = tmp_path / "compare.json"
+    assert main(["compare", "--schedule", "dualpipe", "--pp", "2", "-m", "4", "--model", "gpt", "--layers", "2",
+                 "--hidden", "8", "--heads", "2", "--seq-len", "4", "--batch-size", "8", "--backend", "gloo",
+                 "--quiet", "--json", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert len(document["costs"]["stages"]) == 4  # every pipeline stage, each copy's
+    last = [stage["act_bytes"] for stage in document["costs"]["stages"]]
+    assert last[1] == last[3] == 0 and last[0] == last[2] > 0  # each copy's last stage sends nothing
+    pace = document["calibrated_collectives"]["all_reduce"]
+    assert pace["group"] == "dp" and pace["ranks"] == 2
+    assert document["predicted_step_time"] > 0 and document["measured_step_time"] > 0

@@ -269,10 +269,11 @@ DP_COLLECTIVES = {"ALLREDUCE_DP": "all_reduce", "REDUCE_SCATTER_DP": "reduce_sca
 
 def dp_collectives(topology: Topology, config: RunConfig, schedule: Schedule, costs: Costs,
                    traces: list[Trace]) -> dict[str, dict]:
-    """Give the dp group's collectives (over groups of ``dp x cp`` ranks, in
-    ``Topology.measured_collectives``) the seconds the calibration steps timed them at:
-    for each the run issued (DDP's all-reduce; under ZeRO-1 and 2 the reduce-scatter and
-    the parameter all-gather after the optimizer), at the bandwidth the links give that
+    """Give the dp group's collectives (over groups of ``dp x cp`` ranks, with DualPipe's
+    two copies the holders of both, in ``Topology.measured_collectives``) the seconds the
+    calibration steps timed them at: for each the run issued (DDP's all-reduce; under
+    ZeRO-1 and 2 the reduce-scatter and the parameter all-gather after the optimizer), at
+    the bandwidth the links give that
     collective over the group, the latency at which the mean over the simulator's
     buckets (``pipesim.sim.parallel.gradient_buckets``, every stage's) equals the mean
     the steps timed one at (the median over steps of each step's mean), floored at 0.
@@ -293,15 +294,15 @@ def dp_collectives(topology: Topology, config: RunConfig, schedule: Schedule, co
     from pipesim.cluster import collectives  # noqa: PLC0415
     from pipesim.cluster.collectives import ring_pace  # noqa: PLC0415
     from pipesim.cluster.mapping import map_ranks  # noqa: PLC0415
-    from pipesim.sim.parallel import gradient_buckets  # noqa: PLC0415
+    from pipesim.sim.parallel import gradient_buckets, stage_dp_group  # noqa: PLC0415
 
-    ranks = config.dp * config.cp
+    ranks = config.dp * config.cp * config.copies  # DualPipe: each stage's replicas and its other copy's
     if ranks < 2 or config.zero == 3 or config.ep > 1:
         return {}
     parallel = replicas(config)
     mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
                         parallel.ep)
-    group = mapping.dp_cp_group(schedule.placement[0], 0)
+    group = stage_dp_group(schedule, 0, mapping)
     ring_bandwidth = ring_pace(topology, group)[0]
     buckets = [run for stage in costs.stages for run in gradient_buckets(stage, min(config.zero, 1),
                                                                          parallel.bucket_bytes)]

@@ -115,7 +115,7 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
     if schedule.copies > 1:  # DualPipe: every copy's stages as the model's (executor.copies)
         costs = replace(costs, stages=costs.stages * schedule.copies)
     trace = program_order_trace(schedule)
-    holders = config.dp * config.cp
+    holders = config.dp * config.cp * schedule.copies  # ZeRO shards over both copies' holders (executor.copies)
     weights_only = BytesPerParam(element, 0.0, 0.0)  # the static part's weights; gradients and state added below
     report = memory_report(trace, costs, schedule.placement, ["cpu"] * config.pp, [math.inf] * config.pp,
                            weights_only, dp=holders, zero=config.zero, tp=config.tp, cp=config.cp, ep=config.ep)

@@ -216,7 +216,7 @@ def comm_plan(schedule: Schedule, costs: Costs, topology: Topology, mapping: Ran
     reduction = gradient_reduction(zero, algorithm)
     links_of: dict[int, tuple[tuple[str, str], ...]] = {}
     for stage, cost in enumerate(costs.stages):
-        group = _dp_group(schedule, stage, mapping)
+        group = stage_dp_group(schedule, stage, mapping)
         if not charged or group is None or cost.param_bytes <= 0:
             continue
         experts = _expert_gradients(schedule, stage, cost, mapping)
@@ -572,7 +572,7 @@ def parameter_gather_seconds(schedule: Schedule, costs: Costs, topology: Topolog
 def _dp_collective(collective, topology: Topology, mapping: RankMapping, schedule: Schedule, stage: int,
                    cost: StageCost, num_bytes: float) -> float:
     """``collective`` of ``num_bytes`` of ``stage``'s parameters over the ranks that hold
-    them (``_dp_group``, its routed experts' share over their own group: ``_split_over``),
+    them (``stage_dp_group``, its routed experts' share over their own group: ``_split_over``),
     kept on the topology per mapping, rank, expert share and size: a rank's stages share
     its groups, many layouts of a plan share a mapping and sizes, and a group of
     thousands of replicas is long to list and to look up. The paces measured on the
@@ -586,7 +586,7 @@ def _dp_collective(collective, topology: Topology, mapping: RankMapping, schedul
     seconds = topology.pace_cache.get(key)
     if seconds is None:
         share = _split_over(_expert_gradients(schedule, stage, cost, mapping), partial(collective, topology),
-                            _dp_group(schedule, stage, mapping))
+                            stage_dp_group(schedule, stage, mapping))
         seconds = topology.pace_cache[key] = share(num_bytes)
     return seconds
 
@@ -599,7 +599,7 @@ def _collective_name(collective) -> tuple:
     return (collective.__name__,)
 
 
-def _dp_group(schedule: Schedule, stage: int, mapping: RankMapping) -> list[str] | None:
+def stage_dp_group(schedule: Schedule, stage: int, mapping: RankMapping) -> list[str] | None:
     """The devices that reduce ``stage``'s gradients, None when there is nothing to reduce:
     its rank's dp (and cp) replicas and, when the pipeline holds copies of the model
     (DualPipe), the replicas of the rank holding each other copy of the same layers, whose
@@ -612,7 +612,7 @@ def _dp_group(schedule: Schedule, stage: int, mapping: RankMapping) -> list[str]
 
 
 def _reduces(schedule: Schedule, stage: int, mapping: RankMapping) -> bool:
-    """Whether ``stage`` has a ``_dp_group``, without listing it (thousands of devices)."""
+    """Whether ``stage`` has a ``stage_dp_group``, without listing it (thousands of devices)."""
     return mapping.dp * mapping.cp * schedule.copies > 1 and stage < schedule.num_stages
 
 
