@@ -60,7 +60,12 @@ def held_bytes(kept: torch.UntypedStorage | int) -> int:
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    return local_tensor(tensor).untyped_storage().data_ptr()
+    """What tells two tensors on one storage apart from two on their own: the storage's
+    address. A DTensor's local part may be a functional collective's pending result (tp's
+    sequence-parallel gathers leave one as an output's gradient), a wrapper with no storage
+    of its own around the tensor it fills (``AsyncCollectiveTensor.elem``): that one's."""
+    local = local_tensor(tensor)
+    return getattr(local, "elem", local).untyped_storage().data_ptr()
 
 
 @dataclass
