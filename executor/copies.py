@@ -49,20 +49,21 @@ def data_index(schedule: Schedule, stage: int, microbatch: int) -> int:
 
 
 def copies_group(schedule: Schedule, position: MeshPosition, timeout: float) -> dist.ProcessGroup:
-    """The process group that reduces this rank's stages' gradients: every dp replica of
-    this pipeline rank and of its mirror rank ``pp - 1 - r`` (the holders of the same two
-    model stages), at this process's cp and tp place; one group per pair and place,
-    made alike on every rank (``new_group`` is collective)."""
+    """The process group that reduces this rank's stages' gradients: every dp replica and
+    cp rank of this pipeline rank and of its mirror rank ``pp - 1 - r`` (the holders of
+    the same two model stages, summed over cp and the copies, averaged over dp, as
+    ``executor.context_parallel`` reduces a stage's dense gradients without copies), at
+    this process's tp place (a tp shard is reduced with the same shard); one group per
+    pair and tp place, made alike on every rank (``new_group`` is collective)."""
     pp, mine = schedule.pp, None
     for tp_index in range(position.tp):
-        for cp_index in range(position.cp):
-            for first in range(pp // 2):
-                members = [position.rank_at(index, dp_index, cp_index, tp_index)
-                           for index in (first, pp - 1 - first) for dp_index in range(position.dp)]
-                group = dist.new_group(sorted(members), timeout=timedelta(seconds=timeout))
-                if (position.pp_index in (first, pp - 1 - first) and cp_index == position.cp_index
-                        and tp_index == position.tp_index):
-                    mine = group
+        for first in range(pp // 2):
+            pair = (first, pp - 1 - first)
+            members = [position.rank_at(index, dp_index, cp_index, tp_index) for index in pair
+                       for dp_index in range(position.dp) for cp_index in range(position.cp)]
+            group = dist.new_group(sorted(members), timeout=timedelta(seconds=timeout))
+            if position.pp_index in pair and tp_index == position.tp_index:
+                mine = group
     return mine
 
 

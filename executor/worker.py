@@ -152,10 +152,10 @@ class RankRun:
             # the averager's step-level collectives (ZeRO's gathers, a stage left unreduced) go
             # stage by stage in this order; DualPipe's mirror ranks list the same model stages
             reduced_stages = dict(sorted(self.stages.items(), key=lambda item: model_stage(schedule, item[0])))
-            if schedule.copies > 1:  # DualPipe: summed with the other copy's holders, averaged over dp
+            if schedule.copies > 1:  # DualPipe: summed with the other copy's holders (and cp), averaged over dp
                 check_mirrored(schedule)
                 dense_group = copies_group(schedule, position, config.timeout)
-            if config.cp > 1:  # the cp ranks' gradients summed, the replicas' averaged (executor.context_parallel)
+            elif config.cp > 1:  # the cp ranks' gradients summed, the replicas' averaged (executor.context_parallel)
                 from executor.context_parallel import dp_cp_group  # noqa: PLC0415 - cp only
 
                 dense_group = dp_cp_group(rank, position, config.timeout)

@@ -1,7 +1,8 @@
 """Bidirectional DualPipe executed: two copies of the model along one pipeline, fed from
 both ends (``executor.copies``). For pp in {2, 4} on gloo, float64, with an uneven batch
-and an uneven layer split, pp 2 beside dp 2, and ZeRO-1 and 2 (the optimizer sharded over
-both copies' holders, alone and beside dp 2): every step's loss, every gradient and the
+and an uneven layer split, pp 2 beside dp 2, ZeRO-1 and 2 (the optimizer sharded over
+both copies' holders, alone and beside dp 2), tp 2 (with sequence parallelism and ZeRO-1)
+and cp 2 (with ZeRO-2): every step's loss, every gradient and the
 weights after the last step equal the one-process reference to 1e-10 (each copy sees
 half the microbatches; the reduction over both copies' holders gives each the whole
 batch's gradient), each rank runs exactly its program, each stage's reduction is posted
@@ -27,19 +28,24 @@ from tests.program_checks import assert_each_rank_ran_its_program
 
 pytestmark = pytest.mark.timeout(300)
 
+TP2, SP = ("tp", 2), ("sequence_parallel", True)
+CP2 = (("cp", 2), ("hidden", 16), ("heads", 4), ("kv_heads", 2), ("seq_len", 8))  # ring attention: a rotary model
+# (pp, model, dp[, zero[, other RunConfig fields]])
 CASES = [(2, "mlp", 1), (4, "mlp", 1), (2, "gpt", 1), (2, "gpt", 2), (2, "gpt", 1, 1), (2, "gpt", 1, 2),
-         (4, "mlp", 1, 2), (2, "gpt", 2, 1), (2, "gpt", 2, 2)]
+         (4, "mlp", 1, 2), (2, "gpt", 2, 1), (2, "gpt", 2, 2), (2, "gpt", 1, 0, (TP2,)), (2, "gpt", 1, 1, (TP2, SP)),
+         (2, "llama3-8b", 1, 0, CP2), (2, "llama3-8b", 1, 2, CP2)]
 _launched: dict[tuple, dict] = {}
 
 
-def case_config(pp: int, model: str, dp: int = 1, zero: int = 0) -> RunConfig:
+def case_config(pp: int, model: str, dp: int = 1, zero: int = 0, fields: tuple = ()) -> RunConfig:
     """4p microbatches (2p from each end, dualpipe's least) over a batch of 8p + 1 per
     replica, uneven (dp 2: one more sequence to split), one layer more than stages (an
     uneven split), AdamW over 3 steps."""
     microbatches = 4 * pp
+    shape = {"hidden": 8, "heads": 2, "seq_len": 4, "vocab": 11, **dict(fields)}
     return RunConfig(schedule="dualpipe", pp=pp, dp=dp, microbatches=microbatches, virtual_stages=2, model=model,
-                     layers=pp + 1, hidden=8, heads=2, seq_len=4, vocab=11, batch_size=dp * (2 * microbatches + 1),
-                     steps=3, dtype="float64", optimizer="adamw", lr=0.05, return_grads=True, zero=zero)
+                     layers=pp + 1, batch_size=dp * (2 * microbatches + 1), steps=3, dtype="float64",
+                     optimizer="adamw", lr=0.05, return_grads=True, zero=zero, **shape)
 
 
 def result_of(case: tuple) -> dict:
@@ -49,7 +55,10 @@ def result_of(case: tuple) -> dict:
 
 
 def case_id(case: tuple) -> str:
-    return f"p{case[0]}-{case[1]}-dp{case[2]}" + (f"-zero{case[3]}" if len(case) > 3 else "")
+    extra = case[4] if len(case) > 4 else ()
+    fields = "".join(f"-{name}{value if value is not True else ''}" for name, value in extra
+                     if name in ("tp", "cp", "sequence_parallel"))
+    return f"p{case[0]}-{case[1]}-dp{case[2]}" + (f"-zero{case[3]}" if len(case) > 3 else "") + fields
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -66,9 +75,10 @@ def test_dualpipe_matches_one_process_reference(case: tuple) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_each_rank_runs_its_program(case: tuple) -> None:
-    """(The reductions over both copies' holders are on the dp lane: not actions of it.)"""
+    """(The reductions over both copies' holders are on the dp lane, and tp's and cp's
+    collectives inside the actions on lanes of their own: none is an action of it.)"""
     trace = result_of(case)["trace"]
-    actions = Trace([event for event in trace.events if event.stream != "dp"], trace.meta)
+    actions = Trace([event for event in trace.events if event.stream not in ("dp", "tp", "cp", "ep")], trace.meta)
     assert_each_rank_ran_its_program(build_schedule(case_config(*case)), actions)
 
 
