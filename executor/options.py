@@ -228,6 +228,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         shape = {"schedule": name, "pp": DEFAULT_PP if args.pp is None else args.pp,
                  "microbatches": DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches,
                  "virtual_stages": virtual, "microbatch_group": getattr(args, "microbatch_group", None)}
+        planned = getattr(args, "custom_schedule", None)  # a plan row's own order (pipesim.cli.plan_row)
+        if planned is not None:
+            shape["custom_schedule"] = planned
     layout = None
     if args.layout:
         try:

@@ -135,3 +135,30 @@ def test_a_config_rows_model_may_be_repeated_by_another_path(tmp_path: Path, mon
     with pytest.raises(ValueError, match=f"--model llama3-8b conflicts with --plan {path}: row 1 was planned for "
                                          f"{config_file}; drop --model"):
         planned(["--plan", str(path), "--model", "llama3-8b"])
+
+
+def test_a_row_whose_order_the_plan_built_from_costs_runs_that_order(tmp_path: Path, capsys) -> None:
+    """zbv-auto builds its order from the layout's costs, which a run does not have: the
+    plan writes the order it simulated beside the row (``order``) and the run runs exactly
+    it, every rank's compute actions in the plan's order, the losses the one-process
+    reference's. Before, every zbv-auto and zb-auto row was refused."""
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt", "--gpus", "2", "--global-batch", "8", "--seq-len", "64",
+                 "--topology", "ideal", "--top", "1", "--json", str(path), "--quiet", "--workers", "1",
+                 "--schedules", "zbv-auto", "--constraint", "pp=2"]) == 0
+    capsys.readouterr()
+    (row,) = rows_of(path)
+    assert row["schedule"] == "zbv-auto" and row["order"]["name"] == "zbv-auto"
+    argv = ["--plan", str(path), "--row", "1", "--dtype", "float64", "--steps", "2", "--layers", "4", "--hidden", "8",
+            "--heads", "2", "--seq-len", "4", "--vocab", "11", "--optimizer", "adamw"]
+    out = tmp_path / "run.json"
+    assert main(["run", *argv, "--json", str(out), "--trace", str(tmp_path / "trace.json"), "--quiet"]) == 0
+    assert "its order as the plan built it from the layout's costs" in capsys.readouterr().out
+    config, _ = planned(argv)
+    assert config.custom_schedule is not None and config.schedule == "zbv-auto"
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    for rank, program in enumerate(row["order"]["programs"]):
+        ran = [event["action"] for event in sorted(trace["events"], key=lambda event: event["start"])
+               if event["rank"] == rank and event["stream"] == "compute"]
+        assert ran == program, rank
+    assert json.loads(out.read_text())["losses"] == pytest.approx(reference_run(config)["losses"], abs=1e-10, rel=0)

@@ -12,8 +12,11 @@ rows named their model runs the run's ``--model`` (the ``gpt`` transformer unles
 transformer is named: the planner's models are transformers, so ``mlp`` is not used
 here; a row with cp or ep needs an architecture, so there the toy gives way to Llama 3,
 or Mixtral for ep). What the executor does not run (ZeRO-3 with a split backward,
-cost-aware orders, DeepSeek-V3's ``--recompute norm-mla-up``) is refused in one line naming
-the row and the value.
+cost-aware orders in a plan written without them, DeepSeek-V3's ``--recompute
+norm-mla-up``) is refused in one line naming the row and the value. A row whose order
+the plan built from the layout's costs (zb-auto, zbv-auto, the adapted zb-h1 and zb-h2)
+carries that order (``order``, ``schedules.order_json``), and the run runs it: the
+order the plan simulated.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from executor.config import ConfigError, RunConfig
 from executor.options import config_from_args, model_sizes
 from executor.refused_values import value_refusal
+from schedules.order_json import order_from_dict
 
 # Flags whose value the row fixes, with the value that means "not given".
 ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_file", None), ("--pp", "pp", None),
@@ -143,6 +147,8 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
              "batch_size": row["dp"] * row["microbatches"] * row["microbatch_size"],
              "cp": row.get("cp", 1), "ep": row.get("ep", 1),
              "cp_comm": "p2p"}  # the ring, as plan priced cp
+    if row.get("order") is not None:  # the order the plan built from its costs, run as simulated
+        fixed["custom_schedule"] = order_from_dict(row["order"], f"plan row {number}'s order")
     planned = argparse.Namespace(**{**vars(args), **fixed, **model})
     refused = value_refusal(planned, "pipesim run", "run")  # a value the plan simulated but run does not execute
     if refused:
@@ -158,5 +164,6 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
             + ("" if row.get("model") else " (the plan's rows do not name its model: the run's --model"
                + (f"; the toy gpt has no {' or '.join(needs)} to split" if args.model in TOYS and needs else "")
                + ")")
-            + (f"; cp {config.cp} by ring attention" if config.cp > 1 else ""))
+            + (f"; cp {config.cp} by ring attention" if config.cp > 1 else "")
+            + ("; its order as the plan built it from the layout's costs" if row.get("order") is not None else ""))
     return config, line

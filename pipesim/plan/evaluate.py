@@ -209,6 +209,19 @@ class LayoutEvaluator:
         """The layout's order exactly as ``simulate`` builds it (what ``--torchtitan`` writes)."""
         return schedule_of(self.layout_job(layout), self.topology)
 
+    def planned_order(self, layout: Layout) -> dict | None:
+        """The compute order of a layout whose order the plan builds from its costs
+        (zb-auto, zbv-auto; zb-h1 and zb-h2 adapted), as ``simulate`` builds it, in the
+        JSON form ``pipesim run --plan`` runs (``schedules.order_json``); None for an order
+        that a generator gives alike to anyone who names it."""
+        from schedules.generators import COST_AWARE
+        from schedules.generators.adaptive import ADAPTABLE
+        from schedules.order_json import order_to_dict
+
+        if layout.schedule not in COST_AWARE | ADAPTABLE:
+            return None
+        return order_to_dict(self.schedule_of(layout))
+
     def best_trace(self, layout: Layout):
         """The layout's simulated step as ``simulate`` runs it: the chart's Gantt."""
         from pipesim.job import simulate_job

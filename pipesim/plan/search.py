@@ -59,6 +59,9 @@ class PlanResult:
     found_others: list = field(default_factory=list)
     refined: int = 0
     values_left_out: dict[str, dict] = field(default_factory=dict)  # ``values_left_out``
+    # a ranked layout's order where the plan built it from the layout's costs, for ``to_dict``
+    # (``LayoutEvaluator.planned_order``: what ``pipesim run --plan`` runs); None: none written
+    order_of: Callable[[Layout], dict | None] | None = field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def others(self) -> list[dict]:
@@ -69,9 +72,22 @@ class PlanResult:
     def ranked(self) -> int:
         return len(self.rows)
 
+    def ranked_rows(self, top: int) -> list[dict]:
+        """The ``top`` best rows (all with ``top`` 0), each with ``order``, the compute order
+        the plan simulated, where it built that order from the layout's costs (zb-auto,
+        zbv-auto; zb-h1 and zb-h2 adapted): a run has no costs to build it again."""
+        rows = self.rows[:top] if top else self.rows
+        if self.order_of is None:
+            return rows
+        ordered = []
+        for row in rows:
+            order = self.order_of(Layout(**{key: row[key] for key in Layout._fields}))
+            ordered.append({**row, "order": order} if order is not None else row)
+        return ordered
+
     def to_dict(self, top: int) -> dict:
         return {
-            "ranked": self.rows[:top] if top else self.rows,
+            "ranked": self.ranked_rows(top),
             "considered": self.considered,
             "ruled_out": sum(self.ruled_out.values()),
             "rejected_before_simulation": sum(self.screened.values()),
@@ -95,7 +111,8 @@ class Evaluator(Protocol):
     before simulating that it cannot fit: rejected before simulation) or
     ``{"pruned": bound}`` (its own bound, found once it has more of the layout than
     ``lower_bound``, cannot beat ``cutoff``, the ``top``-th best step so far). ``screen``
-    may be quicker than ``evaluate`` and its step a little longer, never shorter."""
+    may be quicker than ``evaluate`` and its step a little longer, never shorter.
+    ``planned_order``: a ranked layout's order where the plan built it from its costs."""
 
     def screen(self, layout: Layout, cutoff: float = math.inf) -> dict: ...
 
@@ -106,6 +123,8 @@ class Evaluator(Protocol):
     def reject_cause(self, layout: Layout) -> str | None: ...
 
     def describe(self, layout: Layout) -> dict: ...
+
+    def planned_order(self, layout: Layout) -> dict | None: ...
 
 
 # What ``search`` runs of the evaluator: its first pass on every layout it simulates, then
@@ -326,7 +345,8 @@ def search(
         others += [(layout, {"bucket": "pruned", "cause": "its lower bound cannot reach the top",
                              "lower_bound": bounds[layout]}) for layout in order[position:]]
         result = PlanResult(rows, considered, ruled_out, screened, failed, simulated,
-                            len(order) - position + pruned_late, time.perf_counter() - started, others, refined)
+                            len(order) - position + pruned_late, time.perf_counter() - started, others, refined,
+                            order_of=getattr(evaluator, "planned_order", None))
     if describe:  # what is known of the layouts never simulated
         for other in result.others:
             if other["bucket"] != "simulated":
