@@ -305,17 +305,14 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 def check_dualpipe(config: RunConfig) -> None:
     """DualPipe runs two copies of the model, each stage's gradient reduced over both
-    copies' holders (``executor.copies``), on pipelines replicated over dp, split by tp and
-    cp, with ZeRO-1 or 2 sharding the optimizer over that group: expert parallelism (its
-    experts reduce over groups of their own) and ZeRO-3 (FSDP2's own reduction) beside it
-    are refused in one line, naming the flag."""
-    beside = [(flag, value) for flag, value, allowed in (
-        ("--ep", config.ep, (1,)), ("--zero", config.zero, (0, 1, 2))) if value not in allowed]
-    if beside:
-        flag, value = beside[0]
-        raise ConfigError(f"--schedule dualpipe runs its two model copies with data, tensor and context parallelism "
-                          f"and ZeRO-1/2 here; {flag} {value} beside it is not run by the executor: run dualpipe "
-                          f"without it, or --schedule dualpipev (the same steps folded in a V) with {flag}")
+    copies' holders (``executor.copies``; a stage's experts over both copies' expert
+    data-parallel ranks), on pipelines replicated over dp, split by tp, cp and ep, with
+    ZeRO-1 or 2 sharding the optimizer over those groups: ZeRO-3 (FSDP2's own reduction)
+    beside it is refused in one line."""
+    if config.zero == 3:
+        raise ConfigError("--schedule dualpipe runs its two model copies with ZeRO-1/2 here; --zero 3 beside it is "
+                          "not run by the executor (FSDP2 reduces each copy alone): run dualpipe with --zero 1 or 2, "
+                          "or --schedule dualpipev (the same steps folded in a V) with --zero 3")
 
 
 def check_zero(config: RunConfig) -> None:

@@ -45,16 +45,25 @@ def expert_range(experts: int, ep: int, ep_index: int) -> range:
     return range(ep_index * share, (ep_index + 1) * share)
 
 
-def expert_groups_of(position: MeshPosition, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+def expert_groups_of(position: MeshPosition, ep: int, copies: int = 1) -> tuple[list[list[int]], list[list[int]]]:
     """Every ep group and every expert data-parallel group of the job, as global ranks,
-    in an order all processes share (``new_group`` must be called alike everywhere)."""
+    in an order all processes share (``new_group`` must be called alike everywhere). With
+    DualPipe's two copies of the model (``executor.copies``) a stage's experts are also
+    held by the mirror pipeline rank ``pp - 1 - r`` (the other copy of the same layers):
+    its expert data-parallel group holds both ranks' members at the same place."""
     ep_groups, expert_dp_groups = [], []
+    members_of = {(pp_index, tp_index): [position.rank_at(pp_index, dp_index, cp_index, tp_index)
+                                         for dp_index in range(position.dp) for cp_index in range(position.cp)]
+                  for pp_index in range(position.pp) for tp_index in range(position.tp)}
     for pp_index in range(position.pp):
         for tp_index in range(position.tp):
-            members = [position.rank_at(pp_index, dp_index, cp_index, tp_index)
-                       for dp_index in range(position.dp) for cp_index in range(position.cp)]
+            members = members_of[pp_index, tp_index]
             ep_groups += [members[first:first + ep] for first in range(0, len(members), ep)]
-            expert_dp_groups += [members[offset::ep] for offset in range(ep)]
+            if copies == 1:
+                expert_dp_groups += [members[offset::ep] for offset in range(ep)]
+            elif pp_index < position.pp // 2:  # one group per mirror pair
+                mirror = members_of[position.pp - 1 - pp_index, tp_index]
+                expert_dp_groups += [members[offset::ep] + mirror[offset::ep] for offset in range(ep)]
     return ep_groups, expert_dp_groups
 
 
@@ -69,8 +78,8 @@ class ExpertGroups:
     expert_dp_group: dist.ProcessGroup
 
     @classmethod
-    def build(cls, rank: int, position: MeshPosition, ep: int, timeout: float) -> ExpertGroups:
-        ep_groups, expert_dp_groups = expert_groups_of(position, ep)
+    def build(cls, rank: int, position: MeshPosition, ep: int, timeout: float, copies: int = 1) -> ExpertGroups:
+        ep_groups, expert_dp_groups = expert_groups_of(position, ep, copies)
         mine = {}
         for kind, groups in (("ep", ep_groups), ("expert_dp", expert_dp_groups)):
             for members in groups:

@@ -127,7 +127,7 @@ class RankRun:
             from executor.expert_parallel import ExpertGroups, shard_experts  # noqa: PLC0415 - MoE only
             from executor.inside_timing import CollectiveTimer  # noqa: PLC0415
 
-            expert_groups = ExpertGroups.build(rank, position, config.ep, config.timeout)
+            expert_groups = ExpertGroups.build(rank, position, config.ep, config.timeout, schedule.copies)
             self.ep_timer = CollectiveTimer(lambda: self.runtime.current, self.clock.mark)
             for stage in self.stages.values():
                 shard_experts(stage, expert_groups, self.ep_timer)

@@ -116,19 +116,28 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
         costs = replace(costs, stages=costs.stages * schedule.copies)
     trace = program_order_trace(schedule)
     holders = config.dp * config.cp * schedule.copies  # ZeRO shards over both copies' holders (executor.copies)
+    # the routed experts' over their expert data-parallel group (executor.expert_parallel)
+    expert_holders = max(1, holders // config.ep)
     weights_only = BytesPerParam(element, 0.0, 0.0)  # the static part's weights; gradients and state added below
     report = memory_report(trace, costs, schedule.placement, ["cpu"] * config.pp, [math.inf] * config.pp,
-                           weights_only, dp=holders, zero=config.zero, tp=config.tp, cp=config.cp, ep=config.ep)
-    grad_bytes = static_bytes_per_param(BytesPerParam(element, element, 0.0), holders, config.zero) \
-        - static_bytes_per_param(weights_only, holders, config.zero)
+                           weights_only, dp=holders, zero=config.zero, expert_dp=expert_holders, tp=config.tp,
+                           cp=config.cp, ep=config.ep)
     moments = 2 * element if config.optimizer == "adamw" else 0.0
-    state_bytes = static_bytes_per_param(BytesPerParam(element, 0.0, moments), holders, config.zero) \
-        - static_bytes_per_param(weights_only, holders, config.zero)
-    grads_from = gradient_arrivals(trace, costs, grad_bytes)
+
+    def per_param(bytes_per_param: BytesPerParam, cost) -> float:
+        """``bytes_per_param`` less the weights, over a stage's parameters as ZeRO shards them."""
+        def share(group: int) -> float:
+            return (static_bytes_per_param(bytes_per_param, group, config.zero)
+                    - static_bytes_per_param(weights_only, group, config.zero))
+        experts = cost.expert_params if config.ep > 1 else 0.0
+        return (cost.params - experts) * share(holders) + experts * share(expert_holders)
+
+    grads_from = gradient_arrivals(trace, costs, lambda cost: per_param(BytesPerParam(element, element, 0.0), cost))
     peaks = []
     for rank in report:
-        params = sum(cost.params for stage, cost in enumerate(costs.stages) if schedule.placement[stage] == rank.rank)
-        state = params * state_bytes
+        mine = [cost for stage, cost in enumerate(costs.stages) if schedule.placement[stage] == rank.rank]
+        params = sum(cost.params for cost in mine)
+        state = sum(per_param(BytesPerParam(element, 0.0, moments), cost) for cost in mine)
         # ZeRO-3's gathered working set lives inside an action (FSDP gathers a block's
         # weights before its forward or backward and frees them after): not held at the
         # action boundaries where the executor counts, but allocated inside the action
@@ -230,9 +239,10 @@ def with_whole_ends(costs: Costs, spec: ModelSpec, tp: int, sequence_parallel: b
     return replace(costs, stages=tuple(stages))
 
 
-def gradient_arrivals(trace, costs, grad_bytes: float) -> dict[int, list[tuple[float, float]]]:
-    """Per rank, ``(moment, bytes)``: each of its stages' gradients, made by the stage's
-    first weight-gradient action of the step (the executor frees them between steps)."""
+def gradient_arrivals(trace, costs, grad_bytes) -> dict[int, list[tuple[float, float]]]:
+    """Per rank, ``(moment, bytes)``: each of its stages' gradients (``grad_bytes(cost)``
+    of them), made by the stage's first weight-gradient action of the step (the executor
+    frees them between steps)."""
     columns = trace.columns
     first: dict[int, tuple[int, float]] = {}
     for index in range(len(columns)):
@@ -242,7 +252,7 @@ def gradient_arrivals(trace, costs, grad_bytes: float) -> dict[int, list[tuple[f
             first[stage] = (int(columns.rank[index]), float(columns.end[index]))
     arrivals: dict[int, list[tuple[float, float]]] = {}
     for stage, (rank, moment) in first.items():
-        arrivals.setdefault(rank, []).append((moment, costs.stages[stage].params * grad_bytes))
+        arrivals.setdefault(rank, []).append((moment, grad_bytes(costs.stages[stage])))
     return arrivals
 
 
