@@ -23,6 +23,7 @@ from executor.launch import launch
 from executor.mesh import MeshPosition
 from executor.reference import reference_run
 from pipesim.cli import main
+from pipesim.cli.run import predict_static_memory
 from pipesim.cli.run_memory import peak_lines
 from schedules import generate
 from schedules.trace import Trace
@@ -112,6 +113,18 @@ def test_the_copies_gradient_all_reduce_is_on_the_dp_lane_and_memory_is_predicte
         lines = peak_lines({"memory": result_of(case)["memory"]}, case_config(*case))
         errors = [float(line.split("(")[1].split("%")[0]) for line in lines if "peak measured" in line]
         assert len(errors) == 2 * case[2] and all(abs(error) <= 10 for error in errors), (case, lines)
+
+
+def test_the_static_memory_line_shards_over_both_copies_holders() -> None:
+    """ZeRO-1 at dp 1 shards AdamW's two float64 moments (16 bytes a parameter) over the
+    two copies' holders: 8 + 8 + 16/2 = 24 bytes a parameter, what each rank holds after
+    the step (the line said dp 1 and 32 bytes before)."""
+    case = (2, "gpt", 1, 1)
+    document = {"memory": [dict(row) for row in result_of(case)["memory"]]}
+    lines = predict_static_memory(document, case_config(*case))
+    assert "ZeRO 1 over dp 1 and both copies' holders, 2 ranks: 24 bytes per parameter" in lines[0]
+    for row in document["memory"]:  # to a bucket's padding to a multiple of the 2 shards (8 bytes here)
+        assert abs(row["static"] - row["predicted_static"]) <= 8 * 2
 
 
 def test_each_stage_reduction_is_posted_during_its_last_backward() -> None:

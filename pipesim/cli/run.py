@@ -160,9 +160,12 @@ def predict_static_memory(document: dict, config) -> list[str]:
     optimizer = 2 * element if config.optimizer == "adamw" else 0
     # ZeRO shards over the dp x cp ranks, as the simulator's memory model does (with ep the
     # routed experts over dp x cp / ep: the rows do not tell them apart, so they are priced as dense).
-    holders = config.dp * config.cp
+    # (DualPipe's: over both copies' holders, executor.copies)
+    holders = config.dp * config.cp * config.copies
     per_param = static_bytes_per_param(BytesPerParam(element, element, optimizer), holders, config.zero)
-    over = f"dp {config.dp}" if config.cp == 1 else f"dp x cp {holders}"
+    over = f"dp {config.dp}" if config.cp == 1 else f"dp x cp {holders // config.copies}"
+    if config.copies > 1:
+        over = f"{over} and both copies' holders, {holders} ranks"
     routed = "; routed experts priced as dense" if config.ep > 1 and config.zero else ""
     lines = [f"parameters + gradients + optimizer state after the step, measured vs predicted (ZeRO {config.zero} "
              f"over {over}: {per_param:g} bytes per parameter{routed}):"]
