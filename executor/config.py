@@ -128,6 +128,13 @@ class RunConfig:
         return 2 if self.custom_schedule is None and self.schedule == "dualpipe" else 1
 
     @property
+    def gradient_holders(self) -> int:
+        """Processes that hold each dense parameter and reduce its gradient (ZeRO shards
+        over them): every dp replica and cp rank, with DualPipe both copies' holders
+        (``executor.copies``)."""
+        return self.dp * self.cp * self.copies
+
+    @property
     def num_stages(self) -> int:
         """The model's stages: pp x virtual stages, over the copies (DualPipe's pp: each
         rank holds one stage of each copy)."""
@@ -321,7 +328,7 @@ def check_zero(config: RunConfig) -> None:
     it needs more than one such rank."""
     if config.zero not in ZERO_STAGES:
         raise ConfigError(f"--zero {config.zero} is not one of: {', '.join(map(str, ZERO_STAGES))}")
-    if config.zero and config.dp * config.cp * config.copies == 1:
+    if config.zero and config.gradient_holders == 1:
         raise ConfigError(f"--zero {config.zero} shards over data-parallel replicas; it needs --dp > 1 (or --cp > 1: "
                           "ZeRO shards over the dp x cp ranks; or --schedule dualpipe, over both copies' holders)")
 

@@ -40,13 +40,10 @@ def order_from_dict(data: dict, where: str = "order") -> Schedule:
         raise ValueError(f"{where}: programs must list one program per rank ({data['pp']})")
     try:
         parsed = [[parse_action(text) for text in program] for program in programs]
-    except (ActionParseError, TypeError) as error:
-        raise ValueError(f"{where}: {error}") from None
-    schedule = Schedule(pp=int(data["pp"]), microbatches=int(data["microbatches"]),
-                        placement=tuple(int(rank) for rank in data["placement"]), programs=parsed,
-                        name=str(data["name"]))
-    try:
+        schedule = Schedule(pp=int(data["pp"]), microbatches=int(data["microbatches"]),
+                            placement=tuple(int(rank) for rank in data["placement"]), programs=parsed,
+                            name=str(data["name"]))
         validate(schedule)
-    except ValueError as error:
+    except (ActionParseError, TypeError, ValueError) as error:  # the field or action named, in one line
         raise ValueError(f"{where}: {error}") from None
     return schedule

@@ -40,3 +40,7 @@ def test_a_bad_order_is_refused_naming_what_is_wrong() -> None:
         order_from_dict({**good, "programs": dropped})
     with pytest.raises(ValueError, match="expected an object"):
         order_from_dict([1, 2])
+    with pytest.raises(ValueError, match="^order: a schedule needs at least one microbatch, got -3"):
+        order_from_dict({**good, "microbatches": -3})
+    with pytest.raises(ValueError, match="^order: "):
+        order_from_dict({**good, "placement": ["a", 1]})

@@ -120,7 +120,6 @@ def tp_all_reduce(topology: Topology, config: RunConfig, costs: Costs, traces: l
     all-gathers and reduce-scatters are ``tp_gather_scatter``'s."""
     from executor.run_costs import held_seconds  # noqa: PLC0415
     from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
-    from pipesim.cluster.collectives import all_reduce, ring_pace  # noqa: PLC0415
     from pipesim.cluster.mapping import map_ranks  # noqa: PLC0415
 
     sizes = {stage.tp_message_bytes for stage in costs.stages if stage.layers and stage.tp_message_bytes}
@@ -133,12 +132,7 @@ def tp_all_reduce(topology: Topology, config: RunConfig, costs: Costs, traces: l
     parallel = replicas(config)
     group = map_ranks(topology, parallel.dp, config.pp, parallel.tp, parallel.rank_order, parallel.cp,
                       parallel.ep).tp_group(0, 0)
-    links_price = all_reduce(topology, group, size)
-    bandwidth = ring_pace(topology, group)[0] * config.tp / (2 * (config.tp - 1))
-    latency = max(0.0, seconds - size / bandwidth)
-    topology.measured_collectives["all_reduce", config.tp] = bandwidth, latency
-    return {"ranks": config.tp, "bytes": size, "seconds": size / bandwidth + latency, "bandwidth": bandwidth,
-            "latency": latency, "benchmark_seconds": links_price}
+    return timed_pace(topology, "all_reduce", group, size, seconds)
 
 
 def tp_gather_scatter(topology: Topology, config: RunConfig, schedule: Schedule, costs: Costs,
@@ -272,11 +266,10 @@ def dp_collectives(topology: Topology, config: RunConfig, schedule: Schedule, co
     """Give the dp group's collectives (over groups of ``dp x cp`` ranks, with DualPipe's
     two copies the holders of both, in ``Topology.measured_collectives``) the seconds the
     calibration steps timed them at: for each the run issued (DDP's all-reduce; under
-    ZeRO-1 and 2 the reduce-scatter and the parameter all-gather after the optimizer), at
-    the bandwidth the links give that
-    collective over the group, the latency at which the mean over the simulator's
-    buckets (``pipesim.sim.parallel.gradient_buckets``, every stage's) equals the mean
-    the steps timed one at (the median over steps of each step's mean), floored at 0.
+    ZeRO-1 and 2 the reduce-scatter and the parameter all-gather after the optimizer),
+    ``timed_pace`` at the mean over the simulator's buckets
+    (``pipesim.sim.parallel.gradient_buckets``, every stage's) and the mean the steps
+    timed one at (the median over steps of each step's mean).
     Return what was set, beside the links' price of the mean bucket; nothing for a
     collective the steps did not time, under ZeRO-3 (FSDP2's collectives,
     ``pipesim.cli.compare.zero3_collectives``) or with expert parallelism (its experts
@@ -291,19 +284,16 @@ def dp_collectives(topology: Topology, config: RunConfig, schedule: Schedule, co
     the links, every ZeRO-1 compare at dp 2 came out 26% short (the step's
     reduce-scatter tail and all-gather measured 43 and 26 ms against 2.8 ms each)."""
     from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
-    from pipesim.cluster import collectives  # noqa: PLC0415
-    from pipesim.cluster.collectives import ring_pace  # noqa: PLC0415
     from pipesim.cluster.mapping import map_ranks  # noqa: PLC0415
     from pipesim.sim.parallel import gradient_buckets, stage_dp_group  # noqa: PLC0415
 
-    ranks = config.dp * config.cp * config.copies  # DualPipe: each stage's replicas and its other copy's
+    ranks = config.gradient_holders  # with DualPipe, each stage's replicas and its other copy's
     if ranks < 2 or config.zero == 3 or config.ep > 1:
         return {}
     parallel = replicas(config)
     mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
                         parallel.ep)
     group = stage_dp_group(schedule, 0, mapping)
-    ring_bandwidth = ring_pace(topology, group)[0]
     buckets = [run for stage in costs.stages for run in gradient_buckets(stage, min(config.zero, 1),
                                                                          parallel.bucket_bytes)]
     count = sum(number for _, number in buckets)
@@ -317,16 +307,28 @@ def dp_collectives(topology: Topology, config: RunConfig, schedule: Schedule, co
             timed = [event.duration for event in trace.events if event.stream == "dp" and event.kind == kind]
             if timed:
                 means.append(sum(timed) / len(timed))
-        key = (operation, ranks)
-        if not means or (ranks == config.tp and key in topology.measured_collectives):
+        if not means or (ranks == config.tp and (operation, ranks) in topology.measured_collectives):
             continue
-        links_price = getattr(collectives, operation)(topology, group, mean_bytes)
-        factor = 2 * (ranks - 1) / ranks if operation == "all_reduce" else (ranks - 1) / ranks
-        bandwidth = ring_bandwidth / factor
-        seconds = statistics.median(means)
-        latency = max(0.0, seconds - mean_bytes / bandwidth)
-        topology.measured_collectives[key] = bandwidth, latency
-        paces[operation] = {"ranks": ranks, "bytes": mean_bytes, "seconds": mean_bytes / bandwidth + latency,
-                            "bandwidth": bandwidth, "latency": latency, "benchmark_seconds": links_price,
+        paces[operation] = {**timed_pace(topology, operation, group, mean_bytes, statistics.median(means)),
                             "group": "dp"}
     return paces
+
+
+def timed_pace(topology: Topology, operation: str, group: list[str], size: float, seconds: float) -> dict:
+    """Set ``operation``'s pace over groups of ``len(group)`` (``Topology.measured_collectives``)
+    so that ``size`` bytes cost ``seconds``, the run's timing: at the bandwidth the links
+    give that ring collective over ``group`` (``2(n-1)/n`` of the bytes at the ring's pace
+    for an all-reduce, ``(n-1)/n`` for an all-gather or a reduce-scatter), the latency the
+    rest, floored at 0. Return what was set, beside the links' price of the same message
+    (``benchmark_seconds``)."""
+    from pipesim.cluster import collectives  # noqa: PLC0415
+    from pipesim.cluster.collectives import ring_pace  # noqa: PLC0415
+
+    ranks = len(group)
+    links_price = getattr(collectives, operation)(topology, group, size)  # before the pace is set
+    share = (ranks - 1) / ranks * (2 if operation == "all_reduce" else 1)
+    bandwidth = ring_pace(topology, group)[0] / share
+    latency = max(0.0, seconds - size / bandwidth)
+    topology.measured_collectives[operation, ranks] = bandwidth, latency
+    return {"ranks": ranks, "bytes": size, "seconds": size / bandwidth + latency, "bandwidth": bandwidth,
+            "latency": latency, "benchmark_seconds": links_price}

@@ -161,7 +161,7 @@ def predict_static_memory(document: dict, config) -> list[str]:
     # ZeRO shards over the dp x cp ranks, as the simulator's memory model does (with ep the
     # routed experts over dp x cp / ep: the rows do not tell them apart, so they are priced as dense).
     # (DualPipe's: over both copies' holders, executor.copies)
-    holders = config.dp * config.cp * config.copies
+    holders = config.gradient_holders
     per_param = static_bytes_per_param(BytesPerParam(element, element, optimizer), holders, config.zero)
     over = f"dp {config.dp}" if config.cp == 1 else f"dp x cp {holders // config.copies}"
     if config.copies > 1:

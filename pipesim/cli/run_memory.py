@@ -115,7 +115,7 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
     if schedule.copies > 1:  # DualPipe: every copy's stages as the model's (executor.copies)
         costs = replace(costs, stages=costs.stages * schedule.copies)
     trace = program_order_trace(schedule)
-    holders = config.dp * config.cp * schedule.copies  # ZeRO shards over both copies' holders (executor.copies)
+    holders = config.gradient_holders  # ZeRO shards over them (with DualPipe, both copies' holders)
     # the routed experts' over their expert data-parallel group (executor.expert_parallel)
     expert_holders = max(1, holders // config.ep)
     weights_only = BytesPerParam(element, 0.0, 0.0)  # the static part's weights; gradients and state added below
