@@ -489,9 +489,6 @@ def check_schedule_and_failure(config: RunConfig) -> None:
         schedule = build_schedule(config)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if config.zero == 3 and has_split_backward(schedule):
-        raise ConfigError(f"--zero 3 (FSDP) cannot run a split backward: schedule {schedule.name!r} splits B into I "
-                          "and W; use a schedule with whole backwards (gpipe, 1f1b, interleaved-1f1b) or --zero 2")
     if config.recompute in ONE_BACKWARD_RECOMPUTE and has_split_backward(schedule):
         raise ConfigError(f"--recompute {config.recompute} cannot run a split backward: schedule {schedule.name!r} "
                           f"splits B into I and W, and {PER_OP_SPLIT_FAILS}; use a schedule with whole backwards "

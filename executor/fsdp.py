@@ -1,6 +1,13 @@
 """ZeRO-3 (``--zero 3``): each pipeline stage sharded over its dp replicas with FSDP2's
 ``fully_shard``, torch's own building block, as torchtitan's ``apply_fsdp`` applies it.
 
+A split backward (the zero-bubble schedules' I and W, ``executor.split_backward``) runs
+as the simulator charges it: I all-gathers each block's parameters as B would (FSDP's
+pre-backward hooks fire on it) and leaves the gradients alone; W computes the weight
+gradients from what I kept, each unit gathered again first (a LayerNorm's
+weight-gradient kernel reads the weight FSDP freed after I) and its gradients
+reduce-scattered after (``ShardedWeightGrad``), every microbatch.
+
 Each block of a stage is its own FSDP unit and the stage (embedding, head and whatever
 else it holds) the root: a block's parameters are all-gathered just before its forward
 and again before its backward and freed after each (``reshard_after_forward``), and its
@@ -28,11 +35,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from executor.architectures.moe import MixtureOfExperts
 from executor.fsdp_timing import FsdpTimer, time_unit
 from executor.gather import ROOT_UNIT
 from executor.mesh import axis_options
+from executor.split_backward import SplitBackward, WeightWork
 
 
 def shard_stage(stage: nn.Module, mesh: DeviceMesh, replicas: int, expert_mesh: DeviceMesh | None = None,
@@ -89,3 +98,79 @@ def shard_stages(stages: dict[int, nn.Module], mesh: DeviceMesh | None, cp: int,
                                    backend_override={"edp": options, "ep": options})["edp"]
     for index, stage in stages.items():
         shard_stage(stage, dense, replicas, experts, timer, index)
+
+
+
+class ShardedWeightGrad:
+    """W of a sharded stage (``PipelineRuntime``'s ``weight_grad_runner`` under ZeRO-3).
+
+    Its recorded calls run unit by unit (each FSDP unit's in the order they were
+    recorded): the unit's parameters all-gathered by FSDP's own ``unshard`` (a
+    LayerNorm's weight-gradient kernel reads its weight, which FSDP freed after I), the
+    calls' local backwards, then the unit's ``post_backward``, which reduce-scatters the
+    gradients W left and reshards, as FSDP does at the end of a unit's whole backward.
+    The stage root's end-of-backward callback ends it, as it ends every backward.
+
+    W's local backwards start from module outputs, and where one is also a unit's output
+    (the head's logits, a routed expert's output) FSDP's pre-backward hook on it would
+    all-gather that unit, prefetch the next and queue the end-of-backward callback inside
+    W. So while W runs every group reads as already in its backward (the hook then does
+    nothing) and the callback as already queued. torch's pipelining runtime reduces a
+    split backward's gradients once at the end of the step instead, with every stage's
+    parameters kept gathered from its first action to its last (``perform_reduce_grad``;
+    torchtitan keeps them so under pipeline parallelism); here they are gathered and
+    reduced every microbatch, the rule ``--zero 3`` charges."""
+
+    def __init__(self) -> None:
+        self.owners: dict[int, dict[nn.Module, tuple]] = {}  # per stage: module -> its unit's param groups
+
+    def __call__(self, splitter: SplitBackward, stage: nn.Module, work: WeightWork) -> None:
+        if work.output is not None:
+            names = {id(param): name for name, param in stage.named_parameters()}
+            raise RuntimeError("--zero 3 (FSDP) cannot run W for parameters used outside their own module "
+                               f"({', '.join(names.get(id(p), '?') for p in splitter.uncovered or ())}): FSDP would "
+                               "reduce their gradients partway through; use --zero 2 or whole backwards")
+        owners = self.owners.get(id(stage))
+        if owners is None:
+            owners = self.owners[id(stage)] = unit_groups(stage)
+        by_unit: dict[tuple, list] = {}
+        for call in work.calls:
+            by_unit.setdefault(owners[call[0].module], []).append(call)
+        root = fully_shard.state(stage)
+        context = root._state_ctx
+        groups = [group for state in context.all_states for group in state._fsdp_param_groups]
+        for group in groups:
+            group._training_state = TrainingState.PRE_BACKWARD
+        context.post_backward_final_callback_queued = True
+        try:
+            for unit, calls in by_unit.items():
+                for group in unit:
+                    group._training_state = TrainingState.IDLE  # (in PRE_BACKWARD unshard does nothing)
+                    group.unshard()
+                    group.wait_for_unshard()
+                    group._training_state = TrainingState.PRE_BACKWARD
+                splitter.call_weight_grads(calls)
+                for group in unit:
+                    group.post_backward()
+        except BaseException:
+            for group in groups:
+                group._training_state = TrainingState.IDLE
+            context.post_backward_final_callback_queued = False
+            raise
+        root._root_post_backward_final_callback()  # every group idle, the callback unqueued
+
+
+def unit_groups(stage: nn.Module) -> dict[nn.Module, tuple]:
+    """Every module of ``stage`` mapped to the FSDP parameter groups of the unit that
+    holds its parameters: the nearest ``fully_shard``-ed module at or above it."""
+    owners: dict[nn.Module, tuple] = {}
+
+    def walk(module: nn.Module, groups: tuple) -> None:
+        if isinstance(module, FSDPModule):
+            groups = tuple(fully_shard.state(module)._fsdp_param_groups)
+        owners[module] = groups
+        for child in module.children():
+            walk(child, groups)
+
+    walk(stage, ())
+    return owners

@@ -62,7 +62,8 @@ class PipelineRuntime:
                  links: PeerLinks | None, clock: Any, batch_size: int,
                  before_action: Callable[[Action], None] | None = None, prefetch_recvs: bool = False,
                  after_action: Callable[[Action], None] | None = None, precision: Precision | None = None,
-                 rendezvous: bool = False, progress: Any = None) -> None:
+                 rendezvous: bool = False, progress: Any = None,
+                 weight_grad_runner: Callable[[SplitBackward, nn.Module, WeightWork], None] | None = None) -> None:
         self.rank = rank
         self.schedule = schedule
         self.stages = stages
@@ -97,6 +98,8 @@ class PipelineRuntime:
         self.splitters = {stage: SplitBackward(stages[stage]) for stage in {stage for stage, _ in self.split_keys}}
         if self.splitters:
             self.handlers[ActionKind.F] = self.forward_recording
+        # how W runs (under ZeRO-3, executor.fsdp.ShardedWeightGrad: unit by unit, gathered and reduced)
+        self.weight_grad_runner = weight_grad_runner or (lambda splitter, _stage, work: splitter.weight_grad(work))
         self.current: Action | None = None
         self.current_group: tuple[Action, ...] | None = None  # the P2P group being waited for
         self.device_marks: list[tuple[tuple[Action, ...], Any]] = []  # (group, CUDA event at its end)
@@ -280,7 +283,8 @@ class PipelineRuntime:
         self.weight_work[key] = work
 
     def weight_grad(self, action: Action) -> None:
-        self.splitters[action.stage].weight_grad(self.weight_work.pop((action.stage, action.microbatch)))
+        self.weight_grad_runner(self.splitters[action.stage], self.stages[action.stage],
+                                self.weight_work.pop((action.stage, action.microbatch)))
 
     def output_grad(self, action: Action, output: torch.Tensor) -> torch.Tensor | None:
         """The gradient flowing into this stage's output (none for the loss itself), in

@@ -45,10 +45,14 @@ from torch.utils._pytree import tree_leaves
 
 
 class ModuleCall(NamedTuple):
-    """One forward call of a parameter-owning module: the edges of its outputs."""
+    """One forward call of a parameter-owning module: the edges of its outputs and the
+    trainable parameters it held during the call. Those are the leaves of this call's
+    graph: under ZeRO-3 (``executor.fsdp``) a module holds FSDP's unsharded parameters
+    while it runs and its sharded ones between runs, so W must name the ones it ran with."""
 
     module: nn.Module
     edges: tuple[GradientEdge, ...]
+    params: tuple[nn.Parameter, ...]
 
 
 class WeightWork(NamedTuple):
@@ -70,7 +74,7 @@ class SplitBackward:
         self.trainable = [p for p in stage.parameters() if p.requires_grad]
         self.own: dict[nn.Module, list[nn.Parameter]] = {}
         for module in stage.modules():
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            params = own_trainable(module)
             if params:
                 self.own[module] = params
         self.active: list[ModuleCall] | None = None
@@ -85,7 +89,7 @@ class SplitBackward:
         edges = tuple(get_gradient_edge(t) for t in tree_leaves(output)
                       if isinstance(t, torch.Tensor) and t.requires_grad)
         if edges:
-            self.active.append(ModuleCall(module, edges))
+            self.active.append(ModuleCall(module, edges, tuple(own_trainable(module))))
 
     @contextmanager
     def recording(self) -> Iterator[list[ModuleCall]]:
@@ -130,13 +134,18 @@ class SplitBackward:
 
     def weight_grad(self, work: WeightWork) -> None:
         """W: accumulate every parameter's gradient for this microbatch into ``.grad``."""
-        for call, grads in work.calls:
+        self.call_weight_grads(work.calls)
+        if work.output is not None and work.output.requires_grad:
+            torch.autograd.backward(work.output, work.output_grad, inputs=self.uncovered, retain_graph=True)
+
+    @staticmethod
+    def call_weight_grads(calls: list[tuple[ModuleCall, list[torch.Tensor]]]) -> None:
+        """The local backward of each of these recorded calls into its parameters' ``.grad``."""
+        for call, grads in calls:
             pairs = [(edge, grad) for edge, grad in zip(call.edges, grads, strict=True) if grad is not None]
             if pairs:
                 torch.autograd.backward([edge for edge, _ in pairs], [grad for _, grad in pairs],
-                                        inputs=self.own[call.module], retain_graph=True)
-        if work.output is not None and work.output.requires_grad:
-            torch.autograd.backward(work.output, work.output_grad, inputs=self.uncovered, retain_graph=True)
+                                        inputs=list(call.params), retain_graph=True)
 
     # -- which parameters the recorded calls cover ------------------------------------
 
@@ -145,8 +154,11 @@ class SplitBackward:
         calls cover exactly (every path from the output to each of their parameters
         through exactly one recorded edge of an owner); the rest go to the fallback."""
         nodes_of: dict[nn.Module, set[Node]] = collections.defaultdict(set)
+        # each parameter as this graph holds it (under ZeRO-3, FSDP's unsharded one)
+        ran_with: dict[nn.Parameter, nn.Parameter] = {}
         for call in calls:
             nodes_of[call.module].update(edge.node for edge in call.edges)
+            ran_with.update(zip(self.own[call.module], call.params, strict=True))
         owners: dict[nn.Parameter, list[nn.Module]] = collections.defaultdict(list)
         for module, params in self.own.items():
             for param in params:
@@ -162,17 +174,19 @@ class SplitBackward:
             # One recorded call reaching another would count the second one's share twice.
             chained = len(blocked) > 1 and any(blocked & reachable([node], set()) for node in blocked)
             for param in params:
-                if chained or get_gradient_edge(param).node in outside:
+                if chained or get_gradient_edge(ran_with.get(param, param)).node in outside:
                     uncovered.add(param)
-        self.uncovered = [p for p in self.trainable if p in uncovered]
         self.local = {module for module, params in self.own.items() if not uncovered.intersection(params)}
         # A module with some uncovered parameters has all of them computed by the fallback.
-        for module, params in self.own.items():
-            if module not in self.local:
-                for param in params:
-                    if param not in uncovered:
-                        uncovered.add(param)
-                        self.uncovered.append(param)
+        partly = [param for module, params in self.own.items() if module not in self.local
+                  for param in params if param not in uncovered]
+        self.uncovered = [ran_with.get(param, param) for param in
+                          [p for p in self.trainable if p in uncovered] + list(dict.fromkeys(partly))]
+
+
+def own_trainable(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters ``module`` itself holds (not its children's), as it holds them now."""
+    return [p for p in module.parameters(recurse=False) if p.requires_grad]
 
 
 def reachable(starts: list[Node], blocked: set[Node]) -> set[Node]:

@@ -134,10 +134,12 @@ class RankRun:
         unsharded = sum(local_tensor(p.detach()).numel() * p.element_size()
                         for stage in self.stages.values() for p in stage.parameters())
         self.fsdp_timer = None
+        fsdp_weight_grad = None  # ZeRO-3: W gathers and reduces unit by unit
         if config.zero == 3:
-            from executor.fsdp import shard_stages  # noqa: PLC0415
+            from executor.fsdp import ShardedWeightGrad, shard_stages  # noqa: PLC0415
             from executor.fsdp_timing import FsdpTimer  # noqa: PLC0415
 
+            fsdp_weight_grad = ShardedWeightGrad()
             self.fsdp_timer = FsdpTimer(lambda: self.runtime.current, self.clock.mark)
             shard_stages(self.stages, self.mesh.mesh, config.cp, config.dp,
                          expert_groups.expert_dp_group if expert_groups else None, config.timeout, self.fsdp_timer)
@@ -196,7 +198,8 @@ class RankRun:
                                        prefetch_recvs=config.prefetch_receives(backend), rendezvous=rendezvous,
                                        after_action=chain_hooks(self.averager.after_action if self.averager
                                                                 else None, self.memory.after_action),
-                                       precision=Precision(config, device))
+                                       precision=Precision(config, device),
+                                       weight_grad_runner=fsdp_weight_grad)
         self.waiting_on: str | None = None  # a step-level collective the rank is blocked in
         self.losses: list[float] = []
         self.step_times: list[float] = []

@@ -45,7 +45,7 @@ gather's end plus one layer's share of the forward (a layer at a time: with gath
 ``P + g + (U - 1) max(0, g - c)``, ``pipesim.sim.zero.exposed_gather_seconds``).
 
 ZeRO-3 / FSDP gathers each layer's parameters before every forward and again before every
-backward (B, or I when the backward is split; W gathers nothing), each microbatch's
+backward (B, or I and W when the backward is split: a norm's weight-gradient kernel reads its weight), each microbatch's
 (``Reductions.layer_gathers``): one collective per layer, issued on the rank's channel
 when the rank reaches the action with its input there (FSDP's pre-forward hook), all of
 the action's layers at once, so the channel runs them back to back after whatever it
@@ -79,7 +79,7 @@ if TYPE_CHECKING:
 # when a collective is issued (``ChannelArrays.mode``); AT_ACTION: when its rank reaches the
 # compute action that waits for it, its input there (ZeRO-3's per-layer gathers)
 AT_FRACTION, AT_BACKWARD_END, AT_STEP_END, AT_STEP_START, AT_ACTION = 0, 1, 2, 3, 4
-GATHERING_KINDS = {"F": F_CODE, "B": B_CODE, "I": I_CODE}  # ZeRO-3: what gathers its layers (W does not)
+GATHERING_KINDS = {"F": F_CODE, "B": B_CODE, "I": I_CODE, "W": W_CODE}  # ZeRO-3: what gathers its layers
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Reductions:
     the rank's step end. ``gathers[stage]``: the seconds of each layer's parameter
     all-gather, first layer first, run from the step's start and waited for by the
     stage's first forward (the module), over the stage's ``links``.
-    ``layer_gathers[stage, kind]`` (kind ``F``, ``B`` or ``I``): ZeRO-3's, the seconds of
+    ``layer_gathers[stage, kind]`` (kind ``F``, ``B``, ``I`` or ``W``): ZeRO-3's, the seconds of
     each layer's gather before every such action of the stage, issued when its rank
     reaches it, over the stage's ``links``."""
 

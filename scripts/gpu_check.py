@@ -150,17 +150,19 @@ def one_rank_group(args: argparse.Namespace):
 
 def zero(args: argparse.Namespace) -> int:
     """ZeRO-1/2 (the averager's reduce-scatter and parameter all-gather) and ZeRO-3
-    (FSDP2's fully_shard) over one replica: RunConfig refuses --zero with --dp 1 for
+    (FSDP2's fully_shard; with 1f1b's whole backwards and zb-h1's I and W) over one
+    replica: RunConfig refuses --zero with --dp 1 for
     users, so the configs go to the worker directly, inside a one-rank group."""
     from executor.reference import reference_run
     from executor.worker import run_worker
 
     rows = []
     with one_rank_group(args):
-        for stage in (1, 2, 3):
-            config = small(model="gpt", zero=stage, backend=backend(args))
+        for stage, schedule in ((1, "1f1b"), (2, "1f1b"), (3, "1f1b"), (3, "zb-h1")):
+            config = small(model="gpt", zero=stage, schedule=schedule, backend=backend(args))
             (result,) = run_worker([config])
-            rows.append((f"gpt --zero {stage} on a one-rank {backend(args)} group", result, reference_run(config)))
+            rows.append((f"gpt {schedule} --zero {stage} on a one-rank {backend(args)} group", result,
+                         reference_run(config)))
     return against_reference(rows)
 
 

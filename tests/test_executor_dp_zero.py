@@ -15,7 +15,6 @@ import pytest
 from executor.config import ConfigError, RunConfig
 from executor.launch import launch
 from executor.reference import reference_run
-from pipesim.cli import main
 from schedules.generators import generate
 from tests.test_executor import split_backward
 
@@ -129,7 +128,6 @@ def test_zero_shards_the_optimizer_over_the_replicas(case: tuple) -> None:
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"zero": 3, "schedule": "zb-h1"}, "--zero 3 (FSDP) cannot run a split backward: schedule 'zb-h1'"),
     ({"zero": 1, "dp": 1}, "it needs --dp > 1"),
     ({"zero": 4}, "--zero 4 is not one of: 0, 1, 2, 3"),
 ])
@@ -137,12 +135,6 @@ def test_bad_zero_is_refused_naming_the_flag(changes: dict, message: str) -> Non
     base = {"pp": 2, "dp": 2, "batch_size": 8, "microbatches": 2}
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RunConfig(**{**base, **changes}).check()
-
-
-def test_cli_refuses_zero_3_with_a_split_backward_in_one_line(capsys) -> None:
-    assert main(["run", "--dp", "2", "--pp", "2", "-m", "2", "--zero", "3", "--schedule", "zb-h1"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "split backward" in err and "--zero 3" in err
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

@@ -108,23 +108,23 @@ def test_a_forwards_gathers_queue_behind_the_reduction_its_rank_issued_before():
 
 
 def test_the_channel_lays_out_each_actions_layers_together_and_gates_it_on_them():
-    # ZB-H1 on two ranks, split backward: F and I gather (2 and 3 layers), W does not
+    # ZB-H1 on two ranks, split backward: F, I and W gather (2, 3 and 4 layers: counts
+    # told apart), each action's layers together in program order
     schedule = lower(generate("zb-h1", 2, 3))
     program = engine.compile_program(schedule, "rendezvous")
-    gathers = {(0, "F"): (1.0, 1.0), (0, "I"): (2.0, 2.0, 2.0), (1, "F"): (1.0, 1.0), (1, "I"): (2.0, 2.0, 2.0)}
+    layers_of = {"F": 2, "I": 3, "W": 4}
+    gathers = {(stage, kind): (1.0,) * layers for stage in (0, 1) for kind, layers in layers_of.items()}
     channels = channel_arrays(program, Reductions({}, {0: (0,), 1: (1,)}, layer_gathers=gathers))
-    assert channels.count == 3 * 5 * 2 and channels.channel_start.tolist() == [0, 15, 30]
-    kinds = program.compute_kind
+    per_rank = 3 * (2 + 3 + 4)
+    assert channels.count == 2 * per_rank and channels.channel_start.tolist() == [0, per_rank, 2 * per_rank]
+    kinds = {code: kind for kind, code in engine.KIND_CODES.items()}
     for row in range(program.computes):
         first, last = int(channels.gate_first[row]), int(channels.gate_last[row])
-        if kinds[row] == engine.KIND_CODES["W"]:
-            assert first == last == -1
-            continue
-        layers = 2 if kinds[row] == engine.KIND_CODES["F"] else 3
+        layers = layers_of[kinds[int(program.compute_kind[row])]]
         assert last - first + 1 == layers
         assert channels.row[first:last + 1].tolist() == [row] * layers
         assert channels.run[first:last + 1].tolist() == list(range(layers))
-    assert (np.diff(channels.row[:15]) >= 0).all() and (np.diff(channels.row[15:]) >= 0).all()  # program order
+    assert (np.diff(channels.row[:per_rank]) >= 0).all() and (np.diff(channels.row[per_rank:]) >= 0).all()
     assert not len(channels.row_collectives)  # issued as their actions are reached, not by a release
 
 
@@ -133,8 +133,8 @@ def test_a_step_cannot_gather_both_from_its_start_and_before_each_action():
     program = engine.compile_program(schedule, "rendezvous")
     with pytest.raises(ValueError, match="either from its start"):
         channel_arrays(program, Reductions({}, {0: (0,)}, gathers={0: (1.0,)}, layer_gathers={(0, "F"): (1.0,)}))
-    with pytest.raises(ValueError, match="kind 'W'"):
-        channel_arrays(program, Reductions({}, {0: (0,)}, layer_gathers={(0, "W"): (1.0,)}))
+    with pytest.raises(ValueError, match="kind 'SEND_F'"):
+        channel_arrays(program, Reductions({}, {0: (0,)}, layer_gathers={(0, "SEND_F"): (1.0,)}))
 
 
 # -- on a modelled cluster: gathers alone on their channel give the closed form's step ------

@@ -70,6 +70,28 @@ def test_a_planned_row_runs_and_equals_the_one_process_reference(plan_file: Path
     assert document["losses"] == pytest.approx(reference_run(config)["losses"], abs=1e-10, rel=0)
 
 
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_a_planned_zero3_row_with_a_split_backward_runs_and_equals_the_one_process_reference(
+        schedule: str, tmp_path: Path, capsys) -> None:
+    """A real plan of 4 GPUs over the zero-bubble schedules ranks pp 2 x dp 2 ZeRO-3 rows
+    (FSDP2 under I and W); run executes the row and equals the reference."""
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt", "--gpus", "4", "--global-batch", "8", "--seq-len", "64",
+                 "--topology", "ideal", "--top", "40", "--json", str(path), "--quiet", "--workers", "1",
+                 "--schedules", schedule]) == 0
+    rows = rows_of(path)
+    number = row_number(rows, schedule=schedule, pp=2, dp=2, zero=3)
+    argv = ["--plan", str(path), "--row", str(number), "--dtype", "float64", "--steps", "2", "--hidden", "8",
+            "--heads", "2", "--seq-len", "4", "--vocab", "11", "--optimizer", "adamw"]
+    out = tmp_path / "run.json"
+    assert main(["run", *argv, "--json", str(out), "--quiet"]) == 0
+    assert f"plan row {number}: {rows[number - 1]['layout']} kept (world 4" in capsys.readouterr().out
+    config, _ = planned(argv)
+    assert (config.schedule, config.zero) == (schedule, 3)
+    document = json.loads(out.read_text())
+    assert document["losses"] == pytest.approx(reference_run(config)["losses"], abs=1e-10, rel=0)
+
+
 def refusal(argv: list[str], capsys) -> str:
     assert main(["run", *argv]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -80,10 +102,10 @@ def refusal(argv: list[str], capsys) -> str:
 def test_what_run_cannot_execute_is_refused_in_one_line(plan_file: Path, tmp_path: Path, capsys) -> None:
     rows = rows_of(plan_file)
     zero3 = rows[row_number(rows, zero=3) - 1]
-    split = tmp_path / "zb.json"
-    split.write_text(json.dumps({"ranked": [{**zero3, "schedule": "zb-h1"}]}))
-    line = refusal(["--plan", str(split)], capsys)
-    assert "plan row 1" in line and "--zero 3 (FSDP) cannot run a split backward" in line
+    copies = tmp_path / "dualpipe.json"
+    copies.write_text(json.dumps({"ranked": [{**zero3, "schedule": "dualpipe"}]}))
+    line = refusal(["--plan", str(copies)], capsys)
+    assert "plan row 1" in line and "--zero 3 beside it is not run by the executor" in line
     edited = tmp_path / "auto.json"
     edited.write_text(json.dumps({"ranked": [{**rows[0], "schedule": "zb-auto"}]}))
     line = refusal(["--plan", str(edited)], capsys)

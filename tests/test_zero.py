@@ -159,13 +159,14 @@ def test_zero3s_gathers_beside_the_compute_slow_it_as_the_reductions_do():
 
 def test_zero3_split_backward_gathers_before_the_input_gradient_and_reduces_after_the_weight_gradient():
     # ZB-H1 on one stage splits B = 10 ms into I = 6 ms and W = 4 ms: I hides 1.5 ms a
-    # layer (gathers 1.25 ms: only the first is waited for), W needs no parameters.
+    # layer (gathers 1.25 ms: only the first is waited for); W gathers its layers again
+    # (FSDP freed them after I; a LayerNorm's weight-gradient kernel reads its weight).
     costs = Costs(stages=(StageCost(fwd=4e-3, bwd=10e-3, wgrad=4e-3, param_bytes=100 * MB, layers=4),))
     result = run_simulation(generate("zb-h1", 1, 2), costs, topology_from_dict(PAIR),
                             parallel=ParallelConfig(dp=2, zero=3))
     gathers = [event.action for event in result.trace.events if event.kind == "ALLGATHER_PARAMS"]
-    assert len(gathers) == 16  # four layers before each F and I, none before W
-    assert sorted({name[name.index("(") + 1:-1] for name in gathers}) == ["0F0", "0F1", "0I0", "0I1"]
+    assert len(gathers) == 24  # four layers before each F, I and W
+    assert sorted({name[name.index("(") + 1:-1] for name in gathers}) == ["0F0", "0F1", "0I0", "0I1", "0W0", "0W1"]
     scatter = [event for event in result.trace.events if event.kind == "REDUCE_SCATTER_DP"]
     weight = [event for event in result.trace.events if event.stream == "compute" and event.kind == "W"]
     assert len(scatter) == 8 and {event.microbatch for event in scatter} == {0, 1}

@@ -180,7 +180,7 @@ class LayoutBounds:
 
             costs = self.costs.placed(key)
             durations = {(stage, kind): getattr(cost, field) for stage, cost in enumerate(costs.stages)
-                         for kind, field in (("F", "fwd"), ("B", "bwd"), ("I", "input_grad"))}
+                         for kind, field in (("F", "fwd"), ("B", "bwd"), ("I", "input_grad"), ("W", "wgrad"))}
             held = {(stage, kind): exposed_gather_seconds(len(layers), layers[0], durations[stage, kind] / len(layers))
                     for (stage, kind), layers in layer_gathers(self.costs.placement_shell(key.placement), costs,
                                                                self.costs.topology,

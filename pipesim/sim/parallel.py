@@ -36,7 +36,7 @@ pays their collectives:
   microbatch's, since a replica keeps only its shard of the gradient
   (``pipesim.sim.zero``).
 - ZeRO-3 / FSDP (``zero=3``): each layer's parameters are all-gathered before its
-  forward and again before its backward (B, or I when split), in the engine's walk
+  forward and again before its backward (B, or each of I and W when split), in the engine's walk
   (``layer_gathers``): issued on the rank's dp channel when it reaches the action, in
   channel order with the reductions and holding their ring's links, the action waiting
   for its first layer's gather and each later layer for what of its gather did not fit
@@ -359,8 +359,10 @@ def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping:
     """ZeRO-3: per (stage, compute kind), the seconds of each of its layers' parameter
     gathers before such an action (``gather_units`` of them, the stage's parameters shared
     evenly): what the engine's walk runs on the rank's dp channel as the rank reaches the
-    action (``schedules.dp_channel``). A forward gathers every layer, a backward (B, or I
-    when split) again; W none. A layer's routed experts are gathered over their own group
+    action (``schedules.dp_channel``). A forward gathers every layer, a backward (B) again,
+    and a split one in both halves: I, and W too, since FSDP frees a layer's parameters
+    after I and a norm's weight-gradient kernel reads its weight (LayerNorm's does;
+    ``executor.fsdp``). A layer's routed experts are gathered over their own group
     under expert parallelism."""
     def gathers(stage: int, cost: StageCost) -> tuple[float, ...] | None:
         if not _reduces(schedule, stage, mapping) or cost.param_bytes <= 0:
@@ -369,7 +371,7 @@ def layer_gathers(schedule: Schedule, costs: Costs, topology: Topology, mapping:
         return (_dp_collective(all_gather, topology, mapping, schedule, stage, cost, cost.param_bytes / units),) * units
 
     return {(stage, kind): layers for stage, layers in enumerate(_per_alike_stage(schedule, costs, gathers))
-            if layers is not None for kind in (ActionKind.F, ActionKind.B, ActionKind.I)}
+            if layers is not None for kind in (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)}
 
 
 def _per_alike_stage(schedule: Schedule, costs: Costs, value_of: Callable[[int, StageCost], T]) -> list[T]:
