@@ -314,12 +314,14 @@ def check_dualpipe(config: RunConfig) -> None:
     """DualPipe runs two copies of the model, each stage's gradient reduced over both
     copies' holders (``executor.copies``; a stage's experts over both copies' expert
     data-parallel ranks), on pipelines replicated over dp, split by tp, cp and ep, with
-    ZeRO-1 or 2 sharding the optimizer over those groups: ZeRO-3 (FSDP2's own reduction)
-    beside it is refused in one line."""
-    if config.zero == 3:
-        raise ConfigError("--schedule dualpipe runs its two model copies with ZeRO-1/2 here; --zero 3 beside it is "
-                          "not run by the executor (FSDP2 reduces each copy alone): run dualpipe with --zero 1 or 2, "
-                          "or --schedule dualpipev (the same steps folded in a V) with --zero 3")
+    ZeRO-1 or 2 sharding the optimizer over those groups, or ZeRO-3 sharding each model
+    stage over the group (``executor.fsdp``): there on a one-dimensional mesh, so not
+    beside tp or ep, which need the run's mesh (refused in one line)."""
+    if config.zero == 3 and (config.tp > 1 or config.ep > 1):
+        flag = f"--tp {config.tp}" if config.tp > 1 else f"--ep {config.ep}"
+        raise ConfigError(f"--schedule dualpipe with --zero 3 shards each model stage over both copies' holders, a "
+                          f"group outside the run's device mesh, which {flag} needs FSDP to share: run dualpipe with "
+                          "--zero 1 or 2, or --schedule dualpipev (the same steps folded in a V) with --zero 3")
 
 
 def check_zero(config: RunConfig) -> None:

@@ -23,18 +23,28 @@ programs are not (a hand-edited one), naming the ranks.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from executor.mesh import MeshPosition
-from schedules.action import WEIGHT_GRAD_DONE_KINDS
+from schedules.action import COMPUTE_KINDS, WEIGHT_GRAD_DONE_KINDS
 from schedules.schedule import Schedule
+
+T = TypeVar("T")
 
 
 def model_stage(schedule: Schedule, stage: int) -> int:
     """The model stage pipeline stage ``stage`` runs (itself without copies)."""
     return stage % schedule.copy_stages
+
+
+def by_model_stage(schedule: Schedule, stages: dict[int, T]) -> dict[int, T]:
+    """``stages`` ordered by the model stage each runs: the order in which a rank and its
+    mirror (the same two model stages, copies swapped) meet in a collective over both."""
+    return dict(sorted(stages.items(), key=lambda item: model_stage(schedule, item[0])))
 
 
 def copy_of(schedule: Schedule, stage: int) -> int:
@@ -67,21 +77,25 @@ def copies_group(schedule: Schedule, position: MeshPosition, timeout: float) -> 
     return mine
 
 
-def reducing_order(schedule: Schedule, rank: int) -> list[tuple[str, int]]:
-    """The (kind, model stage) of each backward that completes a gradient on ``rank``
-    (``B`` or ``W``), in program order: the order its dp buckets are posted in."""
+def reducing_order(schedule: Schedule, rank: int, kinds: Collection[str] = WEIGHT_GRAD_DONE_KINDS
+                   ) -> list[tuple[str, int]]:
+    """The (kind, model stage) of each action of ``kinds`` on ``rank`` in program order: by
+    default each backward that completes a gradient (``B`` or ``W``), the order its dp
+    buckets are posted in."""
     return [(action.kind, model_stage(schedule, action.stage)) for action in schedule.programs[rank]
-            if action.kind in WEIGHT_GRAD_DONE_KINDS]
+            if action.kind in kinds]
 
 
-def check_mirrored(schedule: Schedule) -> None:
+def check_mirrored(schedule: Schedule, every_compute: bool = False) -> None:
     """Refuse a two-copy schedule in which a rank and its mirror complete their model
     stages' gradients in different orders: their reductions over one group would pair
-    different model stages."""
+    different model stages. Under ZeRO-3 (``every_compute``) every compute action issues
+    collectives over the pair (FSDP's gathers too), so all of them must pair."""
+    kinds = COMPUTE_KINDS if every_compute else WEIGHT_GRAD_DONE_KINDS
     for rank in range(schedule.pp // 2):
         mirror = schedule.pp - 1 - rank
-        if reducing_order(schedule, rank) != reducing_order(schedule, mirror):
-            raise ValueError(f"ranks {rank} and {mirror} hold the same two model stages but complete their "
-                             "gradients in different orders, so the reduction over both copies cannot pair them: "
-                             "a DualPipe schedule's programs must be mirror images (rank pp-1-r runs rank r's "
-                             "with the copies swapped)")
+        if reducing_order(schedule, rank, kinds) != reducing_order(schedule, mirror, kinds):
+            what = "run their compute actions" if every_compute else "complete their gradients"
+            raise ValueError(f"ranks {rank} and {mirror} hold the same two model stages but {what} in different "
+                             "orders, so the collectives over both copies cannot pair them: a DualPipe schedule's "
+                             "programs must be mirror images (rank pp-1-r runs rank r's with the copies swapped)")

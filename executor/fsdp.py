@@ -17,6 +17,13 @@ The parameters, gradients and optimizer state of a replica are its ``1/dp`` shar
 (DTensors sharded on dim 0 over the dp mesh axis). The data-parallel averager does not
 run: FSDP reduces the gradients itself.
 
+With DualPipe's two copies of the model (``executor.copies``) a rank's two stages are
+sharded over every holder of their model stages, the rank and its mirror in each dp
+replica (and cp rank): both copies of a model stage are one set of shards, gathered by
+the copy that runs and reduced from both, summed over the copies and divided by dp, as
+the data-parallel averager reduces them without ZeRO-3. The mirror ranks' programs
+pair every compute action (``check_mirrored``), so each collective meets its partner.
+
 With context parallelism the dense parameters are sharded over the dp x cp ranks (the
 mesh's two axes flattened into one, as torchtitan's ``dp_shard_cp``), and with expert
 parallelism each routed expert over its expert data-parallel group
@@ -80,15 +87,22 @@ def divide_by(unit: FSDPModule, mesh: DeviceMesh, replicas: int) -> None:
 
 
 def shard_stages(stages: dict[int, nn.Module], mesh: DeviceMesh | None, cp: int, replicas: int,
-                 expert_group: dist.ProcessGroup | None, timeout: float, timer: FsdpTimer | None = None) -> None:
+                 expert_group: dist.ProcessGroup | None, timeout: float, timer: FsdpTimer | None = None,
+                 copies_group: dist.ProcessGroup | None = None) -> None:
     """``shard_stage`` every stage of this rank: dense parameters over the dp axis of the
     run's ``mesh`` (with cp, its dp and cp axes flattened: the dp x cp ranks of one
-    (pp, tp) shard), routed experts over ``expert_group`` when expert parallelism gives one;
-    their collectives timed by ``timer`` when given."""
+    (pp, tp) shard; with DualPipe's two copies, over ``copies_group``, every holder of
+    this rank's two model stages: ``executor.copies``), routed experts over
+    ``expert_group`` when expert parallelism gives one; their collectives timed by
+    ``timer`` when given."""
     options = axis_options(dist.get_backend(), timeout)
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if mesh is None:  # a world of one builds no mesh (executor.mesh): one over its one rank
-        mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (1, 1), mesh_dim_names=("dp", "cp"))
-    dense = mesh["dp", "cp"]._flatten("dp_cp", backend_override=options) if cp > 1 else mesh["dp"]
+        mesh = init_device_mesh(device_type, (1, 1), mesh_dim_names=("dp", "cp"))
+    if copies_group is not None:
+        dense = DeviceMesh.from_group(copies_group, device_type, mesh_dim_names=("copies",))
+    else:
+        dense = mesh["dp", "cp"]._flatten("dp_cp", backend_override=options) if cp > 1 else mesh["dp"]
     experts = None
     if expert_group is not None:
         # The dp x cp ranks as (expert dp, ep), ep innermost: the groups executor.expert_parallel

@@ -21,7 +21,7 @@ from executor.clock import CpuClock, clock_for, earliest_start, shared_clock, sh
 from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
 from executor.context_parallel import local_shape
-from executor.copies import check_mirrored, copies_group, data_index, model_stage
+from executor.copies import by_model_stage, check_mirrored, copies_group, data_index, model_stage
 from executor.data_parallel import GradientAverager, local_tensor
 from executor.gather import CP_KIND, EP_KIND, TP_KIND, dp_event, fsdp_event, gather_events, inside_event
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
@@ -141,8 +141,13 @@ class RankRun:
 
             fsdp_weight_grad = ShardedWeightGrad()
             self.fsdp_timer = FsdpTimer(lambda: self.runtime.current, self.clock.mark)
+            held_by_copies = None
+            if schedule.copies > 1:  # DualPipe: both copies' holders share one set of shards
+                check_mirrored(schedule, every_compute=True)
+                held_by_copies = copies_group(schedule, position, config.timeout)
             shard_stages(self.stages, self.mesh.mesh, config.cp, config.dp,
-                         expert_groups.expert_dp_group if expert_groups else None, config.timeout, self.fsdp_timer)
+                         expert_groups.expert_dp_group if expert_groups else None, config.timeout, self.fsdp_timer,
+                         copies_group=held_by_copies)
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
@@ -153,7 +158,7 @@ class RankRun:
             dense_group = self.mesh.group("dp")
             # the averager's step-level collectives (ZeRO's gathers, a stage left unreduced) go
             # stage by stage in this order; DualPipe's mirror ranks list the same model stages
-            reduced_stages = dict(sorted(self.stages.items(), key=lambda item: model_stage(schedule, item[0])))
+            reduced_stages = by_model_stage(schedule, self.stages)
             if schedule.copies > 1:  # DualPipe: summed with the other copy's holders (and cp), averaged over dp
                 check_mirrored(schedule)
                 dense_group = copies_group(schedule, position, config.timeout)
@@ -255,7 +260,8 @@ class RankRun:
             if sharded:
                 self.averager.full_gradients()
             self.grads = {f"{model_stage(self.schedule, stage)}.{name}": full_tensor(p.grad).detach().cpu().clone()
-                          for stage, module in self.stages.items() for name, p in module.named_parameters()}
+                          for stage, module in by_model_stage(self.schedule, self.stages).items()
+                          for name, p in module.named_parameters()}
         if overflow:
             self.skipped_steps.append(step)
         else:
@@ -354,7 +360,8 @@ class RankRun:
         params = {}
         if config.return_grads:  # the weights after the last step (a collective on tp groups)
             params = {f"{model_stage(schedule, stage)}.{name}": full_tensor(p.detach()).cpu().clone()
-                      for stage, module in self.stages.items() for name, p in module.named_parameters()}
+                      for stage, module in by_model_stage(schedule, self.stages).items()
+                      for name, p in module.named_parameters()}
         held = sum(local_tensor(p).numel() for group in self.optimizer.param_groups for p in group["params"])
         result = {"rank": self.rank, "grads": self.grads, "params": params, "optimizer_elements": held,
                   "skipped_steps": self.skipped_steps,

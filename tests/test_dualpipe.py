@@ -188,10 +188,13 @@ def test_the_two_copies_of_a_model_stage_reduce_in_one_collective_that_holds_the
 
 def test_the_executor_refuses_layouts_beside_it_and_the_csv_form_refuses_it_in_one_line(tmp_path):
     RunConfig(schedule="dualpipe", pp=2, microbatches=4, virtual_stages=2, layers=4).check()  # runs (tests below)
-    with pytest.raises(ConfigError, match="^--schedule dualpipe runs its two model copies with ZeRO-1/2 here; "
-                                          "--zero 3 beside it is not run by the executor") as error:
-        RunConfig(schedule="dualpipe", pp=2, dp=2, microbatches=4, virtual_stages=2, layers=4, batch_size=8,
-                  model="gpt", hidden=8, heads=2, zero=3).check()
+    zero3 = dict(schedule="dualpipe", pp=2, dp=2, microbatches=4, virtual_stages=2, layers=4, batch_size=8,
+                 model="gpt", hidden=8, heads=2, zero=3)
+    RunConfig(**zero3).check()  # runs (tests/test_executor_zero3_split_backward.py)
+    with pytest.raises(ConfigError, match="^--schedule dualpipe with --zero 3 shards each model stage over both "
+                                          "copies' holders, a group outside the run's device mesh, which --tp 2 "
+                                          "needs") as error:
+        RunConfig(**{**zero3, "tp": 2}).check()
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="dualpipe holds 2 copies of the model, which the CSV form"):
         schedule_to_csv(generate("dualpipe", 2, 4, 2), tmp_path / "dualpipe.csv")

@@ -196,3 +196,20 @@ def test_compare_predicts_it_with_the_copies_reduction_timed_on_the_run(tmp_path
     pace = document["calibrated_collectives"]["all_reduce"]
     assert pace["group"] == "dp" and pace["ranks"] == 2
     assert document["predicted_step_time"] > 0 and document["measured_step_time"] > 0
+
+
+def test_under_zero3_every_compute_action_must_pair_with_the_mirror_ranks() -> None:
+    """ZeRO-3's gathers serve F and I too: a swap of two forwards leaves the reductions'
+    order alone (rank 1's F0 of each copy swapped) but pairs different model stages'
+    gathers, so only the every-action check refuses it."""
+    schedule = generate("dualpipe", 2, 4, 2)
+    check_mirrored(schedule, every_compute=True)
+    program = list(schedule.programs[1])
+    first, second = [index for index, action in enumerate(program) if action.kind == "F"][:2]
+    assert {model_stage(schedule, program[first].stage), model_stage(schedule, program[second].stage)} == {0, 1}
+    program[first], program[second] = program[second], program[first]
+    edited = dataclasses.replace(schedule, programs=(schedule.programs[0], tuple(program)))
+    check_mirrored(edited)
+    with pytest.raises(ValueError, match="^ranks 0 and 1 hold the same two model stages but run their compute "
+                                         "actions in different orders"):
+        check_mirrored(edited, every_compute=True)
