@@ -114,7 +114,6 @@ def shard_stages(stages: dict[int, nn.Module], mesh: DeviceMesh | None, cp: int,
         shard_stage(stage, dense, replicas, experts, timer, index)
 
 
-
 class ShardedWeightGrad:
     """W of a sharded stage (``PipelineRuntime``'s ``weight_grad_runner`` under ZeRO-3).
 
@@ -140,10 +139,9 @@ class ShardedWeightGrad:
 
     def __call__(self, splitter: SplitBackward, stage: nn.Module, work: WeightWork) -> None:
         if work.output is not None:
-            names = {id(param): name for name, param in stage.named_parameters()}
             raise RuntimeError("--zero 3 (FSDP) cannot run W for parameters used outside their own module "
-                               f"({', '.join(names.get(id(p), '?') for p in splitter.uncovered or ())}): FSDP would "
-                               "reduce their gradients partway through; use --zero 2 or whole backwards")
+                               f"({', '.join(splitter.uncovered_names)}): FSDP would reduce their gradients "
+                               "partway through; use --zero 2 or whole backwards")
         owners = self.owners.get(id(stage))
         if owners is None:
             owners = self.owners[id(stage)] = unit_groups(stage)

@@ -72,6 +72,7 @@ class SplitBackward:
     def __init__(self, stage: nn.Module) -> None:
         self.stage = stage
         self.trainable = [p for p in stage.parameters() if p.requires_grad]
+        self.names = {id(param): name for name, param in stage.named_parameters()}
         self.own: dict[nn.Module, list[nn.Parameter]] = {}
         for module in stage.modules():
             params = own_trainable(module)
@@ -81,6 +82,7 @@ class SplitBackward:
         self.handles = [module.register_forward_hook(self.record) for module in self.own]
         # Parameters the recorded calls do not cover exactly; decided on the first graph.
         self.uncovered: list[nn.Parameter] | None = None
+        self.uncovered_names: list[str] = []  # theirs in the stage, for messages
         self.local: set[nn.Module] = set()
 
     def record(self, module: nn.Module, _inputs: object, output: object) -> None:
@@ -180,8 +182,9 @@ class SplitBackward:
         # A module with some uncovered parameters has all of them computed by the fallback.
         partly = [param for module, params in self.own.items() if module not in self.local
                   for param in params if param not in uncovered]
-        self.uncovered = [ran_with.get(param, param) for param in
-                          [p for p in self.trainable if p in uncovered] + list(dict.fromkeys(partly))]
+        fallback = [p for p in self.trainable if p in uncovered] + list(dict.fromkeys(partly))
+        self.uncovered = [ran_with.get(param, param) for param in fallback]
+        self.uncovered_names = [self.names.get(id(param), "?") for param in fallback]
 
 
 def own_trainable(module: nn.Module) -> list[nn.Parameter]:

@@ -170,6 +170,7 @@ def test_uncovered_parameters_fall_back_and_every_gradient_is_exact() -> None:
     # found on the graph: the tied weight (and its module's bias) and the twice-applied layer
     assert {id(p) for p in splitter.uncovered} == {id(p) for p in (*module.tied.parameters(),
                                                                      *module.twice.parameters())}
+    assert sorted(splitter.uncovered_names) == ["tied.bias", "tied.weight", "twice.bias", "twice.weight"]
     splitter.weight_grad(work)
     assert (input_grad - expected_input_grad).abs().max().item() < 1e-12
     for name, param in module.named_parameters():
