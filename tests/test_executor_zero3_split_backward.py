@@ -5,10 +5,11 @@ backwards and reduce-scatters what they left (``executor.fsdp.ShardedWeightGrad`
 Float64 AdamW on gloo: the losses, the first step's gradients and the weights after two
 steps equal the one-process reference to 1e-10, over a pipeline (zb-h1, zb-h2, and zbv
 and dualpipev with two stages a rank; DualPipe's two copies of the model, each model
-stage sharded over both copies' holders, with dp, cp, or neither at pp 4), beside cp (the dense shard over dp x cp), ep (each routed expert
-its own unit over its expert dp group, whose output W starts from) and tp with sequence
-parallelism (DTensor parameters sharded over a 2-D mesh); and the trace shows every W's
-gathers and reduce-scatters, counted by hand.
+stage sharded over both copies' holders, with dp, cp, or neither at pp 4), beside cp
+(the dense shard over dp x cp), ep (each routed expert its own unit over its expert dp
+group, whose output W starts from) and tp with sequence parallelism (DTensor parameters
+sharded over a 2-D mesh); and the trace shows every W's gathers and reduce-scatters,
+counted by hand.
 """
 
 from __future__ import annotations
