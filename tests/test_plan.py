@@ -15,6 +15,7 @@ from pipesim.cli import main
 from pipesim.job import Job, simulate_job
 from pipesim.plan.evaluate import LayoutEvaluator
 from pipesim.plan.layouts import (
+    PER_OP_SPLIT,
     Layout,
     SearchSpace,
     context_parallel_sizes,
@@ -74,6 +75,18 @@ def test_tp_must_divide_kv_heads_and_batch_must_divide():
     # dp = 8 with mbs 1 needs 4 % 8 == 0: rejected
     assert rejected["global batch not divisible by dp x microbatch size"] > 0
     assert all(4 % (layout.dp * layout.microbatch_size) == 0 for layout in layouts)
+
+
+def test_per_op_recompute_is_not_searched_with_a_split_backward():
+    # 1f1b and zb-h1 with recompute none and per-op on the small space: zb-h1's per-op
+    # candidates, pp 2, 4, 8 at tp 1, 2, 4 at tp 2 and 2 at tp 4 (at pp 1 1f1b stands for
+    # every schedule), with mbs 1 and 2: (3 + 2 + 1) x 2 = 12, all ruled out by the rule;
+    # 1f1b keeps its per-op rows.
+    layouts, rejected = enumerate_layouts(small_space(schedules=("1f1b", "zb-h1"), recompute=("none", "per-op")))
+    kept = {(layout.schedule, layout.recompute) for layout in layouts}
+    assert kept == {("1f1b", "none"), ("1f1b", "per-op"), ("zb-h1", "none")}
+    assert rejected[PER_OP_SPLIT] == 12
+    assert PER_OP_SPLIT.startswith("per-op recompute with a split backward")
 
 
 def test_constraints_filter_and_errors():

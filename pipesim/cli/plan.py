@@ -55,9 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"recompute modes to try, comma-separated, of {','.join(RECOMPUTE_MODES)} (per-op: "
                         "torchtitan's SelectiveAC, per-op selective checkpointing that keeps each block's input, "
                         "attention output and every second matrix product's output and re-runs the rest, for dense "
-                        "models without latent attention; norm-mla-up: DeepSeek-V3's recompute of every norm's "
-                        "output and latent attention's up-projections, for models with latent attention (MLA) only) "
-                        "(default: all of them; per-op only where it is modelled, norm-mla-up only with MLA)")
+                        "models without latent attention, never with a schedule that splits the backward into I and "
+                        "W, which selective checkpointing cannot run; norm-mla-up: DeepSeek-V3's recompute of every "
+                        "norm's output and latent attention's up-projections, for models with latent attention (MLA) "
+                        "only) (default: all of them; per-op only where it is modelled, norm-mla-up only with MLA)")
     parser.add_argument("--zero", default=",".join(map(str, ZERO_STAGES)),
                         help="ZeRO stages to try with dp > 1: 1 optimizer state, 2 and gradients, 3 and parameters "
                         f"(FSDP) sharded over dp (default: {','.join(map(str, ZERO_STAGES))})")

@@ -24,7 +24,7 @@ from typing import NamedTuple
 from pipesim.model.per_op_checkpoint import PER_OP, per_op_refusal
 from pipesim.model.spec import NORM_MLA_UP, RECOMPUTE, ModelSpec
 from pipesim.sim.zero import ZERO_STAGES
-from schedules.generators import GROUPED, MULTI_CHUNK, PLANNED_SCHEDULES, V_SHAPED
+from schedules.generators import GROUPED, MULTI_CHUNK, PLANNED_SCHEDULES, SPLIT_BACKWARD, V_SHAPED
 from schedules.generators.common import ScheduleUnavailableError
 from schedules.generators.interleaved import round_size, valid_microbatch_groups
 
@@ -295,6 +295,8 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
         return "2 x cp does not divide the sequence (the causal ring's even chunks)"
     if layout.pp * layout.virtual_stages > space.layers + 2:
         return "more stages (pp x virtual stages) than layers + 2 (an embedding-only and a head-only chunk)"
+    if layout.recompute == PER_OP and layout.schedule in SPLIT_BACKWARD:
+        return PER_OP_SPLIT
     if layout.microbatch_group is not None and layout.microbatch_group not in valid_microbatch_groups(
             layout.pp, layout.microbatches):
         return "microbatch group outside Megatron-Core's range (pp <= N <= m, m mod N zero or >= pp)"
@@ -303,6 +305,11 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
     return None
 
 
+# Per-op recompute is torch's selective checkpointing (torchtitan's SelectiveAC), which
+# hands each saved output to one backward through the block: a split backward goes
+# through it twice, I then W, and fails ("Trying to backward an extra time") in
+# torchtitan's runtime and in pipesim's executor alike, so no plan recommends it.
+PER_OP_SPLIT = "per-op recompute with a split backward (I, W): selective checkpointing runs one backward a block"
 # The cause of a candidate a constraint does not allow.
 EXCLUDED = "excluded by --constraint"
 

@@ -55,6 +55,9 @@ COST_AWARE = frozenset({"zb-auto", "zbv-auto"})
 # Schedules that place stage s and 2p - 1 - s on one rank (the V; dualpipe's two copies
 # of the model sit so); the others loop.
 V_SHAPED = frozenset({"zbv", "dualpipev", "dualpipe", "zbv-auto"})
+# Schedules whose order splits each backward into its input half I and its weight half W
+# (the zero-bubble family, the V-shaped ones, DualPipe); the others run whole backwards B.
+SPLIT_BACKWARD = frozenset({"zb-h1", "zb-h2", "zbv", "interleaved-zb", "dualpipev", "dualpipe", "zb-auto", "zbv-auto"})
 # The signature of each cost-aware generator, for the error that points to it.
 COST_AWARE_CALLS = {
     "zb-auto": "schedules.generators.zb_auto(pp, m, forward, backward_input, backward_weight, comm, memory_limit)",
