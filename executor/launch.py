@@ -24,6 +24,7 @@ from typing import Any
 from executor.config import ConfigError, RunConfig, build_schedule
 from executor.process import check_devices, resolve_backend
 from executor.progress import Progress, read_progress
+from executor.rank_exit import ExitOnFailure
 from schedules.schedule import Schedule
 from schedules.validate import ScheduleValidationError, validate
 
@@ -166,7 +167,8 @@ def elastic_run(function: Callable[..., Any], args: tuple, nprocs: int, threads:
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05,
         start_method="spawn", logs_specs=logs.specs(),
     )
-    return elastic_launch(config, function)(*args)
+    # a failed rank ends before the launcher gives its stderr back to the console (executor.rank_exit)
+    return elastic_launch(config, ExitOnFailure(function))(*args)
 
 
 def merge_rank_results(per_rank: dict[int, list[dict]]) -> list[dict]:

@@ -141,11 +141,49 @@ def test_dp_tp_hang_ends_within_the_timeout_naming_the_hung_rank(tmp_path: Path)
     assert seconds < 10 + 30, f"the job ended {seconds:.0f} s after rank 1 hung"
     # The summary names the hung rank. (Once in a loaded full suite, a rank that gloo's
     # timeout aborted wrote the C++ runtime's "terminate called ..." and a thread dump to
-    # the console before it; a leak of a rank's output outside its log, not the summary's.)
+    # the console before it, from its teardown: the test below.)
     summary = [line for line in finished.stderr.splitlines() if line.startswith("pipesim run: failed:")]
     assert summary and summary[0].startswith("pipesim run: failed: rank 1 stopped at step 0 action 0F1"), \
         finished.stderr
     assert "Traceback" not in finished.stderr + finished.stdout
+
+
+LATE_OUTPUT_LAUNCH = """
+from executor.launch import RankLogs, elastic_run
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from tests.late_output_rank import fail_with_output_at_exit
+
+if __name__ == "__main__":
+    logs = RankLogs({log_dir!r}, verbose=False)
+    try:
+        elastic_run(fail_with_output_at_exit, (), 2, 1, logs)
+    except ChildFailedError as error:
+        for rank, failure in sorted(error.failures.items()):
+            print(rank, failure.exitcode, failure.message["message"])
+    finally:
+        logs.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_ranks_teardown_writes_nothing_to_the_console(tmp_path: Path) -> None:
+    """A rank whose process writes to stderr at its exit (as gloo's C++ runtime and the
+    fault handler do when a failed rank is torn down after a peer's socket went away)
+    writes nothing to the console: it ends before torch's launcher hands its stderr back
+    (``executor.rank_exit``); its error reaches the launcher as before, exit code 1 and
+    the exception's line, and its traceback stays in its log."""
+    from tests.late_output_rank import LATE  # noqa: PLC0415
+
+    script = tmp_path / "launch.py"
+    script.write_text(LATE_OUTPUT_LAUNCH.format(log_dir=str(tmp_path / "logs")))
+    finished = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=110,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert LATE.decode().strip() not in finished.stdout + finished.stderr
+    reported = finished.stdout.splitlines()  # the launcher reports the first failure it saw
+    assert reported and all(line.split(" ", 1)[1] == "1 RuntimeError: planned failure of the rank"
+                            for line in reported), finished.stdout + finished.stderr
+    logged = [path.read_text() for path in (tmp_path / "logs").rglob("stderr.log")]
+    assert logged and any("Traceback" in text and "planned failure" in text for text in logged)
 
 
 @pytest.mark.timeout(120)
