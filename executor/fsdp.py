@@ -120,8 +120,10 @@ class ShardedWeightGrad:
     Its recorded calls run unit by unit (each FSDP unit's in the order they were
     recorded): the unit's parameters all-gathered by FSDP's own ``unshard`` (a
     LayerNorm's weight-gradient kernel reads its weight, which FSDP freed after I), the
-    calls' local backwards, then the unit's ``post_backward``, which reduce-scatters the
-    gradients W left and reshards, as FSDP does at the end of a unit's whole backward.
+    next unit's gather issued before this one's calls (one ahead, the prefetch the
+    simulator charges), the calls' local backwards, then the unit's ``post_backward``,
+    which reduce-scatters the gradients W left and reshards, as FSDP does at the end of
+    a unit's whole backward.
     The stage root's end-of-backward callback ends it, as it ends every backward.
 
     W's local backwards start from module outputs, and where one is also a unit's output
@@ -154,13 +156,14 @@ class ShardedWeightGrad:
         for group in groups:
             group._training_state = TrainingState.PRE_BACKWARD
         context.post_backward_final_callback_queued = True
+        units = list(by_unit.items())
         try:
-            for unit, calls in by_unit.items():
+            gather(units[0][0] if units else ())
+            for index, (unit, calls) in enumerate(units):
                 for group in unit:
-                    group._training_state = TrainingState.IDLE  # (in PRE_BACKWARD unshard does nothing)
-                    group.unshard()
                     group.wait_for_unshard()
-                    group._training_state = TrainingState.PRE_BACKWARD
+                if index + 1 < len(units):
+                    gather(units[index + 1][0])  # one unit ahead, as FSDP prefetches in a backward
                 splitter.call_weight_grads(calls)
                 for group in unit:
                     group.post_backward()
@@ -170,6 +173,15 @@ class ShardedWeightGrad:
             context.post_backward_final_callback_queued = False
             raise
         root._root_post_backward_final_callback()  # every group idle, the callback unqueued
+
+
+def gather(unit: tuple) -> None:
+    """Issue the all-gather of each of ``unit``'s parameter groups. They read as in their
+    backward (``PRE_BACKWARD``), so on a GPU FSDP issues it on its all-gather stream, as
+    its own backward prefetch does, and the compute waits for it only in
+    ``wait_for_unshard``; on gloo the call returns when it is done."""
+    for group in unit:
+        group.unshard()
 
 
 def unit_groups(stage: nn.Module) -> dict[nn.Module, tuple]:

@@ -41,16 +41,18 @@ def table(output: str) -> dict[str, list[str]]:
 
 @pytest.mark.timeout(180)
 def test_cpu_mode_runs_a_check_through_the_script_and_tabulates_it(tmp_path):
-    """ZeRO-1, 2 and 3 on a one-rank gloo group (NCCL's on a GPU), float64 against the
-    one-process reference: the row passes, the script exits 0, the check's log is kept."""
+    """ZeRO-1, 2 and 3 on a one-rank gloo group (NCCL's on a GPU), and ZeRO-3 under zb-h1's
+    split backward, float64 against the one-process reference: the row passes, the
+    script exits 0, the check's log is kept."""
     done = run_script(tmp_path, GPU_CHECK_ONLY="zero-one-rank")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = table(done.stdout)
     assert list(rows) == ["zero-one-rank"]
     assert rows["zero-one-rank"][1] == "PASS"
-    assert "3 of 3 within 1e-09 of the CPU float64 reference" in done.stdout
+    assert "4 of 4 within 1e-09 of the CPU float64 reference" in done.stdout
     log = (tmp_path / "out" / "zero-one-rank.log").read_text()
-    assert all(f"gpt --zero {stage} on a one-rank gloo group" in log for stage in (1, 2, 3))
+    assert all(f"gpt 1f1b --zero {stage} on a one-rank gloo group" in log for stage in (1, 2, 3))
+    assert "gpt zb-h1 --zero 3 on a one-rank gloo group" in log
     assert "gpu-check: all checks passed" in done.stdout
 
 
