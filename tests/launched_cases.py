@@ -31,6 +31,12 @@ class LaunchedCases:
         return self.results[name]
 
 
+def assert_weights_equal_reference(result: dict, reference: dict, tolerance: float = 1e-10) -> None:
+    """Every weight after the run's last optimizer step within ``tolerance`` of the reference's."""
+    for parameter, weight in reference["params"].items():
+        assert (result["params"][parameter] - weight).abs().max().item() < tolerance, parameter
+
+
 def assert_equals_reference(result: dict, reference: dict, tolerance: float = 1e-10) -> None:
     """Losses and every gradient within ``tolerance`` of the reference's, no gradient missing."""
     assert result["losses"] == pytest.approx(reference["losses"], abs=tolerance, rel=0)

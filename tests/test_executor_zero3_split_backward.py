@@ -21,7 +21,8 @@ import pytest
 from executor.config import RunConfig
 from executor.data_parallel import PARAM_GATHER, REDUCE_SCATTER
 from executor.reference import reference_run
-from tests.launched_cases import LaunchedCases, assert_equals_reference
+from tests.launched_cases import LaunchedCases, assert_equals_reference, assert_weights_equal_reference
+from tests.test_executor_fsdp_trace import unit_and_action
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,14 +58,7 @@ LAUNCHED = LaunchedCases(BASE, {
 def test_zero3_with_a_split_backward_equals_the_one_process_reference(name: str) -> None:
     result, reference = LAUNCHED.result(name), reference_run(LAUNCHED.config(name))
     assert_equals_reference(result, reference)
-    for parameter, weight in reference["params"].items():  # after both AdamW steps
-        assert (result["params"][parameter] - weight).abs().max().item() < 1e-10, parameter
-
-
-def unit_and_action(event) -> tuple[str, str]:
-    """``("L1", "0W0")`` from ``0ALLGATHER_PARAMS[L1](0W0)``."""
-    unit, action = event.action.split("[", 1)[1].split("](")
-    return unit, action[:-1]
+    assert_weights_equal_reference(result, reference)  # after both AdamW steps
 
 
 def test_each_w_gathers_and_reduce_scatters_the_units_it_runs_and_i_reduces_nothing() -> None:
