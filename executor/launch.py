@@ -24,13 +24,9 @@ from typing import Any
 from executor.config import ConfigError, RunConfig, build_schedule
 from executor.process import check_devices, resolve_backend
 from executor.progress import Progress, read_progress
-from executor.rank_exit import ExitOnFailure
+from executor.rank_exit import PEER_LOSS, ExitOnFailure
 from schedules.schedule import Schedule
 from schedules.validate import ScheduleValidationError, validate
-
-# Errors a rank sees because a peer went away; they are consequences, not causes.
-PEER_LOSS = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out",
-             "Connection refused", "NCCL communicator was aborted", "recvBytes", "sendBytes")
 
 
 class PipelineRunError(RuntimeError):

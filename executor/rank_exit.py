@@ -12,15 +12,28 @@ the file the launcher reads) and then leaves with ``os._exit(1)``, before the ha
 back: no teardown, nothing after it. The launcher sees exit code 1 and the same error
 record as before. A rank that succeeds returns as usual (its result travels back
 through the launcher's queue after the function returns).
+
+The launcher reports one failure, the first failed process it finds when it looks (every
+50 ms), and a rank's error that says a peer went away is a consequence of that peer's
+end. Such a rank waits ``PEER_LOSS_GRACE_SECONDS`` after recording its error, so that
+the peer that died first (killed, or failed on its own) is the one the launcher finds:
+without the wait, a rank killed by SIGKILL was reported as having "stopped" in some runs,
+its signal lost, because its peer's exit now comes too soon after its own.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
+
+# Errors a rank sees because a peer went away; they are consequences, not causes.
+PEER_LOSS = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "timed out",
+             "Connection refused", "NCCL communicator was aborted", "recvBytes", "sendBytes")
+PEER_LOSS_GRACE_SECONDS = 1.0
 
 
 class ExitOnFailure:
@@ -43,11 +56,14 @@ class ExitOnFailure:
 
 def exit_failed_rank(error: BaseException) -> NoReturn:
     """Print the traceback (the rank's stderr is still its log), write torch's error
-    record for the launcher, flush, and end the process with exit code 1."""
+    record for the launcher, flush, wait a moment if the error is a peer's loss, and end
+    the process with exit code 1."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler  # noqa: PLC0415
 
     traceback.print_exception(error)
     get_error_handler().record_exception(error)
     sys.stdout.flush()
     sys.stderr.flush()
+    if any(marker in str(error) for marker in PEER_LOSS):
+        time.sleep(PEER_LOSS_GRACE_SECONDS)  # the peer's own end first, for the launcher to find
     os._exit(1)
