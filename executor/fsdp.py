@@ -158,7 +158,8 @@ class ShardedWeightGrad:
         context.post_backward_final_callback_queued = True
         units = list(by_unit.items())
         try:
-            gather(units[0][0] if units else ())
+            if units:
+                gather(units[0][0])
             for index, (unit, calls) in enumerate(units):
                 for group in unit:
                     group.wait_for_unshard()

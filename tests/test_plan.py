@@ -25,7 +25,7 @@ from pipesim.plan.layouts import (
 )
 from pipesim.plan.memory_floors import ORDER_OUT_OF_MEMORY
 from pipesim.plan.search import EXACT, pareto_front, search
-from schedules.generators import MULTI_CHUNK, PLANNED_SCHEDULES
+from schedules.generators import GENERATORS, MULTI_CHUNK, PLANNED_SCHEDULES, SPLIT_BACKWARD, generate
 
 
 def small_space(**changes) -> SearchSpace:
@@ -87,6 +87,13 @@ def test_per_op_recompute_is_not_searched_with_a_split_backward():
     assert kept == {("1f1b", "none"), ("1f1b", "per-op"), ("zb-h1", "none")}
     assert rejected[PER_OP_SPLIT] == 12
     assert PER_OP_SPLIT.startswith("per-op recompute with a split backward")
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_split_backward_names_exactly_the_generators_whose_programs_hold_i_and_w(name):
+    schedule = generate(name, 4, 8, 2 if name in MULTI_CHUNK else 1)
+    kinds = {action.kind for program in schedule.programs for action in program}
+    assert (name in SPLIT_BACKWARD) == ("I" in kinds) == ("W" in kinds)
 
 
 def test_constraints_filter_and_errors():

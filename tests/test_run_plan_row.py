@@ -107,6 +107,13 @@ def test_what_run_cannot_execute_is_refused_in_one_line(plan_file: Path, tmp_pat
     assert "plan row 1" in line and "--schedule zb-auto builds its order from stage costs" in line
     assert "--row 9: " in refusal(["--plan", str(plan_file), "--row", "9"], capsys)
     assert "--pp conflicts with --plan" in refusal(["--plan", str(plan_file), "--pp", "2"], capsys)
+    for edit, said in (({"microbatches": float("nan")}, "row 1: microbatches must be a whole number, got nan"),
+                       ({"dp": 1.5}, "row 1: dp must be a whole number, got 1.5"),
+                       ({"tp": None}, "row 1: tp must be a whole number, got None")):
+        edited.write_text(json.dumps({"ranked": [{**rows[0], **edit}]}))
+        assert said in refusal(["--plan", str(edited)], capsys)
+    edited.write_text(json.dumps({"ranked": [{"schedule": "1f1b", "pp": 2}]}))
+    assert "row 1: missing recompute, sequence_parallel, tp, dp" in refusal(["--plan", str(edited)], capsys)
     not_a_plan = tmp_path / "other.json"
     not_a_plan.write_text("{}")
     assert "no \"ranked\" list" in refusal(["--plan", str(not_a_plan)], capsys)

@@ -11,9 +11,9 @@ can split). A run's ``--model`` naming another model is refused; a plan written 
 rows named their model runs the run's ``--model`` (the ``gpt`` transformer unless another
 transformer is named: the planner's models are transformers, so ``mlp`` is not used
 here; a row with cp or ep needs an architecture, so there the toy gives way to Llama 3,
-or Mixtral for ep). What the executor does not run (ZeRO-3 with a split backward,
-cost-aware orders in a plan written without them, DeepSeek-V3's ``--recompute
-norm-mla-up``) is refused in one line naming the row and the value. A row whose order
+or Mixtral for ep). What the executor does not run (cost-aware orders in a plan
+written without them, DeepSeek-V3's ``--recompute norm-mla-up``, per-op recompute with a
+split backward in a hand-edited row) is refused in one line naming the row and the value. A row whose order
 the plan built from the layout's costs (zb-auto, zbv-auto, the adapted zb-h1 and zb-h2)
 carries that order (``order``, ``schedules.order_json``), and the run runs it: the
 order the plan simulated.
@@ -57,7 +57,29 @@ def read_row(path: str, number: int) -> dict:
         raise ConfigError(f"--plan {path}: the plan ranked no layout")
     if not 1 <= number <= len(rows):
         raise ConfigError(f"--row {number}: {path} has {len(rows)} ranked rows; use 1 to {len(rows)}")
-    return rows[number - 1]
+    row = rows[number - 1]
+    check_row_fields(row, f"--plan {path}: row {number}")
+    return row
+
+
+# What a row must give, as ``pipesim plan --json`` writes it (cp and ep: 1 when left out).
+ROW_INTEGERS = ("pp", "tp", "dp", "virtual_stages", "microbatch_size", "microbatches", "zero")
+ROW_OPTIONAL_INTEGERS = ("cp", "ep")
+
+
+def check_row_fields(row: object, where: str) -> None:
+    """A row an edited or foreign file gives must still be one: an object with the
+    schedule and recompute named, and whole numbers where the plan writes them (a
+    missing field, NaN or a fraction named in one line, not a traceback)."""
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: expected an object, got {type(row).__name__}")
+    missing = [name for name in ("schedule", "recompute", "sequence_parallel", *ROW_INTEGERS) if name not in row]
+    if missing:
+        raise ConfigError(f"{where}: missing {', '.join(missing)}; write the file with `pipesim plan ... --json`")
+    for name in ROW_INTEGERS + tuple(name for name in ROW_OPTIONAL_INTEGERS if name in row):
+        value = row[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: {name} must be a whole number, got {value!r}")
 
 
 def planned_model(args: argparse.Namespace, row: dict, number: int) -> str:
