@@ -74,6 +74,12 @@ ROWS: dict[str, tuple[str, ...]] = {
     "mixtral 1f1b cp 2": (*MIXTRAL, "--pp", "2", "--cp", "2"),
     "deepseek-v3 1f1b": ("--model", "deepseek-v3", *DEEPSEEK, "--pp", "2"),
     "deepseek-v2-lite zbv": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
+    "gpt 1f1b recompute norm-mla-up": (*GPT, "--pp", "2", "--recompute", "norm-mla-up"),
+    "llama 1f1b recompute norm-mla-up": (*LLAMA, "--pp", "2", "--recompute", "norm-mla-up"),
+    "deepseek-v3 1f1b recompute norm-mla-up": ("--model", "deepseek-v3", *DEEPSEEK, "--pp", "2", "--recompute",
+                                               "norm-mla-up"),
+    "deepseek-v2-lite zbv recompute norm-mla-up": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2", "--schedule",
+                                                   "zbv", *TWO_CHUNKS, "--recompute", "norm-mla-up"),
 }
 
 

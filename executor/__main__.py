@@ -5,7 +5,7 @@
 
 Every rank runs the same command; rank 0 prints the summary and writes ``--json`` and
 ``--trace``. A bad flag, a flag of another pipesim command (``--topology``, simulate's;
-``--html``, run's) or a value only the simulator takes (``--recompute norm-mla-up``) is
+``--html``, run's) or a value only the simulator takes (``--p2p torch-runtime``) is
 refused in one line with exit status 2, as ``pipesim run`` refuses them.
 """
 

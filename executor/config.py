@@ -28,7 +28,8 @@ OPTIMIZER_DEFAULTS = {"sgd": (0.01, 0.0), "adamw": (3e-4, 0.1)}
 ADAMW_BETAS = (0.9, 0.95)
 FAILURE_MODES = ("raise", "kill", "hang")
 P2P_SEMANTICS = ("rendezvous", "buffered")  # as schedules.p2p names them
-RECOMPUTE_MODES = ("none", "selective", "full", "per-op")  # as pipesim.model.spec names them
+NORM_MLA_UP = "norm-mla-up"  # DeepSeek-V3's recompute of the norms and latent attention's up-projections
+RECOMPUTE_MODES = ("none", "selective", "full", "per-op", NORM_MLA_UP)  # as pipesim.model.spec names them
 CP_COMMS = ("all-gather", "p2p")  # as pipesim.sim.context_parallel names them
 
 
@@ -284,6 +285,9 @@ def check_model(config: RunConfig) -> None:
 
     if config.qkv not in QKV_PROJECTIONS:
         raise ConfigError(f"--qkv {config.qkv!r} is not one of: {', '.join(QKV_PROJECTIONS)}")
+    if config.recompute == NORM_MLA_UP and config.model == "mlp":
+        raise ConfigError(f"--recompute {NORM_MLA_UP} recomputes the norms' outputs (and latent attention's "
+                          "up-projections); --model mlp has neither: use --model gpt or an architecture")
     if is_architecture(config.model):
         check_architecture(config)
     else:

@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
 from torch import nn
 
 from executor.config import ADAMW_BETAS, RunConfig, even_layout
+from executor.rebuilt_activations import norm_read_by
 from executor.token_data import byte_tokens, token_windows
 
 
@@ -137,6 +138,8 @@ class MlpModel(LayeredModel):
 class Block(nn.Module):
     """A pre-norm decoder block: causal self-attention then a 4x MLP, both residual."""
 
+    recompute_norms = False  # --recompute norm-mla-up: each norm's output recomputed for its reader's backward
+
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
         self.head_dim = hidden // heads
@@ -151,13 +154,13 @@ class Block(nn.Module):
         # The qkv features are laid out head by head ([q k v] of head 0, then head 1, ...)
         # so that a tensor-parallel column split of ``qkv`` gives each rank whole heads;
         # the head count and sequence length are read from the (possibly split) output.
-        qkv = self.qkv(self.norm1(x))
+        qkv = norm_read_by(self.norm1, self.qkv, x, self.recompute_norms)
         batch, seq = qkv.shape[:2]
         heads = qkv.shape[2] // (3 * self.head_dim)
         q, k, v = qkv.view(batch, seq, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attention.transpose(1, 2).reshape(batch, seq, heads * self.head_dim))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x + self.fc2(F.gelu(norm_read_by(self.norm2, self.fc1, x, self.recompute_norms)))
 
 
 class Embedding(nn.Module):

@@ -141,7 +141,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
                        help="activation recompute per block: full (the whole block), selective (its attention "
                             "core only, Megatron's) or per-op (torchtitan's SelectiveAC: matmul and attention outputs "
                             "kept but every second matmul's, all else recomputed; no I/W split), with "
-                            "torch.utils.checkpoint (default none)")
+                            "torch.utils.checkpoint; or norm-mla-up (DeepSeek-V3's: every norm's output and latent "
+                            "attention's Q, K and V dropped after the forward and rebuilt before the backward, no "
+                            "GEMM re-run) (default none)")
     train = parser.add_argument_group("training")
     if outputs:
         train.add_argument("--steps", type=int, default=DEFAULT_STEPS,

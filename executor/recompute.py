@@ -1,4 +1,4 @@
-"""Activation recompute (``--recompute full|selective|per-op``), applied to a stage's blocks with
+"""Activation recompute (``--recompute full|selective|per-op|norm-mla-up``), applied to a stage's blocks with
 ``torch.utils.checkpoint``, as torchtitan's ``apply_ac`` does: the model never knows.
 
 - ``full`` (Megatron's full recompute): each block keeps only its input; its forward runs
@@ -14,6 +14,12 @@
   checkpointed with torch's selective policy: matmul, attention and reduce-scatter outputs
   kept except every second matmul, every other op recomputed. It cannot run a split
   backward (below), so ``RunConfig.check`` refuses it with one.
+- ``norm-mla-up`` (DeepSeek-V3's, report section 3.2.3): every norm's output, and latent
+  attention's Q, K and V with what the up-projections made on the way, are dropped after
+  the forward and rebuilt just before the backward that reads them
+  (``executor.rebuilt_activations``). Not a checkpoint: the GEMMs that read a norm's
+  output are not re-run. The blocks do it themselves (``recompute_norms``, a latent
+  attention's ``recompute_up``), switched on here.
 
 ``full`` and ``selective`` use the non-reentrant checkpoint, which works with ``autograd.grad`` (the split
 backward's ``I``) and keeps the parameters' gradients flowing to ``.grad`` as usual.
@@ -33,7 +39,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from executor.config import RECOMPUTE_MODES
+from executor.config import NORM_MLA_UP, RECOMPUTE_MODES
 from executor.per_op_recompute import per_op_checkpointed
 
 
@@ -75,4 +81,19 @@ def apply_recompute(stage: nn.Module, mode: str) -> None:
         raise ValueError(f"--recompute {mode} wraps a stage's blocks, but {type(stage).__name__} has no "
                          "`blocks` list")
     for block in blocks:
-        block.forward = checkpointed(block, mode)
+        if mode == NORM_MLA_UP:
+            recompute_norms_and_up_projections(block)
+        else:
+            block.forward = checkpointed(block, mode)
+
+
+def recompute_norms_and_up_projections(block: nn.Module) -> None:
+    """Switch on a block's own dropping and rebuilding of its norms' outputs and its
+    latent attention's up-projections (``--recompute norm-mla-up``)."""
+    if not hasattr(block, "recompute_norms"):
+        raise ValueError(f"--recompute {NORM_MLA_UP} recomputes a block's norm outputs, but {type(block).__name__} "
+                         "has no norms it knows how to recompute (no `recompute_norms` switch)")
+    block.recompute_norms = True
+    for module in block.modules():
+        if hasattr(module, "recompute_up"):
+            module.recompute_up = True

@@ -1,8 +1,9 @@
 """Values of a run flag that only the simulator takes, refused in one line that names
 what the executor runs instead.
 
-``pipesim simulate --recompute norm-mla-up`` (DeepSeek-V3's recomputation) and
-``--p2p torch-runtime`` (torch's pipelining runtime's rule) are modelled, not executed. A
+``pipesim simulate --p2p torch-runtime`` (torch's pipelining runtime's rule) is
+modelled, not executed; ``--recompute`` is listed too, so a recompute mode the simulator
+learns before the executor does is refused the same way. A
 user who moves such a command line to ``pipesim run`` or ``python -m executor`` should
 hear that the value is simulate-only and what is executed, not argparse's "invalid
 choice". Both entry points use this module: ``pipesim run`` hands it the choices of

@@ -163,12 +163,6 @@ def test_bad_optimizer_moments_are_one_line_and_exit_2(argv, message, capsys):
     assert message in error and "\n" not in error.split("error: ", 1)[1]
 
 
-def test_run_refuses_the_recompute_it_cannot_execute(capsys):
-    assert exit_status(["run", "--model", "gpt", "--recompute", "norm-mla-up"]) == 2
-    err = capsys.readouterr().err
-    assert "--recompute norm-mla-up is simulate-only" in err and len(err.strip().splitlines()) == 1
-
-
 def test_zero_shards_dualpipes_state_over_both_copies():
     # DualPipe's two copies of a stage reduce their gradients together, so ZeRO-1 spreads the
     # optimizer state over dp x 2 holders: pp 4 dp 2 with 2-2-12 bytes, each rank's two

@@ -86,7 +86,7 @@ def test_the_wording_is_pipesim_runs(capsys) -> None:
 
 
 def test_the_first_refused_flag_is_named_before_a_refused_value(capsys) -> None:
-    assert executor_main(["--recompute", "norm-mla-up", "--nodes", "2", "--fwd", "1"]) == 2
+    assert executor_main(["--p2p", "torch-runtime", "--nodes", "2", "--fwd", "1"]) == 2
     assert capsys.readouterr().err.startswith("python -m executor: error: --nodes is simulate-only:")
 
 
@@ -103,7 +103,7 @@ def test_help_lists_the_refused_flags_but_not_as_options(capsys) -> None:
     text = " ".join(capsys.readouterr().out.split())
     usage, epilog = text.split("are refused in one line:")
     assert "--topology" not in usage and "--html" not in usage
-    assert "--topology," in epilog and "--html," in epilog and "--recompute norm-mla-up" in epilog
+    assert "--topology," in epilog and "--html," in epilog and "--p2p torch-runtime" in epilog
 
 
 def test_under_torchrun_only_rank_0_says_why(monkeypatch, capsys) -> None:

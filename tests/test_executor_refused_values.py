@@ -43,17 +43,18 @@ def test_a_value_no_command_takes_is_still_argparses_error(capsys) -> None:
     with pytest.raises(SystemExit) as exit_status:
         executor_main(["--recompute", "everything"])
     assert exit_status.value.code == 2
-    assert "invalid choice: 'everything' (choose from 'none', 'selective', 'full', 'per-op')" in capsys.readouterr().err
+    assert ("invalid choice: 'everything' (choose from 'none', 'selective', 'full', 'per-op', 'norm-mla-up')"
+            in capsys.readouterr().err)
 
 
 def test_the_module_exits_2_with_the_one_line_refusal() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "executor", "--recompute", "norm-mla-up"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "executor", "--p2p", "torch-runtime"], capture_output=True,
                           text=True, env=env, timeout=120, cwd=ROOT)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "python -m executor: error: --recompute norm-mla-up is simulate-only: python -m executor does not execute "
-        "it (the executor executes --recompute none, selective, full, per-op); see docs/executor.md for what the "
+        "python -m executor: error: --p2p torch-runtime is simulate-only: python -m executor does not execute "
+        "it (the executor executes --p2p rendezvous, buffered); see docs/executor.md for what the "
         "executor executes"]
     assert done.stdout == ""
 
@@ -62,14 +63,14 @@ def test_executor_help_lists_the_values_it_refuses(capsys) -> None:
     with pytest.raises(SystemExit):
         executor_main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--recompute {none,selective,full,per-op}" in text
-    assert "--zero3-collectives, --p2p torch-runtime, --recompute norm-mla-up." in text  # after the refused flags
+    assert "--recompute {none,selective,full,per-op,norm-mla-up}" in text
+    assert "--zero3-collectives, --p2p torch-runtime." in text  # after the refused flags
 
 
 def test_under_torchrun_only_rank_0_says_why(monkeypatch, capsys) -> None:
     monkeypatch.setenv("RANK", "1")
-    assert executor_main(["--recompute", "norm-mla-up"]) == 2
+    assert executor_main(["--p2p", "torch-runtime"]) == 2
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
-    assert executor_main(["--recompute", "norm-mla-up"]) == 2
+    assert executor_main(["--p2p", "torch-runtime"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1

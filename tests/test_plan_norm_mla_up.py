@@ -1,7 +1,7 @@
 """``pipesim plan`` searches DeepSeek-V3's ``--recompute norm-mla-up`` for models with
 latent attention (MLA), and only for those: the row it ranks is the step and memory
 ``simulate`` gives the same layout, a model without MLA asking for it is refused in one
-line, and ``run --plan`` refuses such a row in one line naming it."""
+line, and ``run --plan`` runs such a row."""
 
 from __future__ import annotations
 
@@ -94,13 +94,30 @@ def test_asked_for_alone_it_is_the_only_mode_searched(small_deepseek, tmp_path) 
     assert {row["recompute"] for row in json.loads(out.read_text())["ranked"]} == {"norm-mla-up"}
 
 
-def test_run_refuses_a_norm_mla_up_row_in_one_line_naming_it(planned, tmp_path, capsys) -> None:
+def test_run_executes_a_norm_mla_up_row_and_equals_the_one_process_reference(small_deepseek, tmp_path,
+                                                                           capsys) -> None:
+    """The same plan on 4 GPUs (pp 2 x dp 2): its norm-mla-up row runs through ``run --plan``
+    on the model shrunk, and its float64 losses equal the reference's, which recomputes
+    nothing."""
+    from executor.reference import reference_run  # noqa: PLC0415
+    from pipesim.cli import build_parser  # noqa: PLC0415
+    from pipesim.cli.plan_row import config_from_plan_row  # noqa: PLC0415
+
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps(planned[0]))
-    number = 1 + [row["recompute"] for row in planned[0]["ranked"]].index("norm-mla-up")
-    assert main(["run", "--plan", str(path), "--row", str(number)]) == 2
-    captured = capsys.readouterr()
-    assert captured.err.strip() == (
-        f"pipesim run: error: plan row {number} (1f1b pp2 tp1 dp4 mbs1 m4 recompute=norm-mla-up zero1): --recompute "
-        "norm-mla-up is simulate-only: pipesim run does not execute it (run executes --recompute none, selective, "
-        "full, per-op); see docs/executor.md for what run executes")
+    four = [*PLAN]
+    four[1], four[3] = "4", "8"  # --gpus 4, --global-batch 8
+    assert main(["plan", "--model", small_deepseek, *four, "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["ranked"]
+    number = 1 + [row["recompute"] for row in rows].index("norm-mla-up")
+    argv = ["--plan", str(path), "--row", str(number), "--dtype", "float64", "--steps", "2", "--hidden", "16",
+            "--heads", "2", "--seq-len", "8", "--vocab", "37", "--experts", "4", "--ffn-hidden", "32",
+            "--optimizer", "adamw"]
+    out = tmp_path / "run.json"
+    assert main(["run", *argv, "--json", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert f"plan row {number}: {rows[number - 1]['layout']} kept (world 4" in printed
+    # DeepSeek-V3's config names a multi-token prediction module, which the executor does not build
+    assert "no multi-token prediction (the config's 1 module(s) not built)" in printed
+    config, _ = config_from_plan_row(build_parser("run").parse_args(["run", *argv]))
+    assert (config.recompute, config.pp, config.dp) == ("norm-mla-up", 2, 2)
+    assert json.loads(out.read_text())["losses"] == pytest.approx(reference_run(config)["losses"], abs=1e-10, rel=0)

@@ -64,9 +64,12 @@ def simulate_only_values() -> list[tuple[str, str]]:
                   for value in action.choices if value not in list(RUN[flag].choices))
 
 
-def test_norm_mla_up_is_among_the_values_run_does_not_execute() -> None:
-    assert ("--recompute", "norm-mla-up") in simulate_only_values()
-    assert list(RUN["--recompute"].choices) == ["none", "selective", "full", "per-op"]  # torch.utils.checkpoint
+def test_run_executes_every_recompute_mode_the_simulator_models() -> None:
+    from pipesim.model.spec import RECOMPUTE  # noqa: PLC0415
+
+    assert not [value for flag, value in simulate_only_values() if flag == "--recompute"]
+    assert sorted(RUN["--recompute"].choices) == sorted(RECOMPUTE)  # norm-mla-up included
+    assert ("--p2p", "torch-runtime") in simulate_only_values()
 
 
 @pytest.mark.parametrize(("flag", "value"), simulate_only_values())
@@ -80,11 +83,11 @@ def test_a_value_run_does_not_execute_is_refused_in_one_line(flag: str, value: s
     assert "invalid choice" not in lines[0] and captured.out == ""
 
 
-def test_recompute_norm_mla_up_refusal_names_what_run_supports(capsys) -> None:
-    assert main(["run", "--model", "deepseek-v3", "--recompute", "norm-mla-up"]) == 2
+def test_p2p_torch_runtime_refusal_names_what_run_supports(capsys) -> None:
+    assert main(["run", "--model", "deepseek-v3", "--p2p", "torch-runtime"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "pipesim run: error: --recompute norm-mla-up is simulate-only: pipesim run does not execute it (run executes "
-        "--recompute none, selective, full, per-op); see docs/executor.md for what run executes")
+        "pipesim run: error: --p2p torch-runtime is simulate-only: pipesim run does not execute it (run executes "
+        "--p2p rendezvous, buffered); see docs/executor.md for what run executes")
 
 
 def test_a_value_no_command_takes_is_still_argparses_error(capsys) -> None:
@@ -92,12 +95,12 @@ def test_a_value_no_command_takes_is_still_argparses_error(capsys) -> None:
         main(["run", "--pp", "1", "--recompute", "everything"])
     assert exit_status.value.code == 2
     err = capsys.readouterr().err
-    assert "invalid choice: 'everything' (choose from 'none', 'selective', 'full', 'per-op')" in err  # run's own
+    assert "invalid choice: 'everything' (choose from 'none', 'selective', 'full', 'per-op', 'norm-mla-up')" in err
 
 
 def test_run_help_lists_the_values_it_refuses_and_its_own_choices(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--recompute {none,selective,full,per-op}" in text
-    assert "--recompute norm-mla-up" in text
+    assert "--recompute {none,selective,full,per-op,norm-mla-up}" in text
+    assert "--p2p torch-runtime" in text

@@ -83,7 +83,9 @@ def shrunk_latents(mla: LatentAttention, head_dim: int, factor: float) -> Latent
 
 
 def shrunk_spec(config: RunConfig) -> ModelSpec:
-    """The architecture of ``config.model`` at the run's sizes."""
+    """The architecture of ``config.model`` at the run's sizes, without multi-token
+    prediction modules (DeepSeek-V3's config.json names one; the executor builds none,
+    ``shrink_note`` says so)."""
     full = full_spec(config.model)
     factor = config.hidden / full.hidden
     ffn = config.ffn_hidden or scaled(full.ffn, factor)
@@ -96,7 +98,7 @@ def shrunk_spec(config: RunConfig) -> ModelSpec:
         mla = shrunk_latents(full.mla, config.hidden // config.heads, factor)
     return replace(full, layers=config.layers, hidden=config.hidden, heads=config.heads, kv_heads=kv,
                    ffn_hidden=ffn, seq_len=config.seq_len, vocab=config.vocab, head_dim=None, positions=None,
-                   moe=moe, mla=mla, fused_qkv=config.qkv == "fused")
+                   moe=moe, mla=mla, fused_qkv=config.qkv == "fused", mtp_depth=0)
 
 
 def shrink_note(config: RunConfig) -> str:
@@ -121,6 +123,8 @@ def shrink_note(config: RunConfig) -> str:
         notes.append("embeddings untied (first and last stage hold their own)")
     if full.dropout:
         notes.append("no dropout")
+    if full.mtp_depth:
+        notes.append(f"no multi-token prediction (the config's {full.mtp_depth} module(s) not built)")
     shrunk = ", ".join(changed) if changed else "nothing shrunk"
     return f"model {small.name}: {shrunk}" + "".join(f"; {note}" for note in notes)
 

@@ -119,6 +119,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).flatten(2)
 
 
+def attend_keeping_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``attend`` written out (scores, causal mask, softmax, weighted values) so that
+    autograd keeps Q, K and V themselves. torch's math path, which a CPU runs when the
+    query's and value's widths differ (latent attention), multiplies Q and K by the
+    scale's square root first and keeps those products: dropping Q, K and V
+    (``--recompute norm-mla-up``) would leave the copies in place. The bytes kept are
+    the math path's: Q, K, V and the softmax's output."""
+    seq = q.shape[-2]
+    mask = torch.full((seq, seq), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    weights = torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + mask, dim=-1)
+    return (weights @ v).transpose(1, 2).flatten(2)
+
+
 class FeedForward(nn.Module):
     """The MLP: gated, ``w2(silu(w1 x) * w3 x)`` (SwiGLU, Shazeer 2020), or two matrices
     with GeLU between (GPT-2)."""

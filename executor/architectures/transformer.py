@@ -25,6 +25,7 @@ from executor.architectures.layers import Attention, FeedForward, RMSNorm
 from executor.architectures.moe import MixtureOfExperts
 from executor.config import RunConfig
 from executor.models import GptModel
+from executor.rebuilt_activations import norm_read_by
 from pipesim.model.spec import ModelSpec
 
 
@@ -34,6 +35,8 @@ def norm_of(spec: ModelSpec) -> nn.Module:
 
 class TransformerBlock(nn.Module):
     """Layer ``layer`` of ``spec``: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    recompute_norms = False  # --recompute norm-mla-up: each norm's output recomputed for its reader's backward
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
@@ -54,8 +57,8 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(spec.hidden, spec.ffn, spec.gated_mlp, spec.mlp_has_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + norm_read_by(self.attention_norm, self.attention, x, self.recompute_norms)
+        return x + norm_read_by(self.ffn_norm, self.feed_forward, x, self.recompute_norms)
 
 
 class TokenEmbedding(nn.Module):

@@ -12,8 +12,8 @@ rows named their model runs the run's ``--model`` (the ``gpt`` transformer unles
 transformer is named: the planner's models are transformers, so ``mlp`` is not used
 here; a row with cp or ep needs an architecture, so there the toy gives way to Llama 3,
 or Mixtral for ep). What the executor does not run (cost-aware orders in a plan
-written without them, DeepSeek-V3's ``--recompute norm-mla-up``, per-op recompute with a
-split backward in a hand-edited row) is refused in one line naming the row and the value. A row whose order
+written without them, per-op recompute with a split backward in a hand-edited row) is
+refused in one line naming the row and the value. A row whose order
 the plan built from the layout's costs (zb-auto, zbv-auto, the adapted zb-h1 and zb-h2)
 carries that order (``order``, ``schedules.order_json``), and the run runs it: the
 order the plan simulated.

@@ -6,7 +6,7 @@ should hear "``--cp`` is simulate-only", not argparse's "unrecognized arguments"
 never have a flag silently dropped. The list is read from the other commands' own
 parsers when ``run``'s parser is built, so a flag added to ``simulate`` or ``plan``
 later is refused by ``run`` until ``run`` learns it. The same holds for the values of a
-flag both take: ``simulate --recompute norm-mla-up`` (DeepSeek-V3's recomputation) is
+flag both take: ``simulate --p2p torch-runtime`` (torch's pipelining runtime's rule) is
 refused by ``run`` as simulate-only, naming what ``run`` executes, not as argparse's
 "invalid choice". The stand-in flags and the sentences are the executor's
 (``executor.refused_flags``, ``executor.refused_values``), which ``python -m executor``

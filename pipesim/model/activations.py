@@ -168,6 +168,21 @@ def wgrad_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fa
     return sum(gemm.count * gemm.m * (gemm.k + gemm.n) for gemm in gemms) * spec.dtype_bytes
 
 
+def rebuilt_until_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
+                                    recompute: str = "none", flash_attention: bool = True, layer: int = 0,
+                                    saved: SavedTensors = KERNELS) -> float:
+    """Bytes of layer ``layer`` that ``--recompute norm-mla-up`` dropped after the forward,
+    rebuilt in a split backward's ``I`` and, where the implementation holds the stash
+    whole until ``W`` (``saved.whole_stash_until_weight_grad``: the executor refills the
+    dropped storages once, in ``I``, and ``W`` reads them, ``executor.rebuilt_activations``),
+    held until ``W``: what the recompute saved, ``layer_stash_bytes`` without it less
+    with it. 0 for any other recompute or implementation."""
+    if recompute != NORM_MLA_UP or not saved.whole_stash_until_weight_grad:
+        return 0.0
+    return (layer_stash_bytes(spec, tp, sequence_parallel, "none", flash_attention, layer, saved)
+            - layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention, layer, saved))
+
+
 def output_grad_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False, layer: int = 0,
                       saved: SavedTensors = KERNELS) -> float:
     """Bytes of the gradients a split backward's ``I`` finds for the outputs of layer

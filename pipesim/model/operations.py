@@ -147,8 +147,12 @@ class MemoryBound:
 
 
 Operation = Gemm | FlashAttention | MemoryBound
-# latent attention's up-projections: what --recompute norm-mla-up re-runs (pipesim.model.weights)
-UP_PROJECTIONS = ("query_up", "kv_up")
+# latent attention's up-projections: what --recompute norm-mla-up re-runs (pipesim.model.weights);
+# without a query latent (DeepSeek-V2-Lite) the query projection, which reads the layer's
+# recomputed norm output, is re-run in its place ("query" names no other latent-attention GEMM,
+# and norm-mla-up's other models have none: their Q, K and V are one "qkv")
+UP_PROJECTIONS = ("query_up", "kv_up", "query")
+
 def precision(spec: ModelSpec, in_fp8: bool = True) -> dict:
     """A weight GEMM's precision fields under ``spec``: FP8 when the model runs FP8 and the
     GEMM is not one kept in BF16, with the amax pass of current scaling (``FP8_SCALINGS``

@@ -54,7 +54,7 @@ import math
 from dataclasses import dataclass, replace
 
 from pipesim.model.per_op_checkpoint import PER_OP
-from pipesim.model.spec import ModelSpec
+from pipesim.model.spec import NORM_MLA_UP, ModelSpec
 from pipesim.model.weights import kv_heads_per_shard, layer_weights, shard
 
 INDEX_BYTES = 8  # torch's int64 indices
@@ -145,7 +145,8 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     if sequence_parallel and saved.gathered_gemm_inputs:  # QKV and MLP inputs whole, not / tp
         per_token += 2 * h * d * (1 - 1 / tp)
     heads = spec.heads / tp
-    kernel_kept = recompute == "none"  # selective recomputes the attention kernel: its outputs are not kept
+    # selective recomputes the attention kernel: its outputs are not kept (norm-mla-up keeps them)
+    kernel_kept = recompute in ("none", NORM_MLA_UP)
     if saved.softmax_statistics and flash_attention and kernel_kept:
         per_token += heads * score_bytes(spec, saved)
     if spec.mla is None and saved.kv_repeated:

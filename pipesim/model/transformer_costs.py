@@ -47,6 +47,7 @@ from pipesim.model.activations import (
     last_stage_extra_bytes,
     layer_stash_bytes,
     output_grad_bytes,
+    rebuilt_until_weight_grad_bytes,
     wgrad_stash_bytes,
     wgrad_stash_share,
 )
@@ -217,7 +218,9 @@ def model_stage_costs(
                         layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, layer,
                                           saved_tensors),
                         wgrad_stash_bytes(local, tp, sequence_parallel, layer),
-                        output_grad_bytes(local, tp, sequence_parallel, layer, saved_tensors))
+                        output_grad_bytes(local, tp, sequence_parallel, layer, saved_tensors)
+                        + rebuilt_until_weight_grad_bytes(local, tp, sequence_parallel, recompute, flash_attention,
+                                                          layer, saved_tensors))
                 for layer in kind_layer.values()}
     routed = routed_params(spec, tp, ep)
     # the all-to-all toward the experts in FP8 under DeepSeek-V3's recipe, the one back in BF16
