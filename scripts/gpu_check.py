@@ -6,7 +6,9 @@ One GPU (float64 on CUDA against the CPU one-process reference, bound 1e-9, unle
     numerics        a gpt under 1f1b
     architectures   every architecture preset shrunk (GPT-3, Llama 3, Mixtral, DeepSeek-V3,
                     DeepSeek-V2-Lite) and a Qwen-MoE config.json
-    recompute       a shrunk Llama 3 with --recompute full, selective and per-op
+    recompute       a shrunk Llama 3 with --recompute full, selective, per-op and norm-mla-up,
+                    and a shrunk DeepSeek-V3 with norm-mla-up (CUDA's attention kernel
+                    keeping Q, K and V themselves, dropped and rebuilt)
     zero            ZeRO-1, 2 and 3 (FSDP2) on a one-rank NCCL group
     degree-one      tensor, context and expert parallelism applied over one-rank NCCL
                     groups (DTensor, the K/V all-gather, the all-to-all dispatch)
@@ -123,9 +125,11 @@ def recompute(args: argparse.Namespace) -> int:
     from executor.worker import run_local
 
     rows = []
-    for mode in ("full", "selective", "per-op"):
+    for mode in ("full", "selective", "per-op", "norm-mla-up"):
         config = small(model="llama3-8b", kv_heads=2, recompute=mode, backend=backend(args))
         rows.append((f"llama3-8b --recompute {mode}", run_local(config), reference_run(config)))
+    config = small(model="deepseek-v3", experts=4, recompute="norm-mla-up", backend=backend(args))
+    rows.append(("deepseek-v3 --recompute norm-mla-up", run_local(config), reference_run(config)))
     return against_reference(rows)
 
 
