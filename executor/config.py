@@ -319,13 +319,10 @@ def check_dualpipe(config: RunConfig) -> None:
     copies' holders (``executor.copies``; a stage's experts over both copies' expert
     data-parallel ranks), on pipelines replicated over dp, split by tp, cp and ep, with
     ZeRO-1 or 2 sharding the optimizer over those groups, or ZeRO-3 sharding each model
-    stage over the group (``executor.fsdp``): there on a one-dimensional mesh, so not
-    beside tp or ep, which need the run's mesh (refused in one line)."""
-    if config.zero == 3 and (config.tp > 1 or config.ep > 1):
-        flag = f"--tp {config.tp}" if config.tp > 1 else f"--ep {config.ep}"
-        raise ConfigError(f"--schedule dualpipe with --zero 3 shards each model stage over both copies' holders, a "
-                          f"group outside the run's device mesh, which {flag} needs FSDP to share: run dualpipe with "
-                          "--zero 1 or 2, or --schedule dualpipev (the same steps folded in a V) with --zero 3")
+    stage over the group (``executor.fsdp``, on ``executor.copies.copies_mesh``, whose tp
+    axis tensor parallelism splits over and whose holders the routed experts are
+    sharded over by expert data-parallel rank). Nothing to refuse: kept as the place
+    DualPipe's layout rules are stated."""
 
 
 def check_zero(config: RunConfig) -> None:

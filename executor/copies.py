@@ -27,9 +27,11 @@ from collections.abc import Collection
 from datetime import timedelta
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from executor.mesh import MeshPosition
+from executor.mesh import MeshPosition, axis_options
 from schedules.action import COMPUTE_KINDS, WEIGHT_GRAD_DONE_KINDS
 from schedules.schedule import Schedule
 
@@ -75,6 +77,30 @@ def copies_group(schedule: Schedule, position: MeshPosition, timeout: float) -> 
             if position.pp_index in pair and tp_index == position.tp_index:
                 mine = group
     return mine
+
+
+COPIES_MESH_DIMS = ("pair", "side", "dp", "cp", "tp")
+
+
+def copies_mesh(schedule: Schedule, position: MeshPosition, device_type: str, timeout: float) -> DeviceMesh:
+    """Every rank as a place of one device mesh ``(pair, side, dp, cp, tp)``: ``pair``
+    the mirror pair ``(r, pp - 1 - r)``, ``side`` which rank of it, with ``(side, dp, cp)``
+    flattened into ``copies``, the holders of this rank's two model stages at its tp place
+    (``copies_group``'s members). ZeRO-3 shards a stage over ``copies`` (``executor.fsdp``),
+    and tensor parallelism splits it over this mesh's ``tp``: FSDP2 composes with a
+    tp-split parameter only when both axes come from one root mesh, which the run's mesh
+    ``(pp, dp, cp, tp)`` cannot give, its pp axis holding the two sides of a pair apart.
+    Collective: every rank builds it, alike."""
+    pp = schedule.pp
+    sides = ((first, pp - 1 - first) for first in range(pp // 2))
+    ranks = torch.tensor([[[[[position.rank_at(index, dp_index, cp_index, tp_index) for tp_index in range(position.tp)]
+                             for cp_index in range(position.cp)] for dp_index in range(position.dp)]
+                           for index in pair] for pair in sides])
+    options = axis_options(dist.get_backend(), timeout)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=COPIES_MESH_DIMS,
+                      backend_override=tuple(options for _ in COPIES_MESH_DIMS))
+    mesh["side", "dp", "cp"]._flatten("copies", backend_override=options)
+    return mesh
 
 
 def reducing_order(schedule: Schedule, rank: int, kinds: Collection[str] = WEIGHT_GRAD_DONE_KINDS

@@ -88,19 +88,19 @@ def divide_by(unit: FSDPModule, mesh: DeviceMesh, replicas: int) -> None:
 
 def shard_stages(stages: dict[int, nn.Module], mesh: DeviceMesh | None, cp: int, replicas: int,
                  expert_group: dist.ProcessGroup | None, timeout: float, timer: FsdpTimer | None = None,
-                 copies_group: dist.ProcessGroup | None = None) -> None:
+                 copies: DeviceMesh | None = None) -> None:
     """``shard_stage`` every stage of this rank: dense parameters over the dp axis of the
     run's ``mesh`` (with cp, its dp and cp axes flattened: the dp x cp ranks of one
-    (pp, tp) shard; with DualPipe's two copies, over ``copies_group``, every holder of
-    this rank's two model stages: ``executor.copies``), routed experts over
-    ``expert_group`` when expert parallelism gives one; their collectives timed by
-    ``timer`` when given."""
+    (pp, tp) shard; with DualPipe's two copies, over the ``copies`` axis of ``copies``,
+    every holder of this rank's two model stages: ``executor.copies.copies_mesh``), routed
+    experts over ``expert_group`` when expert parallelism gives one; their collectives
+    timed by ``timer`` when given."""
     options = axis_options(dist.get_backend(), timeout)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     if mesh is None:  # a world of one builds no mesh (executor.mesh): one over its one rank
         mesh = init_device_mesh(device_type, (1, 1), mesh_dim_names=("dp", "cp"))
-    if copies_group is not None:
-        dense = DeviceMesh.from_group(copies_group, device_type, mesh_dim_names=("copies",))
+    if copies is not None:
+        dense = copies["copies"]
     else:
         dense = mesh["dp", "cp"]._flatten("dp_cp", backend_override=options) if cp > 1 else mesh["dp"]
     experts = None

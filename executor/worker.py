@@ -21,7 +21,7 @@ from executor.clock import CpuClock, clock_for, earliest_start, shared_clock, sh
 from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
 from executor.context_parallel import local_shape
-from executor.copies import by_model_stage, check_mirrored, copies_group, data_index, model_stage
+from executor.copies import by_model_stage, check_mirrored, copies_group, copies_mesh, data_index, model_stage
 from executor.data_parallel import GradientAverager, local_tensor
 from executor.gather import CP_KIND, EP_KIND, TP_KIND, dp_event, fsdp_event, gather_events, inside_event
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
@@ -100,11 +100,18 @@ class RankRun:
                        for stage in schedule.stages_of(pp_rank)}
         self.tp_timer = None
         self.clock = clock_for(device)
+        # ZeRO-3 beside DualPipe's two copies: FSDP shards over both copies' holders, an axis
+        # of a mesh of its own, whose tp axis tensor parallelism must then split over
+        held_by_copies = None
+        if config.zero == 3 and schedule.copies > 1 and world > 1:
+            check_mirrored(schedule, every_compute=True)
+            held_by_copies = copies_mesh(schedule, position, device.type, config.timeout)
         if config.tp > 1:
             from executor.tensor_parallel import TpTimer, parallelize_stage  # noqa: PLC0415 - DTensor only for tp
 
+            tp_mesh = held_by_copies["tp"] if held_by_copies is not None else self.mesh.submesh("tp")
             for stage in self.stages.values():
-                parallelize_stage(stage, self.mesh.submesh("tp"), config.sequence_parallel)
+                parallelize_stage(stage, tp_mesh, config.sequence_parallel)
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
         for stage in self.stages.values():
             apply_recompute(stage, config.recompute)
@@ -141,13 +148,9 @@ class RankRun:
 
             fsdp_weight_grad = ShardedWeightGrad()
             self.fsdp_timer = FsdpTimer(lambda: self.runtime.current, self.clock.mark)
-            held_by_copies = None
-            if schedule.copies > 1:  # DualPipe: both copies' holders share one set of shards
-                check_mirrored(schedule, every_compute=True)
-                held_by_copies = copies_group(schedule, position, config.timeout)
             shard_stages(self.stages, self.mesh.mesh, config.cp, config.dp,
                          expert_groups.expert_dp_group if expert_groups else None, config.timeout, self.fsdp_timer,
-                         copies_group=held_by_copies)
+                         copies=held_by_copies)
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []

@@ -5,7 +5,8 @@ backwards and reduce-scatters what they left (``executor.fsdp.ShardedWeightGrad`
 Float64 AdamW on gloo: the losses, the first step's gradients and the weights after two
 steps equal the one-process reference to 1e-10, over a pipeline (zb-h1, zb-h2, and zbv
 and dualpipev with two stages a rank; DualPipe's two copies of the model, each model
-stage sharded over both copies' holders, with dp, cp, or neither at pp 4), beside cp
+stage sharded over both copies' holders, with dp, cp, tp with sequence parallelism, ep,
+tp and ep together, or none of them at pp 4), beside cp
 (the dense shard over dp x cp), ep (each routed expert its own unit over its expert dp
 group, whose output W starts from) and tp with sequence parallelism (DTensor parameters
 sharded over a 2-D mesh); and the trace shows every W's gathers and reduce-scatters,
@@ -44,12 +45,22 @@ LAUNCHED = LaunchedCases(BASE, {
                                  "dp": 1, "microbatches": 8, "batch_size": 16},
         "llama-pp2-dp1-cp2-dualpipe": {**LLAMA, "schedule": "dualpipe", "virtual_stages": 2, "layers": 4, "dp": 1,
                                        "cp": 2},
+        # ...with tp: FSDP's copies axis and tp's from one mesh (executor.copies.copies_mesh)
+        "llama-pp2-dp1-tp2-sp-dualpipe": {**LLAMA, "schedule": "dualpipe", "virtual_stages": 2, "layers": 4,
+                                          "dp": 1, "tp": 2, "sequence_parallel": True},
+        # ...with ep: the experts sharded over both copies' expert data-parallel ranks
+        "mixtral-pp2-dp2-ep2-dualpipe": {**MIXTRAL, "schedule": "dualpipe", "virtual_stages": 2, "layers": 4,
+                                         "ep": 2},
         "llama-pp1-dp2-cp2-zb-h1": {**LLAMA, "pp": 1, "cp": 2, "layers": 2, "microbatches": 2},
         "mixtral-pp1-dp2-ep2-tp2-sp-zb-h1": {**MIXTRAL, "pp": 1, "kv_heads": 2, "ep": 2, "tp": 2,
                                              "sequence_parallel": True, "layers": 2, "microbatches": 2},
     },
     2: {
         "mixtral-pp1-dp2-ep2-zb-h1": {**MIXTRAL, "pp": 1, "ep": 2, "layers": 2, "microbatches": 2},
+    },
+    8: {
+        "mixtral-pp2-dp2-ep2-tp2-sp-dualpipe": {**MIXTRAL, "schedule": "dualpipe", "virtual_stages": 2, "layers": 4,
+                                                "kv_heads": 2, "ep": 2, "tp": 2, "sequence_parallel": True},
     },
 })
 
