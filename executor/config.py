@@ -374,22 +374,18 @@ def check_expert_parallel(config: RunConfig) -> None:
 
 
 def check_context_parallel(config: RunConfig) -> None:
-    """Context parallelism splits each sequence of an architecture with rotary attention
-    (grouped-query or latent) into ``2 cp`` chunks (``executor.context_parallel``), its
+    """Context parallelism splits each sequence of a transformer (the toy gpt or an
+    architecture; rotary or learned positions, each rank embedding and rotating at its
+    tokens' true positions) into ``2 cp`` chunks (``executor.context_parallel``), its
     keys and values all-gathered or passed round a ring (``--cp-comm``)."""
     if config.cp == 1:
         return
     if config.cp_comm not in CP_COMMS:
         raise ConfigError(f"--cp-comm {config.cp_comm!r} is not one of: {', '.join(CP_COMMS)} (p2p: ring attention, "
                           f"all-gather: Llama 3's gathered keys and values)")
-    from executor.architectures.build import full_spec, is_architecture  # noqa: PLC0415 - it imports this module
-
-    if not is_architecture(config.model):
-        raise ConfigError(f"--cp {config.cp} splits the sequences of an architecture with rotary attention; use e.g. "
-                          f"--model llama3-8b (got --model {config.model})")
-    if full_spec(config.model).learned_positions:
-        raise ConfigError(f"--cp {config.cp}: {config.model} has learned positions, which the executor does not "
-                          f"split over cp; use an architecture with rotary attention (e.g. llama3-8b, deepseek-v3)")
+    if config.model == "mlp":
+        raise ConfigError(f"--cp {config.cp} splits each sequence of a transformer; --model mlp has no sequence: use "
+                          "--model gpt or an architecture")
     if config.seq_len % (2 * config.cp):
         raise ConfigError(f"--cp {config.cp} cuts each sequence into {2 * config.cp} equal chunks: --seq-len "
                           f"{config.seq_len} must be a multiple of {2 * config.cp}")

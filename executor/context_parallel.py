@@ -160,10 +160,11 @@ class ContextShard:
 
 
 def shard_context(stage: nn.Module, shard: ContextShard) -> None:
-    """Make every attention of ``stage`` (grouped-query or latent) attend over the whole
-    sequence from this rank's share."""
+    """Make every attention of ``stage`` (grouped-query, latent, the toy gpt's blocks)
+    attend over the whole sequence from this rank's share, and a learned position table
+    embed the rank's true positions: every module with a ``context`` slot."""
     for module in stage.modules():
-        if isinstance(module, (Attention, LatentAttention)):
+        if isinstance(module, (Attention, LatentAttention)) or hasattr(module, "context"):
             module.context = shard
 
 

@@ -125,8 +125,12 @@ class MemoryTracker:
                 return tensor.detach()
             if key not in self.param_storages:
                 # the storage, not its size now: FSDP (ZeRO-3) frees a gathered weight's
-                # storage after the forward, and a freed storage holds nothing
-                self.saved[self.recording][key] = local_tensor(tensor).untyped_storage()
+                # storage after the forward, and a freed storage holds nothing. Kept by the
+                # storage's own identity, not its address: a storage emptied after the
+                # forward (--recompute norm-mla-up) gives its address back, a later tensor
+                # there is another storage, and the emptied one refilled in I counts until W
+                storage = local_tensor(tensor).untyped_storage()
+                self.saved[self.recording][storage._cdata] = storage
             return tensor.detach()
         return tensor
 

@@ -139,6 +139,7 @@ class Block(nn.Module):
     """A pre-norm decoder block: causal self-attention then a 4x MLP, both residual."""
 
     recompute_norms = False  # --recompute norm-mla-up: each norm's output recomputed for its reader's backward
+    context = None  # --cp: this rank's share of the sequence (executor.context_parallel)
 
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
@@ -158,13 +159,19 @@ class Block(nn.Module):
         batch, seq = qkv.shape[:2]
         heads = qkv.shape[2] // (3 * self.head_dim)
         q, k, v = qkv.view(batch, seq, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attention.transpose(1, 2).reshape(batch, seq, heads * self.head_dim))
+        if self.context is not None:  # this rank's share of each sequence against the whole (--cp)
+            joined = self.context.attend_rotated(q, k, v)
+        else:
+            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            joined = attention.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)
+        x = x + self.proj(joined)
         return x + self.fc2(F.gelu(norm_read_by(self.norm2, self.fc1, x, self.recompute_norms)))
 
 
 class Embedding(nn.Module):
     """Token plus learned position embedding: the first stage's input layer."""
+
+    context = None  # --cp: this rank's share of the sequence, whose positions it embeds
 
     def __init__(self, vocab: int, seq_len: int, hidden: int) -> None:
         super().__init__()
@@ -174,8 +181,15 @@ class Embedding(nn.Module):
         nn.init.normal_(self.positions.weight, std=1 / math.sqrt(hidden))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tokens(tokens) + self.positions(positions)
+        return self.tokens(tokens) + self.positions(token_positions(tokens, self.context))
+
+
+def token_positions(tokens: torch.Tensor, context) -> torch.Tensor:
+    """The sequence positions of ``tokens``' columns: ``0 .. n-1``, or under context
+    parallelism the rank's share of the whole sequence's (``ContextShard.positions``)."""
+    if context is None:
+        return torch.arange(tokens.shape[1], device=tokens.device)
+    return context.positions.to(tokens.device)
 
 
 class GptModel(LayeredModel):

@@ -1,7 +1,9 @@
 """Context parallelism executed (``run --cp``): each sequence cut into ``2 cp`` chunks,
 rank ``r`` holding chunks ``r`` and ``2 cp - 1 - r``, attention over the whole sequence
 by all-gathering keys and values or by ring attention (``--cp-comm p2p``). A shrunk
-Llama 3, Mixtral and DeepSeek-V3 (latent attention) in float64 on gloo: every
+Llama 3, Mixtral and DeepSeek-V3 (latent attention), the toy gpt and GPT-3's
+architecture (learned positions, each rank embedding its tokens' true ones) in float64 on
+gloo: every
 step's loss and every gradient of the first step equal the one-process reference to
 1e-10; the layout is the load-balanced one, and bad values are refused in one line.
 """
@@ -37,6 +39,11 @@ CASES_OF_WORLD = {
         "deepseek-pp1-cp2": {**MLA, "pp": 1, "cp": 2},
         # full recompute runs the ring's forward again inside the backward, on every cp rank
         "llama-pp1-cp2-ring-recompute": {"pp": 1, "cp": 2, "cp_comm": "p2p", "recompute": "full"},
+        # learned positions: each rank embeds its tokens' true positions (the toy gpt, whose
+        # attention is its own, and GPT-3's architecture)
+        "gpt-pp1-cp2": {"model": "gpt", "kv_heads": None, "pp": 1, "cp": 2},
+        "gpt-pp1-cp2-ring": {"model": "gpt", "kv_heads": None, "pp": 1, "cp": 2, "cp_comm": "p2p"},
+        "gpt3-pp1-cp2-ring": {"model": "gpt3-1.3b", "kv_heads": None, "pp": 1, "cp": 2, "cp_comm": "p2p"},
     },
     4: {
         "llama-pp2-cp2": {"pp": 2, "cp": 2},
@@ -51,6 +58,9 @@ CASES_OF_WORLD = {
                                   "microbatches": 4},
         # the ring's middle steps (keys, values and their gradients in one message) only exist from cp 3
         "llama-pp1-cp4-ring": {"pp": 1, "cp": 4, "cp_comm": "p2p"},
+        "gpt-pp2-cp2-ring": {"model": "gpt", "kv_heads": None, "pp": 2, "cp": 2, "cp_comm": "p2p"},
+        "gpt-pp1-cp2-tp2-sp": {"model": "gpt", "kv_heads": None, "pp": 1, "cp": 2, "tp": 2,
+                               "sequence_parallel": True},
         # the ring's backward inside zero-bubble's input-gradient pass, between pipeline stages
         "mixtral-pp2-cp2-zb-h1-ring": {"model": "mixtral-8x7b", "experts": 4, "pp": 2, "cp": 2, "schedule": "zb-h1",
                                        "microbatches": 4, "cp_comm": "p2p"},
@@ -107,8 +117,8 @@ def test_ranks_are_numbered_tp_cp_dp_pp() -> None:
 
 @pytest.mark.parametrize(("changes", "expected"), [
     ({"cp": 3}, "--cp 3 cuts each sequence into 6 equal chunks: --seq-len 8 must be a multiple of 6"),
-    ({"cp": 2, "model": "gpt", "kv_heads": None}, "--cp 2 splits the sequences of an architecture"),
-    ({"cp": 2, "model": "gpt3-1.3b", "kv_heads": None}, "gpt3-1.3b has learned positions"),
+    ({"cp": 2, "model": "mlp", "kv_heads": None}, "--cp 2 splits each sequence of a transformer; --model mlp has "
+                                                  "no sequence"),
     ({"cp": 2, "tp": 4, "heads": 4, "kv_heads": 4, "sequence_parallel": True, "seq_len": 12},
      "--tp 4 must divide each cp rank's 6 tokens"),
     ({"cp": 2, "cp_comm": "ring"}, "--cp-comm 'ring' is not one of: all-gather, p2p"),

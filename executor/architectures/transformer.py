@@ -24,7 +24,7 @@ from executor.architectures.latent_attention import LatentAttention
 from executor.architectures.layers import Attention, FeedForward, RMSNorm
 from executor.architectures.moe import MixtureOfExperts
 from executor.config import RunConfig
-from executor.models import GptModel
+from executor.models import GptModel, token_positions
 from executor.rebuilt_activations import norm_read_by
 from pipesim.model.spec import ModelSpec
 
@@ -69,6 +69,7 @@ class TokenEmbedding(nn.Module):
         self.tokens = nn.Embedding(spec.vocab, spec.hidden)
         nn.init.normal_(self.tokens.weight, std=1 / math.sqrt(spec.hidden))
         self.positions = None
+        self.context = None  # --cp: this rank's share of the sequence, whose positions it embeds
         if spec.learned_positions:
             self.positions = nn.Embedding(spec.positions or spec.seq_len, spec.hidden)
             nn.init.normal_(self.positions.weight, std=1 / math.sqrt(spec.hidden))
@@ -76,7 +77,7 @@ class TokenEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tokens(tokens)
         if self.positions is not None:
-            x = x + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+            x = x + self.positions(token_positions(tokens, self.context))
         return x
 
 

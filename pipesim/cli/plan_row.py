@@ -10,10 +10,10 @@ layout needs (a block per stage, heads a multiple of tp, a sequence the cp and t
 can split). A run's ``--model`` naming another model is refused; a plan written before
 rows named their model runs the run's ``--model`` (the ``gpt`` transformer unless another
 transformer is named: the planner's models are transformers, so ``mlp`` is not used
-here; a row with cp or ep needs an architecture, so there the toy gives way to Llama 3,
-or Mixtral for ep). What the executor does not run (cost-aware orders in a plan
-written without them, per-op recompute with a split backward in a hand-edited row) is
-refused in one line naming the row and the value. A row whose order
+here; a row with ep needs routed experts, so there the toy gives way to Mixtral). What
+the executor does not run (cost-aware orders in a plan written without them, per-op
+recompute with a split backward in a hand-edited row) is refused in one line naming the
+row and the value. A row whose order
 the plan built from the layout's costs (zb-auto, zbv-auto, the adapted zb-h1 and zb-h2)
 carries that order (``order``, ``schedules.order_json``), and the run runs it: the
 order the plan simulated.
@@ -39,9 +39,9 @@ ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_fil
              ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", 8),
              ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "p2p"))
 TOYS = ("mlp", "gpt")
-# The architecture a cp or ep row runs when the run names only a toy: rotary attention
-# (which cp splits), and routed experts (which ep splits).
-CONTEXT_MODEL, EXPERT_MODEL = "llama3-8b", "mixtral-8x7b"
+# The architecture an ep row runs when the run names only a toy: routed experts, which ep
+# splits (cp splits the toy gpt's sequences as any transformer's).
+EXPERT_MODEL = "mixtral-8x7b"
 
 
 def read_row(path: str, number: int) -> dict:
@@ -85,8 +85,8 @@ def check_row_fields(row: object, where: str) -> None:
 def planned_model(args: argparse.Namespace, row: dict, number: int) -> str:
     """The model to run: the row's, which a ``--model`` of the run may repeat but not
     change (a config file by any path to it); for a row that names none, the run's (``gpt``
-    for the toy ``mlp`` default), and where the row has cp or ep but that is a toy, an
-    architecture with what they split."""
+    for the toy ``mlp`` default), and where the row has ep but that is a toy, an
+    architecture with routed experts."""
     from pipesim.plan.request import model_reference  # noqa: PLC0415 - how the plan named it
 
     planned = row.get("model")
@@ -96,8 +96,8 @@ def planned_model(args: argparse.Namespace, row: dict, number: int) -> str:
                               f"{planned}; drop --model")
         return planned
     model = "gpt" if args.model == "mlp" else args.model
-    if model in TOYS and (row.get("cp", 1) > 1 or row.get("ep", 1) > 1):
-        model = EXPERT_MODEL if row.get("ep", 1) > 1 else CONTEXT_MODEL
+    if model in TOYS and row.get("ep", 1) > 1:
+        model = EXPERT_MODEL
     return model
 
 
@@ -179,12 +179,11 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
         config = config_from_args(planned)
     except ConfigError as error:
         raise ConfigError(f"plan row {number} ({row.get('layout', '')}): {error}") from None
-    needs = [what for degree, what in ((config.cp, "rotary attention"), (config.ep, "routed experts")) if degree > 1]
     line = (f"plan row {number}: {row.get('layout', '')} kept (world {config.world_size}, global batch "
             f"{config.batch_size}); model shrunk to {model['model']} with {model['layers']} layers, hidden "
             f"{model['hidden']}, {model['heads']} heads, seq-len {model['seq_len']}, vocab {model['vocab']}"
             + ("" if row.get("model") else " (the plan's rows do not name its model: the run's --model"
-               + (f"; the toy gpt has no {' or '.join(needs)} to split" if args.model in TOYS and needs else "")
+               + ("; the toy gpt has no routed experts to split" if args.model in TOYS and config.ep > 1 else "")
                + ")")
             + (f"; cp {config.cp} by ring attention" if config.cp > 1 else "")
             + ("; its order as the plan built it from the layout's costs" if row.get("order") is not None else ""))
