@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from executor.config import ConfigError
 from executor.reference import reference_run
 from pipesim.cli import build_parser, main
 from pipesim.cli.plan_row import config_from_plan_row
@@ -186,3 +187,32 @@ def test_a_row_whose_order_the_plan_built_from_costs_runs_that_order(tmp_path: P
                if event["rank"] == rank and event["stream"] == "compute"]
         assert ran == program, rank
     assert json.loads(out.read_text())["losses"] == pytest.approx(reference_run(config)["losses"], abs=1e-10, rel=0)
+
+
+SCHEDULES = "gpipe,1f1b,interleaved-1f1b,zb-h1,zb-h2,zbv,interleaved-zb,looped-bfs,dualpipev,zb-auto,zbv-auto"
+
+
+@pytest.mark.parametrize(("model", "extra"), [("gpt", []), ("deepseek-v2-lite", ["--ep", "1,2"])])
+def test_every_ranked_row_of_a_broad_plan_is_a_run_the_executor_takes(model: str, extra: list[str],
+                                                                       tmp_path: Path, capsys) -> None:
+    """Every layout a plan over every schedule it searches, cp 1 and 2, ZeRO 0 to 3, each
+    recompute mode (DeepSeek-V2-Lite: norm-mla-up too, and ep 1 and 2) ranks on 4 GPUs
+    becomes a checked run config: nothing the planner recommends is refused by run."""
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", model, "--gpus", "4", "--global-batch", "16", "--seq-len", "1024",
+                 "--topology", "nvlink", "--top", "400", "--json", str(path), "--quiet", "--workers", "1",
+                 "--schedules", SCHEDULES, "--cp", "1,2", "--zero", "0,1,2,3", *extra]) == 0
+    rows = rows_of(path)
+    kinds = {(row["schedule"], row["zero"], row["recompute"], row.get("cp", 1), row.get("ep", 1)) for row in rows}
+    assert len(rows) == 400 and len(kinds) > 100  # a broad sample of the space, not one corner
+    searched = {"none", "selective", "full"} | ({"norm-mla-up"} if model == "deepseek-v2-lite" else set())
+    assert searched <= {row["recompute"] for row in rows}
+    assert {1, 2} <= {row.get("cp", 1) for row in rows} and {0, 1, 2, 3} <= {row["zero"] for row in rows}
+    refused = []
+    for number in range(1, len(rows) + 1):
+        try:
+            planned(["--plan", str(path), "--row", str(number)])
+        except ConfigError as error:
+            refused.append(str(error))
+    capsys.readouterr()
+    assert refused == []
