@@ -11,7 +11,9 @@ its own. In attention it rotates its queries and keys at their true positions, g
 every rank's keys and values (``GatheredAttention``: all-gathered again in the backward,
 their gradients reduce-scattered to their owners) and masks each query to the keys at or
 before its position. Latent
-attention (MLA) rotates only its rotary part and exchanges every head's key and value.
+attention (MLA) rotates only its rotary part and exchanges every head's key and value. A
+model with learned positions (the toy gpt, GPT-3's architecture) embeds each token at its
+true position instead (``executor.models.token_positions``).
 
 The loss of a rank is its tokens' share of the sequence's sum (the model divides by the
 whole ``--seq-len``), so the ``cp`` ranks' gradients are summed and the replicas'
@@ -26,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.architectures.latent_attention import LatentAttention
 from executor.architectures.layers import Attention, apply_rotary, rotary_angles
 from executor.block_attention import block_backward, block_forward, compute_dtype, merge
 from executor.inside_timing import RingTimer
@@ -164,7 +165,7 @@ def shard_context(stage: nn.Module, shard: ContextShard) -> None:
     attend over the whole sequence from this rank's share, and a learned position table
     embed the rank's true positions: every module with a ``context`` slot."""
     for module in stage.modules():
-        if isinstance(module, (Attention, LatentAttention)) or hasattr(module, "context"):
+        if hasattr(module, "context"):  # Attention, LatentAttention, the toy Block, the embeddings
             module.context = shard
 
 
