@@ -218,12 +218,16 @@ def test_a_cp_rank_sends_its_share_of_the_sequence_and_a_tp_shard_holds_its_shar
     whole = stage_bytes(RunConfig(**shape), 2)
     # microbatches of 4 sequences of 8 tokens, hidden 16, float32; the last stage sends nothing
     assert [entry["act_bytes"] for entry in whole] == [4 * 8 * 16 * 4, 0.0]
-    # cp splits an architecture's sequences (the toy gpt has learned positions): llama3-8b
-    # shrunk to 4 heads keeps its 4:1 grouping, one key/value head of 16 / 4 = 4 wide, so
-    # each of a ring step's 4 x 8 / 2 tokens passes a key and a value of 4 float32
+    # cp splits a transformer's sequences: llama3-8b shrunk to 4 heads keeps its 4:1
+    # grouping, one key/value head of 16 / 4 = 4 wide, so each of a ring step's 4 x 8 / 2
+    # tokens passes a key and a value of 4 float32
     ring = stage_bytes(RunConfig(**{**shape, "model": "llama3-8b"}, cp=2), 2)[0]
     assert ring["act_bytes"] == 4 * 4 * 16 * 4
     assert ring["attention_layers"] == 2 and ring["kv_bytes"] == 4 * 8 / 2 * 2 * 1 * 4 * 4
+    # the toy gpt (multi-head: every head's key and value, 16 wide each) and at tp 2 half
+    toy = stage_bytes(RunConfig(**shape, cp=2), 2)[0]
+    assert toy["kv_bytes"] == 4 * 8 / 2 * 2 * 16 * 4
+    assert stage_bytes(RunConfig(**shape, cp=2, tp=2), 2)[0]["kv_bytes"] == 4 * 8 / 2 * 2 * 8 * 4
     split = stage_bytes(RunConfig(**shape, tp=2), 2)
     assert [entry["param_bytes"] for entry in split] == [entry["param_bytes"] / 2 for entry in whole]
     assert [(entry["layers"], entry["tp_message_bytes"]) for entry in split] == [(2.0, 4 * 8 * 16 * 4)] * 2
