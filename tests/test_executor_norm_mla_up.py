@@ -7,11 +7,8 @@ parallelism and cp."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from executor import rebuilt_activations
 from executor.config import ConfigError, RunConfig
@@ -20,23 +17,12 @@ from executor.models import build_model
 from executor.recompute import apply_recompute
 from executor.reference import reference_run
 from tests.launched_cases import assert_equals_reference
+from tests.test_executor_recompute import OpCounter
 
 pytestmark = pytest.mark.timeout(300)
 
 F64 = 8  # bytes of a float64
 SEQ, HIDDEN, HEADS = 8, 64, 4
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every aten op run while active, forward and backward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def one_process(model: str, mode: str, sequences: int = 2) -> dict:
