@@ -76,6 +76,8 @@ ROWS: dict[str, tuple[str, ...]] = {
     "deepseek-v2-lite zbv": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
     "gpt 1f1b recompute norm-mla-up": (*GPT, "--pp", "2", "--recompute", "norm-mla-up"),
     "llama 1f1b recompute norm-mla-up": (*LLAMA, "--pp", "2", "--recompute", "norm-mla-up"),
+    "llama 1f1b tp 2 sp recompute norm-mla-up": (*LLAMA, "--pp", "2", "--tp", "2", "--sequence-parallel",
+                                                 "--recompute", "norm-mla-up"),
     "deepseek-v3 1f1b recompute norm-mla-up": ("--model", "deepseek-v3", *DEEPSEEK, "--pp", "2", "--recompute",
                                                "norm-mla-up"),
     "deepseek-v2-lite zbv recompute norm-mla-up": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2", "--schedule",

@@ -90,9 +90,18 @@ def drop_until_backward(reader_output: torch.Tensor, tensors: Sequence[torch.Ten
 def norm_read_by(norm: torch.nn.Module, reader: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                  recompute: bool) -> torch.Tensor:
     """``reader(norm(x))``; with ``recompute`` the norm's output is not kept for the
-    reader's backward but computed again from ``x`` (which the norm keeps anyway)."""
+    reader's backward but computed again from ``x`` (which the norm keeps anyway). Not
+    where the output is a sequence shard (tensor parallelism's sequence parallelism): the
+    reader gathers it first and keeps the gathered copy, the shard is kept by no one, and
+    dropping it would only rebuild it in the backward for nothing."""
     normed = norm(x)
     out = reader(normed)
-    if recompute:
+    if recompute and not sequence_sharded(normed):
         drop_until_backward(out, (normed,), lambda: (norm(x),), f"{type(norm).__name__} output")
     return out
+
+
+def sequence_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor sharded over its mesh (sequence parallelism's norm
+    outputs are, on the sequence dimension)."""
+    return any(placement.is_shard() for placement in getattr(tensor, "placements", ()))

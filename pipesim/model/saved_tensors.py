@@ -143,7 +143,8 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         casts = (0 if spec.fused_qkv else 2) + (1 if spec.gated_mlp else 0)  # a fused wqkv casts its input once
         per_token += casts * h * d / (1 if saved.gathered_gemm_inputs else split)
     if sequence_parallel and saved.gathered_gemm_inputs:  # QKV and MLP inputs whole, not / tp
-        per_token += 2 * h * d * (1 - 1 / tp)
+        # beyond the inventory's shard; norm-mla-up's inventory drops the shard, the gathered copy stays
+        per_token += 2 * h * d * (1 - (0 if recompute == NORM_MLA_UP else 1 / tp))
     heads = spec.heads / tp
     # selective recomputes the attention kernel: its outputs are not kept (norm-mla-up keeps them)
     kernel_kept = recompute in ("none", NORM_MLA_UP)
