@@ -244,8 +244,6 @@ class RunConfig:
                 f"--layers {self.layers} cannot fill {self.num_stages} stages of an mlp; "
                 f"use --layers >= {self.num_stages} or give a --layout"
             )
-        if self.copies > 1:
-            check_dualpipe(self)
         if self.custom_schedule is None and self.schedule in COST_AWARE:
             raise ConfigError(
                 f"--schedule {self.schedule} builds its order from stage costs: write it with `pipesim export "
@@ -312,17 +310,6 @@ def check_model(config: RunConfig) -> None:
 
 
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-def check_dualpipe(config: RunConfig) -> None:
-    """DualPipe runs two copies of the model, each stage's gradient reduced over both
-    copies' holders (``executor.copies``; a stage's experts over both copies' expert
-    data-parallel ranks), on pipelines replicated over dp, split by tp, cp and ep, with
-    ZeRO-1 or 2 sharding the optimizer over those groups, or ZeRO-3 sharding each model
-    stage over the group (``executor.fsdp``, on ``executor.copies.copies_mesh``, whose tp
-    axis tensor parallelism splits over and whose holders the routed experts are
-    sharded over by expert data-parallel rank). Nothing to refuse: kept as the place
-    DualPipe's layout rules are stated."""
 
 
 def check_zero(config: RunConfig) -> None:

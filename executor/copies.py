@@ -92,10 +92,11 @@ def copies_mesh(schedule: Schedule, position: MeshPosition, device_type: str, ti
     ``(pp, dp, cp, tp)`` cannot give, its pp axis holding the two sides of a pair apart.
     Collective: every rank builds it, alike."""
     pp = schedule.pp
-    sides = ((first, pp - 1 - first) for first in range(pp // 2))
-    ranks = torch.tensor([[[[[position.rank_at(index, dp_index, cp_index, tp_index) for tp_index in range(position.tp)]
-                             for cp_index in range(position.cp)] for dp_index in range(position.dp)]
-                           for index in pair] for pair in sides])
+    # global ranks as the run numbers them (executor.mesh: pp outermost, then dp, cp, tp),
+    # the pp axis regrouped into the mirror pairs
+    grid = torch.arange(pp * position.dp * position.cp * position.tp).reshape(pp, position.dp, position.cp,
+                                                                             position.tp)
+    ranks = grid[torch.tensor([(first, pp - 1 - first) for first in range(pp // 2)])]
     options = axis_options(dist.get_backend(), timeout)
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=COPIES_MESH_DIMS,
                       backend_override=tuple(options for _ in COPIES_MESH_DIMS))

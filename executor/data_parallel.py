@@ -78,6 +78,15 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def local_storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """The storage holding this process's part of ``tensor``. A DTensor's local part may be
+    a functional collective's pending result (tp's sequence-parallel gathers leave one as
+    an output's gradient), a wrapper with no storage of its own around the tensor it fills
+    (``AsyncCollectiveTensor.elem``): that one's."""
+    local = local_tensor(tensor)
+    return getattr(local, "elem", local).untyped_storage()
+
+
 def is_partial(tensor: torch.Tensor) -> bool:
     """Whether a DTensor holds partial sums (each tp rank one addend) on some mesh axis."""
     return any(placement.is_partial() for placement in getattr(tensor, "placements", ()))

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from executor.data_parallel import local_tensor
+from executor.data_parallel import local_storage, local_tensor
 from executor.per_op_recompute import collecting_kept, kept_tensors
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, Action, ActionKind
 
@@ -60,12 +60,9 @@ def held_bytes(kept: torch.UntypedStorage | int) -> int:
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    """What tells two tensors on one storage apart from two on their own: the storage's
-    address. A DTensor's local part may be a functional collective's pending result (tp's
-    sequence-parallel gathers leave one as an output's gradient), a wrapper with no storage
-    of its own around the tensor it fills (``AsyncCollectiveTensor.elem``): that one's."""
-    local = local_tensor(tensor)
-    return getattr(local, "elem", local).untyped_storage().data_ptr()
+    """What tells two tensors on one storage apart from two on their own: the address of
+    the storage of this process's part (``local_storage``)."""
+    return local_storage(tensor).data_ptr()
 
 
 @dataclass
@@ -129,7 +126,7 @@ class MemoryTracker:
                 # storage's own identity, not its address: a storage emptied after the
                 # forward (--recompute norm-mla-up) gives its address back, a later tensor
                 # there is another storage, and the emptied one refilled in I counts until W
-                storage = local_tensor(tensor).untyped_storage()
+                storage = local_storage(tensor)
                 self.saved[self.recording][storage._cdata] = storage
             return tensor.detach()
         return tensor

@@ -28,15 +28,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from executor.data_parallel import local_tensor
+from executor.data_parallel import local_storage
 
 Rebuild = Callable[[], Sequence[torch.Tensor]]
-
-
-def storage_of(tensor: torch.Tensor) -> torch.UntypedStorage:
-    """The storage holding this process's part of ``tensor`` (a DTensor's local shard)."""
-    local = local_tensor(tensor)
-    return getattr(local, "elem", local).untyped_storage()
 
 
 class DroppedUntilBackward:
@@ -46,14 +40,11 @@ class DroppedUntilBackward:
     def __init__(self, tensors: Sequence[torch.Tensor], rebuild: Rebuild, what: str) -> None:
         self.rebuild = rebuild
         self.what = what
-        self.sizes = [storage_of(tensor).nbytes() for tensor in tensors]
-        self.storages = [storage_of(tensor) for tensor in tensors]
+        self.storages = [local_storage(tensor) for tensor in tensors]
+        self.sizes = [storage.nbytes() for storage in self.storages]
         self.refilled = False
-        seen: set[int] = set()
         for storage in self.storages:
-            if storage.data_ptr() not in seen:  # views of one storage: emptied once
-                seen.add(storage.data_ptr())
-                storage.resize_(0)
+            storage.resize_(0)  # a second view of one storage finds it empty already
 
     def refill(self, _grad: torch.Tensor | None = None) -> None:
         """Re-run the producing code and copy its bytes back (a tensor hook: the
@@ -66,7 +57,7 @@ class DroppedUntilBackward:
             raise RuntimeError(f"{self.what}: the rebuild returned {len(fresh)} tensors, the forward dropped "
                                f"{len(self.storages)}")
         for index, (storage, size, tensor) in enumerate(zip(self.storages, self.sizes, fresh, strict=True)):
-            source = storage_of(tensor)
+            source = local_storage(tensor)
             if source.nbytes() != size:
                 raise RuntimeError(f"{self.what}: tensor {index} rebuilt to {source.nbytes()} bytes, the forward "
                                    f"made {size}")

@@ -229,16 +229,13 @@ def ring_exchange(config: RunConfig, layers: int, microbatch: int, element: int)
     context_parallel``): its attention layers and the keys and values one cp rank
     passes on per layer (``kv_bytes``: the microbatch's ``seq_len / cp`` tokens, each
     with the key and value widths ``pipesim.model.activations.key_value_bytes`` counts
-    for the shrunk architecture at ``tp``, or the toy gpt's ``2 h / tp``, in the
+    for the model at ``tp``, ``executor.architectures.build.run_spec``, in the
     activations' type, which the ring sends them in)."""
-    from executor.architectures.build import is_architecture, shrunk_spec  # noqa: PLC0415
+    from executor.architectures.build import run_spec  # noqa: PLC0415
     from pipesim.model.activations import key_value_bytes  # noqa: PLC0415
 
-    if is_architecture(config.model):
-        spec = shrunk_spec(config)
-        per_token = key_value_bytes(spec, config.tp) / spec.dtype_bytes * element
-    else:  # the toy gpt: multi-head attention, every head's key and value, the rank's heads
-        per_token = 2 * config.hidden / config.tp * element
+    spec = run_spec(config)
+    per_token = key_value_bytes(spec, config.tp) / spec.dtype_bytes * element
     return {"attention_layers": float(layers), "kv_bytes": float(microbatch * config.seq_len / config.cp * per_token)}
 
 

@@ -101,6 +101,18 @@ def shrunk_spec(config: RunConfig) -> ModelSpec:
                    moe=moe, mla=mla, fused_qkv=config.qkv == "fused", mtp_depth=0)
 
 
+def run_spec(config: RunConfig) -> ModelSpec:
+    """The transformer ``config`` trains, as a ``ModelSpec``: an architecture shrunk
+    (``shrunk_spec``), or the toy gpt (``executor.models.Block``: GPT-2's layers, learned
+    positions, untied embeddings). The ``mlp`` toy has none (a ``ConfigError``)."""
+    if is_architecture(config.model):
+        return shrunk_spec(config)
+    if config.model != "gpt":
+        raise ConfigError(f"--model {config.model} is not a transformer: it has no model spec")
+    return ModelSpec(name="gpt", layers=config.layers, hidden=config.hidden, heads=config.heads,
+                     seq_len=config.seq_len, vocab=config.vocab, tied_embeddings=False, dropout=False)
+
+
 def shrink_note(config: RunConfig) -> str:
     """One line: what of ``config.model`` was shrunk (``was`` -> ``now``) and what the
     executor builds differently."""

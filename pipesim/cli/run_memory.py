@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from executor.architectures.build import is_architecture, shrunk_spec, stage_layers
+from executor.architectures.build import is_architecture, run_spec, stage_layers
 from executor.config import RunConfig, build_schedule, even_layout
 from pipesim.job import DTYPE_BYTES
 from pipesim.model.activations import last_stage_extra_bytes
@@ -68,13 +68,11 @@ def executor_spec(config: RunConfig) -> tuple[ModelSpec, SavedTensors] | None:
     sizes = {"microbatch_size": config.replica_batch_size // config.microbatches,
              "dtype_bytes": ELEMENT_BYTES[config.dtype], "dropout": False}
     saved = AUTOCAST_TORCH if config.dtype == "bfloat16" else EAGER_TORCH
+    spec = replace(run_spec(config), **sizes)
     if is_architecture(config.model):
-        return replace(shrunk_spec(config), **sizes), saved
-    # the toy gpt (executor.models.Block): GPT-2's layers, packed QKV, its own output layer
-    spec = ModelSpec(name="gpt", layers=config.layers, hidden=config.hidden, heads=config.heads,
-                     seq_len=config.seq_len, vocab=config.vocab, tied_embeddings=False, **sizes)
-    # the packed QKV is one projection (one cast of its input) and lays the attention's
-    # output out token by token: joining the heads is a view
+        return spec, saved
+    # the toy gpt's packed QKV is one projection (one cast of its input) and lays the
+    # attention's output out token by token: joining the heads is a view
     return spec, replace(saved, attention_output_copy=False, input_cast_per_projection=False)
 
 

@@ -153,6 +153,7 @@ Operation = Gemm | FlashAttention | MemoryBound
 # and norm-mla-up's other models have none: their Q, K and V are one "qkv")
 UP_PROJECTIONS = ("query_up", "kv_up", "query")
 
+
 def precision(spec: ModelSpec, in_fp8: bool = True) -> dict:
     """A weight GEMM's precision fields under ``spec``: FP8 when the model runs FP8 and the
     GEMM is not one kept in BF16, with the amax pass of current scaling (``FP8_SCALINGS``
