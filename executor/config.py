@@ -120,6 +120,7 @@ class RunConfig:
     qkv: str = "separate"  # Q, K and V as three linears or one wqkv (pipesim.model.spec.QKV_PROJECTIONS)
     experts: int | None = None
     capacity_factor: float | None = None
+    expert_bias_rate: float | None = None  # DeepSeek-V3's selection-bias step; None: 0.001 where a model has one
     data: str | None = None
 
     @property
@@ -294,7 +295,8 @@ def check_model(config: RunConfig) -> None:
                               f"a config.json); --model {config.model} has "
                               + ("no attention" if config.model == "mlp" else "its own packed, biased qkv linear"))
         for flag, value in (("--kv-heads", config.kv_heads), ("--ffn-hidden", config.ffn_hidden),
-                            ("--experts", config.experts), ("--capacity-factor", config.capacity_factor)):
+                            ("--experts", config.experts), ("--capacity-factor", config.capacity_factor),
+                            ("--expert-bias-rate", config.expert_bias_rate)):
             if value is not None:
                 raise ConfigError(f"{flag} shapes an architecture (--model llama3-8b, mixtral-8x7b, a config.json); "
                                   f"--model {config.model} has no such part")

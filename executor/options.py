@@ -130,6 +130,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     model.add_argument("--capacity-factor", type=float, default=None,
                        help="mixture of experts: each expert takes at most factor * k * seq-len / experts tokens "
                        "of a sequence and drops the rest (default: dropless)")
+    model.add_argument("--expert-bias-rate", type=float, default=None, metavar="RATE",
+                       help="mixture of experts with a sigmoid router (DeepSeek-V3): after each step every expert's "
+                       "selection bias moves by RATE towards balance, up where the expert took fewer than the mean "
+                       "of the step's routed tokens, down where more (auxiliary-loss-free balancing; default: "
+                       "0.001, DeepSeek-V3's and Megatron-Core's; 0 keeps the biases at zero)")
     model.add_argument("--data", default=None, metavar="FILE",
                        help=f"train on this local text file, byte-level tokens (vocabulary {BYTE_VOCAB}) "
                        "(default: synthetic tokens)")
@@ -246,7 +251,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         zero=args.zero, recompute=args.recompute,
         model=args.model, batch_size=args.batch_size, **model_sizes(args), seed=args.seed,
         kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, qkv=args.qkv, experts=args.experts,
-        capacity_factor=args.capacity_factor, data=args.data,
+        capacity_factor=args.capacity_factor, expert_bias_rate=args.expert_bias_rate, data=args.data,
         steps=getattr(args, "steps", DEFAULT_STEPS),
         optimizer=args.optimizer, lr=getattr(args, "lr", None),
         weight_decay=getattr(args, "weight_decay", None), dtype=args.dtype,

@@ -1,7 +1,8 @@
 """The one-process reference: the same model, the same data, no pipeline.
 
 Every stage is built on one process and the whole batch runs through them in one
-forward and one backward of the mean loss. A pipelined step is correct when its loss and
+forward and one backward of the mean loss (DeepSeek-V3's selection biases moved
+after each step from its loads, as a run moves them). A pipelined step is correct when its loss and
 every gradient equal this one's (float64: to 1e-10), and a multi-step run is correct
 when its loss curve equals this one's.
 
@@ -16,6 +17,14 @@ from __future__ import annotations
 import torch
 
 from executor.config import RunConfig
+from executor.expert_balance import (
+    balance_rate,
+    load_shape,
+    routers_of,
+    selection_biases,
+    start_counting,
+    update_selection_biases,
+)
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.precision import Precision
 
@@ -32,7 +41,9 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
     precision = Precision(config)
     scaler = torch.amp.GradScaler("cpu", enabled=config.dtype == "float16")
     losses, grads, skipped = [], {}, []
+    routers, shape = routers_of(stages), load_shape(config)
     for step in range(config.steps):
+        start_counting(routers)
         inputs, targets = model.make_batch(step, config.batch_size)
         optimizer.zero_grad(set_to_none=True)
         output = inputs
@@ -49,10 +60,13 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
         scale = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
+        if shape is not None:  # every token routed here: the loads need no reduction
+            update_selection_biases(routers, balance_rate(config), shape, torch.device("cpu"))
         if scaler.is_enabled() and scaler.get_scale() < scale:  # GradScaler backs off only when it skipped
             skipped.append(step)
         losses.append(loss.item())
     params = {f"{index}.{name}": p.detach().clone() for index, stage in enumerate(stages)
               for name, p in stage.named_parameters()}
+    params.update(selection_biases(dict(enumerate(stages))))
     return {"losses": losses, "grads": grads, "params": params, "skipped_steps": skipped,
             "loss_scale": scaler.get_scale() if scaler.is_enabled() else 1.0}

@@ -23,6 +23,14 @@ from executor.config import RunConfig, build_schedule, parse_failure
 from executor.context_parallel import local_shape
 from executor.copies import by_model_stage, check_mirrored, copies_group, copies_mesh, data_index, model_stage
 from executor.data_parallel import GradientAverager, local_tensor
+from executor.expert_balance import (
+    balance_rate,
+    load_shape,
+    routers_of,
+    selection_biases,
+    start_counting,
+    update_selection_biases,
+)
 from executor.gather import CP_KIND, EP_KIND, TP_KIND, dp_event, fsdp_event, gather_events, inside_event
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
@@ -208,6 +216,8 @@ class RankRun:
                                                                 else None, self.memory.after_action),
                                        precision=Precision(config, device),
                                        weight_grad_runner=fsdp_weight_grad)
+        # DeepSeek-V3's selection biases, moved after each step from every rank's expert loads
+        self.routers, self.load_shape = routers_of(self.stages.values()), load_shape(config)
         self.waiting_on: str | None = None  # a step-level collective the rank is blocked in
         self.losses: list[float] = []
         self.step_times: list[float] = []
@@ -244,6 +254,7 @@ class RankRun:
             self.wait_for("in the step's barrier", dist.barrier)
         started = time.perf_counter()
         self.runtime.loss_scale = self.scaler.scale
+        start_counting(self.routers)
         self.memory.start_step()
         try:
             if self.tp_timer is not None:
@@ -273,6 +284,10 @@ class RankRun:
             gathers = self.wait_for("in the dp parameter all-gather", self.averager.gather_parameters)
             self.events.extend(self.dp_events(gathers))
         self.scaler.update(overflow)
+        if self.load_shape is not None:
+            reduce = dist.all_reduce if self.world > 1 else None
+            self.wait_for("in the expert-load all-reduce", lambda: update_selection_biases(
+                self.routers, balance_rate(config), self.load_shape, device, reduce))
         self.memory_peak = self.memory.finish_step()
         if self.world > 1:
             # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank
@@ -365,6 +380,8 @@ class RankRun:
             params = {f"{model_stage(schedule, stage)}.{name}": full_tensor(p.detach()).cpu().clone()
                       for stage, module in by_model_stage(schedule, self.stages).items()
                       for name, p in module.named_parameters()}
+        if config.return_grads:
+            params.update(selection_biases(by_model_stage(schedule, self.stages)))
         held = sum(local_tensor(p).numel() for group in self.optimizer.param_groups for p in group["params"])
         result = {"rank": self.rank, "grads": self.grads, "params": params, "optimizer_elements": held,
                   "skipped_steps": self.skipped_steps,

@@ -7,7 +7,8 @@ give; what no flag gives is scaled with the hidden size so the shrunk model keep
 original's proportions: the grouped-query ratio ``heads / kv_heads``, the MLP's width
 over the hidden size (each expert's too), the latent ranks of multi-head latent
 attention. Experts are cut to 8 at most and the top-k to half of them (a router that
-picks every expert routes nothing). ``shrink_note`` says, in one line, what changed.
+picks every expert routes nothing); DeepSeek's expert groups to as many as divide them,
+each token keeping the original's share of the groups. ``shrink_note`` says, in one line, what changed.
 
 Plain data, no torch: the command line checks a run before any process starts.
 """
@@ -70,8 +71,27 @@ def shrunk_experts(moe: MixtureOfExperts, layers: int, experts: int | None, fact
     top_k = moe.experts_per_token if count == moe.experts else min(moe.experts_per_token, max(1, count // 2))
     shared_ffn = moe.shared_expert_ffn and scaled(moe.shared_expert_ffn, factor)
     dense = tuple(layer for layer in moe.dense_layers if layer < layers)[:layers // 2]
-    return replace(moe, experts=count, experts_per_token=min(top_k, count), expert_ffn=scaled(moe.expert_ffn, factor),
-                   shared_expert_ffn=shared_ffn, dense_layers=dense, capacity_factor=capacity_factor)
+    top_k = min(top_k, count)
+    return replace(moe, experts=count, experts_per_token=top_k, expert_ffn=scaled(moe.expert_ffn, factor),
+                   shared_expert_ffn=shared_ffn, dense_layers=dense, capacity_factor=capacity_factor,
+                   **shrunk_groups(moe, count, top_k))
+
+
+def shrunk_groups(moe: MixtureOfExperts, experts: int, top_k: int) -> dict:
+    """Group-limited routing at ``experts`` experts: as many equal groups as the original
+    has, or the most that divide the experts (two a group where a group scores by its
+    best two), and the original's share of them kept per token, or enough to hold the
+    token's ``top_k``. One group is no limit."""
+    if moe.expert_groups == 1 or experts == moe.experts:
+        return {}
+    smallest = 2 if moe.group_scoring == "top2-sum" else 1
+    groups = max((count for count in range(1, min(moe.expert_groups, experts) + 1)
+                  if experts % count == 0 and experts // count >= smallest), default=1)
+    if groups == 1:
+        return {"expert_groups": 1, "node_limit": None}
+    per_group = experts // groups
+    kept = max(math.ceil(moe.node_limit * groups / moe.expert_groups), math.ceil(top_k / per_group))
+    return {"expert_groups": groups, "node_limit": min(kept, groups)}
 
 
 def shrunk_latents(mla: LatentAttention, head_dim: int, factor: float) -> LatentAttention:
@@ -127,6 +147,9 @@ def shrink_note(config: RunConfig) -> str:
                   ("top-k", full.moe.experts_per_token, small.moe.experts_per_token),
                   ("expert ffn", full.moe.expert_ffn, small.moe.expert_ffn),
                   ("dense layers", len(full.moe.dense_layers), len(small.moe.dense_layers))]
+        if full.moe.expert_groups > 1:
+            pairs += [("expert groups", full.moe.expert_groups, small.moe.expert_groups),
+                      ("groups per token", full.moe.node_limit, small.moe.node_limit or small.moe.expert_groups)]
     if full.mla and small.mla:
         pairs += [("kv latent", full.mla.kv_lora_rank, small.mla.kv_lora_rank)]
     changed = [f"{name} {was}->{now}" for name, was, now in pairs if was != now]
@@ -175,6 +198,13 @@ def check_architecture(config: RunConfig) -> ModelSpec:
                         ("--kv-heads", config.kv_heads)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1, got {value}")
+    rate = config.expert_bias_rate
+    if rate is not None:
+        if not (math.isfinite(rate) and rate >= 0):
+            raise ConfigError(f"--expert-bias-rate must be a finite number >= 0 (0 keeps the biases), got {rate}")
+        if full.moe is None or full.moe.gating != "sigmoid":
+            raise ConfigError(f"--expert-bias-rate {rate}: {config.model}'s router has no selection bias (only "
+                              "sigmoid routers balance by one: DeepSeek-V3)")
     factor = config.capacity_factor
     if factor is not None and not (math.isfinite(factor) and factor > 0):
         raise ConfigError(f"--capacity-factor must be a finite number > 0 (leave it out for dropless), got {factor}")

@@ -4,9 +4,11 @@ with an optional capacity, and shared experts every token goes through.
 The router scores each token against every expert (``softmax`` over the logits, as
 Mixtral, DeepSeek-V2 and Qwen-MoE, or ``sigmoid`` per expert, as DeepSeek-V3), picks the
 k best and weights the experts' outputs by their scores (rescaled to sum to one where
-the spec says ``normalize_top_k``). DeepSeek-V3's auxiliary-loss-free balancing picks by
-score plus a per-expert bias that is not trained by the gradient (``selection_bias``,
-a buffer); only the score weights the output.
+the spec says ``normalize_top_k``, then times DeepSeek's ``routed_scaling``), among the
+experts of a token's best expert groups where routing is group-limited (DeepSeek).
+DeepSeek-V3's auxiliary-loss-free balancing picks by score plus a per-expert bias that
+is not trained by the gradient (``selection_bias``, a buffer, moved after each step by
+``executor.expert_balance``); only the score weights the output.
 
 Capacity (GShard, Switch Transformer): with a factor C each expert takes at most
 ``ceil(C * k * s / E)`` of one sequence's ``k * s`` routed token copies, in token order
@@ -29,17 +31,30 @@ from executor.architectures.layers import FeedForward
 
 class Router(nn.Module):
     """Scores of ``tokens x hidden`` against ``experts``: the top-k experts of each token
-    and their weights."""
+    and their weights.
+
+    With ``groups`` above one (DeepSeek's group-limited routing) the experts are that
+    many equal groups; each token keeps the ``groups_kept`` groups of the best group
+    scores (``max``: a group's best score; ``top2-sum``: its best two's sum) and picks
+    its k among their experts. ``scaling`` multiplies the chosen weights (DeepSeek's
+    ``routed_scaling_factor``). ``expert_load`` counts the copies each expert was picked
+    for since the step began (once a forward: not in a backward's recompute), which
+    the auxiliary-loss-free balancing reads (``executor.expert_balance``)."""
+
+    layer: int = -1  # the model's layer this router belongs to (set by its block)
 
     def __init__(self, hidden: int, experts: int, top_k: int, gating: str = "softmax",
-                 normalize: bool = True) -> None:
+                 normalize: bool = True, groups: int = 1, groups_kept: int | None = None,
+                 group_scoring: str = "max", scaling: float = 1.0) -> None:
         super().__init__()
-        self.top_k, self.gating, self.normalize = top_k, gating, normalize
+        self.top_k, self.gating, self.normalize, self.scaling = top_k, gating, normalize, scaling
+        self.groups, self.groups_kept, self.group_scoring = groups, groups_kept or groups, group_scoring
         self.gate = nn.Linear(hidden, experts, bias=False)
         if gating == "sigmoid":
             self.register_buffer("selection_bias", torch.zeros(experts))
         else:
             self.selection_bias = None
+        self.register_buffer("expert_load", torch.zeros(experts, dtype=torch.int64), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Scores in float32 at least (as Mixtral's and DeepSeek's routers compute them under
@@ -47,12 +62,32 @@ class Router(nn.Module):
         logits = self.gate(tokens)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         scores = logits.softmax(dim=-1) if self.gating == "softmax" else logits.sigmoid()
-        ranking = scores if self.selection_bias is None else scores.detach() + self.selection_bias
+        ranking = scores.detach() if self.selection_bias is None else scores.detach() + self.selection_bias
+        if self.groups > 1:
+            ranking = self.within_kept_groups(ranking)
         chosen = ranking.topk(self.top_k, dim=-1).indices
+        if torch._C._current_graph_task_id() == -1:  # not a recompute inside a backward
+            self.expert_load += torch.bincount(chosen.flatten(), minlength=self.expert_load.numel())
         weights = scores.gather(-1, chosen)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         return weights, chosen
+
+    def within_kept_groups(self, ranking: torch.Tensor) -> torch.Tensor:
+        """``ranking`` with every expert outside a token's kept groups at minus infinity
+        (DeepSeek's reference code masks them so; a zero could outrank a kept expert
+        whose biased score is negative)."""
+        tokens, experts = ranking.shape
+        grouped = ranking.view(tokens, self.groups, experts // self.groups)
+        if self.group_scoring == "top2-sum":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        kept = group_scores.topk(self.groups_kept, dim=-1).indices
+        in_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        return grouped.masked_fill(~in_kept.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
 def within_capacity(chosen: torch.Tensor, experts: int, factor: float) -> torch.Tensor:
@@ -74,9 +109,10 @@ class MixtureOfExperts(nn.Module):
 
     def __init__(self, hidden: int, experts: int, top_k: int, expert_ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, gating: str = "softmax", normalize: bool = True,
-                 capacity_factor: float | None = None) -> None:
+                 capacity_factor: float | None = None, groups: int = 1, groups_kept: int | None = None,
+                 group_scoring: str = "max", scaling: float = 1.0) -> None:
         super().__init__()
-        self.router = Router(hidden, experts, top_k, gating, normalize)
+        self.router = Router(hidden, experts, top_k, gating, normalize, groups, groups_kept, group_scoring, scaling)
         self.experts = nn.ModuleList(FeedForward(hidden, expert_ffn) for _ in range(experts))
         self.shared = FeedForward(hidden, shared_ffn) if shared_ffn else None
         self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_ffn and shared_gate else None

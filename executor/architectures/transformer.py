@@ -52,7 +52,9 @@ class TransformerBlock(nn.Module):
         if spec.is_moe_layer(layer):
             self.feed_forward = MixtureOfExperts(
                 spec.hidden, moe.experts, moe.experts_per_token, moe.expert_ffn, moe.shared_ffn,
-                moe.shared_expert_gate, moe.gating, moe.normalize_top_k, moe.capacity_factor)
+                moe.shared_expert_gate, moe.gating, moe.normalize_top_k, moe.capacity_factor,
+                moe.expert_groups, moe.node_limit, moe.group_scoring, moe.routed_scaling)
+            self.feed_forward.router.layer = layer
         else:
             self.feed_forward = FeedForward(spec.hidden, spec.ffn, spec.gated_mlp, spec.mlp_has_bias)
 

@@ -30,7 +30,12 @@ architecture the executor builds: ``softmax`` over every expert's logit (Mixtral
 DeepSeek-V2, Qwen-MoE) or ``sigmoid`` per expert with a selection bias kept outside the
 gradient (DeepSeek-V3's auxiliary-loss-free balancing); ``normalize_top_k`` rescales
 the k chosen weights to sum to one (Mixtral, DeepSeek-V3) or leaves them as scored
-(DeepSeek-V2, Qwen-MoE's ``norm_topk_prob`` false).
+(DeepSeek-V2, Qwen-MoE's ``norm_topk_prob`` false); ``routed_scaling`` multiplies them
+(DeepSeek's ``routed_scaling_factor``, 2.5 in V3). DeepSeek's group-limited routing
+splits the experts into ``expert_groups`` equal groups, scores each group (``max``: its
+best expert, V2's ``group_limited_greedy``; ``top2-sum``: its best two by biased score,
+V3's ``noaux_tc``), keeps the ``node_limit`` best groups and picks the token's k experts
+among theirs.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from dataclasses import dataclass
 from pipesim.model.errors import ModelSpecError, require_count
 
 GATINGS = ("softmax", "sigmoid")
+GROUP_SCORINGS = ("max", "top2-sum")
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,9 @@ class MixtureOfExperts:
     node_limit: int | None = None  # a token's experts on at most this many nodes (DeepSeek-V3's topk_group)
     gating: str = "softmax"  # "softmax" or "sigmoid" (with DeepSeek-V3's auxiliary-loss-free selection bias)
     normalize_top_k: bool = True  # the k chosen weights rescaled to sum to one
+    expert_groups: int = 1  # DeepSeek's n_group: a token picks node_limit of these groups, then its experts there
+    group_scoring: str = "max"  # a group's score: its best expert's ("max", V2) or its best two's sum ("top2-sum", V3)
+    routed_scaling: float = 1.0  # the routed experts' weights times this (DeepSeek's routed_scaling_factor)
 
     def __post_init__(self) -> None:
         for key in ("experts", "experts_per_token", "expert_ffn"):
@@ -75,11 +84,40 @@ class MixtureOfExperts:
             require_count(self.node_limit, "mixture of experts: node_limit (or none)")
         if self.gating not in GATINGS:
             raise ModelSpecError(f"mixture of experts: gating {self.gating!r} is not one of: {', '.join(GATINGS)}")
+        self._check_groups()
+        scaling = self.routed_scaling
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) \
+                or scaling <= 0:
+            raise ModelSpecError(f"mixture of experts: routed_scaling must be a number > 0, got {scaling!r}")
         factor = self.capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                                    or not math.isfinite(factor) or factor <= 0):
             raise ModelSpecError(f"mixture of experts: capacity_factor must be a number > 0 (or none for dropless), "
                                  f"got {factor!r}")
+
+    def _check_groups(self) -> None:
+        """Group-limited routing needs equal groups, a limit among them, and room in the
+        kept groups for a token's k experts (the best two of a group need two there)."""
+        require_count(self.expert_groups, "mixture of experts: expert_groups")
+        if self.group_scoring not in GROUP_SCORINGS:
+            raise ModelSpecError(f"mixture of experts: group_scoring {self.group_scoring!r} is not one of: "
+                                 f"{', '.join(GROUP_SCORINGS)}")
+        groups = self.expert_groups
+        if groups == 1:
+            return
+        if self.experts % groups:
+            raise ModelSpecError(f"mixture of experts: expert_groups {groups} must divide the {self.experts} "
+                                 "routed experts")
+        per_group = self.experts // groups
+        if self.node_limit is None or self.node_limit > groups:
+            raise ModelSpecError(f"mixture of experts: node_limit {self.node_limit} must be a count of the "
+                                 f"{groups} expert groups a token may use")
+        if self.node_limit * per_group < self.experts_per_token:
+            raise ModelSpecError(f"mixture of experts: node_limit {self.node_limit} groups of {per_group} experts "
+                                 f"hold fewer than the {self.experts_per_token} a token picks")
+        if self.group_scoring == "top2-sum" and per_group < 2:
+            raise ModelSpecError(f"mixture of experts: group_scoring top2-sum needs 2 experts a group, "
+                                 f"{groups} groups of {self.experts} leave {per_group}")
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers

@@ -23,7 +23,10 @@ family. What differs between the families read here (``transformers``' modeling 
 - ``deepseek_v2``, ``deepseek_v3``: multi-head latent attention, gated experts from
   layer ``first_k_dense_replace`` on (every ``moe_layer_freq``-th), shared experts,
   untied; the router's ``scoring_func`` (V2 softmax, V3 sigmoid) and ``norm_topk_prob``
-  (V2 false, V3 true; Qwen-MoE false), which change no count, are kept for the executor.
+  (V2 false, V3 true; Qwen-MoE false), ``routed_scaling_factor`` (V3 2.5 by default, on
+  every weight; V2 1.0, only on weights left unnormalised) and the group-limited routing
+  of ``n_group``/``topk_group``/``topk_method``, which change no count, are kept for the
+  executor (the limit, as nodes, also for the all-to-all).
 - ``olmoe``: every MLP ``num_experts`` gated experts of ``intermediate_size``, top
   ``num_experts_per_tok``, no shared expert; RMSNorms over the whole Q and K projections.
 - ``qwen3``: Qwen2's model without the Q, K, V biases (``attention_bias``), with an
@@ -77,6 +80,7 @@ config's ``seq_length``, else ``max_position_embeddings`` capped at 8192.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -373,7 +377,8 @@ def _gating(config: Config, default: str) -> str:
 
 def _deepseek(first_dense_default: int, routed_default: int | None, shared_default: int | None,
               top_k_default: int | None, expert_ffn_default: int, gating: str = "softmax",
-              normalize: bool = False) -> Callable[[Config], dict]:
+              normalize: bool = False, scaling_default: float = 1.0,
+              always_scaled: bool = False) -> Callable[[Config], dict]:
     def read(config: Config) -> dict:
         mla = LatentAttention(q_lora_rank=config.count("q_lora_rank", 1536),
                               kv_lora_rank=config.count("kv_lora_rank", 512),
@@ -391,13 +396,35 @@ def _deepseek(first_dense_default: int, routed_default: int | None, shared_defau
                                     moe_every=config.count("moe_layer_freq", 1))
         shared = (config.part("n_shared_experts", "shared experts", shared_default) if shared_default
                   else config.count("n_shared_experts", minimum=0))
+        top_k = config.count("num_experts_per_tok", top_k_default)
+        normalized = bool(config.get("norm_topk_prob", normalize))
         found["moe"] = MixtureOfExperts(
-            experts=experts, experts_per_token=config.count("num_experts_per_tok", top_k_default),
+            experts=experts, experts_per_token=top_k,
             expert_ffn=config.count("moe_intermediate_size", expert_ffn_default),
             shared_experts=shared or 0, dense_layers=dense, node_limit=_node_limit(config),
-            gating=_gating(config, gating), normalize_top_k=bool(config.get("norm_topk_prob", normalize)))
+            gating=_gating(config, gating), normalize_top_k=normalized, **_expert_groups(config),
+            routed_scaling=_routed_scaling(config, scaling_default, always_scaled or not (normalized and top_k > 1)))
         return found
     return read
+
+
+def _expert_groups(config: Config) -> dict:
+    """``n_group`` and how a group is scored, where routing is group-limited (V2's
+    ``group_limited_greedy``: a group's best expert; V3's ``noaux_tc``: its best two's
+    sum, by biased score)."""
+    if _node_limit(config) is None:
+        return {}
+    return {"expert_groups": config.count("n_group"),
+            "group_scoring": "top2-sum" if config.get("topk_method") == "noaux_tc" else "max"}
+
+
+def _routed_scaling(config: Config, default: float, applied: bool) -> float:
+    """``routed_scaling_factor`` where the family applies it: V3 to every top-k weight,
+    V2 only to weights it does not rescale to sum to one (as their modelling code does)."""
+    value = config.get("routed_scaling_factor", default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ModelSpecError(f"{config.name}: routed_scaling_factor must be a number > 0, got {value!r}")
+    return float(value) if applied else 1.0
 
 
 def _node_limit(config: Config) -> int | None:
@@ -461,7 +488,7 @@ FAMILIES: dict[str, Family] = {
                                                   ("num_kv_heads", "n_head_kv"))),
     "deepseek_v2": Family(gated_mlp=True, reads=DEEPSEEK_READS, particular=_deepseek(0, None, None, None, 1407)),
     "deepseek_v3": Family(gated_mlp=True, reads=(*DEEPSEEK_READS, "num_nextn_predict_layers"),
-                          particular=_deepseek(3, 256, 1, 8, 2048, "sigmoid", True)),
+                          particular=_deepseek(3, 256, 1, 8, 2048, "sigmoid", True, 2.5, True)),
 }
 
 

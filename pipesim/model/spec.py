@@ -450,8 +450,9 @@ def _deepseek(name: str, layers: int, hidden: int, heads: int, vocab: int, ffn: 
 # Mixtral-8x7B: Jiang et al. 2024 and its config.json (Mistral-7B's attention, every MLP 8
 # SwiGLU experts of 14336, top 2; 32k context, trained here on 8192 as the Llama presets).
 # DeepSeek-V3 and V2-Lite: the technical reports and config.json (MLA; the first 3 / 1
-# layers dense, the rest 256 experts top 8 + 1 shared / 64 top 6 + 2 shared; pre-trained on
-# 4K-token sequences). DeepSeek-V3's multi-token-prediction module (14B more) is not part of
+# layers dense, the rest 256 experts top 8 + 1 shared / 64 top 6 + 2 shared; V3's routing
+# limited to 4 of 8 expert groups, its weights times 2.5; pre-trained on 4K-token
+# sequences). DeepSeek-V3's multi-token-prediction module (14B more) is not part of
 # the 671B main model, nor of this preset (nor of the model Hugging Face builds).
 PRESETS: dict[str, ModelSpec] = {
     "gpt3-1.3b": _gpt3("gpt3-1.3b", 24, 2048, 16),
@@ -466,7 +467,8 @@ PRESETS: dict[str, ModelSpec] = {
         "deepseek-v3", 61, 7168, 128, 129280, 18432,
         LatentAttention(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
         MixtureOfExperts(experts=256, experts_per_token=8, expert_ffn=2048, shared_experts=1, dense_layers=(0, 1, 2),
-                         gating="sigmoid")),
+                         gating="sigmoid", node_limit=4, expert_groups=8, group_scoring="top2-sum",
+                         routed_scaling=2.5)),
     "deepseek-v2-lite": _deepseek(
         "deepseek-v2-lite", 27, 2048, 16, 102400, 10944,
         LatentAttention(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
