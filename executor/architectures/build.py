@@ -220,13 +220,37 @@ def check_architecture(config: RunConfig) -> ModelSpec:
                           "wide; rotary positions turn pairs of features, so it must be even")
     if config.tp > 1:
         check_tensor_parallel(config, spec)
+    if config.cp > 1:
+        check_context_parallel(config, spec)
     stage_layers(spec, config.num_stages, config.layout, config.tp, config.sequence_parallel)
     return spec
 
 
+def check_context_parallel(config: RunConfig, spec: ModelSpec) -> None:
+    """Ring attention masks by position only (causal): a sliding window or a chunk
+    shorter than the sequence, or attention sinks, are not in its blocks."""
+    limits = [(f"sliding window {spec.sliding_window}", spec.sliding_window, spec.sliding_layers),
+              (f"attention chunk {spec.attention_chunk}", spec.attention_chunk, spec.chunked_layers)]
+    for what, size, layers in limits:
+        if size is not None and layers and size < spec.seq_len:
+            raise ConfigError(f"--cp {config.cp}: {config.model}'s {what} is shorter than --seq-len {spec.seq_len}; "
+                              "context parallelism's attention masks causally only (run with --seq-len at most "
+                              f"{size}, or without --cp)")
+    if spec.attention_sinks:
+        raise ConfigError(f"--cp {config.cp}: {config.model}'s attention sinks are not in context parallelism's "
+                          "blockwise softmax (run without --cp)")
+
+
 def check_tensor_parallel(config: RunConfig, spec: ModelSpec) -> None:
     """Blocks split by whole query and key/value heads and by MLP columns (every
-    expert's too)."""
+    expert's too); query and key norms and attention sinks kept whole (their gradients
+    would be each tp rank's share of the heads)."""
+    if spec.qk_norm is not None:
+        raise ConfigError(f"--tp {config.tp}: {config.model}'s query and key norms ({spec.qk_norm} wide) are not "
+                          "split by the executor's tensor parallelism (run with --tp 1)")
+    if spec.attention_sinks:
+        raise ConfigError(f"--tp {config.tp}: {config.model}'s attention sinks (one per head) are not split by the "
+                          "executor's tensor parallelism (run with --tp 1)")
     widths = [("--heads", spec.heads), ("--kv-heads", spec.num_kv_heads), ("--ffn-hidden", spec.ffn)]
     if spec.moe is not None:
         widths += [("the experts' width (from --ffn-hidden)", spec.moe.expert_ffn)]

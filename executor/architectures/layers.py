@@ -1,5 +1,6 @@
 """The parts of a Llama-style decoder in plain torch: RMSNorm, rotary positions,
-grouped-query attention, the SwiGLU (or GeLU) MLP.
+grouped-query attention (with the query and key norms, sliding windows, chunks and
+attention sinks the spec names), the SwiGLU (or GeLU) MLP.
 
 As in torchtitan, a part never knows how it is parallelised: tensor parallelism splits
 its linear layers from outside (``executor.tensor_parallel``), so every count of heads
@@ -61,9 +62,21 @@ class Attention(nn.Module):
     rearranged, so a fused model starts as the separate one (no draw of the RNG more)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
-                 qkv_bias: bool = False, rotary: bool = True, fused_qkv: bool = False) -> None:
+                 qkv_bias: bool = False, rotary: bool = True, fused_qkv: bool = False, qk_norm: str | None = None,
+                 window: int | None = None, chunk: int | None = None, sinks: bool = False) -> None:
         super().__init__()
         self.head_dim, self.groups, self.rotary = head_dim, heads // kv_heads, rotary
+        self.window, self.chunk = window, chunk
+        # Qwen3, Gemma 3: an RMSNorm one head wide on every query and key head; OLMoE: one
+        # over the whole query projection and one over the whole key projection
+        self.q_norm = self.k_norm = None
+        if qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
+        elif qk_norm == "projection":
+            self.q_norm, self.k_norm = RMSNorm(heads * head_dim), RMSNorm(kv_heads * head_dim)
+        self.qk_norm = qk_norm
+        # gpt-oss: one learned logit per head in each softmax's denominator
+        self.sinks = nn.Parameter(torch.randn(heads) / 4) if sinks else None
         self.wq = nn.Linear(hidden, heads * head_dim, bias=bias or qkv_bias)
         self.wk = nn.Linear(hidden, kv_heads * head_dim, bias=bias or qkv_bias)
         self.wv = nn.Linear(hidden, kv_heads * head_dim, bias=bias or qkv_bias)
@@ -82,12 +95,23 @@ class Attention(nn.Module):
     def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K and V, each ``batch x heads x seq x head_dim``."""
         if self.wqkv is None:
-            return self.heads_of(self.wq(x)), self.heads_of(self.wk(x)), self.heads_of(self.wv(x))
-        qkv = self.wqkv(x)
-        batch, seq = qkv.shape[:2]
-        grouped = qkv.view(batch, seq, -1, self.groups + 2, self.head_dim)  # key/value groups on this rank
-        q, k, v = grouped.split([self.groups, 1, 1], dim=3)
-        return tuple(part.reshape(batch, seq, -1, self.head_dim).transpose(1, 2) for part in (q, k, v))
+            q, k, v = self.heads_of(self.wq(x)), self.heads_of(self.wk(x)), self.heads_of(self.wv(x))
+        else:
+            qkv = self.wqkv(x)
+            batch, seq = qkv.shape[:2]
+            grouped = qkv.view(batch, seq, -1, self.groups + 2, self.head_dim)  # key/value groups on this rank
+            q, k, v = (part.reshape(batch, seq, -1, self.head_dim).transpose(1, 2)
+                       for part in grouped.split([self.groups, 1, 1], dim=3))
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.qk_norm == "projection":  # over every head at once: the projection's features
+            q, k = self.across_heads(self.q_norm, q), self.across_heads(self.k_norm, k)
+        return q, k, v
+
+    def across_heads(self, norm: nn.Module, heads: torch.Tensor) -> torch.Tensor:
+        """``norm`` over a ``batch x heads x seq x head_dim`` tensor's features, all heads joined."""
+        joined = norm(heads.transpose(1, 2).flatten(2))
+        return joined.view(*joined.shape[:2], -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.projections(x)
@@ -96,7 +120,8 @@ class Attention(nn.Module):
         if self.rotary:
             cos, sin = rotary_angles(q.shape[2], self.head_dim, dtype=q.dtype, device=q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.wo(attend(q, k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)))
+        return self.wo(attend(q, k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1),
+                              self.window, self.chunk, self.sinks))
 
 
 def fused_projection(wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, kv_heads: int) -> nn.Linear:
@@ -112,11 +137,39 @@ def fused_projection(wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, kv_heads: int)
     return fused
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def visible_keys(seq: int, window: int | None = None, chunk: int | None = None,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """``seq x seq``, true where query ``i`` sees key ``j``: ``j <= i``, within the last
+    ``window`` tokens (itself and the ``window - 1`` before: Mistral's, Gemma's and
+    gpt-oss's sliding layers) and in ``i``'s chunk of ``chunk`` tokens (Llama 4's
+    chunked layers)."""
+    query = torch.arange(seq, device=device).unsqueeze(1)
+    key = torch.arange(seq, device=device).unsqueeze(0)
+    seen = key <= query
+    if window is not None:
+        seen &= query - key < window
+    if chunk is not None:
+        seen &= query // chunk == key // chunk
+    return seen
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+           chunk: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``batch x heads x seq x dim`` tensors, heads joined again:
-    ``batch x seq x (heads * v_dim)``."""
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return out.transpose(1, 2).flatten(2)
+    ``batch x seq x (heads * v_dim)``; within a sliding ``window`` or a ``chunk`` where
+    given, and with one ``sinks`` logit per head in every softmax's denominator (gpt-oss:
+    a query may give part of its weight to no key), written out for the sinks."""
+    seq = q.shape[-2]
+    limited = (window is not None and window < seq) or (chunk is not None and chunk < seq)
+    mask = visible_keys(seq, window, chunk, q.device) if limited else None
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return out.transpose(1, 2).flatten(2)
+    mask = visible_keys(seq, window, chunk, q.device) if mask is None else mask
+    scores = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return (weights @ v).transpose(1, 2).flatten(2)
 
 
 def attend_keeping_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

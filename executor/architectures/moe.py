@@ -45,11 +45,11 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, experts: int, top_k: int, gating: str = "softmax",
                  normalize: bool = True, groups: int = 1, groups_kept: int | None = None,
-                 group_scoring: str = "max", scaling: float = 1.0) -> None:
+                 group_scoring: str = "max", scaling: float = 1.0, bias: bool = False) -> None:
         super().__init__()
         self.top_k, self.gating, self.normalize, self.scaling = top_k, gating, normalize, scaling
         self.groups, self.groups_kept, self.group_scoring = groups, groups_kept or groups, group_scoring
-        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.gate = nn.Linear(hidden, experts, bias=bias)  # gpt-oss's router has a bias per expert
         if gating == "sigmoid":
             self.register_buffer("selection_bias", torch.zeros(experts))
         else:
@@ -110,9 +110,10 @@ class MixtureOfExperts(nn.Module):
     def __init__(self, hidden: int, experts: int, top_k: int, expert_ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, gating: str = "softmax", normalize: bool = True,
                  capacity_factor: float | None = None, groups: int = 1, groups_kept: int | None = None,
-                 group_scoring: str = "max", scaling: float = 1.0) -> None:
+                 group_scoring: str = "max", scaling: float = 1.0, router_bias: bool = False) -> None:
         super().__init__()
-        self.router = Router(hidden, experts, top_k, gating, normalize, groups, groups_kept, group_scoring, scaling)
+        self.router = Router(hidden, experts, top_k, gating, normalize, groups, groups_kept, group_scoring, scaling,
+                             router_bias)
         self.experts = nn.ModuleList(FeedForward(hidden, expert_ffn) for _ in range(experts))
         self.shared = FeedForward(hidden, shared_ffn) if shared_ffn else None
         self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_ffn and shared_gate else None

@@ -44,16 +44,18 @@ class TransformerBlock(nn.Module):
         if spec.mla is not None:
             self.attention = LatentAttention(spec.hidden, spec.heads, spec.mla, spec.attention_has_bias)
         else:
-            self.attention = Attention(spec.hidden, spec.heads, spec.num_kv_heads, spec.head_size,
-                                       spec.attention_has_bias, spec.qkv_bias, rotary=not spec.learned_positions,
-                                       fused_qkv=spec.fused_qkv)
+            self.attention = Attention(
+                spec.hidden, spec.heads, spec.num_kv_heads, spec.head_size, spec.attention_has_bias, spec.qkv_bias,
+                rotary=not spec.learned_positions, fused_qkv=spec.fused_qkv, qk_norm=spec.qk_norm,
+                window=spec.sliding_window if layer in spec.sliding_layers else None,
+                chunk=spec.attention_chunk if layer in spec.chunked_layers else None, sinks=spec.attention_sinks)
         self.ffn_norm = norm_of(spec)
         moe = spec.moe
         if spec.is_moe_layer(layer):
             self.feed_forward = MixtureOfExperts(
                 spec.hidden, moe.experts, moe.experts_per_token, moe.expert_ffn, moe.shared_ffn,
                 moe.shared_expert_gate, moe.gating, moe.normalize_top_k, moe.capacity_factor,
-                moe.expert_groups, moe.node_limit, moe.group_scoring, moe.routed_scaling)
+                moe.expert_groups, moe.node_limit, moe.group_scoring, moe.routed_scaling, moe.router_bias)
             self.feed_forward.router.layer = layer
         else:
             self.feed_forward = FeedForward(spec.hidden, spec.ffn, spec.gated_mlp, spec.mlp_has_bias)

@@ -236,7 +236,8 @@ def wgrad_stash_share(stash: float, kept: float) -> float:
 
 def attention_bytes(spec: ModelSpec, tp: int, up_recomputed: bool = False) -> float:
     """Per token on one tp rank: Q, K, V and the output projection's input (GPT: ``2h +
-    2k`` elements, / tp), all in 16-bit (the attention kernel's inputs and output keep
+    2k`` elements, / tp), and the query and key norms' inputs where the model has them
+    (Qwen3, OLMoE, Gemma 3: Q and K once more), all in 16-bit (the attention kernel's inputs and output keep
     their precision under FP8: DeepSeek-V3 report, section 3.3.1). Latent attention with
     its up-projections recomputed (``up_recomputed``) keeps the output alone: Q, K and V
     come back from the latents in the backward."""
@@ -245,7 +246,9 @@ def attention_bytes(spec: ModelSpec, tp: int, up_recomputed: bool = False) -> fl
         if up_recomputed:
             return spec.v_width * d / tp
         return (2 * spec.q_width + 2 * spec.v_width) * d / tp
-    return (spec.q_width / tp + 2 * spec.head_size * kv_heads_per_shard(spec, tp) + spec.v_width / tp) * d
+    kv = spec.head_size * kv_heads_per_shard(spec, tp)
+    norm_inputs = spec.q_width / tp + kv if spec.qk_norm else 0.0  # query and key norms keep their inputs
+    return (spec.q_width / tp + 2 * kv + spec.v_width / tp + norm_inputs) * d
 
 
 def key_value_bytes(spec: ModelSpec, tp: int = 1) -> float:

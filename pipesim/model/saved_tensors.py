@@ -22,7 +22,9 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   ``s x s`` output (``--no-flash-attention``'s term), Q and K, and V: for a microbatch
   of one sequence as a view of the joint K-nope/V up-projection (its K-nope part kept
   too), of more as the copy its reshape makes; the latents' RMSNorms keep their
-  normalised inputs and 1/rms.
+  normalised inputs and 1/rms, and so do query and key norms (Qwen3's one head wide, one
+  1/rms per head; OLMoE's over the projection). Attention with sinks (gpt-oss) is
+  written out: it keeps the softmax's ``s x s`` output as ``--no-flash-attention`` does.
 - **Gated MLP** (SwiGLU): the product's backward needs ``silu(gate)`` too: ``4f``, not
   the fused kernel's ``3f``.
 - **Mixture of experts** (dropless, every expert on the process): per routed copy,
@@ -118,6 +120,15 @@ def latent_norm_extra_elements(spec: ModelSpec, saved: SavedTensors) -> float:
     return norms * saved.rms_norm_statistics + (latents if saved.rms_norm_normalised else 0)
 
 
+def qk_norm_extra_elements(spec: ModelSpec, saved: SavedTensors, tp: int = 1) -> float:
+    """Elements per token the query and key RMSNorms keep beside their inputs, on one tp
+    rank: the normalised Q and K, and one 1/rms per head (``head``) or per projection."""
+    kv_heads = kv_heads_per_shard(spec, tp)
+    statistics = spec.heads / tp + kv_heads if spec.qk_norm == "head" else 2
+    normalised = spec.q_width / tp + spec.head_size * kv_heads if saved.rms_norm_normalised else 0.0
+    return saved.rms_norm_statistics * statistics + normalised
+
+
 def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence_parallel: bool = False,
                       recompute: str = "none", flash_attention: bool = True, layer: int = 0) -> float:
     """Bytes one microbatch keeps for layer ``layer`` beyond ``layer_stash_bytes``'
@@ -150,6 +161,8 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     kernel_kept = recompute in ("none", NORM_MLA_UP)
     if saved.softmax_statistics and flash_attention and kernel_kept:
         per_token += heads * score_bytes(spec, saved)
+    if spec.qk_norm and spec.rms_norm and spec.mla is None:  # the query and key RMSNorms keep theirs too
+        per_token += qk_norm_extra_elements(spec, saved, tp) * d
     if spec.mla is None and saved.kv_repeated:
         per_token += 2 * spec.head_size * (heads - kv_heads_per_shard(spec, tp)) * d
     if saved.attention_output_copy and kernel_kept and flash_attention:  # without it, no kernel output is kept
