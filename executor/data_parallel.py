@@ -50,8 +50,9 @@ as DDP reduces in the gradients' own type; ``bfloat16`` halves the bytes on the 
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -93,19 +94,22 @@ def is_partial(tensor: torch.Tensor) -> bool:
 
 
 def bucket_parameters(module: nn.Module, bucket_bytes: float,
-                      keep: Callable[[nn.Parameter], bool] | None = None) -> list[list[nn.Parameter]]:
+                      keep: Callable[[nn.Parameter], bool] | None = None,
+                      alone: Collection[int] = ()) -> list[list[nn.Parameter]]:
     """Parameters in reverse order (the order backward produces their gradients),
     packed into buckets of at most ``bucket_bytes`` (a larger parameter gets its own);
-    only those ``keep`` accepts, when given."""
+    only those ``keep`` accepts, when given; those whose ids are in ``alone`` each in a
+    bucket of its own (a tied embedding's copies: their ZeRO shards then cover the same
+    rows at both ends, ``executor.tied_embeddings``)."""
     buckets: list[list[nn.Parameter]] = []
     size = 0.0
     for param in reversed([p for p in module.parameters() if p.requires_grad and (keep is None or keep(p))]):
         nbytes = local_tensor(param.detach()).numel() * param.element_size()
-        if not buckets or size + nbytes > bucket_bytes:
+        if not buckets or size + nbytes > bucket_bytes or id(param) in alone:
             buckets.append([])
             size = 0.0
         buckets[-1].append(param)
-        size += nbytes
+        size = math.inf if id(param) in alone else size + nbytes
     return buckets
 
 
@@ -169,7 +173,7 @@ class GradientAverager:
     def __init__(self, stages: dict[int, nn.Module], program: tuple[Action, ...], group: dist.ProcessGroup,
                  replicas: int, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
                  reduce_dtype: torch.dtype | None = None, zero: int = 0,
-                 keep: Callable[[nn.Parameter], bool] | None = None) -> None:
+                 keep: Callable[[nn.Parameter], bool] | None = None, alone: Collection[int] = ()) -> None:
         # ``keep``: the parameters this averager reduces (expert parallelism reduces the
         # experts' over another group, executor.expert_parallel); None: all of them.
         # ``replicas`` (dp) divides the summed gradients; ZeRO shards over every member of
@@ -187,7 +191,7 @@ class GradientAverager:
         else:  # the last backward of each stage completes its accumulation
             self.reducing = set({action.stage: action for action in backwards}.values())
         self.buckets = {stage: [self.make_bucket(stage, index, params) for index, params in
-                                enumerate(bucket_parameters(module, bucket_bytes, keep))]
+                                enumerate(bucket_parameters(module, bucket_bytes, keep, alone))]
                         for stage, module in stages.items()}
         self.active: dict[int, list[Bucket]] = {}  # stage -> its buckets, during a reducing backward
         self.late: list[str] = []  # gradients that arrived after their bucket was posted
@@ -372,6 +376,15 @@ class GradientAverager:
         those cut from matrices (weight decay applies to matrices only)."""
         tensors = [piece.tensor for piece in self.pieces]
         return tensors, {id(piece.tensor) for piece in self.pieces if piece.param.ndim >= 2}
+
+    def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
+        """What the optimizer steps for ``param`` after ``finish``: its averaged gradient
+        (this process's shard of a DTensor's), or under ZeRO this replica's shard of it
+        (``param`` alone in its bucket: one piece)."""
+        if not self.zero:
+            return local_tensor(param.grad)
+        (piece,) = [piece for piece in self.pieces if piece.param is param]
+        return piece.tensor.grad
 
     def shard_grads(self) -> list[torch.Tensor]:
         """Under ZeRO, this replica's averaged gradient shards (what the loss scaler checks)."""

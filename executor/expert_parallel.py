@@ -27,6 +27,7 @@ layers, so the collectives line up.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -151,13 +152,13 @@ class ExpertAwareAverager:
 
     def __init__(self, stages: dict[int, nn.Module], program, dp_group: dist.ProcessGroup,
                  groups: ExpertGroups, dp: int, bucket_bytes: float, reduce_dtype: torch.dtype | None,
-                 zero: int = 0) -> None:
+                 zero: int = 0, alone: Collection[int] = ()) -> None:
         from executor.data_parallel import GradientAverager  # noqa: PLC0415 - beside its one user
 
         routed = expert_parameters(stages)
         self.parts = [
             GradientAverager(stages, program, dp_group, dp, bucket_bytes, reduce_dtype, zero,
-                             keep=lambda param: id(param) not in routed),
+                             keep=lambda param: id(param) not in routed, alone=alone),
             GradientAverager(stages, program, groups.expert_dp_group, dp, bucket_bytes, reduce_dtype, zero,
                              keep=lambda param: id(param) in routed),
         ]
@@ -182,6 +183,10 @@ class ExpertAwareAverager:
             tensors += mine
             matrices |= decaying
         return tensors, matrices
+
+    def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
+        """A dense parameter's (the first part's): see ``GradientAverager.gradient_of``."""
+        return self.parts[0].gradient_of(param)
 
     def shard_grads(self) -> list[torch.Tensor]:
         return [grad for part in self.parts for grad in part.shard_grads()]

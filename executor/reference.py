@@ -27,6 +27,7 @@ from executor.expert_balance import (
 )
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.precision import Precision
+from executor.tied_embeddings import TiedEmbeddings, is_tied
 
 
 def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict:
@@ -53,6 +54,8 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
                 output = precision.to_wire(output)
         loss = model.loss_sum(precision.for_loss(output), targets) / config.batch_size
         scaler.scale(loss).backward()
+        if is_tied(model):  # the table's two uses: one gradient, the sum, on both copies
+            TiedEmbeddings(dict(enumerate(stages)), None).sum_gradients(None)
         scaler.unscale_(optimizer)
         if step == 0:
             grads = {f"{index}.{name}": p.grad.detach().clone()

@@ -40,6 +40,7 @@ from executor.process import init_rank
 from executor.progress import ProgressWriter, progress_dir_from_env
 from executor.recompute import apply_recompute
 from executor.runtime import PipelineRuntime
+from executor.tied_embeddings import TiedEmbeddings, embedding_group, is_tied
 from schedules.action import COMPUTE_KINDS, Action
 from schedules.trace import Trace
 
@@ -160,6 +161,11 @@ class RankRun:
                          expert_groups.expert_dp_group if expert_groups else None, config.timeout, self.fsdp_timer,
                          copies=held_by_copies)
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
+        self.tied = None  # a tied model's two embedding copies (after FSDP, which replaces the parameters)
+        if is_tied(model):
+            group = embedding_group(schedule, position, config.timeout) if world > 1 else None
+            self.tied = TiedEmbeddings(self.stages, group)
+        alone = {id(param) for param in self.tied.held} if self.tied is not None else set()
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []
         self.averager = None
@@ -182,11 +188,12 @@ class RankRun:
 
                 self.averager = ExpertAwareAverager(reduced_stages, schedule.programs[pp_rank], dense_group,
                                                     expert_groups, config.dp, config.dp_bucket_mb * 2**20,
-                                                    getattr(torch, config.reduce_dtype), config.zero)
+                                                    getattr(torch, config.reduce_dtype), config.zero, alone)
             else:
                 self.averager = GradientAverager(reduced_stages, schedule.programs[pp_rank], dense_group, config.dp,
                                                  config.dp_bucket_mb * 2**20,
-                                                 reduce_dtype=getattr(torch, config.reduce_dtype), zero=config.zero)
+                                                 reduce_dtype=getattr(torch, config.reduce_dtype), zero=config.zero,
+                                                 alone=alone)
         if config.zero in (1, 2):  # the optimizer steps this replica's shard only
             shard, matrices = self.averager.optimizer_tensors()
             self.optimizer = build_optimizer(config, shard, decays=lambda tensor: id(tensor) in matrices)
@@ -267,6 +274,8 @@ class RankRun:
             where = self.waiting_on or self.runtime.where()
             raise RankFailedError(f"rank {self.rank} failed in step {step} {where}: "
                                   f"{type(error).__name__}: {error}") from error
+        if self.tied is not None:  # the table's two copies' gradients summed, as one tied weight's
+            self.wait_for("in the tied embeddings' all-reduce", lambda: self.tied.sum_gradients(self.averager))
         # fp16: every rank of the job skips the step if any gradient anywhere overflowed.
         sharded = config.zero in (1, 2)
         overflow = self.scaler.unscale(self.averager.shard_grads() if sharded else [p.grad for p in self.params])

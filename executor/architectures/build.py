@@ -155,7 +155,7 @@ def shrink_note(config: RunConfig) -> str:
     changed = [f"{name} {was}->{now}" for name, was, now in pairs if was != now]
     notes = []
     if full.tied_embeddings:
-        notes.append("embeddings untied (first and last stage hold their own)")
+        notes.append("embeddings tied (the last stage's copy summed with the table's gradient)")
     if full.dropout:
         notes.append("no dropout")
     if full.mtp_depth:

@@ -24,7 +24,7 @@ from executor.architectures.latent_attention import LatentAttention
 from executor.architectures.layers import Attention, FeedForward, RMSNorm
 from executor.architectures.moe import MixtureOfExperts
 from executor.config import RunConfig
-from executor.models import GptModel, token_positions
+from executor.models import GptModel, seeded, token_positions
 from executor.rebuilt_activations import norm_read_by
 from pipesim.model.spec import ModelSpec
 
@@ -102,4 +102,8 @@ class SpecModel(GptModel):
         return TransformerBlock(self.spec, layer)
 
     def make_head(self) -> nn.Module:
-        return nn.Sequential(norm_of(self.spec), nn.Linear(self.spec.hidden, self.spec.vocab, bias=False))
+        head = nn.Sequential(norm_of(self.spec), nn.Linear(self.spec.hidden, self.spec.vocab, bias=False))
+        if self.spec.tied_embeddings:  # the last stage's copy of the table (executor.tied_embeddings)
+            with seeded(self.config.seed, 0), torch.no_grad():
+                head[-1].weight.copy_(self.make_embed().tokens.weight)
+        return head

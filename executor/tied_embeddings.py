@@ -1,0 +1,111 @@
+"""Tied input and output embeddings across a pipeline, kept as Megatron-LM keeps them.
+
+A tied model (GPT-2, Qwen3-0.6B, Gemma: ``tie_word_embeddings``) multiplies its final
+hidden states by the token embedding table. Under pipelining the table lives on the
+first stage and the output layer on the last, usually different ranks, so Megatron-LM
+keeps a copy of the table on the last stage, initialised from the same weights, and
+after each backward sums the two copies' gradients over the "embedding group" (the
+first and last stage's ranks at one data/tensor/context-parallel place:
+``_allreduce_word_embedding_grads``). Both copies then take the same optimizer step
+from the same state and stay equal: the model is the tied one, whose gradient is the
+sum of the table's two uses.
+
+Here the output layer's weight starts as a copy of the table (``SpecModel.make_head``)
+and ``TiedEmbeddings.sum_gradients`` runs after the step's data-parallel reduction and
+before the optimizer: a rank holding both copies (one pipeline stage; V-shaped
+placements, whose rank 0 holds the first and last stages; DualPipe, whose ranks hold one
+copy's first stage and the other's last) adds them in place; otherwise one all-reduce
+over the pair. Summing after the data-parallel average is the same sum (both are
+linear). The gradient summed is what the optimizer steps: the whole reduced gradient,
+or under ZeRO-1/2 this replica's shard (the table is kept alone in its bucket at both
+ends, so the two shards cover the same rows), or under ZeRO-3 FSDP's local shard (both
+copies sharded by rows over the same replicas).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from executor.data_parallel import GradientAverager, local_tensor
+from executor.mesh import MeshPosition
+from schedules.schedule import Schedule
+
+
+def is_tied(model: object) -> bool:
+    """Whether ``model`` is an architecture whose spec ties its embeddings (the toys are
+    untied)."""
+    spec = getattr(model, "spec", None)
+    return spec is not None and spec.tied_embeddings
+
+
+def table_of(stage: nn.Module) -> nn.Parameter | None:
+    """The token embedding table of a first stage, else None."""
+    embed = getattr(stage, "embed", None)
+    return embed.tokens.weight if embed is not None and hasattr(embed, "tokens") else None
+
+
+def output_weight_of(stage: nn.Module) -> nn.Parameter | None:
+    """The output layer's weight of a last stage (its head: final norm, then the output
+    linear), else None."""
+    head = getattr(stage, "head", None)
+    return head[-1].weight if head is not None else None
+
+
+def copies_on_rank(stages: dict[int, nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """This rank's embedding tables and output weights (DualPipe's ranks hold one of each)."""
+    tables = [table for stage in stages.values() if (table := table_of(stage)) is not None]
+    outputs = [weight for stage in stages.values() if (weight := output_weight_of(stage)) is not None]
+    return tables, outputs
+
+
+def embedding_group(schedule: Schedule, position: MeshPosition, timeout: float) -> dist.ProcessGroup | None:
+    """The pair of ranks holding the first and the last stage at this process's dp, cp
+    and tp place, where those are different pipeline ranks (one group per place, made
+    alike on every rank: ``new_group`` is collective); None where one rank holds both."""
+    first, last = schedule.placement[0], schedule.placement[-1]
+    if schedule.copies > 1 or first == last:
+        return None
+    mine = None
+    for dp_index in range(position.dp):
+        for cp_index in range(position.cp):
+            for tp_index in range(position.tp):
+                pair = [position.rank_at(index, dp_index, cp_index, tp_index) for index in (first, last)]
+                group = dist.new_group(sorted(pair), timeout=timedelta(seconds=timeout))
+                if (dp_index, cp_index, tp_index) == (position.dp_index, position.cp_index, position.tp_index):
+                    mine = group
+    return mine if position.pp_index in (first, last) else None
+
+
+class TiedEmbeddings:
+    """This rank's share of keeping a tied model's two embedding copies equal."""
+
+    def __init__(self, stages: dict[int, nn.Module], group: dist.ProcessGroup | None) -> None:
+        self.tables, self.outputs = copies_on_rank(stages)
+        if len(self.tables) != len(self.outputs) and group is None and (self.tables or self.outputs):
+            raise ValueError("a tied model's first and last stages are on different ranks, but no group joins them")
+        self.group = group
+
+    @property
+    def held(self) -> list[nn.Parameter]:
+        """The copies on this rank (a ZeRO averager keeps each alone in its bucket)."""
+        return self.tables + self.outputs
+
+    def sum_gradients(self, averager: GradientAverager | None) -> None:
+        """Both copies' gradient (what the optimizer steps: ``averager.gradient_of``) made
+        their sum: in place on a rank holding both, else by one all-reduce over the pair."""
+        grads = [averager.gradient_of(param) if averager is not None else local_tensor(param.grad)
+                 for param in self.held]
+        if not grads:
+            return
+        with torch.no_grad():
+            if self.group is None:  # both copies here (as many tables as output layers)
+                for table, output in zip(grads[:len(self.tables)], grads[len(self.tables):], strict=True):
+                    table.add_(output)
+                    output.copy_(table)
+                return
+            (grad,) = grads
+            dist.all_reduce(grad, group=self.group)
