@@ -661,7 +661,7 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
     ``copies`` of the model along the pipeline (DualPipe), the model is split into one
     copy's ``num_stages / copies`` stages and every copy's stages cost the same; each rank's
     optimizer then passes over the parameters of all the stages it holds."""
-    from pipesim.model.transformer_costs import with_mtp_embedding_copies, with_optimizer_step
+    from pipesim.model.transformer_costs import with_embedding_copies, with_optimizer_step
 
     split = num_stages // copies
     stages = _model_stage_costs(spec, split, peaks[:split], tp, mfu, sequence_parallel, layout, recompute,
@@ -669,7 +669,7 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
                                 fallback_gpu, profiled, ep, cp, layer_hold_seconds, comm_sms)
     if copies > 1:
         stages = replace(stages, stages=stages.stages * copies, meta=dict(stages.meta))
-    stages = with_mtp_embedding_copies(stages, spec, list(stage_ranks), copies, tp)
+    stages = with_embedding_copies(stages, spec, list(stage_ranks), copies, tp)
     return with_optimizer_step(stages, 1.0, list(stage_ranks), list(bandwidths), fallback_bandwidth)
 
 

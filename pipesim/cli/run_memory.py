@@ -40,7 +40,7 @@ from pipesim.model.activations import last_stage_extra_bytes
 from pipesim.model.costs import Costs
 from pipesim.model.saved_tensors import AUTOCAST_TORCH, EAGER_TORCH, SavedTensors
 from pipesim.model.spec import ModelSpec
-from pipesim.model.transformer_costs import model_stage_costs
+from pipesim.model.transformer_costs import model_stage_costs, with_embedding_copies
 from pipesim.sim.memory import (
     BytesPerParam,
     RankMemory,
@@ -115,6 +115,10 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
     schedule = build_schedule(config)
     if schedule.copies > 1:  # DualPipe: every copy's stages as the model's (executor.copies)
         costs = replace(costs, stages=costs.stages * schedule.copies)
+    # a tied model's last stage keeps its copy of the table, even beside the table itself
+    # (executor.tied_embeddings: the stages are separate modules)
+    costs = with_embedding_copies(costs, spec, list(schedule.placement), schedule.copies, config.tp,
+                                  shared_on_rank=False)
     trace = program_order_trace(schedule)
     holders = config.gradient_holders  # ZeRO shards over them (with DualPipe, both copies' holders)
     # the routed experts' over their expert data-parallel group (executor.expert_parallel)

@@ -326,19 +326,23 @@ def model_stage_costs(
     return Costs(stages=tuple(stages), sequence_parallel=sequence_parallel, meta=meta)
 
 
-def with_mtp_embedding_copies(costs: Costs, spec: ModelSpec, stage_ranks: list[int], copies: int = 1,
-                              tp: int = 1) -> Costs:
-    """``costs`` with the embedding the multi-token prediction modules read kept where
-    they run. Each module embeds the tokens it predicts with the main model's embedding
-    (DeepSeek-V3 report, section 2.2), on the last stage; a rank that also holds a first
-    stage (a V-shaped placement, or DualPipe, whose rank with copy 0's last stage holds
-    copy 1's first: "physical sharing", section 3.2.3) reads the one it has, any other
-    keeps a copy of the table (Megatron-Core keeps one on the last stage, as for tied
-    embeddings), counted in its parameters: memory, gradient reduction and optimizer."""
-    if not spec.mtp_depth:
+def with_embedding_copies(costs: Costs, spec: ModelSpec, stage_ranks: list[int], copies: int = 1,
+                          tp: int = 1, shared_on_rank: bool = True) -> Costs:
+    """``costs`` with a copy of the embedding table on each last stage that reads it but
+    holds no first stage. A tied model's output layer is the table (Megatron-LM keeps a
+    copy on the last stage and sums the two copies' gradients over its embedding group;
+    ``pipesim run``'s executor does the same); DeepSeek-V3's multi-token prediction
+    modules embed the tokens they predict with the main model's table (report, section
+    2.2), on the last stage. A rank that also holds a first stage (one stage; a V-shaped
+    placement; DualPipe, whose rank with copy 0's last stage holds copy 1's first:
+    "physical sharing", section 3.2.3) reads the one it has; any other keeps a copy,
+    counted in its parameters: memory, gradient reduction and optimizer. Without
+    ``shared_on_rank`` every such last stage keeps a copy (``pipesim run``'s executor,
+    whose stages are separate modules)."""
+    if not spec.mtp_depth and not spec.tied_embeddings:
         return costs
     per_copy = len(costs.stages) // copies
-    firsts = {stage_ranks[copy * per_copy] for copy in range(copies)}
+    firsts = {stage_ranks[copy * per_copy] for copy in range(copies)} if shared_on_rank else set()
     extra = spec.embedding_params(tp)
     stages = list(costs.stages)
     for copy in range(copies):
