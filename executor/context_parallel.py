@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.architectures.layers import Attention, apply_rotary, rotary_angles
+from executor.architectures.layers import PLAIN_ROPE, Attention, apply_rotary, rotary_angles
 from executor.block_attention import block_backward, block_forward, compute_dtype, merge
 from executor.inside_timing import RingTimer
 from executor.mesh import MeshPosition
 from executor.ring_attention import Ring, ring_attention
+from pipesim.model.rotary import Rope
 
 
 def chunk_positions(seq_len: int, cp: int, cp_index: int) -> torch.Tensor:
@@ -138,9 +139,10 @@ class ContextShard:
         """``S/cp x S``: which gathered keys (rank order) each of this rank's queries sees."""
         return self.positions.to(device).unsqueeze(1) >= self.gathered_positions.to(device).unsqueeze(0)
 
-    def rotary(self, dim: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, dim: int, dtype: torch.dtype, device: torch.device,
+               rope: Rope = PLAIN_ROPE) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary ``cos`` and ``sin`` at this rank's true positions."""
-        cos, sin = rotary_angles(self.seq_len, dim, dtype=dtype, device=device)
+        cos, sin = rotary_angles(self.seq_len, dim, rope, dtype=dtype, device=device)
         positions = self.positions.to(device)
         return cos[positions], sin[positions]
 
@@ -148,7 +150,7 @@ class ContextShard:
         """Causal attention of this rank's queries over the whole sequence's keys and
         values, heads joined: ``batch x S/cp x (heads * dim)``."""
         if attention.rotary:
-            cos, sin = self.rotary(attention.head_dim, q.dtype, q.device)
+            cos, sin = self.rotary(attention.head_dim, q.dtype, q.device, attention.rope)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.attend_rotated(q, k, v)
 

@@ -160,6 +160,8 @@ def shrink_note(config: RunConfig) -> str:
         notes.append("no dropout")
     if full.mtp_depth:
         notes.append(f"no multi-token prediction (the config's {full.mtp_depth} module(s) not built)")
+    if not full.rope.built:
+        notes.append(f"rotary frequencies unscaled (the config's {full.rope.scaling} rope scaling not built)")
     shrunk = ", ".join(changed) if changed else "nothing shrunk"
     return f"model {small.name}: {shrunk}" + "".join(f"; {note}" for note in notes)
 

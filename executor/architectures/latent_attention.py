@@ -15,17 +15,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor.architectures.layers import RMSNorm, apply_rotary, attend, attend_keeping_inputs, rotary_angles
+from executor.architectures.layers import (
+    PLAIN_ROPE,
+    RMSNorm,
+    apply_rotary,
+    attend,
+    attend_keeping_inputs,
+    rotary_angles,
+)
 from executor.rebuilt_activations import drop_until_backward
 from pipesim.model.latent_attention import LatentAttention as LatentSizes
+from pipesim.model.rotary import Rope
 
 
 class LatentAttention(nn.Module):
     """Causal self-attention of ``heads`` heads through the latents ``sizes`` describes."""
 
-    def __init__(self, hidden: int, heads: int, sizes: LatentSizes, bias: bool = False) -> None:
+    def __init__(self, hidden: int, heads: int, sizes: LatentSizes, bias: bool = False,
+                 rope: Rope = PLAIN_ROPE) -> None:
         super().__init__()
-        self.sizes = sizes
+        self.sizes, self.rope = sizes, rope
         qk = sizes.qk_head_dim
         if sizes.q_lora_rank:
             self.wq_a = nn.Linear(hidden, sizes.q_lora_rank, bias=bias)
@@ -46,9 +55,9 @@ class LatentAttention(nn.Module):
         query_in = self.wq_a(x) if sizes.q_lora_rank else x
         latent, k_rope = self.wkv_a(x).split([sizes.kv_lora_rank, rope], dim=-1)
         if self.context is not None:  # this rank's tokens, rotated at their true positions
-            cos, sin = self.context.rotary(rope, x.dtype, x.device)
+            cos, sin = self.context.rotary(rope, x.dtype, x.device, self.rope)
         else:
-            cos, sin = rotary_angles(seq, rope, dtype=x.dtype, device=x.device)
+            cos, sin = rotary_angles(seq, rope, self.rope, dtype=x.dtype, device=x.device)
         if not self.recompute_up:
             q, k, v, _ = self.up_projected(query_in, latent, k_rope, cos, sin)
             return self.wo(self.core(q, k, v))

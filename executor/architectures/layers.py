@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
 from torch import nn
 
-ROPE_THETA = 10000.0  # the rotary base of Llama 1/2 and Mistral (pipesim's specs carry none)
+from pipesim.model.rotary import Rope
+
+PLAIN_ROPE = Rope()  # base 10000, unscaled: Llama 1/2's, and the toys'
 
 
 class RMSNorm(nn.Module):
@@ -29,13 +31,14 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rotary_angles(seq_len: int, dim: int, theta: float = ROPE_THETA, dtype: torch.dtype | None = None,
+def rotary_angles(seq_len: int, dim: int, rope: Rope = PLAIN_ROPE, dtype: torch.dtype | None = None,
                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` of the angle ``p * theta^(-2i/dim)`` for position ``p`` and
-    feature pair ``i`` (RoFormer, Su et al. 2021), each ``seq_len x dim/2``, in ``dtype``
-    (default: torch's default type); computed in float64 whatever the type, so a
-    bf16 run rounds the angles' cosines, not the angles."""
-    frequencies = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
+    """``cos`` and ``sin`` of the angle ``p * f_i`` for position ``p`` and feature pair
+    ``i`` (RoFormer, Su et al. 2021; ``f_i = theta^(-2i/dim)``, rescaled as ``rope`` says:
+    ``pipesim.model.rotary``), each ``seq_len x dim/2``, in ``dtype`` (default: torch's
+    default type); computed in float64 whatever the type, so a bf16 run rounds the
+    angles' cosines, not the angles."""
+    frequencies = torch.tensor(rope.inverse_frequencies(dim), dtype=torch.float64, device=device)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), frequencies)
     dtype = dtype or torch.get_default_dtype()
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -63,9 +66,10 @@ class Attention(nn.Module):
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
                  qkv_bias: bool = False, rotary: bool = True, fused_qkv: bool = False, qk_norm: str | None = None,
-                 window: int | None = None, chunk: int | None = None, sinks: bool = False) -> None:
+                 window: int | None = None, chunk: int | None = None, sinks: bool = False,
+                 rope: Rope = PLAIN_ROPE) -> None:
         super().__init__()
-        self.head_dim, self.groups, self.rotary = head_dim, heads // kv_heads, rotary
+        self.head_dim, self.groups, self.rotary, self.rope = head_dim, heads // kv_heads, rotary, rope
         self.window, self.chunk = window, chunk
         # Qwen3, Gemma 3: an RMSNorm one head wide on every query and key head; OLMoE: one
         # over the whole query projection and one over the whole key projection
@@ -118,7 +122,7 @@ class Attention(nn.Module):
         if self.context is not None:
             return self.wo(self.context.attend(self, q, k, v))
         if self.rotary:
-            cos, sin = rotary_angles(q.shape[2], self.head_dim, dtype=q.dtype, device=q.device)
+            cos, sin = rotary_angles(q.shape[2], self.head_dim, self.rope, dtype=q.dtype, device=q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.wo(attend(q, k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1),
                               self.window, self.chunk, self.sinks))

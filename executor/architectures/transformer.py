@@ -42,13 +42,14 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention_norm = norm_of(spec)
         if spec.mla is not None:
-            self.attention = LatentAttention(spec.hidden, spec.heads, spec.mla, spec.attention_has_bias)
+            self.attention = LatentAttention(spec.hidden, spec.heads, spec.mla, spec.attention_has_bias, spec.rope)
         else:
             self.attention = Attention(
                 spec.hidden, spec.heads, spec.num_kv_heads, spec.head_size, spec.attention_has_bias, spec.qkv_bias,
                 rotary=not spec.learned_positions, fused_qkv=spec.fused_qkv, qk_norm=spec.qk_norm,
                 window=spec.sliding_window if layer in spec.sliding_layers else None,
-                chunk=spec.attention_chunk if layer in spec.chunked_layers else None, sinks=spec.attention_sinks)
+                chunk=spec.attention_chunk if layer in spec.chunked_layers else None, sinks=spec.attention_sinks,
+                rope=spec.rope)
         self.ffn_norm = norm_of(spec)
         moe = spec.moe
         if spec.is_moe_layer(layer):

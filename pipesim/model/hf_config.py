@@ -88,6 +88,7 @@ from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count
 from pipesim.model.experts import GATINGS, MixtureOfExperts, dense_layer_indices
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.quantization import dispatches_in_fp8, gemms_in_fp8
+from pipesim.model.rotary import rope_from_config
 from pipesim.model.spec import ModelSpec
 
 HF_DEFAULT_SEQ_LEN_CAP = 8192
@@ -167,6 +168,7 @@ class Family:
     aliases: tuple[tuple[str, str], ...] = ()
     head_dim: int | None = None  # default head width when the file gives none (gemma: 256)
     windows: Callable[[Config], dict] | None = None  # which layers slide, over what window
+    rope_theta: float = 10000.0  # rope_theta when the file leaves it out (its Hugging Face config's default)
 
 
 def _llama_biases(config: Config) -> dict:
@@ -462,7 +464,7 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family(gated_mlp=True, reads=("attention_bias", "num_experts", "num_experts_per_tok"),
                     particular=_olmoe),
     "gpt_oss": Family(gated_mlp=True, reads=("head_dim", "attention_bias", "num_local_experts", "num_experts_per_tok"),
-                      particular=_gpt_oss, head_dim=64, windows=every_other(128)),
+                      particular=_gpt_oss, head_dim=64, windows=every_other(128), rope_theta=150000.0),
     "gemma": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"), particular=_attention_bias,
                     head_dim=256),
     "gemma2": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"),
@@ -476,7 +478,7 @@ FAMILIES: dict[str, Family] = {
     "llama4_text": Family(gated_mlp=True, reads=("head_dim", "attention_bias", "num_local_experts",
                                                  "num_experts_per_tok", "use_qk_norm", "intermediate_size_mlp",
                                                  "interleave_moe_layer_step", "moe_layers"),
-                          particular=_llama4, head_dim=128, windows=_no_sliding_window),
+                          particular=_llama4, head_dim=128, windows=_no_sliding_window, rope_theta=500000.0),
     "gpt2": Family(gated_mlp=False, rms_norm=False, tied=True, reads=("n_inner",), particular=_gpt2,
                    aliases=(("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"),
                             ("num_attention_heads", "n_head"), ("max_position_embeddings", "n_positions"))),
@@ -533,6 +535,7 @@ def spec_from_hf_config(data: object, name: str = "config", seq_len: int | None 
         tied_embeddings=bool(config.get("tie_word_embeddings", family.tied)), learned_positions=False, bias=False,
         rms_norm=family.rms_norm, dropout=_has_dropout(config),
         head_dim=config.count("head_dim", family.head_dim), fp8=fp8,
+        rope=rope_from_config(config.get("rope_theta", family.rope_theta), config.get("rope_scaling"), name),
     )
     if family.particular is not None:
         fields.update(family.particular(config))

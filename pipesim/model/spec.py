@@ -46,6 +46,7 @@ from pipesim.model.experts import MixtureOfExperts
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.per_op_checkpoint import PER_OP
 from pipesim.model.quantization import FP8_TILE_BYTES
+from pipesim.model.rotary import Rope
 from schedules.textfile import read_text
 
 # How an FP8 cast finds its scale (Transformer Engine's recipes, its docs' "FP8 Delayed
@@ -100,6 +101,7 @@ class ModelSpec:
     fp8_dispatch: bool = False  # the MoE dispatch all-to-alls in FP8 (DeepSeek-V3): dispatch_element_bytes
     mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers), after the head
     fused_qkv: bool = False  # Q, K and V one linear, torchtitan 0.3's wqkv (QKV_PROJECTIONS): per-op's count only
+    rope: Rope = Rope()  # rotary base and rescaling (pipesim.model.rotary): the executor's, no count
 
     def __post_init__(self) -> None:
         if self.fp8_scaling not in FP8_SCALINGS:
@@ -431,10 +433,16 @@ def _gpt3(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
     return ModelSpec(name, layers=layers, hidden=hidden, heads=heads, seq_len=2048, vocab=50257)
 
 
-def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSpec:
+LLAMA3_ROPE = Rope(theta=500000.0)
+# Llama 3.1's rescaling (its config.json), the only release with a 405B model
+LLAMA31_ROPE = Rope(theta=500000.0, scaling="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_positions=8192)
+
+
+def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int, rope: Rope = LLAMA3_ROPE) -> ModelSpec:
     return ModelSpec(name, layers=layers, hidden=hidden, heads=heads, seq_len=8192, vocab=128256, kv_heads=8,
                      ffn_hidden=ffn, gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False,
-                     rms_norm=True, dropout=False)
+                     rms_norm=True, dropout=False, rope=rope)
 
 
 def _deepseek(name: str, layers: int, hidden: int, heads: int, vocab: int, ffn: int, mla: LatentAttention,
@@ -460,8 +468,8 @@ PRESETS: dict[str, ModelSpec] = {
     "gpt3-175b": _gpt3("gpt3-175b", 96, 12288, 96),
     "llama3-8b": _llama3("llama3-8b", 32, 4096, 32, 14336),
     "llama3-70b": _llama3("llama3-70b", 80, 8192, 64, 28672),
-    "llama3-405b": _llama3("llama3-405b", 126, 16384, 128, 53248),
-    "mixtral-8x7b": replace(_llama3("mixtral-8x7b", 32, 4096, 32, 14336), vocab=32000,
+    "llama3-405b": _llama3("llama3-405b", 126, 16384, 128, 53248, LLAMA31_ROPE),
+    "mixtral-8x7b": replace(_llama3("mixtral-8x7b", 32, 4096, 32, 14336, Rope(theta=1e6)), vocab=32000,
                             moe=MixtureOfExperts(experts=8, experts_per_token=2, expert_ffn=14336)),
     "deepseek-v3": _deepseek(
         "deepseek-v3", 61, 7168, 128, 129280, 18432,
