@@ -409,6 +409,7 @@ class ModelSpec:
         document.update(
             kv_heads=self.num_kv_heads, ffn_hidden=self.ffn, head_dim=self.head_size,
             moe=asdict(self.moe) if self.moe else None, mla=asdict(self.mla) if self.mla else None,
+            rope=asdict(self.rope),
             params=self.total_params(), active_params=self.active_params(), flops_per_token=self.flops_per_token(),
             mtp_params=self.mtp_params(),
         )
