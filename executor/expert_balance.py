@@ -88,3 +88,24 @@ def selection_biases(stages: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
     as a run's weights are: a run is only the reference's if its biases moved alike."""
     return {f"{stage}.{name}": buffer.detach().cpu().clone() for stage, module in stages.items()
             for name, buffer in module.named_buffers() if name.endswith("selection_bias")}
+
+
+class ExpertBalance:
+    """One process's routers and the step's balancing: counting starts with the step,
+    the biases move at its end (a no-op where the model balances nothing, on every rank
+    alike, so no rank waits in an all-reduce the others skip)."""
+
+    def __init__(self, config: RunConfig, stages: Iterable[nn.Module], device: torch.device) -> None:
+        self.routers, self.shape = routers_of(stages), load_shape(config)
+        self.rate, self.device = balance_rate(config), device
+
+    @property
+    def active(self) -> bool:
+        return self.shape is not None
+
+    def start_step(self) -> None:
+        start_counting(self.routers)
+
+    def end_step(self, all_reduce: Callable[[torch.Tensor], object] | None = None) -> None:
+        if self.shape is not None:
+            update_selection_biases(self.routers, self.rate, self.shape, self.device, all_reduce)

@@ -1,10 +1,11 @@
 """The one-process reference: the same model, the same data, no pipeline.
 
 Every stage is built on one process and the whole batch runs through them in one
-forward and one backward of the mean loss (DeepSeek-V3's selection biases moved
-after each step from its loads, as a run moves them). A pipelined step is correct when its loss and
-every gradient equal this one's (float64: to 1e-10), and a multi-step run is correct
-when its loss curve equals this one's.
+forward and one backward of the mean loss, kept as a run keeps it: a tied model's two
+embedding copies given their gradients' sum (``executor.tied_embeddings``), DeepSeek-V3's
+selection biases moved after each step from its loads (``executor.expert_balance``). A
+pipelined step is correct when its loss and every gradient equal this one's (float64:
+to 1e-10), and a multi-step run is correct when its loss curve equals this one's.
 
 bf16/fp16 runs go through the same ``Precision`` casts (autocast per stage, activations
 rounded to the wire type between stages, the loss in float32), and fp16's loss scaling
@@ -17,14 +18,7 @@ from __future__ import annotations
 import torch
 
 from executor.config import RunConfig
-from executor.expert_balance import (
-    balance_rate,
-    load_shape,
-    routers_of,
-    selection_biases,
-    start_counting,
-    update_selection_biases,
-)
+from executor.expert_balance import ExpertBalance, selection_biases
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.precision import Precision
 from executor.tied_embeddings import TiedEmbeddings, is_tied
@@ -42,9 +36,9 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
     precision = Precision(config)
     scaler = torch.amp.GradScaler("cpu", enabled=config.dtype == "float16")
     losses, grads, skipped = [], {}, []
-    routers, shape = routers_of(stages), load_shape(config)
+    balance = ExpertBalance(config, stages, torch.device("cpu"))
     for step in range(config.steps):
-        start_counting(routers)
+        balance.start_step()
         inputs, targets = model.make_batch(step, config.batch_size)
         optimizer.zero_grad(set_to_none=True)
         output = inputs
@@ -63,8 +57,7 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
         scale = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
-        if shape is not None:  # every token routed here: the loads need no reduction
-            update_selection_biases(routers, balance_rate(config), shape, torch.device("cpu"))
+        balance.end_step()  # every token routed here: the loads need no reduction
         if scaler.is_enabled() and scaler.get_scale() < scale:  # GradScaler backs off only when it skipped
             skipped.append(step)
         losses.append(loss.item())

@@ -23,14 +23,7 @@ from executor.config import RunConfig, build_schedule, parse_failure
 from executor.context_parallel import local_shape
 from executor.copies import by_model_stage, check_mirrored, copies_group, copies_mesh, data_index, model_stage
 from executor.data_parallel import GradientAverager, local_tensor
-from executor.expert_balance import (
-    balance_rate,
-    load_shape,
-    routers_of,
-    selection_biases,
-    start_counting,
-    update_selection_biases,
-)
+from executor.expert_balance import ExpertBalance, selection_biases
 from executor.gather import CP_KIND, EP_KIND, TP_KIND, dp_event, fsdp_event, gather_events, inside_event
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
@@ -224,7 +217,7 @@ class RankRun:
                                        precision=Precision(config, device),
                                        weight_grad_runner=fsdp_weight_grad)
         # DeepSeek-V3's selection biases, moved after each step from every rank's expert loads
-        self.routers, self.load_shape = routers_of(self.stages.values()), load_shape(config)
+        self.balance = ExpertBalance(config, self.stages.values(), device)
         self.waiting_on: str | None = None  # a step-level collective the rank is blocked in
         self.losses: list[float] = []
         self.step_times: list[float] = []
@@ -261,7 +254,7 @@ class RankRun:
             self.wait_for("in the step's barrier", dist.barrier)
         started = time.perf_counter()
         self.runtime.loss_scale = self.scaler.scale
-        start_counting(self.routers)
+        self.balance.start_step()
         self.memory.start_step()
         try:
             if self.tp_timer is not None:
@@ -293,10 +286,9 @@ class RankRun:
             gathers = self.wait_for("in the dp parameter all-gather", self.averager.gather_parameters)
             self.events.extend(self.dp_events(gathers))
         self.scaler.update(overflow)
-        if self.load_shape is not None:
+        if self.balance.active:
             reduce = dist.all_reduce if self.world > 1 else None
-            self.wait_for("in the expert-load all-reduce", lambda: update_selection_biases(
-                self.routers, balance_rate(config), self.load_shape, device, reduce))
+            self.wait_for("in the expert-load all-reduce", lambda: self.balance.end_step(reduce))
         self.memory_peak = self.memory.finish_step()
         if self.world > 1:
             # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank
