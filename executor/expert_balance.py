@@ -35,11 +35,11 @@ DEFAULT_RATE = 1e-3  # DeepSeek-V3's γ, Megatron-Core's --moe-router-bias-updat
 
 def balance_rate(config: RunConfig) -> float:
     """The rate the run moves selection biases by: ``--expert-bias-rate``, else DeepSeek's
-    0.001 where the model has a selection bias (a sigmoid router), else 0."""
+    0.001 where the model has a selection bias (DeepSeek-V3's sigmoid router), else 0."""
     if not is_architecture(config.model):
         return 0.0
     moe = run_spec(config).moe
-    if moe is None or moe.gating != "sigmoid":
+    if moe is None or not moe.balanced_by_bias:
         return 0.0
     return DEFAULT_RATE if config.expert_bias_rate is None else config.expert_bias_rate
 

@@ -100,7 +100,7 @@ class ExpertDispatcher:
         self.timer = timer  # times the dispatch and combine all-to-alls (executor.inside_timing)
 
     def __call__(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, keep: torch.Tensor,
-                 experts: nn.ModuleDict) -> torch.Tensor:
+                 experts: nn.ModuleDict, weighted_input: bool = False) -> torch.Tensor:
         group = self.groups.ep_group
         token, slot = torch.nonzero(keep, as_tuple=True)
         expert = chosen[token, slot]
@@ -112,14 +112,16 @@ class ExpertDispatcher:
         sends, receives = send_counts.tolist(), recv_counts.tolist()
         received_experts = expert.new_empty(sum(receives))
         dist.all_to_all_single(received_experts, expert, receives, sends, group=group)
-        rows = timed_all_to_all(tokens[token], sum(receives), receives, sends, group, self.timer)
+        weight = weights[token, slot].unsqueeze(-1)
+        sent = tokens[token] * weight.to(tokens.dtype) if weighted_input else tokens[token]  # Llama 4: scaled first
+        rows = timed_all_to_all(sent, sum(receives), receives, sends, group, self.timer)
         outputs = torch.zeros_like(rows)
         for name, module in experts.items():
             # An expert that received no rows still runs, on none: a zero gradient, not none.
             (at,) = torch.nonzero(received_experts == int(name), as_tuple=True)
             outputs = outputs.index_copy(0, at, module(rows[at]).to(rows.dtype))
         back = timed_all_to_all(outputs, len(token), sends, receives, group, self.timer)
-        weighted = back * weights[token, slot].unsqueeze(-1).to(back.dtype)
+        weighted = back if weighted_input else back * weight.to(back.dtype)
         return torch.zeros_like(tokens).index_add(0, token, weighted)
 
 

@@ -204,9 +204,9 @@ def check_architecture(config: RunConfig) -> ModelSpec:
     if rate is not None:
         if not (math.isfinite(rate) and rate >= 0):
             raise ConfigError(f"--expert-bias-rate must be a finite number >= 0 (0 keeps the biases), got {rate}")
-        if full.moe is None or full.moe.gating != "sigmoid":
+        if full.moe is None or not full.moe.balanced_by_bias:
             raise ConfigError(f"--expert-bias-rate {rate}: {config.model}'s router has no selection bias (only "
-                              "sigmoid routers balance by one: DeepSeek-V3)")
+                              "DeepSeek-V3's sigmoid router balances by one)")
     factor = config.capacity_factor
     if factor is not None and not (math.isfinite(factor) and factor > 0):
         raise ConfigError(f"--capacity-factor must be a finite number > 0 (leave it out for dropless), got {factor}")
@@ -241,13 +241,16 @@ def check_context_parallel(config: RunConfig, spec: ModelSpec) -> None:
     if spec.attention_sinks:
         raise ConfigError(f"--cp {config.cp}: {config.model}'s attention sinks are not in context parallelism's "
                           "blockwise softmax (run without --cp)")
+    if spec.qk_norm == "l2":
+        raise ConfigError(f"--cp {config.cp}: {config.model}'s query and key norms follow the rotary turn, which "
+                          "context parallelism's attention makes itself (run without --cp)")
 
 
 def check_tensor_parallel(config: RunConfig, spec: ModelSpec) -> None:
     """Blocks split by whole query and key/value heads and by MLP columns (every
     expert's too); query and key norms and attention sinks kept whole (their gradients
     would be each tp rank's share of the heads)."""
-    if spec.qk_norm is not None:
+    if spec.qk_norm in ("head", "projection"):  # weighted: each tp rank would hold a share of their gradient
         raise ConfigError(f"--tp {config.tp}: {config.model}'s query and key norms ({spec.qk_norm} wide) are not "
                           "split by the executor's tensor parallelism (run with --tp 1)")
     if spec.attention_sinks:

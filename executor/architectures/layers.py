@@ -18,6 +18,12 @@ from pipesim.model.rotary import Rope
 PLAIN_ROPE = Rope()  # base 10000, unscaled: Llama 1/2's, and the toys'
 
 
+def l2_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last dimension, no weight: Llama 4's query
+    and key norm (Hugging Face's ``Llama4TextL2Norm``, at its configs' ``rms_norm_eps``)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (Zhang and Sennrich
     2019): no mean subtracted, no bias."""
@@ -78,7 +84,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
         elif qk_norm == "projection":
             self.q_norm, self.k_norm = RMSNorm(heads * head_dim), RMSNorm(kv_heads * head_dim)
-        self.qk_norm = qk_norm
+        self.qk_norm = qk_norm  # "l2" (Llama 4): no weight, after the rotary turn (forward)
         # gpt-oss: one learned logit per head in each softmax's denominator
         self.sinks = nn.Parameter(torch.randn(heads) / 4) if sinks else None
         self.wq = nn.Linear(hidden, heads * head_dim, bias=bias or qkv_bias)
@@ -124,6 +130,8 @@ class Attention(nn.Module):
         if self.rotary:
             cos, sin = rotary_angles(q.shape[2], self.head_dim, self.rope, dtype=q.dtype, device=q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.qk_norm == "l2":
+            q, k = l2_norm(q), l2_norm(k)
         return self.wo(attend(q, k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1),
                               self.window, self.chunk, self.sinks))
 

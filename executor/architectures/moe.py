@@ -45,12 +45,13 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, experts: int, top_k: int, gating: str = "softmax",
                  normalize: bool = True, groups: int = 1, groups_kept: int | None = None,
-                 group_scoring: str = "max", scaling: float = 1.0, bias: bool = False) -> None:
+                 group_scoring: str = "max", scaling: float = 1.0, bias: bool = False,
+                 balanced_by_bias: bool | None = None) -> None:
         super().__init__()
         self.top_k, self.gating, self.normalize, self.scaling = top_k, gating, normalize, scaling
         self.groups, self.groups_kept, self.group_scoring = groups, groups_kept or groups, group_scoring
         self.gate = nn.Linear(hidden, experts, bias=bias)  # gpt-oss's router has a bias per expert
-        if gating == "sigmoid":
+        if gating == "sigmoid" if balanced_by_bias is None else balanced_by_bias:
             self.register_buffer("selection_bias", torch.zeros(experts))
         else:
             self.selection_bias = None
@@ -110,10 +111,12 @@ class MixtureOfExperts(nn.Module):
     def __init__(self, hidden: int, experts: int, top_k: int, expert_ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, gating: str = "softmax", normalize: bool = True,
                  capacity_factor: float | None = None, groups: int = 1, groups_kept: int | None = None,
-                 group_scoring: str = "max", scaling: float = 1.0, router_bias: bool = False) -> None:
+                 group_scoring: str = "max", scaling: float = 1.0, router_bias: bool = False,
+                 balanced_by_bias: bool | None = None, weighted_input: bool = False) -> None:
         super().__init__()
         self.router = Router(hidden, experts, top_k, gating, normalize, groups, groups_kept, group_scoring, scaling,
-                             router_bias)
+                             router_bias, balanced_by_bias)
+        self.weighted_input = weighted_input  # Llama 4: the weight scales what enters the expert
         self.experts = nn.ModuleList(FeedForward(hidden, expert_ffn) for _ in range(experts))
         self.shared = FeedForward(hidden, shared_ffn) if shared_ffn else None
         self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_ffn and shared_gate else None
@@ -131,7 +134,7 @@ class MixtureOfExperts(nn.Module):
             keep = keep.view_as(chosen)
         # One process holds every expert; under expert parallelism (executor.expert_parallel)
         # ``dispatcher`` sends each copy to the rank holding its expert and back.
-        out = (self.dispatcher or route_locally)(tokens, weights, chosen, keep, self.experts)
+        out = (self.dispatcher or route_locally)(tokens, weights, chosen, keep, self.experts, self.weighted_input)
         if self.shared is not None:
             shared = self.shared(tokens)
             if self.shared_gate is not None:
@@ -141,16 +144,17 @@ class MixtureOfExperts(nn.Module):
 
 
 def route_locally(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, keep: torch.Tensor,
-                  experts: nn.ModuleList) -> torch.Tensor:
+                  experts: nn.ModuleList, weighted_input: bool = False) -> torch.Tensor:
     """The routed experts' weighted sum per token, every expert on this process: each
     kept copy (``chosen`` and ``keep`` are ``tokens x k``) through its expert, times its
-    router weight."""
+    router weight (``weighted_input``: the copy times its weight through the expert)."""
     out = torch.zeros_like(tokens)
     for index, expert in enumerate(experts):
         # An expert no token chose still runs, on no rows: its weights get a zero
         # gradient rather than none, so every rank's gradients (and dp's buckets)
         # hold every parameter, whatever the routing.
         token, slot = torch.nonzero((chosen == index) & keep, as_tuple=True)
-        weighted = expert(tokens[token]) * weights[token, slot].unsqueeze(-1)
+        weight = weights[token, slot].unsqueeze(-1)
+        weighted = expert(tokens[token] * weight.to(tokens.dtype)) if weighted_input else expert(tokens[token]) * weight
         out = out.index_add(0, token, weighted.to(out.dtype))  # autocast: back to the residual's type
     return out

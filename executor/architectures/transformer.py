@@ -46,7 +46,8 @@ class TransformerBlock(nn.Module):
         else:
             self.attention = Attention(
                 spec.hidden, spec.heads, spec.num_kv_heads, spec.head_size, spec.attention_has_bias, spec.qkv_bias,
-                rotary=not spec.learned_positions, fused_qkv=spec.fused_qkv, qk_norm=spec.qk_norm,
+                rotary=not spec.learned_positions and layer not in spec.nope_layers, fused_qkv=spec.fused_qkv,
+                qk_norm=spec.qk_norm if spec.has_qk_norm(layer) else None,
                 window=spec.sliding_window if layer in spec.sliding_layers else None,
                 chunk=spec.attention_chunk if layer in spec.chunked_layers else None, sinks=spec.attention_sinks,
                 rope=spec.rope)
@@ -56,7 +57,8 @@ class TransformerBlock(nn.Module):
             self.feed_forward = MixtureOfExperts(
                 spec.hidden, moe.experts, moe.experts_per_token, moe.expert_ffn, moe.shared_ffn,
                 moe.shared_expert_gate, moe.gating, moe.normalize_top_k, moe.capacity_factor,
-                moe.expert_groups, moe.node_limit, moe.group_scoring, moe.routed_scaling, moe.router_bias)
+                moe.expert_groups, moe.node_limit, moe.group_scoring, moe.routed_scaling, moe.router_bias,
+                moe.balanced_by_bias, moe.weighted_input)
             self.feed_forward.router.layer = layer
         else:
             self.feed_forward = FeedForward(spec.hidden, spec.ffn, spec.gated_mlp, spec.mlp_has_bias)

@@ -105,7 +105,7 @@ def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fa
     # per token: the part tensor parallelism leaves whole (norm inputs, QKV and MLP inputs, masks)
     replicated = (spec.norms_per_layer * h * d + h * norm_output + h * norm_output + 2 * h * mask
                   + latent_bytes(spec, norm_output))
-    sharded = attention_bytes(spec, tp, recompute == NORM_MLA_UP) + mlp_stash_bytes(spec, layer) / tp
+    sharded = attention_bytes(spec, tp, recompute == NORM_MLA_UP, layer) + mlp_stash_bytes(spec, layer) / tp
     whole = 0.0
     if spec.is_moe_layer(layer):
         whole = routed_copies_bytes(spec) + ROUTER_SCORE_BYTES * spec.moe.experts
@@ -234,7 +234,7 @@ def wgrad_stash_share(stash: float, kept: float) -> float:
     return min(1.0, kept / stash) if stash > 0 else 1.0
 
 
-def attention_bytes(spec: ModelSpec, tp: int, up_recomputed: bool = False) -> float:
+def attention_bytes(spec: ModelSpec, tp: int, up_recomputed: bool = False, layer: int = 0) -> float:
     """Per token on one tp rank: Q, K, V and the output projection's input (GPT: ``2h +
     2k`` elements, / tp), and the query and key norms' inputs where the model has them
     (Qwen3, OLMoE, Gemma 3: Q and K once more), all in 16-bit (the attention kernel's inputs and output keep
@@ -247,7 +247,7 @@ def attention_bytes(spec: ModelSpec, tp: int, up_recomputed: bool = False) -> fl
             return spec.v_width * d / tp
         return (2 * spec.q_width + 2 * spec.v_width) * d / tp
     kv = spec.head_size * kv_heads_per_shard(spec, tp)
-    norm_inputs = spec.q_width / tp + kv if spec.qk_norm else 0.0  # query and key norms keep their inputs
+    norm_inputs = spec.q_width / tp + kv if spec.has_qk_norm(layer) else 0.0  # query and key norms keep their inputs
     return (spec.q_width / tp + 2 * kv + spec.v_width / tp + norm_inputs) * d
 
 

@@ -68,6 +68,14 @@ class MixtureOfExperts:
     expert_groups: int = 1  # DeepSeek's n_group: a token picks node_limit of these groups, then its experts there
     group_scoring: str = "max"  # a group's score: its best expert's ("max", V2) or its best two's sum ("top2-sum", V3)
     routed_scaling: float = 1.0  # the routed experts' weights times this (DeepSeek's routed_scaling_factor)
+    selection_bias: bool | None = None  # a bias picking experts, moved to balance them; None: sigmoid routers' (V3)
+    weighted_input: bool = False  # the routing weight scales the expert's input, not its output (Llama 4)
+
+    @property
+    def balanced_by_bias(self) -> bool:
+        """Whether the router picks by score plus a balancing bias (DeepSeek-V3's
+        auxiliary-loss-free balancing): said, or by default every sigmoid router."""
+        return self.gating == "sigmoid" if self.selection_bias is None else self.selection_bias
 
     def __post_init__(self) -> None:
         for key in ("experts", "experts_per_token", "expert_ffn"):

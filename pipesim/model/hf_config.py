@@ -288,16 +288,23 @@ def _llama4_chunks(config: Config) -> dict:
                                                                         ("full_attention", CHUNKED)))
                         if kind == CHUNKED)
     else:
-        rope = config.get("no_rope_layers")
-        if rope is None:
-            interval = config.count("no_rope_layer_interval", 4)
-            rope = [int((layer + 1) % interval != 0) for layer in range(layers)]
-        if not isinstance(rope, list) or len(rope) != layers:
-            raise ModelSpecError(f"{config.name}: no_rope_layers must list 0 or 1 per layer ({layers}), got {rope!r}")
-        chunked = tuple(layer for layer, uses_rope in enumerate(rope) if uses_rope)
+        chunked = tuple(layer for layer, uses_rope in enumerate(_llama4_rope(config)) if uses_rope)
     if chunk is None or not chunked:
         return {}
     return {"attention_chunk": chunk, "chunked_layers": chunked}
+
+
+def _llama4_rope(config: Config) -> list[int]:
+    """Llama 4's ``no_rope_layers``: 1 for a layer with rotary positions, 0 for one without
+    (by default every ``no_rope_layer_interval``-th, 4)."""
+    layers = config.count("num_hidden_layers")
+    rope = config.get("no_rope_layers")
+    if rope is None:
+        interval = config.count("no_rope_layer_interval", 4)
+        rope = [int((layer + 1) % interval != 0) for layer in range(layers)]
+    if not isinstance(rope, list) or len(rope) != layers:
+        raise ModelSpecError(f"{config.name}: no_rope_layers must list 0 or 1 per layer ({layers}), got {rope!r}")
+    return rope
 
 
 def _no_sliding_window(config: Config) -> dict:
@@ -313,7 +320,9 @@ def _llama4(config: Config) -> dict:
     ``num_experts_per_tok``) beside one shared expert of the same width in the layers
     ``moe_layers`` names (default every ``interleave_moe_layer_step``-th), the other layers
     a dense MLP of ``intermediate_size_mlp``; its query and key norms (``use_qk_norm``)
-    are L2 norms without weights."""
+    are L2 norms without weights, after the rotary turn, on the layers that have one
+    (``no_rope_layers``); its router scales each expert's input by the sigmoid of the
+    chosen logit."""
     layers = config.count("num_hidden_layers")
     step = config.count("interleave_moe_layer_step", 1)
     moe_layers = config.get("moe_layers")
@@ -323,13 +332,18 @@ def _llama4(config: Config) -> dict:
         raise ModelSpecError(f"{config.name}: moe_layers must be a list of layer indices, got {moe_layers!r}")
     width = config.count("intermediate_size", 8192)
     found = {**_attention_bias(config), "ffn_hidden": config.count("intermediate_size_mlp", 16384),
-             **_llama4_chunks(config)}
+             **_llama4_chunks(config),
+             "nope_layers": tuple(layer for layer, uses_rope in enumerate(_llama4_rope(config)) if not uses_rope)}
+    if config.get("use_qk_norm", True):
+        found["qk_norm"] = "l2"
     experts = config.part("num_local_experts", "routed experts", 16)
     if experts and moe_layers:
+        # the top-k logits' sigmoids scale the experts' inputs; no bias, nothing renormalised
         found["moe"] = MixtureOfExperts(
             experts=experts, experts_per_token=config.count("num_experts_per_tok", 1), expert_ffn=width,
             shared_experts=1, shared_expert_ffn=width,
-            dense_layers=tuple(layer for layer in range(layers) if layer not in moe_layers))
+            dense_layers=tuple(layer for layer in range(layers) if layer not in moe_layers),
+            gating="sigmoid", normalize_top_k=False, selection_bias=False, weighted_input=True)
     return found
 
 

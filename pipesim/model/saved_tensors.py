@@ -121,11 +121,14 @@ def latent_norm_extra_elements(spec: ModelSpec, saved: SavedTensors) -> float:
 
 
 def qk_norm_extra_elements(spec: ModelSpec, saved: SavedTensors, tp: int = 1) -> float:
-    """Elements per token the query and key RMSNorms keep beside their inputs, on one tp
-    rank: the normalised Q and K, and one 1/rms per head (``head``) or per projection."""
+    """Elements per token the query and key norms keep beside their inputs, on one tp
+    rank: the normalised Q and K, and one 1/rms per head (``head``, ``l2``) or per
+    projection."""
     kv_heads = kv_heads_per_shard(spec, tp)
-    statistics = spec.heads / tp + kv_heads if spec.qk_norm == "head" else 2
-    normalised = spec.q_width / tp + spec.head_size * kv_heads if saved.rms_norm_normalised else 0.0
+    statistics = 2 if spec.qk_norm == "projection" else spec.heads / tp + kv_heads
+    # a weighted norm keeps what it multiplies by its weight; Llama 4's weightless one hands its output on
+    weighted = saved.rms_norm_normalised and spec.qk_norm != "l2"
+    normalised = spec.q_width / tp + spec.head_size * kv_heads if weighted else 0.0
     return saved.rms_norm_statistics * statistics + normalised
 
 
@@ -161,7 +164,7 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     kernel_kept = recompute in ("none", NORM_MLA_UP)
     if saved.softmax_statistics and flash_attention and kernel_kept:
         per_token += heads * score_bytes(spec, saved)
-    if spec.qk_norm and spec.rms_norm and spec.mla is None:  # the query and key RMSNorms keep theirs too
+    if spec.has_qk_norm(layer) and spec.mla is None:  # the query and key norms keep theirs too
         per_token += qk_norm_extra_elements(spec, saved, tp) * d
     if spec.mla is None and saved.kv_repeated:
         per_token += 2 * spec.head_size * (heads - kv_heads_per_shard(spec, tp)) * d
@@ -178,7 +181,7 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     extra = spec.tokens * per_token
     if saved.weight_copies:
         extra += weight_copy_bytes(spec, tp, layer)
-    if saved.rotary_tables and not spec.learned_positions:
+    if saved.rotary_tables and not spec.learned_positions and layer not in spec.nope_layers:
         rotary = spec.mla.qk_rope_head_dim if spec.mla else spec.head_size
         extra += spec.seq_len * rotary * d  # cos and sin, s x d/2 each, whatever the microbatch
     return extra

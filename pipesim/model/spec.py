@@ -90,7 +90,10 @@ class ModelSpec:
     positions: int | None = None  # rows of the learned position table; None: seq_len
     moe: MixtureOfExperts | None = None
     mla: LatentAttention | None = None
-    qk_norm: str | None = None  # RMSNorm on queries and keys: "head" (one head wide) or "projection" (all of Q, K)
+    # norms on queries and keys: RMSNorm "head" (one head wide, Qwen3) or "projection" (all of Q, K: OLMoE),
+    # or "l2" (one head wide, no weight, after the rotary turn, on the layers with rotary positions: Llama 4)
+    qk_norm: str | None = None
+    nope_layers: tuple[int, ...] = ()  # layers without rotary positions (Llama 4's every fourth)
     attention_sinks: bool = False  # gpt-oss: one learned logit per head in each softmax's denominator
     sliding_window: int | None = None  # the keys a query sees in a sliding layer (itself and the w - 1 before)
     sliding_layers: tuple[int, ...] = ()  # indices of the layers that attend over the window
@@ -125,6 +128,8 @@ class ModelSpec:
             require_count(self.sliding_window, f"model {self.name}: sliding_window")
         for layer in self.sliding_layers:
             require_count(layer, f"model {self.name}: each of sliding_layers", minimum=0)
+        for layer in self.nope_layers:
+            require_count(layer, f"model {self.name}: each of nope_layers", minimum=0)
         if self.attention_chunk is not None:
             require_count(self.attention_chunk, f"model {self.name}: attention_chunk")
         for layer in self.chunked_layers:
@@ -201,6 +206,11 @@ class ModelSpec:
         """Whether layer ``layer`` (0-based) routes its tokens to experts."""
         return self.moe is not None and self.moe.is_moe_layer(layer)
 
+    def has_qk_norm(self, layer: int = 0) -> bool:
+        """Whether layer ``layer`` normalises its queries and keys (Llama 4's L2 norms only
+        where it turns them by position)."""
+        return self.qk_norm is not None and (self.qk_norm != "l2" or layer not in self.nope_layers)
+
     def attention_window(self, layer: int = 0) -> int | None:
         """Keys a query of layer ``layer`` attends to at most: the sliding window where the
         layer slides and the window is shorter than the sequence, else ``None`` (causal over
@@ -216,10 +226,12 @@ class ModelSpec:
             return None
         return self.attention_chunk
 
-    def layer_kind(self, layer: int) -> tuple[bool, int | None, int | None]:
-        """What makes layers unlike: a mixture of experts or not, the attention window and
-        the attention chunk. Layers of one kind cost the same."""
-        return self.is_moe_layer(layer), self.attention_window(layer), self.attention_chunk_of(layer)
+    def layer_kind(self, layer: int) -> tuple[bool, int | None, int | None, bool]:
+        """What makes layers unlike: a mixture of experts or not, the attention window, the
+        attention chunk, and rotary positions or none (what the layer keeps: Llama 4's
+        layers without them have no query and key norms). Layers of one kind cost the same."""
+        return (self.is_moe_layer(layer), self.attention_window(layer), self.attention_chunk_of(layer),
+                layer in self.nope_layers)
 
     def mlp_width(self, layer: int = 0, padded: bool = True) -> float:
         """MLP columns a token's activations pass through in ``layer``: the dense width, or
@@ -237,9 +249,9 @@ class ModelSpec:
         stop = self.layers if stop is None else stop
         if stop <= first:
             return []
-        if self.moe is None and not self.sliding_layers and not self.chunked_layers:
+        if self.moe is None and not self.sliding_layers and not self.chunked_layers and not self.nope_layers:
             return [(first, stop - first)]
-        kinds: dict[tuple[bool, int | None, int | None], list[int]] = {}
+        kinds: dict[tuple[bool, int | None, int | None, bool], list[int]] = {}
         for layer in range(first, stop):
             kinds.setdefault(self.layer_kind(layer), []).append(layer)
         return [(members[0], len(members)) for members in kinds.values()]
@@ -422,7 +434,7 @@ NORM_MLA_UP = "norm-mla-up"
 # per-op: torchtitan's SelectiveAC, per-op selective checkpointing of every block
 # (pipesim.model.per_op_checkpoint)
 RECOMPUTE = ("none", "selective", PER_OP, NORM_MLA_UP, "full")
-QK_NORMS = (None, "head", "projection")
+QK_NORMS = (None, "head", "projection", "l2")
 
 
 def check_recompute(recompute: str) -> None:
