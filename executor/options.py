@@ -33,6 +33,7 @@ from schedules.generators import MULTI_CHUNK
 # the same pipeline and `compare` needs none. Four CPU processes run the default tiny
 # mlp (one layer per stage) in seconds.
 DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
+DEFAULT_BATCH = 8  # global samples a step when --batch-size is not given (more with dp: batch_size)
 # Three steps by default: the first is cold (allocator, autograd graph, gloo buffers:
 # a 190 ms first forward against ~20 ms warm), and the chart and --trace show the last.
 DEFAULT_STEPS = 3
@@ -103,9 +104,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
                        f"an architecture on a GPU {GPU['layers']})")
     model.add_argument("--hidden", type=int, default=None,
                        help=f"hidden size (default {CPU['hidden']}; an architecture on a GPU {GPU['hidden']})")
-    model.add_argument("--batch-size", type=int, default=8,
+    model.add_argument("--batch-size", type=int, default=None,
                        help="global samples per step: split across dp replicas, then cut into microbatches "
-                       "(default 8)")
+                       f"(default {DEFAULT_BATCH}, or one sample a microbatch of every dp replica where that is "
+                       "more)")
     model.add_argument("--seq-len", type=int, default=None,
                        help=f"tokens per sample (default {CPU['seq_len']}; an architecture on a GPU {GPU['seq_len']})")
     model.add_argument("--vocab", type=int, default=None,
@@ -249,7 +251,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         **shape, dp=args.dp, tp=args.tp, ep=args.ep, cp=args.cp, cp_comm=args.cp_comm,
         sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
         zero=args.zero, recompute=args.recompute,
-        model=args.model, batch_size=args.batch_size, **model_sizes(args), seed=args.seed,
+        model=args.model, batch_size=batch_size(args, shape["microbatches"]), **model_sizes(args), seed=args.seed,
         kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, qkv=args.qkv, experts=args.experts,
         capacity_factor=args.capacity_factor, expert_bias_rate=args.expert_bias_rate, data=args.data,
         steps=getattr(args, "steps", DEFAULT_STEPS),
@@ -260,6 +262,14 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     )
     config.check()
     return config
+
+
+def batch_size(args: argparse.Namespace, microbatches: int) -> int:
+    """``--batch-size``, else ``DEFAULT_BATCH`` or, where more, one sample for each of
+    every dp replica's microbatches (so ``--dp 2`` needs no ``--batch-size`` of its own)."""
+    if args.batch_size is not None:
+        return args.batch_size
+    return max(DEFAULT_BATCH, getattr(args, "dp", 1) * microbatches)
 
 
 def model_sizes(args: argparse.Namespace) -> dict:

@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 
+from executor.options import config_from_args
 from pipesim.cli import build_parser, main, subparsers_of
 
 
@@ -104,3 +105,14 @@ def test_run_help_lists_the_values_it_refuses_and_its_own_choices(capsys) -> Non
     text = " ".join(capsys.readouterr().out.split())
     assert "--recompute {none,selective,full,per-op,norm-mla-up}" in text
     assert "--p2p torch-runtime" in text
+
+
+def test_the_default_batch_feeds_every_replica_a_sample_a_microbatch() -> None:
+    def batch(*argv: str) -> int:
+        (parser,) = [p for p in subparsers_of(build_parser("run")) if p.prog.endswith("run")]
+        return config_from_args(parser.parse_args(list(argv))).batch_size
+
+    assert batch("--pp", "2") == 8  # 8 microbatches of one sample
+    assert batch("--pp", "2", "-m", "4") == 8  # never below 8
+    assert batch("--pp", "2", "--dp", "2") == 16  # 2 replicas x 8 microbatches
+    assert batch("--pp", "2", "--dp", "2", "--batch-size", "32") == 32

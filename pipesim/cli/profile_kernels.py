@@ -126,7 +126,7 @@ def handle_compute_model(args: argparse.Namespace) -> int:
     """Profile this machine's GPU and write ``args.compute_model``."""
     import torch  # noqa: PLC0415
 
-    from executor.options import DEFAULT_MICROBATCHES  # noqa: PLC0415
+    from executor.options import DEFAULT_MICROBATCHES, batch_size  # noqa: PLC0415
     from pipesim.hardware.gpus import gpu_spec  # noqa: PLC0415
     from pipesim.job import executor_gpt_spec  # noqa: PLC0415
 
@@ -141,8 +141,9 @@ def handle_compute_model(args: argparse.Namespace) -> int:
                          "(its datasheet peak and HBM bandwidth are the model's units)")
     figures = gpu_spec(gpu)
     microbatches = args.microbatches or DEFAULT_MICROBATCHES  # run's default, as the stage profile's
+    samples = batch_size(args, microbatches)
     spec = executor_gpt_spec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq_len,
-                             vocab=args.vocab, microbatch_size=max(1, -(-args.batch_size // microbatches)),
+                             vocab=args.vocab, microbatch_size=max(1, -(-samples // microbatches)),
                              dtype_bytes=2)
     profile = profile_compute_model(profile_shapes(spec, args.tp), attention_shapes(spec, args.tp), device,
                                     torch.bfloat16, figures.bf16_flops, figures.memory_bandwidth,
