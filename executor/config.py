@@ -100,6 +100,7 @@ class RunConfig:
     optimizer: str = "sgd"
     lr: float | None = None
     weight_decay: float | None = None
+    clip_grad: float | None = None  # the gradients' global norm clipped to this (executor.grad_clip); None: not
     dtype: str = "float32"
     grad_reduce_dtype: str | None = None
     backend: str = "auto"
@@ -268,10 +269,12 @@ class RunConfig:
 
 
 def check_optimizer(config: RunConfig) -> None:
-    """A weight decay must be a finite number >= 0 (the learning rate is checked with
-    the other rank values)."""
+    """A weight decay must be a finite number >= 0, a clipping norm one > 0 (the learning
+    rate is checked with the other rank values)."""
     if config.weight_decay is not None and not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
         raise ConfigError(f"--weight-decay must be a finite number >= 0, got {config.weight_decay}")
+    if config.clip_grad is not None and not (math.isfinite(config.clip_grad) and config.clip_grad > 0):
+        raise ConfigError(f"--clip-grad must be a finite number > 0 (leave it out not to clip), got {config.clip_grad}")
 
 
 def check_model(config: RunConfig) -> None:

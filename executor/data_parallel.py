@@ -377,6 +377,15 @@ class GradientAverager:
         tensors = [piece.tensor for piece in self.pieces]
         return tensors, {id(piece.tensor) for piece in self.pieces if piece.param.ndim >= 2}
 
+    def stepped_gradients(self) -> list[tuple[torch.Tensor, nn.Parameter, int]]:
+        """After ``finish``: each gradient the optimizer steps, its parameter, and how many
+        members of the group hold that same tensor (every one without ZeRO, which
+        averages into each; one with ZeRO, each member stepping its own shard)."""
+        if self.zero:
+            return [(piece.tensor.grad, piece.param, 1) for piece in self.pieces if piece.tensor.grad is not None]
+        return [(local_tensor(param.grad), param, self.shards) for buckets in self.buckets.values()
+                for bucket in buckets for param in bucket.params if param.grad is not None]
+
     def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
         """What the optimizer steps for ``param`` after ``finish``: its averaged gradient
         (this process's shard of a DTensor's), or under ZeRO this replica's shard of it

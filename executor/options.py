@@ -165,6 +165,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
         train.add_argument("--weight-decay", type=float, default=None,
                            help=f"decoupled weight decay on matrices, never on biases or norm weights "
                            f"(default: sgd {sgd_decay:g}, adamw {adamw_decay:g})")
+    train.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
+                       help="clip the gradients' global norm to NORM before each optimizer step, as "
+                       "torch.nn.utils.clip_grad_norm_ (Megatron-LM, torchtitan and DeepSeek-V3 train with 1.0); "
+                       "one all-reduce of a number over every rank (default: no clipping)")
     train.add_argument("--dtype", choices=DTYPES, default="float32",
                        help="float32/float64: the whole model in that type; bfloat16/float16: float32 master "
                        "weights, compute under autocast, loss in float32 (float16 with dynamic loss scaling) "
@@ -256,7 +260,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         capacity_factor=args.capacity_factor, expert_bias_rate=args.expert_bias_rate, data=args.data,
         steps=getattr(args, "steps", DEFAULT_STEPS),
         optimizer=args.optimizer, lr=getattr(args, "lr", None),
-        weight_decay=getattr(args, "weight_decay", None), dtype=args.dtype,
+        weight_decay=getattr(args, "weight_decay", None), clip_grad=args.clip_grad, dtype=args.dtype,
         grad_reduce_dtype=args.grad_reduce_dtype, backend=args.backend, timeout=args.timeout,
         threads=args.threads, layout=layout, inject_failure=getattr(args, "inject_failure", None), p2p=args.p2p,
     )

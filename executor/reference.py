@@ -19,6 +19,7 @@ import torch
 
 from executor.config import RunConfig
 from executor.expert_balance import ExpertBalance, selection_biases
+from executor.grad_clip import clip_gradients
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.precision import Precision
 from executor.tied_embeddings import TiedEmbeddings, is_tied
@@ -35,7 +36,7 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
     optimizer = build_optimizer(config, params)
     precision = Precision(config)
     scaler = torch.amp.GradScaler("cpu", enabled=config.dtype == "float16")
-    losses, grads, skipped = [], {}, []
+    losses, grads, skipped, norms = [], {}, [], []
     balance = ExpertBalance(config, stages, torch.device("cpu"))
     for step in range(config.steps):
         balance.start_step()
@@ -55,6 +56,11 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
             grads = {f"{index}.{name}": p.grad.detach().clone()
                      for index, stage in enumerate(stages) for name, p in stage.named_parameters()}
         scale = scaler.get_scale()
+        if config.clip_grad is not None and all(torch.isfinite(p.grad).all() for p in params if p.grad is not None):
+            tied = {id(param) for param in TiedEmbeddings(dict(enumerate(stages)), None).held} if is_tied(model) \
+                else set()
+            norms.append(clip_gradients([(p.grad, 2 if id(p) in tied else 1) for p in params if p.grad is not None],
+                                        config.clip_grad))
         scaler.step(optimizer)
         scaler.update()
         balance.end_step()  # every token routed here: the loads need no reduction
@@ -64,5 +70,5 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
     params = {f"{index}.{name}": p.detach().clone() for index, stage in enumerate(stages)
               for name, p in stage.named_parameters()}
     params.update(selection_biases(dict(enumerate(stages))))
-    return {"losses": losses, "grads": grads, "params": params, "skipped_steps": skipped,
+    return {"losses": losses, "grads": grads, "params": params, "skipped_steps": skipped, "grad_norms": norms,
             "loss_scale": scaler.get_scale() if scaler.is_enabled() else 1.0}

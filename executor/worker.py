@@ -22,9 +22,10 @@ from executor.comm import PeerLinks
 from executor.config import RunConfig, build_schedule, parse_failure
 from executor.context_parallel import local_shape
 from executor.copies import by_model_stage, check_mirrored, copies_group, copies_mesh, data_index, model_stage
-from executor.data_parallel import GradientAverager, local_tensor
+from executor.data_parallel import GradientAverager, is_partial, local_tensor
 from executor.expert_balance import ExpertBalance, selection_biases
 from executor.gather import CP_KIND, EP_KIND, TP_KIND, dp_event, fsdp_event, gather_events, inside_event
+from executor.grad_clip import clip_gradients, tp_copies
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
 from executor.models import PipelineModel, build_model, build_optimizer
@@ -223,6 +224,7 @@ class RankRun:
         self.step_times: list[float] = []
         self.events: list = []
         self.grads: dict[str, torch.Tensor] = {}
+        self.grad_norms: list[float] = []  # --clip-grad: the global norm before each step's clipping
         runtime = self.runtime
         self.memory.buffers = lambda: [*runtime.outbox.values(), *runtime.forward_inputs.values(),
                                        *runtime.output_grads.values()]
@@ -281,6 +283,10 @@ class RankRun:
         if overflow:
             self.skipped_steps.append(step)
         else:
+            if config.clip_grad is not None:
+                reduce = dist.all_reduce if self.world > 1 else None
+                self.grad_norms.append(self.wait_for("in the gradient norm's all-reduce", lambda: clip_gradients(
+                    self.stepped_gradients(), config.clip_grad, reduce)))
             self.optimizer.step()
         if sharded:  # every replica's parameters from the shards each one stepped (also on a skipped step)
             gathers = self.wait_for("in the dp parameter all-gather", self.averager.gather_parameters)
@@ -301,6 +307,22 @@ class RankRun:
             first = self.wait_for("in the step's clock exchange", lambda: earliest_start(started))
             self.step_times[-1] += started - first
             self.events = shifted(self.events, self.runtime.clock.origin - first)
+
+    def stepped_gradients(self) -> list[tuple[torch.Tensor, float]]:
+        """What the optimizer steps, each with the number of ranks holding the same
+        tensor (``executor.grad_clip``). A norm weight's gradient that sequence
+        parallelism left a partial sum over tp is summed first (as DTensor's optimizer
+        would when stepping it, and ZeRO's averager does before reducing it)."""
+        for param in self.params:
+            if param.grad is not None and is_partial(param.grad):
+                param.grad = param.grad.redistribute(param.grad.device_mesh, param.placements)
+        if self.averager is not None:
+            held = self.averager.stepped_gradients()
+        else:  # one replica, or ZeRO-3, whose local shards are this rank's alone
+            held = [(param.grad, param, 1) for param in self.params if param.grad is not None]
+        tied = {id(param) for param in self.tied.held} if self.tied is not None else set()
+        return [(grad, holders * tp_copies(param, self.config.tp) * (2 if id(param) in tied else 1))
+                for grad, param, holders in held]
 
     def wait_for(self, what: str, call):
         """``call()`` marked in the progress file as a wait for peers, so that a rank
@@ -385,7 +407,7 @@ class RankRun:
             params.update(selection_biases(by_model_stage(schedule, self.stages)))
         held = sum(local_tensor(p).numel() for group in self.optimizer.param_groups for p in group["params"])
         result = {"rank": self.rank, "grads": self.grads, "params": params, "optimizer_elements": held,
-                  "skipped_steps": self.skipped_steps,
+                  "skipped_steps": self.skipped_steps, "grad_norms": self.grad_norms,
                   "loss_scale": self.scaler.scale}
         memory = self.gather_memory()
         attention = self.gather_attention() if self.cp_timer is not None else None
