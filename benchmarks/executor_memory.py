@@ -1,8 +1,10 @@
 """Predicted against measured peak memory per rank, on CPU: ``pipesim run`` over the
 schedules, recompute modes and tp/sp/dp/ZeRO layouts of issue 31's memory target, on the
-toy ``gpt`` and two architectures shrunk (llama3-8b: GQA, SwiGLU, RMSNorm, rotary;
+toy ``gpt`` and architectures shrunk (llama3-8b: GQA, SwiGLU, RMSNorm, rotary;
 mixtral-8x7b: the same with a mixture of experts; deepseek-v3 and v2-lite: latent
-attention, shared experts), float32 (a few rows float64 or bf16 autocast) and AdamW.
+attention, shared experts; config.json files: Qwen3's and OLMoE's query and key norms,
+Qwen3-0.6B's tied embeddings, gpt-oss's sinks, Llama 4's layers), float32 (a few rows
+float64 or bf16 autocast) and AdamW.
 
     python benchmarks/executor_memory.py               # every row, a few minutes on 2 cores
     python benchmarks/executor_memory.py --only llama  # the rows whose name contains llama
@@ -33,6 +35,12 @@ MIXTRAL = ("--model", "mixtral-8x7b", "--layers", "4", "--hidden", "64", "--head
            "-m", "4")
 DEEPSEEK = ("--layers", "4", "--hidden", "64", "--heads", "8", "--batch-size", "8", "-m", "4")
 TWO_CHUNKS = ("--virtual-stages", "2")
+
+
+def config(name: str) -> str:
+    """A stored Hugging Face config.json, by its file's stem."""
+    return f"tests/data/hf_configs/{name}.json"
+
 
 ROWS: dict[str, tuple[str, ...]] = {
     "gpt gpipe": (*GPT, "--pp", "2", "--schedule", "gpipe"),
@@ -82,6 +90,13 @@ ROWS: dict[str, tuple[str, ...]] = {
                                                "norm-mla-up"),
     "deepseek-v2-lite zbv recompute norm-mla-up": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2", "--schedule",
                                                    "zbv", *TWO_CHUNKS, "--recompute", "norm-mla-up"),
+    # config.json parts: query and key norms, tied embeddings, sinks, Llama 4's layers
+    "qwen3 1f1b": ("--model", config("qwen3-8b"), *DEEPSEEK, "--pp", "2"),
+    "qwen3-0.6b tied 1f1b": ("--model", config("qwen3-0.6b"), *DEEPSEEK, "--pp", "2"),
+    "qwen3-0.6b tied zbv": ("--model", config("qwen3-0.6b"), *DEEPSEEK, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
+    "olmoe 1f1b": ("--model", config("olmoe-1b-7b"), *DEEPSEEK, "--pp", "2", "--experts", "4"),
+    "gpt-oss 1f1b": ("--model", config("gpt-oss-20b"), *DEEPSEEK, "--pp", "2", "--experts", "4"),
+    "llama4 1f1b": ("--model", config("llama-4-scout"), *DEEPSEEK, "--pp", "2", "--experts", "4"),
 }
 
 
