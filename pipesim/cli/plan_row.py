@@ -36,7 +36,7 @@ ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_fil
              ("--microbatches", "microbatches", None), ("--virtual-stages", "virtual_stages", None),
              ("--microbatch-group", "microbatch_group", None),
              ("--dp", "dp", 1), ("--tp", "tp", 1), ("--zero", "zero", 0), ("--recompute", "recompute", "none"),
-             ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", 8),
+             ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", None),
              ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "p2p"))
 TOYS = ("mlp", "gpt")
 # The architecture an ep row runs when the run names only a toy: routed experts, which ep
