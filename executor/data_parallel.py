@@ -386,15 +386,6 @@ class GradientAverager:
         return [(local_tensor(param.grad), param, self.shards) for buckets in self.buckets.values()
                 for bucket in buckets for param in bucket.params if param.grad is not None]
 
-    def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
-        """What the optimizer steps for ``param`` after ``finish``: its averaged gradient
-        (this process's shard of a DTensor's), or under ZeRO this replica's shard of it
-        (``param`` alone in its bucket: one piece)."""
-        if not self.zero:
-            return local_tensor(param.grad)
-        (piece,) = [piece for piece in self.pieces if piece.param is param]
-        return piece.tensor.grad
-
     def shard_grads(self) -> list[torch.Tensor]:
         """Under ZeRO, this replica's averaged gradient shards (what the loss scaler checks)."""
         return [piece.tensor.grad for piece in self.pieces if piece.tensor.grad is not None]

@@ -33,26 +33,6 @@ from executor.config import RunConfig
 DEFAULT_RATE = 1e-3  # DeepSeek-V3's γ, Megatron-Core's --moe-router-bias-update-rate
 
 
-def balance_rate(config: RunConfig) -> float:
-    """The rate the run moves selection biases by: ``--expert-bias-rate``, else DeepSeek's
-    0.001 where the model has a selection bias (DeepSeek-V3's sigmoid router), else 0."""
-    if not is_architecture(config.model):
-        return 0.0
-    moe = run_spec(config).moe
-    if moe is None or not moe.balanced_by_bias:
-        return 0.0
-    return DEFAULT_RATE if config.expert_bias_rate is None else config.expert_bias_rate
-
-
-def load_shape(config: RunConfig) -> tuple[int, int] | None:
-    """The step's expert loads as one ``layers x experts`` tensor that every rank
-    all-reduces, or None where nothing is balanced (the same answer on every rank)."""
-    if balance_rate(config) == 0.0:
-        return None
-    spec = run_spec(config)
-    return spec.layers, spec.moe.experts
-
-
 def routers_of(modules: Iterable[nn.Module]) -> list[Router]:
     """Every router in ``modules`` (a rank's stages)."""
     return [module for stage in modules for module in stage.modules() if isinstance(module, Router)]
@@ -96,8 +76,16 @@ class ExpertBalance:
     alike, so no rank waits in an all-reduce the others skip)."""
 
     def __init__(self, config: RunConfig, stages: Iterable[nn.Module], device: torch.device) -> None:
-        self.routers, self.shape = routers_of(stages), load_shape(config)
-        self.rate, self.device = balance_rate(config), device
+        self.routers, self.device = routers_of(stages), device
+        # --expert-bias-rate, else DeepSeek's 0.001 where the model has a selection bias
+        # (DeepSeek-V3's sigmoid router); the loads as one layers x experts tensor that every
+        # rank all-reduces, or None where nothing is balanced (the same on every rank)
+        moe = run_spec(config).moe if is_architecture(config.model) else None
+        self.rate, self.shape = 0.0, None
+        if moe is not None and moe.balanced_by_bias:
+            self.rate = DEFAULT_RATE if config.expert_bias_rate is None else config.expert_bias_rate
+        if self.rate:
+            self.shape = (config.layers, moe.experts)
 
     @property
     def active(self) -> bool:

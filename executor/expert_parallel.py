@@ -189,10 +189,6 @@ class ExpertAwareAverager:
     def stepped_gradients(self) -> list[tuple[torch.Tensor, nn.Parameter, int]]:
         return [entry for part in self.parts for entry in part.stepped_gradients()]
 
-    def gradient_of(self, param: nn.Parameter) -> torch.Tensor:
-        """A dense parameter's (the first part's): see ``GradientAverager.gradient_of``."""
-        return self.parts[0].gradient_of(param)
-
     def shard_grads(self) -> list[torch.Tensor]:
         return [grad for part in self.parts for grad in part.shard_grads()]
 

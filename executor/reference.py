@@ -38,6 +38,7 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
     scaler = torch.amp.GradScaler("cpu", enabled=config.dtype == "float16")
     losses, grads, skipped, norms = [], {}, [], []
     balance = ExpertBalance(config, stages, torch.device("cpu"))
+    tied = TiedEmbeddings(dict(enumerate(stages)), None) if is_tied(model) else None
     for step in range(config.steps):
         balance.start_step()
         inputs, targets = model.make_batch(step, config.batch_size)
@@ -49,17 +50,16 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
                 output = precision.to_wire(output)
         loss = model.loss_sum(precision.for_loss(output), targets) / config.batch_size
         scaler.scale(loss).backward()
-        if is_tied(model):  # the table's two uses: one gradient, the sum, on both copies
-            TiedEmbeddings(dict(enumerate(stages)), None).sum_gradients(None)
+        if tied is not None:  # the table's two uses: one gradient, the sum, on both copies
+            tied.sum_gradients(None)
         scaler.unscale_(optimizer)
         if step == 0:
             grads = {f"{index}.{name}": p.grad.detach().clone()
                      for index, stage in enumerate(stages) for name, p in stage.named_parameters()}
         scale = scaler.get_scale()
         if config.clip_grad is not None and all(torch.isfinite(p.grad).all() for p in params if p.grad is not None):
-            tied = {id(param) for param in TiedEmbeddings(dict(enumerate(stages)), None).held} if is_tied(model) \
-                else set()
-            norms.append(clip_gradients([(p.grad, 2 if id(p) in tied else 1) for p in params if p.grad is not None],
+            copies = tied.holders if tied is not None else lambda _param: 1
+            norms.append(clip_gradients([(p.grad, copies(p)) for p in params if p.grad is not None],
                                         config.clip_grad))
         scaler.step(optimizer)
         scaler.update()

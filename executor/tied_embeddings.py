@@ -94,13 +94,21 @@ class TiedEmbeddings:
         """The copies on this rank (a ZeRO averager keeps each alone in its bucket)."""
         return self.tables + self.outputs
 
+    def holders(self, param: nn.Parameter) -> int:
+        """How many copies hold ``param``'s gradient: 2 for a copy of the table, else 1."""
+        return 2 if any(param is copy for copy in self.held) else 1
+
     def sum_gradients(self, averager: GradientAverager | None) -> None:
-        """Both copies' gradient (what the optimizer steps: ``averager.gradient_of``) made
-        their sum: in place on a rank holding both, else by one all-reduce over the pair."""
-        grads = [averager.gradient_of(param) if averager is not None else local_tensor(param.grad)
-                 for param in self.held]
-        if not grads:
+        """Both copies' gradient (what the optimizer steps: ``averager.stepped_gradients``,
+        under ZeRO-1/2 one shard, each copy alone in its bucket) made their sum: in place on
+        a rank holding both, else by one all-reduce over the pair."""
+        if not self.held:
             return
+        if averager is None:
+            grads = [local_tensor(param.grad) for param in self.held]
+        else:
+            stepped = {id(param): grad for grad, param, _ in averager.stepped_gradients()}
+            grads = [stepped[id(param)] for param in self.held]
         with torch.no_grad():
             if self.group is None:  # both copies here (as many tables as output layers)
                 for table, output in zip(grads[:len(self.tables)], grads[len(self.tables):], strict=True):

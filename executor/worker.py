@@ -225,6 +225,7 @@ class RankRun:
         self.events: list = []
         self.grads: dict[str, torch.Tensor] = {}
         self.grad_norms: list[float] = []  # --clip-grad: the global norm before each step's clipping
+        self.sum_over_ranks = dist.all_reduce if world > 1 else None  # a step-level sum over every rank
         runtime = self.runtime
         self.memory.buffers = lambda: [*runtime.outbox.values(), *runtime.forward_inputs.values(),
                                        *runtime.output_grads.values()]
@@ -284,17 +285,15 @@ class RankRun:
             self.skipped_steps.append(step)
         else:
             if config.clip_grad is not None:
-                reduce = dist.all_reduce if self.world > 1 else None
                 self.grad_norms.append(self.wait_for("in the gradient norm's all-reduce", lambda: clip_gradients(
-                    self.stepped_gradients(), config.clip_grad, reduce)))
+                    self.stepped_gradients(), config.clip_grad, self.sum_over_ranks)))
             self.optimizer.step()
         if sharded:  # every replica's parameters from the shards each one stepped (also on a skipped step)
             gathers = self.wait_for("in the dp parameter all-gather", self.averager.gather_parameters)
             self.events.extend(self.dp_events(gathers))
         self.scaler.update(overflow)
         if self.balance.active:
-            reduce = dist.all_reduce if self.world > 1 else None
-            self.wait_for("in the expert-load all-reduce", lambda: self.balance.end_step(reduce))
+            self.wait_for("in the expert-load all-reduce", lambda: self.balance.end_step(self.sum_over_ranks))
         self.memory_peak = self.memory.finish_step()
         if self.world > 1:
             # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank
@@ -320,9 +319,8 @@ class RankRun:
             held = self.averager.stepped_gradients()
         else:  # one replica, or ZeRO-3, whose local shards are this rank's alone
             held = [(param.grad, param, 1) for param in self.params if param.grad is not None]
-        tied = {id(param) for param in self.tied.held} if self.tied is not None else set()
-        return [(grad, holders * tp_copies(param, self.config.tp) * (2 if id(param) in tied else 1))
-                for grad, param, holders in held]
+        tied = self.tied.holders if self.tied is not None else lambda _param: 1
+        return [(grad, holders * tp_copies(param, self.config.tp) * tied(param)) for grad, param, holders in held]
 
     def wait_for(self, what: str, call):
         """``call()`` marked in the progress file as a wait for peers, so that a rank

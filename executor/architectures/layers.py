@@ -173,11 +173,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     a query may give part of its weight to no key), written out for the sinks."""
     seq = q.shape[-2]
     limited = (window is not None and window < seq) or (chunk is not None and chunk < seq)
-    mask = visible_keys(seq, window, chunk, q.device) if limited else None
+    mask = visible_keys(seq, window, chunk, q.device) if limited or sinks is not None else None
     if sinks is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return out.transpose(1, 2).flatten(2)
-    mask = visible_keys(seq, window, chunk, q.device) if mask is None else mask
     scores = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).masked_fill(~mask, float("-inf"))
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]

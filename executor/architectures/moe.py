@@ -63,7 +63,9 @@ class Router(nn.Module):
         logits = self.gate(tokens)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         scores = logits.softmax(dim=-1) if self.gating == "softmax" else logits.sigmoid()
-        ranking = scores.detach() if self.selection_bias is None else scores.detach() + self.selection_bias
+        ranking = scores.detach()
+        if self.selection_bias is not None:
+            ranking = ranking + self.selection_bias
         if self.groups > 1:
             ranking = self.within_kept_groups(ranking)
         chosen = ranking.topk(self.top_k, dim=-1).indices

@@ -2,6 +2,8 @@
 of the model (specs, experts, latent attention, layouts) can raise it without
 importing the others."""
 
+import math
+
 
 class ModelSpecError(ValueError):
     """A model spec, config file or layout that cannot describe a pipeline."""
@@ -11,6 +13,12 @@ class ModelSpecError(ValueError):
 # grows with the layer count (stages are split layer by layer), so a config that says
 # 10^9 is refused at once rather than run for minutes.
 MAX_LAYERS = 100_000
+
+
+def require_positive(value: object, what: str) -> None:
+    """Raise ``ModelSpecError`` unless ``value`` is a finite number > 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ModelSpecError(f"{what} must be a number > 0, got {value!r}")
 
 
 def require_count(value: object, what: str, minimum: int = 1, maximum: int | None = None) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipesim.model.errors import ModelSpecError, require_count
+from pipesim.model.errors import ModelSpecError, require_count, require_positive
 
 GATINGS = ("softmax", "sigmoid")
 GROUP_SCORINGS = ("max", "top2-sum")
@@ -93,10 +93,7 @@ class MixtureOfExperts:
         if self.gating not in GATINGS:
             raise ModelSpecError(f"mixture of experts: gating {self.gating!r} is not one of: {', '.join(GATINGS)}")
         self._check_groups()
-        scaling = self.routed_scaling
-        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling) \
-                or scaling <= 0:
-            raise ModelSpecError(f"mixture of experts: routed_scaling must be a number > 0, got {scaling!r}")
+        require_positive(self.routed_scaling, "mixture of experts: routed_scaling")
         factor = self.capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                                    or not math.isfinite(factor) or factor <= 0):

@@ -80,11 +80,10 @@ config's ``seq_length``, else ``max_position_embeddings`` capped at 8192.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count
+from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count, require_positive
 from pipesim.model.experts import GATINGS, MixtureOfExperts, dense_layer_indices
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.quantization import dispatches_in_fp8, gemms_in_fp8
@@ -438,8 +437,7 @@ def _routed_scaling(config: Config, default: float, applied: bool) -> float:
     """``routed_scaling_factor`` where the family applies it: V3 to every top-k weight,
     V2 only to weights it does not rescale to sum to one (as their modelling code does)."""
     value = config.get("routed_scaling_factor", default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ModelSpecError(f"{config.name}: routed_scaling_factor must be a number > 0, got {value!r}")
+    require_positive(value, f"{config.name}: routed_scaling_factor")
     return float(value) if applied else 1.0
 
 

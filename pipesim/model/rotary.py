@@ -20,10 +20,11 @@ Rotary positions change no count: the simulator reads none of this.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
-from pipesim.model.errors import ModelSpecError
+from pipesim.model.errors import ModelSpecError, require_positive
 
 BUILT_SCALINGS = ("linear", "llama3")
 
@@ -41,10 +42,7 @@ class Rope:
 
     def __post_init__(self) -> None:
         for name in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
-                raise ModelSpecError(f"rotary positions: {name} must be a number > 0, got {value!r}")
+            require_positive(getattr(self, name), f"rotary positions: {name}")
         if self.scaling == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ModelSpecError(f"rotary positions: llama3 scaling needs high_freq_factor "
                                  f"({self.high_freq_factor}) above low_freq_factor ({self.low_freq_factor})")
@@ -54,13 +52,15 @@ class Rope:
         """Whether the executor builds these frequencies exactly (else unscaled)."""
         return self.scaling is None or self.scaling in BUILT_SCALINGS
 
-    def inverse_frequencies(self, dim: int) -> list[float]:
-        """``f_i`` for the ``dim / 2`` feature pairs of a ``dim``-wide rotary part."""
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - a frozen dataclass, hashable: one list per (rope, width)
+    def inverse_frequencies(self, dim: int) -> tuple[float, ...]:
+        """``f_i`` for the ``dim / 2`` feature pairs of a ``dim``-wide rotary part (every
+        layer's forward asks: computed once)."""
         plain = [self.theta ** (-index / dim) for index in range(0, dim, 2)]
         if self.scaling == "linear":
-            return [frequency / self.factor for frequency in plain]
+            return tuple(frequency / self.factor for frequency in plain)
         if self.scaling != "llama3":
-            return plain
+            return tuple(plain)
         longest = self.original_positions / self.low_freq_factor  # wavelengths above: all interpolated
         shortest = self.original_positions / self.high_freq_factor  # below: kept
         scaled = []
@@ -74,7 +74,7 @@ class Rope:
                 blend = (self.original_positions / wavelength - self.low_freq_factor) / (
                     self.high_freq_factor - self.low_freq_factor)
                 scaled.append((1 - blend) * frequency / self.factor + blend * frequency)
-        return scaled
+        return tuple(scaled)
 
 
 def rope_from_config(theta: object, scaling: object, name: str) -> Rope:
