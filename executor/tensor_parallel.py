@@ -150,6 +150,16 @@ def reduce_rope_key_grad(attention: LatentAttention, tp_mesh: DeviceMesh) -> Non
     attention.wkv_a.register_forward_hook(hook)
 
 
+def sum_weight_grad_over_tp(attention: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Query and key norms one head wide (Qwen3, Gemma 3) normalise only this rank's heads
+    with a weight every head shares: each rank's weight gradient is its heads' share, so
+    the weight enters the product through ``ReduceGradFrom`` (identity forward, the
+    gradient summed over tp in the backward), as Megatron's copy to the tensor-parallel
+    region; every rank then holds the whole gradient, as for any weight tp leaves whole."""
+    for norm in (attention.q_norm, attention.k_norm):
+        norm.weight_in_use = lambda weight: ReduceGradFrom.apply(weight, 0, tp_mesh)
+
+
 def plan_of(module: nn.Module, sequence_parallel: bool) -> dict | None:
     """The tp plan of a block the executor splits, ``None`` for any other module."""
     from executor.architectures.transformer import TransformerBlock  # noqa: PLC0415 - it imports models, as this module does
@@ -169,8 +179,11 @@ def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
         plan = plan_of(module, sequence_parallel)
         if plan is not None:
             parallelize_module(module, tp_mesh, plan)
-            if isinstance(getattr(module, "attention", None), LatentAttention):
-                reduce_rope_key_grad(module.attention, tp_mesh)
+            attention = getattr(module, "attention", None)
+            if isinstance(attention, LatentAttention):
+                reduce_rope_key_grad(attention, tp_mesh)
+            elif getattr(attention, "qk_norm", None) == "head":
+                sum_weight_grad_over_tp(attention, tp_mesh)
     if sequence_parallel:
         shard_residual_stream(stage, tp_mesh)
     return stage

@@ -2,7 +2,8 @@
 (Qwen3's one head wide, OLMoE's over the whole projection), sliding windows (Mistral,
 gpt-oss), chunks (Llama 4), attention sinks and a biased router (gpt-oss). Each against
 a hand computation; pipelined float64 runs on gloo equal the one-process reference;
-what the executor's tp and cp cannot split is refused in one line."""
+what the executor's tp and cp cannot split is refused in one line; head-wide query and
+key norms run under tp, their weights' gradients summed over it."""
 
 from __future__ import annotations
 
@@ -101,8 +102,7 @@ def test_configs_build_their_parts() -> None:
 
 
 @pytest.mark.parametrize(("model", "flag", "message"), [
-    ("qwen3-8b", {"tp": 2}, "query and key norms \\(head wide\\) are not split"),
-    ("olmoe-1b-7b", {"tp": 2}, "query and key norms \\(projection wide\\)"),
+    ("olmoe-1b-7b", {"tp": 2}, "query and key norms span the whole projection"),
     ("gpt-oss-20b", {"cp": 2, "seq_len": 256}, "sliding window 128 is shorter than --seq-len 256"),
     ("gpt-oss-20b", {"cp": 2, "seq_len": 64}, "attention sinks are not in context parallelism"),
 ])
@@ -119,6 +119,10 @@ CASES = LaunchedCases(SMALL, {4: {
     "qwen3-dp2": {"model": config_path("qwen3-8b"), "dp": 2},
     "qwen3-cp2": {"model": config_path("qwen3-8b"), "cp": 2},
     "olmoe-dp2-ep2": {"model": config_path("olmoe-1b-7b"), "dp": 2, "ep": 2, "experts": 4},
+    # head-wide query and key norms under tp: each rank's weight gradient its heads' share, summed over tp
+    "qwen3-tp2-sp": {"model": config_path("qwen3-8b"), "tp": 2, "kv_heads": 2, "sequence_parallel": True},
+    "qwen3-tp2-zbv": {"model": config_path("qwen3-8b"), "tp": 2, "kv_heads": 2, "schedule": "zbv", "virtual_stages": 2,
+                      "layers": 4},
     # a 160-token sequence past gpt-oss's 128-token window: the sliding layer's mask cuts
     "gpt-oss-zbv-dp2": {"model": config_path("gpt-oss-20b"), "dp": 2, "experts": 4, "seq_len": 160,
                         "schedule": "zbv", "virtual_stages": 2, "layers": 4},

@@ -248,11 +248,12 @@ def check_context_parallel(config: RunConfig, spec: ModelSpec) -> None:
 
 def check_tensor_parallel(config: RunConfig, spec: ModelSpec) -> None:
     """Blocks split by whole query and key/value heads and by MLP columns (every
-    expert's too); query and key norms and attention sinks kept whole (their gradients
-    would be each tp rank's share of the heads)."""
-    if spec.qk_norm in ("head", "projection"):  # weighted: each tp rank would hold a share of their gradient
-        raise ConfigError(f"--tp {config.tp}: {config.model}'s query and key norms ({spec.qk_norm} wide) are not "
-                          "split by the executor's tensor parallelism (run with --tp 1)")
+    expert's too); query and key norms over the whole projection (their statistic spans
+    every rank's heads) and attention sinks (one per head) are not split."""
+    if spec.qk_norm == "projection":
+        raise ConfigError(f"--tp {config.tp}: {config.model}'s query and key norms span the whole projection, "
+                          "every tp rank's heads, which the executor's tensor parallelism does not split (run with "
+                          "--tp 1)")
     if spec.attention_sinks:
         raise ConfigError(f"--tp {config.tp}: {config.model}'s attention sinks (one per head) are not split by the "
                           "executor's tensor parallelism (run with --tp 1)")

@@ -9,6 +9,8 @@ is read from the (possibly split) projection's output, never from the config.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
 from torch import nn
@@ -28,13 +30,19 @@ class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (Zhang and Sennrich
     2019): no mean subtracted, no bias."""
 
+    # Tensor parallelism: how the weight enters the product where this rank normalises only
+    # its own heads (a query or key norm), so its gradient is a share to sum over tp
+    # (executor.tensor_parallel.sum_weight_grad_over_tp); None: the weight as it is.
+    weight_in_use: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        weight = self.weight if self.weight_in_use is None else self.weight_in_use(self.weight)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
 
 
 def rotary_angles(seq_len: int, dim: int, rope: Rope = PLAIN_ROPE, dtype: torch.dtype | None = None,
