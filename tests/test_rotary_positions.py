@@ -42,6 +42,77 @@ def test_llama3_rescaling_by_hand() -> None:
         10000 ** (-2 / 8) / 4, rel=1e-12)
 
 
+GPT_OSS_YARN = Rope(theta=150000.0, scaling="yarn", factor=32.0, original_positions=4096, truncate=False)
+
+
+def test_yarn_frequencies_by_hand() -> None:
+    plain, scaled = Rope(theta=150000.0).inverse_frequencies(64), GPT_OSS_YARN.inverse_frequencies(64)
+    # gpt-oss: the pair turning 32 times over 4096 tokens is 64 ln(4096 / 64π) / (2 ln 150000)
+    # = 8.0928, the one turning once 64 ln(4096 / 2π) / (2 ln 150000) = 17.3980; pairs up to 8
+    # kept, from 18 on divided by 32, pair 12 at t = (12 - 8.0928) / 9.3052 = 0.41989:
+    # (1 - t) + t / 32 = 0.59322725
+    assert scaled[8] == plain[8] and scaled[0] == plain[0] == 1.0
+    assert scaled[18] == pytest.approx(plain[18] / 32, rel=1e-12)
+    assert scaled[12] / plain[12] == pytest.approx(0.59322725, abs=1e-8)
+    # rounded outwards (truncate, Hugging Face's default): the ramp runs from pair 8 to 18
+    truncated = Rope(theta=150000.0, scaling="yarn", factor=32.0, original_positions=4096).inverse_frequencies(64)
+    assert truncated[12] / plain[12] == pytest.approx(1 - 0.4 + 0.4 / 32, rel=1e-12)
+    # the cosines and sines times 0.1 ln 32 + 1
+    assert GPT_OSS_YARN.cos_sin_scale == pytest.approx(1.34657359, abs=1e-8)
+    assert GPT_OSS_YARN.latent_softmax_scale == 1.0
+    cos, sin = rotary_angles(3, 64, GPT_OSS_YARN, dtype=torch.float64)
+    angle = 2 * scaled[12]
+    assert (cos[2, 12].item(), sin[2, 12].item()) == pytest.approx(
+        (1.34657359 * math.cos(angle), 1.34657359 * math.sin(angle)), abs=1e-8)
+
+
+def test_deepseek_yarn_scales_the_softmax_not_the_angles() -> None:
+    # DeepSeek-V3: factor 40, mscale = mscale_all_dim = 1: the cosines' factor is 1 (the two
+    # terms' ratio) and the softmax scale grows by (0.1 ln 40 + 1)^2 = 1.36888794^2
+    v3 = spec_from_hf_config(hf("deepseek-v3")).rope
+    assert (v3.scaling, v3.factor, v3.original_positions, v3.cos_sin_scale) == ("yarn", 40, 4096, 1.0)
+    assert v3.latent_softmax_scale == pytest.approx(1.36888794 ** 2, rel=1e-8)
+    # V2-Lite: mscale_all_dim 0.707: (0.0707 ln 40 + 1)^2
+    assert spec_from_hf_config(hf("deepseek-v2-lite")).rope.latent_softmax_scale == pytest.approx(
+        (0.0707 * math.log(40) + 1) ** 2, rel=1e-12)
+
+
+def test_latent_attention_scales_its_queries_by_deepseeks_factor() -> None:
+    from executor.architectures.latent_attention import LatentAttention
+    from pipesim.model.latent_attention import LatentAttention as Sizes
+    sizes = Sizes(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    yarn = Rope(scaling="yarn", factor=40.0, original_positions=4096, mscale=1.0, mscale_all_dim=1.0)
+    plain_softmax = Rope(scaling="yarn", factor=40.0, original_positions=4096, attention_factor=1.0)
+    mscale = 0.1 * math.log(40) + 1  # 1.36888794
+    torch.manual_seed(0)
+    scaled = LatentAttention(16, 2, sizes, rope=yarn).double()
+    unscaled = LatentAttention(16, 2, sizes, rope=plain_softmax).double()
+    unscaled.load_state_dict(scaled.state_dict())
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    q, k, v = (scaled.wq_a(x), *scaled.wkv_a(x).split([8, 4], dim=-1))
+    cos, sin = rotary_angles(6, 4, yarn, dtype=torch.float64)
+    q_scaled, k_scaled = scaled.up_projected(q, k, v, cos, sin)[:2]
+    q_plain, k_plain = unscaled.up_projected(q, k, v, cos, sin)[:2]
+    torch.testing.assert_close(q_scaled, q_plain * mscale ** 2, rtol=1e-14, atol=0)
+    torch.testing.assert_close(k_scaled, k_plain, rtol=0, atol=0)
+    # by hand: softmax(q k^T / sqrt(8) * 1.8738542) v, causal
+    scores = q_plain @ k_plain.transpose(-2, -1) * 8 ** -0.5 * mscale ** 2
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    values = scaled.up_projected(q, k, v, cos, sin)[2]
+    expected = scaled.wo((scores.softmax(-1) @ values).transpose(1, 2).flatten(2))
+    torch.testing.assert_close(scaled(x), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_dynamic_scaling_grows_the_base_only_past_the_context() -> None:
+    dynamic = Rope(theta=10000.0, scaling="dynamic", factor=2.0, max_positions=16)
+    plain = Rope(theta=10000.0).inverse_frequencies(8)
+    assert dynamic.inverse_frequencies(8, 16) == plain
+    # 32 tokens past 16: base 10000 (2 * 32 / 16 - 1)^(8 / 6) = 10000 * 3^(4/3)
+    assert dynamic.inverse_frequencies(8, 32)[1] == pytest.approx((10000 * 3 ** (4 / 3)) ** (-2 / 8), rel=1e-12)
+    with pytest.raises(ModelSpecError, match="dynamic scaling needs max_position_embeddings"):
+        Rope(scaling="dynamic", factor=2.0)
+
+
 def test_angles_turn_by_the_base() -> None:
     cos, sin = rotary_angles(5, 8, Rope(theta=500000.0), dtype=torch.float64)
     angle = 3 * 500000 ** (-2 / 8)  # position 3, pair 1
@@ -62,18 +133,29 @@ def test_configs_and_presets_carry_their_rotary_positions() -> None:
     assert spec_from_hf_config(hf("llama-3.1-8b")).rope == Rope()  # no rope_theta: Hugging Face's default
     assert load_model("llama3-8b").rope == Rope(theta=500000.0)
     assert load_model("llama3-405b").rope == LLAMA31
-    yarn = spec_from_hf_config(hf("gpt-oss-20b")).rope
-    assert (yarn.theta, yarn.scaling, yarn.built) == (150000, "yarn", False)
+    assert spec_from_hf_config(hf("gpt-oss-20b")).rope == GPT_OSS_YARN
+    longrope = spec_from_hf_config(hf("phi-3-mini", rope_scaling={
+        "type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})).rope
+    assert (longrope.scaling, longrope.built) == ("longrope", False)
+    with pytest.raises(ModelSpecError, match="mscale must be a number >= 0, got -1"):
+        spec_from_hf_config(hf("deepseek-v3", rope_scaling={"type": "yarn", "factor": 40, "mscale": -1}))
     with pytest.raises(ModelSpecError, match="factor must be a number > 0, got 0"):
         spec_from_hf_config(hf("qwen3-8b", rope_scaling={"rope_type": "linear", "factor": 0}))
 
 
-def test_the_executor_builds_the_base_and_names_what_it_does_not_build() -> None:
+def test_the_executor_builds_the_base_and_names_what_it_does_not_build(tmp_path: Path) -> None:
     config = RunConfig(model="llama3-8b", layers=1, hidden=16, heads=4, kv_heads=2, pp=1)
     attention = build_model(config).build_stage(0, 1).blocks[0].attention
     assert attention.rope.theta == 500000.0
-    note = shrink_note(RunConfig(model=str(CONFIGS / "gpt-oss-20b.json"), layers=2, hidden=16, heads=4))
-    assert "rotary frequencies unscaled (the config's yarn rope scaling not built)" in note
+    attention = build_model(RunConfig(model=str(CONFIGS / "gpt-oss-20b.json"), layers=2, hidden=16, heads=4,
+                                      pp=1)).build_stage(0, 1).blocks[0].attention
+    assert attention.rope == GPT_OSS_YARN
+    phi3 = {**hf("phi-3-mini"), "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48,
+                                                  "long_factor": [2.0] * 48}}
+    path = Path(tmp_path) / "phi3-longrope.json"
+    path.write_text(json.dumps(phi3))
+    note = shrink_note(RunConfig(model=str(path), layers=2, hidden=16, heads=4))
+    assert "rotary frequencies unscaled (the config's longrope rope scaling not built)" in note
     assert "rotary" not in shrink_note(config)
 
 

@@ -96,6 +96,8 @@ class LatentAttention(nn.Module):
         q_nope, q_rope = q.split([nope, rope], dim=-1)
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).expand(-1, q.shape[1], -1, -1)
         q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin)), dim=-1)
+        if self.rope.latent_softmax_scale != 1.0:  # DeepSeek's YaRN: the softmax scale times mscale^2
+            q = q * self.rope.latent_softmax_scale
         k = torch.cat((k_nope, k_rope), dim=-1)
         if own_values:
             v = v.contiguous()

@@ -49,13 +49,14 @@ def rotary_angles(seq_len: int, dim: int, rope: Rope = PLAIN_ROPE, dtype: torch.
                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``sin`` of the angle ``p * f_i`` for position ``p`` and feature pair
     ``i`` (RoFormer, Su et al. 2021; ``f_i = theta^(-2i/dim)``, rescaled as ``rope`` says:
-    ``pipesim.model.rotary``), each ``seq_len x dim/2``, in ``dtype`` (default: torch's
-    default type); computed in float64 whatever the type, so a bf16 run rounds the
-    angles' cosines, not the angles."""
-    frequencies = torch.tensor(rope.inverse_frequencies(dim), dtype=torch.float64, device=device)
+    ``pipesim.model.rotary``), each ``seq_len x dim/2`` and times YaRN's attention factor
+    where ``rope`` has one, in ``dtype`` (default: torch's default type); computed in
+    float64 whatever the type, so a bf16 run rounds the angles' cosines, not the angles."""
+    frequencies = torch.tensor(rope.inverse_frequencies(dim, seq_len), dtype=torch.float64, device=device)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), frequencies)
     dtype = dtype or torch.get_default_dtype()
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    scale = rope.cos_sin_scale
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
