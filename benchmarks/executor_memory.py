@@ -97,6 +97,9 @@ ROWS: dict[str, tuple[str, ...]] = {
     "olmoe 1f1b": ("--model", config("olmoe-1b-7b"), *DEEPSEEK, "--pp", "2", "--experts", "4"),
     "gpt-oss 1f1b": ("--model", config("gpt-oss-20b"), *DEEPSEEK, "--pp", "2", "--experts", "4"),
     "llama4 1f1b": ("--model", config("llama-4-scout"), *DEEPSEEK, "--pp", "2", "--experts", "4"),
+    # parallel blocks: GPT-NeoX's two norms and partial rotary, Falcon-7B's one norm read twice
+    "pythia 1f1b": ("--model", config("pythia-160m"), *DEEPSEEK, "--pp", "2"),
+    "falcon-7b 1f1b": ("--model", config("falcon-7b"), *DEEPSEEK, "--pp", "2"),
 }
 
 

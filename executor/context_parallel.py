@@ -150,7 +150,7 @@ class ContextShard:
         """Causal attention of this rank's queries over the whole sequence's keys and
         values, heads joined: ``batch x S/cp x (heads * dim)``."""
         if attention.rotary:
-            cos, sin = self.rotary(attention.head_dim, q.dtype, q.device, attention.rope)
+            cos, sin = self.rotary(attention.rotary_dim, q.dtype, q.device, attention.rope)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.attend_rotated(q, k, v)
 

@@ -96,9 +96,11 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
     # Latent attention's replicated down-projections take plain tensors: its input is local.
     local = isinstance(block.attention, LatentAttention)
-    plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+    plan.update({"attention_norm": SequenceParallel(),
                  "attention": PrepareModuleInput(**gather, use_local_output=local),
                  "attention.wo": RowwiseParallel(output_layouts=Shard(1))})
+    if block.ffn_norm is not None:  # Falcon-7B's one norm a layer feeds both
+        plan["ffn_norm"] = SequenceParallel()
     if experts is None:
         plan.update({"feed_forward": PrepareModuleInput(**gather),
                      "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})

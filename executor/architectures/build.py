@@ -185,9 +185,10 @@ def stage_layers(spec: ModelSpec, num_stages: int, layout: tuple[int, ...] | Non
 def check_architecture(config: RunConfig) -> ModelSpec:
     """Refuse, naming the flag, what the executor cannot build; return the shrunk spec."""
     full = full_spec(config.model)
-    if full.norms_per_layer != 2:
+    if full.norms_per_layer not in ((1, 2) if full.parallel_residual else (2,)):
         raise ConfigError(f"--model {config.model}: {full.norms_per_layer} norms per layer is not built by "
-                          "the executor (pre-norm blocks of two norms: Llama, Mistral, Mixtral, Qwen, DeepSeek)")
+                          "the executor (pre-norm blocks of two norms: Llama, Mistral, Mixtral, Qwen, DeepSeek; "
+                          "one shared by a parallel block: Falcon-7B)")
     if config.hidden % config.heads:
         raise ConfigError(f"--hidden {config.hidden} must be a multiple of --heads {config.heads}")
     if config.kv_heads is not None and full.mla:
@@ -216,10 +217,13 @@ def check_architecture(config: RunConfig) -> ModelSpec:
         spec = shrunk_spec(config)
     except ModelSpecError as error:
         raise ConfigError(f"--model {config.model}: {error}") from None
-    rotary = spec.mla.qk_rope_head_dim if spec.mla else spec.head_size
-    if not spec.learned_positions and rotary % 2:
+    rotary = spec.rotary_width
+    if not spec.learned_positions and (rotary % 2 or rotary < 2):
+        share = "" if spec.rotary_fraction == 1 or spec.mla else (
+            f", of which {config.model} turns {spec.rotary_fraction:g}: {rotary} features")
         raise ConfigError(f"--hidden {config.hidden} / --heads {config.heads} gives heads {spec.head_size} "
-                          "wide; rotary positions turn pairs of features, so it must be even")
+                          f"wide{share}; rotary positions turn pairs of features, so it must be even and at "
+                          f"least 2")
     if config.tp > 1:
         check_tensor_parallel(config, spec)
     if config.cp > 1:

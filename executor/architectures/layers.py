@@ -61,7 +61,12 @@ def rotary_angles(seq_len: int, dim: int, rope: Rope = PLAIN_ROPE, dtype: torch.
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Turn each pair of features ``(x[2i], x[2i+1])`` of ``x`` (``... x seq x dim``) by its
-    position's angle (Meta's interleaved pairs)."""
+    position's angle (Meta's interleaved pairs); where the tables cover fewer pairs than
+    ``x`` has (GPT-NeoX's partial rotary, ``rotary_pct``), the first ``2 * pairs``
+    features turn and the rest pass through."""
+    width = 2 * cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :width], cos, sin), x[..., width:]), dim=-1)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
@@ -82,9 +87,10 @@ class Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
                  qkv_bias: bool = False, rotary: bool = True, fused_qkv: bool = False, qk_norm: str | None = None,
                  window: int | None = None, chunk: int | None = None, sinks: bool = False,
-                 rope: Rope = PLAIN_ROPE) -> None:
+                 rope: Rope = PLAIN_ROPE, rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim, self.groups, self.rotary, self.rope = head_dim, heads // kv_heads, rotary, rope
+        self.rotary_dim = rotary_dim or head_dim  # the features of a head turned by position (GPT-NeoX: a share)
         self.window, self.chunk = window, chunk
         # Qwen3, Gemma 3: an RMSNorm one head wide on every query and key head; OLMoE: one
         # over the whole query projection and one over the whole key projection
@@ -137,7 +143,7 @@ class Attention(nn.Module):
         if self.context is not None:
             return self.wo(self.context.attend(self, q, k, v))
         if self.rotary:
-            cos, sin = rotary_angles(q.shape[2], self.head_dim, self.rope, dtype=q.dtype, device=q.device)
+            cos, sin = rotary_angles(q.shape[2], self.rotary_dim, self.rope, dtype=q.dtype, device=q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.qk_norm == "l2":
             q, k = l2_norm(q), l2_norm(k)
@@ -205,17 +211,32 @@ def attend_keeping_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     return (weights @ v).transpose(1, 2).flatten(2)
 
 
-class FeedForward(nn.Module):
-    """The MLP: gated, ``w2(silu(w1 x) * w3 x)`` (SwiGLU, Shazeer 2020), or two matrices
-    with GeLU between (GPT-2)."""
+GPT_OSS_ALPHA = 1.702  # gpt-oss's clamped SwiGLU: the sigmoid's slope (fixed in its code, not in its config)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu-tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
-    def __init__(self, hidden: int, ffn: int, gated: bool = True, bias: bool = False) -> None:
+
+class FeedForward(nn.Module):
+    """The MLP: gated, ``w2(act(w1 x) * w3 x)`` (SwiGLU with silu, Shazeer 2020; Gemma's
+    GeGLU with tanh-approximated GeLU), or two matrices with the activation between
+    (GPT-2). ``clamped-swiglu`` is gpt-oss's: ``w2((up + 1) * g * sigmoid(1.702 g))``
+    with ``g = min(w1 x, limit)`` and ``up = w3 x`` clamped to ``[-limit, limit]``
+    (Hugging Face's ``GptOssExperts``)."""
+
+    def __init__(self, hidden: int, ffn: int, gated: bool = True, bias: bool = False, activation: str | None = None,
+                 limit: float | None = None) -> None:
         super().__init__()
+        self.activation = activation or ("silu" if gated else "gelu")
+        self.limit = limit
         self.w1 = nn.Linear(hidden, ffn, bias=bias)
         self.w2 = nn.Linear(ffn, hidden, bias=bias)
         self.w3 = nn.Linear(hidden, ffn, bias=bias) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is None:
-            return self.w2(F.gelu(self.w1(x)))
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return self.w2(ACTIVATIONS[self.activation](self.w1(x)))
+        if self.activation == "clamped-swiglu":
+            gate = self.w1(x).clamp(max=self.limit)
+            up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+            return self.w2((up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_ALPHA)))
+        return self.w2(ACTIVATIONS[self.activation](self.w1(x)) * self.w3(x))

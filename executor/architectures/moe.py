@@ -1,5 +1,6 @@
-"""A mixture-of-experts MLP in plain torch: a top-k router, routed SwiGLU experts
-with an optional capacity, and shared experts every token goes through.
+"""A mixture-of-experts MLP in plain torch: a top-k router, routed gated experts
+(SwiGLU, or the spec's activation: gpt-oss's clamped SwiGLU, with biases) with an
+optional capacity, and shared experts every token goes through.
 
 The router scores each token against every expert (``softmax`` over the logits, as
 Mixtral, DeepSeek-V2 and Qwen-MoE, or ``sigmoid`` per expert, as DeepSeek-V3), picks the
@@ -114,13 +115,16 @@ class MixtureOfExperts(nn.Module):
                  shared_gate: bool = False, gating: str = "softmax", normalize: bool = True,
                  capacity_factor: float | None = None, groups: int = 1, groups_kept: int | None = None,
                  group_scoring: str = "max", scaling: float = 1.0, router_bias: bool = False,
-                 balanced_by_bias: bool | None = None, weighted_input: bool = False) -> None:
+                 balanced_by_bias: bool | None = None, weighted_input: bool = False, bias: bool = False,
+                 activation: str | None = None, limit: float | None = None) -> None:
         super().__init__()
         self.router = Router(hidden, experts, top_k, gating, normalize, groups, groups_kept, group_scoring, scaling,
                              router_bias, balanced_by_bias)
         self.weighted_input = weighted_input  # Llama 4: the weight scales what enters the expert
-        self.experts = nn.ModuleList(FeedForward(hidden, expert_ffn) for _ in range(experts))
-        self.shared = FeedForward(hidden, shared_ffn) if shared_ffn else None
+        # gpt-oss: biased experts with its clamped SwiGLU
+        self.experts = nn.ModuleList(FeedForward(hidden, expert_ffn, True, bias, activation, limit)
+                                     for _ in range(experts))
+        self.shared = FeedForward(hidden, shared_ffn, True, bias, activation, limit) if shared_ffn else None
         self.shared_gate = nn.Linear(hidden, 1, bias=False) if shared_ffn and shared_gate else None
         self.capacity_factor = capacity_factor
         self.num_experts = experts  # all of them, also where a rank holds only its share

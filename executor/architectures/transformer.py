@@ -34,12 +34,15 @@ def norm_of(spec: ModelSpec) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
-    """Layer ``layer`` of ``spec``: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Layer ``layer`` of ``spec``: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``;
+    with a parallel residual (GPT-NeoX, Falcon) ``x + attention(norm(x)) + mlp(norm'(x))``,
+    one norm shared where the spec has one a layer (Falcon-7B)."""
 
     recompute_norms = False  # --recompute norm-mla-up: each norm's output recomputed for its reader's backward
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
+        self.parallel = spec.parallel_residual
         self.attention_norm = norm_of(spec)
         if spec.mla is not None:
             self.attention = LatentAttention(spec.hidden, spec.heads, spec.mla, spec.attention_has_bias, spec.rope)
@@ -50,21 +53,29 @@ class TransformerBlock(nn.Module):
                 qk_norm=spec.qk_norm if spec.has_qk_norm(layer) else None,
                 window=spec.sliding_window if layer in spec.sliding_layers else None,
                 chunk=spec.attention_chunk if layer in spec.chunked_layers else None, sinks=spec.attention_sinks,
-                rope=spec.rope)
-        self.ffn_norm = norm_of(spec)
+                rope=spec.rope, rotary_dim=spec.rotary_width)
+        # Falcon-7B's parallel block: one norm whose output both the attention and the MLP read
+        self.ffn_norm = norm_of(spec) if spec.norms_per_layer == 2 else None
         moe = spec.moe
         if spec.is_moe_layer(layer):
             self.feed_forward = MixtureOfExperts(
                 spec.hidden, moe.experts, moe.experts_per_token, moe.expert_ffn, moe.shared_ffn,
                 moe.shared_expert_gate, moe.gating, moe.normalize_top_k, moe.capacity_factor,
                 moe.expert_groups, moe.node_limit, moe.group_scoring, moe.routed_scaling, moe.router_bias,
-                moe.balanced_by_bias, moe.weighted_input)
+                moe.balanced_by_bias, moe.weighted_input, spec.mlp_has_bias, spec.activation, spec.activation_limit)
             self.feed_forward.router.layer = layer
         else:
-            self.feed_forward = FeedForward(spec.hidden, spec.ffn, spec.gated_mlp, spec.mlp_has_bias)
+            self.feed_forward = FeedForward(spec.hidden, spec.ffn, spec.gated_mlp, spec.mlp_has_bias, spec.activation,
+                                            spec.activation_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + norm_read_by(self.attention_norm, self.attention, x, self.recompute_norms)
+        if self.ffn_norm is None:  # parallel, one norm
+            normed = self.attention_norm(x)
+            return x + self.attention(normed) + self.feed_forward(normed)
+        attended = norm_read_by(self.attention_norm, self.attention, x, self.recompute_norms)
+        if self.parallel:  # GPT-NeoX, Falcon's new decoder: both read the block's input
+            return x + attended + norm_read_by(self.ffn_norm, self.feed_forward, x, self.recompute_norms)
+        x = x + attended
         return x + norm_read_by(self.ffn_norm, self.feed_forward, x, self.recompute_norms)
 
 

@@ -24,7 +24,9 @@ Here the same inventory is written per architecture, so that GQA (K and V of wid
 of GeLU's ``2f``), no dropout (no masks) and other dtypes come out right; for GPT-3 it is
 the paper's formula term for term. Per layer, since layers differ:
 
-- **Norms**: one input kept per norm (``norms_per_layer``: gemma-2 has four).
+- **Norms**: one input kept per norm (``norms_per_layer``: gemma-2 has four), one for both
+  norms of a parallel block (GPT-NeoX: they read the same input); Falcon-7B's one norm
+  hands the same output to the attention's and the MLP's GEMMs, kept once.
 - **Grouped-query attention on more tp ranks than key-value heads**: a rank keeps the K
   and V of the one head it holds (``kv_heads_per_shard``).
 - **Latent attention (MLA)**: the compressed query and key-value latents before and after
@@ -103,7 +105,10 @@ def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fa
     mask = MASK_BYTES if spec.dropout else 0
     norm_output = 0 if recompute == NORM_MLA_UP else gemm_input_bytes(spec)
     # per token: the part tensor parallelism leaves whole (norm inputs, QKV and MLP inputs, masks)
-    replicated = (spec.norms_per_layer * h * d + h * norm_output + h * norm_output + 2 * h * mask
+    # a parallel block's two norms read the same input; Falcon-7B's one norm feeds Q, K, V and the MLP
+    # one tensor (its FP8 casts are each GEMM's own)
+    gemm_inputs = 1 if spec.parallel_residual and spec.norms_per_layer == 1 and not spec.fp8 else 2
+    replicated = (spec.norm_inputs_kept * h * d + gemm_inputs * h * norm_output + 2 * h * mask
                   + latent_bytes(spec, norm_output))
     sharded = attention_bytes(spec, tp, recompute == NORM_MLA_UP, layer) + mlp_stash_bytes(spec, layer) / tp
     whole = 0.0

@@ -16,10 +16,13 @@ family. What differs between the families read here (``transformers``' modeling 
 - ``gpt2``: ``n_embd``, ``n_layer``, ``n_head``, ``n_inner``; two matrices (GeLU),
   LayerNorm, every linear biased, learned positions of ``n_positions`` rows, tied.
 - ``gpt_neox``: two matrices, LayerNorm, MLP biases always, attention biases unless
-  ``attention_bias`` is false, untied.
-- ``falcon``: two matrices of ``ffn_hidden_size`` (4h), LayerNorm (one per layer with
-  ``parallel_attn``), ``bias`` for every linear (default none), one key-value head with
-  ``multi_query``, ``num_kv_heads`` with ``new_decoder_architecture``, tied.
+  ``attention_bias`` is false, untied; attention and MLP side by side on the block's
+  input (``use_parallel_residual``, on by default), rotary positions on the first
+  ``rotary_pct`` of each head (a quarter by default) at ``rotary_emb_base``.
+- ``falcon``: two matrices of ``ffn_hidden_size`` (4h), LayerNorm, ``bias`` for every
+  linear (default none), one key-value head with ``multi_query``, ``num_kv_heads`` with
+  ``new_decoder_architecture``, tied; a parallel block (``parallel_attn``, always with
+  the new decoder) of one norm, or two with the new decoder; ``alibi`` refused.
 - ``deepseek_v2``, ``deepseek_v3``: multi-head latent attention, gated experts from
   layer ``first_k_dense_replace`` on (every ``moe_layer_freq``-th), shared experts,
   untied; the router's ``scoring_func`` (V2 softmax, V3 sigmoid) and ``norm_topk_prob``
@@ -33,9 +36,10 @@ family. What differs between the families read here (``transformers``' modeling 
   RMSNorm one head wide on queries and on keys, ``head_dim`` 128 by default.
   ``qwen3_moe``: the same attention (``head_dim`` hidden / heads by default), experts of
   ``moe_intermediate_size`` and no shared expert, sparse layers as ``qwen2_moe``.
-- ``gpt_oss``: every MLP ``num_local_experts`` gated experts with biases, a router with
-  biases, top ``num_experts_per_tok``; biased attention with one learned sink logit per
-  head; ``layer_types`` alternating a 128-token sliding window with full attention.
+- ``gpt_oss``: every MLP ``num_local_experts`` gated experts with biases and its clamped
+  SwiGLU (``swiglu_limit``), a router with biases, top ``num_experts_per_tok``; biased
+  attention with one learned sink logit per head; ``layer_types`` alternating a 128-token
+  sliding window with full attention.
 - ``gemma3_text``: Gemma 2's layer with query and key norms one head wide; five sliding
   (``sliding_window``) layers to one full by default.
 - ``llama4_text``: experts of ``intermediate_size`` (top ``num_experts_per_tok``, 1)
@@ -43,6 +47,12 @@ family. What differs between the families read here (``transformers``' modeling 
   ``interleave_moe_layer_step``-th), dense layers of ``intermediate_size_mlp``; weightless
   L2 query and key norms; chunked attention (``attention_chunk_size``) on the layers with
   rotary positions, three of four by default (``no_rope_layers``, ``layer_types``).
+
+The MLP's activation is read from the family's key (``hidden_act``; Gemma's
+``hidden_activation``, the tanh GeLU by default, Gemma 1's legacy ``hidden_act: gelu``
+not read; GPT-2's ``activation_function``, ``gelu_new``; Falcon's ``activation``) and
+refused when it is none pipesim builds (silu, GeLU exact or tanh, ReLU, gpt-oss's).
+Phi-3 reads ``partial_rotary_factor`` (Phi-4-mini turns three quarters of each head).
 
 Sliding windows are read where the family has them: ``layer_types`` when the file lists
 them, else the family's rule (Mistral, Phi-3, Mixtral: every layer when
@@ -88,7 +98,7 @@ from pipesim.model.experts import GATINGS, MixtureOfExperts, dense_layer_indices
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.quantization import dispatches_in_fp8, gemms_in_fp8
 from pipesim.model.rotary import rope_from_config
-from pipesim.model.spec import ModelSpec
+from pipesim.model.spec import CLAMPED_SWIGLU, ModelSpec
 
 HF_DEFAULT_SEQ_LEN_CAP = 8192
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -168,6 +178,26 @@ class Family:
     head_dim: int | None = None  # default head width when the file gives none (gemma: 256)
     windows: Callable[[Config], dict] | None = None  # which layers slide, over what window
     rope_theta: float = 10000.0  # rope_theta when the file leaves it out (its Hugging Face config's default)
+    activation_keys: tuple[str, ...] = ("hidden_act",)  # the keys naming the MLP's activation, first found wins
+    activation: str = "silu"  # its Hugging Face name when the file names none
+
+
+# Hugging Face's activation names (transformers' ACT2FN) -> pipesim's (pipesim.model.spec.ACTIVATIONS)
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "swiglu": "silu", "gelu": "gelu",
+                  "gelu_pytorch_tanh": "gelu-tanh", "gelu_new": "gelu-tanh", "gelu_fast": "gelu-tanh",
+                  "relu": "relu"}
+
+
+def _activation(config: Config, family: Family, gated: bool) -> dict:
+    """The MLP's activation as the family's keys name it (``None`` where it is the spec's
+    default for the MLP: silu gated, gelu not), refused when it is none pipesim builds."""
+    named = next((config.get(key) for key in family.activation_keys if config.get(key) is not None),
+                 family.activation)
+    activation = HF_ACTIVATIONS.get(str(named).lower())
+    if activation is None:
+        raise ModelSpecError(f"{config.name}: {family.activation_keys[0]} {named!r} is not an activation pipesim "
+                             f"builds ({', '.join(HF_ACTIVATIONS)})")
+    return {} if activation == ("silu" if gated else "gelu") else {"activation": activation}
 
 
 def _llama_biases(config: Config) -> dict:
@@ -235,7 +265,10 @@ def _olmoe(config: Config) -> dict:
 def _gpt_oss(config: Config) -> dict:
     """Experts whose gate-and-up and down projections carry biases, a biased router,
     attention biased by default, a sink logit per head."""
+    limit = config.get("swiglu_limit", 7.0)
+    require_positive(limit, f"{config.name}: swiglu_limit")
     return {"attention_bias": bool(config.get("attention_bias", True)), "mlp_bias": True, "attention_sinks": True,
+            "activation": CLAMPED_SWIGLU, "activation_limit": float(limit),
             "moe": MixtureOfExperts(experts=config.part("num_local_experts", "routed experts", 128, minimum=1),
                                     experts_per_token=config.count("num_experts_per_tok", 4),
                                     expert_ffn=config.count("intermediate_size", 2880), router_bias=True)}
@@ -367,19 +400,32 @@ def _gpt2(config: Config) -> dict:
 
 
 def _gpt_neox(config: Config) -> dict:
-    return {"attention_bias": bool(config.get("attention_bias", True)), "mlp_bias": True}
+    """Attention and MLP side by side on the block's input (``use_parallel_residual``, on
+    by default), rotary positions on the first ``rotary_pct`` of each head (a quarter by
+    default; ``partial_rotary_factor`` in newer files) at ``rotary_emb_base``."""
+    fraction = config.get("partial_rotary_factor", config.get("rotary_pct", 0.25))
+    theta = config.get("rope_theta", config.get("rotary_emb_base", 10000.0))
+    return {"attention_bias": bool(config.get("attention_bias", True)), "mlp_bias": True,
+            "parallel_residual": bool(config.get("use_parallel_residual", True)), "rotary_fraction": fraction,
+            "rope": rope_from_config(theta, config.get("rope_scaling"), config.name,
+                                     config.get("max_position_embeddings"))}
 
 
 def _falcon(config: Config) -> dict:
+    if config.get("alibi", False):
+        raise ModelSpecError(f"{config.name}: alibi positions (Falcon-RW) are not a part pipesim builds: its "
+                             "executor turns queries and keys by rotary positions (remove alibi to read it so)")
     heads = config.count("num_attention_heads")
     if config.get("new_decoder_architecture", False):
         kv_heads = config.count("num_kv_heads") or heads
         norms = 1 if config.get("num_ln_in_parallel_attn") == 1 else 2
+        parallel = True
     else:
         kv_heads = 1 if config.get("multi_query", True) else heads
-        norms = 1 if config.get("parallel_attn", True) else 2
+        parallel = bool(config.get("parallel_attn", True))
+        norms = 1 if parallel else 2
     return {"bias": bool(config.get("bias", False)), "kv_heads": kv_heads, "norms_per_layer": norms,
-            "ffn_hidden": config.count("ffn_hidden_size")}
+            "ffn_hidden": config.count("ffn_hidden_size"), "parallel_residual": parallel}
 
 
 def _gating(config: Config, default: str) -> str:
@@ -457,6 +503,9 @@ def _node_limit(config: Config) -> int | None:
 
 
 LLAMA_BIASES = ("attention_bias", "mlp_bias")
+# Gemma's MLP is GeGLU with the tanh approximation, named by hidden_activation; the Gemma 1 files'
+# legacy "hidden_act": "gelu" (exact) is not what the model was trained with, and is not read
+GEMMA_ACTIVATION = {"activation_keys": ("hidden_activation",), "activation": "gelu_pytorch_tanh"}
 QWEN_MOE_READS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
                   "mlp_only_layers")
 DEEPSEEK_READS = (*MLA_KEYS, "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok",
@@ -478,28 +527,32 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(gated_mlp=True, reads=("head_dim", "attention_bias", "num_local_experts", "num_experts_per_tok"),
                       particular=_gpt_oss, head_dim=64, windows=every_other(128), rope_theta=150000.0),
     "gemma": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"), particular=_attention_bias,
-                    head_dim=256),
+                    head_dim=256, **GEMMA_ACTIVATION),
     "gemma2": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"),
                      particular=lambda config: {**_attention_bias(config), "norms_per_layer": 4}, head_dim=256,
-                     windows=every_other(4096)),
+                     windows=every_other(4096), **GEMMA_ACTIVATION),
     "gemma3_text": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"),
                           particular=lambda config: {**_attention_bias(config), "norms_per_layer": 4,
                                                      "qk_norm": "head"},
-                          head_dim=256, windows=GEMMA3_WINDOWS),
-    "phi3": Family(gated_mlp=True, windows=EVERY_LAYER),
+                          head_dim=256, windows=GEMMA3_WINDOWS, **GEMMA_ACTIVATION),
+    "phi3": Family(gated_mlp=True, windows=EVERY_LAYER,  # Phi-4-mini turns 3/4 of each head
+                   particular=lambda config: {"rotary_fraction": config.get("partial_rotary_factor", 1.0)}),
     "llama4_text": Family(gated_mlp=True, reads=("head_dim", "attention_bias", "num_local_experts",
                                                  "num_experts_per_tok", "use_qk_norm", "intermediate_size_mlp",
                                                  "interleave_moe_layer_step", "moe_layers"),
                           particular=_llama4, head_dim=128, windows=_no_sliding_window, rope_theta=500000.0),
     "gpt2": Family(gated_mlp=False, rms_norm=False, tied=True, reads=("n_inner",), particular=_gpt2,
                    aliases=(("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"),
-                            ("num_attention_heads", "n_head"), ("max_position_embeddings", "n_positions"))),
-    "gpt_neox": Family(gated_mlp=False, rms_norm=False, reads=("attention_bias",), particular=_gpt_neox),
+                            ("num_attention_heads", "n_head"), ("max_position_embeddings", "n_positions")),
+                   activation_keys=("activation_function",), activation="gelu_new"),
+    "gpt_neox": Family(gated_mlp=False, rms_norm=False, reads=("attention_bias",), particular=_gpt_neox,
+                       activation="gelu"),
     "falcon": Family(gated_mlp=False, rms_norm=False, tied=True,
                      reads=("bias", "multi_query", "new_decoder_architecture", "num_kv_heads", "n_head_kv",
                             "parallel_attn", "num_ln_in_parallel_attn", "ffn_hidden_size"),
                      particular=_falcon, aliases=(("num_hidden_layers", "n_layer"), ("num_attention_heads", "n_head"),
-                                                  ("num_kv_heads", "n_head_kv"))),
+                                                  ("num_kv_heads", "n_head_kv")),
+                     activation_keys=("activation",), activation="gelu"),
     "deepseek_v2": Family(gated_mlp=True, reads=DEEPSEEK_READS, particular=_deepseek(0, None, None, None, 1407)),
     "deepseek_v3": Family(gated_mlp=True, reads=(*DEEPSEEK_READS, "num_nextn_predict_layers"),
                           particular=_deepseek(3, 256, 1, 8, 2048, "sigmoid", True, 2.5, True)),
@@ -552,6 +605,8 @@ def spec_from_hf_config(data: object, name: str = "config", seq_len: int | None 
     )
     if family.particular is not None:
         fields.update(family.particular(config))
+    if "activation" not in fields:  # gpt-oss names its own
+        fields.update(_activation(config, family, fields["gated_mlp"]))
     if family.windows is not None:
         fields.update(family.windows(config))
     # DeepSeek-V3's block-scaled recipe sends the experts' FP8 input over the all-to-all

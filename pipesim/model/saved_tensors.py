@@ -25,8 +25,10 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   normalised inputs and 1/rms, and so do query and key norms (Qwen3's one head wide, one
   1/rms per head; OLMoE's over the projection). Attention with sinks (gpt-oss) is
   written out: it keeps the softmax's ``s x s`` output as ``--no-flash-attention`` does.
-- **Gated MLP** (SwiGLU): the product's backward needs ``silu(gate)`` too: ``4f``, not
-  the fused kernel's ``3f``.
+- **Gated MLP** (SwiGLU, GeGLU): the product's backward needs ``silu(gate)`` too: ``4f``,
+  not the fused kernel's ``3f``; gpt-oss's clamped SwiGLU, written from torch ops, ``7f``
+  (the gate and up before their clamps, the clamped gate, its sigmoid, ``up + 1``, their
+  product and the down projection's input).
 - **Mixture of experts** (dropless, every expert on the process): per routed copy,
   besides the input and expert output the inventory counts, the weighted output the
   combine adds (``h``), its weight (1) and the copy's token and slot indices (two int64:
@@ -56,7 +58,7 @@ import math
 from dataclasses import dataclass, replace
 
 from pipesim.model.per_op_checkpoint import PER_OP
-from pipesim.model.spec import NORM_MLA_UP, ModelSpec
+from pipesim.model.spec import CLAMPED_SWIGLU, NORM_MLA_UP, ModelSpec
 from pipesim.model.weights import kv_heads_per_shard, layer_weights, shard
 
 INDEX_BYTES = 8  # torch's int64 indices
@@ -148,7 +150,8 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         statistics = spec.heads / tp * score_bytes(spec, saved) if saved.softmax_statistics else 0.0
         return spec.tokens * (h * wider / split + statistics)
     residual = d + wider
-    per_token = spec.norms_per_layer * (h * wider + norm_extra_elements(spec, saved) * residual) / split
+    per_token = (spec.norm_inputs_kept * h * wider + spec.norms_per_layer * norm_extra_elements(spec, saved)
+                 * residual) / split
     if spec.mla is not None and spec.rms_norm:  # the latents' RMSNorms keep theirs too
         per_token += latent_norm_extra_elements(spec, saved) * d
         if saved.latent_kv_whole and spec.microbatch_size == 1:  # with more sequences V is reshaped into a copy
@@ -171,7 +174,10 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     if saved.attention_output_copy and kernel_kept and flash_attention:  # without it, no kernel output is kept
         per_token += spec.v_width / tp * d
     if saved.gated_activation_output and spec.gated_mlp:
-        per_token += spec.mlp_width(layer, padded=False) / tp * d
+        # gpt-oss's clamped SwiGLU keeps 3f more: the gate before its clamp, up before its clamp and
+        # plus one, and the gate times its sigmoid (7f in all)
+        clamped = 3 if spec.mlp_activation == CLAMPED_SWIGLU else 0
+        per_token += (1 + clamped) * spec.mlp_width(layer, padded=False) / tp * d
     if saved.routed_combine and spec.is_moe_layer(layer):
         slots, k = spec.moe.routed_slots(padded=False), spec.moe.experts_per_token
         per_token += slots * ((h + 1) * d + 2 * INDEX_BYTES) + k * INDEX_BYTES
@@ -182,8 +188,7 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     if saved.weight_copies:
         extra += weight_copy_bytes(spec, tp, layer)
     if saved.rotary_tables and not spec.learned_positions and layer not in spec.nope_layers:
-        rotary = spec.mla.qk_rope_head_dim if spec.mla else spec.head_size
-        extra += spec.seq_len * rotary * d  # cos and sin, s x d/2 each, whatever the microbatch
+        extra += spec.seq_len * spec.rotary_width * d  # cos and sin, s x d/2 each, whatever the microbatch
     return extra
 
 

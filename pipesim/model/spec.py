@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from pipesim.model import operations, weights
-from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count
+from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count, require_positive
 from pipesim.model.experts import MixtureOfExperts
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.per_op_checkpoint import PER_OP
@@ -105,6 +105,11 @@ class ModelSpec:
     mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers), after the head
     fused_qkv: bool = False  # Q, K and V one linear, torchtitan 0.3's wqkv (QKV_PROJECTIONS): per-op's count only
     rope: Rope = Rope()  # rotary base and rescaling (pipesim.model.rotary): the executor's, no count
+    # the MLP's (and experts') activation (ACTIVATIONS); None: silu gated (SwiGLU), gelu otherwise
+    activation: str | None = None
+    activation_limit: float | None = None  # clamped-swiglu: gpt-oss's swiglu_limit (gate <= it, |up| <= it)
+    parallel_residual: bool = False  # attention and MLP both read the block's input (GPT-NeoX, Falcon)
+    rotary_fraction: float = 1.0  # the share of each head's features turned by position (GPT-NeoX's rotary_pct)
 
     def __post_init__(self) -> None:
         if self.fp8_scaling not in FP8_SCALINGS:
@@ -121,6 +126,20 @@ class ModelSpec:
         require_count(self.norms_per_layer, f"model {self.name}: norms_per_layer", minimum=0)
         require_count(self.layers, f"model {self.name}: layers", maximum=MAX_LAYERS)
         require_count(self.mtp_depth, f"model {self.name}: mtp_depth", minimum=0)
+        if self.activation not in (None, *ACTIVATIONS):
+            raise ModelSpecError(f"model {self.name}: activation {self.activation!r}: use one of "
+                                 f"{', '.join(ACTIVATIONS)}")
+        if self.activation == CLAMPED_SWIGLU:
+            if not self.gated_mlp:
+                raise ModelSpecError(f"model {self.name}: {CLAMPED_SWIGLU} is a gated activation (gate and up "
+                                     f"matrices): set gated_mlp")
+            require_positive(self.activation_limit, f"model {self.name}: activation_limit")
+        elif self.activation_limit is not None:
+            raise ModelSpecError(f"model {self.name}: activation_limit {self.activation_limit} clamps only "
+                                 f"{CLAMPED_SWIGLU}, not {self.mlp_activation}")
+        if isinstance(self.rotary_fraction, bool) or not (isinstance(self.rotary_fraction, (int, float))
+                                                            and 0 < self.rotary_fraction <= 1):
+            raise ModelSpecError(f"model {self.name}: rotary_fraction must be in (0, 1], got {self.rotary_fraction!r}")
         if self.qk_norm not in QK_NORMS:
             raise ModelSpecError(f"model {self.name}: qk_norm {self.qk_norm!r}: use one of "
                                  f"{', '.join(map(str, QK_NORMS))}")
@@ -205,6 +224,27 @@ class ModelSpec:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) routes its tokens to experts."""
         return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    @property
+    def mlp_activation(self) -> str:
+        """The MLP's activation: ``activation``, else SwiGLU's silu when gated and GeLU not."""
+        return self.activation or ("silu" if self.gated_mlp else "gelu")
+
+    @property
+    def norm_inputs_kept(self) -> int:
+        """Distinct norm inputs a layer keeps: one per norm, but a parallel block's two
+        norms read the same input (GPT-NeoX, Falcon's new decoder)."""
+        if self.parallel_residual and self.norms_per_layer == 2:
+            return 1
+        return self.norms_per_layer
+
+    @property
+    def rotary_width(self) -> int:
+        """Features of each query and key head turned by position (latent attention: its
+        rotary part; GPT-NeoX: ``rotary_pct`` of the head, as Hugging Face rounds it)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_size * self.rotary_fraction)
 
     def has_qk_norm(self, layer: int = 0) -> bool:
         """Whether layer ``layer`` normalises its queries and keys (Llama 4's L2 norms only
@@ -435,6 +475,11 @@ NORM_MLA_UP = "norm-mla-up"
 # (pipesim.model.per_op_checkpoint)
 RECOMPUTE = ("none", "selective", PER_OP, NORM_MLA_UP, "full")
 QK_NORMS = (None, "head", "projection", "l2")
+# MLP activations (a gated MLP applies it to the gate): SwiGLU's silu, GeLU exact or by its tanh
+# approximation (GPT-2's gelu_new, Gemma's gelu_pytorch_tanh), ReLU, and gpt-oss's clamped SwiGLU,
+# (up + 1) * gate * sigmoid(1.702 gate) with the gate clamped at most and up within the limit
+CLAMPED_SWIGLU = "clamped-swiglu"
+ACTIVATIONS = ("silu", "gelu", "gelu-tanh", "relu", CLAMPED_SWIGLU)
 
 
 def check_recompute(recompute: str) -> None:
