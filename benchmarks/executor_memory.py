@@ -100,6 +100,9 @@ ROWS: dict[str, tuple[str, ...]] = {
     # parallel blocks: GPT-NeoX's two norms and partial rotary, Falcon-7B's one norm read twice
     "pythia 1f1b": ("--model", config("pythia-160m"), *DEEPSEEK, "--pp", "2"),
     "falcon-7b 1f1b": ("--model", config("falcon-7b"), *DEEPSEEK, "--pp", "2"),
+    # Gemma: four norms a layer, soft-capped scores and logits (Gemma 2), local rotary base (Gemma 3)
+    "gemma-2 1f1b": ("--model", config("gemma-2-9b"), *DEEPSEEK, "--pp", "2"),
+    "gemma-3 1f1b": ("--model", config("gemma-3-1b"), *DEEPSEEK, "--pp", "2"),
 }
 
 

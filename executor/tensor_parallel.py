@@ -101,6 +101,10 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
                  "attention.wo": RowwiseParallel(output_layouts=Shard(1))})
     if block.ffn_norm is not None:  # Falcon-7B's one norm a layer feeds both
         plan["ffn_norm"] = SequenceParallel()
+    if block.post_attention_norm is not None:  # Gemma 2/3: on the sublayers' reduce-scattered outputs,
+        # handing the residual add a plain shard as the row-parallel layers do
+        plan.update({"post_attention_norm": SequenceParallel(use_local_output=True),
+                     "post_ffn_norm": SequenceParallel(use_local_output=True)})
     if experts is None:
         plan.update({"feed_forward": PrepareModuleInput(**gather),
                      "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})

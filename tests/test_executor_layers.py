@@ -22,7 +22,7 @@ from executor.architectures.build import shrink_note, shrunk_spec, stage_layers
 from executor.architectures.latent_attention import LatentAttention
 from executor.architectures.layers import Attention, RMSNorm, apply_rotary, rotary_angles
 from executor.architectures.moe import MixtureOfExperts, Router, within_capacity
-from executor.config import ConfigError, RunConfig
+from executor.config import RunConfig
 from executor.models import build_model
 from executor.reference import reference_run
 from executor.token_data import BOS, EOS, byte_tokens, token_windows
@@ -289,19 +289,13 @@ def test_stage_split_is_the_one_simulate_prints(flags, tmp_path, capsys) -> None
 
 
 CONFIGS = sorted((Path(__file__).parent / "data" / "hf_configs").glob("*.json"))
-REFUSED = {"gemma-2-9b": "4 norms per layer", "gemma-3-1b": "4 norms per layer"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda path: path.stem)
-def test_every_stored_config_trains_or_is_refused(path) -> None:
-    """Each Hugging Face config the simulator reads either builds, shrunk, and takes a
-    step whose loss is a fresh model's (about ln V: nearly uniform next-token guesses),
-    or is refused naming why."""
+def test_every_stored_config_trains(path) -> None:
+    """Each Hugging Face config the simulator reads builds, shrunk, and takes a step whose
+    loss is a fresh model's (about ln V: nearly uniform next-token guesses)."""
     run = RunConfig(model=str(path), pp=2, microbatches=2, batch_size=2, steps=1, dtype="float64")
-    if path.stem in REFUSED:
-        with pytest.raises(ConfigError, match=REFUSED[path.stem]):
-            run.check()
-        return
     run.check()
     (loss,) = reference_run(run)["losses"]
     # a tied model's output layer is the embedding table (initialised with std 1/sqrt(h)):

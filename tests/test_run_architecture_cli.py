@@ -72,7 +72,8 @@ def test_data_file_refused_in_one_line(capsys, tmp_path, kind: str) -> None:
     (("--model", "mixtral-8x7b", "--capacity-factor", "nan"), ("--capacity-factor", "got nan")),
     (("--model", "mixtral-8x7b", "--kv-heads", "0"), ("--kv-heads must be at least 1",)),
     (("--model", "no-such-model"), ("--model no-such-model", "llama3-8b")),
-    (("--model", "tests/data/hf_configs/gemma-2-9b.json"), ("4 norms per layer",)),
+    (("--model", "tests/data/hf_configs/gemma-2-9b.json", "--cp", "2"),
+     ("--cp 2", "soft-capped attention scores (cap 50)", "run without --cp")),
 ])
 def test_what_cannot_run_is_refused_in_one_line(capsys, flags, expected) -> None:
     status, _, err = run(capsys, *flags, *TOY)

@@ -116,9 +116,13 @@ def shrunk_spec(config: RunConfig) -> ModelSpec:
         moe = shrunk_experts(full.moe, config.layers, config.experts, width_factor, config.capacity_factor)
     if full.mla is not None:
         mla = shrunk_latents(full.mla, config.hidden // config.heads, factor)
+    # Gemma's softmax scale keeps its ratio to the head width (Gemma 2 27B: 144 for heads of 128)
+    scalar = full.query_pre_attn_scalar
+    if scalar is not None:
+        scalar *= (config.hidden // config.heads) / full.head_size
     return replace(full, layers=config.layers, hidden=config.hidden, heads=config.heads, kv_heads=kv,
                    ffn_hidden=ffn, seq_len=config.seq_len, vocab=config.vocab, head_dim=None, positions=None,
-                   moe=moe, mla=mla, fused_qkv=config.qkv == "fused", mtp_depth=0)
+                   moe=moe, mla=mla, fused_qkv=config.qkv == "fused", mtp_depth=0, query_pre_attn_scalar=scalar)
 
 
 def run_spec(config: RunConfig) -> ModelSpec:
@@ -185,10 +189,10 @@ def stage_layers(spec: ModelSpec, num_stages: int, layout: tuple[int, ...] | Non
 def check_architecture(config: RunConfig) -> ModelSpec:
     """Refuse, naming the flag, what the executor cannot build; return the shrunk spec."""
     full = full_spec(config.model)
-    if full.norms_per_layer not in ((1, 2) if full.parallel_residual else (2,)):
+    if full.norms_per_layer not in ((1, 2) if full.parallel_residual else (2, 4)):
         raise ConfigError(f"--model {config.model}: {full.norms_per_layer} norms per layer is not built by "
                           "the executor (pre-norm blocks of two norms: Llama, Mistral, Mixtral, Qwen, DeepSeek; "
-                          "one shared by a parallel block: Falcon-7B)")
+                          "four, before and after each half: Gemma 2/3; one shared by a parallel block: Falcon-7B)")
     if config.hidden % config.heads:
         raise ConfigError(f"--hidden {config.hidden} must be a multiple of --heads {config.heads}")
     if config.kv_heads is not None and full.mla:
@@ -234,7 +238,8 @@ def check_architecture(config: RunConfig) -> ModelSpec:
 
 def check_context_parallel(config: RunConfig, spec: ModelSpec) -> None:
     """Ring attention masks by position only (causal): a sliding window or a chunk
-    shorter than the sequence, or attention sinks, are not in its blocks."""
+    shorter than the sequence, attention sinks or soft-capped scores are not in its
+    blocks."""
     limits = [(f"sliding window {spec.sliding_window}", spec.sliding_window, spec.sliding_layers),
               (f"attention chunk {spec.attention_chunk}", spec.attention_chunk, spec.chunked_layers)]
     for what, size, layers in limits:
@@ -245,6 +250,10 @@ def check_context_parallel(config: RunConfig, spec: ModelSpec) -> None:
     if spec.attention_sinks:
         raise ConfigError(f"--cp {config.cp}: {config.model}'s attention sinks are not in context parallelism's "
                           "blockwise softmax (run without --cp)")
+    if spec.attention_softcap is not None:
+        raise ConfigError(f"--cp {config.cp}: {config.model}'s soft-capped attention scores (cap "
+                          f"{spec.attention_softcap:g}) are not in context parallelism's blockwise softmax (run "
+                          "without --cp)")
     if spec.qk_norm == "l2":
         raise ConfigError(f"--cp {config.cp}: {config.model}'s query and key norms follow the rotary turn, which "
                           "context parallelism's attention makes itself (run without --cp)")

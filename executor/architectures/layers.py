@@ -28,20 +28,24 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (Zhang and Sennrich
-    2019): no mean subtracted, no bias."""
+    2019): no mean subtracted, no bias; ``offset``: times ``1 + weight`` (Gemma)."""
 
     # Tensor parallelism: how the weight enters the product where this rank normalises only
     # its own heads (a query or key norm), so its gradient is a share to sum over tp
     # (executor.tensor_parallel.sum_weight_grad_over_tp); None: the weight as it is.
     weight_in_use: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        # Gemma's: the scale is 1 + weight, the weight starting at zero (weight decay pulls it to 1)
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.weight_in_use is None else self.weight_in_use(self.weight)
+        if self.offset:
+            weight = 1 + weight
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
 
 
@@ -87,8 +91,12 @@ class Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False,
                  qkv_bias: bool = False, rotary: bool = True, fused_qkv: bool = False, qk_norm: str | None = None,
                  window: int | None = None, chunk: int | None = None, sinks: bool = False,
-                 rope: Rope = PLAIN_ROPE, rotary_dim: int | None = None) -> None:
+                 rope: Rope = PLAIN_ROPE, rotary_dim: int | None = None, norm_offset: bool = False,
+                 query_scale: float = 1.0, softcap: float | None = None) -> None:
         super().__init__()
+        # Gemma 2/3: the softmax scale is query_pre_attn_scalar^-1/2, not head_dim^-1/2: the queries
+        # are multiplied by the ratio (every attention path, ring and gathered too, scales by the width)
+        self.query_scale, self.softcap = query_scale, softcap
         self.head_dim, self.groups, self.rotary, self.rope = head_dim, heads // kv_heads, rotary, rope
         self.rotary_dim = rotary_dim or head_dim  # the features of a head turned by position (GPT-NeoX: a share)
         self.window, self.chunk = window, chunk
@@ -96,9 +104,10 @@ class Attention(nn.Module):
         # over the whole query projection and one over the whole key projection
         self.q_norm = self.k_norm = None
         if qk_norm == "head":
-            self.q_norm, self.k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
+            self.q_norm, self.k_norm = RMSNorm(head_dim, offset=norm_offset), RMSNorm(head_dim, offset=norm_offset)
         elif qk_norm == "projection":
-            self.q_norm, self.k_norm = RMSNorm(heads * head_dim), RMSNorm(kv_heads * head_dim)
+            self.q_norm = RMSNorm(heads * head_dim, offset=norm_offset)
+            self.k_norm = RMSNorm(kv_heads * head_dim, offset=norm_offset)
         self.qk_norm = qk_norm  # "l2" (Llama 4): no weight, after the rotary turn (forward)
         # gpt-oss: one learned logit per head in each softmax's denominator
         self.sinks = nn.Parameter(torch.randn(heads) / 4) if sinks else None
@@ -131,6 +140,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm == "projection":  # over every head at once: the projection's features
             q, k = self.across_heads(self.q_norm, q), self.across_heads(self.k_norm, k)
+        if self.query_scale != 1.0:  # a rotation is linear: scaling before it is scaling after
+            q = q * self.query_scale
         return q, k, v
 
     def across_heads(self, norm: nn.Module, heads: torch.Tensor) -> torch.Tensor:
@@ -148,7 +159,7 @@ class Attention(nn.Module):
         if self.qk_norm == "l2":
             q, k = l2_norm(q), l2_norm(k)
         return self.wo(attend(q, k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1),
-                              self.window, self.chunk, self.sinks))
+                              self.window, self.chunk, self.sinks, self.softcap))
 
 
 def fused_projection(wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, kv_heads: int) -> nn.Linear:
@@ -181,18 +192,26 @@ def visible_keys(seq: int, window: int | None = None, chunk: int | None = None,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
-           chunk: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           chunk: int | None = None, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of ``batch x heads x seq x dim`` tensors, heads joined again:
     ``batch x seq x (heads * v_dim)``; within a sliding ``window`` or a ``chunk`` where
-    given, and with one ``sinks`` logit per head in every softmax's denominator (gpt-oss:
-    a query may give part of its weight to no key), written out for the sinks."""
+    given, with one ``sinks`` logit per head in every softmax's denominator (gpt-oss:
+    a query may give part of its weight to no key), and with the scores soft-capped,
+    ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2); the last two written
+    out (scores, mask, softmax)."""
     seq = q.shape[-2]
     limited = (window is not None and window < seq) or (chunk is not None and chunk < seq)
-    mask = visible_keys(seq, window, chunk, q.device) if limited or sinks is not None else None
-    if sinks is None:
+    written_out = sinks is not None or softcap is not None
+    mask = visible_keys(seq, window, chunk, q.device) if limited or written_out else None
+    if not written_out:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return out.transpose(1, 2).flatten(2)
-    scores = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).masked_fill(~mask, float("-inf"))
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).flatten(2)
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     return (weights @ v).transpose(1, 2).flatten(2)
@@ -214,6 +233,18 @@ def attend_keeping_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 GPT_OSS_ALPHA = 1.702  # gpt-oss's clamped SwiGLU: the sigmoid's slope (fixed in its code, not in its config)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu": F.gelu, "gelu-tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+class SoftCappedLinear(nn.Linear):
+    """A linear whose outputs are ``cap * tanh(out / cap)`` (Gemma 2's output logits,
+    ``final_logit_softcapping``); still the ``nn.Linear`` a tied output layer is."""
+
+    def __init__(self, in_features: int, out_features: int, cap: float, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.cap = cap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(x) / self.cap) * self.cap
 
 
 class FeedForward(nn.Module):

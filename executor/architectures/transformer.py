@@ -21,7 +21,7 @@ from torch import nn
 
 from executor.architectures.build import shrunk_spec, stage_layers
 from executor.architectures.latent_attention import LatentAttention
-from executor.architectures.layers import Attention, FeedForward, RMSNorm
+from executor.architectures.layers import Attention, FeedForward, RMSNorm, SoftCappedLinear
 from executor.architectures.moe import MixtureOfExperts
 from executor.config import RunConfig
 from executor.models import GptModel, seeded, token_positions
@@ -30,13 +30,15 @@ from pipesim.model.spec import ModelSpec
 
 
 def norm_of(spec: ModelSpec) -> nn.Module:
-    return RMSNorm(spec.hidden) if spec.rms_norm else nn.LayerNorm(spec.hidden)
+    return RMSNorm(spec.hidden, offset=spec.norm_offset) if spec.rms_norm else nn.LayerNorm(spec.hidden)
 
 
 class TransformerBlock(nn.Module):
     """Layer ``layer`` of ``spec``: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``;
     with a parallel residual (GPT-NeoX, Falcon) ``x + attention(norm(x)) + mlp(norm'(x))``,
-    one norm shared where the spec has one a layer (Falcon-7B)."""
+    one norm shared where the spec has one a layer (Falcon-7B); with four norms a layer
+    (Gemma 2/3) each half's output normalised too before it joins the residual,
+    ``x + post(attention(norm(x)))``."""
 
     recompute_norms = False  # --recompute norm-mla-up: each norm's output recomputed for its reader's backward
 
@@ -44,6 +46,10 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.parallel = spec.parallel_residual
         self.attention_norm = norm_of(spec)
+        sliding = layer in spec.sliding_layers
+        query_scale = 1.0
+        if spec.query_pre_attn_scalar is not None:
+            query_scale = (spec.head_size / spec.query_pre_attn_scalar) ** 0.5
         if spec.mla is not None:
             self.attention = LatentAttention(spec.hidden, spec.heads, spec.mla, spec.attention_has_bias, spec.rope)
         else:
@@ -53,9 +59,14 @@ class TransformerBlock(nn.Module):
                 qk_norm=spec.qk_norm if spec.has_qk_norm(layer) else None,
                 window=spec.sliding_window if layer in spec.sliding_layers else None,
                 chunk=spec.attention_chunk if layer in spec.chunked_layers else None, sinks=spec.attention_sinks,
-                rope=spec.rope, rotary_dim=spec.rotary_width)
+                rope=spec.local_rope if sliding and spec.local_rope else spec.rope, rotary_dim=spec.rotary_width,
+                norm_offset=spec.norm_offset, query_scale=query_scale, softcap=spec.attention_softcap)
         # Falcon-7B's parallel block: one norm whose output both the attention and the MLP read
-        self.ffn_norm = norm_of(spec) if spec.norms_per_layer == 2 else None
+        self.ffn_norm = norm_of(spec) if spec.norms_per_layer != 1 else None
+        # Gemma 2/3: the attention's and the MLP's outputs normalised before the residual adds them
+        self.post_attention_norm = self.post_ffn_norm = None
+        if spec.norms_per_layer == 4:
+            self.post_attention_norm, self.post_ffn_norm = norm_of(spec), norm_of(spec)
         moe = spec.moe
         if spec.is_moe_layer(layer):
             self.feed_forward = MixtureOfExperts(
@@ -73,6 +84,9 @@ class TransformerBlock(nn.Module):
             normed = self.attention_norm(x)
             return x + self.attention(normed) + self.feed_forward(normed)
         attended = norm_read_by(self.attention_norm, self.attention, x, self.recompute_norms)
+        if self.post_attention_norm is not None:
+            x = x + self.post_attention_norm(attended)
+            return x + self.post_ffn_norm(norm_read_by(self.ffn_norm, self.feed_forward, x, self.recompute_norms))
         if self.parallel:  # GPT-NeoX, Falcon's new decoder: both read the block's input
             return x + attended + norm_read_by(self.ffn_norm, self.feed_forward, x, self.recompute_norms)
         x = x + attended
@@ -88,12 +102,15 @@ class TokenEmbedding(nn.Module):
         nn.init.normal_(self.tokens.weight, std=1 / math.sqrt(spec.hidden))
         self.positions = None
         self.context = None  # --cp: this rank's share of the sequence, whose positions it embeds
+        self.scale = math.sqrt(spec.hidden) if spec.embedding_scale else None
         if spec.learned_positions:
             self.positions = nn.Embedding(spec.positions or spec.seq_len, spec.hidden)
             nn.init.normal_(self.positions.weight, std=1 / math.sqrt(spec.hidden))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tokens(tokens)
+        if self.scale is not None:  # Gemma: times sqrt(hidden)
+            x = x * self.scale
         if self.positions is not None:
             x = x + self.positions(token_positions(tokens, self.context))
         return x
@@ -116,7 +133,10 @@ class SpecModel(GptModel):
         return TransformerBlock(self.spec, layer)
 
     def make_head(self) -> nn.Module:
-        head = nn.Sequential(norm_of(self.spec), nn.Linear(self.spec.hidden, self.spec.vocab, bias=False))
+        cap = self.spec.logit_softcap
+        output = (nn.Linear(self.spec.hidden, self.spec.vocab, bias=False) if cap is None
+                  else SoftCappedLinear(self.spec.hidden, self.spec.vocab, cap))
+        head = nn.Sequential(norm_of(self.spec), output)
         if self.spec.tied_embeddings:  # the last stage's copy of the table (executor.tied_embeddings)
             with seeded(self.config.seed, 0), torch.no_grad():
                 head[-1].weight.copy_(self.make_embed().tokens.weight)

@@ -281,9 +281,11 @@ def latent_bytes(spec: ModelSpec, norm_output: float | None = None) -> float:
 
 def attention_scores_bytes(spec: ModelSpec) -> float:
     """Per token, whole: the ``s x s`` scores kept without flash attention: softmax
-    output, and with dropout its mask and output (``5as`` bytes in 16-bit)."""
+    output, and with dropout its mask and output (``5as`` bytes in 16-bit); soft-capped
+    scores (Gemma 2) keep their tanh's output too."""
     d = spec.dtype_bytes
-    per_element = d + ((MASK_BYTES + d) if spec.dropout else 0)
+    capped = d if spec.attention_softcap is not None else 0  # the tanh's output, before the softmax
+    per_element = d + capped + ((MASK_BYTES + d) if spec.dropout else 0)
     return spec.heads * spec.seq_len * per_element
 
 

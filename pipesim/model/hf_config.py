@@ -11,8 +11,10 @@ family. What differs between the families read here (``transformers``' modeling 
 - ``qwen2``: Q, K and V always biased, O not. ``qwen2_moe``: the same attention, experts
   of ``moe_intermediate_size``, one shared expert with its sigmoid gate, sparse layers by
   ``decoder_sparse_step`` and ``mlp_only_layers``.
-- ``gemma``, ``gemma2``: gated (GeGLU, whatever ``hidden_act`` says), ``head_dim``
-  (default 256), tied by default; gemma-2 has four RMSNorms per layer.
+- ``gemma``, ``gemma2``: gated (GeGLU), ``head_dim`` (default 256), tied by default,
+  RMSNorms scaling by one plus their weight, embeddings times sqrt(hidden); gemma-2 has
+  four RMSNorms per layer (before and after each half), its softmax scaled by
+  ``query_pre_attn_scalar`` and its attention scores and logits soft-capped.
 - ``gpt2``: ``n_embd``, ``n_layer``, ``n_head``, ``n_inner``; two matrices (GeLU),
   LayerNorm, every linear biased, learned positions of ``n_positions`` rows, tied.
 - ``gpt_neox``: two matrices, LayerNorm, MLP biases always, attention biases unless
@@ -40,8 +42,10 @@ family. What differs between the families read here (``transformers``' modeling 
   SwiGLU (``swiglu_limit``), a router with biases, top ``num_experts_per_tok``; biased
   attention with one learned sink logit per head; ``layer_types`` alternating a 128-token
   sliding window with full attention.
-- ``gemma3_text``: Gemma 2's layer with query and key norms one head wide; five sliding
-  (``sliding_window``) layers to one full by default.
+- ``gemma3_text``: Gemma 2's layer with query and key norms one head wide and no soft caps
+  by default; five sliding (``sliding_window``) layers to one full by default, their
+  rotary base ``rope_local_base_freq`` (10000) where the full layers' is ``rope_theta``
+  (1e6 by default).
 - ``llama4_text``: experts of ``intermediate_size`` (top ``num_experts_per_tok``, 1)
   beside a shared expert of the same width in ``moe_layers`` (every
   ``interleave_moe_layer_step``-th), dense layers of ``intermediate_size_mlp``; weightless
@@ -97,7 +101,7 @@ from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count, requ
 from pipesim.model.experts import GATINGS, MixtureOfExperts, dense_layer_indices
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.quantization import dispatches_in_fp8, gemms_in_fp8
-from pipesim.model.rotary import rope_from_config
+from pipesim.model.rotary import Rope, rope_from_config
 from pipesim.model.spec import CLAMPED_SWIGLU, ModelSpec
 
 HF_DEFAULT_SEQ_LEN_CAP = 8192
@@ -399,6 +403,41 @@ def _gpt2(config: Config) -> dict:
             "ffn_hidden": config.count("n_inner")}
 
 
+def _gemma(config: Config) -> dict:
+    """Gemma's RMSNorms scale by one plus their weight, and its embeddings are multiplied
+    by the square root of the hidden size."""
+    return {**_attention_bias(config), "norm_offset": True, "embedding_scale": True}
+
+
+def _softcap(config: Config, key: str, default: float | None) -> float | None:
+    value = config.get(key, default)
+    if value is not None:
+        require_positive(value, f"{config.name}: {key}")
+    return None if value is None else float(value)
+
+
+def _gemma2(config: Config) -> dict:
+    """Gemma 1's parts, four norms a layer (before and after each half), the softmax scaled
+    by ``query_pre_attn_scalar`` (256 by default) and the attention scores and output
+    logits soft-capped (``attn_logit_softcapping`` 50, ``final_logit_softcapping`` 30)."""
+    return {**_gemma(config), "norms_per_layer": 4,
+            "query_pre_attn_scalar": _softcap(config, "query_pre_attn_scalar", 256),
+            "attention_softcap": _softcap(config, "attn_logit_softcapping", 50.0),
+            "logit_softcap": _softcap(config, "final_logit_softcapping", 30.0)}
+
+
+def _gemma3(config: Config) -> dict:
+    """Gemma 2's layer with query and key norms one head wide, no soft caps by default, and
+    its sliding layers' rotary positions at ``rope_local_base_freq`` (10000), unscaled,
+    where the full layers use ``rope_theta`` (1e6) and ``rope_scaling``."""
+    local = config.get("rope_local_base_freq", 10000.0)
+    require_positive(local, f"{config.name}: rope_local_base_freq")
+    return {**_gemma(config), "norms_per_layer": 4, "qk_norm": "head",
+            "query_pre_attn_scalar": _softcap(config, "query_pre_attn_scalar", 256),
+            "attention_softcap": _softcap(config, "attn_logit_softcapping", None),
+            "logit_softcap": _softcap(config, "final_logit_softcapping", None), "local_rope": Rope(theta=local)}
+
+
 def _gpt_neox(config: Config) -> dict:
     """Attention and MLP side by side on the block's input (``use_parallel_residual``, on
     by default), rotary positions on the first ``rotary_pct`` of each head (a quarter by
@@ -526,15 +565,13 @@ FAMILIES: dict[str, Family] = {
                     particular=_olmoe),
     "gpt_oss": Family(gated_mlp=True, reads=("head_dim", "attention_bias", "num_local_experts", "num_experts_per_tok"),
                       particular=_gpt_oss, head_dim=64, windows=every_other(128), rope_theta=150000.0),
-    "gemma": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"), particular=_attention_bias,
+    "gemma": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"), particular=_gemma,
                     head_dim=256, **GEMMA_ACTIVATION),
     "gemma2": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"),
-                     particular=lambda config: {**_attention_bias(config), "norms_per_layer": 4}, head_dim=256,
-                     windows=every_other(4096), **GEMMA_ACTIVATION),
+                     particular=_gemma2, head_dim=256, windows=every_other(4096), **GEMMA_ACTIVATION),
     "gemma3_text": Family(gated_mlp=True, tied=True, reads=("head_dim", "attention_bias"),
-                          particular=lambda config: {**_attention_bias(config), "norms_per_layer": 4,
-                                                     "qk_norm": "head"},
-                          head_dim=256, windows=GEMMA3_WINDOWS, **GEMMA_ACTIVATION),
+                          particular=_gemma3, head_dim=256, windows=GEMMA3_WINDOWS, rope_theta=1_000_000.0,
+                          **GEMMA_ACTIVATION),
     "phi3": Family(gated_mlp=True, windows=EVERY_LAYER,  # Phi-4-mini turns 3/4 of each head
                    particular=lambda config: {"rotary_fraction": config.get("partial_rotary_factor", 1.0)}),
     "llama4_text": Family(gated_mlp=True, reads=("head_dim", "attention_bias", "num_local_experts",

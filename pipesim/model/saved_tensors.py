@@ -213,6 +213,8 @@ def last_stage_extra(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence
     wider = max(0, saved.residual_bytes - d)
     norm = (spec.hidden * wider + norm_extra_elements(spec, saved) * (d + wider)) / (tp if sequence_parallel else 1)
     logits = spec.vocab / tp * (score_bytes(spec, saved) - FP32_BYTES)
+    if spec.logit_softcap is not None:  # Gemma 2's capped logits: the tanh keeps its output too
+        logits += spec.vocab / tp * d  # in the output layer's type
     targets = INDEX_BYTES if saved.token_indices else 0.0
     weight = spec.vocab / tp * spec.hidden * d if saved.weight_copies else 0.0  # the output layer's weight copy
     return spec.tokens * (norm + logits + targets) + weight

@@ -110,6 +110,13 @@ class ModelSpec:
     activation_limit: float | None = None  # clamped-swiglu: gpt-oss's swiglu_limit (gate <= it, |up| <= it)
     parallel_residual: bool = False  # attention and MLP both read the block's input (GPT-NeoX, Falcon)
     rotary_fraction: float = 1.0  # the share of each head's features turned by position (GPT-NeoX's rotary_pct)
+    # Gemma's parts (pipesim run's executor builds them; no count changes):
+    norm_offset: bool = False  # RMSNorms scale by 1 + weight, the weight starting at zero
+    embedding_scale: bool = False  # the token embeddings times sqrt(hidden) (not the tied output layer)
+    query_pre_attn_scalar: float | None = None  # the softmax scale is its -1/2 power, not the head width's
+    attention_softcap: float | None = None  # scores become cap * tanh(scores / cap) before the mask (Gemma 2)
+    logit_softcap: float | None = None  # the output logits likewise (Gemma 2's final_logit_softcapping)
+    local_rope: Rope | None = None  # the sliding layers' rotary positions where they differ (Gemma 3: base 10000)
 
     def __post_init__(self) -> None:
         if self.fp8_scaling not in FP8_SCALINGS:
@@ -140,6 +147,9 @@ class ModelSpec:
         if isinstance(self.rotary_fraction, bool) or not (isinstance(self.rotary_fraction, (int, float))
                                                             and 0 < self.rotary_fraction <= 1):
             raise ModelSpecError(f"model {self.name}: rotary_fraction must be in (0, 1], got {self.rotary_fraction!r}")
+        for key in ("query_pre_attn_scalar", "attention_softcap", "logit_softcap"):
+            if getattr(self, key) is not None:
+                require_positive(getattr(self, key), f"model {self.name}: {key}")
         if self.qk_norm not in QK_NORMS:
             raise ModelSpecError(f"model {self.name}: qk_norm {self.qk_norm!r}: use one of "
                                  f"{', '.join(map(str, QK_NORMS))}")
@@ -461,7 +471,7 @@ class ModelSpec:
         document.update(
             kv_heads=self.num_kv_heads, ffn_hidden=self.ffn, head_dim=self.head_size,
             moe=asdict(self.moe) if self.moe else None, mla=asdict(self.mla) if self.mla else None,
-            rope=asdict(self.rope),
+            rope=asdict(self.rope), local_rope=asdict(self.local_rope) if self.local_rope else None,
             params=self.total_params(), active_params=self.active_params(), flops_per_token=self.flops_per_token(),
             mtp_params=self.mtp_params(),
         )
