@@ -1,16 +1,21 @@
 """Llama 4's decoder as its config describes it: layers without rotary positions (every
 fourth), weightless L2 query and key norms after the rotary turn on the others, and a
-router whose chosen logits' sigmoids scale the experts' inputs. Each against a hand
-computation; pipelined float64 runs (dp with ep, tp) equal the reference."""
+router whose chosen logits' sigmoids scale the experts' inputs, and the query
+temperature of the layers without rotary positions at long positions. Each against a
+hand computation; pipelined float64 runs (dp with ep, tp, the temperature biting from
+position 1) equal the reference."""
 
 from __future__ import annotations
 
+import json
+import math
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from executor.architectures.layers import Attention, apply_rotary, l2_norm, rotary_angles
+from executor.architectures.layers import Attention, apply_rotary, l2_norm, long_position_scales, rotary_angles
 from executor.architectures.moe import MixtureOfExperts
 from executor.config import ConfigError, RunConfig
 from executor.models import build_model
@@ -70,6 +75,24 @@ def test_router_weights_scale_the_experts_inputs() -> None:
     assert torch.allclose(moe(x).reshape(6, 4), expected, atol=1e-12)
 
 
+def test_long_position_temperature_by_hand() -> None:
+    assert load_model(SCOUT).nope_temperature == (8192.0, 0.1)  # Llama4TextConfig's defaults
+    assert long_position_scales(torch.tensor([0, 8190, 8191, 16383]), 8192, 0.1).tolist() == pytest.approx(
+        [1.0, 1.0, 1 + 0.1 * math.log(2), 1 + 0.1 * math.log(3)], abs=1e-15)
+    torch.manual_seed(4)
+    attention = Attention(8, 2, 2, 4, rotary=False, temperature=(4.0, 0.5)).double()
+    x = torch.randn(1, 10, 8, dtype=torch.float64)
+    q, k, v = attention.projections(x)
+    # positions 0-2: 1; 3-6: 1 + 0.5 ln 2; 7-9: 1 + 0.5 ln 3
+    scales = torch.tensor([1.0] * 3 + [1 + 0.5 * math.log(2)] * 4 + [1 + 0.5 * math.log(3)] * 3,
+                          dtype=torch.float64).view(10, 1)
+    scores = (q * scales) @ k.transpose(-2, -1) / 2 + torch.full((10, 10), -torch.inf).triu(1)
+    expected = attention.wo((scores.softmax(-1) @ v).transpose(1, 2).flatten(2))
+    torch.testing.assert_close(attention(x), expected, rtol=1e-12, atol=1e-14)
+    blocks = build_model(RunConfig(model=SCOUT, layers=4, hidden=16, heads=4, pp=1, experts=4)).build_stage(0, 1).blocks
+    assert [block.attention.temperature for block in blocks] == [None, None, None, (8192.0, 0.1)]
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     ({"cp": 2}, "query and key norms follow the rotary turn"),
     ({"expert_bias_rate": 0.01}, "router has no selection bias"),
@@ -79,7 +102,10 @@ def test_what_llama4_cannot_take_is_refused(flags: dict, message: str) -> None:
         RunConfig(model=SCOUT, layers=4, hidden=16, heads=4, pp=1, experts=4, **flags).check()
 
 
-BASE = {"model": SCOUT, "layers": 4, "hidden": 16, "heads": 4, "seq_len": 8, "vocab": 37, "batch_size": 8,
+SHORT_FLOOR = Path(tempfile.mkdtemp(prefix="pipesim-llama4-")) / "llama-4-scout-floor-2.json"
+SHORT_FLOOR.write_text(json.dumps({**json.loads(Path(SCOUT).read_text()), "floor_scale": 2}))
+# the fourth layers' query temperature grows from position 1 on (floor_scale 2), not from 8191
+BASE = {"model": str(SHORT_FLOOR), "layers": 4, "hidden": 16, "heads": 4, "seq_len": 8, "vocab": 37, "batch_size": 8,
         "microbatches": 2, "steps": 2, "dtype": "float64", "optimizer": "adamw", "lr": 0.02, "return_grads": True,
         "schedule": "1f1b", "pp": 2, "experts": 4}
 CASES = LaunchedCases(BASE, {4: {"pp2-dp2-ep2": {"dp": 2, "ep": 2},

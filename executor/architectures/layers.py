@@ -92,8 +92,10 @@ class Attention(nn.Module):
                  qkv_bias: bool = False, rotary: bool = True, fused_qkv: bool = False, qk_norm: str | None = None,
                  window: int | None = None, chunk: int | None = None, sinks: bool = False,
                  rope: Rope = PLAIN_ROPE, rotary_dim: int | None = None, norm_offset: bool = False,
-                 query_scale: float = 1.0, softcap: float | None = None) -> None:
+                 query_scale: float = 1.0, softcap: float | None = None,
+                 temperature: tuple[float, float] | None = None) -> None:
         super().__init__()
+        self.temperature = temperature  # Llama 4's layers without rotary positions: (floor_scale, attn_scale)
         # Gemma 2/3: the softmax scale is query_pre_attn_scalar^-1/2, not head_dim^-1/2: the queries
         # are multiplied by the ratio (every attention path, ring and gathered too, scales by the width)
         self.query_scale, self.softcap = query_scale, softcap
@@ -151,6 +153,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.projections(x)
+        if self.temperature is not None:
+            positions = self.context.positions if self.context is not None else torch.arange(q.shape[2])
+            q = q * long_position_scales(positions, *self.temperature).to(q.device, q.dtype).view(-1, 1)
         if self.context is not None:
             return self.wo(self.context.attend(self, q, k, v))
         if self.rotary:
@@ -160,6 +165,14 @@ class Attention(nn.Module):
             q, k = l2_norm(q), l2_norm(k)
         return self.wo(attend(q, k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1),
                               self.window, self.chunk, self.sinks, self.softcap))
+
+
+def long_position_scales(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Llama 4's query temperature at each position ``p``: ``1 + attn_scale * ln(floor((p +
+    1) / floor_scale) + 1)`` (Hugging Face's ``Llama4TextAttention``): 1 up to position
+    ``floor_scale - 2``, growing slowly past the context its chunks were trained on."""
+    steps = torch.floor((positions.to(torch.float64) + 1) / floor_scale)
+    return torch.log(steps + 1) * attn_scale + 1
 
 
 def fused_projection(wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, kv_heads: int) -> nn.Linear:

@@ -60,7 +60,8 @@ class TransformerBlock(nn.Module):
                 window=spec.sliding_window if layer in spec.sliding_layers else None,
                 chunk=spec.attention_chunk if layer in spec.chunked_layers else None, sinks=spec.attention_sinks,
                 rope=spec.local_rope if sliding and spec.local_rope else spec.rope, rotary_dim=spec.rotary_width,
-                norm_offset=spec.norm_offset, query_scale=query_scale, softcap=spec.attention_softcap)
+                norm_offset=spec.norm_offset, query_scale=query_scale, softcap=spec.attention_softcap,
+                temperature=spec.nope_temperature if layer in spec.nope_layers else None)
         # Falcon-7B's parallel block: one norm whose output both the attention and the MLP read
         self.ffn_norm = norm_of(spec) if spec.norms_per_layer != 1 else None
         # Gemma 2/3: the attention's and the MLP's outputs normalised before the residual adds them

@@ -357,8 +357,10 @@ def _llama4(config: Config) -> dict:
     ``moe_layers`` names (default every ``interleave_moe_layer_step``-th), the other layers
     a dense MLP of ``intermediate_size_mlp``; its query and key norms (``use_qk_norm``)
     are L2 norms without weights, after the rotary turn, on the layers that have one
-    (``no_rope_layers``); its router scales each expert's input by the sigmoid of the
-    chosen logit."""
+    (``no_rope_layers``), and the layers without one scale their queries at long positions
+    (``attn_temperature_tuning``: ``1 + attn_scale ln(floor((p + 1) / floor_scale) + 1)``,
+    1 below position 8191 by default); its router scales each expert's input by the
+    sigmoid of the chosen logit."""
     layers = config.count("num_hidden_layers")
     step = config.count("interleave_moe_layer_step", 1)
     moe_layers = config.get("moe_layers")
@@ -372,6 +374,11 @@ def _llama4(config: Config) -> dict:
              "nope_layers": tuple(layer for layer, uses_rope in enumerate(_llama4_rope(config)) if not uses_rope)}
     if config.get("use_qk_norm", True):
         found["qk_norm"] = "l2"
+    if config.get("attn_temperature_tuning", True):
+        floor, scale = config.get("floor_scale", 8192), config.get("attn_scale", 0.1)
+        require_positive(floor, f"{config.name}: floor_scale")
+        require_positive(scale, f"{config.name}: attn_scale")
+        found["nope_temperature"] = (float(floor), float(scale))
     experts = config.part("num_local_experts", "routed experts", 16)
     if experts and moe_layers:
         # the top-k logits' sigmoids scale the experts' inputs; no bias, nothing renormalised

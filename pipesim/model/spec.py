@@ -117,6 +117,9 @@ class ModelSpec:
     attention_softcap: float | None = None  # scores become cap * tanh(scores / cap) before the mask (Gemma 2)
     logit_softcap: float | None = None  # the output logits likewise (Gemma 2's final_logit_softcapping)
     local_rope: Rope | None = None  # the sliding layers' rotary positions where they differ (Gemma 3: base 10000)
+    # Llama 4: (floor_scale, attn_scale): the layers without rotary positions multiply the query at position p
+    # by 1 + attn_scale * ln(floor((p + 1) / floor_scale) + 1) (1 below p = floor_scale - 1)
+    nope_temperature: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.fp8_scaling not in FP8_SCALINGS:
