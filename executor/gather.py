@@ -6,7 +6,8 @@ its stream: one float64 tensor that any backend can all-gather, with no object
 serialisation on the way. Collective events that are not program actions (a stage's dp
 bucket: all-reduce, reduce-scatter or parameter all-gather; a tp collective, an ep
 all-to-all or a ring attention's wait for a block inside a compute action) travel as
-index -1 with a kind code, their stage, microbatch and bucket; ZeRO-3's (FSDP2's) gathers
+index -1 with a kind code, their stage, microbatch and bucket (the step's tail after the
+pipeline, ``executor.step_tail``, with its kind's code alone); ZeRO-3's (FSDP2's) gathers
 and reduce-scatters as dp events with their unit in the bucket's place and the kind of
 the action they serve in a column of their own.
 
@@ -21,12 +22,13 @@ import torch.distributed as dist
 
 from executor.data_parallel import ALL_REDUCE, PARAM_GATHER, REDUCE_SCATTER
 from executor.inside_timing import CP_KIND, EP_KIND
+from executor.step_tail import TAIL_KINDS, tail_event
 from schedules.action import COMPUTE_KINDS, Action, parse_action
 from schedules.schedule import Schedule
 from schedules.trace import STREAMS, TraceEvent
 
 # Streams and kinds beyond a program's actions, named as the simulator names them.
-ALL_STREAMS = (*STREAMS, "dp", "tp", "ep", "cp")
+ALL_STREAMS = (*STREAMS, "dp", "tp", "ep", "cp", "step")
 DP_KIND, TP_KIND = ALL_REDUCE, "TP"
 DP_KINDS = (ALL_REDUCE, REDUCE_SCATTER, PARAM_GATHER)  # a dp event's code is minus the index of its kind
 # collectives inside a compute action, by kind, and the stream each is drawn on
@@ -37,6 +39,8 @@ ROOT_UNIT = -1
 # an inside event's code is 1 + the index of its action's kind in COMPUTE_KINDS, plus
 # len(COMPUTE_KINDS) times the index of its own kind in INSIDE_KINDS
 COLUMNS = 9  # index, start, end, stream, extra code, stage, microbatch, bucket, served kind
+# the step's tail (executor.step_tail): codes after the inside collectives', one per kind
+TAIL_CODE = 1 + len(COMPUTE_KINDS) * len(INSIDE_KINDS)
 
 
 def dp_event(rank: int, stage: int, start: float, end: float, kind: str = ALL_REDUCE,
@@ -85,12 +89,14 @@ def encode(program: tuple[Action, ...], events: list[TraceEvent]) -> torch.Tenso
     ``DP_KINDS[k]`` (an FSDP one when its served kind, the index of its action's kind in
     COMPUTE_KINDS, is not -1; its unit is in the bucket's place), ``1 + k + j *
     len(COMPUTE_KINDS)`` a collective of kind ``INSIDE_KINDS[j]`` inside an action of kind
-    ``COMPUTE_KINDS[k]``."""
+    ``COMPUTE_KINDS[k]``, ``TAIL_CODE + t`` the part ``TAIL_KINDS[t]`` of the step's tail."""
     position = {action: index for index, action in enumerate(program)}
     rows = []
     for e in events:
         stream = ALL_STREAMS.index(e.stream)
-        if is_fsdp(e):
+        if e.kind in TAIL_KINDS:
+            rows.append((-1, e.start, e.end, stream, TAIL_CODE + TAIL_KINDS.index(e.kind), -1, -1, 0, -1))
+        elif is_fsdp(e):
             unit, served = _fsdp_fields(e)
             rows.append((-1, e.start, e.end, stream, -DP_KINDS.index(e.kind), e.stage, e.microbatch, unit,
                          COMPUTE_KINDS.index(served.kind)))
@@ -116,6 +122,8 @@ def decode(rank: int, program: tuple[Action, ...], rows: torch.Tensor) -> list[T
             events.append(fsdp_event(rank, DP_KINDS[-int(code)], int(bucket), action, start, end))
         elif code <= 0:
             events.append(dp_event(rank, int(stage), start, end, DP_KINDS[-int(code)], int(bucket)))
+        elif code >= TAIL_CODE:
+            events.append(tail_event(rank, TAIL_KINDS[int(code) - TAIL_CODE], start, end))
         else:
             inside, kind = divmod(int(code) - 1, len(COMPUTE_KINDS))
             action = Action(int(stage), COMPUTE_KINDS[kind], int(microbatch))

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 from executor.config import RunConfig
 from executor.estimate import ROUNDS, robust_mean
+from executor.step_tail import TAIL_KINDS
 from schedules.action import COMM_KINDS, COMPUTE_KINDS, ActionKind, parse_action
 from schedules.runtime_gaps import gaps
 from schedules.schedule import Schedule
@@ -129,7 +130,8 @@ def step_tail(schedule: Schedule, trace: Trace, step_time: float, per_action: fl
     of its last event (the optimizer, the loss all-reduce), plus what the first stage's
     rank spent before its first compute action beyond its loop and posts (the receives
     posted ahead at the start of a step)."""
-    last = max((event.end for event in trace.events), default=0.0)
+    # the tail's own events (executor.step_tail) are what this measures, not where it starts
+    last = max((event.end for event in trace.events if event.kind not in TAIL_KINDS), default=0.0)
     first_rank = schedule.placement[0]
     starts = [event.start for event in trace.events if event.rank == first_rank and event.stream == "compute"]
     program = schedule.programs[first_rank]

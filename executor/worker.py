@@ -34,6 +34,14 @@ from executor.process import init_rank
 from executor.progress import ProgressWriter, progress_dir_from_env
 from executor.recompute import apply_recompute
 from executor.runtime import PipelineRuntime
+from executor.step_tail import (
+    EMBEDDING_ALLREDUCE,
+    EXPERT_LOAD_ALLREDUCE,
+    GRAD_NORM_ALLREDUCE,
+    LOSS_ALLREDUCE,
+    OPTIMIZER,
+    StepTail,
+)
 from executor.tied_embeddings import TiedEmbeddings, embedding_group, is_tied
 from schedules.action import COMPUTE_KINDS, Action
 from schedules.trace import Trace
@@ -270,8 +278,10 @@ class RankRun:
             where = self.waiting_on or self.runtime.where()
             raise RankFailedError(f"rank {self.rank} failed in step {step} {where}: "
                                   f"{type(error).__name__}: {error}") from error
+        tail = StepTail(self.runtime.clock)
         if self.tied is not None:  # the table's two copies' gradients summed, as one tied weight's
-            self.wait_for("in the tied embeddings' all-reduce", lambda: self.tied.sum_gradients(self.averager))
+            with tail.timing(EMBEDDING_ALLREDUCE):
+                self.wait_for("in the tied embeddings' all-reduce", lambda: self.tied.sum_gradients(self.averager))
         # fp16: every rank of the job skips the step if any gradient anywhere overflowed.
         sharded = config.zero in (1, 2)
         overflow = self.scaler.unscale(self.averager.shard_grads() if sharded else [p.grad for p in self.params])
@@ -285,23 +295,28 @@ class RankRun:
             self.skipped_steps.append(step)
         else:
             if config.clip_grad is not None:
-                self.grad_norms.append(self.wait_for("in the gradient norm's all-reduce", lambda: clip_gradients(
-                    self.stepped_gradients(), config.clip_grad, self.sum_over_ranks)))
-            self.optimizer.step()
+                with tail.timing(GRAD_NORM_ALLREDUCE):
+                    self.grad_norms.append(self.wait_for("in the gradient norm's all-reduce", lambda: clip_gradients(
+                        self.stepped_gradients(), config.clip_grad, self.sum_over_ranks)))
+            with tail.timing(OPTIMIZER):
+                self.optimizer.step()
         if sharded:  # every replica's parameters from the shards each one stepped (also on a skipped step)
             gathers = self.wait_for("in the dp parameter all-gather", self.averager.gather_parameters)
             self.events.extend(self.dp_events(gathers))
         self.scaler.update(overflow)
         if self.balance.active:
-            self.wait_for("in the expert-load all-reduce", lambda: self.balance.end_step(self.sum_over_ranks))
+            with tail.timing(EXPERT_LOAD_ALLREDUCE):
+                self.wait_for("in the expert-load all-reduce", lambda: self.balance.end_step(self.sum_over_ranks))
         self.memory_peak = self.memory.finish_step()
-        if self.world > 1:
-            # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank
-            # (a cp rank holds its tokens' part of its replica's loss: summed, not averaged).
-            self.wait_for("in the loss all-reduce", lambda: dist.all_reduce(loss))
-            loss /= config.dp * config.tp
-        self.losses.append(self.wait_for("in the loss all-reduce", loss.item))
+        with tail.timing(LOSS_ALLREDUCE):
+            if self.world > 1:
+                # Only last-stage ranks hold a share: each replica's mean loss, once per tp rank
+                # (a cp rank holds its tokens' part of its replica's loss: summed, not averaged).
+                self.wait_for("in the loss all-reduce", lambda: dist.all_reduce(loss))
+                loss /= config.dp * config.tp
+            self.losses.append(self.wait_for("in the loss all-reduce", loss.item))
         self.step_times.append(time.perf_counter() - started)
+        self.events.extend(tail.events(self.pp_rank))
         if self.one_timeline:  # every rank's events, and the step, from the earliest rank's start
             first = self.wait_for("in the step's clock exchange", lambda: earliest_start(started))
             self.step_times[-1] += started - first

@@ -34,7 +34,7 @@ STEP_STREAM_STYLES: dict[str, tuple[str, str, str]] = {
     "tp": ("tp collective (inside compute)", "#17BECF", ""),
     "ep": ("ep all-to-all (expert dispatch and combine)", "#BCBD22", ""),
     "cp": ("cp K/V exchange the attention did not hide", "#E377C2", ""),
-    "step": ("optimizer step", "#7F7F7F", ""),
+    "step": ("optimizer step, closing all-reduces (loss, tied embeddings, grad norm)", "#7F7F7F", ""),
 }
 
 # Chunks of an interleaved or V schedule: chunk 0 in the kind's colour, later chunks

@@ -1,0 +1,63 @@
+"""The work of a step after its pipeline, timed and drawn: what the executor does once
+the schedule's last action is done (the tied embeddings' gradient all-reduce, the
+gradient norm's all-reduce and the optimizer step, the expert-load all-reduce, the loss
+all-reduce), as Trace events. Without them a measured chart drew this stretch as the
+rank idling (``viz.lanes.idle_tails``), though the rank was working or waiting in a
+collective.
+
+The simulator charges the same stretch as one ``OPTIMIZER`` event on the ``step`` stream
+(``Costs.step_overhead``, which a profile measures as this whole tail); the executor's
+events keep the parts apart, named by what they do, on the same ``step`` stream (the tied
+embeddings' all-reduce too: it is no data-parallel traffic, and a ``dp`` event would read
+as dp communication in a run without dp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from executor.clock import CpuClock, CudaClock
+from schedules.trace import TraceEvent
+
+EMBEDDING_ALLREDUCE = "EMBEDDING_ALLREDUCE"  # a tied model's two table copies' gradients summed
+GRAD_NORM_ALLREDUCE = "GRAD_NORM_ALLREDUCE"  # --clip-grad: the squares summed over every rank
+OPTIMIZER = "OPTIMIZER"  # named as the simulator names its step_overhead event
+EXPERT_LOAD_ALLREDUCE = "EXPERT_LOAD_ALLREDUCE"  # DeepSeek-V3's balancing: the experts' loads summed
+LOSS_ALLREDUCE = "LOSS_ALLREDUCE"  # the replicas' losses summed, and read on the host
+# kind -> the stream it is drawn on; the order is the encoding's (executor.gather)
+TAIL_STREAMS = {EMBEDDING_ALLREDUCE: "step", GRAD_NORM_ALLREDUCE: "step", OPTIMIZER: "step",
+                EXPERT_LOAD_ALLREDUCE: "step", LOSS_ALLREDUCE: "step"}
+TAIL_KINDS = tuple(TAIL_STREAMS)
+
+
+def tail_event(rank: int, kind: str, start: float, end: float) -> TraceEvent:
+    """One part of the step's tail, as the simulator names its own: ``OPTIMIZER``."""
+    return TraceEvent(rank, kind, kind, -1, -1, start, end, TAIL_STREAMS[kind])
+
+
+class StepTail:
+    """Marks around each part of the tail on the step's clock; ``events`` once the step
+    is done (on a GPU after a synchronisation: the marks are CUDA events on the current
+    stream, which is where the optimizer and these collectives run)."""
+
+    def __init__(self, clock: CpuClock | CudaClock) -> None:
+        self.clock = clock
+        self.marks: list[tuple[str, object, object]] = []
+
+    @contextlib.contextmanager
+    def timing(self, kind: str) -> Iterator[None]:
+        start = self.clock.mark()
+        yield
+        self.marks.append((kind, start, self.clock.mark()))
+
+    def events(self, rank: int) -> list[TraceEvent]:
+        """This step's parts as events, and the marks cleared for the next step."""
+        if isinstance(self.clock, CudaClock) and self.marks:
+            torch.cuda.synchronize(self.clock.device)
+        events = [tail_event(rank, kind, self.clock.seconds(start), self.clock.seconds(end))
+                  for kind, start, end in self.marks]
+        self.marks = []
+        return events
