@@ -103,6 +103,8 @@ ROWS: dict[str, tuple[str, ...]] = {
     # Gemma: four norms a layer, soft-capped scores and logits (Gemma 2), local rotary base (Gemma 3)
     "gemma-2 1f1b": ("--model", config("gemma-2-9b"), *DEEPSEEK, "--pp", "2"),
     "gemma-3 1f1b": ("--model", config("gemma-3-1b"), *DEEPSEEK, "--pp", "2"),
+    # DeepSeek-V3's config.json: its multi-token prediction module on the last stage, YaRN
+    "deepseek-v3 mtp 1f1b": ("--model", config("deepseek-v3"), *DEEPSEEK, "--pp", "2", "--experts", "8"),
 }
 
 

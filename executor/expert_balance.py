@@ -80,12 +80,13 @@ class ExpertBalance:
         # --expert-bias-rate, else DeepSeek's 0.001 where the model has a selection bias
         # (DeepSeek-V3's sigmoid router); the loads as one layers x experts tensor that every
         # rank all-reduces, or None where nothing is balanced (the same on every rank)
-        moe = run_spec(config).moe if is_architecture(config.model) else None
+        spec = run_spec(config) if is_architecture(config.model) else None
+        moe = spec.moe if spec is not None else None
         self.rate, self.shape = 0.0, None
         if moe is not None and moe.balanced_by_bias:
             self.rate = DEFAULT_RATE if config.expert_bias_rate is None else config.expert_bias_rate
-        if self.rate:
-            self.shape = (config.layers, moe.experts)
+        if self.rate:  # the MTP modules' blocks are the layers after the model's last
+            self.shape = (config.layers + spec.mtp_depth, moe.experts)
 
     @property
     def active(self) -> bool:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from executor.architectures.mtp import give_targets
 from executor.config import ONE_BACKWARD_RECOMPUTE, ConfigError, RunConfig, build_schedule
 from executor.estimate import DEFAULT_MIN_TIME, ROUNDS, robust_mean
 from executor.models import PipelineModel, build_model, build_optimizer
@@ -120,6 +121,8 @@ class StageProbe:
         return self.activation.detach().clone().requires_grad_(True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.last:  # what a multi-token prediction head embeds
+            give_targets(self.module, self.target)
         output = self.precision.forward(self.module, x)
         if self.last:
             output = self.model.loss_sum(self.precision.for_loss(output), self.target) / self.config.batch_size

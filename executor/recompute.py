@@ -39,6 +39,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from executor.architectures.mtp import prediction_blocks
 from executor.config import NORM_MLA_UP, RECOMPUTE_MODES
 from executor.per_op_recompute import per_op_checkpointed
 
@@ -80,7 +81,7 @@ def apply_recompute(stage: nn.Module, mode: str) -> None:
     if blocks is None:
         raise ValueError(f"--recompute {mode} wraps a stage's blocks, but {type(stage).__name__} has no "
                          "`blocks` list")
-    for block in blocks:
+    for block in [*blocks, *prediction_blocks(stage)]:  # DeepSeek-V3's MTP blocks as the model's
         if mode == NORM_MLA_UP:
             recompute_norms_and_up_projections(block)
         else:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from executor.architectures.mtp import give_targets
 from executor.config import RunConfig
 from executor.expert_balance import ExpertBalance, selection_biases
 from executor.grad_clip import clip_gradients
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.precision import Precision
-from executor.tied_embeddings import TiedEmbeddings, is_tied
+from executor.tied_embeddings import TiedEmbeddings, is_tied, table_copies
 
 
 def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict:
@@ -38,12 +39,14 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
     scaler = torch.amp.GradScaler("cpu", enabled=config.dtype == "float16")
     losses, grads, skipped, norms = [], {}, [], []
     balance = ExpertBalance(config, stages, torch.device("cpu"))
-    tied = TiedEmbeddings(dict(enumerate(stages)), None) if is_tied(model) else None
+    tied = (TiedEmbeddings(dict(enumerate(stages)), None, model.spec.tied_embeddings, table_copies(model))
+            if is_tied(model) else None)
     for step in range(config.steps):
         balance.start_step()
         inputs, targets = model.make_batch(step, config.batch_size)
         optimizer.zero_grad(set_to_none=True)
         output = inputs
+        give_targets(stages[-1], targets)  # what a multi-token prediction head embeds
         for index, stage in enumerate(stages):
             output = precision.forward(stage, output)
             if index < num_stages - 1:

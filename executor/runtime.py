@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from executor.architectures.mtp import give_targets
 from executor.comm import PeerLinks, Pending, Posted
 from executor.copies import data_index
 from executor.models import PipelineModel
@@ -244,6 +245,8 @@ class PipelineRuntime:
             x = self.inputs[data_index(self.schedule, stage, microbatch)]
         else:
             x = self.forward_inputs.pop((stage, microbatch)).requires_grad_(True)
+        if stage in self.last_stages:  # what a multi-token prediction head embeds
+            give_targets(self.stages[stage], self.targets[data_index(self.schedule, stage, microbatch)])
         output = self.precision.forward(self.stages[stage], x)
         if stage in self.last_stages:
             targets = self.targets[data_index(self.schedule, stage, microbatch)]

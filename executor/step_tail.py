@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
-
-from executor.clock import CpuClock, CudaClock
 from schedules.trace import TraceEvent
+
+if TYPE_CHECKING:  # torch is loaded by the run, not by a reader of these names (pipesim compare, run_costs)
+    from executor.clock import CpuClock, CudaClock
 
 EMBEDDING_ALLREDUCE = "EMBEDDING_ALLREDUCE"  # a tied model's two table copies' gradients summed
 GRAD_NORM_ALLREDUCE = "GRAD_NORM_ALLREDUCE"  # --clip-grad: the squares summed over every rank
@@ -55,8 +56,11 @@ class StepTail:
 
     def events(self, rank: int) -> list[TraceEvent]:
         """This step's parts as events, and the marks cleared for the next step."""
-        if isinstance(self.clock, CudaClock) and self.marks:
-            torch.cuda.synchronize(self.clock.device)
+        device = getattr(self.clock, "device", None)  # a CudaClock's
+        if device is not None and self.marks:
+            import torch  # noqa: PLC0415 - loaded by the run already
+
+            torch.cuda.synchronize(device)
         events = [tail_event(rank, kind, self.clock.seconds(start), self.clock.seconds(end))
                   for kind, start, end in self.marks]
         self.marks = []

@@ -30,16 +30,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from executor.architectures.mtp import prediction_tables
 from executor.data_parallel import GradientAverager, local_tensor
 from executor.mesh import MeshPosition
 from schedules.schedule import Schedule
 
 
 def is_tied(model: object) -> bool:
-    """Whether ``model`` is an architecture whose spec ties its embeddings (the toys are
-    untied)."""
+    """Whether ``model`` is an architecture with copies of its embedding table to keep
+    equal: a tied output layer, or DeepSeek-V3's multi-token prediction modules, which
+    embed with the model's table (the toys have neither)."""
     spec = getattr(model, "spec", None)
-    return spec is not None and spec.tied_embeddings
+    return spec is not None and (spec.tied_embeddings or spec.mtp_depth > 0)
+
+
+def table_copies(model: object) -> int:
+    """Copies of the table in one model: the table, the tied output layer, one per MTP
+    module."""
+    spec = model.spec
+    return 1 + int(spec.tied_embeddings) + spec.mtp_depth
 
 
 def table_of(stage: nn.Module) -> nn.Parameter | None:
@@ -55,11 +64,13 @@ def output_weight_of(stage: nn.Module) -> nn.Parameter | None:
     return head[-1].weight if head is not None else None
 
 
-def copies_on_rank(stages: dict[int, nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """This rank's embedding tables and output weights (DualPipe's ranks hold one of each)."""
+def copies_on_rank(stages: dict[int, nn.Module], tied: bool = True) -> list[nn.Parameter]:
+    """This rank's copies of the table: first stages' tables, last stages' tied output
+    weights (``tied``) and MTP modules' embeddings (DualPipe's ranks hold one copy's
+    first stage and the other's last)."""
     tables = [table for stage in stages.values() if (table := table_of(stage)) is not None]
-    outputs = [weight for stage in stages.values() if (weight := output_weight_of(stage)) is not None]
-    return tables, outputs
+    outputs = [weight for stage in stages.values() if (weight := output_weight_of(stage)) is not None] if tied else []
+    return tables + outputs + [table for stage in stages.values() for table in prediction_tables(stage)]
 
 
 def embedding_group(schedule: Schedule, position: MeshPosition, timeout: float) -> dist.ProcessGroup | None:
@@ -81,22 +92,22 @@ def embedding_group(schedule: Schedule, position: MeshPosition, timeout: float) 
 
 
 class TiedEmbeddings:
-    """This rank's share of keeping a tied model's two embedding copies equal."""
+    """This rank's share of keeping a model's copies of its embedding table equal: a
+    tied output layer's, DeepSeek-V3's MTP modules' (``copies`` in one model)."""
 
-    def __init__(self, stages: dict[int, nn.Module], group: dist.ProcessGroup | None) -> None:
-        self.tables, self.outputs = copies_on_rank(stages)
-        if len(self.tables) != len(self.outputs) and group is None and (self.tables or self.outputs):
-            raise ValueError("a tied model's first and last stages are on different ranks, but no group joins them")
-        self.group = group
-
-    @property
-    def held(self) -> list[nn.Parameter]:
-        """The copies on this rank (a ZeRO averager keeps each alone in its bucket)."""
-        return self.tables + self.outputs
+    def __init__(self, stages: dict[int, nn.Module], group: dist.ProcessGroup | None, tied: bool = True,
+                 copies: int = 2) -> None:
+        self.held = copies_on_rank(stages, tied)  # a ZeRO averager keeps each alone in its bucket
+        self.group, self.copies = group, copies
+        first = any(table_of(stage) is not None for stage in stages.values())
+        last = any(getattr(stage, "head", None) is not None for stage in stages.values())
+        if group is None and first != last:
+            raise ValueError("a model's first and last stages, which hold copies of its embedding table, are on "
+                             "different ranks, but no group joins them")
 
     def holders(self, param: nn.Parameter) -> int:
-        """How many copies hold ``param``'s gradient: 2 for a copy of the table, else 1."""
-        return 2 if any(param is copy for copy in self.held) else 1
+        """How many copies hold ``param``'s gradient: every copy of the table, else 1."""
+        return self.copies if any(param is copy for copy in self.held) else 1
 
     def sum_gradients(self, averager: GradientAverager | None) -> None:
         """Both copies' gradient (what the optimizer steps: ``averager.stepped_gradients``,
@@ -110,10 +121,10 @@ class TiedEmbeddings:
             stepped = {id(param): grad for grad, param, _ in averager.stepped_gradients()}
             grads = [stepped[id(param)] for param in self.held]
         with torch.no_grad():
-            if self.group is None:  # both copies here (as many tables as output layers)
-                for table, output in zip(grads[:len(self.tables)], grads[len(self.tables):], strict=True):
-                    table.add_(output)
-                    output.copy_(table)
-                return
-            (grad,) = grads
-            dist.all_reduce(grad, group=self.group)
+            total = grads[0]
+            for grad in grads[1:]:  # this rank's copies summed (a last stage's tied output and MTP tables)
+                total.add_(grad)
+            if self.group is not None:  # with the other end's
+                dist.all_reduce(total, group=self.group)
+            for grad in grads[1:]:
+                grad.copy_(total)

@@ -164,6 +164,11 @@ def run_cases(jobs: list[tuple[RunConfig, list[TorchCase]]]) -> dict[str, dict]:
 
 def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position: _Position,
               device: torch.device) -> dict:
+    spec = getattr(model, "spec", None)
+    if spec is not None and spec.mtp_depth:
+        raise ValueError(f"{config.model}: multi-token prediction embeds each microbatch's targets in the last "
+                         "stage's forward, which torch's runtime calls with the activation alone (run it with "
+                         "pipesim's runtime)")
     schedule = schedule_from_csv(case.path)
     num_stages = schedule.num_stages
     if case.parallelism is not None:

@@ -64,6 +64,18 @@ ARCHITECTURES = {  # name: shrinking fields (every case 2 layers of hidden 64, 4
     "deepseek-v3": {"experts": 4, "ffn_hidden": 32},
     "deepseek-v2-lite": {"experts": 4, "ffn_hidden": 32},
     "tests/data/hf_configs/qwen1.5-moe-a2.7b.json": {"experts": 4, "ffn_hidden": 32},
+    # config.json parts: query/key norms, tied embeddings, sinks and clamped experts with YaRN,
+    # Llama 4's layers, Gemma's four norms, soft caps and local rotary base, parallel blocks
+    "tests/data/hf_configs/qwen3-8b.json": {"kv_heads": 2},
+    "tests/data/hf_configs/qwen3-0.6b.json": {"kv_heads": 2},
+    "tests/data/hf_configs/olmoe-1b-7b.json": {"experts": 4, "ffn_hidden": 32},
+    "tests/data/hf_configs/gpt-oss-20b.json": {"experts": 4, "ffn_hidden": 32},
+    "tests/data/hf_configs/llama-4-scout.json": {"experts": 4, "kv_heads": 2, "layers": 4},
+    "tests/data/hf_configs/gemma-2-9b.json": {"kv_heads": 2},
+    "tests/data/hf_configs/gemma-3-1b.json": {"kv_heads": 1},
+    "tests/data/hf_configs/pythia-160m.json": {"heads": 2},
+    "tests/data/hf_configs/falcon-7b.json": {},
+    "tests/data/hf_configs/deepseek-v3.json": {"experts": 8, "ffn_hidden": 32},
 }
 
 

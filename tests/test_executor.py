@@ -108,7 +108,11 @@ def test_trace_holds_exactly_each_rank_program(case: tuple) -> None:
     assert trace.meta["source"] == "measured"
     assert (trace.meta["pp"], trace.meta["virtual_stages"]) == (config.pp, config.virtual_stages)
     for rank, program in enumerate(schedule.programs):
-        events = trace.of_rank(rank)
+        events = [event for event in trace.of_rank(rank) if event.stream != "step"]
+        # after the program: the optimizer step and the loss all-reduce, in that order (executor.step_tail)
+        tail = [event for event in trace.of_rank(rank) if event.stream == "step"]
+        assert [event.action for event in tail] == ["OPTIMIZER", "LOSS_ALLREDUCE"]
+        assert tail[0].start >= max(event.end for event in events)
         assert Counter(event.action for event in events) == Counter(str(action) for action in program)
         compute = [e.action for e in sorted(events, key=lambda e: e.start) if e.stream == "compute"]
         assert compute == [str(a) for a in program if a.is_compute]

@@ -40,4 +40,5 @@ def test_every_wait_ends_after_its_send_and_inside_the_step():
         checked += 1
     assert checked == 2 * 4  # rank 1's forwards' receives and rank 0's backwards' receives
     assert min(event.start for event in events) >= 0.0
-    assert max(event.end for event in events) <= result["step_times"][-1]
+    # the pipeline's events (each rank's own close, executor.step_tail, ends with its own step)
+    assert max(event.end for event in events if event.stream != "step") <= result["step_times"][-1]

@@ -56,5 +56,5 @@ def test_a_tied_clipped_run_draws_its_tail() -> None:
         pipeline_end = max(event.end for event in trace.events if event.rank == rank and event.stream != "step")
         assert tail[0].start >= pipeline_end  # after the rank's last action
         assert all(before.end <= after.start for before, after in zip(tail, tail[1:], strict=False))
-        # the step's time ends with the loss all-reduce
-        assert tail[-1].end <= result["step_times"][-1] + 1e-9
+        if rank == 0:  # its step's time (the one reported) ends with its loss all-reduce
+            assert tail[-1].end <= result["step_times"][-1] + 1e-9

@@ -103,9 +103,9 @@ def shrunk_latents(mla: LatentAttention, head_dim: int, factor: float) -> Latent
 
 
 def shrunk_spec(config: RunConfig) -> ModelSpec:
-    """The architecture of ``config.model`` at the run's sizes, without multi-token
-    prediction modules (DeepSeek-V3's config.json names one; the executor builds none,
-    ``shrink_note`` says so)."""
+    """The architecture of ``config.model`` at the run's sizes, with its multi-token
+    prediction modules where the executor builds them (``mtp_buildable``; elsewhere none,
+    and ``shrink_note`` says so)."""
     full = full_spec(config.model)
     factor = config.hidden / full.hidden
     ffn = config.ffn_hidden or scaled(full.ffn, factor)
@@ -122,7 +122,15 @@ def shrunk_spec(config: RunConfig) -> ModelSpec:
         scalar *= (config.hidden // config.heads) / full.head_size
     return replace(full, layers=config.layers, hidden=config.hidden, heads=config.heads, kv_heads=kv,
                    ffn_hidden=ffn, seq_len=config.seq_len, vocab=config.vocab, head_dim=None, positions=None,
-                   moe=moe, mla=mla, fused_qkv=config.qkv == "fused", mtp_depth=0, query_pre_attn_scalar=scalar)
+                   moe=moe, mla=mla, fused_qkv=config.qkv == "fused", query_pre_attn_scalar=scalar,
+                   mtp_depth=full.mtp_depth if mtp_buildable(config) else 0,
+                   fp8=False, fp8_dispatch=False)  # the GEMMs run in --dtype (shrink_note says so)
+
+
+def mtp_buildable(config: RunConfig) -> bool:
+    """Whether the executor builds a config's multi-token prediction modules
+    (``executor.architectures.mtp``): on one tp and one cp rank."""
+    return config.tp == 1 and config.cp == 1
 
 
 def run_spec(config: RunConfig) -> ModelSpec:
@@ -162,8 +170,11 @@ def shrink_note(config: RunConfig) -> str:
         notes.append("embeddings tied (the last stage's copy summed with the table's gradient)")
     if full.dropout:
         notes.append("no dropout")
-    if full.mtp_depth:
-        notes.append(f"no multi-token prediction (the config's {full.mtp_depth} module(s) not built)")
+    if full.fp8:
+        notes.append("GEMMs in --dtype, not FP8 (the config's quantization_config: the executor has no FP8 GEMMs)")
+    if full.mtp_depth and not small.mtp_depth:
+        notes.append(f"no multi-token prediction (the config's {full.mtp_depth} module(s) not built under --tp "
+                     "or --cp above 1)")
     if not full.rope.built:
         notes.append(f"rotary frequencies unscaled (the config's {full.rope.scaling} rope scaling not built)")
     shrunk = ", ".join(changed) if changed else "nothing shrunk"
@@ -183,7 +194,9 @@ def stage_layers(spec: ModelSpec, num_stages: int, layout: tuple[int, ...] | Non
     except ModelSpecError as error:
         prefix = "" if layout else f"--layers {spec.layers}: "
         raise ConfigError(f"{prefix}{error}") from None
-    return [stage.layers for stage in costs.stages]
+    counts = [stage.layers for stage in costs.stages]
+    counts[-1] -= spec.mtp_depth  # the last stage's count holds its MTP modules' blocks beside the model's layers
+    return counts
 
 
 def check_architecture(config: RunConfig) -> ModelSpec:

@@ -23,6 +23,7 @@ from executor.architectures.build import shrunk_spec, stage_layers
 from executor.architectures.latent_attention import LatentAttention
 from executor.architectures.layers import Attention, FeedForward, RMSNorm, SoftCappedLinear
 from executor.architectures.moe import MixtureOfExperts
+from executor.architectures.mtp import MTP_LOSS_WEIGHT, HeadWithPrediction, PredictionModule, split_logits
 from executor.config import RunConfig
 from executor.models import GptModel, seeded, token_positions
 from executor.rebuilt_activations import norm_read_by
@@ -137,8 +138,33 @@ class SpecModel(GptModel):
         cap = self.spec.logit_softcap
         output = (nn.Linear(self.spec.hidden, self.spec.vocab, bias=False) if cap is None
                   else SoftCappedLinear(self.spec.hidden, self.spec.vocab, cap))
-        head = nn.Sequential(norm_of(self.spec), output)
+        norm = norm_of(self.spec)
+        modules = [self.make_prediction(depth) for depth in range(1, self.spec.mtp_depth + 1)]
+        head = HeadWithPrediction(norm, output, modules) if modules else nn.Sequential(norm, output)
         if self.spec.tied_embeddings:  # the last stage's copy of the table (executor.tied_embeddings)
             with seeded(self.config.seed, 0), torch.no_grad():
                 head[-1].weight.copy_(self.make_embed().tokens.weight)
         return head
+
+    def make_prediction(self, depth: int) -> PredictionModule:
+        """DeepSeek-V3's MTP module ``depth`` (``executor.architectures.mtp``): its block is
+        the layer after the model's last, its embedding a copy of the first stage's table."""
+        spec = self.spec
+        embed = TokenEmbedding(spec)
+        with seeded(self.config.seed, 0), torch.no_grad():
+            embed.tokens.weight.copy_(self.make_embed().tokens.weight)
+        block = TransformerBlock(spec, spec.layers + depth - 1)
+        return PredictionModule(embed, norm_of(spec), norm_of(spec), block, norm_of(spec), spec.hidden)
+
+    def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The next-token loss, plus with MTP each depth ``k``'s loss on the token ``k + 1``
+        ahead (summed over its ``s - k`` positions, divided by ``s`` as the main loss is),
+        weighted by ``MTP_LOSS_WEIGHT / depth``."""
+        depth = self.spec.mtp_depth
+        if not depth:
+            return super().loss_sum(output, target)
+        main, *ahead = split_logits(output, target.shape[1], depth)
+        loss = super().loss_sum(main, target)
+        for k, logits in enumerate(ahead, start=1):
+            loss = loss + MTP_LOSS_WEIGHT / depth * super().loss_sum(logits, target[:, k:])
+        return loss

@@ -199,6 +199,19 @@ def weight_copy_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0) -> float:
                                   for weight in layer_weights(spec, spec.is_moe_layer(layer)))
 
 
+def mtp_extra(spec: ModelSpec, saved: SavedTensors) -> float:
+    """Beyond the inventory's MTP module (its block, its projection's input, its head's
+    stash), what one module keeps for the backward in an implementation: its two input
+    norms' own extras (the embedding norm's input, the embedding's output, too) and the
+    token ids it embeds."""
+    if saved == KERNELS:
+        return 0.0
+    d, h = spec.dtype_bytes, spec.hidden
+    residual = d + max(0, saved.residual_bytes - d)
+    per_token = 2 * norm_extra_elements(spec, saved) * residual + h * residual
+    return spec.tokens * (per_token + (INDEX_BYTES if saved.token_indices else 0.0))
+
+
 def first_stage_extra(spec: ModelSpec, saved: SavedTensors) -> float:
     """The embedding's int64 token ids, where kept."""
     return spec.tokens * INDEX_BYTES if saved.token_indices else 0.0

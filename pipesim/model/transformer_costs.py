@@ -57,7 +57,7 @@ from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import optimizer_step_seconds
 from pipesim.model.operations import attention_core, head_operations, layer_operations, mtp_operations
 from pipesim.model.per_op_checkpoint import check_per_op, recomputed_tp_pairs
-from pipesim.model.saved_tensors import KERNELS, SavedTensors
+from pipesim.model.saved_tensors import KERNELS, SavedTensors, mtp_extra
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak
 from pipesim.model.stage_split import split_layers
 from pipesim.model.tp_windows import TP_WINDOW_FIELDS, tp_gemm_windows
@@ -262,9 +262,11 @@ def model_stage_costs(
             kept += local.tokens * (spec.hidden + spec.vocab / tp) * spec.dtype_bytes  # the logits GEMM's
             if spec.mtp_depth:  # each module: its block's stash, its projection's input, its head's
                 stash += spec.mtp_depth * (
-                    layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, spec.layers)
-                    + 2 * local.tokens * spec.hidden * spec.dtype_bytes + last_stage_extra_bytes(local, tp,
-                                                                                                sequence_parallel))
+                    layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, spec.layers,
+                                      saved_tensors)
+                    + 2 * local.tokens * spec.hidden * spec.dtype_bytes
+                    + last_stage_extra_bytes(local, tp, sequence_parallel, saved_tensors)
+                    + mtp_extra(local, saved_tensors))
                 kept += spec.mtp_depth * wgrad_stash_bytes(local, tp, sequence_parallel, spec.layers)
                 mtp_moe = spec.mtp_depth if spec.is_moe_layer(spec.layers) else 0
                 moe_layers += mtp_moe

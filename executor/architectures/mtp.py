@@ -1,0 +1,104 @@
+"""DeepSeek-V3's multi-token prediction (MTP, report section 2.2), trained beside the
+model on the last stage.
+
+Module ``k`` (of ``num_nextn_predict_layers``) takes the previous depth's hidden states
+(the main model's last block's output for ``k = 1``, before the final norm) and the
+embeddings of the tokens ``k`` ahead, ``M_k [RMSNorm(h); RMSNorm(Emb(t_{i+k}))]`` (a
+projection from ``2d`` to ``d``), runs one transformer block (the layer after the main
+model's last: a mixture-of-experts layer in DeepSeek-V3), and predicts token ``i + k + 1``
+through its own final norm and the main model's output layer. Its loss over the
+``T - k`` positions that have such a token, summed and divided by ``T`` as the report's
+``L_k``, is weighted by ``MTP_LOSS_WEIGHT / D`` and added to the main loss.
+
+The embedding is the model's: the last stage keeps a copy of the first stage's table,
+whose gradients are summed as a tied model's are (``executor.tied_embeddings``). A
+module's causal block sees only positions up to its own, so truncating the later depths'
+sequences (here) and Megatron-Core's rolling of the tokens with the tail masked in the
+loss give the same losses and gradients.
+
+Built where the executor can: one tp rank and one cp rank (its block is not in the tp
+plan, and the tokens ``k`` ahead of a cp rank's chunk are on another rank) and in
+pipesim's own runtime (torch's calls a stage without its targets); elsewhere the run
+goes without it and ``shrink_note`` says so.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# The MTP losses' weight: Megatron-Core's default --mtp-loss-scaling-factor, and DeepSeek-V3's
+# after its first 10T tokens (0.3 before)
+MTP_LOSS_WEIGHT = 0.1
+
+
+class PredictionModule(nn.Module):
+    """One depth: the table's copy, two norms, the projection, a block, a final norm."""
+
+    def __init__(self, embed: nn.Module, hidden_norm: nn.Module, embedding_norm: nn.Module, block: nn.Module,
+                 norm: nn.Module, hidden: int) -> None:
+        super().__init__()
+        self.embed, self.hidden_norm, self.embedding_norm = embed, hidden_norm, embedding_norm
+        self.projection = nn.Linear(2 * hidden, hidden, bias=False)
+        self.block, self.norm = block, norm
+
+    def forward(self, hidden: torch.Tensor, ahead: torch.Tensor) -> torch.Tensor:
+        """The next depth's hidden states from ``hidden`` and the tokens ``ahead``."""
+        joined = torch.cat((self.hidden_norm(hidden), self.embedding_norm(self.embed(ahead))), dim=-1)
+        return self.block(self.projection(joined))
+
+
+class HeadWithPrediction(nn.Module):
+    """The last stage's head (final norm, output layer) and the MTP modules after it.
+    Indexable as the plain head is (``head[0]`` the norm, ``head[-1]`` the output
+    layer). ``targets`` is set by the runtime before each forward: the tokens the
+    modules embed. The output is the main logits and each depth's, joined along the
+    sequence (``split_logits`` takes them apart)."""
+
+    def __init__(self, norm: nn.Module, output: nn.Module, modules: list[PredictionModule]) -> None:
+        super().__init__()
+        self.norm, self.output = norm, output
+        self.predictions = nn.ModuleList(modules)
+        self.targets: torch.Tensor | None = None
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return (self.norm, self.output)[index]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.targets is None:
+            raise RuntimeError("multi-token prediction needs the microbatch's targets before the last stage's "
+                               "forward (pipesim's runtime sets them; torch's does not)")
+        logits = [self.output(self.norm(hidden))]
+        seq = hidden.shape[1]
+        for depth, module in enumerate(self.predictions, start=1):
+            # position i embeds token i + depth (targets[i + depth - 1]) and predicts targets[i + depth]
+            hidden = module(hidden[:, :seq - depth + 1], self.targets[:, depth - 1:])
+            logits.append(self.output(module.norm(hidden[:, :seq - depth])))
+        self.targets = None
+        return torch.cat(logits, dim=1)
+
+
+def split_logits(output: torch.Tensor, seq: int, depth: int) -> list[torch.Tensor]:
+    """The main logits (``seq`` positions) and each depth ``k``'s (``seq - k``)."""
+    return list(output.split([seq, *(seq - k for k in range(1, depth + 1))], dim=1))
+
+
+def give_targets(stage: nn.Module, targets: torch.Tensor) -> None:
+    """Hand a last stage's MTP head the microbatch's targets (no-op for other stages)."""
+    head = getattr(stage, "head", None)
+    if isinstance(head, HeadWithPrediction):
+        head.targets = targets
+
+
+def prediction_tables(stage: nn.Module) -> list[nn.Parameter]:
+    """The embedding copies a last stage's MTP modules hold."""
+    head = getattr(stage, "head", None)
+    if not isinstance(head, HeadWithPrediction):
+        return []
+    return [module.embed.tokens.weight for module in head.predictions]
+
+
+def prediction_blocks(stage: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a last stage's MTP modules (recompute wraps them too)."""
+    head = getattr(stage, "head", None)
+    return [module.block for module in head.predictions] if isinstance(head, HeadWithPrediction) else []
