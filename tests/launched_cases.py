@@ -37,6 +37,23 @@ def assert_weights_equal_reference(result: dict, reference: dict, tolerance: flo
         assert (result["params"][parameter] - weight).abs().max().item() < tolerance, parameter
 
 
+def assert_run_and_weights_equal_reference(cases: LaunchedCases, name: str) -> dict:
+    """Case ``name``'s losses, gradients and final weights against the one-process
+    reference's (float64: 1e-10); the reference's result, and its last model stage
+    (``last_stage``), for what a test checks beyond."""
+    from executor.reference import reference_run  # noqa: PLC0415 - torch's runs only where a test launches
+
+    result, reference = cases.result(name), reference_run(cases.config(name))
+    assert_equals_reference(result, reference)
+    assert_weights_equal_reference(result, reference)
+    return reference
+
+
+def last_stage(reference: dict) -> int:
+    """The last model stage a run's weights name (``"{stage}.{name}"``)."""
+    return max(int(key.split(".")[0]) for key in reference["params"])
+
+
 def assert_equals_reference(result: dict, reference: dict, tolerance: float = 1e-10) -> None:
     """Losses and every gradient within ``tolerance`` of the reference's, no gradient missing."""
     assert result["losses"] == pytest.approx(reference["losses"], abs=tolerance, rel=0)

@@ -21,14 +21,11 @@ from executor.reference import reference_run
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.hf_config import spec_from_hf_config
 from pipesim.model.spec import load_model
+from tests.hf_fixtures import CONFIGS, hf
 from tests.launched_cases import LaunchedCases, assert_equals_reference
 
 pytestmark = pytest.mark.timeout(300)
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 
-
-def hf(name: str, **changes) -> dict:
-    return {**json.loads((CONFIGS / f"{name}.json").read_text()), **changes}
 
 
 def test_configs_name_their_activation_and_block() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +22,10 @@ from executor.reference import reference_run
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.experts import MixtureOfExperts
 from pipesim.model.hf_config import spec_from_hf_config
+from tests.hf_fixtures import CONFIGS
 from tests.launched_cases import LaunchedCases, assert_equals_reference, assert_weights_equal_reference
 
 pytestmark = pytest.mark.timeout(300)
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 
 
 def logit(probability: float) -> float:

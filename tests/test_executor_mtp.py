@@ -16,9 +16,8 @@ from executor.architectures.build import shrink_note, shrunk_spec
 from executor.architectures.mtp import MTP_LOSS_WEIGHT, HeadWithPrediction, give_targets
 from executor.config import RunConfig
 from executor.models import build_model
-from executor.reference import reference_run
 from executor.tied_embeddings import TiedEmbeddings
-from tests.launched_cases import LaunchedCases, assert_equals_reference, assert_weights_equal_reference
+from tests.launched_cases import LaunchedCases, assert_run_and_weights_equal_reference, last_stage
 
 pytestmark = pytest.mark.timeout(300)
 V3 = str(Path(__file__).parent / "data" / "hf_configs" / "deepseek-v3.json")
@@ -97,10 +96,7 @@ CASES = LaunchedCases(BASE, {
 
 @pytest.mark.parametrize("name", list(CASES.cases))
 def test_pipelined_mtp_runs_equal_the_reference(name: str) -> None:
-    result, reference = CASES.result(name), reference_run(CASES.config(name))
-    assert_equals_reference(result, reference)
-    assert_weights_equal_reference(result, reference)
-    last = max(int(key.split(".")[0]) for key in reference["params"])
+    reference = assert_run_and_weights_equal_reference(CASES, name)
     # the copies stayed equal through the optimizer's steps
     assert torch.equal(reference["params"]["0.embed.tokens.weight"],
-                       reference["params"][f"{last}.head.predictions.0.embed.tokens.weight"])
+                       reference["params"][f"{last_stage(reference)}.head.predictions.0.embed.tokens.weight"])

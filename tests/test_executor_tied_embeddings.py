@@ -17,7 +17,7 @@ from executor.config import RunConfig
 from executor.data_parallel import bucket_parameters
 from executor.models import build_model, build_optimizer
 from executor.reference import reference_run
-from tests.launched_cases import LaunchedCases, assert_equals_reference, assert_weights_equal_reference
+from tests.launched_cases import LaunchedCases, assert_run_and_weights_equal_reference, last_stage
 
 pytestmark = pytest.mark.timeout(300)
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
@@ -98,8 +98,6 @@ CASES = LaunchedCases(BASE, {
 
 @pytest.mark.parametrize("name", list(CASES.cases))
 def test_pipelined_tied_runs_equal_the_reference(name: str) -> None:
-    result, reference = CASES.result(name), reference_run(CASES.config(name))
-    assert_equals_reference(result, reference)
-    assert_weights_equal_reference(result, reference)
-    last = max(int(key.split(".")[0]) for key in reference["params"])
-    assert torch.equal(reference["params"]["0.embed.tokens.weight"], reference["params"][f"{last}.head.1.weight"])
+    reference = assert_run_and_weights_equal_reference(CASES, name)
+    assert torch.equal(reference["params"]["0.embed.tokens.weight"],
+                       reference["params"][f"{last_stage(reference)}.head.1.weight"])

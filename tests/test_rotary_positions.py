@@ -21,10 +21,10 @@ from pipesim.model.errors import ModelSpecError
 from pipesim.model.hf_config import spec_from_hf_config
 from pipesim.model.rotary import Rope
 from pipesim.model.spec import load_model
+from tests.hf_fixtures import CONFIGS, hf
 from tests.launched_cases import LaunchedCases, assert_equals_reference
 
 pytestmark = pytest.mark.timeout(300)
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 LLAMA31 = Rope(theta=500000.0, scaling="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                original_positions=8192)
 
@@ -119,9 +119,6 @@ def test_angles_turn_by_the_base() -> None:
     assert cos[3, 1].item() == pytest.approx(math.cos(angle), abs=1e-15)
     assert sin[3, 1].item() == pytest.approx(math.sin(angle), abs=1e-15)
 
-
-def hf(name: str, **changes) -> dict:
-    return {**json.loads((CONFIGS / f"{name}.json").read_text()), **changes}
 
 
 def test_configs_and_presets_carry_their_rotary_positions() -> None:

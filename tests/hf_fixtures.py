@@ -1,0 +1,14 @@
+"""The Hugging Face ``config.json`` files the tests read (``tests/data/hf_configs``), and
+one of them with keys changed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+
+
+def hf(name: str, **changes) -> dict:
+    """The stored config ``name`` (without ``.json``) with ``changes`` over its keys."""
+    return {**json.loads((CONFIGS / f"{name}.json").read_text()), **changes}
