@@ -164,7 +164,27 @@ def elastic_run(function: Callable[..., Any], args: tuple, nprocs: int, threads:
         start_method="spawn", logs_specs=logs.specs(),
     )
     # a failed rank ends before the launcher gives its stderr back to the console (executor.rank_exit)
-    return elastic_launch(config, ExitOnFailure(function))(*args)
+    return unshared(elastic_launch(config, ExitOnFailure(function))(*args))
+
+
+def unshared(value: Any) -> Any:
+    """``value`` with every tensor the ranks sent back copied into this process's own
+    memory. torch passes a tensor between processes as shared memory held open by a file
+    descriptor for as long as the tensor lives; a caller that keeps many runs' results
+    (a test session's gradients and weights) would otherwise hold thousands of them
+    open, until a later run's results cannot be received ("received 0 items of
+    ancdata")."""
+    import torch  # noqa: PLC0415
+
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.is_shared() else value
+    if isinstance(value, dict):
+        return {key: unshared(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [unshared(item) for item in value]
+    if type(value) is tuple:  # a plain tuple (named tuples, such as trace events, hold no tensors)
+        return tuple(unshared(item) for item in value)
+    return value
 
 
 def merge_rank_results(per_rank: dict[int, list[dict]]) -> list[dict]:
