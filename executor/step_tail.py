@@ -28,15 +28,14 @@ GRAD_NORM_ALLREDUCE = "GRAD_NORM_ALLREDUCE"  # --clip-grad: the squares summed o
 OPTIMIZER = "OPTIMIZER"  # named as the simulator names its step_overhead event
 EXPERT_LOAD_ALLREDUCE = "EXPERT_LOAD_ALLREDUCE"  # DeepSeek-V3's balancing: the experts' loads summed
 LOSS_ALLREDUCE = "LOSS_ALLREDUCE"  # the replicas' losses summed, and read on the host
-# kind -> the stream it is drawn on; the order is the encoding's (executor.gather)
-TAIL_STREAMS = {EMBEDDING_ALLREDUCE: "step", GRAD_NORM_ALLREDUCE: "step", OPTIMIZER: "step",
-                EXPERT_LOAD_ALLREDUCE: "step", LOSS_ALLREDUCE: "step"}
-TAIL_KINDS = tuple(TAIL_STREAMS)
+# every part on the step stream; the order is the encoding's (executor.gather)
+TAIL_KINDS = (EMBEDDING_ALLREDUCE, GRAD_NORM_ALLREDUCE, OPTIMIZER, EXPERT_LOAD_ALLREDUCE, LOSS_ALLREDUCE)
+TAIL_STREAM = "step"
 
 
 def tail_event(rank: int, kind: str, start: float, end: float) -> TraceEvent:
     """One part of the step's tail, as the simulator names its own: ``OPTIMIZER``."""
-    return TraceEvent(rank, kind, kind, -1, -1, start, end, TAIL_STREAMS[kind])
+    return TraceEvent(rank, kind, kind, -1, -1, start, end, TAIL_STREAM)
 
 
 class StepTail:
