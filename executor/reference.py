@@ -23,7 +23,7 @@ from executor.expert_balance import ExpertBalance, selection_biases
 from executor.grad_clip import clip_gradients
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.precision import Precision
-from executor.tied_embeddings import TiedEmbeddings, is_tied, table_copies
+from executor.tied_embeddings import TiedEmbeddings, is_tied
 
 
 def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict:
@@ -39,8 +39,7 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
     scaler = torch.amp.GradScaler("cpu", enabled=config.dtype == "float16")
     losses, grads, skipped, norms = [], {}, [], []
     balance = ExpertBalance(config, stages, torch.device("cpu"))
-    tied = (TiedEmbeddings(dict(enumerate(stages)), None, model.spec.tied_embeddings, table_copies(model))
-            if is_tied(model) else None)
+    tied = TiedEmbeddings(dict(enumerate(stages)), None, model.spec) if is_tied(model) else None
     for step in range(config.steps):
         balance.start_step()
         inputs, targets = model.make_batch(step, config.batch_size)

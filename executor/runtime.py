@@ -245,11 +245,12 @@ class PipelineRuntime:
             x = self.inputs[data_index(self.schedule, stage, microbatch)]
         else:
             x = self.forward_inputs.pop((stage, microbatch)).requires_grad_(True)
-        if stage in self.last_stages:  # what a multi-token prediction head embeds
-            give_targets(self.stages[stage], self.targets[data_index(self.schedule, stage, microbatch)])
-        output = self.precision.forward(self.stages[stage], x)
-        if stage in self.last_stages:
+        last = stage in self.last_stages
+        if last:  # also what a multi-token prediction head embeds
             targets = self.targets[data_index(self.schedule, stage, microbatch)]
+            give_targets(self.stages[stage], targets)
+        output = self.precision.forward(self.stages[stage], x)
+        if last:
             loss = self.model.loss_sum(self.precision.for_loss(output), targets) / self.batch_size
             self.loss += loss.detach().to(self.loss_dtype)
             output = loss * self.loss_scale if self.loss_scale != 1.0 else loss

@@ -33,6 +33,7 @@ from torch import nn
 from executor.architectures.mtp import prediction_tables
 from executor.data_parallel import GradientAverager, local_tensor
 from executor.mesh import MeshPosition
+from pipesim.model.spec import ModelSpec
 from schedules.schedule import Schedule
 
 
@@ -42,13 +43,6 @@ def is_tied(model: object) -> bool:
     embed with the model's table (the toys have neither)."""
     spec = getattr(model, "spec", None)
     return spec is not None and (spec.tied_embeddings or spec.mtp_depth > 0)
-
-
-def table_copies(model: object) -> int:
-    """Copies of the table in one model: the table, the tied output layer, one per MTP
-    module."""
-    spec = model.spec
-    return 1 + int(spec.tied_embeddings) + spec.mtp_depth
 
 
 def table_of(stage: nn.Module) -> nn.Parameter | None:
@@ -93,12 +87,12 @@ def embedding_group(schedule: Schedule, position: MeshPosition, timeout: float) 
 
 class TiedEmbeddings:
     """This rank's share of keeping a model's copies of its embedding table equal: a
-    tied output layer's, DeepSeek-V3's MTP modules' (``copies`` in one model)."""
+    tied output layer's, DeepSeek-V3's MTP modules' (``spec`` says which it has)."""
 
-    def __init__(self, stages: dict[int, nn.Module], group: dist.ProcessGroup | None, tied: bool = True,
-                 copies: int = 2) -> None:
-        self.held = copies_on_rank(stages, tied)  # a ZeRO averager keeps each alone in its bucket
-        self.group, self.copies = group, copies
+    def __init__(self, stages: dict[int, nn.Module], group: dist.ProcessGroup | None, spec: ModelSpec) -> None:
+        self.held = copies_on_rank(stages, spec.tied_embeddings)  # a ZeRO averager keeps each alone in its bucket
+        self.group = group
+        self.copies = 1 + int(spec.tied_embeddings) + spec.mtp_depth  # in one model: the table, the output, MTP
         first = any(table_of(stage) is not None for stage in stages.values())
         last = any(getattr(stage, "head", None) is not None for stage in stages.values())
         if group is None and first != last:
@@ -110,9 +104,10 @@ class TiedEmbeddings:
         return self.copies if any(param is copy for copy in self.held) else 1
 
     def sum_gradients(self, averager: GradientAverager | None) -> None:
-        """Both copies' gradient (what the optimizer steps: ``averager.stepped_gradients``,
-        under ZeRO-1/2 one shard, each copy alone in its bucket) made their sum: in place on
-        a rank holding both, else by one all-reduce over the pair."""
+        """Every copy's gradient (what the optimizer steps: ``averager.stepped_gradients``,
+        under ZeRO-1/2 one shard, each copy alone in its bucket) made their sum: this
+        rank's copies added in place, then one all-reduce over the first and last stages'
+        pair where they are on different ranks."""
         if not self.held:
             return
         if averager is None:

@@ -42,7 +42,7 @@ from executor.step_tail import (
     OPTIMIZER,
     StepTail,
 )
-from executor.tied_embeddings import TiedEmbeddings, embedding_group, is_tied, table_copies
+from executor.tied_embeddings import TiedEmbeddings, embedding_group, is_tied
 from schedules.action import COMPUTE_KINDS, Action
 from schedules.trace import Trace
 
@@ -166,7 +166,7 @@ class RankRun:
         self.tied = None  # the table's copies: tied output, MTP embeddings (after FSDP, which replaces the parameters)
         if is_tied(model):
             group = embedding_group(schedule, position, config.timeout) if world > 1 else None
-            self.tied = TiedEmbeddings(self.stages, group, model.spec.tied_embeddings, table_copies(model))
+            self.tied = TiedEmbeddings(self.stages, group, model.spec)
         alone = {id(param) for param in self.tied.held} if self.tied is not None else set()
         self.scaler = LossScaler(enabled=config.dtype == "float16")
         self.skipped_steps: list[int] = []

@@ -83,22 +83,25 @@ def split_logits(output: torch.Tensor, seq: int, depth: int) -> list[torch.Tenso
     return list(output.split([seq, *(seq - k for k in range(1, depth + 1))], dim=1))
 
 
+def prediction_head(stage: nn.Module) -> HeadWithPrediction | None:
+    """A last stage's head where it has MTP modules, else None."""
+    head = getattr(stage, "head", None)
+    return head if isinstance(head, HeadWithPrediction) else None
+
+
 def give_targets(stage: nn.Module, targets: torch.Tensor) -> None:
     """Hand a last stage's MTP head the microbatch's targets (no-op for other stages)."""
-    head = getattr(stage, "head", None)
-    if isinstance(head, HeadWithPrediction):
+    if (head := prediction_head(stage)) is not None:
         head.targets = targets
 
 
 def prediction_tables(stage: nn.Module) -> list[nn.Parameter]:
     """The embedding copies a last stage's MTP modules hold."""
-    head = getattr(stage, "head", None)
-    if not isinstance(head, HeadWithPrediction):
-        return []
-    return [module.embed.tokens.weight for module in head.predictions]
+    head = prediction_head(stage)
+    return [module.embed.tokens.weight for module in head.predictions] if head is not None else []
 
 
 def prediction_blocks(stage: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a last stage's MTP modules (recompute wraps them too)."""
-    head = getattr(stage, "head", None)
-    return [module.block for module in head.predictions] if isinstance(head, HeadWithPrediction) else []
+    head = prediction_head(stage)
+    return [module.block for module in head.predictions] if head is not None else []

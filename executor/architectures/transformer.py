@@ -58,7 +58,7 @@ class TransformerBlock(nn.Module):
                 spec.hidden, spec.heads, spec.num_kv_heads, spec.head_size, spec.attention_has_bias, spec.qkv_bias,
                 rotary=not spec.learned_positions and layer not in spec.nope_layers, fused_qkv=spec.fused_qkv,
                 qk_norm=spec.qk_norm if spec.has_qk_norm(layer) else None,
-                window=spec.sliding_window if layer in spec.sliding_layers else None,
+                window=spec.sliding_window if sliding else None,
                 chunk=spec.attention_chunk if layer in spec.chunked_layers else None, sinks=spec.attention_sinks,
                 rope=spec.local_rope if sliding and spec.local_rope else spec.rope, rotary_dim=spec.rotary_width,
                 norm_offset=spec.norm_offset, query_scale=query_scale, softcap=spec.attention_softcap,

@@ -21,6 +21,12 @@ def require_positive(value: object, what: str) -> None:
         raise ModelSpecError(f"{what} must be a number > 0, got {value!r}")
 
 
+def require_non_negative(value: object, what: str) -> None:
+    """Raise ``ModelSpecError`` unless ``value`` is a finite number >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ModelSpecError(f"{what} must be a number >= 0, got {value!r}")
+
+
 def require_count(value: object, what: str, minimum: int = 1, maximum: int | None = None) -> None:
     """Raise ``ModelSpecError`` unless ``value`` is an integer >= ``minimum`` (and <=
     ``maximum`` when given; a bool is not a count: ``True`` would read as 1)."""

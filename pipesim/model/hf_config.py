@@ -416,45 +416,46 @@ def _gemma(config: Config) -> dict:
     return {**_attention_bias(config), "norm_offset": True, "embedding_scale": True}
 
 
-def _softcap(config: Config, key: str, default: float | None) -> float | None:
+def _positive_or_none(config: Config, key: str, default: float | None) -> float | None:
+    """``key`` as a number > 0, or None where the file (or the default) has none."""
     value = config.get(key, default)
-    if value is not None:
-        require_positive(value, f"{config.name}: {key}")
-    return None if value is None else float(value)
+    if value is None:
+        return None
+    require_positive(value, f"{config.name}: {key}")
+    return float(value)
+
+
+def _gemma_sandwich(config: Config, attention_cap: float | None, logit_cap: float | None) -> dict:
+    """Gemma 2/3's layer: Gemma 1's parts, four norms (before and after each half), the
+    softmax scaled by ``query_pre_attn_scalar`` (256 by default), the attention scores
+    and output logits soft-capped where the family's defaults or the file say."""
+    return {**_gemma(config), "norms_per_layer": 4,
+            "query_pre_attn_scalar": _positive_or_none(config, "query_pre_attn_scalar", 256),
+            "attention_softcap": _positive_or_none(config, "attn_logit_softcapping", attention_cap),
+            "logit_softcap": _positive_or_none(config, "final_logit_softcapping", logit_cap)}
 
 
 def _gemma2(config: Config) -> dict:
-    """Gemma 1's parts, four norms a layer (before and after each half), the softmax scaled
-    by ``query_pre_attn_scalar`` (256 by default) and the attention scores and output
-    logits soft-capped (``attn_logit_softcapping`` 50, ``final_logit_softcapping`` 30)."""
-    return {**_gemma(config), "norms_per_layer": 4,
-            "query_pre_attn_scalar": _softcap(config, "query_pre_attn_scalar", 256),
-            "attention_softcap": _softcap(config, "attn_logit_softcapping", 50.0),
-            "logit_softcap": _softcap(config, "final_logit_softcapping", 30.0)}
+    """Soft caps by default (``attn_logit_softcapping`` 50, ``final_logit_softcapping`` 30)."""
+    return _gemma_sandwich(config, 50.0, 30.0)
 
 
 def _gemma3(config: Config) -> dict:
-    """Gemma 2's layer with query and key norms one head wide, no soft caps by default, and
-    its sliding layers' rotary positions at ``rope_local_base_freq`` (10000), unscaled,
-    where the full layers use ``rope_theta`` (1e6) and ``rope_scaling``."""
+    """Query and key norms one head wide, no soft caps by default, and its sliding layers'
+    rotary positions at ``rope_local_base_freq`` (10000), unscaled, where the full layers
+    use ``rope_theta`` (1e6) and ``rope_scaling``."""
     local = config.get("rope_local_base_freq", 10000.0)
     require_positive(local, f"{config.name}: rope_local_base_freq")
-    return {**_gemma(config), "norms_per_layer": 4, "qk_norm": "head",
-            "query_pre_attn_scalar": _softcap(config, "query_pre_attn_scalar", 256),
-            "attention_softcap": _softcap(config, "attn_logit_softcapping", None),
-            "logit_softcap": _softcap(config, "final_logit_softcapping", None), "local_rope": Rope(theta=local)}
+    return {**_gemma_sandwich(config, None, None), "qk_norm": "head", "local_rope": Rope(theta=local)}
 
 
 def _gpt_neox(config: Config) -> dict:
     """Attention and MLP side by side on the block's input (``use_parallel_residual``, on
     by default), rotary positions on the first ``rotary_pct`` of each head (a quarter by
     default; ``partial_rotary_factor`` in newer files) at ``rotary_emb_base``."""
-    fraction = config.get("partial_rotary_factor", config.get("rotary_pct", 0.25))
-    theta = config.get("rope_theta", config.get("rotary_emb_base", 10000.0))
     return {"attention_bias": bool(config.get("attention_bias", True)), "mlp_bias": True,
-            "parallel_residual": bool(config.get("use_parallel_residual", True)), "rotary_fraction": fraction,
-            "rope": rope_from_config(theta, config.get("rope_scaling"), config.name,
-                                     config.get("max_position_embeddings"))}
+            "parallel_residual": bool(config.get("use_parallel_residual", True)),
+            "rotary_fraction": config.get("partial_rotary_factor", 0.25)}
 
 
 def _falcon(config: Config) -> dict:
@@ -590,7 +591,8 @@ FAMILIES: dict[str, Family] = {
                             ("num_attention_heads", "n_head"), ("max_position_embeddings", "n_positions")),
                    activation_keys=("activation_function",), activation="gelu_new"),
     "gpt_neox": Family(gated_mlp=False, rms_norm=False, reads=("attention_bias",), particular=_gpt_neox,
-                       activation="gelu"),
+                       activation="gelu",  # older files' names for the rotary base and share
+                       aliases=(("rope_theta", "rotary_emb_base"), ("partial_rotary_factor", "rotary_pct"))),
     "falcon": Family(gated_mlp=False, rms_norm=False, tied=True,
                      reads=("bias", "multi_query", "new_decoder_architecture", "num_kv_heads", "n_head_kv",
                             "parallel_attn", "num_ln_in_parallel_attn", "ffn_hidden_size"),

@@ -36,7 +36,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from pipesim.model.errors import ModelSpecError, require_positive
+from pipesim.model.errors import ModelSpecError, require_non_negative, require_positive
 
 BUILT_SCALINGS = ("linear", "llama3", "yarn", "dynamic")
 
@@ -67,10 +67,8 @@ class Rope:
             if getattr(self, name) is not None:
                 require_positive(getattr(self, name), f"rotary positions: {name}")
         for name in ("mscale", "mscale_all_dim"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value < 0):
-                raise ModelSpecError(f"rotary positions: {name} must be a number >= 0, got {value!r}")
+            if getattr(self, name) is not None:
+                require_non_negative(getattr(self, name), f"rotary positions: {name}")
         if self.scaling == "dynamic" and self.max_positions is None:
             raise ModelSpecError("rotary positions: dynamic scaling needs max_position_embeddings (the longest "
                                  "sequence it leaves unscaled)")
