@@ -134,7 +134,7 @@ def test_configs_and_presets_carry_their_rotary_positions() -> None:
     longrope = spec_from_hf_config(hf("phi-3-mini", rope_scaling={
         "type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})).rope
     assert (longrope.scaling, longrope.built) == ("longrope", False)
-    with pytest.raises(ModelSpecError, match="mscale must be a number >= 0, got -1"):
+    with pytest.raises(ModelSpecError, match="config: rotary positions: mscale must be a number >= 0, got -1"):
         spec_from_hf_config(hf("deepseek-v3", rope_scaling={"type": "yarn", "factor": 40, "mscale": -1}))
     with pytest.raises(ModelSpecError, match="factor must be a number > 0, got 0"):
         spec_from_hf_config(hf("qwen3-8b", rope_scaling={"rope_type": "linear", "factor": 0}))

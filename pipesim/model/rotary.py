@@ -163,7 +163,15 @@ def rope_from_config(theta: object, scaling: object, name: str, max_positions: i
     """A ``Rope`` from a config's ``rope_theta`` and ``rope_scaling`` (None: unscaled);
     ``max_positions``: its ``max_position_embeddings``, which yarn takes for the original
     context when ``rope_scaling`` leaves that out, and dynamic scaling for the longest
-    sequence it leaves unscaled."""
+    sequence it leaves unscaled. A value no rope takes is refused naming the file."""
+    try:
+        return _rope_from_config(theta, scaling, name, max_positions)
+    except ModelSpecError as error:
+        message = str(error)
+        raise ModelSpecError(message if message.startswith(f"{name}:") else f"{name}: {message}") from None
+
+
+def _rope_from_config(theta: object, scaling: object, name: str, max_positions: int | None = None) -> Rope:
     if scaling is None:
         return Rope(theta=theta)
     if not isinstance(scaling, dict):
