@@ -5,11 +5,12 @@ all-reduce), as Trace events. Without them a measured chart drew this stretch as
 rank idling (``viz.lanes.idle_tails``), though the rank was working or waiting in a
 collective.
 
-The simulator charges the same stretch as one ``OPTIMIZER`` event on the ``step`` stream
-(``Costs.step_overhead``, which a profile measures as this whole tail); the executor's
-events keep the parts apart, named by what they do, on the same ``step`` stream (the tied
-embeddings' all-reduce too: it is no data-parallel traffic, and a ``dp`` event would read
-as dp communication in a run without dp).
+The simulator charges the same stretch as an ``OPTIMIZER`` event on the ``step`` stream
+(``Costs.step_overhead``, which a profile measures as this whole tail), after a tied
+model's ``EMBEDDING_ALLREDUCE`` where it prices one from a model (``Costs.embedding_sums``);
+the executor's events keep every part apart, named by what they do, on the same ``step``
+stream (the tied embeddings' all-reduce too: it is no data-parallel traffic, and a ``dp``
+event would read as dp communication in a run without dp).
 """
 
 from __future__ import annotations

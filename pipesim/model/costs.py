@@ -185,6 +185,13 @@ class Costs:
     of an overlapped forward-backward pair at the same time (two CUDA streams) or one
     after the other (on a CPU, ``executor.pair_streams``): then each half costs what it
     costs alone, its all-to-alls included, and ``overlap_fb`` is not read.
+    ``embedding_sums`` lists the embedding tables whose gradients two ranks sum after the
+    step's reductions, each as ``(first stage, last stage, gradient bytes)``: a tied
+    model's output layer, or DeepSeek-V3's prediction modules, read the table on the last
+    stage from a copy there (``with_embedding_copies``), and Megatron-LM (and
+    ``pipesim run``'s executor) all-reduce the two copies' gradients over the ranks
+    holding the two stages before the optimizer. A measured ``step_overhead`` holds this
+    all-reduce already, so costs measured by a run or a profile list none.
     """
 
     stages: tuple[StageCost, ...]
@@ -195,10 +202,17 @@ class Costs:
     meta: dict = field(default_factory=dict, compare=False)
     memory_known: bool = True
     pairs_overlap: bool = True
+    embedding_sums: tuple[tuple[int, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in OVERHEADS:
             check_number(getattr(self, name), name)
+        for index, (first, last, num_bytes) in enumerate(self.embedding_sums):
+            where = f"embedding_sums[{index}]"
+            check_number(num_bytes, f"{where}: bytes")
+            if not (0 <= first < last < len(self.stages)):
+                raise CostsError(f"{where}: stages {first} and {last} must be two of the {len(self.stages)} "
+                                 f"stages, the first before the last")
         checked: set[int] = set()  # a stage object shared by many stages (a model's alike layers) is checked once
         for index, stage in enumerate(self.stages):
             if id(stage) in checked:
@@ -255,6 +269,9 @@ class Costs:
             "step_overhead": self.step_overhead,
             "sequence_parallel": self.sequence_parallel,
             **({} if self.pairs_overlap else {"pairs_overlap": False}),  # the usual case left unwritten
+            **({"embedding_sums": [{"first": first, "last": last, "bytes": num_bytes}
+                                   for first, last, num_bytes in self.embedding_sums]}
+               if self.embedding_sums else {}),
             "meta": self.meta,
             "stages": [asdict(stage) for stage in self.stages],
         }
@@ -413,7 +430,28 @@ def costs_from_dict(data: object, num_stages: int | None = None, name: str = "co
     if not isinstance(pairs_overlap, bool):
         raise CostsError(f"{name}: 'pairs_overlap' must be true or false, got {pairs_overlap!r}")
     return Costs(stages=tuple(stages), meta=dict(meta), sequence_parallel=bool(data.get("sequence_parallel", False)),
-                 memory_known=memory_known, pairs_overlap=pairs_overlap, **overheads)
+                 memory_known=memory_known, pairs_overlap=pairs_overlap,
+                 embedding_sums=_embedding_sums(data.get("embedding_sums", []), len(stages), name), **overheads)
+
+
+def _embedding_sums(entries: object, num_stages: int, name: str) -> tuple[tuple[int, int, float], ...]:
+    """A costs document's ``embedding_sums`` (``Costs``): a list of ``{first, last, bytes}``,
+    two of its ``num_stages`` stages, the first before the last."""
+    if not isinstance(entries, list):
+        raise CostsError(f"{name}: 'embedding_sums' must be a list of {{first, last, bytes}}, got {entries!r}")
+    sums = []
+    for index, entry in enumerate(entries):
+        where = f"{name}: embedding_sums[{index}]"
+        if not isinstance(entry, dict) or set(entry) != {"first", "last", "bytes"}:
+            raise CostsError(f"{where} must be a mapping of exactly first, last and bytes, got {entry!r}")
+        stages = [entry["first"], entry["last"]]
+        if any(isinstance(stage, bool) or not isinstance(stage, int) for stage in stages):
+            raise CostsError(f"{where}: first and last must be stage numbers, got {stages!r}")
+        if not (0 <= stages[0] < stages[1] < num_stages):
+            raise CostsError(f"{where}: stages {stages[0]} and {stages[1]} must be two of the {num_stages} stages, "
+                             "the first before the last")
+        sums.append((stages[0], stages[1], check_number(entry["bytes"], f"{where}.bytes")))
+    return tuple(sums)
 
 
 def _stage_key(entry: dict, where: str) -> int | None:

@@ -330,8 +330,9 @@ def model_stage_costs(
 
 def with_embedding_copies(costs: Costs, spec: ModelSpec, stage_ranks: list[int], copies: int = 1,
                           tp: int = 1, shared_on_rank: bool = True) -> Costs:
-    """``costs`` with a copy of the embedding table on each last stage that reads it but
-    holds no first stage. A tied model's output layer is the table (Megatron-LM keeps a
+    """``costs`` with a copy of the token embedding table (a learned position table is
+    read by the first stage alone) on each last stage that reads it but holds no first
+    stage. A tied model's output layer is the table (Megatron-LM keeps a
     copy on the last stage and sums the two copies' gradients over its embedding group;
     ``pipesim run``'s executor does the same); DeepSeek-V3's multi-token prediction
     modules embed the tokens they predict with the main model's table (report, section
@@ -340,20 +341,26 @@ def with_embedding_copies(costs: Costs, spec: ModelSpec, stage_ranks: list[int],
     "physical sharing", section 3.2.3) reads the one it has; any other keeps a copy,
     counted in its parameters: memory, gradient reduction and optimizer. Without
     ``shared_on_rank`` every such last stage keeps a copy (``pipesim run``'s executor,
-    whose stages are separate modules)."""
+    whose stages are separate modules). Each copy's gradient is summed with the first
+    stage's table after the step's reductions (``Costs.embedding_sums``: one all-reduce
+    of the table's gradient, in the weights' dtype as the gradient reductions count it,
+    between the two ranks; none where both stages share a rank)."""
     if not spec.mtp_depth and not spec.tied_embeddings:
         return costs
     per_copy = len(costs.stages) // copies
     firsts = {stage_ranks[copy * per_copy] for copy in range(copies)} if shared_on_rank else set()
-    extra = spec.embedding_params(tp)
+    extra = -(-spec.vocab // tp) * spec.hidden  # the token table's tp shard: a learned position table stays first
     stages = list(costs.stages)
+    sums = []
     for copy in range(copies):
-        last = copy * per_copy + per_copy - 1
+        first, last = copy * per_copy, copy * per_copy + per_copy - 1
         if stage_ranks[last] not in firsts:
             stage = stages[last]
             stages[last] = replace(stage, params=stage.params + extra,
                                    param_bytes=stage.param_bytes + extra * spec.dtype_bytes)
-    return replace(costs, stages=tuple(stages))
+            if stage_ranks[last] != stage_ranks[first]:
+                sums.append((first, last, float(extra * spec.dtype_bytes)))
+    return replace(costs, stages=tuple(stages), embedding_sums=tuple(sums))
 
 
 def stage_bandwidth(stage_memory_bandwidth: list[float] | None, fallback: float, stage: int) -> float:

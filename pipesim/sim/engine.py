@@ -41,6 +41,7 @@ from pipesim.sim.parallel import (
     PARAM_GATHER_KIND,
     TP_KIND,
     CommPlan,
+    embedding_sum_seconds,
     gradient_reductions,
     reduction_columns,
     step_tail_columns,
@@ -244,7 +245,8 @@ def step_trace(step: engine.StepRun, costs: Costs, topology: Topology, devices: 
     if priced is None:
         priced = price_step(schedule, costs, topology, devices, plan)
     pipeline = pipeline_columns(step, held_parts(step, priced))
-    tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead, reduction_columns(step, plan))
+    tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead, reduction_columns(step, plan),
+                             embedding_sum_seconds(schedule, costs, topology, devices))
     wire, sent_bytes = p2p_wire_and_bytes(step, costs)
     meta = {
         "source": "simulated",

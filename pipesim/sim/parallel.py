@@ -46,7 +46,10 @@ pays their collectives:
   after the optimizer step. With ``zero3_collectives`` ``in-costs`` neither is charged:
   the costs' actions already hold them (``pipesim.sim.zero``, FSDP2 on gloo).
 - the optimizer step (``Costs.step_overhead``) follows the rank's last reduction, and
-  the slowdown the reductions beside the compute cost it (``pipesim.sim.comm_overlap``).
+  the slowdown the reductions beside the compute cost it (``pipesim.sim.comm_overlap``);
+  before it, the two ranks holding a tied embedding table's copies (``Costs.embedding_sums``)
+  all-reduce its gradient once both are done (``embedding_sum_seconds``), as Megatron-LM's
+  ``finalize_model_grads`` does after the data-parallel reductions.
 
 - the other replicas' and shards' P2P transfers (``pipesim.cluster.twins``): each simulated
   send also reserves the links of its twins where their routes meet another
@@ -112,6 +115,7 @@ DP_KIND = "ALLREDUCE_DP"
 REDUCE_SCATTER_KIND = "REDUCE_SCATTER_DP"
 PARAM_GATHER_KIND = "ALLGATHER_PARAMS"
 OPTIMIZER_KIND = "OPTIMIZER"
+EMBEDDING_SUM_KIND = "EMBEDDING_ALLREDUCE"  # a tied table's two copies' gradients summed (as the executor names it)
 DP_SLOWDOWN_KIND = "DP_SLOWDOWN"  # what the reductions beside the compute slowed it by
 
 
@@ -752,21 +756,39 @@ def _tail_scan(columns: TraceColumns, num_ranks: int, every_backward: bool) -> t
                       columns.microbatch[order])
 
 
+def embedding_sum_seconds(schedule: Schedule, costs: Costs, topology: Topology,
+                          devices: Sequence[str]) -> tuple[tuple[int, int, float], ...]:
+    """Each of ``costs.embedding_sums`` as ``(rank, rank, seconds)``: the all-reduce of the
+    table's gradient between the devices of the ranks holding its two stages. Each tp
+    shard (and replica) sums its own share with its peer at the same moment on its own
+    pair of devices; replica 0's first shard's pair is priced, as the other collectives
+    of ``step_tail_columns`` are."""
+    sums = []
+    for first, last, num_bytes in costs.embedding_sums:
+        ranks = schedule.placement[first], schedule.placement[last]
+        if ranks[0] != ranks[1] and num_bytes > 0:
+            sums.append((*ranks, all_reduce(topology, [devices[ranks[0]], devices[ranks[1]]], num_bytes)))
+    return tuple(sums)
+
+
 def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | None,
-                      step_overhead: float, reductions: TraceColumns | None = None) -> TraceColumns | None:
+                      step_overhead: float, reductions: TraceColumns | None = None,
+                      embedding_sums: tuple[tuple[int, int, float], ...] = ()) -> TraceColumns | None:
     """The collectives the walk ran (``reductions``: ``reduction_columns``, on the ``dp``
     stream: the gradient reductions and, with ``overlap_param_gather``, the parameter
-    all-gathers the step's first forwards waited for), then each rank's optimizer step
-    (``step`` stream) and, under ZeRO-1 and 2 without ``overlap_param_gather``, the
-    parameter all-gathers (``dp``), placed after the pipeline events ``pipeline`` and the
-    rank's last reduction; None when the step has none.
+    all-gathers the step's first forwards waited for), then the tied embeddings'
+    all-reduces (``embedding_sums``, ``embedding_sum_seconds``: from each rank's readiness
+    to the pair's end, the earlier rank waiting in it, on the ``step`` stream), each rank's
+    optimizer step (``step`` stream) and, under ZeRO-1 and 2 without
+    ``overlap_param_gather``, the parameter all-gathers (``dp``), placed after the
+    pipeline events ``pipeline`` and the rank's last reduction; None when the step has none.
 
     What a collective beside the compute costs it (``pipesim.sim.comm_overlap``): the
     collectives that ran while the rank computed slow its compute by ``slowed_by`` of
     their time beside it, a ``DP_SLOWDOWN`` event after the rank's last action that the
     optimizer waits for."""
     has_dp = plan is not None and bool(plan.dp_bucket_seconds)
-    if not has_dp and step_overhead <= 0:
+    if not has_dp and step_overhead <= 0 and not embedding_sums:
         return None
     every = has_dp and reduces_every_backward(plan.zero)
     rank_end, backwards = _tail_scan(pipeline, num_ranks, every)
@@ -782,11 +804,19 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
     stage_rank = dict(zip(backwards[0].tolist(), backwards[1].tolist(), strict=True))
     # without the overlap, the gathers after the optimizer (with it, they ran in the walk)
     gathers = plan.gather_bucket_seconds if has_dp and not plan.overlap_param_gather else {}
+    ready = []
     for rank in range(num_ranks):
         end = float(rank_end[rank])
         if slowed[rank] > 0:
             tail.append(TraceEvent(rank, DP_SLOWDOWN_KIND, DP_SLOWDOWN_KIND, -1, -1, end, end + slowed[rank], "dp"))
-        done = max(end + slowed[rank], float(dp_free[rank]))
+        ready.append(max(end + slowed[rank], float(dp_free[rank])))
+    for one, other, seconds in embedding_sums:  # a collective: it ends once both ranks are in it
+        finish = max(ready[one], ready[other]) + seconds
+        for rank in (one, other):
+            tail.append(TraceEvent(rank, EMBEDDING_SUM_KIND, EMBEDDING_SUM_KIND, -1, -1, ready[rank], finish, "step"))
+            ready[rank] = finish
+    for rank in range(num_ranks):
+        done = ready[rank]
         if step_overhead > 0:
             tail.append(TraceEvent(rank, OPTIMIZER_KIND, OPTIMIZER_KIND, -1, -1, done, done + step_overhead, "step"))
             done += step_overhead

@@ -23,7 +23,7 @@ import numpy as np
 
 from pipesim.sim.critical_path import critical_owners, path_links
 from pipesim.sim.engine import held_parts, pipeline_columns, price_step, step_trace
-from pipesim.sim.parallel import CommPlan, reduction_columns, step_tail_columns
+from pipesim.sim.parallel import CommPlan, embedding_sum_seconds, reduction_columns, step_tail_columns
 from pipesim.sim.step import SimulationResult, comm_plan_of
 from pipesim.sim.step import _time_unit as time_unit  # the summary's units, as simulate prints them
 from pipesim.sim.variability import PerTransferWires, Sampler, Variability, crossed_links
@@ -140,7 +140,8 @@ class SampleStepper:
                                                 transfer_wire=np.arange(self.program.arrays.transfers))
         self.transfer_wires = PerTransferWires(self.program, self.wires) if (
             self.sampler.comm_sigma > 0 or self.sampler.link_factor is not None) else None
-        self.tail = self.plan is not None or costs.step_overhead > 0
+        self.embedding_sums = embedding_sum_seconds(schedule, costs, result.topology, result.devices)
+        self.tail = self.plan is not None or costs.step_overhead > 0 or bool(self.embedding_sums)
         shape = engine.empty_run(self.program)  # what holds each row has depends on the program alone
         self.held = held_parts(shape, self.priced) if self.tail else None
 
@@ -167,7 +168,7 @@ class SampleStepper:
             return step.makespan
         pipeline = pipeline_columns(step, self.held)
         tail = step_tail_columns(pipeline, self.program.ranks, self.plan, self.result.costs.step_overhead,
-                                 reduction_columns(step, self.plan))
+                                 reduction_columns(step, self.plan), self.embedding_sums)
         columns = TraceColumns.concatenate([pipeline, tail]) if tail is not None else pipeline
         return float(columns.end.max() - columns.start.min())
 
