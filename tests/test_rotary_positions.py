@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from executor.models import build_model
 from executor.reference import reference_run
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.hf_config import spec_from_hf_config
-from pipesim.model.rotary import Rope
+from pipesim.model.rotary import Rope, longrope_pairs
 from pipesim.model.spec import load_model
 from tests.hf_fixtures import CONFIGS, hf
 from tests.launched_cases import LaunchedCases, assert_equals_reference
@@ -121,6 +122,60 @@ def test_angles_turn_by_the_base() -> None:
 
 
 
+# Phi-3-mini-128k's shape: 48 pairs, a context of 4096 extended to 131,072 (factor 32)
+SHORT, LONG = [1.0 + pair / 100 for pair in range(48)], [2.0 + pair / 10 for pair in range(48)]
+PHI3_LONG = {"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+             "rope_scaling": {"type": "longrope", "short_factor": SHORT, "long_factor": LONG}}
+
+
+def test_longrope_divides_each_pair_by_its_listed_factor() -> None:
+    rope = spec_from_hf_config(hf("phi-3-mini", **PHI3_LONG)).rope
+    assert (rope.scaling, rope.factor, rope.original_positions) == ("longrope", 32.0, 4096)
+    plain = [10000 ** (-2 * pair / 96) for pair in range(48)]
+    # up to the original context the short factors, beyond it the long ones
+    assert rope.inverse_frequencies(96, 4096) == pytest.approx([f / d for f, d in zip(plain, SHORT)], rel=1e-14)
+    assert rope.inverse_frequencies(96, 4097) == pytest.approx([f / d for f, d in zip(plain, LONG)], rel=1e-14)
+    # sqrt(1 + ln 32 / ln 4096) = sqrt(1 + 5/12)
+    assert rope.cos_sin_scale == pytest.approx(math.sqrt(17 / 12), rel=1e-14)
+    # Phi-3's first configs named it "su"; an attention_factor given is taken as is
+    legacy = {**PHI3_LONG, "rope_scaling": {**PHI3_LONG["rope_scaling"], "type": "su", "attention_factor": 1.5}}
+    su = spec_from_hf_config(hf("phi-3-mini", **legacy)).rope
+    assert (su.scaling, su.cos_sin_scale) == ("longrope", 1.5)
+    # without a top-level original context: rope_scaling's factor, over max_position_embeddings
+    inside = spec_from_hf_config(hf("phi-3-mini", rope_scaling={
+        "type": "longrope", "short_factor": SHORT, "long_factor": LONG, "factor": 4.0})).rope
+    assert (inside.factor, inside.original_positions) == (4.0, 4096)
+    assert inside.cos_sin_scale == pytest.approx(math.sqrt(1 + math.log(4) / math.log(4096)), rel=1e-14)
+
+
+def test_a_shrunk_head_takes_the_factor_of_the_pair_of_its_frequency(tmp_path: Path) -> None:
+    # 4 pairs from 48 listed: pairs 0, 12, 24, 36, whose base frequencies 10000^(-2j/96)
+    # are the shrunk head's 10000^(-2i/8)
+    assert longrope_pairs(4, 48) == [0, 12, 24, 36]
+    assert longrope_pairs(48, 48) == list(range(48))
+    path = Path(tmp_path) / "phi3-128k.json"
+    path.write_text(json.dumps(hf("phi-3-mini", **PHI3_LONG)))
+    config = RunConfig(model=str(path), layers=1, hidden=32, heads=4, seq_len=16, pp=1)
+    rope = build_model(config).build_stage(0, 1).blocks[0].attention.rope
+    cos, sin = rotary_angles(16, 8, rope, torch.float64)
+    for pair, listed in enumerate((0, 12, 24, 36)):
+        angle = 15 * 10000 ** (-2 * listed / 96) / SHORT[listed]
+        assert cos[15, pair].item() == pytest.approx(math.cos(angle) * math.sqrt(17 / 12), rel=1e-13)
+        assert sin[15, pair].item() == pytest.approx(math.sin(angle) * math.sqrt(17 / 12), rel=1e-13)
+    assert "longrope's 48 factors read for 4 rotary pairs" in shrink_note(config)
+
+
+@pytest.mark.parametrize(("scaling", "words"), [
+    ({"short_factor": SHORT}, "longrope rope scaling needs long_factor, a list of one number per feature pair"),
+    ({"short_factor": SHORT, "long_factor": LONG[:47]}, "short_factor has 48 numbers and its long_factor 47"),
+    ({"short_factor": SHORT, "long_factor": [-1.0] * 48}, "long_factor[0] must be a number > 0, got -1.0"),
+    ({"short_factor": SHORT, "long_factor": ["x"] * 48}, "long_factor[0] must be a number > 0, got 'x'"),
+])
+def test_bad_longrope_lists_are_refused_naming_the_file(scaling: dict, words: str) -> None:
+    with pytest.raises(ModelSpecError, match=r"^config: .*" + re.escape(words)):
+        spec_from_hf_config(hf("phi-3-mini", rope_scaling={"type": "longrope", **scaling}))
+
+
 def test_configs_and_presets_carry_their_rotary_positions() -> None:
     assert spec_from_hf_config(hf("qwen3-8b")).rope == Rope(theta=1000000)
     read = spec_from_hf_config(hf("llama-3.1-8b", rope_theta=500000.0, rope_scaling={
@@ -133,7 +188,7 @@ def test_configs_and_presets_carry_their_rotary_positions() -> None:
     assert spec_from_hf_config(hf("gpt-oss-20b")).rope == GPT_OSS_YARN
     longrope = spec_from_hf_config(hf("phi-3-mini", rope_scaling={
         "type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})).rope
-    assert (longrope.scaling, longrope.built) == ("longrope", False)
+    assert (longrope.scaling, longrope.built) == ("longrope", True)
     with pytest.raises(ModelSpecError, match="config: rotary positions: mscale must be a number >= 0, got -1"):
         spec_from_hf_config(hf("deepseek-v3", rope_scaling={"type": "yarn", "factor": 40, "mscale": -1}))
     with pytest.raises(ModelSpecError, match="factor must be a number > 0, got 0"):
@@ -147,12 +202,11 @@ def test_the_executor_builds_the_base_and_names_what_it_does_not_build(tmp_path:
     attention = build_model(RunConfig(model=str(CONFIGS / "gpt-oss-20b.json"), layers=2, hidden=16, heads=4,
                                       pp=1)).build_stage(0, 1).blocks[0].attention
     assert attention.rope == GPT_OSS_YARN
-    phi3 = {**hf("phi-3-mini"), "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48,
-                                                  "long_factor": [2.0] * 48}}
-    path = Path(tmp_path) / "phi3-longrope.json"
-    path.write_text(json.dumps(phi3))
+    unknown = {**hf("phi-3-mini"), "rope_scaling": {"type": "ntk-by-parts", "factor": 2.0}}
+    path = Path(tmp_path) / "phi3-unknown.json"
+    path.write_text(json.dumps(unknown))
     note = shrink_note(RunConfig(model=str(path), layers=2, hidden=16, heads=4))
-    assert "rotary frequencies unscaled (the config's longrope rope scaling not built)" in note
+    assert "rotary frequencies unscaled (the config's ntk-by-parts rope scaling not built)" in note
     assert "rotary" not in shrink_note(config)
 
 

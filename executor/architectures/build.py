@@ -177,6 +177,10 @@ def shrink_note(config: RunConfig) -> str:
                      "or --cp above 1)")
     if not full.rope.built:
         notes.append(f"rotary frequencies unscaled (the config's {full.rope.scaling} rope scaling not built)")
+    listed, pairs = len(small.rope.short_factor or ()), small.rotary_width // 2
+    if small.rope.scaling == "longrope" and listed != pairs:
+        notes.append(f"longrope's {listed} factors read for {pairs} rotary pairs (each pair takes the factor of "
+                     "the listed pair of its base frequency)")
     shrunk = ", ".join(changed) if changed else "nothing shrunk"
     return f"model {small.name}: {shrunk}" + "".join(f"; {note}" for note in notes)
 

@@ -647,7 +647,7 @@ def spec_from_hf_config(data: object, name: str = "config", seq_len: int | None 
         rms_norm=family.rms_norm, dropout=_has_dropout(config),
         head_dim=config.count("head_dim", family.head_dim), fp8=fp8,
         rope=rope_from_config(config.get("rope_theta", family.rope_theta), config.get("rope_scaling"), name,
-                              config.get("max_position_embeddings")),
+                              config.get("max_position_embeddings"), config.get("original_max_position_embeddings")),
     )
     if family.particular is not None:
         fields.update(family.particular(config))

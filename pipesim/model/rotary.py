@@ -23,11 +23,18 @@ rescalings ``pipesim run``'s executor builds, each as Hugging Face's
   attention also multiplies its softmax scale by the square of the ``mscale_all_dim``
   term (``latent_softmax_scale``);
 - ``dynamic`` (dynamic NTK): unscaled up to ``max_position_embeddings`` tokens, beyond
-  them a base grown with the sequence, ``theta (factor s / max - factor + 1)^(d/(d-2))``.
+  them a base grown with the sequence, ``theta (factor s / max - factor + 1)^(d/(d-2))``;
+- ``longrope`` (Phi-3 and Phi-4-mini; ``su`` in Phi-3's first configs): pair ``i`` is
+  ``f_i / short_factor[i]``, or ``f_i / long_factor[i]`` for sequences longer than the
+  original context, and the cosines and sines are multiplied by ``attention_factor``,
+  else by ``sqrt(1 + ln(factor) / ln(L))`` with ``factor`` the config's
+  ``max_position_embeddings`` over its ``original_max_position_embeddings`` (Hugging
+  Face's rule). The lists hold one factor per pair of the model's rotary part; a head
+  shrunk to fewer pairs takes, for its pair ``i`` of ``n``, the factor of the listed pair
+  ``i * len / n``, the pair of the same base frequency ``theta^(-2i/d)`` where ``n``
+  divides the list's length (``longrope_pairs``; the shrink line says so).
 
-``longrope`` (Phi-3's per-pair factor lists, one per pair of the full head) is read and
-named, not built: the executor's frequencies are then the unscaled ones, and its shrink
-line says so. Rotary positions change no count: the simulator reads none of this.
+Rotary positions change no count: the simulator reads none of this.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from dataclasses import dataclass
 
 from pipesim.model.errors import ModelSpecError, require_non_negative, require_positive
 
-BUILT_SCALINGS = ("linear", "llama3", "yarn", "dynamic")
+BUILT_SCALINGS = ("linear", "llama3", "yarn", "dynamic", "longrope")
+LEGACY_NAMES = {"su": "longrope"}  # Phi-3's first configs named longrope "su"
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,8 @@ class Rope:
     mscale: float | None = None  # yarn (DeepSeek): the attention factor's numerator's weight
     mscale_all_dim: float | None = None  # yarn (DeepSeek): its denominator's, and the softmax scale's
     max_positions: int | None = None  # dynamic: the longest sequence left unscaled
+    short_factor: tuple[float, ...] | None = None  # longrope: each pair's divisor up to the original context
+    long_factor: tuple[float, ...] | None = None  # longrope: beyond it
 
     def __post_init__(self) -> None:
         for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "original_positions",
@@ -72,6 +82,17 @@ class Rope:
         if self.scaling == "dynamic" and self.max_positions is None:
             raise ModelSpecError("rotary positions: dynamic scaling needs max_position_embeddings (the longest "
                                  "sequence it leaves unscaled)")
+        if self.scaling == "longrope":
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(self, name)
+                if not factors:
+                    raise ModelSpecError(f"rotary positions: longrope scaling needs {name}, one number per "
+                                         "feature pair of the rotary part")
+                for index, value in enumerate(factors):
+                    require_positive(value, f"rotary positions: {name}[{index}]")
+            if len(self.short_factor) != len(self.long_factor):
+                raise ModelSpecError(f"rotary positions: longrope's short_factor has {len(self.short_factor)} "
+                                     f"numbers and its long_factor {len(self.long_factor)}: one per pair each")
         if self.scaling == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ModelSpecError(f"rotary positions: llama3 scaling needs high_freq_factor "
                                  f"({self.high_freq_factor}) above low_freq_factor ({self.low_freq_factor})")
@@ -94,6 +115,10 @@ class Rope:
             return tuple(frequency / self.factor for frequency in plain)
         if self.scaling == "yarn":
             return self.yarn_frequencies(plain, dim)
+        if self.scaling == "longrope":
+            factors = self.long_factor if seq_len > self.original_positions else self.short_factor
+            return tuple(frequency / factors[pair] for frequency, pair in
+                         zip(plain, longrope_pairs(len(plain), len(factors)), strict=True))
         if self.scaling != "llama3":
             return tuple(plain)
         longest = self.original_positions / self.low_freq_factor  # wavelengths above: all interpolated
@@ -136,6 +161,12 @@ class Rope:
     def cos_sin_scale(self) -> float:
         """What the cosines and sines are multiplied by (YaRN's attention factor; 1 for
         every other rescaling)."""
+        if self.scaling == "longrope":
+            if self.attention_factor is not None:
+                return self.attention_factor
+            if self.factor <= 1:
+                return 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_positions))
         if self.scaling != "yarn":
             return 1.0
         if self.attention_factor is not None:
@@ -153,30 +184,45 @@ class Rope:
         return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
 
+def longrope_pairs(pairs: int, listed: int) -> list[int]:
+    """Which of ``listed`` longrope factors each of a rotary part's ``pairs`` takes: its
+    own where the counts agree, else pair ``i`` the listed pair ``i * listed // pairs``,
+    whose base frequency is the same where ``pairs`` divides ``listed`` (a shrunk head:
+    ``theta^(-2i/d)`` of ``d = 2 pairs`` at ``i`` is ``theta^(-2j/D)`` at ``j = i D / d``)."""
+    return [pair * listed // pairs for pair in range(pairs)]
+
+
 def yarn_mscale(factor: float, weight: float = 1.0) -> float:
     """YaRN's attention temperature term: ``0.1 weight ln(factor) + 1`` (1 when the
     context is not extended)."""
     return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
 
 
-def rope_from_config(theta: object, scaling: object, name: str, max_positions: int | None = None) -> Rope:
+def rope_from_config(theta: object, scaling: object, name: str, max_positions: int | None = None,
+                     original_positions: object = None) -> Rope:
     """A ``Rope`` from a config's ``rope_theta`` and ``rope_scaling`` (None: unscaled);
     ``max_positions``: its ``max_position_embeddings``, which yarn takes for the original
     context when ``rope_scaling`` leaves that out, and dynamic scaling for the longest
-    sequence it leaves unscaled. A value no rope takes is refused naming the file."""
+    sequence it leaves unscaled; ``original_positions``: the config's own
+    ``original_max_position_embeddings`` (Phi-3 keeps it beside ``rope_scaling``), from
+    which longrope takes its factor. A value no rope takes is refused naming the file."""
     try:
-        return _rope_from_config(theta, scaling, name, max_positions)
+        return _rope_from_config(theta, scaling, name, max_positions, original_positions)
     except ModelSpecError as error:
         message = str(error)
         raise ModelSpecError(message if message.startswith(f"{name}:") else f"{name}: {message}") from None
 
 
-def _rope_from_config(theta: object, scaling: object, name: str, max_positions: int | None = None) -> Rope:
+def _rope_from_config(theta: object, scaling: object, name: str, max_positions: int | None = None,
+                      original_positions: object = None) -> Rope:
     if scaling is None:
         return Rope(theta=theta)
     if not isinstance(scaling, dict):
         raise ModelSpecError(f"{name}: rope_scaling must be an object, got {scaling!r}")
     kind = scaling.get("rope_type", scaling.get("type"))
+    kind = LEGACY_NAMES.get(kind, kind)
+    if kind == "longrope":
+        return _longrope(theta, scaling, name, max_positions, original_positions)
     if kind in (None, "default"):
         return Rope(theta=theta)
     fields = {"factor": scaling.get("factor", 1.0)}
@@ -197,3 +243,29 @@ def _rope_from_config(theta: object, scaling: object, name: str, max_positions: 
     elif kind == "dynamic":
         fields.update(max_positions=max_positions)
     return Rope(theta=theta, scaling=str(kind), **fields)
+
+
+def _longrope(theta: object, scaling: dict, name: str, max_positions: int | None, top_level: object) -> Rope:
+    """Hugging Face's longrope parameters: with an ``original_max_position_embeddings`` at
+    the config's top level (Phi-3's) the factor is ``max_position_embeddings`` over it,
+    else ``rope_scaling``'s own factor over ``max_position_embeddings``."""
+    factor: object = scaling.get("factor", 1.0)
+    original = scaling.get("original_max_position_embeddings")
+    if top_level is not None:
+        original = top_level
+        if max_positions is not None:
+            require_positive(top_level, "original_max_position_embeddings")
+            factor = max_positions / top_level
+    original = original or max_positions
+    if original is None:
+        raise ModelSpecError(f"{name}: longrope rope scaling needs original_max_position_embeddings (or the "
+                             "config's max_position_embeddings)")
+    lists = {}
+    for key in ("short_factor", "long_factor"):
+        value = scaling.get(key)
+        if not isinstance(value, list) or not value:
+            raise ModelSpecError(f"{name}: longrope rope scaling needs {key}, a list of one number per feature "
+                                 f"pair of the rotary part, got {value!r}")
+        lists[key] = tuple(value)
+    return Rope(theta=theta, scaling="longrope", factor=factor, original_positions=original,
+                attention_factor=scaling.get("attention_factor"), **lists)
