@@ -133,8 +133,10 @@ def test_longrope_divides_each_pair_by_its_listed_factor() -> None:
     assert (rope.scaling, rope.factor, rope.original_positions) == ("longrope", 32.0, 4096)
     plain = [10000 ** (-2 * pair / 96) for pair in range(48)]
     # up to the original context the short factors, beyond it the long ones
-    assert rope.inverse_frequencies(96, 4096) == pytest.approx([f / d for f, d in zip(plain, SHORT)], rel=1e-14)
-    assert rope.inverse_frequencies(96, 4097) == pytest.approx([f / d for f, d in zip(plain, LONG)], rel=1e-14)
+    short = [f / d for f, d in zip(plain, SHORT, strict=True)]
+    long = [f / d for f, d in zip(plain, LONG, strict=True)]
+    assert rope.inverse_frequencies(96, 4096) == pytest.approx(short, rel=1e-14)
+    assert rope.inverse_frequencies(96, 4097) == pytest.approx(long, rel=1e-14)
     # sqrt(1 + ln 32 / ln 4096) = sqrt(1 + 5/12)
     assert rope.cos_sin_scale == pytest.approx(math.sqrt(17 / 12), rel=1e-14)
     # Phi-3's first configs named it "su"; an attention_factor given is taken as is
