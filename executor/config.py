@@ -122,6 +122,7 @@ class RunConfig:
     experts: int | None = None
     capacity_factor: float | None = None
     expert_bias_rate: float | None = None  # DeepSeek-V3's selection-bias step; None: 0.001 where a model has one
+    balance_loss: float | None = None  # the MoE load-balancing loss's coefficient; None: the model's
     data: str | None = None
 
     @property
@@ -299,7 +300,7 @@ def check_model(config: RunConfig) -> None:
                               + ("no attention" if config.model == "mlp" else "its own packed, biased qkv linear"))
         for flag, value in (("--kv-heads", config.kv_heads), ("--ffn-hidden", config.ffn_hidden),
                             ("--experts", config.experts), ("--capacity-factor", config.capacity_factor),
-                            ("--expert-bias-rate", config.expert_bias_rate)):
+                            ("--expert-bias-rate", config.expert_bias_rate), ("--balance-loss", config.balance_loss)):
             if value is not None:
                 raise ConfigError(f"{flag} shapes an architecture (--model llama3-8b, mixtral-8x7b, a config.json); "
                                   f"--model {config.model} has no such part")

@@ -137,6 +137,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
                        "selection bias moves by RATE towards balance, up where the expert took fewer than the mean "
                        "of the step's routed tokens, down where more (auxiliary-loss-free balancing; default: "
                        "0.001, DeepSeek-V3's and Megatron-Core's; 0 keeps the biases at zero)")
+    model.add_argument("--balance-loss", type=float, default=None, metavar="COEF",
+                       help="mixture of experts: the coefficient of the load-balancing loss each MoE layer adds "
+                       "(Switch Transformer's E * sum f_e P_e, per sequence as Megatron-Core's seq_aux_loss and "
+                       "DeepSeek's sequence-wise loss; default: the config's router_aux_loss_coef or aux_loss_alpha, "
+                       "Mixtral's 0.02, none where it names none; 0 leaves it out)")
     model.add_argument("--data", default=None, metavar="FILE",
                        help=f"train on this local text file, byte-level tokens (vocabulary {BYTE_VOCAB}) "
                        "(default: synthetic tokens)")
@@ -257,7 +262,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         zero=args.zero, recompute=args.recompute,
         model=args.model, batch_size=batch_size(args, shape["microbatches"]), **model_sizes(args), seed=args.seed,
         kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, qkv=args.qkv, experts=args.experts,
-        capacity_factor=args.capacity_factor, expert_bias_rate=args.expert_bias_rate, data=args.data,
+        capacity_factor=args.capacity_factor, expert_bias_rate=args.expert_bias_rate,
+        balance_loss=args.balance_loss, data=args.data,
         steps=getattr(args, "steps", DEFAULT_STEPS),
         optimizer=args.optimizer, lr=getattr(args, "lr", None),
         weight_decay=getattr(args, "weight_decay", None), clip_grad=args.clip_grad, dtype=args.dtype,

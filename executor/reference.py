@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from executor.architectures.moe import balanced_layers, set_balance_scale
 from executor.architectures.mtp import give_targets
 from executor.config import RunConfig
 from executor.expert_balance import ExpertBalance, selection_biases
@@ -39,9 +40,11 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
     scaler = torch.amp.GradScaler("cpu", enabled=config.dtype == "float16")
     losses, grads, skipped, norms = [], {}, [], []
     balance = ExpertBalance(config, stages, torch.device("cpu"))
+    balanced = balanced_layers(stages)  # MoE layers adding a balance loss
     tied = TiedEmbeddings(dict(enumerate(stages)), None, model.spec) if is_tied(model) else None
     for step in range(config.steps):
         balance.start_step()
+        set_balance_scale(balanced, scaler.get_scale() / config.batch_size)
         inputs, targets = model.make_batch(step, config.batch_size)
         optimizer.zero_grad(set_to_none=True)
         output = inputs

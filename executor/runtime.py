@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from executor.architectures.moe import balanced_layers, set_balance_scale
 from executor.architectures.mtp import give_targets
 from executor.comm import PeerLinks, Pending, Posted
 from executor.copies import data_index
@@ -79,6 +80,7 @@ class PipelineRuntime:
         self.progress = progress  # executor.progress.ProgressWriter: where the rank waits
         self.precision = precision or Precision()
         self.loss_scale = 1.0  # set each step by fp16's dynamic loss scaling
+        self.balanced = balanced_layers(stages.values())  # MoE layers adding a balance loss (their gradient's scale)
         # each copy of the model (DualPipe: two, fed from both ends) has its own first and
         # last stage, and its own half of the step's microbatches (executor.copies)
         self.first_stages, self.last_stages = schedule.first_stages, schedule.last_stages
@@ -249,6 +251,8 @@ class PipelineRuntime:
         if last:  # also what a multi-token prediction head embeds
             targets = self.targets[data_index(self.schedule, stage, microbatch)]
             give_targets(self.stages[stage], targets)
+        if self.balanced:  # the balance losses' gradient, as the model loss's: over the batch, fp16's scale
+            set_balance_scale(self.balanced, self.loss_scale / self.batch_size)
         output = self.precision.forward(self.stages[stage], x)
         if last:
             loss = self.model.loss_sum(self.precision.for_loss(output), targets) / self.batch_size

@@ -31,6 +31,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.distributed.tensor import DTensor
 
+from executor.architectures.moe import balanced_layers, set_balance_scale
 from executor.config import RunConfig
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.process import init_rank
@@ -193,6 +194,10 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return model.loss_sum(output, target) / (divisor or output.shape[0])
+
+    # a MoE layer's balance loss is divided as loss_fn divides (scale_grads: by the microbatch,
+    # torch then dividing every gradient by the microbatches)
+    set_balance_scale(balanced_layers(modules.values()), 1 / (divisor or replica // schedule.microbatches))
 
     if case.parallelism is not None:
         if case.local_batch_size * position.dp != config.batch_size:

@@ -254,7 +254,8 @@ def test_shrunk_presets_keep_their_proportions() -> None:
     assert deepseek.moe.gating == "sigmoid" and deepseek.mla.qk_rope_head_dim == 8
     assert shrink_note(config("mixtral-8x7b", experts=4)) == (
         "model mixtral-8x7b: layers 32->4, hidden 4096->64, heads 32->4, kv-heads 8->1, ffn-hidden 14336->224, "
-        "seq-len 8192->16, vocab 32000->128, experts 8->4, expert ffn 14336->224")
+        "seq-len 8192->16, vocab 32000->128, experts 8->4, expert ffn 14336->224; "
+        "load-balancing loss 0.02 per MoE layer, per sequence (the config's)")
 
 
 @settings(max_examples=40, deadline=None)

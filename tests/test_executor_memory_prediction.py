@@ -102,13 +102,16 @@ def test_mixture_of_experts_block_keeps_what_the_hand_count_says() -> None:
     weight (1), in float32: (3 x 32 + 448 + 1) x 4 = 2180 bytes, and its token and slot
     indices (the int64 pair ``nonzero`` returns): 16 bytes, 2196 in all. Per token, the
     router's scores over 8 experts (8 x 4 bytes), its 2 chosen experts (int64: 16), the 2
-    gathered weights and their sum (3 x 4): 60 bytes. In all 23424 + 32 x 2196 + 16 x
-    60 = 23424 + 70272 + 960 = 94656."""
+    gathered weights and their sum (3 x 4): 60 bytes. Mixtral's load-balancing loss (its
+    config's 0.02) keeps the sequence's 8 expert shares and the loss: 9 x 4 = 36 bytes.
+    In all 23424 + 32 x 2196 + 16 x 60 + 36 = 23424 + 70272 + 960 + 36 = 94692."""
     config = RunConfig(model="mixtral-8x7b", **SIZES)
     spec, saved = executor_spec(config)
-    assert spec.moe.experts_per_token == 2 and spec.moe.capacity_factor is None
-    assert layer_stash_bytes(spec, saved=saved) == 94656
-    assert measured_block_bytes(config) == 94656
+    assert spec.moe.experts_per_token == 2 and spec.moe.capacity_factor is None and spec.moe.balance_loss == 0.02
+    assert layer_stash_bytes(spec, saved=saved) == 94692
+    assert measured_block_bytes(config) == 94692
+    without = RunConfig(model="mixtral-8x7b", **SIZES, balance_loss=0.0)
+    assert layer_stash_bytes(executor_spec(without)[0], saved=saved) == measured_block_bytes(without) == 94656
 
 
 @pytest.mark.parametrize("batch", [1, 2])

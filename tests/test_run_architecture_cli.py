@@ -31,7 +31,8 @@ def test_run_says_what_was_shrunk_and_trains(capsys, tmp_path) -> None:
     assert status == 0
     first = out.splitlines()[0]
     assert first == ("pipesim run: model mixtral-8x7b: layers 32->2, hidden 4096->64, heads 32->4, kv-heads 8->1, "
-                     "ffn-hidden 14336->224, seq-len 8192->16, vocab 32000->258, experts 8->4, expert ffn 14336->224")
+                     "ffn-hidden 14336->224, seq-len 8192->16, vocab 32000->258, experts 8->4, expert ffn 14336->224; "
+                     "load-balancing loss 0.02 per MoE layer, per sequence (the config's)")
     assert "step 0: loss" in out
     model = json.loads(document.read_text())["model"]
     assert (model["source"], model["layers"], model["hidden"], model["vocab"]) == ("mixtral-8x7b", 2, 64, 258)

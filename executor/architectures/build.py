@@ -114,6 +114,8 @@ def shrunk_spec(config: RunConfig) -> ModelSpec:
     moe = mla = None
     if full.moe is not None:
         moe = shrunk_experts(full.moe, config.layers, config.experts, width_factor, config.capacity_factor)
+        if config.balance_loss is not None:
+            moe = replace(moe, balance_loss=config.balance_loss)
     if full.mla is not None:
         mla = shrunk_latents(full.mla, config.hidden // config.heads, factor)
     # Gemma's softmax scale keeps its ratio to the head width (Gemma 2 27B: 144 for heads of 128)
@@ -175,6 +177,9 @@ def shrink_note(config: RunConfig) -> str:
     if full.mtp_depth and not small.mtp_depth:
         notes.append(f"no multi-token prediction (the config's {full.mtp_depth} module(s) not built under --tp "
                      "or --cp above 1)")
+    if small.moe is not None and small.moe.balance_loss > 0:
+        source = "--balance-loss" if config.balance_loss is not None else "the config's"
+        notes.append(f"load-balancing loss {small.moe.balance_loss:g} per MoE layer, per sequence ({source})")
     if not full.rope.built:
         notes.append(f"rotary frequencies unscaled (the config's {full.rope.scaling} rope scaling not built)")
     listed, pairs = len(small.rope.short_factor or ()), small.rotary_width // 2
@@ -215,7 +220,8 @@ def check_architecture(config: RunConfig) -> ModelSpec:
     if config.kv_heads is not None and full.mla:
         raise ConfigError(f"--kv-heads: {config.model} uses latent attention, every head its own key and value")
     if full.moe is None:
-        for flag, value in (("--experts", config.experts), ("--capacity-factor", config.capacity_factor)):
+        for flag, value in (("--experts", config.experts), ("--capacity-factor", config.capacity_factor),
+                            ("--balance-loss", config.balance_loss)):
             if value is not None:
                 raise ConfigError(f"{flag} {value}: {config.model} has no mixture-of-experts layers")
     for flag, value in (("--experts", config.experts), ("--ffn-hidden", config.ffn_hidden),
@@ -229,6 +235,9 @@ def check_architecture(config: RunConfig) -> ModelSpec:
         if full.moe is None or not full.moe.balanced_by_bias:
             raise ConfigError(f"--expert-bias-rate {rate}: {config.model}'s router has no selection bias (only "
                               "DeepSeek-V3's sigmoid router balances by one)")
+    coefficient = config.balance_loss
+    if coefficient is not None and not (math.isfinite(coefficient) and coefficient >= 0):
+        raise ConfigError(f"--balance-loss must be a finite number >= 0 (0 leaves the loss out), got {coefficient}")
     factor = config.capacity_factor
     if factor is not None and not (math.isfinite(factor) and factor > 0):
         raise ConfigError(f"--capacity-factor must be a finite number > 0 (leave it out for dropless), got {factor}")

@@ -11,6 +11,23 @@ DeepSeek-V3's auxiliary-loss-free balancing picks by score plus a per-expert bia
 is not trained by the gradient (``selection_bias``, a buffer, moved after each step by
 ``executor.expert_balance``); only the score weights the output.
 
+The load-balancing loss (``balance_loss``, the spec's coefficient ``alpha``; Switch
+Transformer's, per sequence as DeepSeek's sequence-wise loss and Megatron-Core's
+``seq_aux_loss``): for each sequence of ``T`` tokens, ``alpha E sum_e f_e P_e`` with
+``f_e`` the share of the router's ``k T`` choices that went to expert ``e`` (before any
+capacity drop) and ``P_e`` the mean over the tokens of its score (softmax; a sigmoid
+router's scores normalised to sum to one per token, as DeepSeek-V3 and Megatron-Core
+normalise them); summed over the sequences and divided by the batch as the model's loss
+is. Taken per sequence, it does not depend on how the batch is cut into microbatches
+and replicas, so a pipelined run equals the one-process reference (Megatron-Core's
+default ``aux_loss`` takes the counts over a whole microbatch instead). Its gradient
+starts where the layer ran (``AttachBalanceLoss``, as Megatron-Core's
+``MoEAuxLossAutoScaler``): the loss needs no path to the pipeline's last stage. With
+context parallelism a rank holds part of each sequence: the counts are summed over the
+cp group (no gradient flows through a count) and each rank adds its tokens' share of
+``P``, so the ranks' losses and gradients sum to the whole sequence's, as their model
+losses do.
+
 Capacity (GShard, Switch Transformer): with a factor C each expert takes at most
 ``ceil(C * k * s / E)`` of one sequence's ``k * s`` routed token copies, in token order
 (a token's choices in the order of their scores), and drops the rest: a dropped copy
@@ -23,6 +40,7 @@ are dropped (the pipelined step equals the one-process reference). Without C
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -43,6 +61,7 @@ class Router(nn.Module):
     the auxiliary-loss-free balancing reads (``executor.expert_balance``)."""
 
     layer: int = -1  # the model's layer this router belongs to (set by its block)
+    context = None  # context parallelism's shard (executor.context_parallel): each sequence split over its group
 
     def __init__(self, hidden: int, experts: int, top_k: int, gating: str = "softmax",
                  normalize: bool = True, groups: int = 1, groups_kept: int | None = None,
@@ -59,6 +78,13 @@ class Router(nn.Module):
         self.register_buffer("expert_load", torch.zeros(experts, dtype=torch.int64), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k weights and experts of each of ``tokens``."""
+        weights, chosen, _ = self.route(tokens)
+        return weights, chosen
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward``'s weights and experts, and every expert's score of each token
+        (what the balance loss reads)."""
         # Scores in float32 at least (as Mixtral's and DeepSeek's routers compute them under
         # bf16): a bf16 softmax would tie experts a float32 one tells apart.
         logits = self.gate(tokens)
@@ -77,7 +103,25 @@ class Router(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.scaling != 1.0:
             weights = weights * self.scaling
-        return weights, chosen
+        return weights, chosen, scores
+
+    def balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor, sequences: int,
+                     coefficient: float) -> torch.Tensor:
+        """``coefficient E sum_e f_e P_e`` of each of the ``sequences`` (the tokens' rows
+        in order, a sequence's together), summed (see the module)."""
+        experts = scores.shape[-1]
+        probabilities = scores if self.gating == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        probabilities = probabilities.view(sequences, -1, experts)
+        counts = torch.nn.functional.one_hot(chosen, experts).sum(dim=1).view(sequences, -1, experts).sum(dim=1)
+        seq_len = probabilities.shape[1]
+        if self.context is not None:  # each rank holds part of every sequence: the counts are the group's
+            import torch.distributed as dist  # noqa: PLC0415 - only a cp run reaches here
+
+            dist.all_reduce(counts, group=self.context.group)
+            seq_len = self.context.seq_len
+        shares = counts.to(probabilities.dtype) / (seq_len * self.top_k)
+        mean_scores = probabilities.sum(dim=1) / seq_len
+        return coefficient * experts * (shares * mean_scores).sum()
 
     def within_kept_groups(self, ranking: torch.Tensor) -> torch.Tensor:
         """``ranking`` with every expert outside a token's kept groups at minus infinity
@@ -92,6 +136,24 @@ class Router(nn.Module):
         kept = group_scores.topk(self.groups_kept, dim=-1).indices
         in_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
         return grouped.masked_fill(~in_kept.unsqueeze(-1), float("-inf")).view(tokens, experts)
+
+
+class AttachBalanceLoss(torch.autograd.Function):
+    """The layer's output unchanged; in the backward, ``loss``'s gradient is ``scale``
+    (what the step multiplies the model's loss by: ``1 / batch``, times fp16's loss
+    scale), so the balance loss's gradient reaches the router from the layer itself
+    (Megatron-Core's ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
 
 
 def within_capacity(chosen: torch.Tensor, experts: int, factor: float) -> torch.Tensor:
@@ -116,7 +178,7 @@ class MixtureOfExperts(nn.Module):
                  capacity_factor: float | None = None, groups: int = 1, groups_kept: int | None = None,
                  group_scoring: str = "max", scaling: float = 1.0, router_bias: bool = False,
                  balanced_by_bias: bool | None = None, weighted_input: bool = False, bias: bool = False,
-                 activation: str | None = None, limit: float | None = None) -> None:
+                 activation: str | None = None, limit: float | None = None, balance_loss: float = 0.0) -> None:
         super().__init__()
         self.router = Router(hidden, experts, top_k, gating, normalize, groups, groups_kept, group_scoring, scaling,
                              router_bias, balanced_by_bias)
@@ -129,11 +191,16 @@ class MixtureOfExperts(nn.Module):
         self.capacity_factor = capacity_factor
         self.num_experts = experts  # all of them, also where a rank holds only its share
         self.dispatcher = None
+        self.balance_loss = balance_loss  # the load-balancing loss's coefficient (see the module)
+        self.balance_scale = 1.0  # its gradient: set each step by the runtime (set_balance_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sequences, seq, hidden = x.shape
         tokens = x.reshape(-1, hidden)
-        weights, chosen = self.router(tokens)
+        weights, chosen, scores = self.router.route(tokens)
+        balance = None
+        if self.balance_loss > 0 and torch.is_grad_enabled():
+            balance = self.router.balance_loss(scores, chosen, sequences, self.balance_loss)
         keep = torch.ones_like(chosen, dtype=torch.bool)
         if self.capacity_factor is not None:
             keep = within_capacity(chosen.view(sequences, seq, -1), self.num_experts, self.capacity_factor)
@@ -146,7 +213,23 @@ class MixtureOfExperts(nn.Module):
             if self.shared_gate is not None:
                 shared = shared * self.shared_gate(tokens).sigmoid()
             out = out + shared.to(out.dtype)
+        if balance is not None:
+            out = AttachBalanceLoss.apply(out, balance, self.balance_scale)
         return out.view(sequences, seq, hidden)
+
+
+def balanced_layers(stages: Iterable[nn.Module]) -> list[MixtureOfExperts]:
+    """The mixtures of experts of ``stages`` that add a balance loss."""
+    return [module for stage in stages for module in stage.modules()
+            if isinstance(module, MixtureOfExperts) and module.balance_loss > 0]
+
+
+def set_balance_scale(layers: Iterable[MixtureOfExperts], scale: float) -> None:
+    """What the step multiplies the model's loss by (``1 / batch``, times fp16's loss
+    scale), for each of ``layers`` (``balanced_layers``) to start its balance loss's
+    gradient with."""
+    for layer in layers:
+        layer.balance_scale = scale
 
 
 def route_locally(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, keep: torch.Tensor,

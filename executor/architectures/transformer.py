@@ -75,7 +75,8 @@ class TransformerBlock(nn.Module):
                 spec.hidden, moe.experts, moe.experts_per_token, moe.expert_ffn, moe.shared_ffn,
                 moe.shared_expert_gate, moe.gating, moe.normalize_top_k, moe.capacity_factor,
                 moe.expert_groups, moe.node_limit, moe.group_scoring, moe.routed_scaling, moe.router_bias,
-                moe.balanced_by_bias, moe.weighted_input, spec.mlp_has_bias, spec.activation, spec.activation_limit)
+                moe.balanced_by_bias, moe.weighted_input, spec.mlp_has_bias, spec.activation, spec.activation_limit,
+                moe.balance_loss)
             self.feed_forward.router.layer = layer
         else:
             self.feed_forward = FeedForward(spec.hidden, spec.ffn, spec.gated_mlp, spec.mlp_has_bias, spec.activation,

@@ -36,6 +36,13 @@ splits the experts into ``expert_groups`` equal groups, scores each group (``max
 best expert, V2's ``group_limited_greedy``; ``top2-sum``: its best two by biased score,
 V3's ``noaux_tc``), keeps the ``node_limit`` best groups and picks the token's k experts
 among theirs.
+
+``balance_loss`` is the coefficient of the load-balancing loss each MoE layer adds to
+the training loss (Switch Transformer's ``E * sum_e f_e P_e``, taken per sequence as
+DeepSeek's sequence-wise loss and Megatron-Core's ``seq_aux_loss`` take it; the config's
+``router_aux_loss_coef``, DeepSeek's ``aux_loss_alpha``; 0: none). The simulator counts
+no time for it (a few element-wise passes over the router's ``T x E`` scores); the
+executor trains with it (``executor.architectures.moe``).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipesim.model.errors import ModelSpecError, require_count, require_positive
+from pipesim.model.errors import ModelSpecError, require_count, require_non_negative, require_positive
 
 GATINGS = ("softmax", "sigmoid")
 GROUP_SCORINGS = ("max", "top2-sum")
@@ -70,6 +77,7 @@ class MixtureOfExperts:
     routed_scaling: float = 1.0  # the routed experts' weights times this (DeepSeek's routed_scaling_factor)
     selection_bias: bool | None = None  # a bias picking experts, moved to balance them; None: sigmoid routers' (V3)
     weighted_input: bool = False  # the routing weight scales the expert's input, not its output (Llama 4)
+    balance_loss: float = 0.0  # the load-balancing loss's coefficient per MoE layer (router_aux_loss_coef)
 
     @property
     def balanced_by_bias(self) -> bool:
@@ -94,6 +102,7 @@ class MixtureOfExperts:
             raise ModelSpecError(f"mixture of experts: gating {self.gating!r} is not one of: {', '.join(GATINGS)}")
         self._check_groups()
         require_positive(self.routed_scaling, "mixture of experts: routed_scaling")
+        require_non_negative(self.balance_loss, "mixture of experts: balance_loss")
         factor = self.capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                                    or not math.isfinite(factor) or factor <= 0):

@@ -57,6 +57,10 @@ The MLP's activation is read from the family's key (``hidden_act``; Gemma's
 not read; GPT-2's ``activation_function``, ``gelu_new``; Falcon's ``activation``) and
 refused when it is none pipesim builds (silu, GeLU exact or tanh, ReLU, gpt-oss's).
 Phi-3 reads ``partial_rotary_factor`` (Phi-4-mini turns three quarters of each head).
+A mixture of experts reads its load-balancing loss's coefficient, ``router_aux_loss_coef``
+(Mixtral 0.02, OLMoE 0.01, Qwen-MoE 0.001, gpt-oss 0.9) or DeepSeek's ``aux_loss_alpha``
+(0.001), whatever ``output_router_logits`` says (it turns on Hugging Face's computing the
+loss in a forward; the training stacks always add it); none where the file names none.
 
 Sliding windows are read where the family has them: ``layer_types`` when the file lists
 them, else the family's rule (Mistral, Phi-3, Mixtral: every layer when
@@ -95,9 +99,9 @@ config's ``seq_length``, else ``max_position_embeddings`` capped at 8192.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count, require_positive
+from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count, require_non_negative, require_positive
 from pipesim.model.experts import GATINGS, MixtureOfExperts, dense_layer_indices
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.quantization import dispatches_in_fp8, gemms_in_fp8
@@ -655,9 +659,21 @@ def spec_from_hf_config(data: object, name: str = "config", seq_len: int | None 
         fields.update(_activation(config, family, fields["gated_mlp"]))
     if family.windows is not None:
         fields.update(family.windows(config))
+    if fields.get("moe") is not None:
+        fields["moe"] = replace(fields["moe"], balance_loss=_balance_loss(config))
     # DeepSeek-V3's block-scaled recipe sends the experts' FP8 input over the all-to-all
     fields["fp8_dispatch"] = fields.get("moe") is not None and dispatches_in_fp8(data, name)
     return ModelSpec(**fields)
+
+
+def _balance_loss(config: Config) -> float:
+    """The load-balancing loss's coefficient the file names (0 where it names none)."""
+    for key in ("router_aux_loss_coef", "aux_loss_alpha"):
+        value = config.get(key)
+        if value is not None:
+            require_non_negative(value, f"{config.name}: {key}")
+            return float(value)
+    return 0.0
 
 
 def check_understood(config: Config, family: Family, model_type: str | None) -> None:

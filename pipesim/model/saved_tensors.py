@@ -34,7 +34,8 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   combine adds (``h``), its weight (1) and the copy's token and slot indices (two int64:
   ``torch.nonzero``'s output); per token the router's ``k`` chosen experts (int64) and,
   where the weights are rescaled to sum to one, the ``k`` gathered weights and their sum;
-  the scores in fp32 at least.
+  the scores in fp32 at least; with a load-balancing loss, each sequence's expert shares,
+  the loss, and a sigmoid router's per-token score sums (``balance_loss_bytes``).
 - **Loss**: the log-softmax's output (the logits' size, fp32 at least) and the int64
   targets; the first stage's embedding keeps the int64 token ids.
 - **Split backward** (``I`` then ``W``): ``I`` runs autograd with ``retain_graph``, so the
@@ -185,11 +186,23 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
             per_token += (k + 1) * score_bytes(spec, saved)
         per_token += spec.moe.experts * (score_bytes(spec, saved) - FP32_BYTES)  # wider scores than the inventory's
     extra = spec.tokens * per_token
+    if saved.routed_combine and spec.is_moe_layer(layer) and spec.moe.balance_loss > 0:
+        extra += balance_loss_bytes(spec, saved)
     if saved.weight_copies:
         extra += weight_copy_bytes(spec, tp, layer)
     if saved.rotary_tables and not spec.learned_positions and layer not in spec.nope_layers:
         extra += spec.seq_len * spec.rotary_width * d  # cos and sin, s x d/2 each, whatever the microbatch
     return extra
+
+
+def balance_loss_bytes(spec: ModelSpec, saved: SavedTensors) -> float:
+    """What a layer's load-balancing loss keeps (``executor.architectures.moe``), in the
+    scores' type: each sequence's expert shares (``E`` a sequence, the product's other
+    factor) and the loss itself; a sigmoid router's normalisation also keeps each
+    token's score sum (the scores it divides are the sigmoid's output, kept already)."""
+    score = score_bytes(spec, saved)
+    sums = spec.tokens * score if spec.moe.gating == "sigmoid" else 0.0
+    return spec.microbatch_size * spec.moe.experts * score + score + sums
 
 
 def weight_copy_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0) -> float:

@@ -527,7 +527,8 @@ def _deepseek(name: str, layers: int, hidden: int, heads: int, vocab: int, ffn: 
 # GPT-2 lineage: tied embeddings, learned positions, biases, LayerNorm, dropout).
 # Llama 3: Meta's model cards / config.json (GQA with 8 KV heads, SwiGLU, untied, RMSNorm).
 # Mixtral-8x7B: Jiang et al. 2024 and its config.json (Mistral-7B's attention, every MLP 8
-# SwiGLU experts of 14336, top 2; 32k context, trained here on 8192 as the Llama presets).
+# SwiGLU experts of 14336, top 2; 32k context, trained here on 8192 as the Llama presets;
+# its config.json's router_aux_loss_coef 0.02, DeepSeek's aux_loss_alpha 0.001).
 # DeepSeek-V3 and V2-Lite: the technical reports and config.json (MLA; the first 3 / 1
 # layers dense, the rest 256 experts top 8 + 1 shared / 64 top 6 + 2 shared; V3's routing
 # limited to 4 of 8 expert groups, its weights times 2.5; pre-trained on 4K-token
@@ -541,18 +542,19 @@ PRESETS: dict[str, ModelSpec] = {
     "llama3-70b": _llama3("llama3-70b", 80, 8192, 64, 28672),
     "llama3-405b": _llama3("llama3-405b", 126, 16384, 128, 53248, LLAMA31_ROPE),
     "mixtral-8x7b": replace(_llama3("mixtral-8x7b", 32, 4096, 32, 14336, Rope(theta=1e6)), vocab=32000,
-                            moe=MixtureOfExperts(experts=8, experts_per_token=2, expert_ffn=14336)),
+                            moe=MixtureOfExperts(experts=8, experts_per_token=2, expert_ffn=14336,
+                                                 balance_loss=0.02)),
     "deepseek-v3": _deepseek(
         "deepseek-v3", 61, 7168, 128, 129280, 18432,
         LatentAttention(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
         MixtureOfExperts(experts=256, experts_per_token=8, expert_ffn=2048, shared_experts=1, dense_layers=(0, 1, 2),
                          gating="sigmoid", node_limit=4, expert_groups=8, group_scoring="top2-sum",
-                         routed_scaling=2.5)),
+                         routed_scaling=2.5, balance_loss=0.001)),
     "deepseek-v2-lite": _deepseek(
         "deepseek-v2-lite", 27, 2048, 16, 102400, 10944,
         LatentAttention(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
         MixtureOfExperts(experts=64, experts_per_token=6, expert_ffn=1408, shared_experts=2, dense_layers=(0,),
-                         normalize_top_k=False)),
+                         normalize_top_k=False, balance_loss=0.001)),
 }
 
 
