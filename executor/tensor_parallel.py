@@ -192,7 +192,22 @@ def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
                 sum_weight_grad_over_tp(attention, tp_mesh)
     if sequence_parallel:
         shard_residual_stream(stage, tp_mesh)
+        shard_prediction_blocks(stage, tp_mesh)
     return stage
+
+
+def shard_prediction_blocks(stage: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """DeepSeek-V3's multi-token prediction blocks (``executor.architectures.mtp``) run
+    after the head has gathered the sequence: each block takes this rank's sequence
+    shard of its whole input (a slice; its backward all-gathers the gradient) and hands
+    on the whole sequence again (an all-gather; its backward keeps this rank's slice),
+    as the model's blocks take and return shards inside the sequence-parallel region."""
+    from executor.architectures.mtp import prediction_blocks  # noqa: PLC0415 - it imports the architectures
+
+    for block in prediction_blocks(stage):
+        parallelize_module(block, tp_mesh, PrepareModuleInputOutput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True))
 
 
 def shard_residual_stream(stage: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -1,11 +1,13 @@
 """DeepSeek-V3's multi-token prediction trained by the executor: each module's hidden
 states, logits and loss by hand, its embedding a copy of the model's table whose
 gradient is the sum of the table's uses (against one process with a truly shared
-table), and pipelined float64 runs (dp, ep, a split backward, DualPipe, full recompute,
-ZeRO-1 and 3) equal to the one-process reference."""
+table), and pipelined float64 runs (dp, ep, tp with and without sequence parallelism, a
+split backward, DualPipe, full recompute, ZeRO-1 and 3) equal to the one-process
+reference."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,14 +26,22 @@ V3 = str(Path(__file__).parent / "data" / "hf_configs" / "deepseek-v3.json")
 SMALL = {"model": V3, "layers": 4, "hidden": 32, "heads": 4, "seq_len": 8, "vocab": 37, "experts": 8}
 
 
-def test_built_on_one_tp_and_cp_rank_and_named_elsewhere() -> None:
-    assert shrunk_spec(RunConfig(**SMALL)).mtp_depth == 1
-    assert "multi-token" not in shrink_note(RunConfig(**SMALL))
-    for flags in ({"tp": 2}, {"cp": 2}):
+def test_built_on_one_cp_rank_and_named_elsewhere(tmp_path: Path) -> None:
+    for flags in ({}, {"tp": 2}, {"tp": 2, "sequence_parallel": True}):
         config = RunConfig(**SMALL, **flags)
-        assert shrunk_spec(config).mtp_depth == 0
-        assert "no multi-token prediction (the config's 1 module(s) not built under --tp or --cp above 1)" in (
-            shrink_note(config))
+        assert shrunk_spec(config).mtp_depth == 1
+        assert "multi-token" not in shrink_note(config)
+    config = RunConfig(**SMALL, cp=2)
+    assert shrunk_spec(config).mtp_depth == 0
+    assert "no multi-token prediction (the config's 1 module(s) not built under --cp above 1)" in shrink_note(config)
+    # two modules: the second's sequence, one token shorter, does not split over tp's sequence shards
+    deeper = tmp_path / "deepseek-v3-mtp2.json"
+    deeper.write_text(json.dumps({**json.loads(Path(V3).read_text()), "num_nextn_predict_layers": 2}))
+    config = RunConfig(**{**SMALL, "model": str(deeper)}, tp=2, sequence_parallel=True)
+    assert shrunk_spec(config).mtp_depth == 0
+    assert ("no multi-token prediction (the config's 2 module(s) not built under --tp with --sequence-parallel, "
+            "beyond one module)") in shrink_note(config)
+    assert shrunk_spec(RunConfig(**{**SMALL, "model": str(deeper)}, tp=2)).mtp_depth == 2
 
 
 def test_the_module_and_its_loss_by_hand() -> None:
@@ -90,7 +100,11 @@ CASES = LaunchedCases(BASE, {
         "pp2-dp2-ep2": {"dp": 2, "ep": 2},
         "pp2-dp2-zero1-recompute": {"dp": 2, "zero": 1, "recompute": "full"},
         "pp2-dp2-zero3": {"dp": 2, "zero": 3},
-        "dualpipe-pp2-dp2": {"schedule": "dualpipe", "virtual_stages": 2, "dp": 2, "microbatches": 4}},
+        "dualpipe-pp2-dp2": {"schedule": "dualpipe", "virtual_stages": 2, "dp": 2, "microbatches": 4},
+        # experts 16 columns wide (ffn 144 over hidden 32, DeepSeek-V3's 2048 of 18432), split over tp 2
+        "pp2-tp2": {"tp": 2, "ffn_hidden": 144},
+        "pp2-tp2-sp-zbv": {"tp": 2, "ffn_hidden": 144, "sequence_parallel": True, "schedule": "zbv",
+                           "virtual_stages": 2}},
 })
 
 

@@ -16,9 +16,14 @@ module's causal block sees only positions up to its own, so truncating the later
 sequences (here) and Megatron-Core's rolling of the tokens with the tail masked in the
 loss give the same losses and gradients.
 
-Built where the executor can: one tp rank and one cp rank (its block is not in the tp
-plan, and the tokens ``k`` ahead of a cp rank's chunk are on another rank) and in
-pipesim's own runtime (torch's calls a stage without its targets); elsewhere the run
+Under tensor parallelism the module's block is split as the model's are (the tp plan
+covers every block of the stage); its norms, projection and embedding copy are whole on
+every tp rank, as the model's norms and embedding are. With sequence parallelism the
+block takes this rank's shard of the whole sequence the head gathered and hands the
+whole sequence on (``executor.tensor_parallel.shard_prediction_blocks``); one module
+only there, since the next depth's sequence, a token shorter, would not split evenly.
+Not built on more than one cp rank (the tokens ``k`` ahead of a rank's chunks are on
+another), nor in torch's runtime (it calls a stage without its targets); there the run
 goes without it and ``shrink_note`` says so.
 """
 
