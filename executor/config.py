@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from executor.lr_schedule import LR_DECAYS
 from schedules.generators import COST_AWARE, GROUPED, generate
 from schedules.generators.interleaved import require_microbatch_group
 from schedules.lowering import lower
@@ -101,6 +102,9 @@ class RunConfig:
     lr: float | None = None
     weight_decay: float | None = None
     clip_grad: float | None = None  # the gradients' global norm clipped to this (executor.grad_clip); None: not
+    lr_warmup: int = 0  # steps of linear warm-up (executor.lr_schedule)
+    lr_decay: str = "none"  # after it: none, linear or cosine, over the rest of the run
+    min_lr_ratio: float = 0.0  # the decay's floor, a share of the learning rate
     dtype: str = "float32"
     grad_reduce_dtype: str | None = None
     backend: str = "auto"
@@ -270,12 +274,20 @@ class RunConfig:
 
 
 def check_optimizer(config: RunConfig) -> None:
-    """A weight decay must be a finite number >= 0, a clipping norm one > 0 (the learning
-    rate is checked with the other rank values)."""
+    """A weight decay must be a finite number >= 0, a clipping norm one > 0, the learning
+    rate's schedule whole steps, a known decay and a floor within the rate (the rate
+    itself is checked with the other rank values)."""
     if config.weight_decay is not None and not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
         raise ConfigError(f"--weight-decay must be a finite number >= 0, got {config.weight_decay}")
     if config.clip_grad is not None and not (math.isfinite(config.clip_grad) and config.clip_grad > 0):
         raise ConfigError(f"--clip-grad must be a finite number > 0 (leave it out not to clip), got {config.clip_grad}")
+    if config.lr_warmup < 0:
+        raise ConfigError(f"--lr-warmup must be a number of steps >= 0, got {config.lr_warmup}")
+    if config.lr_decay not in LR_DECAYS:
+        raise ConfigError(f"--lr-decay {config.lr_decay!r} is not one of: {', '.join(LR_DECAYS)}")
+    if not (math.isfinite(config.min_lr_ratio) and 0 <= config.min_lr_ratio <= 1):
+        raise ConfigError(f"--min-lr-ratio must be a share of the learning rate, between 0 and 1, "
+                          f"got {config.min_lr_ratio}")
 
 
 def check_model(config: RunConfig) -> None:

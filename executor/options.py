@@ -24,6 +24,7 @@ from executor.config import (
     ConfigError,
     RunConfig,
 )
+from executor.lr_schedule import LR_DECAYS
 from executor.token_data import BYTE_VOCAB
 from pipesim.model.spec import PRESETS
 from schedules.generators import MULTI_CHUNK
@@ -167,6 +168,16 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     if outputs:
         train.add_argument("--lr", type=float, default=None,
                            help=f"learning rate (default: the optimizer's own: sgd {sgd_lr:g}, adamw {adamw_lr:g})")
+        train.add_argument("--lr-warmup", type=int, default=0, metavar="STEPS",
+                           help="warm the learning rate up linearly over the first STEPS steps, from "
+                           "lr / (STEPS + 1) (default 0: none)")
+        train.add_argument("--lr-decay", choices=LR_DECAYS, default="none",
+                           help="after the warm-up, decay the learning rate over the rest of the run, linearly or "
+                           "along a half cosine, to --min-lr-ratio of it, as Megatron-LM and torchtitan schedule it "
+                           "(default none: constant)")
+        train.add_argument("--min-lr-ratio", type=float, default=0.0, metavar="R",
+                           help="the decay's floor as a share of the learning rate (Megatron-LM's --min-lr over "
+                           "--lr) (default 0)")
         train.add_argument("--weight-decay", type=float, default=None,
                            help=f"decoupled weight decay on matrices, never on biases or norm weights "
                            f"(default: sgd {sgd_decay:g}, adamw {adamw_decay:g})")
@@ -267,6 +278,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         steps=getattr(args, "steps", DEFAULT_STEPS),
         optimizer=args.optimizer, lr=getattr(args, "lr", None),
         weight_decay=getattr(args, "weight_decay", None), clip_grad=args.clip_grad, dtype=args.dtype,
+        lr_warmup=getattr(args, "lr_warmup", 0), lr_decay=getattr(args, "lr_decay", "none"),
+        min_lr_ratio=getattr(args, "min_lr_ratio", 0.0),
         grad_reduce_dtype=args.grad_reduce_dtype, backend=args.backend, timeout=args.timeout,
         threads=args.threads, layout=layout, inject_failure=getattr(args, "inject_failure", None), p2p=args.p2p,
     )

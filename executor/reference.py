@@ -22,6 +22,7 @@ from executor.architectures.mtp import give_targets
 from executor.config import RunConfig
 from executor.expert_balance import ExpertBalance, selection_biases
 from executor.grad_clip import clip_gradients
+from executor.lr_schedule import attach_schedule
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.precision import Precision
 from executor.tied_embeddings import TiedEmbeddings, is_tied
@@ -36,6 +37,7 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
     stages = [model.build_stage(stage, num_stages) for stage in range(num_stages)]
     params = [p for stage in stages for p in stage.parameters()]
     optimizer = build_optimizer(config, params)
+    schedule = attach_schedule(optimizer, config.steps, config.lr_warmup, config.lr_decay, config.min_lr_ratio)
     precision = Precision(config)
     scaler = torch.amp.GradScaler("cpu", enabled=config.dtype == "float16")
     losses, grads, skipped, norms = [], {}, [], []
@@ -68,6 +70,8 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
                                         config.clip_grad))
         scaler.step(optimizer)
         scaler.update()
+        if schedule is not None:
+            schedule.step()
         balance.end_step()  # every token routed here: the loads need no reduction
         if scaler.is_enabled() and scaler.get_scale() < scale:  # GradScaler backs off only when it skipped
             skipped.append(step)

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from executor.architectures.moe import balanced_layers, set_balance_scale
 from executor.config import RunConfig
+from executor.lr_schedule import attach_schedule
 from executor.models import PipelineModel, build_model, build_optimizer
 from executor.process import init_rank
 from schedules.csv_io import schedule_from_csv
@@ -209,6 +210,7 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
                                            scale_grads=case.scale_grads)
         _load(runtime, case, schedule)
     optimizer = build_optimizer(config, [p for module in modules.values() for p in module.parameters()])
+    lr_schedule = attach_schedule(optimizer, config.steps, config.lr_warmup, config.lr_decay, config.min_lr_ratio)
     first, last = 0 in modules, num_stages - 1 in modules
     own = slice(position.dp_rank * replica, (position.dp_rank + 1) * replica)
     losses, grads = [], {}
@@ -223,6 +225,8 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
                      for stage, module in modules.items() for name, parameter in module.named_parameters()}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if lr_schedule is not None:
+            lr_schedule.step()
         if last:
             total = torch.stack(microbatch_losses).sum().detach()
             loss = total / len(microbatch_losses) if case.scale_grads else total

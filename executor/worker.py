@@ -26,6 +26,7 @@ from executor.data_parallel import GradientAverager, is_partial, local_tensor
 from executor.expert_balance import ExpertBalance, selection_biases
 from executor.gather import CP_KIND, EP_KIND, TP_KIND, dp_event, fsdp_event, gather_events, inside_event
 from executor.grad_clip import clip_gradients, tp_copies
+from executor.lr_schedule import attach_schedule
 from executor.memory import FIELDS, MemoryPeak, MemoryTracker
 from executor.mesh import build_mesh
 from executor.models import PipelineModel, build_model, build_optimizer
@@ -201,6 +202,8 @@ class RankRun:
             self.optimizer = build_optimizer(config, shard, decays=lambda tensor: id(tensor) in matrices)
         else:  # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
             self.optimizer = build_optimizer(config, params, foreach=False if config.tp > 1 else None)
+        self.lr_schedule = attach_schedule(self.optimizer, config.steps, config.lr_warmup, config.lr_decay,
+                                           config.min_lr_ratio)
         batch = config.replica_batch_size
         sizes = [len(part) for part in torch.tensor_split(torch.arange(batch), config.microbatches)]
         # Pipeline peers are the processes at the same (dp, tp) position of the mesh.
@@ -300,6 +303,8 @@ class RankRun:
                         self.stepped_gradients(), config.clip_grad, self.sum_over_ranks)))
             with tail.timing(OPTIMIZER):
                 self.optimizer.step()
+        if self.lr_schedule is not None:  # once a step, a skipped one too (executor.lr_schedule)
+            self.lr_schedule.step()
         if sharded:  # every replica's parameters from the shards each one stepped (also on a skipped step)
             gathers = self.wait_for("in the dp parameter all-gather", self.averager.gather_parameters)
             self.events.extend(self.dp_events(gathers))
