@@ -39,7 +39,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -78,19 +78,21 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     key and value projections and each MLP's gate and up projections split by columns
     (whole query heads and whole key/value heads per rank, since both counts are
     multiples of tp), the output and down projections by rows. A mixture of experts
-    splits every expert (and the shared one) so, its router replicated: every tp rank
-    routes the same tokens, each expert's down projection is all-reduced on its own
-    (Megatron sums the experts first and reduces once; not done here). With sequence
-    parallelism the norms run on sequence shards and each sublayer gathers its input
-    once (``PrepareModuleInput``) for all of its column-parallel projections."""
+    splits every expert (and the shared one) so (``split_experts``), its router
+    replicated: every tp rank routes the same tokens, its experts return this rank's
+    partial sums, and the layer's output is reduced once (an all-reduce; with sequence
+    parallelism a reduce-scatter to the sequence shards), as Megatron-Core reduces its
+    experts' output. With sequence parallelism the norms run on sequence shards and each
+    sublayer gathers its input once (``PrepareModuleInput``) for all of its
+    column-parallel projections."""
     plan = attention_plan(block.attention)
-    mlps = ["feed_forward"]
     experts = getattr(block.feed_forward, "experts", None)
-    if experts is not None:
-        mlps = [f"feed_forward.experts.{index}" for index in range(len(experts))]
-        mlps += ["feed_forward.shared"] if block.feed_forward.shared is not None else []
-    for mlp in mlps:
-        plan.update({f"{mlp}.w1": ColwiseParallel(), f"{mlp}.w3": ColwiseParallel(), f"{mlp}.w2": RowwiseParallel()})
+    if experts is None:
+        plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                     "feed_forward.w2": RowwiseParallel()})
+    elif not sequence_parallel:  # the experts' partial sums, reduced once
+        plan["feed_forward"] = PrepareModuleOutput(output_layouts=(Partial(),), desired_output_layouts=(Replicate(),),
+                                                   use_local_output=True)
     if not sequence_parallel:
         return plan
     gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
@@ -108,10 +110,47 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     if experts is None:
         plan.update({"feed_forward": PrepareModuleInput(**gather),
                      "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
-    else:  # the experts' outputs are whole; the residual stream keeps this rank's sequence shard
-        plan["feed_forward"] = PrepareModuleInputOutput(**gather, use_local_input=True, output_layouts=(Replicate(),),
+    else:  # the experts' partial sums, reduce-scattered to this rank's sequence shard
+        plan["feed_forward"] = PrepareModuleInputOutput(**gather, use_local_input=True, output_layouts=(Partial(),),
                                                         desired_output_layouts=(Shard(1),))
     return plan
+
+
+def split_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split a mixture of experts' routed and shared experts over tp as Megatron-Core
+    does: ``w1`` and ``w3`` by output features, ``w2`` by input features (its bias whole),
+    each expert computing on this rank's shards with no collective of its own
+    (``LocalShardLinear``); the layer's output is reduced once
+    (``transformer_block_plan``), and the gradients that only the whole output gives
+    (the experts' inputs', the routing weights', the shared expert's gate's) are summed
+    over tp where the layer hands them back (``ReduceGradFrom``: one all-reduce each in
+    the backward, where a per-expert split would reduce each expert's input gradient)."""
+    experts = moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts
+    for expert in [*experts, *([moe.shared] if moe.shared is not None else [])]:
+        if expert.w2.bias is not None:  # gpt-oss's: its attention sinks keep it off tp (check_tensor_parallel)
+            raise ValueError("biased experts are not split over tp (gpt-oss runs at --tp 1)")
+        distribute_module(expert, tp_mesh, _expert_shards)
+        for linear in (expert.w1, expert.w2, expert.w3):
+            linear.__class__ = LocalShardLinear  # as FSDP2 swaps a module's class: the module and its hooks stay
+    moe.tp_sum_grad = lambda tensor: ReduceGradFrom.apply(tensor, 0, tp_mesh)
+
+
+class LocalShardLinear(nn.Linear):
+    """A linear whose weight is this rank's tp shard (a DTensor), multiplied as the local
+    tensor it is, with no collective: an expert's ``w1`` and ``w3`` give this rank's output
+    features, its ``w2`` this rank's partial sum of the output (``split_experts``). A
+    module still, so that what records module calls (the split backward's weight
+    gradients, FSDP2's gathers) sees it as any linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight.to_local())
+
+
+def _expert_shards(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """``distribute_module``'s partition: an expert's linears' shards (see ``split_experts``)."""
+    if name in ("w1", "w2", "w3"):
+        placement = Shard(1) if name == "w2" else Shard(0)
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight.data, mesh, [placement])))
 
 
 def attention_plan(attention: nn.Module) -> dict:
@@ -185,6 +224,9 @@ def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
         plan = plan_of(module, sequence_parallel)
         if plan is not None:
             parallelize_module(module, tp_mesh, plan)
+            moe = getattr(module, "feed_forward", None)
+            if getattr(moe, "experts", None) is not None:
+                split_experts(moe, tp_mesh)
             attention = getattr(module, "attention", None)
             if isinstance(attention, LatentAttention):
                 reduce_rope_key_grad(attention, tp_mesh)

@@ -40,7 +40,7 @@ are dropped (the pipelined step equals the one-process reference). Without C
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -191,6 +191,11 @@ class MixtureOfExperts(nn.Module):
         self.capacity_factor = capacity_factor
         self.num_experts = experts  # all of them, also where a rank holds only its share
         self.dispatcher = None
+        # Under tp (executor.tensor_parallel.split_experts) the experts return this rank's partial
+        # sums, reduced once for the layer; ``tp_sum_grad`` (identity forward, the gradient summed
+        # over tp) then completes what only the whole output's gradient gives: the experts'
+        # inputs', the routing weights' and the shared expert's gate's
+        self.tp_sum_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.balance_loss = balance_loss  # the load-balancing loss's coefficient (see the module)
         self.balance_scale = 1.0  # its gradient: set each step by the runtime (set_balance_scale)
 
@@ -207,11 +212,14 @@ class MixtureOfExperts(nn.Module):
             keep = keep.view_as(chosen)
         # One process holds every expert; under expert parallelism (executor.expert_parallel)
         # ``dispatcher`` sends each copy to the rank holding its expert and back.
-        out = (self.dispatcher or route_locally)(tokens, weights, chosen, keep, self.experts, self.weighted_input)
+        inputs, complete = tokens, self.tp_sum_grad or (lambda tensor: tensor)
+        if self.tp_sum_grad is not None:  # the router reads the tokens whole; the experts, partial sums
+            inputs, weights = complete(tokens), complete(weights)
+        out = (self.dispatcher or route_locally)(inputs, weights, chosen, keep, self.experts, self.weighted_input)
         if self.shared is not None:
-            shared = self.shared(tokens)
+            shared = self.shared(inputs)
             if self.shared_gate is not None:
-                shared = shared * self.shared_gate(tokens).sigmoid()
+                shared = shared * complete(self.shared_gate(tokens).sigmoid())
             out = out + shared.to(out.dtype)
         if balance is not None:
             out = AttachBalanceLoss.apply(out, balance, self.balance_scale)
