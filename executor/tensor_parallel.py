@@ -118,7 +118,8 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
 
 def split_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split a mixture of experts' routed and shared experts over tp as Megatron-Core
-    does: ``w1`` and ``w3`` by output features, ``w2`` by input features (its bias whole),
+    does: ``w1`` and ``w3`` by output features, ``w2`` by input features (unbiased
+    experts: gpt-oss's biased ones stay on one tp rank, as its attention sinks do),
     each expert computing on this rank's shards with no collective of its own
     (``LocalShardLinear``); the layer's output is reduced once
     (``transformer_block_plan``), and the gradients that only the whole output gives
