@@ -82,11 +82,16 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     replicated: every tp rank routes the same tokens, its experts return this rank's
     partial sums, and the layer's output is reduced once (an all-reduce; with sequence
     parallelism a reduce-scatter to the sequence shards), as Megatron-Core reduces its
-    experts' output. With sequence parallelism the norms run on sequence shards and each
-    sublayer gathers its input once (``PrepareModuleInput``) for all of its
-    column-parallel projections."""
+    experts' output. Each sublayer hands all of its column-parallel projections one input
+    (``PrepareModuleInput``: with sequence parallelism, where the norms run on sequence
+    shards, the gathered sequence), so their input gradients are summed before one
+    collective: an all-reduce (a reduce-scatter with sequence parallelism) a sublayer in
+    the backward, Megatron's copy to the tensor-parallel region, where each projection
+    wrapping its input apart would reduce each gradient on its own (Q, K and V: three)."""
     plan = attention_plan(block.attention)
     experts = getattr(block.feed_forward, "experts", None)
+    # Latent attention's replicated down-projections take plain tensors: its input is local.
+    local = isinstance(block.attention, LatentAttention)
     if experts is None:
         plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
                      "feed_forward.w2": RowwiseParallel()})
@@ -94,10 +99,13 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
         plan["feed_forward"] = PrepareModuleOutput(output_layouts=(Partial(),), desired_output_layouts=(Replicate(),),
                                                    use_local_output=True)
     if not sequence_parallel:
+        shared = {"input_layouts": (Replicate(),), "desired_input_layouts": (Replicate(),)}
+        if not local:
+            plan["attention"] = PrepareModuleInput(**shared, use_local_output=False)
+        if experts is None:
+            plan["feed_forward"] = PrepareModuleInput(**shared, use_local_output=False)
         return plan
     gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
-    # Latent attention's replicated down-projections take plain tensors: its input is local.
-    local = isinstance(block.attention, LatentAttention)
     plan.update({"attention_norm": SequenceParallel(),
                  "attention": PrepareModuleInput(**gather, use_local_output=local),
                  "attention.wo": RowwiseParallel(output_layouts=Shard(1))})
