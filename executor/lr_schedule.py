@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is loaded by the run, not by the config's checks (which read LR_DECAYS)
     import torch
 
+    from executor.config import RunConfig
+
 LR_DECAYS = ("none", "linear", "cosine")
 
 
@@ -43,13 +45,12 @@ def lr_factor(step: int, steps: int, warmup: int = 0, decay: str = "none", min_r
     return min_ratio + (1.0 - min_ratio) * left
 
 
-def attach_schedule(optimizer: torch.optim.Optimizer, steps: int, warmup: int, decay: str,
-                    min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR | None:
-    """The schedule over ``optimizer``'s rate (``step()`` it after each optimizer step);
-    None where the rate stays constant."""
-    if warmup == 0 and decay == "none":
+def attach_schedule(optimizer: torch.optim.Optimizer, config: RunConfig) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """The schedule ``config`` asks for over ``optimizer``'s rate (``step()`` it after each
+    optimizer step); None where the rate stays constant."""
+    if config.lr_warmup == 0 and config.lr_decay == "none":
         return None
     import torch  # noqa: PLC0415 - see above
 
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, steps, warmup, decay, min_ratio))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
+        step, config.steps, config.lr_warmup, config.lr_decay, config.min_lr_ratio))

@@ -37,7 +37,7 @@ def reference_run(config: RunConfig, model: PipelineModel | None = None) -> dict
     stages = [model.build_stage(stage, num_stages) for stage in range(num_stages)]
     params = [p for stage in stages for p in stage.parameters()]
     optimizer = build_optimizer(config, params)
-    schedule = attach_schedule(optimizer, config.steps, config.lr_warmup, config.lr_decay, config.min_lr_ratio)
+    schedule = attach_schedule(optimizer, config)
     precision = Precision(config)
     scaler = torch.amp.GradScaler("cpu", enabled=config.dtype == "float16")
     losses, grads, skipped, norms = [], {}, [], []

@@ -134,6 +134,8 @@ class PipelineRuntime:
         self.arriving: dict[tuple[str, int, int], Posted] = {}  # buffered: receives posted, not yet waited for
         self.marks: list[tuple[Action, Any, Any, str]] = []
         self.loss = torch.zeros((), dtype=self.loss_dtype, device=self.loss_device)
+        # the balance losses' gradient, as the model loss's: over the batch, at fp16's scale
+        set_balance_scale(self.balanced, self.loss_scale / self.batch_size)
         self.clock.start_step()
         self.device_marks = []
         if self.links is not None:
@@ -251,8 +253,6 @@ class PipelineRuntime:
         if last:  # also what a multi-token prediction head embeds
             targets = self.targets[data_index(self.schedule, stage, microbatch)]
             give_targets(self.stages[stage], targets)
-        if self.balanced:  # the balance losses' gradient, as the model loss's: over the batch, fp16's scale
-            set_balance_scale(self.balanced, self.loss_scale / self.batch_size)
         output = self.precision.forward(self.stages[stage], x)
         if last:
             loss = self.model.loss_sum(self.precision.for_loss(output), targets) / self.batch_size

@@ -95,15 +95,13 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     if experts is None:
         plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
                      "feed_forward.w2": RowwiseParallel()})
-    elif not sequence_parallel:  # the experts' partial sums, reduced once
-        plan["feed_forward"] = PrepareModuleOutput(output_layouts=(Partial(),), desired_output_layouts=(Replicate(),),
-                                                   use_local_output=True)
     if not sequence_parallel:
-        shared = {"input_layouts": (Replicate(),), "desired_input_layouts": (Replicate(),)}
+        whole = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                   use_local_output=False)
         if not local:
-            plan["attention"] = PrepareModuleInput(**shared, use_local_output=False)
-        if experts is None:
-            plan["feed_forward"] = PrepareModuleInput(**shared, use_local_output=False)
+            plan["attention"] = whole
+        plan["feed_forward"] = whole if experts is None else PrepareModuleOutput(  # the experts' partial sums
+            output_layouts=(Partial(),), desired_output_layouts=(Replicate(),), use_local_output=True)
         return plan
     gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
     plan.update({"attention_norm": SequenceParallel(),
@@ -226,8 +224,8 @@ def plan_of(module: nn.Module, sequence_parallel: bool) -> dict | None:
 
 
 def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Split every block of ``stage`` (a gpt ``Block``, a dense ``TransformerBlock``)
-    across ``tp_mesh`` in place; with ``sequence_parallel`` keep its residual stream
+    """Split every block of ``stage`` (a gpt ``Block``, a ``TransformerBlock``, its
+    experts by ``split_experts``) across ``tp_mesh`` in place; with ``sequence_parallel`` keep its residual stream
     sequence-sharded (``shard_residual_stream``); return the stage."""
     for module in list(stage.modules()):
         plan = plan_of(module, sequence_parallel)

@@ -210,7 +210,7 @@ def _run_case(case: TorchCase, config: RunConfig, model: PipelineModel, position
                                            scale_grads=case.scale_grads)
         _load(runtime, case, schedule)
     optimizer = build_optimizer(config, [p for module in modules.values() for p in module.parameters()])
-    lr_schedule = attach_schedule(optimizer, config.steps, config.lr_warmup, config.lr_decay, config.min_lr_ratio)
+    lr_schedule = attach_schedule(optimizer, config)
     first, last = 0 in modules, num_stages - 1 in modules
     own = slice(position.dp_rank * replica, (position.dp_rank + 1) * replica)
     losses, grads = [], {}

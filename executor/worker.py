@@ -202,8 +202,7 @@ class RankRun:
             self.optimizer = build_optimizer(config, shard, decays=lambda tensor: id(tensor) in matrices)
         else:  # foreach kernels refuse a list mixing DTensors (tp-split) and plain tensors.
             self.optimizer = build_optimizer(config, params, foreach=False if config.tp > 1 else None)
-        self.lr_schedule = attach_schedule(self.optimizer, config.steps, config.lr_warmup, config.lr_decay,
-                                           config.min_lr_ratio)
+        self.lr_schedule = attach_schedule(self.optimizer, config)
         batch = config.replica_batch_size
         sizes = [len(part) for part in torch.tensor_split(torch.arange(batch), config.microbatches)]
         # Pipeline peers are the processes at the same (dp, tp) position of the mesh.

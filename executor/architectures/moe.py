@@ -212,9 +212,8 @@ class MixtureOfExperts(nn.Module):
             keep = keep.view_as(chosen)
         # One process holds every expert; under expert parallelism (executor.expert_parallel)
         # ``dispatcher`` sends each copy to the rank holding its expert and back.
-        inputs, complete = tokens, self.tp_sum_grad or (lambda tensor: tensor)
-        if self.tp_sum_grad is not None:  # the router reads the tokens whole; the experts, partial sums
-            inputs, weights = complete(tokens), complete(weights)
+        complete = self.tp_sum_grad or _unchanged  # the router read the tokens whole; the experts, partial sums
+        inputs, weights = complete(tokens), complete(weights)
         out = (self.dispatcher or route_locally)(inputs, weights, chosen, keep, self.experts, self.weighted_input)
         if self.shared is not None:
             shared = self.shared(inputs)
@@ -224,6 +223,11 @@ class MixtureOfExperts(nn.Module):
         if balance is not None:
             out = AttachBalanceLoss.apply(out, balance, self.balance_scale)
         return out.view(sequences, seq, hidden)
+
+
+def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    """``tp_sum_grad`` where there is no tp: the tensor as it is."""
+    return tensor
 
 
 def balanced_layers(stages: Iterable[nn.Module]) -> list[MixtureOfExperts]:

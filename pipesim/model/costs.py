@@ -209,7 +209,7 @@ class Costs:
             check_number(getattr(self, name), name)
         for index, (first, last, num_bytes) in enumerate(self.embedding_sums):
             where = f"embedding_sums[{index}]"
-            check_number(num_bytes, f"{where}: bytes")
+            check_number(num_bytes, f"{where}.bytes")
             if not (0 <= first < last < len(self.stages)):
                 raise CostsError(f"{where}: stages {first} and {last} must be two of the {len(self.stages)} "
                                  f"stages, the first before the last")
@@ -429,28 +429,29 @@ def costs_from_dict(data: object, num_stages: int | None = None, name: str = "co
     pairs_overlap = data.get("pairs_overlap", True)
     if not isinstance(pairs_overlap, bool):
         raise CostsError(f"{name}: 'pairs_overlap' must be true or false, got {pairs_overlap!r}")
-    return Costs(stages=tuple(stages), meta=dict(meta), sequence_parallel=bool(data.get("sequence_parallel", False)),
-                 memory_known=memory_known, pairs_overlap=pairs_overlap,
-                 embedding_sums=_embedding_sums(data.get("embedding_sums", []), len(stages), name), **overheads)
+    try:  # the embedding sums, checked against the stages by Costs: its errors named after the document
+        return Costs(stages=tuple(stages), meta=dict(meta),
+                     sequence_parallel=bool(data.get("sequence_parallel", False)), memory_known=memory_known,
+                     pairs_overlap=pairs_overlap, embedding_sums=_embedding_sums(data.get("embedding_sums", [])),
+                     **overheads)
+    except CostsError as error:
+        raise CostsError(f"{name}: {error}") from None
 
 
-def _embedding_sums(entries: object, num_stages: int, name: str) -> tuple[tuple[int, int, float], ...]:
-    """A costs document's ``embedding_sums`` (``Costs``): a list of ``{first, last, bytes}``,
-    two of its ``num_stages`` stages, the first before the last."""
+def _embedding_sums(entries: object) -> tuple[tuple[int, int, float], ...]:
+    """A costs document's ``embedding_sums`` (``Costs``, which checks the stages and the
+    bytes): a list of ``{first, last, bytes}``, each stage a whole number."""
     if not isinstance(entries, list):
-        raise CostsError(f"{name}: 'embedding_sums' must be a list of {{first, last, bytes}}, got {entries!r}")
+        raise CostsError(f"'embedding_sums' must be a list of {{first, last, bytes}}, got {entries!r}")
     sums = []
     for index, entry in enumerate(entries):
-        where = f"{name}: embedding_sums[{index}]"
+        where = f"embedding_sums[{index}]"
         if not isinstance(entry, dict) or set(entry) != {"first", "last", "bytes"}:
             raise CostsError(f"{where} must be a mapping of exactly first, last and bytes, got {entry!r}")
         stages = [entry["first"], entry["last"]]
         if any(isinstance(stage, bool) or not isinstance(stage, int) for stage in stages):
             raise CostsError(f"{where}: first and last must be stage numbers, got {stages!r}")
-        if not (0 <= stages[0] < stages[1] < num_stages):
-            raise CostsError(f"{where}: stages {stages[0]} and {stages[1]} must be two of the {num_stages} stages, "
-                             "the first before the last")
-        sums.append((stages[0], stages[1], check_number(entry["bytes"], f"{where}.bytes")))
+        sums.append((stages[0], stages[1], entry["bytes"]))
     return tuple(sums)
 
 

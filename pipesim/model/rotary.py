@@ -263,7 +263,7 @@ def _longrope(theta: object, scaling: dict, name: str, max_positions: int | None
     lists = {}
     for key in ("short_factor", "long_factor"):
         value = scaling.get(key)
-        if not isinstance(value, list) or not value:
+        if not isinstance(value, list):
             raise ModelSpecError(f"{name}: longrope rope scaling needs {key}, a list of one number per feature "
                                  f"pair of the rotary part, got {value!r}")
         lists[key] = tuple(value)

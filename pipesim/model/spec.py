@@ -328,17 +328,21 @@ class ModelSpec:
         """One norm's weights: ``h`` (RMSNorm) or ``2h`` (LayerNorm)."""
         return self.hidden if self.rms_norm else 2 * self.hidden
 
+    def token_table_params(self, tp: int = 1) -> int:
+        """The token table (or an untied output layer, its shape) on one of ``tp`` ranks,
+        split by vocabulary rows: ``ceil(V / tp)`` each, the last padded."""
+        return -(-self.vocab // tp) * self.hidden
+
     def embedding_params(self, tp: int = 1) -> int:
         """Token (and learned position) embedding on one of ``tp`` ranks, on the first
-        stage: the token table split by vocabulary rows (``ceil(V / tp)`` each, the last
-        padded), the position table whole on every rank."""
+        stage: the token table's shard, the position table whole on every rank."""
         rows = self.positions or self.seq_len
-        return -(-self.vocab // tp) * self.hidden + (rows * self.hidden if self.learned_positions else 0)
+        return self.token_table_params(tp) + (rows * self.hidden if self.learned_positions else 0)
 
     def head_params(self, tp: int = 1) -> int:
         """Final norm and, when untied, the output projection (split by vocabulary rows),
         on the last stage."""
-        return self.norm_params() + (0 if self.tied_embeddings else -(-self.vocab // tp) * self.hidden)
+        return self.norm_params() + (0 if self.tied_embeddings else self.token_table_params(tp))
 
     def total_params(self) -> int:
         """Every parameter of the model, every expert included (a tied output head counted once)."""

@@ -349,7 +349,7 @@ def with_embedding_copies(costs: Costs, spec: ModelSpec, stage_ranks: list[int],
         return costs
     per_copy = len(costs.stages) // copies
     firsts = {stage_ranks[copy * per_copy] for copy in range(copies)} if shared_on_rank else set()
-    extra = -(-spec.vocab // tp) * spec.hidden  # the token table's tp shard: a learned position table stays first
+    extra = spec.token_table_params(tp)  # a learned position table stays on the first stage
     stages = list(costs.stages)
     sums = []
     for copy in range(copies):
