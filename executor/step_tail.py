@@ -19,13 +19,13 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from schedules.accounting import GRAD_NORM_ALLREDUCE
 from schedules.trace import TraceEvent
 
 if TYPE_CHECKING:  # torch is loaded by the run, not by a reader of these names (pipesim compare, run_costs)
     from executor.clock import CpuClock, CudaClock
 
 EMBEDDING_ALLREDUCE = "EMBEDDING_ALLREDUCE"  # a tied model's two table copies' gradients summed
-GRAD_NORM_ALLREDUCE = "GRAD_NORM_ALLREDUCE"  # --clip-grad: the squares summed over every rank
 OPTIMIZER = "OPTIMIZER"  # named as the simulator names its step_overhead event
 EXPERT_LOAD_ALLREDUCE = "EXPERT_LOAD_ALLREDUCE"  # DeepSeek-V3's balancing: the experts' loads summed
 LOSS_ALLREDUCE = "LOSS_ALLREDUCE"  # the replicas' losses summed, and read on the host

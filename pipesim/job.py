@@ -48,6 +48,8 @@ COST_FLAGS = (("--fwd", "fwd"), ("--bwd", "bwd"), ("--wgrad", "wgrad"), ("--act-
               ("--wgrad-stash-share", "wgrad_stash_share"))
 # --dtype NAME -> bytes per element; --dtype-bytes N is the old spelling, kept working
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+CLIP_GRAD = 1.0  # Megatron-LM's --clip-grad and torchtitan's max_norm default: both stacks clip unless told not to
+NORM_BYTES = 4  # the sum of squares all-reduced: one FP32 number
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class Job:
     collective: str = "ring"
     bytes_per_param: str = "2,2,12"
     optimizer_moments: str = "fp32"  # pipesim.sim.memory.OPTIMIZER_MOMENTS
+    clip_grad: float | None = None  # gradient clipping's norm, priced with --model (0: none; None: CLIP_GRAD)
     memory_headroom: str = "auto"  # pipesim.sim.headroom.DEFAULT_HEADROOM: what each device keeps back
     p2p: str | None = None
 
@@ -269,6 +272,9 @@ def check_cost_flags(job) -> None:
     if getattr(job, "comm_sms", 0) and not getattr(job, "model", None):
         raise ValueError(f"--comm-sms {job.comm_sms} needs --model: it slows a model spec's compute; give --model "
                          f"or drop --comm-sms")
+    if getattr(job, "clip_grad", None) is not None and not getattr(job, "model", None):
+        raise ValueError(f"--clip-grad {job.clip_grad:g} needs --model: it prices a model spec's gradient norm (a "
+                         "costs file's step_overhead holds what a run measured); give --model or drop --clip-grad")
     if getattr(job, "compute_model", None) and not getattr(job, "model", None):
         raise ValueError(f"--compute-model {job.compute_model} needs --model: it times a model spec's operations; "
                          "give --model or drop --compute-model")
@@ -603,14 +609,50 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
         layer_hold = layer_tp_seconds(topology, mapping, schedule.placement[-1], spec.tp_message_bytes(),
                                       job.sequence_parallel, recomputed_tp_pairs(job.recompute, job.sequence_parallel),
                                       parallel.algorithm)
-    return _model_costs(spec, schedule.num_stages, peaks, job.tp, job.mfu,
+    costs = _model_costs(spec, schedule.num_stages, peaks, job.tp, job.mfu,
                         job.sequence_parallel, tuple(layout) if layout else None, job.recompute,
                         not job.no_flash_attention, fallback_peak_flops(job), bandwidths,
                         fallback_memory_bandwidth(job),
                         optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp * schedule.copies,
                                                        parallel.zero),
                         tuple(schedule.placement), gpus, getattr(job, "gpu", None), profiled, job.ep, job.cp,
-                        layer_hold, getattr(job, "comm_sms", 0), schedule.copies)
+                         layer_hold, getattr(job, "comm_sms", 0), schedule.copies)
+    if not clip_grad_of(job):
+        return costs
+    return costs.with_grad_norm(grad_norm_seconds(costs, topology, mapping, parallel, schedule, bandwidths,
+                                                  fallback_memory_bandwidth(job)))
+
+
+def clip_grad_of(job) -> float:
+    """``--clip-grad``, checked: a finite norm, 0 for none, ``CLIP_GRAD`` where not given."""
+    clip = getattr(job, "clip_grad", None)
+    if clip is None:
+        return CLIP_GRAD
+    if not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip >= 0):
+        raise ValueError(f"--clip-grad {clip!r}: expected a norm >= 0 (0: no clipping)")
+    return float(clip)
+
+
+def grad_norm_seconds(costs: Costs, topology: Topology, mapping, parallel, schedule: Schedule,
+                      bandwidths: tuple, fallback_bandwidth: float) -> float:
+    """Gradient clipping's norm (``Costs.grad_norm_overhead``): the slowest rank's read of
+    the gradients its optimizer steps (the replica's shard under any ZeRO stage), then a
+    tree all-reduce of one FP32 number over the ranks holding shares of them
+    (``RankMapping.grad_norm_group``; NCCL takes a tree or a low-latency protocol for a
+    message this small, whatever algorithm the gradients' buckets use)."""
+    from pipesim.cluster.collectives import all_reduce
+    from pipesim.model.transformer_costs import gradient_read_seconds
+    from pipesim.sim.zero import optimizer_bytes_per_param
+
+    shards = parallel.dp * parallel.cp * schedule.copies
+    grad_bytes = optimizer_bytes_per_param(0.0, parallel.bytes_per_param.grads, 0.0, shards, parallel.zero)
+    read = gradient_read_seconds(costs, grad_bytes, list(schedule.placement), list(bandwidths), fallback_bandwidth)
+    key = ("grad norm", mapping.dp, mapping.pp, mapping.tp, mapping.order, mapping.cp, parallel.zero > 0)
+    collective = topology.pace_cache.get(key)
+    if collective is None:
+        group = mapping.grad_norm_group(parallel.zero > 0)
+        collective = topology.pace_cache[key] = all_reduce(topology, group, NORM_BYTES, "tree")
+    return read + collective
 
 
 def compute_model_of(job):

@@ -23,8 +23,9 @@ one part, so ``busy + bubble + exposed_comm + tp + ep + cp + dp + optimizer + ov
 compute (``busy``), then tensor-parallel collectives (``tp``), expert-parallel
 all-to-alls (``ep``), context-parallel K/V exchanges (``cp``), the optimizer step
 (``optimizer``), waits (``recv`` and end-of-step ``wait`` events: ``bubble`` while some
-data the rank needs is not sent yet or some send of the rank is not yet matched,
-``exposed_comm`` otherwise), and last the gradient reduction (``dp``: only the part
+data the rank needs is not sent yet or some send of the rank is not yet matched, or
+while the rank waits for the others to join a collective over every rank, which is the
+pipeline draining; ``exposed_comm`` otherwise), and last the gradient reduction (``dp``: only the part
 nothing else hides). Time before a rank's first event or after its last is ``bubble``
 (the pipeline filling and draining); gaps between its own events are ``overhead``
 (posting communication, host work between actions).
@@ -47,6 +48,10 @@ from schedules.trace import Trace, TraceColumns, TraceEvent
 # Parts in the order they claim a moment where several events overlap.
 HOLDING_STREAMS = {"compute": "busy", "tp": "tp", "ep": "ep", "cp": "cp", "step": "optimizer"}
 WAITING_STREAMS = frozenset({"recv", "wait"})
+GRAD_NORM_ALLREDUCE = "GRAD_NORM_ALLREDUCE"  # gradient clipping's norm: the squares summed over every rank
+# a ``wait`` event of these kinds is a rank waiting for the others to join a collective
+# over every rank (the simulator draws it before the collective itself): waiting for peers
+JOINING_KINDS = frozenset({GRAD_NORM_ALLREDUCE})
 PARTS = ("busy", "tp", "ep", "cp", "optimizer", "bubble", "exposed_comm", "dp", "overhead")
 _PART = {part: index for index, part in enumerate(PARTS)}
 # what an event contributes to the sweep: the parts that hold, a wait, dp, and "peer"
@@ -118,10 +123,13 @@ def transfer_keys(columns: TraceColumns) -> tuple[np.ndarray, np.ndarray]:
 
 def peer_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(rank, start, end)`` of every stretch in which a rank waits for its peer: a
-    receive before its data was sent (the matching send's start), and under rendezvous a
-    send of the rank before its receive was posted (the matching receive's start). A
+    receive before its data was sent (the matching send's start), under rendezvous a
+    send of the rank before its receive was posted (the matching receive's start), and
+    a ``wait`` for the others to join a collective (``JOINING_KINDS``), whole. A
     receive whose send is not in the trace (a trace of one rank) counts as ready at once."""
     columns = trace.columns
+    joining = columns.on_stream("wait") & np.array([name in JOINING_KINDS for name in columns.kinds] or [False],
+                                                   dtype=bool)[columns.kind]
     key, is_transfer = transfer_keys(columns)
     recv = columns.on_stream("recv") & is_transfer
     send = columns.on_stream("send") & is_transfer
@@ -142,6 +150,9 @@ def peer_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ranks.append(columns.rank[send][late])
         starts.append(columns.start[send][late])
         ends.append(np.minimum(accepted[late], columns.end[send][late]))
+    ranks.append(columns.rank[joining])
+    starts.append(columns.start[joining])
+    ends.append(columns.end[joining])
     return np.concatenate(ranks), np.concatenate(starts), np.concatenate(ends)
 
 

@@ -266,7 +266,21 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
                        help="AdamW's first and second moments: fp32 (4 bytes each, as --bytes-per-param's 12 counts "
                        "them) or bf16 (2 each: 4 bytes fewer per parameter, DeepSeek-V3's; its FP32 gradients are "
                        "--bytes-per-param 2,4,12) (default: fp32)")
+    add_clip_grad_arg(group)
     add_memory_headroom_arg(group)
+
+
+def add_clip_grad_arg(parser) -> None:
+    """``--clip-grad``: gradient clipping's norm, priced by ``simulate`` and ``plan`` alike
+    (``pipesim.job.grad_norm_seconds``)."""
+    from pipesim.job import CLIP_GRAD
+
+    parser.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
+                        help="with --model: clip the gradients' global norm to NORM before the optimizer step, "
+                        "priced as each rank reading the gradients its optimizer steps (its shard under ZeRO) and "
+                        "one all-reduce of a number over every rank holding a share of them, which no rank leaves "
+                        "before the last one enters; 0: no clipping, nothing charged (default: "
+                        f"{CLIP_GRAD:g}, what Megatron-LM and torchtitan clip to unless told not to)")
 
 
 def add_memory_headroom_arg(parser) -> None:

@@ -122,6 +122,17 @@ class RankMapping:
         ranks = sorted(self.global_rank(replica, pp, tp, rank) for replica in range(self.dp) for rank in range(self.cp))
         return [self.devices[rank] for rank in ranks]
 
+    def grad_norm_group(self, sharded: bool) -> list[str]:
+        """Devices whose gradients' squares gradient clipping sums into one norm: every
+        device when the optimizer state is sharded over the replicas (each holds a
+        different share of the gradient: Megatron-Core's distributed optimizer, ZeRO,
+        FSDP), else one replica's model-parallel ranks (tp x pp; the replicas hold the
+        same reduced gradient), in global-rank order."""
+        if sharded:
+            return list(self.devices)
+        ranks = sorted(self.global_rank(0, stage, shard) for stage in range(self.pp) for shard in range(self.tp))
+        return [self.devices[rank] for rank in ranks]
+
     def ep_groups(self, pp: int, tp: int) -> list[list[str]]:
         """The expert-parallel groups of shard (pp, tp): ``dp_cp_group`` in runs of ``ep``
         (the first holds the simulated pipeline's rank)."""

@@ -26,7 +26,7 @@ STAGE_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "act_bytes", "stash_bytes", "par
                 "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies", "combine_bytes",
                 # the GEMMs beside each tp collective under overlap (pipesim.model.tp_windows)
                 "tp_window_attention_in", "tp_window_attention_out", "tp_window_mlp_in", "tp_window_mlp_out")
-OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead")
+OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead", "grad_norm_overhead")
 # what a stage's parameter memory and its gathers after the optimizer step read of it
 _PARAMETER_FIGURES = attrgetter("param_bytes", "params", "expert_params")
 # what a rank's share of the model is split into when it holds v chunks (the rest is per chunk)
@@ -192,6 +192,13 @@ class Costs:
     ``pipesim run``'s executor) all-reduce the two copies' gradients over the ranks
     holding the two stages before the optimizer. A measured ``step_overhead`` holds this
     all-reduce already, so costs measured by a run or a profile list none.
+    ``grad_norm_overhead`` is gradient clipping's norm (``--clip-grad``,
+    ``with_grad_norm``): each rank reads the gradients its optimizer steps for the sum of
+    their squares, and the sums are all-reduced over every rank holding a share of them,
+    a collective no rank leaves before the last one enters; charged after the embedding
+    sums, before the optimizer, as the slowest rank's read plus the collective. A
+    measured ``step_overhead`` holds it already (``pipesim run --clip-grad``), so measured
+    costs carry none.
     """
 
     stages: tuple[StageCost, ...]
@@ -203,6 +210,7 @@ class Costs:
     memory_known: bool = True
     pairs_overlap: bool = True
     embedding_sums: tuple[tuple[int, int, float], ...] = ()
+    grad_norm_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for name in OVERHEADS:
@@ -243,6 +251,15 @@ class Costs:
         object.__setattr__(copy, "step_overhead", seconds)
         return copy
 
+    def with_grad_norm(self, seconds: float) -> Costs:
+        """These costs with gradient clipping's norm taking ``seconds`` (see the class),
+        copied as ``with_step_overhead`` copies."""
+        check_number(seconds, "grad_norm_overhead")
+        copy = object.__new__(Costs)
+        copy.__dict__.update(self.__dict__, meta=dict(self.meta))
+        object.__setattr__(copy, "grad_norm_overhead", seconds)
+        return copy
+
     def durations(self) -> dict[tuple[int, str], float]:
         """Seconds of every (stage, compute kind), for the simulator's lookup table."""
         table = {}
@@ -267,6 +284,7 @@ class Costs:
             "action_overhead": self.action_overhead,
             "comm_overhead": self.comm_overhead,
             "step_overhead": self.step_overhead,
+            **({"grad_norm_overhead": self.grad_norm_overhead} if self.grad_norm_overhead else {}),
             "sequence_parallel": self.sequence_parallel,
             **({} if self.pairs_overlap else {"pairs_overlap": False}),  # the usual case left unwritten
             **({"embedding_sums": [{"first": first, "last": last, "bytes": num_bytes}

@@ -46,7 +46,7 @@ def step_lower_bound(costs: Costs, placement: Sequence[int], microbatches: int, 
     With overlapped forward-backward pairs of a given cost (``overlap_fb``) the pair may
     undercut F + B: only the step's tail is certain."""
     if overlapped_pairs:
-        return costs.step_overhead
+        return costs.step_overhead + costs.grad_norm_overhead
     return bound_of(with_tail(busy_terms(costs, placement, holds, hop), costs, placement, gather_seconds),
                     microbatches, split_backward, reductions)
 
@@ -122,13 +122,14 @@ def _held_keys(stages: int, kind: str) -> tuple[tuple[int, str], ...]:
 
 def with_tail(terms: BoundTerms, costs: Costs, placement: Sequence[int],
               gather_seconds: dict[int, float]) -> BoundTerms:
-    """``terms`` with each rank's tail: the optimizer step and its stages' parameter
-    gathers (``gather_seconds``), added in stage order."""
+    """``terms`` with each rank's tail: gradient clipping's norm, the optimizer step and
+    its stages' parameter gathers (``gather_seconds``), added in stage order."""
     tail = [0.0] * len(terms.work)
     if gather_seconds:  # else every rank adds only zeros: ZeRO 0 and 3 gather nothing after the step
         for stage, rank in enumerate(placement):
             tail[rank] += gather_seconds.get(stage, 0.0)
-    return BoundTerms(terms.work, terms.fill, terms.drain, tuple(costs.step_overhead + seconds for seconds in tail))
+    after = costs.grad_norm_overhead + costs.step_overhead
+    return BoundTerms(terms.work, terms.fill, terms.drain, tuple(after + seconds for seconds in tail))
 
 
 def bound_of(terms: BoundTerms, microbatches: int, split_backward: bool,

@@ -37,7 +37,8 @@ class LayoutBounds:
         except ValueError:
             return float("inf")  # the evaluation reports why
         if layout.schedule in V_SHAPED and self.overlaps_pairs(key):
-            return costs.step_overhead  # overlapped pairs of a given cost may undercut F + B: only the tail is certain
+            # overlapped pairs of a given cost may undercut F + B: only the tail is certain
+            return costs.step_overhead + costs.grad_norm_overhead
         return self.bound(key, layout.zero, layout.microbatches, splits_backward(layout.schedule))
 
     def order_bound(self, layout: Layout, schedule) -> float:

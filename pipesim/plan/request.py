@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipesim.job import Job, model_spec_of, parallel_of, topology_of
+from pipesim.job import Job, clip_grad_of, model_spec_of, parallel_of, topology_of
 from pipesim.model.per_op_checkpoint import PER_OP, check_per_op
 from pipesim.model.spec import FP8_SCALINGS, NORM_MLA_UP
 from pipesim.plan.evaluate import LayoutEvaluator
@@ -48,7 +48,7 @@ class PlanRequest:
     keeping layouts that match every one of ``constraints`` (``"pp=8"``,
     ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on ``workers`` processes (None: the CPUs
     available). ``mfu``, ``compute_model``, ``fp8``, ``ep_dispatch``, ``comm_sms``, ``qkv``, ``max_actions`` and
-    ``memory_headroom`` are ``pipesim simulate``'s, the same for every layout. Field names
+    ``memory_headroom`` and ``clip_grad`` are ``pipesim simulate``'s, the same for every layout. Field names
     are the command's flags."""
 
     model: str
@@ -76,6 +76,7 @@ class PlanRequest:
     qkv: str = "separate"  # pipesim.model.spec.QKV_PROJECTIONS
     max_actions: int | None = None
     memory_headroom: str = "auto"
+    clip_grad: float | None = None  # None: pipesim.job.CLIP_GRAD
     top: int = 10
     workers: int | None = None
 
@@ -161,9 +162,11 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
     base = Job(model=request.model, seq_len=request.seq_len, topology=request.topology,
                nodes=max(1, request.gpus // request.gpus_per_node), gpu=request.gpu, mfu=request.mfu,
                compute_model=request.compute_model, memory_headroom=request.memory_headroom, fp8=request.fp8,
+               clip_grad=request.clip_grad,
                ep_dispatch=request.ep_dispatch, comm_sms=request.comm_sms, qkv=request.qkv,
                **({"max_actions": request.max_actions} if request.max_actions else {}))
     parallel_of(base)  # a bad --memory-headroom fails here
+    clip_grad_of(base)  # and a bad --clip-grad
     spec = model_spec_of(base)  # an unknown model or config, or a bad field, fails here
     topology = topology_of(base)
     topology.require_devices(request.gpus, "GPUs")  # and an unknown cluster

@@ -246,7 +246,7 @@ def step_trace(step: engine.StepRun, costs: Costs, topology: Topology, devices: 
         priced = price_step(schedule, costs, topology, devices, plan)
     pipeline = pipeline_columns(step, held_parts(step, priced))
     tail = step_tail_columns(pipeline, schedule.pp, plan, costs.step_overhead, reduction_columns(step, plan),
-                             embedding_sum_seconds(schedule, costs, topology, devices))
+                             embedding_sum_seconds(schedule, costs, topology, devices), costs.grad_norm_overhead)
     wire, sent_bytes = p2p_wire_and_bytes(step, costs)
     meta = {
         "source": "simulated",

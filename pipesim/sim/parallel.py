@@ -49,7 +49,8 @@ pays their collectives:
   the slowdown the reductions beside the compute cost it (``pipesim.sim.comm_overlap``);
   before it, the two ranks holding a tied embedding table's copies (``Costs.embedding_sums``)
   all-reduce its gradient once both are done (``embedding_sum_seconds``), as Megatron-LM's
-  ``finalize_model_grads`` does after the data-parallel reductions.
+  ``finalize_model_grads`` does after the data-parallel reductions; then, with gradient
+  clipping (``Costs.grad_norm_overhead``), every rank's norm summed over all of them.
 
 - the other replicas' and shards' P2P transfers (``pipesim.cluster.twins``): each simulated
   send also reserves the links of its twins where their routes meet another
@@ -101,6 +102,7 @@ from pipesim.sim.zero import (
     gathers_per_layer,
     reduces_every_backward,
 )
+from schedules.accounting import GRAD_NORM_ALLREDUCE
 from schedules.action import KINDS, WEIGHT_GRAD_DONE_KINDS, ActionKind
 from schedules.dp_channel import AT_ACTION, AT_STEP_START, Reductions
 from schedules.engine import StepRun
@@ -116,6 +118,7 @@ REDUCE_SCATTER_KIND = "REDUCE_SCATTER_DP"
 PARAM_GATHER_KIND = "ALLGATHER_PARAMS"
 OPTIMIZER_KIND = "OPTIMIZER"
 EMBEDDING_SUM_KIND = "EMBEDDING_ALLREDUCE"  # a tied table's two copies' gradients summed (as the executor names it)
+GRAD_NORM_KIND = GRAD_NORM_ALLREDUCE  # --clip-grad: the squares summed over every rank (as the executor names it)
 DP_SLOWDOWN_KIND = "DP_SLOWDOWN"  # what the reductions beside the compute slowed it by
 
 
@@ -773,12 +776,17 @@ def embedding_sum_seconds(schedule: Schedule, costs: Costs, topology: Topology,
 
 def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | None,
                       step_overhead: float, reductions: TraceColumns | None = None,
-                      embedding_sums: tuple[tuple[int, int, float], ...] = ()) -> TraceColumns | None:
+                      embedding_sums: tuple[tuple[int, int, float], ...] = (),
+                      grad_norm: float = 0.0) -> TraceColumns | None:
     """The collectives the walk ran (``reductions``: ``reduction_columns``, on the ``dp``
     stream: the gradient reductions and, with ``overlap_param_gather``, the parameter
     all-gathers the step's first forwards waited for), then the tied embeddings'
     all-reduces (``embedding_sums``, ``embedding_sum_seconds``: from each rank's readiness
-    to the pair's end, the earlier rank waiting in it, on the ``step`` stream), each rank's
+    to the pair's end, the earlier rank waiting in it, on the ``step`` stream), gradient
+    clipping's norm (``grad_norm`` seconds, ``Costs.grad_norm_overhead``: a collective over
+    every rank, on the ``step`` stream of every rank from the last rank's readiness; a
+    rank ready earlier waits for it on the ``wait`` stream, which the accounting counts
+    as bubble, the pipeline draining: ``schedules.accounting.JOINING_KINDS``), each rank's
     optimizer step (``step`` stream) and, under ZeRO-1 and 2 without
     ``overlap_param_gather``, the parameter all-gathers (``dp``), placed after the
     pipeline events ``pipeline`` and the rank's last reduction; None when the step has none.
@@ -788,7 +796,7 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
     their time beside it, a ``DP_SLOWDOWN`` event after the rank's last action that the
     optimizer waits for."""
     has_dp = plan is not None and bool(plan.dp_bucket_seconds)
-    if not has_dp and step_overhead <= 0 and not embedding_sums:
+    if not has_dp and step_overhead <= 0 and not embedding_sums and grad_norm <= 0:
         return None
     every = has_dp and reduces_every_backward(plan.zero)
     rank_end, backwards = _tail_scan(pipeline, num_ranks, every)
@@ -815,6 +823,13 @@ def step_tail_columns(pipeline: TraceColumns, num_ranks: int, plan: CommPlan | N
         for rank in (one, other):
             tail.append(TraceEvent(rank, EMBEDDING_SUM_KIND, EMBEDDING_SUM_KIND, -1, -1, ready[rank], finish, "step"))
             ready[rank] = finish
+    if grad_norm > 0:  # every rank's squares summed once the last rank is in; the wait before is the drain
+        start = max(ready)
+        for rank in range(num_ranks):
+            if ready[rank] < start:
+                tail.append(TraceEvent(rank, GRAD_NORM_KIND, GRAD_NORM_KIND, -1, -1, ready[rank], start, "wait"))
+            tail.append(TraceEvent(rank, GRAD_NORM_KIND, GRAD_NORM_KIND, -1, -1, start, start + grad_norm, "step"))
+            ready[rank] = start + grad_norm
     for rank in range(num_ranks):
         done = ready[rank]
         if step_overhead > 0:

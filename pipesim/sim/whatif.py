@@ -141,7 +141,8 @@ class SampleStepper:
         self.transfer_wires = PerTransferWires(self.program, self.wires) if (
             self.sampler.comm_sigma > 0 or self.sampler.link_factor is not None) else None
         self.embedding_sums = embedding_sum_seconds(schedule, costs, result.topology, result.devices)
-        self.tail = self.plan is not None or costs.step_overhead > 0 or bool(self.embedding_sums)
+        self.tail = (self.plan is not None or costs.step_overhead > 0 or bool(self.embedding_sums)
+                     or costs.grad_norm_overhead > 0)
         shape = engine.empty_run(self.program)  # what holds each row has depends on the program alone
         self.held = held_parts(shape, self.priced) if self.tail else None
 
@@ -168,7 +169,8 @@ class SampleStepper:
             return step.makespan
         pipeline = pipeline_columns(step, self.held)
         tail = step_tail_columns(pipeline, self.program.ranks, self.plan, self.result.costs.step_overhead,
-                                 reduction_columns(step, self.plan), self.embedding_sums)
+                                 reduction_columns(step, self.plan), self.embedding_sums,
+                                 self.result.costs.grad_norm_overhead)
         columns = TraceColumns.concatenate([pipeline, tail]) if tail is not None else pipeline
         return float(columns.end.max() - columns.start.min())
 
