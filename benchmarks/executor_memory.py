@@ -53,6 +53,8 @@ ROWS: dict[str, tuple[str, ...]] = {
     "gpt 1f1b tp 2": (*GPT, "--pp", "2", "--tp", "2"),
     "gpt 1f1b tp 2 sp": (*GPT, "--pp", "2", "--tp", "2", "--sequence-parallel"),
     "gpt 1f1b tp 2 sp recompute full": (*GPT, "--pp", "2", "--tp", "2", "--sequence-parallel", "--recompute", "full"),
+    # a split backward's kept output gradients: each row-parallel GEMM's whole, all-gathered in I
+    "gpt zb-h1 tp 2 sp": (*GPT, "--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "zb-h1"),
     "gpt 1f1b float64": (*GPT, "--pp", "2", "--dtype", "float64"),
     "gpt 1f1b bfloat16": (*GPT, "--pp", "2", "--dtype", "bfloat16"),
     "gpt 1f1b dp 2 zero 0": (*GPT, "--pp", "2", "--dp", "2", "--zero", "0"),
@@ -70,6 +72,7 @@ ROWS: dict[str, tuple[str, ...]] = {
     "llama 1f1b recompute selective": (*LLAMA, "--pp", "2", "--recompute", "selective"),
     "llama 1f1b tp 2": (*LLAMA, "--pp", "2", "--tp", "2"),
     "llama 1f1b tp 2 sp": (*LLAMA, "--pp", "2", "--tp", "2", "--sequence-parallel"),
+    "llama zb-h1 tp 2 sp": (*LLAMA, "--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "zb-h1"),
     "llama 1f1b bfloat16": (*LLAMA, "--pp", "2", "--dtype", "bfloat16"),
     "llama zbv bfloat16 recompute full": (*LLAMA, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS, "--dtype",
                                           "bfloat16", "--recompute", "full"),

@@ -9,7 +9,13 @@ graph where the weight gradients start instead:
 - during ``F``, a forward hook on every submodule that directly owns trainable
   parameters (``parameters(recurse=False)``: a Linear, a LayerNorm, an Embedding, a
   user's own layer) records the *gradient edge* of each tensor it returns (the autograd
-  node that made it, taken at once, so a later in-place op on the output cannot move it);
+  node that made it, taken at once, so a later in-place op on the output cannot move it).
+  The hook runs ahead of any other forward hook (``prepend``), so it sees the module's
+  own output before ``parallelize_module``'s output hooks redistribute it: under
+  sequence parallelism a row-parallel linear's recorded output is the GEMM's partial
+  sum, not the shard its reduce-scatter leaves, so ``I`` finds the all-gathered output
+  gradient and ``W`` multiplies it with no collective (as Megatron's zero-bubble
+  weight-gradient store keeps it); recorded after the hook, ``W`` would all-gather it again;
 - ``I`` asks autograd, in one ``autograd.grad`` call, for the gradient of the stage
   input *and* of every recorded edge. Autograd then runs each op's backward only for the
   outputs it needs (``should_compute_output``): a Linear's backward computes its input
@@ -79,7 +85,7 @@ class SplitBackward:
             if params:
                 self.own[module] = params
         self.active: list[ModuleCall] | None = None
-        self.handles = [module.register_forward_hook(self.record) for module in self.own]
+        self.handles = [module.register_forward_hook(self.record, prepend=True) for module in self.own]
         # Parameters the recorded calls do not cover exactly; decided on the first graph.
         self.uncovered: list[nn.Parameter] | None = None
         self.uncovered_names: list[str] = []  # theirs in the stage, for messages

@@ -72,15 +72,14 @@ def test_each_block_issues_megatrons_four_collectives_a_pass() -> None:
 
 def test_split_backward_keeps_the_collectives_in_the_input_gradient() -> None:
     """Under zb-h1 the input gradient I carries the backward's four collectives a block
-    (and the first stage's the embedding cut's all-gather). W gathers again, once per
-    row-parallel GEMM (2 a block): the split records that GEMM's output, the sequence
-    shard after its reduce-scatter, so its weight gradient re-runs the all-gather of the
-    output gradient that I already made. Llama 3's 3 layers on 2 stages: the simulator's
-    split, 2 and 1 (the first stage also holds the embedding)."""
+    (and the first stage's the embedding cut's all-gather) and W none, as the simulator
+    charges it (and as Megatron's zero-bubble weight-gradient store runs it): the split
+    records each row-parallel GEMM's own output, before the reduce-scatter, so I keeps
+    the all-gathered output gradient for W. Llama 3's 3 layers on 2 stages: the
+    simulator's split, 2 and 1 (the first stage also holds the embedding)."""
     model = build_model(CASES.config("llama-zb-h1-pp2"))
     assert tuple(model.layout) == (2, 1)
-    assert tp_collectives_per_action("llama-zb-h1-pp2") == {"0F": {8}, "0I": {9}, "0W": {4},
-                                                             "1F": {5}, "1I": {4}, "1W": {2}}
+    assert tp_collectives_per_action("llama-zb-h1-pp2") == {"0F": {8}, "0I": {9}, "1F": {5}, "1I": {4}}
 
 
 def test_stage_boundary_message_is_the_sequence_shard() -> None:
