@@ -108,6 +108,8 @@ ROWS: dict[str, tuple[str, ...]] = {
     "gemma-3 1f1b": ("--model", config("gemma-3-1b"), *DEEPSEEK, "--pp", "2"),
     # DeepSeek-V3's config.json: its multi-token prediction module on the last stage, YaRN
     "deepseek-v3 mtp 1f1b": ("--model", config("deepseek-v3"), *DEEPSEEK, "--pp", "2", "--experts", "8"),
+    "deepseek-v3 mtp 1f1b cp 2": ("--model", config("deepseek-v3"), *DEEPSEEK, "--pp", "2", "--experts", "8",
+                                  "--cp", "2"),
 }
 
 

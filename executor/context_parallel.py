@@ -132,8 +132,9 @@ class ContextShard:
         self.ring = Ring(group, cp, cp_index, held, timer=timer) if comm == "p2p" else None
 
     def local(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of a ``batch x seq`` tensor (inputs or targets)."""
-        return tokens[:, self.positions.to(tokens.device)]
+        """This rank's columns of a ``batch x ... x seq`` tensor (inputs, targets, or a
+        multi-token prediction's rows of targets)."""
+        return tokens[..., self.positions.to(tokens.device)]
 
     def mask(self, device: torch.device) -> torch.Tensor:
         """``S/cp x S``: which gathered keys (rank order) each of this rank's queries sees."""

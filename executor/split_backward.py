@@ -148,12 +148,22 @@ class SplitBackward:
 
     @staticmethod
     def call_weight_grads(calls: list[tuple[ModuleCall, list[torch.Tensor]]]) -> None:
-        """The local backward of each of these recorded calls into its parameters' ``.grad``."""
+        """The local backward of these recorded calls into their parameters' ``.grad``:
+        one backward per module and the parameters it ran with, over all of its calls (an
+        output layer read by the main head and every multi-token prediction depth), so
+        each parameter's gradient is accumulated once, as one backward of the whole graph
+        accumulates it (data parallelism's buckets count on that)."""
+        grouped: dict[tuple[int, ...], tuple[list[GradientEdge], list[torch.Tensor], tuple[nn.Parameter, ...]]] = {}
         for call, grads in calls:
-            pairs = [(edge, grad) for edge, grad in zip(call.edges, grads, strict=True) if grad is not None]
-            if pairs:
-                torch.autograd.backward([edge for edge, _ in pairs], [grad for _, grad in pairs],
-                                        inputs=list(call.params), retain_graph=True)
+            key = (id(call.module), *map(id, call.params))
+            edges, given, _ = grouped.setdefault(key, ([], [], call.params))
+            for edge, grad in zip(call.edges, grads, strict=True):
+                if grad is not None:
+                    edges.append(edge)
+                    given.append(grad)
+        for edges, given, params in grouped.values():
+            if edges:
+                torch.autograd.backward(edges, given, inputs=list(params), retain_graph=True)
 
     # -- which parameters the recorded calls cover ------------------------------------
 

@@ -103,9 +103,8 @@ def shrunk_latents(mla: LatentAttention, head_dim: int, factor: float) -> Latent
 
 
 def shrunk_spec(config: RunConfig) -> ModelSpec:
-    """The architecture of ``config.model`` at the run's sizes, with its multi-token
-    prediction modules where the executor builds them (``mtp_buildable``; elsewhere none,
-    and ``shrink_note`` says so)."""
+    """The architecture of ``config.model`` at the run's sizes, its multi-token
+    prediction modules included."""
     full = full_spec(config.model)
     factor = config.hidden / full.hidden
     ffn = config.ffn_hidden or scaled(full.ffn, factor)
@@ -125,16 +124,7 @@ def shrunk_spec(config: RunConfig) -> ModelSpec:
     return replace(full, layers=config.layers, hidden=config.hidden, heads=config.heads, kv_heads=kv,
                    ffn_hidden=ffn, seq_len=config.seq_len, vocab=config.vocab, head_dim=None, positions=None,
                    moe=moe, mla=mla, fused_qkv=config.qkv == "fused", query_pre_attn_scalar=scalar,
-                   mtp_depth=full.mtp_depth if mtp_buildable(config, full.mtp_depth) else 0,
                    fp8=False, fp8_dispatch=False)  # the GEMMs run in --dtype (shrink_note says so)
-
-
-def mtp_buildable(config: RunConfig, depth: int) -> bool:
-    """Whether the executor builds a config's ``depth`` multi-token prediction modules
-    (``executor.architectures.mtp``): on one cp rank (the tokens ahead of a rank's chunks
-    are another's), and under sequence parallelism one module only (the second's
-    sequence, one token shorter, would not split evenly over the tp ranks)."""
-    return config.cp == 1 and (depth <= 1 or not (config.tp > 1 and config.sequence_parallel))
 
 
 def run_spec(config: RunConfig) -> ModelSpec:
@@ -176,9 +166,6 @@ def shrink_note(config: RunConfig) -> str:
         notes.append("no dropout")
     if full.fp8:
         notes.append("GEMMs in --dtype, not FP8 (the config's quantization_config: the executor has no FP8 GEMMs)")
-    if full.mtp_depth and not small.mtp_depth:
-        why = "--cp above 1" if config.cp > 1 else "--tp with --sequence-parallel, beyond one module"
-        notes.append(f"no multi-token prediction (the config's {full.mtp_depth} module(s) not built under {why})")
     if small.moe is not None and small.moe.balance_loss > 0:
         source = "--balance-loss" if config.balance_loss is not None else "the config's"
         notes.append(f"load-balancing loss {small.moe.balance_loss:g} per MoE layer, per sequence ({source})")

@@ -11,20 +11,28 @@ through its own final norm and the main model's output layer. Its loss over the
 ``L_k``, is weighted by ``MTP_LOSS_WEIGHT / D`` and added to the main loss.
 
 The embedding is the model's: the last stage keeps a copy of the first stage's table,
-whose gradients are summed as a tied model's are (``executor.tied_embeddings``). A
-module's causal block sees only positions up to its own, so truncating the later depths'
-sequences (here) and Megatron-Core's rolling of the tokens with the tail masked in the
-loss give the same losses and gradients.
+whose gradients are summed as a tied model's are (``executor.tied_embeddings``).
+
+Every depth runs over the whole sequence, as Megatron-Core's MTP does: the tokens ahead
+are the targets rolled by ``k`` on the whole sequence before it is cut
+(``prediction_targets``: the model's ``make_batch`` hands the last stage a ``batch x
+(D + 1) x seq`` target, row ``k`` the token ``k + 1`` ahead), and the positions with no
+token that far ahead are ignored by the loss. A causal block's position sees only
+positions up to its own, and those positions are ignored at every later depth too, so
+this gives the losses and gradients of truncating each depth's sequence; what it changes
+is that the tail's tokens are routed (a mixture of experts' balance loss counts them, as
+Megatron-Core's does). Because every depth is the whole sequence, a context-parallel rank
+cuts each row of the targets as it cuts the tokens (its chunks' tokens ahead are rolled
+in from the others' before the cut) and runs the module's block under ring attention as
+the model's; under sequence parallelism every depth splits evenly over the tp ranks.
 
 Under tensor parallelism the module's block is split as the model's are (the tp plan
 covers every block of the stage); its norms, projection and embedding copy are whole on
 every tp rank, as the model's norms and embedding are. With sequence parallelism the
 block takes this rank's shard of the whole sequence the head gathered and hands the
-whole sequence on (``executor.tensor_parallel.shard_prediction_blocks``); one module
-only there, since the next depth's sequence, a token shorter, would not split evenly.
-Not built on more than one cp rank (the tokens ``k`` ahead of a rank's chunks are on
-another), nor in torch's runtime (it calls a stage without its targets); there the run
-goes without it and ``shrink_note`` says so.
+whole sequence on (``executor.tensor_parallel.shard_prediction_blocks``). Not built in
+torch's runtime (it calls a stage without its targets); there the run goes without it
+and ``shrink_note`` says so.
 """
 
 from __future__ import annotations
@@ -35,6 +43,19 @@ from torch import nn
 # The MTP losses' weight: Megatron-Core's default --mtp-loss-scaling-factor, and DeepSeek-V3's
 # after its first 10T tokens (0.3 before)
 MTP_LOSS_WEIGHT = 0.1
+IGNORED = -100  # torch's cross_entropy ignore_index: a position with no token that far ahead
+
+
+def prediction_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:
+    """``batch x seq`` next tokens as ``batch x (depth + 1) x seq``: row 0 the next
+    tokens, row ``k`` those ``k`` further ahead (the targets rolled by ``k``), ``IGNORED``
+    where the sequence has no token that far ahead."""
+    rows = [targets]
+    for k in range(1, depth + 1):
+        rolled = torch.full_like(targets, IGNORED)
+        rolled[:, :-k] = targets[:, k:]
+        rows.append(rolled)
+    return torch.stack(rows, dim=1)
 
 
 class PredictionModule(nn.Module):
@@ -56,9 +77,9 @@ class PredictionModule(nn.Module):
 class HeadWithPrediction(nn.Module):
     """The last stage's head (final norm, output layer) and the MTP modules after it.
     Indexable as the plain head is (``head[0]`` the norm, ``head[-1]`` the output
-    layer). ``targets`` is set by the runtime before each forward: the tokens the
-    modules embed. The output is the main logits and each depth's, joined along the
-    sequence (``split_logits`` takes them apart)."""
+    layer). ``targets`` is set by the runtime before each forward: the microbatch's
+    ``prediction_targets``, whose rows the modules embed. The output is the main logits
+    and each depth's, joined along the sequence (``split_logits`` takes them apart)."""
 
     def __init__(self, norm: nn.Module, output: nn.Module, modules: list[PredictionModule]) -> None:
         super().__init__()
@@ -74,18 +95,18 @@ class HeadWithPrediction(nn.Module):
             raise RuntimeError("multi-token prediction needs the microbatch's targets before the last stage's "
                                "forward (pipesim's runtime sets them; torch's does not)")
         logits = [self.output(self.norm(hidden))]
-        seq = hidden.shape[1]
         for depth, module in enumerate(self.predictions, start=1):
-            # position i embeds token i + depth (targets[i + depth - 1]) and predicts targets[i + depth]
-            hidden = module(hidden[:, :seq - depth + 1], self.targets[:, depth - 1:])
-            logits.append(self.output(module.norm(hidden[:, :seq - depth])))
+            # position i embeds token i + depth (row depth - 1) and predicts row depth; past the
+            # sequence's end any token will do, those positions' losses being ignored
+            hidden = module(hidden, self.targets[:, depth - 1].clamp(min=0))
+            logits.append(self.output(module.norm(hidden)))
         self.targets = None
         return torch.cat(logits, dim=1)
 
 
 def split_logits(output: torch.Tensor, seq: int, depth: int) -> list[torch.Tensor]:
-    """The main logits (``seq`` positions) and each depth ``k``'s (``seq - k``)."""
-    return list(output.split([seq, *(seq - k for k in range(1, depth + 1))], dim=1))
+    """The main logits and each depth's, ``seq`` positions each."""
+    return list(output.split(seq, dim=1))
 
 
 def prediction_head(stage: nn.Module) -> HeadWithPrediction | None:

@@ -23,7 +23,13 @@ from executor.architectures.build import shrunk_spec, stage_layers
 from executor.architectures.latent_attention import LatentAttention
 from executor.architectures.layers import Attention, FeedForward, RMSNorm, SoftCappedLinear
 from executor.architectures.moe import MixtureOfExperts
-from executor.architectures.mtp import MTP_LOSS_WEIGHT, HeadWithPrediction, PredictionModule, split_logits
+from executor.architectures.mtp import (
+    MTP_LOSS_WEIGHT,
+    HeadWithPrediction,
+    PredictionModule,
+    prediction_targets,
+    split_logits,
+)
 from executor.config import RunConfig
 from executor.models import GptModel, seeded, token_positions
 from executor.rebuilt_activations import norm_read_by
@@ -157,15 +163,24 @@ class SpecModel(GptModel):
         block = TransformerBlock(spec, spec.layers + depth - 1)
         return PredictionModule(embed, norm_of(spec), norm_of(spec), block, norm_of(spec), spec.hidden)
 
+    def make_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's tokens; with MTP the targets as ``prediction_targets`` (each depth's
+        tokens ahead, rolled on the whole sequence before a cp rank cuts its chunks)."""
+        inputs, targets = super().make_batch(step, batch_size)
+        if self.spec.mtp_depth:
+            targets = prediction_targets(targets, self.spec.mtp_depth)
+        return inputs, targets
+
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The next-token loss, plus with MTP each depth ``k``'s loss on the token ``k + 1``
-        ahead (summed over its ``s - k`` positions, divided by ``s`` as the main loss is),
-        weighted by ``MTP_LOSS_WEIGHT / depth``."""
+        ahead (summed over the ``s - k`` positions that have one, the rest ignored, divided
+        by ``s`` as the main loss is), weighted by ``MTP_LOSS_WEIGHT / depth``; ``target``
+        is then ``prediction_targets``' ``batch x (depth + 1) x seq``."""
         depth = self.spec.mtp_depth
         if not depth:
             return super().loss_sum(output, target)
-        main, *ahead = split_logits(output, target.shape[1], depth)
-        loss = super().loss_sum(main, target)
+        main, *ahead = split_logits(output, target.shape[-1], depth)
+        loss = super().loss_sum(main, target[:, 0])
         for k, logits in enumerate(ahead, start=1):
-            loss = loss + MTP_LOSS_WEIGHT / depth * super().loss_sum(logits, target[:, k:])
+            loss = loss + MTP_LOSS_WEIGHT / depth * super().loss_sum(logits, target[:, k])
         return loss

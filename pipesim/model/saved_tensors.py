@@ -215,14 +215,15 @@ def weight_copy_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0) -> float:
 def mtp_extra(spec: ModelSpec, saved: SavedTensors) -> float:
     """Beyond the inventory's MTP module (its block, its projection's input, its head's
     stash), what one module keeps for the backward in an implementation: its two input
-    norms' own extras (the embedding norm's input, the embedding's output, too) and the
-    token ids it embeds."""
+    norms' own extras (the embedding norm's input, the embedding's output, too), the
+    token ids it embeds and its row of the targets rolled ahead (the executor's
+    ``prediction_targets``, which its loss reads)."""
     if saved == KERNELS:
         return 0.0
     d, h = spec.dtype_bytes, spec.hidden
     residual = d + max(0, saved.residual_bytes - d)
     per_token = 2 * norm_extra_elements(spec, saved) * residual + h * residual
-    return spec.tokens * (per_token + (INDEX_BYTES if saved.token_indices else 0.0))
+    return spec.tokens * (per_token + (2 * INDEX_BYTES if saved.token_indices else 0.0))
 
 
 def first_stage_extra(spec: ModelSpec, saved: SavedTensors) -> float:
