@@ -7,7 +7,8 @@ collective.
 
 The simulator charges the same stretch as an ``OPTIMIZER`` event on the ``step`` stream
 (``Costs.step_overhead``, which a profile measures as this whole tail), after a tied
-model's ``EMBEDDING_ALLREDUCE`` where it prices one from a model (``Costs.embedding_sums``);
+model's ``EMBEDDING_ALLREDUCE`` and the gradient norm's ``GRAD_NORM_ALLREDUCE`` where it
+prices them from a model (``Costs.embedding_sums``, ``Costs.grad_norm_overhead``);
 the executor's events keep every part apart, named by what they do, on the same ``step``
 stream (the tied embeddings' all-reduce too: it is no data-parallel traffic, and a ``dp``
 event would read as dp communication in a run without dp).
@@ -37,6 +38,29 @@ TAIL_STREAM = "step"
 def tail_event(rank: int, kind: str, start: float, end: float) -> TraceEvent:
     """One part of the step's tail, as the simulator names its own: ``OPTIMIZER``."""
     return TraceEvent(rank, kind, kind, -1, -1, start, end, TAIL_STREAM)
+
+
+def split_joining_waits(events: list[TraceEvent]) -> list[TraceEvent]:
+    """The ranks' events with each gradient-norm all-reduce cut where the last traced rank
+    joined it: before, the rank waiting for the others (a ``wait`` event of the same kind,
+    which ``schedules.accounting`` counts as bubble, the pipeline draining), after, the
+    collective itself on the ``step`` stream, as the simulator draws them
+    (``pipesim.sim.parallel.step_tail_columns``). The events must share one timeline
+    (``executor.clock.shared_clock``); a rank of another replica that joined later is not
+    in the trace, so the waits drawn are the least the ranks waited."""
+    norms = [event for event in events if event.kind == GRAD_NORM_ALLREDUCE and event.stream == TAIL_STREAM]
+    if len(norms) < 2:
+        return events
+    joined = max(event.start for event in norms)
+    result = []
+    for event in events:
+        if event.kind == GRAD_NORM_ALLREDUCE and event.stream == TAIL_STREAM and event.start < joined:
+            result.append(event._replace(end=min(joined, event.end), stream="wait"))
+            if event.end > joined:
+                result.append(event._replace(start=joined))
+        else:
+            result.append(event)
+    return result
 
 
 class StepTail:

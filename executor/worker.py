@@ -42,6 +42,7 @@ from executor.step_tail import (
     LOSS_ALLREDUCE,
     OPTIMIZER,
     StepTail,
+    split_joining_waits,
 )
 from executor.tied_embeddings import TiedEmbeddings, embedding_group, is_tied
 from schedules.action import COMPUTE_KINDS, Action
@@ -415,6 +416,8 @@ class RankRun:
                         pairs=len(schedule.fused_pairs(self.pp_rank)))
         if self.world > 1:
             events = gather_events(schedule, self.pp_rank, events, self.device, self.mesh.group("pp"))
+            if self.one_timeline:  # the norm's all-reduce: the wait for the last rank drawn as such
+                events = split_joining_waits(events)
         params = {}
         if config.return_grads:  # the weights after the last step (a collective on tp groups)
             params = {f"{model_stage(schedule, stage)}.{name}": full_tensor(p.detach()).cpu().clone()
