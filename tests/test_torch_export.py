@@ -408,3 +408,14 @@ def test_the_loader_tells_torch_the_files_format(tmp_path):
     runtime = bare_runtime(2, 2, 4, [0])
     load_schedule_csv(runtime, lowered)
     assert any(action.computation_type.value in COMM_KINDS for action in runtime.pipeline_order_with_comms[0])
+
+
+def test_a_clip_norm_other_than_torchtitans_own_is_written(tmp_path):
+    """simulate prices --clip-grad (default 1.0, torchtitan's training.max_norm too): a
+    job that clips otherwise gets the key, one that does not leaves torchtitan's default."""
+    for clip, expected in (([], None), (["--clip-grad", "0.5"], 0.5), (["--clip-grad", "0"], 0.0)):
+        folder = tmp_path / f"titan{len(clip)}{clip[-1] if clip else ''}"
+        assert run("export", "--model", "llama3-8b", "--layers", 8, "--pp", 2, "-m", 4, *clip,
+                   "--torchtitan", folder) == 0
+        written = read_args(folder / "torchtitan.args").get("training.max_norm")
+        assert (None if written is None else float(written)) == expected

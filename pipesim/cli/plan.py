@@ -295,7 +295,7 @@ def _write_torchtitan(args: argparse.Namespace, best: dict, evaluator) -> None:
     """The best layout's schedule CSVs and torchtitan config (``pipesim.cli.torchtitan``),
     the order being the one simulated."""
     from pipesim.cli.torchtitan import TorchtitanLayout, qkv_of, write_torchtitan
-    from pipesim.job import model_spec_of
+    from pipesim.job import clip_grad_of, model_spec_of
 
     layout = Layout(**{key: best[key] for key in Layout._fields})
     if layout.zero and not args.fsdp:
@@ -305,5 +305,5 @@ def _write_torchtitan(args: argparse.Namespace, best: dict, evaluator) -> None:
     written = write_torchtitan(args.torchtitan, evaluator.schedule_of(layout), TorchtitanLayout(
         dp=layout.dp, tp=layout.tp, fsdp=args.fsdp, microbatch_size=layout.microbatch_size, layers=spec.layers,
         seq_len=spec.seq_len, ep=layout.ep, cp=layout.cp, sequence_parallel=layout.sequence_parallel,
-        recompute=layout.recompute, qkv=qkv_of(spec)))
+        recompute=layout.recompute, qkv=qkv_of(spec), max_norm=clip_grad_of(evaluator.base)))
     print(f"wrote {', '.join(str(path) for path in written)}: {best['layout']}")

@@ -45,6 +45,9 @@ FUSED_QKV = (f"torchtitan {SUPPORTED_RELEASE}'s Llama 3 fuses Q, K and V into on
              "keeps K's output too and does not re-run K's GEMM")
 
 
+TORCHTITAN_MAX_NORM = 1.0  # torchtitan's training.max_norm default, written only where the job clips otherwise
+
+
 @dataclass(frozen=True)
 class TorchtitanLayout:
     """What torchtitan needs beyond the schedule: data-parallel replicas ``dp`` (sharding
@@ -53,7 +56,8 @@ class TorchtitanLayout:
     expert-parallel ranks ``ep``, context-parallel ranks ``cp``, sequences per microbatch,
     activation ``recompute`` (pipesim's none/per-op/full), and where known the model's
     layers and sequence length, and how the simulated model built Q, K and V (``qkv``,
-    ``qkv_of``); ``torch_class`` overrides the class chosen from the placement."""
+    ``qkv_of``), gradient clipping's ``max_norm`` (``--clip-grad``, which simulate
+    priced); ``torch_class`` overrides the class chosen from the placement."""
 
     dp: int = 1
     tp: int = 1
@@ -67,6 +71,7 @@ class TorchtitanLayout:
     sequence_parallel: bool = False
     recompute: str = "none"
     qkv: str | None = None  # the simulated model's Q, K and V (--qkv) where per-op tells them apart (qkv_of)
+    max_norm: float = TORCHTITAN_MAX_NORM  # gradient clipping's norm (--clip-grad; 0: none)
 
 
 def layers_per_stage(schedule: Schedule, layers: int | None, cls: TorchClass) -> int | None:
@@ -173,6 +178,8 @@ def config_fields(schedule: Schedule, layout: TorchtitanLayout, cls: TorchClass,
         training["seq_len"] = layout.seq_len
     if schedule.pp > 1:
         training["disable_cuda_graphs"] = True  # 0.3 refuses CUDA graphs with pipeline parallelism
+    if layout.max_norm != TORCHTITAN_MAX_NORM:
+        training["max_norm"] = layout.max_norm
     return {"parallelism": parallelism, "training": training}
 
 
