@@ -610,12 +610,12 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
                                       job.sequence_parallel, recomputed_tp_pairs(job.recompute, job.sequence_parallel),
                                       parallel.algorithm)
     costs = _model_costs(spec, schedule.num_stages, peaks, job.tp, job.mfu,
-                        job.sequence_parallel, tuple(layout) if layout else None, job.recompute,
-                        not job.no_flash_attention, fallback_peak_flops(job), bandwidths,
-                        fallback_memory_bandwidth(job),
-                        optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp * schedule.copies,
-                                                       parallel.zero),
-                        tuple(schedule.placement), gpus, getattr(job, "gpu", None), profiled, job.ep, job.cp,
+                         job.sequence_parallel, tuple(layout) if layout else None, job.recompute,
+                         not job.no_flash_attention, fallback_peak_flops(job), bandwidths,
+                         fallback_memory_bandwidth(job),
+                         optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp * schedule.copies,
+                                                        parallel.zero),
+                         tuple(schedule.placement), gpus, getattr(job, "gpu", None), profiled, job.ep, job.cp,
                          layer_hold, getattr(job, "comm_sms", 0), schedule.copies)
     if not clip_grad_of(job):
         return costs

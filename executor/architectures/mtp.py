@@ -30,9 +30,9 @@ Under tensor parallelism the module's block is split as the model's are (the tp 
 covers every block of the stage); its norms, projection and embedding copy are whole on
 every tp rank, as the model's norms and embedding are. With sequence parallelism the
 block takes this rank's shard of the whole sequence the head gathered and hands the
-whole sequence on (``executor.tensor_parallel.shard_prediction_blocks``). Not built in
-torch's runtime (it calls a stage without its targets); there the run goes without it
-and ``shrink_note`` says so.
+whole sequence on (``executor.tensor_parallel.shard_prediction_blocks``). torch's
+runtime calls a stage without its targets, so a run there refuses a model with MTP in
+one line (``executor.torch_pipelining``).
 """
 
 from __future__ import annotations
