@@ -56,6 +56,30 @@ def test_the_rows_layout_is_kept_and_the_model_shrunk(plan_file: Path) -> None:
         assert line.startswith(f"plan row {number}: {row['layout']} kept") and "shrunk" in line
 
 
+def test_the_run_clips_as_the_plan_priced(plan_file: Path, tmp_path: Path) -> None:
+    """The plan priced gradient clipping at its default 1.0 and says so in every row; the
+    run clips the same unless its own --clip-grad says otherwise. A row written before
+    rows carried it runs without clipping (the executor's default); a bad value is refused."""
+    document = json.loads(plan_file.read_text())
+    assert {row["clip_grad"] for row in document["ranked"]} == {1.0}
+    config, line = planned(["--plan", str(plan_file), "--row", "1"])
+    assert config.clip_grad == 1.0 and line.endswith("gradients clipped to 1 as the plan priced")
+    config, line = planned(["--plan", str(plan_file), "--row", "1", "--clip-grad", "0.5"])
+    assert config.clip_grad == 0.5 and line.endswith("gradients clipped to 0.5")
+    for value, expected in ((None, None), (0.0, None), (-1.0, "clip_grad -1.0 is not a norm >= 0"),
+                            ("1", "clip_grad '1' is not a norm >= 0")):
+        rows = [{key: item for key, item in row.items() if key != "clip_grad"} for row in document["ranked"]]
+        if value is not None:
+            rows[0]["clip_grad"] = value
+        path = tmp_path / "edited.json"
+        path.write_text(json.dumps({**document, "ranked": rows}))
+        if expected is None:
+            assert planned(["--plan", str(path), "--row", "1"])[0].clip_grad is None
+        else:
+            with pytest.raises(ConfigError, match=f"row 1's {expected}"):
+                planned(["--plan", str(path), "--row", "1"])
+
+
 def test_a_planned_row_runs_and_equals_the_one_process_reference(plan_file: Path, tmp_path: Path, capsys) -> None:
     rows = rows_of(plan_file)
     number = row_number(rows, dp=2, zero=1)

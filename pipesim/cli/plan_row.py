@@ -116,6 +116,22 @@ def planned_qkv(args: argparse.Namespace, row: dict, model: str, number: int) ->
     return planned
 
 
+def planned_clip(args: argparse.Namespace, row: dict, number: int) -> float | None:
+    """The norm the run clips to: the run's ``--clip-grad`` where given, else the one
+    the plan priced (``clip_grad``, a norm of 0 meaning none; a row written before rows
+    carried it: none, the run's default)."""
+    given = getattr(args, "clip_grad", None)
+    if given is not None:
+        return given
+    planned = row.get("clip_grad")
+    if planned is None:
+        return None
+    if isinstance(planned, bool) or not isinstance(planned, (int, float)) or not math.isfinite(planned) \
+            or planned < 0:
+        raise ConfigError(f"--plan {args.plan}: row {number}'s clip_grad {planned!r} is not a norm >= 0")
+    return float(planned) or None
+
+
 def shrunk_model(args: argparse.Namespace, row: dict, model: str) -> dict:
     """``model`` at the run's sizes, raised to what the row's layout needs."""
     cp = row.get("cp", 1)
@@ -168,7 +184,8 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
              "recompute": row["recompute"], "sequence_parallel": bool(row["sequence_parallel"]),
              "batch_size": row["dp"] * row["microbatches"] * row["microbatch_size"],
              "cp": row.get("cp", 1), "ep": row.get("ep", 1),
-             "cp_comm": "p2p"}  # the ring, as plan priced cp
+             "cp_comm": "p2p",  # the ring, as plan priced cp
+             "clip_grad": planned_clip(args, row, number)}
     if row.get("order") is not None:  # the order the plan built from its costs, run as simulated
         fixed["custom_schedule"] = order_from_dict(row["order"], f"plan row {number}'s order")
     planned = argparse.Namespace(**{**vars(args), **fixed, **model})
@@ -186,5 +203,8 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
                + ("; the toy gpt has no routed experts to split" if args.model in TOYS and config.ep > 1 else "")
                + ")")
             + (f"; cp {config.cp} by ring attention" if config.cp > 1 else "")
+            + (f"; gradients clipped to {config.clip_grad:g}"
+               + (" as the plan priced" if getattr(args, "clip_grad", None) is None else "")
+               if config.clip_grad is not None else "")
             + ("; its order as the plan built it from the layout's costs" if row.get("order") is not None else ""))
     return config, line

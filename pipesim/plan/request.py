@@ -106,8 +106,10 @@ class Planner:
                         describe=describe)
         result.values_left_out = self.values_left_out
         model = model_reference(self.request.model)
+        clip = clip_grad_of(self.base)
         for row in result.rows:  # a row names its model: `pipesim run --plan plan.json --row N` builds that one
-            row["model"], row["qkv"] = model, self.request.qkv
+            # and clips as the plan priced
+            row["model"], row["qkv"], row["clip_grad"] = model, self.request.qkv, clip
         return result
 
 
