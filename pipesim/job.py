@@ -573,6 +573,7 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
     from pipesim.cluster.mapping import map_ranks
     from pipesim.model.transformer_costs import device_memory_bandwidth
     from pipesim.sim.memory import optimizer_step_bytes_per_param
+    from pipesim.sim.zero import optimizer_bytes_per_param
 
     given = [flag for flag, dest in (*COST_FLAGS, ("--costs", "costs"), ("--stash-bytes", "stash_bytes"),
                                       ("--param-bytes", "param_bytes")) if getattr(job, dest, None) is not None]
@@ -609,18 +610,18 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
         layer_hold = layer_tp_seconds(topology, mapping, schedule.placement[-1], spec.tp_message_bytes(),
                                       job.sequence_parallel, recomputed_tp_pairs(job.recompute, job.sequence_parallel),
                                       parallel.algorithm)
-    costs = _model_costs(spec, schedule.num_stages, peaks, job.tp, job.mfu,
-                         job.sequence_parallel, tuple(layout) if layout else None, job.recompute,
-                         not job.no_flash_attention, fallback_peak_flops(job), bandwidths,
-                         fallback_memory_bandwidth(job),
-                         optimizer_step_bytes_per_param(parallel.bytes_per_param, job.dp * job.cp * schedule.copies,
-                                                        parallel.zero),
-                         tuple(schedule.placement), gpus, getattr(job, "gpu", None), profiled, job.ep, job.cp,
-                         layer_hold, getattr(job, "comm_sms", 0), schedule.copies)
-    if not clip_grad_of(job):
-        return costs
-    return costs.with_grad_norm(grad_norm_seconds(costs, topology, mapping, parallel, schedule, bandwidths,
-                                                  fallback_memory_bandwidth(job)))
+    shards = job.dp * job.cp * schedule.copies
+    clipped = clip_grad_of(job) > 0
+    return _model_costs(spec, schedule.num_stages, peaks, job.tp, job.mfu,
+                        job.sequence_parallel, tuple(layout) if layout else None, job.recompute,
+                        not job.no_flash_attention, fallback_peak_flops(job), bandwidths,
+                        fallback_memory_bandwidth(job),
+                        optimizer_step_bytes_per_param(parallel.bytes_per_param, shards, parallel.zero),
+                        tuple(schedule.placement), gpus, getattr(job, "gpu", None), profiled, job.ep, job.cp,
+                        layer_hold, getattr(job, "comm_sms", 0), schedule.copies,
+                        optimizer_bytes_per_param(0.0, parallel.bytes_per_param.grads, 0.0, shards, parallel.zero)
+                        if clipped else None,
+                        norm_all_reduce_seconds(topology, mapping, parallel.zero > 0) if clipped else 0.0)
 
 
 def clip_grad_of(job) -> float:
@@ -633,26 +634,18 @@ def clip_grad_of(job) -> float:
     return float(clip)
 
 
-def grad_norm_seconds(costs: Costs, topology: Topology, mapping, parallel, schedule: Schedule,
-                      bandwidths: tuple, fallback_bandwidth: float) -> float:
-    """Gradient clipping's norm (``Costs.grad_norm_overhead``): the slowest rank's read of
-    the gradients its optimizer steps (the replica's shard under any ZeRO stage), then a
-    tree all-reduce of one FP32 number over the ranks holding shares of them
-    (``RankMapping.grad_norm_group``; NCCL takes a tree or a low-latency protocol for a
-    message this small, whatever algorithm the gradients' buckets use)."""
+def norm_all_reduce_seconds(topology: Topology, mapping, sharded: bool) -> float:
+    """Gradient clipping's all-reduce of one FP32 number over the ranks holding shares of
+    the gradient (``RankMapping.grad_norm_group``), as a tree: NCCL takes a tree or a
+    low-latency protocol for a message this small, whatever algorithm the gradients'
+    buckets use. Kept per layout: a plan prices thousands."""
     from pipesim.cluster.collectives import all_reduce
-    from pipesim.model.transformer_costs import gradient_read_seconds
-    from pipesim.sim.zero import optimizer_bytes_per_param
 
-    shards = parallel.dp * parallel.cp * schedule.copies
-    grad_bytes = optimizer_bytes_per_param(0.0, parallel.bytes_per_param.grads, 0.0, shards, parallel.zero)
-    read = gradient_read_seconds(costs, grad_bytes, list(schedule.placement), list(bandwidths), fallback_bandwidth)
-    key = ("grad norm", mapping.dp, mapping.pp, mapping.tp, mapping.order, mapping.cp, parallel.zero > 0)
-    collective = topology.pace_cache.get(key)
-    if collective is None:
-        group = mapping.grad_norm_group(parallel.zero > 0)
-        collective = topology.pace_cache[key] = all_reduce(topology, group, NORM_BYTES, "tree")
-    return read + collective
+    key = ("grad norm", mapping.dp, mapping.pp, mapping.tp, mapping.order, mapping.cp, sharded)
+    seconds = topology.pace_cache.get(key)
+    if seconds is None:
+        seconds = topology.pace_cache[key] = all_reduce(topology, mapping.grad_norm_group(sharded), NORM_BYTES, "tree")
+    return seconds
 
 
 def compute_model_of(job):
@@ -678,18 +671,25 @@ def _model_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None
                  layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
                  bandwidths: tuple, fallback_bandwidth: float, optimizer_state_bytes: float,
                  stage_ranks: tuple, gpus: tuple, fallback_gpu: str | None, profiled, ep: int = 1,
-                 cp: int = 1, layer_hold_seconds: float = 0.0, comm_sms: int = 0, copies: int = 1) -> Costs:
+                 cp: int = 1, layer_hold_seconds: float = 0.0, comm_sms: int = 0, copies: int = 1,
+                 norm_grad_bytes: float | None = None, norm_all_reduce: float = 0.0) -> Costs:
     """``transformer_costs.model_costs``, kept per distinct input: it is a pure function of
     them and ``Costs`` never changes, and a plan asks for the same stages' costs for many
     layouts (every dp width on one kind of GPU, with and without ZeRO). The optimizer
     step is the one figure the optimizer's bytes per parameter change, in proportion
     (each rank reads and writes them once), so it is derived per placement for one byte
-    per parameter and scaled; the stages, which no placement changes, once for all of them."""
+    per parameter and scaled; the stages, which no placement changes, once for all of them.
+    With clipping (``norm_grad_bytes``: the gradient bytes a parameter's norm reads),
+    ``Costs.grad_norm_overhead`` is that read, which is the same pass as the optimizer's
+    but reading once where it reads and writes, and ``norm_all_reduce``."""
     per_byte = _model_costs_per_optimizer_byte(spec, num_stages, peaks, tp, mfu, sequence_parallel, layout, recompute,
                                                flash_attention, fallback_peak, bandwidths, fallback_bandwidth,
                                                stage_ranks, gpus, fallback_gpu, profiled, ep, cp, layer_hold_seconds,
                                                comm_sms, copies)
-    return per_byte.with_step_overhead(per_byte.step_overhead * optimizer_state_bytes)
+    costs = per_byte.with_step_overhead(per_byte.step_overhead * optimizer_state_bytes)
+    if norm_grad_bytes is None:
+        return costs
+    return costs.with_grad_norm(per_byte.step_overhead * norm_grad_bytes / 2 + norm_all_reduce)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -272,7 +272,7 @@ def add_parallel_args(parser: argparse.ArgumentParser, context_and_experts: bool
 
 def add_clip_grad_arg(parser) -> None:
     """``--clip-grad``: gradient clipping's norm, priced by ``simulate`` and ``plan`` alike
-    (``pipesim.job.grad_norm_seconds``)."""
+    (``pipesim.job.model_costs_of``: ``Costs.grad_norm_overhead``)."""
     from pipesim.job import CLIP_GRAD
 
     parser.add_argument("--clip-grad", type=float, default=None, metavar="NORM",

@@ -243,21 +243,21 @@ class Costs:
         return len(self.stages)
 
     def with_step_overhead(self, seconds: float) -> Costs:
-        """These costs with another optimizer step, the stages not checked again (they
-        were): a planner derives thousands of layouts' costs that differ only there."""
-        check_number(seconds, "step_overhead")
-        copy = object.__new__(Costs)
-        copy.__dict__.update(self.__dict__, meta=dict(self.meta))
-        object.__setattr__(copy, "step_overhead", seconds)
-        return copy
+        """These costs with another optimizer step (``with_overhead``)."""
+        return self.with_overhead("step_overhead", seconds)
 
     def with_grad_norm(self, seconds: float) -> Costs:
-        """These costs with gradient clipping's norm taking ``seconds`` (see the class),
-        copied as ``with_step_overhead`` copies."""
-        check_number(seconds, "grad_norm_overhead")
+        """These costs with gradient clipping's norm taking ``seconds`` (see the class)."""
+        return self.with_overhead("grad_norm_overhead", seconds)
+
+    def with_overhead(self, name: str, seconds: float) -> Costs:
+        """These costs with overhead ``name`` (one of ``OVERHEADS``) set to ``seconds``, the
+        stages not checked again (they were): a planner derives thousands of layouts'
+        costs that differ only there."""
+        check_number(seconds, name)
         copy = object.__new__(Costs)
         copy.__dict__.update(self.__dict__, meta=dict(self.meta))
-        object.__setattr__(copy, "grad_norm_overhead", seconds)
+        object.__setattr__(copy, name, seconds)
         return copy
 
     def durations(self) -> dict[tuple[int, str], float]:

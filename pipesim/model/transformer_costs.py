@@ -54,7 +54,7 @@ from pipesim.model.activations import (
 from pipesim.model.compute_model import BlockTime, ComputeModel, KernelModel, block_time, stage_compute_model
 from pipesim.model.costs import Costs, StageCost
 from pipesim.model.layout import check_layout
-from pipesim.model.memory_traffic import memory_seconds, optimizer_step_seconds
+from pipesim.model.memory_traffic import optimizer_step_seconds
 from pipesim.model.operations import attention_core, head_operations, layer_operations, mtp_operations
 from pipesim.model.per_op_checkpoint import check_per_op, recomputed_tp_pairs
 from pipesim.model.saved_tensors import KERNELS, SavedTensors, mtp_extra
@@ -384,20 +384,6 @@ def with_optimizer_step(costs: Costs, optimizer_state_bytes: float, stage_ranks:
             seconds = stage_seconds[key] = optimizer_step_seconds(cost.params, optimizer_state_bytes, bandwidth)
         step_seconds[rank] = step_seconds.get(rank, 0.0) + seconds
     return costs.with_step_overhead(max(step_seconds.values()))
-
-
-def gradient_read_seconds(costs: Costs, grad_bytes_per_param: float, stage_ranks: list[int] | None,
-                          stage_memory_bandwidth: list[float] | None, fallback_memory_bandwidth: float) -> float:
-    """Seconds the slowest rank takes to read ``grad_bytes_per_param`` of each parameter
-    of its stages once: gradient clipping's sum of squares (``Costs.grad_norm_overhead``),
-    a memory-bound pass like the optimizer's (``with_optimizer_step``), which reads and
-    writes where this only reads."""
-    seconds: dict[int, float] = {}
-    for stage, cost in enumerate(costs.stages):
-        rank = stage_ranks[stage] if stage_ranks else stage
-        bandwidth = stage_bandwidth(stage_memory_bandwidth, fallback_memory_bandwidth, stage)
-        seconds[rank] = seconds.get(rank, 0.0) + memory_seconds(cost.params * grad_bytes_per_param, bandwidth)
-    return max(seconds.values())
 
 
 @functools.lru_cache(maxsize=256)
