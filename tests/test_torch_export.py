@@ -419,3 +419,7 @@ def test_a_clip_norm_other_than_torchtitans_own_is_written(tmp_path):
                    "--torchtitan", folder) == 0
         written = read_args(folder / "torchtitan.args").get("training.max_norm")
         assert (None if written is None else float(written)) == expected
+    # torchtitan's knob needs no model: a schedule's export keeps the norm given
+    assert run("export", "--schedule", "1f1b", "--pp", 2, "-m", 4, "--clip-grad", "0.5", "--torchtitan",
+               tmp_path / "bare") == 0
+    assert float(read_args(tmp_path / "bare" / "torchtitan.args")["training.max_norm"]) == 0.5

@@ -218,7 +218,7 @@ def layout_from_args(args: argparse.Namespace):
     """The ``TorchtitanLayout`` that the flags (``export``'s, or a plan layout's ``Job``)
     describe; the model's layers and sequence length where a
     ``--model`` or ``--layers``/``--seq-len`` gives them, and its ``--qkv`` with a ``--model``."""
-    from pipesim.cli.torchtitan import TORCHTITAN_MAX_NORM, TorchtitanLayout, qkv_of
+    from pipesim.cli.torchtitan import TorchtitanLayout, qkv_of
     from pipesim.job import clip_grad_of
 
     layers, seq_len = getattr(args, "layers", None), getattr(args, "seq_len", None)
@@ -234,4 +234,4 @@ def layout_from_args(args: argparse.Namespace):
                             torch_class=getattr(args, "torch_class", None), ep=getattr(args, "ep", 1),
                             cp=getattr(args, "cp", 1), sequence_parallel=getattr(args, "sequence_parallel", False),
                             recompute=getattr(args, "recompute", "none"), qkv=qkv,
-                            max_norm=clip_grad_of(args) if getattr(args, "model", None) else TORCHTITAN_MAX_NORM)
+                            max_norm=clip_grad_of(args))
