@@ -139,6 +139,7 @@ class Block(nn.Module):
     """A pre-norm decoder block: causal self-attention then a 4x MLP, both residual."""
 
     recompute_norms = False  # --recompute norm-mla-up: each norm's output recomputed for its reader's backward
+    regather_shards = True  # under sequence parallelism, qkv's and fc1's gathered inputs dropped until their backward
     context = None  # --cp: this rank's share of the sequence (executor.context_parallel)
 
     def __init__(self, hidden: int, heads: int) -> None:
@@ -155,7 +156,7 @@ class Block(nn.Module):
         # The qkv features are laid out head by head ([q k v] of head 0, then head 1, ...)
         # so that a tensor-parallel column split of ``qkv`` gives each rank whole heads;
         # the head count and sequence length are read from the (possibly split) output.
-        qkv = norm_read_by(self.norm1, self.qkv, x, self.recompute_norms)
+        qkv = norm_read_by(self.norm1, self.qkv, x, self.recompute_norms, self.regather_shards)
         batch, seq = qkv.shape[:2]
         heads = qkv.shape[2] // (3 * self.head_dim)
         q, k, v = qkv.view(batch, seq, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
@@ -165,7 +166,8 @@ class Block(nn.Module):
             attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             joined = attention.transpose(1, 2).reshape(batch, seq, heads * self.head_dim)
         x = x + self.proj(joined)
-        return x + self.fc2(F.gelu(norm_read_by(self.norm2, self.fc1, x, self.recompute_norms)))
+        return x + self.fc2(F.gelu(norm_read_by(self.norm2, self.fc1, x, self.recompute_norms,
+                                                  self.regather_shards)))
 
 
 class Embedding(nn.Module):

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.distributed.tensor import Replicate
 
 from executor.data_parallel import local_storage
 
@@ -79,15 +80,23 @@ def drop_until_backward(reader_output: torch.Tensor, tensors: Sequence[torch.Ten
 
 
 def norm_read_by(norm: torch.nn.Module, reader: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                 recompute: bool) -> torch.Tensor:
+                 recompute: bool, regather: bool = False) -> torch.Tensor:
     """``reader(norm(x))``; with ``recompute`` the norm's output is not kept for the
-    reader's backward but computed again from ``x`` (which the norm keeps anyway). Not
-    where the output is a sequence shard (tensor parallelism's sequence parallelism): the
-    reader gathers it first and keeps the gathered copy, the shard is kept by no one, and
-    dropping it would only rebuild it in the backward for nothing."""
+    reader's backward but computed again from ``x`` (which the norm keeps anyway). Where
+    the output is a sequence shard (tensor parallelism's sequence parallelism) the reader
+    gathers it first and its GEMMs keep the gathered copy: with ``regather`` that copy is
+    dropped and gathered again before the reader's backward (``read_gathered_shard``),
+    the shard (or, recomputing, ``x``) kept instead; without it the gathered copy stays,
+    and dropping the shard would only rebuild it in the backward for nothing."""
     normed = norm(x)
+    if sequence_sharded(normed):
+        if not regather:
+            return reader(normed)
+        reshard = (lambda kept: norm(kept)) if recompute else (lambda kept: kept)
+        return read_gathered_shard(reader, normed, x if recompute else normed, reshard,
+                                   f"{type(reader).__name__}'s gathered input")
     out = reader(normed)
-    if recompute and not sequence_sharded(normed):
+    if recompute:
         drop_until_backward(out, (normed,), lambda: (norm(x),), f"{type(norm).__name__} output")
     return out
 
@@ -96,3 +105,65 @@ def sequence_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor sharded over its mesh (sequence parallelism's norm
     outputs are, on the sequence dimension)."""
     return any(placement.is_shard() for placement in getattr(tensor, "placements", ()))
+
+
+def read_gathered_shard(reader: Callable[[torch.Tensor], torch.Tensor], shard: torch.Tensor, kept: torch.Tensor,
+                        reshard: Callable[[torch.Tensor], torch.Tensor], what: str) -> torch.Tensor:
+    """``reader(shard)``, where ``reader``'s own input hook (tensor parallelism's
+    ``ColwiseParallel`` or ``PrepareModuleInput``) all-gathers the sequence shard before
+    its column-parallel GEMMs, which save the gathered copy for their weight gradients.
+    As Megatron-Core's ``ColumnParallelLinear`` runs sequence parallelism (and Korthikanti
+    et al. 2022 count it, section 4.2.2): the gathered copy's storage is emptied once the
+    reader has run, ``kept`` is saved instead (the shard, or the norm's input when the
+    norm is recomputed: ``reshard(kept)`` makes the shard again), and when the reader's
+    output gradient arrives, just before the reader's backward, the shard is all-gathered
+    again into the same storage: one more all-gather a sublayer in each backward, the
+    sequence shard kept between the forward and the backward instead of the whole
+    sequence. A split backward's ``I`` refills it and ``W`` reads it, as Megatron's
+    deferred weight gradients read the gathered input. Outside a graph, under autocast
+    (each linear then saves its own 16-bit cast of the gathered input, not the copy) or
+    where the reader did not gather, nothing is dropped."""
+    gathered: list[torch.Tensor] = []
+    handle = reader.register_forward_pre_hook(lambda _module, args: gathered.append(args[0]))
+    try:
+        out = reader(shard)
+    finally:
+        handle.remove()
+    if (not (torch.is_grad_enabled() and out.requires_grad) or torch.is_autocast_enabled(shard.device.type)
+            or sequence_sharded(gathered[0])):
+        return out
+    source: list[torch.Tensor] = []
+    dropped = DroppedUntilBackward((gathered[0],), lambda: (gather_sequence(reshard(source[0])),), what)
+
+    def refill(saved: torch.Tensor) -> None:
+        source.append(saved)
+        dropped.refill()
+        source.clear()
+
+    return RegatherBeforeBackward.apply(out, kept, refill)
+
+
+def gather_sequence(shard: torch.Tensor) -> torch.Tensor:
+    """The whole of a sequence-sharded DTensor on every rank of its mesh (the all-gather
+    the reader's input hook ran in the forward)."""
+    return shard.redistribute(shard.device_mesh, [Replicate()] * shard.device_mesh.ndim)
+
+
+class RegatherBeforeBackward(torch.autograd.Function):
+    """Identity on a reader's output that saves ``kept`` for the backward (so it lives
+    with the graph, and the executor's memory count sees it) and, when the output's
+    gradient arrives, hands it to ``refill`` before the gradient flows on into the
+    reader."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, kept: torch.Tensor,
+                refill: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        ctx.refill = refill
+        ctx.save_for_backward(kept)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (kept,) = ctx.saved_tensors
+        ctx.refill(kept)
+        return grad, None, None

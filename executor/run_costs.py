@@ -32,9 +32,10 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
-from executor.config import RunConfig
+from executor.config import MIXED_DTYPES, RunConfig
 from executor.estimate import ROUNDS, robust_mean
 from executor.step_tail import TAIL_KINDS
+from pipesim.model.saved_tensors import AUTOCAST_TORCH, EAGER_TORCH, regathered_inputs
 from schedules.action import COMM_KINDS, COMPUTE_KINDS, ActionKind, parse_action
 from schedules.runtime_gaps import gaps
 from schedules.schedule import Schedule
@@ -195,9 +196,11 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     ``tp``: norms and biases that tp replicates are counted as split, a small share of a
     stage), and for tp the layers and the activation each layer's collectives carry
     (``layers``, ``tp_message_bytes``: the whole ``s*b*h`` activation, Megatron's rule,
-    ``pipesim.sim.parallel``). With DualPipe's two copies of the model, ``num_stages``
-    counts the pipeline's stages, each the model stage ``stage mod`` the model's
-    (``executor.copies``), each copy's last sending nothing. Builds the stages on the
+    ``pipesim.sim.parallel``; ``tp_regathers``: the sublayer inputs a layer's backward
+    gathers again under sequence parallelism, ``executor.rebuilt_activations``). With
+    DualPipe's two copies of the model, ``num_stages`` counts the pipeline's stages, each
+    the model stage ``stage mod`` the model's (``executor.copies``), each copy's last
+    sending nothing. Builds the stages on the
     CPU to count them (torch is loaded here)."""
     import torch  # noqa: PLC0415
 
@@ -205,6 +208,7 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     from executor.models import build_model  # noqa: PLC0415
 
     model = build_model(config)
+    saved = AUTOCAST_TORCH if config.dtype in MIXED_DTYPES else EAGER_TORCH
     microbatch = -(-config.replica_batch_size // config.microbatches)
     shape = local_shape(model.boundary_shape(microbatch), config.boundary_sequence_split)
     element = torch.tensor([], dtype=getattr(torch, config.dtype)).element_size()
@@ -218,6 +222,8 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
         if config.tp > 1:
             entry["layers"] = float(model.layout[stage])
             entry["tp_message_bytes"] = float(math.prod(model.boundary_shape(microbatch)) * element)
+            entry["tp_regathers"] = float(regathered_inputs(saved, config.tp, config.sequence_parallel,
+                                                            config.recompute))
         if config.ep > 1:
             entry.update(expert_exchange(config, model.layout, stage, microbatch, element))
         if config.cp > 1 and config.cp_comm == "p2p":

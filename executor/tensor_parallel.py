@@ -15,7 +15,9 @@ pipeline shapes do not change with tp.
 
 With ``sequence_parallel`` the norms run on sequence shards (SequenceParallel) and the
 all-reduces become an all-gather before each column-parallel GEMM and a reduce-scatter
-after each row-parallel one: Megatron-Core's four collectives a block and pass. The
+after each row-parallel one: Megatron-Core's four collectives a block and pass, and in
+the backward two more, each sublayer's input gathered again from the sequence shard the
+forward kept in place of the gathered copy (``executor.rebuilt_activations``). The
 residual stream stays sequence-sharded between blocks and between stages
 (``shard_residual_stream``): each tp rank holds, and sends to the same tp rank of the
 next stage, its ``batch x seq/tp x hidden`` shard (``RunConfig.boundary_sequence_split``

@@ -65,17 +65,20 @@ def test_compare_prices_the_sequence_parallel_collectives_from_its_calibration_s
     assert pace["ranks"] == 2 and pace["bytes"] == 2 * 8 * 16 * 4  # the layer's s*b*h activation in float32
     assert pace["latency"] >= 0 and pace["bandwidth"] > 0 and pace["benchmark_seconds"] > 0
     assert pace["seconds"] == pytest.approx(pace["bytes"] / pace["bandwidth"] + pace["latency"], rel=1e-12)
-    # one calibration step, its tp total spread over the 32 collectives the simulator charges it
-    # (8 actions x 1 layer x 2 all-gathers and 2 reduce-scatters) where the executor timed 36 (it
-    # also cuts the sequence at the first stage, gathered in each of its 2 B, and joins it
-    # before the last stage's head in each of its 2 F): a collective 36/32 of the mean one timed
-    assert pace["seconds"] == pytest.approx(pace["timed_seconds"] * 36 / 32, rel=1e-9)
-    # the simulator's tp hold after each F and B: 1 layer x (2 all-gathers + 2 reduce-scatters)
+    # one calibration step, its tp total spread over the 40 collectives the simulator charges it
+    # (8 actions x 1 layer x 2 all-gathers and 2 reduce-scatters, and each of the 4 B's 2
+    # all-gathers of the sublayers' inputs again) where the executor timed 44 (it also cuts the
+    # sequence at the first stage, gathered in each of its 2 B, and joins it before the last
+    # stage's head in each of its 2 F): a collective 44/40 of the mean one timed
+    assert pace["seconds"] == pytest.approx(pace["timed_seconds"] * 44 / 40, rel=1e-9)
+    # the simulator's tp hold after each F: 1 layer x (2 all-gathers + 2 reduce-scatters); after
+    # each B 2 all-gathers more
     events = json.loads((tmp_path / "predicted.json").read_text())["events"]
     collectives = [event for event in events if event["stream"] == "tp"]
     assert len(collectives) == 2 * 2 * 2  # per rank: 2 microbatches x (F, B)
     for event in collectives:
-        assert event["end"] - event["start"] == pytest.approx(4 * pace["seconds"], rel=1e-6)
+        held = 4 if "F" in event["action"] else 6  # TP(0F1), TP(0B1)
+        assert event["end"] - event["start"] == pytest.approx(held * pace["seconds"], rel=1e-6), event
 
 
 def test_compare_refuses_costs_given_twice_and_no_calibration_steps(tmp_path, capsys):

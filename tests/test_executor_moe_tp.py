@@ -58,8 +58,10 @@ def test_a_mixture_of_experts_reduces_once_a_pass() -> None:
     sequence parallelism the forward gathers and reduce-scatters around each sublayer
     (4 a layer) and gathers once before the head: 9; the backward mirrors the gathers
     and scatters (2 a sublayer, the MoE input's gather's mirror a slice) and sums the
-    experts' inputs and weights (2): 5 a layer, and the embedding cut's all-gather: 11."""
+    experts' inputs and weights (2): 5 a layer, and the embedding cut's all-gather: 11;
+    and it gathers each sublayer's input again from the shard the forward kept
+    (``executor.rebuilt_activations.read_gathered_shard``, 2 a layer): 15."""
     assert tp_collectives("llama") == {"0F": 4, "0B": 4}  # dense: one a sublayer each way (10 backward before)
     assert tp_collectives("mixtral") == {"0F": 4, "0B": 6}
     assert tp_collectives("qwen-moe") == {"0F": 4, "0B": 8}
-    assert tp_collectives("mixtral-sp") == {"0F": 9, "0B": 11}
+    assert tp_collectives("mixtral-sp") == {"0F": 9, "0B": 15}

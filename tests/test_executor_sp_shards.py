@@ -59,27 +59,30 @@ def tp_collectives_per_action(name: str) -> dict[str, set[int]]:
 
 def test_each_block_issues_megatrons_four_collectives_a_pass() -> None:
     """By hand: a block's forward all-gathers before attention and before the MLP and
-    reduce-scatters after each (4); its backward mirrors them (4). Stage 0 holds 2
-    blocks, stage 1 one (3 layers, the even split): 8 and 4. The first stage's backward adds the all-gather of the
-    embedding output's gradient (the cut's backward), the last stage's forward the one
-    all-gather before the head: 9 and 5. (Gathering every block's output back to the whole
-    activation, as before, issued 5 a block and pass: 10 on stage 0.)"""
+    reduce-scatters after each (4); its backward mirrors them (4) and, as Megatron-Core
+    runs it, gathers each sublayer's input again from the shard it kept (2 more: 6).
+    Stage 0 holds 2 blocks, stage 1 one (3 layers, the even split): 8 and 12, 4 and 6.
+    The first stage's backward adds the all-gather of the embedding output's gradient
+    (the cut's backward), the last stage's forward the one all-gather before the head:
+    13 and 5. (Gathering every block's output back to the whole activation, as before,
+    issued 5 a block and pass: 10 on stage 0's forward.)"""
     assert tuple(build_model(CASES.config("gpt-pp2")).layout) == (2, 1)
-    assert tp_collectives_per_action("gpt-pp2") == {"0F": {8}, "0B": {9}, "1F": {5}, "1B": {4}}
-    # One stage holds both ends and 3 blocks: 12 + 1 each way.
-    assert tp_collectives_per_action("gpt-dp2") == {"0F": {13}, "0B": {13}}
+    assert tp_collectives_per_action("gpt-pp2") == {"0F": {8}, "0B": {13}, "1F": {5}, "1B": {6}}
+    # One stage holds both ends and 3 blocks: 12 + 1 forward, 18 + 1 backward.
+    assert tp_collectives_per_action("gpt-dp2") == {"0F": {13}, "0B": {19}}
 
 
 def test_split_backward_keeps_the_collectives_in_the_input_gradient() -> None:
-    """Under zb-h1 the input gradient I carries the backward's four collectives a block
+    """Under zb-h1 the input gradient I carries the backward's six collectives a block
     (and the first stage's the embedding cut's all-gather) and W none, as the simulator
-    charges it (and as Megatron's zero-bubble weight-gradient store runs it): the split
-    records each row-parallel GEMM's own output, before the reduce-scatter, so I keeps
-    the all-gathered output gradient for W. Llama 3's 3 layers on 2 stages: the
-    simulator's split, 2 and 1 (the first stage also holds the embedding)."""
+    charges it (and as Megatron's zero-bubble weight-gradient store runs it): I gathers
+    the sublayers' inputs again and holds them for W, and the split records each
+    row-parallel GEMM's own output, before the reduce-scatter, so I keeps the
+    all-gathered output gradient for W. Llama 3's 3 layers on 2 stages: the simulator's
+    split, 2 and 1 (the first stage also holds the embedding)."""
     model = build_model(CASES.config("llama-zb-h1-pp2"))
     assert tuple(model.layout) == (2, 1)
-    assert tp_collectives_per_action("llama-zb-h1-pp2") == {"0F": {8}, "0I": {9}, "1F": {5}, "1I": {4}}
+    assert tp_collectives_per_action("llama-zb-h1-pp2") == {"0F": {8}, "0I": {13}, "1F": {5}, "1I": {6}}
 
 
 def test_stage_boundary_message_is_the_sequence_shard() -> None:

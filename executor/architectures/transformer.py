@@ -32,7 +32,7 @@ from executor.architectures.mtp import (
 )
 from executor.config import RunConfig
 from executor.models import GptModel, seeded, token_positions
-from executor.rebuilt_activations import norm_read_by
+from executor.rebuilt_activations import norm_read_by, read_gathered_shard, sequence_sharded
 from pipesim.model.spec import ModelSpec
 
 
@@ -48,6 +48,9 @@ class TransformerBlock(nn.Module):
     ``x + post(attention(norm(x)))``."""
 
     recompute_norms = False  # --recompute norm-mla-up: each norm's output recomputed for its reader's backward
+    # under sequence parallelism, each sublayer's gathered input dropped after its forward and gathered again
+    # before its backward (executor.rebuilt_activations.read_gathered_shard); off under a checkpoint
+    regather_shards = True
 
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
@@ -89,17 +92,27 @@ class TransformerBlock(nn.Module):
                                             spec.activation_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recompute, regather = self.recompute_norms, self.regather_shards
         if self.ffn_norm is None:  # parallel, one norm
             normed = self.attention_norm(x)
-            return x + self.attention(normed) + self.feed_forward(normed)
-        attended = norm_read_by(self.attention_norm, self.attention, x, self.recompute_norms)
+            return x + self.read_shared(self.attention, normed) + self.read_shared(self.feed_forward, normed)
+        attended = norm_read_by(self.attention_norm, self.attention, x, recompute, regather)
         if self.post_attention_norm is not None:
             x = x + self.post_attention_norm(attended)
-            return x + self.post_ffn_norm(norm_read_by(self.ffn_norm, self.feed_forward, x, self.recompute_norms))
+            return x + self.post_ffn_norm(norm_read_by(self.ffn_norm, self.feed_forward, x, recompute, regather))
         if self.parallel:  # GPT-NeoX, Falcon's new decoder: both read the block's input
-            return x + attended + norm_read_by(self.ffn_norm, self.feed_forward, x, self.recompute_norms)
+            return x + attended + norm_read_by(self.ffn_norm, self.feed_forward, x, recompute, regather)
         x = x + attended
-        return x + norm_read_by(self.ffn_norm, self.feed_forward, x, self.recompute_norms)
+        return x + norm_read_by(self.ffn_norm, self.feed_forward, x, recompute, regather)
+
+    def read_shared(self, reader: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+        """``reader(normed)`` for Falcon-7B's one norm a layer, whose output both halves
+        read: under sequence parallelism each gathers it and, with ``regather_shards``,
+        drops its gathered copy until its backward, the shard kept once for both."""
+        if self.regather_shards and sequence_sharded(normed):
+            return read_gathered_shard(reader, normed, normed, lambda kept: kept,
+                                       f"{type(reader).__name__}'s gathered input")
+        return reader(normed)
 
 
 class TokenEmbedding(nn.Module):

@@ -154,12 +154,12 @@ def tp_gather_scatter(topology: Topology, config: RunConfig, schedule: Schedule,
     and a reduce-scatter, the same ring cost), so separate prices would change no
     prediction. Why the held total, not the mean of one collective as ``tp_all_reduce``
     takes: the executor's collectives are not all the ones the simulator charges. It
-    issues Megatron's four per block and pass, but also one per microbatch where the
-    sequence is cut (the first stage's backward) and joined (the last stage's forward),
-    and under a split backward two more a block in ``W``
-    (``executor.tensor_parallel.shard_residual_stream``); the simulator charges four a
-    layer. A mean per collective would leave those out of the prediction; the held total
-    spreads them over the charged ones."""
+    issues Megatron's four a block forward and six backward (the sublayers' inputs
+    gathered again, ``tp_regathers``), which the simulator charges, but also one per
+    microbatch where the sequence is cut (the first stage's backward) and joined (the
+    last stage's forward) (``executor.tensor_parallel.shard_residual_stream``), which it
+    does not. A mean per collective would leave those out of the prediction; the held
+    total spreads them over the charged ones."""
     from executor.run_costs import held_seconds  # noqa: PLC0415
     from pipesim.cli.compare import replicas  # noqa: PLC0415 - the parallelism compare predicts with
     from pipesim.cluster.collectives import all_gather, ring_pace  # noqa: PLC0415

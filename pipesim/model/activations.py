@@ -79,7 +79,14 @@ from __future__ import annotations
 
 from pipesim.model.per_op_checkpoint import PER_OP, stash_bytes_per_token
 from pipesim.model.quantization import FP8_TILE_BYTES
-from pipesim.model.saved_tensors import KERNELS, SavedTensors, first_stage_extra, last_stage_extra, layer_extra_bytes
+from pipesim.model.saved_tensors import (
+    KERNELS,
+    SavedTensors,
+    first_stage_extra,
+    last_stage_extra,
+    layer_extra_bytes,
+    regathered_inputs,
+)
 from pipesim.model.spec import NORM_MLA_UP, ModelSpec, check_recompute
 from pipesim.model.weights import kv_heads_per_shard
 
@@ -186,6 +193,23 @@ def rebuilt_until_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sequence_paral
         return 0.0
     return (layer_stash_bytes(spec, tp, sequence_parallel, "none", flash_attention, layer, saved)
             - layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention, layer, saved))
+
+
+def regathered_until_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
+                                       recompute: str = "none", saved: SavedTensors = KERNELS) -> float:
+    """Bytes of a layer's gathered sublayer inputs that a split backward's ``I``
+    gathers again and holds until ``W`` (``regathered_inputs``: the executor under
+    sequence parallelism), whole, one a sublayer. Under ``--recompute norm-mla-up`` the
+    rebuild makes the gathered copy straight from the recomputed norm, so the norms'
+    shards ``rebuilt_until_weight_grad_bytes`` counts are not held: taken off here."""
+    copies = regathered_inputs(saved, tp, sequence_parallel, recompute)
+    if not copies:
+        return 0.0
+    whole = copies * spec.tokens * spec.hidden * spec.dtype_bytes
+    if recompute == NORM_MLA_UP and saved.whole_stash_until_weight_grad:
+        gemm_inputs = 1 if spec.parallel_residual and spec.norms_per_layer == 1 else 2
+        whole -= gemm_inputs * spec.tokens * spec.hidden * spec.dtype_bytes / tp
+    return whole
 
 
 def output_grad_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False, layer: int = 0,

@@ -40,8 +40,14 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   targets; the first stage's embedding keeps the int64 token ids.
 - **Split backward** (``I`` then ``W``): ``I`` runs autograd with ``retain_graph``, so the
   whole stash is held until ``W``, not only the weight GEMMs' inputs.
-- **Sequence parallelism** (torch's ``SequenceParallel`` with DTensor): a column-parallel
-  linear keeps the all-gathered input it multiplied, whole, not the sequence shard.
+- **Sequence parallelism** (torch's ``SequenceParallel`` with DTensor): each sublayer's
+  column-parallel linears keep the all-gathered input they multiplied, whole. The executor
+  drops that copy after the forward and gathers the kept shard again before the
+  sublayer's backward (``executor.rebuilt_activations.read_gathered_shard``), as
+  Megatron-Core does, so between ``F`` and ``B`` a layer keeps the inventory's shard; a
+  split backward's ``I`` refills the two copies (one a sublayer) and ``W`` reads them,
+  so they are held whole from ``I`` until ``W``. Under autocast each linear keeps its own
+  16-bit cast of the gathered input instead, which stays whole from ``F``.
 - **Autocast** (``--dtype bfloat16``, float32 master weights): the residual stream, the
   norms and what they keep stay in float32 (``residual_bytes``); each linear keeps its
   own 16-bit cast of its input (the architectures' separate Q, K and V projections three
@@ -86,6 +92,8 @@ class SavedTensors:
     # ... and adds the gradients it found for every parameter-owning module's output, which W needs
     output_grads_until_weight_grad: bool = False
     gathered_gemm_inputs: bool = False  # under sequence parallelism, column-parallel linears keep the gathered input
+    # ... or only from a split backward's I until its W: dropped after F, gathered again before the backward
+    regathered_gemm_inputs: bool = False
     residual_bytes: int = 0  # bytes of an element of the residual stream and norms, where not the dtype's (autocast)
     input_cast_per_projection: bool = False  # Q, K, V (gate, up) projections each keep their own cast of the input
     weight_copies: bool = False  # each linear keeps its weight cast to the activation dtype, per microbatch
@@ -97,8 +105,21 @@ EAGER_TORCH = SavedTensors(layer_norm_statistics=2, rms_norm_statistics=1, rms_n
                            softmax_statistics=True, kv_repeated=True, attention_output_copy=True, rotary_tables=True,
                            gated_activation_output=True, routed_combine=True, wide_scores=True, token_indices=True,
                            whole_stash_until_weight_grad=True, output_grads_until_weight_grad=True,
-                           gathered_gemm_inputs=True, latent_kv_whole=True)
-AUTOCAST_TORCH = replace(EAGER_TORCH, residual_bytes=FP32_BYTES, input_cast_per_projection=True, weight_copies=True)
+                           regathered_gemm_inputs=True, latent_kv_whole=True)
+# autocast's casts happen inside each linear, after the gather: the executor cannot drop them
+AUTOCAST_TORCH = replace(EAGER_TORCH, residual_bytes=FP32_BYTES, input_cast_per_projection=True, weight_copies=True,
+                         gathered_gemm_inputs=True, regathered_gemm_inputs=False)
+REGATHERED_PER_LAYER = 2  # the attention's and the MLP's gathered inputs
+
+
+def regathered_inputs(saved: SavedTensors, tp: int, sequence_parallel: bool, recompute: str) -> int:
+    """How many gathered inputs a layer's backward all-gathers again
+    (``saved.regathered_gemm_inputs``): one a sublayer under sequence parallelism, none
+    where full or per-op recompute re-runs the forward inside the backward (its checkpoint
+    keeps what the re-run saves)."""
+    if not (saved.regathered_gemm_inputs and sequence_parallel and tp > 1) or recompute in ("full", PER_OP):
+        return 0
+    return REGATHERED_PER_LAYER
 
 
 def score_bytes(spec: ModelSpec, saved: SavedTensors) -> float:

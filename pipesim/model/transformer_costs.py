@@ -48,6 +48,7 @@ from pipesim.model.activations import (
     layer_stash_bytes,
     output_grad_bytes,
     rebuilt_until_weight_grad_bytes,
+    regathered_until_weight_grad_bytes,
     wgrad_stash_bytes,
     wgrad_stash_share,
 )
@@ -57,7 +58,7 @@ from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import optimizer_step_seconds
 from pipesim.model.operations import attention_core, head_operations, layer_operations, mtp_operations
 from pipesim.model.per_op_checkpoint import check_per_op, recomputed_tp_pairs
-from pipesim.model.saved_tensors import KERNELS, SavedTensors, mtp_extra
+from pipesim.model.saved_tensors import KERNELS, SavedTensors, mtp_extra, regathered_inputs
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak
 from pipesim.model.stage_split import split_layers
 from pipesim.model.tp_windows import TP_WINDOW_FIELDS, tp_gemm_windows
@@ -220,7 +221,8 @@ def model_stage_costs(
                         wgrad_stash_bytes(local, tp, sequence_parallel, layer),
                         output_grad_bytes(local, tp, sequence_parallel, layer, saved_tensors)
                         + rebuilt_until_weight_grad_bytes(local, tp, sequence_parallel, recompute, flash_attention,
-                                                          layer, saved_tensors))
+                                                          layer, saved_tensors)
+                        + regathered_until_weight_grad_bytes(local, tp, sequence_parallel, recompute, saved_tensors))
                 for layer in kind_layer.values()}
     routed = routed_params(spec, tp, ep)
     # the all-to-all toward the experts in FP8 under DeepSeek-V3's recipe, the one back in BF16
@@ -286,6 +288,7 @@ def model_stage_costs(
             params=params,
             layers=count,
             tp_message_bytes=local.tp_message_bytes() if tp > 1 else 0.0,  # alike in every layer
+            tp_regathers=float(regathered_inputs(saved_tensors, tp, sequence_parallel, recompute)),
             recompute_layers=count if recompute == "full" else 0,
             # full recompute's re-run collectives are its recompute_layers'
             recomputed_tp_pairs=0.0 if recompute == "full" else count * recomputed_tp_pairs(recompute,

@@ -445,7 +445,9 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
     the rank. Costs that do not give the GEMMs (a costs file without ``tp_window_*``) hide
     a layer's collectives under its whole compute outside the attention core in that pass.
     Without sequence parallelism the all-reduces are on the critical path whole, as
-    Megatron runs them."""
+    Megatron runs them. A backward's ``tp_regathers`` (the executor's sequence shards
+    gathered again before each sublayer's backward) hold the rank whole in either mode:
+    the executor waits for each before the backward reads it."""
     seconds: dict[tuple[int, str], float] = {}
     if mapping.tp == 1:
         return seconds
@@ -474,15 +476,20 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         # checkpointing the collectives whose outputs it does not save (recomputed_tp_pairs)
         backward = per_pass + ((2 * cost.recompute_layers + cost.recomputed_tp_pairs) * one
                                + experts * cost.recompute_layers / cost.layers)
+        # the sublayers' inputs gathered again before their backward, each waited for (an all-gather:
+        # half the pair's ring cost)
+        regathered = cost.layers * cost.tp_regathers * one / 2
         if not overlapped:
-            return per_pass, backward, backward
+            return per_pass, backward + regathered, backward + regathered
         layers = cost.layers
         if any(cost.tp_windows):
-            return _paired_tp_exposure(cost, one, experts / layers, slowdown)
+            forward, full, split = _paired_tp_exposure(cost, one, experts / layers, slowdown)
+            return forward, full + regathered, split + regathered
         windows = (cost.fwd / layers - cost.attention_fwd, cost.bwd / layers - cost.attention_bwd,
                    cost.input_grad / layers - cost.attention_bwd)
-        return tuple(layers * exposed_seconds(max(0.0, window), comm / layers, slowdown)
-                     for window, comm in zip(windows, (per_pass, backward, backward), strict=True))
+        forward, full, split = (layers * exposed_seconds(max(0.0, window), comm / layers, slowdown)
+                                for window, comm in zip(windows, (per_pass, backward, backward), strict=True))
+        return forward, full + regathered, split + regathered
 
     for stage, holds in enumerate(_per_alike_stage(schedule, costs, held)):
         if holds is not None:

@@ -1,0 +1,162 @@
+"""Sequence parallelism keeps the sequence shard, not the gathered copy, between the
+forward and the backward (``executor.rebuilt_activations.read_gathered_shard``), as
+Megatron-Core's column-parallel linears do (Korthikanti et al. 2022, section 4.2.2), and
+the simulator charges and counts what that costs: one more all-gather a sublayer in each
+backward, the two gathered copies held from a split backward's ``I`` until its ``W``.
+
+Expected values by hand: a toy GPT block (hidden 16, float64) on 2 tp ranks, a
+microbatch of 2 sequences of 8 tokens."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from executor.spawn import launch_ranks
+from pipesim.cluster.files import topology_from_dict
+from pipesim.cluster.mapping import map_ranks
+from pipesim.model.activations import (
+    layer_stash_bytes,
+    rebuilt_until_weight_grad_bytes,
+    regathered_until_weight_grad_bytes,
+)
+from pipesim.model.costs import Costs, StageCost
+from pipesim.model.saved_tensors import AUTOCAST_TORCH, EAGER_TORCH, KERNELS, regathered_inputs
+from pipesim.model.spec import ModelSpec
+from pipesim.sim.parallel import tp_collective_seconds
+from schedules import generate
+from schedules.action import ActionKind
+
+HIDDEN, HEADS, BATCH, SEQ, F64 = 16, 4, 2, 8, 8
+
+
+def block_on_two_ranks(regather: bool, recompute: bool) -> dict:
+    """One toy GPT block split over a 2-rank tp group with sequence parallelism: the
+    bytes its forward saved (parameters aside, each storage once, at its size after the
+    forward), the all-gathers its backward ran, and its gradients."""
+    import torch.distributed._functional_collectives as funcol  # noqa: PLC0415
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
+
+    from executor.data_parallel import local_storage, local_tensor  # noqa: PLC0415
+    from executor.models import Block  # noqa: PLC0415
+    from executor.tensor_parallel import TIMED_COLLECTIVES, block_plan  # noqa: PLC0415
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        torch.manual_seed(0)
+        block = Block(HIDDEN, HEADS).double()
+        block.regather_shards, block.recompute_norms = regather, recompute
+        parallelize_module(block, init_device_mesh("cpu", (2,)), block_plan(sequence_parallel=True))
+        whole = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        x = whole[:, rank * SEQ // 2:(rank + 1) * SEQ // 2].clone().requires_grad_()
+        params = {local_storage(p).data_ptr() for p in block.parameters()}
+        saved: dict[int, torch.UntypedStorage] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = local_storage(tensor)
+            if storage.data_ptr() not in params:
+                saved.setdefault(storage.data_ptr(), storage)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = block(x)
+        kept = sum(storage.nbytes() for storage in saved.values())
+        gathers = []
+        name = TIMED_COLLECTIVES[1]
+        original = getattr(funcol, name)
+        setattr(funcol, name, lambda *args, **kwargs: gathers.append(1) or original(*args, **kwargs))
+        try:
+            local_tensor(out).pow(2).sum().backward()
+        finally:
+            setattr(funcol, name, original)
+        grads = {key: local_tensor(p.grad).clone() for key, p in block.named_parameters()}
+        return {"kept": kept, "gathers": len(gathers), "grads": grads, "x_grad": x.grad.clone(),
+                "out": local_tensor(out).detach().clone()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple[bool, bool], dict]:
+    return {(regather, recompute): launch_ranks(block_on_two_ranks, (regather, recompute), 2)[0]
+            for regather, recompute in ((False, False), (True, False), (True, True))}
+
+
+@pytest.mark.timeout(300)
+def test_the_gathered_copies_are_dropped_and_the_shards_kept(runs) -> None:
+    whole_copy, shard = BATCH * SEQ * HIDDEN * F64, BATCH * SEQ // 2 * HIDDEN * F64
+    # qkv's and fc1's gathered inputs (whole) give way to the two shards they were gathered from
+    assert runs[False, False]["kept"] - runs[True, False]["kept"] == 2 * (whole_copy - shard)
+    # recomputing the norms keeps not even the shard: the norm's input, kept anyway, rebuilds it
+    assert runs[True, False]["kept"] - runs[True, True]["kept"] == 2 * shard
+
+
+@pytest.mark.timeout(300)
+def test_each_sublayer_gathers_its_input_again_in_the_backward(runs) -> None:
+    assert runs[True, False]["gathers"] - runs[False, False]["gathers"] == 2
+    assert runs[True, True]["gathers"] == runs[True, False]["gathers"]
+
+
+@pytest.mark.timeout(300)
+def test_the_results_do_not_change(runs) -> None:
+    reference = runs[False, False]
+    for run in (runs[True, False], runs[True, True]):
+        assert torch.equal(run["out"], reference["out"])
+        assert torch.equal(run["x_grad"], reference["x_grad"])
+        for name, grad in reference["grads"].items():
+            assert torch.equal(run["grads"][name], grad), name
+
+
+def test_the_executor_regathers_two_inputs_a_layer_where_it_can() -> None:
+    assert regathered_inputs(EAGER_TORCH, 2, True, "none") == 2
+    assert regathered_inputs(EAGER_TORCH, 2, True, "selective") == 2
+    assert regathered_inputs(EAGER_TORCH, 2, True, "norm-mla-up") == 2
+    # a checkpoint re-runs the forward in the backward; autocast's casts are not the gathered copy
+    assert regathered_inputs(EAGER_TORCH, 2, True, "full") == 0
+    assert regathered_inputs(EAGER_TORCH, 2, True, "per-op") == 0
+    assert regathered_inputs(AUTOCAST_TORCH, 2, True, "none") == 0
+    assert regathered_inputs(EAGER_TORCH, 2, False, "none") == 0
+    assert regathered_inputs(EAGER_TORCH, 1, True, "none") == 0
+    assert regathered_inputs(KERNELS, 2, True, "none") == 0  # Megatron's runs beside its dgrad GEMM
+
+
+def test_a_split_backward_holds_the_two_whole_copies_until_w() -> None:
+    spec = ModelSpec("small-llama", layers=2, hidden=64, heads=8, seq_len=32, vocab=100, kv_heads=2,
+                     ffn_hidden=128, gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False,
+                     rms_norm=True, dropout=False, microbatch_size=2, dtype_bytes=4)
+    tokens, h, d = 2 * 32, 64, 4
+    assert regathered_until_weight_grad_bytes(spec, 2, True, "none", EAGER_TORCH) == 2 * tokens * h * d
+    assert regathered_until_weight_grad_bytes(spec, 2, True, "none", AUTOCAST_TORCH) == 0.0
+    assert regathered_until_weight_grad_bytes(spec, 2, True, "full", EAGER_TORCH) == 0.0
+    # norm-mla-up: the rebuild makes the copies, not the norms' shards the recompute counts as rebuilt
+    rebuilt = rebuilt_until_weight_grad_bytes(spec, 2, True, "norm-mla-up", saved=EAGER_TORCH)
+    regathered = regathered_until_weight_grad_bytes(spec, 2, True, "norm-mla-up", EAGER_TORCH)
+    assert regathered == 2 * tokens * h * d - 2 * tokens * h / 2 * d
+    assert rebuilt >= 2 * tokens * h / 2 * d
+    # between F and B the executor now keeps the inventory's shard: sequence parallelism saves
+    # the same share of the gathered inputs as of the paper's count
+    with_sp = layer_stash_bytes(spec, 2, True, saved=EAGER_TORCH)
+    without = layer_stash_bytes(spec, 2, True, saved=replace(EAGER_TORCH, regathered_gemm_inputs=False,
+                                                             gathered_gemm_inputs=True))
+    assert without - with_sp == 2 * tokens * h * d * (1 - 1 / 2)
+
+
+def test_the_regathers_are_charged_to_each_backward_not_the_forward() -> None:
+    # two GPUs, 10 GB/s, no latency: an all-gather of S bytes over 2 ranks takes S / 2 / 10 GB/s
+    topology = topology_from_dict({"devices": [{"name": "g0"}, {"name": "g1"}],
+                                   "links": [{"src": "g0", "dst": "g1", "bandwidth": 10e9, "latency": 0.0}]})
+    message = 10e6
+    one = message / 2 / 10e9
+    base = StageCost(fwd=1e-3, bwd=2e-3, wgrad=1e-3, layers=3, tp_message_bytes=message)
+    for overlap in (False, True):  # held whole either way: the backward waits for each before reading it
+        before, after = (tp_collective_seconds(generate("1f1b", 1, 1), Costs(stages=(stage,), sequence_parallel=True),
+                                               topology, map_ranks(topology, tp=2), overlap=overlap)
+                         for stage in (base, replace(base, tp_regathers=2)))
+        assert after[0, ActionKind.F] == before[0, ActionKind.F]
+        for kind in (ActionKind.B, ActionKind.I):
+            assert after[0, kind] - before[0, kind] == pytest.approx(3 * 2 * one, rel=1e-12)
