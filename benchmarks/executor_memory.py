@@ -76,6 +76,12 @@ ROWS: dict[str, tuple[str, ...]] = {
     "llama 1f1b bfloat16": (*LLAMA, "--pp", "2", "--dtype", "bfloat16"),
     "llama zbv bfloat16 recompute full": (*LLAMA, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS, "--dtype",
                                           "bfloat16", "--recompute", "full"),
+    # sequence parallelism under autocast: what each sublayer keeps of its gathered input
+    "gpt 1f1b tp 2 sp bfloat16": (*GPT, "--pp", "2", "--tp", "2", "--sequence-parallel", "--dtype", "bfloat16"),
+    "llama zb-h1 tp 2 sp bfloat16": (*LLAMA, "--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "zb-h1",
+                                     "--dtype", "bfloat16"),
+    "mixtral 1f1b tp 2 sp bfloat16": (*MIXTRAL, "--pp", "2", "--tp", "2", "--sequence-parallel", "--dtype",
+                                      "bfloat16"),
     "mixtral 1f1b": (*MIXTRAL, "--pp", "2", "--schedule", "1f1b"),
     "mixtral zbv": (*MIXTRAL, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
     "mixtral 1f1b recompute selective": (*MIXTRAL, "--pp", "2", "--recompute", "selective"),

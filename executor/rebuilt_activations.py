@@ -92,9 +92,7 @@ def norm_read_by(norm: torch.nn.Module, reader: Callable[[torch.Tensor], torch.T
     if sequence_sharded(normed):
         if not regather:
             return reader(normed)
-        reshard = (lambda kept: norm(kept)) if recompute else (lambda kept: kept)
-        return read_gathered_shard(reader, normed, x if recompute else normed, reshard,
-                                   f"{type(reader).__name__}'s gathered input")
+        return read_gathered_shard(reader, normed, (norm, x) if recompute else None)
     out = reader(normed)
     if recompute:
         drop_until_backward(out, (normed,), lambda: (norm(x),), f"{type(norm).__name__} output")
@@ -107,33 +105,50 @@ def sequence_sharded(tensor: torch.Tensor) -> bool:
     return any(placement.is_shard() for placement in getattr(tensor, "placements", ()))
 
 
-def read_gathered_shard(reader: Callable[[torch.Tensor], torch.Tensor], shard: torch.Tensor, kept: torch.Tensor,
-                        reshard: Callable[[torch.Tensor], torch.Tensor], what: str) -> torch.Tensor:
+def read_gathered_shard(reader: torch.nn.Module, shard: torch.Tensor,
+                        recomputed_from: tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+                        ) -> torch.Tensor:
     """``reader(shard)``, where ``reader``'s own input hook (tensor parallelism's
     ``ColwiseParallel`` or ``PrepareModuleInput``) all-gathers the sequence shard before
     its column-parallel GEMMs, which save the gathered copy for their weight gradients.
     As Megatron-Core's ``ColumnParallelLinear`` runs sequence parallelism (and Korthikanti
     et al. 2022 count it, section 4.2.2): the gathered copy's storage is emptied once the
-    reader has run, ``kept`` is saved instead (the shard, or the norm's input when the
-    norm is recomputed: ``reshard(kept)`` makes the shard again), and when the reader's
-    output gradient arrives, just before the reader's backward, the shard is all-gathered
-    again into the same storage: one more all-gather a sublayer in each backward, the
-    sequence shard kept between the forward and the backward instead of the whole
-    sequence. A split backward's ``I`` refills it and ``W`` reads it, as Megatron's
-    deferred weight gradients read the gathered input. Outside a graph, under autocast
-    (each linear then saves its own 16-bit cast of the gathered input, not the copy) or
-    where the reader did not gather, nothing is dropped."""
+    reader has run, the shard is saved instead, and when the reader's output gradient
+    arrives, just before the reader's backward, the shard is all-gathered again into the
+    same storage: one more all-gather a sublayer in each backward, the sequence shard
+    kept between the forward and the backward instead of the whole sequence. With
+    ``recomputed_from`` (``(norm, x)``: the shard is ``norm(x)``, ``--recompute
+    norm-mla-up``) not even the shard is kept: ``x`` is (the norm keeps it anyway) and the
+    backward runs the norm again. A split backward's ``I`` refills the copy and ``W``
+    reads it, as Megatron's deferred weight gradients read the gathered input.
+
+    Under autocast the shard is cast to the autocast type before the gather, as Megatron
+    gathers its 16-bit activations: the GEMMs' own casts are then no-ops, so they save the
+    one gathered copy, which is dropped (cast after the gather, each linear would keep its
+    own cast, whole). Not for a reader that sums in its input's type
+    (``gathered_input_cast = False``: a mixture of experts' combine): under autocast that
+    one reads the shard as it is and keeps its casts. Outside a graph, or where the
+    reader did not gather, nothing is dropped."""
+    shard = cast_for_gather(shard, reader)
+    if torch.is_autocast_enabled(shard.device.type) and shard.dtype != torch.get_autocast_dtype(shard.device.type):
+        return reader(shard)  # a reader that takes its input uncast
+    dtype = shard.dtype
     gathered: list[torch.Tensor] = []
     handle = reader.register_forward_pre_hook(lambda _module, args: gathered.append(args[0]))
     try:
         out = reader(shard)
     finally:
         handle.remove()
-    if (not (torch.is_grad_enabled() and out.requires_grad) or torch.is_autocast_enabled(shard.device.type)
-            or sequence_sharded(gathered[0])):
+    if not (torch.is_grad_enabled() and out.requires_grad) or sequence_sharded(gathered[0]):
         return out
-    source: list[torch.Tensor] = []
-    dropped = DroppedUntilBackward((gathered[0],), lambda: (gather_sequence(reshard(source[0])),), what)
+    kept = shard if recomputed_from is None else recomputed_from[1]
+    source: list[torch.Tensor] = []  # what the backward unpacked of ``kept``, while it refills
+
+    def rebuild() -> tuple[torch.Tensor]:
+        again = source[0] if recomputed_from is None else recomputed_from[0](source[0]).to(dtype)
+        return (gather_sequence(again),)
+
+    dropped = DroppedUntilBackward((gathered[0],), rebuild, f"{type(reader).__name__}'s gathered input")
 
     def refill(saved: torch.Tensor) -> None:
         source.append(saved)
@@ -141,6 +156,17 @@ def read_gathered_shard(reader: Callable[[torch.Tensor], torch.Tensor], shard: t
         source.clear()
 
     return RegatherBeforeBackward.apply(out, kept, refill)
+
+
+def cast_for_gather(shard: torch.Tensor, *readers: torch.nn.Module) -> torch.Tensor:
+    """Under autocast, ``shard`` in the autocast type, unless a reader sums in its input's
+    type (``gathered_input_cast = False``); as it is otherwise. One cast for readers that
+    share a shard (Falcon-7B's one norm a layer), so the shard is kept once."""
+    device = shard.device.type
+    if not torch.is_autocast_enabled(device) or not all(getattr(reader, "gathered_input_cast", True)
+                                                        for reader in readers):
+        return shard
+    return shard.to(torch.get_autocast_dtype(device))
 
 
 def gather_sequence(shard: torch.Tensor) -> torch.Tensor:

@@ -33,10 +33,11 @@ from schedules.action import ActionKind
 HIDDEN, HEADS, BATCH, SEQ, F64 = 16, 4, 2, 8, 8
 
 
-def block_on_two_ranks(regather: bool, recompute: bool) -> dict:
+def block_on_two_ranks(regather: bool, recompute: bool, autocast: bool = False) -> dict:
     """One toy GPT block split over a 2-rank tp group with sequence parallelism: the
     bytes its forward saved (parameters aside, each storage once, at its size after the
-    forward), the all-gathers its backward ran, and its gradients."""
+    forward), the all-gathers its backward ran, and its gradients; float64, or with
+    ``autocast`` float32 under bf16 autocast."""
     import torch.distributed._functional_collectives as funcol  # noqa: PLC0415
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
@@ -49,10 +50,11 @@ def block_on_two_ranks(regather: bool, recompute: bool) -> dict:
     rank = dist.get_rank()
     try:
         torch.manual_seed(0)
-        block = Block(HIDDEN, HEADS).double()
+        dtype = torch.float32 if autocast else torch.float64
+        block = Block(HIDDEN, HEADS).to(dtype)
         block.regather_shards, block.recompute_norms = regather, recompute
         parallelize_module(block, init_device_mesh("cpu", (2,)), block_plan(sequence_parallel=True))
-        whole = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        whole = torch.randn(BATCH, SEQ, HIDDEN, dtype=dtype, generator=torch.Generator().manual_seed(1))
         x = whole[:, rank * SEQ // 2:(rank + 1) * SEQ // 2].clone().requires_grad_()
         params = {local_storage(p).data_ptr() for p in block.parameters()}
         saved: dict[int, torch.UntypedStorage] = {}
@@ -63,7 +65,8 @@ def block_on_two_ranks(regather: bool, recompute: bool) -> dict:
                 saved.setdefault(storage.data_ptr(), storage)
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+              torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
             out = block(x)
         kept = sum(storage.nbytes() for storage in saved.values())
         gathers = []
@@ -85,6 +88,21 @@ def block_on_two_ranks(regather: bool, recompute: bool) -> dict:
 def runs() -> dict[tuple[bool, bool], dict]:
     return {(regather, recompute): launch_ranks(block_on_two_ranks, (regather, recompute), 2)[0]
             for regather, recompute in ((False, False), (True, False), (True, True))}
+
+
+@pytest.mark.timeout(300)
+def test_under_autocast_the_shard_is_cast_before_the_gather() -> None:
+    """qkv's and fc1's bf16 casts of the gathered input (autocast's, whole) give way to
+    the bf16 shards gathered: one cast a sublayer, kept as a shard; the forward's values
+    do not change (casting then gathering moves the same bits)."""
+    plain, regathered = (launch_ranks(block_on_two_ranks, (regather, False, True), 2)[0]
+                         for regather in (False, True))
+    whole_cast, shard_cast = BATCH * SEQ * HIDDEN * 2, BATCH * SEQ // 2 * HIDDEN * 2
+    assert plain["kept"] - regathered["kept"] == 2 * (whole_cast - shard_cast)
+    assert regathered["gathers"] - plain["gathers"] == 2
+    assert torch.equal(regathered["out"], plain["out"])
+    # the input gradients are summed in bf16 before their reduce-scatter, as Megatron sums them
+    assert torch.allclose(regathered["x_grad"], plain["x_grad"], rtol=2e-2, atol=1e-2)
 
 
 @pytest.mark.timeout(300)
@@ -114,12 +132,15 @@ def test_the_results_do_not_change(runs) -> None:
 
 def test_the_executor_regathers_two_inputs_a_layer_where_it_can() -> None:
     assert regathered_inputs(EAGER_TORCH, 2, True, "none") == 2
+    assert regathered_inputs(EAGER_TORCH, 2, True, "none", moe_layer=True) == 2
+    assert regathered_inputs(AUTOCAST_TORCH, 2, True, "none") == 2
+    # under autocast a mixture of experts takes its input uncast: only the attention's
+    assert regathered_inputs(AUTOCAST_TORCH, 2, True, "none", moe_layer=True) == 1
     assert regathered_inputs(EAGER_TORCH, 2, True, "selective") == 2
     assert regathered_inputs(EAGER_TORCH, 2, True, "norm-mla-up") == 2
-    # a checkpoint re-runs the forward in the backward; autocast's casts are not the gathered copy
+    # a checkpoint re-runs the forward in the backward
     assert regathered_inputs(EAGER_TORCH, 2, True, "full") == 0
     assert regathered_inputs(EAGER_TORCH, 2, True, "per-op") == 0
-    assert regathered_inputs(AUTOCAST_TORCH, 2, True, "none") == 0
     assert regathered_inputs(EAGER_TORCH, 2, False, "none") == 0
     assert regathered_inputs(EAGER_TORCH, 1, True, "none") == 0
     assert regathered_inputs(KERNELS, 2, True, "none") == 0  # Megatron's runs beside its dgrad GEMM
@@ -131,7 +152,6 @@ def test_a_split_backward_holds_the_two_whole_copies_until_w() -> None:
                      rms_norm=True, dropout=False, microbatch_size=2, dtype_bytes=4)
     tokens, h, d = 2 * 32, 64, 4
     assert regathered_until_weight_grad_bytes(spec, 2, True, "none", EAGER_TORCH) == 2 * tokens * h * d
-    assert regathered_until_weight_grad_bytes(spec, 2, True, "none", AUTOCAST_TORCH) == 0.0
     assert regathered_until_weight_grad_bytes(spec, 2, True, "full", EAGER_TORCH) == 0.0
     # norm-mla-up: the rebuild makes the copies, not the norms' shards the recompute counts as rebuilt
     rebuilt = rebuilt_until_weight_grad_bytes(spec, 2, True, "norm-mla-up", saved=EAGER_TORCH)
@@ -160,3 +180,19 @@ def test_the_regathers_are_charged_to_each_backward_not_the_forward() -> None:
         assert after[0, ActionKind.F] == before[0, ActionKind.F]
         for kind in (ActionKind.B, ActionKind.I):
             assert after[0, kind] - before[0, kind] == pytest.approx(3 * 2 * one, rel=1e-12)
+
+
+def test_under_autocast_a_dense_layer_keeps_its_shards_not_its_projections_casts() -> None:
+    spec = ModelSpec("small-llama", layers=2, hidden=64, heads=8, seq_len=32, vocab=100, kv_heads=2,
+                     ffn_hidden=128, gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False,
+                     rms_norm=True, dropout=False, microbatch_size=2, dtype_bytes=2)
+    tokens, h, d = 2 * 32, 64, 2
+    cast_after = replace(AUTOCAST_TORCH, regathered_gemm_inputs=False)
+    # cast after the gather: K's, V's and the up projection's own casts, whole (3h), and the first
+    # projection's of each sublayer whole beyond the shard the inventory counts (2 x h/2)
+    saved = layer_stash_bytes(spec, 2, True, saved=cast_after) - layer_stash_bytes(spec, 2, True,
+                                                                                   saved=AUTOCAST_TORCH)
+    assert saved == tokens * (3 * h + 2 * h / 2) * d
+    # without sequence parallelism nothing is gathered and nothing changes
+    assert layer_stash_bytes(spec, 2, False, saved=cast_after) == layer_stash_bytes(spec, 2, False,
+                                                                                    saved=AUTOCAST_TORCH)

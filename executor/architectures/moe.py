@@ -173,6 +173,11 @@ class MixtureOfExperts(nn.Module):
     ``shared_ffn`` columns of shared experts (one MLP, as DeepSeek runs them), the latter
     optionally scaled by a sigmoid gate (Qwen-MoE)."""
 
+    # Under autocast its input is not cast before sequence parallelism's gather
+    # (executor.rebuilt_activations.read_gathered_shard): the combine sums the experts'
+    # outputs in the input's type, which a 16-bit input would make 16-bit.
+    gathered_input_cast = False
+
     def __init__(self, hidden: int, experts: int, top_k: int, expert_ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, gating: str = "softmax", normalize: bool = True,
                  capacity_factor: float | None = None, groups: int = 1, groups_kept: int | None = None,

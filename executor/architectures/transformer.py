@@ -32,7 +32,7 @@ from executor.architectures.mtp import (
 )
 from executor.config import RunConfig
 from executor.models import GptModel, seeded, token_positions
-from executor.rebuilt_activations import norm_read_by, read_gathered_shard, sequence_sharded
+from executor.rebuilt_activations import cast_for_gather, norm_read_by, read_gathered_shard, sequence_sharded
 from pipesim.model.spec import ModelSpec
 
 
@@ -95,7 +95,10 @@ class TransformerBlock(nn.Module):
         recompute, regather = self.recompute_norms, self.regather_shards
         if self.ffn_norm is None:  # parallel, one norm
             normed = self.attention_norm(x)
-            return x + self.read_shared(self.attention, normed) + self.read_shared(self.feed_forward, normed)
+            if self.regather_shards and sequence_sharded(normed):  # see read_gathered_shard
+                normed = cast_for_gather(normed, self.attention, self.feed_forward)
+                return x + read_gathered_shard(self.attention, normed) + read_gathered_shard(self.feed_forward, normed)
+            return x + self.attention(normed) + self.feed_forward(normed)
         attended = norm_read_by(self.attention_norm, self.attention, x, recompute, regather)
         if self.post_attention_norm is not None:
             x = x + self.post_attention_norm(attended)
@@ -104,15 +107,6 @@ class TransformerBlock(nn.Module):
             return x + attended + norm_read_by(self.ffn_norm, self.feed_forward, x, recompute, regather)
         x = x + attended
         return x + norm_read_by(self.ffn_norm, self.feed_forward, x, recompute, regather)
-
-    def read_shared(self, reader: nn.Module, normed: torch.Tensor) -> torch.Tensor:
-        """``reader(normed)`` for Falcon-7B's one norm a layer, whose output both halves
-        read: under sequence parallelism each gathers it and, with ``regather_shards``,
-        drops its gathered copy until its backward, the shard kept once for both."""
-        if self.regather_shards and sequence_sharded(normed):
-            return read_gathered_shard(reader, normed, normed, lambda kept: kept,
-                                       f"{type(reader).__name__}'s gathered input")
-        return reader(normed)
 
 
 class TokenEmbedding(nn.Module):

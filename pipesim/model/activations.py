@@ -196,18 +196,19 @@ def rebuilt_until_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sequence_paral
 
 
 def regathered_until_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
-                                       recompute: str = "none", saved: SavedTensors = KERNELS) -> float:
-    """Bytes of a layer's gathered sublayer inputs that a split backward's ``I``
+                                       recompute: str = "none", saved: SavedTensors = KERNELS,
+                                       layer: int = 0) -> float:
+    """Bytes of layer ``layer``'s gathered sublayer inputs that a split backward's ``I``
     gathers again and holds until ``W`` (``regathered_inputs``: the executor under
     sequence parallelism), whole, one a sublayer. Under ``--recompute norm-mla-up`` the
     rebuild makes the gathered copy straight from the recomputed norm, so the norms'
     shards ``rebuilt_until_weight_grad_bytes`` counts are not held: taken off here."""
-    copies = regathered_inputs(saved, tp, sequence_parallel, recompute)
+    copies = regathered_inputs(saved, tp, sequence_parallel, recompute, spec.is_moe_layer(layer))
     if not copies:
         return 0.0
     whole = copies * spec.tokens * spec.hidden * spec.dtype_bytes
     if recompute == NORM_MLA_UP and saved.whole_stash_until_weight_grad:
-        gemm_inputs = 1 if spec.parallel_residual and spec.norms_per_layer == 1 else 2
+        gemm_inputs = 1 if spec.parallel_residual and spec.norms_per_layer == 1 else copies
         whole -= gemm_inputs * spec.tokens * spec.hidden * spec.dtype_bytes / tp
     return whole
 

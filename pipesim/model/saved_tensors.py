@@ -46,8 +46,11 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   sublayer's backward (``executor.rebuilt_activations.read_gathered_shard``), as
   Megatron-Core does, so between ``F`` and ``B`` a layer keeps the inventory's shard; a
   split backward's ``I`` refills the two copies (one a sublayer) and ``W`` reads them,
-  so they are held whole from ``I`` until ``W``. Under autocast each linear keeps its own
-  16-bit cast of the gathered input instead, which stays whole from ``F``.
+  so they are held whole from ``I`` until ``W``. Under autocast the shard is cast to
+  16 bits before the gather, so the sublayer's linears share that one gathered cast
+  (no cast of their own) and it is dropped the same way; a mixture of experts takes its
+  input uncast (its combine sums in the input's type), so each of its linears keeps its
+  own 16-bit cast of the gathered input, whole from ``F``.
 - **Autocast** (``--dtype bfloat16``, float32 master weights): the residual stream, the
   norms and what they keep stay in float32 (``residual_bytes``); each linear keeps its
   own 16-bit cast of its input (the architectures' separate Q, K and V projections three
@@ -94,6 +97,7 @@ class SavedTensors:
     gathered_gemm_inputs: bool = False  # under sequence parallelism, column-parallel linears keep the gathered input
     # ... or only from a split backward's I until its W: dropped after F, gathered again before the backward
     regathered_gemm_inputs: bool = False
+    moe_input_regathered: bool = False  # ... a mixture of experts' too (else its casts stay whole)
     residual_bytes: int = 0  # bytes of an element of the residual stream and norms, where not the dtype's (autocast)
     input_cast_per_projection: bool = False  # Q, K, V (gate, up) projections each keep their own cast of the input
     weight_copies: bool = False  # each linear keeps its weight cast to the activation dtype, per microbatch
@@ -105,21 +109,23 @@ EAGER_TORCH = SavedTensors(layer_norm_statistics=2, rms_norm_statistics=1, rms_n
                            softmax_statistics=True, kv_repeated=True, attention_output_copy=True, rotary_tables=True,
                            gated_activation_output=True, routed_combine=True, wide_scores=True, token_indices=True,
                            whole_stash_until_weight_grad=True, output_grads_until_weight_grad=True,
-                           regathered_gemm_inputs=True, latent_kv_whole=True)
-# autocast's casts happen inside each linear, after the gather: the executor cannot drop them
+                           regathered_gemm_inputs=True, moe_input_regathered=True, latent_kv_whole=True)
+# under autocast a mixture of experts' linears cast its gathered input each: those casts stay whole
 AUTOCAST_TORCH = replace(EAGER_TORCH, residual_bytes=FP32_BYTES, input_cast_per_projection=True, weight_copies=True,
-                         gathered_gemm_inputs=True, regathered_gemm_inputs=False)
+                         gathered_gemm_inputs=True, moe_input_regathered=False)
 REGATHERED_PER_LAYER = 2  # the attention's and the MLP's gathered inputs
 
 
-def regathered_inputs(saved: SavedTensors, tp: int, sequence_parallel: bool, recompute: str) -> int:
+def regathered_inputs(saved: SavedTensors, tp: int, sequence_parallel: bool, recompute: str,
+                      moe_layer: bool = False) -> int:
     """How many gathered inputs a layer's backward all-gathers again
-    (``saved.regathered_gemm_inputs``): one a sublayer under sequence parallelism, none
-    where full or per-op recompute re-runs the forward inside the backward (its checkpoint
-    keeps what the re-run saves)."""
+    (``saved.regathered_gemm_inputs``): one a sublayer under sequence parallelism (a
+    mixture of experts' only with ``saved.moe_input_regathered``), none where full or
+    per-op recompute re-runs the forward inside the backward (its checkpoint keeps what
+    the re-run saves)."""
     if not (saved.regathered_gemm_inputs and sequence_parallel and tp > 1) or recompute in ("full", PER_OP):
         return 0
-    return REGATHERED_PER_LAYER
+    return REGATHERED_PER_LAYER - (1 if moe_layer and not saved.moe_input_regathered else 0)
 
 
 def score_bytes(spec: ModelSpec, saved: SavedTensors) -> float:
@@ -178,12 +184,15 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         per_token += latent_norm_extra_elements(spec, saved) * d
         if saved.latent_kv_whole and spec.microbatch_size == 1:  # with more sequences V is reshaped into a copy
             per_token += spec.heads / tp * spec.mla.qk_nope_head_dim * d
+    # sublayers whose shard is cast before the gather and gathered again in the backward (attention first)
+    regathered = regathered_inputs(saved, tp, sequence_parallel, recompute, spec.is_moe_layer(layer))
     if saved.input_cast_per_projection and spec.mla is None:  # K and V's own casts; a gated MLP's up projection's
-        casts = (0 if spec.fused_qkv else 2) + (1 if spec.gated_mlp else 0)  # a fused wqkv casts its input once
+        # a fused wqkv casts its input once; a regathered sublayer's linears share the one cast gathered
+        casts = (0 if spec.fused_qkv or regathered >= 1 else 2) + (1 if spec.gated_mlp and regathered < 2 else 0)
         per_token += casts * h * d / (1 if saved.gathered_gemm_inputs else split)
     if sequence_parallel and saved.gathered_gemm_inputs:  # QKV and MLP inputs whole, not / tp
         # beyond the inventory's shard; norm-mla-up's inventory drops the shard, the gathered copy stays
-        per_token += 2 * h * d * (1 - (0 if recompute == NORM_MLA_UP else 1 / tp))
+        per_token += (REGATHERED_PER_LAYER - regathered) * h * d * (1 - (0 if recompute == NORM_MLA_UP else 1 / tp))
     heads = spec.heads / tp
     # selective recomputes the attention kernel: its outputs are not kept (norm-mla-up keeps them)
     kernel_kept = recompute in ("none", NORM_MLA_UP)

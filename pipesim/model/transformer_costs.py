@@ -222,7 +222,9 @@ def model_stage_costs(
                         output_grad_bytes(local, tp, sequence_parallel, layer, saved_tensors)
                         + rebuilt_until_weight_grad_bytes(local, tp, sequence_parallel, recompute, flash_attention,
                                                           layer, saved_tensors)
-                        + regathered_until_weight_grad_bytes(local, tp, sequence_parallel, recompute, saved_tensors))
+                        + regathered_until_weight_grad_bytes(local, tp, sequence_parallel, recompute, saved_tensors,
+                                                             layer),
+                        regathered_inputs(saved_tensors, tp, sequence_parallel, recompute, spec.is_moe_layer(layer)))
                 for layer in kind_layer.values()}
     routed = routed_params(spec, tp, ep)
     # the all-to-all toward the experts in FP8 under DeepSeek-V3's recipe, the one back in BF16
@@ -231,7 +233,7 @@ def model_stage_costs(
 
     def stage_cost(compute: ComputeModel, groups: list[tuple[int, int]], count: int, first_stage: bool,
                    last_stage: bool) -> StageCost:
-        fwd = bwd = wgrad = stash = kept = 0.0
+        fwd = bwd = wgrad = stash = kept = regathers = 0.0
         # what a split backward's I adds to a stash held whole until W (the executor's)
         grads = end_output_grad_bytes(local, tp, sequence_parallel, first_stage, last_stage, saved_tensors)
         params = moe_layers = 0  # whole numbers
@@ -251,6 +253,7 @@ def model_stage_costs(
             stash += alike * per_kind[kind][1]
             kept += alike * per_kind[kind][2]
             grads += alike * per_kind[kind][3]
+            regathers += alike * per_kind[kind][4]
         if first_stage:
             params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(local, tp, sequence_parallel, saved_tensors)
@@ -271,6 +274,8 @@ def model_stage_costs(
                     + mtp_extra(local, saved_tensors))
                 kept += spec.mtp_depth * wgrad_stash_bytes(local, tp, sequence_parallel, spec.layers)
                 mtp_moe = spec.mtp_depth if spec.is_moe_layer(spec.layers) else 0
+                regathers += spec.mtp_depth * regathered_inputs(saved_tensors, tp, sequence_parallel, recompute,
+                                                                bool(mtp_moe))
                 moe_layers += mtp_moe
                 count += spec.mtp_depth
                 if tp > 1:  # each module's block runs its tp collectives beside its own GEMMs
@@ -288,7 +293,7 @@ def model_stage_costs(
             params=params,
             layers=count,
             tp_message_bytes=local.tp_message_bytes() if tp > 1 else 0.0,  # alike in every layer
-            tp_regathers=float(regathered_inputs(saved_tensors, tp, sequence_parallel, recompute)),
+            tp_regathers=regathers / count if count else 0.0,  # per layer, as tp_message_bytes
             recompute_layers=count if recompute == "full" else 0,
             # full recompute's re-run collectives are its recompute_layers'
             recomputed_tp_pairs=0.0 if recompute == "full" else count * recomputed_tp_pairs(recompute,
