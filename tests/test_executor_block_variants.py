@@ -141,6 +141,8 @@ CASES = LaunchedCases(BASE, {4: {
     "pythia-dp2": {"model": PYTHIA, "dp": 2},
     "pythia-tp2-sp": {"model": PYTHIA, "tp": 2, "sequence_parallel": True},
     "falcon-dp2": {"model": FALCON, "dp": 2},
+    # one norm both halves read: each gathers it, drops its copy and gathers again in the backward
+    "falcon-tp2-sp": {"model": FALCON, "kv_heads": 2, "tp": 2, "sequence_parallel": True},
     "gpt-oss-ep2": {"model": str(TIGHT), "dp": 2, "ep": 2, "experts": 4, "schedule": "zbv", "virtual_stages": 2},
 }})
 
