@@ -52,7 +52,7 @@ def test_model_flags_reproduce_the_sources_flop_count(run):
 
 
 @pytest.mark.xfail(strict=True, reason="issue 30's target is not met: every Megatron-Core row but GPT3-20B is "
-                   "predicted faster than published (median 9.8%, worst 19.3%), the predicted steps mostly compute "
+                   "predicted faster than published (median 9.5%, worst 19.3%), the predicted steps mostly compute "
                    "(docs/cluster-model.md, 'Stacks that overlap communication')")
 def test_megatron_core_rows_within_the_target():
     errors = [abs(error(run, predict(run))) for run in MEGATRON]

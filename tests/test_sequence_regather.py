@@ -2,7 +2,8 @@
 forward and the backward (``executor.rebuilt_activations.read_gathered_shard``), as
 Megatron-Core's column-parallel linears do (Korthikanti et al. 2022, section 4.2.2), and
 the simulator charges and counts what that costs: one more all-gather a sublayer in each
-backward, the two gathered copies held from a split backward's ``I`` until its ``W``.
+backward, the two gathered copies held from a split backward's ``I`` until its ``W``;
+and Megatron's own regather, beside the input-gradient product, in ``simulate``.
 
 Expected values by hand: a toy GPT block (hidden 16, float64) on 2 tp ranks, a
 microbatch of 2 sequences of 8 tokens."""
@@ -24,7 +25,13 @@ from pipesim.model.activations import (
     regathered_until_weight_grad_bytes,
 )
 from pipesim.model.costs import Costs, StageCost
-from pipesim.model.saved_tensors import AUTOCAST_TORCH, EAGER_TORCH, KERNELS, regathered_inputs
+from pipesim.model.saved_tensors import (
+    AUTOCAST_TORCH,
+    EAGER_TORCH,
+    KERNELS,
+    async_regathered_inputs,
+    regathered_inputs,
+)
 from pipesim.model.spec import ModelSpec
 from pipesim.sim.parallel import tp_collective_seconds
 from schedules import generate
@@ -196,3 +203,38 @@ def test_under_autocast_a_dense_layer_keeps_its_shards_not_its_projections_casts
     # without sequence parallelism nothing is gathered and nothing changes
     assert layer_stash_bytes(spec, 2, False, saved=cast_after) == layer_stash_bytes(spec, 2, False,
                                                                                     saved=AUTOCAST_TORCH)
+
+
+def test_megatrons_kernels_regather_beside_the_input_gradient_product() -> None:
+    assert async_regathered_inputs(KERNELS, 2, True, "none") == 2
+    assert async_regathered_inputs(KERNELS, 2, True, "full") == 2  # the re-run forward keeps the shard again
+    assert async_regathered_inputs(KERNELS, 2, True, "none", moe_layer=True) == 1  # grouped GEMMs keep their tokens
+    assert async_regathered_inputs(KERNELS, 2, True, "per-op") == 0  # torchtitan's: the gathered input kept
+    assert async_regathered_inputs(KERNELS, 2, False, "none") == 0
+    assert async_regathered_inputs(EAGER_TORCH, 2, True, "none") == 0  # the executor's are tp_regathers
+    assert async_regathered_inputs(AUTOCAST_TORCH, 2, True, "none") == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_async_regathers_by_hand(overlap: bool) -> None:
+    """Two GPUs at 10 GB/s: each all-gather and reduce-scatter of 10 MB takes 0.5 ms. Per
+    layer the attention's input projections take 1 ms (a backward's input- and
+    weight-gradient products 1 ms each), the MLP's 0.2 ms; no slowdown, so a collective
+    costs what its window does not hide."""
+    topology = topology_from_dict({"devices": [{"name": "g0"}, {"name": "g1"}],
+                                   "links": [{"src": "g0", "dst": "g1", "bandwidth": 10e9, "latency": 0.0}]})
+    base = StageCost(fwd=10e-3, bwd=20e-3, wgrad=8e-3, layers=3, tp_message_bytes=10e6,
+                     tp_window_attention_in=1e-3, tp_window_attention_out=1e-3, tp_window_mlp_in=0.2e-3,
+                     tp_window_mlp_out=1e-3)
+    before, after = (tp_collective_seconds(generate("1f1b", 1, 1), Costs(stages=(stage,), sequence_parallel=True),
+                                           topology, map_ranks(topology, tp=2), overlap=overlap, slowdown=0.0)
+                     for stage in (base, replace(base, tp_async_regathers=2)))
+    assert after[0, ActionKind.F] == before[0, ActionKind.F]
+    ms = 1e-3
+    if not overlap:  # each beside its input-gradient product: the attention's hides, the MLP's 0.3 ms shows
+        added = {ActionKind.B: 0.3 * ms, ActionKind.I: 0.3 * ms}
+    else:  # B: the MLP's reduce-scatter had 0.4 ms (0.1 shown), now 0.2 beside the wgrad (0.3) and the
+        # all-gather 0.2 beside the dgrad (0.3); I: both beside the dgrad, 1 ms in 0.2 (0.8) against 0.3
+        added = {ActionKind.B: 0.5 * ms, ActionKind.I: 0.5 * ms}
+    for kind, seconds in added.items():
+        assert after[0, kind] - before[0, kind] == pytest.approx(3 * seconds, rel=1e-9), kind

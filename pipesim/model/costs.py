@@ -20,7 +20,8 @@ from schedules.schedule import Schedule
 from schedules.textfile import describe_yaml_error, read_text, write_text_whole
 
 STAGE_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "act_bytes", "stash_bytes", "param_bytes", "params", "layers",
-                "tp_message_bytes", "tp_regathers", "recompute_layers", "recomputed_tp_pairs", "overlap_fb",
+                "tp_message_bytes", "tp_regathers", "tp_async_regathers", "recompute_layers", "recomputed_tp_pairs",
+                "overlap_fb",
                 # expert and context parallelism (pipesim.sim.expert_parallel, pipesim.sim.context_parallel)
                 "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
                 "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies", "combine_bytes",
@@ -106,8 +107,11 @@ class StageCost:
     ``tp_regathers`` (per layer): all-gathers of ``tp_message_bytes`` a layer's backward
     (``B`` or ``I``) runs beyond its sequence-parallel pair, each before a sublayer's
     backward, its wait held (the executor gathers the sequence shards its column-parallel
-    GEMMs read again: ``executor.rebuilt_activations.read_gathered_shard``). Megatron-Core's
-    regather runs beside the input-gradient GEMM and is not charged (0).
+    GEMMs read again: ``executor.rebuilt_activations.read_gathered_shard``).
+    ``tp_async_regathers`` (per layer): the same all-gathers as Megatron-Core issues them,
+    each beside the input-gradient product of the projections it feeds (the attention's,
+    and the MLP's on dense layers: 1 to 2), so only what that product does not hide holds
+    the rank (``pipesim.sim.parallel.tp_collective_seconds``).
 
     ``tp_window_*`` (per layer, like ``attention_fwd``): the forward seconds of the GEMMs
     each of a layer's four tp collectives runs beside when they are overlapped
@@ -127,6 +131,7 @@ class StageCost:
     layers: float = 0.0
     tp_message_bytes: float = 0.0
     tp_regathers: float = 0.0
+    tp_async_regathers: float = 0.0
     recompute_layers: float = 0.0
     recomputed_tp_pairs: float = 0.0
     overlap_fb: float = 0.0

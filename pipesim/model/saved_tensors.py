@@ -116,6 +116,21 @@ AUTOCAST_TORCH = replace(EAGER_TORCH, residual_bytes=FP32_BYTES, input_cast_per_
 REGATHERED_PER_LAYER = 2  # the attention's and the MLP's gathered inputs
 
 
+def async_regathered_inputs(saved: SavedTensors, tp: int, sequence_parallel: bool, recompute: str,
+                            moe_layer: bool = False) -> int:
+    """How many sublayer inputs a layer's backward gathers again as Megatron-Core does,
+    beside the input-gradient product it precedes: under sequence parallelism, where the
+    implementation keeps the shard as the fused kernels' inventory counts it (neither the
+    gathered copy nor the executor's own regather), the attention's and a dense MLP's (a
+    mixture of experts' grouped GEMMs keep the routed tokens they were handed); none under
+    per-op recompute (torchtitan's, whose linears keep the gathered input). Full recompute
+    re-runs the forward, which keeps the shard again."""
+    if (saved.gathered_gemm_inputs or saved.regathered_gemm_inputs or not sequence_parallel or tp < 2
+            or recompute == PER_OP):
+        return 0
+    return REGATHERED_PER_LAYER - (1 if moe_layer else 0)
+
+
 def regathered_inputs(saved: SavedTensors, tp: int, sequence_parallel: bool, recompute: str,
                       moe_layer: bool = False) -> int:
     """How many gathered inputs a layer's backward all-gathers again

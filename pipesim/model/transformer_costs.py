@@ -58,7 +58,13 @@ from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import optimizer_step_seconds
 from pipesim.model.operations import attention_core, head_operations, layer_operations, mtp_operations
 from pipesim.model.per_op_checkpoint import check_per_op, recomputed_tp_pairs
-from pipesim.model.saved_tensors import KERNELS, SavedTensors, mtp_extra, regathered_inputs
+from pipesim.model.saved_tensors import (
+    KERNELS,
+    SavedTensors,
+    async_regathered_inputs,
+    mtp_extra,
+    regathered_inputs,
+)
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak
 from pipesim.model.stage_split import split_layers
 from pipesim.model.tp_windows import TP_WINDOW_FIELDS, tp_gemm_windows
@@ -224,7 +230,9 @@ def model_stage_costs(
                                                           layer, saved_tensors)
                         + regathered_until_weight_grad_bytes(local, tp, sequence_parallel, recompute, saved_tensors,
                                                              layer),
-                        regathered_inputs(saved_tensors, tp, sequence_parallel, recompute, spec.is_moe_layer(layer)))
+                        regathered_inputs(saved_tensors, tp, sequence_parallel, recompute, spec.is_moe_layer(layer)),
+                        async_regathered_inputs(saved_tensors, tp, sequence_parallel, recompute,
+                                                spec.is_moe_layer(layer)))
                 for layer in kind_layer.values()}
     routed = routed_params(spec, tp, ep)
     # the all-to-all toward the experts in FP8 under DeepSeek-V3's recipe, the one back in BF16
@@ -233,7 +241,7 @@ def model_stage_costs(
 
     def stage_cost(compute: ComputeModel, groups: list[tuple[int, int]], count: int, first_stage: bool,
                    last_stage: bool) -> StageCost:
-        fwd = bwd = wgrad = stash = kept = regathers = 0.0
+        fwd = bwd = wgrad = stash = kept = regathers = async_regathers = 0.0
         # what a split backward's I adds to a stash held whole until W (the executor's)
         grads = end_output_grad_bytes(local, tp, sequence_parallel, first_stage, last_stage, saved_tensors)
         params = moe_layers = 0  # whole numbers
@@ -254,6 +262,7 @@ def model_stage_costs(
             kept += alike * per_kind[kind][2]
             grads += alike * per_kind[kind][3]
             regathers += alike * per_kind[kind][4]
+            async_regathers += alike * per_kind[kind][5]
         if first_stage:
             params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(local, tp, sequence_parallel, saved_tensors)
@@ -276,6 +285,8 @@ def model_stage_costs(
                 mtp_moe = spec.mtp_depth if spec.is_moe_layer(spec.layers) else 0
                 regathers += spec.mtp_depth * regathered_inputs(saved_tensors, tp, sequence_parallel, recompute,
                                                                 bool(mtp_moe))
+                async_regathers += spec.mtp_depth * async_regathered_inputs(saved_tensors, tp, sequence_parallel,
+                                                                            recompute, bool(mtp_moe))
                 moe_layers += mtp_moe
                 count += spec.mtp_depth
                 if tp > 1:  # each module's block runs its tp collectives beside its own GEMMs
@@ -294,6 +305,7 @@ def model_stage_costs(
             layers=count,
             tp_message_bytes=local.tp_message_bytes() if tp > 1 else 0.0,  # alike in every layer
             tp_regathers=regathers / count if count else 0.0,  # per layer, as tp_message_bytes
+            tp_async_regathers=async_regathers / count if count else 0.0,
             recompute_layers=count if recompute == "full" else 0,
             # full recompute's re-run collectives are its recompute_layers'
             recomputed_tp_pairs=0.0 if recompute == "full" else count * recomputed_tp_pairs(recompute,

@@ -479,12 +479,14 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         # the sublayers' inputs gathered again before their backward, each waited for (an all-gather:
         # half the pair's ring cost)
         regathered = cost.layers * cost.tp_regathers * one / 2
-        if not overlapped:
-            return per_pass, backward + regathered, backward + regathered
         layers = cost.layers
+        if not overlapped:
+            beside = layers * _regathers_beside_dgrad(cost, one / 2, slowdown)
+            return per_pass, backward + regathered + beside, backward + regathered + beside
         if any(cost.tp_windows):
             forward, full, split = _paired_tp_exposure(cost, one, experts / layers, slowdown)
             return forward, full + regathered, split + regathered
+        backward += layers * cost.tp_async_regathers * one / 2  # beside the coarse window too
         windows = (cost.fwd / layers - cost.attention_fwd, cost.bwd / layers - cost.attention_bwd,
                    cost.input_grad / layers - cost.attention_bwd)
         forward, full, split = (layers * exposed_seconds(max(0.0, window), comm / layers, slowdown)
@@ -518,9 +520,37 @@ def _paired_tp_exposure(cost: StageCost, pair: float, expert_extra: float,
     per_layer = exposed(forward, comms)
     recomputed = (cost.recompute_layers * per_layer
                   + cost.recomputed_tp_pairs * exposed(forward, (half,) * len(forward)) / 2)
-    return (layers * per_layer,
-            layers * exposed(backward_windows(forward, split=False), comms) + recomputed,
-            layers * exposed(backward_windows(forward, split=True), comms) + recomputed)
+    full = exposed(backward_windows(forward, split=False), comms)
+    split = exposed(backward_windows(forward, split=True), comms)
+    # Megatron's column-parallel backward gathers its input again beside the input-gradient
+    # product and reduce-scatters the input gradient beside the weight-gradient product (a B;
+    # in an I both beside the input-gradient product): the input side's one window splits in two
+    for side, share in _regathered_sides(cost):
+        dgrad, scatter = forward[side], comms[side]
+        full += share * (exposed_seconds(dgrad, half, slowdown) + exposed_seconds(dgrad, scatter, slowdown)
+                         - exposed_seconds(2 * dgrad, scatter, slowdown))
+        split += share * (exposed_seconds(dgrad, scatter + half, slowdown) - exposed_seconds(dgrad, scatter, slowdown))
+    return layers * per_layer, layers * full + recomputed, layers * split + recomputed
+
+
+def _regathered_sides(cost: StageCost) -> list[tuple[int, float]]:
+    """(index in ``tp_windows``, share of the layers) of the input sides whose inputs a
+    layer's backward gathers again beside its input-gradient product
+    (``tp_async_regathers``: the attention's first, then the MLP's on the layers whose MLP
+    is dense)."""
+    count = cost.tp_async_regathers
+    return [(side, share) for side, share in ((0, min(1.0, count)), (2, max(0.0, count - 1))) if share > 0]
+
+
+def _regathers_beside_dgrad(cost: StageCost, gather: float, slowdown: float) -> float:
+    """Seconds a layer's ``tp_async_regathers`` add to its backward without tp overlap:
+    Megatron issues each beside the input-gradient product it precedes (its
+    ``ColumnParallelLinear`` does so with or without ``--tp-comm-overlap``), which hides
+    what it can of it; whole where the costs give no GEMM windows."""
+    if not any(cost.tp_windows):
+        return cost.tp_async_regathers * gather
+    return sum(share * exposed_seconds(cost.tp_windows[side], gather, slowdown)
+               for side, share in _regathered_sides(cost))
 
 
 def _tp_collective(topology: Topology, mapping: RankMapping, rank: int, sequence_parallel: bool, algorithm: str,
