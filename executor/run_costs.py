@@ -200,8 +200,7 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     gathers again under sequence parallelism, ``executor.rebuilt_activations``). With
     DualPipe's two copies of the model, ``num_stages`` counts the pipeline's stages, each
     the model stage ``stage mod`` the model's (``executor.copies``), each copy's last
-    sending nothing. Builds the stages on the
-    CPU to count them (torch is loaded here)."""
+    sending nothing. Builds the stages on the CPU to count them (torch is loaded here)."""
     import torch  # noqa: PLC0415
 
     from executor.architectures.build import run_spec  # noqa: PLC0415

@@ -24,7 +24,7 @@ from pipesim.model.activations import (
     rebuilt_until_weight_grad_bytes,
     regathered_until_weight_grad_bytes,
 )
-from pipesim.model.costs import Costs, StageCost
+from pipesim.model.costs import Costs, CostsError, StageCost, costs_from_dict
 from pipesim.model.saved_tensors import (
     AUTOCAST_TORCH,
     EAGER_TORCH,
@@ -238,3 +238,10 @@ def test_the_async_regathers_by_hand(overlap: bool) -> None:
         added = {ActionKind.B: 0.5 * ms, ActionKind.I: 0.5 * ms}
     for kind, seconds in added.items():
         assert after[0, kind] - before[0, kind] == pytest.approx(3 * seconds, rel=1e-9), kind
+
+
+@pytest.mark.parametrize("key", ["tp_regathers", "tp_async_regathers"])
+@pytest.mark.parametrize("value", [-1, 3, float("nan"), "two"])
+def test_a_costs_file_gives_at_most_two_regathers_a_layer(key: str, value) -> None:
+    with pytest.raises(CostsError, match=rf"costs: stages\[0\]\.{key} "):
+        costs_from_dict({"stages": [{"fwd": 1.0, "bwd": 2.0, "layers": 2, key: value}]}, 1, name="costs")

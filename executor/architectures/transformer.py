@@ -95,7 +95,7 @@ class TransformerBlock(nn.Module):
         recompute, regather = self.recompute_norms, self.regather_shards
         if self.ffn_norm is None:  # parallel, one norm
             normed = self.attention_norm(x)
-            if self.regather_shards and sequence_sharded(normed):  # see read_gathered_shard
+            if regather and sequence_sharded(normed):  # see read_gathered_shard
                 normed = cast_for_gather(normed, self.attention, self.feed_forward)
                 return x + read_gathered_shard(self.attention, normed) + read_gathered_shard(self.feed_forward, normed)
             return x + self.attention(normed) + self.feed_forward(normed)

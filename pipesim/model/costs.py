@@ -445,6 +445,10 @@ def costs_from_dict(data: object, num_stages: int | None = None, name: str = "co
         if missing:
             raise CostsError(f"{where} is missing {sorted(missing)}")
         values = {key: check_number(value, f"{where}.{key}") for key, value in entry.items() if key != "stage"}
+        for key in ("tp_regathers", "tp_async_regathers"):  # a layer has two sublayers to gather for
+            if values.get(key, 0.0) > 2:
+                raise CostsError(f"{where}.{key} is per layer, at most 2 (the attention's input and the MLP's), "
+                                 f"got {values[key]}")
         if values.get("wgrad", 0.0) > values["bwd"] and not values.get("igrad"):
             raise CostsError(
                 f"{where}: wgrad ({values['wgrad']}) is part of bwd ({values['bwd']}) and cannot exceed it; "

@@ -447,7 +447,8 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
     Without sequence parallelism the all-reduces are on the critical path whole, as
     Megatron runs them. A backward's ``tp_regathers`` (the executor's sequence shards
     gathered again before each sublayer's backward) hold the rank whole in either mode:
-    the executor waits for each before the backward reads it."""
+    the executor waits for each before the backward reads it; its ``tp_async_regathers``
+    (Megatron's) run beside the input-gradient product each precedes, in either mode."""
     seconds: dict[tuple[int, str], float] = {}
     if mapping.tp == 1:
         return seconds
