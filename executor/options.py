@@ -84,7 +84,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
                                "rank with isend/irecv and merged by log-sum-exp (Transformer Engine's ring), or "
                                "all-gather before attention (Llama 3) (default p2p, as simulate and plan price cp)")
     schedule.add_argument("--sequence-parallel", action="store_true",
-                          help="with --tp: Megatron sequence parallelism in the blocks")
+                          help="with --tp: Megatron sequence parallelism: norms on sequence shards, an "
+                               "all-gather before each sublayer and a reduce-scatter after it; each sublayer "
+                               "keeps its input's shard and gathers it again before its backward")
     schedule.add_argument("--bucket-mb", dest="dp_bucket_mb", type=float, metavar="MB", default=25.0,
                           help="gradient all-reduce bucket size in MiB (default 25, as DDP)")
     add_hidden_alias(schedule, "--dp-bucket-mb", "dp_bucket_mb", type=float)

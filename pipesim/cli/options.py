@@ -146,7 +146,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--layers-per-stage", help="layers on each stage, e.g. 3,3,2,2 (default: as even as possible)")
     add_hidden_alias(group, "--layout", "layers_per_stage")
     group.add_argument("--sequence-parallel", action="store_true",
-                       help="Megatron sequence parallelism: tp all-gather + reduce-scatter, activations / tp")
+                       help="Megatron sequence parallelism: tp all-gather + reduce-scatter, activations / tp "
+                            "(the column-parallel inputs kept as shards and gathered again in the backward, "
+                            "beside the input-gradient product)")
     group.add_argument("--recompute", choices=RECOMPUTE, default="none",
                        help="activation recomputation: full re-runs each layer's forward in its backward, selective "
                        "the attention core only (Megatron's), per-op is torchtitan's SelectiveAC (per-op selective "
