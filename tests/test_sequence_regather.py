@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from executor.reference import reference_run
 from executor.spawn import launch_ranks
 from pipesim.cluster.files import topology_from_dict
 from pipesim.cluster.mapping import map_ranks
@@ -36,6 +37,7 @@ from pipesim.model.spec import ModelSpec
 from pipesim.sim.parallel import tp_collective_seconds
 from schedules import generate
 from schedules.action import ActionKind
+from tests.launched_cases import LaunchedCases, assert_equals_reference
 
 HIDDEN, HEADS, BATCH, SEQ, F64 = 16, 4, 2, 8, 8
 
@@ -245,3 +247,26 @@ def test_the_async_regathers_by_hand(overlap: bool) -> None:
 def test_a_costs_file_gives_at_most_two_regathers_a_layer(key: str, value) -> None:
     with pytest.raises(CostsError, match=rf"costs: stages\[0\]\.{key} "):
         costs_from_dict({"stages": [{"fwd": 1.0, "bwd": 2.0, "layers": 2, key: value}]}, 1, name="costs")
+
+
+# The regather beside what else touches a layer's saved tensors: a split backward (zbv's I then W)
+# with selective recompute, DeepSeek-V3's norm-mla-up with latent attention and experts, DualPipeV's
+# pairs with experts, interleaving under full recompute (which turns the regather off); float64,
+# pp 2 x tp 2 with sequence parallelism, against the one-process reference.
+EQUAL = LaunchedCases({"layers": 4, "hidden": 32, "heads": 8, "seq_len": 16, "vocab": 37, "batch_size": 4,
+                       "microbatches": 2, "steps": 2, "dtype": "float64", "optimizer": "adamw", "lr": 0.02,
+                       "return_grads": True, "pp": 2, "tp": 2, "sequence_parallel": True}, {4: {
+    "llama-zbv-selective": {"model": "llama3-8b", "schedule": "zbv", "virtual_stages": 2, "recompute": "selective"},
+    "deepseek-zbv-norm-mla-up": {"model": "deepseek-v3", "schedule": "zbv", "virtual_stages": 2,
+                                 "recompute": "norm-mla-up", "experts": 4, "ffn_hidden": 32},
+    "mixtral-dualpipev": {"model": "mixtral-8x7b", "schedule": "dualpipev", "virtual_stages": 2, "experts": 4,
+                          "ffn_hidden": 32, "microbatches": 4},
+    "gpt-interleaved-full": {"model": "gpt", "schedule": "interleaved-1f1b", "virtual_stages": 2,
+                             "recompute": "full"},
+}})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(EQUAL.cases))
+def test_regathering_runs_equal_the_one_process_reference(name: str) -> None:
+    assert_equals_reference(EQUAL.result(name), reference_run(EQUAL.config(name)))
