@@ -38,7 +38,7 @@ class DroppedUntilBackward:
     """The storages of some tensors, emptied now and refilled once from ``rebuild()``,
     which returns the same tensors (same shapes and layouts), in the same order."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], rebuild: Rebuild, what: str) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], rebuild: Rebuild | None, what: str) -> None:
         self.rebuild = rebuild
         self.what = what
         self.storages = [local_storage(tensor) for tensor in tensors]
@@ -50,10 +50,15 @@ class DroppedUntilBackward:
     def refill(self, _grad: torch.Tensor | None = None) -> None:
         """Re-run the producing code and copy its bytes back (a tensor hook: the
         gradient passes through unchanged)."""
+        self.refill_with(self.rebuild)
+
+    def refill_with(self, rebuild: Rebuild) -> None:
+        """Copy back the bytes of what ``rebuild()`` makes, the first time only (a rebuild
+        that needs what the backward hands it: ``read_gathered_shard``)."""
         if self.refilled:  # the split backward's W, or a second output of the reader
             return
         with torch.no_grad():
-            fresh = list(self.rebuild())
+            fresh = list(rebuild())
         if len(fresh) != len(self.storages):
             raise RuntimeError(f"{self.what}: the rebuild returned {len(fresh)} tensors, the forward dropped "
                                f"{len(self.storages)}")
@@ -129,10 +134,10 @@ def read_gathered_shard(reader: torch.nn.Module, shard: torch.Tensor,
     (``gathered_input_cast = False``: a mixture of experts' combine): under autocast that
     one reads the shard as it is and keeps its casts. Outside a graph, or where the
     reader did not gather, nothing is dropped."""
-    shard = cast_for_gather(shard, reader)
-    if torch.is_autocast_enabled(shard.device.type) and shard.dtype != torch.get_autocast_dtype(shard.device.type):
-        return reader(shard)  # a reader that takes its input uncast
-    dtype = shard.dtype
+    cast = cast_for_gather(shard, reader)
+    if cast is None:  # a reader that takes its input uncast
+        return reader(shard)
+    shard, dtype = cast, cast.dtype
     gathered: list[torch.Tensor] = []
     handle = reader.register_forward_pre_hook(lambda _module, args: gathered.append(args[0]))
     try:
@@ -142,30 +147,28 @@ def read_gathered_shard(reader: torch.nn.Module, shard: torch.Tensor,
     if not (torch.is_grad_enabled() and out.requires_grad) or sequence_sharded(gathered[0]):
         return out
     kept = shard if recomputed_from is None else recomputed_from[1]
-    source: list[torch.Tensor] = []  # what the backward unpacked of ``kept``, while it refills
+    dropped = DroppedUntilBackward((gathered[0],), None, f"{type(reader).__name__}'s gathered input")
 
-    def rebuild() -> tuple[torch.Tensor]:
-        again = source[0] if recomputed_from is None else recomputed_from[0](source[0]).to(dtype)
-        return (gather_sequence(again),)
+    def refill(saved: torch.Tensor) -> None:  # ``kept`` as the backward unpacked it
+        def gathered_again() -> tuple[torch.Tensor]:
+            again = saved if recomputed_from is None else recomputed_from[0](saved).to(dtype)
+            return (gather_sequence(again),)
 
-    dropped = DroppedUntilBackward((gathered[0],), rebuild, f"{type(reader).__name__}'s gathered input")
-
-    def refill(saved: torch.Tensor) -> None:
-        source.append(saved)
-        dropped.refill()
-        source.clear()
+        dropped.refill_with(gathered_again)
 
     return RegatherBeforeBackward.apply(out, kept, refill)
 
 
-def cast_for_gather(shard: torch.Tensor, *readers: torch.nn.Module) -> torch.Tensor:
-    """Under autocast, ``shard`` in the autocast type, unless a reader sums in its input's
-    type (``gathered_input_cast = False``); as it is otherwise. One cast for readers that
-    share a shard (Falcon-7B's one norm a layer), so the shard is kept once."""
+def cast_for_gather(shard: torch.Tensor, *readers: torch.nn.Module) -> torch.Tensor | None:
+    """``shard`` as the readers gather it: under autocast in the autocast type, or None
+    where a reader sums in its input's type (``gathered_input_cast = False``: it takes
+    the shard uncast and nothing is dropped); outside autocast as it is. One cast for
+    readers that share a shard (Falcon-7B's one norm a layer), so the shard is kept once."""
     device = shard.device.type
-    if not torch.is_autocast_enabled(device) or not all(getattr(reader, "gathered_input_cast", True)
-                                                        for reader in readers):
+    if not torch.is_autocast_enabled(device):
         return shard
+    if not all(getattr(reader, "gathered_input_cast", True) for reader in readers):
+        return None
     return shard.to(torch.get_autocast_dtype(device))
 
 

@@ -32,10 +32,10 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
-from executor.config import MIXED_DTYPES, RunConfig
+from executor.config import RunConfig
 from executor.estimate import ROUNDS, robust_mean
 from executor.step_tail import TAIL_KINDS
-from pipesim.model.saved_tensors import AUTOCAST_TORCH, EAGER_TORCH, regathered_inputs
+from pipesim.model.saved_tensors import executor_saved_tensors, regathered_inputs
 from schedules.action import COMM_KINDS, COMPUTE_KINDS, ActionKind, parse_action
 from schedules.runtime_gaps import gaps
 from schedules.schedule import Schedule
@@ -209,7 +209,7 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
 
     model = build_model(config)
     spec = run_spec(config) if config.tp > 1 else None
-    saved = AUTOCAST_TORCH if config.dtype in MIXED_DTYPES else EAGER_TORCH
+    saved = executor_saved_tensors(config.dtype)
     microbatch = -(-config.replica_batch_size // config.microbatches)
     shape = local_shape(model.boundary_shape(microbatch), config.boundary_sequence_split)
     element = torch.tensor([], dtype=getattr(torch, config.dtype)).element_size()

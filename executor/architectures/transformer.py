@@ -95,9 +95,10 @@ class TransformerBlock(nn.Module):
         recompute, regather = self.recompute_norms, self.regather_shards
         if self.ffn_norm is None:  # parallel, one norm
             normed = self.attention_norm(x)
-            if regather and sequence_sharded(normed):  # see read_gathered_shard
-                normed = cast_for_gather(normed, self.attention, self.feed_forward)
-                return x + read_gathered_shard(self.attention, normed) + read_gathered_shard(self.feed_forward, normed)
+            sharded = regather and sequence_sharded(normed)  # see read_gathered_shard
+            cast = cast_for_gather(normed, self.attention, self.feed_forward) if sharded else None
+            if cast is not None:
+                return x + read_gathered_shard(self.attention, cast) + read_gathered_shard(self.feed_forward, cast)
             return x + self.attention(normed) + self.feed_forward(normed)
         attended = norm_read_by(self.attention_norm, self.attention, x, recompute, regather)
         if self.post_attention_norm is not None:

@@ -38,7 +38,7 @@ from executor.config import RunConfig, build_schedule, even_layout
 from pipesim.job import DTYPE_BYTES
 from pipesim.model.activations import last_stage_extra_bytes
 from pipesim.model.costs import Costs
-from pipesim.model.saved_tensors import AUTOCAST_TORCH, EAGER_TORCH, SavedTensors
+from pipesim.model.saved_tensors import SavedTensors, executor_saved_tensors
 from pipesim.model.spec import ModelSpec
 from pipesim.model.transformer_costs import model_stage_costs, with_embedding_copies
 from pipesim.sim.memory import (
@@ -67,7 +67,7 @@ def executor_spec(config: RunConfig) -> tuple[ModelSpec, SavedTensors] | None:
         return None
     sizes = {"microbatch_size": config.replica_batch_size // config.microbatches,
              "dtype_bytes": ELEMENT_BYTES[config.dtype], "dropout": False}
-    saved = AUTOCAST_TORCH if config.dtype == "bfloat16" else EAGER_TORCH
+    saved = executor_saved_tensors(config.dtype)  # float16 is refused above
     spec = replace(run_spec(config), **sizes)
     if is_architecture(config.model):
         return spec, saved

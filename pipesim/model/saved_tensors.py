@@ -114,6 +114,13 @@ EAGER_TORCH = SavedTensors(layer_norm_statistics=2, rms_norm_statistics=1, rms_n
 AUTOCAST_TORCH = replace(EAGER_TORCH, residual_bytes=FP32_BYTES, input_cast_per_projection=True, weight_copies=True,
                          gathered_gemm_inputs=True, moe_input_regathered=False)
 REGATHERED_PER_LAYER = 2  # the attention's and the MLP's gathered inputs
+AUTOCAST_DTYPES = ("bfloat16", "float16")  # pipesim run's --dtype values that compute under autocast
+
+
+def executor_saved_tensors(dtype: str) -> SavedTensors:
+    """What ``pipesim run``'s layers keep at ``--dtype dtype``: ``AUTOCAST_TORCH`` where
+    they compute under autocast over float32 weights, else ``EAGER_TORCH``."""
+    return AUTOCAST_TORCH if dtype in AUTOCAST_DTYPES else EAGER_TORCH
 
 
 def async_regathered_inputs(saved: SavedTensors, tp: int, sequence_parallel: bool, recompute: str,
