@@ -106,6 +106,19 @@ ROWS: dict[str, tuple[str, ...]] = {
     "olmoe 1f1b": ("--model", config("olmoe-1b-7b"), *DEEPSEEK, "--pp", "2", "--experts", "4"),
     "gpt-oss 1f1b": ("--model", config("gpt-oss-20b"), *DEEPSEEK, "--pp", "2", "--experts", "4"),
     "llama4 1f1b": ("--model", config("llama-4-scout"), *DEEPSEEK, "--pp", "2", "--experts", "4"),
+    # mixtures of experts under bf16 autocast: each linear's own cast of the tokens, the combine in float32;
+    # Qwen1.5-MoE's gated shared expert; Llama 4's copies scaled before their expert
+    "mixtral 1f1b bfloat16": (*MIXTRAL, "--pp", "2", "--dtype", "bfloat16"),
+    "qwen1.5-moe 1f1b": ("--model", config("qwen1.5-moe-a2.7b"), *DEEPSEEK, "--pp", "2", "--experts", "4"),
+    "qwen1.5-moe 1f1b bfloat16": ("--model", config("qwen1.5-moe-a2.7b"), *DEEPSEEK, "--pp", "2", "--experts", "4",
+                                  "--dtype", "bfloat16"),
+    "qwen1.5-moe 1f1b tp 2 sp bfloat16": ("--model", config("qwen1.5-moe-a2.7b"), *DEEPSEEK, "--pp", "2",
+                                          "--experts", "4", "--tp", "2", "--sequence-parallel", "--dtype", "bfloat16"),
+    "llama4 1f1b bfloat16": ("--model", config("llama-4-scout"), *DEEPSEEK, "--pp", "2", "--experts", "4",
+                             "--dtype", "bfloat16"),
+    "llama4 1f1b tp 2 sp bfloat16": ("--model", config("llama-4-scout"), *DEEPSEEK, "--pp", "2", "--experts", "4",
+                                     "--kv-heads", "2", "--ffn-hidden", "192",
+                                     "--tp", "2", "--sequence-parallel", "--dtype", "bfloat16"),
     # parallel blocks: GPT-NeoX's two norms and partial rotary, Falcon-7B's one norm read twice
     "pythia 1f1b": ("--model", config("pythia-160m"), *DEEPSEEK, "--pp", "2"),
     "falcon-7b 1f1b": ("--model", config("falcon-7b"), *DEEPSEEK, "--pp", "2"),

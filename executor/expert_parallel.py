@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.architectures.moe import MixtureOfExperts
+from executor.architectures.moe import MixtureOfExperts, combine_dtype
 from executor.inside_timing import CollectiveTimer, timed_all_to_all
 from executor.mesh import MeshPosition
 
@@ -121,8 +121,9 @@ class ExpertDispatcher:
             (at,) = torch.nonzero(received_experts == int(name), as_tuple=True)
             outputs = outputs.index_copy(0, at, module(rows[at]).to(rows.dtype))
         back = timed_all_to_all(outputs, len(token), sends, receives, group, self.timer)
-        weighted = back if weighted_input else back * weight.to(back.dtype)
-        return torch.zeros_like(tokens).index_add(0, token, weighted)
+        combined = combine_dtype(tokens, weights)
+        weighted = back.to(combined) if weighted_input else back.to(combined) * weight.to(combined)
+        return tokens.new_zeros(tokens.shape, dtype=combined).index_add(0, token, weighted)
 
 
 def shard_experts(stage: nn.Module, groups: ExpertGroups, timer: CollectiveTimer | None = None) -> None:

@@ -130,14 +130,12 @@ def read_gathered_shard(reader: torch.nn.Module, shard: torch.Tensor,
     Under autocast the shard is cast to the autocast type before the gather, as Megatron
     gathers its 16-bit activations: the GEMMs' own casts are then no-ops, so they save the
     one gathered copy, which is dropped (cast after the gather, each linear would keep its
-    own cast, whole). Not for a reader that sums in its input's type
-    (``gathered_input_cast = False``: a mixture of experts' combine): under autocast that
-    one reads the shard as it is and keeps its casts. Outside a graph, or where the
-    reader did not gather, nothing is dropped."""
-    cast = cast_for_gather(shard, reader)
-    if cast is None:  # a reader that takes its input uncast
-        return reader(shard)
-    shard, dtype = cast, cast.dtype
+    own cast, whole). A mixture of experts takes the 16-bit tokens too (its router, its
+    experts' slices and its shared expert read them; its combine still sums in float32,
+    ``executor.architectures.moe.combine_dtype``). Outside a graph, or where the reader
+    did not gather, nothing is dropped."""
+    shard = cast_for_gather(shard)
+    dtype = shard.dtype
     gathered: list[torch.Tensor] = []
     handle = reader.register_forward_pre_hook(lambda _module, args: gathered.append(args[0]))
     try:
@@ -159,16 +157,13 @@ def read_gathered_shard(reader: torch.nn.Module, shard: torch.Tensor,
     return RegatherBeforeBackward.apply(out, kept, refill)
 
 
-def cast_for_gather(shard: torch.Tensor, *readers: torch.nn.Module) -> torch.Tensor | None:
-    """``shard`` as the readers gather it: under autocast in the autocast type, or None
-    where a reader sums in its input's type (``gathered_input_cast = False``: it takes
-    the shard uncast and nothing is dropped); outside autocast as it is. One cast for
-    readers that share a shard (Falcon-7B's one norm a layer), so the shard is kept once."""
+def cast_for_gather(shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` as its readers gather it: under autocast in the autocast type, outside it
+    as it is. One cast for readers that share a shard (Falcon-7B's one norm a layer), so
+    the shard is kept once."""
     device = shard.device.type
     if not torch.is_autocast_enabled(device):
         return shard
-    if not all(getattr(reader, "gathered_input_cast", True) for reader in readers):
-        return None
     return shard.to(torch.get_autocast_dtype(device))
 
 

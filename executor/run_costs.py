@@ -203,12 +203,10 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     sending nothing. Builds the stages on the CPU to count them (torch is loaded here)."""
     import torch  # noqa: PLC0415
 
-    from executor.architectures.build import run_spec  # noqa: PLC0415
     from executor.context_parallel import local_shape  # noqa: PLC0415
     from executor.models import build_model  # noqa: PLC0415
 
     model = build_model(config)
-    spec = run_spec(config) if config.tp > 1 else None
     saved = executor_saved_tensors(config.dtype)
     microbatch = -(-config.replica_batch_size // config.microbatches)
     shape = local_shape(model.boundary_shape(microbatch), config.boundary_sequence_split)
@@ -223,11 +221,8 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
         if config.tp > 1:
             entry["layers"] = float(model.layout[stage])
             entry["tp_message_bytes"] = float(math.prod(model.boundary_shape(microbatch)) * element)
-            first = sum(model.layout[:stage])
-            regathers = [regathered_inputs(saved, config.tp, config.sequence_parallel, config.recompute,
-                                           spec.is_moe_layer(layer))
-                         for layer in range(first, first + model.layout[stage])]
-            entry["tp_regathers"] = sum(regathers) / len(regathers) if regathers else 0.0
+            entry["tp_regathers"] = float(regathered_inputs(saved, config.tp, config.sequence_parallel,
+                                                            config.recompute) if model.layout[stage] else 0)
         if config.ep > 1:
             entry.update(expert_exchange(config, model.layout, stage, microbatch, element))
         if config.cp > 1 and config.cp_comm == "p2p":

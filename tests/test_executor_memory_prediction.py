@@ -131,6 +131,25 @@ def test_latent_attention_blocks_keep_what_the_model_says(model: str, batch: int
         assert predicted == measured_block_bytes(config, layer)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "tests/data/hf_configs/qwen1.5-moe-a2.7b.json",
+                                   "tests/data/hf_configs/llama-4-scout.json"])
+def test_mixture_of_experts_blocks_keep_what_the_model_says(model: str, dtype: str) -> None:
+    """Mixtures of experts in float32 and under bf16 autocast, two sequences: the model's
+    bytes per layer are what the pack hook counts on the real block. Under autocast each
+    expert's gate and up projections keep their own bf16 cast of its tokens, as do the
+    router, the shared expert's two and its gate; the weighted expert outputs the combine
+    keeps, and their weights, are float32 (the combine's type); Qwen1.5-MoE's gated shared
+    expert keeps its output and its sigmoid gate; Llama 4 scales each copy in float32
+    before its expert, so the scaled copy is float32 and the expert output is not kept."""
+    config = RunConfig(model=model, **{**SIZES, "layers": 2, "hidden": 64, "heads": 8, "seq_len": 32,
+                                       "batch_size": 2, "experts": 4}, dtype=dtype)
+    spec, saved = executor_spec(config)
+    layer = next(layer for layer in range(spec.layers) if spec.is_moe_layer(layer))
+    torch.manual_seed(0)
+    assert layer_stash_bytes(spec, layer=layer, saved=saved) == measured_block_bytes(config, layer)
+
+
 def held_output_grads(config: RunConfig) -> int:
     """Bytes of the gradients a split backward's ``I`` over ``config``'s whole model (one
     stage) keeps for its ``W``, each storage once, as ``executor.memory`` counts them."""

@@ -173,11 +173,6 @@ class MixtureOfExperts(nn.Module):
     ``shared_ffn`` columns of shared experts (one MLP, as DeepSeek runs them), the latter
     optionally scaled by a sigmoid gate (Qwen-MoE)."""
 
-    # Under autocast its input is not cast before sequence parallelism's gather
-    # (executor.rebuilt_activations.read_gathered_shard): the combine sums the experts'
-    # outputs in the input's type, which a 16-bit input would make 16-bit.
-    gathered_input_cast = False
-
     def __init__(self, hidden: int, experts: int, top_k: int, expert_ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, gating: str = "softmax", normalize: bool = True,
                  capacity_factor: float | None = None, groups: int = 1, groups_kept: int | None = None,
@@ -253,8 +248,9 @@ def route_locally(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Ten
                   experts: nn.ModuleList, weighted_input: bool = False) -> torch.Tensor:
     """The routed experts' weighted sum per token, every expert on this process: each
     kept copy (``chosen`` and ``keep`` are ``tokens x k``) through its expert, times its
-    router weight (``weighted_input``: the copy times its weight through the expert)."""
-    out = torch.zeros_like(tokens)
+    router weight (``weighted_input``: the copy times its weight through the expert),
+    summed in ``combine_dtype``."""
+    out = tokens.new_zeros(tokens.shape, dtype=combine_dtype(tokens, weights))
     for index, expert in enumerate(experts):
         # An expert no token chose still runs, on no rows: its weights get a zero
         # gradient rather than none, so every rank's gradients (and dp's buckets)
@@ -264,3 +260,12 @@ def route_locally(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Ten
         weighted = expert(tokens[token] * weight.to(tokens.dtype)) if weighted_input else expert(tokens[token]) * weight
         out = out.index_add(0, token, weighted.to(out.dtype))  # autocast: back to the residual's type
     return out
+
+
+def combine_dtype(tokens: torch.Tensor, weights: torch.Tensor) -> torch.dtype:
+    """The type the routed experts' outputs are weighted and summed in: the wider of the
+    tokens' and the routing weights' (float32 at least, ``Router.route``). Under autocast
+    with sequence parallelism the tokens arrive in 16 bits (cast before the gather,
+    ``executor.rebuilt_activations.read_gathered_shard``) and the sum stays in float32,
+    as it is where they arrive in float32."""
+    return torch.promote_types(tokens.dtype, weights.dtype)

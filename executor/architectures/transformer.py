@@ -95,9 +95,8 @@ class TransformerBlock(nn.Module):
         recompute, regather = self.recompute_norms, self.regather_shards
         if self.ffn_norm is None:  # parallel, one norm
             normed = self.attention_norm(x)
-            sharded = regather and sequence_sharded(normed)  # see read_gathered_shard
-            cast = cast_for_gather(normed, self.attention, self.feed_forward) if sharded else None
-            if cast is not None:
+            if regather and sequence_sharded(normed):  # see read_gathered_shard
+                cast = cast_for_gather(normed)
                 return x + read_gathered_shard(self.attention, cast) + read_gathered_shard(self.feed_forward, cast)
             return x + self.attention(normed) + self.feed_forward(normed)
         attended = norm_read_by(self.attention_norm, self.attention, x, recompute, regather)

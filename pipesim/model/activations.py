@@ -203,7 +203,7 @@ def regathered_until_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sequence_pa
     sequence parallelism), whole, one a sublayer. Under ``--recompute norm-mla-up`` the
     rebuild makes the gathered copy straight from the recomputed norm, so the norms'
     shards ``rebuilt_until_weight_grad_bytes`` counts are not held: taken off here."""
-    copies = regathered_inputs(saved, tp, sequence_parallel, recompute, spec.is_moe_layer(layer))
+    copies = regathered_inputs(saved, tp, sequence_parallel, recompute)
     if not copies:
         return 0.0
     whole = copies * spec.tokens * spec.hidden * spec.dtype_bytes

@@ -48,9 +48,9 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   split backward's ``I`` refills the two copies (one a sublayer) and ``W`` reads them,
   so they are held whole from ``I`` until ``W``. Under autocast the shard is cast to
   16 bits before the gather, so the sublayer's linears share that one gathered cast
-  (no cast of their own) and it is dropped the same way; a mixture of experts takes its
-  input uncast (its combine sums in the input's type), so each of its linears keeps its
-  own 16-bit cast of the gathered input, whole from ``F``.
+  (no cast of their own) and it is dropped the same way, a mixture of experts' too (its
+  router, its experts' slices and its shared expert read the 16-bit tokens; its combine
+  sums in float32).
 - **Autocast** (``--dtype bfloat16``, float32 master weights): the residual stream, the
   norms and what they keep stay in float32 (``residual_bytes``); each linear keeps its
   own 16-bit cast of its input (the architectures' separate Q, K and V projections three
@@ -97,7 +97,6 @@ class SavedTensors:
     gathered_gemm_inputs: bool = False  # under sequence parallelism, column-parallel linears keep the gathered input
     # ... or only from a split backward's I until its W: dropped after F, gathered again before the backward
     regathered_gemm_inputs: bool = False
-    moe_input_regathered: bool = False  # ... a mixture of experts' too (else its casts stay whole)
     residual_bytes: int = 0  # bytes of an element of the residual stream and norms, where not the dtype's (autocast)
     input_cast_per_projection: bool = False  # Q, K, V (gate, up) projections each keep their own cast of the input
     weight_copies: bool = False  # each linear keeps its weight cast to the activation dtype, per microbatch
@@ -109,10 +108,9 @@ EAGER_TORCH = SavedTensors(layer_norm_statistics=2, rms_norm_statistics=1, rms_n
                            softmax_statistics=True, kv_repeated=True, attention_output_copy=True, rotary_tables=True,
                            gated_activation_output=True, routed_combine=True, wide_scores=True, token_indices=True,
                            whole_stash_until_weight_grad=True, output_grads_until_weight_grad=True,
-                           regathered_gemm_inputs=True, moe_input_regathered=True, latent_kv_whole=True)
-# under autocast a mixture of experts' linears cast its gathered input each: those casts stay whole
+                           regathered_gemm_inputs=True, latent_kv_whole=True)
 AUTOCAST_TORCH = replace(EAGER_TORCH, residual_bytes=FP32_BYTES, input_cast_per_projection=True, weight_copies=True,
-                         gathered_gemm_inputs=True, moe_input_regathered=False)
+                         gathered_gemm_inputs=True)
 REGATHERED_PER_LAYER = 2  # the attention's and the MLP's gathered inputs
 AUTOCAST_DTYPES = ("bfloat16", "float16")  # pipesim run's --dtype values that compute under autocast
 
@@ -138,16 +136,14 @@ def async_regathered_inputs(saved: SavedTensors, tp: int, sequence_parallel: boo
     return REGATHERED_PER_LAYER - (1 if moe_layer else 0)
 
 
-def regathered_inputs(saved: SavedTensors, tp: int, sequence_parallel: bool, recompute: str,
-                      moe_layer: bool = False) -> int:
+def regathered_inputs(saved: SavedTensors, tp: int, sequence_parallel: bool, recompute: str) -> int:
     """How many gathered inputs a layer's backward all-gathers again
     (``saved.regathered_gemm_inputs``): one a sublayer under sequence parallelism (a
-    mixture of experts' only with ``saved.moe_input_regathered``), none where full or
-    per-op recompute re-runs the forward inside the backward (its checkpoint keeps what
-    the re-run saves)."""
+    mixture of experts' too), none where full or per-op recompute re-runs the forward
+    inside the backward (its checkpoint keeps what the re-run saves)."""
     if not (saved.regathered_gemm_inputs and sequence_parallel and tp > 1) or recompute in ("full", PER_OP):
         return 0
-    return REGATHERED_PER_LAYER - (1 if moe_layer and not saved.moe_input_regathered else 0)
+    return REGATHERED_PER_LAYER
 
 
 def score_bytes(spec: ModelSpec, saved: SavedTensors) -> float:
@@ -207,10 +203,11 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         if saved.latent_kv_whole and spec.microbatch_size == 1:  # with more sequences V is reshaped into a copy
             per_token += spec.heads / tp * spec.mla.qk_nope_head_dim * d
     # sublayers whose shard is cast before the gather and gathered again in the backward (attention first)
-    regathered = regathered_inputs(saved, tp, sequence_parallel, recompute, spec.is_moe_layer(layer))
-    if saved.input_cast_per_projection and spec.mla is None:  # K and V's own casts; a gated MLP's up projection's
+    regathered = regathered_inputs(saved, tp, sequence_parallel, recompute)
+    if saved.input_cast_per_projection and spec.mla is None:  # K and V's own casts; the MLP's linears'
         # a fused wqkv casts its input once; a regathered sublayer's linears share the one cast gathered
-        casts = (0 if spec.fused_qkv or regathered >= 1 else 2) + (1 if spec.gated_mlp and regathered < 2 else 0)
+        casts = (0 if spec.fused_qkv or regathered >= 1 else 2) + (mlp_input_casts(spec, layer) if regathered < 2
+                                                                     else 0)
         per_token += casts * h * d / (1 if saved.gathered_gemm_inputs else split)
     if sequence_parallel and saved.gathered_gemm_inputs:  # QKV and MLP inputs whole, not / tp
         # beyond the inventory's shard; norm-mla-up's inventory drops the shard, the gathered copy stays
@@ -233,7 +230,12 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         per_token += (1 + clamped) * spec.mlp_width(layer, padded=False) / tp * d
     if saved.routed_combine and spec.is_moe_layer(layer):
         slots, k = spec.moe.routed_slots(padded=False), spec.moe.experts_per_token
-        per_token += slots * ((h + 1) * d + 2 * INDEX_BYTES) + k * INDEX_BYTES
+        # the weighted outputs and their weights in the combine's type (float32 under autocast)
+        per_token += slots * ((h + 1) * max(d, saved.residual_bytes) + 2 * INDEX_BYTES) + k * INDEX_BYTES
+        if spec.moe.shared_ffn and spec.moe.shared_expert_gate:  # the shared output and its sigmoid gate
+            per_token += (h + 1) * d
+        if spec.moe.weighted_input and regathered < 2:  # Llama 4: each copy scaled in the tokens' own type
+            per_token += slots * h * max(0, saved.residual_bytes - d)
         if spec.moe.normalize_top_k:  # the division by their sum keeps the k weights and the sum
             per_token += (k + 1) * score_bytes(spec, saved)
         per_token += spec.moe.experts * (score_bytes(spec, saved) - FP32_BYTES)  # wider scores than the inventory's
@@ -245,6 +247,19 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     if saved.rotary_tables and not spec.learned_positions and layer not in spec.nope_layers:
         extra += spec.seq_len * spec.rotary_width * d  # cos and sin, s x d/2 each, whatever the microbatch
     return extra
+
+
+def mlp_input_casts(spec: ModelSpec, layer: int) -> float:
+    """Copies per token of the MLP's input that its linears cast under autocast, each its
+    own, beyond the one the inventory counts (the first linear's): a gated MLP's up
+    projection's; in a mixture of experts (the router's cast the inventory's) every
+    routed copy's second one (an expert's gate and up projections cast its tokens apart;
+    the executor's experts are gated), the shared expert's two and its gate's one."""
+    if not spec.is_moe_layer(layer):
+        return 1.0 if spec.gated_mlp else 0.0
+    moe = spec.moe
+    shared = (2 if moe.shared_ffn else 0) + (1 if moe.shared_ffn and moe.shared_expert_gate else 0)
+    return moe.routed_slots(padded=False) + shared
 
 
 def balance_loss_bytes(spec: ModelSpec, saved: SavedTensors) -> float:

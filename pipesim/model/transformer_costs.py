@@ -230,7 +230,7 @@ def model_stage_costs(
                                                           layer, saved_tensors)
                         + regathered_until_weight_grad_bytes(local, tp, sequence_parallel, recompute, saved_tensors,
                                                              layer),
-                        regathered_inputs(saved_tensors, tp, sequence_parallel, recompute, spec.is_moe_layer(layer)),
+                        regathered_inputs(saved_tensors, tp, sequence_parallel, recompute),
                         async_regathered_inputs(saved_tensors, tp, sequence_parallel, recompute,
                                                 spec.is_moe_layer(layer)))
                 for layer in kind_layer.values()}
@@ -283,8 +283,7 @@ def model_stage_costs(
                     + mtp_extra(local, saved_tensors))
                 kept += spec.mtp_depth * wgrad_stash_bytes(local, tp, sequence_parallel, spec.layers)
                 mtp_moe = spec.mtp_depth if spec.is_moe_layer(spec.layers) else 0
-                regathers += spec.mtp_depth * regathered_inputs(saved_tensors, tp, sequence_parallel, recompute,
-                                                                bool(mtp_moe))
+                regathers += spec.mtp_depth * regathered_inputs(saved_tensors, tp, sequence_parallel, recompute)
                 async_regathers += spec.mtp_depth * async_regathered_inputs(saved_tensors, tp, sequence_parallel,
                                                                             recompute, bool(mtp_moe))
                 moe_layers += mtp_moe
