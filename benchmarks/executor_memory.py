@@ -91,6 +91,13 @@ ROWS: dict[str, tuple[str, ...]] = {
     "mixtral 1f1b cp 2": (*MIXTRAL, "--pp", "2", "--cp", "2"),
     "deepseek-v3 1f1b": ("--model", "deepseek-v3", *DEEPSEEK, "--pp", "2"),
     "deepseek-v2-lite zbv": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
+    # latent attention under bf16 autocast: the math path's float32 Q, K, V and softmax
+    "deepseek-v3 1f1b bfloat16": ("--model", "deepseek-v3", *DEEPSEEK, "--pp", "2", "--dtype", "bfloat16"),
+    "deepseek-v2-lite zbv bfloat16 recompute norm-mla-up": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2",
+                                                            "--schedule", "zbv", *TWO_CHUNKS, "--dtype", "bfloat16",
+                                                            "--recompute", "norm-mla-up"),
+    "deepseek-v3 1f1b tp 2 sp bfloat16": ("--model", "deepseek-v3", *DEEPSEEK, "--pp", "2", "--tp", "2",
+                                          "--sequence-parallel", "--ffn-hidden", "184", "--dtype", "bfloat16"),
     "gpt 1f1b recompute norm-mla-up": (*GPT, "--pp", "2", "--recompute", "norm-mla-up"),
     "llama 1f1b recompute norm-mla-up": (*LLAMA, "--pp", "2", "--recompute", "norm-mla-up"),
     "llama 1f1b tp 2 sp recompute norm-mla-up": (*LLAMA, "--pp", "2", "--tp", "2", "--sequence-parallel",
@@ -122,6 +129,10 @@ ROWS: dict[str, tuple[str, ...]] = {
     # parallel blocks: GPT-NeoX's two norms and partial rotary, Falcon-7B's one norm read twice
     "pythia 1f1b": ("--model", config("pythia-160m"), *DEEPSEEK, "--pp", "2"),
     "falcon-7b 1f1b": ("--model", config("falcon-7b"), *DEEPSEEK, "--pp", "2"),
+    "falcon-7b 1f1b recompute norm-mla-up": ("--model", config("falcon-7b"), *DEEPSEEK, "--pp", "2", "--recompute",
+                                             "norm-mla-up"),
+    "llama 1f1b bfloat16 recompute norm-mla-up": (*LLAMA, "--pp", "2", "--dtype", "bfloat16", "--recompute",
+                                                  "norm-mla-up"),
     # Gemma: four norms a layer, soft-capped scores and logits (Gemma 2), local rotary base (Gemma 3)
     "gemma-2 1f1b": ("--model", config("gemma-2-9b"), *DEEPSEEK, "--pp", "2"),
     "gemma-3 1f1b": ("--model", config("gemma-3-1b"), *DEEPSEEK, "--pp", "2"),

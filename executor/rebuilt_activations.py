@@ -41,6 +41,10 @@ class DroppedUntilBackward:
     def __init__(self, tensors: Sequence[torch.Tensor], rebuild: Rebuild | None, what: str) -> None:
         self.rebuild = rebuild
         self.what = what
+        # the rebuild runs under the forward's autocast (the backward runs outside it): a linear
+        # rebuilt without it would make float32 where the forward made bf16
+        device = tensors[0].device.type
+        self.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         self.storages = [local_storage(tensor) for tensor in tensors]
         self.sizes = [storage.nbytes() for storage in self.storages]
         self.refilled = False
@@ -57,7 +61,8 @@ class DroppedUntilBackward:
         that needs what the backward hands it: ``read_gathered_shard``)."""
         if self.refilled:  # the split backward's W, or a second output of the reader
             return
-        with torch.no_grad():
+        device, dtype, enabled = self.autocast
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             fresh = list(rebuild())
         if len(fresh) != len(self.storages):
             raise RuntimeError(f"{self.what}: the rebuild returned {len(fresh)} tensors, the forward dropped "
@@ -73,15 +78,18 @@ class DroppedUntilBackward:
         self.refilled = True
 
 
-def drop_until_backward(reader_output: torch.Tensor, tensors: Sequence[torch.Tensor], rebuild: Rebuild,
-                        what: str) -> None:
+def drop_until_backward(reader_output: torch.Tensor | Sequence[torch.Tensor], tensors: Sequence[torch.Tensor],
+                        rebuild: Rebuild, what: str) -> None:
     """Empty ``tensors``' storages now (their reader has run and saved them); refill
-    them from ``rebuild()`` when the gradient of ``reader_output`` arrives, before the
-    reader's backward. Nothing happens outside a graph (no gradient will come)."""
-    if not (torch.is_grad_enabled() and reader_output.requires_grad):
+    them from ``rebuild()`` when the gradient of ``reader_output`` arrives (of the first
+    of several readers' outputs to get one), before the reader's backward. Nothing
+    happens outside a graph (no gradient will come)."""
+    outputs = [reader_output] if isinstance(reader_output, torch.Tensor) else list(reader_output)
+    if not (torch.is_grad_enabled() and all(output.requires_grad for output in outputs)):
         return
     dropped = DroppedUntilBackward(tensors, rebuild, what)
-    reader_output.register_hook(dropped.refill)
+    for output in outputs:
+        output.register_hook(dropped.refill)
 
 
 def norm_read_by(norm: torch.nn.Module, reader: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,

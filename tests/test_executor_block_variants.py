@@ -143,6 +143,10 @@ CASES = LaunchedCases(BASE, {4: {
     "falcon-dp2": {"model": FALCON, "dp": 2},
     # one norm both halves read: each gathers it, drops its copy and gathers again in the backward
     "falcon-tp2-sp": {"model": FALCON, "kv_heads": 2, "tp": 2, "sequence_parallel": True},
+    # ... and rebuilt in the backward from the norm's input, before either half's backward reads it
+    "falcon-dp2-norm-mla-up": {"model": FALCON, "dp": 2, "recompute": "norm-mla-up"},
+    "falcon-tp2-sp-norm-mla-up": {"model": FALCON, "kv_heads": 2, "tp": 2, "sequence_parallel": True,
+                                  "recompute": "norm-mla-up"},
     "gpt-oss-ep2": {"model": str(TIGHT), "dp": 2, "ep": 2, "experts": 4, "schedule": "zbv", "virtual_stages": 2},
 }})
 

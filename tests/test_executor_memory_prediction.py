@@ -27,16 +27,22 @@ SIZES = {"layers": 1, "hidden": 32, "heads": 4, "seq_len": 16, "batch_size": 1, 
 
 def measured_block_bytes(config: RunConfig, block: int = 0) -> int:
     """Bytes block ``block`` of ``config``'s model keeps for its backward, counted as
-    ``executor.memory`` counts them: each saved storage once, parameters excluded."""
+    ``executor.memory`` counts them: each saved storage once, parameters excluded, at its
+    size after the forward (``--recompute norm-mla-up`` empties what it rebuilds)."""
+    from executor.recompute import recompute_norms_and_up_projections
+
     model = build_model(config)
     stage = model.build_stage(0, 1)
+    if config.recompute == "norm-mla-up":
+        for each in stage.blocks:
+            recompute_norms_and_up_projections(each)
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-    saved: dict[int, int] = {}
+    saved: dict[int, torch.UntypedStorage] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
+            saved[storage.data_ptr()] = storage
         return tensor
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.dtype == "bfloat16")
@@ -46,7 +52,7 @@ def measured_block_bytes(config: RunConfig, block: int = 0) -> int:
             hidden = before(hidden)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             stage.blocks[block](hidden)
-    return sum(saved.values())
+    return sum(storage.nbytes() for storage in saved.values())
 
 
 def test_gpt_block_keeps_what_the_hand_count_says() -> None:
@@ -114,16 +120,20 @@ def test_mixture_of_experts_block_keeps_what_the_hand_count_says() -> None:
     assert layer_stash_bytes(executor_spec(without)[0], saved=saved) == measured_block_bytes(without) == 94656
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("model", ["deepseek-v3", "deepseek-v2-lite"])
-def test_latent_attention_blocks_keep_what_the_model_says(model: str, batch: int) -> None:
+def test_latent_attention_blocks_keep_what_the_model_says(model: str, batch: int, dtype: str) -> None:
     """DeepSeek's blocks shrunk (latent attention, whose Q/K and V head widths differ, so
     torch's CPU attention takes its math path and keeps the s x s softmax; a dense first
     layer, then shared and routed experts: V3's sigmoid router with rescaled weights,
     V2-Lite's softmax without): the model's bytes per layer are what the pack hook
     counts on the real blocks, dense and mixture of experts, for a microbatch of one
-    sequence (V a view of the joint K-nope/V projection) and of two (V copied)."""
-    config = RunConfig(model=model, **{**SIZES, "layers": 2, "batch_size": batch})
+    sequence (V a view of the joint K-nope/V projection) and of two (V copied). Under
+    bf16 autocast the rotary tables are made in the block input's float32, so the rotated
+    Q and K are float32 and the math path keeps Q, K, V and its softmax in float32; the
+    two down-projections each keep their own bf16 cast of the input."""
+    config = RunConfig(model=model, **{**SIZES, "layers": 2, "batch_size": batch}, dtype=dtype)
     spec, saved = executor_spec(config)
     assert spec.mla is not None and spec.is_moe_layer(1) and not spec.is_moe_layer(0)
     for layer in (0, 1):
@@ -148,6 +158,25 @@ def test_mixture_of_experts_blocks_keep_what_the_model_says(model: str, dtype: s
     layer = next(layer for layer in range(spec.layers) if spec.is_moe_layer(layer))
     torch.manual_seed(0)
     assert layer_stash_bytes(spec, layer=layer, saved=saved) == measured_block_bytes(config, layer)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("model", "batch"), [("deepseek-v3", 1), ("deepseek-v3", 2), ("deepseek-v2-lite", 2),
+                                              ("llama3-8b", 2), ("mixtral-8x7b", 2),
+                                              ("tests/data/hf_configs/falcon-7b.json", 2)])
+def test_blocks_under_norm_mla_up_keep_what_the_model_says(model: str, batch: int, dtype: str) -> None:
+    """``--recompute norm-mla-up``: every norm's output (Falcon-7B's one norm, read by
+    both halves, too) and latent attention's up-projections are dropped after the forward
+    and rebuilt before the backward. Under bf16 autocast what their readers made of them
+    stays: each linear's own bf16 cast of a norm's output, and the written-out attention's
+    products' bf16 casts of the rotated Q and K and of the softmax."""
+    config = RunConfig(model=model, **{**SIZES, "layers": 2, "hidden": 64, "heads": 8, "seq_len": 32,
+                                       "batch_size": batch, "experts": 4}, dtype=dtype, recompute="norm-mla-up")
+    spec, saved = executor_spec(config)
+    for layer in range(spec.layers):
+        predicted = layer_stash_bytes(spec, recompute="norm-mla-up", layer=layer, saved=saved,
+                                      flash_attention=flash_kernel(spec, config))
+        assert predicted == measured_block_bytes(config, layer), layer
 
 
 def held_output_grads(config: RunConfig) -> int:

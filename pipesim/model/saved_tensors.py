@@ -200,15 +200,30 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
                  * residual) / split
     if spec.mla is not None and spec.rms_norm:  # the latents' RMSNorms keep theirs too
         per_token += latent_norm_extra_elements(spec, saved) * d
-        if saved.latent_kv_whole and spec.microbatch_size == 1:  # with more sequences V is reshaped into a copy
+        # with more sequences V is reshaped into a copy, under autocast into a float32 one; norm-mla-up
+        # rebuilds the projection
+        if saved.latent_kv_whole and spec.microbatch_size == 1 and not wider and recompute != NORM_MLA_UP:
             per_token += spec.heads / tp * spec.mla.qk_nope_head_dim * d
     # sublayers whose shard is cast before the gather and gathered again in the backward (attention first)
     regathered = regathered_inputs(saved, tp, sequence_parallel, recompute)
-    if saved.input_cast_per_projection and spec.mla is None:  # K and V's own casts; the MLP's linears'
+    if saved.input_cast_per_projection:  # K's and V's own casts (latent attention's key-value down's); the MLP's
         # a fused wqkv casts its input once; a regathered sublayer's linears share the one cast gathered
-        casts = (0 if spec.fused_qkv or regathered >= 1 else 2) + (mlp_input_casts(spec, layer) if regathered < 2
-                                                                     else 0)
+        attention_casts = 0 if spec.fused_qkv or regathered >= 1 else (1 if spec.mla is not None else 2)
+        casts = attention_casts + (mlp_input_casts(spec, layer) if regathered < 2 else 0)
         per_token += casts * h * d / (1 if saved.gathered_gemm_inputs else split)
+    if saved.input_cast_per_projection and recompute == NORM_MLA_UP:
+        # the norms' outputs are dropped and rebuilt, but each sublayer's first linear's cast of it stays
+        # (latent attention's up-projections' casts of the latents' too)
+        latents = (spec.mla.q_lora_rank or 0) + spec.mla.kv_lora_rank if spec.mla is not None else 0
+        per_token += ((REGATHERED_PER_LAYER - regathered) * h / (1 if saved.gathered_gemm_inputs else split)
+                      + latents) * d
+    if spec.mla is not None and wider:  # autocast: the rotated Q and K are float32 (the rotary tables are)
+        if recompute != NORM_MLA_UP:  # torch's math path keeps Q, K and V in float32
+            per_token += (2 * spec.q_width + spec.v_width) / tp * wider
+        else:  # written out (Q, K and V rebuilt): its products keep their bf16 casts of Q, K and the softmax
+            per_token += (2 * spec.q_width + spec.heads * spec.seq_len) / tp * d
+        if not flash_attention:  # the softmax's output in float32
+            per_token += spec.heads / tp * spec.seq_len * wider
     if sequence_parallel and saved.gathered_gemm_inputs:  # QKV and MLP inputs whole, not / tp
         # beyond the inventory's shard; norm-mla-up's inventory drops the shard, the gathered copy stays
         per_token += (REGATHERED_PER_LAYER - regathered) * h * d * (1 - (0 if recompute == NORM_MLA_UP else 1 / tp))
@@ -245,7 +260,8 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     if saved.weight_copies:
         extra += weight_copy_bytes(spec, tp, layer)
     if saved.rotary_tables and not spec.learned_positions and layer not in spec.nope_layers:
-        extra += spec.seq_len * spec.rotary_width * d  # cos and sin, s x d/2 each, whatever the microbatch
+        # cos and sin, s x d/2 each, whatever the microbatch; latent attention's in its input's type
+        extra += spec.seq_len * spec.rotary_width * (residual if spec.mla is not None else d)
     return extra
 
 
