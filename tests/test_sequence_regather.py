@@ -42,53 +42,65 @@ from tests.launched_cases import LaunchedCases, assert_equals_reference
 HIDDEN, HEADS, BATCH, SEQ, F64 = 16, 4, 2, 8, 8
 
 
-def block_on_two_ranks(regather: bool, recompute: bool, autocast: bool = False) -> dict:
-    """One toy GPT block split over a 2-rank tp group with sequence parallelism: the
-    bytes its forward saved (parameters aside, each storage once, at its size after the
-    forward), the all-gathers its backward ran, and its gradients; float64, or with
-    ``autocast`` float32 under bf16 autocast."""
+def forward_and_backward(block: torch.nn.Module, x: torch.Tensor, autocast: bool = False) -> dict:
+    """Run ``block`` (split over this rank's tp group) on ``x``, this rank's sequence
+    shard: the bytes its forward saved (parameters aside, each storage once, at its size
+    after the forward), the all-gathers its backward ran, its output and gradients; under
+    ``autocast`` in bf16."""
     import torch.distributed._functional_collectives as funcol  # noqa: PLC0415
+
+    from executor.data_parallel import local_storage, local_tensor  # noqa: PLC0415
+    from executor.tensor_parallel import TIMED_COLLECTIVES  # noqa: PLC0415
+
+    params = {local_storage(p).data_ptr() for p in block.parameters()}
+    saved: dict[int, torch.UntypedStorage] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = local_storage(tensor)
+        if storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), storage)
+        return tensor
+
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+          torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
+        out = block(x)
+    kept = sum(storage.nbytes() for storage in saved.values())
+    gathers = []
+    name = TIMED_COLLECTIVES[1]
+    original = getattr(funcol, name)
+    setattr(funcol, name, lambda *args, **kwargs: gathers.append(1) or original(*args, **kwargs))
+    try:
+        local_tensor(out).pow(2).sum().backward()
+    finally:
+        setattr(funcol, name, original)
+    grads = {key: local_tensor(p.grad).clone() for key, p in block.named_parameters() if p.grad is not None}
+    return {"kept": kept, "gathers": len(gathers), "grads": grads, "x_grad": x.grad.clone(),
+            "out": local_tensor(out).detach().clone(), "dtype": local_tensor(out).dtype}
+
+
+def sequence_shard(rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's half of a fixed ``BATCH x SEQ x HIDDEN`` input, a leaf."""
+    whole = torch.randn(BATCH, SEQ, HIDDEN, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    return whole[:, rank * SEQ // 2:(rank + 1) * SEQ // 2].clone().requires_grad_()
+
+
+def block_on_two_ranks(regather: bool, recompute: bool, autocast: bool = False) -> dict:
+    """One toy GPT block split over a 2-rank tp group with sequence parallelism
+    (``forward_and_backward``); float64, or with ``autocast`` float32 under bf16 autocast."""
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
 
-    from executor.data_parallel import local_storage, local_tensor  # noqa: PLC0415
     from executor.models import Block  # noqa: PLC0415
-    from executor.tensor_parallel import TIMED_COLLECTIVES, block_plan  # noqa: PLC0415
+    from executor.tensor_parallel import block_plan  # noqa: PLC0415
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     try:
         torch.manual_seed(0)
         dtype = torch.float32 if autocast else torch.float64
         block = Block(HIDDEN, HEADS).to(dtype)
         block.regather_shards, block.recompute_norms = regather, recompute
         parallelize_module(block, init_device_mesh("cpu", (2,)), block_plan(sequence_parallel=True))
-        whole = torch.randn(BATCH, SEQ, HIDDEN, dtype=dtype, generator=torch.Generator().manual_seed(1))
-        x = whole[:, rank * SEQ // 2:(rank + 1) * SEQ // 2].clone().requires_grad_()
-        params = {local_storage(p).data_ptr() for p in block.parameters()}
-        saved: dict[int, torch.UntypedStorage] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = local_storage(tensor)
-            if storage.data_ptr() not in params:
-                saved.setdefault(storage.data_ptr(), storage)
-            return tensor
-
-        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
-              torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
-            out = block(x)
-        kept = sum(storage.nbytes() for storage in saved.values())
-        gathers = []
-        name = TIMED_COLLECTIVES[1]
-        original = getattr(funcol, name)
-        setattr(funcol, name, lambda *args, **kwargs: gathers.append(1) or original(*args, **kwargs))
-        try:
-            local_tensor(out).pow(2).sum().backward()
-        finally:
-            setattr(funcol, name, original)
-        grads = {key: local_tensor(p.grad).clone() for key, p in block.named_parameters()}
-        return {"kept": kept, "gathers": len(gathers), "grads": grads, "x_grad": x.grad.clone(),
-                "out": local_tensor(out).detach().clone()}
+        return forward_and_backward(block, sequence_shard(dist.get_rank(), dtype), autocast)
     finally:
         dist.destroy_process_group()
 
@@ -116,19 +128,16 @@ def test_under_autocast_the_shard_is_cast_before_the_gather() -> None:
 
 def mixture_block_on_two_ranks(regather: bool) -> dict:
     """One Mixtral block (4 experts, top 2, dropless; separate Q, K and V projections)
-    split over a 2-rank tp group with sequence parallelism, float32 under bf16 autocast:
-    what its forward saved, the all-gathers its backward ran, its output and gradients."""
-    import torch.distributed._functional_collectives as funcol  # noqa: PLC0415
+    split over a 2-rank tp group with sequence parallelism, float32 under bf16 autocast
+    (``forward_and_backward``)."""
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
     from executor.architectures.build import shrunk_spec  # noqa: PLC0415
     from executor.architectures.transformer import TransformerBlock  # noqa: PLC0415
     from executor.config import RunConfig  # noqa: PLC0415
-    from executor.data_parallel import local_storage, local_tensor  # noqa: PLC0415
-    from executor.tensor_parallel import TIMED_COLLECTIVES, parallelize_stage  # noqa: PLC0415
+    from executor.tensor_parallel import parallelize_stage  # noqa: PLC0415
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     try:
         torch.manual_seed(0)
         spec = shrunk_spec(RunConfig(model="mixtral-8x7b", layers=1, hidden=HIDDEN, heads=HEADS, kv_heads=2,
@@ -136,32 +145,7 @@ def mixture_block_on_two_ranks(regather: bool) -> dict:
         block = TransformerBlock(spec, 0)
         block.regather_shards = regather
         parallelize_stage(torch.nn.ModuleList([block]), init_device_mesh("cpu", (2,)), sequence_parallel=True)
-        whole = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(1))
-        x = whole[:, rank * SEQ // 2:(rank + 1) * SEQ // 2].clone().requires_grad_()
-        params = {local_storage(p).data_ptr() for p in block.parameters()}
-        saved: dict[int, torch.UntypedStorage] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = local_storage(tensor)
-            if storage.data_ptr() not in params:
-                saved.setdefault(storage.data_ptr(), storage)
-            return tensor
-
-        with (torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
-              torch.autocast("cpu", dtype=torch.bfloat16)):
-            out = block(x)
-        kept = sum(storage.nbytes() for storage in saved.values())
-        gathers = []
-        name = TIMED_COLLECTIVES[1]
-        original = getattr(funcol, name)
-        setattr(funcol, name, lambda *args, **kwargs: gathers.append(1) or original(*args, **kwargs))
-        try:
-            local_tensor(out).pow(2).sum().backward()
-        finally:
-            setattr(funcol, name, original)
-        grads = {key: local_tensor(p.grad).clone() for key, p in block.named_parameters() if p.grad is not None}
-        return {"kept": kept, "gathers": len(gathers), "grads": grads, "x_grad": x.grad.clone(),
-                "out": local_tensor(out).detach().clone(), "dtype": local_tensor(out).dtype}
+        return forward_and_backward(block, sequence_shard(dist.get_rank(), torch.float32), autocast=True)
     finally:
         dist.destroy_process_group()
 
