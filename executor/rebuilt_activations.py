@@ -78,38 +78,48 @@ class DroppedUntilBackward:
         self.refilled = True
 
 
-def drop_until_backward(reader_output: torch.Tensor | Sequence[torch.Tensor], tensors: Sequence[torch.Tensor],
-                        rebuild: Rebuild, what: str) -> None:
-    """Empty ``tensors``' storages now (their reader has run and saved them); refill
-    them from ``rebuild()`` when the gradient of ``reader_output`` arrives (of the first
-    of several readers' outputs to get one), before the reader's backward. Nothing
-    happens outside a graph (no gradient will come)."""
-    outputs = [reader_output] if isinstance(reader_output, torch.Tensor) else list(reader_output)
-    if not (torch.is_grad_enabled() and all(output.requires_grad for output in outputs)):
+def drop_until_backward(reader_outputs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], rebuild: Rebuild,
+                        what: str) -> None:
+    """Empty ``tensors``' storages now (their readers have run and saved them); refill
+    them from ``rebuild()`` when the gradient of the first of ``reader_outputs`` to get
+    one arrives, before that reader's backward. Nothing happens outside a graph (no
+    gradient will come)."""
+    if not (torch.is_grad_enabled() and all(output.requires_grad for output in reader_outputs)):
         return
     dropped = DroppedUntilBackward(tensors, rebuild, what)
-    for output in outputs:
+    for output in reader_outputs:
         output.register_hook(dropped.refill)
 
 
 def norm_read_by(norm: torch.nn.Module, reader: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                  recompute: bool, regather: bool = False) -> torch.Tensor:
-    """``reader(norm(x))``; with ``recompute`` the norm's output is not kept for the
-    reader's backward but computed again from ``x`` (which the norm keeps anyway). Where
-    the output is a sequence shard (tensor parallelism's sequence parallelism) the reader
+    """``reader(norm(x))``, kept and rebuilt as ``norm_read_by_each`` says."""
+    (out,) = norm_read_by_each(norm, (reader,), x, recompute, regather)
+    return out
+
+
+def norm_read_by_each(norm: torch.nn.Module, readers: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+                      x: torch.Tensor, recompute: bool, regather: bool = False) -> list[torch.Tensor]:
+    """Each reader of ``norm(x)`` on it (Falcon-7B's one norm a layer has two); with
+    ``recompute`` the norm's output is not kept for the readers' backward but computed
+    again from ``x`` (which the norm keeps anyway) before the first of them. Where the
+    output is a sequence shard (tensor parallelism's sequence parallelism) each reader
     gathers it first and its GEMMs keep the gathered copy: with ``regather`` that copy is
     dropped and gathered again before the reader's backward (``read_gathered_shard``),
-    the shard (or, recomputing, ``x``) kept instead; without it the gathered copy stays,
-    and dropping the shard would only rebuild it in the backward for nothing."""
+    the shard (one cast the readers share) or, recomputing, ``x`` kept instead; without
+    it the gathered copy stays, and dropping the shard would only rebuild it in the
+    backward for nothing."""
     normed = norm(x)
     if sequence_sharded(normed):
         if not regather:
-            return reader(normed)
-        return read_gathered_shard(reader, normed, (norm, x) if recompute else None)
-    out = reader(normed)
+            return [reader(normed) for reader in readers]
+        shard = cast_for_gather(normed)
+        rebuilt_from = (norm, x) if recompute else None
+        return [read_gathered_shard(reader, shard, rebuilt_from) for reader in readers]
+    outs = [reader(normed) for reader in readers]
     if recompute:
-        drop_until_backward(out, (normed,), lambda: (norm(x),), f"{type(norm).__name__} output")
-    return out
+        drop_until_backward(outs, (normed,), lambda: (norm(x),), f"{type(norm).__name__} output")
+    return outs
 
 
 def sequence_sharded(tensor: torch.Tensor) -> bool:
@@ -121,7 +131,8 @@ def sequence_sharded(tensor: torch.Tensor) -> bool:
 def read_gathered_shard(reader: torch.nn.Module, shard: torch.Tensor,
                         recomputed_from: tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | None = None
                         ) -> torch.Tensor:
-    """``reader(shard)``, where ``reader``'s own input hook (tensor parallelism's
+    """``reader(shard)`` (``shard`` in the type it is gathered in, ``cast_for_gather``),
+    where ``reader``'s own input hook (tensor parallelism's
     ``ColwiseParallel`` or ``PrepareModuleInput``) all-gathers the sequence shard before
     its column-parallel GEMMs, which save the gathered copy for their weight gradients.
     As Megatron-Core's ``ColumnParallelLinear`` runs sequence parallelism (and Korthikanti
@@ -135,14 +146,14 @@ def read_gathered_shard(reader: torch.nn.Module, shard: torch.Tensor,
     backward runs the norm again. A split backward's ``I`` refills the copy and ``W``
     reads it, as Megatron's deferred weight gradients read the gathered input.
 
-    Under autocast the shard is cast to the autocast type before the gather, as Megatron
+    Under autocast the shard is cast to the autocast type before the gather (by the
+    caller, ``norm_read_by_each``), as Megatron
     gathers its 16-bit activations: the GEMMs' own casts are then no-ops, so they save the
     one gathered copy, which is dropped (cast after the gather, each linear would keep its
     own cast, whole). A mixture of experts takes the 16-bit tokens too (its router, its
     experts' slices and its shared expert read them; its combine still sums in float32,
     ``executor.architectures.moe.combine_dtype``). Outside a graph, or where the reader
     did not gather, nothing is dropped."""
-    shard = cast_for_gather(shard)
     dtype = shard.dtype
     gathered: list[torch.Tensor] = []
     handle = reader.register_forward_pre_hook(lambda _module, args: gathered.append(args[0]))

@@ -63,7 +63,7 @@ class LatentAttention(nn.Module):
             return self.wo(self.core(q, k, v))
         q, k, v, made = self.up_projected(query_in, latent, k_rope, cos, sin, own_values=True)
         out = self.core(q, k, v, inputs_kept=True)
-        drop_until_backward(out, made, lambda: self.up_projected(query_in, latent, k_rope, cos, sin, True)[3],
+        drop_until_backward((out,), made, lambda: self.up_projected(query_in, latent, k_rope, cos, sin, True)[3],
                             "latent attention's up-projections")
         return self.wo(out)
 

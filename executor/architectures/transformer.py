@@ -32,13 +32,7 @@ from executor.architectures.mtp import (
 )
 from executor.config import RunConfig
 from executor.models import GptModel, seeded, token_positions
-from executor.rebuilt_activations import (
-    cast_for_gather,
-    drop_until_backward,
-    norm_read_by,
-    read_gathered_shard,
-    sequence_sharded,
-)
+from executor.rebuilt_activations import norm_read_by, norm_read_by_each
 from pipesim.model.spec import ModelSpec
 
 
@@ -99,17 +93,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recompute, regather = self.recompute_norms, self.regather_shards
-        if self.ffn_norm is None:  # parallel, one norm
-            normed = self.attention_norm(x)
-            rebuilt_from = (self.attention_norm, x) if recompute else None
-            if regather and sequence_sharded(normed):  # see read_gathered_shard
-                cast = cast_for_gather(normed)
-                return (x + read_gathered_shard(self.attention, cast, rebuilt_from)
-                        + read_gathered_shard(self.feed_forward, cast, rebuilt_from))
-            attended, fed = self.attention(normed), self.feed_forward(normed)
-            if recompute and not sequence_sharded(normed):  # both readers' backward read it: rebuilt before either
-                drop_until_backward((attended, fed), (normed,), lambda: (self.attention_norm(x),),
-                                    f"{type(self.attention_norm).__name__} output")
+        if self.ffn_norm is None:  # parallel, one norm both halves read
+            attended, fed = norm_read_by_each(self.attention_norm, (self.attention, self.feed_forward), x, recompute,
+                                              regather)
             return x + attended + fed
         attended = norm_read_by(self.attention_norm, self.attention, x, recompute, regather)
         if self.post_attention_norm is not None:

@@ -206,17 +206,17 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
             per_token += spec.heads / tp * spec.mla.qk_nope_head_dim * d
     # sublayers whose shard is cast before the gather and gathered again in the backward (attention first)
     regathered = regathered_inputs(saved, tp, sequence_parallel, recompute)
+    cast_split = 1 if saved.gathered_gemm_inputs else split  # a linear's cast of its input: of the gathered copy?
     if saved.input_cast_per_projection:  # K's and V's own casts (latent attention's key-value down's); the MLP's
         # a fused wqkv casts its input once; a regathered sublayer's linears share the one cast gathered
         attention_casts = 0 if spec.fused_qkv or regathered >= 1 else (1 if spec.mla is not None else 2)
         casts = attention_casts + (mlp_input_casts(spec, layer) if regathered < 2 else 0)
-        per_token += casts * h * d / (1 if saved.gathered_gemm_inputs else split)
+        per_token += casts * h * d / cast_split
     if saved.input_cast_per_projection and recompute == NORM_MLA_UP:
         # the norms' outputs are dropped and rebuilt, but each sublayer's first linear's cast of it stays
         # (latent attention's up-projections' casts of the latents' too)
         latents = (spec.mla.q_lora_rank or 0) + spec.mla.kv_lora_rank if spec.mla is not None else 0
-        per_token += ((REGATHERED_PER_LAYER - regathered) * h / (1 if saved.gathered_gemm_inputs else split)
-                      + latents) * d
+        per_token += ((REGATHERED_PER_LAYER - regathered) * h / cast_split + latents) * d
     if spec.mla is not None and wider:  # autocast: the rotated Q and K are float32 (the rotary tables are)
         if recompute != NORM_MLA_UP:  # torch's math path keeps Q, K and V in float32
             per_token += (2 * spec.q_width + spec.v_width) / tp * wider
