@@ -136,6 +136,21 @@ ROWS: dict[str, tuple[str, ...]] = {
     # Gemma: four norms a layer, soft-capped scores and logits (Gemma 2), local rotary base (Gemma 3)
     "gemma-2 1f1b": ("--model", config("gemma-2-9b"), *DEEPSEEK, "--pp", "2"),
     "gemma-3 1f1b": ("--model", config("gemma-3-1b"), *DEEPSEEK, "--pp", "2"),
+    # under bf16 autocast: query and key norms' float32 weights make the rotated Q and the rotary tables float32;
+    # Gemma's post norms read the sublayers' 16-bit outputs, its offset norms keep 1 + weight; the written-out
+    # attention keeps its boolean mask (and gpt-oss's softmax the sinks' column); Falcon-7B's one norm cast twice
+    "qwen3 1f1b bfloat16": ("--model", config("qwen3-8b"), *DEEPSEEK, "--pp", "2", "--dtype", "bfloat16"),
+    "olmoe 1f1b bfloat16": ("--model", config("olmoe-1b-7b"), *DEEPSEEK, "--pp", "2", "--experts", "4",
+                            "--dtype", "bfloat16"),
+    "gpt-oss 1f1b bfloat16": ("--model", config("gpt-oss-20b"), *DEEPSEEK, "--pp", "2", "--experts", "4",
+                              "--dtype", "bfloat16"),
+    "gemma-2 1f1b bfloat16": ("--model", config("gemma-2-9b"), *DEEPSEEK, "--pp", "2", "--dtype", "bfloat16"),
+    "gemma-3 1f1b bfloat16": ("--model", config("gemma-3-1b"), *DEEPSEEK, "--pp", "2", "--dtype", "bfloat16"),
+    "gemma-3 1f1b tp 2 sp bfloat16": ("--model", config("gemma-3-1b"), *DEEPSEEK, "--pp", "2", "--kv-heads", "2",
+                                      "--tp", "2", "--sequence-parallel", "--dtype", "bfloat16"),
+    "falcon-7b 1f1b bfloat16": ("--model", config("falcon-7b"), *DEEPSEEK, "--pp", "2", "--dtype", "bfloat16"),
+    # learned positions (GPT-2): the attention kernel's output joins its heads as a view, no copy
+    "gpt2 1f1b": ("--model", config("gpt2"), *DEEPSEEK, "--pp", "2"),
     # DeepSeek-V3's config.json: its multi-token prediction module on the last stage, YaRN
     "deepseek-v3 mtp 1f1b": ("--model", config("deepseek-v3"), *DEEPSEEK, "--pp", "2", "--experts", "8"),
     "deepseek-v3 mtp 1f1b cp 2": ("--model", config("deepseek-v3"), *DEEPSEEK, "--pp", "2", "--experts", "8",

@@ -116,9 +116,9 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
     if schedule.copies > 1:  # DualPipe: every copy's stages as the model's (executor.copies)
         costs = replace(costs, stages=costs.stages * schedule.copies)
     # a tied model's last stage keeps its copy of the table, even beside the table itself
-    # (executor.tied_embeddings: the stages are separate modules)
-    costs = with_embedding_copies(costs, spec, list(schedule.placement), schedule.copies, config.tp,
-                                  shared_on_rank=False)
+    # (executor.tied_embeddings: the stages are separate modules), whole on every tp rank as the
+    # table is (with_whole_ends)
+    costs = with_embedding_copies(costs, spec, list(schedule.placement), schedule.copies, shared_on_rank=False)
     trace = program_order_trace(schedule)
     holders = config.gradient_holders  # ZeRO shards over them (with DualPipe, both copies' holders)
     # the routed experts' over their expert data-parallel group (executor.expert_parallel)

@@ -307,11 +307,13 @@ def latent_bytes(spec: ModelSpec, norm_output: float | None = None) -> float:
 def attention_scores_bytes(spec: ModelSpec) -> float:
     """Per token, whole: the ``s x s`` scores kept without flash attention: softmax
     output, and with dropout its mask and output (``5as`` bytes in 16-bit); soft-capped
-    scores (Gemma 2) keep their tanh's output too."""
+    scores (Gemma 2) keep their tanh's output too; with attention sinks (gpt-oss) the
+    softmax's output has the sink's column besides the keys'."""
     d = spec.dtype_bytes
     capped = d if spec.attention_softcap is not None else 0  # the tanh's output, before the softmax
     per_element = d + capped + ((MASK_BYTES + d) if spec.dropout else 0)
-    return spec.heads * spec.seq_len * per_element
+    sink = d if spec.attention_sinks else 0
+    return spec.heads * (spec.seq_len * per_element + sink)
 
 
 def first_stage_extra_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,

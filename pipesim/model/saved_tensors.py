@@ -15,16 +15,24 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   values are repeated to every query head before the kernel, so K and V are kept at the
   query heads' width. Where the kernel's output is laid out head by head (the
   architectures' separate Q, K, V projections) joining the heads copies it, and the
-  output projection keeps the copy beside the kernel's output; the toy ``gpt``'s packed
-  QKV makes that a view. Rotary positions keep their cos and sin tables, ``s x d/2``
-  each, per layer and microbatch. Latent attention's heads are wider for Q and K than
+  output projection keeps the copy beside the kernel's output, where a rotary turn wrote
+  Q head by head; unturned (GPT-2's learned positions, the toy ``gpt``'s packed QKV) the
+  kernel's output is laid out token by token and joining the heads is a view. Rotary
+  positions keep their cos and sin tables, ``s x d/2`` each, per layer and microbatch,
+  in the rotated Q's type (float32 under autocast after a weighted query norm, whose
+  float32 weight promotes Q). Latent attention's heads are wider for Q and K than
   for V, which the CPU flash kernel does not take: torch's math path keeps the softmax's
   ``s x s`` output (``--no-flash-attention``'s term), Q and K, and V: for a microbatch
   of one sequence as a view of the joint K-nope/V up-projection (its K-nope part kept
   too), of more as the copy its reshape makes; the latents' RMSNorms keep their
   normalised inputs and 1/rms, and so do query and key norms (Qwen3's one head wide, one
   1/rms per head; OLMoE's over the projection). Attention with sinks (gpt-oss) is
-  written out: it keeps the softmax's ``s x s`` output as ``--no-flash-attention`` does.
+  written out, as are Gemma 2's soft-capped scores: it keeps the softmax's ``s x s``
+  output as ``--no-flash-attention`` does (with sinks, one column more: the sink's) and
+  the boolean ``s x s`` mask its masked fill reads, per layer and microbatch.
+- **Gemma's norms**: each offset RMSNorm keeps the ``1 + weight`` it multiplies by (the
+  weight's size and type, per layer and microbatch); the two post norms read the
+  sublayers' outputs, so under autocast they and what they keep are 16-bit.
 - **Gated MLP** (SwiGLU, GeGLU): the product's backward needs ``silu(gate)`` too: ``4f``,
   not the fused kernel's ``3f``; gpt-oss's clamped SwiGLU, written from torch ops, ``7f``
   (the gate and up before their clamps, the clamped gate, its sigmoid, ``up + 1``, their
@@ -54,8 +62,9 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
 - **Autocast** (``--dtype bfloat16``, float32 master weights): the residual stream, the
   norms and what they keep stay in float32 (``residual_bytes``); each linear keeps its
   own 16-bit cast of its input (the architectures' separate Q, K and V projections three
-  copies, a fused ``wqkv`` one, a gated MLP's gate and up projections two) and the 16-bit copy of its weight
-  it multiplied, once per microbatch in flight.
+  copies, a fused ``wqkv`` one, a gated MLP's gate and up projections two; Falcon-7B's
+  one norm output a cast for each sublayer) and the 16-bit copy of its weight it
+  multiplied, once per microbatch in flight.
 
 ``KERNELS`` (every field off) is the paper's count and the default everywhere;
 ``EAGER_TORCH`` is the executor's, ``AUTOCAST_TORCH`` the executor's under bf16
@@ -101,6 +110,8 @@ class SavedTensors:
     input_cast_per_projection: bool = False  # Q, K, V (gate, up) projections each keep their own cast of the input
     weight_copies: bool = False  # each linear keeps its weight cast to the activation dtype, per microbatch
     latent_kv_whole: bool = False  # latent attention's V kept as a slice of the joint K-nope/V up-projection
+    written_out_mask: bool = False  # attention written out (sinks, soft-capped scores) keeps its s x s boolean mask
+    offset_norm_scales: bool = False  # Gemma's offset RMSNorms keep the 1 + weight they multiply by, per microbatch
 
 
 KERNELS = SavedTensors()
@@ -108,7 +119,8 @@ EAGER_TORCH = SavedTensors(layer_norm_statistics=2, rms_norm_statistics=1, rms_n
                            softmax_statistics=True, kv_repeated=True, attention_output_copy=True, rotary_tables=True,
                            gated_activation_output=True, routed_combine=True, wide_scores=True, token_indices=True,
                            whole_stash_until_weight_grad=True, output_grads_until_weight_grad=True,
-                           regathered_gemm_inputs=True, latent_kv_whole=True)
+                           regathered_gemm_inputs=True, latent_kv_whole=True, written_out_mask=True,
+                           offset_norm_scales=True)
 AUTOCAST_TORCH = replace(EAGER_TORCH, residual_bytes=FP32_BYTES, input_cast_per_projection=True, weight_copies=True,
                          gathered_gemm_inputs=True)
 REGATHERED_PER_LAYER = 2  # the attention's and the MLP's gathered inputs
@@ -196,8 +208,10 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         statistics = spec.heads / tp * score_bytes(spec, saved) if saved.softmax_statistics else 0.0
         return spec.tokens * (h * wider / split + statistics)
     residual = d + wider
-    per_token = (spec.norm_inputs_kept * h * wider + spec.norms_per_layer * norm_extra_elements(spec, saved)
-                 * residual) / split
+    # Gemma's post norms read the sublayers' outputs, in the activation dtype: they and what they keep are not wider
+    post = spec.post_norms
+    per_token = ((spec.norm_inputs_kept - post) * h * wider + norm_extra_elements(spec, saved)
+                 * (spec.norms_per_layer * residual - post * wider)) / split
     if spec.mla is not None and spec.rms_norm:  # the latents' RMSNorms keep theirs too
         per_token += latent_norm_extra_elements(spec, saved) * d
         # with more sequences V is reshaped into a copy, under autocast into a float32 one; norm-mla-up
@@ -210,7 +224,11 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     if saved.input_cast_per_projection:  # K's and V's own casts (latent attention's key-value down's); the MLP's
         # a fused wqkv casts its input once; a regathered sublayer's linears share the one cast gathered
         attention_casts = 0 if spec.fused_qkv or regathered >= 1 else (1 if spec.mla is not None else 2)
-        casts = attention_casts + (mlp_input_casts(spec, layer) if regathered < 2 else 0)
+        # Falcon-7B's one norm output is one tensor to the inventory, but both sublayers' first linears cast it
+        # (norm-mla-up counts each sublayer's first cast below)
+        one_norm = spec.parallel_residual and spec.norms_per_layer == 1 and not spec.fp8
+        shared_norm = 1 if one_norm and recompute != NORM_MLA_UP else 0
+        casts = attention_casts + (mlp_input_casts(spec, layer) + shared_norm if regathered < 2 else 0)
         per_token += casts * h * d / cast_split
     if saved.input_cast_per_projection and recompute == NORM_MLA_UP:
         # the norms' outputs are dropped and rebuilt, but each sublayer's first linear's cast of it stays
@@ -236,7 +254,10 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         per_token += qk_norm_extra_elements(spec, saved, tp) * d
     if spec.mla is None and saved.kv_repeated:
         per_token += 2 * spec.head_size * (heads - kv_heads_per_shard(spec, tp)) * d
-    if saved.attention_output_copy and kernel_kept and flash_attention:  # without it, no kernel output is kept
+    # the kernel's output, laid out as the query's features were (token by token), joins the heads as a view;
+    # a rotary turn writes Q head by head, so joining them copies
+    rotated = not spec.learned_positions
+    if saved.attention_output_copy and kernel_kept and flash_attention and rotated:
         per_token += spec.v_width / tp * d
     if saved.gated_activation_output and spec.gated_mlp:
         # gpt-oss's clamped SwiGLU keeps 3f more: the gate before its clamp, up before its clamp and
@@ -260,9 +281,25 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     if saved.weight_copies:
         extra += weight_copy_bytes(spec, tp, layer)
     if saved.rotary_tables and not spec.learned_positions and layer not in spec.nope_layers:
-        # cos and sin, s x d/2 each, whatever the microbatch; latent attention's in its input's type
-        extra += spec.seq_len * spec.rotary_width * (residual if spec.mla is not None else d)
+        # cos and sin, s x d/2 each, whatever the microbatch, in the rotated Q's type: latent attention's
+        # input's, and a weighted query norm's (its float32 weight makes Q float32 under autocast)
+        float_query = spec.mla is not None or (spec.has_qk_norm(layer) and spec.qk_norm != "l2")
+        extra += spec.seq_len * spec.rotary_width * (residual if float_query else d)
+    if saved.written_out_mask and not flash_attention and (spec.attention_sinks or spec.attention_softcap is not None):
+        if kernel_kept:  # the boolean mask its masked fill keeps, one byte an element
+            extra += spec.seq_len ** 2
+    if saved.offset_norm_scales and spec.rms_norm and spec.norm_offset:  # each norm's 1 + weight, the weight's type
+        query_key = (qk_norm_widths(spec, tp) if spec.has_qk_norm(layer) and spec.mla is None else 0)
+        extra += (spec.norms_per_layer * h + query_key) * residual
     return extra
+
+
+def qk_norm_widths(spec: ModelSpec, tp: int = 1) -> float:
+    """Features of the query and key norms' weights in use on one tp rank: one head's
+    each (``head``), or the projections' on the rank (``projection``)."""
+    if spec.qk_norm == "projection":
+        return spec.q_width / tp + spec.head_size * kv_heads_per_shard(spec, tp)
+    return 2 * spec.head_size
 
 
 def mlp_input_casts(spec: ModelSpec, layer: int) -> float:
@@ -327,4 +364,6 @@ def last_stage_extra(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence
         logits += spec.vocab / tp * d  # in the output layer's type
     targets = INDEX_BYTES if saved.token_indices else 0.0
     weight = spec.vocab / tp * spec.hidden * d if saved.weight_copies else 0.0  # the output layer's weight copy
+    if saved.offset_norm_scales and spec.rms_norm and spec.norm_offset:  # the final norm's 1 + weight
+        weight += spec.hidden * (d + wider)
     return spec.tokens * (norm + logits + targets) + weight

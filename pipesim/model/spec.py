@@ -252,6 +252,13 @@ class ModelSpec:
         return self.norms_per_layer
 
     @property
+    def post_norms(self) -> int:
+        """Norms a layer applies to its sublayers' outputs before the residual add
+        (Gemma 2 and 3's sandwich: two of its four), which read those outputs, not the
+        residual stream."""
+        return 2 if self.norms_per_layer == 4 else 0
+
+    @property
     def rotary_width(self) -> int:
         """Features of each query and key head turned by position (latent attention: its
         rotary part; GPT-NeoX: ``rotary_pct`` of the head, as Hugging Face rounds it)."""
