@@ -149,6 +149,12 @@ ROWS: dict[str, tuple[str, ...]] = {
     "gemma-3 1f1b tp 2 sp bfloat16": ("--model", config("gemma-3-1b"), *DEEPSEEK, "--pp", "2", "--kv-heads", "2",
                                       "--tp", "2", "--sequence-parallel", "--dtype", "bfloat16"),
     "falcon-7b 1f1b bfloat16": ("--model", config("falcon-7b"), *DEEPSEEK, "--pp", "2", "--dtype", "bfloat16"),
+    # selective recompute checkpoints the written-out attention core too (Gemma 2's soft caps); latent
+    # attention's checkpointed kernel keeps its float32 Q and K and its V as the up-projection's view
+    "gemma-2 1f1b bfloat16 recompute selective": ("--model", config("gemma-2-9b"), *DEEPSEEK, "--pp", "2",
+                                                  "--dtype", "bfloat16", "--recompute", "selective"),
+    "deepseek-v2-lite 1f1b bfloat16 recompute selective": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2",
+                                                           "--dtype", "bfloat16", "--recompute", "selective"),
     # learned positions (GPT-2): the attention kernel's output joins its heads as a view, no copy
     "gpt2 1f1b": ("--model", config("gpt2"), *DEEPSEEK, "--pp", "2"),
     # DeepSeek-V3's config.json: its multi-token prediction module on the last stage, YaRN

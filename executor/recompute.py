@@ -8,7 +8,8 @@
   attention core, the softmax(QK^T)V that grows with the square of the sequence, is
   recomputed; every other op's output is kept. Each block's forward runs under a torch
   function mode that sends every ``scaled_dot_product_attention`` call through the
-  checkpoint, so any block built on torch's attention is covered.
+  checkpoint, so any block built on torch's attention is covered, and the executor's
+  written-out core (gpt-oss's sinks, Gemma 2's soft-capped scores) too.
 
 - ``per-op`` (torchtitan's ``SelectiveAC``, ``executor.per_op_recompute``): each block
   checkpointed with torch's selective policy: matmul, attention and reduce-scatter outputs
@@ -39,18 +40,24 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from executor.architectures.layers import written_out_attention
 from executor.architectures.mtp import prediction_blocks
 from executor.config import NORM_MLA_UP, RECOMPUTE_MODES
 from executor.per_op_recompute import per_op_checkpointed
 
+ATTENTION_CORES = (F.scaled_dot_product_attention, written_out_attention)
+
 
 class AttentionRecompute(TorchFunctionMode):
-    """While active, each ``F.scaled_dot_product_attention`` call is checkpointed: its
-    output is kept, its internals are recomputed in the backward."""
+    """While active, each attention core is checkpointed: torch's
+    ``scaled_dot_product_attention`` and the executor's written-out core (attention
+    sinks, soft-capped scores: ``executor.architectures.layers.written_out_attention``).
+    The output is kept, the internals (the written-out core's ``s x s`` scores, mask and
+    softmax) are recomputed in the backward."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func in ATTENTION_CORES:
             return checkpoint(func, *args, use_reentrant=False, **kwargs)
         return func(*args, **kwargs)
 

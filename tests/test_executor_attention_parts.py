@@ -126,6 +126,9 @@ CASES = LaunchedCases(SMALL, {4: {
     # a 160-token sequence past gpt-oss's 128-token window: the sliding layer's mask cuts
     "gpt-oss-zbv-dp2": {"model": config_path("gpt-oss-20b"), "dp": 2, "experts": 4, "seq_len": 160,
                         "schedule": "zbv", "virtual_stages": 2, "layers": 4},
+    # the sinks' written-out core checkpointed by selective recompute: the sinks' gradient through the re-run
+    "gpt-oss-dp2-selective": {"model": config_path("gpt-oss-20b"), "dp": 2, "experts": 4, "seq_len": 160,
+                              "recompute": "selective", "layers": 4},
 }})
 
 

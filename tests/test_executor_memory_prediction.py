@@ -28,14 +28,13 @@ SIZES = {"layers": 1, "hidden": 32, "heads": 4, "seq_len": 16, "batch_size": 1, 
 def measured_block_bytes(config: RunConfig, block: int = 0) -> int:
     """Bytes block ``block`` of ``config``'s model keeps for its backward, counted as
     ``executor.memory`` counts them: each saved storage once, parameters excluded, at its
-    size after the forward (``--recompute norm-mla-up`` empties what it rebuilds)."""
-    from executor.recompute import recompute_norms_and_up_projections
+    size after the forward (``--recompute norm-mla-up`` empties what it rebuilds;
+    ``selective`` checkpoints the attention cores, whose insides are not saved)."""
+    from executor.recompute import apply_recompute
 
     model = build_model(config)
     stage = model.build_stage(0, 1)
-    if config.recompute == "norm-mla-up":
-        for each in stage.blocks:
-            recompute_norms_and_up_projections(each)
+    apply_recompute(stage, config.recompute)
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     saved: dict[int, torch.UntypedStorage] = {}
 
@@ -199,6 +198,29 @@ def test_blocks_under_norm_mla_up_keep_what_the_model_says(model: str, batch: in
     spec, saved = executor_spec(config)
     for layer in range(spec.layers):
         predicted = layer_stash_bytes(spec, recompute="norm-mla-up", layer=layer, saved=saved,
+                                      flash_attention=flash_kernel(spec, config))
+        assert predicted == measured_block_bytes(config, layer), layer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model", ["gpt-oss-20b", "gemma-2-9b", "gemma-3-1b", "llama-3.1-8b", "qwen3-30b-a3b",
+                                   "olmoe-1b-7b", "deepseek-v2-lite", "deepseek-v3"])
+def test_blocks_under_selective_recompute_keep_what_the_model_says(model: str, dtype: str) -> None:
+    """``--recompute selective`` checkpoints every attention core, torch's kernel and the
+    executor's written-out one (gpt-oss's sinks, Gemma 2's soft-capped scores) alike: no
+    ``s x s`` scores, mask or softmax kept, as the model counts (the written-out core kept
+    all three before it was checkpointed too: gemma-2's activations +15.7% over the
+    prediction in a run). The checkpoint keeps the kernel's inputs as they come: under
+    autocast a query norm's float32 weight makes Q and K float32 (Gemma 3, Qwen3, OLMoE),
+    as latent attention's rotary tables do, and latent attention's V is the view of its
+    joint K-nope/V up-projection it was handed, not the math path's copy."""
+    config = RunConfig(model=f"tests/data/hf_configs/{model}.json",
+                       **{**SIZES, "layers": 2, "hidden": 64, "heads": 8, "seq_len": 32, "batch_size": 2,
+                          "experts": 4}, dtype=dtype, recompute="selective")
+    spec, saved = executor_spec(config)
+    for layer in range(spec.layers):
+        torch.manual_seed(0)
+        predicted = layer_stash_bytes(spec, recompute="selective", layer=layer, saved=saved,
                                       flash_attention=flash_kernel(spec, config))
         assert predicted == measured_block_bytes(config, layer), layer
 

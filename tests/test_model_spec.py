@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -120,6 +121,19 @@ def test_flash_attention_drops_the_score_term(case):
     # only the "none" rows carry the 5as/(ht) score term; selective and full have none to drop
     expected = KORTHIKANTI[case] - (5 * A * S / (H * tp) if recompute == "none" else 0.0)
     assert layer_stash_bytes(spec, tp, sequence_parallel, recompute) == pytest.approx(S * B * H * expected)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_a_softmax_with_sinks_keeps_one_column_more(tp):
+    """Attention sinks (gpt-oss) add one logit per head to each softmax's denominator, so
+    a written-out softmax's output has ``s + 1`` columns: per token and head one 16-bit
+    element more than without (no dropout: no mask or dropout output beside it)."""
+    spec = replace(model_spec("llama3-8b"), dropout=False)
+    with_sinks = replace(spec, attention_sinks=True)
+    grown = (layer_stash_bytes(with_sinks, tp, flash_attention=False)
+             - layer_stash_bytes(spec, tp, flash_attention=False))
+    assert grown == spec.seq_len * spec.microbatch_size * spec.heads / tp * 2
+    assert layer_stash_bytes(with_sinks, tp) == layer_stash_bytes(spec, tp)  # a fused kernel keeps no scores
 
 
 def test_llama_activation_inventory_by_hand():

@@ -213,21 +213,34 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2); the last two written
     out (scores, mask, softmax)."""
     seq = q.shape[-2]
-    limited = (window is not None and window < seq) or (chunk is not None and chunk < seq)
-    written_out = sinks is not None or softcap is not None
-    mask = visible_keys(seq, window, chunk, q.device) if limited or written_out else None
-    if not written_out:
+    if sinks is not None or softcap is not None:
+        out = written_out_attention(q, k, v, window, chunk, sinks, softcap)
+    else:
+        limited = (window is not None and window < seq) or (chunk is not None and chunk < seq)
+        mask = visible_keys(seq, window, chunk, q.device) if limited else None
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        return out.transpose(1, 2).flatten(2)
+    return out.transpose(1, 2).flatten(2)
+
+
+@torch.overrides.wrap_torch_function(lambda q, k, v, *args, **kwargs: (q, k, v))
+def written_out_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+                          chunk: int | None = None, sinks: torch.Tensor | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
+    """``attend``'s core where torch's kernel cannot run it (sinks, soft-capped scores):
+    the scores, the mask (made here, so a checkpoint of this core keeps none of it), the
+    softmax and the weighted values, ``batch x heads x seq x v_dim``. It takes part in
+    torch's function dispatch like ``scaled_dot_product_attention``, so a torch function
+    mode sees it as one call (``executor.recompute``'s selective recompute checkpoints it)."""
+    mask = visible_keys(q.shape[-2], window, chunk, q.device)
     scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
-        return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).flatten(2)
+        return torch.softmax(scores, dim=-1) @ v
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
-    return (weights @ v).transpose(1, 2).flatten(2)
+    return weights @ v
 
 
 def attend_keeping_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,11 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   the loss, and a sigmoid router's per-token score sums (``balance_loss_bytes``).
 - **Loss**: the log-softmax's output (the logits' size, fp32 at least) and the int64
   targets; the first stage's embedding keeps the int64 token ids.
+- **Selective recompute** checkpoints each attention core (torch's kernel and the
+  executor's written-out one alike): the checkpoint keeps the core's inputs as handed to
+  it, so under autocast Q and K stay float32 where a weighted query norm or latent
+  attention's rotary tables made them so (unrecomputed, the kernel keeps its own 16-bit
+  casts), and latent attention's V is the view of its joint K-nope/V up-projection.
 - **Split backward** (``I`` then ``W``): ``I`` runs autograd with ``retain_graph``, so the
   whole stash is held until ``W``, not only the weight GEMMs' inputs.
 - **Sequence parallelism** (torch's ``SequenceParallel`` with DTensor): each sublayer's
@@ -215,8 +220,9 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     if spec.mla is not None and spec.rms_norm:  # the latents' RMSNorms keep theirs too
         per_token += latent_norm_extra_elements(spec, saved) * d
         # with more sequences V is reshaped into a copy, under autocast into a float32 one; norm-mla-up
-        # rebuilds the projection
-        if saved.latent_kv_whole and spec.microbatch_size == 1 and not wider and recompute != NORM_MLA_UP:
+        # rebuilds the projection; selective's checkpoint keeps the kernel's V as handed to it, the view
+        view = (spec.microbatch_size == 1 and not wider) or recompute == "selective"
+        if saved.latent_kv_whole and view and recompute != NORM_MLA_UP:
             per_token += spec.heads / tp * spec.mla.qk_nope_head_dim * d
     # sublayers whose shard is cast before the gather and gathered again in the backward (attention first)
     regathered = regathered_inputs(saved, tp, sequence_parallel, recompute)
@@ -236,11 +242,13 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         latents = (spec.mla.q_lora_rank or 0) + spec.mla.kv_lora_rank if spec.mla is not None else 0
         per_token += ((REGATHERED_PER_LAYER - regathered) * h / cast_split + latents) * d
     if spec.mla is not None and wider:  # autocast: the rotated Q and K are float32 (the rotary tables are)
-        if recompute != NORM_MLA_UP:  # torch's math path keeps Q, K and V in float32
+        if recompute == "selective":  # the checkpointed kernel's inputs: Q and K float32, V the projection's
+            per_token += 2 * spec.q_width / tp * wider
+        elif recompute != NORM_MLA_UP:  # torch's math path keeps Q, K and V in float32
             per_token += (2 * spec.q_width + spec.v_width) / tp * wider
         else:  # written out (Q, K and V rebuilt): its products keep their bf16 casts of Q, K and the softmax
             per_token += (2 * spec.q_width + spec.heads * spec.seq_len) / tp * d
-        if not flash_attention:  # the softmax's output in float32
+        if not flash_attention and recompute != "selective":  # the softmax's output in float32
             per_token += spec.heads / tp * spec.seq_len * wider
     if sequence_parallel and saved.gathered_gemm_inputs:  # QKV and MLP inputs whole, not / tp
         # beyond the inventory's shard; norm-mla-up's inventory drops the shard, the gathered copy stays
@@ -252,6 +260,11 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         per_token += heads * score_bytes(spec, saved)
     if spec.has_qk_norm(layer) and spec.mla is None:  # the query and key norms keep theirs too
         per_token += qk_norm_extra_elements(spec, saved, tp) * d
+        if recompute == "selective" and spec.qk_norm != "l2":
+            # the checkpointed kernel keeps its inputs as handed to it: a weighted norm's float32 weight
+            # made Q and K float32 under autocast (unrecomputed, the kernel keeps its own 16-bit casts)
+            keys = heads if saved.kv_repeated else kv_heads_per_shard(spec, tp)
+            per_token += (heads + keys) * spec.head_size * wider
     if spec.mla is None and saved.kv_repeated:
         per_token += 2 * spec.head_size * (heads - kv_heads_per_shard(spec, tp)) * d
     # the kernel's output, laid out as the query's features were (token by token), joins the heads as a view;
