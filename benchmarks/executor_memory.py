@@ -155,6 +155,11 @@ ROWS: dict[str, tuple[str, ...]] = {
                                                   "--dtype", "bfloat16", "--recompute", "selective"),
     "deepseek-v2-lite 1f1b bfloat16 recompute selective": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2",
                                                            "--dtype", "bfloat16", "--recompute", "selective"),
+    # ... and under sequence parallelism, where the block reads the 16-bit gathered shard, 16-bit Q and K
+    "deepseek-v3 1f1b tp 2 sp bfloat16 recompute selective": ("--model", "deepseek-v3", *DEEPSEEK, "--pp", "2",
+                                                              "--tp", "2", "--sequence-parallel", "--ffn-hidden",
+                                                              "184", "--dtype", "bfloat16", "--recompute",
+                                                              "selective"),
     # learned positions (GPT-2): the attention kernel's output joins its heads as a view, no copy
     "gpt2 1f1b": ("--model", config("gpt2"), *DEEPSEEK, "--pp", "2"),
     # DeepSeek-V3's config.json: its multi-token prediction module on the last stage, YaRN

@@ -243,7 +243,8 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         per_token += ((REGATHERED_PER_LAYER - regathered) * h / cast_split + latents) * d
     if spec.mla is not None and wider:  # autocast: the rotated Q and K are float32 (the rotary tables are)
         if recompute == "selective":  # the checkpointed kernel's inputs: Q and K float32, V the projection's
-            per_token += 2 * spec.q_width / tp * wider
+            # (16-bit where the block reads its input as the 16-bit gathered shard: the tables are 16-bit too)
+            per_token += 2 * spec.q_width / tp * wider if regathered == 0 else 0.0
         elif recompute != NORM_MLA_UP:  # torch's math path keeps Q, K and V in float32
             per_token += (2 * spec.q_width + spec.v_width) / tp * wider
         else:  # written out (Q, K and V rebuilt): its products keep their bf16 casts of Q, K and the softmax
@@ -295,8 +296,10 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         extra += weight_copy_bytes(spec, tp, layer)
     if saved.rotary_tables and not spec.learned_positions and layer not in spec.nope_layers:
         # cos and sin, s x d/2 each, whatever the microbatch, in the rotated Q's type: latent attention's
-        # input's, and a weighted query norm's (its float32 weight makes Q float32 under autocast)
-        float_query = spec.mla is not None or (spec.has_qk_norm(layer) and spec.qk_norm != "l2")
+        # input's (16-bit where it reads the 16-bit gathered shard), and a weighted query norm's (its float32
+        # weight makes Q float32 under autocast)
+        float_query = ((spec.mla is not None and regathered == 0)
+                       or (spec.has_qk_norm(layer) and spec.qk_norm != "l2"))
         extra += spec.seq_len * spec.rotary_width * (residual if float_query else d)
     if saved.written_out_mask and not flash_attention and (spec.attention_sinks or spec.attention_softcap is not None):
         if kernel_kept:  # the boolean mask its masked fill keeps, one byte an element
