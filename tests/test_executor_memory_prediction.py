@@ -162,7 +162,7 @@ def test_mixture_of_experts_blocks_keep_what_the_model_says(model: str, dtype: s
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("model", ["olmoe-1b-7b", "qwen3-30b-a3b", "qwen3-8b", "gpt-oss-20b", "gemma-3-1b",
-                                   "gemma-2-9b", "gpt2", "falcon-7b"])
+                                   "gemma-2-9b", "gpt2", "falcon-7b", "llama-4-scout"])
 def test_config_file_blocks_keep_what_the_model_says(model: str, batch: int, dtype: str) -> None:
     """Hugging Face families' blocks, one and two sequences, float32 and bf16 autocast,
     every layer: the model's bytes are what the pack hook counts. Under autocast a query
@@ -172,9 +172,11 @@ def test_config_file_blocks_keep_what_the_model_says(model: str, batch: int, dty
     ``1 + weight`` they multiply by; the written-out attention (gpt-oss's sinks, Gemma
     2's soft-capped scores) keeps its boolean mask, and gpt-oss's softmax the sink's
     column; Falcon-7B's one norm output is cast by both sublayers' first linears; GPT-2's
-    attention output, laid out token by token, joins its heads without a copy."""
+    attention output, laid out token by token, joins its heads without a copy, as does
+    Llama 4's in its layers without rotary positions (the fourth), which keep their
+    per-position query scales instead of the tables."""
     config = RunConfig(model=f"tests/data/hf_configs/{model}.json",
-                       **{**SIZES, "layers": 2, "hidden": 64, "heads": 8, "seq_len": 32, "batch_size": batch,
+                       **{**SIZES, "layers": 4, "hidden": 64, "heads": 8, "seq_len": 32, "batch_size": batch,
                           "experts": 4}, dtype=dtype)
     spec, saved = executor_spec(config)
     for layer in range(spec.layers):

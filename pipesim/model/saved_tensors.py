@@ -20,7 +20,9 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   kernel's output is laid out token by token and joining the heads is a view. Rotary
   positions keep their cos and sin tables, ``s x d/2`` each, per layer and microbatch,
   in the rotated Q's type (float32 under autocast after a weighted query norm, whose
-  float32 weight promotes Q). Latent attention's heads are wider for Q and K than
+  float32 weight promotes Q); Llama 4's layers without rotary positions keep their
+  per-position query scales instead (``s``, in Q's type), and their kernel's output
+  joins its heads as a view. Latent attention's heads are wider for Q and K than
   for V, which the CPU flash kernel does not take: torch's math path keeps the softmax's
   ``s x s`` output (``--no-flash-attention``'s term), Q and K, and V: for a microbatch
   of one sequence as a view of the joint K-nope/V up-projection (its K-nope part kept
@@ -269,8 +271,8 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     if spec.mla is None and saved.kv_repeated:
         per_token += 2 * spec.head_size * (heads - kv_heads_per_shard(spec, tp)) * d
     # the kernel's output, laid out as the query's features were (token by token), joins the heads as a view;
-    # a rotary turn writes Q head by head, so joining them copies
-    rotated = not spec.learned_positions
+    # a rotary turn writes Q head by head, so joining them copies (Llama 4's layers without one: a view)
+    rotated = not spec.learned_positions and layer not in spec.nope_layers
     if saved.attention_output_copy and kernel_kept and flash_attention and rotated:
         per_token += spec.v_width / tp * d
     if saved.gated_activation_output and spec.gated_mlp:
@@ -301,6 +303,9 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         float_query = ((spec.mla is not None and regathered == 0)
                        or (spec.has_qk_norm(layer) and spec.qk_norm != "l2"))
         extra += spec.seq_len * spec.rotary_width * (residual if float_query else d)
+    if saved.rotary_tables and spec.nope_temperature is not None and layer in spec.nope_layers:
+        # Llama 4's layers without rotary positions scale the query by position: the scales, s of them in Q's type
+        extra += spec.seq_len * d
     if saved.written_out_mask and not flash_attention and (spec.attention_sinks or spec.attention_softcap is not None):
         if kernel_kept:  # the boolean mask its masked fill keeps, one byte an element
             extra += spec.seq_len ** 2
