@@ -160,6 +160,10 @@ ROWS: dict[str, tuple[str, ...]] = {
                                                               "--tp", "2", "--sequence-parallel", "--ffn-hidden",
                                                               "184", "--dtype", "bfloat16", "--recompute",
                                                               "selective"),
+    # context parallelism's ring keeps K and V at their own heads, its output in float32, and under autocast
+    # a query norm's float32 Q and the K/V message it makes float32
+    "qwen3 1f1b cp 2 bfloat16": ("--model", config("qwen3-8b"), *DEEPSEEK, "--pp", "2", "--cp", "2",
+                                 "--dtype", "bfloat16"),
     # learned positions (GPT-2): the attention kernel's output joins its heads as a view, no copy
     "gpt2 1f1b": ("--model", config("gpt2"), *DEEPSEEK, "--pp", "2"),
     # DeepSeek-V3's config.json: its multi-token prediction module on the last stage, YaRN

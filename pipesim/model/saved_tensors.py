@@ -200,7 +200,7 @@ def qk_norm_extra_elements(spec: ModelSpec, saved: SavedTensors, tp: int = 1) ->
 
 
 def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence_parallel: bool = False,
-                      recompute: str = "none", flash_attention: bool = True, layer: int = 0) -> float:
+                      recompute: str = "none", flash_attention: bool = True, layer: int = 0, cp: int = 1) -> float:
     """Bytes one microbatch keeps for layer ``layer`` beyond ``layer_stash_bytes``'
     inventory, on one tp rank (0 for ``KERNELS``). Under full recompute a layer keeps its
     input alone, in any implementation; under per-op checkpointing the input and what the
@@ -268,12 +268,21 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
             # made Q and K float32 under autocast (unrecomputed, the kernel keeps its own 16-bit casts)
             keys = heads if saved.kv_repeated else kv_heads_per_shard(spec, tp)
             per_token += (heads + keys) * spec.head_size * wider
-    if spec.mla is None and saved.kv_repeated:
+        elif cp > 1 and spec.qk_norm != "l2" and kernel_kept:
+            # the ring keeps Q as it came, float32, and the last K and V it was passed, one message that
+            # the float32 K makes float32 (the all-gather variant keeps V in 16 bits: 2 B a value less)
+            per_token += (heads + 2 * kv_heads_per_shard(spec, tp)) * spec.head_size * wider
+    # context parallelism's attention over the cp ranks (executor.context_parallel) takes K and V at their own
+    # heads and keeps its output in its float32 (or wider) math, beside the copy the heads join into
+    context_attention = cp > 1 and spec.mla is None
+    if spec.mla is None and saved.kv_repeated and not context_attention:
         per_token += 2 * spec.head_size * (heads - kv_heads_per_shard(spec, tp)) * d
     # the kernel's output, laid out as the query's features were (token by token), joins the heads as a view;
     # a rotary turn writes Q head by head, so joining them copies (Llama 4's layers without one: a view)
     rotated = not spec.learned_positions and layer not in spec.nope_layers
-    if saved.attention_output_copy and kernel_kept and flash_attention and rotated:
+    if saved.attention_output_copy and kernel_kept and context_attention:
+        per_token += spec.v_width / tp * max(d, FP32_BYTES)
+    elif saved.attention_output_copy and kernel_kept and flash_attention and rotated:
         per_token += spec.v_width / tp * d
     if saved.gated_activation_output and spec.gated_mlp:
         # gpt-oss's clamped SwiGLU keeps 3f more: the gate before its clamp, up before its clamp and
