@@ -81,7 +81,7 @@ def flash_kernel(spec: ModelSpec, config: RunConfig) -> bool:
     only for heads as wide for Q and K as for V, not latent attention's (context
     parallelism's ring attention keeps no scores either way), and not with attention
     sinks or soft-capped scores, which the executor writes out."""
-    if spec.attention_sinks or spec.attention_softcap is not None:  # written out (layers.attend): scores kept
+    if spec.scores_beyond_mask:  # written out (layers.attend): scores kept
         return False
     return spec.mla is None or spec.mla.qk_head_dim == spec.mla.v_head_dim or config.cp > 1
 

@@ -107,7 +107,7 @@ def per_op_refusal(spec: ModelSpec, flash_attention: bool = True) -> str | None:
     if spec.mla is not None:
         return (f"{spec.name} has latent attention (MLA), whose per-op checkpointing order is not modelled; "
                 f"use none, selective, norm-mla-up or full")
-    if not flash_attention and (spec.attention_sinks or spec.attention_softcap is not None):
+    if not flash_attention and spec.scores_beyond_mask:
         written = "attention sinks" if spec.attention_sinks else "soft-capped attention scores"
         return (f"{spec.name}'s {written} are written out here, not run by a fused attention kernel, and per-op "
                 f"checkpointing is modelled over the fused (flash) kernel; use none, selective or full")

@@ -191,12 +191,15 @@ def qk_norm_extra_elements(spec: ModelSpec, saved: SavedTensors, tp: int = 1) ->
     """Elements per token the query and key norms keep beside their inputs, on one tp
     rank: the normalised Q and K, and one 1/rms per head (``head``, ``l2``) or per
     projection."""
-    kv_heads = kv_heads_per_shard(spec, tp)
-    statistics = 2 if spec.qk_norm == "projection" else spec.heads / tp + kv_heads
+    statistics = 2 if spec.qk_norm == "projection" else spec.heads / tp + kv_heads_per_shard(spec, tp)
     # a weighted norm keeps what it multiplies by its weight; Llama 4's weightless one hands its output on
     weighted = saved.rms_norm_normalised and spec.qk_norm != "l2"
-    normalised = spec.q_width / tp + spec.head_size * kv_heads if weighted else 0.0
-    return saved.rms_norm_statistics * statistics + normalised
+    return saved.rms_norm_statistics * statistics + (query_key_width(spec, tp) if weighted else 0.0)
+
+
+def query_key_width(spec: ModelSpec, tp: int = 1) -> float:
+    """Features per token of Q and K together on one tp rank (K at its own heads)."""
+    return spec.q_width / tp + spec.head_size * kv_heads_per_shard(spec, tp)
 
 
 def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence_parallel: bool = False,
@@ -215,6 +218,8 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         statistics = spec.heads / tp * score_bytes(spec, saved) if saved.softmax_statistics else 0.0
         return spec.tokens * (h * wider / split + statistics)
     residual = d + wider
+    # a weighted query/key norm (not Llama 4's weightless L2 one): its float32 weight makes Q float32 under autocast
+    weighted_qk_norm = spec.mla is None and spec.has_qk_norm(layer) and spec.qk_norm != "l2"
     # Gemma's post norms read the sublayers' outputs, in the activation dtype: they and what they keep are not wider
     post = spec.post_norms
     per_token = ((spec.norm_inputs_kept - post) * h * wider + norm_extra_elements(spec, saved)
@@ -263,12 +268,12 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         per_token += heads * score_bytes(spec, saved)
     if spec.has_qk_norm(layer) and spec.mla is None:  # the query and key norms keep theirs too
         per_token += qk_norm_extra_elements(spec, saved, tp) * d
-        if recompute == "selective" and spec.qk_norm != "l2":
+        if recompute == "selective" and weighted_qk_norm:
             # the checkpointed kernel keeps its inputs as handed to it: a weighted norm's float32 weight
             # made Q and K float32 under autocast (unrecomputed, the kernel keeps its own 16-bit casts)
             keys = heads if saved.kv_repeated else kv_heads_per_shard(spec, tp)
             per_token += (heads + keys) * spec.head_size * wider
-        elif cp > 1 and spec.qk_norm != "l2" and kernel_kept:
+        elif cp > 1 and weighted_qk_norm and kernel_kept:
             # the ring keeps Q as it came, float32, and the last K and V it was passed, one message that
             # the float32 K makes float32 (the all-gather variant keeps V in 16 bits: 2 B a value less)
             per_token += (heads + 2 * kv_heads_per_shard(spec, tp)) * spec.head_size * wider
@@ -309,15 +314,13 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         # cos and sin, s x d/2 each, whatever the microbatch, in the rotated Q's type: latent attention's
         # input's (16-bit where it reads the 16-bit gathered shard), and a weighted query norm's (its float32
         # weight makes Q float32 under autocast)
-        float_query = ((spec.mla is not None and regathered == 0)
-                       or (spec.has_qk_norm(layer) and spec.qk_norm != "l2"))
+        float_query = (spec.mla is not None and regathered == 0) or weighted_qk_norm
         extra += spec.seq_len * spec.rotary_width * (residual if float_query else d)
     if saved.rotary_tables and spec.nope_temperature is not None and layer in spec.nope_layers:
         # Llama 4's layers without rotary positions scale the query by position: the scales, s of them in Q's type
         extra += spec.seq_len * d
-    if saved.written_out_mask and not flash_attention and (spec.attention_sinks or spec.attention_softcap is not None):
-        if kernel_kept:  # the boolean mask its masked fill keeps, one byte an element
-            extra += spec.seq_len ** 2
+    if saved.written_out_mask and not flash_attention and spec.scores_beyond_mask and kernel_kept:
+        extra += spec.seq_len ** 2  # the boolean mask the written-out attention's masked fill keeps, a byte each
     if saved.offset_norm_scales and spec.rms_norm and spec.norm_offset:  # each norm's 1 + weight, the weight's type
         query_key = (qk_norm_widths(spec, tp) if spec.has_qk_norm(layer) and spec.mla is None else 0)
         extra += (spec.norms_per_layer * h + query_key) * residual
@@ -327,9 +330,7 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
 def qk_norm_widths(spec: ModelSpec, tp: int = 1) -> float:
     """Features of the query and key norms' weights in use on one tp rank: one head's
     each (``head``), or the projections' on the rank (``projection``)."""
-    if spec.qk_norm == "projection":
-        return spec.q_width / tp + spec.head_size * kv_heads_per_shard(spec, tp)
-    return 2 * spec.head_size
+    return query_key_width(spec, tp) if spec.qk_norm == "projection" else 2 * spec.head_size
 
 
 def mlp_input_casts(spec: ModelSpec, layer: int) -> float:

@@ -252,6 +252,13 @@ class ModelSpec:
         return self.norms_per_layer
 
     @property
+    def scores_beyond_mask(self) -> bool:
+        """Whether the softmax sees more than the masked scores: a sink logit per head in
+        its denominator (gpt-oss) or soft-capped scores (Gemma 2). torch's fused kernel
+        takes neither, so ``pipesim run``'s executor writes that attention out."""
+        return self.attention_sinks or self.attention_softcap is not None
+
+    @property
     def post_norms(self) -> int:
         """Norms a layer applies to its sublayers' outputs before the residual add
         (Gemma 2 and 3's sandwich: two of its four), which read those outputs, not the
