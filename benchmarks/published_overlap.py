@@ -28,6 +28,12 @@ Sources (the figures transcribed from each file at the commit named):
   (commit 00b7660be025), "25.11 NeMo Container", DGX-H100 (FSDP column: 1 = FSDP).
 - ``bridge-26.02``: NVIDIA-NeMo/Megatron-Bridge ``docs/performance-summary-archive.md``
   (commit 0a25f911b2ed), "26.02 NeMo Container", DGX-H100.
+- ``bridge-25.09``, ``bridge-26.02.01``, ``bridge-26.04``, ``bridge-26.04.01``,
+  ``bridge-26.06``: the same archive file at commit 067f987df, every dense DGX-H100 row of
+  those containers: the three layouts above published again (``later_containers``). 25.09's
+  table names no precision; its rows are taken as 25.11's FP8-CS. The same layout's figure
+  moves between containers with the software alone, so the Megatron-Core summary is also
+  printed with each layout counted once, at its newest container.
 - ``torchtitan-asynctp``: pytorch/torchtitan
   ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (commit 5ecb74e54b8d), Llama
   3.1 8B and 70B, vanilla and async TP, BF16 and float8 tensorwise; the layouts from its
@@ -45,7 +51,8 @@ were run while the model was changed (the channel rings of
 ``pipesim.cluster.collectives``, found on the GPT3-20B row); the ``held out`` rows were
 first run after that change and no choice of the model was made with them on screen until
 the two FP8 changes (FP8 GEMMs' k-loop rule, ``benchmarks/fp8_gemms.py``; current
-scaling's amax pass), made with every row seen but with no number taken from a row.
+scaling's amax pass), made with every row seen but with no number taken from a row. The
+rows of the other containers (``later_containers``) were added after every change, held out.
 
 Run: ``PYTHONPATH=. python benchmarks/published_overlap.py`` (prints the table, each
 row's command, the median and worst error over all rows and over the held-out rows, and
@@ -60,11 +67,17 @@ import statistics
 import time
 from dataclasses import dataclass
 
+ARCHIVE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @067f987"
 SOURCES = {
     "nemo-24.07": "NVIDIA/NeMo docs/source/performance/performance_summary.md @070a0bb (NeMo 24.07, DGX-H100, FP8)",
+    "bridge-25.09": f"{ARCHIVE} (25.09 container, DGX-H100; precision not named: taken as 25.11's FP8-CS)",
     "bridge-25.11": "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @00b7660 (25.11 container, DGX-H100)",
     "bridge-26.02": "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @0a25f91 (26.02 container, "
                     "DGX-H100)",
+    "bridge-26.02.01": f"{ARCHIVE} (26.02.01 container, DGX-H100)",
+    "bridge-26.04": f"{ARCHIVE} (26.04 container, DGX-H100)",
+    "bridge-26.04.01": f"{ARCHIVE} (26.04.01 container, DGX-H100)",
+    "bridge-26.06": f"{ARCHIVE} (26.06 container, DGX-H100)",
     "torchtitan-asynctp": "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @5ecb74e "
                           "(Grand Teton H100 96 GB HBM2e, 500 W)",
 }
@@ -160,6 +173,7 @@ def runs() -> list[PublishedRun]:
         PublishedRun("LLAMA3.1_405B GBS1536", bridge2602, 405, "--model llama3-405b", 1024, 1536, 1, 8192, 8, 8,
                      311, 784, cp=2, vp=8, fp8_scaling="current"),
     ]
+    rows += later_containers()
     # torchtitan, June 2025: FSDP2 x TP 8, torch.compile; 8B per-op selective AC, local batch 12 on 64 GPUs;
     # 70B full AC, local batch 16 on 256 GPUs; (precision, vanilla TP tokens/s, async TP tokens/s)
     for params, gpus, local, recompute, figures in (
@@ -172,6 +186,40 @@ def runs() -> list[PublishedRun]:
                                          local, 8192, 8, 1, tokens, fsdp=True, fp8=precision == "float8",
                                          fp8_scaling="current", recompute=recompute, tp_overlap=overlap))
     return rows
+
+
+def later_containers() -> list[PublishedRun]:
+    """The same three Megatron-Bridge layouts as published by the containers before and
+    after the rows above (the archive's DGX-H100 rows of 25.09, 26.02.01, 26.04, 26.04.01
+    and 26.06; no other dense H100 rows are in it). A layout's prediction is the same in
+    every container; the published figure is not, which shows how far the software moved
+    under one layout. All held out: first run after the model was last changed."""
+    llama8b, llama70b, llama405b = "--model llama3-8b", "--model llama3-70b", "--model llama3-405b"
+    rows = []
+    # (container, tokens/s/GPU, TFLOP/s) per layout; None where the row's TFLOP/s disagrees with the
+    # FLOPs per token of the same layout in every other container (26.04.01's 70B: 2.2% lower)
+    for container, tokens, tflops in (("25.09", 14079, 725),):
+        rows.append(PublishedRun(f"LLAMA3_8B FSDP ({container})", f"bridge-{container}", 8, llama8b, 8, 128, 1,
+                                 8192, 1, 1, tokens, tflops, fsdp=True, fp8_scaling="current"))
+    for container, tokens, tflops in (("25.09", 1619, 727),):
+        rows.append(PublishedRun(f"LLAMA3_70B ({container})", f"bridge-{container}", 70, llama70b, 64, 128, 1, 8192,
+                                 4, 8, tokens, tflops, vp=5, fp8_scaling="current"))
+    for container, tokens, tflops in (("26.02.01", 1639, 736), ("26.04", 1633, 734), ("26.04.01", 1664, None)):
+        rows.append(PublishedRun(f"LLAMA3_70B GBS256 ({container})", f"bridge-{container}", 70, llama70b, 64, 256,
+                                 1, 8192, 4, 8, tokens, tflops, vp=5, fp8_scaling="current"))
+    for container, tokens, tflops in (("25.09", 302, 763),):
+        rows.append(PublishedRun(f"LLAMA3.1_405B ({container})", f"bridge-{container}", 405, llama405b, 1024, 512,
+                                 1, 8192, 8, 8, tokens, tflops, cp=2, vp=8, fp8_scaling="current"))
+    for container, tokens, tflops in (("26.04.01", 328, 827), ("26.06", 326, 822)):
+        rows.append(PublishedRun(f"LLAMA3.1_405B GBS1536 ({container})", f"bridge-{container}", 405, llama405b,
+                                 1024, 1536, 1, 8192, 8, 8, tokens, tflops, cp=2, vp=8, fp8_scaling="current"))
+    return rows
+
+
+def layout_key(run: PublishedRun) -> tuple:
+    """What makes two rows the same job: every field but the label, the source and the figures."""
+    return (run.model, run.gpus, run.global_batch, run.microbatch_size, run.seq_len, run.tp, run.pp, run.cp, run.vp,
+            run.fsdp, run.fp8, run.fp8_scaling, run.recompute, run.tp_overlap)
 
 
 @dataclass(frozen=True)
@@ -268,6 +316,36 @@ def fp8_over_bf16_lines(rows: list[PublishedRun], predictions: dict[str, Predict
     return lines
 
 
+def by_layout(rows: list[PublishedRun]) -> dict[tuple, list[PublishedRun]]:
+    """Rows grouped by layout, each group oldest source first (``SOURCES`` is in release order)."""
+    order = list(SOURCES)
+    groups: dict[tuple, list[PublishedRun]] = {}
+    for run in rows:
+        groups.setdefault(layout_key(run), []).append(run)
+    return {key: sorted(group, key=lambda run: order.index(run.source)) for key, group in groups.items()}
+
+
+def newest_of_each_layout(rows: list[PublishedRun]) -> list[PublishedRun]:
+    """Each layout once, as its newest source published it."""
+    return [group[-1] for group in by_layout(rows).values()]
+
+
+def drift_lines(rows: list[PublishedRun], predictions: dict[str, Prediction]) -> list[str]:
+    """One line per layout published by more than one container: the lowest and highest
+    published figure, how far apart they are, and the one prediction."""
+    lines = []
+    for group in by_layout(rows).values():
+        if len(group) < 2:
+            continue
+        low, high = min(group, key=lambda run: run.tokens_per_gpu), max(group, key=lambda run: run.tokens_per_gpu)
+        figures = ", ".join(f"{run.tokens_per_gpu:,.0f} ({run.source.removeprefix('bridge-')})" for run in group)
+        lines.append(f"{group[0].label.split(' (')[0]}: published {figures}; highest over lowest "
+                     f"{high.tokens_per_gpu / low.tokens_per_gpu - 1:+.1%}; predicted "
+                     f"{predictions[group[0].label].tokens_per_gpu:,.0f} ({error(high, predictions[high.label]):+.1%} "
+                     f"against the highest)")
+    return lines
+
+
 def table(rows: list[PublishedRun], extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, Prediction]]:
     lines = ["| run | source | GPUs | tp pp cp vp dp | m | published tokens/s/GPU | predicted | error | "
              "predicted MFU | compute share of the step | sample |",
@@ -306,12 +384,23 @@ def main() -> None:
             fp8_over_bf16_lines(rows, predictions):
         print(line)
     print()
+    print("the same layout in several containers:")
+    for line in drift_lines(rows, predictions):
+        print(f"- {line}")
+    print()
     errors = {run.label: abs(error(run, predictions[run.label])) for run in rows}
     held_out = [errors[run.label] for run in rows if not run.in_sample]
-    megatron = [errors[run.label] for run in rows if run.source != "torchtitan-asynctp"]
+    megatron_rows = [run for run in rows if run.source != "torchtitan-asynctp"]
+    megatron = [errors[run.label] for run in megatron_rows]
     print(summary("all rows", list(errors.values())))
     if megatron:
         print(summary("Megatron-Core rows (NeMo, Megatron-Bridge)", megatron))
+        print(summary("Megatron-Core layouts, each once at its newest container",
+                      [errors[run.label] for run in newest_of_each_layout(megatron_rows)]))
+        bridge = [run for run in megatron_rows if run.source.startswith("bridge-")]
+        if bridge:
+            print(summary("Megatron-Bridge layouts (2025-2026 containers), each once at its newest",
+                          [errors[run.label] for run in newest_of_each_layout(bridge)]))
     if held_out:
         print(summary("held out", held_out))
     print(f"({time.perf_counter() - started:.0f} s)")
