@@ -32,7 +32,10 @@ simulation predicts should be at or above it. In-sample: the memory rules and th
 collectives' pricing were built with this row printed; the FP8 dispatch was added from the
 report's text and the stacks' code (it moved the row from -0.7% to +5.1%); the two
 copies of a model stage then summed in one all-reduce that holds its links once, not one
-each (``pipesim.sim.parallel.comm_plan``), moved it to +11.9%. An earlier version split the
+each (``pipesim.sim.parallel.comm_plan``), moved it to +11.9%, and pricing the token
+permutations around the routed experts (``pipesim.model.operations.token_permutations``,
+added on the held-out mixture-of-experts rows of ``benchmarks/published_overlap.py``) to
++10.6%. An earlier version split the
 layers by hand (3, 4 x 14, 2) to fit a flat 10% headroom of a decimal 80 GB; with the
 driver's capacity and the headroom rule the default split fits, so no split is chosen.
 

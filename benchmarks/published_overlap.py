@@ -68,6 +68,7 @@ import time
 from dataclasses import dataclass
 
 ARCHIVE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @067f987"
+MOE_SOURCE = "bridge-moe"  # the archive's mixture-of-experts rows, every container (in each row's label)
 SOURCES = {
     "nemo-24.07": "NVIDIA/NeMo docs/source/performance/performance_summary.md @070a0bb (NeMo 24.07, DGX-H100, FP8)",
     "bridge-25.09": f"{ARCHIVE} (25.09 container, DGX-H100; precision not named: taken as 25.11's FP8-CS)",
@@ -78,6 +79,7 @@ SOURCES = {
     "bridge-26.04": f"{ARCHIVE} (26.04 container, DGX-H100)",
     "bridge-26.04.01": f"{ARCHIVE} (26.04.01 container, DGX-H100)",
     "bridge-26.06": f"{ARCHIVE} (26.06 container, DGX-H100)",
+    MOE_SOURCE: f"{ARCHIVE} (25.11 to 26.06 containers, DGX-H100, mixture of experts; force-balanced routing)",
     "torchtitan-asynctp": "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @5ecb74e "
                           "(Grand Teton H100 96 GB HBM2e, 500 W)",
 }
@@ -119,6 +121,7 @@ class PublishedRun:
     recompute: str = "none"
     tp_overlap: bool = True
     in_sample: bool = False
+    ep: int = 1  # expert-parallel ranks (a mixture of experts; cut from dp, as Megatron-Core does)
 
     @property
     def dp(self) -> int:
@@ -139,6 +142,8 @@ class PublishedRun:
             flags.append("--sequence-parallel" + ("" if self.tp_overlap else " --no-tp-overlap"))
         if self.cp > 1:
             flags.append(f"--cp {self.cp}")
+        if self.ep > 1:
+            flags.append(f"--ep {self.ep}")
         if self.fp8:
             flags.append(f"--fp8 {self.fp8_scaling}")
         return " ".join(flags).split()
@@ -174,6 +179,7 @@ def runs() -> list[PublishedRun]:
                      311, 784, cp=2, vp=8, fp8_scaling="current"),
     ]
     rows += later_containers()
+    rows += mixture_of_experts()
     # torchtitan, June 2025: FSDP2 x TP 8, torch.compile; 8B per-op selective AC, local batch 12 on 64 GPUs;
     # 70B full AC, local batch 16 on 256 GPUs; (precision, vanilla TP tokens/s, async TP tokens/s)
     for params, gpus, local, recompute, figures in (
@@ -216,10 +222,47 @@ def later_containers() -> list[PublishedRun]:
     return rows
 
 
+QWEN3_30B = "--model tests/data/hf_configs/qwen3-30b-a3b.json"
+GPT_OSS_120B = "--model tests/data/hf_configs/gpt-oss-120b.json"
+
+
+def mixture_of_experts() -> list[PublishedRun]:
+    """The archive's DGX-H100 mixture-of-experts rows that pipesim can express (source
+    ``bridge-moe``, the container in each label). NVIDIA force-balances the routing in
+    these benchmarks ("we force-balance the token distribution among experts and all
+    benchmarks are token-dropless"), which is what pipesim's router assumes. Qwen3-30B-A3B
+    in FP8 (current scaling); gpt-oss-120b in BF16 with its recipe's selective recompute
+    of the norms (``--recompute norm-mla-up``: the recipe also re-runs the experts'
+    activation, a memory-bound kernel left out). Not here: Qwen3-235B-A22B (ep 32 over a
+    dense layout of tp 2 x dp 16: Megatron-Core folds expert parallelism across tp and
+    dp, which ``--ep`` cannot express, it cuts ep from dp alone), DeepSeek-V3 on H100
+    (25.09 only, its FP8 recipe and MTP unnamed). All held out: first run after every
+    change to the model."""
+    rows = []
+    # Qwen3-30B-A3B, 16 GPUs, 4096 tokens: (container, GBS, MBS, pp, vp, ep, tokens/s/GPU, TFLOP/s)
+    for container, global_batch, micro, pp, vp, ep, tokens, tflops in (
+            ("25.11", 512, 2, 2, 24, 8, 5275, 121), ("26.02", 1024, 1, 2, 12, 8, 5113, 118),
+            ("26.02.01", 1024, 1, 2, 12, 8, 9058, 208), ("26.04", 1024, 1, 1, 1, 16, 8901, 205),
+            ("26.04.01", 1024, 1, 1, 1, 16, 8960, 206), ("26.06", 1024, 1, 1, 1, 16, 8826, 203)):
+        rows.append(PublishedRun(f"Qwen3-30B-A3B ep{ep} pp{pp} ({container})", MOE_SOURCE, 30, QWEN3_30B, 16,
+                                 global_batch, micro, 4096, 1, pp, tokens, tflops, vp=vp, ep=ep,
+                                 fp8_scaling="current"))
+    # gpt-oss-120b, 64 GPUs, BF16, pp 4, ep 8, 4096 tokens: (container, GBS, MBS, tokens/s/GPU). Its published
+    # TFLOP/s (153-163) are not kept: they count 0.79 of the FLOPs per token of the config's layers, which is
+    # its routed experts' gated MLP counted as two matrices instead of three (the experts are 63% of the FLOPs;
+    # 1 - 0.63 / 3 = 0.79), a count, not the architecture (the config's gate_up_proj is 2 x 2880 wide)
+    for container, global_batch, micro, tokens in (
+            ("25.11", 512, 4, 5630), ("26.02", 1280, 1, 5993), ("26.02.01", 1280, 1, 5984),
+            ("26.04", 1280, 1, 5810), ("26.04.01", 1280, 1, 5824)):
+        rows.append(PublishedRun(f"gpt-oss-120b ({container})", MOE_SOURCE, 117, GPT_OSS_120B, 64, global_batch,
+                                 micro, 4096, 1, 4, tokens, ep=8, fp8=False, recompute="norm-mla-up"))
+    return rows
+
+
 def layout_key(run: PublishedRun) -> tuple:
     """What makes two rows the same job: every field but the label, the source and the figures."""
     return (run.model, run.gpus, run.global_batch, run.microbatch_size, run.seq_len, run.tp, run.pp, run.cp, run.vp,
-            run.fsdp, run.fp8, run.fp8_scaling, run.recompute, run.tp_overlap)
+            run.ep, run.fsdp, run.fp8, run.fp8_scaling, run.recompute, run.tp_overlap)
 
 
 @dataclass(frozen=True)
@@ -325,6 +368,18 @@ def by_layout(rows: list[PublishedRun]) -> dict[tuple, list[PublishedRun]]:
     return {key: sorted(group, key=lambda run: order.index(run.source)) for key, group in groups.items()}
 
 
+def dense_megatron(run: PublishedRun) -> bool:
+    """A NeMo or Megatron-Bridge row of a dense model: the rows issue 30's target is held to."""
+    return run.source.startswith(("nemo-", "bridge-")) and run.source != MOE_SOURCE
+
+
+def container_of(run: PublishedRun) -> str:
+    """The release a row was published by: in its label's parentheses, else its source's."""
+    if run.label.endswith(")") and " (" in run.label:
+        return run.label.rsplit(" (", 1)[1][:-1]
+    return run.source.removeprefix("bridge-").removeprefix("nemo-")
+
+
 def newest_of_each_layout(rows: list[PublishedRun]) -> list[PublishedRun]:
     """Each layout once, as its newest source published it."""
     return [group[-1] for group in by_layout(rows).values()]
@@ -338,7 +393,7 @@ def drift_lines(rows: list[PublishedRun], predictions: dict[str, Prediction]) ->
         if len(group) < 2:
             continue
         low, high = min(group, key=lambda run: run.tokens_per_gpu), max(group, key=lambda run: run.tokens_per_gpu)
-        figures = ", ".join(f"{run.tokens_per_gpu:,.0f} ({run.source.removeprefix('bridge-')})" for run in group)
+        figures = ", ".join(f"{run.tokens_per_gpu:,.0f} ({container_of(run)})" for run in group)
         lines.append(f"{group[0].label.split(' (')[0]}: published {figures}; highest over lowest "
                      f"{high.tokens_per_gpu / low.tokens_per_gpu - 1:+.1%}; predicted "
                      f"{predictions[group[0].label].tokens_per_gpu:,.0f} ({error(high, predictions[high.label]):+.1%} "
@@ -390,17 +445,21 @@ def main() -> None:
     print()
     errors = {run.label: abs(error(run, predictions[run.label])) for run in rows}
     held_out = [errors[run.label] for run in rows if not run.in_sample]
-    megatron_rows = [run for run in rows if run.source != "torchtitan-asynctp"]
+    megatron_rows = [run for run in rows if dense_megatron(run)]
     megatron = [errors[run.label] for run in megatron_rows]
     print(summary("all rows", list(errors.values())))
     if megatron:
-        print(summary("Megatron-Core rows (NeMo, Megatron-Bridge)", megatron))
-        print(summary("Megatron-Core layouts, each once at its newest container",
+        print(summary("Megatron-Core dense rows (NeMo, Megatron-Bridge)", megatron))
+        print(summary("Megatron-Core dense layouts, each once at its newest container",
                       [errors[run.label] for run in newest_of_each_layout(megatron_rows)]))
         bridge = [run for run in megatron_rows if run.source.startswith("bridge-")]
+        moe = [run for run in rows if run.source == MOE_SOURCE]
         if bridge:
             print(summary("Megatron-Bridge layouts (2025-2026 containers), each once at its newest",
                           [errors[run.label] for run in newest_of_each_layout(bridge)]))
+    if moe:
+        print(summary("mixture-of-experts layouts (Megatron-Bridge), each once at its newest",
+                      [errors[run.label] for run in newest_of_each_layout(moe)]))
     if held_out:
         print(summary("held out", held_out))
     print(f"({time.perf_counter() - started:.0f} s)")

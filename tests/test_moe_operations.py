@@ -63,6 +63,30 @@ def test_mixtral_layer_gemm_shapes_by_hand():
     assert by_name(layer_operations(spec, tp=2))["router"].m == 8192
 
 
+def test_token_permutations_by_hand():
+    """Megatron-Core's all-to-all dispatcher copies, in bytes, worked by hand for Mixtral
+    (h 4096, top 2 of 8, BF16), b 2 s 4096 (T 8192): permutation 1 reads and writes the
+    T k routed rows, unpermutation 1 reads them and writes T rows; with ep 2 (4 experts a
+    rank, tokens received from the other) the sort and unsort after and before the
+    all-to-alls read and write T k rows each; a dense layer has none."""
+    spec = model_spec("mixtral-8x7b", microbatch_size=2, seq_len=4096)
+    row = 4096 * 2
+    alone = by_name(layer_operations(spec))["token_permutations"]
+    assert alone.bytes == (2 * 2 * 8192 + (2 * 8192 + 8192)) * row
+    over_two = by_name(layer_operations(spec, ep=2))["token_permutations"]
+    assert over_two.bytes == alone.bytes + 2 * (2 * 2 * 8192) * row
+    # sequence parallelism over tp 2: the rank's own 4096 tokens permuted, every token's copies sorted
+    sharded = by_name(layer_operations(spec, tp=2, sequence_parallel=True))["token_permutations"]
+    assert sharded.bytes == (2 * 2 * 4096 + (2 * 4096 + 4096)) * row + 2 * (2 * 2 * 8192) * row
+    # one expert a rank (8 experts over ep 8): nothing to sort
+    assert by_name(layer_operations(spec, ep=8))["token_permutations"].bytes == alone.bytes
+    # a capacity factor pads the copies as it pads the experts' rows
+    padded = by_name(layer_operations(spec.with_capacity_factor(1.25)))["token_permutations"]
+    assert padded.bytes == (2 * 2.5 * 8192 + (2.5 * 8192 + 8192)) * row
+    dense = layer_operations(model_spec("llama3-8b"))
+    assert "token_permutations" not in by_name(dense)
+
+
 def test_deepseek_v3_layer_gemm_shapes_by_hand():
     """b 1, s 4096, tp 8 with sequence parallelism. Layer 0 is dense (18432 wide), layer 3
     has 256 experts of 128 rows each (4096 x 8 / 256) and the shared expert on every token."""

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.published_overlap import (
+    MOE_SOURCE,
     SOURCES,
+    dense_megatron,
     drift_lines,
     error,
     fp8_over_bf16_lines,
@@ -28,7 +30,7 @@ from pipesim.job import Job, model_spec_of
 from pipesim.model.transformer_costs import attention_flops_counted
 
 ROWS = runs()
-MEGATRON = [run for run in ROWS if run.source != "torchtitan-asynctp"]
+MEGATRON = [run for run in ROWS if dense_megatron(run)]
 # how each source's model TFLOP/s counts the attention core (NeMo 24.07: the whole square;
 # Megatron-Bridge: the causal half, as Megatron-LM's num_floating_point_operations does now)
 ATTENTION_COUNT = {"nemo-24.07": "whole", **{source: "causal" for source in SOURCES if source.startswith("bridge-")}}
@@ -49,6 +51,7 @@ def test_each_rows_command_is_the_published_layout(run):
     assert job.zero == (3 if run.fsdp else 1) and not job.no_dp_overlap and not job.no_param_gather_overlap
     assert job.no_tp_overlap == (not run.tp_overlap)
     assert (job.virtual_stages or 1) == run.vp
+    assert job.ep == run.ep
 
 
 @pytest.mark.parametrize("run", [run for run in ROWS if run.tflops_per_gpu], ids=lambda run: run.label)
@@ -90,15 +93,18 @@ def test_the_docs_quote_the_table_and_medians_as_printed():
         assert line in docs, line
     errors = {run.label: abs(error(run, predictions[run.label])) for run in ROWS}
     assert summary("all rows", list(errors.values())) in docs
-    assert summary("Megatron-Core rows (NeMo, Megatron-Bridge)", [errors[run.label] for run in MEGATRON]) in docs
+    assert summary("Megatron-Core dense rows (NeMo, Megatron-Bridge)", [errors[run.label] for run in MEGATRON]) in docs
     assert summary("held out", [errors[run.label] for run in ROWS if not run.in_sample]) in docs
     for line in fp8_over_bf16_lines(ROWS, predictions) + drift_lines(ROWS, predictions):
         assert f"- {line}" in docs, line
     newest = newest_of_each_layout(MEGATRON)
-    assert summary("Megatron-Core layouts, each once at its newest container",
+    assert summary("Megatron-Core dense layouts, each once at its newest container",
                    [errors[run.label] for run in newest]) in docs
     assert summary("Megatron-Bridge layouts (2025-2026 containers), each once at its newest",
                    [errors[run.label] for run in newest if run.source.startswith("bridge-")]) in docs
+    moe = newest_of_each_layout([run for run in ROWS if run.source == MOE_SOURCE])
+    assert summary("mixture-of-experts layouts (Megatron-Bridge), each once at its newest",
+                   [errors[run.label] for run in moe]) in docs
 
 
 def test_later_containers_rerun_layouts_already_in_the_table():

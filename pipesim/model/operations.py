@@ -236,8 +236,38 @@ def mlp_block(spec: ModelSpec, tp: int = 1, layer: int = 0, sequence_parallel: b
               padded: bool = True, ep: int = 1) -> tuple[Operation, ...]:
     """Layer ``layer``'s MLP, from ``weights.mlp_weights``: up (with the gate fused beside
     it when gated) column-parallel and down row-parallel; in a mixture-of-experts layer the
-    router, the routed experts as grouped GEMMs (``E / ep`` of them) and the shared experts."""
-    return weight_gemms(mlp_weights(spec, spec.is_moe_layer(layer)), spec, tp, sequence_parallel, padded, ep)
+    router, the routed experts as grouped GEMMs (``E / ep`` of them), the shared experts
+    and the permutations around the routed ones (``token_permutations``)."""
+    gemms = weight_gemms(mlp_weights(spec, spec.is_moe_layer(layer)), spec, tp, sequence_parallel, padded, ep)
+    if not spec.is_moe_layer(layer):
+        return gemms
+    return (*gemms, token_permutations(spec, tp, sequence_parallel, padded, ep))
+
+
+def token_permutations(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False, padded: bool = True,
+                       ep: int = 1) -> MemoryBound:
+    """The copies that put a mixture-of-experts layer's routed tokens in expert order and
+    back, as Megatron-Core's all-to-all token dispatcher makes them
+    (``MoEAlltoAllTokenDispatcher``): *permutation 1* gathers each of the rank's tokens
+    once per routed slot (``k`` of them, times the capacity factor when ``padded``) into
+    expert order before the all-to-all (reads and writes ``k`` rows of ``h``),
+    *unpermutation 1* weights the ``k`` returned rows by their routing probabilities and
+    adds them into the token's one (reads ``k``, writes 1); when a rank holds more than
+    one expert and receives from other ranks (``ep`` or ``tp`` above 1), *permutation 2*
+    sorts the received rows by local expert after the all-to-all and *unpermutation 2*
+    restores their order before the one back (``k`` rows read and written each). All move
+    activations in the model's dtype and nothing else, so they are memory-bound kernels
+    at HBM bandwidth; their backward runs the inverse copies on the gradients and the
+    routing probabilities' gradient (unpermutation 1's saved rows read again), charged as
+    the other element-wise kernels' (``memory_traffic.BACKWARD_TRAFFIC``). The rank's own
+    tokens are ``s / tp`` of a sequence under sequence parallelism (the received rows are
+    gathered over tp first, so sorting sees every token's copies)."""
+    slots, h, d = spec.moe.routed_slots(padded), spec.hidden, spec.dtype_bytes
+    own = spec.tokens / tp if sequence_parallel else spec.tokens
+    rows = (2 * slots + (slots + 1)) * own  # permutation 1, unpermutation 1
+    if spec.moe.experts / ep > 1 and ep * tp > 1:
+        rows += 2 * (2 * slots * spec.tokens)  # permutation 2 and unpermutation 2
+    return MemoryBound("token_permutations", rows * h * d)
 
 
 def memory_bound_kernels(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
