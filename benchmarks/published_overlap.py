@@ -426,6 +426,9 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     rows = [run for run in runs() if args.only is None or args.only in run.label]
+    if not rows:
+        parser.error(f"--only {args.only!r}: no row's label contains it (labels: "
+                     f"{', '.join(run.label for run in runs())})")
     lines, predictions = table(rows, tuple(args.extra_flags.split()))
     print("\n".join(lines) + "\n")
     for run in rows if args.commands else rows[:1]:
@@ -447,13 +450,13 @@ def main() -> None:
     held_out = [errors[run.label] for run in rows if not run.in_sample]
     megatron_rows = [run for run in rows if dense_megatron(run)]
     megatron = [errors[run.label] for run in megatron_rows]
+    moe = [run for run in rows if run.source == MOE_SOURCE]
     print(summary("all rows", list(errors.values())))
     if megatron:
         print(summary("Megatron-Core dense rows (NeMo, Megatron-Bridge)", megatron))
         print(summary("Megatron-Core dense layouts, each once at its newest container",
                       [errors[run.label] for run in newest_of_each_layout(megatron_rows)]))
         bridge = [run for run in megatron_rows if run.source.startswith("bridge-")]
-        moe = [run for run in rows if run.source == MOE_SOURCE]
         if bridge:
             print(summary("Megatron-Bridge layouts (2025-2026 containers), each once at its newest",
                           [errors[run.label] for run in newest_of_each_layout(bridge)]))
