@@ -101,6 +101,7 @@ class Job:
     attention_flops: str = "causal"  # how MFU counts attention (pipesim.model.transformer_costs.ATTENTION_FLOPS)
     fp8: bool | str = False  # on (True) or its scaling (pipesim.model.spec.FP8_SCALINGS)
     ep_dispatch: str | None = None  # EP_DISPATCHES; None: the model's recipe (ModelSpec.fp8_dispatch)
+    ep_dispatcher: str | None = None  # pipesim.model.experts.EP_DISPATCHERS; None: alltoall
     qkv: str = "separate"  # the attention's input projections (pipesim.model.spec.QKV_PROJECTIONS)
     comm_sms: int = 0
     topology: str = "ideal"
@@ -269,6 +270,9 @@ def check_cost_flags(job) -> None:
     if getattr(job, "ep_dispatch", None) is not None and not getattr(job, "model", None):
         raise ValueError(f"--ep-dispatch {job.ep_dispatch} needs --model: it sizes a mixture of experts' all-to-alls; "
                          f"give --model or drop --ep-dispatch")
+    if getattr(job, "ep_dispatcher", None) is not None and not getattr(job, "model", None):
+        raise ValueError(f"--ep-dispatcher {job.ep_dispatcher} needs --model: it sizes a mixture of experts' "
+                         f"all-to-alls; give --model or drop --ep-dispatcher")
     if getattr(job, "comm_sms", 0) and not getattr(job, "model", None):
         raise ValueError(f"--comm-sms {job.comm_sms} needs --model: it slows a model spec's compute; give --model "
                          f"or drop --comm-sms")
@@ -501,7 +505,24 @@ def model_spec_of(job):
     if fp8:
         spec = replace(spec, fp8=True, fp8_scaling=fp8 if isinstance(fp8, str) else spec.fp8_scaling)
     spec = with_qkv(spec, getattr(job, "qkv", "separate"))
-    return with_ep_dispatch(spec, getattr(job, "ep_dispatch", None), job.model)
+    spec = with_ep_dispatch(spec, getattr(job, "ep_dispatch", None), job.model)
+    return with_ep_dispatcher(spec, getattr(job, "ep_dispatcher", None), job.model)
+
+
+def with_ep_dispatcher(spec, dispatcher: str | None, model: str):
+    """``spec`` with ``--ep-dispatcher`` applied (``pipesim.model.experts.EP_DISPATCHERS``;
+    None keeps Megatron-Core's all-to-all dispatcher); refused in one line for an unknown
+    dispatcher or a model without experts."""
+    from pipesim.model.experts import EP_DISPATCHERS
+
+    if dispatcher is None:
+        return spec
+    if dispatcher not in EP_DISPATCHERS:
+        raise ValueError(f"--ep-dispatcher {dispatcher!r} is not one of: {', '.join(EP_DISPATCHERS)}")
+    if spec.moe is None:
+        raise ValueError(f"--ep-dispatcher {dispatcher}: {model} has no mixture of experts, so no all-to-all to "
+                         f"dispatch; drop --ep-dispatcher")
+    return replace(spec, ep_dispatcher=dispatcher)
 
 
 def with_qkv(spec, qkv: str):

@@ -197,6 +197,13 @@ def add_precision_args(group) -> None:
                        "combine and the dispatch's gradient stay BF16 (default: fp8 for a config.json whose FP8 "
                        "quantization_config is block-scaled, DeepSeek-V3's; bf16 otherwise, under --fp8 too, as "
                        "Megatron-Core dispatches)")
+    group.add_argument("--ep-dispatcher", default=None, metavar="alltoall|deepep",
+                       help="with --model, a mixture of experts: how its all-to-alls move the routed copies: "
+                       "alltoall, Megatron-Core's all-to-all dispatcher (one copy per routed expert on every link, "
+                       "permuted into expert order before and sorted by local expert after), or deepep, DeepEP's "
+                       "and Megatron-Core's flex dispatcher (DeepEP, HybridEP: a token crosses to each node holding "
+                       "its experts once and is fanned out there over NVLink; no permutation before the dispatch) "
+                       "(default: alltoall)")
     group.add_argument("--comm-sms", type=int, default=0, metavar="SMS",
                        help="with --model: SMs of each GPU kept for communication kernels (DeepSeek-V3 kept 20 of "
                        "an H800's 132): GEMMs and attention run on the rest, at their share of the peak (default: 0)")

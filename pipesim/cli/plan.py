@@ -161,7 +161,8 @@ def plan_request(args: argparse.Namespace):
         cp=_ints(args.cp, "--cp") if args.cp else None, ep=_ints(args.ep, "--ep") if args.ep else None,
         microbatch_group=_ints(args.microbatch_group, "--microbatch-group") if args.microbatch_group else None,
         constraints=tuple(args.constraint), mfu=args.mfu, compute_model=args.compute_model,
-        fp8=args.fp8, ep_dispatch=args.ep_dispatch, comm_sms=args.comm_sms, qkv=args.qkv,
+        fp8=args.fp8, ep_dispatch=args.ep_dispatch, ep_dispatcher=args.ep_dispatcher, comm_sms=args.comm_sms,
+        qkv=args.qkv,
         max_actions=args.max_actions, memory_headroom=args.memory_headroom, clip_grad=args.clip_grad,
         top=args.top, workers=args.workers)
 

@@ -53,6 +53,12 @@ from dataclasses import dataclass
 from pipesim.model.errors import ModelSpecError, require_count, require_non_negative, require_positive
 
 GATINGS = ("softmax", "sigmoid")
+# how expert parallelism's all-to-alls move the routed copies (ModelSpec.ep_dispatcher, --ep-dispatcher):
+# "alltoall", Megatron-Core's all-to-all dispatcher (one copy per routed slot over every link, permuted
+# around it by the rank); "deepep", DeepEP's and Megatron-Core's flex dispatcher (DeepEP, HybridEP): a
+# token crosses to each node holding any of its experts once and is fanned out there over NVLink, and the
+# dispatch kernels read the rows by index (pipesim.model.operations.token_permutations)
+EP_DISPATCHERS = ("alltoall", "deepep")
 GROUP_SCORINGS = ("max", "top2-sum")
 
 

@@ -261,8 +261,16 @@ def token_permutations(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = F
     routing probabilities' gradient (unpermutation 1's saved rows read again), charged as
     the other element-wise kernels' (``memory_traffic.BACKWARD_TRAFFIC``). The rank's own
     tokens are ``s / tp`` of a sequence under sequence parallelism (the received rows are
-    gathered over tp first, so sorting sees every token's copies)."""
+    gathered over tp first, so sorting sees every token's copies).
+
+    Under DeepEP's dispatch (``ModelSpec.ep_dispatcher`` ``deepep``, Megatron-Core's flex
+    dispatcher) the dispatch kernel reads each copy's row by index and the combine kernel
+    weights and adds them, so neither permutation 1 nor the weighted sum is a copy of its
+    own; the received rows are permuted into expert order once and back once (``k`` rows
+    of every token read and written each)."""
     slots, h, d = spec.moe.routed_slots(padded), spec.hidden, spec.dtype_bytes
+    if spec.ep_dispatcher == "deepep":
+        return MemoryBound("token_permutations", 2 * (2 * slots * spec.tokens) * h * d)
     own = spec.tokens / tp if sequence_parallel else spec.tokens
     rows = (2 * slots + (slots + 1)) * own  # permutation 1, unpermutation 1
     if spec.moe.experts / ep > 1 and ep * tp > 1:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from pipesim.model import operations, weights
 from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count, require_positive
-from pipesim.model.experts import MixtureOfExperts
+from pipesim.model.experts import EP_DISPATCHERS, MixtureOfExperts
 from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.per_op_checkpoint import PER_OP
 from pipesim.model.quantization import FP8_TILE_BYTES
@@ -102,6 +102,7 @@ class ModelSpec:
     fp8: bool = False  # the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3): pipesim.model.compute_model
     fp8_scaling: str = "delayed"  # how FP8 casts find their scale (FP8_SCALINGS): pipesim.model.compute_model
     fp8_dispatch: bool = False  # the MoE dispatch all-to-alls in FP8 (DeepSeek-V3): dispatch_element_bytes
+    ep_dispatcher: str = "alltoall"  # how the MoE all-to-alls move the routed copies (experts.EP_DISPATCHERS)
     mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers), after the head
     fused_qkv: bool = False  # Q, K and V one linear, torchtitan 0.3's wqkv (QKV_PROJECTIONS): per-op's count only
     rope: Rope = Rope()  # rotary base and rescaling (pipesim.model.rotary): the executor's, no count
@@ -125,6 +126,9 @@ class ModelSpec:
         if self.fp8_scaling not in FP8_SCALINGS:
             raise ModelSpecError(f"model {self.name}: FP8 scaling {self.fp8_scaling!r} is not one of "
                                  f"{', '.join(FP8_SCALINGS)}")
+        if self.ep_dispatcher not in EP_DISPATCHERS:
+            raise ModelSpecError(f"model {self.name}: expert-parallel dispatcher {self.ep_dispatcher!r} is not one "
+                                 f"of {', '.join(EP_DISPATCHERS)}")
         if self.fp8_dispatch and not self.fp8:
             raise ModelSpecError(f"model {self.name}: an FP8 dispatch feeds the experts' FP8 GEMMs; with BF16 GEMMs "
                                  f"it only loses precision (turn fp8 on, or fp8_dispatch off)")

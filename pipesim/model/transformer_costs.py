@@ -320,7 +320,7 @@ def model_stage_costs(
             wgrad_stash_share=((stash + grads) / stash if saved_tensors.whole_stash_until_weight_grad and stash > 0
                                else 1.0 if recompute == "full" or saved_tensors.whole_stash_until_weight_grad
                                else wgrad_stash_share(stash, kept)),
-            dispatch_node_limit=float(spec.moe.node_limit or 0) if moe_layers else 0.0,
+            dispatch_node_limit=float(dispatch_node_limit(spec, ep)) if moe_layers else 0.0,
             dispatch_copies=spec.moe.routed_slots(padded=False) if moe_layers else 0.0,
             **{name: total / count if count else 0.0 for name, total in zip(TP_WINDOW_FIELDS, windows, strict=True)},
         )
@@ -425,6 +425,17 @@ def layer_time(spec: ModelSpec, tp: int, sequence_parallel: bool, flash_attentio
     of layouts)."""
     return block_time(layer_operations(spec, tp, sequence_parallel, flash_attention, layer, ep=ep, cp=cp), compute,
                       recompute, spec.dtype_bytes)
+
+
+def dispatch_node_limit(spec: ModelSpec, ep: int) -> int:
+    """The most nodes a token's routed copies cross to (0: no limit, one copy per routed
+    slot): the model's node-limited routing (DeepSeek-V3's ``topk_group``); under DeepEP's
+    dispatch (``ep_dispatcher`` ``deepep``) a copy per node, so at most the ``ep`` ranks'
+    nodes whatever the routing (``pipesim.model.experts.node_limited_share`` caps it by the
+    nodes the group spans)."""
+    if spec.moe.node_limit:
+        return spec.moe.node_limit
+    return ep if spec.ep_dispatcher == "deepep" else 0
 
 
 @functools.lru_cache(maxsize=4096)

@@ -47,9 +47,9 @@ class PlanRequest:
     microbatch groups ``microbatch_group`` (None: the defaults of ``pipesim.plan.layouts``),
     keeping layouts that match every one of ``constraints`` (``"pp=8"``,
     ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on ``workers`` processes (None: the CPUs
-    available). ``mfu``, ``compute_model``, ``fp8``, ``ep_dispatch``, ``comm_sms``, ``qkv``, ``max_actions`` and
-    ``memory_headroom`` and ``clip_grad`` are ``pipesim simulate``'s, the same for every layout. Field names
-    are the command's flags."""
+    available). ``mfu``, ``compute_model``, ``fp8``, ``ep_dispatch``, ``ep_dispatcher``, ``comm_sms``, ``qkv``,
+    ``max_actions`` and ``memory_headroom`` and ``clip_grad`` are ``pipesim simulate``'s, the same for every
+    layout. Field names are the command's flags."""
 
     model: str
     gpus: int
@@ -72,6 +72,7 @@ class PlanRequest:
     compute_model: str | None = None
     fp8: bool | str = False  # on (True) or its scaling (pipesim.model.spec.FP8_SCALINGS)
     ep_dispatch: str | None = None  # pipesim.model.quantization.EP_DISPATCHES; None: the model's recipe
+    ep_dispatcher: str | None = None  # pipesim.model.experts.EP_DISPATCHERS; None: alltoall
     comm_sms: int = 0
     qkv: str = "separate"  # pipesim.model.spec.QKV_PROJECTIONS
     max_actions: int | None = None
@@ -165,7 +166,8 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                nodes=max(1, request.gpus // request.gpus_per_node), gpu=request.gpu, mfu=request.mfu,
                compute_model=request.compute_model, memory_headroom=request.memory_headroom, fp8=request.fp8,
                clip_grad=request.clip_grad,
-               ep_dispatch=request.ep_dispatch, comm_sms=request.comm_sms, qkv=request.qkv,
+               ep_dispatch=request.ep_dispatch, ep_dispatcher=request.ep_dispatcher, comm_sms=request.comm_sms,
+               qkv=request.qkv,
                **({"max_actions": request.max_actions} if request.max_actions else {}))
     parallel_of(base)  # a bad --memory-headroom fails here
     clip_grad_of(base)  # and a bad --clip-grad
