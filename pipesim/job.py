@@ -511,18 +511,24 @@ def model_spec_of(job):
 
 def with_ep_dispatcher(spec, dispatcher: str | None, model: str):
     """``spec`` with ``--ep-dispatcher`` applied (``pipesim.model.experts.EP_DISPATCHERS``;
-    None keeps Megatron-Core's all-to-all dispatcher); refused in one line for an unknown
-    dispatcher or a model without experts."""
+    None keeps Megatron-Core's all-to-all dispatcher)."""
     from pipesim.model.experts import EP_DISPATCHERS
 
     if dispatcher is None:
         return spec
-    if dispatcher not in EP_DISPATCHERS:
-        raise ValueError(f"--ep-dispatcher {dispatcher!r} is not one of: {', '.join(EP_DISPATCHERS)}")
-    if spec.moe is None:
-        raise ValueError(f"--ep-dispatcher {dispatcher}: {model} has no mixture of experts, so no all-to-all to "
-                         f"dispatch; drop --ep-dispatcher")
+    check_dispatch_flag("--ep-dispatcher", dispatcher, EP_DISPATCHERS, spec, model)
     return replace(spec, ep_dispatcher=dispatcher)
+
+
+def check_dispatch_flag(flag: str, value: str, known: tuple[str, ...], spec, model: str) -> None:
+    """A flag about a mixture of experts' all-to-alls (``--ep-dispatch``,
+    ``--ep-dispatcher``): refused in one line for a value not in ``known`` or a model
+    without experts."""
+    if value not in known:
+        raise ValueError(f"{flag} {value!r} is not one of: {', '.join(known)}")
+    if spec.moe is None:
+        raise ValueError(f"{flag} {value}: {model} has no mixture of experts, so no all-to-all to dispatch; "
+                         f"drop {flag}")
 
 
 def with_qkv(spec, qkv: str):
@@ -548,11 +554,7 @@ def with_ep_dispatch(spec, dispatch: str | None, model: str):
     BF16 GEMM it would only lose precision, which no stack does."""
     if dispatch is None:
         return spec
-    if dispatch not in EP_DISPATCHES:
-        raise ValueError(f"--ep-dispatch {dispatch!r} is not one of: {', '.join(EP_DISPATCHES)}")
-    if spec.moe is None:
-        raise ValueError(f"--ep-dispatch {dispatch}: {model} has no mixture of experts, so no all-to-all to "
-                         f"dispatch; drop --ep-dispatch")
+    check_dispatch_flag("--ep-dispatch", dispatch, EP_DISPATCHES, spec, model)
     if dispatch == "fp8" and not spec.fp8:
         raise ValueError("--ep-dispatch fp8 needs --fp8 (or a config.json's FP8 quantization_config): the FP8 "
                          "dispatch is the experts' FP8 GEMM input, and before BF16 GEMMs it would only lose "

@@ -4,8 +4,6 @@ steps divided by cp), the gradient reduction over dp x cp, and the errors."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pipesim.cli import main
@@ -20,6 +18,7 @@ from pipesim.sim.context_parallel import ring_attention_exposed
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
 from schedules.generators import generate
+from tests.cli_runs import simulate_json
 
 NVLINK_BW = 450e9 * 0.8
 NVLINK_PAIR_LATENCY = 2 * 1.5e-6
@@ -121,20 +120,10 @@ def test_cp_divides_activation_memory_compute_and_the_attention_by_cp():
 
 def test_a_cp_job_counts_its_gpus_and_sends_each_ranks_share():
     out_args = ["--model", "llama3-8b", "--pp", "2", "-m", "2", "--cp", "8", "--topology", "ib", "--nodes", "2"]
-    document = _simulate_json(out_args)
+    document = simulate_json(out_args)
     assert document["model"]["gpus"] == 16 and document["cp"] == 8 and document["cp_comm"] == "p2p"
     assert document["rank_order"] == "tp-cp-dp-pp"
     assert document["stage_costs"][0]["act_bytes"] == 1024 * 4096 * 2
-
-
-def _simulate_json(args: list[str]) -> dict:
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "result.json"
-        assert main(["simulate", *args, "--json", str(out)]) == 0
-        return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize(("args", "message"), [

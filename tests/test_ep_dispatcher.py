@@ -8,8 +8,6 @@ nothing changes), and the flag's errors."""
 
 from __future__ import annotations
 
-import json
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from pipesim.model.experts import node_limited_share
 from pipesim.model.operations import layer_operations
 from pipesim.model.spec import load_model, model_spec
 from pipesim.model.transformer_costs import dispatch_node_limit
+from tests.cli_runs import simulate_json
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 QWEN3_30B = str(CONFIGS / "qwen3-30b-a3b.json")
@@ -29,13 +28,6 @@ QWEN3_30B = str(CONFIGS / "qwen3-30b-a3b.json")
 def _permutation_bytes(spec, **kwargs) -> float:
     (permutations,) = [op for op in layer_operations(spec, **kwargs) if op.name == "token_permutations"]
     return permutations.bytes
-
-
-def _simulate_json(args: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "result.json"
-        assert main(["simulate", *args, "--json", str(out)]) == 0
-        return json.loads(out.read_text())
 
 
 def test_deepeps_permutations_by_hand():
@@ -73,12 +65,12 @@ def test_across_two_nodes_a_quarter_of_the_copies_cross():
     common = ["--model", QWEN3_30B, "--seq-len", "1024", "--pp", "1", "-m", "2", "--topology", "ib", "--gpu",
               "h100", "--fp8", "current"]
     across = [*common, "--dp", "16", "--ep", "16", "--nodes", "2"]
-    alltoall = _simulate_json(across)["ranks"][0]["ep"]
-    deepep = _simulate_json([*across, "--ep-dispatcher", "deepep"])["ranks"][0]["ep"]
+    alltoall = simulate_json(across)["ranks"][0]["ep"]
+    deepep = simulate_json([*across, "--ep-dispatcher", "deepep"])["ranks"][0]["ep"]
     assert 0.25 * alltoall <= deepep < 0.3 * alltoall
     inside = [*common, "--dp", "8", "--ep", "8", "--nodes", "1"]
-    assert _simulate_json([*inside, "--ep-dispatcher", "deepep"])["ranks"][0]["ep"] == \
-        pytest.approx(_simulate_json(inside)["ranks"][0]["ep"])
+    assert simulate_json([*inside, "--ep-dispatcher", "deepep"])["ranks"][0]["ep"] == \
+        pytest.approx(simulate_json(inside)["ranks"][0]["ep"])
 
 
 def test_an_unknown_dispatcher_is_refused_in_the_spec():

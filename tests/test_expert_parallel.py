@@ -6,8 +6,6 @@ the all-to-alls in a step, DualPipeV's overlapped pairs hiding them, and the err
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pipesim.cli import main
@@ -24,6 +22,7 @@ from pipesim.model.transformer_costs import model_costs
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
 from schedules.generators import generate
+from tests.cli_runs import simulate_json
 
 NVLINK_BW = 450e9 * 0.8  # H100 NVSwitch port x efficiency
 NVLINK_PAIR_LATENCY = 2 * 1.5e-6  # GPU -> NVSwitch -> GPU
@@ -164,22 +163,12 @@ def test_ep_shards_the_experts_optimizer_state_over_the_expert_data_parallel_gro
     per rank, held by no other rank) / (dp / ep) = / 1."""
     job_args = ["--model", "mixtral-8x7b", "--pp", "4", "-m", "4", "--dp", "4", "--ep", "4", "--zero", "1",
                 "--topology", "ib", "--nodes", "2"]
-    document = _simulate_json(job_args)
+    document = simulate_json(job_args)
     stage = document["stage_costs"][1]  # a middle stage: 8 layers, no embedding or head
     experts, params = stage["expert_params"], stage["params"]
     assert experts == 8 * 2 * 3 * 4096 * 14336
     expected = (params - experts) * (2 + 2 + 12 / 4) + experts * (2 + 2 + 12 / 1)
     assert document["ranks"][1]["memory"]["static_bytes"] == pytest.approx(expected)
-
-
-def _simulate_json(args: list[str]) -> dict:
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "result.json"
-        assert main(["simulate", *args, "--json", str(out)]) == 0
-        return json.loads(out.read_text())
 
 
 # --- the all-to-alls in a step -----------------------------------------------------------
@@ -257,8 +246,8 @@ def test_mixtral_on_ep_8_inside_a_node_pays_its_all_to_alls_per_layer():
     """Mixtral, pp 4 x dp 8 on 4 nodes, ep 8: each ep group is one node (the 8 replicas of a
     pipeline rank, tp 1). Per MoE layer a rank dispatches 2 x 8192 tokens of 4096 x 2 bytes
     = 134 MB: (7/8) x 134 MB / 360 GB/s + 3 us per all-to-all, 4 per layer and microbatch."""
-    document = _simulate_json(["--model", "mixtral-8x7b", "--pp", "4", "-m", "4", "--dp", "8", "--ep", "8",
-                               "--topology", "ib", "--nodes", "4"])
+    document = simulate_json(["--model", "mixtral-8x7b", "--pp", "4", "-m", "4", "--dp", "8", "--ep", "8",
+                              "--topology", "ib", "--nodes", "4"])
     dispatch = 2 * 8192 * 4096 * 2
     assert document["stage_costs"][0]["dispatch_bytes"] == dispatch
     one = 7 / 8 * dispatch / NVLINK_BW + NVLINK_PAIR_LATENCY

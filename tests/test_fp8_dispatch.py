@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from pipesim.model.spec import model_spec
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
 from schedules.generators import generate
+from tests.cli_runs import simulate_json
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEPSEEK = json.loads((ROOT / "tests" / "data" / "hf_configs" / "deepseek-v3.json").read_text())
@@ -38,13 +38,6 @@ COPIES = 2 * 8192
 HIDDEN = 4096
 BF16_BYTES = COPIES * HIDDEN * 2  # 134,217,728
 FP8_BYTES = COPIES * (HIDDEN * 1 + HIDDEN // 128 * 4)  # an FP8 byte each, an FP32 scale per 128: 69,206,016
-
-
-def _simulate_json(args: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "result.json"
-        assert main(["simulate", *args, "--json", str(out)]) == 0
-        return json.loads(out.read_text())
 
 
 # --- the bytes -------------------------------------------------------------------------
@@ -76,10 +69,10 @@ def test_an_fp8_copy_is_a_byte_an_element_and_a_4_byte_scale_per_128(copies, tok
 
 
 def test_the_stage_costs_carry_the_fp8_dispatch_and_the_bf16_combine():
-    default = _simulate_json(["--model", "mixtral-8x7b", "--pp", "4", "-m", "1", "--dp", "8", "--ep", "8",
-                              "--topology", "ib", "--nodes", "4", "--fp8"])
-    fp8 = _simulate_json(["--model", "mixtral-8x7b", "--pp", "4", "-m", "1", "--dp", "8", "--ep", "8",
-                          "--topology", "ib", "--nodes", "4", "--fp8", "--ep-dispatch", "fp8"])
+    default = simulate_json(["--model", "mixtral-8x7b", "--pp", "4", "-m", "1", "--dp", "8", "--ep", "8",
+                             "--topology", "ib", "--nodes", "4", "--fp8"])
+    fp8 = simulate_json(["--model", "mixtral-8x7b", "--pp", "4", "-m", "1", "--dp", "8", "--ep", "8",
+                         "--topology", "ib", "--nodes", "4", "--fp8", "--ep-dispatch", "fp8"])
     # --fp8 alone dispatches in BF16, as Megatron-Core does
     assert default["stage_costs"][0]["dispatch_bytes"] == default["stage_costs"][0]["combine_bytes"] == BF16_BYTES
     assert fp8["stage_costs"][0]["dispatch_bytes"] == pytest.approx(FP8_BYTES)
@@ -139,8 +132,8 @@ def test_mixtrals_ep_stream_shrinks_by_the_hand_computed_share():
     FP8 dispatch saves 4 x 8 x 2 x 7/8 x (BF16 - FP8 bytes) / 360 GB/s (latencies cancel)."""
     common = ["--model", "mixtral-8x7b", "--pp", "4", "-m", "4", "--dp", "8", "--ep", "8", "--topology", "ib",
               "--nodes", "4", "--fp8"]
-    bf16 = _simulate_json(common)
-    fp8 = _simulate_json([*common, "--ep-dispatch", "fp8"])
+    bf16 = simulate_json(common)
+    fp8 = simulate_json([*common, "--ep-dispatch", "fp8"])
     one_bf16 = 7 / 8 * BF16_BYTES / NVLINK_BW + NVLINK_PAIR_LATENCY
     one_fp8 = 7 / 8 * FP8_BYTES / NVLINK_BW + NVLINK_PAIR_LATENCY
     assert bf16["ranks"][0]["ep"] == pytest.approx(4 * 8 * 4 * one_bf16)
