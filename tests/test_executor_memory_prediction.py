@@ -54,6 +54,17 @@ def measured_block_bytes(config: RunConfig, block: int = 0) -> int:
     return sum(storage.nbytes() for storage in saved.values())
 
 
+def assert_every_block_as_predicted(config: RunConfig) -> None:
+    """Each block of ``config``'s model keeps, under its recompute mode, the bytes the
+    model predicts for that layer (flash or written out as the executor runs it)."""
+    spec, saved = executor_spec(config)
+    for layer in range(spec.layers):
+        torch.manual_seed(0)
+        predicted = layer_stash_bytes(spec, recompute=config.recompute, layer=layer, saved=saved,
+                                      flash_attention=flash_kernel(spec, config))
+        assert predicted == measured_block_bytes(config, layer), layer
+
+
 def test_gpt_block_keeps_what_the_hand_count_says() -> None:
     """The toy gpt's block, h = 32, a = 4 heads, s = 16 tokens, b = 1, float32 (4 bytes).
     Per token, in elements: each LayerNorm's input and its mean and 1/std (2 x (h + 2));
@@ -178,11 +189,7 @@ def test_config_file_blocks_keep_what_the_model_says(model: str, batch: int, dty
     config = RunConfig(model=f"tests/data/hf_configs/{model}.json",
                        **{**SIZES, "layers": 4, "hidden": 64, "heads": 8, "seq_len": 32, "batch_size": batch,
                           "experts": 4}, dtype=dtype)
-    spec, saved = executor_spec(config)
-    for layer in range(spec.layers):
-        torch.manual_seed(0)
-        predicted = layer_stash_bytes(spec, layer=layer, saved=saved, flash_attention=flash_kernel(spec, config))
-        assert predicted == measured_block_bytes(config, layer), layer
+    assert_every_block_as_predicted(config)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -197,11 +204,7 @@ def test_blocks_under_norm_mla_up_keep_what_the_model_says(model: str, batch: in
     products' bf16 casts of the rotated Q and K and of the softmax."""
     config = RunConfig(model=model, **{**SIZES, "layers": 2, "hidden": 64, "heads": 8, "seq_len": 32,
                                        "batch_size": batch, "experts": 4}, dtype=dtype, recompute="norm-mla-up")
-    spec, saved = executor_spec(config)
-    for layer in range(spec.layers):
-        predicted = layer_stash_bytes(spec, recompute="norm-mla-up", layer=layer, saved=saved,
-                                      flash_attention=flash_kernel(spec, config))
-        assert predicted == measured_block_bytes(config, layer), layer
+    assert_every_block_as_predicted(config)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -219,12 +222,7 @@ def test_blocks_under_selective_recompute_keep_what_the_model_says(model: str, d
     config = RunConfig(model=f"tests/data/hf_configs/{model}.json",
                        **{**SIZES, "layers": 2, "hidden": 64, "heads": 8, "seq_len": 32, "batch_size": 2,
                           "experts": 4}, dtype=dtype, recompute="selective")
-    spec, saved = executor_spec(config)
-    for layer in range(spec.layers):
-        torch.manual_seed(0)
-        predicted = layer_stash_bytes(spec, recompute="selective", layer=layer, saved=saved,
-                                      flash_attention=flash_kernel(spec, config))
-        assert predicted == measured_block_bytes(config, layer), layer
+    assert_every_block_as_predicted(config)
 
 
 def held_output_grads(config: RunConfig) -> int:

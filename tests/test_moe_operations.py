@@ -87,6 +87,32 @@ def test_token_permutations_by_hand():
     assert "token_permutations" not in by_name(dense)
 
 
+LAYER_TABLE = (  # docs/cluster-model.md's table of one layer's times: (its row's label, model, sequences, layer)
+    ("Llama 3 8B (T 8192), dense", "llama3-8b", 1, 8192, 0),
+    ("Mixtral-8x7B (T 8192), 8 experts of 2048 rows", "mixtral-8x7b", 2, 4096, 0),
+    ("DeepSeek-V3 (T 4096), dense layer 0", "deepseek-v3", 1, 4096, 0),
+    ("DeepSeek-V3 (T 4096), MoE layer: 256 experts of 128 rows", "deepseek-v3", 1, 4096, 3),
+)
+
+
+@pytest.mark.parametrize(("label", "model", "sequences", "seq_len", "layer"), LAYER_TABLE)
+def test_the_docs_layer_table_is_what_the_compute_model_gives(label, model, sequences, seq_len, layer):
+    """docs/cluster-model.md's H100 table (tp 8, sequence parallel, flash): each row's
+    forward, backward (of which W) and forward TFLOP/s as ``layer_time`` gives them now."""
+    from pipesim.hardware.gpus import gpu_spec
+    from pipesim.model.compute_model import stage_compute_model
+
+    h100 = gpu_spec("h100")
+    compute = stage_compute_model(h100.bf16_flops, h100.memory_bandwidth, "h100")
+    spec = model_spec(model, microbatch_size=sequences, seq_len=seq_len)
+    time = layer_time(spec, 8, True, True, "none", compute, layer)
+    flops = sum(operation.flops for operation in layer_operations(spec, 8, True, True, layer))
+    row = (f"| {label} | {time.forward * 1e3:.3f} ms | {(time.input_grad + time.weight_grad) * 1e3:.3f} "
+           f"({time.weight_grad * 1e3:.3f}) ms | {flops / time.forward / 1e12:.0f} |")
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "cluster-model.md").read_text()
+    assert row in docs, row
+
+
 def test_deepseek_v3_layer_gemm_shapes_by_hand():
     """b 1, s 4096, tp 8 with sequence parallelism. Layer 0 is dense (18432 wide), layer 3
     has 256 experts of 128 rows each (4096 x 8 / 256) and the shared expert on every token."""

@@ -111,8 +111,9 @@ def test_later_containers_rerun_layouts_already_in_the_table():
     """Every row from the other containers is a layout the table already has from another
     source (so its prediction is that row's, and the spread of the published figures is the
     software's own), and each layout is counted once at its newest source."""
-    earlier = {layout_key(run): run for run in ROWS if run not in later_containers()}
-    for run in later_containers():
+    later = later_containers(ROWS)
+    earlier = {layout_key(run): run for run in ROWS if run not in later}
+    for run in later:
         twin = earlier[layout_key(run)]
         assert twin.source != run.source
         assert predict(run).tokens_per_gpu == predict(twin).tokens_per_gpu

@@ -310,7 +310,7 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
         extra += balance_loss_bytes(spec, saved)
     if saved.weight_copies:
         extra += weight_copy_bytes(spec, tp, layer)
-    if saved.rotary_tables and not spec.learned_positions and layer not in spec.nope_layers:
+    if saved.rotary_tables and rotated:
         # cos and sin, s x d/2 each, whatever the microbatch, in the rotated Q's type: latent attention's
         # input's (16-bit where it reads the 16-bit gathered shard), and a weighted query norm's (its float32
         # weight makes Q float32 under autocast)
