@@ -13,6 +13,7 @@ import pytest
 from benchmarks.published_overlap import (
     MOE_SOURCE,
     SOURCES,
+    by_layout,
     dense_megatron,
     drift_lines,
     error,
@@ -133,3 +134,29 @@ def test_fp8s_predicted_gain_is_not_above_the_published_one():
         bf16 = next(run for run in ROWS if run.label == float8.label.replace("float8", "bf16"))
         predicted = predictions[float8.label].tokens_per_gpu / predictions[bf16.label].tokens_per_gpu
         assert 1 < predicted <= float8.tokens_per_gpu / bf16.tokens_per_gpu
+
+
+def test_the_readme_quotes_the_figures_as_printed():
+    """README.md's benchmark table row for this script: the dense summary, the
+    Megatron-Bridge layouts', the drift between containers, the torchtitan range, the
+    mixture-of-experts layouts' and the held-out count, as the benchmark computes them."""
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    _, predictions = table(ROWS)
+    errors = {run.label: error(run, predictions[run.label]) for run in ROWS}
+    dense = [abs(errors[run.label]) for run in newest_of_each_layout(MEGATRON)]
+    assert (f"Megatron-Core dense layouts, each once at its newest container: median \\|error\\| "
+            f"{statistics.median(dense):.1%}, worst {max(dense):.1%} over {len(dense)} runs") in readme
+    bridge = [abs(errors[run.label]) for run in newest_of_each_layout(MEGATRON) if run.source.startswith("bridge-")]
+    assert (f"the 2025-2026 Megatron-Bridge layouts median {statistics.median(bridge):.1%}, worst {max(bridge):.1%} "
+            f"over {len(bridge)}") in readme
+    drift = max(max(run.tokens_per_gpu for run in group) / min(run.tokens_per_gpu for run in group) - 1
+                for group in by_layout(MEGATRON).values())
+    assert f"moving by up to {drift:.1%} between containers" in readme
+    titan = [errors[run.label] for run in ROWS if run.source == "torchtitan-asynctp"]
+    assert f"torchtitan's Grand Teton rows {min(titan):+.1%} to {max(titan):+.1%}" in readme
+    moe = sorted(errors[run.label] for run in newest_of_each_layout([run for run in ROWS if run.source == MOE_SOURCE]))
+    fast = [value for value in moe if value > 0]
+    slow = [value for value in moe if value <= 0]
+    assert len(fast) == 4 and len(slow) == 1
+    assert f"predicted {min(fast):+.0%} to {max(fast):+.0%} fast on four of five, the fifth {slow[0]:+.1%}" in readme
+    assert f"{sum(not run.in_sample for run in ROWS)} of the {len(ROWS)} rows held out" in readme
