@@ -61,7 +61,8 @@ class Job:
     with its sizes and training options. Cluster: ``topology`` (preset or file), ``nodes``,
     ``gpu``. Around the pipeline: ``dp``, ``tp``, ``cp`` (context parallelism, and
     ``cp_comm``, how its ranks exchange keys and values), ``ep`` (expert parallelism, cut
-    from the dp x cp ranks), how ranks map onto devices, gradient buckets, ZeRO. ``p2p``:
+    from the dp x cp ranks; with ``etp``, parallel folding, from every rank of a stage),
+    how ranks map onto devices, gradient buckets, ZeRO. ``p2p``:
     the P2P semantics (None: the backend predicted)."""
 
     schedule: str | None = None
@@ -112,6 +113,7 @@ class Job:
     # context and expert parallelism (pipesim.sim.context_parallel, pipesim.sim.expert_parallel)
     cp: int = 1
     ep: int = 1
+    etp: int | None = None  # the routed experts' own tensor parallelism (parallel folding); None: tp
     cp_comm: str = "p2p"
     rank_order: str = "tp-dp-pp"
     bucket_mb: float = 25.0
@@ -232,7 +234,7 @@ def _pipeline_devices(job: Job, topology: Topology) -> list[str] | None:
         return None
     from pipesim.cluster.mapping import map_ranks
 
-    return map_ranks(topology, job.dp, job.pp, job.tp, job.rank_order, job.cp, job.ep).pipeline()
+    return map_ranks(topology, job.dp, job.pp, job.tp, job.rank_order, job.cp, job.ep, expert_tp_of(job)).pipeline()
 
 
 def cost_aware_schedule_of(job: Job, topology: Topology | None, search_seconds: float | None = None) -> Schedule:
@@ -362,7 +364,13 @@ def parallel_of(job):
                      job.bytes_per_param, job.cp, job.ep, job.cp_comm, job.memory_headroom,
                      getattr(job, "no_tp_overlap", False), getattr(job, "no_param_gather_overlap", False),
                      getattr(job, "overlap_slowdown", OVERLAP_SLOWDOWN), getattr(job, "optimizer_moments", "fp32"),
-                     getattr(job, "zero3_collectives", "overlapped"))
+                     getattr(job, "zero3_collectives", "overlapped"), expert_tp_of(job))
+
+
+def expert_tp_of(job) -> int:
+    """``--etp`` as the mapping and ``ParallelConfig`` take it: 0 when not given (tp)."""
+    etp = getattr(job, "etp", None)
+    return 0 if etp is None else etp
 
 
 @functools.lru_cache(maxsize=1024)
@@ -370,7 +378,7 @@ def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap
               bytes_per_param: str, cp: int = 1, ep: int = 1, cp_comm: str = "p2p", memory_headroom: str = "auto",
               no_tp_overlap: bool = False, no_param_gather_overlap: bool = False,
               overlap_slowdown: float = OVERLAP_SLOWDOWN, optimizer_moments: str = "fp32",
-              zero3_collectives: str = "overlapped"):
+              zero3_collectives: str = "overlapped", etp: int = 0):
     from pipesim.sim.headroom import parse_headroom
     from pipesim.sim.memory import parse_bytes_per_param, with_optimizer_moments
     from pipesim.sim.parallel import ParallelConfig
@@ -382,7 +390,7 @@ def _parallel(dp: int, tp: int, rank_order: str, bucket_mb: float, no_dp_overlap
                           bytes_per_param=per_param, cp=cp, ep=ep, cp_comm=cp_comm,
                           memory_headroom=parse_headroom(memory_headroom), overlap_tp=not no_tp_overlap,
                           overlap_param_gather=not no_param_gather_overlap, overlap_slowdown=overlap_slowdown,
-                          zero3_collectives=zero3_collectives)
+                          zero3_collectives=zero3_collectives, etp=etp)
 
 
 def check_zero3_in_costs(job) -> None:
@@ -410,14 +418,18 @@ def check_parallel_layout(job) -> None:
     from pipesim.sim.context_parallel import check_cp_comm
 
     dp, tp, cp, ep = job.dp, job.tp, getattr(job, "cp", 1), getattr(job, "ep", 1)
-    for flag, value in (("--dp", dp), ("--tp", tp), ("--cp", cp), ("--ep", ep)):
+    etp = getattr(job, "etp", None)
+    for flag, value in (("--dp", dp), ("--tp", tp), ("--cp", cp), ("--ep", ep), ("--etp", 1 if etp is None else etp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
+    if etp is not None and not getattr(job, "model", None):
+        raise ValueError(f"--etp {etp} needs --model: it splits a mixture of experts' routed experts; give --model "
+                         f"or drop --etp")
     comm = check_cp_comm(getattr(job, "cp_comm", "p2p"))
     if comm != "p2p" and cp == 1:
         raise ValueError(f"--cp-comm {comm} needs --cp > 1: it says how context-parallel ranks exchange keys and "
                          f"values; give --cp or drop --cp-comm")
-    problem = expert_group_problem(dp, cp, ep)
+    problem = expert_group_problem(dp, cp, ep, tp, expert_tp_of(job))
     if problem:
         raise ValueError(problem)
     check_zero3_in_costs(job)
@@ -506,7 +518,8 @@ def model_spec_of(job):
         spec = replace(spec, fp8=True, fp8_scaling=fp8 if isinstance(fp8, str) else spec.fp8_scaling)
     spec = with_qkv(spec, getattr(job, "qkv", "separate"))
     spec = with_ep_dispatch(spec, getattr(job, "ep_dispatch", None), job.model)
-    return with_ep_dispatcher(spec, getattr(job, "ep_dispatcher", None), job.model)
+    spec = with_ep_dispatcher(spec, getattr(job, "ep_dispatcher", None), job.model)
+    return replace(spec, expert_tp=expert_tp_of(job)) if expert_tp_of(job) else spec
 
 
 def with_ep_dispatcher(spec, dispatcher: str | None, model: str):
@@ -604,9 +617,9 @@ def model_costs_of(job, schedule: Schedule, topology: Topology) -> Costs:
         raise conflict(given[0], f"--model {job.model}", f"the model spec derives the costs; drop {given[0]}")
     check_parallel_layout(job)
     spec = model_spec_of(job)
-    mapping = map_ranks(topology, job.dp, schedule.pp, job.tp, job.rank_order, job.cp, job.ep)
+    mapping = map_ranks(topology, job.dp, schedule.pp, job.tp, job.rank_order, job.cp, job.ep, expert_tp_of(job))
     # kept: a plan asks for thousands of layouts
-    key = ("pipeline", job.dp, schedule.pp, job.tp, job.rank_order, job.cp, job.ep)
+    key = ("pipeline", job.dp, schedule.pp, job.tp, job.rank_order, job.cp, job.ep, expert_tp_of(job))
     devices = topology.pace_cache.get(key) or topology.pace_cache.setdefault(key, mapping.pipeline())
     figures_key = ("stage figures", *key[1:], tuple(schedule.placement))
     figures = topology.pace_cache.get(figures_key)

@@ -33,7 +33,7 @@ def memory_meta(result) -> dict:
     ranks = []
     for memory in result.memory:
         cumulative = [sum(static_bytes(cost, share, parallel.dp * parallel.cp, parallel.zero,
-                                       parallel.dp * parallel.cp // parallel.ep)
+                                       parallel.expert_holders(parallel.dp * parallel.cp))
                           for stage, cost in enumerate(costs.stages) if placement[stage] == memory.rank)
                       for share in shares]
         base = memory.static_bytes + memory.buffer_bytes

@@ -308,7 +308,8 @@ def add_memory_headroom_arg(parser) -> None:
 
 
 def add_context_and_expert_args(group) -> None:
-    """``--cp``, ``--cp-comm`` and ``--ep`` (``pipesim.job.Job``'s ``cp``, ``cp_comm``, ``ep``)."""
+    """``--cp``, ``--cp-comm``, ``--ep`` and ``--etp`` (``pipesim.job.Job``'s ``cp``,
+    ``cp_comm``, ``ep``, ``etp``)."""
     group.add_argument("--cp", type=int, default=1,
                        help="context-parallel ranks per replica: each holds 1/cp of every sequence (2 x cp must "
                        "divide it: causal load balancing) and exchanges attention's keys and values (default: 1)")
@@ -318,6 +319,13 @@ def add_context_and_expert_args(group) -> None:
     group.add_argument("--ep", type=int, default=1,
                        help="expert-parallel ranks: each holds 1/ep of every MoE layer's routed experts and trades "
                        "tokens by all-to-all; cut from the dp x cp ranks, so ep must divide dp x cp (default: 1)")
+    group.add_argument("--etp", type=int, default=None,
+                       help="with --model, a mixture of experts: expert tensor-parallel ranks, Megatron-Core's "
+                       "parallel folding (--expert-tensor-parallel-size): the routed experts split over etp ranks "
+                       "instead of tp, and ep groups cut from every tp x cp x dp rank of a stage (etp innermost, then "
+                       "ep), so etp x ep must divide tp x cp x dp, etp must divide tp, and an etp other than tp "
+                       "needs --sequence-parallel; 1 for fine-grained experts, as Megatron-Core recommends "
+                       "(default: tp, no folding)")
 
 
 def add_topology_args(parser: argparse.ArgumentParser) -> None:

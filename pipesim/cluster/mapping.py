@@ -19,6 +19,15 @@ to tp (``tp``, then ``ep``, then expert ``dp``: ``parallel_state.initialize_mode
 Each ep group holds every routed expert once (``E / ep`` per rank) and trades tokens by
 all-to-all; the members at the same place in every ep group hold the same experts and
 reduce their gradients together (the expert data-parallel group, ``dp * cp / ep`` ranks).
+
+Parallel folding (Megatron-Core's expert tensor parallelism ``etp`` other than ``tp``)
+gives the experts a mesh of their own over the same ranks: the ``tp x cp x dp`` ranks of
+a pipeline stage, in global-rank order, are numbered ``etp`` innermost, then ``ep``, then
+expert ``dp`` (``tp x cp x dp / (etp x ep)`` of them), as Megatron-Core's expert rank
+generator numbers them (order ``tp-ep-dp-pp`` with tp the expert tensor parallelism). An
+expert tensor-parallel group is ``etp`` consecutive ranks, an ep group its ``ep``
+members ``etp`` apart, so ep may span tp and cp ranks as well as replicas (Qwen3-235B:
+ep 32 over tp 2 x dp 16 with etp 1).
 """
 
 from __future__ import annotations
@@ -65,6 +74,17 @@ class RankMapping:
     devices: tuple[str, ...]
     cp: int = 1
     ep: int = 1
+    etp: int = 0  # the experts' tensor parallelism under parallel folding; 0: tp
+
+    @property
+    def expert_tp(self) -> int:
+        """Tensor-parallel ranks each routed expert is split over: ``etp``, or ``tp``."""
+        return self.etp or self.tp
+
+    @property
+    def folded(self) -> bool:
+        """Whether the experts have a mesh of their own (``expert_tp`` other than ``tp``)."""
+        return self.expert_tp != self.tp
 
     def global_rank(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
         """The global rank at position (dp, pp, tp, cp)."""
@@ -133,21 +153,43 @@ class RankMapping:
         ranks = sorted(self.global_rank(0, stage, shard) for stage in range(self.pp) for shard in range(self.tp))
         return [self.devices[rank] for rank in ranks]
 
+    def stage_members(self, pp: int) -> list[str]:
+        """Every device of pipeline rank ``pp`` (each replica's tp shards and cp ranks), in
+        global-rank order: what parallel folding numbers the experts' mesh over."""
+        ranks = sorted(self.global_rank(replica, pp, shard, rank) for replica in range(self.dp)
+                       for shard in range(self.tp) for rank in range(self.cp))
+        return [self.devices[rank] for rank in ranks]
+
+    def expert_shard_members(self, pp: int, shard: int) -> list[str]:
+        """The devices of pipeline rank ``pp`` that hold expert tensor-parallel shard
+        ``shard`` of the experts they hold, in global-rank order: the dense shard's
+        ``dp_cp_group``, or under parallel folding every ``etp``-th member of the stage."""
+        if not self.folded:
+            return self.dp_cp_group(pp, shard)
+        return self.stage_members(pp)[shard::self.expert_tp]
+
+    def expert_tp_group(self, pp: int) -> list[str]:
+        """The expert tensor-parallel group of the simulated pipeline's rank ``pp``: its tp
+        group, or under parallel folding the stage's first ``etp`` members."""
+        if not self.folded:
+            return self.tp_group(0, pp)
+        return self.stage_members(pp)[:self.expert_tp]
+
     def ep_groups(self, pp: int, tp: int) -> list[list[str]]:
-        """The expert-parallel groups of shard (pp, tp): ``dp_cp_group`` in runs of ``ep``
-        (the first holds the simulated pipeline's rank)."""
-        members = self.dp_cp_group(pp, tp)
+        """The expert-parallel groups of expert shard (pp, tp): ``expert_shard_members`` in
+        runs of ``ep`` (the first holds the simulated pipeline's rank)."""
+        members = self.expert_shard_members(pp, tp)
         return [members[first:first + self.ep] for first in range(0, len(members), self.ep)]
 
     def ep_group(self, pp: int, tp: int) -> list[str]:
-        """The expert-parallel group of the simulated pipeline's rank ``pp`` (shard ``tp``)."""
-        return self.dp_cp_group(pp, tp)[:self.ep]
+        """The expert-parallel group of the simulated pipeline's rank ``pp`` (expert shard ``tp``)."""
+        return self.expert_shard_members(pp, tp)[:self.ep]
 
     def expert_dp_group(self, pp: int, tp: int) -> list[str]:
         """Devices that hold the same experts as the simulated pipeline's rank ``pp``
-        (shard ``tp``): the first member of every ep group. They reduce the experts'
-        gradients (``dp * cp / ep`` of them)."""
-        return self.dp_cp_group(pp, tp)[::self.ep]
+        (expert shard ``tp``): the first member of every ep group. They reduce the experts'
+        gradients (``dp * cp / ep`` of them; under folding ``tp * cp * dp / (etp * ep)``)."""
+        return self.expert_shard_members(pp, tp)[::self.ep]
 
     def _stride(self, axis: str) -> int:
         """How far apart in global rank two neighbours along ``axis`` are."""
@@ -160,26 +202,31 @@ class RankMapping:
 
 
 def map_ranks(topology: Topology, dp: int = 1, pp: int = 1, tp: int = 1, order: str = DEFAULT_ORDER, cp: int = 1,
-              ep: int = 1) -> RankMapping:
+              ep: int = 1, etp: int = 0) -> RankMapping:
     """Place a ``dp x cp x pp x tp`` job on ``topology``'s devices (file/preset order),
-    its dp x cp ranks grouped by ``ep`` for the experts.
+    its dp x cp ranks grouped by ``ep`` for the experts (under parallel folding, ``etp``
+    other than 0 or ``tp``, its stages' ranks by ``etp`` and ``ep``).
 
     An ideal topology has as many free devices as asked for; any other must have at
     least ``dp * cp * pp * tp``. Kept on the topology per shape: a plan maps thousands of
     layouts onto one cluster."""
-    key = ("mapping", dp, pp, tp, order, cp, ep)
+    key = ("mapping", dp, pp, tp, order, cp, ep, etp)
     cached = topology.pace_cache.get(key)
     if cached is None:
-        cached = topology.pace_cache[key] = _map_ranks(topology, dp, pp, tp, order, cp, ep)
+        cached = topology.pace_cache[key] = _map_ranks(topology, dp, pp, tp, order, cp, ep, etp)
     return cached
 
 
-def _map_ranks(topology: Topology, dp: int, pp: int, tp: int, order: str, cp: int, ep: int) -> RankMapping:
+def _map_ranks(topology: Topology, dp: int, pp: int, tp: int, order: str, cp: int, ep: int,
+               etp: int) -> RankMapping:
     for name, size in (("--dp", dp), ("--pp", pp), ("--tp", tp), ("--cp", cp), ("--ep", ep)):
         if size < 1:
             raise ValueError(f"{name} must be >= 1, got {size}")
-    if (dp * cp) % ep:
-        raise ValueError(expert_group_problem(dp, cp, ep))
+    if etp < 0:
+        raise ValueError(f"--etp must be >= 1, got {etp}")
+    problem = expert_group_problem(dp, cp, ep, tp, etp)
+    if problem:
+        raise ValueError(problem)
     axes = parse_rank_order(order)
     world = dp * cp * pp * tp
     sizes = f"dp={dp} x cp={cp} x pp={pp} x tp={tp}" if cp > 1 else f"dp={dp} x pp={pp} x tp={tp}"
@@ -194,11 +241,19 @@ def _map_ranks(topology: Topology, dp: int, pp: int, tp: int, order: str, cp: in
                 f"(e.g. --topology ib --nodes {-(-world // per_node)})"
             )
         devices = tuple(topology.devices[:world])
-    return RankMapping(dp=dp, pp=pp, tp=tp, order=axes, devices=devices, cp=cp, ep=ep)
+    return RankMapping(dp=dp, pp=pp, tp=tp, order=axes, devices=devices, cp=cp, ep=ep, etp=etp)
 
 
-def expert_group_problem(dp: int, cp: int, ep: int) -> str:
-    """Why ``ep`` cannot cut the ``dp x cp`` ranks of a dense shard into groups ('' when it can)."""
+def expert_group_problem(dp: int, cp: int, ep: int, tp: int = 1, etp: int = 0) -> str:
+    """Why ``ep`` cannot cut the ``dp x cp`` ranks of a dense shard into groups, or under
+    parallel folding ``etp x ep`` the ``tp x cp x dp`` ranks of a stage ('' when it can)."""
+    if etp and etp != tp:
+        stage = tp * cp * dp
+        if stage % (etp * ep) == 0:
+            return ""
+        return (f"--etp {etp} x --ep {ep} = {etp * ep} must divide the tp x cp x dp = {stage} ranks of a pipeline "
+                f"stage (parallel folding cuts them into expert tensor- and expert-parallel groups, as "
+                f"Megatron-Core does): lower --etp or --ep, or raise --dp")
     if (dp * cp) % ep == 0:
         return ""
     valid = [size for size in range(1, dp * cp + 1) if (dp * cp) % size == 0]

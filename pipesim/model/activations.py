@@ -36,7 +36,8 @@ the paper's formula term for term. Per layer, since layers differ:
 - **Mixture of experts**: per routed slot (``k``, times the capacity factor), a copy of
   the token going in (``h``, the dispatcher's permuted input) and the expert's output
   coming back (``h``, which the probability-weighted combine needs for its gradient),
-  kept whole on every tp rank since the dispatcher gathers the tp group's tokens, plus
+  kept whole on every tp rank since the dispatcher gathers the tp group's tokens (under
+  parallel folding the expert tensor-parallel group's: ``etp / tp`` of them), plus
   the expert's MLP intermediates (``3 f_expert`` gated) split by tp; the shared experts'
   intermediates as a dense MLP's; the router's scores in fp32 (``4E`` bytes).
 
@@ -123,7 +124,10 @@ def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fa
     sharded = attention_bytes(spec, tp, recompute == NORM_MLA_UP, layer) + mlp_stash_bytes(spec, layer) / tp
     whole = 0.0
     if spec.is_moe_layer(layer):
-        whole = routed_copies_bytes(spec) + ROUTER_SCORE_BYTES * spec.moe.experts
+        # the routed copies of the tokens the expert tensor-parallel group gathered: every token's
+        # when it is the tp group, a 1 / tp share each of its etp ranks' under parallel folding
+        whole = (routed_copies_bytes(spec) * spec.expert_shards(tp) / tp
+                 + ROUTER_SCORE_BYTES * spec.moe.experts)
     per_token = replicated / (tp if sequence_parallel else 1) + sharded + whole
     if not flash_attention and recompute in ("none", NORM_MLA_UP):
         per_token += attention_scores_bytes(spec) / tp

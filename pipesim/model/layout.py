@@ -12,6 +12,12 @@
   them, and a dense model has none to place. With tensor parallelism it needs sequence
   parallelism, as Megatron-LM requires of a mixture of experts with tp > 1: its
   all-to-all dispatcher sends each tp rank's shard of the sequence.
+- **Expert tensor parallelism** (``--etp``, Megatron-Core's parallel folding) splits the
+  routed experts over their own tensor-parallel ranks instead of tp: etp must divide the
+  expert MLP width (which tp then need not) and tp (etp above tp, which Megatron-Core
+  allows, is not modelled), and with tp above 1 an etp other than tp
+  needs sequence parallelism (each rank dispatches its own shard of the sequence). How
+  etp and ep fold into the ranks is ``pipesim.cluster.mapping``'s rule.
 - **Context parallelism** (``cp``) splits the sequence into ``2 cp`` chunks, rank ``i``
   holding chunks ``i`` and ``2 cp - 1 - i`` so that every rank does the same share of the
   causal attention (Megatron-Core's load balancing): ``2 cp`` must divide the sequence.
@@ -68,6 +74,31 @@ def check_layout(spec: ModelSpec, tp: int = 1, ep: int = 1, cp: int = 1, sequenc
             raise ModelSpecError(f"--ep {ep} with --tp {tp} needs --sequence-parallel: Megatron-LM requires it for a "
                                  f"mixture of experts with tensor parallelism (its all-to-all dispatcher sends each "
                                  f"tp rank's shard of the sequence)")
+    check_expert_tp(spec, tp, sequence_parallel)
+
+
+def check_expert_tp(spec: ModelSpec, tp: int, sequence_parallel: bool) -> None:
+    """The routed experts' own tensor parallelism (``ModelSpec.expert_tp``; 0: tp)."""
+    etp = spec.expert_tp
+    if not etp:
+        return
+    if spec.moe is None:
+        raise ModelSpecError(f"--etp {etp}: {spec.name} has no routed experts to split (expert tensor parallelism "
+                             f"needs a mixture-of-experts model); drop --etp")
+    width = spec.moe.expert_ffn
+    if width % etp:
+        valid = [size for size in range(1, min(width, 64) + 1) if width % size == 0]
+        raise ModelSpecError(f"--etp {etp} does not divide the expert MLP width {width} of {spec.name}: use one of "
+                             f"{', '.join(map(str, valid))}")
+    if etp > tp:
+        raise ModelSpecError(f"--etp {etp} above --tp {tp} (experts split over more ranks than attention) is not "
+                             f"modelled; use --etp at most {tp}")
+    if tp % etp:
+        raise ModelSpecError(f"--etp {etp} must divide --tp {tp} (an expert tensor-parallel group inside one "
+                             f"tensor-parallel group)")
+    if etp != tp and tp > 1 and not sequence_parallel:
+        raise ModelSpecError(f"--etp {etp} with --tp {tp} needs --sequence-parallel: under parallel folding each "
+                             f"rank dispatches its own shard of the sequence to the experts")
 
 
 def tp_problem(spec: ModelSpec, tp: int) -> str:
@@ -85,10 +116,12 @@ def tp_problem(spec: ModelSpec, tp: int) -> str:
 
 
 def mlp_widths(spec: ModelSpec) -> list[tuple[int, str]]:
-    """Every MLP width tensor parallelism splits, with its name."""
+    """Every MLP width tensor parallelism splits, with its name (the routed experts' only
+    when they are split over tp, not their own ``--etp``)."""
     widths = [] if spec.moe is not None and not spec.moe.dense_layers else [(spec.ffn, "MLP width")]
     if spec.moe is not None:
-        widths.append((spec.moe.expert_ffn, "expert MLP width"))
+        if not spec.expert_tp:  # else split over etp instead (check_expert_tp)
+            widths.append((spec.moe.expert_ffn, "expert MLP width"))
         if spec.moe.shared_ffn:
             widths.append((spec.moe.shared_ffn, "shared expert MLP width"))
     return widths

@@ -172,9 +172,11 @@ def gemm_rows(weight: Weight, spec: ModelSpec, tp: int, sequence_parallel: bool,
               ep: int = 1) -> float:
     """Rows of the GEMMs that multiply by ``weight`` on one tp rank: the tokens each matrix
     of its stack sees (see the module docstring); a routed expert sees the tokens of the
-    ``ep`` ranks of its expert-parallel group."""
+    ``ep`` ranks of its expert-parallel group, each gathered over its expert
+    tensor-parallel group: ``s / tp`` a rank under sequence parallelism times the ``etp``
+    ranks (``ModelSpec.expert_shards``), the sequence's ``s`` when ``etp`` is ``tp``."""
     if weight.routed:
-        return spec.moe.tokens_per_expert(spec.tokens * ep, padded)
+        return spec.moe.tokens_per_expert(spec.tokens * ep * spec.expert_shards(tp) / tp, padded)
     if weight.split == WHOLE and sequence_parallel:
         return spec.tokens / tp
     return spec.tokens
@@ -261,7 +263,8 @@ def token_permutations(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = F
     routing probabilities' gradient (unpermutation 1's saved rows read again), charged as
     the other element-wise kernels' (``memory_traffic.BACKWARD_TRAFFIC``). The rank's own
     tokens are ``s / tp`` of a sequence under sequence parallelism (the received rows are
-    gathered over tp first, so sorting sees every token's copies).
+    gathered over the expert tensor-parallel ranks first, ``etp`` of them, so with ``etp``
+    equal to ``tp`` sorting sees every token's copies).
 
     Under DeepEP's dispatch (``ModelSpec.ep_dispatcher`` ``deepep``, Megatron-Core's flex
     dispatcher) the dispatch kernel reads each copy's row by index and the combine kernel
@@ -269,12 +272,14 @@ def token_permutations(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = F
     own; the received rows are permuted into expert order once and back once (``k`` rows
     of every token read and written each)."""
     slots, h, d = spec.moe.routed_slots(padded), spec.hidden, spec.dtype_bytes
+    etp = spec.expert_shards(tp)
+    received = spec.tokens * etp / tp  # the tokens whose copies the rank's experts gather
     if spec.ep_dispatcher == "deepep":
-        return MemoryBound("token_permutations", 2 * (2 * slots * spec.tokens) * h * d)
+        return MemoryBound("token_permutations", 2 * (2 * slots * received) * h * d)
     own = spec.tokens / tp if sequence_parallel else spec.tokens
     rows = (2 * slots + (slots + 1)) * own  # permutation 1, unpermutation 1
-    if spec.moe.experts / ep > 1 and ep * tp > 1:
-        rows += 2 * (2 * slots * spec.tokens)  # permutation 2 and unpermutation 2
+    if spec.moe.experts / ep > 1 and ep * etp > 1:
+        rows += 2 * (2 * slots * received)  # permutation 2 and unpermutation 2
     return MemoryBound("token_permutations", rows * h * d)
 
 

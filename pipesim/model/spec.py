@@ -103,6 +103,9 @@ class ModelSpec:
     fp8_scaling: str = "delayed"  # how FP8 casts find their scale (FP8_SCALINGS): pipesim.model.compute_model
     fp8_dispatch: bool = False  # the MoE dispatch all-to-alls in FP8 (DeepSeek-V3): dispatch_element_bytes
     ep_dispatcher: str = "alltoall"  # how the MoE all-to-alls move the routed copies (experts.EP_DISPATCHERS)
+    # the routed experts' tensor-parallel ranks (Megatron-Core's expert tensor parallelism, ETP, under its
+    # parallel folding: pipesim.model.layout); 0: the layout's tp, as Megatron-Core's default
+    expert_tp: int = 0
     mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers), after the head
     fused_qkv: bool = False  # Q, K and V one linear, torchtitan 0.3's wqkv (QKV_PROJECTIONS): per-op's count only
     rope: Rope = Rope()  # rotary base and rescaling (pipesim.model.rotary): the executor's, no count
@@ -129,6 +132,8 @@ class ModelSpec:
         if self.ep_dispatcher not in EP_DISPATCHERS:
             raise ModelSpecError(f"model {self.name}: expert-parallel dispatcher {self.ep_dispatcher!r} is not one "
                                  f"of {', '.join(EP_DISPATCHERS)}")
+        if self.expert_tp < 0:
+            raise ModelSpecError(f"model {self.name}: expert_tp {self.expert_tp} must be >= 1 (0: the layout's tp)")
         if self.fp8_dispatch and not self.fp8:
             raise ModelSpecError(f"model {self.name}: an FP8 dispatch feeds the experts' FP8 GEMMs; with BF16 GEMMs "
                                  f"it only loses precision (turn fp8 on, or fp8_dispatch off)")
@@ -472,6 +477,11 @@ class ModelSpec:
         """Bytes of the activation passed between pipeline stages (and of its gradient)."""
         full = self.tokens * self.hidden * self.dtype_bytes
         return full / tp if sequence_parallel else full
+
+    def expert_shards(self, tp: int) -> int:
+        """Tensor-parallel ranks each routed expert is split over in a layout of ``tp``:
+        ``expert_tp``, or ``tp`` when it is 0 (Megatron-Core's default)."""
+        return self.expert_tp or tp
 
     def context_shard(self, cp: int) -> ModelSpec:
         """What one of ``cp`` context-parallel ranks computes on: ``s / cp`` tokens of each

@@ -150,22 +150,27 @@ def kv_heads_per_shard(spec: ModelSpec, tp: int) -> int:
                          f"multiple of them")
 
 
-def _split(value: int, tp: int, spec: ModelSpec, name: str) -> int:
+def _split(value: int, tp: int, spec: ModelSpec, name: str, flag: str = "--tp") -> int:
     if value % tp:
-        raise ModelSpecError(f"--tp {tp} does not divide the {value} columns of {spec.name}'s {name} matrix")
+        raise ModelSpecError(f"{flag} {tp} does not divide the {value} columns of {spec.name}'s {name} matrix")
     return value // tp
 
 
 def shard(weight: Weight, spec: ModelSpec, tp: int) -> tuple[int, int]:
     """(rows, columns) of one matrix of ``weight``'s stack on one of ``tp`` ranks: the
-    ``k x n`` operand of its GEMM there."""
+    ``k x n`` operand of its GEMM there. A routed expert's matrices are split over the
+    expert tensor-parallel ranks instead (``ModelSpec.expert_shards``: ``tp`` unless
+    parallel folding gives the experts their own)."""
+    flag = "--tp"
+    if weight.routed and spec.expert_tp:
+        tp, flag = spec.expert_tp, "--etp"
     if tp == 1 or weight.split == WHOLE:
         return weight.fan_in, weight.fan_out
     if weight.split == ROW:  # inputs split; the bias is added after the reduction, whole on every rank
-        return _split(weight.fan_in, tp, spec, weight.name), weight.fan_out
+        return _split(weight.fan_in, tp, spec, weight.name, flag), weight.fan_out
     if weight.split == KV:
         return weight.fan_in, weight.fan_out // spec.num_kv_heads * kv_heads_per_shard(spec, tp)
-    return weight.fan_in, _split(weight.fan_out, tp, spec, weight.name)
+    return weight.fan_in, _split(weight.fan_out, tp, spec, weight.name, flag)
 
 
 def shard_params(weight: Weight, spec: ModelSpec, tp: int) -> int:

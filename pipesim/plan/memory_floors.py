@@ -83,7 +83,7 @@ class MemoryFloors:
 
             distinct = {id(cost): cost for cost in costs.stages}  # a model's alike stages share one object
             static_of = {ident: static_bytes(cost, parallel.bytes_per_param, holders, parallel.zero,
-                                             holders // parallel.ep)
+                                             parallel.expert_holders(holders))
                          for ident, cost in distinct.items()}
             static = table[kept_as] = static_floor(key.placement, [static_of[id(cost)] for cost in costs.stages])
         return static
@@ -109,7 +109,7 @@ class MemoryFloors:
         report = memory_report(program_order_trace(schedule), costs, schedule.placement, devices,
                                [topology.device_memory(device) for device in devices], parallel.bytes_per_param,
                                parallel.dp * parallel.cp, parallel.bucket_bytes, parallel.zero,
-                               parallel.dp * parallel.cp // parallel.ep, headroom=parallel.memory_headroom,
+                               parallel.expert_holders(parallel.dp * parallel.cp), headroom=parallel.memory_headroom,
                                timelines=False, tp=parallel.tp, cp=parallel.cp, ep=parallel.ep,
                                pp_net_channels=pipeline_net_channels(topology, devices))
         return ORDER_OUT_OF_MEMORY if any(rank.oom for rank in report) else None

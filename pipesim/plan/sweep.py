@@ -146,7 +146,7 @@ def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: 
 
     parallel = parallel or ParallelConfig()
     devices = map_ranks(topology, parallel.dp, point.pp, parallel.tp, parallel.rank_order, parallel.cp,
-                        parallel.ep).pipeline()
+                        parallel.ep, parallel.etp).pipeline()
     if point.schedule in ADAPTABLE:
         schedule = generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
         return adapt_to_costs(schedule, costs_for(schedule), topology, devices)

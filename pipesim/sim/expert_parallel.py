@@ -68,6 +68,7 @@ def ep_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology,
 
 def stage_ep_groups(mapping: RankMapping, pipeline_rank: int) -> list[list[str]]:
     """The ep groups of pipeline rank ``pipeline_rank`` that exchange at once: the
-    simulated pipeline's first, then every other group of every tp shard."""
-    groups = [group for shard in range(mapping.tp) for group in mapping.ep_groups(pipeline_rank, shard)]
+    simulated pipeline's first, then every other group of every expert tensor-parallel
+    shard (the tp shards unless parallel folding gives the experts their own)."""
+    groups = [group for shard in range(mapping.expert_tp) for group in mapping.ep_groups(pipeline_rank, shard)]
     return groups

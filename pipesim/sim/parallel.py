@@ -131,7 +131,8 @@ class ParallelConfig:
     (``pipesim.sim.zero``: 0 all-reduce, 1 optimizer state sharded over dp, 2 gradients
     too, 3 parameters too), the memory each device keeps back (``memory_headroom``);
     ``cp`` context-parallel ranks per replica and how they exchange keys and values
-    (``cp_comm``), ``ep`` expert-parallel ranks cut from the dp x cp ranks. What runs
+    (``cp_comm``), ``ep`` expert-parallel ranks cut from the dp x cp ranks (under parallel
+    folding, ``etp`` other than 0 or tp, from the stage's tp x cp x dp). What runs
     beside the compute (``pipesim.sim.comm_overlap``): the tp collectives with sequence
     parallelism (``overlap_tp``, Megatron-Core's ``--tp-comm-overlap``), the parameter
     all-gathers of ZeRO-1 and 2 with the next step's forwards (``overlap_param_gather``,
@@ -151,6 +152,7 @@ class ParallelConfig:
     memory_headroom: Headroom = parse_headroom(DEFAULT_HEADROOM)
     cp: int = 1
     ep: int = 1
+    etp: int = 0  # the experts' own tensor parallelism under parallel folding (pipesim.cluster.mapping); 0: tp
     cp_comm: str = "p2p"
     overlap_tp: bool = True
     overlap_param_gather: bool = True
@@ -167,6 +169,14 @@ class ParallelConfig:
     def gpus(self) -> int:
         """Devices per pipeline rank: every replica's tp shards and cp ranks (ep adds none)."""
         return self.dp * self.cp * self.tp
+
+    def expert_holders(self, holders: int) -> int:
+        """Of ``holders`` ranks that hold each dense parameter of a stage (its dp x cp
+        replicas, times the model's copies), how many hold each routed expert's: ``1 / ep``
+        of them, and under parallel folding ``tp / etp`` times that (the experts are split
+        over ``etp`` ranks of the stage's ``tp x cp x dp``). ZeRO shards the experts' state
+        over them (Megatron-Core's expert data-parallel group)."""
+        return holders * self.tp // ((self.etp or self.tp) * self.ep)
 
 
 @dataclass(frozen=True)
@@ -414,12 +424,18 @@ def _expert_gradients(schedule: Schedule, stage: int, cost: StageCost,
                       mapping: RankMapping) -> tuple[float, list[str]] | None:
     """(share of the stage's gradient bytes, devices) of its routed experts' gradients
     when expert parallelism reduces them over a group of their own; None otherwise."""
-    if mapping.ep == 1 or not cost.expert_params or not cost.params:
+    if not _experts_apart(mapping) or not cost.expert_params or not cost.params:
         return None
     # with copies of the model (DualPipe), each copy's holders of these experts too
     ranks = [schedule.placement[copy * schedule.copy_stages + stage % schedule.copy_stages]
              for copy in range(schedule.copies)]
     return cost.expert_params / cost.params, [device for rank in ranks for device in mapping.expert_dp_group(rank, 0)]
+
+
+def _experts_apart(mapping: RankMapping) -> bool:
+    """Whether the routed experts' gradients are reduced over groups of their own: under
+    expert parallelism, or parallel folding's own expert tensor parallelism."""
+    return mapping.ep > 1 or mapping.folded
 
 
 def _split_over(experts: tuple[float, list[str]] | None, collective, group: list[str]):
@@ -462,14 +478,16 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         rank = schedule.placement[stage]
         one = _tp_collective(topology, mapping, rank, costs.sequence_parallel, algorithm, cost.tp_message_bytes)
         experts = 0.0
-        if mapping.ep > 1 and cost.moe_layers and cost.dispatch_bytes:
-            # Megatron-Core's all-to-all dispatcher: around the experts the tp group gathers and
-            # scatters the routed copies its ranks received (tp x one rank's dispatch) instead
+        if (mapping.ep > 1 or mapping.folded) and cost.moe_layers and cost.dispatch_bytes:
+            # Megatron-Core's all-to-all dispatcher: around the experts the expert tensor-parallel
+            # group (the tp group unless parallel folding gives the experts their own) gathers and
+            # scatters the routed copies its ranks received (etp x one rank's dispatch) instead
             # of the dense MLP's activation; at the combine's BF16 size, as Megatron-Core (the
-            # stack that runs ep beside tp) dispatches in BF16
+            # stack that runs ep beside tp) dispatches in BF16. Under folding with etp 1 the
+            # MoE block runs no tensor-parallel collective at all
             routed = cost.all_to_all_bytes[1]
-            experts = cost.moe_layers * (_tp_collective(topology, mapping, rank, costs.sequence_parallel, algorithm,
-                                                        mapping.tp * routed) - one)
+            experts = cost.moe_layers * (_expert_tp_collective(topology, mapping, rank, costs.sequence_parallel,
+                                                               algorithm, mapping.expert_tp * routed) - one)
         per_pass = 2 * cost.layers * one + experts
         if not per_pass > 0:
             return None
@@ -572,6 +590,24 @@ def _tp_collective(topology: Topology, mapping: RankMapping, rank: int, sequence
     return seconds
 
 
+def _expert_tp_collective(topology: Topology, mapping: RankMapping, rank: int, sequence_parallel: bool,
+                          algorithm: str, message: float) -> float:
+    """``_tp_collective`` over pipeline rank ``rank``'s expert tensor-parallel group
+    (``RankMapping.expert_tp_group``): the tp group's unless parallel folding splits the
+    experts otherwise; 0 over one rank."""
+    if not mapping.folded:
+        return _tp_collective(topology, mapping, rank, sequence_parallel, algorithm, message)
+    if mapping.expert_tp == 1:
+        return 0.0
+    key = ("expert-tp-collective", mapping.dp, mapping.pp, mapping.tp, mapping.cp, mapping.ep, mapping.etp,
+           mapping.order, rank, message, sequence_parallel, algorithm)
+    seconds = topology.pace_cache.get(key)
+    if seconds is None:
+        seconds = topology.pace_cache[key] = _tp_pair(topology, mapping.expert_tp_group(rank), sequence_parallel,
+                                                      algorithm, message)
+    return seconds
+
+
 def _tp_pair(topology: Topology, group: list[str], sequence_parallel: bool, algorithm: str, message: float) -> float:
     """One of a layer's tp collectives of ``message`` bytes: an all-reduce, or with sequence
     parallelism an all-gather and a reduce-scatter (the same ring cost)."""
@@ -626,8 +662,10 @@ def _dp_collective(collective, topology: Topology, mapping: RankMapping, schedul
     machine (which ``compare`` sets after its calibration steps) are part of the key, so a
     price kept before them is not reused after."""
     rank = schedule.placement[stage]
-    experts = cost.expert_params / cost.params if mapping.ep > 1 and cost.expert_params and cost.params else 0.0
+    experts = (cost.expert_params / cost.params if _experts_apart(mapping) and cost.expert_params and cost.params
+               else 0.0)
     key = ("dp-collective", _collective_name(collective), mapping.dp, mapping.pp, mapping.tp, mapping.cp, mapping.ep,
+           mapping.etp,
            mapping.order, rank, experts, num_bytes, schedule.copies,
            tuple(sorted(topology.measured_collectives.items())))
     seconds = topology.pace_cache.get(key)

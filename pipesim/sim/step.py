@@ -56,7 +56,7 @@ class SimulationResult:
             self.trace, self.costs, self.schedule.placement, devices,
             [self.topology.device_memory(device) for device in devices],
             parallel.bytes_per_param, holders, parallel.bucket_bytes, parallel.zero,
-            holders // parallel.ep, headroom=parallel.memory_headroom, tp=parallel.tp,
+            parallel.expert_holders(holders), headroom=parallel.memory_headroom, tp=parallel.tp,
             cp=parallel.cp, ep=parallel.ep, pp_net_channels=pipeline_net_channels(self.topology, devices),
         )
 
@@ -84,6 +84,7 @@ class SimulationResult:
             "tp": self.parallel.tp,
             "cp": self.parallel.cp,
             "ep": self.parallel.ep,
+            "etp": self.parallel.etp or self.parallel.tp,  # the routed experts' tensor parallelism
             "cp_comm": self.parallel.cp_comm if self.parallel.cp > 1 else None,
             "zero": self.parallel.zero,
             "zero3_collectives": self.parallel.zero3_collectives if self.parallel.zero == 3 else None,
@@ -311,7 +312,7 @@ def run_simulation(
     mapping = None
     if rank_devices is None:
         mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
-                            parallel.ep)
+                            parallel.ep, parallel.etp)
         rank_devices = mapping.pipeline()
     unplanned = price_step(schedule, costs, topology, rank_devices)  # what lowering plans with
     lowered = lower_for(schedule, costs, topology, rank_devices, timing=unplanned.timing)
@@ -326,5 +327,7 @@ def run_simulation(
     trace = step_trace(step, costs, topology, rank_devices, plan, p2p, priced)
     trace.meta.update(dp=parallel.dp, tp=parallel.tp)  # charts and reports name the whole layout
     trace.meta.update({axis: size for axis, size in (("cp", parallel.cp), ("ep", parallel.ep)) if size > 1})
+    if parallel.etp and parallel.etp != parallel.tp:
+        trace.meta["etp"] = parallel.etp
     metrics = step_metrics(trace, lowered.virtual_stages)
     return SimulationResult(lowered, topology, trace, metrics, costs, list(rank_devices), parallel, mapping)
