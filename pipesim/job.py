@@ -114,6 +114,7 @@ class Job:
     cp: int = 1
     ep: int = 1
     etp: int | None = None  # the routed experts' own tensor parallelism (parallel folding); None: tp
+    ep_overlap: bool = False  # combined 1F1B, Megatron-Core's --overlap-moe-expert-parallel-comm (schedules.combined)
     cp_comm: str = "p2p"
     rank_order: str = "tp-dp-pp"
     bucket_mb: float = 25.0
@@ -178,7 +179,8 @@ def schedule_of(job: Job, topology: Topology | None = None, search_seconds: floa
 
         reject_with_schedule_file(job, {"--schedule": job.schedule, "--pp": job.pp,
                                         "--microbatches": job.microbatches, "--virtual-stages": job.virtual_stages,
-                                        "--microbatch-group": job.microbatch_group})
+                                        "--microbatch-group": job.microbatch_group,
+                                        "--ep-overlap": True if getattr(job, "ep_overlap", False) else None})
         return schedule_from_csv(job.schedule_file)
     job = job.generated()
     check_microbatch_group(job)
@@ -195,11 +197,29 @@ def schedule_of(job: Job, topology: Topology | None = None, search_seconds: floa
         raise conflict(f"--virtual-stages {job.virtual_stages}", f"--schedule {job.schedule}",
                        f"{job.schedule} places one stage per rank; multi-chunk schedules are "
                        f"{', '.join(sorted(MULTI_CHUNK))}")
+    if getattr(job, "ep_overlap", False):
+        return combined_schedule_of(job)
     schedule = generate(job.schedule, job.pp, job.microbatches, virtual_stages_for(job.schedule, job.virtual_stages),
                         max_actions=job.max_actions, microbatch_group=job.microbatch_group)
     if job.schedule in ADAPTABLE:
         return adapted_schedule_of(job, schedule, topology)
     return schedule
+
+
+def combined_schedule_of(job: Job) -> Schedule:
+    """The job's schedule run as Megatron-Core's combined 1F1B (``--ep-overlap``:
+    ``schedules.combined``), refused in one line where Megatron-Core refuses it."""
+    from schedules.combined import COMBINABLE, combined_1f1b
+
+    if job.schedule not in COMBINABLE:
+        raise conflict("--ep-overlap", f"--schedule {job.schedule}", "combined 1F1B overlaps the steady state of "
+                       f"{' or '.join(COMBINABLE)} (Megatron-Core's); use one of them or drop --ep-overlap")
+    if job.recompute == "full":
+        raise conflict("--ep-overlap", "--recompute full", "Megatron-Core refuses full recomputation under combined "
+                       "1F1B; use another --recompute or drop --ep-overlap")
+    virtual_stages = virtual_stages_for(job.schedule, job.virtual_stages)
+    require_within_limit(job.schedule, job.pp, job.microbatches, virtual_stages, job.max_actions)
+    return combined_1f1b(job.schedule, job.pp, job.microbatches, virtual_stages, job.microbatch_group)
 
 
 def check_microbatch_group(job: Job) -> None:
@@ -422,6 +442,9 @@ def check_parallel_layout(job) -> None:
     for flag, value in (("--dp", dp), ("--tp", tp), ("--cp", cp), ("--ep", ep), ("--etp", 1 if etp is None else etp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
+    if getattr(job, "ep_overlap", False) and ep < 2:
+        raise ValueError("--ep-overlap needs --ep above 1: it hides expert parallelism's all-to-alls (Megatron-Core "
+                         "requires expert parallelism for it); give --ep or drop --ep-overlap")
     if etp is not None and not getattr(job, "model", None):
         raise ValueError(f"--etp {etp} needs --model: it splits a mixture of experts' routed experts; give --model "
                          f"or drop --etp")

@@ -326,6 +326,12 @@ def add_context_and_expert_args(group) -> None:
                        "ep), so etp x ep must divide tp x cp x dp, etp must divide tp, and an etp other than tp "
                        "needs --sequence-parallel; 1 for fine-grained experts, as Megatron-Core recommends "
                        "(default: tp, no folding)")
+    group.add_argument("--ep-overlap", action="store_true",
+                       help="with --model, a mixture of experts and --ep above 1: Megatron-Core's combined 1F1B "
+                       "(--overlap-moe-expert-parallel-comm): one more warm-up forward per rank, then each "
+                       "steady-state forward run together with the backward after it, one's all-to-alls under the "
+                       "other's compute; interleaved-1f1b, or 1f1b at pp 1, without full recompute, as Megatron-Core "
+                       "requires (default: off, as in Megatron-Core)")
 
 
 def add_topology_args(parser: argparse.ArgumentParser) -> None:

@@ -334,6 +334,17 @@ def pipeline_columns(step: engine.StepRun, held: np.ndarray | None = None) -> Tr
         parts.append((rank[waited], receive, stage[waited], microbatch[waited], step.ready[waited],
                       received(step, waited), _STREAMS.index(RECV)))
         names.append((len(waited),))
+        # an overlapped pair starts once both halves' inputs are there: a forward that needs no
+        # transfer of its own (the first stage's) waits for its backward's, drawn as that receive
+        other = program.compute_pair
+        pair_forwards = np.flatnonzero((other >= 0) & (program.compute_need < 0) & (other > np.arange(len(other)))
+                                       & (step.start > step.ready))
+        if len(pair_forwards):
+            backward = other[pair_forwards]
+            parts.append((rank[pair_forwards], dataflow.RECV_OF_CODES[kind[backward]], stage[backward],
+                          microbatch[backward], step.ready[pair_forwards], step.start[pair_forwards],
+                          _STREAMS.index(RECV)))
+            names.append((len(pair_forwards),))
     sent = np.flatnonzero(~np.isnan(step.arrival) & ~np.isnan(step.posted))
     if len(sent):
         microbatches = arrays.microbatches

@@ -86,35 +86,38 @@ def _range_text(groups: list[int]) -> str:
     return shown + (f", ... {groups[-1]}" if len(groups) > 8 else "")
 
 
-def warmup_forwards(pp: int, rank: int, microbatches: int, virtual_stages: int, microbatch_group: int) -> int:
+def warmup_forwards(pp: int, rank: int, microbatches: int, virtual_stages: int, microbatch_group: int,
+                    extra: int = 0) -> int:
     """Forwards rank ``rank`` runs before its first backward: Megatron's
-    ``2(p - r - 1) + (v - 1)N``, at most every forward of the step."""
-    return min(2 * (pp - 1 - rank) + (virtual_stages - 1) * microbatch_group, microbatches * virtual_stages)
+    ``2(p - r - 1) + (v - 1)N`` (plus ``extra``: combined 1F1B's one more,
+    ``schedules.combined``), at most every forward of the step."""
+    return min(2 * (pp - 1 - rank) + (virtual_stages - 1) * microbatch_group + extra, microbatches * virtual_stages)
 
 
 def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int = 2,
-                     microbatch_group: int | None = None) -> Schedule:
+                     microbatch_group: int | None = None, extra_warmup: int = 0) -> Schedule:
     """Megatron's depth-first interleaved schedule with looped placement, ``N =
     microbatch_group`` microbatches per chunk visit (None: torch's rounds, see the
-    module). Every rank's program is computed as arrays at once (a large step has
-    hundreds of thousands of actions), and the arrays are kept with the schedule for
-    lowering to read."""
+    module); ``extra_warmup`` more warm-up forwards on every rank (combined 1F1B's one,
+    ``schedules.combined``). Every rank's program is computed as arrays at once (a
+    large step has hundreds of thousands of actions), and the arrays are kept with the
+    schedule for lowering to read."""
     if microbatch_group is None:
         group = round_size(pp, microbatches)
     else:
         require_microbatch_group(pp, microbatches, microbatch_group)
         group = microbatch_group
-    schedule = grouped_order(pp, microbatches, virtual_stages, group)
+    schedule = grouped_order(pp, microbatches, virtual_stages, group, extra_warmup)
     if microbatch_group is not None:
         schedule.meta["microbatch_group"] = microbatch_group
     return schedule
 
 
-def grouped_order(pp: int, microbatches: int, virtual_stages: int, group: int) -> Schedule:
+def grouped_order(pp: int, microbatches: int, virtual_stages: int, group: int, extra_warmup: int = 0) -> Schedule:
     """The order for any group size, unchecked: ``interleaved_1f1b`` keeps to the sizes
     that run (the tests build the others here to show that they deadlock)."""
     table_microbatch, table_chunk = schedule_table(microbatches, virtual_stages, group)
-    rank, backward, step = _program_steps(pp, microbatches, virtual_stages, group)
+    rank, backward, step = _program_steps(pp, microbatches, virtual_stages, group, extra_warmup)
     chunk = table_chunk[step]
     stage = np.where(backward, virtual_stages - 1 - chunk, chunk) * pp + rank
     microbatch = table_microbatch[step]
@@ -144,7 +147,7 @@ def schedule_table(microbatches: int, virtual_stages: int, group: int) -> tuple[
     return microbatch, chunk
 
 
-def _program_steps(pp: int, microbatches: int, virtual_stages: int, group: int
+def _program_steps(pp: int, microbatches: int, virtual_stages: int, group: int, extra_warmup: int = 0
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per action of every rank's program, in order: its rank, whether it is a backward
     and its step ``j`` (the j-th forward, or backward, of the rank). Warm-up forwards,
@@ -153,7 +156,7 @@ def _program_steps(pp: int, microbatches: int, virtual_stages: int, group: int
     total = microbatches * virtual_stages
     ranks, backwards, steps = [], [], []
     for rank in range(pp):
-        warmup = warmup_forwards(pp, rank, microbatches, virtual_stages, group)
+        warmup = warmup_forwards(pp, rank, microbatches, virtual_stages, group, extra_warmup)
         steady = np.arange(total - warmup)
         paired = np.stack([warmup + steady, steady], axis=1).ravel()
         steps.append(np.concatenate([np.arange(warmup), paired, np.arange(total - warmup, total)]))

@@ -12,13 +12,14 @@ from schedules.generators.common import require_single_chunk
 from schedules.schedule import Schedule, looped_placement
 
 
-def one_f_one_b(pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Rank ``r`` runs ``min(pp - r - 1, m)`` warm-up forwards, then F/B pairs, then the
-    remaining backwards."""
+def one_f_one_b(pp: int, microbatches: int, virtual_stages: int = 1, extra_warmup: int = 0) -> Schedule:
+    """Rank ``r`` runs ``min(pp - r - 1 + extra_warmup, m)`` warm-up forwards, then F/B
+    pairs, then the remaining backwards (``extra_warmup``: combined 1F1B's one more,
+    ``schedules.combined``)."""
     require_single_chunk("1f1b", virtual_stages)
     programs = []
     for rank in range(pp):
-        warmup = min(pp - rank - 1, microbatches)
+        warmup = min(pp - rank - 1 + extra_warmup, microbatches)
         program = [F(rank, microbatch) for microbatch in range(warmup)]
         for step in range(microbatches - warmup):
             program.append(F(rank, warmup + step))
