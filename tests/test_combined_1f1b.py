@@ -136,3 +136,21 @@ def test_every_moment_of_a_combined_step_is_labelled():
         assert rank["overhead"] == 0.0
         assert sum(rank[part] for part in ("busy", "bubble", "exposed_comm", "tp", "ep", "cp", "dp", "optimizer")) == \
                pytest.approx(result["makespan"], rel=1e-9)
+
+
+def test_the_docs_quote_qwen3_235bs_step_as_simulated():
+    """docs/cluster-model.md's Qwen3-235B-A22B example, the recipe's layout with the
+    all-to-alls exposed and combined."""
+    from pathlib import Path
+
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "cluster-model.md").read_text().split())
+    args = ["--model", "tests/data/hf_configs/qwen3-235b-a22b.json", "--seq-len", "4096", "--microbatch-size", "1",
+            "--schedule", "interleaved-1f1b", "-v", "4", "--pp", "8", "-m", "128", "--tp", "2", "--dp", "16",
+            "--topology", "ib", "--nodes", "32", "--gpu", "h100", "--zero", "1", "--sequence-parallel",
+            "--no-tp-overlap", "--ep", "32", "--etp", "1", "--fp8", "current"]
+    exposed, combined = simulate_json(args), simulate_json([*args, "--ep-overlap"])
+    assert (f"{exposed['makespan']:.2f} s a step with the all-to-alls exposed ({exposed['ranks'][0]['ep']:.2f} s of "
+            f"ep on every rank but the last), {combined['makespan']:.2f} s combined "
+            f"({combined['ranks'][0]['ep']:.2f} s of ep)") in docs
+    for rank in exposed["ranks"][1:-1]:  # every rank but the last alike
+        assert rank["ep"] == pytest.approx(exposed["ranks"][0]["ep"], rel=1e-12)

@@ -10,7 +10,8 @@ dequantizes it). Published counts:
 - OLMoE-1B-7B: 6.9B total, 1.3B active (the OLMoE paper and model card; the active
   figure counts the embedding, as Mixtral's and DeepSeek's do).
 - Qwen3-8B 8.2B, 6.95B without embeddings; Qwen3-0.6B 0.6B, 0.44B without embeddings;
-  Qwen3-30B-A3B 30.5B total, 3.3B activated, 29.9B without embeddings (Qwen's model cards).
+  Qwen3-30B-A3B 30.5B total, 3.3B activated, 29.9B without embeddings; Qwen3-235B-A22B
+  235B total, 22B activated (Qwen's model cards).
 - gpt-oss-120b 116.83B total, 5.13B active; gpt-oss-20b 20.91B, 3.61B (OpenAI's gpt-oss
   model card, table 1). OpenAI's active figure counts the unembedding but not the
   embedding table (a lookup), so it is compared with the active count less the embedding.
@@ -54,7 +55,8 @@ def non_embedding(spec) -> int:
 
 
 @pytest.mark.parametrize("name,total,active", [
-    ("olmoe-1b-7b", 6.9e9, 1.3e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-8b", 8.2e9, None),
+    ("olmoe-1b-7b", 6.9e9, 1.3e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9),
+    ("qwen3-8b", 8.2e9, None),
     ("qwen3-0.6b", 0.6e9, None), ("gemma-3-1b", 1.0e9, None),
 ])
 def test_totals_and_actives_against_the_model_cards(name, total, active):

@@ -161,3 +161,17 @@ def test_run_refuses_etp_as_simulate_only(capsys):
     assert main(["run", "--pp", "2", "--etp", "1"]) == 2
     err = capsys.readouterr().err
     assert "--etp" in err and "simulate" in err
+
+
+def test_the_docs_quote_the_folded_step_as_simulated():
+    """docs/cluster-model.md's example (Qwen3-30B-A3B, tp 2, dp 8, ep 8, 1f1b pp 2 of 8
+    microbatches on four ib nodes): the step and its ep time cut from dp and folded."""
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "cluster-model.md").read_text().split())
+    args = ["--model", QWEN3_30B, "--seq-len", "4096", "--microbatch-size", "1", "--schedule", "1f1b", "--pp", "2",
+            "-m", "8", "--tp", "2", "--dp", "8", "--ep", "8", "--sequence-parallel", "--topology", "ib", "--nodes",
+            "4", "--gpu", "h100", "--zero", "1"]
+    cut, folded = simulate_json(args), simulate_json([*args, "--etp", "1"])
+    assert (f"a 1f1b step of 8 microbatches takes {cut['makespan'] * 1e3:,.0f} ms cut from dp "
+            f"({cut['ranks'][0]['ep'] * 1e3:.0f} ms of it ep all-to-alls across two nodes) and "
+            f"{folded['makespan'] * 1e3:.0f} ms folded to `--etp 1` ({folded['ranks'][0]['ep'] * 1e3:.0f} ms of ep "
+            f"inside a node)") in docs

@@ -20,6 +20,7 @@ from benchmarks.published_overlap import (
     fp8_over_bf16_lines,
     later_containers,
     layout_key,
+    main,
     newest_of_each_layout,
     predict,
     runs,
@@ -52,7 +53,7 @@ def test_each_rows_command_is_the_published_layout(run):
     assert job.zero == (3 if run.fsdp else 1) and not job.no_dp_overlap and not job.no_param_gather_overlap
     assert job.no_tp_overlap == (not run.tp_overlap)
     assert (job.virtual_stages or 1) == run.vp
-    assert job.ep == run.ep
+    assert job.ep == run.ep and (job.etp or 0) == run.etp
 
 
 @pytest.mark.parametrize("run", [run for run in ROWS if run.tflops_per_gpu], ids=lambda run: run.label)
@@ -157,6 +158,15 @@ def test_the_readme_quotes_the_figures_as_printed():
     moe = sorted(errors[run.label] for run in newest_of_each_layout([run for run in ROWS if run.source == MOE_SOURCE]))
     fast = [value for value in moe if value > 0]
     slow = [value for value in moe if value <= 0]
-    assert len(fast) == 4 and len(slow) == 1
-    assert f"predicted {min(fast):+.0%} to {max(fast):+.0%} fast on four of five, the fifth {slow[0]:+.1%}" in readme
+    assert len(fast) == 6 and len(slow) == 1
+    assert f"predicted {min(fast):+.0%} to {max(fast):+.0%} fast on six of seven, the seventh {slow[0]:+.1%}" in readme
     assert f"{sum(not run.in_sample for run in ROWS)} of the {len(ROWS)} rows held out" in readme
+
+
+def test_the_script_prints_its_summaries(monkeypatch, capsys):
+    """The command itself, end to end on a few rows: the table, then the summaries."""
+    monkeypatch.setattr("sys.argv", ["published_overlap.py", "--only", "Qwen3-235B"])
+    main()
+    out = capsys.readouterr().out
+    assert "| Qwen3-235B-A22B ep32 etp1 (26.04.01) | bridge-moe | 256 | 2 8 1 4 16 |" in out
+    assert "mixture-of-experts layouts (Megatron-Bridge), each once at its newest: median |error|" in out
