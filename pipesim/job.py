@@ -209,17 +209,24 @@ def schedule_of(job: Job, topology: Topology | None = None, search_seconds: floa
 def combined_schedule_of(job: Job) -> Schedule:
     """The job's schedule run as Megatron-Core's combined 1F1B (``--ep-overlap``:
     ``schedules.combined``), refused in one line where Megatron-Core refuses it."""
+    return combined_schedule(job, job.schedule, job.pp, job.microbatches,
+                             virtual_stages_for(job.schedule, job.virtual_stages), job.microbatch_group)
+
+
+def combined_schedule(job, name: str, pp: int, microbatches: int, virtual_stages: int,
+                      microbatch_group: int | None) -> Schedule:
+    """Schedule ``name`` of these sizes as combined 1F1B under the job's other flags (what
+    ``simulate`` and each point of ``sweep`` run with ``--ep-overlap``)."""
     from schedules.combined import COMBINABLE, combined_1f1b
 
-    if job.schedule not in COMBINABLE:
-        raise conflict("--ep-overlap", f"--schedule {job.schedule}", "combined 1F1B overlaps the steady state of "
+    if name not in COMBINABLE:
+        raise conflict("--ep-overlap", f"--schedule {name}", "combined 1F1B overlaps the steady state of "
                        f"{' or '.join(COMBINABLE)} (Megatron-Core's); use one of them or drop --ep-overlap")
     if job.recompute == "full":
         raise conflict("--ep-overlap", "--recompute full", "Megatron-Core refuses full recomputation under combined "
                        "1F1B; use another --recompute or drop --ep-overlap")
-    virtual_stages = virtual_stages_for(job.schedule, job.virtual_stages)
-    require_within_limit(job.schedule, job.pp, job.microbatches, virtual_stages, job.max_actions)
-    return combined_1f1b(job.schedule, job.pp, job.microbatches, virtual_stages, job.microbatch_group)
+    require_within_limit(name, pp, microbatches, virtual_stages, job.max_actions)
+    return combined_1f1b(name, pp, microbatches, virtual_stages, microbatch_group)
 
 
 def check_microbatch_group(job: Job) -> None:

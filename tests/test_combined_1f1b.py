@@ -154,3 +154,21 @@ def test_the_docs_quote_qwen3_235bs_step_as_simulated():
             f"({combined['ranks'][0]['ep']:.2f} s of ep)") in docs
     for rank in exposed["ranks"][1:-1]:  # every rank but the last alike
         assert rank["ep"] == pytest.approx(exposed["ranks"][0]["ep"], rel=1e-12)
+
+
+def test_sweep_runs_each_point_combined_as_simulate_does(tmp_path, capsys):
+    """``sweep --ep-overlap``: each point the step ``simulate --ep-overlap`` gives; a swept
+    schedule combined 1F1B does not cover refuses the sweep in one line."""
+    import csv
+
+    common = ["--model", QWEN3_30B, "--seq-len", "4096", "--pp", "2", "--dp", "8", "--ep", "8", "--topology", "ib",
+              "--nodes", "2", "--ep-overlap"]
+    out = tmp_path / "sweep.csv"
+    assert main(["sweep", *common, "--schedule", "interleaved-1f1b", "--microbatches", "4,8", "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    for row in rows:
+        alone = simulate_json([*common, "--schedule", "interleaved-1f1b", "-m", row["microbatches"]])
+        assert float(row["makespan"]) == pytest.approx(alone["makespan"], rel=1e-12)
+    capsys.readouterr()
+    assert main(["sweep", *common, "--schedule", "interleaved-1f1b,gpipe", "--microbatches", "4"]) == 2
+    assert "--ep-overlap conflicts with --schedule gpipe" in capsys.readouterr().err

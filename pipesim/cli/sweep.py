@@ -24,6 +24,7 @@ from pipesim.cli.variability import add_variability_args, variability_from_args
 from pipesim.job import (
     Job,
     check_parallel_layout,
+    combined_schedule,
     conflict,
     costs_of,
     default_split_note,
@@ -145,6 +146,10 @@ def handle(args: argparse.Namespace) -> int:
     job = Job.from_namespace(args)
     check_parallel_layout(job)
     topology = topology_of(job)
+    combined = {}
+    if job.ep_overlap and not files:  # every point as combined 1F1B, or the sweep refused in one line
+        combined = {point: combined_schedule(job, point.schedule, point.pp, point.microbatches,
+                                             point.virtual_stages, point.microbatch_group) for point in points}
 
     def costs_for(schedule):
         # each generated schedule's own name: a split backward takes the default W share, the others none
@@ -158,7 +163,7 @@ def handle(args: argparse.Namespace) -> int:
     progress = progress_from_args("sweep", args).enabled  # per-point lines on a terminal only
     rows = run_sweep(points, costs_for, topology, progress=progress, parallel=parallel_of(job),
                      max_actions=args.max_actions, memory_limit=args.memory_limit, p2p=args.p2p,
-                     schedules=files, variability=variability)
+                     schedules=files or combined, variability=variability)
     with_usable_limit(rows, parallel_of(job).memory_headroom)
     if args.model:
         # Tokens a microbatch carries across all dp replicas, so the chart draws tokens/s
