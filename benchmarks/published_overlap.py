@@ -69,6 +69,7 @@ from dataclasses import dataclass, replace
 
 ARCHIVE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @067f987"
 MOE_SOURCE = "bridge-moe"  # the archive's mixture-of-experts rows, every container (in each row's label)
+ZOO_SOURCE = "moe-modelzoo"  # the Megatron-Core MoE team's own Qwen3-235B-A22B layouts on 256 H100s
 SOURCES = {
     "nemo-24.07": "NVIDIA/NeMo docs/source/performance/performance_summary.md @070a0bb (NeMo 24.07, DGX-H100, FP8)",
     "bridge-25.09": f"{ARCHIVE} (25.09 container, DGX-H100; precision not named: taken as 25.11's FP8-CS)",
@@ -82,6 +83,8 @@ SOURCES = {
     MOE_SOURCE: f"{ARCHIVE} (25.11 to 26.06 containers, DGX-H100, mixture of experts; force-balanced routing)",
     "torchtitan-asynctp": "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @5ecb74e "
                           "(Grand Teton H100 96 GB HBM2e, 500 W)",
+    ZOO_SOURCE: "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md @e865051 (first published 2025-05-27, "
+                "8017e11; commands examples/qwen3/run_235b.sh; 256 H100, BF16, DeepEP, force-balanced routing)",
 }
 
 # Architectures the presets do not hold, as simulate's field flags on a preset of the family
@@ -124,6 +127,7 @@ class PublishedRun:
     ep: int = 1  # expert-parallel ranks (a mixture of experts; cut from dp, as Megatron-Core does)
     etp: int = 0  # the experts' own tensor parallelism under Megatron-Core's parallel folding; 0: tp
     ep_overlap: bool = False  # Megatron-Core's combined 1F1B (overlap_moe_expert_parallel_comm)
+    flags: str = ""  # further simulate flags the source's command sets (dispatcher, layer split)
 
     @property
     def dp(self) -> int:
@@ -150,6 +154,8 @@ class PublishedRun:
             flags.append(f"--etp {self.etp}")
         if self.ep_overlap:
             flags.append("--ep-overlap")
+        if self.flags:
+            flags.append(self.flags)
         if self.fp8:
             flags.append(f"--fp8 {self.fp8_scaling}")
         return " ".join(flags).split()
@@ -186,6 +192,7 @@ def runs() -> list[PublishedRun]:
     ]
     rows += later_containers(rows)
     rows += mixture_of_experts()
+    rows += model_zoo()
     # torchtitan, June 2025: FSDP2 x TP 8, torch.compile; 8B per-op selective AC, local batch 12 on 64 GPUs;
     # 70B full AC, local batch 16 on 256 GPUs; (precision, vanilla TP tokens/s, async TP tokens/s)
     for params, gpus, local, recompute, figures in (
@@ -279,10 +286,60 @@ def mixture_of_experts() -> list[PublishedRun]:
     return rows
 
 
+# Megatron-Core's split for the zoo's 94 layers over pp 8 x v 4 chunks, the embedding and the loss counted as a
+# layer each (--account-for-embedding/loss-in-pipeline-split, 96 / 32 = 3 a chunk): 2, 3 x 30, 2
+ZOO_SPLIT = ",".join(["2", *["3"] * 30, "2"])
+
+
+def model_zoo() -> list[PublishedRun]:
+    """The Megatron-Core MoE team's Qwen3-235B-A22B layouts on 256 H100s (source
+    ``moe-modelzoo``; BF16, 4096 tokens, global batch 2048, microbatch 1, DeepEP's
+    dispatch, experts at etp 1, the distributed optimizer with its overlaps, sequence
+    parallelism, no tensor-parallel overlap or CUDA graphs at that date): each row's step
+    time as published, as tokens/s per GPU. The layouts differ in ways a planner chooses
+    between (ep 32 over tp 2 x dp 16 or ep 8 beside tp 4; combined 1F1B on or off), so the
+    rows test the ranking as well as the figures. Recompute as the commands set it:
+    ``moe_act layernorm`` is ``--recompute norm-mla-up`` (the norms; the experts'
+    activation, a memory-bound kernel, left out). Left out: the FSDP row (its table and its
+    command disagree on tp), the row labelled A2A (its command's config then hard-coded
+    DeepEP, so the dispatcher is unknown) and the long-context table (its recompute of
+    whole MoE blocks is not a pipesim mode). Held out: first run after ``--etp``,
+    ``--ep-overlap`` and every other change of this model, nothing changed since."""
+    rows = []
+    # (label, tp, ep, recompute, combined 1F1B, step seconds, TFLOP/s); dp is what tp x pp 8 leaves
+    for label, tp, ep, recompute, overlap, seconds, tflops in (
+            ("tp2 ep32", 2, 32, "norm-mla-up", False, 19.7, 245),
+            ("tp2 ep32 combined 1F1B", 2, 32, "norm-mla-up", True, 17.6, 276),
+            ("tp4 ep8", 4, 8, "none", False, 29.0, 167)):
+        tokens = 2048 * 4096 / (seconds * 256)
+        rows.append(PublishedRun(f"Qwen3-235B-A22B {label} (zoo)", ZOO_SOURCE, 235, QWEN3_235B, 256, 2048, 1, 4096,
+                                 tp, 8, tokens, tflops, vp=4, ep=ep, etp=1, fp8=False, recompute=recompute,
+                                 tp_overlap=False, ep_overlap=overlap,
+                                 flags=f"--ep-dispatcher deepep --layers-per-stage {ZOO_SPLIT}"))
+    return rows
+
+
+def ep_overlap_lines(rows: list[PublishedRun], predictions: dict[str, Prediction]) -> list[str]:
+    """The zoo's pair of one layout with and without combined 1F1B: its speedup,
+    published against predicted."""
+    lines = []
+    for run in rows:
+        if run.source != ZOO_SOURCE or not run.ep_overlap:
+            continue
+        alone = next(other for other in rows if other.source == run.source and layout_key(other) ==
+                     layout_key(replace(run, ep_overlap=False)))
+        published = run.tokens_per_gpu / alone.tokens_per_gpu
+        predicted = predictions[run.label].tokens_per_gpu / predictions[alone.label].tokens_per_gpu
+        lines.append(f"{alone.label}: combined 1F1B over the all-to-alls exposed {published:.3f} published, "
+                     f"{predicted:.3f} predicted")
+    return lines
+
+
 def layout_key(run: PublishedRun) -> tuple:
     """What makes two rows the same job: every field but the label, the source and the figures."""
     return (run.model, run.gpus, run.global_batch, run.microbatch_size, run.seq_len, run.tp, run.pp, run.cp, run.vp,
-            run.ep, run.etp, run.ep_overlap, run.fsdp, run.fp8, run.fp8_scaling, run.recompute, run.tp_overlap)
+            run.ep, run.etp, run.ep_overlap, run.flags, run.fsdp, run.fp8, run.fp8_scaling, run.recompute,
+            run.tp_overlap)
 
 
 @dataclass(frozen=True)
@@ -462,7 +519,7 @@ def main() -> None:
         print(f"{key}: {source}")
     print()
     for line in trend_lines(rows, predictions) + tp_overlap_lines(rows, predictions) + \
-            fp8_over_bf16_lines(rows, predictions):
+            fp8_over_bf16_lines(rows, predictions) + ep_overlap_lines(rows, predictions):
         print(line)
     print()
     print("the same layout in several containers:")
@@ -486,6 +543,9 @@ def main() -> None:
     if moe:
         print(summary("mixture-of-experts layouts (Megatron-Bridge), each once at its newest",
                       [errors[run.label] for run in newest_of_each_layout(moe)]))
+    zoo = [errors[run.label] for run in rows if run.source == ZOO_SOURCE]
+    if zoo:
+        print(summary("mixture-of-experts layouts (Megatron-MoE-ModelZoo)", zoo))
     if held_out:
         print(summary("held out", held_out))
     print(f"({time.perf_counter() - started:.0f} s)")

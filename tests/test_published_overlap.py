@@ -13,9 +13,11 @@ import pytest
 from benchmarks.published_overlap import (
     MOE_SOURCE,
     SOURCES,
+    ZOO_SOURCE,
     by_layout,
     dense_megatron,
     drift_lines,
+    ep_overlap_lines,
     error,
     fp8_over_bf16_lines,
     later_containers,
@@ -35,7 +37,8 @@ ROWS = runs()
 MEGATRON = [run for run in ROWS if dense_megatron(run)]
 # how each source's model TFLOP/s counts the attention core (NeMo 24.07: the whole square;
 # Megatron-Bridge: the causal half, as Megatron-LM's num_floating_point_operations does now)
-ATTENTION_COUNT = {"nemo-24.07": "whole", **{source: "causal" for source in SOURCES if source.startswith("bridge-")}}
+ATTENTION_COUNT = {"nemo-24.07": "whole", ZOO_SOURCE: "causal",
+                   **{source: "causal" for source in SOURCES if source.startswith("bridge-")}}
 
 
 def job_of(run) -> Job:
@@ -99,6 +102,10 @@ def test_the_docs_quote_the_table_and_medians_as_printed():
     assert summary("held out", [errors[run.label] for run in ROWS if not run.in_sample]) in docs
     for line in fp8_over_bf16_lines(ROWS, predictions) + drift_lines(ROWS, predictions):
         assert f"- {line}" in docs, line
+    for line in ep_overlap_lines(ROWS, predictions):
+        assert line in docs, line
+    assert summary("mixture-of-experts layouts (Megatron-MoE-ModelZoo)",
+                   [errors[run.label] for run in ROWS if run.source == ZOO_SOURCE]) in docs
     newest = newest_of_each_layout(MEGATRON)
     assert summary("Megatron-Core dense layouts, each once at its newest container",
                    [errors[run.label] for run in newest]) in docs
@@ -160,6 +167,8 @@ def test_the_readme_quotes_the_figures_as_printed():
     slow = [value for value in moe if value <= 0]
     assert len(fast) == 6 and len(slow) == 1
     assert f"predicted {min(fast):+.0%} to {max(fast):+.0%} fast on six of seven, the seventh {slow[0]:+.1%}" in readme
+    zoo = [errors[run.label] for run in ROWS if run.source == ZOO_SOURCE]
+    assert f"three Qwen3-235B-A22B layouts {min(zoo):+.1%} to {max(zoo):+.1%}" in readme
     assert f"{sum(not run.in_sample for run in ROWS)} of the {len(ROWS)} rows held out" in readme
 
 

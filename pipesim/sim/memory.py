@@ -8,6 +8,7 @@
              included; stage 2 the gradients too; stage 3 the weights too): the dp
              replicas (dp x cp with context parallelism), and a stage's routed experts
              over their expert data-parallel group, dp x cp / ep, with expert parallelism
+             (under parallel folding tp x cp x dp / (etp x ep): ``ParallelConfig.expert_holders``)
     buffers  2 x the boundary activation per pipeline link, a neighbouring rank in one
              direction (``p2p_links``: receiving activations from a rank, a received
              activation and the gradient sent back; sending to one, the output and the
