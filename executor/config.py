@@ -89,6 +89,7 @@ class RunConfig:
     microbatches: int = 4
     virtual_stages: int = 1
     microbatch_group: int | None = None  # interleaved-1f1b's N (schedules.generators.interleaved); None: its own
+    ep_overlap: bool = False  # combined 1F1B (schedules.combined), Megatron-Core's --overlap-moe-expert-parallel-comm
     model: str = "mlp"
     layers: int = 4
     hidden: int = 64
@@ -235,6 +236,7 @@ class RunConfig:
         check_zero(self)
         check_microbatch_group(self)
         check_expert_parallel(self)
+        check_ep_overlap(self)
         check_context_parallel(self)
         if self.timeout <= 0:
             raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout}")
@@ -417,10 +419,42 @@ def check_microbatch_group(config: RunConfig) -> None:
         raise ConfigError(f"--microbatch-group {config.microbatch_group}: {error}") from None
 
 
+def check_ep_overlap(config: RunConfig) -> None:
+    """``--ep-overlap`` (combined 1F1B) where Megatron-Core runs it, as ``simulate``
+    refuses it: expert parallelism, interleaved-1f1b or 1f1b at pp 1, no full recompute,
+    a generated order (a given one fixes its own pairs)."""
+    if not config.ep_overlap:
+        return
+    from schedules.combined import COMBINABLE  # noqa: PLC0415
+
+    if config.ep < 2:
+        raise ConfigError("--ep-overlap needs --ep above 1: it hides expert parallelism's all-to-alls (Megatron-Core "
+                          "requires expert parallelism for it); give --ep or drop --ep-overlap")
+    if config.custom_schedule is not None:
+        raise ConfigError("--ep-overlap conflicts with a given schedule: combined 1F1B is an order of its own; drop "
+                          "--ep-overlap or the schedule")
+    if config.schedule not in COMBINABLE:
+        raise ConfigError(f"--ep-overlap conflicts with --schedule {config.schedule}: combined 1F1B overlaps the "
+                          f"steady state of {' or '.join(COMBINABLE)} (Megatron-Core's); use one of them or drop "
+                          f"--ep-overlap")
+    if config.schedule == "1f1b" and config.pp > 1:
+        raise ConfigError(f"--ep-overlap with --schedule 1f1b over --pp {config.pp}: combined 1F1B over several "
+                          f"ranks needs the interleaved schedule (Megatron-Core runs it for interleaved-1f1b, and "
+                          f"for 1f1b only without pipelining, pp 1); use --schedule interleaved-1f1b")
+    if config.recompute == "full":
+        raise ConfigError("--ep-overlap conflicts with --recompute full: Megatron-Core refuses full recomputation "
+                          "under combined 1F1B; use another --recompute or drop --ep-overlap")
+
+
 def build_schedule(config: RunConfig) -> Schedule:
     """The lowered schedule named by the config: the exact programs that will run."""
     if config.custom_schedule is not None:
         return lower(config.custom_schedule)
+    if config.ep_overlap:
+        from schedules.combined import combined_1f1b  # noqa: PLC0415
+
+        return lower(combined_1f1b(config.schedule, config.pp, config.microbatches, config.virtual_stages,
+                                   config.microbatch_group))
     return lower(generate(config.schedule, config.pp, config.microbatches, config.virtual_stages,
                           microbatch_group=config.microbatch_group))
 

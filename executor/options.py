@@ -98,6 +98,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     schedule.add_argument("--virtual-stages", "-v", type=positive_int, default=None,
                           help=f"stages per rank (default 2 for {', '.join(sorted(MULTI_CHUNK))}; else 1)")
     add_microbatch_group_arg(schedule)
+    schedule.add_argument("--ep-overlap", action="store_true",
+                          help="with --ep: Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm): one "
+                               "more warm-up forward per rank, then each steady-state forward run with the backward "
+                               "after it as one step (two CUDA streams on a GPU, one after the other on a CPU); "
+                               "interleaved-1f1b, or 1f1b at pp 1, without full recompute (default: off)")
     model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")
     model.add_argument("--model", default="mlp",
                        help=f"{' or '.join(MODELS)} (toys), or an architecture shrunk to this machine: "
@@ -258,7 +263,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               f"stage per rank; multi-chunk schedules are {', '.join(sorted(MULTI_CHUNK))}")
         shape = {"schedule": name, "pp": DEFAULT_PP if args.pp is None else args.pp,
                  "microbatches": DEFAULT_MICROBATCHES if args.microbatches is None else args.microbatches,
-                 "virtual_stages": virtual, "microbatch_group": getattr(args, "microbatch_group", None)}
+                 "virtual_stages": virtual, "microbatch_group": getattr(args, "microbatch_group", None),
+                 "ep_overlap": getattr(args, "ep_overlap", False)}
         planned = getattr(args, "custom_schedule", None)  # a plan row's own order (pipesim.cli.plan_row)
         if planned is not None:
             shape["custom_schedule"] = planned
@@ -320,7 +326,8 @@ def schedule_file_shape(args: argparse.Namespace) -> dict:
 
     for flag, value in (("--schedule", args.schedule), ("--pp", args.pp), ("--microbatches", args.microbatches),
                         ("--virtual-stages", args.virtual_stages),
-                        ("--microbatch-group", getattr(args, "microbatch_group", None))):
+                        ("--microbatch-group", getattr(args, "microbatch_group", None)),
+                        ("--ep-overlap", True if getattr(args, "ep_overlap", False) else None)):
         if value is not None:
             raise ConfigError(f"{flag} conflicts with --schedule-file {args.schedule_file}: the file fixes the "
                               f"schedule, pp, microbatches and stages per rank; drop {flag}")

@@ -120,10 +120,35 @@ def test_layouts_megatron_core_refuses_are_one_line(extra, message, capsys):
     assert message in err and len(err.splitlines()) == 1
 
 
-def test_run_refuses_ep_overlap_as_simulate_only(capsys):
-    assert main(["run", "--pp", "2", "--ep-overlap"]) == 2
-    err = capsys.readouterr().err
-    assert "--ep-overlap" in err and "simulate" in err
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"ep": 1}, "--ep-overlap needs --ep above 1"),
+    ({"schedule": "gpipe", "pp": 2}, "--ep-overlap conflicts with --schedule gpipe"),
+    ({"schedule": "1f1b", "pp": 2}, "needs the interleaved schedule"),
+    ({"schedule": "interleaved-1f1b", "pp": 2, "virtual_stages": 2, "recompute": "full"},
+     "--ep-overlap conflicts with --recompute full"),
+])
+def test_the_executor_refuses_what_megatron_core_refuses(fields, message):
+    """``pipesim run --ep-overlap`` runs combined 1F1B (its gradients:
+    tests/test_executor_expert_parallel.py) where simulate does, and refuses the rest alike."""
+    from executor.config import ConfigError, RunConfig
+
+    base = {"model": "mixtral-8x7b", "hidden": 16, "heads": 4, "kv_heads": 2, "layers": 4, "experts": 4,
+            "seq_len": 8, "vocab": 37, "batch_size": 8, "dp": 2, "ep": 2, "pp": 1, "microbatches": 4,
+            "ep_overlap": True}
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**{**base, **fields}).check()
+
+
+def test_run_builds_the_combined_order_it_was_asked_for():
+    from executor.config import RunConfig, build_schedule
+
+    config = RunConfig(model="mixtral-8x7b", hidden=16, heads=4, kv_heads=2, layers=4, experts=4, seq_len=8,
+                       vocab=37, batch_size=8, dp=2, ep=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                       microbatches=4, ep_overlap=True)
+    schedule = build_schedule(config)
+    assert schedule.meta["combined_1f1b"] is True
+    assert [len(schedule.fused_pairs(rank)) for rank in range(2)] == \
+           [len(combined_1f1b("interleaved-1f1b", 2, 4, 2).fused_pairs(rank)) for rank in range(2)]
 
 
 def test_every_moment_of_a_combined_step_is_labelled():

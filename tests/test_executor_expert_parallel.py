@@ -25,9 +25,14 @@ SMALL = {"model": "mixtral-8x7b", "hidden": 16, "heads": 4, "kv_heads": 2, "laye
          "vocab": 37, "batch_size": 8, "steps": 2, "dtype": "float64", "optimizer": "adamw", "lr": 0.02,
          "return_grads": True, "schedule": "1f1b", "microbatches": 2}
 CASES_OF_WORLD = {
-    2: {"mixtral-pp1-dp2-ep2": {"pp": 1, "dp": 2, "ep": 2}},
+    2: {"mixtral-pp1-dp2-ep2": {"pp": 1, "dp": 2, "ep": 2},
+        # combined 1F1B without pipelining: F0, then F(i+1) with B(i) as one step (schedules.combined)
+        "mixtral-pp1-dp2-ep2-combined": {"pp": 1, "dp": 2, "ep": 2, "microbatches": 4, "ep_overlap": True}},
     4: {
         "mixtral-pp2-dp2-ep2": {"pp": 2, "dp": 2, "ep": 2},
+        # combined 1F1B on the interleaved order: one more warm-up forward, then fused pairs
+        "mixtral-pp2-v2-dp2-ep2-combined": {"pp": 2, "dp": 2, "ep": 2, "layers": 4, "schedule": "interleaved-1f1b",
+                                            "virtual_stages": 2, "microbatches": 4, "ep_overlap": True},
         # ep 2 of dp 4: the experts' gradients are reduced over pairs of ep groups.
         "mixtral-pp1-dp4-ep2": {"pp": 1, "dp": 4, "ep": 2},
         # one expert per rank, some sequences' copies dropped by the capacity
