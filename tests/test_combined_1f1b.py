@@ -104,6 +104,7 @@ def test_a_pair_hides_each_halfs_all_to_alls_under_the_others_compute():
                                          + max(0.0, all_to_all - forward), rel=1e-9)
     assert paired["ep"] < rank["ep"]
     assert paired["busy"] == pytest.approx(rank["busy"], rel=1e-12)  # the compute keeps its own time
+    assert together["ep_overlap"] is True and apart["ep_overlap"] is False
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -79,6 +79,7 @@ class SimulationResult:
             "microbatches": self.schedule.step_microbatches,
             "virtual_stages": self.schedule.virtual_stages,
             "microbatch_group": self.schedule.meta.get("microbatch_group"),
+            "ep_overlap": bool(self.schedule.meta.get("combined_1f1b")),  # combined 1F1B (schedules.combined)
             "topology": self.topology.name,
             "dp": self.parallel.dp,
             "tp": self.parallel.tp,
@@ -173,6 +174,7 @@ class SimulationResult:
                                                    ("optimizer", "optim"), ("overhead", "overhead"))
                  if any(getattr(rank, name) for rank in metrics.ranks)]
         order = f" (order: {schedule.meta['order']})" if "order" in schedule.meta else ""  # adapted zb-h1/zb-h2
+        order += " (combined 1F1B)" if schedule.meta.get("combined_1f1b") else ""  # --ep-overlap's pairs
         each_way = f" ({schedule.microbatches} each way)" if schedule.copies == 2 else ""
         group = schedule.meta.get("microbatch_group")  # interleaved-1f1b's N, where the user set it
         group = f" (microbatch group {group})" if group else ""
