@@ -12,6 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipesim.cli import main
 from pipesim.cluster.collectives import all_gather, reduce_scatter
@@ -175,3 +177,39 @@ def test_the_docs_quote_the_folded_step_as_simulated():
             f"({cut['ranks'][0]['ep'] * 1e3:.0f} ms of it ep all-to-alls across two nodes) and "
             f"{folded['makespan'] * 1e3:.0f} ms folded to `--etp 1` ({folded['ranks'][0]['ep'] * 1e3:.0f} ms of ep "
             f"inside a node)") in docs
+
+
+@st.composite
+def folded_layouts(draw):
+    tp = draw(st.sampled_from([1, 2, 4]))
+    cp = draw(st.sampled_from([1, 2]))
+    dp = draw(st.integers(1, 6))
+    etp = draw(st.sampled_from([size for size in (1, 2, 4) if tp % size == 0]))
+    stage = tp * cp * dp
+    ep = draw(st.sampled_from([size for size in range(1, stage + 1) if stage % (etp * size) == 0]))
+    order = draw(st.sampled_from(["tp-cp-dp-pp", "tp-dp-pp", "tp-pp-dp"]))
+    return tp, cp, dp, etp, ep, order
+
+
+@settings(max_examples=60, deadline=None)
+@given(folded_layouts())
+def test_the_expert_mesh_partitions_every_stage(layout):
+    """Any folded layout: each stage's ranks split into expert tensor-parallel shards x
+    ep groups, every rank in exactly one ep group of ``ep`` members; the expert dp group
+    of a rank holds ``tp cp dp / (etp ep)`` ranks, one from each ep group of its shard;
+    members of an ep group lie ``etp`` apart in the stage's rank order (Megatron-Core's
+    expert mesh: etp innermost, then ep)."""
+    tp, cp, dp, etp, ep, order = layout
+    mapping = map_ranks(ideal_topology(), dp=dp, pp=2, tp=tp, order=order, cp=cp, ep=ep, etp=etp)
+    for stage in range(2):
+        members = mapping.stage_members(stage)
+        groups = stage_ep_groups(mapping, stage)
+        assert sorted(device for group in groups for device in group) == sorted(members)
+        assert all(len(group) == ep for group in groups)
+        if mapping.folded:
+            position = {device: index for index, device in enumerate(members)}
+            for group in groups:
+                gaps = {position[b] - position[a] for a, b in zip(group, group[1:], strict=False)}
+                assert gaps <= {etp}
+        for shard in range(mapping.expert_tp):
+            assert len(mapping.expert_dp_group(stage, shard)) == tp * cp * dp // (etp * ep)
