@@ -203,16 +203,15 @@ def test_sweep_runs_each_point_combined_as_simulate_does(tmp_path, capsys):
 @pytest.mark.parametrize("semantics", ["rendezvous", "buffered", "torch-runtime"])
 def test_the_compiled_engine_and_its_simpy_specification_agree_on_combined_1f1b(semantics):
     """Bit for bit, on a dp 2 x tp 2 job over two InfiniBand nodes with activations and
-    gradients to move: the combined order's pairs are read alike by both."""
-    import numpy as np
-
+    gradients to move: the combined order's pairs are read alike by both (random orders
+    too: tests/test_engine_reference.py draws combined 1F1B beside the generators)."""
     from pipesim.cluster import presets
     from pipesim.cluster.mapping import map_ranks
     from pipesim.model.costs import uniform_costs
     from pipesim.sim.engine import step_timing
     from pipesim.sim.parallel import comm_plan
     from schedules import engine
-    from schedules import engine_reference as reference
+    from tests.test_engine_reference import assert_walks_agree
 
     if engine._compiled is None:
         pytest.skip("the compiled engine is not built")
@@ -220,12 +219,5 @@ def test_the_compiled_engine_and_its_simpy_specification_agree_on_combined_1f1b(
     costs = uniform_costs(schedule, 1e-3, 2e-3, 0.0, act_bytes=5e7, param_bytes=1e8)
     topology = presets.ib(4)
     mapping = map_ranks(topology, dp=2, pp=4, tp=2)
-    timing = step_timing(schedule, costs, topology, mapping.pipeline(), comm_plan(schedule, costs, topology, mapping))
-    program = engine.compile_program(schedule, semantics)
-    inputs = engine.step_inputs(program, timing)
-    compiled = engine.run_inputs(program, inputs)
-    specified = reference.run_reference(program, inputs.seconds, inputs.hold, inputs.wires, inputs.comm_overhead,
-                                        inputs.channels)
-    assert not compiled.stuck
-    for name in ("ready", "start", "end", "posted", "departed", "arrival", "rank_clock", "rank_done"):
-        assert np.array_equal(getattr(compiled, name), getattr(specified, name), equal_nan=True), name
+    assert_walks_agree(schedule, step_timing(schedule, costs, topology, mapping.pipeline(),
+                                             comm_plan(schedule, costs, topology, mapping)), semantics)

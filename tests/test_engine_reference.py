@@ -20,6 +20,7 @@ from pipesim.sim.parallel import comm_plan
 from schedules import engine, generate, lower
 from schedules import engine_reference as reference
 from schedules.action import Action, ActionKind, parse_action
+from schedules.combined import combined_1f1b
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
 from schedules.schedule import Schedule
 
@@ -27,6 +28,7 @@ CLUSTERS = {  # name -> (preset, nodes); pcie shares its switch and socket links
     "ideal": ("ideal", 1), "nvlink": ("nvlink", 1), "pcie": ("pcie", 1), "ib": ("ib", 2), "ethernet": ("ethernet", 2),
 }
 MOMENTS = engine.ENGINE_OUTPUTS
+COMBINED = "combined interleaved-1f1b"  # --ep-overlap's order, drawn beside the generators'
 
 pytestmark = pytest.mark.skipif(engine._compiled is None, reason="the compiled engine is not built")
 
@@ -52,12 +54,16 @@ def cases(draw, gathers: bool = False, layer_gathers: bool = False):
     of 1 to 4 layers; with ``layer_gathers`` always, under ZeRO-3 with every forward's and
     backward's per-layer gathers in the walk."""
     gathers = gathers or layer_gathers
-    name = draw(st.sampled_from(sorted(set(GENERATORS) - {"zb-auto"})))  # V-shaped and overlapped pairs included
+    # V-shaped and overlapped pairs included, and combined 1F1B's (schedules.combined)
+    name = draw(st.sampled_from([*sorted(set(GENERATORS) - {"zb-auto"}), COMBINED]))
     pp = draw(st.integers(1, 8))
     microbatches = draw(st.integers(1, 12))
-    chunks = draw(st.integers(1, 3)) if name in MULTI_CHUNK else 1
+    chunks = draw(st.integers(1, 3)) if name in MULTI_CHUNK or name == COMBINED else 1
     try:
-        lowered = lower(generate(name, pp, microbatches, chunks))
+        if name == COMBINED:
+            lowered = lower(combined_1f1b("interleaved-1f1b", pp, microbatches, chunks))
+        else:
+            lowered = lower(generate(name, pp, microbatches, chunks))
     except ScheduleUnavailableError:
         lowered = lower(generate("1f1b", pp, microbatches))
     preset, nodes = CLUSTERS[draw(st.sampled_from(sorted(CLUSTERS)))]
