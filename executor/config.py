@@ -89,7 +89,7 @@ class RunConfig:
     microbatches: int = 4
     virtual_stages: int = 1
     microbatch_group: int | None = None  # interleaved-1f1b's N (schedules.generators.interleaved); None: its own
-    ep_overlap: bool = False  # combined 1F1B (schedules.combined), Megatron-Core's --overlap-moe-expert-parallel-comm
+    ep_overlap: bool = False  # combined 1F1B (schedules.generators.combined), Megatron-Core's EP all-to-all overlap
     model: str = "mlp"
     layers: int = 4
     hidden: int = 64
@@ -425,7 +425,7 @@ def check_ep_overlap(config: RunConfig) -> None:
     a generated order (a given one fixes its own pairs)."""
     if not config.ep_overlap:
         return
-    from schedules.combined import COMBINABLE  # noqa: PLC0415
+    from schedules.generators.combined import COMBINABLE  # noqa: PLC0415
 
     if config.ep < 2:
         raise ConfigError("--ep-overlap needs --ep above 1: it hides expert parallelism's all-to-alls (Megatron-Core "
@@ -451,7 +451,7 @@ def build_schedule(config: RunConfig) -> Schedule:
     if config.custom_schedule is not None:
         return lower(config.custom_schedule)
     if config.ep_overlap:
-        from schedules.combined import combined_1f1b  # noqa: PLC0415
+        from schedules.generators.combined import combined_1f1b  # noqa: PLC0415
 
         return lower(combined_1f1b(config.schedule, config.pp, config.microbatches, config.virtual_stages,
                                    config.microbatch_group))

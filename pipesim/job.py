@@ -114,7 +114,7 @@ class Job:
     cp: int = 1
     ep: int = 1
     etp: int | None = None  # the routed experts' own tensor parallelism (parallel folding); None: tp
-    ep_overlap: bool = False  # combined 1F1B, Megatron-Core's --overlap-moe-expert-parallel-comm (schedules.combined)
+    ep_overlap: bool = False  # combined 1F1B, Megatron-Core's EP all-to-all overlap (schedules.generators.combined)
     cp_comm: str = "p2p"
     rank_order: str = "tp-dp-pp"
     bucket_mb: float = 25.0
@@ -208,7 +208,7 @@ def schedule_of(job: Job, topology: Topology | None = None, search_seconds: floa
 
 def combined_schedule_of(job: Job) -> Schedule:
     """The job's schedule run as Megatron-Core's combined 1F1B (``--ep-overlap``:
-    ``schedules.combined``), refused in one line where Megatron-Core refuses it."""
+    ``schedules.generators.combined``), refused in one line where Megatron-Core refuses it."""
     return combined_schedule(job, job.schedule, job.pp, job.microbatches,
                              virtual_stages_for(job.schedule, job.virtual_stages), job.microbatch_group)
 
@@ -217,7 +217,7 @@ def combined_schedule(job, name: str, pp: int, microbatches: int, virtual_stages
                       microbatch_group: int | None) -> Schedule:
     """Schedule ``name`` of these sizes as combined 1F1B under the job's other flags (what
     ``simulate`` and each point of ``sweep`` run with ``--ep-overlap``)."""
-    from schedules.combined import COMBINABLE, combined_1f1b
+    from schedules.generators.combined import COMBINABLE, combined_1f1b
 
     if name not in COMBINABLE:
         raise conflict("--ep-overlap", f"--schedule {name}", "combined 1F1B overlaps the steady state of "

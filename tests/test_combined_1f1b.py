@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from pipesim.cli import main
 from schedules import lower, validate
-from schedules.combined import combined_1f1b
 from schedules.generators import ScheduleUnavailableError
+from schedules.generators.combined import combined_1f1b
 from schedules.generators.interleaved import interleaved_1f1b
 from schedules.p2p import P2P_SEMANTICS
 from tests.cli_runs import simulate_json

@@ -20,8 +20,8 @@ from pipesim.sim.parallel import comm_plan
 from schedules import engine, generate, lower
 from schedules import engine_reference as reference
 from schedules.action import Action, ActionKind, parse_action
-from schedules.combined import combined_1f1b
 from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError
+from schedules.generators.combined import combined_1f1b
 from schedules.schedule import Schedule
 
 CLUSTERS = {  # name -> (preset, nodes); pcie shares its switch and socket links between rank pairs
@@ -54,7 +54,7 @@ def cases(draw, gathers: bool = False, layer_gathers: bool = False):
     of 1 to 4 layers; with ``layer_gathers`` always, under ZeRO-3 with every forward's and
     backward's per-layer gathers in the walk."""
     gathers = gathers or layer_gathers
-    # V-shaped and overlapped pairs included, and combined 1F1B's (schedules.combined)
+    # V-shaped and overlapped pairs included, and combined 1F1B's (schedules.generators.combined)
     name = draw(st.sampled_from([*sorted(set(GENERATORS) - {"zb-auto"}), COMBINED]))
     pp = draw(st.integers(1, 8))
     microbatches = draw(st.integers(1, 12))

@@ -26,7 +26,7 @@ SMALL = {"model": "mixtral-8x7b", "hidden": 16, "heads": 4, "kv_heads": 2, "laye
          "return_grads": True, "schedule": "1f1b", "microbatches": 2}
 CASES_OF_WORLD = {
     2: {"mixtral-pp1-dp2-ep2": {"pp": 1, "dp": 2, "ep": 2},
-        # combined 1F1B without pipelining: F0, then F(i+1) with B(i) as one step (schedules.combined)
+        # combined 1F1B without pipelining: F0, then F(i+1) with B(i) as one step (schedules.generators.combined)
         "mixtral-pp1-dp2-ep2-combined": {"pp": 1, "dp": 2, "ep": 2, "microbatches": 4, "ep_overlap": True}},
     4: {
         "mixtral-pp2-dp2-ep2": {"pp": 2, "dp": 2, "ep": 2},

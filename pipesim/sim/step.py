@@ -79,7 +79,7 @@ class SimulationResult:
             "microbatches": self.schedule.step_microbatches,
             "virtual_stages": self.schedule.virtual_stages,
             "microbatch_group": self.schedule.meta.get("microbatch_group"),
-            "ep_overlap": bool(self.schedule.meta.get("combined_1f1b")),  # combined 1F1B (schedules.combined)
+            "ep_overlap": bool(self.schedule.meta.get("combined_1f1b")),  # schedules.generators.combined
             "topology": self.topology.name,
             "dp": self.parallel.dp,
             "tp": self.parallel.tp,

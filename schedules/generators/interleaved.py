@@ -90,7 +90,7 @@ def warmup_forwards(pp: int, rank: int, microbatches: int, virtual_stages: int, 
                     extra: int = 0) -> int:
     """Forwards rank ``rank`` runs before its first backward: Megatron's
     ``2(p - r - 1) + (v - 1)N`` (plus ``extra``: combined 1F1B's one more,
-    ``schedules.combined``), at most every forward of the step."""
+    ``schedules.generators.combined``), at most every forward of the step."""
     return min(2 * (pp - 1 - rank) + (virtual_stages - 1) * microbatch_group + extra, microbatches * virtual_stages)
 
 
@@ -99,7 +99,7 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual_stages: int = 2,
     """Megatron's depth-first interleaved schedule with looped placement, ``N =
     microbatch_group`` microbatches per chunk visit (None: torch's rounds, see the
     module); ``extra_warmup`` more warm-up forwards on every rank (combined 1F1B's one,
-    ``schedules.combined``). Every rank's program is computed as arrays at once (a
+    ``schedules.generators.combined``). Every rank's program is computed as arrays at once (a
     large step has hundreds of thousands of actions), and the arrays are kept with the
     schedule for lowering to read."""
     if microbatch_group is None:

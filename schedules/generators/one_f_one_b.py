@@ -15,7 +15,7 @@ from schedules.schedule import Schedule, looped_placement
 def one_f_one_b(pp: int, microbatches: int, virtual_stages: int = 1, extra_warmup: int = 0) -> Schedule:
     """Rank ``r`` runs ``min(pp - r - 1 + extra_warmup, m)`` warm-up forwards, then F/B
     pairs, then the remaining backwards (``extra_warmup``: combined 1F1B's one more,
-    ``schedules.combined``)."""
+    ``schedules.generators.combined``)."""
     require_single_chunk("1f1b", virtual_stages)
     programs = []
     for rank in range(pp):

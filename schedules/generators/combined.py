@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from schedules.action import ActionKind
-from schedules.generators import ScheduleUnavailableError
+from schedules.generators.common import ScheduleUnavailableError
 from schedules.generators.interleaved import interleaved_1f1b, round_size, warmup_forwards
 from schedules.generators.one_f_one_b import one_f_one_b
 from schedules.schedule import Schedule
