@@ -58,7 +58,9 @@ def forward_and_backward(block: torch.nn.Module, x: torch.Tensor, autocast: bool
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = local_storage(tensor)
         if storage.data_ptr() not in params:
-            saved.setdefault(storage.data_ptr(), storage)
+            # keyed by the storage itself (kept alive here), not its address: a gathered copy the
+            # executor drops (resized to nothing) frees its memory, which a later shard may reuse
+            saved.setdefault(storage._cdata, storage)
         return tensor
 
     with (torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
