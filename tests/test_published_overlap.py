@@ -104,6 +104,8 @@ def test_the_docs_quote_the_table_and_medians_as_printed():
         assert f"- {line}" in docs, line
     for line in ep_overlap_lines(ROWS, predictions):
         assert line in docs, line
+    combined = [error(run, predictions[run.label]) for run in ROWS if run.source == MOE_SOURCE and run.ep_overlap]
+    assert f"they come out {min(combined):+.1%} to {max(combined):+.1%}" in " ".join(docs.split())
     assert summary("mixture-of-experts layouts (Megatron-MoE-ModelZoo)",
                    [errors[run.label] for run in ROWS if run.source == ZOO_SOURCE]) in docs
     newest = newest_of_each_layout(MEGATRON)
