@@ -104,6 +104,10 @@ def test_the_docs_quote_the_table_and_medians_as_printed():
         assert f"- {line}" in docs, line
     for line in ep_overlap_lines(ROWS, predictions):
         assert line in docs, line
+    zoo_text = docs[docs.index("**The Megatron-Core MoE team's own layouts**"):]
+    zoo_text = zoo_text[:zoo_text.index("\n\n**")]
+    for run in (run for run in ROWS if run.source == ZOO_SOURCE):  # the prose's figures, each row's own
+        assert f"{run.tokens_per_gpu:,.0f}" in zoo_text and f"{error(run, predictions[run.label]):+.1%}" in zoo_text
     combined = [error(run, predictions[run.label]) for run in ROWS if run.source == MOE_SOURCE and run.ep_overlap]
     assert f"they come out {min(combined):+.1%} to {max(combined):+.1%}" in " ".join(docs.split())
     assert summary("mixture-of-experts layouts (Megatron-MoE-ModelZoo)",
