@@ -420,30 +420,19 @@ def check_microbatch_group(config: RunConfig) -> None:
 
 
 def check_ep_overlap(config: RunConfig) -> None:
-    """``--ep-overlap`` (combined 1F1B) where Megatron-Core runs it, as ``simulate``
-    refuses it: expert parallelism, interleaved-1f1b or 1f1b at pp 1, no full recompute,
-    a generated order (a given one fixes its own pairs)."""
+    """``--ep-overlap`` (combined 1F1B) where Megatron-Core runs it, by ``simulate``'s rule
+    (``schedules.generators.combined.combined_problem``), and on a generated order only (a
+    given one fixes its own pairs)."""
     if not config.ep_overlap:
         return
-    from schedules.generators.combined import COMBINABLE  # noqa: PLC0415
+    from schedules.generators.combined import combined_problem  # noqa: PLC0415
 
-    if config.ep < 2:
-        raise ConfigError("--ep-overlap needs --ep above 1: it hides expert parallelism's all-to-alls (Megatron-Core "
-                          "requires expert parallelism for it); give --ep or drop --ep-overlap")
     if config.custom_schedule is not None:
         raise ConfigError("--ep-overlap conflicts with a given schedule: combined 1F1B is an order of its own; drop "
                           "--ep-overlap or the schedule")
-    if config.schedule not in COMBINABLE:
-        raise ConfigError(f"--ep-overlap conflicts with --schedule {config.schedule}: combined 1F1B overlaps the "
-                          f"steady state of {' or '.join(COMBINABLE)} (Megatron-Core's); use one of them or drop "
-                          f"--ep-overlap")
-    if config.schedule == "1f1b" and config.pp > 1:
-        raise ConfigError(f"--ep-overlap with --schedule 1f1b over --pp {config.pp}: combined 1F1B over several "
-                          f"ranks needs the interleaved schedule (Megatron-Core runs it for interleaved-1f1b, and "
-                          f"for 1f1b only without pipelining, pp 1); use --schedule interleaved-1f1b")
-    if config.recompute == "full":
-        raise ConfigError("--ep-overlap conflicts with --recompute full: Megatron-Core refuses full recomputation "
-                          "under combined 1F1B; use another --recompute or drop --ep-overlap")
+    problem = combined_problem(config.schedule, config.pp, config.ep, config.recompute)
+    if problem:
+        raise ConfigError(problem)
 
 
 def build_schedule(config: RunConfig) -> Schedule:

@@ -217,14 +217,11 @@ def combined_schedule(job, name: str, pp: int, microbatches: int, virtual_stages
                       microbatch_group: int | None) -> Schedule:
     """Schedule ``name`` of these sizes as combined 1F1B under the job's other flags (what
     ``simulate`` and each point of ``sweep`` run with ``--ep-overlap``)."""
-    from schedules.generators.combined import COMBINABLE, combined_1f1b
+    from schedules.generators.combined import combined_1f1b, combined_problem
 
-    if name not in COMBINABLE:
-        raise conflict("--ep-overlap", f"--schedule {name}", "combined 1F1B overlaps the steady state of "
-                       f"{' or '.join(COMBINABLE)} (Megatron-Core's); use one of them or drop --ep-overlap")
-    if job.recompute == "full":
-        raise conflict("--ep-overlap", "--recompute full", "Megatron-Core refuses full recomputation under combined "
-                       "1F1B; use another --recompute or drop --ep-overlap")
+    problem = combined_problem(name, pp, job.ep, job.recompute)
+    if problem:
+        raise ValueError(problem)
     require_within_limit(name, pp, microbatches, virtual_stages, job.max_actions)
     return combined_1f1b(name, pp, microbatches, virtual_stages, microbatch_group)
 
@@ -449,9 +446,6 @@ def check_parallel_layout(job) -> None:
     for flag, value in (("--dp", dp), ("--tp", tp), ("--cp", cp), ("--ep", ep), ("--etp", 1 if etp is None else etp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
-    if getattr(job, "ep_overlap", False) and ep < 2:
-        raise ValueError("--ep-overlap needs --ep above 1: it hides expert parallelism's all-to-alls (Megatron-Core "
-                         "requires expert parallelism for it); give --ep or drop --ep-overlap")
     if etp is not None and not getattr(job, "model", None):
         raise ValueError(f"--etp {etp} needs --model: it splits a mixture of experts' routed experts; give --model "
                          f"or drop --etp")

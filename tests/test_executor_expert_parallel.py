@@ -30,9 +30,11 @@ CASES_OF_WORLD = {
         "mixtral-pp1-dp2-ep2-combined": {"pp": 1, "dp": 2, "ep": 2, "microbatches": 4, "ep_overlap": True}},
     4: {
         "mixtral-pp2-dp2-ep2": {"pp": 2, "dp": 2, "ep": 2},
-        # combined 1F1B on the interleaved order: one more warm-up forward, then fused pairs
+        # combined 1F1B on the interleaved order: one more warm-up forward, then fused pairs, under
+        # NCCL's rule (rendezvous: a send waits for its receive, receives never posted ahead)
         "mixtral-pp2-v2-dp2-ep2-combined": {"pp": 2, "dp": 2, "ep": 2, "layers": 4, "schedule": "interleaved-1f1b",
-                                            "virtual_stages": 2, "microbatches": 4, "ep_overlap": True},
+                                            "virtual_stages": 2, "microbatches": 4, "ep_overlap": True,
+                                            "p2p": "rendezvous"},
         # ep 2 of dp 4: the experts' gradients are reduced over pairs of ep groups.
         "mixtral-pp1-dp4-ep2": {"pp": 1, "dp": 4, "ep": 2},
         # one expert per rank, some sequences' copies dropped by the capacity

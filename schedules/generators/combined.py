@@ -30,24 +30,41 @@ from schedules.schedule import Schedule
 COMBINABLE = ("1f1b", "interleaved-1f1b")
 
 
+def combined_problem(name: str, pp: int, ep: int = 2, recompute: str = "none") -> str:
+    """Why Megatron-Core would not run schedule ``name`` over ``pp`` ranks as combined
+    1F1B with ``ep`` expert-parallel ranks and ``recompute`` ('' when it would): the one
+    rule ``simulate``, ``sweep`` and ``run`` refuse ``--ep-overlap`` by."""
+    if ep < 2:
+        return ("--ep-overlap needs --ep above 1: it hides expert parallelism's all-to-alls (Megatron-Core requires "
+                "expert parallelism for it); give --ep or drop --ep-overlap")
+    if name not in COMBINABLE:
+        return (f"--ep-overlap conflicts with --schedule {name}: combined 1F1B overlaps the steady state of "
+                f"{' or '.join(COMBINABLE)} (Megatron-Core's), and {name} is not one of them; use one of them or drop "
+                f"--ep-overlap")
+    if name == "1f1b" and pp != 1:
+        return (f"--ep-overlap with --schedule 1f1b over --pp {pp}: combined 1F1B over several ranks needs the "
+                f"interleaved schedule (Megatron-Core runs it for interleaved-1f1b, and for 1f1b only without "
+                f"pipelining, pp 1); use --schedule interleaved-1f1b")
+    if recompute == "full":
+        return ("--ep-overlap conflicts with --recompute full: Megatron-Core refuses full recomputation under "
+                "combined 1F1B; use another --recompute or drop --ep-overlap")
+    return ""
+
+
 def combined_1f1b(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
                   microbatch_group: int | None = None) -> Schedule:
     """Schedule ``name`` (1f1b at pp 1, or interleaved-1f1b) run as combined 1F1B: one
     more warm-up forward per rank and every steady-state (forward, backward) pair fused."""
+    problem = combined_problem(name, pp)
+    if problem:
+        raise ScheduleUnavailableError(problem)
     if name == "interleaved-1f1b":
         schedule = interleaved_1f1b(pp, microbatches, virtual_stages, microbatch_group, extra_warmup=1)
         group = microbatch_group or round_size(pp, microbatches)
         warmups = [warmup_forwards(pp, rank, microbatches, virtual_stages, group, extra=1) for rank in range(pp)]
-    elif name == "1f1b":
-        if pp != 1:
-            raise ScheduleUnavailableError(
-                f"combined 1F1B over pp={pp} ranks needs the interleaved schedule (Megatron-Core runs it for "
-                f"interleaved-1f1b, and for 1f1b only without pipelining, pp 1); use --schedule interleaved-1f1b")
+    else:  # 1f1b without pipelining
         schedule = one_f_one_b(pp, microbatches, extra_warmup=1)
         warmups = [min(1, microbatches)]
-    else:
-        raise ScheduleUnavailableError(f"combined 1F1B overlaps the steady state of {' or '.join(COMBINABLE)}; "
-                                       f"{name} is not one of them")
     return fuse_steady_pairs(schedule, warmups)
 
 
