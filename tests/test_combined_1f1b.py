@@ -18,7 +18,7 @@ from schedules.generators import ScheduleUnavailableError
 from schedules.generators.combined import combined_1f1b
 from schedules.generators.interleaved import interleaved_1f1b
 from schedules.p2p import P2P_SEMANTICS
-from tests.cli_runs import simulate_json
+from tests.cli_runs import assert_one_line_error, simulate_json
 
 QWEN3_30B = "tests/data/hf_configs/qwen3-30b-a3b.json"
 
@@ -116,9 +116,7 @@ def test_a_pair_hides_each_halfs_all_to_alls_under_the_others_compute():
 ])
 def test_layouts_megatron_core_refuses_are_one_line(extra, message, capsys):
     args = ["simulate", "--model", QWEN3_30B, "--seq-len", "4096", "-m", "4", "--dp", "8", *extra]
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
+    assert_one_line_error(capsys, args, message)
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from pipesim.cli import main
 from pipesim.cluster.collectives import ring_exchange
 from pipesim.cluster.presets import nvlink
 from pipesim.cluster.topology import ideal_topology
@@ -18,7 +17,7 @@ from pipesim.sim.context_parallel import ring_attention_exposed
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
 from schedules.generators import generate
-from tests.cli_runs import simulate_json
+from tests.cli_runs import assert_one_line_error, simulate_json
 
 NVLINK_BW = 450e9 * 0.8
 NVLINK_PAIR_LATENCY = 2 * 1.5e-6
@@ -135,9 +134,7 @@ def test_a_cp_job_counts_its_gpus_and_sends_each_ranks_share():
     (["--model", "llama3-8b", "--cp-comm", "all-gather"], "--cp-comm all-gather needs --cp > 1"),
 ])
 def test_bad_context_layouts_are_one_line_errors_before_any_work(capsys, args, message):
-    assert main(["simulate", "--pp", "2", "-m", "2", *args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
+    assert_one_line_error(capsys, ["simulate", "--pp", "2", "-m", "2", *args], message)
 
 
 def test_ring_attention_needs_the_fused_kernel_in_the_model_too():

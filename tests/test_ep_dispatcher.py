@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from pipesim.cli import main
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.experts import node_limited_share
 from pipesim.model.operations import layer_operations
 from pipesim.model.spec import load_model, model_spec
 from pipesim.model.transformer_costs import dispatch_node_limit
-from tests.cli_runs import simulate_json
+from tests.cli_runs import assert_one_line_error, simulate_json
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 QWEN3_30B = str(CONFIGS / "qwen3-30b-a3b.json")
@@ -85,9 +84,7 @@ def test_an_unknown_dispatcher_is_refused_in_the_spec():
     (["--fwd", "1e-3", "--ep-dispatcher", "deepep"], "--ep-dispatcher deepep needs --model"),
 ])
 def test_bad_ep_dispatcher_is_one_line_exit_2(capsys, args, message):
-    assert main(["simulate", "--pp", "2", "-m", "2", *args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
+    assert_one_line_error(capsys, ["simulate", "--pp", "2", "-m", "2", *args], message)
 
 
 def test_plan_carries_the_flag_to_every_layouts_model():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from pipesim.cli import main
 from pipesim.cluster.collectives import all_to_all
 from pipesim.cluster.mapping import map_ranks, parse_rank_order
 from pipesim.cluster.presets import ib, nvlink, pcie
@@ -22,7 +21,7 @@ from pipesim.model.transformer_costs import model_costs
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
 from schedules.generators import generate
-from tests.cli_runs import simulate_json
+from tests.cli_runs import assert_one_line_error, simulate_json
 
 NVLINK_BW = 450e9 * 0.8  # H100 NVSwitch port x efficiency
 NVLINK_PAIR_LATENCY = 2 * 1.5e-6  # GPU -> NVSwitch -> GPU
@@ -270,9 +269,7 @@ def test_mixtral_on_ep_8_inside_a_node_pays_its_all_to_alls_per_layer():
     (["--model", "mixtral-8x7b", "--ep", "0"], "--ep must be a whole number >= 1, got 0"),
 ])
 def test_bad_expert_layouts_are_one_line_errors_before_any_work(capsys, args, message):
-    assert main(["simulate", "--pp", "2", "-m", "2", *args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
+    assert_one_line_error(capsys, ["simulate", "--pp", "2", "-m", "2", *args], message)
 
 
 def test_check_layout_names_the_model_for_ep_on_a_dense_model():

@@ -27,7 +27,7 @@ from pipesim.model.spec import model_spec
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
 from schedules.generators import generate
-from tests.cli_runs import simulate_json
+from tests.cli_runs import assert_one_line_error, simulate_json
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEPSEEK = json.loads((ROOT / "tests" / "data" / "hf_configs" / "deepseek-v3.json").read_text())
@@ -184,9 +184,7 @@ def test_an_fp8_dispatch_without_fp8_gemms_is_refused_in_the_spec():
     (["--fwd", "1e-3", "--ep-dispatch", "bf16"], "--ep-dispatch bf16 needs --model"),
 ])
 def test_bad_ep_dispatch_is_one_line_exit_2(capsys, args, message):
-    assert main(["simulate", "--pp", "2", "-m", "2", *args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
+    assert_one_line_error(capsys, ["simulate", "--pp", "2", "-m", "2", *args], message)
 
 
 def test_plan_refuses_an_fp8_dispatch_without_fp8_gemms_before_searching(capsys):

@@ -28,7 +28,7 @@ from pipesim.model.spec import load_model
 from pipesim.model.weights import layer_params
 from pipesim.sim.expert_parallel import stage_ep_groups
 from pipesim.sim.parallel import ParallelConfig
-from tests.cli_runs import simulate_json
+from tests.cli_runs import assert_one_line_error, simulate_json
 
 QWEN3_30B = str(Path(__file__).parent / "data" / "hf_configs" / "qwen3-30b-a3b.json")
 
@@ -140,9 +140,7 @@ def test_etp_equal_to_tp_changes_nothing():
 def test_bad_etp_is_one_line(extra, message, capsys):
     args = ["simulate", "--model", QWEN3_30B, "--seq-len", "4096", "--pp", "2", "-m", "4", "--tp", "2", "--dp", "8",
             *extra]
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
+    assert_one_line_error(capsys, args, message)
 
 
 def test_etp_needs_a_mixture_of_experts_and_a_model(capsys):
