@@ -38,6 +38,7 @@ def summary(result: dict) -> dict:
         "ep": result.get("ep", 1),
         "cp": result.get("cp", 1),
         "cp_comm": result.get("cp_comm"),  # how the cp ranks exchanged keys and values (None without cp)
+        "ep_overlap": result.get("ep_overlap", False),  # run as combined 1F1B (schedules.generators.combined)
         "microbatches": result["microbatches"],
         "copies": result.get("copies", 1),  # DualPipe's two copies of the model, each fed half the microbatches
         "global_batch_size": result.get("global_batch_size"),
@@ -81,7 +82,8 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
     if document.get("cp_comm"):
         expert = expert.replace(f" cp={document['cp']}", f" cp={document['cp']} cp-comm={document['cp_comm']}")
     lines = [
-        f"{document['schedule']}: dp={document['dp']} pp={document['pp']} tp={document['tp']}{expert} "
+        f"{document['schedule']}{' (combined 1F1B)' if document.get('ep_overlap') else ''}: "
+        f"dp={document['dp']} pp={document['pp']} tp={document['tp']}{expert} "
         f"(world {document['world_size']}) virtual_stages={document['virtual_stages']} backend={document['backend']}",
         f"global batch {document['global_batch_size']}: {document['replica_batch_size']} per dp replica, "
         f"in {document['microbatches'] * document.get('copies', 1)} microbatches per replica"

@@ -398,7 +398,7 @@ class RankRun:
         schedule, events = self.schedule, self.events
         config = self.config
         shape = {"dp": config.dp, "tp": config.tp, "ep": config.ep, "cp": config.cp,
-                 "cp_comm": config.cp_comm if config.cp > 1 else None,
+                 "cp_comm": config.cp_comm if config.cp > 1 else None, "ep_overlap": config.ep_overlap,
                  "global_batch_size": config.batch_size,
                  "replica_batch_size": config.replica_batch_size}
         meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,

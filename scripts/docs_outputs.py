@@ -58,6 +58,11 @@ QUOTED = (
            "pipesim plan --model mixtral-8x7b --gpus 64 --global-batch 256 --seq-len 4096 --topology ib --gpu h100 "
            "--top 5",
            ("  #  layout", "  1 ", "  2 ", "  3 ", "  4 ", "  5 ", "considered", "screened", ELIDED), slow=True),
+    Quoted("README.md",
+           "pipesim plan --model mixtral-8x7b --gpus 64 --global-batch 256 --seq-len 4096 --topology ib --gpu h100 "
+           "--top 4 --schedules interleaved-1f1b --constraint pp=2 --constraint ep=8 --constraint zero=1 "
+           "--constraint recompute=none",
+           ("  #  layout", "  1 ", "  2 ", "  3 ", "  4 ")),
 )
 
 # pictures: the file, the command that writes the page (into {out}), and the page it writes

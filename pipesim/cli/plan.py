@@ -22,7 +22,7 @@ from pipesim.plan.search import pareto_front, terminal_progress
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.generators import PLANNED_SCHEDULES
 
-SEQUENCE_PARALLEL = {"off": False, "on": True}
+SWITCHES = {"off": False, "on": True}  # a searched switch: off, on or both
 PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
 
 
@@ -72,6 +72,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "every power of two dividing its routed experts; ranks cut from the dp replicas)")
     parser.add_argument("--sequence-parallel", default="off,on",
                         help="sequence parallelism to try with tp > 1: off, on or both (default: off,on)")
+    parser.add_argument("--ep-overlap", default=None,
+                        help="combined 1F1B to try for a mixture of experts (`pipesim simulate --ep-overlap`, "
+                        "Megatron-Core's --overlap-moe-expert-parallel-comm: each steady-state forward beside a "
+                        "backward, hiding the expert-parallel all-to-alls, at one more warm-up microbatch's memory): "
+                        "off, on or both; tried where Megatron-Core runs it (ep > 1, interleaved-1f1b, or 1f1b "
+                        "without pipelining, no full recompute) (default: off,on for a mixture of experts, off for "
+                        "a dense model)")
     parser.add_argument("--mfu", type=float, default=None,
                         help="one compute efficiency for every kernel instead of the GPU's compute model")
     parser.add_argument("--compute-model", default=None, metavar="FILE",
@@ -156,9 +163,12 @@ def plan_request(args: argparse.Namespace):
         virtual_stages=_ints(args.virtual_stages, "--virtual-stages"),
         recompute=_listed(args.recompute) if args.recompute is not None else None,
         zero=[int(level) for level in _names(args.zero, "--zero", tuple(map(str, ZERO_STAGES)))],
-        sequence_parallel=[SEQUENCE_PARALLEL[mode] for mode in _names(args.sequence_parallel, "--sequence-parallel",
-                                                                       tuple(SEQUENCE_PARALLEL))],
+        sequence_parallel=[SWITCHES[mode] for mode in _names(args.sequence_parallel, "--sequence-parallel",
+                                                                       tuple(SWITCHES))],
         cp=_ints(args.cp, "--cp") if args.cp else None, ep=_ints(args.ep, "--ep") if args.ep else None,
+        ep_overlap=[SWITCHES[mode] for mode in _names(args.ep_overlap, "--ep-overlap",
+                                                               tuple(SWITCHES))]
+        if args.ep_overlap is not None else None,
         microbatch_group=_ints(args.microbatch_group, "--microbatch-group") if args.microbatch_group else None,
         constraints=tuple(args.constraint), mfu=args.mfu, compute_model=args.compute_model,
         fp8=args.fp8, ep_dispatch=args.ep_dispatch, ep_dispatcher=args.ep_dispatcher, comm_sms=args.comm_sms,

@@ -3,9 +3,9 @@
 The row's layout is kept as the plan chose it: schedule, pp, tp, dp, virtual stages,
 microbatches per replica, microbatch size (so the global batch is dp x microbatches x
 microbatch size), ZeRO stage, recompute, sequence, context and expert parallelism (cp by
-ring attention, the exchange the plan priced). The model is the plan's (a row names it:
-a preset, or a config file's absolute path), shrunk to fit this machine: the run's own
-``--layers/--hidden/--heads/--seq-len/--vocab``, each raised to the least value the
+ring attention, the exchange the plan priced) and combined 1F1B (``ep_overlap``). The
+model is the plan's (a row names it: a preset, or a config file's absolute path), shrunk
+to fit this machine: the run's own ``--layers/--hidden/--heads/--seq-len/--vocab``, each raised to the least value the
 layout needs (a block per stage, heads a multiple of tp, a sequence the cp and tp ranks
 can split). A run's ``--model`` naming another model is refused; a plan written before
 rows named their model runs the run's ``--model`` (the ``gpt`` transformer unless another
@@ -37,7 +37,8 @@ ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_fil
              ("--microbatch-group", "microbatch_group", None),
              ("--dp", "dp", 1), ("--tp", "tp", 1), ("--zero", "zero", 0), ("--recompute", "recompute", "none"),
              ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", None),
-             ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "p2p"))
+             ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "p2p"),
+             ("--ep-overlap", "ep_overlap", False))
 TOYS = ("mlp", "gpt")
 # The architecture an ep row runs when the run names only a toy: routed experts, which ep
 # splits (cp splits the toy gpt's sequences as any transformer's).
@@ -80,6 +81,14 @@ def check_row_fields(row: object, where: str) -> None:
         value = row[name]
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: {name} must be a whole number, got {value!r}")
+
+
+def _switch(row: dict, name: str, number: int) -> bool:
+    """A row's on-or-off field (off where a row written before it existed leaves it out)."""
+    value = row.get(name, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"plan row {number}: {name} must be true or false, got {value!r}")
+    return value
 
 
 def planned_model(args: argparse.Namespace, row: dict, number: int) -> str:
@@ -185,6 +194,7 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
              "batch_size": row["dp"] * row["microbatches"] * row["microbatch_size"],
              "cp": row.get("cp", 1), "ep": row.get("ep", 1),
              "cp_comm": "p2p",  # the ring, as plan priced cp
+             "ep_overlap": _switch(row, "ep_overlap", number),  # combined 1F1B, as the plan simulated it
              "clip_grad": planned_clip(args, row, number)}
     if row.get("order") is not None:  # the order the plan built from its costs, run as simulated
         fixed["custom_schedule"] = order_from_dict(row["order"], f"plan row {number}'s order")

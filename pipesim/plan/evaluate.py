@@ -176,16 +176,21 @@ class LayoutEvaluator:
         if layout.schedule in COST_AWARE or layout.schedule in ADAPTABLE:
             return self.ordered_by_costs(layout, search_seconds)
         return self.generated(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages,
-                              self.base.max_actions, layout.microbatch_group)
+                              self.base.max_actions, layout.microbatch_group, layout.ep_overlap)
 
     @kept(limit=256)
     def generated(self, name: str, pp: int, microbatches: int, virtual_stages: int, max_actions: int,
-                  microbatch_group: int | None = None):
-        """The schedule's order, shared by every layout with the same one: tp, dp, microbatch
-        size, recompute and sharding leave it alone (its transfers are placed for each
-        layout's costs when it is simulated, as ``simulate`` places them)."""
-        from schedules.generators import generate
+                  microbatch_group: int | None = None, combined: bool = False):
+        """The schedule's order (``combined``: run as combined 1F1B, as ``simulate
+        --ep-overlap`` builds it), shared by every layout with the same one: tp, dp,
+        microbatch size, recompute and sharding leave it alone (its transfers are placed for
+        each layout's costs when it is simulated, as ``simulate`` places them)."""
+        from schedules.generators import generate, require_within_limit
+        from schedules.generators.combined import combined_1f1b
 
+        if combined:  # the layouts enumerated are those combined 1F1B runs (``layouts._combines``)
+            require_within_limit(name, pp, microbatches, virtual_stages, max_actions)
+            return combined_1f1b(name, pp, microbatches, virtual_stages, microbatch_group)
         return generate(name, pp, microbatches, virtual_stages, max_actions=max_actions,
                         microbatch_group=microbatch_group)
 

@@ -36,8 +36,9 @@ class LayoutBounds:
             _, costs, _, key = self.costs.of(layout)
         except ValueError:
             return float("inf")  # the evaluation reports why
-        if layout.schedule in V_SHAPED and self.overlaps_pairs(key):
+        if (layout.schedule in V_SHAPED or layout.ep_overlap) and self.overlaps_pairs(key):
             # overlapped pairs of a given cost may undercut F + B: only the tail is certain
+            # (a pair priced by ``pipesim.sim.overlap``'s rule costs its halves' compute at least)
             return costs.step_overhead + costs.grad_norm_overhead
         return self.bound(key, layout.zero, layout.microbatches, splits_backward(layout.schedule))
 

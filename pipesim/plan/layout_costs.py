@@ -53,7 +53,7 @@ class LayoutCosts:
                        microbatches=layout.microbatches, microbatch_size=layout.microbatch_size,
                        virtual_stages=layout.virtual_stages, recompute=layout.recompute, zero=layout.zero,
                        sequence_parallel=layout.sequence_parallel, ep=layout.ep, cp=layout.cp,
-                       microbatch_group=layout.microbatch_group)
+                       microbatch_group=layout.microbatch_group, ep_overlap=layout.ep_overlap)
 
     @kept()
     def of(self, layout: Layout):

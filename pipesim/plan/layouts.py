@@ -8,9 +8,11 @@ count follows from the global batch), for interleaved-1f1b its microbatch group 
 (``planned_groups``), recompute, the ZeRO stage, sequence parallelism,
 context parallelism (cp ranks splitting each sequence, for long ones) and, for a mixture
 of experts, the expert-parallel size (ep ranks cut from dp x cp, as ``simulate --ep``
-places them). Layers need not divide over the pp × v stages: each layout's split is the
-balanced one ``pipesim simulate`` makes (``pipesim.model.stage_split``), chosen per
-layout rather than searched.
+places them) and whether its expert-parallel all-to-alls run as combined 1F1B
+(``ep_overlap``: Megatron-Core's ``--overlap-moe-expert-parallel-comm``, where
+``schedules.generators.combined`` says it runs). Layers need not divide over the pp × v
+stages: each layout's split is the balanced one ``pipesim simulate`` makes
+(``pipesim.model.stage_split``), chosen per layout rather than searched.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pipesim.model.per_op_checkpoint import PER_OP, per_op_refusal
 from pipesim.model.spec import NORM_MLA_UP, RECOMPUTE, ModelSpec
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.generators import GROUPED, MULTI_CHUNK, PLANNED_SCHEDULES, SPLIT_BACKWARD, V_SHAPED
+from schedules.generators.combined import combined_problem
 from schedules.generators.common import ScheduleUnavailableError
 from schedules.generators.interleaved import round_size, valid_microbatch_groups
 
@@ -49,6 +52,7 @@ class Layout(NamedTuple):
     ep: int = 1
     cp: int = 1
     microbatch_group: int | None = None  # interleaved-1f1b's N; None: the schedule's own (N = pp where pp | m)
+    ep_overlap: bool = False  # combined 1F1B (schedules.generators.combined): ep's all-to-alls beside compute
 
     def label(self) -> str:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
@@ -56,7 +60,8 @@ class Layout(NamedTuple):
         experts = f" ep{self.ep}" if self.ep > 1 else ""
         extras = "".join([f" N{self.microbatch_group}" if self.microbatch_group else "",
                           f" recompute={self.recompute}" if self.recompute != "none" else "",
-                          f" zero{self.zero}" if self.zero else "", " sp" if self.sequence_parallel else ""])
+                          f" zero{self.zero}" if self.zero else "", " sp" if self.sequence_parallel else "",
+                          " ep-overlap" if self.ep_overlap else ""])
         return (f"{self.schedule}{chunks} pp{self.pp} tp{self.tp}{context} dp{self.dp}{experts} "
                 f"mbs{self.microbatch_size} m{self.microbatches}{extras}")
 
@@ -83,6 +88,7 @@ class SearchSpace:
     seq_len: int = 0  # tokens per sequence (0: unknown, no context parallelism)
     context_parallel: Sequence[int] | None = None  # cp sizes to try; None: ``context_parallel_sizes``
     microbatch_groups: Sequence[int] | None = None  # interleaved-1f1b's N to try; None: ``planned_groups``
+    ep_overlap: Sequence[bool] = (False,)  # combined 1F1B off, on or both, where it runs (``_combines``)
 
 
 # Every recompute mode the simulator models; a plan searches norm-mla-up (DeepSeek-V3's
@@ -141,9 +147,9 @@ def _constraint_value(field: str, value: str) -> str:
         return value
     if field == "microbatch_group" and value.lower() == "none":
         return "None"  # the schedule's own group
-    if field == "sequence_parallel":
+    if field in ("sequence_parallel", "ep_overlap"):
         if value.lower() not in _SWITCHES:
-            raise ValueError(f"sequence_parallel is on or off (true or false), not {value!r}")
+            raise ValueError(f"{field} is on or off (true or false), not {value!r}")
         return _SWITCHES[value.lower()]
     try:
         number = int(value)
@@ -162,7 +168,8 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 # The searched dimensions whose values the plan accounts for one by one (``values_left_out``).
-SEARCHED_FIELDS = ("schedule", "microbatch_size", "virtual_stages", "recompute", "cp", "ep", "microbatch_group")
+SEARCHED_FIELDS = ("schedule", "microbatch_size", "virtual_stages", "recompute", "cp", "ep", "microbatch_group",
+                   "ep_overlap")
 
 
 def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Counter] | None = None
@@ -170,7 +177,8 @@ def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Cou
     """Every layout the space allows, and how many candidates each rule ruled out. A
     candidate is one choice of every dimension on a split of the GPUs (tp x pp dividing
     them); choices that only repeat another layout or describe none are not candidates:
-    ZeRO or sequence parallelism with nothing to shard over, a V with other than two
+    ZeRO or sequence parallelism with nothing to shard over, combined 1F1B where
+    Megatron-Core does not run it (``_combines``), a V with other than two
     stages per rank, and at pp 1 (no pipeline: one rank runs every forward and backward)
     any schedule but one, 1F1B where it is searched. ``by_value``, where given, also
     counts the causes per value of each of ``SEARCHED_FIELDS`` (``(field, value)``)."""
@@ -196,11 +204,14 @@ def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Cou
                             for sequence_parallel in space.sequence_parallel:
                                 if sequence_parallel and tp == 1:
                                     continue  # no tensor-parallel group: the same layout
-                                for ep in expert_sizes:
+                                for ep, overlap in ((ep, overlap) for ep in expert_sizes
+                                                    for overlap in space.ep_overlap):
                                     if ep > dp * cp:
                                         continue  # its ranks are cut from dp x cp: not a layout
+                                    if overlap and not _combines(schedule, pp, ep, recompute):
+                                        continue  # no combined 1F1B of it exists: not a layout
                                     layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
-                                                    recompute, zero, sequence_parallel, ep, cp, group)
+                                                    recompute, zero, sequence_parallel, ep, cp, group, overlap)
                                     cause = _ruled_out(layout, space)
                                     if cause is None:
                                         layouts.append(layout)
@@ -247,6 +258,13 @@ def planned_groups(space: SearchSpace, schedule: str, pp: int, microbatches: int
     return tuple(dict.fromkeys(None if group == own else group for group in space.microbatch_groups))
 
 
+def _combines(schedule: str, pp: int, ep: int, recompute: str) -> bool:
+    """Whether combined 1F1B of this layout exists: the rule ``simulate --ep-overlap`` and
+    ``run --ep-overlap`` refuse by (``schedules.generators.combined.combined_problem``: ep
+    above 1, interleaved-1f1b or 1f1b without pipelining, no full recompute)."""
+    return not combined_problem(schedule, pp, ep, recompute)
+
+
 def _chunks(schedule: str, space: SearchSpace) -> Sequence[int]:
     """Stages per rank to try for ``schedule``: one for a looped one-chunk order, exactly
     two for a V (the only V there is), the searched counts for the other multi-chunk ones."""
@@ -291,6 +309,8 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
         return "global batch not divisible by dp x microbatch size"
     if layout.ep > 1 and ((layout.dp * layout.cp) % layout.ep or space.experts % layout.ep):
         return "ep does not divide dp x cp (its ranks are cut from them) or the routed experts"
+    if layout.ep > 1 and layout.tp > 1 and not layout.sequence_parallel:
+        return EP_TP_WITHOUT_SP
     if layout.cp > 1 and space.seq_len % (2 * layout.cp):
         return "2 x cp does not divide the sequence (the causal ring's even chunks)"
     if layout.pp * layout.virtual_stages > space.layers + 2:
@@ -305,6 +325,10 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
     return None
 
 
+# Megatron-LM's all-to-all dispatcher sends each tp rank's shard of the sequence, so a
+# mixture of experts with tensor parallelism needs sequence parallelism
+# (``pipesim.model.layout.check_layout`` refuses the rest as ``simulate`` does).
+EP_TP_WITHOUT_SP = "ep with tp > 1 needs sequence parallelism (Megatron-LM's dispatcher sends each tp rank's shard)"
 # Per-op recompute is torch's selective checkpointing (torchtitan's SelectiveAC), which
 # hands each saved output to one backward through the block: a split backward goes
 # through it twice, I then W, and fails ("Trying to backward an extra time") in

@@ -43,7 +43,8 @@ class PlanRequest:
     tokens, searched over the ``schedules``, ``microbatch_sizes``, ``virtual_stages`` (of
     multi-chunk schedules), ``recompute`` modes (None: ``searched_recompute``, norm-mla-up
     for models with latent attention only), ``zero`` stages, ``sequence_parallel``
-    choices, context-parallel sizes ``cp``, expert-parallel sizes ``ep`` and interleaved-1f1b's
+    choices, context-parallel sizes ``cp``, expert-parallel sizes ``ep``, combined 1F1B off or
+    on (``ep_overlap``; None: both for a mixture of experts, where it runs) and interleaved-1f1b's
     microbatch groups ``microbatch_group`` (None: the defaults of ``pipesim.plan.layouts``),
     keeping layouts that match every one of ``constraints`` (``"pp=8"``,
     ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on ``workers`` processes (None: the CPUs
@@ -66,6 +67,7 @@ class PlanRequest:
     sequence_parallel: Sequence[bool] = (False, True)
     cp: Sequence[int] | None = None
     ep: Sequence[int] | None = None
+    ep_overlap: Sequence[bool] | None = None
     microbatch_group: Sequence[int] | None = None
     constraints: Sequence[str] = ()
     mfu: float | None = None
@@ -152,7 +154,9 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                                 ("--recompute", RECOMPUTE_MODES if request.recompute is None else request.recompute,
                                  RECOMPUTE_MODES),
                                 ("--zero", request.zero, ZERO_STAGES),
-                                ("--sequence-parallel", request.sequence_parallel, (False, True))):
+                                ("--sequence-parallel", request.sequence_parallel, (False, True)),
+                                ("--ep-overlap", (False,) if request.ep_overlap is None else request.ep_overlap,
+                                 (False, True))):
         _known(flag, values, known)
     for flag, values in (("--microbatch-sizes", request.microbatch_sizes),
                          ("--virtual-stages", request.virtual_stages), ("--cp", request.cp), ("--ep", request.ep),
@@ -192,9 +196,22 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
         constraints=parse_constraints(request.constraints), experts=spec.moe.experts if spec.moe else 0,
         expert_parallel=list(request.ep) if request.ep else None, seq_len=spec.seq_len,
         context_parallel=list(request.cp) if request.cp else None,
+        ep_overlap=searched_overlap(request, spec),
         microbatch_groups=list(request.microbatch_group) if request.microbatch_group else None,
     )
     return base, space
+
+
+def searched_overlap(request: PlanRequest, spec) -> list[bool]:
+    """Combined 1F1B's settings to search: the request's, else both for a mixture of experts
+    (where it runs: ``pipesim.plan.layouts``) and off for a dense model. Asking for it on a
+    dense model is refused in one line: there is no all-to-all to overlap."""
+    if request.ep_overlap is None:
+        return [False, True] if spec.moe else [False]
+    if any(request.ep_overlap) and not spec.moe:
+        raise ValueError(f"--ep-overlap on: {request.model} has no experts, so no expert-parallel all-to-all for "
+                         "combined 1F1B to overlap; drop --ep-overlap")
+    return [bool(choice) for choice in dict.fromkeys(request.ep_overlap)]
 
 
 def _check_precision(base: Job, spec, topology, gpus: int) -> None:
