@@ -232,11 +232,16 @@ def test_every_ranked_row_of_a_broad_plan_is_a_run_the_executor_takes(model: str
     searched = {"none", "selective", "full"} | ({"norm-mla-up"} if model == "deepseek-v2-lite" else set())
     assert searched <= {row["recompute"] for row in rows}
     assert {1, 2} <= {row.get("cp", 1) for row in rows} and {0, 1, 2, 3} <= {row["zero"] for row in rows}
+    if model == "deepseek-v2-lite":  # combined 1F1B searched by default for experts, at pp 1 and interleaved
+        assert {("1f1b", 1), ("interleaved-1f1b", 2)} <= {(row["schedule"], row["pp"]) for row in rows
+                                                          if row["ep_overlap"]}
     refused = []
     for number in range(1, len(rows) + 1):
         try:
-            planned(["--plan", str(path), "--row", str(number)])
+            config, _ = planned(["--plan", str(path), "--row", str(number)])
         except ConfigError as error:
             refused.append(str(error))
+        else:
+            assert config.ep_overlap == rows[number - 1]["ep_overlap"], number
     capsys.readouterr()
     assert refused == []
