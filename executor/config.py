@@ -80,6 +80,7 @@ class RunConfig:
     dp: int = 1
     tp: int = 1
     ep: int = 1
+    etp: int | None = None  # parallel folding: the routed experts' own tp, 1 or tp (None: tp, no folding)
     cp: int = 1
     cp_comm: str = "p2p"  # the ring, as simulate prices cp by default
     sequence_parallel: bool = False
@@ -142,6 +143,23 @@ class RunConfig:
         over them): every dp replica and cp rank, with DualPipe both copies' holders
         (``executor.copies``)."""
         return self.dp * self.cp * self.copies
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks each routed expert is split over: ``etp``, else ``tp`` (Megatron-Core's default)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def folded(self) -> bool:
+        """Whether the experts are folded (``executor.expert_parallel``): whole on each rank of
+        a tensor-parallel group, their ep groups cut from every tp x cp x dp rank of a stage."""
+        return self.expert_tp != self.tp
+
+    @property
+    def expert_members(self) -> int:
+        """The ranks of a stage the ep groups are cut from: its dp x cp ranks, and under
+        parallel folding its tp x cp x dp ranks."""
+        return self.dp * self.cp * (self.tp if self.folded else 1)
 
     @property
     def num_stages(self) -> int:
@@ -235,6 +253,7 @@ class RunConfig:
         check_tensor_parallel(self)
         check_zero(self)
         check_microbatch_group(self)
+        check_expert_tp(self)
         check_expert_parallel(self)
         check_ep_overlap(self)
         check_context_parallel(self)
@@ -371,13 +390,43 @@ def check_expert_parallel(config: RunConfig) -> None:
     if not is_architecture(config.model) or full_spec(config.model).moe is None:
         raise ConfigError(f"--ep {config.ep} splits the experts of a mixture-of-experts model; use e.g. --model "
                           f"mixtral-8x7b (got --model {config.model})")
-    if (config.dp * config.cp) % config.ep:
+    if config.expert_members % config.ep:
+        if config.folded:
+            raise ConfigError(f"--ep {config.ep} must divide the tp x cp x dp = {config.expert_members} ranks of a "
+                              f"stage (under --etp {config.etp} the expert-parallel groups are cut from all of them)")
         ranks = f"--dp {config.dp}" if config.cp == 1 else f"the dp x cp = {config.dp * config.cp} ranks"
         raise ConfigError(f"--ep {config.ep} must divide {ranks} (expert-parallel groups are cut from the dp x cp "
                           f"ranks)")
     experts = shrunk_spec(config).moe.experts
     if experts % config.ep:
         raise ConfigError(f"--ep {config.ep} must divide the {experts} experts (set by --experts)")
+
+
+def check_expert_tp(config: RunConfig) -> None:
+    """``--etp`` (Megatron-Core's parallel folding, ``--expert-tensor-parallel-size``): the
+    executor runs the experts split over tp (``--etp`` = ``--tp``, the default) or whole on
+    every rank (``--etp 1``, as Megatron-Core's MoE recipes fold them), with sequence
+    parallelism where tp > 1, as Megatron-Core and ``simulate`` require."""
+    etp = config.etp
+    if etp is None:
+        return
+    if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1:
+        raise ConfigError(f"--etp must be a whole number >= 1, got {etp!r}")
+    from executor.architectures.build import full_spec, is_architecture  # noqa: PLC0415 - it imports this module
+
+    if not is_architecture(config.model) or full_spec(config.model).moe is None:
+        raise ConfigError(f"--etp {etp} splits the routed experts of a mixture-of-experts model; use e.g. --model "
+                          f"mixtral-8x7b (got --model {config.model})")
+    if etp > config.tp:
+        raise ConfigError(f"--etp {etp} above --tp {config.tp} (experts split over more ranks than attention) is not "
+                          f"run; use --etp 1 or {config.tp}")
+    if etp not in (1, config.tp):
+        raise ConfigError(f"--etp {etp}: the executor runs the routed experts whole on every rank (--etp 1, parallel "
+                          f"folding as Megatron-Core's MoE recipes run it) or split over tp (--etp {config.tp}); "
+                          f"`pipesim simulate` prices any --etp dividing --tp")
+    if config.folded and not config.sequence_parallel:
+        raise ConfigError(f"--etp {etp} with --tp {config.tp} needs --sequence-parallel: under parallel folding each "
+                          "rank dispatches its own shard of the sequence to the experts")
 
 
 def check_context_parallel(config: RunConfig) -> None:

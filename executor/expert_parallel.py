@@ -46,18 +46,26 @@ def expert_range(experts: int, ep: int, ep_index: int) -> range:
     return range(ep_index * share, (ep_index + 1) * share)
 
 
-def expert_groups_of(position: MeshPosition, ep: int, copies: int = 1) -> tuple[list[list[int]], list[list[int]]]:
+def expert_groups_of(position: MeshPosition, ep: int, copies: int = 1, folded: bool = False
+                     ) -> tuple[list[list[int]], list[list[int]]]:
     """Every ep group and every expert data-parallel group of the job, as global ranks,
     in an order all processes share (``new_group`` must be called alike everywhere). With
     DualPipe's two copies of the model (``executor.copies``) a stage's experts are also
     held by the mirror pipeline rank ``pp - 1 - r`` (the other copy of the same layers):
-    its expert data-parallel group holds both ranks' members at the same place."""
+    its expert data-parallel group holds both ranks' members at the same place.
+
+    Under parallel folding (``folded``: the experts whole on every rank, Megatron-Core's
+    ``--expert-tensor-parallel-size 1``) the groups are cut from every rank of a stage,
+    its tp x cp x dp ranks in global-rank order, as the simulator's expert mesh orders
+    them (``pipesim.cluster.mapping``: etp innermost, then ep, then expert dp)."""
     ep_groups, expert_dp_groups = [], []
-    members_of = {(pp_index, tp_index): [position.rank_at(pp_index, dp_index, cp_index, tp_index)
-                                         for dp_index in range(position.dp) for cp_index in range(position.cp)]
-                  for pp_index in range(position.pp) for tp_index in range(position.tp)}
+    shards = 1 if folded else position.tp  # tp shards of an expert
+    members_of = {(pp_index, tp_index): sorted(position.rank_at(pp_index, dp_index, cp_index, tp_index + member)
+                                               for dp_index in range(position.dp) for cp_index in range(position.cp)
+                                               for member in range(position.tp // shards))
+                  for pp_index in range(position.pp) for tp_index in range(shards)}
     for pp_index in range(position.pp):
-        for tp_index in range(position.tp):
+        for tp_index in range(shards):
             members = members_of[pp_index, tp_index]
             ep_groups += [members[first:first + ep] for first in range(0, len(members), ep)]
             if copies == 1:
@@ -79,15 +87,19 @@ class ExpertGroups:
     expert_dp_group: dist.ProcessGroup
 
     @classmethod
-    def build(cls, rank: int, position: MeshPosition, ep: int, timeout: float, copies: int = 1) -> ExpertGroups:
-        ep_groups, expert_dp_groups = expert_groups_of(position, ep, copies)
+    def build(cls, rank: int, position: MeshPosition, ep: int, timeout: float, copies: int = 1,
+              folded: bool = False) -> ExpertGroups:
+        ep_groups, expert_dp_groups = expert_groups_of(position, ep, copies, folded)
         mine = {}
         for kind, groups in (("ep", ep_groups), ("expert_dp", expert_dp_groups)):
             for members in groups:
                 group = dist.new_group(members, timeout=timedelta(seconds=timeout))
                 if rank in members:
                     mine[kind] = group
-        return cls(ep, (position.dp_index * position.cp + position.cp_index) % ep, mine["ep"], mine["expert_dp"])
+        place = position.dp_index * position.cp + position.cp_index  # in the stage's members, global-rank order
+        if folded:
+            place = place * position.tp + position.tp_index
+        return cls(ep, place % ep, mine["ep"], mine["expert_dp"])
 
 
 class ExpertDispatcher:
@@ -130,6 +142,8 @@ def shard_experts(stage: nn.Module, groups: ExpertGroups, timer: CollectiveTimer
     """Keep only this rank's experts in every MoE layer of ``stage`` (under their global
     indices, so parameter names stay those of the whole model) and route through the
     ep group, the dispatch and combine timed by ``timer`` where given."""
+    if groups.ep == 1:  # parallel folding at ep 1: every expert here, only the gradients' group is new
+        return
     for module in stage.modules():
         if isinstance(module, MixtureOfExperts):
             mine = expert_range(module.num_experts, groups.ep, groups.ep_index)

@@ -76,6 +76,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     schedule.add_argument("--ep", type=int, default=1,
                           help="expert-parallel ranks: each MoE layer's experts split over groups of this many of the "
                                "dp x cp ranks, tokens sent to them by all-to-all (must divide dp x cp) (default 1)")
+    schedule.add_argument("--etp", type=int, default=None,
+                          help="with a mixture of experts: the routed experts' own tensor parallelism, Megatron-Core's "
+                               "parallel folding (--expert-tensor-parallel-size): 1 keeps every expert whole on each "
+                               "rank and cuts the ep groups from every tp x cp x dp rank of a stage, each rank "
+                               "dispatching its own shard of the sequence (needs --sequence-parallel with --tp > 1); "
+                               "the executor runs 1 or --tp (default: --tp, no folding)")
     schedule.add_argument("--cp", type=int, default=1,
                           help="context-parallel ranks per replica: each holds 2 of 2 x cp chunks of every sequence "
                                "(world size x cp) (default 1)")
@@ -249,6 +255,18 @@ def refuse_copies(config: RunConfig, command: str) -> None:
                          f"folded in a V)")
 
 
+def refuse_folding(config: RunConfig, command: str) -> None:
+    """``profile`` and ``compare`` do not measure a folded run (``--etp 1`` under tp): its
+    experts' all-to-alls cross the tp ranks, and its MoE blocks keep the tp gather and
+    reduce-scatter (the router reads whole sequences, ``executor.tensor_parallel.
+    fold_routed_experts``) that the simulator's folding leaves out; refused in one line."""
+    if config.folded:
+        raise ValueError(f"{command} --etp {config.etp}: {command} does not measure parallel folding yet (the "
+                         f"executor's folded layer keeps the tp gather and reduce-scatter that `pipesim simulate "
+                         f"--etp` leaves out); run it with `pipesim run --etp {config.etp}`, or {command} without "
+                         f"--etp")
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The checked ``RunConfig`` the flags describe."""
     if args.schedule_file:
@@ -276,7 +294,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             raise ConfigError(f"--layers-per-stage {args.layout!r} must be comma-separated layer counts, "
                               "e.g. 1,3,3,1") from None
     config = RunConfig(
-        **shape, dp=args.dp, tp=args.tp, ep=args.ep, cp=args.cp, cp_comm=args.cp_comm,
+        **shape, dp=args.dp, tp=args.tp, ep=args.ep, etp=getattr(args, "etp", None), cp=args.cp, cp_comm=args.cp_comm,
         sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
         zero=args.zero, recompute=args.recompute,
         model=args.model, batch_size=batch_size(args, shape["microbatches"]), **model_sizes(args), seed=args.seed,

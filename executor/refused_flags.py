@@ -34,7 +34,7 @@ def by_owners(owners: tuple[str, ...], nargs: int | str | None, *names: str) -> 
 # (pipesim.cli.refused.other_flags) and of run that the executor's parser lacks.
 REFUSED_FLAGS: dict[str, tuple[int | str | None, tuple[str, ...]]] = {
     **by_owners(SIMULATE, ONE, "--act-bytes", "--attention-flops", "--bwd", "--bytes-per-param", "--chrome-trace",
-            "--collective", "--costs", "--dtype-bytes", "--etp", "--fwd", "--memory-limit", "--microbatch-size",
+            "--collective", "--costs", "--dtype-bytes", "--fwd", "--memory-limit", "--microbatch-size",
             "--nodes", "--optimizer-moments", "--overlap-slowdown", "--param-bytes", "--rank-order", "--stash-bytes",
             "--wgrad", "--wgrad-stash-share", "--zero3-collectives"),
     **by_owners(SIMULATE, SWITCH, "--fail-on-oom", "--no-dp-overlap", "--no-flash-attention",

@@ -124,7 +124,18 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     return plan
 
 
-def split_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
+def fold_routed_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Parallel folding (Megatron-Core's ``--expert-tensor-parallel-size 1``): the routed
+    experts stay whole and each tp rank sends only the tokens of its own sequence shard
+    to them (``MixtureOfExperts.token_share``), over ep groups cut from every rank of the
+    stage (``executor.expert_parallel``). The router still reads the gathered sequence, so
+    the capacity and the balance loss count whole sequences as the one-process reference
+    does; the layer's output stays a partial sum over tp (each token's routed part on the
+    rank that owns it, the shared expert's split as before), reduce-scattered once."""
+    moe.token_share = (tp_mesh.get_local_rank(), tp_mesh.size())
+
+
+def split_experts(moe: nn.Module, tp_mesh: DeviceMesh, routed: bool = True) -> None:
     """Split a mixture of experts' routed and shared experts over tp as Megatron-Core
     does: ``w1`` and ``w3`` by output features, ``w2`` by input features (unbiased
     experts: gpt-oss's biased ones stay on one tp rank, as its attention sinks do),
@@ -135,7 +146,8 @@ def split_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
     over tp where the layer hands them back (``ReduceGradFrom``: one all-reduce each in
     the backward, where a per-expert split would reduce each expert's input gradient)."""
     experts = moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts
-    for expert in [*experts, *([moe.shared] if moe.shared is not None else [])]:
+    # routed False (parallel folding): only the shared expert is split (fold_routed_experts)
+    for expert in [*(experts if routed else []), *([moe.shared] if moe.shared is not None else [])]:
         if expert.w2.bias is not None:  # gpt-oss's: its attention sinks keep it off tp (check_tensor_parallel)
             raise ValueError("biased experts are not split over tp (gpt-oss runs at --tp 1)")
         distribute_module(expert, tp_mesh, _expert_shards)
@@ -225,17 +237,22 @@ def plan_of(module: nn.Module, sequence_parallel: bool) -> dict | None:
     return None
 
 
-def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+                      fold_experts: bool = False) -> nn.Module:
     """Split every block of ``stage`` (a gpt ``Block``, a ``TransformerBlock``, its
     experts by ``split_experts``) across ``tp_mesh`` in place; with ``sequence_parallel`` keep its residual stream
-    sequence-sharded (``shard_residual_stream``); return the stage."""
+    sequence-sharded (``shard_residual_stream``); with ``fold_experts`` (parallel folding,
+    ``--etp 1``) leave the routed experts whole, each rank computing its own shard of the
+    sequence (``fold_routed_experts``); return the stage."""
     for module in list(stage.modules()):
         plan = plan_of(module, sequence_parallel)
         if plan is not None:
             parallelize_module(module, tp_mesh, plan)
             moe = getattr(module, "feed_forward", None)
             if getattr(moe, "experts", None) is not None:
-                split_experts(moe, tp_mesh)
+                split_experts(moe, tp_mesh, routed=not fold_experts)
+                if fold_experts:
+                    fold_routed_experts(moe, tp_mesh)
             attention = getattr(module, "attention", None)
             if isinstance(attention, LatentAttention):
                 reduce_rope_key_grad(attention, tp_mesh)

@@ -124,7 +124,7 @@ class RankRun:
 
             tp_mesh = held_by_copies["tp"] if held_by_copies is not None else self.mesh.submesh("tp")
             for stage in self.stages.values():
-                parallelize_stage(stage, tp_mesh, config.sequence_parallel)
+                parallelize_stage(stage, tp_mesh, config.sequence_parallel, fold_experts=config.folded)
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
         for stage in self.stages.values():
             apply_recompute(stage, config.recompute)
@@ -143,11 +143,12 @@ class RankRun:
                 shard_context(stage, self.context)
         expert_groups = None
         self.ep_timer = None
-        if config.ep > 1:
+        if config.ep > 1 or config.folded:
             from executor.expert_parallel import ExpertGroups, shard_experts  # noqa: PLC0415 - MoE only
             from executor.inside_timing import CollectiveTimer  # noqa: PLC0415
 
-            expert_groups = ExpertGroups.build(rank, position, config.ep, config.timeout, schedule.copies)
+            expert_groups = ExpertGroups.build(rank, position, config.ep, config.timeout, schedule.copies,
+                                               config.folded)
             self.ep_timer = CollectiveTimer(lambda: self.runtime.current, self.clock.mark)
             for stage in self.stages.values():
                 shard_experts(stage, expert_groups, self.ep_timer)
@@ -175,7 +176,10 @@ class RankRun:
         self.averager = None
         # ZeRO-3: FSDP reduces the gradients itself. ZeRO-1/2 on one replica (a one-rank
         # group, scripts/gpu_check.py) still shards through the averager.
-        if (config.dp > 1 or config.cp > 1 or config.zero in (1, 2) or schedule.copies > 1) and config.zero < 3:
+        # under parallel folding the experts' gradients are summed over tp peers too (their
+        # expert data-parallel group), even with one replica
+        if (config.dp > 1 or config.cp > 1 or config.zero in (1, 2) or schedule.copies > 1 or config.folded) \
+                and config.zero < 3:
             dense_group = self.mesh.group("dp")
             # the averager's step-level collectives (ZeRO's gathers, a stage left unreduced) go
             # stage by stage in this order; DualPipe's mirror ranks list the same model stages

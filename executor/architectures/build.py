@@ -287,7 +287,8 @@ def check_tensor_parallel(config: RunConfig, spec: ModelSpec) -> None:
                           "executor's tensor parallelism (run with --tp 1)")
     widths = [("--heads", spec.heads), ("--kv-heads", spec.num_kv_heads), ("--ffn-hidden", spec.ffn)]
     if spec.moe is not None:
-        widths += [("the experts' width (from --ffn-hidden)", spec.moe.expert_ffn)]
+        if not config.folded:  # folded (--etp 1): the routed experts stay whole
+            widths += [("the experts' width (from --ffn-hidden)", spec.moe.expert_ffn)]
         widths += [("the shared experts' width", spec.moe.shared_ffn)] if spec.moe.shared_ffn else []
     for flag, value in widths:
         if value % config.tp:

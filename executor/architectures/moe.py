@@ -196,6 +196,9 @@ class MixtureOfExperts(nn.Module):
         # over tp) then completes what only the whole output's gradient gives: the experts'
         # inputs', the routing weights' and the shared expert's gate's
         self.tp_sum_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Under parallel folding (executor.tensor_parallel.fold_routed_experts): (this rank's
+        # index, tp); the routed experts take only the tokens of its shard of each sequence
+        self.token_share: tuple[int, int] | None = None
         self.balance_loss = balance_loss  # the load-balancing loss's coefficient (see the module)
         self.balance_scale = 1.0  # its gradient: set each step by the runtime (set_balance_scale)
 
@@ -210,6 +213,8 @@ class MixtureOfExperts(nn.Module):
         if self.capacity_factor is not None:
             keep = within_capacity(chosen.view(sequences, seq, -1), self.num_experts, self.capacity_factor)
             keep = keep.view_as(chosen)
+        if self.token_share is not None:
+            keep = keep & own_shard(self.token_share, sequences, seq, keep.device).unsqueeze(-1)
         # One process holds every expert; under expert parallelism (executor.expert_parallel)
         # ``dispatcher`` sends each copy to the rank holding its expert and back.
         complete = self.tp_sum_grad or _unchanged  # the router read the tokens whole; the experts, partial sums
@@ -223,6 +228,15 @@ class MixtureOfExperts(nn.Module):
         if balance is not None:
             out = AttachBalanceLoss.apply(out, balance, self.balance_scale)
         return out.view(sequences, seq, hidden)
+
+
+def own_shard(share: tuple[int, int], sequences: int, seq: int, device: torch.device) -> torch.Tensor:
+    """Which of ``sequences x seq`` tokens (flattened, a sequence's together) lie in shard
+    ``index`` of ``parts`` equal, contiguous shards of each sequence (sequence
+    parallelism's split of the gathered sequence)."""
+    index, parts = share
+    owner = torch.arange(seq, device=device) // (seq // parts)
+    return (owner == index).repeat(sequences)
 
 
 def _unchanged(tensor: torch.Tensor) -> torch.Tensor:

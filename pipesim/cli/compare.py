@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from executor.options import add_run_arguments, config_from_args
+from executor.options import add_run_arguments, config_from_args, refuse_folding
 from executor.run_costs import RUN_CALIBRATED  # no torch at import
 from pipesim.cli.calibration_files import (
     OUTPUT_FILES,
@@ -296,6 +296,7 @@ def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.pp < 2:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
+    refuse_folding(config, "compare")
     if calibration == "stages" and not args.costs:
         check_whole_stages(config, "--calibration stages")
     from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415

@@ -69,6 +69,8 @@ def executor_spec(config: RunConfig) -> tuple[ModelSpec, SavedTensors] | None:
              "dtype_bytes": ELEMENT_BYTES[config.dtype], "dropout": False}
     saved = executor_saved_tensors(config.dtype)  # float16 is refused above
     spec = replace(run_spec(config), **sizes)
+    if config.folded:  # parallel folding: the routed experts whole on every rank (--etp 1)
+        spec = replace(spec, expert_tp=config.expert_tp)
     if is_architecture(config.model):
         return spec, saved
     # the toy gpt's packed QKV is one projection (one cast of its input) and lays the
@@ -121,8 +123,9 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
     costs = with_embedding_copies(costs, spec, list(schedule.placement), schedule.copies, shared_on_rank=False)
     trace = program_order_trace(schedule)
     holders = config.gradient_holders  # ZeRO shards over them (with DualPipe, both copies' holders)
-    # the routed experts' over their expert data-parallel group (executor.expert_parallel)
-    expert_holders = max(1, holders // config.ep)
+    # the routed experts' over their expert data-parallel group (executor.expert_parallel; folded,
+    # tp / etp times as many ranks hold each expert)
+    expert_holders = max(1, holders * config.tp // (config.expert_tp * config.ep))
     weights_only = BytesPerParam(element, 0.0, 0.0)  # the static part's weights; gradients and state added below
     report = memory_report(trace, costs, schedule.placement, ["cpu"] * config.pp, [math.inf] * config.pp,
                            weights_only, dp=holders, zero=config.zero, expert_dp=expert_holders, tp=config.tp,
@@ -134,7 +137,7 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
         def share(group: int) -> float:
             return (static_bytes_per_param(bytes_per_param, group, config.zero)
                     - static_bytes_per_param(weights_only, group, config.zero))
-        experts = cost.expert_params if config.ep > 1 else 0.0
+        experts = cost.expert_params if config.ep > 1 or config.folded else 0.0
         return (cost.params - experts) * share(holders) + experts * share(expert_holders)
 
     grads_from = gradient_arrivals(trace, costs, lambda cost: per_param(BytesPerParam(element, element, 0.0), cost))

@@ -1,0 +1,105 @@
+"""Parallel folding executed (``run --etp 1``, Megatron-Core's
+``--expert-tensor-parallel-size 1``): the routed experts whole on every rank, the ep
+groups cut from every tp x cp x dp rank of a stage, each tp rank sending the tokens of
+its own sequence shard. Float64 on gloo: every step's loss and every gradient of the
+first step equal the one-process reference to 1e-10. The groups are the simulator's
+expert mesh (``pipesim.cluster.mapping``), and what the executor does not run is refused
+in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor.architectures.moe import own_shard
+from executor.config import ConfigError, RunConfig
+from executor.expert_parallel import expert_groups_of
+from executor.mesh import MeshPosition
+from executor.reference import reference_run
+from pipesim.cluster.mapping import RankMapping
+from tests.cli_runs import assert_one_line_error
+from tests.launched_cases import LaunchedCases, assert_equals_reference
+
+pytestmark = pytest.mark.timeout(300)
+
+SMALL = {"model": "mixtral-8x7b", "hidden": 16, "heads": 4, "kv_heads": 2, "layers": 2, "experts": 4, "seq_len": 8,
+         "vocab": 37, "batch_size": 8, "steps": 2, "dtype": "float64", "optimizer": "adamw", "lr": 0.02,
+         "return_grads": True, "schedule": "1f1b", "microbatches": 2, "pp": 1, "tp": 2, "sequence_parallel": True,
+         "etp": 1}
+QWEN_MOE = {"model": "tests/data/hf_configs/qwen1.5-moe-a2.7b.json", "ffn_hidden": 16}
+CASES_OF_WORLD = {
+    # one replica: every expert on both tp ranks, each taking its half of every sequence;
+    # the experts' gradients summed over the two (their expert data-parallel group)
+    2: {"mixtral-tp2-etp1": {"dp": 1},
+        # some copies dropped: the capacity counts whole sequences, as the reference does
+        "mixtral-tp2-etp1-capacity": {"dp": 1, "capacity_factor": 0.5}},
+    4: {
+        # ep 4 across tp x dp: one expert a rank, tokens of both tp ranks of both replicas traded
+        "mixtral-dp2-tp2-etp1-ep4": {"dp": 2, "ep": 4},
+        # shared experts (split over tp as before) beside folded routed ones, a sigmoid gate on them
+        "qwen-moe-dp2-tp2-etp1-ep2": {**QWEN_MOE, "dp": 2, "ep": 2},
+        # ZeRO-1 shards the folded experts' state over their expert data-parallel group
+        "mixtral-dp2-tp2-etp1-ep2-zero1": {"dp": 2, "ep": 2, "zero": 1},
+        # a pipeline: each stage's ep groups cut from its own tp x dp ranks; combined 1F1B
+        "mixtral-pp2-tp2-etp1-ep2-combined": {"pp": 2, "dp": 1, "ep": 2, "layers": 4, "microbatches": 4,
+                                              "schedule": "interleaved-1f1b", "virtual_stages": 2,
+                                              "ep_overlap": True},
+    },
+}
+LAUNCHED = LaunchedCases(SMALL, CASES_OF_WORLD)
+
+
+@pytest.mark.parametrize("name", LAUNCHED.cases)
+def test_folded_experts_step_equals_one_process_reference(name: str) -> None:
+    assert_equals_reference(LAUNCHED.result(name), reference_run(LAUNCHED.config(name)))
+
+
+def test_folded_groups_are_the_simulators_expert_mesh() -> None:
+    """Global rank order tp innermost, then dp (the executor's and `--rank-order
+    tp-cp-dp-pp`): at etp 1 the ep groups are runs of ep of a stage's ranks in that order,
+    its expert data-parallel groups every ep-th, as the simulator's expert mesh has them."""
+    position = MeshPosition.of_rank(0, dp=2, pp=2, tp=2)
+    ep_groups, expert_dp_groups = expert_groups_of(position, ep=2, folded=True)
+    assert ep_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]  # each stage: (dp0 tp0, dp0 tp1), (dp1 tp0, dp1 tp1)
+    assert expert_dp_groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    four, _ = expert_groups_of(position, ep=4, folded=True)
+    assert four == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for ep, executor_groups in ((2, ep_groups), (4, four)):
+        mapping = RankMapping(dp=2, pp=2, tp=2, order=("tp", "cp", "dp", "pp"),
+                              devices=tuple(str(rank) for rank in range(8)), ep=ep, etp=1)
+        simulated = [[int(device) for device in group] for stage in range(2) for group in mapping.ep_groups(stage, 0)]
+        assert simulated == executor_groups
+    assert [int(device) for device in mapping.expert_dp_group(1, 0)] == [4]  # ep 4: each expert once a stage
+
+
+def test_own_shard_marks_each_sequences_contiguous_part() -> None:
+    # 2 sequences of 8 tokens in 4 shards: shard 1 is positions 2 and 3 of each
+    marked = own_shard((1, 4), sequences=2, seq=8, device=torch.device("cpu"))
+    assert torch.nonzero(marked).flatten().tolist() == [2, 3, 10, 11]
+
+
+@pytest.mark.parametrize(("changes", "expected"), [
+    ({"etp": 0}, "--etp must be a whole number >= 1, got 0"),
+    ({"etp": 4, "tp": 2}, "--etp 4 above --tp 2"),
+    ({"etp": 2, "tp": 4, "heads": 4, "kv_heads": 4, "dp": 1},
+     "--etp 2: the executor runs the routed experts whole on every rank"),
+    ({"sequence_parallel": False}, "--etp 1 with --tp 2 needs --sequence-parallel"),
+    ({"model": "llama3-8b", "heads": 4, "kv_heads": 2}, "--etp 1 splits the routed experts of a mixture-of-experts"),
+    ({"dp": 1, "ep": 4}, "--ep 4 must divide the tp x cp x dp = 2 ranks of a stage"),
+])
+def test_what_folding_cannot_run_is_refused(changes: dict, expected: str) -> None:
+    fields = {key: value for key, value in SMALL.items() if key != "experts" or "model" not in changes}
+    with pytest.raises(ConfigError, match=expected.replace("+", r"\+")):
+        RunConfig(**{**fields, "dp": 2, **changes}).check()
+
+
+def test_run_etp_bad_values_are_one_line_errors(capsys) -> None:
+    base = ["run", "--model", "mixtral-8x7b", "--layers", "2", "--hidden", "16", "--heads", "4", "--kv-heads", "2",
+            "--experts", "4",
+            "--seq-len", "8", "--pp", "1", "--tp", "2", "--sequence-parallel"]
+    assert_one_line_error(capsys, base + ["--etp", "3"], "--etp 3 above --tp 2")
+    assert_one_line_error(capsys, base + ["--etp", "-1"], "--etp must be a whole number >= 1, got -1")
+    assert_one_line_error(capsys, base[:-1] + ["--etp", "1"], "--etp 1 with --tp 2 needs --sequence-parallel")
+    for command, extra in (("compare", []), ("profile", ["--out", "costs.json"])):  # not measured yet
+        assert_one_line_error(capsys, [command, *base[1:], "--pp", "2", "--etp", "1", *extra],
+                              f"{command} --etp 1: {command} does not measure parallel folding yet")
