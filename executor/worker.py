@@ -166,6 +166,13 @@ class RankRun:
                          expert_groups.expert_dp_group if expert_groups else None, config.timeout, self.fsdp_timer,
                          copies=held_by_copies)
         self.params = params = [p for stage in self.stages.values() for p in stage.parameters()]
+        # folded experts (--etp 1) are whole on each tp rank: their expert data-parallel group,
+        # which the averager counts, already holds the tp peers (executor.grad_clip)
+        self.folded_experts: set[int] = set()
+        if config.folded:
+            from executor.expert_parallel import expert_parameters  # noqa: PLC0415 - MoE only
+
+            self.folded_experts = expert_parameters(self.stages)
         self.tied = None  # the table's copies: tied output, MTP embeddings (after FSDP, which replaces the parameters)
         if is_tied(model):
             group = embedding_group(schedule, position, config.timeout) if world > 1 else None
@@ -344,7 +351,9 @@ class RankRun:
         else:  # one replica, or ZeRO-3, whose local shards are this rank's alone
             held = [(param.grad, param, 1) for param in self.params if param.grad is not None]
         tied = self.tied.holders if self.tied is not None else lambda _param: 1
-        return [(grad, holders * tp_copies(param, self.config.tp) * tied(param)) for grad, param, holders in held]
+        tp = self.config.tp
+        return [(grad, holders * (1 if id(param) in self.folded_experts else tp_copies(param, tp)) * tied(param))
+                for grad, param, holders in held]
 
     def wait_for(self, what: str, call):
         """``call()`` marked in the progress file as a wait for peers, so that a rank

@@ -34,12 +34,15 @@ CASES_OF_WORLD = {
         # some copies dropped: the capacity counts whole sequences, as the reference does
         "mixtral-tp2-etp1-capacity": {"dp": 1, "capacity_factor": 0.5}},
     4: {
-        # ep 4 across tp x dp: one expert a rank, tokens of both tp ranks of both replicas traded
-        "mixtral-dp2-tp2-etp1-ep4": {"dp": 2, "ep": 4},
+        # ep 4 across tp x dp: one expert a rank, tokens of both tp ranks of both replicas traded;
+        # clipped by the global norm, each expert's gradient counted once (not once per tp rank)
+        "mixtral-dp2-tp2-etp1-ep4-clip": {"dp": 2, "ep": 4, "clip_grad": 1.0},
         # shared experts (split over tp as before) beside folded routed ones, a sigmoid gate on them
         "qwen-moe-dp2-tp2-etp1-ep2": {**QWEN_MOE, "dp": 2, "ep": 2},
         # ZeRO-1 shards the folded experts' state over their expert data-parallel group
         "mixtral-dp2-tp2-etp1-ep2-zero1": {"dp": 2, "ep": 2, "zero": 1},
+        # ZeRO-3 (FSDP2): the folded experts sharded over their expert data-parallel group, clipped
+        "mixtral-dp2-tp2-etp1-ep2-zero3-clip": {"dp": 2, "ep": 2, "zero": 3, "clip_grad": 1.0},
         # a pipeline: each stage's ep groups cut from its own tp x dp ranks; combined 1F1B
         "mixtral-pp2-tp2-etp1-ep2-combined": {"pp": 2, "dp": 1, "ep": 2, "layers": 4, "microbatches": 4,
                                               "schedule": "interleaved-1f1b", "virtual_stages": 2,

@@ -191,7 +191,8 @@ def test_when_no_layout_is_left_the_causes_are_counted_per_rule(capsys):
 
 SPACE = SearchSpace(gpus=8, gpus_per_node=4, global_batch=16, layers=8, heads=8, kv_heads=8,
                     schedules=("1f1b", "interleaved-1f1b", "zbv"), microbatch_sizes=(1, 2), virtual_stages=(2,),
-                    recompute=("none", "full"), zero=(0, 1), sequence_parallel=(False, True))
+                    recompute=("none", "full"), zero=(0, 1), sequence_parallel=(False, True),
+                    experts=4, expert_parallel=(1, 2), ep_overlap=(False, True), expert_tp=(0, 1))
 ALL_LAYOUTS = enumerate_layouts(SPACE)[0]
 SWITCH_SPELLINGS = {True: ("on", "true", "True", "1"), False: ("off", "false", "FALSE", "0")}
 
@@ -217,8 +218,12 @@ def test_a_constraint_keeps_exactly_the_layouts_with_its_value(layout, name, spe
 @given(st.sampled_from([name for name in Layout._fields if name not in ("schedule", "recompute")]),
        st.text(alphabet=string.ascii_letters + ".", min_size=1, max_size=8))
 def test_a_constraint_with_a_word_for_a_number_or_switch_is_refused(name, word):
-    if name == "sequence_parallel" and word.lower() in ("on", "off", "true", "false"):
+    if name in ("sequence_parallel", "ep_overlap") and word.lower() in ("on", "off", "true", "false"):
         return  # a switch's own words
+    if name == "etp" and word.lower() == "tp":
+        return  # the experts split over tp (0)
+    if name == "microbatch_group" and word.lower() == "none":
+        return  # the schedule's own group
     with pytest.raises(ValueError) as error:
         parse_constraints([f"{name}={word}"])
     assert f"--constraint '{name}={word}'" in str(error.value) and repr(word.strip()) in str(error.value)

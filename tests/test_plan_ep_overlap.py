@@ -127,8 +127,8 @@ def test_a_planned_combined_row_runs_and_equals_the_one_process_reference(tmp_pa
     path = tmp_path / "plan.json"
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "4", "--global-batch", "8", "--seq-len", "1024",
                  "--topology", "ideal", "--top", "20", "--json", str(path), "--quiet", "--workers", "1",
-                 "--schedules", "interleaved-1f1b", "--ep", "2", "--zero", "0", "--ep-overlap", "on",
-                 "--constraint", "pp=2", "--constraint", "recompute=none"]) == 0
+                 "--schedules", "interleaved-1f1b", "--ep", "2", "--zero", "0", "--ep-overlap", "on", "--etp", "tp",
+                 "--constraint", "pp=2", "--constraint", "recompute=none", "--constraint", "tp=1"]) == 0
     rows = json.loads(path.read_text())["ranked"]
     assert rows and all(row["ep_overlap"] and row["layout"].endswith("ep-overlap") for row in rows)
     number = 1

@@ -216,25 +216,26 @@ def test_a_row_whose_order_the_plan_built_from_costs_runs_that_order(tmp_path: P
 SCHEDULES = "gpipe,1f1b,interleaved-1f1b,zb-h1,zb-h2,zbv,interleaved-zb,looped-bfs,dualpipev,zb-auto,zbv-auto"
 
 
-@pytest.mark.parametrize(("model", "extra"), [("gpt", []), ("deepseek-v2-lite", ["--ep", "1,2"])])
-def test_every_ranked_row_of_a_broad_plan_is_a_run_the_executor_takes(model: str, extra: list[str],
+@pytest.mark.parametrize(("model", "extra", "top"), [("gpt", [], 400), ("deepseek-v2-lite", ["--ep", "1,2"], 600)])
+def test_every_ranked_row_of_a_broad_plan_is_a_run_the_executor_takes(model: str, extra: list[str], top: int,
                                                                        tmp_path: Path, capsys) -> None:
     """Every layout a plan over every schedule it searches, cp 1 and 2, ZeRO 0 to 3, each
     recompute mode (DeepSeek-V2-Lite: norm-mla-up too, and ep 1 and 2) ranks on 4 GPUs
     becomes a checked run config: nothing the planner recommends is refused by run."""
     path = tmp_path / "plan.json"
     assert main(["plan", "--model", model, "--gpus", "4", "--global-batch", "16", "--seq-len", "1024",
-                 "--topology", "nvlink", "--top", "400", "--json", str(path), "--quiet", "--workers", "1",
+                 "--topology", "nvlink", "--top", str(top), "--json", str(path), "--quiet", "--workers", "1",
                  "--schedules", SCHEDULES, "--cp", "1,2", "--zero", "0,1,2,3", *extra]) == 0
     rows = rows_of(path)
     kinds = {(row["schedule"], row["zero"], row["recompute"], row.get("cp", 1), row.get("ep", 1)) for row in rows}
-    assert len(rows) == 400 and len(kinds) > 100  # a broad sample of the space, not one corner
+    assert len(rows) == top and len(kinds) > 100  # a broad sample of the space, not one corner
     searched = {"none", "selective", "full"} | ({"norm-mla-up"} if model == "deepseek-v2-lite" else set())
     assert searched <= {row["recompute"] for row in rows}
     assert {1, 2} <= {row.get("cp", 1) for row in rows} and {0, 1, 2, 3} <= {row["zero"] for row in rows}
     if model == "deepseek-v2-lite":  # combined 1F1B searched by default for experts, at pp 1 and interleaved
         assert {("1f1b", 1), ("interleaved-1f1b", 2)} <= {(row["schedule"], row["pp"]) for row in rows
                                                           if row["ep_overlap"]}
+        assert 2 in {row["ep"] for row in rows if row["etp"]}  # parallel folding
     refused = []
     for number in range(1, len(rows) + 1):
         try:
@@ -242,6 +243,7 @@ def test_every_ranked_row_of_a_broad_plan_is_a_run_the_executor_takes(model: str
         except ConfigError as error:
             refused.append(str(error))
         else:
-            assert config.ep_overlap == rows[number - 1]["ep_overlap"], number
+            row = rows[number - 1]
+            assert (config.ep_overlap, config.etp or 0) == (row["ep_overlap"], row["etp"]), number
     capsys.readouterr()
     assert refused == []

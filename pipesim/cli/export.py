@@ -181,6 +181,8 @@ def apply_plan_layout(args: argparse.Namespace) -> None:
         setattr(args, dest, row[field])
     for field in ("cp", "ep"):  # no flags of export's: the plan's layout alone sets them
         setattr(args, field, row.get(field, 1))
+    args.etp = row.get("etp") or None  # the experts folded (1), else split over tp
+    args.ep_overlap = bool(row.get("ep_overlap", False))  # combined 1F1B: the order the plan simulated
 
 
 def apply_plan_model(args: argparse.Namespace, row: dict) -> None:
@@ -202,6 +204,12 @@ def apply_plan_model(args: argparse.Namespace, row: dict) -> None:
         raise conflict(f"--qkv {args.qkv}", f"--from-plan {args.from_plan}",
                        f"layout {args.plan_rank} was planned with --qkv {qkv}; drop --qkv")
     args.qkv = qkv or args.qkv
+    seq_len = row.get("seq_len")  # the sequence the plan priced (rows before it carried one: the model's)
+    if seq_len is not None and getattr(args, "seq_len", None) not in (None, seq_len):
+        raise conflict(f"--seq-len {args.seq_len}", f"--from-plan {args.from_plan}",
+                       f"layout {args.plan_rank} was planned for {seq_len}-token sequences; drop --seq-len")
+    if seq_len is not None:
+        args.seq_len = seq_len
 
 
 def write_layout(args: argparse.Namespace, schedule) -> int:
@@ -232,6 +240,7 @@ def layout_from_args(args: argparse.Namespace):
     return TorchtitanLayout(dp=getattr(args, "dp", 1), tp=getattr(args, "tp", 1), fsdp=getattr(args, "fsdp", False),
                             microbatch_size=microbatch_size, layers=layers, seq_len=seq_len,
                             torch_class=getattr(args, "torch_class", None), ep=getattr(args, "ep", 1),
+                            etp=getattr(args, "etp", None) or 0,
                             cp=getattr(args, "cp", 1), sequence_parallel=getattr(args, "sequence_parallel", False),
                             recompute=getattr(args, "recompute", "none"), qkv=qkv,
                             max_norm=clip_grad_of(args))

@@ -72,6 +72,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "every power of two dividing its routed experts; ranks cut from the dp replicas)")
     parser.add_argument("--sequence-parallel", default="off,on",
                         help="sequence parallelism to try with tp > 1: off, on or both (default: off,on)")
+    parser.add_argument("--etp", default=None,
+                        help="the routed experts' tensor parallelism to try for a mixture of experts, comma-separated: "
+                        "tp (split over the tp ranks, Megatron-Core's default) and 1 (Megatron-Core's parallel "
+                        "folding, --expert-tensor-parallel-size 1: every expert whole on each rank, the ep groups cut "
+                        "from every tp x cp x dp rank of a stage; tried where tp > 1, with sequence parallelism) "
+                        "(default: tp,1 for a mixture of experts)")
     parser.add_argument("--ep-overlap", default=None,
                         help="combined 1F1B to try for a mixture of experts (`pipesim simulate --ep-overlap`, "
                         "Megatron-Core's --overlap-moe-expert-parallel-comm: each steady-state forward beside a "
@@ -166,6 +172,8 @@ def plan_request(args: argparse.Namespace):
         sequence_parallel=[SWITCHES[mode] for mode in _names(args.sequence_parallel, "--sequence-parallel",
                                                                        tuple(SWITCHES))],
         cp=_ints(args.cp, "--cp") if args.cp else None, ep=_ints(args.ep, "--ep") if args.ep else None,
+        etp=[0 if size == "tp" else 1 for size in _names(args.etp, "--etp", ("tp", "1"))]
+        if args.etp is not None else None,
         ep_overlap=[SWITCHES[mode] for mode in _names(args.ep_overlap, "--ep-overlap",
                                                                tuple(SWITCHES))]
         if args.ep_overlap is not None else None,
@@ -174,7 +182,7 @@ def plan_request(args: argparse.Namespace):
         fp8=args.fp8, ep_dispatch=args.ep_dispatch, ep_dispatcher=args.ep_dispatcher, comm_sms=args.comm_sms,
         qkv=args.qkv,
         max_actions=args.max_actions, memory_headroom=args.memory_headroom, clip_grad=args.clip_grad,
-        top=args.top, workers=args.workers)
+        top=args.top, workers=args.workers, torchtitan=bool(args.torchtitan), fsdp=args.fsdp)
 
 
 def _listed(text: str) -> list[str]:
@@ -315,6 +323,6 @@ def _write_torchtitan(args: argparse.Namespace, best: dict, evaluator) -> None:
     spec = model_spec_of(evaluator.layout_job(layout))
     written = write_torchtitan(args.torchtitan, evaluator.schedule_of(layout), TorchtitanLayout(
         dp=layout.dp, tp=layout.tp, fsdp=args.fsdp, microbatch_size=layout.microbatch_size, layers=spec.layers,
-        seq_len=spec.seq_len, ep=layout.ep, cp=layout.cp, sequence_parallel=layout.sequence_parallel,
+        seq_len=spec.seq_len, ep=layout.ep, etp=layout.etp, cp=layout.cp, sequence_parallel=layout.sequence_parallel,
         recompute=layout.recompute, qkv=qkv_of(spec), max_norm=clip_grad_of(evaluator.base)))
     print(f"wrote {', '.join(str(path) for path in written)}: {best['layout']}")

@@ -3,7 +3,8 @@
 The row's layout is kept as the plan chose it: schedule, pp, tp, dp, virtual stages,
 microbatches per replica, microbatch size (so the global batch is dp x microbatches x
 microbatch size), ZeRO stage, recompute, sequence, context and expert parallelism (cp by
-ring attention, the exchange the plan priced) and combined 1F1B (``ep_overlap``). The
+ring attention, the exchange the plan priced), parallel folding (``etp``) and combined
+1F1B (``ep_overlap``). The
 model is the plan's (a row names it: a preset, or a config file's absolute path), shrunk
 to fit this machine: the run's own ``--layers/--hidden/--heads/--seq-len/--vocab``, each raised to the least value the
 layout needs (a block per stage, heads a multiple of tp, a sequence the cp and tp ranks
@@ -38,7 +39,7 @@ ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_fil
              ("--dp", "dp", 1), ("--tp", "tp", 1), ("--zero", "zero", 0), ("--recompute", "recompute", "none"),
              ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", None),
              ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "p2p"),
-             ("--ep-overlap", "ep_overlap", False))
+             ("--ep-overlap", "ep_overlap", False), ("--etp", "etp", None))
 TOYS = ("mlp", "gpt")
 # The architecture an ep row runs when the run names only a toy: routed experts, which ep
 # splits (cp splits the toy gpt's sequences as any transformer's).
@@ -89,6 +90,15 @@ def _switch(row: dict, name: str, number: int) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"plan row {number}: {name} must be true or false, got {value!r}")
     return value
+
+
+def _expert_tp(row: dict, number: int) -> int | None:
+    """A row's ``etp``: 1 (the experts folded) or None (split over tp: 0, or a row written
+    before rows carried it)."""
+    value = row.get("etp", 0)
+    if isinstance(value, bool) or value not in (0, 1):
+        raise ConfigError(f"plan row {number}: etp must be 0 (the experts split over tp) or 1 (folded), got {value!r}")
+    return value or None
 
 
 def planned_model(args: argparse.Namespace, row: dict, number: int) -> str:
@@ -195,6 +205,7 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
              "cp": row.get("cp", 1), "ep": row.get("ep", 1),
              "cp_comm": "p2p",  # the ring, as plan priced cp
              "ep_overlap": _switch(row, "ep_overlap", number),  # combined 1F1B, as the plan simulated it
+             "etp": _expert_tp(row, number),  # the experts folded (1) or split over tp
              "clip_grad": planned_clip(args, row, number)}
     if row.get("order") is not None:  # the order the plan built from its costs, run as simulated
         fixed["custom_schedule"] = order_from_dict(row["order"], f"plan row {number}'s order")

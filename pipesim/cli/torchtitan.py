@@ -66,7 +66,8 @@ class TorchtitanLayout:
     layers: int | None = None
     seq_len: int | None = None
     torch_class: str | None = None
-    ep: int = 1  # expert-parallel ranks, cut from the data-parallel ones
+    ep: int = 1  # expert-parallel ranks, cut from the data-parallel ones (folded: from dp x cp x tp)
+    etp: int = 0  # the routed experts' tensor parallelism: 0 split over tp, 1 folded (whole on every rank)
     cp: int = 1  # context-parallel ranks, each holding a share of every sequence
     sequence_parallel: bool = False
     recompute: str = "none"
@@ -106,6 +107,7 @@ def write_torchtitan(directory: str | Path, schedule: Schedule, layout: Torchtit
     cls = torch_class_for(schedule, layout.torch_class)
     per_stage = layers_per_stage(schedule, layout.layers, cls)
     check_recompute(schedule, layout.recompute, layout.qkv)
+    check_experts(layout)
     folder = Path(directory)
     if any(character.isspace() for character in str(folder.resolve())):
         raise ValueError(f"--torchtitan {directory}: the overrides name the CSV by its path, which must have no "
@@ -126,6 +128,30 @@ def qkv_of(spec: ModelSpec) -> str | None:
     if not fusing_qkv_changes_per_op(spec):
         return None
     return "fused" if spec.fused_qkv else "separate"
+
+
+def check_experts(layout: TorchtitanLayout) -> None:
+    """Refuse an expert layout torchtitan would run otherwise than simulated. torchtitan
+    0.3 folds the routed experts whenever ep > 1: its sparse mesh puts every expert whole
+    on each rank and cuts ep from the data-parallel shard x cp x tp ranks (``efsdp * ep =
+    dp_shard * cp * tp``, ``torchtitan/config/configs.py``), and at ep 1 it splits them over
+    tp. So ep > 1 with tp > 1 runs only folded (``etp 1``), folding needs ep > 1, and ep must
+    divide the FSDP shard x cp x tp ranks (the replicas of DDP, ``data_parallel_replicate``,
+    are outside them)."""
+    if layout.ep > 1 and layout.tp > 1 and not layout.etp:
+        raise ValueError(f"ep {layout.ep} with tp {layout.tp}, the experts split over tp: torchtitan "
+                         f"{SUPPORTED_RELEASE} folds them whenever ep > 1 (every expert whole on each rank, ep cut "
+                         "from the FSDP x cp x tp ranks), so it would not run what pipesim priced; plan or simulate "
+                         "with --etp 1")
+    if layout.etp and layout.ep == 1 and layout.tp > 1:
+        raise ValueError(f"etp 1 at ep 1 with tp {layout.tp}: torchtitan {SUPPORTED_RELEASE} splits the experts over "
+                         "tp when ep is 1, so it would not run what pipesim priced; use ep > 1, or the experts split "
+                         "over tp (--etp tp)")
+    shard = layout.dp if layout.fsdp else 1
+    if layout.ep > 1 and (shard * layout.cp * layout.tp) % layout.ep:
+        raise ValueError(f"ep {layout.ep} must divide torchtitan {SUPPORTED_RELEASE}'s FSDP shard x cp x tp = "
+                         f"{shard} x {layout.cp} x {layout.tp} ranks (its expert mesh; DDP's replicas are outside "
+                         "it): add --fsdp, or choose another ep")
 
 
 def check_recompute(schedule: Schedule, recompute: str, qkv: str | None = None) -> None:

@@ -56,7 +56,7 @@ class LayoutBounds:
             return self.lower_bound(layout)
         from schedules import engine  # only here: an import runs slowly per call
 
-        parallel = self.costs.parallel(layout.dp, layout.tp, layout.zero, layout.ep, layout.cp)
+        parallel = self.costs.parallel(layout.dp, layout.tp, layout.zero, layout.ep, layout.cp, layout.etp)
         timing = self.order_timing(key._replace(zero=0), parallel.rank_order, parallel.algorithm,
                                    gathers_per_layer(parallel.zero))
         run = engine.run(schedule, timing, engine.FREE)
@@ -96,7 +96,7 @@ class LayoutBounds:
         """``lower_bound`` of what it depends on, kept: the schedules of a placement that alike
         split the backward or not share it (the microbatch count follows from the key's dp
         and microbatch size)."""
-        parallel = self.costs.parallel(key.dp, key.tp, zero, key.ep, key.cp)
+        parallel = self.costs.parallel(key.dp, key.tp, zero, key.ep, key.cp, key.etp)
         terms = self.terms_of(key, parallel)
         reductions = self.reductions(key, parallel.rank_order, parallel.algorithm, parallel.bucket_bytes,
                                      parallel.zero, parallel.overlap_dp)
@@ -121,8 +121,9 @@ class LayoutBounds:
         costs = self.costs.placed(key)
         # what the reductions read of the costs: each stage's parameters and layers (ZeRO-3 reduces
         # per layer); the layouts of every microbatch size, recompute mode and sequence parallelism share them
-        kept_as = (key.placement, key.dp, key.pp, key.tp, key.cp, key.ep, rank_order, bucket_bytes, algorithm, zero,
-                   after_compute, self.costs.parameter_figures(key), tuple(stage.layers for stage in costs.stages))
+        kept_as = (key.placement, key.dp, key.pp, key.tp, key.cp, key.ep, key.etp, rank_order, bucket_bytes,
+                   algorithm, zero, after_compute, self.costs.parameter_figures(key),
+                   tuple(stage.layers for stage in costs.stages))
         table = self.tables["reductions by parameters"]
         reductions = table.get(kept_as, table)
         if reductions is table:
@@ -151,7 +152,7 @@ class LayoutBounds:
         """``pipesim.sim.parallel.parameter_gather_seconds`` of the costs named by ``key`` on
         its mapping, kept under what it reads of them (``parameter_figures``): the layouts
         of every microbatch size and recompute mode share them."""
-        kept_as = (key.placement, key.dp, key.pp, key.tp, key.cp, rank_order, bucket_bytes,
+        kept_as = (key.placement, key.dp, key.pp, key.tp, key.cp, key.ep, key.etp, rank_order, bucket_bytes,
                    self.costs.parameter_figures(key))
         table = self.tables["parameter gathers by parameters"]
         gathers = table.get(kept_as)

@@ -35,6 +35,7 @@ class CostsKey(NamedTuple):
     sequence_parallel: bool
     ep: int
     cp: int
+    etp: int = 0  # the experts' tensor parallelism: 0 split over tp, 1 folded
 
 
 class LayoutCosts:
@@ -53,7 +54,8 @@ class LayoutCosts:
                        microbatches=layout.microbatches, microbatch_size=layout.microbatch_size,
                        virtual_stages=layout.virtual_stages, recompute=layout.recompute, zero=layout.zero,
                        sequence_parallel=layout.sequence_parallel, ep=layout.ep, cp=layout.cp,
-                       microbatch_group=layout.microbatch_group, ep_overlap=layout.ep_overlap)
+                       microbatch_group=layout.microbatch_group, ep_overlap=layout.ep_overlap,
+                       etp=layout.etp or None)
 
     @kept()
     def of(self, layout: Layout):
@@ -64,8 +66,9 @@ class LayoutCosts:
         # the costs see ZeRO only through the optimizer step's bytes, alike for stages 1 to 3
         # (``pipesim.sim.zero.optimizer_bytes_per_param``): those layouts share them
         key = CostsKey(shell.placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
-                       min(layout.zero, 1), layout.sequence_parallel, layout.ep, layout.cp)
-        return self.parallel(layout.dp, layout.tp, layout.zero, layout.ep, layout.cp), self.placed(key), shell, key
+                       min(layout.zero, 1), layout.sequence_parallel, layout.ep, layout.cp, layout.etp)
+        parallel = self.parallel(layout.dp, layout.tp, layout.zero, layout.ep, layout.cp, layout.etp)
+        return parallel, self.placed(key), shell, key
 
     @kept(limit=4096)
     def shell(self, schedule: str, pp: int, virtual_stages: int, microbatches: int):
@@ -77,9 +80,9 @@ class LayoutCosts:
         return Schedule(pp, microbatches, placement, [()] * pp, name=schedule)
 
     @kept(limit=1024)
-    def parallel(self, dp: int, tp: int, zero: int, ep: int = 1, cp: int = 1):
-        """``parallel_of`` the layout's job: only dp, tp, ZeRO, ep and cp differ between layouts."""
-        return parallel_of(replace(self.base, dp=dp, tp=tp, zero=zero, ep=ep, cp=cp))
+    def parallel(self, dp: int, tp: int, zero: int, ep: int = 1, cp: int = 1, etp: int = 0):
+        """``parallel_of`` the layout's job: only dp, tp, ZeRO, ep, cp and etp differ between layouts."""
+        return parallel_of(replace(self.base, dp=dp, tp=tp, zero=zero, ep=ep, cp=cp, etp=etp or None))
 
     @kept(limit=8192)
     def placed(self, key: CostsKey):
@@ -91,11 +94,11 @@ class LayoutCosts:
 
     @kept(limit=4096)
     def placed_job(self, pp: int, tp: int, dp: int, microbatch_size: int, recompute: str, zero: int,
-                   sequence_parallel: bool, ep: int, cp: int) -> Job:
+                   sequence_parallel: bool, ep: int, cp: int, etp: int = 0) -> Job:
         """The plan's job with ``placed``'s settings, kept: the placements of one pp (looped,
         V, every chunk count) share it, and a job is slow to copy."""
         return replace(self.base, pp=pp, tp=tp, dp=dp, microbatch_size=microbatch_size, recompute=recompute,
-                       zero=zero, sequence_parallel=sequence_parallel, ep=ep, cp=cp)
+                       zero=zero, sequence_parallel=sequence_parallel, ep=ep, cp=cp, etp=etp or None)
 
     @kept(limit=1024)
     def placement_shell(self, placement: tuple[int, ...]):
@@ -116,13 +119,14 @@ class LayoutCosts:
 
     @kept(limit=1024)
     def usable_memory(self, dp: int, pp: int, tp: int, rank_order: str, cp: int, headroom,
-                      ep: int = 1) -> tuple[float, ...]:
+                      ep: int = 1, etp: int = 0) -> tuple[float, ...]:
         """Each pipeline device's memory less the headroom, kept per mapping: the headroom of
         a rank in the layout's tp, dp x cp, cp and ep communicators, its pipeline's left out
         (they depend on the placement), so that a floor judged against it stays a floor."""
         from pipesim.sim.headroom import Communicators
 
-        communicators = Communicators(tp=tp, dp=dp * cp, cp=cp, ep=ep, expert_dp=dp * cp // ep)
+        holders = dp * cp * tp // (etp or tp)  # folded: the experts held by every rank of a stage
+        communicators = Communicators(tp=tp, dp=dp * cp, cp=cp, ep=ep, expert_dp=holders // ep)
         capacities = [self.topology.device_memory(device)
                       for device in self.pipeline_devices(dp, pp, tp, rank_order, cp)]
         return tuple(headroom.usable(capacity, communicators) for capacity in capacities)
@@ -132,7 +136,7 @@ class LayoutCosts:
         what the bounds' collectives are priced on."""
         from pipesim.cluster.mapping import map_ranks
 
-        return map_ranks(self.topology, key.dp, key.pp, key.tp, rank_order, key.cp, key.ep)
+        return map_ranks(self.topology, key.dp, key.pp, key.tp, rank_order, key.cp, key.ep, key.etp)
 
     def hop(self, key: CostsKey, rank_order: str):
         """``hop(source, target)``: a stage boundary's transfer on an empty route (latency +

@@ -10,7 +10,9 @@ context parallelism (cp ranks splitting each sequence, for long ones) and, for a
 of experts, the expert-parallel size (ep ranks cut from dp x cp, as ``simulate --ep``
 places them) and whether its expert-parallel all-to-alls run as combined 1F1B
 (``ep_overlap``: Megatron-Core's ``--overlap-moe-expert-parallel-comm``, where
-``schedules.generators.combined`` says it runs). Layers need not divide over the pp × v
+``schedules.generators.combined`` says it runs) and whether its experts are folded
+(``etp`` 1: Megatron-Core's parallel folding, the routed experts whole on every rank and
+the ep groups cut from every tp x cp x dp rank of a stage; 0: split over tp). Layers need not divide over the pp × v
 stages: each layout's split is the balanced one ``pipesim simulate`` makes
 (``pipesim.model.stage_split``), chosen per layout rather than searched.
 """
@@ -53,11 +55,12 @@ class Layout(NamedTuple):
     cp: int = 1
     microbatch_group: int | None = None  # interleaved-1f1b's N; None: the schedule's own (N = pp where pp | m)
     ep_overlap: bool = False  # combined 1F1B (schedules.generators.combined): ep's all-to-alls beside compute
+    etp: int = 0  # the routed experts' tensor parallelism: 0 split over tp, 1 folded (whole on every rank)
 
     def label(self) -> str:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         context = f" cp{self.cp}" if self.cp > 1 else ""
-        experts = f" ep{self.ep}" if self.ep > 1 else ""
+        experts = (f" ep{self.ep}" if self.ep > 1 else "") + (f" etp{self.etp}" if self.etp else "")
         extras = "".join([f" N{self.microbatch_group}" if self.microbatch_group else "",
                           f" recompute={self.recompute}" if self.recompute != "none" else "",
                           f" zero{self.zero}" if self.zero else "", " sp" if self.sequence_parallel else "",
@@ -89,6 +92,9 @@ class SearchSpace:
     context_parallel: Sequence[int] | None = None  # cp sizes to try; None: ``context_parallel_sizes``
     microbatch_groups: Sequence[int] | None = None  # interleaved-1f1b's N to try; None: ``planned_groups``
     ep_overlap: Sequence[bool] = (False,)  # combined 1F1B off, on or both, where it runs (``_combines``)
+    expert_tp: Sequence[int] = (0,)  # the experts' tp to try: 0 (tp) and 1 (folded, where tp > 1)
+    torchtitan: bool = False  # keep only the expert layouts torchtitan runs as priced (``_torchtitan_cause``)
+    fsdp: bool = False  # with torchtitan: its replicas shard with FSDP (else DDP, outside its expert mesh)
 
 
 # Every recompute mode the simulator models; a plan searches norm-mla-up (DeepSeek-V3's
@@ -147,6 +153,12 @@ def _constraint_value(field: str, value: str) -> str:
         return value
     if field == "microbatch_group" and value.lower() == "none":
         return "None"  # the schedule's own group
+    if field == "etp":
+        number = 0 if value.lower() == "tp" else int(value) if value.isdigit() else None
+        if number not in (0, 1):
+            raise ValueError(f"etp is 1 (the experts folded, whole on every rank) or tp (0: split over tp), not "
+                             f"{value!r}")
+        return str(number)
     if field in ("sequence_parallel", "ep_overlap"):
         if value.lower() not in _SWITCHES:
             raise ValueError(f"{field} is on or off (true or false), not {value!r}")
@@ -169,7 +181,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 # The searched dimensions whose values the plan accounts for one by one (``values_left_out``).
 SEARCHED_FIELDS = ("schedule", "microbatch_size", "virtual_stages", "recompute", "cp", "ep", "microbatch_group",
-                   "ep_overlap")
+                   "ep_overlap", "etp")
 
 
 def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Counter] | None = None
@@ -192,6 +204,8 @@ def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Cou
         if space.gpus % (tp * pp * cp):
             continue  # not a split of the GPUs at all: not a layout, not counted
         dp = space.gpus // (tp * pp * cp)
+        # at tp 1 the experts are whole either way (folded is the same layout as not); a dense model has none
+        expert_tps = sorted({etp if tp > 1 and space.experts else 0 for etp in space.expert_tp})
         for microbatch_size in space.microbatch_sizes:
             microbatches = space.global_batch // (dp * microbatch_size)
             for schedule in (space.schedules if pp > 1 else (alone,)):
@@ -204,14 +218,15 @@ def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Cou
                             for sequence_parallel in space.sequence_parallel:
                                 if sequence_parallel and tp == 1:
                                     continue  # no tensor-parallel group: the same layout
-                                for ep, overlap in ((ep, overlap) for ep in expert_sizes
-                                                    for overlap in space.ep_overlap):
-                                    if ep > dp * cp:
-                                        continue  # its ranks are cut from dp x cp: not a layout
+                                for ep, overlap, etp in ((ep, overlap, etp) for ep in expert_sizes
+                                                         for overlap in space.ep_overlap for etp in expert_tps):
+                                    if ep > dp * cp * (tp if etp else 1):
+                                        continue  # its ranks are cut from dp x cp (folded: tp x dp x cp)
                                     if overlap and not _combines(schedule, pp, ep, recompute):
                                         continue  # no combined 1F1B of it exists: not a layout
                                     layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
-                                                    recompute, zero, sequence_parallel, ep, cp, group, overlap)
+                                                    recompute, zero, sequence_parallel, ep, cp, group, overlap,
+                                                    etp)
                                     cause = _ruled_out(layout, space)
                                     if cause is None:
                                         layouts.append(layout)
@@ -307,10 +322,17 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
         return "tp does not divide the attention (or key-value) heads"
     if space.global_batch % (layout.dp * layout.microbatch_size):
         return "global batch not divisible by dp x microbatch size"
-    if layout.ep > 1 and ((layout.dp * layout.cp) % layout.ep or space.experts % layout.ep):
+    if layout.ep > 1 and layout.etp and (layout.tp * layout.dp * layout.cp % layout.ep or space.experts % layout.ep):
+        return "ep does not divide tp x dp x cp (folded, its ranks are cut from them) or the routed experts"
+    if layout.ep > 1 and not layout.etp and ((layout.dp * layout.cp) % layout.ep or space.experts % layout.ep):
         return "ep does not divide dp x cp (its ranks are cut from them) or the routed experts"
     if layout.ep > 1 and layout.tp > 1 and not layout.sequence_parallel:
         return EP_TP_WITHOUT_SP
+    if layout.etp and not layout.sequence_parallel:
+        return ETP_WITHOUT_SP
+    cause = _torchtitan_cause(layout, space) if space.torchtitan else None
+    if cause:
+        return cause
     if layout.cp > 1 and space.seq_len % (2 * layout.cp):
         return "2 x cp does not divide the sequence (the causal ring's even chunks)"
     if layout.pp * layout.virtual_stages > space.layers + 2:
@@ -329,6 +351,8 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
 # mixture of experts with tensor parallelism needs sequence parallelism
 # (``pipesim.model.layout.check_layout`` refuses the rest as ``simulate`` does).
 EP_TP_WITHOUT_SP = "ep with tp > 1 needs sequence parallelism (Megatron-LM's dispatcher sends each tp rank's shard)"
+# Folded, each tp rank dispatches its own shard of the sequence (Megatron-Core and simulate refuse the rest).
+ETP_WITHOUT_SP = "etp 1 (folded experts) with tp > 1 needs sequence parallelism (each rank sends its own shard)"
 # Per-op recompute is torch's selective checkpointing (torchtitan's SelectiveAC), which
 # hands each saved output to one backward through the block: a split backward goes
 # through it twice, I then W, and fails ("Trying to backward an extra time") in
@@ -336,6 +360,23 @@ EP_TP_WITHOUT_SP = "ep with tp > 1 needs sequence parallelism (Megatron-LM's dis
 PER_OP_SPLIT = "per-op recompute with a split backward (I, W): selective checkpointing runs one backward a block"
 # The cause of a candidate a constraint does not allow.
 EXCLUDED = "excluded by --constraint"
+
+
+# torchtitan 0.3 folds the routed experts whenever ep > 1 (every expert whole on each rank,
+# ep cut from its FSDP shard x cp x tp ranks) and splits them over tp at ep 1
+# (pipesim.cli.torchtitan.check_experts says why): what it would run otherwise than priced.
+TORCHTITAN_FOLDS = "torchtitan folds the experts whenever ep > 1, and only then (its expert mesh)"
+TORCHTITAN_EXPERT_MESH = "ep does not divide torchtitan's FSDP shard x cp x tp ranks (its expert mesh)"
+
+
+def _torchtitan_cause(layout: Layout, space: SearchSpace) -> str | None:
+    """Why torchtitan would not run ``layout``'s experts as priced, None if it would."""
+    if layout.tp > 1 and (layout.ep > 1) != bool(layout.etp):
+        return TORCHTITAN_FOLDS
+    shard = layout.dp if space.fsdp else 1
+    if layout.ep > 1 and (shard * layout.cp * layout.tp) % layout.ep:
+        return TORCHTITAN_EXPERT_MESH
+    return None
 
 
 def _allowed(layout: Layout, constraints: dict[str, set[str]]) -> bool:

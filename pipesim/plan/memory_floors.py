@@ -60,11 +60,11 @@ class MemoryFloors:
     def floors(self, key: CostsKey, zero: int) -> list[tuple[float, float]]:
         """``memory_floors`` of what it depends on, kept (layouts of several schedules share
         it)."""
-        parallel = self.costs.parallel(key.dp, key.tp, zero, key.ep, key.cp)
+        parallel = self.costs.parallel(key.dp, key.tp, zero, key.ep, key.cp, key.etp)
         # the key's ZeRO stage changes only the optimizer step, which the stash does not read
         floors = floor_of(self.static_floor(key, zero), self.stash_floor(key._replace(zero=0)))
         usable = self.costs.usable_memory(key.dp, key.pp, key.tp, parallel.rank_order, parallel.cp,
-                                          parallel.memory_headroom, parallel.ep)
+                                          parallel.memory_headroom, parallel.ep, parallel.etp)
         return list(zip(floors, usable, strict=True))
 
     def static_floor(self, key: CostsKey, zero: int) -> list[float]:
@@ -72,9 +72,9 @@ class MemoryFloors:
         ``zero``, kept under what it reads of them (``parameter_figures``), the placement
         and the sharding: the layouts of every microbatch size and recompute mode share it."""
         costs = self.costs.placed(key)
-        parallel = self.costs.parallel(key.dp, key.tp, zero, key.ep, key.cp)
+        parallel = self.costs.parallel(key.dp, key.tp, zero, key.ep, key.cp, key.etp)
         holders = key.dp * parallel.cp  # the ranks that hold each parameter, as simulate's memory counts them
-        kept_as = (key.placement, holders, parallel.zero, parallel.ep, parallel.bytes_per_param,
+        kept_as = (key.placement, holders, parallel.zero, parallel.ep, parallel.etp, parallel.bytes_per_param,
                    self.costs.parameter_figures(key))
         table = self.tables["static floor by parameters"]
         static = table.get(kept_as)

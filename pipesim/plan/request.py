@@ -44,13 +44,17 @@ class PlanRequest:
     multi-chunk schedules), ``recompute`` modes (None: ``searched_recompute``, norm-mla-up
     for models with latent attention only), ``zero`` stages, ``sequence_parallel``
     choices, context-parallel sizes ``cp``, expert-parallel sizes ``ep``, combined 1F1B off or
-    on (``ep_overlap``; None: both for a mixture of experts, where it runs) and interleaved-1f1b's
+    on (``ep_overlap``; None: both for a mixture of experts, where it runs), the experts' tensor
+    parallelism ``etp`` (0: split over tp, 1: folded, whole on every rank; None: both for a
+    mixture of experts, folded only where tp > 1) and interleaved-1f1b's
     microbatch groups ``microbatch_group`` (None: the defaults of ``pipesim.plan.layouts``),
     keeping layouts that match every one of ``constraints`` (``"pp=8"``,
     ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on ``workers`` processes (None: the CPUs
     available). ``mfu``, ``compute_model``, ``fp8``, ``ep_dispatch``, ``ep_dispatcher``, ``comm_sms``, ``qkv``,
     ``max_actions`` and ``memory_headroom`` and ``clip_grad`` are ``pipesim simulate``'s, the same for every
-    layout. Field names are the command's flags."""
+    layout. ``torchtitan`` keeps only the layouts torchtitan 0.3 runs as priced (its replicas
+    sharded with FSDP where ``fsdp``): where its expert mesh puts the experts. Field names are
+    the command's flags."""
 
     model: str
     gpus: int
@@ -68,6 +72,7 @@ class PlanRequest:
     cp: Sequence[int] | None = None
     ep: Sequence[int] | None = None
     ep_overlap: Sequence[bool] | None = None
+    etp: Sequence[int] | None = None
     microbatch_group: Sequence[int] | None = None
     constraints: Sequence[str] = ()
     mfu: float | None = None
@@ -82,6 +87,8 @@ class PlanRequest:
     clip_grad: float | None = None  # None: pipesim.job.CLIP_GRAD
     top: int = 10
     workers: int | None = None
+    torchtitan: bool = False  # keep only the layouts torchtitan 0.3 runs as priced (``--torchtitan``)
+    fsdp: bool = False  # with torchtitan: its replicas shard with FSDP (``--fsdp``)
 
 
 class Planner:
@@ -110,9 +117,10 @@ class Planner:
         result.values_left_out = self.values_left_out
         model = model_reference(self.request.model)
         clip = clip_grad_of(self.base)
+        seq_len = self.space.seq_len
         for row in result.rows:  # a row names its model: `pipesim run --plan plan.json --row N` builds that one
-            # and clips as the plan priced
-            row["model"], row["qkv"], row["clip_grad"] = model, self.request.qkv, clip
+            # and clips as the plan priced; `export --from-plan` writes its sequence length
+            row["model"], row["qkv"], row["clip_grad"], row["seq_len"] = model, self.request.qkv, clip, seq_len
         return result
 
 
@@ -197,6 +205,7 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
         expert_parallel=list(request.ep) if request.ep else None, seq_len=spec.seq_len,
         context_parallel=list(request.cp) if request.cp else None,
         ep_overlap=searched_overlap(request, spec),
+        expert_tp=searched_expert_tp(request, spec), torchtitan=request.torchtitan, fsdp=request.fsdp,
         microbatch_groups=list(request.microbatch_group) if request.microbatch_group else None,
     )
     return base, space
@@ -212,6 +221,27 @@ def searched_overlap(request: PlanRequest, spec) -> list[bool]:
         raise ValueError(f"--ep-overlap on: {request.model} has no experts, so no expert-parallel all-to-all for "
                          "combined 1F1B to overlap; drop --ep-overlap")
     return [bool(choice) for choice in dict.fromkeys(request.ep_overlap)]
+
+
+# What ``etp`` a plan tries: the experts split over tp (0) or folded (1), the two the
+# executor runs (``pipesim simulate --etp`` prices any divisor of tp).
+PLANNED_EXPERT_TP = (0, 1)
+
+
+def searched_expert_tp(request: PlanRequest, spec) -> list[int]:
+    """The experts' tensor parallelism to search: the request's (0: split over tp, 1:
+    folded), else both for a mixture of experts and 0 for a dense model; one line for a
+    value the plan does not search or a fold of a model without experts."""
+    if request.etp is None:
+        return [0, 1] if spec.moe else [0]
+    if not request.etp or any(isinstance(value, bool) or value not in PLANNED_EXPERT_TP for value in request.etp):
+        raise ValueError(f"--etp {_listed(request.etp)}: plan tries the experts split over tp (tp, 0) or folded, "
+                         "whole on every rank (1), the two `pipesim run` executes; simulate prices any --etp dividing "
+                         "--tp")
+    if 1 in request.etp and not spec.moe:
+        raise ValueError(f"--etp 1: {request.model} has no experts to fold (parallel folding needs a "
+                         "mixture-of-experts model); drop --etp")
+    return sorted(set(request.etp))
 
 
 def _check_precision(base: Job, spec, topology, gpus: int) -> None:
