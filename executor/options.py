@@ -75,7 +75,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     schedule.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (gpt only) (default 1)")
     schedule.add_argument("--ep", type=int, default=1,
                           help="expert-parallel ranks: each MoE layer's experts split over groups of this many of the "
-                               "dp x cp ranks, tokens sent to them by all-to-all (must divide dp x cp) (default 1)")
+                               "dp x cp ranks, tokens sent to them by all-to-all (must divide dp x cp; with --etp 1, "
+                               "tp x cp x dp) (default 1)")
     schedule.add_argument("--etp", type=int, default=None,
                           help="with a mixture of experts: the routed experts' own tensor parallelism, Megatron-Core's "
                                "parallel folding (--expert-tensor-parallel-size): 1 keeps every expert whole on each "

@@ -36,6 +36,7 @@ def summary(result: dict) -> dict:
         "dp": result.get("dp", 1),
         "tp": result.get("tp", 1),
         "ep": result.get("ep", 1),
+        "etp": result.get("etp", result.get("tp", 1)),  # the routed experts' tp: 1 folded (whole on every rank)
         "cp": result.get("cp", 1),
         "cp_comm": result.get("cp_comm"),  # how the cp ranks exchanged keys and values (None without cp)
         "ep_overlap": result.get("ep_overlap", False),  # run as combined 1F1B (schedules.generators.combined)
@@ -79,6 +80,8 @@ def summary_lines(result: dict, document: dict | None = None) -> list[str]:
     (``document`` is ``summary(result)``, when the caller already has it)."""
     document = document or summary(result)
     expert = "".join(f" {axis}={document[axis]}" for axis in ("cp", "ep") if document.get(axis, 1) > 1)
+    if document.get("etp", document["tp"]) != document["tp"]:  # parallel folding
+        expert += f" etp={document['etp']}"
     if document.get("cp_comm"):
         expert = expert.replace(f" cp={document['cp']}", f" cp={document['cp']} cp-comm={document['cp_comm']}")
     lines = [

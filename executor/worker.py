@@ -412,6 +412,7 @@ class RankRun:
         config = self.config
         shape = {"dp": config.dp, "tp": config.tp, "ep": config.ep, "cp": config.cp,
                  "cp_comm": config.cp_comm if config.cp > 1 else None, "ep_overlap": config.ep_overlap,
+                 "etp": config.expert_tp,
                  "global_batch_size": config.batch_size,
                  "replica_batch_size": config.replica_batch_size}
         meta = {"pp": schedule.pp, "virtual_stages": schedule.virtual_stages, "schedule": schedule.name,

@@ -135,5 +135,20 @@ def test_a_planned_folded_row_runs_and_equals_the_one_process_reference(tmp_path
     assert (config.tp, config.dp, config.ep, config.etp, config.folded) == (2, 2, 4, 1, True)
     out = tmp_path / "run.json"
     assert main(["run", *argv, "--json", str(out), "--quiet"]) == 0
-    capsys.readouterr()
-    assert json.loads(out.read_text())["losses"] == pytest.approx(reference_run(config)["losses"], abs=1e-10, rel=0)
+    assert "1f1b: dp=2 pp=1 tp=2 ep=4 etp=1 (world 4)" in capsys.readouterr().out
+    document = json.loads(out.read_text())
+    assert (document["tp"], document["ep"], document["etp"]) == (2, 4, 1)
+    assert document["losses"] == pytest.approx(reference_run(config)["losses"], abs=1e-10, rel=0)
+
+
+@pytest.mark.parametrize("value", [2, "1", True, None])
+def test_a_rows_bad_etp_is_refused_in_one_line(tmp_path: Path, value):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"ranked": [{"schedule": "1f1b", "pp": 1, "tp": 2, "dp": 2, "virtual_stages": 1,
+                                            "microbatch_size": 1, "microbatches": 2, "recompute": "none", "zero": 0,
+                                            "sequence_parallel": True, "ep": 4, "etp": value,
+                                            "layout": "1f1b pp1 tp2 dp2 ep4"}]}))
+    with pytest.raises(ValueError, match=f"plan row 1: etp must be 0 .* or 1 .*, got {value!r}"):
+        config_from_plan_row(build_parser("run").parse_args(["run", "--plan", str(path)]))
+    with pytest.raises(ValueError, match="--etp conflicts with --plan"):
+        config_from_plan_row(build_parser("run").parse_args(["run", "--plan", str(path), "--etp", "1"]))

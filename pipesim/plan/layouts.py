@@ -8,13 +8,14 @@ count follows from the global batch), for interleaved-1f1b its microbatch group 
 (``planned_groups``), recompute, the ZeRO stage, sequence parallelism,
 context parallelism (cp ranks splitting each sequence, for long ones) and, for a mixture
 of experts, the expert-parallel size (ep ranks cut from dp x cp, as ``simulate --ep``
-places them) and whether its expert-parallel all-to-alls run as combined 1F1B
-(``ep_overlap``: Megatron-Core's ``--overlap-moe-expert-parallel-comm``, where
-``schedules.generators.combined`` says it runs) and whether its experts are folded
-(``etp`` 1: Megatron-Core's parallel folding, the routed experts whole on every rank and
-the ep groups cut from every tp x cp x dp rank of a stage; 0: split over tp). Layers need not divide over the pp × v
-stages: each layout's split is the balanced one ``pipesim simulate`` makes
-(``pipesim.model.stage_split``), chosen per layout rather than searched.
+places them), whether its experts are folded (``etp`` 1: Megatron-Core's parallel
+folding, the routed experts whole on every rank and the ep groups cut from every
+tp x cp x dp rank of a stage; 0: split over tp) and whether its expert-parallel
+all-to-alls run as combined 1F1B (``ep_overlap``: Megatron-Core's
+``--overlap-moe-expert-parallel-comm``, where ``schedules.generators.combined`` says it
+runs). Layers need not divide over the pp × v stages: each layout's split is the balanced
+one ``pipesim simulate`` makes (``pipesim.model.stage_split``), chosen per layout rather
+than searched.
 """
 
 from __future__ import annotations
