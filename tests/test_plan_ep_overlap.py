@@ -14,11 +14,10 @@ import pytest
 from executor.reference import reference_run
 from pipesim.cli import build_parser, main
 from pipesim.cli.plan_row import config_from_plan_row
-from pipesim.job import Job, simulate_job
-from pipesim.plan.evaluate import LayoutEvaluator
 from pipesim.plan.layouts import Layout, SearchSpace, enumerate_layouts, parse_constraints
 from pipesim.plan.request import Planner, PlanRequest
 from tests.cli_runs import assert_one_line_error
+from tests.plan_moe import mixtral_evaluator, row_as_simulated
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,28 +71,27 @@ def test_the_default_searches_both_for_experts_and_off_for_a_dense_model():
         Planner(PlanRequest(model="llama3-8b", gpus=8, global_batch=8, ep_overlap=[True]))
 
 
-def test_bad_ep_overlap_values_are_one_line_errors(capsys):
-    base = ["plan", "--model", "mixtral-8x7b", "--gpus", "8", "--global-batch", "8", "--quiet"]
-    assert_one_line_error(capsys, base + ["--ep-overlap", "sometimes"],
-                          "--ep-overlap: unknown sometimes; available: off, on")
-    assert_one_line_error(capsys, base + ["--ep-overlap", ""], "--ep-overlap: unknown ''")
-    assert_one_line_error(capsys, ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--quiet",
-                           "--ep-overlap", "on"], "--ep-overlap on: llama3-8b has no experts")
+PLAN = ["plan", "--gpus", "8", "--global-batch", "8", "--quiet", "--model"]
 
 
-@pytest.fixture(scope="module")
-def moe_evaluator():
-    return LayoutEvaluator(Job(model="mixtral-8x7b", topology="ib", nodes=2, seq_len=1024, layers=8))
+@pytest.mark.parametrize(("args", "message"), [
+    (["mixtral-8x7b", "--ep-overlap", "sometimes"], "--ep-overlap: unknown sometimes; available: off, on"),
+    (["mixtral-8x7b", "--ep-overlap", ""], "--ep-overlap: unknown ''"),
+    (["llama3-8b", "--ep-overlap", "on"], "--ep-overlap on: llama3-8b has no experts"),
+    (["mixtral-8x7b", "--etp", "2"], "--etp: unknown 2; available: tp, 1"),
+    (["llama3-8b", "--etp", "1"], "--etp 1: llama3-8b has no experts to fold"),
+])
+def test_bad_moe_plan_values_are_one_line_errors(capsys, args, message):
+    assert_one_line_error(capsys, PLAN + args, message)
+
+
+moe_evaluator = pytest.fixture(scope="module")(mixtral_evaluator)
 
 
 def test_a_combined_row_is_what_simulate_ep_overlap_prints(moe_evaluator):
     layout = Layout("interleaved-1f1b", 2, 2, 4, 2, 1, 8, zero=1, sequence_parallel=True, ep=4, ep_overlap=True)
-    row = moe_evaluator.evaluate(layout)
-    job = moe_evaluator.layout_job(layout)
-    assert job.ep_overlap
-    simulated = simulate_job(job)
-    assert row["step_time"] == simulated.metrics.makespan
-    assert row["peak_memory_bytes"] == max(memory.peak_bytes for memory in simulated.memory)
+    assert moe_evaluator.layout_job(layout).ep_overlap
+    row = row_as_simulated(moe_evaluator, layout)
     # the same layout with the all-to-alls exposed: combined hides some, at one more
     # warm-up microbatch's memory
     exposed = moe_evaluator.evaluate(layout._replace(ep_overlap=False))

@@ -14,11 +14,9 @@ import pytest
 from executor.reference import reference_run
 from pipesim.cli import build_parser, main
 from pipesim.cli.plan_row import config_from_plan_row
-from pipesim.job import Job, simulate_job
-from pipesim.plan.evaluate import LayoutEvaluator
 from pipesim.plan.layouts import ETP_WITHOUT_SP, Layout, SearchSpace, enumerate_layouts, parse_constraints
 from pipesim.plan.request import Planner, PlanRequest
-from tests.cli_runs import assert_one_line_error
+from tests.plan_moe import mixtral_evaluator, row_as_simulated
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,26 +73,13 @@ def test_the_default_tries_folding_for_experts_only():
         Planner(PlanRequest(model="mixtral-8x7b", gpus=8, global_batch=8, etp=[2]))
 
 
-def test_bad_etp_values_are_one_line_errors(capsys):
-    base = ["plan", "--model", "mixtral-8x7b", "--gpus", "8", "--global-batch", "8", "--quiet"]
-    assert_one_line_error(capsys, base + ["--etp", "2"], "--etp: unknown 2; available: tp, 1")
-    assert_one_line_error(capsys, ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--quiet",
-                                   "--etp", "1"], "--etp 1: llama3-8b has no experts to fold")
-
-
-@pytest.fixture(scope="module")
-def moe_evaluator():
-    return LayoutEvaluator(Job(model="mixtral-8x7b", topology="ib", nodes=2, seq_len=1024, layers=8))
+moe_evaluator = pytest.fixture(scope="module")(mixtral_evaluator)  # bad --etp values: tests/test_plan_ep_overlap.py
 
 
 def test_a_folded_row_is_what_simulate_etp_prints(moe_evaluator):
     layout = Layout("interleaved-1f1b", 2, 2, 4, 2, 1, 8, zero=1, sequence_parallel=True, ep=8, etp=1)
-    row = moe_evaluator.evaluate(layout)
-    job = moe_evaluator.layout_job(layout)
-    assert job.etp == 1
-    simulated = simulate_job(job)
-    assert row["step_time"] == simulated.metrics.makespan
-    assert row["peak_memory_bytes"] == max(memory.peak_bytes for memory in simulated.memory)
+    assert moe_evaluator.layout_job(layout).etp == 1
+    row_as_simulated(moe_evaluator, layout)
     # ep 8 cut from dp 4 alone is no layout: folded it is one
     assert "error" in moe_evaluator.evaluate(layout._replace(etp=0))
 
