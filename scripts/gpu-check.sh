@@ -16,7 +16,8 @@
 #            GEMMs against the compute model (benchmarks/gpu_gemms.py) and the built-in GEMM
 #            table timed again in nn.Linear's layouts (benchmarks/gemm_table.py).
 # >= 2 GPUs: also expert parallelism (dp 2 ep 2, float64, all-to-all), context parallelism
-#            (cp 2, K/V all-gather and ring attention), ZeRO-3 with ep 2, and tensor parallelism (tp 2, sequence parallel) against
+#            (cp 2, K/V all-gather and ring attention), ZeRO-3 with ep 2, tensor parallelism (tp 2, sequence
+#            parallel) and parallel folding (tp 2, etp 1, ep 2, clipped) against
 #            the CPU reference; every generated schedule on NCCL with transfers >= 64 MiB
 #            (and pp=4 with >= 4 GPUs); pipesim profile, bench-comm and compare at pp=2.
 # Ends with a table of every check; exits non-zero if any check failed, timed out or was
@@ -124,6 +125,7 @@ if [ "$GPUS" -ge 2 ]; then
     check tensor-parallel-tp2 90 $PYTHON scripts/gpu_check.py tensor-parallel "${PYFLAGS[@]}"
     check ring-attention-cp2 90 $PYTHON scripts/gpu_check.py ring-attention "${PYFLAGS[@]}"
     check zero3-ep2 90 $PYTHON scripts/gpu_check.py zero-ep "${PYFLAGS[@]}"
+    check folding-tp2-etp1 90 $PYTHON scripts/gpu_check.py folding "${PYFLAGS[@]}"
     if [ "$GPUS" -ge 4 ]; then
         check nccl-schedules-pp4 120 $PYTHON scripts/gpu_check.py nccl-schedules --pp 4 "${PYFLAGS[@]}"
     fi

@@ -439,6 +439,13 @@ def zero_ep(args: argparse.Namespace) -> int:
                              also=fsdp_collectives_drawn)
 
 
+def folding(args: argparse.Namespace) -> int:
+    """Parallel folding (``--etp 1``): the experts whole on both tp ranks, ep 2 cut from
+    them, each rank sending its own sequence shard; clipped by the global norm."""
+    return parallel_numerics(args, "tp 2 sequence parallel etp 1 ep 2", tp=2, ep=2, etp=1, sequence_parallel=True,
+                             model="mixtral-8x7b", experts=4, clip_grad=1.0)
+
+
 def fsdp_collectives_drawn(result: dict) -> int:
     """0 when the run's Trace holds FSDP2's all-gathers and reduce-scatters
     (``executor.fsdp_timing``), each of non-negative length and within the step."""
@@ -480,7 +487,8 @@ def parallel_numerics(args: argparse.Namespace, label: str, also=None, **layout)
 CHECKS = {"numerics": numerics, "architectures": architectures, "recompute": recompute, "zero": zero,
           "degree-one": degree_one, "pairs": pairs, "memory": memory, "predict": predict, "precision": precision,
           "nccl-schedules": nccl_schedules, "expert-parallel": expert_parallel, "context-parallel": context_parallel,
-          "tensor-parallel": tensor_parallel, "ring-attention": ring_attention, "zero-ep": zero_ep}
+          "tensor-parallel": tensor_parallel, "ring-attention": ring_attention, "zero-ep": zero_ep,
+          "folding": folding}
 
 
 def main() -> int:

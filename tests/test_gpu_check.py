@@ -81,3 +81,13 @@ def test_a_check_fails_above_its_bound_and_names_the_case(capsys):
     assert "far" in printed and "FAILED" in printed and "1 of 2 within 1e-09" in printed
     missing = {"losses": [1.0, 0.5], "grads": {}}
     assert gpu_check.differences(missing, reference) == (0.0, math.inf)
+
+
+@pytest.mark.timeout(180)
+def test_cpu_mode_runs_the_folding_check(tmp_path):
+    """Parallel folding (tp 2, etp 1, ep 2, clipped) through the script on gloo: the row
+    passes against the CPU float64 reference (two GPUs on a GPU machine)."""
+    done = run_script(tmp_path, GPU_CHECK_ONLY="folding-tp2-etp1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert table(done.stdout)["folding-tp2-etp1"][1] == "PASS"
+    assert "tp 2 sequence parallel etp 1 ep 2 on gloo" in (tmp_path / "out" / "folding-tp2-etp1.log").read_text()
