@@ -85,7 +85,8 @@ def plan_rows(tmp_path_factory) -> list[Path]:
     """``torchtitan.args`` for the three best rows of a plan (llama3-8b on 16 GPUs, the
     recompute modes torchtitan has a knob for), and for layouts with each choice a plan
     can make that the rows may not have: full and per-op recompute, sequence
-    parallelism, DDP, more than two stages per rank, V."""
+    parallelism, DDP, more than two stages per rank, V, and a mixture of experts folded
+    beside tp (Mixtral, tp 2, ep 8)."""
     folder = tmp_path_factory.mktemp("titan")
     plan = folder / "plan.json"
     common = ["--model", "llama3-8b", "--seq-len", "2048", "--topology", "ib"]
@@ -105,6 +106,11 @@ def plan_rows(tmp_path_factory) -> list[Path]:
         assert main(["export", "--schedule", name, "--pp", "4", "-m", "8", *chunks, *extra,
                      "--torchtitan", str(out)]) == 0, name
         paths.append(out / "torchtitan.args")
+    # a mixture of experts as torchtitan runs it: folded (ep 8 cut from FSDP x tp) beside tp 2
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "32", "--global-batch", "64", "--seq-len", "1024",
+                 "--schedules", "1f1b", "--constraint", "tp=2", "--constraint", "ep=8", "--top", "1", "--workers", "1",
+                 "--torchtitan", str(folder / "moe"), "--fsdp", "--quiet"]) == 0
+    paths.append(folder / "moe" / "torchtitan.args")
     # per-op (torchtitan's selective) as export writes it, where simulate's --recompute lacks it
     write_torchtitan(folder / "1f1b-per-op", generate("1f1b", 4, 8), TorchtitanLayout(dp=4, recompute="per-op"))
     paths.append(folder / "1f1b-per-op" / "torchtitan.args")
