@@ -88,6 +88,9 @@ ROWS: dict[str, tuple[str, ...]] = {
     "mixtral 1f1b dp 2 zero 1": (*MIXTRAL, "--pp", "2", "--dp", "2", "--zero", "1"),
     "mixtral 1f1b tp 2": (*MIXTRAL, "--pp", "2", "--tp", "2"),
     "mixtral 1f1b dp 2 ep 2": (*MIXTRAL, "--pp", "2", "--dp", "2", "--ep", "2"),
+    # parallel folding: the experts whole on both tp ranks, ep 2 cut from them (one replica)
+    "mixtral 1f1b tp 2 sp etp 1 ep 2": (*MIXTRAL, "--pp", "2", "--tp", "2", "--sequence-parallel", "--etp", "1",
+                                        "--ep", "2"),
     "mixtral 1f1b cp 2": (*MIXTRAL, "--pp", "2", "--cp", "2"),
     "deepseek-v3 1f1b": ("--model", "deepseek-v3", *DEEPSEEK, "--pp", "2"),
     "deepseek-v2-lite zbv": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
