@@ -4,9 +4,9 @@ The row's layout is kept as the plan chose it: schedule, pp, tp, dp, virtual sta
 microbatches per replica, microbatch size (so the global batch is dp x microbatches x
 microbatch size), ZeRO stage, recompute, sequence, context and expert parallelism (cp by
 ring attention, the exchange the plan priced), parallel folding (``etp``) and combined
-1F1B (``ep_overlap``). The
-model is the plan's (a row names it: a preset, or a config file's absolute path), shrunk
-to fit this machine: the run's own ``--layers/--hidden/--heads/--seq-len/--vocab``, each raised to the least value the
+1F1B (``ep_overlap``). The model is the plan's (a row names it: a preset, or a config
+file's absolute path), shrunk to fit this machine: the run's own
+``--layers/--hidden/--heads/--seq-len/--vocab``, each raised to the least value the
 layout needs (a block per stage, heads a multiple of tp, a sequence the cp and tp ranks
 can split). A run's ``--model`` naming another model is refused; a plan written before
 rows named their model runs the run's ``--model`` (the ``gpt`` transformer unless another
@@ -191,8 +191,8 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
     for flag, name, unset in ROW_FIXES:
         if getattr(args, name, unset) != unset:
             raise ConfigError(f"{flag} conflicts with --plan {args.plan}: the plan's row fixes the schedule, pp, "
-                              "microbatches, virtual stages, dp, tp, ZeRO, recompute, sequence parallelism and the "
-                              f"batch; drop {flag}")
+                              "microbatches, virtual stages, dp, tp, cp, ep, etp, ZeRO, recompute, sequence "
+                              f"parallelism, combined 1F1B and the batch; drop {flag}")
     number = args.row
     row = read_row(args.plan, number)
     model = shrunk_model(args, row, planned_model(args, row, number))
