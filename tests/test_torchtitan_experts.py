@@ -68,8 +68,8 @@ def test_plan_for_torchtitan_keeps_only_the_expert_layouts_it_runs(tmp_path, cap
     """With --torchtitan the plan rules out, by cause, what torchtitan would run otherwise
     than priced; every ranked row's experts are written without refusal."""
     from pipesim.cli.torchtitan import check_experts
-    from pipesim.plan.layouts import TORCHTITAN_FOLDS
     from pipesim.plan.request import Planner, PlanRequest
+    from pipesim.plan.torchtitan_experts import TORCHTITAN_FOLDS
 
     request = PlanRequest(model="mixtral-8x7b", gpus=32, global_batch=64, seq_len=1024, top=40, workers=1,
                           schedules=("1f1b",), torchtitan=True, fsdp=True)

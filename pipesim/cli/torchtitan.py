@@ -131,24 +131,22 @@ def qkv_of(spec: ModelSpec) -> str | None:
 
 
 def check_experts(layout: TorchtitanLayout) -> None:
-    """Refuse an expert layout torchtitan would run otherwise than simulated. torchtitan
-    0.3 folds the routed experts whenever ep > 1: its sparse mesh puts every expert whole
-    on each rank and cuts ep from the data-parallel shard x cp x tp ranks (``efsdp * ep =
-    dp_shard * cp * tp``, ``torchtitan/config/configs.py``), and at ep 1 it splits them over
-    tp. So ep > 1 with tp > 1 runs only folded (``etp 1``), folding needs ep > 1, and ep must
-    divide the FSDP shard x cp x tp ranks (the replicas of DDP, ``data_parallel_replicate``,
-    are outside them)."""
-    if layout.ep > 1 and layout.tp > 1 and not layout.etp:
+    """Refuse an expert layout torchtitan would run otherwise than simulated, by the rule
+    of ``pipesim.plan.torchtitan_experts`` (which ``plan --torchtitan`` rules out by)."""
+    from pipesim.plan.torchtitan_experts import TORCHTITAN_FOLDS, torchtitan_expert_cause
+
+    cause = torchtitan_expert_cause(layout.dp, layout.tp, layout.cp, layout.ep, layout.etp, layout.fsdp)
+    if cause == TORCHTITAN_FOLDS and layout.ep > 1:
         raise ValueError(f"ep {layout.ep} with tp {layout.tp}, the experts split over tp: torchtitan "
                          f"{SUPPORTED_RELEASE} folds them whenever ep > 1 (every expert whole on each rank, ep cut "
                          "from the FSDP x cp x tp ranks), so it would not run what pipesim priced; plan or simulate "
                          "with --etp 1")
-    if layout.etp and layout.ep == 1 and layout.tp > 1:
+    if cause == TORCHTITAN_FOLDS:
         raise ValueError(f"etp 1 at ep 1 with tp {layout.tp}: torchtitan {SUPPORTED_RELEASE} splits the experts over "
                          "tp when ep is 1, so it would not run what pipesim priced; use ep > 1, or the experts split "
                          "over tp (--etp tp)")
-    shard = layout.dp if layout.fsdp else 1
-    if layout.ep > 1 and (shard * layout.cp * layout.tp) % layout.ep:
+    if cause:
+        shard = layout.dp if layout.fsdp else 1
         raise ValueError(f"ep {layout.ep} must divide torchtitan {SUPPORTED_RELEASE}'s FSDP shard x cp x tp = "
                          f"{shard} x {layout.cp} x {layout.tp} ranks (its expert mesh; DDP's replicas are outside "
                          "it): add --fsdp, or choose another ep")

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from pipesim.model.per_op_checkpoint import PER_OP, per_op_refusal
 from pipesim.model.spec import NORM_MLA_UP, RECOMPUTE, ModelSpec
+from pipesim.plan.torchtitan_experts import torchtitan_expert_cause
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.generators import GROUPED, MULTI_CHUNK, PLANNED_SCHEDULES, SPLIT_BACKWARD, V_SHAPED
 from schedules.generators.combined import combined_problem
@@ -94,7 +95,7 @@ class SearchSpace:
     microbatch_groups: Sequence[int] | None = None  # interleaved-1f1b's N to try; None: ``planned_groups``
     ep_overlap: Sequence[bool] = (False,)  # combined 1F1B off, on or both, where it runs (``_combines``)
     expert_tp: Sequence[int] = (0,)  # the experts' tp to try: 0 (tp) and 1 (folded, where tp > 1)
-    torchtitan: bool = False  # keep only the expert layouts torchtitan runs as priced (``_torchtitan_cause``)
+    torchtitan: bool = False  # only the expert layouts torchtitan runs as priced (pipesim.plan.torchtitan_experts)
     fsdp: bool = False  # with torchtitan: its replicas shard with FSDP (else DDP, outside its expert mesh)
 
 
@@ -331,9 +332,10 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
         return EP_TP_WITHOUT_SP
     if layout.etp and not layout.sequence_parallel:
         return ETP_WITHOUT_SP
-    cause = _torchtitan_cause(layout, space) if space.torchtitan else None
-    if cause:
-        return cause
+    if space.torchtitan:
+        cause = torchtitan_expert_cause(layout.dp, layout.tp, layout.cp, layout.ep, layout.etp, space.fsdp)
+        if cause:
+            return cause
     if layout.cp > 1 and space.seq_len % (2 * layout.cp):
         return "2 x cp does not divide the sequence (the causal ring's even chunks)"
     if layout.pp * layout.virtual_stages > space.layers + 2:
@@ -361,23 +363,6 @@ ETP_WITHOUT_SP = "etp 1 (folded experts) with tp > 1 needs sequence parallelism 
 PER_OP_SPLIT = "per-op recompute with a split backward (I, W): selective checkpointing runs one backward a block"
 # The cause of a candidate a constraint does not allow.
 EXCLUDED = "excluded by --constraint"
-
-
-# torchtitan 0.3 folds the routed experts whenever ep > 1 (every expert whole on each rank,
-# ep cut from its FSDP shard x cp x tp ranks) and splits them over tp at ep 1
-# (pipesim.cli.torchtitan.check_experts says why): what it would run otherwise than priced.
-TORCHTITAN_FOLDS = "torchtitan folds the experts whenever ep > 1, and only then (its expert mesh)"
-TORCHTITAN_EXPERT_MESH = "ep does not divide torchtitan's FSDP shard x cp x tp ranks (its expert mesh)"
-
-
-def _torchtitan_cause(layout: Layout, space: SearchSpace) -> str | None:
-    """Why torchtitan would not run ``layout``'s experts as priced, None if it would."""
-    if layout.tp > 1 and (layout.ep > 1) != bool(layout.etp):
-        return TORCHTITAN_FOLDS
-    shard = layout.dp if space.fsdp else 1
-    if layout.ep > 1 and (shard * layout.cp * layout.tp) % layout.ep:
-        return TORCHTITAN_EXPERT_MESH
-    return None
 
 
 def _allowed(layout: Layout, constraints: dict[str, set[str]]) -> bool:
