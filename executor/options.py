@@ -256,18 +256,6 @@ def refuse_copies(config: RunConfig, command: str) -> None:
                          f"folded in a V)")
 
 
-def refuse_folding(config: RunConfig, command: str) -> None:
-    """``profile`` and ``compare`` do not measure a folded run (``--etp 1`` under tp): its
-    experts' all-to-alls cross the tp ranks, and its MoE blocks keep the tp gather and
-    reduce-scatter (the router reads whole sequences, ``executor.tensor_parallel.
-    fold_routed_experts``) that the simulator's folding leaves out; refused in one line."""
-    if config.folded:
-        raise ValueError(f"{command} --etp {config.etp}: {command} does not measure parallel folding yet (the "
-                         f"executor's folded layer keeps the tp gather and reduce-scatter that `pipesim simulate "
-                         f"--etp` leaves out); run it with `pipesim run --etp {config.etp}`, or {command} without "
-                         f"--etp")
-
-
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The checked ``RunConfig`` the flags describe."""
     if args.schedule_file:

@@ -192,18 +192,22 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     """Per stage, what the simulator needs beside the times: the boundary activation one
     rank sends (``act_bytes``: its cp share of the sequence, and with sequence
     parallelism its tp shard of that, ``RunConfig.boundary_sequence_split``), the
-    parameter bytes one tp shard holds and reduces over dp (the stage's parameters over
+    parameter bytes one rank holds and reduces over dp (the stage's parameters over
     ``tp``: norms and biases that tp replicates are counted as split, a small share of a
-    stage), and for tp the layers and the activation each layer's collectives carry
+    stage; its routed experts over ``ep`` and their own tp, whole under parallel
+    folding), and for tp the layers and the activation each layer's collectives carry
     (``layers``, ``tp_message_bytes``: the whole ``s*b*h`` activation, Megatron's rule,
     ``pipesim.sim.parallel``; ``tp_regathers``: the sublayer inputs a layer's backward
-    gathers again under sequence parallelism, ``executor.rebuilt_activations``). With
+    gathers again under sequence parallelism, ``executor.rebuilt_activations``; with ep,
+    ``moe_tp_dense``: its MoE blocks gather and scatter the sequence as the dense MLP's
+    do, folded or not, ``executor.tensor_parallel``). With
     DualPipe's two copies of the model, ``num_stages`` counts the pipeline's stages, each
     the model stage ``stage mod`` the model's (``executor.copies``), each copy's last
     sending nothing. Builds the stages on the CPU to count them (torch is loaded here)."""
     import torch  # noqa: PLC0415
 
     from executor.context_parallel import local_shape  # noqa: PLC0415
+    from executor.expert_parallel import expert_parameters  # noqa: PLC0415
     from executor.models import build_model  # noqa: PLC0415
 
     model = build_model(config)
@@ -216,8 +220,10 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     entries = []
     for stage in (index % model_stages for index in range(num_stages)):
         module = model.build_stage(stage, model_stages)
-        params = sum(p.numel() * p.element_size() for p in module.parameters())
-        entry = {"act_bytes": activation if stage < model_stages - 1 else 0.0, "param_bytes": params / config.tp}
+        routed = expert_parameters({stage: module})
+        params = sum(p.numel() * p.element_size() / (config.tp if id(p) not in routed else config.ep * config.expert_tp)
+                     for p in module.parameters())
+        entry = {"act_bytes": activation if stage < model_stages - 1 else 0.0, "param_bytes": params}
         if config.tp > 1:
             entry["layers"] = float(model.layout[stage])
             entry["tp_message_bytes"] = float(math.prod(model.boundary_shape(microbatch)) * element)
@@ -225,6 +231,8 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
                                                             config.recompute) if model.layout[stage] else 0)
         if config.ep > 1:
             entry.update(expert_exchange(config, model.layout, stage, microbatch, element))
+            if config.tp > 1 and entry["moe_layers"]:  # the MoE block gathers the sequence as a dense MLP does
+                entry["moe_tp_dense"] = 1.0
         if config.cp > 1 and config.cp_comm == "p2p":
             entry.update(ring_exchange(config, model.layout[stage], microbatch, element))
         entries.append(entry)
@@ -312,6 +320,6 @@ def calibration_document(config: RunConfig, schedule: Schedule, calibrated: Sequ
         "layers": config.layers, "hidden": config.hidden, "seq_len": config.seq_len, "pp": config.pp,
         "virtual_stages": config.virtual_stages, "schedule": schedule.name, "dtype": config.dtype,
         "microbatch_size": -(-config.replica_batch_size // config.microbatches), "dp": config.dp, "tp": config.tp,
-        "cp": config.cp, "ep": config.ep,
+        "cp": config.cp, "ep": config.ep, "etp": config.expert_tp,
     }
     return document

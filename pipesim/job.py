@@ -446,9 +446,11 @@ def check_parallel_layout(job) -> None:
     for flag, value in (("--dp", dp), ("--tp", tp), ("--cp", cp), ("--ep", ep), ("--etp", 1 if etp is None else etp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
-    if etp is not None and not getattr(job, "model", None):
-        raise ValueError(f"--etp {etp} needs --model: it splits a mixture of experts' routed experts; give --model "
-                         f"or drop --etp")
+    if etp is not None and not getattr(job, "model", None) and not (
+            getattr(job, "costs", None) and calibrated_shards(job.costs).get("etp") == etp):
+        raise ValueError(f"--etp {etp} needs --model: it splits a mixture of experts' routed experts; give --model, "
+                         f"a costs file of compare --costs-out or profile --calibration run at --etp {etp}, or drop "
+                         f"--etp")
     comm = check_cp_comm(getattr(job, "cp_comm", "p2p"))
     if comm != "p2p" and cp == 1:
         raise ValueError(f"--cp-comm {comm} needs --cp > 1: it says how context-parallel ranks exchange keys and "
@@ -476,13 +478,14 @@ def check_parallel_layout(job) -> None:
 
 
 def calibrated_shards(path: str) -> dict:
-    """The cp and ep a costs file's stages were timed at, as the run's own calibration
-    steps write them in its ``meta`` (``executor.run_costs``; ``compare --costs-out``,
-    ``profile --calibration run``): such costs are a shard's, with each stage's
-    attention and keys and values (cp) or dispatched bytes (ep) the simulator prices
-    the split by. A file that does not say (a stage profile, one written by hand): none."""
+    """The cp, ep and etp a costs file's stages were timed at, as the run's own
+    calibration steps write them in its ``meta`` (``executor.run_costs``; ``compare
+    --costs-out``, ``profile --calibration run``): such costs are a shard's, with each
+    stage's attention and keys and values (cp) or dispatched bytes (ep, folded over etp)
+    the simulator prices the split by. A file that does not say (a stage profile, one
+    written by hand): none."""
     meta = load_costs(path).meta
-    return {axis: meta[axis] for axis in ("cp", "ep") if isinstance(meta.get(axis), int)}
+    return {axis: meta[axis] for axis in ("cp", "ep", "etp") if isinstance(meta.get(axis), int)}
 
 
 def split_list(text: str, cast=str) -> list:

@@ -103,6 +103,3 @@ def test_run_etp_bad_values_are_one_line_errors(capsys) -> None:
     assert_one_line_error(capsys, base + ["--etp", "3"], "--etp 3 above --tp 2")
     assert_one_line_error(capsys, base + ["--etp", "-1"], "--etp must be a whole number >= 1, got -1")
     assert_one_line_error(capsys, base[:-1] + ["--etp", "1"], "--etp 1 with --tp 2 needs --sequence-parallel")
-    for command, extra in (("compare", []), ("profile", ["--out", "costs.json"])):  # not measured yet
-        assert_one_line_error(capsys, [command, *base[1:], "--pp", "2", "--etp", "1", *extra],
-                              f"{command} --etp 1: {command} does not measure parallel folding yet")

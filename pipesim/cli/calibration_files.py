@@ -90,7 +90,8 @@ def parallel_flags(parallel: ParallelConfig) -> list[str]:
 
     default = parallel_of(Job.from_namespace(build_parser("simulate").parse_args(["simulate"])))
     flags = ["--dp", str(parallel.dp), "--tp", str(parallel.tp)]
-    for flag, name in (("--cp", "cp"), ("--ep", "ep"), ("--cp-comm", "cp_comm"), ("--rank-order", "rank_order"),
+    for flag, name in (("--cp", "cp"), ("--ep", "ep"), ("--etp", "etp"), ("--cp-comm", "cp_comm"),
+                       ("--rank-order", "rank_order"),
                        ("--collective", "algorithm"), ("--zero", "zero"), ("--overlap-slowdown", "overlap_slowdown"),
                        ("--zero3-collectives", "zero3_collectives")):
         if getattr(parallel, name) != getattr(default, name):

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from executor.options import add_run_arguments, config_from_args, refuse_folding
+from executor.options import add_run_arguments, config_from_args
 from executor.run_costs import RUN_CALIBRATED  # no torch at import
 from pipesim.cli.calibration_files import (
     OUTPUT_FILES,
@@ -98,10 +98,12 @@ def replicas(config):
     gradients are all-reduced in buckets of the run's size, each as soon as its gradients
     are ready (``executor.data_parallel``); ``tp`` shards whose collectives hold the
     rank after each compute action, never beside the GEMMs (the executor waits for each
-    one where DTensor issues it); ``ep`` ranks, whose all-to-alls the calibration takes
-    out of the measured compute and the simulator prices from the links
-    (``executor.inside_timing``); ``cp`` ranks, whose ring's exposed waits the same
-    (with ``--cp-comm all-gather`` the gathers stay in the measured compute); under
+    one where DTensor issues it; a MoE block's are the dense MLP's, ``moe_tp_dense``); ``ep``
+    ranks, whose all-to-alls the calibration takes out of the measured compute and the
+    simulator prices from the links (``executor.inside_timing``), over the groups the run
+    cuts (under parallel folding, ``--etp 1``, from every rank of a stage: ``etp``);
+    ``cp`` ranks, whose ring's exposed waits the same (with ``--cp-comm all-gather`` the
+    gathers stay in the measured compute); under
     ``--zero 1`` and ``2``, the buckets reduce-scattered (ZeRO-2: after every backward)
     and the updated parameters all-gathered after the optimizer step, before the step
     ends (``executor.data_parallel.gather_parameters`` waits for them: no overlap with
@@ -117,7 +119,7 @@ def replicas(config):
     elif config.zero == 3:
         zero = {"zero": 3, "zero3_collectives": zero3_collectives(config)}
     return ParallelConfig(dp=config.dp, bucket_bytes=config.dp_bucket_mb * 2**20, tp=config.tp, cp=config.cp,
-                          ep=config.ep, overlap_tp=False, **zero)
+                          ep=config.ep, overlap_tp=False, etp=config.expert_tp if config.folded else 0, **zero)
 
 
 def zero3_collectives(config) -> str:
@@ -173,7 +175,8 @@ def profiled_shape(config) -> dict:
     shape = {"model": config.model, "layers": config.layers, "hidden": config.hidden, "pp": config.pp,
              "virtual_stages": config.virtual_stages, "dtype": config.dtype,
              "microbatch_size": -(-config.replica_batch_size // config.microbatches),
-             "tp": config.tp, "cp": config.cp, "ep": config.ep}  # only a file from the run's own steps has these
+             "tp": config.tp, "cp": config.cp, "ep": config.ep,  # only a file from the run's own steps has these
+             "etp": config.expert_tp}
     if config.model != "mlp":  # a model of tokens: the gpt or an architecture
         shape["seq_len"] = config.seq_len
     return shape
@@ -296,7 +299,6 @@ def handle(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if config.pp < 2:
         raise ValueError("compare needs --pp 2 or more: with one rank there is no pipeline to predict")
-    refuse_folding(config, "compare")
     if calibration == "stages" and not args.costs:
         check_whole_stages(config, "--calibration stages")
     from executor.launch import PipelineRunError, launch, p2p_semantics, validate_schedule  # noqa: PLC0415

@@ -131,7 +131,7 @@ def tp_all_reduce(topology: Topology, config: RunConfig, costs: Costs, traces: l
     (size,) = sizes
     parallel = replicas(config)
     group = map_ranks(topology, parallel.dp, config.pp, parallel.tp, parallel.rank_order, parallel.cp,
-                      parallel.ep).tp_group(0, 0)
+                      parallel.ep, parallel.etp).tp_group(0, 0)
     return timed_pace(topology, "all_reduce", group, size, seconds)
 
 
@@ -173,7 +173,7 @@ def tp_gather_scatter(topology: Topology, config: RunConfig, schedule: Schedule,
     (size,) = sizes
     parallel = replicas(config)
     mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
-                        parallel.ep)
+                        parallel.ep, parallel.etp)
     group = mapping.tp_group(0, 0)
     links_price = all_gather(topology, group, size)
     bandwidth = ring_pace(topology, group)[0] * config.tp / (config.tp - 1)
@@ -240,7 +240,7 @@ def ring_latency(topology: Topology, config: RunConfig, schedule: Schedule, cost
     actions = Counter((event.stage, event.kind) for event in traces[0].events if event.stream == "compute")
     parallel = replicas(config)
     mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
-                        parallel.ep)
+                        parallel.ep, parallel.etp)
     key = ("ring_exchange", config.cp)
     benchmark = topology.measured_collectives[key]
     bandwidth = benchmark[0]
@@ -292,7 +292,7 @@ def dp_collectives(topology: Topology, config: RunConfig, schedule: Schedule, co
         return {}
     parallel = replicas(config)
     mapping = map_ranks(topology, parallel.dp, schedule.pp, parallel.tp, parallel.rank_order, parallel.cp,
-                        parallel.ep)
+                        parallel.ep, parallel.etp)
     group = stage_dp_group(schedule, 0, mapping)
     buckets = [run for stage in costs.stages for run in gradient_buckets(stage, min(config.zero, 1),
                                                                          parallel.bucket_bytes)]

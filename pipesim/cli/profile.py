@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from executor.estimate import DEFAULT_MIN_TIME, ROUNDS
-from executor.options import add_run_arguments, config_from_args, refuse_copies, refuse_folding
+from executor.options import add_run_arguments, config_from_args, refuse_copies
 from pipesim.cli.progress import add_quiet_arg, progress_from_args
 
 
@@ -88,7 +88,6 @@ def run_profile(args: argparse.Namespace) -> dict:
     check_profile_arguments(args)
     config = config_from_args(args)
     refuse_copies(config, "profile")
-    refuse_folding(config, "profile")
     if (args.calibration or "stages") == "run":
         return run_calibration(args, config)
     from executor.profile import profile  # noqa: PLC0415 - loads torch
