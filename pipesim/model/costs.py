@@ -25,7 +25,7 @@ STAGE_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "act_bytes", "stash_bytes", "par
                 # expert and context parallelism (pipesim.sim.expert_parallel, pipesim.sim.context_parallel)
                 "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
                 "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies", "combine_bytes",
-                "moe_tp_dense",
+                "moe_tp_dense", "expert_fwd", "expert_igrad", "expert_wgrad",
                 # the GEMMs beside each tp collective under overlap (pipesim.model.tp_windows)
                 "tp_window_attention_in", "tp_window_attention_out", "tp_window_mlp_in", "tp_window_mlp_out")
 OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead", "grad_norm_overhead")
@@ -95,6 +95,14 @@ class StageCost:
     nodes carry ``min(limit, nodes) / k`` of their bytes
     (``pipesim.model.experts.MixtureOfExperts.remote_share``).
 
+    ``expert_fwd``, ``expert_igrad``, ``expert_wgrad`` (per MoE layer, like
+    ``attention_fwd``): the seconds of a MoE layer's experts (its routed and shared
+    experts' GEMMs: what runs between the dispatch and the combine) in the forward, the
+    input-gradient and the weight-gradient backward, part of ``fwd``, ``bwd`` and
+    ``wgrad``. With them an overlapped pair is priced layer by layer, each all-to-all
+    beside the part of the other half that runs with it (``pipesim.sim.overlap``); 0 (a
+    costs file that does not give them): beside the other half's whole compute.
+
     ``moe_tp_dense`` (1 or 0): under tp with expert parallelism or parallel folding, the
     MoE block runs the dense MLP's tp collectives (an all-gather of ``tp_message_bytes``
     before its router, a reduce-scatter after), as pipesim's executor runs it
@@ -156,6 +164,9 @@ class StageCost:
     dispatch_copies: float = 0.0
     combine_bytes: float = 0.0
     moe_tp_dense: float = 0.0
+    expert_fwd: float = 0.0
+    expert_igrad: float = 0.0
+    expert_wgrad: float = 0.0
     tp_window_attention_in: float = 0.0
     tp_window_attention_out: float = 0.0
     tp_window_mlp_in: float = 0.0

@@ -56,7 +56,7 @@ from pipesim.model.compute_model import BlockTime, ComputeModel, KernelModel, bl
 from pipesim.model.costs import Costs, StageCost
 from pipesim.model.layout import check_layout
 from pipesim.model.memory_traffic import optimizer_step_seconds
-from pipesim.model.operations import attention_core, head_operations, layer_operations, mtp_operations
+from pipesim.model.operations import Gemm, attention_core, head_operations, layer_operations, mtp_operations
 from pipesim.model.per_op_checkpoint import check_per_op, recomputed_tp_pairs
 from pipesim.model.saved_tensors import (
     KERNELS,
@@ -245,10 +245,13 @@ def model_stage_costs(
         # what a split backward's I adds to a stash held whole until W (the executor's)
         grads = end_output_grad_bytes(local, tp, sequence_parallel, first_stage, last_stage, saved_tensors)
         params = moe_layers = 0  # whole numbers
+        experts = [0.0, 0.0, 0.0]  # the MoE layers' experts: forward, input gradient, weight gradient
         windows = [0.0] * len(TP_WINDOW_FIELDS)  # summed over the stage's layers, then per layer
         for layer, alike in groups:
             kind = kind_layer[spec.layer_kind(layer)]
-            moe_layers += alike if spec.is_moe_layer(layer) else 0
+            if spec.is_moe_layer(layer):
+                moe_layers += alike
+                experts = _add_experts(experts, alike, experts_time(spec, tp, sequence_parallel, compute, kind, ep, cp))
             time = time_of(compute, kind)
             if tp > 1:
                 windows = [total + alike * seconds for total, seconds in zip(
@@ -287,6 +290,9 @@ def model_stage_costs(
                 async_regathers += spec.mtp_depth * async_regathered_inputs(saved_tensors, tp, sequence_parallel,
                                                                             recompute, bool(mtp_moe))
                 moe_layers += mtp_moe
+                if mtp_moe:
+                    experts = _add_experts(experts, mtp_moe, experts_time(spec, tp, sequence_parallel, compute,
+                                                                          spec.layers, ep, cp))
                 count += spec.mtp_depth
                 if tp > 1:  # each module's block runs its tp collectives beside its own GEMMs
                     windows = [total + spec.mtp_depth * seconds for total, seconds in zip(
@@ -322,6 +328,8 @@ def model_stage_costs(
                                else wgrad_stash_share(stash, kept)),
             dispatch_node_limit=float(dispatch_node_limit(spec, ep)) if moe_layers else 0.0,
             dispatch_copies=spec.moe.routed_slots(padded=False) if moe_layers else 0.0,
+            **{name: total / moe_layers if moe_layers else 0.0
+               for name, total in zip(("expert_fwd", "expert_igrad", "expert_wgrad"), experts, strict=True)},
             **{name: total / count if count else 0.0 for name, total in zip(TP_WINDOW_FIELDS, windows, strict=True)},
         )
 
@@ -436,6 +444,28 @@ def dispatch_node_limit(spec: ModelSpec, ep: int) -> int:
     if spec.moe.node_limit:
         return spec.moe.node_limit
     return ep if spec.ep_dispatcher == "deepep" else 0
+
+
+@functools.lru_cache(maxsize=4096)
+def experts_time(spec: ModelSpec, tp: int, sequence_parallel: bool, compute: ComputeModel, layer: int = 0,
+                 ep: int = 1, cp: int = 1) -> BlockTime:
+    """Layer ``layer``'s experts on one rank (part of ``layer_time``): its routed and
+    shared experts' GEMMs, what Megatron-Core's combined 1F1B runs as the layer's ``mlp``
+    node between the dispatch and the combine (``pipesim.sim.overlap``); never
+    recomputed (combined 1F1B refuses full recompute)."""
+    operations = tuple(operation for operation in layer_operations(spec, tp, sequence_parallel, True, layer, ep=ep,
+                                                                   cp=cp)
+                       if isinstance(operation, Gemm) and operation.name.startswith(EXPERT_GEMMS))
+    return block_time(operations, compute, "none", spec.dtype_bytes)
+
+
+def _add_experts(totals: list[float], layers: int, time: BlockTime) -> list[float]:
+    """``totals`` (forward, input gradient, weight gradient) with ``layers`` more MoE layers' experts."""
+    return [total + layers * part for total, part in zip(totals, (time.forward, time.input_grad, time.weight_grad),
+                                                         strict=True)]
+
+
+EXPERT_GEMMS = ("expert_", "shared_expert_")  # pipesim.model.weights.mlp_weights' GEMMs of the experts
 
 
 @functools.lru_cache(maxsize=4096)

@@ -19,6 +19,30 @@ after their half. DeepSeek gives the communication 20 of the H800's 132 SMs, whi
 the compute beside it: the slowdown above stands for that (a measured pair, given as
 ``overlap_fb``, has it in it).
 
+Where the costs give each MoE layer's experts apart (``expert_fwd``, ``expert_igrad``,
+``expert_wgrad``: a model's costs) the pair is priced layer by layer, as Megatron-Core
+runs combined 1F1B (``TransformerLayerSchedulePlan.run``, one forward layer with one
+backward layer on a compute and a communication stream):
+
+    comm:     combine_bwd | dispatch_fwd -> dispatch_bwd          | combine_fwd
+    compute:  attn_fwd    | mlp_bwd (-> mlp_bwd_dw) -> mlp_fwd    | attn_bwd
+
+three phases, each ending when both its streams are done; in the middle one the
+backward's dispatch waits for the experts' input gradient (with their weight gradient
+too, unless delayed: Megatron-Core's ``--delay-wgrad-compute``, which pipesim does not
+model) and the forward's experts for its dispatch. ``mlp`` is the layer's experts,
+``attn`` every other part of its half (the attention, the router and the
+permutations; a stage's dense layers, head and embedding spread over its MoE layers as
+the windows they also are), each all-to-all the half's ep seconds split between the
+dispatch and the combine by their bytes. Compute beside an all-to-all runs at ``1 / (1 +
+slowdown)`` of its speed, as everywhere (``pipesim.sim.comm_overlap``). A layer's
+all-to-all can only hide under the part of the other half that runs beside it, so this
+exposes more than the coarse rule above, which hides all of a half's all-to-alls under
+all of the other's compute (and is what costs without the experts' seconds get). MoE
+layers of one half beyond the other's run alone, their all-to-alls exposed. DualPipe's
+pairs are priced the same way (DeepSeek-V3's Figure 4 overlaps the same four parts of
+each half; the report gives no other order).
+
 A pair whose cost is given (``overlap_fb`` in the costs) costs that, shared between its
 halves in proportion to their own seconds; its all-to-alls are taken to be inside it.
 
@@ -30,6 +54,7 @@ hidden: each half costs what it costs alone, and what holds the rank after it is
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from pipesim.sim.comm_overlap import exposed_seconds
 from schedules.action import ActionKind
@@ -64,8 +89,15 @@ def overlapped_pairs(schedule: Schedule, costs, durations: Mapping,
             else:
                 all_to_all_f = ep.get((forward.stage, ActionKind.F), 0.0)
                 all_to_all_b = ep.get((backward.stage, backward.kind), 0.0)
-                uncovered = (exposed_seconds(alone_b, all_to_all_f, slowdown)
-                             + exposed_seconds(alone_f, all_to_all_b, slowdown))
+                stage_f, stage_b = costs.stages[forward.stage], costs.stages[backward.stage]
+                if layered(stage_f, stage_b, all_to_all_f, all_to_all_b):
+                    uncovered = layered_pair_seconds(
+                        HalfLayers.forward(stage_f, alone_f, all_to_all_f),
+                        HalfLayers.backward(stage_b, backward.kind, alone_b, all_to_all_b), slowdown
+                    ) - alone_f - alone_b
+                else:
+                    uncovered = (exposed_seconds(alone_b, all_to_all_f, slowdown)
+                                 + exposed_seconds(alone_f, all_to_all_b, slowdown))
             if ep:
                 hold[tuple(forward)] = _parts(holds, forward.stage, forward.kind, 0.0)
                 hold[tuple(backward)] = _parts(holds, backward.stage, backward.kind, uncovered)
@@ -76,3 +108,104 @@ def _parts(holds: Mapping[str, Mapping[tuple[int, str], float]], stage: int, kin
            all_to_all: float) -> tuple[float, ...]:
     """The hold of an action in a pair, by part: its own tp and cp, ``all_to_all`` for ep."""
     return tuple(all_to_all if part == "ep" else holds.get(part, {}).get((stage, kind), 0.0) for part in HOLD_PARTS)
+
+
+def layered(stage_f, stage_b, all_to_all_f: float, all_to_all_b: float) -> bool:
+    """Whether a pair of these stages is priced layer by layer: both halves' stages route
+    tokens to experts, with their experts' seconds and all-to-alls known."""
+    return all(stage.moe_layers >= 1 and stage.expert_fwd > 0 for stage in (stage_f, stage_b)) and (
+        all_to_all_f > 0 or all_to_all_b > 0)
+
+
+@dataclass(frozen=True)
+class HalfLayers:
+    """One half of an overlapped pair, per MoE layer (see the module): ``layers`` MoE
+    layers, each with ``attention`` seconds of compute outside its experts, ``experts``
+    seconds of its experts (the forward's; the backward's input and, in a full backward,
+    weight gradients, run together as Megatron-Core runs them unless delayed), and its
+    two all-to-alls in the order the pass runs them (forward: dispatch, combine;
+    backward: the combine's gradient, the dispatch's)."""
+
+    layers: int
+    attention: float
+    experts: float
+    first_all_to_all: float
+    second_all_to_all: float
+
+    @classmethod
+    def forward(cls, stage, seconds: float, all_to_all: float) -> HalfLayers:
+        """The forward half: the dispatch of ``dispatch_bytes``, then the combine."""
+        layers = int(stage.moe_layers)
+        dispatch, combine = _split(all_to_all / layers, stage.all_to_all_bytes)
+        return cls(layers, (seconds - layers * stage.expert_fwd) / layers, stage.expert_fwd, dispatch, combine)
+
+    @classmethod
+    def backward(cls, stage, kind: str, seconds: float, all_to_all: float) -> HalfLayers:
+        """The backward half (``B``, or ``I`` of a split backward, which runs no weight
+        gradient): the combine's gradient toward the experts (``dispatch_bytes``), then
+        the dispatch's back (``combine_bytes``)."""
+        layers = int(stage.moe_layers)
+        experts = stage.expert_igrad + (stage.expert_wgrad if kind == ActionKind.B else 0.0)
+        toward, back = _split(all_to_all / layers, stage.all_to_all_bytes)
+        return cls(layers, (seconds - layers * experts) / layers, experts, toward, back)
+
+
+def _split(seconds: float, sizes: tuple[float, float]) -> tuple[float, float]:
+    """``seconds`` of a layer's two all-to-alls shared in proportion to their bytes."""
+    total = sum(sizes)
+    return (seconds * sizes[0] / total, seconds * sizes[1] / total) if total > 0 else (seconds / 2, seconds / 2)
+
+
+def layered_pair_seconds(forward: HalfLayers, backward: HalfLayers, slowdown: float) -> float:
+    """Seconds of an overlapped pair priced layer by layer (see the module): the pairs of
+    one forward and one backward MoE layer in three phases each, the MoE layers one half
+    has beyond the other alone, their compute and all-to-alls one after the other."""
+    paired = min(forward.layers, backward.layers)
+    one = (two_streams([forward.attention], [backward.first_all_to_all], slowdown)
+           + two_streams([backward.experts, forward.experts], [forward.first_all_to_all, backward.second_all_to_all],
+                         slowdown, compute_waits={1: 0}, comm_waits={1: 0})
+           + two_streams([backward.attention], [forward.second_all_to_all], slowdown))
+    alone = sum((half.layers - paired) * (half.attention + half.experts + half.first_all_to_all
+                                          + half.second_all_to_all) for half in (forward, backward))
+    return paired * one + alone
+
+
+def two_streams(compute: list[float], comm: list[float], slowdown: float, compute_waits: dict[int, int] | None = None,
+                comm_waits: dict[int, int] | None = None) -> float:
+    """Seconds until every task is done: ``compute`` tasks one after the other on one
+    stream, ``comm`` tasks one after the other on another, compute ``i`` starting only
+    once comm ``compute_waits[i]`` is done and comm ``j`` once compute ``comm_waits[j]``
+    is; compute advances at ``1 / (1 + slowdown)`` of its speed while a comm task runs
+    (``pipesim.sim.comm_overlap``)."""
+    compute_waits, comm_waits = compute_waits or {}, comm_waits or {}
+    remaining = [list(compute), list(comm)]
+    done: list[set[int]] = [set(), set()]
+    position, now = [0, 0], 0.0
+    waits, other = (compute_waits, comm_waits), (1, 0)
+
+    def ready(stream: int) -> bool:
+        task = position[stream]
+        if task >= len(remaining[stream]):
+            return False
+        needed = waits[stream].get(task)
+        return needed is None or needed in done[other[stream]]
+
+    while True:
+        running = [stream for stream in (0, 1) if ready(stream)]
+        if not running:
+            break
+        rate = [1 / (1 + slowdown) if 1 in running else 1.0, 1.0]
+        ends = {stream: remaining[stream][position[stream]] / rate[stream] for stream in running}
+        stream_first = min(ends, key=ends.get)
+        step = ends[stream_first]
+        now += step
+        for stream in running:
+            task = position[stream]
+            remaining[stream][task] = 0.0 if stream == stream_first else max(
+                0.0, remaining[stream][task] - step * rate[stream])
+            if remaining[stream][task] <= 0.0:
+                done[stream].add(task)
+                position[stream] += 1
+    if position != [len(compute), len(comm)]:
+        raise ValueError(f"tasks wait on each other in a cycle: compute {compute_waits}, comm {comm_waits}")
+    return now
