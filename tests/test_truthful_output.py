@@ -247,6 +247,9 @@ def test_no_hint_where_transfers_carry_bytes_or_links_are_free(capsys):
     assert run_cli("simulate", "--pp", 2) == 0
     captured = capsys.readouterr()
     assert "carry no bytes" not in captured.err and captured.out.count("placed:") == 1
+    # one pipeline rank sends nothing to another: no bytes is the truth, not a default to hint at
+    assert run_cli("simulate", "--topology", "ib", "--nodes", 2, "--pp", 1, "--dp", 16) == 0
+    assert "carry no bytes" not in capsys.readouterr().err
 
 
 # -- text: one unit rule, tables that say something, a legible timeline --------------------

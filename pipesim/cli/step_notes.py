@@ -28,8 +28,9 @@ def placement_line(result, rank_order: str | None) -> str | None:
 
 
 def bytes_hint(result) -> str | None:
-    """A hint when the links cannot matter: a cluster with links, and transfers of no bytes."""
-    if result.topology.ideal or any(stage.act_bytes for stage in result.costs.stages):
+    """A hint when the links cannot matter: a cluster with links, and transfers of no bytes
+    (none at pp 1, where no stage sends to another rank and no bytes are the truth)."""
+    if result.topology.ideal or result.schedule.pp == 1 or any(stage.act_bytes for stage in result.costs.stages):
         return None
     return (f"note: transfers carry no bytes (--act-bytes 0), so topology {result.topology.name}'s links cost only "
             "their latency; give --act-bytes, or --model to size them")
