@@ -127,6 +127,7 @@ class PublishedRun:
     ep: int = 1  # expert-parallel ranks (a mixture of experts; cut from dp, as Megatron-Core does)
     etp: int = 0  # the experts' own tensor parallelism under Megatron-Core's parallel folding; 0: tp
     ep_overlap: bool = False  # Megatron-Core's combined 1F1B (overlap_moe_expert_parallel_comm)
+    delay_wgrad: bool = False  # and in its pairs the experts' weight gradient delayed (delay_wgrad_compute)
     flags: str = ""  # further simulate flags the source's command sets (dispatcher, layer split)
 
     @property
@@ -153,7 +154,7 @@ class PublishedRun:
         if self.etp:
             flags.append(f"--etp {self.etp}")
         if self.ep_overlap:
-            flags.append("--ep-overlap")
+            flags.append("--ep-overlap" + (" --delay-wgrad" if self.delay_wgrad else ""))
         if self.flags:
             flags.append(self.flags)
         if self.fp8:
@@ -247,8 +248,8 @@ def mixture_of_experts() -> list[PublishedRun]:
     on 256 GPUs, ep 32 folded over tp 2 x dp 16 with the experts at etp 1 (``--etp``: the
     recipe's ``expert_tensor_parallel_size = 1``, its base recipe's), tensor-parallel
     overlap off (``tp_comm_overlap=False``) and combined 1F1B on (``--ep-overlap``:
-    ``overlap_moe_expert_parallel_comm``; its ``delay_wgrad_compute``, which moves the
-    experts' weight gradients to widen the window, is not modelled). Not here:
+    ``overlap_moe_expert_parallel_comm``) with its ``delay_wgrad_compute`` (``--delay-wgrad``,
+    the experts' weight gradient beside the backward's dispatch). Not here:
     DeepSeek-V3 on H100 (25.09 only, its FP8 recipe and MTP unnamed), 25.09's
     token-dropping rows. Held out when first run; the token permutations
     (``pipesim.model.operations.token_permutations``, from Megatron-Core's dispatcher code,
@@ -282,7 +283,7 @@ def mixture_of_experts() -> list[PublishedRun]:
             ("26.04", 8192, 1686, 250), ("26.04.01", 8192, 1712, 253)):
         rows.append(PublishedRun(f"Qwen3-235B-A22B ep32 etp1 ({container})", MOE_SOURCE, 235, QWEN3_235B, 256,
                                  global_batch, 1, 4096, 2, 8, tokens, tflops, vp=4, ep=32, etp=1,
-                                 fp8_scaling="current", tp_overlap=False, ep_overlap=True))
+                                 fp8_scaling="current", tp_overlap=False, ep_overlap=True, delay_wgrad=True))
     return rows
 
 
@@ -344,8 +345,8 @@ def ep_overlap_lines(rows: list[PublishedRun], predictions: dict[str, Prediction
 def layout_key(run: PublishedRun) -> tuple:
     """What makes two rows the same job: every field but the label, the source and the figures."""
     return (run.model, run.gpus, run.global_batch, run.microbatch_size, run.seq_len, run.tp, run.pp, run.cp, run.vp,
-            run.ep, run.etp, run.ep_overlap, run.flags, run.fsdp, run.fp8, run.fp8_scaling, run.recompute,
-            run.tp_overlap)
+            run.ep, run.etp, run.ep_overlap, run.delay_wgrad, run.flags, run.fsdp, run.fp8, run.fp8_scaling,
+            run.recompute, run.tp_overlap)
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,7 @@ class Job:
     ep: int = 1
     etp: int | None = None  # the routed experts' own tensor parallelism (parallel folding); None: tp
     ep_overlap: bool = False  # combined 1F1B, Megatron-Core's EP all-to-all overlap (schedules.generators.combined)
+    delay_wgrad: bool = False  # Megatron-Core's --delay-wgrad-compute in overlapped pairs (pipesim.sim.overlap)
     cp_comm: str = "p2p"
     rank_order: str = "tp-dp-pp"
     bucket_mb: float = 25.0
@@ -312,10 +313,26 @@ def check_cost_flags(job) -> None:
 
 def costs_of(job: Job, schedule: Schedule, topology: Topology) -> Costs:
     """The job's per-stage costs for ``schedule``: from its model spec, else its flags or costs file."""
+    if getattr(job, "delay_wgrad", False):
+        check_delay_wgrad(job, schedule)
+        return replace(model_costs_of(job, schedule, topology), delayed_wgrad=True)
     if job.model:
         return model_costs_of(job, schedule, topology)
     # a rank's share of the model in chunks: dualpipe's two copies each give it a whole 1/pp stage
     return flag_costs_of(job, schedule.num_stages, schedule.virtual_stages // schedule.copies)
+
+
+def check_delay_wgrad(job, schedule: Schedule) -> None:
+    """``--delay-wgrad`` moves a MoE layer's experts' weight gradient inside an overlapped
+    pair priced layer by layer: it needs a model (whose costs time the experts apart) and
+    a schedule with overlapped pairs (combined 1F1B, DualPipe); else a one-line error."""
+    if not job.model:
+        raise ValueError("--delay-wgrad needs --model: it moves a MoE layer's experts' weight gradient, which a "
+                         "model's costs time apart; give --model or drop --delay-wgrad")
+    if not any(schedule.fused):
+        raise conflict("--delay-wgrad", f"--schedule {schedule.name} without --ep-overlap",
+                       "it reorders the overlapped pairs of combined 1F1B (--ep-overlap) and of dualpipe and "
+                       "dualpipev, and this schedule runs none")
 
 
 def flag_costs_of(job, num_stages: int, virtual_stages: int) -> Costs:

@@ -102,3 +102,36 @@ def test_combined_1f1b_is_faster_than_the_all_to_alls_exposed_yet_exposes_some()
     assert combined["makespan"] < exposed
     ranks = combined["ranks"]
     assert all(rank["ep"] > 0 for rank in ranks)  # all-to-alls exposed where a phase is short
+
+
+def test_a_delayed_weight_gradient_lets_the_dispatch_go_first_by_hand():
+    forward = HalfLayers(1, 1.0, 1.0, 0.5, 0.0)
+    # the backward's experts: 0.4 s input gradient, 0.6 s weight gradient; the dispatch's gradient 2 s
+    together = HalfLayers(1, 1.0, 1.0, 0.0, 2.0)
+    delayed = HalfLayers(1, 1.0, 0.4, 0.0, 2.0, delayed=0.6)
+    # phase 2 together: the dispatch's gradient waits for both gradients (1 s), ends at 3 s;
+    # delayed: it waits for the input gradient (0.4 s) and the forward's dispatch (0.5 s): 2.5 s
+    assert layered_pair_seconds(forward, together, 0.0) == pytest.approx(1.0 + 3.0 + 1.0)
+    assert layered_pair_seconds(forward, delayed, 0.0) == pytest.approx(1.0 + 2.5 + 1.0)
+    stage = StageCost(fwd=10.0, bwd=20.0, wgrad=6.0, moe_layers=2, dispatch_bytes=100.0, expert_fwd=2.0,
+                      expert_igrad=1.5, expert_wgrad=2.5)
+    assert HalfLayers.backward(stage, ActionKind.B, 20.0, 8.0, delayed_wgrad=True) == HalfLayers(
+        2, 6.0, 1.5, 2.0, 2.0, delayed=2.5)
+
+
+def test_delay_wgrad_in_simulate(tmp_path, capsys):
+    from pipesim.cli import main
+    from tests.cli_runs import assert_one_line_error
+
+    combined = simulate_json([*QWEN3_30B, "--ep-overlap"])
+    delayed = simulate_json([*QWEN3_30B, "--ep-overlap", "--delay-wgrad"])
+    assert delayed["delay_wgrad"] and not combined["delay_wgrad"]
+    assert delayed["makespan"] <= combined["makespan"]
+    capsys.readouterr()
+    assert_one_line_error(capsys, ["simulate", *QWEN3_30B, "--delay-wgrad"],
+                          "--delay-wgrad conflicts with --schedule interleaved-1f1b without --ep-overlap")
+    assert_one_line_error(capsys, ["simulate", "--pp", "2", "--delay-wgrad"], "--delay-wgrad needs --model")
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"stages": [{"fwd": 1, "bwd": 2}], "delayed_wgrad": "yes"}')
+    assert main(["simulate", "--costs", str(costs), "--pp", "1"]) == 2
+    assert "'delayed_wgrad' must be true or false, got 'yes'" in capsys.readouterr().err

@@ -332,6 +332,11 @@ def add_context_and_expert_args(group) -> None:
                        "steady-state forward run together with the backward after it, one's all-to-alls under the "
                        "other's compute; interleaved-1f1b, or 1f1b at pp 1, without full recompute, as Megatron-Core "
                        "requires (default: off, as in Megatron-Core)")
+    group.add_argument("--delay-wgrad", action="store_true",
+                       help="with --model and overlapped pairs (--ep-overlap, dualpipe, dualpipev): Megatron-Core's "
+                       "--delay-wgrad-compute: in each pair a MoE layer's experts' weight gradient runs after the "
+                       "backward's dispatch has started, widening what hides it (default: off, as in Megatron-Core; "
+                       "its Qwen3-235B-A22B recipe turns it on)")
 
 
 def add_topology_args(parser: argparse.ArgumentParser) -> None:

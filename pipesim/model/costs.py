@@ -225,6 +225,10 @@ class Costs:
     ``pipesim run``'s executor) all-reduce the two copies' gradients over the ranks
     holding the two stages before the optimizer. A measured ``step_overhead`` holds this
     all-reduce already, so costs measured by a run or a profile list none.
+    ``delayed_wgrad`` (Megatron-Core's ``--delay-wgrad-compute``, ``simulate
+    --delay-wgrad``): in an overlapped pair priced layer by layer, a MoE layer's experts'
+    weight gradient runs after the backward's dispatch has started, beside it, instead
+    of before it (``pipesim.sim.overlap``).
     ``grad_norm_overhead`` is gradient clipping's norm (``--clip-grad``,
     ``with_grad_norm``): each rank reads the gradients its optimizer steps for the sum of
     their squares, and the sums are all-reduced over every rank holding a share of them,
@@ -244,6 +248,7 @@ class Costs:
     pairs_overlap: bool = True
     embedding_sums: tuple[tuple[int, int, float], ...] = ()
     grad_norm_overhead: float = 0.0
+    delayed_wgrad: bool = False
 
     def __post_init__(self) -> None:
         for name in OVERHEADS:
@@ -320,6 +325,7 @@ class Costs:
             **({"grad_norm_overhead": self.grad_norm_overhead} if self.grad_norm_overhead else {}),
             "sequence_parallel": self.sequence_parallel,
             **({} if self.pairs_overlap else {"pairs_overlap": False}),  # the usual case left unwritten
+            **({"delayed_wgrad": True} if self.delayed_wgrad else {}),
             **({"embedding_sums": [{"first": first, "last": last, "bytes": num_bytes}
                                    for first, last, num_bytes in self.embedding_sums]}
                if self.embedding_sums else {}),
@@ -487,10 +493,14 @@ def costs_from_dict(data: object, num_stages: int | None = None, name: str = "co
     pairs_overlap = data.get("pairs_overlap", True)
     if not isinstance(pairs_overlap, bool):
         raise CostsError(f"{name}: 'pairs_overlap' must be true or false, got {pairs_overlap!r}")
+    delayed_wgrad = data.get("delayed_wgrad", False)
+    if not isinstance(delayed_wgrad, bool):
+        raise CostsError(f"{name}: 'delayed_wgrad' must be true or false, got {delayed_wgrad!r}")
     try:  # the embedding sums, checked against the stages by Costs: its errors named after the document
         return Costs(stages=tuple(stages), meta=dict(meta),
                      sequence_parallel=bool(data.get("sequence_parallel", False)), memory_known=memory_known,
-                     pairs_overlap=pairs_overlap, embedding_sums=_embedding_sums(data.get("embedding_sums", [])),
+                     pairs_overlap=pairs_overlap, delayed_wgrad=delayed_wgrad,
+                     embedding_sums=_embedding_sums(data.get("embedding_sums", [])),
                      **overheads)
     except CostsError as error:
         raise CostsError(f"{name}: {error}") from None

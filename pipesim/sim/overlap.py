@@ -29,8 +29,9 @@ backward layer on a compute and a communication stream):
 
 three phases, each ending when both its streams are done; in the middle one the
 backward's dispatch waits for the experts' input gradient (with their weight gradient
-too, unless delayed: Megatron-Core's ``--delay-wgrad-compute``, which pipesim does not
-model) and the forward's experts for its dispatch. ``mlp`` is the layer's experts,
+too, unless delayed: Megatron-Core's ``--delay-wgrad-compute``, ``Costs.delayed_wgrad``,
+runs it after the dispatch has started, beside it) and the forward's experts for its
+dispatch. ``mlp`` is the layer's experts,
 ``attn`` every other part of its half (the attention, the router and the
 permutations; a stage's dense layers, head and embedding spread over its MoE layers as
 the windows they also are), each all-to-all the half's ep seconds split between the
@@ -93,8 +94,8 @@ def overlapped_pairs(schedule: Schedule, costs, durations: Mapping,
                 if layered(stage_f, stage_b, all_to_all_f, all_to_all_b):
                     uncovered = layered_pair_seconds(
                         HalfLayers.forward(stage_f, alone_f, all_to_all_f),
-                        HalfLayers.backward(stage_b, backward.kind, alone_b, all_to_all_b), slowdown
-                    ) - alone_f - alone_b
+                        HalfLayers.backward(stage_b, backward.kind, alone_b, all_to_all_b, costs.delayed_wgrad),
+                        slowdown) - alone_f - alone_b
                 else:
                     uncovered = (exposed_seconds(alone_b, all_to_all_f, slowdown)
                                  + exposed_seconds(alone_f, all_to_all_b, slowdown))
@@ -121,16 +122,19 @@ def layered(stage_f, stage_b, all_to_all_f: float, all_to_all_b: float) -> bool:
 class HalfLayers:
     """One half of an overlapped pair, per MoE layer (see the module): ``layers`` MoE
     layers, each with ``attention`` seconds of compute outside its experts, ``experts``
-    seconds of its experts (the forward's; the backward's input and, in a full backward,
-    weight gradients, run together as Megatron-Core runs them unless delayed), and its
-    two all-to-alls in the order the pass runs them (forward: dispatch, combine;
-    backward: the combine's gradient, the dispatch's)."""
+    seconds of its experts that the next all-to-all waits for (the forward's; the
+    backward's input gradient, and in a full backward its weight gradient too, as
+    Megatron-Core runs them unless delayed), ``delayed`` seconds of the experts' weight
+    gradient run after that all-to-all has started (``--delay-wgrad``), and its two
+    all-to-alls in the order the pass runs them (forward: dispatch, combine; backward:
+    the combine's gradient, the dispatch's)."""
 
     layers: int
     attention: float
     experts: float
     first_all_to_all: float
     second_all_to_all: float
+    delayed: float = 0.0
 
     @classmethod
     def forward(cls, stage, seconds: float, all_to_all: float) -> HalfLayers:
@@ -140,14 +144,18 @@ class HalfLayers:
         return cls(layers, (seconds - layers * stage.expert_fwd) / layers, stage.expert_fwd, dispatch, combine)
 
     @classmethod
-    def backward(cls, stage, kind: str, seconds: float, all_to_all: float) -> HalfLayers:
+    def backward(cls, stage, kind: str, seconds: float, all_to_all: float, delayed_wgrad: bool = False
+                 ) -> HalfLayers:
         """The backward half (``B``, or ``I`` of a split backward, which runs no weight
         gradient): the combine's gradient toward the experts (``dispatch_bytes``), then
-        the dispatch's back (``combine_bytes``)."""
+        the dispatch's back (``combine_bytes``); a full backward's experts' weight
+        gradient before the dispatch's, or after it has started where ``delayed_wgrad``."""
         layers = int(stage.moe_layers)
-        experts = stage.expert_igrad + (stage.expert_wgrad if kind == ActionKind.B else 0.0)
+        weight_grad = stage.expert_wgrad if kind == ActionKind.B else 0.0
+        experts, delayed = (stage.expert_igrad, weight_grad) if delayed_wgrad else (
+            stage.expert_igrad + weight_grad, 0.0)
         toward, back = _split(all_to_all / layers, stage.all_to_all_bytes)
-        return cls(layers, (seconds - layers * experts) / layers, experts, toward, back)
+        return cls(layers, (seconds - layers * (experts + delayed)) / layers, experts, toward, back, delayed)
 
 
 def _split(seconds: float, sizes: tuple[float, float]) -> tuple[float, float]:
@@ -162,10 +170,11 @@ def layered_pair_seconds(forward: HalfLayers, backward: HalfLayers, slowdown: fl
     has beyond the other alone, their compute and all-to-alls one after the other."""
     paired = min(forward.layers, backward.layers)
     one = (two_streams([forward.attention], [backward.first_all_to_all], slowdown)
-           + two_streams([backward.experts, forward.experts], [forward.first_all_to_all, backward.second_all_to_all],
-                         slowdown, compute_waits={1: 0}, comm_waits={1: 0})
+           + two_streams([backward.experts, backward.delayed, forward.experts],
+                         [forward.first_all_to_all, backward.second_all_to_all],
+                         slowdown, compute_waits={2: 0}, comm_waits={1: 0})
            + two_streams([backward.attention], [forward.second_all_to_all], slowdown))
-    alone = sum((half.layers - paired) * (half.attention + half.experts + half.first_all_to_all
+    alone = sum((half.layers - paired) * (half.attention + half.experts + half.delayed + half.first_all_to_all
                                           + half.second_all_to_all) for half in (forward, backward))
     return paired * one + alone
 

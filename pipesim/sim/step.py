@@ -80,6 +80,7 @@ class SimulationResult:
             "virtual_stages": self.schedule.virtual_stages,
             "microbatch_group": self.schedule.meta.get("microbatch_group"),
             "ep_overlap": bool(self.schedule.meta.get("combined_1f1b")),  # schedules.generators.combined
+            "delay_wgrad": bool(self.costs and self.costs.delayed_wgrad),  # pipesim.sim.overlap
             "topology": self.topology.name,
             "dp": self.parallel.dp,
             "tp": self.parallel.tp,
