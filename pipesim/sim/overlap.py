@@ -78,6 +78,7 @@ def overlapped_pairs(schedule: Schedule, costs, durations: Mapping,
     if not costs.pairs_overlap:  # one half after the other: each as it is alone
         return seconds, hold
     ep = holds.get("ep", {})
+    uncovered_of: dict[tuple[int, int, str], float] = {}  # per (forward stage, backward stage, kind): alike pairs
     for rank in range(schedule.pp):
         for forward, backward in schedule.fused_pairs(rank):
             alone_f, alone_b = durations[forward[0], forward[1]], durations[backward[0], backward[1]]
@@ -88,17 +89,12 @@ def overlapped_pairs(schedule: Schedule, costs, durations: Mapping,
                 seconds[tuple(forward)], seconds[tuple(backward)] = pair * share, pair * (1 - share)
                 uncovered = 0.0
             else:
-                all_to_all_f = ep.get((forward.stage, ActionKind.F), 0.0)
-                all_to_all_b = ep.get((backward.stage, backward.kind), 0.0)
-                stage_f, stage_b = costs.stages[forward.stage], costs.stages[backward.stage]
-                if layered(stage_f, stage_b, all_to_all_f, all_to_all_b):
-                    uncovered = layered_pair_seconds(
-                        HalfLayers.forward(stage_f, alone_f, all_to_all_f),
-                        HalfLayers.backward(stage_b, backward.kind, alone_b, all_to_all_b, costs.delayed_wgrad),
-                        slowdown) - alone_f - alone_b
-                else:
-                    uncovered = (exposed_seconds(alone_b, all_to_all_f, slowdown)
-                                 + exposed_seconds(alone_f, all_to_all_b, slowdown))
+                key = (forward.stage, backward.stage, backward.kind)
+                if key not in uncovered_of:
+                    uncovered_of[key] = _uncovered(costs, key, alone_f, alone_b,
+                                                   ep.get((forward.stage, ActionKind.F), 0.0),
+                                                   ep.get((backward.stage, backward.kind), 0.0), slowdown)
+                uncovered = uncovered_of[key]
             if ep:
                 hold[tuple(forward)] = _parts(holds, forward.stage, forward.kind, 0.0)
                 hold[tuple(backward)] = _parts(holds, backward.stage, backward.kind, uncovered)
@@ -109,6 +105,20 @@ def _parts(holds: Mapping[str, Mapping[tuple[int, str], float]], stage: int, kin
            all_to_all: float) -> tuple[float, ...]:
     """The hold of an action in a pair, by part: its own tp and cp, ``all_to_all`` for ep."""
     return tuple(all_to_all if part == "ep" else holds.get(part, {}).get((stage, kind), 0.0) for part in HOLD_PARTS)
+
+
+def _uncovered(costs, key: tuple[int, int, str], alone_f: float, alone_b: float, all_to_all_f: float,
+               all_to_all_b: float, slowdown: float) -> float:
+    """What of a pair's all-to-alls its halves' compute does not hide (see the module):
+    layer by layer where the costs give the experts apart, else each half's under the
+    other's whole compute."""
+    stage_f, stage_b = costs.stages[key[0]], costs.stages[key[1]]
+    if layered(stage_f, stage_b, all_to_all_f, all_to_all_b):
+        return layered_pair_seconds(
+            HalfLayers.forward(stage_f, alone_f, all_to_all_f),
+            HalfLayers.backward(stage_b, key[2], alone_b, all_to_all_b, costs.delayed_wgrad),
+            slowdown) - alone_f - alone_b
+    return exposed_seconds(alone_b, all_to_all_f, slowdown) + exposed_seconds(alone_f, all_to_all_b, slowdown)
 
 
 def layered(stage_f, stage_b, all_to_all_f: float, all_to_all_b: float) -> bool:
@@ -141,7 +151,8 @@ class HalfLayers:
         """The forward half: the dispatch of ``dispatch_bytes``, then the combine."""
         layers = int(stage.moe_layers)
         dispatch, combine = _split(all_to_all / layers, stage.all_to_all_bytes)
-        return cls(layers, (seconds - layers * stage.expert_fwd) / layers, stage.expert_fwd, dispatch, combine)
+        return cls(layers, max(0.0, seconds - layers * stage.expert_fwd) / layers, stage.expert_fwd, dispatch,
+                   combine)
 
     @classmethod
     def backward(cls, stage, kind: str, seconds: float, all_to_all: float, delayed_wgrad: bool = False
@@ -155,7 +166,7 @@ class HalfLayers:
         experts, delayed = (stage.expert_igrad, weight_grad) if delayed_wgrad else (
             stage.expert_igrad + weight_grad, 0.0)
         toward, back = _split(all_to_all / layers, stage.all_to_all_bytes)
-        return cls(layers, (seconds - layers * (experts + delayed)) / layers, experts, toward, back, delayed)
+        return cls(layers, max(0.0, seconds - layers * (experts + delayed)) / layers, experts, toward, back, delayed)
 
 
 def _split(seconds: float, sizes: tuple[float, float]) -> tuple[float, float]:
