@@ -274,14 +274,16 @@ def expert_exchange(config: RunConfig, layout: Sequence[int], stage: int, microb
     """What the simulator prices a stage's ep all-to-alls from, as it prices a model's
     (``pipesim.model.transformer_costs``): its MoE layers (``moe_layers``) and one rank's
     routed token copies (``dispatch_bytes``: ``k`` copies of each of the microbatch's
-    ``seq_len / cp`` tokens over ``tp``, ``hidden`` wide, in the activations' type), for
-    the shrunk architecture the run builds (``executor.architectures.build.shrunk_spec``)."""
+    ``seq_len / cp`` tokens, ``hidden`` wide, in the activations' type: every tp rank
+    routes the whole sequence its MoE block gathered, and under parallel folding sends
+    only its own ``1 / tp`` of it, ``executor.architectures.moe.own_shard``), for the
+    shrunk architecture the run builds (``executor.architectures.build.shrunk_spec``)."""
     from executor.architectures.build import shrunk_spec  # noqa: PLC0415
 
     spec = shrunk_spec(config)
     first = sum(layout[:stage])
     moe_layers = sum(1 for layer in range(first, first + layout[stage]) if spec.is_moe_layer(layer))
-    tokens = microbatch * config.seq_len / config.cp / config.tp
+    tokens = microbatch * config.seq_len / config.cp / (config.tp if config.folded else 1)
     dispatch = spec.moe.dispatch_bytes(tokens, spec.hidden, element) if spec.moe and moe_layers else 0.0
     return {"moe_layers": float(moe_layers), "dispatch_bytes": float(dispatch)}
 

@@ -119,3 +119,12 @@ def test_compare_runs_a_folded_layout_and_simulate_gives_its_prediction_back(tmp
     assert costs["meta"]["etp"] == 1 and all(stage["moe_tp_dense"] == 1.0 for stage in costs["stages"])
     # the all-to-alls and the tp collectives were timed in the run and priced in the prediction
     assert {"all_to_all", "all_gather"} <= set(document["calibrated_collectives"])
+
+
+def test_without_folding_each_tp_rank_sends_the_whole_sequences_copies():
+    # experts split over tp 2, ep 2 over the two replicas: every tp rank routes the gathered
+    # sequence, so it sends the copies of all 8 tokens of each of its 2 sequences, top-2
+    config = run_config(*FOLDED[:-6], "--dp", "2", "--ep", "2", "-m", "2")
+    assert not config.folded and (config.replica_batch_size, config.microbatches) == (4, 2)
+    (entry, _) = stage_bytes(config, 2)
+    assert entry["dispatch_bytes"] == 2 * 8 * 2 * 16 * 4 and entry["moe_tp_dense"] == 1.0
