@@ -37,7 +37,7 @@ REFUSED_FLAGS: dict[str, tuple[int | str | None, tuple[str, ...]]] = {
             "--collective", "--costs", "--dtype-bytes", "--fwd", "--memory-limit", "--microbatch-size",
             "--nodes", "--optimizer-moments", "--overlap-slowdown", "--param-bytes", "--rank-order", "--stash-bytes",
             "--wgrad", "--wgrad-stash-share", "--zero3-collectives"),
-    **by_owners(SIMULATE, SWITCH, "--fail-on-oom", "--no-dp-overlap", "--no-flash-attention",
+    **by_owners(SIMULATE, SWITCH, "--delay-wgrad", "--fail-on-oom", "--no-dp-overlap", "--no-flash-attention",
             "--no-param-gather-overlap", "--no-tp-overlap"),
     **by_owners(BOTH, ONE, "--comm-sms", "--compute-model", "--ep-dispatch", "--ep-dispatcher", "--gpu", "--jitter",
             "--max-actions", "--memory-headroom", "--mfu", "--samples", "--slow-link", "--straggler", "--stragglers",
