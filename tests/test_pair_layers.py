@@ -24,6 +24,37 @@ def test_one_task_a_stream_is_the_overlap_rule(compute, comm, slowdown):
                                                                      rel=1e-12, abs=1e-12)
 
 
+tasks = st.lists(seconds, min_size=1, max_size=4)
+
+
+@given(tasks, tasks, st.floats(min_value=0.0, max_value=1.0), st.data())
+def test_two_streams_take_at_least_the_longer_stream_and_at_most_both_in_turn(compute, comm, slowdown, data):
+    # any waits that point backwards in the other stream's order (they cannot form a cycle
+    # when every compute waits on an earlier comm than any comm that waits on it)
+    compute_waits = {i: data.draw(st.integers(0, len(comm) - 1)) for i in range(1, len(compute))
+                     if data.draw(st.booleans())}
+    comm_waits = {j: data.draw(st.integers(0, len(compute) - 1)) for j in range(1, len(comm))
+                  if data.draw(st.booleans())}
+    try:
+        total = two_streams(compute, comm, slowdown, compute_waits, comm_waits)
+    except ValueError as error:  # waits in a cycle: refused, never a wrong number
+        assert "cycle" in str(error)
+        return
+    assert max(sum(compute), sum(comm)) - 1e-9 <= total <= sum(compute) + sum(comm) + 1e-9
+
+
+forwards = st.builds(HalfLayers, st.integers(1, 4), seconds, seconds, seconds, seconds)  # nothing delayed
+backwards = st.builds(HalfLayers, st.integers(1, 4), seconds, seconds, seconds, seconds, seconds)
+
+
+@given(forwards, backwards, st.floats(min_value=0.0, max_value=1.0))
+def test_a_pair_costs_its_compute_at_least_and_never_more_than_everything_in_turn(forward, backward, slowdown):
+    compute = sum(half.layers * (half.attention + half.experts + half.delayed) for half in (forward, backward))
+    exchanged = sum(half.layers * (half.first_all_to_all + half.second_all_to_all) for half in (forward, backward))
+    total = layered_pair_seconds(forward, backward, slowdown)
+    assert compute - 1e-9 <= total <= compute + exchanged + 1e-9
+
+
 def test_waits_between_the_streams_by_hand():
     # compute 2 then 3, comm 1 then 4; the second compute waits for the first comm, the
     # second comm for the first compute. Without slowdown: comm 1 starts at 2, ends at 6
