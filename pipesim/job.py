@@ -313,11 +313,12 @@ def check_cost_flags(job) -> None:
 
 def costs_of(job: Job, schedule: Schedule, topology: Topology) -> Costs:
     """The job's per-stage costs for ``schedule``: from its model spec, else its flags or costs file."""
-    if getattr(job, "delay_wgrad", False):
+    delayed = getattr(job, "delay_wgrad", False)
+    if delayed:
         check_delay_wgrad(job, schedule)
-        return replace(model_costs_of(job, schedule, topology), delayed_wgrad=True)
     if job.model:
-        return model_costs_of(job, schedule, topology)
+        costs = model_costs_of(job, schedule, topology)
+        return replace(costs, delayed_wgrad=True) if delayed else costs
     # a rank's share of the model in chunks: dualpipe's two copies each give it a whole 1/pp stage
     return flag_costs_of(job, schedule.num_stages, schedule.virtual_stages // schedule.copies)
 

@@ -197,18 +197,16 @@ def two_streams(compute: list[float], comm: list[float], slowdown: float, comput
     once comm ``compute_waits[i]`` is done and comm ``j`` once compute ``comm_waits[j]``
     is; compute advances at ``1 / (1 + slowdown)`` of its speed while a comm task runs
     (``pipesim.sim.comm_overlap``)."""
-    compute_waits, comm_waits = compute_waits or {}, comm_waits or {}
     remaining = [list(compute), list(comm)]
-    done: list[set[int]] = [set(), set()]
-    position, now = [0, 0], 0.0
-    waits, other = (compute_waits, comm_waits), (1, 0)
+    waits = (compute_waits or {}, comm_waits or {})
+    position, now = [0, 0], 0.0  # each stream's current task: the ones before it are done
 
     def ready(stream: int) -> bool:
         task = position[stream]
         if task >= len(remaining[stream]):
             return False
         needed = waits[stream].get(task)
-        return needed is None or needed in done[other[stream]]
+        return needed is None or needed < position[1 - stream]
 
     while True:
         running = [stream for stream in (0, 1) if ready(stream)]
@@ -224,7 +222,6 @@ def two_streams(compute: list[float], comm: list[float], slowdown: float, comput
             remaining[stream][task] = 0.0 if stream == stream_first else max(
                 0.0, remaining[stream][task] - step * rate[stream])
             if remaining[stream][task] <= 0.0:
-                done[stream].add(task)
                 position[stream] += 1
     if position != [len(compute), len(comm)]:
         raise ValueError(f"tasks wait on each other in a cycle: compute {compute_waits}, comm {comm_waits}")
