@@ -93,10 +93,13 @@ def apply_recompute(stage: nn.Module, mode: str) -> None:
             recompute_norms_and_up_projections(block)
         else:
             block.forward = checkpointed(block, mode)
-            if mode in ("full", "per-op") and hasattr(block, "regather_shards"):
+            if mode in ("full", "per-op"):
                 # the block's forward runs again inside the backward: what it saves is rebuilt by
                 # the checkpoint, and a gathered copy dropped in that re-run would never be refilled
-                block.regather_shards = False
+                # (the block's own, and a folded mixture of experts' shared expert's)
+                for module in block.modules():
+                    if hasattr(module, "regather_shards"):
+                        module.regather_shards = False
 
 
 def recompute_norms_and_up_projections(block: nn.Module) -> None:

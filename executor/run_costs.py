@@ -200,12 +200,14 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     ``pipesim.sim.parallel``; ``tp_regathers``: the sublayer inputs a layer's backward
     gathers again under sequence parallelism, ``executor.rebuilt_activations``; with ep,
     ``moe_tp_dense``: its MoE blocks gather and scatter the sequence as the dense MLP's
-    do, folded or not, ``executor.tensor_parallel``). With
+    do; under parallel folding Megatron-Core's rule instead, ``moe_shared`` saying whether
+    the shared experts run that pair, ``executor.folded_routing``). With
     DualPipe's two copies of the model, ``num_stages`` counts the pipeline's stages, each
     the model stage ``stage mod`` the model's (``executor.copies``), each copy's last
     sending nothing. Builds the stages on the CPU to count them (torch is loaded here)."""
     import torch  # noqa: PLC0415
 
+    from executor.architectures.build import shrunk_spec  # noqa: PLC0415
     from executor.context_parallel import local_shape  # noqa: PLC0415
     from executor.expert_parallel import expert_parameters  # noqa: PLC0415
     from executor.models import build_model  # noqa: PLC0415
@@ -217,6 +219,7 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     element = torch.tensor([], dtype=getattr(torch, config.dtype)).element_size()
     activation = float(math.prod(shape) * element)
     model_stages = num_stages // config.copies
+    shared = config.folded and bool(shrunk_spec(config).moe.shared_ffn)  # folding needs a mixture of experts
     entries = []
     for stage in (index % model_stages for index in range(num_stages)):
         module = model.build_stage(stage, model_stages)
@@ -224,15 +227,24 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
         params = sum(p.numel() * p.element_size() / (config.tp if id(p) not in routed else config.ep * config.expert_tp)
                      for p in module.parameters())
         entry = {"act_bytes": activation if stage < model_stages - 1 else 0.0, "param_bytes": params}
-        if config.tp > 1:
-            entry["layers"] = float(model.layout[stage])
-            entry["tp_message_bytes"] = float(math.prod(model.boundary_shape(microbatch)) * element)
-            entry["tp_regathers"] = float(regathered_inputs(saved, config.tp, config.sequence_parallel,
-                                                            config.recompute) if model.layout[stage] else 0)
-        if config.ep > 1:
+        if config.ep > 1 or config.folded:
             entry.update(expert_exchange(config, model.layout, stage, microbatch, element))
-            if config.tp > 1 and entry["moe_layers"]:  # the MoE block gathers the sequence as a dense MLP does
+        if config.tp > 1:
+            layers = model.layout[stage]
+            entry["layers"] = float(layers)
+            entry["tp_message_bytes"] = float(math.prod(model.boundary_shape(microbatch)) * element)
+            regathers = regathered_inputs(saved, config.tp, config.sequence_parallel, config.recompute)
+            moe_layers = entry.get("moe_layers", 0.0)
+            if moe_layers and config.folded:
+                # Megatron-Core's rule: the routed experts run no tp collective, the shared ones
+                # (split over tp) the dense MLP's pair; a MoE layer without them gathers nothing for
+                # its MLP, so its backward regathers only the attention's input
+                entry["moe_shared"] = float(shared)
+                if not shared:
+                    regathers = (layers * regathers - moe_layers * regathers / 2) / layers
+            elif moe_layers:  # the MoE block gathers the sequence as a dense MLP does
                 entry["moe_tp_dense"] = 1.0
+            entry["tp_regathers"] = float(regathers if layers else 0)
         if config.cp > 1 and config.cp_comm == "p2p":
             entry.update(ring_exchange(config, model.layout[stage], microbatch, element))
         entries.append(entry)
@@ -275,8 +287,8 @@ def expert_exchange(config: RunConfig, layout: Sequence[int], stage: int, microb
     (``pipesim.model.transformer_costs``): its MoE layers (``moe_layers``) and one rank's
     routed token copies (``dispatch_bytes``: ``k`` copies of each of the microbatch's
     ``seq_len / cp`` tokens, ``hidden`` wide, in the activations' type: every tp rank
-    routes the whole sequence its MoE block gathered, and under parallel folding sends
-    only its own ``1 / tp`` of it, ``executor.architectures.moe.own_shard``), for the
+    routes the whole sequence its MoE block gathered, and under parallel folding only its
+    own ``1 / tp`` sequence shard, ``executor.folded_routing``), for the
     shrunk architecture the run builds (``executor.architectures.build.shrunk_spec``)."""
     from executor.architectures.build import shrunk_spec  # noqa: PLC0415
 

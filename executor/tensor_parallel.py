@@ -53,6 +53,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from executor.architectures.latent_attention import LatentAttention
+from executor.folded_routing import SequenceShardRouting, sum_grad_over_tp
 from executor.models import Block
 
 # The functional collectives DTensor calls: the ``*_single`` names in current torch, the
@@ -75,7 +76,7 @@ def block_plan(sequence_parallel: bool) -> dict:
     }
 
 
-def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
+def transformer_block_plan(block: nn.Module, sequence_parallel: bool, fold_experts: bool = False) -> dict:
     """The Megatron plan of a ``TransformerBlock`` (torchtitan's for Llama): the query,
     key and value projections and each MLP's gate and up projections split by columns
     (whole query heads and whole key/value heads per rank, since both counts are
@@ -89,7 +90,13 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     shards, the gathered sequence), so their input gradients are summed before one
     collective: an all-reduce (a reduce-scatter with sequence parallelism) a sublayer in
     the backward, Megatron's copy to the tensor-parallel region, where each projection
-    wrapping its input apart would reduce each gradient on its own (Q, K and V: three)."""
+    wrapping its input apart would reduce each gradient on its own (Q, K and V: three).
+
+    Under parallel folding (``fold_experts``, sequence parallelism required) the mixture of
+    experts takes the norm's sequence shard as it is and routes it
+    (``executor.folded_routing``): only its shared expert, split over tp, gathers the
+    sequence and reduce-scatters its output, Megatron-Core's ``SharedExpertMLP`` on the tp
+    group."""
     plan = attention_plan(block.attention)
     experts = getattr(block.feed_forward, "experts", None)
     # Latent attention's replicated down-projections take plain tensors: its input is local.
@@ -118,6 +125,11 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
     if experts is None:
         plan.update({"feed_forward": PrepareModuleInput(**gather),
                      "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
+    elif fold_experts:
+        if block.feed_forward.shared is not None:  # split as a dense MLP is
+            plan.update({"feed_forward.shared": PrepareModuleInput(**gather),
+                         "feed_forward.shared.w1": ColwiseParallel(), "feed_forward.shared.w3": ColwiseParallel(),
+                         "feed_forward.shared.w2": RowwiseParallel(output_layouts=Shard(1))})
     else:  # the experts' partial sums, reduce-scattered to this rank's sequence shard
         plan["feed_forward"] = PrepareModuleInputOutput(**gather, use_local_input=True, output_layouts=(Partial(),),
                                                         desired_output_layouts=(Shard(1),))
@@ -126,16 +138,19 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool) -> dict:
 
 def fold_routed_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Parallel folding (Megatron-Core's ``--expert-tensor-parallel-size 1``): the routed
-    experts stay whole and each tp rank sends only the tokens of its own sequence shard
-    to them (``MixtureOfExperts.token_share``), over ep groups cut from every rank of the
-    stage (``executor.expert_parallel``). The router still reads the gathered sequence, so
-    the capacity and the balance loss count whole sequences as the one-process reference
-    does; the layer's output stays a partial sum over tp (each token's routed part on the
-    rank that owns it, the shared expert's split as before), reduce-scattered once."""
-    moe.token_share = (tp_mesh.get_local_rank(), tp_mesh.size())
+    experts stay whole and each tp rank routes its own sequence shard to them, over ep
+    groups cut from every rank of the stage (``executor.expert_parallel``), with no tp
+    collective (``executor.folded_routing``). The router's weights and the shared
+    expert's gate, whole on every rank and fed its shard, sum their gradients over tp;
+    the shared expert is split over tp as a dense MLP is (``transformer_block_plan``)."""
+    shard = SequenceShardRouting(tp_mesh)
+    moe.sequence_shard = moe.router.sequence_shard = shard
+    sum_grad_over_tp(moe.router.gate, shard.group)
+    if moe.shared_gate is not None:
+        sum_grad_over_tp(moe.shared_gate, shard.group)
 
 
-def split_experts(moe: nn.Module, tp_mesh: DeviceMesh, routed: bool = True) -> None:
+def split_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split a mixture of experts' routed and shared experts over tp as Megatron-Core
     does: ``w1`` and ``w3`` by output features, ``w2`` by input features (unbiased
     experts: gpt-oss's biased ones stay on one tp rank, as its attention sinks do),
@@ -146,8 +161,7 @@ def split_experts(moe: nn.Module, tp_mesh: DeviceMesh, routed: bool = True) -> N
     over tp where the layer hands them back (``ReduceGradFrom``: one all-reduce each in
     the backward, where a per-expert split would reduce each expert's input gradient)."""
     experts = moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts
-    # routed False (parallel folding): only the shared expert is split (fold_routed_experts)
-    for expert in [*(experts if routed else []), *([moe.shared] if moe.shared is not None else [])]:
+    for expert in [*experts, *([moe.shared] if moe.shared is not None else [])]:
         if expert.w2.bias is not None:  # gpt-oss's: its attention sinks keep it off tp (check_tensor_parallel)
             raise ValueError("biased experts are not split over tp (gpt-oss runs at --tp 1)")
         distribute_module(expert, tp_mesh, _expert_shards)
@@ -226,14 +240,14 @@ def sum_weight_grad_over_tp(attention: nn.Module, tp_mesh: DeviceMesh) -> None:
         norm.weight_in_use = lambda weight: ReduceGradFrom.apply(weight, 0, tp_mesh)
 
 
-def plan_of(module: nn.Module, sequence_parallel: bool) -> dict | None:
+def plan_of(module: nn.Module, sequence_parallel: bool, fold_experts: bool = False) -> dict | None:
     """The tp plan of a block the executor splits, ``None`` for any other module."""
     from executor.architectures.transformer import TransformerBlock  # noqa: PLC0415 - it imports models, as this module does
 
     if isinstance(module, Block):
         return block_plan(sequence_parallel)
     if isinstance(module, TransformerBlock):
-        return transformer_block_plan(module, sequence_parallel)
+        return transformer_block_plan(module, sequence_parallel, fold_experts)
     return None
 
 
@@ -245,14 +259,12 @@ def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
     ``--etp 1``) leave the routed experts whole, each rank computing its own shard of the
     sequence (``fold_routed_experts``); return the stage."""
     for module in list(stage.modules()):
-        plan = plan_of(module, sequence_parallel)
+        plan = plan_of(module, sequence_parallel, fold_experts)
         if plan is not None:
             parallelize_module(module, tp_mesh, plan)
             moe = getattr(module, "feed_forward", None)
             if getattr(moe, "experts", None) is not None:
-                split_experts(moe, tp_mesh, routed=not fold_experts)
-                if fold_experts:
-                    fold_routed_experts(moe, tp_mesh)
+                (fold_routed_experts if fold_experts else split_experts)(moe, tp_mesh)
             attention = getattr(module, "attention", None)
             if isinstance(attention, LatentAttention):
                 reduce_rope_key_grad(attention, tp_mesh)

@@ -1,9 +1,9 @@
 """``pipesim profile`` and ``pipesim compare`` measure a folded run (``--etp 1``) as the
 executor runs it: its ep groups cut from every rank of a stage (the simulator's folded
-mesh), its MoE blocks gathering and scattering the sequence as a dense MLP does
-(``moe_tp_dense``, where Megatron-Core's folded block, which ``simulate --etp 1``
-models, runs no tp collective), its routed experts' parameters whole on each rank. The
-charges are checked by hand against the pair of collectives a layer's sublayer runs."""
+mesh), its MoE layers running Megatron-Core's folded rule as ``simulate --etp 1`` models
+it (no tp collective for the routed experts; the shared experts' dense pair,
+``moe_shared``), its routed experts' parameters whole on each rank. The charges are
+checked by hand against the pair of collectives a layer's sublayer runs."""
 
 from __future__ import annotations
 
@@ -31,27 +31,32 @@ FOLDED = ("--model", "mixtral-8x7b", "--layers", "4", "--hidden", "16", "--heads
 MESSAGE = 4096.0  # bytes of one layer's tp collective (the microbatch's activation)
 
 
-def tp_held(moe_tp_dense: float, moe_layers: float) -> list[float]:
+def tp_held(moe_tp_dense: float, moe_layers: float, moe_shared: float = 0.0, dispatch: bool = True) -> list[float]:
     """Seconds each action of a pp 2 x tp 2 run folded to etp 1 over ep 2 is held in tp
     collectives, two layers a stage (``moe_layers`` of them MoE)."""
     config = run_config(*FOLDED)
     stage = StageCost(fwd=1e-3, bwd=2e-3, act_bytes=8192.0, layers=2, tp_message_bytes=MESSAGE,
-                      moe_layers=moe_layers, dispatch_bytes=16384.0 if moe_layers else 0.0, moe_tp_dense=moe_tp_dense)
+                      moe_layers=moe_layers, dispatch_bytes=16384.0 if moe_layers and dispatch else 0.0,
+                      moe_tp_dense=moe_tp_dense, moe_shared=moe_shared)
     result = run_simulation(generate("1f1b", 2, 2), Costs((stage, stage), sequence_parallel=True), fitted_topology(4),
                             parallel=replicas(config))
     return [event.duration for event in result.trace.events if event.stream == "tp"]
 
 
-def test_the_executors_folded_moe_block_is_charged_the_dense_pair():
+def test_a_folded_moe_layer_is_charged_its_shared_experts_pair_only():
     topology = fitted_topology(4)
     group = map_ranks(topology, dp=1, pp=2, tp=2, ep=2, etp=1).tp_group(0, 0)
     pair = all_gather(topology, group, MESSAGE) + reduce_scatter(topology, group, MESSAGE)
     dense = tp_held(0.0, 0.0)
     assert len(dense) == 2 * 2 * 2 and all(held == pytest.approx(2 * 2 * pair, rel=1e-12) for held in dense)
-    # the executor's MoE block gathers and scatters the sequence as the dense MLP does: the same charge
+    # a MoE block gathering and scattering the sequence as the dense MLP does: the same charge
     assert tp_held(1.0, 2.0) == pytest.approx(dense, rel=1e-12)
-    # Megatron-Core's folded block (etp 1) runs none: only the attention's pair is left
+    # Megatron-Core's folded layer (etp 1), the executor's too, runs none for its routed experts:
+    # only the attention's pair is left, with or without dispatch bytes (ep 1 sends nothing)
     assert tp_held(0.0, 2.0) == pytest.approx([held / 2 for held in dense], rel=1e-12)
+    assert tp_held(0.0, 2.0, dispatch=False) == pytest.approx([held / 2 for held in dense], rel=1e-12)
+    # shared experts, split over tp, run the dense MLP's pair
+    assert tp_held(0.0, 2.0, moe_shared=1.0) == pytest.approx(dense, rel=1e-12)
 
 
 def test_the_folded_runs_parallelism_is_the_simulators_folded_mesh():
@@ -72,8 +77,27 @@ def test_a_folded_runs_stages_say_what_the_executor_holds_and_gathers():
     assert entries[0]["param_bytes"] == pytest.approx((dense / 2 + routed / 2) * element, rel=1e-12)
     assert (config.replica_batch_size, config.microbatches) == (8, 2)  # microbatches of 4 sequences
     for entry in entries:  # two MoE layers a stage: each rank sends its own 4 of a sequence's 8 tokens, top-2
-        assert (entry["moe_layers"], entry["moe_tp_dense"]) == (2.0, 1.0)
+        assert (entry["moe_layers"], entry["moe_shared"], entry.get("moe_tp_dense", 0.0)) == (2.0, 0.0, 0.0)
         assert entry["dispatch_bytes"] == 4 * 8 / 2 * 2 * 16 * element
+        # each layer's backward gathers the attention's input again (the MLP gathered nothing)
+        assert entry["tp_regathers"] == 1.0
+
+
+def test_a_folded_runs_shared_experts_gather_as_a_dense_mlp():
+    qwen = ("--model", "tests/data/hf_configs/qwen1.5-moe-a2.7b.json", "--ffn-hidden", "16")
+    folded = run_config(*qwen, *FOLDED[2:])
+    for entry in stage_bytes(folded, 2):
+        assert (entry["moe_layers"], entry["moe_shared"], entry["tp_regathers"]) == (2.0, 1.0, 2.0)
+    # folding at ep 1: the MoE layers are still counted, no all-to-all bytes (nothing is sent)
+    (entry, _) = stage_bytes(run_config(*FOLDED[:-4], "-m", "2"), 2)
+    assert (entry["moe_layers"], entry["moe_shared"], entry["tp_regathers"]) == (2.0, 0.0, 1.0)
+
+
+def test_costs_files_take_moe_shared_as_one_or_zero():
+    stage = {"fwd": 1e-3, "bwd": 2e-3, "moe_shared": 1}
+    assert costs_from_dict({"stages": [stage]}).stages[0].moe_shared == 1.0
+    with pytest.raises(CostsError, match=r"stages\[0\].moe_shared is 1 .* or 0, got 2"):
+        costs_from_dict({"stages": [{**stage, "moe_shared": 2}]})
 
 
 def test_costs_files_take_moe_tp_dense_as_one_or_zero():
@@ -116,7 +140,8 @@ def test_compare_runs_a_folded_layout_and_simulate_gives_its_prediction_back(tmp
     simulated = json.loads((tmp_path / "simulated.json").read_text())
     assert simulated["makespan"] == pytest.approx(document["predicted_step_time"], rel=1e-9, abs=0)
     costs = json.loads(paths["costs.json"].read_text())
-    assert costs["meta"]["etp"] == 1 and all(stage["moe_tp_dense"] == 1.0 for stage in costs["stages"])
+    assert costs["meta"]["etp"] == 1 and all(stage["moe_shared"] == stage.get("moe_tp_dense", 0.0) == 0.0
+                                             for stage in costs["stages"])
     # the all-to-alls and the tp collectives were timed in the run and priced in the prediction
     assert {"all_to_all", "all_gather"} <= set(document["calibrated_collectives"])
 

@@ -8,10 +8,10 @@ in one line."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+from collections import Counter
 
-from executor.architectures.moe import own_shard
+import pytest
+
 from executor.config import ConfigError, RunConfig
 from executor.expert_parallel import expert_groups_of
 from executor.mesh import MeshPosition
@@ -32,7 +32,11 @@ CASES_OF_WORLD = {
     # the experts' gradients summed over the two (their expert data-parallel group)
     2: {"mixtral-tp2-etp1": {"dp": 1},
         # some copies dropped: the capacity counts whole sequences, as the reference does
-        "mixtral-tp2-etp1-capacity": {"dp": 1, "capacity_factor": 0.5}},
+        "mixtral-tp2-etp1-capacity": {"dp": 1, "capacity_factor": 0.5},
+        # each tp rank routes its own shard: the capacity counts the copies the earlier shard sent
+        "mixtral-tp2-etp1-capacity-ep2": {"dp": 1, "ep": 2, "capacity_factor": 0.75},
+        # the shared expert under full recompute: its gathered input kept by the checkpoint, not regathered
+        "qwen-moe-tp2-etp1-recompute": {**QWEN_MOE, "dp": 1, "recompute": "full"}},
     4: {
         # ep 4 across tp x dp: one expert a rank, tokens of both tp ranks of both replicas traded;
         # clipped by the global norm, each expert's gradient counted once (not once per tp rank)
@@ -43,6 +47,13 @@ CASES_OF_WORLD = {
         "mixtral-dp2-tp2-etp1-ep2-zero1": {"dp": 2, "ep": 2, "zero": 1},
         # ZeRO-3 (FSDP2): the folded experts sharded over their expert data-parallel group, clipped
         "mixtral-dp2-tp2-etp1-ep2-zero3-clip": {"dp": 2, "ep": 2, "zero": 3, "clip_grad": 1.0},
+        # the balance loss's counts summed over cp and tp; a sigmoid router's selection biases moved by
+        # loads each rank counted on its own shard; shared experts; latent attention
+        "deepseek-v3-tp2-cp2-etp1-ep2": {"model": "deepseek-v3", "kv_heads": None, "ffn_hidden": 32, "dp": 1, "cp": 2,
+                                         "ep": 2},
+        # the split backward: the router's and the shared gate's weight gradients summed over tp in W
+        "qwen-moe-pp2-tp2-etp1-zbv": {**QWEN_MOE, "pp": 2, "dp": 1, "layers": 4, "microbatches": 4,
+                                      "schedule": "zbv", "virtual_stages": 2},
         # a pipeline: each stage's ep groups cut from its own tp x dp ranks; combined 1F1B
         "mixtral-pp2-tp2-etp1-ep2-combined": {"pp": 2, "dp": 1, "ep": 2, "layers": 4, "microbatches": 4,
                                               "schedule": "interleaved-1f1b", "virtual_stages": 2,
@@ -55,6 +66,29 @@ LAUNCHED = LaunchedCases(SMALL, CASES_OF_WORLD)
 @pytest.mark.parametrize("name", LAUNCHED.cases)
 def test_folded_experts_step_equals_one_process_reference(name: str) -> None:
     assert_equals_reference(LAUNCHED.result(name), reference_run(LAUNCHED.config(name)))
+
+
+def tp_collectives_per_action(name: str) -> dict[str, set[int]]:
+    """Per stage and kind (``"0F"``), the numbers of tp collectives the actions of case
+    ``name`` held (as ``tests.test_executor_sp_shards`` counts them)."""
+    counts = Counter(event.action for event in LAUNCHED.result(name)["trace"].events if event.stream == "tp")
+    per_kind: dict[str, set[int]] = {}
+    for action, count in counts.items():
+        inner = action[action.index("(") + 1:action.index(")")]  # "TP(0F1)" -> "0F1"
+        per_kind.setdefault(inner.rstrip("0123456789"), set()).add(count)
+    return per_kind
+
+
+def test_folded_routed_experts_run_no_tp_collective() -> None:
+    """By hand, one stage of 2 layers at tp 2 with sequence parallelism: each layer's
+    attention all-gathers and reduce-scatters in the forward (2) and mirrors them in the
+    backward, gathering its input again from the shard it kept (3); the head's gather adds
+    1 to the forward, the embedding cut's backward 1 to the backward. Mixtral's routed
+    experts, folded, add nothing: 5 and 7 (Megatron-Core's folded layer; the executor's
+    unfolded block gathers and scatters for its MLP too). Qwen-MoE's shared expert, split
+    over tp as a dense MLP, adds the MLP's 2 and 3 a layer: 9 and 13."""
+    assert tp_collectives_per_action("mixtral-tp2-etp1") == {"0F": {5}, "0B": {7}}
+    assert tp_collectives_per_action("qwen-moe-dp2-tp2-etp1-ep2") == {"0F": {9}, "0B": {13}}
 
 
 def test_folded_groups_are_the_simulators_expert_mesh() -> None:
@@ -73,12 +107,6 @@ def test_folded_groups_are_the_simulators_expert_mesh() -> None:
         simulated = [[int(device) for device in group] for stage in range(2) for group in mapping.ep_groups(stage, 0)]
         assert simulated == executor_groups
     assert [int(device) for device in mapping.expert_dp_group(1, 0)] == [4]  # ep 4: each expert once a stage
-
-
-def test_own_shard_marks_each_sequences_contiguous_part() -> None:
-    # 2 sequences of 8 tokens in 4 shards: shard 1 is positions 2 and 3 of each
-    marked = own_shard((1, 4), sequences=2, seq=8, device=torch.device("cpu"))
-    assert torch.nonzero(marked).flatten().tolist() == [2, 3, 10, 11]
 
 
 @pytest.mark.parametrize(("changes", "expected"), [

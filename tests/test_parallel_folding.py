@@ -123,6 +123,19 @@ def test_a_folded_moe_block_runs_no_tensor_parallel_collective():
     assert folded["etp"] == 1 and dense_pairs["etp"] == 2
 
 
+def test_folded_shared_experts_keep_the_dense_pair():
+    """Qwen1.5-MoE's layers each hold shared experts beside the routed ones. Megatron-Core
+    splits them over tp as a dense MLP (``SharedExpertMLP`` on the tp group, the sequence
+    gathered for them), also when the routed experts are folded to etp 1: each layer
+    keeps one pair for its MLP, so the tp time is the unfolded step's."""
+    qwen_moe = [*QWEN_STEP[2:], "--model", "tests/data/hf_configs/qwen1.5-moe-a2.7b.json"]
+    unfolded, folded = simulate_json(qwen_moe), simulate_json([*qwen_moe, "--etp", "1"])
+    assert all(stage["moe_shared"] == 1.0 for stage in folded["stage_costs"])
+    assert [rank["tp"] for rank in folded["ranks"]] == pytest.approx([rank["tp"] for rank in unfolded["ranks"]],
+                                                                     rel=1e-12)
+    assert all(rank["tp"] > 0 for rank in folded["ranks"])
+
+
 def test_etp_equal_to_tp_changes_nothing():
     """``--etp`` at ``--tp`` is Megatron-Core's default: the same step to the last digit."""
     args = [*QWEN_STEP, "--ep", "8"]

@@ -62,6 +62,8 @@ class Router(nn.Module):
 
     layer: int = -1  # the model's layer this router belongs to (set by its block)
     context = None  # context parallelism's shard (executor.context_parallel): each sequence split over its group
+    # parallel folding (executor.folded_routing): this tp rank routes only its shard of each sequence
+    sequence_shard = None
 
     def __init__(self, hidden: int, experts: int, top_k: int, gating: str = "softmax",
                  normalize: bool = True, groups: int = 1, groups_kept: int | None = None,
@@ -114,6 +116,9 @@ class Router(nn.Module):
         probabilities = probabilities.view(sequences, -1, experts)
         counts = torch.nn.functional.one_hot(chosen, experts).sum(dim=1).view(sequences, -1, experts).sum(dim=1)
         seq_len = probabilities.shape[1]
+        if self.sequence_shard is not None:  # each tp rank routes its shard of the (cp rank's) sequence
+            counts = self.sequence_shard.counts_of_sequences(counts)
+            seq_len *= self.sequence_shard.parts
         if self.context is not None:  # each rank holds part of every sequence: the counts are the group's
             import torch.distributed as dist  # noqa: PLC0415 - only a cp run reaches here
 
@@ -156,15 +161,22 @@ class AttachBalanceLoss(torch.autograd.Function):
         return grad, torch.full_like(loss, ctx.scale), None
 
 
-def within_capacity(chosen: torch.Tensor, experts: int, factor: float) -> torch.Tensor:
+def within_capacity(chosen: torch.Tensor, experts: int, factor: float, shard=None) -> torch.Tensor:
     """Which routed copies an expert takes: ``chosen`` is ``sequences x seq x k`` expert
     indices; a copy is kept while its expert has taken fewer than
     ``ceil(factor * k * seq / experts)`` copies of that sequence before it (in token
-    order, then choice order)."""
+    order, then choice order). With ``shard`` (parallel folding,
+    ``executor.folded_routing``) ``chosen`` is one of ``shard.parts`` contiguous shards of
+    each sequence: the capacity is the whole sequence's, and the copies the earlier shards
+    sent count as before this one's."""
     sequences, seq, top_k = chosen.shape
-    capacity = math.ceil(factor * top_k * seq / experts)
+    whole = seq * (shard.parts if shard is not None else 1)
+    capacity = math.ceil(factor * top_k * whole / experts)
     one_hot = torch.nn.functional.one_hot(chosen.reshape(sequences, seq * top_k), experts)
     place = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1  # copies of that expert before this one
+    if shard is not None:
+        before = shard.copies_before(one_hot.sum(dim=1))  # sequences x experts
+        place = place + (one_hot * before.unsqueeze(1)).sum(dim=-1)
     return (place < capacity).view(sequences, seq, top_k)
 
 
@@ -172,6 +184,10 @@ class MixtureOfExperts(nn.Module):
     """Routed experts (the top-k of ``experts``, each a SwiGLU MLP of ``expert_ffn``) plus
     ``shared_ffn`` columns of shared experts (one MLP, as DeepSeek runs them), the latter
     optionally scaled by a sigmoid gate (Qwen-MoE)."""
+
+    # under parallel folding with sequence parallelism, the shared expert's gathered input dropped
+    # after its forward and gathered again before its backward; off under a checkpoint (executor.recompute)
+    regather_shards = True
 
     def __init__(self, hidden: int, experts: int, top_k: int, expert_ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, gating: str = "softmax", normalize: bool = True,
@@ -196,25 +212,18 @@ class MixtureOfExperts(nn.Module):
         # over tp) then completes what only the whole output's gradient gives: the experts'
         # inputs', the routing weights' and the shared expert's gate's
         self.tp_sum_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # Under parallel folding (executor.tensor_parallel.fold_routed_experts): (this rank's
-        # index, tp); the routed experts take only the tokens of its shard of each sequence
-        self.token_share: tuple[int, int] | None = None
+        # Under parallel folding (executor.folded_routing): this tp rank routes its own sequence
+        # shard, the shared expert gathering the sequence for itself (forward_shard)
+        self.sequence_shard = None
         self.balance_loss = balance_loss  # the load-balancing loss's coefficient (see the module)
         self.balance_scale = 1.0  # its gradient: set each step by the runtime (set_balance_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_shard is not None:
+            return self.forward_shard(x)
         sequences, seq, hidden = x.shape
         tokens = x.reshape(-1, hidden)
-        weights, chosen, scores = self.router.route(tokens)
-        balance = None
-        if self.balance_loss > 0 and torch.is_grad_enabled():
-            balance = self.router.balance_loss(scores, chosen, sequences, self.balance_loss)
-        keep = torch.ones_like(chosen, dtype=torch.bool)
-        if self.capacity_factor is not None:
-            keep = within_capacity(chosen.view(sequences, seq, -1), self.num_experts, self.capacity_factor)
-            keep = keep.view_as(chosen)
-        if self.token_share is not None:
-            keep = keep & own_shard(self.token_share, sequences, seq, keep.device).unsqueeze(-1)
+        weights, chosen, balance, keep = self.routed(tokens, sequences, seq)
         # One process holds every expert; under expert parallelism (executor.expert_parallel)
         # ``dispatcher`` sends each copy to the rank holding its expert and back.
         complete = self.tp_sum_grad or _unchanged  # the router read the tokens whole; the experts, partial sums
@@ -229,14 +238,46 @@ class MixtureOfExperts(nn.Module):
             out = AttachBalanceLoss.apply(out, balance, self.balance_scale)
         return out.view(sequences, seq, hidden)
 
+    def forward_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """Parallel folding's layer (``executor.folded_routing``): ``x`` is this tp rank's
+        sequence shard (a DTensor sharded on the sequence, the norm's output); its tokens
+        are routed here, the routed experts' outputs come back whole to them, and the
+        shared expert (split over tp as a dense MLP) gathers the sequence for itself and
+        reduce-scatters its output to the shard (``executor.tensor_parallel.
+        transformer_block_plan``). With ``regather_shards`` its
+        gathered input is dropped after its forward and gathered again before its backward
+        (``read_gathered_shard``), as Megatron-Core's sequence-parallel linears keep it."""
+        local = x.to_local() if hasattr(x, "to_local") else x
+        sequences, seq, hidden = local.shape
+        tokens = local.reshape(-1, hidden)
+        weights, chosen, balance, keep = self.routed(tokens, sequences, seq)
+        out = (self.dispatcher or route_locally)(tokens, weights, chosen, keep, self.experts, self.weighted_input)
+        if self.shared is not None:
+            from executor.rebuilt_activations import read_gathered_shard  # noqa: PLC0415 - a tp run only
 
-def own_shard(share: tuple[int, int], sequences: int, seq: int, device: torch.device) -> torch.Tensor:
-    """Which of ``sequences x seq`` tokens (flattened, a sequence's together) lie in shard
-    ``index`` of ``parts`` equal, contiguous shards of each sequence (sequence
-    parallelism's split of the gathered sequence)."""
-    index, parts = share
-    owner = torch.arange(seq, device=device) // (seq // parts)
-    return (owner == index).repeat(sequences)
+            shared = read_gathered_shard(self.shared, x) if self.regather_shards else self.shared(x)
+            shared = shared.reshape(-1, hidden)
+            if self.shared_gate is not None:  # its weight's gradient summed over tp (ShardFedLinear)
+                shared = shared * self.shared_gate(tokens).sigmoid()
+            out = out + shared.to(out.dtype)
+        if balance is not None:
+            out = AttachBalanceLoss.apply(out, balance, self.balance_scale)
+        return out.view(sequences, seq, hidden)
+
+    def routed(self, tokens: torch.Tensor, sequences: int, seq: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The router's weights and choices for ``tokens`` (``sequences x seq``, a
+        sequence's together), the balance loss (None where none is added) and which
+        copies the capacity keeps."""
+        weights, chosen, scores = self.router.route(tokens)
+        balance = None
+        if self.balance_loss > 0 and torch.is_grad_enabled():
+            balance = self.router.balance_loss(scores, chosen, sequences, self.balance_loss)
+        keep = torch.ones_like(chosen, dtype=torch.bool)
+        if self.capacity_factor is not None:
+            keep = within_capacity(chosen.view(sequences, seq, -1), self.num_experts, self.capacity_factor,
+                                   self.sequence_shard).view_as(chosen)
+        return weights, chosen, balance, keep
 
 
 def _unchanged(tensor: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ STAGE_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "act_bytes", "stash_bytes", "par
                 # expert and context parallelism (pipesim.sim.expert_parallel, pipesim.sim.context_parallel)
                 "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
                 "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies", "combine_bytes",
-                "moe_tp_dense", "expert_fwd", "expert_igrad", "expert_wgrad",
+                "moe_tp_dense", "moe_shared", "expert_fwd", "expert_igrad", "expert_wgrad",
                 # the GEMMs beside each tp collective under overlap (pipesim.model.tp_windows)
                 "tp_window_attention_in", "tp_window_attention_out", "tp_window_mlp_in", "tp_window_mlp_out")
 OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead", "grad_norm_overhead")
@@ -105,11 +105,14 @@ class StageCost:
 
     ``moe_tp_dense`` (1 or 0): under tp with expert parallelism or parallel folding, the
     MoE block runs the dense MLP's tp collectives (an all-gather of ``tp_message_bytes``
-    before its router, a reduce-scatter after), as pipesim's executor runs it
-    (``executor.tensor_parallel``: its router reads the gathered sequence, folded or not),
-    instead of Megatron-Core's rule (the routed copies gathered over the expert
-    tensor-parallel group; none at ``--etp 1``), which 0, a model's costs, takes
-    (``pipesim.sim.parallel.tp_collective_seconds``).
+    before its router, a reduce-scatter after), as pipesim's executor runs it unfolded
+    (``executor.tensor_parallel``: its router reads the gathered sequence), instead of
+    Megatron-Core's rule (the routed copies gathered over the expert tensor-parallel
+    group; none at ``--etp 1``), which 0 takes (a model's costs, a folded run's)
+    (``pipesim.sim.parallel.tp_collective_seconds``). ``moe_shared`` (1 or 0): under that
+    rule each MoE layer's shared experts run the dense MLP's pair besides, on the tp group
+    (Megatron-Core's ``SharedExpertMLP``: split over tp, the sequence gathered before it and
+    its output reduce-scattered, also at ``--etp 1``).
 
     ``wgrad_stash_share`` is the share of ``stash_bytes`` a microbatch still holds
     between its input-gradient backward (``I``) and its weight-gradient backward (``W``)
@@ -164,6 +167,7 @@ class StageCost:
     dispatch_copies: float = 0.0
     combine_bytes: float = 0.0
     moe_tp_dense: float = 0.0
+    moe_shared: float = 0.0
     expert_fwd: float = 0.0
     expert_igrad: float = 0.0
     expert_wgrad: float = 0.0
@@ -479,6 +483,9 @@ def costs_from_dict(data: object, num_stages: int | None = None, name: str = "co
         if values.get("moe_tp_dense", 0.0) not in (0.0, 1.0):
             raise CostsError(f"{where}.moe_tp_dense is 1 (the MoE block's tp collectives are the dense MLP's) or 0, "
                              f"got {values['moe_tp_dense']}")
+        if values.get("moe_shared", 0.0) not in (0.0, 1.0):
+            raise CostsError(f"{where}.moe_shared is 1 (each MoE layer's shared experts run the dense MLP's tp "
+                             f"collectives) or 0, got {values['moe_shared']}")
         if values.get("wgrad", 0.0) > values["bwd"] and not values.get("igrad"):
             raise CostsError(
                 f"{where}: wgrad ({values['wgrad']}) is part of bwd ({values['bwd']}) and cannot exceed it; "

@@ -318,6 +318,7 @@ def model_stage_costs(
             expert_params=moe_layers * routed,
             moe_layers=moe_layers,
             dispatch_bytes=dispatch if moe_layers else 0.0,
+            moe_shared=1.0 if moe_layers and spec.moe.shared_ffn else 0.0,
             combine_bytes=combine if moe_layers else 0.0,
             attention_layers=count,
             kv_bytes=local.tokens * key_value_bytes(spec, tp),

@@ -478,18 +478,21 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
         rank = schedule.placement[stage]
         one = _tp_collective(topology, mapping, rank, costs.sequence_parallel, algorithm, cost.tp_message_bytes)
         experts = 0.0
-        if (mapping.ep > 1 or mapping.folded) and cost.moe_layers and cost.dispatch_bytes and not cost.moe_tp_dense:
+        routes_apart = cost.dispatch_bytes or (mapping.folded and mapping.expert_tp == 1)
+        if (mapping.ep > 1 or mapping.folded) and cost.moe_layers and routes_apart and not cost.moe_tp_dense:
             # Megatron-Core's all-to-all dispatcher: around the experts the expert tensor-parallel
             # group (the tp group unless parallel folding gives the experts their own) gathers and
             # scatters the routed copies its ranks received (etp x one rank's dispatch) instead
             # of the dense MLP's activation; at the combine's BF16 size, as Megatron-Core (the
             # stack that runs ep beside tp) dispatches in BF16. Under folding with etp 1 the
-            # MoE block runs no tensor-parallel collective at all. A block that runs the dense MLP's
-            # pair instead (``moe_tp_dense``: pipesim's executor, whose router reads the gathered
-            # sequence) is charged as one
+            # routed experts run no tensor-parallel collective at all. Shared experts (``moe_shared``)
+            # run the dense MLP's pair besides, on the tp group. A block that runs the dense MLP's
+            # pair instead (``moe_tp_dense``: pipesim's executor unfolded, whose router reads the
+            # gathered sequence) is charged as one
             routed = cost.all_to_all_bytes[1]
             experts = cost.moe_layers * (_expert_tp_collective(topology, mapping, rank, costs.sequence_parallel,
-                                                               algorithm, mapping.expert_tp * routed) - one)
+                                                               algorithm, mapping.expert_tp * routed)
+                                         - one * (1 - cost.moe_shared))
         per_pass = 2 * cost.layers * one + experts
         if not per_pass > 0:
             return None
