@@ -4,6 +4,8 @@ a multi-process test's time)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -29,6 +31,16 @@ class LaunchedCases:
             names = list(next(cases for cases in self.cases_of_world.values() if name in cases))
             self.results.update(zip(names, launch([self.config(case) for case in names]), strict=True))
         return self.results[name]
+
+    def tp_collectives_per_action(self, name: str) -> dict[str, set[int]]:
+        """Per stage and kind (``"0F"``), the numbers of tp collectives the actions of case
+        ``name`` held (the events of its trace's ``tp`` stream)."""
+        counts = Counter(event.action for event in self.result(name)["trace"].events if event.stream == "tp")
+        per_kind: dict[str, set[int]] = {}
+        for action, count in counts.items():
+            inner = action[action.index("(") + 1:action.index(")")]  # "TP(0F1)" -> "0F1"
+            per_kind.setdefault(inner.rstrip("0123456789"), set()).add(count)
+        return per_kind
 
 
 def assert_weights_equal_reference(result: dict, reference: dict, tolerance: float = 1e-10) -> None:

@@ -8,8 +8,6 @@ in one line."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
 from executor.config import ConfigError, RunConfig
@@ -68,17 +66,6 @@ def test_folded_experts_step_equals_one_process_reference(name: str) -> None:
     assert_equals_reference(LAUNCHED.result(name), reference_run(LAUNCHED.config(name)))
 
 
-def tp_collectives_per_action(name: str) -> dict[str, set[int]]:
-    """Per stage and kind (``"0F"``), the numbers of tp collectives the actions of case
-    ``name`` held (as ``tests.test_executor_sp_shards`` counts them)."""
-    counts = Counter(event.action for event in LAUNCHED.result(name)["trace"].events if event.stream == "tp")
-    per_kind: dict[str, set[int]] = {}
-    for action, count in counts.items():
-        inner = action[action.index("(") + 1:action.index(")")]  # "TP(0F1)" -> "0F1"
-        per_kind.setdefault(inner.rstrip("0123456789"), set()).add(count)
-    return per_kind
-
-
 def test_folded_routed_experts_run_no_tp_collective() -> None:
     """By hand, one stage of 2 layers at tp 2 with sequence parallelism: each layer's
     attention all-gathers and reduce-scatters in the forward (2) and mirrors them in the
@@ -87,8 +74,8 @@ def test_folded_routed_experts_run_no_tp_collective() -> None:
     experts, folded, add nothing: 5 and 7 (Megatron-Core's folded layer; the executor's
     unfolded block gathers and scatters for its MLP too). Qwen-MoE's shared expert, split
     over tp as a dense MLP, adds the MLP's 2 and 3 a layer: 9 and 13."""
-    assert tp_collectives_per_action("mixtral-tp2-etp1") == {"0F": {5}, "0B": {7}}
-    assert tp_collectives_per_action("qwen-moe-dp2-tp2-etp1-ep2") == {"0F": {9}, "0B": {13}}
+    assert LAUNCHED.tp_collectives_per_action("mixtral-tp2-etp1") == {"0F": {5}, "0B": {7}}
+    assert LAUNCHED.tp_collectives_per_action("qwen-moe-dp2-tp2-etp1-ep2") == {"0F": {9}, "0B": {13}}
 
 
 def test_folded_groups_are_the_simulators_expert_mesh() -> None:

@@ -14,8 +14,6 @@ collectives a block and pass plus one where the sequence is cut or joined.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
 from executor.config import RunConfig
@@ -46,17 +44,6 @@ def test_sharded_residual_stream_equals_one_process_reference(name: str) -> None
     assert_equals_reference(CASES.result(name), reference_run(CASES.config(name)))
 
 
-def tp_collectives_per_action(name: str) -> dict[str, set[int]]:
-    """Per stage and kind (``"0F"``), the numbers of tp collectives its actions held."""
-    counts = Counter(event.action for event in CASES.result(name)["trace"].events if event.stream == "tp")
-    per_kind: dict[str, set[int]] = {}
-    for action, count in counts.items():
-        inner = action[action.index("(") + 1:action.index(")")]  # "TP(0F1)" -> "0F1"
-        stage_kind = inner.rstrip("0123456789")
-        per_kind.setdefault(stage_kind, set()).add(count)
-    return per_kind
-
-
 def test_each_block_issues_megatrons_four_collectives_a_pass() -> None:
     """By hand: a block's forward all-gathers before attention and before the MLP and
     reduce-scatters after each (4); its backward mirrors them (4) and, as Megatron-Core
@@ -67,9 +54,9 @@ def test_each_block_issues_megatrons_four_collectives_a_pass() -> None:
     13 and 5. (Gathering every block's output back to the whole activation, as before,
     issued 5 a block and pass: 10 on stage 0's forward.)"""
     assert tuple(build_model(CASES.config("gpt-pp2")).layout) == (2, 1)
-    assert tp_collectives_per_action("gpt-pp2") == {"0F": {8}, "0B": {13}, "1F": {5}, "1B": {6}}
+    assert CASES.tp_collectives_per_action("gpt-pp2") == {"0F": {8}, "0B": {13}, "1F": {5}, "1B": {6}}
     # One stage holds both ends and 3 blocks: 12 + 1 forward, 18 + 1 backward.
-    assert tp_collectives_per_action("gpt-dp2") == {"0F": {13}, "0B": {19}}
+    assert CASES.tp_collectives_per_action("gpt-dp2") == {"0F": {13}, "0B": {19}}
 
 
 def test_split_backward_keeps_the_collectives_in_the_input_gradient() -> None:
@@ -82,7 +69,7 @@ def test_split_backward_keeps_the_collectives_in_the_input_gradient() -> None:
     split, 2 and 1 (the first stage also holds the embedding)."""
     model = build_model(CASES.config("llama-zb-h1-pp2"))
     assert tuple(model.layout) == (2, 1)
-    assert tp_collectives_per_action("llama-zb-h1-pp2") == {"0F": {8}, "0I": {13}, "1F": {5}, "1I": {6}}
+    assert CASES.tp_collectives_per_action("llama-zb-h1-pp2") == {"0F": {8}, "0I": {13}, "1F": {5}, "1I": {6}}
 
 
 def test_stage_boundary_message_is_the_sequence_shard() -> None:
