@@ -156,6 +156,14 @@ class RunConfig:
         return self.expert_tp != self.tp
 
     @property
+    def routes_shards(self) -> bool:
+        """Whether each tp rank routes its own sequence shard through the mixture of
+        experts, as Megatron-Core does (``executor.shard_routing``): under tp with sequence
+        parallelism, folded or with expert parallelism. Elsewhere (no sequence parallelism;
+        ep 1 with the experts split over tp) every tp rank routes the gathered sequence."""
+        return self.tp > 1 and self.sequence_parallel and (self.folded or self.ep > 1)
+
+    @property
     def expert_members(self) -> int:
         """The ranks of a stage the ep groups are cut from: its dp x cp ranks, and under
         parallel folding its tp x cp x dp ranks."""

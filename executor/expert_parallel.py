@@ -38,6 +38,7 @@ from torch import nn
 from executor.architectures.moe import MixtureOfExperts, combine_dtype
 from executor.inside_timing import CollectiveTimer, timed_all_to_all
 from executor.mesh import MeshPosition
+from executor.shard_routing import RowsOverTp
 
 
 def expert_range(experts: int, ep: int, ep_index: int) -> range:
@@ -112,7 +113,13 @@ class ExpertDispatcher:
         self.timer = timer  # times the dispatch and combine all-to-alls (executor.inside_timing)
 
     def __call__(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, keep: torch.Tensor,
-                 experts: nn.ModuleDict, weighted_input: bool = False) -> torch.Tensor:
+                 experts: nn.ModuleDict, weighted_input: bool = False, expert_tp: RowsOverTp | None = None
+                 ) -> torch.Tensor:
+        """The routed experts' weighted sum per token (``keep``: the copies the capacity
+        kept). With ``expert_tp`` (experts split over tp, each tp rank routing its own
+        sequence shard: ``executor.shard_routing``) the rows this rank received are
+        gathered over tp before the experts and their partial outputs reduce-scattered
+        back after them, as Megatron-Core's all-to-all dispatcher runs them."""
         group = self.groups.ep_group
         token, slot = torch.nonzero(keep, as_tuple=True)
         expert = chosen[token, slot]
@@ -127,15 +134,26 @@ class ExpertDispatcher:
         weight = weights[token, slot].unsqueeze(-1)
         sent = tokens[token] * weight.to(tokens.dtype) if weighted_input else tokens[token]  # Llama 4: scaled first
         rows = timed_all_to_all(sent, sum(receives), receives, sends, group, self.timer)
-        outputs = torch.zeros_like(rows)
-        for name, module in experts.items():
-            # An expert that received no rows still runs, on none: a zero gradient, not none.
-            (at,) = torch.nonzero(received_experts == int(name), as_tuple=True)
-            outputs = outputs.index_copy(0, at, module(rows[at]).to(rows.dtype))
+        if expert_tp is None:
+            outputs = run_experts(rows, received_experts, experts)
+        else:
+            every_rows, every_experts, counts = expert_tp.gather(rows, received_experts)
+            outputs = expert_tp.scatter(run_experts(every_rows, every_experts, experts), counts)
         back = timed_all_to_all(outputs, len(token), sends, receives, group, self.timer)
         combined = combine_dtype(tokens, weights)
         weighted = back.to(combined) if weighted_input else back.to(combined) * weight.to(combined)
         return tokens.new_zeros(tokens.shape, dtype=combined).index_add(0, token, weighted)
+
+
+def run_experts(rows: torch.Tensor, row_experts: torch.Tensor, experts: nn.ModuleDict) -> torch.Tensor:
+    """Each of ``rows`` through its expert (``row_experts``, global indices; ``experts``
+    keyed by them). An expert that received no rows still runs, on none: a zero
+    gradient, not none."""
+    outputs = torch.zeros_like(rows)
+    for name, module in experts.items():
+        (at,) = torch.nonzero(row_experts == int(name), as_tuple=True)
+        outputs = outputs.index_copy(0, at, module(rows[at]).to(rows.dtype))
+    return outputs
 
 
 def shard_experts(stage: nn.Module, groups: ExpertGroups, timer: CollectiveTimer | None = None) -> None:

@@ -200,8 +200,9 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     ``pipesim.sim.parallel``; ``tp_regathers``: the sublayer inputs a layer's backward
     gathers again under sequence parallelism, ``executor.rebuilt_activations``; with ep,
     ``moe_tp_dense``: its MoE blocks gather and scatter the sequence as the dense MLP's
-    do; under parallel folding Megatron-Core's rule instead, ``moe_shared`` saying whether
-    the shared experts run that pair, ``executor.folded_routing``). With
+    do; where each tp rank routes its own sequence shard, ``RunConfig.routes_shards``,
+    Megatron-Core's rule instead, ``moe_shared`` saying whether the shared experts run
+    that pair, ``executor.shard_routing``). With
     DualPipe's two copies of the model, ``num_stages`` counts the pipeline's stages, each
     the model stage ``stage mod`` the model's (``executor.copies``), each copy's last
     sending nothing. Builds the stages on the CPU to count them (torch is loaded here)."""
@@ -219,7 +220,8 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     element = torch.tensor([], dtype=getattr(torch, config.dtype)).element_size()
     activation = float(math.prod(shape) * element)
     model_stages = num_stages // config.copies
-    shared = config.folded and bool(shrunk_spec(config).moe.shared_ffn)  # folding needs a mixture of experts
+    # shard routing (folding or ep beside tp) needs a mixture of experts
+    shared = config.routes_shards and bool(shrunk_spec(config).moe.shared_ffn)
     entries = []
     for stage in (index % model_stages for index in range(num_stages)):
         module = model.build_stage(stage, model_stages)
@@ -235,10 +237,10 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
             entry["tp_message_bytes"] = float(math.prod(model.boundary_shape(microbatch)) * element)
             regathers = regathered_inputs(saved, config.tp, config.sequence_parallel, config.recompute)
             moe_layers = entry.get("moe_layers", 0.0)
-            if moe_layers and config.folded:
-                # Megatron-Core's rule: the routed experts run no tp collective, the shared ones
-                # (split over tp) the dense MLP's pair; a MoE layer without them gathers nothing for
-                # its MLP, so its backward regathers only the attention's input
+            if moe_layers and config.routes_shards:
+                # Megatron-Core's rule: the routed experts' rows gathered over their own tp (none
+                # folded), the shared ones (split over tp) the dense MLP's pair; a MoE layer without
+                # them gathers no sequence for its MLP, so its backward regathers only the attention's
                 entry["moe_shared"] = float(shared)
                 if not shared:
                     regathers = (layers * regathers - moe_layers * regathers / 2) / layers
@@ -287,15 +289,15 @@ def expert_exchange(config: RunConfig, layout: Sequence[int], stage: int, microb
     (``pipesim.model.transformer_costs``): its MoE layers (``moe_layers``) and one rank's
     routed token copies (``dispatch_bytes``: ``k`` copies of each of the microbatch's
     ``seq_len / cp`` tokens, ``hidden`` wide, in the activations' type: every tp rank
-    routes the whole sequence its MoE block gathered, and under parallel folding only its
-    own ``1 / tp`` sequence shard, ``executor.folded_routing``), for the
+    routes the whole sequence its MoE block gathered, or where it routes its own sequence
+    shard, ``RunConfig.routes_shards``, only that ``1 / tp``, ``executor.shard_routing``), for the
     shrunk architecture the run builds (``executor.architectures.build.shrunk_spec``)."""
     from executor.architectures.build import shrunk_spec  # noqa: PLC0415
 
     spec = shrunk_spec(config)
     first = sum(layout[:stage])
     moe_layers = sum(1 for layer in range(first, first + layout[stage]) if spec.is_moe_layer(layer))
-    tokens = microbatch * config.seq_len / config.cp / (config.tp if config.folded else 1)
+    tokens = microbatch * config.seq_len / config.cp / (config.tp if config.routes_shards else 1)
     dispatch = spec.moe.dispatch_bytes(tokens, spec.hidden, element) if spec.moe and moe_layers else 0.0
     return {"moe_layers": float(moe_layers), "dispatch_bytes": float(dispatch)}
 

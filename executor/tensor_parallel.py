@@ -53,14 +53,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from executor.architectures.latent_attention import LatentAttention
-from executor.folded_routing import SequenceShardRouting, sum_grad_over_tp
 from executor.models import Block
-
-# The functional collectives DTensor calls: the ``*_single`` names in current torch, the
-# ``*_tensor`` names in releases before them (2.11, say), which have no ``*_single``.
-TIMED_COLLECTIVES = (("all_reduce", "all_gather_single", "reduce_scatter_single")
-                     if hasattr(funcol, "all_gather_single")
-                     else ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor"))
+from executor.shard_routing import TIMED_COLLECTIVES, RowsOverTp, SequenceShardRouting, sum_grad_over_tp
 
 
 def block_plan(sequence_parallel: bool) -> dict:
@@ -76,7 +70,7 @@ def block_plan(sequence_parallel: bool) -> dict:
     }
 
 
-def transformer_block_plan(block: nn.Module, sequence_parallel: bool, fold_experts: bool = False) -> dict:
+def transformer_block_plan(block: nn.Module, sequence_parallel: bool, route_shards: bool = False) -> dict:
     """The Megatron plan of a ``TransformerBlock`` (torchtitan's for Llama): the query,
     key and value projections and each MLP's gate and up projections split by columns
     (whole query heads and whole key/value heads per rank, since both counts are
@@ -92,11 +86,11 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool, fold_exper
     the backward, Megatron's copy to the tensor-parallel region, where each projection
     wrapping its input apart would reduce each gradient on its own (Q, K and V: three).
 
-    Under parallel folding (``fold_experts``, sequence parallelism required) the mixture of
-    experts takes the norm's sequence shard as it is and routes it
-    (``executor.folded_routing``): only its shared expert, split over tp, gathers the
-    sequence and reduce-scatters its output, Megatron-Core's ``SharedExpertMLP`` on the tp
-    group."""
+    With ``route_shards`` (sequence parallelism, and parallel folding or expert
+    parallelism: ``RunConfig.routes_shards``) the mixture of experts takes the norm's
+    sequence shard as it is and routes it (``executor.shard_routing``): only its shared
+    expert, split over tp as a dense MLP, gathers the sequence and reduce-scatters its
+    output, Megatron-Core's ``SharedExpertMLP`` on the tp group."""
     plan = attention_plan(block.attention)
     experts = getattr(block.feed_forward, "experts", None)
     # Latent attention's replicated down-projections take plain tensors: its input is local.
@@ -125,7 +119,7 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool, fold_exper
     if experts is None:
         plan.update({"feed_forward": PrepareModuleInput(**gather),
                      "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
-    elif fold_experts:
+    elif route_shards:
         if block.feed_forward.shared is not None:  # split as a dense MLP is
             plan.update({"feed_forward.shared": PrepareModuleInput(**gather),
                          "feed_forward.shared.w1": ColwiseParallel(), "feed_forward.shared.w3": ColwiseParallel(),
@@ -136,21 +130,27 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool, fold_exper
     return plan
 
 
-def fold_routed_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Parallel folding (Megatron-Core's ``--expert-tensor-parallel-size 1``): the routed
-    experts stay whole and each tp rank routes its own sequence shard to them, over ep
-    groups cut from every rank of the stage (``executor.expert_parallel``), with no tp
-    collective (``executor.folded_routing``). The router's weights and the shared
-    expert's gate, whole on every rank and fed its shard, sum their gradients over tp;
-    the shared expert is split over tp as a dense MLP is (``transformer_block_plan``)."""
+def route_shards(moe: nn.Module, tp_mesh: DeviceMesh, folded: bool) -> None:
+    """Each tp rank routes its own sequence shard (``executor.shard_routing``). Folded
+    (Megatron-Core's ``--expert-tensor-parallel-size 1``) the routed experts stay whole,
+    over ep groups cut from every rank of the stage (``executor.expert_parallel``), with
+    no tp collective; otherwise they are split over tp (``split_experts``, the shared
+    expert left to the block's plan) and the rows each rank received are gathered over
+    tp around them (``RowsOverTp``). The router's weights and the shared expert's gate,
+    whole on every rank and fed its shard, sum their gradients over tp; the shared expert
+    is split over tp as a dense MLP is (``transformer_block_plan``)."""
     shard = SequenceShardRouting(tp_mesh)
     moe.sequence_shard = moe.router.sequence_shard = shard
     sum_grad_over_tp(moe.router.gate, shard.group)
     if moe.shared_gate is not None:
         sum_grad_over_tp(moe.shared_gate, shard.group)
+    if not folded:
+        split_experts(moe, tp_mesh, shared=False)
+        moe.tp_sum_grad = None  # the routed rows are gathered whole (RowsOverTp), not partial sums
+        moe.expert_tp = RowsOverTp(tp_mesh)
 
 
-def split_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
+def split_experts(moe: nn.Module, tp_mesh: DeviceMesh, shared: bool = True) -> None:
     """Split a mixture of experts' routed and shared experts over tp as Megatron-Core
     does: ``w1`` and ``w3`` by output features, ``w2`` by input features (unbiased
     experts: gpt-oss's biased ones stay on one tp rank, as its attention sinks do),
@@ -159,9 +159,10 @@ def split_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
     (``transformer_block_plan``), and the gradients that only the whole output gives
     (the experts' inputs', the routing weights', the shared expert's gate's) are summed
     over tp where the layer hands them back (``ReduceGradFrom``: one all-reduce each in
-    the backward, where a per-expert split would reduce each expert's input gradient)."""
+    the backward, where a per-expert split would reduce each expert's input gradient).
+    ``shared`` False leaves the shared expert to the block's plan (``route_shards``)."""
     experts = moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts
-    for expert in [*experts, *([moe.shared] if moe.shared is not None else [])]:
+    for expert in [*experts, *([moe.shared] if moe.shared is not None and shared else [])]:
         if expert.w2.bias is not None:  # gpt-oss's: its attention sinks keep it off tp (check_tensor_parallel)
             raise ValueError("biased experts are not split over tp (gpt-oss runs at --tp 1)")
         distribute_module(expert, tp_mesh, _expert_shards)
@@ -240,31 +241,35 @@ def sum_weight_grad_over_tp(attention: nn.Module, tp_mesh: DeviceMesh) -> None:
         norm.weight_in_use = lambda weight: ReduceGradFrom.apply(weight, 0, tp_mesh)
 
 
-def plan_of(module: nn.Module, sequence_parallel: bool, fold_experts: bool = False) -> dict | None:
+def plan_of(module: nn.Module, sequence_parallel: bool, route_shards: bool = False) -> dict | None:
     """The tp plan of a block the executor splits, ``None`` for any other module."""
     from executor.architectures.transformer import TransformerBlock  # noqa: PLC0415 - it imports models, as this module does
 
     if isinstance(module, Block):
         return block_plan(sequence_parallel)
     if isinstance(module, TransformerBlock):
-        return transformer_block_plan(module, sequence_parallel, fold_experts)
+        return transformer_block_plan(module, sequence_parallel, route_shards)
     return None
 
 
 def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
-                      fold_experts: bool = False) -> nn.Module:
+                      fold_experts: bool = False, shard_routing: bool = False) -> nn.Module:
     """Split every block of ``stage`` (a gpt ``Block``, a ``TransformerBlock``, its
     experts by ``split_experts``) across ``tp_mesh`` in place; with ``sequence_parallel`` keep its residual stream
-    sequence-sharded (``shard_residual_stream``); with ``fold_experts`` (parallel folding,
-    ``--etp 1``) leave the routed experts whole, each rank computing its own shard of the
-    sequence (``fold_routed_experts``); return the stage."""
+    sequence-sharded (``shard_residual_stream``); with ``shard_routing``
+    (``RunConfig.routes_shards``) each rank routes its own sequence shard, the routed
+    experts whole with ``fold_experts`` (parallel folding, ``--etp 1``), else split over
+    tp (``route_shards``); return the stage."""
     for module in list(stage.modules()):
-        plan = plan_of(module, sequence_parallel, fold_experts)
+        plan = plan_of(module, sequence_parallel, shard_routing)
         if plan is not None:
             parallelize_module(module, tp_mesh, plan)
             moe = getattr(module, "feed_forward", None)
             if getattr(moe, "experts", None) is not None:
-                (fold_routed_experts if fold_experts else split_experts)(moe, tp_mesh)
+                if shard_routing:
+                    route_shards(moe, tp_mesh, fold_experts)
+                else:
+                    split_experts(moe, tp_mesh)
             attention = getattr(module, "attention", None)
             if isinstance(attention, LatentAttention):
                 reduce_rope_key_grad(attention, tp_mesh)

@@ -124,7 +124,8 @@ class RankRun:
 
             tp_mesh = held_by_copies["tp"] if held_by_copies is not None else self.mesh.submesh("tp")
             for stage in self.stages.values():
-                parallelize_stage(stage, tp_mesh, config.sequence_parallel, fold_experts=config.folded)
+                parallelize_stage(stage, tp_mesh, config.sequence_parallel, fold_experts=config.folded,
+                                  shard_routing=config.routes_shards)
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
         for stage in self.stages.values():
             apply_recompute(stage, config.recompute)

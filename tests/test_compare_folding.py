@@ -146,10 +146,18 @@ def test_compare_runs_a_folded_layout_and_simulate_gives_its_prediction_back(tmp
     assert {"all_to_all", "all_gather"} <= set(document["calibrated_collectives"])
 
 
-def test_without_folding_each_tp_rank_sends_the_whole_sequences_copies():
-    # experts split over tp 2, ep 2 over the two replicas: every tp rank routes the gathered
-    # sequence, so it sends the copies of all 8 tokens of each of its 2 sequences, top-2
+def test_unfolded_tp_ranks_route_their_shards_under_sequence_parallelism():
+    # experts split over tp 2, ep 2 over the two replicas. With sequence parallelism each tp
+    # rank routes its own shard, as Megatron-Core does: the copies of 4 of the 8 tokens of each
+    # of its 2 sequences, top-2, gathered over tp around the experts (Megatron-Core's rule).
+    # Without it every tp rank routes the gathered sequence: all 8 tokens' copies, and the MoE
+    # block gathers and scatters the sequence as the dense MLP does.
     config = run_config(*FOLDED[:-6], "--dp", "2", "--ep", "2", "-m", "2")
     assert not config.folded and (config.replica_batch_size, config.microbatches) == (4, 2)
     (entry, _) = stage_bytes(config, 2)
+    assert entry["dispatch_bytes"] == 2 * 4 * 2 * 16 * 4 and entry.get("moe_tp_dense", 0.0) == 0.0
+    assert (entry["moe_shared"], entry["tp_regathers"]) == (0.0, 1.0)
+    gathered = run_config(*(flag for flag in FOLDED[:-6] if flag != "--sequence-parallel"), "--dp", "2", "--ep", "2",
+                          "-m", "2")
+    (entry, _) = stage_bytes(gathered, 2)
     assert entry["dispatch_bytes"] == 2 * 8 * 2 * 16 * 4 and entry["moe_tp_dense"] == 1.0

@@ -42,8 +42,14 @@ CASES_OF_WORLD = {
         # tp splits each expert (Megatron's expert tensor parallelism = tp); every tp rank
         # of an ep group trades the same tokens with its own tp shard's peers
         "mixtral-pp1-dp2-ep2-tp2": {"pp": 1, "dp": 2, "ep": 2, "tp": 2},
+        # with sequence parallelism each tp rank routes its own shard (Megatron-Core's layer,
+        # executor.shard_routing): the rows it received gathered over tp around the experts' shards
         "qwen-moe-pp1-dp2-ep2-tp2-sp": {"model": "tests/data/hf_configs/qwen1.5-moe-a2.7b.json", "ffn_hidden": 16,
                                         "pp": 1, "dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True},
+        # ... the capacity counting the copies of the sequence's earlier shard, the balance loss's counts
+        # summed over tp, two steps of AdamW clipped by the global norm
+        "mixtral-pp1-dp2-ep2-tp2-sp-capacity": {"pp": 1, "dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True,
+                                                "capacity_factor": 0.75, "clip_grad": 1.0},
         # the all-to-alls' backward inside zero-bubble's input-gradient pass
         "deepseek-v3-pp2-dp2-ep2-zb-h1": {"model": "deepseek-v3", "kv_heads": None, "layers": 3, "pp": 2, "dp": 2,
                                           "ep": 2, "schedule": "zb-h1", "microbatches": 4},
@@ -57,6 +63,17 @@ case_config = LAUNCHED.config
 @pytest.mark.parametrize("name", CASES)
 def test_expert_parallel_step_equals_one_process_reference(name: str) -> None:
     assert_equals_reference(LAUNCHED.result(name), reference_run(case_config(name)))
+
+
+def test_shard_routing_gathers_the_received_rows_over_tp() -> None:
+    """By hand, one stage of 2 layers at tp 2 with sequence parallelism and ep 2: each
+    layer's attention runs 2 tp collectives in the forward and 3 in the backward (its
+    input gathered again), as a dense layer's; its mixture of experts routes the rank's
+    own shard and gathers the rows the rank received over tp before the experts and
+    reduce-scatters their outputs after (2), and the backward mirrors the two (2), with no
+    sequence gathered for the MLP. The head's gather and the embedding cut's backward add
+    1 each: 9 and 11 (every tp rank routing the gathered sequence ran 9 and 13)."""
+    assert LAUNCHED.tp_collectives_per_action("mixtral-pp1-dp2-ep2-tp2-sp-capacity") == {"0F": {9}, "0B": {11}}
 
 
 def test_groups_are_the_simulators() -> None:

@@ -50,7 +50,7 @@ def forward_and_backward(block: torch.nn.Module, x: torch.Tensor, autocast: bool
     import torch.distributed._functional_collectives as funcol  # noqa: PLC0415
 
     from executor.data_parallel import local_storage, local_tensor  # noqa: PLC0415
-    from executor.tensor_parallel import TIMED_COLLECTIVES  # noqa: PLC0415
+    from executor.shard_routing import TIMED_COLLECTIVES  # noqa: PLC0415
 
     params = {local_storage(p).data_ptr() for p in block.parameters()}
     saved: dict[int, torch.UntypedStorage] = {}

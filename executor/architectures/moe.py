@@ -62,7 +62,7 @@ class Router(nn.Module):
 
     layer: int = -1  # the model's layer this router belongs to (set by its block)
     context = None  # context parallelism's shard (executor.context_parallel): each sequence split over its group
-    # parallel folding (executor.folded_routing): this tp rank routes only its shard of each sequence
+    # parallel folding (executor.shard_routing): this tp rank routes only its shard of each sequence
     sequence_shard = None
 
     def __init__(self, hidden: int, experts: int, top_k: int, gating: str = "softmax",
@@ -166,7 +166,7 @@ def within_capacity(chosen: torch.Tensor, experts: int, factor: float, shard=Non
     indices; a copy is kept while its expert has taken fewer than
     ``ceil(factor * k * seq / experts)`` copies of that sequence before it (in token
     order, then choice order). With ``shard`` (parallel folding,
-    ``executor.folded_routing``) ``chosen`` is one of ``shard.parts`` contiguous shards of
+    ``executor.shard_routing``) ``chosen`` is one of ``shard.parts`` contiguous shards of
     each sequence: the capacity is the whole sequence's, and the copies the earlier shards
     sent count as before this one's."""
     sequences, seq, top_k = chosen.shape
@@ -212,9 +212,12 @@ class MixtureOfExperts(nn.Module):
         # over tp) then completes what only the whole output's gradient gives: the experts'
         # inputs', the routing weights' and the shared expert's gate's
         self.tp_sum_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # Under parallel folding (executor.folded_routing): this tp rank routes its own sequence
-        # shard, the shared expert gathering the sequence for itself (forward_shard)
+        # Under tp with sequence parallelism, folded or with ep (executor.shard_routing): this tp
+        # rank routes its own sequence shard, the shared expert gathering the sequence for itself
+        # (forward_shard); with the experts split over tp, ``expert_tp`` gathers the rows this rank
+        # received over tp around them
         self.sequence_shard = None
+        self.expert_tp = None
         self.balance_loss = balance_loss  # the load-balancing loss's coefficient (see the module)
         self.balance_scale = 1.0  # its gradient: set each step by the runtime (set_balance_scale)
 
@@ -239,10 +242,11 @@ class MixtureOfExperts(nn.Module):
         return out.view(sequences, seq, hidden)
 
     def forward_shard(self, x: torch.Tensor) -> torch.Tensor:
-        """Parallel folding's layer (``executor.folded_routing``): ``x`` is this tp rank's
-        sequence shard (a DTensor sharded on the sequence, the norm's output); its tokens
-        are routed here, the routed experts' outputs come back whole to them, and the
-        shared expert (split over tp as a dense MLP) gathers the sequence for itself and
+        """Megatron-Core's layer under tp with sequence parallelism
+        (``executor.shard_routing``): ``x`` is this tp rank's sequence shard (a DTensor
+        sharded on the sequence, the norm's output); its tokens are routed here, the routed
+        experts' outputs come back whole to them (``expert_tp`` gathering the rows around
+        experts split over tp), and the shared expert (split over tp as a dense MLP) gathers the sequence for itself and
         reduce-scatters its output to the shard (``executor.tensor_parallel.
         transformer_block_plan``). With ``regather_shards`` its
         gathered input is dropped after its forward and gathered again before its backward
@@ -251,7 +255,10 @@ class MixtureOfExperts(nn.Module):
         sequences, seq, hidden = local.shape
         tokens = local.reshape(-1, hidden)
         weights, chosen, balance, keep = self.routed(tokens, sequences, seq)
-        out = (self.dispatcher or route_locally)(tokens, weights, chosen, keep, self.experts, self.weighted_input)
+        if self.dispatcher is not None:
+            out = self.dispatcher(tokens, weights, chosen, keep, self.experts, self.weighted_input, self.expert_tp)
+        else:  # folded at ep 1: every expert here, whole
+            out = route_locally(tokens, weights, chosen, keep, self.experts, self.weighted_input)
         if self.shared is not None:
             from executor.rebuilt_activations import read_gathered_shard  # noqa: PLC0415 - a tp run only
 

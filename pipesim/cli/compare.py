@@ -98,8 +98,8 @@ def replicas(config):
     gradients are all-reduced in buckets of the run's size, each as soon as its gradients
     are ready (``executor.data_parallel``); ``tp`` shards whose collectives hold the
     rank after each compute action, never beside the GEMMs (the executor waits for each
-    one where DTensor issues it; an unfolded MoE block's are the dense MLP's,
-    ``moe_tp_dense``; a folded one's Megatron-Core's, ``moe_shared``); ``ep``
+    one where DTensor issues it; a MoE block's are Megatron-Core's under sequence
+    parallelism, ``moe_shared``, else the dense MLP's, ``moe_tp_dense``); ``ep``
     ranks, whose all-to-alls the calibration takes out of the measured compute and the
     simulator prices from the links (``executor.inside_timing``), over the groups the run
     cuts (under parallel folding, ``--etp 1``, from every rank of a stage: ``etp``);

@@ -105,10 +105,11 @@ class StageCost:
 
     ``moe_tp_dense`` (1 or 0): under tp with expert parallelism or parallel folding, the
     MoE block runs the dense MLP's tp collectives (an all-gather of ``tp_message_bytes``
-    before its router, a reduce-scatter after), as pipesim's executor runs it unfolded
-    (``executor.tensor_parallel``: its router reads the gathered sequence), instead of
-    Megatron-Core's rule (the routed copies gathered over the expert tensor-parallel
-    group; none at ``--etp 1``), which 0 takes (a model's costs, a folded run's)
+    before its router, a reduce-scatter after), as pipesim's executor runs it without
+    sequence parallelism (``executor.tensor_parallel``: its router reads the gathered
+    sequence), instead of Megatron-Core's rule (the routed copies gathered over the expert
+    tensor-parallel group; none at ``--etp 1``), which 0 takes (a model's costs, a run's
+    with sequence parallelism: ``executor.shard_routing``)
     (``pipesim.sim.parallel.tp_collective_seconds``). ``moe_shared`` (1 or 0): under that
     rule each MoE layer's shared experts run the dense MLP's pair besides, on the tp group
     (Megatron-Core's ``SharedExpertMLP``: split over tp, the sequence gathered before it and

@@ -487,8 +487,8 @@ def tp_collective_seconds(schedule: Schedule, costs: Costs, topology: Topology, 
             # stack that runs ep beside tp) dispatches in BF16. Under folding with etp 1 the
             # routed experts run no tensor-parallel collective at all. Shared experts (``moe_shared``)
             # run the dense MLP's pair besides, on the tp group. A block that runs the dense MLP's
-            # pair instead (``moe_tp_dense``: pipesim's executor unfolded, whose router reads the
-            # gathered sequence) is charged as one
+            # pair instead (``moe_tp_dense``: pipesim's executor without sequence parallelism,
+            # whose router reads the gathered sequence) is charged as one
             routed = cost.all_to_all_bytes[1]
             experts = cost.moe_layers * (_expert_tp_collective(topology, mapping, rank, costs.sequence_parallel,
                                                                algorithm, mapping.expert_tp * routed)
