@@ -34,7 +34,7 @@ wait earlier than it would.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -130,12 +130,12 @@ def transformer_block_plan(block: nn.Module, sequence_parallel: bool, route_shar
     return plan
 
 
-def route_shards(moe: nn.Module, tp_mesh: DeviceMesh, folded: bool) -> None:
+def route_own_shards(moe: nn.Module, tp_mesh: DeviceMesh, folded: bool) -> None:
     """Each tp rank routes its own sequence shard (``executor.shard_routing``). Folded
     (Megatron-Core's ``--expert-tensor-parallel-size 1``) the routed experts stay whole,
     over ep groups cut from every rank of the stage (``executor.expert_parallel``), with
-    no tp collective; otherwise they are split over tp (``split_experts``, the shared
-    expert left to the block's plan) and the rows each rank received are gathered over
+    no tp collective; otherwise they are split over tp (``shard_expert_weights``, the
+    shared expert left to the block's plan) and the rows each rank received are gathered over
     tp around them (``RowsOverTp``). The router's weights and the shared expert's gate,
     whole on every rank and fed its shard, sum their gradients over tp; the shared expert
     is split over tp as a dense MLP is (``transformer_block_plan``)."""
@@ -145,30 +145,35 @@ def route_shards(moe: nn.Module, tp_mesh: DeviceMesh, folded: bool) -> None:
     if moe.shared_gate is not None:
         sum_grad_over_tp(moe.shared_gate, shard.group)
     if not folded:
-        split_experts(moe, tp_mesh, shared=False)
-        moe.tp_sum_grad = None  # the routed rows are gathered whole (RowsOverTp), not partial sums
+        experts = moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts
+        shard_expert_weights(experts, tp_mesh)
         moe.expert_tp = RowsOverTp(tp_mesh)
 
 
-def split_experts(moe: nn.Module, tp_mesh: DeviceMesh, shared: bool = True) -> None:
+def split_experts(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split a mixture of experts' routed and shared experts over tp as Megatron-Core
-    does: ``w1`` and ``w3`` by output features, ``w2`` by input features (unbiased
-    experts: gpt-oss's biased ones stay on one tp rank, as its attention sinks do),
-    each expert computing on this rank's shards with no collective of its own
-    (``LocalShardLinear``); the layer's output is reduced once
+    does (``shard_expert_weights``; unbiased experts: gpt-oss's biased ones stay on one
+    tp rank, as its attention sinks do), every tp rank routing the same (gathered)
+    tokens: the layer's output is reduced once
     (``transformer_block_plan``), and the gradients that only the whole output gives
     (the experts' inputs', the routing weights', the shared expert's gate's) are summed
     over tp where the layer hands them back (``ReduceGradFrom``: one all-reduce each in
-    the backward, where a per-expert split would reduce each expert's input gradient).
-    ``shared`` False leaves the shared expert to the block's plan (``route_shards``)."""
+    the backward, where a per-expert split would reduce each expert's input gradient)."""
     experts = moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts
-    for expert in [*experts, *([moe.shared] if moe.shared is not None and shared else [])]:
+    shard_expert_weights([*experts, *([moe.shared] if moe.shared is not None else [])], tp_mesh)
+    moe.tp_sum_grad = lambda tensor: ReduceGradFrom.apply(tensor, 0, tp_mesh)
+
+
+def shard_expert_weights(experts: Iterable[nn.Module], tp_mesh: DeviceMesh) -> None:
+    """Each of ``experts`` split over tp as Megatron-Core splits an expert: ``w1`` and
+    ``w3`` by output features, ``w2`` by input features, computing on this rank's shards
+    with no collective of its own (``LocalShardLinear``)."""
+    for expert in experts:
         if expert.w2.bias is not None:  # gpt-oss's: its attention sinks keep it off tp (check_tensor_parallel)
             raise ValueError("biased experts are not split over tp (gpt-oss runs at --tp 1)")
         distribute_module(expert, tp_mesh, _expert_shards)
         for linear in (expert.w1, expert.w2, expert.w3):
             linear.__class__ = LocalShardLinear  # as FSDP2 swaps a module's class: the module and its hooks stay
-    moe.tp_sum_grad = lambda tensor: ReduceGradFrom.apply(tensor, 0, tp_mesh)
 
 
 class LocalShardLinear(nn.Linear):
@@ -259,7 +264,7 @@ def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
     sequence-sharded (``shard_residual_stream``); with ``shard_routing``
     (``RunConfig.routes_shards``) each rank routes its own sequence shard, the routed
     experts whole with ``fold_experts`` (parallel folding, ``--etp 1``), else split over
-    tp (``route_shards``); return the stage."""
+    tp (``route_own_shards``); return the stage."""
     for module in list(stage.modules()):
         plan = plan_of(module, sequence_parallel, shard_routing)
         if plan is not None:
@@ -267,7 +272,7 @@ def parallelize_stage(stage: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
             moe = getattr(module, "feed_forward", None)
             if getattr(moe, "experts", None) is not None:
                 if shard_routing:
-                    route_shards(moe, tp_mesh, fold_experts)
+                    route_own_shards(moe, tp_mesh, fold_experts)
                 else:
                     split_experts(moe, tp_mesh)
             attention = getattr(module, "attention", None)
