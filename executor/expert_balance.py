@@ -14,8 +14,8 @@ Here each router counts the copies it picked during the step (``Router.expert_lo
 once a forward, never in a recompute), and one all-reduce over every rank sums them
 per layer: data-parallel replicas, cp ranks and ep ranks route different tokens; the
 tensor-parallel ranks of a stage route the same ones, which multiplies a layer's every
-count alike and leaves each sign as it was (under parallel folding each routes its own
-sequence shard, and the sum is the whole count); DualPipe's two copies of a layer route
+count alike and leaves each sign as it was (where each routes its own sequence shard,
+``executor.shard_routing``, the sum is the whole count); DualPipe's two copies of a layer route
 one direction's microbatches each. Counts are integers, so the sign (and the bias) is
 exactly the one-process reference's.
 """

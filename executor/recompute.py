@@ -96,7 +96,7 @@ def apply_recompute(stage: nn.Module, mode: str) -> None:
             if mode in ("full", "per-op"):
                 # the block's forward runs again inside the backward: what it saves is rebuilt by
                 # the checkpoint, and a gathered copy dropped in that re-run would never be refilled
-                # (the block's own, and a folded mixture of experts' shared expert's)
+                # (the block's own, and the shared expert's of a mixture of experts routing its shard)
                 for module in block.modules():
                     if hasattr(module, "regather_shards"):
                         module.regather_shards = False

@@ -36,6 +36,7 @@ from executor.config import RunConfig
 from executor.estimate import ROUNDS, robust_mean
 from executor.step_tail import TAIL_KINDS
 from pipesim.model.saved_tensors import executor_saved_tensors, regathered_inputs
+from pipesim.model.spec import ModelSpec
 from schedules.action import COMM_KINDS, COMPUTE_KINDS, ActionKind, parse_action
 from schedules.runtime_gaps import gaps
 from schedules.schedule import Schedule
@@ -220,8 +221,8 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
     element = torch.tensor([], dtype=getattr(torch, config.dtype)).element_size()
     activation = float(math.prod(shape) * element)
     model_stages = num_stages // config.copies
-    # shard routing (folding or ep beside tp) needs a mixture of experts
-    shared = config.routes_shards and bool(shrunk_spec(config).moe.shared_ffn)
+    spec = shrunk_spec(config) if config.ep > 1 or config.folded else None  # the mixture of experts run
+    shared = config.routes_shards and bool(spec.moe.shared_ffn)
     entries = []
     for stage in (index % model_stages for index in range(num_stages)):
         module = model.build_stage(stage, model_stages)
@@ -230,7 +231,7 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
                      for p in module.parameters())
         entry = {"act_bytes": activation if stage < model_stages - 1 else 0.0, "param_bytes": params}
         if config.ep > 1 or config.folded:
-            entry.update(expert_exchange(config, model.layout, stage, microbatch, element))
+            entry.update(expert_exchange(config, spec, model.layout, stage, microbatch, element))
         if config.tp > 1:
             layers = model.layout[stage]
             entry["layers"] = float(layers)
@@ -242,8 +243,8 @@ def stage_bytes(config: RunConfig, num_stages: int) -> list[dict[str, float]]:
                 # folded), the shared ones (split over tp) the dense MLP's pair; a MoE layer without
                 # them gathers no sequence for its MLP, so its backward regathers only the attention's
                 entry["moe_shared"] = float(shared)
-                if not shared:
-                    regathers = (layers * regathers - moe_layers * regathers / 2) / layers
+                if not shared:  # one of a layer's two regathers gone on each MoE layer
+                    regathers *= 1 - moe_layers / (2 * layers)
             elif moe_layers:  # the MoE block gathers the sequence as a dense MLP does
                 entry["moe_tp_dense"] = 1.0
             entry["tp_regathers"] = float(regathers if layers else 0)
@@ -283,18 +284,15 @@ def add_ring(entries: list[dict], attention: Sequence[dict[str, float]]) -> None
                 entry[field] = robust_mean(seconds) / layers
 
 
-def expert_exchange(config: RunConfig, layout: Sequence[int], stage: int, microbatch: int,
+def expert_exchange(config: RunConfig, spec: ModelSpec, layout: Sequence[int], stage: int, microbatch: int,
                     element: int) -> dict[str, float]:
     """What the simulator prices a stage's ep all-to-alls from, as it prices a model's
     (``pipesim.model.transformer_costs``): its MoE layers (``moe_layers``) and one rank's
     routed token copies (``dispatch_bytes``: ``k`` copies of each of the microbatch's
     ``seq_len / cp`` tokens, ``hidden`` wide, in the activations' type: every tp rank
     routes the whole sequence its MoE block gathered, or where it routes its own sequence
-    shard, ``RunConfig.routes_shards``, only that ``1 / tp``, ``executor.shard_routing``), for the
-    shrunk architecture the run builds (``executor.architectures.build.shrunk_spec``)."""
-    from executor.architectures.build import shrunk_spec  # noqa: PLC0415
-
-    spec = shrunk_spec(config)
+    shard, ``RunConfig.routes_shards``, only that ``1 / tp``, ``executor.shard_routing``), for
+    ``spec``, the shrunk architecture the run builds (``executor.architectures.build.shrunk_spec``)."""
     first = sum(layout[:stage])
     moe_layers = sum(1 for layer in range(first, first + layout[stage]) if spec.is_moe_layer(layer))
     tokens = microbatch * config.seq_len / config.cp / (config.tp if config.routes_shards else 1)

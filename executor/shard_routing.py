@@ -50,13 +50,17 @@ TIMED_COLLECTIVES = (("all_reduce", "all_gather_single", "reduce_scatter_single"
 _GATHER, _SCATTER = TIMED_COLLECTIVES[1:]
 
 
-class SequenceShardRouting:
-    """This tp rank's shard of every sequence (``index`` of ``parts`` contiguous ones) and
-    the group its routers complete their counts over."""
+class TpPlace:
+    """This rank's tp group, its ``index`` in it and the group's size ``parts``."""
 
     def __init__(self, tp_mesh: DeviceMesh) -> None:
         self.group = tp_mesh.get_group()
         self.index, self.parts = tp_mesh.get_local_rank(), tp_mesh.size()
+
+
+class SequenceShardRouting(TpPlace):
+    """This tp rank's shard of every sequence (``index`` of ``parts`` contiguous ones) and
+    the group its routers complete their counts over."""
 
     def counts_of_sequences(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts`` (``sequences x experts``, this shard's) summed over the tp group: each
@@ -73,7 +77,7 @@ class SequenceShardRouting:
         return sum(every[:self.index], torch.zeros_like(counts))
 
 
-class RowsOverTp:
+class RowsOverTp(TpPlace):
     """The expert tensor-parallel exchange around experts split over tp: every rank's
     received rows gathered over the tp group before the experts (``gather``), each rank's
     rows of the experts' partial outputs summed back to it after them (``scatter``).
@@ -81,10 +85,6 @@ class RowsOverTp:
     for the collective (the rows' counts travel first, untimed, as the all-to-all's do);
     the collectives themselves are the functional ones tensor parallelism's timer times
     (``executor.tensor_parallel.TpTimer``), so a run's calibration counts them as tp's."""
-
-    def __init__(self, tp_mesh: DeviceMesh) -> None:
-        self.group = tp_mesh.get_group()
-        self.index, self.parts = tp_mesh.get_local_rank(), tp_mesh.size()
 
     def counts(self, rows: int, device: torch.device) -> list[int]:
         """Every tp rank's number of rows, in rank order."""
@@ -161,7 +161,10 @@ class ScatterRows(torch.autograd.Function):
 
 class SummedOverTp(torch.autograd.Function):
     """Identity forward; the gradient summed over ``group`` in the backward (a weight
-    every tp rank holds whole and applies to its own tokens)."""
+    every tp rank holds whole and applies to its own tokens). Not
+    ``executor.tensor_parallel.ReduceGradFrom``, whose functional all-reduce the tp timer
+    times as a layer's collective: this one, which the simulator does not price (a
+    router's weights are small), stays in the measured compute, as the count exchanges do."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -72,7 +72,7 @@ def test_shard_routing_gathers_the_received_rows_over_tp() -> None:
     own shard and gathers the rows the rank received over tp before the experts and
     reduce-scatters their outputs after (2), and the backward mirrors the two (2), with no
     sequence gathered for the MLP. The head's gather and the embedding cut's backward add
-    1 each: 9 and 11 (every tp rank routing the gathered sequence ran 9 and 13)."""
+    1 each: 9 and 11 (every tp rank routing the gathered sequence ran 9 and 15)."""
     assert LAUNCHED.tp_collectives_per_action("mixtral-pp1-dp2-ep2-tp2-sp-capacity") == {"0F": {9}, "0B": {11}}
 
 

@@ -71,8 +71,8 @@ def test_folded_routed_experts_run_no_tp_collective() -> None:
     attention all-gathers and reduce-scatters in the forward (2) and mirrors them in the
     backward, gathering its input again from the shard it kept (3); the head's gather adds
     1 to the forward, the embedding cut's backward 1 to the backward. Mixtral's routed
-    experts, folded, add nothing: 5 and 7 (Megatron-Core's folded layer; the executor's
-    unfolded block gathers and scatters for its MLP too). Qwen-MoE's shared expert, split
+    experts, folded, add nothing: 5 and 7 (Megatron-Core's folded layer; a block routing
+    the gathered sequence gathers and scatters for its MLP too). Qwen-MoE's shared expert, split
     over tp as a dense MLP, adds the MLP's 2 and 3 a layer: 9 and 13."""
     assert LAUNCHED.tp_collectives_per_action("mixtral-tp2-etp1") == {"0F": {5}, "0B": {7}}
     assert LAUNCHED.tp_collectives_per_action("qwen-moe-dp2-tp2-etp1-ep2") == {"0F": {9}, "0B": {13}}

@@ -214,7 +214,7 @@ class MixtureOfExperts(nn.Module):
         self.tp_sum_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Under tp with sequence parallelism, folded or with ep (executor.shard_routing): this tp
         # rank routes its own sequence shard, the shared expert gathering the sequence for itself
-        # (forward_shard); with the experts split over tp, ``expert_tp`` gathers the rows this rank
+        # (shared_output); with the experts split over tp, ``expert_tp`` gathers the rows this rank
         # received over tp around them
         self.sequence_shard = None
         self.expert_tp = None
@@ -222,54 +222,44 @@ class MixtureOfExperts(nn.Module):
         self.balance_scale = 1.0  # its gradient: set each step by the runtime (set_balance_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_shard is not None:
-            return self.forward_shard(x)
-        sequences, seq, hidden = x.shape
-        tokens = x.reshape(-1, hidden)
+        """The layer on ``x``: the whole sequence (one process, or every tp rank routing the
+        gathered sequence), or under tp with sequence parallelism this tp rank's sequence
+        shard (``sequence_shard``, ``executor.shard_routing``: a DTensor sharded on the
+        sequence, the norm's output), whose tokens are routed here, Megatron-Core's layer."""
+        local = x.to_local() if hasattr(x, "to_local") else x
+        sequences, seq, hidden = local.shape
+        tokens = local.reshape(-1, hidden)
         weights, chosen, balance, keep = self.routed(tokens, sequences, seq)
         # One process holds every expert; under expert parallelism (executor.expert_parallel)
-        # ``dispatcher`` sends each copy to the rank holding its expert and back.
+        # ``dispatcher`` sends each copy to the rank holding its expert and back (``expert_tp``
+        # gathering the rows it received over tp around experts split over tp).
         complete = self.tp_sum_grad or _unchanged  # the router read the tokens whole; the experts, partial sums
         inputs, weights = complete(tokens), complete(weights)
-        out = (self.dispatcher or route_locally)(inputs, weights, chosen, keep, self.experts, self.weighted_input)
+        if self.dispatcher is not None:
+            out = self.dispatcher(inputs, weights, chosen, keep, self.experts, self.weighted_input, self.expert_tp)
+        else:
+            out = route_locally(inputs, weights, chosen, keep, self.experts, self.weighted_input)
         if self.shared is not None:
-            shared = self.shared(inputs)
-            if self.shared_gate is not None:
+            shared = self.shared_output(x, inputs).reshape(-1, hidden)
+            if self.shared_gate is not None:  # on a shard: its weight's gradient summed over tp (ShardFedLinear)
                 shared = shared * complete(self.shared_gate(tokens).sigmoid())
             out = out + shared.to(out.dtype)
         if balance is not None:
             out = AttachBalanceLoss.apply(out, balance, self.balance_scale)
         return out.view(sequences, seq, hidden)
 
-    def forward_shard(self, x: torch.Tensor) -> torch.Tensor:
-        """Megatron-Core's layer under tp with sequence parallelism
-        (``executor.shard_routing``): ``x`` is this tp rank's sequence shard (a DTensor
-        sharded on the sequence, the norm's output); its tokens are routed here, the routed
-        experts' outputs come back whole to them (``expert_tp`` gathering the rows around
-        experts split over tp), and the shared expert (split over tp as a dense MLP) gathers the sequence for itself and
-        reduce-scatters its output to the shard (``executor.tensor_parallel.
-        transformer_block_plan``). With ``regather_shards`` its
+    def shared_output(self, x: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output: on the tokens ``inputs``, or on a sequence shard
+        (``sequence_shard``) split over tp as a dense MLP, gathering the sequence ``x`` for
+        itself and reduce-scattering its output to the shard
+        (``executor.tensor_parallel.transformer_block_plan``). With ``regather_shards`` its
         gathered input is dropped after its forward and gathered again before its backward
         (``read_gathered_shard``), as Megatron-Core's sequence-parallel linears keep it."""
-        local = x.to_local() if hasattr(x, "to_local") else x
-        sequences, seq, hidden = local.shape
-        tokens = local.reshape(-1, hidden)
-        weights, chosen, balance, keep = self.routed(tokens, sequences, seq)
-        if self.dispatcher is not None:
-            out = self.dispatcher(tokens, weights, chosen, keep, self.experts, self.weighted_input, self.expert_tp)
-        else:  # folded at ep 1: every expert here, whole
-            out = route_locally(tokens, weights, chosen, keep, self.experts, self.weighted_input)
-        if self.shared is not None:
-            from executor.rebuilt_activations import read_gathered_shard  # noqa: PLC0415 - a tp run only
+        if self.sequence_shard is None:
+            return self.shared(inputs)
+        from executor.rebuilt_activations import read_gathered_shard  # noqa: PLC0415 - a tp run only
 
-            shared = read_gathered_shard(self.shared, x) if self.regather_shards else self.shared(x)
-            shared = shared.reshape(-1, hidden)
-            if self.shared_gate is not None:  # its weight's gradient summed over tp (ShardFedLinear)
-                shared = shared * self.shared_gate(tokens).sigmoid()
-            out = out + shared.to(out.dtype)
-        if balance is not None:
-            out = AttachBalanceLoss.apply(out, balance, self.balance_scale)
-        return out.view(sequences, seq, hidden)
+        return read_gathered_shard(self.shared, x) if self.regather_shards else self.shared(x)
 
     def routed(self, tokens: torch.Tensor, sequences: int, seq: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:

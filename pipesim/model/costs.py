@@ -28,6 +28,9 @@ STAGE_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "act_bytes", "stash_bytes", "par
                 "moe_tp_dense", "moe_shared", "expert_fwd", "expert_igrad", "expert_wgrad",
                 # the GEMMs beside each tp collective under overlap (pipesim.model.tp_windows)
                 "tp_window_attention_in", "tp_window_attention_out", "tp_window_mlp_in", "tp_window_mlp_out")
+# per-stage fields that say yes (1) or no (0), with what yes means
+SWITCH_FIELDS = {"moe_tp_dense": "the MoE block's tp collectives are the dense MLP's",
+                 "moe_shared": "each MoE layer's shared experts run the dense MLP's tp collectives"}
 OVERHEADS = ("action_overhead", "comm_overhead", "step_overhead", "grad_norm_overhead")
 # what a stage's parameter memory and its gathers after the optimizer step read of it
 _PARAMETER_FIGURES = attrgetter("param_bytes", "params", "expert_params")
@@ -481,12 +484,9 @@ def costs_from_dict(data: object, num_stages: int | None = None, name: str = "co
             if values.get(key, 0.0) > 2:
                 raise CostsError(f"{where}.{key} is per layer, at most 2 (the attention's input and the MLP's), "
                                  f"got {values[key]}")
-        if values.get("moe_tp_dense", 0.0) not in (0.0, 1.0):
-            raise CostsError(f"{where}.moe_tp_dense is 1 (the MoE block's tp collectives are the dense MLP's) or 0, "
-                             f"got {values['moe_tp_dense']}")
-        if values.get("moe_shared", 0.0) not in (0.0, 1.0):
-            raise CostsError(f"{where}.moe_shared is 1 (each MoE layer's shared experts run the dense MLP's tp "
-                             f"collectives) or 0, got {values['moe_shared']}")
+        for key, meaning in SWITCH_FIELDS.items():
+            if values.get(key, 0.0) not in (0.0, 1.0):
+                raise CostsError(f"{where}.{key} is 1 ({meaning}) or 0, got {values[key]}")
         if values.get("wgrad", 0.0) > values["bwd"] and not values.get("igrad"):
             raise CostsError(
                 f"{where}: wgrad ({values['wgrad']}) is part of bwd ({values['bwd']}) and cannot exceed it; "

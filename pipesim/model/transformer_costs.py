@@ -447,6 +447,9 @@ def dispatch_node_limit(spec: ModelSpec, ep: int) -> int:
     return ep if spec.ep_dispatcher == "deepep" else 0
 
 
+EXPERT_GEMMS = ("expert_", "shared_expert_")  # pipesim.model.weights.mlp_weights' GEMMs of the experts
+
+
 @functools.lru_cache(maxsize=4096)
 def experts_time(spec: ModelSpec, tp: int, sequence_parallel: bool, compute: ComputeModel, layer: int = 0,
                  ep: int = 1, cp: int = 1) -> BlockTime:
@@ -465,8 +468,6 @@ def _add_experts(totals: list[float], layers: int, time: BlockTime) -> list[floa
     return [total + layers * part for total, part in zip(totals, (time.forward, time.input_grad, time.weight_grad),
                                                          strict=True)]
 
-
-EXPERT_GEMMS = ("expert_", "shared_expert_")  # pipesim.model.weights.mlp_weights' GEMMs of the experts
 
 
 @functools.lru_cache(maxsize=4096)
