@@ -16,6 +16,7 @@ import functools
 import math
 import sys
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 from pipesim.cluster.files import load_topology
 from pipesim.cluster.topology import Topology
@@ -36,6 +37,9 @@ from schedules.generators import (
 from schedules.generators.adaptive import ADAPTABLE
 from schedules.generators.interleaved import require_microbatch_group
 from schedules.schedule import Schedule
+
+if TYPE_CHECKING:
+    from pipesim.sim.stash_budget import MemoryBudget
 
 DEFAULT_SCHEDULE, DEFAULT_PP, DEFAULT_MICROBATCHES = "1f1b", 4, 8
 DEFAULT_VIRTUAL_STAGES = 2  # for schedules that place several chunks per rank
@@ -71,7 +75,7 @@ class Job:
     microbatches: int | None = None
     virtual_stages: int | None = None
     microbatch_group: int | None = None  # interleaved-1f1b's N (schedules.generators.interleaved)
-    memory_limit: float | None = None
+    memory_limit: float | MemoryBudget | None = None  # stashes, or a budget (pipesim.sim.stash_budget)
     max_actions: int = DEFAULT_MAX_ACTIONS
     fwd: float | None = None
     bwd: float | None = None
@@ -267,8 +271,10 @@ def cost_aware_schedule_of(job: Job, topology: Topology | None, search_seconds: 
     costs F = I = W where it has none) for the schedule's stages (zbv-auto's V: each
     rank's share in two chunks) and its cluster's hop time; ``search_seconds`` as in
     ``build_cost_aware``."""
+    from pipesim.cluster.mapping import map_ranks
     from pipesim.cluster.topology import ideal_topology
     from pipesim.sim.cost_aware import build_cost_aware, cost_shell
+    from pipesim.sim.stash_budget import resolve_memory_limit
 
     topology = topology or ideal_topology()
     shell = cost_shell(job.schedule, job.pp, job.microbatches)
@@ -279,8 +285,12 @@ def cost_aware_schedule_of(job: Job, topology: Topology | None, search_seconds: 
         if not any(stage.wgrad for stage in costs.stages):
             print(f"note: {job.schedule} with no weight-gradient time (--wgrad 0 or none in the costs file) "
                   "has no W passes to fill bubbles with", file=sys.stderr)
-    return build_cost_aware(job.schedule, job.pp, job.microbatches, costs, topology, job.memory_limit,
-                            _pipeline_devices(job, topology), search_seconds)
+    devices = _pipeline_devices(job, topology) or map_ranks(topology, 1, job.pp, 1).pipeline()
+    limit, budget = resolve_memory_limit(job.memory_limit, job.schedule, job.microbatches, costs, shell.placement,
+                                         devices, topology, parallel_of(job))
+    if budget is not None:
+        print(budget.note(job.schedule), file=sys.stderr)
+    return build_cost_aware(job.schedule, job.pp, job.microbatches, costs, topology, limit, devices, search_seconds)
 
 
 def check_cost_flags(job) -> None:

@@ -5,7 +5,6 @@ a parsed command line becomes a ``Job`` (``Job.from_namespace``)."""
 from __future__ import annotations
 
 import argparse
-import math
 
 from executor.options import add_hidden_alias, add_microbatch_group_arg, positive_int
 from pipesim.cluster.presets import PRESETS
@@ -66,22 +65,25 @@ def add_max_actions_arg(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     )
 
 
-def memory_limit_value(text: str) -> int | float:
-    """``--memory-limit``: a whole number, or a fraction where a schedule counts halves."""
+def memory_limit_value(text: str):
+    """``--memory-limit``: a number of stashes (whole, or halves where a schedule counts
+    them), a size per GPU (``60GB``) or ``device`` (``pipesim.sim.stash_budget``)."""
+    from pipesim.sim.stash_budget import parse_memory_limit
+
     try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a number of microbatches, got {text!r}")
-    return int(value) if value.is_integer() else value
+        return parse_memory_limit(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_memory_limit_arg(group) -> None:
     group.add_argument(
         "--memory-limit", type=memory_limit_value, default=None,
         help=f"for {', '.join(sorted(COST_AWARE))}: most activation stashes a rank may hold, in microbatches "
-        "of the rank's share of the model (default: pp, 1F1B's peak; zbv-auto takes halves: one chunk's stash)",
+        "of the rank's share of the model (default: pp, 1F1B's peak; zbv-auto takes halves: one chunk's stash); "
+        "or a peak per GPU, such as 60GB (decimal; GiB for binary), or 'device' (each rank's usable memory: "
+        "its capacity less --memory-headroom), turned into the most stashes every rank holds within it "
+        "(needs the stages' memory: --model, --stash-bytes/--param-bytes or a costs file)",
     )
 
 

@@ -15,6 +15,7 @@ from functools import partial
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
 from pipesim.sim.parallel import ParallelConfig
+from pipesim.sim.stash_budget import MemoryBudget, resolve_memory_limit
 from pipesim.sim.step import run_simulation
 from pipesim.sim.variability import Variability
 from pipesim.sim.whatif import sample_steps
@@ -69,14 +70,15 @@ def run_sweep(
     progress: bool = True,
     parallel: ParallelConfig | None = None,
     max_actions: int | None = DEFAULT_MAX_ACTIONS,
-    memory_limit: float | None = None,
+    memory_limit: float | MemoryBudget | None = None,
     p2p: str | None = None,
     schedules: dict[SweepPoint, Schedule] | None = None,
     variability: Variability | None = None,
 ) -> list[dict]:
     """Simulate every point; a point whose schedule does not exist becomes a row with a
     ``note`` instead of stopping the sweep. ``costs_for(schedule)`` builds its costs;
-    cost-aware schedules (zb-auto) are built from those costs, ``memory_limit`` stashes.
+    cost-aware schedules (zb-auto) are built from those costs, ``memory_limit`` stashes (or
+    as many as a memory budget allows: ``pipesim.sim.stash_budget``).
     ``schedules`` gives the schedule of points that are not generated (read from a file).
     A generated point over ``max_actions`` refuses the whole sweep before anything runs.
     With ``variability`` each point's step is also sampled (``WHATIF_FIELDS``)."""
@@ -134,7 +136,7 @@ def _capacity(result) -> float | None:
 
 
 def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: Topology,
-           parallel: ParallelConfig | None, memory_limit: float | None,
+           parallel: ParallelConfig | None, memory_limit: float | MemoryBudget | None,
            max_actions: int | None = DEFAULT_MAX_ACTIONS) -> Schedule:
     """The point's schedule as ``pipesim simulate`` builds it: zb-auto and zbv-auto from the costs,
     zb-h1 and zb-h2 in the order fastest on them, the others as generated."""
@@ -151,8 +153,10 @@ def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: 
         schedule = generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
         return adapt_to_costs(schedule, costs_for(schedule), topology, devices)
     template = cost_shell(point.schedule, point.pp, point.microbatches)  # its stages and placement
-    return build_cost_aware(point.schedule, point.pp, point.microbatches, costs_for(template), topology,
-                            memory_limit, devices)
+    costs = costs_for(template)
+    limit, _ = resolve_memory_limit(memory_limit, point.schedule, point.microbatches, costs, template.placement,
+                                    devices, topology, parallel)
+    return build_cost_aware(point.schedule, point.pp, point.microbatches, costs, topology, limit, devices)
 
 
 def format_table(rows: list[dict]) -> str:

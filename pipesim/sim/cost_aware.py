@@ -56,7 +56,7 @@ def build_cost_aware(
     microbatches: int,
     costs: Costs,
     topology: Topology,
-    memory_limit: float | None = None,
+    memory_limit: float | tuple[int, ...] | None = None,
     devices: Sequence[str] | None = None,
     search_seconds: float | None = None,
 ) -> Schedule:
@@ -82,12 +82,10 @@ def build_cost_aware(
     comm = planning_hop(step_timing(cost_shell(name, pp, microbatches), costs, topology, devices))
     if name == "zbv-auto":
         return zbv_auto(pp, microbatches, *passes, comm=comm, memory_limit=memory_limit, quick=search_seconds == 0)
-    if memory_limit is not None and memory_limit != int(memory_limit):
-        raise ScheduleUnavailableError(
-            f"zb-auto: --memory-limit must be a whole number of microbatch stashes >= 1, got {memory_limit!r}")
+    if isinstance(memory_limit, float):  # a whole count given as a number (a fraction is zb-auto's to refuse)
+        memory_limit = int(memory_limit) if memory_limit.is_integer() else memory_limit
     return zb_auto(
-        pp, microbatches, *passes, comm=comm,
-        memory_limit=None if memory_limit is None else int(memory_limit),
+        pp, microbatches, *passes, comm=comm, memory_limit=memory_limit,
         weight_memory=planned_share(max(stage.wgrad_stash_share for stage in stages)),
         **({} if search_seconds is None else {"search_seconds": search_seconds}),
     )

@@ -182,15 +182,8 @@ def memory_report(
     nothing about memory."""
     if not costs.memory_known:
         return []
-    check_zero(zero)
     num_ranks = trace.num_ranks
-    static = [0.0] * num_ranks
-    for stage, cost in enumerate(costs.stages):
-        static[placement[stage]] += static_bytes(cost, bytes_per_param, dp, zero, expert_dp)
-    buffers = [p2p_buffer_bytes(costs, placement, rank) for rank in range(num_ranks)]
-    if dp > 1:
-        buffers = [value + reduction_buffer_bytes(costs, placement, rank, bytes_per_param, bucket_bytes, zero)
-                   for rank, value in enumerate(buffers)]
+    static, buffers = rank_bases(costs, placement, num_ranks, bytes_per_param, dp, bucket_bytes, zero, expert_dp)
     bases = [static[rank] + buffers[rank] for rank in range(num_ranks)]
     if timelines:
         parts = stash_timelines(trace, costs, bases)
@@ -206,6 +199,23 @@ def memory_report(
                    headroom_parts=headroom.parts(communicators[rank]))
         for rank, (peak_stash, timeline) in enumerate(parts)
     ]
+
+
+def rank_bases(costs: Costs, placement: Sequence[int], num_ranks: int, bytes_per_param: BytesPerParam = BytesPerParam(),
+               dp: int = 1, bucket_bytes: float = 0.0, zero: int = 0, expert_dp: int | None = None
+               ) -> tuple[list[float], list[float]]:
+    """Per rank, what it holds whatever the schedule's order: its static bytes (parameters,
+    gradients and optimizer state, sharded as ``memory_report`` says) and its buffers (its
+    pipeline links' and, when data parallel, its collectives'). The stashes come on top."""
+    check_zero(zero)
+    static = [0.0] * num_ranks
+    for stage, cost in enumerate(costs.stages):
+        static[placement[stage]] += static_bytes(cost, bytes_per_param, dp, zero, expert_dp)
+    buffers = [p2p_buffer_bytes(costs, placement, rank) for rank in range(num_ranks)]
+    if dp > 1:
+        buffers = [value + reduction_buffer_bytes(costs, placement, rank, bytes_per_param, bucket_bytes, zero)
+                   for rank, value in enumerate(buffers)]
+    return static, buffers
 
 
 def rank_communicators(placement: Sequence[int], num_ranks: int, tp: int = 1, dp: int = 1, cp: int = 1,

@@ -45,6 +45,7 @@ from schedules.generators.zb_h1 import zb_h1
 from schedules.generators.zb_h2 import zb_h2
 from schedules.generators.zb_heuristic import heuristic_orders
 from schedules.generators.zb_refine import refine
+from schedules.metrics import order_peak_stashes
 from schedules.schedule import Schedule, looped_placement
 
 # The optimising pass's budget by default, in CP-SAT's deterministic seconds (2-4 s of
@@ -62,22 +63,20 @@ def zb_auto(
     backward_input: float | Sequence[float],
     backward_weight: float | Sequence[float],
     comm: float = 0.0,
-    memory_limit: int | None = None,
+    memory_limit: int | Sequence[int] | None = None,
     weight_memory: float = 1.0,
     search_seconds: float = DEFAULT_SEARCH_SECONDS,
 ) -> Schedule:
     """The fastest order found for these per-stage seconds (one number for every stage
     or one per stage), ``comm`` seconds per hop, at most ``memory_limit`` microbatches'
-    activations on a rank. ``weight_memory`` is the share of a microbatch's activations
-    still held between its ``I`` and its ``W`` (1: all of them, pipesim's stash; the
-    paper's transformer keeps the inputs of its matrix products, ``32h / (34h + 5as)``);
-    ``search_seconds`` is the optimising pass's budget (0: heuristics only)."""
+    activations on a rank (one number for every rank, or one each: a memory budget leaves
+    the ranks different room, ``pipesim.sim.stash_budget``). ``weight_memory`` is the
+    share of a microbatch's activations still held between its ``I`` and its ``W`` (1:
+    all of them, pipesim's stash; the paper's transformer keeps the inputs of its matrix
+    products, ``32h / (34h + 5as)``); ``search_seconds`` is the optimising pass's budget
+    (0: heuristics only)."""
     require_positive("zb-auto", pp, microbatches, 1)
-    limit = pp if memory_limit is None else memory_limit
-    if not isinstance(limit, int) or limit < 1:
-        raise ScheduleUnavailableError(
-            f"zb-auto: --memory-limit must be a whole number of microbatch stashes >= 1, got {memory_limit!r}"
-        )
+    limit = rank_limits(pp, memory_limit)
     if not 0.0 <= weight_memory <= 1.0:
         raise ScheduleUnavailableError(f"zb-auto: weight memory must be a share in [0, 1], got {weight_memory!r}")
     costs = {kind: per_stage(name, value, pp) for kind, name, value in (
@@ -91,10 +90,29 @@ def zb_auto(
                           limit, float(weight_memory), float(search_seconds))
 
 
+def rank_limits(pp: int, memory_limit: int | Sequence[int] | None) -> int | tuple[int, ...]:
+    """``memory_limit`` checked: one whole number of stashes >= 1 (default ``pp``), or
+    one per rank (kept as one number where they are all equal, which is the same order)."""
+    limit = pp if memory_limit is None else memory_limit
+    limits = [limit] * pp if isinstance(limit, int) else list(limit) if isinstance(limit, (list, tuple)) else [limit]
+    if len(limits) != pp or any(isinstance(value, bool) or not isinstance(value, int) or value < 1
+                                for value in limits):
+        raise ScheduleUnavailableError(
+            f"zb-auto: --memory-limit must be a whole number of microbatch stashes >= 1 (or one per rank of "
+            f"pp={pp}), got {memory_limit!r}")
+    return limits[0] if len(set(limits)) == 1 else tuple(limits)
+
+
+def fits(programs: Sequence[Sequence], limit: int | tuple[int, ...]) -> bool:
+    """Whether every rank's order holds at most its limit of whole stashes."""
+    limits = [limit] * len(programs) if isinstance(limit, int) else limit
+    return all(order_peak_stashes(program) <= most for program, most in zip(programs, limits, strict=True))
+
+
 @functools.lru_cache(maxsize=256)
 def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backward_input: tuple[float, ...],
-                   backward_weight: tuple[float, ...], comm: float, limit: int, weight_memory: float,
-                   search_seconds: float) -> Schedule:
+                   backward_weight: tuple[float, ...], comm: float, limit: int | tuple[int, ...],
+                   weight_memory: float, search_seconds: float) -> Schedule:
     """The search itself, kept per distinct input: it is a pure function of them and a
     schedule never changes, so a planner whose layouts differ only in what the order does
     not depend on (optimizer sharding, say) searches once and shares the schedule, with
@@ -137,7 +155,8 @@ def order_cost(placement: tuple[int, ...], microbatches: int, forward: Sequence[
 
 @functools.lru_cache(maxsize=256)
 def _best_heuristic(pp: int, microbatches: int, forward: tuple[float, ...], backward_input: tuple[float, ...],
-                    backward_weight: tuple[float, ...], comm: float, limit: int, weight_memory: float):
+                    backward_weight: tuple[float, ...], comm: float, limit: int | tuple[int, ...],
+                    weight_memory: float):
     """The best of the heuristics' orders, kept: a planner screens with it and then asks
     for the optimising pass from it on its finalists. The first of equals wins; a list
     scheduler's run stops once its span must exceed the best so far (it could not win)."""
@@ -145,17 +164,18 @@ def _best_heuristic(pp: int, microbatches: int, forward: tuple[float, ...], back
 
     def candidates(cutoff):
         """The candidates in turn, each run stopped at ``cutoff()`` (read as it starts)."""
+        most = limit if isinstance(limit, int) else max(limit)
         for patient in (False, True):
-            for cap in sorted({None, *(c for c in (pp, 2 * pp - 1, limit // 2) if 1 <= c < limit)}, key=str):
+            for cap in sorted({None, *(c for c in (pp, 2 * pp - 1, most // 2) if 1 <= c < most)}, key=str):
                 yield greedy_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limit,
                                     patient_weights=patient, warmup_cap=cap, cutoff=cutoff())
         for switches in itertools.product((True, False), repeat=3):
             yield heuristic_orders(pp, microbatches, forward, backward_input, backward_weight, comm, limit,
                                    weight_memory, *switches, cutoff=cutoff())
-        if limit >= pp:
-            yield zb_h1(pp, microbatches).programs
-        if limit >= 2 * pp - 1:
-            yield zb_h2(pp, microbatches).programs
+        for handcrafted in (zb_h1, zb_h2):
+            programs = handcrafted(pp, microbatches).programs
+            if fits(programs, limit):
+                yield programs
 
     return fastest(candidates, cost, lambda best: Cutoff(span=best[0]))
 

@@ -45,9 +45,10 @@ class _Placer:
     """One run of the heuristic: per stage its clock, counts, memory and bubble."""
 
     def __init__(self, pp: int, microbatches: int, costs: Sequence[Sequence[float]], comm: float,
-                 memory: Sequence[float], limit: float, cutoff: Cutoff, cutoff_comm: float) -> None:
+                 memory: Sequence[float], limit: float | Sequence[float], cutoff: Cutoff, cutoff_comm: float) -> None:
         self.pp, self.microbatches, self.costs, self.comm = pp, microbatches, costs, comm
-        self.memory, self.limit = memory, limit
+        # each stage's (= rank's) most stashes: one number for every stage, or one each
+        self.memory, self.limits = memory, [limit] * pp if isinstance(limit, (int, float)) else list(limit)
         self.clock = [0.0] * pp
         self.count = [[0, 0, 0] for _ in range(pp)]
         self.held = [0.0] * pp
@@ -114,7 +115,7 @@ class _Placer:
                 self.put(stage, _W)
 
     def make_room(self, stage: int, kind: int) -> None:
-        while self.held[stage] + self.memory[kind] > self.limit + 1e-9:
+        while self.held[stage] + self.memory[kind] > self.limits[stage] + 1e-9:
             if self.count[stage][_W] >= self.count[stage][_I]:
                 raise ValueError("memory limit too small for one more pass")
             self.put(stage, _W)
@@ -125,7 +126,8 @@ class _PastCutoffError(Exception):
 
 
 def heuristic_orders(pp: int, microbatches: int, forward: Sequence[float], backward_input: Sequence[float],
-                     backward_weight: Sequence[float], comm: float, memory_limit: float, weight_memory: float,
+                     backward_weight: Sequence[float], comm: float, memory_limit: float | Sequence[float],
+                     weight_memory: float,
                      bubble_before_first_input: bool, prioritize_inputs: bool, fill_gaps: bool,
                      cutoff: Cutoff | None = None, cutoff_comm: float | None = None) -> list[list[Action]] | None:
     """Each rank's order under one setting of the three switches; None if the memory
@@ -169,8 +171,8 @@ def _warm_up(placer: _Placer, bubble_before_first_input: bool) -> None:
         if stage == pp - 1:
             gradient_ready = placer.end[_F, stage, 0] + costs[_I][stage]
             continue
-        held, clock = placer.held[stage], placer.clock[stage]
-        while placer.count[stage][_F] + extra[stage] < placer.microbatches and held + 1.0 <= placer.limit + 1e-9:
+        held, clock, limit = placer.held[stage], placer.clock[stage], placer.limits[stage]
+        while placer.count[stage][_F] + extra[stage] < placer.microbatches and held + 1.0 <= limit + 1e-9:
             arrival = gradient_ready + placer.comm
             if (clock + costs[_F][stage] > arrival) if bubble_before_first_input else (clock >= arrival):
                 break
@@ -200,7 +202,7 @@ def _steady_round(placer: _Placer, microbatch: int, prioritize_inputs: bool, fil
             if placer.clock[stage] >= following:
                 continue
             room_cost, held, pending = 0.0, placer.held[stage] + 1.0, count[stage][_W]
-            while held > placer.limit + 1e-9 and pending < count[stage][_I]:
+            while held > placer.limits[stage] + 1e-9 and pending < count[stage][_I]:
                 room_cost += costs[_W][stage]
                 held += placer.memory[_W]
                 pending += 1

@@ -35,10 +35,11 @@ RESOLUTION = 2000  # the longest pass lasts this many time units in the model
 
 
 def refine(pp: int, microbatches: int, forward: Sequence[float], backward_input: Sequence[float],
-           backward_weight: Sequence[float], comm: float, memory_limit: float, weight_memory: float,
-           start: Sequence[Sequence[Action]], budget: float) -> list[list[Action]] | None:
+           backward_weight: Sequence[float], comm: float, memory_limit: float | Sequence[float],
+           weight_memory: float, start: Sequence[Sequence[Action]], budget: float) -> list[list[Action]] | None:
     """An order at least as good as ``start`` (each rank's order) for the paper's cost,
-    found within ``budget`` deterministic seconds; None without OR-Tools or when the
+    found within ``budget`` deterministic seconds, at most ``memory_limit`` stashes on a
+    rank (one number for every rank, or one each); None without OR-Tools or when the
     solver returns nothing."""
     try:
         from ortools.sat.python import cp_model  # noqa: PLC0415 - optional, and slow to import
@@ -60,6 +61,7 @@ def refine(pp: int, microbatches: int, forward: Sequence[float], backward_input:
                 ends[key] = model.NewIntVar(0, horizon, "")
                 intervals[key] = model.NewIntervalVar(starts[key], costs[kind][stage], ends[key], "")
     held = round(weight_memory * 100)
+    limits = [memory_limit] * pp if isinstance(memory_limit, (int, float)) else list(memory_limit)
     span = model.NewIntVar(0, horizon, "span")
     first_start = 0
     for stage in range(pp):
@@ -81,7 +83,7 @@ def refine(pp: int, microbatches: int, forward: Sequence[float], backward_input:
                     size = model.NewIntVar(0, horizon, "")
                     stashes.append(model.NewIntervalVar(starts["F", stage, mb], size, ends[until, stage, mb], ""))
                     demands.append(demand)
-        model.AddCumulative(stashes, demands, int(memory_limit * 100 + 1e-9))
+        model.AddCumulative(stashes, demands, int(limits[stage] * 100 + 1e-9))
         model.Add(starts["F", stage, 0] == first_start)
         model.Add(span >= ends["W", stage, microbatches - 1] - first_start)
         first_start += costs["F"][stage] + hop

@@ -67,26 +67,19 @@ def zbv_auto(
     backward_input: float | Sequence[float],
     backward_weight: float | Sequence[float],
     comm: float = 0.0,
-    memory_limit: float | None = None,
+    memory_limit: float | Sequence[float] | None = None,
     quick: bool = False,
 ) -> Schedule:
     """The fastest V order found for these per-stage seconds (one number for every one of
     the ``2p`` stages, or one per stage in pipeline order: stage ``s`` sits on rank ``s``
     going down and on rank ``2p - 1 - s`` coming back), ``comm`` seconds per hop between
-    ranks, at most ``memory_limit`` microbatches' activations on a rank (default ``p``).
+    ranks, at most ``memory_limit`` microbatches' activations on a rank (default ``p``; one
+    number for every rank, or one each).
     ``quick`` tries only the variants that win most often (those of large sizes, a subset
     of the full set, so the step is the full search's or a little longer): what a planner
     screens thousands of layouts with before searching its finalists in full."""
     require_positive(NAME, pp, microbatches, 2)
-    limit = pp if memory_limit is None else memory_limit
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit):
-        raise ScheduleUnavailableError(
-            f"{NAME}: --memory-limit must be a number of microbatches' activations per rank, got {memory_limit!r}")
-    if limit < 1:
-        raise ScheduleUnavailableError(
-            f"{NAME}: --memory-limit {limit:g} is below the least a V order can run with, 1 microbatch per rank "
-            f"(its stash on both of the rank's chunks: a microbatch turns at the last rank and comes back to the "
-            f"rank's second chunk while the first still holds it)")
+    chunk_stashes = chunk_limits(pp, memory_limit)
     stages = 2 * pp
     sizes = f"the V's 2 x pp={pp} = {stages}"
     costs = {kind: per_stage(name, value, stages, NAME, sizes) for kind, name, value in (
@@ -94,21 +87,42 @@ def zbv_auto(
         (ActionKind.W, "weight-gradient", backward_weight))}
     if not comm >= 0:
         raise ScheduleUnavailableError(f"{NAME}: communication time must be >= 0, got {comm!r}")
-    chunk_stashes = math.floor(2 * limit + 1e-9)
     return _fastest_order(pp, microbatches, tuple(costs["F"]), tuple(costs["I"]), tuple(costs["W"]), float(comm),
                           chunk_stashes, quick or 2 * pp * microbatches > FULL_SEARCH_PASSES)
 
 
+def chunk_limits(pp: int, memory_limit: float | Sequence[float] | None) -> int | tuple[int, ...]:
+    """``memory_limit`` (microbatches per rank, default ``p``: one number for every rank, or
+    one each) checked and counted in chunk stashes, ``2L`` each (kept as one number where
+    they are all equal, which is the same order)."""
+    limit = pp if memory_limit is None else memory_limit
+    limits = list(limit) if isinstance(limit, (list, tuple)) else [limit] * pp
+    if len(limits) != pp or any(isinstance(value, bool) or not isinstance(value, (int, float))
+                                or not math.isfinite(value) for value in limits):
+        raise ScheduleUnavailableError(
+            f"{NAME}: --memory-limit must be a number of microbatches' activations per rank (or one per rank of "
+            f"pp={pp}), got {memory_limit!r}")
+    if min(limits) < 1:
+        raise ScheduleUnavailableError(
+            f"{NAME}: --memory-limit {min(limits):g} is below the least a V order can run with, 1 microbatch per "
+            f"rank (its stash on both of the rank's chunks: a microbatch turns at the last rank and comes back to "
+            f"the rank's second chunk while the first still holds it)")
+    chunks = [math.floor(2 * value + 1e-9) for value in limits]
+    return chunks[0] if len(set(chunks)) == 1 else tuple(chunks)
+
+
 @functools.lru_cache(maxsize=256)
 def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backward_input: tuple[float, ...],
-                   backward_weight: tuple[float, ...], comm: float, chunk_stashes: int, quick: bool) -> Schedule:
+                   backward_weight: tuple[float, ...], comm: float, chunk_stashes: int | tuple[int, ...],
+                   quick: bool) -> Schedule:
     """The search, kept per distinct input (a pure function of them; a schedule never
     changes), so layouts that differ only in what the order does not read share it."""
     placement = v_shape_placement(pp, 2)
     cost = order_cost(placement, microbatches, forward, backward_input, backward_weight, comm)
     handcrafted = zbv(pp, microbatches).programs
-    fits = max(order_peak_stashes(program) for program in handcrafted) <= chunk_stashes
-    caps = [None, *sorted({cap for cap in (pp, 2 * pp - 1) if 2 <= cap < chunk_stashes})]
+    per_rank = [chunk_stashes] * pp if isinstance(chunk_stashes, int) else list(chunk_stashes)
+    fits = all(order_peak_stashes(program) <= most for program, most in zip(handcrafted, per_rank, strict=True))
+    caps = [None, *sorted({cap for cap in (pp, 2 * pp - 1) if 2 <= cap < max(per_rank)})]
     variants = itertools.product((True, False), (False, True), (True, False), (False, True), caps)
     if quick:
         variants = itertools.product((True,), (False,), (True,), (False, True), (None,))
@@ -135,10 +149,11 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
     best = fastest(lambda cutoff: _distinct_orders(candidates(cutoff)), lambda orders: cost(orders)[::-1],
                    lambda key: Cutoff(step=key[0]))
     if best is None:  # every greedy variant waited for room its ranks could not free
+        within = ", ".join(f"{most / 2:g}" for most in per_rank) if len(set(per_rank)) > 1 else f"{per_rank[0] / 2:g}"
         raise ScheduleUnavailableError(f"{NAME}: no order of pp={pp}, m={microbatches} runs within "
-                                       f"{chunk_stashes / 2:g} microbatches' activations per rank")
-    return Schedule(pp, microbatches, placement, best, name=NAME,
-                    meta={"memory_microbatches": chunk_stashes / 2})
+                                       f"{within} microbatches' activations per rank")
+    held = chunk_stashes / 2 if isinstance(chunk_stashes, int) else tuple(most / 2 for most in chunk_stashes)
+    return Schedule(pp, microbatches, placement, best, name=NAME, meta={"memory_microbatches": held})
 
 
 def _distinct_orders(candidates: Iterable[Sequence[Sequence[Action]] | None]) -> Iterator[Sequence[Sequence[Action]]]:
