@@ -174,11 +174,13 @@ def virtual_stages_for(name: str, requested: int | None) -> int:
     return 1
 
 
-def schedule_of(job: Job, topology: Topology | None = None, search_seconds: float | None = None) -> Schedule:
+def schedule_of(job: Job, topology: Topology | None = None, search_seconds: float | None = None,
+                notes: bool = True) -> Schedule:
     """Generate the named schedule, or read the CSV given as ``schedule_file``.
     Cost-aware schedules (zb-auto, zbv-auto) are built from the job's costs on ``topology``
     (default: free links), their optimising pass under ``search_seconds`` (default:
-    zb-auto's own budget)."""
+    zb-auto's own budget). ``notes``: say on stderr what a flag did or did not do (a
+    planner building thousands of layouts' orders says nothing)."""
     if job.schedule_file:
         from schedules.csv_io import schedule_from_csv
 
@@ -194,8 +196,8 @@ def schedule_of(job: Job, topology: Topology | None = None, search_seconds: floa
 
         chunks = cost_aware_stages(job.schedule, job.virtual_stages)
         require_within_limit(job.schedule, job.pp, job.microbatches, chunks, job.max_actions)
-        return cost_aware_schedule_of(job, topology, search_seconds)
-    if job.memory_limit is not None:
+        return cost_aware_schedule_of(job, topology, search_seconds, notes)
+    if job.memory_limit is not None and notes:
         print(f"note: --memory-limit applies to {', '.join(sorted(COST_AWARE))}; {job.schedule}'s memory is "
               "set by its order", file=sys.stderr)
     if job.virtual_stages not in (None, 1) and job.schedule not in MULTI_CHUNK:
@@ -266,7 +268,8 @@ def _pipeline_devices(job: Job, topology: Topology) -> list[str] | None:
     return map_ranks(topology, job.dp, job.pp, job.tp, job.rank_order, job.cp, job.ep, expert_tp_of(job)).pipeline()
 
 
-def cost_aware_schedule_of(job: Job, topology: Topology | None, search_seconds: float | None = None) -> Schedule:
+def cost_aware_schedule_of(job: Job, topology: Topology | None, search_seconds: float | None = None,
+                           notes: bool = True) -> Schedule:
     """zb-auto or zbv-auto from the job's costs (flags, costs file or model spec; unit
     costs F = I = W where it has none) for the schedule's stages (zbv-auto's V: each
     rank's share in two chunks) and its cluster's hop time; ``search_seconds`` as in
@@ -288,7 +291,7 @@ def cost_aware_schedule_of(job: Job, topology: Topology | None, search_seconds: 
     devices = _pipeline_devices(job, topology) or map_ranks(topology, 1, job.pp, 1).pipeline()
     limit, budget = resolve_memory_limit(job.memory_limit, job.schedule, job.microbatches, costs, shell.placement,
                                          devices, topology, parallel_of(job))
-    if budget is not None:
+    if budget is not None and notes:
         print(budget.note(job.schedule), file=sys.stderr)
     return build_cost_aware(job.schedule, job.pp, job.microbatches, costs, topology, limit, devices, search_seconds)
 

@@ -63,6 +63,10 @@ QUOTED = (
            "--top 4 --schedules interleaved-1f1b --constraint pp=2 --constraint ep=8 --constraint zero=1 "
            "--constraint recompute=none",
            ("  #  layout", "  1 ", "  2 ", "  3 ", "  4 ")),
+    Quoted("docs/schedules.md",
+           "pipesim sweep --model llama3-8b --pp 4 --schedule zb-auto,zbv-auto,1f1b,zb-h1,zbv -m 16 --gpu h100 "
+           "--topology nvlink --memory-limit 75GB",
+           ("schedule", "zb-auto", "zbv-auto", "1f1b", "zb-h1", "zbv")),
 )
 
 # pictures: the file, the command that writes the page (into {out}), and the page it writes

@@ -16,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesim.cli import main
+from pipesim.plan.memory_floors import MEMORY_LIMIT_TOO_SMALL
 from pipesim.sim.stash_budget import MemoryBudget, parse_memory_limit
 from schedules.generators import zb_auto, zbv_auto
 from schedules.generators.common import ScheduleUnavailableError
@@ -82,10 +84,14 @@ def test_zbv_auto_counts_each_ranks_halves(tmp_path):
 
 
 def test_every_rank_peaks_within_the_budget_for_a_model(tmp_path):
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "schedules.md").read_text()
     for schedule, limit in (("zb-auto", "75GB"), ("zb-auto", "device"), ("zbv-auto", "device")):
         code, step, notes = simulate(tmp_path, "--model", "llama3-8b", "--pp", "4", "-m", "16", "--schedule",
                                      schedule, "--gpu", "h100", "--topology", "nvlink", "--memory-limit", limit)
         assert code == 0, notes
+        if limit == "75GB":  # the docs quote this note as the command prints it
+            note = notes.split("; rank")[0]
+            assert " ".join(note.split()) in " ".join(docs.split()), note
         for rank in step["ranks"]:
             usable = rank["memory"]["usable_bytes"]
             assert rank["peak_memory_bytes"] <= (75e9 if limit == "75GB" else usable), (schedule, limit, rank)
@@ -167,3 +173,32 @@ def test_per_rank_limits_that_cannot_be_refuse_naming_them(limit):
 def test_zbv_per_rank_limits_that_cannot_be_refuse_naming_them(limit):
     with pytest.raises(ScheduleUnavailableError, match="zbv-auto: --memory-limit"):
         zbv_auto(3, 6, 1.0, 1.0, 1.0, memory_limit=limit)
+
+
+def plan_rows(limit: str | None) -> dict:
+    from pipesim.api import plan
+    from pipesim.plan.request import PlanRequest
+
+    request = PlanRequest(model="llama3-8b", gpus=8, global_batch=32, seq_len=4096, topology="nvlink", gpu="h100",
+                          schedules=["zb-auto", "1f1b"], constraints=("pp=4", "tp=2", "recompute=none"), top=40,
+                          microbatch_sizes=[1, 2, 4], sequence_parallel=[False, True], memory_limit=limit, workers=1)
+    return plan(request)
+
+
+def test_a_plan_rejects_the_layouts_a_budget_cannot_hold_and_says_why():
+    # every zb-auto layout of pp 4 x tp 2 holds more than 20 GB before one microbatch's activations on
+    # some rank (static weights alone: 16 bytes x 8.0 B parameters / 8 = 16 GB); 1F1B is not held to it
+    result = plan_rows("20GB")
+    assert result.rows and all(row["schedule"] == "1f1b" for row in result.rows)
+    assert result.screened[MEMORY_LIMIT_TOO_SMALL] == 6  # microbatch sizes 1, 2, 4 x sequence parallel off, on
+
+
+def test_a_plan_within_each_device_keeps_every_ranked_layout_in_memory():
+    rows = plan_rows("device").rows
+    zb = [row for row in rows if row["schedule"] == "zb-auto"]
+    assert zb and all(row["peak_memory_bytes"] <= row["usable_bytes"] and not row["oom"] for row in zb)
+
+
+def test_a_plan_refuses_a_limit_it_cannot_read_naming_the_flag():
+    with pytest.raises(ValueError, match="--memory-limit: .*got '20QB'"):
+        plan_rows("20QB")

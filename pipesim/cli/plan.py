@@ -14,7 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from pipesim.cli.options import add_clip_grad_arg, add_memory_headroom_arg, add_precision_args, add_qkv_arg
+from pipesim.cli.options import (
+    add_clip_grad_arg,
+    add_memory_headroom_arg,
+    add_memory_limit_arg,
+    add_precision_args,
+    add_qkv_arg,
+)
 from pipesim.cli.variability import add_variability_args, objective_variability, rank_by_p99
 from pipesim.hardware.gpus import GPUS
 from pipesim.plan.layouts import RECOMPUTE_MODES, Layout
@@ -63,6 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="ZeRO stages to try with dp > 1: 1 optimizer state, 2 and gradients, 3 and parameters "
                         f"(FSDP) sharded over dp (default: {','.join(map(str, ZERO_STAGES))})")
     add_memory_headroom_arg(parser)
+    add_memory_limit_arg(parser)
     add_clip_grad_arg(parser)
     parser.add_argument("--cp", default=None,
                         help="context-parallel sizes to try, comma-separated (default: every power of two leaving each "
@@ -181,7 +188,8 @@ def plan_request(args: argparse.Namespace):
         constraints=tuple(args.constraint), mfu=args.mfu, compute_model=args.compute_model,
         fp8=args.fp8, ep_dispatch=args.ep_dispatch, ep_dispatcher=args.ep_dispatcher, comm_sms=args.comm_sms,
         qkv=args.qkv,
-        max_actions=args.max_actions, memory_headroom=args.memory_headroom, clip_grad=args.clip_grad,
+        max_actions=args.max_actions, memory_headroom=args.memory_headroom, memory_limit=args.memory_limit,
+        clip_grad=args.clip_grad,
         top=args.top, workers=args.workers, torchtitan=bool(args.torchtitan), fsdp=args.fsdp)
 
 

@@ -20,7 +20,7 @@ from pipesim.plan.cache import LayoutCache, kept
 from pipesim.plan.layout_bounds import LayoutBounds
 from pipesim.plan.layout_costs import LayoutCosts
 from pipesim.plan.layouts import Layout, layout_fields
-from pipesim.plan.memory_floors import MemoryFloors
+from pipesim.plan.memory_floors import MEMORY_LIMIT_TOO_SMALL, MemoryFloors
 from schedules.collector import without_collector
 
 
@@ -135,7 +135,9 @@ class LayoutEvaluator:
             # valid by construction (tests/test_p2p.py proves it for every generator); the engine's
             # run is the deadlock check that remains.
             result = run_simulation(schedule, costs, topology, parallel=parallel_of(job), p2p=job.p2p, validate=False)
-        except ScheduleUnavailableError:
+        except ScheduleUnavailableError as error:
+            if str(error).startswith("--memory-limit"):  # a budget without room for one microbatch on some rank
+                return {"rejected": MEMORY_LIMIT_TOO_SMALL}
             return {"error": f"{layout.schedule} does not exist for that microbatch count and pp"}
         except ValueError as error:
             return {"error": f"{type(error).__name__}: {str(error).split(';')[0]}"}
@@ -197,7 +199,7 @@ class LayoutEvaluator:
     @kept(limit=256)
     def ordered_by_costs(self, layout: Layout, search_seconds: float | None):
         """``order_of`` a cost-aware or adapted order, kept per layout and budget."""
-        return schedule_of(self.layout_job(layout), self.topology, search_seconds=search_seconds)
+        return schedule_of(self.layout_job(layout), self.topology, search_seconds=search_seconds, notes=False)
 
     @kept(limit=256)
     def lowered_for(self, layout: Layout, search_seconds: float | None, repair_runs: int | None, rule: int | None):
@@ -212,7 +214,7 @@ class LayoutEvaluator:
 
     def schedule_of(self, layout: Layout):
         """The layout's order exactly as ``simulate`` builds it (what ``--torchtitan`` writes)."""
-        return schedule_of(self.layout_job(layout), self.topology)
+        return schedule_of(self.layout_job(layout), self.topology, notes=False)
 
     def planned_order(self, layout: Layout) -> dict | None:
         """The compute order of a layout whose order the plan builds from its costs

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 FLOOR_OUT_OF_MEMORY = "out of memory (parameters, optimizer state and one stash alone, with the headroom)"
 ORDER_OUT_OF_MEMORY = "out of memory (its schedule's stashes in program order, parameters and optimizer state)"
+# a --memory-limit budget that leaves some rank no room for one microbatch's activations (zb-auto, zbv-auto)
+MEMORY_LIMIT_TOO_SMALL = "over --memory-limit (no room for one microbatch's activations on some rank)"
 
 
 class MemoryFloors:

@@ -27,6 +27,7 @@ from pipesim.plan.layouts import (
 )
 from pipesim.plan.search import PlanResult, search
 from pipesim.plan.workers import default_workers
+from pipesim.sim.stash_budget import parse_memory_limit
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.generators import GROUPED, PLANNED_SCHEDULES
 
@@ -51,8 +52,8 @@ class PlanRequest:
     keeping layouts that match every one of ``constraints`` (``"pp=8"``,
     ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on ``workers`` processes (None: the CPUs
     available). ``mfu``, ``compute_model``, ``fp8``, ``ep_dispatch``, ``ep_dispatcher``, ``comm_sms``, ``qkv``,
-    ``max_actions`` and ``memory_headroom`` and ``clip_grad`` are ``pipesim simulate``'s, the same for every
-    layout. ``torchtitan`` keeps only the layouts torchtitan 0.3 runs as priced (its replicas
+    ``max_actions``, ``memory_headroom``, ``memory_limit`` and ``clip_grad`` are ``pipesim simulate``'s, the
+    same for every layout. ``torchtitan`` keeps only the layouts torchtitan 0.3 runs as priced (its replicas
     sharded with FSDP where ``fsdp``): where its expert mesh puts the experts. Field names are
     the command's flags."""
 
@@ -84,6 +85,7 @@ class PlanRequest:
     qkv: str = "separate"  # pipesim.model.spec.QKV_PROJECTIONS
     max_actions: int | None = None
     memory_headroom: str = "auto"
+    memory_limit: object = None  # zb-auto's and zbv-auto's stashes or budget (pipesim.sim.stash_budget); None: pp
     clip_grad: float | None = None  # None: pipesim.job.CLIP_GRAD
     top: int = 10
     workers: int | None = None
@@ -177,10 +179,15 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
     base = Job(model=request.model, seq_len=request.seq_len, topology=request.topology,
                nodes=max(1, request.gpus // request.gpus_per_node), gpu=request.gpu, mfu=request.mfu,
                compute_model=request.compute_model, memory_headroom=request.memory_headroom, fp8=request.fp8,
-               clip_grad=request.clip_grad,
+               clip_grad=request.clip_grad, memory_limit=request.memory_limit,
                ep_dispatch=request.ep_dispatch, ep_dispatcher=request.ep_dispatcher, comm_sms=request.comm_sms,
                qkv=request.qkv,
                **({"max_actions": request.max_actions} if request.max_actions else {}))
+    if isinstance(request.memory_limit, str):  # a bad --memory-limit fails here, not in every layout
+        try:
+            parse_memory_limit(request.memory_limit)
+        except ValueError as error:
+            raise ValueError(f"--memory-limit: {error}") from None
     parallel_of(base)  # a bad --memory-headroom fails here
     clip_grad_of(base)  # and a bad --clip-grad
     spec = model_spec_of(base)  # an unknown model or config, or a bad field, fails here

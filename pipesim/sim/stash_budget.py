@@ -170,11 +170,14 @@ def _rank_budgets(budget: MemoryBudget, placement: Sequence[int], devices: Seque
             for capacity, group in zip(capacities, communicators, strict=True)]
 
 
-def resolve_memory_limit(memory_limit: float | MemoryBudget | None, schedule: str, microbatches: int, costs: Costs,
-                         placement: Sequence[int], devices: Sequence[str], topology, parallel
-                         ) -> tuple[float | tuple[int, ...] | None, StashLimit | None]:
+def resolve_memory_limit(memory_limit: float | str | MemoryBudget | None, schedule: str, microbatches: int,
+                         costs: Costs, placement: Sequence[int], devices: Sequence[str], topology, parallel
+                         ) -> tuple[float | tuple[float, ...] | None, StashLimit | None]:
     """``memory_limit`` as the stash count (or counts) a cost-aware schedule takes, and the
-    ``StashLimit`` behind it where it was a budget (None where it was already a count)."""
+    ``StashLimit`` behind it where it was a budget (None where it was already a count); a
+    string is read as the flag reads it (``"60GB"``, as the Python API may give it)."""
+    if isinstance(memory_limit, str):
+        memory_limit = parse_memory_limit(memory_limit)
     if not isinstance(memory_limit, MemoryBudget):
         return memory_limit, None
     limit = stash_limit(memory_limit, schedule, microbatches, costs, placement, devices, topology, parallel)
