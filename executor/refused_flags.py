@@ -34,14 +34,14 @@ def by_owners(owners: tuple[str, ...], nargs: int | str | None, *names: str) -> 
 # (pipesim.cli.refused.other_flags) and of run that the executor's parser lacks.
 REFUSED_FLAGS: dict[str, tuple[int | str | None, tuple[str, ...]]] = {
     **by_owners(SIMULATE, ONE, "--act-bytes", "--attention-flops", "--bwd", "--bytes-per-param", "--chrome-trace",
-            "--collective", "--costs", "--dtype-bytes", "--fwd", "--memory-limit", "--microbatch-size",
+            "--collective", "--costs", "--dtype-bytes", "--fwd", "--microbatch-size",
             "--nodes", "--optimizer-moments", "--overlap-slowdown", "--param-bytes", "--rank-order", "--stash-bytes",
             "--wgrad", "--wgrad-stash-share", "--zero3-collectives"),
     **by_owners(SIMULATE, SWITCH, "--delay-wgrad", "--fail-on-oom", "--no-dp-overlap", "--no-flash-attention",
             "--no-param-gather-overlap", "--no-tp-overlap"),
     **by_owners(BOTH, ONE, "--comm-sms", "--compute-model", "--ep-dispatch", "--ep-dispatcher", "--gpu", "--jitter",
-            "--max-actions", "--memory-headroom", "--mfu", "--samples", "--slow-link", "--straggler", "--stragglers",
-            "--topology"),
+            "--max-actions", "--memory-headroom", "--memory-limit", "--mfu", "--samples", "--slow-link", "--straggler",
+            "--stragglers", "--topology"),
     **by_owners(BOTH, OPTIONAL, "--fp8"),
     **by_owners(PLAN, ONE, "--constraint", "--csv", "--global-batch", "--gpus", "--gpus-per-node", "--microbatch-sizes",
             "--objective", "--schedules", "--top", "--torchtitan", "--workers"),
