@@ -68,6 +68,7 @@ def test_a_budget_gives_each_rank_the_stashes_that_fit_it(tmp_path):
     peaks = [rank["peak_memory_bytes"] for rank in step["ranks"]]
     assert peaks == pytest.approx([18.2e9, 16.4e9, 16.4e9, 18.2e9])  # 8.2 + 5 x 2, 8.4 + 4 x 2
     assert [rank["peak_inflight_microbatches"] for rank in step["ranks"]] == [5, 4, 4, 5]
+    assert step["stash_limits"] == [5, 4, 4, 5]
 
 
 def test_zbv_auto_counts_each_ranks_halves(tmp_path):
@@ -80,6 +81,7 @@ def test_zbv_auto_counts_each_ranks_halves(tmp_path):
                                  "--memory-limit", "16.7GB")
     assert code == 0, notes
     assert "may hold 4, 3.5, 3.5, 4 microbatches' activations on ranks 0 to 3; rank 1: 8.80 GB" in notes
+    assert step["stash_limits"] == [4, 3.5, 3.5, 4]
     assert max(rank["peak_memory_bytes"] for rank in step["ranks"]) <= 16.7e9
 
 

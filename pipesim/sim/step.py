@@ -18,6 +18,7 @@ from pipesim.sim.headroom import pipeline_net_channels
 from pipesim.sim.memory import RankMemory, memory_report
 from pipesim.sim.parallel import CommPlan, ParallelConfig, comm_plan
 from schedules.collector import without_collector
+from schedules.generators import COST_AWARE
 from schedules.metrics import StepMetrics, comm_by_kind, step_metrics
 from schedules.p2p import default_semantics
 from schedules.schedule import Schedule
@@ -70,6 +71,13 @@ class SimulationResult:
     def oom(self) -> bool:
         return any(rank.oom for rank in self.memory)
 
+    def _stash_limits(self) -> list[float] | None:
+        """Per rank, the stashes a cost-aware order was built to hold (None where unknown)."""
+        held = self.schedule.meta.get("memory_microbatches")
+        if held is None:
+            return None
+        return list(held) if isinstance(held, (list, tuple)) else [held] * self.schedule.pp
+
     def to_dict(self) -> dict:
         """The ``--json`` document."""
         metrics = self.metrics
@@ -79,6 +87,9 @@ class SimulationResult:
             "microbatches": self.schedule.step_microbatches,
             "virtual_stages": self.schedule.virtual_stages,
             "microbatch_group": self.schedule.meta.get("microbatch_group"),
+            # zb-auto's and zbv-auto's most stashes on each rank, as their order was built for
+            # (--memory-limit's count, or what a budget gave each rank: pipesim.sim.stash_budget)
+            **({"stash_limits": self._stash_limits()} if self.schedule.name in COST_AWARE else {}),
             "ep_overlap": bool(self.schedule.meta.get("combined_1f1b")),  # schedules.generators.combined
             "delay_wgrad": bool(self.costs and self.costs.delayed_wgrad),  # pipesim.sim.overlap
             "topology": self.topology.name,
