@@ -375,6 +375,15 @@ def test_the_runs_dtype_and_microbatch_make_the_spec() -> None:
     assert (spec.dtype_bytes, spec.microbatch_size, spec.dropout) == (8, 2, False)
 
 
+def test_a_batch_the_microbatches_do_not_divide_is_predicted_at_its_largest_microbatch() -> None:
+    """6 sequences in 4 microbatches run as torch.tensor_split cuts them, 2, 2, 1, 1: the
+    two in flight at 1F1B's peak hold two sequences each, so the spec's microbatch is 2,
+    not 6 // 4 = 1 (which predicted half the activations a run measured)."""
+    config = RunConfig(model="gpt", **{**SIZES, "batch_size": 6, "microbatches": 4, "pp": 2, "layers": 2})
+    assert [len(part) for part in torch.tensor_split(torch.arange(6), 4)] == [2, 2, 1, 1]
+    assert executor_spec(config)[0].microbatch_size == 2
+
+
 def test_run_prints_and_writes_the_prediction_beside_the_measurement(tmp_path, capsys) -> None:
     """One process (pp 1): the summary line and the ``--json`` row carry the predicted
     peak and activations beside the measured ones, within 10%."""

@@ -65,7 +65,10 @@ def executor_spec(config: RunConfig) -> tuple[ModelSpec, SavedTensors] | None:
     (float16 autocast)."""
     if config.dtype not in ELEMENT_BYTES or config.model == "mlp":
         return None
-    sizes = {"microbatch_size": config.replica_batch_size // config.microbatches,
+    # the largest microbatch: a batch m does not divide is cut as torch.tensor_split cuts it,
+    # the first (batch mod m) one sample larger, and those are the ones in flight at the peak
+    # (the warm-up's), as compare's and run_costs' prediction take them
+    sizes = {"microbatch_size": -(-config.replica_batch_size // config.microbatches),
              "dtype_bytes": ELEMENT_BYTES[config.dtype], "dropout": False}
     saved = executor_saved_tensors(config.dtype)  # float16 is refused above
     spec = replace(run_spec(config), **sizes)
