@@ -204,3 +204,11 @@ def test_a_plan_within_each_device_keeps_every_ranked_layout_in_memory():
 def test_a_plan_refuses_a_limit_it_cannot_read_naming_the_flag():
     with pytest.raises(ValueError, match="--memory-limit: .*got '20QB'"):
         plan_rows("20QB")
+
+
+@pytest.mark.parametrize(("limit", "says"), [
+    (0, "a count of stashes must be a number >= 1"), (-1, "a count of stashes must be a number >= 1"),
+    (2.5, "zb-auto counts whole stashes")])
+def test_a_plan_refuses_a_count_its_schedules_cannot_take_before_searching(limit, says):
+    with pytest.raises(ValueError, match=f"--memory-limit {limit:g}: {says}"):
+        plan_rows(limit)

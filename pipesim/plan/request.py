@@ -27,7 +27,7 @@ from pipesim.plan.layouts import (
 )
 from pipesim.plan.search import PlanResult, search
 from pipesim.plan.workers import default_workers
-from pipesim.sim.stash_budget import parse_memory_limit
+from pipesim.sim.stash_budget import MemoryBudget, parse_memory_limit
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.generators import GROUPED, PLANNED_SCHEDULES
 
@@ -183,11 +183,7 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                ep_dispatch=request.ep_dispatch, ep_dispatcher=request.ep_dispatcher, comm_sms=request.comm_sms,
                qkv=request.qkv,
                **({"max_actions": request.max_actions} if request.max_actions else {}))
-    if isinstance(request.memory_limit, str):  # a bad --memory-limit fails here, not in every layout
-        try:
-            parse_memory_limit(request.memory_limit)
-        except ValueError as error:
-            raise ValueError(f"--memory-limit: {error}") from None
+    check_memory_limit(request.memory_limit, request.schedules)  # here, not in every layout
     parallel_of(base)  # a bad --memory-headroom fails here
     clip_grad_of(base)  # and a bad --clip-grad
     spec = model_spec_of(base)  # an unknown model or config, or a bad field, fails here
@@ -316,3 +312,23 @@ def plan(request: PlanRequest, progress: Callable[[int, int], None] | None = Non
     """The plan ``request`` asks for: ``PlanResult`` (``.rows`` best first, the buckets and
     their causes; ``.to_dict(top)`` is what ``pipesim plan --json`` writes)."""
     return Planner(request).search(progress)
+
+
+def check_memory_limit(memory_limit, schedules: Sequence[str]) -> None:
+    """``--memory-limit`` as every planned zb-auto or zbv-auto layout will take it: a budget
+    (``60GB``, ``device``), or a count of at least one stash, whole where zb-auto is
+    searched (zbv-auto counts halves); one line naming the flag otherwise."""
+    limit = memory_limit
+    if isinstance(limit, str):
+        try:
+            limit = parse_memory_limit(limit)
+        except ValueError as error:
+            raise ValueError(f"--memory-limit: {error}") from None
+    if limit is None or isinstance(limit, MemoryBudget):
+        return
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 1:
+        raise ValueError(f"--memory-limit {limit!r}: a count of stashes must be a number >= 1 (or give a budget "
+                         f"such as 60GB, or 'device')")
+    if "zb-auto" in schedules and not float(limit).is_integer():
+        raise ValueError(f"--memory-limit {limit:g}: zb-auto counts whole stashes; give a whole number, or leave "
+                         f"zb-auto out of --schedules (zbv-auto counts halves)")
