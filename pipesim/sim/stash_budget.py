@@ -25,8 +25,9 @@ microbatches are ever held, so a count stops there.
 The budget is a peak as ``simulate`` reports it (what PyTorch allocates; the headroom
 rule then says whether the device holds it), so an order built under the limit
 simulates to a peak within the budget on every rank: the schedules count a stash from
-its forward to its last backward piece, the share still held between ``I`` and ``W``
-rounded up (``pipesim.sim.cost_aware.planned_share``), as the memory report counts it.
+its forward to its last backward piece, as the memory report counts it, and never less
+than it holds (zb-auto rounds the share still held between ``I`` and ``W`` up,
+``pipesim.sim.cost_aware.planned_share``; zbv-auto counts the stash whole until ``W``).
 """
 
 from __future__ import annotations
