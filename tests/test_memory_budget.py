@@ -212,3 +212,9 @@ def test_a_plan_refuses_a_limit_it_cannot_read_naming_the_flag():
 def test_a_plan_refuses_a_count_its_schedules_cannot_take_before_searching(limit, says):
     with pytest.raises(ValueError, match=f"--memory-limit {limit:g}: {says}"):
         plan_rows(limit)
+
+
+def test_show_refuses_a_budget_its_unit_costs_cannot_fit(capsys):
+    code = main(["show", "--schedule", "zb-auto", "--pp", "4", "-m", "8", "--memory-limit", "20GB"])
+    err = capsys.readouterr().err
+    assert code != 0 and "--memory-limit 20GB: show runs unit costs" in err and "Traceback" not in err

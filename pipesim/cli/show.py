@@ -9,6 +9,7 @@ from dataclasses import replace
 from pipesim.cli.options import add_p2p_arg, add_schedule_args
 from pipesim.cli.text_timeline import text_timeline
 from pipesim.job import Job, default_split_note, simulate_job
+from pipesim.sim.stash_budget import MemoryBudget
 from schedules.p2p import RENDEZVOUS
 
 UNIT_FWD, UNIT_BWD = 1.0, 2.0  # show's costs: what `simulate --fwd 1 --bwd 2` is given
@@ -35,6 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     """Simulate the step exactly as ``simulate --fwd 1 --bwd 2`` does (one lowering, one
     engine), then print the programs and the timeline in units."""
+    if isinstance(args.memory_limit, MemoryBudget):
+        raise ValueError(f"--memory-limit {args.memory_limit.text}: show runs unit costs, which hold no memory to "
+                         f"fit a budget; give the limit in microbatches here, or run the budget through "
+                         f"`pipesim simulate` or `pipesim export` with --model")
     job = replace(Job.from_namespace(args), fwd=UNIT_FWD, bwd=UNIT_BWD, p2p=args.p2p or RENDEZVOUS)
     result = simulate_job(job)
     note = default_split_note(job)  # after the step: a job that fails says one line, its error
