@@ -11,8 +11,9 @@ point is that the memory is a knob: its V-Half and V-Min hold about 1/2 and 1/3 
 per-stage ``F``, ``I``, ``W`` and hop time ``comm`` under a limit, as ``zb-auto`` does
 for one stage per rank:
 
-1. candidates: the handcrafted ``zbv`` order where its stashes fit the limit, the same
-   order with its ``W`` passes placed for these costs (eager and patient), and the
+1. candidates: the handcrafted ``zbv`` order where its stashes fit the limit (else the
+   paper's V-Half and V-Min orders that fit it), the same orders with their ``W`` passes
+   placed for these costs (eager and patient), and the
    greedy list scheduler on the V placement (``greedy_zero_bubble``) in its variants:
    eager and patient ``W``, a ``W`` before a ready ``I`` when memory stops the next
    forward or not, the later or the earlier chunk first when both are ready, room kept
@@ -26,9 +27,10 @@ for one stage per rank:
 Because ``zbv`` is among the candidates whenever it fits, ``zbv-auto``'s step is never
 longer than ``zbv``'s there. There is no optimising pass: the V's ``2p`` stages make the
 constraint model of ``zb_refine`` twice as large, and it would not fit the time a
-planner gives each schedule. Nor are the paper's V-Half and V-Min building blocks here:
-below ``p`` the greedy orders are what ``zbv-auto`` has, and they are slower than the
-paper's (docs/schedules.md gives the numbers).
+planner gives each schedule. Below zbv's memory the paper's building-block orders,
+V-Half and V-Min (``schedules.generators.v_blocks``), are candidates too where they fit
+the limit, each also with its W passes placed again for the costs; below theirs only the
+greedy orders remain (docs/schedules.md gives the numbers).
 
 ``memory_limit`` counts microbatches' activations per rank, as ``zbv``'s own count
 does: a microbatch's stash on one of the rank's two chunks is half of it, held from the
@@ -47,6 +49,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from schedules.action import Action, ActionKind
 from schedules.generators.common import Cutoff, ScheduleUnavailableError, fastest, require_positive
 from schedules.generators.greedy_zero_bubble import placed_greedy_orders
+from schedules.generators.v_blocks import BLOCKS, v_block_order
 from schedules.generators.zb_auto import order_cost, per_stage
 from schedules.generators.zbv import zbv
 from schedules.metrics import order_peak_stashes
@@ -58,6 +61,8 @@ NAME = "zbv-auto"
 # for one returning microbatch, no warm-up cap): the full set takes tens of seconds at
 # p = 32, m = 256, which a planner cannot spend on every layout.
 FULL_SEARCH_PASSES = 1024
+# above this many (stage, microbatch) pairs the building-block orders are not built
+BLOCK_PASSES = 16384
 
 
 def zbv_auto(
@@ -121,7 +126,15 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
     cost = order_cost(placement, microbatches, forward, backward_input, backward_weight, comm)
     handcrafted = zbv(pp, microbatches).programs
     per_rank = [chunk_stashes] * pp if isinstance(chunk_stashes, int) else list(chunk_stashes)
-    fits = all(order_peak_stashes(program) <= most for program, most in zip(handcrafted, per_rank, strict=True))
+    def within(programs: Sequence[Sequence[Action]]) -> bool:
+        return all(order_peak_stashes(program) <= most for program, most in zip(programs, per_rank, strict=True))
+
+    fits = within(handcrafted)
+    # below zbv's memory, the paper's building-block orders where they fit (V-Half, V-Min;
+    # both built in 1.7 s at p 32, m 256 on 2 cores, kept per size)
+    blocks = [] if fits or 2 * pp * microbatches > BLOCK_PASSES else \
+        [programs for programs in (v_block_order(name, pp, microbatches).programs for name in BLOCKS)
+         if within(programs)]
     caps = [None, *sorted({cap for cap in (pp, 2 * pp - 1) if 2 <= cap < max(per_rank)})]
     variants = itertools.product((True, False), (False, True), (True, False), (False, True), caps)
     if quick:
@@ -130,11 +143,11 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
     def candidates(cutoff) -> Iterator[Sequence[Sequence[Action]] | None]:
         """The candidates in turn, each greedy run stopped once it cannot beat ``cutoff()``
         (read as each starts: the best so far)."""
-        if fits:
-            yield handcrafted
-            for patient in (False, True):  # zbv's F and I order, each W placed for these costs
+        for fixed in ([handcrafted] if fits else blocks):
+            yield fixed
+            for patient in (False, True):  # its F and I order, each W placed for these costs
                 yield placed_greedy_orders(placement, microbatches, forward, backward_input, backward_weight, comm,
-                                           chunk_stashes, patient_weights=patient, follow=handcrafted,
+                                           chunk_stashes, patient_weights=patient, follow=fixed,
                                            cutoff=cutoff())
         for free_first, reserve_all, late_first, patient, cap in variants:
             yield placed_greedy_orders(placement, microbatches, forward, backward_input, backward_weight, comm,
