@@ -95,6 +95,13 @@ def v_block_order(name: str, pp: int, microbatches: int) -> Schedule:
                     meta={"memory_microbatches": max(_peak(slots) for slots in final) / 2})
 
 
+def _all_passes(ranks: list[Slots]) -> list[tuple[int, int, int, int]]:
+    """Every rank's passes as ``(slot, rank, kind, microbatch)``, in slot order over all
+    ranks (ties by rank, then kind, then microbatch), as the authors' scheduler takes them."""
+    return sorted((slot, rank, kind, microbatch) for rank, slots in enumerate(ranks)
+                  for kind, times in enumerate(slots) for microbatch, slot in enumerate(times))
+
+
 def _events(slots: Slots) -> list[tuple[int, int, int]]:
     """A rank's passes as ``(slot, kind, microbatch)`` in slot order."""
     return sorted((slot, kind, microbatch) for kind, times in enumerate(slots) for microbatch, slot in enumerate(times))
@@ -219,10 +226,8 @@ def _squeeze(ranks: list[Slots], microbatches: int, with_weights: bool) -> list[
     budget = max(rank.peak for rank in stashes)
     pp = len(ranks)
     taken: list[set[int]] = [set() for _ in ranks]
-    passes = sorted((slot, rank, kind, microbatch) for rank, slots in enumerate(ranks)
-                    for kind, times in enumerate(slots) for microbatch, slot in enumerate(times))
     phase = "warm-up"
-    for slot, rank, kind, microbatch in passes:
+    for slot, rank, kind, microbatch in _all_passes(ranks):
         if phase == "warm-up" and kind == DOWN_I and rank == 0:
             phase = "steady"  # the first microbatch has come back to the first rank
         if phase == "steady" or (phase == "warm-up" and not with_weights):
@@ -265,9 +270,7 @@ def _eager(ranks: list[Slots], pp: int) -> list[Slots]:
     inputs and the rank's previous pass (the order run with unit passes and free links)."""
     starts: list[Slots] = [[[0] * len(times) for times in slots] for slots in ranks]
     free = [0] * pp
-    passes = sorted((slot, rank, kind, microbatch) for rank, slots in enumerate(ranks)
-                    for kind, times in enumerate(slots) for microbatch, slot in enumerate(times))
-    for _, rank, kind, microbatch in passes:
+    for _, rank, kind, microbatch in _all_passes(ranks):
         start = free[rank]
         step = _FROM_NEIGHBOUR.get(kind)
         if step is not None and 0 <= rank + step < pp:
