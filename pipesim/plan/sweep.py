@@ -15,7 +15,7 @@ from functools import partial
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
 from pipesim.sim.parallel import ParallelConfig
-from pipesim.sim.stash_budget import MemoryBudget, resolve_memory_limit
+from pipesim.sim.stash_budget import MemoryBudget, build_within
 from pipesim.sim.step import run_simulation
 from pipesim.sim.variability import Variability
 from pipesim.sim.whatif import sample_steps
@@ -144,7 +144,7 @@ def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: 
         return generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions,
                         microbatch_group=point.microbatch_group)
     from pipesim.cluster.mapping import map_ranks
-    from pipesim.sim.cost_aware import adapt_to_costs, build_cost_aware, cost_shell
+    from pipesim.sim.cost_aware import adapt_to_costs, cost_shell
 
     parallel = parallel or ParallelConfig()
     devices = map_ranks(topology, parallel.dp, point.pp, parallel.tp, parallel.rank_order, parallel.cp,
@@ -153,10 +153,8 @@ def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: 
         schedule = generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
         return adapt_to_costs(schedule, costs_for(schedule), topology, devices)
     template = cost_shell(point.schedule, point.pp, point.microbatches)  # its stages and placement
-    costs = costs_for(template)
-    limit, _ = resolve_memory_limit(memory_limit, point.schedule, point.microbatches, costs, template.placement,
-                                    devices, topology, parallel)
-    return build_cost_aware(point.schedule, point.pp, point.microbatches, costs, topology, limit, devices)
+    return build_within(memory_limit, point.schedule, point.pp, point.microbatches, costs_for(template), topology,
+                        devices, parallel)[0]
 
 
 def format_table(rows: list[dict]) -> str:

@@ -18,6 +18,7 @@ from pipesim.sim.engine import step_timing
 from schedules.generators import COST_AWARE, V_SHAPED, UnknownScheduleError, placement_of, zb_auto, zbv_auto
 from schedules.generators.adaptive import adapt
 from schedules.generators.common import ScheduleUnavailableError
+from schedules.generators.zb_auto import order_cost
 from schedules.hop import planning_hop
 from schedules.schedule import Schedule
 
@@ -66,6 +67,23 @@ def build_cost_aware(
     zb-auto's optimising pass budget (default: its own; 0: heuristics only, as a planner
     screening thousands of layouts asks, and then zbv-auto tries only its most often
     winning variants)."""
+    passes, comm = planning_inputs(name, pp, microbatches, costs, topology, devices)
+    stages = costs.stages
+    if name == "zbv-auto":
+        return zbv_auto(pp, microbatches, *passes, comm=comm, memory_limit=memory_limit, quick=search_seconds == 0)
+    if isinstance(memory_limit, float):  # a whole count given as a number (a fraction is zb-auto's to refuse)
+        memory_limit = int(memory_limit) if memory_limit.is_integer() else memory_limit
+    return zb_auto(
+        pp, microbatches, *passes, comm=comm, memory_limit=memory_limit,
+        weight_memory=planned_share(max(stage.wgrad_stash_share for stage in stages)),
+        **({} if search_seconds is None else {"search_seconds": search_seconds}),
+    )
+
+
+def planning_inputs(name: str, pp: int, microbatches: int, costs: Costs, topology: Topology,
+                    devices: Sequence[str] | None = None) -> tuple[tuple[list[float], ...], float]:
+    """What a cost-aware schedule is built from: each stage's F, I and W seconds (with the
+    executor's per-action overhead) and the hop its planning takes on the pipeline's links."""
     if name not in COST_AWARE:
         raise UnknownScheduleError(f"{name!r} is not a cost-aware schedule; those are: {', '.join(sorted(COST_AWARE))}")
     placement = cost_shell(name, pp, microbatches).placement
@@ -79,16 +97,16 @@ def build_cost_aware(
     passes = ([stage.fwd + costs.action_overhead for stage in stages],
               [stage.input_grad + costs.action_overhead for stage in stages],
               [stage.wgrad + costs.action_overhead for stage in stages])
-    comm = planning_hop(step_timing(cost_shell(name, pp, microbatches), costs, topology, devices))
-    if name == "zbv-auto":
-        return zbv_auto(pp, microbatches, *passes, comm=comm, memory_limit=memory_limit, quick=search_seconds == 0)
-    if isinstance(memory_limit, float):  # a whole count given as a number (a fraction is zb-auto's to refuse)
-        memory_limit = int(memory_limit) if memory_limit.is_integer() else memory_limit
-    return zb_auto(
-        pp, microbatches, *passes, comm=comm, memory_limit=memory_limit,
-        weight_memory=planned_share(max(stage.wgrad_stash_share for stage in stages)),
-        **({} if search_seconds is None else {"search_seconds": search_seconds}),
-    )
+    return passes, planning_hop(step_timing(cost_shell(name, pp, microbatches), costs, topology, devices))
+
+
+def order_step(name: str, pp: int, microbatches: int, costs: Costs, topology: Topology,
+               devices: Sequence[str] | None = None):
+    """``cost(programs)``: (the longest rank span, the step) of an order of the named
+    cost-aware schedule, timed as its search times its candidates (free-flowing transfers,
+    the planning hop)."""
+    passes, comm = planning_inputs(name, pp, microbatches, costs, topology, devices)
+    return order_cost(cost_shell(name, pp, microbatches).placement, microbatches, *passes, comm)
 
 
 def adapt_to_costs(schedule: Schedule, costs: Costs, topology: Topology,

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 
 from pipesim.model.costs import Costs
 from pipesim.sim.headroom import pipeline_net_channels
-from pipesim.sim.memory import rank_bases, rank_communicators
+from pipesim.sim.memory import memory_report, program_order_trace, rank_bases, rank_communicators
 from schedules.generators import V_SHAPED
 from schedules.generators.common import ScheduleUnavailableError
+from schedules.schedule import Schedule
 
 GB = 1e9
 GIB = 2.0**30
@@ -183,3 +184,37 @@ def resolve_memory_limit(memory_limit: float | str | MemoryBudget | None, schedu
         return memory_limit, None
     limit = stash_limit(memory_limit, schedule, microbatches, costs, placement, devices, topology, parallel)
     return limit.limit, limit
+
+
+def build_within(memory_limit: float | str | MemoryBudget | None, schedule: str, pp: int, microbatches: int,
+                 costs: Costs, topology, devices: Sequence[str], parallel, search_seconds: float | None = None
+                 ) -> tuple[Schedule, StashLimit | None, bool]:
+    """The cost-aware ``schedule`` built within ``memory_limit`` (a count, or a budget turned
+    into each rank's count), the ``StashLimit`` behind a budget, and whether zbv's own
+    memory was taken instead. zbv-auto counts each chunk's stash whole until its W and at
+    its rank's larger chunk's size, so a budget's counts are safe but can fall short of
+    what fits: where they are below zbv's ``p`` on some rank, the order built at ``p`` is
+    also tried and taken when its peak, counted in program order as the memory report
+    counts it, fits every rank's budget and its step is shorter."""
+    from pipesim.sim.cost_aware import build_cost_aware, cost_shell, order_step
+
+    limit, budget = resolve_memory_limit(memory_limit, schedule, microbatches, costs,
+                                         cost_shell(schedule, pp, microbatches).placement, devices, topology, parallel)
+    built = build_cost_aware(schedule, pp, microbatches, costs, topology, limit, devices, search_seconds)
+    if budget is None or schedule not in V_SHAPED or min(budget.stashes) >= pp:
+        return built, budget, False
+    wider = build_cost_aware(schedule, pp, microbatches, costs, topology, None, devices, search_seconds)
+    cost = order_step(schedule, pp, microbatches, costs, topology, devices)
+    if cost(wider.programs)[::-1] < cost(built.programs)[::-1] and _within(wider, costs, parallel, budget):
+        return wider, budget, True
+    return built, budget, False
+
+
+def _within(order: Schedule, costs: Costs, parallel, budget: StashLimit) -> bool:
+    """Whether ``order``'s peak on every rank, its stashes counted in program order
+    (``pipesim.sim.memory.program_order_trace``), is within that rank's budget."""
+    holders = parallel.dp * parallel.cp
+    report = memory_report(program_order_trace(order), costs, order.placement, ["gpu"] * order.pp,
+                           [math.inf] * order.pp, parallel.bytes_per_param, holders, parallel.bucket_bytes,
+                           parallel.zero, parallel.expert_holders(holders), timelines=False)
+    return all(rank.peak_bytes <= most for rank, most in zip(report, budget.budget_bytes, strict=True))
