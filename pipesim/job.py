@@ -187,6 +187,7 @@ def schedule_of(job: Job, topology: Topology | None = None, search_seconds: floa
         reject_with_schedule_file(job, {"--schedule": job.schedule, "--pp": job.pp,
                                         "--microbatches": job.microbatches, "--virtual-stages": job.virtual_stages,
                                         "--microbatch-group": job.microbatch_group,
+                                        "--memory-limit": job.memory_limit,
                                         "--ep-overlap": True if getattr(job, "ep_overlap", False) else None})
         return schedule_from_csv(job.schedule_file)
     job = job.generated()

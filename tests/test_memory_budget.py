@@ -234,3 +234,13 @@ def test_zbv_auto_takes_zbvs_own_memory_where_its_order_fits_the_budget_and_runs
     assert all(rank["peak_memory_bytes"] <= rank["memory"]["usable_bytes"] for rank in by_budget["ranks"])
     code, conservative, _ = simulate(tmp_path, *args, "--memory-limit", "2.5")
     assert by_budget["makespan"] < conservative["makespan"]
+
+
+@pytest.mark.parametrize("command", ["simulate", "sweep"])
+@pytest.mark.parametrize("limit", ["4", "60GB"])
+def test_a_limit_beside_a_schedule_file_is_refused_by_name(tmp_path, capsys, command, limit):
+    path = tmp_path / "one.csv"
+    assert main(["export", "--schedule", "1f1b", "--pp", "2", "-m", "2", "--out", str(path)]) == 0
+    capsys.readouterr()
+    code = main([command, "--schedule-file", str(path), "--fwd", "1", "--bwd", "2", "--memory-limit", limit])
+    assert code == 2 and f"--memory-limit conflicts with --schedule-file {path}" in capsys.readouterr().err

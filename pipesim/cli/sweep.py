@@ -84,7 +84,8 @@ def file_points(args: argparse.Namespace) -> tuple[list[SweepPoint], dict[SweepP
 
     reject_with_schedule_file(args, {"--schedule": args.schedule, "--pp": args.pp,
                                      "--microbatches": args.microbatches, "--virtual-stages": args.virtual_stages,
-                                     "--microbatch-group": args.microbatch_groups})
+                                     "--microbatch-group": args.microbatch_groups,
+                                     "--memory-limit": args.memory_limit})
     points, schedules = [], {}
     for path in (path for text in args.schedule_file for path in split_list(text)):
         schedule = schedule_from_csv(path)
