@@ -1,8 +1,8 @@
 """The orders and placements this project chooses for costs, executed under NCCL's rule
 on CPU (``--p2p rendezvous`` on gloo: each group waits for its peer's matching group):
 zb-auto from the paper's heuristic at 2p with the paper's memory accounting, zb-h1 with
-W placed for W-heavy costs, and interleaved 1F1B, ZB-V and interleaved-zb lowered for a
-slow hop (groups cut, receives posted at chosen boundaries). float64, the loss and every
+W placed for W-heavy costs, and interleaved 1F1B, ZB-V, interleaved-zb and the paper's
+V-Half and V-Min lowered for a slow hop (groups cut, receives posted at chosen boundaries). float64, the loss and every
 gradient equal the one-process reference to 1e-10; each rank runs exactly its program."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from executor.reference import reference_run
 from schedules import engine
 from schedules.generators import MULTI_CHUNK, generate, zb_auto
 from schedules.generators.adaptive import adapt
+from schedules.generators.v_blocks import BLOCKS, v_block_order
 from schedules.lowering import lower
 from tests.program_checks import assert_each_rank_ran_its_program
 
@@ -39,11 +40,15 @@ def improved(label: str):
         assert adapted.meta["order"] != "textbook"
         return adapted
     name = label.removesuffix("-costed")
-    schedule = generate(name, PP, MICROBATCHES, 2 if name in MULTI_CHUNK else 1)
+    if name in BLOCKS:  # the paper's V-Half and V-Min, which zbv-auto takes below zbv's memory
+        schedule = v_block_order(name, PP, MICROBATCHES)
+    else:
+        schedule = generate(name, PP, MICROBATCHES, 2 if name in MULTI_CHUNK else 1)
     return lower(schedule, chain_timing(schedule, 1.0, 0.9, 0.5, 0.3))
 
 
-LABELS = ("zb-auto-2p", "zb-h1-adapted", "interleaved-1f1b-costed", "zbv-costed", "interleaved-zb-costed")
+LABELS = ("zb-auto-2p", "zb-h1-adapted", "interleaved-1f1b-costed", "zbv-costed", "interleaved-zb-costed",
+          "v-half-costed", "v-min-costed")
 _results: dict[str, dict] = {}
 
 
