@@ -5,6 +5,7 @@ a parsed command line becomes a ``Job`` (``Job.from_namespace``)."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from executor.options import add_hidden_alias, add_microbatch_group_arg, positive_int
 from pipesim.cluster.presets import PRESETS
@@ -23,6 +24,9 @@ from schedules.generators import (
     SCHEDULE_NAMES,
 )
 from schedules.p2p import P2P_SEMANTICS
+
+if TYPE_CHECKING:
+    from pipesim.sim.stash_budget import MemoryBudget
 
 
 def add_schedule_args(parser: argparse.ArgumentParser, allow_file: bool = True) -> None:
@@ -65,7 +69,7 @@ def add_max_actions_arg(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     )
 
 
-def memory_limit_value(text: str):
+def memory_limit_value(text: str) -> int | float | MemoryBudget:
     """``--memory-limit``: a number of stashes (whole, or halves where a schedule counts
     them), a size per GPU (``60GB``) or ``device`` (``pipesim.sim.stash_budget``)."""
     from pipesim.sim.stash_budget import parse_memory_limit

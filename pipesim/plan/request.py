@@ -85,7 +85,8 @@ class PlanRequest:
     qkv: str = "separate"  # pipesim.model.spec.QKV_PROJECTIONS
     max_actions: int | None = None
     memory_headroom: str = "auto"
-    memory_limit: object = None  # zb-auto's and zbv-auto's stashes or budget (pipesim.sim.stash_budget); None: pp
+    # zb-auto's and zbv-auto's stashes, or a budget ("60GB", "device": pipesim.sim.stash_budget); None: pp
+    memory_limit: float | str | MemoryBudget | None = None
     clip_grad: float | None = None  # None: pipesim.job.CLIP_GRAD
     top: int = 10
     workers: int | None = None
