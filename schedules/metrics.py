@@ -94,7 +94,8 @@ def peak_inflight(trace: Trace, rank: int, chunks_per_rank: int = 1) -> float:
 
 
 def stash_changes(columns: TraceColumns, size: Callable[[np.ndarray], np.ndarray] | None = None,
-                  kept: Callable[[np.ndarray], np.ndarray] | None = None
+                  kept: Callable[[np.ndarray], np.ndarray] | None = None,
+                  weight: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(rank, time, change)`` of every forward stash taken (+size) and released (-size),
     sorted by rank then time: a stash of ``size(stage)`` (default 1) is taken when a
@@ -103,8 +104,10 @@ def stash_changes(columns: TraceColumns, size: Callable[[np.ndarray], np.ndarray
     share of a stash that a split backward still needs between its I and its W (the
     matrix products' inputs and output gradients), an I releases all but that share
     and its W the rest. At equal times releases come first, as memory freed by a
-    backward is reused by the next forward. The in-flight count and the memory model
-    both read stashes this way."""
+    backward is reused by the next forward. With ``weight(stage, microbatch)`` each
+    microbatch's stash is scaled by it (microbatches of unequal sizes: a batch the
+    microbatches do not divide). The in-flight count and the memory model both read
+    stashes this way."""
     compute = columns.on_stream("compute")
     kind, stage, microbatch = columns.kind[compute], columns.stage[compute], columns.microbatch[compute]
     forward = kind == columns.kind_code("F")
@@ -113,6 +116,8 @@ def stash_changes(columns: TraceColumns, size: Callable[[np.ndarray], np.ndarray
     taken, amount = stash_moves(forward, backward, kind == columns.kind_code("W"), stage, microbatch, shares)
     if size is not None:
         amount = amount * np.asarray(size(stage), dtype=float) * np.ones(len(stage))
+    if weight is not None:
+        amount = amount * np.asarray(weight(stage, microbatch), dtype=float) * np.ones(len(stage))
     change = amount[taken]
     time = np.where(forward, columns.start[compute], columns.end[compute])[taken]
     rank = columns.rank[compute][taken]
@@ -166,9 +171,10 @@ def _members(values: np.ndarray, among: np.ndarray) -> np.ndarray:
 
 
 def peak_stashes(columns: TraceColumns, ranks: int, size: Callable[[np.ndarray], np.ndarray] | None = None,
-                 kept: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+                 kept: Callable[[np.ndarray], np.ndarray] | None = None,
+                 weight: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """Per rank, the most stash held at once (``stash_changes``)."""
-    rank, _, change = stash_changes(columns, size, kept)
+    rank, _, change = stash_changes(columns, size, kept, weight)
     peaks = np.zeros(ranks)
     if len(change):
         held = running_totals(rank, change)

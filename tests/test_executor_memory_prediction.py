@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor.architectures.build import shrunk_spec
-from executor.config import RunConfig
+from executor.config import RunConfig, build_schedule
 from executor.models import build_model
-from pipesim.cli.run_memory import executor_spec, flash_kernel, peak_lines
+from pipesim.cli.run_memory import executor_spec, flash_kernel, microbatch_weights, peak_lines
 from pipesim.model.activations import layer_stash_bytes
 from pipesim.model.saved_tensors import AUTOCAST_TORCH, KERNELS, SavedTensors
 from pipesim.model.spec import ModelSpec
@@ -307,14 +308,16 @@ def test_each_saved_tensor_only_adds(hidden, heads, kv, gated, rms, learned, tp,
 
 def launched_cases() -> list[RunConfig]:
     """Two-rank runs covering a schedule's in-flight count, a split backward, selective
-    recompute, tp with sequence parallelism and ZeRO-3, in float32, float64 and bf16 autocast."""
+    recompute, tp with sequence parallelism and ZeRO-3, in float32, float64 and bf16 autocast,
+    and a batch the microbatches do not divide (6 sequences in 4: 2, 2, 1, 1)."""
     gpt = {"model": "gpt", "layers": 4, "hidden": 32, "heads": 4, "seq_len": 16, "vocab": 64, "batch_size": 8,
            "microbatches": 4, "steps": 2, "optimizer": "adamw"}
     llama = {**gpt, "model": "llama3-8b", "heads": 8}
     return [RunConfig(schedule="gpipe", pp=2, dtype="float64", **gpt),
             RunConfig(schedule="zbv", pp=2, virtual_stages=2, recompute="selective", dtype="bfloat16", **llama),
             RunConfig(schedule="1f1b", pp=1, tp=2, sequence_parallel=True, **llama),
-            RunConfig(schedule="1f1b", pp=1, dp=2, zero=3, **gpt)]
+            RunConfig(schedule="1f1b", pp=1, dp=2, zero=3, **gpt),
+            RunConfig(schedule="1f1b", pp=2, **{**gpt, "batch_size": 6})]
 
 
 def test_launched_runs_peak_within_ten_percent_of_the_prediction() -> None:
@@ -382,6 +385,21 @@ def test_a_batch_the_microbatches_do_not_divide_is_predicted_at_its_largest_micr
     config = RunConfig(model="gpt", **{**SIZES, "batch_size": 6, "microbatches": 4, "pp": 2, "layers": 2})
     assert [len(part) for part in torch.tensor_split(torch.arange(6), 4)] == [2, 2, 1, 1]
     assert executor_spec(config)[0].microbatch_size == 2
+    # and each microbatch's stash scaled to its own size: 2, 2, 1, 1 of the spec's 2
+    weight = microbatch_weights(config, build_schedule(config))
+    assert weight(np.array([0, 0, 1, 1]), np.array([0, 1, 2, 3])).tolist() == [1.0, 1.0, 0.5, 0.5]
+
+
+def test_dualpipes_copies_take_their_own_share_of_the_microbatches_sizes() -> None:
+    """DualPipe at pp 2, 8 microbatches of a batch of 17 (3, 2, 2, 2, 2, 2, 2, 2): copy 0's
+    stages take microbatches 0-3, copy 1's 4-7 (executor.copies.data_index), so only copy
+    0's first keeps a stash of 3 sequences."""
+    config = RunConfig(schedule="dualpipe", model="gpt", **{**SIZES, "batch_size": 17, "microbatches": 8, "pp": 2,
+                                                           "layers": 3, "virtual_stages": 2})
+    schedule = build_schedule(config)
+    weight = microbatch_weights(config, schedule)
+    copy_one = schedule.copy_stages  # the first stage of copy 1
+    assert weight(np.array([0, 0, copy_one, copy_one]), np.array([0, 1, 0, 3])).tolist() == [1.0, 2 / 3, 2 / 3, 2 / 3]
 
 
 def test_run_prints_and_writes_the_prediction_beside_the_measurement(tmp_path, capsys) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 
 from executor.architectures.build import is_architecture, run_spec, stage_layers
 from executor.config import RunConfig, build_schedule, even_layout
+from executor.copies import copy_of
 from pipesim.job import DTYPE_BYTES
 from pipesim.model.activations import last_stage_extra_bytes
 from pipesim.model.costs import Costs
@@ -58,6 +59,19 @@ ELEMENT_BYTES = {name: size for name, size in DTYPE_BYTES.items() if name != "fl
 MIB = 2**20
 
 
+def microbatch_weights(config: RunConfig, schedule):
+    """``weight(stage, microbatch)``: each microbatch's size over the largest, the share of
+    the spec's stash it keeps (activations grow with the sequences of a microbatch). The
+    run cuts its replica's batch with ``torch.tensor_split``, the first ``batch mod m``
+    microbatches one sequence larger, and DualPipe's copy ``c`` takes the ``c``-th share of
+    them (``executor.copies.data_index``)."""
+    batch, count = config.replica_batch_size, config.microbatches
+    sizes = np.array([batch // count + (index < batch % count) for index in range(count)], dtype=float)
+    sizes /= sizes.max()
+    offsets = np.array([copy_of(schedule, stage) * schedule.microbatches for stage in range(schedule.num_stages)])
+    return lambda stages, microbatches: sizes[offsets[stages] + microbatches]
+
+
 def executor_spec(config: RunConfig) -> tuple[ModelSpec, SavedTensors] | None:
     """The model ``config`` runs as a ``ModelSpec`` (a microbatch of the run's size, its
     activations' dtype, no dropout) and what its layers keep beyond the kernels'
@@ -65,9 +79,9 @@ def executor_spec(config: RunConfig) -> tuple[ModelSpec, SavedTensors] | None:
     (float16 autocast)."""
     if config.dtype not in ELEMENT_BYTES or config.model == "mlp":
         return None
-    # the largest microbatch: a batch m does not divide is cut as torch.tensor_split cuts it,
-    # the first (batch mod m) one sample larger, and those are the ones in flight at the peak
-    # (the warm-up's), as compare's and run_costs' prediction take them
+    # the largest microbatch, as compare's and run_costs' predictions take it: a batch m does
+    # not divide is cut as torch.tensor_split cuts it, the first (batch mod m) one sample
+    # larger, and each microbatch's stash is then scaled to its own size (microbatch_weights)
     sizes = {"microbatch_size": -(-config.replica_batch_size // config.microbatches),
              "dtype_bytes": ELEMENT_BYTES[config.dtype], "dropout": False}
     saved = executor_saved_tensors(config.dtype)  # float16 is refused above
@@ -132,7 +146,7 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
     weights_only = BytesPerParam(element, 0.0, 0.0)  # the static part's weights; gradients and state added below
     report = memory_report(trace, costs, schedule.placement, ["cpu"] * config.pp, [math.inf] * config.pp,
                            weights_only, dp=holders, zero=config.zero, expert_dp=expert_holders, tp=config.tp,
-                           cp=config.cp, ep=config.ep)
+                           cp=config.cp, ep=config.ep, microbatch_weight=microbatch_weights(config, schedule))
     moments = 2 * element if config.optimizer == "adamw" else 0.0
 
     def per_param(bytes_per_param: BytesPerParam, cost) -> float:

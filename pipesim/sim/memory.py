@@ -38,7 +38,7 @@ read n/a rather than a made-up 0.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -171,6 +171,7 @@ def memory_report(
     cp: int = 1,
     ep: int = 1,
     pp_net_channels: int = 0,
+    microbatch_weight: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
 ) -> list[RankMemory]:
     """Memory of every rank of the simulated pipeline, from its Trace, sharded as ZeRO
     stage ``zero`` says over the ``dp`` ranks that hold each parameter (the routed
@@ -178,19 +179,20 @@ def memory_report(
     ``headroom`` for a rank of its communicators (``tp``, the pipeline, ``dp``, ``cp``,
     ``ep``: ``rank_communicators``; ``pp_net_channels``, NCCL's channels per pipeline
     peer when the pipeline spans nodes: ``pipesim.sim.headroom.pipeline_net_channels``);
-    without ``timelines`` only the peaks (a planner's verdict). Empty when the costs say
-    nothing about memory."""
+    without ``timelines`` only the peaks (a planner's verdict); ``microbatch_weight(stage,
+    microbatch)`` scales each microbatch's stash (microbatches of unequal sizes, as a run
+    cuts a batch they do not divide). Empty when the costs say nothing about memory."""
     if not costs.memory_known:
         return []
     num_ranks = trace.num_ranks
     static, buffers = rank_bases(costs, placement, num_ranks, bytes_per_param, dp, bucket_bytes, zero, expert_dp)
     bases = [static[rank] + buffers[rank] for rank in range(num_ranks)]
     if timelines:
-        parts = stash_timelines(trace, costs, bases)
+        parts = stash_timelines(trace, costs, bases, microbatch_weight)
     else:
         stash, kept = stash_shares(costs)
         parts = [(float(peak), ()) for peak in peak_stashes(trace.columns, num_ranks, lambda stages: stash[stages],
-                                                              lambda stages: kept[stages])]
+                                                              lambda stages: kept[stages], microbatch_weight)]
     communicators = rank_communicators(placement, num_ranks, tp, dp, cp, ep, expert_dp, pp_net_channels)
     return [
         RankMemory(rank=rank, device=devices[rank], capacity_bytes=capacities[rank], static_bytes=static[rank],
@@ -317,11 +319,14 @@ def stash_shares(costs: Costs) -> tuple[np.ndarray, np.ndarray]:
             np.array([stage.wgrad_stash_share for stage in costs.stages]))
 
 
-def stash_timelines(trace: Trace, costs: Costs, bases: list[float]) -> list[tuple[float, tuple]]:
+def stash_timelines(trace: Trace, costs: Costs, bases: list[float],
+                    microbatch_weight: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
+                    ) -> list[tuple[float, tuple]]:
     """Per rank: its peak stash bytes and its memory timeline, ``(0.0, base)`` then a
     point at every stash change (changes at one moment merged into the last)."""
     stash, kept = stash_shares(costs)
-    rank, time, change = stash_changes(trace.columns, lambda stages: stash[stages], lambda stages: kept[stages])
+    rank, time, change = stash_changes(trace.columns, lambda stages: stash[stages], lambda stages: kept[stages],
+                                       microbatch_weight)
     held = running_totals(rank, change)
     ranks = len(bases)
     peaks = np.zeros(ranks)
