@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipesim.model.costs import Costs
+from pipesim.sim.cost_aware import build_cost_aware, cost_shell, order_step
 from pipesim.sim.headroom import pipeline_net_channels
 from pipesim.sim.memory import memory_report, program_order_trace, rank_bases, rank_communicators
 from schedules.generators import V_SHAPED
@@ -196,8 +197,6 @@ def build_within(memory_limit: float | str | MemoryBudget | None, schedule: str,
     what fits: where they are below zbv's ``p`` on some rank, the order built at ``p`` is
     also tried and taken when its peak, counted in program order as the memory report
     counts it, fits every rank's budget and its step is shorter."""
-    from pipesim.sim.cost_aware import build_cost_aware, cost_shell, order_step
-
     limit, budget = resolve_memory_limit(memory_limit, schedule, microbatches, costs,
                                          cost_shell(schedule, pp, microbatches).placement, devices, topology, parallel)
     built = build_cost_aware(schedule, pp, microbatches, costs, topology, limit, devices, search_seconds)
