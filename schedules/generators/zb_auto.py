@@ -94,7 +94,7 @@ def rank_limits(pp: int, memory_limit: int | Sequence[int] | None) -> int | tupl
     """``memory_limit`` checked: one whole number of stashes >= 1 (default ``pp``), or
     one per rank (kept as one number where they are all equal, which is the same order)."""
     limit = pp if memory_limit is None else memory_limit
-    limits = [limit] * pp if isinstance(limit, int) else list(limit) if isinstance(limit, (list, tuple)) else [limit]
+    limits = list(limit) if isinstance(limit, (list, tuple)) else [limit] * pp
     if len(limits) != pp or any(isinstance(value, bool) or not isinstance(value, int) or value < 1
                                 for value in limits):
         raise ScheduleUnavailableError(

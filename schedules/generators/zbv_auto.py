@@ -50,9 +50,9 @@ from schedules.action import Action, ActionKind
 from schedules.generators.common import Cutoff, ScheduleUnavailableError, fastest, require_positive
 from schedules.generators.greedy_zero_bubble import placed_greedy_orders
 from schedules.generators.v_blocks import BLOCKS, v_block_order
+from schedules.generators.zb_auto import fits as fits_limit
 from schedules.generators.zb_auto import order_cost, per_stage
 from schedules.generators.zbv import zbv
-from schedules.metrics import order_peak_stashes
 from schedules.schedule import Schedule, v_shape_placement
 
 NAME = "zbv-auto"
@@ -126,15 +126,12 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
     cost = order_cost(placement, microbatches, forward, backward_input, backward_weight, comm)
     handcrafted = zbv(pp, microbatches).programs
     per_rank = [chunk_stashes] * pp if isinstance(chunk_stashes, int) else list(chunk_stashes)
-    def within(programs: Sequence[Sequence[Action]]) -> bool:
-        return all(order_peak_stashes(program) <= most for program, most in zip(programs, per_rank, strict=True))
-
-    fits = within(handcrafted)
+    fits = fits_limit(handcrafted, chunk_stashes)
     # below zbv's memory, the paper's building-block orders where they fit (V-Half, V-Min;
     # both built in 1.7 s at p 32, m 256 on 2 cores, kept per size)
     blocks = [] if fits or 2 * pp * microbatches > BLOCK_PASSES else \
         [programs for programs in (v_block_order(name, pp, microbatches).programs for name in BLOCKS)
-         if within(programs)]
+         if fits_limit(programs, chunk_stashes)]
     caps = [None, *sorted({cap for cap in (pp, 2 * pp - 1) if 2 <= cap < max(per_rank)})]
     variants = itertools.product((True, False), (False, True), (True, False), (False, True), caps)
     if quick:
