@@ -31,6 +31,30 @@ def test_a_rank_order_counted_by_hand(text, expected):
     assert order_peak_stashes(order(text)) == expected
 
 
+@pytest.mark.parametrize(("text", "kept", "expected"), [
+    ("0F0 0I0 0F1 0W0 0I1 0W1", 0.4, 1.4),  # 1, 0.4, 1.4, 1.0, 0.4, 0
+    ("0F0 0F1 0I0 0I1 0W0 0W1", 0.4, 2.0),  # both forwards before any I
+    ("0F0 0B0 0F1 0B1", 0.4, 1.0),  # a whole backward frees the whole stash
+    ("0F0 0I0 0F1 0W0 0I1 0W1", 1.0, 2.0),  # the whole stash until its W: the count above
+])
+def test_a_kept_share_counted_by_hand(text, kept, expected):
+    """With ``kept`` an I frees all but that share of its stash, its W the rest."""
+    assert order_peak_stashes(order(text), kept) == pytest.approx(expected)
+
+
+def test_zb_autos_fit_check_counts_the_kept_share():
+    """zb-h1's last rank at pp 4 runs F0 I0 F1 I1 F2 I2 F3 before its first W: 4 stashes
+    counted whole, 1 + 3 x 0.4 = 2.2 with 0.4 kept, so a limit of 3 on it fails the whole
+    count and passes the shared one (the other ranks keep their limit of 4)."""
+    from schedules.generators.zb_auto import fits
+
+    programs = generate("zb-h1", 4, 8).programs
+    assert " ".join(f"{action.kind}{action.microbatch}" for action in programs[3][:8]) == "F0 I0 F1 I1 F2 I2 F3 I3"
+    assert order_peak_stashes(programs[3]) == 4
+    assert order_peak_stashes(programs[3], 0.4) == pytest.approx(2.2)
+    assert not fits(programs, (4, 4, 4, 3)) and fits(programs, (4, 4, 4, 3), 0.4)
+
+
 @settings(max_examples=25, deadline=None)
 @given(name=st.sampled_from(sorted(GENERATORS)), pp=st.integers(2, 4), microbatches=st.integers(1, 8))
 def test_the_order_count_is_the_timed_count(name, pp, microbatches):

@@ -77,6 +77,50 @@ def test_a_lower_limit_gives_an_order_within_it(limit, pp, microbatches):
     validate(lowered, BUFFERED)
 
 
+def shared_stashes(program, share: float) -> float:
+    """Most chunk stashes one rank holds when an ``I`` frees all but ``share`` of its
+    stash and the ``W`` the rest, counted here: +1 at F, -(1 - share) at I, -share at W."""
+    held = peak = 0.0
+    for action in program:
+        held += {"F": 1.0, "I": share - 1.0, "W": -share}.get(action.kind, 0.0)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize(("share", "expected"), [
+    (0.0, "F0 I0 F1 I1 W0 W1"),  # the I frees the whole stash: the next forward fits at once
+    (0.5, "F0 I0 W0 F1 I1 W1"),  # half of it stays until the W: the forward waits for it
+    (1.0, "F0 I0 W0 F1 I1 W1"),
+])
+def test_the_greedy_counts_the_share_an_i_keeps_until_its_w(share, expected):
+    """One stage, one stash of room, every pass 1 s: by hand, after ``I0`` the rank holds
+    ``share`` of a stash, so ``F1`` fits before ``W0`` only when nothing is kept."""
+    (program,) = placed_greedy_orders((0,), 2, [1.0], [1.0], [1.0], 0.0, 1, weight_memory=share)
+    assert " ".join(f"{action.kind}{action.microbatch}" for action in program) == expected
+
+
+@settings(max_examples=30, deadline=None)
+@given(pp=st.integers(2, 4), microbatches=st.integers(2, 10), limit=st.sampled_from([1, 1.5, 2, 3]),
+       share=st.sampled_from([0.0, 0.25, 0.4, 0.75, 1.0]), forward=costs, backward_input=costs,
+       backward_weight=costs)
+def test_a_shared_stash_order_holds_its_limit_as_the_memory_model_counts(pp, microbatches, limit, share, forward,
+                                                                          backward_input, backward_weight):
+    """Below 1 the share lets more forwards run between an I and its W, and the order
+    still holds at most ``2 limit`` chunk stashes counted with the share (rounded up to a
+    tenth, as the scheduler counts it)."""
+    schedule = zbv_auto(pp, microbatches, forward, backward_input, backward_weight, 0.1, limit, weight_memory=share)
+    counted = np.ceil(share * 10 - 1e-9) / 10
+    assert schedule.meta["weight_memory"] == counted
+    assert max(shared_stashes(program, counted) for program in schedule.programs) <= int(2 * limit) + 1e-9
+    validate(schedule)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
+def test_a_weight_memory_outside_a_share_is_refused(share):
+    with pytest.raises(ScheduleUnavailableError, match="weight memory must be a share"):
+        zbv_auto(4, 8, 1.0, 1.0, 1.0, 0.0, weight_memory=share)
+
+
 def test_less_memory_costs_time():
     times = [step(zbv_auto(4, 12, 1.0, 0.9, 0.5, 0.3, limit), 1.0, 0.9, 0.5, 0.3).makespan for limit in (1, 2, 4)]
     assert times[0] > times[1] > times[2]

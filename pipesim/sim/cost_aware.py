@@ -42,7 +42,7 @@ def cost_shell(name: str, pp: int, microbatches: int) -> Schedule:
 
 
 def planned_share(share: float) -> float:
-    """The share of a stash kept between I and W that zb-auto plans with: rounded up to a
+    """The share of a stash kept between I and W that zb-auto and zbv-auto plan with: rounded up to a
     tenth, never below what the memory model counts (a share like 0.94 plans as 1, the
     search's cumulative memory constraint staying in coarse units), and at most 1: the
     search's limit is in whole stashes, and what an ``I`` adds beyond a stash held whole
@@ -68,14 +68,14 @@ def build_cost_aware(
     screening thousands of layouts asks, and then zbv-auto tries only its most often
     winning variants)."""
     passes, comm = planning_inputs(name, pp, microbatches, costs, topology, devices)
-    stages = costs.stages
+    weight_memory = planned_share(max(stage.wgrad_stash_share for stage in costs.stages))
     if name == "zbv-auto":
-        return zbv_auto(pp, microbatches, *passes, comm=comm, memory_limit=memory_limit, quick=search_seconds == 0)
+        return zbv_auto(pp, microbatches, *passes, comm=comm, memory_limit=memory_limit, quick=search_seconds == 0,
+                        weight_memory=weight_memory)
     if isinstance(memory_limit, float):  # a whole count given as a number (a fraction is zb-auto's to refuse)
         memory_limit = int(memory_limit) if memory_limit.is_integer() else memory_limit
     return zb_auto(
-        pp, microbatches, *passes, comm=comm, memory_limit=memory_limit,
-        weight_memory=planned_share(max(stage.wgrad_stash_share for stage in stages)),
+        pp, microbatches, *passes, comm=comm, memory_limit=memory_limit, weight_memory=weight_memory,
         **({} if search_seconds is None else {"search_seconds": search_seconds}),
     )
 

@@ -26,8 +26,9 @@ The budget is a peak as ``simulate`` reports it (what PyTorch allocates; the hea
 rule then says whether the device holds it), so an order built under the limit
 simulates to a peak within the budget on every rank: the schedules count a stash from
 its forward to its last backward piece, as the memory report counts it, and never less
-than it holds (zb-auto rounds the share still held between ``I`` and ``W`` up,
-``pipesim.sim.cost_aware.planned_share``; zbv-auto counts the stash whole until ``W``).
+than it holds (both round the share still held between ``I`` and ``W`` up,
+``pipesim.sim.cost_aware.planned_share``; zbv-auto counts a chunk's stash at its rank's
+larger chunk's size).
 """
 
 from __future__ import annotations
@@ -192,8 +193,9 @@ def build_within(memory_limit: float | str | MemoryBudget | None, schedule: str,
                  ) -> tuple[Schedule, StashLimit | None, bool]:
     """The cost-aware ``schedule`` built within ``memory_limit`` (a count, or a budget turned
     into each rank's count), the ``StashLimit`` behind a budget, and whether zbv's own
-    memory was taken instead. zbv-auto counts each chunk's stash whole until its W and at
-    its rank's larger chunk's size, so a budget's counts are safe but can fall short of
+    memory was taken instead. zbv-auto counts each chunk's stash at its rank's larger
+    chunk's size and the share kept between I and W rounded up, so a budget's counts are
+    safe but can fall short of
     what fits: where they are below zbv's ``p`` on some rank, the order built at ``p`` is
     also tried and taken when its peak, counted in program order as the memory report
     counts it, fits every rank's budget and its step is shorter."""

@@ -21,7 +21,11 @@ if it ends before the ``I`` that is known to be on its way, which keeps the crit
 free when ``W`` is long (the paper's "no bubble before B" rule).
 
 Memory: at most ``memory_limit`` stashes per rank, one per stage a microbatch's forward
-has passed on it. A microbatch that enters a rank at its first stage comes back for the
+has passed on it. With ``weight_memory`` below 1 an ``I`` frees all but that share of
+its stash and its ``W`` the rest, as a transformer layer keeps only its matrix products'
+inputs for the weight gradients (``schedules.metrics.stash_moves``' rule); the share is
+counted in tenths of a stash, rounded up, so the scheduler never counts less than the
+memory model does. A microbatch that enters a rank at its first stage comes back for the
 rank's later stages and needs a stash there too, so a forward on a rank's first stage
 keeps room for them: for one of them (the default; enough for the V, where returning
 microbatches take their stash in order and each frees it with its own ``W``) or for
@@ -50,6 +54,7 @@ stopped that way returns None, as one that cannot finish does.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 from schedules.action import OUTPUT_OFFSET, Action, ActionKind
@@ -96,14 +101,18 @@ def placed_greedy_orders(
     follow: Sequence[Sequence[Action]] | None = None,
     free_first: bool = False,
     cutoff: Cutoff | None = None,
+    weight_memory: float = 1.0,
 ) -> list[list[Action]] | None:
     """Each rank's order of F, I and W for stages placed on ranks by ``placement``
     (``placement[stage]`` is its rank), per-stage costs; None when the ranks wait on
     each other with no stash left to free (possible only without ``reserve_all``, or
     with ``follow``), or when ``cutoff`` stopped the run. ``follow`` (each rank's order)
     fixes the order of every rank's ``F`` and ``I`` passes as it has them, and the
-    scheduler places the ``W`` passes."""
+    scheduler places the ``W`` passes. ``weight_memory`` is the share of a stash held
+    between a pass's ``I`` and its ``W`` (1: all of it)."""
     pp = max(placement) + 1
+    if not 0.0 <= weight_memory <= 1.0:
+        raise ValueError(f"greedy scheduler: weight memory must be a share in [0, 1], got {weight_memory!r}")
     limits = [memory_limit] * pp if isinstance(memory_limit, int) else list(memory_limit)
     if min(limits) < 1:
         raise ValueError(f"memory limit must allow at least one stash per rank, got {memory_limit}")
@@ -116,10 +125,21 @@ def placed_greedy_orders(
                                               if action.kind != ActionKind.W] for program in follow]
     run = _Run(tuple(placement), microbatches, comm, limits, warmup_cap, late_first)
     _schedule(run, (tuple(forward), tuple(backward_input), tuple(backward_weight)), patient_weights, reserve_all,
-              free_first, sequences, (cutoff or Cutoff()).with_margin())
+              free_first, sequences, (cutoff or Cutoff()).with_margin(), weight_units(weight_memory))
     if any(count != microbatches for count in run.weights_done):
         return None
     return run.orders
+
+
+# A stash counts this many units in the event loop, so a share held between I and W is a
+# whole number of them (integers keep the room rules exact).
+STASH_UNITS = 10
+
+
+def weight_units(weight_memory: float) -> int:
+    """The share of a stash held between ``I`` and ``W`` in ``STASH_UNITS``, rounded up:
+    never less than the memory model counts."""
+    return min(STASH_UNITS, math.ceil(weight_memory * STASH_UNITS - 1e-9))
 
 
 class _Run:
@@ -159,7 +179,8 @@ class _Run:
 
 
 def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: bool, reserve_all: bool,
-              free_first: bool, sequences: list[list[tuple[int, bool]]] | None, cutoff: tuple[float, float]) -> None:
+              free_first: bool, sequences: list[list[tuple[int, bool]]] | None, cutoff: tuple[float, float],
+              weight_held: int = STASH_UNITS) -> None:
     """The event loop of the module's rules, filling ``run.orders``: each rank steps when
     it is free or something arrives for it, in (time, rank) order. One function with
     its tables in locals and the rules written out inline: the scheduler runs some 50
@@ -178,12 +199,18 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
       beyond each later stage, summed; ``later_forwards``) instead of sums over its
       stages at every event.
 
+    Memory is counted in ``STASH_UNITS`` per stash: a forward takes them all, an ``I``
+    frees all but ``weight_held`` of them, its ``W`` the rest.
+
     ``cutoff`` is (step, span) with their margins; a rank's pass that ends later than
     its ``bound`` less its remaining seconds stops the run (the loop returns with
     stages unfinished): ``bound`` is the step's cutoff, or once the rank has started,
     the lesser of it and its first start plus the span's.
     """
-    placement, microbatches, limits, hop = run.placement, run.microbatches, run.limits, run.hop
+    placement, microbatches, hop = run.placement, run.microbatches, run.hop
+    unit = STASH_UNITS
+    limits = [limit * unit for limit in run.limits]
+    input_frees = unit - weight_held
     first, returning, priority, held_by = run.first, run.returning, run.priority, run.held_by
     forward_ready, input_ready, forward_end = run.forward_ready, run.input_ready, run.forward_end
     forwards_done, inputs_done, weights_done, orders = run.forwards_done, run.inputs_done, run.weights_done, run.orders
@@ -195,8 +222,8 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
     # kept for the microbatch's return to the rank's later stages (one, or with
     # ``reserve_all`` every one: ``returning + ahead``) are within the rank's limit
     # for it (the warm-up cap until its first I).
-    kept = [1 + (count if reserve_all else min(count, 1)) for count in returning]
-    first_room = [limit - count for limit, count in zip(run.first_limit, kept, strict=True)]
+    kept = [unit * (1 + (count if reserve_all else min(count, 1))) for count in returning]
+    first_room = [limit * unit - count for limit, count in zip(run.first_limit, kept, strict=True)]
     ahead = [0] * pp  # stays 0 without ``reserve_all``
     later_forwards = [microbatches * count for count in returning]  # forwards left on a rank's later stages
     held = [0] * pp
@@ -225,7 +252,7 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
         first stage, or any later one (they all fit while the rank's limit does)."""
         load = held[rank]
         return (load + ahead[rank] > first_room[rank] and forwards_done[first[rank]] < microbatches
-                or load >= limits[rank] and later_forwards[rank] > 0)
+                or load + unit > limits[rank] and later_forwards[rank] > 0)
 
     while wakeups:
         now, rank = heappop(wakeups)
@@ -240,7 +267,7 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
                 stage, is_forward = sequence[position[rank]]
                 if is_forward:
                     ready = forward_ready[stage][forwards_done[stage]]
-                    blocked = held[rank] >= first_room[rank] + kept[rank]
+                    blocked = held[rank] + unit > first_room[rank] + kept[rank]
                 else:
                     ready = input_ready[stage][inputs_done[stage]]
                 if ready is not None and ready <= now and not blocked:
@@ -254,7 +281,7 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
             if free_first and weights_due[rank]:  # no room for a forward: a W first, freeing a stash
                 load = held[rank]  # (``no_room``, written out: the W runs below)
                 blocked = (load + ahead[rank] > first_room[rank] and forwards_done[first[rank]] < microbatches
-                           or load >= limits[rank] and later_forwards[rank] > 0)
+                           or load + unit > limits[rank] and later_forwards[rank] > 0)
             if not blocked:
                 if inputs_known[rank]:
                     for stage in priority[rank]:  # an I whose gradient has arrived
@@ -277,7 +304,7 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
                                     not patient_weights or next_input is None
                                     or now + forward_cost[stage] <= next_input
                             ) and (held[rank] + ahead[rank] <= first_room[rank] if stage == first[rank]
-                                   else held[rank] < limits[rank]):
+                                   else held[rank] + unit <= limits[rank]):
                                 forward = True
                                 break
                         else:
@@ -295,7 +322,7 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
                     if end + left > bound[rank]:
                         return  # this order's step or span cannot beat the cutoff
                     orders[rank].append(new(Action, (stage, kind_w, microbatch)))
-                    held[rank] -= 1
+                    held[rank] -= weight_held
                     weights_done[stage] = microbatch + 1
                     clock[rank] = end
                     heappush(wakeups, (end, rank))
@@ -315,16 +342,16 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
             if end + left > bound[rank]:
                 return  # this order's step or span cannot beat the cutoff
             orders[rank].append(new(Action, (stage, kind_f, microbatch)))
-            held[rank] += 1
+            held[rank] += unit
             forwards_done[stage] = microbatch + 1
             forwards_known[rank] -= 1
             if stage == first[rank]:
                 if reserve_all:
-                    ahead[rank] += returning[rank]
+                    ahead[rank] += returning[rank] * unit
             else:
                 later_forwards[rank] -= 1
                 if reserve_all:
-                    ahead[rank] -= 1
+                    ahead[rank] -= unit
             forward_end[stage][microbatch] = end
             if stage < last:
                 arrival = end + hop[stage]
@@ -346,6 +373,7 @@ def _schedule(run: _Run, costs: tuple[tuple[float, ...], ...], patient_weights: 
             orders[rank].append(new(Action, (stage, kind_i, microbatch)))
             rank_inputs[rank] += 1
             inputs_known[rank] -= 1
+            held[rank] -= input_frees
             first_room[rank] = limits[rank] - kept[rank]
             heappush(weights_due[rank], (end, stage))
             inputs_done[stage] = microbatch + 1

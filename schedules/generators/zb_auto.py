@@ -103,10 +103,13 @@ def rank_limits(pp: int, memory_limit: int | Sequence[int] | None) -> int | tupl
     return limits[0] if len(set(limits)) == 1 else tuple(limits)
 
 
-def fits(programs: Sequence[Sequence], limit: int | tuple[int, ...]) -> bool:
-    """Whether every rank's order holds at most its limit of whole stashes."""
+def fits(programs: Sequence[Sequence], limit: int | tuple[int, ...], weight_memory: float = 1.0) -> bool:
+    """Whether every rank's order holds at most its limit of stashes, each ``I`` keeping
+    ``weight_memory`` of its stash until its ``W`` (1: the whole stash)."""
     limits = [limit] * len(programs) if isinstance(limit, int) else limit
-    return all(order_peak_stashes(program) <= most for program, most in zip(programs, limits, strict=True))
+    kept = None if weight_memory == 1.0 else weight_memory
+    return all(order_peak_stashes(program, kept) <= most + 1e-9
+               for program, most in zip(programs, limits, strict=True))
 
 
 @functools.lru_cache(maxsize=256)
@@ -174,7 +177,7 @@ def _best_heuristic(pp: int, microbatches: int, forward: tuple[float, ...], back
                                    weight_memory, *switches, cutoff=cutoff())
         for handcrafted in (zb_h1, zb_h2):
             programs = handcrafted(pp, microbatches).programs
-            if fits(programs, limit):
+            if fits(programs, limit, weight_memory):
                 yield programs
 
     return fastest(candidates, cost, lambda best: Cutoff(span=best[0]))

@@ -36,7 +36,12 @@ greedy orders remain (docs/schedules.md gives the numbers).
 does: a microbatch's stash on one of the rank's two chunks is half of it, held from the
 chunk's ``F`` until its ``W`` (pipesim's stash), so a limit of ``L`` allows ``2L``
 chunk stashes (``L`` may be a half). The default is ``p``, what ``zbv`` holds; the least
-is 1, one microbatch on both chunks at a time (the turn needs it).
+is 1, one microbatch on both chunks at a time (the turn needs it). ``weight_memory`` is
+the share of a chunk's stash still held between its ``I`` and its ``W``, as for
+``zb-auto`` (1: all of it; a transformer keeps its matrix products' inputs): the greedy
+scheduler and the fit of the fixed candidates count it, so a limit from a memory budget
+admits the orders that hold the budget as the memory report counts it, not only those
+that would hold it with every stash whole until its ``W``.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from schedules.action import Action, ActionKind
 from schedules.generators.common import Cutoff, ScheduleUnavailableError, fastest, require_positive
-from schedules.generators.greedy_zero_bubble import placed_greedy_orders
+from schedules.generators.greedy_zero_bubble import STASH_UNITS, placed_greedy_orders, weight_units
 from schedules.generators.v_blocks import BLOCKS, v_block_order
 from schedules.generators.zb_auto import fits as fits_limit
 from schedules.generators.zb_auto import order_cost, per_stage
@@ -74,6 +79,7 @@ def zbv_auto(
     comm: float = 0.0,
     memory_limit: float | Sequence[float] | None = None,
     quick: bool = False,
+    weight_memory: float = 1.0,
 ) -> Schedule:
     """The fastest V order found for these per-stage seconds (one number for every one of
     the ``2p`` stages, or one per stage in pipeline order: stage ``s`` sits on rank ``s``
@@ -82,8 +88,12 @@ def zbv_auto(
     number for every rank, or one each).
     ``quick`` tries only the variants that win most often (those of large sizes, a subset
     of the full set, so the step is the full search's or a little longer): what a planner
-    screens thousands of layouts with before searching its finalists in full."""
+    screens thousands of layouts with before searching its finalists in full.
+    ``weight_memory`` is the share of a stash held between ``I`` and ``W``, counted in
+    tenths, rounded up."""
     require_positive(NAME, pp, microbatches, 2)
+    if not 0.0 <= weight_memory <= 1.0:
+        raise ScheduleUnavailableError(f"{NAME}: weight memory must be a share in [0, 1], got {weight_memory!r}")
     chunk_stashes = chunk_limits(pp, memory_limit)
     stages = 2 * pp
     sizes = f"the V's 2 x pp={pp} = {stages}"
@@ -93,7 +103,8 @@ def zbv_auto(
     if not comm >= 0:
         raise ScheduleUnavailableError(f"{NAME}: communication time must be >= 0, got {comm!r}")
     return _fastest_order(pp, microbatches, tuple(costs["F"]), tuple(costs["I"]), tuple(costs["W"]), float(comm),
-                          chunk_stashes, quick or 2 * pp * microbatches > FULL_SEARCH_PASSES)
+                          chunk_stashes, quick or 2 * pp * microbatches > FULL_SEARCH_PASSES,
+                          weight_units(weight_memory) / STASH_UNITS)
 
 
 def chunk_limits(pp: int, memory_limit: float | Sequence[float] | None) -> int | tuple[int, ...]:
@@ -119,19 +130,19 @@ def chunk_limits(pp: int, memory_limit: float | Sequence[float] | None) -> int |
 @functools.lru_cache(maxsize=256)
 def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backward_input: tuple[float, ...],
                    backward_weight: tuple[float, ...], comm: float, chunk_stashes: int | tuple[int, ...],
-                   quick: bool) -> Schedule:
+                   quick: bool, weight_memory: float = 1.0) -> Schedule:
     """The search, kept per distinct input (a pure function of them; a schedule never
     changes), so layouts that differ only in what the order does not read share it."""
     placement = v_shape_placement(pp, 2)
     cost = order_cost(placement, microbatches, forward, backward_input, backward_weight, comm)
     handcrafted = zbv(pp, microbatches).programs
     per_rank = [chunk_stashes] * pp if isinstance(chunk_stashes, int) else list(chunk_stashes)
-    fits = fits_limit(handcrafted, chunk_stashes)
+    fits = fits_limit(handcrafted, chunk_stashes, weight_memory)
     # below zbv's memory, the paper's building-block orders where they fit (V-Half, V-Min;
     # both built in 1.7 s at p 32, m 256 on 2 cores, kept per size)
     blocks = [] if fits or 2 * pp * microbatches > BLOCK_PASSES else \
         [programs for programs in (v_block_order(name, pp, microbatches).programs for name in BLOCKS)
-         if fits_limit(programs, chunk_stashes)]
+         if fits_limit(programs, chunk_stashes, weight_memory)]
     caps = [None, *sorted({cap for cap in (pp, 2 * pp - 1) if 2 <= cap < max(per_rank)})]
     variants = itertools.product((True, False), (False, True), (True, False), (False, True), caps)
     if quick:
@@ -145,12 +156,12 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
             for patient in (False, True):  # its F and I order, each W placed for these costs
                 yield placed_greedy_orders(placement, microbatches, forward, backward_input, backward_weight, comm,
                                            chunk_stashes, patient_weights=patient, follow=fixed,
-                                           cutoff=cutoff())
+                                           cutoff=cutoff(), weight_memory=weight_memory)
         for free_first, reserve_all, late_first, patient, cap in variants:
             yield placed_greedy_orders(placement, microbatches, forward, backward_input, backward_weight, comm,
                                        chunk_stashes, patient_weights=patient, warmup_cap=cap,
                                        reserve_all=reserve_all, late_first=late_first, free_first=free_first,
-                                       cutoff=cutoff())
+                                       cutoff=cutoff(), weight_memory=weight_memory)
 
     # the step first, then the longest rank span (as ``adapt`` ranks zb-h1's orders): with the
     # first and last stage on rank 0 the two mostly coincide, and the step is what pipesim runs;
@@ -163,7 +174,8 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
         raise ScheduleUnavailableError(f"{NAME}: no order of pp={pp}, m={microbatches} runs within "
                                        f"{within} microbatches' activations per rank")
     held = chunk_stashes / 2 if isinstance(chunk_stashes, int) else tuple(most / 2 for most in chunk_stashes)
-    return Schedule(pp, microbatches, placement, best, name=NAME, meta={"memory_microbatches": held})
+    return Schedule(pp, microbatches, placement, best, name=NAME,
+                    meta={"memory_microbatches": held, "weight_memory": weight_memory})
 
 
 def _distinct_orders(candidates: Iterable[Sequence[Sequence[Action]] | None]) -> Iterator[Sequence[Sequence[Action]]]:
