@@ -115,6 +115,18 @@ def test_a_shared_stash_order_holds_its_limit_as_the_memory_model_counts(pp, mic
     validate(schedule)
 
 
+@settings(max_examples=25, deadline=None)
+@given(pp=st.integers(2, 4), microbatches=st.integers(2, 10), limit=st.sampled_from([1, 1.5, 2, 3]),
+       share=st.sampled_from([0.0, 0.4, 0.75]), forward=costs, backward_input=costs, backward_weight=costs)
+def test_counting_the_kept_share_never_lengthens_the_step(pp, microbatches, limit, share, forward, backward_input,
+                                                          backward_weight):
+    """The orders of the whole count stay candidates, so the share's step is at most theirs."""
+    args = (pp, microbatches, forward, backward_input, backward_weight, 0.1, limit)
+    shared, whole = zbv_auto(*args, weight_memory=share), zbv_auto(*args)
+    assert (step(shared, forward, backward_input, backward_weight, 0.1).makespan
+            <= step(whole, forward, backward_input, backward_weight, 0.1).makespan + 1e-9)
+
+
 @pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
 def test_a_weight_memory_outside_a_share_is_refused(share):
     with pytest.raises(ScheduleUnavailableError, match="weight memory must be a share"):

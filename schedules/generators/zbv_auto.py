@@ -148,20 +148,27 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
     if quick:
         variants = itertools.product((True,), (False,), (True,), (False, True), (None,))
 
+    variants = list(variants)
+    # the greedy counts the share kept between I and W, and where it is below 1 also the
+    # whole stash (a safe count too): neither always wins, and the whole count's orders,
+    # what zbv-auto built before it took the share, come first, so the first of equals is
+    # theirs and taking the share never makes the step longer
+    counts = (1.0,) if weight_memory >= 1.0 else (1.0, weight_memory)
+
     def candidates(cutoff) -> Iterator[Sequence[Sequence[Action]] | None]:
         """The candidates in turn, each greedy run stopped once it cannot beat ``cutoff()``
         (read as each starts: the best so far)."""
         for fixed in ([handcrafted] if fits else blocks):
             yield fixed
-            for patient in (False, True):  # its F and I order, each W placed for these costs
+            for kept, patient in itertools.product(counts, (False, True)):  # its F and I order, W placed anew
                 yield placed_greedy_orders(placement, microbatches, forward, backward_input, backward_weight, comm,
                                            chunk_stashes, patient_weights=patient, follow=fixed,
-                                           cutoff=cutoff(), weight_memory=weight_memory)
-        for free_first, reserve_all, late_first, patient, cap in variants:
+                                           cutoff=cutoff(), weight_memory=kept)
+        for kept, (free_first, reserve_all, late_first, patient, cap) in itertools.product(counts, variants):
             yield placed_greedy_orders(placement, microbatches, forward, backward_input, backward_weight, comm,
                                        chunk_stashes, patient_weights=patient, warmup_cap=cap,
                                        reserve_all=reserve_all, late_first=late_first, free_first=free_first,
-                                       cutoff=cutoff(), weight_memory=weight_memory)
+                                       cutoff=cutoff(), weight_memory=kept)
 
     # the step first, then the longest rank span (as ``adapt`` ranks zb-h1's orders): with the
     # first and last stage on rank 0 the two mostly coincide, and the step is what pipesim runs;
