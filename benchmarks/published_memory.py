@@ -38,18 +38,15 @@ Run: ``python benchmarks/published_memory.py``.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's root
 
 from benchmarks.published import Prediction, Run, command_line, gpt, predict  # noqa: E402
+from benchmarks.zero_bubble_layouts import MAIN_SETUPS, V_SETUPS, ZeroBubbleLayout, simulate_json  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -104,114 +101,54 @@ ROWS = (
 )
 
 
-# The same paper's other schedules, measured beside those 1F1B rows: ZB-1p and ZB-2p (its
-# automatic schedule at p and 2p microbatches' activations, pipesim's zb-auto at
-# --memory-limit p and 2p) and 1F1B-I (Megatron's interleaving with one transformer layer a
-# chunk, its section 5.1) in Tables 4, 8 and 9; and, in the version with ZB-V (its Table 6:
-# 6.2B, 14.6B and 28.3B on 16, 24 and 32 GPUs, 2p - 2 layers, microbatch 6, 2, 2), ZB-V
-# (pipesim's zbv: one layer a chunk, the first chunk the embedding alone and the last the
-# output layer alone), ZB-1p, 1F1B, and ZB-2p* (ZB-2p at half the microbatch and twice the
-# microbatches, the same global batch).
 ZB_V_TABLE = "Qi et al. 2024 (with ZB-V), Table 6"
-SCHEDULE_FLAGS = {  # the paper's name: pipesim's schedule and its memory limit (in p)
-    "ZB-1p": ("zb-auto", 1), "ZB-2p": ("zb-auto", 2), "ZB-2p*": ("zb-auto", 2), "1F1B": ("1f1b", None),
-    "1F1B-I": ("interleaved-1f1b", None), "ZB-V": ("zbv", None),
-}
 
 
 @dataclass(frozen=True)
 class ScheduleMemoryRow:
-    """A published layout of the zero-bubble paper under one of its schedules, run as
-    ``pipesim simulate`` runs it (the cost-aware orders need the CLI's costs and links)."""
+    """A peak the paper measured for one of its layouts under ZB-1p, ZB-2p, 1F1B-I or ZB-V
+    (``benchmarks.zero_bubble_layouts``), or its 1F1B on the ZB-V comparison's GPUs."""
 
-    model: str
-    layers: int
-    heads: int
-    hidden: int
-    pp: int
-    microbatch_size: int
-    microbatches: int
-    schedule: str  # a key of SCHEDULE_FLAGS
+    layout: ZeroBubbleLayout
     measured_gb: float
     source: str
 
-    @property
-    def label(self) -> str:
-        return f"{self.model} {self.schedule} p{self.pp} m{self.microbatches} b{self.microbatch_size}"
-
-    def layers_per_stage(self) -> tuple[int, ...]:
-        """One stage a rank (ZB, 1F1B): the first and last a layer short of the rest, as the
-        1F1B rows; one layer a chunk (1F1B-I, ZB-V): the first chunk the embedding alone and
-        the last the output layer alone (the layers are ``k p - 2``)."""
-        if self.schedule in ("1F1B-I", "ZB-V"):
-            stages = self.layers + 2
-            if stages % self.pp:
-                raise ValueError(f"{self.model}: {self.layers} layers do not make one-layer chunks on pp {self.pp}")
-            return (0,) + (1,) * self.layers + (0,)
-        middle = (self.layers + 2) // self.pp
-        layout = (middle - 1,) + (middle,) * (self.pp - 2) + (middle - 1,)
-        if sum(layout) != self.layers:
-            raise ValueError(f"{self.model}: {self.layers} layers do not split as {layout}")
-        return layout
-
-    def argv(self) -> list[str]:
-        """The ``pipesim simulate`` flags of the row (the 1F1B rows' model and cluster)."""
-        name, limit = SCHEDULE_FLAGS[self.schedule]
-        layout = self.layers_per_stage()
-        flags = ["--model", "gpt3-175b", "--layers", self.layers, "--hidden", self.hidden, "--heads", self.heads,
-                 "--vocab", 51200, "--seq-len", 1024, "--microbatch-size", self.microbatch_size,
-                 "--schedule", name, "--pp", self.pp, "-m", self.microbatches, "--tp", 1, "--dp", 1,
-                 "--topology", "ib", "--nodes", -(-self.pp // 8), "--gpu", "a100-80gb", "--recompute", "none",
-                 "--layers-per-stage", ",".join(map(str, layout)), "--no-flash-attention"]
-        if name == "interleaved-1f1b":
-            flags += ["-v", len(layout) // self.pp]
-        if limit is not None:
-            flags += ["--memory-limit", limit * self.pp]
-        return [str(flag) for flag in flags]
-
 
 def schedule_rows() -> tuple[ScheduleMemoryRow, ...]:
-    """Every measured peak of the paper's other schedules (GB as the paper prints them)."""
+    """Every measured peak of the paper's other schedules (GB as the paper prints them): one
+    figure for a setup's microbatch counts (its Tables 4 and 6), taken at the first."""
     rows = []
     table_4 = "Qi et al. 2024, Table 4"
-    main = (("1.5B", 22, 24, 2304, 8, 6, 24), ("6.2B", 30, 32, 4096, 8, 3, 24), ("14.6B", 46, 40, 5120, 16, 1, 48),
-            ("28.3B", 62, 48, 6144, 32, 1, 96))
+    main = [(model, layers, heads, hidden, pp, b, counts[0]) for model, layers, heads, hidden, pp, b, counts
+            in MAIN_SETUPS]
     for schedule, measured in (("ZB-1p", (32, 42, 33, 44)), ("ZB-2p", (59, 70, 51, 74)),
                                ("1F1B-I", (40, 48, 39, 58))):
-        rows += [ScheduleMemoryRow(*layout, schedule, gb, table_4) for layout, gb in zip(main, measured, strict=True)]
+        rows += [ScheduleMemoryRow(ZeroBubbleLayout(*setup, schedule), gb, table_4)
+                 for setup, gb in zip(main, measured, strict=True)]
     # the microbatch doubled (ZB-1p; its ZB-2p rows are Table 4's)
-    rows += [ScheduleMemoryRow(model, layers, heads, hidden, pp, 2 * b, m, "ZB-1p", gb, TABLE_8)
+    rows += [ScheduleMemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, 2 * b, m, "ZB-1p"), gb, TABLE_8)
              for (model, layers, heads, hidden, pp, b, m), gb in zip(main, (61, 71, 51, 74), strict=True)]
     # m <= p (ZB-2p; with m <= p it is ZB-1p as well, the paper says)
-    for (model, layers, heads, hidden, pp, b, _), counts in zip(main[:3], ((2, 4, 8), (2, 4, 8), (4, 8, 16)),
-                                                                 strict=True):
-        measured = {"1.5B": (12, 19, 34), "6.2B": (21, 29, 44), "14.6B": (20, 24, 33)}[model]
-        rows += [ScheduleMemoryRow(model, layers, heads, hidden, pp, b, m, "ZB-2p", gb, TABLE_9)
+    for (model, layers, heads, hidden, pp, b, _), counts, measured in zip(
+            main[:3], ((2, 4, 8), (2, 4, 8), (4, 8, 16)), ((12, 19, 34), (21, 29, 44), (20, 24, 33)), strict=True):
+        rows += [ScheduleMemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b, m, "ZB-2p"), gb, TABLE_9)
                  for m, gb in zip(counts, measured, strict=True)]
-    # Table 6: one figure for m, 2m... (ZB-2p*: 63, 64, 65 GB for the 6.2B row's three m)
-    v_layouts = (("6.2B", 30, 32, 4096, 16, 6, 48), ("14.6B", 46, 40, 5120, 24, 2, 72),
-                 ("28.3B", 62, 48, 6144, 32, 2, 96))
+    # the ZB-V comparison (ZB-2p*: 63, 64, 65 GB for the 6.2B row's three m; the first taken)
+    v_setups = [(model, layers, heads, hidden, pp, b, counts[0]) for model, layers, heads, hidden, pp, b, counts
+                in V_SETUPS]
     for schedule, measured in (("ZB-V", (64, 45, 71)), ("ZB-1p", (62, 46, 73)), ("1F1B", (61, 44, 69))):
-        rows += [ScheduleMemoryRow(*layout, schedule, gb, ZB_V_TABLE) for layout, gb in zip(v_layouts, measured,
-                                                                                              strict=True)]
-    rows += [ScheduleMemoryRow(model, layers, heads, hidden, pp, b // 2, 2 * m, "ZB-2p*", gb, ZB_V_TABLE)
-             for (model, layers, heads, hidden, pp, b, m), gb in zip(v_layouts, (63, 45, 72), strict=True)]
+        rows += [ScheduleMemoryRow(ZeroBubbleLayout(*setup, schedule), gb, ZB_V_TABLE)
+                 for setup, gb in zip(v_setups, measured, strict=True)]
+    rows += [ScheduleMemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b // 2, 2 * m, "ZB-2p*"), gb,
+                               ZB_V_TABLE)
+             for (model, layers, heads, hidden, pp, b, m), gb in zip(v_setups, (63, 45, 72), strict=True)]
     return tuple(rows)
 
 
 def predict_schedule_memory(row: ScheduleMemoryRow) -> dict:
     """The fullest rank of ``pipesim simulate``'s ``--json`` for the row: its ``memory``
     parts and ``peak_memory_bytes``."""
-    from pipesim.cli import main as pipesim_main  # noqa: PLC0415
-
-    with tempfile.TemporaryDirectory() as folder:
-        out = Path(folder) / "run.json"
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as errors:
-            status = pipesim_main(["simulate", *row.argv(), "--json", str(out)])
-        if status:
-            raise RuntimeError(f"{row.label}: pipesim simulate exited {status}: {errors.getvalue().strip()}")
-        ranks = json.loads(out.read_text())["ranks"]
-    return max(ranks, key=lambda rank: rank["peak_memory_bytes"])
+    return max(simulate_json(row.layout)["ranks"], key=lambda rank: rank["peak_memory_bytes"])
 
 
 def schedule_table() -> tuple[list[str], list[float]]:
@@ -223,7 +160,7 @@ def schedule_table() -> tuple[list[str], list[float]]:
         rank = predict_schedule_memory(row)
         memory = rank["memory"]
         errors.append(rank["peak_memory_bytes"] / (row.measured_gb * 1e9) - 1)
-        lines.append(f"| {row.source} | {row.label} | {row.pp} | {row.measured_gb:.0f} | "
+        lines.append(f"| {row.source} | {row.layout.label} | {row.layout.pp} | {row.measured_gb:.0f} | "
                      f"{rank['peak_memory_bytes'] / 1e9:.1f} | {memory['static_bytes'] / 1e9:.1f} + "
                      f"{memory['buffer_bytes'] / 1e9:.2f} + {memory['peak_stash_bytes'] / 1e9:.1f} | "
                      f"{errors[-1]:+.1%} | {memory['usable_bytes'] / 1e9:.1f} | held out |")
@@ -267,8 +204,8 @@ def main() -> None:
     magnitudes = [abs(value) for value in errors]
     print(f"\nthe other schedules: median |error| {statistics.median(magnitudes):.1%}, worst {max(magnitudes):.1%} "
           f"over {len(errors)} rows")
-    first = schedule_rows()[0]
-    print(f"equivalent command ({first.label}): `pipesim simulate {' '.join(first.argv())}`")
+    first = schedule_rows()[0].layout
+    print(f"equivalent command ({first.label}): `{first.command()}`")
 
 
 if __name__ == "__main__":

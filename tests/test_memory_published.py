@@ -13,7 +13,6 @@ import pytest
 from benchmarks.published import layer_activation_bytes, llama3_2024, megatron_layer_estimate, memory_gap, predict
 from benchmarks.published_memory import (
     ROWS,
-    ScheduleMemoryRow,
     error,
     predict_memory,
     predict_schedule_memory,
@@ -195,13 +194,13 @@ def test_the_headroom_rule_lets_a_layout_that_ran_fit():
 # ``pipesim simulate`` runs them: transcribed and first run as the code stood (held out).
 
 
-def peak_gb(row: ScheduleMemoryRow) -> float:
+def peak_gb(row) -> float:
     return predict_schedule_memory(row)["peak_memory_bytes"] / 1e9
 
 
 def test_the_other_schedules_rows_are_the_papers():
     """The measured figures as transcribed, in the benchmark's order."""
-    assert [(row.schedule, row.measured_gb) for row in schedule_rows()] == [
+    assert [(row.layout.schedule, row.measured_gb) for row in schedule_rows()] == [
         *(("ZB-1p", gb) for gb in (32, 42, 33, 44)), *(("ZB-2p", gb) for gb in (59, 70, 51, 74)),
         *(("1F1B-I", gb) for gb in (40, 48, 39, 58)), *(("ZB-1p", gb) for gb in (61, 71, 51, 74)),
         *(("ZB-2p", gb) for gb in (12, 19, 34, 21, 29, 44, 20, 24, 33)),
@@ -220,7 +219,7 @@ def test_each_other_schedules_peak_is_within_12_percent_and_their_median_within_
 def test_with_m_at_most_p_zb_2p_holds_every_stash_as_1f1b_does():
     """1.5B at m 2 (p 8): every microbatch's forward runs on rank 1 before its first I, so
     the peak is m x 3 layers' stashes plus the static and buffers, 1F1B's own peak."""
-    row = next(row for row in schedule_rows() if row.schedule == "ZB-2p" and row.microbatches == 2)
+    row = next(row for row in schedule_rows() if row.layout.schedule == "ZB-2p" and row.layout.microbatches == 2)
     h, a, s, b = 2304, 24, 1024, 6
     rank = predict_schedule_memory(row)
     assert rank["memory"]["peak_stash_bytes"] == pytest.approx(2 * 3 * s * b * h * (34 + 5 * a * s / h), rel=1e-12)
@@ -230,8 +229,9 @@ def test_with_m_at_most_p_zb_2p_holds_every_stash_as_1f1b_does():
 def test_one_layer_chunks_put_the_embedding_and_the_output_layer_alone_at_the_ends():
     """1F1B-I and ZB-V with one transformer layer a chunk: k p - 2 layers make k p chunks,
     the first and last holding no layer (the 1.5B's 22 layers: 3 chunks a rank on 8)."""
-    row = next(row for row in schedule_rows() if row.schedule == "1F1B-I" and row.model == "1.5B")
-    assert row.layers_per_stage() == (0, *([1] * 22), 0)
-    assert row.argv()[row.argv().index("-v") + 1] == "3"
+    layout = next(row.layout for row in schedule_rows()
+                  if row.layout.schedule == "1F1B-I" and row.layout.model == "1.5B")
+    assert layout.layers_per_stage() == (0, *([1] * 22), 0)
+    assert layout.argv()[layout.argv().index("-v") + 1] == "3"
     with pytest.raises(ValueError, match="one-layer chunks"):
-        replace(row, layers=23).layers_per_stage()
+        replace(layout, layers=23).layers_per_stage()

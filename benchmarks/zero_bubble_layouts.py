@@ -1,0 +1,107 @@
+"""The zero-bubble paper's layouts under its schedules, as ``pipesim simulate`` runs them.
+
+Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024; arXiv:2401.10241, whose later
+version adds ZB-V) measured four GPT-3-like models (its Table 3: 1.5B, 6.2B, 14.6B and
+28.3B, sequence 1024) on 8 to 32 A100 SXM 80 GB, pipeline parallelism only, under 1F1B,
+1F1B-I, ZB-1p, ZB-2p and ZB-V. A layout here is one of those runs: the model, the
+pipeline, the microbatch size and count, and the schedule by the paper's name, with the
+``pipesim simulate`` flags that run it (``argv``). ``benchmarks/published_memory.py``
+compares the peaks the paper measured, ``benchmarks/published_zero_bubble.py`` the
+throughput.
+
+What the paper says and pipesim follows: the first and last stage a transformer layer short
+of the others (section 5.1; ``k p - 2`` layers), 1F1B-I with one layer a chunk (section
+5.1), ZB-V with ``2p`` chunks. Assumed where it is silent: Megatron's GPT vocabulary 51,200,
+mixed-precision Adam (2 + 2 + 12 bytes a parameter), no flash attention (its Table 1 counts
+the ``5as`` attention scores), no recompute, the ranks 8 to a node on InfiniBand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# the paper's name: pipesim's schedule and its --memory-limit in multiples of p (None: none)
+SCHEDULE_FLAGS = {
+    "ZB-1p": ("zb-auto", 1), "ZB-2p": ("zb-auto", 2), "ZB-2p*": ("zb-auto", 2), "1F1B": ("1f1b", None),
+    "1F1B-I": ("interleaved-1f1b", None), "ZB-V": ("zbv", None),
+}
+ONE_LAYER_CHUNKS = ("1F1B-I", "ZB-V")
+# Table 4's setups: (model, layers, heads, hidden, pp, microbatch size, microbatch counts)
+MAIN_SETUPS = (("1.5B", 22, 24, 2304, 8, 6, (24, 32, 64)), ("6.2B", 30, 32, 4096, 8, 3, (24, 32, 64)),
+               ("14.6B", 46, 40, 5120, 16, 1, (48, 64, 128)), ("28.3B", 62, 48, 6144, 32, 1, (96, 128, 256)))
+# the ZB-V comparison's setups (Table 6 of the version with ZB-V): 2p - 2 layers
+V_SETUPS = (("6.2B", 30, 32, 4096, 16, 6, (48, 64, 128)), ("14.6B", 46, 40, 5120, 24, 2, (72, 96, 192)),
+            ("28.3B", 62, 48, 6144, 32, 2, (96, 128, 256)))
+
+
+@dataclass(frozen=True)
+class ZeroBubbleLayout:
+    """One of the paper's runs: a model of its Table 3 on ``pp`` GPUs under ``schedule``."""
+
+    model: str
+    layers: int
+    heads: int
+    hidden: int
+    pp: int
+    microbatch_size: int
+    microbatches: int
+    schedule: str  # a key of SCHEDULE_FLAGS
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.schedule} p{self.pp} m{self.microbatches} b{self.microbatch_size}"
+
+    @property
+    def samples(self) -> int:
+        """Sequences a step trains."""
+        return self.microbatches * self.microbatch_size
+
+    def layers_per_stage(self) -> tuple[int, ...]:
+        """One stage a rank (ZB, 1F1B): the first and last a layer short of the rest; one
+        layer a chunk (1F1B-I, ZB-V): the first chunk the embedding alone and the last the
+        output layer alone (the layers are ``k p - 2``)."""
+        if self.schedule in ONE_LAYER_CHUNKS:
+            if (self.layers + 2) % self.pp:
+                raise ValueError(f"{self.model}: {self.layers} layers do not make one-layer chunks on pp {self.pp}")
+            return (0,) + (1,) * self.layers + (0,)
+        middle = (self.layers + 2) // self.pp
+        layout = (middle - 1,) + (middle,) * (self.pp - 2) + (middle - 1,)
+        if sum(layout) != self.layers:
+            raise ValueError(f"{self.model}: {self.layers} layers do not split as {layout}")
+        return layout
+
+    def argv(self) -> list[str]:
+        """The ``pipesim simulate`` flags of the layout."""
+        name, limit = SCHEDULE_FLAGS[self.schedule]
+        layout = self.layers_per_stage()
+        flags = ["--model", "gpt3-175b", "--layers", self.layers, "--hidden", self.hidden, "--heads", self.heads,
+                 "--vocab", 51200, "--seq-len", 1024, "--microbatch-size", self.microbatch_size,
+                 "--schedule", name, "--pp", self.pp, "-m", self.microbatches, "--tp", 1, "--dp", 1,
+                 "--topology", "ib", "--nodes", -(-self.pp // 8), "--gpu", "a100-80gb", "--recompute", "none",
+                 "--layers-per-stage", ",".join(map(str, layout)), "--no-flash-attention"]
+        if name == "interleaved-1f1b":
+            flags += ["-v", len(layout) // self.pp]
+        if limit is not None:
+            flags += ["--memory-limit", limit * self.pp]
+        return [str(flag) for flag in flags]
+
+    def command(self) -> str:
+        return "pipesim simulate " + " ".join(self.argv())
+
+
+def simulate_json(layout: ZeroBubbleLayout) -> dict:
+    """``pipesim simulate``'s ``--json`` document for the layout, run in this process."""
+    from pipesim.cli import main as pipesim_main  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "run.json"
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as errors:
+            status = pipesim_main(["simulate", *layout.argv(), "--json", str(out)])
+        if status:
+            raise RuntimeError(f"{layout.label}: pipesim simulate exited {status}: {errors.getvalue().strip()}")
+        return json.loads(out.read_text())
