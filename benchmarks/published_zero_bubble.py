@@ -19,9 +19,8 @@ that is what a user choosing a schedule asks.
 What the paper ran that pipesim does not model: ZB-1p and ZB-2p replace the optimizer's
 synchronisation (the global gradient norm and the NaN check, an all-reduce over the
 pipeline before the step) with a check after it, rolled back when it fails (its
-"optimizer post-validation", 8% of ZB-2p's throughput by its Table 10); pipesim has no
-such synchronisation for any schedule, so 1F1B and 1F1B-I, which paid it, are predicted
-without it too.
+"optimizer post-validation": with the synchronisation ZB-2p ran 7% to 10% slower, its
+Table 10); pipesim has no such synchronisation in any schedule.
 
 In-sample and held out: transcribed and first run on 2026-12-06, the compute model, the
 links and the schedules as they stood; nothing was changed after. Every row is held out.
