@@ -51,70 +51,61 @@ from benchmarks.zero_bubble_layouts import MAIN_SETUPS, V_SETUPS, ZeroBubbleLayo
 
 @dataclass(frozen=True)
 class MemoryRow:
-    """One published layout and the peak memory per GPU measured for it."""
+    """A peak the paper measured per GPU for one of its layouts
+    (``benchmarks.zero_bubble_layouts``)."""
 
-    model: str
-    layers: int
-    heads: int
-    hidden: int
-    pp: int
-    microbatch_size: int
-    microbatches: int
+    layout: ZeroBubbleLayout
     measured_gb: float
     source: str = "Qi et al. 2024, Table 4 (1F1B)"
 
     def run(self) -> Run:
-        """The layout as ``benchmarks.published`` simulates it: first and last stage a
+        """A 1F1B layout as ``benchmarks.published`` simulates it: first and last stage a
         layer short, sequence 1024, one GPU per stage."""
-        spec = replace(gpt(f"gpt-{self.model}", self.layers, self.hidden, self.heads), seq_len=1024,
-                       microbatch_size=self.microbatch_size)
-        middle = (self.layers + 2) // self.pp
-        layout = (middle - 1,) + (middle,) * (self.pp - 2) + (middle - 1,)
-        if sum(layout) != self.layers:
-            raise ValueError(f"{self.model}: {self.layers} layers do not split as {layout}")
-        return Run(f"{self.model} p{self.pp} m{self.microbatches} b{self.microbatch_size}", spec, 1, self.pp, 1,
-                   self.microbatches * self.microbatch_size, 1.0, recompute="none",
-                   microbatch_size=self.microbatch_size, gpu="a100-80gb", layers_per_stage=layout,
-                   in_sample=False)
+        layout = self.layout
+        if layout.schedule != "1F1B":
+            raise ValueError(f"{layout.label}: benchmarks.published runs 1F1B rows; run the others with "
+                             "predict_schedule_memory")
+        spec = replace(gpt(f"gpt-{layout.model}", layout.layers, layout.hidden, layout.heads), seq_len=1024,
+                       microbatch_size=layout.microbatch_size)
+        return Run(f"{layout.model} p{layout.pp} m{layout.microbatches} b{layout.microbatch_size}", spec, 1,
+                   layout.pp, 1, layout.samples, 1.0, recompute="none", microbatch_size=layout.microbatch_size,
+                   gpu="a100-80gb", layers_per_stage=layout.layers_per_stage(), in_sample=False)
+
+
+def one_f_one_b(model: str, layers: int, heads: int, hidden: int, pp: int, microbatch_size: int, microbatches: int,
+                measured_gb: float, source: str = MemoryRow.source) -> MemoryRow:
+    """A 1F1B row of the paper's tables."""
+    return MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, microbatch_size, microbatches, "1F1B"),
+                     measured_gb, source)
 
 
 TABLE_8 = "Qi et al. 2024, Table 8 (1F1B, microbatch doubled)"
 TABLE_9 = "Qi et al. 2024, Table 9 (1F1B, m <= p)"
 ROWS = (
-    MemoryRow("1.5B", 22, 24, 2304, 8, 6, 24, 30),
-    MemoryRow("6.2B", 30, 32, 4096, 8, 3, 24, 39),
-    MemoryRow("14.6B", 46, 40, 5120, 16, 1, 48, 32),
-    MemoryRow("28.3B", 62, 48, 6144, 32, 1, 96, 43),
-    MemoryRow("1.5B", 22, 24, 2304, 8, 12, 24, 57, TABLE_8),
-    MemoryRow("6.2B", 30, 32, 4096, 8, 6, 24, 66, TABLE_8),
-    MemoryRow("14.6B", 46, 40, 5120, 16, 2, 48, 50, TABLE_8),
-    MemoryRow("28.3B", 62, 48, 6144, 32, 2, 96, 72, TABLE_8),
-    MemoryRow("1.5B", 22, 24, 2304, 8, 6, 2, 11, TABLE_9),
-    MemoryRow("1.5B", 22, 24, 2304, 8, 6, 4, 18, TABLE_9),
-    MemoryRow("1.5B", 22, 24, 2304, 8, 6, 8, 29, TABLE_9),
-    MemoryRow("6.2B", 30, 32, 4096, 8, 3, 2, 21, TABLE_9),
-    MemoryRow("6.2B", 30, 32, 4096, 8, 3, 4, 28, TABLE_9),
-    MemoryRow("6.2B", 30, 32, 4096, 8, 3, 8, 39, TABLE_9),
-    MemoryRow("14.6B", 46, 40, 5120, 16, 1, 4, 19, TABLE_9),
-    MemoryRow("14.6B", 46, 40, 5120, 16, 1, 8, 24, TABLE_9),
-    MemoryRow("14.6B", 46, 40, 5120, 16, 1, 16, 32, TABLE_9),
+    one_f_one_b("1.5B", 22, 24, 2304, 8, 6, 24, 30),
+    one_f_one_b("6.2B", 30, 32, 4096, 8, 3, 24, 39),
+    one_f_one_b("14.6B", 46, 40, 5120, 16, 1, 48, 32),
+    one_f_one_b("28.3B", 62, 48, 6144, 32, 1, 96, 43),
+    one_f_one_b("1.5B", 22, 24, 2304, 8, 12, 24, 57, TABLE_8),
+    one_f_one_b("6.2B", 30, 32, 4096, 8, 6, 24, 66, TABLE_8),
+    one_f_one_b("14.6B", 46, 40, 5120, 16, 2, 48, 50, TABLE_8),
+    one_f_one_b("28.3B", 62, 48, 6144, 32, 2, 96, 72, TABLE_8),
+    one_f_one_b("1.5B", 22, 24, 2304, 8, 6, 2, 11, TABLE_9),
+    one_f_one_b("1.5B", 22, 24, 2304, 8, 6, 4, 18, TABLE_9),
+    one_f_one_b("1.5B", 22, 24, 2304, 8, 6, 8, 29, TABLE_9),
+    one_f_one_b("6.2B", 30, 32, 4096, 8, 3, 2, 21, TABLE_9),
+    one_f_one_b("6.2B", 30, 32, 4096, 8, 3, 4, 28, TABLE_9),
+    one_f_one_b("6.2B", 30, 32, 4096, 8, 3, 8, 39, TABLE_9),
+    one_f_one_b("14.6B", 46, 40, 5120, 16, 1, 4, 19, TABLE_9),
+    one_f_one_b("14.6B", 46, 40, 5120, 16, 1, 8, 24, TABLE_9),
+    one_f_one_b("14.6B", 46, 40, 5120, 16, 1, 16, 32, TABLE_9),
 )
 
 
 ZB_V_TABLE = "Qi et al. 2024 (with ZB-V), Table 6"
 
 
-@dataclass(frozen=True)
-class ScheduleMemoryRow:
-    """A peak the paper measured for one of its layouts under ZB-1p, ZB-2p, 1F1B-I or ZB-V
-    (``benchmarks.zero_bubble_layouts``), or its 1F1B on the ZB-V comparison's GPUs."""
-
-    layout: ZeroBubbleLayout
-    measured_gb: float
-    source: str
-
-
-def schedule_rows() -> tuple[ScheduleMemoryRow, ...]:
+def schedule_rows() -> tuple[MemoryRow, ...]:
     """Every measured peak of the paper's other schedules (GB as the paper prints them): one
     figure for a setup's microbatch counts (its Tables 4 and 6), taken at the first."""
     rows = []
@@ -123,29 +114,29 @@ def schedule_rows() -> tuple[ScheduleMemoryRow, ...]:
             in MAIN_SETUPS]
     for schedule, measured in (("ZB-1p", (32, 42, 33, 44)), ("ZB-2p", (59, 70, 51, 74)),
                                ("1F1B-I", (40, 48, 39, 58))):
-        rows += [ScheduleMemoryRow(ZeroBubbleLayout(*setup, schedule), gb, table_4)
+        rows += [MemoryRow(ZeroBubbleLayout(*setup, schedule), gb, table_4)
                  for setup, gb in zip(main, measured, strict=True)]
     # the microbatch doubled (ZB-1p; its ZB-2p rows are Table 4's)
-    rows += [ScheduleMemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, 2 * b, m, "ZB-1p"), gb, TABLE_8)
+    rows += [MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, 2 * b, m, "ZB-1p"), gb, TABLE_8)
              for (model, layers, heads, hidden, pp, b, m), gb in zip(main, (61, 71, 51, 74), strict=True)]
     # m <= p (ZB-2p; with m <= p it is ZB-1p as well, the paper says)
     for (model, layers, heads, hidden, pp, b, _), counts, measured in zip(
             main[:3], ((2, 4, 8), (2, 4, 8), (4, 8, 16)), ((12, 19, 34), (21, 29, 44), (20, 24, 33)), strict=True):
-        rows += [ScheduleMemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b, m, "ZB-2p"), gb, TABLE_9)
+        rows += [MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b, m, "ZB-2p"), gb, TABLE_9)
                  for m, gb in zip(counts, measured, strict=True)]
     # the ZB-V comparison (ZB-2p*: 63, 64, 65 GB for the 6.2B row's three m; the first taken)
     v_setups = [(model, layers, heads, hidden, pp, b, counts[0]) for model, layers, heads, hidden, pp, b, counts
                 in V_SETUPS]
     for schedule, measured in (("ZB-V", (64, 45, 71)), ("ZB-1p", (62, 46, 73)), ("1F1B", (61, 44, 69))):
-        rows += [ScheduleMemoryRow(ZeroBubbleLayout(*setup, schedule), gb, ZB_V_TABLE)
+        rows += [MemoryRow(ZeroBubbleLayout(*setup, schedule), gb, ZB_V_TABLE)
                  for setup, gb in zip(v_setups, measured, strict=True)]
-    rows += [ScheduleMemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b // 2, 2 * m, "ZB-2p*"), gb,
+    rows += [MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b // 2, 2 * m, "ZB-2p*"), gb,
                                ZB_V_TABLE)
              for (model, layers, heads, hidden, pp, b, m), gb in zip(v_setups, (63, 45, 72), strict=True)]
     return tuple(rows)
 
 
-def predict_schedule_memory(row: ScheduleMemoryRow) -> dict:
+def predict_schedule_memory(row: MemoryRow) -> dict:
     """The fullest rank of ``pipesim simulate``'s ``--json`` for the row: its ``memory``
     parts and ``peak_memory_bytes``."""
     return max(simulate_json(row.layout)["ranks"], key=lambda rank: rank["peak_memory_bytes"])
@@ -185,7 +176,7 @@ def table() -> tuple[list[str], list[float]]:
     for row in ROWS:
         prediction = predict_memory(row)
         errors.append(error(row, prediction))
-        lines.append(f"| {row.source} | {row.run().label} | {row.pp} | {row.measured_gb:.0f} | "
+        lines.append(f"| {row.source} | {row.run().label} | {row.layout.pp} | {row.measured_gb:.0f} | "
                      f"{prediction.peak_bytes / 1e9:.1f} | {prediction.static_bytes / 1e9:.1f} + "
                      f"{prediction.buffer_bytes / 1e9:.2f} + {prediction.stash_bytes / 1e9:.1f} | "
                      f"{errors[-1]:+.1%} | {prediction.usable_bytes / 1e9:.1f} | held out |")
