@@ -42,8 +42,8 @@ def cost_shell(name: str, pp: int, microbatches: int) -> Schedule:
 
 
 def planned_share(share: float) -> float:
-    """The share of a stash kept between I and W that zb-auto and zbv-auto plan with: rounded up to a
-    tenth, never below what the memory model counts (a share like 0.94 plans as 1, the
+    """The share of a stash kept between I and W that zb-auto and zbv-auto plan with:
+    rounded up to a tenth, never below what the memory model counts (a share like 0.94 plans as 1, the
     search's cumulative memory constraint staying in coarse units), and at most 1: the
     search's limit is in whole stashes, and what an ``I`` adds beyond a stash held whole
     (the executor's output gradients, ``StageCost.wgrad_stash_share`` above 1) is counted

@@ -195,10 +195,10 @@ def build_within(memory_limit: float | str | MemoryBudget | None, schedule: str,
     into each rank's count), the ``StashLimit`` behind a budget, and whether zbv's own
     memory was taken instead. zbv-auto counts each chunk's stash at its rank's larger
     chunk's size and the share kept between I and W rounded up, so a budget's counts are
-    safe but can fall short of
-    what fits: where they are below zbv's ``p`` on some rank, the order built at ``p`` is
-    also tried and taken when its peak, counted in program order as the memory report
-    counts it, fits every rank's budget and its step is shorter."""
+    safe but can fall short of what fits: where they are below zbv's ``p`` on some rank,
+    the order built at ``p`` is also tried and taken when its peak, counted in program
+    order as the memory report counts it, fits every rank's budget and its step is
+    shorter."""
     limit, budget = resolve_memory_limit(memory_limit, schedule, microbatches, costs,
                                          cost_shell(schedule, pp, microbatches).placement, devices, topology, parallel)
     built = build_cost_aware(schedule, pp, microbatches, costs, topology, limit, devices, search_seconds)

@@ -147,7 +147,6 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
     variants = itertools.product((True, False), (False, True), (True, False), (False, True), caps)
     if quick:
         variants = itertools.product((True,), (False,), (True,), (False, True), (None,))
-
     variants = list(variants)
     # the greedy counts the share kept between I and W, and where it is below 1 also the
     # whole stash (a safe count too): neither always wins, and the whole count's orders,
