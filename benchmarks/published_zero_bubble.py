@@ -8,7 +8,9 @@ Parallelism", arXiv:2401.10241 (the version with ZB-V), samples per GPU per seco
 - Table 4: 1.5B, 6.2B, 14.6B and 28.3B on 8, 8, 16 and 32 GPUs (microbatch 6, 3, 1, 1),
   three microbatch counts each, under ZB-2p, ZB-1p, 1F1B and 1F1B-I;
 - Table 6: 6.2B, 14.6B and 28.3B on 16, 24 and 32 GPUs (microbatch 6, 2, 2), under ZB-V,
-  ZB-2p* (half the microbatch, twice the microbatches), ZB-1p and 1F1B.
+  ZB-2p* (half the microbatch, twice the microbatches), ZB-1p and 1F1B;
+- Table 12 (the ICLR version's Table 9, whose peaks ``published_memory.py`` compares): the
+  1.5B, 6.2B and 14.6B setups at m <= p (2, 4, 8; 4, 8, 16), under 1F1B and ZB-2p.
 
 The layouts and what is assumed about them: ``benchmarks/zero_bubble_layouts.py``. Two
 errors per row: of the throughput itself (the compute model's and the links' as well as
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.zero_bubble_layouts import MAIN_SETUPS, V_SETUPS, ZeroBubbleLayout, simulate_json  # noqa: E402
 
 TABLE_4, TABLE_6 = "Qi et al. 2024, Table 4", "Qi et al. 2024 (with ZB-V), Table 6"
+TABLE_12 = "Qi et al. 2024 (with ZB-V), Table 12 (m <= p)"
 # samples per GPU per second, per setup in the order of MAIN_SETUPS / V_SETUPS, per microbatch count
 TABLE_4_MEASURED = {
     "ZB-2p": ((14.5, 14.8, 14.9), (4.32, 4.35, 4.39), (1.81, 1.83, 1.85), (0.99, 1.00, 1.00)),
@@ -56,6 +59,11 @@ TABLE_6_MEASURED = {
     "1F1B": ((3.38, 3.57, 3.91), (1.52, 1.61, 1.76), (0.82, 0.87, 0.95)),
 }
 
+# Table 12: the first three setups at m <= p, per setup (microbatch counts, 1F1B, ZB-2p)
+TABLE_12_MEASURED = (((2, 4, 8), (3.56, 5.74, 8.26), (4.25, 6.92, 9.90)),
+                     ((2, 4, 8), (1.04, 1.69, 2.45), (1.33, 2.16, 3.07)),
+                     ((4, 8, 16), (0.39, 0.65, 0.95), (0.52, 0.85, 1.25)))
+
 
 @dataclass(frozen=True)
 class ThroughputRow:
@@ -68,7 +76,7 @@ class ThroughputRow:
 
 
 def rows() -> list[ThroughputRow]:
-    """Every measured throughput: Table 4's, then Table 6's, in the tables' order."""
+    """Every measured throughput: Table 4's, Table 6's, then Table 12's, in the tables' order."""
     found = []
     for setups, measured, source in ((MAIN_SETUPS, TABLE_4_MEASURED, TABLE_4), (V_SETUPS, TABLE_6_MEASURED, TABLE_6)):
         for schedule, figures in measured.items():
@@ -79,6 +87,12 @@ def rows() -> list[ThroughputRow]:
                     if schedule == "ZB-2p*":  # the same global batch at half the microbatch
                         layout = replace(layout, microbatch_size=b // 2, microbatches=2 * m)
                     found.append(ThroughputRow(layout, value, source, baseline))
+    for (model, layers, heads, hidden, pp, b, _), (counts, one_f_one_b, zb_2p) in zip(
+            MAIN_SETUPS[:3], TABLE_12_MEASURED, strict=True):  # the 28.3B setup has no m <= p rows
+        for schedule, figures in (("1F1B", one_f_one_b), ("ZB-2p", zb_2p)):
+            found += [ThroughputRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b, m, schedule), value,
+                                    TABLE_12, baseline)
+                      for m, value, baseline in zip(counts, figures, one_f_one_b, strict=True)]
     return found
 
 
