@@ -24,6 +24,12 @@ pipeline before the step) with a check after it, rolled back when it fails (its
 "optimizer post-validation": with the synchronisation ZB-2p ran 7% to 10% slower, its
 Table 10); pipesim has no such synchronisation in any schedule.
 
+Beside them, the passes themselves: the paper's Table 9 profiled, per setup, one stage's
+forward ``T_F``, input gradient ``T_B`` and weight gradient ``T_W`` and a hop ``T_comm``
+(``benchmarks/data/zero_bubble``); pipesim's compute model prices a middle stage (the
+stages with all ``k`` layers; the paper does not say which stage it profiled) and its
+links the hop (a boundary activation over the route between two neighbours).
+
 In-sample and held out: transcribed and first run on 2026-12-06, the compute model, the
 links and the schedules as they stood; nothing was changed after. Every row is held out.
 The paper's profiled stage times (its Table 9) are not used here (``bench_zero_bubble.py``
@@ -41,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's root
 
+from benchmarks.paper_rows import rows as profiled_rows  # noqa: E402
 from benchmarks.zero_bubble_layouts import MAIN_SETUPS, V_SETUPS, ZeroBubbleLayout, simulate_json  # noqa: E402
 
 TABLE_4, TABLE_6 = "Qi et al. 2024, Table 4", "Qi et al. 2024 (with ZB-V), Table 6"
@@ -102,6 +109,36 @@ def predicted_throughput(layout: ZeroBubbleLayout) -> float:
     return layout.samples / step / layout.pp
 
 
+def predicted_passes(layout: ZeroBubbleLayout) -> tuple[float, float, float]:
+    """A middle stage's forward, input-gradient and weight-gradient seconds in
+    ``pipesim simulate``'s costs for the layout (``bwd`` is I + W)."""
+    stage = simulate_json(layout)["stage_costs"][1]
+    return stage["fwd"], stage["bwd"] - stage["wgrad"], stage["wgrad"]
+
+
+def pass_lines() -> list[str]:
+    """The paper's profiled passes (its Table 9) beside pipesim's, per setup."""
+    setups = {model: (layers, heads, hidden, b) for model, layers, heads, hidden, _, b, _ in MAIN_SETUPS}
+    lines = ["| setup | T_F paper / pipesim (ms) | error | T_B (I) | error | T_W | error | T_B + T_W | error |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    errors: dict[str, list[float]] = {"F": [], "I": [], "W": [], "I + W": []}
+    for row in profiled_rows():
+        layers, heads, hidden, b = setups[row.model]
+        ours = [1e3 * value for value in predicted_passes(
+            ZeroBubbleLayout(row.model, layers, heads, hidden, row.pp, b, row.microbatches, "ZB-2p"))]
+        pairs = [(row.forward, ours[0]), (row.backward_input, ours[1]), (row.backward_weight, ours[2]),
+                 (row.backward_input + row.backward_weight, ours[1] + ours[2])]
+        cells = []
+        for name, (theirs, mine) in zip(errors, pairs, strict=True):
+            errors[name].append(mine / theirs - 1)
+            cells.append(f"{theirs:.2f} / {mine:.2f} | {errors[name][-1]:+.1%}")
+        lines.append(f"| {row.label} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"pass {name}: median error {statistics.median(values):+.1%}, from {min(values):+.1%} to "
+              f"{max(values):+.1%} over {len(values)} setups" for name, values in errors.items()]
+    return lines
+
+
 def main() -> None:
     table = rows()
     predicted = {row.layout: predicted_throughput(row.layout) for row in table}
@@ -135,6 +172,8 @@ def main() -> None:
         print(f"{schedule} over 1F1B: measured {statistics.median(p[0] for p in pairs):.3f}, predicted "
               f"{statistics.median(p[1] for p in pairs):.3f} (medians over {len(pairs)} runs)")
     print(f"equivalent command ({table[0].layout.label}): `{table[0].layout.command()}`")
+    print()
+    print("\n".join(pass_lines()))
 
 
 if __name__ == "__main__":
