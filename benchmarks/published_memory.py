@@ -117,12 +117,14 @@ def schedule_rows() -> tuple[MemoryRow, ...]:
         rows += [MemoryRow(ZeroBubbleLayout(*setup, schedule), gb, table_4)
                  for setup, gb in zip(main, measured, strict=True)]
     # the microbatch doubled (ZB-1p; its ZB-2p rows are Table 4's)
-    rows += [MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, 2 * b, m, "ZB-1p"), gb, TABLE_8)
+    rows += [MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, 2 * b, m, "ZB-1p"), gb,
+                       "Qi et al. 2024, Table 8 (microbatch doubled)")
              for (model, layers, heads, hidden, pp, b, m), gb in zip(main, (61, 71, 51, 74), strict=True)]
     # m <= p (ZB-2p; with m <= p it is ZB-1p as well, the paper says)
     for (model, layers, heads, hidden, pp, b, _), counts, measured in zip(
             main[:3], ((2, 4, 8), (2, 4, 8), (4, 8, 16)), ((12, 19, 34), (21, 29, 44), (20, 24, 33)), strict=True):
-        rows += [MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b, m, "ZB-2p"), gb, TABLE_9)
+        rows += [MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b, m, "ZB-2p"), gb,
+                           "Qi et al. 2024, Table 9 (m <= p)")
                  for m, gb in zip(counts, measured, strict=True)]
     # the ZB-V comparison (ZB-2p*: 63, 64, 65 GB for the 6.2B row's three m; the first taken)
     v_setups = [(model, layers, heads, hidden, pp, b, counts[0]) for model, layers, heads, hidden, pp, b, counts
