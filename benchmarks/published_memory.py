@@ -46,7 +46,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's root
 
 from benchmarks.published import Prediction, Run, command_line, gpt, predict  # noqa: E402
-from benchmarks.zero_bubble_layouts import MAIN_SETUPS, V_SETUPS, ZeroBubbleLayout, simulate_json  # noqa: E402
+from benchmarks.zero_bubble_layouts import (  # noqa: E402
+    MAIN_SETUPS,
+    V_SETUPS,
+    ZeroBubbleLayout,
+    few_microbatch_layouts,
+    first_count_layouts,
+    simulate_json,
+)
 
 
 @dataclass(frozen=True)
@@ -72,34 +79,14 @@ class MemoryRow:
                    gpu="a100-80gb", layers_per_stage=layout.layers_per_stage(), in_sample=False)
 
 
-def one_f_one_b(model: str, layers: int, heads: int, hidden: int, pp: int, microbatch_size: int, microbatches: int,
-                measured_gb: float, source: str = MemoryRow.source) -> MemoryRow:
-    """A 1F1B row of the paper's tables."""
-    return MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, microbatch_size, microbatches, "1F1B"),
-                     measured_gb, source)
-
-
 TABLE_8 = "Qi et al. 2024, Table 8 (1F1B, microbatch doubled)"
 TABLE_9 = "Qi et al. 2024, Table 9 (1F1B, m <= p)"
-ROWS = (
-    one_f_one_b("1.5B", 22, 24, 2304, 8, 6, 24, 30),
-    one_f_one_b("6.2B", 30, 32, 4096, 8, 3, 24, 39),
-    one_f_one_b("14.6B", 46, 40, 5120, 16, 1, 48, 32),
-    one_f_one_b("28.3B", 62, 48, 6144, 32, 1, 96, 43),
-    one_f_one_b("1.5B", 22, 24, 2304, 8, 12, 24, 57, TABLE_8),
-    one_f_one_b("6.2B", 30, 32, 4096, 8, 6, 24, 66, TABLE_8),
-    one_f_one_b("14.6B", 46, 40, 5120, 16, 2, 48, 50, TABLE_8),
-    one_f_one_b("28.3B", 62, 48, 6144, 32, 2, 96, 72, TABLE_8),
-    one_f_one_b("1.5B", 22, 24, 2304, 8, 6, 2, 11, TABLE_9),
-    one_f_one_b("1.5B", 22, 24, 2304, 8, 6, 4, 18, TABLE_9),
-    one_f_one_b("1.5B", 22, 24, 2304, 8, 6, 8, 29, TABLE_9),
-    one_f_one_b("6.2B", 30, 32, 4096, 8, 3, 2, 21, TABLE_9),
-    one_f_one_b("6.2B", 30, 32, 4096, 8, 3, 4, 28, TABLE_9),
-    one_f_one_b("6.2B", 30, 32, 4096, 8, 3, 8, 39, TABLE_9),
-    one_f_one_b("14.6B", 46, 40, 5120, 16, 1, 4, 19, TABLE_9),
-    one_f_one_b("14.6B", 46, 40, 5120, 16, 1, 8, 24, TABLE_9),
-    one_f_one_b("14.6B", 46, 40, 5120, 16, 1, 16, 32, TABLE_9),
-)
+ROWS = tuple(
+    MemoryRow(layout, gb, source) for layouts, figures, source in (
+        (first_count_layouts(MAIN_SETUPS, "1F1B"), (30, 39, 32, 43), MemoryRow.source),
+        (first_count_layouts(MAIN_SETUPS, "1F1B", microbatch_size_scale=2), (57, 66, 50, 72), TABLE_8),
+        (few_microbatch_layouts("1F1B"), (11, 18, 29, 21, 28, 39, 19, 24, 32), TABLE_9),
+    ) for layout, gb in zip(layouts, figures, strict=True))
 
 
 ZB_V_TABLE = "Qi et al. 2024 (with ZB-V), Table 6"
@@ -107,35 +94,25 @@ ZB_V_TABLE = "Qi et al. 2024 (with ZB-V), Table 6"
 
 def schedule_rows() -> tuple[MemoryRow, ...]:
     """Every measured peak of the paper's other schedules (GB as the paper prints them): one
-    figure for a setup's microbatch counts (its Tables 4 and 6), taken at the first."""
-    rows = []
-    table_4 = "Qi et al. 2024, Table 4"
-    main = [(model, layers, heads, hidden, pp, b, counts[0]) for model, layers, heads, hidden, pp, b, counts
-            in MAIN_SETUPS]
-    for schedule, measured in (("ZB-1p", (32, 42, 33, 44)), ("ZB-2p", (59, 70, 51, 74)),
-                               ("1F1B-I", (40, 48, 39, 58))):
-        rows += [MemoryRow(ZeroBubbleLayout(*setup, schedule), gb, table_4)
-                 for setup, gb in zip(main, measured, strict=True)]
-    # the microbatch doubled (ZB-1p; its ZB-2p rows are Table 4's)
-    rows += [MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, 2 * b, m, "ZB-1p"), gb,
-                       "Qi et al. 2024, Table 8 (microbatch doubled)")
-             for (model, layers, heads, hidden, pp, b, m), gb in zip(main, (61, 71, 51, 74), strict=True)]
-    # m <= p (ZB-2p; with m <= p it is ZB-1p as well, the paper says)
-    for (model, layers, heads, hidden, pp, b, _), counts, measured in zip(
-            main[:3], ((2, 4, 8), (2, 4, 8), (4, 8, 16)), ((12, 19, 34), (21, 29, 44), (20, 24, 33)), strict=True):
-        rows += [MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b, m, "ZB-2p"), gb,
-                           "Qi et al. 2024, Table 9 (m <= p)")
-                 for m, gb in zip(counts, measured, strict=True)]
-    # the ZB-V comparison (ZB-2p*: 63, 64, 65 GB for the 6.2B row's three m; the first taken)
-    v_setups = [(model, layers, heads, hidden, pp, b, counts[0]) for model, layers, heads, hidden, pp, b, counts
-                in V_SETUPS]
-    for schedule, measured in (("ZB-V", (64, 45, 71)), ("ZB-1p", (62, 46, 73)), ("1F1B", (61, 44, 69))):
-        rows += [MemoryRow(ZeroBubbleLayout(*setup, schedule), gb, ZB_V_TABLE)
-                 for setup, gb in zip(v_setups, measured, strict=True)]
-    rows += [MemoryRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b // 2, 2 * m, "ZB-2p*"), gb,
-                               ZB_V_TABLE)
-             for (model, layers, heads, hidden, pp, b, m), gb in zip(v_setups, (63, 45, 72), strict=True)]
-    return tuple(rows)
+    figure for a setup's microbatch counts (its Tables 4 and 6), taken at the first; the
+    microbatch doubled, ZB-1p (its ZB-2p rows are Table 4's); m <= p, ZB-2p (there ZB-1p as
+    well, the paper says); ZB-2p* at half the microbatch and twice the count (63, 64, 65 GB
+    for the 6.2B setup's three counts: the first taken)."""
+    table_4, doubled, few = "Qi et al. 2024, Table 4", "Qi et al. 2024, Table 8 (microbatch doubled)", \
+        "Qi et al. 2024, Table 9 (m <= p)"
+    groups = [
+        (first_count_layouts(MAIN_SETUPS, "ZB-1p"), (32, 42, 33, 44), table_4),
+        (first_count_layouts(MAIN_SETUPS, "ZB-2p"), (59, 70, 51, 74), table_4),
+        (first_count_layouts(MAIN_SETUPS, "1F1B-I"), (40, 48, 39, 58), table_4),
+        (first_count_layouts(MAIN_SETUPS, "ZB-1p", microbatch_size_scale=2), (61, 71, 51, 74), doubled),
+        (few_microbatch_layouts("ZB-2p"), (12, 19, 34, 21, 29, 44, 20, 24, 33), few),
+        (first_count_layouts(V_SETUPS, "ZB-V"), (64, 45, 71), ZB_V_TABLE),
+        (first_count_layouts(V_SETUPS, "ZB-1p"), (62, 46, 73), ZB_V_TABLE),
+        (first_count_layouts(V_SETUPS, "1F1B"), (61, 44, 69), ZB_V_TABLE),
+        (first_count_layouts(V_SETUPS, "ZB-2p*", microbatch_size_scale=0.5, count_scale=2), (63, 45, 72), ZB_V_TABLE),
+    ]
+    return tuple(MemoryRow(layout, gb, source) for layouts, figures, source in groups
+                 for layout, gb in zip(layouts, figures, strict=True))
 
 
 def predict_schedule_memory(row: MemoryRow) -> dict:

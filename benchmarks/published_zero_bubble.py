@@ -48,7 +48,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repo's root
 
 from benchmarks.paper_rows import rows as profiled_rows  # noqa: E402
-from benchmarks.zero_bubble_layouts import MAIN_SETUPS, V_SETUPS, ZeroBubbleLayout, simulate_json  # noqa: E402
+from benchmarks.zero_bubble_layouts import (  # noqa: E402
+    MAIN_SETUPS,
+    V_SETUPS,
+    ZeroBubbleLayout,
+    few_microbatch_layouts,
+    simulate_json,
+)
 
 TABLE_4, TABLE_6 = "Qi et al. 2024, Table 4", "Qi et al. 2024 (with ZB-V), Table 6"
 TABLE_12 = "Qi et al. 2024 (with ZB-V), Table 12 (m <= p)"
@@ -66,10 +72,10 @@ TABLE_6_MEASURED = {
     "1F1B": ((3.38, 3.57, 3.91), (1.52, 1.61, 1.76), (0.82, 0.87, 0.95)),
 }
 
-# Table 12: the first three setups at m <= p, per setup (microbatch counts, 1F1B, ZB-2p)
-TABLE_12_MEASURED = (((2, 4, 8), (3.56, 5.74, 8.26), (4.25, 6.92, 9.90)),
-                     ((2, 4, 8), (1.04, 1.69, 2.45), (1.33, 2.16, 3.07)),
-                     ((4, 8, 16), (0.39, 0.65, 0.95), (0.52, 0.85, 1.25)))
+# Table 12: the first three setups at m <= p (zero_bubble_layouts.FEW_MICROBATCHES), in
+# few_microbatch_layouts' order
+TABLE_12_MEASURED = {"1F1B": (3.56, 5.74, 8.26, 1.04, 1.69, 2.45, 0.39, 0.65, 0.95),
+                     "ZB-2p": (4.25, 6.92, 9.90, 1.33, 2.16, 3.07, 0.52, 0.85, 1.25)}
 
 
 @dataclass(frozen=True)
@@ -94,12 +100,9 @@ def rows() -> list[ThroughputRow]:
                     if schedule == "ZB-2p*":  # the same global batch at half the microbatch
                         layout = replace(layout, microbatch_size=b // 2, microbatches=2 * m)
                     found.append(ThroughputRow(layout, value, source, baseline))
-    for (model, layers, heads, hidden, pp, b, _), (counts, one_f_one_b, zb_2p) in zip(
-            MAIN_SETUPS[:3], TABLE_12_MEASURED, strict=True):  # the 28.3B setup has no m <= p rows
-        for schedule, figures in (("1F1B", one_f_one_b), ("ZB-2p", zb_2p)):
-            found += [ThroughputRow(ZeroBubbleLayout(model, layers, heads, hidden, pp, b, m, schedule), value,
-                                    TABLE_12, baseline)
-                      for m, value, baseline in zip(counts, figures, one_f_one_b, strict=True)]
+    for schedule, figures in TABLE_12_MEASURED.items():
+        found += [ThroughputRow(layout, value, TABLE_12, baseline) for layout, value, baseline in zip(
+            few_microbatch_layouts(schedule), figures, TABLE_12_MEASURED["1F1B"], strict=True)]
     return found
 
 

@@ -19,6 +19,7 @@ the ``5as`` attention scores), no recompute, the ranks 8 to a node on InfiniBand
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import tempfile
@@ -37,6 +38,9 @@ MAIN_SETUPS = (("1.5B", 22, 24, 2304, 8, 6, (24, 32, 64)), ("6.2B", 30, 32, 4096
 # the ZB-V comparison's setups (Table 6 of the version with ZB-V): 2p - 2 layers
 V_SETUPS = (("6.2B", 30, 32, 4096, 16, 6, (48, 64, 128)), ("14.6B", 46, 40, 5120, 24, 2, (72, 96, 192)),
             ("28.3B", 62, 48, 6144, 32, 2, (96, 128, 256)))
+# the first three of Table 4's setups at m <= p (the ICLR version's Table 9, the later
+# version's Table 12)
+FEW_MICROBATCHES = ((2, 4, 8), (2, 4, 8), (4, 8, 16))
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,26 @@ class ZeroBubbleLayout:
         return "pipesim simulate " + " ".join(self.argv())
 
 
+def first_count_layouts(setups, schedule: str, microbatch_size_scale: float = 1.0,
+                        count_scale: int = 1) -> list[ZeroBubbleLayout]:
+    """Each setup under ``schedule`` at its first microbatch count (the paper prints one
+    peak for a setup's counts), the microbatch and the count scaled (ZB-2p*: half and
+    twice; the doubled-microbatch table: twice and once)."""
+    return [ZeroBubbleLayout(model, layers, heads, hidden, pp, int(b * microbatch_size_scale), counts[0] * count_scale,
+                             schedule) for model, layers, heads, hidden, pp, b, counts in setups]
+
+
+def few_microbatch_layouts(schedule: str) -> list[ZeroBubbleLayout]:
+    """The first three of Table 4's setups under ``schedule`` at each of their counts m <= p."""
+    return [ZeroBubbleLayout(model, layers, heads, hidden, pp, b, m, schedule)
+            for (model, layers, heads, hidden, pp, b, _), counts in zip(MAIN_SETUPS[:3], FEW_MICROBATCHES, strict=True)
+            for m in counts]
+
+
+@functools.cache  # a layout is frozen: the throughput rows and the passes share runs
 def simulate_json(layout: ZeroBubbleLayout) -> dict:
-    """``pipesim simulate``'s ``--json`` document for the layout, run in this process."""
+    """``pipesim simulate``'s ``--json`` document for the layout, run in this process (one
+    run per layout, kept: read it, do not change it)."""
     from pipesim.cli import main as pipesim_main  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as folder:

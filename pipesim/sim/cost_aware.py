@@ -60,14 +60,16 @@ def build_cost_aware(
     memory_limit: float | tuple[int, ...] | None = None,
     devices: Sequence[str] | None = None,
     search_seconds: float | None = None,
+    inputs: tuple[tuple[list[float], ...], float] | None = None,
 ) -> Schedule:
     """The named cost-aware schedule with these costs: zb-auto's one stage per rank, or
     zbv-auto's ``2 pp`` stages in a V (``cost_shell``'s placement). ``devices`` are the
     pipeline ranks' devices (default: the topology's mapping); ``search_seconds`` is
     zb-auto's optimising pass budget (default: its own; 0: heuristics only, as a planner
     screening thousands of layouts asks, and then zbv-auto tries only its most often
-    winning variants)."""
-    passes, comm = planning_inputs(name, pp, microbatches, costs, topology, devices)
+    winning variants); ``inputs``, ``planning_inputs`` of the same arguments where the
+    caller has them already (one schedule built under several limits)."""
+    passes, comm = inputs or planning_inputs(name, pp, microbatches, costs, topology, devices)
     weight_memory = planned_share(max(stage.wgrad_stash_share for stage in costs.stages))
     if name == "zbv-auto":
         return zbv_auto(pp, microbatches, *passes, comm=comm, memory_limit=memory_limit, quick=search_seconds == 0,
@@ -86,7 +88,8 @@ def planning_inputs(name: str, pp: int, microbatches: int, costs: Costs, topolog
     executor's per-action overhead) and the hop its planning takes on the pipeline's links."""
     if name not in COST_AWARE:
         raise UnknownScheduleError(f"{name!r} is not a cost-aware schedule; those are: {', '.join(sorted(COST_AWARE))}")
-    placement = cost_shell(name, pp, microbatches).placement
+    shell = cost_shell(name, pp, microbatches)
+    placement = shell.placement
     if costs.num_stages != len(placement):
         per_rank = "two stages per rank, in a V" if name in V_SHAPED else "one stage per rank"
         raise ValueError(f"{name}: costs describe {costs.num_stages} stages but pp={pp} needs {len(placement)} "
@@ -97,15 +100,14 @@ def planning_inputs(name: str, pp: int, microbatches: int, costs: Costs, topolog
     passes = ([stage.fwd + costs.action_overhead for stage in stages],
               [stage.input_grad + costs.action_overhead for stage in stages],
               [stage.wgrad + costs.action_overhead for stage in stages])
-    return passes, planning_hop(step_timing(cost_shell(name, pp, microbatches), costs, topology, devices))
+    return passes, planning_hop(step_timing(shell, costs, topology, devices))
 
 
-def order_step(name: str, pp: int, microbatches: int, costs: Costs, topology: Topology,
-               devices: Sequence[str] | None = None):
+def order_step(name: str, pp: int, microbatches: int, inputs: tuple[tuple[list[float], ...], float]):
     """``cost(programs)``: (the longest rank span, the step) of an order of the named
     cost-aware schedule, timed as its search times its candidates (free-flowing transfers,
-    the planning hop)."""
-    passes, comm = planning_inputs(name, pp, microbatches, costs, topology, devices)
+    the planning hop) from its ``planning_inputs``."""
+    passes, comm = inputs
     return order_cost(cost_shell(name, pp, microbatches).placement, microbatches, *passes, comm)
 
 

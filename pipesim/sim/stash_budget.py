@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipesim.model.costs import Costs
-from pipesim.sim.cost_aware import build_cost_aware, cost_shell, order_step
+from pipesim.sim.cost_aware import build_cost_aware, cost_shell, order_step, planning_inputs
 from pipesim.sim.headroom import pipeline_net_channels
 from pipesim.sim.memory import memory_report, program_order_trace, rank_bases, rank_communicators
 from schedules.generators import V_SHAPED
@@ -201,11 +201,12 @@ def build_within(memory_limit: float | str | MemoryBudget | None, schedule: str,
     shorter."""
     limit, budget = resolve_memory_limit(memory_limit, schedule, microbatches, costs,
                                          cost_shell(schedule, pp, microbatches).placement, devices, topology, parallel)
-    built = build_cost_aware(schedule, pp, microbatches, costs, topology, limit, devices, search_seconds)
+    inputs = planning_inputs(schedule, pp, microbatches, costs, topology, devices)
+    built = build_cost_aware(schedule, pp, microbatches, costs, topology, limit, devices, search_seconds, inputs)
     if budget is None or schedule not in V_SHAPED or min(budget.stashes) >= pp:
         return built, budget, False
-    wider = build_cost_aware(schedule, pp, microbatches, costs, topology, None, devices, search_seconds)
-    cost = order_step(schedule, pp, microbatches, costs, topology, devices)
+    wider = build_cost_aware(schedule, pp, microbatches, costs, topology, None, devices, search_seconds, inputs)
+    cost = order_step(schedule, pp, microbatches, inputs)
     if cost(wider.programs)[::-1] < cost(built.programs)[::-1] and _within(wider, costs, parallel, budget):
         return wider, budget, True
     return built, budget, False

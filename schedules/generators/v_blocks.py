@@ -247,21 +247,29 @@ def _squeeze(ranks: list[Slots], microbatches: int, with_weights: bool) -> list[
     return _eager(ranks, pp)
 
 
-def _ready(ranks: list[Slots], rank: int, kind: int, microbatch: int, pp: int) -> int:
-    """The latest slot among what a pass waits for (-1: nothing): the same pass of the
-    microbatch on the neighbouring rank, the pass before it on its own rank (a W: the
-    ``microbatch``-th I of the rank), and the pass of the previous microbatch."""
-    slots = ranks[rank]
-    ready = -1
+def _inputs(rank: int, kind: int, microbatch: int, pp: int) -> list[tuple[int, int, int]]:
+    """The passes ``(rank, kind, microbatch)`` a pass waits for, the one rule of both the
+    squeeze and the eager run: the same pass of the microbatch on the neighbouring rank,
+    the pass before it on its own rank, and the same pass of the previous microbatch."""
+    inputs = []
     step = _FROM_NEIGHBOUR.get(kind)
     if step is not None and 0 <= rank + step < pp:
-        ready = max(ready, ranks[rank + step][kind][microbatch])
+        inputs.append((rank + step, kind, microbatch))
     if kind in _AFTER:
-        ready = max(ready, slots[_AFTER[kind]][microbatch])
-    if kind > DOWN_I:  # the single W list: after as many I passes as Ws before it
-        ready = max(ready, sorted(slots[UP_I] + slots[DOWN_I])[microbatch])
+        inputs.append((rank, _AFTER[kind], microbatch))
     if microbatch:
-        ready = max(ready, slots[kind][microbatch - 1])
+        inputs.append((rank, kind, microbatch - 1))
+    return inputs
+
+
+def _ready(ranks: list[Slots], rank: int, kind: int, microbatch: int, pp: int) -> int:
+    """The latest slot among what a pass waits for (-1: nothing): its ``_inputs``, and a
+    W the ``microbatch``-th I of its rank."""
+    ready = max((ranks[other][what][which] for other, what, which in _inputs(rank, kind, microbatch, pp)),
+                default=-1)
+    if kind > DOWN_I:  # the single W list: after as many I passes as Ws before it
+        slots = ranks[rank]
+        ready = max(ready, sorted(slots[UP_I] + slots[DOWN_I])[microbatch])
     return ready
 
 
@@ -272,13 +280,8 @@ def _eager(ranks: list[Slots], pp: int) -> list[Slots]:
     free = [0] * pp
     for _, rank, kind, microbatch in _all_passes(ranks):
         start = free[rank]
-        step = _FROM_NEIGHBOUR.get(kind)
-        if step is not None and 0 <= rank + step < pp:
-            start = max(start, starts[rank + step][kind][microbatch] + 1)
-        if kind in _AFTER:
-            start = max(start, starts[rank][_AFTER[kind]][microbatch] + 1)
-        if microbatch:
-            start = max(start, starts[rank][kind][microbatch - 1] + 1)
+        for other, what, which in _inputs(rank, kind, microbatch, pp):
+            start = max(start, starts[other][what][which] + 1)
         starts[rank][kind][microbatch] = start
         free[rank] = start + 1
     return starts

@@ -107,8 +107,7 @@ def fits(programs: Sequence[Sequence], limit: int | tuple[int, ...], weight_memo
     """Whether every rank's order holds at most its limit of stashes, each ``I`` keeping
     ``weight_memory`` of its stash until its ``W`` (1: the whole stash)."""
     limits = [limit] * len(programs) if isinstance(limit, int) else limit
-    kept = None if weight_memory == 1.0 else weight_memory
-    return all(order_peak_stashes(program, kept) <= most + 1e-9
+    return all(order_peak_stashes(program, weight_memory) <= most + 1e-9
                for program, most in zip(programs, limits, strict=True))
 
 

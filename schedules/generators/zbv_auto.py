@@ -130,7 +130,7 @@ def chunk_limits(pp: int, memory_limit: float | Sequence[float] | None) -> int |
 @functools.lru_cache(maxsize=256)
 def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backward_input: tuple[float, ...],
                    backward_weight: tuple[float, ...], comm: float, chunk_stashes: int | tuple[int, ...],
-                   quick: bool, weight_memory: float = 1.0) -> Schedule:
+                   quick: bool, weight_memory: float) -> Schedule:
     """The search, kept per distinct input (a pure function of them; a schedule never
     changes), so layouts that differ only in what the order does not read share it."""
     placement = v_shape_placement(pp, 2)
@@ -144,10 +144,8 @@ def _fastest_order(pp: int, microbatches: int, forward: tuple[float, ...], backw
         [programs for programs in (v_block_order(name, pp, microbatches).programs for name in BLOCKS)
          if fits_limit(programs, chunk_stashes, weight_memory)]
     caps = [None, *sorted({cap for cap in (pp, 2 * pp - 1) if 2 <= cap < max(per_rank)})]
-    variants = itertools.product((True, False), (False, True), (True, False), (False, True), caps)
-    if quick:
-        variants = itertools.product((True,), (False,), (True,), (False, True), (None,))
-    variants = list(variants)
+    variants = list(itertools.product((True,), (False,), (True,), (False, True), (None,)) if quick else
+                    itertools.product((True, False), (False, True), (True, False), (False, True), caps))
     # the greedy counts the share kept between I and W, and where it is below 1 also the
     # whole stash (a safe count too): neither always wins, and the whole count's orders,
     # what zbv-auto built before it took the share, come first, so the first of equals is
