@@ -113,6 +113,9 @@ def test_a_shared_stash_order_holds_its_limit_as_the_memory_model_counts(pp, mic
     assert schedule.meta["weight_memory"] == counted
     assert max(shared_stashes(program, counted) for program in schedule.programs) <= int(2 * limit) + 1e-9
     validate(schedule)
+    lowered = lower(schedule)  # its transfers hold under NCCL's rule as under gloo's
+    validate(lowered, RENDEZVOUS)
+    validate(lowered, BUFFERED)
 
 
 @settings(max_examples=25, deadline=None)
