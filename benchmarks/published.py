@@ -95,10 +95,12 @@ from pipesim.model.transformer_costs import (
     model_costs,
     training_figures,
 )
+from pipesim.sim.cost_aware import cost_shell
 from pipesim.sim.memory import BytesPerParam, headroom_words, optimizer_step_bytes_per_param
 from pipesim.sim.parallel import ParallelConfig
+from pipesim.sim.stash_budget import build_within
 from pipesim.sim.step import run_simulation
-from schedules.generators import generate
+from schedules.generators import COST_AWARE, generate
 from schedules.generators.interleaved import valid_microbatch_groups
 
 A100_PEAK = 312e12
@@ -133,6 +135,7 @@ class Run:
     cp: int = 1
     cp_comm: str = "p2p"
     attention_flops: str = "causal"  # how the study's MFU counts attention (Meta's: causal)
+    memory_limit: str | None = None  # a cost-aware schedule's --memory-limit (Meta's rows: "device")
     # whether the model's choices were made with this row's error on screen (every row so far:
     # see the module); a row added after the model is fixed and first run as it stands is held out
     in_sample: bool = True
@@ -201,9 +204,13 @@ def korthikanti_2022() -> list[Run]:
 def llama3_2024() -> list[Run]:
     """Llama 3 405B's three rows (Dubey et al. 2024, Table 4): two at sequence 8192, one at
     131,072 with context parallelism 16; compared on MFU, the attention counted causal
-    (half the scores), as Meta's figures count it (docs/cluster-model.md)."""
+    (half the scores), as Meta's figures count it (docs/cluster-model.md). Each row takes
+    the chunks the paper's text gives (``META_VIRTUAL_STAGES``) and its order from
+    interleaved-auto within each GPU's usable memory (``--memory-limit device``): Megatron's
+    interleaved order where that fits, else the fastest order found that does, as Meta ran
+    every layout without activation recomputation."""
     spec = PRESETS["llama3-405b"]
-    pp, virtual_stages = 16, ASSUMED_VIRTUAL_STAGES
+    pp, virtual_stages = 16, META_VIRTUAL_STAGES
     layout = meta_layers_per_stage(spec.layers, pp, virtual_stages)
     runs = []
     # (GPUs, cp, dp, sequence, sequences per data-parallel group, TFLOP/s per GPU, BF16 MFU)
@@ -212,16 +219,17 @@ def llama3_2024() -> list[Run]:
         model = replace(spec, seq_len=seq_len)
         step = dp * per_replica * training_flops(model, "causal") / (gpus * H100_PEAK * mfu)
         runs.append(Run(f"405B {gpus} GPUs t8 c{cp} p16 d{dp} s{seq_len}", model, 8, pp, dp, dp * per_replica,
-                        step, recompute="none", sequence_parallel=True, gpu="h100", schedule="interleaved-1f1b",
+                        step, recompute="none", sequence_parallel=True, gpu="h100", schedule="interleaved-auto",
                         flash_attention=True, virtual_stages=virtual_stages, layers_per_stage=layout, zero=1,
                         rank_order="tp-cp-pp-dp" if cp > 1 else "tp-pp-dp", published_mfu=mfu, tp_overlap=False,
-                        cp=cp, cp_comm="all-gather"))
-    return [schedule_choice(run)[0] for run in runs]
+                        cp=cp, cp_comm="all-gather", memory_limit="device"))
+    return runs
 
 
-# Meta's rows: the chunks per rank tried, and the count every row takes (2 layers a chunk)
+# Meta's rows: the chunks per rank its text gives ("the first model chunk on the first stage has
+# only the embedding": one layer a chunk, 8 a rank), and the counts the table also tries
+META_VIRTUAL_STAGES = 8
 LLAMA_VIRTUAL_STAGES = (2, 4, 8)
-ASSUMED_VIRTUAL_STAGES = 4
 
 
 def meta_layers_per_stage(layers: int, pp: int, virtual_stages: int) -> tuple[int, ...] | None:
@@ -237,45 +245,38 @@ def meta_layers_per_stage(layers: int, pp: int, virtual_stages: int) -> tuple[in
 
 @functools.cache
 def schedule_candidates(run: Run) -> tuple[tuple[Run, Prediction], ...]:
-    """``run`` at every (v, N) tried for Meta's rows, with its prediction and memory."""
+    """``run`` under Megatron's interleaved order at every (v, N) tried for Meta's rows, with
+    its prediction and memory: what the row would be without an order searched to fit."""
     found = []
     for virtual_stages in LLAMA_VIRTUAL_STAGES:
         layout = meta_layers_per_stage(run.spec.layers, run.pp, virtual_stages)
         if layout is None:
             continue
         for group in valid_microbatch_groups(run.pp, run.microbatches):
-            candidate = replace(run, virtual_stages=virtual_stages, layers_per_stage=layout, microbatch_group=group)
+            candidate = replace(run, schedule="interleaved-1f1b", memory_limit=None, virtual_stages=virtual_stages,
+                                layers_per_stage=layout, microbatch_group=group)
             found.append((candidate, predict(candidate, None, with_memory=True)))
     return tuple(found)
 
 
-def schedule_choice(run: Run) -> tuple[Run, str]:
-    """The row at the assumed (v, N): ``ASSUMED_VIRTUAL_STAGES`` and N = pp for every row, and
-    the reason, which names the fastest candidate that fits where one does."""
-    candidates = schedule_candidates(run)
-    (chosen,) = [candidate for candidate, _ in candidates
-                 if (candidate.virtual_stages, candidate.microbatch_group) == (ASSUMED_VIRTUAL_STAGES, run.pp)]
-    fitting = [(candidate, prediction) for candidate, prediction in candidates
-               if prediction.peak_bytes <= prediction.usable_bytes]
-    if not fitting:
-        return chosen, "assumed for every row; no candidate fits"
-    fastest, _ = min(fitting, key=lambda pair: pair[1].step_seconds)
-    return chosen, (f"assumed for every row; the fastest that fits would be v {fastest.virtual_stages} "
-                    f"N {fastest.microbatch_group}")
-
-
 def schedule_choice_lines(runs: list[Run]) -> list[str]:
-    """Per row, each (v, N) tried: its MFU error and its peak against what the device leaves,
-    and which the row took."""
-    lines = ["", "schedule (Meta publishes neither v nor N; every row takes v 4, N = pp):"]
+    """Per row, the order it takes (interleaved-auto's: Megatron's or one searched to fit),
+    and Megatron's order at each (v, N) tried: its MFU error and its peak against what the
+    device leaves."""
+    lines = ["", f"schedule (Meta publishes neither v nor N; its text gives one-layer chunks, v {META_VIRTUAL_STAGES}; "
+             "each row's order is interleaved-auto's within the GPU's usable memory):"]
     for run in runs:
-        _, reason = schedule_choice(run)
-        lines.append(f"- {run.label}: v {run.virtual_stages} N {run.microbatch_group} ({reason})")
+        chosen = predict(run, None, with_memory=True)
+        order = ("Megatron's interleaved order, which fits" if chosen.order == "megatron" else
+                 "an order searched to fit: Megatron's does not")
+        lines.append(f"- {run.label}: v {run.virtual_stages}, {order}; MFU {chosen.mfu:.1%} "
+                     f"({chosen.error(run):+.1%}), peak {chosen.peak_bytes / 1e9:.1f} GB of "
+                     f"{chosen.usable_bytes / 1e9:.1f} usable")
         for candidate, prediction in schedule_candidates(run):
             fits = "fits" if prediction.peak_bytes <= prediction.usable_bytes else "over"
-            lines.append(f"  - v {candidate.virtual_stages} N {candidate.microbatch_group}: MFU {prediction.mfu:.1%} "
-                         f"({prediction.error(run):+.1%}), peak {prediction.peak_bytes / 1e9:.1f} GB: {fits} "
-                         f"{prediction.usable_bytes / 1e9:.1f} usable")
+            lines.append(f"  - Megatron's order, v {candidate.virtual_stages} N {candidate.microbatch_group}: "
+                         f"MFU {prediction.mfu:.1%} ({prediction.error(run):+.1%}), peak "
+                         f"{prediction.peak_bytes / 1e9:.1f} GB: {fits} {prediction.usable_bytes / 1e9:.1f} usable")
     return lines
 
 
@@ -307,6 +308,7 @@ class Prediction:
     stash_bytes: float = 0.0  # its peak of activations held for backwards
     capacity_bytes: float = 0.0  # its device's memory (nvidia-smi's total)
     headroom: str = ""  # what the device keeps back, in words (pipesim.sim.memory.headroom_words)
+    order: str = ""  # interleaved-auto's: "megatron" (its order fits) or "greedy" (one searched to fit)
 
     def error(self, run: Run) -> float:
         """Relative error against the study: of MFU where it reports MFU, else of step time."""
@@ -322,8 +324,9 @@ def predict(run: Run, efficiency: float | None, with_memory: bool = False) -> Pr
     ``with_memory``, also the fullest rank's peak memory and what its device leaves it."""
     spec = replace(run.spec, microbatch_size=run.microbatch_size)
     topology = load_topology("ib", max(1, math.ceil(run.gpus / 8)), run.gpu)
-    schedule = generate(run.schedule, run.pp, run.microbatches, run.virtual_stages,
-                        microbatch_group=run.microbatch_group)
+    cost_aware = run.schedule in COST_AWARE  # its order is built from the costs, within run.memory_limit
+    schedule = cost_shell(run.schedule, run.pp, run.microbatches, run.virtual_stages) if cost_aware else \
+        generate(run.schedule, run.pp, run.microbatches, run.virtual_stages, microbatch_group=run.microbatch_group)
     devices = map_ranks(topology, run.dp, run.pp, run.tp, run.rank_order, run.cp).pipeline()
     stage_devices = [devices[schedule.placement[stage]] for stage in range(schedule.num_stages)]
     costs = model_costs(spec, schedule.num_stages, [topology.device_peak_flops(device) for device in stage_devices],
@@ -336,17 +339,21 @@ def predict(run: Run, efficiency: float | None, with_memory: bool = False) -> Pr
                                                                              run.zero), cp=run.cp)
     parallel = ParallelConfig(dp=run.dp, tp=run.tp, overlap_dp=run.overlap_dp, zero=run.zero,
                               rank_order=run.rank_order, cp=run.cp, cp_comm=run.cp_comm, overlap_tp=run.tp_overlap)
+    if cost_aware:
+        schedule = build_within(run.memory_limit, run.schedule, run.pp, run.microbatches, costs, topology, devices,
+                                parallel)[0]
     result = run_simulation(schedule, costs, topology, parallel=parallel, validate=False)
     makespan = result.metrics.makespan
     peak = topology.device_peak_flops(stage_devices[0])
     figures = training_figures(spec, run.recompute, makespan, run.microbatches, run.dp, run.gpus, peak,
                                run.attention_flops)
+    order = schedule.meta.get("order", "")
     if not with_memory:
-        return Prediction(makespan, figures["mfu"])
+        return Prediction(makespan, figures["mfu"], order=order)
     fullest = max(result.memory, key=lambda rank: rank.peak_bytes)
     return Prediction(makespan, figures["mfu"], fullest.peak_bytes, fullest.usable_bytes, fullest.static_bytes,
                       fullest.buffer_bytes, fullest.peak_stash_bytes, fullest.capacity_bytes,
-                      headroom_words(fullest).removesuffix("; "))
+                      headroom_words(fullest).removesuffix("; "), order)
 
 
 def layer_activation_bytes(run: Run) -> float:
@@ -429,6 +436,8 @@ def command_line(run: Run, efficiency: float | None) -> str:
         flags.append(f"-v {run.virtual_stages}")
     if run.microbatch_group is not None:
         flags.append(f"--microbatch-group {run.microbatch_group}")
+    if run.memory_limit is not None:
+        flags.append(f"--memory-limit {run.memory_limit}")
     if run.layers_per_stage:
         flags.append("--layers-per-stage " + ",".join(map(str, run.layers_per_stage)))
     if run.zero:
@@ -494,7 +503,7 @@ def study_table(title: str, runs: list[Run],
         lines.append(line)
     if gaps:
         lines += ["", "memory (GB):"] + [f"- {gap}" for gap in gaps]
-    if any(run.microbatch_group is not None for run in runs):
+    if any(run.schedule == "interleaved-auto" for run in runs):
         lines += schedule_choice_lines(runs)
     lines += ["", f"equivalent command (no calibration, {runs[0].label}): `{command_line(runs[0], None)}`"]
     if runs[-1].cp > 1:  # a layout of its own: its command too

@@ -281,9 +281,10 @@ class RunConfig:
                 f"use --layers >= {self.num_stages} or give a --layout"
             )
         if self.custom_schedule is None and self.schedule in COST_AWARE:
+            chunks = f" -v {self.virtual_stages}" if self.schedule == "interleaved-auto" else ""
             raise ConfigError(
                 f"--schedule {self.schedule} builds its order from stage costs: write it with `pipesim export "
-                f"--schedule {self.schedule} --pp {self.pp} -m {self.microbatches} --costs COSTS.json --out "
+                f"--schedule {self.schedule} --pp {self.pp} -m {self.microbatches}{chunks} --costs COSTS.json --out "
                 f"{self.schedule}.csv` (costs from `pipesim profile`) and run that with --schedule-file"
             )
         if self.custom_schedule is not None:

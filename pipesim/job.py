@@ -281,12 +281,12 @@ def cost_aware_schedule_of(job: Job, topology: Topology | None, search_seconds: 
     from pipesim.sim.stash_budget import build_within
 
     topology = topology or ideal_topology()
-    shell = cost_shell(job.schedule, job.pp, job.microbatches)
+    shell = cost_shell(job.schedule, job.pp, job.microbatches, job.virtual_stages)
     if job.model:
         costs = model_costs_of(job, shell, topology)
     else:
         costs = flag_costs_of(job, shell.num_stages, shell.virtual_stages)
-        if not any(stage.wgrad for stage in costs.stages):
+        if splits_backward(job.schedule) and not any(stage.wgrad for stage in costs.stages):
             print(f"note: {job.schedule} with no weight-gradient time (--wgrad 0 or none in the costs file) "
                   "has no W passes to fill bubbles with", file=sys.stderr)
     devices = _pipeline_devices(job, topology) or map_ranks(topology, 1, job.pp, 1).pipeline()

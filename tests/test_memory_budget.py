@@ -201,6 +201,24 @@ def test_a_plan_within_each_device_keeps_every_ranked_layout_in_memory():
     assert zb and all(row["peak_memory_bytes"] <= row["usable_bytes"] and not row["oom"] for row in zb)
 
 
+def test_a_plan_builds_a_budgeted_order_for_the_layout_s_own_sharding(tmp_path):
+    """Under a budget the room for stashes is what the sharded state leaves: a ZeRO-1 layout's
+    zb-auto order is built for ZeRO-1's state, as simulate builds it (before, the plan built
+    every order for ZeRO 0, whose optimizer state left no room within 30 GB: no row)."""
+    from pipesim.api import plan
+    from pipesim.plan.request import PlanRequest
+
+    result = plan(PlanRequest(model="llama3-8b", gpus=8, global_batch=32, seq_len=4096, topology="nvlink",
+                              gpu="h100", schedules=["zb-auto"], top=5, sequence_parallel=[False], memory_limit="30GB",
+                              constraints=("pp=4", "tp=1", "recompute=none", "zero=1", "microbatch_size=1"), workers=1))
+    (row,) = result.rows
+    assert row["dp"] == 2 and row["microbatches"] == 16 and row["peak_memory_bytes"] <= 30e9
+    code, step, _ = simulate(tmp_path, "--model", "llama3-8b", "--seq-len", "4096", "--schedule", "zb-auto", "--pp",
+                             "4", "--dp", "2", "-m", "16", "--zero", "1", "--recompute", "none", "--gpu", "h100",
+                             "--topology", "nvlink", "--memory-limit", "30GB")
+    assert code == 0 and step["makespan"] == pytest.approx(row["step_time"], rel=1e-12)
+
+
 def test_a_plan_refuses_a_limit_it_cannot_read_naming_the_flag():
     with pytest.raises(ValueError, match="--memory-limit: .*got '20QB'"):
         plan_rows("20QB")

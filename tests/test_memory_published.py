@@ -53,26 +53,49 @@ def test_megatron_s_own_estimator_counts_a_llama_405b_layer_within_3_percent():
     assert abs(megatron_layer_estimate(run) / layer_activation_bytes(run) - 1) < 0.03
 
 
-def test_the_fullest_rank_at_8192_gpus_holds_megatron_s_warmup_of_two_layer_chunks():
+def megatron_order(run):
+    """``run`` under Megatron's interleaved order at N = pp (the row itself takes
+    interleaved-auto's order within the device's memory)."""
+    return replace(run, schedule="interleaved-1f1b", memory_limit=None, microbatch_group=run.pp)
+
+
+def test_the_fullest_rank_at_8192_gpus_holds_megatron_s_warmup_of_one_layer_chunks():
     """Megatron's interleaved order runs (p - r - 1) * 2 + (v - 1) * p forwards before rank
-    r's first backward and one more before it: 77 chunks of 2 layers on rank 1 at p 16, v 4
-    (32 microbatches: the warmup is not cut short). Static: 8 layers' tp shards (norm weights
-    whole) at 2 + 2 + 12/64 bytes per parameter (ZeRO-1 over dp 64). Buffers: its two links
-    (activations in from rank 0, out to rank 2), each an activation and a gradient of the
-    sequence-parallel boundary, 2sbh/t bytes, whatever its 4 chunks, and one 25 MiB gradient
-    bucket."""
+    r's first backward and one more before it: 141 chunks of one layer on rank 1 at p 16,
+    v 8 (32 microbatches: the warmup is not cut short). Static: 8 layers' tp shards (norm
+    weights whole) at 2 + 2 + 12/64 bytes per parameter (ZeRO-1 over dp 64). Buffers: its
+    two links (activations in from rank 0, out to rank 2), each an activation and a
+    gradient of the sequence-parallel boundary, 2sbh/t bytes, whatever its 8 chunks, and
+    one 25 MiB gradient bucket. It does not fit: the row's order is searched to fit."""
     run = RUNS["405B 8192 GPUs t8 c1 p16 d64 s8192"]
-    prediction = predict(run, None, with_memory=True)
-    p, v, rank = 16, 4, 1
+    assert (run.schedule, run.virtual_stages, run.memory_limit) == ("interleaved-auto", 8, "device")
+    prediction = predict(megatron_order(run), None, with_memory=True)
+    p, v, rank = 16, 8, 1
     chunks = (p - rank - 1) * 2 + (v - 1) * p + 1
-    assert chunks == 77 and run.microbatches * v > chunks
+    assert chunks == 141 and run.microbatches * v > chunks
     layer = 8192 * (4 * 2 * H + 2 * 2 * H + 2 * 2 * KV + 3 * 2 * FFN) / TP
-    assert prediction.stash_bytes == pytest.approx(2 * chunks * layer, rel=1e-9)
+    assert prediction.stash_bytes == pytest.approx(chunks * layer, rel=1e-9)
     layer_params = H * (H + 2 * KV + H) + 3 * H * FFN
     static = 8 * (layer_params / TP + 2 * H) * (2 + 2 + 12 / 64)
     assert prediction.static_bytes == pytest.approx(static, rel=1e-9)
     assert prediction.buffer_bytes == pytest.approx(2 * 2 * 8192 * H * 2 / TP + 25 * MiB, rel=1e-12)
     assert prediction.usable_bytes == pytest.approx(LLAMA_USABLE)
+    assert static + prediction.buffer_bytes + chunks * layer > LLAMA_USABLE
+
+
+def test_the_8192_gpu_row_fits_in_the_order_it_takes():
+    """Meta ran it without recomputation: interleaved-auto's order holds, on the fullest
+    rank, the static and buffers above and as many one-layer stashes as the usable memory
+    leaves room for, and no more."""
+    run = RUNS["405B 8192 GPUs t8 c1 p16 d64 s8192"]
+    prediction = predict(run, None, with_memory=True)
+    assert prediction.order == "greedy"
+    layer = 8192 * (4 * 2 * H + 2 * 2 * H + 2 * 2 * KV + 3 * 2 * FFN) / TP
+    layers_held = prediction.stash_bytes / layer
+    assert layers_held == pytest.approx(round(layers_held), abs=1e-9)  # whole one-layer stashes
+    room = LLAMA_USABLE - prediction.static_bytes - prediction.buffer_bytes
+    assert layers_held <= room / layer < 141
+    assert prediction.peak_bytes <= prediction.usable_bytes
 
 
 @pytest.mark.parametrize("microbatches", [32, 48, 64])
@@ -88,10 +111,13 @@ def test_the_chunks_held_stop_growing_with_microbatches_once_the_warmup_is_full(
 
 
 def test_at_16384_gpus_every_microbatch_of_every_chunk_is_held():
-    """16 microbatches and 4 chunks: 64 chunk forwards is less than the warmup of ranks 0-7,
-    so those ranks run every forward before a backward and hold all 16 x 8 layers."""
+    """16 microbatches and 8 chunks: 128 chunk forwards is no more than the warmup of ranks
+    0-7 (2(15 - r) + 7 x 16), so those ranks run every forward before a backward and rank 1
+    holds all 16 x 8 layers; Megatron's order fits, and interleaved-auto takes it."""
     run = RUNS["405B 16384 GPUs t8 c1 p16 d128 s8192"]
     prediction = predict(run, None, with_memory=True)
+    assert prediction.order == "megatron"
+    assert prediction.step_seconds == predict(megatron_order(run), None).step_seconds
     layer = layer_activation_bytes(run)
     assert prediction.stash_bytes == pytest.approx(16 * 8 * layer, rel=1e-9)
 
@@ -117,14 +143,15 @@ def test_both_16384_gpu_layouts_fit_by_hand(label, rings):
 
 def test_the_gap_line_states_the_largest_layer_that_would_fit():
     """The most a layer may keep is what the device leaves after static and buffers, over
-    the layers held: (81.3 GB usable - static - buffers) / 154 at 8,192 GPUs."""
-    run = RUNS["405B 8192 GPUs t8 c1 p16 d64 s8192"]
+    the layers held: (81.9 GB usable - static - buffers) / 141 under Megatron's order at
+    8,192 GPUs."""
+    run = megatron_order(RUNS["405B 8192 GPUs t8 c1 p16 d64 s8192"])
     prediction = predict(run, None, with_memory=True)
     room = LLAMA_USABLE - prediction.static_bytes - prediction.buffer_bytes
     line = memory_gap(run, prediction)
-    assert "(154 layers' activations of 0.533 GB; Megatron-LM's estimator 0.520)" in line
-    assert f"a layer may keep {room / 154 / 1e9:.3f} GB" in line
-    assert f"({room / 154 / 532_676_608:.0%} of the count)" in line
+    assert "(141 layers' activations of 0.533 GB; Megatron-LM's estimator 0.520)" in line
+    assert f"a layer may keep {room / 141 / 1e9:.3f} GB" in line
+    assert f"({room / 141 / 532_676_608:.0%} of the count)" in line
 
 
 # Qi et al. 2024 (zero bubble), Table 4: measured per-GPU peak memory of Megatron-LM's 1F1B

@@ -21,14 +21,23 @@ import pytest
 
 from executor.config import RunConfig
 from schedules.csv_io import schedule_to_csv
-from schedules.generators import GENERATORS, MULTI_CHUNK, ScheduleUnavailableError, generate, zb_auto, zbv_auto
+from schedules.generators import (
+    GENERATORS,
+    MULTI_CHUNK,
+    ScheduleUnavailableError,
+    generate,
+    interleaved_auto,
+    zb_auto,
+    zbv_auto,
+)
 from schedules.schedule import Schedule
 from schedules.torch_runtime import lower_for_torch_runtime
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(900)
 
-NAMES = (*(name for name in GENERATORS if name != "dualpipe"), "zb-auto", "zbv-auto")  # dualpipe: no file form
+# dualpipe: no file form
+NAMES = (*(name for name in GENERATORS if name != "dualpipe"), "zb-auto", "zbv-auto", "interleaved-auto")
 PIPELINES = (2, 4)
 # (file, loader, scale_grads): each file in torch's runtime under both settings, and as
 # torchtitan loads it (``runtime._load_csv(path)``, scale_grads=False) under
@@ -54,6 +63,8 @@ def build(name: str, pp: int) -> Schedule:
         return zb_auto(pp, microbatches(pp), 1.0, 1.0, 0.7, 0.1, pp)
     if name == "zbv-auto":
         return zbv_auto(pp, microbatches(pp), 1.0, 1.0, 0.7, 0.1)
+    if name == "interleaved-auto":  # below Megatron's memory: a searched order
+        return interleaved_auto(pp, microbatches(pp), chunks(name), 0.5, 1.0, 0.1, memory_limit=pp + 1)
     return generate(name, pp, microbatches(pp), chunks(name))
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from schedules.action import COMM_KINDS, parse_action
 from schedules.csv_io import schedule_from_csv
-from schedules.generators import GENERATORS, MULTI_CHUNK, generate, zb_auto, zbv_auto
+from schedules.generators import GENERATORS, MULTI_CHUNK, generate, interleaved_auto, zb_auto, zbv_auto
 from schedules.lowering import lower
 from schedules.p2p import P2PError, check_pair_order
 from schedules.schedule import Schedule
@@ -144,7 +144,8 @@ def test_the_engine_agrees_with_the_wait_graph_on_shuffled_orders():
     assert outcomes[True] > 50 and outcomes[False] > 10, outcomes
 
 
-@pytest.mark.parametrize("name", [*(name for name in GENERATORS if name != "dualpipe"), "zb-auto", "zbv-auto"])
+@pytest.mark.parametrize("name", [*(name for name in GENERATORS if name != "dualpipe"), "zb-auto", "zbv-auto",
+                                  "interleaved-auto"])
 def test_lowering_for_torchs_runtime_never_hangs_it(name):
     virtual = (2, 3) if name in MULTI_CHUNK else (1,)
     for pp in (2, 3, 4, 5):
@@ -155,7 +156,8 @@ def test_lowering_for_torchs_runtime_never_hangs_it(name):
                         continue  # the V has two chunks per rank
                     schedule = (zb_auto(pp, microbatches, 1.0, 1.2, 0.6, 0.2, pp) if name == "zb-auto"
                                 else zbv_auto(pp, microbatches, 1.0, 1.2, 0.6, 0.2) if name == "zbv-auto"
-                                else generate(name, pp, microbatches, chunks))
+                                else interleaved_auto(pp, microbatches, chunks, 1.0, 1.8, 0.2, pp + 1)
+                                if name == "interleaved-auto" else generate(name, pp, microbatches, chunks))
                 except ValueError:
                     continue  # the generator does not exist for these sizes
                 lowered = lower_for_torch_runtime(schedule)

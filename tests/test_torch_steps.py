@@ -9,14 +9,15 @@ import pytest
 
 from schedules.action import COMM_KINDS, parse_action
 from schedules.csv_io import schedule_from_csv, schedule_to_csv
-from schedules.generators import GENERATORS, MULTI_CHUNK, generate, zb_auto, zbv_auto
+from schedules.generators import GENERATORS, MULTI_CHUNK, generate, interleaved_auto, zb_auto, zbv_auto
 from schedules.lowering import lower
 from schedules.schedule import Schedule
 from schedules.torch_steps import STEP_CELLS, parse_step_cell, torch_cells
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
-SCHEDULES = [*(name for name in GENERATORS if name != "dualpipe"), "zb-auto", "zbv-auto"]  # dualpipe: no file form
+# dualpipe: no file form
+SCHEDULES = [*(name for name in GENERATORS if name != "dualpipe"), "zb-auto", "zbv-auto", "interleaved-auto"]
 _TRANSFERS = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}
 
 
@@ -25,6 +26,8 @@ def build(name: str, pp: int, microbatches: int) -> Schedule:
         return zb_auto(pp, microbatches, 1.0, 1.0, 0.5, 0.1, 2 * pp - 1)
     if name == "zbv-auto":
         return zbv_auto(pp, microbatches, 1.0, 1.0, 0.5, 0.1)
+    if name == "interleaved-auto":  # below Megatron's memory: a searched order
+        return interleaved_auto(pp, microbatches, 2, 0.5, 1.0, 0.1, memory_limit=pp + 1)
     return generate(name, pp, microbatches, 2 if name in MULTI_CHUNK else 1)
 
 

@@ -47,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpu", choices=tuple(GPUS), default=None,
                         help="GPU model of the preset's devices (default: h100)")
     parser.add_argument("--schedules", default=",".join(PLANNED_SCHEDULES),
-                        help="schedules to try, comma-separated (default: all)")
+                        help="schedules to try, comma-separated (default: all but interleaved-auto, which is "
+                        "interleaved-1f1b's order wherever that fits; name it to search orders within the memory)")
     parser.add_argument("--microbatch-sizes", default="1,2,4", help="microbatch sizes to try (default: 1,2,4)")
     parser.add_argument("--virtual-stages", default="2,4",
                         help="chunks per rank to try for multi-chunk schedules (default: 2,4)")

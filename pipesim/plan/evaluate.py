@@ -97,6 +97,7 @@ class LayoutEvaluator:
 
     def _evaluated(self, layout: Layout, exact: bool, cutoff: float) -> dict:
         from pipesim.sim.engine import lower_for
+        from pipesim.sim.stash_budget import is_budget
         from pipesim.sim.step import run_simulation
         from schedules.generators import COST_AWARE, ScheduleUnavailableError
         from schedules.lowering import repair_budget
@@ -107,8 +108,10 @@ class LayoutEvaluator:
             job = self.layout_job(layout)
             _, layout_costs, shell, _ = self.costs.of(layout)
             # orders and lowering read the stages' times and transfers, never the optimizer step:
-            # layouts that differ in their ZeRO stage alone share them (built for ZeRO 0)
-            unsharded = layout._replace(zero=0)
+            # layouts that differ in their ZeRO stage alone share them (built for ZeRO 0), but for
+            # a cost-aware order within a memory budget, whose room the sharded state decides
+            unsharded = layout if layout.schedule in COST_AWARE and is_budget(job.memory_limit) else \
+                layout._replace(zero=0)
             # zb-auto's optimising pass and zbv-auto's full search are what screening leaves out; the
             # adapted orders have neither
             search_seconds = None if exact or layout.schedule not in COST_AWARE else 0.0

@@ -30,7 +30,14 @@ from pipesim.model.per_op_checkpoint import PER_OP, per_op_refusal
 from pipesim.model.spec import NORM_MLA_UP, RECOMPUTE, ModelSpec
 from pipesim.plan.torchtitan_experts import torchtitan_expert_cause
 from pipesim.sim.zero import ZERO_STAGES
-from schedules.generators import GROUPED, MULTI_CHUNK, PLANNED_SCHEDULES, SPLIT_BACKWARD, V_SHAPED
+from schedules.generators import (
+    GROUPED,
+    MULTI_CHUNK,
+    PLANNABLE_SCHEDULES,
+    PLANNED_SCHEDULES,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+)
 from schedules.generators.combined import combined_problem
 from schedules.generators.common import ScheduleUnavailableError
 from schedules.generators.interleaved import round_size, valid_microbatch_groups
@@ -146,8 +153,8 @@ def _constraint_value(field: str, value: str) -> str:
     """``value`` as ``str`` of the ``Layout`` field ``field`` would write it; a ValueError
     naming what the field holds where it cannot be one."""
     if field == "schedule":
-        if value not in PLANNED_SCHEDULES:
-            raise ValueError(f"unknown schedule {value!r}; schedules: {', '.join(PLANNED_SCHEDULES)}")
+        if value not in PLANNABLE_SCHEDULES:
+            raise ValueError(f"unknown schedule {value!r}; schedules: {', '.join(PLANNABLE_SCHEDULES)}")
         return value
     if field == "recompute":
         if value not in RECOMPUTE_MODES:

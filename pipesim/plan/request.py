@@ -29,7 +29,7 @@ from pipesim.plan.search import PlanResult, search
 from pipesim.plan.workers import default_workers
 from pipesim.sim.stash_budget import MemoryBudget, parse_memory_limit
 from pipesim.sim.zero import ZERO_STAGES
-from schedules.generators import GROUPED, PLANNED_SCHEDULES
+from schedules.generators import GROUPED, PLANNABLE_SCHEDULES, PLANNED_SCHEDULES
 
 # The plan builds the cluster device by device and prices each layout's data-parallel
 # groups over their devices: 131,072 GPUs (16,384 nodes of 8) build in a fifth of a second,
@@ -161,7 +161,7 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
         raise ValueError("--schedules dualpipe: plan does not search bidirectional DualPipe (two copies of the model "
                          "share one placement with zbv and dualpipev, which the plan's per-placement costs cannot "
                          "tell apart); simulate it with `pipesim simulate --schedule dualpipe`, or plan dualpipev")
-    for flag, values, known in (("--schedules", request.schedules, PLANNED_SCHEDULES),
+    for flag, values, known in (("--schedules", request.schedules, PLANNABLE_SCHEDULES),
                                 ("--recompute", RECOMPUTE_MODES if request.recompute is None else request.recompute,
                                  RECOMPUTE_MODES),
                                 ("--zero", request.zero, ZERO_STAGES),

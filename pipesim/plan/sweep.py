@@ -152,7 +152,7 @@ def _build(point: SweepPoint, costs_for: Callable[[Schedule], Costs], topology: 
     if point.schedule in ADAPTABLE:
         schedule = generate(point.schedule, point.pp, point.microbatches, point.virtual_stages, max_actions)
         return adapt_to_costs(schedule, costs_for(schedule), topology, devices)
-    template = cost_shell(point.schedule, point.pp, point.microbatches)  # its stages and placement
+    template = cost_shell(point.schedule, point.pp, point.microbatches, point.virtual_stages)  # stages, placement
     return build_within(memory_limit, point.schedule, point.pp, point.microbatches, costs_for(template), topology,
                         devices, parallel)[0]
 

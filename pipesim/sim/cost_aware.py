@@ -1,9 +1,10 @@
-"""Building the schedules whose order depends on costs (``zb-auto``, ``zbv-auto``) from
-what a command already has: the per-stage costs and the cluster the pipeline runs on.
+"""Building the schedules whose order depends on costs (``zb-auto``, ``zbv-auto``,
+``interleaved-auto``) from what a command already has: the per-stage costs and the
+cluster the pipeline runs on.
 
-The generators themselves (``schedules.generators.zb_auto``, ``zbv_auto``) take plain
-seconds, so they stay below the simulator; this module reads them off a ``Costs`` and a
-``Topology``.
+The generators themselves (``schedules.generators.zb_auto``, ``zbv_auto``,
+``interleaved_auto``) take plain seconds, so they stay below the simulator; this module
+reads them off a ``Costs`` and a ``Topology``.
 """
 
 from __future__ import annotations
@@ -15,17 +16,32 @@ from pipesim.cluster.mapping import map_ranks
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs
 from pipesim.sim.engine import step_timing
-from schedules.generators import COST_AWARE, V_SHAPED, UnknownScheduleError, placement_of, zb_auto, zbv_auto
+from schedules.generators import (
+    COST_AWARE,
+    V_SHAPED,
+    UnknownScheduleError,
+    interleaved_auto,
+    placement_of,
+    zb_auto,
+    zbv_auto,
+)
 from schedules.generators.adaptive import adapt
 from schedules.generators.common import ScheduleUnavailableError
 from schedules.generators.zb_auto import order_cost
 from schedules.hop import planning_hop
 from schedules.schedule import Schedule
 
+# interleaved-auto's chunks per rank when none are given, as interleaved-1f1b's
+INTERLEAVED_AUTO = "interleaved-auto"
+DEFAULT_CHUNKS = 2
+
 
 def cost_aware_stages(name: str, virtual_stages: int | None = None) -> int:
     """Stages per rank of a cost-aware schedule: 1 for zb-auto, the V's 2 for zbv-auto
-    (``virtual_stages``, when given, must say the same)."""
+    (``virtual_stages``, when given, must say the same), interleaved-auto's
+    ``virtual_stages`` (default 2)."""
+    if name == INTERLEAVED_AUTO:
+        return virtual_stages or DEFAULT_CHUNKS
     chunks = 2 if name in V_SHAPED else 1
     if virtual_stages not in (None, chunks):
         raise ScheduleUnavailableError(
@@ -34,10 +50,11 @@ def cost_aware_stages(name: str, virtual_stages: int | None = None) -> int:
     return chunks
 
 
-def cost_shell(name: str, pp: int, microbatches: int) -> Schedule:
+def cost_shell(name: str, pp: int, microbatches: int, virtual_stages: int | None = None) -> Schedule:
     """A schedule with no programs and the cost-aware schedule's placement: what the
-    stages' costs are derived for before its order exists."""
-    placement = placement_of(name, pp, cost_aware_stages(name))
+    stages' costs are derived for before its order exists (``virtual_stages``:
+    interleaved-auto's chunks per rank)."""
+    placement = placement_of(name, pp, cost_aware_stages(name, virtual_stages))
     return Schedule(pp, microbatches, placement, [()] * pp, name=name)
 
 
@@ -70,6 +87,8 @@ def build_cost_aware(
     winning variants); ``inputs``, ``planning_inputs`` of the same arguments where the
     caller has them already (one schedule built under several limits)."""
     passes, comm = inputs or planning_inputs(name, pp, microbatches, costs, topology, devices)
+    if name == INTERLEAVED_AUTO:
+        return _interleaved_auto(pp, microbatches, costs, passes, comm, memory_limit)
     weight_memory = planned_share(max(stage.wgrad_stash_share for stage in costs.stages))
     if name == "zbv-auto":
         return zbv_auto(pp, microbatches, *passes, comm=comm, memory_limit=memory_limit, quick=search_seconds == 0,
@@ -82,24 +101,53 @@ def build_cost_aware(
     )
 
 
+def _interleaved_auto(pp: int, microbatches: int, costs: Costs, passes: tuple[list[float], ...], comm: float,
+                      memory_limit: float | tuple[float, ...] | None) -> Schedule:
+    """interleaved-auto on these stages: its limit, microbatches' activations on a rank
+    (one number or one per rank; a budget's counts are fractional, ``stash_budget``), in
+    bytes of the stages' stashes where the costs know them (so a chunk holding only the
+    embedding counts as the little it holds), else in chunk stashes, ``v`` a microbatch."""
+    virtual_stages = costs.num_stages // pp
+    sizes = [stage.stash_bytes for stage in costs.stages]
+    if not any(sizes):
+        sizes = [1.0] * costs.num_stages
+    limit = None
+    if memory_limit is not None:
+        counts = list(memory_limit) if isinstance(memory_limit, (list, tuple)) else [memory_limit] * pp
+        if len(counts) != pp:
+            raise ScheduleUnavailableError(f"{INTERLEAVED_AUTO}: --memory-limit gives {len(counts)} ranks' "
+                                           f"microbatches for pp={pp}")
+        per_microbatch = [sum(sizes[rank::pp]) for rank in range(pp)]
+        limit = [count * size for count, size in zip(counts, per_microbatch, strict=True)]
+    schedule = interleaved_auto(pp, microbatches, virtual_stages, passes[0], passes[1], comm, limit, sizes)
+    held = [limit / sum(sizes[rank::pp]) for rank, limit in enumerate(schedule.meta["memory_stashes"])]
+    schedule.meta["memory_microbatches"] = tuple(round(count, 6) for count in held)
+    return schedule
+
+
 def planning_inputs(name: str, pp: int, microbatches: int, costs: Costs, topology: Topology,
                     devices: Sequence[str] | None = None) -> tuple[tuple[list[float], ...], float]:
     """What a cost-aware schedule is built from: each stage's F, I and W seconds (with the
     executor's per-action overhead) and the hop its planning takes on the pipeline's links."""
     if name not in COST_AWARE:
         raise UnknownScheduleError(f"{name!r} is not a cost-aware schedule; those are: {', '.join(sorted(COST_AWARE))}")
-    shell = cost_shell(name, pp, microbatches)
+    shell = cost_shell(name, pp, microbatches, costs.num_stages // pp if name == INTERLEAVED_AUTO else None)
     placement = shell.placement
     if costs.num_stages != len(placement):
-        per_rank = "two stages per rank, in a V" if name in V_SHAPED else "one stage per rank"
+        per_rank = ("two stages per rank, in a V" if name in V_SHAPED else
+                    "virtual stages per rank" if name == INTERLEAVED_AUTO else "one stage per rank")
         raise ValueError(f"{name}: costs describe {costs.num_stages} stages but pp={pp} needs {len(placement)} "
                          f"({per_rank})")
     if devices is None:
         devices = map_ranks(topology, 1, pp, 1).pipeline()
     stages = costs.stages
-    passes = ([stage.fwd + costs.action_overhead for stage in stages],
-              [stage.input_grad + costs.action_overhead for stage in stages],
-              [stage.wgrad + costs.action_overhead for stage in stages])
+    if name == INTERLEAVED_AUTO:  # whole backwards: B, and no weight passes
+        passes = ([stage.fwd + costs.action_overhead for stage in stages],
+                  [stage.bwd + costs.action_overhead for stage in stages], [0.0] * len(stages))
+    else:
+        passes = ([stage.fwd + costs.action_overhead for stage in stages],
+                  [stage.input_grad + costs.action_overhead for stage in stages],
+                  [stage.wgrad + costs.action_overhead for stage in stages])
     return passes, planning_hop(step_timing(shell, costs, topology, devices))
 
 
@@ -108,7 +156,8 @@ def order_step(name: str, pp: int, microbatches: int, inputs: tuple[tuple[list[f
     cost-aware schedule, timed as its search times its candidates (free-flowing transfers,
     the planning hop) from its ``planning_inputs``."""
     passes, comm = inputs
-    return order_cost(cost_shell(name, pp, microbatches).placement, microbatches, *passes, comm)
+    chunks = len(passes[0]) // pp if name == INTERLEAVED_AUTO else None
+    return order_cost(cost_shell(name, pp, microbatches, chunks).placement, microbatches, *passes, comm)
 
 
 def adapt_to_costs(schedule: Schedule, costs: Costs, topology: Topology,

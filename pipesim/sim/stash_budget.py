@@ -47,6 +47,9 @@ from schedules.schedule import Schedule
 
 GB = 1e9
 GIB = 2.0**30
+# schedules whose limit is in bytes underneath (interleaved-auto counts each stage's stash at
+# its size): a budget gives them the fraction of a microbatch it has room for too
+FRACTIONAL = frozenset({"interleaved-auto"})
 DEVICE = "device"
 _UNITS = (("gib", GIB), ("gb", GB))  # longest suffix first
 
@@ -78,6 +81,14 @@ def parse_memory_limit(text: str) -> int | float | MemoryBudget:
         raise ValueError(f"must be a number of microbatches, a size per GPU such as 60GB, or {DEVICE!r}, "
                          f"got {text!r}")
     return int(value) if value.is_integer() else value
+
+
+def is_budget(memory_limit) -> bool:
+    """Whether ``memory_limit`` (as a job holds it: a count, a budget, or the flag's text) is a
+    budget in bytes or ``device``, whose stash counts depend on what else each rank holds."""
+    if isinstance(memory_limit, str):
+        memory_limit = parse_memory_limit(memory_limit)
+    return isinstance(memory_limit, MemoryBudget)
 
 
 def _finite(text: str) -> float | None:
@@ -113,10 +124,10 @@ class StashLimit:
         rank = self.tightest
         count = self.stashes[rank]
         within = "its usable memory" if self.budget.bytes is None else "the limit"
-        counts = ", ".join(f"{value:g}" for value in self.stashes)
+        counts = ", ".join(f"{value:.4g}" for value in self.stashes)
         return (f"note: --memory-limit {self.budget.text}: {schedule} may hold {counts} microbatches' activations "
                 f"on ranks 0 to {len(self.stashes) - 1}; rank {rank}: {self.base_bytes[rank] / GB:.2f} GB of "
-                f"parameters, gradients, optimizer state and buffers + {count:g} x "
+                f"parameters, gradients, optimizer state and buffers + {count:.4g} x "
                 f"{self.stash_bytes[rank] / GB:.3f} GB within {within}, {self.budget_bytes[rank] / GB:.2f} GB")
 
 
@@ -144,7 +155,7 @@ def stash_limit(budget: MemoryBudget, schedule: str, microbatches: int, costs: C
         bases.append(static[rank] + buffers[rank])
         units.append(2 * unit if halves else unit)  # one microbatch's activations on the rank, as the limit counts
         room.append(math.inf if unit <= 0 else (budgets[rank] - bases[rank]) / unit)
-        fitting = math.floor(room[rank] + 1e-9) if unit > 0 else math.inf
+        fitting = (room[rank] if schedule in FRACTIONAL else math.floor(room[rank] + 1e-9)) if unit > 0 else math.inf
         counts.append(min(fitting / 2 if halves else fitting, microbatches))  # never more than the step holds
     rank = min(range(num_ranks), key=lambda index: (counts[index], room[index], index))  # the tightest
     if counts[rank] < 1:  # this size of the schedule does not exist within the budget (a sweep skips the point)
@@ -199,8 +210,10 @@ def build_within(memory_limit: float | str | MemoryBudget | None, schedule: str,
     the order built at ``p`` is also tried and taken when its peak, counted in program
     order as the memory report counts it, fits every rank's budget and its step is
     shorter."""
+    chunks = costs.num_stages // pp if schedule in FRACTIONAL else None
     limit, budget = resolve_memory_limit(memory_limit, schedule, microbatches, costs,
-                                         cost_shell(schedule, pp, microbatches).placement, devices, topology, parallel)
+                                         cost_shell(schedule, pp, microbatches, chunks).placement, devices, topology,
+                                         parallel)
     inputs = planning_inputs(schedule, pp, microbatches, costs, topology, devices)
     built = build_cost_aware(schedule, pp, microbatches, costs, topology, limit, devices, search_seconds, inputs)
     if budget is None or schedule not in V_SHAPED or min(budget.stashes) >= pp:

@@ -14,6 +14,7 @@ from schedules.generators.dualpipe import dualpipe
 from schedules.generators.dualpipev import dualpipev
 from schedules.generators.gpipe import gpipe
 from schedules.generators.interleaved import interleaved_1f1b
+from schedules.generators.interleaved_auto import interleaved_auto
 from schedules.generators.interleaved_zb import interleaved_zb
 from schedules.generators.looped_bfs import looped_bfs
 from schedules.generators.one_f_one_b import one_f_one_b
@@ -41,17 +42,17 @@ GENERATORS: dict[str, Generator] = {
 
 # Schedules that place several stages on a rank and therefore use ``virtual_stages``.
 MULTI_CHUNK = frozenset({"interleaved-1f1b", "zbv", "interleaved-zb", "looped-bfs", "dualpipev", "dualpipe",
-                         "zbv-auto"})
+                         "zbv-auto", "interleaved-auto"})
 
 # Schedules whose chunks take microbatches in groups of a size the user may set
 # (Megatron's ``--microbatch-group-size-per-virtual-pipeline-stage``, Meta's N).
 GROUPED = frozenset({"interleaved-1f1b"})
 
 # Schedules whose order depends on the stage costs and a memory limit: they cannot be
-# built from sizes alone, so they have their own signature (see ``zb_auto`` and
-# ``zbv_auto``) and the command line builds them from the costs it already has
-# (``build_cost_aware``).
-COST_AWARE = frozenset({"zb-auto", "zbv-auto"})
+# built from sizes alone, so they have their own signature (see ``zb_auto``,
+# ``zbv_auto`` and ``interleaved_auto``) and the command line builds them from the costs
+# it already has (``build_cost_aware``).
+COST_AWARE = frozenset({"zb-auto", "zbv-auto", "interleaved-auto"})
 # Schedules that place stage s and 2p - 1 - s on one rank (the V; dualpipe's two copies
 # of the model sit so); the others loop.
 V_SHAPED = frozenset({"zbv", "dualpipev", "dualpipe", "zbv-auto"})
@@ -62,19 +63,24 @@ SPLIT_BACKWARD = frozenset({"zb-h1", "zb-h2", "zbv", "interleaved-zb", "dualpipe
 COST_AWARE_CALLS = {
     "zb-auto": "schedules.generators.zb_auto(pp, m, forward, backward_input, backward_weight, comm, memory_limit)",
     "zbv-auto": "schedules.generators.zbv_auto(pp, m, forward, backward_input, backward_weight, comm, memory_limit)",
+    "interleaved-auto": "schedules.generators.interleaved_auto(pp, m, v, forward, backward, comm, memory_limit)",
 }
 
 SCHEDULE_NAMES = (*GENERATORS, *sorted(COST_AWARE))
 # What ``pipesim plan`` searches: every schedule but dualpipe, whose two copies of the model
 # change each stage's costs (a whole 1/pp of the model per stage), where the planner keys
-# stage costs by the placement alone, which dualpipe shares with zbv and dualpipev.
-PLANNED_SCHEDULES = tuple(name for name in SCHEDULE_NAMES if name != "dualpipe")
+# stage costs by the placement alone, which dualpipe shares with zbv and dualpipev; and but
+# interleaved-auto, which is interleaved-1f1b's order wherever that fits and searches
+# seconds per layout where it does not (a plan names it with --schedules).
+PLANNED_SCHEDULES = tuple(name for name in SCHEDULE_NAMES if name not in ("dualpipe", "interleaved-auto"))
+# What ``pipesim plan --schedules`` accepts: the default search and interleaved-auto.
+PLANNABLE_SCHEDULES = tuple(name for name in SCHEDULE_NAMES if name != "dualpipe")
 
 
 # Compute actions per (stage, microbatch): F and B, or F, I and W for the schedules that
 # split the backward. A name not listed (a new generator) is counted with three, the most.
 COMPUTE_PASSES: dict[str, int] = {
-    "gpipe": 2, "1f1b": 2, "interleaved-1f1b": 2, "looped-bfs": 2,
+    "gpipe": 2, "1f1b": 2, "interleaved-1f1b": 2, "looped-bfs": 2, "interleaved-auto": 2,
     "zb-h1": 3, "zb-h2": 3, "zbv": 3, "interleaved-zb": 3, "zb-auto": 3, "dualpipev": 3, "dualpipe": 3, "zbv-auto": 3,
 }
 
@@ -166,6 +172,7 @@ __all__ = [
     "GENERATORS",
     "GROUPED",
     "MULTI_CHUNK",
+    "PLANNABLE_SCHEDULES",
     "PLANNED_SCHEDULES",
     "V_SHAPED",
     "placement_of",
@@ -180,6 +187,7 @@ __all__ = [
     "generate",
     "gpipe",
     "interleaved_1f1b",
+    "interleaved_auto",
     "interleaved_zb",
     "looped_bfs",
     "one_f_one_b",
