@@ -182,3 +182,14 @@ def test_run_names_the_export_that_writes_its_order(capsys):
                  "--layers", "4", "--batch-size", "8", "--steps", "1"]) != 0
     assert ("pipesim export --schedule interleaved-auto --pp 2 -m 4 -v 2 --costs COSTS.json"
             in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("limit", ["0.3", "0", "-1"])
+def test_simulate_refuses_a_count_below_one_chunk_in_microbatches(limit, capsys):
+    """At v 2 of equal chunks a rank's largest chunk holds half a microbatch's activations:
+    the error says so in the unit the flag was given in."""
+    assert main(["simulate", "--schedule", "interleaved-auto", "--pp", "4", "-m", "8", "-v", "2", "--fwd", "1",
+                 "--bwd", "2", "--memory-limit", limit]) != 0
+    err = capsys.readouterr().err
+    assert (f"interleaved-auto: --memory-limit {float(limit):g} on rank 0 is below one stash of its largest chunk "
+            "(0.5 of a microbatch's activations on the rank)") in err

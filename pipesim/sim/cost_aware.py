@@ -31,9 +31,8 @@ from schedules.generators.zb_auto import order_cost
 from schedules.hop import planning_hop
 from schedules.schedule import Schedule
 
-# interleaved-auto's chunks per rank when none are given, as interleaved-1f1b's
 INTERLEAVED_AUTO = "interleaved-auto"
-DEFAULT_CHUNKS = 2
+DEFAULT_CHUNKS = 2  # interleaved-auto's chunks per rank when none are given, as interleaved-1f1b's
 
 
 def cost_aware_stages(name: str, virtual_stages: int | None = None) -> int:
@@ -118,10 +117,17 @@ def _interleaved_auto(pp: int, microbatches: int, costs: Costs, passes: tuple[li
             raise ScheduleUnavailableError(f"{INTERLEAVED_AUTO}: --memory-limit gives {len(counts)} ranks' "
                                            f"microbatches for pp={pp}")
         per_microbatch = [sum(sizes[rank::pp]) for rank in range(pp)]
+        for rank, count in enumerate(counts):  # in the user's unit, before it becomes bytes
+            least = max(sizes[rank::pp]) / per_microbatch[rank] if per_microbatch[rank] else 0.0
+            if not count >= least or count <= 0:
+                raise ScheduleUnavailableError(
+                    f"{INTERLEAVED_AUTO}: --memory-limit {count:g} on rank {rank} is below one stash of its largest "
+                    f"chunk ({least:.3g} of a microbatch's activations on the rank)")
         limit = [count * size for count, size in zip(counts, per_microbatch, strict=True)]
     schedule = interleaved_auto(pp, microbatches, virtual_stages, passes[0], passes[1], comm, limit, sizes)
-    held = [limit / sum(sizes[rank::pp]) for rank, limit in enumerate(schedule.meta["memory_stashes"])]
-    schedule.meta["memory_microbatches"] = tuple(round(count, 6) for count in held)
+    held = [limit / sum(sizes[rank::pp]) if sum(sizes[rank::pp]) else None
+            for rank, limit in enumerate(schedule.meta["memory_stashes"])]
+    schedule.meta["memory_microbatches"] = tuple(None if count is None else round(count, 6) for count in held)
     return schedule
 
 

@@ -106,8 +106,8 @@ def _limits(pp: int, memory_limit: float | Sequence[float] | None, megatron: Sch
     if memory_limit is None:
         if megatron is None:
             raise ScheduleUnavailableError(
-                f"{NAME}: give --memory-limit (chunk stashes per rank): without one the limit is Megatron's order's "
-                f"own, and torch's groups do not split these microbatches")
+                f"{NAME}: give --memory-limit: without one the limit is Megatron's order's own, which does not exist "
+                f"here (torch's rounds, max(1, m // pp), must divide the microbatches)")
         return tuple(held(program, stash_sizes) for program in megatron.programs)
     limits = list(memory_limit) if isinstance(memory_limit, (list, tuple)) else [memory_limit] * pp
     if len(limits) != pp or any(isinstance(value, bool) or not isinstance(value, (int, float))
