@@ -25,6 +25,18 @@ def require_positive(name: str, pp: int, microbatches: int, virtual_stages: int)
             raise ScheduleUnavailableError(f"{name}: {flag} must be a whole number >= 1, got {value!r}")
 
 
+def per_rank_limits(name: str, pp: int, memory_limit, unit: str) -> list[float]:
+    """``memory_limit`` as one finite number per rank (one number for every rank, or a list
+    or tuple of ``pp``); a one-line error naming ``unit`` otherwise."""
+    limits = list(memory_limit) if isinstance(memory_limit, (list, tuple)) else [memory_limit] * pp
+    if len(limits) != pp or any(isinstance(value, bool) or not isinstance(value, (int, float))
+                                or not math.isfinite(value) for value in limits):
+        raise ScheduleUnavailableError(
+            f"{name}: --memory-limit must be a number of {unit} per rank (or one per rank of pp={pp}), "
+            f"got {memory_limit!r}")
+    return limits
+
+
 def require_single_chunk(name: str, virtual_stages: int) -> None:
     """Schedules that place one stage per rank say so instead of ignoring ``v``."""
     if virtual_stages != 1:

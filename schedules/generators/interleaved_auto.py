@@ -32,7 +32,7 @@ import math
 from collections.abc import Sequence
 
 from schedules.action import Action, ActionKind
-from schedules.generators.common import Cutoff, ScheduleUnavailableError, fastest, require_positive
+from schedules.generators.common import Cutoff, ScheduleUnavailableError, fastest, per_rank_limits, require_positive
 from schedules.generators.greedy_zero_bubble import placed_greedy_orders
 from schedules.generators.interleaved import interleaved_1f1b
 from schedules.generators.zb_auto import order_cost, per_stage
@@ -109,12 +109,7 @@ def _limits(pp: int, memory_limit: float | Sequence[float] | None, megatron: Sch
                 f"{NAME}: give --memory-limit: without one the limit is Megatron's order's own, which does not exist "
                 f"here (torch's rounds, max(1, m // pp), must divide the microbatches)")
         return tuple(held(program, stash_sizes) for program in megatron.programs)
-    limits = list(memory_limit) if isinstance(memory_limit, (list, tuple)) else [memory_limit] * pp
-    if len(limits) != pp or any(isinstance(value, bool) or not isinstance(value, (int, float))
-                                or not math.isfinite(value) for value in limits):
-        raise ScheduleUnavailableError(
-            f"{NAME}: --memory-limit must be a number of chunk stashes per rank (or one per rank of pp={pp}), "
-            f"got {memory_limit!r}")
+    limits = per_rank_limits(NAME, pp, memory_limit, "chunk stashes")
     least = [max(stash_sizes[stage] for stage in range(rank, len(stash_sizes), pp)) for rank in range(pp)]
     short = next((rank for rank in range(pp) if limits[rank] < least[rank]), None)
     if short is not None:

@@ -52,7 +52,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 
 from schedules.action import Action, ActionKind
-from schedules.generators.common import Cutoff, ScheduleUnavailableError, fastest, require_positive
+from schedules.generators.common import Cutoff, ScheduleUnavailableError, fastest, per_rank_limits, require_positive
 from schedules.generators.greedy_zero_bubble import STASH_UNITS, placed_greedy_orders, weight_units
 from schedules.generators.v_blocks import BLOCKS, v_block_order
 from schedules.generators.zb_auto import fits as fits_limit
@@ -111,13 +111,7 @@ def chunk_limits(pp: int, memory_limit: float | Sequence[float] | None) -> int |
     """``memory_limit`` (microbatches per rank, default ``p``: one number for every rank, or
     one each) checked and counted in chunk stashes, ``2L`` each (kept as one number where
     they are all equal, which is the same order)."""
-    limit = pp if memory_limit is None else memory_limit
-    limits = list(limit) if isinstance(limit, (list, tuple)) else [limit] * pp
-    if len(limits) != pp or any(isinstance(value, bool) or not isinstance(value, (int, float))
-                                or not math.isfinite(value) for value in limits):
-        raise ScheduleUnavailableError(
-            f"{NAME}: --memory-limit must be a number of microbatches' activations per rank (or one per rank of "
-            f"pp={pp}), got {memory_limit!r}")
+    limits = per_rank_limits(NAME, pp, pp if memory_limit is None else memory_limit, "microbatches' activations")
     if min(limits) < 1:
         raise ScheduleUnavailableError(
             f"{NAME}: --memory-limit {min(limits):g} is below the least a V order can run with, 1 microbatch per "
