@@ -37,18 +37,19 @@ Sources (figures transcribed from the papers' tables):
   only the embedding and the last only the output layer; no activation recomputation at
   8K; FSDP-style sharding of optimizer state and gradients; context parallelism by
   all-gathering the keys and values (load-balanced chunks); rank order [TP, CP, PP, DP].
-  Meta publishes neither the chunks per rank v nor the microbatch group N of its
-  schedule (the paper's flexible N, Megatron-Core's
-  ``--microbatch-group-size-per-virtual-pipeline-stage``): each row takes pipesim's
-  assumption, the same for every row: v 4 (2 layers a chunk, the first and last chunk one
-  layer short as Meta balanced them) and N = pp (``schedule_choice``). The table lists the
-  other candidates (v of 2, 4 or 8, at v 8 the paper's embedding-only first chunk; N in
-  Megatron's range) with their MFU and whether they fit: picking per row the fastest that
-  fits would turn on a few hundred MB of headroom (both 16,384-GPU rows fit at every v, by
-  0.5 and 0.1 GB; the 8,192-GPU row at none), so a choice by fit is shown, not taken. Sequence parallelism with
-  tp; ZeRO-1 for the sharding; flash attention; and tensor-parallel collectives exposed
-  (``--no-tp-overlap``): the paper's account of its parallelism names no tensor-parallel
-  overlap; with it (pipesim's default) the rows come out +31.7%, +22.4% and +4.9%.
+  The chunks per rank follow from that text (a layer taken off the first and last stages
+  leaves the first chunk only the embedding: one layer a chunk, v 8,
+  ``META_VIRTUAL_STAGES``). Meta publishes neither the microbatch group N of its schedule
+  (the paper's flexible N, Megatron-Core's
+  ``--microbatch-group-size-per-virtual-pipeline-stage``) nor its order, and ran every row
+  without recomputation: each row takes ``interleaved-auto`` within each GPU's usable
+  memory (``--memory-limit device``), Megatron's order (N = pp) where it fits and else the
+  fastest order found that does. The schedule lines set beside it Megatron's order at v
+  2, 4 and 8 and every N in Megatron's range, with their MFU and whether they fit.
+  Sequence parallelism with tp; ZeRO-1 for the sharding; flash attention; and
+  tensor-parallel collectives exposed (``--no-tp-overlap``): the paper's account of its
+  parallelism names no tensor-parallel overlap; with it (pipesim's default) the rows come
+  out at 52.7%, 49.4% and 41.8% MFU (+22.6%, +20.5%, +10.0%).
 
 - DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv:2412.19437): tokens/s per GPU and
   peak memory of the report's layout, printed after the tables (``benchmarks/deepseek_v3.py``
