@@ -118,11 +118,11 @@ def _interleaved_auto(pp: int, microbatches: int, costs: Costs, passes: tuple[li
                                            f"microbatches for pp={pp}")
         per_microbatch = [sum(sizes[rank::pp]) for rank in range(pp)]
         for rank, count in enumerate(counts):  # in the user's unit, before it becomes bytes
-            least = max(sizes[rank::pp]) / per_microbatch[rank] if per_microbatch[rank] else 0.0
-            if not count >= least or count <= 0:
+            if not count >= 1:
                 raise ScheduleUnavailableError(
-                    f"{INTERLEAVED_AUTO}: --memory-limit {count:g} on rank {rank} is below one stash of its largest "
-                    f"chunk ({least:.3g} of a microbatch's activations on the rank)")
+                    f"{INTERLEAVED_AUTO}: --memory-limit {count:g} on rank {rank} is below one microbatch's "
+                    f"activations, the least an order with whole backwards holds (a backward reaches the rank's "
+                    f"first chunk only after the forward has passed all {virtual_stages})")
         limit = [count * size for count, size in zip(counts, per_microbatch, strict=True)]
     schedule = interleaved_auto(pp, microbatches, virtual_stages, passes[0], passes[1], comm, limit, sizes)
     held = [limit / sum(sizes[rank::pp]) if sum(sizes[rank::pp]) else None

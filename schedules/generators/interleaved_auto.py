@@ -3,11 +3,11 @@
 Megatron's interleaved order holds ``2(p - r - 1) + (v - 1)N + 1`` chunk stashes on rank
 ``r`` (``schedules.generators.interleaved``), and nothing in that order can hold fewer
 without stalling: capping its warm-up below that, or taking groups ``N`` below ``p``,
-leaves every steady-state backward waiting on a chain around the whole pipeline (at p 16,
-v 8, m 32 the bubble goes from 10% to over 75%; ``benchmarks/published.py`` prints the
-case). Meta ran Llama 3 405B's 8,192-GPU layout without activation checkpointing on a
-schedule it tuned "for the best communication and memory efficiency" (Dubey et al. 2024,
-section 3.3.2), which Megatron's order at that layout does not fit.
+leaves every steady-state backward waiting on a chain around the whole pipeline (tried at
+p 16, v 8, m 32 while this was built: the bubble went from 10% to 75-90%). Meta ran Llama 3
+405B's 8,192-GPU layout without activation checkpointing on a schedule it tuned "for the
+best communication and memory efficiency" (Dubey et al. 2024, section 3.3.2), which
+Megatron's order at that layout does not fit.
 
 So the order here is searched, as zb-auto's and zbv-auto's are: the candidates are
 Megatron's order (torch's groups, where it fits the limit) and the greedy list
@@ -19,9 +19,10 @@ engine with free-flowing transfers, and the shortest step wins, the shortest lon
 span breaking ties, Megatron's order first among equals.
 
 The limit counts chunk stashes: one microbatch's activations on one of a rank's ``v``
-chunks (``order_peak_stashes``' count). With chunks of unequal size (Meta's first chunk
-holding only the embedding) the count is the layers' upper bound; ``pipesim`` converts a
-limit in bytes by the largest chunk's stash.
+chunks (``order_peak_stashes``' count); given each stage's stash size it is in that unit
+instead (``pipesim`` passes bytes), so a chunk of unequal size (Meta's first, holding only
+the embedding) counts as what it holds. A rank holds at least one microbatch on all its
+chunks: a backward reaches its first chunk only after the forward has passed them all.
 """
 
 from __future__ import annotations
@@ -110,11 +111,14 @@ def _limits(pp: int, memory_limit: float | Sequence[float] | None, megatron: Sch
                 f"here (torch's rounds, max(1, m // pp), must divide the microbatches)")
         return tuple(held(program, stash_sizes) for program in megatron.programs)
     limits = per_rank_limits(NAME, pp, memory_limit, "chunk stashes")
-    least = [max(stash_sizes[stage] for stage in range(rank, len(stash_sizes), pp)) for rank in range(pp)]
-    short = next((rank for rank in range(pp) if limits[rank] < least[rank]), None)
+    # a microbatch's backward reaches a rank's first chunk only after its forward has passed
+    # every chunk: a rank holds one microbatch's stash on all its chunks at least
+    least = [sum(stash_sizes[rank::pp]) for rank in range(pp)]
+    short = next((rank for rank in range(pp) if limits[rank] < least[rank] * (1 - 1e-12)), None)
     if short is not None:
-        raise ScheduleUnavailableError(f"{NAME}: --memory-limit {limits[short]:g} on rank {short} is below one stash "
-                                       f"of its largest chunk ({least[short]:g})")
+        raise ScheduleUnavailableError(f"{NAME}: --memory-limit {limits[short]:g} on rank {short} is below one "
+                                       f"microbatch's stashes on all its chunks ({least[short]:g}), the least an "
+                                       f"order with whole backwards holds")
     return tuple(float(value) for value in limits)
 
 
@@ -167,10 +171,10 @@ def _fastest_order(pp: int, microbatches: int, virtual_stages: int, forward: tup
                         break
 
     best = fastest(candidates, lambda programs: cost(programs)[::-1], lambda key: Cutoff(step=key[0]))
-    if best is None:
-        within = ", ".join(f"{limit:g}" for limit in limits) if len(set(limits)) > 1 else f"{limits[0]:g}"
+    if best is None:  # pragma: no cover - with room for one microbatch a rank, the greedy keeping room always runs
+        most = ", ".join(f"{limit:g}" for limit in limits) if len(set(limits)) > 1 else f"{limits[0]:g}"
         raise ScheduleUnavailableError(f"{NAME}: no order of pp={pp}, v={virtual_stages}, m={microbatches} runs "
-                                       f"within {within} per rank (chunk stashes, or the stash sizes' unit)")
+                                       f"within {most} per rank (chunk stashes, or the stash sizes' unit)")
     chosen = "megatron" if fits and _same(best, megatron.programs) else "greedy"
     return Schedule(pp, microbatches, placement, best, name=NAME, meta={"memory_stashes": limits, "order": chosen})
 
