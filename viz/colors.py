@@ -47,7 +47,7 @@ _CHUNK_DARKEN = 0.32  # fraction towards black per chunk, capped
 _EXTRA_STREAM_COLORS = ("#17BECF", "#BCBD22", "#8C564B", "#E377C2", "#7F7F7F")
 
 # Every generator keeps a fixed colour of its own and a marker of its own (a chart that
-# mixes eleven schedules tells each apart by both, in colour and in greyscale); an unknown
+# mixes twelve schedules tells each apart by both, in colour and in greyscale); an unknown
 # name (a schedule file) hashes into a palette. NO_PIPELINE: a layout of pp 1, whichever
 # schedule name it was searched under.
 NO_PIPELINE = "no pipeline (pp 1)"
@@ -55,6 +55,7 @@ SCHEDULE_COLORS: dict[str, str] = {
     "gpipe": "#4C78A8",
     "1f1b": "#F58518",
     "interleaved-1f1b": "#54A24B",
+    "interleaved-auto": "#1F77B4",
     "zb-h1": "#E45756",
     "zb-h2": "#B279A2",
     "zbv": "#72B7B2",
@@ -66,7 +67,8 @@ SCHEDULE_COLORS: dict[str, str] = {
     NO_PIPELINE: "#222222",
 }
 SCHEDULE_SYMBOLS: dict[str, str] = {
-    "gpipe": "circle", "1f1b": "square", "interleaved-1f1b": "diamond", "zb-h1": "triangle-up",
+    "gpipe": "circle", "1f1b": "square", "interleaved-1f1b": "diamond", "interleaved-auto": "diamond-wide",
+    "zb-h1": "triangle-up",
     "zb-h2": "triangle-down", "zbv": "pentagon", "zbv-auto": "hexagon", "zb-auto": "triangle-left",
     "interleaved-zb": "cross", "dualpipev": "star-triangle-up", "looped-bfs": "x", NO_PIPELINE: "star",
 }
