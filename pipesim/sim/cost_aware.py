@@ -125,8 +125,9 @@ def _interleaved_auto(pp: int, microbatches: int, costs: Costs, passes: tuple[li
                     f"first chunk only after the forward has passed all {virtual_stages})")
         limit = [count * size for count, size in zip(counts, per_microbatch, strict=True)]
     schedule = interleaved_auto(pp, microbatches, virtual_stages, passes[0], passes[1], comm, limit, sizes)
-    held = [limit / sum(sizes[rank::pp]) if sum(sizes[rank::pp]) else None
-            for rank, limit in enumerate(schedule.meta["memory_stashes"])]
+    # the limit each rank's order was built to, back in microbatches (``--json``'s stash_limits)
+    held = [most / sum(sizes[rank::pp]) if sum(sizes[rank::pp]) else None
+            for rank, most in enumerate(schedule.meta["memory_stashes"])]
     schedule.meta["memory_microbatches"] = tuple(None if count is None else round(count, 6) for count in held)
     return schedule
 
