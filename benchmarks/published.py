@@ -392,7 +392,7 @@ def memory_gap(run: Run, prediction: Prediction) -> str:
             f"{prediction.buffer_bytes / 1e9:.1f} buffers + {prediction.stash_bytes / 1e9:.1f} stash "
             f"({layers_held:.0f} layers' activations of {layer / 1e9:.3f} GB; Megatron-LM's estimator "
             f"{megatron_layer_estimate(run) / 1e9:.3f}); under 1F1B "
-            f"{plain.peak_bytes / 1e9:.1f} GB ({plain.stash_bytes / layer:.0f} layers); to fit "
+            f"{plain.peak_bytes / 1e9:.1f} GB ({plain.stash_bytes / layer:.0f} layers, MFU {plain.mfu:.1%}); to fit "
             f"{prediction.usable_bytes / 1e9:.1f} GB here (the {prediction.capacity_bytes / 1e9:.2f} GB device less "
             f"{prediction.headroom}) a layer may keep {room / layers_held / 1e9:.3f} GB "
             f"({room / layers_held / layer:.0%} of the count)")
