@@ -198,3 +198,23 @@ def test_one_microbatch_a_rank_is_enough(capsys):
     schedule = interleaved_auto(3, 5, 4, 1.0, 2.0, 0.1, memory_limit=4)
     assert [order_peak_stashes(program) for program in schedule.programs] == [4, 4, 4]
     assert is_valid(schedule, "rendezvous")
+
+
+def test_an_interleaved_step_out_of_memory_points_to_the_order_that_fits(tmp_path, capsys):
+    """A 16-layer Llama on 4 A100s of 40 GB: Megatron's order needs 40.8 GB on rank 0, over
+    the 40.6 usable; simulate says so and names interleaved-auto, which fits every rank."""
+    common = ["--model", "llama3-8b", "--layers", "16", "--seq-len", "4096", "--pp", "4", "-m", "16", "-v", "2",
+              "--gpu", "a100-40gb", "--topology", "nvlink"]
+    megatron = tmp_path / "megatron.json"
+    assert main(["simulate", "--schedule", "interleaved-1f1b", *common, "--json", str(megatron)]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(megatron.read_text())["oom"]
+    assert ("hint: interleaved-auto keeps interleaved-1f1b's placement and builds its order within each device's "
+            "memory: --schedule interleaved-auto --memory-limit device") in printed
+    auto = tmp_path / "auto.json"
+    assert main(["simulate", "--schedule", "interleaved-auto", *common, "--memory-limit", "device",
+                 "--json", str(auto)]) == 0
+    document = json.loads(auto.read_text())
+    assert not document["oom"] and all(rank["peak_memory_bytes"] <= rank["memory"]["usable_bytes"]
+                                       for rank in document["ranks"])
+    assert "hint:" not in capsys.readouterr().out

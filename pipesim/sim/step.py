@@ -27,6 +27,11 @@ from schedules.units import number, size, time_unit
 from schedules.validate import explain_stuck
 from schedules.validate import validate as validate_schedule
 
+# For a schedule whose fixed order does not fit, the cost-aware one of the same placement
+# that builds its order within a memory limit (what simulate's out-of-memory lines point to)
+ORDER_WITHIN_MEMORY = {"interleaved-1f1b": "interleaved-auto", "zb-h1": "zb-auto", "zb-h2": "zb-auto",
+                       "zbv": "zbv-auto"}
+
 
 @dataclass
 class SimulationResult:
@@ -245,6 +250,10 @@ class SimulationResult:
                     f"but the device holds {memory.capacity_bytes / 1e9:.2f} GB, {memory.usable_bytes / 1e9:.2f} GB "
                     "of it usable (out of memory)"
                 )
+        within = ORDER_WITHIN_MEMORY.get(self.schedule.name)
+        if within and any(memory.oom for memory in self.memory):
+            lines.append(f"  hint: {within} keeps {self.schedule.name}'s placement and builds its order within each "
+                         f"device's memory: --schedule {within} --memory-limit device (docs/schedules.md)")
         return lines
 
 
