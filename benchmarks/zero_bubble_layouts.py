@@ -69,14 +69,14 @@ class ZeroBubbleLayout:
         """One stage a rank (ZB, 1F1B): the first and last a layer short of the rest; one
         layer a chunk (1F1B-I, ZB-V): the first chunk the embedding alone and the last the
         output layer alone (the layers are ``k p - 2``)."""
-        if self.schedule in ONE_LAYER_CHUNKS:
-            if (self.layers + 2) % self.pp:
-                raise ValueError(f"{self.model}: {self.layers} layers do not make one-layer chunks on pp {self.pp}")
-            return (0,) + (1,) * self.layers + (0,)
-        middle = (self.layers + 2) // self.pp
-        layout = (middle - 1,) + (middle,) * (self.pp - 2) + (middle - 1,)
-        if sum(layout) != self.layers:
-            raise ValueError(f"{self.model}: {self.layers} layers do not split as {layout}")
+        from benchmarks.published import meta_layers_per_stage  # noqa: PLC0415  the same rule as Meta's split
+
+        one_layer = self.schedule in ONE_LAYER_CHUNKS
+        layout = meta_layers_per_stage(self.layers, self.pp, max(1, (self.layers + 2) // self.pp) if one_layer else 1)
+        if layout is None:
+            raise ValueError(f"{self.model}: {self.layers} layers do not make one-layer chunks on pp {self.pp}"
+                             if one_layer else f"{self.model}: {self.layers} layers do not split into {self.pp} "
+                             f"stages, the first and last a layer short")
         return layout
 
     def argv(self) -> list[str]:

@@ -146,11 +146,13 @@ def stash_moves(forward: np.ndarray, backward: np.ndarray, weight: np.ndarray, s
     return forward | release | partial, move
 
 
-def order_peak_stashes(program: Sequence[Action], kept: float | None = None) -> float:
+def order_peak_stashes(program: Sequence[Action], kept: float | None = None,
+                       sizes: Sequence[float] | None = None) -> float:
     """The most stashes a rank's order holds at once (``stash_moves``), counted in program
     order: a rank runs its order one action at a time, so its order is its time order.
     With ``kept``, the share of a stash held between a split backward's I and its W, as
-    ``stash_moves`` counts it (the count is then a fraction)."""
+    ``stash_moves`` counts it (the count is then a fraction); with ``sizes`` (one per
+    stage, in any unit) each stage's stash counts at its size."""
     if not program:
         return 0
     kind = np.fromiter((KIND_CODES[action.kind] for action in program), np.int64, len(program))
@@ -159,8 +161,10 @@ def order_peak_stashes(program: Sequence[Action], kept: float | None = None) -> 
     shares = None if kept is None else np.full(len(program), float(kept))
     taken, sign = stash_moves(kind == KIND_CODES["F"], (kind == KIND_CODES["B"]) | (kind == KIND_CODES["I"]),
                               kind == KIND_CODES["W"], stage, microbatch, shares)
+    if sizes is not None:
+        sign = sign * np.asarray(sizes, dtype=float)[stage]
     peak = max(float(np.cumsum(sign[taken]).max(initial=0.0)), 0.0)
-    return int(peak) if kept is None else peak
+    return int(peak) if kept is None and sizes is None else peak
 
 
 def _members(values: np.ndarray, among: np.ndarray) -> np.ndarray:

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from pipesim.cli import main
 from schedules.generators import COST_AWARE, PLANNED_SCHEDULES, generate, interleaved_auto
 from schedules.generators.common import ScheduleUnavailableError
-from schedules.generators.interleaved_auto import held
 from schedules.generators.zb_auto import order_cost
 from schedules.metrics import order_peak_stashes
 from schedules.schedule import looped_placement
@@ -62,7 +61,7 @@ def test_stash_sizes_count_a_chunk_that_holds_nothing_as_nothing():
     Megatron's order fits; counted in stashes it would not."""
     megatron = generate("interleaved-1f1b", 2, 2, 2)
     sizes = [0.0, 1.0, 1.0, 1.0]
-    assert [held(program, sizes) for program in megatron.programs] == [2.0, 3.0]
+    assert [order_peak_stashes(program, sizes=sizes) for program in megatron.programs] == [2.0, 3.0]
     by_size = interleaved_auto(2, 2, 2, 1.0, 2.0, memory_limit=[2, 3], stash_sizes=sizes)
     assert by_size.meta["order"] == "megatron" and by_size.programs == megatron.programs
     by_count = interleaved_auto(2, 2, 2, 1.0, 2.0, memory_limit=[2, 3])
@@ -105,7 +104,7 @@ def test_every_order_holds_its_limit_and_runs_under_nccl_s_rule(case, extra, by_
     schedule = interleaved_auto(pp, microbatches, chunks, forward, backward, comm, memory_limit=limit,
                                 stash_sizes=sizes)
     counted = [1.0] * (pp * chunks) if sizes is None else sizes
-    assert all(held(program, counted) <= limit for program in schedule.programs)
+    assert all(order_peak_stashes(program, sizes=counted) <= limit for program in schedule.programs)
     assert is_valid(schedule, "rendezvous") and is_valid(schedule, "torch-runtime")
     assert all(action.kind in ("F", "B") for program in schedule.programs for action in program)
 

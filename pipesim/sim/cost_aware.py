@@ -110,13 +110,13 @@ def _interleaved_auto(pp: int, microbatches: int, costs: Costs, passes: tuple[li
     sizes = [stage.stash_bytes for stage in costs.stages]
     if not any(sizes):
         sizes = [1.0] * costs.num_stages
+    per_microbatch = [sum(sizes[rank::pp]) for rank in range(pp)]  # a microbatch on all of a rank's chunks
     limit = None
     if memory_limit is not None:
         counts = list(memory_limit) if isinstance(memory_limit, (list, tuple)) else [memory_limit] * pp
         if len(counts) != pp:
             raise ScheduleUnavailableError(f"{INTERLEAVED_AUTO}: --memory-limit gives {len(counts)} ranks' "
                                            f"microbatches for pp={pp}")
-        per_microbatch = [sum(sizes[rank::pp]) for rank in range(pp)]
         for rank, count in enumerate(counts):  # in the user's unit, before it becomes bytes
             if not count >= 1:
                 raise ScheduleUnavailableError(
@@ -126,8 +126,8 @@ def _interleaved_auto(pp: int, microbatches: int, costs: Costs, passes: tuple[li
         limit = [count * size for count, size in zip(counts, per_microbatch, strict=True)]
     schedule = interleaved_auto(pp, microbatches, virtual_stages, passes[0], passes[1], comm, limit, sizes)
     # the limit each rank's order was built to, back in microbatches (``--json``'s stash_limits)
-    held = [most / sum(sizes[rank::pp]) if sum(sizes[rank::pp]) else None
-            for rank, most in enumerate(schedule.meta["memory_stashes"])]
+    held = [most / size if size else None
+            for most, size in zip(schedule.meta["memory_stashes"], per_microbatch, strict=True)]
     schedule.meta["memory_microbatches"] = tuple(None if count is None else round(count, 6) for count in held)
     return schedule
 

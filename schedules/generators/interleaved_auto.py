@@ -87,20 +87,6 @@ def _megatron_order(pp: int, microbatches: int, virtual_stages: int) -> Schedule
         return None
 
 
-def held(program: Sequence[Action], stash_sizes: Sequence[float]) -> float:
-    """The most a rank's order holds at once, each stage's stash counted at its size: a
-    forward takes its stage's, the backward gives it back (in program order, which is a
-    rank's time order)."""
-    now = peak = 0.0
-    for action in program:
-        if action.kind == ActionKind.F:
-            now += stash_sizes[action.stage]
-            peak = max(peak, now)
-        elif action.kind == ActionKind.B:
-            now -= stash_sizes[action.stage]
-    return peak
-
-
 def _limits(pp: int, memory_limit: float | Sequence[float] | None, megatron: Schedule | None,
             stash_sizes: Sequence[float]) -> tuple[float, ...]:
     """Each rank's limit, checked."""
@@ -109,7 +95,7 @@ def _limits(pp: int, memory_limit: float | Sequence[float] | None, megatron: Sch
             raise ScheduleUnavailableError(
                 f"{NAME}: give --memory-limit: without one the limit is Megatron's order's own, which does not exist "
                 f"here (torch's rounds, max(1, m // pp), must divide the microbatches)")
-        return tuple(held(program, stash_sizes) for program in megatron.programs)
+        return tuple(order_peak_stashes(program, sizes=stash_sizes) for program in megatron.programs)
     limits = per_rank_limits(NAME, pp, memory_limit, "chunk stashes")
     # a microbatch's backward reaches a rank's first chunk only after its forward has passed
     # every chunk: a rank holds one microbatch's stash on all its chunks at least
@@ -133,7 +119,7 @@ def _fastest_order(pp: int, microbatches: int, virtual_stages: int, forward: tup
     megatron = _megatron_order(pp, microbatches, virtual_stages)
 
     def within(programs) -> bool:
-        return all(held(program, stash_sizes) <= limit * (1 + 1e-12)
+        return all(order_peak_stashes(program, sizes=stash_sizes) <= limit * (1 + 1e-12)
                    for program, limit in zip(programs, limits, strict=True))
 
     fits = megatron is not None and within(megatron.programs)
