@@ -92,6 +92,11 @@ ROWS: dict[str, tuple[str, ...]] = {
     "mixtral 1f1b tp 2 sp etp 1 ep 2": (*MIXTRAL, "--pp", "2", "--tp", "2", "--sequence-parallel", "--etp", "1",
                                         "--ep", "2"),
     "mixtral 1f1b cp 2": (*MIXTRAL, "--pp", "2", "--cp", "2"),
+    # Megatron-Core's moe_act: the experts' activation output dropped and rebuilt; under a split
+    # backward held from I until the down projection's W
+    "mixtral 1f1b recompute-moe-act": (*MIXTRAL, "--pp", "2", "--recompute-moe-act"),
+    "mixtral zbv recompute-moe-act": (*MIXTRAL, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS,
+                                      "--recompute-moe-act"),
     "deepseek-v3 1f1b": ("--model", "deepseek-v3", *DEEPSEEK, "--pp", "2"),
     "deepseek-v2-lite zbv": ("--model", "deepseek-v2-lite", *DEEPSEEK, "--pp", "2", "--schedule", "zbv", *TWO_CHUNKS),
     # latent attention under bf16 autocast: the math path's float32 Q, K, V and softmax

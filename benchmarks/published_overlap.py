@@ -243,8 +243,8 @@ def mixture_of_experts() -> list[PublishedRun]:
     these benchmarks ("we force-balance the token distribution among experts and all
     benchmarks are token-dropless"), which is what pipesim's router assumes. Qwen3-30B-A3B
     in FP8 (current scaling); gpt-oss-120b in BF16 with its recipe's selective recompute
-    of the norms (``--recompute norm-mla-up``: the recipe also re-runs the experts'
-    activation, a memory-bound kernel left out). Qwen3-235B-A22B in FP8 (current scaling)
+    of the norms and the experts' activation (``layernorm, moe_act``: ``--recompute
+    norm-mla-up --recompute-moe-act``). Qwen3-235B-A22B in FP8 (current scaling)
     on 256 GPUs, ep 32 folded over tp 2 x dp 16 with the experts at etp 1 (``--etp``: the
     recipe's ``expert_tensor_parallel_size = 1``, its base recipe's), tensor-parallel
     overlap off (``tp_comm_overlap=False``) and combined 1F1B on (``--ep-overlap``:
@@ -275,7 +275,8 @@ def mixture_of_experts() -> list[PublishedRun]:
             ("25.11", 512, 4, 5630), ("26.02", 1280, 1, 5993), ("26.02.01", 1280, 1, 5984),
             ("26.04", 1280, 1, 5810), ("26.04.01", 1280, 1, 5824)):
         rows.append(PublishedRun(f"gpt-oss-120b ({container})", MOE_SOURCE, 117, GPT_OSS_120B, 64, global_batch,
-                                 micro, 4096, 1, 4, tokens, ep=8, fp8=False, recompute="norm-mla-up"))
+                                 micro, 4096, 1, 4, tokens, ep=8, fp8=False, recompute="norm-mla-up",
+                                 flags="--recompute-moe-act"))
     # Qwen3-235B-A22B, 256 GPUs, FP8-CS, MBS 1, 4096 tokens, tp 2 pp 8 vp 4 ep 32 (etp 1):
     # (container, GBS, tokens/s/GPU, TFLOP/s)
     for container, global_batch, tokens, tflops in (
@@ -300,8 +301,7 @@ def model_zoo() -> list[PublishedRun]:
     time as published, as tokens/s per GPU. The layouts differ in ways a planner chooses
     between (ep 32 over tp 2 x dp 16 or ep 8 beside tp 4; combined 1F1B on or off), so the
     rows test the ranking as well as the figures. Recompute as the commands set it:
-    ``moe_act layernorm`` is ``--recompute norm-mla-up`` (the norms; the experts'
-    activation, a memory-bound kernel, left out). Left out: the FSDP row (its table and its
+    ``moe_act layernorm`` is ``--recompute norm-mla-up --recompute-moe-act``. Left out: the FSDP row (its table and its
     command disagree on tp), the row labelled A2A (its command's config then hard-coded
     DeepEP, so the dispatcher is unknown) and the long-context table (its recompute of
     whole MoE blocks is not a pipesim mode). Held out: first run after ``--etp``,
@@ -316,7 +316,8 @@ def model_zoo() -> list[PublishedRun]:
         rows.append(PublishedRun(f"Qwen3-235B-A22B {label} (zoo)", ZOO_SOURCE, 235, QWEN3_235B, 256, 2048, 1, 4096,
                                  tp, 8, tokens, tflops, vp=4, ep=ep, etp=1, fp8=False, recompute=recompute,
                                  tp_overlap=False, ep_overlap=overlap,
-                                 flags=f"--ep-dispatcher deepep --layers-per-stage {ZOO_SPLIT}"))
+                                 flags=f"--ep-dispatcher deepep --layers-per-stage {ZOO_SPLIT}"
+                                 + (" --recompute-moe-act" if recompute == "norm-mla-up" else "")))
     return rows
 
 

@@ -87,6 +87,7 @@ class RunConfig:
     dp_bucket_mb: float = 25.0
     zero: int = 0
     recompute: str = "none"
+    recompute_moe_act: bool = False  # Megatron-Core's moe_act: the experts' activation rebuilt for the backward
     microbatches: int = 4
     virtual_stages: int = 1
     microbatch_group: int | None = None  # interleaved-1f1b's N (schedules.generators.interleaved); None: its own
@@ -263,6 +264,7 @@ class RunConfig:
         check_microbatch_group(self)
         check_expert_tp(self)
         check_expert_parallel(self)
+        check_moe_act_recompute(self)
         check_ep_overlap(self)
         check_context_parallel(self)
         if self.timeout <= 0:
@@ -409,6 +411,23 @@ def check_expert_parallel(config: RunConfig) -> None:
     experts = shrunk_spec(config).moe.experts
     if experts % config.ep:
         raise ConfigError(f"--ep {config.ep} must divide the {experts} experts (set by --experts)")
+
+
+def check_moe_act_recompute(config: RunConfig) -> None:
+    """``--recompute-moe-act`` (Megatron-Core's ``moe_act``, ``executor.recompute``) needs
+    a mixture-of-experts architecture, and is refused beside a ``--recompute`` that re-runs
+    the whole block (``full``) or runs no experts (``per-op``), as ``simulate`` refuses it."""
+    if not config.recompute_moe_act:
+        return
+    from executor.architectures.build import full_spec, is_architecture  # noqa: PLC0415 - it imports this module
+
+    if not is_architecture(config.model) or full_spec(config.model).moe is None:
+        raise ConfigError(f"--recompute-moe-act recomputes the routed experts' activation of a mixture-of-experts "
+                          f"model; use e.g. --model mixtral-8x7b (got --model {config.model})")
+    if config.recompute in ("full", "per-op"):
+        why = ("full recompute already re-runs the whole block" if config.recompute == "full"
+               else "per-op recompute does not run mixture-of-experts models")
+        raise ConfigError(f"--recompute-moe-act conflicts with --recompute {config.recompute}: {why}")
 
 
 def check_expert_tp(config: RunConfig) -> None:

@@ -171,6 +171,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
                             "torch.utils.checkpoint; or norm-mla-up (DeepSeek-V3's: every norm's output and latent "
                             "attention's Q, K and V dropped after the forward and rebuilt before the backward, no "
                             "GEMM re-run) (default none)")
+    model.add_argument("--recompute-moe-act", action="store_true",
+                       help="mixture of experts: Megatron-Core's moe_act recompute module: each routed expert's "
+                            "activation checkpointed and its output dropped after the down projection read it, "
+                            "rebuilt before that projection's backward (the experts keep the gate and up "
+                            "outputs alone) (default: off)")
     train = parser.add_argument_group("training")
     if outputs:
         train.add_argument("--steps", type=int, default=DEFAULT_STEPS,
@@ -285,7 +290,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     config = RunConfig(
         **shape, dp=args.dp, tp=args.tp, ep=args.ep, etp=getattr(args, "etp", None), cp=args.cp, cp_comm=args.cp_comm,
         sequence_parallel=args.sequence_parallel, dp_bucket_mb=args.dp_bucket_mb,
-        zero=args.zero, recompute=args.recompute,
+        zero=args.zero, recompute=args.recompute, recompute_moe_act=args.recompute_moe_act,
         model=args.model, batch_size=batch_size(args, shape["microbatches"]), **model_sizes(args), seed=args.seed,
         kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, qkv=args.qkv, experts=args.experts,
         capacity_factor=args.capacity_factor, expert_bias_rate=args.expert_bias_rate,

@@ -245,7 +245,7 @@ def profile_rank(config: RunConfig, warmup: int = 3, repeats: int = 10, min_time
         stages = {stage: model.build_stage(stage, schedule.num_stages).to(device)
                   for stage in schedule.stages_of(rank)}
         for module in stages.values():  # a run with --recompute pays its second forward: time it
-            apply_recompute(module, config.recompute)
+            apply_recompute(module, config.recompute, config.recompute_moe_act)
         probes = {stage: StageProbe(model, module, stage, schedule.num_stages, config, device)
                   for stage, module in stages.items()}
         measured = time_stages(probes, device, warmup, repeats, min_time, clock, stage_pairs(schedule, rank),

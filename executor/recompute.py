@@ -40,7 +40,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from executor.architectures.layers import written_out_attention
+from executor.architectures.layers import FeedForward, written_out_attention
+from executor.architectures.moe import MixtureOfExperts
 from executor.architectures.mtp import prediction_blocks
 from executor.config import NORM_MLA_UP, RECOMPUTE_MODES
 from executor.per_op_recompute import per_op_checkpointed
@@ -77,9 +78,14 @@ def checkpointed(block: nn.Module, mode: str):
     return functools.partial(attention_checkpointed, block.forward)
 
 
-def apply_recompute(stage: nn.Module, mode: str) -> None:
+def apply_recompute(stage: nn.Module, mode: str, moe_act: bool = False) -> None:
     """Wrap each block of ``stage`` (its ``blocks`` list) in activation checkpointing;
-    parameter names and the module tree stay as they are."""
+    parameter names and the module tree stay as they are. ``moe_act`` (``--recompute-moe-act``)
+    switches on the routed experts' own recompute of their activation
+    (``FeedForward.recompute_activation``), beside any mode but ``full`` and ``per-op``
+    (``executor.config.check_moe_act_recompute``)."""
+    if moe_act:
+        recompute_experts_activation(stage)
     if mode == "none":
         return
     if mode not in RECOMPUTE_MODES:
@@ -112,3 +118,16 @@ def recompute_norms_and_up_projections(block: nn.Module) -> None:
     for module in block.modules():
         if hasattr(module, "recompute_up"):
             module.recompute_up = True
+
+
+def recompute_experts_activation(stage: nn.Module) -> None:
+    """Each routed expert of ``stage``'s mixture-of-experts layers keeps its activation's
+    inputs alone (Megatron-Core's ``moe_act``); the shared experts keep theirs, as
+    ``moe_act`` leaves them (their own module is ``shared_experts``). A stage without such
+    layers (a dense first stage) is left as it is."""
+    for module in stage.modules():
+        if isinstance(module, MixtureOfExperts):
+            # a list, or under expert parallelism a dict of this rank's experts (executor.expert_parallel)
+            for expert in module.experts.modules():
+                if isinstance(expert, FeedForward):
+                    expert.recompute_activation = True

@@ -128,7 +128,7 @@ class RankRun:
                                   shard_routing=config.routes_shards)
             self.tp_timer = TpTimer(lambda: self.runtime.current, self.clock.mark, progress)
         for stage in self.stages.values():
-            apply_recompute(stage, config.recompute)
+            apply_recompute(stage, config.recompute, config.recompute_moe_act)
         self.context = None
         self.cp_timer = None
         self.attention: dict[tuple[int, str], float] = {}  # ring attention's core, seconds by (stage, kind), last step

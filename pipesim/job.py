@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from pipesim.cluster.files import load_topology
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, load_costs, uniform_costs
+from pipesim.model.per_op_checkpoint import PER_OP
 from pipesim.model.quantization import EP_DISPATCHES
 from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN
 from schedules.collector import without_collector
@@ -101,6 +102,7 @@ class Job:
     layers_per_stage: str | None = None
     sequence_parallel: bool = False
     recompute: str = "none"
+    recompute_moe_act: bool = False  # Megatron-Core's moe_act recompute module (ModelSpec.moe_act_recompute)
     no_flash_attention: bool = False
     capacity_factor: float | None = None
     attention_flops: str = "causal"  # how MFU counts attention (pipesim.model.transformer_costs.ATTENTION_FLOPS)
@@ -579,9 +581,28 @@ def model_spec_of(job):
     if fp8:
         spec = replace(spec, fp8=True, fp8_scaling=fp8 if isinstance(fp8, str) else spec.fp8_scaling)
     spec = with_qkv(spec, getattr(job, "qkv", "separate"))
+    spec = with_moe_act_recompute(spec, getattr(job, "recompute_moe_act", False), getattr(job, "recompute", "none"),
+                                  job.model)
     spec = with_ep_dispatch(spec, getattr(job, "ep_dispatch", None), job.model)
     spec = with_ep_dispatcher(spec, getattr(job, "ep_dispatcher", None), job.model)
     return replace(spec, expert_tp=expert_tp_of(job)) if expert_tp_of(job) else spec
+
+
+def with_moe_act_recompute(spec, on: bool, recompute: str, model: str):
+    """``spec`` with ``--recompute-moe-act`` applied (Megatron-Core's ``moe_act`` recompute
+    module: the routed experts' activation re-run in every backward, its output not kept).
+    Refused in one line for a model without experts, and beside a ``--recompute`` that
+    already re-runs the whole layer (``full``) or refuses experts (``per-op``)."""
+    if not on:
+        return spec
+    if spec.moe is None:
+        raise ValueError(f"--recompute-moe-act: {model} has no mixture of experts, so no experts' activation to "
+                         "recompute; drop --recompute-moe-act")
+    if recompute in ("full", PER_OP):
+        raise conflict("--recompute-moe-act", f"--recompute {recompute}",
+                       "full recompute already re-runs the whole layer" if recompute == "full"
+                       else "per-op recompute does not run mixture-of-experts models")
+    return replace(spec, moe_act_recompute=True)
 
 
 def with_ep_dispatcher(spec, dispatcher: str | None, model: str):
@@ -855,7 +876,8 @@ def model_figures(job: Job, result) -> dict:
     spec = model_spec_of(job)
     figures, gpus, peak = _throughput(job, result, spec)
     model = spec.describe()
-    model.update(recompute=job.recompute, flash_attention=not job.no_flash_attention,
+    model.update(recompute=job.recompute, recompute_moe_act=spec.moe_act_recompute,
+                 flash_attention=not job.no_flash_attention,
                  sequence_parallel=job.sequence_parallel, gpus=gpus, peak_flops_per_gpu=peak,
                  compute_model=result.costs.meta.get("compute_model"))
     return {"model": model, "stage_costs": result.costs.to_dict()["stages"], **figures}

@@ -35,7 +35,7 @@ def measured_block_bytes(config: RunConfig, block: int = 0) -> int:
 
     model = build_model(config)
     stage = model.build_stage(0, 1)
-    apply_recompute(stage, config.recompute)
+    apply_recompute(stage, config.recompute, config.recompute_moe_act)
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     saved: dict[int, torch.UntypedStorage] = {}
 

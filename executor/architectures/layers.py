@@ -278,7 +278,18 @@ class FeedForward(nn.Module):
     GeGLU with tanh-approximated GeLU), or two matrices with the activation between
     (GPT-2). ``clamped-swiglu`` is gpt-oss's: ``w2((up + 1) * g * sigmoid(1.702 g))``
     with ``g = min(w1 x, limit)`` and ``up = w3 x`` clamped to ``[-limit, limit]``
-    (Hugging Face's ``GptOssExperts``)."""
+    (Hugging Face's ``GptOssExperts``).
+
+    ``recompute_activation`` (a routed expert under ``--recompute-moe-act``, Megatron-Core's
+    ``moe_act``: ``executor.recompute``) runs the activation under a checkpoint, so it keeps
+    only its inputs (the gate and up outputs), and drops its output once the down
+    projection has saved it, rebuilding it before that projection's backward
+    (``executor.rebuilt_activations``), as Megatron-Core's output-discarding checkpoint
+    does. The backward runs the activation twice here (the rebuild, then the checkpoint's
+    own re-run for its gradient) where Megatron-Core runs it once; the simulator prices
+    Megatron-Core's one."""
+
+    recompute_activation = False
 
     def __init__(self, hidden: int, ffn: int, gated: bool = True, bias: bool = False, activation: str | None = None,
                  limit: float | None = None) -> None:
@@ -290,10 +301,25 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(hidden, ffn, bias=bias) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w3 is None:
-            return self.w2(ACTIVATIONS[self.activation](self.w1(x)))
+        inner = (self.w1(x),) if self.w3 is None else (self.w1(x), self.w3(x))
+        if not (self.recompute_activation and torch.is_grad_enabled()):
+            return self.w2(self.activate(*inner))
+        from torch.utils.checkpoint import checkpoint  # noqa: PLC0415 - only under --recompute-moe-act
+
+        from executor.rebuilt_activations import drop_until_backward  # noqa: PLC0415 - it imports DTensor
+
+        hidden = checkpoint(self.activate, *inner, use_reentrant=False)
+        out = self.w2(hidden)
+        drop_until_backward((out,), (hidden,), lambda: (self.activate(*inner),), "an expert's activation output")
+        return out
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """The activation on the first projection's output (``gate``), times the second's
+        (``up``) where the MLP is gated."""
+        if up is None:
+            return ACTIVATIONS[self.activation](gate)
         if self.activation == "clamped-swiglu":
-            gate = self.w1(x).clamp(max=self.limit)
-            up = self.w3(x).clamp(min=-self.limit, max=self.limit)
-            return self.w2((up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_ALPHA)))
-        return self.w2(ACTIVATIONS[self.activation](self.w1(x)) * self.w3(x))
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * GPT_OSS_ALPHA))
+        return ACTIVATIONS[self.activation](gate) * up

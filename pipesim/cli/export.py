@@ -150,7 +150,8 @@ PLAN_FIELDS = {"schedule": ("--schedule", "schedule", None), "pp": ("--pp", "pp"
                "microbatch_group": ("--microbatch-group", "microbatch_group", None), "tp": ("--tp", "tp", 1),
                "dp": ("--dp", "dp", 1), "microbatch_size": ("--microbatch-size", "microbatch_size", None),
                "recompute": ("--recompute", "recompute", "none"), "zero": ("--zero", "zero", 0),
-               "sequence_parallel": ("--sequence-parallel", "sequence_parallel", False)}
+               "sequence_parallel": ("--sequence-parallel", "sequence_parallel", False),
+               "recompute_moe_act": ("--recompute-moe-act", "recompute_moe_act", False)}
 
 
 def apply_plan_layout(args: argparse.Namespace) -> None:
@@ -175,7 +176,9 @@ def apply_plan_layout(args: argparse.Namespace) -> None:
         if getattr(args, dest) != unset:
             raise conflict(flag, f"--from-plan {args.from_plan}", f"the plan's layout sets {field}; drop {flag}")
         if field not in row:
-            if field == "microbatch_group":  # a plan written before groups were searched: the schedule's own
+            # a plan written before groups were searched: the schedule's own; before the experts'
+            # activation could be recomputed: not recomputed
+            if field in ("microbatch_group", "recompute_moe_act"):
                 continue
             raise ValueError(f"--from-plan {args.from_plan}: layout {args.plan_rank} has no {field!r}")
         setattr(args, dest, row[field])

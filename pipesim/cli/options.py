@@ -165,6 +165,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "latent-attention models and without flash attention), norm-mla-up every norm's "
                        "output and latent attention's up-projections (DeepSeek-V3's: a layer keeps the norms' inputs "
                        "and the latents, not Q, K, V) (default: none)")
+    add_moe_act_arg(group)
     group.add_argument("--no-flash-attention", action="store_true",
                        help="keep the s x s attention scores for the backward (Korthikanti et al.'s 5as/h term)")
     group.add_argument("--attention-flops", choices=("causal", "whole"), default="causal",
@@ -177,6 +178,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--capacity-factor", type=float, default=None,
                        help="mixture of experts: token slots each routed expert computes, as a multiple of its "
                        "balanced share; empty slots cost time, not model FLOPs (default: dropless)")
+
+
+def add_moe_act_arg(group) -> None:
+    """``--recompute-moe-act``, for simulate, sweep, export, run and compare alike."""
+    group.add_argument("--recompute-moe-act", action="store_true",
+                       help="mixture of experts: Megatron-Core's moe_act recompute module (--recompute-modules "
+                       "moe_act): the routed experts keep their activation's inputs, not its output, which every "
+                       "backward re-runs (a memory-bound kernel); beside --recompute none, selective or "
+                       "norm-mla-up. Under --fp8 it changes nothing: FP8 caching already keeps the inputs alone "
+                       "(default: off)")
 
 
 def add_precision_args(group) -> None:

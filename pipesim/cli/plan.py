@@ -18,6 +18,7 @@ from pipesim.cli.options import (
     add_clip_grad_arg,
     add_memory_headroom_arg,
     add_memory_limit_arg,
+    add_moe_act_arg,
     add_precision_args,
     add_qkv_arg,
 )
@@ -99,6 +100,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a compute model fitted by pipesim profile --compute-model (default: the GPU's own)")
     add_precision_args(parser)
     add_qkv_arg(parser)
+    add_moe_act_arg(parser)
     parser.add_argument("--max-actions", type=int, default=None,
                         help="skip layouts whose schedule has more lowered actions than this (default: simulate's)")
     parser.add_argument("--constraint", action="append", default=[],
@@ -139,7 +141,11 @@ def handle(args: argparse.Namespace) -> int:
         for mode in planner.space.recompute:
             check_per_op_qkv(mode, qkv)
     print(f"plan: {args.model} on {args.gpus} GPUs ({args.topology}), global batch {args.global_batch}: "
-          f"{planner.considered} layouts to consider on {planner.workers} process(es)", file=sys.stderr)
+          f"{planner.considered} layouts to consider on {planner.workers} process(es)"
+          + ("; the routed experts' activation recomputed (--recompute-moe-act"
+             + (", beside which full and per-op recompute are not searched)" if args.recompute is None else ")")
+             if args.recompute_moe_act else ""),
+          file=sys.stderr)
     if not planner.layouts:
         print(format_causes("ruled out", planner.ruled_out) or "no layout to consider", file=sys.stderr)
         if planner.values_left_out:
@@ -190,7 +196,7 @@ def plan_request(args: argparse.Namespace):
         fp8=args.fp8, ep_dispatch=args.ep_dispatch, ep_dispatcher=args.ep_dispatcher, comm_sms=args.comm_sms,
         qkv=args.qkv,
         max_actions=args.max_actions, memory_headroom=args.memory_headroom, memory_limit=args.memory_limit,
-        clip_grad=args.clip_grad,
+        clip_grad=args.clip_grad, recompute_moe_act=args.recompute_moe_act,
         top=args.top, workers=args.workers, torchtitan=bool(args.torchtitan), fsdp=args.fsdp)
 
 

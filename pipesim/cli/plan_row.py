@@ -39,7 +39,8 @@ ROW_FIXES = (("--schedule", "schedule", None), ("--schedule-file", "schedule_fil
              ("--dp", "dp", 1), ("--tp", "tp", 1), ("--zero", "zero", 0), ("--recompute", "recompute", "none"),
              ("--sequence-parallel", "sequence_parallel", False), ("--batch-size", "batch_size", None),
              ("--cp", "cp", 1), ("--ep", "ep", 1), ("--cp-comm", "cp_comm", "p2p"),
-             ("--ep-overlap", "ep_overlap", False), ("--etp", "etp", None))
+             ("--ep-overlap", "ep_overlap", False), ("--etp", "etp", None),
+             ("--recompute-moe-act", "recompute_moe_act", False))
 TOYS = ("mlp", "gpt")
 # The architecture an ep row runs when the run names only a toy: routed experts, which ep
 # splits (cp splits the toy gpt's sequences as any transformer's).
@@ -191,8 +192,8 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
     for flag, name, unset in ROW_FIXES:
         if getattr(args, name, unset) != unset:
             raise ConfigError(f"{flag} conflicts with --plan {args.plan}: the plan's row fixes the schedule, pp, "
-                              "microbatches, virtual stages, dp, tp, cp, ep, etp, ZeRO, recompute, sequence "
-                              f"parallelism, combined 1F1B and the batch; drop {flag}")
+                              "microbatches, virtual stages, dp, tp, cp, ep, etp, ZeRO, recompute (the experts' "
+                              f"activation's too), sequence parallelism, combined 1F1B and the batch; drop {flag}")
     number = args.row
     row = read_row(args.plan, number)
     model = shrunk_model(args, row, planned_model(args, row, number))
@@ -206,7 +207,9 @@ def config_from_plan_row(args: argparse.Namespace) -> tuple[RunConfig, str]:
              "cp_comm": "p2p",  # the ring, as plan priced cp
              "ep_overlap": _switch(row, "ep_overlap", number),  # combined 1F1B, as the plan simulated it
              "etp": _expert_tp(row, number),  # the experts folded (1) or split over tp
-             "clip_grad": planned_clip(args, row, number)}
+             "clip_grad": planned_clip(args, row, number),
+             # the experts' activation recomputed, as every layout of the plan was priced
+             "recompute_moe_act": _switch(row, "recompute_moe_act", number)}
     if row.get("order") is not None:  # the order the plan built from its costs, run as simulated
         fixed["custom_schedule"] = order_from_dict(row["order"], f"plan row {number}'s order")
     planned = argparse.Namespace(**{**vars(args), **fixed, **model})

@@ -88,6 +88,8 @@ def executor_spec(config: RunConfig) -> tuple[ModelSpec, SavedTensors] | None:
     spec = replace(run_spec(config), **sizes)
     if config.folded:  # parallel folding: the routed experts whole on every rank (--etp 1)
         spec = replace(spec, expert_tp=config.expert_tp)
+    if config.recompute_moe_act:  # the routed experts keep their activation's inputs (executor.recompute)
+        spec = replace(spec, moe_act_recompute=True)
     if is_architecture(config.model):
         return spec, saved
     # the toy gpt's packed QKV is one projection (one cast of its input) and lays the

@@ -148,9 +148,15 @@ def mlp_stash_bytes(spec: ModelSpec, layer: int) -> float:
     input as FP8 (a GEMM input) and the activation's inputs in 16-bit; a mixture of
     experts' routed and shared experts keep only the activation's inputs, in FP8, and
     recompute its output in the backward (DeepSeek-V3's SwiGLU caching, section 3.3.3;
-    Megatron-Core's ``fp8_input_store``)."""
+    Megatron-Core's ``fp8_input_store``). In 16-bit with Megatron-Core's ``moe_act``
+    recompute (``--recompute-moe-act``) the routed experts keep their activation's inputs
+    alone too, and every backward re-runs it (output-discarding checkpointing: the down
+    projection's input is dropped after the forward and rebuilt before its backward); the
+    shared experts keep theirs (their own recompute module is another)."""
     width, d = spec.mlp_width(layer), spec.dtype_bytes
     if not spec.fp8:
+        if spec.moe_act_recompute and spec.is_moe_layer(layer):
+            return (spec.mlp_matrices * width - spec.moe.routed_width()) * d
         return spec.mlp_matrices * width * d
     inputs = (spec.mlp_matrices - 1) * width
     if spec.is_moe_layer(layer):
@@ -195,11 +201,18 @@ def rebuilt_until_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sequence_paral
     whole until ``W`` (``saved.whole_stash_until_weight_grad``: the executor refills the
     dropped storages once, in ``I``, and ``W`` reads them, ``executor.rebuilt_activations``),
     held until ``W``: what the recompute saved, ``layer_stash_bytes`` without it less
-    with it. 0 for any other recompute or implementation."""
-    if recompute != NORM_MLA_UP or not saved.whole_stash_until_weight_grad:
+    with it. So too the routed experts' activation output that ``--recompute-moe-act``
+    dropped (``executor.architectures.layers.FeedForward``, rebuilt in ``I``, read by the
+    down projection's ``W``). 0 for any other recompute or implementation."""
+    if not saved.whole_stash_until_weight_grad:
         return 0.0
-    return (layer_stash_bytes(spec, tp, sequence_parallel, "none", flash_attention, layer, saved)
-            - layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention, layer, saved))
+    held = 0.0
+    if spec.moe_act_recompute and spec.is_moe_layer(layer):
+        held += spec.tokens * spec.moe.routed_width(padded=False) * spec.dtype_bytes / tp
+    if recompute != NORM_MLA_UP:
+        return held
+    return held + (layer_stash_bytes(spec, tp, sequence_parallel, "none", flash_attention, layer, saved)
+                   - layer_stash_bytes(spec, tp, sequence_parallel, recompute, flash_attention, layer, saved))
 
 
 def regathered_until_weight_grad_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,

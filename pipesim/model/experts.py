@@ -160,6 +160,11 @@ class MixtureOfExperts:
         factor = self.capacity_factor if padded else min(1.0, self.capacity_factor)
         return self.experts_per_token * factor
 
+    def routed_width(self, padded: bool = True) -> float:
+        """Per token, its routed experts' MLP columns: ``routed_slots`` of the expert width
+        (what an activation over them reads per input matrix and writes)."""
+        return self.routed_slots(padded) * self.expert_ffn
+
     @property
     def dropped_share(self) -> float:
         """The share of routed token copies a capacity below the balanced share drops:

@@ -74,10 +74,15 @@ def activation_bytes_per_token(spec: ModelSpec, layer: int = 0) -> float:
 def recomputed_activation_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0) -> float:
     """Of ``layer_traffic_bytes``' element-wise bytes, the MLP activation's when every
     backward re-runs it: a mixture of experts under FP8 caching keeps the activation's
-    inputs and recomputes its output (``pipesim.model.activations``); 0 otherwise."""
-    if not (spec.fp8 and spec.is_moe_layer(layer)):
+    inputs and recomputes its output, the routed and shared experts' alike; in 16-bit with
+    ``moe_act`` recompute the routed experts' (``pipesim.model.activations``); 0 otherwise."""
+    if not spec.is_moe_layer(layer):
         return 0.0
-    return spec.tokens * activation_bytes_per_token(spec, layer) / tp
+    if spec.fp8:
+        return spec.tokens * activation_bytes_per_token(spec, layer) / tp
+    if spec.moe_act_recompute:
+        return spec.tokens * (3 if spec.gated_mlp else 2) * spec.moe.routed_width() * spec.dtype_bytes / tp
+    return 0.0
 
 
 def norm_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False) -> float:

@@ -292,8 +292,13 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
     if saved.gated_activation_output and spec.gated_mlp:
         # gpt-oss's clamped SwiGLU keeps 3f more: the gate before its clamp, up before its clamp and
         # plus one, and the gate times its sigmoid (7f in all)
+        # (under --recompute-moe-act the routed experts keep the activation's inputs alone: its
+        # checkpoint's, what the inventory counts; the shared experts keep theirs)
         clamped = 3 if spec.mlp_activation == CLAMPED_SWIGLU else 0
-        per_token += (1 + clamped) * spec.mlp_width(layer, padded=False) / tp * d
+        width = spec.mlp_width(layer, padded=False)
+        if spec.moe_act_recompute and spec.is_moe_layer(layer):
+            width -= spec.moe.routed_width(padded=False)
+        per_token += (1 + clamped) * width / tp * d
     if saved.routed_combine and spec.is_moe_layer(layer):
         slots, k = spec.moe.routed_slots(padded=False), spec.moe.experts_per_token
         # the weighted outputs and their weights in the combine's type (float32 under autocast)

@@ -102,6 +102,9 @@ class ModelSpec:
     fp8: bool = False  # the weight GEMMs in FP8 (Transformer Engine, DeepSeek-V3): pipesim.model.compute_model
     fp8_scaling: str = "delayed"  # how FP8 casts find their scale (FP8_SCALINGS): pipesim.model.compute_model
     fp8_dispatch: bool = False  # the MoE dispatch all-to-alls in FP8 (DeepSeek-V3): dispatch_element_bytes
+    # Megatron-Core's recompute module moe_act: the routed experts keep their activation's inputs, not its output,
+    # and every backward re-runs it (pipesim.model.activations.mlp_stash_bytes)
+    moe_act_recompute: bool = False
     ep_dispatcher: str = "alltoall"  # how the MoE all-to-alls move the routed copies (experts.EP_DISPATCHERS)
     # the routed experts' tensor-parallel ranks (Megatron-Core's expert tensor parallelism, ETP, under its
     # parallel folding: pipesim.model.layout); 0: the layout's tp, as Megatron-Core's default
@@ -134,6 +137,9 @@ class ModelSpec:
                                  f"of {', '.join(EP_DISPATCHERS)}")
         if self.expert_tp < 0:
             raise ModelSpecError(f"model {self.name}: expert_tp {self.expert_tp} must be >= 1 (0: the layout's tp)")
+        if self.moe_act_recompute and self.moe is None:
+            raise ModelSpecError(f"model {self.name}: moe_act recomputes the routed experts' activation, and the "
+                                 f"model has no mixture of experts")
         if self.fp8_dispatch and not self.fp8:
             raise ModelSpecError(f"model {self.name}: an FP8 dispatch feeds the experts' FP8 GEMMs; with BF16 GEMMs "
                                  f"it only loses precision (turn fp8 on, or fp8_dispatch off)")
@@ -315,7 +321,7 @@ class ModelSpec:
         the shared ones'."""
         if not self.is_moe_layer(layer):
             return self.ffn
-        return self.moe.routed_slots(padded) * self.moe.expert_ffn + self.moe.shared_ffn
+        return self.moe.routed_width(padded) + self.moe.shared_ffn
 
     def layer_groups(self, first: int = 0, stop: int | None = None) -> list[tuple[int, int]]:
         """Layers ``[first, stop)`` grouped by kind (dense, mixture of experts): ``(a layer of

@@ -52,10 +52,11 @@ class PlanRequest:
     keeping layouts that match every one of ``constraints`` (``"pp=8"``,
     ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on ``workers`` processes (None: the CPUs
     available). ``mfu``, ``compute_model``, ``fp8``, ``ep_dispatch``, ``ep_dispatcher``, ``comm_sms``, ``qkv``,
-    ``max_actions``, ``memory_headroom``, ``memory_limit`` and ``clip_grad`` are ``pipesim simulate``'s, the
-    same for every layout. ``torchtitan`` keeps only the layouts torchtitan 0.3 runs as priced (its replicas
-    sharded with FSDP where ``fsdp``): where its expert mesh puts the experts. Field names are
-    the command's flags."""
+    ``max_actions``, ``memory_headroom``, ``memory_limit``, ``clip_grad`` and ``recompute_moe_act`` are
+    ``pipesim simulate``'s, the same for every layout (with ``recompute_moe_act`` the recompute modes
+    searched leave out full and per-op, which it cannot go with). ``torchtitan`` keeps only the
+    layouts torchtitan 0.3 runs as priced (its replicas sharded with FSDP where ``fsdp``): where
+    its expert mesh puts the experts. Field names are the command's flags."""
 
     model: str
     gpus: int
@@ -88,6 +89,7 @@ class PlanRequest:
     # zb-auto's and zbv-auto's stashes, or a budget ("60GB", "device": pipesim.sim.stash_budget); None: pp
     memory_limit: float | str | MemoryBudget | None = None
     clip_grad: float | None = None  # None: pipesim.job.CLIP_GRAD
+    recompute_moe_act: bool = False  # the routed experts' activation recomputed (ModelSpec.moe_act_recompute)
     top: int = 10
     workers: int | None = None
     torchtitan: bool = False  # keep only the layouts torchtitan 0.3 runs as priced (``--torchtitan``)
@@ -124,6 +126,7 @@ class Planner:
         for row in result.rows:  # a row names its model: `pipesim run --plan plan.json --row N` builds that one
             # and clips as the plan priced; `export --from-plan` writes its sequence length
             row["model"], row["qkv"], row["clip_grad"], row["seq_len"] = model, self.request.qkv, clip, seq_len
+            row["recompute_moe_act"] = self.request.recompute_moe_act
         return result
 
 
@@ -182,7 +185,7 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                compute_model=request.compute_model, memory_headroom=request.memory_headroom, fp8=request.fp8,
                clip_grad=request.clip_grad, memory_limit=request.memory_limit,
                ep_dispatch=request.ep_dispatch, ep_dispatcher=request.ep_dispatcher, comm_sms=request.comm_sms,
-               qkv=request.qkv,
+               qkv=request.qkv, recompute_moe_act=request.recompute_moe_act,
                **({"max_actions": request.max_actions} if request.max_actions else {}))
     check_memory_limit(request.memory_limit, request.schedules)  # here, not in every layout
     parallel_of(base)  # a bad --memory-headroom fails here
@@ -193,6 +196,8 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
     _check_precision(base, spec, topology, request.gpus)
     _check_degrees(request, spec)
     recompute = searched_recompute(spec) if request.recompute is None else tuple(request.recompute)
+    if request.recompute_moe_act:
+        recompute = moe_act_recompute_modes(recompute, request)
     if NORM_MLA_UP in recompute and not spec.mla:
         raise ValueError(f"--recompute {NORM_MLA_UP}: {request.model} has no latent attention (MLA), whose "
                          f"up-projections it recomputes (DeepSeek-V3's); use none, selective or full")
@@ -213,6 +218,23 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
         microbatch_groups=list(request.microbatch_group) if request.microbatch_group else None,
     )
     return base, space
+
+
+def moe_act_recompute_modes(recompute: tuple[str, ...], request: PlanRequest) -> tuple[str, ...]:
+    """The recompute modes a plan with ``--recompute-moe-act`` searches: those it goes with
+    (``pipesim.job.with_moe_act_recompute``), full and per-op left out of the default ones
+    and refused, in one line, where asked for by name; torchtitan has no such module."""
+    if request.torchtitan:
+        raise ValueError("--recompute-moe-act conflicts with --torchtitan: torchtitan has no recompute of the "
+                         "experts' activation alone (Megatron-Core's moe_act); drop one")
+    if request.recompute is not None:
+        clashing = [mode for mode in recompute if mode in ("full", PER_OP)]
+        if clashing:
+            raise ValueError(f"--recompute {','.join(clashing)} conflicts with --recompute-moe-act: full recompute "
+                             "already re-runs the whole layer, per-op does not run mixture-of-experts models; "
+                             "drop one")
+        return recompute
+    return tuple(mode for mode in recompute if mode not in ("full", PER_OP))
 
 
 def searched_overlap(request: PlanRequest, spec) -> list[bool]:
