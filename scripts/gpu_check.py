@@ -8,7 +8,9 @@ One GPU (float64 on CUDA against the CPU one-process reference, bound 1e-9, unle
                     DeepSeek-V2-Lite) and a Qwen-MoE config.json
     recompute       a shrunk Llama 3 with --recompute full, selective, per-op and norm-mla-up,
                     and a shrunk DeepSeek-V3 with norm-mla-up (CUDA's attention kernel
-                    keeping Q, K and V themselves, dropped and rebuilt)
+                    keeping Q, K and V themselves, dropped and rebuilt), and a shrunk
+                    Mixtral with --recompute-moe-act (the experts' activation output
+                    dropped and rebuilt)
     zero            ZeRO-1, 2 and 3 (FSDP2) on a one-rank NCCL group
     degree-one      tensor, context and expert parallelism applied over one-rank NCCL
                     groups (DTensor, the K/V all-gather, the all-to-all dispatch)
@@ -142,6 +144,8 @@ def recompute(args: argparse.Namespace) -> int:
         rows.append((f"llama3-8b --recompute {mode}", run_local(config), reference_run(config)))
     config = small(model="deepseek-v3", experts=4, recompute="norm-mla-up", backend=backend(args))
     rows.append(("deepseek-v3 --recompute norm-mla-up", run_local(config), reference_run(config)))
+    config = small(model="mixtral-8x7b", experts=4, recompute_moe_act=True, backend=backend(args))
+    rows.append(("mixtral-8x7b --recompute-moe-act", run_local(config), reference_run(config)))
     return against_reference(rows)
 
 
