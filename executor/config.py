@@ -424,9 +424,10 @@ def check_moe_act_recompute(config: RunConfig) -> None:
     if not is_architecture(config.model) or full_spec(config.model).moe is None:
         raise ConfigError(f"--recompute-moe-act recomputes the routed experts' activation of a mixture-of-experts "
                           f"model; use e.g. --model mixtral-8x7b (got --model {config.model})")
-    if config.recompute in ("full", "per-op"):
-        why = ("full recompute already re-runs the whole block" if config.recompute == "full"
-               else "per-op recompute does not run mixture-of-experts models")
+    from pipesim.model.spec import moe_act_conflict  # noqa: PLC0415
+
+    why = moe_act_conflict(config.recompute)
+    if why:
         raise ConfigError(f"--recompute-moe-act conflicts with --recompute {config.recompute}: {why}")
 
 

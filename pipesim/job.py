@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 from pipesim.cluster.files import load_topology
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, load_costs, uniform_costs
-from pipesim.model.per_op_checkpoint import PER_OP
 from pipesim.model.quantization import EP_DISPATCHES
+from pipesim.model.spec import moe_act_conflict
 from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN
 from schedules.collector import without_collector
 from schedules.generators import (
@@ -598,10 +598,9 @@ def with_moe_act_recompute(spec, on: bool, recompute: str, model: str):
     if spec.moe is None:
         raise ValueError(f"--recompute-moe-act: {model} has no mixture of experts, so no experts' activation to "
                          "recompute; drop --recompute-moe-act")
-    if recompute in ("full", PER_OP):
-        raise conflict("--recompute-moe-act", f"--recompute {recompute}",
-                       "full recompute already re-runs the whole layer" if recompute == "full"
-                       else "per-op recompute does not run mixture-of-experts models")
+    why = moe_act_conflict(recompute)
+    if why:
+        raise conflict("--recompute-moe-act", f"--recompute {recompute}", why)
     return replace(spec, moe_act_recompute=True)
 
 

@@ -538,6 +538,18 @@ def check_recompute(recompute: str) -> None:
         raise ModelSpecError(f"--recompute {recompute!r}: use one of {', '.join(RECOMPUTE)}")
 
 
+def moe_act_conflict(recompute: str) -> str | None:
+    """Why Megatron-Core's ``moe_act`` recompute (``--recompute-moe-act``) cannot go beside
+    ``--recompute recompute``, or None where it can: full recompute re-runs the whole layer
+    already, and per-op runs no mixture of experts. The one rule ``simulate``, ``plan``
+    and ``run`` refuse by."""
+    if recompute == "full":
+        return "full recompute already re-runs the whole layer"
+    if recompute == PER_OP:
+        return "per-op recompute does not run mixture-of-experts models"
+    return None
+
+
 def _gpt3(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
     return ModelSpec(name, layers=layers, hidden=hidden, heads=heads, seq_len=2048, vocab=50257)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipesim.job import Job, clip_grad_of, model_spec_of, parallel_of, topology_of
 from pipesim.model.per_op_checkpoint import PER_OP, check_per_op
-from pipesim.model.spec import FP8_SCALINGS, NORM_MLA_UP
+from pipesim.model.spec import FP8_SCALINGS, NORM_MLA_UP, moe_act_conflict
 from pipesim.plan.evaluate import LayoutEvaluator
 from pipesim.plan.layouts import (
     RECOMPUTE_MODES,
@@ -228,13 +228,12 @@ def moe_act_recompute_modes(recompute: tuple[str, ...], request: PlanRequest) ->
         raise ValueError("--recompute-moe-act conflicts with --torchtitan: torchtitan has no recompute of the "
                          "experts' activation alone (Megatron-Core's moe_act); drop one")
     if request.recompute is not None:
-        clashing = [mode for mode in recompute if mode in ("full", PER_OP)]
-        if clashing:
-            raise ValueError(f"--recompute {','.join(clashing)} conflicts with --recompute-moe-act: full recompute "
-                             "already re-runs the whole layer, per-op does not run mixture-of-experts models; "
-                             "drop one")
+        for mode in recompute:
+            why = moe_act_conflict(mode)
+            if why:
+                raise ValueError(f"--recompute {mode} conflicts with --recompute-moe-act: {why}; drop one")
         return recompute
-    return tuple(mode for mode in recompute if mode not in ("full", PER_OP))
+    return tuple(mode for mode in recompute if moe_act_conflict(mode) is None)
 
 
 def searched_overlap(request: PlanRequest, spec) -> list[bool]:
