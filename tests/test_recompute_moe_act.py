@@ -201,57 +201,79 @@ def test_launched_peak_within_one_percent_of_the_prediction(schedule: str) -> No
 
 
 OLMOE = "tests/data/hf_configs/olmoe-1b-7b.json"
-PLAN_FLAGS = ["--gpus", "2", "--global-batch", "4", "--seq-len", "64", "--topology", "ideal", "--top", "2",
+PLAN_FLAGS = ["--gpus", "2", "--global-batch", "4", "--seq-len", "64", "--topology", "ideal", "--top", "1000",
               "--quiet", "--workers", "1", "--schedules", "1f1b"]
 
 
 @pytest.fixture(scope="module")
 def moe_act_plan(tmp_path_factory):
-    """Two real plans of OLMoE on 2 GPUs, with and without the experts' activation
-    recomputed."""
+    """Three real plans of OLMoE on 2 GPUs: the experts' activation recomputed off (the
+    default), on (the flag alone) and both searched (``off,on``), every layout ranked."""
     folder = tmp_path_factory.mktemp("plan")
     paths = {}
-    for name, extra in (("on", ["--recompute-moe-act"]), ("off", [])):
+    for name, extra in (("off", []), ("on", ["--recompute-moe-act"]), ("both", ["--recompute-moe-act", "off,on"])):
         paths[name] = folder / f"{name}.json"
         assert main(["plan", "--model", OLMOE, *PLAN_FLAGS, "--json", str(paths[name]), *extra]) == 0
-    return paths
+    return {name: json.loads(path.read_text())["ranked"] for name, path in paths.items()} | {"paths": paths}
+
+
+def without_moe_act(row: dict) -> tuple:
+    return tuple(row[name] for name in ("schedule", "pp", "tp", "dp", "virtual_stages", "microbatch_size",
+                                        "microbatches", "recompute", "zero", "sequence_parallel", "ep", "cp",
+                                        "ep_overlap", "etp"))
+
+
+def test_a_plan_searches_it_off_on_or_both(moe_act_plan) -> None:
+    off, on, both = moe_act_plan["off"], moe_act_plan["on"], moe_act_plan["both"]
+    assert {row["recompute_moe_act"] for row in off} == {False}
+    assert {row["recompute_moe_act"] for row in on} == {True}
+    assert {row["recompute"] for row in on} == {"none", "selective"}  # full and per-op are not searched beside it
+    assert len(both) == len(off) + len(on)  # each layout off, and on where its recompute goes with it
+    assert all(row["layout"].endswith(" moe-act") for row in on)
+    by_layout = {(without_moe_act(row), row["recompute_moe_act"]): row for row in both}
+    for row in on:
+        plain = by_layout[without_moe_act(row), False]
+        # the activation's output no longer kept: less memory; re-run in every backward: no faster
+        assert row["peak_memory_bytes"] < plain["peak_memory_bytes"]
+        assert row["step_time"] >= plain["step_time"]
 
 
 def test_a_plan_prices_every_layout_with_it_as_simulate_does(moe_act_plan, tmp_path) -> None:
-    on, off = (json.loads(moe_act_plan[name].read_text())["ranked"][0] for name in ("on", "off"))
-    assert on["recompute_moe_act"] is True and off["recompute_moe_act"] is False
-    assert on["layout"] == off["layout"]
-    assert on["peak_memory_bytes"] < off["peak_memory_bytes"]
+    row = moe_act_plan["on"][0]
     out = tmp_path / "simulated.json"
-    assert main(["simulate", "--model", OLMOE, "--seq-len", "64", "--topology", "ideal", "--schedule", on["schedule"],
-                 "--pp", str(on["pp"]), "-m", str(on["microbatches"]), "--dp", str(on["dp"]), "--ep", str(on["ep"]),
-                 "--microbatch-size", str(on["microbatch_size"]), "--zero", str(on["zero"]), "--recompute-moe-act",
-                 "--json", str(out)]) == 0
+    assert main(["simulate", "--model", OLMOE, "--seq-len", "64", "--topology", "ideal", "--schedule",
+                 row["schedule"], "--pp", str(row["pp"]), "-m", str(row["microbatches"]), "--dp", str(row["dp"]),
+                 "--ep", str(row["ep"]), "--microbatch-size", str(row["microbatch_size"]), "--zero", str(row["zero"]),
+                 "--recompute", row["recompute"], *(["--ep-overlap"] if row["ep_overlap"] else []),
+                 "--recompute-moe-act", "--json", str(out)]) == 0
     simulated = json.loads(out.read_text())
-    assert simulated["makespan"] == pytest.approx(on["step_time"], rel=1e-9)
-    assert max(rank["peak_memory_bytes"] for rank in simulated["ranks"]) == pytest.approx(on["peak_memory_bytes"],
+    assert simulated["makespan"] == pytest.approx(row["step_time"], rel=1e-9)
+    assert max(rank["peak_memory_bytes"] for rank in simulated["ranks"]) == pytest.approx(row["peak_memory_bytes"],
                                                                                           rel=1e-9)
 
 
 def test_run_plan_row_recomputes_as_the_plan_priced(moe_act_plan) -> None:
-    from pipesim.cli import build_parser
     from pipesim.cli.plan_row import config_from_plan_row
 
-    def planned(path, *extra):
-        return config_from_plan_row(build_parser("run").parse_args(["run", "--plan", str(path), "--row", "1",
-                                                                     *extra]))
-    config, _ = planned(moe_act_plan["on"])
-    assert config.recompute_moe_act and config.ep == 2
-    assert not planned(moe_act_plan["off"])[0].recompute_moe_act
+    def planned(path, number, *extra):
+        return config_from_plan_row(build_parser("run").parse_args(["run", "--plan", str(path), "--row", str(number),
+                                                                     *extra]))[0]
+    both, path = moe_act_plan["both"], moe_act_plan["paths"]["both"]
+    for number, row in enumerate(both[:6], start=1):
+        assert planned(path, number).recompute_moe_act == row["recompute_moe_act"]
     with pytest.raises(ConfigError, match="--recompute-moe-act conflicts with --plan"):
-        planned(moe_act_plan["off"], "--recompute-moe-act")
+        planned(moe_act_plan["paths"]["off"], 1, "--recompute-moe-act")
 
 
-def test_a_plan_refuses_it_beside_full_recompute_or_torchtitan(capsys) -> None:
+def test_a_plan_refuses_it_where_it_cannot_mean_anything(capsys) -> None:
     assert main(["plan", "--model", OLMOE, *PLAN_FLAGS, "--recompute-moe-act", "--recompute", "none,full"]) == 2
     assert "--recompute full conflicts with --recompute-moe-act" in capsys.readouterr().err
     assert main(["plan", "--model", OLMOE, *PLAN_FLAGS, "--recompute-moe-act", "--torchtitan", "out"]) == 2
     assert "--recompute-moe-act conflicts with --torchtitan" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3-8b", *PLAN_FLAGS, "--recompute-moe-act", "off,on"]) == 2
+    assert "--recompute-moe-act: llama3-8b has no mixture of experts" in capsys.readouterr().err
+    assert main(["plan", "--model", OLMOE, *PLAN_FLAGS, "--recompute-moe-act", "maybe"]) == 2
+    assert "--recompute-moe-act" in capsys.readouterr().err
 
 
 def test_the_published_recipes_that_recompute_moe_act_run_with_it_and_the_zoos_layout_fits() -> None:

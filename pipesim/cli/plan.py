@@ -18,7 +18,6 @@ from pipesim.cli.options import (
     add_clip_grad_arg,
     add_memory_headroom_arg,
     add_memory_limit_arg,
-    add_moe_act_arg,
     add_precision_args,
     add_qkv_arg,
 )
@@ -100,7 +99,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a compute model fitted by pipesim profile --compute-model (default: the GPU's own)")
     add_precision_args(parser)
     add_qkv_arg(parser)
-    add_moe_act_arg(parser)
+    parser.add_argument("--recompute-moe-act", nargs="?", const="on", default="off", metavar="off|on|off,on",
+                        help="mixture of experts: Megatron-Core's moe_act recompute module (`pipesim simulate "
+                        "--recompute-moe-act`: the routed experts keep their activation's inputs, not its output, "
+                        "which every backward re-runs): off, on (the flag alone) or both, searched; never beside "
+                        "full or per-op recompute (default: off)")
     parser.add_argument("--max-actions", type=int, default=None,
                         help="skip layouts whose schedule has more lowered actions than this (default: simulate's)")
     parser.add_argument("--constraint", action="append", default=[],
@@ -142,9 +145,7 @@ def handle(args: argparse.Namespace) -> int:
             check_per_op_qkv(mode, qkv)
     print(f"plan: {args.model} on {args.gpus} GPUs ({args.topology}), global batch {args.global_batch}: "
           f"{planner.considered} layouts to consider on {planner.workers} process(es)"
-          + ("; the routed experts' activation recomputed (--recompute-moe-act"
-             + (", beside which full and per-op recompute are not searched)" if args.recompute is None else ")")
-             if args.recompute_moe_act else ""),
+          + moe_act_note(planner.space.recompute_moe_act, args.recompute),
           file=sys.stderr)
     if not planner.layouts:
         print(format_causes("ruled out", planner.ruled_out) or "no layout to consider", file=sys.stderr)
@@ -168,6 +169,16 @@ def handle(args: argparse.Namespace) -> int:
     for path in written:
         print(f"wrote {path}")
     return 0 if result.rows else 1
+
+
+def moe_act_note(searched: tuple[bool, ...], recompute: str | None) -> str:
+    """What the plan's first line says of the experts' activation recompute it searches."""
+    if True not in searched:
+        return ""
+    if False in searched:
+        return "; the routed experts' activation recomputed or not (--recompute-moe-act off,on)"
+    return ("; the routed experts' activation recomputed (--recompute-moe-act"
+            + (", beside which full and per-op recompute are not searched)" if recompute is None else ")"))
 
 
 def plan_request(args: argparse.Namespace):
@@ -196,7 +207,9 @@ def plan_request(args: argparse.Namespace):
         fp8=args.fp8, ep_dispatch=args.ep_dispatch, ep_dispatcher=args.ep_dispatcher, comm_sms=args.comm_sms,
         qkv=args.qkv,
         max_actions=args.max_actions, memory_headroom=args.memory_headroom, memory_limit=args.memory_limit,
-        clip_grad=args.clip_grad, recompute_moe_act=args.recompute_moe_act,
+        clip_grad=args.clip_grad,
+        recompute_moe_act=[SWITCHES[mode] for mode in _names(args.recompute_moe_act, "--recompute-moe-act",
+                                                              tuple(SWITCHES))],
         top=args.top, workers=args.workers, torchtitan=bool(args.torchtitan), fsdp=args.fsdp)
 
 

@@ -36,6 +36,7 @@ class CostsKey(NamedTuple):
     ep: int
     cp: int
     etp: int = 0  # the experts' tensor parallelism: 0 split over tp, 1 folded
+    recompute_moe_act: bool = False  # the routed experts' activation recomputed
 
 
 class LayoutCosts:
@@ -55,7 +56,7 @@ class LayoutCosts:
                        virtual_stages=layout.virtual_stages, recompute=layout.recompute, zero=layout.zero,
                        sequence_parallel=layout.sequence_parallel, ep=layout.ep, cp=layout.cp,
                        microbatch_group=layout.microbatch_group, ep_overlap=layout.ep_overlap,
-                       etp=layout.etp or None)
+                       etp=layout.etp or None, recompute_moe_act=layout.recompute_moe_act)
 
     @kept()
     def of(self, layout: Layout):
@@ -66,7 +67,8 @@ class LayoutCosts:
         # the costs see ZeRO only through the optimizer step's bytes, alike for stages 1 to 3
         # (``pipesim.sim.zero.optimizer_bytes_per_param``): those layouts share them
         key = CostsKey(shell.placement, layout.pp, layout.tp, layout.dp, layout.microbatch_size, layout.recompute,
-                       min(layout.zero, 1), layout.sequence_parallel, layout.ep, layout.cp, layout.etp)
+                       min(layout.zero, 1), layout.sequence_parallel, layout.ep, layout.cp, layout.etp,
+                       layout.recompute_moe_act)
         parallel = self.parallel(layout.dp, layout.tp, layout.zero, layout.ep, layout.cp, layout.etp)
         return parallel, self.placed(key), shell, key
 
@@ -94,11 +96,12 @@ class LayoutCosts:
 
     @kept(limit=4096)
     def placed_job(self, pp: int, tp: int, dp: int, microbatch_size: int, recompute: str, zero: int,
-                   sequence_parallel: bool, ep: int, cp: int, etp: int = 0) -> Job:
+                   sequence_parallel: bool, ep: int, cp: int, etp: int = 0, recompute_moe_act: bool = False) -> Job:
         """The plan's job with ``placed``'s settings, kept: the placements of one pp (looped,
         V, every chunk count) share it, and a job is slow to copy."""
         return replace(self.base, pp=pp, tp=tp, dp=dp, microbatch_size=microbatch_size, recompute=recompute,
-                       zero=zero, sequence_parallel=sequence_parallel, ep=ep, cp=cp, etp=etp or None)
+                       zero=zero, sequence_parallel=sequence_parallel, ep=ep, cp=cp, etp=etp or None,
+                       recompute_moe_act=recompute_moe_act)
 
     @kept(limit=1024)
     def placement_shell(self, placement: tuple[int, ...]):

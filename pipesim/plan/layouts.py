@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pipesim.model.per_op_checkpoint import PER_OP, per_op_refusal
-from pipesim.model.spec import NORM_MLA_UP, RECOMPUTE, ModelSpec
+from pipesim.model.spec import NORM_MLA_UP, RECOMPUTE, ModelSpec, moe_act_conflict
 from pipesim.plan.torchtitan_experts import torchtitan_expert_cause
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.generators import (
@@ -65,6 +65,7 @@ class Layout(NamedTuple):
     microbatch_group: int | None = None  # interleaved-1f1b's N; None: the schedule's own (N = pp where pp | m)
     ep_overlap: bool = False  # combined 1F1B (schedules.generators.combined): ep's all-to-alls beside compute
     etp: int = 0  # the routed experts' tensor parallelism: 0 split over tp, 1 folded (whole on every rank)
+    recompute_moe_act: bool = False  # the routed experts' activation recomputed (Megatron-Core's moe_act)
 
     def label(self) -> str:
         chunks = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
@@ -73,7 +74,7 @@ class Layout(NamedTuple):
         extras = "".join([f" N{self.microbatch_group}" if self.microbatch_group else "",
                           f" recompute={self.recompute}" if self.recompute != "none" else "",
                           f" zero{self.zero}" if self.zero else "", " sp" if self.sequence_parallel else "",
-                          " ep-overlap" if self.ep_overlap else ""])
+                          " ep-overlap" if self.ep_overlap else "", " moe-act" if self.recompute_moe_act else ""])
         return (f"{self.schedule}{chunks} pp{self.pp} tp{self.tp}{context} dp{self.dp}{experts} "
                 f"mbs{self.microbatch_size} m{self.microbatches}{extras}")
 
@@ -102,6 +103,7 @@ class SearchSpace:
     microbatch_groups: Sequence[int] | None = None  # interleaved-1f1b's N to try; None: ``planned_groups``
     ep_overlap: Sequence[bool] = (False,)  # combined 1F1B off, on or both, where it runs (``_combines``)
     expert_tp: Sequence[int] = (0,)  # the experts' tp to try: 0 (tp) and 1 (folded, where tp > 1)
+    recompute_moe_act: Sequence[bool] = (False,)  # the experts' activation recomputed off, on or both
     torchtitan: bool = False  # only the expert layouts torchtitan runs as priced (pipesim.plan.torchtitan_experts)
     fsdp: bool = False  # with torchtitan: its replicas shard with FSDP (else DDP, outside its expert mesh)
 
@@ -168,7 +170,7 @@ def _constraint_value(field: str, value: str) -> str:
             raise ValueError(f"etp is 1 (the experts folded, whole on every rank) or tp (0: split over tp), not "
                              f"{value!r}")
         return str(number)
-    if field in ("sequence_parallel", "ep_overlap"):
+    if field in ("sequence_parallel", "ep_overlap", "recompute_moe_act"):
         if value.lower() not in _SWITCHES:
             raise ValueError(f"{field} is on or off (true or false), not {value!r}")
         return _SWITCHES[value.lower()]
@@ -190,7 +192,7 @@ def _powers_of_two(limit: int) -> list[int]:
 
 # The searched dimensions whose values the plan accounts for one by one (``values_left_out``).
 SEARCHED_FIELDS = ("schedule", "microbatch_size", "virtual_stages", "recompute", "cp", "ep", "microbatch_group",
-                   "ep_overlap", "etp")
+                   "ep_overlap", "etp", "recompute_moe_act")
 
 
 def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Counter] | None = None
@@ -199,7 +201,8 @@ def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Cou
     candidate is one choice of every dimension on a split of the GPUs (tp x pp dividing
     them); choices that only repeat another layout or describe none are not candidates:
     ZeRO or sequence parallelism with nothing to shard over, combined 1F1B where
-    Megatron-Core does not run it (``_combines``), a V with other than two
+    Megatron-Core does not run it (``_combines``), the experts' activation recomputed
+    beside a recompute it cannot go with (``moe_act_conflict``), a V with other than two
     stages per rank, and at pp 1 (no pipeline: one rank runs every forward and backward)
     any schedule but one, 1F1B where it is searched. ``by_value``, where given, also
     counts the causes per value of each of ``SEARCHED_FIELDS`` (``(field, value)``)."""
@@ -227,15 +230,19 @@ def enumerate_layouts(space: SearchSpace, by_value: dict[tuple[str, object], Cou
                             for sequence_parallel in space.sequence_parallel:
                                 if sequence_parallel and tp == 1:
                                     continue  # no tensor-parallel group: the same layout
-                                for ep, overlap, etp in ((ep, overlap, etp) for ep in expert_sizes
-                                                         for overlap in space.ep_overlap for etp in expert_tps):
+                                for ep, overlap, etp, moe_act in (
+                                        (ep, overlap, etp, moe_act) for ep in expert_sizes
+                                        for overlap in space.ep_overlap for etp in expert_tps
+                                        for moe_act in space.recompute_moe_act):
                                     if ep > dp * cp * (tp if etp else 1):
                                         continue  # its ranks are cut from dp x cp (folded: tp x dp x cp)
                                     if overlap and not _combines(schedule, pp, ep, recompute):
                                         continue  # no combined 1F1B of it exists: not a layout
+                                    if moe_act and moe_act_conflict(recompute):
+                                        continue  # full recompute re-runs it anyway, per-op runs no experts
                                     layout = Layout(schedule, pp, tp, dp, chunks, microbatch_size, microbatches,
                                                     recompute, zero, sequence_parallel, ep, cp, group, overlap,
-                                                    etp)
+                                                    etp, moe_act)
                                     cause = _ruled_out(layout, space)
                                     if cause is None:
                                         layouts.append(layout)

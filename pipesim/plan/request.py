@@ -10,7 +10,7 @@ prints and writes. Errors name the flag of the field at fault, as the command li
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipesim.job import Job, clip_grad_of, model_spec_of, parallel_of, topology_of
@@ -52,9 +52,10 @@ class PlanRequest:
     keeping layouts that match every one of ``constraints`` (``"pp=8"``,
     ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on ``workers`` processes (None: the CPUs
     available). ``mfu``, ``compute_model``, ``fp8``, ``ep_dispatch``, ``ep_dispatcher``, ``comm_sms``, ``qkv``,
-    ``max_actions``, ``memory_headroom``, ``memory_limit``, ``clip_grad`` and ``recompute_moe_act`` are
-    ``pipesim simulate``'s, the same for every layout (with ``recompute_moe_act`` the recompute modes
-    searched leave out full and per-op, which it cannot go with). ``torchtitan`` keeps only the
+    ``max_actions``, ``memory_headroom``, ``memory_limit`` and ``clip_grad`` are ``pipesim simulate``'s, the
+    same for every layout. ``recompute_moe_act`` searches the routed experts' activation recomputed
+    off, on or both (``(False,)``, ``(True,)``, ``(False, True)``; a bool for one), never beside the
+    recompute modes it cannot go with (full, per-op). ``torchtitan`` keeps only the
     layouts torchtitan 0.3 runs as priced (its replicas sharded with FSDP where ``fsdp``): where
     its expert mesh puts the experts. Field names are the command's flags."""
 
@@ -89,7 +90,8 @@ class PlanRequest:
     # zb-auto's and zbv-auto's stashes, or a budget ("60GB", "device": pipesim.sim.stash_budget); None: pp
     memory_limit: float | str | MemoryBudget | None = None
     clip_grad: float | None = None  # None: pipesim.job.CLIP_GRAD
-    recompute_moe_act: bool = False  # the routed experts' activation recomputed (ModelSpec.moe_act_recompute)
+    # the routed experts' activation recomputed (ModelSpec.moe_act_recompute): off, on or both
+    recompute_moe_act: bool | Sequence[bool] = (False,)
     top: int = 10
     workers: int | None = None
     torchtitan: bool = False  # keep only the layouts torchtitan 0.3 runs as priced (``--torchtitan``)
@@ -126,7 +128,6 @@ class Planner:
         for row in result.rows:  # a row names its model: `pipesim run --plan plan.json --row N` builds that one
             # and clips as the plan priced; `export --from-plan` writes its sequence length
             row["model"], row["qkv"], row["clip_grad"], row["seq_len"] = model, self.request.qkv, clip, seq_len
-            row["recompute_moe_act"] = self.request.recompute_moe_act
         return result
 
 
@@ -185,7 +186,7 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                compute_model=request.compute_model, memory_headroom=request.memory_headroom, fp8=request.fp8,
                clip_grad=request.clip_grad, memory_limit=request.memory_limit,
                ep_dispatch=request.ep_dispatch, ep_dispatcher=request.ep_dispatcher, comm_sms=request.comm_sms,
-               qkv=request.qkv, recompute_moe_act=request.recompute_moe_act,
+               qkv=request.qkv,
                **({"max_actions": request.max_actions} if request.max_actions else {}))
     check_memory_limit(request.memory_limit, request.schedules)  # here, not in every layout
     parallel_of(base)  # a bad --memory-headroom fails here
@@ -196,7 +197,8 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
     _check_precision(base, spec, topology, request.gpus)
     _check_degrees(request, spec)
     recompute = searched_recompute(spec) if request.recompute is None else tuple(request.recompute)
-    if request.recompute_moe_act:
+    moe_act = searched_moe_act(request, base)
+    if moe_act == (True,):
         recompute = moe_act_recompute_modes(recompute, request)
     if NORM_MLA_UP in recompute and not spec.mla:
         raise ValueError(f"--recompute {NORM_MLA_UP}: {request.model} has no latent attention (MLA), whose "
@@ -215,18 +217,33 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
         context_parallel=list(request.cp) if request.cp else None,
         ep_overlap=searched_overlap(request, spec),
         expert_tp=searched_expert_tp(request, spec), torchtitan=request.torchtitan, fsdp=request.fsdp,
+        recompute_moe_act=moe_act,
         microbatch_groups=list(request.microbatch_group) if request.microbatch_group else None,
     )
     return base, space
 
 
+def searched_moe_act(request: PlanRequest, base: Job) -> tuple[bool, ...]:
+    """The routed experts' activation recomputed off, on or both, as asked (each value once);
+    on refused in one line for a model without experts (``pipesim.job.with_moe_act_recompute``)
+    and under ``--torchtitan``, which has no such module."""
+    values = request.recompute_moe_act
+    values = (values,) if isinstance(values, bool) else tuple(values)
+    if not values or any(not isinstance(value, bool) for value in values):
+        raise ValueError(f"--recompute-moe-act is off, on or both (False, True), got {request.recompute_moe_act!r}")
+    values = tuple(dict.fromkeys(values))
+    if True in values:
+        if request.torchtitan:
+            raise ValueError("--recompute-moe-act conflicts with --torchtitan: torchtitan has no recompute of the "
+                             "experts' activation alone (Megatron-Core's moe_act); drop one")
+        model_spec_of(replace(base, recompute_moe_act=True))  # a model without experts fails here
+    return values
+
+
 def moe_act_recompute_modes(recompute: tuple[str, ...], request: PlanRequest) -> tuple[str, ...]:
-    """The recompute modes a plan with ``--recompute-moe-act`` searches: those it goes with
-    (``pipesim.job.with_moe_act_recompute``), full and per-op left out of the default ones
-    and refused, in one line, where asked for by name; torchtitan has no such module."""
-    if request.torchtitan:
-        raise ValueError("--recompute-moe-act conflicts with --torchtitan: torchtitan has no recompute of the "
-                         "experts' activation alone (Megatron-Core's moe_act); drop one")
+    """The recompute modes a plan with the experts' activation recomputed on every layout
+    searches: those it goes with (``pipesim.model.spec.moe_act_conflict``), full and per-op
+    left out of the default ones and refused, in one line, where asked for by name."""
     if request.recompute is not None:
         for mode in recompute:
             why = moe_act_conflict(mode)
