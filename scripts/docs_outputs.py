@@ -63,6 +63,16 @@ QUOTED = (
            "--top 4 --schedules interleaved-1f1b --constraint pp=2 --constraint ep=8 --constraint zero=1 "
            "--constraint recompute=none",
            ("  #  layout", "  1 ", "  2 ", "  3 ", "  4 ")),
+    Quoted("docs/plan.md",
+           "pipesim plan --model mixtral-8x7b --gpus 16 --global-batch 64 --recompute-moe-act off,on --top 3",
+           ("  #  layout", "  1 ", "  2 ", "  3 ")),
+    Quoted("docs/plan.md",
+           "pipesim plan --model mixtral-8x7b --gpus 16 --global-batch 64 --top 1",
+           ("  #  layout", "  1 ")),
+    Quoted("docs/plan.md",
+           "pipesim simulate --model mixtral-8x7b --schedule zbv -v 2 --pp 2 --tp 2 --dp 4 --ep 8 --etp 1 "
+           "--microbatch-size 1 -m 16 --zero 1 --sequence-parallel --topology ib --nodes 2 --gpu h100",
+           ("zbv:", "  step time", ELIDED, "  warning: rank 0")),
     Quoted("docs/schedules.md",
            "pipesim sweep --model llama3-8b --pp 4 --schedule zb-auto,zbv-auto,1f1b,zb-h1,zbv -m 16 --gpu h100 "
            "--topology nvlink --memory-limit 75GB",
