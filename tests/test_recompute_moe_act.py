@@ -293,3 +293,14 @@ def test_the_published_recipes_that_recompute_moe_act_run_with_it_and_the_zoos_l
     job = Job.from_namespace(build_parser("simulate").parse_args(["simulate", *combined.argv()]))
     result = simulate_job(job)
     assert not result.oom
+
+
+def test_export_for_torchtitan_refuses_it_before_writing(tmp_path, capsys) -> None:
+    """torchtitan has no recompute of the experts' activation alone: its files would not
+    run what pipesim priced."""
+    folder = tmp_path / "titan"
+    assert main(["export", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--model", "mixtral-8x7b",
+                 "--torchtitan", str(folder), "--recompute-moe-act"]) == 2
+    assert "--recompute-moe-act: torchtitan 0.3 has no recompute of the routed experts' activation alone" in \
+        capsys.readouterr().err
+    assert not folder.exists()

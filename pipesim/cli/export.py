@@ -245,5 +245,6 @@ def layout_from_args(args: argparse.Namespace):
                             torch_class=getattr(args, "torch_class", None), ep=getattr(args, "ep", 1),
                             etp=getattr(args, "etp", None) or 0,
                             cp=getattr(args, "cp", 1), sequence_parallel=getattr(args, "sequence_parallel", False),
-                            recompute=getattr(args, "recompute", "none"), qkv=qkv,
+                            recompute=getattr(args, "recompute", "none"),
+                            recompute_moe_act=getattr(args, "recompute_moe_act", False), qkv=qkv,
                             max_norm=clip_grad_of(args))

@@ -71,6 +71,7 @@ class TorchtitanLayout:
     cp: int = 1  # context-parallel ranks, each holding a share of every sequence
     sequence_parallel: bool = False
     recompute: str = "none"
+    recompute_moe_act: bool = False  # Megatron-Core's moe_act, which torchtitan has no knob for: refused
     qkv: str | None = None  # the simulated model's Q, K and V (--qkv) where per-op tells them apart (qkv_of)
     max_norm: float = TORCHTITAN_MAX_NORM  # gradient clipping's norm (--clip-grad; 0: none)
 
@@ -107,6 +108,10 @@ def write_torchtitan(directory: str | Path, schedule: Schedule, layout: Torchtit
     cls = torch_class_for(schedule, layout.torch_class)
     per_stage = layers_per_stage(schedule, layout.layers, cls)
     check_recompute(schedule, layout.recompute, layout.qkv)
+    if layout.recompute_moe_act:
+        raise ValueError(f"--recompute-moe-act: torchtitan {SUPPORTED_RELEASE} has no recompute of the routed experts' "
+                         "activation alone (Megatron-Core's moe_act), so it would not run what pipesim priced; "
+                         "drop --recompute-moe-act or --torchtitan")
     check_experts(layout)
     folder = Path(directory)
     if any(character.isspace() for character in str(folder.resolve())):
