@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from executor.config import ConfigError, RunConfig
-from executor.launch import launch
 from executor.models import build_model
 from executor.recompute import apply_recompute
 from executor.reference import reference_run
@@ -24,8 +23,13 @@ from pipesim.model.compute_model import layer_memory_seconds
 from pipesim.model.hf_config import spec_from_hf_config
 from pipesim.model.memory_traffic import HBM_EFFICIENCY
 from pipesim.model.spec import PRESETS, ModelSpecError
-from tests.launched_cases import assert_equals_reference
-from tests.test_executor_memory_prediction import assert_every_block_as_predicted, measured_block_bytes
+from tests.launched_cases import LaunchedCases, assert_equals_reference
+from tests.test_executor_memory_prediction import (
+    TIGHT_RUN,
+    assert_every_block_as_predicted,
+    assert_launched_peaks_within,
+    measured_block_bytes,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -155,49 +159,33 @@ def test_run_refuses_what_it_cannot_mean_in_one_line() -> None:
         RunConfig(model="mixtral-8x7b", recompute="full", recompute_moe_act=True).check()
 
 
-SMALL = {"hidden": 16, "heads": 4, "seq_len": 8, "vocab": 37, "batch_size": 4, "steps": 2, "dtype": "float64",
-         "optimizer": "adamw", "lr": 0.02, "return_grads": True, "recompute_moe_act": True, "experts": 4,
-         "ffn_hidden": 32, "model": "mixtral-8x7b", "layers": 2, "pp": 2, "dp": 2, "microbatches": 2}
-CASES = {  # 4 ranks each, launched together
-    "1f1b-dp2": {},
-    "zb-h1-split-backward": {"schedule": "zb-h1"},
-    "ep2-dp2": {"ep": 2},
-    "tp2-sp": {"dp": 1, "tp": 2, "sequence_parallel": True, "kv_heads": 2},
-    "gpt-oss-zbv-norm-mla-up": {"model": GPT_OSS, "schedule": "zbv", "virtual_stages": 2, "layers": 4,
-                                "recompute": "norm-mla-up"},
-    "selective-dualpipev": {"schedule": "dualpipev", "virtual_stages": 2, "layers": 4, "microbatches": 4,
-                            "batch_size": 8, "recompute": "selective"},
-}
-_results: dict[str, dict] = {}
+# 4 ranks each, launched together
+MOE_ACT_CASES = LaunchedCases(
+    {"hidden": 16, "heads": 4, "seq_len": 8, "vocab": 37, "batch_size": 4, "steps": 2, "dtype": "float64",
+     "optimizer": "adamw", "lr": 0.02, "return_grads": True, "recompute_moe_act": True, "experts": 4,
+     "ffn_hidden": 32, "model": "mixtral-8x7b", "layers": 2, "pp": 2, "dp": 2, "microbatches": 2,
+     "schedule": "1f1b"},
+    {4: {"1f1b-dp2": {},
+         "zb-h1-split-backward": {"schedule": "zb-h1"},
+         "ep2-dp2": {"ep": 2},
+         "tp2-sp": {"dp": 1, "tp": 2, "sequence_parallel": True, "kv_heads": 2},
+         "gpt-oss-zbv-norm-mla-up": {"model": GPT_OSS, "schedule": "zbv", "virtual_stages": 2, "layers": 4,
+                                     "recompute": "norm-mla-up"},
+         "selective-dualpipev": {"schedule": "dualpipev", "virtual_stages": 2, "layers": 4, "microbatches": 4,
+                                 "batch_size": 8, "recompute": "selective"}}})
 
 
-def case_config(name: str) -> RunConfig:
-    return RunConfig(**{"schedule": "1f1b", **SMALL, **CASES[name]})
-
-
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", MOE_ACT_CASES.cases)
 def test_pipelined_step_equals_the_reference_without_recompute(name: str) -> None:
-    if not _results:
-        _results.update(zip(CASES, launch([case_config(case) for case in CASES]), strict=True))
-    assert_equals_reference(_results[name], reference_run(case_config(name)))
+    assert_equals_reference(MOE_ACT_CASES.result(name), reference_run(MOE_ACT_CASES.config(name)))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_launched_peak_within_one_percent_of_the_prediction(schedule: str) -> None:
     """Under a split backward the rebuilt activation output is held from ``I`` until the
     down projection's ``W`` reads it: predicted so (``rebuilt_until_weight_grad_bytes``)."""
-    from executor.report import summary
-    from pipesim.cli.run_memory import peak_lines
-
-    config = RunConfig(model="mixtral-8x7b", layers=4, hidden=64, heads=8, seq_len=32, vocab=128, batch_size=8,
-                       microbatches=4, pp=2, dtype="bfloat16", steps=2, optimizer="adamw", schedule=schedule,
-                       experts=4, recompute_moe_act=True)
-    (result,) = launch([config])
-    document = summary(result)
-    peak_lines(document, config)
-    for row in document["memory"]:
-        assert abs(row["peak"] / row["predicted_peak"] - 1) < 0.01, row
-        assert abs(row["activations_peak"] / row["predicted_activations"] - 1) < 0.01, row
+    assert_launched_peaks_within(RunConfig(**TIGHT_RUN, model="mixtral-8x7b", schedule=schedule, experts=4,
+                                           recompute_moe_act=True), 0.01)
 
 
 OLMOE = "tests/data/hf_configs/olmoe-1b-7b.json"
