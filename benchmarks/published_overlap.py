@@ -343,6 +343,28 @@ def ep_overlap_lines(rows: list[PublishedRun], predictions: dict[str, Prediction
     return lines
 
 
+def memory_lines(rows: list[PublishedRun], predictions: dict[str, Prediction]) -> list[str]:
+    """The mixture-of-experts rows, which ran, against what their devices leave: each one
+    put over its device, and the tightest of the others (the dense rows fit with room)."""
+    moe = [run for run in rows if run.source in (MOE_SOURCE, ZOO_SOURCE)]
+    if not moe:
+        return []
+
+    def fullest(run: PublishedRun) -> str:
+        prediction = predictions[run.label]
+        return (f"{prediction.peak_bytes / 1e9:.1f} GB at its fullest rank against "
+                f"{prediction.usable_bytes / 1e9:.1f} usable")
+
+    over = [run for run in moe if predictions[run.label].peak_bytes > predictions[run.label].usable_bytes]
+    lines = [f"{run.label}: out of memory, {fullest(run)}" for run in over]
+    fits = [run for run in moe if run not in over]
+    if fits:
+        tightest = max(fits, key=lambda run: predictions[run.label].peak_bytes / predictions[run.label].usable_bytes)
+        lines.append(f"the other {len(fits)} mixture-of-experts rows fit, the tightest {tightest.label} "
+                     f"with {fullest(tightest)}")
+    return lines
+
+
 def layout_key(run: PublishedRun) -> tuple:
     """What makes two rows the same job: every field but the label, the source and the figures."""
     return (run.model, run.gpus, run.global_batch, run.microbatch_size, run.seq_len, run.tp, run.pp, run.cp, run.vp,
@@ -360,6 +382,8 @@ class Prediction:
     step_seconds: float
     compute_share: float
     seconds: float  # wall time of the simulation
+    peak_bytes: float = 0.0  # the fullest rank's peak (the one nearest its usable memory) ...
+    usable_bytes: float = 0.0  # ... and what the headroom rule leaves it
 
 
 @functools.cache  # a row is frozen: a test session's checks share each row's simulation
@@ -376,8 +400,9 @@ def predict(run: PublishedRun, extra: tuple[str, ...] = ()) -> Prediction:
     figures = throughput_figures(job, result)
     makespan = result.metrics.makespan
     busiest = max(rank.busy for rank in result.metrics.ranks)
+    fullest = max(result.memory, key=lambda memory: memory.peak_bytes / memory.usable_bytes)
     return Prediction(figures["tokens_per_second"] / run.gpus, figures["mfu"], makespan, busiest / makespan,
-                      time.perf_counter() - started)
+                      time.perf_counter() - started, fullest.peak_bytes, fullest.usable_bytes)
 
 
 def error(run: PublishedRun, prediction: Prediction) -> float:
@@ -527,7 +552,8 @@ def main() -> None:
         print(f"{key}: {source}")
     print()
     for line in trend_lines(rows, predictions) + tp_overlap_lines(rows, predictions) + \
-            fp8_over_bf16_lines(rows, predictions) + ep_overlap_lines(rows, predictions):
+            fp8_over_bf16_lines(rows, predictions) + ep_overlap_lines(rows, predictions) + \
+            memory_lines(rows, predictions):
         print(line)
     print()
     print("the same layout in several containers:")

@@ -23,6 +23,7 @@ from benchmarks.published_overlap import (
     later_containers,
     layout_key,
     main,
+    memory_lines,
     newest_of_each_layout,
     predict,
     runs,
@@ -102,7 +103,7 @@ def test_the_docs_quote_the_table_and_medians_as_printed():
     assert summary("held out", [errors[run.label] for run in ROWS if not run.in_sample]) in docs
     for line in fp8_over_bf16_lines(ROWS, predictions) + drift_lines(ROWS, predictions):
         assert f"- {line}" in docs, line
-    for line in ep_overlap_lines(ROWS, predictions):
+    for line in ep_overlap_lines(ROWS, predictions) + memory_lines(ROWS, predictions):
         assert line in docs, line
     zoo_text = docs[docs.index("**The Megatron-Core MoE team's own layouts**"):]
     zoo_text = zoo_text[:zoo_text.index("\n\n**")]

@@ -181,7 +181,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_moe_act_arg(group) -> None:
-    """``--recompute-moe-act``, for simulate, sweep, export, run and compare alike."""
+    """``--recompute-moe-act`` for the commands of ``add_model_args`` (simulate, sweep,
+    export); run's, compare's and profile's is the executor's own (``executor.options``),
+    plan's searches it (``pipesim.cli.plan``)."""
     group.add_argument("--recompute-moe-act", action="store_true",
                        help="mixture of experts: Megatron-Core's moe_act recompute module (--recompute-modules "
                        "moe_act): the routed experts keep their activation's inputs, not its output, which every "

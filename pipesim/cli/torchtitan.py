@@ -109,8 +109,9 @@ def write_torchtitan(directory: str | Path, schedule: Schedule, layout: Torchtit
     per_stage = layers_per_stage(schedule, layout.layers, cls)
     check_recompute(schedule, layout.recompute, layout.qkv)
     if layout.recompute_moe_act:
-        raise ValueError(f"--recompute-moe-act: torchtitan {SUPPORTED_RELEASE} has no recompute of the routed experts' "
-                         "activation alone (Megatron-Core's moe_act), so it would not run what pipesim priced; "
+        from pipesim.plan.torchtitan_experts import TORCHTITAN_NO_MOE_ACT  # noqa: PLC0415
+
+        raise ValueError(f"--recompute-moe-act: {TORCHTITAN_NO_MOE_ACT}, so it would not run what pipesim priced; "
                          "drop --recompute-moe-act or --torchtitan")
     check_experts(layout)
     folder = Path(directory)

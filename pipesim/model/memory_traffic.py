@@ -64,11 +64,11 @@ def layer_traffic_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = 
     return spec.tokens * per_token, spec.tokens * scores
 
 
-def activation_bytes_per_token(spec: ModelSpec, layer: int = 0) -> float:
+def activation_bytes_per_token(spec: ModelSpec, layer: int = 0, width: float | None = None) -> float:
     """The MLP activation's forward bytes per token before tp: GeLU reads ``f`` and writes
     ``f``, SwiGLU reads ``2f`` and writes ``f`` (``f`` a mixture of experts' routed slots'
-    and shared width)."""
-    return (3 if spec.gated_mlp else 2) * spec.mlp_width(layer) * spec.dtype_bytes
+    and shared width, or ``width`` where given: a part of them)."""
+    return (3 if spec.gated_mlp else 2) * (spec.mlp_width(layer) if width is None else width) * spec.dtype_bytes
 
 
 def recomputed_activation_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0) -> float:
@@ -81,7 +81,7 @@ def recomputed_activation_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0) ->
     if spec.fp8:
         return spec.tokens * activation_bytes_per_token(spec, layer) / tp
     if spec.moe_act_recompute:
-        return spec.tokens * (3 if spec.gated_mlp else 2) * spec.moe.routed_width() * spec.dtype_bytes / tp
+        return spec.tokens * activation_bytes_per_token(spec, layer, spec.moe.routed_width()) / tp
     return 0.0
 
 

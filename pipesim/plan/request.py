@@ -26,6 +26,7 @@ from pipesim.plan.layouts import (
     values_left_out,
 )
 from pipesim.plan.search import PlanResult, search
+from pipesim.plan.torchtitan_experts import TORCHTITAN_NO_MOE_ACT
 from pipesim.plan.workers import default_workers
 from pipesim.sim.stash_budget import MemoryBudget, parse_memory_limit
 from pipesim.sim.zero import ZERO_STAGES
@@ -234,8 +235,7 @@ def searched_moe_act(request: PlanRequest, base: Job) -> tuple[bool, ...]:
     values = tuple(dict.fromkeys(values))
     if True in values:
         if request.torchtitan:
-            raise ValueError("--recompute-moe-act conflicts with --torchtitan: torchtitan has no recompute of the "
-                             "experts' activation alone (Megatron-Core's moe_act); drop one")
+            raise ValueError(f"--recompute-moe-act conflicts with --torchtitan: {TORCHTITAN_NO_MOE_ACT}; drop one")
         model_spec_of(replace(base, recompute_moe_act=True))  # a model without experts fails here
     return values
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 TORCHTITAN_FOLDS = "torchtitan folds the experts whenever ep > 1, and only then (its expert mesh)"
 TORCHTITAN_EXPERT_MESH = "ep does not divide torchtitan's FSDP shard x cp x tp ranks (its expert mesh)"
+# why neither ``plan --torchtitan`` nor ``export --torchtitan`` takes ``--recompute-moe-act``
+TORCHTITAN_NO_MOE_ACT = ("torchtitan 0.3 has no recompute of the routed experts' activation alone "
+                         "(Megatron-Core's moe_act)")
 
 
 def torchtitan_expert_cause(dp: int, tp: int, cp: int, ep: int, etp: int, fsdp: bool) -> str | None:
