@@ -129,6 +129,9 @@ class PublishedRun:
     ep_overlap: bool = False  # Megatron-Core's combined 1F1B (overlap_moe_expert_parallel_comm)
     delay_wgrad: bool = False  # and in its pairs the experts' weight gradient delayed (delay_wgrad_compute)
     flags: str = ""  # further simulate flags the source's command sets (dispatcher, layer split)
+    # the loss's kernels (pipesim.model.loss_traffic): Megatron-Bridge's performance scripts set Transformer Engine's
+    # (_set_common_perf_overrides), as do the MoE team's configs; NeMo 24.07's Llama configs the native fusion
+    cross_entropy: str = "unfused"
 
     @property
     def dp(self) -> int:
@@ -159,6 +162,8 @@ class PublishedRun:
             flags.append(self.flags)
         if self.fp8:
             flags.append(f"--fp8 {self.fp8_scaling}")
+        if self.cross_entropy != "unfused":
+            flags.append(f"--cross-entropy {self.cross_entropy}")
         return " ".join(flags).split()
 
 
@@ -172,24 +177,28 @@ def runs() -> list[PublishedRun]:
         PublishedRun("GPT3-175B 128 GPUs", nemo, 175, GPT3, 128, 256, 1, 2048, 4, 8, 726, 782, vp=6,
                      in_sample=True),
         PublishedRun("GPT3-175B 512 GPUs", nemo, 175, GPT3, 512, 2048, 2, 2048, 4, 8, 782, 842, vp=6),
-        PublishedRun("LLAMA2-7B", nemo, 7, LLAMA2_7B, 8, 128, 1, 4096, 1, 1, 16847, 776, in_sample=True),
-        PublishedRun("LLAMA2-13B", nemo, 13, LLAMA2_13B, 16, 128, 1, 4096, 1, 4, 8646, 754, vp=10),
-        PublishedRun("LLAMA2-70B", nemo, 70, LLAMA2_70B, 64, 128, 1, 4096, 4, 4, 1707, 759, vp=20),
-        PublishedRun("LLAMA3-8B cp2", nemo, 8, "--model llama3-8b", 8, 128, 1, 8192, 1, 1, 12036, 697, cp=2),
+        PublishedRun("LLAMA2-7B", nemo, 7, LLAMA2_7B, 8, 128, 1, 4096, 1, 1, 16847, 776, in_sample=True,
+                     cross_entropy="fused"),
+        PublishedRun("LLAMA2-13B", nemo, 13, LLAMA2_13B, 16, 128, 1, 4096, 1, 4, 8646, 754, vp=10,
+                     cross_entropy="fused"),
+        PublishedRun("LLAMA2-70B", nemo, 70, LLAMA2_70B, 64, 128, 1, 4096, 4, 4, 1707, 759, vp=20,
+                     cross_entropy="fused"),
+        PublishedRun("LLAMA3-8B cp2", nemo, 8, "--model llama3-8b", 8, 128, 1, 8192, 1, 1, 12036, 697, cp=2,
+                     cross_entropy="fused"),
         PublishedRun("LLAMA3-70B cp2", nemo, 70, "--model llama3-70b", 64, 128, 1, 8192, 4, 4, 1533, 738, cp=2,
-                     vp=5),
+                     vp=5, cross_entropy="fused"),
         # Megatron-Bridge 25.11, DGX-H100, FP8-CS (current scaling)
         PublishedRun("LLAMA3_8B FSDP", bridge, 8, "--model llama3-8b", 8, 128, 1, 8192, 1, 1, 14451, 744,
-                     fsdp=True, fp8_scaling="current", in_sample=True),
+                     fsdp=True, fp8_scaling="current", in_sample=True, cross_entropy="te"),
         PublishedRun("LLAMA3_70B", bridge, 70, "--model llama3-70b", 64, 128, 1, 8192, 4, 8, 1602, 719, vp=5,
-                     fp8_scaling="current", in_sample=True),
+                     fp8_scaling="current", in_sample=True, cross_entropy="te"),
         PublishedRun("LLAMA3.1_405B", bridge, 405, "--model llama3-405b", 1024, 512, 1, 8192, 8, 8, 292, 737, cp=2,
-                     vp=8, fp8_scaling="current"),
+                     vp=8, fp8_scaling="current", cross_entropy="te"),
         # Megatron-Bridge 26.02, DGX-H100, "FP8" (the scaling not named: taken as 25.11's FP8-CS)
         PublishedRun("LLAMA3_70B GBS256", bridge2602, 70, "--model llama3-70b", 64, 256, 1, 8192, 4, 8, 1621, 728,
-                     vp=5, fp8_scaling="current"),
+                     vp=5, fp8_scaling="current", cross_entropy="te"),
         PublishedRun("LLAMA3.1_405B GBS1536", bridge2602, 405, "--model llama3-405b", 1024, 1536, 1, 8192, 8, 8,
-                     311, 784, cp=2, vp=8, fp8_scaling="current"),
+                     311, 784, cp=2, vp=8, fp8_scaling="current", cross_entropy="te"),
     ]
     rows += later_containers(rows)
     rows += mixture_of_experts()
@@ -266,7 +275,7 @@ def mixture_of_experts() -> list[PublishedRun]:
             ("26.04.01", 1024, 1, 1, 1, 16, 8960, 206), ("26.06", 1024, 1, 1, 1, 16, 8826, 203)):
         rows.append(PublishedRun(f"Qwen3-30B-A3B ep{ep} pp{pp} ({container})", MOE_SOURCE, 30, QWEN3_30B, 16,
                                  global_batch, micro, 4096, 1, pp, tokens, tflops, vp=vp, ep=ep,
-                                 fp8_scaling="current"))
+                                 fp8_scaling="current", cross_entropy="te"))
     # gpt-oss-120b, 64 GPUs, BF16, pp 4, ep 8, 4096 tokens: (container, GBS, MBS, tokens/s/GPU). Its published
     # TFLOP/s (153-163) are not kept: they count 0.79 of the FLOPs per token of the config's layers, which is
     # its routed experts' gated MLP counted as two matrices instead of three (the experts are 63% of the FLOPs;
@@ -276,7 +285,7 @@ def mixture_of_experts() -> list[PublishedRun]:
             ("26.04", 1280, 1, 5810), ("26.04.01", 1280, 1, 5824)):
         rows.append(PublishedRun(f"gpt-oss-120b ({container})", MOE_SOURCE, 117, GPT_OSS_120B, 64, global_batch,
                                  micro, 4096, 1, 4, tokens, ep=8, fp8=False, recompute="norm-mla-up",
-                                 flags="--recompute-moe-act"))
+                                 flags="--recompute-moe-act", cross_entropy="te"))
     # Qwen3-235B-A22B, 256 GPUs, FP8-CS, MBS 1, 4096 tokens, tp 2 pp 8 vp 4 ep 32 (etp 1):
     # (container, GBS, tokens/s/GPU, TFLOP/s)
     for container, global_batch, tokens, tflops in (
@@ -284,7 +293,8 @@ def mixture_of_experts() -> list[PublishedRun]:
             ("26.04", 8192, 1686, 250), ("26.04.01", 8192, 1712, 253)):
         rows.append(PublishedRun(f"Qwen3-235B-A22B ep32 etp1 ({container})", MOE_SOURCE, 235, QWEN3_235B, 256,
                                  global_batch, 1, 4096, 2, 8, tokens, tflops, vp=4, ep=32, etp=1,
-                                 fp8_scaling="current", tp_overlap=False, ep_overlap=True, delay_wgrad=True))
+                                 fp8_scaling="current", tp_overlap=False, ep_overlap=True, delay_wgrad=True,
+                                 cross_entropy="te"))
     return rows
 
 
@@ -315,7 +325,7 @@ def model_zoo() -> list[PublishedRun]:
         tokens = 2048 * 4096 / (seconds * 256)
         rows.append(PublishedRun(f"Qwen3-235B-A22B {label} (zoo)", ZOO_SOURCE, 235, QWEN3_235B, 256, 2048, 1, 4096,
                                  tp, 8, tokens, tflops, vp=4, ep=ep, etp=1, fp8=False, recompute=recompute,
-                                 tp_overlap=False, ep_overlap=overlap,
+                                 tp_overlap=False, ep_overlap=overlap, cross_entropy="te",
                                  flags=f"--ep-dispatcher deepep --layers-per-stage {ZOO_SPLIT}"
                                  + (" --recompute-moe-act" if recompute == "norm-mla-up" else "")))
     return rows
@@ -369,7 +379,7 @@ def layout_key(run: PublishedRun) -> tuple:
     """What makes two rows the same job: every field but the label, the source and the figures."""
     return (run.model, run.gpus, run.global_batch, run.microbatch_size, run.seq_len, run.tp, run.pp, run.cp, run.vp,
             run.ep, run.etp, run.ep_overlap, run.delay_wgrad, run.flags, run.fsdp, run.fp8, run.fp8_scaling,
-            run.recompute, run.tp_overlap)
+            run.recompute, run.tp_overlap, run.cross_entropy)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from pipesim.cluster.files import load_topology
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, load_costs, uniform_costs
+from pipesim.model.loss_traffic import check_cross_entropy
 from pipesim.model.quantization import EP_DISPATCHES
 from pipesim.model.spec import moe_act_conflict
 from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN
@@ -110,6 +111,7 @@ class Job:
     ep_dispatch: str | None = None  # EP_DISPATCHES; None: the model's recipe (ModelSpec.fp8_dispatch)
     ep_dispatcher: str | None = None  # pipesim.model.experts.EP_DISPATCHERS; None: alltoall
     qkv: str = "separate"  # the attention's input projections (pipesim.model.spec.QKV_PROJECTIONS)
+    cross_entropy: str | None = None  # the loss's kernels (pipesim.model.loss_traffic.CROSS_ENTROPY); None: unfused
     comm_sms: int = 0
     topology: str = "ideal"
     nodes: int | None = None
@@ -319,6 +321,9 @@ def check_cost_flags(job) -> None:
     if getattr(job, "ep_dispatcher", None) is not None and not getattr(job, "model", None):
         raise ValueError(f"--ep-dispatcher {job.ep_dispatcher} needs --model: it sizes a mixture of experts' "
                          f"all-to-alls; give --model or drop --ep-dispatcher")
+    if getattr(job, "cross_entropy", None) is not None and not getattr(job, "model", None):
+        raise ValueError(f"--cross-entropy {job.cross_entropy} needs --model: it prices a model spec's loss over its "
+                         f"vocabulary; give --model or drop --cross-entropy")
     if getattr(job, "comm_sms", 0) and not getattr(job, "model", None):
         raise ValueError(f"--comm-sms {job.comm_sms} needs --model: it slows a model spec's compute; give --model "
                          f"or drop --comm-sms")
@@ -581,6 +586,9 @@ def model_spec_of(job):
     if fp8:
         spec = replace(spec, fp8=True, fp8_scaling=fp8 if isinstance(fp8, str) else spec.fp8_scaling)
     spec = with_qkv(spec, getattr(job, "qkv", "separate"))
+    cross_entropy = getattr(job, "cross_entropy", None)
+    if cross_entropy is not None:
+        spec = replace(spec, cross_entropy=check_cross_entropy(cross_entropy))
     spec = with_moe_act_recompute(spec, getattr(job, "recompute_moe_act", False), getattr(job, "recompute", "none"),
                                   job.model)
     spec = with_ep_dispatch(spec, getattr(job, "ep_dispatch", None), job.model)

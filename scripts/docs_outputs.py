@@ -63,6 +63,11 @@ QUOTED = (
            "--top 4 --schedules interleaved-1f1b --constraint pp=2 --constraint ep=8 --constraint zero=1 "
            "--constraint recompute=none",
            ("  #  layout", "  1 ", "  2 ", "  3 ", "  4 ")),
+    Quoted("docs/cluster-model.md", "pipesim simulate --model llama3-8b --schedule 1f1b --pp 2 -m 8 --gpu h100",
+           ("  step time",)),
+    Quoted("docs/cluster-model.md",
+           "pipesim simulate --model llama3-8b --schedule 1f1b --pp 2 -m 8 --gpu h100 --cross-entropy te",
+           ("  step time",)),
     Quoted("docs/plan.md",
            "pipesim plan --model mixtral-8x7b --gpus 16 --global-batch 64 --recompute-moe-act off,on --top 3",
            ("  #  layout", "  1 ", "  2 ", "  3 ")),

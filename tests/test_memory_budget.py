@@ -241,12 +241,12 @@ def test_show_refuses_a_budget_its_unit_costs_cannot_fit(capsys):
 def test_zbv_auto_takes_zbvs_own_memory_where_its_order_fits_the_budget_and_runs_faster(tmp_path):
     """Llama 3 8B on 4 H100s, each rank's usable memory: the counts a budget gives zbv-auto
     are safe (every chunk's stash whole until its W, at the larger chunk's size) and leave
-    rank 0 2.5 microbatches; the order at zbv's own 4 fits every rank all the same, counted
+    rank 0 3 microbatches; the order at zbv's own 4 fits every rank all the same, counted
     as held, and runs faster, so it is taken: the step and peaks of ``--memory-limit 4``."""
     args = ["--model", "llama3-8b", "--pp", "4", "-m", "16", "--schedule", "zbv-auto", "--gpu", "h100",
             "--topology", "nvlink"]
     code, by_budget, notes = simulate(tmp_path, *args, "--memory-limit", "device")
-    assert code == 0 and "may hold 2.5, 5.5, 5.5, 4 microbatches'" in notes and "at zbv's own memory" in notes
+    assert code == 0 and "may hold 3, 5.5, 5.5, 4 microbatches'" in notes and "at zbv's own memory" in notes
     code, by_count, _ = simulate(tmp_path, *args, "--memory-limit", "4")
     assert code == 0 and by_budget["makespan"] == by_count["makespan"] and by_budget["stash_limits"] == [4] * 4
     assert all(rank["peak_memory_bytes"] <= rank["memory"]["usable_bytes"] for rank in by_budget["ranks"])

@@ -193,8 +193,8 @@ def add_moe_act_arg(group) -> None:
 
 
 def add_precision_args(group) -> None:
-    """``--fp8``, ``--ep-dispatch`` and ``--comm-sms``: what the GEMMs and the MoE
-    dispatch run in and the SMs kept for communication
+    """``--fp8``, ``--ep-dispatch``, ``--cross-entropy`` and ``--comm-sms``: what the GEMMs
+    and the MoE dispatch run in, the loss's kernels and the SMs kept for communication
     (``pipesim.model.compute_model.stage_compute_model``, ``pipesim.job.with_ep_dispatch``),
     for simulate's model and every layout plan tries."""
     from pipesim.model.spec import FP8_SCALINGS
@@ -223,6 +223,13 @@ def add_precision_args(group) -> None:
                        "and Megatron-Core's flex dispatcher (DeepEP, HybridEP: a token crosses to each node holding "
                        "its experts once and is fanned out there over NVLink; no permutation before the dispatch) "
                        "(default: alltoall)")
+    group.add_argument("--cross-entropy", default=None, metavar="unfused|fused|te",
+                       help="with --model: the loss's kernels over the logits, priced by the bytes they move and "
+                       "keep: unfused, Megatron-Core's default (FP32 softmax in six passes, 52 bytes a BF16 logit "
+                       "forward and backward, the softmax kept in FP32); fused, --cross-entropy-loss-fusion (40 "
+                       "bytes, the same softmax kept); te, with --cross-entropy-fusion-impl te (Transformer "
+                       "Engine's online softmax: 6 bytes, the BF16 logits kept), as Megatron-Bridge's recipes run "
+                       "(default: unfused)")
     group.add_argument("--comm-sms", type=int, default=0, metavar="SMS",
                        help="with --model: SMs of each GPU kept for communication kernels (DeepSeek-V3 kept 20 of "
                        "an H800's 132): GEMMs and attention run on the rest, at their share of the peak (default: 0)")

@@ -205,7 +205,7 @@ def plan_request(args: argparse.Namespace):
         microbatch_group=_ints(args.microbatch_group, "--microbatch-group") if args.microbatch_group else None,
         constraints=tuple(args.constraint), mfu=args.mfu, compute_model=args.compute_model,
         fp8=args.fp8, ep_dispatch=args.ep_dispatch, ep_dispatcher=args.ep_dispatcher, comm_sms=args.comm_sms,
-        qkv=args.qkv,
+        qkv=args.qkv, cross_entropy=args.cross_entropy,
         max_actions=args.max_actions, memory_headroom=args.memory_headroom, memory_limit=args.memory_limit,
         clip_grad=args.clip_grad,
         recompute_moe_act=[SWITCHES[mode] for mode in _names(args.recompute_moe_act, "--recompute-moe-act",

@@ -78,6 +78,7 @@ attention output in a 12-bit E5M6 format; it is counted at 16 bits here.)
 
 from __future__ import annotations
 
+from pipesim.model.loss_traffic import cross_entropy_bytes
 from pipesim.model.per_op_checkpoint import PER_OP, stash_bytes_per_token
 from pipesim.model.quantization import FP8_TILE_BYTES
 from pipesim.model.saved_tensors import (
@@ -348,10 +349,12 @@ def first_stage_extra_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: boo
 
 def last_stage_extra_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
                            saved: SavedTensors = KERNELS) -> float:
-    """The final norm's and output layer's inputs and the fp32 logits the loss keeps:
-    ``4sbh/t (1 + V/h)`` with sequence parallelism (Korthikanti et al., section 4.3);
-    the two inputs are whole on every rank without it. Plus what an implementation keeps
-    beyond them (``saved``: the norm's statistics, wider logits, the targets)."""
+    """The final norm's and output layer's inputs and the logits the loss keeps, fp32 (its
+    softmax) unless ``spec.cross_entropy`` keeps them in their own type
+    (``pipesim.model.loss_traffic``): ``4sbh/t (1 + V/h)`` with sequence parallelism and
+    fp32 logits (Korthikanti et al., section 4.3); the two inputs are whole on every rank
+    without it. Plus what an implementation keeps beyond them (``saved``: the norm's
+    statistics, wider logits, the targets)."""
     inputs = 2 * spec.tokens * spec.hidden * spec.dtype_bytes / (tp if sequence_parallel else 1)
-    logits = 4 * spec.tokens * spec.vocab / tp
+    logits = cross_entropy_bytes(spec.cross_entropy, spec.dtype_bytes)[2] * spec.tokens * spec.vocab / tp
     return inputs + logits + last_stage_extra(spec, saved, tp, sequence_parallel)

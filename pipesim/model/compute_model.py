@@ -266,6 +266,8 @@ def _attention_time(attention: FlashAttention, model: ComputeModel, element_byte
 
 def _memory_time(kernel: MemoryBound, model: ComputeModel, element_bytes: int) -> OperationTime:
     forward = model.memory_seconds(kernel.bytes)
+    if kernel.backward_bytes is not None:
+        return OperationTime(forward, model.memory_seconds(kernel.backward_bytes))
     return OperationTime(forward, memory_traffic.BACKWARD_TRAFFIC * forward)
 
 

@@ -64,6 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pipesim.model.loss_traffic import cross_entropy_bytes
 from pipesim.model.memory_traffic import layer_traffic_bytes, norm_traffic_bytes, recomputed_activation_bytes
 from pipesim.model.per_op_checkpoint import recomputed_matrices
 from pipesim.model.weights import WHOLE, Weight, attention_weights, mlp_weights, shard, stack_on_rank
@@ -142,6 +143,7 @@ class MemoryBound:
     attention_core: bool = False
     norm_bytes: float = 0.0  # of ``bytes``, what the norms move (what --recompute norm-mla-up re-runs)
     recomputed_bytes: float = 0.0  # of ``bytes``, what every backward re-runs (an activation whose output is not kept)
+    backward_bytes: float | None = None  # what its backward moves; None: BACKWARD_TRAFFIC x ``bytes`` (memory_traffic)
 
     flops = 0.0
 
@@ -320,6 +322,11 @@ def mtp_operations(spec: ModelSpec, tp: int = 1, cp: int = 1) -> tuple[Operation
 
 def head_operations(spec: ModelSpec, tp: int = 1, cp: int = 1) -> tuple[Operation, ...]:
     """The output layer on the last stage: logits over the vocabulary (vocab-parallel) for
-    the rank's ``s / cp`` tokens."""
-    return (Gemm("logits", spec.context_shard(cp).tokens, spec.hidden, spec.vocab / tp),)
+    the rank's ``s / cp`` tokens, and the cross entropy's passes over them
+    (``pipesim.model.loss_traffic``, as ``spec.cross_entropy`` runs it)."""
+    tokens = spec.context_shard(cp).tokens
+    forward, backward, _ = cross_entropy_bytes(spec.cross_entropy, spec.dtype_bytes)
+    logits = tokens * spec.vocab / tp
+    return (Gemm("logits", tokens, spec.hidden, spec.vocab / tp),
+            MemoryBound("cross_entropy", forward * logits, backward_bytes=backward * logits))
 

@@ -44,6 +44,7 @@ from pipesim.model import operations, weights
 from pipesim.model.errors import MAX_LAYERS, ModelSpecError, require_count, require_positive
 from pipesim.model.experts import EP_DISPATCHERS, MixtureOfExperts
 from pipesim.model.latent_attention import LatentAttention
+from pipesim.model.loss_traffic import CROSS_ENTROPY
 from pipesim.model.per_op_checkpoint import PER_OP
 from pipesim.model.quantization import FP8_TILE_BYTES
 from pipesim.model.rotary import Rope
@@ -106,6 +107,8 @@ class ModelSpec:
     # and every backward re-runs it (pipesim.model.activations.mlp_stash_bytes)
     moe_act_recompute: bool = False
     ep_dispatcher: str = "alltoall"  # how the MoE all-to-alls move the routed copies (experts.EP_DISPATCHERS)
+    # the loss's kernels over the logits (pipesim.model.loss_traffic.CROSS_ENTROPY): Megatron-Core's default unfused
+    cross_entropy: str = "unfused"
     # the routed experts' tensor-parallel ranks (Megatron-Core's expert tensor parallelism, ETP, under its
     # parallel folding: pipesim.model.layout); 0: the layout's tp, as Megatron-Core's default
     expert_tp: int = 0
@@ -135,6 +138,9 @@ class ModelSpec:
         if self.ep_dispatcher not in EP_DISPATCHERS:
             raise ModelSpecError(f"model {self.name}: expert-parallel dispatcher {self.ep_dispatcher!r} is not one "
                                  f"of {', '.join(EP_DISPATCHERS)}")
+        if self.cross_entropy not in CROSS_ENTROPY:
+            raise ModelSpecError(f"model {self.name}: cross entropy {self.cross_entropy!r} is not one of "
+                                 f"{', '.join(CROSS_ENTROPY)}")
         if self.expert_tp < 0:
             raise ModelSpecError(f"model {self.name}: expert_tp {self.expert_tp} must be >= 1 (0: the layout's tp)")
         if self.moe_act_recompute and self.moe is None:

@@ -53,12 +53,12 @@ class PlanRequest:
     keeping layouts that match every one of ``constraints`` (``"pp=8"``,
     ``"schedule=1f1b,zb-h1"``); ``top`` rows ranked on ``workers`` processes (None: the CPUs
     available). ``mfu``, ``compute_model``, ``fp8``, ``ep_dispatch``, ``ep_dispatcher``, ``comm_sms``, ``qkv``,
-    ``max_actions``, ``memory_headroom``, ``memory_limit`` and ``clip_grad`` are ``pipesim simulate``'s, the
-    same for every layout. ``recompute_moe_act`` searches the routed experts' activation recomputed
-    off, on or both (``(False,)``, ``(True,)``, ``(False, True)``; a bool for one), never beside the
-    recompute modes it cannot go with (full, per-op). ``torchtitan`` keeps only the
-    layouts torchtitan 0.3 runs as priced (its replicas sharded with FSDP where ``fsdp``): where
-    its expert mesh puts the experts. Field names are the command's flags."""
+    ``cross_entropy``, ``max_actions``, ``memory_headroom``, ``memory_limit`` and ``clip_grad`` are
+    ``pipesim simulate``'s, the same for every layout. ``recompute_moe_act`` searches the routed
+    experts' activation recomputed off, on or both (``(False,)``, ``(True,)``, ``(False, True)``;
+    a bool for one), never beside the recompute modes it cannot go with (full, per-op).
+    ``torchtitan`` keeps only the layouts torchtitan 0.3 runs as priced (its replicas sharded
+    with FSDP where ``fsdp``): where its expert mesh puts the experts. Field names are the command's flags."""
 
     model: str
     gpus: int
@@ -86,6 +86,7 @@ class PlanRequest:
     ep_dispatcher: str | None = None  # pipesim.model.experts.EP_DISPATCHERS; None: alltoall
     comm_sms: int = 0
     qkv: str = "separate"  # pipesim.model.spec.QKV_PROJECTIONS
+    cross_entropy: str | None = None  # pipesim.model.loss_traffic.CROSS_ENTROPY; None: unfused
     max_actions: int | None = None
     memory_headroom: str = "auto"
     # zb-auto's and zbv-auto's stashes, or a budget ("60GB", "device": pipesim.sim.stash_budget); None: pp
@@ -187,7 +188,7 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                compute_model=request.compute_model, memory_headroom=request.memory_headroom, fp8=request.fp8,
                clip_grad=request.clip_grad, memory_limit=request.memory_limit,
                ep_dispatch=request.ep_dispatch, ep_dispatcher=request.ep_dispatcher, comm_sms=request.comm_sms,
-               qkv=request.qkv,
+               qkv=request.qkv, cross_entropy=request.cross_entropy,
                **({"max_actions": request.max_actions} if request.max_actions else {}))
     check_memory_limit(request.memory_limit, request.schedules)  # here, not in every layout
     parallel_of(base)  # a bad --memory-headroom fails here

@@ -1,0 +1,60 @@
+"""What the loss costs: the cross entropy over the vocabulary, a memory-bound pass.
+
+The output layer's logits are ``s x V / tp`` elements a microbatch on a rank (151,936
+columns for Qwen3, 128,256 for Llama 3, 262,144 for Gemma 3), and the loss reads and
+writes them several times: for a small model with a large vocabulary this is as long as
+a layer or more. FLOPs do not see it; the bytes do, priced at the HBM rate of every other
+element-wise kernel (``pipesim.model.memory_traffic.memory_seconds``).
+
+Bytes per logit element, with ``d`` the bytes of the logits' type (2 in BF16) and 4 for
+FP32, counted from the code each stack runs (``--cross-entropy``):
+
+- ``unfused``, Megatron-Core's default (``cross_entropy_loss_fusion`` off;
+  ``megatron/core/tensor_parallel/cross_entropy.py``, also what Megatron-LM ran in
+  2021-2023): forward ``.float()`` (read ``d``, write 4), the max (read 4), the in-place
+  subtraction and ``exp`` (read and write 4 each), the sum (read 4) and the division into
+  the softmax (read and write 4): ``d + 36``; backward the in-place product with the
+  output gradient (read and write 4) and the cast back to the logits' type (read 4, write
+  ``d``): ``12 + d``. It keeps the FP32 softmax for the backward: 4 bytes.
+- ``fused``, ``--cross-entropy-loss-fusion`` with the native implementation
+  (``megatron/core/fusions/fused_cross_entropy.py``): the cast with the max, the
+  subtraction with ``exp``, then the sum and the division: ``d + 24`` forward, the same
+  ``12 + d`` backward, the same FP32 softmax kept.
+- ``te``, ``--cross-entropy-fusion-impl te`` (Transformer Engine's Triton kernels,
+  ``transformer_engine/pytorch/triton/cross_entropy.py``): an online softmax reads the
+  logits once (``d``); the backward reads them and writes the gradient in their place
+  (``2 d``). It keeps the logits in their own type: ``d`` bytes.
+
+With FP32 logits the casts are no-ops (``.float()`` returns its input), so they move
+nothing. What stacks set: Megatron-Bridge's performance recipes and the Megatron-Core MoE
+team's configs take ``te``; NeMo 24.07's Llama configs ``fused``; Megatron-Core without
+the flag, and Megatron-LM before the fusion existed, ``unfused``.
+"""
+
+from __future__ import annotations
+
+CROSS_ENTROPY = ("unfused", "fused", "te")
+FP32_BYTES = 4
+
+
+def check_cross_entropy(mode: str) -> str:
+    """``mode`` if it names a cross-entropy implementation; else a one-line error."""
+    if mode not in CROSS_ENTROPY:
+        raise ValueError(f"--cross-entropy {mode!r}: use one of {', '.join(CROSS_ENTROPY)} (unfused: Megatron-Core's "
+                         "default; fused: --cross-entropy-loss-fusion; te: with --cross-entropy-fusion-impl te)")
+    return mode
+
+
+def cross_entropy_bytes(mode: str, logit_bytes: int) -> tuple[float, float, float]:
+    """(forward, backward, kept) bytes a logit element costs under ``mode`` with logits of
+    ``logit_bytes`` bytes each (see the module): what the passes move, and what the loss
+    holds from its forward to its backward."""
+    check_cross_entropy(mode)
+    if mode == "te":
+        return float(logit_bytes), 2.0 * logit_bytes, float(logit_bytes)
+    cast = 0 if logit_bytes == FP32_BYTES else logit_bytes + FP32_BYTES  # .float() and the cast back
+    if mode == "unfused":  # the cast, then max 4, subtraction 8, exp 8, sum 4, division 8
+        forward = cast + 32
+    else:  # the max fused with the cast (reading 4 bytes alone), subtraction and exp 8, sum 4, division 8
+        forward = (cast or FP32_BYTES) + 20
+    return float(forward), float(8 + cast), float(FP32_BYTES)
