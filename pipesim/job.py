@@ -828,13 +828,17 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
     """``_model_costs`` with an optimizer that passes over one byte per parameter. With
     ``copies`` of the model along the pipeline (DualPipe), the model is split into one
     copy's ``num_stages / copies`` stages and every copy's stages cost the same; each rank's
-    optimizer then passes over the parameters of all the stages it holds."""
+    optimizer then passes over the parameters of all the stages it holds. Where a rank holds
+    both ends of the model (V placements, DualPipe) the split balances ranks
+    (``pipesim.model.stage_split.ends_on_one_rank``)."""
+    from pipesim.model.stage_split import ends_on_one_rank
     from pipesim.model.transformer_costs import with_embedding_copies, with_optimizer_step
 
     split = num_stages // copies
     stages = _model_stage_costs(spec, split, peaks[:split], tp, mfu, sequence_parallel, layout, recompute,
                                 flash_attention, fallback_peak, bandwidths[:split], fallback_bandwidth, gpus[:split],
-                                fallback_gpu, profiled, ep, cp, layer_hold_seconds, comm_sms)
+                                fallback_gpu, profiled, ep, cp, layer_hold_seconds, comm_sms,
+                                None if layout else ends_on_one_rank(stage_ranks, copies))
     if copies > 1:
         stages = replace(stages, stages=stages.stages * copies, meta=dict(stages.meta))
     stages = with_embedding_copies(stages, spec, list(stage_ranks), copies, tp)
@@ -845,9 +849,11 @@ def _model_costs_per_optimizer_byte(spec, num_stages: int, peaks: tuple, tp: int
 def _model_stage_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float | None, sequence_parallel: bool,
                        layout: tuple | None, recompute: str, flash_attention: bool, fallback_peak: float,
                        bandwidths: tuple, fallback_bandwidth: float, gpus: tuple, fallback_gpu: str | None,
-                       profiled, ep: int, cp: int, layer_hold_seconds: float, comm_sms: int = 0) -> Costs:
+                       profiled, ep: int, cp: int, layer_hold_seconds: float, comm_sms: int = 0,
+                       split_ranks: tuple | None = None) -> Costs:
     """``transformer_costs.model_stage_costs``, kept: every placement of as many stages on
-    alike devices (a looped and a V pipeline, pp 8 and pp 4 of two chunks) shares them."""
+    alike devices that splits alike (``split_ranks``: the looped placements, pp 8 and pp 4
+    of two chunks, share them) shares them."""
     from pipesim.model.transformer_costs import model_stage_costs
 
     return model_stage_costs(spec, num_stages, list(peaks), tp=tp, mfu=mfu, sequence_parallel=sequence_parallel,
@@ -855,7 +861,7 @@ def _model_stage_costs(spec, num_stages: int, peaks: tuple, tp: int, mfu: float 
                              flash_attention=flash_attention, fallback_peak=fallback_peak,
                              stage_memory_bandwidth=list(bandwidths), fallback_memory_bandwidth=fallback_bandwidth,
                              stage_gpus=list(gpus), fallback_gpu=fallback_gpu, compute_model=profiled, ep=ep, cp=cp,
-                             layer_hold_seconds=layer_hold_seconds, comm_sms=comm_sms)
+                             layer_hold_seconds=layer_hold_seconds, comm_sms=comm_sms, split_ranks=split_ranks)
 
 
 @without_collector

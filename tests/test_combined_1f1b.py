@@ -171,7 +171,7 @@ def test_the_docs_quote_qwen3_235bs_step_as_simulated():
     args = ["--model", "tests/data/hf_configs/qwen3-235b-a22b.json", "--seq-len", "4096", "--microbatch-size", "1",
             "--schedule", "interleaved-1f1b", "-v", "4", "--pp", "8", "-m", "128", "--tp", "2", "--dp", "16",
             "--topology", "ib", "--nodes", "32", "--gpu", "h100", "--zero", "1", "--sequence-parallel",
-            "--no-tp-overlap", "--ep", "32", "--etp", "1", "--fp8", "current"]
+            "--no-tp-overlap", "--ep", "32", "--etp", "1", "--fp8", "current", "--cross-entropy", "te"]
     exposed, combined = simulate_json(args), simulate_json([*args, "--ep-overlap"])
     assert (f"{exposed['makespan']:.2f} s a step with the all-to-alls exposed ({exposed['ranks'][0]['ep']:.2f} s of "
             f"ep on every rank but the last), {combined['makespan']:.2f} s combined "

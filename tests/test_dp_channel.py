@@ -210,10 +210,12 @@ def test_reductions_through_the_pipelines_ports_delay_its_sends():
     # reductions and the pipeline's sends; ZeRO-2 reduce-scatters every backward's
     # gradients. Some send waits behind a reduction (its time on the wire grows past its
     # unloaded half-occupancy), and the step is longer than with the reductions on
-    # links of their own.
+    # links of their own. 25 layers (14 and 11) make stage 0 the slower, so its sends
+    # leave while its reductions hold the port; with 24 the last stage's loss makes stage 1
+    # the slower, and stage 0's sends wait for it instead.
     schedule = generate("1f1b", 2, 8)
     topology = presets.nvlink(1)
-    costs = model_costs(schedule, "gpt3-1.3b", topology)
+    costs = model_costs(schedule, "gpt3-1.3b", topology, layers=25)
     parallel = ParallelConfig(dp=4, zero=2, overlap_dp=False)
     result = run_simulation(schedule, costs, topology, parallel=parallel)
     plan = comm_plan_of(result.schedule, costs, topology, result.mapping, parallel)

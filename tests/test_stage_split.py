@@ -8,10 +8,13 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pipesim import job
 from pipesim.cli import main
 from pipesim.model.spec import ModelSpecError, model_costs, model_spec
-from pipesim.model.stage_split import check_layers_per_stage, split_layers
+from pipesim.model.stage_split import check_layers_per_stage, ends_on_one_rank, split_layers
 
 PEAK = 1e15
 FREE_HBM = {"fallback_memory_bandwidth": math.inf}  # FLOPs only: memory-bound kernels cost nothing
@@ -93,3 +96,66 @@ def test_embedding_only_and_head_only_chunks_on_the_command_line(tmp_path, capsy
                  "-m", "4", "--layers-per-stage", "16,0,16,0"])
     assert code == 2
     assert "--layers-per-stage 16,0,16,0: stage 1 holds no layer" in capsys.readouterr().err
+
+
+# --- rank by rank where one rank holds both ends (V placements, DualPipe's two copies) ---
+
+V4 = (0, 1, 2, 3, 3, 2, 1, 0)  # zbv's and dualpipev's placement of 8 chunks on 4 ranks
+
+
+def test_a_v_placement_is_balanced_rank_by_rank_by_hand():
+    """32 layers on 8 chunks, the output layer worth 3 layers on the last chunk, which rank 0
+    holds with the first. The ranks' least slowest load is 9 (8 leaves rank 0 5 layers and
+    the others 8 each, 29 < 32); rank 0 fits 6, the others 9: 33, one too many, taken off
+    rank 0 (the heaviest, 9, tied, the lowest stage first). Rank 0's 5 layers fill its first
+    chunk to the last one's 3 (the later chunk first among equals), then one each: 4 and 1;
+    the other ranks' 9 go 4 and 5. Stage by stage, rank 3 would hold 10."""
+    assert split_layers(32, 8, last_extra=3.0, ranks=V4) == [4, 4, 4, 4, 5, 5, 5, 1]
+    by_stage = split_layers(32, 8, last_extra=3.0)
+    assert by_stage == [4, 4, 4, 5, 5, 5, 4, 1]
+    assert max(by_stage[rank] + by_stage[7 - rank] for rank in range(4)) == 10
+
+
+def test_which_placements_split_rank_by_rank():
+    assert ends_on_one_rank(V4) == V4
+    assert ends_on_one_rank((0, 1, 2, 3, 0, 1, 2, 3)) is None  # looped: the ends on ranks 0 and 3
+    assert ends_on_one_rank((0, 1, 2, 3)) is None
+    # DualPipe: one copy's 4 stages of 8, rank r holding copy 0's stage r and copy 1's stage 3 - r
+    assert ends_on_one_rank((0, 1, 2, 3, 3, 2, 1, 0), copies=2) == (0, 1, 1, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ranks=st.integers(2, 8), layers_per_rank=st.integers(1, 12), more=st.integers(0, 7),
+       extra=st.floats(0, 12, allow_nan=False))
+def test_rank_by_rank_never_loads_a_rank_more_than_stage_by_stage(ranks, layers_per_rank, more, extra):
+    """The rank-by-rank split holds every layer, a layer on every middle chunk, and its
+    fullest rank (layers plus the output layer's extra) is never fuller than the stage-by-
+    stage split's: it searches that load itself."""
+    layers = 2 * ranks * layers_per_rank + more
+    placement = tuple(range(ranks)) + tuple(reversed(range(ranks)))
+    counts = split_layers(layers, 2 * ranks, last_extra=extra, ranks=placement)
+    assert sum(counts) == layers and all(count >= 1 for count in counts[1:-1])
+
+    def fullest(split):
+        return max(split[rank] + split[2 * ranks - 1 - rank] + (extra if rank == 0 else 0.0) for rank in range(ranks))
+
+    assert fullest(counts) <= fullest(split_layers(layers, 2 * ranks, last_extra=extra)) + 1e-9
+
+
+def test_simulate_splits_a_v_schedule_rank_by_rank_and_runs_faster(tmp_path, monkeypatch):
+    """Gemma 3 1B (262,144-token vocabulary: its output layer and loss outweigh several of
+    its 26 layers) on 4 H100s under zbv: the default split balances ranks, leaving rank 0,
+    which runs the output layer and its loss, fewer layers than stage by stage (which
+    fills its first chunk like any other), and the step is shorter."""
+    args = ["simulate", "--model", "tests/data/hf_configs/gemma-3-1b.json", "--seq-len", "4096", "--schedule", "zbv",
+            "--pp", "4", "-m", "16", "--gpu", "h100"]
+    assert main([*args, "--json", str(tmp_path / "ranks.json")]) == 0
+    monkeypatch.setattr("pipesim.model.stage_split.ends_on_one_rank", lambda placement, copies=1: None)
+    for cached in (job._model_costs, job._model_costs_per_optimizer_byte):  # the costs are kept per input
+        cached.cache_clear()
+    assert main([*args, "--json", str(tmp_path / "stages.json")]) == 0
+    ranks, stages = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("ranks", "stages"))
+    layers = [[stage["layers"] for stage in result["stage_costs"]] for result in (ranks, stages)]
+    assert layers[0] != layers[1] and sum(layers[0]) == sum(layers[1]) == 26
+    assert layers[0][0] + layers[0][-1] < layers[1][0] + layers[1][-1]  # rank 0 also runs the output layer
+    assert ranks["makespan"] < stages["makespan"]

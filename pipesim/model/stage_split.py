@@ -18,6 +18,18 @@ of layers plus the first or last stage's extra, and the number of layers each st
 take under it follows, so the split costs a binary search over a few hundred candidate
 times, whatever the stages.
 
+Where one rank holds both ends of the model (a V-shaped placement, zbv's and dualpipev's:
+rank 0 runs the first and the last of ``2 pp`` chunks; DualPipe's two copies: rank 0 runs
+copy 0's first stage and copy 1's last), what sets the pace is each rank's stages
+together, and balancing stage by stage misjudges that rank: it fills the embedding's
+stage like any other beside the output layer's (Gemma 3 1B, whose output layer and loss
+outweigh several layers, zbv at pp 4: rank 0 over-full), or takes layers off both ends
+and gives the middle ranks the surplus (32 layers, the output layer worth 3: a middle
+rank holds 10 where 9 would do). There the split balances each rank's stages together
+(``ranks``): the same search over the slowest rank's time, each rank's layers then shared
+among its stages so that their times are as even as they can be (the later stage first
+among equals).
+
 Given by hand (``--layers-per-stage``), a stage may hold no layer only if it is the first
 (the embedding alone) or the last (the output layer alone).
 """
@@ -26,15 +38,18 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 
 from pipesim.model.errors import ModelSpecError
 
 
 def split_layers(layers: int, num_stages: int, layers_per_stage: list[int] | None = None,
-                 first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
+                 first_extra: float = 0.0, last_extra: float = 0.0,
+                 ranks: Sequence[int] | None = None) -> list[int]:
     """Layers on each of ``num_stages`` stages: as given (checked), or balanced with the
     first stage carrying ``first_extra`` and the last ``last_extra`` more than its layers,
-    both in units of one mean layer's time (see the module)."""
+    both in units of one mean layer's time, stage by stage or, given ``ranks`` (the rank
+    each stage's work falls on: ``ends_on_one_rank``), rank by rank (see the module)."""
     if layers_per_stage is not None:
         return check_layers_per_stage(layers_per_stage, layers, num_stages)
     if num_stages == 1:
@@ -44,6 +59,8 @@ def split_layers(layers: int, num_stages: int, layers_per_stage: list[int] | Non
             f"the model has {layers} layers, too few for {num_stages} stages (pp x virtual stages): at most "
             f"{layers + 2}, the first and last holding only the embedding and the output layer")
     extras = [max(first_extra, 0.0)] + [0.0] * (num_stages - 2) + [max(last_extra, 0.0)]
+    if ranks is not None:
+        return _split_by_rank(layers, extras, ranks)
     slowest = _least_slowest_stage(layers, extras)
     counts = [_capacity(slowest, extra) for extra in extras]
     surplus = sum(counts) - layers
@@ -113,3 +130,72 @@ def _least_slowest_stage(layers: int, extras: list[float]) -> float:
         if holds(low + extra):
             best = min(best, low + extra)
     return best
+
+
+def ends_on_one_rank(placement: Sequence[int], copies: int = 1) -> tuple[int, ...] | None:
+    """For the split of one copy's stages: the rank whose load each stage counts toward
+    where one rank holds both ends of the model (see the module), else None. With
+    ``copies`` of the model (DualPipe's two, each split alike) rank ``r`` holds copy 0's
+    stage ``r`` and copy 1's stage ``pp - 1 - r``, so stages ``s`` and ``pp - 1 - s`` of
+    one copy weigh on the same two ranks; with one copy, the placement's own ranks."""
+    if copies > 1:
+        stages = len(placement) // copies
+        return tuple(min(stage, stages - 1 - stage) for stage in range(stages))
+    if len(placement) > 1 and placement[0] == placement[-1]:
+        return tuple(placement)
+    return None
+
+
+def _split_by_rank(layers: int, extras: list[float], ranks: Sequence[int]) -> list[int]:
+    """``split_layers`` rank by rank: each rank's stages one super-stage of their extras
+    added up (the least slowest rank, the surplus off the heaviest ranks, the lowest stage
+    first among equals), then each rank's layers spread over its stages, every stage to
+    its least first and then one layer at a time to the stage whose time is least (the
+    later stage among equals)."""
+    num_stages = len(extras)
+    if len(ranks) != num_stages:
+        raise ValueError(f"ranks names {len(ranks)} stages' ranks, not {num_stages}")
+    stages_of: dict[int, list[int]] = {}
+    for stage, rank in enumerate(ranks):
+        stages_of.setdefault(rank, []).append(stage)
+    groups = list(stages_of.values())
+    extra = [sum(extras[stage] for stage in group) for group in groups]
+    least = [sum(_least_layers(stage, num_stages) for stage in group) for group in groups]
+
+    def capacity(slowest: float, index: int) -> int:
+        return _capacity(slowest, extra[index])
+
+    def holds(slowest: float) -> bool:
+        capacities = [capacity(slowest, index) for index in range(len(groups))]
+        return all(held >= need for held, need in zip(capacities, least, strict=True)) and sum(capacities) >= layers
+
+    slowest = math.inf
+    for candidate in set(extra):
+        low, high = 0, layers + 1
+        while low < high:
+            middle = (low + high) // 2
+            if holds(middle + candidate):
+                high = middle
+            else:
+                low = middle + 1
+        if holds(low + candidate):
+            slowest = min(slowest, low + candidate)
+    totals = [capacity(slowest, index) for index in range(len(groups))]
+    surplus = sum(totals) - layers
+    heap = [(-(totals[index] + extra[index]), min(groups[index]), index) for index in range(len(groups))]
+    heapq.heapify(heap)
+    while surplus > 0:
+        _, first, index = heapq.heappop(heap)
+        if totals[index] <= least[index]:
+            continue
+        totals[index] -= 1
+        surplus -= 1
+        heapq.heappush(heap, (-(totals[index] + extra[index]), first, index))
+    counts = [0] * num_stages
+    for group, total in zip(groups, totals, strict=True):
+        for stage in group:
+            counts[stage] = _least_layers(stage, num_stages)
+        for _ in range(total - sum(counts[stage] for stage in group)):
+            stage = min(group, key=lambda member: (counts[member] + extras[member], -member))
+            counts[stage] += 1
+    return counts

@@ -38,6 +38,7 @@ depends on the cluster, so the stage costs carry what prices it (``moe_layers``,
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import replace
 
 from pipesim.model.activations import (
@@ -66,7 +67,7 @@ from pipesim.model.saved_tensors import (
     regathered_inputs,
 )
 from pipesim.model.spec import ModelSpec, ModelSpecError, check_recompute, finite_peak
-from pipesim.model.stage_split import split_layers
+from pipesim.model.stage_split import ends_on_one_rank, split_layers
 from pipesim.model.tp_windows import TP_WINDOW_FIELDS, tp_gemm_windows
 from pipesim.model.weights import routed_params
 
@@ -118,15 +119,17 @@ def model_costs(
 
     ``ep`` expert-parallel and ``cp`` context-parallel ranks: see the module.
 
-    Without ``layers_per_stage`` the layers are split so that each stage's time is as even
-    as it can be (``pipesim.model.stage_split``): a layer's forward and backward, plus
+    Without ``layers_per_stage`` the layers are split so that each stage's time (each
+    rank's, where ``stage_ranks`` puts both ends of the model on one rank) is as even as it
+    can be (``pipesim.model.stage_split``): a layer's forward and backward, plus
     ``layer_hold_seconds`` of tensor-parallel collectives that hold its rank, against the
     output layer's forward and backward on the last stage."""
     return with_optimizer_step(
         model_stage_costs(spec, num_stages, stage_peak_flops, tp, mfu, sequence_parallel, layers_per_stage,
                           recompute, flash_attention, fallback_peak, stage_memory_bandwidth,
                           fallback_memory_bandwidth, stage_gpus, fallback_gpu, compute_model, ep, cp,
-                          layer_hold_seconds, comm_sms),
+                          layer_hold_seconds, comm_sms,
+                          split_ranks=ends_on_one_rank(stage_ranks) if stage_ranks else None),
         optimizer_state_bytes, stage_ranks, stage_memory_bandwidth, fallback_memory_bandwidth)
 
 
@@ -151,10 +154,14 @@ def model_stage_costs(
     layer_hold_seconds: float = 0.0,
     comm_sms: int = 0,
     saved_tensors: SavedTensors = KERNELS,
+    split_ranks: Sequence[int] | None = None,
 ) -> Costs:
     """``model_costs`` without the optimizer step (``step_overhead`` 0): the stages alone,
-    which do not depend on which rank holds which stage, so a planner derives them once
-    for every placement of as many stages (``with_optimizer_step`` adds the step).
+    which depend on which rank holds which stage only through ``split_ranks`` (where one
+    rank holds both ends of the model the default split balances ranks, not stages:
+    ``pipesim.model.stage_split.ends_on_one_rank``), so a planner derives them once for
+    every placement of as many stages that splits alike (``with_optimizer_step`` adds the
+    step).
     ``saved_tensors`` says what the implementation keeps for the backward beyond the
     fused kernels' inventory (``pipesim.model.saved_tensors``; the executor's is
     ``EAGER_TORCH``)."""
@@ -218,7 +225,7 @@ def model_stage_costs(
             lambda layer: _pass_seconds(time_of(compute, kind_layer[spec.layer_kind(layer)]))
         ) / spec.layers + layer_hold_seconds
         head_extra = _pass_seconds(end_of(compute)) / layer_seconds if layer_seconds > 0 else 0.0
-    counts = split_layers(spec.layers, num_stages, layers_per_stage, last_extra=head_extra)
+    counts = split_layers(spec.layers, num_stages, layers_per_stage, last_extra=head_extra, ranks=split_ranks)
     stages = []
     models = set()
     per_kind = {layer: (spec.layer_params(layer, tp, ep),
