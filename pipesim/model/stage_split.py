@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from pipesim.model.errors import ModelSpecError
 
@@ -117,10 +117,17 @@ def _least_slowest_stage(layers: int, extras: list[float]) -> float:
     def holds(slowest: float) -> bool:
         return sum(count * _capacity(slowest, extra) for extra, count in stages_of.items()) >= layers
 
+    return _least_holding_time(stages_of, holds, layers, lambda extra: max(0, math.ceil(floor - extra - 1e-12)))
+
+
+def _least_holding_time(extras: Iterable[float], holds: Callable[[float], bool], layers: int,
+                        fewest: Callable[[float], int] = lambda extra: 0) -> float:
+    """The least ``count + extra`` over the distinct ``extras`` (each the time of a stage or
+    rank that carries it, in layers) for which ``holds``, each found by a binary search
+    over ``count`` from ``fewest(extra)`` (every layer on one stage or rank always fits)."""
     best = math.inf
-    for extra in stages_of:
-        low = max(0, math.ceil(floor - extra - 1e-12))
-        high = layers + 1  # every layer on one stage fits
+    for extra in set(extras):
+        low, high = fewest(extra), layers + 1
         while low < high:
             middle = (low + high) // 2
             if holds(middle + extra):
@@ -169,17 +176,7 @@ def _split_by_rank(layers: int, extras: list[float], ranks: Sequence[int]) -> li
         capacities = [capacity(slowest, index) for index in range(len(groups))]
         return all(held >= need for held, need in zip(capacities, least, strict=True)) and sum(capacities) >= layers
 
-    slowest = math.inf
-    for candidate in set(extra):
-        low, high = 0, layers + 1
-        while low < high:
-            middle = (low + high) // 2
-            if holds(middle + candidate):
-                high = middle
-            else:
-                low = middle + 1
-        if holds(low + candidate):
-            slowest = min(slowest, low + candidate)
+    slowest = _least_holding_time(extra, holds, layers)
     totals = [capacity(slowest, index) for index in range(len(groups))]
     surplus = sum(totals) - layers
     heap = [(-(totals[index] + extra[index]), min(groups[index]), index) for index in range(len(groups))]
