@@ -104,7 +104,9 @@ def model_costs(schedule: Schedule, model: str, topology: Topology | str = "idea
                 tp: int = 1, **fields: int) -> Costs:
     """Costs derived from a model preset (``gpt3-1.3b``, ``llama3-8b``, …; ``fields``
     override ``layers``, ``hidden``, ``heads``, ``seq_len``, ``vocab``,
-    ``microbatch_size``, ``dtype_bytes``) at ``mfu`` of each device's peak FLOP/s."""
+    ``microbatch_size``, ``dtype_bytes``) at ``mfu`` of each device's peak FLOP/s, split
+    over ``schedule``'s stages as ``pipesim simulate`` splits them (rank by rank where a
+    rank holds both ends of the model, the V placements)."""
     from pipesim.cluster.mapping import DEFAULT_ORDER, map_ranks  # noqa: PLC0415
     from pipesim.model.spec import model_costs as derive_costs  # noqa: PLC0415
     from pipesim.model.spec import model_spec  # noqa: PLC0415
@@ -112,7 +114,8 @@ def model_costs(schedule: Schedule, model: str, topology: Topology | str = "idea
     cluster = _as_topology(topology)
     devices = map_ranks(cluster, 1, schedule.pp, tp, DEFAULT_ORDER).pipeline()
     peaks = [cluster.device_peak_flops(devices[schedule.placement[stage]]) for stage in range(schedule.num_stages)]
-    return derive_costs(model_spec(model, **fields), schedule.num_stages, peaks, tp=tp, mfu=mfu)
+    return derive_costs(model_spec(model, **fields), schedule.num_stages, peaks, tp=tp, mfu=mfu,
+                        stage_ranks=list(schedule.placement))
 
 
 def simulate(

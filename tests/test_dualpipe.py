@@ -221,9 +221,14 @@ def test_the_critical_path_never_steps_across_the_seam():
 
 
 def test_a_model_is_split_into_one_copys_stages_and_both_copies_get_them(tmp_path, capsys):
-    """Each dualpipe stage holds what 1F1B's stage of the same index holds (embedding on
-    stages 0 and pp, the head on pp - 1 and 2pp - 1), so the step's tokens are the m
-    microbatches of both directions."""
+    """Both copies get one copy's 4 stages (embedding on stages 0 and pp, the head on pp - 1
+    and 2pp - 1), each what 1F1B's stage of the same layers holds, so the step's tokens
+    are the m microbatches of both directions. The split balances ranks, rank r running
+    stages r and 3 - r (pipesim.model.stage_split): with the output layer and its loss worth
+    h = 2 to 3 layers on stage 3, ranks 0 and 3 fit 15 layers under 15 + h and ranks 1 and
+    2 17 (17 + h would leave 33), 32 in all; 15 goes 9 to stage 0 and 6 to stage 3 (9
+    against 6 + h), 17 goes 8 and 9 (the later stage first): 9, 8, 9, 6, where 1F1B's
+    stage-by-stage split is 8, 9, 9, 6."""
     stages = {}
     for name in ("dualpipe", "1f1b"):
         out = tmp_path / f"{name}.json"
@@ -232,10 +237,19 @@ def test_a_model_is_split_into_one_copys_stages_and_both_copies_get_them(tmp_pat
         document = json.loads(out.read_text())
         stages[name] = document["stage_costs"]
         assert document["microbatches"] == 8
-    capsys.readouterr()
     assert len(stages["dualpipe"]) == 8 and len(stages["1f1b"]) == 4
+    layer = (stages["1f1b"][1]["fwd"] + stages["1f1b"][1]["bwd"]) / stages["1f1b"][1]["layers"]
+    head = (stages["1f1b"][3]["fwd"] + stages["1f1b"][3]["bwd"]) / layer - stages["1f1b"][3]["layers"]
+    assert 2 < head < 3
+    assert [stage["layers"] for stage in stages["dualpipe"]] == [9, 8, 9, 6] * 2
+    assert [stage["layers"] for stage in stages["1f1b"]] == [8, 9, 9, 6]
+    out = tmp_path / "same-split.json"
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--model", "llama3-8b",
+                 "--topology", "ib", "--nodes", "1", "--layers-per-stage", "9,8,9,6", "--json", str(out)]) == 0
+    same = json.loads(out.read_text())["stage_costs"]
+    capsys.readouterr()
     for stage in range(4):
-        assert stages["dualpipe"][stage] == stages["dualpipe"][4 + stage] == stages["1f1b"][stage]
+        assert stages["dualpipe"][stage] == stages["dualpipe"][4 + stage] == same[stage]
     assert main(["simulate", "--schedule", "dualpipe", "--pp", "4", "--microbatches", "8", "--model", "llama3-8b",
                  "--layers-per-stage", "4,4,4,4,4,4,4,4"]) == 2
     assert ("--layers-per-stage lists 8 stages but each of dualpipe's 2 copies of the model has 4 (pp)"

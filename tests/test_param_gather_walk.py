@@ -186,17 +186,17 @@ def walked_and_after(layout: tuple, zero: int, overlap_dp: bool, microbatches: i
 
 
 def test_a_ranks_wait_for_its_gathers_delays_the_ranks_that_depend_on_it():
-    # ZBV, pp 4, m 8 (V-shaped: rank 0 holds stages 0 and 7, rank 3 stages 3 and 4). Rank
+    # ZBV, pp 4, m 8 (V-shaped: rank 0 holds stages 0 and 7, rank 2 stages 2 and 5). Rank
     # 0 waits longest for its gathers: stage 0's first forward starts the step, 3 layers of
     # 1.53 ms against 0.29 ms of forward each: 1.53 + 2 x 1.25 = 4.03 ms. Ranks 1 and 3
     # wait about 1 ms for their second stage's (issued after their first's), less than
     # 4.03. The closed form added each wait to its own rank alone; but every rank's first
     # forwards depend on rank 0's, so every rank starts 4.03 ms later (which covers the
-    # others' waits) and the step ends with rank 3, which ends last: the latest rank's end
+    # others' waits) and the step ends with rank 2, which ends last: the latest rank's end
     # plus rank 0's wait, longer than the closed form's (rank 0's end plus its wait).
     walked, after = walked_and_after(("ib", 4, "zbv", 4, 2, 4, 2, "tp-pp-dp"), 1, True, 8)
     ends, waits = closed_form_waits(after)
     assert waits[0] == pytest.approx(4.03e-3, abs=0.01e-3) and max(waits[rank] for rank in (1, 2, 3)) < 1.1e-3
-    assert max(ends, key=ends.get) == 3
-    assert walked.metrics.makespan == pytest.approx(ends[3] + waits[0], rel=1e-12, abs=0.0)
+    assert max(ends, key=ends.get) == 2
+    assert walked.metrics.makespan == pytest.approx(ends[2] + waits[0], rel=1e-12, abs=0.0)
     assert walked.metrics.makespan > closed_form_step(after) + 0.1e-3
