@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from executor.lr_schedule import LR_DECAYS
-from schedules.generators import COST_AWARE, GROUPED, generate
+from schedules.generators import COST_AWARE, GROUPED, V_SHAPED, generate
 from schedules.generators.interleaved import require_microbatch_group
 from schedules.lowering import lower
 from schedules.schedule import Schedule
@@ -169,6 +169,18 @@ class RunConfig:
         """The ranks of a stage the ep groups are cut from: its dp x cp ranks, and under
         parallel folding its tp x cp x dp ranks."""
         return self.dp * self.cp * (self.tp if self.folded else 1)
+
+    @property
+    def split_ranks(self) -> tuple[int, ...] | None:
+        """The rank each stage's load counts toward when the default split balances ranks,
+        as ``pipesim simulate`` splits the schedule (``pipesim.model.stage_split``): a given
+        schedule's own placement where a rank holds both ends of the model, the V shapes'
+        and DualPipe's folded ranks; None (stage by stage) for the looped ones."""
+        from pipesim.model.stage_split import ends_on_one_rank, folded_ranks  # noqa: PLC0415
+
+        if self.custom_schedule is not None:
+            return ends_on_one_rank(self.custom_schedule.placement)
+        return folded_ranks(self.num_stages) if self.schedule in V_SHAPED else None
 
     @property
     def num_stages(self) -> int:

@@ -66,6 +66,12 @@ QUOTED = (
     Quoted("docs/cluster-model.md", "pipesim simulate --model llama3-8b --schedule 1f1b --pp 2 -m 8 --gpu h100",
            ("  step time",)),
     Quoted("docs/cluster-model.md",
+           "pipesim simulate --model llama3-8b --pp 4 -m 16 --schedule zbv --gpu h100 --topology nvlink",
+           ("  step time",)),
+    Quoted("docs/cluster-model.md",
+           "pipesim simulate --model llama3-8b --pp 4 -m 16 --schedule zbv --gpu h100 --topology nvlink "
+           "--layers-per-stage 4,4,4,5,5,4,4,2", ("  step time",)),
+    Quoted("docs/cluster-model.md",
            "pipesim simulate --model llama3-8b --schedule 1f1b --pp 2 -m 8 --gpu h100 --cross-entropy te",
            ("  step time",)),
     Quoted("docs/plan.md",

@@ -159,3 +159,24 @@ def test_simulate_splits_a_v_schedule_rank_by_rank_and_runs_faster(tmp_path, mon
     assert layers[0] != layers[1] and sum(layers[0]) == sum(layers[1]) == 26
     assert layers[0][0] + layers[0][-1] < layers[1][0] + layers[1][-1]  # rank 0 also runs the output layer
     assert ranks["makespan"] < stages["makespan"]
+
+
+def test_a_run_splits_a_v_schedule_as_simulate_does(tmp_path):
+    """The executor builds each stage's layers by the simulator's split
+    (``executor.architectures.build.stage_layers``): for a V schedule and DualPipe it
+    groups the stages by rank as ``simulate`` does, so Gemma 3 1B under zbv at pp 4 holds
+    the layers ``simulate --json`` reports (not the stage-by-stage split, which differs)."""
+    from executor.architectures.build import stage_layers
+    from executor.config import RunConfig
+    from pipesim.model.spec import model_spec as spec_of
+
+    zbv, dualpipe = (RunConfig(schedule=name, pp=4, virtual_stages=2, microbatches=8) for name in ("zbv", "dualpipe"))
+    assert zbv.split_ranks == V4 and dualpipe.split_ranks == (0, 1, 1, 0)
+    assert RunConfig(schedule="interleaved-1f1b", pp=4, virtual_stages=2, microbatches=8).split_ranks is None
+    out = tmp_path / "zbv.json"
+    assert main(["simulate", "--model", "tests/data/hf_configs/gemma-3-1b.json", "--schedule", "zbv", "--pp", "4",
+                 "-m", "8", "--gpu", "h100", "--json", str(out)]) == 0
+    simulated = [stage["layers"] for stage in json.loads(out.read_text())["stage_costs"]]
+    spec = spec_of("tests/data/hf_configs/gemma-3-1b.json")
+    assert stage_layers(spec, 8, None, split_ranks=zbv.split_ranks) == simulated
+    assert stage_layers(spec, 8, None) != simulated

@@ -180,15 +180,17 @@ def shrink_note(config: RunConfig) -> str:
 
 
 def stage_layers(spec: ModelSpec, num_stages: int, layout: tuple[int, ...] | None, tp: int = 1,
-                 sequence_parallel: bool = False) -> list[int]:
+                 sequence_parallel: bool = False, split_ranks: tuple[int, ...] | None = None) -> list[int]:
     """Layers on each stage: ``layout`` (checked), or the split ``pipesim simulate
     --model`` makes of the same model, by the same function (the stages' times on the
     simulator's default GPU, the output layer's on the last, balanced by
-    ``pipesim.model.stage_split``), so a run and its prediction hold the same layers."""
+    ``pipesim.model.stage_split``, rank by rank as ``split_ranks`` groups them:
+    ``RunConfig.split_ranks``), so a run and its prediction hold the same layers."""
     given = list(layout) if layout else None
     try:
         costs = model_stage_costs(spec, num_stages, [math.nan] * num_stages, tp=tp,
-                                  sequence_parallel=sequence_parallel, layers_per_stage=given)
+                                  sequence_parallel=sequence_parallel, layers_per_stage=given,
+                                  split_ranks=split_ranks)
     except ModelSpecError as error:
         prefix = "" if layout else f"--layers {spec.layers}: "
         raise ConfigError(f"{prefix}{error}") from None
@@ -247,7 +249,7 @@ def check_architecture(config: RunConfig) -> ModelSpec:
         check_tensor_parallel(config, spec)
     if config.cp > 1:
         check_context_parallel(config, spec)
-    stage_layers(spec, config.num_stages, config.layout, config.tp, config.sequence_parallel)
+    stage_layers(spec, config.num_stages, config.layout, config.tp, config.sequence_parallel, config.split_ranks)
     return spec
 
 

@@ -138,7 +138,7 @@ class SpecModel(GptModel):
         super().__init__(config)
         self.spec = shrunk_spec(config)
         self.layout = tuple(stage_layers(self.spec, config.num_stages, config.layout, config.tp,
-                                         config.sequence_parallel))
+                                         config.sequence_parallel, config.split_ranks))
 
     def make_embed(self) -> nn.Module:
         return TokenEmbedding(self.spec)

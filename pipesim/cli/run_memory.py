@@ -111,7 +111,8 @@ def stage_split(spec: ModelSpec, config: RunConfig) -> list[int]:
     """Layers per stage as the executor builds them: the toy's even split, an
     architecture's by the simulator's own split (``stage_layers``)."""
     if is_architecture(config.model):
-        return stage_layers(spec, config.num_stages, config.layout, config.tp, config.sequence_parallel)
+        return stage_layers(spec, config.num_stages, config.layout, config.tp, config.sequence_parallel,
+                            config.split_ranks)
     return list(config.layout or even_layout(config.layers, config.num_stages))
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from pipesim.model.errors import ModelSpecError
@@ -59,24 +60,7 @@ def split_layers(layers: int, num_stages: int, layers_per_stage: list[int] | Non
             f"the model has {layers} layers, too few for {num_stages} stages (pp x virtual stages): at most "
             f"{layers + 2}, the first and last holding only the embedding and the output layer")
     extras = [max(first_extra, 0.0)] + [0.0] * (num_stages - 2) + [max(last_extra, 0.0)]
-    if ranks is not None:
-        return _split_by_rank(layers, extras, ranks)
-    slowest = _least_slowest_stage(layers, extras)
-    counts = [_capacity(slowest, extra) for extra in extras]
-    surplus = sum(counts) - layers
-    # take the surplus off the heaviest stages, among equals the outermost first
-    outside_in = sorted(range(num_stages), key=lambda stage: min(stage, num_stages - 1 - stage))
-    rank = {stage: position for position, stage in enumerate(outside_in)}
-    heap = [(-(counts[stage] + extras[stage]), rank[stage], stage) for stage in range(num_stages)]
-    heapq.heapify(heap)
-    while surplus > 0:
-        _, position, stage = heapq.heappop(heap)
-        if counts[stage] <= _least_layers(stage, num_stages):
-            continue  # cannot give up a layer: no longer a candidate
-        counts[stage] -= 1
-        surplus -= 1
-        heapq.heappush(heap, (-(counts[stage] + extras[stage]), position, stage))
-    return counts
+    return _split_by_rank(layers, extras, tuple(range(num_stages)) if ranks is None else ranks)
 
 
 def check_layers_per_stage(counts: list[int], layers: int, num_stages: int) -> list[int]:
@@ -107,27 +91,13 @@ def _capacity(slowest: float, extra: float) -> int:
     return max(0, math.floor(slowest - extra + 1e-9))
 
 
-def _least_slowest_stage(layers: int, extras: list[float]) -> float:
-    """The least slowest-stage time (in layers) under which the stages hold every layer,
-    each middle stage at least one: the least ``count + extra`` (a candidate per distinct
-    extra) that holds them, each found by a binary search over ``count``."""
-    floor = max(1.0, *extras)  # a middle stage holds a layer; an end stage its extra
-    stages_of = {extra: extras.count(extra) for extra in set(extras)}
-
-    def holds(slowest: float) -> bool:
-        return sum(count * _capacity(slowest, extra) for extra, count in stages_of.items()) >= layers
-
-    return _least_holding_time(stages_of, holds, layers, lambda extra: max(0, math.ceil(floor - extra - 1e-12)))
-
-
-def _least_holding_time(extras: Iterable[float], holds: Callable[[float], bool], layers: int,
-                        fewest: Callable[[float], int] = lambda extra: 0) -> float:
-    """The least ``count + extra`` over the distinct ``extras`` (each the time of a stage or
-    rank that carries it, in layers) for which ``holds``, each found by a binary search
-    over ``count`` from ``fewest(extra)`` (every layer on one stage or rank always fits)."""
+def _least_holding_time(extras: Iterable[float], holds: Callable[[float], bool], layers: int) -> float:
+    """The least ``count + extra`` over the distinct ``extras`` (each the time of a rank
+    that carries it, in layers) for which ``holds``, each found by a binary search over
+    ``count`` (every layer on one rank always fits)."""
     best = math.inf
     for extra in set(extras):
-        low, high = fewest(extra), layers + 1
+        low, high = 0, layers + 1
         while low < high:
             middle = (low + high) // 2
             if holds(middle + extra):
@@ -146,17 +116,24 @@ def ends_on_one_rank(placement: Sequence[int], copies: int = 1) -> tuple[int, ..
     stage ``r`` and copy 1's stage ``pp - 1 - r``, so stages ``s`` and ``pp - 1 - s`` of
     one copy weigh on the same two ranks; with one copy, the placement's own ranks."""
     if copies > 1:
-        stages = len(placement) // copies
-        return tuple(min(stage, stages - 1 - stage) for stage in range(stages))
+        return folded_ranks(len(placement) // copies)
     if len(placement) > 1 and placement[0] == placement[-1]:
         return tuple(placement)
     return None
 
 
+def folded_ranks(num_stages: int) -> tuple[int, ...]:
+    """Stage ``s`` and stage ``num_stages - 1 - s`` on one rank: a V placement's chunks
+    (``2 pp`` of them), or one DualPipe copy's ``pp`` stages as the two copies load the
+    ranks (``ends_on_one_rank``)."""
+    return tuple(min(stage, num_stages - 1 - stage) for stage in range(num_stages))
+
+
 def _split_by_rank(layers: int, extras: list[float], ranks: Sequence[int]) -> list[int]:
-    """``split_layers`` rank by rank: each rank's stages one super-stage of their extras
-    added up (the least slowest rank, the surplus off the heaviest ranks, the lowest stage
-    first among equals), then each rank's layers spread over its stages, every stage to
+    """``split_layers`` rank by rank (stage by stage where each stage is a rank of its
+    own): each rank's stages one super-stage of their extras added up (the least slowest
+    rank, then the surplus taken off the heaviest ranks, among equals the one holding the
+    outermost stage first), then each rank's layers spread over its stages, every stage to
     its least first and then one layer at a time to the stage whose time is least (the
     later stage among equals)."""
     num_stages = len(extras)
@@ -169,17 +146,19 @@ def _split_by_rank(layers: int, extras: list[float], ranks: Sequence[int]) -> li
     extra = [sum(extras[stage] for stage in group) for group in groups]
     least = [sum(_least_layers(stage, num_stages) for stage in group) for group in groups]
 
-    def capacity(slowest: float, index: int) -> int:
-        return _capacity(slowest, extra[index])
+    alike = Counter(zip(extra, least, strict=True))  # ranks alike in extra and least layers: one check each
 
     def holds(slowest: float) -> bool:
-        capacities = [capacity(slowest, index) for index in range(len(groups))]
-        return all(held >= need for held, need in zip(capacities, least, strict=True)) and sum(capacities) >= layers
+        return (all(_capacity(slowest, carried) >= need for carried, need in alike)
+                and sum(count * _capacity(slowest, carried) for (carried, _), count in alike.items()) >= layers)
 
     slowest = _least_holding_time(extra, holds, layers)
-    totals = [capacity(slowest, index) for index in range(len(groups))]
+    totals = [_capacity(slowest, carried) for carried in extra]
     surplus = sum(totals) - layers
-    heap = [(-(totals[index] + extra[index]), min(groups[index]), index) for index in range(len(groups))]
+    outside_in = sorted(range(num_stages), key=lambda stage: min(stage, num_stages - 1 - stage))
+    position = {stage: place for place, stage in enumerate(outside_in)}
+    heap = [(-(totals[index] + extra[index]), min(position[stage] for stage in groups[index]), index)
+            for index in range(len(groups))]
     heapq.heapify(heap)
     while surplus > 0:
         _, first, index = heapq.heappop(heap)
