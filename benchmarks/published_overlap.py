@@ -279,9 +279,14 @@ def mixture_of_experts() -> list[PublishedRun]:
     # gpt-oss-120b, 64 GPUs, BF16, pp 4, ep 8, 4096 tokens: (container, GBS, MBS, tokens/s/GPU). Its published
     # TFLOP/s (153-163) are not kept: they count 0.79 of the FLOPs per token of the config's layers, which is
     # its routed experts' gated MLP counted as two matrices instead of three (the experts are 63% of the FLOPs;
-    # 1 - 0.63 / 3 = 0.79), a count, not the architecture (the config's gate_up_proj is 2 x 2880 wide)
+    # 1 - 0.63 / 3 = 0.79), a count, not the architecture (the config's gate_up_proj is 2 x 2880 wide).
+    # 25.11's row runs one sequence a microbatch, not the four its table prints: its MBS and GA cells (4, 2)
+    # are the DGX-B200 row's above it (dp 64: 512 / (64 x 4) = 2), where every other 25.11 row's GA is its
+    # GBS / (dp x MBS) and this layout's (dp 16) would be 8 at MBS 4; the H100 recipe of the 25.11 release
+    # line (Megatron-Bridge v0.2.0, scripts/performance/configs/gpt_oss/workload_base_configs.py) is the base
+    # config's micro_batch_size=1 with pp 4 and the layernorm + moe_act recompute, as the later rows run it
     for container, global_batch, micro, tokens in (
-            ("25.11", 512, 4, 5630), ("26.02", 1280, 1, 5993), ("26.02.01", 1280, 1, 5984),
+            ("25.11", 512, 1, 5630), ("26.02", 1280, 1, 5993), ("26.02.01", 1280, 1, 5984),
             ("26.04", 1280, 1, 5810), ("26.04.01", 1280, 1, 5824)):
         rows.append(PublishedRun(f"gpt-oss-120b ({container})", MOE_SOURCE, 117, GPT_OSS_120B, 64, global_batch,
                                  micro, 4096, 1, 4, tokens, ep=8, fp8=False, recompute="norm-mla-up",
@@ -370,8 +375,8 @@ def memory_lines(rows: list[PublishedRun], predictions: dict[str, Prediction]) -
     fits = [run for run in moe if run not in over]
     if fits:
         tightest = max(fits, key=lambda run: predictions[run.label].peak_bytes / predictions[run.label].usable_bytes)
-        lines.append(f"the other {len(fits)} mixture-of-experts rows fit, the tightest {tightest.label} "
-                     f"with {fullest(tightest)}")
+        which = f"the other {len(fits)}" if over else f"all {len(fits)}"
+        lines.append(f"{which} mixture-of-experts rows fit, the tightest {tightest.label} with {fullest(tightest)}")
     return lines
 
 
