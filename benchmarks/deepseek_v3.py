@@ -55,7 +55,7 @@ from dataclasses import replace
 from pipesim.cli import build_parser
 from pipesim.job import Job, model_figures, simulate_job
 
-CONFIG = "tests/data/hf_configs/deepseek-v3.json"
+CONFIG = "pipesim/model/data/hf_configs/deepseek-v3.json"
 GPUS = 2048
 PRETRAINING_TOKENS = 14.8e12
 PRETRAINING_GPU_HOURS = 2664e3

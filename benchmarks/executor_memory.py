@@ -39,7 +39,7 @@ TWO_CHUNKS = ("--virtual-stages", "2")
 
 def config(name: str) -> str:
     """A stored Hugging Face config.json, by its file's stem."""
-    return f"tests/data/hf_configs/{name}.json"
+    return f"pipesim/model/data/hf_configs/{name}.json"
 
 
 ROWS: dict[str, tuple[str, ...]] = {

@@ -86,7 +86,7 @@ HELD_OUT: list[tuple[str, dict]] = [
                                  dtype="bfloat16")),
     ("deepseek-v3 bf16", dict(model="deepseek-v3", layers=4, hidden=1024, heads=16, seq_len=512, batch_size=8,
                               microbatches=4, vocab=32000, experts=8, ffn_hidden=512, dtype="bfloat16")),
-    ("qwen moe fp32", dict(model="tests/data/hf_configs/qwen1.5-moe-a2.7b.json", layers=3, hidden=1024, heads=16,
+    ("qwen moe fp32", dict(model="qwen1.5-moe-a2.7b", layers=3, hidden=1024, heads=16,
                            seq_len=512, batch_size=8, microbatches=4, vocab=32000, experts=8, ffn_hidden=512)),
     ("gpt float64 small", dict(model="gpt", layers=4, hidden=256, heads=8, seq_len=256, batch_size=8,
                                microbatches=4, vocab=8192, dtype="float64")),

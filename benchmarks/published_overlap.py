@@ -241,9 +241,9 @@ def later_containers(rows: list[PublishedRun]) -> list[PublishedRun]:
             for layout, container, tokens, tflops in LATER_CONTAINERS]
 
 
-QWEN3_30B = "--model tests/data/hf_configs/qwen3-30b-a3b.json"
-QWEN3_235B = "--model tests/data/hf_configs/qwen3-235b-a22b.json"
-GPT_OSS_120B = "--model tests/data/hf_configs/gpt-oss-120b.json"
+QWEN3_30B = "--model qwen3-30b-a3b"
+QWEN3_235B = "--model qwen3-235b-a22b"
+GPT_OSS_120B = "--model gpt-oss-120b"
 
 
 def mixture_of_experts() -> list[PublishedRun]:

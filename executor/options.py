@@ -26,7 +26,7 @@ from executor.config import (
 )
 from executor.lr_schedule import LR_DECAYS
 from executor.token_data import BYTE_VOCAB
-from pipesim.model.spec import PRESETS
+from pipesim.model.spec import model_names
 from schedules.generators import MULTI_CHUNK
 
 # The same schedule defaults as the simulator (pipesim.cli.options): pp 4 with
@@ -113,7 +113,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, outputs: bool = True) -> 
     model = parser.add_argument_group("model and data (synthetic, deterministic from --seed)")
     model.add_argument("--model", default="mlp",
                        help=f"{' or '.join(MODELS)} (toys), or an architecture shrunk to this machine: "
-                            f"{', '.join(PRESETS)} or a Hugging Face config.json, as simulate --model takes "
+                            f"{', '.join(model_names())} or a Hugging Face config.json, as simulate --model takes "
                             "(default mlp)")
     model.add_argument("--layers", type=int, default=None, help=f"layers in the whole model (default {CPU['layers']}; "
                        f"an architecture on a GPU {GPU['layers']})")

@@ -1,12 +1,13 @@
-"""The Hugging Face ``config.json`` files the tests read (``tests/data/hf_configs``), and
+"""The Hugging Face ``config.json`` files the tests read (``pipesim/model/data/hf_configs``), and
 one of them with keys changed."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+from pipesim.model.spec import BUNDLED_CONFIGS
+
+CONFIGS = BUNDLED_CONFIGS
 
 
 def hf(name: str, **changes) -> dict:

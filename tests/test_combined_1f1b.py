@@ -20,7 +20,7 @@ from schedules.generators.interleaved import interleaved_1f1b
 from schedules.p2p import P2P_SEMANTICS
 from tests.cli_runs import assert_one_line_error, simulate_json
 
-QWEN3_30B = "tests/data/hf_configs/qwen3-30b-a3b.json"
+QWEN3_30B = "qwen3-30b-a3b"
 
 
 def _warmups(schedule) -> list[int]:
@@ -168,7 +168,7 @@ def test_the_docs_quote_qwen3_235bs_step_as_simulated():
     from pathlib import Path
 
     docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "cluster-model.md").read_text().split())
-    args = ["--model", "tests/data/hf_configs/qwen3-235b-a22b.json", "--seq-len", "4096", "--microbatch-size", "1",
+    args = ["--model", "qwen3-235b-a22b", "--seq-len", "4096", "--microbatch-size", "1",
             "--schedule", "interleaved-1f1b", "-v", "4", "--pp", "8", "-m", "128", "--tp", "2", "--dp", "16",
             "--topology", "ib", "--nodes", "32", "--gpu", "h100", "--zero", "1", "--sequence-parallel",
             "--no-tp-overlap", "--ep", "32", "--etp", "1", "--fp8", "current", "--cross-entropy", "te"]

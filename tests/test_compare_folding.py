@@ -84,7 +84,7 @@ def test_a_folded_runs_stages_say_what_the_executor_holds_and_gathers():
 
 
 def test_a_folded_runs_shared_experts_gather_as_a_dense_mlp():
-    qwen = ("--model", "tests/data/hf_configs/qwen1.5-moe-a2.7b.json", "--ffn-hidden", "16")
+    qwen = ("--model", "qwen1.5-moe-a2.7b", "--ffn-hidden", "16")
     folded = run_config(*qwen, *FOLDED[2:])
     for entry in stage_bytes(folded, 2):
         assert (entry["moe_layers"], entry["moe_shared"], entry["tp_regathers"]) == (2.0, 1.0, 2.0)

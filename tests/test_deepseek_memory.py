@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -27,9 +26,10 @@ from pipesim.model.compute_model import FixedEfficiency, block_time, operation_t
 from pipesim.model.hf_config import spec_from_hf_config
 from pipesim.model.memory_traffic import memory_seconds
 from pipesim.model.operations import layer_operations
+from pipesim.model.spec import BUNDLED_CONFIGS
 from pipesim.sim.memory import BytesPerParam, static_bytes_per_param, with_optimizer_moments
 
-CONFIG = Path(__file__).parent / "data" / "hf_configs" / "deepseek-v3.json"
+CONFIG = BUNDLED_CONFIGS / "deepseek-v3.json"
 H, Q_RANK, KV_RANK, ROPE, HEADS, QK_HEAD, V_HEAD = 7168, 1536, 512, 64, 128, 192, 128
 K, EXPERTS, EXPERT_FFN, SHARED_FFN, DENSE_FFN = 8, 256, 2048, 2048, 18432
 TOKENS = 4096

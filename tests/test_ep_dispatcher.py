@@ -9,18 +9,17 @@ nothing changes), and the flag's errors."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.experts import node_limited_share
 from pipesim.model.operations import layer_operations
-from pipesim.model.spec import load_model, model_spec
+from pipesim.model.spec import BUNDLED_CONFIGS, load_model, model_spec
 from pipesim.model.transformer_costs import dispatch_node_limit
 from tests.cli_runs import assert_one_line_error, simulate_json
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = BUNDLED_CONFIGS
 QWEN3_30B = str(CONFIGS / "qwen3-30b-a3b.json")
 
 

@@ -44,7 +44,7 @@ CASES = {
     "llama-tp2": {"model": "llama3-8b", "kv_heads": 2, "layers": 2, "pp": 1, "tp": 2, "microbatches": 2},
     "mixtral-tp2": {"model": "mixtral-8x7b", "kv_heads": 2, "layers": 2, "experts": 4, "pp": 1, "tp": 2,
                     "microbatches": 2},
-    "qwen-moe-tp2-sp": {"model": "tests/data/hf_configs/qwen1.5-moe-a2.7b.json", "layers": 2, "experts": 4,
+    "qwen-moe-tp2-sp": {"model": "qwen1.5-moe-a2.7b", "layers": 2, "experts": 4,
                         "ffn_hidden": 16, "pp": 1, "tp": 2, "microbatches": 2, "sequence_parallel": True},
     "llama-text": {"model": "llama3-8b", "kv_heads": 2, "layers": 3, "schedule": "1f1b", "microbatches": 2,
                    "data": __file__, "vocab": 258},  # this file's text, byte by byte

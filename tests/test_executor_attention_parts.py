@@ -8,7 +8,6 @@ key norms run under tp, their weights' gradients summed over it."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +16,11 @@ from executor.architectures.layers import Attention, attend, visible_keys
 from executor.config import ConfigError, RunConfig
 from executor.models import build_model
 from executor.reference import reference_run
+from pipesim.model.spec import BUNDLED_CONFIGS
 from tests.launched_cases import LaunchedCases, assert_equals_reference, assert_weights_equal_reference
 
 pytestmark = pytest.mark.timeout(300)
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = BUNDLED_CONFIGS
 
 
 def config_path(name: str) -> str:

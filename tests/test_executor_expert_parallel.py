@@ -44,7 +44,7 @@ CASES_OF_WORLD = {
         "mixtral-pp1-dp2-ep2-tp2": {"pp": 1, "dp": 2, "ep": 2, "tp": 2},
         # with sequence parallelism each tp rank routes its own shard (Megatron-Core's layer,
         # executor.shard_routing): the rows it received gathered over tp around the experts' shards
-        "qwen-moe-pp1-dp2-ep2-tp2-sp": {"model": "tests/data/hf_configs/qwen1.5-moe-a2.7b.json", "ffn_hidden": 16,
+        "qwen-moe-pp1-dp2-ep2-tp2-sp": {"model": "qwen1.5-moe-a2.7b", "ffn_hidden": 16,
                                         "pp": 1, "dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True},
         # ... the capacity counting the copies of the sequence's earlier shard, the balance loss's counts
         # summed over tp, two steps of AdamW clipped by the global norm

@@ -24,7 +24,7 @@ SMALL = {"model": "mixtral-8x7b", "hidden": 16, "heads": 4, "kv_heads": 2, "laye
          "vocab": 37, "batch_size": 8, "steps": 2, "dtype": "float64", "optimizer": "adamw", "lr": 0.02,
          "return_grads": True, "schedule": "1f1b", "microbatches": 2, "pp": 1, "tp": 2, "sequence_parallel": True,
          "etp": 1}
-QWEN_MOE = {"model": "tests/data/hf_configs/qwen1.5-moe-a2.7b.json", "ffn_hidden": 16}
+QWEN_MOE = {"model": "qwen1.5-moe-a2.7b", "ffn_hidden": 16}
 CASES_OF_WORLD = {
     # one replica: every expert on both tp ranks, each taking its half of every sequence;
     # the experts' gradients summed over the two (their expert data-parallel group)

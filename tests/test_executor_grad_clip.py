@@ -6,8 +6,6 @@ equals torch's own ``clip_grad_norm_``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,10 +13,11 @@ from executor.config import ConfigError, RunConfig
 from executor.grad_clip import clip_gradients, tp_copies
 from executor.models import build_model, build_optimizer
 from executor.reference import reference_run
+from pipesim.model.spec import BUNDLED_CONFIGS
 from tests.launched_cases import LaunchedCases, assert_equals_reference, assert_weights_equal_reference
 
 pytestmark = pytest.mark.timeout(300)
-QWEN3_TIED = str(Path(__file__).parent / "data" / "hf_configs" / "qwen3-0.6b.json")
+QWEN3_TIED = str(BUNDLED_CONFIGS / "qwen3-0.6b.json")
 
 
 def test_the_norm_counts_a_tensor_held_twice_once() -> None:

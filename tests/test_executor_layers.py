@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from executor.reference import reference_run
 from executor.token_data import BOS, EOS, byte_tokens, token_windows
 from pipesim.cli import main
 from pipesim.model.latent_attention import LatentAttention as LatentSizes
+from pipesim.model.spec import BUNDLED_CONFIGS
 
 
 @pytest.fixture(autouse=True)
@@ -290,7 +290,7 @@ def test_stage_split_is_the_one_simulate_prints(flags, tmp_path, capsys) -> None
     assert stage_layers(shrunk_spec(run), run.num_stages, None) == simulated
 
 
-CONFIGS = sorted((Path(__file__).parent / "data" / "hf_configs").glob("*.json"))
+CONFIGS = sorted((BUNDLED_CONFIGS).glob("*.json"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda path: path.stem)

@@ -20,11 +20,11 @@ from executor.architectures.moe import MixtureOfExperts
 from executor.config import ConfigError, RunConfig
 from executor.models import build_model
 from executor.reference import reference_run
-from pipesim.model.spec import load_model
+from pipesim.model.spec import BUNDLED_CONFIGS, load_model
 from tests.launched_cases import LaunchedCases, assert_equals_reference, assert_weights_equal_reference
 
 pytestmark = pytest.mark.timeout(300)
-SCOUT = str(Path(__file__).parent / "data" / "hf_configs" / "llama-4-scout.json")
+SCOUT = str(BUNDLED_CONFIGS / "llama-4-scout.json")
 
 
 def test_the_config_reads_its_parts() -> None:

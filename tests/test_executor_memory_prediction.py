@@ -153,8 +153,8 @@ def test_latent_attention_blocks_keep_what_the_model_says(model: str, batch: int
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("model", ["mixtral-8x7b", "tests/data/hf_configs/qwen1.5-moe-a2.7b.json",
-                                   "tests/data/hf_configs/llama-4-scout.json"])
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "qwen1.5-moe-a2.7b",
+                                   "llama-4-scout"])
 def test_mixture_of_experts_blocks_keep_what_the_model_says(model: str, dtype: str) -> None:
     """Mixtures of experts in float32 and under bf16 autocast, two sequences: the model's
     bytes per layer are what the pack hook counts on the real block. Under autocast each
@@ -187,7 +187,7 @@ def test_config_file_blocks_keep_what_the_model_says(model: str, batch: int, dty
     attention output, laid out token by token, joins its heads without a copy, as does
     Llama 4's in its layers without rotary positions (the fourth), which keep their
     per-position query scales instead of the tables."""
-    config = RunConfig(model=f"tests/data/hf_configs/{model}.json",
+    config = RunConfig(model=f"pipesim/model/data/hf_configs/{model}.json",
                        **{**SIZES, "layers": 4, "hidden": 64, "heads": 8, "seq_len": 32, "batch_size": batch,
                           "experts": 4}, dtype=dtype)
     assert_every_block_as_predicted(config)
@@ -196,7 +196,7 @@ def test_config_file_blocks_keep_what_the_model_says(model: str, batch: int, dty
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("model", "batch"), [("deepseek-v3", 1), ("deepseek-v3", 2), ("deepseek-v2-lite", 2),
                                               ("llama3-8b", 2), ("mixtral-8x7b", 2),
-                                              ("tests/data/hf_configs/falcon-7b.json", 2)])
+                                              ("falcon-7b", 2)])
 def test_blocks_under_norm_mla_up_keep_what_the_model_says(model: str, batch: int, dtype: str) -> None:
     """``--recompute norm-mla-up``: every norm's output (Falcon-7B's one norm, read by
     both halves, too) and latent attention's up-projections are dropped after the forward
@@ -220,7 +220,7 @@ def test_blocks_under_selective_recompute_keep_what_the_model_says(model: str, d
     autocast a query norm's float32 weight makes Q and K float32 (Gemma 3, Qwen3, OLMoE),
     as latent attention's rotary tables do, and latent attention's V is the view of its
     joint K-nope/V up-projection it was handed, not the math path's copy."""
-    config = RunConfig(model=f"tests/data/hf_configs/{model}.json",
+    config = RunConfig(model=f"pipesim/model/data/hf_configs/{model}.json",
                        **{**SIZES, "layers": 2, "hidden": 64, "heads": 8, "seq_len": 32, "batch_size": 2,
                           "experts": 4}, dtype=dtype, recompute="selective")
     assert_every_block_as_predicted(config)
@@ -337,11 +337,11 @@ def test_launched_runs_peak_within_ten_percent_of_the_prediction() -> None:
 TIGHT_CASES = {
     # the last stage keeps its own copy of the token table, whole on each tp rank as the table is
     # (the executor splits the blocks only): predicted at half the table before, 2.8% short
-    "tied table at tp 2": {"model": "tests/data/hf_configs/gemma-3-1b.json", "kv_heads": 2, "tp": 2,
+    "tied table at tp 2": {"model": "gemma-3-1b", "kv_heads": 2, "tp": 2,
                            "sequence_parallel": True},
     # context parallelism's ring keeps K and V at their own heads, its output in float32, and the query
     # norm's float32 Q and K/V message: counted as torch's kernel keeps them before, activations 2.9% short
-    "query norms at cp 2": {"model": "tests/data/hf_configs/qwen3-8b.json", "cp": 2},
+    "query norms at cp 2": {"model": "qwen3-8b", "cp": 2},
 }
 
 

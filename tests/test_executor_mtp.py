@@ -20,10 +20,11 @@ from executor.architectures.mtp import IGNORED, MTP_LOSS_WEIGHT, HeadWithPredict
 from executor.config import RunConfig
 from executor.models import build_model
 from executor.tied_embeddings import TiedEmbeddings
+from pipesim.model.spec import BUNDLED_CONFIGS
 from tests.launched_cases import LaunchedCases, assert_run_and_weights_equal_reference, last_stage
 
 pytestmark = pytest.mark.timeout(300)
-V3 = str(Path(__file__).parent / "data" / "hf_configs" / "deepseek-v3.json")
+V3 = str(BUNDLED_CONFIGS / "deepseek-v3.json")
 SMALL = {"model": V3, "layers": 4, "hidden": 32, "heads": 4, "seq_len": 8, "vocab": 37, "experts": 8}
 
 

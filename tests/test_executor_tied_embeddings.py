@@ -7,8 +7,6 @@ tp with sequence parallelism) and on one rank (V-shaped zbv, DualPipe)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,10 +15,11 @@ from executor.config import RunConfig
 from executor.data_parallel import bucket_parameters
 from executor.models import build_model, build_optimizer
 from executor.reference import reference_run
+from pipesim.model.spec import BUNDLED_CONFIGS
 from tests.launched_cases import LaunchedCases, assert_run_and_weights_equal_reference, last_stage
 
 pytestmark = pytest.mark.timeout(300)
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = BUNDLED_CONFIGS
 QWEN3_TIED = str(CONFIGS / "qwen3-0.6b.json")  # tie_word_embeddings: true
 GPT2 = str(CONFIGS / "gpt2.json")  # tied by its family's default
 

@@ -11,8 +11,9 @@ import os
 from pathlib import Path
 
 from pipesim.cli import main
+from pipesim.model.spec import BUNDLED_CONFIGS
 
-GPT2_CONFIG = Path(__file__).parent / "data" / "hf_configs" / "gpt2.json"
+GPT2_CONFIG = BUNDLED_CONFIGS / "gpt2.json"
 
 
 def run(*argv) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -39,10 +38,10 @@ from pipesim.model.errors import ModelSpecError
 from pipesim.model.hf_config import spec_from_hf_config
 from pipesim.model.memory_traffic import HBM_EFFICIENCY
 from pipesim.model.operations import Gemm, head_operations, layer_operations
-from pipesim.model.spec import model_spec
+from pipesim.model.spec import BUNDLED_CONFIGS, model_spec
 from pipesim.model.transformer_costs import layer_time, training_figures
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = BUNDLED_CONFIGS
 PEAK, BANDWIDTH = 1e15, 2e12
 STREAM = BANDWIDTH * HBM_EFFICIENCY  # what streaming kernels reach (pipesim.model.memory_traffic)
 FP8_DEEPSEEK = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}

@@ -23,14 +23,14 @@ from pipesim.model.costs import Costs, StageCost, load_costs
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.experts import MixtureOfExperts
 from pipesim.model.hf_config import spec_from_hf_config
-from pipesim.model.spec import model_spec
+from pipesim.model.spec import BUNDLED_CONFIGS, model_spec
 from pipesim.sim.parallel import ParallelConfig
 from pipesim.sim.step import run_simulation
 from schedules.generators import generate
 from tests.cli_runs import assert_one_line_error, simulate_json
 
 ROOT = Path(__file__).resolve().parent.parent
-DEEPSEEK = json.loads((ROOT / "tests" / "data" / "hf_configs" / "deepseek-v3.json").read_text())
+DEEPSEEK = json.loads((BUNDLED_CONFIGS / "deepseek-v3.json").read_text())
 NVLINK_BW = 450e9 * 0.8  # H100 NVSwitch port x efficiency
 NVLINK_PAIR_LATENCY = 2 * 1.5e-6  # GPU -> NVSwitch -> GPU
 # Mixtral at its 8192 tokens a sequence, top 2 of 8: a rank's 2 x 8192 routed copies of 4096
@@ -200,7 +200,7 @@ def test_plan_carries_the_flag_to_every_layouts_model():
 
     base, _ = checked(PlanRequest(model="mixtral-8x7b", gpus=8, global_batch=8, fp8=True, ep_dispatch="fp8"))
     assert model_spec_of(base).fp8_dispatch
-    base, _ = checked(PlanRequest(model=str(ROOT / "tests" / "data" / "hf_configs" / "deepseek-v3.json"), gpus=8,
+    base, _ = checked(PlanRequest(model=str(BUNDLED_CONFIGS / "deepseek-v3.json"), gpus=8,
                                   global_batch=8, gpu="h800", ep_dispatch="bf16"))
     assert model_spec_of(base).fp8 and not model_spec_of(base).fp8_dispatch
 

@@ -1,6 +1,6 @@
 """Hugging Face config.json files read as Hugging Face builds the model.
 
-The fixtures in tests/data/hf_configs are written by hand with the keys that matter,
+The fixtures in pipesim/model/data/hf_configs are written by hand with the keys that matter,
 values from the models' public config.json files. Published parameter counts:
 - Llama 3.1 8B 8.03B, Qwen2.5-7B 7.62B, Mistral-7B 7.24B, gemma-2-9b 9.24B, Phi-3-mini
   3.82B: the sizes the Hugging Face model pages give, counted from the published weights
@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.hf_config import spec_from_hf_config
-from pipesim.model.spec import load_model, model_spec
+from pipesim.model.spec import BUNDLED_CONFIGS, load_model, model_spec
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = BUNDLED_CONFIGS
 
 
 def config(name: str) -> dict:

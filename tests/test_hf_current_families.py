@@ -2,7 +2,7 @@
 Hugging Face builds them, against the published parameter counts; vision-language and
 chunked-attention families refused with the reason; sliding windows in the FLOPs.
 
-The fixtures in tests/data/hf_configs are the public config.json files' keys (values
+The fixtures in pipesim/model/data/hf_configs are the public config.json files' keys (values
 copied from the model repositories: allenai/OLMoE-1B-7B-0924, Qwen/Qwen3-8B,
 Qwen/Qwen3-0.6B, Qwen/Qwen3-30B-A3B, openai/gpt-oss-120b, openai/gpt-oss-20b,
 google/gemma-3-1b-pt; gpt-oss's without its MXFP4 quantization_config, as training
@@ -25,7 +25,6 @@ dequantizes it). Published counts:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -35,8 +34,9 @@ from pipesim.model.errors import ModelSpecError
 from pipesim.model.hf_config import spec_from_hf_config
 from pipesim.model.layout import check_layout
 from pipesim.model.operations import FlashAttention
+from pipesim.model.spec import BUNDLED_CONFIGS
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = BUNDLED_CONFIGS
 
 
 MXFP4 = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",

@@ -29,11 +29,11 @@ from pipesim.model.compute_model import FixedEfficiency
 from pipesim.model.gemm_model import GemmModel
 from pipesim.model.layout import tp_problem
 from pipesim.model.operations import Gemm, layer_operations
-from pipesim.model.spec import PRESETS, load_model, model_spec
+from pipesim.model.spec import BUNDLED_CONFIGS, PRESETS, load_model, model_spec
 from pipesim.model.transformer_costs import layer_time, model_costs
 from pipesim.model.weights import layer_weights, norm_params, shard
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = BUNDLED_CONFIGS
 
 
 def by_name(operations) -> dict:

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from pipesim.cli import main
 from pipesim.model.hf_config import spec_from_hf_config
+from pipesim.model.spec import BUNDLED_CONFIGS
 from pipesim.model.transformer_costs import model_costs
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = BUNDLED_CONFIGS
 PEAK = 1e15
 RATE = PEAK * 0.5
 FREE_HBM = {"fallback_memory_bandwidth": float("inf")}  # FLOPs only

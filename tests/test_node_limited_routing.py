@@ -11,7 +11,6 @@ over its bandwidth.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +20,9 @@ from pipesim.cluster.presets import ib
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.experts import node_limited_share
 from pipesim.model.hf_config import spec_from_hf_config
+from pipesim.model.spec import BUNDLED_CONFIGS
 
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+CONFIGS = BUNDLED_CONFIGS
 
 
 def config(name: str, **changes) -> dict:

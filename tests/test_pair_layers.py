@@ -109,7 +109,7 @@ def test_halves_read_off_a_stages_costs():
     assert not layered(stage, StageCost(fwd=1.0, bwd=2.0, moe_layers=2), 8.0, 8.0)  # a costs file without them
 
 
-QWEN3_30B = ["--model", "tests/data/hf_configs/qwen3-30b-a3b.json", "--seq-len", "4096", "--schedule",
+QWEN3_30B = ["--model", "qwen3-30b-a3b", "--seq-len", "4096", "--schedule",
              "interleaved-1f1b", "-v", "2", "--pp", "2", "-m", "8", "--dp", "16", "--ep", "16", "--topology", "ib",
              "--nodes", "4"]
 

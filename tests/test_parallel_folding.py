@@ -24,13 +24,13 @@ from pipesim.model.activations import layer_stash_bytes, routed_copies_bytes
 from pipesim.model.errors import ModelSpecError
 from pipesim.model.layout import check_expert_tp
 from pipesim.model.operations import layer_operations
-from pipesim.model.spec import load_model
+from pipesim.model.spec import BUNDLED_CONFIGS, load_model
 from pipesim.model.weights import layer_params
 from pipesim.sim.expert_parallel import stage_ep_groups
 from pipesim.sim.parallel import ParallelConfig
 from tests.cli_runs import assert_one_line_error, simulate_json
 
-QWEN3_30B = str(Path(__file__).parent / "data" / "hf_configs" / "qwen3-30b-a3b.json")
+QWEN3_30B = str(BUNDLED_CONFIGS / "qwen3-30b-a3b.json")
 
 
 def _ranks(devices: list[str]) -> list[int]:
@@ -128,7 +128,7 @@ def test_folded_shared_experts_keep_the_dense_pair():
     splits them over tp as a dense MLP (``SharedExpertMLP`` on the tp group, the sequence
     gathered for them), also when the routed experts are folded to etp 1: each layer
     keeps one pair for its MLP, so the tp time is the unfolded step's."""
-    qwen_moe = [*QWEN_STEP[2:], "--model", "tests/data/hf_configs/qwen1.5-moe-a2.7b.json"]
+    qwen_moe = [*QWEN_STEP[2:], "--model", "qwen1.5-moe-a2.7b"]
     unfolded, folded = simulate_json(qwen_moe), simulate_json([*qwen_moe, "--etp", "1"])
     assert all(stage["moe_shared"] == 1.0 for stage in folded["stage_costs"])
     assert [rank["tp"] for rank in folded["ranks"]] == pytest.approx([rank["tp"] for rank in unfolded["ranks"]],

@@ -152,7 +152,7 @@ def test_refused_cases_are_one_line_and_exit_2(model, flags, reason, capsys):
 def test_run_refuses_written_out_attention_by_its_part(capsys):
     """Gemma 2's soft-capped scores are written out in ``pipesim run`` (no fused kernel
     takes the cap there): the refusal names the part, not a flag the user never gave."""
-    assert main(["run", "--model", "tests/data/hf_configs/gemma-2-9b.json", "--layers", "4", "--hidden", "64",
+    assert main(["run", "--model", "gemma-2-9b", "--layers", "4", "--hidden", "64",
                  "--heads", "8", "--pp", "2", "--seq-len", "32", "--vocab", "128", "--recompute", "per-op"]) == 2
     error = capsys.readouterr().err.strip()
     assert "soft-capped attention scores are written out" in error and "--no-flash-attention" not in error

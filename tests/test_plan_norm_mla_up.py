@@ -6,15 +6,15 @@ line, and ``run --plan`` runs such a row."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from pipesim.cli import main
 from pipesim.job import Job, simulate_job
+from pipesim.model.spec import BUNDLED_CONFIGS
 from pipesim.plan.request import Planner, PlanRequest
 
-CONFIG = Path(__file__).parent / "data" / "hf_configs" / "deepseek-v3.json"
+CONFIG = BUNDLED_CONFIGS / "deepseek-v3.json"
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from pipesim.model.activations import layer_stash_bytes
 from pipesim.model.compute_model import layer_memory_seconds
 from pipesim.model.hf_config import spec_from_hf_config
 from pipesim.model.memory_traffic import HBM_EFFICIENCY
-from pipesim.model.spec import PRESETS, ModelSpecError
+from pipesim.model.spec import BUNDLED_CONFIGS, PRESETS, ModelSpecError
 from tests.launched_cases import LaunchedCases, assert_equals_reference
 from tests.test_executor_memory_prediction import (
     TIGHT_RUN,
@@ -72,7 +72,7 @@ def test_every_backward_reruns_the_routed_activation(tp: int) -> None:
 def test_the_shared_experts_keep_their_activation_output() -> None:
     """Qwen1.5-MoE's shared expert (5,632 wide) is left whole: only the 4 routed copies'
     1,408 columns each are dropped."""
-    with open("tests/data/hf_configs/qwen1.5-moe-a2.7b.json") as handle:
+    with open(BUNDLED_CONFIGS / "qwen1.5-moe-a2.7b.json") as handle:
         spec = spec_from_hf_config(json.load(handle), seq_len=4096)
     assert (spec.moe.experts_per_token, spec.moe.expert_ffn, spec.moe.shared_ffn) == (4, 1408, 5632)
     saved = layer_stash_bytes(spec) - layer_stash_bytes(replace(spec, moe_act_recompute=True))
@@ -112,7 +112,7 @@ def test_simulate_reports_the_smaller_peak(tmp_path) -> None:
 SIZES = {"layers": 1, "hidden": 32, "heads": 4, "seq_len": 16, "batch_size": 1, "microbatches": 1, "pp": 1}
 
 
-GPT_OSS = "tests/data/hf_configs/gpt-oss-20b.json"
+GPT_OSS = "gpt-oss-20b"
 
 
 @pytest.mark.parametrize(("model", "kept_per_copy"), [("mixtral-8x7b", 4), (GPT_OSS, 7)])
@@ -188,7 +188,7 @@ def test_launched_peak_within_one_percent_of_the_prediction(schedule: str) -> No
                                            recompute_moe_act=True), 0.01)
 
 
-OLMOE = "tests/data/hf_configs/olmoe-1b-7b.json"
+OLMOE = "olmoe-1b-7b"
 PLAN_FLAGS = ["--gpus", "2", "--global-batch", "4", "--seq-len", "64", "--topology", "ideal", "--top", "1000",
               "--quiet", "--workers", "1", "--schedules", "1f1b"]
 

@@ -60,7 +60,7 @@ def test_data_file_refused_in_one_line(capsys, tmp_path, kind: str) -> None:
     (("--model", "deepseek-v2-lite", "--tp", "3"), ("--tp 3 must divide --heads 4",)),
     (("--model", "mixtral-8x7b", "--kv-heads", "2", "--ffn-hidden", "31", "--tp", "2"),
      ("--tp 2 must divide --ffn-hidden 31",)),
-    (("--model", "tests/data/hf_configs/qwen1.5-moe-a2.7b.json", "--ffn-hidden", "20", "--tp", "2"),
+    (("--model", "qwen1.5-moe-a2.7b", "--ffn-hidden", "20", "--tp", "2"),
      ("--tp 2 must divide the experts' width (from --ffn-hidden) 5",)),
     (("--model", "llama3-8b", "--tp", "2"), ("--tp 2 must divide --kv-heads 1",)),
     (("--model", "llama3-8b", "--experts", "4"), ("--experts 4", "no mixture-of-experts")),
@@ -73,7 +73,7 @@ def test_data_file_refused_in_one_line(capsys, tmp_path, kind: str) -> None:
     (("--model", "mixtral-8x7b", "--capacity-factor", "nan"), ("--capacity-factor", "got nan")),
     (("--model", "mixtral-8x7b", "--kv-heads", "0"), ("--kv-heads must be at least 1",)),
     (("--model", "no-such-model"), ("--model no-such-model", "llama3-8b")),
-    (("--model", "tests/data/hf_configs/gemma-2-9b.json", "--cp", "2"),
+    (("--model", "gemma-2-9b", "--cp", "2"),
      ("--cp 2", "soft-capped attention scores (cap 50)", "run without --cp")),
 ])
 def test_what_cannot_run_is_refused_in_one_line(capsys, flags, expected) -> None:

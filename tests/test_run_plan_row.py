@@ -12,6 +12,7 @@ from executor.config import ConfigError
 from executor.reference import reference_run
 from pipesim.cli import build_parser, main
 from pipesim.cli.plan_row import config_from_plan_row
+from pipesim.model.spec import BUNDLED_CONFIGS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -172,7 +173,7 @@ def test_a_planned_row_with_cp_and_ep_runs_and_equals_the_one_process_reference(
 def test_a_config_rows_model_may_be_repeated_by_another_path(tmp_path: Path, monkeypatch) -> None:
     """A row names a config file by its absolute path (as plan writes it); the run's
     --model may name the same file relatively, and is refused naming another."""
-    config_file = (Path(__file__).parent / "data" / "hf_configs" / "llama-3.1-8b.json").resolve()
+    config_file = (BUNDLED_CONFIGS / "llama-3.1-8b.json").resolve()
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"ranked": [{"schedule": "1f1b", "pp": 2, "tp": 1, "dp": 1, "virtual_stages": 1,
                                             "microbatch_size": 1, "microbatches": 2, "recompute": "none", "zero": 0,

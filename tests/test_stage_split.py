@@ -147,7 +147,7 @@ def test_simulate_splits_a_v_schedule_rank_by_rank_and_runs_faster(tmp_path, mon
     its 26 layers) on 4 H100s under zbv: the default split balances ranks, leaving rank 0,
     which runs the output layer and its loss, fewer layers than stage by stage (which
     fills its first chunk like any other), and the step is shorter."""
-    args = ["simulate", "--model", "tests/data/hf_configs/gemma-3-1b.json", "--seq-len", "4096", "--schedule", "zbv",
+    args = ["simulate", "--model", "gemma-3-1b", "--seq-len", "4096", "--schedule", "zbv",
             "--pp", "4", "-m", "16", "--gpu", "h100"]
     assert main([*args, "--json", str(tmp_path / "ranks.json")]) == 0
     monkeypatch.setattr("pipesim.model.stage_split.ends_on_one_rank", lambda placement, copies=1: None)
@@ -174,9 +174,9 @@ def test_a_run_splits_a_v_schedule_as_simulate_does(tmp_path):
     assert zbv.split_ranks == V4 and dualpipe.split_ranks == (0, 1, 1, 0)
     assert RunConfig(schedule="interleaved-1f1b", pp=4, virtual_stages=2, microbatches=8).split_ranks is None
     out = tmp_path / "zbv.json"
-    assert main(["simulate", "--model", "tests/data/hf_configs/gemma-3-1b.json", "--schedule", "zbv", "--pp", "4",
+    assert main(["simulate", "--model", "gemma-3-1b", "--schedule", "zbv", "--pp", "4",
                  "-m", "8", "--gpu", "h100", "--json", str(out)]) == 0
     simulated = [stage["layers"] for stage in json.loads(out.read_text())["stage_costs"]]
-    spec = spec_of("tests/data/hf_configs/gemma-3-1b.json")
+    spec = spec_of("gemma-3-1b")
     assert stage_layers(spec, 8, None, split_ranks=zbv.split_ranks) == simulated
     assert stage_layers(spec, 8, None) != simulated

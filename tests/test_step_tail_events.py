@@ -5,8 +5,6 @@ travel through the ranks' gather and are kept out of the calibration's tail."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from executor.gather import decode, encode
@@ -20,12 +18,13 @@ from executor.step_tail import (
     split_joining_waits,
     tail_event,
 )
+from pipesim.model.spec import BUNDLED_CONFIGS
 from schedules.accounting import time_accounting
 from schedules.generators import generate
 from schedules.lowering import lower
 from schedules.trace import Trace, TraceEvent
 
-QWEN3_TIED = str(Path(__file__).parent / "data" / "hf_configs" / "qwen3-0.6b.json")
+QWEN3_TIED = str(BUNDLED_CONFIGS / "qwen3-0.6b.json")
 
 
 def test_tail_events_travel_through_the_gather() -> None:

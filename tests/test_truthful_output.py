@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipesim.cli import main
+from pipesim.model.spec import BUNDLED_CONFIGS
 from schedules.generators import MULTI_CHUNK, SCHEDULE_NAMES
 
 
@@ -314,7 +315,7 @@ def test_computed_routed_slots_stop_at_the_capacity():
 def test_huge_layer_counts_are_refused_before_work(tmp_path, capsys):
     import time
 
-    config = json.loads((Path(__file__).parent / "data" / "hf_configs" / "llama-3.1-8b.json").read_text())
+    config = json.loads((BUNDLED_CONFIGS / "llama-3.1-8b.json").read_text())
     config["num_hidden_layers"] = 10**9
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))

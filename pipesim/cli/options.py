@@ -125,13 +125,13 @@ def add_cost_args(parser: argparse.ArgumentParser) -> None:
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     from pipesim.model.spec import PRESETS as MODELS
-    from pipesim.model.spec import RECOMPUTE
+    from pipesim.model.spec import RECOMPUTE, bundled_models
 
     group = parser.add_argument_group("model spec (costs from FLOPs and bytes instead of --fwd/--bwd)")
-    group.add_argument("--model", help=f"one of {', '.join(MODELS)}; gpt (the transformer pipesim run trains, "
-                       "with run's sizes: layers 4, hidden 64, heads 4, seq-len 16, vocab 128, float32); or a "
-                       "Hugging Face style config.json; the flags below override its fields (default: none, "
-                       "costs from --fwd/--bwd)")
+    group.add_argument("--model", help=f"one of {', '.join(MODELS)}; a shipped Hugging Face config by name: "
+                       f"{', '.join(bundled_models())}; gpt (the transformer pipesim run trains, with run's sizes: "
+                       "layers 4, hidden 64, heads 4, seq-len 16, vocab 128, float32); or a Hugging Face style "
+                       "config.json; the flags below override its fields (default: none, costs from --fwd/--bwd)")
     for flag, what in (("--layers", "transformer layers"), ("--hidden", "hidden size"), ("--heads", "attention heads"),
                        ("--kv-heads", "key/value heads (grouped-query attention)"),
                        ("--ffn-hidden", "MLP intermediate size"),

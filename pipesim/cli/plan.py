@@ -38,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Enumerate the layouts of a model on a cluster at a fixed global batch, drop those that cannot "
         "work (counting why), simulate the rest (best lower bound first) and rank them by tokens per second.",
     )
-    parser.add_argument("--model", required=True, help="model preset or config.json (see `pipesim simulate --help`)")
+    parser.add_argument("--model", required=True, help="model preset, shipped config by name (qwen3-30b-a3b, "
+                        "gpt-oss-120b, ...) or config.json (all listed in `pipesim simulate --help`)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; tp stays within one (default: 8)")
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")

@@ -614,22 +614,51 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+# config.json files of current Hugging Face families, shipped with pipesim so that
+# ``--model qwen3-30b-a3b`` needs no download: each the keys of the model repository's
+# public file that pipesim reads (the decoders' ``text_config`` for Llama 4; gpt-oss's
+# without its MXFP4 ``quantization_config``, which training dequantizes), checked against
+# the published parameter counts in tests/test_hf_config.py and test_hf_current_families.py
+BUNDLED_CONFIGS = Path(__file__).parent / "data" / "hf_configs"
+
+
+def bundled_models() -> dict[str, Path]:
+    """The shipped config.json files by name (the file name without ``.json``), but those
+    a preset of the same name shadows (``deepseek-v3``, ``mixtral-8x7b``, ...: their files
+    stay readable by path)."""
+    return {path.stem: path for path in sorted(BUNDLED_CONFIGS.glob("*.json")) if path.stem not in PRESETS}
+
+
+def model_names() -> list[str]:
+    """Every name ``--model`` takes: the presets, then the shipped config.json files."""
+    return [*PRESETS, *bundled_models()]
+
+
 def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
-    """A preset by name, or a Hugging Face style ``config.json``."""
+    """A preset by name, a shipped config.json by name (``bundled_models``), or a
+    Hugging Face style ``config.json`` by path."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
+    bundled = bundled_models().get(name_or_path)
+    if bundled is not None:
+        return replace(read_config(bundled, seq_len), name=name_or_path)
     path = Path(name_or_path)
     if path.suffix.lower() == ".json" or path.exists():
         if not path.exists():
             raise FileNotFoundError(f"model config {path} does not exist")
-        try:
-            data = json.loads(read_text(path, "model config (config.json)"))
-        except json.JSONDecodeError as error:
-            raise ModelSpecError(f"{path}: not valid JSON ({error})") from error
-        from pipesim.model.hf_config import spec_from_hf_config
+        return read_config(path, seq_len)
+    raise ModelSpecError(f"unknown model {name_or_path!r}: use one of {', '.join(model_names())} or a config.json")
 
-        return spec_from_hf_config(data, str(path), seq_len)
-    raise ModelSpecError(f"unknown model {name_or_path!r}: use one of {', '.join(PRESETS)} or a config.json")
+
+def read_config(path: Path, seq_len: int | None = None) -> ModelSpec:
+    """The ``ModelSpec`` of the Hugging Face style ``config.json`` at ``path``."""
+    try:
+        data = json.loads(read_text(path, "model config (config.json)"))
+    except json.JSONDecodeError as error:
+        raise ModelSpecError(f"{path}: not valid JSON ({error})") from error
+    from pipesim.model.hf_config import spec_from_hf_config
+
+    return spec_from_hf_config(data, str(path), seq_len)
 
 
 def model_spec(name: str, **overrides: int | None) -> ModelSpec:
