@@ -203,7 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         parser.print_help()
         return 0
-    args = parser.parse_args(argv)
+    args, leftovers = parser.parse_known_args(argv)
+    if leftovers and getattr(args, "command", None):  # a flag the command lacks: one line saying what instead
+        from pipesim.cli.unknown_flags import unknown_arguments_line  # noqa: PLC0415
+
+        print(unknown_arguments_line(args.command, leftovers, build_parser()), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if leftovers:
+        parser.parse_args(argv)  # argparse's own answer to a top-level flag it does not know
     if args.command is None:  # only top-level flags, e.g. ``pipesim --verbose``
         parser.print_help()
         return 0
