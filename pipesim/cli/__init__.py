@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "simulate",
     "sweep",
     "plan",
+    "models",
     "show",
     "export",
     "draw",
