@@ -62,6 +62,13 @@ def test_an_unknown_name_lists_the_presets_and_the_shipped_files() -> None:
     assert "gpt-oss-120b" in message and message.endswith("or a config.json")
 
 
+@pytest.mark.parametrize("typed,meant", [("qwen3-30b", "qwen3-30b-a3b"), ("Llama3-8B", "llama3-8b"),
+                                         ("gpt-oss-120", "gpt-oss-120b")])
+def test_a_near_miss_names_the_nearest(typed: str, meant: str) -> None:
+    with pytest.raises(ModelSpecError, match=f"unknown model '{typed}' \\(did you mean {meant}"):
+        load_model(typed)
+
+
 def test_simulate_takes_a_shipped_name(capsys, tmp_path) -> None:
     out = tmp_path / "result.json"
     assert main(["simulate", "--model", "qwen3-30b-a3b", "--pp", "2", "-m", "4", "--ep", "4", "--dp", "4",

@@ -34,6 +34,7 @@ This module holds the architecture; ``pipesim.model.activations`` the activation
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Callable
@@ -647,7 +648,12 @@ def load_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
         if not path.exists():
             raise FileNotFoundError(f"model config {path} does not exist")
         return read_config(path, seq_len)
-    raise ModelSpecError(f"unknown model {name_or_path!r}: use one of {', '.join(model_names())} or a config.json")
+    typed = name_or_path.lower()
+    near = ([name for name in model_names() if name.startswith(typed)][:2]
+            or difflib.get_close_matches(typed, model_names(), n=2, cutoff=0.75))
+    guess = f" (did you mean {' or '.join(near)}?)" if near else ""
+    raise ModelSpecError(f"unknown model {name_or_path!r}{guess}: use one of {', '.join(model_names())} "
+                         f"or a config.json")
 
 
 def read_config(path: Path, seq_len: int | None = None) -> ModelSpec:
