@@ -102,7 +102,8 @@ def load_costs(path: str | Path, schedule: Schedule) -> Costs:
 
 def model_costs(schedule: Schedule, model: str, topology: Topology | str = "ideal", mfu: float = 0.5,
                 tp: int = 1, **fields: int) -> Costs:
-    """Costs derived from a model preset (``gpt3-1.3b``, ``llama3-8b``, …; ``fields``
+    """Costs derived from a model preset or shipped config by name (``gpt3-1.3b``,
+    ``llama3-8b``, ``qwen3-30b-a3b``, …: ``pipesim models`` lists them) or a config.json path (``fields``
     override ``layers``, ``hidden``, ``heads``, ``seq_len``, ``vocab``,
     ``microbatch_size``, ``dtype_bytes``) at ``mfu`` of each device's peak FLOP/s, split
     over ``schedule``'s stages as ``pipesim simulate`` splits them (rank by rank where a
