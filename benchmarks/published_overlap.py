@@ -34,6 +34,9 @@ Sources (the figures transcribed from each file at the commit named):
   table names no precision; its rows are taken as 25.11's FP8-CS. The same layout's figure
   moves between containers with the software alone, so the Megatron-Core summary is also
   printed with each layout counted once, at its newest container.
+- ``b200-bridge``: the same archive at 067f987df, the dense DGX-B200 rows of 25.09 and
+  25.11 (Llama 3 8B on 8 GPUs, Llama 3.1 405B on 128), FP8-CS, simulated with ``--gpu
+  b200`` and summarised apart from the H100 rows (``blackwell``).
 - ``torchtitan-asynctp``: pytorch/torchtitan
   ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (commit 5ecb74e54b8d), Llama
   3.1 8B and 70B, vanilla and async TP, BF16 and float8 tensorwise; the layouts from its
@@ -69,6 +72,7 @@ from dataclasses import dataclass, replace
 
 ARCHIVE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @067f987"
 MOE_SOURCE = "bridge-moe"  # the archive's mixture-of-experts rows, every container (in each row's label)
+B200_SOURCE = "b200-bridge"  # the archive's dense DGX-B200 rows, both containers (in each row's label)
 ZOO_SOURCE = "moe-modelzoo"  # the Megatron-Core MoE team's own Qwen3-235B-A22B layouts on 256 H100s
 SOURCES = {
     "nemo-24.07": "NVIDIA/NeMo docs/source/performance/performance_summary.md @070a0bb (NeMo 24.07, DGX-H100, FP8)",
@@ -81,6 +85,8 @@ SOURCES = {
     "bridge-26.04.01": f"{ARCHIVE} (26.04.01 container, DGX-H100)",
     "bridge-26.06": f"{ARCHIVE} (26.06 container, DGX-H100)",
     MOE_SOURCE: f"{ARCHIVE} (25.11 to 26.06 containers, DGX-H100, mixture of experts; force-balanced routing)",
+    B200_SOURCE: f"{ARCHIVE} (25.09 and 25.11 containers, DGX-B200, FP8-CS; 25.09's precision not named: taken "
+                 f"as 25.11's)",
     "torchtitan-asynctp": "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @5ecb74e "
                           "(Grand Teton H100 96 GB HBM2e, 500 W)",
     ZOO_SOURCE: "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md @e865051 (first published 2025-05-27, "
@@ -132,6 +138,7 @@ class PublishedRun:
     # the loss's kernels (pipesim.model.loss_traffic): Megatron-Bridge's performance scripts set Transformer Engine's
     # (_set_common_perf_overrides), as do the MoE team's configs; NeMo 24.07's Llama configs the native fusion
     cross_entropy: str = "unfused"
+    gpu: str = "h100"  # simulate's --gpu: the DGX's part
 
     @property
     def dp(self) -> int:
@@ -146,7 +153,7 @@ class PublishedRun:
         schedule = f"--schedule interleaved-1f1b -v {self.vp}" if self.vp > 1 else "--schedule 1f1b"
         flags = [self.model, f"--seq-len {self.seq_len} --microbatch-size {self.microbatch_size}",
                  f"{schedule} --pp {self.pp} -m {self.microbatches} --tp {self.tp} --dp {self.dp}",
-                 f"--topology ib --nodes {max(1, self.gpus // 8)} --gpu h100",
+                 f"--topology ib --nodes {max(1, self.gpus // 8)} --gpu {self.gpu}",
                  f"--zero {3 if self.fsdp else 1} --recompute {self.recompute}"]
         if self.tp > 1:
             flags.append("--sequence-parallel" + ("" if self.tp_overlap else " --no-tp-overlap"))
@@ -201,6 +208,7 @@ def runs() -> list[PublishedRun]:
                      311, 784, cp=2, vp=8, fp8_scaling="current", cross_entropy="te"),
     ]
     rows += later_containers(rows)
+    rows += blackwell()
     rows += mixture_of_experts()
     rows += model_zoo()
     # torchtitan, June 2025: FSDP2 x TP 8, torch.compile; 8B per-op selective AC, local batch 12 on 64 GPUs;
@@ -239,6 +247,30 @@ def later_containers(rows: list[PublishedRun]) -> list[PublishedRun]:
     return [replace(by_label[layout], label=f"{layout} ({container})", source=f"bridge-{container}",
                     tokens_per_gpu=tokens, tflops_per_gpu=tflops, in_sample=False)
             for layout, container, tokens, tflops in LATER_CONTAINERS]
+
+
+def blackwell() -> list[PublishedRun]:
+    """The archive's dense DGX-B200 rows (source ``b200-bridge``, the container in each
+    label): Megatron-Bridge's FP8-CS figures (25.11 prints FP8-MX's beside them, not used;
+    25.09 names no precision, taken as 25.11's), each layout as its release line's B200
+    recipe sets it (v0.2.0, ``scripts/performance/configs/llama3`` and ``llama31``
+    ``workload_base_configs.py``: 8B micro_batch_size=2 under DDP with the distributed
+    optimizer; 405B tp 4, pp 8, cp 2, vp 8, global batch 64), simulated as 8 B200s a node
+    (``--gpu b200``: its compute model is the H200 kernel table scaled by measured matmul
+    throughput) on the InfiniBand preset (400 Gb/s a GPU, as DGX B200 has). Kept out of
+    the H100 figures issue 30's target is held to, and summarised apart. Held out: first
+    run once written, and no choice of the model made with them on screen."""
+    rows = []
+    # (label, params, model, GPUs, GBS, MBS, tp, pp, cp, vp, container, tokens/s/GPU, TFLOP/s)
+    for label, params, model, gpus, global_batch, micro, tp, pp, cp, vp, container, tokens, tflops in (
+            ("LLAMA3_8B", 8, "--model llama3-8b", 8, 128, 2, 1, 1, 1, 1, "25.09", 29994, 1544),
+            ("LLAMA3_8B", 8, "--model llama3-8b", 8, 128, 2, 1, 1, 1, 1, "25.11", 30624, 1576),
+            ("LLAMA3.1_405B", 405, "--model llama3-405b", 128, 64, 1, 4, 8, 2, 8, "25.09", 664, 1676),
+            ("LLAMA3.1_405B", 405, "--model llama3-405b", 128, 64, 1, 4, 8, 2, 8, "25.11", 661, 1667)):
+        rows.append(PublishedRun(f"{label} B200 ({container})", B200_SOURCE, params, model, gpus, global_batch, micro,
+                                 8192, tp, pp, tokens, tflops, cp=cp, vp=vp, fp8_scaling="current",
+                                 cross_entropy="te", gpu="b200"))
+    return rows
 
 
 QWEN3_30B = "--model qwen3-30b-a3b"
@@ -384,7 +416,7 @@ def layout_key(run: PublishedRun) -> tuple:
     """What makes two rows the same job: every field but the label, the source and the figures."""
     return (run.model, run.gpus, run.global_batch, run.microbatch_size, run.seq_len, run.tp, run.pp, run.cp, run.vp,
             run.ep, run.etp, run.ep_overlap, run.delay_wgrad, run.flags, run.fsdp, run.fp8, run.fp8_scaling,
-            run.recompute, run.tp_overlap, run.cross_entropy)
+            run.recompute, run.tp_overlap, run.cross_entropy, run.gpu)
 
 
 @dataclass(frozen=True)
@@ -580,6 +612,7 @@ def main() -> None:
     megatron_rows = [run for run in rows if dense_megatron(run)]
     megatron = [errors[run.label] for run in megatron_rows]
     moe = [run for run in rows if run.source == MOE_SOURCE]
+    blackwell_rows = [run for run in rows if run.source == B200_SOURCE]
     print(summary("all rows", list(errors.values())))
     if megatron:
         print(summary("Megatron-Core dense rows (NeMo, Megatron-Bridge)", megatron))
@@ -589,6 +622,9 @@ def main() -> None:
         if bridge:
             print(summary("Megatron-Bridge layouts (2025-2026 containers), each once at its newest",
                           [errors[run.label] for run in newest_of_each_layout(bridge)]))
+    if blackwell_rows:
+        print(summary("Megatron-Bridge on DGX-B200, each layout once at its newest",
+                      [errors[run.label] for run in newest_of_each_layout(blackwell_rows)]))
     if moe:
         print(summary("mixture-of-experts layouts (Megatron-Bridge), each once at its newest",
                       [errors[run.label] for run in newest_of_each_layout(moe)]))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.published_overlap import (
+    B200_SOURCE,
     MOE_SOURCE,
     SOURCES,
     ZOO_SOURCE,
@@ -38,7 +39,7 @@ ROWS = runs()
 MEGATRON = [run for run in ROWS if dense_megatron(run)]
 # how each source's model TFLOP/s counts the attention core (NeMo 24.07: the whole square;
 # Megatron-Bridge: the causal half, as Megatron-LM's num_floating_point_operations does now)
-ATTENTION_COUNT = {"nemo-24.07": "whole", ZOO_SOURCE: "causal",
+ATTENTION_COUNT = {"nemo-24.07": "whole", ZOO_SOURCE: "causal", B200_SOURCE: "causal",
                    **{source: "causal" for source in SOURCES if source.startswith("bridge-")}}
 
 
@@ -58,6 +59,7 @@ def test_each_rows_command_is_the_published_layout(run):
     assert job.no_tp_overlap == (not run.tp_overlap)
     assert (job.virtual_stages or 1) == run.vp
     assert job.ep == run.ep and (job.etp or 0) == run.etp
+    assert job.gpu == ("b200" if run.source == B200_SOURCE else "h100")  # DGX-B200's part, else DGX-H100's
 
 
 @pytest.mark.parametrize("run", [run for run in ROWS if run.tflops_per_gpu], ids=lambda run: run.label)
@@ -118,6 +120,9 @@ def test_the_docs_quote_the_table_and_medians_as_printed():
                    [errors[run.label] for run in newest]) in docs
     assert summary("Megatron-Bridge layouts (2025-2026 containers), each once at its newest",
                    [errors[run.label] for run in newest if run.source.startswith("bridge-")]) in docs
+    blackwell = newest_of_each_layout([run for run in ROWS if run.source == B200_SOURCE])
+    assert summary("Megatron-Bridge on DGX-B200, each layout once at its newest",
+                   [errors[run.label] for run in blackwell]) in docs
     moe = newest_of_each_layout([run for run in ROWS if run.source == MOE_SOURCE])
     assert summary("mixture-of-experts layouts (Megatron-Bridge), each once at its newest",
                    [errors[run.label] for run in moe]) in docs
@@ -176,6 +181,10 @@ def test_the_readme_quotes_the_figures_as_printed():
     assert f"predicted {min(fast):+.0%} to {max(fast):+.0%} fast on six of seven, the seventh {slow[0]:+.1%}" in readme
     zoo = [errors[run.label] for run in ROWS if run.source == ZOO_SOURCE]
     assert f"three Qwen3-235B-A22B layouts {min(zoo):+.1%} to {max(zoo):+.1%}" in readme
+    blackwell = sorted(errors[run.label] for run in newest_of_each_layout([run for run in ROWS
+                                                                          if run.source == B200_SOURCE]))
+    assert f"the DGX-B200 layouts (Llama 3 8B, 405B; `--gpu b200`, never checked on Blackwell before) " \
+           f"{blackwell[0]:+.1%} and {blackwell[1]:+.1%} at their newest containers" in readme
     assert f"{sum(not run.in_sample for run in ROWS)} of the {len(ROWS)} rows held out" in readme
 
 
