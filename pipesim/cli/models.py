@@ -30,8 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def attention_of(spec: ModelSpec) -> str:
-    """The attention's kind in a word or two: latent, grouped-query or multi-head, and
-    what limits the keys a query sees in some layers."""
+    """The attention's kind in a word or two: latent, multi-query, grouped-query or
+    multi-head, and what limits the keys a query sees in some layers."""
     if spec.mla is not None:
         kind = "latent"
     elif spec.num_kv_heads == 1 < spec.heads:
@@ -90,7 +90,7 @@ def handle(args: argparse.Namespace) -> int:
     print(f"({len(PRESETS)} presets and {len(bundled_models())} shipped config.json files; any other "
           f"config.json is taken by its path)")
     if args.json:
-        with open(args.json, "w") as handle_:
-            json.dump(rows, handle_, indent=1)
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=1)
         print(f"wrote {args.json}")
     return 0
