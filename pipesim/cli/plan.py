@@ -153,6 +153,11 @@ def handle(args: argparse.Namespace) -> int:
         if planner.values_left_out:
             print(format_values_left_out(planner.values_left_out), file=sys.stderr)
         return 1
+    from pipesim.job import model_spec_of
+    from pipesim.model.layout import unmodelled_notes
+
+    for note in unmodelled_notes(model_spec_of(planner.base)):
+        print(f"note: {note}", file=sys.stderr)
     result = planner.search(_progress(args), describe=bool(args.html))
     if variability is not None:
         from pipesim.job import simulate_job

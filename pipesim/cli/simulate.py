@@ -148,9 +148,10 @@ def handle(args: argparse.Namespace) -> int:
         print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
         for line in impossible_notes(model_spec_of(job), figures):
             print(line, file=sys.stderr)
-        from pipesim.model.layout import layout_notes
+        from pipesim.model.layout import layout_notes, unmodelled_notes
 
-        for note in layout_notes(model_spec_of(job), job.tp):
+        spec = model_spec_of(job)
+        for note in layout_notes(spec, job.tp) + unmodelled_notes(spec):
             print(f"  note: {note}")
     for path in written:
         print(f"wrote {path}")

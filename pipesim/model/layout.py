@@ -135,3 +135,20 @@ def layout_notes(spec: ModelSpec, tp: int = 1) -> list[str]:
         return [f"--tp {tp} exceeds the {kv_heads} key-value heads of {spec.name}: each is replicated on "
                 f"{tp // kv_heads} ranks (Megatron-LM's rule), its K and V weights counted on each"]
     return []
+
+
+def unmodelled_notes(spec: ModelSpec) -> list[str]:
+    """What the prediction leaves out that moves it for this model: with routed experts
+    and no capacity (dropless), the host's time. Megatron-Core's dropless dispatchers copy each MoE layer's token
+    counts to the host (to size the all-to-all and the grouped GEMMs), so the host waits
+    for the GPU once a layer and the GPU then waits for the host's launches; pipesim times
+    the GPU's kernels only. Published H100 runs without CUDA graphs of the small-hidden
+    mixtures (Qwen3-30B-A3B, gpt-oss-120b) ran far below such predictions
+    (docs/cluster-model.md, "Mixture of experts")."""
+    if spec.moe is None or spec.moe.capacity_factor is not None:  # capacity-padded: no token counts to wait on
+        return []
+    return [f"{spec.name} routes tokens to experts: the host's time is not modelled (a dropless dispatcher "
+            f"waits on the GPU once a MoE layer, then its kernels run as fast as the host launches them), so "
+            f"take the throughput as an upper bound, most of all for small hidden sizes without CUDA graphs "
+            f"(docs/cluster-model.md, 'Mixture of experts')"]
+
