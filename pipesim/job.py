@@ -589,6 +589,11 @@ def model_spec_of(job):
     cross_entropy = getattr(job, "cross_entropy", None)
     if cross_entropy is not None:
         spec = replace(spec, cross_entropy=check_cross_entropy(cross_entropy))
+    cp_comm = getattr(job, "cp_comm", "p2p")
+    if cp_comm != spec.cp_comm:
+        from pipesim.sim.context_parallel import check_cp_comm
+
+        spec = replace(spec, cp_comm=check_cp_comm(cp_comm))
     spec = with_moe_act_recompute(spec, getattr(job, "recompute_moe_act", False), getattr(job, "recompute", "none"),
                                   job.model)
     spec = with_ep_dispatch(spec, getattr(job, "ep_dispatch", None), job.model)

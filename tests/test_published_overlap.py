@@ -76,7 +76,7 @@ def test_model_flags_reproduce_the_sources_flop_count(run):
 
 @pytest.mark.xfail(strict=True, reason="issue 30's target is not met: every Megatron-Core layout but GPT3-20B is "
                    "predicted faster than published (each layout once at its newest container: median 8.8%, worst "
-                   "16.3%), the predicted steps mostly compute (docs/cluster-model.md, 'Stacks that overlap "
+                   "14.3%), the predicted steps mostly compute (docs/cluster-model.md, 'Stacks that overlap "
                    "communication')")
 def test_megatron_core_rows_within_the_target():
     """Each layout counted once, at its newest container: repeating a layout across

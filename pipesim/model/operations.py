@@ -67,7 +67,16 @@ from typing import TYPE_CHECKING
 from pipesim.model.loss_traffic import cross_entropy_bytes
 from pipesim.model.memory_traffic import layer_traffic_bytes, norm_traffic_bytes, recomputed_activation_bytes
 from pipesim.model.per_op_checkpoint import recomputed_matrices
-from pipesim.model.weights import WHOLE, Weight, attention_weights, mlp_weights, shard, stack_on_rank
+from pipesim.model.ring_merge import ring_merge_bytes
+from pipesim.model.weights import (
+    WHOLE,
+    Weight,
+    attention_weights,
+    kv_heads_per_shard,
+    mlp_weights,
+    shard,
+    stack_on_rank,
+)
 
 if TYPE_CHECKING:
     from pipesim.model.spec import ModelSpec
@@ -306,9 +315,24 @@ def layer_operations(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = Fal
     ``padded``: routed experts compute their whole capacity (what takes time; the model
     FLOPs MFU counts are the unpadded ones)."""
     local = spec.context_shard(cp)
-    return (*attention_block(local, tp, flash_attention, sequence_parallel, cp, layer),
+    merges = (ring_merge(local, tp, cp),) if cp > 1 and flash_attention and spec.cp_comm == "p2p" else ()
+    return (*attention_block(local, tp, flash_attention, sequence_parallel, cp, layer), *merges,
             *mlp_block(local, tp, layer, sequence_parallel, padded, ep),
             *memory_bound_kernels(local, tp, sequence_parallel, flash_attention, layer))
+
+
+def ring_merge(local: ModelSpec, tp: int, cp: int) -> MemoryBound:
+    """Ring attention's merges of its ``cp`` steps on one rank of ``tp``, over the rank's
+    ``s / cp`` tokens (``local``): its partial outputs, and in the backward its query and
+    key-value gradients (``pipesim.model.ring_merge``), part of the attention core."""
+    d = local.dtype_bytes
+    if local.mla is not None:
+        key_value = local.heads / tp * (local.mla.qk_head_dim + local.mla.v_head_dim) * d
+    else:
+        key_value = 2 * local.head_size * kv_heads_per_shard(local, tp) * d
+    forward, backward = ring_merge_bytes(cp, local.q_width / tp * d, local.v_width / tp * d, key_value)
+    return MemoryBound("ring_merge", forward * local.tokens, attention_core=True,
+                       backward_bytes=backward * local.tokens)
 
 
 def mtp_operations(spec: ModelSpec, tp: int = 1, cp: int = 1) -> tuple[Operation, ...]:

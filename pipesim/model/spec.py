@@ -48,6 +48,7 @@ from pipesim.model.latent_attention import LatentAttention
 from pipesim.model.loss_traffic import CROSS_ENTROPY
 from pipesim.model.per_op_checkpoint import PER_OP
 from pipesim.model.quantization import FP8_TILE_BYTES
+from pipesim.model.ring_merge import CP_COMMS
 from pipesim.model.rotary import Rope
 from schedules.textfile import read_text
 
@@ -110,6 +111,7 @@ class ModelSpec:
     ep_dispatcher: str = "alltoall"  # how the MoE all-to-alls move the routed copies (experts.EP_DISPATCHERS)
     # the loss's kernels over the logits (pipesim.model.loss_traffic.CROSS_ENTROPY): Megatron-Core's default unfused
     cross_entropy: str = "unfused"
+    cp_comm: str = "p2p"  # how context-parallel ranks exchange keys and values (--cp-comm; ring_merge.CP_COMMS)
     # the routed experts' tensor-parallel ranks (Megatron-Core's expert tensor parallelism, ETP, under its
     # parallel folding: pipesim.model.layout); 0: the layout's tp, as Megatron-Core's default
     expert_tp: int = 0
@@ -139,6 +141,9 @@ class ModelSpec:
         if self.ep_dispatcher not in EP_DISPATCHERS:
             raise ModelSpecError(f"model {self.name}: expert-parallel dispatcher {self.ep_dispatcher!r} is not one "
                                  f"of {', '.join(EP_DISPATCHERS)}")
+        if self.cp_comm not in CP_COMMS:
+            raise ModelSpecError(f"model {self.name}: context-parallel exchange {self.cp_comm!r} is not one of "
+                                 f"{', '.join(CP_COMMS)}")
         if self.cross_entropy not in CROSS_ENTROPY:
             raise ModelSpecError(f"model {self.name}: cross entropy {self.cross_entropy!r} is not one of "
                                  f"{', '.join(CROSS_ENTROPY)}")

@@ -48,12 +48,12 @@ from pipesim.cluster.collectives import all_gather, reduce_scatter, ring_exchang
 from pipesim.cluster.mapping import RankMapping
 from pipesim.cluster.topology import Topology
 from pipesim.model.costs import Costs, StageCost
+from pipesim.model.ring_merge import CP_COMMS
 from pipesim.sim.comm_overlap import OVERLAP_SLOWDOWN, exposed_seconds
 from schedules.action import ActionKind
 from schedules.schedule import Schedule
 
 CP_KIND = "CP_KV"
-CP_COMMS = ("p2p", "all-gather")
 
 
 def check_cp_comm(comm: str) -> str:
