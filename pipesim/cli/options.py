@@ -17,6 +17,7 @@ from pipesim.job import (
     DEFAULT_VIRTUAL_STAGES,
     DTYPE_BYTES,
 )
+from pipesim.model.ring_merge import CP_COMMS
 from schedules.generators import (
     COST_AWARE,
     DEFAULT_MAX_ACTIONS,
@@ -339,9 +340,10 @@ def add_context_and_expert_args(group) -> None:
     group.add_argument("--cp", type=int, default=1,
                        help="context-parallel ranks per replica: each holds 1/cp of every sequence (2 x cp must "
                        "divide it: causal load balancing) and exchanges attention's keys and values (default: 1)")
-    group.add_argument("--cp-comm", choices=("p2p", "all-gather"), default="p2p",
+    group.add_argument("--cp-comm", choices=CP_COMMS, default="p2p",
                        help="how context-parallel ranks exchange keys and values: p2p, a ring overlapped with the "
-                       "attention (ring attention), or all-gather before it (Llama 3) (default: p2p)")
+                       "attention (ring attention; with --model its steps' merges priced too, as Transformer "
+                       "Engine runs them), or all-gather before it (Llama 3) (default: p2p)")
     group.add_argument("--ep", type=int, default=1,
                        help="expert-parallel ranks: each holds 1/ep of every MoE layer's routed experts and trades "
                        "tokens by all-to-all; cut from the dp x cp ranks, so ep must divide dp x cp (default: 1)")
