@@ -260,7 +260,7 @@ def blackwell() -> list[PublishedRun]:
     throughput) on the InfiniBand preset (400 Gb/s a GPU, as DGX B200 has). Kept out of
     the H100 figures issue 30's target is held to, and summarised apart. Held out: first
     run once written; the one change made since (ring attention's merges, built for the
-    H100 cp rows) moved the 405B rows by 0.6 points."""
+    H100 cp rows) moved the 405B rows by their share of its step."""
     rows = []
     # (label, params, model, GPUs, GBS, MBS, tp, pp, cp, vp, container, tokens/s/GPU, TFLOP/s)
     for label, params, model, gpus, global_batch, micro, tp, pp, cp, vp, container, tokens, tflops in (

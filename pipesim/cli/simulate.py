@@ -146,11 +146,11 @@ def handle(args: argparse.Namespace) -> int:
               f"{count(figures['tokens_per_second'])} tokens/s, {number(figures['model_tflops_per_gpu'])} TFLOP/s "
               f"per GPU (recompute counted), MFU {mfu_text(figures)} (attention counted {job.attention_flops})")
         print(f"  compute timed by: {'; '.join(figures['model']['compute_model'])}")
-        for line in impossible_notes(model_spec_of(job), figures):
+        spec = model_spec_of(job)
+        for line in impossible_notes(spec, figures):
             print(line, file=sys.stderr)
         from pipesim.model.layout import layout_notes, unmodelled_notes
 
-        spec = model_spec_of(job)
         for note in layout_notes(spec, job.tp) + unmodelled_notes(spec):
             print(f"  note: {note}")
     for path in written:

@@ -41,25 +41,15 @@ def flag_of(token: str) -> str | None:
     return token.split("=", 1)[0] if token.startswith("-") and len(token) > 1 else None
 
 
-def flag_owners(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
-    """Every listed flag of every subcommand of ``parser`` (the full one): the commands
-    taking it (``run``'s hidden stand-ins for the flags it refuses are not its own)."""
-    owners: dict[str, list[str]] = {}
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name in action.choices:
-                for flag in own_flags(parser, name):
-                    owners.setdefault(flag, []).append(name)
-    return owners
+def commands_of(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands' parsers of ``parser`` (the full one), by name."""
+    return next(action.choices for action in parser._actions if isinstance(action, argparse._SubParsersAction))
 
 
-def own_flags(parser: argparse.ArgumentParser, command: str) -> list[str]:
-    """The flags ``command``'s own parser lists (hidden ones left out)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
-            return [flag for child_action in action.choices[command]._actions
-                    if child_action.help != argparse.SUPPRESS for flag in child_action.option_strings]
-    return []
+def own_flags(command: argparse.ArgumentParser) -> list[str]:
+    """The flags a command's parser lists (``run``'s hidden stand-ins for the flags it
+    refuses are not its own)."""
+    return [flag for action in command._actions if action.help != argparse.SUPPRESS for flag in action.option_strings]
 
 
 def nearest(flag: str, flags: list[str]) -> list[str]:
@@ -80,13 +70,14 @@ def unknown_arguments_line(command: str, leftovers: list[str], full_parser: argp
     if not flags:
         return f"pipesim {command}: error: unexpected argument(s) {' '.join(leftovers)}"
     flag = flags[0]
-    owners = [name for name in flag_owners(full_parser).get(flag, []) if name != command]
+    commands = commands_of(full_parser)
+    owners = [name for name, parser in commands.items() if name != command and flag in own_flags(parser)]
     line = f"pipesim {command}: error: {command} has no {flag}"
     if owners:
         named = ", ".join(owners[:3]) + (f" and {len(owners) - 3} more" if len(owners) > 3 else "")
         line += f" (a flag of {named})"
     sentence = INSTEAD.get((command, flag))
-    near = nearest(flag, own_flags(full_parser, command))
+    near = [] if sentence else nearest(flag, own_flags(commands[command]))
     if sentence:
         line += f"; {sentence}"
     elif near:

@@ -35,6 +35,7 @@ This module holds the architecture; ``pipesim.model.activations`` the activation
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -135,18 +136,12 @@ class ModelSpec:
     nope_temperature: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
-        if self.fp8_scaling not in FP8_SCALINGS:
-            raise ModelSpecError(f"model {self.name}: FP8 scaling {self.fp8_scaling!r} is not one of "
-                                 f"{', '.join(FP8_SCALINGS)}")
-        if self.ep_dispatcher not in EP_DISPATCHERS:
-            raise ModelSpecError(f"model {self.name}: expert-parallel dispatcher {self.ep_dispatcher!r} is not one "
-                                 f"of {', '.join(EP_DISPATCHERS)}")
-        if self.cp_comm not in CP_COMMS:
-            raise ModelSpecError(f"model {self.name}: context-parallel exchange {self.cp_comm!r} is not one of "
-                                 f"{', '.join(CP_COMMS)}")
-        if self.cross_entropy not in CROSS_ENTROPY:
-            raise ModelSpecError(f"model {self.name}: cross entropy {self.cross_entropy!r} is not one of "
-                                 f"{', '.join(CROSS_ENTROPY)}")
+        for what, value, choices in (("FP8 scaling", self.fp8_scaling, FP8_SCALINGS),
+                                     ("expert-parallel dispatcher", self.ep_dispatcher, EP_DISPATCHERS),
+                                     ("context-parallel exchange", self.cp_comm, CP_COMMS),
+                                     ("cross entropy", self.cross_entropy, CROSS_ENTROPY)):
+            if value not in choices:
+                raise ModelSpecError(f"model {self.name}: {what} {value!r} is not one of {', '.join(choices)}")
         if self.expert_tp < 0:
             raise ModelSpecError(f"model {self.name}: expert_tp {self.expert_tp} must be >= 1 (0: the layout's tp)")
         if self.moe_act_recompute and self.moe is None:
@@ -628,6 +623,7 @@ PRESETS: dict[str, ModelSpec] = {
 BUNDLED_CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 
 
+@functools.cache  # package data: one look at the folder a process (every command's --help lists them)
 def bundled_models() -> dict[str, Path]:
     """The shipped config.json files by name (the file name without ``.json``), but those
     a preset of the same name shadows (``deepseek-v3``, ``mixtral-8x7b``, ...: their files
