@@ -38,6 +38,7 @@ from torch import nn
 from executor.architectures.moe import MixtureOfExperts, combine_dtype
 from executor.inside_timing import CollectiveTimer, timed_all_to_all
 from executor.mesh import MeshPosition
+from executor.routed_rows import ROUTED_ROWS
 from executor.shard_routing import RowsOverTp
 
 
@@ -149,6 +150,7 @@ def run_experts(rows: torch.Tensor, row_experts: torch.Tensor, experts: nn.Modul
     """Each of ``rows`` through its expert (``row_experts``, global indices; ``experts``
     keyed by them). An expert that received no rows still runs, on none: a zero
     gradient, not none."""
+    ROUTED_ROWS.add(len(rows))  # what this rank's experts keep follows the routing (executor.routed_rows)
     outputs = torch.zeros_like(rows)
     for name, module in experts.items():
         (at,) = torch.nonzero(row_experts == int(name), as_tuple=True)

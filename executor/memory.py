@@ -40,6 +40,7 @@ from torch import nn
 
 from executor.data_parallel import local_storage, local_tensor
 from executor.per_op_recompute import collecting_kept, kept_tensors
+from executor.routed_rows import ROUTED_ROWS
 from schedules.action import WEIGHT_GRAD_DONE_KINDS, Action, ActionKind
 
 FIELDS = ("peak", "params", "grads", "optimizer", "activations", "buffers", "activations_peak", "static",
@@ -133,6 +134,7 @@ class MemoryTracker:
 
     def start_step(self) -> None:
         self.saved = {}
+        ROUTED_ROWS.reset()
         self.last = MemoryPeak()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -142,6 +144,7 @@ class MemoryTracker:
         if action.kind == ActionKind.F and not self.cuda:
             self.recording = (action.stage, action.microbatch)
             self.saved[self.recording] = {}
+            ROUTED_ROWS.open(action.stage, action.microbatch)
             self.hooks.__enter__()
             self.kept_stores = []
             self.collecting = collecting_kept(self.kept_stores.append)
@@ -155,6 +158,7 @@ class MemoryTracker:
         if self.recording is not None:
             self.hooks.__exit__(None, None, None)
             self.collecting.__exit__(None, None, None)
+            ROUTED_ROWS.close()
             for tensor in (kept for store in self.kept_stores for kept in kept_tensors(store)):
                 self.pack(tensor)  # what per-op recompute keeps outside autograd's hooks
             self.recording = None

@@ -34,6 +34,7 @@ from executor.precision import LossScaler, Precision
 from executor.process import init_rank
 from executor.progress import ProgressWriter, progress_dir_from_env
 from executor.recompute import apply_recompute
+from executor.routed_rows import ROUTED_ROWS
 from executor.runtime import PipelineRuntime
 from executor.step_tail import (
     EMBEDDING_ALLREDUCE,
@@ -45,7 +46,7 @@ from executor.step_tail import (
     split_joining_waits,
 )
 from executor.tied_embeddings import TiedEmbeddings, embedding_group, is_tied
-from schedules.action import COMPUTE_KINDS, Action
+from schedules.action import COMPUTE_KINDS, Action, ActionKind
 from schedules.trace import Trace
 
 
@@ -484,8 +485,28 @@ class RankRun:
         source = "cuda" if self.device.type == "cuda" else "tracked"
         # the GPU's generation sizes what torch's cuBLAS workspaces hold (pipesim.cli.run_memory)
         device = {"cuda_capability": list(torch.cuda.get_device_capability(self.device))} if source == "cuda" else {}
-        return [{"rank": rank, "source": source, **device, **dict(zip(FIELDS, row.tolist(), strict=True))}
+        routed = self.gather_routed_rows()
+        return [{"rank": rank, "source": source, **device, **dict(zip(FIELDS, row.tolist(), strict=True)),
+                 **({"routed_rows": routed[rank]} if routed is not None else {})}
                 for rank, row in enumerate(rows)]
+
+    def gather_routed_rows(self) -> list[list[list[float]]] | None:
+        """Every rank's routed copies its experts ran in each forward of the last step, as
+        ``[stage][microbatch]`` (``executor.routed_rows``); ``None`` where no rank ran any
+        (no expert parallelism, or a GPU run, whose forwards the tracker does not open)."""
+        actions = [action for program in self.schedule.programs for action in program if action.kind == ActionKind.F]
+        shape = (1 + max(action.stage for action in actions), 1 + max(action.microbatch for action in actions))
+        mine = torch.zeros(shape, dtype=torch.float64)
+        for (stage, microbatch), rows in ROUTED_ROWS.counts.items():
+            mine[stage, microbatch] = rows
+        mine = mine.to(self.device)
+        tables = [mine]
+        if self.world > 1:
+            tables = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(tables, mine)
+        if not any(bool(table.any()) for table in tables):
+            return None
+        return [table.cpu().tolist() for table in tables]
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

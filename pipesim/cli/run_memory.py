@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -70,6 +70,58 @@ def microbatch_weights(config: RunConfig, schedule):
     sizes /= sizes.max()
     offsets = np.array([copy_of(schedule, stage) * schedule.microbatches for stage in range(schedule.num_stages)])
     return lambda stages, microbatches: sizes[offsets[stages] + microbatches]
+
+
+def scaled(weight, scale: Callable[[np.ndarray, np.ndarray], np.ndarray] | None):
+    """``weight`` times ``scale`` per (stage, microbatch); ``weight`` alone without one."""
+    if scale is None:
+        return weight
+    return lambda stages, microbatches: weight(stages, microbatches) * scale(stages, microbatches)
+
+
+def routed_share(config: RunConfig) -> np.ndarray:
+    """Per stage, the share of a microbatch's stash that its routed copies keep (their
+    inputs, their activations' inputs and outputs): what a rank's routed load scales.
+    The stash is linear in the routed slots, so the routed part is the stash at two
+    slots a copy less the stash at one (a capacity of 2 and of 1, unpadded here)."""
+    spec, saved = executor_spec(config)
+    stash = np.array([stage.stash_bytes for stage in executor_costs(config, spec, saved).stages])
+
+    def at(capacity: float) -> np.ndarray:
+        moe = replace(spec, moe=replace(spec.moe, capacity_factor=capacity))
+        return np.array([stage.stash_bytes for stage in executor_costs(config, moe, saved).stages])
+
+    share = np.divide(at(2.0) - at(1.0), stash, out=np.zeros_like(stash), where=stash > 0)
+    return np.tile(share, build_schedule(config).copies)  # DualPipe: each copy's stages as the model's
+
+
+def routed_stash_scales(config: RunConfig, rows: list[list[list[float]]]
+                        ) -> tuple[list[Callable[[np.ndarray, np.ndarray], np.ndarray]], float]:
+    """Per rank, ``stash_scale`` for ``predicted_peaks`` at the run's own routing:
+    ``1 + share x (rows / balanced - 1)`` for each (stage, microbatch), ``rows`` the
+    routed copies the rank's experts ran in that forward (``executor.routed_rows``) and
+    ``balanced`` their mean over the ranks that hold the stage. A dropless router sends
+    every copy somewhere, so that mean is the balanced share the model prices. Also the
+    largest ``rows / balanced`` of any rank and forward."""
+    share = routed_share(config)
+    table = np.array(rows, dtype=float)  # rank x stage x microbatch
+    pp_index = np.array([pipeline_rank(config, rank) for rank in range(len(table))])
+    placement = np.array(build_schedule(config).placement)
+    balanced = np.zeros(table.shape[1:])
+    for stage in range(min(len(placement), table.shape[1])):
+        balanced[stage] = table[pp_index == placement[stage], stage].mean(axis=0)
+    ratio = np.divide(table, balanced, out=np.ones_like(table), where=balanced > 0)
+
+    def scale_of(rank: int):
+        return lambda stages, microbatches: 1 + share[stages] * (ratio[rank][stages, microbatches] - 1)
+    return [scale_of(rank) for rank in range(len(table))], float(ratio.max())
+
+
+def pipeline_rank(config: RunConfig, rank: int) -> int:
+    """The pipeline rank (the stages) of global rank ``rank``."""
+    from executor.mesh import MeshPosition  # noqa: PLC0415 - loads torch (run has already)
+
+    return MeshPosition.of_rank(rank, config.dp, config.pp, config.tp, config.cp).pp_index
 
 
 def executor_spec(config: RunConfig) -> tuple[ModelSpec, SavedTensors] | None:
@@ -116,24 +168,32 @@ def stage_split(spec: ModelSpec, config: RunConfig) -> list[int]:
     return list(config.layout or even_layout(config.layers, config.num_stages))
 
 
-def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None = None) -> list[dict] | None:
+def executor_costs(config: RunConfig, spec: ModelSpec, saved: SavedTensors) -> Costs:
+    """The model's per-stage costs (memory only) as the executor builds its stages."""
+    costs = model_stage_costs(spec, config.num_stages, [math.nan] * config.num_stages, tp=config.tp,
+                              sequence_parallel=config.sequence_parallel, layers_per_stage=stage_split(spec, config),
+                              recompute=config.recompute, flash_attention=flash_kernel(spec, config), ep=config.ep,
+                              cp=config.cp, saved_tensors=saved)
+    return with_whole_ends(costs, spec, config.tp, config.sequence_parallel, saved)
+
+
+def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None = None,
+                    stash_scale: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> list[dict] | None:
     """Per pipeline rank: the predicted peak bytes and, apart, the most activations held
     at once (``predicted_peak``, ``predicted_activations``); ``None`` when not predicted.
 
     With ``cuda_capability`` (a run on a GPU of that generation) the peak is the CUDA
     caching allocator's (``max_memory_allocated``), which also sees what lives inside an
     action and what torch keeps beside the model (``allocator_extras``); without it, the
-    tensors the executor counts at action boundaries on a CPU."""
+    tensors the executor counts at action boundaries on a CPU. ``stash_scale(stage,
+    microbatch)`` multiplies each microbatch's stash beyond its size's share (a rank's
+    routed load against the balanced one: ``routed_stash_scale``)."""
     described = executor_spec(config)
     if described is None:
         return None
     spec, saved = described
     element = ELEMENT_BYTES[config.master_dtype]  # weights, gradients and optimizer state: the master type
-    costs = model_stage_costs(spec, config.num_stages, [math.nan] * config.num_stages, tp=config.tp,
-                              sequence_parallel=config.sequence_parallel, layers_per_stage=stage_split(spec, config),
-                              recompute=config.recompute, flash_attention=flash_kernel(spec, config), ep=config.ep,
-                              cp=config.cp, saved_tensors=saved)
-    costs = with_whole_ends(costs, spec, config.tp, config.sequence_parallel, saved)
+    costs = executor_costs(config, spec, saved)
     schedule = build_schedule(config)
     if schedule.copies > 1:  # DualPipe: every copy's stages as the model's (executor.copies)
         costs = replace(costs, stages=costs.stages * schedule.copies)
@@ -149,7 +209,8 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
     weights_only = BytesPerParam(element, 0.0, 0.0)  # the static part's weights; gradients and state added below
     report = memory_report(trace, costs, schedule.placement, ["cpu"] * config.pp, [math.inf] * config.pp,
                            weights_only, dp=holders, zero=config.zero, expert_dp=expert_holders, tp=config.tp,
-                           cp=config.cp, ep=config.ep, microbatch_weight=microbatch_weights(config, schedule))
+                           cp=config.cp, ep=config.ep, microbatch_weight=scaled(microbatch_weights(config, schedule),
+                                                                                stash_scale))
     moments = 2 * element if config.optimizer == "adamw" else 0.0
 
     def per_param(bytes_per_param: BytesPerParam, cost) -> float:
@@ -296,6 +357,19 @@ def not_predicted(config: RunConfig) -> str:
     return f"--model {config.model} has no transformer spec"
 
 
+def routed_peaks(config: RunConfig, rows: list[dict]) -> tuple[list[dict], float] | None:
+    """Per rank, ``predicted_peak`` and ``predicted_activations`` at the run's own routing
+    (``routed_stash_scales``), and the most rows a rank's experts ran in one forward over
+    the balanced share; ``None`` unless the run counted routed rows (expert parallelism on
+    a CPU) of a dropless mixture of experts (a capacity pads every expert to its share)."""
+    if "routed_rows" not in rows[0] or config.capacity_factor is not None:
+        return None
+    scales, most = routed_stash_scales(config, [row["routed_rows"] for row in rows])
+    predictions = [predicted_peaks(config, None, scale)[pipeline_rank(config, row["rank"])]
+                   for row, scale in zip(rows, scales, strict=True)]
+    return [{key: value for key, value in peak.items() if key != "rank"} for peak in predictions], most
+
+
 def peak_lines(document: dict, config: RunConfig) -> list[str]:
     """Add ``predicted_peak`` and ``predicted_activations`` to each tracked memory row and
     return the lines to print: predicted against measured peak and activations, per rank."""
@@ -306,20 +380,29 @@ def peak_lines(document: dict, config: RunConfig) -> list[str]:
     peaks = predicted_peaks(config, tuple(rows[0]["cuda_capability"]) if on_gpu else None)
     if peaks is None:
         return [f"peak memory not predicted: {not_predicted(config)}"]
-    from executor.mesh import MeshPosition  # noqa: PLC0415 - loads torch (run has already)
-
     model = "the simulator's memory model of the executor's layers"
     lines = [f"peak memory, measured (torch.cuda.max_memory_allocated) vs predicted ({model}, with the allocator's "
              "cuBLAS workspaces, loss and optimizer temporaries):" if on_gpu
              else f"peak memory, measured vs predicted ({model}):"]
-    for row in rows:
-        stage_rank = MeshPosition.of_rank(row["rank"], config.dp, config.pp, config.tp, config.cp).pp_index
-        row.update({key: value for key, value in peaks[stage_rank].items() if key != "rank"})
+    routed = routed_peaks(config, rows) if not on_gpu else None
+    if routed is not None:
+        lines.append(f"  (dropless routing: each rank predicted at the copies its experts ran in each forward, up to "
+                     f"{routed[1]:.2f}x the balanced share; the balanced prediction, what simulate and plan price, "
+                     "in brackets)")
+    for index, row in enumerate(rows):
+        row.update({key: value for key, value in peaks[pipeline_rank(config, row["rank"])].items() if key != "rank"})
+        balanced = ""
+        if routed is not None:
+            row["predicted_peak_balanced"] = row["predicted_peak"]
+            row["predicted_activations_balanced"] = row["predicted_activations"]
+            row.update(routed[0][index])
+            even = row["predicted_peak_balanced"]
+            balanced = f" [{even / MIB:.3f} MiB, {row['peak'] / even - 1:+.1%}]"
         error = row["peak"] / row["predicted_peak"] - 1  # measured over predicted, as the chart's (viz.measured_memory)
         activations = "" if on_gpu else (f"; activations measured {row['activations_peak'] / MIB:.3f} MiB, predicted "
                                          f"{row['predicted_activations'] / MIB:.3f} MiB")
         lines.append(f"  rank {row['rank']}: peak measured {row['peak'] / MIB:.3f} MiB, predicted "
-                     f"{row['predicted_peak'] / MIB:.3f} MiB ({error:+.1%}){activations}")
+                     f"{row['predicted_peak'] / MIB:.3f} MiB ({error:+.1%}){balanced}{activations}")
     if config.steps < 2:
         lines.append("  (predicted for a step after the first: the first holds no optimizer state yet)")
     return lines

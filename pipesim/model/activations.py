@@ -99,17 +99,19 @@ ROUTER_SCORE_BYTES = 4  # router scores are kept in fp32
 
 def layer_stash_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none",
                       flash_attention: bool = True, layer: int = 0, saved: SavedTensors = KERNELS,
-                      cp: int = 1) -> float:
+                      cp: int = 1, ep: int = 1) -> float:
     """Bytes one microbatch keeps for layer ``layer`` until its backward, on one tp rank
     (the inventory of the module, with ``--recompute norm-mla-up`` and FP8 caching as it
     says; ``--recompute per-op``'s is ``pipesim.model.per_op_checkpoint``'s), plus what an
     implementation keeps beyond it (``saved``: ``pipesim.model.saved_tensors``; none by
     default). ``spec`` is what one rank computes on (``ModelSpec.context_shard``); ``cp``
     says how many context-parallel ranks share each sequence (the implementation's
-    attention over them keeps its own tensors)."""
+    attention over them keeps its own tensors), ``ep`` how many expert-parallel ranks
+    share the routed experts (what an implementation keeps per expert, e.g. autocast's
+    weight copies, is of the rank's own)."""
     check_recompute(recompute)
     h, d = spec.hidden, spec.dtype_bytes
-    extra = layer_extra_bytes(spec, saved, tp, sequence_parallel, recompute, flash_attention, layer, cp)
+    extra = layer_extra_bytes(spec, saved, tp, sequence_parallel, recompute, flash_attention, layer, cp, ep)
     if recompute == "full":
         return spec.tokens * h * d / (tp if sequence_parallel else 1) + extra
     if recompute == PER_OP:

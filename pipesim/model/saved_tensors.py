@@ -39,7 +39,8 @@ executor's blocks (float32 and float64, CPU, torch 2.13), per token of one tp ra
   not the fused kernel's ``3f``; gpt-oss's clamped SwiGLU, written from torch ops, ``7f``
   (the gate and up before their clamps, the clamped gate, its sigmoid, ``up + 1``, their
   product and the down projection's input).
-- **Mixture of experts** (dropless, every expert on the process): per routed copy,
+- **Mixture of experts** (dropless; under expert parallelism the dispatch's own, in
+  ``expert_parallel_extra``): per routed copy,
   besides the input and expert output the inventory counts, the weighted output the
   combine adds (``h``), its weight (1) and the copy's token and slot indices (two int64:
   ``torch.nonzero``'s output); per token the router's ``k`` chosen experts (int64) and,
@@ -85,7 +86,7 @@ from dataclasses import dataclass, replace
 
 from pipesim.model.per_op_checkpoint import PER_OP
 from pipesim.model.spec import CLAMPED_SWIGLU, NORM_MLA_UP, ModelSpec
-from pipesim.model.weights import kv_heads_per_shard, layer_weights, shard
+from pipesim.model.weights import kv_heads_per_shard, layer_weights, shard, stack_on_rank
 
 INDEX_BYTES = 8  # torch's int64 indices
 FP32_BYTES = 4
@@ -203,7 +204,8 @@ def query_key_width(spec: ModelSpec, tp: int = 1) -> float:
 
 
 def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequence_parallel: bool = False,
-                      recompute: str = "none", flash_attention: bool = True, layer: int = 0, cp: int = 1) -> float:
+                      recompute: str = "none", flash_attention: bool = True, layer: int = 0, cp: int = 1,
+                      ep: int = 1) -> float:
     """Bytes one microbatch keeps for layer ``layer`` beyond ``layer_stash_bytes``'
     inventory, on one tp rank (0 for ``KERNELS``). Under full recompute a layer keeps its
     input alone, in any implementation; under per-op checkpointing the input and what the
@@ -300,21 +302,12 @@ def layer_extra_bytes(spec: ModelSpec, saved: SavedTensors, tp: int = 1, sequenc
             width -= spec.moe.routed_width(padded=False)
         per_token += (1 + clamped) * width / tp * d
     if saved.routed_combine and spec.is_moe_layer(layer):
-        slots, k = spec.moe.routed_slots(padded=False), spec.moe.experts_per_token
-        # the weighted outputs and their weights in the combine's type (float32 under autocast)
-        per_token += slots * ((h + 1) * max(d, saved.residual_bytes) + 2 * INDEX_BYTES) + k * INDEX_BYTES
-        if spec.moe.shared_ffn and spec.moe.shared_expert_gate:  # the shared output and its sigmoid gate
-            per_token += (h + 1) * d
-        if spec.moe.weighted_input and regathered < 2:  # Llama 4: each copy scaled in the tokens' own type
-            per_token += slots * h * max(0, saved.residual_bytes - d)
-        if spec.moe.normalize_top_k:  # the division by their sum keeps the k weights and the sum
-            per_token += (k + 1) * score_bytes(spec, saved)
-        per_token += spec.moe.experts * (score_bytes(spec, saved) - FP32_BYTES)  # wider scores than the inventory's
+        per_token += routing_bytes(spec, saved, regathered, ep) / (split if routes_shard(spec, ep) else 1)
     extra = spec.tokens * per_token
     if saved.routed_combine and spec.is_moe_layer(layer) and spec.moe.balance_loss > 0:
         extra += balance_loss_bytes(spec, saved)
     if saved.weight_copies:
-        extra += weight_copy_bytes(spec, tp, layer)
+        extra += weight_copy_bytes(spec, tp, layer, ep)
     if saved.rotary_tables and rotated:
         # cos and sin, s x d/2 each, whatever the microbatch, in the rotated Q's type: latent attention's
         # input's (16-bit where it reads the 16-bit gathered shard), and a weighted query norm's (its float32
@@ -361,10 +354,55 @@ def balance_loss_bytes(spec: ModelSpec, saved: SavedTensors) -> float:
     return spec.microbatch_size * spec.moe.experts * score + score + sums
 
 
-def weight_copy_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0) -> float:
+def routes_shard(spec: ModelSpec, ep: int) -> bool:
+    """Whether each tp rank routes its own sequence shard under sequence parallelism
+    (``executor.shard_routing``: with parallel folding or expert parallelism), so what
+    routing keeps per token is of the shard's tokens; else every tp rank routes the
+    gathered sequence."""
+    return bool(spec.expert_tp) or ep > 1
+
+
+def routing_bytes(spec: ModelSpec, saved: SavedTensors, regathered: int, ep: int = 1) -> float:
+    """Per routed token, what routing and combining keep beyond the inventory: the
+    weighted outputs and their weights in the combine's type, the copies' and picks'
+    indices, the rescaled weights, wider scores, and under expert parallelism the
+    dispatch's own (``expert_parallel_extra``)."""
+    d, h = spec.dtype_bytes, spec.hidden
+    per_token = 0.0
+    slots, k = spec.moe.routed_slots(padded=False), spec.moe.experts_per_token
+    # the weighted outputs and their weights in the combine's type (float32 under autocast)
+    per_token += slots * ((h + 1) * max(d, saved.residual_bytes) + 2 * INDEX_BYTES) + k * INDEX_BYTES
+    if spec.moe.shared_ffn and spec.moe.shared_expert_gate:  # the shared output and its sigmoid gate
+        per_token += (h + 1) * d
+    if spec.moe.weighted_input and regathered < 2:  # Llama 4: each copy scaled in the tokens' own type
+        per_token += slots * h * max(0, saved.residual_bytes - d)
+    if spec.moe.normalize_top_k:  # the division by their sum keeps the k weights and the sum
+        per_token += (k + 1) * score_bytes(spec, saved)
+    per_token += spec.moe.experts * (score_bytes(spec, saved) - FP32_BYTES)  # wider scores than the inventory's
+    if ep > 1:
+        per_token += slots * expert_parallel_extra(spec, saved)
+    return per_token
+
+
+def expert_parallel_extra(spec: ModelSpec, saved: SavedTensors) -> float:
+    """Per routed copy, what the executor's expert-parallel dispatch keeps beyond running
+    every expert in-process (``executor.expert_parallel``): the expert rank writes each
+    expert's output into the received rows (``index_copy``, which keeps its source: ``h``
+    in the rows' type, the residual stream's) and keeps each row's index; the sending
+    rank weights the returned rows in the combine's type (``max(d, residual)``: float32
+    under autocast) where in-process the product keeps the expert's own output (``d``).
+    Counted from a launched run's saved tensors (a shrunk Mixtral at ep 2: ``6h + 8``
+    bytes a copy under bf16 autocast, ``4h + 8`` in float32)."""
+    d, h = spec.dtype_bytes, spec.hidden
+    residual = saved.residual_bytes or d
+    return h * residual + h * (max(d, residual) - d) + INDEX_BYTES
+
+
+def weight_copy_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0, ep: int = 1) -> float:
     """The activation-dtype copies of layer ``layer``'s weight matrices on one tp rank
-    (autocast casts each weight in every forward and the GEMM keeps the copy)."""
-    return spec.dtype_bytes * sum(weight.stack * math.prod(shard(weight, spec, tp))
+    (autocast casts each weight in every forward and the GEMM keeps the copy): of the
+    routed experts, the ``E / ep`` the rank holds."""
+    return spec.dtype_bytes * sum(stack_on_rank(weight, ep) * math.prod(shard(weight, spec, tp))
                                   for weight in layer_weights(spec, spec.is_moe_layer(layer)))
 
 

@@ -230,7 +230,7 @@ def model_stage_costs(
     models = set()
     per_kind = {layer: (spec.layer_params(layer, tp, ep),
                         layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, layer,
-                                          saved_tensors, cp),
+                                          saved_tensors, cp, ep),
                         wgrad_stash_bytes(local, tp, sequence_parallel, layer),
                         output_grad_bytes(local, tp, sequence_parallel, layer, saved_tensors)
                         + rebuilt_until_weight_grad_bytes(local, tp, sequence_parallel, recompute, flash_attention,
@@ -287,7 +287,7 @@ def model_stage_costs(
             if spec.mtp_depth:  # each module: its block's stash, its projection's input, its head's
                 stash += spec.mtp_depth * (
                     layer_stash_bytes(local, tp, sequence_parallel, recompute, flash_attention, spec.layers,
-                                      saved_tensors, cp)
+                                      saved_tensors, cp, ep)
                     + 2 * local.tokens * spec.hidden * spec.dtype_bytes
                     + last_stage_extra_bytes(local, tp, sequence_parallel, saved_tensors)
                     + mtp_extra(local, saved_tensors))
