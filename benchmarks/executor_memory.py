@@ -35,6 +35,7 @@ MIXTRAL = ("--model", "mixtral-8x7b", "--layers", "4", "--hidden", "64", "--head
            "-m", "4")
 DEEPSEEK = ("--layers", "4", "--hidden", "64", "--heads", "8", "--batch-size", "8", "-m", "4")
 TWO_CHUNKS = ("--virtual-stages", "2")
+QWEN3_MOE = ("--model", "qwen3-30b-a3b", *DEEPSEEK, "--kv-heads", "2")
 
 
 def config(name: str) -> str:
@@ -91,7 +92,14 @@ ROWS: dict[str, tuple[str, ...]] = {
     # parallel folding: the experts whole on both tp ranks, ep 2 cut from them (one replica)
     "mixtral 1f1b tp 2 sp etp 1 ep 2": (*MIXTRAL, "--pp", "2", "--tp", "2", "--sequence-parallel", "--etp", "1",
                                         "--ep", "2"),
+    # under autocast each rank casts its own experts' weights only; the dispatch keeps float32 rows
+    "mixtral 1f1b dp 2 ep 2 bfloat16": (*MIXTRAL, "--pp", "2", "--dp", "2", "--ep", "2", "--dtype", "bfloat16"),
     "mixtral 1f1b cp 2": (*MIXTRAL, "--pp", "2", "--cp", "2"),
+    # folded experts: each tp rank routes its own sequence shard, alone and at ep 2 (8 experts, top 4)
+    "qwen3-moe 1f1b tp 2 sp etp 1 bfloat16": (*QWEN3_MOE, "--pp", "2", "--tp", "2", "--sequence-parallel", "--etp",
+                                              "1", "--dtype", "bfloat16"),
+    "qwen3-moe 1f1b tp 2 sp etp 1 ep 2 bfloat16": (*QWEN3_MOE, "--pp", "2", "--tp", "2", "--sequence-parallel",
+                                                   "--etp", "1", "--ep", "2", "--dtype", "bfloat16"),
     # Megatron-Core's moe_act: the experts' activation output dropped and rebuilt; under a split
     # backward held from I until the down projection's W
     "mixtral 1f1b recompute-moe-act": (*MIXTRAL, "--pp", "2", "--recompute-moe-act"),

@@ -16,7 +16,10 @@ the model assumes:
 - the optimizer's state exists from the first step on, so the prediction is of a step
   after the first (``--steps 2`` or more);
 - tp splits the blocks only (``with_whole_ends``); ZeRO-3's gathered working set lives
-  inside an action, not at the action boundaries where the executor counts.
+  inside an action, not at the action boundaries where the executor counts;
+- a dropless router sends an expert-parallel rank what the data asks for, not the
+  balanced share: where the run counted its experts' rows (``executor.routed_rows``),
+  each rank is also predicted at its own (``routed_peaks``).
 
 Parameters, gradients and optimizer state are the model's per-parameter bytes (the
 master weights' dtype, AdamW's two moments), sharded as ZeRO says; buffers are the
@@ -187,7 +190,7 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
     action and what torch keeps beside the model (``allocator_extras``); without it, the
     tensors the executor counts at action boundaries on a CPU. ``stash_scale(stage,
     microbatch)`` multiplies each microbatch's stash beyond its size's share (a rank's
-    routed load against the balanced one: ``routed_stash_scale``)."""
+    routed load against the balanced one: ``routed_stash_scales``)."""
     described = executor_spec(config)
     if described is None:
         return None
