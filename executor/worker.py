@@ -268,8 +268,11 @@ class RankRun:
         targets = torch.tensor_split(targets, config.dp)[replica]
         if self.context is not None:  # this cp rank's chunks of every sequence
             inputs, targets = self.context.local(inputs), self.context.local(targets)
-        inputs = list(torch.tensor_split(inputs.to(device), config.microbatches))
-        targets = list(torch.tensor_split(targets.to(device), config.microbatches))
+        # each microbatch its own storage, as a loader hands it over: a view would keep the whole
+        # step's batch alive in every microbatch's stash (the embedding saves its ids), which the
+        # memory tracker then counts once a microbatch (on a CPU ``to`` copies nothing)
+        inputs = [part.clone() for part in torch.tensor_split(inputs.to(device), config.microbatches)]
+        targets = [part.clone() for part in torch.tensor_split(targets.to(device), config.microbatches)]
         self.optimizer.zero_grad(set_to_none=True)
         if self.averager is not None and self.config.zero in (1, 2):  # the optimizer holds shards
             self.averager.zero_grad()
