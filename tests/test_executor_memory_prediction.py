@@ -352,7 +352,7 @@ TIGHT_CASES = {
 # Expert parallelism, predicted at the run's own routing (pipesim.cli.run_memory.routed_peaks): the
 # dispatch's float32 rows and each rank's own experts' weight casts (predicted with every expert's
 # weight casts and none of the dispatch's before, 10% high on Mixtral's peak; now within 0.4% on the
-# peak and 2.3% on the activations). Folded at ep 2 the prediction is 2.5-3.7% high on the peak, 6% on
+# peak and 2.3% on the activations). Folded at ep 2 the prediction is 2.6-3.8% high on the peak, 6% on
 # the activations: not yet found.
 EP_CASES = {
     "experts at ep 2": ({"model": "mixtral-8x7b", "experts": 4, "kv_heads": 2, "dp": 2, "ep": 2}, 0.03),
