@@ -497,6 +497,8 @@ class RankRun:
         """Every rank's routed copies its experts ran in each forward of the last step, as
         ``[stage][microbatch]`` (``executor.routed_rows``); ``None`` where no rank ran any
         (no expert parallelism, or a GPU run, whose forwards the tracker does not open)."""
+        if self.config.ep == 1:  # every rank's experts run in-process: nothing routed elsewhere, nothing counted
+            return None
         actions = [action for program in self.schedule.programs for action in program if action.kind == ActionKind.F]
         shape = (1 + max(action.stage for action in actions), 1 + max(action.microbatch for action in actions))
         mine = torch.zeros(shape, dtype=torch.float64)

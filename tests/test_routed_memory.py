@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from executor.config import RunConfig
-from pipesim.cli.run_memory import executor_spec, pipeline_rank, routed_peaks, routed_share, routed_stash_scales
+from pipesim.cli.run_memory import (
+    executor_spec,
+    peak_predictor,
+    pipeline_rank,
+    routed_peaks,
+    routed_share,
+    routed_stash_scales,
+)
 from pipesim.model.activations import layer_stash_bytes
 
 # a shrunk Mixtral: hidden 64, 4 experts (top-2) of width 224, one sequence of 32 tokens a microbatch
@@ -69,9 +76,10 @@ def test_each_rank_is_scaled_by_its_rows_over_the_mean_of_the_stage() -> None:
 def test_a_capacity_or_a_run_without_counts_is_predicted_balanced() -> None:
     table = routed_table(RunConfig(**MIXTRAL, ep=2), {})
     rows = [{"rank": rank, "routed_rows": table[rank]} for rank in range(4)]
-    assert routed_peaks(RunConfig(**MIXTRAL, ep=2, capacity_factor=1.0), rows) is None
-    assert routed_peaks(RunConfig(**MIXTRAL, ep=2), [{"rank": rank} for rank in range(4)]) is None
-    balanced, most = routed_peaks(RunConfig(**MIXTRAL, ep=2), rows)
+    capacity, config = RunConfig(**MIXTRAL, ep=2, capacity_factor=1.0), RunConfig(**MIXTRAL, ep=2)
+    assert routed_peaks(capacity, rows, peak_predictor(capacity)) is None
+    assert routed_peaks(config, [{"rank": rank} for rank in range(4)], peak_predictor(config)) is None
+    balanced, most = routed_peaks(config, rows, peak_predictor(config))
     assert most == 1.0  # every rank at the mean: the balanced prediction itself
     from pipesim.cli.run_memory import predicted_peaks
 

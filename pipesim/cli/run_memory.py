@@ -60,6 +60,8 @@ from schedules.trace import Trace
 # autocast, whose saved tensors are not described
 ELEMENT_BYTES = {name: size for name, size in DTYPE_BYTES.items() if name != "float16"}
 MIB = 2**20
+# a factor per (stage, microbatch) on each microbatch's stash (predicted_peaks' stash_scale)
+StashScale = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 def microbatch_weights(config: RunConfig, schedule):
@@ -75,7 +77,7 @@ def microbatch_weights(config: RunConfig, schedule):
     return lambda stages, microbatches: sizes[offsets[stages] + microbatches]
 
 
-def scaled(weight, scale: Callable[[np.ndarray, np.ndarray], np.ndarray] | None):
+def scaled(weight, scale: StashScale | None):
     """``weight`` times ``scale`` per (stage, microbatch); ``weight`` alone without one."""
     if scale is None:
         return weight
@@ -98,8 +100,7 @@ def routed_share(config: RunConfig) -> np.ndarray:
     return np.tile(share, build_schedule(config).copies)  # DualPipe: each copy's stages as the model's
 
 
-def routed_stash_scales(config: RunConfig, rows: list[list[list[float]]]
-                        ) -> tuple[list[Callable[[np.ndarray, np.ndarray], np.ndarray]], float]:
+def routed_stash_scales(config: RunConfig, rows: list[list[list[float]]]) -> tuple[list[StashScale], float]:
     """Per rank, ``stash_scale`` for ``predicted_peaks`` at the run's own routing:
     ``1 + share x (rows / balanced - 1)`` for each (stage, microbatch), ``rows`` the
     routed copies the rank's experts ran in that forward (``executor.routed_rows``) and
@@ -181,7 +182,7 @@ def executor_costs(config: RunConfig, spec: ModelSpec, saved: SavedTensors) -> C
 
 
 def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None = None,
-                    stash_scale: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> list[dict] | None:
+                    stash_scale: StashScale | None = None) -> list[dict] | None:
     """Per pipeline rank: the predicted peak bytes and, apart, the most activations held
     at once (``predicted_peak``, ``predicted_activations``); ``None`` when not predicted.
 
@@ -191,6 +192,15 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
     tensors the executor counts at action boundaries on a CPU. ``stash_scale(stage,
     microbatch)`` multiplies each microbatch's stash beyond its size's share (a rank's
     routed load against the balanced one: ``routed_stash_scales``)."""
+    predict = peak_predictor(config, cuda_capability)
+    return None if predict is None else predict(stash_scale)
+
+
+def peak_predictor(config: RunConfig, cuda_capability: tuple[int, int] | None = None
+                   ) -> Callable[[StashScale | None], list[dict]] | None:
+    """``predicted_peaks`` of ``config`` as a function of the stash's scale: the model's
+    costs, the schedule's order and the gradients' arrivals built once, so a run predicted
+    at each rank's own routing (``routed_peaks``) walks only the memory timeline per rank."""
     described = executor_spec(config)
     if described is None:
         return None
@@ -210,10 +220,7 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
     # tp / etp times as many ranks hold each expert)
     expert_holders = max(1, holders * config.tp // (config.expert_tp * config.ep))
     weights_only = BytesPerParam(element, 0.0, 0.0)  # the static part's weights; gradients and state added below
-    report = memory_report(trace, costs, schedule.placement, ["cpu"] * config.pp, [math.inf] * config.pp,
-                           weights_only, dp=holders, zero=config.zero, expert_dp=expert_holders, tp=config.tp,
-                           cp=config.cp, ep=config.ep, microbatch_weight=scaled(microbatch_weights(config, schedule),
-                                                                                stash_scale))
+    sizes = microbatch_weights(config, schedule)
     moments = 2 * element if config.optimizer == "adamw" else 0.0
 
     def per_param(bytes_per_param: BytesPerParam, cost) -> float:
@@ -225,8 +232,14 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
         return (cost.params - experts) * share(holders) + experts * share(expert_holders)
 
     grads_from = gradient_arrivals(trace, costs, lambda cost: per_param(BytesPerParam(element, element, 0.0), cost))
-    peaks = []
-    for rank in report:
+
+    def predict(stash_scale: StashScale | None) -> list[dict]:
+        report = memory_report(trace, costs, schedule.placement, ["cpu"] * config.pp, [math.inf] * config.pp,
+                               weights_only, dp=holders, zero=config.zero, expert_dp=expert_holders, tp=config.tp,
+                               cp=config.cp, ep=config.ep, microbatch_weight=scaled(sizes, stash_scale))
+        return [rank_peak(rank) for rank in report]
+
+    def rank_peak(rank) -> dict:
         mine = [cost for stage, cost in enumerate(costs.stages) if schedule.placement[stage] == rank.rank]
         params = sum(cost.params for cost in mine)
         state = sum(per_param(BytesPerParam(element, 0.0, moments), cost) for cost in mine)
@@ -247,8 +260,9 @@ def predicted_peaks(config: RunConfig, cuda_capability: tuple[int, int] | None =
                                               schedule.last_stages), default=0.0)
             predicted = state + extras.workspace_bytes + max(peak - inside, end - inside + extras.optimizer_bytes,
                                                              inside_actions)
-        peaks.append({"rank": rank.rank, "predicted_peak": predicted, "predicted_activations": rank.peak_stash_bytes})
-    return peaks
+        return {"rank": rank.rank, "predicted_peak": predicted, "predicted_activations": rank.peak_stash_bytes}
+
+    return predict
 
 
 # torch's cuBLAS workspace per (handle, stream), taken from the caching allocator
@@ -360,16 +374,17 @@ def not_predicted(config: RunConfig) -> str:
     return f"--model {config.model} has no transformer spec"
 
 
-def routed_peaks(config: RunConfig, rows: list[dict]) -> tuple[list[dict], float] | None:
+def routed_peaks(config: RunConfig, rows: list[dict], predict: Callable[[StashScale | None], list[dict]]
+                 ) -> tuple[list[dict], float] | None:
     """Per rank, ``predicted_peak`` and ``predicted_activations`` at the run's own routing
     (``routed_stash_scales``), and the most rows a rank's experts ran in one forward over
     the balanced share; ``None`` unless the run counted routed rows (expert parallelism on
-    a CPU) of a dropless mixture of experts (a capacity pads every expert to its share)."""
+    a CPU) of a dropless mixture of experts (a capacity pads every expert to its share);
+    ``predict`` is the run's ``peak_predictor``."""
     if "routed_rows" not in rows[0] or config.capacity_factor is not None:
         return None
     scales, most = routed_stash_scales(config, [row["routed_rows"] for row in rows])
-    predictions = [predicted_peaks(config, None, scale)[pipeline_rank(config, row["rank"])]
-                   for row, scale in zip(rows, scales, strict=True)]
+    predictions = [predict(scale)[pipeline_rank(config, row["rank"])] for row, scale in zip(rows, scales, strict=True)]
     return [{key: value for key, value in peak.items() if key != "rank"} for peak in predictions], most
 
 
@@ -380,14 +395,15 @@ def peak_lines(document: dict, config: RunConfig) -> list[str]:
     if not rows or rows[0]["source"] not in ("tracked", "cuda"):
         return []
     on_gpu = rows[0]["source"] == "cuda"
-    peaks = predicted_peaks(config, tuple(rows[0]["cuda_capability"]) if on_gpu else None)
-    if peaks is None:
+    predict = peak_predictor(config, tuple(rows[0]["cuda_capability"]) if on_gpu else None)
+    if predict is None:
         return [f"peak memory not predicted: {not_predicted(config)}"]
+    peaks = predict(None)
     model = "the simulator's memory model of the executor's layers"
     lines = [f"peak memory, measured (torch.cuda.max_memory_allocated) vs predicted ({model}, with the allocator's "
              "cuBLAS workspaces, loss and optimizer temporaries):" if on_gpu
              else f"peak memory, measured vs predicted ({model}):"]
-    routed = routed_peaks(config, rows) if not on_gpu else None
+    routed = routed_peaks(config, rows, predict) if not on_gpu else None
     if routed is not None:
         lines.append(f"  (dropless routing: each rank predicted at the copies its experts ran in each forward, up to "
                      f"{routed[1]:.2f}x the balanced share; the balanced prediction, what simulate and plan price, "

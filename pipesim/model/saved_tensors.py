@@ -368,10 +368,9 @@ def routing_bytes(spec: ModelSpec, saved: SavedTensors, regathered: int, ep: int
     indices, the rescaled weights, wider scores, and under expert parallelism the
     dispatch's own (``expert_parallel_extra``)."""
     d, h = spec.dtype_bytes, spec.hidden
-    per_token = 0.0
     slots, k = spec.moe.routed_slots(padded=False), spec.moe.experts_per_token
     # the weighted outputs and their weights in the combine's type (float32 under autocast)
-    per_token += slots * ((h + 1) * max(d, saved.residual_bytes) + 2 * INDEX_BYTES) + k * INDEX_BYTES
+    per_token = slots * ((h + 1) * max(d, saved.residual_bytes) + 2 * INDEX_BYTES) + k * INDEX_BYTES
     if spec.moe.shared_ffn and spec.moe.shared_expert_gate:  # the shared output and its sigmoid gate
         per_token += (h + 1) * d
     if spec.moe.weighted_input and regathered < 2:  # Llama 4: each copy scaled in the tokens' own type
