@@ -48,6 +48,29 @@ def test_expert_parallelism_under_autocast_keeps_its_own_experts_weight_copies()
     assert stash_at("bfloat16", 2) - stash_at("bfloat16", 1) == per_copy - weight_copies
 
 
+# a shrunk Qwen3-30B-A3B folded over tp 2 (--etp 1) with sequence parallelism: hidden 64, 8 experts (top 4)
+# of width 24, two sequences of 32 tokens a microbatch, each tp rank routing its own 32 tokens
+QWEN3_FOLDED = {"model": "qwen3-30b-a3b", "layers": 4, "hidden": 64, "heads": 8, "kv_heads": 2, "seq_len": 32,
+                "vocab": 128, "batch_size": 8, "microbatches": 4, "pp": 2, "tp": 2, "sequence_parallel": True,
+                "etp": 1, "experts": 8, "steps": 2, "dtype": "bfloat16"}
+
+
+def test_folded_expert_parallelism_keeps_the_dispatchs_rows_in_16_bits() -> None:
+    """Where sequence parallelism casts the shard to bf16 before its gather, the tokens the
+    dispatch sends are bf16, so the expert outputs ``index_copy`` keeps are too (2h, not
+    4h); the combine's float32 product (4h where in-process the bf16 output, 2h) and the
+    index (8) as before: 4h + 8 a copy, on each rank's 32 tokens x 4 picks; and 4 experts'
+    weight casts fewer (gate, up and down, 3 matrices of 64 x 24)."""
+    def stash(ep: int) -> float:
+        spec, saved = executor_spec(RunConfig(**QWEN3_FOLDED, ep=ep))
+        assert (spec.tokens, spec.hidden, spec.moe.expert_ffn, spec.moe.experts_per_token) == (64, 64, 24, 4)
+        return layer_stash_bytes(spec, tp=2, sequence_parallel=True, saved=saved, layer=0, ep=ep)
+
+    per_copy = 32 * 4 * (4 * 64 + 8)
+    weight_copies = 4 * 3 * 64 * 24 * 2
+    assert stash(2) - stash(1) == per_copy - weight_copies
+
+
 def routed_table(config: RunConfig, rows: dict[tuple[int, int, int], float], even: float = 20.0) -> list:
     """Routed rows ``[rank][stage][microbatch]``: ``even`` on every stage a rank holds,
     ``rows`` where given."""

@@ -379,22 +379,27 @@ def routing_bytes(spec: ModelSpec, saved: SavedTensors, regathered: int, ep: int
         per_token += (k + 1) * score_bytes(spec, saved)
     per_token += spec.moe.experts * (score_bytes(spec, saved) - FP32_BYTES)  # wider scores than the inventory's
     if ep > 1:
-        per_token += slots * expert_parallel_extra(spec, saved)
+        per_token += slots * expert_parallel_extra(spec, saved, regathered)
     return per_token
 
 
-def expert_parallel_extra(spec: ModelSpec, saved: SavedTensors) -> float:
+def expert_parallel_extra(spec: ModelSpec, saved: SavedTensors, regathered: int = 0) -> float:
     """Per routed copy, what the executor's expert-parallel dispatch keeps beyond running
     every expert in-process (``executor.expert_parallel``): the expert rank writes each
     expert's output into the received rows (``index_copy``, which keeps its source: ``h``
-    in the rows' type, the residual stream's) and keeps each row's index; the sending
-    rank weights the returned rows in the combine's type (``max(d, residual)``: float32
-    under autocast) where in-process the product keeps the expert's own output (``d``).
-    Counted from a launched run's saved tensors (a shrunk Mixtral at ep 2: ``6h + 8``
-    bytes a copy under bf16 autocast, ``4h + 8`` in float32)."""
+    in the rows' type, the tokens') and keeps each row's index; the sending rank weights
+    the returned rows in the combine's type (``max(d, residual)``: float32 under autocast)
+    where in-process the product keeps the expert's own output (``d``). The tokens, and
+    so the rows, are in the residual stream's type, or in ``d`` where sequence parallelism
+    casts the shard before its gather (``regathered``: ``read_gathered_shard``, which the
+    mixture of experts reads too). Counted from launched runs' saved tensors under bf16
+    autocast: a shrunk Mixtral at dp 2 ep 2, ``6h + 8`` bytes a copy (``4h + 8`` in
+    float32); Qwen3-30B-A3B at tp 2 with sequence parallelism, ``--etp 1``, ep 2, ``4h +
+    8`` (the expert outputs ``index_copy`` keeps are bf16 there)."""
     d, h = spec.dtype_bytes, spec.hidden
     residual = saved.residual_bytes or d
-    return h * residual + h * (max(d, residual) - d) + INDEX_BYTES
+    rows = d if regathered else residual
+    return h * rows + h * (max(d, residual) - d) + INDEX_BYTES
 
 
 def weight_copy_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0, ep: int = 1) -> float:
