@@ -113,6 +113,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from pipesim.cli.torchtitan import priced_as_torchtitan_shards
     from schedules.csv_io import schedule_to_csv
     from schedules.lowering import lower
     from schedules.torch_runtime import lower_for_torch_runtime
@@ -121,11 +122,11 @@ def handle(args: argparse.Namespace) -> int:
     if args.from_plan:
         apply_plan_layout(args)
     check_flags(args)
-    if args.torchtitan and args.zero in (1, 2):
-        print(f"note: zero{args.zero} (the optimizer state{' and gradients' if args.zero == 2 else ''} sharded) "
-              "becomes FSDP in torchtitan (--fsdp), which shards parameters too; the simulated step did not "
-              "include FSDP's per-layer parameter all-gathers (--zero 3 does)", file=sys.stderr)
     job = Job.from_namespace(args)
+    if args.torchtitan and args.fsdp:
+        line = priced_as_torchtitan_shards(job)  # refuses a layout torchtitan's FSDP would not fit
+        if line:
+            print(f"note: {line}", file=sys.stderr)
     schedule = schedule_of(job, topology_of(job))
     if args.torchtitan:
         return write_layout(args, schedule)

@@ -1,0 +1,60 @@
+"""How torchtitan runs a layout's data-parallel replicas when it shards them with FSDP
+(``plan --torchtitan --fsdp``), as a job ``pipesim simulate`` prices.
+
+torchtitan wraps every block of a stage in FSDP2's ``fully_shard`` with mixed precision:
+parameters gathered in bf16, gradients reduced in float32
+(``mixed_precision_reduce = "float32"``, its default). What it then holds depends on
+whether the stages are pipelined:
+
+- **Without pipeline parallelism** each block is gathered before its forward and again
+  before its backward and freed after each (``reshard_after_forward``, torchtitan's
+  default when ``pp == 1``), its gradient reduce-scattered as its backward produces it:
+  ZeRO-3 (``--zero 3``), the gradients' shards in float32.
+- **With pipeline parallelism** torchtitan leaves ``reshard_after_forward`` off ("to
+  avoid per-microbatch all-gathers": ``get_fsdp_reshard_after_forward_policy``), and
+  torch's pipelining runtime turns off resharding after the backward and gradient sync
+  for every microbatch (``PipelineStage.backward_maybe_with_nosync``: FSDP2 then
+  accumulates each unsharded gradient in the reduce type, float32), reducing once in
+  ``perform_reduce_grad`` after the stage's last backward. So from a stage's first
+  forward to the end of the step it holds its parameters whole in bf16 and their
+  gradients whole in float32; only the float32 master parameters and AdamW's moments stay
+  sharded, and the reduce-scatter runs after the backward, not beside it. That is
+  ``--zero 1 --bytes-per-param 2,4,12 --no-dp-overlap``: the parameters gathered after
+  the optimizer step, layer by layer under the next step's first forwards (FSDP's own
+  prefetch), as ``--zero 1`` charges them.
+
+The plan ranks its ZeRO layouts by Megatron-Core's rules (``pipesim.sim.zero``); the
+layout written for torchtitan is priced again by these before it is written
+(``pipesim.cli.plan``), and refused where it does not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipesim.job import Job
+from pipesim.sim.memory import parse_bytes_per_param
+
+# torchtitan's mixed_precision_reduce default: FSDP2 reduces, and accumulates unsharded, in float32
+REDUCE_BYTES = 4
+
+
+def torchtitan_fsdp_job(job: Job) -> Job:
+    """``job`` with its ``dp`` replicas as torchtitan's FSDP runs them (the module): ZeRO-3
+    with float32 gradient shards without pipelining; with it, every stage's parameters
+    and float32 gradients whole for the step and the optimizer state sharded, reduced
+    after the backward. A job with one replica is returned as it is."""
+    if job.dp <= 1:
+        return job
+    per_param = parse_bytes_per_param(job.bytes_per_param)
+    bytes_per_param = f"{per_param.weights:g},{max(per_param.grads, REDUCE_BYTES):g},{per_param.optimizer:g}"
+    if job.pp == 1:
+        return replace(job, zero=3, bytes_per_param=bytes_per_param)
+    return replace(job, zero=1, bytes_per_param=bytes_per_param, no_dp_overlap=True)
+
+
+def torchtitan_fsdp_flags(job: Job) -> str:
+    """The ``simulate`` flags that price ``job`` as ``torchtitan_fsdp_job`` does."""
+    priced = torchtitan_fsdp_job(job)
+    flags = f"--zero {priced.zero} --bytes-per-param {priced.bytes_per_param}"
+    return flags + (" --no-dp-overlap" if priced.no_dp_overlap else "")

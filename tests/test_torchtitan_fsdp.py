@@ -1,0 +1,87 @@
+"""torchtitan's FSDP as it runs a layout's replicas (``pipesim.plan.torchtitan_fsdp``):
+ZeRO-3 without pipelining; under torch's pipelining runtime every stage's parameters
+(bf16) and gradients (float32) whole for the step, the optimizer state sharded and the
+reduce-scatter after the backward. What ``plan --torchtitan --fsdp`` and ``export
+--torchtitan --fsdp`` price a layout by before writing it, and refuse where it does not fit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipesim.cli import main
+from pipesim.job import Job, simulate_job
+from pipesim.plan.torchtitan_fsdp import torchtitan_fsdp_flags, torchtitan_fsdp_job
+
+
+def test_pipelined_replicas_hold_parameters_and_float32_gradients_whole():
+    job = Job(model="gpt3-1.3b", pp=2, dp=4, zero=3, bytes_per_param="2,2,12")
+    priced = torchtitan_fsdp_job(job)
+    assert (priced.zero, priced.bytes_per_param, priced.no_dp_overlap) == (1, "2,4,12", True)
+    assert torchtitan_fsdp_flags(job) == "--zero 1 --bytes-per-param 2,4,12 --no-dp-overlap"
+
+
+def test_unpipelined_replicas_are_zero_3_with_float32_gradient_shards():
+    priced = torchtitan_fsdp_job(Job(model="gpt3-1.3b", pp=1, dp=8, zero=1, bytes_per_param="2,2,16"))
+    assert (priced.zero, priced.bytes_per_param, priced.no_dp_overlap) == (3, "2,4,16", False)
+
+
+def test_one_replica_and_wider_gradients_are_kept():
+    job = Job(model="gpt3-1.3b", pp=2, dp=1, zero=0)
+    assert torchtitan_fsdp_job(job) == job
+    assert torchtitan_fsdp_job(Job(model="gpt3-1.3b", pp=2, dp=2, bytes_per_param="2,8,12")).bytes_per_param == "2,8,12"
+
+
+def test_the_static_memory_is_each_stages_parameters_at_2_plus_4_plus_12_over_dp():
+    """By hand from the rank's parameter count P (ZeRO-0's 16 bytes a parameter): torchtitan
+    holds 2 (bf16 parameters) + 4 (float32 gradients) + 12 / dp (master weights and AdamW's
+    moments, sharded) bytes a parameter under pipelining, where the plan's ZeRO-3 holds
+    16 / dp."""
+    base = Job(model="gpt3-1.3b", topology="nvlink", nodes=1, gpu="h100", schedule="1f1b", pp=2, dp=4,
+               microbatches=4, seq_len=1024)
+    params = [memory.static_bytes / 16 for memory in simulate_job(replace(base, zero=0)).memory]
+    ranks = simulate_job(torchtitan_fsdp_job(replace(base, zero=3))).memory
+    for count, memory in zip(params, ranks, strict=True):
+        assert memory.static_bytes == pytest.approx(count * (2 + 4 + 12 / 4))
+    zero3 = simulate_job(replace(base, zero=3)).memory
+    for count, memory in zip(params, zero3, strict=True):
+        assert memory.static_bytes == pytest.approx(count * 16 / 4)
+
+
+MIXTRAL_PLAN = ["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--global-batch", "32", "--seq-len", "4096",
+                "--topology", "ib", "--gpu", "h100", "--schedules", "1f1b", "--microbatch-sizes", "1", "--constraint",
+                "pp=2", "--constraint", "tp=2", "--ep", "2,4", "--workers", "1", "--quiet", "--fsdp"]
+
+
+def test_plan_refuses_in_one_line_when_no_ranked_layout_fits_as_torchtitan_runs_it(tmp_path, capsys):
+    """Mixtral over pp 2 x tp 2 x dp 4 fits the plan's ZeRO rows (76 GB at most), but not
+    torchtitan's whole stages: nothing is written."""
+    assert main([*MIXTRAL_PLAN, "--top", "3", "--torchtitan", str(tmp_path / "titan")]) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pipesim plan: error")]
+    assert len(error) == 1 and "none of the 3 ranked layouts fits as torchtitan's FSDP runs it" in error[0]
+    assert "--zero 1 --bytes-per-param 2,4,12 --no-dp-overlap" in error[0] and "it does not fit" in error[0]
+    assert not (tmp_path / "titan").exists()
+
+
+def test_plan_writes_the_first_ranked_layout_that_fits_as_torchtitan_runs_it(tmp_path, capsys):
+    """With full recompute searched too, the faster layouts without it do not fit as
+    torchtitan runs them and are named; the first with it that does is written."""
+    assert main([*MIXTRAL_PLAN, "--top", "10", "--recompute", "none,full", "--torchtitan",
+                 str(tmp_path / "titan")]) == 0
+    out = capsys.readouterr().out
+    refused = [line for line in out.splitlines() if line.startswith("not written for torchtitan: ")]
+    assert refused and all("recompute=full" not in line and "GB usable" in line for line in refused)
+    written = next(line for line in out.splitlines() if line.startswith("wrote "))
+    assert "recompute=full" in written
+    words = (tmp_path / "titan" / "torchtitan.args").read_text()
+    assert "full" in words  # torchtitan's activation checkpointing, as priced
+
+
+def test_export_notes_how_torchtitan_runs_the_replicas(tmp_path, capsys):
+    assert main(["export", "--model", "gpt3-1.3b", "--topology", "nvlink", "--nodes", "1", "--schedule", "1f1b",
+                 "--pp", "2", "--dp", "4", "-m", "4", "--zero", "3", "--fsdp", "--torchtitan",
+                 str(tmp_path / "titan")]) == 0
+    err = capsys.readouterr().err
+    assert "note: torchtitan shards the 4 replicas with FSDP: each stage's parameters whole in bf16" in err
+    assert "(as chosen: " in err
