@@ -391,4 +391,3 @@ def _write_torchtitan(args: argparse.Namespace, rows: list[dict], evaluator) -> 
         seq_len=spec.seq_len, ep=layout.ep, etp=layout.etp, cp=layout.cp, sequence_parallel=layout.sequence_parallel,
         recompute=layout.recompute, qkv=qkv_of(spec), max_norm=clip_grad_of(evaluator.base)))
     print(f"wrote {', '.join(str(path) for path in written)}: {best['layout']}")
-
