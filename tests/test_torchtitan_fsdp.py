@@ -85,3 +85,15 @@ def test_export_notes_how_torchtitan_runs_the_replicas(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "note: torchtitan shards the 4 replicas with FSDP: each stage's parameters whole in bf16" in err
     assert "(as chosen: " in err
+
+
+def test_export_refuses_in_one_line_what_torchtitans_fsdp_would_not_fit(tmp_path, capsys):
+    """Llama 3 70B over pp 4 x dp 8: torchtitan holds a stage's 17.6 B parameters at 2 + 4
+    bytes each, over 100 GB before any activation."""
+    assert main(["export", "--model", "llama3-70b", "--seq-len", "4096", "--topology", "ib", "--nodes", "4", "--gpu",
+                 "h100", "--schedule", "1f1b", "--pp", "4", "--dp", "8", "-m", "8", "--zero", "3", "--qkv", "fused",
+                 "--fsdp", "--torchtitan", str(tmp_path / "titan")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("pipesim export: error: torchtitan shards the 8 replicas")
+    assert error[0].endswith("it does not fit; choose pp 1, more pipeline stages or recompute, or drop --fsdp")
+    assert not (tmp_path / "titan").exists()

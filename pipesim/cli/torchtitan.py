@@ -264,6 +264,6 @@ def priced_as_torchtitan_shards(job, priced: tuple[float, float] | None = None) 
     line = (f"torchtitan shards the {job.dp} replicas with FSDP: {how}; priced so (simulate "
             f"{torchtitan_fsdp_flags(job)}): step {result.metrics.makespan:.3f} s{memory} (as chosen: {was})")
     if result.oom:
-        raise TorchtitanMemoryError(f"{line}: it does not fit; choose pp 1 (--constraint pp=1), more pipeline "
-                                    "stages or recompute, or drop --fsdp", peak, usable)
+        raise TorchtitanMemoryError(f"{line}: it does not fit; choose pp 1, more pipeline stages or recompute, "
+                                    "or drop --fsdp", peak, usable)
     return line
