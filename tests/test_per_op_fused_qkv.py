@@ -223,7 +223,8 @@ def test_export_for_torchtitan_refuses_per_op_over_separate_projections(tmp_path
 
 def test_plan_for_torchtitan_refuses_before_searching_per_op_over_separate_projections(tmp_path, capsys):
     search = ["plan", "--model", "llama3-8b", "--seq-len", "2048", "--gpus", "8", "--global-batch", "8",
-              "--topology", "nvlink", "--schedules", "1f1b", "--microbatch-sizes", "1", "--zero", "0",
+              # zero 1: what torchtitan's FSDP runs pipelined replicas as (pipesim.plan.torchtitan_fsdp)
+              "--topology", "nvlink", "--schedules", "1f1b", "--microbatch-sizes", "1", "--zero", "1",
               "--sequence-parallel", "off",
               "--constraint", "pp=2", "--constraint", "tp=1", "--constraint", "dp=4", "--top", "2", "--workers", "1",
               "--quiet", "--fsdp"]

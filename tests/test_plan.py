@@ -574,7 +574,7 @@ def test_plan_searches_expert_parallelism_and_its_row_equals_simulate(tmp_path):
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--global-batch", "32", "--seq-len", "4096",
                  "--topology", "ib", "--gpu", "h100", "--schedules", "1f1b", "--microbatch-sizes", "1",
                  "--constraint", "pp=2", "--constraint", "tp=2", "--ep", "2,4", "--top", "3", "--workers", "1",
-                 # full recompute: without it none of these layouts fits as torchtitan's FSDP runs it
+                 # full recompute: without it none of these layouts fits as torchtitan's FSDP runs them
                  "--recompute", "full", "--quiet", "--json", str(out), "--torchtitan", str(tmp_path / "titan"),
                  "--fsdp"]) == 0
     plan = json.loads(out.read_text())
@@ -590,6 +590,8 @@ def test_plan_searches_expert_parallelism_and_its_row_equals_simulate(tmp_path):
                  "--gpu", "h100", "--schedule", "1f1b", "--pp", "2", "--tp", "2", "--dp", "4", "--ep", str(best["ep"]),
                  "-m", str(best["microbatches"]), "--microbatch-size", "1", "--zero", str(best["zero"]),
                  "--recompute", best["recompute"],
+                 # as torchtitan's FSDP runs pipelined replicas (pipesim.plan.torchtitan_fsdp)
+                 "--bytes-per-param", "2,4,12", "--no-dp-overlap",
                  *(["--sequence-parallel"] if best["sequence_parallel"] else []), "--etp", "1",
                  "--json", str(result)]) == 0
     assert json.loads(result.read_text())["makespan"] == pytest.approx(best["step_time"], rel=1e-12)

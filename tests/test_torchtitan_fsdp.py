@@ -1,18 +1,21 @@
 """torchtitan's FSDP as it runs a layout's replicas (``pipesim.plan.torchtitan_fsdp``):
 ZeRO-3 without pipelining; under torch's pipelining runtime every stage's parameters
 (bf16) and gradients (float32) whole for the step, the optimizer state sharded and the
-reduce-scatter after the backward. What ``plan --torchtitan --fsdp`` and ``export
---torchtitan --fsdp`` price a layout by before writing it, and refuse where it does not fit."""
+reduce-scatter after the backward. What ``plan --torchtitan --fsdp`` ranks the layouts
+by, and ``export --torchtitan --fsdp`` prices a layout by before writing it (refusing
+one that does not fit)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
 from pipesim.cli import main
 from pipesim.job import Job, simulate_job
-from pipesim.plan.torchtitan_fsdp import torchtitan_fsdp_flags, torchtitan_fsdp_job
+from pipesim.plan.request import Planner, PlanRequest
+from pipesim.plan.torchtitan_fsdp import TORCHTITAN_FSDP, torchtitan_fsdp_flags, torchtitan_fsdp_job
 
 
 def test_pipelined_replicas_hold_parameters_and_float32_gradients_whole():
@@ -51,31 +54,45 @@ def test_the_static_memory_is_each_stages_parameters_at_2_plus_4_plus_12_over_dp
 
 MIXTRAL_PLAN = ["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--global-batch", "32", "--seq-len", "4096",
                 "--topology", "ib", "--gpu", "h100", "--schedules", "1f1b", "--microbatch-sizes", "1", "--constraint",
-                "pp=2", "--constraint", "tp=2", "--ep", "2,4", "--workers", "1", "--quiet", "--fsdp"]
+                "pp=2", "--constraint", "tp=2", "--ep", "2,4", "--workers", "1", "--quiet", "--recompute", "none,full"]
 
 
-def test_plan_refuses_in_one_line_when_no_ranked_layout_fits_as_torchtitan_runs_it(tmp_path, capsys):
-    """Mixtral over pp 2 x tp 2 x dp 4 fits the plan's ZeRO rows (76 GB at most), but not
-    torchtitan's whole stages: nothing is written."""
-    assert main([*MIXTRAL_PLAN, "--top", "3", "--torchtitan", str(tmp_path / "titan")]) == 2
-    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pipesim plan: error")]
-    assert len(error) == 1 and "none of the 3 ranked layouts fits as torchtitan's FSDP runs it" in error[0]
-    assert "--zero 1 --bytes-per-param 2,4,12 --no-dp-overlap" in error[0] and "it does not fit" in error[0]
-    assert not (tmp_path / "titan").exists()
+def test_plan_for_torchtitans_fsdp_searches_only_the_zero_stage_it_runs():
+    request = PlanRequest(model="llama3-8b", gpus=16, global_batch=64, schedules=("1f1b",), torchtitan=True,
+                          fsdp=True, qkv="fused", workers=1)
+    planner = Planner(request)
+    assert planner.ruled_out[TORCHTITAN_FSDP] > 0
+    sharded = [layout for layout in planner.layouts if layout.dp * layout.cp > 1]
+    assert sharded and all(layout.zero == (3 if layout.pp == 1 else 1) for layout in sharded)
+    assert planner.base.bytes_per_param == "2,4,12"  # float32 gradients, as torchtitan reduces them
 
 
-def test_plan_writes_the_first_ranked_layout_that_fits_as_torchtitan_runs_it(tmp_path, capsys):
-    """With full recompute searched too, the faster layouts without it do not fit as
-    torchtitan runs them and are named; the first with it that does is written."""
-    assert main([*MIXTRAL_PLAN, "--top", "10", "--recompute", "none,full", "--torchtitan",
-                 str(tmp_path / "titan")]) == 0
+def test_plan_ranks_the_layouts_as_torchtitan_runs_them(tmp_path, capsys):
+    """Mixtral over pp 2 x tp 2 x dp 4: Megatron-Core's ZeRO-1 fits without recompute
+    (76.2 GB); torchtitan's whole stages do not, so for torchtitan the plan ranks only the
+    layouts with full recompute, each as `simulate --zero 1 --bytes-per-param 2,4,12
+    --no-dp-overlap` prices it, and writes the best."""
+    assert main([*MIXTRAL_PLAN, "--json", str(tmp_path / "megatron.json")]) == 0
+    megatron = json.loads((tmp_path / "megatron.json").read_text())["ranked"][0]
+    assert megatron["recompute"] == "none" and megatron["zero"] == 1
+    capsys.readouterr()
+    assert main([*MIXTRAL_PLAN, "--json", str(tmp_path / "titan.json"), "--torchtitan", str(tmp_path / "titan"),
+                 "--fsdp"]) == 0
+    rows = json.loads((tmp_path / "titan.json").read_text())["ranked"]
+    assert rows and all(row["recompute"] == "full" and row["zero"] == 1 for row in rows)
+    best = rows[0]
+    assert main(["simulate", "--model", "mixtral-8x7b", "--seq-len", "4096", "--topology", "ib", "--nodes", "2",
+                 "--gpu", "h100", "--schedule", "1f1b", "--pp", "2", "--tp", "2", "--dp", "4", "--ep", str(best["ep"]),
+                 "--etp", "1", "--sequence-parallel", "-m", str(best["microbatches"]), "--recompute", "full",
+                 "--zero", "1", "--bytes-per-param", "2,4,12", "--no-dp-overlap",
+                 "--json", str(tmp_path / "simulate.json")]) == 0
+    simulated = json.loads((tmp_path / "simulate.json").read_text())
+    assert simulated["makespan"] == pytest.approx(best["step_time"], rel=1e-12)
+    peak = max(rank["peak_memory_bytes"] for rank in simulated["ranks"])
+    assert peak == pytest.approx(best["peak_memory_bytes"], rel=1e-12)
     out = capsys.readouterr().out
-    refused = [line for line in out.splitlines() if line.startswith("not written for torchtitan: ")]
-    assert refused and all("recompute=full" not in line and "GB usable" in line for line in refused)
-    written = next(line for line in out.splitlines() if line.startswith("wrote "))
-    assert "recompute=full" in written
-    words = (tmp_path / "titan" / "torchtitan.args").read_text()
-    assert "full" in words  # torchtitan's activation checkpointing, as priced
+    assert "torchtitan shards the 4 replicas with FSDP: each stage's parameters whole in bf16" in out
+    assert f"wrote {tmp_path / 'titan' / 'schedule.csv'}" in out
 
 
 def test_export_notes_how_torchtitan_runs_the_replicas(tmp_path, capsys):

@@ -120,9 +120,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "`pipesim export --torchtitan` does (default: none)")
     parser.add_argument("--fsdp", action="store_true",
                         help="with --torchtitan: the data-parallel replicas shard parameters with FSDP (torchtitan's "
-                        "default); a ZeRO layout needs it. Each ranked layout is then priced again as torchtitan's "
-                        "FSDP runs it (under pipelining every stage's parameters and float32 gradients whole for the "
-                        "step: docs/interop.md) and the first that fits is written")
+                        "default); the layouts are then priced as torchtitan's FSDP runs them: zero3 without "
+                        "pipelining, and under it every stage's parameters and float32 gradients whole for the step "
+                        "(zero1, reduced after the backward: docs/interop.md)")
     parser.add_argument("--quiet", action="store_true", help="no progress (shown on stderr while the search runs)")
     parser.add_argument("--objective", choices=("step", "p99"), default="step",
                         help="rank by the deterministic step, or by the p99 of sampled steps under the what-if flags "
@@ -321,7 +321,7 @@ def _write_outputs(args: argparse.Namespace, result, evaluator) -> list[str]:
                 writer.writerows(rows)
         written.append(args.csv)
     if args.torchtitan and result.rows:
-        _write_torchtitan(args, result.rows[:args.top], evaluator)
+        _write_torchtitan(args, result.rows[0], evaluator)
     if args.html and result.rows:
         from viz.plan import write_plan_html
 
@@ -346,45 +346,21 @@ def _charted_others(result) -> list[dict]:
     return charted
 
 
-def _write_torchtitan(args: argparse.Namespace, rows: list[dict], evaluator) -> None:
+def _write_torchtitan(args: argparse.Namespace, best: dict, evaluator) -> None:
     """The best layout's schedule CSVs and torchtitan config (``pipesim.cli.torchtitan``),
-    the order being the one simulated. With ``--fsdp`` each ranked layout is priced again
-    as torchtitan's FSDP runs its replicas (``pipesim.plan.torchtitan_fsdp``) and the
-    first that fits so is written, the ones above it named; none fitting is an error."""
-    from pipesim.cli.torchtitan import (
-        TorchtitanLayout,
-        TorchtitanMemoryError,
-        priced_as_torchtitan_shards,
-        qkv_of,
-        write_torchtitan,
-    )
+    the order being the one simulated; with ``--fsdp`` the line that says how torchtitan
+    runs its replicas, as the plan priced them (``pipesim.plan.torchtitan_fsdp``)."""
+    from pipesim.cli.torchtitan import TorchtitanLayout, priced_as_torchtitan_shards, qkv_of, write_torchtitan
     from pipesim.job import clip_grad_of, model_spec_of
 
-    best, layout, refused = None, None, []
-    for row in rows:
-        layout = Layout(**{key: row[key] for key in Layout._fields})
-        if layout.zero and not args.fsdp:
-            raise ValueError(f"--torchtitan {args.torchtitan}: the best layout shards the optimizer "
-                             f"(zero{layout.zero}), which torchtitan does as FSDP: add --fsdp, or --constraint zero=0")
-        if not args.fsdp:
-            best = row
-            break
-        try:
-            line = priced_as_torchtitan_shards(evaluator.layout_job(layout), (row["step_time"],
-                                                                             row["peak_memory_bytes"]))
-        except TorchtitanMemoryError as error:
-            refused.append((row, error))
-            continue
-        for other, error in refused:
-            print(f"not written for torchtitan: {other['layout']}: {error.peak / 1e9:.1f} GB at its fullest rank as "
-                  f"torchtitan's FSDP runs it, {error.usable / 1e9:.1f} GB usable")
-        if line:
-            print(line)
-        best = row
-        break
-    if best is None:
-        raise refused[0][1] if len(refused) == 1 else ValueError(
-            f"none of the {len(refused)} ranked layouts fits as torchtitan's FSDP runs it; the best: {refused[0][1]}")
+    layout = Layout(**{key: best[key] for key in Layout._fields})
+    if layout.zero and not args.fsdp:
+        raise ValueError(f"--torchtitan {args.torchtitan}: the best layout shards the optimizer (zero{layout.zero}), "
+                         "which torchtitan does as FSDP: add --fsdp, or --constraint zero=0")
+    line = priced_as_torchtitan_shards(evaluator.layout_job(layout), (best["step_time"], best["peak_memory_bytes"])) \
+        if args.fsdp else ""
+    if line:
+        print(line)
     spec = model_spec_of(evaluator.layout_job(layout))
     written = write_torchtitan(args.torchtitan, evaluator.schedule_of(layout), TorchtitanLayout(
         dp=layout.dp, tp=layout.tp, fsdp=args.fsdp, microbatch_size=layout.microbatch_size, layers=spec.layers,

@@ -230,24 +230,17 @@ def args_text(schedule: Schedule, layout: TorchtitanLayout, cls: TorchClass, per
     return " ".join(args)
 
 
-class TorchtitanMemoryError(ValueError):
-    """A layout that torchtitan's FSDP would not fit on the devices: its fullest rank's
-    ``peak`` bytes against the ``usable`` bytes there."""
-
-    def __init__(self, message: str, peak: float, usable: float) -> None:
-        super().__init__(message)
-        self.peak, self.usable = peak, usable
-
-
 def priced_as_torchtitan_shards(job, priced: tuple[float, float] | None = None) -> str:
     """The line that says how torchtitan's FSDP runs ``job``'s replicas and what that
     costs (``pipesim.plan.torchtitan_fsdp``), beside ``priced`` (the step seconds and peak
-    bytes the job was chosen by; None: simulated here as given); "" for one replica. A
+    bytes the job was chosen by; None: simulated here as given); "" with nothing to shard
+    over (dp x cp of 1). A
     one-line error where torchtitan would not fit it on the devices."""
     from pipesim.job import simulate_job  # noqa: PLC0415 - simulates only when asked
     from pipesim.plan.torchtitan_fsdp import torchtitan_fsdp_flags, torchtitan_fsdp_job  # noqa: PLC0415
 
-    if job.dp <= 1:
+    shards = job.dp * job.cp
+    if shards <= 1:
         return ""
     result = simulate_job(torchtitan_fsdp_job(job))
     if priced is None:
@@ -261,9 +254,9 @@ def priced_as_torchtitan_shards(job, priced: tuple[float, float] | None = None) 
     memory = f", peak {peak / 1e9:.1f} GB" if peak else ""
     memory += f" of {usable / 1e9:.1f} usable" if peak and usable != float("inf") else ""
     was = f"{priced[0]:.3f} s" + (f", {priced[1] / 1e9:.1f} GB" if priced[1] else "")
-    line = (f"torchtitan shards the {job.dp} replicas with FSDP: {how}; priced so (simulate "
+    over = f"the {job.dp} replicas" if job.cp == 1 else f"dp x cp = {shards} ranks"
+    line = (f"torchtitan shards {over} with FSDP: {how}; priced so (simulate "
             f"{torchtitan_fsdp_flags(job)}): step {result.metrics.makespan:.3f} s{memory} (as chosen: {was})")
     if result.oom:
-        raise TorchtitanMemoryError(f"{line}: it does not fit; choose pp 1, more pipeline stages or recompute, "
-                                    "or drop --fsdp", peak, usable)
+        raise ValueError(f"{line}: it does not fit; choose pp 1, more pipeline stages or recompute, or drop --fsdp")
     return line

@@ -26,18 +26,20 @@ from schedules.collector import without_collector
 
 class LayoutEvaluator:
     """Screens, simulates, bounds and rejects the layouts of the plan whose every layout
-    starts from ``base`` (its model, cluster and settings; a layout fills in the rest)."""
+    starts from ``base`` (its model, cluster and settings; a layout fills in the rest);
+    ``torchtitan_fsdp``: the data parallelism priced as torchtitan's FSDP runs it
+    (``pipesim.plan.torchtitan_fsdp``)."""
 
-    def __init__(self, base: Job) -> None:
+    def __init__(self, base: Job, torchtitan_fsdp: bool = False) -> None:
         self.cache = LayoutCache()
         self.tables = self.cache.tables
-        self.costs = LayoutCosts(base, self.cache)
+        self.costs = LayoutCosts(base, self.cache, torchtitan_fsdp)
         self.bounds = LayoutBounds(self.costs)
         self.floors = MemoryFloors(self.costs)
 
     def __reduce__(self):
         """Sent to a worker that does not fork: rebuilt there from its job, its cache empty."""
-        return type(self), (self.base,)
+        return type(self), (self.base, self.costs.torchtitan_fsdp)
 
     @property
     def base(self) -> Job:

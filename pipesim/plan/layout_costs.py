@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from pipesim.job import Job, costs_of, parallel_of, topology_of
 from pipesim.model.costs import parameter_figures
 from pipesim.plan.cache import LayoutCache, kept
+from pipesim.plan.torchtitan_fsdp import reduces_after_backward
 
 if TYPE_CHECKING:
     from pipesim.plan.layouts import Layout
@@ -43,11 +44,17 @@ class LayoutCosts:
     """The plan's base job (every layout starts from it) on its cluster, loaded once so
     that its routes are computed once, and what layouts derive from it."""
 
-    def __init__(self, base: Job, cache: LayoutCache) -> None:
+    def __init__(self, base: Job, cache: LayoutCache, torchtitan_fsdp: bool = False) -> None:
         self.base = base
         self.topology = topology_of(base)
         self.cache = cache
         self.tables = cache.tables
+        self.torchtitan_fsdp = torchtitan_fsdp  # pipesim.plan.torchtitan_fsdp: its zero1 reduces after the backward
+
+    def no_dp_overlap(self, zero: int, dp: int, cp: int) -> bool:
+        """The job's ``no_dp_overlap`` for a layout: the base's, or torchtitan's FSDP under
+        pipelining (``reduces_after_backward``)."""
+        return self.base.no_dp_overlap or (self.torchtitan_fsdp and reduces_after_backward(zero, dp * cp))
 
     def layout_job(self, layout: Layout) -> Job:
         """The plan's job with ``layout`` filled in: what ``pipesim simulate`` would be given."""
@@ -56,7 +63,8 @@ class LayoutCosts:
                        virtual_stages=layout.virtual_stages, recompute=layout.recompute, zero=layout.zero,
                        sequence_parallel=layout.sequence_parallel, ep=layout.ep, cp=layout.cp,
                        microbatch_group=layout.microbatch_group, ep_overlap=layout.ep_overlap,
-                       etp=layout.etp or None, recompute_moe_act=layout.recompute_moe_act)
+                       etp=layout.etp or None, recompute_moe_act=layout.recompute_moe_act,
+                       no_dp_overlap=self.no_dp_overlap(layout.zero, layout.dp, layout.cp))
 
     @kept()
     def of(self, layout: Layout):
@@ -84,7 +92,8 @@ class LayoutCosts:
     @kept(limit=1024)
     def parallel(self, dp: int, tp: int, zero: int, ep: int = 1, cp: int = 1, etp: int = 0):
         """``parallel_of`` the layout's job: only dp, tp, ZeRO, ep, cp and etp differ between layouts."""
-        return parallel_of(replace(self.base, dp=dp, tp=tp, zero=zero, ep=ep, cp=cp, etp=etp or None))
+        return parallel_of(replace(self.base, dp=dp, tp=tp, zero=zero, ep=ep, cp=cp, etp=etp or None,
+                                   no_dp_overlap=self.no_dp_overlap(zero, dp, cp)))
 
     @kept(limit=8192)
     def placed(self, key: CostsKey):

@@ -29,6 +29,7 @@ from typing import NamedTuple
 from pipesim.model.per_op_checkpoint import PER_OP, per_op_refusal
 from pipesim.model.spec import NORM_MLA_UP, RECOMPUTE, ModelSpec, moe_act_conflict
 from pipesim.plan.torchtitan_experts import torchtitan_expert_cause
+from pipesim.plan.torchtitan_fsdp import TORCHTITAN_FSDP, torchtitan_zero
 from pipesim.sim.zero import ZERO_STAGES
 from schedules.generators import (
     GROUPED,
@@ -350,6 +351,8 @@ def _ruled_out(layout: Layout, space: SearchSpace) -> str | None:
         cause = torchtitan_expert_cause(layout.dp, layout.tp, layout.cp, layout.ep, layout.etp, space.fsdp)
         if cause:
             return cause
+        if space.fsdp and layout.dp * layout.cp > 1 and layout.zero != torchtitan_zero(layout.pp):
+            return TORCHTITAN_FSDP
     if layout.cp > 1 and space.seq_len % (2 * layout.cp):
         return "2 x cp does not divide the sequence (the causal ring's even chunks)"
     if layout.pp * layout.virtual_stages > space.layers + 2:

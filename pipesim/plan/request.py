@@ -27,6 +27,7 @@ from pipesim.plan.layouts import (
 )
 from pipesim.plan.search import PlanResult, search
 from pipesim.plan.torchtitan_experts import TORCHTITAN_NO_MOE_ACT
+from pipesim.plan.torchtitan_fsdp import with_reduce_bytes
 from pipesim.plan.workers import default_workers
 from pipesim.sim.stash_budget import MemoryBudget, parse_memory_limit
 from pipesim.sim.zero import ZERO_STAGES
@@ -111,7 +112,7 @@ class Planner:
         by_value: dict = {}
         self.layouts, self.ruled_out = enumerate_layouts(self.space, by_value)
         self.values_left_out = values_left_out(self.layouts, by_value)
-        self.evaluator = LayoutEvaluator(self.base)
+        self.evaluator = LayoutEvaluator(self.base, torchtitan_fsdp=request.torchtitan and request.fsdp)
         self.workers = request.workers or default_workers()
 
     @property
@@ -190,6 +191,8 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                ep_dispatch=request.ep_dispatch, ep_dispatcher=request.ep_dispatcher, comm_sms=request.comm_sms,
                qkv=request.qkv, cross_entropy=request.cross_entropy,
                **({"max_actions": request.max_actions} if request.max_actions else {}))
+    if request.torchtitan and request.fsdp:  # torchtitan's FSDP reduces the gradients in float32
+        base = replace(base, bytes_per_param=with_reduce_bytes(base.bytes_per_param))
     check_memory_limit(request.memory_limit, request.schedules)  # here, not in every layout
     parallel_of(base)  # a bad --memory-headroom fails here
     clip_grad_of(base)  # and a bad --clip-grad

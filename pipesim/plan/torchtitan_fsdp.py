@@ -23,34 +23,61 @@ whether the stages are pipelined:
   the optimizer step, layer by layer under the next step's first forwards (FSDP's own
   prefetch), as ``--zero 1`` charges them.
 
-The plan ranks its ZeRO layouts by Megatron-Core's rules (``pipesim.sim.zero``); the
-layout written for torchtitan is priced again by these before it is written
-(``pipesim.cli.plan``), and refused where it does not fit.
+``plan --torchtitan --fsdp`` searches only these (``torchtitan_zero``: the other ZeRO
+stages ruled out, ``TORCHTITAN_FSDP``) and prices them so (float32 gradients for every
+layout, the reduction after the backward where pipelined: ``reduces_after_backward``);
+so it ranks only the layouts that fit as torchtitan runs them; ``export --torchtitan
+--fsdp`` prices the layout it is given so before writing it, and refuses one that does not
+fit (``pipesim.cli.torchtitan``).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from pipesim.job import Job
 from pipesim.sim.memory import parse_bytes_per_param
+
+if TYPE_CHECKING:
+    from pipesim.job import Job
 
 # torchtitan's mixed_precision_reduce default: FSDP2 reduces, and accumulates unsharded, in float32
 REDUCE_BYTES = 4
+# why plan --torchtitan --fsdp rules out the other ZeRO stages
+TORCHTITAN_FSDP = ("torchtitan's FSDP runs as zero3 without pipelining and as zero1 with float32 gradients under it "
+                   "(docs/interop.md)")
+
+
+def torchtitan_zero(pp: int) -> int:
+    """The ZeRO stage torchtitan's FSDP runs as (the module): 3 without pipelining, 1
+    (every stage's parameters and gradients whole for the step) with it."""
+    return 3 if pp == 1 else 1
+
+
+def reduces_after_backward(zero: int, shards: int) -> bool:
+    """Whether a layout of a plan for torchtitan's FSDP reduces its gradients after the
+    backward instead of beside it: the pipelined one (``torchtitan_zero``), where there
+    is something to shard over (``shards``: dp x cp)."""
+    return zero == torchtitan_zero(2) and shards > 1
+
+
+def with_reduce_bytes(bytes_per_param: str) -> str:
+    """``--bytes-per-param`` with float32 gradients at least, as torchtitan reduces them."""
+    per_param = parse_bytes_per_param(bytes_per_param)
+    return f"{per_param.weights:g},{max(per_param.grads, REDUCE_BYTES):g},{per_param.optimizer:g}"
 
 
 def torchtitan_fsdp_job(job: Job) -> Job:
     """``job`` with its ``dp`` replicas as torchtitan's FSDP runs them (the module): ZeRO-3
     with float32 gradient shards without pipelining; with it, every stage's parameters
     and float32 gradients whole for the step and the optimizer state sharded, reduced
-    after the backward. A job with one replica is returned as it is."""
-    if job.dp <= 1:
+    after the backward. A job with nothing to shard over (dp x cp of 1) is returned as it
+    is."""
+    if job.dp * job.cp <= 1:
         return job
-    per_param = parse_bytes_per_param(job.bytes_per_param)
-    bytes_per_param = f"{per_param.weights:g},{max(per_param.grads, REDUCE_BYTES):g},{per_param.optimizer:g}"
-    if job.pp == 1:
-        return replace(job, zero=3, bytes_per_param=bytes_per_param)
-    return replace(job, zero=1, bytes_per_param=bytes_per_param, no_dp_overlap=True)
+    zero = torchtitan_zero(job.pp)
+    return replace(job, zero=zero, bytes_per_param=with_reduce_bytes(job.bytes_per_param),
+                   no_dp_overlap=job.no_dp_overlap or reduces_after_backward(zero, job.dp * job.cp))
 
 
 def torchtitan_fsdp_flags(job: Job) -> str:
