@@ -234,8 +234,7 @@ def priced_as_torchtitan_shards(job, priced: tuple[float, float] | None = None) 
     """The line that says how torchtitan's FSDP runs ``job``'s replicas and what that
     costs (``pipesim.plan.torchtitan_fsdp``), beside ``priced`` (the step seconds and peak
     bytes the job was chosen by; None: simulated here as given); "" with nothing to shard
-    over (dp x cp of 1). A
-    one-line error where torchtitan would not fit it on the devices."""
+    over (dp x cp of 1). A one-line error where torchtitan would not fit it."""
     from pipesim.job import simulate_job  # noqa: PLC0415 - simulates only when asked
     from pipesim.plan.torchtitan_fsdp import torchtitan_fsdp_flags, torchtitan_fsdp_job  # noqa: PLC0415
 
