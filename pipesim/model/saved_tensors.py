@@ -373,32 +373,40 @@ def routing_bytes(spec: ModelSpec, saved: SavedTensors, regathered: int, ep: int
     per_token = slots * ((h + 1) * max(d, saved.residual_bytes) + 2 * INDEX_BYTES) + k * INDEX_BYTES
     if spec.moe.shared_ffn and spec.moe.shared_expert_gate:  # the shared output and its sigmoid gate
         per_token += (h + 1) * d
-    if spec.moe.weighted_input and regathered < 2:  # Llama 4: each copy scaled in the tokens' own type
-        per_token += slots * h * max(0, saved.residual_bytes - d)
+    tokens = routed_token_bytes(spec, saved, regathered)
+    if spec.moe.weighted_input:  # Llama 4: each copy scaled in the tokens' own type
+        per_token += slots * h * max(0, tokens - d)
     if spec.moe.normalize_top_k:  # the division by their sum keeps the k weights and the sum
         per_token += (k + 1) * score_bytes(spec, saved)
     per_token += spec.moe.experts * (score_bytes(spec, saved) - FP32_BYTES)  # wider scores than the inventory's
     if ep > 1:
-        per_token += slots * expert_parallel_extra(spec, saved, regathered)
+        per_token += slots * expert_parallel_extra(spec, saved, tokens)
     return per_token
 
 
-def expert_parallel_extra(spec: ModelSpec, saved: SavedTensors, regathered: int = 0) -> float:
+def routed_token_bytes(spec: ModelSpec, saved: SavedTensors, regathered: int) -> float:
+    """Bytes of an element of the tokens a mixture of experts routes: the residual
+    stream's, or the activation dtype's where sequence parallelism casts the shard before
+    its gather (``regathered``: ``executor.rebuilt_activations.read_gathered_shard``,
+    which the router, the experts' slices and the shared expert read)."""
+    return spec.dtype_bytes if regathered else (saved.residual_bytes or spec.dtype_bytes)
+
+
+def expert_parallel_extra(spec: ModelSpec, saved: SavedTensors, tokens: float | None = None) -> float:
     """Per routed copy, what the executor's expert-parallel dispatch keeps beyond running
     every expert in-process (``executor.expert_parallel``): the expert rank writes each
     expert's output into the received rows (``index_copy``, which keeps its source: ``h``
     in the rows' type, the tokens') and keeps each row's index; the sending rank weights
     the returned rows in the combine's type (``max(d, residual)``: float32 under autocast)
-    where in-process the product keeps the expert's own output (``d``). The tokens, and
-    so the rows, are in the residual stream's type, or in ``d`` where sequence parallelism
-    casts the shard before its gather (``regathered``: ``read_gathered_shard``, which the
-    mixture of experts reads too). Counted from launched runs' saved tensors under bf16
+    where in-process the product keeps the expert's own output (``d``). The rows are in
+    the tokens' type, ``tokens`` bytes an element (``routed_token_bytes``; None: the
+    residual stream's). Counted from launched runs' saved tensors under bf16
     autocast: a shrunk Mixtral at dp 2 ep 2, ``6h + 8`` bytes a copy (``4h + 8`` in
     float32); Qwen3-30B-A3B at tp 2 with sequence parallelism, ``--etp 1``, ep 2, ``4h +
     8`` (the expert outputs ``index_copy`` keeps are bf16 there)."""
     d, h = spec.dtype_bytes, spec.hidden
     residual = saved.residual_bytes or d
-    rows = d if regathered else residual
+    rows = residual if tokens is None else tokens
     return h * rows + h * (max(d, residual) - d) + INDEX_BYTES
 
 
