@@ -84,6 +84,11 @@ QUOTED = (
            "pipesim simulate --model mixtral-8x7b --schedule zbv -v 2 --pp 2 --tp 2 --dp 4 --ep 8 --etp 1 "
            "--microbatch-size 1 -m 16 --zero 1 --sequence-parallel --topology ib --nodes 2 --gpu h100",
            ("zbv:", "  step time", ELIDED, "  warning: rank 0")),
+    Quoted("docs/interop.md",
+           "pipesim plan --model mixtral-8x7b --gpus 16 --global-batch 32 --seq-len 4096 --gpu h100 --schedules 1f1b "
+           "--microbatch-sizes 1 --constraint pp=2 --constraint tp=2 --ep 2,4 --recompute none,full --quiet "
+           "--torchtitan titan-moe --fsdp",
+           ("torchtitan shards", "wrote ")),
     Quoted("docs/schedules.md",
            "pipesim sweep --model llama3-8b --pp 4 --schedule zb-auto,zbv-auto,1f1b,zb-h1,zbv -m 16 --gpu h100 "
            "--topology nvlink --memory-limit 75GB",

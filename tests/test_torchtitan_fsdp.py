@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,17 @@ def test_plan_ranks_the_layouts_as_torchtitan_runs_them(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "torchtitan shards the 4 replicas with FSDP: each stage's parameters whole in bf16" in out
     assert f"wrote {tmp_path / 'titan' / 'schedule.csv'}" in out
+    # docs/interop.md's figures: the plan's best without --torchtitan, and that row's layout with the experts
+    # folded (as torchtitan runs them) priced as torchtitan's FSDP holds it
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "interop.md").read_text().split())
+    best_figures = f"{megatron['step_time']:.3f} s, {megatron['peak_memory_bytes'] / 1e9:.1f} GB"
+    assert f"{megatron['layout']}` first ({best_figures})" in docs
+    folded = simulate_job(torchtitan_fsdp_job(Job(
+        model="mixtral-8x7b", seq_len=4096, topology="ib", nodes=2, gpu="h100", schedule="1f1b", pp=2, tp=2, dp=4,
+        ep=megatron["ep"], etp=1, sequence_parallel=True, microbatches=megatron["microbatches"], zero=1)))
+    peak = max(memory.peak_bytes for memory in folded.memory)
+    usable = min(memory.usable_bytes for memory in folded.memory)
+    assert folded.oom and f"would hold {peak / 1e9:.1f} GB of the {usable / 1e9:.1f} usable" in docs
 
 
 def test_export_notes_how_torchtitan_runs_the_replicas(tmp_path, capsys):

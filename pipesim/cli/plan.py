@@ -350,18 +350,18 @@ def _write_torchtitan(args: argparse.Namespace, best: dict, evaluator) -> None:
     """The best layout's schedule CSVs and torchtitan config (``pipesim.cli.torchtitan``),
     the order being the one simulated; with ``--fsdp`` the line that says how torchtitan
     runs its replicas, as the plan priced them (``pipesim.plan.torchtitan_fsdp``)."""
-    from pipesim.cli.torchtitan import TorchtitanLayout, priced_as_torchtitan_shards, qkv_of, write_torchtitan
+    from pipesim.cli.torchtitan import TorchtitanLayout, qkv_of, torchtitan_shards_line, write_torchtitan
     from pipesim.job import clip_grad_of, model_spec_of
 
     layout = Layout(**{key: best[key] for key in Layout._fields})
     if layout.zero and not args.fsdp:
         raise ValueError(f"--torchtitan {args.torchtitan}: the best layout shards the optimizer (zero{layout.zero}), "
                          "which torchtitan does as FSDP: add --fsdp, or --constraint zero=0")
-    line = priced_as_torchtitan_shards(evaluator.layout_job(layout), (best["step_time"], best["peak_memory_bytes"])) \
-        if args.fsdp else ""
-    if line:
-        print(line)
-    spec = model_spec_of(evaluator.layout_job(layout))
+    job = evaluator.layout_job(layout)
+    if args.fsdp and layout.dp * layout.cp > 1:  # the row is already priced as torchtitan's FSDP runs it
+        figures = best["step_time"], best["peak_memory_bytes"]
+        print(torchtitan_shards_line(job, *figures, best["usable_bytes"] or float("inf"), figures))
+    spec = model_spec_of(job)
     written = write_torchtitan(args.torchtitan, evaluator.schedule_of(layout), TorchtitanLayout(
         dp=layout.dp, tp=layout.tp, fsdp=args.fsdp, microbatch_size=layout.microbatch_size, layers=spec.layers,
         seq_len=spec.seq_len, ep=layout.ep, etp=layout.etp, cp=layout.cp, sequence_parallel=layout.sequence_parallel,

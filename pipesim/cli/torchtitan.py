@@ -230,32 +230,38 @@ def args_text(schedule: Schedule, layout: TorchtitanLayout, cls: TorchClass, per
     return " ".join(args)
 
 
-def priced_as_torchtitan_shards(job, priced: tuple[float, float] | None = None) -> str:
+def torchtitan_shards_line(job, step: float, peak: float, usable: float, chosen: tuple[float, float]) -> str:
     """The line that says how torchtitan's FSDP runs ``job``'s replicas and what that
-    costs (``pipesim.plan.torchtitan_fsdp``), beside ``priced`` (the step seconds and peak
-    bytes the job was chosen by; None: simulated here as given); "" with nothing to shard
-    over (dp x cp of 1). A one-line error where torchtitan would not fit it."""
-    from pipesim.job import simulate_job  # noqa: PLC0415 - simulates only when asked
-    from pipesim.plan.torchtitan_fsdp import torchtitan_fsdp_flags, torchtitan_fsdp_job  # noqa: PLC0415
+    costs (``pipesim.plan.torchtitan_fsdp``): its ``step`` seconds and ``peak`` bytes of
+    ``usable``, beside ``chosen`` (the step seconds and peak bytes the job was chosen by)."""
+    from pipesim.plan.torchtitan_fsdp import torchtitan_fsdp_flags  # noqa: PLC0415
 
-    shards = job.dp * job.cp
-    if shards <= 1:
-        return ""
-    result = simulate_job(torchtitan_fsdp_job(job))
-    if priced is None:
-        given = simulate_job(job)
-        priced = given.metrics.makespan, max((memory.peak_bytes for memory in given.memory), default=0.0)
-    peak = max((memory.peak_bytes for memory in result.memory), default=0.0)
-    usable = min((memory.usable_bytes for memory in result.memory), default=float("inf"))
     how = ("each stage's parameters whole in bf16 and its gradients whole in float32 for the step (torch's "
            "pipelining runtime), reduce-scattered after the last backward" if job.pp > 1 else
            "each block gathered for its forward and backward, its gradients' shards in float32")
     memory = f", peak {peak / 1e9:.1f} GB" if peak else ""
     memory += f" of {usable / 1e9:.1f} usable" if peak and usable != float("inf") else ""
-    was = f"{priced[0]:.3f} s" + (f", {priced[1] / 1e9:.1f} GB" if priced[1] else "")
-    over = f"the {job.dp} replicas" if job.cp == 1 else f"dp x cp = {shards} ranks"
-    line = (f"torchtitan shards {over} with FSDP: {how}; priced so (simulate "
-            f"{torchtitan_fsdp_flags(job)}): step {result.metrics.makespan:.3f} s{memory} (as chosen: {was})")
+    was = f"{chosen[0]:.3f} s" + (f", {chosen[1] / 1e9:.1f} GB" if chosen[1] else "")
+    over = f"the {job.dp} replicas" if job.cp == 1 else f"dp x cp = {job.dp * job.cp} ranks"
+    return (f"torchtitan shards {over} with FSDP: {how}; priced so (simulate {torchtitan_fsdp_flags(job)}): "
+            f"step {step:.3f} s{memory} (as chosen: {was})")
+
+
+def priced_as_torchtitan_shards(job) -> str:
+    """``torchtitan_shards_line`` of ``job`` simulated as torchtitan's FSDP runs it, beside
+    ``job`` simulated as given; "" with nothing to shard over (dp x cp of 1). A one-line
+    error where torchtitan would not fit it."""
+    from pipesim.job import simulate_job  # noqa: PLC0415 - simulates only when asked
+    from pipesim.plan.torchtitan_fsdp import torchtitan_fsdp_job  # noqa: PLC0415
+
+    if job.dp * job.cp <= 1:
+        return ""
+    priced = torchtitan_fsdp_job(job)
+    result = simulate_job(priced)
+    given = result if priced == job else simulate_job(job)
+    peaks = [max((memory.peak_bytes for memory in run.memory), default=0.0) for run in (result, given)]
+    usable = min((memory.usable_bytes for memory in result.memory), default=float("inf"))
+    line = torchtitan_shards_line(job, result.metrics.makespan, peaks[0], usable, (given.metrics.makespan, peaks[1]))
     if result.oom:
         raise ValueError(f"{line}: it does not fit; choose pp 1, more pipeline stages or recompute, or drop --fsdp")
     return line
