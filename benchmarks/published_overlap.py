@@ -37,6 +37,10 @@ Sources (the figures transcribed from each file at the commit named):
 - ``b200-bridge``: the same archive at 067f987df, the dense DGX-B200 rows of 25.09 and
   25.11 (Llama 3 8B on 8 GPUs, Llama 3.1 405B on 128), FP8-CS, simulated with ``--gpu
   b200`` and summarised apart from the H100 rows (``blackwell``).
+- ``gb200-bridge``: the same archive at 067f987df, the dense DGX-GB200 rows of 25.09 to
+  26.06 (Llama 3 8B on 8 GPUs, Llama 3 70B on 64 under FSDP, Llama 3.1 405B on 256),
+  FP8-CS, simulated with ``--gpu gb200 --topology nvl72`` and summarised apart
+  (``grace_blackwell``; ``grace_blackwell_lines`` sets them beside the B200 rows).
 - ``torchtitan-asynctp``: pytorch/torchtitan
   ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (commit 5ecb74e54b8d), Llama
   3.1 8B and 70B, vanilla and async TP, BF16 and float8 tensorwise; the layouts from its
@@ -66,13 +70,17 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
 from dataclasses import dataclass, replace
 
+from pipesim.cluster.presets import nodes_for
+
 ARCHIVE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @067f987"
 MOE_SOURCE = "bridge-moe"  # the archive's mixture-of-experts rows, every container (in each row's label)
 B200_SOURCE = "b200-bridge"  # the archive's dense DGX-B200 rows, both containers (in each row's label)
+GB200_SOURCE = "gb200-bridge"  # the archive's dense DGX-GB200 rows, every container (in each row's label)
 ZOO_SOURCE = "moe-modelzoo"  # the Megatron-Core MoE team's own Qwen3-235B-A22B layouts on 256 H100s
 SOURCES = {
     "nemo-24.07": "NVIDIA/NeMo docs/source/performance/performance_summary.md @070a0bb (NeMo 24.07, DGX-H100, FP8)",
@@ -87,6 +95,8 @@ SOURCES = {
     MOE_SOURCE: f"{ARCHIVE} (25.11 to 26.06 containers, DGX-H100, mixture of experts; force-balanced routing)",
     B200_SOURCE: f"{ARCHIVE} (25.09 and 25.11 containers, DGX-B200, FP8-CS; 25.09's precision not named: taken "
                  f"as 25.11's)",
+    GB200_SOURCE: f"{ARCHIVE} (25.09 to 26.06 containers, DGX-GB200, FP8-CS; 26.02 on prints it 'FP8', 25.09 "
+                  f"names none: taken as 25.11's)",
     "torchtitan-asynctp": "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @5ecb74e "
                           "(Grand Teton H100 96 GB HBM2e, 500 W)",
     ZOO_SOURCE: "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md @e865051 (first published 2025-05-27, "
@@ -139,6 +149,7 @@ class PublishedRun:
     # (_set_common_perf_overrides), as do the MoE team's configs; NeMo 24.07's Llama configs the native fusion
     cross_entropy: str = "unfused"
     gpu: str = "h100"  # simulate's --gpu: the DGX's part
+    topology: str = "ib"  # simulate's --topology preset: 8-GPU nodes on InfiniBand, or GB200 NVL72 racks
 
     @property
     def dp(self) -> int:
@@ -153,7 +164,7 @@ class PublishedRun:
         schedule = f"--schedule interleaved-1f1b -v {self.vp}" if self.vp > 1 else "--schedule 1f1b"
         flags = [self.model, f"--seq-len {self.seq_len} --microbatch-size {self.microbatch_size}",
                  f"{schedule} --pp {self.pp} -m {self.microbatches} --tp {self.tp} --dp {self.dp}",
-                 f"--topology ib --nodes {max(1, self.gpus // 8)} --gpu {self.gpu}",
+                 f"--topology {self.topology} --nodes {nodes_for(self.topology, self.gpus, 8)} --gpu {self.gpu}",
                  f"--zero {3 if self.fsdp else 1} --recompute {self.recompute}"]
         if self.tp > 1:
             flags.append("--sequence-parallel" + ("" if self.tp_overlap else " --no-tp-overlap"))
@@ -209,6 +220,7 @@ def runs() -> list[PublishedRun]:
     ]
     rows += later_containers(rows)
     rows += blackwell()
+    rows += grace_blackwell()
     rows += mixture_of_experts()
     rows += model_zoo()
     # torchtitan, June 2025: FSDP2 x TP 8, torch.compile; 8B per-op selective AC, local batch 12 on 64 GPUs;
@@ -271,6 +283,39 @@ def blackwell() -> list[PublishedRun]:
         rows.append(PublishedRun(f"{label} B200 ({container})", B200_SOURCE, params, model, gpus, global_batch, micro,
                                  8192, tp, pp, tokens, tflops, cp=cp, vp=vp, fp8_scaling="current",
                                  cross_entropy="te", gpu="b200"))
+    return rows
+
+
+def grace_blackwell() -> list[PublishedRun]:
+    """The archive's dense DGX-GB200 rows (source ``gb200-bridge``, the container in each
+    label): Megatron-Bridge's FP8-CS figures on GB200 NVL72 racks, three layouts (Llama 3
+    8B on 8 GPUs under DDP with the distributed optimizer, micro_batch_size 2, as on
+    DGX-B200; Llama 3 70B on 64 GPUs under FSDP, micro_batch_size 2; Llama 3.1 405B on 256
+    GPUs, tp 4, pp 16, vp 4), each in every container that prints it (25.09's 70B and
+    405B rows are other layouts, left out). Simulated with ``--gpu gb200 --topology
+    nvl72``: the GB200's compute model is the B200's scaled by the datasheet peaks (no
+    matmul measurement of the part is published) and a rack is one NVLink domain of 72.
+    Kept out of the H100 figures issue 30's target is held to, and summarised apart. Held
+    out: the rows were transcribed after ``gb200`` and ``nvl72`` were written, and first
+    run once written; nothing was changed after."""
+    rows = []
+    layouts = {"LLAMA3_8B": (8, "--model llama3-8b", 8, 128, 2, 1, 1, 1, False),
+               "LLAMA3_70B": (70, "--model llama3-70b", 64, 256, 2, 1, 1, 1, True),
+               "LLAMA3.1_405B": (405, "--model llama3-405b", 256, 1536, 1, 4, 16, 4, False)}
+    # (layout, container, tokens/s/GPU, TFLOP/s; None where the TFLOP/s disagrees with the FLOPs per token of the
+    # same layout in every other container: 26.04.01's 405B, 1.7% lower, as that container's H100 70B row)
+    for label, container, tokens, tflops in (
+            ("LLAMA3_8B", "25.09", 31357, 1614), ("LLAMA3_8B", "25.11", 31508, 1622),
+            ("LLAMA3_70B", "25.11", 4312, 1937), ("LLAMA3_70B", "26.02", 4040, 1815),
+            ("LLAMA3_70B", "26.02.01", 4357, 1956), ("LLAMA3_70B", "26.04", 4143, 1861),
+            ("LLAMA3_70B", "26.04.01", 4224, 1892),
+            ("LLAMA3.1_405B", "25.11", 813, 2053), ("LLAMA3.1_405B", "26.02", 793, 2004),
+            ("LLAMA3.1_405B", "26.02.01", 818, 2063), ("LLAMA3.1_405B", "26.04", 842, 2126),
+            ("LLAMA3.1_405B", "26.04.01", 864, None), ("LLAMA3.1_405B", "26.06", 843, 2129)):
+        params, model, gpus, global_batch, micro, tp, pp, vp, fsdp = layouts[label]
+        rows.append(PublishedRun(f"{label} GB200 ({container})", GB200_SOURCE, params, model, gpus, global_batch,
+                                 micro, 8192, tp, pp, tokens, tflops, vp=vp, fsdp=fsdp, fp8_scaling="current",
+                                 cross_entropy="te", gpu="gb200", topology="nvl72"))
     return rows
 
 
@@ -417,7 +462,7 @@ def layout_key(run: PublishedRun) -> tuple:
     """What makes two rows the same job: every field but the label, the source and the figures."""
     return (run.model, run.gpus, run.global_batch, run.microbatch_size, run.seq_len, run.tp, run.pp, run.cp, run.vp,
             run.ep, run.etp, run.ep_overlap, run.delay_wgrad, run.flags, run.fsdp, run.fp8, run.fp8_scaling,
-            run.recompute, run.tp_overlap, run.cross_entropy, run.gpu)
+            run.recompute, run.tp_overlap, run.cross_entropy, run.gpu, run.topology)
 
 
 @dataclass(frozen=True)
@@ -559,6 +604,58 @@ def drift_lines(rows: list[PublishedRun], predictions: dict[str, Prediction]) ->
     return lines
 
 
+UNSCALED_GB200 = """
+import dataclasses, sys
+from pipesim.hardware import gpus
+gpus.GPUS["gb200"] = dataclasses.replace(gpus.GPUS["gb200"], matmul_flops=gpus.GPUS["b200"].matmul_flops)
+from benchmarks.published_overlap import error, predict, runs
+rows = {run.label: run for run in runs()}
+print(" ".join(f"{error(rows[label], predict(rows[label])):+.4f}" for label in sys.argv[1:]))
+"""
+
+
+def unscaled_gb200_errors(labels: list[str]) -> list[str]:
+    """``labels``' errors with the GB200 given the B200's measured matmul throughput, in a
+    process of its own (the part's figures are read once a process: nothing here changes)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", UNSCALED_GB200, *labels], capture_output=True, text=True,
+                          check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    return [f"{label} {float(value):+.1%}" for label, value in zip(labels, done.stdout.split(), strict=True)]
+
+
+def grace_blackwell_lines(rows: list[PublishedRun], predictions: dict[str, Prediction]) -> list[str]:
+    """The GB200 rows against the B200 ones at the same layout and container (the part's
+    published speed-up beside the predicted one and the datasheet peaks'), and, as a
+    sensitivity the preset does not adopt, the GB200 rows with the B200's measured matmul
+    throughput unscaled (``pipesim.hardware.gpus``: the GB200's is estimated)."""
+    from pipesim.hardware.gpus import GPUS  # noqa: PLC0415
+
+    grace = [run for run in rows if run.source == GB200_SOURCE]
+    peaks = GPUS["gb200"].bf16_flops / GPUS["b200"].bf16_flops
+    lines = []
+    for run in grace:
+        twin = next((other for other in rows if other.source == B200_SOURCE  # the same job, container, other part
+                     and container_of(other) == container_of(run)
+                     and replace(other, gpu=run.gpu, topology=run.topology, source=run.source, label=run.label,
+                                 tokens_per_gpu=run.tokens_per_gpu, tflops_per_gpu=run.tflops_per_gpu) == run), None)
+        if twin is not None:
+            published = run.tokens_per_gpu / twin.tokens_per_gpu
+            predicted = predictions[run.label].tokens_per_gpu / predictions[twin.label].tokens_per_gpu
+            lines.append(f"{run.label} over {twin.label}: published {published - 1:+.1%}, predicted "
+                         f"{predicted - 1:+.1%} (datasheet BF16 peaks {peaks - 1:+.1%})")
+    newest = newest_of_each_layout(grace)
+    if not newest:
+        return lines
+    unscaled = unscaled_gb200_errors([run.label for run in newest])
+    lines.append("sensitivity, not adopted: with the B200's measured matmul throughput unscaled, "
+                 + ", ".join(unscaled))
+    return lines
+
+
 def table(rows: list[PublishedRun], extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, Prediction]]:
     lines = ["| run | source | GPUs | tp pp cp vp dp | m | published tokens/s/GPU | predicted | error | "
              "predicted MFU | compute share of the step | sample |",
@@ -601,7 +698,7 @@ def main() -> None:
     print()
     for line in trend_lines(rows, predictions) + tp_overlap_lines(rows, predictions) + \
             fp8_over_bf16_lines(rows, predictions) + ep_overlap_lines(rows, predictions) + \
-            memory_lines(rows, predictions):
+            memory_lines(rows, predictions) + grace_blackwell_lines(rows, predictions):
         print(line)
     print()
     print("the same layout in several containers:")
@@ -614,6 +711,7 @@ def main() -> None:
     megatron = [errors[run.label] for run in megatron_rows]
     moe = [run for run in rows if run.source == MOE_SOURCE]
     blackwell_rows = [run for run in rows if run.source == B200_SOURCE]
+    grace_rows = [run for run in rows if run.source == GB200_SOURCE]
     print(summary("all rows", list(errors.values())))
     if megatron:
         print(summary("Megatron-Core dense rows (NeMo, Megatron-Bridge)", megatron))
@@ -626,6 +724,9 @@ def main() -> None:
     if blackwell_rows:
         print(summary("Megatron-Bridge on DGX-B200, each layout once at its newest",
                       [errors[run.label] for run in newest_of_each_layout(blackwell_rows)]))
+    if grace_rows:
+        print(summary("Megatron-Bridge on DGX-GB200 (NVL72), each layout once at its newest",
+                      [errors[run.label] for run in newest_of_each_layout(grace_rows)]))
     if moe:
         print(summary("mixture-of-experts layouts (Megatron-Bridge), each once at its newest",
                       [errors[run.label] for run in newest_of_each_layout(moe)]))

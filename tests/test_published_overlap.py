@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks.published_overlap import (
     B200_SOURCE,
+    GB200_SOURCE,
     MOE_SOURCE,
     SOURCES,
     ZOO_SOURCE,
@@ -21,6 +22,7 @@ from benchmarks.published_overlap import (
     ep_overlap_lines,
     error,
     fp8_over_bf16_lines,
+    grace_blackwell_lines,
     later_containers,
     layout_key,
     main,
@@ -39,7 +41,7 @@ ROWS = runs()
 MEGATRON = [run for run in ROWS if dense_megatron(run)]
 # how each source's model TFLOP/s counts the attention core (NeMo 24.07: the whole square;
 # Megatron-Bridge: the causal half, as Megatron-LM's num_floating_point_operations does now)
-ATTENTION_COUNT = {"nemo-24.07": "whole", ZOO_SOURCE: "causal", B200_SOURCE: "causal",
+ATTENTION_COUNT = {"nemo-24.07": "whole", ZOO_SOURCE: "causal", B200_SOURCE: "causal", GB200_SOURCE: "causal",
                    **{source: "causal" for source in SOURCES if source.startswith("bridge-")}}
 
 
@@ -59,7 +61,9 @@ def test_each_rows_command_is_the_published_layout(run):
     assert job.no_tp_overlap == (not run.tp_overlap)
     assert (job.virtual_stages or 1) == run.vp
     assert job.ep == run.ep and (job.etp or 0) == run.etp
-    assert job.gpu == ("b200" if run.source == B200_SOURCE else "h100")  # DGX-B200's part, else DGX-H100's
+    # DGX-B200's part, DGX-GB200's in its NVL72 racks, else DGX-H100's in 8-GPU nodes
+    assert (job.gpu, job.topology) == {B200_SOURCE: ("b200", "ib"), GB200_SOURCE: ("gb200", "nvl72")}.get(
+        run.source, ("h100", "ib"))
 
 
 @pytest.mark.parametrize("run", [run for run in ROWS if run.tflops_per_gpu], ids=lambda run: run.label)
@@ -123,6 +127,11 @@ def test_the_docs_quote_the_table_and_medians_as_printed():
     blackwell = newest_of_each_layout([run for run in ROWS if run.source == B200_SOURCE])
     assert summary("Megatron-Bridge on DGX-B200, each layout once at its newest",
                    [errors[run.label] for run in blackwell]) in docs
+    grace = newest_of_each_layout([run for run in ROWS if run.source == GB200_SOURCE])
+    assert summary("Megatron-Bridge on DGX-GB200 (NVL72), each layout once at its newest",
+                   [errors[run.label] for run in grace]) in docs
+    for line in grace_blackwell_lines(ROWS, predictions):
+        assert f"- {line}" in docs, line
     moe = newest_of_each_layout([run for run in ROWS if run.source == MOE_SOURCE])
     assert summary("mixture-of-experts layouts (Megatron-Bridge), each once at its newest",
                    [errors[run.label] for run in moe]) in docs
@@ -185,6 +194,11 @@ def test_the_readme_quotes_the_figures_as_printed():
                                                                           if run.source == B200_SOURCE]))
     assert f"the DGX-B200 layouts (Llama 3 8B, 405B; `--gpu b200`, never checked on Blackwell before) " \
            f"{blackwell[0]:+.1%} and {blackwell[1]:+.1%} at their newest containers" in readme
+    grace = [f"{errors[run.label]:+.1%}" for run in newest_of_each_layout([run for run in ROWS
+                                                                            if run.source == GB200_SOURCE])]
+    assert f"(Llama 3 8B, 70B under FSDP, 405B; `--gpu gb200 --topology nvl72`, new, the part's matmul " \
+           f"throughput estimated from the datasheet peaks) {grace[0]}, {grace[1]} and {grace[2]} at their newest " \
+           f"containers" in readme
     assert f"{sum(not run.in_sample for run in ROWS)} of the {len(ROWS)} rows held out" in readme
 
 

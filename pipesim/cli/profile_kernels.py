@@ -110,7 +110,7 @@ def describe(profile: KernelProfile) -> list[str]:
 
 
 GPU_NAMES = (("A100", "80GB", "a100-80gb"), ("A100", "", "a100-40gb"), ("H100", "", "h100"), ("H200", "", "h200"),
-             ("B200", "", "b200"))
+             ("GB200", "", "gb200"), ("B200", "", "b200"))
 
 
 def gpu_from_device_name(device_name: str) -> str | None:

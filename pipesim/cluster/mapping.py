@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipesim.cluster.presets import GPUS_PER_PRESET_NODE, nodes_for
 from pipesim.cluster.topology import Topology, TopologyError
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -234,11 +235,11 @@ def _map_ranks(topology: Topology, dp: int, pp: int, tp: int, order: str, cp: in
         devices = tuple(f"gpu{rank}" for rank in range(world))
     else:
         if world > len(topology.devices):
-            per_node = 8
+            preset = topology.name if topology.name in GPUS_PER_PRESET_NODE else "ib"
             raise TopologyError(
                 f"{sizes} needs {world} devices but topology {topology.name} has "
                 f"{len(topology.devices)}; shrink dp/cp/pp/tp or use a larger cluster "
-                f"(e.g. --topology ib --nodes {-(-world // per_node)})"
+                f"(e.g. --topology {preset} --nodes {nodes_for(preset, world, 8)})"
             )
         devices = tuple(topology.devices[:world])
     return RankMapping(dp=dp, pp=pp, tp=tp, order=axes, devices=devices, cp=cp, ep=ep, etp=etp)

@@ -46,6 +46,12 @@ IB_HOP_LATENCY = 2.5 * US  # NIC <-> switch; GPU-to-GPU across nodes ~8-10 us in
 ETH_HOP_LATENCY = 7.5 * US
 
 GPUS_PER_NODE = 8
+# A GB200 NVL72 rack: 72 GPUs (18 compute trays of 4) on one NVLink 5 fabric of 9 NVSwitch
+# trays, every GPU its full 900 GB/s per direction to any other in the rack (NVIDIA's GB200
+# NVL72 datasheet: 130 TB/s of NVLink in all, 72 x 1.8 TB/s); between racks, one
+# ConnectX-7 at 400 Gb/s a GPU (DGX GB200's networking)
+NVL72_GPUS = 72
+NVL72_GPU = "gb200"
 
 
 def _gpu(gpu: GpuSpec) -> dict[str, object]:
@@ -67,8 +73,8 @@ def _nvlink_words(gpu: GpuSpec) -> str:
     return f"{gpu.name.upper()}, NVLink {gpu.nvlink_generation} via NVSwitch"
 
 
-def _node_devices(nodes: int) -> list[str]:
-    return [f"n{node}.gpu{local}" for node in range(nodes) for local in range(GPUS_PER_NODE)]
+def _node_devices(nodes: int, per_node: int = GPUS_PER_NODE) -> list[str]:
+    return [f"n{node}.gpu{local}" for node in range(nodes) for local in range(per_node)]
 
 
 def nvlink(nodes: int = 1, gpu: str | None = None) -> Topology:
@@ -118,19 +124,19 @@ def pcie5(nodes: int = 1, gpu: str | None = None) -> Topology:
 
 
 def _multi_node(name: str, nodes: int, nic_bw: float, hop_latency: float, efficiency: float, medium: str,
-                description: str, gpu: GpuSpec) -> Topology:
-    """``nodes`` NVSwitch nodes; each GPU has its own NIC (rail-optimised, as DGX/HGX
-    systems are built) into one non-blocking fabric switch. A GPU climbs either to its
-    node's NVSwitch or through its NIC to the fabric."""
+                description: str, gpu: GpuSpec, per_node: int = GPUS_PER_NODE) -> Topology:
+    """``nodes`` NVSwitch nodes (NVLink domains) of ``per_node`` GPUs; each GPU has its own
+    NIC (rail-optimised, as DGX/HGX systems are built) into one non-blocking fabric switch.
+    A GPU climbs either to its node's NVSwitch or through its NIC to the fabric."""
     if nodes < 1:
         raise TopologyError(f"--nodes must be >= 1, got {nodes}")
     fabric = Hop(f"{medium}_switch", f"{medium}_switch", Link(nic_bw, hop_latency, efficiency, medium))
 
     def uplinks(index: int) -> tuple[Chain, ...]:
-        node, local = divmod(index, GPUS_PER_NODE)
+        node, local = divmod(index, per_node)
         return _nvswitch_uplink(node, gpu), (Hop(f"n{node}.nic{local}", "nic", NIC_PCIE), fabric)
 
-    hierarchy = Hierarchy(_node_devices(nodes), uplinks, _gpu(gpu))
+    hierarchy = Hierarchy(_node_devices(nodes, per_node), uplinks, _gpu(gpu))
     return Topology.from_hierarchy(name, hierarchy, description=description.format(nodes=nodes))
 
 
@@ -142,6 +148,21 @@ def ib(nodes: int = 2, gpu: str | None = None) -> Topology:
     rate = f"{spec.nic_bandwidth * 8 / GB:g} Gb/s"
     return _multi_node("ib", nodes, spec.nic_bandwidth, IB_HOP_LATENCY, IB_EFFICIENCY, "ib",
                        f"{{nodes}} nodes x 8 {_nvlink_words(spec)} inside, InfiniBand {rate} per GPU between", spec)
+
+
+def nvl72(nodes: int = 1, gpu: str | None = None) -> Topology:
+    """``nodes`` GB200 NVL72 racks: 72 GPUs a rack on one NVLink 5 fabric (900 GB/s per GPU
+    per direction to any GPU of the rack), one InfiniBand port of 400 Gb/s per GPU between
+    racks. A rack is what ``node`` means on this preset: the GPUs a transfer reaches
+    without the network (node-limited routing, hierarchical collectives, ``--rank-order``)."""
+    spec = gpu_spec(NVL72_GPU if gpu is None else gpu)
+    if spec.name != NVL72_GPU:
+        raise TopologyError(f"preset nvl72 is a rack of GB200s; --gpu {spec.name} is not one of them "
+                            f"(use --gpu {NVL72_GPU}, or --topology ib for {spec.name} nodes)")
+    rate = f"{spec.nic_bandwidth * 8 / GB:g} Gb/s"
+    return _multi_node("nvl72", nodes, spec.nic_bandwidth, IB_HOP_LATENCY, IB_EFFICIENCY, "ib",
+                       f"{{nodes}} GB200 NVL72 rack(s) x {NVL72_GPUS} {_nvlink_words(spec)} inside, InfiniBand "
+                       f"{rate} per GPU between", spec, per_node=NVL72_GPUS)
 
 
 def ethernet(nodes: int = 2, gpu: str | None = None) -> Topology:
@@ -169,7 +190,18 @@ PRESETS: dict[str, Callable[..., Topology]] = {
     "pcie": pcie,
     "pcie5": pcie5,
     "ib": ib,
+    "nvl72": nvl72,
     "ethernet": ethernet,
 }
 
-MULTI_NODE = frozenset({"ib", "ethernet"})
+MULTI_NODE = frozenset({"ib", "nvl72", "ethernet"})
+# GPUs a node (an NVLink domain) of the presets whose nodes are not 8 GPUs
+GPUS_PER_PRESET_NODE = {"nvl72": NVL72_GPUS}
+
+
+def nodes_for(topology: str, gpus: int, gpus_per_node: int) -> int:
+    """The ``--nodes`` that holds ``gpus`` on ``topology``: whole racks of a preset whose
+    node is an NVLink domain of its own size (``nvl72``: 72 GPUs, the last rack partly
+    used), else ``gpus_per_node``-GPU nodes."""
+    per_node = GPUS_PER_PRESET_NODE.get(topology, gpus_per_node)
+    return max(1, -(-gpus // per_node))

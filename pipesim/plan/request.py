@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pipesim.cluster.presets import nodes_for
 from pipesim.job import Job, clip_grad_of, model_spec_of, parallel_of, topology_of
 from pipesim.model.per_op_checkpoint import PER_OP, check_per_op
 from pipesim.model.spec import FP8_SCALINGS, NORM_MLA_UP, moe_act_conflict
@@ -185,7 +186,7 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
         raise ValueError(f"--microbatch-group {_listed(request.microbatch_group)}: only "
                          f"{', '.join(sorted(GROUPED))} runs microbatches in groups, and --schedules leaves it out")
     base = Job(model=request.model, seq_len=request.seq_len, topology=request.topology,
-               nodes=max(1, request.gpus // request.gpus_per_node), gpu=request.gpu, mfu=request.mfu,
+               nodes=nodes_for(request.topology, request.gpus, request.gpus_per_node), gpu=request.gpu, mfu=request.mfu,
                compute_model=request.compute_model, memory_headroom=request.memory_headroom, fp8=request.fp8,
                clip_grad=request.clip_grad, memory_limit=request.memory_limit,
                ep_dispatch=request.ep_dispatch, ep_dispatcher=request.ep_dispatcher, comm_sms=request.comm_sms,
