@@ -616,7 +616,9 @@ print(" ".join(f"{error(rows[label], predict(rows[label])):+.4f}" for label in s
 
 def unscaled_gb200_errors(labels: list[str]) -> list[str]:
     """``labels``' errors with the GB200 given the B200's measured matmul throughput, in a
-    process of its own (the part's figures are read once a process: nothing here changes)."""
+    process of its own whose figure is changed before anything reads it (the kernel
+    models and stage costs are kept per GPU name once computed, here and in the plan's
+    workers), so this process's predictions stay as the preset makes them."""
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
@@ -640,8 +642,7 @@ def grace_blackwell_lines(rows: list[PublishedRun], predictions: dict[str, Predi
     for run in grace:
         twin = next((other for other in rows if other.source == B200_SOURCE  # the same job, container, other part
                      and container_of(other) == container_of(run)
-                     and replace(other, gpu=run.gpu, topology=run.topology, source=run.source, label=run.label,
-                                 tokens_per_gpu=run.tokens_per_gpu, tflops_per_gpu=run.tflops_per_gpu) == run), None)
+                     and layout_key(replace(other, gpu=run.gpu, topology=run.topology)) == layout_key(run)), None)
         if twin is not None:
             published = run.tokens_per_gpu / twin.tokens_per_gpu
             predicted = predictions[run.label].tokens_per_gpu / predictions[twin.label].tokens_per_gpu

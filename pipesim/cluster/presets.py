@@ -154,7 +154,8 @@ def nvl72(nodes: int = 1, gpu: str | None = None) -> Topology:
     """``nodes`` GB200 NVL72 racks: 72 GPUs a rack on one NVLink 5 fabric (900 GB/s per GPU
     per direction to any GPU of the rack), one InfiniBand port of 400 Gb/s per GPU between
     racks. A rack is what ``node`` means on this preset: the GPUs a transfer reaches
-    without the network (node-limited routing, hierarchical collectives, ``--rank-order``)."""
+    without the network (node-limited routing, the collectives' NVLink and network parts,
+    NCCL's channel counts)."""
     spec = gpu_spec(NVL72_GPU if gpu is None else gpu)
     if spec.name != NVL72_GPU:
         raise TopologyError(f"preset nvl72 is a rack of GB200s; --gpu {spec.name} is not one of them "
