@@ -90,3 +90,16 @@ def test_too_few_racks_names_the_racks_that_would_hold_the_job(capsys):
     assert "needs 256 devices but topology nvl72 has 72" in (err := capsys.readouterr().err)
     assert "--topology nvl72 --nodes 4" in err
     assert nodes_for("nvl72", 256, 8) == 4  # the racks the hint names
+
+
+def test_gb200s_across_8_gpu_nodes_are_pointed_at_the_rack(capsys):
+    """dp 2 x tp 8 of GB200s on the ib preset spans two 8-GPU nodes joined by InfiniBand,
+    where one NVL72 rack would hold all 16 on NVLink: simulate says so; on one node, or on
+    nvl72, it says nothing."""
+    argv = ["simulate", "--model", "llama3-70b", "--gpu", "gb200", "--pp", "1", "--tp", "8", "-m", "8"]
+    assert main([*argv, "--dp", "2", "--topology", "ib", "--nodes", "2"]) == 0
+    assert "the gb200 ranks span 2 nodes of topology ib" in capsys.readouterr().err
+    assert main([*argv, "--topology", "ib", "--nodes", "2"]) == 0
+    assert "span" not in capsys.readouterr().err
+    assert main([*argv, "--dp", "2", "--topology", "nvl72"]) == 0
+    assert "span" not in capsys.readouterr().err

@@ -17,7 +17,7 @@ from pipesim.cli.options import (
     add_schedule_args,
     add_topology_args,
 )
-from pipesim.cli.step_notes import bytes_hint, impossible_notes, placement_line
+from pipesim.cli.step_notes import bytes_hint, impossible_notes, placement_line, rack_hint
 from pipesim.cli.variability import add_variability_args, variability_from_args, write_whatif_page
 from pipesim.job import Job, default_split_note, model_figures, model_spec_of, simulate_job
 from schedules.units import count, number, percent
@@ -138,9 +138,9 @@ def handle(args: argparse.Namespace) -> int:
     placed = placement_line(result, document["rank_order"])
     if placed:
         print(placed)
-    hint = bytes_hint(result)
-    if hint:
-        print(hint, file=sys.stderr)
+    for hint in (bytes_hint(result), rack_hint(result)):
+        if hint:
+            print(hint, file=sys.stderr)
     if figures:
         print(f"  model {figures['model']['name']}: {parameter_counts(figures['model'])}; "
               f"{count(figures['tokens_per_second'])} tokens/s, {number(figures['model_tflops_per_gpu'])} TFLOP/s "

@@ -36,6 +36,24 @@ def bytes_hint(result) -> str | None:
             "their latency; give --act-bytes, or --model to size them")
 
 
+def rack_hint(result) -> str | None:
+    """A hint when GB200s are placed in nodes of another preset whose network joins them:
+    the part comes in NVL72 racks, where one NVLink domain holds 72 of them."""
+    from pipesim.cluster.presets import NVL72_GPU, NVL72_GPUS  # noqa: PLC0415
+
+    topology = result.topology
+    devices = result.mapping.devices if result.mapping is not None else result.devices  # every rank's, every replica's
+    if topology.ideal or topology.name == "nvl72" or not devices:
+        return None
+    if not any(topology.device_gpu(device) == NVL72_GPU for device in devices):
+        return None
+    nodes = {topology.node_of(device) for device in devices}
+    if len(nodes) < 2:
+        return None
+    return (f"note: the {NVL72_GPU} ranks span {len(nodes)} nodes of topology {topology.name}, joined by its network; "
+            f"GB200s come in NVL72 racks, {NVL72_GPUS} GPUs on one NVLink domain: --topology nvl72")
+
+
 def impossible_notes(spec, figures: dict) -> list[str]:
     """What the figures cannot be taken for: routed tokens a capacity factor below 1 drops
     (the throughput counts tokens, not all of them computed by their experts), and an MFU
