@@ -5,6 +5,7 @@ capacity factor drops, an MFU over 100%)."""
 
 from __future__ import annotations
 
+from pipesim.cluster.presets import NVL72_GPU, NVL72_GPUS
 from schedules.units import percent
 
 
@@ -39,8 +40,6 @@ def bytes_hint(result) -> str | None:
 def rack_hint(result) -> str | None:
     """A hint when GB200s are placed in nodes of another preset whose network joins them:
     the part comes in NVL72 racks, where one NVLink domain holds 72 of them."""
-    from pipesim.cluster.presets import NVL72_GPU, NVL72_GPUS  # noqa: PLC0415
-
     topology = result.topology
     devices = result.mapping.devices if result.mapping is not None else result.devices  # every rank's, every replica's
     if topology.ideal or topology.name == "nvl72" or not devices:

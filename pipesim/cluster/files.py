@@ -28,7 +28,7 @@ import json
 import math
 from pathlib import Path
 
-from pipesim.cluster.presets import GPUS_PER_PRESET_NODE, MULTI_NODE, PRESETS
+from pipesim.cluster.presets import PRESETS
 from pipesim.cluster.topology import Topology, TopologyError, add_link
 from pipesim.hardware.gpus import GPUS
 from schedules.textfile import describe_yaml_error, read_text, write_text_whole
@@ -260,10 +260,8 @@ def load_topology(spec: str, nodes: int | None = None, gpu: str | None = None) -
     presets (default 2 nodes, 1 NVL72 rack); ``gpu`` (a ``pipesim.hardware.gpus`` name)
     picks the presets' devices (default H100; GB200 on ``nvl72``)."""
     preset = PRESETS.get(spec)
-    if preset is not None:
-        if nodes is None:
-            nodes = 2 if spec in MULTI_NODE and spec not in GPUS_PER_PRESET_NODE else 1
-        return preset(nodes, gpu=gpu)
+    if preset is not None:  # without --nodes, the preset's own default (2 nodes, 1 NVL72 rack, 1 for the others)
+        return preset(gpu=gpu) if nodes is None else preset(nodes, gpu=gpu)
     path = Path(spec)
     if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
         if nodes not in (None, 1):

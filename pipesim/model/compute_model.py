@@ -179,9 +179,10 @@ def gpu_compute_model(name: str | None) -> KernelModel:
     gemm = GemmModel(gpu.bf16_flops, gpu.memory_bandwidth, gpu.sms,
                      efficiency=sustained * gpu.matmul_flops / gpu.bf16_flops,
                      k_overhead=H200_GEMM_FIT["k_overhead"], launch_seconds=H200_GEMM_FIT["launch_seconds"])
-    source = "H200 kernel measurements" if gpu.matmul_flops == measured.matmul_flops else \
-        "H200 kernel measurements scaled by measured matmul throughput" if gpu.matmul_measured else \
-        "H200 kernel measurements scaled by a matmul throughput estimated from datasheet peaks"
+    source = "H200 kernel measurements"
+    if gpu.matmul_flops != measured.matmul_flops:
+        source += " scaled by " + ("measured matmul throughput" if gpu.matmul_measured
+                                   else "a matmul throughput estimated from datasheet peaks")
     return KernelModel(f"{gpu.name} ({source})", gemm, measured_attention(),
                        attention_scale=gpu.matmul_flops / measured.matmul_flops,
                        fp8_speedup=gpu.fp8_matmul_flops / gpu.matmul_flops)

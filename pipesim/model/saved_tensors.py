@@ -392,22 +392,21 @@ def routed_token_bytes(spec: ModelSpec, saved: SavedTensors, regathered: int) ->
     return spec.dtype_bytes if regathered else (saved.residual_bytes or spec.dtype_bytes)
 
 
-def expert_parallel_extra(spec: ModelSpec, saved: SavedTensors, tokens: float | None = None) -> float:
+def expert_parallel_extra(spec: ModelSpec, saved: SavedTensors, tokens: float) -> float:
     """Per routed copy, what the executor's expert-parallel dispatch keeps beyond running
     every expert in-process (``executor.expert_parallel``): the expert rank writes each
     expert's output into the received rows (``index_copy``, which keeps its source: ``h``
     in the rows' type, the tokens') and keeps each row's index; the sending rank weights
     the returned rows in the combine's type (``max(d, residual)``: float32 under autocast)
     where in-process the product keeps the expert's own output (``d``). The rows are in
-    the tokens' type, ``tokens`` bytes an element (``routed_token_bytes``; None: the
-    residual stream's). Counted from launched runs' saved tensors under bf16
-    autocast: a shrunk Mixtral at dp 2 ep 2, ``6h + 8`` bytes a copy (``4h + 8`` in
-    float32); Qwen3-30B-A3B at tp 2 with sequence parallelism, ``--etp 1``, ep 2, ``4h +
-    8`` (the expert outputs ``index_copy`` keeps are bf16 there)."""
+    the tokens' type, ``tokens`` bytes an element (``routed_token_bytes``). Counted from
+    launched runs' saved tensors under bf16 autocast: a shrunk Mixtral at dp 2 ep 2,
+    ``6h + 8`` bytes a copy (``4h + 8`` in float32); Qwen3-30B-A3B at tp 2 with sequence
+    parallelism, ``--etp 1``, ep 2, ``4h + 8`` (the expert outputs ``index_copy`` keeps are
+    bf16 there)."""
     d, h = spec.dtype_bytes, spec.hidden
     residual = saved.residual_bytes or d
-    rows = residual if tokens is None else tokens
-    return h * rows + h * (max(d, residual) - d) + INDEX_BYTES
+    return h * tokens + h * (max(d, residual) - d) + INDEX_BYTES
 
 
 def weight_copy_bytes(spec: ModelSpec, tp: int = 1, layer: int = 0, ep: int = 1) -> float:

@@ -48,17 +48,22 @@ TORCHTITAN_FSDP = ("torchtitan's FSDP runs as zero3 without pipelining and as ze
                    "(docs/interop.md)")
 
 
+# the ZeRO stage torchtitan's FSDP runs as under pipelining: every stage's parameters and
+# gradients whole for the step, the optimizer state sharded
+PIPELINED_ZERO = 1
+
+
 def torchtitan_zero(pp: int) -> int:
-    """The ZeRO stage torchtitan's FSDP runs as (the module): 3 without pipelining, 1
-    (every stage's parameters and gradients whole for the step) with it."""
-    return 3 if pp == 1 else 1
+    """The ZeRO stage torchtitan's FSDP runs as (the module): 3 without pipelining,
+    ``PIPELINED_ZERO`` with it."""
+    return 3 if pp == 1 else PIPELINED_ZERO
 
 
 def reduces_after_backward(zero: int, shards: int) -> bool:
     """Whether a layout of a plan for torchtitan's FSDP reduces its gradients after the
     backward instead of beside it: the pipelined one (``torchtitan_zero``), where there
     is something to shard over (``shards``: dp x cp)."""
-    return zero == torchtitan_zero(2) and shards > 1
+    return zero == PIPELINED_ZERO and shards > 1
 
 
 def with_reduce_bytes(bytes_per_param: str) -> str:
