@@ -118,12 +118,18 @@ def few_microbatch_layouts(schedule: str) -> list[ZeroBubbleLayout]:
 def simulate_json(layout: ZeroBubbleLayout) -> dict:
     """``pipesim simulate``'s ``--json`` document for the layout, run in this process (one
     run per layout, kept: read it, do not change it)."""
+    return simulate_argv_json(layout.label, layout.argv())
+
+
+def simulate_argv_json(label: str, argv: list[str]) -> dict:
+    """``pipesim simulate``'s ``--json`` document for ``argv``, run in this process; a
+    failed run is an error naming ``label`` and what the command said."""
     from pipesim.cli import main as pipesim_main  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "run.json"
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as errors:
-            status = pipesim_main(["simulate", *layout.argv(), "--json", str(out)])
+            status = pipesim_main(["simulate", *argv, "--json", str(out)])
         if status:
-            raise RuntimeError(f"{layout.label}: pipesim simulate exited {status}: {errors.getvalue().strip()}")
+            raise RuntimeError(f"{label}: pipesim simulate exited {status}: {errors.getvalue().strip()}")
         return json.loads(out.read_text())

@@ -3,8 +3,9 @@
 
 Expected bytes are counted by hand from the kernels each implementation runs (see the
 module): Megatron-Core's unfused ``VocabParallelCrossEntropy`` (cast, max, subtraction,
-exp, sum, division; backward product and cast), its native fusion, and Transformer
-Engine's online-softmax Triton kernels."""
+exp, sum, division; backward product and cast), its native fusion, Transformer
+Engine's online-softmax Triton kernels, and PyTorch's ``F.cross_entropy`` on FP32 logits
+(torchtitan's eager loss: cast, ``log_softmax``, ``nll_loss``)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def _with(spec, mode):
     ("unfused", 4, (32, 8, 4)),
     ("fused", 4, (24, 8, 4)),
     ("te", 4, (4, 8, 4)),
+    # torch (F.cross_entropy on .float() logits): the cast 2 + 4, log_softmax reads the row three times and writes
+    # it, 12 + 4; backward zeros 4, log_softmax's backward 4 + 4 + 4 + 4, the cast back 4 + 2; keeps the log-softmax
+    ("torch", 2, (22, 26, 4)),
+    ("torch", 4, (16, 20, 4)),
 ])
 def test_bytes_per_logit_counted_from_each_implementation(mode, logit_bytes, expected):
     assert cross_entropy_bytes(mode, logit_bytes) == expected

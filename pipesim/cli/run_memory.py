@@ -173,11 +173,15 @@ def stage_split(spec: ModelSpec, config: RunConfig) -> list[int]:
 
 
 def executor_costs(config: RunConfig, spec: ModelSpec, saved: SavedTensors) -> Costs:
-    """The model's per-stage costs (memory only) as the executor builds its stages."""
+    """The model's per-stage costs (memory only) as the executor builds its stages. The
+    loss's temporaries (a stage's ``workspace_bytes``) are left out: the executor's loss
+    runs inside an action, where the tracked bytes never look, and on CUDA its backward's
+    are ``AllocatorExtras.loss_backward_bytes``."""
     costs = model_stage_costs(spec, config.num_stages, [math.nan] * config.num_stages, tp=config.tp,
                               sequence_parallel=config.sequence_parallel, layers_per_stage=stage_split(spec, config),
                               recompute=config.recompute, flash_attention=flash_kernel(spec, config), ep=config.ep,
                               cp=config.cp, saved_tensors=saved)
+    costs = replace(costs, stages=tuple(replace(stage, workspace_bytes=0.0) for stage in costs.stages))
     return with_whole_ends(costs, spec, config.tp, config.sequence_parallel, saved)
 
 

@@ -78,7 +78,7 @@ attention output in a 12-bit E5M6 format; it is counted at 16 bits here.)
 
 from __future__ import annotations
 
-from pipesim.model.loss_traffic import cross_entropy_bytes
+from pipesim.model.loss_traffic import cross_entropy_bytes, cross_entropy_transient_bytes
 from pipesim.model.per_op_checkpoint import PER_OP, stash_bytes_per_token
 from pipesim.model.quantization import FP8_TILE_BYTES
 from pipesim.model.saved_tensors import (
@@ -360,3 +360,13 @@ def last_stage_extra_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool
     inputs = 2 * spec.tokens * spec.hidden * spec.dtype_bytes / (tp if sequence_parallel else 1)
     logits = cross_entropy_bytes(spec.cross_entropy, spec.dtype_bytes)[2] * spec.tokens * spec.vocab / tp
     return inputs + logits + last_stage_extra(spec, saved, tp, sequence_parallel)
+
+
+def loss_workspace_bytes(spec: ModelSpec, tp: int = 1) -> float:
+    """What the loss holds for a moment on the last stage beyond what it keeps (a stage's
+    ``workspace_bytes``): ``cross_entropy_transient_bytes`` of each of a microbatch's
+    ``s x V / tp`` logits on a rank (``pipesim.model.loss_traffic``: the logits beside
+    their FP32 copy under Megatron-Core's loss, 2 bytes in BF16; 8 in the backward of
+    torch's ``F.cross_entropy``, 17 GB for Llama 3's 128,256 columns at 16,384 tokens)."""
+    return (cross_entropy_transient_bytes(spec.cross_entropy, spec.dtype_bytes)
+            * spec.tokens * spec.vocab / tp)

@@ -26,6 +26,7 @@ STAGE_FIELDS = ("fwd", "bwd", "wgrad", "igrad", "act_bytes", "stash_bytes", "par
                 "expert_params", "moe_layers", "dispatch_bytes", "attention_layers", "kv_bytes", "attention_fwd",
                 "attention_bwd", "wgrad_stash_share", "dispatch_node_limit", "dispatch_copies", "combine_bytes",
                 "moe_tp_dense", "moe_shared", "expert_fwd", "expert_igrad", "expert_wgrad",
+                "workspace_bytes",
                 # the GEMMs beside each tp collective under overlap (pipesim.model.tp_windows)
                 "tp_window_attention_in", "tp_window_attention_out", "tp_window_mlp_in", "tp_window_mlp_out")
 # per-stage fields that say yes (1) or no (0), with what yes means
@@ -137,6 +138,11 @@ class StageCost:
     and the MLP's on dense layers: 1 to 2), so only what that product does not hide holds
     the rank (``pipesim.sim.parallel.tp_collective_seconds``).
 
+    ``workspace_bytes`` is what one of the stage's actions holds for a moment beyond the
+    stashes, the loss's temporaries on a last stage
+    (``pipesim.model.activations.loss_workspace_bytes``): one action at a time, so a rank
+    holds its stages' largest on top of everything else (``pipesim.sim.memory``).
+
     ``tp_window_*`` (per layer, like ``attention_fwd``): the forward seconds of the GEMMs
     each of a layer's four tp collectives runs beside when they are overlapped
     (``pipesim.model.tp_windows``: attention's input projections, its output projection,
@@ -175,6 +181,7 @@ class StageCost:
     expert_fwd: float = 0.0
     expert_igrad: float = 0.0
     expert_wgrad: float = 0.0
+    workspace_bytes: float = 0.0
     tp_window_attention_in: float = 0.0
     tp_window_attention_out: float = 0.0
     tp_window_mlp_in: float = 0.0

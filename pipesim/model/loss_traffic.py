@@ -25,15 +25,36 @@ FP32, counted from the code each stack runs (``--cross-entropy``):
   logits once (``d``); the backward reads them and writes the gradient in their place
   (``2 d``). It keeps the logits in their own type: ``d`` bytes.
 
+- ``torch``, PyTorch's ``F.cross_entropy`` on the logits cast to FP32, as torchtitan's
+  eager loss runs it (``cross_entropy_loss``: ``pred.flatten(0, 1).float()``) and
+  Hugging Face's models: forward the cast (read ``d``, write 4), ``log_softmax`` (its
+  kernel, ``cunn_SoftMaxForward`` in ``aten/src/ATen/native/cuda/SoftMax.cu``, reads a
+  row too long for shared memory three times, for the max, the sum of exponentials and
+  the output it writes: 12 + 4) and ``nll_loss`` (one element a row): ``d + 20``;
+  backward ``nll_loss_backward`` fills a gradient of zeros (write 4), the softmax's
+  backward reads that gradient for its sum, then it and the output, and writes the input
+  gradient (16), and the cast back (read 4, write ``d``): ``24 + d``. It keeps the FP32
+  log-softmax: 4 bytes. A compiled loss (torchtitan with ``--compile.components loss``)
+  fuses the cast into one online pass that keeps the logits in their own type: ``te``'s
+  bytes.
+
+What the loss holds at its worst moment, beyond what it keeps (``cross_entropy_transient_bytes``,
+a stage's ``workspace_bytes``): ``unfused`` and ``fused`` cast inside the loss, so the
+logits in their own type sit beside the FP32 copy in the forward, and autograd casts the
+FP32 gradient back to the logits' type in the backward: ``d`` more. ``te`` works in place:
+nothing more. ``torch``'s backward holds the kept log-softmax, the gradient of zeros and
+the input gradient at once: 8 more (its forward, ``d + 8`` with the logits, is less).
+
 With FP32 logits the casts are no-ops (``.float()`` returns its input), so they move
 nothing. What stacks set: Megatron-Bridge's performance recipes and the Megatron-Core MoE
 team's configs take ``te``; NeMo 24.07's Llama configs ``fused``; Megatron-Core without
-the flag, and Megatron-LM before the fusion existed, ``unfused``.
+the flag, and Megatron-LM before the fusion existed, ``unfused``; torchtitan's eager loss
+``torch``.
 """
 
 from __future__ import annotations
 
-CROSS_ENTROPY = ("unfused", "fused", "te")
+CROSS_ENTROPY = ("unfused", "fused", "te", "torch")
 FP32_BYTES = 4
 
 
@@ -41,7 +62,8 @@ def check_cross_entropy(mode: str) -> str:
     """``mode`` if it names a cross-entropy implementation; else a one-line error."""
     if mode not in CROSS_ENTROPY:
         raise ValueError(f"--cross-entropy {mode!r}: use one of {', '.join(CROSS_ENTROPY)} (unfused: Megatron-Core's "
-                         "default; fused: --cross-entropy-loss-fusion; te: with --cross-entropy-fusion-impl te)")
+                         "default; fused: --cross-entropy-loss-fusion; te: with --cross-entropy-fusion-impl te; "
+                         "torch: F.cross_entropy on FP32 logits, torchtitan's eager loss)")
     return mode
 
 
@@ -53,8 +75,23 @@ def cross_entropy_bytes(mode: str, logit_bytes: int) -> tuple[float, float, floa
     if mode == "te":
         return float(logit_bytes), 2.0 * logit_bytes, float(logit_bytes)
     cast = 0 if logit_bytes == FP32_BYTES else logit_bytes + FP32_BYTES  # .float() and the cast back
+    if mode == "torch":  # the cast, log_softmax 16, nll_loss; zeros 4, log_softmax's backward 16, the cast back
+        return float(cast + 16), float(cast + 20), float(FP32_BYTES)
     if mode == "unfused":  # the cast, then max 4, subtraction 8, exp 8, sum 4, division 8
         forward = cast + 32
     else:  # the max fused with the cast (reading 4 bytes alone), subtraction and exp 8, sum 4, division 8
         forward = (cast or FP32_BYTES) + 20
     return float(forward), float(8 + cast), float(FP32_BYTES)
+
+
+def cross_entropy_transient_bytes(mode: str, logit_bytes: int) -> float:
+    """Bytes a logit element costs at the loss's worst moment beyond what the loss keeps
+    (``cross_entropy_bytes``'s third figure), under ``mode`` with logits of
+    ``logit_bytes`` bytes (see the module): held inside one forward or backward of the
+    last stage, never across actions."""
+    check_cross_entropy(mode)
+    if mode == "te":
+        return 0.0
+    if mode == "torch":  # the kept log-softmax beside the gradient of zeros and the input gradient
+        return 2.0 * FP32_BYTES
+    return 0.0 if logit_bytes == FP32_BYTES else float(logit_bytes)  # the logits beside their FP32 copy

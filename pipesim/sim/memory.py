@@ -15,7 +15,11 @@
              gradient coming back), however many stages the rank holds, and, when data
              parallel, one gradient bucket (stages 0-2) or ZeRO-3's gathered working set:
              two layers' parameters (the one computing and the one prefetched) and one
-             layer's whole gradient
+             layer's whole gradient; and the largest ``workspace_bytes`` of its stages,
+             what one action holds for a moment (the loss's temporaries on the last
+             stage): counted throughout, exact where the action runs at the rank's
+             peak (the loss of 1F1B's and GPipe's last stage, of a one-stage job),
+             an upper bound elsewhere
     stash    each stage's ``stash_bytes`` for every microbatch whose forward has started
              and whose last backward piece (B, or W when split) has not ended:
              ``schedules.metrics.stash_changes``, read from the Trace
@@ -213,7 +217,8 @@ def rank_bases(costs: Costs, placement: Sequence[int], num_ranks: int, bytes_per
     static = [0.0] * num_ranks
     for stage, cost in enumerate(costs.stages):
         static[placement[stage]] += static_bytes(cost, bytes_per_param, dp, zero, expert_dp)
-    buffers = [p2p_buffer_bytes(costs, placement, rank) for rank in range(num_ranks)]
+    buffers = [p2p_buffer_bytes(costs, placement, rank) + workspace_bytes(costs, placement, rank)
+               for rank in range(num_ranks)]
     if dp > 1:
         buffers = [value + reduction_buffer_bytes(costs, placement, rank, bytes_per_param, bucket_bytes, zero)
                    for rank, value in enumerate(buffers)]
@@ -264,6 +269,13 @@ def p2p_buffer_bytes(costs: Costs, placement: Sequence[int], rank: int) -> float
     the first layer's input, counted in that microbatch's stash."""
     return sum(2 * max(costs.stages[boundary].act_bytes for boundary in boundaries)
                for boundaries in p2p_links(placement, rank).values())
+
+
+def workspace_bytes(costs: Costs, placement: Sequence[int], rank: int) -> float:
+    """What ``rank`` holds for a moment inside one of its actions: the largest
+    ``workspace_bytes`` of its stages (one action runs at a time)."""
+    return max((cost.workspace_bytes for stage, cost in enumerate(costs.stages) if placement[stage] == rank),
+               default=0.0)
 
 
 def static_bytes(cost, bytes_per_param: BytesPerParam, dp: int, zero: int, expert_dp: int | None = None) -> float:
