@@ -9,7 +9,9 @@ Sources (figures transcribed from the files, GiB as printed):
   FSDP over 8 and 128 GPUs, local batch 2, sequence 8192, per-op selective
   checkpointing), Table 2 (8B on 8 GPUs, FSDP x CP, local batch 1, sequences of 32K to
   256K, full checkpointing), Table 4 (70B on 256 GPUs, FSDP 32 x TP 8, local batch 16,
-  full checkpointing). torchtitan logs ``max_reserved_gib`` (``torchtitan/metrics.py``:
+  full checkpointing), Tables 5 and 6 (405B on 512 GPUs, TP 8 x PP 8 x FSDP 8, or FSDP x
+  CP 8 at 32K to 256K; 1F1B and Interleaved 1F1B, full checkpointing, async TP).
+  torchtitan logs ``max_reserved_gib`` (``torchtitan/metrics.py``:
   ``torch.cuda.memory_stats``' ``reserved_bytes.all.peak``), so the prediction compared
   is the peak plus the headroom rule's fragmentation share (``pipesim.sim.headroom``):
   what the caching allocator reserves. NCCL's buffers and the CUDA context are outside
@@ -36,6 +38,14 @@ expresses it:
 - Tensor parallelism: torchtitan's plan shards the norms' sequence (sequence parallelism)
   and the loss over the vocabulary (``loss_parallel``): ``--sequence-parallel``, the
   logits ``V / tp`` a rank.
+- Pipeline parallelism: torchtitan shards a pipelined stage with ``reshard_after_forward=
+  False`` and torch's runtime syncs gradients at the last microbatch only, so a stage's
+  parameters stay gathered and its FP32 gradients unsharded through the step, the FP32
+  master weights and Adam sharded: ``--zero 1``; the 405B config gathers in float8
+  (``enable_fsdp_float8_all_gather``): ``--bytes-per-param 1,4,12``. Its microbatches are
+  torchtitan's default count, the pipeline degree (8), its stages torchtitan's generated
+  split (``generate_split_points``: 15, 16 x 6, 15 layers; Interleaved1F1B's default two
+  stages a rank, 7, 8 x 14, 7).
 
 What pipesim does not express, said per row: ``torch.compile`` of the blocks (Table 1:
 it lowered the 8-GPU run from 82.4 to 77.0 GiB under per-op checkpointing; under full
@@ -50,8 +60,8 @@ In-sample and held out: Table 1's and Table 3's eager FSDP rows were run (8B, pe
 temporaries (``pipesim.model.loss_traffic.cross_entropy_transient_bytes``) and
 ``--cross-entropy torch`` were written from torchtitan's code: they are in-sample, as is
 Table 4's row, which the docs had named as an open gap (a 35.49 GB peak, -54%) before;
-nothing was fitted to it. Table 2's and Trainy's rows were transcribed first and run
-once with the model as it then stood: held out.
+nothing was fitted to it. Table 2's, Table 5's, Table 6's and Trainy's rows were
+transcribed first and run once with the model as it then stood: held out.
 
 Run: ``python benchmarks/torchtitan_memory.py``.
 """
@@ -74,8 +84,18 @@ TRAINY = "Trainy 2025-06 (torchtitan)"
 COMPILE = "torch.compile of the blocks"
 FLOAT8 = "Float8 linears"
 FSDP_FLOAT8 = "FSDP's float8 all-gather"
-# what every row runs beyond the layout: FSDP2's units, its sharded BF16-gathered weights and FP32 reduction
-FSDP = ("--pp", "1", "-m", "1", "--zero", "3", "--bytes-per-param", "2,4,12", "--topology", "ib")
+ASYNC_TP = "async TP's symmetric-memory buffers"
+# FSDP2 without a pipeline: every block's parameters gathered in BF16 for its compute, FP32 gradients
+# reduce-scattered, FP32 master weights and Adam sharded
+FSDP = ("--pp", "1", "-m", "1", "--zero", "3", "--bytes-per-param", "2,4,12")
+# FSDP2 under torchtitan's pipeline (reshard_after_forward=False, gradients synced at the last microbatch):
+# a stage's parameters stay gathered and its FP32 gradients unsharded through the step, only the FP32 master
+# weights and Adam sharded; gathered in float8 (1 byte) by the 405B config's enable_fsdp_float8_all_gather
+PIPELINED_FSDP_FLOAT8 = ("--zero", "1", "--bytes-per-param", "1,4,12")
+# torchtitan's generated split of Llama 3.1 405B's 126 layers (generate_split_points): 8 stages, the first and
+# last a layer short; 16 for Interleaved1F1B's default two stages a rank
+SPLIT_8 = "15,16,16,16,16,16,16,15"
+SPLIT_16 = ",".join(["7", *["8"] * 14, "7"])
 
 
 @dataclass(frozen=True)
@@ -92,8 +112,8 @@ class TorchtitanRow:
     unmodelled: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
-        """The row's ``pipesim simulate`` arguments."""
-        return [*self.flags, *FSDP, "--nodes", str(max(1, self.gpus // 8))]
+        """The row's ``pipesim simulate`` arguments: its layout on hosts of 8 GPUs."""
+        return [*self.flags, "--topology", "ib", "--nodes", str(max(1, self.gpus // 8))]
 
     def command(self) -> str:
         """The row as one command line."""
@@ -104,7 +124,19 @@ def llama_8b(gpus: int, seq_len: int, batch: int, recompute: str, loss: str, cp:
              gpu: str = "h100") -> tuple[str, ...]:
     """Llama 3.1 8B on ``gpus`` GPUs, FSDP over all of them but ``cp``'s."""
     flags = ("--model", "llama3-8b", "--gpu", gpu, "--seq-len", str(seq_len), "--microbatch-size", str(batch),
-             "--dp", str(gpus // cp), "--recompute", recompute, "--cross-entropy", loss)
+             "--dp", str(gpus // cp), "--recompute", recompute, "--cross-entropy", loss, *FSDP)
+    return flags + (("--cp", str(cp), "--cp-comm", "all-gather") if cp > 1 else ())
+
+
+def llama_405b(seq_len: int, batch: int, dp: int, cp: int = 1, interleaved: bool = False) -> tuple[str, ...]:
+    """Llama 3.1 405B on 512 GPUs, TP 8 x PP 8 x dp x cp as torchtitan's 405B config runs it
+    (full checkpointing, async TP, Float8 with FSDP's float8 all-gather), the local batch
+    ``batch`` in torchtitan's default count of microbatches, the pipeline degree."""
+    schedule = ("--schedule", "interleaved-1f1b", "-v", "2", "--layers-per-stage", SPLIT_16) if interleaved else \
+        ("--schedule", "1f1b", "--layers-per-stage", SPLIT_8)
+    flags = ("--model", "llama3-405b", "--gpu", "h100", "--seq-len", str(seq_len), "--microbatch-size",
+             str(batch // 8), "--pp", "8", "-m", "8", *schedule, "--tp", "8", "--sequence-parallel", "--dp", str(dp),
+             "--recompute", "full", "--cross-entropy", "torch", *PIPELINED_FSDP_FLOAT8)
     return flags + (("--cp", str(cp), "--cp-comm", "all-gather") if cp > 1 else ())
 
 
@@ -119,7 +151,13 @@ ROWS = (
     TorchtitanRow(f"{DECEMBER}, Table 4", "70B FSDP 32 TP 8", 256, 71.9,
                   ("--model", "llama3-70b", "--gpu", "h100", "--seq-len", "8192", "--microbatch-size", "16",
                    "--dp", "32", "--tp", "8", "--sequence-parallel", "--recompute", "full",
-                   "--cross-entropy", "torch"), in_sample=True, unmodelled=(COMPILE, FLOAT8)),
+                   "--cross-entropy", "torch", *FSDP), in_sample=True, unmodelled=(COMPILE, FLOAT8)),
+    *(TorchtitanRow(f"{DECEMBER}, Table 5", f"405B FSDP 8 TP 8 PP 8, {name}", 512, gib,
+                    llama_405b(8192, 32, 8, interleaved=interleaved), unmodelled=(COMPILE, FLOAT8, ASYNC_TP))
+      for name, interleaved, gib in (("1F1B", False, 82.5), ("interleaved 1F1B", True, 72.7))),
+    *(TorchtitanRow(f"{DECEMBER}, Table 6", f"405B FSDP {8 // cp} CP {cp} TP 8 PP 8, {seq_len // 1024}K", 512, gib,
+                    llama_405b(seq_len, 8, 8 // cp, cp), unmodelled=(COMPILE, FLOAT8, ASYNC_TP))
+      for cp, seq_len, gib in ((1, 32768, 75.3), (2, 65536, 75.9), (4, 131072, 77.1), (8, 262144, 84.9))),
     *(TorchtitanRow(TRAINY, f"8B FSDP {gpus} (H200)", gpus, gib, llama_8b(gpus, 8192, 2, "per-op", "te", gpu="h200"),
                     unmodelled=(COMPILE, FLOAT8, FSDP_FLOAT8))
       for gpus, gib in ((32, 47.96), (64, 46.97))),
