@@ -1,7 +1,8 @@
 """What the loss holds for a moment on the last stage beyond what it keeps
 (``pipesim.model.loss_traffic.cross_entropy_transient_bytes``, a stage's
-``workspace_bytes``), and torchtitan's published memory rows
-(``benchmarks/torchtitan_memory.py``).
+``workspace_bytes``), torchtitan's published memory rows
+(``benchmarks/torchtitan_memory.py``), and plans and exports for torchtitan priced with
+its loss (``--cross-entropy torch``).
 
 Expected bytes are counted by hand from the tensors each implementation holds at once:
 Megatron-Core's loss casts inside itself (the BF16 logits beside their FP32 copy), torch's
@@ -21,6 +22,7 @@ from benchmarks import torchtitan_memory
 from pipesim.cli import main
 from pipesim.model.costs import load_costs
 from pipesim.model.loss_traffic import cross_entropy_transient_bytes
+from pipesim.plan.request import PlanRequest, checked
 
 LLAMA3_VOCAB = 128256
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,3 +125,21 @@ def test_the_docs_quote_what_the_script_prints():
         assert line in docs, line
     numbers = re.findall(r"[+-]\d+\.\d%", "\n".join(torchtitan_memory.table()[0]))
     assert len(numbers) == len(torchtitan_memory.ROWS)
+
+
+@pytest.mark.parametrize("torchtitan,given,priced", [
+    (False, None, None),  # Megatron-Core's default, unfused
+    (True, None, "torch"),  # torchtitan's eager loss
+    (True, "te", "te"),  # what the user says wins
+])
+def test_a_plan_for_torchtitan_prices_torchtitans_loss(torchtitan, given, priced):
+    base, _ = checked(PlanRequest(model="llama3-8b", gpus=8, global_batch=16, torchtitan=torchtitan,
+                                  cross_entropy=given))
+    assert base.cross_entropy == priced
+
+
+def test_export_for_torchtitan_prints_the_loss_it_priced(tmp_path, capsys):
+    assert main(["export", "--model", "gpt3-1.3b", "--topology", "nvlink", "--nodes", "1", "--schedule", "1f1b",
+                 "--pp", "2", "-m", "4", "--dp", "2", "--fsdp", "--torchtitan", str(tmp_path / "titan")]) == 0
+    note = capsys.readouterr().err
+    assert "priced so (simulate --zero 1 --bytes-per-param 2,4,12 --no-dp-overlap --cross-entropy torch)" in note

@@ -72,7 +72,8 @@ def test_plan_ranks_the_layouts_as_torchtitan_runs_them(tmp_path, capsys):
     """Mixtral over pp 2 x tp 2 x dp 4: Megatron-Core's ZeRO-1 fits without recompute
     (76.2 GB); torchtitan's whole stages do not, so for torchtitan the plan ranks only the
     layouts with full recompute, each as `simulate --zero 1 --bytes-per-param 2,4,12
-    --no-dp-overlap` prices it, and writes the best."""
+    --no-dp-overlap --cross-entropy torch` (torchtitan's loss) prices it, and writes the
+    best."""
     assert main([*MIXTRAL_PLAN, "--json", str(tmp_path / "megatron.json")]) == 0
     megatron = json.loads((tmp_path / "megatron.json").read_text())["ranked"][0]
     assert megatron["recompute"] == "none" and megatron["zero"] == 1
@@ -85,7 +86,7 @@ def test_plan_ranks_the_layouts_as_torchtitan_runs_them(tmp_path, capsys):
     assert main(["simulate", "--model", "mixtral-8x7b", "--seq-len", "4096", "--topology", "ib", "--nodes", "2",
                  "--gpu", "h100", "--schedule", "1f1b", "--pp", "2", "--tp", "2", "--dp", "4", "--ep", str(best["ep"]),
                  "--etp", "1", "--sequence-parallel", "-m", str(best["microbatches"]), "--recompute", "full",
-                 "--zero", "1", "--bytes-per-param", "2,4,12", "--no-dp-overlap",
+                 "--zero", "1", "--bytes-per-param", "2,4,12", "--no-dp-overlap", "--cross-entropy", "torch",
                  "--json", str(tmp_path / "simulate.json")]) == 0
     simulated = json.loads((tmp_path / "simulate.json").read_text())
     assert simulated["makespan"] == pytest.approx(best["step_time"], rel=1e-12)
@@ -101,7 +102,8 @@ def test_plan_ranks_the_layouts_as_torchtitan_runs_them(tmp_path, capsys):
     assert f"{megatron['layout']}` first ({best_figures})" in docs
     folded = simulate_job(torchtitan_fsdp_job(Job(
         model="mixtral-8x7b", seq_len=4096, topology="ib", nodes=2, gpu="h100", schedule="1f1b", pp=2, tp=2, dp=4,
-        ep=megatron["ep"], etp=1, sequence_parallel=True, microbatches=megatron["microbatches"], zero=1)))
+        ep=megatron["ep"], etp=1, sequence_parallel=True, microbatches=megatron["microbatches"], zero=1,
+        cross_entropy="torch")))
     peak = max(memory.peak_bytes for memory in folded.memory)
     usable = min(memory.usable_bytes for memory in folded.memory)
     assert folded.oom and f"would hold {peak / 1e9:.1f} GB of the {usable / 1e9:.1f} usable" in docs

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from pipesim.cli.options import (
     add_cost_args,
@@ -28,6 +29,7 @@ from pipesim.cli.options import (
     add_topology_args,
 )
 from pipesim.job import Job, conflict, schedule_of, topology_of
+from pipesim.model.loss_traffic import TORCHTITAN_CROSS_ENTROPY
 from schedules.p2p import RENDEZVOUS
 
 
@@ -60,7 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     output.add_argument("--torchtitan", metavar="DIR",
                         help="write DIR/schedule.csv (compute-only, what torchtitan loads), "
                         "DIR/schedule-lowered.csv and DIR/torchtitan.args (torchtitan 0.3's command-line overrides, "
-                        "to append last) (default: none)")
+                        "to append last); a model's order is built with the loss torchtitan runs (--cross-entropy "
+                        "torch) (default: none)")
     output.add_argument("--from-plan", metavar="PLAN.json",
                         help="take the layout (schedule, pp, tp, dp, cp, ep, virtual stages, microbatch size and "
                         "count, recompute, zero, sequence parallelism) and the model (which a --model may repeat, not "
@@ -123,6 +126,8 @@ def handle(args: argparse.Namespace) -> int:
         apply_plan_layout(args)
     check_flags(args)
     job = Job.from_namespace(args)
+    if args.torchtitan and job.model and job.cross_entropy is None:  # priced with the loss torchtitan runs
+        job = replace(job, cross_entropy=TORCHTITAN_CROSS_ENTROPY)
     if args.torchtitan and args.fsdp:
         line = priced_as_torchtitan_shards(job)  # refuses a layout torchtitan's FSDP would not fit
         if line:

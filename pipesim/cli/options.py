@@ -233,7 +233,7 @@ def add_precision_args(group) -> None:
                        "softmax: 6 bytes, the BF16 logits kept, nothing more held), as Megatron-Bridge's recipes "
                        "run; torch, F.cross_entropy on FP32 logits as torchtitan's eager loss runs it (48 bytes, "
                        "the FP32 log-softmax kept, two more FP32 copies held in its backward; a compiled loss is "
-                       "te's) (default: unfused)")
+                       "te's) (default: unfused; torch for plan --torchtitan and export --torchtitan)")
     group.add_argument("--comm-sms", type=int, default=0, metavar="SMS",
                        help="with --model: SMs of each GPU kept for communication kernels (DeepSeek-V3 kept 20 of "
                        "an H800's 132): GEMMs and attention run on the rest, at their share of the peak (default: 0)")

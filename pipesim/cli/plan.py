@@ -117,7 +117,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "and the best layout's Gantt")
     parser.add_argument("--torchtitan", metavar="DIR",
                         help="write the best layout for torchtitan: its schedule CSVs and config fragment, as "
-                        "`pipesim export --torchtitan` does (default: none)")
+                        "`pipesim export --torchtitan` does; the layouts are priced with torchtitan's loss "
+                        "(--cross-entropy torch) unless --cross-entropy says otherwise (default: none)")
     parser.add_argument("--fsdp", action="store_true",
                         help="with --torchtitan: the data-parallel replicas shard parameters with FSDP (torchtitan's "
                         "default); the layouts are then priced as torchtitan's FSDP runs them: zero3 without "

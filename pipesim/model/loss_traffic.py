@@ -55,6 +55,9 @@ the flag, and Megatron-LM before the fusion existed, ``unfused``; torchtitan's e
 from __future__ import annotations
 
 CROSS_ENTROPY = ("unfused", "fused", "te", "torch")
+# torchtitan's loss (torchtitan/components/loss.py): F.cross_entropy on the logits cast to FP32, eager unless
+# compile.components names the loss, which the config pipesim writes for it does not
+TORCHTITAN_CROSS_ENTROPY = "torch"
 FP32_BYTES = 4
 
 

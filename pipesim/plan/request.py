@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pipesim.cluster.presets import nodes_for
 from pipesim.job import Job, clip_grad_of, model_spec_of, parallel_of, topology_of
+from pipesim.model.loss_traffic import TORCHTITAN_CROSS_ENTROPY
 from pipesim.model.per_op_checkpoint import PER_OP, check_per_op
 from pipesim.model.spec import FP8_SCALINGS, NORM_MLA_UP, moe_act_conflict
 from pipesim.plan.evaluate import LayoutEvaluator
@@ -190,7 +191,8 @@ def checked(request: PlanRequest) -> tuple[Job, SearchSpace]:
                compute_model=request.compute_model, memory_headroom=request.memory_headroom, fp8=request.fp8,
                clip_grad=request.clip_grad, memory_limit=request.memory_limit,
                ep_dispatch=request.ep_dispatch, ep_dispatcher=request.ep_dispatcher, comm_sms=request.comm_sms,
-               qkv=request.qkv, cross_entropy=request.cross_entropy,
+               qkv=request.qkv, cross_entropy=request.cross_entropy or (TORCHTITAN_CROSS_ENTROPY if request.torchtitan
+                                                                        else None),
                **({"max_actions": request.max_actions} if request.max_actions else {}))
     if request.torchtitan and request.fsdp:  # torchtitan's FSDP reduces the gradients in float32
         base = replace(base, bytes_per_param=with_reduce_bytes(base.bytes_per_param))

@@ -89,4 +89,5 @@ def torchtitan_fsdp_flags(job: Job) -> str:
     """The ``simulate`` flags that price ``job`` as ``torchtitan_fsdp_job`` does."""
     priced = torchtitan_fsdp_job(job)
     flags = f"--zero {priced.zero} --bytes-per-param {priced.bytes_per_param}"
-    return flags + (" --no-dp-overlap" if priced.no_dp_overlap else "")
+    flags += " --no-dp-overlap" if priced.no_dp_overlap else ""
+    return flags + (f" --cross-entropy {priced.cross_entropy}" if priced.cross_entropy else "")
