@@ -47,6 +47,9 @@ def _with(spec, mode):
     # it, 12 + 4; backward zeros 4, log_softmax's backward 4 + 4 + 4 + 4, the cast back 4 + 2; keeps the log-softmax
     ("torch", 2, (22, 26, 4)),
     ("torch", 4, (16, 20, 4)),
+    # compiled: one online pass reads the logits; the backward reads them and writes the gradient
+    ("compiled", 2, (2, 4, 2)),
+    ("compiled", 4, (4, 8, 4)),
 ])
 def test_bytes_per_logit_counted_from_each_implementation(mode, logit_bytes, expected):
     assert cross_entropy_bytes(mode, logit_bytes) == expected

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ("unfused", 4, 0), ("fused", 4, 0),  # FP32 logits: .float() returns its input
     ("te", 2, 0), ("te", 4, 0),  # in place
     ("torch", 2, 8), ("torch", 4, 8),  # two FP32 copies beside the kept log-softmax
+    ("compiled", 2, 2), ("compiled", 4, 4),  # the gradient beside the kept logits
 ])
 def test_transient_bytes_per_logit(mode, logit_bytes, expected):
     assert cross_entropy_transient_bytes(mode, logit_bytes) == expected
@@ -98,7 +99,7 @@ def test_each_torchtitan_row_is_its_published_layout():
         # unpipelined FSDP2 shards everything; pipelined, the parameters stay gathered (float8 for 405B) and the
         # gradients unsharded
         assert (value["--zero"], value["--bytes-per-param"]) == (("3", "2,4,12") if pp == 1 else ("1", "1,4,12"))
-        assert value["--cross-entropy"] == ("te" if row.source == torchtitan_memory.TRAINY else "torch")
+        assert value["--cross-entropy"] == ("compiled" if row.source == torchtitan_memory.TRAINY else "torch")
         assert value["--recompute"] == ("per-op" if "8B FSDP" in row.label and "CP" not in row.label else "full")
         if pp > 1:  # torchtitan's default microbatch count (the pipeline degree) and generated split
             layers = [int(count) for count in value["--layers-per-stage"].split(",")]
@@ -107,7 +108,8 @@ def test_each_torchtitan_row_is_its_published_layout():
     assert [row.measured_gib for row in torchtitan_memory.ROWS] == [82.4, 67.0, 83.9, 84.2, 84.0, 84.5, 71.9, 82.5,
                                                                     72.7, 75.3, 75.9, 77.1, 84.9, 47.96, 46.97]
     assert [row.label for row in torchtitan_memory.ROWS if row.in_sample] == ["8B FSDP 8", "8B FSDP 128",
-                                                                              "70B FSDP 32 TP 8"]
+                                                                              "70B FSDP 32 TP 8", "8B FSDP 32 (H200)",
+                                                                              "8B FSDP 64 (H200)"]
 
 
 def test_the_reserved_prediction_adds_the_fragmentation_share():

@@ -224,7 +224,7 @@ def add_precision_args(group) -> None:
                        "and Megatron-Core's flex dispatcher (DeepEP, HybridEP: a token crosses to each node holding "
                        "its experts once and is fanned out there over NVLink; no permutation before the dispatch) "
                        "(default: alltoall)")
-    group.add_argument("--cross-entropy", default=None, metavar="unfused|fused|te|torch",
+    group.add_argument("--cross-entropy", default=None, metavar="unfused|fused|te|torch|compiled",
                        help="with --model: the loss's kernels over the logits, priced by the bytes they move, keep "
                        "and hold for a moment on the last stage: unfused, Megatron-Core's default (FP32 softmax in "
                        "six passes, 52 bytes a BF16 logit forward and backward, the softmax kept in FP32, the BF16 "
@@ -232,8 +232,9 @@ def add_precision_args(group) -> None:
                        "softmax kept); te, with --cross-entropy-fusion-impl te (Transformer Engine's online "
                        "softmax: 6 bytes, the BF16 logits kept, nothing more held), as Megatron-Bridge's recipes "
                        "run; torch, F.cross_entropy on FP32 logits as torchtitan's eager loss runs it (48 bytes, "
-                       "the FP32 log-softmax kept, two more FP32 copies held in its backward; a compiled loss is "
-                       "te's) (default: unfused; torch for plan --torchtitan and export --torchtitan)")
+                       "the FP32 log-softmax kept, two more FP32 copies held in its backward); compiled, that loss "
+                       "under torch.compile (te's bytes, the BF16 gradient held beside the kept logits) (default: "
+                       "unfused; torch for plan --torchtitan and export --torchtitan)")
     group.add_argument("--comm-sms", type=int, default=0, metavar="SMS",
                        help="with --model: SMs of each GPU kept for communication kernels (DeepSeek-V3 kept 20 of "
                        "an H800's 132): GEMMs and attention run on the rest, at their share of the peak (default: 0)")

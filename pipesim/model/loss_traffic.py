@@ -34,9 +34,12 @@ FP32, counted from the code each stack runs (``--cross-entropy``):
   backward ``nll_loss_backward`` fills a gradient of zeros (write 4), the softmax's
   backward reads that gradient for its sum, then it and the output, and writes the input
   gradient (16), and the cast back (read 4, write ``d``): ``24 + d``. It keeps the FP32
-  log-softmax: 4 bytes. A compiled loss (torchtitan with ``--compile.components loss``)
-  fuses the cast into one online pass that keeps the logits in their own type: ``te``'s
-  bytes.
+  log-softmax: 4 bytes.
+- ``compiled``, the same loss under ``torch.compile`` (torchtitan with ``compile.enable``,
+  whose ``compile.components`` name the loss by default): Inductor fuses the cast, the
+  softmax's reductions and the gather into one online pass over the logits (read ``d``)
+  and keeps them in their own type with a statistic a row (``d``); its backward reads
+  them and writes the gradient, a new tensor (``2 d``).
 
 What the loss holds at its worst moment, beyond what it keeps (``cross_entropy_transient_bytes``,
 a stage's ``workspace_bytes``): ``unfused`` and ``fused`` cast inside the loss, so the
@@ -44,17 +47,18 @@ logits in their own type sit beside the FP32 copy in the forward, and autograd c
 FP32 gradient back to the logits' type in the backward: ``d`` more. ``te`` works in place:
 nothing more. ``torch``'s backward holds the kept log-softmax, the gradient of zeros and
 the input gradient at once: 8 more (its forward, ``d + 8`` with the logits, is less).
+``compiled``'s backward writes the gradient beside the kept logits: ``d`` more.
 
 With FP32 logits the casts are no-ops (``.float()`` returns its input), so they move
 nothing. What stacks set: Megatron-Bridge's performance recipes and the Megatron-Core MoE
 team's configs take ``te``; NeMo 24.07's Llama configs ``fused``; Megatron-Core without
 the flag, and Megatron-LM before the fusion existed, ``unfused``; torchtitan's eager loss
-``torch``.
+``torch``, its compiled loss ``compiled``.
 """
 
 from __future__ import annotations
 
-CROSS_ENTROPY = ("unfused", "fused", "te", "torch")
+CROSS_ENTROPY = ("unfused", "fused", "te", "torch", "compiled")
 # torchtitan's loss (torchtitan/components/loss.py): F.cross_entropy on the logits cast to FP32, eager unless
 # compile.components names the loss, which the config pipesim writes for it does not
 TORCHTITAN_CROSS_ENTROPY = "torch"
@@ -66,7 +70,8 @@ def check_cross_entropy(mode: str) -> str:
     if mode not in CROSS_ENTROPY:
         raise ValueError(f"--cross-entropy {mode!r}: use one of {', '.join(CROSS_ENTROPY)} (unfused: Megatron-Core's "
                          "default; fused: --cross-entropy-loss-fusion; te: with --cross-entropy-fusion-impl te; "
-                         "torch: F.cross_entropy on FP32 logits, torchtitan's eager loss)")
+                         "torch: F.cross_entropy on FP32 logits, torchtitan's eager loss; compiled: that loss under "
+                         "torch.compile)")
     return mode
 
 
@@ -75,7 +80,7 @@ def cross_entropy_bytes(mode: str, logit_bytes: int) -> tuple[float, float, floa
     ``logit_bytes`` bytes each (see the module): what the passes move, and what the loss
     holds from its forward to its backward."""
     check_cross_entropy(mode)
-    if mode == "te":
+    if mode in ("te", "compiled"):  # one online pass; the backward reads the logits and writes their gradient
         return float(logit_bytes), 2.0 * logit_bytes, float(logit_bytes)
     cast = 0 if logit_bytes == FP32_BYTES else logit_bytes + FP32_BYTES  # .float() and the cast back
     if mode == "torch":  # the cast, log_softmax 16, nll_loss; zeros 4, log_softmax's backward 16, the cast back
@@ -93,8 +98,10 @@ def cross_entropy_transient_bytes(mode: str, logit_bytes: int) -> float:
     ``logit_bytes`` bytes (see the module): held inside one forward or backward of the
     last stage, never across actions."""
     check_cross_entropy(mode)
-    if mode == "te":
+    if mode == "te":  # the gradient written in the logits' place
         return 0.0
+    if mode == "compiled":  # the gradient, a new tensor beside the kept logits
+        return float(logit_bytes)
     if mode == "torch":  # the kept log-softmax beside the gradient of zeros and the input gradient
         return 2.0 * FP32_BYTES
     return 0.0 if logit_bytes == FP32_BYTES else float(logit_bytes)  # the logits beside their FP32 copy
