@@ -56,6 +56,8 @@ def test_the_last_stage_holds_the_loss_temporaries_beside_everything(tmp_path, t
     te_rank = _rank0(tmp_path, "--cross-entropy", "te", *tp_flags)
     logits = 8192 * LLAMA3_VOCAB / tp
     assert torch_rank["memory"]["buffer_bytes"] - te_rank["memory"]["buffer_bytes"] == pytest.approx(8 * logits)
+    assert (torch_rank["memory"]["workspace_bytes"], te_rank["memory"]["workspace_bytes"]) == pytest.approx((8 * logits,
+                                                                                                          0.0))
     assert torch_rank["memory"]["peak_stash_bytes"] - te_rank["memory"]["peak_stash_bytes"] == \
         pytest.approx(2 * logits)
     assert torch_rank["peak_memory_bytes"] - te_rank["peak_memory_bytes"] == pytest.approx(10 * logits)
@@ -85,6 +87,7 @@ def test_only_the_last_stage_holds_it_and_a_rank_holds_its_largest_once(tmp_path
     extra = [a["memory"]["buffer_bytes"] - b["memory"]["buffer_bytes"] for a, b in zip(with_workspace, without,
                                                                                      strict=True)]
     assert extra == pytest.approx([3e9, 2e9])
+    assert [rank["memory"]["workspace_bytes"] for rank in with_workspace] == pytest.approx([3e9, 2e9])
 
 
 def test_each_torchtitan_row_is_its_published_layout():

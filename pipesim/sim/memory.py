@@ -131,6 +131,7 @@ class RankMemory:
     timeline: tuple[tuple[float, float], ...]
     headroom_bytes: float = 0.0
     headroom_parts: dict | None = None  # pipesim.sim.headroom.Headroom.parts: None when a number overrides the rule
+    workspace_bytes: float = 0.0  # of buffer_bytes, what one action holds for a moment (the loss's temporaries)
 
     @property
     def usable_bytes(self) -> float:
@@ -202,7 +203,8 @@ def memory_report(
         RankMemory(rank=rank, device=devices[rank], capacity_bytes=capacities[rank], static_bytes=static[rank],
                    buffer_bytes=buffers[rank], peak_stash_bytes=peak_stash, peak_bytes=bases[rank] + peak_stash,
                    timeline=timeline, headroom_bytes=headroom.of(capacities[rank], communicators[rank]),
-                   headroom_parts=headroom.parts(communicators[rank]))
+                   headroom_parts=headroom.parts(communicators[rank]),
+                   workspace_bytes=workspace_bytes(costs, placement, rank))
         for rank, (peak_stash, timeline) in enumerate(parts)
     ]
 

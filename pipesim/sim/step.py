@@ -151,6 +151,7 @@ class SimulationResult:
             "memory": {
                 "static_bytes": memory.static_bytes,
                 "buffer_bytes": memory.buffer_bytes,
+                "workspace_bytes": memory.workspace_bytes,
                 "peak_stash_bytes": memory.peak_stash_bytes,
                 "capacity_bytes": capacity if capacity != float("inf") else None,
                 "headroom_bytes": memory.headroom_bytes,
