@@ -39,6 +39,13 @@ def test_transient_bytes_per_logit(mode, logit_bytes, expected):
     assert cross_entropy_transient_bytes(mode, logit_bytes) == expected
 
 
+def test_over_vocabulary_shards_torchs_loss_holds_a_third_copy():
+    """torch's loss_parallel log-softmax backward: exp(output), its product with the
+    gradient's sum and the input gradient beside the gradient and the kept output."""
+    assert cross_entropy_transient_bytes("torch", 2, tp=8) == 12
+    assert [cross_entropy_transient_bytes(mode, 2, tp=8) for mode in ("unfused", "te", "compiled")] == [2, 0, 2]
+
+
 def _rank0(tmp_path, *flags):
     out = tmp_path / "step.json"
     assert main(["simulate", "--model", "llama3-8b", "--pp", "1", "-m", "1", "--gpu", "h100", *flags,
@@ -49,18 +56,19 @@ def _rank0(tmp_path, *flags):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_last_stage_holds_the_loss_temporaries_beside_everything(tmp_path, tp):
     """Llama 3 8B, one microbatch of 8192 tokens, the logits V / tp a rank: torch's loss holds
-    8 bytes a logit more than te's for a moment (the buffers), and keeps 4 where te keeps 2
-    (the stash); the peak grows by both."""
+    8 bytes a logit more than te's for a moment (the buffers; 12 over vocabulary shards),
+    and keeps 4 where te keeps 2 (the stash); the peak grows by both."""
     tp_flags = ["--tp", str(tp), "--topology", "nvlink"] if tp > 1 else []
     torch_rank = _rank0(tmp_path, "--cross-entropy", "torch", *tp_flags)
     te_rank = _rank0(tmp_path, "--cross-entropy", "te", *tp_flags)
     logits = 8192 * LLAMA3_VOCAB / tp
-    assert torch_rank["memory"]["buffer_bytes"] - te_rank["memory"]["buffer_bytes"] == pytest.approx(8 * logits)
-    assert (torch_rank["memory"]["workspace_bytes"], te_rank["memory"]["workspace_bytes"]) == pytest.approx((8 * logits,
-                                                                                                          0.0))
+    held = 8 if tp == 1 else 12
+    assert torch_rank["memory"]["buffer_bytes"] - te_rank["memory"]["buffer_bytes"] == pytest.approx(held * logits)
+    assert (torch_rank["memory"]["workspace_bytes"], te_rank["memory"]["workspace_bytes"]) == \
+        pytest.approx((held * logits, 0.0))
     assert torch_rank["memory"]["peak_stash_bytes"] - te_rank["memory"]["peak_stash_bytes"] == \
         pytest.approx(2 * logits)
-    assert torch_rank["peak_memory_bytes"] - te_rank["peak_memory_bytes"] == pytest.approx(10 * logits)
+    assert torch_rank["peak_memory_bytes"] - te_rank["peak_memory_bytes"] == pytest.approx((held + 2) * logits)
 
 
 def test_megatrons_loss_holds_the_bf16_logits_beside_the_fp32_copy(tmp_path):

@@ -367,6 +367,7 @@ def loss_workspace_bytes(spec: ModelSpec, tp: int = 1) -> float:
     ``workspace_bytes``): ``cross_entropy_transient_bytes`` of each of a microbatch's
     ``s x V / tp`` logits on a rank (``pipesim.model.loss_traffic``: the logits beside
     their FP32 copy under Megatron-Core's loss, 2 bytes in BF16; 8 in the backward of
-    torch's ``F.cross_entropy``, 17 GB for Llama 3's 128,256 columns at 16,384 tokens)."""
-    return (cross_entropy_transient_bytes(spec.cross_entropy, spec.dtype_bytes)
+    torch's ``F.cross_entropy``, 17 GB for Llama 3's 128,256 columns at 16,384 tokens, 12
+    over tp's vocabulary shards)."""
+    return (cross_entropy_transient_bytes(spec.cross_entropy, spec.dtype_bytes, tp)
             * spec.tokens * spec.vocab / tp)

@@ -47,6 +47,12 @@ logits in their own type sit beside the FP32 copy in the forward, and autograd c
 FP32 gradient back to the logits' type in the backward: ``d`` more. ``te`` works in place:
 nothing more. ``torch``'s backward holds the kept log-softmax, the gradient of zeros and
 the input gradient at once: 8 more (its forward, ``d + 8`` with the logits, is less).
+Over tensor-parallel vocabulary shards torch's loss runs as its own log-softmax over the
+shards (``torch.distributed.tensor.parallel.loss_parallel``'s ``_log_softmax`` and its
+backward; torchtitan's ``_LossParallelCrossEntropy`` alike), whose backward forms the
+exponentials of the kept output, their product with the gradient's sum and the input
+gradient beside that gradient: 12 more (its forward holds the logits, their FP32 copy,
+the shifted copy and its exponentials at once, ``d + 8`` beyond the kept output: less).
 ``compiled``'s backward writes the gradient beside the kept logits: ``d`` more.
 
 With FP32 logits the casts are no-ops (``.float()`` returns its input), so they move
@@ -92,12 +98,14 @@ def cross_entropy_bytes(mode: str, logit_bytes: int) -> tuple[float, float, floa
     return float(forward), float(8 + cast), float(FP32_BYTES)
 
 
-def cross_entropy_transient_bytes(mode: str, logit_bytes: int) -> float:
+def cross_entropy_transient_bytes(mode: str, logit_bytes: int, tp: int = 1) -> float:
     """Bytes a logit element costs at the loss's worst moment beyond what the loss keeps
     (``cross_entropy_bytes``'s third figure), under ``mode`` with logits of
-    ``logit_bytes`` bytes (see the module): held inside one forward or backward of the
-    last stage, never across actions."""
+    ``logit_bytes`` bytes over ``tp`` vocabulary shards (see the module): held inside one
+    forward or backward of the last stage, never across actions."""
     check_cross_entropy(mode)
+    if mode == "torch" and tp > 1:  # the vocabulary-parallel log-softmax's backward: three FP32 copies more
+        return 3.0 * FP32_BYTES
     if mode == "te":  # the gradient written in the logits' place
         return 0.0
     if mode == "compiled":  # the gradient, a new tensor beside the kept logits
