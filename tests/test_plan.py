@@ -590,8 +590,8 @@ def test_plan_searches_expert_parallelism_and_its_row_equals_simulate(tmp_path):
                  "--gpu", "h100", "--schedule", "1f1b", "--pp", "2", "--tp", "2", "--dp", "4", "--ep", str(best["ep"]),
                  "-m", str(best["microbatches"]), "--microbatch-size", "1", "--zero", str(best["zero"]),
                  "--recompute", best["recompute"],
-                 # as torchtitan's FSDP runs pipelined replicas (pipesim.plan.torchtitan_fsdp)
-                 "--bytes-per-param", "2,4,12", "--no-dp-overlap",
+                 # as torchtitan's FSDP runs pipelined replicas (pipesim.plan.torchtitan_fsdp), with its loss
+                 "--bytes-per-param", "2,4,12", "--no-dp-overlap", "--cross-entropy", "torch",
                  *(["--sequence-parallel"] if best["sequence_parallel"] else []), "--etp", "1",
                  "--json", str(result)]) == 0
     assert json.loads(result.read_text())["makespan"] == pytest.approx(best["step_time"], rel=1e-12)

@@ -371,3 +371,15 @@ def loss_workspace_bytes(spec: ModelSpec, tp: int = 1) -> float:
     over tp's vocabulary shards)."""
     return (cross_entropy_transient_bytes(spec.cross_entropy, spec.dtype_bytes, tp)
             * spec.tokens * spec.vocab / tp)
+
+
+def recompute_workspace_bytes(spec: ModelSpec, tp: int = 1, sequence_parallel: bool = False,
+                              flash_attention: bool = True, layer: int = 0, saved: SavedTensors = KERNELS,
+                              cp: int = 1, ep: int = 1) -> float:
+    """What a fully recomputed layer holds for a moment inside its backward beyond its kept
+    input (a stage's ``workspace_bytes`` under ``--recompute full``): the backward re-runs
+    the layer's forward and holds everything that forward saves until the layer's backward
+    has used it (Megatron-Core's ``CheckpointFunction``, torch's ``checkpoint``), one
+    layer at a time: the layer's stash without recompute less its stash with it."""
+    return (layer_stash_bytes(spec, tp, sequence_parallel, "none", flash_attention, layer, saved, cp, ep)
+            - layer_stash_bytes(spec, tp, sequence_parallel, "full", flash_attention, layer, saved, cp, ep))

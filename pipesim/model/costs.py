@@ -139,9 +139,11 @@ class StageCost:
     the rank (``pipesim.sim.parallel.tp_collective_seconds``).
 
     ``workspace_bytes`` is what one of the stage's actions holds for a moment beyond the
-    stashes, the loss's temporaries on a last stage
-    (``pipesim.model.activations.loss_workspace_bytes``): one action at a time, so a rank
-    holds its stages' largest on top of everything else (``pipesim.sim.memory``).
+    stashes: the loss's temporaries on a last stage
+    (``pipesim.model.activations.loss_workspace_bytes``), a fully recomputed layer's
+    rebuilt activations (``recompute_workspace_bytes``), the larger of the two. One
+    action runs at a time, so a rank holds its stages' largest on top of everything else
+    (``pipesim.sim.memory``).
 
     ``tp_window_*`` (per layer, like ``attention_fwd``): the forward seconds of the GEMMs
     each of a layer's four tp collectives runs beside when they are overlapped

@@ -50,6 +50,7 @@ from pipesim.model.activations import (
     loss_workspace_bytes,
     output_grad_bytes,
     rebuilt_until_weight_grad_bytes,
+    recompute_workspace_bytes,
     regathered_until_weight_grad_bytes,
     wgrad_stash_bytes,
     wgrad_stash_share,
@@ -240,7 +241,9 @@ def model_stage_costs(
                                                              layer),
                         regathered_inputs(saved_tensors, tp, sequence_parallel, recompute),
                         async_regathered_inputs(saved_tensors, tp, sequence_parallel, recompute,
-                                                spec.is_moe_layer(layer)))
+                                                spec.is_moe_layer(layer)),
+                        recompute_workspace_bytes(local, tp, sequence_parallel, flash_attention, layer, saved_tensors,
+                                                  cp, ep) if recompute == "full" else 0.0)
                 for layer in kind_layer.values()}
     routed = routed_params(spec, tp, ep)
     # the all-to-all toward the experts in FP8 under DeepSeek-V3's recipe, the one back in BF16
@@ -249,7 +252,7 @@ def model_stage_costs(
 
     def stage_cost(compute: ComputeModel, groups: list[tuple[int, int]], count: int, first_stage: bool,
                    last_stage: bool) -> StageCost:
-        fwd = bwd = wgrad = stash = kept = regathers = async_regathers = 0.0
+        fwd = bwd = wgrad = stash = kept = regathers = async_regathers = rebuilt = 0.0
         # what a split backward's I adds to a stash held whole until W (the executor's)
         grads = end_output_grad_bytes(local, tp, sequence_parallel, first_stage, last_stage, saved_tensors)
         params = moe_layers = 0  # whole numbers
@@ -274,6 +277,7 @@ def model_stage_costs(
             grads += alike * per_kind[kind][3]
             regathers += alike * per_kind[kind][4]
             async_regathers += alike * per_kind[kind][5]
+            rebuilt = max(rebuilt, per_kind[kind][6])  # one layer's forward re-run at a time
         if first_stage:
             params += spec.embedding_params(tp)
             stash += first_stage_extra_bytes(local, tp, sequence_parallel, saved_tensors)
@@ -313,7 +317,7 @@ def model_stage_costs(
             wgrad=wgrad,
             act_bytes=0.0 if last_stage else local.boundary_bytes(tp, sequence_parallel),
             stash_bytes=stash,
-            workspace_bytes=loss_workspace_bytes(local, tp) if last_stage else 0.0,
+            workspace_bytes=max(rebuilt, loss_workspace_bytes(local, tp) if last_stage else 0.0),
             param_bytes=params * spec.dtype_bytes,
             params=params,
             layers=count,

@@ -17,9 +17,10 @@
              two layers' parameters (the one computing and the one prefetched) and one
              layer's whole gradient; and the largest ``workspace_bytes`` of its stages,
              what one action holds for a moment (the loss's temporaries on the last
-             stage): counted throughout, exact where the action runs at the rank's
-             peak (the loss of 1F1B's and GPipe's last stage, of a one-stage job),
-             an upper bound elsewhere
+             stage, a fully recomputed layer's rebuilt activations): counted
+             throughout, exact where the action runs at the rank's peak (the loss of
+             1F1B's and GPipe's last stage, of a one-stage job; every backward under
+             full recompute), an upper bound elsewhere
     stash    each stage's ``stash_bytes`` for every microbatch whose forward has started
              and whose last backward piece (B, or W when split) has not ended:
              ``schedules.metrics.stash_changes``, read from the Trace
@@ -131,7 +132,7 @@ class RankMemory:
     timeline: tuple[tuple[float, float], ...]
     headroom_bytes: float = 0.0
     headroom_parts: dict | None = None  # pipesim.sim.headroom.Headroom.parts: None when a number overrides the rule
-    workspace_bytes: float = 0.0  # of buffer_bytes, what one action holds for a moment (the loss's temporaries)
+    workspace_bytes: float = 0.0  # of buffer_bytes, what one action holds for a moment (costs' workspace_bytes)
 
     @property
     def usable_bytes(self) -> float:
