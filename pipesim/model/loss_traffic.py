@@ -104,12 +104,10 @@ def cross_entropy_transient_bytes(mode: str, logit_bytes: int, tp: int = 1) -> f
     ``logit_bytes`` bytes over ``tp`` vocabulary shards (see the module): held inside one
     forward or backward of the last stage, never across actions."""
     check_cross_entropy(mode)
-    if mode == "torch" and tp > 1:  # the vocabulary-parallel log-softmax's backward: three FP32 copies more
-        return 3.0 * FP32_BYTES
+    if mode == "torch":  # beside the kept log-softmax: the zeros and the input gradient; over tp shards a third copy
+        return (3.0 if tp > 1 else 2.0) * FP32_BYTES
     if mode == "te":  # the gradient written in the logits' place
         return 0.0
     if mode == "compiled":  # the gradient, a new tensor beside the kept logits
         return float(logit_bytes)
-    if mode == "torch":  # the kept log-softmax beside the gradient of zeros and the input gradient
-        return 2.0 * FP32_BYTES
     return 0.0 if logit_bytes == FP32_BYTES else float(logit_bytes)  # the logits beside their FP32 copy

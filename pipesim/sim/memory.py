@@ -200,12 +200,13 @@ def memory_report(
         parts = [(float(peak), ()) for peak in peak_stashes(trace.columns, num_ranks, lambda stages: stash[stages],
                                                               lambda stages: kept[stages], microbatch_weight)]
     communicators = rank_communicators(placement, num_ranks, tp, dp, cp, ep, expert_dp, pp_net_channels)
+    workspaces = rank_workspaces(costs, placement, num_ranks)  # of the buffers, named in the report
     return [
         RankMemory(rank=rank, device=devices[rank], capacity_bytes=capacities[rank], static_bytes=static[rank],
                    buffer_bytes=buffers[rank], peak_stash_bytes=peak_stash, peak_bytes=bases[rank] + peak_stash,
                    timeline=timeline, headroom_bytes=headroom.of(capacities[rank], communicators[rank]),
                    headroom_parts=headroom.parts(communicators[rank]),
-                   workspace_bytes=workspace_bytes(costs, placement, rank))
+                   workspace_bytes=workspaces[rank])
         for rank, (peak_stash, timeline) in enumerate(parts)
     ]
 
@@ -220,8 +221,8 @@ def rank_bases(costs: Costs, placement: Sequence[int], num_ranks: int, bytes_per
     static = [0.0] * num_ranks
     for stage, cost in enumerate(costs.stages):
         static[placement[stage]] += static_bytes(cost, bytes_per_param, dp, zero, expert_dp)
-    buffers = [p2p_buffer_bytes(costs, placement, rank) + workspace_bytes(costs, placement, rank)
-               for rank in range(num_ranks)]
+    workspaces = rank_workspaces(costs, placement, num_ranks)
+    buffers = [p2p_buffer_bytes(costs, placement, rank) + workspaces[rank] for rank in range(num_ranks)]
     if dp > 1:
         buffers = [value + reduction_buffer_bytes(costs, placement, rank, bytes_per_param, bucket_bytes, zero)
                    for rank, value in enumerate(buffers)]
@@ -274,11 +275,13 @@ def p2p_buffer_bytes(costs: Costs, placement: Sequence[int], rank: int) -> float
                for boundaries in p2p_links(placement, rank).values())
 
 
-def workspace_bytes(costs: Costs, placement: Sequence[int], rank: int) -> float:
-    """What ``rank`` holds for a moment inside one of its actions: the largest
+def rank_workspaces(costs: Costs, placement: Sequence[int], num_ranks: int) -> list[float]:
+    """Per rank, what it holds for a moment inside one of its actions: the largest
     ``workspace_bytes`` of its stages (one action runs at a time)."""
-    return max((cost.workspace_bytes for stage, cost in enumerate(costs.stages) if placement[stage] == rank),
-               default=0.0)
+    workspaces = [0.0] * num_ranks
+    for stage, cost in enumerate(costs.stages):
+        workspaces[placement[stage]] = max(workspaces[placement[stage]], cost.workspace_bytes)
+    return workspaces
 
 
 def static_bytes(cost, bytes_per_param: BytesPerParam, dp: int, zero: int, expert_dp: int | None = None) -> float:
